@@ -1,0 +1,26 @@
+# The README's two commands. Both install what is missing first (Debian, as root), then run.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup demo test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml scripts/setup.sh
+	PYTHON=$(PYTHON) bash scripts/setup.sh
+	touch $(STAMP)
+
+demo: setup
+	$(PY) -m agent demo
+
+test: setup
+	$(PY) -m pytest
+
+bench: setup
+	$(PY) -m agent bench sim
+	$(PY) -m agent bench dataplane --json
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache

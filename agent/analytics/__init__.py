@@ -1,0 +1,1 @@
+"""PySpark jobs over spilled data (central machine only)."""

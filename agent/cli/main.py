@@ -1,0 +1,103 @@
+"""The `fog-agent` command: daemon, tools, simulators and benchmarks as subcommands.
+
+Each area of the project owns one module in `agent.cli` with a `register(groups)` function that
+adds its subcommands; this file only wires them together, so that areas never edit each other's
+command code. A subcommand handler takes the parsed namespace and returns the exit status.
+Modules are imported lazily-by-listing: a module missing from a partial install (for example the
+analytics commands on a Pi without PySpark) must still register; it imports heavy libraries inside
+its handler, not at module level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence
+
+from agent import __version__
+
+# One entry per area; order is the order in `--help`.
+COMMAND_MODULES = (
+    "agent.cli.config_cmd",    # check-config
+    "agent.cli.runtime_cmd",   # run, deploy, demo, bench dataplane
+    "agent.cli.scaling_cmd",   # simulate scaling, bench sim
+    "agent.cli.gme_cmd",       # simulate gme, bench gme
+    "agent.cli.measure_cmd",   # calibrate, netem, simulate policies
+    "agent.cli.spill_cmd",     # collector, analytics
+    "agent.cli.chaos_cmd",     # chaos
+)
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+
+
+@dataclass
+class Groups:
+    """The subparser collections an area may add commands to."""
+
+    root: "argparse._SubParsersAction"
+    simulate: "argparse._SubParsersAction"
+    bench: "argparse._SubParsersAction"
+
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fog-agent",
+        description="Fog node agent: hosts operator instances that scale themselves "
+        "(decentralized protocol of Belkhiria & Tedeschi) and talk over MQTT.",
+    )
+    parser.add_argument("--version", action="version", version=f"fog-agent {__version__}")
+    parser.add_argument(
+        "--log-level", default=None, help="debug, info, warning or error (default: info)"
+    )
+    root = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sim = root.add_parser("simulate", help="run a simulator (scaling, gme, policies)")
+    bench = root.add_parser("bench", help="run a benchmark that prints figures")
+    groups = Groups(
+        root=root,
+        simulate=sim.add_subparsers(dest="simulation", metavar="SIMULATION"),
+        bench=bench.add_subparsers(dest="benchmark", metavar="BENCHMARK"),
+    )
+    for parent in (sim, bench):
+        parent.set_defaults(func=lambda args, p=parent: _usage(p))
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:  # a real import error inside the module: do not hide it
+                raise
+            continue
+        module.register(groups)
+    return parser
+
+
+def _usage(parser: argparse.ArgumentParser) -> int:
+    parser.print_help(sys.stderr)
+    return EXIT_USAGE
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from agent.log import setup_logging
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    setup_logging(args.log_level)
+    func: Optional[Handler] = getattr(args, "func", None)
+    if func is None:
+        return _usage(parser)
+    try:
+        return int(func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return EXIT_OK
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

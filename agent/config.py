@@ -1,0 +1,236 @@
+"""The two configuration files: one `agent.toml` per node, one pipeline description per pipeline.
+
+Both load into frozen dataclasses (see `agent.schema` for the error contract). Defaults are the
+papers' values where a paper gives one (r = 0.7, up = 0.8, down = 0.6) so that an example config
+reproduces the published set-up without tuning.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Literal, Optional, Tuple, Union
+
+from agent.schema import (
+    ConfigError,
+    identifier,
+    in_range,
+    load_dataclass,
+    non_negative,
+    positive,
+    read_toml,
+)
+
+DEFAULT_AGENT_CONFIG = Path("/etc/fog-agent/agent.toml")
+
+
+def _module_function(v: Any) -> Optional[str]:
+    module, sep, func = v.partition(":")
+    ok = bool(sep) and all(p.isidentifier() for p in module.split(".")) and func.isidentifier()
+    return None if ok else 'expected "package.module:function"'
+
+
+# ---- agent.toml ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AgentSection:
+    node: str = field(metadata={"check": identifier})
+    cluster: str = field(default="default", metadata={"check": identifier})
+    slots: int = field(default=4, metadata={"check": in_range(1, 1024, "an integer")})
+    state_dir: str = "/var/lib/fog-agent"
+    state_period: float = field(default=5.0, metadata={"check": positive("seconds")})
+    heartbeat_period: float = field(default=1.0, metadata={"check": positive("seconds")})
+    shutdown_timeout: float = field(default=10.0, metadata={"check": positive("seconds")})
+
+
+@dataclass(frozen=True)
+class TlsSection:
+    ca_file: str
+    cert_file: Optional[str] = None
+    key_file: Optional[str] = None
+    insecure: bool = False
+
+
+@dataclass(frozen=True)
+class MqttSection:
+    host: str = "127.0.0.1"
+    port: int = field(default=1883, metadata={"check": in_range(1, 65535, "an integer")})
+    keepalive: int = field(default=10, metadata={"check": in_range(1, 65535, "an integer")})
+    username: Optional[str] = None
+    password: Optional[str] = None
+    password_file: Optional[str] = None
+    qos: int = field(default=1, metadata={"check": in_range(1, 2, "an integer")})
+    max_inflight: int = field(default=100, metadata={"check": in_range(1, 65535, "an integer")})
+    tls: Optional[TlsSection] = None
+
+    def __post_init__(self) -> None:
+        if self.password is not None and self.password_file is not None:
+            raise ValueError("set password or password_file, not both")
+
+
+@dataclass(frozen=True)
+class LogSection:
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Literal["auto", "human", "kv", "journal"] = "auto"
+
+
+@dataclass(frozen=True)
+class MetricsSection:
+    port: int = field(default=0, metadata={"check": in_range(0, 65535, "an integer")})
+    address: str = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class SpillSection:
+    enabled: bool = False
+    spool_dir: str = "/var/lib/fog-agent/spool"
+    max_bytes: int = field(default=512 * 1024 * 1024, metadata={"check": positive("bytes")})
+    rotate_bytes: int = field(default=4 * 1024 * 1024, metadata={"check": positive("bytes")})
+    rotate_seconds: float = field(default=60.0, metadata={"check": positive("seconds")})
+    ship: Literal["mqtt", "path", "none"] = "mqtt"
+    ship_path: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class LatencySection:
+    period: float = field(default=5.0, metadata={"check": positive("seconds")})
+    smoothing: float = field(default=0.3, metadata={"check": in_range(0.0, 1.0)})
+    echo_port: int = field(default=0, metadata={"check": in_range(0, 65535, "an integer")})
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    agent: AgentSection
+    mqtt: MqttSection = MqttSection()
+    log: LogSection = LogSection()
+    metrics: MetricsSection = MetricsSection()
+    spill: SpillSection = SpillSection()
+    latency: LatencySection = LatencySection()
+    source: str = field(default="<memory>", init=False, compare=False)
+
+
+def load_agent_config(path: Union[str, Path]) -> AgentConfig:
+    path = Path(path)
+    data = read_toml(path)
+    cfg = load_dataclass(AgentConfig, data, path.name)
+    return _with_source(cfg, path)
+
+
+def _with_source(cfg: Any, path: Path) -> Any:
+    object.__setattr__(cfg, "source", str(path))
+    return cfg
+
+
+# ---- pipeline.toml ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ScalingSection:
+    """Parameters of the scaling decision (paper section 3.3 defaults)."""
+
+    policy: Literal["decentralized", "threshold", "model", "none"] = "decentralized"
+    target_ratio: float = field(default=0.7, metadata={"check": in_range(0.01, 1.0)})
+    up: float = field(default=0.8, metadata={"check": in_range(0.01, 10.0)})
+    down: float = field(default=0.6, metadata={"check": in_range(0.0, 10.0)})
+    period: float = field(default=5.0, metadata={"check": positive("seconds")})
+    capacity: Union[float, Literal["calibrate"]] = field(
+        default=500.0, metadata={"check": lambda v: None if v == "calibrate" or v > 0 else 'expected a number > 0 or "calibrate"'}
+    )
+    r_secure: bool = False
+    min_instances: int = field(default=1, metadata={"check": in_range(1, 100000, "an integer")})
+    max_instances: int = field(default=64, metadata={"check": in_range(1, 100000, "an integer")})
+    cooldown: float = field(default=0.0, metadata={"check": non_negative("seconds")})
+
+    def __post_init__(self) -> None:
+        if self.down >= self.up:
+            raise ValueError(f"down ({self.down}) must be lower than up ({self.up})")
+        if self.min_instances > self.max_instances:
+            raise ValueError("min_instances must not exceed max_instances")
+
+
+@dataclass(frozen=True)
+class OperatorSection:
+    name: str = field(metadata={"check": identifier})
+    function: str = field(metadata={"check": _module_function})
+    kind: Literal["source", "map", "sink"] = "map"
+    key: Optional[str] = None
+    batch_size: int = field(default=100, metadata={"check": in_range(1, 100000, "an integer")})
+    linger_ms: float = field(default=20.0, metadata={"check": non_negative("milliseconds")})
+    service_time_ms: float = field(default=0.0, metadata={"check": non_negative("milliseconds")})
+    max_inflight_batches: int = field(default=8, metadata={"check": in_range(1, 10000, "an integer")})
+    scaling: Optional[ScalingSection] = None
+    params: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PipelineSection:
+    name: str = field(metadata={"check": identifier})
+    coordination: Literal["ack", "fgme"] = "ack"
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    pipeline: PipelineSection
+    operators: Tuple[OperatorSection, ...] = field(metadata={"key": "operator"})
+    scaling: ScalingSection = ScalingSection()
+    source: str = field(default="<memory>", init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if len(self.operators) < 2:
+            raise ValueError("a pipeline needs at least two [[operator]] tables (a source and a sink)")
+        names = [op.name for op in self.operators]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"operator name {dupes[0]!r} is used twice")
+        if self.operators[0].kind != "source":
+            raise ValueError('the first operator must have kind = "source"')
+        if self.operators[-1].kind != "sink":
+            raise ValueError('the last operator must have kind = "sink"')
+
+    def scaling_for(self, operator: str) -> ScalingSection:
+        """The operator's own [operator.scaling] table, else the pipeline-wide [scaling] table."""
+        op = self.operator(operator)
+        return op.scaling if op.scaling is not None else self.scaling
+
+    def operator(self, name: str) -> OperatorSection:
+        for op in self.operators:
+            if op.name == name:
+                return op
+        raise KeyError(name)
+
+    def index(self, name: str) -> int:
+        return [op.name for op in self.operators].index(name)
+
+
+def load_pipeline(path: Union[str, Path]) -> PipelineConfig:
+    path = Path(path)
+    data = read_toml(path)
+    cfg = load_dataclass(PipelineConfig, data, path.name)
+    return _with_source(cfg, path)
+
+
+def load_pipeline_text(text: str, name: str = "pipeline.toml") -> PipelineConfig:
+    """Parse a pipeline description received over MQTT (retained deploy message)."""
+    from agent.schema import tomllib
+
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(name, "", f"invalid TOML ({exc})") from None
+    return load_dataclass(PipelineConfig, data, name)
+
+
+def resolve_password(mqtt: MqttSection) -> Optional[str]:
+    """Read a password file lazily so that secrets never sit in the TOML or in `check-config`."""
+    if mqtt.password_file:
+        try:
+            return Path(mqtt.password_file).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(mqtt.password_file, "", f"cannot read password file ({exc.strerror})") from None
+    return mqtt.password
+
+
+def default_config_path() -> Path:
+    return Path(os.environ.get("FOG_AGENT_CONFIG", str(DEFAULT_AGENT_CONFIG)))

@@ -1,0 +1,73 @@
+"""Logging set-up: one logger per module, human lines on a TTY, key=value lines otherwise.
+
+Why key=value off a TTY: journald and log shippers keep a line per event, and `node=n1
+instance=in_zone-3` can be grepped and parsed without a JSON decoder on a Pi. Modules add context
+with `extra={"node": ..., "instance": ...}`; the journal handler (systemd extra) maps those to
+structured journal fields.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Optional
+
+CONTEXT_FIELDS = ("node", "operator", "instance")
+
+
+class KeyValueFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        parts = [
+            f"ts={self.formatTime(record, '%Y-%m-%dT%H:%M:%S')}",
+            f"level={record.levelname.lower()}",
+            f"logger={record.name}",
+        ]
+        for name in CONTEXT_FIELDS:
+            value = getattr(record, name, None)
+            if value is not None:
+                parts.append(f"{name}={value}")
+        msg = record.getMessage().replace('"', "'")
+        parts.append(f'msg="{msg}"')
+        if record.exc_info:
+            exc = self.formatException(record.exc_info).replace("\n", " | ").replace('"', "'")
+            parts.append(f'exc="{exc}"')
+        return " ".join(parts)
+
+
+class HumanFormatter(logging.Formatter):
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)-7s %(name)s: %(message)s", "%H:%M:%S")
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        ctx = [f"{n}={getattr(record, n)}" for n in CONTEXT_FIELDS if getattr(record, n, None)]
+        return line + (" [" + " ".join(ctx) + "]" if ctx else "")
+
+
+def setup_logging(level: Optional[str] = None, fmt: str = "auto") -> None:
+    """Configure the root logger once per process (workers call it again after fork/spawn)."""
+    level = (level or os.environ.get("FOG_AGENT_LOG_LEVEL") or "info").upper()
+    handler: logging.Handler
+    if fmt == "journal" or (fmt == "auto" and os.environ.get("JOURNAL_STREAM") and _journal_available()):
+        from agent.journal import JournalHandler  # systemd extra
+
+        handler = JournalHandler()
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        human = fmt == "human" or (fmt == "auto" and sys.stderr.isatty())
+        handler.setFormatter(HumanFormatter() if human else KeyValueFormatter())
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(getattr(logging, level, logging.INFO))
+
+
+def _journal_available() -> bool:
+    try:
+        import agent.journal  # noqa: F401
+        import systemd.journal  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -1,0 +1,1 @@
+"""The real driver: agent daemon, worker processes, MQTT transport, placement, measurement, spill."""

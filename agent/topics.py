@@ -1,0 +1,64 @@
+"""The MQTT topic space (DESIGN.md section 5), in one place.
+
+Everything an agent publishes is readable with `mosquitto_sub -v -t 'fog/#'`; fogctl and the
+daemon build topics only through these functions so that the two never drift apart.
+"""
+
+from __future__ import annotations
+
+ROOT = "fog"
+
+
+def _check(part: str) -> str:
+    if not part or any(c in part for c in "/+#\0"):
+        raise ValueError(f"invalid topic segment {part!r}: must be non-empty without '/', '+', '#'")
+    return part
+
+
+def base(cluster: str) -> str:
+    return f"{ROOT}/{_check(cluster)}"
+
+
+def inbox(cluster: str, instance: str) -> str:
+    """Data batches AND protocol messages to one instance (one FIFO channel per sender)."""
+    return f"{base(cluster)}/inbox/{_check(instance)}"
+
+
+def agent_state(cluster: str, node: str) -> str:
+    return f"{base(cluster)}/agents/{_check(node)}/state"
+
+
+def agent_status(cluster: str, node: str) -> str:
+    return f"{base(cluster)}/agents/{_check(node)}/status"
+
+
+def agent_rpc(cluster: str, node: str) -> str:
+    return f"{base(cluster)}/agents/{_check(node)}/rpc"
+
+
+def latency(cluster: str, node: str) -> str:
+    return f"{base(cluster)}/latency/{_check(node)}"
+
+
+def events(cluster: str) -> str:
+    return f"{base(cluster)}/events"
+
+
+def pipeline(cluster: str, name: str) -> str:
+    return f"{base(cluster)}/pipelines/{_check(name)}"
+
+
+def locks(cluster: str) -> str:
+    return f"{base(cluster)}/locks"
+
+
+def spill(cluster: str, node: str) -> str:
+    return f"{base(cluster)}/spill/{_check(node)}"
+
+
+def all_agents_state(cluster: str) -> str:
+    return f"{base(cluster)}/agents/+/state"
+
+
+def all_agents_status(cluster: str) -> str:
+    return f"{base(cluster)}/agents/+/status"

@@ -1,0 +1,154 @@
+"""Config loading: every bad input gives one message naming file, key path and expectation."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agent.config import load_agent_config, load_pipeline, load_pipeline_text
+from agent.schema import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+GOOD_AGENT = """
+[agent]
+node = "n1"
+[mqtt]
+port = 1883
+"""
+
+GOOD_PIPELINE = """
+[pipeline]
+name = "p"
+[[operator]]
+name = "src"
+kind = "source"
+function = "agent.runtime.taxi:source"
+[[operator]]
+name = "snk"
+kind = "sink"
+function = "agent.runtime.operators:counting_sink"
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "agent.toml") -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_examples_are_valid() -> None:
+    cfg = load_agent_config(ROOT / "examples/agent.toml")
+    assert cfg.agent.node == "n1" and cfg.mqtt.port == 1883
+    pipe = load_pipeline(ROOT / "examples/pipeline.toml")
+    assert [op.name for op in pipe.operators] == ["source", "validate", "in_zone", "sink"]
+    assert pipe.scaling_for("in_zone").capacity == 400.0
+    assert pipe.scaling_for("validate").target_ratio == 0.7
+
+
+def test_defaults_are_paper_values(tmp_path: Path) -> None:
+    pipe = load_pipeline(write(tmp_path, GOOD_PIPELINE, "p.toml"))
+    s = pipe.scaling
+    assert (s.target_ratio, s.up, s.down) == (0.7, 0.8, 0.6)
+    assert pipe.pipeline.coordination == "ack"
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        # 1 wrong type for an integer
+        ('[agent]\nnode="n1"\n[mqtt]\nport="abc"', 'agent.toml: [mqtt].port: expected an integer 1-65535, got "abc"'),
+        # 2 out of range
+        ("[agent]\nnode='n1'\n[mqtt]\nport=70000", "agent.toml: [mqtt].port: expected an integer 1-65535, got 70000"),
+        # 3 missing required key
+        ("[agent]\nslots=2", "agent.toml: [agent].node: missing required key"),
+        # 4 unknown key (typo)
+        ("[agent]\nnode='n1'\n[mqtt]\nhots='x'", "agent.toml: [mqtt].hots: unknown key"),
+        # 5 unknown section
+        ("[agent]\nnode='n1'\n[mqt]\nport=1", "agent.toml: mqt: unknown key"),
+        # 6 bool where int expected
+        ("[agent]\nnode='n1'\nslots=true", "agent.toml: [agent].slots: expected an integer 1-1024, got true"),
+        # 7 invalid identifier (topic wildcard)
+        ("[agent]\nnode='n/1'", "agent.toml: [agent].node: expected a name of letters"),
+        # 8 literal choice
+        ("[agent]\nnode='n1'\n[log]\nlevel='loud'", 'agent.toml: [log].level: expected one of "debug", "info", "warning", "error", got "loud"'),
+        # 9 section is not a table
+        ("agent = 3", "agent.toml: [agent]: expected a table, got 3"),
+        # 10 negative period
+        ("[agent]\nnode='n1'\nstate_period=-1.0", "agent.toml: [agent].state_period: expected seconds > 0, got -1.0"),
+        # 11 nested table key
+        ("[agent]\nnode='n1'\n[mqtt.tls]\ncafile='x'", "agent.toml: [mqtt.tls].cafile: unknown key"),
+        # 12 cross-field rule
+        ("[agent]\nnode='n1'\n[mqtt]\npassword='a'\npassword_file='b'", "agent.toml: [mqtt]: set password or password_file, not both"),
+        # 13 invalid TOML syntax
+        ("[agent\nnode='n1'", "agent.toml: invalid TOML"),
+        # 14 float where string expected
+        ("[agent]\nnode=1.5", "agent.toml: [agent].node: expected a string, got 1.5"),
+    ],
+)
+def test_agent_config_errors(tmp_path: Path, text: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_agent_config(write(tmp_path, text))
+    assert str(info.value).startswith(expected), str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def _op(extra: str) -> str:
+    return GOOD_PIPELINE + extra + "\n"
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (GOOD_PIPELINE.replace("agent.runtime.taxi:source", "not a function"),
+         'p.toml: [operator[0]].function: expected "package.module:function", got "not a function"'),
+        (_op("batch_size = 0"), "p.toml: [operator[1]].batch_size: expected an integer 1-100000, got 0"),
+        (_op("[operator.scaling]\ntarget_ratio = 2.0"), "p.toml: [operator[1].scaling].target_ratio: expected a number 0.01-1, got 2.0"),
+        (_op("[operator.scaling]\ncapacity = 'auto'"), 'p.toml: [operator[1].scaling].capacity: expected a number or one of "calibrate", got "auto"'),
+        (_op("[operator.scaling]\nup = 0.5\ndown = 0.6"), "p.toml: [operator[1].scaling]: down (0.6) must be lower than up (0.5)"),
+        (GOOD_PIPELINE.replace('name = "snk"', 'name = "src"'), "p.toml: operator name 'src' is used twice"),
+        (GOOD_PIPELINE.replace('kind = "sink"', 'kind = "map"'), 'p.toml: the last operator must have kind = "sink"'),
+        (GOOD_PIPELINE.replace("[pipeline]", "[pipeline]\ncoordination = 'lock'"),
+         'p.toml: [pipeline].coordination: expected one of "ack", "fgme", got "lock"'),
+        ("operator = 3\n[pipeline]\nname='p'", "p.toml: operator: expected an array of tables, got 3"),
+    ],
+)
+def test_pipeline_errors(tmp_path: Path, text: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_pipeline(write(tmp_path, text, "p.toml"))
+    assert str(info.value).startswith(expected), str(info.value)
+
+
+def test_missing_file_names_the_path(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="nope.toml: file not found"):
+        load_agent_config(tmp_path / "nope.toml")
+
+
+def test_pipeline_text_roundtrip() -> None:
+    cfg = load_pipeline_text((ROOT / "examples/pipeline.toml").read_text())
+    assert cfg.operator("in_zone").service_time_ms == 2.0
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "agent", *args], capture_output=True, text=True, cwd=ROOT)
+
+
+def test_check_config_cli_ok_and_error(tmp_path: Path) -> None:
+    ok = run_cli("check-config", str(ROOT / "examples/agent.toml"))
+    assert ok.returncode == 0, ok.stderr
+    assert 'node = "n1"' in ok.stdout and "[mqtt]" in ok.stdout
+    secret = write(tmp_path, "[agent]\nnode='n1'\n[mqtt]\npassword='hunter2'")
+    shown = run_cli("check-config", "--json", str(secret))
+    assert shown.returncode == 0 and "hunter2" not in shown.stdout and '"***"' in shown.stdout
+    bad = run_cli("check-config", str(write(tmp_path, "[agent]\nnode='n1'\n[mqtt]\nport='abc'")))
+    assert bad.returncode == 1
+    assert bad.stderr.strip() == 'error: agent.toml: [mqtt].port: expected an integer 1-65535, got "abc"'
+
+
+def test_help_commands() -> None:
+    assert run_cli("--help").returncode == 0
+    fogctl = subprocess.run([sys.executable, "-m", "agent.cli.fogctl", "--help"], capture_output=True, text=True, cwd=ROOT)
+    assert fogctl.returncode == 0 and "fogctl" in fogctl.stdout
