@@ -1,0 +1,525 @@
+"""Per-instance state machine of the decentralized scaling protocol (Belkhiria & Tedeschi).
+
+Rules of this file: everything that changes an instance's routing tables or its scaling state
+lives here; no I/O, no clock, no global random. A driver (the simulator in `agent.sim`, the
+worker process in `agent.runtime`) feeds the core and performs what it returns.
+
+API
+---
+    core = ScalingCore.initial("validate-0", "validate", stage=1, params=ScalingParams(),
+                               succs=("in_zone-0",), preds=("source-0",), keeper=True)
+    outs = core.tick(load=412.0, draw=rng.random())     # periodic decision (Algorithm 11)
+    outs = core.handle(message)                         # one protocol message (Algorithms 5-10)
+    new  = ScalingCore.from_create(effect, params)      # a CreateInstance effect -> idle core
+    data = core.snapshot(); core2 = ScalingCore.restore(data, params)   # crash recovery
+
+    decision = core.decide(load, draw)                  # seam for lock-guarded scaling (2-FGME):
+    outs = core.start_round(decision)                   #   decide now, start the round later
+
+`handle` and `tick` return a list of outputs, in the order they must be performed:
+
+- `Send(dest, message)`: put `message` on the FIFO channel to instance `dest`.
+- `CreateInstance(instance_id, operator, stage, creator)`: the paper's createNode(). The new
+  instance must exist and be subscribed to its inbox before the sends that follow it
+  (DESIGN.md invariant 2, "subscribe before announce").
+- `Activate(succs, preds)`: a new instance got its Start: begin processing with these tables.
+- `RoutesChanged(succs, preds)`: the full new routing tables of this instance.
+- `Drain()`: two-phase deletion only: every predecessor has acknowledged our deletion, so no
+  more input will arrive: process and forward everything received before continuing.
+- `Terminate(instance_id)`: all deletion acks arrived and the input is drained: exit.
+
+ORDERING CONTRACT: the driver performs outputs in list order and finishes each effect before
+performing the next output. In particular `RoutesChanged` precedes the ack it enables (invariant 3
+"route change before ack": the data path must use the new table before the ack is sent), `Drain`
+precedes the deletion messages to successors, and `Terminate` is only ever emitted after the last
+deletion ack (invariant 4 "drain before exit").
+
+Errors: a message the protocol does not expect in the current state (an ack nobody waits for, a
+Start to an active instance, a message from a non-neighbouring stage, anything to a terminated
+instance) raises `RemoteProtocolError`; misuse by the driver (starting a round while one runs)
+raises `LocalProtocolError`. Either way the state is unchanged.
+
+Deviations from the paper, and why (see docs/scaling.md):
+1. Senders are classified as successor/predecessor by the stage carried in every message, not by
+   table membership (an idle new instance has empty tables and could not classify them).
+2. Acks are matched by (round, sender) instead of a bare counter, so a late or duplicated ack is
+   detected instead of completing a round early.
+3. Deletion is two-phase by default (`DeletionMode.TWO_PHASE`): first the predecessors (input
+   closes), then drain, then the successors. Same message count 2(|succs|+|preds|). The paper's
+   one-phase deletion (`DeletionMode.PAPER`) lets a successor S that already removed us from its
+   preds terminate without telling us while we still flush records to it (a sequential del/del
+   case the paper does not discuss); the interleaving checker finds that loss.
+4. A duplication creates n >= 1 copies (Algorithm 4 tests n > 1, which never creates one copy).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
+
+from agent.policy.decentralized import NO_DECISION, Action, Decision, ScalingParams, decide
+from agent.protocol.errors import LocalProtocolError, RemoteProtocolError
+from agent.protocol.messages import (
+    Deletion,
+    DeletionAck,
+    Duplication,
+    DuplicationAck,
+    Message,
+    Start,
+)
+
+__all__ = [
+    "InstanceState",
+    "DeletionMode",
+    "Send",
+    "Effect",
+    "CreateInstance",
+    "Activate",
+    "RoutesChanged",
+    "Drain",
+    "Terminate",
+    "Output",
+    "ScalingCore",
+]
+
+Ids = Tuple[str, ...]
+
+
+class InstanceState(Enum):
+    IDLE = "idle"  # created, waiting for Start (the paper's !isActive)
+    ACTIVE = "active"
+    DUPLICATING = "duplicating"  # waiting for duplication acks
+    DELETING = "deleting"  # waiting for deletion acks (from preds only, in TWO_PHASE mode)
+    DEPARTING = "departing"  # TWO_PHASE: input drained, waiting for the successors' acks
+    TERMINATED = "terminated"
+
+
+class DeletionMode(Enum):
+    TWO_PHASE = "two_phase"
+    PAPER = "paper"
+
+
+# States whose data path forwards records (so whose succs must never name a terminated instance).
+FORWARDING = frozenset({InstanceState.ACTIVE, InstanceState.DUPLICATING, InstanceState.DELETING})
+
+
+@dataclass(frozen=True)
+class Send:
+    dest: str
+    message: Message
+
+
+class Effect:
+    """Base class of the effects a driver performs locally."""
+
+    __slots__ = ()
+
+
+@dataclass(frozen=True)
+class CreateInstance(Effect):
+    instance_id: str
+    operator: str
+    stage: int
+    creator: str
+
+
+@dataclass(frozen=True)
+class Activate(Effect):
+    succs: Ids
+    preds: Ids
+
+
+@dataclass(frozen=True)
+class RoutesChanged(Effect):
+    succs: Ids
+    preds: Ids
+
+
+@dataclass(frozen=True)
+class Drain(Effect):
+    pass
+
+
+@dataclass(frozen=True)
+class Terminate(Effect):
+    instance_id: str
+
+
+Output = Union[Send, Effect]
+
+_SUCC, _PRED = "succ", "pred"
+
+
+class ScalingCore:
+    """One operator instance's view of the pipeline and its scaling round (if any)."""
+
+    def __init__(
+        self,
+        instance_id: str,
+        operator: str,
+        stage: int,
+        params: ScalingParams,
+        *,
+        succs: Iterable[str] = (),
+        preds: Iterable[str] = (),
+        active: bool = True,
+        keeper: bool = False,
+        creator: Optional[str] = None,
+        deletion_mode: DeletionMode = DeletionMode.TWO_PHASE,
+        emit_routes: bool = True,
+    ) -> None:
+        if not instance_id or not isinstance(instance_id, str):
+            raise LocalProtocolError(f"instance_id: expected a non-empty string, found {instance_id!r}")
+        if isinstance(stage, bool) or not isinstance(stage, int) or stage < 0:
+            raise LocalProtocolError(f"stage: expected an integer >= 0, found {stage!r}")
+        if not active and not creator:
+            raise LocalProtocolError("an idle (new) instance needs the id of its creator")
+        self.instance_id = instance_id
+        self.operator = operator
+        self.stage = stage
+        self.params = params
+        self.keeper = keeper
+        self.creator = creator
+        self.deletion_mode = deletion_mode
+        self.emit_routes = emit_routes
+        self.state = InstanceState.ACTIVE if active else InstanceState.IDLE
+        self.succs: Set[str] = set(succs)
+        self.preds: Set[str] = set(preds)
+        self.succs_to_add: Set[str] = set()
+        self.succs_to_delete: Set[str] = set()
+        self.preds_to_add: Set[str] = set()
+        self.preds_to_delete: Set[str] = set()
+        self.round = 0  # number of the last round this instance started
+        self.pending: Set[str] = set()  # peers whose ack the current round waits for
+        self.new_siblings: Ids = ()  # instances created by the current duplication round
+
+    # ---- construction ---------------------------------------------------------------------
+
+    @classmethod
+    def initial(
+        cls,
+        instance_id: str,
+        operator: str,
+        stage: int,
+        params: ScalingParams,
+        *,
+        succs: Iterable[str] = (),
+        preds: Iterable[str] = (),
+        keeper: bool = False,
+        **kwargs: Any,
+    ) -> "ScalingCore":
+        """An instance deployed with the pipeline: active, tables known."""
+        return cls(instance_id, operator, stage, params, succs=succs, preds=preds, keeper=keeper, **kwargs)
+
+    @classmethod
+    def from_create(cls, effect: CreateInstance, params: ScalingParams, **kwargs: Any) -> "ScalingCore":
+        """The idle core of an instance created by a `CreateInstance` effect."""
+        return cls(
+            effect.instance_id, effect.operator, effect.stage, params,
+            active=False, creator=effect.creator, **kwargs,
+        )
+
+    # ---- read-only views ------------------------------------------------------------------
+
+    @property
+    def is_active(self) -> bool:
+        return self.state in FORWARDING
+
+    @property
+    def forwards_data(self) -> bool:
+        """True when the data path of this instance sends records to its successors."""
+        return self.state in FORWARDING
+
+    @property
+    def in_round(self) -> bool:
+        return self.state in (InstanceState.DUPLICATING, InstanceState.DELETING, InstanceState.DEPARTING)
+
+    @property
+    def terminated(self) -> bool:
+        return self.state is InstanceState.TERMINATED
+
+    def routes(self) -> Tuple[Ids, Ids]:
+        return tuple(sorted(self.succs)), tuple(sorted(self.preds))
+
+    def __repr__(self) -> str:
+        return (
+            f"ScalingCore({self.instance_id!r}, stage={self.stage}, {self.state.value}, "
+            f"succs={sorted(self.succs)}, preds={sorted(self.preds)}, pending={sorted(self.pending)})"
+        )
+
+    # ---- decisions (Algorithm 11) -----------------------------------------------------------
+
+    def decide(self, load: float, draw: float) -> Decision:
+        """The policy's intent for this period; pure (does not change the state)."""
+        if self.state is not InstanceState.ACTIVE:
+            return NO_DECISION
+        return decide(self.params, load, self.keeper, draw)
+
+    def tick(self, load: float, draw: float) -> List[Output]:
+        """Periodic decision: decide and, if the policy says so, start the round at once."""
+        return self.start_round(self.decide(load, draw))
+
+    def start_round(self, decision: Decision, new_ids: Optional[Sequence[str]] = None) -> List[Output]:
+        if decision.action is Action.NONE:
+            return []
+        if decision.action is Action.DUPLICATE:
+            return self.start_duplication(decision.count, new_ids)
+        return self.start_deletion()
+
+    def start_duplication(self, count: int, new_ids: Optional[Sequence[str]] = None) -> List[Output]:
+        """Algorithm 4: create `count` idle siblings and announce them to every neighbour."""
+        self._require_idle_active("start a duplication")
+        if count < 1:
+            raise LocalProtocolError(f"a duplication creates at least one instance, asked for {count}")
+        rnd = self.round + 1
+        ids = tuple(new_ids) if new_ids is not None else tuple(self._new_id(rnd, k) for k in range(count))
+        if len(ids) != count or len(set(ids)) != count or self.instance_id in ids:
+            raise LocalProtocolError(f"new_ids: expected {count} distinct new ids, found {ids!r}")
+        self.round = rnd
+        self.new_siblings = ids
+        out: List[Output] = [CreateInstance(i, self.operator, self.stage, self.instance_id) for i in ids]
+        msg = Duplication(self.instance_id, self.stage, rnd, ids)
+        targets = sorted(self.succs) + sorted(self.preds)
+        out.extend(Send(t, msg) for t in targets)
+        self.pending = set(targets)
+        self.state = InstanceState.DUPLICATING
+        if not self.pending:
+            out.extend(self._finish_duplication())
+        return out
+
+    def start_deletion(self) -> List[Output]:
+        """Algorithm 8: announce our termination (to preds first, in TWO_PHASE mode)."""
+        self._require_idle_active("start a deletion")
+        if self.keeper:
+            raise LocalProtocolError(f"{self.instance_id} is its operator's keeper: it never terminates")
+        self.round += 1
+        msg = Deletion(self.instance_id, self.stage, self.round)
+        if self.deletion_mode is DeletionMode.PAPER:
+            targets = sorted(self.succs) + sorted(self.preds)
+        else:
+            targets = sorted(self.preds)
+        self.pending = set(targets)
+        self.state = InstanceState.DELETING
+        out: List[Output] = [Send(t, msg) for t in targets]
+        if not self.pending:
+            out.extend(self._deletion_acks_complete())
+        return out
+
+    # ---- messages ---------------------------------------------------------------------------
+
+    def handle(self, message: Message) -> List[Output]:
+        """One message from a peer (Algorithms 5, 6, 7, 9, 10)."""
+        if self.state is InstanceState.TERMINATED:
+            raise RemoteProtocolError(
+                f"{self.instance_id}: received {message.type} from {message.sender} after termination"
+            )
+        handler = self._HANDLERS.get(type(message))
+        if handler is None:
+            raise RemoteProtocolError(
+                f"{self.instance_id}: {message.type} is not a scaling protocol message"
+            )
+        if message.sender == self.instance_id:
+            raise RemoteProtocolError(f"{self.instance_id}: received its own {message.type}")
+        return handler(self, message)
+
+    def _on_duplication(self, msg: Duplication) -> List[Output]:
+        side = self._side(msg)
+        new = set(msg.new_instances)
+        if self.instance_id in new:
+            raise RemoteProtocolError(f"{self.instance_id}: duplication from {msg.sender} announces us")
+        out: List[Output] = []
+        if self.state is InstanceState.IDLE:
+            (self.succs_to_add if side == _SUCC else self.preds_to_add).update(new)
+        elif self.state in FORWARDING:
+            table = self.succs if side == _SUCC else self.preds
+            if not new <= table:
+                table.update(new)
+                out.extend(self._routes_changed())
+        # DEPARTING: input closed and drained, we send nothing any more: just acknowledge.
+        out.append(Send(msg.sender, DuplicationAck(self.instance_id, self.stage, msg.round)))
+        return out
+
+    def _on_deletion(self, msg: Deletion) -> List[Output]:
+        side = self._side(msg)
+        out: List[Output] = []
+        if self.state is InstanceState.IDLE:
+            (self.succs_to_delete if side == _SUCC else self.preds_to_delete).add(msg.sender)
+        else:
+            table = self.succs if side == _SUCC else self.preds
+            if msg.sender in table:
+                table.discard(msg.sender)
+                if self.state in FORWARDING:
+                    out.extend(self._routes_changed())
+        out.append(Send(msg.sender, DeletionAck(self.instance_id, self.stage, msg.round)))
+        return out
+
+    def _on_start(self, msg: Start) -> List[Output]:
+        if self.state is not InstanceState.IDLE:
+            raise RemoteProtocolError(
+                f"{self.instance_id}: start from {msg.sender} in state {self.state.value}, expected idle"
+            )
+        if msg.sender != self.creator or msg.stage != self.stage:
+            raise RemoteProtocolError(
+                f"{self.instance_id}: start from {msg.sender} (stage {msg.stage}), "
+                f"expected it from creator {self.creator} (stage {self.stage})"
+            )
+        self.succs = (set(msg.succs) | self.succs_to_add) - self.succs_to_delete
+        self.preds = (set(msg.preds) | self.preds_to_add) - self.preds_to_delete
+        self.succs_to_add, self.succs_to_delete = set(), set()
+        self.preds_to_add, self.preds_to_delete = set(), set()
+        self.state = InstanceState.ACTIVE
+        succs, preds = self.routes()
+        return [Activate(succs, preds)]
+
+    def _on_duplication_ack(self, msg: DuplicationAck) -> List[Output]:
+        self._check_ack(msg, (InstanceState.DUPLICATING,))
+        self.pending.discard(msg.sender)
+        return [] if self.pending else self._finish_duplication()
+
+    def _on_deletion_ack(self, msg: DeletionAck) -> List[Output]:
+        self._check_ack(msg, (InstanceState.DELETING, InstanceState.DEPARTING))
+        self.pending.discard(msg.sender)
+        return [] if self.pending else self._deletion_acks_complete()
+
+    _HANDLERS = {
+        Duplication: _on_duplication,
+        Deletion: _on_deletion,
+        Start: _on_start,
+        DuplicationAck: _on_duplication_ack,
+        DeletionAck: _on_deletion_ack,
+    }
+
+    # ---- round completion (Algorithms 6 and 10) -------------------------------------------
+
+    def _finish_duplication(self) -> List[Output]:
+        """All neighbours know the new siblings: activate them with our current tables."""
+        start = Start(self.instance_id, self.stage, *self.routes())
+        out: List[Output] = [Send(i, start) for i in self.new_siblings]
+        self.new_siblings = ()
+        self.state = InstanceState.ACTIVE
+        return out
+
+    def _deletion_acks_complete(self) -> List[Output]:
+        if self.state is InstanceState.DELETING and self.deletion_mode is DeletionMode.TWO_PHASE:
+            # Every predecessor removed us and sent its last record before its ack: drain, then
+            # tell the successors (who may still receive our records until they see this).
+            self.round += 1
+            msg = Deletion(self.instance_id, self.stage, self.round)
+            targets = sorted(self.succs)
+            self.pending = set(targets)
+            self.state = InstanceState.DEPARTING
+            out: List[Output] = [Drain()]
+            out.extend(Send(t, msg) for t in targets)
+            if not self.pending:
+                out.extend(self._deletion_acks_complete())
+            return out
+        self.state = InstanceState.TERMINATED
+        out = [] if self.deletion_mode is DeletionMode.TWO_PHASE else [Drain()]
+        out.append(Terminate(self.instance_id))
+        return out
+
+    # ---- helpers ----------------------------------------------------------------------------
+
+    def _side(self, msg: Message) -> str:
+        if msg.stage == self.stage + 1:
+            return _SUCC
+        if msg.stage == self.stage - 1:
+            return _PRED
+        raise RemoteProtocolError(
+            f"{self.instance_id} (stage {self.stage}): {msg.type} from {msg.sender} at stage "
+            f"{msg.stage}, expected a neighbouring stage {self.stage - 1} or {self.stage + 1}"
+        )
+
+    def _check_ack(self, msg: Union[DuplicationAck, DeletionAck], states: Tuple[InstanceState, ...]) -> None:
+        if self.state not in states:
+            raise RemoteProtocolError(
+                f"{self.instance_id}: {msg.type} from {msg.sender} in state {self.state.value}, "
+                f"no such round in progress"
+            )
+        if msg.round != self.round or msg.sender not in self.pending:
+            raise RemoteProtocolError(
+                f"{self.instance_id}: {msg.type} from {msg.sender} for round {msg.round}, expected "
+                f"round {self.round} from one of {sorted(self.pending)}"
+            )
+
+    def _require_idle_active(self, what: str) -> None:
+        if self.state is not InstanceState.ACTIVE:
+            raise LocalProtocolError(
+                f"{self.instance_id}: cannot {what} in state {self.state.value}, expected active"
+            )
+
+    def _routes_changed(self) -> List[Output]:
+        if not self.emit_routes:
+            return []
+        succs, preds = self.routes()
+        return [RoutesChanged(succs, preds)]
+
+    def _new_id(self, rnd: int, k: int) -> str:
+        """Deterministic, short, unique-in-practice id for a new sibling (identity from inputs)."""
+        digest = hashlib.blake2b(f"{self.instance_id}|{rnd}|{k}".encode(), digest_size=6).hexdigest()
+        return f"{self.operator}-{digest}"
+
+    # ---- snapshot / restore -----------------------------------------------------------------
+
+    def snapshot(self) -> Dict[str, Any]:
+        """JSON-friendly copy of the whole state (for crash recovery and for the checker)."""
+        return {
+            "instance_id": self.instance_id,
+            "operator": self.operator,
+            "stage": self.stage,
+            "keeper": self.keeper,
+            "creator": self.creator,
+            "deletion_mode": self.deletion_mode.value,
+            "state": self.state.value,
+            "succs": sorted(self.succs),
+            "preds": sorted(self.preds),
+            "succs_to_add": sorted(self.succs_to_add),
+            "succs_to_delete": sorted(self.succs_to_delete),
+            "preds_to_add": sorted(self.preds_to_add),
+            "preds_to_delete": sorted(self.preds_to_delete),
+            "round": self.round,
+            "pending": sorted(self.pending),
+            "new_siblings": list(self.new_siblings),
+        }
+
+    @classmethod
+    def restore(cls, data: Dict[str, Any], params: ScalingParams, **kwargs: Any) -> "ScalingCore":
+        try:
+            core = cls(
+                data["instance_id"], data["operator"], data["stage"], params,
+                succs=data["succs"], preds=data["preds"], keeper=bool(data["keeper"]),
+                creator=data["creator"], active=True,
+                deletion_mode=DeletionMode(data["deletion_mode"]), **kwargs,
+            )
+            core.state = InstanceState(data["state"])
+            core.succs_to_add = set(data["succs_to_add"])
+            core.succs_to_delete = set(data["succs_to_delete"])
+            core.preds_to_add = set(data["preds_to_add"])
+            core.preds_to_delete = set(data["preds_to_delete"])
+            core.round = int(data["round"])
+            core.pending = set(data["pending"])
+            core.new_siblings = tuple(data["new_siblings"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise LocalProtocolError(f"snapshot: cannot restore ({exc!r})") from None
+        return core
+
+    def clone(self) -> "ScalingCore":
+        """A cheap independent copy (the interleaving checker copies whole systems)."""
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        for name in ("succs", "preds", "succs_to_add", "succs_to_delete", "preds_to_add",
+                     "preds_to_delete", "pending"):
+            setattr(new, name, set(getattr(self, name)))
+        return new
+
+    def key(self) -> Tuple[Any, ...]:
+        """Hashable summary of the full state (used to deduplicate explored states)."""
+        return (
+            self.instance_id, self.state, frozenset(self.succs), frozenset(self.preds),
+            frozenset(self.succs_to_add), frozenset(self.succs_to_delete),
+            frozenset(self.preds_to_add), frozenset(self.preds_to_delete),
+            self.round, frozenset(self.pending), self.new_siblings,
+        )
+
