@@ -1,0 +1,415 @@
+"""Durable local spool: what the fog produced, kept on the agent's disk until the centre has it.
+
+Rules of this file:
+- Records are appended as JSON Lines into one gzip file per *kind* ("records", "metrics",
+  "events", ...). A file is rotated (closed) when it reaches `rotate_bytes` of compressed data or
+  is `rotate_seconds` old; rotation flushes, fsyncs the file, moves it atomically from `open/` to
+  `closed/` and fsyncs the directory, so a closed file is complete on disk or absent.
+- Only closed files are shipped. The shipper calls `release(file)` once the centre acknowledged a
+  file; until then the file stays in `closed/` and survives restarts (resume = ship what is there).
+- Disk cap: when open + closed files reach `max_bytes` (open files count their not yet compressed
+  input as if incompressible, see `_OpenFile.size`), `append` returns False (back pressure) and
+  the spool raises one `spool_full` event; nothing is written and nothing is dropped -- the caller
+  keeps the record and retries (or blocks in `wait_writable`). Releasing shipped files clears the
+  condition and raises `spool_resumed`. The cap is exceeded by at most one record (plus a gzip trailer).
+- A file left in `open/` by a crash is salvaged at start-up: every complete line that reached the
+  disk is rewritten into a closed file (`recovered` event). Call `flush()` at the caller's own
+  checkpoints to bound what a power cut can lose (a restart of the agent loses nothing: `close()`
+  rotates every open file). Every `sync_bytes` of input the compressor is sync-flushed to the OS
+  (no fsync), which bounds both the cap's uncertainty and what a crashed process loses.
+- The clock is passed in (`clock`), so rotation by age is testable without sleeping.
+
+The gzip header of each file carries its spool name and opening time, so two files with the same
+records still have different bytes: the content-derived file id (sha256 of the bytes, see
+`file_id`) identifies one spool file, and a resent copy of it has the same id.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Union
+
+__all__ = [
+    "ClosedFile",
+    "Spool",
+    "SpoolEvent",
+    "file_id",
+    "parse_name",
+    "read_records",
+]
+
+SUFFIX = ".jsonl.gz"
+SEP = "+"  # not allowed in kinds or node names (schema.identifier), so names split unambiguously
+
+
+@dataclass(frozen=True)
+class SpoolEvent:
+    """Something an operator should see (published on fog/<cluster>/events by the daemon)."""
+
+    event: str  # "spool_full" | "spool_resumed" | "file_closed" | "recovered"
+    at: float
+    node: str
+    detail: Dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"event": self.event, "ts": self.at, "node": self.node, **self.detail}
+
+
+@dataclass(frozen=True)
+class ClosedFile:
+    """A complete, fsync'ed spool file waiting to be shipped."""
+
+    path: Path
+    kind: str
+    node: str
+    date: str  # UTC date the file was opened, YYYY-MM-DD: the landing partition
+    seq: int
+    size: int
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+def _check_name(kind: str, what: str) -> str:
+    if not kind or not all(c.isalnum() or c in "-_." for c in kind):
+        raise ValueError(f"invalid {what} {kind!r}: expected letters, digits, '-', '_' or '.'")
+    return kind
+
+
+def make_name(kind: str, node: str, date: str, seq: int) -> str:
+    return SEP.join((kind, node, date, f"{seq:010d}")) + SUFFIX
+
+
+def parse_name(name: str) -> Dict[str, Any]:
+    """`records+n1+2026-11-22+0000000007.jsonl.gz` -> kind, node, date, seq (ValueError if not)."""
+    if not name.endswith(SUFFIX):
+        raise ValueError(f"not a spool file name: {name!r} (expected suffix {SUFFIX})")
+    parts = name[: -len(SUFFIX)].split(SEP)
+    if len(parts) != 4 or not parts[3].isdigit():
+        raise ValueError(f"not a spool file name: {name!r} (expected kind+node+date+seq)")
+    datetime.strptime(parts[2], "%Y-%m-%d")
+    return {"kind": _check_name(parts[0], "kind"), "node": _check_name(parts[1], "node"),
+            "date": parts[2], "seq": int(parts[3])}
+
+
+def file_id(data: bytes) -> str:
+    """Content-derived id of a spool file: identical bytes (a resend) give the same id."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def read_records(data: bytes) -> List[Dict[str, Any]]:
+    """Decode a whole spool file (gzip JSON Lines); raises ValueError on any damage."""
+    try:
+        text = gzip.decompress(data)
+    except (OSError, EOFError, zlib.error) as exc:
+        raise ValueError(f"not a complete gzip stream ({exc})") from None
+    out = []
+    for i, line in enumerate(text.splitlines()):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError as exc:
+            raise ValueError(f"line {i + 1}: invalid JSON ({exc})") from None
+        if not isinstance(rec, dict):
+            raise ValueError(f"line {i + 1}: expected a JSON object")
+        out.append(rec)
+    return out
+
+
+class _OpenFile:
+    """One gzip file being written; `raw` is the OS file so that its size is the compressed size."""
+
+    def __init__(self, path: Path, opened_at: float, kind: str, date: str, seq: int, level: int):
+        self.path, self.opened_at, self.kind, self.date, self.seq = path, opened_at, kind, date, seq
+        self.raw = open(path, "xb")
+        # filename + mtime in the gzip header make every file's bytes unique (see module doc).
+        self.gz = gzip.GzipFile(filename=path.name, mode="wb", fileobj=self.raw,
+                                compresslevel=level, mtime=int(opened_at))
+        self.records = 0
+        self.pending = 0  # uncompressed bytes not yet known to have reached the OS file
+
+    def write(self, line: bytes, sync_bytes: int) -> None:
+        self.gz.write(line)
+        self.records += 1
+        self.pending += len(line)
+        if self.pending >= sync_bytes:
+            self.gz.flush(zlib.Z_SYNC_FLUSH)
+            self.pending = 0
+
+    @property
+    def size(self) -> int:
+        """Compressed bytes in the OS file plus buffered input counted as if incompressible:
+        an upper bound, so that the cap holds without waiting for zlib to emit output."""
+        return self.raw.tell() + self.pending
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(str(path), os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Spool:
+    """Append-only, rotated, capped spool of JSON records (thread-safe: a sink and a shipper).
+
+    Typical use from a sink:
+
+        spool = Spool(dir, node="n1", max_bytes=..., on_event=publish_event)
+        while not spool.append("records", rec):     # back pressure: the record is NOT stored
+            spool.wait_writable(timeout=1.0)         # ... so keep it and wait for the shipper
+    """
+
+    def __init__(
+        self,
+        directory: Union[str, Path],
+        node: str,
+        *,
+        max_bytes: int = 512 * 1024 * 1024,
+        rotate_bytes: int = 4 * 1024 * 1024,
+        rotate_seconds: float = 60.0,
+        clock: Callable[[], float] = time.time,
+        on_event: Optional[Callable[[SpoolEvent], None]] = None,
+        compresslevel: int = 6,
+        sync_bytes: int = 64 * 1024,
+    ) -> None:
+        if max_bytes <= 0 or rotate_bytes <= 0 or rotate_seconds <= 0:
+            raise ValueError("max_bytes, rotate_bytes and rotate_seconds must be > 0")
+        self.dir = Path(directory)
+        self.node = _check_name(node, "node")
+        self.max_bytes, self.rotate_bytes, self.rotate_seconds = max_bytes, rotate_bytes, rotate_seconds
+        self.clock = clock
+        self.on_event = on_event
+        self.level = compresslevel
+        self.sync_bytes = sync_bytes
+        self.open_dir = self.dir / "open"
+        self.closed_dir = self.dir / "closed"
+        self.open_dir.mkdir(parents=True, exist_ok=True)
+        self.closed_dir.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._writable = threading.Condition(self._lock)
+        self._open: Dict[str, _OpenFile] = {}
+        self._closed_bytes = 0
+        self._full = False
+        self.events: List[SpoolEvent] = []
+        self.stats = {"appended": 0, "rejected": 0, "files_closed": 0, "released": 0,
+                      "recovered_records": 0, "full_events": 0}
+        self._seq = 0
+        self._recover()
+        self._emit(list(self.events))  # recovered files, with what they salvaged
+
+    # ---- public API -------------------------------------------------------------------------
+
+    @property
+    def full(self) -> bool:
+        """True while the disk cap holds appends back (back pressure)."""
+        with self._lock:
+            return self._full
+
+    def used_bytes(self) -> int:
+        with self._lock:
+            return self._used()
+
+    def append(self, kind: str, record: Mapping[str, Any]) -> bool:
+        """Store one record; False means back pressure: it was NOT stored, keep it and retry."""
+        line = (json.dumps(record, separators=(",", ":"), default=str) + "\n").encode()
+        return self.append_lines(kind, [line]) == 1
+
+    def append_many(self, kind: str, records: Iterable[Mapping[str, Any]]) -> int:
+        """Store records in order until the cap is hit; returns how many were stored (a prefix)."""
+        lines = [(json.dumps(r, separators=(",", ":"), default=str) + "\n").encode() for r in records]
+        return self.append_lines(kind, lines)
+
+    def append_lines(self, kind: str, lines: List[bytes]) -> int:
+        """Store pre-encoded JSON lines (each ending in newline); returns how many were stored."""
+        _check_name(kind, "kind")
+        now = self.clock()
+        events: List[SpoolEvent] = []
+        with self._lock:
+            stored = 0
+            for line in lines:
+                if self._used() >= self.max_bytes:
+                    if not self._full:
+                        self._full = True
+                        self.stats["full_events"] += 1
+                        events.append(self._event("spool_full", now, used_bytes=self._used(),
+                                                  max_bytes=self.max_bytes, kind=kind))
+                    break
+                f = self._open.get(kind)
+                if f is None:
+                    f = self._open_file(kind, now)
+                f.write(line, self.sync_bytes)
+                stored += 1
+                if f.size >= self.rotate_bytes:
+                    events.append(self._rotate(kind, now))
+            self.stats["appended"] += stored
+            self.stats["rejected"] += len(lines) - stored
+        self._emit(events)
+        return stored
+
+    def wait_writable(self, timeout: Optional[float] = None) -> bool:
+        """Block until the cap no longer holds appends back (or timeout); True if writable."""
+        with self._writable:
+            return self._writable.wait_for(lambda: not self._full, timeout)
+
+    def tick(self) -> None:
+        """Rotate files older than rotate_seconds (call periodically, e.g. every second)."""
+        now = self.clock()
+        with self._lock:
+            events = [self._rotate(k, now) for k, f in list(self._open.items())
+                      if now - f.opened_at >= self.rotate_seconds and f.records]
+        self._emit(events)
+
+    def rotate_all(self) -> None:
+        """Close every open file now (before a clean shutdown, or to ship what is there)."""
+        now = self.clock()
+        with self._lock:
+            events = [self._rotate(k, now) for k in list(self._open)]
+        self._emit(events)
+
+    def flush(self) -> None:
+        """Push buffered records of open files to disk (sync flush + fsync): bounds crash loss."""
+        with self._lock:
+            for f in self._open.values():
+                f.gz.flush(zlib.Z_SYNC_FLUSH)
+                f.pending = 0
+                f.raw.flush()
+                os.fsync(f.raw.fileno())
+
+    def close(self) -> None:
+        self.rotate_all()
+
+    def closed_files(self) -> List[ClosedFile]:
+        """Files ready to ship, oldest first (by sequence number)."""
+        out = []
+        for p in self.closed_dir.iterdir():
+            try:
+                meta = parse_name(p.name)
+                size = p.stat().st_size
+            except (ValueError, FileNotFoundError):
+                continue
+            out.append(ClosedFile(p, meta["kind"], meta["node"], meta["date"], meta["seq"], size))
+        return sorted(out, key=lambda f: f.seq)
+
+    def release(self, f: Union[ClosedFile, Path]) -> None:
+        """The centre has this file: delete it and free its bytes (may end back pressure)."""
+        path = f.path if isinstance(f, ClosedFile) else Path(f)
+        now = self.clock()
+        events = []
+        with self._lock:
+            try:
+                size = path.stat().st_size
+                path.unlink()
+            except FileNotFoundError:
+                return
+            self._closed_bytes -= size
+            self.stats["released"] += 1
+            if self._full and self._used() < self.max_bytes:
+                self._full = False
+                events.append(self._event("spool_resumed", now, used_bytes=self._used()))
+                self._writable.notify_all()
+        self._emit(events)
+
+    # ---- internals (called with the lock held) -----------------------------------------------
+
+    def _used(self) -> int:
+        return self._closed_bytes + sum(f.size for f in self._open.values())
+
+    def _open_file(self, kind: str, now: float) -> _OpenFile:
+        self._seq += 1
+        date = datetime.fromtimestamp(now, tz=timezone.utc).strftime("%Y-%m-%d")
+        path = self.open_dir / make_name(kind, self.node, date, self._seq)
+        f = _OpenFile(path, now, kind, date, self._seq, self.level)
+        self._open[kind] = f
+        return f
+
+    def _rotate(self, kind: str, now: float) -> SpoolEvent:
+        f = self._open.pop(kind)
+        f.gz.close()  # writes the gzip trailer; does not close the fileobj we passed
+        f.raw.flush()
+        os.fsync(f.raw.fileno())
+        size = f.raw.tell()
+        f.raw.close()
+        dest = self.closed_dir / f.path.name
+        os.replace(f.path, dest)
+        _fsync_dir(self.closed_dir)
+        _fsync_dir(self.open_dir)
+        self._closed_bytes += size
+        self.stats["files_closed"] += 1
+        return self._event("file_closed", now, file=dest.name, kind=kind, records=f.records, bytes=size)
+
+    def _event(self, name: str, now: float, **detail: Any) -> SpoolEvent:
+        ev = SpoolEvent(name, now, self.node, dict(detail))
+        self.events.append(ev)
+        return ev
+
+    def _emit(self, events: List[SpoolEvent]) -> None:
+        if self.on_event is not None:
+            for ev in events:
+                self.on_event(ev)
+
+    def _recover(self) -> None:
+        """Start-up: count closed bytes, continue the sequence, salvage files a crash left open."""
+        seqs = [0]
+        for p in self.closed_dir.iterdir():
+            try:
+                seqs.append(parse_name(p.name)["seq"])
+            except ValueError:
+                continue
+            self._closed_bytes += p.stat().st_size
+        leftovers = []
+        for p in sorted(self.open_dir.iterdir()):
+            try:
+                leftovers.append((parse_name(p.name), p))
+                seqs.append(parse_name(p.name)["seq"])
+            except ValueError:
+                continue
+        self._seq = max(seqs)
+        now = self.clock()
+        for meta, p in leftovers:
+            lines = list(_salvage_lines(p.read_bytes()))
+            if lines:
+                f = self._open_file(meta["kind"], now)
+                for line in lines:
+                    f.write(line, self.sync_bytes)
+                self._rotate(meta["kind"], now)
+                self.stats["recovered_records"] += len(lines)
+                self._event("recovered", now, file=p.name, records=len(lines))
+            p.unlink()
+        _fsync_dir(self.open_dir)
+
+
+def _salvage_lines(data: bytes) -> Iterator[bytes]:
+    """Every complete JSON line decodable from a possibly truncated gzip stream."""
+    d = zlib.decompressobj(wbits=31)
+    try:
+        text = d.decompress(data)
+    except zlib.error:
+        # A damaged tail: decompress in small steps and keep what came out before the damage.
+        d, text = zlib.decompressobj(wbits=31), b""
+        for i in range(0, len(data), 512):
+            try:
+                text += d.decompress(data[i:i + 512])
+            except zlib.error:
+                break
+    for line in text.split(b"\n")[:-1]:  # the last piece has no newline: incomplete
+        try:
+            if isinstance(json.loads(line), dict):
+                yield line + b"\n"
+        except ValueError:
+            continue
