@@ -62,3 +62,24 @@ def all_agents_state(cluster: str) -> str:
 
 def all_agents_status(cluster: str) -> str:
     return f"{base(cluster)}/agents/+/status"
+
+
+# Added by the fogctl issue (additive): fogctl's reads and its MQTT 5 request/response replies.
+
+
+def decisions(cluster: str, instance: str) -> str:
+    """Retained JSON array of the last scaling decisions of one instance (`fogctl why`)."""
+    return f"{base(cluster)}/decisions/{_check(instance)}"
+
+
+def replies(cluster: str, client: str) -> str:
+    """Response topic of one fogctl client for rpc requests (MQTT 5 response topic)."""
+    return f"{base(cluster)}/replies/{_check(client)}"
+
+
+def all_latency(cluster: str) -> str:
+    return f"{base(cluster)}/latency/+"
+
+
+def all_pipelines(cluster: str) -> str:
+    return f"{base(cluster)}/pipelines/+"

@@ -1,24 +1,127 @@
-"""`fogctl`: inspect and steer the fleet over MQTT (commands arrive with the fogctl issue)."""
+"""`fogctl`: inspect and steer a fog-agent fleet over MQTT (docs/fogctl.md).
+
+Exit statuses: 0 ok, 1 error (refused, timed out, bad config), 2 usage, 3 broker unreachable.
+Every error is one line on stderr naming what failed and where; no traceback reaches a person.
+Option names mirror mosquitto_sub where it has one (-u/--username, -P/--pw, --cafile, --cert,
+--key, --insecure, -i/--id, -k/--keepalive).
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse exits 2 on usage errors already; keep its one-line `usage:` + `error:` format."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fogctl", description="Inspect and steer a fog-agent fleet over MQTT.")
-    parser.add_argument("--broker", default="127.0.0.1:1883", help="host:port of the MQTT broker")
-    parser.add_argument("--cluster", default="default", help="cluster name (topic prefix fog/<cluster>)")
-    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    from agent.fogctl.commands import parse_delta
+
+    parser = _Parser(prog="fogctl", description="Inspect and steer a fog-agent fleet over MQTT.")
+    g = parser.add_argument_group("connection (defaults: ~/.config/fogctl.toml, then FOGCTL_* variables)")
+    g.add_argument("--broker", help="host:port of the MQTT broker (default 127.0.0.1:1883)")
+    g.add_argument("--host", help="broker host (mosquitto_sub -h); overrides the host of --broker")
+    g.add_argument("-p", "--port", type=int, help="broker port (mosquitto_sub -p)")
+    g.add_argument("--cluster", help="cluster name (topic prefix fog/<cluster>), default 'default'")
+    g.add_argument("-u", "--username", help="MQTT user name")
+    g.add_argument("-P", "--pw", dest="password", help="MQTT password (prefer --pw-file)")
+    g.add_argument("--pw-file", dest="password_file", help="file holding the MQTT password")
+    g.add_argument("--cafile", help="CA certificate file: enables TLS")
+    g.add_argument("--cert", help="client certificate file (TLS)")
+    g.add_argument("--key", help="client key file (TLS)")
+    g.add_argument("--insecure", action="store_true", default=None, help="do not check the server host name (TLS)")
+    g.add_argument("-i", "--id", dest="client_id", help="MQTT client id (default fogctl-<random>)")
+    g.add_argument("-k", "--keepalive", type=int, help="MQTT keepalive in seconds")
+    g.add_argument("--timeout", type=float, help="seconds to wait for the broker and for replies (default 5)")
+    g.add_argument("--config", help="settings file (default $FOGCTL_CONFIG or ~/.config/fogctl.toml)")
+    parser.add_argument("--json", action="store_true", help="machine-readable JSON output")
+
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.add_parser("status", help="one row per node: online/offline, CPU, memory, temperature, capacity, instances")
+    p = sub.add_parser("topology", help="operators and their instances: node, keeper, phase, load, capacity, ratio")
+    p.add_argument("pipeline", nargs="?", help="only this pipeline")
+    p.add_argument("--tree", action="store_true", help="a tree instead of a table")
+    sub.add_parser("latency", help="measured latency matrix (and the configured emulated one)")
+    sub.add_parser("locks", help="2-FGME state per boundary: who requests, who is in the CS")
+    sub.add_parser("pipelines", help="deployed pipelines and their instance counts")
+    p = sub.add_parser("watch", help="live scaling and lock events, one line each, with their reason")
+    p.add_argument("--filter", action="append", metavar="KEY=VALUE[,VALUE]",
+                   help="keep events whose type/node/instance/operator/pipeline matches (repeatable)")
+    p.add_argument("--instance", help="shorthand for --filter instance=ID")
+    p.add_argument("--duration", type=float, help="stop after this many seconds")
+    p.add_argument("--count", type=int, help="stop after this many events")
+    p = sub.add_parser("why", help="the last scaling decisions of one instance, with their reasons")
+    p.add_argument("instance")
+    p.add_argument("--last", type=int, default=10, help="how many decisions (default 10)")
+    p.add_argument("--wait", type=float, default=0.0, help="also listen this many seconds for new decisions")
+    p = sub.add_parser("scale", help="manual scaling through the protocol: OPERATOR +N or -N")
+    p.add_argument("operator")
+    p.add_argument("delta", type=parse_delta, help="+N (duplicate) or -N (scale in)")
+    p.add_argument("--pipeline", help="when the operator name exists in several pipelines")
+    p.add_argument("--wait", type=float, default=0.0, help="wait up to this many seconds for the new count")
+    p = sub.add_parser("drain", help="empty a node: its instances leave by scale-in, keepers move first")
+    p.add_argument("node")
+    p.add_argument("--undo", action="store_true", help="accept instances again (undrain)")
+    p.add_argument("--wait", type=float, default=0.0, help="wait up to this many seconds for the node to be empty")
+    p = sub.add_parser("deploy", help="publish a pipeline description (retained) for the agents")
+    p.add_argument("file", metavar="PIPELINE.toml")
+    p = sub.add_parser("undeploy", help="remove a deployed pipeline")
+    p.add_argument("pipeline", metavar="PIPELINE|PIPELINE.toml")
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    build_parser().parse_args(argv)
-    print("fogctl: no command given (see --help)", file=sys.stderr)
-    return 2
+def _overrides(args: argparse.Namespace) -> Dict[str, Any]:
+    from agent.fogctl.config import parse_broker
+
+    broker = args.broker
+    if args.host or args.port:
+        host, port = parse_broker(broker) if broker else ("127.0.0.1", 1883)
+        broker = f"{args.host or host}:{args.port or port}"
+    keys = ("cluster", "username", "password", "password_file", "cafile", "cert", "key", "insecure",
+            "client_id", "keepalive", "timeout")
+    out = {k: getattr(args, k) for k in keys}
+    out["broker"] = broker
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None, connect: Optional[Callable[..., Any]] = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: 0 for --help, 2 for usage errors
+        return int(exc.code or 0)
+    if not args.command:
+        parser.print_usage(sys.stderr)
+        print("fogctl: error: no command given (see fogctl --help)", file=sys.stderr)
+        return EXIT_USAGE
+
+    from pathlib import Path
+
+    from agent.fogctl.client import BrokerUnreachable, Connection, FogctlError
+    from agent.fogctl.commands import COMMANDS, Context
+    from agent.fogctl.config import load_config
+    from agent.fogctl.rpc_schema import RequestError
+    from agent.schema import ConfigError
+
+    try:
+        cfg = load_config(_overrides(args), path=Path(args.config) if args.config else None)
+        ctx = Context(cfg, connect or Connection)
+        return COMMANDS[args.command](args, ctx)
+    except BrokerUnreachable as exc:
+        print(f"fogctl: error: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except (FogctlError, RequestError, ConfigError, ValueError) as exc:
+        print(f"fogctl: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return EXIT_OK
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,0 +1,276 @@
+"""fogctl command handlers: read or publish through one `Connection`, print a view, return a status.
+
+Every handler is `(args, conn_factory) -> int`; exceptions are mapped to exit statuses in one
+place (`agent.cli.fogctl.main`), so a handler raises `FogctlError` / `RequestError` with a
+one-line message and never prints a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, TextIO
+
+from agent import events as ev_mod
+from agent import topics
+from agent.fogctl import views
+from agent.fogctl.client import Connection, FogctlError
+from agent.fogctl.config import FogctlConfig
+from agent.fogctl.fleet import Fleet, Phase
+from agent.fogctl.rpc_schema import DrainRequest, Reply, RequestError, ScaleRequest, check_drain, check_scale
+
+__all__ = ["COMMANDS", "fleet_snapshot", "Context"]
+
+
+class Context:
+    """What a handler needs: settings, a connection factory, the output streams, a clock."""
+
+    def __init__(self, cfg: FogctlConfig, connect: Callable[[FogctlConfig], Connection] = Connection,
+                 out: Optional[TextIO] = None, err: Optional[TextIO] = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.cfg, self.connect, self.clock = cfg, connect, clock
+        self.out = out or sys.stdout
+        self.err = err or sys.stderr
+
+    def emit(self, args: argparse.Namespace, doc: Any, text: str) -> None:
+        if args.json:
+            self.out.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+        else:
+            self.out.write(text + "\n")
+        self.out.flush()
+
+
+def fleet_filters(cluster: str) -> List[str]:
+    return [topics.all_agents_state(cluster), topics.all_agents_status(cluster),
+            topics.all_latency(cluster), topics.all_pipelines(cluster)]
+
+
+def fleet_snapshot(conn: Connection, cluster: str) -> Fleet:
+    msgs = conn.snapshot(fleet_filters(cluster))
+    return Fleet.from_messages(cluster, {t: m.payload for t, m in msgs.items()})
+
+
+def _with_fleet(ctx: Context) -> Fleet:
+    with ctx.connect(ctx.cfg) as conn:
+        return fleet_snapshot(conn, ctx.cfg.cluster)
+
+
+# ---- read-only commands -------------------------------------------------------------------------
+
+
+def cmd_status(args: argparse.Namespace, ctx: Context) -> int:
+    doc, text = views.status(_with_fleet(ctx), ctx.clock())
+    ctx.emit(args, doc, text)
+    return 0
+
+
+def cmd_topology(args: argparse.Namespace, ctx: Context) -> int:
+    doc, text = views.topology(_with_fleet(ctx), args.pipeline)
+    ctx.emit(args, doc, views.topology_tree(doc) if args.tree and doc["pipelines"] else text)
+    return 0
+
+
+def cmd_latency(args: argparse.Namespace, ctx: Context) -> int:
+    doc, text = views.latency(_with_fleet(ctx))
+    ctx.emit(args, doc, text)
+    return 0
+
+
+def cmd_locks(args: argparse.Namespace, ctx: Context) -> int:
+    doc, text = views.locks(_with_fleet(ctx))
+    ctx.emit(args, doc, text)
+    return 0
+
+
+def cmd_pipelines(args: argparse.Namespace, ctx: Context) -> int:
+    doc, text = views.pipelines(_with_fleet(ctx))
+    ctx.emit(args, doc, text)
+    return 0
+
+
+def parse_filters(items: Sequence[str]) -> Dict[str, List[str]]:
+    """`--filter type=scale_out,scale_in --filter operator=in_zone` -> {key: [allowed values]}."""
+    allowed = ("type", "node", "instance", "operator", "pipeline")
+    out: Dict[str, List[str]] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in allowed or not value:
+            raise RequestError(f"--filter {item!r}: expected KEY=VALUE[,VALUE] with KEY one of {', '.join(allowed)}")
+        out.setdefault(key, []).extend(v for v in value.split(",") if v)
+    return out
+
+
+def matches(event: ev_mod.Event, filters: Dict[str, List[str]]) -> bool:
+    for key, values in filters.items():
+        got = event.type.value if key == "type" else getattr(event, key)
+        if got not in values:
+            return False
+    return True
+
+
+def cmd_watch(args: argparse.Namespace, ctx: Context) -> int:
+    filters = parse_filters(args.filter or [])
+    if args.instance:
+        filters.setdefault("instance", []).append(args.instance)
+    seen = 0
+    with ctx.connect(ctx.cfg) as conn:
+        if not args.json:
+            ctx.err.write(f"watching {topics.events(ctx.cfg.cluster)} (Ctrl-C to stop)\n")
+            ctx.err.flush()
+        for m in conn.stream([topics.events(ctx.cfg.cluster)], duration=args.duration):
+            try:
+                event = ev_mod.parse(m.payload)
+            except ev_mod.EventError as exc:
+                ctx.err.write(f"fogctl: skipped a malformed event on {m.topic}: {exc}\n")
+                continue
+            if not matches(event, filters):
+                continue
+            ctx.out.write((event.to_json() if args.json else views.event_line(event)) + "\n")
+            ctx.out.flush()
+            seen += 1
+            if args.count and seen >= args.count:
+                break
+    return 0
+
+
+def cmd_why(args: argparse.Namespace, ctx: Context) -> int:
+    with ctx.connect(ctx.cfg) as conn:
+        topic = topics.decisions(ctx.cfg.cluster, args.instance)
+        snap = conn.snapshot([topic])
+        history: List[ev_mod.Event] = []
+        if topic in snap:
+            try:
+                history = ev_mod.parse_history(snap[topic].payload)
+            except ev_mod.EventError as exc:
+                raise FogctlError(f"the decision history on {topic} is malformed: {exc}") from None
+        if args.wait:
+            for m in conn.stream([topics.events(ctx.cfg.cluster)], duration=args.wait):
+                try:
+                    e = ev_mod.parse(m.payload)
+                except ev_mod.EventError:
+                    continue
+                if e.instance == args.instance and e.reason is not None:
+                    history.append(e)
+    history = [e for e in history if e.instance in (None, args.instance)][-args.last:]
+    doc = {"instance": args.instance, "decisions": [e.to_dict() for e in history]}
+    text = "\n".join(views.event_line(e) for e in history) if history else \
+        f"no decisions recorded for {args.instance} on {topic} (use --wait SECONDS to listen)"
+    ctx.emit(args, doc, text)
+    return 0
+
+
+# ---- steering -----------------------------------------------------------------------------------
+
+
+def parse_delta(text: str) -> int:
+    t = text.strip()
+    if not t or t[0] not in "+-" or not t[1:].isdigit() or int(t[1:]) == 0:
+        raise argparse.ArgumentTypeError(f"expected +N or -N with N > 0, got {text!r}")
+    return int(t)
+
+
+def _reply(ctx: Context, conn: Connection, node: str, body: Dict[str, Any]) -> Reply:
+    return Reply.from_dict(conn.request(topics.agent_rpc(ctx.cfg.cluster, node), body))
+
+
+def _wait_for(ctx: Context, conn: Connection, done: Callable[[Fleet], bool], timeout: float) -> Fleet:
+    deadline = time.monotonic() + timeout
+    while True:
+        fleet = fleet_snapshot(conn, ctx.cfg.cluster)
+        if done(fleet) or time.monotonic() >= deadline:
+            return fleet
+        time.sleep(0.2)
+
+
+def cmd_scale(args: argparse.Namespace, ctx: Context) -> int:
+    req = ScaleRequest(operator=args.operator, delta=args.delta, pipeline=args.pipeline)
+    with ctx.connect(ctx.cfg) as conn:
+        fleet = fleet_snapshot(conn, ctx.cfg.cluster)
+        target, before = check_scale(fleet, req)
+        want = len([i for i in fleet.instances if i.operator == req.operator and i.phase is not Phase.TERMINATING]) + req.delta
+        reply = _reply(ctx, conn, target, req.to_dict())
+        if not reply.ok:
+            raise FogctlError(f"{target} refused scale {req.operator} {req.delta:+d}: {reply.error}")
+        doc: Dict[str, Any] = {"ok": True, "node": target, "request": req.to_dict(), "result": reply.result}
+        text = f"scale {req.operator} {req.delta:+d}: accepted by {target}"
+        if args.wait:
+            fleet = _wait_for(ctx, conn, lambda f: _count_active(f, req.operator) == want, args.wait)
+            got = _count_active(fleet, req.operator)
+            doc.update(instances=got, expected=want)
+            if got != want:
+                ctx.emit(args, dict(doc, ok=False), text + f"; {got} active instances after {args.wait:g}s, expected {want}")
+                return 1
+            text += f"; {req.operator} now has {got} active instances"
+    ctx.emit(args, doc, text)
+    return 0
+
+
+def _count_active(fleet: Fleet, operator: str) -> int:
+    return sum(1 for i in fleet.instances if i.operator == operator and i.phase is Phase.ACTIVE)
+
+
+def cmd_drain(args: argparse.Namespace, ctx: Context) -> int:
+    req = DrainRequest(node=args.node, undo=args.undo)
+    with ctx.connect(ctx.cfg) as conn:
+        fleet = fleet_snapshot(conn, ctx.cfg.cluster)
+        leaving = check_drain(fleet, req)
+        reply = _reply(ctx, conn, req.node, req.to_dict())
+        if not reply.ok:
+            raise FogctlError(f"{req.node} refused {'undrain' if req.undo else 'drain'}: {reply.error}")
+        doc: Dict[str, Any] = {"ok": True, "node": req.node, "leaving": leaving, "result": reply.result}
+        text = f"{'undrain' if req.undo else 'drain'} {req.node}: accepted" + \
+            (f"; leaving: {', '.join(leaving)}" if leaving else "")
+        if args.wait and not req.undo:
+            fleet = _wait_for(ctx, conn, lambda f: not (f.node(req.node) and f.node(req.node).instances), args.wait)  # type: ignore[union-attr]
+            left = [i.id for i in (fleet.node(req.node).instances if fleet.node(req.node) else ())]  # type: ignore[union-attr]
+            doc["remaining"] = left
+            if left:
+                ctx.emit(args, dict(doc, ok=False), text + f"; still hosting {', '.join(left)} after {args.wait:g}s")
+                return 1
+            text += f"; {req.node} is empty"
+    ctx.emit(args, doc, text)
+    return 0
+
+
+def cmd_deploy(args: argparse.Namespace, ctx: Context) -> int:
+    from agent.config import load_pipeline_text
+
+    path = Path(args.file)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise FogctlError(f"cannot read {path}: {exc.strerror}") from None
+    cfg = load_pipeline_text(text, path.name)  # ConfigError names file and key
+    name = cfg.pipeline.name
+    topic = topics.pipeline(ctx.cfg.cluster, name)
+    with ctx.connect(ctx.cfg) as conn:
+        conn.publish(topic, text.encode("utf-8"), qos=1, retain=True)
+    ops = [op.name for op in cfg.operators]
+    ctx.emit(args, {"ok": True, "pipeline": name, "topic": topic, "operators": ops},
+             f"deployed {name} ({' -> '.join(ops)}) on {topic}")
+    return 0
+
+
+def cmd_undeploy(args: argparse.Namespace, ctx: Context) -> int:
+    name = args.pipeline
+    if name.endswith(".toml"):
+        from agent.config import load_pipeline
+
+        name = load_pipeline(name).pipeline.name
+    topic = topics.pipeline(ctx.cfg.cluster, name)
+    with ctx.connect(ctx.cfg) as conn:
+        if topic not in conn.snapshot([topic]):
+            raise FogctlError(f"pipeline {name!r} is not deployed on {topic}")
+        conn.publish(topic, b"", qos=1, retain=True)  # an empty retained message clears it
+    ctx.emit(args, {"ok": True, "pipeline": name, "topic": topic}, f"undeployed {name} (cleared {topic})")
+    return 0
+
+
+COMMANDS = {
+    "status": cmd_status, "topology": cmd_topology, "latency": cmd_latency, "locks": cmd_locks,
+    "pipelines": cmd_pipelines, "watch": cmd_watch, "why": cmd_why, "scale": cmd_scale,
+    "drain": cmd_drain, "deploy": cmd_deploy, "undeploy": cmd_undeploy,
+}

@@ -1,0 +1,327 @@
+"""Pure parsing of what the agents publish (retained state, status, latency, pipelines).
+
+Why tolerant parsing: the daemon and fogctl are released separately and a Pi fleet is upgraded
+node by node, so fogctl must show an older or newer agent's state instead of failing on it. Each
+field is looked up under its documented key first (docs/fogctl.md "Payloads"), then under a few
+obvious aliases; a missing number shows as "-". A payload that is not a JSON object is kept as an
+`error` on its node, shown in the table, never a traceback.
+
+Nothing here does I/O or reads a clock: `Fleet.from_messages(messages, now)` is a function of
+the retained messages (topic -> payload bytes) and the time passed in.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+__all__ = ["Phase", "LockState", "Instance", "Node", "Fleet", "parse_state", "parse_status", "parse_latency"]
+
+
+class Phase(Enum):
+    ACTIVE = "active"
+    STARTING = "starting"
+    TERMINATING = "terminating"
+    UNKNOWN = "unknown"
+
+
+class LockState(Enum):
+    IDLE = "idle"
+    REQUESTING = "requesting"
+    IN_CS = "in_cs"
+
+
+@dataclass(frozen=True)
+class Instance:
+    id: str
+    operator: str
+    node: str
+    pipeline: Optional[str] = None
+    keeper: bool = False
+    phase: Phase = Phase.UNKNOWN
+    load: Optional[float] = None
+    capacity: Optional[float] = None
+    lock: Optional[LockState] = None
+    boundary: Optional[str] = None  # the 2-FGME boundary ("a|b") this instance's lock is about
+
+    @property
+    def ratio(self) -> Optional[float]:
+        if self.load is None or not self.capacity:
+            return None
+        return self.load / self.capacity
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {
+            "id": self.id, "operator": self.operator, "node": self.node, "pipeline": self.pipeline,
+            "keeper": self.keeper, "phase": self.phase.value, "load": self.load,
+            "capacity": self.capacity, "ratio": _round(self.ratio, 4),
+            "lock": self.lock.value if self.lock else None, "boundary": self.boundary,
+        }
+
+
+@dataclass(frozen=True)
+class Node:
+    node: str
+    status: str = "unknown"  # "online" | "offline" | "unknown" (no retained status)
+    cpu: Optional[float] = None
+    memory: Optional[float] = None
+    temperature: Optional[float] = None
+    slots: Optional[int] = None
+    free_slots: Optional[int] = None
+    capacity: Optional[float] = None
+    instances: Tuple[Instance, ...] = ()
+    ts: Optional[float] = None  # when the agent published its state (unix seconds)
+    error: Optional[str] = None
+
+    def last_seen(self, now: float) -> Optional[float]:
+        return None if self.ts is None else max(0.0, now - self.ts)
+
+    def to_dict(self, now: float) -> Dict[str, Any]:
+        return {
+            "node": self.node, "status": self.status, "cpu": self.cpu, "memory": self.memory,
+            "temperature": self.temperature, "slots": self.slots, "free_slots": self.free_slots,
+            "capacity": self.capacity, "instances": [i.id for i in self.instances],
+            "ts": self.ts, "last_seen_s": _round(self.last_seen(now), 3), "error": self.error,
+        }
+
+
+@dataclass(frozen=True)
+class Fleet:
+    cluster: str
+    nodes: Tuple[Node, ...]
+    latency: Dict[str, Dict[str, float]] = field(default_factory=dict)
+    emulated: Dict[str, Dict[str, float]] = field(default_factory=dict)
+    pipelines: Dict[str, str] = field(default_factory=dict)  # name -> TOML text
+
+    @property
+    def instances(self) -> List[Instance]:
+        return [i for n in self.nodes for i in n.instances]
+
+    def node(self, name: str) -> Optional[Node]:
+        for n in self.nodes:
+            if n.node == name:
+                return n
+        return None
+
+    def operator_order(self, pipeline: Optional[str] = None) -> List[str]:
+        """Operators in pipeline order when the pipeline TOML is retained, else by name."""
+        order: List[str] = []
+        names = [pipeline] if pipeline else sorted(self.pipelines)
+        for name in names:
+            text = self.pipelines.get(name or "")
+            if text:
+                order += [op for op in _operators_of(text) if op not in order]
+        seen = sorted({i.operator for i in self.instances if pipeline is None or i.pipeline in (None, pipeline)})
+        return order + [op for op in seen if op not in order]
+
+    @classmethod
+    def from_messages(cls, cluster: str, messages: Mapping[str, bytes]) -> "Fleet":
+        prefix = f"fog/{cluster}/"
+        states: Dict[str, Any] = {}
+        statuses: Dict[str, str] = {}
+        latency: Dict[str, Dict[str, float]] = {}
+        emulated: Dict[str, Dict[str, float]] = {}
+        pipelines: Dict[str, str] = {}
+        for topic, payload in messages.items():
+            if not topic.startswith(prefix) or not payload:
+                continue
+            parts = topic[len(prefix):].split("/")
+            if len(parts) == 3 and parts[0] == "agents" and parts[2] == "state":
+                states[parts[1]] = payload
+            elif len(parts) == 3 and parts[0] == "agents" and parts[2] == "status":
+                statuses[parts[1]] = parse_status(payload)
+            elif len(parts) == 2 and parts[0] == "latency":
+                measured, emu = parse_latency(payload)
+                if measured:
+                    latency[parts[1]] = measured
+                if emu:
+                    emulated[parts[1]] = emu
+            elif len(parts) == 2 and parts[0] == "pipelines":
+                pipelines[parts[1]] = payload.decode("utf-8", "replace")
+        nodes = []
+        for name in sorted(set(states) | set(statuses)):
+            node = parse_state(name, states[name]) if name in states else Node(name)
+            nodes.append(_replace(node, status=statuses.get(name, "unknown")))
+        return cls(cluster, tuple(nodes), latency, emulated, pipelines)
+
+
+# ---- payload parsers ----------------------------------------------------------------------------
+
+
+def parse_status(payload: bytes) -> str:
+    """Retained status: the plain strings "online"/"offline", or {"status": ...} JSON."""
+    text = payload.decode("utf-8", "replace").strip()
+    if text.startswith("{"):
+        try:
+            text = str(json.loads(text).get("status", "unknown"))
+        except (ValueError, AttributeError):
+            return "unknown"
+    text = text.strip('"').lower()
+    return text if text in ("online", "offline") else "unknown"
+
+
+def parse_state(node: str, payload: bytes) -> Node:
+    try:
+        d = json.loads(payload.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        return Node(node, error=f"state is not JSON ({exc})")
+    if not isinstance(d, dict):
+        return Node(node, error=f"state is a JSON {type(d).__name__}, expected an object")
+    name = d.get("node") if isinstance(d.get("node"), str) else node
+    raw = d.get("instances") or []
+    if isinstance(raw, dict):  # {"id": {...}} form
+        raw = [dict(v, id=k) if isinstance(v, dict) else {"id": k} for k, v in raw.items()]
+    instances = []
+    for item in raw if isinstance(raw, list) else []:
+        inst = _instance(name, item, d)
+        if inst is not None:
+            instances.append(inst)
+    slots = _int(d, "slots", "slots_total")
+    free = _int(d, "free_slots", "slots_free", "free")
+    if free is None and slots is not None:
+        free = max(0, slots - len(instances))
+    return Node(
+        node=name,
+        cpu=_num(d, "cpu", "cpu_percent"),
+        memory=_num(d, "memory", "mem", "memory_percent", "mem_percent"),
+        temperature=_num(d, "temperature", "temp", "temperature_c"),
+        slots=slots,
+        free_slots=free,
+        capacity=_num(d, "capacity", "node_capacity"),
+        instances=tuple(sorted(instances, key=lambda i: (i.operator, i.id))),
+        ts=_num(d, "ts", "time", "timestamp"),
+    )
+
+
+def _instance(node: str, item: Any, state: Mapping[str, Any]) -> Optional[Instance]:
+    if isinstance(item, str):
+        return Instance(id=item, operator=item.rsplit("-", 1)[0], node=node)
+    if not isinstance(item, dict):
+        return None
+    iid = item.get("id") or item.get("instance")
+    if not isinstance(iid, str) or not iid:
+        return None
+    operator = item.get("operator") if isinstance(item.get("operator"), str) else iid.rsplit("-", 1)[0]
+    pipeline = item.get("pipeline") if isinstance(item.get("pipeline"), str) else state.get("pipeline")
+    lock_raw = item.get("lock")
+    lock = boundary = None
+    if isinstance(lock_raw, dict):
+        lock = _lock_state(lock_raw.get("state"))
+        boundary = lock_raw.get("boundary") if isinstance(lock_raw.get("boundary"), str) else None
+    elif isinstance(lock_raw, str):
+        lock = _lock_state(lock_raw)
+        boundary = item.get("boundary") if isinstance(item.get("boundary"), str) else None
+    return Instance(
+        id=iid, operator=operator, node=node,
+        pipeline=pipeline if isinstance(pipeline, str) else None,
+        keeper=bool(item.get("keeper", False)),
+        phase=_phase(item),
+        load=_num(item, "load", "load_rate", "rate"),
+        capacity=_num(item, "capacity"),
+        lock=lock, boundary=boundary,
+    )
+
+
+def _phase(item: Mapping[str, Any]) -> Phase:
+    for key in ("phase", "state", "status"):
+        v = item.get(key)
+        if isinstance(v, str):
+            try:
+                return Phase(v.lower())
+            except ValueError:
+                if v.lower() in ("ready", "running"):
+                    return Phase.ACTIVE
+                if v.lower() in ("draining", "stopping", "leaving"):
+                    return Phase.TERMINATING
+    if item.get("terminating"):
+        return Phase.TERMINATING
+    if item.get("starting"):
+        return Phase.STARTING
+    if "active" in item:
+        return Phase.ACTIVE if item.get("active") else Phase.STARTING
+    return Phase.UNKNOWN
+
+
+def _lock_state(v: Any) -> Optional[LockState]:
+    try:
+        return LockState(str(v).lower())
+    except ValueError:
+        return None
+
+
+def parse_latency(payload: bytes) -> Tuple[Dict[str, float], Dict[str, float]]:
+    """Retained latency of one node: ({peer: measured RTT ms}, {peer: emulated delay ms})."""
+    try:
+        d = json.loads(payload.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return {}, {}
+    if not isinstance(d, dict):
+        return {}, {}
+    measured = _peer_map(d, ("rtt_ms", "measured", "peers", "rtt"))
+    emulated = _peer_map(d, ("emulated_ms", "emulated", "netem_ms", "configured"))
+    if not measured and not emulated:  # a flat {peer: ms} object
+        measured = {k: float(v) for k, v in d.items() if _isnum(v) and k not in ("ts", "v")}
+    return measured, emulated
+
+
+def _peer_map(d: Mapping[str, Any], keys: Sequence[str]) -> Dict[str, float]:
+    for k in keys:
+        v = d.get(k)
+        if isinstance(v, dict):
+            out: Dict[str, float] = {}
+            for peer, ms in v.items():
+                if isinstance(ms, dict):
+                    ms = next((ms[x] for x in ("rtt_ms", "ms", "mean", "value") if _isnum(ms.get(x))), None)
+                if _isnum(ms):
+                    out[str(peer)] = float(ms)
+            return out
+    return {}
+
+
+def _operators_of(text: str) -> List[str]:
+    try:
+        from agent.schema import tomllib
+
+        data = tomllib.loads(text)
+    except Exception:  # a malformed retained pipeline must not break `status`
+        return []
+    ops = data.get("operator") or []
+    return [op["name"] for op in ops if isinstance(op, dict) and isinstance(op.get("name"), str)]
+
+
+def _isnum(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _num(d: Mapping[str, Any], *keys: str) -> Optional[float]:
+    for k in keys:
+        v = d.get(k)
+        if isinstance(v, dict):  # {"percent": 12.5} style
+            v = next((v[x] for x in ("percent", "value", "celsius", "used_percent") if _isnum(v.get(x))), None)
+        if _isnum(v):
+            return float(v)
+    return None
+
+
+def _int(d: Mapping[str, Any], *keys: str) -> Optional[int]:
+    v = _num(d, *keys)
+    return None if v is None else int(v)
+
+
+def _round(v: Optional[float], digits: int) -> Optional[float]:
+    return None if v is None else round(v, digits)
+
+
+def _replace(node: Node, **changes: Any) -> Node:
+    import dataclasses
+
+    return dataclasses.replace(node, **changes)
+
+
+def iter_instances(fleet: Fleet, pipeline: Optional[str] = None) -> Iterable[Instance]:
+    for i in fleet.instances:
+        if pipeline is None or i.pipeline in (None, pipeline):
+            yield i

@@ -1,0 +1,162 @@
+"""Steering requests from fogctl to an agent's rpc topic, and the agent's reply (JSON, MQTT 5).
+
+Transport: fogctl publishes the request (QoS 1, not retained) on `topics.agent_rpc(cluster, node)`
+with the MQTT 5 properties ResponseTopic (`topics.replies(cluster, client)`) and CorrelationData;
+the agent publishes exactly one reply object on the response topic with the same CorrelationData.
+The same topic also carries the daemon's own `spawn` requests; requests are told apart by `op`.
+
+Requests (`{"v": 1, "op": ..., ...}`):
+  scale     {"op": "scale", "pipeline": "taxi"|null, "operator": "in_zone", "delta": 2}
+            sent to the agent hosting the operator's keeper (else any instance of it). delta > 0:
+            that agent's instance(s) duplicate through the scaling protocol (one duplication per
+            copy, same messages as an automatic scale-out). delta < 0: -delta non-keeper instances
+            leave through the scaling protocol's scale-in (drain before exit).
+  drain     {"op": "drain", "node": "n2"}  sent to n2 itself. Every instance on n2 leaves through
+            scale-in; a keeper first duplicates itself onto another node and hands the keeper role
+            to the copy, then leaves. The agent stops accepting new instances until `undrain`.
+  undrain   {"op": "undrain", "node": "n2"}
+Reply: {"v": 1, "ok": true, "result": {...}} or {"v": 1, "ok": false, "error": "one line"}.
+  scale result: {"instances": [new or leaving instance ids]}; drain result: {"leaving": [...]}.
+
+An agent MUST refuse (ok=false, error says which invariant) a request that would break one:
+scaling below one instance or terminating a keeper, more copies than free slots, draining the
+last node that can host a keeper. fogctl checks the same rules before sending (`check_scale`,
+`check_drain`) so that a person gets the refusal without a round trip; the agent's check is the
+one that counts, because the fleet may change in between.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional
+
+from agent.fogctl.fleet import Fleet, Phase
+
+__all__ = [
+    "SCHEMA_VERSION", "ScaleRequest", "DrainRequest", "Reply", "parse_request", "check_scale",
+    "check_drain", "RequestError",
+]
+
+SCHEMA_VERSION = 1
+
+
+class RequestError(ValueError):
+    """A malformed request (the agent replies ok=false with this message)."""
+
+
+@dataclass(frozen=True)
+class ScaleRequest:
+    operator: str
+    delta: int
+    pipeline: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.operator, str) or not self.operator:
+            raise RequestError(f"operator: expected a non-empty string, found {self.operator!r}")
+        if isinstance(self.delta, bool) or not isinstance(self.delta, int) or self.delta == 0:
+            raise RequestError(f"delta: expected a non-zero integer, found {self.delta!r}")
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"v": SCHEMA_VERSION, "op": "scale", "operator": self.operator, "delta": self.delta,
+                "pipeline": self.pipeline}
+
+
+@dataclass(frozen=True)
+class DrainRequest:
+    node: str
+    undo: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.node, str) or not self.node:
+            raise RequestError(f"node: expected a non-empty string, found {self.node!r}")
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"v": SCHEMA_VERSION, "op": "undrain" if self.undo else "drain", "node": self.node}
+
+
+@dataclass(frozen=True)
+class Reply:
+    ok: bool
+    result: Dict[str, Any]
+    error: Optional[str] = None
+
+    def to_dict(self) -> Dict[str, Any]:
+        out: Dict[str, Any] = {"v": SCHEMA_VERSION, "ok": self.ok}
+        if self.ok:
+            out["result"] = self.result
+        else:
+            out["error"] = self.error or "refused"
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Reply":
+        ok = d.get("ok") is True
+        result = d.get("result") if isinstance(d.get("result"), dict) else {}
+        err = d.get("error")
+        return cls(ok, dict(result), None if ok else (str(err) if err else "refused without a reason"))
+
+
+def parse_request(d: Any) -> Any:
+    """Agent side: decode a request dict into ScaleRequest / DrainRequest; RequestError if bad."""
+    if not isinstance(d, Mapping):
+        raise RequestError(f"request: expected a JSON object, found {type(d).__name__}")
+    op = d.get("op")
+    if op == "scale":
+        return ScaleRequest(operator=d.get("operator"), delta=d.get("delta"), pipeline=d.get("pipeline"))  # type: ignore[arg-type]
+    if op in ("drain", "undrain"):
+        return DrainRequest(node=d.get("node"), undo=op == "undrain")  # type: ignore[arg-type]
+    raise RequestError(f"op: expected scale, drain or undrain, found {op!r}")
+
+
+# ---- the invariants, checked from a fleet snapshot (pure) --------------------------------------
+
+
+def check_scale(fleet: Fleet, req: ScaleRequest) -> "tuple[str, List[str]]":
+    """(target node, instance ids of the operator) or raise RequestError saying what is wrong."""
+    insts = [i for i in fleet.instances if i.operator == req.operator
+             and (req.pipeline is None or i.pipeline in (None, req.pipeline))]
+    online = {n.node for n in fleet.nodes if n.status == "online"}
+    if not insts:
+        known = sorted({i.operator for i in fleet.instances})
+        raise RequestError(f"no instance of operator {req.operator!r} in cluster {fleet.cluster!r}"
+                           f" (operators: {', '.join(known) or 'none'})")
+    pipelines = sorted({i.pipeline for i in insts if i.pipeline})
+    if req.pipeline is None and len(pipelines) > 1:
+        raise RequestError(f"operator {req.operator!r} exists in pipelines {', '.join(pipelines)}: add --pipeline")
+    live = [i for i in insts if i.phase is not Phase.TERMINATING and i.node in online]
+    if not live:
+        raise RequestError(f"no instance of {req.operator!r} is on an online node")
+    if req.delta > 0:
+        free = sum(n.free_slots or 0 for n in fleet.nodes if n.status == "online")
+        if req.delta > free:
+            raise RequestError(f"refused: {req.operator} +{req.delta} needs {req.delta} free slots, "
+                               f"the online nodes have {free}")
+    else:
+        removable = [i for i in live if not i.keeper and i.phase is Phase.ACTIVE]
+        if -req.delta > len(removable):
+            raise RequestError(
+                f"refused: {req.operator} {req.delta} would break an invariant: it has {len(live)} "
+                f"instance(s), the keeper never terminates, so at most {len(removable)} can leave")
+    keepers = [i for i in live if i.keeper]
+    target = (keepers or sorted(live, key=lambda i: i.id))[0].node
+    return target, [i.id for i in insts]
+
+
+def check_drain(fleet: Fleet, req: DrainRequest) -> List[str]:
+    """The instance ids that will leave node `req.node`, or raise RequestError."""
+    node = fleet.node(req.node)
+    if node is None:
+        raise RequestError(f"unknown node {req.node!r} in cluster {fleet.cluster!r} "
+                           f"(nodes: {', '.join(n.node for n in fleet.nodes) or 'none'})")
+    if node.status != "online":
+        raise RequestError(f"node {req.node} is {node.status}: a drain needs the agent online")
+    if req.undo:
+        return []
+    others = [n for n in fleet.nodes if n.node != req.node and n.status == "online"]
+    free = sum(n.free_slots or 0 for n in others)
+    keepers = [i.id for i in node.instances if i.keeper]
+    if keepers and free == 0:
+        raise RequestError(f"refused: draining {req.node} would break an invariant: keeper(s) "
+                           f"{', '.join(keepers)} must move by duplication first and no other online "
+                           f"node has a free slot")
+    return [i.id for i in node.instances]
