@@ -1,0 +1,270 @@
+"""One interface for every scaling policy: `policy.decide(measurements) -> ScalingAction`.
+
+Why: the operator's `[scaling] policy = "decentralized" | "threshold" | "model"` must be a
+configuration switch, not a code path per policy in the worker, the daemon and the simulator.
+Each policy object is owned by ONE operator instance, is fed that instance's measurements once per
+period, and may keep state between calls (a cooldown clock, model calibration points); it never
+reads a clock or a random generator itself: `Measurements.now` and `Measurements.draw` bring them.
+
+Mapping Gesscale's per-operator decision onto decentralized instances
+----------------------------------------------------------------------
+Gesscale (and the CPU-threshold baselines) decide for a whole operator: "go from n to n' replicas".
+Here there is no operator controller; every instance decides for itself. Each instance therefore
+(1) estimates the operator-level inputs from its own share, assuming the even split the routing
+gives (operator throughput CT = n * own throughput, input rate IR = n * own received load, n from
+the retained agent states), (2) computes the same operator-level target n' as the paper, and
+(3) applies its *share* of the change delta = n' - n:
+
+- with a rank (`Measurements.rank`: this instance's position among its siblings, 0 = the one
+  farthest from the others in the latency matrix), the share is exact and deterministic: on
+  scale-in the |delta| farthest non-keeper instances terminate; on scale-out instance k (counting
+  from the closest, i.e. n-1-rank) creates ceil((delta - k) / n) copies, so the n instances create
+  exactly delta in total (Gesscale's "remove the farthest", plus "add near the others", which the
+  placement functions below choose);
+- without a rank, each instance acts with probability: scale-out delta/n copies per instance
+  (floor plus a coin flip on the fraction), scale-in with probability |delta|/(n-1) per non-keeper
+  (the keeper never terminates), so the expected change is delta, as in the paper's protocol.
+
+Placement: `rank_nodes_for_scale_out` prefers the node that keeps the operator's largest RTT
+(ND_max of the MST model) smallest; `farthest` names the instance to remove on scale-in.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Dict, Mapping, Optional, Sequence, Tuple
+
+try:  # Python 3.8+: typing.Protocol
+    from typing import Protocol
+except ImportError:  # pragma: no cover
+    Protocol = object  # type: ignore
+
+__all__ = [
+    "ActionKind",
+    "ScalingAction",
+    "Measurements",
+    "Policy",
+    "NO_ACTION",
+    "share_of_delta",
+    "DecentralizedPolicy",
+    "make_policy",
+    "POLICY_NAMES",
+    "nd_max",
+    "rank_nodes_for_scale_out",
+    "farthest",
+    "sibling_rank",
+]
+
+
+class ActionKind(Enum):
+    NONE = "none"
+    SCALE_OUT = "scale_out"  # duplicate this instance `count` times
+    SCALE_IN = "scale_in"  # terminate this instance
+
+
+@dataclass(frozen=True)
+class ScalingAction:
+    """What one instance does now. `target` is the operator-level n' the policy aimed for (if any)."""
+
+    kind: ActionKind
+    count: int = 0
+    target: Optional[int] = None
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind is ActionKind.NONE and self.count != 0:
+            raise ValueError(f"a NONE action has count 0, found {self.count}")
+        if self.kind is not ActionKind.NONE and self.count < 1:
+            raise ValueError(f"a {self.kind.value} action needs count >= 1, found {self.count}")
+
+    @property
+    def scales(self) -> bool:
+        return self.kind is not ActionKind.NONE
+
+
+NO_ACTION = ScalingAction(ActionKind.NONE)
+
+
+@dataclass(frozen=True)
+class Measurements:
+    """What one instance measured over its last period (rates in records/s, times in seconds).
+
+    load: records/s this instance received (the paper's l_t divided by the period).
+    throughput: records/s it processed (Gesscale's CT for its share).
+    capacity: records/s one instance sustains here (calibrated, corrected online).
+    cpu: this instance's CPU utilisation in [0, 1] (None: use throughput/capacity).
+    backpressure: fraction of the period this instance was blocked by its successors.
+    upstream_backpressure: the same for its predecessors toward it (max over them).
+    n_instances: siblings including itself (None when unknown: per-instance policies only).
+    nd_max_ms: the largest RTT among the operator's nodes, ms (Gesscale ND_max).
+    rank: position among siblings, 0 = farthest in the latency matrix (None: unknown).
+    draw: a uniform number in [0, 1) for probabilistic policies.
+    """
+
+    now: float
+    load: float
+    throughput: float
+    capacity: float
+    cpu: Optional[float] = None
+    backpressure: float = 0.0
+    upstream_backpressure: float = 0.0
+    n_instances: Optional[int] = None
+    nd_max_ms: float = 0.0
+    rank: Optional[int] = None
+    is_keeper: bool = False
+    draw: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.load < 0 or self.throughput < 0:
+            raise ValueError(f"load and throughput must be >= 0, found {self.load}, {self.throughput}")
+        if not self.capacity > 0:
+            raise ValueError(f"capacity must be > 0, found {self.capacity}")
+        if self.n_instances is not None and self.n_instances < 1:
+            raise ValueError(f"n_instances must be >= 1, found {self.n_instances}")
+        if not 0.0 <= self.draw < 1.0:
+            raise ValueError(f"draw must be in [0, 1), found {self.draw}")
+
+    @property
+    def utilisation(self) -> float:
+        """CPU when measured, else processed/capacity (what a busy single-threaded worker shows)."""
+        return self.cpu if self.cpu is not None else self.throughput / self.capacity
+
+
+class Policy(Protocol):
+    name: str
+
+    def decide(self, m: Measurements) -> ScalingAction:  # pragma: no cover - interface
+        ...
+
+
+def share_of_delta(delta: int, m: Measurements, target: Optional[int] = None, reason: str = "") -> ScalingAction:
+    """This instance's part of an operator-level change of `delta` instances (see module doc)."""
+    n = m.n_instances or 1
+    if delta > 0:
+        if m.rank is not None:
+            k = n - 1 - m.rank  # 0 = closest to the others: it adds first
+            count = max(0, math.ceil((delta - k) / n))
+        else:
+            per = delta / n
+            count = math.floor(per) + (1 if m.draw < per - math.floor(per) else 0)
+        return ScalingAction(ActionKind.SCALE_OUT, count, target, reason) if count else NO_ACTION
+    if delta < 0 and not m.is_keeper:
+        if m.rank is not None:
+            go = m.rank < -delta
+        else:
+            go = m.draw < min(1.0, -delta / max(1, n - 1))
+        return ScalingAction(ActionKind.SCALE_IN, 1, target, reason) if go else NO_ACTION
+    return NO_ACTION
+
+
+class DecentralizedPolicy:
+    """Adapter: the paper's probabilistic policy (agent.policy.decentralized) behind `decide()`.
+
+    It is per-instance by construction (it never needs n); the load it compares with C is the
+    records/s this instance received.
+    """
+
+    name = "decentralized"
+
+    def __init__(self, params: "object" = None) -> None:
+        from agent.policy.decentralized import ScalingParams
+
+        self.params = params if params is not None else ScalingParams()
+
+    def decide(self, m: Measurements) -> ScalingAction:
+        from agent.policy.decentralized import Action, ScalingParams, decide
+
+        params = self.params
+        if params.capacity != m.capacity:  # the capacity follows calibration / throttling
+            params = ScalingParams(m.capacity, params.target_ratio, params.up, params.down,
+                                   params.use_r_secure, params.max_copies)
+        d = decide(params, m.load, m.is_keeper, m.draw)
+        if d.action is Action.DUPLICATE:
+            return ScalingAction(ActionKind.SCALE_OUT, d.count, None, f"p={d.factor:.3f}")
+        if d.action is Action.TERMINATE:
+            return ScalingAction(ActionKind.SCALE_IN, 1, None, f"q={d.factor:.3f}")
+        return NO_ACTION
+
+
+POLICY_NAMES = ("decentralized", "threshold", "model")
+
+
+def make_policy(name: str, scaling: "object" = None) -> Policy:
+    """Build the policy an operator's `[scaling]` section (agent.config.ScalingSection) selects."""
+    if name == "decentralized":
+        from agent.policy.decentralized import ScalingParams
+
+        if scaling is None:
+            return DecentralizedPolicy()
+        cap = scaling.capacity if isinstance(scaling.capacity, (int, float)) else 500.0
+        return DecentralizedPolicy(ScalingParams(float(cap), scaling.target_ratio, scaling.up,
+                                                 scaling.down, scaling.r_secure))
+    if name == "threshold":
+        from agent.policy.threshold import ThresholdPolicy
+
+        if scaling is None:
+            return ThresholdPolicy()
+        return ThresholdPolicy(cooldown=scaling.cooldown, min_instances=scaling.min_instances,
+                               max_instances=scaling.max_instances)
+    if name == "model":
+        from agent.policy.model import ModelPolicy
+
+        if scaling is None:
+            return ModelPolicy()
+        return ModelPolicy(cooldown=scaling.cooldown, min_instances=scaling.min_instances,
+                           max_instances=scaling.max_instances)
+    raise ValueError(f"unknown policy {name!r}: expected one of {', '.join(POLICY_NAMES)}")
+
+
+# ---- latency-aware placement ---------------------------------------------------------------------
+
+Matrix = Mapping[str, Mapping[str, float]]
+
+
+def _rtt(matrix: Matrix, a: str, b: str) -> float:
+    if a == b:
+        return 0.0
+    v = matrix.get(a, {}).get(b)
+    if v is None:
+        v = matrix.get(b, {}).get(a)
+    if v is None:
+        raise KeyError(f"no latency between {a!r} and {b!r} in the matrix")
+    return float(v)
+
+
+def nd_max(matrix: Matrix, nodes: Sequence[str]) -> float:
+    """The greatest RTT among the nodes hosting an operator (0 for a single node)."""
+    uniq = sorted(set(nodes))
+    return max((_rtt(matrix, a, b) for i, a in enumerate(uniq) for b in uniq[i + 1:]), default=0.0)
+
+
+def rank_nodes_for_scale_out(matrix: Matrix, current: Sequence[str], candidates: Sequence[str]) -> Tuple[str, ...]:
+    """Candidates best first: smallest resulting ND_max, then smallest summed RTT, then name."""
+    def key(c: str) -> Tuple[float, float, str]:
+        return (nd_max(matrix, list(current) + [c]), sum(_rtt(matrix, c, x) for x in current), c)
+
+    return tuple(sorted(candidates, key=key))
+
+
+def farthest(matrix: Matrix, placement: Mapping[str, str], keeper: Optional[str] = None) -> Optional[str]:
+    """The instance (of `placement`: instance -> node) with the greatest summed RTT to the others."""
+    ranked = [i for i in _by_distance(matrix, placement) if i != keeper]
+    return ranked[0] if ranked else None
+
+
+def _by_distance(matrix: Matrix, placement: Mapping[str, str]) -> Tuple[str, ...]:
+    def key(inst: str) -> Tuple[float, str]:
+        node = placement[inst]
+        return (-sum(_rtt(matrix, node, placement[o]) for o in placement if o != inst), inst)
+
+    return tuple(sorted(placement, key=key))
+
+
+def sibling_rank(matrix: Matrix, placement: Mapping[str, str], instance: str, keeper: Optional[str] = None) -> int:
+    """`Measurements.rank` for `instance`: 0 = farthest; the keeper is always ranked last."""
+    order = [i for i in _by_distance(matrix, placement) if i != keeper]
+    if keeper is not None and keeper in placement:
+        order.append(keeper)
+    return order.index(instance)
