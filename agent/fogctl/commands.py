@@ -189,15 +189,21 @@ def cmd_scale(args: argparse.Namespace, ctx: Context) -> int:
     req = ScaleRequest(operator=args.operator, delta=args.delta, pipeline=args.pipeline)
     with ctx.connect(ctx.cfg) as conn:
         fleet = fleet_snapshot(conn, ctx.cfg.cluster)
-        target, before = check_scale(fleet, req)
-        want = len([i for i in fleet.instances if i.operator == req.operator and i.phase is not Phase.TERMINATING]) + req.delta
-        reply = _reply(ctx, conn, target, req.to_dict())
-        if not reply.ok:
-            raise FogctlError(f"{target} refused scale {req.operator} {req.delta:+d}: {reply.error}")
-        doc: Dict[str, Any] = {"ok": True, "node": target, "request": req.to_dict(), "result": reply.result}
-        text = f"scale {req.operator} {req.delta:+d}: accepted by {target}"
+        plan = check_scale(fleet, req)
+        want = _count_active(fleet, req.operator) + req.delta
+        results = []
+        for node, sub in plan:
+            reply = _reply(ctx, conn, node, sub.to_dict())
+            if not reply.ok:
+                raise FogctlError(f"{node} refused scale {req.operator} {sub.delta:+d}: {reply.error}")
+            results.append({"node": node, "request": sub.to_dict(), "result": reply.result})
+        doc: Dict[str, Any] = {"ok": True, "operator": req.operator, "delta": req.delta, "requests": results}
+        text = f"scale {req.operator} {req.delta:+d}: accepted by {', '.join(n for n, _ in plan)}"
+        if req.delta < 0:
+            text += f" ({', '.join(i for _, s in plan for i in s.instances)} leaving)"
         if args.wait:
-            fleet = _wait_for(ctx, conn, lambda f: _count_active(f, req.operator) == want, args.wait)
+            fleet = _wait_for(ctx, conn, lambda f: _count_active(f, req.operator) == want
+                              and not _count_phase(f, req.operator, Phase.TERMINATING), args.wait)
             got = _count_active(fleet, req.operator)
             doc.update(instances=got, expected=want)
             if got != want:
@@ -206,6 +212,10 @@ def cmd_scale(args: argparse.Namespace, ctx: Context) -> int:
             text += f"; {req.operator} now has {got} active instances"
     ctx.emit(args, doc, text)
     return 0
+
+
+def _count_phase(fleet: Fleet, operator: str, phase: Phase) -> int:
+    return sum(1 for i in fleet.instances if i.operator == operator and i.phase is phase)
 
 
 def _count_active(fleet: Fleet, operator: str) -> int:

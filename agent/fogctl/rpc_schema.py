@@ -7,10 +7,14 @@ The same topic also carries the daemon's own `spawn` requests; requests are told
 
 Requests (`{"v": 1, "op": ..., ...}`):
   scale     {"op": "scale", "pipeline": "taxi"|null, "operator": "in_zone", "delta": 2}
-            sent to the agent hosting the operator's keeper (else any instance of it). delta > 0:
-            that agent's instance(s) duplicate through the scaling protocol (one duplication per
-            copy, same messages as an automatic scale-out). delta < 0: -delta non-keeper instances
-            leave through the scaling protocol's scale-in (drain before exit).
+            delta > 0: sent to the agent hosting the operator's keeper (else any instance of it);
+            that agent's instance duplicates through the scaling protocol (one duplication per
+            copy, same messages as an automatic scale-out; placement picks the nodes).
+  scale-in  {"op": "scale", "pipeline": ..., "operator": "in_zone", "delta": -1,
+             "instances": ["in_zone-3"]}
+            delta < 0: one request per node hosting the chosen instances (non-keepers, least
+            loaded first), naming them; they leave through the protocol's scale-in (drain before
+            exit). An agent acts only on its own instances.
   drain     {"op": "drain", "node": "n2"}  sent to n2 itself. Every instance on n2 leaves through
             scale-in; a keeper first duplicates itself onto another node and hands the keeper role
             to the copy, then leaves. The agent stops accepting new instances until `undrain`.
@@ -28,7 +32,7 @@ one that counts, because the fleet may change in between.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from agent.fogctl.fleet import Fleet, Phase
 
@@ -49,16 +53,22 @@ class ScaleRequest:
     operator: str
     delta: int
     pipeline: Optional[str] = None
+    instances: Tuple[str, ...] = ()  # scale-in: which instances leave
 
     def __post_init__(self) -> None:
+        if self.instances and len(self.instances) != -self.delta:
+            raise RequestError(f"instances: expected {-self.delta} ids for delta {self.delta}, found {len(self.instances)}")
         if not isinstance(self.operator, str) or not self.operator:
             raise RequestError(f"operator: expected a non-empty string, found {self.operator!r}")
         if isinstance(self.delta, bool) or not isinstance(self.delta, int) or self.delta == 0:
             raise RequestError(f"delta: expected a non-zero integer, found {self.delta!r}")
 
     def to_dict(self) -> Dict[str, Any]:
-        return {"v": SCHEMA_VERSION, "op": "scale", "operator": self.operator, "delta": self.delta,
-                "pipeline": self.pipeline}
+        d = {"v": SCHEMA_VERSION, "op": "scale", "operator": self.operator, "delta": self.delta,
+             "pipeline": self.pipeline}
+        if self.instances:
+            d["instances"] = list(self.instances)
+        return d
 
 
 @dataclass(frozen=True)
@@ -102,7 +112,11 @@ def parse_request(d: Any) -> Any:
         raise RequestError(f"request: expected a JSON object, found {type(d).__name__}")
     op = d.get("op")
     if op == "scale":
-        return ScaleRequest(operator=d.get("operator"), delta=d.get("delta"), pipeline=d.get("pipeline"))  # type: ignore[arg-type]
+        ids = d.get("instances") or []
+        if not isinstance(ids, list) or not all(isinstance(i, str) and i for i in ids):
+            raise RequestError(f"instances: expected an array of instance ids, found {ids!r}")
+        return ScaleRequest(operator=d.get("operator"), delta=d.get("delta"), pipeline=d.get("pipeline"),  # type: ignore[arg-type]
+                            instances=tuple(ids))
     if op in ("drain", "undrain"):
         return DrainRequest(node=d.get("node"), undo=op == "undrain")  # type: ignore[arg-type]
     raise RequestError(f"op: expected scale, drain or undrain, found {op!r}")
@@ -111,8 +125,8 @@ def parse_request(d: Any) -> Any:
 # ---- the invariants, checked from a fleet snapshot (pure) --------------------------------------
 
 
-def check_scale(fleet: Fleet, req: ScaleRequest) -> "tuple[str, List[str]]":
-    """(target node, instance ids of the operator) or raise RequestError saying what is wrong."""
+def check_scale(fleet: Fleet, req: ScaleRequest) -> List[Tuple[str, ScaleRequest]]:
+    """The (node, request) pairs to send, or raise RequestError saying which rule it breaks."""
     insts = [i for i in fleet.instances if i.operator == req.operator
              and (req.pipeline is None or i.pipeline in (None, req.pipeline))]
     online = {n.node for n in fleet.nodes if n.status == "online"}
@@ -137,9 +151,15 @@ def check_scale(fleet: Fleet, req: ScaleRequest) -> "tuple[str, List[str]]":
             raise RequestError(
                 f"refused: {req.operator} {req.delta} would break an invariant: it has {len(live)} "
                 f"instance(s), the keeper never terminates, so at most {len(removable)} can leave")
+        leaving = sorted(removable, key=lambda i: (i.load if i.load is not None else 0.0, i.id))[: -req.delta]
+        per_node: Dict[str, List[str]] = {}
+        for i in leaving:
+            per_node.setdefault(i.node, []).append(i.id)
+        return [(node, ScaleRequest(req.operator, -len(ids), req.pipeline, tuple(ids)))
+                for node, ids in sorted(per_node.items())]
     keepers = [i for i in live if i.keeper]
     target = (keepers or sorted(live, key=lambda i: i.id))[0].node
-    return target, [i.id for i in insts]
+    return [(target, req)]
 
 
 def check_drain(fleet: Fleet, req: DrainRequest) -> List[str]:

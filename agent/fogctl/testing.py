@@ -153,9 +153,11 @@ class FakeAgent:
                         new.append(FakeInstance(f"{req.operator}-{self._next}", req.operator, phase="starting"))
                     self.instances += new
                     return Reply(True, {"instances": [i.id for i in new]})
-                leaving = [i for i in self.instances if i.operator == req.operator and not i.keeper][: -req.delta]
-                if len(leaving) < -req.delta:
-                    return Reply(False, {}, f"only {len(leaving)} non-keeper instances of {req.operator} here")
+                mine = {i.id: i for i in self.instances if i.operator == req.operator and not i.keeper}
+                missing = [x for x in req.instances if x not in mine]
+                if missing or len(req.instances) != -req.delta:
+                    return Reply(False, {}, f"not non-keeper instances of {req.operator} on {self.node}: {missing}")
+                leaving = [mine[x] for x in req.instances]
                 for i in leaving:
                     i.phase = "terminating"
                 return Reply(True, {"instances": [i.id for i in leaving]})
