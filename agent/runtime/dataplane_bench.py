@@ -1,0 +1,405 @@
+"""`fog-agent bench dataplane`: throughput of the worker data path against the raw broker limit.
+
+Also home of `LocalRunner`, a minimal stand-in for the agent daemon (it plays the agent's side
+of the control pipe: starts workers, answers "spawn" by starting another worker and replying
+"spawned" once it is ready). Tests and this benchmark use it to run workers without the daemon.
+
+Measured in one run, on one private Mosquitto:
+- raw: one paho publisher sends pre-encoded batches (the same bytes a worker sends: same batch
+  size, same records, QoS 1, in-flight window 100) to one no-op subscriber: the broker + paho
+  limit for this batch size, in records/s;
+- pipeline: source -> identity -> sink (3 operators of trivial work, one instance each, the
+  real worker processes with envelopes, FIFO channels, credit flow control and PUBACK-gated
+  acks), records/s at the sink;
+- ratio = pipeline / raw (goal >= 0.5);
+- RSS of one idle worker (goal < 40 MB) next to a bare `python -c "import paho.mqtt.client"`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence
+
+from agent.runtime.spec import BrokerSpec, InstanceSpec, control_line, parse_control_line
+
+__all__ = ["WorkerProc", "LocalRunner", "pipeline_toml", "initial_specs", "register_bench", "run_bench"]
+
+PY = sys.executable
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + " }"
+    raise TypeError(f"cannot write {v!r} as TOML")
+
+
+def pipeline_toml(name: str, operators: Sequence[Dict[str, Any]], scaling: Optional[Dict[str, Any]] = None) -> str:
+    """A pipeline description from dicts (tests and benchmarks build pipelines with it)."""
+    lines = ["[pipeline]", f"name = {_toml_value(name)}", ""]
+    if scaling:
+        lines.append("[scaling]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in scaling.items()]
+        lines.append("")
+    for op in operators:
+        lines.append("[[operator]]")
+        sub = {}
+        for k, v in op.items():
+            if k == "scaling":
+                sub = v
+                continue
+            lines.append(f"{k} = {_toml_value(v)}")
+        if sub:
+            lines.append("[operator.scaling]")
+            lines += [f"{k} = {_toml_value(v)}" for k, v in sub.items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def initial_specs(
+    toml_text: str,
+    broker: BrokerSpec,
+    state_dir: str,
+    cluster: str = "bench",
+    node: str = "local",
+    extra: Optional[Dict[str, Any]] = None,
+) -> List[InstanceSpec]:
+    """One keeper instance "<operator>-0" per operator, wired in a chain."""
+    from agent.config import load_pipeline_text
+
+    cfg = load_pipeline_text(toml_text)
+    names = [op.name for op in cfg.operators]
+    specs = []
+    for i, name in enumerate(names):
+        specs.append(
+            InstanceSpec(
+                instance=f"{name}-0",
+                operator=name,
+                node=node,
+                cluster=cluster,
+                pipeline=cfg.pipeline.name,
+                pipeline_toml=toml_text,
+                broker=broker,
+                succs=(f"{names[i + 1]}-0",) if i + 1 < len(names) else (),
+                preds=(f"{names[i - 1]}-0",) if i > 0 else (),
+                keeper=True,
+                state_dir=state_dir,
+                heartbeat_period=0.5,
+                extra=dict(extra or {}),
+            )
+        )
+    return specs
+
+
+class WorkerProc:
+    """One worker process and our end of its control pipe."""
+
+    def __init__(self, spec: InstanceSpec, log_dir: Path, on_line: Callable[["WorkerProc", Dict[str, Any]], None]) -> None:
+        self.spec = spec
+        self.instance = spec.instance
+        self.ready = threading.Event()
+        self.exited = threading.Event()
+        self.exit_info: Optional[Dict[str, Any]] = None
+        self.stats: Dict[str, Any] = {}
+        self.events: Deque[Dict[str, Any]] = deque(maxlen=1000)
+        self._lock = threading.Lock()
+        self._on_line = on_line
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"{spec.instance}.log"
+        self._log = open(self.log_path, "ab")
+        env = dict(os.environ)
+        root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        self.proc = subprocess.Popen(
+            [PY, "-m", "agent.runtime.worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            bufsize=1,
+            env=env,
+        )
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(spec.to_json() + "\n")
+        self.proc.stdin.flush()
+        self._reader = threading.Thread(target=self._read, daemon=True, name=f"read-{spec.instance}")
+        self._reader.start()
+
+    @property
+    def pid(self) -> int:
+        return int(self.proc.pid)
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            try:
+                msg = parse_control_line(line)
+            except ValueError:
+                continue
+            ev = msg["event"]
+            if ev == "ready":
+                self.ready.set()
+            elif ev == "heartbeat":
+                self.stats = msg.get("stats", {})
+            elif ev == "exit":
+                self.exit_info = msg
+            self.events.append(msg)
+            self._on_line(self, msg)
+        self.proc.wait()
+        self.exited.set()
+
+    def send(self, event: str, **fields: Any) -> None:
+        with self._lock:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(control_line(event, **fields))
+                self.proc.stdin.flush()
+            except (BrokenPipeError, ValueError, OSError):
+                pass
+
+    def stop(self, timeout: float = 15.0) -> Optional[int]:
+        self.send("stop")
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.terminate()
+            try:
+                return self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                return self.proc.wait()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+class LocalRunner:
+    """Plays the agent for a set of workers on this machine (tests, benchmarks)."""
+
+    def __init__(self, workdir: Path, ready_timeout: float = 20.0) -> None:
+        self.workdir = Path(workdir)
+        self.workers: Dict[str, WorkerProc] = {}
+        self.lock = threading.Lock()
+        self.spawned: List[str] = []
+        self.exited: List[str] = []
+        self.ready_timeout = ready_timeout
+        self.spawn_times: Dict[str, float] = {}
+
+    def start(self, spec: InstanceSpec, wait: bool = True) -> WorkerProc:
+        w = WorkerProc(spec, self.workdir / "logs", self._on_line)
+        with self.lock:
+            self.workers[spec.instance] = w
+        if wait and not w.ready.wait(self.ready_timeout):
+            raise TimeoutError(f"worker {spec.instance} not ready after {self.ready_timeout}s; see {w.log_path}")
+        return w
+
+    def _on_line(self, w: WorkerProc, msg: Dict[str, Any]) -> None:
+        if msg["event"] == "spawn":
+            threading.Thread(target=self._spawn, args=(w, msg), daemon=True).start()
+        elif msg["event"] == "exit":
+            with self.lock:
+                self.exited.append(w.instance)
+
+    def _spawn(self, parent: WorkerProc, msg: Dict[str, Any]) -> None:
+        """createNode(): start the new instance; reply only once it is subscribed (invariant 2)."""
+        t0 = time.monotonic()
+        try:
+            spec = InstanceSpec.from_json(json.dumps(msg["spec"]))
+            spec = replace(spec, node=parent.spec.node)
+            child = self.start(spec, wait=True)
+            with self.lock:
+                self.spawned.append(child.instance)
+                self.spawn_times[child.instance] = time.monotonic() - t0
+            parent.send("spawned", request=msg["request"], ok=True, instance=spec.instance, node=spec.node)
+        except Exception as exc:  # noqa: BLE001
+            parent.send("spawned", request=msg.get("request"), ok=False, error=str(exc)[:200])
+
+    def alive(self) -> List[WorkerProc]:
+        with self.lock:
+            return [w for w in self.workers.values() if w.proc.poll() is None]
+
+    def stop_all(self, timeout: float = 15.0) -> Dict[str, Optional[int]]:
+        codes = {}
+        with self.lock:
+            ws = list(self.workers.values())
+        for w in ws:
+            w.send("stop")
+        for w in ws:
+            codes[w.instance] = w.stop(timeout)
+            w.close()
+        return codes
+
+
+# ---- the benchmark ------------------------------------------------------------------------------
+
+
+def _payloads(batch_size: int, n_batches: int, record: str) -> List[bytes]:
+    from agent.runtime.envelope import encode_data
+    from agent.runtime.taxi import TaxiGenerator
+
+    gen = TaxiGenerator(1, "raw")
+    recs = [gen.record() if record == "taxi" else {"v": 1} for _ in range(batch_size)]
+    return [
+        encode_data("raw-0", 0, i + 1, [("src-0", i * batch_size + k, recs[k]) for k in range(batch_size)])
+        for i in range(n_batches)
+    ]
+
+
+def measure_raw(host: str, port: int, batch_size: int, record: str, seconds: float) -> Dict[str, float]:
+    """One publisher -> broker -> one no-op subscriber, QoS 1, pre-encoded batches."""
+    import paho.mqtt.client as mqtt
+    from paho.mqtt.enums import CallbackAPIVersion
+
+    topic = "fog/bench/raw"
+    got = [0]
+    done = threading.Event()
+
+    sub = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="bench-raw-sub", protocol=mqtt.MQTTv5)
+    sub.on_message = lambda c, u, m: got.__setitem__(0, got[0] + 1)
+    sub.connect(host, port)
+    sub.subscribe(topic, qos=1)
+    sub.loop_start()
+    pub = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="bench-raw-pub", protocol=mqtt.MQTTv5)
+    pub.max_inflight_messages_set(100)
+    acked = [0]
+    pub.on_publish = lambda c, u, mid, rc, p: acked.__setitem__(0, acked[0] + 1)
+    pub.connect(host, port)
+    time.sleep(0.3)
+    payloads = _payloads(batch_size, 64, record)
+    sent = 0
+    t0 = time.monotonic()
+    deadline = t0 + seconds
+    # The publisher keeps at most 200 unacked messages (like a window), so the broker queue
+    # never overflows and the number measures throughput, not buffering.
+    while time.monotonic() < deadline:
+        while sent - acked[0] < 200:
+            info = pub.publish(topic, payloads[sent % len(payloads)], qos=1)
+            if info.rc not in (0,):
+                break
+            sent += 1
+        pub.loop(0.001)
+    t1 = time.monotonic()
+    while got[0] < sent and time.monotonic() < t1 + 5:
+        pub.loop(0.01)
+    t2 = time.monotonic()
+    done.set()
+    sub.loop_stop()
+    sub.disconnect()
+    pub.disconnect()
+    elapsed = t2 - t0
+    return {
+        "batches": float(got[0]),
+        "records_per_s": got[0] * batch_size / elapsed,
+        "batches_per_s": got[0] / elapsed,
+        "payload_bytes": float(len(payloads[0])),
+    }
+
+
+def _rss_mb(pid: int) -> float:
+    import psutil
+
+    return psutil.Process(pid).memory_info().rss / 1e6
+
+
+def run_bench(seconds: float = 8.0, batch_size: int = 100, record: str = "taxi", workdir: Optional[str] = None) -> Dict[str, Any]:
+    from agent.runtime.broker import start_private_broker
+
+    tmp = Path(workdir or tempfile.mkdtemp(prefix="fog-dataplane-"))
+    broker = start_private_broker(tmp / "broker", max_queued=10000)
+    result: Dict[str, Any] = {"batch_size": batch_size, "record": record, "seconds": seconds}
+    runner = LocalRunner(tmp)
+    try:
+        raw = measure_raw(broker.host, broker.port, batch_size, record, seconds)
+        result["raw"] = raw
+        toml = pipeline_toml(
+            "bench",
+            [
+                {"name": "source", "kind": "source", "function": "agent.runtime.taxi:bench_source",
+                 "batch_size": batch_size, "params": {"profile": "constant", "rate": 5e6, "record": record}},
+                {"name": "map", "function": "agent.runtime.operators:identity", "batch_size": batch_size},
+                {"name": "sink", "kind": "sink", "function": "agent.runtime.operators:null_sink",
+                 "batch_size": batch_size},
+            ],
+            scaling={"policy": "none"},
+        )
+        bspec = BrokerSpec(host=broker.host, port=broker.port)
+        specs = initial_specs(toml, bspec, str(tmp / "state"), extra={"sink_dir": str(tmp / "sink")})
+        procs = [runner.start(s) for s in reversed(specs)]  # successors subscribe first
+        sink = procs[0]
+        time.sleep(1.0)  # warm-up
+        r0 = sink.stats.get("recorded", 0)
+        t0 = time.monotonic()
+        time.sleep(seconds)
+        r1 = sink.stats.get("recorded", 0)
+        t1 = time.monotonic()
+        rate = (r1 - r0) / (t1 - t0)
+        result["pipeline"] = {
+            "records_per_s": rate,
+            "source": procs[-1].stats,
+            "map": procs[1].stats,
+            "sink": sink.stats,
+        }
+        result["ratio"] = rate / raw["records_per_s"] if raw["records_per_s"] else 0.0
+        # Idle worker memory: pause the source, wait, read the map worker's RSS.
+        procs[-1].send("set", paused=True)
+        time.sleep(1.5)
+        result["rss_mb"] = {
+            "idle_worker": _rss_mb(procs[1].pid),
+            "sink_worker": _rss_mb(procs[0].pid),
+            "python_paho_baseline": _baseline_rss(),
+        }
+    finally:
+        runner.stop_all()
+        broker.stop()
+    return result
+
+
+def _baseline_rss() -> float:
+    code = "import paho.mqtt.client, psutil, os; print(psutil.Process(os.getpid()).memory_info().rss/1e6)"
+    out = subprocess.run([PY, "-c", code], capture_output=True, text=True, check=True)
+    return float(out.stdout.strip())
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    res = run_bench(seconds=args.seconds, batch_size=args.batch_size, record=args.record)
+    if args.json:
+        print(json.dumps(res, indent=2, sort_keys=True, default=str))
+    else:
+        raw = res["raw"]["records_per_s"]
+        pipe = res["pipeline"]["records_per_s"]
+        print(f"batch size {res['batch_size']} ({res['record']} records, {res['raw']['payload_bytes']:.0f} B/batch)")
+        print(f"raw limit (publisher -> broker -> no-op subscriber): {raw:10.0f} records/s")
+        print(f"pipeline source -> identity -> sink:                  {pipe:10.0f} records/s")
+        print(f"ratio: {res['ratio']:.2f} (goal >= 0.5)")
+        rss = res["rss_mb"]
+        print(f"RSS idle worker {rss['idle_worker']:.1f} MB (python+paho baseline {rss['python_paho_baseline']:.1f} MB; goal < 40 MB)")
+    return 0
+
+
+def register_bench(groups: Any) -> None:
+    p = groups.bench.add_parser("dataplane", help="worker data path throughput vs the raw broker limit")
+    p.add_argument("--seconds", type=float, default=8.0, help="measurement time of each part")
+    p.add_argument("--batch-size", type=int, default=100)
+    p.add_argument("--record", choices=("taxi", "tiny"), default="taxi")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd)

@@ -1,0 +1,130 @@
+"""Credit/ack flow control, the replay buffer, and when to acknowledge upstream. Sans-IO.
+
+Why application-level flow control (DESIGN.md invariant 5): Mosquitto drops QoS 1 messages for a
+client whose queue passed `max_queued_messages`, and `$share` round-robin is load-blind. So a
+sender may have at most `window` (= the operator's `max_inflight_batches`) data batches to one
+successor that the successor has not acknowledged; with no credit left it stops producing, which
+in turn stops it acknowledging its own predecessors: a slow successor slows the whole chain
+instead of overflowing the broker. The broker queue of one inbox is therefore bounded by the sum
+of its predecessors' windows (plus a few acks and protocol messages).
+
+The unacknowledged batches are kept (the replay buffer): after a successor's crash they can be
+replayed to a live sibling (issue 10), and the sink's record-id dedup removes any duplicate.
+
+`AckTracker` decides when an input batch may be acknowledged: only once it is processed AND every
+record derived from it is forwarded (handed to the broker and PUBACKed, or recorded by a sink).
+Inputs get increasing local "process indices"; everything still pending downstream carries the
+lowest index it contains; every input below the lowest pending index is done.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Deque, Dict, Iterable, List, Optional, Tuple
+
+__all__ = ["OutLink", "Unacked", "AckTracker"]
+
+
+@dataclass(frozen=True)
+class Unacked:
+    seq: int
+    payload: bytes
+    records: int
+    sent_at: float
+
+
+class OutLink:
+    """The data channel to one successor: credit window and replay buffer."""
+
+    def __init__(self, dest: str, window: int) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, found {window}")
+        self.dest = dest
+        self.window = window
+        self._unacked: "OrderedDict[int, Unacked]" = OrderedDict()
+        self.acked_upto = 0
+        self.batches_sent = 0
+        self.records_sent = 0
+
+    @property
+    def credit(self) -> int:
+        return self.window - len(self._unacked)
+
+    @property
+    def inflight(self) -> int:
+        return len(self._unacked)
+
+    @property
+    def inflight_records(self) -> int:
+        return sum(u.records for u in self._unacked.values())
+
+    def sent(self, seq: int, payload: bytes, records: int, now: float) -> None:
+        """Record a data batch handed to the transport (it must have had credit)."""
+        if self.credit <= 0:
+            raise RuntimeError(f"flow control to {self.dest}: sent seq {seq} without credit")
+        self._unacked[seq] = Unacked(seq, payload, records, now)
+        self.batches_sent += 1
+        self.records_sent += records
+
+    def ack(self, upto: int) -> int:
+        """Cumulative ack: every data seq <= upto is done; returns the batches released."""
+        if upto <= self.acked_upto:
+            return 0
+        self.acked_upto = upto
+        released = 0
+        while self._unacked:
+            seq = next(iter(self._unacked))
+            if seq > upto:
+                break
+            del self._unacked[seq]
+            released += 1
+        return released
+
+    def unacked(self) -> List[Unacked]:
+        """The replay buffer, oldest first."""
+        return list(self._unacked.values())
+
+    def oldest_age(self, now: float) -> float:
+        if not self._unacked:
+            return 0.0
+        return now - next(iter(self._unacked.values())).sent_at
+
+
+class AckTracker:
+    """Which processed input batches are fully forwarded, hence may be acked to their sender."""
+
+    def __init__(self) -> None:
+        self._index = 0
+        self._done_upto = 0  # inputs with index <= this are already released
+        self._processed: Deque[Tuple[int, str, int]] = deque()  # (index, sender, data seq)
+
+    def processed(self, sender: str, seq: int) -> int:
+        """An input batch was processed (its outputs are now pending downstream); its index."""
+        self._index += 1
+        self._processed.append((self._index, sender, seq))
+        return self._index
+
+    def next_index(self) -> int:
+        """The index the next processed batch will get (for outputs produced on their own)."""
+        return self._index + 1
+
+    @property
+    def last_index(self) -> int:
+        return self._index
+
+    def release(self, lowest_pending: Optional[int]) -> Dict[str, int]:
+        """Inputs below `lowest_pending` (None: nothing pending) are done: {sender: highest seq}."""
+        limit = self._index if lowest_pending is None else lowest_pending - 1
+        out: Dict[str, int] = {}
+        while self._processed and self._processed[0][0] <= limit:
+            _, sender, seq = self._processed.popleft()
+            if seq > out.get(sender, 0):
+                out[sender] = seq
+        return out
+
+    def waiting(self) -> int:
+        return len(self._processed)
+
+    def senders_waiting(self) -> Iterable[str]:
+        return {s for _, s, _ in self._processed}

@@ -1,0 +1,886 @@
+"""The worker process: one operator instance (`python -m agent.runtime.worker`).
+
+Reads one `InstanceSpec` JSON line on stdin, then speaks the control channel of
+`agent.runtime.spec` (JSON lines: stdout to the agent, stdin from it; logs on stderr).
+
+One thread owns everything that matters: the paho client (transport.py), the channels, the flow
+control, the operator and the scaling core. A second thread only reads stdin lines into a queue.
+The main loop:
+
+    poll MQTT (callbacks only enqueue) -> sequence inbox envelopes per sender (channel.Inbound)
+    -> process each sender's envelopes in its order (data through the operator into the outbox,
+       protocol messages into the scaling core, whose outputs run strictly in order)
+    -> send full / lingered batches to successors that have credit (flow.OutLink)
+    -> acknowledge upstream the inputs whose outputs are all PUBACKed (flow.AckTracker)
+    -> every period: the scaling decision with the measured load; every heartbeat: stats.
+
+Extra control lines this worker understands besides the contract's "stop" and "spawned":
+    {"event": "set", "service_time_ms": 20.0}   change the emulated per-record cost (tests, demo)
+    {"event": "set", "paused": true}             pause / resume a source
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import sys
+import threading
+import time
+import zlib
+from collections import deque
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable, Deque, Dict, List, Optional, Set, TextIO, Tuple
+
+from agent import topics
+from agent.config import PipelineConfig, load_pipeline_text
+from agent.runtime.channel import Inbound, Outbound
+from agent.runtime.envelope import Envelope, Item, Kind, MalformedEnvelope, decode, encode, encode_data
+from agent.runtime.flow import AckTracker, OutLink
+from agent.runtime.operators import OperatorContext, SinkOperator, load_operator
+from agent.runtime.routing import Outbox, Router
+from agent.runtime.spec import InstanceSpec, control_line, parse_control_line
+from agent.runtime.transport import (
+    Connected,
+    Disconnected,
+    PubAck,
+    PublishRejected,
+    Received,
+    Transport,
+    TransportError,
+)
+
+log = logging.getLogger("agent.runtime.worker")
+
+# Exit codes (the agent's supervisor maps them to restart decisions).
+EXIT_OK = 0  # drained and exited (stop, or terminated by the protocol)
+EXIT_CRASH = 1  # unexpected exception
+EXIT_BAD_SPEC = 2  # the spec or the pipeline cannot be loaded: restarting will not help
+EXIT_BROKER = 3  # could not connect/subscribe at start
+EXIT_DRAIN_TIMEOUT = 4  # stop requested, but successors did not ack everything in time
+
+MAX_POLL = 0.05  # longest sleep of the loop (stdin control lines are seen within this)
+ACK_DELAY = 0.005  # coalesce upstream acks for at most this long
+STATE_PERIOD = 0.2  # persist the channel snapshot at most this often
+
+
+class Worker:
+    def __init__(
+        self,
+        spec: InstanceSpec,
+        out: TextIO = sys.stdout,
+        clock: Callable[[], float] = time.monotonic,
+        transport: Optional[Transport] = None,
+    ) -> None:
+        self.spec = spec
+        self.out = out
+        self.clock = clock
+        self.pipeline: PipelineConfig = load_pipeline_text(spec.pipeline_toml, f"pipeline {spec.pipeline}")
+        self.op = self.pipeline.operator(spec.operator)
+        self.stage = self.pipeline.index(spec.operator)
+        self.kind = self.op.kind
+        self.ctx = {"instance": spec.instance, "operator": spec.operator, "node": spec.node}
+        self.state_dir = Path(spec.state_dir)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.sink_dir = Path(spec.extra.get("sink_dir") or self.state_dir)
+        self.sink_dir.mkdir(parents=True, exist_ok=True)
+        self.state_path = self.state_dir / f"{spec.instance}.state.json"
+        self.inbox = topics.inbox(spec.cluster, spec.instance)
+
+        # Epoch: a restarted worker (same identity) numbers its messages in a new epoch.
+        saved = self._load_state()
+        self.epoch = int(saved.get("epoch", -1)) + 1 if saved else 0
+        self.inbound = Inbound()
+        if spec.restart and saved.get("inbound"):
+            self.inbound.restore(saved["inbound"], resync=True)
+        self.outbound = Outbound(self.epoch)
+
+        ctx = OperatorContext(
+            instance=spec.instance,
+            operator=spec.operator,
+            node=spec.node,
+            kind=self.kind,
+            params=dict(self.op.params),
+            state_dir=self.state_dir,
+            sink_dir=self.sink_dir,
+            restart=spec.restart,
+        )
+        self.operator: Any = load_operator(self.op.function, ctx)
+        self.is_source = self.kind == "source"
+        self.is_sink = self.kind == "sink" or isinstance(self.operator, SinkOperator)
+        self.service_time = self.op.service_time_ms / 1000.0
+
+        self.router = Router(spec.succs, key=self.op.key)
+        self.outbox = Outbox(self.router, self.op.batch_size, self.op.linger_ms / 1000.0)
+        self.links: Dict[str, OutLink] = {}
+        self.tracker = AckTracker()
+        self.queues: Dict[str, Deque[Envelope]] = {}
+        self.pending_pub: Dict[int, int] = {}  # mid -> lowest process index it carries
+        self.retry: Deque[Tuple[str, bytes, int]] = deque()  # (topic, payload, lowest index)
+        self.ack_due: Dict[str, int] = {}
+        self.ack_since: Optional[float] = None
+        self.busy_until = 0.0
+        self.high_water = 2 * self.op.batch_size
+
+        self.transport = transport or Transport(f"fog-{spec.cluster}-{spec.instance}", spec.broker)
+        self.control: "deque[Dict[str, Any]]" = deque()
+
+        self.scaling = _ScalingDriver.maybe(self, saved)
+
+        self.stats: Dict[str, int] = {
+            "records_in": 0,
+            "records_out": 0,
+            "filtered": 0,
+            "operator_errors": 0,
+            "batches_in": 0,
+            "batches_out": 0,
+            "malformed": 0,
+            "duplicate_envelopes": 0,
+            "acks_sent": 0,
+            "acks_in": 0,
+            "protocol_in": 0,
+            "protocol_out": 0,
+            "protocol_errors": 0,
+            "sends_to_non_successor": 0,
+            "credit_stalls": 0,
+            "publish_rejected": 0,
+        }
+        self._malformed_logged: Set[str] = set()
+        self._period_records = 0
+        self._last_load = 0.0
+        self._exit: Optional[Tuple[int, str, bool]] = None
+        self._stopping = False
+        self._stop_deadline = 0.0
+        self._state_dirty = True
+        self._last_state_write = 0.0
+        self._last_heartbeat = 0.0
+        self._sent_to_removed: Set[str] = set()
+        self._final = False
+        self._terminate_reason = ""
+        self._period_start = clock()
+
+    # ---- start-up ---------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Connect, subscribe, and only then say "ready".
+
+        INVARIANT 2 (subscribe before announce): the agent tells nobody about this instance before
+        it reads "ready", and "ready" is written only after the broker's SUBACK for the inbox.
+        """
+        self.transport.connect()
+        self.transport.subscribe(self.inbox)
+        topic = getattr(self.operator, "topic", None)
+        if self.is_source and hasattr(self.operator, "ingest") and topic:
+            self.transport.subscribe(topic)
+        self._write_state(force=True)
+        now = self.clock()
+        if self.is_source:
+            self.operator.start(now)
+        self._period_start = now
+        self._emit("ready")
+
+    # ---- the loop -----------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        while self._exit is None:
+            now = self.clock()
+            self.transport.poll(self._timeout(now))
+            self.step(self.clock())
+        code, reason, final = self._exit
+        self._finish(code, reason, final)
+        return code
+
+    def step(self, now: float) -> None:
+        for ev in self.transport.take_events():
+            if isinstance(ev, Received):
+                self._on_received(ev)
+            elif isinstance(ev, PubAck):
+                self.pending_pub.pop(ev.mid, None)
+            elif isinstance(ev, Disconnected):
+                log.warning("broker connection lost: %s", ev.reason, extra=self.ctx)
+            elif isinstance(ev, Connected):
+                log.info("reconnected (session kept: %s)", ev.session_present, extra=self.ctx)
+        while self.control:
+            self._on_control(self.control.popleft(), now)
+        if self.scaling is not None:
+            self.scaling.run_outputs(now)
+        if self.is_source:
+            self._produce(now)
+        self._process(now)
+        self._flush(now)
+        self._send_acks(now)
+        if self.scaling is not None:
+            self.scaling.maybe_tick(now)
+        if now - self._last_heartbeat >= self.spec.heartbeat_period:
+            self._heartbeat(now)
+        if self._state_dirty or self.inbound.changed:
+            self._write_state()
+        if self._stopping:
+            self._check_stopped(now)
+
+    def _timeout(self, now: float) -> float:
+        if self.transport.events or self.control or self._exit is not None:
+            return 0.0
+        if self._has_ready_input(now):
+            return 0.0
+        deadlines = [now + MAX_POLL, self._last_heartbeat + self.spec.heartbeat_period]
+        d = self.outbox.next_deadline()
+        if d is not None:
+            deadlines.append(d)
+        if self.busy_until > now:
+            deadlines.append(self.busy_until)
+        if self.ack_since is not None:
+            deadlines.append(self.ack_since + ACK_DELAY)
+        if self.is_source and self._can_produce():
+            deadlines.append(self.operator.next_due(now))
+        return max(0.0, min(deadlines) - now)
+
+    # ---- inbox --------------------------------------------------------------------------------------
+
+    def _on_received(self, ev: Received) -> None:
+        if ev.topic != self.inbox:
+            ingest = getattr(self.operator, "ingest", None)
+            if ingest is not None:
+                ingest(ev.topic, ev.payload)
+            return
+        try:
+            env = decode(ev.payload)
+        except MalformedEnvelope as exc:
+            # INVARIANT 5 (nothing dropped silently): counted, logged once per sender, skipped.
+            self.stats["malformed"] += 1
+            who = _guess_sender(ev.payload)
+            if who not in self._malformed_logged:
+                self._malformed_logged.add(who)
+                log.warning("malformed payload on inbox from %s skipped: %s", who, exc, extra=self.ctx)
+            return
+        before = self.inbound.stats.duplicates + self.inbound.stats.stale_epoch
+        # INVARIANT 1 (FIFO channel): envelopes are delivered in each sender's numbering, once.
+        for e in self.inbound.receive(env):
+            if e.kind is Kind.ACK:
+                self._on_ack(e)
+            else:
+                if e.kind is Kind.DATA:
+                    self._period_records += len(e.body)
+                q = self.queues.get(e.sender)
+                if q is None:
+                    q = self.queues[e.sender] = deque()
+                q.append(e)
+        self.stats["duplicate_envelopes"] += self.inbound.stats.duplicates + self.inbound.stats.stale_epoch - before
+
+    def _on_ack(self, env: Envelope) -> None:
+        self.stats["acks_in"] += 1
+        link = self.links.get(env.sender)
+        if link is not None:
+            link.ack(int(env.body))
+            if link.inflight == 0 and env.sender not in self.router.succs:
+                del self.links[env.sender]  # a departed successor acked everything we sent it
+
+    def _has_ready_input(self, now: float) -> bool:
+        if not any(self.queues.values()):
+            return False
+        return now >= self.busy_until and self.outbox.pending < self.high_water
+
+    def _data_blocked(self, now: float) -> bool:
+        if self.scaling is not None and not self.scaling.data_enabled:
+            return True  # idle new instance: keep input until Start (Algorithm 6)
+        if now < self.busy_until:
+            return True  # emulated service time
+        if self.outbox.pending >= self.high_water:
+            self.stats["credit_stalls"] += 1
+            return True  # back pressure: successors have no credit, stop reading
+        return False
+
+    def _process(self, now: float) -> None:
+        """Handle queued envelopes, round-robin over senders, each sender strictly in order."""
+        progress = True
+        while progress:
+            progress = False
+            for sender in list(self.queues):
+                q = self.queues[sender]
+                if not q:
+                    continue
+                env = q[0]
+                if env.kind is Kind.DATA:
+                    if self._data_blocked(now):
+                        continue
+                    q.popleft()
+                    self._process_data(env, now)
+                    progress = True
+                else:
+                    if self.scaling is not None and self.scaling.blocked:
+                        continue  # earlier outputs still running: keep the order of effects
+                    q.popleft()
+                    self._on_protocol(env)
+                    progress = True
+            now = self.clock()
+
+    def _process_data(self, env: Envelope, now: float) -> None:
+        items: List[Item] = env.body
+        n = len(items)
+        self.stats["records_in"] += n
+        self.stats["batches_in"] += 1
+        index = self.tracker.processed(env.sender, env.seq)
+        if self.is_sink:
+            self._record(items, index)
+        else:
+            out = self._apply(items)
+            self.stats["filtered"] += n - len(out)
+            if out:
+                if not self.router.succs:
+                    raise RuntimeError(f"{self.spec.instance}: records to forward but no successors")
+                self.outbox.add(out, index, now)
+        if self.service_time:
+            self.busy_until = max(self.busy_until, now) + n * self.service_time
+
+    def _apply(self, items: List[Item]) -> List[Item]:
+        try:
+            return self.operator.process(items)
+        except Exception:  # noqa: BLE001 - a user function failed: isolate the bad record(s)
+            out: List[Item] = []
+            for it in items:
+                try:
+                    out.extend(self.operator.process([it]))
+                except Exception as exc:  # noqa: BLE001
+                    self.stats["operator_errors"] += 1
+                    if self.stats["operator_errors"] <= 5:
+                        log.warning("operator failed on record %s:%s: %r", it[0], it[1], exc, extra=self.ctx)
+            return out
+
+    def _record(self, items: List[Item], index: int) -> None:
+        for pub in self.operator.record(items):
+            self._publish_tracked(pub.topic, pub.payload, index)
+        self.stats["records_out"] += len(items)
+
+    def _on_protocol(self, env: Envelope) -> None:
+        self.stats["protocol_in"] += 1
+        if self.scaling is None:
+            self.stats["protocol_errors"] += 1
+            log.warning("protocol message from %s but scaling is off: ignored", env.sender, extra=self.ctx)
+            return
+        self.scaling.handle(env)
+
+    # ---- source -----------------------------------------------------------------------------------
+
+    def _can_produce(self) -> bool:
+        return (
+            not self._stopping
+            and self.outbox.pending < self.high_water
+            and bool(self.router.succs)
+            and (self.scaling is None or self.scaling.data_enabled)
+        )
+
+    def _produce(self, now: float) -> None:
+        if not self._can_produce():
+            return
+        budget = self.high_water - self.outbox.pending
+        items = self.operator.poll(now, budget)
+        if items:
+            self._period_records += len(items)
+            self.stats["records_in"] += len(items)
+            self.outbox.add(items, self.tracker.next_index(), now)
+
+    # ---- output -----------------------------------------------------------------------------------
+
+    def _credit(self, dest: str) -> int:
+        link = self.links.get(dest)
+        return self.op.max_inflight_batches if link is None else link.credit
+
+    def _flush(self, now: float, force: bool = False) -> None:
+        if self.outbox.pending == 0:
+            return
+        draining = self._stopping or (self.scaling is not None and self.scaling.draining)
+        batches = self.outbox.take(now, self._credit, force=force or draining)
+        if not batches and self.outbox.pending >= self.outbox.batch_size:
+            self.stats["credit_stalls"] += 1
+        for dest, items, low in batches:
+            if dest not in self.router.succs:
+                # Cannot happen (the outbox routes over the current table); counted if it does.
+                self.stats["sends_to_non_successor"] += 1
+                log.error("BUG: batch routed to %s which is not a successor", dest, extra=self.ctx)
+            link = self.links.get(dest)
+            if link is None:
+                link = self.links[dest] = OutLink(dest, self.op.max_inflight_batches)
+            seq = self.outbound.take(dest)
+            payload = encode_data(self.spec.instance, self.epoch, seq, items)
+            link.sent(seq, payload, len(items), now)  # replay buffer: kept until dest acks
+            self._publish_tracked(topics.inbox(self.spec.cluster, dest), payload, low)
+            self.stats["batches_out"] += 1
+            self.stats["records_out"] += len(items)
+        while self.retry:
+            topic, payload, low = self.retry[0]
+            try:
+                mid = self.transport.publish(topic, payload)
+            except PublishRejected:
+                break
+            self.retry.popleft()
+            self.pending_pub[mid] = low
+
+    def _publish_tracked(self, topic: str, payload: bytes, low: int) -> None:
+        """Publish; the inputs from index `low` on stay unacked until the broker PUBACKs."""
+        if self.retry:
+            self.retry.append((topic, payload, low))
+            return
+        try:
+            mid = self.transport.publish(topic, payload)
+        except PublishRejected as exc:
+            self.stats["publish_rejected"] += 1
+            log.warning("%s; will retry", exc, extra=self.ctx)
+            self.retry.append((topic, payload, low))
+            return
+        self.pending_pub[mid] = low
+
+    def send_envelope(self, dest: str, kind: Kind, body: Any) -> None:
+        """Acks and protocol messages: numbered on the same channel as the data (invariant 1)."""
+        env = Envelope(self.spec.instance, self.epoch, self.outbound.take(dest), kind, body)
+        topic = topics.inbox(self.spec.cluster, dest)
+        try:
+            self.transport.publish(topic, encode(env))
+        except PublishRejected:
+            self.stats["publish_rejected"] += 1
+            self.retry.append((topic, encode(env), self.tracker.last_index + 1))
+
+    def _lowest_pending(self) -> Optional[int]:
+        lows = []
+        lo = self.outbox.lowest_index()
+        if lo is not None:
+            lows.append(lo)
+        if self.pending_pub:
+            lows.append(min(self.pending_pub.values()))
+        if self.retry:
+            lows.append(min(r[2] for r in self.retry))
+        return min(lows) if lows else None
+
+    def _send_acks(self, now: float) -> None:
+        """Ack inputs processed AND forwarded (PUBACKed) or recorded; coalesced for ACK_DELAY."""
+        done = self.tracker.release(self._lowest_pending())
+        for sender, seq in done.items():
+            if seq > self.ack_due.get(sender, 0):
+                self.ack_due[sender] = seq
+        if not self.ack_due:
+            return
+        if self.ack_since is None:
+            self.ack_since = now
+        idle = not any(self.queues.values())
+        if idle or now - self.ack_since >= ACK_DELAY or self._stopping:
+            for sender, seq in sorted(self.ack_due.items()):
+                self.send_envelope(sender, Kind.ACK, seq)
+                self.stats["acks_sent"] += 1
+            self.ack_due.clear()
+            self.ack_since = None
+
+    # ---- routes (called by the scaling driver) -----------------------------------------------------
+
+    def set_routes(self, succs: Tuple[str, ...], now: float) -> None:
+        """INVARIANT 3 (route change before ack): the data path uses `succs` when this returns;
+        the scaling driver sends the ack that follows only afterwards (same thread, in order)."""
+        old = set(self.router.succs)
+        self.router.set_succs(succs)
+        moved = self.outbox.reroute(now)
+        for gone in old - set(succs):
+            self._sent_to_removed.add(gone)
+        log.info(
+            "routes: succs %s -> %s (%d buffered records re-routed)", sorted(old), sorted(succs), moved, extra=self.ctx
+        )
+
+    def drained(self) -> bool:
+        """Every data batch received is processed, forwarded, acked by the successors, and acked
+        upstream (queued protocol messages do not count: they may wait behind the drain)."""
+        return (
+            not any(e.kind is Kind.DATA for q in self.queues.values() for e in q)
+            and self.outbox.pending == 0
+            and not self.pending_pub
+            and not self.retry
+            and all(link.inflight == 0 for link in self.links.values())
+            and self.tracker.waiting() == 0
+            and not self.ack_due
+        )
+
+    # ---- control channel ----------------------------------------------------------------------------
+
+    def _on_control(self, msg: Dict[str, Any], now: float) -> None:
+        event = msg.get("event")
+        if event == "stop":
+            self.request_stop(now)
+        elif event == "spawned":
+            if self.scaling is not None:
+                self.scaling.on_spawned(msg)
+        elif event == "set":
+            if "service_time_ms" in msg:
+                self.service_time = float(msg["service_time_ms"]) / 1000.0
+                log.info("service time set to %.3f ms", self.service_time * 1000, extra=self.ctx)
+            if "paused" in msg and self.is_source:
+                self.operator.paused = bool(msg["paused"])
+        elif event == "eof":
+            self.request_stop(now)
+        else:
+            log.warning("unknown control event %r ignored", event, extra=self.ctx)
+
+    def request_stop(self, now: float) -> None:
+        """Agent shutdown: stop producing, drain (bounded), exit; the session is kept."""
+        if not self._stopping:
+            self._stopping = True
+            self._stop_deadline = now + float(self.spec.extra.get("drain_timeout", 10.0))
+            log.info("stop requested: draining", extra=self.ctx)
+
+    def _check_stopped(self, now: float) -> None:
+        if self.drained():
+            self._exit = (EXIT_OK, "stopped", False)
+        elif now > self._stop_deadline:
+            self._exit = (EXIT_DRAIN_TIMEOUT, "drain timeout: successors did not ack everything", False)
+
+    def terminate(self, reason: str) -> None:
+        """INVARIANT 4 (drain before exit): called by the scaling driver on `Terminate`, which
+        the core emits only after every deletion ack; the loop still finishes draining first."""
+        self._stopping = True
+        self._stop_deadline = self.clock() + float(self.spec.extra.get("drain_timeout", 30.0))
+        self._final = True
+        self._terminate_reason = reason
+
+    def _finish(self, code: int, reason: str, final: bool) -> None:
+        final = final or self._final
+        if code == EXIT_OK and self._terminate_reason:
+            reason = self._terminate_reason
+        try:
+            self.operator.close()
+        except Exception:  # noqa: BLE001
+            log.exception("operator close failed", extra=self.ctx)
+        self._state_dirty = True
+        self._write_state(force=True)
+        self._write_source_stats()
+        self._heartbeat(self.clock())
+        try:
+            self.transport.close(final=final)
+        except TransportError:
+            pass
+        self._emit("exit", code=code, reason=reason)
+
+    # ---- heartbeat, persistence ---------------------------------------------------------------------
+
+    def snapshot_stats(self) -> Dict[str, Any]:
+        s: Dict[str, Any] = dict(self.stats)
+        s.update(
+            instance=self.spec.instance,
+            operator=self.spec.operator,
+            load=round(self._last_load, 1),
+            succs=list(self.router.succs),
+            inflight={d: link.inflight for d, link in self.links.items()},
+            outbox=self.outbox.pending,
+            queued=sum(len(q) for q in self.queues.values()),
+            gaps_skipped=self.inbound.gaps_skipped,
+            service_time_ms=self.service_time * 1000,
+        )
+        s.update(self.operator.stats())
+        if self.scaling is not None:
+            s.update(self.scaling.stats())
+        return s
+
+    def _heartbeat(self, now: float) -> None:
+        self._last_heartbeat = now
+        self._emit("heartbeat", stats=self.snapshot_stats())
+        if self.is_source:
+            self._write_source_stats()
+
+    def measure_load(self, now: float) -> float:
+        """Records received per second since the last call (the paper's l_t, per second)."""
+        dt = max(1e-6, now - self._period_start)
+        load = self._period_records / dt
+        self._period_records = 0
+        self._period_start = now
+        self._last_load = load
+        return load
+
+    def _write_source_stats(self) -> None:
+        if not self.is_source:
+            return
+        data = {"instance": self.spec.instance, **self.operator.stats()}
+        _atomic_write(self.sink_dir / f"{self.spec.instance}.source.json", json.dumps(data))
+
+    def _load_state(self) -> Dict[str, Any]:
+        try:
+            return dict(json.loads(self.state_path.read_text()))
+        except (OSError, ValueError):
+            return {}
+
+    def _write_state(self, force: bool = False) -> None:
+        """Persist what a restart needs: epoch, channel positions, protocol snapshot (cheap:
+        a small JSON file, at most every STATE_PERIOD unless the protocol state changed)."""
+        now = self.clock()
+        if not force and not self._state_dirty and now - self._last_state_write < STATE_PERIOD:
+            return
+        data: Dict[str, Any] = {"epoch": self.epoch, "inbound": self.inbound.snapshot()}
+        if self.scaling is not None:
+            data["scaling"] = self.scaling.core.snapshot()
+        _atomic_write(self.state_path, json.dumps(data))
+        self.inbound.changed = False
+        self._state_dirty = False
+        self._last_state_write = now
+
+    def mark_state_changed(self) -> None:
+        self._state_dirty = True
+
+    def _emit(self, event: str, **fields: Any) -> None:
+        try:
+            self.out.write(control_line(event, **fields))
+            self.out.flush()
+        except (BrokenPipeError, ValueError):
+            pass  # the agent is gone; the loop will be stopped by stdin EOF
+
+
+class _ScalingDriver:
+    """Drives the sans-IO scaling core (agent.protocol.scaling): feeds it messages and a decision
+    tick, and performs its outputs strictly in order (see the core's ORDERING CONTRACT)."""
+
+    def __init__(self, worker: Worker, saved: Dict[str, Any]) -> None:
+        from agent.policy.decentralized import ScalingParams
+        from agent.protocol.messages import from_dict
+        from agent.protocol.scaling import CreateInstance, ScalingCore
+
+        self.w = worker
+        spec = worker.spec
+        sc = worker.pipeline.scaling_for(spec.operator)
+        capacity = sc.capacity if isinstance(sc.capacity, (int, float)) else float(spec.extra.get("capacity", 500.0))
+        self.params = ScalingParams(
+            capacity=float(spec.extra.get("capacity", capacity)),
+            target_ratio=sc.target_ratio,
+            up=sc.up,
+            down=sc.down,
+            use_r_secure=sc.r_secure,
+        )
+        self.period = sc.period
+        self.cooldown = sc.cooldown
+        self.policy = sc.policy
+        self._from_dict = from_dict
+        if spec.restart and saved.get("scaling"):
+            self.core = ScalingCore.restore(saved["scaling"], self.params)
+        elif spec.active:
+            self.core = ScalingCore.initial(
+                spec.instance, spec.operator, worker.stage, self.params,
+                succs=spec.succs, preds=spec.preds, keeper=spec.keeper,
+            )
+        else:
+            creator = str(spec.extra.get("creator", ""))
+            self.core = ScalingCore.from_create(
+                CreateInstance(spec.instance, spec.operator, worker.stage, creator), self.params
+            )
+        self.outputs: Deque[Any] = deque()
+        self.waiting_spawn: Optional[str] = None
+        self.spawn_retry_at = 0.0
+        self.draining = False
+        seed = int(spec.extra.get("seed", 0)) ^ zlib.crc32(spec.instance.encode())
+        self.rng = random.Random(seed)
+        self.next_tick = worker.clock() + self.period
+        self.last_round_end = -1e9
+        self.counts = {"scale_outs": 0, "scale_ins": 0, "spawns": 0, "spawn_failures": 0}
+        self._errors_logged: Set[str] = set()
+        self._req = 0
+
+    @classmethod
+    def maybe(cls, worker: Worker, saved: Dict[str, Any]) -> Optional["_ScalingDriver"]:
+        try:
+            import agent.protocol.scaling  # noqa: F401
+        except ImportError:
+            log.warning("agent.protocol.scaling unavailable: scaling disabled", extra=worker.ctx)
+            return None
+        return cls(worker, saved)
+
+    @property
+    def data_enabled(self) -> bool:
+        """An idle (not yet started) instance buffers its input: its succs are unknown."""
+        from agent.protocol.scaling import InstanceState
+
+        return self.core.state is not InstanceState.IDLE
+
+    @property
+    def blocked(self) -> bool:
+        return bool(self.outputs)
+
+    # ---- input ---------------------------------------------------------------------------------
+
+    def handle(self, env: Envelope) -> None:
+        from agent.protocol.errors import ProtocolError
+
+        try:
+            msg = self._from_dict(env.body)
+            if msg.sender != env.sender:
+                raise ValueError(f"message sender {msg.sender} differs from envelope sender {env.sender}")
+            outs = self.core.handle(msg)
+        except (ProtocolError, ValueError) as exc:
+            # Unexpected or invalid: counted, logged once per sender, state unchanged.
+            self.w.stats["protocol_errors"] += 1
+            if env.sender not in self._errors_logged:
+                self._errors_logged.add(env.sender)
+                log.warning("protocol message from %s rejected: %s", env.sender, exc, extra=self.w.ctx)
+            return
+        self._queue(outs)
+
+    def maybe_tick(self, now: float) -> None:
+        if now < self.next_tick:
+            return
+        load = self.w.measure_load(now)
+        self.next_tick = now + self.period
+        if self.policy == "none" or self.w.is_source or self.w._stopping:
+            return
+        if self.outputs or self.core.in_round or now - self.last_round_end < self.cooldown:
+            return
+        from agent.protocol.scaling import InstanceState
+
+        if self.core.state is not InstanceState.ACTIVE:
+            return
+        outs = self.core.tick(load, self.rng.random())
+        if outs:
+            kind = "scale_out" if any(type(o).__name__ == "CreateInstance" for o in outs) else "scale_in"
+            self.counts["scale_outs" if kind == "scale_out" else "scale_ins"] += 1
+            log.info("decision %s at load %.1f/s (capacity %.0f)", kind, load, self.params.capacity, extra=self.w.ctx)
+            self.last_round_end = now
+        self._queue(outs)
+
+    def _queue(self, outs: List[Any]) -> None:
+        if outs:
+            self.outputs.extend(outs)
+            self.w.mark_state_changed()
+            self.run_outputs(self.w.clock())
+
+    # ---- outputs, strictly in order --------------------------------------------------------------
+
+    def run_outputs(self, now: float) -> None:
+        from agent.protocol.scaling import Activate, CreateInstance, Drain, RoutesChanged, Send, Terminate
+
+        w = self.w
+        while self.outputs:
+            out = self.outputs[0]
+            if isinstance(out, Send):
+                w.send_envelope(out.dest, Kind.PROTO, out.message.to_dict())
+                w.stats["protocol_out"] += 1
+            elif isinstance(out, RoutesChanged) or isinstance(out, Activate):
+                # INVARIANT 3: the data path switches tables here, before any later Send (ack).
+                w.set_routes(out.succs, now)
+            elif isinstance(out, CreateInstance):
+                # INVARIANT 2: the Sends announcing this instance wait until the agent says it is
+                # subscribed ("spawned" arrives only after the new worker's "ready").
+                if self.waiting_spawn is None:
+                    if now < self.spawn_retry_at:
+                        return
+                    self._request_spawn(out)
+                    return
+                return  # still waiting for "spawned"
+            elif isinstance(out, Drain):
+                # Two-phase deletion: every predecessor removed us; forward everything first.
+                w._flush(now, force=True)
+                if not w.drained():
+                    self.draining = True
+                    return
+                self.draining = False
+            elif isinstance(out, Terminate):
+                w.terminate("terminated by the scaling protocol")
+                self.counts["terminated"] = 1
+            self.outputs.popleft()
+
+    def _request_spawn(self, out: Any) -> None:
+        w = self.w
+        self._req += 1
+        request = f"{w.spec.instance}-{self._req}"
+        extra = dict(w.spec.extra)
+        extra["creator"] = w.spec.instance
+        spec = replace(
+            w.spec,
+            instance=out.instance_id,
+            succs=(),
+            preds=(),
+            keeper=False,
+            active=False,
+            restart=False,
+            extra=extra,
+        )
+        self.waiting_spawn = request
+        self.counts["spawns"] += 1
+        w._emit("spawn", request=request, spec=json.loads(spec.to_json()))
+
+    def on_spawned(self, msg: Dict[str, Any]) -> None:
+        if msg.get("request") != self.waiting_spawn:
+            log.warning("unexpected spawned reply %s ignored", msg, extra=self.w.ctx)
+            return
+        self.waiting_spawn = None
+        if msg.get("ok"):
+            self.outputs.popleft()  # the CreateInstance is done
+            self.run_outputs(self.w.clock())
+        else:
+            # The announcement must not go out for an instance that does not exist: retry.
+            self.counts["spawn_failures"] += 1
+            self.spawn_retry_at = self.w.clock() + 1.0
+            log.warning("spawn failed (%s): retrying in 1 s", msg.get("error"), extra=self.w.ctx)
+
+    def stats(self) -> Dict[str, Any]:
+        s: Dict[str, Any] = dict(self.counts)
+        s["state"] = self.core.state.value
+        s["keeper"] = self.core.keeper
+        s["preds"] = sorted(self.core.preds)
+        return s
+
+
+def _guess_sender(payload: bytes) -> str:
+    try:
+        msg = json.loads(payload)
+        if isinstance(msg, list) and len(msg) > 1 and isinstance(msg[1], str):
+            return msg[1][:64]
+    except (ValueError, TypeError, RecursionError):
+        pass
+    return "<unknown>"
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _stdin_reader(stream: TextIO, sink: "deque[Dict[str, Any]]") -> None:
+    """The only other thread: turns control lines into queued dicts (EOF = the agent is gone)."""
+    for line in stream:
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            sink.append(parse_control_line(line))
+        except ValueError as exc:
+            log.warning("bad control line ignored: %s", exc)
+    sink.append({"event": "eof"})
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    from agent.log import setup_logging
+
+    setup_logging(os.environ.get("FOG_AGENT_LOG_LEVEL"))
+    line = sys.stdin.readline()
+    try:
+        spec = InstanceSpec.from_json(line)
+    except (ValueError, TypeError, KeyError) as exc:
+        log.error("bad instance spec on stdin: %s", exc)
+        sys.stdout.write(control_line("exit", code=EXIT_BAD_SPEC, reason=f"bad spec: {exc}"))
+        return EXIT_BAD_SPEC
+    try:
+        worker = Worker(spec)
+    except Exception as exc:  # noqa: BLE001 - config/operator errors: say so and do not restart
+        log.exception("cannot build instance %s", spec.instance)
+        sys.stdout.write(control_line("exit", code=EXIT_BAD_SPEC, reason=str(exc)[:300]))
+        return EXIT_BAD_SPEC
+    try:
+        worker.start()
+    except (TransportError, OSError) as exc:
+        log.error("cannot reach the broker: %s", exc, extra=worker.ctx)
+        worker._emit("exit", code=EXIT_BROKER, reason=str(exc))
+        return EXIT_BROKER
+    threading.Thread(target=_stdin_reader, args=(sys.stdin, worker.control), daemon=True, name="stdin").start()
+    try:
+        return worker.run()
+    except Exception as exc:  # noqa: BLE001
+        log.exception("worker crashed", extra=worker.ctx)
+        worker._emit("exit", code=EXIT_CRASH, reason=repr(exc)[:300])
+        return EXIT_CRASH
+
+
+__all__ = ["Worker", "main", "EXIT_OK", "EXIT_CRASH", "EXIT_BAD_SPEC", "EXIT_BROKER", "EXIT_DRAIN_TIMEOUT"]
+
+if __name__ == "__main__":
+    sys.exit(main())
