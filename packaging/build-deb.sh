@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Build the fog-agent Debian package: wheels + units + default config, venv built at install time.
+#
+# Usage: packaging/build-deb.sh [--out DIR] [--wheelhouse DIR] [--arch all|arm64|amd64|armhf]
+#
+# Why the venv is built by postinst rather than shipped: a venv holds absolute paths and
+# interpreter-specific files, and building an arm64 venv on an amd64 machine is not possible
+# natively. The package ships pure-Python wheels only (psutil comes from Debian's python3-psutil),
+# so the default Architecture is `all`: the same .deb installs on a Pi (arm64/armhf) and on amd64.
+# `--arch` only relabels the package for repositories that want per-arch files.
+# Tooling: bash, pip (wheel + download), dpkg-deb (dpkg-dev not needed). No fakeroot:
+# --root-owner-group makes every file root-owned in the archive.
+set -euo pipefail
+HERE="$(cd "$(dirname "$0")" && pwd)"
+PROJECT="$(cd "$HERE/.." && pwd)"
+OUT="$PROJECT/dist"
+WHEELHOUSE=""
+ARCH=all
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --out) OUT="$2"; shift 2 ;;
+    --wheelhouse) WHEELHOUSE="$2"; shift 2 ;;
+    --arch) ARCH="$2"; shift 2 ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    *) echo "build-deb: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+case "$ARCH" in all|arm64|amd64|armhf) ;; *) echo "build-deb: unsupported --arch $ARCH" >&2; exit 2 ;; esac
+
+PYTHON="${PYTHON:-$PROJECT/.venv/bin/python}"
+[ -x "$PYTHON" ] || PYTHON=python3
+VERSION="$("$PYTHON" -c 'import re,sys; print(re.search(r"__version__ = \"([^\"]+)\"", open(sys.argv[1]).read()).group(1))' "$PROJECT/agent/__init__.py")"
+
+WORK="$(mktemp -d)"
+trap 'rm -rf "$WORK"' EXIT
+if [ -z "$WHEELHOUSE" ]; then
+  WHEELHOUSE="$WORK/wheelhouse"
+fi
+"$HERE/build-wheelhouse.sh" "$WHEELHOUSE" >/dev/null
+
+STAGE="$WORK/fog-agent_${VERSION}_${ARCH}"
+install -d "$STAGE/DEBIAN" "$STAGE/opt/fog-agent/wheels" "$STAGE/lib/systemd/system" \
+  "$STAGE/usr/lib/sysusers.d" "$STAGE/usr/share/fog-agent" "$STAGE/usr/share/doc/fog-agent" \
+  "$STAGE/etc/default" "$STAGE/usr/bin"
+install -m 0644 "$WHEELHOUSE"/*.whl "$STAGE/opt/fog-agent/wheels/"
+for unit in "$PROJECT"/systemd/fog-*.service "$PROJECT"/systemd/fog-*.timer; do
+  install -m 0644 "$unit" "$STAGE/lib/systemd/system/"
+done
+install -m 0644 "$HERE/deb/sysusers.conf" "$STAGE/usr/lib/sysusers.d/fog-agent.conf"
+install -m 0644 "$PROJECT/examples/agent.toml" "$STAGE/usr/share/fog-agent/agent.toml.example"
+install -m 0644 "$PROJECT/examples/pipeline.toml" "$STAGE/usr/share/fog-agent/pipeline.toml.example"
+install -m 0644 "$HERE/deb/default-fog-agent" "$STAGE/etc/default/fog-agent"
+install -m 0644 "$HERE/deb/copyright" "$STAGE/usr/share/doc/fog-agent/copyright"
+[ -f "$PROJECT/docs/operations.md" ] && install -m 0644 "$PROJECT/docs/operations.md" "$STAGE/usr/share/doc/fog-agent/"
+# Commands on PATH; they dangle until postinst has built the venv.
+ln -s /opt/fog-agent/venv/bin/fog-agent "$STAGE/usr/bin/fog-agent"
+ln -s /opt/fog-agent/venv/bin/fogctl "$STAGE/usr/bin/fogctl"
+
+for script in postinst prerm postrm; do
+  sed "s/@VERSION@/$VERSION/g" "$HERE/deb/$script" > "$STAGE/DEBIAN/$script"
+  chmod 0755 "$STAGE/DEBIAN/$script"
+done
+install -m 0644 "$HERE/deb/conffiles" "$STAGE/DEBIAN/conffiles"
+SIZE="$(du -sk --exclude=DEBIAN "$STAGE" | cut -f1)"
+sed -e "s/@VERSION@/$VERSION/" -e "s/@ARCH@/$ARCH/" -e "s/@SIZE@/$SIZE/" \
+  "$HERE/deb/control.in" > "$STAGE/DEBIAN/control"
+find "$STAGE" -type d -exec chmod 0755 {} +
+
+mkdir -p "$OUT"
+DEB="$OUT/fog-agent_${VERSION}_${ARCH}.deb"
+dpkg-deb --root-owner-group -Zxz --build "$STAGE" "$DEB" >/dev/null
+echo "$DEB"

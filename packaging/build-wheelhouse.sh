@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Build the agent's wheel and collect the pure-Python wheels it depends on into one directory
+# (a "wheelhouse"), so that a Pi installs offline: `pip install --no-index --find-links DIR fog-agent`.
+#
+# Usage: packaging/build-wheelhouse.sh OUTDIR
+#
+# Only pure-Python dependencies are bundled (paho-mqtt, prometheus-client, tomli for Python < 3.11):
+# psutil, the one compiled dependency, comes from Debian (python3-psutil, a Depends of the .deb) and
+# reaches the venv through --system-site-packages. That keeps the wheelhouse, and the .deb, the same
+# for arm64, armhf and amd64. Tooling: pip only (from the project venv or the system).
+# Idempotent: if OUTDIR already holds the wheel of the current version, nothing is rebuilt.
+set -euo pipefail
+HERE="$(cd "$(dirname "$0")" && pwd)"
+PROJECT="$(cd "$HERE/.." && pwd)"
+OUT="${1:?usage: build-wheelhouse.sh OUTDIR}"
+PYTHON="${PYTHON:-$PROJECT/.venv/bin/python}"
+[ -x "$PYTHON" ] || PYTHON=python3
+
+VERSION="$("$PYTHON" -c 'import re,sys; print(re.search(r"__version__ = \"([^\"]+)\"", open(sys.argv[1]).read()).group(1))' "$PROJECT/agent/__init__.py")"
+mkdir -p "$OUT"
+if ls "$OUT"/fog_agent-"$VERSION"-*.whl >/dev/null 2>&1 && [ -f "$OUT/.complete" ] && [ -z "${FORCE:-}" ]; then
+  echo "wheelhouse: $OUT already has fog-agent $VERSION"
+  exit 0
+fi
+rm -f "$OUT"/*.whl "$OUT/.complete"
+
+# The project's wheel, built in pip's isolated build env (setuptools from the package index; the
+# venv's own setuptools may be too old to build wheels without the `wheel` package).
+BUILD="$(mktemp -d)"
+trap 'rm -rf "$BUILD"' EXIT
+cp -r "$PROJECT/pyproject.toml" "$PROJECT/README.md" "$PROJECT/agent" "$BUILD/"
+find "$BUILD" -name __pycache__ -prune -exec rm -rf {} +
+if ! "$PYTHON" -m pip wheel -q --no-deps --wheel-dir "$OUT" "$BUILD" >"$BUILD/pip-wheel.log" 2>&1 \
+   || ! ls "$OUT"/fog_agent-"$VERSION"-py3-none-any.whl >/dev/null 2>&1; then
+  cat "$BUILD/pip-wheel.log" >&2
+  echo "wheelhouse: building the fog-agent wheel failed" >&2
+  exit 1
+fi
+
+# Its pure-Python dependencies, as the project declares them (minus psutil, see above).
+"$PYTHON" -m pip download -q --no-deps --only-binary=:all: --dest "$OUT" \
+  "paho-mqtt>=2.0" "prometheus-client>=0.17" 2>&1 | grep -v "^WARNING: Location" >&2 || true
+# tomli for Python 3.9/3.10 (Raspberry Pi OS bullseye); harmless on 3.11.
+"$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.9 --dest "$OUT" \
+  "tomli>=1.1" 2>&1 | grep -v "^WARNING: Location" >&2 || true
+for dist in paho_mqtt prometheus_client tomli; do
+  ls "$OUT"/${dist}-*-py3-none-any.whl >/dev/null 2>&1 || { echo "wheelhouse: $dist wheel missing" >&2; exit 1; }
+done
+touch "$OUT/.complete"
+echo "wheelhouse: $OUT"
+ls -1 "$OUT"
