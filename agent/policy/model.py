@@ -173,7 +173,8 @@ class ModelPolicy:
     name = "model"
 
     def __init__(self, threshold_dt: float = 15.0, cooldown: float = 120.0, min_instances: int = 1,
-                 max_instances: int = 64, max_points: int = 16) -> None:
+                 max_instances: int = 64, max_points: int = 16, sized_scale_up: bool = False,
+                 demand_window: int = 1) -> None:
         if not 0 <= threshold_dt < 100:
             raise ValueError(f"threshold_dt is a percentage in [0, 100), found {threshold_dt}")
         if not 1 <= min_instances <= max_instances:
@@ -183,6 +184,9 @@ class ModelPolicy:
         self.min_instances = min_instances
         self.max_instances = max_instances
         self.max_points = max_points
+        self.sized_scale_up = sized_scale_up
+        self.demand_window = max(1, demand_window)
+        self._recent: List[float] = []
         self.points: List[MstPoint] = []
         self.last_action_at: Optional[float] = None
         self._model: Optional[MstModel] = None
@@ -209,19 +213,29 @@ class ModelPolicy:
         n = m.n_instances or 1
         ct = m.throughput * n  # operator throughput, from this instance's even share
         ir = m.load * n
+        self._recent.append(max(ct, ir))
+        del self._recent[:-self.demand_window]
         if is_overload_root(m.backpressure, m.upstream_backpressure):
             if ct > 0:
                 self.record(MstPoint(n, m.nd_max_ms, ct))
             if n + 1 > self.max_instances:
                 return NO_ACTION
+            target = n + 1
+            if self.sized_scale_up:
+                # restore the scale-down margin: MST(n') >= CT / (1 - DT), at least +1
+                need = ct / (1.0 - self.threshold_dt / 100.0)
+                sized = self.model(m.capacity).instances_for(need, m.nd_max_ms, self.max_instances)
+                target = max(n + 1, sized if sized is not None else self.max_instances)
+            target = min(target, self.max_instances)
             self.last_action_at = m.now
-            return share_of_delta(1, m, n + 1, f"overload root, MST({n})={ct:.0f}")
+            return share_of_delta(target - n, m, target, f"overload root, MST({n})={ct:.0f}")
         if m.upstream_backpressure > HIGH_BACKPRESSURE or m.backpressure > HIGH_BACKPRESSURE:
             return NO_ACTION  # saturated somewhere: never scale down under back pressure
         model = self.model(m.capacity)
         if model is None:
             return NO_ACTION
-        target = scale_down_target(model, n, ct, ir, m.nd_max_ms, self.threshold_dt, self.min_instances)
+        peak = max(self._recent)
+        target = scale_down_target(model, n, peak, peak, m.nd_max_ms, self.threshold_dt, self.min_instances)
         if target >= n:
             return NO_ACTION
         self.last_action_at = m.now
