@@ -1,0 +1,201 @@
+"""Sans-IO parts of the data path: envelope codec, FIFO channels, flow control, routing/batching."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agent.runtime.channel import Inbound, Outbound
+from agent.runtime.envelope import Envelope, Kind, MalformedEnvelope, decode, encode, encode_data
+from agent.runtime.flow import AckTracker, OutLink
+from agent.runtime.routing import Outbox, Router, key_group
+
+# ---- envelope ---------------------------------------------------------------------------------
+
+
+def test_envelope_round_trips_every_kind() -> None:
+    for env in (
+        Envelope("a-0", 3, 7, Kind.DATA, [("src-0", 5, {"x": 1}), ("src-1", 0, [1, 2])]),
+        Envelope("a-0", 0, 1, Kind.ACK, 42),
+        Envelope("a-0", 0, 2, Kind.PROTO, {"type": "deletion", "sender": "a-0", "stage": 1, "round": 1}),
+    ):
+        assert decode(encode(env)) == env
+    fast = encode_data("a-0", 1, 9, [("s", 1, {"v": 1})])
+    assert decode(fast) == Envelope("a-0", 1, 9, Kind.DATA, [("s", 1, {"v": 1})])
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"",
+        b"\xff\xfe",
+        b"null",
+        b"{}",
+        b"[1, \"a\", 0, 1, \"x\", 1]",
+        b"[2, \"a\", 0, 1, \"a\", 1]",
+        b"[1, \"\", 0, 1, \"a\", 1]",
+        b"[1, \"a\", -1, 1, \"a\", 1]",
+        b"[1, \"a\", 0, 0, \"a\", 1]",
+        b"[1, \"a\", 0, 1, \"a\", -5]",
+        b"[1, \"a\", 0, 1, \"d\", {}]",
+        b"[1, \"a\", 0, 1, \"d\", [[\"s\", -1, 1]]]",
+        b"[1, \"a\", 0, 1, \"d\", [[\"s\", 1]]]",
+        b"[1, \"a\", 0, 1, \"p\", [1]]",
+        b"[1, \"a\", true, 1, \"a\", 1]",
+        b"[" * 100000,
+    ],
+)
+def test_malformed_envelopes_raise_only_malformed(raw: bytes) -> None:
+    with pytest.raises(MalformedEnvelope):
+        decode(raw)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.binary(max_size=200), st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+    lambda c: st.lists(c, max_size=6) | st.dictionaries(st.text(max_size=3), c, max_size=4),
+    max_leaves=20,
+).map(lambda v: json.dumps(v).encode())))
+def test_decode_never_raises_anything_else(raw: bytes) -> None:
+    try:
+        env = decode(raw)
+    except MalformedEnvelope:
+        return
+    assert isinstance(env, Envelope) and env.seq >= 1
+
+
+# ---- channels ---------------------------------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 40), st.integers(0, 2**32 - 1), st.floats(0, 1))
+def test_inbound_delivers_each_sender_in_order_exactly_once(n: int, seed: int, dup_rate: float) -> None:
+    """Any arrival order with any duplicates: every seq delivered once, in sender order."""
+    rng = random.Random(seed)
+    arrivals = []
+    for sender in ("a", "b"):
+        for seq in range(1, n + 1):
+            env = Envelope(sender, 0, seq, Kind.ACK, seq)
+            arrivals.append(env)
+            if rng.random() < dup_rate:
+                arrivals.append(env)
+    rng.shuffle(arrivals)
+    inbound = Inbound()
+    got = {"a": [], "b": []}
+    for env in arrivals:
+        for e in inbound.receive(env):
+            got[e.sender].append(e.seq)
+    assert got == {"a": list(range(1, n + 1)), "b": list(range(1, n + 1))}
+    assert inbound.stats.duplicates == len(arrivals) - 2 * n
+
+
+def test_inbound_epochs_and_snapshot() -> None:
+    inbound = Inbound()
+    assert [e.seq for e in inbound.receive(Envelope("a", 0, 1, Kind.ACK, 1))] == [1]
+    # a new incarnation numbers from 1 again; the old one is stale from then on
+    assert [e.seq for e in inbound.receive(Envelope("a", 1, 1, Kind.ACK, 1))] == [1]
+    assert inbound.receive(Envelope("a", 0, 2, Kind.ACK, 1)) == []
+    assert inbound.stats.stale_epoch == 1
+    snap = json.loads(json.dumps(inbound.snapshot()))
+    again = Inbound()
+    again.restore(snap, resync=False)
+    assert again.receive(Envelope("a", 1, 1, Kind.ACK, 1)) == []  # duplicate after restore
+    assert [e.seq for e in again.receive(Envelope("a", 1, 2, Kind.ACK, 1))] == [2]
+    # resync: a lagging snapshot must not wait forever for seqs the broker will not resend
+    lag = Inbound()
+    lag.restore({"a": [1, 1]}, resync=True)
+    assert [e.seq for e in lag.receive(Envelope("a", 1, 5, Kind.ACK, 1))] == [5]
+    assert [e.seq for e in lag.receive(Envelope("a", 1, 6, Kind.ACK, 1))] == [6]
+
+
+def test_inbound_bounded_reorder_buffer_counts_gap() -> None:
+    inbound = Inbound(max_pending=3)
+    for s in (3, 4, 5):
+        assert inbound.receive(Envelope("a", 0, s, Kind.ACK, 1)) == []
+    out = inbound.receive(Envelope("a", 0, 6, Kind.ACK, 1))
+    assert [e.seq for e in out] == [3, 4, 5, 6] and inbound.gaps_skipped == 1
+
+
+def test_outbound_numbers_per_destination() -> None:
+    out = Outbound(epoch=2)
+    assert [out.take("x"), out.take("x"), out.take("y"), out.take("x")] == [1, 2, 1, 3]
+    o2 = Outbound()
+    o2.restore(out.snapshot())
+    assert o2.take("x") == 4 and o2.epoch == 2
+
+
+# ---- flow control -----------------------------------------------------------------------------
+
+
+def test_outlink_credit_and_cumulative_ack() -> None:
+    link = OutLink("s", window=3)
+    for seq in (1, 2, 3):
+        link.sent(seq, b"p", 10, 0.0)
+    assert link.credit == 0
+    with pytest.raises(RuntimeError):
+        link.sent(4, b"p", 10, 0.0)
+    assert link.ack(2) == 2 and link.credit == 2
+    assert [u.seq for u in link.unacked()] == [3]
+    assert link.ack(1) == 0  # old ack: no effect
+    # acks are numbered with everything else, so seqs may have gaps (acks/proto in between)
+    link.sent(7, b"p", 1, 0.0)
+    assert link.ack(6) == 1 and [u.seq for u in link.unacked()] == [7]
+
+
+def test_ack_tracker_releases_only_fully_forwarded_inputs() -> None:
+    t = AckTracker()
+    i1 = t.processed("p", 1)
+    i2 = t.processed("p", 2)
+    i3 = t.processed("q", 1)
+    assert t.release(i1) == {}  # output of batch 1 still pending
+    assert t.release(i2) == {"p": 1}
+    assert t.release(None) == {"p": 2, "q": 1}
+    assert t.waiting() == 0 and i3 == 3
+
+
+# ---- routing and batching --------------------------------------------------------------------
+
+
+def items(n: int, start: int = 0):
+    return [("src", start + i, {"k": (start + i) % 7}) for i in range(n)]
+
+
+def test_outbox_round_robin_batches_respect_size_and_linger() -> None:
+    ob = Outbox(Router(["b", "a"]), batch_size=4, linger=0.02)
+    ob.add(items(10), 1, now=0.0)
+    credit = {"a": 5, "b": 5}
+    out = ob.take(0.0, credit.__getitem__)
+    assert [(d, len(it)) for d, it, _ in out] == [("a", 4), ("b", 4)]
+    assert ob.pending == 2 and ob.take(0.01, credit.__getitem__) == []  # lingering
+    out = ob.take(0.03, credit.__getitem__)
+    assert [(d, len(it)) for d, it, _ in out] == [("a", 2)]
+
+
+def test_outbox_no_credit_holds_records_and_skips_slow_successor() -> None:
+    ob = Outbox(Router(["a", "b"]), batch_size=2, linger=0.0)
+    ob.add(items(8), 1, 0.0)
+    out = ob.take(0.0, {"a": 0, "b": 2}.__getitem__)
+    assert [d for d, _, _ in out] == ["b", "b"] and ob.pending == 4
+    assert ob.take(0.0, {"a": 0, "b": 0}.__getitem__) == [] and ob.pending == 4
+    assert ob.lowest_index() == 1
+
+
+def test_keyed_routing_is_consistent_and_reroutes_on_removal() -> None:
+    r1, r2 = Router(["x", "y", "z"], key="k"), Router(["z", "y", "x"], key="k")
+    for k in range(50):
+        assert r1.by_key({"k": k}) == r2.by_key({"k": k})  # every predecessor agrees
+    assert key_group("abc") == key_group("abc")
+    ob = Outbox(r1, batch_size=100, linger=1.0)
+    ob.add(items(30), 1, 0.0)
+    ob.add(items(30, 30), 2, 0.0)
+    r1.remove("y")
+    ob.reroute(0.0)
+    out = ob.take(0.0, lambda d: 10, force=True)
+    dests = {d for d, _, _ in out}
+    assert "y" not in dests and sum(len(it) for _, it, _ in out) == 60
+    seen = [it[1] for _, its, _ in out for it in its if it[2]["k"] == 3]
+    assert seen == sorted(seen)  # per-key order kept through the re-route

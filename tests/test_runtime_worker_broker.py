@@ -1,0 +1,224 @@
+"""Worker processes on the real broker: exactly-once accounting, malformed input, back pressure,
+live scale-out and scale-in. The test plays the agent's side of the control pipe (LocalRunner)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Dict, List, Set
+
+import paho.mqtt.client as mqtt
+import pytest
+from paho.mqtt.enums import CallbackAPIVersion
+
+from agent import topics
+from agent.runtime.dataplane_bench import LocalRunner, initial_specs, pipeline_toml
+from agent.runtime.operators import in_zone, read_sink_ids, validate
+from agent.runtime.spec import BrokerSpec
+from agent.runtime.taxi import TaxiGenerator
+
+pytestmark = [pytest.mark.broker, pytest.mark.timeout(180)]
+
+
+def expected_ids(seed: int, instance: str, n: int, ops=("validate", "in_zone")) -> Set[int]:
+    gen = TaxiGenerator(seed, instance)
+    out = set()
+    for i in range(n):
+        rec = gen.record()
+        if "validate" in ops:
+            rec = validate(rec, {})
+        if rec is not None and "in_zone" in ops:
+            rec = in_zone(rec, {})
+        if rec is not None:
+            out.add(i)
+    return out
+
+
+def wait_for(pred, timeout: float, what: str, step: float = 0.1) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(step)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+class SysWatch:
+    """Reads the broker's dropped-message counters ($SYS, published every second)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.values: Dict[str, int] = {}
+        self.c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"sys-{time.monotonic_ns()}")
+        self.c.on_message = self._msg
+        self.c.connect(host, port)
+        self.c.subscribe("$SYS/broker/publish/messages/dropped")
+        self.c.subscribe("$SYS/broker/load/publish/dropped/1min")
+        self.c.loop_start()
+
+    def _msg(self, c, u, m) -> None:
+        try:
+            self.values[m.topic] = int(float(m.payload))
+        except ValueError:
+            pass
+
+    def dropped(self) -> int:
+        return self.values.get("$SYS/broker/publish/messages/dropped", 0)
+
+    def close(self) -> None:
+        self.c.loop_stop()
+        self.c.disconnect()
+
+
+@pytest.fixture
+def runner(tmp_path: Path):
+    r = LocalRunner(tmp_path)
+    yield r
+    r.stop_all(timeout=10)
+
+
+def taxi_pipeline(rate: float, n: int, scaling=None, in_zone_extra=None, sink_extra=None, source_params=None) -> str:
+    params = {"seed": 3, "profile": "constant", "rate": rate, "max_records": n}
+    params.update(source_params or {})
+    return pipeline_toml(
+        "taxi",
+        [
+            {"name": "source", "kind": "source", "function": "agent.runtime.taxi:source", "params": params,
+             "batch_size": 50},
+            {"name": "validate", "function": "agent.runtime.operators:validate", "batch_size": 50},
+            {"name": "in_zone", "function": "agent.runtime.operators:in_zone", "batch_size": 50,
+             **(in_zone_extra or {})},
+            {"name": "sink", "kind": "sink", "function": "agent.runtime.operators:counting_sink",
+             "batch_size": 50, **(sink_extra or {})},
+        ],
+        scaling=scaling or {"policy": "none"},
+    )
+
+
+def start_pipeline(runner: LocalRunner, mosquitto, tmp_path: Path, toml: str, cluster: str):
+    specs = initial_specs(
+        toml, BrokerSpec(mosquitto.host, mosquitto.port), str(tmp_path / "state"), cluster=cluster,
+        extra={"sink_dir": str(tmp_path / "sink"), "seed": 11},
+    )
+    procs = [runner.start(s) for s in reversed(specs)]  # successors subscribe before predecessors send
+    return {p.spec.operator: p for p in procs}
+
+
+def assert_exactly_once(tmp_path: Path, n: int) -> None:
+    ids, dup = read_sink_ids(tmp_path / "sink")
+    want = expected_ids(3, "source-0", n)
+    got = ids.get("source-0", set())
+    assert dup == 0, f"{dup} record ids recorded twice"
+    assert got == want, f"lost {len(want - got)} ids (e.g. {sorted(want - got)[:5]}), unexpected {len(got - want)}"
+
+
+def test_pipeline_delivers_every_record_exactly_once(runner, mosquitto, tmp_path: Path) -> None:
+    n = 6000
+    procs = start_pipeline(runner, mosquitto, tmp_path, taxi_pipeline(3000.0, n), "once")
+    wait_for(lambda: procs["source"].stats.get("generated") == n, 30, "the source to finish")
+    want = len(expected_ids(3, "source-0", n))
+    wait_for(lambda: procs["sink"].stats.get("recorded") == want, 30, "the sink to record everything")
+    codes = runner.stop_all()
+    assert set(codes.values()) == {0}, codes
+    assert_exactly_once(tmp_path, n)
+    src = json.loads((tmp_path / "sink" / "source-0.source.json").read_text())
+    assert src["generated"] == n  # the source's own account, for verifiers
+    st = {k: p.stats for k, p in procs.items()}
+    # per-instance conservation: in = out + filtered
+    for name in ("validate", "in_zone"):
+        assert st[name]["records_in"] == st[name]["records_out"] + st[name]["filtered"]
+    assert st["validate"]["records_in"] == n
+
+
+def test_malformed_payloads_are_counted_and_skipped(runner, mosquitto, tmp_path: Path) -> None:
+    n = 3000
+    procs = start_pipeline(runner, mosquitto, tmp_path, taxi_pipeline(1000.0, n), "bad")
+    c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="vandal")
+    c.connect(mosquitto.host, mosquitto.port)
+    c.loop_start()
+    inbox = topics.inbox("bad", "in_zone-0")
+    junk = [b"", b"garbage", b"[1]", b'[1, "x", 0, 1, "d", [[1, 2, 3]]]', b"\xff" * 50, b'{"type": "start"}',
+            b'[1, "vandal", 0, 1, "p", {"type": "start", "sender": "vandal", "stage": 2, "succs": [], "preds": []}]']
+    for j in junk:
+        c.publish(inbox, j, qos=1).wait_for_publish(5)
+    c.loop_stop()
+    c.disconnect()
+    wait_for(lambda: procs["source"].stats.get("generated") == n, 30, "the source to finish")
+    want = len(expected_ids(3, "source-0", n))
+    wait_for(lambda: procs["sink"].stats.get("recorded") == want, 30, "the sink to record everything")
+    st = procs["in_zone"].stats
+    assert st["malformed"] == 6  # every undecodable payload counted
+    assert st["protocol_errors"] == 1  # the well-formed but unexpected Start: rejected, counted
+    assert procs["in_zone"].proc.poll() is None  # still alive and working
+    assert "malformed payload" in procs["in_zone"].log_path.read_text()
+    runner.stop_all()
+    assert_exactly_once(tmp_path, n)
+
+
+def test_slow_sink_slows_producers_without_broker_drops(runner, mosquitto, tmp_path: Path) -> None:
+    """A sink 10x slower than the input: back pressure reaches the source; nothing dropped."""
+    n = 4000
+    watch = SysWatch(mosquitto.host, mosquitto.port)
+    try:
+        time.sleep(1.5)
+        dropped0 = watch.dropped()
+        toml = taxi_pipeline(1000.0, n, sink_extra={"service_time_ms": 10.0, "max_inflight_batches": 4})
+        procs = start_pipeline(runner, mosquitto, tmp_path, toml, "slow")
+        time.sleep(4.0)
+        src = procs["source"].stats
+        # the sink takes ~100 records/s: the source must have been held back far below 1000/s
+        assert src["generated"] < 0.5 * 4.0 * 1000, src
+        assert src["deferred"] > 0
+        for p in procs.values():  # the window bounds what is in flight to each successor
+            assert all(v <= 8 for v in p.stats.get("inflight", {}).values()), p.stats
+        procs["sink"].send("set", service_time_ms=0.0)  # the sink recovers
+        wait_for(lambda: procs["source"].stats.get("generated") == n, 60, "the source to finish")
+        want = len(expected_ids(3, "source-0", n))
+        wait_for(lambda: procs["sink"].stats.get("recorded") == want, 30, "the sink to catch up")
+        time.sleep(1.2)
+        assert watch.dropped() == dropped0, "the broker dropped messages"
+    finally:
+        watch.close()
+    runner.stop_all()
+    assert_exactly_once(tmp_path, n)
+
+
+def test_live_scale_out_and_in_loses_and_duplicates_nothing(runner, mosquitto, tmp_path: Path) -> None:
+    """in_zone (capacity 150/s, emulated 5 ms per record) under a step load up then down."""
+    n = 100000  # more than the profile generates; the profile ends with rate 0
+    toml = taxi_pipeline(
+        0.0, n,
+        source_params={"profile": "steps", "steps": [[0, 80.0], [2, 450.0], [11, 30.0], [22, 0.0]]},
+        in_zone_extra={"service_time_ms": 5.0, "batch_size": 20, "linger_ms": 10.0,
+                       "scaling": {"policy": "decentralized", "capacity": 150.0, "period": 1.0}},
+    )
+    procs = start_pipeline(runner, mosquitto, tmp_path, toml, "scale")
+    src = procs["source"]
+    wait_for(lambda: len([w for w in runner.alive() if w.spec.operator == "in_zone"]) >= 3, 14,
+             "in_zone to scale out to >= ceil(450*0.98/(0.7*150)) - 2 instances")
+    peak = len([w for w in runner.alive() if w.spec.operator == "in_zone"])
+    wait_for(lambda: src.stats.get("generated", 0) > 0 and time.monotonic() > 0 and
+             src.stats.get("load", 1) == 0 and src.stats.get("records_in") == src.stats.get("generated"), 30,
+             "the source to go quiet")
+    wait_for(lambda: len(runner.exited) >= 1, 20, "in_zone to scale in")
+    generated = src.stats["generated"]
+    want = len(expected_ids(3, "source-0", generated))
+    wait_for(lambda: procs["sink"].stats.get("recorded") == want, 30, "the sink to record everything")
+    stats = [w.stats for w in runner.workers.values()]
+    assert sum(s.get("sends_to_non_successor", 0) for s in stats) == 0
+    assert sum(s.get("protocol_errors", 0) for s in stats) == 0
+    exits = [w.exit_info for w in runner.workers.values() if w.exit_info]
+    assert exits and all(e["code"] == 0 for e in exits), exits
+    runner.stop_all()
+    assert_exactly_once(tmp_path, generated)
+    assert peak >= 3
+
+
+def test_worker_rejects_a_bad_spec() -> None:
+    p = subprocess.run([sys.executable, "-m", "agent.runtime.worker"], input="{not json}\n",
+                       capture_output=True, text=True, timeout=30)
+    assert p.returncode == 2
+    assert json.loads(p.stdout.splitlines()[-1])["event"] == "exit"

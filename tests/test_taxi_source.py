@@ -1,0 +1,70 @@
+"""The synthetic DEBS 2015 source, its rate profiles, and the validate / in_zone operators."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from agent.runtime.operators import OperatorContext, in_zone, load_operator, validate
+from agent.runtime.taxi import FIELDS, Sinusoid, Steps, TaxiGenerator, TaxiSource, profile_from_params, sample
+
+
+def ctx(params, instance="source-0") -> OperatorContext:
+    return OperatorContext(instance=instance, operator="source", node="n", kind="source", params=params)
+
+
+def test_records_are_seeded_and_have_the_debs_schema() -> None:
+    a, b = sample(7, 200, "s"), sample(7, 200, "s")
+    assert a == b and sample(8, 200, "s") != a and sample(7, 200, "t") != a
+    assert all(tuple(r) == FIELDS for r in a)
+
+
+def test_validate_and_in_zone_filter_some_but_not_most() -> None:
+    recs = TaxiGenerator(1, "x")
+    rs = [recs.record() for _ in range(5000)]
+    valid = [r for r in rs if validate(r, {}) is not None]
+    zoned = [z for z in (in_zone(r, {}) for r in valid) if z is not None]
+    assert 0.9 * len(rs) < len(valid) < len(rs)  # ~2% defects dropped
+    assert 0.8 * len(valid) < len(zoned) < len(valid)  # trips outside the grid dropped
+    assert all("pickup_cell" in z for z in zoned)
+    assert validate({"bad": 1}, {}) is None and in_zone({}, {}) is None
+
+
+def test_source_generates_the_integral_of_the_rate_and_respects_budget() -> None:
+    src = TaxiSource(ctx({"profile": "constant", "rate": 1000.0}))
+    src.start(0.0)
+    got = []
+    for k in range(1, 101):
+        got += src.poll(k * 0.01, budget=10**6)
+    assert 990 <= len(got) <= 1000
+    assert [i[1] for i in got] == list(range(len(got))) and {i[0] for i in got} == {"source-0"}
+    # with no budget (back pressure) nothing is generated, and a long stall is not made up
+    src2 = TaxiSource(ctx({"profile": "constant", "rate": 1000.0, "max_lag_s": 0.1}))
+    src2.start(0.0)
+    assert src2.poll(5.0, budget=0) == []
+    assert len(src2.poll(5.01, budget=10**6)) <= 111 and src2.deferred > 4000
+
+
+def test_source_max_records_and_profiles(tmp_path: Path) -> None:
+    src = TaxiSource(ctx({"rate": 1e6, "max_records": 123}))
+    src.start(0.0)
+    assert len(src.poll(1.0, 10**6)) == 123 and src.finished and src.poll(2.0, 10**6) == []
+    steps = profile_from_params({"profile": "steps", "steps": [[0, 10], [5, 50], [10, 0]]})
+    assert isinstance(steps, Steps) and [steps.rate(t) for t in (1, 6, 11)] == [10, 50, 0]
+    sin = profile_from_params({"profile": "sinusoid", "rate": 100, "amplitude": 0.5, "period": 4})
+    assert isinstance(sin, Sinusoid) and sin.rate(1.0) == pytest.approx(150) and sin.rate(3.0) == pytest.approx(50)
+    f = tmp_path / "rates.csv"
+    f.write_text("t,rate\n0,5\n2,7\n")
+    assert profile_from_params({"profile": "csv", "csv": str(f)}).rate(3) == 7
+    with pytest.raises(ValueError):
+        profile_from_params({"profile": "zigzag"})
+
+
+def test_load_operator_resolves_every_form() -> None:
+    c = ctx({}, "x-0")
+    assert load_operator("agent.runtime.operators:validate", c).process([("s", 1, {"a": 1})]) == []
+    assert load_operator("agent.runtime.operators:identity", c).process([("s", 1, 5)]) == [("s", 1, 5)]
+    assert hasattr(load_operator("agent.runtime.taxi:source", c), "poll")
+    with pytest.raises(ValueError):
+        load_operator("agent.runtime.operators:nope", c)
