@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 from typing import List, Tuple
 
 import pytest
@@ -21,6 +22,8 @@ from agent.cli.fogctl import main
 from agent.fogctl.testing import FakeAgent, FakeInstance
 
 pytestmark = pytest.mark.broker
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def run(capsys, broker, cluster: str, *argv: str) -> Tuple[int, str, str]:
@@ -211,30 +214,48 @@ def test_why_shows_last_decisions_with_reasons(capsys, mosquitto, fleet) -> None
     assert len(out.strip().splitlines()) == 2 and "load=112.0" in out
 
 
-def test_pipelines_and_deploy_undeploy(capsys, mosquitto, fleet, tmp_path) -> None:
-    cluster, _ = fleet
-    src = open("examples/pipeline.toml").read()
-    f = tmp_path / "taxi.toml"
-    f.write_text(src)
-    code, out, err = run(capsys, mosquitto, cluster, "deploy", str(f))
-    assert code == 0, err
-    assert "deployed taxi (source -> validate -> in_zone -> sink)" in out
-    code, out, _ = run(capsys, mosquitto, cluster, "--json", "pipelines")
-    (p,) = json.loads(out)["pipelines"]
-    assert p["deployed"] is True
-    # pipeline order (from the retained TOML), with the instance count of each operator
-    assert [(o["operator"], o["instances"]) for o in p["operators"]] == \
-        [("source", 1), ("validate", 1), ("in_zone", 3), ("sink", 1)]
-    bad = tmp_path / "bad.toml"
-    bad.write_text('[pipeline]\nname = "x"\n')
-    code, _, err = run(capsys, mosquitto, cluster, "deploy", str(bad))
-    assert code == 1 and "bad.toml" in err and "Traceback" not in err
-    code, out, err = run(capsys, mosquitto, cluster, "undeploy", "taxi")
-    assert code == 0, err
-    code, out, _ = run(capsys, mosquitto, cluster, "--json", "pipelines")
-    assert json.loads(out)["pipelines"][0]["deployed"] is False
-    code, _, err = run(capsys, mosquitto, cluster, "undeploy", "taxi")
-    assert code == 1 and "not deployed" in err
+def test_pipelines_and_deploy_undeploy(capsys, mosquitto, tmp_path) -> None:
+    cluster = "d" + uuid.uuid4().hex[:8]
+    agents = [FakeAgent(mosquitto.host, mosquitto.port, cluster, n, slots=2).start() for n in ("n1", "n2", "n3")]
+    try:
+        f = tmp_path / "taxi.toml"
+        f.write_text((ROOT / "examples" / "pipeline.toml").read_text())
+        code, out, err = run(capsys, mosquitto, cluster, "--json", "deploy", str(f))
+        assert code == 0, err
+        doc = json.loads(out)
+        keepers = {k["operator"]: (k["instance"], k["node"]) for k in doc["keepers"]}
+        assert list(keepers) == ["source", "validate", "in_zone", "sink"]
+        # Each keeper really runs where fogctl says (the fake agents' own lists).
+        hosted = {i.id: a.node for a in agents for i in a.instances}
+        assert {iid: node for iid, node in keepers.values()} == hosted
+        assert all(i.keeper for a in agents for i in a.instances)
+        time.sleep(0.5)  # the fake agents' starting -> active
+        code, out, _ = run(capsys, mosquitto, cluster, "--json", "pipelines")
+        (p,) = json.loads(out)["pipelines"]
+        assert p["deployed"] is True
+        # pipeline order (from the retained TOML), with the instance count of each operator
+        assert [(o["operator"], o["instances"]) for o in p["operators"]] == \
+            [("source", 1), ("validate", 1), ("in_zone", 1), ("sink", 1)]
+        code, out, _ = run(capsys, mosquitto, cluster, "pipelines")
+        assert out.splitlines()[1].split() == ["taxi", "yes", "4", "source=1", "validate=1", "in_zone=1", "sink=1"]
+        bad = tmp_path / "bad.toml"
+        bad.write_text('[pipeline]\nname = "x"\n')
+        code, _, err = run(capsys, mosquitto, cluster, "deploy", str(bad))
+        assert code == 1 and "bad.toml" in err and "Traceback" not in err
+        code, out, err = run(capsys, mosquitto, cluster, "--json", "undeploy", "taxi")
+        assert code == 0, err
+        stopped = [s["instance"] for s in json.loads(out)["stopped"]]
+        assert stopped == [keepers[op][0] for op in ("source", "validate", "in_zone", "sink")]  # sources first
+        stops = [r for a in agents for r in a.requests if r.get("op") == "stop"]
+        assert sorted(r["instance"] for r in stops) == sorted(stopped)
+        time.sleep(0.5)
+        code, out, _ = run(capsys, mosquitto, cluster, "--json", "pipelines")
+        assert json.loads(out)["pipelines"] == []
+        code, _, err = run(capsys, mosquitto, cluster, "undeploy", "taxi")
+        assert code == 1 and "not deployed" in err
+    finally:
+        for a in agents:
+            a.stop()
 
 
 def test_console_script_status_in_subprocess(mosquitto, fleet) -> None:

@@ -68,9 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("node")
     p.add_argument("--undo", action="store_true", help="accept instances again (undrain)")
     p.add_argument("--wait", type=float, default=0.0, help="wait up to this many seconds for the node to be empty")
-    p = sub.add_parser("deploy", help="publish a pipeline description (retained) for the agents")
+    p = sub.add_parser("deploy", help="publish a pipeline (retained) and start its keepers (= fog-agent deploy)")
     p.add_argument("file", metavar="PIPELINE.toml")
-    p = sub.add_parser("undeploy", help="remove a deployed pipeline")
+    p.add_argument("--keeper-timeout", dest="keeper_timeout", type=float, default=30.0,
+                   help="seconds to wait for each keeper to be ready")
+    p = sub.add_parser("undeploy", help="stop a pipeline's instances (sources first) and clear its description")
     p.add_argument("pipeline", metavar="PIPELINE|PIPELINE.toml")
     return parser
 

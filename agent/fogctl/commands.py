@@ -246,6 +246,7 @@ def cmd_drain(args: argparse.Namespace, ctx: Context) -> int:
 
 
 def cmd_deploy(args: argparse.Namespace, ctx: Context) -> int:
+    """Same as `fog-agent deploy`: publish the TOML retained and start the keepers by placement."""
     from agent.config import load_pipeline_text
 
     path = Path(args.file)
@@ -254,28 +255,56 @@ def cmd_deploy(args: argparse.Namespace, ctx: Context) -> int:
     except OSError as exc:
         raise FogctlError(f"cannot read {path}: {exc.strerror}") from None
     cfg = load_pipeline_text(text, path.name)  # ConfigError names file and key
+    try:
+        from agent.runtime.deploy import DeployError, deploy
+    except ImportError as exc:
+        raise FogctlError(f"this install cannot deploy ({exc})") from None
+    if ctx.cfg.cafile or ctx.cfg.cert:
+        raise FogctlError("deploy over TLS is not supported yet: run `fog-agent deploy` on the broker host")
+    host, port = ctx.cfg.address
+    with ctx.connect(ctx.cfg):  # reachability first: exit 3 naming the address, like every command
+        pass
+    try:
+        placed = deploy(text, host, port, ctx.cfg.cluster, timeout=args.keeper_timeout,
+                        username=ctx.cfg.username, password=ctx.cfg.resolved_password(), name=path.name)
+    except DeployError as exc:
+        raise FogctlError(str(exc)) from None
     name = cfg.pipeline.name
-    topic = topics.pipeline(ctx.cfg.cluster, name)
-    with ctx.connect(ctx.cfg) as conn:
-        conn.publish(topic, text.encode("utf-8"), qos=1, retain=True)
-    ops = [op.name for op in cfg.operators]
-    ctx.emit(args, {"ok": True, "pipeline": name, "topic": topic, "operators": ops},
-             f"deployed {name} ({' -> '.join(ops)}) on {topic}")
+    doc = {"ok": True, "pipeline": name, "topic": topics.pipeline(ctx.cfg.cluster, name),
+           "keepers": [{"operator": d.operator, "instance": d.instance, "node": d.node} for d in placed]}
+    text_out = f"deployed {name} ({' -> '.join(op.name for op in cfg.operators)}): " + \
+        ", ".join(f"{d.instance}@{d.node}" for d in placed)
+    ctx.emit(args, doc, text_out)
     return 0
 
 
 def cmd_undeploy(args: argparse.Namespace, ctx: Context) -> int:
+    """Stop every instance of the pipeline (sources first, so successors drain), then clear it."""
     name = args.pipeline
     if name.endswith(".toml"):
         from agent.config import load_pipeline
 
         name = load_pipeline(name).pipeline.name
     topic = topics.pipeline(ctx.cfg.cluster, name)
+    stopped: List[Dict[str, str]] = []
     with ctx.connect(ctx.cfg) as conn:
-        if topic not in conn.snapshot([topic]):
+        fleet = fleet_snapshot(conn, ctx.cfg.cluster)
+        if name not in fleet.pipelines:
             raise FogctlError(f"pipeline {name!r} is not deployed on {topic}")
+        order = {op: k for k, op in enumerate(fleet.operator_order(name))}
+        insts = sorted((i for i in fleet.instances if i.pipeline == name),
+                       key=lambda i: (order.get(i.operator, len(order)), not i.keeper, i.id))
+        offline = sorted({i.node for i in insts if (fleet.node(i.node) or i).status != "online"})  # type: ignore[union-attr]
+        if offline:
+            raise FogctlError(f"refused: {name} has instances on offline node(s) {', '.join(offline)}")
+        for i in insts:
+            reply = _reply(ctx, conn, i.node, {"op": "stop", "instance": i.id})
+            if not reply.ok:
+                raise FogctlError(f"{i.node} refused to stop {i.id}: {reply.error}")
+            stopped.append({"instance": i.id, "node": i.node})
         conn.publish(topic, b"", qos=1, retain=True)  # an empty retained message clears it
-    ctx.emit(args, {"ok": True, "pipeline": name, "topic": topic}, f"undeployed {name} (cleared {topic})")
+    ctx.emit(args, {"ok": True, "pipeline": name, "topic": topic, "stopped": stopped},
+             f"undeployed {name}: stopped {len(stopped)} instance(s), cleared {topic}")
     return 0
 
 

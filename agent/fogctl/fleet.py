@@ -141,10 +141,19 @@ class Fleet:
                     emulated[parts[1]] = emu
             elif len(parts) == 2 and parts[0] == "pipelines":
                 pipelines[parts[1]] = payload.decode("utf-8", "replace")
+        # An instance whose state does not name its pipeline belongs to the one deployed pipeline
+        # that has its operator, when there is exactly one.
+        owners: Dict[str, List[str]] = {}
+        for pname, text in pipelines.items():
+            for op in _operators_of(text):
+                owners.setdefault(op, []).append(pname)
         nodes = []
         for name in sorted(set(states) | set(statuses)):
             node = parse_state(name, states[name]) if name in states else Node(name)
-            nodes.append(_replace(node, status=statuses.get(name, "unknown")))
+            insts = tuple(_replace(i, pipeline=owners[i.operator][0])
+                          if i.pipeline is None and len(owners.get(i.operator, ())) == 1 else i
+                          for i in node.instances)
+            nodes.append(_replace(node, status=statuses.get(name, "unknown"), instances=insts))
         return cls(cluster, tuple(nodes), latency, emulated, pipelines)
 
 
@@ -205,7 +214,11 @@ def _instance(node: str, item: Any, state: Mapping[str, Any]) -> Optional[Instan
     if not isinstance(iid, str) or not iid:
         return None
     operator = item.get("operator") if isinstance(item.get("operator"), str) else iid.rsplit("-", 1)[0]
-    pipeline = item.get("pipeline") if isinstance(item.get("pipeline"), str) else state.get("pipeline")
+    stats = item.get("stats") if isinstance(item.get("stats"), dict) else {}
+    pipeline = next((v for v in (item.get("pipeline"), stats.get("pipeline"), state.get("pipeline"))
+                     if isinstance(v, str) and v), None)
+    if pipeline is None and iid.count(".") == 2 and iid.split(".")[1] == operator:
+        pipeline = iid.split(".")[0]  # a keeper's id is "<pipeline>.<operator>.0" (fog-agent deploy)
     lock_raw = item.get("lock")
     lock = boundary = None
     if isinstance(lock_raw, dict):
@@ -219,8 +232,8 @@ def _instance(node: str, item: Any, state: Mapping[str, Any]) -> Optional[Instan
         pipeline=pipeline if isinstance(pipeline, str) else None,
         keeper=bool(item.get("keeper", False)),
         phase=_phase(item),
-        load=_num(item, "load", "load_rate", "rate"),
-        capacity=_num(item, "capacity"),
+        load=_num(item, "load", "load_rate", "rate") if _num(item, "load", "load_rate", "rate") is not None else _num(stats, "load"),
+        capacity=_num(item, "capacity") if _num(item, "capacity") is not None else _num(stats, "capacity"),
         lock=lock, boundary=boundary,
     )
 
@@ -315,7 +328,7 @@ def _round(v: Optional[float], digits: int) -> Optional[float]:
     return None if v is None else round(v, digits)
 
 
-def _replace(node: Node, **changes: Any) -> Node:
+def _replace(node: Any, **changes: Any) -> Any:
     import dataclasses
 
     return dataclasses.replace(node, **changes)

@@ -101,7 +101,9 @@ class Reply:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Reply":
         ok = d.get("ok") is True
-        result = d.get("result") if isinstance(d.get("result"), dict) else {}
+        # The daemon's own ops (spawn/stop/ping) reply flat: {"ok": true, "instance": ..., "node": ...}
+        result = d.get("result") if isinstance(d.get("result"), dict) else \
+            {k: v for k, v in d.items() if k not in ("v", "ok", "error")}
         err = d.get("error")
         return cls(ok, dict(result), None if ok else (str(err) if err else "refused without a reason"))
 

@@ -130,16 +130,35 @@ class FakeAgent:
         try:
             body = json.loads(msg.payload)
             self.requests.append(body)
-            reply = self._handle(parse_request(body))
+            op = body.get("op") if isinstance(body, dict) else None
+            reply = self._agent_op(body) if op in ("spawn", "stop", "ping") else self._handle(parse_request(body)).to_dict()
         except (ValueError, RequestError) as exc:
-            reply = Reply(False, {}, str(exc))
+            reply = Reply(False, {}, str(exc)).to_dict()
         if reply_to:
             out = Properties(PacketTypes.PUBLISH)
             if corr is not None:
                 out.CorrelationData = corr
             # Not from the network thread's wait: publish without waiting for PUBACK here.
-            client.publish(reply_to, json.dumps(reply.to_dict()).encode(), qos=1, properties=out)
+            client.publish(reply_to, json.dumps(reply).encode(), qos=1, properties=out)
         threading.Thread(target=self._settle, daemon=True).start()
+
+    def _agent_op(self, body: Dict[str, Any]) -> Dict[str, Any]:
+        """The daemon's own rpc ops (agent.runtime.rpc): spawn a keeper, stop an instance."""
+        with self._lock:
+            if body["op"] == "spawn":
+                spec = body.get("spec") or {}
+                if len(self.instances) >= self.slots:
+                    return {"ok": False, "error": f"no free slot on {self.node}"}
+                self.instances.append(FakeInstance(spec["instance"], spec["operator"], spec.get("pipeline", "taxi"),
+                                                   keeper=bool(spec.get("keeper")), phase="starting"))
+                return {"ok": True, "instance": spec["instance"], "node": self.node}
+            if body["op"] == "stop":
+                for i in self.instances:
+                    if i.id == body.get("instance"):
+                        i.phase = "terminating"
+                        return {"ok": True, "instance": i.id, "node": self.node}
+                return {"ok": False, "error": f"no instance {body.get('instance')!r} on {self.node}"}
+        return {"ok": True, "node": self.node}
 
     def _handle(self, req: Any) -> Reply:
         if self.refuse:
