@@ -1,0 +1,163 @@
+"""fogctl against three real agents (`fog-agent run`, real workers) on the real broker.
+
+What fogctl shows is compared with what each agent says itself over its rpc (`ping` lists the
+instances its supervisor runs), not with the retained state fogctl reads. A SIGKILLed agent must
+show as offline within the MQTT keepalive bound (1.5 x keepalive) plus one state period.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+
+pytest.importorskip("agent.runtime.daemon")
+
+from agent.cli.fogctl import main  # noqa: E402
+from agent.runtime import rpc  # noqa: E402
+
+pytestmark = pytest.mark.broker
+
+ROOT = Path(__file__).resolve().parent.parent
+KEEPALIVE = 2  # seconds, [mqtt].keepalive of the agents under test
+
+PIPELINE = """
+[pipeline]
+name = "taxi"
+[scaling]
+policy = "none"
+[[operator]]
+name = "source"
+kind = "source"
+function = "agent.runtime.taxi:source"
+params = { seed = 1, profile = "constant", rate = 50.0 }
+[[operator]]
+name = "in_zone"
+function = "agent.runtime.operators:in_zone"
+[[operator]]
+name = "sink"
+kind = "sink"
+function = "agent.runtime.operators:counting_sink"
+"""
+
+
+class Agent:
+    def __init__(self, tmp: Path, broker: Any, cluster: str, node: str) -> None:
+        self.node = node
+        conf = tmp / f"{node}.toml"
+        conf.write_text(
+            f'[agent]\nnode = "{node}"\ncluster = "{cluster}"\nslots = 2\nstate_dir = "{tmp}/state-{node}"\n'
+            f"state_period = 0.5\nheartbeat_period = 0.2\nshutdown_timeout = 3.0\n"
+            f'[mqtt]\nhost = "{broker.host}"\nport = {broker.port}\nkeepalive = {KEEPALIVE}\n[metrics]\nport = 0\n'
+        )
+        self.log = open(tmp / f"{node}.log", "w")
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        self.proc = subprocess.Popen([sys.executable, "-m", "agent", "run", "--config", str(conf)],
+                                     stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=8)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def fogctl(capsys: Any, broker: Any, cluster: str, *argv: str) -> Any:
+    code = main(["--broker", broker.address, "--cluster", cluster, "--timeout", "5", *argv])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return json.loads(out) if "--json" in argv else out
+
+
+def wait_for(pred: Any, timeout: float, step: float = 0.2) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = pred()
+        if got or time.monotonic() > deadline:
+            return got
+        time.sleep(step)
+
+
+@pytest.fixture(scope="module")
+def fleet(mosquitto, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fogctl-agents")
+    cluster = "r" + uuid.uuid4().hex[:8]
+    agents = [Agent(tmp, mosquitto, cluster, n) for n in ("n1", "n2", "n3")]
+    yield cluster, agents, tmp
+    for a in agents:
+        a.stop()
+
+
+def test_real_fleet_status_topology_match_agents_own_view(capsys, mosquitto, fleet) -> None:
+    cluster, agents, tmp = fleet
+
+    def all_online() -> bool:
+        doc = fogctl(capsys, mosquitto, cluster, "--json", "status")
+        return [n["status"] for n in doc["nodes"]] == ["online"] * 3
+
+    assert wait_for(all_online, 30), "the three agents did not come online"
+    p = tmp / "taxi.toml"
+    p.write_text(PIPELINE)
+    deployed = fogctl(capsys, mosquitto, cluster, "--json", "deploy", str(p))
+    keepers = {k["instance"]: k["node"] for k in deployed["keepers"]}
+    assert len(keepers) == 3
+
+    def active_topology() -> Any:
+        doc = fogctl(capsys, mosquitto, cluster, "--json", "topology", "taxi")
+        insts = [i for o in doc["pipelines"][0]["operators"] for i in o["instances"]]
+        return doc if len(insts) == 3 and all(i["phase"] == "active" for i in insts) else None
+
+    topo = wait_for(active_topology, 30)
+    assert topo, "keepers did not become active"
+    # The agents' own answer: what their supervisors run.
+    with rpc.RpcClient(mosquitto.host, mosquitto.port, cluster) as client:
+        own = {a.node: set(client.call(a.node, {"op": "ping"}, timeout=5)["instances"]) for a in agents}
+    status = fogctl(capsys, mosquitto, cluster, "--json", "status")
+    assert {n["node"]: set(n["instances"]) for n in status["nodes"]} == own
+    for n in status["nodes"]:
+        assert n["slots"] == 2 and n["free_slots"] == 2 - len(own[n["node"]])
+        assert n["cpu"] is not None and n["memory"] is not None and n["last_seen_s"] < 5
+    ops = topo["pipelines"][0]["operators"]
+    assert [o["operator"] for o in ops] == ["source", "in_zone", "sink"]
+    for o in ops:
+        (i,) = o["instances"]
+        assert i["keeper"] is True and i["id"] in own[i["node"]] and keepers[i["id"]] == i["node"]
+    text = fogctl(capsys, mosquitto, cluster, "status")
+    for a in agents:
+        row = next(line.split() for line in text.splitlines() if line.startswith(a.node + " "))
+        assert row[1] == "online"
+    # No agent publishes latency or 2-FGME lock state here ("ack" coordination): fogctl says so.
+    assert fogctl(capsys, mosquitto, cluster, "--json", "locks")["boundaries"] == []
+    assert "no 2-FGME lock state" in fogctl(capsys, mosquitto, cluster, "locks")
+
+
+def test_sigkilled_agent_offline_within_keepalive_bound(capsys, mosquitto, fleet) -> None:
+    cluster, agents, _ = fleet
+    victim = agents[2]
+    assert wait_for(lambda: {n["node"]: n["status"] for n in
+                             fogctl(capsys, mosquitto, cluster, "--json", "status")["nodes"]}.get("n3") == "online", 30)
+    victim.proc.send_signal(signal.SIGKILL)
+    victim.proc.wait()
+    t0 = time.monotonic()
+
+    def offline() -> bool:
+        nodes = {n["node"]: n["status"] for n in fogctl(capsys, mosquitto, cluster, "--json", "status")["nodes"]}
+        return nodes["n3"] == "offline" and nodes["n1"] == nodes["n2"] == "online"
+
+    assert wait_for(offline, 1.5 * KEEPALIVE + 5, step=0.1)
+    elapsed = time.monotonic() - t0
+    assert elapsed <= 1.5 * KEEPALIVE + 1.0, f"offline shown after {elapsed:.1f}s"
+    text = fogctl(capsys, mosquitto, cluster, "status")
+    assert next(line for line in text.splitlines() if line.startswith("n3 ")).split()[1] == "offline"
