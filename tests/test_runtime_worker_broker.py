@@ -215,6 +215,7 @@ def test_live_scale_out_and_in_loses_and_duplicates_nothing(runner, mosquitto, t
     runner.stop_all()
     assert_exactly_once(tmp_path, generated)
     assert peak >= 3
+    print("SCALE", peak, runner.spawned, runner.exited, runner.spawn_times)
 
 
 def test_worker_rejects_a_bad_spec() -> None:
