@@ -253,3 +253,22 @@ def test_rpc_timeout_when_agent_does_not_answer(capsys, mosquitto, steer_fleet) 
     time.sleep(0.2)
     code, _, err = run(capsys, mosquitto, cluster, "--timeout", "1", "scale", "in_zone", "+1")
     assert code == 1 and "no reply" in err
+
+
+def test_agent_actions_the_daemon_side_of_steering() -> None:
+    from agent.fogctl.fleet import Instance
+    from agent.fogctl.rpc_schema import Action, ActionKind, agent_actions
+
+    local = [Instance("z-1", "z", "n1", keeper=True, phase=Phase.ACTIVE),
+             Instance("z-2", "z", "n1", phase=Phase.ACTIVE),
+             Instance("z-3", "z", "n1", phase=Phase.STARTING),
+             Instance("y-1", "y", "n1", phase=Phase.TERMINATING)]
+    assert agent_actions(ScaleRequest("z", 2), "n1", local) == [Action(ActionKind.DUPLICATE, "z-1", 2)]
+    assert agent_actions(ScaleRequest("z", -1, None, ("z-2",)), "n1", local) == [Action(ActionKind.TERMINATE, "z-2")]
+    for bad in (("z-1",), ("z-3",), ("q-9",)):
+        with pytest.raises(RequestError):
+            agent_actions(ScaleRequest("z", -1, None, bad), "n1", local)
+    assert agent_actions(DrainRequest("n1"), "n1", local) == [
+        Action(ActionKind.TERMINATE, "z-2"), Action(ActionKind.TERMINATE, "z-3"), Action(ActionKind.HANDOVER, "z-1")]
+    with pytest.raises(RequestError):
+        agent_actions(DrainRequest("n2"), "n1", local)

@@ -26,19 +26,22 @@ An agent MUST refuse (ok=false, error says which invariant) a request that would
 scaling below one instance or terminating a keeper, more copies than free slots, draining the
 last node that can host a keeper. fogctl checks the same rules before sending (`check_scale`,
 `check_drain`) so that a person gets the refusal without a round trip; the agent's check is the
-one that counts, because the fleet may change in between.
+one that counts, because the fleet may change in between. `agent_actions()` is that check on the
+agent side: it turns a request into actions on the agent's own instances (duplicate N times,
+terminate, hand the keeper role over) or a RequestError to reply with.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from enum import Enum
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from agent.fogctl.fleet import Fleet, Phase
+from agent.fogctl.fleet import Fleet, Instance, Phase
 
 __all__ = [
     "SCHEMA_VERSION", "ScaleRequest", "DrainRequest", "Reply", "parse_request", "check_scale",
-    "check_drain", "RequestError",
+    "check_drain", "RequestError", "ActionKind", "Action", "agent_actions",
 ]
 
 SCHEMA_VERSION = 1
@@ -182,3 +185,55 @@ def check_drain(fleet: Fleet, req: DrainRequest) -> List[str]:
                            f"{', '.join(keepers)} must move by duplication first and no other online "
                            f"node has a free slot")
     return [i.id for i in node.instances]
+
+
+# ---- agent side: what a request asks this agent's instances to do (pure) ----------------------
+
+
+class ActionKind(Enum):
+    DUPLICATE = "duplicate"  # the instance runs `count` duplications through the protocol
+    TERMINATE = "terminate"  # the instance leaves through scale-in (drain before exit)
+    HANDOVER = "handover"    # a keeper duplicates onto another node, passes the keeper role, leaves
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: ActionKind
+    instance: str
+    count: int = 1
+
+
+def agent_actions(req: Any, node: str, local: Sequence[Instance]) -> List[Action]:
+    """The daemon's half of a steering request: actions on its own instances, or RequestError.
+
+    `local` are the instances this agent hosts (fleet.Instance, e.g. from its own state doc).
+    """
+    if isinstance(req, DrainRequest):
+        if req.node != node:
+            raise RequestError(f"drain {req.node} was sent to {node}")
+        if req.undo:
+            return []
+        return [Action(ActionKind.HANDOVER if i.keeper else ActionKind.TERMINATE, i.id)
+                for i in sorted(local, key=lambda i: (i.keeper, i.id)) if i.phase is not Phase.TERMINATING]
+    if not isinstance(req, ScaleRequest):
+        raise RequestError(f"unsupported request {req!r}")
+    mine = [i for i in local if i.operator == req.operator and (req.pipeline is None or i.pipeline in (None, req.pipeline))]
+    if req.delta > 0:
+        live = sorted((i for i in mine if i.phase is Phase.ACTIVE), key=lambda i: (not i.keeper, i.id))
+        if not live:
+            raise RequestError(f"no active instance of {req.operator!r} on {node}")
+        return [Action(ActionKind.DUPLICATE, live[0].id, req.delta)]
+    by_id = {i.id: i for i in mine}
+    actions = []
+    for iid in req.instances:
+        inst = by_id.get(iid)
+        if inst is None:
+            raise RequestError(f"no instance {iid!r} of {req.operator!r} on {node}")
+        if inst.keeper:
+            raise RequestError(f"refused: {iid} is the keeper of {req.operator}; a keeper never terminates")
+        if inst.phase is not Phase.ACTIVE:
+            raise RequestError(f"refused: {iid} is {inst.phase.value}, not active")
+        actions.append(Action(ActionKind.TERMINATE, iid))
+    if not actions:
+        raise RequestError(f"scale {req.delta:+d} names no instances")
+    return actions
