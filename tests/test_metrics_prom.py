@@ -182,3 +182,15 @@ def test_multiprocess_agent_endpoint_sums_workers(tmp_path) -> None:
             if p.poll() is None:
                 p.kill()
             p.wait()
+
+
+def test_grafana_dashboard_queries_only_existing_metrics() -> None:
+    import re
+
+    dash = json.loads((ROOT / "examples" / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    assert exprs and len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
+    used = {m for e in exprs for m in re.findall(r"\bfog_[a-z_]+", e)}
+    assert used <= set(metrics.METRICS), used - set(metrics.METRICS)
+    # Every metric family is on the dashboard except the spool file count.
+    assert set(metrics.METRICS) - used <= {"fog_spool_files"}
