@@ -108,11 +108,28 @@ def test_real_fleet_status_topology_match_agents_own_view(capsys, mosquitto, fle
         return [n["status"] for n in doc["nodes"]] == ["online"] * 3
 
     assert wait_for(all_online, 30), "the three agents did not come online"
-    p = tmp / "taxi.toml"
-    p.write_text(PIPELINE)
-    deployed = fogctl(capsys, mosquitto, cluster, "--json", "deploy", str(p))
-    keepers = {k["instance"]: k["node"] for k in deployed["keepers"]}
-    assert len(keepers) == 3
+    # `watch` runs while the deploy happens and must show each keeper's start as it happens.
+    watch = subprocess.Popen([sys.executable, "-m", "agent.cli.fogctl", "--broker", mosquitto.address,
+                              "--cluster", cluster, "--json", "watch", "--filter", "type=spawned",
+                              "--count", "3", "--duration", "40"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    try:
+        assert watch.stderr.readline().startswith("watching fog/")  # subscribed from here on
+        p = tmp / "taxi.toml"
+        p.write_text(PIPELINE)
+        deployed = fogctl(capsys, mosquitto, cluster, "--json", "deploy", str(p))
+        keepers = {k["instance"]: k["node"] for k in deployed["keepers"]}
+        assert len(keepers) == 3
+        out, err = watch.communicate(timeout=40)
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.wait()
+    assert watch.returncode == 0, err
+    seen = [json.loads(line) for line in out.splitlines()]
+    assert {(e["instance"], e["node"]) for e in seen} == set(keepers.items())
+    assert all(e["type"] == "spawned" and e["pipeline"] == "taxi" for e in seen)
 
     def active_topology() -> Any:
         doc = fogctl(capsys, mosquitto, cluster, "--json", "topology", "taxi")

@@ -244,9 +244,16 @@ class Connection:
 
     def stream(self, filters: Sequence[str], duration: Optional[float] = None,
                include_retained: bool = False) -> Iterator[Message]:
-        """Live messages on `filters` until `duration` elapses (None = forever)."""
+        """Live messages on `filters` until `duration` elapses (None = forever).
+
+        Subscribes before returning (not lazily on the first `next`), so that a caller can say
+        "watching" and know that nothing published from then on is missed.
+        """
         self._subscribe(filters)
         deadline = None if duration is None else time.monotonic() + duration
+        return self._drain_inbox(deadline, include_retained)
+
+    def _drain_inbox(self, deadline: Optional[float], include_retained: bool) -> Iterator[Message]:
         while True:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:

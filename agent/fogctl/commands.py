@@ -117,10 +117,10 @@ def cmd_watch(args: argparse.Namespace, ctx: Context) -> int:
         filters.setdefault("instance", []).append(args.instance)
     seen = 0
     with ctx.connect(ctx.cfg) as conn:
-        if not args.json:
-            ctx.err.write(f"watching {topics.events(ctx.cfg.cluster)} (Ctrl-C to stop)\n")
-            ctx.err.flush()
-        for m in conn.stream([topics.events(ctx.cfg.cluster)], duration=args.duration):
+        live = conn.stream([topics.events(ctx.cfg.cluster)], duration=args.duration)
+        ctx.err.write(f"watching {topics.events(ctx.cfg.cluster)} (Ctrl-C to stop)\n")
+        ctx.err.flush()
+        for m in live:
             try:
                 event = ev_mod.parse(m.payload)
             except ev_mod.EventError as exc:
