@@ -66,6 +66,20 @@ def test_bad_filter_and_bad_config_exit_1(capsys, tmp_path, monkeypatch) -> None
     assert "fogctl.toml" in err and "brokr" in err and len(err.strip().splitlines()) == 1
 
 
+def test_tls_misconfiguration_is_one_line_exit_1(capsys, tmp_path) -> None:
+    code = main(["--broker", f"127.0.0.1:{closed_port()}", "--cafile", str(tmp_path / "missing-ca.crt"), "status"])
+    err = capsys.readouterr().err
+    assert code == 1 and "TLS set-up failed" in err and len(err.strip().splitlines()) == 1
+
+
+def test_json_flag_after_the_command(capsys) -> None:
+    from agent.cli.fogctl import build_parser
+
+    assert build_parser().parse_args(["status", "--json"]).json is True
+    assert build_parser().parse_args(["--json", "status"]).json is True
+    assert build_parser().parse_args(["status"]).json is False
+
+
 # ---- configuration layers ---------------------------------------------------------------------------
 
 

@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to wait for each keeper to be ready")
     p = sub.add_parser("undeploy", help="stop a pipeline's instances (sources first) and clear its description")
     p.add_argument("pipeline", metavar="PIPELINE|PIPELINE.toml")
+    for choice in sub.choices.values():  # `fogctl status --json` works as well as `fogctl --json status`
+        choice.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="JSON output")
     return parser
 
 
