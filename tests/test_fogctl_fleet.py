@@ -264,3 +264,37 @@ def test_console_script_status_in_subprocess(mosquitto, fleet) -> None:
                            "--cluster", cluster, "--json", "status"], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
     assert {n["node"] for n in json.loads(proc.stdout)["nodes"]} == {"n1", "n2", "n3"}
+
+
+def test_watch_survives_a_broker_restart(tmp_path) -> None:
+    from conftest import start_broker, stop_broker
+
+    import paho.mqtt.client as mqtt
+
+    broker = start_broker(tmp_path / "b")
+    cluster = "w" + uuid.uuid4().hex[:8]
+    watch = subprocess.Popen([sys.executable, "-m", "agent.cli.fogctl", "--broker", broker.address,
+                              "--cluster", cluster, "--json", "watch", "--count", "1", "--duration", "30"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert watch.stderr.readline().startswith("watching")
+        stop_broker(broker)
+        broker = start_broker(tmp_path / "b", port=broker.port)
+        ev = events.make("scale_in", ts=5.0, node="n1", instance="x-2", operator="x")
+        pub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
+        pub.connect(broker.host, broker.port)
+        pub.loop_start()
+        deadline = time.monotonic() + 20
+        while watch.poll() is None and time.monotonic() < deadline:
+            pub.publish(f"fog/{cluster}/events", ev.to_json(), qos=1)
+            time.sleep(0.3)
+        pub.disconnect()
+        pub.loop_stop()
+        out, err = watch.communicate(timeout=10)
+        assert watch.returncode == 0, err
+        assert events.parse(out.strip()) == ev
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.wait()
+        stop_broker(broker)

@@ -79,6 +79,9 @@ class Connection:
         self._connected = threading.Event()
         self._connect_rc: Optional[Any] = None
         self._client: Optional[mqtt.Client] = None
+        self._filters: List[str] = []  # re-subscribed after an automatic reconnect
+        self._filters_lock = threading.Lock()
+        self.reconnects = 0
 
     # -- connection ------------------------------------------------------------------------------
 
@@ -107,6 +110,7 @@ class Connection:
             if self.cfg.insecure:
                 c.tls_insecure_set(True)
         c.connect_timeout = self.cfg.timeout
+        c.reconnect_delay_set(1, 5)  # `watch` comes back within seconds of a broker restart
         c.on_connect = self._on_connect
         c.on_message = self._on_message
         c.on_subscribe = self._on_subscribe
@@ -139,6 +143,14 @@ class Connection:
     # -- paho callbacks (network thread): convert and enqueue only ---------------------------------
 
     def _on_connect(self, client: Any, userdata: Any, flags: Any, rc: Any, props: Any = None) -> None:
+        if self._connected.is_set() and not getattr(rc, "is_failure", False):
+            # paho reconnected by itself (broker restart): a clean session lost our subscriptions.
+            # Subscribing here is paho's documented pattern; the SUBACK is not waited for.
+            self.reconnects += 1
+            with self._filters_lock:
+                filters = list(self._filters)
+            if filters:
+                client.subscribe([(f, 1) for f in filters])
         self._connect_rc = rc
         self._connected.set()
 
@@ -190,6 +202,8 @@ class Connection:
         bad = [f for f, r in zip(filters, rcs) if getattr(r, "is_failure", False)]
         if bad:
             raise FogctlError(f"the broker refused the subscription to {bad[0]} (not authorized?)")
+        with self._filters_lock:
+            self._filters += [f for f in filters if f not in self._filters]
 
     def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False,
                 properties: Optional[Properties] = None) -> None:
@@ -230,6 +244,8 @@ class Connection:
     def _unsubscribe(self, filters: Sequence[str]) -> None:
         c = self._require()
         c.unsubscribe(list(filters))
+        with self._filters_lock:
+            self._filters = [f for f in self._filters if f not in filters]
         # Drop whatever live messages of these filters are still queued.
         keep: List[Message] = []
         while True:
