@@ -215,11 +215,11 @@ def test_whole_job_from_spools_to_report(spark, tmp_path: Path) -> None:
 
     spool = Spool(tmp_path / "spool", "n1", rotate_bytes=3000, sync_bytes=1000)
     rows = q1_rows()
-    seq = 0
-    for r in rows:
-        r = dict(r, src="src-1", seq=seq)
-        seq += 1
-        assert spool.append("records", r)
+    rows = [dict(r, src="src-1", seq=i) for i, r in enumerate(rows)]
+    seq = len(rows)
+    # The first 10 as one batch line (a JSON array, as a sink may spill it), the rest one by one.
+    assert spool.append_lines("records", [json.dumps(rows[:10]).encode() + b"\n"]) == 1
+    assert spool.append_many("records", rows[10:]) == len(rows) - 10
     spool.append("generated", {"src": "src-1", "first": 0, "count": seq})
     for i in range(20):
         for inst in ("in_zone-1", "in_zone-2")[: 1 + (i >= 10)]:

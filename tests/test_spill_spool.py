@@ -33,9 +33,10 @@ def rec(i: int, rng: random.Random) -> dict:
     return {"record_id": i, "fare": round(rng.uniform(2, 60), 2), "pad": rng.getrandbits(64)}
 
 
-def test_records_come_back_in_order_once_per_kind_across_rotations(tmp_path: Path) -> None:
+@pytest.mark.parametrize("background", [False, True])
+def test_records_come_back_in_order_once_per_kind_across_rotations(tmp_path: Path, background: bool) -> None:
     rng = random.Random(7)
-    s = Spool(tmp_path, "n1", rotate_bytes=4000, sync_bytes=1000, clock=FakeClock())
+    s = Spool(tmp_path, "n1", rotate_bytes=4000, sync_bytes=1000, clock=FakeClock(), background=background)
     for i in range(3000):
         assert s.append("records", rec(i, rng))
         if i % 10 == 0:
@@ -99,10 +100,11 @@ def test_cap_applies_back_pressure_raises_one_event_and_loses_nothing(tmp_path: 
     assert got == list(range(stored_before + 1))
 
 
-def test_sink_blocked_by_the_cap_resumes_when_the_shipper_releases(tmp_path: Path) -> None:
+@pytest.mark.parametrize("background", [False, True])
+def test_sink_blocked_by_the_cap_resumes_when_the_shipper_releases(tmp_path: Path, background: bool) -> None:
     """A sink thread that waits on back pressure and a shipper thread: all records, once."""
     rng = random.Random(5)
-    s = Spool(tmp_path, "n1", max_bytes=20_000, rotate_bytes=3_000, sync_bytes=1_000)
+    s = Spool(tmp_path, "n1", max_bytes=20_000, rotate_bytes=3_000, sync_bytes=1_000, background=background)
     shipped: List[dict] = []
     done = threading.Event()
     N = 4000
@@ -112,7 +114,7 @@ def test_sink_blocked_by_the_cap_resumes_when_the_shipper_releases(tmp_path: Pat
             r = rec(i, rng)
             while not s.append("records", r):
                 s.wait_writable(timeout=0.05)
-        s.rotate_all()
+        s.close()
         done.set()
 
     def shipper() -> None:
@@ -190,3 +192,15 @@ def test_bad_kind_is_refused_with_a_clear_error(tmp_path: Path) -> None:
     s = Spool(tmp_path, "n1")
     with pytest.raises(ValueError, match="invalid kind"):
         s.append("a+b", {})
+
+
+def test_batch_lines_are_expanded_by_readers(tmp_path: Path) -> None:
+    """A sink may spill a batch as received (one JSON array per line): no re-encoding."""
+    import json
+
+    s = Spool(tmp_path, "n1")
+    batch = [{"record_id": i} for i in range(5)]
+    assert s.append_lines("records", [json.dumps(batch).encode() + b"\n"]) == 1
+    s.append("records", {"record_id": 5})
+    s.close()
+    assert [r["record_id"] for r in all_records(s)] == list(range(6))
