@@ -1,0 +1,123 @@
+"""`fog-agent run`, `fog-agent deploy`, `fog-agent demo` (and `bench dataplane` from the data path)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+from typing import Any, Dict, List
+
+
+def register(groups: Any) -> None:
+    p = groups.root.add_parser("run", help="run the per-node agent daemon (hosts operator instances)")
+    p.add_argument("--config", "-c", default=None, help="agent.toml (default: $FOG_AGENT_CONFIG or /etc/fog-agent/agent.toml)")
+    p.add_argument("--placement", default=None, help="placement policy (free-slots-then-latency, spread, local-only)")
+    # Tests replace the worker program (a fake speaking the control contract): JSON list of argv.
+    p.add_argument("--worker-command", default=None, help=argparse.SUPPRESS)
+    p.set_defaults(func=run_cmd)
+
+    d = groups.root.add_parser("deploy", help="publish a pipeline and start its keepers through placement")
+    d.add_argument("pipeline", help="pipeline .toml file")
+    d.add_argument("--config", "-c", default=None, help="agent.toml to take the broker and cluster from")
+    d.add_argument("--host", default=None, help="broker host (overrides the config)")
+    d.add_argument("--port", type=int, default=None, help="broker port (overrides the config)")
+    d.add_argument("--cluster", default=None, help="cluster name (overrides the config)")
+    d.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra value passed to every instance's spec (e.g. sink_dir=/tmp/sink)")
+    d.add_argument("--placement", default="free-slots-then-latency", help="placement policy for the keepers")
+    d.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for each keeper")
+    d.set_defaults(func=deploy_cmd)
+
+    m = groups.root.add_parser("demo", help="three agents on a private broker scale a taxi pipeline live")
+    m.add_argument("--duration", type=float, default=None, help="seconds of load profile (default from the pipeline)")
+    m.add_argument("--pipeline", default=None, help="pipeline file (default examples/demo-pipeline.toml)")
+    m.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
+    m.add_argument("--plot", default=None, help="PNG path of the plot (default demo-<time>.png in the work dir)")
+    m.add_argument("--workdir", default=None, help="keep broker, agent logs and sink files here")
+    m.add_argument("--quiet", action="store_true", help="no live table")
+    m.set_defaults(func=demo_cmd)
+
+    try:
+        bench = importlib.import_module("agent.runtime.dataplane_bench")
+    except ModuleNotFoundError as exc:
+        if exc.name != "agent.runtime.dataplane_bench":
+            raise
+    else:
+        bench.register_bench(groups)
+
+
+def _load_cfg(path: Any) -> Any:
+    from agent.config import default_config_path, load_agent_config
+
+    return load_agent_config(path or default_config_path())
+
+
+def run_cmd(args: argparse.Namespace) -> int:
+    from agent.log import setup_logging
+    from agent.runtime import daemon
+    from agent.runtime.placement import DEFAULT_POLICY
+    from agent.schema import ConfigError
+
+    try:
+        cfg = _load_cfg(args.config)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return daemon.EXIT_CONFIG
+    setup_logging(args.log_level or cfg.log.level, cfg.log.format)
+    try:
+        command = json.loads(args.worker_command) if args.worker_command else None
+        return daemon.run_agent(cfg, args.placement or DEFAULT_POLICY, worker_command=command)
+    except ValueError as exc:  # unknown placement policy
+        print(f"error: {exc}", file=sys.stderr)
+        return daemon.EXIT_CONFIG
+
+
+def _parse_extra(items: List[str]) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set expects KEY=VALUE, found {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def deploy_cmd(args: argparse.Namespace) -> int:
+    from agent.config import resolve_password
+    from agent.runtime.deploy import DeployError, deploy
+    from agent.runtime.rpc import RpcError
+    from agent.schema import ConfigError
+
+    host, port, cluster, user, password = "127.0.0.1", 1883, "default", None, None
+    try:
+        if args.config or (args.host is None and args.port is None):
+            try:
+                cfg = _load_cfg(args.config)
+                host, port, cluster = cfg.mqtt.host, cfg.mqtt.port, cfg.agent.cluster
+                user, password = cfg.mqtt.username, resolve_password(cfg.mqtt)
+            except ConfigError:
+                if args.config:
+                    raise
+        host = args.host or host
+        port = args.port or port
+        cluster = args.cluster or cluster
+        text = Path(args.pipeline).read_text()
+        placed = deploy(text, host, port, cluster, extra=_parse_extra(args.extra), policy_name=args.placement,
+                        timeout=args.timeout, username=user, password=password, name=Path(args.pipeline).name)
+    except (ConfigError, DeployError, RpcError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    for d in placed:
+        print(f"{d.operator:<12} {d.instance:<28} on {d.node}")
+    return 0
+
+
+def demo_cmd(args: argparse.Namespace) -> int:
+    from agent.runtime import demo
+
+    return demo.main(args)

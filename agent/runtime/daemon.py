@@ -1,0 +1,703 @@
+"""`fog-agent run`: the per-node daemon that hosts operator instances as worker processes.
+
+Rules of this file (gunicorn's arbiter habit): ONE thread owns all state and does all publishing,
+the main loop. Everything else only enqueues into `self._events` (a `queue.SimpleQueue`, whose
+`put` is reentrant and therefore safe from a signal handler): paho's network thread (connect,
+message), one stdout reader thread per worker, and the signal handlers. The loop wakes at least
+every `TICK` seconds to reap workers, expire calls and publish state.
+
+What it does:
+- MQTT 5 session: stable client id `fog-agent-<cluster>-<node>`, clean_start=False with a session
+  expiry, so requests sent while it reconnects wait in the broker; retained status "online" with
+  a Last Will "offline" (retained), so the fleet learns of a dead agent without polling.
+- Node state: retained JSON (`agent.runtime.nodestate`) every `state_period`, and soon after
+  every change of its instances.
+- createNode(): a worker's "spawn" line, or a "spawn" rpc from another agent or from
+  `fog-agent deploy`. Placement (`agent.runtime.placement`) ranks the nodes; a local slot starts a
+  worker here, a remote one becomes an rpc to that agent. Either way the answer ("spawned", or the
+  rpc reply) is sent only after the new worker said "ready", i.e. after it subscribed to its inbox
+  (DESIGN.md invariant 2: subscribe before announce).
+- Shutdown on SIGTERM/SIGINT: "stop" to every worker (they drain, invariant 4), SIGTERM after
+  shutdown_timeout/2, SIGKILL after shutdown_timeout, then "offline" and exit. Bound: the process
+  exits within shutdown_timeout + SHUTDOWN_SLACK seconds of the signal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import queue
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from agent import topics
+from agent.config import AgentConfig, resolve_password
+from agent.runtime import nodestate, rpc
+from agent.runtime.placement import DEFAULT_POLICY, NodeView, PlacementPolicy, PlacementRequest, get_policy
+from agent.runtime.spec import BrokerSpec, InstanceSpec
+from agent.runtime.supervisor import WORKER_COMMAND, Reaped, Supervisor, Worker, WorkerStatus
+
+log = logging.getLogger(__name__)
+
+# Exit statuses of `fog-agent run` (sysexits.h values where one fits).
+EXIT_OK = 0  # clean shutdown after a signal
+EXIT_ERROR = 1  # unexpected error in the loop
+EXIT_CONFIG = 78  # EX_CONFIG: the configuration is unusable
+EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: never reached the broker within connect_timeout
+
+TICK = 0.2  # seconds: the loop's longest sleep
+SHUTDOWN_SLACK = 3.0  # seconds beyond shutdown_timeout for reaping, "offline" and disconnect
+SESSION_EXPIRY = 3600  # seconds the broker keeps our session (subscriptions, queued requests)
+RPC_TIMEOUT = 30.0  # seconds to wait for a remote agent to start an instance and see it ready
+MAX_RESTARTS = 3  # crashed worker restarts per instance within RESTART_WINDOW
+RESTART_WINDOW = 60.0
+STATE_MIN_INTERVAL = 0.25  # rate limit of change-triggered state publications
+
+
+class Halt(BaseException):
+    """Leave the main loop with an exit status (gunicorn's HaltServer)."""
+
+    def __init__(self, reason: str, status: int) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.status = status
+
+
+@dataclass
+class SpawnJob:
+    """One createNode() in progress: who asked, the spec, and the nodes still to try."""
+
+    spec: InstanceSpec
+    candidates: List[str]
+    reply: Callable[[Dict[str, Any]], None]
+    cause: str  # "spawn" (a worker duplicated itself), "deploy", "rpc"
+    tried: List[str] = field(default_factory=list)
+
+
+def client_id_for(cluster: str, node: str) -> str:
+    return f"fog-agent-{cluster}-{node}"
+
+
+def worker_env() -> Dict[str, str]:
+    """The workers' environment: ours, with this checkout importable (for a non-installed tree)."""
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if root not in parts:
+        env["PYTHONPATH"] = os.pathsep.join([root] + parts)
+    return env
+
+
+class Agent:
+    """The daemon of one node. `run()` blocks until a signal or `request_stop()`; returns the status."""
+
+    def __init__(
+        self,
+        cfg: AgentConfig,
+        policy: PlacementPolicy = get_policy(DEFAULT_POLICY),
+        worker_command: Sequence[str] = WORKER_COMMAND,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+        sample_machine: Callable[[], nodestate.MachineSample] = nodestate.sample_machine,
+        connect_timeout: Optional[float] = None,
+        env: Optional[Dict[str, str]] = None,
+    ) -> None:
+        self.cfg = cfg
+        self.node = cfg.agent.node
+        self.cluster = cfg.agent.cluster
+        self.policy = policy
+        self.clock = clock
+        self.wall = wall
+        self.sample_machine = sample_machine
+        self.connect_timeout = connect_timeout
+        self.client_id = client_id_for(self.cluster, self.node)
+        self._events: "queue.SimpleQueue[Tuple[Any, ...]]" = queue.SimpleQueue()
+        timeout = cfg.agent.shutdown_timeout
+        self.supervisor = Supervisor(
+            emit=self._events.put,
+            heartbeat_timeout=max(5.0, 5 * cfg.agent.heartbeat_period),
+            term_after=timeout / 2,
+            kill_after=timeout,
+            command=worker_command,
+            env=env if env is not None else worker_env(),
+        )
+        self.broker = BrokerSpec(
+            host=cfg.mqtt.host,
+            port=cfg.mqtt.port,
+            keepalive=cfg.mqtt.keepalive,
+            qos=cfg.mqtt.qos,
+            max_inflight=cfg.mqtt.max_inflight,
+            username=cfg.mqtt.username,
+            password=resolve_password(cfg.mqtt),
+            ca_file=cfg.mqtt.tls.ca_file if cfg.mqtt.tls else None,
+            cert_file=cfg.mqtt.tls.cert_file if cfg.mqtt.tls else None,
+            key_file=cfg.mqtt.tls.key_file if cfg.mqtt.tls else None,
+        )
+        # fleet knowledge, from retained topics
+        self.fleet: Dict[str, Dict[str, Any]] = {}
+        self.online: Dict[str, bool] = {}
+        self.latency: Dict[str, Dict[str, float]] = {}
+        self._reserved: Dict[str, int] = {}  # remote slots we asked for since their last state
+        # createNode() bookkeeping
+        self._awaiting_ready: Dict[str, SpawnJob] = {}  # instance id -> job, local start
+        self._calls = rpc.PendingCalls()  # remote starts
+        self._restarts: Dict[str, List[float]] = {}
+        self._counter = 0
+        self._boot = format(int(wall()) % (36 ** 5), "x")
+        # loop state
+        self.connected = False
+        self._ever_connected = False
+        self._stopping_since: Optional[float] = None
+        self._stop_signal: Optional[int] = None
+        self._state_dirty = True
+        self._last_state = -1e9
+        self._last_watchdog = -1e9
+        self._ready_notified = False
+        self._started = clock()
+        self.counters: Dict[str, int] = {"spawned_local": 0, "spawned_remote": 0, "spawn_failed": 0,
+                                         "rpc_requests": 0, "restarts": 0, "bad_messages": 0}
+        self._client: Any = None
+
+    # -- MQTT ----------------------------------------------------------------------------------
+
+    def _make_client(self) -> Any:
+        import paho.mqtt.client as mqtt
+        from paho.mqtt.packettypes import PacketTypes
+        from paho.mqtt.properties import Properties
+
+        c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=mqtt.MQTTv5)
+        if self.broker.username:
+            c.username_pw_set(self.broker.username, self.broker.password)
+        if self.broker.ca_file:
+            c.tls_set(ca_certs=self.broker.ca_file, certfile=self.broker.cert_file, keyfile=self.broker.key_file)
+            if self.cfg.mqtt.tls and self.cfg.mqtt.tls.insecure:
+                c.tls_insecure_set(True)
+        c.max_inflight_messages_set(self.broker.max_inflight)
+        c.reconnect_delay_set(min_delay=1, max_delay=10)
+        c.will_set(topics.agent_status(self.cluster, self.node), b"offline", qos=1, retain=True)
+        # Callbacks only enqueue (the loop owns the state).
+        c.on_connect = lambda cl, ud, flags, reason, props=None: self._events.put(
+            ("mqtt_connect", not reason.is_failure, str(reason), bool(getattr(flags, "session_present", False)))
+        )
+        c.on_disconnect = lambda cl, ud, flags, reason, props=None: self._events.put(("mqtt_disconnect", str(reason)))
+        c.on_message = lambda cl, ud, msg: self._events.put(("mqtt_message", msg))
+        props = Properties(PacketTypes.CONNECT)
+        props.SessionExpiryInterval = SESSION_EXPIRY
+        c.connect_async(self.broker.host, self.broker.port, keepalive=self.broker.keepalive,
+                        clean_start=False, properties=props)
+        return c
+
+    def _publish(self, topic: str, payload: bytes, retain: bool = False, qos: int = 1, properties: Any = None) -> bool:
+        if self._client is None:
+            return False
+        info = self._client.publish(topic, payload, qos=qos, retain=retain, properties=properties)
+        if info.rc != 0:
+            # paho does not raise on a full queue (DESIGN.md section 6): say so, never drop silently.
+            log.warning("publish to %s not queued (rc=%s)", topic, info.rc, extra={"node": self.node})
+            return False
+        return True
+
+    def _on_connected(self, session_present: bool) -> None:
+        self.connected = True
+        self._ever_connected = True
+        c = self._client
+        subs = [
+            (topics.agent_rpc(self.cluster, self.node), 1),
+            (rpc.reply_topic(self.cluster, self.client_id), 1),
+            (topics.all_agents_state(self.cluster), 1),
+            (topics.all_agents_status(self.cluster), 1),
+            (f"{topics.base(self.cluster)}/latency/+", 1),
+        ]
+        c.subscribe(subs)
+        self._publish(topics.agent_status(self.cluster, self.node), b"online", retain=True)
+        self._state_dirty = True
+        log.info("connected to %s:%d (session present: %s)", self.broker.host, self.broker.port,
+                 session_present, extra={"node": self.node})
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def request_stop(self, signum: int = signal.SIGTERM) -> None:
+        """Ask the loop to shut down (safe from a signal handler or another thread)."""
+        self._events.put(("signal", signum))
+
+    def install_signal_handlers(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, frame: self._events.put(("signal", signum)))
+
+    def run(self) -> int:
+        self._client = self._make_client()
+        self._client.loop_start()
+        status = EXIT_OK
+        try:
+            while True:
+                self._step()
+        except Halt as halt:
+            status = halt.status
+            log.info("agent stops: %s (exit %d)", halt.reason, status, extra={"node": self.node})
+        except Exception:
+            log.exception("agent loop failed", extra={"node": self.node})
+            status = EXIT_ERROR
+            self._emergency_stop()
+        finally:
+            self._close_mqtt()
+        return status
+
+    def _step(self) -> None:
+        try:
+            ev = self._events.get(timeout=TICK)
+        except queue.Empty:
+            ev = None
+        now = self.clock()
+        if ev is not None:
+            self._dispatch(ev, now)
+            # drain what else is queued before the periodic work (bounded, to stay responsive)
+            for _ in range(200):
+                try:
+                    self._dispatch(self._events.get_nowait(), self.clock())
+                except queue.Empty:
+                    break
+        self._periodic(self.clock())
+
+    def _dispatch(self, ev: Tuple[Any, ...], now: float) -> None:
+        kind = ev[0]
+        if kind == "mqtt_message":
+            self._on_message(ev[1], now)
+        elif kind == "worker_line":
+            self._on_worker_line(ev[1], ev[2], now)
+        elif kind == "worker_eof":
+            pass  # the exit is seen by supervisor.poll()
+        elif kind == "mqtt_connect":
+            if ev[1]:
+                self._on_connected(ev[3])
+            else:
+                log.warning("broker refused the connection: %s", ev[2], extra={"node": self.node})
+        elif kind == "mqtt_disconnect":
+            self.connected = False
+            log.warning("disconnected from broker: %s", ev[1], extra={"node": self.node})
+        elif kind == "signal":
+            self._begin_shutdown(now, f"signal {signal.Signals(ev[1]).name}")
+
+    def _periodic(self, now: float) -> None:
+        for reaped in self.supervisor.poll(now):
+            self._on_reaped(reaped, now)
+        for call in self._calls.expired(now):
+            job: SpawnJob = call.context
+            log.warning("agent %s did not answer a spawn within %.0fs", call.node, RPC_TIMEOUT, extra={"node": self.node})
+            self._try_next(job, now, f"no reply from {call.node}")
+        if self._stopping_since is not None:
+            if len(self.supervisor) == 0:
+                raise Halt("all workers stopped", EXIT_OK)
+            if now - self._stopping_since > self.cfg.agent.shutdown_timeout + SHUTDOWN_SLACK / 2:
+                self._emergency_stop()
+                raise Halt("shutdown timeout: remaining workers killed", EXIT_OK)
+        if (
+            self.connect_timeout is not None
+            and not self._ever_connected
+            and now - self._started > self.connect_timeout
+        ):
+            raise Halt(f"no broker at {self.broker.host}:{self.broker.port} after {self.connect_timeout}s", EXIT_UNAVAILABLE)
+        if self.connected:
+            due = now - self._last_state >= self.cfg.agent.state_period
+            if due or (self._state_dirty and now - self._last_state >= STATE_MIN_INTERVAL):
+                self._publish_state(now)
+        self._notify(now)
+
+    # -- systemd -------------------------------------------------------------------------------
+
+    def _notify(self, now: float) -> None:
+        try:
+            from agent import notify
+        except ImportError:  # pragma: no cover - operations module absent
+            return
+        if not notify.enabled():
+            return
+        if not self._ready_notified and self.connected and self._stopping_since is None:
+            starting = [w for w in self.supervisor.workers.values() if w.status is WorkerStatus.STARTING]
+            if not starting:
+                notify.ready(self._status_line())
+                self._ready_notified = True
+        period = notify.watchdog_period()
+        if period is not None and now - self._last_watchdog >= period:
+            if self.supervisor.healthy(now) and self._stopping_since is None:
+                notify.watchdog()
+                notify.status(self._status_line())
+                self._last_watchdog = now
+
+    def _status_line(self) -> str:
+        ops: Dict[str, int] = {}
+        for w in self.supervisor.workers.values():
+            ops[w.spec.operator] = ops.get(w.spec.operator, 0) + 1
+        detail = ", ".join(f"{k}={v}" for k, v in sorted(ops.items())) or "none"
+        conn = "connected" if self.connected else "disconnected"
+        return f"{conn}; {len(self.supervisor)}/{self.cfg.agent.slots} slots used; instances: {detail}"
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def instance_infos(self) -> List[nodestate.InstanceInfo]:
+        out = []
+        for w in self.supervisor.workers.values():
+            stats = w.stats
+            status = w.status.value
+            role = stats.get("status") if isinstance(stats.get("status"), str) else None
+            if role == "terminating" and status == "active":
+                status = role
+            out.append(nodestate.InstanceInfo(
+                id=w.instance, operator=w.spec.operator, keeper=bool(stats.get("keeper", w.spec.keeper)),
+                status=status, load=_num(stats.get("load")), capacity=_num(stats.get("capacity")),
+                pid=w.pid, stats=stats,
+            ))
+        return out
+
+    def state_doc(self) -> Dict[str, Any]:
+        return nodestate.build_node_state(
+            self.node, self.cfg.agent.slots, self.instance_infos(), self.sample_machine(), self.wall()
+        )
+
+    def _publish_state(self, now: float) -> None:
+        doc = self.state_doc()
+        self.fleet[self.node] = doc
+        if self._publish(topics.agent_state(self.cluster, self.node), nodestate.encode_state(doc), retain=True):
+            self._last_state = now
+            self._state_dirty = False
+
+    def _event(self, etype: str, instance: str, operator: str, pipeline: str, **detail: Any) -> None:
+        from agent import events
+
+        detail["source"] = "agent"
+        ev = events.make(etype, ts=self.wall(), node=self.node, instance=instance, operator=operator,
+                         pipeline=pipeline, detail=detail)
+        self._publish(topics.events(self.cluster), ev.to_json().encode(), qos=1)
+
+    # -- fleet view and placement --------------------------------------------------------------
+
+    def fleet_views(self) -> List[NodeView]:
+        views = [NodeView(
+            node=self.node, slots=self.cfg.agent.slots, free_slots=self.free_slots(), online=True,
+            latency_ms=self.latency.get(self.node, {}), instances=tuple(self.supervisor.workers),
+        )]
+        for node, doc in sorted(self.fleet.items()):
+            if node == self.node:
+                continue
+            view = nodestate.node_view(doc, online=self.online.get(node, True), latency_ms=self.latency.get(node, {}))
+            free = max(0, view.free_slots - self._reserved.get(node, 0))
+            views.append(dataclasses.replace(view, free_slots=free))
+        return views
+
+    def free_slots(self) -> int:
+        return max(0, self.cfg.agent.slots - len(self.supervisor))
+
+    def _new_instance_id(self, operator: str) -> str:
+        self._counter += 1
+        return f"{operator}-{self.node}-{self._boot}-{self._counter}"
+
+    # -- createNode() --------------------------------------------------------------------------
+
+    def _on_worker_line(self, instance: str, line: str, now: float) -> None:
+        msg = self.supervisor.handle_line(instance, line, now)
+        if msg is None:
+            return
+        event = msg["event"]
+        if event == "ready":
+            self._on_ready(instance, now)
+        elif event == "spawn":
+            self._on_worker_spawn(instance, msg, now)
+        elif event == "exit":
+            log.info("worker announced exit: %s", msg.get("reason"), extra={"instance": instance})
+            self._state_dirty = True
+
+    def _on_ready(self, instance: str, now: float) -> None:
+        self._state_dirty = True
+        job = self._awaiting_ready.pop(instance, None)
+        w = self.supervisor.get(instance)
+        if w is not None:
+            self._event("spawned", instance, w.spec.operator, w.spec.pipeline,
+                        cause=job.cause if job else ("restart" if w.spec.restart else "unknown"))
+        if job is not None:
+            # Invariant 2: the new instance's inbox is subscribed ("ready"), only now is it announced.
+            job.reply({"ok": True, "instance": instance, "node": self.node})
+
+    def _on_worker_spawn(self, requester: str, msg: Dict[str, Any], now: float) -> None:
+        req_id = msg.get("request")
+        w = self.supervisor.get(requester)
+
+        def reply(result: Dict[str, Any]) -> None:
+            fields = {k: v for k, v in result.items() if k in ("ok", "instance", "node", "error")}
+            self.supervisor.send(requester, "spawned", request=req_id, **fields)
+
+        if w is None or not isinstance(msg.get("spec"), dict):
+            reply({"ok": False, "error": "spawn without a spec object"})
+            return
+        try:
+            spec = self._spec_from(msg["spec"], template=w.spec)
+        except (TypeError, ValueError) as exc:
+            reply({"ok": False, "error": f"invalid spec: {exc}"})
+            return
+        self._create_node(spec, reply, cause="spawn", now=now)
+
+    def _spec_from(self, data: Dict[str, Any], template: Optional[InstanceSpec]) -> InstanceSpec:
+        """A full spec for an instance to start here: the request's fields over the template's.
+
+        The node-local fields (node, broker, state_dir, heartbeat period) are always this agent's:
+        a request from another node must not make us connect elsewhere or write to its paths.
+        """
+        base: Dict[str, Any] = dataclasses.asdict(template) if template is not None else {}
+        base.pop("instance", None)  # a sibling never inherits its requester's identity
+        base.update({k: v for k, v in data.items() if k in {f.name for f in dataclasses.fields(InstanceSpec)}})
+        if template is not None and "keeper" not in data:
+            base["keeper"] = False
+        if template is not None and "restart" not in data:
+            base["restart"] = False
+        if not base.get("instance"):
+            if not base.get("operator"):
+                raise ValueError("spec without an operator")
+            base["instance"] = self._new_instance_id(base["operator"])
+        topics._check(str(base["instance"]))
+        base["node"] = self.node
+        base["cluster"] = self.cluster
+        base["broker"] = self.broker
+        base["state_dir"] = self.cfg.agent.state_dir
+        base["heartbeat_period"] = self.cfg.agent.heartbeat_period
+        base["succs"] = tuple(base.get("succs", ()))
+        base["preds"] = tuple(base.get("preds", ()))
+        missing = [k for k in ("operator", "pipeline", "pipeline_toml") if not base.get(k)]
+        if missing:
+            raise ValueError(f"spec without {', '.join(missing)}")
+        return InstanceSpec(**base)
+
+    def _create_node(self, spec: InstanceSpec, reply: Callable[[Dict[str, Any]], None], cause: str, now: float) -> None:
+        if self._stopping_since is not None:
+            reply({"ok": False, "error": f"agent {self.node} is shutting down"})
+            return
+        request = PlacementRequest(operator=spec.operator, local=self.node, neighbours=spec.succs + spec.preds)
+        ranking = list(self.policy(request, self.fleet_views()))
+        job = SpawnJob(spec=spec, candidates=ranking, reply=reply, cause=cause)
+        self._try_next(job, now, "no node has a free slot")
+
+    def _try_next(self, job: SpawnJob, now: float, last_error: str) -> None:
+        while job.candidates:
+            node = job.candidates.pop(0)
+            job.tried.append(node)
+            if node == self.node:
+                if self._start_local(job, now):
+                    return
+                last_error = f"no free slot on {self.node}" if self.free_slots() <= 0 else f"{self.node} could not start the worker"
+                continue
+            if not self.connected:
+                last_error = "not connected to the broker"
+                continue
+            correlation = f"{self.client_id}-{self._boot}-{self._counter}-{len(self._calls)}-{now:.6f}"
+            self._calls.add(correlation, node, now, RPC_TIMEOUT, context=job)
+            body = {"op": "spawn", "spec": json.loads(job.spec.to_json()), "cause": job.cause, "from": self.node}
+            props = rpc.publish_properties(rpc.reply_topic(self.cluster, self.client_id), correlation)
+            if self._publish(topics.agent_rpc(self.cluster, node), rpc.encode(body), properties=props):
+                self._reserved[node] = self._reserved.get(node, 0) + 1
+                return
+            self._calls.resolve(correlation)
+            last_error = f"request to {node} not queued"
+        self.counters["spawn_failed"] += 1
+        log.warning("cannot place %s: %s (tried %s)", job.spec.instance, last_error, job.tried or "none",
+                    extra={"node": self.node, "operator": job.spec.operator})
+        job.reply({"ok": False, "error": last_error})
+
+    def _start_local(self, job: SpawnJob, now: float) -> bool:
+        if self.free_slots() <= 0 or job.spec.instance in self.supervisor:
+            return False
+        try:
+            self.supervisor.start(job.spec, now)
+        except (OSError, ValueError) as exc:
+            log.error("cannot start worker: %s", exc, extra={"instance": job.spec.instance})
+            return False
+        self.counters["spawned_local"] += 1
+        self._awaiting_ready[job.spec.instance] = job
+        self._state_dirty = True
+        return True
+
+    # -- messages ------------------------------------------------------------------------------
+
+    def _on_message(self, msg: Any, now: float) -> None:
+        topic: str = msg.topic
+        parts = topic.split("/")
+        if topic == topics.agent_rpc(self.cluster, self.node):
+            self._on_rpc_request(msg, now)
+        elif topic == rpc.reply_topic(self.cluster, self.client_id):
+            self._on_rpc_reply(msg, now)
+        elif len(parts) == 5 and parts[2] == "agents" and parts[4] == "state":
+            node = parts[3]
+            if node == self.node or not msg.payload:
+                if not msg.payload:
+                    self.fleet.pop(node, None)
+                return
+            try:
+                self.fleet[node] = nodestate.parse_node_state(msg.payload)
+                self._reserved.pop(node, None)
+            except ValueError as exc:
+                self.counters["bad_messages"] += 1
+                log.warning("ignoring state of %s: %s", node, exc, extra={"node": self.node})
+        elif len(parts) == 5 and parts[2] == "agents" and parts[4] == "status":
+            self.online[parts[3]] = msg.payload == b"online"
+        elif len(parts) == 4 and parts[2] == "latency":
+            self.latency[parts[3]] = nodestate.parse_latency(msg.payload)
+
+    def _on_rpc_request(self, msg: Any, now: float) -> None:
+        self.counters["rpc_requests"] += 1
+        response_topic, correlation = rpc.message_rpc_fields(msg)
+
+        def reply(result: Dict[str, Any]) -> None:
+            if response_topic:
+                self._publish(response_topic, rpc.encode(result), properties=rpc.reply_properties(correlation or b""))
+
+        try:
+            body = rpc.decode_request(msg.payload)
+        except ValueError as exc:
+            self.counters["bad_messages"] += 1
+            reply({"ok": False, "error": str(exc)})
+            return
+        op = body["op"]
+        if op == "ping":
+            reply({"ok": True, "node": self.node, "instances": sorted(self.supervisor.workers)})
+        elif op == "stop":
+            inst = body["instance"]
+            if inst in self.supervisor:
+                self.supervisor.stop(inst, now)
+                reply({"ok": True, "instance": inst, "node": self.node})
+            else:
+                reply({"ok": False, "error": f"no instance {inst!r} on {self.node}"})
+        elif op == "spawn":
+            if self._stopping_since is not None:
+                reply({"ok": False, "error": f"agent {self.node} is shutting down"})
+                return
+            try:
+                spec = self._spec_from(body["spec"], template=None)
+            except (TypeError, ValueError) as exc:
+                reply({"ok": False, "error": f"invalid spec: {exc}"})
+                return
+            # A request that reached this node was placed here: start locally or refuse (no
+            # forwarding, so that two agents with stale views cannot bounce a request forever).
+            job = SpawnJob(spec=spec, candidates=[self.node], reply=reply, cause=str(body.get("cause", "rpc")))
+            self._try_next(job, now, f"no free slot on {self.node}")
+
+    def _on_rpc_reply(self, msg: Any, now: float) -> None:
+        _, correlation = rpc.message_rpc_fields(msg)
+        call = self._calls.resolve((correlation or b"").decode(errors="replace"))
+        if call is None:
+            return  # late reply after a timeout: the job moved on
+        job: SpawnJob = call.context
+        try:
+            result = rpc.decode_reply(msg.payload)
+        except ValueError as exc:
+            self._try_next(job, now, f"bad reply from {call.node}: {exc}")
+            return
+        if result["ok"]:
+            self.counters["spawned_remote"] += 1
+            job.reply(result)
+        else:
+            self._try_next(job, now, f"{call.node}: {result.get('error')}")
+
+    # -- worker exits --------------------------------------------------------------------------
+
+    def _on_reaped(self, reaped: Reaped, now: float) -> None:
+        w = reaped.worker
+        self._state_dirty = True
+        job = self._awaiting_ready.pop(w.instance, None)
+        reason = (w.exit_event or {}).get("reason") or w.killed_for or f"exit status {reaped.returncode}"
+        log.info("worker pid %d exited with %d (%s)", w.pid, reaped.returncode, reason, extra={"instance": w.instance})
+        if job is not None:
+            self._try_next(job, now, f"worker exited before ready ({reason})")
+        cause = "shutdown" if self._stopping_since is not None else ("scale_in" if reaped.clean else "crash")
+        self._event("terminated", w.instance, w.spec.operator, w.spec.pipeline, cause=cause,
+                    code=reaped.returncode, reason=str(reason), clean=reaped.clean)
+        if reaped.crashed and self._stopping_since is None:
+            self._maybe_restart(w, now)
+
+    def _maybe_restart(self, w: Worker, now: float) -> None:
+        history = [t for t in self._restarts.get(w.instance, []) if now - t < RESTART_WINDOW]
+        if len(history) >= MAX_RESTARTS:
+            log.error("worker crashed %d times in %.0fs: not restarting", len(history), RESTART_WINDOW,
+                      extra={"instance": w.instance})
+            return
+        history.append(now)
+        self._restarts[w.instance] = history
+        spec = dataclasses.replace(w.spec, restart=True)
+        try:
+            self.supervisor.start(spec, now)
+            self.counters["restarts"] += 1
+            log.warning("restarted crashed worker (same identity)", extra={"instance": w.instance})
+        except (OSError, ValueError) as exc:
+            log.error("cannot restart worker: %s", exc, extra={"instance": w.instance})
+
+    # -- shutdown ------------------------------------------------------------------------------
+
+    def _begin_shutdown(self, now: float, why: str) -> None:
+        if self._stopping_since is not None:
+            return
+        self._stopping_since = now
+        log.info("shutting down (%s): stopping %d workers", why, len(self.supervisor), extra={"node": self.node})
+        try:
+            from agent import notify
+
+            notify.stopping(f"stopping {len(self.supervisor)} workers")
+        except ImportError:  # pragma: no cover
+            pass
+        for job in list(self._awaiting_ready.values()):
+            job.reply({"ok": False, "error": f"agent {self.node} is shutting down"})
+        self._awaiting_ready.clear()
+        self.supervisor.stop_all(now)
+
+    def _emergency_stop(self) -> None:
+        """Kill every remaining worker and wait for it: never leave an orphan behind."""
+        now = self.clock()
+        for inst in list(self.supervisor.workers):
+            self.supervisor.kill(inst, now, "agent exits")
+        for w in list(self.supervisor.workers.values()):
+            try:
+                w.proc.wait(timeout=2.0)
+            except Exception:
+                pass
+        self.supervisor.poll(now)
+
+    def _close_mqtt(self) -> None:
+        c = self._client
+        if c is None:
+            return
+        if self.connected:
+            doc = nodestate.build_node_state(self.node, self.cfg.agent.slots, [], self.sample_machine(), self.wall())
+            self._publish(topics.agent_state(self.cluster, self.node), nodestate.encode_state(doc), retain=True)
+            info = c.publish(topics.agent_status(self.cluster, self.node), b"offline", qos=1, retain=True)
+            try:
+                info.wait_for_publish(timeout=1.0)
+            except (RuntimeError, ValueError):
+                pass
+        c.disconnect()
+        c.loop_stop()
+
+
+def _num(v: Any) -> Optional[float]:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def run_agent(cfg: AgentConfig, policy_name: str = DEFAULT_POLICY, worker_command: Optional[Sequence[str]] = None) -> int:
+    """Entry point of `fog-agent run`: build, install signal handlers, loop, return the status."""
+    agent = Agent(cfg, policy=get_policy(policy_name), worker_command=worker_command or WORKER_COMMAND)
+    agent.install_signal_handlers()
+    log.info("agent %s starting (cluster %s, %d slots, broker %s:%d)", cfg.agent.node, cfg.agent.cluster,
+             cfg.agent.slots, cfg.mqtt.host, cfg.mqtt.port, extra={"node": cfg.agent.node})
+    return agent.run()
+
+
+__all__ = [
+    "Agent",
+    "EXIT_CONFIG",
+    "EXIT_ERROR",
+    "EXIT_OK",
+    "EXIT_UNAVAILABLE",
+    "Halt",
+    "SHUTDOWN_SLACK",
+    "client_id_for",
+    "run_agent",
+]

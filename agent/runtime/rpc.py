@@ -1,0 +1,248 @@
+"""Agent-to-agent requests over MQTT 5 request/response: spawn an instance, stop one, ping.
+
+Why MQTT 5 request/response instead of a home-made reply field: the Response Topic and
+Correlation Data properties travel in the PUBLISH header, so a reply can be matched to its call
+without parsing the body, and `mosquitto_sub -F '%P'` shows them when debugging.
+
+Rules of this file: the codec and `PendingCalls` are pure (time is passed in); only
+`RpcClient` does I/O (a small blocking client for `fog-agent deploy` and tools; the daemon drives
+`PendingCalls` from its own event loop and never blocks on a call).
+
+Request body (JSON): {"op": "spawn", "spec": {InstanceSpec}} | {"op": "stop", "instance": id}
+                     | {"op": "ping"}
+Reply body (JSON):   {"ok": true, "instance": id, "node": node} | {"ok": false, "error": "..."}
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+from agent import topics
+
+OPS = ("spawn", "stop", "ping")
+
+
+class RpcError(RuntimeError):
+    """A call failed: timeout, refused by the remote agent, or undecodable reply."""
+
+
+def reply_topic(cluster: str, client_id: str) -> str:
+    """Where the replies to one client's calls arrive (one per MQTT client id)."""
+    return f"{topics.base(cluster)}/rpc-reply/{topics._check(client_id)}"
+
+
+def encode(body: Dict[str, Any]) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def decode_request(payload: bytes) -> Dict[str, Any]:
+    """Parse a request; raise ValueError saying what is wrong (the caller replies with it)."""
+    try:
+        body = json.loads(payload.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"request is not JSON ({exc})") from None
+    if not isinstance(body, dict) or body.get("op") not in OPS:
+        raise ValueError(f"request without a known 'op' (expected one of {OPS})")
+    if body["op"] == "spawn" and not isinstance(body.get("spec"), dict):
+        raise ValueError("spawn request without a 'spec' object")
+    if body["op"] == "stop" and not isinstance(body.get("instance"), str):
+        raise ValueError("stop request without an 'instance' string")
+    return body
+
+
+def decode_reply(payload: bytes) -> Dict[str, Any]:
+    try:
+        body = json.loads(payload.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"reply is not JSON ({exc})") from None
+    if not isinstance(body, dict) or not isinstance(body.get("ok"), bool):
+        raise ValueError("reply without a boolean 'ok'")
+    return body
+
+
+@dataclass
+class Call:
+    """One outstanding call: what it was for (opaque `context`) and when to give up."""
+
+    correlation: str
+    node: str
+    deadline: float
+    context: Any = None
+
+
+@dataclass
+class PendingCalls:
+    """Outstanding calls by correlation id; the event loop feeds replies and the time."""
+
+    calls: Dict[str, Call] = field(default_factory=dict)
+
+    def add(self, correlation: str, node: str, now: float, timeout: float, context: Any = None) -> Call:
+        call = Call(correlation, node, now + timeout, context)
+        self.calls[correlation] = call
+        return call
+
+    def resolve(self, correlation: str) -> Optional[Call]:
+        """The call a reply answers, or None for a late or foreign reply (ignored)."""
+        return self.calls.pop(correlation, None)
+
+    def expired(self, now: float) -> List[Call]:
+        gone = [c for c in self.calls.values() if c.deadline <= now]
+        for c in gone:
+            del self.calls[c.correlation]
+        return gone
+
+    def __len__(self) -> int:
+        return len(self.calls)
+
+
+def publish_properties(response_topic: str, correlation: str) -> Any:
+    from paho.mqtt.packettypes import PacketTypes
+    from paho.mqtt.properties import Properties
+
+    props = Properties(PacketTypes.PUBLISH)
+    props.ResponseTopic = response_topic
+    props.CorrelationData = correlation.encode()
+    return props
+
+
+def reply_properties(correlation: bytes) -> Any:
+    from paho.mqtt.packettypes import PacketTypes
+    from paho.mqtt.properties import Properties
+
+    props = Properties(PacketTypes.PUBLISH)
+    props.CorrelationData = correlation
+    return props
+
+
+def message_rpc_fields(msg: Any) -> Tuple[Optional[str], Optional[bytes]]:
+    """(response topic, correlation data) of a received paho message, if present."""
+    props = getattr(msg, "properties", None)
+    rt = getattr(props, "ResponseTopic", None) if props is not None else None
+    cd = getattr(props, "CorrelationData", None) if props is not None else None
+    return rt, cd
+
+
+class RpcClient:
+    """Blocking caller for tools (deploy, demo): one paho client, its own network thread.
+
+    Only the caller's thread publishes (paho is not safe to publish from several threads); the
+    network thread's callbacks only put replies into a queue.
+    """
+
+    def __init__(self, host: str, port: int, cluster: str, client_id: Optional[str] = None,
+                 username: Optional[str] = None, password: Optional[str] = None) -> None:
+        import paho.mqtt.client as mqtt
+
+        self.cluster = cluster
+        self.client_id = client_id or f"fog-tool-{uuid.uuid4().hex[:10]}"
+        self.reply_topic = reply_topic(cluster, self.client_id)
+        self._replies: "queue.SimpleQueue[Tuple[str, bytes]]" = queue.SimpleQueue()
+        self._retained: "queue.SimpleQueue[Tuple[str, bytes]]" = queue.SimpleQueue()
+        self._connected = threading.Event()
+        self._subscribed = threading.Event()
+        c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=mqtt.MQTTv5)
+        if username:
+            c.username_pw_set(username, password)
+        c.on_connect = self._on_connect
+        c.on_message = self._on_message
+        c.on_subscribe = lambda *a, **k: self._subscribed.set()
+        self._client = c
+        self._host, self._port = host, port
+
+    def _on_connect(self, client: Any, userdata: Any, flags: Any, reason: Any, props: Any = None) -> None:
+        if not reason.is_failure:
+            client.subscribe(self.reply_topic, qos=1)
+            self._connected.set()
+
+    def _on_message(self, client: Any, userdata: Any, msg: Any) -> None:
+        if msg.topic == self.reply_topic:
+            _, cd = message_rpc_fields(msg)
+            self._replies.put(((cd or b"").decode(errors="replace"), msg.payload))
+        else:
+            self._retained.put((msg.topic, msg.payload))
+
+    def connect(self, timeout: float = 10.0) -> "RpcClient":
+        self._client.connect(self._host, self._port, keepalive=10)
+        self._client.loop_start()
+        if not self._connected.wait(timeout) or not self._subscribed.wait(timeout):
+            self.close()
+            raise RpcError(f"cannot connect to the broker at {self._host}:{self._port} within {timeout}s")
+        return self
+
+    def close(self) -> None:
+        try:
+            self._client.disconnect()
+        finally:
+            self._client.loop_stop()
+
+    def __enter__(self) -> "RpcClient":
+        return self.connect()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def publish(self, topic: str, payload: bytes, retain: bool = False, qos: int = 1) -> None:
+        info = self._client.publish(topic, payload, qos=qos, retain=retain)
+        if info.rc != 0:
+            raise RpcError(f"publish to {topic} failed with rc={info.rc}")
+        info.wait_for_publish(timeout=10)
+
+    def snapshot(self, topic_filter: str, settle: float = 0.5) -> Dict[str, bytes]:
+        """Retained messages under a filter: subscribe, collect until `settle` s of silence."""
+        self._client.subscribe(topic_filter, qos=1)
+        out: Dict[str, bytes] = {}
+        deadline = time.monotonic() + settle
+        while time.monotonic() < deadline:
+            try:
+                topic, payload = self._retained.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            out[topic] = payload
+            deadline = time.monotonic() + settle
+        self._client.unsubscribe(topic_filter)
+        return out
+
+    def call(self, node: str, body: Dict[str, Any], timeout: float = 30.0) -> Dict[str, Any]:
+        """Send one request to `node`'s agent and wait for its reply; raise RpcError on failure."""
+        correlation = uuid.uuid4().hex
+        props = publish_properties(self.reply_topic, correlation)
+        info = self._client.publish(topics.agent_rpc(self.cluster, node), encode(body), qos=1, properties=props)
+        if info.rc != 0:
+            raise RpcError(f"request to {node} not queued (rc={info.rc})")
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RpcError(f"no reply from agent {node} within {timeout}s to {body.get('op')}")
+            try:
+                corr, payload = self._replies.get(timeout=left)
+            except queue.Empty:
+                continue
+            if corr != correlation:
+                continue  # a late reply to an earlier call
+            try:
+                return decode_reply(payload)
+            except ValueError as exc:
+                raise RpcError(f"bad reply from {node}: {exc}") from None
+
+
+__all__ = [
+    "Call",
+    "OPS",
+    "PendingCalls",
+    "RpcClient",
+    "RpcError",
+    "decode_reply",
+    "decode_request",
+    "encode",
+    "message_rpc_fields",
+    "publish_properties",
+    "reply_properties",
+    "reply_topic",
+]

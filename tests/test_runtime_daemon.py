@@ -1,0 +1,483 @@
+"""The agent daemon, its supervisor, placement, node state and rpc.
+
+Workers here are a small fake program that speaks the control contract of `agent.runtime.spec`
+(ready / heartbeat / spawn / exit; spawned / stop) and logs what it saw to a file, so that the
+daemon's own promises are tested apart from the data path: "spawned" only after the new worker's
+"ready" (invariant 2), stop escalation, no orphan process, Last Will, retained state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import pytest
+
+from agent.runtime import nodestate, rpc
+from agent.runtime.placement import NodeView, PlacementRequest, free_slots_then_latency, local_only, spread
+from agent.runtime.spec import BrokerSpec, InstanceSpec
+from agent.runtime.supervisor import Supervisor, WorkerStatus
+
+ROOT = Path(__file__).resolve().parent.parent
+
+FAKE_WORKER = r'''
+import json, os, signal, sys, threading, time
+spec = json.loads(sys.stdin.readline())
+fake = spec.get("extra", {}).get("fake", {})
+logf = spec.get("extra", {}).get("fake_log")
+def log(event, **kw):
+    if logf:
+        with open(logf, "a") as f:
+            f.write(json.dumps({"t": time.time(), "instance": spec["instance"], "event": event,
+                                "pid": os.getpid(), **kw}) + "\n")
+def out(event, **kw):
+    sys.stdout.write(json.dumps({"event": event, **kw}) + "\n"); sys.stdout.flush()
+if fake.get("ignore_term"):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+stop = threading.Event()
+def reader():
+    for line in sys.stdin:
+        msg = json.loads(line)
+        log(msg["event"], msg=msg)
+        if msg["event"] == "stop" and not fake.get("ignore_stop"):
+            stop.set()
+    log("stdin_eof")
+    stop.set()
+threading.Thread(target=reader, daemon=True).start()
+log("started", spec=spec)
+time.sleep(fake.get("ready_delay", 0.0))
+log("ready")
+out("ready")
+for i, req in enumerate(fake.get("spawn", [])):
+    time.sleep(req.get("after", 0.1))
+    out("spawn", request=f"r{i}", spec=req["spec"])
+    log("spawn_sent", request=f"r{i}")
+hb = 0
+while not stop.wait(0.2):
+    if not fake.get("no_heartbeat"):
+        hb += 1
+        out("heartbeat", stats={"load": 1.5, "capacity": 100.0, "hb": hb})
+if fake.get("crash_on_stop"):
+    os._exit(3)
+out("exit", code=0, reason="stopped")
+log("exit")
+sys.exit(0)
+'''
+
+PIPELINE = """
+[pipeline]
+name = "p"
+[[operator]]
+name = "source"
+kind = "source"
+function = "x.y:source"
+[[operator]]
+name = "work"
+function = "x.y:work"
+[[operator]]
+name = "sink"
+kind = "sink"
+function = "x.y:sink"
+"""
+
+
+@pytest.fixture
+def fake_worker(tmp_path: Path) -> List[str]:
+    path = tmp_path / "fake_worker.py"
+    path.write_text(FAKE_WORKER)
+    return [sys.executable, str(path)]
+
+
+def read_log(path: Path) -> List[Dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is not a running orphan but check /proc to be strict
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def wait_until(pred: Any, timeout: float, step: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(step)
+    return bool(pred())
+
+
+# ---- placement (pure) -------------------------------------------------------------------------
+
+
+def test_placement_prefers_a_local_free_slot_over_a_roomier_remote() -> None:
+    fleet = [NodeView("n1", 4, 1), NodeView("n2", 8, 8)]
+    assert free_slots_then_latency(PlacementRequest("op", local="n1"), fleet) == ["n1", "n2"]
+
+
+def test_placement_never_offers_a_full_or_offline_node() -> None:
+    fleet = [NodeView("n1", 4, 0), NodeView("n2", 4, 2, online=False), NodeView("n3", 4, 1)]
+    assert free_slots_then_latency(PlacementRequest("op", local="n1"), fleet) == ["n3"]
+    assert spread(PlacementRequest("op"), fleet) == ["n3"]
+    assert local_only(PlacementRequest("op", local="n1"), fleet) == []
+
+
+def test_placement_ranks_remote_nodes_by_latency_to_the_neighbours() -> None:
+    # neighbour instance "a" runs on n4 (full); n2 is 50 ms from n4, n3 is 5 ms from it.
+    fleet = [
+        NodeView("n1", 2, 0, instances=("self",)),
+        NodeView("n2", 4, 4, latency_ms={"n4": 50.0}),
+        NodeView("n3", 4, 1, latency_ms={"n4": 5.0}),
+        NodeView("n4", 1, 0, instances=("a",)),
+    ]
+    req = PlacementRequest("op", local="n1", neighbours=("a",))
+    assert free_slots_then_latency(req, fleet) == ["n3", "n2"]
+    # without measurements the roomiest node wins, deterministically
+    unmeasured = [NodeView("n2", 4, 2), NodeView("n3", 4, 3), NodeView("n5", 4, 3)]
+    assert free_slots_then_latency(PlacementRequest("op", local="n1"), unmeasured) == ["n3", "n5", "n2"]
+
+
+def test_node_state_round_trip_and_free_slots() -> None:
+    infos = [nodestate.InstanceInfo("b", "op", False, "active", 3.0, 10.0),
+             nodestate.InstanceInfo("a", "op", True, "starting")]
+    doc = nodestate.build_node_state("n1", 3, infos, nodestate.MachineSample(12.345, 50.0, 47.25), now=100.0)
+    parsed = nodestate.parse_node_state(nodestate.encode_state(doc))
+    assert parsed["free_slots"] == 1 and parsed["slots"] == 3
+    assert [i["id"] for i in parsed["instances"]] == ["a", "b"]
+    assert parsed["temperature"] == 47.2 or parsed["temperature"] == 47.3
+    view = nodestate.node_view(parsed)
+    assert view.instances == ("a", "b") and view.free_slots == 1
+    for bad in (b"", b"[]", b'{"node": "n1"}', b"\xff"):
+        with pytest.raises(ValueError):
+            nodestate.parse_node_state(bad)
+
+
+def test_latency_reader_is_lenient() -> None:
+    assert nodestate.parse_latency(b'{"n2": 3.5, "n3": {"rtt_ms": 7}}') == {"n2": 3.5, "n3": 7.0}
+    assert nodestate.parse_latency(b'{"rtt_ms": {"n2": 1}}') == {"n2": 1.0}
+    assert nodestate.parse_latency(b"garbage") == {}
+
+
+def test_pending_calls_expire_and_ignore_late_replies() -> None:
+    calls = rpc.PendingCalls()
+    calls.add("a", "n2", now=0.0, timeout=1.0, context="A")
+    calls.add("b", "n3", now=0.5, timeout=1.0, context="B")
+    assert [c.context for c in calls.expired(1.0)] == ["A"]
+    assert calls.resolve("a") is None  # late reply to an expired call
+    assert calls.resolve("b").context == "B"
+    assert len(calls) == 0
+    with pytest.raises(ValueError):
+        rpc.decode_request(b'{"op": "spawn"}')
+    assert rpc.decode_request(b'{"op": "ping"}') == {"op": "ping"}
+
+
+# ---- supervisor with fake workers (no broker) -------------------------------------------------
+
+
+def make_spec(instance: str, tmp_path: Path, **fake: Any) -> InstanceSpec:
+    return InstanceSpec(
+        instance=instance, operator="work", node="n1", cluster="t", pipeline="p", pipeline_toml=PIPELINE,
+        broker=BrokerSpec("127.0.0.1", 1), extra={"fake": fake, "fake_log": str(tmp_path / "fake.log")},
+    )
+
+
+class Loop:
+    """A minimal stand-in for the daemon loop: feeds reader-thread events to the supervisor."""
+
+    def __init__(self, **kw: Any) -> None:
+        import queue
+
+        self.q: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self.sup = Supervisor(emit=self.q.put, **kw)
+        self.msgs: List[Dict[str, Any]] = []
+        self.reaped: List[Any] = []
+
+    def pump(self, duration: float) -> None:
+        import queue
+
+        deadline = time.monotonic() + duration
+        while time.monotonic() < deadline:
+            try:
+                ev = self.q.get(timeout=0.05)
+                if ev[0] == "worker_line":
+                    msg = self.sup.handle_line(ev[1], ev[2], time.monotonic())
+                    if msg:
+                        self.msgs.append(msg)
+            except queue.Empty:
+                pass
+            self.reaped.extend(self.sup.poll(time.monotonic()))
+
+    def pump_until(self, pred: Any, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.pump(0.1)
+            if pred():
+                return True
+        return False
+
+
+def test_supervisor_start_ready_heartbeat_stop(tmp_path: Path, fake_worker: List[str]) -> None:
+    loop = Loop(command=fake_worker, heartbeat_timeout=2.0, term_after=2.0, kill_after=4.0)
+    w = loop.sup.start(make_spec("w1", tmp_path, ready_delay=0.3), time.monotonic())
+    assert w.status is WorkerStatus.STARTING
+    assert loop.pump_until(lambda: w.status is WorkerStatus.ACTIVE and w.stats.get("hb", 0) >= 2, 10)
+    assert w.stats["load"] == 1.5
+    loop.sup.stop("w1", time.monotonic())
+    assert loop.pump_until(lambda: loop.reaped, 5)
+    r = loop.reaped[0]
+    assert r.returncode == 0 and r.clean and not r.crashed
+    assert r.worker.term_sent_at is None  # it drained on "stop", no signal needed
+    assert not pid_alive(r.worker.pid)
+
+
+def test_supervisor_escalates_to_sigterm_then_sigkill(tmp_path: Path, fake_worker: List[str]) -> None:
+    loop = Loop(command=fake_worker, term_after=0.5, kill_after=1.5)
+    deaf = loop.sup.start(make_spec("deaf", tmp_path, ignore_stop=True), time.monotonic())
+    stubborn = loop.sup.start(make_spec("stubborn", tmp_path, ignore_stop=True, ignore_term=True), time.monotonic())
+    assert loop.pump_until(lambda: deaf.status is WorkerStatus.ACTIVE and stubborn.status is WorkerStatus.ACTIVE, 10)
+    t0 = time.monotonic()
+    loop.sup.stop_all(t0)
+    assert loop.pump_until(lambda: len(loop.reaped) == 2, 8)
+    took = time.monotonic() - t0
+    by = {r.worker.instance: r for r in loop.reaped}
+    assert by["deaf"].returncode == -signal.SIGTERM
+    assert by["stubborn"].returncode == -signal.SIGKILL
+    assert by["stubborn"].worker.term_sent_at is not None and by["stubborn"].worker.kill_sent_at is not None
+    assert 1.4 <= took < 4.0  # the kill came at kill_after, not before, not much later
+    assert not by["deaf"].crashed  # asked to stop: not a restart candidate
+
+
+def test_supervisor_kills_a_worker_that_stops_heartbeating(tmp_path: Path, fake_worker: List[str]) -> None:
+    loop = Loop(command=fake_worker, heartbeat_timeout=1.0)
+    w = loop.sup.start(make_spec("hung", tmp_path, no_heartbeat=True), time.monotonic())
+    assert loop.pump_until(lambda: loop.reaped, 8)
+    assert loop.reaped[0].returncode == -signal.SIGKILL
+    assert "heartbeat" in (loop.reaped[0].worker.killed_for or "")
+    assert loop.reaped[0].crashed and w.status is WorkerStatus.ACTIVE
+
+
+def test_supervisor_counts_junk_on_stdout(tmp_path: Path) -> None:
+    script = tmp_path / "junk.py"
+    script.write_text("import sys\nsys.stdin.readline()\nprint('hello')\nprint('{\"event\": \"ready\"}', flush=True)\n"
+                      "import time\ntime.sleep(30)\n")
+    loop = Loop(command=[sys.executable, str(script)])
+    w = loop.sup.start(make_spec("junk", tmp_path), time.monotonic())
+    assert loop.pump_until(lambda: w.status is WorkerStatus.ACTIVE, 10)
+    assert w.bad_lines == 1
+    loop.sup.kill("junk", time.monotonic(), "test over")
+    assert loop.pump_until(lambda: loop.reaped, 5)
+
+
+# ---- the daemon on the real broker --------------------------------------------------------------
+
+
+class AgentProc:
+    def __init__(self, tmp_path: Path, broker: Any, node: str, fake_worker: List[str], slots: int = 2,
+                 cluster: str = "t", shutdown_timeout: float = 3.0, env: Optional[Dict[str, str]] = None) -> None:
+        self.node = node
+        self.conf = tmp_path / f"{node}.toml"
+        self.conf.write_text(
+            f'[agent]\nnode = "{node}"\ncluster = "{cluster}"\nslots = {slots}\nstate_dir = "{tmp_path}/state-{node}"\n'
+            f"state_period = 0.5\nheartbeat_period = 0.2\nshutdown_timeout = {shutdown_timeout}\n"
+            f'[mqtt]\nhost = "{broker.host}"\nport = {broker.port}\n[metrics]\nport = 0\n'
+        )
+        self.log = open(tmp_path / f"{node}.log", "w")
+        e = dict(os.environ)
+        e["PYTHONPATH"] = str(ROOT)
+        e.update(env or {})
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "agent", "run", "--config", str(self.conf),
+             "--worker-command", json.dumps(fake_worker)],
+            stdout=self.log, stderr=subprocess.STDOUT, env=e, cwd=str(ROOT),
+        )
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+class Watcher:
+    """A test MQTT client collecting retained state/status and events."""
+
+    def __init__(self, broker: Any, cluster: str = "t") -> None:
+        self.client = rpc.RpcClient(broker.host, broker.port, cluster).connect()
+        self.cluster = cluster
+
+    def snapshot(self, kind: str) -> Dict[str, Any]:
+        from agent import topics
+
+        f = topics.all_agents_state(self.cluster) if kind == "state" else topics.all_agents_status(self.cluster)
+        raw = self.client.snapshot(f, settle=0.3)
+        out = {}
+        for topic, payload in raw.items():
+            node = topic.split("/")[3]
+            out[node] = json.loads(payload) if kind == "state" and payload else payload
+        return out
+
+    def close(self) -> None:
+        self.client.close()
+
+
+@pytest.mark.broker
+def test_agent_status_state_spawn_and_clean_sigterm(tmp_path: Path, mosquitto: Any, fake_worker: List[str]) -> None:
+    """Deploy keepers through two agents (retained state shows them); SIGTERM stops all in the bound."""
+    from agent.runtime.deploy import deploy
+
+    cluster = "t1"
+    fake_log = tmp_path / "fake.log"
+    agents = [AgentProc(tmp_path, mosquitto, n, fake_worker, slots=2, cluster=cluster) for n in ("n1", "n2")]
+    watcher = Watcher(mosquitto, cluster)
+    try:
+        assert wait_until(lambda: watcher.snapshot("status") == {"n1": b"online", "n2": b"online"}, 15)
+        extra = {"fake_log": str(fake_log), "fake": {}}
+        placed = deploy(PIPELINE, mosquitto.host, mosquitto.port, cluster, extra=extra, timeout=15)
+        assert [d.operator for d in placed] == ["source", "work", "sink"]
+        assert len({d.node for d in placed}) == 2  # spread over both agents (3 keepers, 2 slots each)
+        assert wait_until(lambda: sum(len(s["instances"]) for s in watcher.snapshot("state").values()) == 3, 5)
+        state = watcher.snapshot("state")
+        assert sorted(s["free_slots"] for s in state.values()) == [0, 1]
+        for d in placed:
+            inst = [i for i in state[d.node]["instances"] if i["id"] == d.instance]
+            assert len(inst) == 1 and inst[0]["keeper"] and inst[0]["operator"] == d.operator
+            assert inst[0]["status"] == "active" and inst[0]["load"] == 1.5
+        # the pipeline is published retained, and a second deploy is refused
+        from agent import topics
+        assert watcher.client.snapshot(topics.pipeline(cluster, "p"), settle=0.3)
+        with pytest.raises(Exception, match="already deployed"):
+            deploy(PIPELINE, mosquitto.host, mosquitto.port, cluster, extra=extra, timeout=15)
+    finally:
+        watcher.close()
+        for a in agents:
+            if a.proc.poll() is None:
+                a.proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        for a in agents:
+            try:
+                a.proc.wait(timeout=3.0 + 3.0 + 2.0)
+            except subprocess.TimeoutExpired:
+                pass
+        took = time.monotonic() - t0
+        codes = [a.proc.returncode for a in agents]
+        for a in agents:
+            a.stop()
+    assert codes == [0, 0], codes
+    assert took < 3.0 + 3.0  # shutdown_timeout + SHUTDOWN_SLACK
+    pids = {e["pid"] for e in read_log(fake_log)}
+    assert pids and not any(pid_alive(p) for p in pids)
+    exits = [e for e in read_log(fake_log) if e["event"] == "exit"]
+    assert len(exits) == len(pids)  # every worker got "stop" and drained (none needed a signal)
+
+
+@pytest.mark.broker
+def test_spawned_only_after_ready_local_then_remote(tmp_path: Path, mosquitto: Any, fake_worker: List[str]) -> None:
+    cluster = "t2"
+    fake_log = tmp_path / "fake.log"
+    agents = [AgentProc(tmp_path, mosquitto, n, fake_worker, slots=2, cluster=cluster) for n in ("a1", "a2")]
+    watcher = Watcher(mosquitto, cluster)
+    try:
+        assert wait_until(lambda: len(watcher.snapshot("state")) == 2, 15)
+        child = {"operator": "work", "extra": {"fake_log": str(fake_log), "fake": {"ready_delay": 0.6}}}
+        spawner = {"instance": "p.work.0", "operator": "work", "pipeline": "p", "pipeline_toml": PIPELINE,
+                   "extra": {"fake_log": str(fake_log),
+                             "fake": {"spawn": [{"after": 0.1, "spec": child}] * 4}}}
+        assert watcher.client.call("a1", {"op": "spawn", "spec": spawner}, timeout=10)["ok"]
+        assert wait_until(lambda: sum(1 for e in read_log(fake_log) if e["event"] == "spawned") == 4, 20)
+        events = read_log(fake_log)
+        ready_at = {e["instance"]: e["t"] for e in events if e["event"] == "ready"}
+        all_replies = [e for e in events if e["event"] == "spawned"]
+        replies = [r for r in all_replies if r["msg"]["ok"]]
+        refused = [r["msg"] for r in all_replies if not r["msg"]["ok"]]
+        # 4 slots: the spawner and 3 children fit, the 4th child is refused with a reason
+        assert len(replies) == 3 and len(refused) == 1 and "slot" in refused[0]["error"], all_replies
+        nodes = [r["msg"]["node"] for r in replies]
+        assert nodes[0] == "a1" and sorted(nodes) == ["a1", "a2", "a2"]  # local slot first, then remote
+        for r in replies:
+            new = r["msg"]["instance"]
+            assert new in ready_at, f"{new} announced but never ready"
+            assert r["t"] >= ready_at[new], "spawned sent before the new instance subscribed (invariant 2)"
+        # the child inherits the requester's pipeline and gets the placing agent's node
+        starts = {e["instance"]: e["spec"] for e in events if e["event"] == "started"}
+        for r in replies:
+            s = starts[r["msg"]["instance"]]
+            assert s["node"] == r["msg"]["node"] and s["pipeline"] == "p" and not s["keeper"]
+    finally:
+        watcher.close()
+        for a in agents:
+            a.proc.send_signal(signal.SIGTERM)
+        for a in agents:
+            a.proc.wait(timeout=10)
+            a.stop()
+    pids = {e["pid"] for e in read_log(fake_log)}
+    assert len(pids) == 4 and not any(pid_alive(p) for p in pids)
+
+
+@pytest.mark.broker
+def test_sigkilled_agent_leaves_offline_will_and_no_orphans(tmp_path: Path, mosquitto: Any, fake_worker: List[str]) -> None:
+    cluster = "t3"
+    fake_log = tmp_path / "fake.log"
+    agent = AgentProc(tmp_path, mosquitto, "k1", fake_worker, slots=2, cluster=cluster)
+    watcher = Watcher(mosquitto, cluster)
+    try:
+        assert wait_until(lambda: watcher.snapshot("status").get("k1") == b"online", 15)
+        spec = {"instance": "p.work.0", "operator": "work", "pipeline": "p", "pipeline_toml": PIPELINE,
+                "extra": {"fake_log": str(fake_log), "fake": {}}}
+        assert watcher.client.call("k1", {"op": "spawn", "spec": spec}, timeout=10)["ok"]
+        pids = {e["pid"] for e in read_log(fake_log)}
+        assert len(pids) == 1
+        agent.proc.kill()
+        agent.proc.wait()
+        # keepalive 10 s: the broker publishes the Will within 1.5 keepalives
+        assert wait_until(lambda: watcher.snapshot("status").get("k1") == b"offline", 20)
+        assert wait_until(lambda: not any(pid_alive(p) for p in pids), 5), "worker outlived its agent"
+    finally:
+        watcher.close()
+        agent.stop()
+
+
+@pytest.mark.broker
+def test_sd_notify_ready_and_watchdog(tmp_path: Path, mosquitto: Any, fake_worker: List[str]) -> None:
+    sock_path = tmp_path / "notify.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(sock_path))
+    sock.settimeout(0.5)
+    agent = AgentProc(tmp_path, mosquitto, "s1", fake_worker, cluster="t4",
+                      env={"NOTIFY_SOCKET": str(sock_path), "WATCHDOG_USEC": "1000000"})
+    got: List[str] = []
+    try:
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and not (any("READY=1" in g for g in got) and
+                                                  sum("WATCHDOG=1" in g for g in got) >= 2):
+            try:
+                got.append(sock.recv(4096).decode())
+            except socket.timeout:
+                pass
+        assert any("READY=1" in g for g in got), got
+        assert sum("WATCHDOG=1" in g for g in got) >= 2, got
+        agent.proc.send_signal(signal.SIGTERM)
+        assert agent.proc.wait(timeout=8) == 0
+        try:
+            while True:
+                got.append(sock.recv(4096).decode())
+        except socket.timeout:
+            pass
+        assert any("STOPPING=1" in g for g in got), got
+    finally:
+        sock.close()
+        agent.stop()
