@@ -4,7 +4,8 @@ Why a copy of the test fixture's logic instead of importing `tests/conftest.py`:
 not depend on its test tree (a Pi install has no tests), and the demo and the dataplane benchmark
 need the same broker configuration the tests use: explicit `max_queued_messages` (the default 1000
 silently drops QoS 1 messages past it, DESIGN.md invariant 5) and `sys_interval 1` so that
-`$SYS/broker/publish/messages/dropped` can be read during a run.
+`$SYS/broker/publish/messages/dropped` can be read during a run. `set_tcp_nodelay true`: with
+Nagle's algorithm on, every small ack waits ~40 ms for a delayed TCP ACK (see transport.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ autosave_interval 5
 max_queued_messages {max_queued}
 max_inflight_messages {max_inflight}
 max_keepalive 60
+set_tcp_nodelay true
 sys_interval 1
 log_dest file {log}
 log_type error

@@ -321,12 +321,14 @@ def _rss_mb(pid: int) -> float:
     return psutil.Process(pid).memory_info().rss / 1e6
 
 
-def run_bench(seconds: float = 8.0, batch_size: int = 100, record: str = "taxi", workdir: Optional[str] = None) -> Dict[str, Any]:
+def run_bench(
+    seconds: float = 8.0, batch_size: int = 100, record: str = "taxi", window: int = 8, workdir: Optional[str] = None
+) -> Dict[str, Any]:
     from agent.runtime.broker import start_private_broker
 
     tmp = Path(workdir or tempfile.mkdtemp(prefix="fog-dataplane-"))
     broker = start_private_broker(tmp / "broker", max_queued=10000)
-    result: Dict[str, Any] = {"batch_size": batch_size, "record": record, "seconds": seconds}
+    result: Dict[str, Any] = {"batch_size": batch_size, "record": record, "seconds": seconds, "window": window}
     runner = LocalRunner(tmp)
     try:
         raw = measure_raw(broker.host, broker.port, batch_size, record, seconds)
@@ -335,8 +337,10 @@ def run_bench(seconds: float = 8.0, batch_size: int = 100, record: str = "taxi",
             "bench",
             [
                 {"name": "source", "kind": "source", "function": "agent.runtime.taxi:bench_source",
-                 "batch_size": batch_size, "params": {"profile": "constant", "rate": 5e6, "record": record}},
-                {"name": "map", "function": "agent.runtime.operators:identity", "batch_size": batch_size},
+                 "batch_size": batch_size, "max_inflight_batches": window,
+                 "params": {"profile": "constant", "rate": 5e6, "record": record}},
+                {"name": "map", "function": "agent.runtime.operators:identity", "batch_size": batch_size,
+                 "max_inflight_batches": window},
                 {"name": "sink", "kind": "sink", "function": "agent.runtime.operators:null_sink",
                  "batch_size": batch_size},
             ],

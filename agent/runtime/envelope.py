@@ -121,15 +121,15 @@ def decode(raw: Union[bytes, bytearray, str]) -> Envelope:
         if not isinstance(body, list):
             raise MalformedEnvelope(f"data from {sender}: expected a list of records, found {_short(body)}")
         items: List[Item] = []
+        append = items.append
         for it in body:
-            if (
-                not isinstance(it, list)
-                or len(it) != 3
-                or not isinstance(it[0], str)
-                or _bad_int(it[1], 0)
-            ):
+            # inlined checks (this loop runs once per record): [str, int >= 0 (not bool), any]
+            if type(it) is not list or len(it) != 3:
                 raise MalformedEnvelope(f"data from {sender}: expected [source, seq, record], found {_short(it)}")
-            items.append((it[0], it[1], it[2]))
+            src, rseq, rec = it
+            if type(src) is not str or type(rseq) is not int or rseq < 0:
+                raise MalformedEnvelope(f"data from {sender}: expected [source, seq, record], found {_short(it)}")
+            append((src, rseq, rec))
         body = items
     elif k is Kind.ACK:
         if _bad_int(body, 0):

@@ -98,6 +98,7 @@ class AckTracker:
         self._index = 0
         self._done_upto = 0  # inputs with index <= this are already released
         self._processed: Deque[Tuple[int, str, int]] = deque()  # (index, sender, data seq)
+        self.last_released = 0  # batches released by the last release() call
 
     def processed(self, sender: str, seq: int) -> int:
         """An input batch was processed (its outputs are now pending downstream); its index."""
@@ -117,7 +118,9 @@ class AckTracker:
         """Inputs below `lowest_pending` (None: nothing pending) are done: {sender: highest seq}."""
         limit = self._index if lowest_pending is None else lowest_pending - 1
         out: Dict[str, int] = {}
+        self.last_released = 0
         while self._processed and self._processed[0][0] <= limit:
+            self.last_released += 1
             _, sender, seq = self._processed.popleft()
             if seq > out.get(sender, 0):
                 out[sender] = seq
