@@ -322,7 +322,12 @@ def _rss_mb(pid: int) -> float:
 
 
 def run_bench(
-    seconds: float = 8.0, batch_size: int = 100, record: str = "taxi", window: int = 8, workdir: Optional[str] = None
+    seconds: float = 8.0,
+    batch_size: int = 100,
+    record: str = "taxi",
+    window: int = 8,
+    workdir: Optional[str] = None,
+    rescale: int = 3,
 ) -> Dict[str, Any]:
     from agent.runtime.broker import start_private_broker
 
@@ -372,10 +377,117 @@ def run_bench(
             "sink_worker": _rss_mb(procs[0].pid),
             "python_paho_baseline": _baseline_rss(),
         }
+        runner.stop_all()
+        if rescale:
+            result["rescale"] = measure_rescale(broker.host, broker.port, tmp, cycles=rescale)
     finally:
         runner.stop_all()
         broker.stop()
     return result
+
+
+def measure_rescale(host: str, port: int, tmp: Path, cycles: int = 3, up_s: float = 8.0, down_s: float = 7.0) -> Dict[str, Any]:
+    """Scale-out disruption: a step load makes `work` (emulated 2 ms per record, declared
+    capacity 250/s) duplicate, then scale back in, `cycles` times.
+
+    - decision -> first record: wall time from the creator's duplication decision to the new
+      instance's first processed record (includes starting a Python process and subscribing);
+    - min output/input: the lowest ratio of sink records to source records over 1-second windows
+      from each decision to 3 s after the new instance's first record (we never stop: goal >= 0.9);
+    - lost/duplicated from the counting sink's id files.
+    """
+    from agent.runtime.operators import read_sink_ids
+
+    steps: List[List[float]] = []
+    t = 0.0
+    for _ in range(cycles):
+        steps += [[t, 100.0], [t + 2.0, 420.0], [t + 2.0 + up_s, 40.0]]
+        t += 2.0 + up_s + down_s
+    steps.append([t, 0.0])
+    toml = pipeline_toml(
+        "rescale",
+        [
+            {"name": "source", "kind": "source", "function": "agent.runtime.taxi:bench_source",
+             "batch_size": 20, "linger_ms": 10.0,
+             "params": {"profile": "steps", "steps": steps, "record": "tiny", "max_lag_s": 5.0}},
+            {"name": "work", "function": "agent.runtime.operators:identity", "batch_size": 20, "linger_ms": 10.0,
+             "service_time_ms": 2.0, "scaling": {"policy": "decentralized", "capacity": 250.0, "period": 1.0}},
+            {"name": "sink", "kind": "sink", "function": "agent.runtime.operators:counting_sink",
+             "batch_size": 20, "linger_ms": 10.0},
+        ],
+        scaling={"policy": "none"},
+    )
+    runner = LocalRunner(tmp / "rescale")
+    specs = initial_specs(toml, BrokerSpec(host=host, port=port), str(tmp / "rescale" / "state"), cluster="rescale",
+                          extra={"sink_dir": str(tmp / "rescale" / "sink"), "seed": 5})
+    specs = [replace(sp, heartbeat_period=0.2) for sp in specs]
+    ins: Dict[float, float] = {}
+    outs: Dict[float, float] = {}
+    try:
+        procs = {p.spec.operator: p for p in (runner.start(sp) for sp in reversed(specs))}
+        src, sink = procs["source"], procs["sink"]
+        end = time.monotonic() + t + 3.0
+        while time.monotonic() < end:
+            a, b = dict(src.stats), dict(sink.stats)
+            if "at" in a:
+                ins[a["at"]] = float(a.get("generated", 0))
+            if "at" in b:
+                outs[b["at"]] = float(b.get("recorded", 0))
+            time.sleep(0.05)
+        deadline = time.monotonic() + 15
+        while sink.stats.get("recorded", -1) != src.stats.get("generated", -2) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        generated = int(src.stats.get("generated", 0))
+        stats = {w.instance: dict(w.stats) for w in runner.workers.values()}
+    finally:
+        runner.stop_all()
+    ids, dup = read_sink_ids(tmp / "rescale" / "sink")
+    got = ids.get("source-0", set())
+    firsts = {i: st.get("first_record_at") for i, st in stats.items()}
+    delays: List[float] = []
+    ratios: List[float] = []
+    decisions = [d for st in stats.values() for d in st.get("decisions", []) if d["kind"] == "scale_out"]
+    for d in decisions:
+        fr = [firsts.get(n) for n in d["new"] if firsts.get(n)]
+        if not fr:
+            continue
+        delays.append(min(fr) - d["at"])
+        lo, hi = d["at"], max(fr) + 3.0
+        w0 = lo
+        while w0 + 1.0 <= hi:  # 1-second windows, counters interpolated at each worker's own time
+            din = _interp(ins, w0 + 1.0) - _interp(ins, w0)
+            dout = _interp(outs, w0 + 1.0) - _interp(outs, w0)
+            if din > 50:
+                ratios.append(dout / din)
+            w0 += 0.25
+    delays.sort()
+    return {
+        "scale_outs": len(decisions),
+        "scale_ins": sum(1 for st in stats.values() for d in st.get("decisions", []) if d["kind"] == "scale_in"),
+        "instances_created": len([i for i in stats if i.startswith("work-") and i != "work-0"]),
+        "decision_to_first_record_s": {
+            "median": delays[len(delays) // 2] if delays else None,
+            "max": delays[-1] if delays else None,
+            "all": [round(x, 3) for x in delays],
+        },
+        "min_output_over_input_1s": min(ratios) if ratios else None,
+        "records": generated,
+        "lost": len(set(range(generated)) - got),
+        "duplicated": dup + len(got - set(range(generated))),
+    }
+
+
+def _interp(series: Dict[float, float], t: float) -> float:
+    """Value of a monotone counter at time t, linear between its samples."""
+    pts = sorted(series.items())
+    if not pts:
+        return 0.0
+    if t <= pts[0][0]:
+        return pts[0][1]
+    for (t0, v0), (t1, v1) in zip(pts, pts[1:]):
+        if t0 <= t <= t1:
+            return v0 + (v1 - v0) * (t - t0) / (t1 - t0) if t1 > t0 else v1
+    return pts[-1][1]
 
 
 def _baseline_rss() -> float:

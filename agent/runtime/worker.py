@@ -162,6 +162,7 @@ class Worker:
         self._last_heartbeat = 0.0
         self._sent_to_removed: Set[str] = set()
         self._final = False
+        self.first_record_at: Optional[float] = None
         self._terminate_reason = ""
         self._period_start = clock()
 
@@ -323,6 +324,8 @@ class Worker:
     def _process_data(self, env: Envelope, now: float) -> None:
         items: List[Item] = env.body
         n = len(items)
+        if self.first_record_at is None:
+            self.first_record_at = time.time()  # wall clock: compared across processes (bench)
         self.stats["records_in"] += n
         self.stats["batches_in"] += 1
         index = self.tracker.processed(env.sender, env.seq)
@@ -577,6 +580,8 @@ class Worker:
             queued=sum(len(q) for q in self.queues.values()),
             gaps_skipped=self.inbound.gaps_skipped,
             service_time_ms=self.service_time * 1000,
+            first_record_at=self.first_record_at,
+            at=time.time(),
         )
         s.update(self.operator.stats())
         if self.scaling is not None:
@@ -682,6 +687,7 @@ class _ScalingDriver:
         self.counts = {"scale_outs": 0, "scale_ins": 0, "spawns": 0, "spawn_failures": 0}
         self._errors_logged: Set[str] = set()
         self._req = 0
+        self.decisions: Deque[Dict[str, Any]] = deque(maxlen=32)  # recent decisions (bench, demo)
 
     @classmethod
     def maybe(cls, worker: Worker, saved: Dict[str, Any]) -> Optional["_ScalingDriver"]:
@@ -739,6 +745,8 @@ class _ScalingDriver:
         if outs:
             kind = "scale_out" if any(type(o).__name__ == "CreateInstance" for o in outs) else "scale_in"
             self.counts["scale_outs" if kind == "scale_out" else "scale_ins"] += 1
+            new = [o.instance_id for o in outs if type(o).__name__ == "CreateInstance"]
+            self.decisions.append({"at": time.time(), "kind": kind, "load": round(load, 1), "new": new})
             log.info("decision %s at load %.1f/s (capacity %.0f)", kind, load, self.params.capacity, extra=self.w.ctx)
             self.last_round_end = now
         self._queue(outs)
@@ -823,6 +831,7 @@ class _ScalingDriver:
         s["state"] = self.core.state.value
         s["keeper"] = self.core.keeper
         s["preds"] = sorted(self.core.preds)
+        s["decisions"] = list(self.decisions)
         return s
 
 
