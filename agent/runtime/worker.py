@@ -832,6 +832,7 @@ class _ScalingDriver:
         s["keeper"] = self.core.keeper
         s["preds"] = sorted(self.core.preds)
         s["decisions"] = list(self.decisions)
+        s["capacity"] = self.params.capacity
         return s
 
 
