@@ -1,0 +1,175 @@
+"""Common vocabulary of the group mutual exclusion (GME) cores: states, outputs, the node interface.
+
+Rules of this file: nothing here knows a particular algorithm. A GME core is a pure state machine
+driven by three inputs, `request()`, `exit()` and `receive(message)`, each returning the list of
+outputs the driver must perform: `Send(to, message)` and, at most once per request, `Entered()`.
+The core never sleeps, never reads a clock and never draws random numbers; the simulator, the
+exhaustive checker and the MQTT benchmark are three drivers of the same code.
+
+Messages are frozen dataclasses with a `sender` field and a `kind` class attribute, so that a
+driver can count them by kind and encode them as small JSON dicts (`to_dict` / `message_from_dict`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+from typing import Any, ClassVar, Dict, Hashable, List, Mapping, Sequence, Tuple, Type, Union
+
+from agent.protocol.errors import LocalProtocolError, RemoteProtocolError
+
+__all__ = [
+    "GmeState",
+    "GmeMessage",
+    "Send",
+    "Entered",
+    "Output",
+    "GmeNode",
+    "register_message",
+    "message_from_dict",
+    "INF",
+    "LocalProtocolError",
+    "RemoteProtocolError",
+]
+
+NodeId = int
+Group = Hashable
+
+# The clock value of "no request": larger than any real Lamport clock (thesis: <n_i, infinity>).
+INF = float("inf")
+
+
+class GmeState(enum.Enum):
+    """What a node is doing with respect to the critical section (CS)."""
+
+    IDLE = "idle"
+    REQUESTING = "requesting"
+    IN_CS = "in_cs"
+
+
+@dataclass(frozen=True)
+class GmeMessage:
+    """Base of all GME messages. `kind` names the message for counting and encoding."""
+
+    kind: ClassVar[str] = "?"
+    sender: NodeId
+
+    def to_dict(self) -> Dict[str, Any]:
+        d: Dict[str, Any] = {"kind": self.kind}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            d[f.name] = list(v) if isinstance(v, tuple) else v
+        return d
+
+
+_REGISTRY: Dict[str, Type[GmeMessage]] = {}
+
+
+def register_message(cls: Type[GmeMessage]) -> Type[GmeMessage]:
+    """Class decorator: make `message_from_dict` able to decode `cls` (keyed by `cls.kind`)."""
+    key = cls.__module__.rsplit(".", 1)[-1] + ":" + cls.kind
+    _REGISTRY[key] = cls
+    cls._registry_key = key  # type: ignore[attr-defined]
+    return cls
+
+
+def message_from_dict(d: Mapping[str, Any], algorithm_module: str) -> GmeMessage:
+    """Decode a dict produced by `to_dict`; `algorithm_module` is e.g. "gme_fgme"."""
+    key = algorithm_module + ":" + str(d.get("kind"))
+    cls = _REGISTRY.get(key)
+    if cls is None:
+        raise RemoteProtocolError(f"unknown GME message kind {d.get('kind')!r} for {algorithm_module}")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in d:
+            raise RemoteProtocolError(f"{cls.__name__} message without field {f.name!r}: {dict(d)}")
+        v = d[f.name]
+        kwargs[f.name] = tuple(v) if isinstance(v, list) else v
+    return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class Send:
+    """Output: deliver `message` to node `to` over the FIFO channel from this node."""
+
+    to: NodeId
+    message: GmeMessage
+
+
+@dataclass(frozen=True)
+class Entered:
+    """Output: this node is now in the critical section (the driver starts the CS timer)."""
+
+
+Output = Union[Send, Entered]
+
+
+class GmeNode:
+    """Interface shared by 2-FGME, RA1 and RA2 nodes.
+
+    `groups` maps every node id (including this one) to its group (the operator, or Joung's forum).
+    Subclasses implement `_on_request`, `_on_exit` and `receive`.
+    """
+
+    algorithm: ClassVar[str] = "?"
+
+    def __init__(self, node_id: NodeId, groups: Mapping[NodeId, Group]) -> None:
+        if node_id not in groups:
+            raise LocalProtocolError(f"node {node_id} is not in the group map {dict(groups)}")
+        self.id: NodeId = node_id
+        self.groups: Dict[NodeId, Group] = dict(groups)
+        self.group: Group = groups[node_id]
+        self.state: GmeState = GmeState.IDLE
+        self.entries: int = 0  # completed CS entries; used by checkers and by RA2's counters
+
+    # -- driver API -------------------------------------------------------------------------------
+
+    def request(self) -> List[Output]:
+        if self.state is not GmeState.IDLE:
+            raise LocalProtocolError(f"node {self.id}: request() in state {self.state.name}, expected IDLE")
+        self.state = GmeState.REQUESTING
+        return self._on_request()
+
+    def exit(self) -> List[Output]:
+        if self.state is not GmeState.IN_CS:
+            raise LocalProtocolError(f"node {self.id}: exit() in state {self.state.name}, expected IN_CS")
+        self.state = GmeState.IDLE
+        return self._on_exit()
+
+    def receive(self, message: GmeMessage) -> List[Output]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def snapshot(self) -> Tuple[Any, ...]:  # pragma: no cover - abstract
+        """A hashable value equal for two nodes that behave the same from now on (checker)."""
+        raise NotImplementedError
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    def _enter(self) -> List[Output]:
+        self.state = GmeState.IN_CS
+        self.entries += 1
+        return [Entered()]
+
+    def _on_request(self) -> List[Output]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _on_exit(self) -> List[Output]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def others(self) -> List[NodeId]:
+        return sorted(n for n in self.groups if n != self.id)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.id} group={self.group!r} {self.state.name}>"
+
+
+def two_groups(sizes: Sequence[int]) -> Dict[NodeId, int]:
+    """Group map for consecutive node ids: sizes (6, 6) -> nodes 0..5 in group 0, 6..11 in 1."""
+    groups: Dict[NodeId, int] = {}
+    n = 0
+    for g, size in enumerate(sizes):
+        for _ in range(size):
+            groups[n] = g
+            n += 1
+    return groups

@@ -1,0 +1,273 @@
+"""2-FGME: group mutual exclusion for two fixed groups (Belkhiria thesis, chapter 5, Alg. 12-15).
+
+Rules of this file: every handler below is one procedure of the thesis's pseudo-code, with the
+thesis's line numbers in comments, so that a reader can check the transcription line by line.
+Where the pseudo-code is ambiguous the choice made is marked DEVIATION and explained.
+
+Why this algorithm: neighbouring operators must not scale at the same time, while all instances
+of one operator may. A node asks permission only from its *competitors* (the nodes of the other
+group), never from its own group, which is what saves messages compared with Joung's RA1/RA2. To
+still let a whole group in, a node that acknowledged a higher-priority competitor keeps
+acknowledging the other group (`competitors_authorized`) until one of them leaves or withdraws
+(End / Ack(end) / Ack(renew)). Its own request is then put on hold (`reqs_to_send`) and any
+acknowledgement already received for it becomes invalid (`acks_rcvd` / `acks_to_ign`).
+
+System model (thesis 5.2.1): reliable FIFO channels, nodes do not crash, groups are fixed.
+
+DEVIATION (found by our checker, `agent.sim.gme_check`): in the literal pseudo-code
+`acks_to_ign` is a *set*, but a node can withdraw and resend its request to the same competitor
+several times (lines 25-38 / 43-50, then 63 / 83) before the answers arrive, so several
+acknowledgements to ignore can be in flight from one node, and a set counts only one of them.
+The checker finds a schedule of 2+2 nodes, 2 requests each, where the second, stale Ack is
+counted and two groups end up in the CS together (see docs/gme.md). Fix, with the smallest
+change we found: every Req carries an *epoch* (a per-node counter, +1 per Req sent), every Ack
+echoes the epoch of the Req it answers (`waiting_reqs` remembers it), and `acks_to_ign` maps a
+competitor to the last withdrawn epoch: an Ack is ignored when it answers a withdrawn Req or a
+Req of an earlier request. Same messages, same count, same lines; only the bookkeeping counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Dict, FrozenSet, List, Mapping, Optional, Set, Tuple
+
+from agent.protocol.gme_base import (
+    INF,
+    Entered,
+    GmeMessage,
+    GmeNode,
+    GmeState,
+    Group,
+    NodeId,
+    Output,
+    RemoteProtocolError,
+    Send,
+    register_message,
+)
+
+__all__ = ["Req", "Ack", "End", "FgmeNode", "FAULTS"]
+
+
+@register_message
+@dataclass(frozen=True)
+class Req(GmeMessage):
+    """Req(n_i, LC_i): n_i asks its competitors for the CS with priority <LC_i, n_i>."""
+
+    kind: ClassVar[str] = "req"
+    clock: int
+    epoch: int = 0
+
+
+@register_message
+@dataclass(frozen=True)
+class Ack(GmeMessage):
+    """Ack(n_i, renew, end). renew: n_i authorizes a posteriori but still wants the CS itself;
+    end: n_i acknowledges because it leaves the CS."""
+
+    kind: ClassVar[str] = "ack"
+    renew: bool = False
+    end: bool = False
+    epoch: int = 0
+
+
+@register_message
+@dataclass(frozen=True)
+class End(GmeMessage):
+    """End(n_i, LC_i): n_i left the CS or withdrew its request, towards nodes it owes no Ack."""
+
+    kind: ClassVar[str] = "end"
+    clock: int
+
+
+# Deliberate bugs, for tests that prove the checker can fail. Never used outside tests.
+FAULTS = frozenset({"skip_acks_to_ign"})
+
+
+class FgmeNode(GmeNode):
+    """One 2-FGME node. Competitors are all nodes of the other group(s)."""
+
+    algorithm: ClassVar[str] = "2fgme"
+
+    def __init__(
+        self, node_id: NodeId, groups: Mapping[NodeId, Group], fault: Optional[str] = None
+    ) -> None:
+        super().__init__(node_id, groups)
+        if fault is not None and fault not in FAULTS:
+            raise ValueError(f"unknown fault {fault!r}; expected one of {sorted(FAULTS)}")
+        self.fault = fault
+        self.competitors: FrozenSet[NodeId] = frozenset(
+            n for n, g in groups.items() if g != self.group
+        )
+        # INITIALISATION (lines 1-7)
+        self.req_clock: float = INF  # req_id = <n_i, req_clock>
+        self.lc: int = 0
+        self.waiting_reqs: Dict[NodeId, int] = {}  # node -> epoch of its waiting Req
+        self.reqs_to_send: Set[NodeId] = set()
+        self.acks_to_ign: Dict[NodeId, int] = {}  # node -> last withdrawn epoch (see DEVIATION)
+        self.epoch: int = 0  # epoch of the last Req this node sent
+        self.sent_epoch: Dict[NodeId, int] = {}  # node -> epoch of the last Req sent to it
+        self.req_first_epoch: int = 1  # acks answering older epochs belong to older requests
+        self.competitors_authorized: bool = False
+        self.acks_rcvd: Set[NodeId] = set()
+
+    # -- priority ---------------------------------------------------------------------------------
+
+    def _lower_priority_than(self, other: NodeId, other_clock: int) -> bool:
+        """req_id > <n_i', LC_i'>: our request (or our absence of request) yields to theirs."""
+        return (self.req_clock, self.id) > (other_clock, other)
+
+    # -- REQUEST critical section (lines 8-17) ----------------------------------------------------
+
+    def _on_request(self) -> List[Output]:
+        out: List[Output] = []
+        self.lc += 1  # line 10
+        self.req_clock = self.lc
+        self.req_first_epoch = self.epoch + 1  # acks of older epochs answer older requests
+        if not self.competitors_authorized:  # line 11
+            out += self._multicast_req(sorted(self.competitors))  # line 12
+        else:
+            self.reqs_to_send = set(self.competitors)  # line 14
+        self.acks_rcvd = set()  # line 16
+        if not self.competitors:  # no competitor at all: nothing to wait for
+            out += self._enter()
+        return out
+
+    # -- RECEIVE Req (lines 18-57) ----------------------------------------------------------------
+
+    def _withdraw_from(self, k: NodeId) -> None:
+        """Lines 32-37 / 45-50: our Req to k is on hold; its acknowledgement no longer counts."""
+        self.reqs_to_send.add(k)  # line 32 / 45
+        if k in self.acks_rcvd:  # line 33 / 46
+            self.acks_rcvd.discard(k)  # line 34 / 47
+        elif self.fault != "skip_acks_to_ign":
+            self.acks_to_ign[k] = self.sent_epoch.get(k, 0)  # line 36 / 49
+
+    def _on_req(self, m: Req) -> List[Output]:
+        out: List[Output] = []
+        j = m.sender
+        self.lc = max(self.lc, m.clock)  # line 19
+        if self._lower_priority_than(j, m.clock) and self.state is not GmeState.IN_CS:  # line 20
+            out.append(Send(j, Ack(self.id, epoch=m.epoch)))  # line 21
+            if self.req_clock != INF and j in self.acks_rcvd:
+                # DEVIATION 2 (checker counterexample, docs/gme.md): j's earlier Ack(renew)
+                # authorized our group, but j now requests with a higher priority, so that
+                # authorization is over; keep counting it and both groups enter. Drop it and
+                # resend our Req to j when the other group's authorization ends. (FIFO: an Ack j
+                # sent before this Req has already arrived, so nothing is in flight to ignore.)
+                self.acks_rcvd.discard(j)
+                self.reqs_to_send.add(j)
+            if not self.competitors_authorized:  # line 22
+                self.competitors_authorized = True  # line 23
+                if self.req_clock != INF:  # line 24
+                    for k in sorted(self.competitors):  # line 25
+                        if k == j:
+                            continue
+                        if k in self.waiting_reqs:  # line 26
+                            e = self.waiting_reqs.pop(k)  # line 27
+                            out.append(Send(k, Ack(self.id, renew=True, epoch=e)))  # line 28
+                        else:
+                            out.append(Send(k, End(self.id, self.lc)))  # line 30
+                        self._withdraw_from(k)  # lines 32-37
+        else:
+            if self.competitors_authorized and self.state is not GmeState.IN_CS:  # line 42
+                if j not in self.reqs_to_send:  # line 43
+                    out.append(Send(j, End(self.id, self.lc)))  # line 44
+                    self._withdraw_from(j)  # lines 45-50
+                out.append(Send(j, Ack(self.id, renew=True, epoch=m.epoch)))  # line 52
+            else:
+                self.waiting_reqs[j] = m.epoch  # line 54
+        return out
+
+    # -- RECEIVE Ack (lines 58-76) ----------------------------------------------------------------
+
+    def _on_ack(self, m: Ack) -> List[Output]:
+        out: List[Output] = []
+        j = m.sender
+        if m.end or m.renew:  # line 59
+            self.competitors_authorized = False  # line 60
+            if m.end:  # line 61
+                self.acks_to_ign.pop(j, None)  # line 62
+                out += self._resume()  # lines 63-65
+        stale = m.epoch < self.req_first_epoch or m.epoch <= self.acks_to_ign.get(j, -1)
+        if stale or self.state is not GmeState.REQUESTING:  # line 68
+            pass  # line 69: ignored (the threshold stays: later acks carry larger epochs)
+        else:
+            self.acks_rcvd.add(j)  # line 71
+            if self.acks_rcvd == self.competitors:  # line 72
+                out += self._enter()  # line 73
+        return out
+
+    # -- RECEIVE End (lines 77-86) ----------------------------------------------------------------
+
+    def _on_end(self, m: End) -> List[Output]:
+        self.lc = max(self.lc, m.clock)  # line 78
+        self.competitors_authorized = False  # line 79
+        self.waiting_reqs.pop(m.sender, None)  # lines 80-82
+        return self._resume()  # lines 83-85
+
+    def _resume(self) -> List[Output]:
+        """Lines 63-65 / 83-85: send the requests put on hold.
+
+        Line 65 (drop reqs_to_send from acks_to_ign) is implied by the epochs: the resent Req
+        has a new epoch, above the withdrawn one. A node that is not requesting any more has
+        nothing to resend (the pseudo-code would send Req with req_id = <n_i, infinity>).
+        """
+        targets = sorted(self.reqs_to_send)
+        self.reqs_to_send = set()
+        if not targets or self.state is not GmeState.REQUESTING:
+            return []
+        return self._multicast_req(targets)
+
+    # -- EXIT critical section (lines 87-98) ------------------------------------------------------
+
+    def _on_exit(self) -> List[Output]:
+        out: List[Output] = []
+        self.req_clock = INF  # line 89
+        if self.waiting_reqs:  # line 90
+            self.competitors_authorized = True  # line 91
+            for k, e in sorted(self.waiting_reqs.items()):  # line 92
+                out.append(Send(k, Ack(self.id, end=True, epoch=e)))
+        for k in sorted(self.competitors - set(self.waiting_reqs)):  # lines 94-95
+            out.append(Send(k, End(self.id, self.lc)))
+        self.waiting_reqs = {}  # line 96
+        self.acks_to_ign = {}  # line 97
+        return out
+
+    # -- plumbing ---------------------------------------------------------------------------------
+
+    def _multicast_req(self, targets: List[NodeId]) -> List[Output]:
+        assert self.req_clock != INF
+        self.epoch += 1
+        for k in targets:
+            self.sent_epoch[k] = self.epoch
+        return [Send(k, Req(self.id, int(self.req_clock), self.epoch)) for k in targets]
+
+    def receive(self, message: GmeMessage) -> List[Output]:
+        if message.sender not in self.competitors:
+            raise RemoteProtocolError(
+                f"2-FGME node {self.id} ({self.state.name}): message {message!r} from "
+                f"{message.sender}, expected one of the competitors {sorted(self.competitors)}"
+            )
+        if isinstance(message, Req):
+            return self._on_req(message)
+        if isinstance(message, Ack):
+            return self._on_ack(message)
+        if isinstance(message, End):
+            return self._on_end(message)
+        raise RemoteProtocolError(f"2-FGME node {self.id}: unexpected message {message!r}")
+
+    def snapshot(self) -> Tuple[object, ...]:
+        return (
+            self.state.value,
+            self.req_clock,
+            self.lc,
+            tuple(sorted(self.waiting_reqs.items())),
+            frozenset(self.reqs_to_send),
+            tuple(sorted(self.acks_to_ign.items())),
+            self.epoch,
+            self.req_first_epoch,
+            tuple(sorted(self.sent_epoch.items())),
+            self.competitors_authorized,
+            frozenset(self.acks_rcvd),
+            self.entries,
+        )

@@ -1,0 +1,374 @@
+"""Model checker for the GME cores: every delivery order for small systems, random ones for big.
+
+Why: a GME algorithm fails on rare interleavings, never on the happy path. The checker drives the
+same core classes as the simulator and the MQTT benchmark, over FIFO channels (one queue per
+ordered pair of nodes, as the thesis's system model and DESIGN.md invariant 1 require), and
+explores which enabled step happens next:
+
+- a node that is idle and has requests left calls `request()`,
+- a node in the CS calls `exit()`,
+- the oldest message of a non-empty channel is delivered.
+
+Properties checked:
+- safety (every reached state): no two nodes of different groups are in the CS together;
+- liveness (every terminal state, i.e. nothing enabled): every node made all its requests and
+  entered the CS for each of them; a terminal state with a node still requesting is a deadlock.
+Since every run is finite (each node makes a bounded number of requests and each handler emits a
+bounded number of messages), "every terminal state is good" means every request is eventually
+served under every fair schedule.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+
+from agent.protocol.gme_base import Entered, GmeNode, GmeState, NodeId, Send, two_groups
+
+__all__ = [
+    "ALGORITHMS",
+    "make_nodes",
+    "CheckResult",
+    "exhaustive_check",
+    "random_check",
+    "random_schedule",
+]
+
+
+def _algorithms() -> Dict[str, Callable[..., GmeNode]]:
+    from agent.protocol.gme_fgme import FgmeNode
+    from agent.protocol.gme_ra1 import Ra1Node
+    try:
+        from agent.protocol.gme_ra2 import Ra2Node
+    except ImportError:
+        Ra2Node = None  # type: ignore
+
+    return {"2fgme": FgmeNode, "ra1": Ra1Node, "ra2": Ra2Node}
+
+
+ALGORITHMS = ("2fgme", "ra1", "ra2")
+
+
+def make_nodes(algorithm: str, sizes: Sequence[int], fault: Optional[str] = None) -> List[GmeNode]:
+    """Nodes 0..N-1 of `algorithm`, split in consecutive groups of the given sizes."""
+    classes = _algorithms()
+    if algorithm not in classes:
+        raise ValueError(f"unknown GME algorithm {algorithm!r}; expected one of {ALGORITHMS}")
+    groups = two_groups(sizes)
+    cls = classes[algorithm]
+    if fault is not None:
+        return [cls(n, groups, fault=fault) for n in sorted(groups)]
+    return [cls(n, groups) for n in sorted(groups)]
+
+
+@dataclass
+class CheckResult:
+    """Outcome of a check; `ok` is False as soon as one violation was found."""
+
+    states: int = 0
+    schedules: int = 0
+    safety_violations: int = 0
+    deadlocks: int = 0
+    protocol_errors: int = 0
+    messages: int = 0
+    first_failure: Optional[str] = None
+    trace: List[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.safety_violations == 0 and self.deadlocks == 0 and self.protocol_errors == 0
+
+
+def _clone_node(node: GmeNode) -> GmeNode:
+    new = copy.copy(node)
+    for k, v in node.__dict__.items():
+        if isinstance(v, (set, dict, list)):
+            setattr(new, k, copy.copy(v))
+    return new
+
+
+class _System:
+    """Nodes + FIFO channels + per-node request budget; cloneable for the exhaustive search."""
+
+    def __init__(self, nodes: List[GmeNode], requests: int) -> None:
+        self.nodes = nodes
+        self.left = [requests] * len(nodes)
+        self.served = [0] * len(nodes)
+        self.chan: Dict[Tuple[NodeId, NodeId], Tuple[object, ...]] = {}
+        self.messages = 0
+
+    def clone(self) -> "_System":
+        new = _System.__new__(_System)
+        new.nodes = [_clone_node(n) for n in self.nodes]
+        new.left = list(self.left)
+        new.served = list(self.served)
+        new.chan = dict(self.chan)
+        new.messages = self.messages
+        return new
+
+    def key(self) -> Tuple[object, ...]:
+        return (
+            tuple(n.snapshot() for n in self.nodes),
+            tuple(self.left),
+            tuple(sorted((k, v) for k, v in self.chan.items() if v)),
+        )
+
+    def enabled(self) -> List[Tuple[str, int, int]]:
+        ev: List[Tuple[str, int, int]] = []
+        for n in self.nodes:
+            if n.state is GmeState.IDLE and self.left[n.id] > 0:
+                ev.append(("request", n.id, -1))
+            elif n.state is GmeState.IN_CS:
+                ev.append(("exit", n.id, -1))
+        for (a, b), q in sorted(self.chan.items()):
+            if q:
+                ev.append(("deliver", a, b))
+        return ev
+
+    def apply(self, ev: Tuple[str, int, int]) -> None:
+        kind, a, b = ev
+        if kind == "request":
+            self.left[a] -= 1
+            outs = self.nodes[a].request()
+            src = a
+        elif kind == "exit":
+            outs = self.nodes[a].exit()
+            src = a
+        else:
+            q = self.chan[(a, b)]
+            msg, self.chan[(a, b)] = q[0], q[1:]
+            outs = self.nodes[b].receive(msg)  # type: ignore[arg-type]
+            src = b
+        for o in outs:
+            if isinstance(o, Send):
+                key = (src, o.to)
+                self.chan[key] = self.chan.get(key, ()) + (o.message,)
+                self.messages += 1
+            elif isinstance(o, Entered):
+                self.served[src] += 1
+
+    def unsafe(self) -> bool:
+        in_cs = {n.group for n in self.nodes if n.state is GmeState.IN_CS}
+        return len(in_cs) > 1
+
+    def describe(self) -> str:
+        return ", ".join(f"{n.id}:{n.group}:{n.state.name}" for n in self.nodes)
+
+    def all_served(self) -> bool:
+        return all(l == 0 for l in self.left) and all(
+            n.state is GmeState.IDLE for n in self.nodes
+        ) and all(s == n.entries for s, n in zip(self.served, self.nodes))
+
+
+def exhaustive_check(
+    algorithm: str,
+    sizes: Sequence[int] = (2, 2),
+    requests: int = 2,
+    fault: Optional[str] = None,
+    max_states: int = 5_000_000,
+) -> CheckResult:
+    """Explore every delivery order (DFS over distinct states). Stops at the first violation.
+
+    Partial-order reduction, and why it is sound: events at different nodes commute (a step
+    reads one node's state and the head of one of its input channels, writes that node's state
+    and appends to its output channels). So instead of interleaving all nodes, only the
+    lowest-numbered *active* node moves, choosing any of its enabled steps, or choosing to *wait*:
+    it becomes passive until a new message reaches it. Every consistent cut of every execution is
+    reached this way (each node follows its own history and waits whenever its next step is the
+    delivery of a message not yet sent, or whenever it wants to let others overtake it, e.g. a
+    node that stays in the CS). Safety is checked on every reached state, hence on every cut, and
+    liveness on every state where no step at all is enabled.
+    """
+    res = CheckResult()
+    start = _System(make_nodes(algorithm, sizes, fault), requests)
+    n = len(start.nodes)
+    start_key = (start.key(), (False,) * n)
+    seen: Set[Tuple[object, ...]] = {start_key}
+    # stack items: (system, waiting flags, path as a linked list (event, parent))
+    stack: List[Tuple[_System, Tuple[bool, ...], object]] = [(start, (False,) * n, None)]
+
+    def unwind(path: object) -> List[str]:
+        out: List[str] = []
+        while path is not None:
+            ev, path = path  # type: ignore[misc]
+            out.append(ev)
+        return out[::-1]
+
+    while stack:
+        sys_, waiting, path = stack.pop()
+        res.states += 1
+        if res.states > max_states:
+            raise RuntimeError(f"state space larger than {max_states} states")
+        events = sys_.enabled()
+        if not events:
+            res.schedules += 1
+            if not sys_.all_served():
+                res.deadlocks += 1
+                res.first_failure = f"deadlock or unserved request: {sys_.describe()}"
+                res.trace = unwind(path)
+                return res
+            continue
+        mover = -1
+        mine: List[Tuple[str, int, int]] = []
+        for i in range(n):
+            if waiting[i]:
+                continue
+            mine = [e for e in events if (e[2] if e[0] == "deliver" else e[1]) == i]
+            if mine:
+                mover = i
+                break
+        if mover < 0:
+            continue  # every node chose to wait although steps remain: a pruned branch
+        succs: List[Tuple[_System, Tuple[bool, ...], object]] = []
+        w = list(waiting)
+        w[mover] = True
+        succs.append((sys_, tuple(w), ("wait %d" % mover, path)))
+        for ev in mine:
+            nxt = sys_.clone()
+            before = {k for k, q in nxt.chan.items() if q}
+            try:
+                nxt.apply(ev)
+            except Exception as exc:  # a core raising is a failure of the algorithm, not of us
+                res.protocol_errors += 1
+                res.first_failure = f"{type(exc).__name__}: {exc}"
+                res.trace = unwind((repr(ev), path))
+                return res
+            if nxt.unsafe():
+                res.safety_violations += 1
+                res.first_failure = f"two groups in the CS: {nxt.describe()}"
+                res.trace = unwind((repr(ev), path))
+                return res
+            w = list(waiting)
+            for (a, b), q in nxt.chan.items():
+                if q and (len(q) > len(sys_.chan.get((a, b), ()))):
+                    w[b] = False  # a new message wakes its receiver
+            succs.append((nxt, tuple(w), (repr(ev), path)))
+        for s2, w2, p2 in succs:
+            k = (s2.key(), w2)
+            if k not in seen:
+                seen.add(k)
+                stack.append((s2, w2, p2))
+    return res
+
+
+def random_schedule(
+    algorithm: str,
+    sizes: Sequence[int],
+    requests: int,
+    rng: random.Random,
+    fault: Optional[str] = None,
+    max_steps: int = 200_000,
+) -> CheckResult:
+    """One random complete run: at each step one enabled event, chosen uniformly."""
+    res = CheckResult(schedules=1)
+    nodes = make_nodes(algorithm, sizes, fault)
+    n = len(nodes)
+    left = [requests] * n
+    chans: Dict[Tuple[int, int], Deque[object]] = {}
+    busy: List[Tuple[int, int]] = []  # non-empty channels (unordered, swap-remove)
+    busy_pos: Dict[Tuple[int, int], int] = {}
+    in_cs_groups: Dict[object, int] = {}
+    served = [0] * n
+
+    def push(src: int, outs: List[object]) -> None:
+        for o in outs:
+            if isinstance(o, Send):
+                key = (src, o.to)
+                q = chans.get(key)
+                if q is None:
+                    q = chans[key] = deque()
+                if not q:
+                    busy_pos[key] = len(busy)
+                    busy.append(key)
+                q.append(o.message)
+                res.messages += 1
+            elif isinstance(o, Entered):
+                served[src] += 1
+                g = nodes[src].group
+                in_cs_groups[g] = in_cs_groups.get(g, 0) + 1
+                if len(in_cs_groups) > 1:
+                    res.safety_violations += 1
+
+    for _ in range(max_steps):
+        actors = [
+            i for i in range(n)
+            if (nodes[i].state is GmeState.IDLE and left[i] > 0) or nodes[i].state is GmeState.IN_CS
+        ]
+        total = len(actors) + len(busy)
+        if total == 0:
+            break
+        pick = rng.randrange(total)
+        try:
+            if pick < len(actors):
+                i = actors[pick]
+                node = nodes[i]
+                if node.state is GmeState.IN_CS:
+                    g = node.group
+                    in_cs_groups[g] -= 1
+                    if not in_cs_groups[g]:
+                        del in_cs_groups[g]
+                    push(i, node.exit())
+                else:
+                    left[i] -= 1
+                    push(i, node.request())
+            else:
+                key = busy[pick - len(actors)]
+                q = chans[key]
+                msg = q.popleft()
+                if not q:
+                    pos = busy_pos.pop(key)
+                    last = busy.pop()
+                    if last != key:
+                        busy[pos] = last
+                        busy_pos[last] = pos
+                push(key[1], nodes[key[1]].receive(msg))  # type: ignore[arg-type]
+        except Exception as exc:
+            res.protocol_errors += 1
+            res.first_failure = f"{type(exc).__name__}: {exc}"
+            return res
+        if res.safety_violations:
+            res.first_failure = "two groups in the CS: " + ", ".join(
+                f"{x.id}:{x.group}:{x.state.name}" for x in nodes
+            )
+            return res
+    else:
+        res.first_failure = f"no terminal state after {max_steps} steps (livelock?)"
+        res.deadlocks += 1
+        return res
+    if any(l for l in left) or any(x.state is not GmeState.IDLE for x in nodes) or served != [
+        requests
+    ] * n:
+        res.deadlocks += 1
+        res.first_failure = "deadlock or unserved request: " + ", ".join(
+            f"{x.id}:{x.group}:{x.state.name}:served={s}" for x, s in zip(nodes, served)
+        )
+    return res
+
+
+def random_check(
+    algorithm: str,
+    sizes: Sequence[int] = (6, 6),
+    requests: int = 2,
+    schedules: int = 10_000,
+    seed: int = 0,
+    fault: Optional[str] = None,
+    stop_on_failure: bool = True,
+) -> CheckResult:
+    """`schedules` independent random runs from one seed (repeatable)."""
+    rng = random.Random(seed)
+    total = CheckResult()
+    for _ in range(schedules):
+        r = random_schedule(algorithm, sizes, requests, rng, fault)
+        total.schedules += 1
+        total.messages += r.messages
+        total.safety_violations += r.safety_violations
+        total.deadlocks += r.deadlocks
+        total.protocol_errors += r.protocol_errors
+        if not r.ok and total.first_failure is None:
+            total.first_failure = r.first_failure
+            if stop_on_failure:
+                break
+    return total
