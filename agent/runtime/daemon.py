@@ -104,7 +104,7 @@ class Agent:
         worker_command: Sequence[str] = WORKER_COMMAND,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
-        sample_machine: Callable[[], nodestate.MachineSample] = nodestate.sample_machine,
+        sample_machine: Callable[[Sequence[int]], nodestate.MachineSample] = nodestate.sample_machine,
         connect_timeout: Optional[float] = None,
         env: Optional[Dict[str, str]] = None,
     ) -> None:
@@ -344,9 +344,9 @@ class Agent:
         for w in self.supervisor.workers.values():
             stats = w.stats
             status = w.status.value
-            role = stats.get("status") if isinstance(stats.get("status"), str) else None
-            if role == "terminating" and status == "active":
-                status = role
+            # The protocol core's state, when the worker reports it (deleting/departing = leaving).
+            if status == "active" and stats.get("state") in ("deleting", "departing", "terminated"):
+                status = "terminating"
             out.append(nodestate.InstanceInfo(
                 id=w.instance, operator=w.spec.operator, keeper=bool(stats.get("keeper", w.spec.keeper)),
                 status=status, load=_num(stats.get("load")), capacity=_num(stats.get("capacity")),
@@ -356,7 +356,7 @@ class Agent:
 
     def state_doc(self) -> Dict[str, Any]:
         return nodestate.build_node_state(
-            self.node, self.cfg.agent.slots, self.instance_infos(), self.sample_machine(), self.wall()
+            self.node, self.cfg.agent.slots, self.instance_infos(), self.sample_machine(self.supervisor.pids()), self.wall()
         )
 
     def _publish_state(self, now: float) -> None:
@@ -611,7 +611,7 @@ class Agent:
             self._try_next(job, now, f"worker exited before ready ({reason})")
         cause = "shutdown" if self._stopping_since is not None else ("scale_in" if reaped.clean else "crash")
         self._event("terminated", w.instance, w.spec.operator, w.spec.pipeline, cause=cause,
-                    code=reaped.returncode, reason=str(reason), clean=reaped.clean)
+                    code=reaped.returncode, reason=str(reason), clean=reaped.clean, stats=w.stats)
         if reaped.crashed and self._stopping_since is None:
             self._maybe_restart(w, now)
 
@@ -666,7 +666,7 @@ class Agent:
         if c is None:
             return
         if self.connected:
-            doc = nodestate.build_node_state(self.node, self.cfg.agent.slots, [], self.sample_machine(), self.wall())
+            doc = nodestate.build_node_state(self.node, self.cfg.agent.slots, [], self.sample_machine(()), self.wall())
             self._publish(topics.agent_state(self.cluster, self.node), nodestate.encode_state(doc), retain=True)
             info = c.publish(topics.agent_status(self.cluster, self.node), b"offline", qos=1, retain=True)
             try:

@@ -137,25 +137,25 @@ def parse_latency(payload: bytes) -> Dict[str, float]:
     return out
 
 
-def sample_machine() -> MachineSample:
-    """Read cpu/memory/temperature now (I/O: psutil or agent.runtime.measure)."""
+def sample_machine(pids: Sequence[int] = ()) -> MachineSample:
+    """Read cpu/memory/temperature now (I/O: psutil or agent.runtime.measure); `pids`: workers."""
     try:
         from agent.runtime import measure  # issue 6; optional
     except ImportError:
         measure = None  # type: ignore[assignment]
     if measure is not None:
-        sample = _from_measure(measure)
+        sample = _from_measure(measure, pids)
         if sample is not None:
             return sample
     return _psutil_sample()
 
 
-def _from_measure(measure: Any) -> Optional[MachineSample]:
-    for name in ("sample_node", "sample", "node_sample", "measure_node"):
+def _from_measure(measure: Any, pids: Sequence[int]) -> Optional[MachineSample]:
+    for name in ("measure_node",):
         fn = getattr(measure, name, None)
         if callable(fn):
             try:
-                raw = fn()
+                raw = fn(list(pids))
             except Exception:  # a broken optional module must not stop the daemon
                 return None
             data = raw if isinstance(raw, dict) else getattr(raw, "__dict__", {})
@@ -166,7 +166,7 @@ def _from_measure(measure: Any) -> Optional[MachineSample]:
             if not isinstance(cpu, (int, float)) or not isinstance(mem, (int, float)):
                 return None
             temp = data.get("temperature", data.get("temp"))
-            extra = {k: v for k, v in data.items() if isinstance(v, (int, float, str)) and k not in ("cpu", "memory", "temperature")}
+            extra = {k: v for k, v in data.items() if k not in ("cpu", "memory", "temperature")}
             return MachineSample(float(cpu), float(mem), float(temp) if isinstance(temp, (int, float)) else None, extra)
     return None
 

@@ -193,9 +193,21 @@ class RpcClient:
             raise RpcError(f"publish to {topic} failed with rc={info.rc}")
         info.wait_for_publish(timeout=10)
 
-    def snapshot(self, topic_filter: str, settle: float = 0.5) -> Dict[str, bytes]:
-        """Retained messages under a filter: subscribe, collect until `settle` s of silence."""
-        self._client.subscribe(topic_filter, qos=1)
+    def snapshot(self, topic_filter: str, settle: float = 0.3, timeout: float = 5.0) -> Dict[str, bytes]:
+        """Retained messages under a filter: subscribe, wait for the SUBACK (the broker sends the
+        retained messages before it), then collect until `settle` s of silence."""
+        import paho.mqtt.client as mqtt
+
+        while True:  # forget messages of an earlier snapshot that arrived after it ended
+            try:
+                self._retained.get_nowait()
+            except queue.Empty:
+                break
+        acked = threading.Event()
+        self._client.on_subscribe = lambda *a, **k: acked.set()
+        rc, _mid = self._client.subscribe(topic_filter, qos=1)
+        if rc != 0 or not acked.wait(timeout):
+            raise RpcError(f"cannot subscribe to {topic_filter} (rc={rc})")
         out: Dict[str, bytes] = {}
         deadline = time.monotonic() + settle
         while time.monotonic() < deadline:
@@ -203,8 +215,9 @@ class RpcClient:
                 topic, payload = self._retained.get(timeout=max(0.01, deadline - time.monotonic()))
             except queue.Empty:
                 break
-            out[topic] = payload
-            deadline = time.monotonic() + settle
+            if mqtt.topic_matches_sub(topic_filter, topic):
+                out[topic] = payload
+                deadline = time.monotonic() + settle
         self._client.unsubscribe(topic_filter)
         return out
 
