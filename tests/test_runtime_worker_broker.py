@@ -187,27 +187,42 @@ def test_slow_sink_slows_producers_without_broker_drops(runner, mosquitto, tmp_p
 
 
 def test_live_scale_out_and_in_loses_and_duplicates_nothing(runner, mosquitto, tmp_path: Path) -> None:
-    """in_zone (capacity 150/s, emulated 5 ms per record) under a step load up then down."""
+    """A step load up then down; validate AND in_zone (neighbours) both scale at the same time:
+    no loss, no duplicate, nothing routed to a terminated instance, every exit clean."""
     n = 100000  # more than the profile generates; the profile ends with rate 0
-    toml = taxi_pipeline(
-        0.0, n,
-        source_params={"profile": "steps", "steps": [[0, 80.0], [2, 450.0], [11, 30.0], [22, 0.0]]},
-        in_zone_extra={"service_time_ms": 5.0, "batch_size": 20, "linger_ms": 10.0,
-                       "scaling": {"policy": "decentralized", "capacity": 150.0, "period": 1.0}},
+    toml = pipeline_toml(
+        "taxi",
+        [
+            {"name": "source", "kind": "source", "function": "agent.runtime.taxi:source", "batch_size": 20,
+             "linger_ms": 10.0, "params": {"seed": 3, "profile": "steps", "max_records": n, "max_lag_s": 5.0,
+                                           "steps": [[0, 80.0], [2, 450.0], [11, 30.0], [22, 0.0]]}},
+            {"name": "validate", "function": "agent.runtime.operators:validate", "batch_size": 20,
+             "linger_ms": 10.0, "service_time_ms": 3.0,
+             "scaling": {"policy": "decentralized", "capacity": 200.0, "period": 1.0}},
+            {"name": "in_zone", "function": "agent.runtime.operators:in_zone", "batch_size": 20,
+             "linger_ms": 10.0, "service_time_ms": 5.0,
+             "scaling": {"policy": "decentralized", "capacity": 150.0, "period": 1.0}},
+            {"name": "sink", "kind": "sink", "function": "agent.runtime.operators:counting_sink",
+             "batch_size": 20, "linger_ms": 10.0},
+        ],
+        scaling={"policy": "none"},
     )
     procs = start_pipeline(runner, mosquitto, tmp_path, toml, "scale")
     src = procs["source"]
     wait_for(lambda: len([w for w in runner.alive() if w.spec.operator == "in_zone"]) >= 3, 14,
              "in_zone to scale out to >= ceil(450*0.98/(0.7*150)) - 2 instances")
+    # while the load is high, records keep flowing (we never stop the pipeline to rescale)
     peak = len([w for w in runner.alive() if w.spec.operator == "in_zone"])
     wait_for(lambda: src.stats.get("generated", 0) > 0 and time.monotonic() > 0 and
              src.stats.get("load", 1) == 0 and src.stats.get("records_in") == src.stats.get("generated"), 30,
              "the source to go quiet")
-    wait_for(lambda: len(runner.exited) >= 1, 20, "in_zone to scale in")
+    wait_for(lambda: len(runner.exited) >= 2, 20, "validate and in_zone to scale in")
     generated = src.stats["generated"]
     want = len(expected_ids(3, "source-0", generated))
     wait_for(lambda: procs["sink"].stats.get("recorded") == want, 30, "the sink to record everything")
     stats = [w.stats for w in runner.workers.values()]
+    created = {op: [i for i in runner.spawned if i.startswith(op + "-")] for op in ("validate", "in_zone")}
+    assert created["validate"] and created["in_zone"], f"both neighbours must scale: {created}"
     assert sum(s.get("sends_to_non_successor", 0) for s in stats) == 0
     assert sum(s.get("protocol_errors", 0) for s in stats) == 0
     exits = [w.exit_info for w in runner.workers.values() if w.exit_info]
