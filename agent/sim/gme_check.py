@@ -41,10 +41,7 @@ __all__ = [
 def _algorithms() -> Dict[str, Callable[..., GmeNode]]:
     from agent.protocol.gme_fgme import FgmeNode
     from agent.protocol.gme_ra1 import Ra1Node
-    try:
-        from agent.protocol.gme_ra2 import Ra2Node
-    except ImportError:
-        Ra2Node = None  # type: ignore
+    from agent.protocol.gme_ra2 import Ra2Node
 
     return {"2fgme": FgmeNode, "ra1": Ra1Node, "ra2": Ra2Node}
 
