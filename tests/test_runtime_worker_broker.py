@@ -238,3 +238,20 @@ def test_worker_rejects_a_bad_spec() -> None:
                        capture_output=True, text=True, timeout=30)
     assert p.returncode == 2
     assert json.loads(p.stdout.splitlines()[-1])["event"] == "exit"
+
+
+def test_sigterm_drains_and_exits_cleanly(runner, mosquitto, tmp_path: Path) -> None:
+    import signal
+
+    toml = taxi_pipeline(100.0, 10)
+    spec = initial_specs(toml, BrokerSpec(mosquitto.host, mosquitto.port), str(tmp_path / "state"),
+                         cluster="sig", extra={"sink_dir": str(tmp_path / "sink")})[-1]
+    w = runner.start(spec)
+    t0 = time.monotonic()
+    w.proc.send_signal(signal.SIGTERM)
+    assert w.proc.wait(timeout=10) == 0
+    assert time.monotonic() - t0 < 5.0
+    wait_for(lambda: w.exit_info is not None, 5, "the exit line")
+    assert w.exit_info["code"] == 0
+    state = json.loads((tmp_path / "state" / "sink-0.state.json").read_text())
+    assert state["epoch"] == 0 and "scaling" in state  # what a restart needs is on disk

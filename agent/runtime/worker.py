@@ -865,6 +865,22 @@ def _stdin_reader(stream: TextIO, sink: "deque[Dict[str, Any]]") -> None:
     sink.append({"event": "eof"})
 
 
+def _install_signals(worker: Worker) -> None:
+    """SIGTERM/SIGINT: the first one drains like "stop"; a second one (the agent's escalation
+    after its stop timeout, or a second Ctrl-C) exits at the next loop turn without draining.
+    The handler only enqueues or sets a flag; the loop does the work (gunicorn's arbiter style)."""
+    import signal
+
+    def handler(signum: int, frame: Any) -> None:
+        if worker._stopping:
+            worker._exit = (EXIT_DRAIN_TIMEOUT, f"signal {signum} while draining", False)
+        else:
+            worker.control.append({"event": "stop"})
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     from agent.log import setup_logging
 
@@ -882,6 +898,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         log.exception("cannot build instance %s", spec.instance)
         sys.stdout.write(control_line("exit", code=EXIT_BAD_SPEC, reason=str(exc)[:300]))
         return EXIT_BAD_SPEC
+    _install_signals(worker)  # before "ready": the agent may signal us as soon as it reads it
     try:
         worker.start()
     except (TransportError, OSError) as exc:
