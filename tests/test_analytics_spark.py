@@ -244,5 +244,8 @@ def test_whole_job_from_spools_to_report(spark, tmp_path: Path) -> None:
     assert counts == {"duplication_request": 3, "lock_enter": 2}
     routes = spark.read.parquet(str(out / "top_routes")).where("rank = 1").orderBy("window_start").collect()
     assert [(r["start_cell"], r["end_cell"], r["trips"]) for r in routes][:2] == [("5.5", "6.6", 3), ("1.1", "2.2", 2)]
+    plans = (out / "plans.txt").read_text()
+    assert "== top_routes ==" in plans and "== elasticity_metrics ==" in plans
+    assert "EvalPython" not in plans and "PythonUDF" not in plans  # built-in expressions only
     (m,) = spark.read.parquet(str(out / "elasticity_metrics")).collect()
     assert m["operator"] == "in_zone" and m["reconfigurations"] >= 1 and m["samples"] == 20

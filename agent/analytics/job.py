@@ -13,7 +13,8 @@ only leaves its part of the report empty.
 
 Outputs in --out: Parquet tables top_routes/, profitable_areas/, elasticity_series/,
 elasticity_metrics/, event_counts/, accounting_summary/, accounting_missing/,
-accounting_duplicates/, trips_per_window/, and report.md with PNG plots. Only small aggregates
+accounting_duplicates/, trips_per_window/, report.md with PNG plots, and plans.txt (the physical
+plans: no Python UDF node in any of them). Only small aggregates
 (a few hundred rows) ever reach the driver, for the report.
 """
 
@@ -48,7 +49,7 @@ def build_session(master: Optional[str] = None, app: str = "fog-analytics") -> A
 
 def read_kind(spark: Any, landing: PathLike, kind: str, schema: Optional[str] = None) -> Optional[Any]:
     path = Path(landing) / f"kind={kind}"
-    if not path.is_dir() or not any(path.glob("date=*/node=*/*.jsonl.gz")):
+    if not path.is_dir() or not any(path.glob("date=*/node=*/*.gz")):
         return None
     reader = spark.read
     if schema:
@@ -95,13 +96,30 @@ def run_job(spark: Any, landing: PathLike, out: PathLike, period: float = 5.0) -
     if events is not None:
         keys = [c for c in ("event", "type", "kind") if c in events.columns]
         if keys:
-            tables["event_counts"] = events.groupBy(*keys).agg(F.count(F.lit(1)).alias("count"))
+            # One row per event, or one row per event type with a "count" (pre-aggregated).
+            n = F.coalesce(F.col("count").cast("long"), F.lit(1)) if "count" in events.columns else F.lit(1)
+            tables["event_counts"] = events.groupBy(*keys).agg(F.sum(n).alias("count"))
 
     for name, df in tables.items():
         df.write.mode("overwrite").parquet(str(out / name))
+    _write_plans(tables, out / "plans.txt")
     # The report reads the small Parquet tables back (bounded collect()s, see report.py).
     report = write_report(spark, out, Path(landing), elapsed=time.monotonic() - t0)
     return report
+
+
+def _write_plans(tables: Dict[str, Any], path: Path) -> None:
+    """The physical plans, so that a reader can check there is no Python UDF (BatchEvalPython /
+    ArrowEvalPython) and no driver-side step: the same plan runs on a cluster."""
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    for name, df in tables.items():
+        buf.write(f"== {name} ==\n")
+        with contextlib.redirect_stdout(buf):
+            df.explain()
+    path.write_text(buf.getvalue())
 
 
 def run(landing: PathLike, out: PathLike, master: Optional[str] = "local[*]", period: float = 5.0) -> Path:

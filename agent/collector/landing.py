@@ -62,8 +62,11 @@ class LandingZone:
         except CorruptFile:
             return False
 
-    def land(self, meta: Any, data: bytes) -> LandResult:
-        """Verify and store one file (meta: kind, date, node, file_id, size). Raises CorruptFile."""
+    def land(self, meta: Any, data: bytes, decode: bool = True) -> LandResult:
+        """Verify and store one file (meta: kind, date, node, file_id, size). Raises CorruptFile.
+
+        `decode=False` skips decoding every record (size and sha256 are still checked): for an
+        agent landing its own spool files on a shared path, where no network touched the bytes."""
         if len(data) != meta.size:
             raise CorruptFile(f"file {meta.name}: expected {meta.size} bytes, got {len(data)}")
         if file_id(data) != meta.file_id:
@@ -71,10 +74,12 @@ class LandingZone:
         target = self.path_for(meta.kind, meta.date, meta.node, meta.file_id)
         if target.exists():
             return LandResult("duplicate", target, 0)
-        try:
-            records = len(read_records(data))
-        except ValueError as exc:
-            raise CorruptFile(f"file {meta.name}: {exc}") from None
+        records = -1  # unknown (not decoded)
+        if decode:
+            try:
+                records = len(read_records(data))
+            except ValueError as exc:
+                raise CorruptFile(f"file {meta.name}: {exc}") from None
         with self._lock:
             if target.exists():
                 return LandResult("duplicate", target, 0)

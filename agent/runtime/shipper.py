@@ -273,7 +273,7 @@ class PathShipper:
         n = 0
         for f in self.spool.closed_files():
             data = f.path.read_bytes()
-            result = self.landing.land(meta_for(f, data), data)
+            result = self.landing.land(meta_for(f, data), data, decode=False)
             self.stats["landed" if result.status == "landed" else "duplicates"] += 1
             self.spool.release(f)
             n += 1

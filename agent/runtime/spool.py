@@ -196,7 +196,7 @@ class Spool:
         clock: Callable[[], float] = time.time,
         on_event: Optional[Callable[[SpoolEvent], None]] = None,
         compresslevel: int = 1,
-        sync_bytes: int = 64 * 1024,
+        sync_bytes: int = 1024 * 1024,
         background: bool = False,
     ) -> None:
         if max_bytes <= 0 or rotate_bytes <= 0 or rotate_seconds <= 0:
