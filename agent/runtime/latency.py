@@ -1,0 +1,374 @@
+"""Round-trip times to neighbour agents: through the broker and over a small TCP/UDP echo.
+
+Why: placement prefers low-latency nodes and the model policy needs ND_max (Gesscale), so every
+agent measures its RTT to its neighbours every period, keeps a smoothed row of the matrix and
+publishes it retained on `agent.topics.latency(cluster, node)`.
+
+API for the daemon (sans-IO core: the daemon owns the MQTT client and the clock):
+
+    core = LatencyCore(node, cluster, period=cfg.latency.period, smoothing=cfg.latency.smoothing)
+    for topic in core.subscriptions(): client.subscribe(topic, qos=0)
+    core.set_neighbours(["n2", "n3"])                  # from the retained agent states
+    every loop turn:
+        for topic, payload in core.poll(now): publish(topic, payload, qos=0)     # pings due
+        on a message: for topic, payload in core.on_message(topic, payload, now): publish(...)
+        when core.dirty: publish(*core.retained(now), retain=True)
+    direct echo (optional, config latency.echo_port): EchoServer(port).start() on every agent and
+        core.record(peer, tcp_rtt(host, port), via="echo") from a worker thread or the loop.
+
+The broker path measures me -> broker -> peer -> broker -> me: it includes both agents' links
+to the broker, which is what an MQTT message between them costs. A ping to oneself measures the
+RTT to the broker (published as the "broker" entry). Pings and pongs are QoS 0 (a lost ping is
+just a missing sample; a retransmitted one would measure the retransmission). A pong carries the
+sender's own send time back, so the RTT is computed on one clock; the nonce rejects stale and
+duplicated pongs. Smoothing: EWMA with weight `smoothing` for the newest sample.
+
+`MqttLatencyAgent` is a thin standalone driver (its own paho client, one owner thread) for tests,
+tools and nodes without a daemon.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import socket
+import socketserver
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+from agent import topics
+
+__all__ = [
+    "ping_topic",
+    "pong_topic",
+    "SmoothedRow",
+    "LatencyCore",
+    "EchoServer",
+    "tcp_rtt",
+    "udp_rtt",
+    "MqttLatencyAgent",
+    "BROKER",
+]
+
+BROKER = "broker"  # the pseudo-peer of a self-ping
+
+
+def ping_topic(cluster: str, node: str) -> str:
+    return topics.latency(cluster, node) + "/ping"
+
+
+def pong_topic(cluster: str, node: str) -> str:
+    return topics.latency(cluster, node) + "/pong"
+
+
+class SmoothedRow:
+    """EWMA of RTT samples per peer (one row of the matrix), plus sample counts and last values."""
+
+    def __init__(self, smoothing: float = 0.3) -> None:
+        if not 0 < smoothing <= 1:
+            raise ValueError(f"smoothing must be in (0, 1], found {smoothing}")
+        self.smoothing = smoothing
+        self.value: Dict[str, float] = {}
+        self.last: Dict[str, float] = {}
+        self.samples: Dict[str, int] = {}
+        self.via: Dict[str, str] = {}
+
+    def add(self, peer: str, rtt_ms: float, via: str = "broker") -> float:
+        if rtt_ms < 0:
+            raise ValueError(f"negative RTT {rtt_ms} to {peer}")
+        old = self.value.get(peer)
+        new = rtt_ms if old is None else self.smoothing * rtt_ms + (1 - self.smoothing) * old
+        self.value[peer] = new
+        self.last[peer] = rtt_ms
+        self.samples[peer] = self.samples.get(peer, 0) + 1
+        self.via[peer] = via
+        return new
+
+    def forget(self, peer: str) -> None:
+        for d in (self.value, self.last, self.samples, self.via):
+            d.pop(peer, None)
+
+
+@dataclass(frozen=True)
+class Probe:
+    origin: str
+    target: str
+    nonce: int
+    sent_at: float
+
+    def encode(self) -> bytes:
+        return json.dumps({"o": self.origin, "t": self.target, "n": self.nonce, "s": self.sent_at}).encode()
+
+    @classmethod
+    def decode(cls, payload: bytes) -> "Probe":
+        d = json.loads(payload.decode())
+        return cls(str(d["o"]), str(d["t"]), int(d["n"]), float(d["s"]))
+
+
+class LatencyCore:
+    """Sans-IO latency measurement of one agent (see module doc for the daemon's loop)."""
+
+    def __init__(self, node: str, cluster: str, period: float = 5.0, smoothing: float = 0.3,
+                 timeout: Optional[float] = None, emulated: Optional[Mapping[str, float]] = None) -> None:
+        self.node = node
+        self.cluster = cluster
+        self.period = period
+        self.timeout = timeout if timeout is not None else max(period, 2.0)
+        self.row = SmoothedRow(smoothing)
+        self.neighbours: Tuple[str, ...] = ()
+        self.emulated = dict(emulated or {})
+        self._next_round: Optional[float] = None
+        self._nonce = 0
+        self._outstanding: Dict[int, Probe] = {}
+        self.lost = 0
+        self.dirty = False
+
+    def subscriptions(self) -> List[str]:
+        return [ping_topic(self.cluster, self.node), pong_topic(self.cluster, self.node)]
+
+    def set_neighbours(self, peers: Iterable[str]) -> None:
+        new = tuple(sorted(set(peers) - {self.node}))
+        for gone in set(self.neighbours) - set(new):
+            self.row.forget(gone)
+            self.dirty = True
+        self.neighbours = new
+
+    def poll(self, now: float) -> List[Tuple[str, bytes]]:
+        """Pings due now (one round per period: the broker itself and every neighbour)."""
+        for nonce, p in list(self._outstanding.items()):
+            if now - p.sent_at > self.timeout:
+                del self._outstanding[nonce]
+                self.lost += 1
+        if self._next_round is not None and now < self._next_round:
+            return []
+        self._next_round = now + self.period
+        out = []
+        for target in (self.node,) + self.neighbours:
+            self._nonce += 1
+            p = Probe(self.node, target, self._nonce, now)
+            self._outstanding[p.nonce] = p
+            out.append((ping_topic(self.cluster, target), p.encode()))
+        return out
+
+    def next_due(self) -> Optional[float]:
+        return self._next_round
+
+    def on_message(self, topic: str, payload: bytes, now: float) -> List[Tuple[str, bytes]]:
+        """A ping to answer (returns the pong) or a pong of ours (records the RTT)."""
+        try:
+            probe = Probe.decode(payload)
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            return []  # not ours; never crash the daemon on a malformed message
+        if topic == ping_topic(self.cluster, self.node):
+            if probe.origin == self.node and probe.target == self.node:
+                return self._pong(probe, now)  # the self-ping: its echo is this very message
+            return [(pong_topic(self.cluster, probe.origin), payload)]
+        if topic == pong_topic(self.cluster, self.node):
+            return self._pong(probe, now)
+        return []
+
+    def _pong(self, probe: Probe, now: float) -> List[Tuple[str, bytes]]:
+        sent = self._outstanding.pop(probe.nonce, None)
+        if sent is None or sent != probe:
+            return []  # stale, duplicated or forged
+        peer = BROKER if probe.target == self.node else probe.target
+        self.record(peer, (now - sent.sent_at) * 1000.0, "broker")
+        return []
+
+    def record(self, peer: str, rtt_ms: float, via: str = "echo") -> None:
+        self.row.add(peer, rtt_ms, via)
+        self.dirty = True
+
+    def rtt(self, peer: str) -> Optional[float]:
+        return self.row.value.get(peer)
+
+    def retained(self, now: float) -> Tuple[str, bytes]:
+        """The retained document (read by fogctl and agent.runtime.nodestate: key "rtt_ms")."""
+        self.dirty = False
+        doc: Dict[str, Any] = {
+            "node": self.node,
+            "ts": now,
+            "rtt_ms": {p: round(v, 3) for p, v in sorted(self.row.value.items()) if p != BROKER},
+            "broker_rtt_ms": round(self.row.value[BROKER], 3) if BROKER in self.row.value else None,
+            "last_ms": {p: round(v, 3) for p, v in sorted(self.row.last.items())},
+            "samples": dict(sorted(self.row.samples.items())),
+            "via": dict(sorted(self.row.via.items())),
+            "lost": self.lost,
+            "period": self.period,
+        }
+        if self.emulated:
+            doc["emulated_ms"] = dict(sorted(self.emulated.items()))
+        return topics.latency(self.cluster, self.node), json.dumps(doc, sort_keys=True).encode()
+
+
+# ---- direct echo ------------------------------------------------------------------------------------
+
+
+class _TcpEcho(socketserver.BaseRequestHandler):
+    def handle(self) -> None:
+        sock = self.request
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        while True:
+            data = sock.recv(4096)
+            if not data:
+                return
+            sock.sendall(data)
+
+
+class _UdpEcho(socketserver.BaseRequestHandler):
+    def handle(self) -> None:
+        data, sock = self.request
+        sock.sendto(data, self.client_address)
+
+
+class _ThreadingTCP(socketserver.ThreadingMixIn, socketserver.TCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+class EchoServer:
+    """TCP and UDP echo on the same port number (0: pick a free TCP port, reuse it for UDP)."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.tcp = _ThreadingTCP((host, port), _TcpEcho)
+        self.port = self.tcp.server_address[1]
+        try:
+            self.udp: Optional[socketserver.UDPServer] = socketserver.ThreadingUDPServer((host, self.port), _UdpEcho)
+        except OSError:
+            self.udp = None  # the UDP port is taken: TCP echo only
+        self._threads: List[threading.Thread] = []
+
+    def start(self) -> "EchoServer":
+        for srv in (self.tcp, self.udp):
+            if srv is not None:
+                t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True)
+                t.start()
+                self._threads.append(t)
+        return self
+
+    def stop(self) -> None:
+        for srv in (self.tcp, self.udp):
+            if srv is not None:
+                srv.shutdown()
+                srv.server_close()
+
+
+def tcp_rtt(host: str, port: int, count: int = 3, timeout: float = 5.0,
+            clock: Callable[[], float] = time.perf_counter) -> List[float]:
+    """RTT samples in ms over one TCP connection (connection set-up is not measured)."""
+    out = []
+    with socket.create_connection((host, port), timeout=timeout) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for i in range(count):
+            msg = b"fog-echo %08d\n" % i
+            t0 = clock()
+            s.sendall(msg)
+            got = b""
+            while len(got) < len(msg):
+                chunk = s.recv(len(msg) - len(got))
+                if not chunk:
+                    raise ConnectionError(f"echo {host}:{port} closed the connection")
+                got += chunk
+            out.append((clock() - t0) * 1000.0)
+            if got != msg:
+                raise ConnectionError(f"echo {host}:{port} answered {got!r}, expected {msg!r}")
+    return out
+
+
+def udp_rtt(host: str, port: int, count: int = 3, timeout: float = 2.0,
+            clock: Callable[[], float] = time.perf_counter) -> List[float]:
+    """RTT samples in ms over UDP; a lost datagram is skipped (fewer samples)."""
+    out = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.settimeout(timeout)
+        for i in range(count):
+            msg = b"fog-echo %08d" % i
+            t0 = clock()
+            s.sendto(msg, (host, port))
+            try:
+                while True:
+                    data, _ = s.recvfrom(64)
+                    if data == msg:
+                        break
+            except socket.timeout:
+                continue
+            out.append((clock() - t0) * 1000.0)
+    return out
+
+
+# ---- standalone MQTT driver -------------------------------------------------------------------------
+
+
+class MqttLatencyAgent:
+    """Drives a LatencyCore with its own paho client. paho's network thread only enqueues; all
+    publishing happens in this object's own thread (paho is not thread-safe for publishing)."""
+
+    def __init__(self, core: LatencyCore, host: str, port: int, client_id: Optional[str] = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        import paho.mqtt.client as mqtt
+
+        self.core = core
+        self.clock = clock
+        self.inbox: "queue.Queue[Tuple[str, bytes, float]]" = queue.Queue()
+        self.connected = threading.Event()
+        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id or f"lat-{core.node}")
+        self.client.on_connect = self._on_connect
+        self.client.on_message = lambda c, u, m: self.inbox.put((m.topic, m.payload, self.clock()))
+        self.host, self.port = host, port
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def _on_connect(self, client: Any, userdata: Any, flags: Any, rc: Any, props: Any = None) -> None:
+        for t in self.core.subscriptions():
+            client.subscribe(t, qos=0)
+        self.connected.set()
+
+    def _publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
+        info = self.client.publish(topic, payload, qos=0 if not retain else 1, retain=retain)
+        if info.rc != 0:
+            raise RuntimeError(f"publish to {topic} failed with paho rc {info.rc}")
+
+    def start(self) -> "MqttLatencyAgent":
+        self.client.connect(self.host, self.port, keepalive=10)
+        self.client.loop_start()
+        if not self.connected.wait(10):
+            raise TimeoutError(f"no CONNACK from {self.host}:{self.port}")
+        time.sleep(0.05)  # let the SUBACKs arrive before anybody pings us
+        self._thread = threading.Thread(target=self._run, name=f"latency-{self.core.node}", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            now = self.clock()
+            for topic, payload in self.core.poll(now):
+                self._publish(topic, payload)
+            try:
+                topic, payload, at = self.inbox.get(timeout=0.01)
+            except queue.Empty:
+                continue
+            for t, p in self.core.on_message(topic, payload, at):
+                self._publish(t, p)
+            while True:
+                try:
+                    topic, payload, at = self.inbox.get_nowait()
+                except queue.Empty:
+                    break
+                for t, p in self.core.on_message(topic, payload, at):
+                    self._publish(t, p)
+            if self.core.dirty:
+                self._publish(*self.core.retained(time.time()), retain=True)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        self.client.loop_stop()
+        self.client.disconnect()
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs)

@@ -1,0 +1,164 @@
+"""Latency: the sans-IO core, the delay proxy, RTTs through the broker and the echo vs the matrix.
+
+Tolerance (stated): a measured RTT is the configured emulated RTT plus the real loopback/broker
+path and Python scheduling on a shared 2-core machine, so each median must lie within
+[configured - 2 ms, configured + max(25 ms, 10 %)]. The lower bound catches a proxy that does not
+delay; the upper bound catches one that delays twice or a measurement that adds the period.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import pytest
+
+from agent import topics
+from agent.policy.base import rank_nodes_for_scale_out
+from agent.runtime.delayproxy import DelayProxy, ProxyBank, pair_proxies
+from agent.runtime.latency import (
+    BROKER,
+    EchoServer,
+    LatencyCore,
+    MqttLatencyAgent,
+    SmoothedRow,
+    ping_topic,
+    pong_topic,
+    tcp_rtt,
+    udp_rtt,
+)
+
+
+def within(measured: float, configured: float) -> bool:
+    return configured - 2.0 <= measured <= configured + max(25.0, 0.10 * configured)
+
+
+# ---- sans-IO core -----------------------------------------------------------------------------------
+
+
+def test_core_ping_pong_on_a_fake_link():
+    a, b = LatencyCore("a", "c", period=5.0), LatencyCore("b", "c", period=5.0)
+    a.set_neighbours(["b", "a"])  # itself is ignored
+    pings = a.poll(100.0)
+    assert [t for t, _ in pings] == [ping_topic("c", "a"), ping_topic("c", "b")]
+    assert a.poll(101.0) == []  # one round per period
+    # b answers its ping with a pong to a
+    (to_b,) = [p for t, p in pings if t == ping_topic("c", "b")]
+    replies = b.on_message(ping_topic("c", "b"), to_b, 100.02)
+    assert replies == [(pong_topic("c", "a"), to_b)]
+    assert a.on_message(pong_topic("c", "a"), to_b, 100.05) == []
+    assert a.rtt("b") == pytest.approx(50.0)
+    assert a.on_message(pong_topic("c", "a"), to_b, 100.5) == [] and a.rtt("b") == pytest.approx(50.0)  # duplicate
+    (self_ping,) = [p for t, p in pings if t == ping_topic("c", "a")]
+    a.on_message(ping_topic("c", "a"), self_ping, 100.004)
+    assert a.rtt(BROKER) == pytest.approx(4.0)
+    topic, payload = a.retained(200.0)
+    doc = json.loads(payload)
+    assert topic == topics.latency("c", "a")
+    assert doc["rtt_ms"] == {"b": 50.0} and doc["broker_rtt_ms"] == 4.0
+    assert a.on_message(pong_topic("c", "a"), b"garbage", 1.0) == []
+
+
+def test_core_counts_lost_pings_and_forgets_departed_neighbours():
+    a = LatencyCore("a", "c", period=1.0, timeout=2.0)
+    a.set_neighbours(["b"])
+    a.poll(0.0)
+    a.poll(5.0)  # both first-round pings timed out
+    assert a.lost == 2
+    a.record("b", 10.0)
+    a.set_neighbours([])
+    assert a.rtt("b") is None and a.dirty
+
+
+def test_smoothing_is_an_ewma():
+    row = SmoothedRow(0.5)
+    row.add("x", 100.0)
+    row.add("x", 50.0)
+    assert row.value["x"] == pytest.approx(75.0) and row.samples["x"] == 2
+    with pytest.raises(ValueError):
+        row.add("x", -1.0)
+
+
+def test_fogctl_and_nodestate_read_the_retained_document():
+    from agent.fogctl.fleet import parse_latency as fogctl_parse
+    from agent.runtime.nodestate import parse_latency as node_parse
+
+    a = LatencyCore("a", "c", emulated={"b": 50.0})
+    a.record("b", 51.5)
+    _, payload = a.retained(1.0)
+    assert node_parse(payload) == {"b": 51.5}
+    assert fogctl_parse(payload) == ({"b": 51.5}, {"b": 50.0})
+
+
+# ---- real sockets -------------------------------------------------------------------------------------
+
+
+def test_echo_through_pairwise_proxies_follows_the_full_matrix():
+    matrix = {"n1": {"n2": 0.0, "n3": 50.0, "n4": 150.0}, "n2": {"n4": 300.0}}
+    echoes = {n: EchoServer().start() for n in ("n2", "n3", "n4")}
+    proxies = pair_proxies({n: ("127.0.0.1", e.port) for n, e in echoes.items()}, matrix)
+    try:
+        for (src, dst), proxy in proxies.items():
+            med = statistics.median(tcp_rtt("127.0.0.1", proxy.port, count=3))
+            assert within(med, matrix[src][dst]), (src, dst, med)
+        direct = udp_rtt("127.0.0.1", echoes["n2"].port, count=3)
+        assert direct and max(direct) < 25.0  # UDP echo without a proxy: loopback only
+    finally:
+        for p in proxies.values():
+            p.stop()
+        for e in echoes.values():
+            e.stop()
+
+
+def test_proxy_rtt_can_change_at_runtime():
+    echo = EchoServer().start()
+    try:
+        with DelayProxy(("127.0.0.1", echo.port), rtt_ms=40.0) as proxy:
+            assert within(statistics.median(tcp_rtt("127.0.0.1", proxy.port, count=3)), 40.0)
+            proxy.set_rtt(120.0)
+            assert within(statistics.median(tcp_rtt("127.0.0.1", proxy.port, count=3)), 120.0)
+    finally:
+        echo.stop()
+
+
+@pytest.mark.broker
+def test_rtt_through_the_broker_follows_the_emulated_matrix(mosquitto):
+    """Four agents, each behind its own proxy to the broker: RTT(x, y) = d_x + d_y."""
+    to_broker = {"a": 0.0, "b": 50.0, "c": 150.0, "d": 300.0}
+    cluster = f"lat{int(time.time() * 1000) % 100000}"
+    samples = {n: {} for n in to_broker}
+    with ProxyBank((mosquitto.host, mosquitto.port), to_broker) as bank:
+        agents = []
+        try:
+            for node in to_broker:
+                core = LatencyCore(node, cluster, period=0.7, smoothing=0.3, timeout=3.0)
+                core.set_neighbours(n for n in to_broker if n != node)
+                record = core.record
+
+                def spy(peer, rtt_ms, via="echo", node=node, record=record):
+                    samples[node].setdefault(peer, []).append(rtt_ms)
+                    record(peer, rtt_ms, via)
+
+                core.record = spy
+                agents.append(MqttLatencyAgent(core, "127.0.0.1", bank.port(node)).start())
+            deadline = time.monotonic() + 8.0
+            while time.monotonic() < deadline:
+                time.sleep(0.2)
+                if all(len(samples[x].get(y, ())) >= 5 for x in to_broker for y in list(to_broker) + [BROKER] if y != x):
+                    break
+        finally:
+            for ag in agents:
+                ag.stop()
+    medians = {x: {y: statistics.median(v) for y, v in row.items()} for x, row in samples.items()}
+    bad = []
+    for x in to_broker:
+        if not within(medians[x].get(BROKER, -1.0), to_broker[x]):
+            bad.append((x, BROKER, medians[x].get(BROKER)))
+        for y in to_broker:
+            if y != x and not within(medians[x].get(y, -1.0), to_broker[x] + to_broker[y]):
+                bad.append((x, y, medians[x].get(y), samples[x].get(y)))
+    assert not bad, bad
+    # the measured row drives placement: from a, the nearer of c and d is chosen
+    measured = {"a": {y: v for y, v in medians["a"].items() if y != BROKER}, "c": {"d": medians["c"]["d"]}}
+    assert rank_nodes_for_scale_out(measured, ["a"], ["d", "c"])[0] == "c"
