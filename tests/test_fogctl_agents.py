@@ -22,7 +22,9 @@ import pytest
 pytest.importorskip("agent.runtime.daemon")
 
 from agent.cli.fogctl import main  # noqa: E402
-from agent.runtime import rpc  # noqa: E402
+from agent import topics  # noqa: E402
+from agent.fogctl.client import Connection  # noqa: E402
+from agent.fogctl.config import FogctlConfig  # noqa: E402
 
 pytestmark = pytest.mark.broker
 
@@ -139,8 +141,9 @@ def test_real_fleet_status_topology_match_agents_own_view(capsys, mosquitto, fle
     topo = wait_for(active_topology, 30)
     assert topo, "keepers did not become active"
     # The agents' own answer: what their supervisors run.
-    with rpc.RpcClient(mosquitto.host, mosquitto.port, cluster) as client:
-        own = {a.node: set(client.call(a.node, {"op": "ping"}, timeout=5)["instances"]) for a in agents}
+    with Connection(FogctlConfig(broker=mosquitto.address, cluster=cluster)) as conn:
+        own = {a.node: set(conn.request(topics.agent_rpc(cluster, a.node), {"op": "ping"})["instances"])
+               for a in agents}
     status = fogctl(capsys, mosquitto, cluster, "--json", "status")
     assert {n["node"]: set(n["instances"]) for n in status["nodes"]} == own
     for n in status["nodes"]:

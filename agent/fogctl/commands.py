@@ -248,32 +248,20 @@ def cmd_drain(args: argparse.Namespace, ctx: Context) -> int:
 def cmd_deploy(args: argparse.Namespace, ctx: Context) -> int:
     """Same as `fog-agent deploy`: publish the TOML retained and start the keepers by placement."""
     from agent.config import load_pipeline_text
+    from agent.fogctl.deploy import deploy_pipeline
 
     path = Path(args.file)
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise FogctlError(f"cannot read {path}: {exc.strerror}") from None
-    cfg = load_pipeline_text(text, path.name)  # ConfigError names file and key
-    try:
-        from agent.runtime.deploy import DeployError, deploy
-    except ImportError as exc:
-        raise FogctlError(f"this install cannot deploy ({exc})") from None
-    if ctx.cfg.cafile or ctx.cfg.cert:
-        raise FogctlError("deploy over TLS is not supported yet: run `fog-agent deploy` on the broker host")
-    host, port = ctx.cfg.address
-    with ctx.connect(ctx.cfg):  # reachability first: exit 3 naming the address, like every command
-        pass
-    try:
-        placed = deploy(text, host, port, ctx.cfg.cluster, timeout=args.keeper_timeout,
-                        username=ctx.cfg.username, password=ctx.cfg.resolved_password(), name=path.name)
-    except DeployError as exc:
-        raise FogctlError(str(exc)) from None
+    load_pipeline_text(text, path.name)  # a bad file fails before any connection
+    with ctx.connect(ctx.cfg) as conn:
+        cfg, placed = deploy_pipeline(conn, text, path.name, timeout=args.keeper_timeout)
     name = cfg.pipeline.name
-    doc = {"ok": True, "pipeline": name, "topic": topics.pipeline(ctx.cfg.cluster, name),
-           "keepers": [{"operator": d.operator, "instance": d.instance, "node": d.node} for d in placed]}
+    doc = {"ok": True, "pipeline": name, "topic": topics.pipeline(ctx.cfg.cluster, name), "keepers": placed}
     text_out = f"deployed {name} ({' -> '.join(op.name for op in cfg.operators)}): " + \
-        ", ".join(f"{d.instance}@{d.node}" for d in placed)
+        ", ".join(f"{k['instance']}@{k['node']}" for k in placed)
     ctx.emit(args, doc, text_out)
     return 0
 
