@@ -199,10 +199,21 @@ def parse_state(node: str, payload: bytes) -> Node:
         temperature=_num(d, "temperature", "temp", "temperature_c"),
         slots=slots,
         free_slots=free,
-        capacity=_num(d, "capacity", "node_capacity"),
+        capacity=_node_capacity(d, instances),
         instances=tuple(sorted(instances, key=lambda i: (i.operator, i.id))),
         ts=_num(d, "ts", "time", "timestamp"),
     )
+
+
+def _node_capacity(d: Mapping[str, Any], instances: Sequence[Instance]) -> Optional[float]:
+    """The node's published capacity, else its measurement's, else what its instances sustain."""
+    cap = _num(d, "capacity", "node_capacity")
+    if cap is None and isinstance(d.get("measure"), dict):
+        cap = _num(d["measure"], "capacity", "capacity_rps")
+    if cap is None:
+        caps = [i.capacity for i in instances if i.capacity is not None]
+        cap = sum(caps) if caps else None
+    return cap
 
 
 def _instance(node: str, item: Any, state: Mapping[str, Any]) -> Optional[Instance]:
