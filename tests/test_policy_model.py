@@ -127,3 +127,28 @@ def test_policy_uses_the_calibrated_capacity_before_any_online_point():
     # capacity 100, 4 instances at 20/s each = 80/s: one instance (100, DT 20%) is enough
     out = pol.decide(_m(0.0, 4, 20.0, rank=0))
     assert out.kind is ActionKind.SCALE_IN and out.target == 1
+
+
+def test_extensions_sized_and_early_scale_up_and_demand_window():
+    # sized: 4 instances saturated at 400/s (alpha 100); margin 20% -> need 500/s -> 5 instances
+    pols = [ModelPolicy(threshold_dt=20.0, sized_scale_up=True) for _ in range(4)]
+    for p in pols:
+        p.record(MstPoint(1, 0.0, 100.0))
+    acts = [p.decide(_m(0.0, 4, 100.0, upstream_backpressure=0.9, rank=r)) for r, p in enumerate(pols)]
+    assert sum(a.count for a in acts if a.scales) == 1 and acts[-1].target == 5
+    pols = [ModelPolicy(threshold_dt=40.0, sized_scale_up=True) for _ in range(4)]
+    acts = [p.decide(_m(0.0, 4, 100.0, capacity=100.0, upstream_backpressure=0.9, rank=r)) for r, p in enumerate(pols)]
+    assert sum(a.count for a in acts if a.scales) == 3  # 400 / 0.6 = 667/s -> 7 instances
+    # early: 92% of the predicted MST without back pressure
+    early = ModelPolicy(early_up=0.9)
+    early.record(MstPoint(1, 0.0, 100.0))
+    assert early.decide(_m(0.0, 2, 92.0, rank=1)).kind is ActionKind.SCALE_OUT
+    assert not ModelPolicy().decide(_m(0.0, 2, 92.0, capacity=100.0, rank=1)).scales  # published: waits for BP
+    # demand window: a peak 2 periods ago blocks the scale-down
+    win = ModelPolicy(threshold_dt=15.0, cooldown=0.0, demand_window=3)
+    win.record(MstPoint(1, 0.0, 100.0))
+    assert not win.decide(_m(0.0, 4, 80.0, rank=0)).scales  # 320/s needs 4
+    assert not win.decide(_m(60.0, 4, 20.0, rank=0)).scales  # 80/s now, but the window remembers 320
+    fresh = ModelPolicy(threshold_dt=15.0, cooldown=0.0)
+    fresh.record(MstPoint(1, 0.0, 100.0))
+    assert fresh.decide(_m(60.0, 4, 20.0, rank=0)).kind is ActionKind.SCALE_IN

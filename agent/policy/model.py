@@ -26,6 +26,10 @@ Decisions:
   without reducing the MST below the current system throughput") says >=, which we follow.
   ND_max is kept at its current value for the smaller configurations: removing the farthest
   instance can only lower it, so the prediction errs on the safe side.
+- extensions, all off by default (Gesscale as published): `sized_scale_up` adds enough instances
+  to restore the scale-down margin (MST(n') >= CT / (1 - DT)) instead of one; `early_up` = u scales
+  up when CT >= u * MST_predicted(n) before back pressure appears; `demand_window` = k scales down
+  against the highest demand of the last k periods (less flapping, slower release).
 - after an action, no decision for `cooldown` seconds (a reconfiguration must settle before its
   effect is measured; Gesscale monitors every minute).
 """
@@ -174,7 +178,7 @@ class ModelPolicy:
 
     def __init__(self, threshold_dt: float = 15.0, cooldown: float = 120.0, min_instances: int = 1,
                  max_instances: int = 64, max_points: int = 16, sized_scale_up: bool = False,
-                 demand_window: int = 1) -> None:
+                 demand_window: int = 1, early_up: Optional[float] = None) -> None:
         if not 0 <= threshold_dt < 100:
             raise ValueError(f"threshold_dt is a percentage in [0, 100), found {threshold_dt}")
         if not 1 <= min_instances <= max_instances:
@@ -186,6 +190,7 @@ class ModelPolicy:
         self.max_points = max_points
         self.sized_scale_up = sized_scale_up
         self.demand_window = max(1, demand_window)
+        self.early_up = early_up
         self._recent: List[float] = []
         self.points: List[MstPoint] = []
         self.last_action_at: Optional[float] = None
@@ -215,8 +220,13 @@ class ModelPolicy:
         ir = m.load * n
         self._recent.append(max(ct, ir))
         del self._recent[:-self.demand_window]
-        if is_overload_root(m.backpressure, m.upstream_backpressure):
-            if ct > 0:
+        root = is_overload_root(m.backpressure, m.upstream_backpressure)
+        early = False
+        if not root and self.early_up is not None and m.backpressure <= HIGH_BACKPRESSURE:
+            mod = self.model(m.capacity)
+            early = mod is not None and ct >= self.early_up * mod.predict(n, m.nd_max_ms)
+        if root or early:
+            if root and ct > 0:
                 self.record(MstPoint(n, m.nd_max_ms, ct))
             if n + 1 > self.max_instances:
                 return NO_ACTION

@@ -89,6 +89,14 @@ def _model(cfg: SimConfig, n_max: int) -> Policy:
     return ModelPolicy(cooldown=cfg.cooldown, max_instances=n_max)
 
 
+def _model_plus(cfg: SimConfig, n_max: int) -> Policy:
+    """Gesscale plus our extensions: early (predicted-MST) and sized scale-up, 20% margin."""
+    from agent.policy.model import ModelPolicy
+
+    return ModelPolicy(threshold_dt=20.0, cooldown=cfg.cooldown, max_instances=n_max, sized_scale_up=True,
+                       early_up=0.9)
+
+
 def _decentralized(cfg: SimConfig, n_max: int) -> Policy:
     from agent.policy.base import DecentralizedPolicy
 
@@ -101,6 +109,7 @@ POLICIES: Dict[str, Tuple[Callable[[SimConfig, int], Policy], bool]] = {
     "threshold-nl-unaware": (_threshold, False),
     "threshold": (_threshold, True),
     "model": (_model, True),
+    "model+": (_model_plus, True),
 }
 
 
@@ -257,9 +266,9 @@ def simulate(policy: str, trace: Sequence[float], matrix: Mapping[str, Mapping[s
 
 def compare(seeds: Sequence[int], policies: Sequence[str] = tuple(POLICIES), days: float = 2.0,
             cfg: SimConfig = SimConfig()) -> Dict[str, List[RunResult]]:
-    from agent.sim.policies_trace import taxi_trace, testbed_matrix
+    from agent.sim.policies_trace import taxi_trace, fog_testbed_matrix
 
-    matrix = testbed_matrix()
+    matrix = fog_testbed_matrix()
     out: Dict[str, List[RunResult]] = {p: [] for p in policies}
     for seed in seeds:
         trace = taxi_trace(seed, days=days)

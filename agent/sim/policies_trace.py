@@ -24,7 +24,7 @@ import math
 import random
 from typing import Dict, List
 
-__all__ = ["DIURNAL", "taxi_trace", "testbed_matrix", "NODES"]
+__all__ = ["DIURNAL", "taxi_trace", "fog_testbed_matrix", "NODES"]
 
 # relative pickups per hour of day (weekday, NYC yellow cabs), 0h..23h
 DIURNAL = (0.62, 0.45, 0.33, 0.24, 0.18, 0.17, 0.33, 0.55, 0.68, 0.70, 0.66, 0.68,
@@ -76,7 +76,7 @@ _POS = ((0.0, 0.0), (0.1, 0.05), (0.15, -0.1), (0.35, 0.2), (-0.3, 0.25), (0.5, 
         (-0.55, -0.3), (0.7, 0.5), (-0.8, 0.4), (0.9, -0.7))
 
 
-def testbed_matrix(max_ms: float = 300.0) -> Dict[str, Dict[str, float]]:
+def fog_testbed_matrix(max_ms: float = 300.0) -> Dict[str, Dict[str, float]]:
     """Symmetric RTT matrix (ms) over NODES, distances scaled so the largest RTT is `max_ms`."""
     dist = {(a, b): math.dist(_POS[i], _POS[j]) for i, a in enumerate(NODES) for j, b in enumerate(NODES)}
     far = max(dist.values())
