@@ -39,12 +39,15 @@ def build_session(master: Optional[str] = None, app: str = "fog-analytics") -> A
     from pyspark.sql import SparkSession
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    b = SparkSession.builder.appName(app).config("spark.sql.session.timeZone", "UTC")
+    b = (SparkSession.builder.appName(app).config("spark.sql.session.timeZone", "UTC")
+         .config("spark.ui.showConsoleProgress", "false"))
     if master:
         b = b.master(master)
         if master.startswith("local"):
             b = b.config("spark.ui.enabled", "false").config("spark.sql.shuffle.partitions", "8")
-    return b.getOrCreate()
+    spark = b.getOrCreate()
+    spark.sparkContext.setLogLevel("WARN")
+    return spark
 
 
 def read_kind(spark: Any, landing: PathLike, kind: str, schema: Optional[str] = None) -> Optional[Any]:
