@@ -194,3 +194,35 @@ def test_grafana_dashboard_queries_only_existing_metrics() -> None:
     assert used <= set(metrics.METRICS), used - set(metrics.METRICS)
     # Every metric family is on the dashboard except the spool file count.
     assert set(metrics.METRICS) - used <= {"fog_spool_files"}
+
+
+def test_stats_bridge_counters_equal_the_workers_reported_totals() -> None:
+    reg = CollectorRegistry()
+    m = metrics.Metrics(reg)
+    bridge = metrics.StatsBridge(m)
+    # Heartbeats of one worker (cumulative), then a restart of the same instance from 0.
+    beats = [
+        {"records_in": 100, "records_out": 90, "malformed": 1, "operator_errors": 0, "queued": 5, "outbox": 2,
+         "load": 300.0, "scale_outs": 0},
+        {"records_in": 250, "records_out": 230, "malformed": 3, "operator_errors": 2, "queued": 7, "outbox": 0,
+         "load": 450.0, "scale_outs": 1},
+        {"records_in": 40, "records_out": 40, "malformed": 0, "operator_errors": 0, "queued": 1, "outbox": 0,
+         "load": 100.0, "scale_outs": 0},  # restarted
+        {"records_in": 60, "records_out": 59, "malformed": 1, "operator_errors": 0, "queued": 0, "outbox": 0,
+         "load": 200.0, "scale_outs": 1, "reconnects": 2},
+    ]
+    for b in beats:
+        bridge.observe("taxi", "in_zone", "in_zone-1", b, capacity=400.0)
+    server = metrics.serve(0, registry=reg, ephemeral=True)
+    try:
+        s = scrape(server.url)
+    finally:
+        server.close()
+    lab = dict(pipeline="taxi", operator="in_zone", instance="in_zone-1")
+    assert val(s, "fog_records_in_total", **lab) == 250 + 60  # both incarnations
+    assert val(s, "fog_records_out_total", **lab) == 230 + 59
+    assert val(s, "fog_records_invalid_total", **lab) == (3 + 2) + 1
+    assert val(s, "fog_scaling_decisions_total", pipeline="taxi", operator="in_zone", action="duplicate") == 2
+    assert val(s, "fog_mqtt_reconnects_total", client="in_zone-1") == 2
+    assert val(s, "fog_queue_length", queue="inbox", **lab) == 0
+    assert val(s, "fog_load_ratio", **lab) == 0.5

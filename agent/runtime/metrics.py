@@ -22,6 +22,9 @@ How to use:
         m.protocol_message("duplication", "out"); m.lock_message("req", "in")
         m.decision(pipeline, operator, "duplicate")
 
+    or, without touching the worker, from its heartbeat stats in the agent:
+        bridge = metrics.StatsBridge(m); bridge.observe(pipeline, operator, instance, stats)
+
 Names (all prefixed `fog_`, documented in docs/fogctl.md): see `METRICS` below.
 """
 
@@ -35,8 +38,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 __all__ = [
-    "METRICS", "Metrics", "InstanceMetrics", "MetricsServer", "enable_multiprocess", "process_exited",
-    "serve", "render", "ENV",
+    "METRICS", "Metrics", "InstanceMetrics", "MetricsServer", "StatsBridge", "enable_multiprocess",
+    "process_exited", "serve", "render", "ENV",
 ]
 
 ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -172,6 +175,69 @@ class Metrics:
     def set_spool(self, nbytes: int, nfiles: int) -> None:
         self.spool_bytes.set(nbytes)
         self.spool_files.set(nfiles)
+
+
+# Worker heartbeat stats (agent.runtime.worker.snapshot_stats) -> metric, for StatsBridge.
+STATS_COUNTERS: Dict[str, Tuple[str, ...]] = {
+    "fog_records_in_total": ("records_in",),
+    "fog_records_out_total": ("records_out",),
+    "fog_records_invalid_total": ("malformed", "operator_errors", "invalid"),
+}
+STATS_DECISIONS: Dict[str, str] = {"scale_outs": "duplicate", "scale_ins": "terminate"}
+
+
+class StatsBridge:
+    """Export workers' cumulative heartbeat stats from the agent process (an alternative wiring).
+
+    Why: the agent already receives every worker's counters on its control pipe once per
+    heartbeat; turning them into Prometheus counters there needs no change in the worker's data
+    path. Counters grow by the difference to the previous heartbeat; a worker restarted with the
+    same id starts again from 0, which is read as a reset (the new value is added), so the
+    exported counter equals the sum of everything every incarnation reported.
+    """
+
+    def __init__(self, m: Metrics) -> None:
+        self.m = m
+        self._last: Dict[Tuple[str, str], float] = {}
+
+    def observe(self, pipeline: str, operator: str, instance: str, stats: Dict[str, Any],
+                capacity: Optional[float] = None) -> None:
+        im = self.m.instance(pipeline, operator, instance)
+        children = {"fog_records_in_total": im.records_in, "fog_records_out_total": im.records_out,
+                    "fog_records_invalid_total": im.records_invalid}
+        for name, keys in STATS_COUNTERS.items():
+            self._advance(children[name], (instance, name), sum(_count(stats.get(k)) for k in keys))
+        for key, action in STATS_DECISIONS.items():
+            if key in stats:
+                child = self.m["fog_scaling_decisions_total"].labels(pipeline, operator, action)
+                self._advance(child, (instance, key), _count(stats.get(key)))
+        if "reconnects" in stats:
+            self._advance(self.m["fog_mqtt_reconnects_total"].labels(instance), (instance, "reconnects"),
+                          _count(stats.get("reconnects")))
+        if "queued" in stats:
+            im.queue.set(_count(stats.get("queued")))
+        if "outbox" in stats:
+            im.outbox.set(_count(stats.get("outbox")))
+        cap = capacity if capacity is not None else stats.get("capacity")
+        load = stats.get("load")
+        if isinstance(load, (int, float)) and isinstance(cap, (int, float)) and cap > 0:
+            im.load_ratio.set(float(load) / float(cap))
+
+    def _advance(self, child: Any, key: Tuple[str, str], total: float) -> None:
+        last = self._last.get(key, 0.0)
+        delta = total - last if total >= last else total  # smaller: the worker restarted
+        if delta > 0:
+            child.inc(delta)
+        self._last[key] = total
+
+    def forget(self, instance: str) -> None:
+        """The instance left for good (not a restart): drop its remembered totals."""
+        for key in [k for k in self._last if k[0] == instance]:
+            del self._last[key]
+
+
+def _count(v: Any) -> float:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 else 0.0
 
 
 def _collecting_registry(registry: Any = None) -> Any:
