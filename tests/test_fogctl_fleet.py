@@ -298,3 +298,34 @@ def test_watch_survives_a_broker_restart(tmp_path) -> None:
             watch.kill()
             watch.wait()
         stop_broker(broker)
+
+
+def test_watch_and_why_explain_decisions_carried_in_agent_state(capsys, mosquitto) -> None:
+    """Workers keep recent decisions in their stats, which the agent republishes in its state:
+    watch shows only the new one, live, with load/capacity/ratio; why shows the history."""
+    cluster = "s" + uuid.uuid4().hex[:8]
+    a = FakeAgent(mosquitto.host, mosquitto.port, cluster, "n1").start()
+    topic = f"fog/{cluster}/agents/n1/state"
+
+    def state(decisions):
+        inst = {"id": "in_zone-1", "operator": "in_zone", "keeper": True, "status": "active", "load": 1.0,
+                "capacity": 400.0, "stats": {"capacity": 400.0, "decisions": decisions}}
+        return json.dumps({"node": "n1", "time": time.time(), "slots": 4, "free_slots": 3, "instances": [inst]})
+
+    old = {"at": 1000.0, "kind": "scale_in", "load": 100.0, "new": []}
+    new = {"at": 2000.0, "kind": "scale_out", "load": 600.0, "new": ["in_zone-9"]}
+    try:
+        a.client.publish(topic, state([old]), qos=1, retain=True).wait_for_publish(5)
+        import threading
+
+        threading.Timer(0.7, lambda: a.client.publish(topic, state([old, new]), qos=1, retain=True)).start()
+        code, out, err = run(capsys, mosquitto, cluster, "watch", "--count", "1", "--duration", "10")
+        assert code == 0, err
+        (line,) = out.strip().splitlines()
+        assert "n1 in_zone-1 scale_out load=600.0 cap=400.0 ratio=1.50 -> duplicate new=in_zone-9" in line
+        code, out, err = run(capsys, mosquitto, cluster, "--json", "why", "in_zone-1")
+        assert code == 0, err
+        got = json.loads(out)["decisions"]
+        assert [(d["type"], d["reason"]["load"]) for d in got] == [("scale_in", 100.0), ("scale_out", 600.0)]
+    finally:
+        a.stop()

@@ -112,27 +112,54 @@ def matches(event: ev_mod.Event, filters: Dict[str, List[str]]) -> bool:
 
 
 def cmd_watch(args: argparse.Namespace, ctx: Context) -> int:
+    """Events from `fog/<cluster>/events`, plus decisions that appear in the agents' states.
+
+    A state-derived decision of an instance is shown only until that instance publishes a real
+    decision event during this watch (then its events are the source), so nothing is shown twice
+    once workers publish events. Decisions already in the retained states when the watch starts
+    are history, not shown (`fogctl why` shows them).
+    """
+    from agent.fogctl.fleet import state_decisions
+
     filters = parse_filters(args.filter or [])
     if args.instance:
         filters.setdefault("instance", []).append(args.instance)
     seen = 0
+    known: set = set()  # (instance, ts) of state-derived decisions already shown or history
+    with_events: set = set()  # instances that publish their own decision events
+    cluster = ctx.cfg.cluster
     with ctx.connect(ctx.cfg) as conn:
-        live = conn.stream([topics.events(ctx.cfg.cluster)], duration=args.duration)
-        ctx.err.write(f"watching {topics.events(ctx.cfg.cluster)} (Ctrl-C to stop)\n")
+        live = conn.stream([topics.events(cluster), topics.all_agents_state(cluster)], duration=args.duration,
+                           include_retained=True)
+        ctx.err.write(f"watching {topics.events(cluster)} (Ctrl-C to stop)\n")
         ctx.err.flush()
         for m in live:
-            try:
-                event = ev_mod.parse(m.payload)
-            except ev_mod.EventError as exc:
-                ctx.err.write(f"fogctl: skipped a malformed event on {m.topic}: {exc}\n")
-                continue
-            if not matches(event, filters):
-                continue
-            ctx.out.write((event.to_json() if args.json else views.event_line(event)) + "\n")
-            ctx.out.flush()
-            seen += 1
-            if args.count and seen >= args.count:
-                break
+            batch: List[ev_mod.Event] = []
+            if m.topic.endswith("/state"):
+                for e in state_decisions(cluster, m.topic, m.payload):
+                    key = (e.instance, e.ts)
+                    if key in known:
+                        continue
+                    known.add(key)
+                    if not m.retain and e.instance not in with_events:
+                        batch.append(e)
+            elif not m.retain:
+                try:
+                    event = ev_mod.parse(m.payload)
+                except ev_mod.EventError as exc:
+                    ctx.err.write(f"fogctl: skipped a malformed event on {m.topic}: {exc}\n")
+                    continue
+                if event.reason is not None and event.instance:
+                    with_events.add(event.instance)
+                batch.append(event)
+            for event in batch:
+                if not matches(event, filters):
+                    continue
+                ctx.out.write((event.to_json() if args.json else views.event_line(event)) + "\n")
+                ctx.out.flush()
+                seen += 1
+                if args.count and seen >= args.count:
+                    return 0
     return 0
 
 
@@ -146,6 +173,12 @@ def cmd_why(args: argparse.Namespace, ctx: Context) -> int:
                 history = ev_mod.parse_history(snap[topic].payload)
             except ev_mod.EventError as exc:
                 raise FogctlError(f"the decision history on {topic} is malformed: {exc}") from None
+        if not history:  # no retained history: the decisions the agents' states carry
+            from agent.fogctl.fleet import state_decisions
+
+            states = conn.snapshot([topics.all_agents_state(ctx.cfg.cluster)])
+            history = sorted((e for t, m in states.items() for e in state_decisions(ctx.cfg.cluster, t, m.payload)
+                              if e.instance == args.instance), key=lambda e: e.ts)
         if args.wait:
             for m in conn.stream([topics.events(ctx.cfg.cluster)], duration=args.wait):
                 try:

@@ -349,3 +349,54 @@ def iter_instances(fleet: Fleet, pipeline: Optional[str] = None) -> Iterable[Ins
     for i in fleet.instances:
         if pipeline is None or i.pipeline in (None, pipeline):
             yield i
+
+
+def state_decisions(cluster: str, topic: str, payload: bytes) -> List[Any]:
+    """Scaling decisions an agent's retained state carries (worker stats `decisions`), as events.
+
+    Why: workers keep their recent decisions (time, kind, load, new instances) in the heartbeat
+    stats that the agent republishes in its state, so `watch` and `why` can explain a scale-out
+    even before workers publish decision events on `fog/<cluster>/events`. These events carry
+    load, capacity and ratio but no probability or draw (the state does not record them), and
+    `detail.source = "state"`.
+    """
+    from agent.events import Event, EventType, Reason
+
+    prefix = f"fog/{cluster}/agents/"
+    if not topic.startswith(prefix) or not topic.endswith("/state") or not payload:
+        return []
+    node_name = topic[len(prefix):-len("/state")]
+    try:
+        d = json.loads(payload.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return []
+    if not isinstance(d, dict):
+        return []
+    node = parse_state(node_name, payload)
+    stats_by_id: Dict[str, Any] = {}
+    raw = d.get("instances") or []
+    if isinstance(raw, list):
+        for item in raw:
+            if isinstance(item, dict) and isinstance(item.get("stats"), dict):
+                stats_by_id[str(item.get("id") or item.get("instance"))] = item["stats"]
+    out = []
+    for inst in node.instances:
+        stats = stats_by_id.get(inst.id, {})
+        for dec in stats.get("decisions") or []:
+            if not isinstance(dec, dict) or not _isnum(dec.get("at")) or not _isnum(dec.get("load")):
+                continue
+            kind = dec.get("kind")
+            etype = {"scale_out": EventType.SCALE_OUT, "scale_in": EventType.SCALE_IN}.get(kind, EventType.DECISION)
+            cap = _num(dec, "capacity") or _num(stats, "capacity") or inst.capacity or 0.0
+            load = float(dec["load"])
+            new = [str(x) for x in dec.get("new") or []]
+            action = {"scale_out": "duplicate", "scale_in": "terminate"}.get(str(kind), "none")
+            reason = Reason(load=load, capacity=cap, ratio=load / cap if cap else 0.0,
+                            probability=_num(dec, "probability", "p"), draw=_num(dec, "draw"),
+                            action=action, count=len(new) if new else (1 if action == "terminate" else 0))
+            detail: Dict[str, Any] = {"source": "state"}
+            if new:
+                detail["new"] = new
+            out.append(Event(ts=float(dec["at"]), node=node.node, type=etype, instance=inst.id,
+                             operator=inst.operator, pipeline=inst.pipeline, reason=reason, detail=detail))
+    return sorted(out, key=lambda e: e.ts)
