@@ -152,3 +152,19 @@ def test_extensions_sized_and_early_scale_up_and_demand_window():
     fresh = ModelPolicy(threshold_dt=15.0, cooldown=0.0)
     fresh.record(MstPoint(1, 0.0, 100.0))
     assert fresh.decide(_m(60.0, 4, 20.0, rank=0)).kind is ActionKind.SCALE_IN
+
+
+def test_min_scale_down_batches_removals():
+    pol = ModelPolicy(threshold_dt=15.0, cooldown=0.0, min_scale_down=2)
+    pol.record(MstPoint(1, 0.0, 100.0))
+    # 4 instances at 70/s each = 280/s: 3 instances suffice (300, DT 6.7% < 15 -> no); keep 4
+    assert not pol.decide(_m(0.0, 4, 70.0, rank=0)).scales
+    # 4 at 55/s = 220/s: 3 give DT 26.7% -> one removable only: wait
+    assert not pol.decide(_m(60.0, 4, 55.0, rank=0)).scales
+    # 4 at 40/s = 160/s: 2 give DT 20% -> two removable: go
+    out = pol.decide(_m(120.0, 4, 40.0, rank=0))
+    assert out.kind is ActionKind.SCALE_IN and out.target == 2
+    # never blocked by the batch size when only the minimum is left to remove
+    last = ModelPolicy(threshold_dt=15.0, cooldown=0.0, min_scale_down=3)
+    last.record(MstPoint(1, 0.0, 100.0))
+    assert last.decide(_m(0.0, 2, 10.0, rank=0)).target == 1

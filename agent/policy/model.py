@@ -29,7 +29,9 @@ Decisions:
 - extensions, all off by default (Gesscale as published): `sized_scale_up` adds enough instances
   to restore the scale-down margin (MST(n') >= CT / (1 - DT)) instead of one; `early_up` = u scales
   up when CT >= u * MST_predicted(n) before back pressure appears; `demand_window` = k scales down
-  against the highest demand of the last k periods (less flapping, slower release).
+  against the highest demand of the last k periods (less flapping, slower release);
+  `min_scale_down` = k removes only when at least k instances can go at once (fewer, larger
+  reconfigurations during a slow decline, at the price of some over-provisioning).
 - after an action, no decision for `cooldown` seconds (a reconfiguration must settle before its
   effect is measured; Gesscale monitors every minute).
 """
@@ -178,7 +180,7 @@ class ModelPolicy:
 
     def __init__(self, threshold_dt: float = 15.0, cooldown: float = 120.0, min_instances: int = 1,
                  max_instances: int = 64, max_points: int = 16, sized_scale_up: bool = False,
-                 demand_window: int = 1, early_up: Optional[float] = None) -> None:
+                 demand_window: int = 1, early_up: Optional[float] = None, min_scale_down: int = 1) -> None:
         if not 0 <= threshold_dt < 100:
             raise ValueError(f"threshold_dt is a percentage in [0, 100), found {threshold_dt}")
         if not 1 <= min_instances <= max_instances:
@@ -191,6 +193,7 @@ class ModelPolicy:
         self.sized_scale_up = sized_scale_up
         self.demand_window = max(1, demand_window)
         self.early_up = early_up
+        self.min_scale_down = max(1, min_scale_down)
         self._recent: List[float] = []
         self.points: List[MstPoint] = []
         self.last_action_at: Optional[float] = None
@@ -246,8 +249,8 @@ class ModelPolicy:
             return NO_ACTION
         peak = max(self._recent)
         target = scale_down_target(model, n, peak, peak, m.nd_max_ms, self.threshold_dt, self.min_instances)
-        if target >= n:
-            return NO_ACTION
+        if n - target < min(self.min_scale_down, n - self.min_instances):
+            return NO_ACTION  # batch removals: wait until several instances can go at once
         self.last_action_at = m.now
         return share_of_delta(target - n, m, target,
                               f"MST({target})={model.predict(target, m.nd_max_ms):.0f} >= {max(ct, ir):.0f}")

@@ -90,11 +90,12 @@ def _model(cfg: SimConfig, n_max: int) -> Policy:
 
 
 def _model_plus(cfg: SimConfig, n_max: int) -> Policy:
-    """Gesscale plus our extensions: early (predicted-MST) and sized scale-up, 20% margin."""
+    """Gesscale plus our extensions: early (predicted-MST) and sized scale-up, 20% margin,
+    removals batched by two (see agent/policy/model.py)."""
     from agent.policy.model import ModelPolicy
 
     return ModelPolicy(threshold_dt=20.0, cooldown=cfg.cooldown, max_instances=n_max, sized_scale_up=True,
-                       early_up=0.9)
+                       early_up=0.9, min_scale_down=2)
 
 
 def _decentralized(cfg: SimConfig, n_max: int) -> Policy:
