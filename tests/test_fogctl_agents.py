@@ -181,3 +181,63 @@ def test_sigkilled_agent_offline_within_keepalive_bound(capsys, mosquitto, fleet
     assert elapsed <= 1.5 * KEEPALIVE + 1.0, f"offline shown after {elapsed:.1f}s"
     text = fogctl(capsys, mosquitto, cluster, "status")
     assert next(line for line in text.splitlines() if line.startswith("n3 ")).split()[1] == "offline"
+
+
+HOT_PIPELINE = """
+[pipeline]
+name = "hot"
+[scaling]
+policy = "decentralized"
+capacity = 20.0
+period = 1.0
+max_instances = 3
+[[operator]]
+name = "source"
+kind = "source"
+function = "agent.runtime.taxi:source"
+params = { seed = 2, profile = "constant", rate = 60.0 }
+[[operator]]
+name = "in_zone"
+function = "agent.runtime.operators:in_zone"
+[[operator]]
+name = "sink"
+kind = "sink"
+function = "agent.runtime.operators:counting_sink"
+"""
+
+
+def test_watch_shows_a_real_scale_out_with_its_reason(capsys, mosquitto, tmp_path) -> None:
+    """in_zone receives ~60 records/s for a capacity of 20: its keeper duplicates itself; watch,
+    started before the deploy, prints that scale-out with load, capacity and ratio >= up."""
+    cluster = "h" + uuid.uuid4().hex[:8]
+    agents = [Agent(tmp_path, mosquitto, cluster, n) for n in ("h1", "h2")]
+    watch = None
+    try:
+        assert wait_for(lambda: [n["status"] for n in fogctl(capsys, mosquitto, cluster, "--json", "status")["nodes"]]
+                        == ["online"] * 2, 30)
+        watch = subprocess.Popen([sys.executable, "-m", "agent.cli.fogctl", "--broker", mosquitto.address,
+                                  "--cluster", cluster, "--json", "watch", "--filter", "type=scale_out",
+                                  "--filter", "operator=in_zone", "--count", "1", "--duration", "60"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        assert watch.stderr.readline().startswith("watching fog/")
+        p = tmp_path / "hot.toml"
+        p.write_text(HOT_PIPELINE)
+        fogctl(capsys, mosquitto, cluster, "--json", "deploy", str(p))
+        out, err = watch.communicate(timeout=70)
+        assert watch.returncode == 0, err
+        (ev,) = [json.loads(line) for line in out.splitlines()]
+        assert ev["type"] == "scale_out" and ev["operator"] == "in_zone" and ev["node"] in ("h1", "h2")
+        r = ev["reason"]
+        assert r["capacity"] == 20.0 and r["load"] > 0
+        assert r["ratio"] == pytest.approx(r["load"] / r["capacity"], rel=1e-6) and r["ratio"] >= 0.8  # up
+        assert r["action"] == "duplicate"
+        # The decision is the instance's own: `why` finds it in the agent's state.
+        why = fogctl(capsys, mosquitto, cluster, "--json", "why", ev["instance"])
+        assert any(d["ts"] == ev["ts"] and d["type"] == "scale_out" for d in why["decisions"])
+    finally:
+        if watch is not None and watch.poll() is None:
+            watch.kill()
+            watch.wait()
+        for a in agents:
+            a.stop()
