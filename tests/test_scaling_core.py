@@ -1,0 +1,231 @@
+"""The per-instance scaling core: message costs, ordering contract, error contract, snapshots."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from agent.policy.decentralized import Action, Decision, ScalingParams, decide, r_secure
+from agent.protocol.errors import LocalProtocolError, RemoteProtocolError
+from agent.protocol.messages import DataBatch, Deletion, DeletionAck, Duplication, DuplicationAck, Start
+from agent.protocol.scaling import (
+    Activate,
+    CreateInstance,
+    Drain,
+    InstanceState,
+    RoutesChanged,
+    ScalingCore,
+    Send,
+    Terminate,
+)
+from agent.sim.checker import Plan, build_pipeline
+
+P = ScalingParams()
+
+
+def run_to_quiescence(system, seed=0):
+    """Deliver messages in a seeded random FIFO order until nothing moves; count protocol sends."""
+    rng = random.Random(seed)
+    sent = 0
+    while True:
+        moves = system.moves(frozenset())
+        if not moves:
+            return sent
+        move = rng.choice(moves)
+        before = sum(len(q) for q in system.channels.values())
+        assert system.apply(move) is None
+        assert system.safety() is None
+        after = sum(len(q) for q in system.channels.values())
+        sent += after - before + (1 if move[0] == "deliver" else 0)
+
+
+@pytest.mark.parametrize("sizes,stage", [([1, 1, 1], 1), ([3, 2, 4], 1), ([5, 3, 1], 1), ([2, 3], 0), ([4, 2], 1)])
+@pytest.mark.parametrize("copies", [1, 3])
+def test_one_duplication_costs_2_neighbours_plus_copies(sizes, stage, copies):
+    system = build_pipeline(sizes, [Plan(f"s{stage}i0", Action.DUPLICATE, copies)])
+    core = system.cores[f"s{stage}i0"]
+    neighbours = len(core.succs) + len(core.preds)
+    assert run_to_quiescence(system) == 2 * neighbours + copies
+    assert system.quiescence() is None
+    assert sum(1 for c in system.cores.values() if c.stage == stage) == sizes[stage] + copies
+
+
+@pytest.mark.parametrize("sizes,stage", [([1, 2, 1], 1), ([3, 2, 4], 1), ([2, 3], 1), ([2, 3], 0)])
+def test_one_deletion_costs_2_neighbours(sizes, stage):
+    system = build_pipeline(sizes, [Plan(f"s{stage}i1", Action.TERMINATE)])
+    core = system.cores[f"s{stage}i1"]
+    neighbours = len(core.succs) + len(core.preds)
+    assert run_to_quiescence(system) == 2 * neighbours
+    assert system.cores[f"s{stage}i1"].terminated
+    assert system.quiescence() is None
+
+
+@pytest.mark.parametrize("n,k", [(3, 2), (3, 3), (2, 5), (4, 1)])
+def test_k_new_instances_by_n_siblings(n, k):
+    """k copies spread over min(k, n) siblings cost 2*min(k,n)*(|succs|+|preds|) + k."""
+    sizes = [2, n, 3]
+    doers = min(k, n)
+    counts = [k // doers + (1 if i < k % doers else 0) for i in range(doers)]
+    plans = [Plan(f"s1i{i}", Action.DUPLICATE, c) for i, c in enumerate(counts)]
+    system = build_pipeline(sizes, plans)
+    assert run_to_quiescence(system, seed=n * 10 + k) == 2 * doers * (2 + 3) + k
+    assert system.quiescence() is None
+
+
+def test_duplication_orders_effects_before_dependent_sends():
+    core = ScalingCore.initial("b0", "B", 1, P, succs=["c0"], preds=["a0"])
+    out = core.start_duplication(2)
+    creates = [i for i, o in enumerate(out) if isinstance(o, CreateInstance)]
+    sends = [i for i, o in enumerate(out) if isinstance(o, Send)]
+    assert creates and sends and max(creates) < min(sends)  # subscribe before announce
+    assert core.state is InstanceState.DUPLICATING
+    # a neighbour changes its routes before it acks
+    c0 = ScalingCore.initial("c0", "C", 2, P, preds=["b0"])
+    reply = c0.handle(out[-2].message if out[-2].dest == "c0" else out[-1].message)
+    assert isinstance(reply[0], RoutesChanged) and isinstance(reply[1], Send)
+    assert isinstance(reply[1].message, DuplicationAck)
+    assert set(reply[0].preds) == {"b0"} | {o.instance_id for o in out if isinstance(o, CreateInstance)}
+
+
+def test_terminate_only_after_every_deletion_ack_and_after_drain():
+    core = ScalingCore.initial("b1", "B", 1, P, succs=["c0", "c1"], preds=["a0", "a1"])
+    out = core.start_deletion()
+    assert [o.dest for o in out] == ["a0", "a1"]  # phase 1: predecessors only
+    assert core.handle(DeletionAck("a0", 0, 1)) == []
+    out = core.handle(DeletionAck("a1", 0, 1))
+    assert isinstance(out[0], Drain) and [o.dest for o in out[1:]] == ["c0", "c1"]
+    assert not any(isinstance(o, Terminate) for o in out)
+    assert core.handle(DeletionAck("c1", 2, 2)) == []
+    assert core.handle(DeletionAck("c0", 2, 2)) == [Terminate("b1")]
+    assert core.terminated
+
+
+def test_new_instance_parks_changes_until_start():
+    create = CreateInstance("b9", "B", 1, "b0")
+    core = ScalingCore.from_create(create, P)
+    assert core.state is InstanceState.IDLE
+    core.handle(Duplication("c0", 2, 1, ("c5",)))
+    core.handle(Deletion("c1", 2, 4))
+    core.handle(Duplication("a0", 0, 1, ("a5",)))
+    with pytest.raises(RemoteProtocolError):
+        core.handle(Start("bX", 1, ("c0",), ("a0",)))  # not from the creator
+    out = core.handle(Start("b0", 1, ("c0", "c1"), ("a0",)))
+    assert out == [Activate(("c0", "c5"), ("a0", "a5"))]
+    assert core.state is InstanceState.ACTIVE
+
+
+UNEXPECTED = [
+    DuplicationAck("c0", 2, 1),  # no round in progress
+    DeletionAck("c0", 2, 1),
+    Start("b0", 1, (), ()),  # already active
+    Duplication("z0", 5, 1, ("z1",)),  # not a neighbouring stage
+    Deletion("b7", 1, 1),  # a sibling
+    DataBatch("a0", 0, 1, 10),  # data is not for the core
+]
+
+
+@pytest.mark.parametrize("msg", UNEXPECTED, ids=lambda m: m.type)
+def test_unexpected_messages_raise_and_leave_state_unchanged(msg):
+    core = ScalingCore.initial("b0", "B", 1, P, succs=["c0"], preds=["a0"], keeper=True)
+    before = core.snapshot()
+    with pytest.raises(RemoteProtocolError):
+        core.handle(msg)
+    assert core.snapshot() == before
+
+
+def test_wrong_or_late_acks_raise_and_leave_state_unchanged():
+    core = ScalingCore.initial("b0", "B", 1, P, succs=["c0", "c1"], preds=["a0"])
+    core.start_duplication(1)
+    before = core.snapshot()
+    for bad in (DuplicationAck("c0", 2, 0), DuplicationAck("c9", 2, 1), DeletionAck("c0", 2, 1)):
+        with pytest.raises(RemoteProtocolError):
+            core.handle(bad)
+        assert core.snapshot() == before
+    core.handle(DuplicationAck("c0", 2, 1))
+    with pytest.raises(RemoteProtocolError):  # the same ack twice
+        core.handle(DuplicationAck("c0", 2, 1))
+
+
+def test_terminated_instance_rejects_everything():
+    core = ScalingCore.initial("b1", "B", 1, P)
+    assert core.start_deletion() == [Drain(), Terminate("b1")]
+    with pytest.raises(RemoteProtocolError):
+        core.handle(Deletion("a0", 0, 1))
+
+
+def test_local_misuse_raises_local_protocol_error():
+    keeper = ScalingCore.initial("b0", "B", 1, P, keeper=True, succs=["c0"])
+    with pytest.raises(LocalProtocolError):
+        keeper.start_deletion()
+    keeper.start_duplication(1)
+    with pytest.raises(LocalProtocolError):
+        keeper.start_duplication(1)
+    assert keeper.tick(load=10_000, draw=0.0) == []  # no decision while in a round
+
+
+def test_snapshot_restore_round_trip_mid_round():
+    core = ScalingCore.initial("b0", "B", 1, P, succs=["c0", "c1"], preds=["a0"])
+    core.start_duplication(2)
+    core.handle(DuplicationAck("c1", 2, 1))
+    import json
+
+    snap = json.loads(json.dumps(core.snapshot()))
+    again = ScalingCore.restore(snap, P)
+    assert again.snapshot() == core.snapshot()
+    assert again.handle(DuplicationAck("c0", 2, 1)) == []
+    starts = again.handle(DuplicationAck("a0", 0, 1))
+    assert sorted(o.dest for o in starts) == sorted(snap["new_siblings"])
+    assert all(isinstance(o.message, Start) and o.message.succs == ("c0", "c1") for o in starts)
+    assert again.state is InstanceState.ACTIVE
+
+
+def test_decide_and_start_round_are_separate_for_lock_guarded_scaling():
+    core = ScalingCore.initial("b1", "B", 1, P, succs=["c0"], preds=["a0"])
+    before = core.snapshot()
+    decision = core.decide(load=2000.0, draw=0.5)
+    assert decision.action is Action.DUPLICATE and core.snapshot() == before  # deciding is pure
+    out = core.start_round(decision)
+    assert sum(isinstance(o, CreateInstance) for o in out) == decision.count
+
+
+# ---- policy ---------------------------------------------------------------------------------
+
+
+def test_policy_expected_instance_count_matches_ideal():
+    """Over many draws, n instances at load L end up at L / (r*C) on average (the paper's claim)."""
+    rng = random.Random(7)
+    for per_instance in (600.0, 1000.0, 1700.0, 100.0, 250.0):
+        n = 20
+        total = 0
+        trials = 400
+        for _ in range(trials):
+            after = n
+            for k in range(n):
+                d = decide(P, per_instance, is_keeper=(k == 0), draw=rng.random())
+                after += d.count if d.action is Action.DUPLICATE else (-1 if d.action is Action.TERMINATE else 0)
+            total += after
+        ideal = n * per_instance / (P.target_ratio * P.capacity)
+        assert abs(total / trials - ideal) < 0.06 * ideal + 0.6, (per_instance, total / trials, ideal)
+
+
+def test_policy_thresholds_and_keeper():
+    assert decide(P, 350.0, False, 0.0).action is Action.NONE  # ratio 0.7: between down and up
+    assert decide(P, 100.0, True, 0.0).action is Action.NONE  # keeper never terminates
+    assert decide(P, 100.0, False, 0.0).action is Action.TERMINATE
+    assert decide(P, 100.0, False, 0.99).action is Action.NONE
+    d = decide(P, 1050.0, False, 0.99)  # p = 1050/350 - 1 = 2 exactly
+    assert d == Decision(Action.DUPLICATE, 2, pytest.approx(2.0))
+
+
+def test_r_secure_never_leaves_capacity_exceeded():
+    """With r_secure, duplicating instances always add enough copies that load per instance <= C."""
+    secure = ScalingParams(use_r_secure=True)
+    for load in [410.0, 520.0, 700.0, 999.0, 1001.0, 1600.0, 2400.0, 5000.0]:
+        for draw in (0.0, 0.5, 0.999):
+            d = decide(secure, load, False, draw)
+            copies = d.count if d.action is Action.DUPLICATE else 0
+            assert load / (copies + 1) <= secure.capacity + 1e-9, (load, draw, d)
+        assert r_secure(500.0, load) <= 1.0
+    plain = decide(P, 550.0, False, 0.99)  # p = 0.571: without the guarantee, no copy this time
+    assert plain.action is Action.NONE
