@@ -568,6 +568,12 @@ class Agent:
                 reply({"ok": True, "instance": inst, "node": self.node})
             else:
                 reply({"ok": False, "error": f"no instance {inst!r} on {self.node}"})
+        elif op == "set":
+            inst = body["instance"]
+            if self.supervisor.send(inst, "set", **body["fields"]):
+                reply({"ok": True, "instance": inst, "node": self.node})
+            else:
+                reply({"ok": False, "error": f"no running instance {inst!r} on {self.node}"})
         elif op == "spawn":
             if self._stopping_since is not None:
                 reply({"ok": False, "error": f"agent {self.node} is shutting down"})

@@ -78,7 +78,7 @@ class Fleet:
 
     workdir: Path
     nodes: Sequence[str] = ("n1", "n2", "n3")
-    slots: int = 5
+    slots: int = 6
     cluster: str = "demo"
     state_period: float = 1.0
     heartbeat_period: float = 0.5
@@ -182,6 +182,9 @@ class Monitor:
         self.status: Dict[str, str] = {}
         self.instance_stats: Dict[str, Dict[str, Any]] = {}  # last stats of every instance ever seen
         self.instance_operator: Dict[str, str] = {}
+        self.instance_node: Dict[str, str] = {}
+        self.pids: Set[int] = set()  # every worker pid ever published (orphan checks)
+        self.series: List[Tuple[float, Dict[str, int]]] = []  # (monotonic time, instances per operator)
         self.events: List[Dict[str, Any]] = []
         self.max_queued_dropped = 0.0
         self.dropped: Optional[float] = None
@@ -232,6 +235,10 @@ class Monitor:
                         if isinstance(inst.get("stats"), dict) and inst["stats"]:
                             self._merge_stats(inst["id"], inst.get("operator", ""), inst["stats"])
                         self.instance_operator[inst["id"]] = inst.get("operator", "")
+                        self.instance_node[inst["id"]] = parts[3]
+                        if isinstance(inst.get("pid"), int):
+                            self.pids.add(inst["pid"])
+                    self.series.append((time.monotonic(), self._count_locked(True)))
         except (ValueError, KeyError, TypeError, AttributeError):
             pass
 
@@ -251,15 +258,28 @@ class Monitor:
 
     def instances_per_operator(self, include_terminating: bool = True) -> Dict[str, int]:
         with self._lock:
-            out: Dict[str, int] = {}
-            for node, doc in self.states.items():
-                if self.status.get(node) == "offline":
+            return self._count_locked(include_terminating)
+
+    def _count_locked(self, include_terminating: bool) -> Dict[str, int]:
+        out: Dict[str, int] = {}
+        for node, doc in self.states.items():
+            if self.status.get(node) == "offline":
+                continue
+            for inst in doc.get("instances", []):
+                if not include_terminating and inst.get("status") == "terminating":
                     continue
-                for inst in doc.get("instances", []):
-                    if not include_terminating and inst.get("status") == "terminating":
-                        continue
-                    out[inst["operator"]] = out.get(inst["operator"], 0) + 1
-            return out
+                out[inst["operator"]] = out.get(inst["operator"], 0) + 1
+        return out
+
+    def stats_of(self, instance: str) -> Dict[str, Any]:
+        with self._lock:
+            return dict(self.instance_stats.get(instance, {}))
+
+    def call(self, host: str, port: int, node: str, body: Dict[str, Any]) -> Dict[str, Any]:
+        from agent.runtime.rpc import RpcClient
+
+        with RpcClient(host, port, self.cluster) as client:
+            return client.call(node, body, timeout=10)
 
     def totals(self) -> Dict[str, float]:
         """Sums over every instance ever seen: generated (sources), recorded (sinks), protocol."""

@@ -9,6 +9,8 @@ Rules of this file: the codec and `PendingCalls` are pure (time is passed in); o
 `PendingCalls` from its own event loop and never blocks on a call).
 
 Request body (JSON): {"op": "spawn", "spec": {InstanceSpec}} | {"op": "stop", "instance": id}
+                     | {"op": "set", "instance": id, "fields": {...}}   (a "set" control line,
+                       e.g. {"service_time_ms": 5.0}: tests and the demo slow an instance down)
                      | {"op": "ping"}
 Reply body (JSON):   {"ok": true, "instance": id, "node": node} | {"ok": false, "error": "..."}
 """
@@ -25,7 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from agent import topics
 
-OPS = ("spawn", "stop", "ping")
+OPS = ("spawn", "stop", "set", "ping")
 
 
 class RpcError(RuntimeError):
@@ -51,8 +53,10 @@ def decode_request(payload: bytes) -> Dict[str, Any]:
         raise ValueError(f"request without a known 'op' (expected one of {OPS})")
     if body["op"] == "spawn" and not isinstance(body.get("spec"), dict):
         raise ValueError("spawn request without a 'spec' object")
-    if body["op"] == "stop" and not isinstance(body.get("instance"), str):
-        raise ValueError("stop request without an 'instance' string")
+    if body["op"] in ("stop", "set") and not isinstance(body.get("instance"), str):
+        raise ValueError(f"{body['op']} request without an 'instance' string")
+    if body["op"] == "set" and not isinstance(body.get("fields"), dict):
+        raise ValueError("set request without a 'fields' object")
     return body
 
 
