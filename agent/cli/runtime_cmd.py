@@ -37,6 +37,7 @@ def register(groups: Any) -> None:
     m.add_argument("--plot", default=None, help="PNG path of the plot (default demo-<time>.png in the work dir)")
     m.add_argument("--workdir", default=None, help="keep broker, agent logs and sink files here")
     m.add_argument("--quiet", action="store_true", help="no live table")
+    m.add_argument("--no-analytics", action="store_true", help="skip the final analytics step (PySpark)")
     m.set_defaults(func=demo_cmd)
 
     try:

@@ -441,6 +441,7 @@ def run_demo(
     live: bool = True,
     out: Any = sys.stderr,
     settle_timeout: float = 60.0,
+    analytics: bool = True,
 ) -> Dict[str, Any]:
     """Run the whole demo; returns the summary dict (the `--json` output)."""
     text = scale_profile(Path(pipeline_path).read_text(), duration)
@@ -515,6 +516,13 @@ def run_demo(
         summary["plot"] = str(plot_demo(samples, operators, plot))
     except ImportError:
         summary["plot"] = None  # matplotlib is an extra
+    if analytics:
+        run_analytics(workdir, summary)
+    return summary
+
+
+def run_analytics(workdir: Path, summary: Dict[str, Any]) -> Dict[str, Any]:
+    """The analytics step (hook): each registered hook's result merged into summary["analytics"]."""
     for hook in _analytics_hooks():
         try:
             res = hook(workdir, summary)
@@ -522,7 +530,7 @@ def run_demo(
             res = {"error": repr(exc)}
         if res:
             summary.setdefault("analytics", {}).update(res)
-    return summary
+    return summary.get("analytics", {})
 
 
 def _analytics_hooks() -> List[Callable[[Path, Dict[str, Any]], Optional[Dict[str, Any]]]]:
@@ -585,15 +593,20 @@ def main(args: argparse.Namespace) -> int:
     try:
         summary = run_demo(pipeline, duration=args.duration, workdir=Path(args.workdir) if args.workdir else None,
                            plot_path=Path(args.plot) if args.plot else None, live=not args.quiet,
-                           out=sys.stderr if args.json else sys.stdout)
+                           out=sys.stderr if args.json else sys.stdout, analytics=False)
     except (BrokerError, RuntimeError, OSError) as exc:
         print(f"demo failed: {exc}", file=sys.stderr)
         return EXIT_SETUP
-    if args.json:
-        json.dump({k: v for k, v in summary.items()}, sys.stdout, indent=2, sort_keys=True, default=str)
-        print()
-    else:
+    # The verdict first (the analytics step can take a while on a busy machine), then analytics.
+    if not args.json:
         print_summary(summary, sys.stdout)
+    if not getattr(args, "no_analytics", False):
+        result = run_analytics(Path(summary["workdir"]), summary)
+        if result and not args.json:
+            print("analytics:", json.dumps(result, default=str)[:2000], file=sys.stdout)
+    if args.json:
+        json.dump(summary, sys.stdout, indent=2, sort_keys=True, default=str)
+        print()
     return EXIT_OK if summary["ok"] else EXIT_LOSS
 
 

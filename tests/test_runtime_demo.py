@@ -1,0 +1,148 @@
+"""The demo: its exactly-once verifier must catch loss, duplicates and strays; its exit status must
+follow the verdict; and a short run through the real CLI (private broker, three agents) ends OK
+with the promised summary keys and a PNG plot."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict
+
+import pytest
+
+from agent.config import load_pipeline_text
+from agent.runtime import demo
+from agent.runtime.taxi import TaxiGenerator
+
+ROOT = Path(__file__).resolve().parent.parent
+
+PIPELINE = """
+[pipeline]
+name = "mini"
+[scaling]
+period = 1.0
+capacity = 5000.0
+[[operator]]
+name = "source"
+kind = "source"
+function = "agent.runtime.taxi:source"
+[operator.params]
+seed = 3
+profile = "steps"
+steps = [[0, 100], [4, 400], [10, 50], [14, 0]]
+[[operator]]
+name = "validate"
+function = "agent.runtime.operators:validate"
+[[operator]]
+name = "in_zone"
+function = "agent.runtime.operators:in_zone"
+service_time_ms = 4.0
+[operator.scaling]
+capacity = 200.0
+period = 1.0
+[[operator]]
+name = "sink"
+kind = "sink"
+function = "agent.runtime.operators:counting_sink"
+"""
+
+
+def _expected(n: int) -> set:
+    from agent.runtime.operators import in_zone, validate
+
+    gen = TaxiGenerator(3, "mini.source.0")
+    keep = set()
+    for seq in range(n):
+        rec = gen.record()
+        r1 = _apply(validate, rec)
+        if r1 is not None and _apply(in_zone, r1) is not None:
+            keep.add(seq)
+    return keep
+
+
+def _apply(fn: Any, rec: Any) -> Any:
+    return fn(rec, {})
+
+
+def write_run(sink_dir: Path, n: int, ids: Any) -> None:
+    sink_dir.mkdir(parents=True, exist_ok=True)
+    (sink_dir / "mini.source.0.source.json").write_text(json.dumps({"instance": "mini.source.0", "generated": n}))
+    (sink_dir / "mini.sink.0.ids").write_text("".join(f"mini.source.0 {s}\n" for s in ids))
+
+
+def test_verifier_accepts_exactly_once_and_catches_loss_duplicates_and_strays(tmp_path: Path) -> None:
+    cfg = load_pipeline_text(PIPELINE)
+    n = 500
+    keep = sorted(_expected(n))
+    assert 0 < len(keep) < n  # the seeded stream has records both filters drop
+
+    ok = tmp_path / "ok"
+    write_run(ok, n, keep)
+    v = demo.verify(cfg, ok)
+    assert v.ok and v.generated == n and v.expected == len(keep) == v.received
+
+    lost = tmp_path / "lost"
+    write_run(lost, n, keep[:-3])
+    v = demo.verify(cfg, lost)
+    assert not v.ok and v.lost == 3 and v.lost_sample[0] == ("mini.source.0", keep[-3])
+
+    dup = tmp_path / "dup"
+    write_run(dup, n, keep)
+    (dup / "mini.sink.1.ids").write_text(f"mini.source.0 {keep[0]}\n")  # the same id at a second sink
+    v = demo.verify(cfg, dup)
+    assert not v.ok and v.duplicated == 1 and v.lost == 0
+
+    stray = tmp_path / "stray"
+    dropped = next(s for s in range(n) if s not in set(keep))
+    write_run(stray, n, keep + [dropped, n + 5])  # a filtered record and a never-generated one
+    v = demo.verify(cfg, stray)
+    assert not v.ok and v.unexpected == 2
+
+
+def test_duration_stretches_the_step_profile() -> None:
+    text = demo.scale_profile(PIPELINE, 28.0)
+    steps = load_pipeline_text(text).operators[0].params["steps"]
+    assert steps == [[0.0, 100], [8.0, 400], [20.0, 50], [28.0, 0]]
+    assert demo.scale_profile(PIPELINE, None) == PIPELINE
+
+
+@pytest.mark.parametrize("ok,status", [(True, demo.EXIT_OK), (False, demo.EXIT_LOSS)])
+def test_demo_exit_status_follows_the_verdict(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, ok: bool, status: int,
+                                               capsys: pytest.CaptureFixture) -> None:
+    def fake_run(*a: Any, **k: Any) -> Dict[str, Any]:
+        return {"ok": ok, "workdir": str(tmp_path), "lost": 0 if ok else 2, "duplicated": 0}
+
+    monkeypatch.setattr(demo, "run_demo", fake_run)
+    args = argparse.Namespace(pipeline=None, duration=None, workdir=None, plot=None, quiet=True, json=True,
+                              no_analytics=True)
+    assert demo.main(args) == status
+    assert json.loads(capsys.readouterr().out)["ok"] is ok
+
+
+@pytest.mark.broker
+@pytest.mark.slow
+def test_short_demo_through_the_cli(tmp_path: Path) -> None:
+    pipeline = tmp_path / "mini.toml"
+    pipeline.write_text(PIPELINE)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, "-m", "agent", "demo", "--pipeline", str(pipeline), "--json", "--no-analytics",
+         "--workdir", str(tmp_path / "run"), "--plot", str(tmp_path / "demo.png")],
+        capture_output=True, text=True, timeout=150, env=env, cwd=str(ROOT),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout)
+    for key in ("records_in", "records_out", "lost", "duplicated", "scale_outs", "scale_ins", "max_instances",
+                "protocol_messages"):
+        assert key in summary, key
+    assert summary["lost"] == 0 and summary["duplicated"] == 0 and summary["ok"] is True
+    assert summary["records_in"] > 1500 and summary["records_out"] > 0.8 * summary["records_in"]
+    assert summary["max_instances"]["in_zone"] >= 2  # 400 records/s > r*C = 140: it scaled out
+    assert summary["scale_outs"] >= 1 and summary["protocol_messages"] > 0
+    assert summary["duration_s"] < 120
+    assert (tmp_path / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "in/s" in proc.stderr  # the live table went to stderr with --json
