@@ -163,6 +163,43 @@ def test_real_fleet_status_topology_match_agents_own_view(capsys, mosquitto, fle
     assert "no 2-FGME lock state" in fogctl(capsys, mosquitto, cluster, "locks")
 
 
+def test_metrics_bridge_exports_the_real_workers_counts(mosquitto, fleet) -> None:
+    """The agents' own per-instance counters (worker heartbeat stats in their state) exported
+    through StatsBridge parse with the Prometheus text parser and equal those counts."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from agent.runtime import metrics
+
+    cluster, agents, _ = fleet
+
+    def states() -> Dict[str, Any]:
+        with Connection(FogctlConfig(broker=mosquitto.address, cluster=cluster)) as conn:
+            snap = conn.snapshot([topics.all_agents_state(cluster)])
+        docs = {t: json.loads(m.payload) for t, m in snap.items()}
+        insts = [i for d in docs.values() for i in d.get("instances", [])]
+        return {i["id"]: i for i in insts}
+
+    def flowing() -> Any:  # records reached every non-source instance
+        s = states()
+        return s if s and all((i.get("stats") or {}).get("records_in", 0) > 0
+                              for i in s.values() if i["operator"] != "source") else None
+
+    insts = wait_for(flowing, 20)
+    assert insts, "no records reached in_zone and sink"
+    reg = CollectorRegistry()
+    bridge = metrics.StatsBridge(metrics.Metrics(reg))
+    for i in insts.values():
+        bridge.observe("taxi", i["operator"], i["id"], i["stats"])
+    samples = {(s.name, s.labels.get("instance")): s.value
+               for fam in text_string_to_metric_families(metrics.render(reg)) for s in fam.samples}
+    for i in insts.values():
+        st = i["stats"]
+        assert samples[("fog_records_in_total", i["id"])] == st["records_in"]
+        assert samples[("fog_records_out_total", i["id"])] == st["records_out"]
+        assert samples[("fog_records_invalid_total", i["id"])] == st.get("malformed", 0) + st.get("operator_errors", 0)
+
+
 def test_sigkilled_agent_offline_within_keepalive_bound(capsys, mosquitto, fleet) -> None:
     cluster, agents, _ = fleet
     victim = agents[2]
