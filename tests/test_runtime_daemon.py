@@ -263,8 +263,13 @@ def test_supervisor_escalates_to_sigterm_then_sigkill(tmp_path: Path, fake_worke
 
 
 def test_supervisor_kills_a_worker_that_stops_heartbeating(tmp_path: Path, fake_worker: List[str]) -> None:
-    loop = Loop(command=fake_worker, heartbeat_timeout=1.0)
+    loop = Loop(command=fake_worker, heartbeat_timeout=2.0, unhealthy_after=0.5)
     w = loop.sup.start(make_spec("hung", tmp_path, no_heartbeat=True), time.monotonic())
+    assert loop.pump_until(lambda: w.status is WorkerStatus.ACTIVE, 10)
+    assert loop.sup.healthy(time.monotonic())
+    # overdue: unhealthy (the systemd watchdog pauses) before it is declared hung and killed
+    assert loop.pump_until(lambda: not loop.sup.healthy(time.monotonic()), 3)
+    assert not loop.reaped and time.monotonic() - w.last_heartbeat < 2.0
     assert loop.pump_until(lambda: loop.reaped, 8)
     assert loop.reaped[0].returncode == -signal.SIGKILL
     assert "heartbeat" in (loop.reaped[0].worker.killed_for or "")

@@ -122,6 +122,7 @@ class Agent:
         self.supervisor = Supervisor(
             emit=self._events.put,
             heartbeat_timeout=max(5.0, 5 * cfg.agent.heartbeat_period),
+            unhealthy_after=max(1.0, 3 * cfg.agent.heartbeat_period),
             term_after=timeout / 2,
             kill_after=timeout,
             command=worker_command,

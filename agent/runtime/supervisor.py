@@ -113,9 +113,13 @@ class Supervisor:
         kill_after: float = 10.0,
         command: Sequence[str] = WORKER_COMMAND,
         env: Optional[Dict[str, str]] = None,
+        unhealthy_after: Optional[float] = None,
     ) -> None:
         self._emit = emit
         self.heartbeat_timeout = heartbeat_timeout
+        # A heartbeat overdue by this much already counts as unhealthy (the systemd watchdog
+        # pauses), well before the worker is declared hung and killed at heartbeat_timeout.
+        self.unhealthy_after = min(unhealthy_after, heartbeat_timeout) if unhealthy_after else heartbeat_timeout
         self.start_timeout = start_timeout
         self.term_after = term_after
         self.kill_after = max(kill_after, term_after)
@@ -287,7 +291,7 @@ class Supervisor:
     def healthy(self, now: float) -> bool:
         """All workers that should heartbeat did so recently (gates the systemd watchdog)."""
         for w in self.workers.values():
-            if w.status is WorkerStatus.ACTIVE and now - w.last_heartbeat > self.heartbeat_timeout:
+            if w.status is WorkerStatus.ACTIVE and now - w.last_heartbeat > self.unhealthy_after:
                 return False
         return True
 
