@@ -79,3 +79,18 @@ def test_table_lists_every_policy_and_gesscale(runs):
     for p in POLICIES:
         assert f"| {p} |" in text
     assert "Gesscale" in text and "999.5" in text
+
+
+def test_cli_simulate_policies_json(capsys):
+    import json
+
+    from agent.cli.main import main
+
+    assert main(["simulate", "policies", "--trace", "taxi", "--seeds", "2", "--days", "0.25", "--json",
+                 "--policies", "threshold,model"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert sorted(doc["summary"]) == ["model", "threshold"]
+    assert len(doc["runs"]["model"]) == 2
+    assert set(doc["summary"]["model"]) >= {"accuracy_u", "accuracy_o", "timeshare_u", "timeshare_o",
+                                            "excess_time", "reconfigurations", "cost"}
+    assert main(["simulate", "policies", "--policies", "nope"]) == 1
