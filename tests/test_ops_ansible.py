@@ -1,0 +1,433 @@
+"""The Ansible playbook, for real: lint (production profile), syntax check, then site.yml twice
+against this machine (connection local) into a prefix with service management off (systemd is not
+PID 1 here). The first run installs the agent venv from a wheelhouse built from this checkout and
+renders configs (`fog-agent check-config` validates agent.toml inside the run); the second run must
+report changed=0. The mosquitto role's rendered config then runs a real Mosquitto, and its ACL is
+checked with real MQTT 5 clients.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Iterator, List, Tuple
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+ANSIBLE_DIR = ROOT / "ansible"
+BIN = Path(sys.executable).parent
+PLAYBOOK = BIN / "ansible-playbook"
+LINT = BIN / "ansible-lint"
+MOSQUITTO = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
+SYSTEM_PYTHON = "/usr/bin/python3"
+CLUSTER = "t1"
+PASSWORDS = {"n1": "pw-n1-secret", "n2": "pw-n2-secret", "central": "pw-central-secret"}
+
+pytestmark = pytest.mark.skipif(not PLAYBOOK.exists(), reason="ansible-core is not installed in the venv")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def ansible_env(tmp: Path) -> Dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        ANSIBLE_CONFIG=str(ANSIBLE_DIR / "ansible.cfg"),
+        ANSIBLE_ROLES_PATH=str(ANSIBLE_DIR / "roles"),
+        ANSIBLE_LOCAL_TEMP=str(tmp / "ansible-tmp"),
+        ANSIBLE_HOME=str(tmp / "ansible-home"),
+        ANSIBLE_NOCOLOR="1",
+        ANSIBLE_FORCE_COLOR="0",
+        ANSIBLE_STDOUT_CALLBACK="default",
+        ANSIBLE_DEPRECATION_WARNINGS="0",
+        ANSIBLE_PIPELINING="1",
+        ANSIBLE_GATHERING="explicit",  # the roles use no facts: save three fact runs per play
+        PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}",
+    )
+    env.pop("PYTHONPATH", None)  # the installed venv must work without this checkout on the path
+    return env
+
+
+def run(cmd: List[str], env: Dict[str, str], cwd: Path = ANSIBLE_DIR, timeout: float = 400) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=str(cwd), env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def recap(output: str) -> Dict[str, int]:
+    m = re.search(r"PLAY RECAP \*+\n(.*?)(?:\n\n|\Z)", output, re.S)
+    assert m, output[-3000:]
+    totals: Dict[str, int] = {}
+    for line in m.group(1).strip().splitlines():
+        for key, value in re.findall(r"(\w+)=(\d+)", line):
+            totals[key] = totals.get(key, 0) + int(value)
+    return totals
+
+
+@dataclass
+class Deployment:
+    prefix: Path
+    port: int
+    first: subprocess.CompletedProcess
+    second: subprocess.CompletedProcess
+    env: Dict[str, str]
+    seconds: Tuple[float, float]
+
+
+@pytest.fixture(scope="module")
+def deployed(tmp_path_factory: pytest.TempPathFactory) -> Deployment:
+    check = subprocess.run([SYSTEM_PYTHON, "-c", "import venv, ensurepip, psutil"], capture_output=True)
+    assert check.returncode == 0, "the role needs python3-venv and python3-psutil: apt-get install them"
+    tmp = tmp_path_factory.mktemp("ansible")
+    wheelhouse = tmp_path_factory.getbasetemp() / "ops-wheelhouse"
+    res = subprocess.run(["bash", str(ROOT / "packaging/build-wheelhouse.sh"), str(wheelhouse)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    prefix = tmp / "prefix"
+    port = free_port()
+    inventory = {
+        "all": {
+            "vars": {
+                "ansible_connection": "local",
+                "ansible_python_interpreter": sys.executable,
+                "fog_become": False,
+                # mosquitto
+                "mosquitto_prefix": str(prefix),
+                "mosquitto_install_packages": False,
+                "mosquitto_manage_service": False,
+                "mosquitto_user": "root",
+                "mosquitto_group": "root",
+                "mosquitto_listener_address": "127.0.0.1",
+                "mosquitto_listener_port": port,
+                "mosquitto_cluster": CLUSTER,
+                "mosquitto_users": [{"name": k, "password": v} for k, v in PASSWORDS.items()],
+                "mosquitto_admin_users": ["central"],
+                "mosquitto_autosave_interval": 5,
+                # fog_agent
+                "fog_agent_prefix": str(prefix),
+                "fog_agent_install_packages": False,
+                "fog_agent_manage_user": False,
+                "fog_agent_user": "root",
+                "fog_agent_group": "root",
+                "fog_agent_manage_service": False,
+                "fog_agent_python": SYSTEM_PYTHON,
+                "fog_agent_wheelhouse_src": str(wheelhouse),
+                "fog_agent_node": "n1",
+                "fog_agent_cluster": CLUSTER,
+                "fog_agent_mqtt_port": port,
+                "fog_agent_mqtt_password": PASSWORDS["n1"],
+                "fog_agent_pipelines": [{"name": "taxi", "src": str(ROOT / "examples/pipeline.toml")}],
+                # fog_netem
+                "fog_netem_enabled": True,
+                "fog_netem_prefix": str(prefix),
+                "fog_netem_manage_service": False,
+                "fog_netem_load_module": True,
+                "fog_netem_group": "root",
+                "fog_netem_node": "n1",
+                "fog_netem_device": "lo",
+                "fog_netem_addresses": {"n1": "127.0.0.1", "n2": "127.0.0.2", "n3": "127.0.0.3"},
+                "fog_netem_matrix": {"n1": {"n2": 20, "n3": {"delay": 40, "jitter": 2}}, "n2": {"n3": 10}},
+                # fog_central
+                "fog_central_prefix": str(prefix),
+                "fog_central_install_packages": False,
+                "fog_central_install_pyspark": False,
+                "fog_central_install_agent": False,  # the fog_nodes play installs it on this same host
+                "fog_central_manage_user": False,
+                "fog_central_user": "root",
+                "fog_central_group": "root",
+                "fog_central_manage_service": False,
+                "fog_central_cluster": CLUSTER,
+                "fog_central_mqtt_port": port,
+                "fog_central_mqtt_password": PASSWORDS["central"],
+            },
+            "children": {
+                "brokers": {"hosts": {"fogtest": {}}},
+                "central": {"hosts": {"fogtest": {}}},
+                "fog_nodes": {"hosts": {"fogtest": {}}},
+            },
+        }
+    }
+    inv = tmp / "inventory.yml"
+    inv.write_text(json.dumps(inventory))  # JSON is YAML
+    env = ansible_env(tmp)
+    cmd = [str(PLAYBOOK), "-i", str(inv), "site.yml"]
+    t0 = time.monotonic()
+    first = run(cmd, env)
+    t1 = time.monotonic()
+    assert first.returncode == 0, first.stdout[-6000:] + first.stderr[-3000:]
+    second = run(cmd, env)
+    t2 = time.monotonic()
+    assert second.returncode == 0, second.stdout[-6000:] + second.stderr[-3000:]
+    print(f"ansible site.yml: first run {t1 - t0:.1f}s, second run {t2 - t1:.1f}s")
+    return Deployment(prefix, port, first, second, env, (t1 - t0, t2 - t1))
+
+
+# ---- static checks ------------------------------------------------------------------------------
+
+
+def test_ansible_lint_production_profile(tmp_path: Path) -> None:
+    res = run([str(LINT), "--profile", "production", "--nocolor", "site.yml", "roles"], ansible_env(tmp_path))
+    assert res.returncode == 0, res.stdout[-5000:] + res.stderr[-5000:]
+    assert "Profile 'production' was required, and it passed" in res.stdout + res.stderr
+
+
+def test_syntax_check_with_the_example_inventory(tmp_path: Path) -> None:
+    res = run([str(PLAYBOOK), "--syntax-check", "-i", "inventory/example/hosts.yml", "site.yml"],
+              ansible_env(tmp_path))
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_example_inventory_has_the_three_groups(tmp_path: Path) -> None:
+    res = run([str(BIN / "ansible-inventory"), "-i", "inventory/example/hosts.yml", "--list"], ansible_env(tmp_path))
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    for group in ("fog_nodes", "brokers", "central"):
+        assert data[group]["hosts"], group
+
+
+def test_roles_follow_the_node_exporter_layout() -> None:
+    for role in ("mosquitto", "fog_agent", "fog_netem", "fog_central"):
+        base = ANSIBLE_DIR / "roles" / role
+        for part in ("defaults/main.yml", "meta/main.yml", "meta/argument_specs.yml", "handlers/main.yml",
+                     "tasks/main.yml", "tasks/preflight.yml", "tasks/install.yml", "tasks/configure.yml"):
+            assert (base / part).is_file(), f"{role}/{part}"
+        defaults = (base / "defaults/main.yml").read_text()
+        names = re.findall(r"^([a-z_][a-z0-9_]*):", defaults, re.M)
+        assert names and all(n.startswith(role + "_") for n in names), (role, names)
+        assert f"{role}_manage_service" in names
+        # every default is declared in the argument spec
+        spec = (base / "meta/argument_specs.yml").read_text()
+        missing = [n for n in names if f"      {n}:" not in spec]
+        assert not missing, (role, missing)
+        # handlers are guarded by the role's *_manage_service
+        handlers = (base / "handlers/main.yml").read_text()
+        assert handlers.count("- name:") == handlers.count(f"{role}_manage_service | bool"), role
+
+
+# ---- the real run -------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(900)  # the two playbook runs happen in this test's set-up (slow on a loaded machine)
+def test_first_run_changes_second_run_changes_nothing(deployed: Deployment) -> None:
+    first, second = recap(deployed.first.stdout), recap(deployed.second.stdout)
+    assert first["failed"] == 0 and first["unreachable"] == 0
+    assert first["changed"] >= 10  # it really did the work the first time
+    assert second["failed"] == 0
+    assert second["changed"] == 0, re.findall(r"^changed: .*$", deployed.second.stdout, re.M)
+
+
+def test_agent_installed_in_venv_and_config_accepted(deployed: Deployment) -> None:
+    p = deployed.prefix
+    venv = p / "opt/fog-agent/venv"
+    env = dict(deployed.env)
+    out = subprocess.run([str(venv / "bin/fog-agent"), "--version"], capture_output=True, text=True, env=env, cwd=str(p))
+    assert out.returncode == 0, out.stderr
+    from agent import __version__
+
+    assert out.stdout.strip() == f"fog-agent {__version__}"
+    where = subprocess.run([str(venv / "bin/python"), "-c", "import agent, paho.mqtt; print(agent.__file__)"],
+                           capture_output=True, text=True, env=env, cwd=str(p))
+    assert where.stdout.startswith(str(venv)), where.stdout + where.stderr
+    conf = p / "etc/fog-agent/agent.toml"
+    res = subprocess.run([str(venv / "bin/fog-agent"), "check-config", "--json", str(conf)],
+                         capture_output=True, text=True, env=env, cwd=str(p))
+    assert res.returncode == 0, res.stderr
+    cfg = json.loads(res.stdout)
+    assert cfg["agent"]["node"] == "n1" and cfg["agent"]["cluster"] == CLUSTER
+    assert cfg["mqtt"]["port"] == deployed.port and cfg["mqtt"]["username"] == "n1"
+    # the secret is in its own file, not in agent.toml
+    assert PASSWORDS["n1"] not in conf.read_text()
+    assert (p / "etc/fog-agent/mqtt-password").read_text().strip() == PASSWORDS["n1"]
+    assert oct((p / "etc/fog-agent/mqtt-password").stat().st_mode & 0o777) == "0o640"
+    pipe = p / "etc/fog-agent/pipelines/taxi.toml"
+    assert subprocess.run([str(venv / "bin/fog-agent"), "check-config", str(pipe)], capture_output=True,
+                          env=env, cwd=str(p)).returncode == 0
+
+
+def test_units_installed_verbatim(deployed: Deployment) -> None:
+    units = deployed.prefix / "etc/systemd/system"
+    for name in ("fog-agent.service", "fog-netem.service", "fog-collector.service",
+                 "fog-analytics.service", "fog-analytics.timer"):
+        assert (units / name).read_bytes() == (ROOT / "systemd" / name).read_bytes(), name
+    assert (deployed.prefix / "etc/modules-load.d/fog-netem.conf").read_text() == "sch_netem\n"
+
+
+def test_latency_matrix_rendered_from_inventory(deployed: Deployment) -> None:
+    netem = pytest.importorskip("agent.runtime.netem")
+    matrix = netem.load_matrix(deployed.prefix / "etc/fog-agent/latency.toml")
+    assert matrix.addresses == {"n1": "127.0.0.1", "n2": "127.0.0.2", "n3": "127.0.0.3"}
+    assert matrix.devices.get("n1") == "lo"
+    assert matrix.link("n1", "n2").delay_ms == 20
+    assert matrix.link("n1", "n3").delay_ms == 40 and matrix.link("n1", "n3").jitter_ms == 2
+    assert matrix.link("n2", "n3").delay_ms == 10
+    # The unit's ExecStart, with the rendered netem.env, yields tc commands (dry run: no root needed).
+    env_file = (deployed.prefix / "etc/fog-agent/netem.env").read_text()
+    values = dict(line.split("=", 1) for line in env_file.splitlines() if line and not line.startswith("#"))
+    assert values == {"FOG_NETEM_NODE": "n1", "FOG_NETEM_DEVICE": "lo"}
+    unit = (ROOT / "systemd/fog-netem.service").read_text()
+    exec_start = re.search(r"^ExecStart=(.*)$", unit, re.M).group(1)
+    argv = [a.replace("${FOG_NETEM_NODE}", values["FOG_NETEM_NODE"]).replace("${FOG_NETEM_DEVICE}", values["FOG_NETEM_DEVICE"])
+            .replace("/etc/fog-agent", str(deployed.prefix / "etc/fog-agent"))
+            .replace("/opt/fog-agent", str(deployed.prefix / "opt/fog-agent")) for a in exec_start.split()]
+    res = subprocess.run(argv + ["--dry-run"], capture_output=True, text=True, env=deployed.env, cwd=str(deployed.prefix))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "127.0.0.2" in res.stdout and "127.0.0.3" in res.stdout and "dev lo" in res.stdout, res.stdout
+
+
+def test_central_config_rendered(deployed: Deployment) -> None:
+    from agent.schema import tomllib
+
+    data = tomllib.loads((deployed.prefix / "etc/fog-agent/central.toml").read_text())
+    assert data["collector"]["cluster"] == CLUSTER
+    assert data["collector"]["landing_dir"] == str(deployed.prefix / "var/lib/fog-collector/landing")
+    assert data["mqtt"]["username"] == "central" and data["mqtt"]["port"] == deployed.port
+    assert data["analytics"]["enabled"] is False  # timer mode by default
+    assert (deployed.prefix / "var/lib/fog-collector/landing").is_dir()
+
+
+# ---- the rendered broker, for real --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def broker(deployed: Deployment) -> Iterator[Deployment]:
+    conf = deployed.prefix / "etc/mosquitto/mosquitto.conf"
+    proc = subprocess.Popen([MOSQUITTO, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", deployed.port), timeout=0.5).close()
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                log = deployed.prefix / "var/log/mosquitto/mosquitto.log"
+                pytest.fail("mosquitto did not start with the rendered config:\n"
+                            + (proc.stderr.read().decode() if proc.stderr else "")
+                            + (log.read_text() if log.exists() else ""))
+            time.sleep(0.05)
+    try:
+        yield deployed
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+class Client:
+    """A paho MQTT 5 client that records what it receives and the PUBACK reason codes."""
+
+    def __init__(self, port: int, user: str, password: str) -> None:
+        import paho.mqtt.client as mqtt
+
+        self.received: List[Tuple[str, bytes]] = []
+        self.pubacks: Dict[int, int] = {}
+        self.connected = threading.Event()
+        self.connect_rc = None
+        self.subscribed = threading.Event()
+        self.lock = threading.Lock()
+        self.c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"test-{user}-{os.getpid()}",
+                             protocol=mqtt.MQTTv5)
+        self.c.username_pw_set(user, password)
+        self.c.on_connect = self._on_connect
+        self.c.on_message = self._on_message
+        self.c.on_publish = self._on_publish
+        self.c.on_subscribe = lambda *a: self.subscribed.set()
+        self.c.connect("127.0.0.1", port)
+        self.c.loop_start()
+
+    def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
+        self.connect_rc = reason_code
+        self.connected.set()
+
+    def _on_message(self, client, userdata, msg) -> None:
+        with self.lock:
+            self.received.append((msg.topic, msg.payload))
+
+    def _on_publish(self, client, userdata, mid, reason_code, properties) -> None:
+        with self.lock:
+            self.pubacks[mid] = reason_code.value
+
+    def wait_connected(self) -> bool:
+        assert self.connected.wait(5), "no CONNACK"
+        return not self.connect_rc.is_failure
+
+    def publish(self, topic: str, payload: bytes) -> int:
+        info = self.c.publish(topic, payload, qos=1)
+        assert info.rc == 0, info.rc
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            with self.lock:
+                if info.mid in self.pubacks:
+                    return self.pubacks[info.mid]
+            time.sleep(0.01)
+        raise AssertionError(f"no PUBACK for {topic}")
+
+    def close(self) -> None:
+        self.c.disconnect()
+        self.c.loop_stop()
+
+
+def test_rendered_broker_acl_denies_writes_to_another_nodes_topics(broker: Deployment) -> None:
+    from agent import topics
+
+    port = broker.port
+    admin = Client(port, "central", PASSWORDS["central"])
+    n1 = Client(port, "n1", PASSWORDS["n1"])
+    try:
+        assert admin.wait_connected() and n1.wait_connected()
+        admin.c.subscribe("fog/#", qos=1)
+        assert admin.subscribed.wait(5)
+
+        foreign = [topics.agent_state(CLUSTER, "n2"), topics.agent_status(CLUSTER, "n2"),
+                   topics.latency(CLUSTER, "n2"), topics.spill(CLUSTER, "n2") + "/f1"]
+        own_or_shared = [topics.agent_state(CLUSTER, "n1"), topics.latency(CLUSTER, "n1"),
+                         topics.inbox(CLUSTER, "in_zone-3"), topics.events(CLUSTER),
+                         topics.agent_rpc(CLUSTER, "n2")]
+        denied_codes = [n1.publish(t, b"forged") for t in foreign]
+        allowed_codes = [n1.publish(t, b"ok") for t in own_or_shared]
+        # A positive control last: once it arrived, everything published before it has been routed.
+        assert n1.publish(topics.events(CLUSTER), b"marker") in (0, 16)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and (topics.events(CLUSTER), b"marker") not in admin.received:
+            time.sleep(0.02)
+        got = {t for t, _ in admin.received}
+        assert not got & set(foreign), f"forged messages were delivered: {got & set(foreign)}"
+        assert set(own_or_shared) <= got, f"allowed topics missing: {set(own_or_shared) - got}"
+        # MQTT 5: the broker says so in the PUBACK (135 = not authorized).
+        assert all(code == 135 for code in denied_codes), denied_codes
+        assert all(code in (0, 16) for code in allowed_codes), allowed_codes
+    finally:
+        admin.close()
+        n1.close()
+
+
+def test_rendered_broker_rejects_bad_and_anonymous_credentials(broker: Deployment) -> None:
+    bad = Client(broker.port, "n1", "wrong")
+    try:
+        assert bad.wait_connected() is False
+    finally:
+        bad.close()
+
+
+def test_rendered_broker_has_explicit_queue_limits_and_persistence(deployed: Deployment) -> None:
+    conf = (deployed.prefix / "etc/mosquitto/mosquitto.conf").read_text()
+    assert re.search(r"^max_queued_messages 100000$", conf, re.M)
+    assert re.search(r"^persistence true$", conf, re.M)
+    assert re.search(r"^allow_anonymous false$", conf, re.M)
+    passwd = (deployed.prefix / "etc/mosquitto/fog.passwd").read_text()
+    assert all(pw not in passwd for pw in PASSWORDS.values())  # hashed, never in clear
+    assert passwd.count("$7$101$") == len(PASSWORDS)
