@@ -32,7 +32,8 @@ __all__ = ["build_session", "read_kind", "run", "run_demo_analytics", "run_job",
 PathLike = Union[str, Path]
 
 
-def build_session(master: Optional[str] = None, app: str = "fog-analytics") -> Any:
+def build_session(master: Optional[str] = None, app: str = "fog-analytics",
+                  driver_memory: Optional[str] = None) -> Any:
     """A SparkSession; `master=None` keeps what spark-submit configured (or local[*])."""
     import os
 
@@ -41,6 +42,8 @@ def build_session(master: Optional[str] = None, app: str = "fog-analytics") -> A
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     b = (SparkSession.builder.appName(app).config("spark.sql.session.timeZone", "UTC")
          .config("spark.ui.showConsoleProgress", "false"))
+    if driver_memory:  # only effective when this call starts the JVM (not under spark-submit)
+        b = b.config("spark.driver.memory", driver_memory)
     if master:
         b = b.master(master)
         if master.startswith("local"):
