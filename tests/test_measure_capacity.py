@@ -134,3 +134,18 @@ def test_measure_node_keys_and_per_worker_cpu():
 def test_frequency_ratio():
     assert frequency_ratio({"current": 600.0, "max": 1500.0}) == pytest.approx(0.4)
     assert frequency_ratio({"current": 2000.0, "max": None}) is None
+
+
+def test_capacity_for_prefers_the_calibration_and_follows_the_online_estimate(tmp_path):
+    from agent.runtime.capacity import capacity_for
+
+    assert capacity_for(tmp_path, "n1", "in_zone", 400.0) == pytest.approx(400.0)
+    # configured 400/s = 2.5 ms; the instance now needs 5 ms per record -> half
+    assert capacity_for(tmp_path, "n1", "in_zone", 400.0, online_service_time=0.005) == pytest.approx(200.0)
+    CapacityStore(tmp_path).put(CapacityRecord("n1", "in_zone", 480.0, 2.0833))
+    assert capacity_for(tmp_path, "n1", "in_zone", 400.0) == pytest.approx(480.0)
+    assert capacity_for(tmp_path, "n1", "in_zone", None, frequency_ratio=0.5) == pytest.approx(240.0)
+    with pytest.raises(ValueError, match="calibrate"):
+        capacity_for(tmp_path, "n1", "validate", None)
+    (tmp_path / "capacity.json").write_text("{broken")
+    assert capacity_for(tmp_path, "n1", "in_zone", 400.0) == pytest.approx(400.0)

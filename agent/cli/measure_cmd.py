@@ -68,6 +68,11 @@ def register(groups: Any) -> None:
     s.add_argument("--plot", default=None, help="PNG of supply vs demand for seed 0")
     s.set_defaults(func=cmd_simulate_policies)
 
+    b = groups.bench.add_parser("latency", help="RTT through the userspace delay proxy vs direct (baseline)")
+    b.add_argument("--rtt", default="0,50,150,300", help="comma-separated emulated RTTs, ms")
+    b.add_argument("--count", type=int, default=20, help="samples per configuration")
+    b.set_defaults(func=cmd_bench_latency)
+
 
 # ---- calibrate ------------------------------------------------------------------------------------
 
@@ -253,3 +258,31 @@ def _plot(results: Any, path: str) -> None:
     axes[-1].set_xlabel("minutes (seed 0)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+
+
+# ---- bench latency --------------------------------------------------------------------------------------
+
+
+def cmd_bench_latency(args: argparse.Namespace) -> int:
+    import statistics
+
+    from agent.runtime.delayproxy import DelayProxy
+    from agent.runtime.latency import EchoServer, tcp_rtt
+
+    rtts = [float(x) for x in args.rtt.split(",") if x.strip()]
+    echo = EchoServer().start()
+    try:
+        rows = [("direct (baseline)", None, tcp_rtt("127.0.0.1", echo.port, args.count))]
+        for ms in rtts:
+            with DelayProxy(("127.0.0.1", echo.port), ms) as proxy:
+                rows.append((f"proxy {ms:g} ms", ms, tcp_rtt("127.0.0.1", proxy.port, args.count)))
+    finally:
+        echo.stop()
+    print(f"{'path':<20} {'median ms':>10} {'p90 ms':>8} {'max ms':>8} {'error ms':>9}")
+    for name, ms, xs in rows:
+        xs = sorted(xs)
+        med = statistics.median(xs)
+        p90 = xs[min(len(xs) - 1, int(0.9 * len(xs)))]
+        err = "" if ms is None else f"{med - ms:+9.2f}"
+        print(f"{name:<20} {med:10.2f} {p90:8.2f} {xs[-1]:8.2f} {err:>9}")
+    return EXIT_OK

@@ -42,6 +42,7 @@ __all__ = [
     "corrected_capacity",
     "CapacityRecord",
     "CapacityStore",
+    "capacity_for",
 ]
 
 
@@ -273,6 +274,29 @@ class CapacityStore:
         tmp = self.path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
         os.replace(tmp, self.path)
+
+
+def capacity_for(state_dir: "str | os.PathLike[str]", node: str, operator: str, configured: Optional[float],
+                 online_service_time: Optional[float] = None, frequency_ratio: Optional[float] = None) -> float:
+    """The capacity a policy should use now for (node, operator).
+
+    `configured` is the pipeline's `capacity` (None when it says "calibrate"). A stored calibration
+    wins over the configured number (it was measured on this node); either is corrected by the
+    online service time (or the CPU-frequency ratio). Raises ValueError when nothing is known.
+    """
+    rec = None
+    try:
+        rec = CapacityStore(state_dir).get(node, operator)
+    except ValueError:
+        rec = None  # an unreadable file must not stop the instance: fall back to the configured value
+    base = rec.capacity if rec is not None else configured
+    cal_st = (rec.service_time_ms / 1000.0) if rec is not None and rec.service_time_ms else \
+        (1.0 / configured if configured else None)
+    cap = corrected_capacity(base, cal_st, online_service_time, frequency_ratio)
+    if not is_finite_positive(cap):
+        raise ValueError(f"no capacity for {node}/{operator}: run `fog-agent calibrate --operator {operator}` "
+                         f"or set a number in [scaling] capacity")
+    return float(cap)  # type: ignore[arg-type]
 
 
 def is_finite_positive(x: Optional[float]) -> bool:

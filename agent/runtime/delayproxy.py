@@ -118,8 +118,12 @@ class DelayProxy:
         except OSError:
             c_writer.close()
             return
-        await asyncio.gather(self._pipe(c_reader, t_writer), self._pipe(t_reader, c_writer),
-                             return_exceptions=True)
+        try:
+            await asyncio.gather(self._pipe(c_reader, t_writer), self._pipe(t_reader, c_writer),
+                                 return_exceptions=True)
+        except asyncio.CancelledError:  # stop(): end quietly (asyncio logs a handler that raises)
+            for w in (c_writer, t_writer):
+                w.close()
 
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         loop = asyncio.get_running_loop()
