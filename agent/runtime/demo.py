@@ -498,6 +498,7 @@ def run_demo(
         summary["malformed"] = int(tot["malformed"])
         summary["sends_to_terminated"] = int(tot["sends_to_non_successor"])
         summary["broker_dropped"] = monitor.dropped
+        summary["rss_mb"] = _rss_mb(fleet, monitor)
     finally:
         if monitor is not None:
             monitor.close()
@@ -531,6 +532,22 @@ def run_analytics(workdir: Path, summary: Dict[str, Any]) -> Dict[str, Any]:
         if res:
             summary.setdefault("analytics", {}).update(res)
     return summary.get("analytics", {})
+
+
+def _rss_mb(fleet: Fleet, monitor: Monitor) -> Dict[str, Any]:
+    """Resident memory (MB) of the agents and of the workers alive now (keepers, idle at the end)."""
+    import psutil
+
+    def rss(pid: int) -> Optional[float]:
+        try:
+            return round(psutil.Process(pid).memory_info().rss / 2**20, 1)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            return None
+
+    agents = [r for r in (rss(p.pid) for p in fleet.procs.values()) if r is not None]
+    workers = [r for r in (rss(p) for p in sorted(monitor.pids)) if r is not None]
+    return {"agent_max": max(agents, default=None), "worker_min": min(workers, default=None),
+            "worker_max": max(workers, default=None)}
 
 
 def _analytics_hooks() -> List[Callable[[Path, Dict[str, Any]], Optional[Dict[str, Any]]]]:
@@ -579,7 +596,7 @@ def plot_demo(samples: Sequence[Sample], operators: Sequence[str], path: Path) -
 
 def print_summary(summary: Dict[str, Any], out: Any) -> None:
     keys = ("records_in", "records_expected", "records_out", "lost", "duplicated", "scale_outs", "scale_ins",
-            "max_instances", "protocol_messages", "broker_dropped", "duration_s", "plot", "workdir")
+            "max_instances", "protocol_messages", "broker_dropped", "rss_mb", "duration_s", "plot", "workdir")
     print("summary:", file=out)
     for k in keys:
         print(f"  {k:<18} {summary.get(k)}", file=out)
