@@ -14,7 +14,6 @@ import urllib.request
 from pathlib import Path
 from typing import Dict, Tuple
 
-import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 

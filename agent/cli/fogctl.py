@@ -15,14 +15,10 @@ from typing import Any, Callable, Dict, Optional, Sequence
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse exits 2 on usage errors already; keep its one-line `usage:` + `error:` format."""
-
-
 def build_parser() -> argparse.ArgumentParser:
     from agent.fogctl.commands import parse_delta
 
-    parser = _Parser(prog="fogctl", description="Inspect and steer a fog-agent fleet over MQTT.")
+    parser = argparse.ArgumentParser(prog="fogctl", description="Inspect and steer a fog-agent fleet over MQTT.")
     g = parser.add_argument_group("connection (defaults: ~/.config/fogctl.toml, then FOGCTL_* variables)")
     g.add_argument("--broker", help="host:port of the MQTT broker (default 127.0.0.1:1883)")
     g.add_argument("--host", help="broker host (mosquitto_sub -h); overrides the host of --broker")

@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.packettypes import PacketTypes
@@ -321,5 +321,3 @@ def _reason(exc: BaseException) -> str:
         return f"TLS error ({exc.reason or exc})"
     return getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
 
-
-Factory = Callable[[FogctlConfig], Connection]

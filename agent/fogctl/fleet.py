@@ -16,7 +16,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 __all__ = ["Phase", "LockState", "Instance", "Node", "Fleet", "parse_state", "parse_status", "parse_latency"]
 
@@ -343,12 +343,6 @@ def _replace(node: Any, **changes: Any) -> Any:
     import dataclasses
 
     return dataclasses.replace(node, **changes)
-
-
-def iter_instances(fleet: Fleet, pipeline: Optional[str] = None) -> Iterable[Instance]:
-    for i in fleet.instances:
-        if pipeline is None or i.pipeline in (None, pipeline):
-            yield i
 
 
 def state_decisions(cluster: str, topic: str, payload: bytes) -> List[Any]:
