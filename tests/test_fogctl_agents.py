@@ -215,7 +215,9 @@ def test_sigkilled_agent_offline_within_keepalive_bound(capsys, mosquitto, fleet
 
     assert wait_for(offline, 1.5 * KEEPALIVE + 5, step=0.1)
     elapsed = time.monotonic() - t0
-    assert elapsed <= 1.5 * KEEPALIVE + 1.0, f"offline shown after {elapsed:.1f}s"
+    # The broker publishes the Will 1.5 x keepalive after the last packet; fogctl needs up to one
+    # snapshot (well under a second, more on a loaded machine) to show it.
+    assert elapsed <= 1.5 * KEEPALIVE + 2.0, f"offline shown after {elapsed:.1f}s"
     text = fogctl(capsys, mosquitto, cluster, "status")
     assert next(line for line in text.splitlines() if line.startswith("n3 ")).split()[1] == "offline"
 
