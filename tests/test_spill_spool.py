@@ -121,12 +121,14 @@ def test_sink_blocked_by_the_cap_resumes_when_the_shipper_releases(tmp_path: Pat
         while True:
             finished = done.is_set()
             files = s.closed_files()
-            for f in files if finished else files[:1]:  # a slow link: one file per round
+            # A link slower than the sink: ship only while the cap holds the sink back, one file
+            # at a time, so that the sink really waits (deterministic whatever the machine load).
+            for f in files if finished else (files[:1] if s.full else []):
                 shipped.extend(read_records(f.path.read_bytes()))
                 s.release(f)
             if finished:
                 return
-            done.wait(0.02)
+            done.wait(0.005)
 
     threads = [threading.Thread(target=sink), threading.Thread(target=shipper)]
     for t in threads:

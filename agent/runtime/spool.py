@@ -21,6 +21,8 @@ Rules of this file:
 - `background=True` moves compression and file writes to one writer thread (the sink only
   enqueues; queued bytes count against the cap). zlib releases the GIL, so on a multi-core Pi the
   sink keeps decoding while the spool compresses. `close()` writes what is queued first.
+  `on_event` is then also called from the writer thread: make it enqueue (paho is not
+  thread-safe), not publish.
 - Lines may be whole batches (a JSON array of records, as the transport delivered them): no
   re-encoding in the sink's thread; readers expand them (`read_records`, Spark's JSON reader).
 - gzip level 1 by default: about 3x faster than level 6 for ~25% larger files.
@@ -265,6 +267,8 @@ class Spool:
         now = self.clock()
         events: List[SpoolEvent] = []
         with self._lock:
+            if self._stopping:
+                raise RuntimeError(f"spool {self.dir} is closed")
             stored, used = 0, self._used()
             self._maybe_resume(now, used, events)
             for line in lines:
@@ -357,10 +361,10 @@ class Spool:
     def close(self) -> None:
         """Write what is queued, close every open file, stop the writer thread."""
         self.rotate_all()
+        with self._lock:
+            self._stopping = True
+            self._work.notify_all()
         if self._thread is not None:
-            with self._lock:
-                self._stopping = True
-                self._work.notify_all()
             self._thread.join()
             self._thread = None
 
