@@ -329,3 +329,52 @@ def test_watch_and_why_explain_decisions_carried_in_agent_state(capsys, mosquitt
         assert [(d["type"], d["reason"]["load"]) for d in got] == [("scale_in", 100.0), ("scale_out", 600.0)]
     finally:
         a.stop()
+
+
+def test_latency_shows_what_the_real_latency_measurers_published(capsys, mosquitto) -> None:
+    """Three agent.runtime.latency measurers ping each other through the broker; every row
+    fogctl shows is exactly a row that node published (measured and emulated)."""
+    from agent.runtime.latency import LatencyCore, MqttLatencyAgent
+
+    cluster = "l" + uuid.uuid4().hex[:8]
+    names = ["n1", "n2", "n3"]
+    published: dict = {n: [] for n in names}
+    agents = []
+    for k, n in enumerate(names):
+        core = LatencyCore(n, cluster, period=0.2, emulated={p: 25.0 * (k + 1) for p in names if p != n})
+        core.set_neighbours([p for p in names if p != n])
+        a = MqttLatencyAgent(core, mosquitto.host, mosquitto.port, client_id=f"lat-{cluster}-{n}")
+
+        def record(topic, payload, retain=False, a=a, n=n, orig=a._publish):
+            if retain:
+                published[n].append(json.loads(payload))
+            orig(topic, payload, retain)
+
+        a._publish = record
+        agents.append(a.start())
+    try:
+        assert wait_for_rows(agents, names, timeout=15)
+    finally:
+        for a in agents:
+            a.stop()
+    time.sleep(0.3)
+    code, out, err = run(capsys, mosquitto, cluster, "--json", "latency")
+    assert code == 0, err
+    doc = json.loads(out)
+    for k, n in enumerate(names):
+        rows = [d["rtt_ms"] for d in published[n]]
+        assert doc["measured_ms"][n] in rows
+        assert set(doc["measured_ms"][n]) == {p for p in names if p != n}
+        assert all(v > 0 for v in doc["measured_ms"][n].values())
+        assert doc["emulated_ms"][n] == {p: 25.0 * (k + 1) for p in names if p != n}
+    code, out, _ = run(capsys, mosquitto, cluster, "latency")
+    assert "measured RTT (ms)" in out and "configured emulated delay (ms)" in out
+
+
+def wait_for_rows(agents, names, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(set(a.core.row.value) >= {p for p in names if p != a.core.node} for a in agents):
+            return True
+        time.sleep(0.1)
+    return False
