@@ -293,13 +293,14 @@ def test_supervisor_counts_junk_on_stdout(tmp_path: Path) -> None:
 
 class AgentProc:
     def __init__(self, tmp_path: Path, broker: Any, node: str, fake_worker: List[str], slots: int = 2,
-                 cluster: str = "t", shutdown_timeout: float = 3.0, env: Optional[Dict[str, str]] = None) -> None:
+                 cluster: str = "t", shutdown_timeout: float = 3.0, env: Optional[Dict[str, str]] = None,
+                 port: Optional[int] = None, extra_toml: str = "") -> None:
         self.node = node
         self.conf = tmp_path / f"{node}.toml"
         self.conf.write_text(
             f'[agent]\nnode = "{node}"\ncluster = "{cluster}"\nslots = {slots}\nstate_dir = "{tmp_path}/state-{node}"\n'
             f"state_period = 0.5\nheartbeat_period = 0.2\nshutdown_timeout = {shutdown_timeout}\n"
-            f'[mqtt]\nhost = "{broker.host}"\nport = {broker.port}\n[metrics]\nport = 0\n'
+            f'[mqtt]\nhost = "{broker.host}"\nport = {port or broker.port}\n[metrics]\nport = 0\n' + extra_toml
         )
         self.log = open(tmp_path / f"{node}.log", "w")
         e = dict(os.environ)
@@ -486,3 +487,47 @@ def test_sd_notify_ready_and_watchdog(tmp_path: Path, mosquitto: Any, fake_worke
     finally:
         sock.close()
         agent.stop()
+
+
+@pytest.mark.broker
+def test_placement_prefers_the_lower_latency_node_once_measured(tmp_path: Path, mosquitto: Any, fake_worker: List[str]) -> None:
+    """b1 is full; b3 has more free slots but sits behind an 80 ms link: the new sibling of an
+    instance on b1 goes to b2 (measured RTT to b1 is lower), not to the roomier b3."""
+    from agent import topics
+    from agent.runtime.delayproxy import DelayProxy
+
+    cluster = "t5"
+    fake_log = tmp_path / "fake.log"
+    proxy = DelayProxy((mosquitto.host, mosquitto.port), rtt_ms=80).start()
+    lat = "[latency]\nperiod = 0.5\n"
+    agents = [AgentProc(tmp_path, mosquitto, "b1", fake_worker, slots=1, cluster=cluster, extra_toml=lat),
+              AgentProc(tmp_path, mosquitto, "b2", fake_worker, slots=1, cluster=cluster, extra_toml=lat),
+              AgentProc(tmp_path, mosquitto, "b3", fake_worker, slots=3, cluster=cluster, extra_toml=lat,
+                        port=proxy.port)]
+    watcher = Watcher(mosquitto, cluster)
+
+    def rows() -> Dict[str, Dict[str, float]]:
+        raw = watcher.client.snapshot(f"{topics.base(cluster)}/latency/+", settle=0.2)
+        return {t.split("/")[3]: json.loads(p).get("rtt_ms", {}) for t, p in raw.items() if p}
+
+    try:
+        def measured() -> bool:
+            r = rows()
+            return (r.get("b1", {}).get("b3", 0) > 60 and 0 < r.get("b1", {}).get("b2", 999) < 40
+                    and 0 < r.get("b2", {}).get("b1", 999) < 40 and r.get("b3", {}).get("b1", 0) > 60)
+        assert wait_until(measured, 20), rows()
+        child = {"operator": "work", "preds": ["p.work.0"], "extra": {"fake_log": str(fake_log), "fake": {}}}
+        spawner = {"instance": "p.work.0", "operator": "work", "pipeline": "p", "pipeline_toml": PIPELINE,
+                   "extra": {"fake_log": str(fake_log), "fake": {"spawn": [{"after": 0.5, "spec": child}]}}}
+        assert watcher.client.call("b1", {"op": "spawn", "spec": spawner}, timeout=10)["ok"]
+        assert wait_until(lambda: any(e["event"] == "spawned" for e in read_log(fake_log)), 20)
+        reply = next(e["msg"] for e in read_log(fake_log) if e["event"] == "spawned")
+        assert reply["ok"] and reply["node"] == "b2", reply
+    finally:
+        watcher.close()
+        for a in agents:
+            a.proc.send_signal(signal.SIGTERM)
+        for a in agents:
+            a.proc.wait(timeout=10)
+            a.stop()
+        proxy.stop()

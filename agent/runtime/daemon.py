@@ -145,6 +145,7 @@ class Agent:
         self.online: Dict[str, bool] = {}
         self.latency: Dict[str, Dict[str, float]] = {}
         self._reserved: Dict[str, int] = {}  # remote slots we asked for since their last state
+        self.latency_core = _latency_core(cfg)  # RTT to the other agents (issue 6), if installed
         # createNode() bookkeeping
         self._awaiting_ready: Dict[str, SpawnJob] = {}  # instance id -> job, local start
         self._calls = rpc.PendingCalls()  # remote starts
@@ -215,6 +216,8 @@ class Agent:
             (topics.all_agents_status(self.cluster), 1),
             (f"{topics.base(self.cluster)}/latency/+", 1),
         ]
+        if self.latency_core is not None:
+            subs.extend((t, 0) for t in self.latency_core.subscriptions())
         c.subscribe(subs)
         self._publish(topics.agent_status(self.cluster, self.node), b"online", retain=True)
         self._state_dirty = True
@@ -303,6 +306,14 @@ class Agent:
             and now - self._started > self.connect_timeout
         ):
             raise Halt(f"no broker at {self.broker.host}:{self.broker.port} after {self.connect_timeout}s", EXIT_UNAVAILABLE)
+        if self.connected and self.latency_core is not None:
+            core = self.latency_core
+            core.set_neighbours(n for n in self.fleet if n != self.node and self.online.get(n, False))
+            for topic, payload in core.poll(now):
+                self._publish(topic, payload, qos=0)
+            if core.dirty:
+                topic, payload = core.retained(self.wall())
+                self._publish(topic, payload, retain=True)
         if self.connected:
             due = now - self._last_state >= self.cfg.agent.state_period
             if due or (self._state_dirty and now - self._last_state >= STATE_MIN_INTERVAL):
@@ -544,6 +555,9 @@ class Agent:
             self.online[parts[3]] = msg.payload == b"online"
         elif len(parts) == 4 and parts[2] == "latency":
             self.latency[parts[3]] = nodestate.parse_latency(msg.payload)
+        elif len(parts) == 5 and parts[2] == "latency" and self.latency_core is not None:
+            for out_topic, payload in self.latency_core.on_message(topic, msg.payload, now):
+                self._publish(out_topic, payload, qos=0)
 
     def _on_rpc_request(self, msg: Any, now: float) -> None:
         self.counters["rpc_requests"] += 1
@@ -682,6 +696,15 @@ class Agent:
                 pass
         c.disconnect()
         c.loop_stop()
+
+
+def _latency_core(cfg: AgentConfig) -> Any:
+    """The latency measurement core of issue 6 when installed (placement works without it)."""
+    try:
+        from agent.runtime.latency import LatencyCore
+    except ImportError:
+        return None
+    return LatencyCore(cfg.agent.node, cfg.agent.cluster, period=cfg.latency.period, smoothing=cfg.latency.smoothing)
 
 
 def _num(v: Any) -> Optional[float]:
