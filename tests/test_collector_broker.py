@@ -11,7 +11,7 @@ from typing import Dict
 import pytest
 
 from agent.collector.service import Collector
-from agent.runtime.shipper import MqttShipper, Outgoing, decode_chunk
+from agent.runtime.shipper import MqttShipper, Outgoing
 from agent.runtime.spool import Spool, file_id, read_records
 
 pytestmark = pytest.mark.broker

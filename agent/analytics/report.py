@@ -7,6 +7,7 @@ trips per window, and the demand/supply series (thinned to at most MAX_POINTS pe
 
 from __future__ import annotations
 
+import datetime
 import math
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -75,10 +76,12 @@ def write_report(spark: Any, out: Path, landing: Path, elapsed: float) -> Path:
         md.append(f"{total} trips in {len(per_window)} windows; {outside} outside the 300 x 300 grid "
                   f"(not routed). The {len(busiest)} busiest windows:\n")
         fig, ax = plt.subplots(figsize=(9, 3.5))
-        ax.plot([r["window_start"] for r in per_window], [r["trips_in_grid"] for r in per_window],
-                drawstyle="steps-post", label="in grid")
-        ax.plot([r["window_start"] for r in per_window], [r["trips_outside_grid"] for r in per_window],
-                drawstyle="steps-post", label="outside grid")
+        xs = [r["window_start"] for r in per_window]
+        if xs:  # close the last step at its window's end
+            xs = xs + [xs[-1] + datetime.timedelta(minutes=30)]
+        for key, label in (("trips_in_grid", "in grid"), ("trips_outside_grid", "outside grid")):
+            ys = [r[key] for r in per_window]
+            ax.plot(xs, ys + ys[-1:], drawstyle="steps-post", label=label)
         ax.set_ylabel("trips per 30 min")
         ax.set_title("Trips that reached the sink, by drop-off window")
         ax.legend()

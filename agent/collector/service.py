@@ -14,7 +14,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any, List, Optional
 
 from agent.collector.core import CollectorCore
