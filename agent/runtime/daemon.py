@@ -30,7 +30,6 @@ import logging
 import os
 import queue
 import signal
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import signal
 import subprocess
@@ -464,23 +463,28 @@ def run_demo(
         if live:
             print(_header(operators), file=out)
         t0 = time.monotonic()
-        last_t, last = t0, monitor.totals()
+        last = monitor.totals()
+        # rates over a sliding window: stats arrive with the agents' state (every state_period),
+        # so a 1 s difference would alias between 0 and twice the real rate
+        history: List[Tuple[float, Dict[str, float]]] = [(t0, last)]
         max_inst: Dict[str, int] = {op: 0 for op in operators}
         stable_since: Optional[float] = None
         while True:
             time.sleep(1.0)
             now = time.monotonic()
             tot = monitor.totals()
-            dt = max(1e-6, now - last_t)
             inst = monitor.instances_per_operator()
-            s = Sample(now - t0, (tot["generated"] - last["generated"]) / dt, (tot["recorded"] - last["recorded"]) / dt, inst)
+            history.append((now, tot))
+            ht, hv = history[max(0, len(history) - 4)]
+            span = max(1e-6, now - ht)
+            s = Sample(now - t0, (tot["generated"] - hv["generated"]) / span, (tot["recorded"] - hv["recorded"]) / span, inst)
             samples.append(s)
             for op in operators:
                 max_inst[op] = max(max_inst[op], inst.get(op, 0))
             if live:
                 print(_row(s, operators), file=out, flush=True)
             quiet = tot["generated"] == last["generated"] and tot["recorded"] == last["recorded"]
-            last_t, last = now, tot
+            last = tot
             if now - t0 < profile_end:
                 continue
             back = all(inst.get(op, 0) <= 1 for op in operators)

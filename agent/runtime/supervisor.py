@@ -19,7 +19,6 @@ from __future__ import annotations
 import enum
 import json
 import logging
-import os
 import signal
 import subprocess
 import sys
