@@ -20,7 +20,7 @@ from agent.runtime.routing import Outbox, Router, key_group
 def test_envelope_round_trips_every_kind() -> None:
     for env in (
         Envelope("a-0", 3, 7, Kind.DATA, [("src-0", 5, {"x": 1}), ("src-1", 0, [1, 2])]),
-        Envelope("a-0", 0, 1, Kind.ACK, 42),
+        Envelope("a-0", 0, 1, Kind.ACK, (2, 42)),
         Envelope("a-0", 0, 2, Kind.PROTO, {"type": "deletion", "sender": "a-0", "stage": 1, "round": 1}),
     ):
         assert decode(encode(env)) == env
@@ -41,6 +41,8 @@ def test_envelope_round_trips_every_kind() -> None:
         b"[1, \"a\", -1, 1, \"a\", 1]",
         b"[1, \"a\", 0, 0, \"a\", 1]",
         b"[1, \"a\", 0, 1, \"a\", -5]",
+        b"[1, \"a\", 0, 1, \"a\", [1]]",
+        b"[1, \"a\", 0, 1, \"a\", 5]",
         b"[1, \"a\", 0, 1, \"d\", {}]",
         b"[1, \"a\", 0, 1, \"d\", [[\"s\", -1, 1]]]",
         b"[1, \"a\", 0, 1, \"d\", [[\"s\", 1]]]",
@@ -152,9 +154,13 @@ def test_ack_tracker_releases_only_fully_forwarded_inputs() -> None:
     i2 = t.processed("p", 2)
     i3 = t.processed("q", 1)
     assert t.release(i1) == {}  # output of batch 1 still pending
-    assert t.release(i2) == {"p": 1}
-    assert t.release(None) == {"p": 2, "q": 1}
+    assert t.release(i2) == {"p": (0, 1)}
+    assert t.release(None) == {"p": (0, 2), "q": (0, 1)}
     assert t.waiting() == 0 and i3 == 3
+    # a sender restarted (epoch 1, numbering from 1 again): only its new incarnation is acked
+    t.processed("p", 40, epoch=0)
+    t.processed("p", 1, epoch=1)
+    assert t.release(None) == {"p": (1, 1)}
 
 
 # ---- routing and batching --------------------------------------------------------------------
@@ -199,3 +205,21 @@ def test_keyed_routing_is_consistent_and_reroutes_on_removal() -> None:
     assert "y" not in dests and sum(len(it) for _, it, _ in out) == 60
     seen = [it[1] for _, its, _ in out for it in its if it[2]["k"] == 3]
     assert seen == sorted(seen)  # per-key order kept through the re-route
+
+
+def test_compact_data_encoding_round_trips_and_falls_back() -> None:
+    from agent.runtime.taxi import sample
+
+    recs = sample(1, 50)
+    batch = [("src-0", i, r) for i, r in enumerate(recs)]
+    raw = encode_data("a", 0, 1, batch)
+    assert b'"k":' in raw  # keys written once
+    assert decode(raw).body == batch
+    mixed = batch[:3] + [("src-0", 99, {"other": 1})]
+    assert decode(encode_data("a", 0, 2, mixed)).body == mixed  # not one schema: plain list
+    odd = [("s", 1, [1, 2]), ("s", 2, "x")]
+    assert decode(encode_data("a", 0, 3, odd)).body == odd
+    for bad in (b'[1,"a",0,1,"d",{"k":["x"],"r":[["s",1,[1,2]]]}]', b'[1,"a",0,1,"d",{"k":[1],"r":[]}]',
+                b'[1,"a",0,1,"d",{"k":["x"],"r":[["s",-1,[1]]]}]', b'[1,"a",0,1,"d",{"k":["x"]}]'):
+        with pytest.raises(MalformedEnvelope):
+            decode(bad)

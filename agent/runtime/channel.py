@@ -51,12 +51,15 @@ class Inbound:
         self.stats = ChannelStats()
         self.gaps_skipped = 0
         self.changed = False  # set on every state change; the owner persists and clears it
+        self.resync_unknown = False  # set by restore(): senders missing from the snapshot resync
 
     def receive(self, env: Envelope) -> List[Envelope]:
         """Accept one envelope; return the envelopes now deliverable in sender order."""
         ch = self._chans.get(env.sender)
         if ch is None:
-            ch = self._chans[env.sender] = _In(env.epoch, 1)
+            # A restarted receiver may have lost a sender's position with the rest of a lagging
+            # snapshot (or the whole snapshot): it cannot assume the sender starts at 1.
+            ch = self._chans[env.sender] = _In(env.epoch, 1, resync=self.resync_unknown)
         if env.epoch < ch.epoch:
             self.stats.stale_epoch += 1
             return []
@@ -92,6 +95,17 @@ class Inbound:
         self.changed = True
         return out
 
+    def gaps(self) -> Dict[str, Any]:
+        """Senders whose next envelope is missing: {sender: [epoch, expected seq, lowest waiting]}."""
+        return {s: [c.epoch, c.next_seq, min(c.pending)] for s, c in self._chans.items() if c.pending}
+
+    def waiting_total(self) -> int:
+        return sum(len(c.pending) for c in self._chans.values())
+
+    def epoch_of(self, sender: str) -> Optional[int]:
+        ch = self._chans.get(sender)
+        return ch.epoch if ch else None
+
     def waiting(self, sender: str) -> int:
         ch = self._chans.get(sender)
         return len(ch.pending) if ch else 0
@@ -105,6 +119,7 @@ class Inbound:
 
     def restore(self, snap: Dict[str, Any], resync: bool = True) -> None:
         self._chans = {s: _In(int(e), int(n), resync=resync) for s, (e, n) in snap.items()}
+        self.resync_unknown = resync
 
 
 class Outbound:

@@ -234,6 +234,15 @@ class LocalRunner:
         except Exception as exc:  # noqa: BLE001
             parent.send("spawned", request=msg.get("request"), ok=False, error=str(exc)[:200])
 
+    def restart(self, instance: str) -> WorkerProc:
+        """Start a dead worker again with the same identity (`restart = true`), like the agent."""
+        with self.lock:
+            old = self.workers[instance]
+        if old.proc.poll() is None:
+            raise RuntimeError(f"{instance} is still running")
+        old.close()
+        return self.start(replace(old.spec, restart=True))
+
     def alive(self) -> List[WorkerProc]:
         with self.lock:
             return [w for w in self.workers.values() if w.proc.poll() is None]
@@ -497,7 +506,10 @@ def _baseline_rss() -> float:
 
 
 def _cmd(args: argparse.Namespace) -> int:
-    res = run_bench(seconds=args.seconds, batch_size=args.batch_size, record=args.record)
+    res = run_bench(
+        seconds=args.seconds, batch_size=args.batch_size, record=args.record, window=args.window,
+        rescale=args.rescale_cycles,
+    )
     if args.json:
         print(json.dumps(res, indent=2, sort_keys=True, default=str))
     else:
@@ -509,6 +521,18 @@ def _cmd(args: argparse.Namespace) -> int:
         print(f"ratio: {res['ratio']:.2f} (goal >= 0.5)")
         rss = res["rss_mb"]
         print(f"RSS idle worker {rss['idle_worker']:.1f} MB (python+paho baseline {rss['python_paho_baseline']:.1f} MB; goal < 40 MB)")
+        rs = res.get("rescale")
+        if rs:
+            d = rs["decision_to_first_record_s"]
+            med = "n/a" if d["median"] is None else f"{d['median']:.2f}"
+            mx = "n/a" if d["max"] is None else f"{d['max']:.2f}"
+            low = rs["min_output_over_input_1s"]
+            print(f"rescale: {rs['scale_outs']} scale-outs, {rs['scale_ins']} scale-ins; decision -> first record "
+                  f"median {med} s, max {mx} s (goal < 1 s)")
+            print(f"lowest 1 s output/input during scale-out: {'n/a' if low is None else f'{low:.2f}'} (goal >= 0.9); "
+                  f"records {rs['records']}, lost {rs['lost']}, duplicated {rs['duplicated']}")
+    if res.get("rescale") and (res["rescale"]["lost"] or res["rescale"]["duplicated"]):
+        return 1
     return 0
 
 
@@ -517,5 +541,7 @@ def register_bench(groups: Any) -> None:
     p.add_argument("--seconds", type=float, default=8.0, help="measurement time of each part")
     p.add_argument("--batch-size", type=int, default=100)
     p.add_argument("--record", choices=("taxi", "tiny"), default="taxi")
+    p.add_argument("--window", type=int, default=8, help="max_inflight_batches of each operator")
+    p.add_argument("--rescale-cycles", type=int, default=3, help="step-load cycles of the rescale part (0: skip)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd)

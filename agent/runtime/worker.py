@@ -93,8 +93,8 @@ class Worker:
         saved = self._load_state()
         self.epoch = int(saved.get("epoch", -1)) + 1 if saved else 0
         self.inbound = Inbound()
-        if spec.restart and saved.get("inbound"):
-            self.inbound.restore(saved["inbound"], resync=True)
+        if spec.restart:
+            self.inbound.restore(saved.get("inbound") or {}, resync=True)
         self.outbound = Outbound(self.epoch)
 
         ctx = OperatorContext(
@@ -119,7 +119,7 @@ class Worker:
         self.queues: Dict[str, Deque[Envelope]] = {}
         self.pending_pub: Dict[int, int] = {}  # mid -> lowest process index it carries
         self.retry: Deque[Tuple[str, bytes, int]] = deque()  # (topic, payload, lowest index)
-        self.ack_due: Dict[str, int] = {}
+        self.ack_due: Dict[str, Tuple[int, int]] = {}  # sender -> (its epoch, data seq)
         self.ack_since: Optional[float] = None
         self.busy_until = 0.0
         self.high_water = 2 * self.op.batch_size
@@ -162,6 +162,7 @@ class Worker:
         self._last_heartbeat = 0.0
         self._sent_to_removed: Set[str] = set()
         self._final = False
+        self._last_source_write = -1e9
         self.first_record_at: Optional[float] = None
         self._terminate_reason = ""
         self._period_start = clock()
@@ -181,6 +182,11 @@ class Worker:
             self.transport.subscribe(topic)
         self._write_state(force=True)
         now = self.clock()
+        if self.spec.restart and self.scaling is not None:
+            # Tell each predecessor we are a new incarnation (an ack of nothing, numbered in our
+            # new epoch): it replays what we had not acknowledged (see _replay_to).
+            for pred in sorted(self.scaling.core.preds):
+                self.send_envelope(pred, Kind.ACK, [0, 0])
         if self.is_source:
             self.operator.start(now)
         self._period_start = now
@@ -261,6 +267,9 @@ class Worker:
                 log.warning("malformed payload on inbox from %s skipped: %s", who, exc, extra=self.ctx)
             return
         before = self.inbound.stats.duplicates + self.inbound.stats.stale_epoch
+        known = self.inbound.epoch_of(env.sender)
+        if env.sender in self.links and env.epoch > (known if known is not None else 0):
+            self._replay_to(env.sender)  # the successor restarted: it may have lost what it held
         # INVARIANT 1 (FIFO channel): envelopes are delivered in each sender's numbering, once.
         for e in self.inbound.receive(env):
             if e.kind is Kind.ACK:
@@ -274,11 +283,36 @@ class Worker:
                 q.append(e)
         self.stats["duplicate_envelopes"] += self.inbound.stats.duplicates + self.inbound.stats.stale_epoch - before
 
+    def _replay_to(self, dest: str) -> None:
+        """Send every batch `dest` has not acked again, renumbered on the current channel.
+
+        A worker restarted with the same identity (new epoch) has lost the batches it had taken
+        from the broker but not yet forwarded; we still hold them (replay buffer). Records it had
+        already forwarded come twice: the sink drops duplicate record ids."""
+        link = self.links[dest]
+        old = link.unacked()
+        if not old:
+            return
+        topic = topics.inbox(self.spec.cluster, dest)
+        now = self.clock()
+        for u in old:
+            items = decode(u.payload).body
+            seq = self.outbound.take(dest)
+            payload = encode_data(self.spec.instance, self.epoch, seq, items)
+            link.replace(u.seq, seq, payload, now)
+            self._publish_tracked(topic, payload, self.tracker.last_index + 1)
+        self.stats["replayed_batches"] = self.stats.get("replayed_batches", 0) + len(old)
+        log.warning("%s restarted: replayed %d unacked batches", dest, len(old), extra=self.ctx)
+
     def _on_ack(self, env: Envelope) -> None:
         self.stats["acks_in"] += 1
         link = self.links.get(env.sender)
+        epoch, upto = env.body
+        if epoch != self.epoch:
+            self.stats["stale_acks"] = self.stats.get("stale_acks", 0) + 1  # for a dead incarnation
+            return
         if link is not None:
-            link.ack(int(env.body))
+            link.ack(upto)
             if link.inflight == 0 and env.sender not in self.router.succs:
                 del self.links[env.sender]  # a departed successor acked everything we sent it
 
@@ -328,7 +362,7 @@ class Worker:
             self.first_record_at = time.time()  # wall clock: compared across processes (bench)
         self.stats["records_in"] += n
         self.stats["batches_in"] += 1
-        index = self.tracker.processed(env.sender, env.seq)
+        index = self.tracker.processed(env.sender, env.seq, env.epoch)
         if self.is_sink:
             self._record(items, index)
         else:
@@ -462,9 +496,9 @@ class Worker:
     def _send_acks(self, now: float) -> None:
         """Ack inputs processed AND forwarded (PUBACKed) or recorded; coalesced for ACK_DELAY."""
         done = self.tracker.release(self._lowest_pending())
-        for sender, seq in done.items():
-            if seq > self.ack_due.get(sender, 0):
-                self.ack_due[sender] = seq
+        for sender, pos in done.items():
+            if pos > self.ack_due.get(sender, (-1, 0)):
+                self.ack_due[sender] = pos
         self._unacked_batches += self.tracker.last_released
         if not self.ack_due:
             return
@@ -473,8 +507,8 @@ class Worker:
         # One ack per `ack_every` batches (a quarter of the predecessor's window) or after
         # ACK_DELAY: credit comes back in time while acks cost a fraction of a message per batch.
         if self._unacked_batches >= self.ack_every or now - self.ack_since >= ACK_DELAY or self._stopping:
-            for sender, seq in sorted(self.ack_due.items()):
-                self.send_envelope(sender, Kind.ACK, seq)
+            for sender, (epoch, seq) in sorted(self.ack_due.items()):
+                self.send_envelope(sender, Kind.ACK, [epoch, seq])
                 self.stats["acks_sent"] += 1
             self.ack_due.clear()
             self.ack_since = None
@@ -579,6 +613,11 @@ class Worker:
             outbox=self.outbox.pending,
             queued=sum(len(q) for q in self.queues.values()),
             gaps_skipped=self.inbound.gaps_skipped,
+            reorder_waiting=self.inbound.waiting_total(),
+            gaps=self.inbound.gaps(),
+            unpubacked=len(self.pending_pub) + len(self.retry),
+            paho_out=self.transport.pending_out(),
+            connected=self.transport.connected,
             service_time_ms=self.service_time * 1000,
             first_record_at=self.first_record_at,
             at=time.time(),
@@ -591,7 +630,8 @@ class Worker:
     def _heartbeat(self, now: float) -> None:
         self._last_heartbeat = now
         self._emit("heartbeat", stats=self.snapshot_stats())
-        if self.is_source:
+        if self.is_source and now - self._last_source_write >= 2.0:  # a rename costs ~5-20 ms here
+            self._last_source_write = now
             self._write_source_stats()
 
     def measure_load(self, now: float) -> float:
