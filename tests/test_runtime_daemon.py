@@ -531,3 +531,40 @@ def test_placement_prefers_the_lower_latency_node_once_measured(tmp_path: Path, 
             a.proc.wait(timeout=10)
             a.stop()
         proxy.stop()
+
+
+def test_keeper_specs_chain_the_pipeline_and_are_keepers() -> None:
+    from agent.config import load_pipeline_text
+    from agent.runtime.deploy import keeper_specs
+
+    specs = keeper_specs(load_pipeline_text(PIPELINE), PIPELINE, "c", BrokerSpec("h", 1), {"sink_dir": "/x"})
+    assert [s.instance for s in specs] == ["p.source.0", "p.work.0", "p.sink.0"]
+    assert [s.succs for s in specs] == [("p.work.0",), ("p.sink.0",), ()]
+    assert [s.preds for s in specs] == [(), ("p.source.0",), ("p.work.0",)]
+    assert all(s.keeper and s.active and s.extra == {"sink_dir": "/x"} and s.pipeline_toml == PIPELINE for s in specs)
+
+
+def test_a_request_cannot_override_node_local_fields(tmp_path: Path) -> None:
+    """A spawn request from another node names the instance and its routes; the broker, node,
+    state_dir and heartbeat are always the hosting agent's own."""
+    from agent.config import load_agent_config
+    from agent.runtime.daemon import Agent
+
+    conf = tmp_path / "a.toml"
+    conf.write_text(f'[agent]\nnode = "me"\ncluster = "c"\nstate_dir = "{tmp_path}"\nheartbeat_period = 0.3\n'
+                    '[mqtt]\nhost = "10.0.0.1"\nport = 1884\n')
+    agent = Agent(load_agent_config(conf))
+    hostile = {"instance": "p.work.7", "operator": "work", "pipeline": "p", "pipeline_toml": PIPELINE,
+               "node": "elsewhere", "cluster": "other", "state_dir": "/etc", "heartbeat_period": 99.0,
+               "broker": {"host": "evil", "port": 1}, "succs": ["p.sink.0"], "keeper": True}
+    spec = agent._spec_from(hostile, template=None)
+    assert (spec.node, spec.cluster, spec.state_dir, spec.heartbeat_period) == ("me", "c", str(tmp_path), 0.3)
+    assert (spec.broker.host, spec.broker.port) == ("10.0.0.1", 1884)
+    assert spec.instance == "p.work.7" and spec.succs == ("p.sink.0",)
+    # a worker's request without an id gets a fresh one, never its requester's identity
+    template = agent._spec_from(hostile, template=None)
+    child = agent._spec_from({"operator": "work"}, template=template)
+    assert child.instance != template.instance and not child.keeper and child.pipeline == "p"
+    for bad in ({"operator": "work", "instance": "a/b"}, {"instance": "x"}):
+        with pytest.raises(ValueError):
+            agent._spec_from(bad, template=None)
