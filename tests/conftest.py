@@ -65,6 +65,7 @@ autosave_interval 5
 max_queued_messages {max_queued}
 max_inflight_messages 100
 max_keepalive 60
+set_tcp_nodelay true
 sys_interval 1
 log_dest file {log}
 log_type error
