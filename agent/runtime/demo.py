@@ -583,8 +583,10 @@ def plot_demo(samples: Sequence[Sample], operators: Sequence[str], path: Path) -
     ax1.set_xlabel("time (s)")
     ax1.set_ylabel("records/s")
     ax2 = ax1.twinx()
-    for op in operators[1:-1]:
-        ax2.step(t, [s.instances.get(op, 0) for s in samples], where="post", label=f"{op} instances", linestyle="--")
+    colors = ["tab:orange", "tab:purple", "tab:red", "tab:brown", "tab:gray"]
+    for i, op in enumerate(operators[1:-1]):
+        ax2.step(t, [s.instances.get(op, 0) for s in samples], where="post", label=f"{op} instances",
+                 linestyle="--", color=colors[i % len(colors)])
     ax2.set_ylabel("instances")
     ax2.set_ylim(bottom=0)
     lines = ax1.get_legend_handles_labels()
