@@ -69,6 +69,13 @@ class Message:
         _check_id("sender", self.sender)
         _check_int("stage", self.stage)
 
+    @classmethod
+    def trusted(cls, **values: Any) -> "Message":
+        """Build without validation: only for values a core already validated (hot path)."""
+        obj = object.__new__(cls)
+        obj.__dict__.update(values)
+        return obj
+
     def to_dict(self) -> Dict[str, Any]:
         out: Dict[str, Any] = {"type": self.type}
         for f in fields(self):

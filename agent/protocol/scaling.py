@@ -338,7 +338,8 @@ class ScalingCore:
                 table.update(new)
                 out.extend(self._routes_changed())
         # DEPARTING: input closed and drained, we send nothing any more: just acknowledge.
-        out.append(Send(msg.sender, DuplicationAck(self.instance_id, self.stage, msg.round)))
+        out.append(Send(msg.sender, DuplicationAck.trusted(
+            sender=self.instance_id, stage=self.stage, round=msg.round)))
         return out
 
     def _on_deletion(self, msg: Deletion) -> List[Output]:
@@ -352,7 +353,8 @@ class ScalingCore:
                 table.discard(msg.sender)
                 if self.state in FORWARDING:
                     out.extend(self._routes_changed())
-        out.append(Send(msg.sender, DeletionAck(self.instance_id, self.stage, msg.round)))
+        out.append(Send(msg.sender, DeletionAck.trusted(
+            sender=self.instance_id, stage=self.stage, round=msg.round)))
         return out
 
     def _on_start(self, msg: Start) -> List[Output]:

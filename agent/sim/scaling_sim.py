@@ -211,12 +211,14 @@ class _Sim:
 
     def _send(self, src: str, dest: str, msg: Message) -> None:
         cfg = self.cfg
-        d = cfg.delay_min if cfg.delay_min == cfg.delay_max else self.rng.randint(cfg.delay_min, cfg.delay_max)
-        at = self.now + d
-        last = self.link_last.get((src, dest), 0)
-        if at < last:
-            at = last  # FIFO per link: never overtake an earlier message on the same channel
-        self.link_last[(src, dest)] = at
+        if cfg.delay_min == cfg.delay_max:
+            at = self.now + cfg.delay_min  # fixed delay: FIFO per link holds by construction
+        else:
+            at = self.now + self.rng.randint(cfg.delay_min, cfg.delay_max)
+            last = self.link_last.get((src, dest), 0)
+            if at < last:
+                at = last  # FIFO per link: never overtake an earlier message on the same channel
+            self.link_last[(src, dest)] = at
         self.queue[at].append((src, dest, msg))
         self.sent_this_step += 1
         self.in_flight += 1
