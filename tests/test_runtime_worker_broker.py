@@ -38,13 +38,27 @@ def expected_ids(seed: int, instance: str, n: int, ops=("validate", "in_zone")) 
     return out
 
 
+RUNNERS: List[LocalRunner] = []
+
+
+def fleet_summary() -> str:
+    """Per worker: counters that tell a stall (gaps, queues, credit) from slowness."""
+    keys = ("records_in", "records_out", "queued", "outbox", "inflight", "gaps", "unpubacked", "state")
+    lines = []
+    for r in RUNNERS:
+        for w in r.workers.values():
+            alive = w.proc.poll() is None
+            lines.append(f"  {w.instance} alive={alive} " + " ".join(f"{k}={w.stats.get(k)}" for k in keys))
+    return "\n".join(lines)
+
+
 def wait_for(pred, timeout: float, what: str, step: float = 0.1) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if pred():
             return
         time.sleep(step)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{fleet_summary()}")
 
 
 class SysWatch:
@@ -76,6 +90,7 @@ class SysWatch:
 @pytest.fixture
 def runner(tmp_path: Path):
     r = LocalRunner(tmp_path)
+    RUNNERS[:] = [r]
     yield r
     r.stop_all(timeout=10)
 
