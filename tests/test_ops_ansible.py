@@ -138,6 +138,7 @@ def deployed(tmp_path_factory: pytest.TempPathFactory) -> Deployment:
                 "fog_agent_cluster": CLUSTER,
                 "fog_agent_mqtt_port": port,
                 "fog_agent_mqtt_password": PASSWORDS["n1"],
+                "fog_agent_metrics_port": 0,
                 "fog_agent_pipelines": [{"name": "taxi", "src": str(ROOT / "examples/pipeline.toml")}],
                 # fog_netem
                 "fog_netem_enabled": True,
@@ -444,3 +445,46 @@ def test_rendered_broker_has_explicit_queue_limits_and_persistence(deployed: Dep
     passwd = (deployed.prefix / "etc/mosquitto/fog.passwd").read_text()
     assert all(pw not in passwd for pw in PASSWORDS.values())  # hashed, never in clear
     assert passwd.count("$7$101$") == len(PASSWORDS)
+
+
+def test_installed_agent_runs_against_the_rendered_broker(broker: Deployment, tmp_path: Path) -> None:
+    """The deployed pieces fit together: the agent from the venv, with the rendered agent.toml and
+    its password file, passes the rendered ACL (retained online status and state as node n1) and
+    tells systemd it is ready."""
+    from agent import topics
+
+    sock_path = tmp_path / "notify.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(sock_path))
+    sock.settimeout(0.2)
+    p = broker.prefix
+    env = dict(broker.env, NOTIFY_SOCKET=str(sock_path))
+    agent = subprocess.Popen([str(p / "opt/fog-agent/venv/bin/fog-agent"), "run", "--config", str(p / "etc/fog-agent/agent.toml")],
+                             stdout=open(tmp_path / "agent.log", "w"), stderr=subprocess.STDOUT, env=env, cwd=str(tmp_path))
+    admin = Client(broker.port, "central", PASSWORDS["central"])
+    try:
+        got: List[str] = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not any("READY=1" in g for g in got):
+            try:
+                got.append(sock.recv(4096).decode())
+            except socket.timeout:
+                assert agent.poll() is None, (tmp_path / "agent.log").read_text()
+        assert any("READY=1" in g for g in got), (tmp_path / "agent.log").read_text()[-3000:]
+        assert admin.wait_connected()
+        admin.c.subscribe([(topics.agent_status(CLUSTER, "n1"), 1), (topics.agent_state(CLUSTER, "n1"), 1)])
+        deadline = time.monotonic() + 10
+        want = {topics.agent_status(CLUSTER, "n1"), topics.agent_state(CLUSTER, "n1")}
+        while time.monotonic() < deadline and not want <= {t for t, _ in admin.received}:
+            time.sleep(0.05)
+        received = dict(admin.received)
+        assert received.get(topics.agent_status(CLUSTER, "n1")) == b"online", received
+        assert json.loads(received[topics.agent_state(CLUSTER, "n1")])["node"] == "n1"
+        agent.send_signal(15)
+        assert agent.wait(timeout=20) == 0, (tmp_path / "agent.log").read_text()[-3000:]
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+        admin.close()
+        sock.close()
