@@ -806,6 +806,8 @@ class _ScalingDriver:
         while self.outputs:
             out = self.outputs[0]
             if isinstance(out, Send):
+                # INVARIANT 6 (the paper's message cost): exactly the core's Sends go out, one
+                # envelope each; data acks and heartbeats are separate (data plane, control pipe).
                 w.send_envelope(out.dest, Kind.PROTO, out.message.to_dict())
                 w.stats["protocol_out"] += 1
             elif isinstance(out, RoutesChanged) or isinstance(out, Activate):
