@@ -6,7 +6,7 @@ one row per record {"src", "seq"} or one row per range {"src", "first", "count"}
 of a source are consecutive). Sinks spill what arrived as kind "records" with "src" and "seq".
 Records that only carry a "record_id" use it as `src` with seq 0.
 
-Everything is joins and aggregations in Spark (anti-joins for missing / unexpected ids): the
+Everything is one full outer join of expected and arrived ids plus aggregations in Spark: the
 driver receives one summary row, never the ids themselves.
 """
 
@@ -80,19 +80,25 @@ def accounting(arrived: Any, generated: Optional[Any]) -> Dict[str, Any]:
             F.lit(None).cast("long").alias("missing"), F.lit(None).cast("long").alias("unexpected"),
             F.lit(None).cast("boolean").alias("exactly_once"))
         return out
-    expected = generated_keys(generated).distinct()
-    ids = counts.select("src", "seq")
-    missing = expected.join(ids, ["src", "seq"], "left_anti")
-    unexpected = ids.join(expected, ["src", "seq"], "left_anti")
-    n = (summary.crossJoin(expected.agg(F.count(F.lit(1)).alias("generated")))
-         .crossJoin(missing.agg(F.count(F.lit(1)).alias("missing")))
-         .crossJoin(unexpected.agg(F.count(F.lit(1)).alias("unexpected"))))
+    # One full outer join of expected ids with arrived ids answers every question at once.
+    expected = generated_keys(generated).distinct().withColumn("expected", F.lit(True))
+    joined = expected.join(counts, ["src", "seq"], "full_outer")
+    is_exp, arrived_col = F.col("expected").isNotNull(), F.col("copies").isNotNull()
+    n = joined.agg(
+        F.sum(F.when(is_exp, 1).otherwise(0)).cast("long").alias("generated"),
+        F.coalesce(F.sum("copies"), F.lit(0)).cast("long").alias("arrived"),
+        F.sum(F.when(arrived_col, 1).otherwise(0)).cast("long").alias("distinct_ids"),
+        F.coalesce(F.sum(F.when(F.col("copies") > 1, F.col("copies") - 1)), F.lit(0)).cast("long")
+        .alias("duplicate_copies"),
+        F.sum(F.when(is_exp & ~arrived_col, 1).otherwise(0)).cast("long").alias("missing"),
+        F.sum(F.when(arrived_col & ~is_exp, 1).otherwise(0)).cast("long").alias("unexpected"),
+    )
     out["summary"] = n.select(
-        "generated", F.coalesce("arrived", F.lit(0)).cast("long").alias("arrived"),
-        "distinct_ids", F.coalesce("duplicate_copies", F.lit(0)).cast("long").alias("duplicate_copies"),
-        "missing", "unexpected",
-        ((F.col("missing") == 0) & (F.col("unexpected") == 0)
-         & (F.coalesce("duplicate_copies", F.lit(0)) == 0)).alias("exactly_once"))
+        "generated", "arrived", "distinct_ids", "duplicate_copies", "missing", "unexpected",
+        ((F.col("missing") == 0) & (F.col("unexpected") == 0) & (F.col("duplicate_copies") == 0))
+        .alias("exactly_once"))
+    missing = joined.where(is_exp & ~arrived_col).select("src", "seq")
+    unexpected = joined.where(arrived_col & ~is_exp).select("src", "seq")
     out["missing"] = missing
     out["unexpected"] = unexpected
     return out
