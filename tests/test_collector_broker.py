@@ -123,3 +123,33 @@ def test_corrupted_chunk_is_detected_resent_and_never_landed(mosquitto, tmp_path
     assert sh.core.stats["nacks"] == len(damaged) and sh.core.stats["chunk_resends"] >= len(damaged)
     assert coll.core.stats["corrupt_files"] == 0  # caught per chunk, before assembly
     assert_landed_exactly(landing, expected)
+
+
+def test_agent_restart_resumes_shipping_where_it_stopped(mosquitto, tmp_path: Path) -> None:
+    """The agent stops mid-shipping (some files acked, one in flight); a new process on the same
+    spool directory ships the rest: every file lands once, none is left behind."""
+    cluster = "spillrestart"
+    landing = tmp_path / "landing"
+    s1 = fill_spool(tmp_path / "n1", "n1", 2000, 9)
+    expected = originals(s1)
+    coll = Collector(cluster, str(landing), host=mosquitto.host, port=mosquitto.port,
+                     client_id="collector-restart").start()
+    wait_for(coll.connected.is_set, 10, "collector connected")
+    try:
+        sh1 = MqttShipper(s1, cluster, host=mosquitto.host, port=mosquitto.port, chunk_bytes=3000,
+                          window=1, ack_timeout=2.0).start()
+        wait_for(lambda: sh1.core.stats["files_acked"] >= 2, 30, "two files acked")
+        sh1.stop()  # the agent goes down
+        left = len(s1.closed_files())
+        assert 0 < left < len(expected)
+        s2 = Spool(tmp_path / "n1", "n1")  # the restarted agent
+        assert len(s2.closed_files()) == left
+        sh2 = MqttShipper(s2, cluster, host=mosquitto.host, port=mosquitto.port, chunk_bytes=3000,
+                          ack_timeout=2.0).start()
+        try:
+            assert sh2.wait_idle(60), sh2.core.stats
+        finally:
+            sh2.stop()
+    finally:
+        coll.stop()
+    assert_landed_exactly(landing, expected)
