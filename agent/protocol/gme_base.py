@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass
-from typing import Any, ClassVar, Dict, Hashable, List, Mapping, Sequence, Tuple, Type, Union
+from typing import Any, ClassVar, Dict, Hashable, List, Mapping, NamedTuple, Sequence, Tuple, Type, Union
 
 from agent.protocol.errors import LocalProtocolError, RemoteProtocolError
 
@@ -89,9 +89,13 @@ def message_from_dict(d: Mapping[str, Any], algorithm_module: str) -> GmeMessage
     return cls(**kwargs)
 
 
-@dataclass(frozen=True)
-class Send:
-    """Output: deliver `message` to node `to` over the FIFO channel from this node."""
+class Send(NamedTuple):
+    """Output: deliver `message` to node `to` over the FIFO channel from this node.
+
+    A NamedTuple rather than a frozen dataclass: it is just as immutable, and it is created once
+    per message on the checker's hot path (10,000 schedules of ~500 messages in the test suite),
+    where a tuple is about three times cheaper to build.
+    """
 
     to: NodeId
     message: GmeMessage

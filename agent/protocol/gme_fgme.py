@@ -29,7 +29,7 @@ Req of an earlier request. Same messages, same count, same lines; only the bookk
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Dict, FrozenSet, List, Mapping, Optional, Set, Tuple
+from typing import ClassVar, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple
 
 from agent.protocol.gme_base import (
     INF,
@@ -98,6 +98,7 @@ class FgmeNode(GmeNode):
         self.competitors: FrozenSet[NodeId] = frozenset(
             n for n, g in groups.items() if g != self.group
         )
+        self._sorted_competitors: Tuple[NodeId, ...] = tuple(sorted(self.competitors))
         # INITIALISATION (lines 1-7)
         self.req_clock: float = INF  # req_id = <n_i, req_clock>
         self.lc: int = 0
@@ -124,7 +125,7 @@ class FgmeNode(GmeNode):
         self.req_clock = self.lc
         self.req_first_epoch = self.epoch + 1  # acks of older epochs answer older requests
         if not self.competitors_authorized:  # line 11
-            out += self._multicast_req(sorted(self.competitors))  # line 12
+            out += self._multicast_req(self._sorted_competitors)  # line 12
         else:
             self.reqs_to_send = set(self.competitors)  # line 14
         self.acks_rcvd = set()  # line 16
@@ -146,7 +147,8 @@ class FgmeNode(GmeNode):
         out: List[Output] = []
         j = m.sender
         self.lc = max(self.lc, m.clock)  # line 19
-        if self._lower_priority_than(j, m.clock) and self.state is not GmeState.IN_CS:  # line 20
+        in_cs = self.state is GmeState.IN_CS
+        if not in_cs and (self.req_clock, self.id) > (m.clock, j):  # line 20: req_id > <n_j, LC_j>
             out.append(Send(j, Ack(self.id, epoch=m.epoch)))  # line 21
             if self.req_clock != INF and j in self.acks_rcvd:
                 # DEVIATION 2 (checker counterexample, docs/gme.md): j's earlier Ack(renew)
@@ -159,17 +161,18 @@ class FgmeNode(GmeNode):
             if not self.competitors_authorized:  # line 22
                 self.competitors_authorized = True  # line 23
                 if self.req_clock != INF:  # line 24
-                    for k in sorted(self.competitors):  # line 25
+                    end = End(self.id, self.lc)  # one immutable End shared by the multicast
+                    for k in self._sorted_competitors:  # line 25
                         if k == j:
                             continue
                         if k in self.waiting_reqs:  # line 26
                             e = self.waiting_reqs.pop(k)  # line 27
                             out.append(Send(k, Ack(self.id, renew=True, epoch=e)))  # line 28
                         else:
-                            out.append(Send(k, End(self.id, self.lc)))  # line 30
+                            out.append(Send(k, end))  # line 30
                         self._withdraw_from(k)  # lines 32-37
         else:
-            if self.competitors_authorized and self.state is not GmeState.IN_CS:  # line 42
+            if self.competitors_authorized and not in_cs:  # line 42
                 if j not in self.reqs_to_send:  # line 43
                     out.append(Send(j, End(self.id, self.lc)))  # line 44
                     self._withdraw_from(j)  # lines 45-50
@@ -227,20 +230,23 @@ class FgmeNode(GmeNode):
             self.competitors_authorized = True  # line 91
             for k, e in sorted(self.waiting_reqs.items()):  # line 92
                 out.append(Send(k, Ack(self.id, end=True, epoch=e)))
-        for k in sorted(self.competitors - set(self.waiting_reqs)):  # lines 94-95
-            out.append(Send(k, End(self.id, self.lc)))
+        end = End(self.id, self.lc)
+        for k in self._sorted_competitors:  # lines 94-95
+            if k not in self.waiting_reqs:
+                out.append(Send(k, end))
         self.waiting_reqs = {}  # line 96
         self.acks_to_ign = {}  # line 97
         return out
 
     # -- plumbing ---------------------------------------------------------------------------------
 
-    def _multicast_req(self, targets: List[NodeId]) -> List[Output]:
+    def _multicast_req(self, targets: Sequence[NodeId]) -> List[Output]:
         assert self.req_clock != INF
         self.epoch += 1
         for k in targets:
             self.sent_epoch[k] = self.epoch
-        return [Send(k, Req(self.id, int(self.req_clock), self.epoch)) for k in targets]
+        req = Req(self.id, int(self.req_clock), self.epoch)
+        return [Send(k, req) for k in targets]
 
     def receive(self, message: GmeMessage) -> List[Output]:
         if message.sender not in self.competitors:
@@ -248,12 +254,13 @@ class FgmeNode(GmeNode):
                 f"2-FGME node {self.id} ({self.state.name}): message {message!r} from "
                 f"{message.sender}, expected one of the competitors {sorted(self.competitors)}"
             )
-        if isinstance(message, Req):
-            return self._on_req(message)
-        if isinstance(message, Ack):
-            return self._on_ack(message)
-        if isinstance(message, End):
-            return self._on_end(message)
+        t = type(message)
+        if t is Req:
+            return self._on_req(message)  # type: ignore[arg-type]
+        if t is Ack:
+            return self._on_ack(message)  # type: ignore[arg-type]
+        if t is End:
+            return self._on_end(message)  # type: ignore[arg-type]
         raise RemoteProtocolError(f"2-FGME node {self.id}: unexpected message {message!r}")
 
     def snapshot(self) -> Tuple[object, ...]:

@@ -67,7 +67,8 @@ class Ra1Node(GmeNode):
         self.clock += 1
         self.sn = self.clock
         self.acks = set()
-        out: List[Output] = [Send(p, Ra1Req(self.id, self.group, self.clock)) for p in self.peers]
+        req = Ra1Req(self.id, self.group, self.clock)
+        out: List[Output] = [Send(p, req) for p in self.peers]
         if not self.peers:
             out += self._enter()
         return out

@@ -22,6 +22,7 @@ details below are our reconstruction of the thesis's description, checked by `gm
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import gt
 from typing import ClassVar, Dict, List, Mapping, Set, Tuple
 
 from agent.protocol.gme_base import (
@@ -85,9 +86,21 @@ class Ra2Node(GmeNode):
     # -- helpers ----------------------------------------------------------------------------------
 
     def _merge(self, vf: Tuple[int, ...]) -> None:
+        """Learn the entries other nodes know of; a node's own count is its own (see the fix).
+
+        FIX (checker counterexample, seed 3 schedule 857 of 10,000 6+6 runs): a captured node
+        whose Start is still in flight can learn VF[self] = k from a third node before it enters.
+        If it then acknowledged a different-forum request with that VF[self], the requester
+        could not tell the Ack out-of-date (e = VF[j]) and entered next to it. VF_i[i] is now
+        only ever set by i's own entry, so an Ack always carries the entries i really made.
+        """
+        mine = self.vf
+        if not any(map(gt, vf, mine)):  # the common case: nothing new (C-speed scan)
+            return
+        me = self.id
         for j, v in enumerate(vf):
-            if v > self.vf[j]:
-                self.vf[j] = v
+            if v > mine[j] and j != me:
+                mine[j] = v
         for j in [j for j, e in self.acks.items() if e < self.vf[j] and self.groups[j] != self.group]:
             del self.acks[j]  # out-of-date: j entered the CS after replying
         for j in [j for j, k in self.acked_open.items() if self.vf[j] >= k]:
@@ -122,9 +135,8 @@ class Ra2Node(GmeNode):
         self.vsn[self.id] += 1
         self.acks = {}
         k = self.vsn[self.id]
-        out: List[Output] = [
-            Send(p, Ra2Req(self.id, self.group, self.clock, k, tuple(self.vf))) for p in self.peers
-        ]
+        req = Ra2Req(self.id, self.group, self.clock, k, tuple(self.vf))
+        out: List[Output] = [Send(p, req) for p in self.peers]
         if not self.peers:
             out += self._enter_as(True)
         return out
