@@ -568,3 +568,21 @@ def test_a_request_cannot_override_node_local_fields(tmp_path: Path) -> None:
     for bad in ({"operator": "work", "instance": "a/b"}, {"instance": "x"}):
         with pytest.raises(ValueError):
             agent._spec_from(bad, template=None)
+
+
+def test_supervisor_hands_the_pre_started_worker_to_the_next_instance(tmp_path: Path, fake_worker: List[str]) -> None:
+    loop = Loop(command=fake_worker, warm=True)
+    loop.sup.prewarm(time.monotonic())
+    warm = loop.sup.warm_pid
+    assert warm is not None and pid_alive(warm)
+    w = loop.sup.start(make_spec("w1", tmp_path), time.monotonic())
+    assert w.pid == warm and loop.sup.warm_used == 1  # the idle process became the instance
+    assert loop.pump_until(lambda: w.status is WorkerStatus.ACTIVE, 10)
+    spare = loop.sup.warm_pid
+    assert spare is not None and spare != warm  # and a new spare is ready for the next scale-out
+    loop.sup.close_warm()
+    assert loop.sup.warm_pid is None and not pid_alive(spare)
+    loop.sup.poll(time.monotonic())
+    assert loop.sup.warm_pid is None  # not restarted after close_warm (shutdown)
+    loop.sup.stop("w1", time.monotonic())
+    assert loop.pump_until(lambda: loop.reaped, 5) and loop.reaped[0].clean

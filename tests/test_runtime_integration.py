@@ -115,7 +115,11 @@ def run_until_drained(mon: Monitor, end: float, t0: float, timeout: float = 40.0
 
 
 def stop_and_check_no_orphans(fleet: Fleet, mon: Monitor) -> Dict[str, Any]:
+    import psutil
+
     pids = set(mon.pids)
+    for proc in fleet.procs.values():  # every descendant, the idle pre-started worker included
+        pids.update(c.pid for c in psutil.Process(proc.pid).children(recursive=True))
     t0 = time.monotonic()
     codes = fleet.stop(timeout=fleet.shutdown_timeout + 3.0)  # documented bound: shutdown_timeout + 3 s
     took = time.monotonic() - t0

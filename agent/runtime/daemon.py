@@ -106,6 +106,7 @@ class Agent:
         sample_machine: Callable[[Sequence[int]], nodestate.MachineSample] = nodestate.sample_machine,
         connect_timeout: Optional[float] = None,
         env: Optional[Dict[str, str]] = None,
+        warm_worker: bool = True,
     ) -> None:
         self.cfg = cfg
         self.node = cfg.agent.node
@@ -122,6 +123,7 @@ class Agent:
             emit=self._events.put,
             heartbeat_timeout=max(5.0, 5 * cfg.agent.heartbeat_period),
             unhealthy_after=max(1.0, 3 * cfg.agent.heartbeat_period),
+            warm=warm_worker,
             term_after=timeout / 2,
             kill_after=timeout,
             command=worker_command,
@@ -668,10 +670,12 @@ class Agent:
             job.reply({"ok": False, "error": f"agent {self.node} is shutting down"})
         self._awaiting_ready.clear()
         self.supervisor.stop_all(now)
+        self.supervisor.close_warm()
 
     def _emergency_stop(self) -> None:
         """Kill every remaining worker and wait for it: never leave an orphan behind."""
         now = self.clock()
+        self.supervisor.close_warm()
         for inst in list(self.supervisor.workers):
             self.supervisor.kill(inst, now, "agent exits")
         for w in list(self.supervisor.workers.values()):

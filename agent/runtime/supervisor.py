@@ -113,6 +113,7 @@ class Supervisor:
         command: Sequence[str] = WORKER_COMMAND,
         env: Optional[Dict[str, str]] = None,
         unhealthy_after: Optional[float] = None,
+        warm: bool = False,
     ) -> None:
         self._emit = emit
         self.heartbeat_timeout = heartbeat_timeout
@@ -125,22 +126,24 @@ class Supervisor:
         self.command = tuple(command)
         self.env = env
         self.workers: Dict[str, Worker] = {}
+        # One pre-started worker process that has done its imports and waits for its spec on
+        # stdin: a scale-out then skips the interpreter start and imports (the longest part of
+        # "decision -> first record" on a loaded Pi). It is not an instance and holds no slot.
+        self.warm = warm
+        self._warm: Optional[subprocess.Popen] = None
+        self._warm_retry_at = 0.0
+        self.warm_used = 0
 
     # -- starting ------------------------------------------------------------------------------
 
     def start(self, spec: InstanceSpec, now: float) -> Worker:
         if spec.instance in self.workers:
             raise ValueError(f"instance {spec.instance!r} already runs here (pid {self.workers[spec.instance].pid})")
-        preexec = _pdeathsig if sys.platform.startswith("linux") else None
-        proc = subprocess.Popen(
-            list(self.command),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=None,  # worker logs go to the agent's stderr (journal)
-            env=self.env,
-            preexec_fn=preexec,
-            close_fds=True,
-        )
+        proc = self._take_warm()
+        if proc is None:
+            proc = self._popen()
+        else:
+            self.warm_used += 1
         worker = Worker(spec=spec, proc=proc, started_at=now, last_heartbeat=now)
         self.workers[spec.instance] = worker
         self._write(worker, spec.to_json() + "\n")
@@ -149,7 +152,62 @@ class Supervisor:
         )
         t.start()
         log.info("started worker pid %d", proc.pid, extra={"instance": spec.instance, "operator": spec.operator})
+        self.prewarm(now)
         return worker
+
+    def _popen(self) -> subprocess.Popen:
+        preexec = _pdeathsig if sys.platform.startswith("linux") else None
+        return subprocess.Popen(
+            list(self.command),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=None,  # worker logs go to the agent's stderr (journal)
+            env=self.env,
+            preexec_fn=preexec,
+            close_fds=True,
+        )
+
+    def prewarm(self, now: float) -> None:
+        """Keep one idle worker process ready (if enabled); retried at most every 5 s."""
+        if not self.warm or self._warm is not None or now < self._warm_retry_at:
+            return
+        try:
+            self._warm = self._popen()
+        except OSError as exc:
+            log.warning("cannot pre-start a worker: %s", exc)
+            self._warm_retry_at = now + 5.0
+
+    def _take_warm(self) -> Optional[subprocess.Popen]:
+        proc, self._warm = self._warm, None
+        if proc is not None and proc.poll() is None:
+            return proc
+        if proc is not None:
+            self._close_proc(proc)
+        return None
+
+    def close_warm(self) -> None:
+        """Stop the idle pre-started process (agent shutdown): EOF on its stdin, then SIGTERM."""
+        proc, self._warm = self._warm, None
+        self._warm_retry_at = float("inf")
+        if proc is None:
+            return
+        try:
+            if proc.stdin is not None:
+                proc.stdin.close()
+        except OSError:
+            pass
+        if proc.poll() is None:
+            proc.terminate()  # it holds no data: no drain to wait for
+        try:
+            proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        self._close_proc(proc)
+
+    @property
+    def warm_pid(self) -> Optional[int]:
+        return int(self._warm.pid) if self._warm is not None else None
 
     def _reader(self, instance: str, stream: Optional[IO[bytes]]) -> None:
         """Reader thread: only forwards lines to the loop (never touches supervisor state)."""
@@ -256,6 +314,12 @@ class Supervisor:
     def poll(self, now: float) -> List[Reaped]:
         """Reap exited workers, escalate stops, kill hung or never-ready workers."""
         reaped: List[Reaped] = []
+        if self._warm is not None and self._warm.poll() is not None:
+            log.warning("pre-started worker exited with %s", self._warm.returncode)
+            self._close_proc(self._warm)
+            self._warm = None
+            self._warm_retry_at = now + 5.0
+        self.prewarm(now)
         for instance, w in list(self.workers.items()):
             rc = w.proc.poll()
             if rc is not None:
@@ -280,7 +344,11 @@ class Supervisor:
         return reaped
 
     def _close(self, w: Worker) -> None:
-        for stream in (w.proc.stdin, w.proc.stdout):
+        self._close_proc(w.proc)
+
+    @staticmethod
+    def _close_proc(proc: subprocess.Popen) -> None:
+        for stream in (proc.stdin, proc.stdout):
             try:
                 if stream is not None:
                     stream.close()
