@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -182,13 +183,6 @@ def test_agent_ready_only_after_connect_then_periodic_watchdog(tmp_path: Path, l
 
 @pytest.mark.broker
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(
-    strict=True,
-    reason="agent/runtime/daemon.py gates WATCHDOG=1 on supervisor.healthy(), whose threshold is the "
-    "same heartbeat_timeout at which supervisor.poll() kills and restarts the hung worker in the same "
-    "loop pass, so the pings never pause. Fix in the daemon: stop pinging once a heartbeat is overdue "
-    "(e.g. > 2 heartbeat periods), kill at heartbeat_timeout. strict: an XPASS fails, remove the mark.",
-)
 def test_watchdog_pings_stop_while_a_worker_hangs(tmp_path: Path, mosquitto) -> None:
     from agent.runtime.deploy import deploy
 
@@ -201,8 +195,12 @@ def test_watchdog_pings_stop_while_a_worker_hangs(tmp_path: Path, mosquitto) -> 
         assert listener.pump_until(lambda: listener.times("READY=1"), 20), log.read_text()[-3000:]
         placed = deploy(PIPELINE, mosquitto.host, mosquitto.port, "ops", timeout=20)
         assert len(placed) == 2 and {d.node for d in placed} == {"wd1"}
-        children = [c for c in psutil.Process(agent.pid).children() if str(worker) in " ".join(c.cmdline())]
-        assert len(children) == 2, [c.cmdline() for c in psutil.Process(agent.pid).children()]
+        # The supervisor may also keep a pre-started spare (no spec, no heartbeat yet): take the
+        # pids of the two placed instances from the daemon's log.
+        started = dict(re.findall(r'instance=(\S+) msg="started worker pid (\d+)"', log.read_text()))
+        assert {d.instance for d in placed} <= set(started), log.read_text()[-2000:]
+        children = [psutil.Process(int(started[d.instance])) for d in placed]
+        assert all(c.ppid() == agent.pid for c in children)
         listener.pump(1.0)
         t_ok = time.monotonic()
         listener.pump(1.5)
@@ -216,10 +214,14 @@ def test_watchdog_pings_stop_while_a_worker_hangs(tmp_path: Path, mosquitto) -> 
         # systemd restart a service whose worker hangs and is not recovered.
         seq = [t_hang] + pings + [time.monotonic()]
         longest = max(b - a for a, b in zip(seq, seq[1:]))
-        assert longest > WATCHDOG_USEC / 1e6, (
+        # Expected: a pause from "heartbeat overdue" (~1 s) to the supervisor's kill (~5 s). Ask for
+        # 2.5x WatchdogSec so that scheduling jitter on a loaded machine cannot fake it.
+        assert longest > 2.5 * WATCHDOG_USEC / 1e6, (
             f"watchdog kept pinging while a worker was hung: longest gap {longest:.2f}s, "
             f"pings at {[round(p - t_hang, 2) for p in pings]}\n" + log.read_text()[-3000:]
         )
+        # ... and they resume once the supervisor has replaced the hung worker.
+        assert any(p > t_hang + 5.0 for p in pings), [round(p - t_hang, 2) for p in pings]
     finally:
         stop_agent(agent)
         listener.close()
