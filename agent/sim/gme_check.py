@@ -24,7 +24,7 @@ import copy
 import random
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from agent.protocol.gme_base import Entered, GmeNode, GmeState, NodeId, Send, two_groups
 
@@ -178,14 +178,26 @@ def exhaustive_check(
     delivery of a message not yet sent, or whenever it wants to let others overtake it, e.g. a
     node that stays in the CS). Safety is checked on every reached state, hence on every cut, and
     liveness on every state where no step at all is enabled.
+
+    States are matched exactly (same node states, channels, budgets AND waiting set). Skipping a
+    state already visited with a smaller waiting set looks sound but is not with DFS caching (it
+    missed the fault injected in `test_exhaustive_checker_catches_the_fault_too`), so we do not.
+
+    Speed (2+2 nodes x 2 requests is in the test suite): a step changes exactly one node, so a
+    successor shares every other node object with its parent (copy-on-write: only the moving node
+    is cloned, never mutated afterwards) and the per-node snapshots are reused; channels are
+    tuples in a dict copied shallowly.
     """
     res = CheckResult()
-    start = _System(make_nodes(algorithm, sizes, fault), requests)
-    n = len(start.nodes)
-    start_key = (start.key(), (False,) * n)
-    seen: Set[Tuple[object, ...]] = {start_key}
-    # stack items: (system, waiting flags, path as a linked list (event, parent))
-    stack: List[Tuple[_System, Tuple[bool, ...], object]] = [(start, (False,) * n, None)]
+    nodes0 = make_nodes(algorithm, sizes, fault)
+    n = len(nodes0)
+    groups = [x.group for x in nodes0]
+    IN_CS, IDLE = GmeState.IN_CS, GmeState.IDLE
+    Chans = Dict[Tuple[int, int], Tuple[object, ...]]
+    # stack items: (nodes, snaps, left, chans, waiting mask, path as a linked list)
+    start = (tuple(nodes0), tuple(x.snapshot() for x in nodes0), (requests,) * n, {}, 0, None)
+    visited: Dict[Tuple[object, ...], List[int]] = {}
+    stack: List[Tuple[Any, ...]] = [start]
 
     def unwind(path: object) -> List[str]:
         out: List[str] = []
@@ -194,60 +206,93 @@ def exhaustive_check(
             out.append(ev)
         return out[::-1]
 
+    def describe(nodes: Sequence[GmeNode]) -> str:
+        return ", ".join(f"{x.id}:{x.group}:{x.state.name}" for x in nodes)
+
     while stack:
-        sys_, waiting, path = stack.pop()
+        nodes, snaps, left, chans, waiting, path = stack.pop()
+        key = (snaps, left, tuple(sorted(chans.items())))
+        seen = visited.get(key)
+        if seen is not None:
+            if waiting in seen:
+                continue
+            seen.append(waiting)
+        else:
+            visited[key] = [waiting]
         res.states += 1
         if res.states > max_states:
             raise RuntimeError(f"state space larger than {max_states} states")
-        events = sys_.enabled()
-        if not events:
+        # the enabled steps of each node: local ones, then deliveries into it
+        mover = -1
+        any_event = False
+        mine: List[Tuple[str, int, int]] = []
+        for i in range(n):
+            x = nodes[i]
+            ev: List[Tuple[str, int, int]] = []
+            if x.state is IDLE and left[i] > 0:
+                ev.append(("request", i, -1))
+            elif x.state is IN_CS:
+                ev.append(("exit", i, -1))
+            for a in range(n):
+                if (a, i) in chans:
+                    ev.append(("deliver", a, i))
+            if ev:
+                any_event = True
+                if not (waiting >> i) & 1:
+                    mover, mine = i, ev
+                    break
+        if not any_event:
             res.schedules += 1
-            if not sys_.all_served():
+            if any(left) or any(x.state is not IDLE for x in nodes):
                 res.deadlocks += 1
-                res.first_failure = f"deadlock or unserved request: {sys_.describe()}"
+                res.first_failure = f"deadlock or unserved request: {describe(nodes)}"
                 res.trace = unwind(path)
                 return res
             continue
-        mover = -1
-        mine: List[Tuple[str, int, int]] = []
-        for i in range(n):
-            if waiting[i]:
-                continue
-            mine = [e for e in events if (e[2] if e[0] == "deliver" else e[1]) == i]
-            if mine:
-                mover = i
-                break
         if mover < 0:
-            continue  # every node chose to wait although steps remain: a pruned branch
-        succs: List[Tuple[_System, Tuple[bool, ...], object]] = []
-        w = list(waiting)
-        w[mover] = True
-        succs.append((sys_, tuple(w), ("wait %d" % mover, path)))
+            continue  # every node with a step chose to wait: this branch adds nothing
+        stack.append((nodes, snaps, left, chans, waiting | (1 << mover), ("wait %d" % mover, path)))
         for ev in mine:
-            nxt = sys_.clone()
-            before = {k for k, q in nxt.chan.items() if q}
+            kind, a, b = ev
+            x = _clone_node(nodes[mover])
+            nchans: Chans = dict(chans)
+            nleft = left
             try:
-                nxt.apply(ev)
+                if kind == "request":
+                    nl = list(left)
+                    nl[mover] -= 1
+                    nleft = tuple(nl)
+                    outs = x.request()
+                elif kind == "exit":
+                    outs = x.exit()
+                else:
+                    q = nchans[(a, b)]
+                    if len(q) == 1:
+                        del nchans[(a, b)]
+                    else:
+                        nchans[(a, b)] = q[1:]
+                    outs = x.receive(q[0])  # type: ignore[arg-type]
             except Exception as exc:  # a core raising is a failure of the algorithm, not of us
                 res.protocol_errors += 1
                 res.first_failure = f"{type(exc).__name__}: {exc}"
                 res.trace = unwind((repr(ev), path))
                 return res
-            if nxt.unsafe():
-                res.safety_violations += 1
-                res.first_failure = f"two groups in the CS: {nxt.describe()}"
-                res.trace = unwind((repr(ev), path))
-                return res
-            w = list(waiting)
-            for (a, b), q in nxt.chan.items():
-                if q and (len(q) > len(sys_.chan.get((a, b), ()))):
-                    w[b] = False  # a new message wakes its receiver
-            succs.append((nxt, tuple(w), (repr(ev), path)))
-        for s2, w2, p2 in succs:
-            k = (s2.key(), w2)
-            if k not in seen:
-                seen.add(k)
-                stack.append((s2, w2, p2))
+            nwait = waiting
+            for o in outs:
+                if type(o) is Send:
+                    k2 = (mover, o[0])
+                    nchans[k2] = nchans.get(k2, ()) + (o[1],)
+                    nwait &= ~(1 << o[0])  # a new message wakes its receiver
+            nnodes = nodes[:mover] + (x,) + nodes[mover + 1:]
+            if x.state is IN_CS:
+                in_cs = {groups[i] for i in range(n) if nnodes[i].state is IN_CS}
+                if len(in_cs) > 1:
+                    res.safety_violations += 1
+                    res.first_failure = f"two groups in the CS: {describe(nnodes)}"
+                    res.trace = unwind((repr(ev), path))
+                    return res
+            nsnaps = snaps[:mover] + (x.snapshot(),) + snaps[mover + 1:]
+            stack.append((nnodes, nsnaps, nleft, nchans, nwait, (repr(ev), path)))
     return res
 
 
