@@ -8,7 +8,7 @@
 # psutil, the one compiled dependency, comes from Debian (python3-psutil, a Depends of the .deb) and
 # reaches the venv through --system-site-packages. That keeps the wheelhouse, and the .deb, the same
 # for arm64, armhf and amd64. Tooling: pip only (from the project venv or the system).
-# Idempotent: if OUTDIR already holds the wheel of the current version, nothing is rebuilt.
+# Idempotent: if OUTDIR already holds the wheel built from the same sources, nothing is rebuilt.
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 PROJECT="$(cd "$HERE/.." && pwd)"
@@ -17,9 +17,13 @@ PYTHON="${PYTHON:-$PROJECT/.venv/bin/python}"
 [ -x "$PYTHON" ] || PYTHON=python3
 
 VERSION="$("$PYTHON" -c 'import re,sys; print(re.search(r"__version__ = \"([^\"]+)\"", open(sys.argv[1]).read()).group(1))' "$PROJECT/agent/__init__.py")"
+# The sources' digest, so that a rebuilt checkout with the same version number is not skipped.
+SRC_HASH="$(cd "$PROJECT" && { find agent -name '*.py' -print; echo pyproject.toml; } | LC_ALL=C sort \
+  | xargs sha256sum | sha256sum | cut -d' ' -f1)"
 mkdir -p "$OUT"
-if ls "$OUT"/fog_agent-"$VERSION"-*.whl >/dev/null 2>&1 && [ -f "$OUT/.complete" ] && [ -z "${FORCE:-}" ]; then
-  echo "wheelhouse: $OUT already has fog-agent $VERSION"
+if ls "$OUT"/fog_agent-"$VERSION"-*.whl >/dev/null 2>&1 && [ "$(cat "$OUT/.complete" 2>/dev/null)" = "$SRC_HASH" ] \
+   && [ -z "${FORCE:-}" ]; then
+  echo "wheelhouse: $OUT already has fog-agent $VERSION from these sources"
   exit 0
 fi
 rm -f "$OUT"/*.whl "$OUT/.complete"
@@ -46,6 +50,6 @@ fi
 for dist in paho_mqtt prometheus_client tomli; do
   ls "$OUT"/${dist}-*-py3-none-any.whl >/dev/null 2>&1 || { echo "wheelhouse: $dist wheel missing" >&2; exit 1; }
 done
-touch "$OUT/.complete"
+echo "$SRC_HASH" > "$OUT/.complete"
 echo "wheelhouse: $OUT"
 ls -1 "$OUT"
