@@ -199,9 +199,9 @@ def test_neighbours_scale_together_and_a_slow_sink_slows_producers(tmp_path: Pat
     """validate and in_zone scale at the same time; then the sink is slowed down 10x for 20 s:
     the source slows down (back pressure), the broker drops nothing, nothing is lost or duplicated,
     and no record is ever sent to an instance that is no longer a successor."""
-    rate = 400.0
-    steps = [[0, rate], [75, 0]]
-    text = STEP_PIPELINE.format(name="nb", seed=11, steps=steps, validate_ms=4.0, validate_capacity=200.0, sink_ms=0.5,
+    rate = 300.0
+    steps = [[0, rate], [80, 0]]
+    text = STEP_PIPELINE.format(name="nb", seed=11, steps=steps, validate_ms=4.0, validate_capacity=200.0, sink_ms=0.8,
                                 batch=20, window=4)  # small windows: back pressure shows within seconds
     cfg = load_pipeline_text(text)
     # Enough slots for the policy's overshoot: a refused spawn stalls the asking instance's round.
@@ -217,7 +217,7 @@ def test_neighbours_scale_together_and_a_slow_sink_slows_producers(tmp_path: Pat
         assert mon.wait(lambda m: m.instances_per_operator().get("validate", 0) >= 2
                         and m.instances_per_operator().get("in_zone", 0) >= 2, 20), mon.instances_per_operator()
         # precondition: the scaled pipeline keeps up with the load before the sink slows down
-        deadline = time.monotonic() + 25.0
+        deadline = time.monotonic() + 35.0
         before = 0.0
         while time.monotonic() < deadline and before < 0.85 * rate:
             before = rate_of(mon, "generated", "source", window=3.0)
@@ -225,18 +225,18 @@ def test_neighbours_scale_together_and_a_slow_sink_slows_producers(tmp_path: Pat
         from agent.runtime.rpc import RpcClient
 
         with RpcClient(mosquitto.host, mosquitto.port, fleet.cluster) as client:
-            assert client.call(sink.node, {"op": "set", "instance": sink.instance, "fields": {"service_time_ms": 5.0}})["ok"]
+            assert client.call(sink.node, {"op": "set", "instance": sink.instance, "fields": {"service_time_ms": 8.0}})["ok"]
             time.sleep(8.0)  # let the credit windows fill
             during = rate_of(mon, "generated", "source", window=4.0)
             sink_during = rate_of(mon, "recorded", "sink", window=4.0)
-            assert time.monotonic() - t0 < 75.0, "the slow phase must lie inside the load profile"
+            assert time.monotonic() - t0 < 80.0, "the slow phase must lie inside the load profile"
             time.sleep(20.0 - 16.0)
-            assert client.call(sink.node, {"op": "set", "instance": sink.instance, "fields": {"service_time_ms": 0.5}})["ok"]
-        # 10x slower sink (200 records/s): the source follows it instead of flooding the broker
+            assert client.call(sink.node, {"op": "set", "instance": sink.instance, "fields": {"service_time_ms": 0.8}})["ok"]
+        # 10x slower sink (125 records/s): the source follows it instead of flooding the broker
         assert before >= 0.85 * rate, before
-        assert sink_during < 260, sink_during
+        assert sink_during < 170, sink_during
         assert during < 0.7 * before, (before, during)
-        assert run_until_drained(mon, 75.0, t0), f"pipeline not drained back to keepers: {mon.instances_per_operator()}"
+        assert run_until_drained(mon, 80.0, t0), f"pipeline not drained back to keepers: {mon.instances_per_operator()}"
         maxima = {op: max(c.get(op, 0) for _, c in mon.series) for op in ("validate", "in_zone")}
         assert maxima["validate"] >= 2 and maxima["in_zone"] >= 2, maxima
         assert len(mon.agent_events("spawned", "spawn")) >= 2

@@ -14,6 +14,8 @@ def register(groups: Any) -> None:
     p = groups.root.add_parser("run", help="run the per-node agent daemon (hosts operator instances)")
     p.add_argument("--config", "-c", default=None, help="agent.toml (default: $FOG_AGENT_CONFIG or /etc/fog-agent/agent.toml)")
     p.add_argument("--placement", default=None, help="placement policy (free-slots-then-latency, spread, local-only)")
+    p.add_argument("--no-warm-worker", action="store_true",
+                   help="do not keep a pre-started worker process for the next scale-out")
     # Tests replace the worker program (a fake speaking the control contract): JSON list of argv.
     p.add_argument("--worker-command", default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=run_cmd)
@@ -39,6 +41,12 @@ def register(groups: Any) -> None:
     m.add_argument("--quiet", action="store_true", help="no live table")
     m.add_argument("--no-analytics", action="store_true", help="skip the final analytics step (PySpark)")
     m.set_defaults(func=demo_cmd)
+
+    b = groups.bench.add_parser("rescale", help="decision -> first record of the new instance through the real "
+                                "daemon, with and without the pre-started worker")
+    b.add_argument("--json", action="store_true", help="print the result as JSON")
+    b.add_argument("--rate", type=float, default=500.0, help="records/s of the load step")
+    b.set_defaults(func=bench_rescale_cmd)
 
     try:
         bench = importlib.import_module("agent.runtime.dataplane_bench")
@@ -69,7 +77,8 @@ def run_cmd(args: argparse.Namespace) -> int:
     setup_logging(args.log_level or cfg.log.level, cfg.log.format)
     try:
         command = json.loads(args.worker_command) if args.worker_command else None
-        return daemon.run_agent(cfg, args.placement or DEFAULT_POLICY, worker_command=command)
+        return daemon.run_agent(cfg, args.placement or DEFAULT_POLICY, worker_command=command,
+                                warm_worker=not args.no_warm_worker)
     except ValueError as exc:  # unknown placement policy
         print(f"error: {exc}", file=sys.stderr)
         return daemon.EXIT_CONFIG
@@ -122,3 +131,22 @@ def demo_cmd(args: argparse.Namespace) -> int:
     from agent.runtime import demo
 
     return demo.main(args)
+
+
+def bench_rescale_cmd(args: argparse.Namespace) -> int:
+    from agent.runtime import demo
+
+    result = demo.bench_rescale(rate=args.rate)
+    if args.json:
+        json.dump(result, sys.stdout, indent=2, sort_keys=True)
+        print()
+    else:
+        for mode in ("warm", "cold"):
+            r = result[mode]
+            d = r["decision_to_first_record_s"]
+            sr = r["start_to_ready_s"]
+            print(f"{mode:<5} start -> ready: median {sr['median']} s, max {sr['max']} s | scale-outs "
+                  f"{r['scale_outs']:>3}, decision -> first record: median {d['median']} s, max {d['max']} s "
+                  f"(lost {r['lost']}, duplicated {r['duplicated']})")
+    ok = all(result[m]["lost"] == 0 and result[m]["duplicated"] == 0 for m in ("warm", "cold"))
+    return 0 if ok else 3

@@ -714,9 +714,11 @@ def _num(v: Any) -> Optional[float]:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
-def run_agent(cfg: AgentConfig, policy_name: str = DEFAULT_POLICY, worker_command: Optional[Sequence[str]] = None) -> int:
+def run_agent(cfg: AgentConfig, policy_name: str = DEFAULT_POLICY, worker_command: Optional[Sequence[str]] = None,
+              warm_worker: bool = True) -> int:
     """Entry point of `fog-agent run`: build, install signal handlers, loop, return the status."""
-    agent = Agent(cfg, policy=get_policy(policy_name), worker_command=worker_command or WORKER_COMMAND)
+    agent = Agent(cfg, policy=get_policy(policy_name), worker_command=worker_command or WORKER_COMMAND,
+                  warm_worker=warm_worker)
     agent.install_signal_handlers()
     log.info("agent %s starting (cluster %s, %d slots, broker %s:%d)", cfg.agent.node, cfg.agent.cluster,
              cfg.agent.slots, cfg.mqtt.host, cfg.mqtt.port, extra={"node": cfg.agent.node})

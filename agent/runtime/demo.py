@@ -86,6 +86,7 @@ class Fleet:
     broker_port: Optional[int] = None
     max_queued: int = 10000
     log_level: str = "info"
+    agent_args: Sequence[str] = ()  # extra `fog-agent run` options (e.g. --no-warm-worker)
     procs: Dict[str, subprocess.Popen] = field(default_factory=dict)
     broker: Any = None
 
@@ -123,7 +124,8 @@ class Fleet:
         ))
         logf = open(self.workdir / f"{node}.log", "a")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "agent", "--log-level", self.log_level, "run", "--config", str(conf)],
+            [sys.executable, "-m", "agent", "--log-level", self.log_level, "run", "--config", str(conf),
+             *self.agent_args],
             stdout=logf, stderr=subprocess.STDOUT, env=env or os.environ.copy(), cwd=str(ROOT),
         )
         logf.close()
@@ -292,6 +294,22 @@ class Monitor:
                     if isinstance(v, (int, float)) and not isinstance(v, bool):
                         t[k] += v
             return t
+
+    def rescale_delays(self) -> List[float]:
+        """Seconds from each duplication decision to the first record processed by its new instance
+        (wall clock: both stamps come from workers on this machine)."""
+        with self._lock:
+            stats = {i: dict(s) for i, s in self.instance_stats.items()}
+        delays = []
+        for st in stats.values():
+            for d in st.get("decisions", []) or []:
+                if not isinstance(d, dict) or d.get("kind") != "scale_out":
+                    continue
+                firsts = [stats.get(n, {}).get("first_record_at") for n in d.get("new", [])]
+                firsts = [f for f in firsts if isinstance(f, (int, float))]
+                if firsts and isinstance(d.get("at"), (int, float)):
+                    delays.append(min(firsts) - d["at"])
+        return sorted(delays)
 
     def agent_events(self, etype: str, cause: Optional[str] = None) -> List[Dict[str, Any]]:
         with self._lock:
@@ -502,6 +520,8 @@ def run_demo(
         summary["malformed"] = int(tot["malformed"])
         summary["sends_to_terminated"] = int(tot["sends_to_non_successor"])
         summary["broker_dropped"] = monitor.dropped
+        delays = monitor.rescale_delays()
+        summary["decision_to_first_record_s"] = _median_max(delays)
         summary["rss_mb"] = _rss_mb(fleet, monitor)
     finally:
         if monitor is not None:
@@ -536,6 +556,111 @@ def run_analytics(workdir: Path, summary: Dict[str, Any]) -> Dict[str, Any]:
         if res:
             summary.setdefault("analytics", {}).update(res)
     return summary.get("analytics", {})
+
+
+def _median_max(values: Sequence[float]) -> Dict[str, Any]:
+    v = sorted(values)
+    return {"median": round(v[len(v) // 2], 3) if v else None, "max": round(v[-1], 3) if v else None, "n": len(v)}
+
+
+BENCH_PIPELINE = """
+[pipeline]
+name = "rb"
+[scaling]
+period = 1.0
+capacity = 20000.0
+[[operator]]
+name = "source"
+kind = "source"
+function = "agent.runtime.taxi:source"
+[operator.params]
+seed = 5
+profile = "steps"
+steps = [[0, 50], [3, {rate}], [23, 50], [30, 0]]
+[[operator]]
+name = "work"
+function = "agent.runtime.operators:in_zone"
+service_time_ms = 4.0
+[operator.scaling]
+capacity = 200.0
+period = 1.0
+[[operator]]
+name = "sink"
+kind = "sink"
+function = "agent.runtime.operators:counting_sink"
+"""
+
+
+def start_to_ready(host: str, port: int, workdir: Path, warm: bool, n: int = 5) -> List[float]:
+    """Seconds from `Supervisor.start` to the worker's "ready" (inbox subscribed), n times."""
+    import queue
+
+    from agent.runtime.daemon import worker_env
+    from agent.runtime.spec import BrokerSpec, InstanceSpec
+    from agent.runtime.supervisor import Supervisor, WorkerStatus
+
+    q: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+    sup = Supervisor(emit=q.put, warm=warm, env=worker_env())
+    sup.prewarm(time.monotonic())
+    time.sleep(1.5)
+    text = BENCH_PIPELINE.replace("{rate}", "10.0")
+    out: List[float] = []
+    try:
+        for i in range(n):
+            spec = InstanceSpec(instance=f"ready-{'warm' if warm else 'cold'}-{i}", operator="sink", node="bench",
+                                cluster="benchready", pipeline="rb", pipeline_toml=text, broker=BrokerSpec(host, port),
+                                state_dir=str(workdir / "state"), extra={"sink_dir": str(workdir / "sink")})
+            t0 = time.monotonic()
+            w = sup.start(spec, t0)
+            while w.status is not WorkerStatus.ACTIVE:
+                ev = q.get(timeout=30)
+                if ev[0] == "worker_line":
+                    sup.handle_line(ev[1], ev[2], time.monotonic())
+            out.append(time.monotonic() - t0)
+            time.sleep(1.0)  # let the next spare finish its imports, as between two scale-outs
+    finally:
+        sup.stop_all(time.monotonic())
+        sup.close_warm()
+        deadline = time.monotonic() + 15
+        while len(sup) and time.monotonic() < deadline:
+            sup.poll(time.monotonic())
+            time.sleep(0.1)
+    return out
+
+
+def bench_rescale(rate: float = 500.0, workdir: Optional[Path] = None) -> Dict[str, Any]:
+    """`fog-agent bench rescale`: the same load step through one real agent, with the pre-started
+    worker (default) and without it; decision -> first record of the new instance, and loss."""
+    base = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="fog-bench-rescale-"))
+    text = BENCH_PIPELINE.replace("{rate}", str(float(rate)))
+    cfg = load_pipeline_text(text)
+    out: Dict[str, Any] = {"rate": rate, "workdir": str(base)}
+    for mode, args in (("warm", ()), ("cold", ("--no-warm-worker",))):
+        fleet = Fleet(base / mode, nodes=("b1",), slots=12, cluster=f"bench{mode}", agent_args=args,
+                      log_level="warning", shutdown_timeout=8.0)
+        fleet.start()
+        mon = Monitor(fleet.host, fleet.port, fleet.cluster)
+        try:
+            mon.wait(lambda m: m.status.get("b1") == "online", 20)
+            fleet.deploy(text)
+            time.sleep(30.0)
+            mon.wait(lambda m: m.instances_per_operator().get("work", 0) <= 1, 30)
+            time.sleep(2.0)
+            delays = mon.rescale_delays()
+            scale_outs = len(mon.agent_events("spawned", "spawn"))
+        finally:
+            mon.close()
+            fleet.stop()
+        v = verify(cfg, fleet.sink_dir)
+        out[mode] = {"decision_to_first_record_s": _median_max(delays), "scale_outs": scale_outs,
+                     "records": v.generated, "lost": v.lost, "duplicated": v.duplicated + v.unexpected}
+    from agent.runtime.broker import start_private_broker
+
+    with start_private_broker(base / "ready-broker") as broker:
+        for mode in ("warm", "cold"):
+            out[mode]["start_to_ready_s"] = _median_max(start_to_ready(broker.host, broker.port, base / f"ready-{mode}",
+                                                                       warm=mode == "warm"))
+    return out
 
 
 def _rss_mb(fleet: Fleet, monitor: Monitor) -> Dict[str, Any]:
@@ -602,7 +727,8 @@ def plot_demo(samples: Sequence[Sample], operators: Sequence[str], path: Path) -
 
 def print_summary(summary: Dict[str, Any], out: Any) -> None:
     keys = ("records_in", "records_expected", "records_out", "lost", "duplicated", "scale_outs", "scale_ins",
-            "max_instances", "protocol_messages", "broker_dropped", "rss_mb", "duration_s", "plot", "workdir")
+            "max_instances", "protocol_messages", "decision_to_first_record_s", "broker_dropped", "rss_mb",
+            "duration_s", "plot", "workdir")
     print("summary:", file=out)
     for k in keys:
         print(f"  {k:<18} {summary.get(k)}", file=out)
