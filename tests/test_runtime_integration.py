@@ -133,7 +133,7 @@ def stop_and_check_no_orphans(fleet: Fleet, mon: Monitor) -> Dict[str, Any]:
 
 
 def broker_dropped(mon: Monitor) -> float:
-    mon.wait(lambda m: m.dropped is not None, 5)
+    mon.wait(lambda m: m.dropped is not None, 10)
     assert mon.dropped is not None, "no $SYS/broker/publish/messages/dropped (sys_interval?)"
     return mon.dropped
 

@@ -31,6 +31,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
@@ -190,7 +191,7 @@ class Monitor:
         self.max_queued_dropped = 0.0
         self.dropped: Optional[float] = None
         self._connected = threading.Event()
-        c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"fog-demo-monitor-{os.getpid()}-{id(self) % 10000}",
+        c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"fog-demo-monitor-{uuid.uuid4().hex[:12]}",
                         protocol=mqtt.MQTTv5)
         c.on_connect = self._on_connect
         c.on_message = self._on_message
