@@ -28,6 +28,7 @@ Req of an earlier request. Same messages, same count, same lines; only the bookk
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import ClassVar, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple
 
@@ -262,6 +263,24 @@ class FgmeNode(GmeNode):
         if t is End:
             return self._on_end(message)  # type: ignore[arg-type]
         raise RemoteProtocolError(f"2-FGME node {self.id}: unexpected message {message!r}")
+
+    def renamed(self, perm: Mapping[NodeId, NodeId]) -> "FgmeNode":
+        """A copy with node ids renamed by `perm` (symmetry reduction in the checker).
+
+        Only meaningful for a permutation inside each group that keeps every group's ids on the
+        same side of the other group's (then every priority comparison, which is always between
+        competitors, keeps its outcome)."""
+        new = copy.copy(self)
+        new.id = perm[self.id]
+        new.groups = {perm[k]: g for k, g in self.groups.items()}
+        new.competitors = frozenset(perm[k] for k in self.competitors)
+        new._sorted_competitors = tuple(sorted(new.competitors))
+        new.waiting_reqs = {perm[k]: e for k, e in self.waiting_reqs.items()}
+        new.reqs_to_send = {perm[k] for k in self.reqs_to_send}
+        new.acks_to_ign = {perm[k]: e for k, e in self.acks_to_ign.items()}
+        new.sent_epoch = {perm[k]: e for k, e in self.sent_epoch.items()}
+        new.acks_rcvd = {perm[k] for k in self.acks_rcvd}
+        return new
 
     def snapshot(self) -> Tuple[object, ...]:
         return (

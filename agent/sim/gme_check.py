@@ -21,6 +21,8 @@ served under every fair schedule.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import itertools
 import random
 from collections import deque
 from dataclasses import dataclass, field
@@ -160,12 +162,93 @@ class _System:
         ) and all(s == n.entries for s, n in zip(self.served, self.nodes))
 
 
+class _LocalStates:
+    """Interned local states and a memo of their transitions (the exhaustive search's engine).
+
+    A node is deterministic: the same local state and the same input always give the same next
+    state and outputs. A global state is a combination of a few thousand distinct local states,
+    so the search runs each (local state, input) through the real core once, and afterwards only
+    looks the answer up. Local states and messages are interned to small ints, so a global state
+    key is a tuple of ints hashed at C speed, and nothing is copied or re-hashed per step.
+    """
+
+    def __init__(self, nodes: Sequence[GmeNode]) -> None:
+        self.objs: List[GmeNode] = []
+        self.ids: Dict[Tuple[int, object], int] = {}
+        self.in_cs: List[bool] = []
+        self.idle: List[bool] = []
+        self.msgs: List[object] = []
+        self.msg_ids: Dict[object, int] = {}
+        self.memo: Dict[Tuple[int, str, int], Tuple[int, Tuple[Tuple[int, int], ...]]] = {}
+        self.renames: Dict[Tuple[int, Tuple[int, ...]], int] = {}
+        self.renames_msg: Dict[Tuple[int, Tuple[int, ...]], int] = {}
+        self.initial = tuple(self.intern(i, x) for i, x in enumerate(nodes))
+
+    def intern(self, index: int, node: GmeNode) -> int:
+        key = (index, node.snapshot())
+        sid = self.ids.get(key)
+        if sid is None:
+            sid = self.ids[key] = len(self.objs)
+            self.objs.append(node)
+            self.in_cs.append(node.state is GmeState.IN_CS)
+            self.idle.append(node.state is GmeState.IDLE)
+        return sid
+
+    def rename(self, sid: int, perm: Tuple[int, ...]) -> int:
+        key = (sid, perm)
+        r = self.renames.get(key)
+        if r is None:
+            node = self.objs[sid]
+            r = self.renames[key] = self.intern(perm[node.id], node.renamed(perm))  # type: ignore[attr-defined]
+        return r
+
+    def rename_msg(self, mid: int, perm: Tuple[int, ...]) -> int:
+        key = (mid, perm)
+        r = self.renames_msg.get(key)
+        if r is None:
+            m = self.msgs[mid]
+            m2 = dataclasses.replace(m, sender=perm[m.sender])  # type: ignore[type-var, attr-defined]
+            r = self.msg_ids.get(m2)
+            if r is None:
+                r = self.msg_ids[m2] = len(self.msgs)
+                self.msgs.append(m2)
+            self.renames_msg[key] = r
+        return r
+
+    def step(self, index: int, sid: int, kind: str, mid: int) -> Tuple[int, Tuple[Tuple[int, int], ...]]:
+        """(next local state, ((to, message id), ...)); raises what the core raises."""
+        key = (sid, kind, mid)
+        hit = self.memo.get(key)
+        if hit is not None:
+            return hit
+        x = _clone_node(self.objs[sid])
+        if kind == "request":
+            outs = x.request()
+        elif kind == "exit":
+            outs = x.exit()
+        else:
+            outs = x.receive(self.msgs[mid])  # type: ignore[arg-type]
+        sends: List[Tuple[int, int]] = []
+        for o in outs:
+            if type(o) is Send:
+                m = o[1]
+                k = self.msg_ids.get(m)
+                if k is None:
+                    k = self.msg_ids[m] = len(self.msgs)
+                    self.msgs.append(m)
+                sends.append((o[0], k))
+        res = (self.intern(index, x), tuple(sends))
+        self.memo[key] = res
+        return res
+
+
 def exhaustive_check(
     algorithm: str,
     sizes: Sequence[int] = (2, 2),
     requests: int = 2,
     fault: Optional[str] = None,
     max_states: int = 5_000_000,
+    symmetry: bool = False,
 ) -> CheckResult:
     """Explore every delivery order (DFS over distinct states). Stops at the first violation.
 
@@ -183,59 +266,103 @@ def exhaustive_check(
     state already visited with a smaller waiting set looks sound but is not with DFS caching (it
     missed the fault injected in `test_exhaustive_checker_catches_the_fault_too`), so we do not.
 
-    Speed (2+2 nodes x 2 requests is in the test suite): a step changes exactly one node, so a
-    successor shares every other node object with its parent (copy-on-write: only the moving node
-    is cloned, never mutated afterwards) and the per-node snapshots are reused; channels are
-    tuples in a dict copied shallowly.
+    Speed: local states and messages are interned and transitions memoized (`_LocalStates`);
+    a global state is (local state ids, budgets, channel contents as message ids, waiting mask).
+
+    Symmetry (`symmetry=True`, cores with a `renamed(perm)` method: 2-FGME): nodes of one group
+    are interchangeable. Groups hold consecutive ids, so a permutation inside each group keeps
+    every cross-group priority comparison (the only ones 2-FGME makes) and the group of every
+    node: it maps executions to executions and preserves both properties. A state is matched by
+    the smallest key over these permutations (node positions, ids inside node states, message
+    senders, channel ends and the waiting set all renamed); the state itself is explored as is.
+    The waiting-set semantics ("does not move before a new message arrives") does not depend
+    on the numbering, so the reduction composes with the partial-order reduction; the injected
+    fault is still found with it (tests).
     """
     res = CheckResult()
     nodes0 = make_nodes(algorithm, sizes, fault)
     n = len(nodes0)
     groups = [x.group for x in nodes0]
-    IN_CS, IDLE = GmeState.IN_CS, GmeState.IDLE
-    Chans = Dict[Tuple[int, int], Tuple[object, ...]]
-    # stack items: (nodes, snaps, left, chans, waiting mask, path as a linked list)
-    start = (tuple(nodes0), tuple(x.snapshot() for x in nodes0), (requests,) * n, {}, 0, None)
-    visited: Dict[Tuple[object, ...], List[int]] = {}
+    ls = _LocalStates(nodes0)
+    in_cs_of, idle_of = ls.in_cs, ls.idle
+    Chans = Dict[Tuple[int, int], Tuple[int, ...]]
+    # stack items: (local state ids, left, chans, waiting mask, path as a linked list)
+    start: Tuple[Any, ...] = (ls.initial, (requests,) * n, {}, 0, None)
+    visited: Set[Tuple[object, ...]] = set()
     stack: List[Tuple[Any, ...]] = [start]
+    inbound = [[(a, i) for a in range(n) if a != i] for i in range(n)]
 
     def unwind(path: object) -> List[str]:
         out: List[str] = []
         while path is not None:
             ev, path = path  # type: ignore[misc]
-            out.append(ev)
+            out.append(ev if isinstance(ev, str) else repr(ev))
         return out[::-1]
 
-    def describe(nodes: Sequence[GmeNode]) -> str:
-        return ", ".join(f"{x.id}:{x.group}:{x.state.name}" for x in nodes)
+    def describe(sids: Sequence[int]) -> str:
+        return ", ".join(
+            f"{i}:{groups[i]}:{ls.objs[sid].state.name}" for i, sid in enumerate(sids)
+        )
+
+    perms: List[Tuple[int, ...]] = []
+    if symmetry and hasattr(nodes0[0], "renamed"):
+        blocks: List[List[int]] = []
+        for i, g in enumerate(groups):
+            if blocks and groups[blocks[-1][0]] == g:
+                blocks[-1].append(i)
+            else:
+                blocks.append([i])
+        for choice in itertools.product(*(itertools.permutations(b) for b in blocks)):
+            p = tuple(x for part in choice for x in part)
+            perm = [0] * n
+            for b, part in zip(blocks, choice):
+                for src, dst in zip(b, part):
+                    perm[src] = dst
+            if tuple(perm) != tuple(range(n)):
+                perms.append(tuple(perm))
+
+    def canonical(sids: Tuple[int, ...], left: Tuple[int, ...], waiting: int, chans: Chans) -> Any:
+        best = (sids, left, waiting, tuple(sorted(chans.items())))
+        for p in perms:
+            ns = [0] * n
+            nl = [0] * n
+            w = 0
+            for i in range(n):
+                ns[p[i]] = ls.rename(sids[i], p)
+                nl[p[i]] = left[i]
+                if (waiting >> i) & 1:
+                    w |= 1 << p[i]
+            ch = tuple(sorted(
+                ((p[a], p[b]), tuple(ls.rename_msg(m, p) for m in q)) for (a, b), q in chans.items()
+            ))
+            k = (tuple(ns), tuple(nl), w, ch)
+            if k < best:
+                best = k
+        return best
 
     while stack:
-        nodes, snaps, left, chans, waiting, path = stack.pop()
-        key = (snaps, left, tuple(sorted(chans.items())))
-        seen = visited.get(key)
-        if seen is not None:
-            if waiting in seen:
-                continue
-            seen.append(waiting)
-        else:
-            visited[key] = [waiting]
+        sids, left, chans, waiting, path = stack.pop()
+        key = canonical(sids, left, waiting, chans) if perms else (
+            sids, left, waiting, tuple(sorted(chans.items())))
+        if key in visited:
+            continue
+        visited.add(key)
         res.states += 1
         if res.states > max_states:
             raise RuntimeError(f"state space larger than {max_states} states")
-        # the enabled steps of each node: local ones, then deliveries into it
         mover = -1
         any_event = False
         mine: List[Tuple[str, int, int]] = []
         for i in range(n):
-            x = nodes[i]
+            sid = sids[i]
             ev: List[Tuple[str, int, int]] = []
-            if x.state is IDLE and left[i] > 0:
+            if idle_of[sid] and left[i] > 0:
                 ev.append(("request", i, -1))
-            elif x.state is IN_CS:
+            elif in_cs_of[sid]:
                 ev.append(("exit", i, -1))
-            for a in range(n):
-                if (a, i) in chans:
-                    ev.append(("deliver", a, i))
+            for c in inbound[i]:
+                if c in chans:
+                    ev.append(("deliver", c[0], i))
             if ev:
                 any_event = True
                 if not (waiting >> i) & 1:
@@ -243,56 +370,52 @@ def exhaustive_check(
                     break
         if not any_event:
             res.schedules += 1
-            if any(left) or any(x.state is not IDLE for x in nodes):
+            if any(left) or not all(idle_of[sid] for sid in sids):
                 res.deadlocks += 1
-                res.first_failure = f"deadlock or unserved request: {describe(nodes)}"
+                res.first_failure = f"deadlock or unserved request: {describe(sids)}"
                 res.trace = unwind(path)
                 return res
             continue
         if mover < 0:
             continue  # every node with a step chose to wait: this branch adds nothing
-        stack.append((nodes, snaps, left, chans, waiting | (1 << mover), ("wait %d" % mover, path)))
+        stack.append((sids, left, chans, waiting | (1 << mover), ("wait %d" % mover, path)))
         for ev in mine:
             kind, a, b = ev
-            x = _clone_node(nodes[mover])
             nchans: Chans = dict(chans)
             nleft = left
-            try:
-                if kind == "request":
-                    nl = list(left)
-                    nl[mover] -= 1
-                    nleft = tuple(nl)
-                    outs = x.request()
-                elif kind == "exit":
-                    outs = x.exit()
+            mid = -1
+            if kind == "request":
+                nl = list(left)
+                nl[mover] -= 1
+                nleft = tuple(nl)
+            elif kind == "deliver":
+                q = nchans[(a, b)]
+                if len(q) == 1:
+                    del nchans[(a, b)]
                 else:
-                    q = nchans[(a, b)]
-                    if len(q) == 1:
-                        del nchans[(a, b)]
-                    else:
-                        nchans[(a, b)] = q[1:]
-                    outs = x.receive(q[0])  # type: ignore[arg-type]
+                    nchans[(a, b)] = q[1:]
+                mid = q[0]
+            try:
+                nsid, sends = ls.step(mover, sids[mover], kind, mid)
             except Exception as exc:  # a core raising is a failure of the algorithm, not of us
                 res.protocol_errors += 1
                 res.first_failure = f"{type(exc).__name__}: {exc}"
-                res.trace = unwind((repr(ev), path))
+                res.trace = unwind((ev, path))
                 return res
             nwait = waiting
-            for o in outs:
-                if type(o) is Send:
-                    k2 = (mover, o[0])
-                    nchans[k2] = nchans.get(k2, ()) + (o[1],)
-                    nwait &= ~(1 << o[0])  # a new message wakes its receiver
-            nnodes = nodes[:mover] + (x,) + nodes[mover + 1:]
-            if x.state is IN_CS:
-                in_cs = {groups[i] for i in range(n) if nnodes[i].state is IN_CS}
+            for to, m in sends:
+                k2 = (mover, to)
+                nchans[k2] = nchans.get(k2, ()) + (m,)
+                nwait &= ~(1 << to)  # a new message wakes its receiver
+            nsids = sids[:mover] + (nsid,) + sids[mover + 1:]
+            if in_cs_of[nsid]:
+                in_cs = {groups[i] for i in range(n) if in_cs_of[nsids[i]]}
                 if len(in_cs) > 1:
                     res.safety_violations += 1
-                    res.first_failure = f"two groups in the CS: {describe(nnodes)}"
-                    res.trace = unwind((repr(ev), path))
+                    res.first_failure = f"two groups in the CS: {describe(nsids)}"
+                    res.trace = unwind((ev, path))
                     return res
-            nsnaps = snaps[:mover] + (x.snapshot(),) + snaps[mover + 1:]
-            stack.append((nnodes, nsnaps, nleft, nchans, nwait, (repr(ev), path)))
+            stack.append((nsids, nleft, nchans, nwait, (ev, path)))
     return res
 
 
