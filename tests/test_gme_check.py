@@ -32,9 +32,8 @@ def test_exhaustive_2fgme_two_plus_two_nodes_one_request():
 
 
 def test_symmetry_reduction_keeps_the_fault_visible():
-    for sizes, req in (((2, 1), 2), ((2, 2), 1)):
-        r = exhaustive_check("2fgme", sizes, req, fault="skip_acks_to_ign", symmetry=True)
-        assert r.safety_violations == 1, (sizes, r.first_failure)
+    r = exhaustive_check("2fgme", (2, 1), 2, fault="skip_acks_to_ign", symmetry=True)
+    assert r.safety_violations == 1, r.first_failure
 
 
 @pytest.mark.parametrize("alg,schedules", [("2fgme", 1500), ("ra1", 1500), ("ra2", 1500)])

@@ -71,7 +71,7 @@ def test_new_instance_joins_the_neighbours_lock_and_a_leaving_one_is_awaited():
     """Unit view of the membership rules on one boundary (lock s0|s1)."""
     sysm = build_guarded([1, 1], [Plan("s0i0", Action.DUPLICATE)])
     a, b = sysm.cores["s0i0"], sysm.cores["s1i0"]
-    # b requests first and waits for a's Ack; then a duplicates? a must first get the lock too.
+    # b (operator 1, the last one) needs only lock 0: it asks a and waits for a's Ack
     outs = b.start_round(Plan("s1i0", Action.DUPLICATE).decision())
     assert [type(o.message) for o in outs] == [LockMessage]
     assert b.locks[0].state is GmeState.REQUESTING and b.intent is not None
