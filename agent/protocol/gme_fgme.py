@@ -139,10 +139,16 @@ class FgmeNode(GmeNode):
     def _withdraw_from(self, k: NodeId) -> None:
         """Lines 32-37 / 45-50: our Req to k is on hold; its acknowledgement no longer counts."""
         self.reqs_to_send.add(k)  # line 32 / 45
-        if k in self.acks_rcvd:  # line 33 / 46
-            self.acks_rcvd.discard(k)  # line 34 / 47
-        elif self.fault != "skip_acks_to_ign":
-            self.acks_to_ign[k] = self.sent_epoch.get(k, 0)  # line 36 / 49
+        self.acks_rcvd.discard(k)  # lines 33-34 / 46-47
+        if self.fault != "skip_acks_to_ign":
+            # line 36 / 49, DEVIATION 3: applied even when k's Ack was already counted (the
+            # pseudo-code's "else"). An Ack(end) from k is counted (line 62 clears the ignore
+            # mark) right after line 63 resent our Req to k, so k's answer to that Req can be
+            # in flight while its Ack(end) is counted; withdrawing then dropped only the counted
+            # one and the in-flight Ack was later counted for a newer Req. Exhaustive search,
+            # 2+2 nodes x 2 requests, 6.1 M states (docs/gme.md). With epochs the rule is exact:
+            # every Ack answering a Req sent so far is void.
+            self.acks_to_ign[k] = self.sent_epoch.get(k, 0)
 
     def _on_req(self, m: Req) -> List[Output]:
         out: List[Output] = []
