@@ -61,6 +61,13 @@ def test_ten_thousand_random_schedules_6_plus_6(alg):
     assert r.schedules == 10_000
 
 
+def test_2fgme_withdrawal_voids_an_in_flight_ack_too():
+    """Regression (DEVIATION 3 in gme_fgme): the exhaustive 2+2 x 2 search found two groups in
+    the CS at 6.1 M states; this random seed reaches the same defect at schedule 4,976."""
+    r = random_check("2fgme", (2, 2), requests=2, schedules=5_000, seed=100)
+    assert r.ok, r.first_failure
+
+
 def test_ra2_ack_carries_own_entries_not_what_others_believe():
     """Regression (RA2 counterexample): a captured node whose Start is still in flight learns
     VF[self] = 1 from a same-forum node; its Ack to a higher-priority other-forum requester must
