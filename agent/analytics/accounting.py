@@ -82,7 +82,7 @@ def accounting(arrived: Any, generated: Optional[Any]) -> Dict[str, Any]:
         return out
     # One full outer join of expected ids with arrived ids answers every question at once.
     expected = generated_keys(generated).distinct().withColumn("expected", F.lit(True))
-    joined = expected.join(counts, ["src", "seq"], "full_outer")
+    joined = expected.join(counts, ["src", "seq"], "full_outer").cache()  # summary + 2 tables
     is_exp, arrived_col = F.col("expected").isNotNull(), F.col("copies").isNotNull()
     n = joined.agg(
         F.sum(F.when(is_exp, 1).otherwise(0)).cast("long").alias("generated"),

@@ -81,7 +81,10 @@ def run_job(spark: Any, landing: PathLike, out: PathLike, period: float = 5.0) -
     events = read_kind(spark, landing, "events")
 
     if records is not None:
-        trips = debs.prepare_trips(records).cache()
+        # Parse the JSON once: the DEBS queries and the accounting all read the cached rows
+        # (memory and disk: a cluster spills what does not fit, the plan stays the same).
+        records = records.cache()
+        trips = debs.prepare_trips(records)
         tables["top_routes"] = debs.top_routes(trips)
         tables["profitable_areas"] = debs.profitable_areas(trips)
         tables["trips_per_window"] = trips.groupBy(F.col("window.start").alias("window_start")).agg(
