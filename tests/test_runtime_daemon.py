@@ -357,6 +357,9 @@ def test_agent_status_state_spawn_and_clean_sigterm(tmp_path: Path, mosquitto: A
         assert [d.operator for d in placed] == ["source", "work", "sink"]
         assert len({d.node for d in placed}) == 2  # spread over both agents (3 keepers, 2 slots each)
         assert wait_until(lambda: sum(len(s["instances"]) for s in watcher.snapshot("state").values()) == 3, 5)
+        # the snapshot is now exact (sync marker): wait for the state that carries the heartbeat loads
+        assert wait_until(lambda: all(i.get("load") is not None for s in watcher.snapshot("state").values()
+                                      for i in s["instances"]), 10)
         state = watcher.snapshot("state")
         assert sorted(s["free_slots"] for s in state.values()) == [0, 1]
         for d in placed:

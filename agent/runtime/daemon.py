@@ -220,6 +220,9 @@ class Agent:
         if self.latency_core is not None:
             subs.extend((t, 0) for t in self.latency_core.subscriptions())
         c.subscribe(subs)
+        # State before status: whoever sees "online" (a snapshot ends at a sync marker, not after
+        # a pause) then also finds this node's retained state, so `deploy` can place on it.
+        self._publish_state(self.clock())
         self._publish(topics.agent_status(self.cluster, self.node), b"online", retain=True)
         self._state_dirty = True
         log.info("connected to %s:%d (session present: %s)", self.broker.host, self.broker.port,

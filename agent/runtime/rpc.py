@@ -27,7 +27,10 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from agent import topics
 
-OPS = ("spawn", "stop", "set", "ping")
+OPS = ("spawn", "stop", "set", "ping", "scale", "drain", "undrain")
+
+# Payload prefix of a snapshot's sync marker on our own reply topic (never a JSON reply).
+_SYNC = b"\x00fog-sync:"
 
 
 class RpcError(RuntimeError):
@@ -165,7 +168,9 @@ class RpcClient:
             self._connected.set()
 
     def _on_message(self, client: Any, userdata: Any, msg: Any) -> None:
-        if msg.topic == self.reply_topic:
+        if msg.topic == self.reply_topic and msg.payload.startswith(_SYNC):
+            self._retained.put((msg.topic, msg.payload))  # a snapshot's sync marker
+        elif msg.topic == self.reply_topic:
             _, cd = message_rpc_fields(msg)
             self._replies.put(((cd or b"").decode(errors="replace"), msg.payload))
         else:
@@ -197,32 +202,55 @@ class RpcClient:
             raise RpcError(f"publish to {topic} failed with rc={info.rc}")
         info.wait_for_publish(timeout=10)
 
-    def snapshot(self, topic_filter: str, settle: float = 0.3, timeout: float = 5.0) -> Dict[str, bytes]:
-        """Retained messages under a filter: subscribe, wait for the SUBACK (the broker sends the
-        retained messages before it), then collect until `settle` s of silence."""
+    def snapshot(self, topic_filter: str, settle: float = 0.3, timeout: float = 10.0) -> Dict[str, bytes]:
+        """Retained messages under a filter, ended by a *sync marker*, not by silence.
+
+        Why: waiting for `settle` s of silence never ends when agents publish their state more
+        often than that (three agents every 0.5 s hung `fog-agent deploy` for 8 min). After the
+        SUBACK we publish a marker to our own reply topic (QoS 1); Mosquitto queues a
+        subscription's retained messages on the session before it routes any later publish to
+        it, so when the marker comes back every retained message has arrived (fogctl's client
+        does the same). `timeout` is a hard deadline for the whole snapshot; `settle` is kept
+        for callers of the old signature and ignored.
+        """
         import paho.mqtt.client as mqtt
 
+        del settle
         while True:  # forget messages of an earlier snapshot that arrived after it ended
             try:
                 self._retained.get_nowait()
             except queue.Empty:
                 break
+        hard_deadline = time.monotonic() + timeout
         acked = threading.Event()
         self._client.on_subscribe = lambda *a, **k: acked.set()
         rc, _mid = self._client.subscribe(topic_filter, qos=1)
         if rc != 0 or not acked.wait(timeout):
             raise RpcError(f"cannot subscribe to {topic_filter} (rc={rc})")
+        marker = _SYNC + uuid.uuid4().hex.encode()
+        info = self._client.publish(self.reply_topic, marker, qos=1)
+        if info.rc != 0:
+            self._client.unsubscribe(topic_filter)
+            raise RpcError(f"sync marker to {self.reply_topic} not queued (rc={info.rc})")
         out: Dict[str, bytes] = {}
-        deadline = time.monotonic() + settle
-        while time.monotonic() < deadline:
-            try:
-                topic, payload = self._retained.get(timeout=max(0.01, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            if mqtt.topic_matches_sub(topic_filter, topic):
-                out[topic] = payload
-                deadline = time.monotonic() + settle
-        self._client.unsubscribe(topic_filter)
+        try:
+            while True:
+                left = hard_deadline - time.monotonic()
+                if left <= 0:
+                    raise RpcError(f"snapshot of {topic_filter}: the broker did not echo our sync "
+                                   f"marker within {timeout:g}s")
+                try:
+                    topic, payload = self._retained.get(timeout=left)
+                except queue.Empty:
+                    continue
+                if topic == self.reply_topic:
+                    if payload == marker:
+                        break
+                    continue  # the marker of an earlier, timed-out snapshot
+                if mqtt.topic_matches_sub(topic_filter, topic):
+                    out[topic] = payload
+        finally:
+            self._client.unsubscribe(topic_filter)
         return out
 
     def call(self, node: str, body: Dict[str, Any], timeout: float = 30.0) -> Dict[str, Any]:
