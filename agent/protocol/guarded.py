@@ -55,11 +55,11 @@ from typing import Any, ClassVar, Dict, List, Optional, Sequence, Set, Tuple
 from agent.policy.decentralized import Action, Decision
 from agent.protocol.gme_base import Entered, GmeMessage, GmeState
 from agent.protocol.gme_base import Send as GmeSend
-from agent.protocol.gme_fgme import Ack, End, FgmeNode, Req
+from agent.protocol.gme_fgme import Ack, End, FgmeNode
 from agent.protocol.messages import Message
-from agent.protocol.scaling import Activate, InstanceState, Output, ScalingCore, Send
+from agent.protocol.scaling import InstanceState, Output, ScalingCore, Send
 
-__all__ = ["LockMessage", "MemberFgmeNode", "GuardedCore", "COORDINATION_MODES"]
+__all__ = ["LockMessage", "MemberFgmeNode", "GuardedCore", "COORDINATION_MODES", "core_class"]
 
 COORDINATION_MODES = ("ack", "fgme")
 
@@ -299,5 +299,3 @@ def core_class(coordination: str) -> type:
         return GuardedCore
     raise ValueError(f"coordination: expected one of {COORDINATION_MODES}, found {coordination!r}")
 
-
-_ = (Activate, Req)  # re-exported names used in docs/tests

@@ -15,13 +15,11 @@ checker's (lock messages travel on the same FIFO channels as the scaling message
 
 from __future__ import annotations
 
-import random
-from typing import Any, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 from agent.policy.decentralized import ScalingParams
 from agent.protocol.guarded import GuardedCore
-from agent.protocol.scaling import ScalingCore
-from agent.sim.checker import Plan, Report, System, build_pipeline, explore, random_runs
+from agent.sim.checker import Plan, System, build_pipeline, explore, random_runs
 
 __all__ = ["GuardedSystem", "build_guarded", "explore", "random_runs", "neighbours_in_round"]
 
