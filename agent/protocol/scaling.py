@@ -15,6 +15,7 @@ API
 
     decision = core.decide(load, draw)                  # seam for lock-guarded scaling (2-FGME):
     outs = core.start_round(decision)                   #   decide now, start the round later
+    outs = core.cancel_duplication(created=())          # createNode() failed: withdraw the round
 
 `handle` and `tick` return a list of outputs, in the order they must be performed:
 
@@ -288,6 +289,42 @@ class ScalingCore:
         if not self.pending:
             out.extend(self._finish_duplication())
         return out
+
+    def cancel_duplication(self, created: Sequence[str] = ()) -> List[Output]:
+        """Withdraw the current duplication round, or shrink it to the copies that exist.
+
+        Why: createNode() can fail (no node has a free slot). Retrying while the round's
+        announcements wait in the driver stalls the neighbours (they get nothing from us in the
+        meantime, FIFO) and leaves records undelivered at shutdown. Cancelling is safe because the
+        round's `CreateInstance` outputs come before any of its `Send`s: a driver whose create
+        failed has not announced anything yet, so no peer knows the round.
+
+        The driver discards the round's outputs it still holds (remaining creates and the
+        announcements) and performs the returned ones in their place. `created` are the new ids
+        whose CreateInstance already succeeded: with none, the instance is back to ACTIVE with its
+        tables untouched and nothing is sent; otherwise the round goes on with those copies only
+        (same message cost as a duplication of len(created) copies). The round number stays
+        advanced so a copy whose start merely timed out can never collide with a later id.
+        """
+        if self.state is not InstanceState.DUPLICATING:
+            raise LocalProtocolError(
+                f"{self.instance_id}: cannot cancel a duplication in state {self.state.value}, expected duplicating"
+            )
+        kept = tuple(i for i in self.new_siblings if i in set(created))
+        unknown = set(created) - set(self.new_siblings)
+        if unknown:
+            raise LocalProtocolError(
+                f"{self.instance_id}: created {sorted(unknown)} are not new siblings of round {self.round} "
+                f"(expected a subset of {list(self.new_siblings)})"
+            )
+        if not kept:
+            self.state = InstanceState.ACTIVE
+            self.pending = set()
+            self.new_siblings = ()
+            return []
+        self.new_siblings = kept
+        msg = Duplication(self.instance_id, self.stage, self.round, kept)
+        return [Send(t, msg) for t in sorted(self.pending)]
 
     def start_deletion(self) -> List[Output]:
         """Algorithm 8: announce our termination (to preds first, in TWO_PHASE mode)."""

@@ -166,6 +166,7 @@ class Agent:
         self.counters: Dict[str, int] = {"spawned_local": 0, "spawned_remote": 0, "spawn_failed": 0,
                                          "rpc_requests": 0, "restarts": 0, "bad_messages": 0}
         self._client: Any = None
+        self.draining = False  # fogctl drain: refuse new instances (free_slots() = 0)
 
     # -- MQTT ----------------------------------------------------------------------------------
 
@@ -406,7 +407,55 @@ class Agent:
         return views
 
     def free_slots(self) -> int:
+        if self.draining:
+            return 0  # `fogctl drain`: no new instance until `undrain`
         return max(0, self.cfg.agent.slots - len(self.supervisor))
+
+    # -- fogctl steering (agent/fogctl/rpc_schema.py) ---------------------------------------
+
+    def _local_instances(self) -> List[Any]:
+        from agent.fogctl.fleet import Instance, Phase
+
+        out = []
+        for info in self.instance_infos():
+            w = self.supervisor.get(info.id)
+            phase = {"active": Phase.ACTIVE, "terminating": Phase.TERMINATING}.get(info.status, Phase.STARTING)
+            if phase is Phase.ACTIVE and info.stats.get("state") == "idle":
+                phase = Phase.STARTING  # created, not yet started by its creator
+            out.append(Instance(id=info.id, operator=info.operator, node=self.node,
+                                pipeline=w.spec.pipeline if w is not None else None,
+                                keeper=info.keeper, phase=phase, load=info.load, capacity=info.capacity))
+        return out
+
+    def _on_steering(self, body: Dict[str, Any], now: float) -> Dict[str, Any]:
+        """A fogctl scale/drain request: check it against our own instances (`agent_actions`) and
+        hand each action to its worker as a control line; the worker runs it through the SAME
+        protocol as an automatic decision (ScalingCore.start_round with a forced decision)."""
+        from agent.fogctl.rpc_schema import ActionKind, DrainRequest, Reply, RequestError, agent_actions, parse_request
+
+        try:
+            req = parse_request(body)
+            actions = agent_actions(req, self.node, self._local_instances())
+            if any(a.kind is ActionKind.HANDOVER for a in actions):
+                keepers = [a.instance for a in actions if a.kind is ActionKind.HANDOVER]
+                raise RequestError(f"refused: {', '.join(keepers)} is a keeper; keeper hand-over on "
+                                   f"drain is not implemented by this agent yet (move it by hand first)")
+        except RequestError as exc:
+            return Reply(False, {}, str(exc)).to_dict()
+        if isinstance(req, DrainRequest):
+            self.draining = not req.undo
+            self._state_dirty = True
+        sent: List[str] = []
+        for a in actions:
+            kind = "duplicate" if a.kind is ActionKind.DUPLICATE else "terminate"
+            if self.supervisor.send(a.instance, "scale", action=kind, count=a.count):
+                sent.append(a.instance)
+            else:
+                return Reply(False, {"instances": sent}, f"instance {a.instance} on {self.node} is not reachable").to_dict()
+        log.info("steering %s: %s", body.get("op"), [(a.kind.value, a.instance, a.count) for a in actions],
+                 extra={"node": self.node})
+        key = "leaving" if isinstance(req, DrainRequest) else "instances"
+        return Reply(True, {key: sent, "node": self.node}).to_dict()
 
     def _new_instance_id(self, operator: str) -> str:
         self._counter += 1
@@ -423,6 +472,11 @@ class Agent:
             self._on_ready(instance, now)
         elif event == "spawn":
             self._on_worker_spawn(instance, msg, now)
+        elif event == "round_cancelled":
+            w = self.supervisor.get(instance)
+            if w is not None:
+                self._event("round_cancelled", instance, w.spec.operator, w.spec.pipeline,
+                            round=msg.get("round"), created=msg.get("created"), error=msg.get("error"))
         elif event == "exit":
             log.info("worker announced exit: %s", msg.get("reason"), extra={"instance": instance})
             self._state_dirty = True
@@ -593,6 +647,8 @@ class Agent:
                 reply({"ok": True, "instance": inst, "node": self.node})
             else:
                 reply({"ok": False, "error": f"no running instance {inst!r} on {self.node}"})
+        elif op in ("scale", "drain", "undrain"):
+            reply(self._on_steering(body, now))
         elif op == "spawn":
             if self._stopping_since is not None:
                 reply({"ok": False, "error": f"agent {self.node} is shutting down"})

@@ -550,6 +550,9 @@ class Worker:
         elif event == "spawned":
             if self.scaling is not None:
                 self.scaling.on_spawned(msg)
+        elif event == "scale":
+            if self.scaling is not None:
+                self.scaling.force(str(msg.get("action")), int(msg.get("count", 1)))
         elif event == "set":
             if "service_time_ms" in msg:
                 self.service_time = float(msg["service_time_ms"]) / 1000.0
@@ -718,7 +721,9 @@ class _ScalingDriver:
             )
         self.outputs: Deque[Any] = deque()
         self.waiting_spawn: Optional[str] = None
-        self.spawn_retry_at = 0.0
+        self.round_created: List[str] = []  # copies of the current round whose create succeeded
+        self.skip_decisions = 0  # decisions to skip (the first one after activation)
+        self.forced: Deque[Tuple[str, int]] = deque()  # steering requests (fogctl), in order
         self.draining = False
         seed = int(spec.extra.get("seed", 0)) ^ zlib.crc32(spec.instance.encode())
         self.rng = random.Random(seed)
@@ -768,7 +773,45 @@ class _ScalingDriver:
             return
         self._queue(outs)
 
+    def force(self, action: str, count: int) -> None:
+        """A steering request (fogctl scale/drain via the agent): queued, run by `_run_forced`
+        through the same protocol as an automatic decision. One duplication round per copy."""
+        if action == "duplicate":
+            self.forced.extend(("duplicate", 1) for _ in range(max(1, int(count))))
+        elif action == "terminate":
+            self.forced.append(("terminate", 1))
+        else:
+            log.warning("unknown scale action %r ignored", action, extra=self.w.ctx)
+
+    def _run_forced(self, now: float) -> None:
+        from agent.policy.decentralized import Action, Decision
+        from agent.protocol.errors import LocalProtocolError
+        from agent.protocol.scaling import InstanceState
+
+        if not self.forced or self.outputs or self.w._stopping:
+            return
+        if self.core.state is not InstanceState.ACTIVE:
+            if self.core.state is not InstanceState.IDLE and not self.core.in_round:
+                self.forced.clear()  # leaving or gone: nothing more to do
+            return
+        action, count = self.forced.popleft()
+        decision = Decision(Action.DUPLICATE if action == "duplicate" else Action.TERMINATE, count)
+        self.round_created = []
+        try:
+            outs = self.core.start_round(decision)
+        except LocalProtocolError as exc:
+            log.warning("forced %s refused: %s", action, exc, extra=self.w.ctx)
+            return
+        kind = "scale_out" if action == "duplicate" else "scale_in"
+        self.counts["scale_outs" if kind == "scale_out" else "scale_ins"] += 1
+        self.counts["forced"] = self.counts.get("forced", 0) + 1
+        new = [o.instance_id for o in outs if type(o).__name__ == "CreateInstance"]
+        self.decisions.append({"at": time.time(), "kind": kind, "forced": True, "new": new})
+        self.last_round_end = now
+        self._queue(outs)
+
     def maybe_tick(self, now: float) -> None:
+        self._run_forced(now)
         if now < self.next_tick:
             return
         load = self.w.measure_load(now)
@@ -781,6 +824,10 @@ class _ScalingDriver:
 
         if self.core.state is not InstanceState.ACTIVE:
             return
+        if self.skip_decisions > 0:
+            self.skip_decisions -= 1  # this period's load was measured only partly (activation)
+            return
+        self.round_created = []
         outs = self.core.tick(load, self.rng.random())
         if outs:
             kind = "scale_out" if any(type(o).__name__ == "CreateInstance" for o in outs) else "scale_in"
@@ -813,15 +860,16 @@ class _ScalingDriver:
             elif isinstance(out, RoutesChanged) or isinstance(out, Activate):
                 # INVARIANT 3: the data path switches tables here, before any later Send (ack).
                 w.set_routes(out.succs, now)
+                if isinstance(out, Activate):
+                    # DEVIATION (docs/scaling.md): the load of the period we were activated in is
+                    # partial, so the first decision would scale a fresh copy straight back in.
+                    self.skip_decisions = 1
             elif isinstance(out, CreateInstance):
                 # INVARIANT 2: the Sends announcing this instance wait until the agent says it is
                 # subscribed ("spawned" arrives only after the new worker's "ready").
                 if self.waiting_spawn is None:
-                    if now < self.spawn_retry_at:
-                        return
                     self._request_spawn(out)
-                    return
-                return  # still waiting for "spawned"
+                return  # waiting for "spawned"
             elif isinstance(out, Drain):
                 # Two-phase deletion: every predecessor removed us; forward everything first.
                 w._flush(now, force=True)
@@ -860,13 +908,42 @@ class _ScalingDriver:
             return
         self.waiting_spawn = None
         if msg.get("ok"):
-            self.outputs.popleft()  # the CreateInstance is done
+            done = self.outputs.popleft()  # the CreateInstance is done
+            self.round_created.append(done.instance_id)
             self.run_outputs(self.w.clock())
         else:
-            # The announcement must not go out for an instance that does not exist: retry.
+            # The announcement must not go out for an instance that does not exist. Retrying
+            # while holding the round's messages stalled the neighbours, so withdraw the round
+            # (or shrink it to the copies that exist): nothing was announced yet.
             self.counts["spawn_failures"] += 1
-            self.spawn_retry_at = self.w.clock() + 1.0
-            log.warning("spawn failed (%s): retrying in 1 s", msg.get("error"), extra=self.w.ctx)
+            self._cancel_round(str(msg.get("error")))
+        self.w.mark_state_changed()
+
+    def _cancel_round(self, why: str) -> None:
+        from agent.protocol.messages import Duplication
+        from agent.protocol.scaling import CreateInstance, Send
+
+        core = self.core
+        mine = core.instance_id
+        # The round's outputs sit at the head of the queue: its creates, then its announcements.
+        while self.outputs:
+            out = self.outputs[0]
+            if isinstance(out, CreateInstance) and out.creator == mine:
+                self.outputs.popleft()
+            elif (isinstance(out, Send) and isinstance(out.message, Duplication)
+                  and out.message.sender == mine and out.message.round == core.round):
+                self.outputs.popleft()
+            else:
+                break
+        created = tuple(self.round_created)
+        self.round_created = []
+        replacement = core.cancel_duplication(created=created)
+        self.outputs.extendleft(reversed(replacement))
+        self.counts["rounds_cancelled"] = self.counts.get("rounds_cancelled", 0) + 1
+        log.warning("spawn failed (%s): duplication round %d %s", why, core.round,
+                    f"continues with {list(created)}" if created else "cancelled", extra=self.w.ctx)
+        self.w._emit("round_cancelled", round=core.round, created=list(created), error=why)
+        self.run_outputs(self.w.clock())
 
     def stats(self) -> Dict[str, Any]:
         s: Dict[str, Any] = dict(self.counts)
