@@ -387,8 +387,12 @@ class Agent:
         from agent import events
 
         detail["source"] = "agent"
-        ev = events.make(etype, ts=self.wall(), node=self.node, instance=instance, operator=operator,
-                         pipeline=pipeline, detail=detail)
+        try:
+            ev = events.make(etype, ts=self.wall(), node=self.node, instance=instance, operator=operator,
+                             pipeline=pipeline, detail=detail)
+        except ValueError as exc:  # a bad event must never take the agent down
+            log.error("event %s not published: %s", etype, exc, extra={"node": self.node})
+            return
         self._publish(topics.events(self.cluster), ev.to_json().encode(), qos=1)
 
     # -- fleet view and placement --------------------------------------------------------------
@@ -454,6 +458,11 @@ class Agent:
                 return Reply(False, {"instances": sent}, f"instance {a.instance} on {self.node} is not reachable").to_dict()
         log.info("steering %s: %s", body.get("op"), [(a.kind.value, a.instance, a.count) for a in actions],
                  extra={"node": self.node})
+        for a in actions:
+            w = self.supervisor.get(a.instance)
+            if w is not None:
+                self._event("drain" if isinstance(req, DrainRequest) else "steer", a.instance, w.spec.operator,
+                            w.spec.pipeline, action=a.kind.value, count=a.count)
         key = "leaving" if isinstance(req, DrainRequest) else "instances"
         return Reply(True, {key: sent, "node": self.node}).to_dict()
 
@@ -475,7 +484,7 @@ class Agent:
         elif event == "round_cancelled":
             w = self.supervisor.get(instance)
             if w is not None:
-                self._event("round_cancelled", instance, w.spec.operator, w.spec.pipeline,
+                self._event("refused", instance, w.spec.operator, w.spec.pipeline, what="round_cancelled",
                             round=msg.get("round"), created=msg.get("created"), error=msg.get("error"))
         elif event == "exit":
             log.info("worker announced exit: %s", msg.get("reason"), extra={"instance": instance})

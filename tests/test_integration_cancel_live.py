@@ -1,0 +1,97 @@
+"""A duplication whose createNode() fails on real agents is cancelled, not retried forever.
+
+Why: the worker used to hold its round's protocol messages and retry the spawn every second,
+stalling its neighbours and leaving records undelivered at shutdown. Here the only agent has no
+free slot; a scale request sent straight to it (fogctl itself would refuse it) makes the keeper
+start a round that cannot create its copy: the round must be cancelled (event), the instance
+count unchanged, and every record still delivered exactly once.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import pytest
+
+pytest.importorskip("agent.runtime.daemon")
+
+pytestmark = pytest.mark.broker
+
+PIPELINE = """
+[pipeline]
+name = "full"
+[scaling]
+policy = "none"
+[[operator]]
+name = "source"
+kind = "source"
+function = "agent.runtime.taxi:source"
+params = { seed = 4, profile = "constant", rate = 40.0 }
+[[operator]]
+name = "in_zone"
+function = "agent.runtime.operators:in_zone"
+[[operator]]
+name = "sink"
+kind = "sink"
+function = "agent.runtime.operators:counting_sink"
+"""
+
+
+def test_failed_spawn_cancels_the_round_and_loses_nothing(mosquitto: Any, tmp_path: Any) -> None:
+    from agent.config import load_pipeline_text
+    from agent.runtime.demo import Fleet, Monitor, verify
+    from agent.runtime.rpc import RpcClient
+
+    cluster = "c" + uuid.uuid4().hex[:8]
+    fleet = Fleet(tmp_path, nodes=("c1",), slots=3, cluster=cluster, broker_host=mosquitto.host,
+                  broker_port=mosquitto.port, state_period=0.5, heartbeat_period=0.2, shutdown_timeout=8.0)
+    fleet.start()
+    mon = Monitor(mosquitto.host, mosquitto.port, cluster)
+    try:
+        assert mon.wait(lambda m: m.status.get("c1") == "online", 30)
+        fleet.deploy(PIPELINE)
+        assert mon.wait(lambda m: m.instances_per_operator() == {"source": 1, "in_zone": 1, "sink": 1}, 30)
+        with RpcClient(mosquitto.host, mosquitto.port, cluster) as client:
+            reply = client.call("c1", {"v": 1, "op": "scale", "operator": "in_zone", "delta": 1, "pipeline": None})
+            assert reply["ok"], reply  # accepted: the agent's own check does not count slots
+            assert mon.wait(lambda m: any(is_cancel(e) for e in m.events), 20), m_events(mon)
+            ev = next(e for e in mon.events if is_cancel(e))
+            assert ev["instance"] == "full.in_zone.0"
+            sink_before = sink_in(mon)
+            time.sleep(2.0)
+            # the keeper is back to work: records still reach the sink, no instance appeared
+            assert mon.wait(lambda m: sink_in(m) > sink_before + 20, 20)
+            assert mon.instances_per_operator() == {"source": 1, "in_zone": 1, "sink": 1}
+            keeper = mon.instance_stats.get("full.in_zone.0", {})
+            assert keeper.get("state") == "active", keeper
+            src = "full.source.0"
+            assert client.call("c1", {"op": "set", "instance": src, "fields": {"paused": True}})["ok"]
+        last, stable_since, deadline = -1, time.monotonic(), time.monotonic() + 30
+        while time.monotonic() < deadline:
+            now_in = sink_in(mon)
+            if now_in != last:
+                last, stable_since = now_in, time.monotonic()
+            elif time.monotonic() - stable_since >= 2.0:
+                break
+            time.sleep(0.2)
+    finally:
+        codes = fleet.stop()
+        mon.close()
+    assert all(c == 0 for c in codes.values()), codes
+    v = verify(load_pipeline_text(PIPELINE), fleet.sink_dir)
+    assert v.generated > 100 and v.ok, v
+
+
+def sink_in(mon: Any) -> int:
+    return sum(int((st or {}).get("records_in", 0)) for i, st in mon.instance_stats.items()
+               if mon.instance_operator.get(i) == "sink")
+
+
+def m_events(mon: Any) -> Any:
+    return [e.get("type") for e in mon.events]
+
+
+def is_cancel(e: Any) -> bool:
+    return e.get("type") == "refused" and (e.get("detail") or {}).get("what") == "round_cancelled"
