@@ -167,6 +167,9 @@ class Agent:
                                          "rpc_requests": 0, "restarts": 0, "bad_messages": 0}
         self._client: Any = None
         self.draining = False  # fogctl drain: refuse new instances (free_slots() = 0)
+        self.metrics: Any = None  # agent.runtime.metrics, when [metrics].port != 0
+        self.stats_bridge: Any = None
+        self.metrics_server: Any = None
 
     # -- MQTT ----------------------------------------------------------------------------------
 
@@ -239,7 +242,32 @@ class Agent:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, frame: self._events.put(("signal", signum)))
 
+    def _start_metrics(self) -> None:
+        """`[metrics].port` != 0: serve /metrics (prometheus_client multiprocess mode, files under
+        the state dir) and export the workers' heartbeat counters through StatsBridge, so the
+        endpoint's counters are exactly what the workers count, with no metrics code in their
+        data path. Port 0 (the default and the tests') leaves everything off."""
+        if self.cfg.metrics.port == 0:
+            return
+        from agent.runtime import metrics
+
+        metrics.enable_multiprocess(Path(self.cfg.agent.state_dir) / "metrics")
+        self.metrics = metrics.Metrics()
+        self.stats_bridge = metrics.StatsBridge(self.metrics)
+        try:
+            self.metrics_server = metrics.serve(self.cfg.metrics.port, self.cfg.metrics.address)
+        except OSError as exc:  # a busy port must not stop the node from working
+            log.error("metrics endpoint on %s:%d not started: %s", self.cfg.metrics.address,
+                      self.cfg.metrics.port, exc, extra={"node": self.node})
+            return
+        log.info("metrics on %s", self.metrics_server.url if self.metrics_server else "-", extra={"node": self.node})
+
+    def _observe_stats(self, w: Any) -> None:
+        if self.stats_bridge is not None and isinstance(w.stats, dict):
+            self.stats_bridge.observe(w.spec.pipeline, w.spec.operator, w.instance, w.stats)
+
     def run(self) -> int:
+        self._start_metrics()
         self._client = self._make_client()
         self._client.loop_start()
         status = EXIT_OK
@@ -255,6 +283,8 @@ class Agent:
             self._emergency_stop()
         finally:
             self._close_mqtt()
+            if self.metrics_server is not None:
+                self.metrics_server.close()
         return status
 
     def _step(self) -> None:
@@ -477,7 +507,11 @@ class Agent:
         if msg is None:
             return
         event = msg["event"]
-        if event == "ready":
+        if event == "heartbeat":
+            w = self.supervisor.get(instance)
+            if w is not None:
+                self._observe_stats(w)
+        elif event == "ready":
             self._on_ready(instance, now)
         elif event == "spawn":
             self._on_worker_spawn(instance, msg, now)
@@ -694,6 +728,11 @@ class Agent:
     def _on_reaped(self, reaped: Reaped, now: float) -> None:
         w = reaped.worker
         self._state_dirty = True
+        self._observe_stats(w)
+        if self.metrics is not None:
+            from agent.runtime import metrics
+
+            metrics.process_exited(w.pid)
         job = self._awaiting_ready.pop(w.instance, None)
         reason = (w.exit_event or {}).get("reason") or w.killed_for or f"exit status {reaped.returncode}"
         log.info("worker pid %d exited with %d (%s)", w.pid, reaped.returncode, reason, extra={"instance": w.instance})
