@@ -271,6 +271,13 @@ def test_watch_shows_a_real_scale_out_with_its_reason(capsys, mosquitto, tmp_pat
         assert r["capacity"] == 20.0 and r["load"] > 0
         assert r["ratio"] == pytest.approx(r["load"] / r["capacity"], rel=1e-6) and r["ratio"] >= 0.8  # up
         assert r["action"] == "duplicate"
+        # The worker's own decision event: the replication factor p = l/(rC) - 1 and the uniform
+        # draw it used, and the copy count they give (floor(p), +1 when draw < frac(p)).
+        assert (ev.get("detail") or {}).get("source") == "worker", ev
+        p = r["load"] / (0.7 * r["capacity"]) - 1.0
+        assert r["probability"] == pytest.approx(p, rel=1e-6) and 0.0 <= r["draw"] < 1.0
+        assert r["count"] == int(p) + (1 if r["draw"] < p - int(p) else 0) and r["count"] >= 1
+        assert len(ev["detail"]["new"]) == r["count"]
         # The decision is the instance's own: `why` finds it in the agent's state.
         why = fogctl(capsys, mosquitto, cluster, "--json", "why", ev["instance"])
         assert any(d["ts"] == ev["ts"] and d["type"] == "scale_out" for d in why["decisions"])

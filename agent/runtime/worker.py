@@ -63,6 +63,7 @@ EXIT_DRAIN_TIMEOUT = 4  # stop requested, but successors did not ack everything 
 
 MAX_POLL = 0.05  # longest sleep of the loop (stdin control lines are seen within this)
 ACK_DELAY = 0.005  # coalesce upstream acks for at most this long
+DECISION_EVENT_PERIOD = 5.0  # at most one "nothing to do" decision event per instance per 5 s
 STATE_PERIOD = 1.0  # persist the channel snapshot at most this often (a rename costs ~5 ms here)
 
 
@@ -724,6 +725,9 @@ class _ScalingDriver:
         self.round_created: List[str] = []  # copies of the current round whose create succeeded
         self.skip_decisions = 0  # decisions to skip (the first one after activation)
         self.forced: Deque[Tuple[str, int]] = deque()  # steering requests (fogctl), in order
+        self.history: List[Any] = []  # last decision events (retained for `fogctl why`)
+        self._last_none_event = -1e9
+        self._last_history_pub = -1e9
         self.draining = False
         seed = int(spec.extra.get("seed", 0)) ^ zlib.crc32(spec.instance.encode())
         self.rng = random.Random(seed)
@@ -828,7 +832,10 @@ class _ScalingDriver:
             self.skip_decisions -= 1  # this period's load was measured only partly (activation)
             return
         self.round_created = []
-        outs = self.core.tick(load, self.rng.random())
+        draw = self.rng.random()
+        decision = self.core.decide(load, draw)
+        outs = self.core.start_round(decision)
+        self._publish_decision(now, load, draw, decision, outs)
         if outs:
             kind = "scale_out" if any(type(o).__name__ == "CreateInstance" for o in outs) else "scale_in"
             self.counts["scale_outs" if kind == "scale_out" else "scale_ins"] += 1
@@ -837,6 +844,47 @@ class _ScalingDriver:
             log.info("decision %s at load %.1f/s (capacity %.0f)", kind, load, self.params.capacity, extra=self.w.ctx)
             self.last_round_end = now
         self._queue(outs)
+
+    def _publish_decision(self, now: float, load: float, draw: float, decision: Any, outs: List[Any]) -> None:
+        """A decision event with the numbers it was drawn from (load, capacity, ratio, probability,
+        draw) on the events topic, plus the retained per-instance history `fogctl why` reads.
+
+        Through the worker's single client (one owner, DESIGN.md); never on the inbox path, so the
+        paper's message cost is untouched. Rate-limited: a decision that acts is always published,
+        a "nothing to do" one at most every DECISION_EVENT_PERIOD s (an instance decides every
+        period; thousands of them would flood the topic). A publish failure is counted, never fatal.
+        """
+        from agent import events
+        from agent.policy.decentralized import Action
+
+        acted = bool(outs)
+        if not acted and now - self._last_none_event < DECISION_EVENT_PERIOD:
+            return
+        if not acted:
+            self._last_none_event = now
+        w = self.w
+        kind = {Action.DUPLICATE: "scale_out", Action.TERMINATE: "scale_in"}.get(decision.action, "decision")
+        if not acted:
+            kind = "decision"
+        new = [o.instance_id for o in outs if type(o).__name__ == "CreateInstance"]
+        try:
+            ev = events.decision(
+                ts=time.time(), node=w.spec.node, instance=w.spec.instance, operator=w.spec.operator,
+                pipeline=w.spec.pipeline, load=float(load), capacity=float(self.params.capacity),
+                probability=float(decision.factor) if decision.action is not Action.NONE else None,
+                draw=float(draw), action=decision.action.value, count=int(decision.count),
+                type=kind, detail={"new": new, "source": "worker"} if new else {"source": "worker"},
+            )
+            w.transport.publish(topics.events(w.spec.cluster), ev.to_json().encode(), qos=0)
+            self.history = events.remember(self.history, ev)
+            if acted or now - self._last_history_pub >= DECISION_EVENT_PERIOD:
+                self._last_history_pub = now
+                payload = json.dumps([e.to_dict() for e in self.history], sort_keys=True).encode()
+                w.transport.publish(topics.decisions(w.spec.cluster, w.spec.instance), payload, qos=0, retain=True)
+            self.counts["decision_events"] = self.counts.get("decision_events", 0) + 1
+        except (TransportError, ValueError) as exc:
+            self.counts["decision_events_failed"] = self.counts.get("decision_events_failed", 0) + 1
+            log.warning("decision event not published: %s", exc, extra=w.ctx)
 
     def _queue(self, outs: List[Any]) -> None:
         if outs:
