@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from agent import topics
-from agent.config import AgentConfig, resolve_password
+from agent.config import AgentConfig, load_pipeline_text, resolve_password
 from agent.runtime import nodestate, rpc
 from agent.runtime.placement import DEFAULT_POLICY, NodeView, PlacementPolicy, PlacementRequest, get_policy
 from agent.runtime.spec import BrokerSpec, InstanceSpec
@@ -621,6 +621,7 @@ class Agent:
     def _start_local(self, job: SpawnJob, now: float) -> bool:
         if self.free_slots() <= 0 or job.spec.instance in self.supervisor:
             return False
+        job.spec = spec_with_capacity(job.spec, self.cfg.agent.state_dir, self.node)
         try:
             self.supervisor.start(job.spec, now)
         except (OSError, ValueError) as exc:
@@ -806,6 +807,33 @@ class Agent:
                 pass
         c.disconnect()
         c.loop_stop()
+
+
+def spec_with_capacity(spec: InstanceSpec, state_dir: Any, node: str) -> InstanceSpec:
+    """For `capacity = "calibrate"`: put THIS node's calibrated capacity into the spec's extra.
+
+    Why here: a copy inherits its creator's extra, but may start on another node whose Pi is
+    slower or throttled; the agent that starts the worker knows its own calibration
+    (`capacity.capacity_for`). A numeric capacity in the pipeline is left alone. Without a
+    calibration the worker keeps its fallback and the agent says how to fix it.
+    """
+    try:
+        cfg = load_pipeline_text(spec.pipeline_toml)
+        sc = cfg.scaling_for(spec.operator)
+    except Exception:  # the worker reports an unloadable pipeline itself (EXIT_BAD_SPEC)
+        return spec
+    if sc.capacity != "calibrate":
+        return spec
+    from agent.runtime.capacity import capacity_for
+
+    try:
+        cap = capacity_for(state_dir, node, spec.operator, None)
+    except ValueError as exc:
+        log.warning("%s", exc, extra={"node": node, "operator": spec.operator})
+        return spec
+    extra = dict(spec.extra)
+    extra["capacity"] = cap
+    return dataclasses.replace(spec, extra=extra)
 
 
 def _latency_core(cfg: AgentConfig) -> Any:
