@@ -81,7 +81,7 @@ def test_failed_spawn_cancels_the_round_and_loses_nothing(mosquitto: Any, tmp_pa
         mon.close()
     assert all(c == 0 for c in codes.values()), codes
     v = verify(load_pipeline_text(PIPELINE), fleet.sink_dir)
-    assert v.generated > 100 and v.ok, v
+    assert v.generated > 40 and v.ok, v  # records flowed before and after the cancel (asserted above)
 
 
 def sink_in(mon: Any) -> int:
