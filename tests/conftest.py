@@ -1,4 +1,5 @@
-"""Session fixtures: a private Mosquitto on a free loopback port, a module-scoped local Spark.
+"""Session fixtures: a private Mosquitto on a free loopback port, one local Spark session
+(it takes 6-20 s to start, so the whole test session shares it).
 
 Real parts, not mocks: every test that speaks MQTT goes through this broker, configured like the
 one the Ansible role renders (explicit queue limits), so that a dropped message shows up in
@@ -8,99 +9,40 @@ one the Ansible role renders (explicit queue limits), so that a dropped message 
 from __future__ import annotations
 
 import os
-import shutil
-import socket
-import subprocess
 import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
-MOSQUITTO = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
+from agent.runtime.broker import (
+    MOSQUITTO,
+    BrokerError,
+    PrivateBroker,
+    free_port,
+    start_private_broker,
+    wait_port,
+)
 
 # Keep spawned workers and CLI subprocesses on this checkout's code and venv.
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("PYTHONPATH", str(ROOT))
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_port(host: str, port: int, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection((host, port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"nothing listens on {host}:{port} after {timeout}s")
-
-
-@dataclass
-class Broker:
-    host: str
-    port: int
-    conf_path: Path
-    log_path: Path
-    proc: subprocess.Popen
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
-
-
-BROKER_CONF = """\
-listener {port} 127.0.0.1
-allow_anonymous true
-persistence true
-persistence_location {dir}/
-autosave_interval 5
-max_queued_messages {max_queued}
-max_inflight_messages 100
-max_keepalive 60
-set_tcp_nodelay true
-sys_interval 1
-log_dest file {log}
-log_type error
-log_type warning
-log_type notice
-connection_messages true
-"""
+# One broker configuration for tests, the demo and the benchmarks (agent/runtime/broker.py).
+Broker = PrivateBroker
+__all__ = ["MOSQUITTO", "Broker", "free_port", "wait_port", "start_broker", "stop_broker"]
 
 
 def start_broker(workdir: Path, max_queued: int = 10000, port: int = 0) -> Broker:
     """Start a private Mosquitto; used by the fixture and by tests that restart brokers."""
-    if not os.path.exists(MOSQUITTO):
-        pytest.fail("mosquitto is not installed: run `make setup` (apt-get install mosquitto)")
-    workdir.mkdir(parents=True, exist_ok=True)
-    port = port or free_port()
-    conf = workdir / "mosquitto.conf"
-    log = workdir / "mosquitto.log"
-    conf.write_text(BROKER_CONF.format(port=port, dir=workdir, log=log, max_queued=max_queued))
-    proc = subprocess.Popen([MOSQUITTO, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        wait_port("127.0.0.1", port)
-    except TimeoutError:
-        proc.kill()
-        err = proc.stderr.read().decode() if proc.stderr else ""
-        pytest.fail(f"mosquitto did not start on port {port}: {err}")
-    return Broker("127.0.0.1", port, conf, log, proc)
+        return start_private_broker(workdir, max_queued=max_queued, port=port)
+    except BrokerError as exc:
+        pytest.fail(str(exc))
 
 
 def stop_broker(broker: Broker) -> None:
-    broker.proc.terminate()
-    try:
-        broker.proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        broker.proc.kill()
-        broker.proc.wait()
+    broker.stop()
 
 
 @pytest.fixture(scope="session")
@@ -110,7 +52,7 @@ def mosquitto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
     stop_broker(broker)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def spark() -> Iterator["object"]:
     from pyspark.sql import SparkSession  # the analytics extra: installed by `make setup`
 
