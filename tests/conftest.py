@@ -8,6 +8,7 @@ one the Ansible role renders (explicit queue limits), so that a dropped message 
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -57,6 +58,8 @@ def spark() -> Iterator["object"]:
     from pyspark.sql import SparkSession  # the analytics extra: installed by `make setup`
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    # py4j logs from __del__ at interpreter exit, after pytest closed the captured streams.
+    logging.getLogger("py4j").setLevel(logging.WARNING)
     session = (
         SparkSession.builder.master("local[2]")
         .appName("fog-agent-tests")
