@@ -19,7 +19,7 @@ from typing import Any, Dict
 
 import pytest
 
-pytest.importorskip("agent.runtime.daemon")
+import agent.runtime.daemon  # noqa: E402,F401  (a broken daemon must fail here, not skip)
 
 from agent.cli.fogctl import main  # noqa: E402
 from agent import topics  # noqa: E402

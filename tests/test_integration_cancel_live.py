@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("agent.runtime.daemon")
+import agent.runtime.daemon  # noqa: E402,F401  (a broken daemon must fail here, not skip)
 
 pytestmark = pytest.mark.broker
 

@@ -22,7 +22,7 @@ from typing import Any, Dict
 
 import pytest
 
-pytest.importorskip("prometheus_client")
+import prometheus_client  # noqa: E402,F401
 
 pytestmark = pytest.mark.broker
 

@@ -24,8 +24,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-pytest.importorskip("agent.runtime.daemon", reason="the agent daemon (issue 5) is not in this checkout")
-psutil = pytest.importorskip("psutil")
+import agent.runtime.daemon  # noqa: E402,F401  (a broken daemon must fail here, not skip)
+import psutil  # noqa: E402
 
 WORKER = r'''
 import json, sys, threading, time
