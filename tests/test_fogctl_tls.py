@@ -13,26 +13,15 @@ from pathlib import Path
 import pytest
 
 from agent.cli.fogctl import main
+from tls_certs import OPENSSL, make_certs
 
 pytestmark = pytest.mark.broker
 
-OPENSSL = shutil.which("openssl")
 PASSWD = shutil.which("mosquitto_passwd")
 
 
 def _run(*cmd: str) -> None:
     subprocess.run(cmd, check=True, capture_output=True)
-
-
-def make_certs(d: Path, name: str) -> None:
-    _run(OPENSSL, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2", "-subj", f"/CN={name}-ca",
-         "-keyout", str(d / f"{name}-ca.key"), "-out", str(d / f"{name}-ca.crt"))
-    _run(OPENSSL, "req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-subj", "/CN=localhost",
-         "-keyout", str(d / f"{name}-server.key"), "-out", str(d / f"{name}-server.csr"))
-    (d / "san.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
-    _run(OPENSSL, "x509", "-req", "-in", str(d / f"{name}-server.csr"), "-CA", str(d / f"{name}-ca.crt"),
-         "-CAkey", str(d / f"{name}-ca.key"), "-CAcreateserial", "-days", "2", "-extfile", str(d / "san.ext"),
-         "-out", str(d / f"{name}-server.crt"))
 
 
 @pytest.fixture(scope="module")
