@@ -52,6 +52,10 @@ class TlsSection:
     key_file: Optional[str] = None
     insecure: bool = False
 
+    def __post_init__(self) -> None:
+        if self.key_file is not None and self.cert_file is None:
+            raise ValueError("key_file needs cert_file (the client certificate)")
+
 
 @dataclass(frozen=True)
 class MqttSection:
@@ -230,6 +234,34 @@ def resolve_password(mqtt: MqttSection) -> Optional[str]:
         except OSError as exc:
             raise ConfigError(mqtt.password_file, "", f"cannot read password file ({exc.strerror})") from None
     return mqtt.password
+
+
+def check_tls(mqtt: MqttSection) -> None:
+    """Load the [mqtt.tls] files now: a missing, unreadable or invalid CA, certificate or key is
+    one ConfigError naming the file (exit 78 for `fog-agent run`), not a traceback at connect."""
+    tls = mqtt.tls
+    if tls is None:
+        return
+    import ssl
+
+    for path in (tls.ca_file, tls.cert_file, tls.key_file):
+        if path is None:
+            continue
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as exc:
+            raise ConfigError(path, "", f"cannot read TLS file ({exc.strerror})") from None
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        ctx.load_verify_locations(cafile=tls.ca_file)
+    except ssl.SSLError as exc:
+        raise ConfigError(tls.ca_file, "", f"not a PEM CA certificate ({exc.reason or exc})") from None
+    if tls.cert_file:
+        try:
+            ctx.load_cert_chain(tls.cert_file, tls.key_file)
+        except ssl.SSLError as exc:
+            raise ConfigError(tls.cert_file, "", f"client certificate and key do not load ({exc.reason or exc})") from None
 
 
 def default_config_path() -> Path:

@@ -12,7 +12,6 @@ DESIGN.md invariant 2), one `spawn` rpc per keeper, answered only after the work
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any, Dict, List, Optional, Tuple
 
 from agent import topics
@@ -27,7 +26,7 @@ def deploy_pipeline(conn: Connection, text: str, name: str, timeout: float,
     from agent.config import load_pipeline_text
     from agent.runtime.deploy import fleet_from_snapshot, keeper_specs
     from agent.runtime.placement import DEFAULT_POLICY, PlacementRequest, get_policy
-    from agent.runtime.spec import BrokerSpec
+    from agent.runtime.spec import BrokerSpec, request_spec
 
     cfg = load_pipeline_text(text, name)  # ConfigError names the file and key
     c = conn.cfg
@@ -54,7 +53,7 @@ def deploy_pipeline(conn: Connection, text: str, name: str, timeout: float,
         node = None
         for candidate in ranking:
             body = {"op": "spawn", "cause": "deploy",
-                    "spec": json.loads(dataclasses.replace(spec, node=candidate).to_json())}
+                    "spec": request_spec(dataclasses.replace(spec, node=candidate))}
             try:
                 reply = conn.request(topics.agent_rpc(c.cluster, candidate), body, timeout=timeout)
             except FogctlError as exc:

@@ -30,16 +30,18 @@ import logging
 import os
 import queue
 import signal
+import ssl
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from agent import topics
-from agent.config import AgentConfig, load_pipeline_text, resolve_password
+from agent.config import AgentConfig, check_tls, load_pipeline_text, resolve_password
 from agent.runtime import nodestate, rpc
 from agent.runtime.placement import DEFAULT_POLICY, NodeView, PlacementPolicy, PlacementRequest, get_policy
-from agent.runtime.spec import BrokerSpec, InstanceSpec
+from agent.runtime.spec import BrokerSpec, InstanceSpec, request_spec
 from agent.runtime.supervisor import WORKER_COMMAND, Reaped, Supervisor, Worker, WorkerStatus
 
 log = logging.getLogger(__name__)
@@ -140,7 +142,12 @@ class Agent:
             ca_file=cfg.mqtt.tls.ca_file if cfg.mqtt.tls else None,
             cert_file=cfg.mqtt.tls.cert_file if cfg.mqtt.tls else None,
             key_file=cfg.mqtt.tls.key_file if cfg.mqtt.tls else None,
+            tls_insecure=bool(cfg.mqtt.tls and cfg.mqtt.tls.insecure),
         )
+        check_tls(cfg.mqtt)  # a bad CA/cert/key file: ConfigError now (exit 78), not in paho's thread
+        self._connect_error: Optional[str] = None  # why the last connect attempt failed
+        self._connect_errors_logged: set = set()  # each reason logged once until connected
+        self._paho_error: Optional[str] = None  # paho's last error log line (a TLS alert, ...)
         # fleet knowledge, from retained topics
         self.fleet: Dict[str, Dict[str, Any]] = {}
         self.online: Dict[str, bool] = {}
@@ -183,7 +190,7 @@ class Agent:
             c.username_pw_set(self.broker.username, self.broker.password)
         if self.broker.ca_file:
             c.tls_set(ca_certs=self.broker.ca_file, certfile=self.broker.cert_file, keyfile=self.broker.key_file)
-            if self.cfg.mqtt.tls and self.cfg.mqtt.tls.insecure:
+            if self.broker.tls_insecure:
                 c.tls_insecure_set(True)
         c.max_inflight_messages_set(self.broker.max_inflight)
         c.reconnect_delay_set(min_delay=1, max_delay=10)
@@ -193,6 +200,12 @@ class Agent:
             ("mqtt_connect", not reason.is_failure, str(reason), bool(getattr(flags, "session_present", False)))
         )
         c.on_disconnect = lambda cl, ud, flags, reason, props=None: self._events.put(("mqtt_disconnect", str(reason)))
+        # paho swallows a failed (re)connect (refused, TLS handshake) and retries; it calls this
+        # from inside its `except OSError`, so the exception is still sys.exc_info()'s.
+        c.on_connect_fail = lambda cl, ud: self._events.put(("mqtt_connect_fail", connect_error(sys.exc_info()[1])))
+        # paho reports a lost connection without its cause (a TLS alert from the broker rejecting
+        # our certificate reads as "Unspecified error"); the cause is in its error log line.
+        c.on_log = lambda cl, ud, level, buf: level == mqtt.MQTT_LOG_ERR and self._events.put(("mqtt_error", buf))
         c.on_message = lambda cl, ud, msg: self._events.put(("mqtt_message", msg))
         props = Properties(PacketTypes.CONNECT)
         props.SessionExpiryInterval = SESSION_EXPIRY
@@ -313,14 +326,34 @@ class Agent:
             pass  # the exit is seen by supervisor.poll()
         elif kind == "mqtt_connect":
             if ev[1]:
+                self._connect_error, self._paho_error = None, None
+                self._connect_errors_logged.clear()
                 self._on_connected(ev[3])
             else:
-                log.warning("broker refused the connection: %s", ev[2], extra={"node": self.node})
+                self._connection_problem(f"the broker refused the connection: {ev[2]}")
+        elif kind == "mqtt_connect_fail":
+            self._connection_problem(ev[1])
+        elif kind == "mqtt_error":
+            self._paho_error = paho_error(ev[1])
         elif kind == "mqtt_disconnect":
-            self.connected = False
-            log.warning("disconnected from broker: %s", ev[1], extra={"node": self.node})
+            reason = self._paho_error or ev[1]  # the cause rather than "Unspecified error"
+            self._paho_error = None
+            if self.connected:
+                self.connected = False
+                log.warning("disconnected from broker: %s", reason, extra={"node": self.node})
+            else:
+                self._connection_problem(f"connection closed before CONNACK: {reason}")
         elif kind == "signal":
             self._begin_shutdown(now, f"signal {signal.Signals(ev[1]).name}")
+
+    def _connection_problem(self, reason: str) -> None:
+        """A failed connect attempt: paho retries; we log each distinct reason once (no traceback,
+        no line per retry) and keep the last for the exit message of `connect_timeout`."""
+        self._connect_error = reason
+        if reason not in self._connect_errors_logged:
+            self._connect_errors_logged.add(reason)
+            log.warning("cannot connect to %s:%d: %s (retrying)", self.broker.host, self.broker.port, reason,
+                        extra={"node": self.node})
 
     def _periodic(self, now: float) -> None:
         for reaped in self.supervisor.poll(now):
@@ -340,7 +373,8 @@ class Agent:
             and not self._ever_connected
             and now - self._started > self.connect_timeout
         ):
-            raise Halt(f"no broker at {self.broker.host}:{self.broker.port} after {self.connect_timeout}s", EXIT_UNAVAILABLE)
+            last = f" ({self._connect_error})" if self._connect_error else ""
+            raise Halt(f"no broker at {self.broker.host}:{self.broker.port} after {self.connect_timeout}s{last}", EXIT_UNAVAILABLE)
         if self.connected and self.latency_core is not None:
             core = self.latency_core
             core.set_neighbours(n for n in self.fleet if n != self.node and self.online.get(n, False))
@@ -606,7 +640,7 @@ class Agent:
                 continue
             correlation = f"{self.client_id}-{self._boot}-{self._counter}-{len(self._calls)}-{now:.6f}"
             self._calls.add(correlation, node, now, RPC_TIMEOUT, context=job)
-            body = {"op": "spawn", "spec": json.loads(job.spec.to_json()), "cause": job.cause, "from": self.node}
+            body = {"op": "spawn", "spec": request_spec(job.spec), "cause": job.cause, "from": self.node}
             props = rpc.publish_properties(rpc.reply_topic(self.cluster, self.client_id), correlation)
             if self._publish(topics.agent_rpc(self.cluster, node), rpc.encode(body), properties=props):
                 self._reserved[node] = self._reserved.get(node, 0) + 1
@@ -807,6 +841,24 @@ class Agent:
                 pass
         c.disconnect()
         c.loop_stop()
+
+
+def connect_error(exc: Optional[BaseException]) -> str:
+    """One line for a failed connect attempt: TLS problems named as such (no traceback)."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"TLS error: {exc.verify_message or exc.reason or exc}"
+    if isinstance(exc, ssl.SSLError):
+        return f"TLS error: {exc.reason or exc}"
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused"
+    if exc is None:
+        return "connect failed"
+    return getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+
+
+def paho_error(buf: str) -> str:
+    """paho's error log line, with TLS failures named as such."""
+    return f"TLS error: {buf}" if "SSL" in buf or "TLS" in buf else buf
 
 
 def spec_with_capacity(spec: InstanceSpec, state_dir: Any, node: str) -> InstanceSpec:

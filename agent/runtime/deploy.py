@@ -14,7 +14,6 @@ so a node never needs the file.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -23,7 +22,7 @@ from agent import topics
 from agent.config import PipelineConfig, load_pipeline_text
 from agent.runtime import nodestate, rpc
 from agent.runtime.placement import DEFAULT_POLICY, NodeView, PlacementRequest, get_policy
-from agent.runtime.spec import BrokerSpec, InstanceSpec
+from agent.runtime.spec import BrokerSpec, InstanceSpec, request_spec
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +130,7 @@ def _place_one(client: rpc.RpcClient, spec: InstanceSpec, fleet: Sequence[NodeVi
     ranking = policy(PlacementRequest(spec.operator, None, spec.succs + spec.preds), fleet)
     errors: List[str] = []
     for node in ranking:
-        body = {"op": "spawn", "spec": json.loads(dataclasses.replace(spec, node=node).to_json()), "cause": "deploy"}
+        body = {"op": "spawn", "spec": request_spec(dataclasses.replace(spec, node=node)), "cause": "deploy"}
         try:
             reply = client.call(node, body, timeout=timeout)
         except rpc.RpcError as exc:

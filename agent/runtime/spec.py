@@ -40,6 +40,7 @@ class BrokerSpec:
     ca_file: Optional[str] = None
     cert_file: Optional[str] = None
     key_file: Optional[str] = None
+    tls_insecure: bool = False  # [mqtt.tls].insecure: no server host name check
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,18 @@ class InstanceSpec:
         return cls(**data)
 
 
+def request_spec(spec: InstanceSpec) -> Dict[str, Any]:
+    """The spec as sent in an MQTT `spawn` request: everything but the broker settings.
+
+    The agent that starts the instance always puts its OWN broker settings into the spec
+    (`Agent._spec_from`), so the requester's are useless there, and they hold its credentials
+    (password, certificate paths): never publish them where other nodes can read them.
+    """
+    data = json.loads(spec.to_json())
+    data.pop("broker", None)
+    return data
+
+
 def control_line(event: str, **fields: Any) -> str:
     """One line of the control channel (newline-terminated)."""
     return json.dumps({"event": event, **fields}, sort_keys=True) + "\n"
@@ -93,4 +106,4 @@ def parse_control_line(line: str) -> Dict[str, Any]:
     return msg
 
 
-__all__: List[str] = ["BrokerSpec", "InstanceSpec", "control_line", "parse_control_line"]
+__all__: List[str] = ["BrokerSpec", "InstanceSpec", "control_line", "parse_control_line", "request_spec"]

@@ -105,6 +105,8 @@ class Transport:
             c.username_pw_set(broker.username, broker.password)
         if broker.ca_file:
             c.tls_set(ca_certs=broker.ca_file, certfile=broker.cert_file, keyfile=broker.key_file)
+            if broker.tls_insecure:
+                c.tls_insecure_set(True)
         c.on_connect = self._on_connect
         c.on_disconnect = self._on_disconnect
         c.on_message = self._on_message
@@ -172,6 +174,9 @@ class Transport:
                 if isinstance(ev, Connected):
                     del self.events[i]
                     return ev.session_present
+                if isinstance(ev, Disconnected) and ev.reason.startswith("connect refused"):
+                    # CONNACK with a failure (bad credentials, not authorized): say so now
+                    raise TransportError(f"{self.broker.host}:{self.broker.port}: {ev.reason}")
         raise TransportError(f"no CONNACK from {self.broker.host}:{self.broker.port} within {timeout}s")
 
     def subscribe(self, topic: str, qos: Optional[int] = None, timeout: float = 10.0) -> None:
