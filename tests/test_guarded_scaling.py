@@ -97,3 +97,69 @@ def test_guarded_scaling_simulation_loses_nothing():
     r = simulate(SimConfig(seed=3, steps=120), core_cls=GuardedCore)
     assert r.lost_records == 0 and r.protocol_errors == 0 and r.messages_to_terminated == 0
     assert r.inconsistent_views == 0 and r.rounds_open_at_end == 0
+
+
+def test_lock_messages_round_trip_and_bad_ones_are_remote_errors():
+    """The worker decodes inbox bodies with `message_from_dict`: lock messages round-trip through
+    JSON, and a malformed one is a RemoteProtocolError (counted by the worker), never a
+    TypeError inside the 2-FGME node."""
+    import json
+
+    from agent.protocol.errors import RemoteProtocolError
+    from agent.protocol.guarded import message_from_dict
+    from agent.protocol.messages import Deletion
+
+    sysm = build_guarded([1, 1, 1], [])
+    b = sysm.cores["s1i0"]
+    outs = b.start_round(Plan("s1i0", Action.DUPLICATE).decision())
+    (req,) = [o.message for o in outs]
+    assert message_from_dict(json.loads(json.dumps(req.to_dict()))) == req
+    d = Deletion("x", 1, 2)
+    assert message_from_dict(d.to_dict()) == d
+    good = req.to_dict()
+    for bad in (
+        dict(good, boundary="0"),
+        dict(good, inner=dict(good["inner"], clock="1")),
+        dict(good, inner=dict(good["inner"], sender="other")),
+        dict(good, inner=dict(good["inner"], kind="token")),
+        dict(good, inner=dict(good["inner"], extra=1)),
+        dict(good, extra=1),
+        {"type": "lock"},
+    ):
+        with pytest.raises(RemoteProtocolError):
+            message_from_dict(bad)
+
+
+def test_guarded_snapshot_restores_a_waiting_lock_exactly():
+    """A worker restart restores the core from its persisted snapshot (JSON): a request in
+    flight, the held locks and the pending intent come back identical, so the restarted
+    instance still answers and counts the Acks of its competitors."""
+    import json
+
+    from agent.policy.decentralized import ScalingParams
+
+    sysm = build_guarded([1, 1, 1], [])
+    b = sysm.cores["s1i0"]
+    b.start_round(Plan("s1i0", Action.DUPLICATE).decision())
+    data = json.loads(json.dumps(b.snapshot()))
+    r = GuardedCore.restore(data, ScalingParams())
+    assert r.key() == b.key() and r.lock_state is GmeState.REQUESTING
+    # an "ack" snapshot (coordination changed) restores with idle locks synced to the tables
+    plain = dict(data)
+    del plain["fgme"]
+    r2 = GuardedCore.restore(plain, ScalingParams())
+    assert r2.lock_state is GmeState.IDLE and r2.locks[1].competitors == frozenset(b.succs)
+
+
+def test_cancelled_guarded_round_releases_its_locks():
+    """createNode() failed: the worker cancels the round; the locks must be released (else the
+    neighbours wait forever), with the usual exit messages."""
+    sysm = build_guarded([1, 1], [])
+    a, b = sysm.cores["s0i0"], sysm.cores["s1i0"]
+    outs = b.start_round(Plan("s1i0", Action.DUPLICATE).decision())
+    (ack,) = a.handle(outs[0].message)
+    outs = b.handle(ack.message)
+    assert b.in_round and b.lock_state is GmeState.IN_CS
+    released = b.cancel_duplication(created=())
+    assert b.lock_state is GmeState.IDLE and not b.in_round
+    assert [type(o.message.inner).__name__ for o in released] == ["End"]

@@ -50,16 +50,19 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, ClassVar, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from agent.policy.decentralized import Action, Decision
-from agent.protocol.gme_base import Entered, GmeMessage, GmeState
+from agent.protocol.errors import LocalProtocolError, RemoteProtocolError
+from agent.protocol.gme_base import INF, Entered, GmeMessage, GmeState
 from agent.protocol.gme_base import Send as GmeSend
+from agent.protocol.gme_base import message_from_dict as gme_message_from_dict
 from agent.protocol.gme_fgme import Ack, End, FgmeNode
 from agent.protocol.messages import Message
+from agent.protocol.messages import from_dict as scaling_from_dict
 from agent.protocol.scaling import InstanceState, Output, ScalingCore, Send
 
-__all__ = ["LockMessage", "MemberFgmeNode", "GuardedCore", "COORDINATION_MODES", "core_class"]
+__all__ = ["LockMessage", "MemberFgmeNode", "GuardedCore", "COORDINATION_MODES", "core_class", "message_from_dict"]
 
 COORDINATION_MODES = ("ack", "fgme")
 
@@ -76,6 +79,60 @@ class LockMessage:
     sender: str
     boundary: int
     inner: GmeMessage
+
+    def to_dict(self) -> Dict[str, Any]:
+        """JSON-friendly; the inner 2-FGME message keeps its own `kind` (req / ack / end)."""
+        return {"type": self.type, "sender": self.sender, "boundary": self.boundary, "inner": self.inner.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "LockMessage":
+        """Decode untrusted input; any defect raises `RemoteProtocolError` (never TypeError later
+        in the core: the fields a 2-FGME node compares are type-checked here)."""
+        if not isinstance(data, Mapping) or data.get("type") != cls.type:
+            raise RemoteProtocolError(f"lock message: expected an object with type 'lock', found {_short(data)}")
+        extra = sorted(str(k) for k in data if k not in ("type", "sender", "boundary", "inner"))
+        sender, boundary, inner = data.get("sender"), data.get("boundary"), data.get("inner")
+        if extra or not isinstance(sender, str) or not sender or not _is_int(boundary) or not isinstance(inner, Mapping):
+            raise RemoteProtocolError(
+                f"lock message: expected sender (str), boundary (int), inner (object), found {_short(data)}"
+            )
+        if inner.get("sender") != sender:
+            raise RemoteProtocolError(f"lock message from {sender}: inner sender {_short(inner.get('sender'))} differs")
+        kind = inner.get("kind")
+        types = _INNER_FIELDS.get(kind) if isinstance(kind, str) else None
+        if types is None:
+            raise RemoteProtocolError(f"lock message from {sender}: unknown 2-FGME kind {_short(kind)}, expected req, ack or end")
+        for name, check in types.items():
+            if name in inner and not check(inner[name]):
+                raise RemoteProtocolError(f"lock message from {sender}: {kind}.{name} = {_short(inner[name])} has the wrong type")
+        unknown = sorted(str(k) for k in inner if k not in types and k not in ("kind", "sender"))
+        if unknown:
+            raise RemoteProtocolError(f"lock message from {sender}: {kind} with unknown fields {unknown}")
+        return cls(sender, int(boundary), gme_message_from_dict(inner, "gme_fgme"))
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+_INNER_FIELDS: Dict[str, Dict[str, Any]] = {
+    "req": {"clock": lambda v: _is_int(v) and v >= 0, "epoch": lambda v: _is_int(v) and v >= 0},
+    "ack": {"renew": lambda v: isinstance(v, bool), "end": lambda v: isinstance(v, bool),
+            "epoch": lambda v: _is_int(v) and v >= 0},
+    "end": {"clock": lambda v: _is_int(v) and v >= 0},
+}
+
+
+def message_from_dict(data: Any) -> Any:
+    """A message of the guarded inbox: a `LockMessage` (type "lock") or a scaling message."""
+    if isinstance(data, Mapping) and data.get("type") == LockMessage.type:
+        return LockMessage.from_dict(data)
+    return scaling_from_dict(data)
 
 
 class MemberFgmeNode(FgmeNode):
@@ -155,6 +212,39 @@ class MemberFgmeNode(FgmeNode):
         return super().snapshot() + (
             tuple(sorted(self.competitors)), tuple(sorted(self.leaving)), tuple(sorted(self.gone)),
         )
+
+    # -- persistence (worker restart) -------------------------------------------------------------
+
+    def dump(self) -> Dict[str, Any]:
+        """JSON-friendly copy of every field a restarted worker needs (`load` inverts it)."""
+        return {
+            "lower": self.group == 0, "state": self.state.value, "entries": self.entries,
+            "req_clock": None if self.req_clock == INF else int(self.req_clock), "lc": self.lc,
+            "waiting_reqs": sorted(self.waiting_reqs.items()), "reqs_to_send": sorted(self.reqs_to_send),
+            "acks_to_ign": sorted(self.acks_to_ign.items()), "epoch": self.epoch,
+            "sent_epoch": sorted(self.sent_epoch.items()), "req_first_epoch": self.req_first_epoch,
+            "competitors_authorized": self.competitors_authorized, "acks_rcvd": sorted(self.acks_rcvd),
+            "competitors": sorted(self.competitors), "leaving": sorted(self.leaving), "gone": sorted(self.gone),
+        }
+
+    @classmethod
+    def load(cls, node_id: str, d: Mapping[str, Any]) -> "MemberFgmeNode":
+        node = cls(node_id, lower=bool(d["lower"]), competitors=d["competitors"])
+        node.state = GmeState(d["state"])
+        node.entries = int(d["entries"])
+        node.req_clock = INF if d["req_clock"] is None else int(d["req_clock"])
+        node.lc = int(d["lc"])
+        node.waiting_reqs = {str(k): int(e) for k, e in d["waiting_reqs"]}
+        node.reqs_to_send = set(d["reqs_to_send"])
+        node.acks_to_ign = {str(k): int(e) for k, e in d["acks_to_ign"]}
+        node.epoch = int(d["epoch"])
+        node.sent_epoch = {str(k): int(e) for k, e in d["sent_epoch"]}
+        node.req_first_epoch = int(d["req_first_epoch"])
+        node.competitors_authorized = bool(d["competitors_authorized"])
+        node.acks_rcvd = set(d["acks_rcvd"])
+        node.leaving = set(d["leaving"])
+        node.gone = set(d["gone"])
+        return node
 
 
 class GuardedCore(ScalingCore):
@@ -244,6 +334,13 @@ class GuardedCore(ScalingCore):
             out += self._lock_out(b, self.locks[b].sync(set(table)))
         return out
 
+    def cancel_duplication(self, created: Sequence[str] = ()) -> List[Output]:
+        """The core's cancel, then release the locks if that ended the round (a withdrawn round
+        ends with no message; without this its locks would stay held and block the neighbours)."""
+        out = list(super().cancel_duplication(created))
+        out += self._after_core()
+        return out
+
     # -- messages ---------------------------------------------------------------------------------
 
     def handle(self, message: Message) -> List[Output]:  # type: ignore[override]
@@ -261,6 +358,56 @@ class GuardedCore(ScalingCore):
         out = list(super().handle(message))
         out += self._after_core()
         return out
+
+    # -- observability ----------------------------------------------------------------------------
+
+    @property
+    def lock_state(self) -> GmeState:
+        """The instance's lock state as a whole: IN_CS while its guarded round may run (every lock
+        it needs is held), REQUESTING while an intent waits for locks, else IDLE."""
+        if self.guarded_round:
+            return GmeState.IN_CS
+        if self.intent is not None:
+            return GmeState.REQUESTING
+        return GmeState.IDLE
+
+    def lock_states(self) -> Dict[int, GmeState]:
+        """Per boundary index: the 2-FGME node's own state (a node may hold one, want the next)."""
+        return {b: n.state for b, n in sorted(self.locks.items())}
+
+    # -- persistence ------------------------------------------------------------------------------
+
+    def snapshot(self) -> Dict[str, Any]:
+        """The scaling core's snapshot plus the lock state (JSON-friendly, for a worker restart)."""
+        data = super().snapshot()
+        intent = self.intent
+        data["fgme"] = {
+            "intent": None if intent is None else [intent.action.value, intent.count, intent.factor],
+            "holding": list(self.holding), "guarded_round": self.guarded_round,
+            "locks": {str(b): n.dump() for b, n in sorted(self.locks.items())},
+        }
+        return data
+
+    @classmethod
+    def restore(cls, data: Dict[str, Any], params: Any, **kwargs: Any) -> "GuardedCore":
+        """Inverse of `snapshot`. A snapshot without lock state (written by an "ack" core, i.e.
+        the coordination setting changed) restores idle locks synced to the tables."""
+        core = super().restore(data, params, **kwargs)
+        assert isinstance(core, GuardedCore)
+        g = data.get("fgme")
+        if g is None:
+            return core
+        try:
+            from agent.policy.decentralized import Action
+
+            it = g["intent"]
+            core.intent = None if it is None else Decision(Action(it[0]), int(it[1]), float(it[2]))
+            core.holding = tuple(int(b) for b in g["holding"])
+            core.guarded_round = bool(g["guarded_round"])
+            core.locks = {int(b): MemberFgmeNode.load(core.instance_id, d) for b, d in g["locks"].items()}
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise LocalProtocolError(f"snapshot: cannot restore the lock state ({exc!r})") from None
+        return core
 
     # -- checker support --------------------------------------------------------------------------
 
