@@ -46,6 +46,9 @@ class Instance:
     capacity: Optional[float] = None
     lock: Optional[LockState] = None
     boundary: Optional[str] = None  # the 2-FGME boundary ("a|b") this instance's lock is about
+    # Per boundary ("a|b", state): an instance of operator s is in the locks of s-1|s and s|s+1,
+    # and may hold one while it requests the other. Empty for an older single-boundary payload.
+    locks: Tuple[Tuple[str, LockState], ...] = ()
 
     @property
     def ratio(self) -> Optional[float]:
@@ -59,6 +62,7 @@ class Instance:
             "keeper": self.keeper, "phase": self.phase.value, "load": self.load,
             "capacity": self.capacity, "ratio": _round(self.ratio, 4),
             "lock": self.lock.value if self.lock else None, "boundary": self.boundary,
+            "locks": {b: st.value for b, st in self.locks},
         }
 
 
@@ -231,10 +235,17 @@ def _instance(node: str, item: Any, state: Mapping[str, Any]) -> Optional[Instan
     if pipeline is None and iid.count(".") == 2 and iid.split(".")[1] == operator:
         pipeline = iid.split(".")[0]  # a keeper's id is "<pipeline>.<operator>.0" (fog-agent deploy)
     lock_raw = item.get("lock")
+    if lock_raw is None and isinstance(stats.get("lock"), dict):
+        lock_raw = stats["lock"]  # an agent that only forwards the worker's heartbeat stats
     lock = boundary = None
+    per: List[Tuple[str, LockState]] = []
     if isinstance(lock_raw, dict):
         lock = _lock_state(lock_raw.get("state"))
         boundary = lock_raw.get("boundary") if isinstance(lock_raw.get("boundary"), str) else None
+        for b in lock_raw.get("boundaries") or [] if isinstance(lock_raw.get("boundaries"), list) else []:
+            st = _lock_state(b.get("state")) if isinstance(b, dict) else None
+            if st is not None and isinstance(b.get("boundary"), str):
+                per.append((b["boundary"], st))
     elif isinstance(lock_raw, str):
         lock = _lock_state(lock_raw)
         boundary = item.get("boundary") if isinstance(item.get("boundary"), str) else None
@@ -245,7 +256,7 @@ def _instance(node: str, item: Any, state: Mapping[str, Any]) -> Optional[Instan
         phase=_phase(item),
         load=_num(item, "load", "load_rate", "rate") if _num(item, "load", "load_rate", "rate") is not None else _num(stats, "load"),
         capacity=_num(item, "capacity") if _num(item, "capacity") is not None else _num(stats, "capacity"),
-        lock=lock, boundary=boundary,
+        lock=lock, boundary=boundary, locks=tuple(per),
     )
 
 

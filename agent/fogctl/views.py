@@ -101,19 +101,30 @@ def latency(fleet: Fleet) -> Tuple[Doc, str]:
 
 
 def locks(fleet: Fleet) -> Tuple[Doc, str]:
+    """Per boundary between two operators: who is in the CS, who requests, who is idle.
+
+    An instance reports one state per boundary it belongs to (`lock.boundaries`, workers with
+    coordination = "fgme"); an older payload with a single `lock.boundary` still counts once."""
     bounds: Dict[str, Dict[str, Any]] = {}
     for i in fleet.instances:
-        if i.lock is None:
-            continue
-        b = bounds.setdefault(i.boundary or i.operator, {"boundary": i.boundary or i.operator, "in_cs": [],
-                                                        "requesting": [], "idle": [], "groups_in_cs": []})
-        key = {LockState.IN_CS: "in_cs", LockState.REQUESTING: "requesting", LockState.IDLE: "idle"}[i.lock]
-        b[key].append(i.id)
-        if i.lock is LockState.IN_CS and i.operator not in b["groups_in_cs"]:
-            b["groups_in_cs"].append(i.operator)
-    items = [bounds[k] for k in sorted(bounds)]
+        per = list(i.locks)
+        if not per and i.lock is not None:
+            per = [(i.boundary or i.operator, i.lock)]
+        for name, st in per:
+            b = bounds.setdefault(name, {"boundary": name, "in_cs": [], "requesting": [], "idle": [],
+                                         "groups_in_cs": [], "groups_requesting": []})
+            key = {LockState.IN_CS: "in_cs", LockState.REQUESTING: "requesting", LockState.IDLE: "idle"}[st]
+            b[key].append(i.id)
+            if st is LockState.IN_CS and i.operator not in b["groups_in_cs"]:
+                b["groups_in_cs"].append(i.operator)
+            if st is LockState.REQUESTING and i.operator not in b["groups_requesting"]:
+                b["groups_requesting"].append(i.operator)
+    order = {}
+    for op_index, op in enumerate(fleet.operator_order()):
+        order.setdefault(op, op_index)
+    items = [bounds[k] for k in sorted(bounds, key=lambda n: (order.get(n.split("|")[0], len(order)), n))]
     for b in items:
-        for k in ("in_cs", "requesting", "idle", "groups_in_cs"):
+        for k in ("in_cs", "requesting", "idle", "groups_in_cs", "groups_requesting"):
             b[k].sort()
     doc = {"cluster": fleet.cluster, "boundaries": items}
     rows = [[b["boundary"], ",".join(b["groups_in_cs"]) or "-", ",".join(b["in_cs"]) or "-",

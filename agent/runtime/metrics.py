@@ -214,6 +214,13 @@ class StatsBridge:
         if "reconnects" in stats:
             self._advance(self.m["fog_mqtt_reconnects_total"].labels(instance), (instance, "reconnects"),
                           _count(stats.get("reconnects")))
+        locks = stats.get("lock_messages")  # 2-FGME messages by direction and kind (worker stats)
+        if isinstance(locks, dict):
+            for direction in ("in", "out"):
+                by_kind = locks.get(direction)
+                for kind, n in sorted(by_kind.items()) if isinstance(by_kind, dict) else ():
+                    child = self.m["fog_lock_messages_total"].labels(str(kind), direction)
+                    self._advance(child, (instance, f"lock_{direction}_{kind}"), _count(n))
         if "queued" in stats:
             im.queue.set(_count(stats.get("queued")))
         if "outbox" in stats:

@@ -42,7 +42,7 @@ class InstanceInfo:
     stats: Dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> Dict[str, Any]:
-        return {
+        d = {
             "id": self.id,
             "operator": self.operator,
             "keeper": self.keeper,
@@ -52,6 +52,12 @@ class InstanceInfo:
             "pid": self.pid,
             "stats": self.stats,
         }
+        # 2-FGME state (coordination = "fgme"): the worker's own view, under the documented key
+        # fogctl reads (docs/fogctl.md): {"state": ..., "boundaries": [{"boundary": "a|b", ...}]}.
+        lock = self.stats.get("lock") if isinstance(self.stats, dict) else None
+        if isinstance(lock, dict):
+            d["lock"] = lock
+        return d
 
 
 def build_node_state(

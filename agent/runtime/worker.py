@@ -64,6 +64,7 @@ EXIT_DRAIN_TIMEOUT = 4  # stop requested, but successors did not ack everything 
 MAX_POLL = 0.05  # longest sleep of the loop (stdin control lines are seen within this)
 ACK_DELAY = 0.005  # coalesce upstream acks for at most this long
 DECISION_EVENT_PERIOD = 5.0  # at most one "nothing to do" decision event per instance per 5 s
+LOCK_EVENT_BURST = 20  # at most this many lock events per instance per second (6 per round)
 STATE_PERIOD = 1.0  # persist the channel snapshot at most this often (a rename costs ~5 ms here)
 
 
@@ -396,8 +397,8 @@ class Worker:
         self.stats["records_out"] += len(items)
 
     def _on_protocol(self, env: Envelope) -> None:
-        self.stats["protocol_in"] += 1
         if self.scaling is None:
+            self.stats["protocol_in"] += 1
             self.stats["protocol_errors"] += 1
             log.warning("protocol message from %s but scaling is off: ignored", env.sender, extra=self.ctx)
             return
@@ -690,8 +691,9 @@ class _ScalingDriver:
 
     def __init__(self, worker: Worker, saved: Dict[str, Any]) -> None:
         from agent.policy.decentralized import ScalingParams
-        from agent.protocol.messages import from_dict
-        from agent.protocol.scaling import CreateInstance, ScalingCore
+        from agent.protocol.guarded import core_class, message_from_dict
+        from agent.protocol.scaling import CreateInstance
+        from agent.runtime.rounds import RoundLog
 
         self.w = worker
         spec = worker.spec
@@ -707,19 +709,27 @@ class _ScalingDriver:
         self.period = sc.period
         self.cooldown = sc.cooldown
         self.policy = sc.policy
-        self._from_dict = from_dict
+        # coordination = "ack" (paper) or "fgme" (rounds inside 2-FGME CSs, docs/gme.md). Lock
+        # messages share the inbox and its numbered FIFO channel with the scaling messages.
+        self.coordination = worker.pipeline.pipeline.coordination
+        core_cls = core_class(self.coordination)
+        self._from_dict = message_from_dict
         if spec.restart and saved.get("scaling"):
-            self.core = ScalingCore.restore(saved["scaling"], self.params)
+            self.core = core_cls.restore(saved["scaling"], self.params)
         elif spec.active:
-            self.core = ScalingCore.initial(
+            self.core = core_cls.initial(
                 spec.instance, spec.operator, worker.stage, self.params,
                 succs=spec.succs, preds=spec.preds, keeper=spec.keeper,
             )
         else:
             creator = str(spec.extra.get("creator", ""))
-            self.core = ScalingCore.from_create(
+            self.core = core_cls.from_create(
                 CreateInstance(spec.instance, spec.operator, worker.stage, creator), self.params
             )
+        self.log = RoundLog([op.name for op in worker.pipeline.operators], spec.operator)
+        self.log.observe(self.core, time.monotonic(), time.time())
+        self.lock_counts: Dict[str, Dict[str, int]] = {"in": {}, "out": {}}
+        self._lock_events: Deque[float] = deque()  # publish times of the last lock events (rate limit)
         self.outputs: Deque[Any] = deque()
         self.waiting_spawn: Optional[str] = None
         self.round_created: List[str] = []  # copies of the current round whose create succeeded
@@ -758,11 +768,71 @@ class _ScalingDriver:
     def blocked(self) -> bool:
         return bool(self.outputs)
 
+    @property
+    def lock_pending(self) -> bool:
+        """A decision waits for its 2-FGME locks (coordination = "fgme"): decide nothing new."""
+        return getattr(self.core, "intent", None) is not None
+
+    # ---- rounds and locks: records and events -------------------------------------------------
+
+    def _observe(self, outs: List[Any]) -> None:
+        """After every core call: record round start/end and lock transitions, publish the lock
+        events. Runs before `outs` are performed (see agent.runtime.rounds on why that makes the
+        recorded round intervals of neighbours disjoint whenever the protocol is right)."""
+        trans, edge = self.log.observe(self.core, time.monotonic(), time.time())
+        if edge == "start":
+            self.round_created = []
+        elif edge == "end":
+            self.last_round_end = self.w.clock()
+        for t in trans:
+            self._publish_lock_event(t)
+        if trans or edge:
+            self.w.mark_state_changed()
+
+    def _publish_lock_event(self, t: Any) -> None:
+        """A lock_request / lock_enter / lock_exit event (detail.boundary) through the worker's
+        single client, QoS 0 like the decision events; never on an inbox, so no protocol cost.
+        Rate-limited to LOCK_EVENT_BURST events per second per instance (an instance makes at
+        most 6 per round; a flood would mean a bug, counted in `lock_events_dropped`)."""
+        from agent import events
+
+        etype = t.event_type
+        if etype is None:
+            return
+        w = self.w
+        now = time.monotonic()
+        q = self._lock_events
+        while q and now - q[0] > 1.0:
+            q.popleft()
+        if len(q) >= LOCK_EVENT_BURST:
+            self.counts["lock_events_dropped"] = self.counts.get("lock_events_dropped", 0) + 1
+            return
+        q.append(now)
+        try:
+            ev = events.make(etype, ts=time.time(), node=w.spec.node, instance=w.spec.instance,
+                             operator=w.spec.operator, pipeline=w.spec.pipeline,
+                             detail={"boundary": t.boundary, "index": t.index, "source": "worker"})
+            w.transport.publish(topics.events(w.spec.cluster), ev.to_json().encode(), qos=0)
+            self.counts["lock_events"] = self.counts.get("lock_events", 0) + 1
+        except (TransportError, ValueError) as exc:
+            self.counts["lock_events_failed"] = self.counts.get("lock_events_failed", 0) + 1
+            log.warning("lock event not published: %s", exc, extra=w.ctx)
+
     # ---- input ---------------------------------------------------------------------------------
 
     def handle(self, env: Envelope) -> None:
         from agent.protocol.errors import ProtocolError
 
+        from agent.protocol.guarded import LockMessage
+
+        stats = self.w.stats
+        is_lock = isinstance(env.body, dict) and env.body.get("type") == LockMessage.type
+        if is_lock:
+            stats["lock_in"] = stats.get("lock_in", 0) + 1
+            kind = str((env.body.get("inner") or {}).get("kind") if isinstance(env.body.get("inner"), dict) else "?")
+            self.lock_counts["in"][kind] = self.lock_counts["in"].get(kind, 0) + 1
+        else:
+            stats["protocol_in"] += 1
         try:
             msg = self._from_dict(env.body)
             if msg.sender != env.sender:
@@ -770,11 +840,14 @@ class _ScalingDriver:
             outs = self.core.handle(msg)
         except (ProtocolError, ValueError) as exc:
             # Unexpected or invalid: counted, logged once per sender, state unchanged.
-            self.w.stats["protocol_errors"] += 1
+            stats["protocol_errors"] += 1
             if env.sender not in self._errors_logged:
                 self._errors_logged.add(env.sender)
                 log.warning("protocol message from %s rejected: %s", env.sender, exc, extra=self.w.ctx)
             return
+        if is_lock:
+            self.w.mark_state_changed()  # the lock state changed even when nothing is sent
+        self._observe(outs)
         self._queue(outs)
 
     def force(self, action: str, count: int) -> None:
@@ -792,7 +865,7 @@ class _ScalingDriver:
         from agent.protocol.errors import LocalProtocolError
         from agent.protocol.scaling import InstanceState
 
-        if not self.forced or self.outputs or self.w._stopping:
+        if not self.forced or self.outputs or self.w._stopping or self.lock_pending:
             return
         if self.core.state is not InstanceState.ACTIVE:
             if self.core.state is not InstanceState.IDLE and not self.core.in_round:
@@ -801,11 +874,14 @@ class _ScalingDriver:
         action, count = self.forced.popleft()
         decision = Decision(Action.DUPLICATE if action == "duplicate" else Action.TERMINATE, count)
         self.round_created = []
+        self.log.decided(time.monotonic())
         try:
             outs = self.core.start_round(decision)
         except LocalProtocolError as exc:
             log.warning("forced %s refused: %s", action, exc, extra=self.w.ctx)
+            self._observe([])
             return
+        self._observe(outs)
         kind = "scale_out" if action == "duplicate" else "scale_in"
         self.counts["scale_outs" if kind == "scale_out" else "scale_ins"] += 1
         self.counts["forced"] = self.counts.get("forced", 0) + 1
@@ -822,7 +898,7 @@ class _ScalingDriver:
         self.next_tick = now + self.period
         if self.policy == "none" or self.w.is_source or self.w._stopping:
             return
-        if self.outputs or self.core.in_round or now - self.last_round_end < self.cooldown:
+        if self.outputs or self.core.in_round or self.lock_pending or now - self.last_round_end < self.cooldown:
             return
         from agent.protocol.scaling import InstanceState
 
@@ -834,7 +910,10 @@ class _ScalingDriver:
         self.round_created = []
         draw = self.rng.random()
         decision = self.core.decide(load, draw)
+        if decision.scales:
+            self.log.decided(time.monotonic())
         outs = self.core.start_round(decision)
+        self._observe(outs)
         self._publish_decision(now, load, draw, decision, outs)
         if outs:
             kind = "scale_out" if any(type(o).__name__ == "CreateInstance" for o in outs) else "scale_in"
@@ -904,7 +983,12 @@ class _ScalingDriver:
                 # INVARIANT 6 (the paper's message cost): exactly the core's Sends go out, one
                 # envelope each; data acks and heartbeats are separate (data plane, control pipe).
                 w.send_envelope(out.dest, Kind.PROTO, out.message.to_dict())
-                w.stats["protocol_out"] += 1
+                inner = getattr(out.message, "inner", None)
+                if inner is None:
+                    w.stats["protocol_out"] += 1
+                else:
+                    w.stats["lock_out"] = w.stats.get("lock_out", 0) + 1
+                    self.lock_counts["out"][inner.kind] = self.lock_counts["out"].get(inner.kind, 0) + 1
             elif isinstance(out, RoutesChanged) or isinstance(out, Activate):
                 # INVARIANT 3: the data path switches tables here, before any later Send (ack).
                 w.set_routes(out.succs, now)
@@ -986,6 +1070,7 @@ class _ScalingDriver:
         created = tuple(self.round_created)
         self.round_created = []
         replacement = core.cancel_duplication(created=created)
+        self._observe(replacement)
         self.outputs.extendleft(reversed(replacement))
         self.counts["rounds_cancelled"] = self.counts.get("rounds_cancelled", 0) + 1
         log.warning("spawn failed (%s): duplication round %d %s", why, core.round,
@@ -1000,6 +1085,10 @@ class _ScalingDriver:
         s["preds"] = sorted(self.core.preds)
         s["decisions"] = list(self.decisions)
         s["capacity"] = self.params.capacity
+        s["coordination"] = self.coordination
+        s.update(self.log.stats(self.core))
+        if self.coordination == "fgme":
+            s["lock_messages"] = {d: dict(c) for d, c in self.lock_counts.items()}
         return s
 
 
