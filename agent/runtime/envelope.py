@@ -28,6 +28,8 @@ counts, logs once per sender and skips (invariant 5: nothing dropped silently).
 from __future__ import annotations
 
 import json
+import re
+import reprlib
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Dict, List, Tuple, Union
@@ -93,6 +95,35 @@ def _bad_int(v: Any, low: int) -> bool:
 _dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, check_circular=False).encode
 _loads = json.loads
 
+# Hostile input (docs/hostile-input.md). Stack frames that decoding keeps free: JSON nested so
+# deep that it only just parses cannot be encoded again a few frames deeper (a worker forwarding
+# a record re-encodes it: RecursionError, the worker dies). Parsing that many frames deeper than
+# the caller rejects such input here instead. Costs ~5 us, so only for inputs long enough to
+# nest that deep (a nesting level takes 2 bytes).
+DEPTH_MARGIN = 100
+_DEEP_ENOUGH = 2 * (1000 - 2 * DEPTH_MARGIN)
+# A \uD800-\uDFFF escape can decode to a lone surrogate, which no UTF-8 encoder accepts: an
+# envelope naming such a sender could never be answered (encode -> UnicodeEncodeError).
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")
+
+
+def _loads_margin(raw: Any, n: int = DEPTH_MARGIN) -> Any:
+    return _loads_margin(raw, n - 1) if n else _loads(raw)
+
+
+def _parse(raw: Union[bytes, bytearray, str]) -> Any:
+    """json.loads with the hostile-input guards above; raises ValueError or RecursionError."""
+    if isinstance(raw, str):
+        text = raw
+        raw.encode()  # a literal lone surrogate: UnicodeEncodeError (a ValueError)
+    else:
+        # Strict UTF-8 (json.loads on bytes would pass surrogates and accept UTF-16/32).
+        text = raw.decode()
+    msg = _loads_margin(text) if len(text) >= _DEEP_ENOUGH else _loads(text)
+    if _SURROGATE_ESCAPE.search(text) is not None:
+        _dumps(msg).encode()  # a proper pair is fine; a lone surrogate: UnicodeEncodeError
+    return msg
+
 
 def encode(env: Envelope) -> bytes:
     return _dumps([VERSION, env.sender, env.epoch, env.seq, env.kind.value, env.body]).encode()
@@ -128,7 +159,7 @@ def _compact(items: List[Item]) -> Any:
 def decode(raw: Union[bytes, bytearray, str]) -> Envelope:
     """Parse and validate one envelope; raise `MalformedEnvelope` on any defect."""
     try:
-        msg = _loads(raw)
+        msg = _parse(raw)
     except (ValueError, TypeError, RecursionError) as exc:
         raise MalformedEnvelope(f"envelope: not valid JSON ({str(exc)[:80]})") from None
     if not isinstance(msg, list) or len(msg) != 6:
@@ -191,6 +222,11 @@ def _expand(sender: str, body: Dict[str, Any]) -> List[Item]:
     return items
 
 
+_repr = reprlib.Repr()
+_repr.maxlevel, _repr.maxstring, _repr.maxother = 4, 40, 40
+
+
 def _short(v: Any) -> str:
-    text = repr(v)
+    # reprlib: bounded depth, so a deeply nested hostile value cannot raise RecursionError here
+    text = _repr.repr(v)
     return text if len(text) <= 60 else text[:57] + "..."
