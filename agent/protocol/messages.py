@@ -15,6 +15,7 @@ Rules of this file:
 from __future__ import annotations
 
 import json
+import reprlib
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Dict, Mapping, Tuple, Type, Union
 
@@ -36,15 +37,21 @@ __all__ = [
 
 Ids = Tuple[str, ...]
 
+# Error messages quote untrusted values through reprlib: bounded length and depth, so a hostile
+# value (a 900-deep list from JSON) cannot turn a RemoteProtocolError into a RecursionError.
+_repr = reprlib.Repr()
+_repr.maxlevel, _repr.maxstring, _repr.maxother = 3, 60, 60
+_r = _repr.repr
+
 
 def _check_id(name: str, value: Any) -> None:
     if not isinstance(value, str) or not value:
-        raise LocalProtocolError(f"{name}: expected a non-empty string, found {value!r}")
+        raise LocalProtocolError(f"{name}: expected a non-empty string, found {_r(value)}")
 
 
 def _check_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise LocalProtocolError(f"{name}: expected an integer >= 0, found {value!r}")
+        raise LocalProtocolError(f"{name}: expected an integer >= 0, found {_r(value)}")
 
 
 def _check_ids(name: str, value: Any) -> None:
@@ -53,7 +60,7 @@ def _check_ids(name: str, value: Any) -> None:
     for v in value:
         _check_id(name, v)
     if len(set(value)) != len(value):
-        raise LocalProtocolError(f"{name}: ids must be unique, found {value!r}")
+        raise LocalProtocolError(f"{name}: ids must be unique, found {_r(value)}")
 
 
 @dataclass(frozen=True)
@@ -182,7 +189,7 @@ def from_dict(data: Any) -> Message:
     cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise RemoteProtocolError(
-            f"message: unknown type {kind!r}, expected one of {sorted(MESSAGE_TYPES)}"
+            f"message: unknown type {_r(kind)}, expected one of {sorted(MESSAGE_TYPES)}"
         )
     names = [f.name for f in fields(cls)]
     missing = [n for n in names if n not in data]
