@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import reprlib
+import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, Hashable, List, Mapping, NamedTuple, Sequence, Tuple, Type, Union
 
@@ -74,19 +76,62 @@ def register_message(cls: Type[GmeMessage]) -> Type[GmeMessage]:
     return cls
 
 
-def message_from_dict(d: Mapping[str, Any], algorithm_module: str) -> GmeMessage:
-    """Decode a dict produced by `to_dict`; `algorithm_module` is e.g. "gme_fgme"."""
-    key = algorithm_module + ":" + str(d.get("kind"))
-    cls = _REGISTRY.get(key)
+def message_from_dict(d: Any, algorithm_module: str) -> GmeMessage:
+    """Decode a dict produced by `to_dict`; `algorithm_module` is e.g. "gme_fgme".
+
+    Untrusted input: any defect (not an object, unknown kind, missing or unknown field, a field
+    of the wrong type) raises `RemoteProtocolError`, so that a core never compares, adds or
+    indexes with a hostile value (a str clock, a list as sender, a vector of floats).
+    """
+    if not isinstance(d, Mapping):
+        raise RemoteProtocolError(f"GME message for {algorithm_module}: expected an object, found {type(d).__name__}")
+    kind = d.get("kind")
+    cls = _REGISTRY.get(algorithm_module + ":" + kind) if isinstance(kind, str) else None
     if cls is None:
-        raise RemoteProtocolError(f"unknown GME message kind {d.get('kind')!r} for {algorithm_module}")
+        raise RemoteProtocolError(f"unknown GME message kind {_r(kind)} for {algorithm_module}")
+    checks = _field_checks(cls)
     kwargs = {}
-    for f in dataclasses.fields(cls):
-        if f.name not in d:
-            raise RemoteProtocolError(f"{cls.__name__} message without field {f.name!r}: {dict(d)}")
-        v = d[f.name]
-        kwargs[f.name] = tuple(v) if isinstance(v, list) else v
+    for name, (what, check) in checks.items():
+        if name not in d:
+            raise RemoteProtocolError(f"{cls.__name__} message without field {name!r}: {_r(dict(d))}")
+        v = d[name]
+        v = tuple(v) if isinstance(v, list) else v
+        if not check(v):
+            raise RemoteProtocolError(f"{cls.__name__}.{name}: expected {what}, found {_r(v)}")
+        kwargs[name] = v
+    extra = sorted(str(k) for k in d if k != "kind" and k not in checks)
+    if extra:
+        raise RemoteProtocolError(f"{cls.__name__} message with unknown fields {_r(extra)}")
     return cls(**kwargs)
+
+
+_repr = reprlib.Repr()
+_repr.maxlevel, _repr.maxstring, _repr.maxother = 3, 60, 60
+_r = _repr.repr
+
+
+def _is_count(v: Any) -> bool:
+    return type(v) is int and v >= 0
+
+
+_CHECKS: Dict[Any, Tuple[str, Any]] = {
+    int: ("an integer >= 0", _is_count),
+    bool: ("true or false", lambda v: type(v) is bool),
+    Tuple[int, ...]: ("a list of integers >= 0", lambda v: type(v) is tuple and all(_is_count(x) for x in v)),
+}
+# Node ids are ints (the GME benchmarks) or instance ids (lock-guarded scaling, agent.protocol.guarded).
+_SENDER = ("a node id (integer or non-empty string)", lambda v: type(v) is int or (type(v) is str and v != ""))
+_FIELD_CHECKS: Dict[type, Dict[str, Tuple[str, Any]]] = {}
+
+
+def _field_checks(cls: Type[GmeMessage]) -> Dict[str, Tuple[str, Any]]:
+    """Per field of `cls`: (what is expected, predicate), from its type annotations (cached)."""
+    checks = _FIELD_CHECKS.get(cls)
+    if checks is None:
+        hints = typing.get_type_hints(cls)
+        checks = {f.name: _SENDER if f.name == "sender" else _CHECKS[hints[f.name]] for f in dataclasses.fields(cls)}
+        _FIELD_CHECKS[cls] = checks
+    return checks
 
 
 class Send(NamedTuple):

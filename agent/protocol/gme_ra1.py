@@ -81,6 +81,12 @@ class Ra1Node(GmeNode):
         return (self.sn, self.id) < (sn, j)
 
     def receive(self, message: GmeMessage) -> List[Output]:
+        if message.sender == self.id or message.sender not in self.groups:
+            # Hostile input: an answer to ourselves or to a stranger would be sent nowhere, and a
+            # stranger's Ack would count towards our entry (docs/hostile-input.md).
+            raise RemoteProtocolError(
+                f"RA1 node {self.id}: {message!r} from {message.sender!r}, expected one of the peers {list(self.peers)}"
+            )
         if isinstance(message, Ra1Req):
             j = message.sender
             self.clock = max(self.clock, message.sn)

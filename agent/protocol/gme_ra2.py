@@ -143,6 +143,15 @@ class Ra2Node(GmeNode):
 
     def receive(self, message: GmeMessage) -> List[Output]:
         j = message.sender
+        if j == self.id or j not in self.groups:
+            # Hostile input: j indexes VSN/VF, so a stranger's id would be an IndexError (or,
+            # negative, another node's counter) after part of the state was already merged.
+            raise RemoteProtocolError(
+                f"RA2 node {self.id}: {message!r} from {j!r}, expected one of the peers {list(self.peers)}"
+            )
+        vf = getattr(message, "vf", None)
+        if vf is not None and len(vf) != self.n:
+            raise RemoteProtocolError(f"RA2 node {self.id}: {message!r} carries {len(vf)} entry counts (VF), expected {self.n}")
         if isinstance(message, Ra2Req):
             self.clock = max(self.clock, message.sn)
             self.vsn[j] = max(self.vsn[j], message.k)

@@ -197,9 +197,12 @@ class MemberFgmeNode(FgmeNode):
 
     def receive(self, message: GmeMessage) -> List[Any]:
         j = message.sender
+        if j == self.id:
+            # Hostile input: joining ourselves as a competitor would make us answer ourselves.
+            raise RemoteProtocolError(f"lock node {self.id}: {message!r} names us as its sender")
         if j not in self.competitors:
-            if j in self.gone:  # pragma: no cover - excluded by the argument; kept loud
-                raise ValueError(f"lock node {self.id}: {message!r} from departed {j}")
+            if j in self.gone:  # excluded by the argument above, so a peer's bug or a forgery
+                raise RemoteProtocolError(f"lock node {self.id}: {message!r} from departed {j}")
             out = self._join(j)  # lazily: an idle new instance learns its neighbours at Start
         else:
             out = []
@@ -344,12 +347,12 @@ class GuardedCore(ScalingCore):
     # -- messages ---------------------------------------------------------------------------------
 
     def handle(self, message: Message) -> List[Output]:  # type: ignore[override]
+        if self.state is InstanceState.TERMINATED:  # as ScalingCore.handle, for lock messages too
+            raise RemoteProtocolError(f"{self.instance_id}: received {type(message).__name__} after termination")
         if type(message) is LockMessage:
             lm: LockMessage = message  # type: ignore[assignment]
             node = self.locks.get(lm.boundary)
             if node is None:
-                from agent.protocol.errors import RemoteProtocolError
-
                 raise RemoteProtocolError(
                     f"{self.instance_id} (stage {self.stage}): lock message for boundary "
                     f"{lm.boundary}, expected {sorted(self.locks)}"
