@@ -400,7 +400,9 @@ class Worker:
         if self.scaling is None:
             self.stats["protocol_in"] += 1
             self.stats["protocol_errors"] += 1
-            log.warning("protocol message from %s but scaling is off: ignored", env.sender, extra=self.ctx)
+            if "p:" + env.sender not in self._malformed_logged:  # logged once per sender (invariant 5)
+                self._malformed_logged.add("p:" + env.sender)
+                log.warning("protocol message from %s but scaling is off: ignored", env.sender, extra=self.ctx)
             return
         self.scaling.handle(env)
 
