@@ -27,6 +27,7 @@ COMMAND_MODULES = (
     "agent.cli.measure_cmd",   # calibrate, netem, simulate policies
     "agent.cli.spill_cmd",     # collector, analytics
     "agent.cli.chaos_cmd",     # chaos
+    "agent.cli.fuzz_cmd",      # bench fuzz
 )
 
 EXIT_OK = 0
