@@ -10,6 +10,7 @@ Nagle's algorithm on, every small ack waits ~40 ms for a delayed TCP ACK (see tr
 
 from __future__ import annotations
 
+import getpass
 import os
 import shutil
 import socket
@@ -23,6 +24,7 @@ MOSQUITTO = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
 
 BROKER_CONF = """\
 listener {port} 127.0.0.1
+user {user}
 allow_anonymous true
 persistence {persistence}
 persistence_location {dir}/
@@ -121,6 +123,10 @@ def start_private_broker(
             max_queued=max_queued,
             max_inflight=max_inflight,
             persistence="true" if persistence else "false",
+            # Started as root, Mosquitto switches to the `mosquitto` user, which cannot write the
+            # persistence file or the log in our work dir: persistence then silently does not
+            # happen and a restart loses every session. Stay the user that owns the work dir.
+            user=getpass.getuser(),
         )
     )
     proc = subprocess.Popen([binary, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
