@@ -34,7 +34,11 @@ WORKER_COMMAND: Tuple[str, ...] = (sys.executable, "-m", "agent.runtime.worker")
 
 # Exit statuses of a worker as the supervisor classifies them.
 WORKER_EXIT_OK = 0
+WORKER_EXIT_BAD_SPEC = 2  # the worker cannot load its spec or pipeline: restarting will not help
 PR_SET_PDEATHSIG = 1
+# A gap this long between two polls (the agent loop runs every 0.2 s) means the agent itself was
+# not running: SIGSTOP of the node's processes, a suspended VM, a starved CPU.
+STALL_GAP = 2.0
 
 
 class WorkerStatus(enum.Enum):
@@ -126,6 +130,7 @@ class Supervisor:
         self.command = tuple(command)
         self.env = env
         self.workers: Dict[str, Worker] = {}
+        self._last_poll: Optional[float] = None
         # One pre-started worker process that has done its imports and waits for its spec on
         # stdin: a scale-out then skips the interpreter start and imports (the longest part of
         # "decision -> first record" on a loaded Pi). It is not an instance and holds no slot.
@@ -314,6 +319,19 @@ class Supervisor:
     def poll(self, now: float) -> List[Reaped]:
         """Reap exited workers, escalate stops, kill hung or never-ready workers."""
         reaped: List[Reaped] = []
+        gap = now - self._last_poll if self._last_poll is not None else 0.0
+        self._last_poll = now
+        if gap > STALL_GAP:
+            # The agent did not run for `gap` seconds; its workers were most likely stopped with
+            # it (a node stall). Their heartbeats could not be read meanwhile: judge them from now
+            # on instead of killing every one as hung (a kill would cost each a restart).
+            log.warning("agent loop stalled for %.1fs: worker deadlines moved on", gap)
+            for w in self.workers.values():
+                w.last_heartbeat += gap
+                w.started_at += gap
+                for name in ("stop_sent_at", "term_sent_at"):
+                    if getattr(w, name) is not None:
+                        setattr(w, name, getattr(w, name) + gap)
         if self._warm is not None and self._warm.poll() is not None:
             log.warning("pre-started worker exited with %s", self._warm.returncode)
             self._close_proc(self._warm)
