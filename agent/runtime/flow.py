@@ -32,6 +32,7 @@ class Unacked:
     payload: bytes
     records: int
     sent_at: float
+    low: int = 0  # lowest input index the batch carries (a source resumes from there after a crash)
 
 
 class OutLink:
@@ -59,11 +60,11 @@ class OutLink:
     def inflight_records(self) -> int:
         return sum(u.records for u in self._unacked.values())
 
-    def sent(self, seq: int, payload: bytes, records: int, now: float) -> None:
+    def sent(self, seq: int, payload: bytes, records: int, now: float, low: int = 0) -> None:
         """Record a data batch handed to the transport (it must have had credit)."""
         if self.credit <= 0:
             raise RuntimeError(f"flow control to {self.dest}: sent seq {seq} without credit")
-        self._unacked[seq] = Unacked(seq, payload, records, now)
+        self._unacked[seq] = Unacked(seq, payload, records, now, low)
         self.batches_sent += 1
         self.records_sent += records
 
@@ -84,7 +85,7 @@ class OutLink:
     def replace(self, old_seq: int, new_seq: int, payload: bytes, now: float) -> None:
         """A batch was sent again under a new number (replay after the successor restarted)."""
         u = self._unacked.pop(old_seq)
-        self._unacked[new_seq] = Unacked(new_seq, payload, u.records, now)
+        self._unacked[new_seq] = Unacked(new_seq, payload, u.records, now, u.low)
 
     def unacked(self) -> List[Unacked]:
         """The replay buffer, oldest first."""

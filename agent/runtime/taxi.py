@@ -230,9 +230,25 @@ class TaxiSource:
         self._last: Optional[float] = None
         self._start: Optional[float] = None
         self.paused = False
+        self._catch_up = 0  # after a crash: regenerate up to here at once (see resume)
+        self._elapsed = 0.0  # seconds of the rate profile already played before a restart
 
     def start(self, now: float) -> None:
-        self._start = self._last = now
+        self._start = now - self._elapsed
+        self._last = now
+
+    def resume(self, resume_from: int, catch_up_to: int, elapsed: float) -> None:
+        """Restart after a crash (called by the worker before `start`). Records are a
+        deterministic stream, so the generator is wound forward to `resume_from` (the first record
+        not yet acked downstream) and everything up to `catch_up_to` (the position the previous
+        incarnation had reserved, never below what it generated) is generated again at once:
+        nothing it may have sent is missing, and what did get through is dropped by id at the
+        sink. The rate profile continues where it was (`elapsed` seconds in)."""
+        for _ in range(resume_from):
+            self.make()
+        self.generated = resume_from
+        self._catch_up = max(resume_from, catch_up_to)
+        self._elapsed = max(0.0, elapsed)
 
     @property
     def finished(self) -> bool:
@@ -249,6 +265,8 @@ class TaxiSource:
         self._last = now
         if self.paused or self.finished:
             return []
+        if self.generated < self._catch_up:
+            return self._emit(min(budget, self._catch_up - self.generated))
         rate = self.profile.rate(now - self._start)
         self._due += rate * dt
         cap = max(rate * self.max_lag, 1.0)
@@ -261,6 +279,13 @@ class TaxiSource:
         if n <= 0:
             return []
         self._due -= n
+        return self._emit(n)
+
+    def _emit(self, n: int) -> List[Item]:
+        if self.max_records is not None:
+            n = min(n, self.max_records - self.generated)
+        if n <= 0:
+            return []
         first = self.generated
         self.generated += n
         make = self.make
@@ -269,6 +294,8 @@ class TaxiSource:
 
     def next_due(self, now: float) -> float:
         """When the next record becomes due (for the worker's poll timeout)."""
+        if self.generated < self._catch_up:
+            return now
         rate = self.rate_now(now)
         if rate <= 0:
             return now + 0.05
