@@ -1,0 +1,73 @@
+"""The record of the instances a node hosts, so that an agent restart brings them back.
+
+Why: an operator instance lives in its neighbours' routing tables until the scaling protocol
+removes it (a deletion round). If its agent stops (SIGTERM for an upgrade, a crash that systemd
+restarts, a reboot) its workers drain and exit but stay in those tables: their predecessors keep
+the batches they sent them (unacked, in the replay buffer) and their credit towards them runs
+out. Nothing is lost, but those routes stall until the instance comes back. So the agent writes
+one `<instance>.spec.json` per hosted instance into its state dir and, when it starts, restarts
+every instance it finds there with the same identity (`restart = true`: the worker restores its
+persisted protocol state and asks its predecessors to replay, see docs/runtime.md).
+
+When a spec is written and removed (the rules that keep one identity on one node):
+- written when the worker said "ready", i.e. when it may have been announced to anybody
+  (invariant 2). An instance whose agent died before "ready" was never announced; its creator's
+  spawn request times out and is placed elsewhere, so re-adopting it here would make a second
+  process with the same identity;
+- removed when the worker exits for good: terminated by the protocol (its exit line says
+  `final`) or with a bad spec (restarting cannot help).
+
+The stored spec carries no broker password (the state dir is not a secret store): the agent
+fills in its own broker settings when it re-adopts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from pathlib import Path
+from typing import List, Union
+
+from agent.runtime.spec import InstanceSpec
+
+log = logging.getLogger(__name__)
+
+__all__ = ["SUFFIX", "remember", "forget", "hosted"]
+
+SUFFIX = ".spec.json"
+
+PathLike = Union[str, Path]
+
+
+def _path(state_dir: PathLike, instance: str) -> Path:
+    return Path(state_dir) / f"{instance}{SUFFIX}"
+
+
+def remember(state_dir: PathLike, spec: InstanceSpec) -> None:
+    """Record `spec` as hosted here (atomic: a crash leaves the old file or the new one)."""
+    stored = dataclasses.replace(spec, broker=dataclasses.replace(spec.broker, password=None))
+    path = _path(state_dir, spec.instance)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(stored.to_json())
+    os.replace(tmp, path)
+
+
+def forget(state_dir: PathLike, instance: str) -> None:
+    try:
+        _path(state_dir, instance).unlink()
+    except FileNotFoundError:
+        pass
+
+
+def hosted(state_dir: PathLike) -> List[InstanceSpec]:
+    """The recorded specs, sorted by instance id; an unreadable file is logged and skipped
+    (kept on disk for a person to look at), never fatal for the agent."""
+    specs: List[InstanceSpec] = []
+    for path in sorted(Path(state_dir).glob(f"*{SUFFIX}")):
+        try:
+            specs.append(InstanceSpec.from_json(path.read_text()))
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            log.error("%s: not a hosted-instance spec (%s): skipped", path, exc)
+    return specs
