@@ -262,7 +262,7 @@ class PathShipper:
     The shared path is a landing zone: the same verification and exactly-once rename as the
     collector's (`agent.collector.landing`)."""
 
-    def __init__(self, spool: Spool, landing_dir: Union[str, Path]) -> None:
+    def __init__(self, spool: Any, landing_dir: Union[str, Path]) -> None:
         from agent.collector.landing import LandingZone
 
         self.spool = spool
@@ -287,7 +287,7 @@ class MqttShipper:
     collector tests damage a chunk on the wire.
     """
 
-    def __init__(self, spool: Spool, cluster: str, *, host: str = "127.0.0.1", port: int = 1883,
+    def __init__(self, spool: Any, cluster: str, *, host: str = "127.0.0.1", port: int = 1883,
                  client_id: Optional[str] = None, chunk_bytes: int = 256 * 1024,
                  ack_timeout: float = 5.0, max_backoff: float = 60.0, window: int = 4,
                  poll_interval: float = 0.1, clock: Callable[[], float] = time.monotonic,
@@ -304,7 +304,7 @@ class MqttShipper:
         self._connected = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._client: Any = None
-        self._added: Set[str] = set()  # spool file names handed to the core (read + hashed once)
+        self._added: Set[str] = set()  # spool file paths handed to the core (read + hashed once)
 
     def start(self) -> "MqttShipper":
         import paho.mqtt.client as mqtt
@@ -372,14 +372,14 @@ class MqttShipper:
             token = self.core.on_ack(ack, now)
             if token is not None:
                 self.spool.release(token)
-                self._added.discard(token.name)
+                self._added.discard(str(token.path))
         if self.core.pending < self.core.window:
             for f in self.spool.closed_files():
-                if f.name in self._added:
+                if str(f.path) in self._added:
                     continue
                 data = f.path.read_bytes()
                 self.core.add(meta_for(f, data), data, f)
-                self._added.add(f.name)
+                self._added.add(str(f.path))
                 if self.core.pending >= 2 * self.core.window:
                     break
         if not self._connected.is_set():

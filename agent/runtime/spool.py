@@ -26,6 +26,16 @@ Rules of this file:
 - Lines may be whole batches (a JSON array of records, as the transport delivered them): no
   re-encoding in the sink's thread; readers expand them (`read_records`, Spark's JSON reader).
 - gzip level 1 by default: about 3x faster than level 6 for ~25% larger files.
+- Durable-before-ack (a sink): `append_lines(..., sync=True)` returns a ticket number
+  (`last_ticket`); once `synced_ticket >= ticket` the lines are compressed, sync-flushed and in
+  the OS file (they survive a crash of this process; `flush()` adds fsync for a power cut). In
+  background mode the writer compresses OUTSIDE the append lock (the sink keeps decoding the next
+  batch meanwhile) and sync-flushes once per group of queued batches (group commit).
+- `auto_rotate=False`: size/age rotation happens only in `tick()`/`rotate_all()` (the caller's
+  thread), so a caller can make its own bookkeeping durable before a file may leave `open/`.
+- Another process may release closed files (the daemon's shipper ships a worker's spool):
+  `tick()` and a refused append recount `closed/` from the directory (`SpoolDirs` is the
+  shipper-side view of several spool directories: list and release closed files, never write).
 
 The gzip header of each file carries its spool name and opening time, so two files with the same
 records still have different bytes: the content-derived file id (sha256 of the bytes, see
@@ -50,6 +60,8 @@ from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Mapping
 __all__ = [
     "ClosedFile",
     "Spool",
+    "SpoolDirs",
+    "salvage_lines",
     "SpoolEvent",
     "file_id",
     "parse_name",
@@ -200,6 +212,7 @@ class Spool:
         compresslevel: int = 1,
         sync_bytes: int = 1024 * 1024,
         background: bool = False,
+        auto_rotate: bool = True,
     ) -> None:
         if max_bytes <= 0 or rotate_bytes <= 0 or rotate_seconds <= 0:
             raise ValueError("max_bytes, rotate_bytes and rotate_seconds must be > 0")
@@ -214,7 +227,12 @@ class Spool:
         self.closed_dir = self.dir / "closed"
         self.open_dir.mkdir(parents=True, exist_ok=True)
         self.closed_dir.mkdir(parents=True, exist_ok=True)
+        self.auto_rotate = auto_rotate
         self._lock = threading.Lock()
+        # Held while files are written/compressed/rotated; never taken by append_lines, so the
+        # appending thread is not blocked by compression. Order: _lock, then _io_lock.
+        self._io_lock = threading.Lock()
+        self._count_lock = threading.Lock()  # leaf lock for _closed_bytes
         self._writable = threading.Condition(self._lock)
         self._open: Dict[str, _OpenFile] = {}
         self._closed_bytes = 0
@@ -224,8 +242,12 @@ class Spool:
                       "recovered_records": 0, "full_events": 0}
         self._seq = 0
         self._background = background
-        self._queue: Deque[Tuple[str, List[bytes], float]] = collections.deque()
+        self._queue: Deque[Tuple[str, List[bytes], float, int, bool]] = collections.deque()
         self._queued_bytes = 0
+        self._writing = 0  # batches taken by the writer thread, not written yet
+        self._ticket = 0  # appends accepted so far
+        self._synced = 0  # every append up to this ticket is in the OS file
+        self._last_refresh = 0.0
         self._stopping = False
         self._work = threading.Condition(self._lock)
         self._drained = threading.Condition(self._lock)
@@ -258,18 +280,25 @@ class Spool:
         lines = [(json.dumps(r, separators=(",", ":"), default=str) + "\n").encode() for r in records]
         return self.append_lines(kind, lines)
 
-    def append_lines(self, kind: str, lines: List[bytes]) -> int:
+    def append_lines(self, kind: str, lines: List[bytes], sync: bool = False) -> int:
         """Store pre-encoded JSON lines (each ending in newline); returns how many were stored.
 
         A line may also hold a JSON array of records (a whole batch as received, no re-encoding):
-        `read_records` and Spark's JSON reader both expand it into one row per record."""
+        `read_records` and Spark's JSON reader both expand it into one row per record.
+        `sync=True`: the stored lines are sync-flushed to the OS file before `synced_ticket`
+        reaches this append's ticket (`last_ticket` right after the call)."""
         _check_name(kind, "kind")
         now = self.clock()
         events: List[SpoolEvent] = []
         with self._lock:
             if self._stopping:
                 raise RuntimeError(f"spool {self.dir} is closed")
-            stored, used = 0, self._used()
+            used = self._used()
+            if used >= self.max_bytes and now - self._last_refresh >= 0.2:
+                self._last_refresh = now
+                self._refresh_closed()  # another process may have shipped and released files
+                used = self._used()
+            stored = 0
             self._maybe_resume(now, used, events)
             for line in lines:
                 if used >= self.max_bytes:
@@ -282,16 +311,37 @@ class Spool:
                 stored += 1
                 used += len(line)
             accepted = lines[:stored] if stored < len(lines) else lines
+            if stored:
+                self._ticket += 1
+                ticket = self._ticket
             if stored and self._background:
-                self._queue.append((kind, accepted, now))
+                self._queue.append((kind, accepted, now, ticket, sync))
                 self._queued_bytes += sum(len(x) for x in accepted)
                 self._work.notify()
             elif stored:
-                events.extend(self._write(kind, accepted, now))
+                with self._io_lock:
+                    events.extend(self._write(kind, accepted, now))
+                    if sync and kind in self._open:
+                        self._sync_flush(self._open[kind])
+                self._synced = ticket
             self.stats["appended"] += stored
             self.stats["rejected"] += len(lines) - stored
         self._emit(events)
         return stored
+
+    @property
+    def last_ticket(self) -> int:
+        """The ticket of the last accepted append (0: none yet)."""
+        return self._ticket
+
+    @property
+    def synced_ticket(self) -> int:
+        """Every append up to this ticket is written (sync appends: sync-flushed to the OS)."""
+        return self._synced
+
+    def wait_synced(self, ticket: int, timeout: Optional[float] = None) -> bool:
+        with self._lock:
+            return self._drained.wait_for(lambda: self._synced >= ticket or self._stopping, timeout)
 
     def _write(self, kind: str, lines: List[bytes], now: float) -> List[SpoolEvent]:
         events = []
@@ -300,31 +350,50 @@ class Spool:
             if f is None:
                 f = self._open_file(kind, now)
             f.write(line, self.sync_bytes)
-            if f.size >= self.rotate_bytes:
+            if self.auto_rotate and f.size >= self.rotate_bytes:
                 events.append(self._rotate(kind, now))
                 f = None
         return events
 
+    @staticmethod
+    def _sync_flush(f: "_OpenFile") -> None:
+        f.gz.flush(zlib.Z_SYNC_FLUSH)  # GzipFile.flush also flushes the OS file object
+        f.pending = 0
+
     def _writer(self) -> None:
-        """Background mode: compress and write queued lines. zlib releases the GIL, so the sink
-        decodes its next batch on the other core while this thread compresses the last one."""
+        """Background mode: compress and write queued lines, outside the append lock. zlib
+        releases the GIL, so the sink decodes its next batch on the other core while this thread
+        compresses the last ones; one sync flush per group of queued batches (group commit)."""
         while True:
             with self._lock:
                 self._work.wait_for(lambda: bool(self._queue) or self._stopping)
                 if not self._queue:
                     return
-                kind, lines, now = self._queue.popleft()
-                events = self._write(kind, lines, now)
-                self._queued_bytes -= sum(len(x) for x in lines)
-                self._maybe_resume(now, self._used(), events)
-                if not self._queue:
-                    self._drained.notify_all()
+                group = list(self._queue)
+                self._queue.clear()
+                self._writing = len(group)
+            events: List[SpoolEvent] = []
+            with self._io_lock:
+                to_sync = set()
+                for kind, lines, now, _ticket, sync in group:
+                    events.extend(self._write(kind, lines, now))
+                    if sync:
+                        to_sync.add(kind)
+                for kind in to_sync:
+                    if kind in self._open:
+                        self._sync_flush(self._open[kind])
+            with self._lock:
+                self._queued_bytes -= sum(len(x) for g in group for x in g[1])
+                self._writing = 0
+                self._synced = max(self._synced, group[-1][3])
+                self._maybe_resume(group[-1][2], self._used(), events)
+                self._drained.notify_all()
             self._emit(events)
 
     def _drain(self) -> None:
         """Called with the lock held: wait until the writer thread wrote everything queued."""
         if self._background:
-            self._drained.wait_for(lambda: not self._queue)
+            self._drained.wait_for(lambda: not self._queue and not self._writing)
 
     def wait_writable(self, timeout: Optional[float] = None) -> bool:
         """Block until the cap no longer holds appends back (or timeout); True if writable."""
@@ -332,31 +401,43 @@ class Spool:
             return self._writable.wait_for(lambda: not self._full, timeout)
 
     def tick(self) -> None:
-        """Rotate files older than rotate_seconds (call periodically, e.g. every second)."""
+        """Rotate files older than rotate_seconds (and, with auto_rotate=False, files past
+        rotate_bytes); recount closed bytes released by another process. Call about every second."""
         now = self.clock()
         with self._lock:
+            self._refresh_closed()
             self._drain()
-            events = [self._rotate(k, now) for k, f in list(self._open.items())
-                      if now - f.opened_at >= self.rotate_seconds and f.records]
+            with self._io_lock:
+                events = [self._rotate(k, now) for k, f in list(self._open.items())
+                          if f.records and (now - f.opened_at >= self.rotate_seconds
+                                            or f.size >= self.rotate_bytes)]
+            self._maybe_resume(now, self._used(), events)
         self._emit(events)
+
+    def rotation_due(self) -> bool:
+        """True when `tick()` would close a file now (lets a caller prepare, cheaply)."""
+        now = self.clock()
+        return any(f.records and (now - f.opened_at >= self.rotate_seconds or f.size >= self.rotate_bytes)
+                   for f in list(self._open.values()))
 
     def rotate_all(self) -> None:
         """Close every open file now (before a clean shutdown, or to ship what is there)."""
         now = self.clock()
         with self._lock:
             self._drain()
-            events = [self._rotate(k, now) for k in list(self._open)]
+            with self._io_lock:
+                events = [self._rotate(k, now) for k in list(self._open)]
         self._emit(events)
 
     def flush(self) -> None:
         """Push buffered records of open files to disk (sync flush + fsync): bounds crash loss."""
         with self._lock:
             self._drain()
-            for f in self._open.values():
-                f.gz.flush(zlib.Z_SYNC_FLUSH)
-                f.pending = 0
-                f.raw.flush()
-                os.fsync(f.raw.fileno())
+            with self._io_lock:
+                for f in self._open.values():
+                    self._sync_flush(f)
+                    f.raw.flush()
+                    os.fsync(f.raw.fileno())
 
     def close(self) -> None:
         """Write what is queued, close every open file, stop the writer thread."""
@@ -391,7 +472,8 @@ class Spool:
                 path.unlink()
             except FileNotFoundError:
                 return
-            self._closed_bytes -= size
+            with self._count_lock:
+                self._closed_bytes -= size
             self.stats["released"] += 1
             self._maybe_resume(now, self._used(), events)
         self._emit(events)
@@ -407,7 +489,18 @@ class Spool:
             self._writable.notify_all()
 
     def _used(self) -> int:
-        return self._closed_bytes + self._queued_bytes + sum(f.size for f in self._open.values())
+        return self._closed_bytes + self._queued_bytes + sum(f.size for f in list(self._open.values()))
+
+    def _refresh_closed(self) -> None:
+        """Recount closed/ from the directory: files another process released free their bytes."""
+        total = 0
+        for p in self.closed_dir.iterdir():
+            try:
+                total += p.stat().st_size
+            except FileNotFoundError:
+                continue
+        with self._count_lock:
+            self._closed_bytes = total
 
     def _open_file(self, kind: str, now: float) -> _OpenFile:
         self._seq += 1
@@ -428,7 +521,8 @@ class Spool:
         os.replace(f.path, dest)
         _fsync_dir(self.closed_dir)
         _fsync_dir(self.open_dir)
-        self._closed_bytes += size
+        with self._count_lock:
+            self._closed_bytes += size
         self.stats["files_closed"] += 1
         return self._event("file_closed", now, file=dest.name, kind=kind, records=f.records, bytes=size)
 
@@ -471,6 +565,42 @@ class Spool:
                 self._event("recovered", now, file=p.name, records=len(lines))
             p.unlink()
         _fsync_dir(self.open_dir)
+
+
+class SpoolDirs:
+    """The shipper's view of several spool directories written by other processes (the agent's
+    own spool and one per sink worker under `root`): lists and releases closed files, never
+    writes, never salvages (the owning process does that). Same interface as `Spool` for the
+    shippers: `node`, `closed_files()`, `release()`."""
+
+    def __init__(self, root: Union[str, Path], node: str) -> None:
+        self.root = Path(root)
+        self.node = _check_name(node, "node")
+
+    def closed_files(self) -> List[ClosedFile]:
+        out = []
+        for d in sorted(self.root.glob("*/closed")):
+            for p in d.iterdir():
+                try:
+                    meta = parse_name(p.name)
+                    size = p.stat().st_size
+                except (ValueError, FileNotFoundError):
+                    continue
+                out.append(ClosedFile(p, meta["kind"], meta["node"], meta["date"], meta["seq"], size))
+        return sorted(out, key=lambda f: (f.seq, str(f.path)))
+
+    def release(self, f: Union[ClosedFile, Path]) -> None:
+        path = f.path if isinstance(f, ClosedFile) else Path(f)
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return
+        _fsync_dir(path.parent)
+
+
+def salvage_lines(data: bytes) -> List[bytes]:
+    """Every complete JSON line of a (possibly truncated) gzip spool file."""
+    return list(_salvage_lines(data))
 
 
 def _salvage_lines(data: bytes) -> Iterator[bytes]:
