@@ -70,6 +70,9 @@ class EventType(Enum):
     LOCK_EXIT = "lock_exit"        # 2-FGME: left the CS
     DRAIN = "drain"                # a node drain started / progressed (detail.node)
     STEER = "steer"                # a manual `fogctl scale` request was accepted
+    SPOOL_FULL = "spool_full"      # a spool reached its disk cap: the sink holds back (detail.used_bytes)
+    SPOOL_RESUMED = "spool_resumed"  # shipped files were released: the spool takes records again
+    SPOOL_RECOVERED = "spool_recovered"  # a crash left spool files open: salvaged (detail.records)
 
 
 @dataclass(frozen=True)

@@ -30,9 +30,9 @@ from __future__ import annotations
 import json
 import re
 import reprlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Dict, List, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 __all__ = [
     "VERSION",
@@ -44,6 +44,7 @@ __all__ = [
     "encode",
     "decode",
     "encode_data",
+    "data_body_bytes",
 ]
 
 VERSION = 1
@@ -75,6 +76,9 @@ class Envelope:
     seq: int
     kind: Kind
     body: Any
+    # The bytes a data envelope was decoded from (a sink may spill the batch as received,
+    # without re-encoding it: see `data_body_bytes`); None for envelopes built in memory.
+    raw: Optional[bytes] = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.sender, str) or not self.sender:
@@ -176,7 +180,7 @@ def decode(raw: Union[bytes, bytearray, str]) -> Envelope:
         raise MalformedEnvelope(f"envelope from {sender}: unknown kind {_short(kind)}, expected d, a or p")
     if k is Kind.DATA:
         if type(body) is dict:
-            return Envelope(sender, epoch, seq, k, _expand(sender, body))
+            return Envelope(sender, epoch, seq, k, _expand(sender, body), bytes(raw) if isinstance(raw, (bytes, bytearray)) else None)
         if not isinstance(body, list):
             raise MalformedEnvelope(f"data from {sender}: expected a list of records, found {_short(body)}")
         items: List[Item] = []
@@ -189,7 +193,7 @@ def decode(raw: Union[bytes, bytearray, str]) -> Envelope:
             if type(src) is not str or type(rseq) is not int or rseq < 0:
                 raise MalformedEnvelope(f"data from {sender}: expected [source, seq, record], found {_short(it)}")
             append((src, rseq, rec))
-        body = items
+        return Envelope(sender, epoch, seq, k, items, bytes(raw) if isinstance(raw, (bytes, bytearray)) else None)
     elif k is Kind.ACK:
         if type(body) is not list or len(body) != 2 or _bad_int(body[0], 0) or _bad_int(body[1], 0):
             raise MalformedEnvelope(f"ack from {sender}: expected [epoch, seq], found {_short(body)}")
@@ -220,6 +224,18 @@ def _expand(sender: str, body: Dict[str, Any]) -> List[Item]:
             raise MalformedEnvelope(f"data from {sender}: expected [source, seq, [values]], found {_short(row)}")
         append((src, rseq, dict(zip(keys, vals))))
     return items
+
+
+def data_body_bytes(env: Envelope) -> Optional[bytes]:
+    """The JSON text of a data envelope's body, sliced out of the bytes it arrived as (no
+    re-encoding), or None when the bytes are not exactly what `encode_data` writes."""
+    raw = env.raw
+    if raw is None or not raw.endswith(b"]"):
+        return None
+    head = _dumps([VERSION, env.sender, env.epoch, env.seq, "d"])[:-1].encode() + b","
+    if not raw.startswith(head):
+        return None
+    return raw[len(head):-1]
 
 
 _repr = reprlib.Repr()

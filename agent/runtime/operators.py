@@ -20,6 +20,8 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
@@ -57,6 +59,10 @@ class OperatorContext:
     state_dir: Path = Path(".")
     sink_dir: Path = Path(".")
     restart: bool = False
+    # spec.extra["spill"] (set by the agent from its [spill] section): {"dir" (the spool root; a
+    # sink spools into <dir>/<instance>), "node", "max_bytes", "rotate_bytes", "rotate_seconds"};
+    # empty = the sink does not spill.
+    spill: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -101,12 +107,32 @@ class MapOperator(Operator):
 
 class SinkOperator(Operator):
     """A sink: `record` must have durably recorded the items when it returns (the worker acks
-    its predecessors right after, or after the returned publications are PUBACKed)."""
+    its predecessors right after, or after the returned publications are PUBACKed).
+
+    A sink whose recording completes later (`deferred = True`, e.g. a spool writer thread) is
+    asked `settle()` by the worker: how many earlier `record()` calls, oldest first, are now
+    recorded; their inputs are acked only then. `writable()` False makes the worker stop reading
+    its input (back pressure): the sink is holding records it could not store yet."""
 
     kind = "sink"
+    deferred = False
 
     def record(self, items: List[Item]) -> List[Publication]:
         raise NotImplementedError
+
+    def record_batch(self, items: List[Item], body: Optional[bytes]) -> List[Publication]:
+        """`record` with the batch's JSON body as it arrived (None if unknown)."""
+        return self.record(items)
+
+    def settle(self) -> int:
+        return 0
+
+    def writable(self) -> bool:
+        return True
+
+    def take_events(self) -> List[Dict[str, Any]]:
+        """Events to publish on the cluster's events topic (e.g. spool_full)."""
+        return []
 
 
 def record_map(fn: Callable[[Any, Dict[str, Any]], Any]) -> Callable[[Any, Dict[str, Any]], Any]:
@@ -213,8 +239,18 @@ def sink_ids_path(sink_dir: Path, instance: str) -> Path:
     return Path(sink_dir) / f"{instance}.ids"
 
 
+class _Spilled:
+    """One record() call of a spilling sink: its spool line, then its ids once the line is in."""
+
+    __slots__ = ("kind", "line", "ids", "ticket")
+
+    def __init__(self, kind: str, line: Optional[bytes], ids: List[str]) -> None:
+        self.kind, self.line, self.ids = kind, line, ids
+        self.ticket: Optional[int] = None if line is not None else 0  # 0: nothing to store
+
+
 class CountingSink(SinkOperator):
-    """Records the id of every record it receives, once.
+    """Records the id of every record it receives, once; with `ctx.spill`, also spills the records.
 
     Accounting contract (for verifiers, the demo and the chaos runs): every sink instance appends
     one line `<source instance> <source seq>` per NEW record id to `<sink_dir>/<instance>.ids`
@@ -222,6 +258,16 @@ class CountingSink(SinkOperator):
     worker crash); a record id seen before (by this instance, including before a restart) is
     dropped and counted as `duplicates`. Across sink instances, `read_sink_ids` merges the files
     and reports ids that appear in more than one file as duplicated.
+
+    Spill (docs/spill.md): the new records of each batch go to this instance's spool as ONE line:
+    the batch's compact body exactly as it arrived (`{"k": keys, "r": [[src, seq, values]]}`,
+    kind "batches", no re-encoding) when no record of it was a duplicate, else the new records
+    re-encoded (same form; kind "records" with src/seq inside for non-dict records). Order per
+    batch: spool line written and sync-flushed to the OS (by the spool's writer thread) -> ids
+    appended to the ids file -> the worker acks (see `settle`). A file leaves `open/` only in
+    `settle`, after every id in it is in the ids file AND the ids file is fsync'ed. Hence after a
+    crash: the ids file plus the ids still in the local spool files (read back at start) are
+    every id spooled, and a replayed record is dropped, never spooled twice.
     """
 
     def __init__(self, ctx: OperatorContext) -> None:
@@ -232,13 +278,64 @@ class CountingSink(SinkOperator):
             for src, seq in _read_ids(self.path):
                 self.seen.setdefault(src, set()).add(seq)
         self._fh = open(self.path, "a", buffering=1 << 16)
-        self.recorded = sum(len(s) for s in self.seen.values())
         self.duplicates = 0
+        self.spool: Any = None
+        self._pending: "deque[_Spilled]" = deque()
+        self._events: List[Dict[str, Any]] = []
+        self.spilled = 0
+        self.adopted = 0
+        if ctx.spill.get("dir"):
+            self._open_spool(ctx)
+        self.recorded = sum(len(s) for s in self.seen.values())
 
-    def record(self, items: List[Item]) -> List[Publication]:
-        lines = []
+    @property
+    def deferred(self) -> bool:  # type: ignore[override]
+        return self.spool is not None
+
+    def _open_spool(self, ctx: OperatorContext) -> None:
+        from agent.runtime.spool import Spool
+
+        spill = ctx.spill
+        d = Path(spill["dir"]) / ctx.instance  # one spool per instance (siblings inherit `extra`)
+        self.adopted = self._adopt_spooled(d)
+        self.spool = Spool(
+            d, str(spill.get("node") or ctx.node),
+            max_bytes=int(spill.get("max_bytes", 512 << 20)),
+            rotate_bytes=int(spill.get("rotate_bytes", 4 << 20)),
+            rotate_seconds=float(spill.get("rotate_seconds", 60.0)),
+            background=bool(spill.get("background", True)),
+            auto_rotate=False,
+            on_event=lambda ev: self._events.append(ev.to_json()),  # list.append: thread-safe
+        )
+        self._last_tick = 0.0
+
+    def _adopt_spooled(self, d: Path) -> int:
+        """Ids in this instance's local spool files but not in the ids file (a crash between the
+        spool write and the ids write): recorded now, so that their replay is dropped."""
+        from agent.runtime.spool import SUFFIX, salvage_lines
+
+        new: List[str] = []
+        for sub in ("open", "closed"):
+            for p in sorted((d / sub).glob("*" + SUFFIX)) if (d / sub).is_dir() else ():
+                if not p.name.startswith(("batches+", "records+")):
+                    continue
+                for line in salvage_lines(p.read_bytes()):
+                    for src, seq in _line_ids(line):
+                        s = self.seen.setdefault(src, set())
+                        if seq not in s:
+                            s.add(seq)
+                            new.append(f"{src} {seq}\n")
+        if new:
+            self._fh.write("".join(new))
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+        return len(new)
+
+    def _new_ids(self, items: List[Item]) -> Tuple[List[Item], List[str]]:
+        fresh, lines = [], []
         seen = self.seen
-        for src, seq, _ in items:
+        for it in items:
+            src, seq = it[0], it[1]
             s = seen.get(src)
             if s is None:
                 s = seen[src] = set()
@@ -246,20 +343,134 @@ class CountingSink(SinkOperator):
                 self.duplicates += 1  # duplicate record id: dropped before recording
                 continue
             s.add(seq)
+            fresh.append(it)
             lines.append(f"{src} {seq}\n")
+        return fresh, lines
+
+    def record(self, items: List[Item]) -> List[Publication]:
+        return self.record_batch(items, None)
+
+    def record_batch(self, items: List[Item], body: Optional[bytes]) -> List[Publication]:
+        fresh, lines = self._new_ids(items)
+        if self.spool is None:
+            if lines:
+                self._fh.write("".join(lines))
+                self._fh.flush()  # in the OS page cache: survives a worker crash
+                self.recorded += len(lines)
+            return []
+        if not fresh:
+            self._pending.append(_Spilled("batches", None, []))
+        elif body is not None and len(fresh) == len(items) and body[:1] == b"{":
+            self._pending.append(_Spilled("batches", body + b"\n", lines))  # as received
+        else:
+            kind, line = _encode_spill(fresh)
+            self._pending.append(_Spilled(kind, line, lines))
+        self._try_append()
+        return []
+
+    def _try_append(self) -> None:
+        for e in self._pending:
+            if e.ticket is not None:
+                continue
+            if self.spool.append_lines(e.kind, [e.line], sync=True) == 0:
+                return  # cap reached: keep it (and everything after it), retry in settle()
+            e.ticket = self.spool.last_ticket
+            e.line = None
+
+    def writable(self) -> bool:
+        return self.spool is None or not self._pending or self._pending[-1].ticket is not None
+
+    def settle(self) -> int:
+        """How many record() calls are now recorded (spool line in the OS file, ids written)."""
+        if self.spool is None:
+            return 0
+        self._try_append()
+        done = self._complete(self.spool.synced_ticket)
+        now = time.monotonic()
+        if now - self._last_tick >= 0.5:
+            self._last_tick = now
+            if self.spool.rotation_due():
+                done += self._rotate()
+        return done
+
+    def _complete(self, synced: int) -> int:
+        done, lines = 0, []
+        pending = self._pending
+        while pending and pending[0].ticket is not None and pending[0].ticket <= synced:
+            lines.extend(pending.popleft().ids)
+            done += 1
         if lines:
             self._fh.write("".join(lines))
             self._fh.flush()  # in the OS page cache: survives a worker crash
             self.recorded += len(lines)
-        return []
+            self.spilled += len(lines)
+        return done
+
+    def _rotate(self) -> int:
+        """Close due spool files, after every id they hold is in the ids file and fsync'ed.
+        Returns how many record() calls this completed (the spool's queue was written first)."""
+        accepted = [e.ticket for e in self._pending if e.ticket]
+        if accepted:
+            self.spool.wait_synced(max(accepted), timeout=10.0)
+        done = self._complete(self.spool.synced_ticket)
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        self.spool.tick()
+        return done
 
     def close(self) -> None:
+        if self.spool is not None:
+            self._try_append()
+            if self._pending and self._pending[-1].ticket:
+                self.spool.wait_synced(self._pending[-1].ticket, timeout=30.0)
+            self._complete(self.spool.synced_ticket)
         self._fh.flush()
         os.fsync(self._fh.fileno())
         self._fh.close()
+        if self.spool is not None:
+            self.spool.close()  # every id is in the ids file: the open files may be closed now
+
+    def take_events(self) -> List[Dict[str, Any]]:
+        if not self._events:
+            return []
+        evs, self._events = self._events, []
+        return [e for e in evs if e.get("event") != "file_closed"]
 
     def stats(self) -> Dict[str, Any]:
-        return {"recorded": self.recorded, "duplicates_dropped": self.duplicates}
+        s: Dict[str, Any] = {"recorded": self.recorded, "duplicates_dropped": self.duplicates}
+        if self.spool is not None:
+            s.update(spilled=self.spilled, spill_waiting=len(self._pending),
+                     spool_full=self.spool.full, spool_bytes=self.spool.used_bytes(),
+                     spool_full_events=self.spool.stats["full_events"], spill_adopted=self.adopted)
+        return s
+
+
+def _encode_spill(items: List[Item]) -> Tuple[str, bytes]:
+    from agent.runtime.envelope import _compact, _dumps
+
+    body = _compact(items)
+    if isinstance(body, dict):
+        return "batches", _dumps(body).encode() + b"\n"
+    rows = [dict(rec, src=src, seq=seq) if isinstance(rec, dict) else {"src": src, "seq": seq, "value": rec}
+            for src, seq, rec in items]
+    return "records", _dumps(rows).encode() + b"\n"
+
+
+def _line_ids(line: bytes) -> Iterable[Tuple[str, int]]:
+    """The record ids of one spool line: a compact batch, an array of records, or one record."""
+    try:
+        v = json.loads(line)
+    except ValueError:
+        return
+    if isinstance(v, dict) and "r" in v and "k" in v:
+        for row in v["r"]:
+            yield str(row[0]), int(row[1])
+    elif isinstance(v, list):
+        for r in v:
+            if isinstance(r, dict) and "src" in r and "seq" in r:
+                yield str(r["src"]), int(r["seq"])
+    elif isinstance(v, dict) and "src" in v and "seq" in v:
+        yield str(v["src"]), int(v["seq"])
 
 
 class _Factory:

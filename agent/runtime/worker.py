@@ -37,7 +37,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Set, TextIO, Tupl
 from agent import topics
 from agent.config import PipelineConfig, load_pipeline_text
 from agent.runtime.channel import Inbound, Outbound
-from agent.runtime.envelope import Envelope, Item, Kind, MalformedEnvelope, decode, encode, encode_data
+from agent.runtime.envelope import Envelope, Item, Kind, MalformedEnvelope, data_body_bytes, decode, encode, encode_data
 from agent.runtime.flow import AckTracker, OutLink
 from agent.runtime.operators import OperatorContext, SinkOperator, load_operator
 from agent.runtime.routing import Outbox, Router
@@ -65,6 +65,7 @@ MAX_POLL = 0.05  # longest sleep of the loop (stdin control lines are seen withi
 ACK_DELAY = 0.005  # coalesce upstream acks for at most this long
 DECISION_EVENT_PERIOD = 5.0  # at most one "nothing to do" decision event per instance per 5 s
 LOCK_EVENT_BURST = 20  # at most this many lock events per instance per second (6 per round)
+SINK_SETTLE_POLL = 0.002  # a spilling sink checks its spool writer this often while records wait
 STATE_PERIOD = 1.0  # persist the channel snapshot at most this often (a rename costs ~5 ms here)
 
 
@@ -108,6 +109,7 @@ class Worker:
             state_dir=self.state_dir,
             sink_dir=self.sink_dir,
             restart=spec.restart,
+            spill=dict(spec.extra.get("spill") or {}),
         )
         self.operator: Any = load_operator(self.op.function, ctx)
         self.is_source = self.kind == "source"
@@ -120,6 +122,7 @@ class Worker:
         self.tracker = AckTracker()
         self.queues: Dict[str, Deque[Envelope]] = {}
         self.pending_pub: Dict[int, int] = {}  # mid -> lowest process index it carries
+        self.sink_wait: Deque[int] = deque()  # a deferred sink's record() calls not recorded yet
         self.retry: Deque[Tuple[str, bytes, int]] = deque()  # (topic, payload, lowest index)
         self.ack_due: Dict[str, Tuple[int, int]] = {}  # sender -> (its epoch, data seq)
         self.ack_since: Optional[float] = None
@@ -222,6 +225,8 @@ class Worker:
         if self.is_source:
             self._produce(now)
         self._process(now)
+        if self.is_sink:
+            self._settle_sink()
         self._flush(now)
         self._send_acks(now)
         if self.scaling is not None:
@@ -246,6 +251,8 @@ class Worker:
             deadlines.append(self.busy_until)
         if self.ack_since is not None:
             deadlines.append(self.ack_since + ACK_DELAY)
+        if self.sink_wait:
+            deadlines.append(now + SINK_SETTLE_POLL)  # the spool's writer thread cannot wake us
         if self.is_source and self._can_produce():
             deadlines.append(self.operator.next_due(now))
         return max(0.0, min(deadlines) - now)
@@ -321,6 +328,8 @@ class Worker:
     def _has_ready_input(self, now: float) -> bool:
         if not any(self.queues.values()):
             return False
+        if self.sink_wait and not self.operator.writable():
+            return False  # spool full: only a release (seen in settle) can help
         return now >= self.busy_until and self.outbox.pending < self.high_water
 
     def _data_blocked(self, now: float) -> bool:
@@ -328,6 +337,9 @@ class Worker:
             return True  # idle new instance: keep input until Start (Algorithm 6)
         if now < self.busy_until:
             return True  # emulated service time
+        if self.sink_wait and not self.operator.writable():
+            self.stats["spool_stalls"] = self.stats.get("spool_stalls", 0) + 1
+            return True  # back pressure: the sink's spool is at its cap, stop reading (acks stop)
         if self.outbox.pending >= self.high_water:
             self.stats["credit_stalls"] += 1
             return True  # back pressure: successors have no credit, stop reading
@@ -366,7 +378,7 @@ class Worker:
         self.stats["batches_in"] += 1
         index = self.tracker.processed(env.sender, env.seq, env.epoch)
         if self.is_sink:
-            self._record(items, index)
+            self._record(items, index, env)
         else:
             out = self._apply(items)
             self.stats["filtered"] += n - len(out)
@@ -391,10 +403,46 @@ class Worker:
                         log.warning("operator failed on record %s:%s: %r", it[0], it[1], exc, extra=self.ctx)
             return out
 
-    def _record(self, items: List[Item], index: int) -> None:
-        for pub in self.operator.record(items):
+    def _record(self, items: List[Item], index: int, env: Optional[Envelope] = None) -> None:
+        op = self.operator
+        if getattr(op, "deferred", False):
+            pubs = op.record_batch(items, data_body_bytes(env) if env is not None else None)
+            self.sink_wait.append(index)  # acked only once settle() says it is recorded
+        else:
+            pubs = op.record(items)
+        for pub in pubs:
             self._publish_tracked(pub.topic, pub.payload, index)
         self.stats["records_out"] += len(items)
+
+    def _settle_sink(self) -> None:
+        """A deferred sink (spilling to its spool): release the inputs it has now recorded, and
+        publish its events (spool_full / spool_resumed: back pressure is never silent)."""
+        op = self.operator
+        if not isinstance(op, SinkOperator):
+            return
+        if op.deferred:
+            for _ in range(op.settle()):
+                self.sink_wait.popleft()
+        for ev in op.take_events():
+            self._publish_spool_event(ev)
+
+    def _publish_spool_event(self, ev: Dict[str, Any]) -> None:
+        from agent import events
+
+        what = str(ev.pop("event", ""))
+        etype = {"spool_full": "spool_full", "spool_resumed": "spool_resumed", "recovered": "spool_recovered"}.get(what)
+        if etype is None:
+            return
+        if what == "spool_full":
+            log.warning("spool at its cap (%s bytes): holding input back", ev.get("used_bytes"), extra=self.ctx)
+        try:
+            e = events.make(etype, ts=time.time(), node=self.spec.node, instance=self.spec.instance,
+                            operator=self.spec.operator, pipeline=self.spec.pipeline,
+                            detail={"source": "worker", **{k: v for k, v in ev.items() if k != "node"}})
+            self.transport.publish(topics.events(self.spec.cluster), e.to_json().encode(), qos=1)
+            self.stats["spool_events"] = self.stats.get("spool_events", 0) + 1
+        except (TransportError, PublishRejected, ValueError) as exc:
+            log.warning("spool event %s not published: %s", what, exc, extra=self.ctx)
 
     def _on_protocol(self, env: Envelope) -> None:
         if self.scaling is None:
@@ -495,6 +543,8 @@ class Worker:
             lows.append(min(self.pending_pub.values()))
         if self.retry:
             lows.append(min(r[2] for r in self.retry))
+        if self.sink_wait:
+            lows.append(self.sink_wait[0])
         return min(lows) if lows else None
 
     def _send_acks(self, now: float) -> None:
@@ -543,6 +593,7 @@ class Worker:
             and all(link.inflight == 0 for link in self.links.values())
             and self.tracker.waiting() == 0
             and not self.ack_due
+            and not self.sink_wait
         )
 
     # ---- control channel ----------------------------------------------------------------------------
