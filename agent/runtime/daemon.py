@@ -176,6 +176,10 @@ class Agent:
         self.draining = False  # fogctl drain: refuse new instances (free_slots() = 0)
         self.metrics: Any = None  # agent.runtime.metrics, when [metrics].port != 0
         self.stats_bridge: Any = None
+        # [spill]: the sink workers' spool settings, this agent's metrics/events spool, shipping
+        from agent.runtime.spill import AgentSpill
+
+        self.spill: Optional[AgentSpill] = AgentSpill.maybe(cfg, self.broker)
         self.metrics_server: Any = None
 
     # -- MQTT ----------------------------------------------------------------------------------
@@ -295,6 +299,8 @@ class Agent:
             status = EXIT_ERROR
             self._emergency_stop()
         finally:
+            if self.spill is not None:
+                self.spill.close()  # workers are stopped: close, ship what is closed, stop shipping
             self._close_mqtt()
             if self.metrics_server is not None:
                 self.metrics_server.close()
@@ -387,6 +393,8 @@ class Agent:
             due = now - self._last_state >= self.cfg.agent.state_period
             if due or (self._state_dirty and now - self._last_state >= STATE_MIN_INTERVAL):
                 self._publish_state(now)
+        if self.spill is not None:
+            self.spill.tick(now)
         self._notify(now)
 
     # -- systemd -------------------------------------------------------------------------------
@@ -458,6 +466,8 @@ class Agent:
             log.error("event %s not published: %s", etype, exc, extra={"node": self.node})
             return
         self._publish(topics.events(self.cluster), ev.to_json().encode(), qos=1)
+        if self.spill is not None:
+            self.spill.on_event(ev.to_dict())
 
     # -- fleet view and placement --------------------------------------------------------------
 
@@ -545,6 +555,8 @@ class Agent:
             w = self.supervisor.get(instance)
             if w is not None:
                 self._observe_stats(w)
+                if self.spill is not None:
+                    self.spill.on_heartbeat(w.spec, w.stats, self.wall())
         elif event == "ready":
             self._on_ready(instance, now)
         elif event == "spawn":
@@ -656,6 +668,8 @@ class Agent:
         if self.free_slots() <= 0 or job.spec.instance in self.supervisor:
             return False
         job.spec = spec_with_capacity(job.spec, self.cfg.agent.state_dir, self.node)
+        if self.spill is not None:
+            job.spec = self.spill.with_spill(job.spec)
         try:
             self.supervisor.start(job.spec, now)
         except (OSError, ValueError) as exc:
