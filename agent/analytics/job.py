@@ -7,7 +7,8 @@ Entry points:
 - `run_job(spark, landing, out)` with a session you already have (tests).
 
 Landing zone layout: `kind=<kind>/date=<date>/node=<node>/*.jsonl.gz` (agent.collector.landing).
-Kinds read: "records" (sink output: DEBS fields + src/seq ids), "generated" (source id ranges),
+Kinds read: "records" (sink output: DEBS fields + src/seq ids), "batches" (sink output as the
+batches arrived, keys once per batch: see `read_records`), "generated" (source id ranges),
 "metrics" (per-instance load samples), "events" (protocol, lock and spool events). A missing kind
 only leaves its part of the report empty.
 
@@ -27,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Iterable, Optional, Sequence, Union
 
-__all__ = ["build_session", "read_kind", "run", "run_demo_analytics", "run_job", "main"]
+__all__ = ["build_session", "read_kind", "read_records", "run", "run_demo_analytics", "run_job", "main"]
 
 PathLike = Union[str, Path]
 
@@ -63,6 +64,41 @@ def read_kind(spark: Any, landing: PathLike, kind: str, schema: Optional[str] = 
     return reader.json(str(path))
 
 
+BATCH_SCHEMA_DDL = "k ARRAY<STRING>, r ARRAY<STRING>"
+
+
+def read_records(spark: Any, landing: PathLike) -> Optional[Any]:
+    """Sink output with the TRIP schema: kind "records" (one record, or an array of records, per
+    line) plus kind "batches" (a sink's batch as it arrived: {"k": keys, "r": [[src, seq,
+    [values]], ...]}), expanded with built-in expressions only: each row of `r` is read as JSON
+    text, split into [src, seq, values], and the values are paired with the keys in a map."""
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import StructType
+
+    from agent.analytics import debs
+
+    records = read_kind(spark, landing, "records", debs.TRIP_SCHEMA_DDL)
+    batches = read_kind(spark, landing, "batches", BATCH_SCHEMA_DDL)
+    if batches is None:
+        return records
+    schema = StructType.fromDDL(debs.TRIP_SCHEMA_DDL)
+    parts = [c for c in batches.columns if c not in ("k", "r")]  # date=/node= partition columns
+    rows = batches.select(*parts, "k", F.explode("r").alias("row")).select(
+        *parts, "k", F.from_json("row", "ARRAY<STRING>").alias("a"))
+    rows = rows.select(*parts, F.col("a")[0].alias("src"), F.col("a")[1].alias("seq"),
+                       F.map_from_arrays("k", F.from_json(F.col("a")[2], "ARRAY<STRING>")).alias("m"))
+    cols = []
+    for f in schema.fields:
+        if f.name == "src":
+            cols.append(F.col("src").cast(f.dataType).alias("src"))
+        elif f.name == "seq":
+            cols.append(F.col("seq").cast(f.dataType).alias("seq"))
+        else:
+            cols.append(F.col("m")[f.name].cast(f.dataType).alias(f.name))
+    expanded = rows.select(*cols, *parts)
+    return expanded if records is None else records.unionByName(expanded, allowMissingColumns=True)
+
+
 def run_job(spark: Any, landing: PathLike, out: PathLike, period: float = 5.0) -> Path:
     """Compute everything from `landing`, write tables and the report to `out`; return report path."""
     from pyspark.sql import functions as F
@@ -75,7 +111,7 @@ def run_job(spark: Any, landing: PathLike, out: PathLike, period: float = 5.0) -
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tables: Dict[str, Any] = {}
-    records = read_kind(spark, landing, "records", debs.TRIP_SCHEMA_DDL)
+    records = read_records(spark, landing)
     generated = read_kind(spark, landing, "generated")
     metrics = read_kind(spark, landing, "metrics")
     events = read_kind(spark, landing, "events")

@@ -71,6 +71,17 @@ port = {port}
 port = 0
 """
 
+# With `Fleet(spill=True)`: the sinks spool what reaches them, the agent spools metrics and
+# events, and a path shipper lands closed files in <workdir>/landing (the analytics' input).
+SPILL_TOML = """
+[spill]
+enabled = true
+spool_dir = "{spool_dir}"
+rotate_seconds = 5.0
+ship = "path"
+ship_path = "{landing}"
+"""
+
 
 @dataclass
 class Fleet:
@@ -88,12 +99,17 @@ class Fleet:
     max_queued: int = 10000
     log_level: str = "info"
     agent_args: Sequence[str] = ()  # extra `fog-agent run` options (e.g. --no-warm-worker)
+    spill: bool = False  # [spill] on every agent, shipped by path into `landing`
     procs: Dict[str, subprocess.Popen] = field(default_factory=dict)
     broker: Any = None
 
     @property
     def sink_dir(self) -> Path:
         return self.workdir / "sink"
+
+    @property
+    def landing(self) -> Path:
+        return self.workdir / "landing"
 
     @property
     def host(self) -> str:
@@ -122,7 +138,7 @@ class Fleet:
             node=node, cluster=self.cluster, slots=self.slots, state_dir=self.workdir / f"state-{node}",
             state_period=self.state_period, heartbeat_period=self.heartbeat_period,
             shutdown_timeout=self.shutdown_timeout, host=self.host, port=self.port,
-        ))
+        ) + (SPILL_TOML.format(spool_dir=self.workdir / f"spool-{node}", landing=self.landing) if self.spill else ""))
         logf = open(self.workdir / f"{node}.log", "a")
         proc = subprocess.Popen(
             [sys.executable, "-m", "agent", "--log-level", self.log_level, "run", "--config", str(conf),
@@ -468,7 +484,7 @@ def run_demo(
     profile_end = _profile_end(cfg.operators[0].params) or (duration or 120.0)
     workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="fog-demo-"))
     started = time.monotonic()
-    fleet = Fleet(workdir, log_level="warning")
+    fleet = Fleet(workdir, log_level="warning", spill=True)
     samples: List[Sample] = []
     monitor: Optional[Monitor] = None
     summary: Dict[str, Any] = {"workdir": str(workdir), "pipeline": cfg.pipeline.name}
