@@ -39,10 +39,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from agent import topics
 from agent.config import AgentConfig, check_tls, load_pipeline_text, resolve_password
-from agent.runtime import nodestate, rpc
+from agent.runtime import hosted, nodestate, rpc
 from agent.runtime.placement import DEFAULT_POLICY, NodeView, PlacementPolicy, PlacementRequest, get_policy
 from agent.runtime.spec import BrokerSpec, InstanceSpec, request_spec
-from agent.runtime.supervisor import WORKER_COMMAND, Reaped, Supervisor, Worker, WorkerStatus
+from agent.runtime.supervisor import WORKER_COMMAND, WORKER_EXIT_BAD_SPEC, Reaped, Supervisor, Worker, WorkerStatus
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +56,9 @@ TICK = 0.2  # seconds: the loop's longest sleep
 SHUTDOWN_SLACK = 3.0  # seconds beyond shutdown_timeout for reaping, "offline" and disconnect
 SESSION_EXPIRY = 3600  # seconds the broker keeps our session (subscriptions, queued requests)
 RPC_TIMEOUT = 30.0  # seconds to wait for a remote agent to start an instance and see it ready
-MAX_RESTARTS = 3  # crashed worker restarts per instance within RESTART_WINDOW
+MAX_RESTARTS = 3  # immediate restarts of a crashed worker within RESTART_WINDOW; then with backoff
 RESTART_WINDOW = 60.0
+RESTART_BACKOFF_MAX = 30.0  # seconds: the longest wait before restarting a crash-looping worker
 STATE_MIN_INTERVAL = 0.25  # rate limit of change-triggered state publications
 
 
@@ -158,6 +159,7 @@ class Agent:
         self._awaiting_ready: Dict[str, SpawnJob] = {}  # instance id -> job, local start
         self._calls = rpc.PendingCalls()  # remote starts
         self._restarts: Dict[str, List[float]] = {}
+        self._delayed_restarts: Dict[str, Tuple[float, InstanceSpec]] = {}  # instance -> (when, spec)
         self._counter = 0
         self._boot = format(int(wall()) % (36 ** 5), "x")
         # loop state
@@ -285,6 +287,7 @@ class Agent:
 
     def run(self) -> int:
         self._start_metrics()
+        self._readopt(self.clock())
         self._client = self._make_client()
         self._client.loop_start()
         status = EXIT_OK
@@ -364,6 +367,10 @@ class Agent:
     def _periodic(self, now: float) -> None:
         for reaped in self.supervisor.poll(now):
             self._on_reaped(reaped, now)
+        for inst, (when, spec) in list(self._delayed_restarts.items()):
+            if now >= when and self._stopping_since is None:
+                del self._delayed_restarts[inst]
+                self._restart(spec, now)
         for call in self._calls.expired(now):
             job: SpawnJob = call.context
             log.warning("agent %s did not answer a spawn within %.0fs", call.node, RPC_TIMEOUT, extra={"node": self.node})
@@ -575,6 +582,8 @@ class Agent:
         job = self._awaiting_ready.pop(instance, None)
         w = self.supervisor.get(instance)
         if w is not None:
+            # From now on the instance may be announced: an agent restart must bring it back.
+            hosted.remember(self.cfg.agent.state_dir, w.spec)
             self._event("spawned", instance, w.spec.operator, w.spec.pipeline,
                         cause=job.cause if job else ("restart" if w.spec.restart else "unknown"))
         if job is not None:
@@ -633,10 +642,37 @@ class Agent:
         if self._stopping_since is not None:
             reply({"ok": False, "error": f"agent {self.node} is shutting down"})
             return
+        if self._answer_if_hosted(spec.instance, reply, local_only=False):
+            return
         request = PlacementRequest(operator=spec.operator, local=self.node, neighbours=spec.succs + spec.preds)
         ranking = list(self.policy(request, self.fleet_views()))
         job = SpawnJob(spec=spec, candidates=ranking, reply=reply, cause=cause)
         self._try_next(job, now, "no node has a free slot")
+
+    def _answer_if_hosted(self, instance: str, reply: Callable[[Dict[str, Any]], None], local_only: bool) -> bool:
+        """createNode() asked again for an instance that exists (its creator crashed mid-round
+        and performs its queued outputs again, agent.runtime.recovery): answer with the existing
+        instance (when it is ready) instead of starting a second process with one identity."""
+        w = self.supervisor.get(instance)
+        if w is not None:
+            job = self._awaiting_ready.get(instance)
+            if job is not None:  # still starting: answer both requesters when it is ready
+                first = job.reply
+                job.reply = lambda result: (first(result), reply(result))
+            elif w.status is WorkerStatus.ACTIVE:
+                reply({"ok": True, "instance": instance, "node": self.node})
+            else:
+                reply({"ok": False, "error": f"instance {instance} is {w.status.value} on {self.node}"})
+            return True
+        if local_only:
+            return False
+        for node, doc in self.fleet.items():
+            if node != self.node and self.online.get(node) and any(
+                isinstance(i, dict) and i.get("id") == instance for i in doc.get("instances", []) or []
+            ):
+                reply({"ok": True, "instance": instance, "node": node})
+                return True
+        return False
 
     def _try_next(self, job: SpawnJob, now: float, last_error: str) -> None:
         while job.candidates:
@@ -750,6 +786,8 @@ class Agent:
             except (TypeError, ValueError) as exc:
                 reply({"ok": False, "error": f"invalid spec: {exc}"})
                 return
+            if self._answer_if_hosted(spec.instance, reply, local_only=True):
+                return
             # A request that reached this node was placed here: start locally or refuse (no
             # forwarding, so that two agents with stale views cannot bounce a request forever).
             job = SpawnJob(spec=spec, candidates=[self.node], reply=reply, cause=str(body.get("cause", "rpc")))
@@ -788,26 +826,62 @@ class Agent:
         if job is not None:
             self._try_next(job, now, f"worker exited before ready ({reason})")
         cause = "shutdown" if self._stopping_since is not None else ("scale_in" if reaped.clean else "crash")
+        if (w.exit_event or {}).get("final") or reaped.returncode == WORKER_EXIT_BAD_SPEC:
+            hosted.forget(self.cfg.agent.state_dir, w.instance)  # gone for good: never re-adopt
         self._event("terminated", w.instance, w.spec.operator, w.spec.pipeline, cause=cause,
                     code=reaped.returncode, reason=str(reason), clean=reaped.clean, stats=w.stats)
         if reaped.crashed and self._stopping_since is None:
             self._maybe_restart(w, now)
 
     def _maybe_restart(self, w: Worker, now: float) -> None:
+        """Restart a crashed worker with the same identity: at once for the first MAX_RESTARTS
+        crashes within RESTART_WINDOW, then with a doubling delay (at most RESTART_BACKOFF_MAX).
+        Never give up: the instance is in its neighbours' routing tables until the protocol
+        removes it, so without it their records towards it wait (nothing is lost, but it stalls)."""
         history = [t for t in self._restarts.get(w.instance, []) if now - t < RESTART_WINDOW]
-        if len(history) >= MAX_RESTARTS:
-            log.error("worker crashed %d times in %.0fs: not restarting", len(history), RESTART_WINDOW,
-                      extra={"instance": w.instance})
-            return
         history.append(now)
         self._restarts[w.instance] = history
         spec = dataclasses.replace(w.spec, restart=True)
+        excess = len(history) - MAX_RESTARTS
+        if excess > 0:
+            delay = min(RESTART_BACKOFF_MAX, 2.0 ** excess)
+            log.error("worker crashed %d times in %.0fs: restarting in %.0fs", len(history), RESTART_WINDOW, delay,
+                      extra={"instance": w.instance})
+            self._delayed_restarts[w.instance] = (now + delay, spec)
+            return
+        self._restart(spec, now)
+
+    def _restart(self, spec: InstanceSpec, now: float) -> None:
         try:
             self.supervisor.start(spec, now)
             self.counters["restarts"] += 1
-            log.warning("restarted crashed worker (same identity)", extra={"instance": w.instance})
+            log.warning("restarted crashed worker (same identity)", extra={"instance": spec.instance})
         except (OSError, ValueError) as exc:
-            log.error("cannot restart worker: %s", exc, extra={"instance": w.instance})
+            log.error("cannot restart worker: %s", exc, extra={"instance": spec.instance})
+
+    def _readopt(self, now: float) -> None:
+        """Restart, with the same identity, every instance this node hosted when its agent last
+        stopped (agent.runtime.hosted): they are still in their neighbours' routing tables.
+        Node-local settings come from this agent's configuration, not from the stored spec."""
+        for spec in hosted.hosted(self.cfg.agent.state_dir):
+            if spec.instance in self.supervisor:
+                continue
+            spec = dataclasses.replace(spec, node=self.node, cluster=self.cluster, broker=self.broker,
+                                       state_dir=self.cfg.agent.state_dir,
+                                       heartbeat_period=self.cfg.agent.heartbeat_period, restart=True)
+            if self.spill is not None:
+                spec = self.spill.with_spill(spec)
+            try:
+                self.supervisor.start(spec, now)
+            except (OSError, ValueError) as exc:
+                log.error("cannot re-adopt instance: %s", exc, extra={"instance": spec.instance})
+                continue
+            self.counters["readopted"] = self.counters.get("readopted", 0) + 1
+            log.warning("re-adopted instance hosted before the agent restarted", extra={"instance": spec.instance})
+        if len(self.supervisor) > self.cfg.agent.slots:
+            log.warning("%d re-adopted instances exceed the %d slots (no new ones until some leave)",
+                        len(self.supervisor), self.cfg.agent.slots, extra={"node": self.node})
+        self._state_dirty = True
 
     # -- shutdown ------------------------------------------------------------------------------
 

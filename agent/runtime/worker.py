@@ -91,6 +91,11 @@ class Worker:
         self.sink_dir.mkdir(parents=True, exist_ok=True)
         self.state_path = self.state_dir / f"{spec.instance}.state.json"
         self.inbox = topics.inbox(spec.cluster, spec.instance)
+        # One process per identity: wait for a previous incarnation (still draining after its
+        # agent died) to exit before reading its state or taking over its MQTT session.
+        self._identity_lock = hold_identity_lock(
+            self.state_dir / f"{spec.instance}.lock", float(spec.extra.get("drain_timeout", 10.0)) + 5.0
+        )
 
         # Epoch: a restarted worker (same identity) numbers its messages in a new epoch.
         saved = self._load_state()
@@ -656,7 +661,9 @@ class Worker:
             self.transport.close(final=final)
         except TransportError:
             pass
-        self._emit("exit", code=code, reason=reason)
+        # `final`: gone for good (terminated by the protocol); the agent then forgets this
+        # instance instead of re-adopting it after its own restart (agent.runtime.hosted).
+        self._emit("exit", code=code, reason=reason, final=final)
 
     # ---- heartbeat, persistence ---------------------------------------------------------------------
 
@@ -1155,6 +1162,31 @@ def _guess_sender(payload: bytes) -> str:
     return "<unknown>"
 
 
+class InstanceBusy(Exception):
+    """Another live process holds this instance's identity (its previous incarnation)."""
+
+
+def hold_identity_lock(path: Path, timeout: float) -> int:
+    """Take the exclusive lock of an instance identity, waiting up to `timeout` s; returns the
+    fd, held for the life of the process (the kernel releases it when the process dies, however
+    it dies). Why: an agent restarted by systemd re-adopts its instances at once, while the
+    workers of its previous incarnation may still drain; two processes with one identity would
+    fight over one MQTT client id and one state file."""
+    import fcntl
+
+    fd = os.open(str(path), os.O_CREAT | os.O_RDWR, 0o600)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                os.close(fd)
+                raise InstanceBusy(f"{path} still locked by another process after {timeout:.0f}s") from None
+            time.sleep(0.05)
+
+
 def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
@@ -1203,6 +1235,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return EXIT_BAD_SPEC
     try:
         worker = Worker(spec)
+    except InstanceBusy as exc:
+        log.error("%s", exc)
+        return EXIT_CRASH  # no exit line: the agent treats it as a crash and retries (bounded)
     except Exception as exc:  # noqa: BLE001 - config/operator errors: say so and do not restart
         log.exception("cannot build instance %s", spec.instance)
         sys.stdout.write(control_line("exit", code=EXIT_BAD_SPEC, reason=str(exc)[:300]))
