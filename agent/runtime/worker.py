@@ -64,6 +64,7 @@ EXIT_DRAIN_TIMEOUT = 4  # stop requested, but successors did not ack everything 
 MAX_POLL = 0.05  # longest sleep of the loop (stdin control lines are seen within this)
 ACK_DELAY = 0.005  # coalesce upstream acks for at most this long
 DECISION_EVENT_PERIOD = 5.0  # at most one "nothing to do" decision event per instance per 5 s
+SOURCE_RESERVE = 2000  # records a source may generate past its last written position
 LOCK_EVENT_BURST = 20  # at most this many lock events per instance per second (6 per round)
 SINK_SETTLE_POLL = 0.002  # a spilling sink checks its spool writer this often while records wait
 STATE_PERIOD = 1.0  # persist the channel snapshot at most this often (a rename costs ~5 ms here)
@@ -176,6 +177,9 @@ class Worker:
         self.first_record_at: Optional[float] = None
         self._terminate_reason = ""
         self._period_start = clock()
+        self._source_first: Dict[int, int] = {}  # source: poll index -> its first record seq
+        self._source_reserved = 0  # source: records it may generate before writing its position
+        self._source_started_at = time.time()  # source: wall time its rate profile started
 
     # ---- start-up ---------------------------------------------------------------------------------
 
@@ -198,9 +202,30 @@ class Worker:
             for pred in sorted(self.scaling.core.preds):
                 self.send_envelope(pred, Kind.ACK, [0, 0])
         if self.is_source:
+            if self.spec.restart:
+                self._resume_source()
             self.operator.start(now)
         self._period_start = now
         self._emit("ready")
+        if self.scaling is not None and self.scaling.outputs:
+            self.scaling.run_outputs(now)  # a restarted round: perform what was still queued
+
+    def _resume_source(self) -> None:
+        """A restarted source continues from its last written position (see TaxiSource.resume)."""
+        resume = getattr(self.operator, "resume", None)
+        try:
+            pos = json.loads((self.sink_dir / f"{self.spec.instance}.source.json").read_text())
+        except (OSError, ValueError):
+            pos = {}
+        if resume is None or not isinstance(pos, dict) or "resume_from" not in pos:
+            log.warning("source restarted without a usable position: starting over", extra=self.ctx)
+            return
+        start = int(pos["resume_from"])
+        upto = max(int(pos.get("generated", 0)), int(pos.get("reserved", 0)))
+        self._source_started_at = float(pos.get("profile_started_at", time.time()))
+        resume(start, upto, time.time() - self._source_started_at)
+        self._source_reserved = upto
+        log.info("source resumes at record %d, regenerating up to %d", start, upto, extra=self.ctx)
 
     # ---- the loop -----------------------------------------------------------------------------------
 
@@ -473,11 +498,35 @@ class Worker:
         if not self._can_produce():
             return
         budget = self.high_water - self.outbox.pending
+        generated = int(getattr(self.operator, "generated", 0))
+        if generated + budget > self._source_reserved:
+            # Reserve ahead on disk before generating past the last reservation: a restarted
+            # source regenerates up to it, so it never reports fewer records than were sent.
+            self._source_reserved = generated + budget + SOURCE_RESERVE
+            self._write_source_stats()
         items = self.operator.poll(now, budget)
         if items:
             self._period_records += len(items)
             self.stats["records_in"] += len(items)
-            self.outbox.add(items, self.tracker.next_index(), now)
+            index = self.tracker.next_index()
+            self._source_first[index] = items[0][1]
+            self.outbox.add(items, index, now)
+
+    def source_resume_seq(self) -> int:
+        """The first record seq that a restarted source must generate again: the first of the
+        oldest poll whose records are not all acked by a successor yet (buffered, unPUBACKed, or
+        in a replay buffer). Everything below it has been processed and forwarded downstream, so
+        regenerating from here (the generator is deterministic) loses nothing; records above it
+        that already got through arrive twice and the sink drops them by id."""
+        lows = [u.low for link in self.links.values() for u in link.unacked()]
+        pending = self._lowest_pending()
+        if pending is not None:
+            lows.append(pending)
+        for index in [i for i in self._source_first if not lows or i < min(lows)]:
+            del self._source_first[index]  # fully acked: forget
+        if not lows or not self._source_first:
+            return int(getattr(self.operator, "generated", 0))
+        return self._source_first[min(self._source_first)]
 
     # ---- output -----------------------------------------------------------------------------------
 
@@ -502,7 +551,7 @@ class Worker:
                 link = self.links[dest] = OutLink(dest, self.op.max_inflight_batches)
             seq = self.outbound.take(dest)
             payload = encode_data(self.spec.instance, self.epoch, seq, items)
-            link.sent(seq, payload, len(items), now)  # replay buffer: kept until dest acks
+            link.sent(seq, payload, len(items), now, low)  # replay buffer: kept until dest acks
             self._publish_tracked(topics.inbox(self.spec.cluster, dest), payload, low)
             self.stats["batches_out"] += 1
             self.stats["records_out"] += len(items)
@@ -711,7 +760,8 @@ class Worker:
     def _write_source_stats(self) -> None:
         if not self.is_source:
             return
-        data = {"instance": self.spec.instance, **self.operator.stats()}
+        data = {"instance": self.spec.instance, **self.operator.stats(), "resume_from": self.source_resume_seq(),
+                "reserved": self._source_reserved, "profile_started_at": self._source_started_at}
         _atomic_write(self.sink_dir / f"{self.spec.instance}.source.json", json.dumps(data))
 
     def _load_state(self) -> Dict[str, Any]:
