@@ -40,6 +40,7 @@ from agent.runtime.channel import Inbound, Outbound
 from agent.runtime.envelope import Envelope, Item, Kind, MalformedEnvelope, data_body_bytes, decode, encode, encode_data
 from agent.runtime.flow import AckTracker, OutLink
 from agent.runtime.operators import OperatorContext, SinkOperator, load_operator
+from agent.runtime.recovery import RESEND_AFTER
 from agent.runtime.routing import Outbox, Router
 from agent.runtime.spec import InstanceSpec, control_line, parse_control_line
 from agent.runtime.transport import (
@@ -248,6 +249,8 @@ class Worker:
                 log.warning("broker connection lost: %s", ev.reason, extra=self.ctx)
             elif isinstance(ev, Connected):
                 log.info("reconnected (session kept: %s)", ev.session_present, extra=self.ctx)
+                if not ev.session_present:
+                    self._session_lost()
         while self.control:
             self._on_control(self.control.popleft(), now)
         if self.scaling is not None:
@@ -321,6 +324,27 @@ class Worker:
                     q = self.queues[e.sender] = deque()
                 q.append(e)
         self.stats["duplicate_envelopes"] += self.inbound.stats.duplicates + self.inbound.stats.stale_epoch - before
+
+    def _session_lost(self) -> None:
+        """The broker came back without our session (it restarted without its persistence, or
+        lost it): what was queued for us or in flight through it may be gone. Become a new
+        incarnation as after a crash, keeping what we still hold: a new epoch (receivers restart
+        our channel), our own channels resync, predecessors replay what we had not acked (an
+        empty ack in the new epoch, as in `start`), and we replay to our successors what they
+        had not acked (their acks for the old epoch would be ignored). Records that got through
+        twice are dropped by id at the sink; protocol messages lost on the way are sent again by
+        the round's resend on silence (agent.runtime.recovery)."""
+        self.epoch += 1
+        self.outbound = Outbound(self.epoch)
+        self.inbound.restore(self.inbound.snapshot(), resync=True)
+        self._write_state(force=True)
+        self.stats["sessions_lost"] = self.stats.get("sessions_lost", 0) + 1
+        log.warning("the broker lost our session: new epoch %d, asking for replays", self.epoch, extra=self.ctx)
+        if self.scaling is not None:
+            for pred in sorted(self.scaling.core.preds):
+                self.send_envelope(pred, Kind.ACK, [0, 0])
+        for dest in list(self.links):
+            self._replay_to(dest)
 
     def _replay_to(self, dest: str) -> None:
         """Send every batch `dest` has not acked again, renumbered on the current channel.
@@ -778,7 +802,7 @@ class Worker:
             return
         data: Dict[str, Any] = {"epoch": self.epoch, "inbound": self.inbound.snapshot()}
         if self.scaling is not None:
-            data["scaling"] = self.scaling.core.snapshot()
+            data.update(self.scaling.persisted())
         _atomic_write(self.state_path, json.dumps(data))
         self.inbound.changed = False
         self._state_dirty = False
@@ -786,6 +810,19 @@ class Worker:
 
     def mark_state_changed(self) -> None:
         self._state_dirty = True
+
+    def crash_point(self, name: str) -> None:
+        """Fault injection for the reliability tests: with `extra.crash_at = "<instance>:<name>"`
+        this instance dies here as if by kill -9, once (a marker file in the state dir makes it
+        one-shot, so the restarted incarnation goes on). Never set in production configs."""
+        if self.spec.extra.get("crash_at") != f"{self.spec.instance}:{name}":
+            return
+        marker = self.state_dir / f"{self.spec.instance}.crashed-at-{name}"
+        if marker.exists():
+            return
+        marker.write_text("")
+        log.warning("crash point %s: dying now (test fault injection)", name, extra=self.ctx)
+        os.kill(os.getpid(), 9)
 
     def _emit(self, event: str, **fields: Any) -> None:
         try:
@@ -803,6 +840,7 @@ class _ScalingDriver:
         from agent.policy.decentralized import ScalingParams
         from agent.protocol.guarded import core_class, message_from_dict
         from agent.protocol.scaling import CreateInstance
+        from agent.runtime.recovery import RoundMemory, decode_outputs
         from agent.runtime.rounds import RoundLog
 
         self.w = worker
@@ -843,6 +881,14 @@ class _ScalingDriver:
         self.outputs: Deque[Any] = deque()
         self.waiting_spawn: Optional[str] = None
         self.round_created: List[str] = []  # copies of the current round whose create succeeded
+        self.memory = RoundMemory(saved.get("rounds_applied") if spec.restart else None)
+        self._round_clock: Dict[str, float] = {}  # neighbour -> last sent to / heard from
+        if spec.restart and saved.get("scaling"):
+            # Finish what the crashed incarnation had queued (write-ahead, agent.runtime.recovery).
+            self.outputs.extend(decode_outputs(saved.get("outputs") or [], self._from_dict))
+            self.round_created = [str(i) for i in saved.get("round_created") or []]
+            if not self.outputs:  # its round messages went out: resend if the answers never come
+                self._round_clock.update((n, worker.clock()) for n in self.core.pending)
         self.skip_decisions = 0  # decisions to skip (the first one after activation)
         self.forced: Deque[Tuple[str, int]] = deque()  # steering requests (fogctl), in order
         self.history: List[Any] = []  # last decision events (retained for `fogctl why`)
@@ -932,6 +978,7 @@ class _ScalingDriver:
 
     def handle(self, env: Envelope) -> None:
         from agent.protocol.errors import ProtocolError
+        from agent.protocol.scaling import Send
 
         from agent.protocol.guarded import LockMessage
 
@@ -947,7 +994,13 @@ class _ScalingDriver:
             msg = self._from_dict(env.body)
             if msg.sender != env.sender:
                 raise ValueError(f"message sender {msg.sender} differs from envelope sender {env.sender}")
+            self._round_clock[env.sender] = self.w.clock()
+            again = self.memory.replay_ack(msg, self.core.instance_id, self.core.stage)
+            if again is not None:  # a round we applied, sent again by a restarted sender
+                self._queue([Send(env.sender, again)])
+                return
             outs = self.core.handle(msg)
+            self.memory.applied_now(msg)
         except (ProtocolError, ValueError) as exc:
             # Unexpected or invalid: counted, logged once per sender, state unchanged.
             stats["protocol_errors"] += 1
@@ -1002,6 +1055,7 @@ class _ScalingDriver:
 
     def maybe_tick(self, now: float) -> None:
         self._run_forced(now)
+        self.resend_silent(now)
         if now < self.next_tick:
             return
         load = self.w.measure_load(now)
@@ -1079,7 +1133,32 @@ class _ScalingDriver:
         if outs:
             self.outputs.extend(outs)
             self.w.mark_state_changed()
+            # Write-ahead (agent.runtime.recovery): the core's new state and the outputs still to
+            # perform reach the disk before any of them is performed.
+            self.w._write_state(force=True)
             self.run_outputs(self.w.clock())
+
+    def persisted(self) -> Dict[str, Any]:
+        """What a restarted worker needs to finish a round: the core, the outputs not yet
+        performed, the rounds applied per sender, the copies created in the current round."""
+        from agent.runtime.recovery import encode_outputs
+
+        return {"scaling": self.core.snapshot(), "outputs": encode_outputs(self.outputs),
+                "rounds_applied": dict(self.memory.applied), "round_created": list(self.round_created)}
+
+    def resend_silent(self, now: float) -> None:
+        """Send the round message again to pending neighbours silent for RESEND_AFTER s (they
+        may have crashed between applying it and acking); never while outputs are queued."""
+        from agent.runtime.recovery import silent_pending
+
+        if self.outputs or not self.core.in_round:
+            return
+        for dest, msg in silent_pending(self.core, self._round_clock, now):
+            self.w.send_envelope(dest, Kind.PROTO, msg.to_dict())
+            self._round_clock[dest] = now
+            self.counts["protocol_resent"] = self.counts.get("protocol_resent", 0) + 1
+            log.warning("no answer from %s for %.0fs in round %d: sent %s again", dest,
+                        RESEND_AFTER, self.core.round, msg.type, extra=self.w.ctx)
 
     # ---- outputs, strictly in order --------------------------------------------------------------
 
@@ -1092,7 +1171,9 @@ class _ScalingDriver:
             if isinstance(out, Send):
                 # INVARIANT 6 (the paper's message cost): exactly the core's Sends go out, one
                 # envelope each; data acks and heartbeats are separate (data plane, control pipe).
+                # 2-FGME lock messages travel the same way but are counted apart, by kind.
                 w.send_envelope(out.dest, Kind.PROTO, out.message.to_dict())
+                self._round_clock[out.dest] = now
                 inner = getattr(out.message, "inner", None)
                 if inner is None:
                     w.stats["protocol_out"] += 1
@@ -1143,6 +1224,7 @@ class _ScalingDriver:
         self.waiting_spawn = request
         self.counts["spawns"] += 1
         w._emit("spawn", request=request, spec=json.loads(spec.to_json()))
+        w.crash_point("spawn_requested")  # tests: a crash in the middle of a duplication round
 
     def on_spawned(self, msg: Dict[str, Any]) -> None:
         if msg.get("request") != self.waiting_spawn:
