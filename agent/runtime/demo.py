@@ -212,7 +212,15 @@ class Monitor:
         c.on_connect = self._on_connect
         c.on_message = self._on_message
         self._client = c
-        c.connect(host, port, keepalive=10)
+        # A persistent session (MQTT 5, expiry 10 min): across a broker restart (chaos runs) the
+        # events published while the monitor reconnects wait for it instead of being missed.
+        from paho.mqtt.packettypes import PacketTypes
+        from paho.mqtt.properties import Properties
+
+        props = Properties(PacketTypes.CONNECT)
+        props.SessionExpiryInterval = 600
+        c.reconnect_delay_set(min_delay=0.2, max_delay=2)
+        c.connect(host, port, keepalive=10, clean_start=False, properties=props)
         c.loop_start()
         if not self._connected.wait(10):
             raise RuntimeError(f"monitor cannot connect to {host}:{port}")

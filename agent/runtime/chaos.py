@@ -1,0 +1,421 @@
+"""`fog-agent chaos`: the demo fleet under a changing load while faults are injected, then a verdict.
+
+In the manner of Jepsen's nemesis and Kafka's system tests: a seeded schedule of faults hits a
+real fleet (a private Mosquitto with persistence, three `fog-agent run` processes, real worker
+processes), and the record-id accounting of the demo (`demo.verify`) decides at the end whether
+any record was lost or reached the sink twice.
+
+Faults (one at a time; the next one comes after the fleet recovered from the last, plus a
+seeded pause):
+
+- `kill-worker`: SIGKILL one live instance (any operator: source, keeper, sink included). Its
+  agent restarts it with the same identity (docs/runtime.md, "Persistence and restart").
+- `kill-agent`: SIGKILL one agent; its workers get SIGTERM from the kernel (PR_SET_PDEATHSIG),
+  drain and exit keeping their sessions; after `agent_restart_delay` the agent is started again,
+  as systemd's `Restart=on-failure` would, and re-adopts its instances (agent.runtime.hosted).
+- `restart-broker`: stop Mosquitto (SIGTERM: it writes its persistence file), start it again
+  on the same port after a pause; every client reconnects with backoff.
+- `stall-node`: SIGSTOP an agent and all its workers for a few seconds, then SIGCONT (a Pi
+  that froze under an SD-card stall or thermal throttling).
+
+Recovery time of a fault: from the moment it was injected until every instance that was active
+before it is active again with a heartbeat newer than the end of the fault (or left through a
+scale-in), every agent is online, and the sink has recorded new records (when the load is not
+zero). The run ends by letting the load fall to zero: the pipeline must come back to one
+instance per operator ("the right size") and every generated record id must have reached the
+sink exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+
+from agent.config import load_pipeline_text
+from agent.runtime.demo import Fleet, Monitor, verify
+
+log = logging.getLogger(__name__)
+
+__all__ = ["FAULTS", "ChaosConfig", "Fault", "chaos_pipeline", "run_chaos", "print_report", "main"]
+
+FAULTS = ("kill-worker", "kill-agent", "restart-broker", "stall-node")
+EXIT_OK = 0
+EXIT_SETUP = 1
+EXIT_LOSS = 3  # a record was lost or duplicated at the sink
+EXIT_UNRECOVERED = 4  # a fault was not recovered from, or the pipeline did not come back to size
+
+PIPELINE = """\
+# fog-agent chaos: the demo pipeline (source -> validate -> in_zone -> sink) on a shorter clock.
+[pipeline]
+name = "chaos"
+coordination = "ack"
+
+[scaling]
+policy = "decentralized"
+target_ratio = 0.7
+up = 0.8
+down = 0.6
+period = 1.0
+capacity = 5000.0
+
+[[operator]]
+name = "source"
+kind = "source"
+function = "agent.runtime.taxi:source"
+[operator.params]
+seed = {seed}
+profile = "steps"
+steps = {steps}
+
+[[operator]]
+name = "validate"
+function = "agent.runtime.operators:validate"
+
+[[operator]]
+name = "in_zone"
+function = "agent.runtime.operators:in_zone"
+service_time_ms = 4.0
+[operator.scaling]
+capacity = 200.0
+period = 1.0
+
+[[operator]]
+name = "sink"
+kind = "sink"
+function = "agent.runtime.operators:counting_sink"
+[operator.scaling]
+policy = "none"
+"""
+
+
+def chaos_pipeline(duration: float, seed: int) -> str:
+    """A load that makes in_zone scale out (to ~3 instances) and back within `duration` s."""
+    d = float(duration)
+    steps = [[0, 100], [round(0.1 * d, 1), 350], [round(0.5 * d, 1), 200], [round(0.75 * d, 1), 60], [d, 0]]
+    return PIPELINE.format(seed=seed, steps=json.dumps(steps))
+
+
+@dataclass
+class ChaosConfig:
+    duration: float = 120.0  # seconds of load; faults are injected during it
+    seed: int = 1
+    faults: Sequence[str] = FAULTS
+    nodes: Sequence[str] = ("n1", "n2", "n3")
+    pause: Tuple[float, float] = (3.0, 8.0)  # seconds between a recovery and the next fault
+    warmup: float = 5.0  # no fault before this many seconds of load
+    stall: Tuple[float, float] = (2.0, 6.0)  # SIGSTOP duration of stall-node
+    broker_down: Tuple[float, float] = (0.5, 2.0)  # restart-broker: seconds without a broker
+    agent_restart_delay: float = 1.0  # kill-agent: systemd's RestartSec
+    recovery_timeout: float = 60.0
+    settle_timeout: float = 60.0  # after the load: back to one instance per operator
+    workdir: Optional[Path] = None
+    schedule: Optional[Sequence[Tuple[float, str, Optional[str]]]] = None  # fixed (t, fault, target)
+
+    def __post_init__(self) -> None:
+        bad = [f for f in self.faults if f not in FAULTS]
+        if bad or not self.faults:
+            raise ValueError(f"faults: expected a non-empty subset of {', '.join(FAULTS)}, found {list(self.faults)}")
+
+
+@dataclass
+class Fault:
+    t: float  # seconds since the load started
+    kind: str
+    target: str
+    recovery_s: Optional[float] = None  # None: not recovered within recovery_timeout
+    detail: Dict[str, Any] = field(default_factory=dict)
+
+
+# ---- observing the fleet ----------------------------------------------------------------------
+
+
+def _active_instances(mon: Monitor) -> Dict[str, Dict[str, Any]]:
+    """id -> the instance entry of its node's retained state, for instances that are active."""
+    out: Dict[str, Dict[str, Any]] = {}
+    with mon._lock:
+        for node, doc in mon.states.items():
+            if mon.status.get(node) != "online":
+                continue
+            for inst in doc.get("instances", []) or []:
+                if isinstance(inst, dict) and inst.get("status") == "active" and inst.get("id"):
+                    out[str(inst["id"])] = dict(inst, node=node)
+    return out
+
+
+def _scaled_in_since(mon: Monitor, since_wall: float) -> Set[str]:
+    return {str(e.get("instance")) for e in mon.agent_events("terminated", "scale_in")
+            if float(e.get("ts", e.get("time", 0)) or 0) >= since_wall - 1.0}
+
+
+def _waiting_for(mon: Monitor, nodes: Sequence[str], before: Set[str], start_wall: float, end_wall: float,
+                 recorded_at_end: float, load_on: bool) -> List[str]:
+    """What the fleet still lacks to count as recovered from a fault that lasted from
+    `start_wall` to `end_wall` (empty: recovered)."""
+    with mon._lock:
+        offline = [n for n in nodes if mon.status.get(n) != "online"]
+    if offline:
+        return [f"{n} offline" for n in offline]
+    now_active = _active_instances(mon)
+    gone = _scaled_in_since(mon, start_wall)
+    missing = []
+    for inst in sorted(before - gone):
+        entry = now_active.get(inst)
+        stats = (entry or {}).get("stats") or {}
+        if entry is None:
+            missing.append(f"{inst} not active")
+        elif float(stats.get("at", 0) or 0) < end_wall or stats.get("connected") is False:
+            missing.append(f"{inst} no fresh heartbeat")
+    if missing:
+        return missing
+    if load_on and mon.totals()["recorded"] <= recorded_at_end:
+        return ["no new record at the sink"]
+    return []
+
+
+# ---- the faults ---------------------------------------------------------------------------------
+
+
+class Nemesis:
+    """Injects one fault into a running `Fleet`; returns when the fault itself is over."""
+
+    def __init__(self, fleet: Fleet, mon: Monitor, cfg: ChaosConfig, rng: random.Random) -> None:
+        self.fleet = fleet
+        self.mon = mon
+        self.cfg = cfg
+        self.rng = rng
+
+    def inject(self, kind: str, target: Optional[str]) -> Tuple[str, Dict[str, Any]]:
+        return getattr(self, kind.replace("-", "_"))(target)
+
+    def kill_worker(self, target: Optional[str]) -> Tuple[str, Dict[str, Any]]:
+        active = _active_instances(self.mon)
+        if target is None:
+            target = self.rng.choice(sorted(active))
+        pid = int(active[target]["pid"])
+        os.kill(pid, signal.SIGKILL)
+        return target, {"pid": pid, "node": active[target]["node"]}
+
+    def kill_agent(self, target: Optional[str]) -> Tuple[str, Dict[str, Any]]:
+        node = target or self.rng.choice(list(self.cfg.nodes))
+        proc = self.fleet.procs[node]
+        proc.kill()
+        proc.wait()
+        time.sleep(self.cfg.agent_restart_delay)
+        self.fleet.start_agent(node, _agent_env())
+        return node, {"down_s": self.cfg.agent_restart_delay}
+
+    def restart_broker(self, target: Optional[str]) -> Tuple[str, Dict[str, Any]]:
+        from agent.runtime.broker import start_private_broker
+
+        broker = self.fleet.broker
+        port = broker.port
+        broker.stop()  # SIGTERM: Mosquitto writes its persistence file and exits
+        down = round(self.rng.uniform(*self.cfg.broker_down), 2)
+        time.sleep(down)
+        self.fleet.broker = start_private_broker(self.fleet.workdir / "broker", max_queued=self.fleet.max_queued,
+                                                 port=port)
+        return "broker", {"down_s": down}
+
+    def stall_node(self, target: Optional[str]) -> Tuple[str, Dict[str, Any]]:
+        import psutil
+
+        node = target or self.rng.choice(list(self.cfg.nodes))
+        agent = psutil.Process(self.fleet.procs[node].pid)
+        procs = [agent] + agent.children(recursive=True)
+        stalled = round(self.rng.uniform(*self.cfg.stall), 2)
+        for p in procs:
+            _signal(p.pid, signal.SIGSTOP)
+        time.sleep(stalled)
+        for p in procs:
+            _signal(p.pid, signal.SIGCONT)
+        return node, {"stalled_s": stalled, "processes": len(procs)}
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _agent_env() -> Dict[str, str]:
+    from agent.runtime.demo import ROOT
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return env
+
+
+# ---- the run ------------------------------------------------------------------------------------
+
+
+def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dict[str, Any]:
+    """Run one chaos experiment; returns the summary (the `--json` output)."""
+    rng = random.Random(cfg.seed)
+    text = chaos_pipeline(cfg.duration, cfg.seed)
+    pipeline = load_pipeline_text(text, "chaos pipeline")
+    profile = pipeline.operators[0].params["steps"]
+    workdir = Path(cfg.workdir) if cfg.workdir else Path(tempfile.mkdtemp(prefix="fog-chaos-"))
+    started = time.monotonic()
+    fleet = Fleet(workdir, nodes=tuple(cfg.nodes), cluster="chaos", log_level="warning", shutdown_timeout=10.0)
+    faults: List[Fault] = []
+    summary: Dict[str, Any] = {"seed": cfg.seed, "duration": cfg.duration, "faults_enabled": list(cfg.faults),
+                               "workdir": str(workdir)}
+    mon: Optional[Monitor] = None
+
+    def say(line: str) -> None:
+        if live:
+            print(line, file=out, flush=True)
+
+    def load_at(t: float) -> float:
+        rate = 0.0
+        for at, r in profile:
+            if t >= at:
+                rate = float(r)
+        return rate
+
+    try:
+        fleet.start()
+        mon = Monitor(fleet.host, fleet.port, fleet.cluster)
+        if not mon.wait(lambda m: sum(1 for s in m.status.values() if s == "online") == len(cfg.nodes), 30):
+            raise RuntimeError(f"agents did not come online (logs in {workdir})")
+        fleet.deploy(text)
+        t0 = time.monotonic()
+        say(f"chaos seed {cfg.seed}: {cfg.duration:.0f}s of load, faults {', '.join(cfg.faults)}; work dir {workdir}")
+        nemesis = Nemesis(fleet, mon, cfg, rng)
+        plan = list(cfg.schedule or [])
+        next_at = plan[0][0] if plan else cfg.warmup + rng.uniform(*cfg.pause)
+        while time.monotonic() - t0 < cfg.duration - 5.0:
+            t = time.monotonic() - t0
+            if t < next_at:
+                time.sleep(min(0.5, next_at - t))
+                continue
+            if plan:
+                _, kind, target = plan.pop(0)
+            else:
+                kind, target = rng.choice(list(cfg.faults)), None
+            before = set(_active_instances(mon))
+            recorded = mon.totals()["recorded"]
+            injected, start_wall = time.monotonic(), time.time()
+            name, detail = nemesis.inject(kind, target)
+            end_wall = time.time()
+            fault = Fault(round(injected - t0, 2), kind, name, detail=detail)
+            deadline = time.monotonic() + cfg.recovery_timeout
+            while True:
+                lacking = _waiting_for(mon, cfg.nodes, before, start_wall, end_wall, recorded,
+                                       load_at(time.monotonic() - t0) > 0)
+                if not lacking:
+                    fault.recovery_s = round(time.monotonic() - injected, 2)
+                    break
+                if time.monotonic() > deadline:
+                    fault.detail["waiting_for"] = lacking[:5]
+                    break
+                time.sleep(0.2)
+            faults.append(fault)
+            rec = f"{fault.recovery_s:.1f}s" if fault.recovery_s is not None else f"NOT RECOVERED {fault.detail.get('waiting_for')}"
+            say(f"  t={fault.t:6.1f}s  {kind:<15} {name:<34} recovered in {rec}   instances {mon.instances_per_operator()}")
+            t = time.monotonic() - t0
+            next_at = plan[0][0] if plan else t + rng.uniform(*cfg.pause)
+        # the load ends: wait for the sink to go quiet and every operator to be back at one instance
+        while time.monotonic() - t0 < cfg.duration:
+            time.sleep(0.5)
+        settle = time.monotonic() + cfg.settle_timeout
+        last, quiet = -1.0, None
+        while time.monotonic() < settle:
+            tot = mon.totals()["recorded"]
+            back = all(v == 1 for v in mon.instances_per_operator().values())
+            quiet = (quiet or time.monotonic()) if tot == last else None
+            last = tot
+            if back and quiet is not None and time.monotonic() - quiet >= 3.0:
+                break
+            time.sleep(1.0)
+        final = mon.instances_per_operator()
+        tot = mon.totals()
+        summary.update(
+            final_instances=final,
+            back_to_size=bool(final) and all(final.get(op.name) == 1 for op in pipeline.operators),
+            duplicates_dropped_at_sink=int(tot["duplicates_dropped"]),
+            protocol_messages=int(tot["protocol_out"]),
+            restarts=len(mon.agent_events("spawned", "restart")),
+            scale_outs=len(mon.agent_events("spawned", "spawn")),
+            scale_ins=len(mon.agent_events("terminated", "scale_in")),
+        )
+    finally:
+        if mon is not None:
+            mon.close()
+        summary["agent_exit_codes"] = fleet.stop()
+    verdict = verify(pipeline, fleet.sink_dir)
+    recovered = [f.recovery_s for f in faults if f.recovery_s is not None]
+    summary.update(
+        faults=[asdict(f) for f in faults],
+        faults_injected=len(faults),
+        all_recovered=len(recovered) == len(faults),
+        recovery_s={"median": round(statistics.median(recovered), 2) if recovered else None,
+                    "max": round(max(recovered), 2) if recovered else None},
+        records_in=verdict.generated,
+        records_expected=verdict.expected,
+        records_out=verdict.received,
+        lost=verdict.lost,
+        duplicated=verdict.duplicated + verdict.unexpected,
+        lost_sample=[list(x) for x in verdict.lost_sample],
+        wall_s=round(time.monotonic() - started, 1),
+    )
+    summary["ok"] = bool(verdict.ok and summary["all_recovered"] and summary.get("back_to_size"))
+    return summary
+
+
+def print_report(summary: Dict[str, Any], out: Any = sys.stdout) -> None:
+    """The faults table and the verdict, for a person."""
+    print(f"{'t (s)':>7}  {'fault':<15} {'target':<34} {'recovery (s)':>12}", file=out)
+    for f in summary.get("faults", []):
+        rec = f"{f['recovery_s']:.2f}" if f.get("recovery_s") is not None else "-"
+        print(f"{f['t']:7.1f}  {f['kind']:<15} {f['target']:<34} {rec:>12}", file=out)
+    r = summary.get("recovery_s") or {}
+    print(f"faults {summary.get('faults_injected', 0)}, recovery median {r.get('median')} s, max {r.get('max')} s; "
+          f"records in {summary.get('records_in')}, expected at the sink {summary.get('records_expected')}, "
+          f"out {summary.get('records_out')}, lost {summary.get('lost')}, duplicated {summary.get('duplicated')} "
+          f"(duplicates dropped at the sink {summary.get('duplicates_dropped_at_sink')}); "
+          f"final instances {summary.get('final_instances')}; {summary.get('wall_s')} s", file=out)
+    print("verdict: " + ("OK" if summary.get("ok") else "FAILED"), file=out)
+
+
+def exit_status(summary: Dict[str, Any]) -> int:
+    if summary.get("lost") or summary.get("duplicated"):
+        return EXIT_LOSS
+    if not summary.get("ok"):
+        return EXIT_UNRECOVERED
+    return EXIT_OK
+
+
+def main(args: Any) -> int:
+    faults = [f.strip() for f in str(args.faults).split(",") if f.strip()]
+    try:
+        cfg = ChaosConfig(duration=float(args.duration), seed=int(args.seed), faults=faults,
+                          workdir=Path(args.workdir) if args.workdir else None)
+    except ValueError as exc:
+        print(f"fog-agent chaos: {exc}", file=sys.stderr)
+        return 2
+    runs: List[Dict[str, Any]] = []
+    for i in range(int(args.runs)):
+        run_cfg = cfg if i == 0 else ChaosConfig(**{**asdict(cfg), "seed": cfg.seed + i, "workdir": None})
+        try:
+            summary = run_chaos(run_cfg, out=sys.stderr, live=not args.json)
+        except Exception as exc:  # noqa: BLE001 - the fleet could not be set up: say so, one line
+            print(f"fog-agent chaos: set-up failed: {exc}", file=sys.stderr)
+            return EXIT_SETUP
+        runs.append(summary)
+        if not args.json:
+            print_report(summary)
+    if args.json:
+        print(json.dumps(runs[0] if len(runs) == 1 else runs, indent=2, default=str))
+    return max(exit_status(s) for s in runs)
