@@ -144,6 +144,10 @@ class Worker:
         self.control: "deque[Dict[str, Any]]" = deque()
 
         self.scaling = _ScalingDriver.maybe(self, saved)
+        if self.scaling is not None and spec.restart and self.scaling.core.forwards_data:
+            # The restored tables, not the spec's initial ones: since its creation the instance
+            # may have been activated (a copy starts with none) or seen neighbours come and go.
+            self.router.set_succs(self.scaling.core.routes()[0])
 
         self.stats: Dict[str, int] = {
             "records_in": 0,
