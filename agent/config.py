@@ -43,6 +43,9 @@ class AgentSection:
     state_period: float = field(default=5.0, metadata={"check": positive("seconds")})
     heartbeat_period: float = field(default=1.0, metadata={"check": positive("seconds")})
     shutdown_timeout: float = field(default=10.0, metadata={"check": positive("seconds")})
+    # A node offline this long is gone: the lowest-named online agent starts its instances
+    # elsewhere with the same identity (agent.runtime.rehome). Longer than a reboot.
+    dead_after: float = field(default=120.0, metadata={"check": positive("seconds")})
 
 
 @dataclass(frozen=True)

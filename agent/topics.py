@@ -56,6 +56,16 @@ def spill(cluster: str, node: str) -> str:
     return f"{base(cluster)}/spill/{_check(node)}"
 
 
+def agent_hosted(cluster: str, node: str) -> str:
+    """Retained JSON list of the specs of the instances a node hosts (no broker settings): what
+    the survivors need to start them elsewhere if the node stays away (agent.runtime.rehome)."""
+    return f"{base(cluster)}/agents/{_check(node)}/hosted"
+
+
+def all_agents_hosted(cluster: str) -> str:
+    return f"{base(cluster)}/agents/+/hosted"
+
+
 def all_agents_state(cluster: str) -> str:
     return f"{base(cluster)}/agents/+/state"
 

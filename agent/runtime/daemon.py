@@ -35,11 +35,11 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from agent import topics
 from agent.config import AgentConfig, check_tls, load_pipeline_text, resolve_password
-from agent.runtime import hosted, nodestate, rpc
+from agent.runtime import hosted, nodestate, rehome, rpc
 from agent.runtime.placement import DEFAULT_POLICY, NodeView, PlacementPolicy, PlacementRequest, get_policy
 from agent.runtime.spec import BrokerSpec, InstanceSpec, request_spec
 from agent.runtime.supervisor import WORKER_COMMAND, WORKER_EXIT_BAD_SPEC, Reaped, Supervisor, Worker, WorkerStatus
@@ -59,6 +59,7 @@ RPC_TIMEOUT = 30.0  # seconds to wait for a remote agent to start an instance an
 MAX_RESTARTS = 3  # immediate restarts of a crashed worker within RESTART_WINDOW; then with backoff
 RESTART_WINDOW = 60.0
 RESTART_BACKOFF_MAX = 30.0  # seconds: the longest wait before restarting a crash-looping worker
+READOPT_SETTLE = 1.0  # seconds after connecting before re-adopting: the retained states arrive first
 STATE_MIN_INTERVAL = 0.25  # rate limit of change-triggered state publications
 
 
@@ -160,6 +161,13 @@ class Agent:
         self._calls = rpc.PendingCalls()  # remote starts
         self._restarts: Dict[str, List[float]] = {}
         self._delayed_restarts: Dict[str, Tuple[float, InstanceSpec]] = {}  # instance -> (when, spec)
+        # node loss (agent.runtime.rehome): every node's retained hosted record, offline times
+        self.hosted_by_node: Dict[str, List[Dict[str, Any]]] = {}
+        self._offline_since: Dict[str, float] = {}
+        self._rehomed: Set[str] = set()
+        self._hosted_dirty = True
+        self._reconcile_at: Optional[float] = None
+        self._readopted = False
         self._counter = 0
         self._boot = format(int(wall()) % (36 ** 5), "x")
         # loop state
@@ -239,6 +247,7 @@ class Agent:
             (topics.all_agents_state(self.cluster), 1),
             (topics.all_agents_status(self.cluster), 1),
             (f"{topics.base(self.cluster)}/latency/+", 1),
+            (topics.all_agents_hosted(self.cluster), 1),
         ]
         if self.latency_core is not None:
             subs.extend((t, 0) for t in self.latency_core.subscriptions())
@@ -248,6 +257,9 @@ class Agent:
         self._publish_state(self.clock())
         self._publish(topics.agent_status(self.cluster, self.node), b"online", retain=True)
         self._state_dirty = True
+        self._hosted_dirty = True
+        # Re-adopt (first connect) and fence (every connect) once the retained states are in.
+        self._reconcile_at = self.clock() + READOPT_SETTLE
         log.info("connected to %s:%d (session present: %s)", self.broker.host, self.broker.port,
                  session_present, extra={"node": self.node})
 
@@ -287,7 +299,6 @@ class Agent:
 
     def run(self) -> int:
         self._start_metrics()
-        self._readopt(self.clock())
         self._client = self._make_client()
         self._client.loop_start()
         status = EXIT_OK
@@ -367,6 +378,12 @@ class Agent:
     def _periodic(self, now: float) -> None:
         for reaped in self.supervisor.poll(now):
             self._on_reaped(reaped, now)
+        if self._reconcile_at is not None and now >= self._reconcile_at:
+            self._reconcile_at = None
+            self._reconcile(now)
+        if self._hosted_dirty and self.connected:
+            self._publish_hosted()
+        self._maybe_rehome(now)
         for inst, (when, spec) in list(self._delayed_restarts.items()):
             if now >= when and self._stopping_since is None:
                 del self._delayed_restarts[inst]
@@ -584,6 +601,7 @@ class Agent:
         if w is not None:
             # From now on the instance may be announced: an agent restart must bring it back.
             hosted.remember(self.cfg.agent.state_dir, w.spec)
+            self._hosted_dirty = True
             self._event("spawned", instance, w.spec.operator, w.spec.pipeline,
                         cause=job.cause if job else ("restart" if w.spec.restart else "unknown"))
         if job is not None:
@@ -738,7 +756,21 @@ class Agent:
                 self.counters["bad_messages"] += 1
                 log.warning("ignoring state of %s: %s", node, exc, extra={"node": self.node})
         elif len(parts) == 5 and parts[2] == "agents" and parts[4] == "status":
-            self.online[parts[3]] = msg.payload == b"online"
+            node, up = parts[3], msg.payload == b"online"
+            self.online[node] = up
+            if up:
+                self._offline_since.pop(node, None)
+                self._rehomed.discard(node)
+            elif node != self.node:
+                self._offline_since.setdefault(node, now)
+        elif len(parts) == 5 and parts[2] == "agents" and parts[4] == "hosted":
+            if parts[3] == self.node:
+                return
+            try:
+                self.hosted_by_node[parts[3]] = rehome.decode_hosted(msg.payload)
+            except ValueError as exc:
+                self.counters["bad_messages"] += 1
+                log.warning("ignoring hosted record of %s: %s", parts[3], exc, extra={"node": self.node})
         elif len(parts) == 4 and parts[2] == "latency":
             self.latency[parts[3]] = nodestate.parse_latency(msg.payload)
         elif len(parts) == 5 and parts[2] == "latency" and self.latency_core is not None:
@@ -828,6 +860,7 @@ class Agent:
         cause = "shutdown" if self._stopping_since is not None else ("scale_in" if reaped.clean else "crash")
         if (w.exit_event or {}).get("final") or reaped.returncode == WORKER_EXIT_BAD_SPEC:
             hosted.forget(self.cfg.agent.state_dir, w.instance)  # gone for good: never re-adopt
+            self._hosted_dirty = True
         self._event("terminated", w.instance, w.spec.operator, w.spec.pipeline, cause=cause,
                     code=reaped.returncode, reason=str(reason), clean=reaped.clean, stats=w.stats)
         if reaped.crashed and self._stopping_since is None:
@@ -858,6 +891,73 @@ class Agent:
             log.warning("restarted crashed worker (same identity)", extra={"instance": spec.instance})
         except (OSError, ValueError) as exc:
             log.error("cannot restart worker: %s", exc, extra={"instance": spec.instance})
+
+    def _listed_elsewhere(self) -> Set[str]:
+        """Instance ids that another ONLINE node lists in its retained state."""
+        return {str(i.get("id")) for n, doc in self.fleet.items() if n != self.node and self.online.get(n)
+                for i in doc.get("instances", []) or [] if isinstance(i, dict)}
+
+    def _reconcile(self, now: float) -> None:
+        """After a (re)connect, once the retained states are in: an instance of ours that an
+        online node now runs was re-homed while we were away (agent.runtime.rehome). We fence it
+        (kill our process, forget it) so that one identity never runs twice; on the first connect
+        we then re-adopt the rest."""
+        elsewhere = self._listed_elsewhere()
+        for inst in sorted(elsewhere & set(self.supervisor.workers)):
+            log.warning("instance re-homed while this node was away: stopping our copy", extra={"instance": inst})
+            self.supervisor.kill(inst, now, "re-homed elsewhere")
+            self._forget(inst)
+        for spec in hosted.hosted(self.cfg.agent.state_dir):
+            if spec.instance in elsewhere and spec.instance not in self.supervisor:
+                self._forget(spec.instance)
+        if not self._readopted:
+            self._readopted = True
+            self._readopt(now)
+
+    def _forget(self, instance: str) -> None:
+        hosted.forget(self.cfg.agent.state_dir, instance)
+        self._delayed_restarts.pop(instance, None)
+        try:
+            (Path(self.cfg.agent.state_dir) / f"{instance}.state.json").unlink()
+        except FileNotFoundError:
+            pass
+        self._hosted_dirty = True
+
+    def _publish_hosted(self) -> None:
+        specs = [request_spec(s) for s in hosted.hosted(self.cfg.agent.state_dir)]
+        self.hosted_by_node[self.node] = specs
+        if self._publish(topics.agent_hosted(self.cluster, self.node), rehome.encode_hosted(specs), retain=True):
+            self._hosted_dirty = False
+
+    def _maybe_rehome(self, now: float) -> None:
+        """Start elsewhere, same identities, the instances of nodes offline for `dead_after`
+        seconds, if this agent is the lowest-named online one (agent.runtime.rehome)."""
+        if not self.connected or self._stopping_since is not None or not self._offline_since:
+            return
+        online = {n for n, up in self.online.items() if up} | {self.node}
+        for node, since in sorted(self._offline_since.items()):
+            if node in self._rehomed or now - since < self.cfg.agent.dead_after:
+                continue
+            if not rehome.responsible(self.node, online):
+                return
+            listed = self._listed_elsewhere() | set(self.supervisor.workers)
+            plan = rehome.plan_rehome(node, self.hosted_by_node, online, listed, int(self.wall()))
+            self._rehomed.add(node)
+            log.warning("node %s offline for %.0fs: re-homing %d instances", node, now - since, len(plan),
+                        extra={"node": self.node})
+            for data in plan:
+                try:
+                    spec = self._spec_from(data, template=None)
+                except (TypeError, ValueError) as exc:
+                    log.error("cannot re-home %s: %s", data.get("instance"), exc, extra={"node": self.node})
+                    continue
+
+                def reply(result: Dict[str, Any], inst: str = spec.instance) -> None:
+                    if not result.get("ok"):
+                        log.error("re-homing %s failed: %s", inst, result.get("error"), extra={"node": self.node})
+                        self._rehomed.discard(node)  # try again at the next period
+
+                self._create_node(spec, reply, cause="rehome", now=now)
 
     def _readopt(self, now: float) -> None:
         """Restart, with the same identity, every instance this node hosted when its agent last

@@ -62,6 +62,7 @@ state_dir = "{state_dir}"
 state_period = {state_period}
 heartbeat_period = {heartbeat_period}
 shutdown_timeout = {shutdown_timeout}
+dead_after = {dead_after}
 
 [mqtt]
 host = "{host}"
@@ -94,6 +95,7 @@ class Fleet:
     state_period: float = 1.0
     heartbeat_period: float = 0.5
     shutdown_timeout: float = 10.0
+    dead_after: float = 120.0  # a node offline this long has its instances re-homed
     broker_host: Optional[str] = None  # use an existing broker instead of starting one
     broker_port: Optional[int] = None
     max_queued: int = 10000
@@ -137,7 +139,7 @@ class Fleet:
         conf.write_text(AGENT_TOML.format(
             node=node, cluster=self.cluster, slots=self.slots, state_dir=self.workdir / f"state-{node}",
             state_period=self.state_period, heartbeat_period=self.heartbeat_period,
-            shutdown_timeout=self.shutdown_timeout, host=self.host, port=self.port,
+            shutdown_timeout=self.shutdown_timeout, dead_after=self.dead_after, host=self.host, port=self.port,
         ) + (SPILL_TOML.format(spool_dir=self.workdir / f"spool-{node}", landing=self.landing) if self.spill else ""))
         logf = open(self.workdir / f"{node}.log", "a")
         proc = subprocess.Popen(

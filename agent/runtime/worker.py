@@ -102,6 +102,9 @@ class Worker:
         # Epoch: a restarted worker (same identity) numbers its messages in a new epoch.
         saved = self._load_state()
         self.epoch = int(saved.get("epoch", -1)) + 1 if saved else 0
+        # Re-homed after its node died (agent.runtime.rehome): the old state is gone with the
+        # node, so start above any epoch the dead incarnation can have used.
+        self.epoch = max(self.epoch, int(spec.extra.get("min_epoch", 0) or 0))
         self.inbound = Inbound()
         if spec.restart:
             self.inbound.restore(saved.get("inbound") or {}, resync=True)
