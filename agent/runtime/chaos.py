@@ -17,6 +17,10 @@ seeded pause):
   on the same port after a pause; every client reconnects with backoff.
 - `stall-node`: SIGSTOP an agent and all its workers for a few seconds, then SIGCONT (a Pi
   that froze under an SD-card stall or thermal throttling).
+- `kill-node`: SIGKILL an agent and all its workers at once (power loss: nothing drains) and keep
+  the node away longer than `dead_after`: the lowest-named surviving agent starts its instances
+  elsewhere with the same identities (agent.runtime.rehome); then the node comes back and must
+  not run them a second time.
 
 Recovery time of a fault: from the moment it was injected until every instance that was active
 before it is active again with a heartbeat newer than the end of the fault (or left through a
@@ -48,7 +52,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["FAULTS", "ChaosConfig", "Fault", "chaos_pipeline", "run_chaos", "print_report", "main"]
 
-FAULTS = ("kill-worker", "kill-agent", "restart-broker", "stall-node")
+FAULTS = ("kill-worker", "kill-agent", "restart-broker", "stall-node", "kill-node")
 EXIT_OK = 0
 EXIT_SETUP = 1
 EXIT_LOSS = 3  # a record was lost or duplicated at the sink
@@ -116,10 +120,15 @@ class ChaosConfig:
     stall: Tuple[float, float] = (2.0, 6.0)  # SIGSTOP duration of stall-node
     broker_down: Tuple[float, float] = (0.5, 2.0)  # restart-broker: seconds without a broker
     agent_restart_delay: float = 1.0  # kill-agent: systemd's RestartSec
+    dead_after: float = 6.0  # the agents' [agent].dead_after (kill-node: the node stays away longer)
     recovery_timeout: float = 60.0
     settle_timeout: float = 60.0  # after the load: back to one instance per operator
     workdir: Optional[Path] = None
-    schedule: Optional[Sequence[Tuple[float, str, Optional[str]]]] = None  # fixed (t, fault, target)
+    # A fixed schedule instead of random faults: (t, fault, target) with target None (drawn),
+    # a node, an instance or "~<operator>" (kill-worker: a copy, not the keeper), or
+    # "@<instance>" (the node hosting it); [] = no fault.
+    schedule: Optional[Sequence[Tuple[float, str, Optional[str]]]] = None
+    deploy_extra: Dict[str, Any] = field(default_factory=dict)  # `fog-agent deploy --set` values
 
     def __post_init__(self) -> None:
         bad = [f for f in self.faults if f not in FAULTS]
@@ -154,7 +163,7 @@ def _active_instances(mon: Monitor) -> Dict[str, Dict[str, Any]]:
 
 def _scaled_in_since(mon: Monitor, since_wall: float) -> Set[str]:
     return {str(e.get("instance")) for e in mon.agent_events("terminated", "scale_in")
-            if float(e.get("ts", e.get("time", 0)) or 0) >= since_wall - 1.0}
+            if float(e.get("ts", e.get("time", 0)) or 0) >= since_wall - 5.0}  # a state is up to 1 s old
 
 
 def _waiting_for(mon: Monitor, nodes: Sequence[str], before: Set[str], start_wall: float, end_wall: float,
@@ -195,12 +204,19 @@ class Nemesis:
         self.rng = rng
 
     def inject(self, kind: str, target: Optional[str]) -> Tuple[str, Dict[str, Any]]:
+        if target is not None and target.startswith("@"):  # the node that hosts this instance
+            target = str(_active_instances(self.mon)[target[1:]]["node"])
         return getattr(self, kind.replace("-", "_"))(target)
 
     def kill_worker(self, target: Optional[str]) -> Tuple[str, Dict[str, Any]]:
         active = _active_instances(self.mon)
         if target is None:
             target = self.rng.choice(sorted(active))
+        elif target.startswith("~"):  # a copy (not the keeper) of this operator
+            copies = sorted(i for i, e in active.items() if e.get("operator") == target[1:] and not e.get("keeper"))
+            if not copies:
+                raise RuntimeError(f"kill-worker {target}: no active copy of {target[1:]} to kill")
+            target = copies[0]
         pid = int(active[target]["pid"])
         os.kill(pid, signal.SIGKILL)
         return target, {"pid": pid, "node": active[target]["node"]}
@@ -241,6 +257,31 @@ class Nemesis:
         return node, {"stalled_s": stalled, "processes": len(procs)}
 
 
+    def kill_node(self, target: Optional[str]) -> Tuple[str, Dict[str, Any]]:
+        import psutil
+
+        node = target or self.rng.choice(list(self.cfg.nodes))
+        agent = psutil.Process(self.fleet.procs[node].pid)
+        procs = [agent] + agent.children(recursive=True)
+        hosted = {i for i, e in _active_instances(self.mon).items() if e["node"] == node}
+        killed = time.monotonic()
+        for p in procs:
+            _signal(p.pid, signal.SIGKILL)
+        self.fleet.procs[node].wait()
+        # away until its instances run elsewhere (re-homed), but at least dead_after + 2 s
+        deadline = killed + self.cfg.dead_after + self.cfg.recovery_timeout
+        rehomed: Optional[float] = None
+        while time.monotonic() < deadline:
+            now_active = _active_instances(self.mon)
+            if all(i in now_active and now_active[i]["node"] != node for i in hosted):
+                rehomed = round(time.monotonic() - killed, 2)
+                break
+            time.sleep(0.2)
+        time.sleep(max(0.0, killed + self.cfg.dead_after + 2.0 - time.monotonic()))
+        self.fleet.start_agent(node, _agent_env())
+        return node, {"instances": sorted(hosted), "rehomed_after_s": rehomed}
+
+
 def _signal(pid: int, sig: int) -> None:
     try:
         os.kill(pid, sig)
@@ -267,7 +308,8 @@ def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dic
     profile = pipeline.operators[0].params["steps"]
     workdir = Path(cfg.workdir) if cfg.workdir else Path(tempfile.mkdtemp(prefix="fog-chaos-"))
     started = time.monotonic()
-    fleet = Fleet(workdir, nodes=tuple(cfg.nodes), cluster="chaos", log_level="warning", shutdown_timeout=10.0)
+    fleet = Fleet(workdir, nodes=tuple(cfg.nodes), cluster="chaos", log_level="warning", shutdown_timeout=10.0,
+                  dead_after=cfg.dead_after)
     faults: List[Fault] = []
     summary: Dict[str, Any] = {"seed": cfg.seed, "duration": cfg.duration, "faults_enabled": list(cfg.faults),
                                "workdir": str(workdir)}
@@ -289,18 +331,18 @@ def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dic
         mon = Monitor(fleet.host, fleet.port, fleet.cluster)
         if not mon.wait(lambda m: sum(1 for s in m.status.values() if s == "online") == len(cfg.nodes), 30):
             raise RuntimeError(f"agents did not come online (logs in {workdir})")
-        fleet.deploy(text)
+        fleet.deploy(text, extra=dict(cfg.deploy_extra))
         t0 = time.monotonic()
         say(f"chaos seed {cfg.seed}: {cfg.duration:.0f}s of load, faults {', '.join(cfg.faults)}; work dir {workdir}")
         nemesis = Nemesis(fleet, mon, cfg, rng)
-        plan = list(cfg.schedule or [])
-        next_at = plan[0][0] if plan else cfg.warmup + rng.uniform(*cfg.pause)
+        plan = None if cfg.schedule is None else list(cfg.schedule)
+        next_at = (plan[0][0] if plan else float("inf")) if plan is not None else cfg.warmup + rng.uniform(*cfg.pause)
         while time.monotonic() - t0 < cfg.duration - 5.0:
             t = time.monotonic() - t0
             if t < next_at:
                 time.sleep(min(0.5, next_at - t))
                 continue
-            if plan:
+            if plan is not None:
                 _, kind, target = plan.pop(0)
             else:
                 kind, target = rng.choice(list(cfg.faults)), None
@@ -325,7 +367,10 @@ def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dic
             rec = f"{fault.recovery_s:.1f}s" if fault.recovery_s is not None else f"NOT RECOVERED {fault.detail.get('waiting_for')}"
             say(f"  t={fault.t:6.1f}s  {kind:<15} {name:<34} recovered in {rec}   instances {mon.instances_per_operator()}")
             t = time.monotonic() - t0
-            next_at = plan[0][0] if plan else t + rng.uniform(*cfg.pause)
+            if plan is not None:
+                next_at = plan[0][0] if plan else float("inf")
+            else:
+                next_at = t + rng.uniform(*cfg.pause)
         # the load ends: wait for the sink to go quiet and every operator to be back at one instance
         while time.monotonic() - t0 < cfg.duration:
             time.sleep(0.5)
