@@ -247,16 +247,21 @@ class Transport:
     def close(self, final: bool = False, timeout: float = 5.0) -> None:
         """Flush what paho holds (bounded), then disconnect; `final` deletes the session."""
         self._check_owner()
+        # Write out what paho holds, but never READ on the way out: paho PUBACKs every delivery
+        # it reads (before our code sees it), so a message read now would be gone from the
+        # broker without being processed. Left unread, it stays in our persistent session and
+        # the next incarnation gets it (found by the chaos runs: records lost at a node restart).
         deadline = time.monotonic() + timeout
-        while self._connected and self.pending_out() and time.monotonic() < deadline:
-            self.client.loop(0.05)
+        while self._connected and self.client.want_write() and time.monotonic() < deadline:
+            if self.client.loop_write() != MQTTErrorCode.MQTT_ERR_SUCCESS:
+                break
         props = None
         if final:
             props = Properties(PacketTypes.DISCONNECT)
             props.SessionExpiryInterval = 0
         try:
             self.client.disconnect(properties=props)
-            self.client.loop(0.1)
+            self.client.loop_write()  # send the DISCONNECT; reading now could PUBACK a delivery
         except (OSError, ValueError):
             pass
 
