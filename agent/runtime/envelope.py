@@ -16,9 +16,10 @@ Encoding (JSON, inspectable with mosquitto_sub; measured in `bench dataplane`):
                       or, when all records are dicts with the same keys (see encode_data),
                       {"k": [keys], "r": [[source_instance, source_seq, [values]], ...]}
     kind "a" (ack):   body = [epoch, seq]: every data envelope the receiver got from the data
-                      sender's incarnation `epoch` up to `seq` is processed AND forwarded
-                      (cumulative; the flow-control credit comes back with it). The epoch keeps an
-                      ack meant for a crashed incarnation from releasing its successor's batches.
+                      sender's incarnation `epoch` up to `seq` is processed AND forwarded AND acked
+                      by the next hop in turn (cumulative; the flow-control credit comes back with
+                      it). The epoch keeps an ack meant for a crashed incarnation from releasing
+                      its successor's batches.
     kind "p" (proto): body = a scaling protocol message as a dict (agent.protocol.messages)
 
 Decoding never trusts the bytes: anything malformed raises `MalformedEnvelope`, which the worker

@@ -87,6 +87,10 @@ class OutLink:
         u = self._unacked.pop(old_seq)
         self._unacked[new_seq] = Unacked(new_seq, payload, u.records, now, u.low)
 
+    def lowest_input(self) -> Optional[int]:
+        """The lowest input index any unacked batch carries (None when all are acked)."""
+        return min((u.low for u in self._unacked.values()), default=None)
+
     def unacked(self) -> List[Unacked]:
         """The replay buffer, oldest first."""
         return list(self._unacked.values())

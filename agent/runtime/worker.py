@@ -330,7 +330,13 @@ class Worker:
                 if q is None:
                     q = self.queues[e.sender] = deque()
                 q.append(e)
-        self.stats["duplicate_envelopes"] += self.inbound.stats.duplicates + self.inbound.stats.stale_epoch - before
+        dropped = self.inbound.stats.duplicates + self.inbound.stats.stale_epoch - before
+        self.stats["duplicate_envelopes"] += dropped
+        if dropped and env.kind is Kind.DATA and env.epoch < (self.inbound.epoch_of(env.sender) or 0):
+            # Safe only because the sender's predecessors or source still hold what it carried
+            # (acks are end to end); rare enough to say so once per occurrence.
+            log.warning("data batch %d of %s's old epoch %d dropped (now epoch %s)", env.seq, env.sender,
+                        env.epoch, self.inbound.epoch_of(env.sender), extra=self.ctx)
 
     def _session_lost(self) -> None:
         """The broker came back without our session (it restarted without its persistence, or
@@ -549,13 +555,10 @@ class Worker:
         in a replay buffer). Everything below it has been processed and forwarded downstream, so
         regenerating from here (the generator is deterministic) loses nothing; records above it
         that already got through arrive twice and the sink drops them by id."""
-        lows = [u.low for link in self.links.values() for u in link.unacked()]
-        pending = self._lowest_pending()
-        if pending is not None:
-            lows.append(pending)
-        for index in [i for i in self._source_first if not lows or i < min(lows)]:
+        low = self._lowest_pending()
+        for index in [i for i in self._source_first if low is None or i < low]:
             del self._source_first[index]  # fully acked: forget
-        if not lows or not self._source_first:
+        if low is None or not self._source_first:
             return int(getattr(self.operator, "generated", 0))
         return self._source_first[min(self._source_first)]
 
@@ -620,7 +623,14 @@ class Worker:
             self.retry.append((topic, encode(env), self.tracker.last_index + 1))
 
     def _lowest_pending(self) -> Optional[int]:
-        lows = []
+        """The lowest input index whose outputs are not all acked by the successors yet.
+
+        An input is acked upstream only when every record derived from it has been processed
+        and forwarded by the NEXT instance too (its data ack), not merely PUBACKed by the broker:
+        paho PUBACKs a delivery on receipt, so a batch in the broker is not safe once its
+        receiver has taken it. If the receiver and we both restart (a whole node restarting),
+        only an upstream replay buffer (or the source's resume position) still holds it."""
+        lows = [lo for lo in (link.lowest_input() for link in self.links.values()) if lo is not None]
         lo = self.outbox.lowest_index()
         if lo is not None:
             lows.append(lo)
