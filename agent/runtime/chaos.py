@@ -124,6 +124,7 @@ class ChaosConfig:
     recovery_timeout: float = 60.0
     settle_timeout: float = 60.0  # after the load: back to one instance per operator
     workdir: Optional[Path] = None
+    log_level: str = "warning"  # the agents' and workers' log level (their logs: <workdir>/<node>.log)
     # A fixed schedule instead of random faults: (t, fault, target) with target None (drawn),
     # a node, an instance or "~<operator>" (kill-worker: a copy, not the keeper), or
     # "@<instance>" (the node hosting it); [] = no fault.
@@ -308,7 +309,7 @@ def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dic
     profile = pipeline.operators[0].params["steps"]
     workdir = Path(cfg.workdir) if cfg.workdir else Path(tempfile.mkdtemp(prefix="fog-chaos-"))
     started = time.monotonic()
-    fleet = Fleet(workdir, nodes=tuple(cfg.nodes), cluster="chaos", log_level="warning", shutdown_timeout=10.0,
+    fleet = Fleet(workdir, nodes=tuple(cfg.nodes), cluster="chaos", log_level=cfg.log_level, shutdown_timeout=10.0,
                   dead_after=cfg.dead_after)
     faults: List[Fault] = []
     summary: Dict[str, Any] = {"seed": cfg.seed, "duration": cfg.duration, "faults_enabled": list(cfg.faults),
