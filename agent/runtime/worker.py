@@ -99,6 +99,8 @@ class Worker:
             self.state_dir / f"{spec.instance}.lock", float(spec.extra.get("drain_timeout", 10.0)) + 5.0
         )
 
+        if spec.restart:
+            self._take_handover(spec.extra)
         # Epoch: a restarted worker (same identity) numbers its messages in a new epoch.
         saved = self._load_state()
         self.epoch = int(saved.get("epoch", -1)) + 1 if saved else 0
@@ -804,6 +806,29 @@ class Worker:
         data = {"instance": self.spec.instance, **self.operator.stats(), "resume_from": self.source_resume_seq(),
                 "reserved": self._source_reserved, "profile_started_at": self._source_started_at}
         _atomic_write(self.sink_dir / f"{self.spec.instance}.source.json", json.dumps(data))
+
+    def _take_handover(self, extra: Dict[str, Any]) -> None:
+        """A keeper migrated off a draining node (daemon `_hand_over`) arrives here with its
+        persisted state in `extra["handover_state"]` (and a source's position in
+        `extra["handover_source"]`), since its old state dir is on the other node. Written to our
+        own paths before anything reads them, so the restore is exactly a same-node restart's.
+        A state file already here with an epoch at least the shipped one's wins: it is a later
+        incarnation on this node (a crash restart after the hand-over); an older one is a leftover
+        of an earlier stay here and must not be restored."""
+        state = extra.get("handover_state")
+        if isinstance(state, dict) and int(self._load_state().get("epoch", -1)) < int(state.get("epoch", 0)):
+            _atomic_write(self.state_path, json.dumps(state))
+            log.info("hand-over: restoring the state shipped with the spec (epoch %s)", state.get("epoch"),
+                     extra=self.ctx)
+        source = extra.get("handover_source")
+        position = self.sink_dir / f"{self.spec.instance}.source.json"
+        if isinstance(source, dict):
+            try:
+                here = int(json.loads(position.read_text()).get("resume_from", -1))
+            except (OSError, ValueError, AttributeError):
+                here = -1
+            if here < int(source.get("resume_from", 0)):  # a shared sink_dir already has it
+                _atomic_write(position, json.dumps(source))
 
     def _load_state(self) -> Dict[str, Any]:
         try:
