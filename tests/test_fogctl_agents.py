@@ -378,3 +378,101 @@ def test_fogctl_scale_and_drain_on_real_agents_lose_no_record(capsys, mosquitto,
     v = verify(load_pipeline_text(STEER_PIPELINE), fleet.sink_dir)
     assert v.generated > 100, v
     assert v.ok, v
+
+
+HANDOVER_PIPELINE = STEER_PIPELINE.replace('name = "steer"', 'name = "hand"').replace("seed = 3", "seed = 5")
+
+
+def test_fogctl_drain_hands_a_keeper_over_to_another_node(capsys, mosquitto, tmp_path) -> None:
+    """`fogctl drain h2` when h2 hosts all three keepers (source, in_zone, sink) and a copy of
+    in_zone: the copy leaves by scale-in, each keeper migrates with its identity (same instance
+    id, still the keeper, a new epoch restored from the state h2 shipped), h2 ends empty and
+    forgets them (no spec or state file left to re-adopt), records keep flowing through the new
+    incarnations, every generated id reaches the sink exactly once, and the pipeline is back to
+    one instance per operator. Without the state shipped in the spec the new incarnation would
+    start at epoch 0 (asserted >= 1 below) and its predecessors would not replay to it."""
+    from agent.config import load_pipeline_text
+    from agent.runtime.demo import Fleet, Monitor, verify
+    from agent.runtime.rpc import RpcClient
+
+    started = time.monotonic()
+    cluster = "h" + uuid.uuid4().hex[:8]
+    # h2 alone at deploy time: it gets every keeper, then h1 and h3 join with free slots.
+    fleet = Fleet(tmp_path, nodes=("h2",), slots=4, cluster=cluster, broker_host=mosquitto.host,
+                  broker_port=mosquitto.port, state_period=0.5, heartbeat_period=0.2, shutdown_timeout=8.0)
+    fleet.start()
+    mon = Monitor(mosquitto.host, mosquitto.port, cluster)
+    keepers = [f"hand.{op}.0" for op in ("source", "in_zone", "sink")]
+
+    def hosts(m: Any, inst: str) -> list:
+        return [(n, i) for n, doc in m.states.items() if m.status.get(n) == "online"
+                for i in doc.get("instances", []) if i["id"] == inst]
+
+    def in_zone(m: Any, node: Any = None) -> int:
+        return sum(1 for n, doc in m.states.items() if node in (None, n) and m.status.get(n) == "online"
+                   for i in doc.get("instances", []) if i["operator"] == "in_zone" and i["status"] == "active")
+
+    def sink_in() -> int:
+        return sum(int((st or {}).get("records_in", 0)) for i, st in mon.instance_stats.items()
+                   if mon.instance_operator.get(i) == "sink")
+
+    try:
+        assert mon.wait(lambda m: m.status.get("h2") == "online", 30)
+        fleet.deploy(HANDOVER_PIPELINE)
+        assert mon.wait(lambda m: all(hosts(m, k) and hosts(m, k)[0][0] == "h2" for k in keepers), 20), mon.states
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        fleet.nodes = ("h1", "h2", "h3")
+        for node in ("h1", "h3"):
+            fleet.start_agent(node, env)
+        assert mon.wait(lambda m: all(m.status.get(n) == "online" and n in m.states for n in ("h1", "h3")), 30)
+        # A copy of in_zone: a local free slot comes first, so it also lands on h2.
+        out = fogctl(capsys, mosquitto, cluster, "scale", "in_zone", "+1")
+        assert "accepted" in out
+        assert mon.wait(lambda m: in_zone(m, "h2") == 2, 30), mon.states.get("h2")
+        assert mon.wait(lambda m: sink_in() > 40, 20), sink_in()  # records flow through h2
+
+        doc = fogctl(capsys, mosquitto, cluster, "--json", "drain", "h2")
+        assert doc["ok"] and doc["result"]["node"] == "h2", doc
+        assert set(keepers) <= set(doc["result"]["leaving"]) and len(doc["result"]["leaving"]) == 4, doc
+        assert mon.wait(lambda m: m.states.get("h2", {}).get("instances") == [], 30), mon.states.get("h2")
+        moved = {}
+        for k in keepers:
+            assert mon.wait(lambda m: any(n != "h2" and i["status"] == "active" for n, i in hosts(m, k)), 20), k
+            [(node, inst)] = hosts(mon, k)  # one process per identity
+            assert node in ("h1", "h3") and inst["keeper"] is True, (k, node, inst)
+            moved[k] = node
+        spawned = {e["instance"]: e["node"] for e in mon.agent_events("spawned", "handover")}
+        assert spawned == moved, (spawned, moved)
+        assert {e["instance"] for e in mon.agent_events("terminated", "handover")} == set(keepers)
+        # h2 forgot them: nothing left there for a restart of its agent to re-adopt.
+        left = sorted(p.name for p in (tmp_path / "state-h2").glob("hand.*.json"))
+        assert left == [], left
+        for k, node in moved.items():
+            state = json.loads((tmp_path / f"state-{node}" / f"{k}.state.json").read_text())
+            assert state["epoch"] >= 1, (k, state["epoch"])  # restored from the shipped state, then + 1
+        # Records keep flowing through the migrated keepers.
+        before = sink_in()
+        assert mon.wait(lambda m: sink_in() >= before + 40, 20), (before, sink_in())
+        assert in_zone(mon) == 1 and mon.instances_per_operator() == {"source": 1, "in_zone": 1, "sink": 1}
+        # Stop the source, let the pipeline empty, then stop the agents.
+        src = keepers[0]
+        with RpcClient(mosquitto.host, mosquitto.port, cluster) as client:
+            reply = client.call(moved[src], {"op": "set", "instance": src, "fields": {"paused": True}})
+        assert reply["ok"], reply
+        last, stable_since = -1, time.monotonic()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            now_in = sink_in()
+            if now_in != last:
+                last, stable_since = now_in, time.monotonic()
+            elif time.monotonic() - stable_since >= 2.0:
+                break
+            time.sleep(0.2)
+    finally:
+        codes = fleet.stop()
+        mon.close()
+    assert all(c == 0 for c in codes.values()), codes
+    v = verify(load_pipeline_text(HANDOVER_PIPELINE), fleet.sink_dir)
+    assert v.generated > 100, v
+    assert v.ok, v
+    print(f"drain hand-over test: {time.monotonic() - started:.1f}s, {v}")

@@ -8,6 +8,7 @@ daemon's own promises are tested apart from the data path: "spawned" only after 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -571,6 +572,67 @@ def test_a_request_cannot_override_node_local_fields(tmp_path: Path) -> None:
     for bad in ({"operator": "work", "instance": "a/b"}, {"instance": "x"}):
         with pytest.raises(ValueError):
             agent._spec_from(bad, template=None)
+
+
+HANDOVER_PIPELINE = """
+[pipeline]
+name = "p"
+[[operator]]
+name = "source"
+kind = "source"
+function = "agent.runtime.taxi:source"
+[[operator]]
+name = "work"
+function = "agent.runtime.operators:in_zone"
+[[operator]]
+name = "sink"
+kind = "sink"
+function = "agent.runtime.operators:counting_sink"
+"""
+
+
+def test_a_handed_over_keeper_keeps_its_identity_state_and_a_higher_epoch(tmp_path: Path) -> None:
+    """The drain hand-over (daemon `_hand_over`): the spawn rpc that carries a migrating keeper
+    keeps `restart`, `keeper` and the shipped state; the worker on the new node restores that
+    state (epoch + 1) unless a newer incarnation's file is already there; copies and the hosted
+    record never inherit the shipped state. No broker needed: the worker is only constructed."""
+    from agent.config import load_agent_config
+    from agent.runtime.daemon import Agent, without_handover
+    from agent.runtime.spec import request_spec
+    from agent.runtime.worker import Worker
+
+    conf = tmp_path / "a.toml"
+    conf.write_text(f'[agent]\nnode = "me"\ncluster = "c"\nstate_dir = "{tmp_path}/state"\n'
+                    '[mqtt]\nhost = "127.0.0.1"\nport = 1\npassword = "secret"\nusername = "u"\n')
+    agent = Agent(load_agent_config(conf))
+    shipped = {"epoch": 4, "inbound": {}}
+    old = InstanceSpec("p.work.0", "work", "gone", "c", "p", HANDOVER_PIPELINE, BrokerSpec("h", 1, password="pw"),
+                       succs=("p.sink.0",), preds=("p.source.0",), keeper=True, restart=True,
+                       extra={"sink_dir": str(tmp_path / "sink"), "handover_state": shipped})
+    body = request_spec(old)
+    assert "broker" not in body and "pw" not in json.dumps(body)  # no broker password travels
+    spec = agent._spec_from(body, template=None)
+    assert (spec.instance, spec.keeper, spec.restart, spec.node) == ("p.work.0", True, True, "me")
+    assert spec.extra["handover_state"] == shipped
+    child = agent._spec_from({"operator": "work"}, template=spec)
+    assert "handover_state" not in child.extra and not child.restart and not child.keeper
+    assert "handover_state" not in without_handover(spec).extra and without_handover(spec).extra["sink_dir"]
+
+    def epoch(s: InstanceSpec) -> int:
+        w = Worker(s, out=open(os.devnull, "w"))
+        os.close(w._identity_lock)  # the next construction takes the identity's lock again
+        return w.epoch
+
+    state = Path(spec.state_dir) / "p.work.0.state.json"
+    assert not state.exists()
+    assert epoch(spec) == 5  # the shipped state's epoch + 1
+    assert json.loads(state.read_text())["epoch"] == 4  # written to our state dir, then loaded
+    state.write_text(json.dumps({"epoch": 9, "inbound": {}}))  # a later incarnation here wins
+    assert epoch(spec) == 10
+    state.write_text(json.dumps({"epoch": 1, "inbound": {}}))  # an older leftover does not
+    assert epoch(spec) == 5
+    big = dict(spec.extra, min_epoch=1_800_000_000)  # a re-home's floor still holds
+    assert epoch(dataclasses.replace(spec, extra=big)) == 1_800_000_000
 
 
 def test_supervisor_hands_the_pre_started_worker_to_the_next_instance(tmp_path: Path, fake_worker: List[str]) -> None:

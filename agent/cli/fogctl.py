@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("delta", type=parse_delta, help="+N (duplicate) or -N (scale in)")
     p.add_argument("--pipeline", help="when the operator name exists in several pipelines")
     p.add_argument("--wait", type=float, default=0.0, help="wait up to this many seconds for the new count")
-    p = sub.add_parser("drain", help="empty a node: its instances leave by scale-in, keepers move first")
+    p = sub.add_parser("drain", help="empty a node: its instances leave by scale-in, keepers migrate to other nodes")
     p.add_argument("node")
     p.add_argument("--undo", action="store_true", help="accept instances again (undrain)")
     p.add_argument("--wait", type=float, default=0.0, help="wait up to this many seconds for the node to be empty")

@@ -15,9 +15,11 @@ Requests (`{"v": 1, "op": ..., ...}`):
             delta < 0: one request per node hosting the chosen instances (non-keepers, least
             loaded first), naming them; they leave through the protocol's scale-in (drain before
             exit). An agent acts only on its own instances.
-  drain     {"op": "drain", "node": "n2"}  sent to n2 itself. Every instance on n2 leaves through
-            scale-in; a keeper first duplicates itself onto another node and hands the keeper role
-            to the copy, then leaves. The agent stops accepting new instances until `undrain`.
+  drain     {"op": "drain", "node": "n2"}  sent to n2 itself. Every non-keeper on n2 leaves through
+            scale-in; a keeper (it never terminates) migrates with its identity: it stops (drains,
+            keeps its session), and its agent starts it on another node with its persisted state
+            (`restart = true`, epoch + 1, its predecessors replay). The agent stops accepting new
+            instances until `undrain`.
   undrain   {"op": "undrain", "node": "n2"}
 Reply: {"v": 1, "ok": true, "result": {...}} or {"v": 1, "ok": false, "error": "one line"}.
   scale result: {"instances": [new or leaving instance ids]}; drain result: {"leaving": [...]}.
@@ -182,7 +184,7 @@ def check_drain(fleet: Fleet, req: DrainRequest) -> List[str]:
     keepers = [i.id for i in node.instances if i.keeper]
     if keepers and free == 0:
         raise RequestError(f"refused: draining {req.node} would break an invariant: keeper(s) "
-                           f"{', '.join(keepers)} must move by duplication first and no other online "
+                           f"{', '.join(keepers)} must move to another node and no other online "
                            f"node has a free slot")
     return [i.id for i in node.instances]
 
@@ -193,7 +195,7 @@ def check_drain(fleet: Fleet, req: DrainRequest) -> List[str]:
 class ActionKind(Enum):
     DUPLICATE = "duplicate"  # the instance runs `count` duplications through the protocol
     TERMINATE = "terminate"  # the instance leaves through scale-in (drain before exit)
-    HANDOVER = "handover"    # a keeper duplicates onto another node, passes the keeper role, leaves
+    HANDOVER = "handover"    # a keeper stops and restarts on another node with the same identity
 
 
 @dataclass(frozen=True)

@@ -161,6 +161,7 @@ class Agent:
         self._calls = rpc.PendingCalls()  # remote starts
         self._restarts: Dict[str, List[float]] = {}
         self._delayed_restarts: Dict[str, Tuple[float, InstanceSpec]] = {}  # instance -> (when, spec)
+        self._handing_over: Set[str] = set()  # keepers asked to stop on a drain, to start elsewhere
         # node loss (agent.runtime.rehome): every node's retained hosted record, offline times
         self.hosted_by_node: Dict[str, List[Dict[str, Any]]] = {}
         self._offline_since: Dict[str, float] = {}
@@ -538,10 +539,6 @@ class Agent:
         try:
             req = parse_request(body)
             actions = agent_actions(req, self.node, self._local_instances())
-            if any(a.kind is ActionKind.HANDOVER for a in actions):
-                keepers = [a.instance for a in actions if a.kind is ActionKind.HANDOVER]
-                raise RequestError(f"refused: {', '.join(keepers)} is a keeper; keeper hand-over on "
-                                   f"drain is not implemented by this agent yet (move it by hand first)")
         except RequestError as exc:
             return Reply(False, {}, str(exc)).to_dict()
         if isinstance(req, DrainRequest):
@@ -549,6 +546,16 @@ class Agent:
             self._state_dirty = True
         sent: List[str] = []
         for a in actions:
+            if a.kind is ActionKind.HANDOVER:
+                # A keeper never terminates: it moves with its identity (see `_hand_over`). It
+                # stops here first (drains, keeps its session, writes its state); the rest
+                # happens when it has exited.
+                if a.instance not in self.supervisor:
+                    return Reply(False, {"leaving": sent}, f"instance {a.instance} on {self.node} is not running").to_dict()
+                self._handing_over.add(a.instance)
+                self.supervisor.stop(a.instance, now)
+                sent.append(a.instance)
+                continue
             kind = "duplicate" if a.kind is ActionKind.DUPLICATE else "terminate"
             if self.supervisor.send(a.instance, "scale", action=kind, count=a.count):
                 sent.append(a.instance)
@@ -600,7 +607,7 @@ class Agent:
         w = self.supervisor.get(instance)
         if w is not None:
             # From now on the instance may be announced: an agent restart must bring it back.
-            hosted.remember(self.cfg.agent.state_dir, w.spec)
+            hosted.remember(self.cfg.agent.state_dir, without_handover(w.spec))
             self._hosted_dirty = True
             self._event("spawned", instance, w.spec.operator, w.spec.pipeline,
                         cause=job.cause if job else ("restart" if w.spec.restart else "unknown"))
@@ -632,7 +639,7 @@ class Agent:
         The node-local fields (node, broker, state_dir, heartbeat period) are always this agent's:
         a request from another node must not make us connect elsewhere or write to its paths.
         """
-        base: Dict[str, Any] = dataclasses.asdict(template) if template is not None else {}
+        base: Dict[str, Any] = dataclasses.asdict(without_handover(template)) if template is not None else {}
         base.pop("instance", None)  # a sibling never inherits its requester's identity
         base.update({k: v for k, v in data.items() if k in {f.name for f in dataclasses.fields(InstanceSpec)}})
         if template is not None and "keeper" not in data:
@@ -858,13 +865,66 @@ class Agent:
         if job is not None:
             self._try_next(job, now, f"worker exited before ready ({reason})")
         cause = "shutdown" if self._stopping_since is not None else ("scale_in" if reaped.clean else "crash")
-        if (w.exit_event or {}).get("final") or reaped.returncode == WORKER_EXIT_BAD_SPEC:
+        final = bool((w.exit_event or {}).get("final")) or reaped.returncode == WORKER_EXIT_BAD_SPEC
+        handover = w.instance in self._handing_over and not final and self._stopping_since is None
+        self._handing_over.discard(w.instance)
+        if handover:
+            cause = "handover"
+        if final:
             hosted.forget(self.cfg.agent.state_dir, w.instance)  # gone for good: never re-adopt
             self._hosted_dirty = True
         self._event("terminated", w.instance, w.spec.operator, w.spec.pipeline, cause=cause,
                     code=reaped.returncode, reason=str(reason), clean=reaped.clean, stats=w.stats)
-        if reaped.crashed and self._stopping_since is None:
+        if handover:
+            self._hand_over(w, now)
+        elif reaped.crashed and self._stopping_since is None:
             self._maybe_restart(w, now)
+
+    def _hand_over(self, w: Worker, now: float) -> None:
+        """Start a keeper that stopped for a drain again ELSEWHERE, with the same identity.
+
+        Why a same-identity migration rather than duplicate-then-terminate: a keeper never
+        terminates, and its identity is what its neighbours' tables, its inbox session and its
+        channel positions are keyed by. So it moves like a crash restart on another node: the
+        spec gets `restart = true` and the state file it just wrote (plus a source's position),
+        the new incarnation takes epoch + 1 and the broker session of its inbox, and its
+        predecessors replay what it had not acked (duplicates are dropped by sequence and, at
+        the sink, by record id). Placement skips this node (draining: 0 free slots). Once the
+        new incarnation is ready this node forgets the instance, so an agent restart here never
+        re-adopts it; if no node can take it, it restarts here so that nothing stalls.
+        """
+        inst = w.instance
+        state_dir = Path(self.cfg.agent.state_dir)
+        extra = dict(w.spec.extra)
+        extra["handover_state"] = _read_json(state_dir / f"{inst}.state.json")
+        if extra["handover_state"] is None:  # never written: start above any epoch it used, as a re-home does
+            extra["min_epoch"] = max(int(extra.get("min_epoch", 0) or 0), int(self.wall()))
+        sink_dir = Path(str(extra.get("sink_dir") or state_dir))
+        source = _read_json(sink_dir / f"{inst}.source.json")
+        if source is not None:
+            extra["handover_source"] = source
+        keeper = bool(w.stats.get("keeper", w.spec.keeper))
+        spec = dataclasses.replace(w.spec, restart=True, active=True, keeper=keeper, extra=extra)
+        local = dataclasses.replace(w.spec, restart=True)
+
+        def reply(result: Dict[str, Any]) -> None:
+            if result.get("ok") and result.get("node") != self.node:
+                log.info("handed over to %s (same identity)", result.get("node"), extra={"instance": inst})
+                self._forget(inst)  # hosted.forget + the state file: never re-adopted here
+                self._event("drain", inst, w.spec.operator, w.spec.pipeline, action="handover", ok=True,
+                            to=result.get("node"))
+                return
+            error = result.get("error") if not result.get("ok") else "placed on the draining node"
+            log.error("hand-over failed (%s): restarting it here", error, extra={"instance": inst})
+            self._event("drain", inst, w.spec.operator, w.spec.pipeline, action="handover", ok=False,
+                        error=str(error))
+            if result.get("ok") or self._stopping_since is not None:
+                return  # it runs here already / the agent stops: re-adopted at its restart
+            self._restart(local, self.clock())
+
+        log.info("keeper stopped for the drain: starting it elsewhere (epoch above %s)",
+                 (extra["handover_state"] or {}).get("epoch"), extra={"instance": inst})
+        self._create_node(spec, reply, cause="handover", now=now)
 
     def _maybe_restart(self, w: Worker, now: float) -> None:
         """Restart a crashed worker with the same identity: at once for the first MAX_RESTARTS
@@ -1049,6 +1109,19 @@ def paho_error(buf: str) -> str:
     return f"TLS error: {buf}" if "SSL" in buf or "TLS" in buf else buf
 
 
+HANDOVER_KEYS = ("handover_state", "handover_source")  # spec.extra of a migrated keeper (`_hand_over`)
+
+
+def without_handover(spec: InstanceSpec) -> InstanceSpec:
+    """`spec` without the state a hand-over shipped in its extra. Why: that state is a snapshot
+    of one moment; once the new incarnation has written its own state file it is stale. It must
+    not reach the hosted record (a re-home would restore it) nor a copy's spec (copies inherit
+    their creator's extra)."""
+    if not any(k in spec.extra for k in HANDOVER_KEYS):
+        return spec
+    return dataclasses.replace(spec, extra={k: v for k, v in spec.extra.items() if k not in HANDOVER_KEYS})
+
+
 def spec_with_capacity(spec: InstanceSpec, state_dir: Any, node: str) -> InstanceSpec:
     """For `capacity = "calibrate"`: put THIS node's calibrated capacity into the spec's extra.
 
@@ -1083,6 +1156,15 @@ def _latency_core(cfg: AgentConfig) -> Any:
     except ImportError:
         return None
     return LatencyCore(cfg.agent.node, cfg.agent.cluster, period=cfg.latency.period, smoothing=cfg.latency.smoothing)
+
+
+def _read_json(path: Path) -> Optional[Dict[str, Any]]:
+    """A small JSON object file (a worker's state or a source's position), or None."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def _num(v: Any) -> Optional[float]:
