@@ -435,6 +435,7 @@ def test_fogctl_drain_hands_a_keeper_over_to_another_node(capsys, mosquitto, tmp
         assert doc["ok"] and doc["result"]["node"] == "h2", doc
         assert set(keepers) <= set(doc["result"]["leaving"]) and len(doc["result"]["leaving"]) == 4, doc
         assert mon.wait(lambda m: m.states.get("h2", {}).get("instances") == [], 30), mon.states.get("h2")
+        assert mon.states["h2"]["free_slots"] == 0  # draining: it offers no slot to the others
         moved = {}
         for k in keepers:
             assert mon.wait(lambda m: any(n != "h2" and i["status"] == "active" for n, i in hosts(m, k)), 20), k

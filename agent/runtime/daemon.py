@@ -469,9 +469,13 @@ class Agent:
         return out
 
     def state_doc(self) -> Dict[str, Any]:
-        return nodestate.build_node_state(
+        doc = nodestate.build_node_state(
             self.node, self.cfg.agent.slots, self.instance_infos(), self.sample_machine(self.supervisor.pids()), self.wall()
         )
+        # A draining node offers no slot to anybody: the other agents' placement (and fogctl's
+        # checks) read this number, and would otherwise ask it for instances it refuses.
+        doc["free_slots"] = min(int(doc["free_slots"]), self.free_slots())
+        return doc
 
     def _publish_state(self, now: float) -> None:
         doc = self.state_doc()
