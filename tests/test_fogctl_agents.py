@@ -445,6 +445,7 @@ def test_fogctl_drain_hands_a_keeper_over_to_another_node(capsys, mosquitto, tmp
         spawned = {e["instance"]: e["node"] for e in mon.agent_events("spawned", "handover")}
         assert spawned == moved, (spawned, moved)
         assert {e["instance"] for e in mon.agent_events("terminated", "handover")} == set(keepers)
+        assert not mon.agent_events("terminated", "crash")  # a clean move: nothing killed or restarted
         # h2 forgot them: nothing left there for a restart of its agent to re-adopt.
         left = sorted(p.name for p in (tmp_path / "state-h2").glob("hand.*.json"))
         assert left == [], left

@@ -635,6 +635,56 @@ def test_a_handed_over_keeper_keeps_its_identity_state_and_a_higher_epoch(tmp_pa
     assert epoch(dataclasses.replace(spec, extra=big)) == 1_800_000_000
 
 
+def test_fencing_spares_an_instance_placed_here_since_the_connect_and_never_restarts_a_fenced_one(
+        tmp_path: Path) -> None:
+    """Found by the drain hand-over test: an agent that had just connected received a keeper
+    handed over from a draining node while that node's retained state still listed it; the
+    first reconcile killed it as "re-homed elsewhere" and then restarted it as crashed, while the
+    draining node placed it on a third node: one identity, two processes. Fencing is for workers
+    that ran while this node was away (started before the connect), and a fenced worker is gone
+    from here for good."""
+    import signal as _signal
+
+    from agent.config import load_agent_config
+    from agent.runtime.daemon import Agent
+    from agent.runtime.supervisor import Reaped, Worker
+
+    conf = tmp_path / "a.toml"
+    conf.write_text(f'[agent]\nnode = "me"\ncluster = "c"\nstate_dir = "{tmp_path}"\n[mqtt]\nhost = "h"\nport = 1\n')
+    agent = Agent(load_agent_config(conf), warm_worker=False)
+    started: List[str] = []
+    agent.supervisor.start = lambda spec, now: started.append(spec.instance)  # type: ignore[assignment]
+
+    class Proc:
+        pid = 999_999
+
+        def __init__(self) -> None:
+            self.signals: List[int] = []
+
+        def poll(self) -> Optional[int]:
+            return None
+
+        def send_signal(self, sig: int) -> None:
+            self.signals.append(sig)
+
+    def worker(inst: str, at: float) -> Worker:
+        spec = InstanceSpec(inst, "work", "me", "c", "p", PIPELINE, BrokerSpec("h", 1), keeper=True)
+        w = Worker(spec=spec, proc=Proc(), started_at=at)  # type: ignore[arg-type]
+        agent.supervisor.workers[inst] = w
+        return w
+
+    old, new = worker("p.work.0", 5.0), worker("p.sink.0", 15.0)
+    agent._connected_at, agent._readopted = 10.0, True
+    agent.online = {"n2": True}
+    agent.fleet = {"n2": {"instances": [{"id": "p.work.0"}, {"id": "p.sink.0"}]}}  # n2 lists both
+    agent._reconcile(20.0)
+    assert old.proc.signals == [_signal.SIGKILL] and old.killed_for == "re-homed elsewhere"
+    assert new.proc.signals == [] and new.killed_for is None  # placed here after the connect
+    del agent.supervisor.workers["p.work.0"]  # what poll() does when it reaps it
+    agent._on_reaped(Reaped(old, -9), 21.0)
+    assert started == [] and agent.counters["restarts"] == 0  # fenced: not restarted as a crash
+
+
 def test_supervisor_hands_the_pre_started_worker_to_the_next_instance(tmp_path: Path, fake_worker: List[str]) -> None:
     loop = Loop(command=fake_worker, warm=True)
     loop.sup.prewarm(time.monotonic())

@@ -168,6 +168,8 @@ class Agent:
         self._rehomed: Set[str] = set()
         self._hosted_dirty = True
         self._reconcile_at: Optional[float] = None
+        self._connected_at = 0.0  # clock() of the last connect: workers started before it may be fenced
+        self._fenced: Set[str] = set()  # killed because another node runs them: never restarted here
         self._readopted = False
         self._counter = 0
         self._boot = format(int(wall()) % (36 ** 5), "x")
@@ -261,6 +263,7 @@ class Agent:
         self._hosted_dirty = True
         # Re-adopt (first connect) and fence (every connect) once the retained states are in.
         self._reconcile_at = self.clock() + READOPT_SETTLE
+        self._connected_at = self.clock()
         log.info("connected to %s:%d (session present: %s)", self.broker.host, self.broker.port,
                  session_present, extra={"node": self.node})
 
@@ -872,6 +875,8 @@ class Agent:
         final = bool((w.exit_event or {}).get("final")) or reaped.returncode == WORKER_EXIT_BAD_SPEC
         handover = w.instance in self._handing_over and not final and self._stopping_since is None
         self._handing_over.discard(w.instance)
+        fenced = w.instance in self._fenced
+        self._fenced.discard(w.instance)
         if handover:
             cause = "handover"
         if final:
@@ -881,7 +886,7 @@ class Agent:
                     code=reaped.returncode, reason=str(reason), clean=reaped.clean, stats=w.stats)
         if handover:
             self._hand_over(w, now)
-        elif reaped.crashed and self._stopping_since is None:
+        elif reaped.crashed and self._stopping_since is None and not fenced:
             self._maybe_restart(w, now)
 
     def _hand_over(self, w: Worker, now: float) -> None:
@@ -967,8 +972,14 @@ class Agent:
         (kill our process, forget it) so that one identity never runs twice; on the first connect
         we then re-adopt the rest."""
         elsewhere = self._listed_elsewhere()
-        for inst in sorted(elsewhere & set(self.supervisor.workers)):
+        # Only workers that ran while we were away can have been re-homed. One started since this
+        # connect was placed here by a createNode() that saw the fleet as it is (a drain's
+        # hand-over, a re-home), while the retained state of the node it comes from may still
+        # list it for a moment: killing it would leave the identity nowhere.
+        before = {i for i, w in self.supervisor.workers.items() if w.started_at < self._connected_at}
+        for inst in sorted(elsewhere & before):
             log.warning("instance re-homed while this node was away: stopping our copy", extra={"instance": inst})
+            self._fenced.add(inst)
             self.supervisor.kill(inst, now, "re-homed elsewhere")
             self._forget(inst)
         for spec in hosted.hosted(self.cfg.agent.state_dir):
