@@ -685,6 +685,55 @@ def test_fencing_spares_an_instance_placed_here_since_the_connect_and_never_rest
     assert started == [] and agent.counters["restarts"] == 0  # fenced: not restarted as a crash
 
 
+def test_a_keeper_stopped_for_a_drain_moves_with_its_state_or_restarts_here(tmp_path: Path) -> None:
+    """The sending half of the drain hand-over (`_on_reaped` -> `_hand_over`): the keeper's spec
+    goes to createNode() with restart = true, the keeper flag and the state file it wrote; a
+    ready reply from another node makes this node forget it (hosted spec and state file); when
+    no node can take it (here: the draining node is the only one), it restarts HERE with the
+    same identity and its local state, so nothing stalls."""
+    from agent.config import load_agent_config
+    from agent.runtime import hosted
+    from agent.runtime.daemon import Agent
+    from agent.runtime.supervisor import Reaped, Worker
+
+    conf = tmp_path / "a.toml"
+    conf.write_text(f'[agent]\nnode = "me"\ncluster = "c"\nstate_dir = "{tmp_path}/state"\n[mqtt]\nhost = "h"\nport = 1\n')
+    agent = Agent(load_agent_config(conf), warm_worker=False)
+    started: List[InstanceSpec] = []
+    agent.supervisor.start = lambda spec, now: started.append(spec)  # type: ignore[assignment]
+    agent.draining = True
+    state_dir = tmp_path / "state"
+    spec = InstanceSpec("p.work.0", "work", "me", "c", "p", PIPELINE, BrokerSpec("h", 1), keeper=True,
+                        state_dir=str(state_dir), extra={"sink_dir": str(tmp_path / "sink")})
+
+    def stopped_keeper() -> Worker:
+        hosted.remember(state_dir, spec)
+        (state_dir / "p.work.0.state.json").write_text(json.dumps({"epoch": 3, "inbound": {}}))
+        proc = subprocess.Popen([sys.executable, "-c", "pass"])  # an exited worker process
+        proc.wait()
+        w = Worker(spec=spec, proc=proc, started_at=1.0, stop_sent_at=2.0,
+                   exit_event={"event": "exit", "code": 0, "final": False})
+        agent._handing_over.add("p.work.0")
+        return w
+
+    asked: List[Any] = []
+    real_create = agent._create_node
+    agent._create_node = lambda s, reply, cause, now: asked.append((s, reply, cause))  # type: ignore[assignment]
+    agent._on_reaped(Reaped(stopped_keeper(), 0), 3.0)
+    [(moved, reply, cause)] = asked
+    assert cause == "handover" and moved.instance == "p.work.0" and moved.restart and moved.keeper
+    assert moved.extra["handover_state"] == {"epoch": 3, "inbound": {}} and "min_epoch" not in moved.extra
+    reply({"ok": True, "instance": "p.work.0", "node": "n3"})
+    assert not (state_dir / "p.work.0.state.json").exists() and hosted.hosted(state_dir) == []
+    assert started == []
+
+    agent._create_node = real_create  # type: ignore[assignment]
+    agent._on_reaped(Reaped(stopped_keeper(), 0), 4.0)  # no other node: placement has nowhere to go
+    [again] = started
+    assert again.instance == "p.work.0" and again.restart and again.keeper and "handover_state" not in again.extra
+    assert (state_dir / "p.work.0.state.json").exists() and [s.instance for s in hosted.hosted(state_dir)] == ["p.work.0"]
+
+
 def test_supervisor_hands_the_pre_started_worker_to_the_next_instance(tmp_path: Path, fake_worker: List[str]) -> None:
     loop = Loop(command=fake_worker, warm=True)
     loop.sup.prewarm(time.monotonic())
