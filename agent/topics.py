@@ -66,6 +66,16 @@ def all_agents_hosted(cluster: str) -> str:
     return f"{base(cluster)}/agents/+/hosted"
 
 
+def agent_rehomed(cluster: str, node: str) -> str:
+    """Retained JSON {instance: wall time} of the instances this node re-homed from dead nodes:
+    a node that comes back must not re-adopt them, even after they terminated elsewhere."""
+    return f"{base(cluster)}/agents/{_check(node)}/rehomed"
+
+
+def all_agents_rehomed(cluster: str) -> str:
+    return f"{base(cluster)}/agents/+/rehomed"
+
+
 def all_agents_state(cluster: str) -> str:
     return f"{base(cluster)}/agents/+/state"
 

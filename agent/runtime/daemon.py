@@ -59,6 +59,7 @@ RPC_TIMEOUT = 30.0  # seconds to wait for a remote agent to start an instance an
 MAX_RESTARTS = 3  # immediate restarts of a crashed worker within RESTART_WINDOW; then with backoff
 RESTART_WINDOW = 60.0
 RESTART_BACKOFF_MAX = 30.0  # seconds: the longest wait before restarting a crash-looping worker
+REHOMED_KEPT = 1000  # entries of this node's retained re-homed record
 READOPT_SETTLE = 1.0  # seconds after connecting before re-adopting: the retained states arrive first
 STATE_MIN_INTERVAL = 0.25  # rate limit of change-triggered state publications
 
@@ -164,6 +165,7 @@ class Agent:
         self._handing_over: Set[str] = set()  # keepers asked to stop on a drain, to start elsewhere
         # node loss (agent.runtime.rehome): every node's retained hosted record, offline times
         self.hosted_by_node: Dict[str, List[Dict[str, Any]]] = {}
+        self.rehomed_by_node: Dict[str, Dict[str, float]] = {}  # node -> {instance: when it re-homed it}
         self._offline_since: Dict[str, float] = {}
         self._rehomed: Set[str] = set()
         self._hosted_dirty = True
@@ -251,6 +253,7 @@ class Agent:
             (topics.all_agents_status(self.cluster), 1),
             (f"{topics.base(self.cluster)}/latency/+", 1),
             (topics.all_agents_hosted(self.cluster), 1),
+            (topics.all_agents_rehomed(self.cluster), 1),
         ]
         if self.latency_core is not None:
             subs.extend((t, 0) for t in self.latency_core.subscriptions())
@@ -777,6 +780,15 @@ class Agent:
                 self._rehomed.discard(node)
             elif node != self.node:
                 self._offline_since.setdefault(node, now)
+        elif len(parts) == 5 and parts[2] == "agents" and parts[4] == "rehomed":
+            try:
+                record = json.loads(msg.payload or b"{}")
+                if not isinstance(record, dict):
+                    raise ValueError("expected a JSON object")
+                self.rehomed_by_node[parts[3]] = {str(k): float(v) for k, v in record.items()}
+            except (ValueError, TypeError) as exc:
+                self.counters["bad_messages"] += 1
+                log.warning("ignoring re-homed record of %s: %s", parts[3], exc, extra={"node": self.node})
         elif len(parts) == 5 and parts[2] == "agents" and parts[4] == "hosted":
             if parts[3] == self.node:
                 return
@@ -971,7 +983,7 @@ class Agent:
         online node now runs was re-homed while we were away (agent.runtime.rehome). We fence it
         (kill our process, forget it) so that one identity never runs twice; on the first connect
         we then re-adopt the rest."""
-        elsewhere = self._listed_elsewhere()
+        elsewhere = self._listed_elsewhere() | self._taken_over()
         # Only workers that ran while we were away can have been re-homed. One started since this
         # connect was placed here by a createNode() that saw the fleet as it is (a drain's
         # hand-over, a re-home), while the retained state of the node it comes from may still
@@ -988,6 +1000,13 @@ class Agent:
         if not self._readopted:
             self._readopted = True
             self._readopt(now)
+
+    def _taken_over(self) -> Set[str]:
+        """Our hosted instances that another node re-homed after we started hosting them (they
+        may have terminated there since: re-adopting them would resurrect a departed instance)."""
+        state_dir = self.cfg.agent.state_dir
+        return {inst for node, record in self.rehomed_by_node.items() if node != self.node
+                for inst, when in record.items() if when > hosted.since(state_dir, inst) > 0}
 
     def _forget(self, instance: str) -> None:
         hosted.forget(self.cfg.agent.state_dir, instance)
@@ -1018,6 +1037,13 @@ class Agent:
             listed = self._listed_elsewhere() | set(self.supervisor.workers)
             plan = rehome.plan_rehome(node, self.hosted_by_node, online, listed, int(self.wall()))
             self._rehomed.add(node)
+            if plan:
+                record = self.rehomed_by_node.setdefault(self.node, {})
+                record.update((str(d["instance"]), self.wall()) for d in plan)
+                for inst in sorted(record, key=record.get)[:-REHOMED_KEPT]:
+                    del record[inst]  # bounded: the oldest entries go first
+                self._publish(topics.agent_rehomed(self.cluster, self.node),
+                              json.dumps(record, sort_keys=True).encode(), retain=True)
             log.warning("node %s offline for %.0fs: re-homing %d instances", node, now - since, len(plan),
                         extra={"node": self.node})
             for data in plan:

@@ -33,7 +33,7 @@ from agent.runtime.spec import InstanceSpec
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SUFFIX", "remember", "forget", "hosted"]
+__all__ = ["SUFFIX", "remember", "forget", "hosted", "since"]
 
 SUFFIX = ".spec.json"
 
@@ -59,6 +59,14 @@ def forget(state_dir: PathLike, instance: str) -> None:
         _path(state_dir, instance).unlink()
     except FileNotFoundError:
         pass
+
+
+def since(state_dir: PathLike, instance: str) -> float:
+    """Wall time this node recorded the instance as hosted (0 when it does not)."""
+    try:
+        return _path(state_dir, instance).stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def hosted(state_dir: PathLike) -> List[InstanceSpec]:
