@@ -43,7 +43,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from agent.config import load_pipeline_text
 from agent.runtime.demo import Fleet, Monitor, verify
@@ -228,7 +228,7 @@ class Nemesis:
         proc.kill()
         proc.wait()
         time.sleep(self.cfg.agent_restart_delay)
-        self.fleet.start_agent(node, _agent_env())
+        self.fleet.start_agent(node)
         return node, {"down_s": self.cfg.agent_restart_delay}
 
     def restart_broker(self, target: Optional[str]) -> Tuple[str, Dict[str, Any]]:
@@ -279,7 +279,7 @@ class Nemesis:
                 break
             time.sleep(0.2)
         time.sleep(max(0.0, killed + self.cfg.dead_after + 2.0 - time.monotonic()))
-        self.fleet.start_agent(node, _agent_env())
+        self.fleet.start_agent(node)
         return node, {"instances": sorted(hosted), "rehomed_after_s": rehomed}
 
 
@@ -288,14 +288,6 @@ def _signal(pid: int, sig: int) -> None:
         os.kill(pid, sig)
     except ProcessLookupError:
         pass
-
-
-def _agent_env() -> Dict[str, str]:
-    from agent.runtime.demo import ROOT
-
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    return env
 
 
 # ---- the run ------------------------------------------------------------------------------------

@@ -128,11 +128,16 @@ class Fleet:
         self.sink_dir.mkdir(parents=True, exist_ok=True)
         if self.broker_host is None:
             self.broker = start_private_broker(self.workdir / "broker", max_queued=self.max_queued)
+        for node in self.nodes:
+            self.start_agent(node)
+        return self
+
+    @staticmethod
+    def agent_env() -> Dict[str, str]:
+        """This environment with the project on PYTHONPATH (agents run from a checkout too)."""
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-        for node in self.nodes:
-            self.start_agent(node, env)
-        return self
+        return env
 
     def start_agent(self, node: str, env: Optional[Dict[str, str]] = None) -> subprocess.Popen:
         conf = self.workdir / f"{node}.toml"
@@ -145,7 +150,7 @@ class Fleet:
         proc = subprocess.Popen(
             [sys.executable, "-m", "agent", "--log-level", self.log_level, "run", "--config", str(conf),
              *self.agent_args],
-            stdout=logf, stderr=subprocess.STDOUT, env=env or os.environ.copy(), cwd=str(ROOT),
+            stdout=logf, stderr=subprocess.STDOUT, env=env or self.agent_env(), cwd=str(ROOT),
         )
         logf.close()
         self.procs[node] = proc
