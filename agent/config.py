@@ -44,8 +44,10 @@ class AgentSection:
     heartbeat_period: float = field(default=1.0, metadata={"check": positive("seconds")})
     shutdown_timeout: float = field(default=10.0, metadata={"check": positive("seconds")})
     # A node offline this long is gone: the lowest-named online agent starts its instances
-    # elsewhere with the same identity (agent.runtime.rehome). Longer than a reboot.
-    dead_after: float = field(default=120.0, metadata={"check": positive("seconds")})
+    # elsewhere with the same identity (agent.runtime.rehome). Longer than a reboot. 0 (the
+    # default) never re-homes: experimental, chaos runs still lose records in flight on the
+    # dead node (docs/reliability.md); without it the dead node's routes wait, losing nothing.
+    dead_after: float = field(default=0.0, metadata={"check": non_negative("seconds")})
 
 
 @dataclass(frozen=True)

@@ -7,14 +7,15 @@ from typing import Any
 
 
 def register(groups: Any) -> None:
-    from agent.runtime.chaos import FAULTS
+    from agent.runtime.chaos import DEFAULT_FAULTS, FAULTS
 
     p = groups.root.add_parser(
         "chaos", help="run the demo fleet while injecting faults at random (seeded), then verify every record id")
     p.add_argument("--duration", type=float, default=120.0, help="seconds of changing load (default 120)")
     p.add_argument("--seed", type=int, default=1, help="seed of the fault schedule and the data (default 1)")
-    p.add_argument("--faults", default=",".join(FAULTS),
-                   help=f"comma-separated faults to draw from (default all: {','.join(FAULTS)})")
+    p.add_argument("--faults", default=",".join(DEFAULT_FAULTS),
+                   help=f"comma-separated faults to draw from, of {','.join(FAULTS)} "
+                        f"(default {','.join(DEFAULT_FAULTS)}; kill-node re-homes, experimental)")
     p.add_argument("--runs", type=int, default=1, help="runs with seeds seed, seed+1, ... (default 1)")
     p.add_argument("--workdir", default=None, help="work directory of the first run (default: a new temporary one)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON (a list for several runs)")

@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 __all__ = ["FAULTS", "ChaosConfig", "Fault", "chaos_pipeline", "run_chaos", "print_report", "main"]
 
 FAULTS = ("kill-worker", "kill-agent", "restart-broker", "stall-node", "kill-node")
+DEFAULT_FAULTS = FAULTS[:4]  # kill-node needs re-homing, experimental (docs/reliability.md)
 EXIT_OK = 0
 EXIT_SETUP = 1
 EXIT_LOSS = 3  # a record was lost or duplicated at the sink
@@ -113,7 +114,7 @@ def chaos_pipeline(duration: float, seed: int) -> str:
 class ChaosConfig:
     duration: float = 120.0  # seconds of load; faults are injected during it
     seed: int = 1
-    faults: Sequence[str] = FAULTS
+    faults: Sequence[str] = DEFAULT_FAULTS
     nodes: Sequence[str] = ("n1", "n2", "n3")
     pause: Tuple[float, float] = (3.0, 8.0)  # seconds between a recovery and the next fault
     warmup: float = 5.0  # no fault before this many seconds of load
@@ -301,8 +302,9 @@ def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dic
     profile = pipeline.operators[0].params["steps"]
     workdir = Path(cfg.workdir) if cfg.workdir else Path(tempfile.mkdtemp(prefix="fog-chaos-"))
     started = time.monotonic()
+    node_loss = "kill-node" in cfg.faults if cfg.schedule is None else any(k == "kill-node" for _, k, _ in cfg.schedule)
     fleet = Fleet(workdir, nodes=tuple(cfg.nodes), cluster="chaos", log_level=cfg.log_level, shutdown_timeout=10.0,
-                  dead_after=cfg.dead_after)
+                  dead_after=cfg.dead_after if node_loss else 0.0)  # re-homing only where a node is lost
     faults: List[Fault] = []
     summary: Dict[str, Any] = {"seed": cfg.seed, "duration": cfg.duration, "faults_enabled": list(cfg.faults),
                                "workdir": str(workdir)}

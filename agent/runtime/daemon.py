@@ -1026,7 +1026,8 @@ class Agent:
     def _maybe_rehome(self, now: float) -> None:
         """Start elsewhere, same identities, the instances of nodes offline for `dead_after`
         seconds, if this agent is the lowest-named online one (agent.runtime.rehome)."""
-        if not self.connected or self._stopping_since is not None or not self._offline_since:
+        if (not self.connected or self._stopping_since is not None or not self._offline_since
+                or self.cfg.agent.dead_after <= 0):
             return
         online = {n for n, up in self.online.items() if up} | {self.node}
         for node, since in sorted(self._offline_since.items()):

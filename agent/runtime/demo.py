@@ -95,7 +95,7 @@ class Fleet:
     state_period: float = 1.0
     heartbeat_period: float = 0.5
     shutdown_timeout: float = 10.0
-    dead_after: float = 120.0  # a node offline this long has its instances re-homed
+    dead_after: float = 0.0  # > 0: a node offline this long has its instances re-homed
     broker_host: Optional[str] = None  # use an existing broker instead of starting one
     broker_port: Optional[int] = None
     max_queued: int = 10000
