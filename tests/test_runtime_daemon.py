@@ -392,7 +392,8 @@ def test_agent_status_state_spawn_and_clean_sigterm(tmp_path: Path, mosquitto: A
     pids = {e["pid"] for e in read_log(fake_log)}
     assert pids and not any(pid_alive(p) for p in pids)
     exits = [e for e in read_log(fake_log) if e["event"] == "exit"]
-    assert len(exits) == len(pids)  # every worker got "stop" and drained (none needed a signal)
+    # every worker got "stop" and drained (none needed a signal); the whole log says who did not
+    assert len(exits) == len(pids), [(e["pid"], e["instance"], e["event"]) for e in read_log(fake_log)]
 
 
 @pytest.mark.broker
