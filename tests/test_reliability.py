@@ -74,7 +74,7 @@ def test_crash_in_the_middle_of_a_duplication_round(tmp_path: Path) -> None:
 @pytest.mark.parametrize("seed", [11, 12])
 def test_random_faults_lose_nothing(tmp_path: Path, seed: int) -> None:
     """Seeded random faults (those without an open defect), one after the other, changing load."""
-    cfg = ChaosConfig(duration=36.0, seed=seed, workdir=tmp_path, pause=(2.0, 4.0), warmup=4.0,
+    cfg = ChaosConfig(duration=40.0, seed=seed, workdir=tmp_path, pause=(2.0, 4.0), warmup=4.0,
                       faults=("kill-worker", "restart-broker", "stall-node"))
     summary = run_chaos(cfg, live=False)
     assert summary["faults_injected"] >= 3, summary["faults"]

@@ -170,6 +170,7 @@ class Agent:
         self._rehomed: Set[str] = set()
         self._hosted_dirty = True
         self._reconcile_at: Optional[float] = None
+        self._to_readopt: List[InstanceSpec] = []  # hosted when this agent started (see run)
         self._connected_at = 0.0  # clock() of the last connect: workers started before it may be fenced
         self._fenced: Set[str] = set()  # killed because another node runs them: never restarted here
         self._readopted = False
@@ -306,6 +307,10 @@ class Agent:
 
     def run(self) -> int:
         self._start_metrics()
+        # What the previous incarnation hosted, read before this one starts anything: only these
+        # are re-adopted (an instance this agent starts and stops before the first reconcile
+        # must not come back).
+        self._to_readopt = hosted.hosted(self.cfg.agent.state_dir)
         self._client = self._make_client()
         self._client.loop_start()
         status = EXIT_OK
@@ -385,7 +390,7 @@ class Agent:
     def _periodic(self, now: float) -> None:
         for reaped in self.supervisor.poll(now):
             self._on_reaped(reaped, now)
-        if self._reconcile_at is not None and now >= self._reconcile_at:
+        if self._reconcile_at is not None and now >= self._reconcile_at and self._stopping_since is None:
             self._reconcile_at = None
             self._reconcile(now)
         if self._hosted_dirty and self.connected:
@@ -1065,8 +1070,9 @@ class Agent:
         """Restart, with the same identity, every instance this node hosted when its agent last
         stopped (agent.runtime.hosted): they are still in their neighbours' routing tables.
         Node-local settings come from this agent's configuration, not from the stored spec."""
-        for spec in hosted.hosted(self.cfg.agent.state_dir):
-            if spec.instance in self.supervisor:
+        present = {s.instance for s in hosted.hosted(self.cfg.agent.state_dir)}  # not forgotten since
+        for spec in self._to_readopt:
+            if spec.instance in self.supervisor or spec.instance not in present:
                 continue
             spec = dataclasses.replace(spec, node=self.node, cluster=self.cluster, broker=self.broker,
                                        state_dir=self.cfg.agent.state_dir,
