@@ -59,3 +59,94 @@ def test_resend_goes_only_to_silent_pending_neighbours_that_were_sent_the_round(
     assert silent_pending(core, heard, now=18.0, after=10.0) == [("s-0", msg), ("s-1", msg)]
     idle = ScalingCore.initial("q-0", "m", 1, ScalingParams(), succs=("s-0",), preds=("p-0",), keeper=True)
     assert round_message(idle) is None and silent_pending(idle, {"s-0": 0.0}, 100.0) == []
+
+
+class _Wire:
+    """The worker's transport, in memory: publications are kept, each one PUBACKed at once."""
+
+    def __init__(self) -> None:
+        from agent.runtime.transport import PubAck
+
+        self.events: list = []
+        self.sent: list = []
+        self.connected = True
+        self._puback = PubAck
+
+    def connect(self, *a: object, **k: object) -> bool:
+        return True
+
+    def subscribe(self, *a: object, **k: object) -> None:
+        pass
+
+    def publish(self, topic: str, payload: bytes, qos: object = None, retain: bool = False) -> int:
+        self.sent.append((topic, payload))
+        self.events.append(self._puback(len(self.sent)))
+        return len(self.sent)
+
+    def poll(self, timeout: float) -> None:
+        pass
+
+    def take_events(self) -> list:
+        ev, self.events = self.events, []
+        return ev
+
+    def pending_out(self) -> int:
+        return 0
+
+    def close(self, final: bool = False, timeout: float = 5.0) -> None:
+        pass
+
+
+def test_a_source_resumes_at_its_oldest_unacked_poll_not_its_newest(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The position a source writes for its restart (`resume_from`) must lie at or below every
+    record a successor has not acked yet. Each poll of the source is one input index; a source
+    has no input, so the indices are its own. Regression: every poll got the same index, so the
+    position was the first record of the NEWEST poll and a restart skipped the older unacked
+    polls (the records lost when an agent restart stopped the source and its successors at once:
+    the broker had them only for the old incarnations, and the source never generated them again)."""
+    import os
+
+    from agent import topics
+    from agent.runtime.dataplane_bench import initial_specs, pipeline_toml
+    from agent.runtime.envelope import Envelope, Kind, encode
+    from agent.runtime.spec import BrokerSpec
+    from agent.runtime.transport import Received
+    from agent.runtime.worker import Worker
+
+    toml = pipeline_toml("p", [
+        {"name": "source", "kind": "source", "function": "agent.runtime.taxi:mqtt_source",
+         "params": {"topic": "sensors/#"}, "batch_size": 4, "linger_ms": 0},
+        {"name": "sink", "kind": "sink", "function": "agent.runtime.operators:counting_sink"},
+    ], scaling={"policy": "none"})
+    spec = initial_specs(toml, BrokerSpec("127.0.0.1", 1), str(tmp_path / "state"), cluster="c",
+                         extra={"sink_dir": str(tmp_path / "sink")})[0]
+    clock = [100.0]
+    wire = _Wire()
+    w = Worker(spec, out=open(os.devnull, "w"), clock=lambda: clock[0], transport=wire)  # noqa: SIM115
+    w.start()
+
+    def poll(n: int) -> None:
+        for i in range(n):
+            w.operator.ingest("sensors/x", b'{"v": %d}' % i)
+        clock[0] += 0.1
+        w.step(clock[0])
+        w.step(clock[0])
+
+    def data_batches() -> list:
+        return [p for t, p in wire.sent if t == topics.inbox("c", "sink-0") and b'"d"' in p[:60]]
+
+    poll(4)
+    poll(4)
+    poll(4)
+    assert len(data_batches()) == 3 and w.operator.generated == 12
+    assert w.source_resume_seq() == 0  # nothing acked: everything must be generated again
+
+    def ack(upto: int, seq: int) -> None:
+        wire.events.append(Received(topics.inbox("c", "source-0"),
+                                    encode(Envelope("sink-0", 0, seq, Kind.ACK, [w.epoch, upto]))))
+        w.step(clock[0])
+
+    ack(1, 1)
+    assert w.source_resume_seq() == 4  # the first poll is acked end to end, the second is not
+    ack(3, 2)
+    assert w.source_resume_seq() == 12  # all acked: resume after the last generated record

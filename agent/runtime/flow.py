@@ -116,9 +116,13 @@ class AckTracker:
         self._processed.append((self._index, sender, (epoch, seq)))
         return self._index
 
-    def next_index(self) -> int:
-        """The index the next processed batch will get (for outputs produced on their own)."""
-        return self._index + 1
+    def produced(self) -> int:
+        """A new index for outputs produced on their own (a source's poll), with nobody to ack.
+
+        Each poll needs an index of its own: the outputs' lowest pending index tells the source
+        which polls are acked end to end (its restart position). Not queued for `release`."""
+        self._index += 1
+        return self._index
 
     @property
     def last_index(self) -> int:

@@ -547,7 +547,7 @@ class Worker:
         if items:
             self._period_records += len(items)
             self.stats["records_in"] += len(items)
-            index = self.tracker.next_index()
+            index = self.tracker.produced()
             self._source_first[index] = items[0][1]
             self.outbox.add(items, index, now)
 
