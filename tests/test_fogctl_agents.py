@@ -26,29 +26,14 @@ from agent import topics  # noqa: E402
 from agent.fogctl.client import Connection  # noqa: E402
 from agent.fogctl.config import FogctlConfig  # noqa: E402
 
+from pipelines import taxi_in_zone  # noqa: E402
+
 pytestmark = pytest.mark.broker
 
 ROOT = Path(__file__).resolve().parent.parent
 KEEPALIVE = 2  # seconds, [mqtt].keepalive of the agents under test
 
-PIPELINE = """
-[pipeline]
-name = "taxi"
-[scaling]
-policy = "none"
-[[operator]]
-name = "source"
-kind = "source"
-function = "agent.runtime.taxi:source"
-params = { seed = 1, profile = "constant", rate = 50.0 }
-[[operator]]
-name = "in_zone"
-function = "agent.runtime.operators:in_zone"
-[[operator]]
-name = "sink"
-kind = "sink"
-function = "agent.runtime.operators:counting_sink"
-"""
+PIPELINE = taxi_in_zone("taxi", seed=1, rate=50.0)
 
 
 class Agent:

@@ -17,26 +17,11 @@ import pytest
 
 import agent.runtime.daemon  # noqa: E402,F401  (a broken daemon must fail here, not skip)
 
+from pipelines import taxi_in_zone  # noqa: E402
+
 pytestmark = pytest.mark.broker
 
-PIPELINE = """
-[pipeline]
-name = "full"
-[scaling]
-policy = "none"
-[[operator]]
-name = "source"
-kind = "source"
-function = "agent.runtime.taxi:source"
-params = { seed = 4, profile = "constant", rate = 40.0 }
-[[operator]]
-name = "in_zone"
-function = "agent.runtime.operators:in_zone"
-[[operator]]
-name = "sink"
-kind = "sink"
-function = "agent.runtime.operators:counting_sink"
-"""
+PIPELINE = taxi_in_zone("full", seed=4, rate=40.0)
 
 
 def test_failed_spawn_cancels_the_round_and_loses_nothing(mosquitto: Any, tmp_path: Any) -> None:

@@ -24,28 +24,13 @@ import pytest
 
 import prometheus_client  # noqa: E402,F401
 
+from pipelines import taxi_in_zone  # noqa: E402
+
 pytestmark = pytest.mark.broker
 
 ROOT = Path(__file__).resolve().parent.parent
 
-PIPELINE = """
-[pipeline]
-name = "met"
-[scaling]
-policy = "none"
-[[operator]]
-name = "source"
-kind = "source"
-function = "agent.runtime.taxi:source"
-params = { seed = 5, profile = "constant", rate = 50.0 }
-[[operator]]
-name = "in_zone"
-function = "agent.runtime.operators:in_zone"
-[[operator]]
-name = "sink"
-kind = "sink"
-function = "agent.runtime.operators:counting_sink"
-"""
+PIPELINE = taxi_in_zone("met", seed=5, rate=50.0)
 
 
 def free_port() -> int:

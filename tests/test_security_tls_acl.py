@@ -45,6 +45,8 @@ from agent.cli.fogctl import main as fogctl_main
 from agent.runtime.broker import MOSQUITTO, free_port, wait_port
 from tls_certs import OPENSSL, make_ca, make_cert
 
+from pipelines import taxi_in_zone  # noqa: E402
+
 pytestmark = pytest.mark.broker
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,24 +56,7 @@ ADMIN = "admin"
 NOT_AUTHORIZED = 135  # MQTT 5 reason code
 OK_CODES = (0, 16)  # success, no matching subscribers
 
-PIPELINE = """
-[pipeline]
-name = "taxi"
-[scaling]
-policy = "none"
-[[operator]]
-name = "source"
-kind = "source"
-function = "agent.runtime.taxi:source"
-params = { seed = 1, profile = "constant", rate = 50.0 }
-[[operator]]
-name = "in_zone"
-function = "agent.runtime.operators:in_zone"
-[[operator]]
-name = "sink"
-kind = "sink"
-function = "agent.runtime.operators:counting_sink"
-"""
+PIPELINE = taxi_in_zone("taxi", seed=1, rate=50.0)
 
 
 # ---- the broker the role ships, rendered ---------------------------------------------------------

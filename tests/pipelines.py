@@ -1,0 +1,25 @@
+"""Pipeline texts shared by the integration tests (one place to change the operators' names)."""
+
+from __future__ import annotations
+
+
+def taxi_in_zone(name: str, seed: int = 1, rate: float = 50.0) -> str:
+    """source (synthetic taxi records at a constant rate) -> in_zone -> counting sink, no scaling."""
+    return f"""
+[pipeline]
+name = "{name}"
+[scaling]
+policy = "none"
+[[operator]]
+name = "source"
+kind = "source"
+function = "agent.runtime.taxi:source"
+params = {{ seed = {seed}, profile = "constant", rate = {float(rate)} }}
+[[operator]]
+name = "in_zone"
+function = "agent.runtime.operators:in_zone"
+[[operator]]
+name = "sink"
+kind = "sink"
+function = "agent.runtime.operators:counting_sink"
+"""
