@@ -88,6 +88,24 @@ def test_duplication_orders_effects_before_dependent_sends():
     assert set(reply[0].preds) == {"b0"} | {o.instance_id for o in out if isinstance(o, CreateInstance)}
 
 
+def test_copy_ids_are_never_reused_by_a_later_incarnation():
+    """Copy ids are a pure function of (instance, incarnation, round, k): the same incarnation
+    replays a round with the same ids (the idempotent createNode() after a crash), while a later
+    incarnation that restarted from a rebuilt state (re-homed: round back at 0) gets new ids.
+    Regression: a re-homed keeper's first copy took the id of a copy its dead incarnation had
+    created and that had since terminated, restored that copy's final state, and stalled."""
+
+    def first_copies(incarnation: int) -> set:
+        core = ScalingCore.initial("b0", "B", 1, P, succs=["c0"], preds=["a0"], incarnation=incarnation)
+        return {o.instance_id for o in core.start_duplication(2) if isinstance(o, CreateInstance)}
+
+    assert first_copies(3) == first_copies(3) and len(first_copies(3)) == 2
+    assert not first_copies(3) & first_copies(4) and not first_copies(0) & first_copies(4)
+    restored = ScalingCore.restore(ScalingCore.initial("b0", "B", 1, P, succs=["c0"], preds=["a0"]).snapshot(),
+                                   P, incarnation=9)
+    assert {o.instance_id for o in restored.start_duplication(2) if isinstance(o, CreateInstance)} == first_copies(9)
+
+
 def test_terminate_only_after_every_deletion_ack_and_after_drain():
     core = ScalingCore.initial("b1", "B", 1, P, succs=["c0", "c1"], preds=["a0", "a1"])
     out = core.start_deletion()

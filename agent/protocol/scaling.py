@@ -170,6 +170,7 @@ class ScalingCore:
         creator: Optional[str] = None,
         deletion_mode: DeletionMode = DeletionMode.TWO_PHASE,
         emit_routes: bool = True,
+        incarnation: int = 0,
     ) -> None:
         if not instance_id or not isinstance(instance_id, str):
             raise LocalProtocolError(f"instance_id: expected a non-empty string, found {instance_id!r}")
@@ -185,6 +186,11 @@ class ScalingCore:
         self.creator = creator
         self.deletion_mode = deletion_mode
         self.emit_routes = emit_routes
+        # Which incarnation of this identity runs the core (the worker's epoch). An instance
+        # re-homed after its node died restarts from a rebuilt state with `round` at 0, so the
+        # copies it creates need ids its earlier incarnation's rounds cannot have used: ids are
+        # never reused (a departed copy's id would inherit its inbox, channels and state file).
+        self.incarnation = incarnation
         self.state = InstanceState.ACTIVE if active else InstanceState.IDLE
         self.succs: Set[str] = set(succs)
         self.preds: Set[str] = set(preds)
@@ -497,7 +503,8 @@ class ScalingCore:
 
     def _new_id(self, rnd: int, k: int) -> str:
         """Deterministic, short, unique-in-practice id for a new sibling (identity from inputs)."""
-        digest = hashlib.blake2b(f"{self.instance_id}|{rnd}|{k}".encode(), digest_size=6).hexdigest()
+        digest = hashlib.blake2b(f"{self.instance_id}|{self.incarnation}|{rnd}|{k}".encode(),
+                                 digest_size=6).hexdigest()
         return f"{self.operator}-{digest}"
 
     # ---- snapshot / restore -----------------------------------------------------------------

@@ -905,16 +905,17 @@ class _ScalingDriver:
         core_cls = core_class(self.coordination)
         self._from_dict = message_from_dict
         if spec.restart and saved.get("scaling"):
-            self.core = core_cls.restore(saved["scaling"], self.params)
+            self.core = core_cls.restore(saved["scaling"], self.params, incarnation=worker.epoch)
         elif spec.active:
             self.core = core_cls.initial(
                 spec.instance, spec.operator, worker.stage, self.params,
-                succs=spec.succs, preds=spec.preds, keeper=spec.keeper,
+                succs=spec.succs, preds=spec.preds, keeper=spec.keeper, incarnation=worker.epoch,
             )
         else:
             creator = str(spec.extra.get("creator", ""))
             self.core = core_cls.from_create(
-                CreateInstance(spec.instance, spec.operator, worker.stage, creator), self.params
+                CreateInstance(spec.instance, spec.operator, worker.stage, creator), self.params,
+                incarnation=worker.epoch,
             )
         self.log = RoundLog([op.name for op in worker.pipeline.operators], spec.operator)
         self.log.observe(self.core, time.monotonic(), time.time())
