@@ -231,12 +231,13 @@ class Nemesis:
 
     def kill_agent(self, target: Optional[str]) -> Tuple[str, Dict[str, Any]]:
         node = target or self.rng.choice(list(self.cfg.nodes))
+        hosted = {i for i, e in _active_instances(self.mon).items() if e["node"] == node}
         proc = self.fleet.procs[node]
         proc.kill()
         proc.wait()
         time.sleep(self.cfg.agent_restart_delay)
         self.fleet.start_agent(node)
-        return node, {"down_s": self.cfg.agent_restart_delay}
+        return node, {"down_s": self.cfg.agent_restart_delay, "instances": sorted(hosted)}
 
     def restart_broker(self, target: Optional[str]) -> Tuple[str, Dict[str, Any]]:
         from agent.runtime.broker import start_private_broker
