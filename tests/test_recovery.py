@@ -150,3 +150,91 @@ def test_a_source_resumes_at_its_oldest_unacked_poll_not_its_newest(tmp_path) ->
     assert w.source_resume_seq() == 4  # the first poll is acked end to end, the second is not
     ack(3, 2)
     assert w.source_resume_seq() == 12  # all acked: resume after the last generated record
+
+
+def _chain(tmp_path, clock: list, wire: "_Wire", operator: str):  # type: ignore[no-untyped-def]
+    """One worker of source -> work -> sink, on the in-memory wire, its clock in `clock[0]`."""
+    import os
+
+    from agent.runtime.dataplane_bench import initial_specs, pipeline_toml
+    from agent.runtime.spec import BrokerSpec
+    from agent.runtime.worker import Worker
+
+    toml = pipeline_toml("p", [
+        {"name": "source", "kind": "source", "function": "agent.runtime.taxi:mqtt_source",
+         "params": {"topic": "sensors/#"}, "batch_size": 4, "linger_ms": 0},
+        {"name": "work", "function": "agent.runtime.operators:validate", "batch_size": 4, "linger_ms": 0},
+        {"name": "sink", "kind": "sink", "function": "agent.runtime.operators:counting_sink"},
+    ], scaling={"policy": "none"})
+    spec = [s for s in initial_specs(toml, BrokerSpec("127.0.0.1", 1), str(tmp_path / "state"), cluster="c",
+                                     extra={"sink_dir": str(tmp_path / "sink")}) if s.operator == operator][0]
+    w = Worker(spec, out=open(os.devnull, "w"), clock=lambda: clock[0], transport=wire)  # noqa: SIM115
+    w.start()
+    return w
+
+
+def test_a_hole_in_a_senders_numbering_that_stays_open_makes_us_a_new_incarnation(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Batch 2 of the source never arrives (the broker lost it, or a fenced copy with our client
+    id took it); batch 3 waits behind the hole. A few seconds of reordering are normal; after
+    GAP_TIMEOUT the worker takes a new epoch and acks nothing in it to its predecessor, which is
+    how a predecessor learns to replay everything unacked, batch 2 included."""
+    from agent import topics
+    from agent.runtime.envelope import decode, encode_data
+    from agent.runtime.taxi import sample
+    from agent.runtime.transport import Received
+    from agent.runtime.worker import GAP_TIMEOUT, SILENCE_CHECK
+
+    clock, wire = [100.0], _Wire()
+    w = _chain(tmp_path, clock, wire, "work")
+    inbox = topics.inbox("c", "work-0")
+    recs = sample(1, 12)
+
+    def batch(seq: int) -> Received:
+        items = [("source-0", 4 * (seq - 1) + i, recs[4 * (seq - 1) + i]) for i in range(4)]
+        return Received(inbox, encode_data("source-0", 0, seq, items))
+
+    def run(seconds: float) -> None:
+        end = clock[0] + seconds
+        while clock[0] < end:
+            clock[0] += 0.25
+            w.step(clock[0])
+
+    wire.events += [batch(1), batch(3)]
+    run(GAP_TIMEOUT - 2 * SILENCE_CHECK)
+    assert w.epoch == 0 and w.stats.get("gaps_recovered", 0) == 0  # reordering may still close it
+    sent_before = len(wire.sent)
+    run(3 * SILENCE_CHECK)
+    assert w.epoch == 1 and w.stats["gaps_recovered"] == 1
+    to_source = [decode(p) for t, p in wire.sent[sent_before:] if t == topics.inbox("c", "source-0")]
+    assert any(e.epoch == 1 and list(e.body) == [0, 0] for e in to_source), to_source  # "replay to me"
+    run(3 * GAP_TIMEOUT)
+    assert w.stats["gaps_recovered"] == 1  # the hole was forgotten with the old channel positions
+
+
+def test_batches_a_successor_never_acks_are_replayed_to_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The last batches sent to a successor went missing (nothing comes after them, so it sees
+    no hole): after LINK_SILENCE without an ack they are sent again, renumbered; acked ones never."""
+    from agent import topics
+    from agent.runtime.envelope import Envelope, Kind, decode, encode
+    from agent.runtime.transport import Received
+    from agent.runtime.worker import LINK_SILENCE
+
+    clock, wire = [100.0], _Wire()
+    w = _chain(tmp_path, clock, wire, "source")
+    for i in range(8):
+        w.operator.ingest("sensors/x", b'{"v": %d}' % i)
+    clock[0] += 0.1
+    w.step(clock[0])
+    w.step(clock[0])
+    to_work = topics.inbox("c", "work-0")
+    first = [decode(p) for t, p in wire.sent if t == to_work and decode(p).kind.value == "d"]
+    assert [e.seq for e in first] == [1, 2]
+    wire.events.append(Received(topics.inbox("c", "source-0"),
+                                encode(Envelope("work-0", 0, 1, Kind.ACK, [w.epoch, 1]))))  # batch 1 only
+    sent = len(wire.sent)
+    end = clock[0] + LINK_SILENCE + 2
+    while clock[0] < end:
+        clock[0] += 0.5
+        w.step(clock[0])
+    again = [decode(p) for t, p in wire.sent[sent:] if t == to_work and decode(p).kind.value == "d"]
+    assert len(again) == 1 and again[0].body == first[1].body and again[0].seq == 3, again

@@ -302,3 +302,47 @@ def test_killed_worker_restarted_with_same_identity_loses_nothing(runner, mosqui
     assert_exactly_once(tmp_path, n)
     state = json.loads((tmp_path / "state" / "validate-0.state.json").read_text())
     assert state["epoch"] == 1
+
+
+def test_a_session_taken_over_for_a_while_is_replayed_to_us(runner, mosquitto, tmp_path: Path) -> None:
+    """After a partition, a fenced copy of an instance (still running on the node that came back)
+    connects with the instance's client id and takes its persistent session until its agent kills
+    it: the broker hands it batches and acks, it PUBACKs them and dies with them. The instance
+    cannot tell (paho reports a plain connection loss, the session is there when it reconnects);
+    what shows is a hole in a sender's numbering that stays open
+    (it becomes a new incarnation and every predecessor replays what it had not acked) or,
+    when the lost messages were a sender's last ones, batches that the sender never sees acked
+    (it replays them after LINK_SILENCE). Before: those batches waited for ever; and after a new
+    epoch every ack was ignored as old (the link kept the old epoch's ack position)."""
+    import signal
+
+    from paho.mqtt.packettypes import PacketTypes
+    from paho.mqtt.properties import Properties
+
+    n = 6000
+    procs = start_pipeline(runner, mosquitto, tmp_path, taxi_pipeline(1500.0, n), "takeover")
+    wait_for(lambda: procs["sink"].stats.get("recorded", 0) > 500, 20, "records to flow")
+    taken: List[bytes] = []
+    fenced = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="fog-takeover-validate-0", protocol=mqtt.MQTTv5,
+                         reconnect_on_failure=False)
+    fenced.on_message = lambda c, u, m: taken.append(m.payload)  # PUBACKed, then lost with it
+    props = Properties(PacketTypes.CONNECT)
+    props.SessionExpiryInterval = 3600  # a copy of the instance: the same persistent session
+    validate_proc = procs["validate"].proc
+    validate_proc.send_signal(signal.SIGSTOP)  # the partition: it cannot take its session back yet
+    try:
+        fenced.connect(mosquitto.host, mosquitto.port, clean_start=False, properties=props)
+        fenced.loop_start()
+        wait_for(lambda: len(taken) >= 2, 10, "the fenced copy to take messages from the session")
+        fenced.disconnect()  # after the PUBACKs: the broker forgets what it took
+        fenced.loop_stop()
+    finally:
+        validate_proc.send_signal(signal.SIGCONT)
+    wait_for(lambda: procs["source"].stats.get("generated") == n, 45, "the source to finish")
+    want = len(expected_ids(3, "source-0", n))
+    wait_for(lambda: procs["sink"].stats.get("recorded") == want, 45, "the sink to record everything")
+    recovered = {f"{k}.{c}": procs[k].stats.get(c, 0) for k in ("source", "validate", "in_zone")
+                 for c in ("gaps_recovered", "silent_links_replayed")}
+    assert any(recovered.values()), recovered  # replayed on purpose, not by luck
+    runner.stop_all()
+    assert_exactly_once(tmp_path, n)

@@ -45,6 +45,7 @@ class OutLink:
         self.window = window
         self._unacked: "OrderedDict[int, Unacked]" = OrderedDict()
         self.acked_upto = 0
+        self.last_ack_at = 0.0  # when the receiver last acked something new (see `ack`)
         self.batches_sent = 0
         self.records_sent = 0
 
@@ -68,11 +69,12 @@ class OutLink:
         self.batches_sent += 1
         self.records_sent += records
 
-    def ack(self, upto: int) -> int:
+    def ack(self, upto: int, now: float = 0.0) -> int:
         """Cumulative ack: every data seq <= upto is done; returns the batches released."""
         if upto <= self.acked_upto:
             return 0
         self.acked_upto = upto
+        self.last_ack_at = now
         released = 0
         while self._unacked:
             seq = next(iter(self._unacked))
@@ -81,6 +83,11 @@ class OutLink:
             del self._unacked[seq]
             released += 1
         return released
+
+    def restart_numbering(self) -> None:
+        """We took a new epoch: our numbering to `dest` starts again at 1, so the ack position
+        of the old epoch must go (kept, it made every ack of the new epoch look old)."""
+        self.acked_upto = 0
 
     def replace(self, old_seq: int, new_seq: int, payload: bytes, now: float) -> None:
         """A batch was sent again under a new number (replay after the successor restarted)."""

@@ -69,6 +69,14 @@ SOURCE_RESERVE = 2000  # records a source may generate past its last written pos
 LOCK_EVENT_BURST = 20  # at most this many lock events per instance per second (6 per round)
 SINK_SETTLE_POLL = 0.002  # a spilling sink checks its spool writer this often while records wait
 STATE_PERIOD = 1.0  # persist the channel snapshot at most this often (a rename costs ~5 ms here)
+# A hole in a sender's numbering this old will not close by itself: the broker lost those
+# messages, or another connection with our client id took them (a fenced copy after a partition).
+GAP_TIMEOUT = 5.0
+# Batches to a successor unacked this long, with no ack from it meanwhile: replay them (what it
+# lost sits at the end of its channel, so it sees no hole). A slow successor acks within a second
+# or two; a stalled or restarting one gets a replay it may not need: duplicates, dropped by id.
+LINK_SILENCE = 15.0
+SILENCE_CHECK = 1.0  # seconds between the two checks above
 
 
 class Worker:
@@ -184,6 +192,8 @@ class Worker:
         self._sent_to_removed: Set[str] = set()
         self._final = False
         self._last_source_write = -1e9
+        self._holes: Dict[str, Tuple[Tuple[int, int], float]] = {}  # sender -> ((epoch, missing seq), since)
+        self._next_silence_check = clock() + SILENCE_CHECK
         self.first_record_at: Optional[float] = None
         self._terminate_reason = ""
         self._period_start = clock()
@@ -259,7 +269,7 @@ class Worker:
             elif isinstance(ev, Connected):
                 log.info("reconnected (session kept: %s)", ev.session_present, extra=self.ctx)
                 if not ev.session_present:
-                    self._session_lost()
+                    self._new_incarnation("the broker lost our session", "sessions_lost")
         while self.control:
             self._on_control(self.control.popleft(), now)
         if self.scaling is not None:
@@ -275,6 +285,8 @@ class Worker:
             self.scaling.maybe_tick(now)
         if now - self._last_heartbeat >= self.spec.heartbeat_period:
             self._heartbeat(now)
+        if now >= self._next_silence_check:
+            self._check_silence(now)
         if self._state_dirty or self.inbound.changed:
             self._write_state()
         if self._stopping:
@@ -340,9 +352,31 @@ class Worker:
             log.warning("data batch %d of %s's old epoch %d dropped (now epoch %s)", env.seq, env.sender,
                         env.epoch, self.inbound.epoch_of(env.sender), extra=self.ctx)
 
-    def _session_lost(self) -> None:
+    def _check_silence(self, now: float) -> None:
+        """Messages that will never come (they were lost, or taken by another process with our
+        session) show up as a hole in a sender's numbering that stays open (we become a new
+        incarnation: every predecessor replays what we have not acked), or, when they were the
+        last ones a sender sent us, as batches we never ack (the sender replays them to us)."""
+        self._next_silence_check = now + SILENCE_CHECK
+        if self._stopping:
+            return
+        holes = {s: (g[0], g[1]) for s, g in self.inbound.gaps().items()}
+        self._holes = {s: (h, self._holes[s][1] if self._holes.get(s, (None,))[0] == h else now)
+                       for s, h in holes.items()}
+        stuck = sorted(s for s, (_, since) in self._holes.items() if now - since >= GAP_TIMEOUT)
+        if stuck:
+            self._holes = {}
+            self._new_incarnation(f"messages from {', '.join(stuck)} missing for {GAP_TIMEOUT:.0f}s", "gaps_recovered")
+        for dest, link in list(self.links.items()):
+            if link.inflight and link.oldest_age(now) >= LINK_SILENCE and now - link.last_ack_at >= LINK_SILENCE:
+                self.stats["silent_links_replayed"] = self.stats.get("silent_links_replayed", 0) + 1
+                self._replay_to(dest)
+
+    def _new_incarnation(self, why: str, counter: str) -> None:
         """The broker came back without our session (it restarted without its persistence, or
-        lost it): what was queued for us or in flight through it may be gone. Become a new
+        lost it), or messages to us went missing (`_check_silence`: lost by the broker, or
+        taken by another connection with our client id): what was queued for us or
+        in flight through it may be gone. Become a new
         incarnation as after a crash, keeping what we still hold: a new epoch (receivers restart
         our channel), our own channels resync, predecessors replay what we had not acked (an
         empty ack in the new epoch, as in `start`), and we replay to our successors what they
@@ -353,12 +387,13 @@ class Worker:
         self.outbound = Outbound(self.epoch)
         self.inbound.restore(self.inbound.snapshot(), resync=True)
         self._write_state(force=True)
-        self.stats["sessions_lost"] = self.stats.get("sessions_lost", 0) + 1
-        log.warning("the broker lost our session: new epoch %d, asking for replays", self.epoch, extra=self.ctx)
+        self.stats[counter] = self.stats.get(counter, 0) + 1
+        log.warning("%s: new epoch %d, asking for replays", why, self.epoch, extra=self.ctx)
         if self.scaling is not None:
             for pred in sorted(self.scaling.core.preds):
                 self.send_envelope(pred, Kind.ACK, [0, 0])
-        for dest in list(self.links):
+        for dest, link in list(self.links.items()):
+            link.restart_numbering()
             self._replay_to(dest)
 
     def _replay_to(self, dest: str) -> None:
@@ -380,7 +415,7 @@ class Worker:
             link.replace(u.seq, seq, payload, now)
             self._publish_tracked(topic, payload, self.tracker.last_index + 1)
         self.stats["replayed_batches"] = self.stats.get("replayed_batches", 0) + len(old)
-        log.warning("%s restarted: replayed %d unacked batches", dest, len(old), extra=self.ctx)
+        log.warning("replayed %d unacked batches to %s", len(old), dest, extra=self.ctx)
 
     def _on_ack(self, env: Envelope) -> None:
         self.stats["acks_in"] += 1
@@ -390,7 +425,7 @@ class Worker:
             self.stats["stale_acks"] = self.stats.get("stale_acks", 0) + 1  # for a dead incarnation
             return
         if link is not None:
-            link.ack(upto)
+            link.ack(upto, self.clock())
             if link.inflight == 0 and env.sender not in self.router.succs:
                 del self.links[env.sender]  # a departed successor acked everything we sent it
 
