@@ -21,7 +21,8 @@ ENGINES = ["zlib"] + (["isal"] if gzip_engine() == "isal" else [])
 
 def line(i: int) -> bytes:
     """A JSON line about as compressible as a taxi record (hex digits: ratio ~0.6)."""
-    return json.dumps({"record_id": i, "pad": hashlib.sha256(str(i).encode()).hexdigest()[: 20 + i % 40]}).encode() + b"\n"
+    pad = hashlib.sha256(str(i).encode()).hexdigest()[: 20 + i % 40]
+    return json.dumps({"record_id": i, "pad": pad}).encode() + b"\n"
 
 
 def closed_ids(d: Path) -> List[int]:

@@ -267,7 +267,7 @@ def _sink_worker_run(payloads: List[bytes], work: Path, spill: bool, batch: int)
             sent += 1
         w.step(w.clock())
         if w.sink_wait and not feed.events:
-            time.sleep(0.0002)  # the spool writer thread works; the real loop would poll the socket
+            time.sleep(0.0002)  # the spool is at its cap (not here); the real loop would poll the socket
     n = w.stats["records_in"]
     w._finish(0, "bench", False)  # closes the sink: the spool writes its queue and rotates
     elapsed = time.perf_counter() - t0

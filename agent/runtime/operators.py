@@ -109,7 +109,7 @@ class SinkOperator(Operator):
     """A sink: `record` must have durably recorded the items when it returns (the worker acks
     its predecessors right after, or after the returned publications are PUBACKed).
 
-    A sink whose recording completes later (`deferred = True`, e.g. a spool writer thread) is
+    A sink whose recording completes later (`deferred = True`, e.g. a spool at its cap) is
     asked `settle()` by the worker: how many earlier `record()` calls, oldest first, are now
     recorded; their inputs are acked only then. `writable()` False makes the worker stop reading
     its input (back pressure): the sink is holding records it could not store yet."""
