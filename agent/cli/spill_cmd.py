@@ -313,6 +313,9 @@ def cmd_bench_spill(args: argparse.Namespace) -> int:
         "cpu_us_per_record_off": round(mcpu["off"], 2), "cpu_us_per_record_on": round(mcpu["on"], 2),
         "sink_thread_us_per_record_off": round(msink["off"], 2),
         "sink_thread_us_per_record_on": round(msink["on"], 2),
+        # What the ratio would be with no spare core for the compressor (off CPU / on CPU): on a
+        # shared machine the wall-clock ratio swings with the other jobs, this one much less.
+        "cpu_ratio": round(mcpu["off"] / mcpu["on"], 3),
         "files_landed": landed, "gzip_engine": gzip_engine(), "cpus": os.cpu_count(),
         "load_avg_1m": round(os.getloadavg()[0], 2),
     }
