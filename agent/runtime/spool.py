@@ -809,12 +809,15 @@ class BatchSpool:
 
     def tick(self) -> None:
         """Close files older than `rotate_seconds` (see `close_full_files` for when to call it);
-        notice files released by another process. Call about every second."""
+        notice files released by another process (recount `closed/`: while full, or every 5 s
+        for `used_bytes`; a stale count only errs high). Call about every second."""
         now = self.clock()
         for kind, f in list(self._open.items()):
             if now - f.opened_at >= self.rotate_seconds:
                 self._hand_over(kind)
-        self._refresh_closed()
+        if self._full or now - self._last_refresh >= 5.0:
+            self._last_refresh = now
+            self._refresh_closed()
         self._check_cap(None)
 
     def flush(self) -> None:
