@@ -715,7 +715,8 @@ class BatchSpool:
       files are deleted; sequence numbers continue after the highest present.
     - Rotation: by size in `close_full_files()` (raw bytes x the compressed/raw ratio of the last
       file compressed, 1.0 before the first: `rotate_bytes` keeps meaning compressed bytes), by age
-      in `tick()`; the caller calls both once its bookkeeping of the appended lines is written.
+      in `tick()` (and every open file while full); the size limit is at most half the cap; the
+      caller calls both once its bookkeeping of the appended lines is written.
     - Cap: closed (compressed) + plain (raw, not compressed yet) bytes against `max_bytes`; at the
       cap `append_line` returns False (nothing written, nothing dropped, one `spool_full` event);
       files released by another process (the daemon's shipper) are noticed by recounting
@@ -759,7 +760,9 @@ class BatchSpool:
         self._closed_bytes = 0  # files in closed/ (under _count_lock)
         self._handed_bytes = 0  # raw bytes handed to the compressor, not compressed yet (idem)
         self._ratio = 1.0  # compressed / raw bytes of the last file compressed
-        self._limit = rotate_bytes  # raw bytes at which a file is closed by size (rotate / ratio)
+        # Raw bytes at which a file is closed by size: rotate_bytes / ratio, at most half the cap
+        # (an open file alone must never fill the cap: only closed files can be shipped, released).
+        self._limit = max(1, min(rotate_bytes, max_bytes // 2))
         self._full = False
         self._last_refresh = 0.0
         self._seq = 0
@@ -816,7 +819,9 @@ class BatchSpool:
         for `used_bytes`; a stale count only errs high). Call about every second."""
         now = self.clock()
         for kind, f in list(self._open.items()):
-            if now - f.opened_at >= self.rotate_seconds:
+            # Full: close the open files too; compressed and shipped they free room, kept open
+            # they would hold the cap until rotate_seconds.
+            if now - f.opened_at >= self.rotate_seconds or (self._full and f.size):
                 self._hand_over(kind)
         if self._full or now - self._last_refresh >= 5.0:
             self._last_refresh = now
@@ -962,7 +967,7 @@ class BatchSpool:
         _fsync_dir(self.open_dir)
         if raw_size:
             self._ratio = size / raw_size
-            self._limit = max(1, int(self.rotate_bytes / max(self._ratio, 1e-3)))
+            self._limit = max(1, min(int(self.rotate_bytes / max(self._ratio, 1e-3)), self.max_bytes // 2))
         self.stats["files_closed"] += 1
         self._emit([self._event("file_closed", self.clock(), file=gz_name, kind=parse_name(gz_name)["kind"],
                                 records=records, bytes=size)])
