@@ -182,7 +182,11 @@ class _OpenFile:
     def size(self) -> int:
         """Compressed bytes in the OS file plus buffered input counted as if incompressible:
         an upper bound, so that the cap holds without waiting for zlib to emit output."""
-        return self.raw.tell() + self.pending
+        try:
+            written = self.raw.tell()
+        except ValueError:  # background mode: the writer rotated (closed) it since the caller
+            return 0  # listed the open files; its bytes are (about to be) in the closed count
+        return written + self.pending
 
 
 def _fsync_dir(path: Path) -> None:
