@@ -36,6 +36,6 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip
-echo "setup: installing fog-agent[dev,analytics,systemd,ops] into .venv"
-.venv/bin/python -m pip install -q -e '.[dev,analytics,systemd,ops]'
+echo "setup: installing fog-agent[dev,analytics,systemd,ops,fast] into .venv"
+.venv/bin/python -m pip install -q -e '.[dev,analytics,systemd,ops,fast]'
 echo "setup: done"

@@ -109,7 +109,7 @@ class SinkOperator(Operator):
     """A sink: `record` must have durably recorded the items when it returns (the worker acks
     its predecessors right after, or after the returned publications are PUBACKed).
 
-    A sink whose recording completes later (`deferred = True`, e.g. a spool writer thread) is
+    A sink whose recording completes later (`deferred = True`, e.g. a spool at its cap) is
     asked `settle()` by the worker: how many earlier `record()` calls, oldest first, are now
     recorded; their inputs are acked only then. `writable()` False makes the worker stop reading
     its input (back pressure): the sink is holding records it could not store yet."""
@@ -240,13 +240,12 @@ def sink_ids_path(sink_dir: Path, instance: str) -> Path:
 
 
 class _Spilled:
-    """One record() call of a spilling sink: its spool line, then its ids once the line is in."""
+    """One record() call of a spilling sink the spool's cap holds back: its line and its ids."""
 
-    __slots__ = ("kind", "line", "ids", "ticket")
+    __slots__ = ("kind", "line", "ids")
 
     def __init__(self, kind: str, line: Optional[bytes], ids: List[str]) -> None:
-        self.kind, self.line, self.ids = kind, line, ids
-        self.ticket: Optional[int] = None if line is not None else 0  # 0: nothing to store
+        self.kind, self.line, self.ids = kind, line, ids  # line None: nothing new to store
 
 
 class CountingSink(SinkOperator):
@@ -259,13 +258,17 @@ class CountingSink(SinkOperator):
     dropped and counted as `duplicates`. Across sink instances, `read_sink_ids` merges the files
     and reports ids that appear in more than one file as duplicated.
 
-    Spill (docs/spill.md): the new records of each batch go to this instance's spool as ONE line:
-    the batch's compact body exactly as it arrived (`{"k": keys, "r": [[src, seq, values]]}`,
-    kind "batches", no re-encoding) when no record of it was a duplicate, else the new records
-    re-encoded (same form; kind "records" with src/seq inside for non-dict records). Order per
-    batch: spool line written and sync-flushed to the OS (by the spool's writer thread) -> ids
-    appended to the ids file -> the worker acks (see `settle`). A file leaves `open/` only in
-    `settle`, after every id in it is in the ids file AND the ids file is fsync'ed. Hence after a
+    Spill (docs/spill.md): the new records of each batch go to this instance's spool
+    (`spool.BatchSpool`) as ONE line: the batch's compact body exactly as it arrived
+    (`{"k": keys, "r": [[src, seq, values]]}`, kind "batches", no re-encoding) when no record of
+    it was a duplicate, else the new records re-encoded (same form; kind "records" with src/seq
+    inside for non-dict records). Order per batch, all in this thread, in `record_batch`: spool
+    line handed to the OS (one os.write, no compression, no thread hand-off) -> ids appended to
+    the ids file -> the worker acks (`settle` reports the call done). At the spool's cap the
+    batch is kept (`writable()` False: the worker stops reading, acks stop) and retried in
+    `settle`, in order. A spool file reaches `closed/` (shippable) only after the ids file is
+    fsync'ed (`_sync_ids`, called by the spool's compressor before it compresses the file), and
+    the file is closed for appending only after the ids of its lines were written. Hence after a
     crash: the ids file plus the ids still in the local spool files (read back at start) are
     every id spooled, and a replayed record is dropped, never spooled twice.
     """
@@ -280,7 +283,8 @@ class CountingSink(SinkOperator):
         self._fh = open(self.path, "a", buffering=1 << 16)
         self.duplicates = 0
         self.spool: Any = None
-        self._pending: "deque[_Spilled]" = deque()
+        self._pending: "deque[_Spilled]" = deque()  # held back by the cap, oldest first
+        self._done = 0  # record() calls recorded since the last settle()
         self._events: List[Dict[str, Any]] = []
         self.spilled = 0
         self.adopted = 0
@@ -293,31 +297,35 @@ class CountingSink(SinkOperator):
         return self.spool is not None
 
     def _open_spool(self, ctx: OperatorContext) -> None:
-        from agent.runtime.spool import Spool
+        from agent.runtime.spool import BatchSpool
 
         spill = ctx.spill
         d = Path(spill["dir"]) / ctx.instance  # one spool per instance (siblings inherit `extra`)
         self.adopted = self._adopt_spooled(d)
-        self.spool = Spool(
+        self.spool = BatchSpool(
             d, str(spill.get("node") or ctx.node),
             max_bytes=int(spill.get("max_bytes", 512 << 20)),
             rotate_bytes=int(spill.get("rotate_bytes", 4 << 20)),
             rotate_seconds=float(spill.get("rotate_seconds", 60.0)),
-            background=bool(spill.get("background", True)),
-            auto_rotate=False,
             on_event=lambda ev: self._events.append(ev.to_json()),  # list.append: thread-safe
+            before_close=self._sync_ids,  # from the compressor thread, before a file may be shipped
         )
         self._last_tick = 0.0
+
+    def _sync_ids(self) -> None:
+        """fsync the ids file: every id written so far (flushed by `_store_pending` before the
+        spool may close a file) survives a power cut before its records can leave the node."""
+        os.fsync(self._fh.fileno())
 
     def _adopt_spooled(self, d: Path) -> int:
         """Ids in this instance's local spool files but not in the ids file (a crash between the
         spool write and the ids write): recorded now, so that their replay is dropped."""
-        from agent.runtime.spool import SUFFIX, salvage_lines
+        from agent.runtime.spool import salvage_lines
 
         new: List[str] = []
         for sub in ("open", "closed"):
-            for p in sorted((d / sub).glob("*" + SUFFIX)) if (d / sub).is_dir() else ():
-                if not p.name.startswith(("batches+", "records+")):
+            for p in sorted((d / sub).iterdir()) if (d / sub).is_dir() else ():
+                if not p.name.startswith(("batches+", "records+")) or p.name.endswith(".tmp"):
                     continue
                 for line in salvage_lines(p.read_bytes()):
                     for src, seq in _line_ids(line):
@@ -359,76 +367,62 @@ class CountingSink(SinkOperator):
                 self.recorded += len(lines)
             return []
         if not fresh:
-            self._pending.append(_Spilled("batches", None, []))
+            e = _Spilled("batches", None, [])
         elif body is not None and len(fresh) == len(items) and body[:1] == b"{":
-            self._pending.append(_Spilled("batches", body + b"\n", lines))  # as received
+            e = _Spilled("batches", body + b"\n", lines)  # as received
         else:
-            kind, line = _encode_spill(fresh)
-            self._pending.append(_Spilled(kind, line, lines))
-        self._try_append()
+            e = _Spilled(*_encode_spill(fresh), lines)
+        self._pending.append(e)
+        self._store_pending()
         return []
 
-    def _try_append(self) -> None:
-        for e in self._pending:
-            if e.ticket is not None:
-                continue
-            if self.spool.append_lines(e.kind, [e.line], sync=True) == 0:
-                return  # cap reached: keep it (and everything after it), retry in settle()
-            e.ticket = self.spool.last_ticket
-            e.line = None
+    def _store_pending(self) -> None:
+        """Spool line, then ids, of each held-back call in order, until the cap holds one back.
+        Every line is in the OS file before its ids are written (and the ids before the ack)."""
+        pending, spool = self._pending, self.spool
+        ids: List[str] = []
+        done = 0
+        while pending:
+            e = pending[0]
+            if e.line is not None and not spool.append_line(e.kind, e.line):
+                break  # cap reached: keep it (and everything after it), retry in settle()
+            pending.popleft()
+            ids.extend(e.ids)
+            done += 1
+        if ids:
+            self._fh.write("".join(ids))
+            self._fh.flush()  # in the OS page cache: survives a worker crash
+            self.recorded += len(ids)
+            self.spilled += len(ids)
+        self._done += done
+        spool.close_full_files()  # after the ids are flushed: see BatchSpool.close_full_files
 
     def writable(self) -> bool:
-        return self.spool is None or not self._pending or self._pending[-1].ticket is not None
+        return self.spool is None or not self._pending
 
     def settle(self) -> int:
-        """How many record() calls are now recorded (spool line in the OS file, ids written)."""
+        """How many record() calls are recorded since the last settle() (spool line in the OS
+        file, ids written): all of them unless the spool's cap holds some back."""
         if self.spool is None:
             return 0
-        self._try_append()
-        done = self._complete(self.spool.synced_ticket)
+        if self._pending:
+            self._store_pending()
         now = time.monotonic()
         if now - self._last_tick >= 0.5:
             self._last_tick = now
-            if self.spool.rotation_due():
-                done += self._rotate()
-        return done
-
-    def _complete(self, synced: int) -> int:
-        done, lines = 0, []
-        pending = self._pending
-        while pending and pending[0].ticket is not None and pending[0].ticket <= synced:
-            lines.extend(pending.popleft().ids)
-            done += 1
-        if lines:
-            self._fh.write("".join(lines))
-            self._fh.flush()  # in the OS page cache: survives a worker crash
-            self.recorded += len(lines)
-            self.spilled += len(lines)
-        return done
-
-    def _rotate(self) -> int:
-        """Close due spool files, after every id they hold is in the ids file and fsync'ed.
-        Returns how many record() calls this completed (the spool's queue was written first)."""
-        accepted = [e.ticket for e in self._pending if e.ticket]
-        if accepted:
-            self.spool.wait_synced(max(accepted), timeout=10.0)
-        done = self._complete(self.spool.synced_ticket)
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
-        self.spool.tick()
+            self.spool.tick()  # rotation by age; a full spool notices released files
+        done, self._done = self._done, 0
         return done
 
     def close(self) -> None:
         if self.spool is not None:
-            self._try_append()
-            if self._pending and self._pending[-1].ticket:
-                self.spool.wait_synced(self._pending[-1].ticket, timeout=30.0)
-            self._complete(self.spool.synced_ticket)
+            if self._pending:
+                self._store_pending()  # what the cap still holds back stays unacked: replayed later
+            self._fh.flush()
+            self.spool.close()  # compresses every file, each after `_sync_ids`
         self._fh.flush()
         os.fsync(self._fh.fileno())
         self._fh.close()
-        if self.spool is not None:
-            self.spool.close()  # every id is in the ids file: the open files may be closed now
 
     def take_events(self) -> List[Dict[str, Any]]:
         if not self._events:
