@@ -54,6 +54,7 @@ class SizedPolicy:
 
     def __init__(self, margin_up: float = 0.10, margin_up_target: float = 0.15, margin_down: float = 0.25,
                  hold: int = 3, min_step: int = 1, horizon: float = 1.0, trend_periods: int = 2,
+                 horizon_target: Optional[float] = None,
                  bp_boost: float = 0.0, cooldown_out: float = 60.0, cooldown_in: float = 240.0,
                  min_instances: int = 1, max_instances: int = 64, max_points: int = 16) -> None:
         if not 0 <= margin_up <= margin_up_target:
@@ -62,7 +63,7 @@ class SizedPolicy:
             raise ValueError(f"margin_down must be >= 0, found {margin_down}")
         if hold < 1 or min_step < 1 or trend_periods < 1:
             raise ValueError(f"hold, min_step and trend_periods must be >= 1, found {hold}, {min_step}, {trend_periods}")
-        if horizon < 0 or bp_boost < 0 or cooldown_out < 0 or cooldown_in < 0:
+        if horizon < 0 or (horizon_target is not None and horizon_target < 0) or bp_boost < 0 or cooldown_out < 0 or cooldown_in < 0:
             raise ValueError("horizon, bp_boost and the cooldowns must be >= 0")
         if not 1 <= min_instances <= max_instances:
             raise ValueError(f"need 1 <= min_instances <= max_instances, found {min_instances}, {max_instances}")
@@ -72,6 +73,7 @@ class SizedPolicy:
         self.hold = hold
         self.min_step = min_step
         self.horizon = horizon
+        self.horizon_target = horizon if horizon_target is None else horizon_target
         self.trend_periods = trend_periods
         self.bp_boost = bp_boost
         self.cooldown_out = cooldown_out
@@ -106,14 +108,15 @@ class SizedPolicy:
         n = self.model().instances_for(rate, nd_max_ms, self.max_instances)
         return max(self.min_instances, n if n is not None else self.max_instances)
 
-    def forecast(self) -> float:
+    def forecast(self, horizon: Optional[float] = None) -> float:
         """Last input plus `horizon` periods of its recent (positive) trend."""
+        horizon = self.horizon if horizon is None else horizon
         x = self.inputs[-1]
         k = min(self.trend_periods, len(self.inputs) - 1)
         if k <= 0 or any(self.backpressured[-1 - k:]):
             return x  # a backlog hides the input and its drain inflates CT: no trend from those
         trend = (x - self.inputs[-1 - k]) / k
-        return x + self.horizon * max(0.0, trend)
+        return x + horizon * max(0.0, trend)
 
     # ---- decision --------------------------------------------------------------------------------
 
@@ -138,7 +141,7 @@ class SizedPolicy:
             self.low_periods = 0
             if since < self.cooldown_out or n >= self.max_instances:
                 return NO_ACTION
-            target = self.needed(f * (1.0 + self.margin_up_target), m.nd_max_ms)
+            target = self.needed(self.forecast(self.horizon_target) * (1.0 + self.margin_up_target), m.nd_max_ms)
             target = min(self.max_instances, max(target, n + 1))
             self.last_action_at = m.now
             return share_of_delta(target - n, m, target, f"forecast {f:.0f}/s needs {target} (> {n})")
