@@ -48,3 +48,12 @@ def test_under_periods_counts_minutes_not_instances():
     assert min_cost_schedule([1, 3, 1], max_changes=0, max_under=1, under="area") == 6  # constant 2
     with pytest.raises(ValueError):
         min_cost_schedule([1], 0, under="seconds")
+
+
+def test_nowcast_tracking_trades_margin_for_under_provisioning():
+    from agent.sim.policies_oracle import nowcast_tracking
+
+    tight = nowcast_tracking([0], margin=0.0, days=0.5)
+    wide = nowcast_tracking([0], margin=0.15, days=0.5)
+    assert wide["cost"] > tight["cost"] and wide["accuracy_u"] < tight["accuracy_u"]
+    assert 0 < wide["timeshare_u"] < tight["timeshare_u"] <= 100.0
