@@ -52,8 +52,8 @@ class SizedPolicy:
 
     name = "sized"
 
-    def __init__(self, margin_up: float = 0.10, margin_up_target: float = 0.15, margin_down: float = 0.25,
-                 hold: int = 3, min_step: int = 1, horizon: float = 1.0, trend_periods: int = 2,
+    def __init__(self, margin_up: float = 0.05, margin_up_target: float = 0.30, margin_down: float = 0.10,
+                 hold: int = 3, min_step: int = 2, horizon: float = 1.0, trend_periods: int = 2,
                  horizon_target: Optional[float] = None,
                  bp_boost: float = 0.0, cooldown_out: float = 60.0, cooldown_in: float = 240.0,
                  min_instances: int = 1, max_instances: int = 64, max_points: int = 16) -> None:
