@@ -165,3 +165,14 @@ def test_invalid_parameters_are_refused():
         SizedPolicy(hold=0)
     with pytest.raises(ValueError):
         SizedPolicy(min_instances=5, max_instances=4)
+
+
+def test_back_pressure_from_successors_does_not_add_instances():
+    """Blocked by its successors, the operator is not the bottleneck (Gesscale Algorithm 1)."""
+    pol = SizedPolicy(cooldown_out=0.0)
+    m = Measurements(now=60.0, load=50.0, throughput=50.0, capacity=CAP, backpressure=1.0,
+                     upstream_backpressure=1.0, n_instances=3, rank=2, is_keeper=True)
+    assert not pol.decide(m).scales
+    low = Measurements(now=120.0, load=5.0, throughput=5.0, capacity=CAP, backpressure=0.3,
+                       n_instances=3, rank=0)
+    assert not SizedPolicy(hold=1, cooldown_in=0.0).decide(low).scales  # nor removes any
