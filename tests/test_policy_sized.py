@@ -149,7 +149,8 @@ def test_operator_instance_count_stays_within_bounds(steps, max_instances, min_i
 def test_decisions_are_deterministic():
     def run() -> List[object]:
         pol = SizedPolicy(cooldown_out=0.0)
-        return [pol.decide(_m(60.0 * (k + 1), 3, load, rank=0)) for k, load in enumerate((100, 400, 800, 50, 20, 20, 20))]
+        loads = (100, 400, 800, 50, 20, 20, 20)
+        return [pol.decide(_m(60.0 * (k + 1), 3, load, rank=0)) for k, load in enumerate(loads)]
 
     assert run() == run()
 
@@ -165,6 +166,10 @@ def test_invalid_parameters_are_refused():
         SizedPolicy(hold=0)
     with pytest.raises(ValueError):
         SizedPolicy(min_instances=5, max_instances=4)
+    with pytest.raises(ValueError):
+        SizedPolicy(horizon_target=-1.0)
+    with pytest.raises(ValueError):
+        SizedPolicy(cooldown_in=-1.0)
 
 
 def test_back_pressure_from_successors_does_not_add_instances():

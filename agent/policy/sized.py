@@ -66,9 +66,10 @@ class SizedPolicy:
         if margin_down < 0:
             raise ValueError(f"margin_down must be >= 0, found {margin_down}")
         if hold < 1 or min_step < 1 or trend_periods < 1:
-            raise ValueError(f"hold, min_step and trend_periods must be >= 1, found {hold}, {min_step}, {trend_periods}")
-        if horizon < 0 or (horizon_target is not None and horizon_target < 0) or bp_boost < 0 or cooldown_out < 0 or cooldown_in < 0:
-            raise ValueError("horizon, bp_boost and the cooldowns must be >= 0")
+            raise ValueError(f"hold, min_step and trend_periods must be >= 1, "
+                             f"found {hold}, {min_step}, {trend_periods}")
+        if min(horizon, horizon_target if horizon_target is not None else 0.0, bp_boost, cooldown_out, cooldown_in) < 0:
+            raise ValueError("horizon, horizon_target, bp_boost and the cooldowns must be >= 0")
         if not 1 <= min_instances <= max_instances:
             raise ValueError(f"need 1 <= min_instances <= max_instances, found {min_instances}, {max_instances}")
         self.margin_up = margin_up
