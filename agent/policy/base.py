@@ -188,7 +188,7 @@ class DecentralizedPolicy:
         return NO_ACTION
 
 
-POLICY_NAMES = ("decentralized", "threshold", "model")
+POLICY_NAMES = ("decentralized", "threshold", "model", "sized")
 
 
 def make_policy(name: str, scaling: "object" = None) -> Policy:
@@ -215,6 +215,12 @@ def make_policy(name: str, scaling: "object" = None) -> Policy:
             return ModelPolicy()
         return ModelPolicy(cooldown=scaling.cooldown, min_instances=scaling.min_instances,
                            max_instances=scaling.max_instances)
+    if name == "sized":
+        from agent.policy.sized import SizedPolicy
+
+        if scaling is None:
+            return SizedPolicy()
+        return SizedPolicy(min_instances=scaling.min_instances, max_instances=scaling.max_instances)
     raise ValueError(f"unknown policy {name!r}: expected one of {', '.join(POLICY_NAMES)}")
 
 
