@@ -152,8 +152,10 @@ def test_a_source_resumes_at_its_oldest_unacked_poll_not_its_newest(tmp_path) ->
     assert w.source_resume_seq() == 12  # all acked: resume after the last generated record
 
 
-def _chain(tmp_path, clock: list, wire: "_Wire", operator: str):  # type: ignore[no-untyped-def]
+def _chain(tmp_path, clock: list, wire: "_Wire", operator: str, policy: str = "none",  # type: ignore[no-untyped-def]
+           restart: bool = False):
     """One worker of source -> work -> sink, on the in-memory wire, its clock in `clock[0]`."""
+    import dataclasses
     import os
 
     from agent.runtime.dataplane_bench import initial_specs, pipeline_toml
@@ -165,9 +167,10 @@ def _chain(tmp_path, clock: list, wire: "_Wire", operator: str):  # type: ignore
          "params": {"topic": "sensors/#"}, "batch_size": 4, "linger_ms": 0},
         {"name": "work", "function": "agent.runtime.operators:validate", "batch_size": 4, "linger_ms": 0},
         {"name": "sink", "kind": "sink", "function": "agent.runtime.operators:counting_sink"},
-    ], scaling={"policy": "none"})
+    ], scaling={"policy": policy})
     spec = [s for s in initial_specs(toml, BrokerSpec("127.0.0.1", 1), str(tmp_path / "state"), cluster="c",
                                      extra={"sink_dir": str(tmp_path / "sink")}) if s.operator == operator][0]
+    spec = dataclasses.replace(spec, restart=restart)
     w = Worker(spec, out=open(os.devnull, "w"), clock=lambda: clock[0], transport=wire)  # noqa: SIM115
     w.start()
     return w
@@ -238,3 +241,25 @@ def test_batches_a_successor_never_acks_are_replayed_to_it(tmp_path) -> None:  #
         w.step(clock[0])
     again = [decode(p) for t, p in wire.sent[sent:] if t == to_work and decode(p).kind.value == "d"]
     assert len(again) == 1 and again[0].body == first[1].body and again[0].seq == 3, again
+
+
+def test_an_instance_restarted_after_its_termination_exits_for_good(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """An agent restart re-adopts every instance whose spec it still holds; a copy that the
+    protocol had terminated but that was stopped before its final exit is among them. Restored
+    in state terminated, it must leave at once and for good (final: the agent forgets it), not
+    sit there as an instance that neighbours no longer know and the fleet counts."""
+    import json
+    import os
+
+    from agent.protocol.scaling import InstanceState
+
+    clock, wire = [100.0], _Wire()
+    w = _chain(tmp_path, clock, wire, "work", policy="decentralized")
+    assert w._exit is None
+    w.scaling.core.state = InstanceState.TERMINATED
+    w._write_state(force=True)
+    path = tmp_path / "state" / "work-0.state.json"
+    assert json.loads(path.read_text())["scaling"]["state"] == "terminated"
+    os.close(w._identity_lock)  # the first incarnation is gone: its identity lock goes with it
+    again = _chain(tmp_path, clock, wire, "work", policy="decentralized", restart=True)
+    assert again._exit is not None and again._exit[2] is True, again._exit  # final

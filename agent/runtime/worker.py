@@ -227,7 +227,11 @@ class Worker:
             self.operator.start(now)
         self._period_start = now
         self._emit("ready")
-        if self.scaling is not None and self.scaling.outputs:
+        if self.scaling is not None and self.scaling.terminated:
+            # Restarted (an agent restart re-adopting it, say) after the protocol had already
+            # terminated it, before its final exit: gone from every table, so gone for good.
+            self._exit = (EXIT_OK, "restarted after its termination: gone for good", True)
+        elif self.scaling is not None and self.scaling.outputs:
             self.scaling.run_outputs(now)  # a restarted round: perform what was still queued
 
     def _resume_source(self) -> None:
@@ -997,6 +1001,12 @@ class _ScalingDriver:
         from agent.protocol.scaling import InstanceState
 
         return self.core.state is not InstanceState.IDLE
+
+    @property
+    def terminated(self) -> bool:
+        from agent.protocol.scaling import InstanceState
+
+        return self.core.state is InstanceState.TERMINATED
 
     @property
     def blocked(self) -> bool:
