@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Literal, Optional, Tuple, Union
+from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 from agent.schema import (
     ConfigError,
@@ -135,6 +135,9 @@ def _with_source(cfg: Any, path: Path) -> Any:
 # ---- pipeline.toml ------------------------------------------------------------------------------
 
 
+RUNTIME_POLICIES = ("decentralized", "none")  # what the worker's scaling driver runs
+
+
 @dataclass(frozen=True)
 class ScalingSection:
     """Parameters of the scaling decision (paper section 3.3 defaults)."""
@@ -197,6 +200,16 @@ class PipelineConfig:
             raise ValueError('the first operator must have kind = "source"')
         if self.operators[-1].kind != "sink":
             raise ValueError('the last operator must have kind = "sink"')
+
+    def runtime_policy_errors(self) -> List[str]:
+        """Operators whose policy the agent cannot run. The runtime drives the paper's protocol
+        ("decentralized") or nothing ("none"); "threshold" and "model" are baselines of the
+        policy simulator. Said at deploy time rather than silently run as "decentralized"."""
+        return [
+            f'operator {op.name!r}: [scaling] policy = "{self.scaling_for(op.name).policy}": the agent runs '
+            f'"{" or ".join(RUNTIME_POLICIES)}" ("threshold" and "model" are compared by `fog-agent simulate policies`)'
+            for op in self.operators if self.scaling_for(op.name).policy not in RUNTIME_POLICIES
+        ]
 
     def scaling_for(self, operator: str) -> ScalingSection:
         """The operator's own [operator.scaling] table, else the pipeline-wide [scaling] table."""

@@ -152,3 +152,37 @@ def test_help_commands() -> None:
     assert run_cli("--help").returncode == 0
     fogctl = subprocess.run([sys.executable, "-m", "agent.cli.fogctl", "--help"], capture_output=True, text=True, cwd=ROOT)
     assert fogctl.returncode == 0 and "fogctl" in fogctl.stdout
+
+
+def test_a_policy_the_agent_cannot_run_is_refused_at_deploy_not_run_as_another() -> None:
+    """`threshold` and `model` are simulator baselines: the worker only runs the paper's protocol
+    or nothing. A pipeline asking for them used to run "decentralized" without a word."""
+    import pytest
+
+    from agent.config import load_pipeline_text
+    from agent.runtime.deploy import DeployError, deploy
+
+    text = """
+[pipeline]
+name = "p"
+[scaling]
+policy = "decentralized"
+[[operator]]
+name = "source"
+kind = "source"
+function = "agent.runtime.taxi:source"
+[[operator]]
+name = "work"
+function = "agent.runtime.operators:validate"
+[operator.scaling]
+policy = "threshold"
+[[operator]]
+name = "sink"
+kind = "sink"
+function = "agent.runtime.operators:counting_sink"
+"""
+    errors = load_pipeline_text(text).runtime_policy_errors()
+    assert len(errors) == 1 and "'work'" in errors[0] and '"threshold"' in errors[0], errors
+    assert load_pipeline_text(text.replace('"threshold"', '"none"')).runtime_policy_errors() == []
+    with pytest.raises(DeployError, match="work.*threshold"):
+        deploy(text, "127.0.0.1", 1, "c", name="p.toml")  # refused before any connection

@@ -29,6 +29,9 @@ def deploy_pipeline(conn: Connection, text: str, name: str, timeout: float,
     from agent.runtime.spec import BrokerSpec, request_spec
 
     cfg = load_pipeline_text(text, name)  # ConfigError names the file and key
+    unsupported = cfg.runtime_policy_errors()
+    if unsupported:
+        raise FogctlError(f"{name}: " + "; ".join(unsupported))
     c = conn.cfg
     host, port = c.address
     broker = BrokerSpec(host=host, port=port, username=c.username, password=c.resolved_password(),

@@ -102,6 +102,9 @@ def deploy(
 ) -> List[Deployed]:
     """Deploy one pipeline description (TOML text); returns where each keeper runs."""
     cfg = load_pipeline_text(text, name)  # ConfigError says where the file is wrong
+    unsupported = cfg.runtime_policy_errors()
+    if unsupported:
+        raise DeployError(f"{name}: " + "; ".join(unsupported))
     policy = get_policy(policy_name)
     broker = BrokerSpec(host=host, port=port, username=username, password=password)
     specs = keeper_specs(cfg, text, cluster, broker, extra)

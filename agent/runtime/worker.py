@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Callable, Deque, Dict, List, Optional, Set, TextIO, Tuple
 
 from agent import topics
-from agent.config import PipelineConfig, load_pipeline_text
+from agent.config import RUNTIME_POLICIES, PipelineConfig, load_pipeline_text
 from agent.runtime.channel import Inbound, Outbound
 from agent.runtime.envelope import Envelope, Item, Kind, MalformedEnvelope, data_body_bytes, decode, encode, encode_data
 from agent.runtime.flow import AckTracker, OutLink
@@ -938,6 +938,8 @@ class _ScalingDriver:
         self.period = sc.period
         self.cooldown = sc.cooldown
         self.policy = sc.policy
+        if self.policy not in RUNTIME_POLICIES:  # deploy refuses these; a hand-made spec ends here
+            raise ValueError("; ".join(worker.pipeline.runtime_policy_errors()))
         # coordination = "ack" (paper) or "fgme" (rounds inside 2-FGME CSs, docs/gme.md). Lock
         # messages share the inbox and its numbered FIFO channel with the scaling messages.
         self.coordination = worker.pipeline.pipeline.coordination
