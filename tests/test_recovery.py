@@ -241,6 +241,18 @@ def test_batches_a_successor_never_acks_are_replayed_to_it(tmp_path) -> None:  #
         w.step(clock[0])
     again = [decode(p) for t, p in wire.sent[sent:] if t == to_work and decode(p).kind.value == "d"]
     assert len(again) == 1 and again[0].body == first[1].body and again[0].seq == 3, again
+    # still no ack (a dead successor): the next replay waits twice as long, not another 15 s
+    sent = len(wire.sent)
+    end = clock[0] + 1.5 * LINK_SILENCE
+    while clock[0] < end:
+        clock[0] += 0.5
+        w.step(clock[0])
+    assert not [p for t, p in wire.sent[sent:] if t == to_work], "replayed again after only 1.5 x LINK_SILENCE"
+    end = clock[0] + LINK_SILENCE
+    while clock[0] < end:
+        clock[0] += 0.5
+        w.step(clock[0])
+    assert len([p for t, p in wire.sent[sent:] if t == to_work]) == 1
 
 
 def test_an_instance_restarted_after_its_termination_exits_for_good(tmp_path) -> None:  # type: ignore[no-untyped-def]

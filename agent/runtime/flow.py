@@ -46,6 +46,7 @@ class OutLink:
         self._unacked: "OrderedDict[int, Unacked]" = OrderedDict()
         self.acked_upto = 0
         self.last_ack_at = 0.0  # when the receiver last acked something new (see `ack`)
+        self.silent_replays = 0  # replays since that ack (the worker backs off between them)
         self.batches_sent = 0
         self.records_sent = 0
 
@@ -75,6 +76,7 @@ class OutLink:
             return 0
         self.acked_upto = upto
         self.last_ack_at = now
+        self.silent_replays = 0
         released = 0
         while self._unacked:
             seq = next(iter(self._unacked))

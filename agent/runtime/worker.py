@@ -76,6 +76,8 @@ GAP_TIMEOUT = 5.0
 # lost sits at the end of its channel, so it sees no hole). A slow successor acks within a second
 # or two; a stalled or restarting one gets a replay it may not need: duplicates, dropped by id.
 LINK_SILENCE = 15.0
+LINK_SILENCE_MAX = 600.0  # the wait doubles after each replay that brought no ack (a dead node's
+# instance, re-homing off: its session would otherwise fill with a window of copies every 15 s)
 SILENCE_CHECK = 1.0  # seconds between the two checks above
 
 
@@ -372,8 +374,10 @@ class Worker:
             self._holes = {}
             self._new_incarnation(f"messages from {', '.join(stuck)} missing for {GAP_TIMEOUT:.0f}s", "gaps_recovered")
         for dest, link in list(self.links.items()):
-            if link.inflight and link.oldest_age(now) >= LINK_SILENCE and now - link.last_ack_at >= LINK_SILENCE:
+            wait = min(LINK_SILENCE * 2 ** link.silent_replays, LINK_SILENCE_MAX)
+            if link.inflight and link.oldest_age(now) >= wait and now - link.last_ack_at >= wait:
                 self.stats["silent_links_replayed"] = self.stats.get("silent_links_replayed", 0) + 1
+                link.silent_replays += 1
                 self._replay_to(dest)
 
     def _new_incarnation(self, why: str, counter: str) -> None:
