@@ -200,6 +200,20 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def list_closed(closed_dir: Path) -> List[ClosedFile]:
+    """The files of a `closed/` directory, oldest first (by sequence number); names that are
+    not spool files, and files deleted meanwhile (shipped by another process), are skipped."""
+    out = []
+    for p in closed_dir.iterdir():
+        try:
+            meta = parse_name(p.name)
+            size = p.stat().st_size
+        except (ValueError, FileNotFoundError):
+            continue
+        out.append(ClosedFile(p, meta["kind"], meta["node"], meta["date"], meta["seq"], size))
+    return sorted(out, key=lambda f: f.seq)
+
+
 class Spool:
     """Append-only, rotated, capped spool of JSON records (thread-safe: a sink and a shipper).
 
@@ -462,15 +476,7 @@ class Spool:
 
     def closed_files(self) -> List[ClosedFile]:
         """Files ready to ship, oldest first (by sequence number)."""
-        out = []
-        for p in self.closed_dir.iterdir():
-            try:
-                meta = parse_name(p.name)
-                size = p.stat().st_size
-            except (ValueError, FileNotFoundError):
-                continue
-            out.append(ClosedFile(p, meta["kind"], meta["node"], meta["date"], meta["seq"], size))
-        return sorted(out, key=lambda f: f.seq)
+        return list_closed(self.closed_dir)
 
     def release(self, f: Union[ClosedFile, Path]) -> None:
         """The centre has this file: delete it and free its bytes (may end back pressure)."""
@@ -853,15 +859,7 @@ class BatchSpool:
 
     def closed_files(self) -> List[ClosedFile]:
         """Files ready to ship, oldest first (the daemon's shipper uses `SpoolDirs` instead)."""
-        out = []
-        for p in self.closed_dir.iterdir():
-            try:
-                meta = parse_name(p.name)
-                size = p.stat().st_size
-            except (ValueError, FileNotFoundError):
-                continue
-            out.append(ClosedFile(p, meta["kind"], meta["node"], meta["date"], meta["seq"], size))
-        return sorted(out, key=lambda f: f.seq)
+        return list_closed(self.closed_dir)
 
     def release(self, f: Union[ClosedFile, Path]) -> None:
         """The centre has this file: delete it (another process may do this instead)."""
