@@ -275,3 +275,73 @@ def test_an_instance_restarted_after_its_termination_exits_for_good(tmp_path) ->
     os.close(w._identity_lock)  # the first incarnation is gone: its identity lock goes with it
     again = _chain(tmp_path, clock, wire, "work", policy="decentralized", restart=True)
     assert again._exit is not None and again._exit[2] is True, again._exit  # final
+
+
+def test_an_idle_copy_asks_its_creator_for_start_again_and_only_its_creator_answers(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Start is the one protocol message nobody acks: a broker that loses it (killed between two
+    autosaves, with the copy's new session) would leave the copy idle for ever, with batches
+    routed to it. The copy asks again (an ack of nothing to its creator) after IDLE_PING, then
+    at doubling intervals; a creator answers with Start and its current tables, but only for a
+    copy it has started (the round is over: Start never goes out before the neighbours acked)."""
+    import dataclasses
+    import os
+
+    from agent import topics
+    from agent.runtime.dataplane_bench import initial_specs, pipeline_toml
+    from agent.runtime.envelope import Envelope, Kind, decode, encode
+    from agent.runtime.spec import BrokerSpec
+    from agent.runtime.transport import Received
+    from agent.runtime.worker import IDLE_PING, Worker
+
+    toml = pipeline_toml("p", [
+        {"name": "source", "kind": "source", "function": "agent.runtime.taxi:mqtt_source",
+         "params": {"topic": "sensors/#"}},
+        {"name": "work", "function": "agent.runtime.operators:validate"},
+        {"name": "sink", "kind": "sink", "function": "agent.runtime.operators:counting_sink"},
+    ], scaling={"policy": "decentralized"})
+    keeper = [s for s in initial_specs(toml, BrokerSpec("127.0.0.1", 1), str(tmp_path / "state"), cluster="c",
+                                       extra={"sink_dir": str(tmp_path / "sink")}) if s.operator == "work"][0]
+    copy_spec = dataclasses.replace(keeper, instance="work-x", keeper=False, active=False, succs=(), preds=(),
+                                    extra={**keeper.extra, "creator": "work-0"})
+    clock = [100.0]
+    copy_wire, keeper_wire = _Wire(), _Wire()
+    copy = Worker(copy_spec, out=open(os.devnull, "w"), clock=lambda: clock[0], transport=copy_wire)  # noqa: SIM115
+    copy.start()
+    creator = Worker(keeper, out=open(os.devnull, "w"), clock=lambda: clock[0], transport=keeper_wire)  # noqa: SIM115
+    creator.start()
+
+    def pings() -> list:
+        return [decode(p) for t, p in copy_wire.sent if t == topics.inbox("c", "work-0")]
+
+    def run(seconds: float) -> None:
+        end = clock[0] + seconds
+        while clock[0] < end:
+            clock[0] += 0.5
+            copy.step(clock[0])
+
+    run(IDLE_PING - 1)
+    assert pings() == []
+    run(2)
+    assert [(e.kind, list(e.body)) for e in pings()] == [(Kind.ACK, [0, 0])]
+    run(IDLE_PING - 2)
+    assert len(pings()) == 1  # the next one only after 2 x IDLE_PING
+    run(IDLE_PING + 2)
+    assert len(pings()) == 2
+
+    to_copy = topics.inbox("c", "work-x")
+
+    def ping_creator(seq: int) -> list:
+        before = len(keeper_wire.sent)
+        keeper_wire.events.append(Received(topics.inbox("c", "work-0"),
+                                           encode(Envelope("work-x", copy.epoch, seq, Kind.ACK, [0, 0]))))
+        creator.step(clock[0])
+        return [decode(p) for t, p in keeper_wire.sent[before:] if t == to_copy]
+
+    assert ping_creator(1) == []  # a copy it never started: no Start
+    creator.scaling.started.append("work-x")
+    sent = ping_creator(2)
+    assert len(sent) == 1 and sent[0].kind is Kind.PROTO and sent[0].body["type"] == "start", sent
+    assert sent[0].body["succs"] == ["sink-0"] and sent[0].body["preds"] == ["source-0"]
+    copy_wire.events.append(Received(to_copy, encode(sent[0])))
+    copy.step(clock[0])
+    assert copy.scaling.core.is_active and copy.router.succs == ("sink-0",)  # started at last

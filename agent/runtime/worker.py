@@ -79,6 +79,10 @@ LINK_SILENCE = 15.0
 LINK_SILENCE_MAX = 600.0  # the wait doubles after each replay that brought no ack (a dead node's
 # instance, re-homing off: its session would otherwise fill with a window of copies every 15 s)
 SILENCE_CHECK = 1.0  # seconds between the two checks above
+# A new copy still idle this long after it started asks its creator for Start again (doubling):
+# Start is the one protocol message nobody acks, so a broker that lost it would leave the copy
+# idle for ever with batches routed to it.
+IDLE_PING = 10.0
 
 
 class Worker:
@@ -373,6 +377,8 @@ class Worker:
         if stuck:
             self._holes = {}
             self._new_incarnation(f"messages from {', '.join(stuck)} missing for {GAP_TIMEOUT:.0f}s", "gaps_recovered")
+        if self.scaling is not None:
+            self.scaling.ping_if_idle(now)
         for dest, link in list(self.links.items()):
             wait = min(LINK_SILENCE * 2 ** link.silent_replays, LINK_SILENCE_MAX)
             if link.inflight and link.oldest_age(now) >= wait and now - link.last_ack_at >= wait:
@@ -429,6 +435,9 @@ class Worker:
         self.stats["acks_in"] += 1
         link = self.links.get(env.sender)
         epoch, upto = env.body
+        if self.scaling is not None and list(env.body) == [0, 0] and env.sender in self.scaling.started:
+            self.scaling.start_again(env.sender)  # a copy we started says it is still idle
+            return
         if epoch != self.epoch:
             self.stats["stale_acks"] = self.stats.get("stale_acks", 0) + 1  # for a dead incarnation
             return
@@ -969,6 +978,9 @@ class _ScalingDriver:
         self.outputs: Deque[Any] = deque()
         self.waiting_spawn: Optional[str] = None
         self.round_created: List[str] = []  # copies of the current round whose create succeeded
+        self.started: Deque[str] = deque(maxlen=256)  # copies this instance sent Start (see start_again)
+        self._idle_since = worker.clock()
+        self._idle_pings = 0
         self.memory = RoundMemory(saved.get("rounds_applied") if spec.restart else None)
         self._round_clock: Dict[str, float] = {}  # neighbour -> last sent to / heard from
         if spec.restart and saved.get("scaling"):
@@ -1240,6 +1252,32 @@ class _ScalingDriver:
         return {"scaling": self.core.snapshot(), "outputs": encode_outputs(self.outputs),
                 "rounds_applied": dict(self.memory.applied), "round_created": list(self.round_created)}
 
+    def ping_if_idle(self, now: float) -> None:
+        """An idle copy (created, not started) asks its creator for Start again: an ack of
+        nothing, every IDLE_PING s doubling (the creator answers only for a copy it started)."""
+        from agent.protocol.scaling import InstanceState
+
+        if self.core.state is not InstanceState.IDLE or not self.core.creator:
+            return
+        if now - self._idle_since < IDLE_PING * (2 ** self._idle_pings - 1) + IDLE_PING:
+            return
+        self._idle_pings += 1
+        self.counts["start_requests"] = self.counts.get("start_requests", 0) + 1
+        log.warning("still idle %.0fs after creation: asking %s for Start again", now - self._idle_since,
+                    self.core.creator, extra=self.w.ctx)
+        self.w.send_envelope(self.core.creator, Kind.ACK, [0, 0])
+
+    def start_again(self, copy: str) -> None:
+        """Send Start again to a copy we started that says it is still idle (its Start was lost
+        with the broker's state): our current tables, as Algorithm 6 would send them now. A copy
+        that is active by then rejects it as unexpected and nothing changes."""
+        from agent.protocol.messages import Start
+
+        msg = Start(self.core.instance_id, self.core.stage, *self.core.routes())
+        self.w.send_envelope(copy, Kind.PROTO, msg.to_dict())
+        self.counts["protocol_resent"] = self.counts.get("protocol_resent", 0) + 1
+        log.warning("%s is still idle: sent Start again", copy, extra=self.w.ctx)
+
     def resend_silent(self, now: float) -> None:
         """Send the round message again to pending neighbours silent for RESEND_AFTER s (they
         may have crashed between applying it and acking); never while outputs are queued."""
@@ -1268,6 +1306,8 @@ class _ScalingDriver:
                 # 2-FGME lock messages travel the same way but are counted apart, by kind.
                 w.send_envelope(out.dest, Kind.PROTO, out.message.to_dict())
                 self._round_clock[out.dest] = now
+                if out.message.type == "start":
+                    self.started.append(out.dest)
                 inner = getattr(out.message, "inner", None)
                 if inner is None:
                     w.stats["protocol_out"] += 1
