@@ -241,7 +241,7 @@ def test_batches_a_successor_never_acks_are_replayed_to_it(tmp_path) -> None:  #
         w.step(clock[0])
     again = [decode(p) for t, p in wire.sent[sent:] if t == to_work and decode(p).kind.value == "d"]
     assert len(again) == 1 and again[0].body == first[1].body and again[0].seq == 3, again
-    # still no ack (a dead successor): the next replay waits twice as long, not another 15 s
+    # still no ack (a dead successor): the next replay waits twice as long, not another LINK_SILENCE
     sent = len(wire.sent)
     end = clock[0] + 1.5 * LINK_SILENCE
     while clock[0] < end:

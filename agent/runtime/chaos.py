@@ -163,6 +163,21 @@ def _active_instances(mon: Monitor) -> Dict[str, Dict[str, Any]]:
     return out
 
 
+def _holding(mon: Monitor) -> List[str]:
+    """Instances that still hold records in flight (unacked batches, an outbox, queued input),
+    by their last published stats: a run is over when none does, not when the sink is quiet
+    (a replay after a lost message comes up to LINK_SILENCE seconds later)."""
+    out = []
+    with mon._lock:
+        for node, doc in mon.states.items():
+            for inst in doc.get("instances", []) or []:
+                st = inst.get("stats") if isinstance(inst, dict) else None
+                if isinstance(st, dict) and (sum((st.get("inflight") or {}).values()) or st.get("outbox")
+                                             or st.get("queued")):
+                    out.append(str(inst.get("id")))
+    return sorted(out)
+
+
 def _scaled_in_since(mon: Monitor, since_wall: float) -> Set[str]:
     return {str(e.get("instance")) for e in mon.agent_events("terminated", "scale_in")
             if float(e.get("ts", e.get("time", 0)) or 0) >= since_wall - 5.0}  # a state is up to 1 s old
@@ -398,7 +413,7 @@ def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dic
             back = all(v == 1 for v in mon.instances_per_operator().values())
             quiet = (quiet or time.monotonic()) if tot == last else None
             last = tot
-            if back and quiet is not None and time.monotonic() - quiet >= 3.0:
+            if back and quiet is not None and time.monotonic() - quiet >= 3.0 and not _holding(mon):
                 break
             time.sleep(1.0)
         final = mon.instances_per_operator()

@@ -75,9 +75,9 @@ GAP_TIMEOUT = 5.0
 # Batches to a successor unacked this long, with no ack from it meanwhile: replay them (what it
 # lost sits at the end of its channel, so it sees no hole). A slow successor acks within a second
 # or two; a stalled or restarting one gets a replay it may not need: duplicates, dropped by id.
-LINK_SILENCE = 15.0
+LINK_SILENCE = 5.0
 LINK_SILENCE_MAX = 600.0  # the wait doubles after each replay that brought no ack (a dead node's
-# instance, re-homing off: its session would otherwise fill with a window of copies every 15 s)
+# instance, re-homing off: its session would otherwise fill with a window of copies every 5 s)
 SILENCE_CHECK = 1.0  # seconds between the two checks above
 # A new copy still idle this long after it started asks its creator for Start again (doubling):
 # Start is the one protocol message nobody acks, so a broker that lost it would leave the copy
