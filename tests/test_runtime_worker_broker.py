@@ -302,3 +302,19 @@ def test_killed_worker_restarted_with_same_identity_loses_nothing(runner, mosqui
     assert_exactly_once(tmp_path, n)
     state = json.loads((tmp_path / "state" / "validate-0.state.json").read_text())
     assert state["epoch"] == 1
+
+
+def test_paused_source_sleeps_instead_of_spinning(runner, mosquitto, tmp_path: Path) -> None:
+    """A paused source (the bench pauses one to read an idle worker's memory) must not poll its
+    generator in a busy loop: before the fix its loop turned ~25k times/s and used a whole core."""
+    import psutil
+
+    procs = start_pipeline(runner, mosquitto, tmp_path, taxi_pipeline(1e6, 10**9), "pause")
+    wait_for(lambda: procs["sink"].stats.get("recorded", 0) > 1000, 20, "records to flow")
+    procs["source"].send("set", paused=True)
+    time.sleep(1.0)  # let what is in flight drain
+    p = psutil.Process(procs["source"].pid)
+    c0 = sum(p.cpu_times()[:2])
+    time.sleep(2.0)
+    used = sum(p.cpu_times()[:2]) - c0
+    assert used < 0.4, f"a paused source used {used:.2f} s of CPU in 2 s"
