@@ -336,6 +336,23 @@ def measure_raw(
     }
 
 
+def _cpu_seconds(pids: Dict[str, int]) -> Dict[str, float]:
+    """user + system CPU seconds of each process so far, and of the whole machine ("machine_busy",
+    all cores, every process: tells how much the other jobs of a shared machine took)."""
+    import psutil
+
+    out: Dict[str, float] = {}
+    for name, pid in pids.items():
+        try:
+            t = psutil.Process(pid).cpu_times()
+            out[name] = t.user + t.system
+        except psutil.Error:
+            out[name] = 0.0
+    m = psutil.cpu_times()
+    out["machine_busy"] = m.user + m.system + getattr(m, "nice", 0.0) + getattr(m, "irq", 0.0) + getattr(m, "softirq", 0.0)
+    return out
+
+
 def _rss_mb(pid: int) -> float:
     import psutil
 
@@ -378,14 +395,22 @@ def run_bench(
         procs = [runner.start(s) for s in reversed(specs)]  # successors subscribe first
         sink = procs[0]
         time.sleep(1.0)  # warm-up
+        pids = {"source": procs[-1].pid, "map": procs[1].pid, "sink": procs[0].pid, "broker": broker.pid}
+        c0 = _cpu_seconds(pids)
         r0 = sink.stats.get("recorded", 0)
         t0 = time.monotonic()
         time.sleep(seconds)
         r1 = sink.stats.get("recorded", 0)
         t1 = time.monotonic()
+        c1 = _cpu_seconds(pids)
         rate = (r1 - r0) / (t1 - t0)
+        batches = max(1.0, (r1 - r0) / batch_size)
         result["pipeline"] = {
             "records_per_s": rate,
+            # Where the CPU goes (the machine is shared: `machine_busy` counts the other jobs too):
+            # CPU seconds per wall second of each process, and CPU ms per batch of `batch_size`.
+            "cpu_share": {k: round((c1[k] - c0[k]) / (t1 - t0), 3) for k in c1},
+            "cpu_ms_per_batch": {k: round(1000 * (c1[k] - c0[k]) / batches, 3) for k in c1},
             "source": procs[-1].stats,
             "map": procs[1].stats,
             "sink": sink.stats,
