@@ -223,3 +223,19 @@ def test_compact_data_encoding_round_trips_and_falls_back() -> None:
                 b'[1,"a",0,1,"d",{"k":["x"],"r":[["s",-1,[1]]]}]', b'[1,"a",0,1,"d",{"k":["x"]}]'):
         with pytest.raises(MalformedEnvelope):
             decode(bad)
+
+
+def test_decode_without_records_keeps_ids_and_validation() -> None:
+    """A sink that reads only ids skips rebuilding the records, never the validation."""
+    from agent.runtime.taxi import sample
+
+    batch = [("src-0", i, r) for i, r in enumerate(sample(2, 20))]
+    raw = encode_data("a", 0, 1, batch)
+    lean = decode(raw, records=False)
+    assert [(s, q) for s, q, _ in lean.body] == [(s, q) for s, q, _ in batch]
+    assert all(r is None for _, _, r in lean.body)
+    assert lean.raw == raw  # a spilling sink still gets the bytes as received
+    for bad in (b'[1,"a",0,1,"d",{"k":["x"],"r":[["s",1,[1,2]]]}]', b'[1,"a",0,1,"d",{"k":["x"],"r":[["s",-1,[1]]]}]',
+                b'[1,"a",0,1,"d",{"k":["x"],"r":[["s",1]]}]', b'[1,"a",0,1,"d",{"k":["x"],"r":[[1,1,[1]]]}]'):
+        with pytest.raises(MalformedEnvelope):
+            decode(bad, records=False)

@@ -161,8 +161,13 @@ def _compact(items: List[Item]) -> Any:
     return {"k": keys, "r": rows}
 
 
-def decode(raw: Union[bytes, bytearray, str]) -> Envelope:
-    """Parse and validate one envelope; raise `MalformedEnvelope` on any defect."""
+def decode(raw: Union[bytes, bytearray, str], records: bool = True) -> Envelope:
+    """Parse and validate one envelope; raise `MalformedEnvelope` on any defect.
+
+    `records=False` (a sink that only reads record ids, e.g. `counting_sink` without spill):
+    a compact data body is validated exactly as usual but its records are not rebuilt into
+    dicts; each item is `(source, seq, None)`. Rebuilding is a third of such a sink's CPU per
+    batch of taxi records (measured ~0.3 of 0.8 ms)."""
     try:
         msg = _parse(raw)
     except (ValueError, TypeError, RecursionError) as exc:
@@ -181,7 +186,7 @@ def decode(raw: Union[bytes, bytearray, str]) -> Envelope:
         raise MalformedEnvelope(f"envelope from {sender}: unknown kind {_short(kind)}, expected d, a or p")
     if k is Kind.DATA:
         if type(body) is dict:
-            return Envelope(sender, epoch, seq, k, _expand(sender, body), bytes(raw) if isinstance(raw, (bytes, bytearray)) else None)
+            return Envelope(sender, epoch, seq, k, _expand(sender, body, records), bytes(raw) if isinstance(raw, (bytes, bytearray)) else None)
         if not isinstance(body, list):
             raise MalformedEnvelope(f"data from {sender}: expected a list of records, found {_short(body)}")
         items: List[Item] = []
@@ -204,8 +209,9 @@ def decode(raw: Union[bytes, bytearray, str]) -> Envelope:
     return Envelope(sender, epoch, seq, k, body)
 
 
-def _expand(sender: str, body: Dict[str, Any]) -> List[Item]:
-    """The compact data body back into items with dict records (validated)."""
+def _expand(sender: str, body: Dict[str, Any], records: bool = True) -> List[Item]:
+    """The compact data body back into items with dict records (validated); with
+    `records=False`, items without their records (`None`), validated all the same."""
     keys, rows = body.get("k"), body.get("r")
     if (
         len(body) != 2
@@ -223,7 +229,7 @@ def _expand(sender: str, body: Dict[str, Any]) -> List[Item]:
         src, rseq, vals = row
         if type(src) is not str or type(rseq) is not int or rseq < 0 or type(vals) is not list or len(vals) != n:
             raise MalformedEnvelope(f"data from {sender}: expected [source, seq, [values]], found {_short(row)}")
-        append((src, rseq, dict(zip(keys, vals))))
+        append((src, rseq, dict(zip(keys, vals)) if records else None))
     return items
 
 
