@@ -127,6 +127,8 @@ class Worker:
         self.is_source = self.kind == "source"
         self.is_sink = self.kind == "sink" or isinstance(self.operator, SinkOperator)
         self.service_time = self.op.service_time_ms / 1000.0
+        # A sink that reads only record ids gets compact batches without their records rebuilt.
+        self._decode_records = not (self.is_sink and getattr(self.operator, "reads_records", True) is False)
 
         self.router = Router(spec.succs, key=self.op.key)
         self.outbox = Outbox(self.router, self.op.batch_size, self.op.linger_ms / 1000.0)
@@ -308,7 +310,7 @@ class Worker:
                 ingest(ev.topic, ev.payload)
             return
         try:
-            env = decode(ev.payload)
+            env = decode(ev.payload, self._decode_records)
         except MalformedEnvelope as exc:
             # INVARIANT 5 (nothing dropped silently): counted, logged once per sender, skipped.
             self.stats["malformed"] += 1
