@@ -111,7 +111,13 @@ def initial_specs(
 class WorkerProc:
     """One worker process and our end of its control pipe."""
 
-    def __init__(self, spec: InstanceSpec, log_dir: Path, on_line: Callable[["WorkerProc", Dict[str, Any]], None]) -> None:
+    def __init__(
+        self,
+        spec: InstanceSpec,
+        log_dir: Path,
+        on_line: Callable[["WorkerProc", Dict[str, Any]], None],
+        warm: Optional["WarmProc"] = None,
+    ) -> None:
         self.spec = spec
         self.instance = spec.instance
         self.ready = threading.Event()
@@ -121,21 +127,11 @@ class WorkerProc:
         self.events: Deque[Dict[str, Any]] = deque(maxlen=1000)
         self._lock = threading.Lock()
         self._on_line = on_line
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self.log_path = log_dir / f"{spec.instance}.log"
-        self._log = open(self.log_path, "ab")
-        env = dict(os.environ)
-        root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        self.proc = subprocess.Popen(
-            [PY, "-m", "agent.runtime.worker"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            text=True,
-            bufsize=1,
-            env=env,
-        )
+        if warm is None:
+            warm = WarmProc(log_dir, spec.instance)
+        self.log_path = warm.log_path
+        self._log = warm.log
+        self.proc = warm.proc
         assert self.proc.stdin is not None
         self.proc.stdin.write(spec.to_json() + "\n")
         self.proc.stdin.flush()
@@ -193,11 +189,54 @@ class WorkerProc:
         self._log.close()
 
 
-class LocalRunner:
-    """Plays the agent for a set of workers on this machine (tests, benchmarks)."""
+class WarmProc:
+    """A started `python -m agent.runtime.worker` that has not been given its spec yet."""
 
-    def __init__(self, workdir: Path, ready_timeout: float = 20.0) -> None:
+    def __init__(self, log_dir: Path, name: str) -> None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"{name}.log"
+        self.log = open(self.log_path, "ab")
+        env = dict(os.environ)
+        root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        self.proc = subprocess.Popen(
+            [PY, "-m", "agent.runtime.worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            bufsize=1,
+            env=env,
+        )
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()  # EOF before a spec: the worker exits (bad spec)
+            except OSError:
+                pass
+            try:
+                self.proc.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+class LocalRunner:
+    """Plays the agent for a set of workers on this machine (tests, benchmarks).
+
+    `warm=True` keeps one pre-started worker process waiting for its spec, as the agent's
+    supervisor does by default (`supervisor.prewarm`): the next `start` (a scale-out's spawn)
+    takes it and a new spare is started. Its log is `logs/warm-<n>.log`."""
+
+    def __init__(self, workdir: Path, ready_timeout: float = 20.0, warm: bool = False) -> None:
         self.workdir = Path(workdir)
+        self.warm = warm
+        self._spare: Optional[WarmProc] = None
+        self._spares = 0
+        self.warm_used = 0
         self.workers: Dict[str, WorkerProc] = {}
         self.lock = threading.Lock()
         self.spawned: List[str] = []
@@ -205,8 +244,27 @@ class LocalRunner:
         self.ready_timeout = ready_timeout
         self.spawn_times: Dict[str, float] = {}
 
+    def _prewarm(self) -> None:
+        with self.lock:
+            if not self.warm or self._spare is not None:
+                return
+            self._spares += 1
+            self._spare = WarmProc(self.workdir / "logs", f"warm-{self._spares}")
+
+    def _take_spare(self) -> Optional[WarmProc]:
+        with self.lock:
+            spare, self._spare = self._spare, None
+        if spare is not None and spare.proc.poll() is not None:
+            spare.close()
+            return None
+        return spare
+
     def start(self, spec: InstanceSpec, wait: bool = True) -> WorkerProc:
-        w = WorkerProc(spec, self.workdir / "logs", self._on_line)
+        spare = self._take_spare()
+        if spare is not None:
+            self.warm_used += 1
+        w = WorkerProc(spec, self.workdir / "logs", self._on_line, warm=spare)
+        self._prewarm()
         with self.lock:
             self.workers[spec.instance] = w
         if wait and not w.ready.wait(self.ready_timeout):
@@ -256,6 +314,11 @@ class LocalRunner:
         for w in ws:
             codes[w.instance] = w.stop(timeout)
             w.close()
+        with self.lock:
+            spare, self._spare = self._spare, None
+            self.warm = False  # no new spare after a stop_all
+        if spare is not None:
+            spare.close()
         return codes
 
 
@@ -366,6 +429,7 @@ def run_bench(
     window: int = 8,
     workdir: Optional[str] = None,
     rescale: int = 3,
+    warm: bool = True,
 ) -> Dict[str, Any]:
     from agent.runtime.broker import start_private_broker
 
@@ -428,19 +492,24 @@ def run_bench(
         }
         runner.stop_all()
         if rescale:
-            result["rescale"] = measure_rescale(broker.host, broker.port, tmp, cycles=rescale)
+            result["rescale"] = measure_rescale(broker.host, broker.port, tmp, cycles=rescale, warm=warm)
+            result["rescale"]["warm_worker"] = warm
     finally:
         runner.stop_all()
         broker.stop()
     return result
 
 
-def measure_rescale(host: str, port: int, tmp: Path, cycles: int = 3, up_s: float = 8.0, down_s: float = 7.0) -> Dict[str, Any]:
+def measure_rescale(
+    host: str, port: int, tmp: Path, cycles: int = 3, up_s: float = 8.0, down_s: float = 7.0, warm: bool = True
+) -> Dict[str, Any]:
     """Scale-out disruption: a step load makes `work` (emulated 2 ms per record, declared
     capacity 250/s) duplicate, then scale back in, `cycles` times.
 
     - decision -> first record: wall time from the creator's duplication decision to the new
-      instance's first processed record (includes starting a Python process and subscribing);
+      instance's first processed record (includes the spawn: with `warm`, the pre-started worker
+      reads its spec, connects and subscribes; without, a Python process starts first), split
+      into spawn / protocol round / first batch (`rescale_parts`);
     - min output/input: the lowest ratio of sink records to source records over 1-second windows
       from each decision to 3 s after the new instance's first record (we never stop: goal >= 0.9);
     - lost/duplicated from the counting sink's id files.
@@ -466,7 +535,8 @@ def measure_rescale(host: str, port: int, tmp: Path, cycles: int = 3, up_s: floa
         ],
         scaling={"policy": "none"},
     )
-    runner = LocalRunner(tmp / "rescale")
+    # A pre-started worker takes each spawn, as in the agent (supervisor.prewarm, on by default).
+    runner = LocalRunner(tmp / "rescale", warm=warm)
     specs = initial_specs(toml, BrokerSpec(host=host, port=port), str(tmp / "rescale" / "state"), cluster="rescale",
                           extra={"sink_dir": str(tmp / "rescale" / "sink"), "seed": 5})
     specs = [replace(sp, heartbeat_period=0.2) for sp in specs]
@@ -495,6 +565,7 @@ def measure_rescale(host: str, port: int, tmp: Path, cycles: int = 3, up_s: floa
     firsts = {i: st.get("first_record_at") for i, st in stats.items()}
     delays: List[float] = []
     ratios: List[float] = []
+    parts = rescale_parts(stats)
     decisions = [d for st in stats.values() for d in st.get("decisions", []) if d["kind"] == "scale_out"]
     for d in decisions:
         fr = [firsts.get(n) for n in d["new"] if firsts.get(n)]
@@ -519,11 +590,49 @@ def measure_rescale(host: str, port: int, tmp: Path, cycles: int = 3, up_s: floa
             "max": delays[-1] if delays else None,
             "all": [round(x, 3) for x in delays],
         },
+        "breakdown_median_s": parts,
         "min_output_over_input_1s": min(ratios) if ratios else None,
         "records": generated,
         "lost": len(set(range(generated)) - got),
         "duplicated": dup + len(got - set(range(generated))),
     }
+
+
+def rescale_parts(stats: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
+    """Where decision -> first record goes, medians over the scale-outs (wall clock, workers on
+    this machine), from the creator's decision record and the new instance's stats:
+    spawn = decision -> last "spawned" reply (process start, imports, connect, subscribe);
+    round = spawned -> the new instance's Start (duplication messages and acks through the
+    broker, each behind the data its sender queued before it: FIFO channels);
+    first = Start -> its first processed record."""
+    spawn: List[float] = []
+    rnd: List[float] = []
+    first: List[float] = []
+    each: List[List[Optional[float]]] = []
+    for st in stats.values():
+        for d in st.get("decisions", []) or []:
+            if not isinstance(d, dict) or d.get("kind") != "scale_out" or not d.get("new"):
+                continue
+            new = [stats.get(n, {}) for n in d["new"]]
+            act = [x.get("activated_at") for x in new if isinstance(x.get("activated_at"), (int, float))]
+            fr = [x.get("first_record_at") for x in new if isinstance(x.get("first_record_at"), (int, float))]
+            sp = d.get("spawned_at")
+            row: List[Optional[float]] = [None, None, None]
+            if isinstance(sp, (int, float)):
+                spawn.append(sp - d["at"])
+                row[0] = round(spawn[-1], 3)
+                if act:
+                    rnd.append(min(act) - sp)
+                    row[1] = round(rnd[-1], 3)
+            if act and fr:
+                first.append(min(fr) - min(act))
+                row[2] = round(first[-1], 3)
+            each.append(row)
+
+    def med(xs: List[float]) -> Optional[float]:
+        return round(sorted(xs)[len(xs) // 2], 3) if xs else None
+
+    return {"spawn": med(spawn), "round": med(rnd), "first_batch": med(first), "each": each}
 
 
 def _interp(series: Dict[float, float], t: float) -> float:
@@ -548,7 +657,7 @@ def _baseline_rss() -> float:
 def _cmd(args: argparse.Namespace) -> int:
     res = run_bench(
         seconds=args.seconds, batch_size=args.batch_size, record=args.record, window=args.window,
-        rescale=args.rescale_cycles,
+        rescale=args.rescale_cycles, warm=not args.no_warm_worker,
     )
     if args.json:
         print(json.dumps(res, indent=2, sort_keys=True, default=str))
@@ -585,5 +694,7 @@ def register_bench(groups: Any) -> None:
     p.add_argument("--record", choices=("taxi", "tiny"), default="taxi")
     p.add_argument("--window", type=int, default=8, help="max_inflight_batches of each operator")
     p.add_argument("--rescale-cycles", type=int, default=3, help="step-load cycles of the rescale part (0: skip)")
+    p.add_argument("--no-warm-worker", action="store_true",
+                   help="rescale part: start each new instance's process cold (no pre-started worker)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd)

@@ -187,6 +187,7 @@ class Worker:
         self._final = False
         self._last_source_write = -1e9
         self.first_record_at: Optional[float] = None
+        self.activated_at: Optional[float] = None  # wall time of our Start (rescale breakdown)
         self._terminate_reason = ""
         self._period_start = clock()
         self._source_first: Dict[int, int] = {}  # source: poll index -> its first record seq
@@ -782,6 +783,7 @@ class Worker:
             connected=self.transport.connected,
             service_time_ms=self.service_time * 1000,
             first_record_at=self.first_record_at,
+            activated_at=self.activated_at,
             at=time.time(),
         )
         s.update(self.operator.stats())
@@ -987,6 +989,7 @@ class _ScalingDriver:
             self.round_created = []
         elif edge == "end":
             self.last_round_end = self.w.clock()
+            self._stamp_decision("round_end_at")
         for t in trans:
             self._publish_lock_event(t)
         if trans or edge:
@@ -1231,6 +1234,8 @@ class _ScalingDriver:
                 # INVARIANT 3: the data path switches tables here, before any later Send (ack).
                 w.set_routes(out.succs, now)
                 if isinstance(out, Activate):
+                    if w.activated_at is None:
+                        w.activated_at = time.time()
                     # DEVIATION (docs/scaling.md): the load of the period we were activated in is
                     # partial, so the first decision would scale a fresh copy straight back in.
                     self.skip_decisions = 1
@@ -1279,6 +1284,7 @@ class _ScalingDriver:
             return
         self.waiting_spawn = None
         if msg.get("ok"):
+            self._stamp_decision("spawned_at")
             done = self.outputs.popleft()  # the CreateInstance is done
             self.round_created.append(done.instance_id)
             self.run_outputs(self.w.clock())
@@ -1289,6 +1295,14 @@ class _ScalingDriver:
             self.counts["spawn_failures"] += 1
             self._cancel_round(str(msg.get("error")))
         self.w.mark_state_changed()
+
+    def _stamp_decision(self, key: str) -> None:
+        """Wall time of a step of the current scale-out round on its decision record (latest
+        spawn reply, round end): `bench dataplane`/`bench rescale` split decision -> first record
+        into spawn, protocol round and first batch with it."""
+        d = self.decisions[-1] if self.decisions else None
+        if d is not None and d.get("kind") == "scale_out" and (key == "spawned_at" or key not in d):
+            d[key] = time.time()  # spawned_at: with several copies, the last reply counts
 
     def _cancel_round(self, why: str) -> None:
         from agent.protocol.messages import Duplication
@@ -1401,10 +1415,28 @@ def _install_signals(worker: Worker) -> None:
     signal.signal(signal.SIGINT, handler)
 
 
+def _preimport() -> None:
+    """Import what building any instance needs (scaling core, policy, recovery, operators)
+    before reading the spec. Why: the agent keeps one pre-started worker waiting for its spec
+    (supervisor.prewarm), so whatever is imported here is off the path decision -> first
+    record of a scale-out (~70 ms idle, 2-4x that on a loaded machine); a cold start pays the
+    same total either way. A module that fails to import here is imported (and reported) later,
+    where it is used."""
+    import importlib
+
+    for name in ("agent.protocol.scaling", "agent.protocol.guarded", "agent.policy.decentralized",
+                 "agent.runtime.recovery", "agent.runtime.rounds", "agent.events", "agent.runtime.taxi"):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     from agent.log import setup_logging
 
     setup_logging(os.environ.get("FOG_AGENT_LOG_LEVEL"))
+    _preimport()  # a pre-started (warm) worker does this before its spec arrives
     line = sys.stdin.readline()
     try:
         spec = InstanceSpec.from_json(line)
