@@ -318,3 +318,46 @@ def test_paused_source_sleeps_instead_of_spinning(runner, mosquitto, tmp_path: P
     time.sleep(2.0)
     used = sum(p.cpu_times()[:2]) - c0
     assert used < 0.4, f"a paused source used {used:.2f} s of CPU in 2 s"
+
+
+def test_duplication_ack_overtakes_queued_data_of_an_overloaded_creator(runner, mosquitto, tmp_path: Path) -> None:
+    """The creator of a copy is overloaded: its predecessor's batches queue in front of the
+    predecessor's duplication_ack (0.5 s of emulated work per batch, up to a window of 8). The ack
+    is handled ahead of that data (never ahead of a protocol message), so the copy gets its Start
+    within a fraction of the queue's drain time; every record still arrives exactly once."""
+    n = 1500
+    toml = pipeline_toml(
+        "ahead",
+        [
+            {"name": "source", "kind": "source", "function": "agent.runtime.taxi:source", "batch_size": 50,
+             "linger_ms": 10.0, "params": {"seed": 3, "profile": "constant", "rate": 600.0, "max_records": n}},
+            {"name": "validate", "function": "agent.runtime.operators:validate", "batch_size": 50,
+             "linger_ms": 10.0, "service_time_ms": 10.0},
+            {"name": "sink", "kind": "sink", "function": "agent.runtime.operators:counting_sink",
+             "batch_size": 50, "linger_ms": 10.0},
+        ],
+        scaling={"policy": "none"},
+    )
+    procs = start_pipeline(runner, mosquitto, tmp_path, toml, "ahead")
+    work = procs["validate"]
+    wait_for(lambda: work.stats.get("queued", 0) >= 5, 20, "the creator's input to queue up")
+    queued = work.stats["queued"]
+    work.send("scale", action="duplicate", count=1)
+    wait_for(lambda: runner.spawned and runner.workers[runner.spawned[0]].stats.get("activated_at"), 20,
+             "the copy's Start")
+    copy = runner.workers[runner.spawned[0]]
+    wait_for(lambda: any(d.get("spawned_at") for d in work.stats.get("decisions", [])), 5, "the creator's stats")
+    decision = [d for d in work.stats["decisions"] if d.get("kind") == "scale_out"][-1]
+    round_s = copy.stats["activated_at"] - decision["spawned_at"]
+    drain_s = (queued - 1) * 50 * 0.010  # what the queue in front of the ack would have cost
+    assert round_s < min(1.0, drain_s / 2), f"round {round_s:.2f} s with {queued} batches queued ({drain_s:.1f} s)"
+    assert work.stats.get("acks_ahead_of_data", 0) >= 1, work.stats
+    wait_for(lambda: procs["source"].stats.get("generated") == n, 30, "the source to finish")
+    want = len(expected_ids(3, "source-0", n, ops=("validate",)))
+    wait_for(lambda: procs["sink"].stats.get("recorded") == want, 40, "the sink to record everything")
+    assert copy.stats.get("records_in", 0) > 0
+    assert work.stats.get("protocol_errors", 0) == 0 and work.stats.get("sends_to_non_successor", 0) == 0
+    runner.stop_all()
+    ids, dup = read_sink_ids(tmp_path / "sink")
+    assert dup == 0
+    assert ids.get("source-0", set()) == expected_ids(3, "source-0", n, ops=("validate",))

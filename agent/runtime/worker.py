@@ -418,7 +418,10 @@ class Worker:
         return False
 
     def _process(self, now: float) -> None:
-        """Handle queued envelopes, round-robin over senders, each sender strictly in order."""
+        """Handle queued envelopes, round-robin over senders, each sender strictly in order
+        (one exception: `_duplication_acks_ahead`)."""
+        if self.scaling is not None and self.scaling.duplicating:
+            self._duplication_acks_ahead()
         progress = True
         while progress:
             progress = False
@@ -440,6 +443,38 @@ class Worker:
                     self._on_protocol(env)
                     progress = True
             now = self.clock()
+
+    def _duplication_acks_ahead(self) -> None:
+        """While our duplication round waits for its acks, a predecessor's `duplication_ack`
+        queued behind that predecessor's DATA batches is handled now instead of after them.
+
+        Why: the creator of a copy is by definition overloaded, so its predecessors' data queue
+        up to a credit window in front of their acks (with a Raspberry-Pi-like 4 ms per record
+        and batches of 100: seconds), and the copy would get its Start only after the creator
+        worked through all of it: most of decision -> first record (`bench rescale`).
+        Why it is safe: handling a duplication ack changes none of our routing tables (our
+        preds and succs stay as they are; the ack only completes the round and sends Start with
+        the tables we already use), and the data batches it overtakes are still processed by us,
+        in their order, right after. Only DATA is overtaken, never a protocol message (a
+        neighbour's own round must be applied before our Start carries our tables), and never
+        while our earlier outputs are still being performed. Deletion acks never move: invariant 1
+        needs a deletion_ack handled after every batch its sender sent before it."""
+        assert self.scaling is not None
+        if self.scaling.blocked:
+            return
+        for q in list(self.queues.values()):
+            if len(q) < 2 or q[0].kind is not Kind.DATA:
+                continue
+            for i, env in enumerate(q):
+                if env.kind is Kind.DATA:
+                    continue
+                if env.kind is Kind.PROTO and isinstance(env.body, dict) and env.body.get("type") == "duplication_ack":
+                    del q[i]
+                    self.stats["acks_ahead_of_data"] = self.stats.get("acks_ahead_of_data", 0) + 1
+                    self._on_protocol(env)
+                break  # the first non-data envelope decides
+            if self.scaling.blocked or not self.scaling.duplicating:
+                return
 
     def _process_data(self, env: Envelope, now: float) -> None:
         items: List[Item] = env.body
@@ -972,6 +1007,13 @@ class _ScalingDriver:
     @property
     def blocked(self) -> bool:
         return bool(self.outputs)
+
+    @property
+    def duplicating(self) -> bool:
+        """Our own duplication round waits for its acks."""
+        from agent.protocol.scaling import InstanceState
+
+        return self.core.state is InstanceState.DUPLICATING
 
     @property
     def lock_pending(self) -> bool:
