@@ -338,8 +338,8 @@ def _payloads(batch_size: int, n_batches: int, record: str) -> List[bytes]:
 
 
 def measure_raw(
-    host: str, port: int, batch_size: int, record: str, seconds: float, encode: bool = False
-) -> Dict[str, float]:
+    host: str, port: int, batch_size: int, record: str, seconds: float, encode: bool = False, broker_pid: int = 0
+) -> Dict[str, Any]:
     """One publisher -> broker -> one no-op subscriber, QoS 1, pre-encoded batches (the broker +
     paho limit); with `encode`, the publisher encodes every batch like a worker does (the limit
     of a Python producer of these batches)."""
@@ -367,6 +367,7 @@ def measure_raw(
     gen = TaxiGenerator(1, "raw")
     recs = [gen.record() if record == "taxi" else {"v": 1} for _ in range(batch_size)]
     sent = 0
+    me = _cpu_seconds({"raw": os.getpid(), "broker": broker_pid} if broker_pid else {"raw": os.getpid()})
     t0 = time.monotonic()
     deadline = t0 + seconds
     # The publisher keeps at most 200 unacked messages (like a window), so the broker queue
@@ -386,6 +387,7 @@ def measure_raw(
     while got[0] < sent and time.monotonic() < t1 + 5:
         pub.loop(0.01)
     t2 = time.monotonic()
+    me2 = _cpu_seconds({"raw": os.getpid(), "broker": broker_pid} if broker_pid else {"raw": os.getpid()})
     done.set()
     sub.loop_stop()
     sub.disconnect()
@@ -396,6 +398,8 @@ def measure_raw(
         "records_per_s": got[0] * batch_size / elapsed,
         "batches_per_s": got[0] / elapsed,
         "payload_bytes": float(len(payloads[0])),
+        # publisher and subscriber together (one process), and the broker: CPU ms per batch
+        "cpu_ms_per_batch": {k: round(1000 * (me2[k] - me[k]) / max(1, got[0]), 3) for k in me2 if k != "machine_busy"},
     }
 
 
@@ -409,8 +413,9 @@ def _cpu_seconds(pids: Dict[str, int]) -> Dict[str, float]:
         try:
             t = psutil.Process(pid).cpu_times()
             out[name] = t.user + t.system
+            out[name + "_sys"] = t.system
         except psutil.Error:
-            out[name] = 0.0
+            out[name] = out[name + "_sys"] = 0.0
     m = psutil.cpu_times()
     out["machine_busy"] = m.user + m.system + getattr(m, "nice", 0.0) + getattr(m, "irq", 0.0) + getattr(m, "softirq", 0.0)
     return out
@@ -438,9 +443,10 @@ def run_bench(
     result: Dict[str, Any] = {"batch_size": batch_size, "record": record, "seconds": seconds, "window": window}
     runner = LocalRunner(tmp)
     try:
-        raw = measure_raw(broker.host, broker.port, batch_size, record, seconds)
+        raw = measure_raw(broker.host, broker.port, batch_size, record, seconds, broker_pid=broker.pid)
         result["raw"] = raw
-        result["raw_encoded"] = measure_raw(broker.host, broker.port, batch_size, record, seconds, encode=True)
+        result["raw_encoded"] = measure_raw(broker.host, broker.port, batch_size, record, seconds, encode=True,
+                                            broker_pid=broker.pid)
         toml = pipeline_toml(
             "bench",
             [
