@@ -299,3 +299,21 @@ def test_fast_codec_keeps_taxi_batches_byte_identical() -> None:
         env._orjson = saved
     assert fast == slow  # the sink spools these bytes verbatim: same with or without orjson
     assert decode(fast).body == batch
+
+
+def test_outbox_chunks_split_across_batches_keep_order_and_lowest_index() -> None:
+    """Keyless records are buffered as one chunk per input (no per-record tuple): batches cut
+    across chunks must keep the order and carry the lowest input index they contain."""
+    ob = Outbox(Router(["a"]), batch_size=40, linger=0.01)
+    chunks = {1: [("s", i, i) for i in range(30)], 2: [("s", i, i) for i in range(30, 80)],
+              3: [("s", i, i) for i in range(80, 125)]}
+    for index, items in chunks.items():
+        ob.add(items, index, 0.0)
+    assert ob.pending == 125 and ob.lowest_index() == 1
+    out = ob.take(0.0, lambda d: 10)
+    assert [(len(b), low) for _, b, low in out] == [(40, 1), (40, 2), (40, 3)]
+    assert ob.pending == 5 and ob.lowest_index() == 3
+    out += ob.take(0.02, lambda d: 10)  # the rest after the linger
+    assert [it[1] for _, b, _ in out for it in b] == list(range(125))
+    assert out[-1][2] == 3 and ob.pending == 0 and ob.lowest_index() is None
+    assert [it[1] for it in chunks[3]] == list(range(80, 125))  # inputs left as they were
