@@ -361,3 +361,43 @@ def test_duplication_ack_overtakes_queued_data_of_an_overloaded_creator(runner, 
     ids, dup = read_sink_ids(tmp_path / "sink")
     assert dup == 0
     assert ids.get("source-0", set()) == expected_ids(3, "source-0", n, ops=("validate",))
+
+
+def test_copies_of_one_round_are_spawned_at_once(runner, mosquitto, tmp_path: Path) -> None:
+    """A decision for several copies asks the agent for all of them before any answer (they start
+    in parallel); the announcements still wait for every "spawned" (invariant 2), and every record
+    arrives exactly once."""
+    n = 6000
+    toml = pipeline_toml(
+        "multi",
+        [
+            {"name": "source", "kind": "source", "function": "agent.runtime.taxi:source", "batch_size": 20,
+             "linger_ms": 10.0, "params": {"seed": 3, "profile": "constant", "rate": 700.0, "max_records": n}},
+            {"name": "validate", "function": "agent.runtime.operators:validate", "batch_size": 20,
+             "linger_ms": 10.0, "service_time_ms": 1.0,
+             "scaling": {"policy": "decentralized", "capacity": 200.0, "period": 1.0, "cooldown": 30.0}},
+            {"name": "sink", "kind": "sink", "function": "agent.runtime.operators:counting_sink",
+             "batch_size": 20, "linger_ms": 10.0},
+        ],
+        scaling={"policy": "none"},
+    )
+    procs = start_pipeline(runner, mosquitto, tmp_path, toml, "multi")
+    work = procs["validate"]
+
+    def multi_copy_decision():
+        return [d for d in work.stats.get("decisions", []) if d.get("kind") == "scale_out" and len(d["new"]) >= 2]
+
+    wait_for(lambda: multi_copy_decision() and all(i in runner.spawned for i in multi_copy_decision()[0]["new"]),
+             30, "a decision for several copies, all spawned")
+    new = set(multi_copy_decision()[0]["new"])
+    asked = [t for c, i, t in runner.spawn_requests if i in new]
+    answered = [t for c, i, t in runner.spawn_replies if i in new]
+    assert len(asked) == len(new) and len(answered) == len(new)
+    assert max(asked) < min(answered), "a copy was requested only after an earlier copy's answer"
+    wait_for(lambda: procs["source"].stats.get("generated") == n, 40, "the source to finish")
+    want = len(expected_ids(3, "source-0", n, ops=("validate",)))
+    wait_for(lambda: procs["sink"].stats.get("recorded") == want, 40, "the sink to record everything")
+    runner.stop_all()
+    ids, dup = read_sink_ids(tmp_path / "sink")
+    assert dup == 0
+    assert ids.get("source-0", set()) == expected_ids(3, "source-0", n, ops=("validate",))

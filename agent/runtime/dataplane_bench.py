@@ -243,6 +243,9 @@ class LocalRunner:
         self.exited: List[str] = []
         self.ready_timeout = ready_timeout
         self.spawn_times: Dict[str, float] = {}
+        # (creator, new instance, monotonic time): spawn lines seen, "spawned" answers sent
+        self.spawn_requests: List[tuple] = []
+        self.spawn_replies: List[tuple] = []
 
     def _prewarm(self) -> None:
         with self.lock:
@@ -273,6 +276,8 @@ class LocalRunner:
 
     def _on_line(self, w: WorkerProc, msg: Dict[str, Any]) -> None:
         if msg["event"] == "spawn":
+            with self.lock:
+                self.spawn_requests.append((w.instance, (msg.get("spec") or {}).get("instance"), time.monotonic()))
             threading.Thread(target=self._spawn, args=(w, msg), daemon=True).start()
         elif msg["event"] == "exit":
             with self.lock:
@@ -288,6 +293,8 @@ class LocalRunner:
             with self.lock:
                 self.spawned.append(child.instance)
                 self.spawn_times[child.instance] = time.monotonic() - t0
+            with self.lock:
+                self.spawn_replies.append((parent.instance, spec.instance, time.monotonic()))
             parent.send("spawned", request=msg["request"], ok=True, instance=spec.instance, node=spec.node)
         except Exception as exc:  # noqa: BLE001
             parent.send("spawned", request=msg.get("request"), ok=False, error=str(exc)[:200])
