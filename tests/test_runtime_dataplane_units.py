@@ -223,3 +223,97 @@ def test_compact_data_encoding_round_trips_and_falls_back() -> None:
                 b'[1,"a",0,1,"d",{"k":["x"],"r":[["s",-1,[1]]]}]', b'[1,"a",0,1,"d",{"k":["x"]}]'):
         with pytest.raises(MalformedEnvelope):
             decode(bad)
+
+
+def test_decode_without_records_keeps_ids_and_validation() -> None:
+    """A sink that reads only ids skips rebuilding the records, never the validation."""
+    from agent.runtime.taxi import sample
+
+    batch = [("src-0", i, r) for i, r in enumerate(sample(2, 20))]
+    raw = encode_data("a", 0, 1, batch)
+    lean = decode(raw, records=False)
+    assert [(s, q) for s, q, _ in lean.body] == [(s, q) for s, q, _ in batch]
+    assert all(r is None for _, _, r in lean.body)
+    assert lean.raw == raw  # a spilling sink still gets the bytes as received
+    for bad in (b'[1,"a",0,1,"d",{"k":["x"],"r":[["s",1,[1,2]]]}]', b'[1,"a",0,1,"d",{"k":["x"],"r":[["s",-1,[1]]]}]',
+                b'[1,"a",0,1,"d",{"k":["x"],"r":[["s",1]]}]', b'[1,"a",0,1,"d",{"k":["x"],"r":[[1,1,[1]]]}]'):
+        with pytest.raises(MalformedEnvelope):
+            decode(bad, records=False)
+
+
+def _stdlib_parse(raw: bytes):
+    import agent.runtime.envelope as env
+
+    saved, env._orjson = env._orjson, None
+    try:
+        return env._parse(raw)
+    finally:
+        env._orjson = saved
+
+
+@pytest.mark.parametrize("raw", [
+    b'[1,"a",0,1,"d",{"k":["x"],"r":[["s",1,[1.5e-07]]]}]', b'[NaN, Infinity, -Infinity]', b'[1e400]',
+    b'[123456789012345678901234567890]', b'[9223372036854775807]', b'["\\ud800"]', b'["\\ud83d\\ude00"]',
+    b'"\xed\xa0\x80"', b'\xef\xbb\xbf[1]', b'[1,]', b'{"a":1,"a":2}', b'[-0.0, 0, 1E5]', b'["a\\u0000b"]',
+    b'[' * 450 + b']' * 450, b'[' * 850 + b']' * 850, b'[' * 1100 + b']' * 1100, b'[' + b'[1],' * 600 + b'1]',
+])
+def test_fast_codec_parses_exactly_like_the_stdlib(raw: bytes) -> None:
+    """With orjson installed, `_parse` takes its fast path only where the result (or the
+    refusal) is the stdlib path's: same value, same exception type."""
+    pytest.importorskip("orjson")
+    from agent.runtime.envelope import _parse
+
+    def run(f):
+        try:
+            return "ok", repr(f(raw))
+        except (ValueError, RecursionError) as exc:
+            return "error", type(exc).__name__
+
+    assert run(_parse) == run(_stdlib_parse)
+
+
+@pytest.mark.parametrize("value", [
+    [1, "a", 0, 1, "d", {"k": ["x", "y"], "r": [["s", 1, [1.5e-07, "é"]]]}], [float("nan"), float("inf")],
+    [2 ** 70], [{1: 2}], [None, True], [[[[1]]]], {"t": (1, 2)},
+])
+def test_fast_codec_writes_what_the_stdlib_means(value) -> None:
+    """`_fast_dumps` bytes decode (stdlib) to exactly what the stdlib's own bytes decode to:
+    NaN stays NaN (orjson would write null), >64-bit integers stay exact."""
+    pytest.importorskip("orjson")
+    from agent.runtime.envelope import _dumps, _fast_dumps
+
+    assert repr(json.loads(_fast_dumps(value))) == repr(json.loads(_dumps(value)))
+
+
+def test_fast_codec_keeps_taxi_batches_byte_identical() -> None:
+    pytest.importorskip("orjson")
+    import agent.runtime.envelope as env
+    from agent.runtime.taxi import sample
+
+    batch = [("src-0", i, r) for i, r in enumerate(sample(4, 100))]
+    fast = encode_data("a", 0, 1, batch)
+    saved, env._orjson = env._orjson, None
+    try:
+        slow = encode_data("a", 0, 1, batch)
+    finally:
+        env._orjson = saved
+    assert fast == slow  # the sink spools these bytes verbatim: same with or without orjson
+    assert decode(fast).body == batch
+
+
+def test_outbox_chunks_split_across_batches_keep_order_and_lowest_index() -> None:
+    """Keyless records are buffered as one chunk per input (no per-record tuple): batches cut
+    across chunks must keep the order and carry the lowest input index they contain."""
+    ob = Outbox(Router(["a"]), batch_size=40, linger=0.01)
+    chunks = {1: [("s", i, i) for i in range(30)], 2: [("s", i, i) for i in range(30, 80)],
+              3: [("s", i, i) for i in range(80, 125)]}
+    for index, items in chunks.items():
+        ob.add(items, index, 0.0)
+    assert ob.pending == 125 and ob.lowest_index() == 1
+    out = ob.take(0.0, lambda d: 10)
+    assert [(len(b), low) for _, b, low in out] == [(40, 1), (40, 2), (40, 3)]
+    assert ob.pending == 5 and ob.lowest_index() == 3
+    out += ob.take(0.02, lambda d: 10)  # the rest after the linger
+    assert [it[1] for _, b, _ in out for it in b] == list(range(125))
+    assert out[-1][2] == 3 and ob.pending == 0 and ob.lowest_index() is None
+    assert [it[1] for it in chunks[3]] == list(range(80, 125))  # inputs left as they were

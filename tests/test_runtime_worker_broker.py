@@ -346,3 +346,102 @@ def test_a_session_taken_over_for_a_while_is_replayed_to_us(runner, mosquitto, t
     assert any(recovered.values()), recovered  # replayed on purpose, not by luck
     runner.stop_all()
     assert_exactly_once(tmp_path, n)
+
+
+def test_paused_source_sleeps_instead_of_spinning(runner, mosquitto, tmp_path: Path) -> None:
+    """A paused source (the bench pauses one to read an idle worker's memory) must not poll its
+    generator in a busy loop: before the fix its loop turned ~25k times/s and used a whole core."""
+    import psutil
+
+    procs = start_pipeline(runner, mosquitto, tmp_path, taxi_pipeline(1e6, 10**9), "pause")
+    wait_for(lambda: procs["sink"].stats.get("recorded", 0) > 1000, 20, "records to flow")
+    procs["source"].send("set", paused=True)
+    time.sleep(1.0)  # let what is in flight drain
+    p = psutil.Process(procs["source"].pid)
+    c0 = sum(p.cpu_times()[:2])
+    time.sleep(2.0)
+    used = sum(p.cpu_times()[:2]) - c0
+    assert used < 0.4, f"a paused source used {used:.2f} s of CPU in 2 s"
+
+
+def test_duplication_ack_overtakes_queued_data_of_an_overloaded_creator(runner, mosquitto, tmp_path: Path) -> None:
+    """The creator of a copy is overloaded: its predecessor's batches queue in front of the
+    predecessor's duplication_ack (0.5 s of emulated work per batch, up to a window of 8). The ack
+    is handled ahead of that data (never ahead of a protocol message), so the copy gets its Start
+    within a fraction of the queue's drain time; every record still arrives exactly once."""
+    n = 1500
+    toml = pipeline_toml(
+        "ahead",
+        [
+            {"name": "source", "kind": "source", "function": "agent.runtime.taxi:source", "batch_size": 50,
+             "linger_ms": 10.0, "params": {"seed": 3, "profile": "constant", "rate": 600.0, "max_records": n}},
+            {"name": "validate", "function": "agent.runtime.operators:validate", "batch_size": 50,
+             "linger_ms": 10.0, "service_time_ms": 10.0},
+            {"name": "sink", "kind": "sink", "function": "agent.runtime.operators:counting_sink",
+             "batch_size": 50, "linger_ms": 10.0},
+        ],
+        scaling={"policy": "none"},
+    )
+    procs = start_pipeline(runner, mosquitto, tmp_path, toml, "ahead")
+    work = procs["validate"]
+    wait_for(lambda: work.stats.get("queued", 0) >= 5, 20, "the creator's input to queue up")
+    queued = work.stats["queued"]
+    work.send("scale", action="duplicate", count=1)
+    wait_for(lambda: runner.spawned and runner.workers[runner.spawned[0]].stats.get("activated_at"), 20,
+             "the copy's Start")
+    copy = runner.workers[runner.spawned[0]]
+    wait_for(lambda: any(d.get("spawned_at") for d in work.stats.get("decisions", [])), 5, "the creator's stats")
+    decision = [d for d in work.stats["decisions"] if d.get("kind") == "scale_out"][-1]
+    round_s = copy.stats["activated_at"] - decision["spawned_at"]
+    drain_s = (queued - 1) * 50 * 0.010  # what the queue in front of the ack would have cost
+    assert round_s < min(1.0, drain_s / 2), f"round {round_s:.2f} s with {queued} batches queued ({drain_s:.1f} s)"
+    assert work.stats.get("acks_ahead_of_data", 0) >= 1, work.stats
+    wait_for(lambda: procs["source"].stats.get("generated") == n, 30, "the source to finish")
+    want = len(expected_ids(3, "source-0", n, ops=("validate",)))
+    wait_for(lambda: procs["sink"].stats.get("recorded") == want, 40, "the sink to record everything")
+    assert copy.stats.get("records_in", 0) > 0
+    assert work.stats.get("protocol_errors", 0) == 0 and work.stats.get("sends_to_non_successor", 0) == 0
+    runner.stop_all()
+    ids, dup = read_sink_ids(tmp_path / "sink")
+    assert dup == 0
+    assert ids.get("source-0", set()) == expected_ids(3, "source-0", n, ops=("validate",))
+
+
+def test_copies_of_one_round_are_spawned_at_once(runner, mosquitto, tmp_path: Path) -> None:
+    """A decision for several copies asks the agent for all of them before any answer (they start
+    in parallel); the announcements still wait for every "spawned" (invariant 2), and every record
+    arrives exactly once."""
+    n = 6000
+    toml = pipeline_toml(
+        "multi",
+        [
+            {"name": "source", "kind": "source", "function": "agent.runtime.taxi:source", "batch_size": 20,
+             "linger_ms": 10.0, "params": {"seed": 3, "profile": "constant", "rate": 700.0, "max_records": n}},
+            {"name": "validate", "function": "agent.runtime.operators:validate", "batch_size": 20,
+             "linger_ms": 10.0, "service_time_ms": 1.0,
+             "scaling": {"policy": "decentralized", "capacity": 200.0, "period": 1.0, "cooldown": 30.0}},
+            {"name": "sink", "kind": "sink", "function": "agent.runtime.operators:counting_sink",
+             "batch_size": 20, "linger_ms": 10.0},
+        ],
+        scaling={"policy": "none"},
+    )
+    procs = start_pipeline(runner, mosquitto, tmp_path, toml, "multi")
+    work = procs["validate"]
+
+    def multi_copy_decision():
+        return [d for d in work.stats.get("decisions", []) if d.get("kind") == "scale_out" and len(d["new"]) >= 2]
+
+    wait_for(lambda: multi_copy_decision() and all(i in runner.spawned for i in multi_copy_decision()[0]["new"]),
+             30, "a decision for several copies, all spawned")
+    new = set(multi_copy_decision()[0]["new"])
+    asked = [t for c, i, t in runner.spawn_requests if i in new]
+    answered = [t for c, i, t in runner.spawn_replies if i in new]
+    assert len(asked) == len(new) and len(answered) == len(new)
+    assert max(asked) < min(answered), "a copy was requested only after an earlier copy's answer"
+    wait_for(lambda: procs["source"].stats.get("generated") == n, 40, "the source to finish")
+    want = len(expected_ids(3, "source-0", n, ops=("validate",)))
+    wait_for(lambda: procs["sink"].stats.get("recorded") == want, 40, "the sink to record everything")
+    runner.stop_all()
+    ids, dup = read_sink_ids(tmp_path / "sink")
+    assert dup == 0
+    assert ids.get("source-0", set()) == expected_ids(3, "source-0", n, ops=("validate",))

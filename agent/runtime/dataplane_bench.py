@@ -111,7 +111,13 @@ def initial_specs(
 class WorkerProc:
     """One worker process and our end of its control pipe."""
 
-    def __init__(self, spec: InstanceSpec, log_dir: Path, on_line: Callable[["WorkerProc", Dict[str, Any]], None]) -> None:
+    def __init__(
+        self,
+        spec: InstanceSpec,
+        log_dir: Path,
+        on_line: Callable[["WorkerProc", Dict[str, Any]], None],
+        warm: Optional["WarmProc"] = None,
+    ) -> None:
         self.spec = spec
         self.instance = spec.instance
         self.ready = threading.Event()
@@ -121,21 +127,11 @@ class WorkerProc:
         self.events: Deque[Dict[str, Any]] = deque(maxlen=1000)
         self._lock = threading.Lock()
         self._on_line = on_line
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self.log_path = log_dir / f"{spec.instance}.log"
-        self._log = open(self.log_path, "ab")
-        env = dict(os.environ)
-        root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        self.proc = subprocess.Popen(
-            [PY, "-m", "agent.runtime.worker"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            text=True,
-            bufsize=1,
-            env=env,
-        )
+        if warm is None:
+            warm = WarmProc(log_dir, spec.instance)
+        self.log_path = warm.log_path
+        self._log = warm.log
+        self.proc = warm.proc
         assert self.proc.stdin is not None
         self.proc.stdin.write(spec.to_json() + "\n")
         self.proc.stdin.flush()
@@ -193,20 +189,85 @@ class WorkerProc:
         self._log.close()
 
 
-class LocalRunner:
-    """Plays the agent for a set of workers on this machine (tests, benchmarks)."""
+class WarmProc:
+    """A started `python -m agent.runtime.worker` that has not been given its spec yet."""
 
-    def __init__(self, workdir: Path, ready_timeout: float = 20.0) -> None:
+    def __init__(self, log_dir: Path, name: str) -> None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"{name}.log"
+        self.log = open(self.log_path, "ab")
+        env = dict(os.environ)
+        root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        self.proc = subprocess.Popen(
+            [PY, "-m", "agent.runtime.worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            bufsize=1,
+            env=env,
+        )
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()  # EOF before a spec: the worker exits (bad spec)
+            except OSError:
+                pass
+            try:
+                self.proc.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+class LocalRunner:
+    """Plays the agent for a set of workers on this machine (tests, benchmarks).
+
+    `warm=True` keeps one pre-started worker process waiting for its spec, as the agent's
+    supervisor does by default (`supervisor.prewarm`): the next `start` (a scale-out's spawn)
+    takes it and a new spare is started. Its log is `logs/warm-<n>.log`."""
+
+    def __init__(self, workdir: Path, ready_timeout: float = 20.0, warm: bool = False) -> None:
         self.workdir = Path(workdir)
+        self.warm = warm
+        self._spare: Optional[WarmProc] = None
+        self._spares = 0
+        self.warm_used = 0
         self.workers: Dict[str, WorkerProc] = {}
         self.lock = threading.Lock()
         self.spawned: List[str] = []
         self.exited: List[str] = []
         self.ready_timeout = ready_timeout
         self.spawn_times: Dict[str, float] = {}
+        # (creator, new instance, monotonic time): spawn lines seen, "spawned" answers sent
+        self.spawn_requests: List[tuple] = []
+        self.spawn_replies: List[tuple] = []
+
+    def _prewarm(self) -> None:
+        with self.lock:
+            if not self.warm or self._spare is not None:
+                return
+            self._spares += 1
+            self._spare = WarmProc(self.workdir / "logs", f"warm-{self._spares}")
+
+    def _take_spare(self) -> Optional[WarmProc]:
+        with self.lock:
+            spare, self._spare = self._spare, None
+        if spare is not None and spare.proc.poll() is not None:
+            spare.close()
+            return None
+        return spare
 
     def start(self, spec: InstanceSpec, wait: bool = True) -> WorkerProc:
-        w = WorkerProc(spec, self.workdir / "logs", self._on_line)
+        spare = self._take_spare()
+        if spare is not None:
+            self.warm_used += 1
+        w = WorkerProc(spec, self.workdir / "logs", self._on_line, warm=spare)
+        self._prewarm()
         with self.lock:
             self.workers[spec.instance] = w
         if wait and not w.ready.wait(self.ready_timeout):
@@ -215,6 +276,8 @@ class LocalRunner:
 
     def _on_line(self, w: WorkerProc, msg: Dict[str, Any]) -> None:
         if msg["event"] == "spawn":
+            with self.lock:
+                self.spawn_requests.append((w.instance, (msg.get("spec") or {}).get("instance"), time.monotonic()))
             threading.Thread(target=self._spawn, args=(w, msg), daemon=True).start()
         elif msg["event"] == "exit":
             with self.lock:
@@ -230,6 +293,8 @@ class LocalRunner:
             with self.lock:
                 self.spawned.append(child.instance)
                 self.spawn_times[child.instance] = time.monotonic() - t0
+            with self.lock:
+                self.spawn_replies.append((parent.instance, spec.instance, time.monotonic()))
             parent.send("spawned", request=msg["request"], ok=True, instance=spec.instance, node=spec.node)
         except Exception as exc:  # noqa: BLE001
             parent.send("spawned", request=msg.get("request"), ok=False, error=str(exc)[:200])
@@ -256,6 +321,11 @@ class LocalRunner:
         for w in ws:
             codes[w.instance] = w.stop(timeout)
             w.close()
+        with self.lock:
+            spare, self._spare = self._spare, None
+            self.warm = False  # no new spare after a stop_all
+        if spare is not None:
+            spare.close()
         return codes
 
 
@@ -275,8 +345,8 @@ def _payloads(batch_size: int, n_batches: int, record: str) -> List[bytes]:
 
 
 def measure_raw(
-    host: str, port: int, batch_size: int, record: str, seconds: float, encode: bool = False
-) -> Dict[str, float]:
+    host: str, port: int, batch_size: int, record: str, seconds: float, encode: bool = False, broker_pid: int = 0
+) -> Dict[str, Any]:
     """One publisher -> broker -> one no-op subscriber, QoS 1, pre-encoded batches (the broker +
     paho limit); with `encode`, the publisher encodes every batch like a worker does (the limit
     of a Python producer of these batches)."""
@@ -304,6 +374,7 @@ def measure_raw(
     gen = TaxiGenerator(1, "raw")
     recs = [gen.record() if record == "taxi" else {"v": 1} for _ in range(batch_size)]
     sent = 0
+    me = _cpu_seconds({"raw": os.getpid(), "broker": broker_pid} if broker_pid else {"raw": os.getpid()})
     t0 = time.monotonic()
     deadline = t0 + seconds
     # The publisher keeps at most 200 unacked messages (like a window), so the broker queue
@@ -323,6 +394,7 @@ def measure_raw(
     while got[0] < sent and time.monotonic() < t1 + 5:
         pub.loop(0.01)
     t2 = time.monotonic()
+    me2 = _cpu_seconds({"raw": os.getpid(), "broker": broker_pid} if broker_pid else {"raw": os.getpid()})
     done.set()
     sub.loop_stop()
     sub.disconnect()
@@ -333,7 +405,27 @@ def measure_raw(
         "records_per_s": got[0] * batch_size / elapsed,
         "batches_per_s": got[0] / elapsed,
         "payload_bytes": float(len(payloads[0])),
+        # publisher and subscriber together (one process), and the broker: CPU ms per batch
+        "cpu_ms_per_batch": {k: round(1000 * (me2[k] - me[k]) / max(1, got[0]), 3) for k in me2 if k != "machine_busy"},
     }
+
+
+def _cpu_seconds(pids: Dict[str, int]) -> Dict[str, float]:
+    """user + system CPU seconds of each process so far, and of the whole machine ("machine_busy",
+    all cores, every process: tells how much the other jobs of a shared machine took)."""
+    import psutil
+
+    out: Dict[str, float] = {}
+    for name, pid in pids.items():
+        try:
+            t = psutil.Process(pid).cpu_times()
+            out[name] = t.user + t.system
+            out[name + "_sys"] = t.system
+        except psutil.Error:
+            out[name] = out[name + "_sys"] = 0.0
+    m = psutil.cpu_times()
+    out["machine_busy"] = m.user + m.system + getattr(m, "nice", 0.0) + getattr(m, "irq", 0.0) + getattr(m, "softirq", 0.0)
+    return out
 
 
 def _rss_mb(pid: int) -> float:
@@ -349,6 +441,7 @@ def run_bench(
     window: int = 8,
     workdir: Optional[str] = None,
     rescale: int = 3,
+    warm: bool = True,
 ) -> Dict[str, Any]:
     from agent.runtime.broker import start_private_broker
 
@@ -357,9 +450,10 @@ def run_bench(
     result: Dict[str, Any] = {"batch_size": batch_size, "record": record, "seconds": seconds, "window": window}
     runner = LocalRunner(tmp)
     try:
-        raw = measure_raw(broker.host, broker.port, batch_size, record, seconds)
+        raw = measure_raw(broker.host, broker.port, batch_size, record, seconds, broker_pid=broker.pid)
         result["raw"] = raw
-        result["raw_encoded"] = measure_raw(broker.host, broker.port, batch_size, record, seconds, encode=True)
+        result["raw_encoded"] = measure_raw(broker.host, broker.port, batch_size, record, seconds, encode=True,
+                                            broker_pid=broker.pid)
         toml = pipeline_toml(
             "bench",
             [
@@ -378,14 +472,22 @@ def run_bench(
         procs = [runner.start(s) for s in reversed(specs)]  # successors subscribe first
         sink = procs[0]
         time.sleep(1.0)  # warm-up
+        pids = {"source": procs[-1].pid, "map": procs[1].pid, "sink": procs[0].pid, "broker": broker.pid}
+        c0 = _cpu_seconds(pids)
         r0 = sink.stats.get("recorded", 0)
         t0 = time.monotonic()
         time.sleep(seconds)
         r1 = sink.stats.get("recorded", 0)
         t1 = time.monotonic()
+        c1 = _cpu_seconds(pids)
         rate = (r1 - r0) / (t1 - t0)
+        batches = max(1.0, (r1 - r0) / batch_size)
         result["pipeline"] = {
             "records_per_s": rate,
+            # Where the CPU goes (the machine is shared: `machine_busy` counts the other jobs too):
+            # CPU seconds per wall second of each process, and CPU ms per batch of `batch_size`.
+            "cpu_share": {k: round((c1[k] - c0[k]) / (t1 - t0), 3) for k in c1},
+            "cpu_ms_per_batch": {k: round(1000 * (c1[k] - c0[k]) / batches, 3) for k in c1},
             "source": procs[-1].stats,
             "map": procs[1].stats,
             "sink": sink.stats,
@@ -403,19 +505,24 @@ def run_bench(
         }
         runner.stop_all()
         if rescale:
-            result["rescale"] = measure_rescale(broker.host, broker.port, tmp, cycles=rescale)
+            result["rescale"] = measure_rescale(broker.host, broker.port, tmp, cycles=rescale, warm=warm)
+            result["rescale"]["warm_worker"] = warm
     finally:
         runner.stop_all()
         broker.stop()
     return result
 
 
-def measure_rescale(host: str, port: int, tmp: Path, cycles: int = 3, up_s: float = 8.0, down_s: float = 7.0) -> Dict[str, Any]:
+def measure_rescale(
+    host: str, port: int, tmp: Path, cycles: int = 3, up_s: float = 8.0, down_s: float = 7.0, warm: bool = True
+) -> Dict[str, Any]:
     """Scale-out disruption: a step load makes `work` (emulated 2 ms per record, declared
     capacity 250/s) duplicate, then scale back in, `cycles` times.
 
     - decision -> first record: wall time from the creator's duplication decision to the new
-      instance's first processed record (includes starting a Python process and subscribing);
+      instance's first processed record (includes the spawn: with `warm`, the pre-started worker
+      reads its spec, connects and subscribes; without, a Python process starts first), split
+      into spawn / protocol round / first batch (`rescale_parts`);
     - min output/input: the lowest ratio of sink records to source records over 1-second windows
       from each decision to 3 s after the new instance's first record (we never stop: goal >= 0.9);
     - lost/duplicated from the counting sink's id files.
@@ -441,7 +548,8 @@ def measure_rescale(host: str, port: int, tmp: Path, cycles: int = 3, up_s: floa
         ],
         scaling={"policy": "none"},
     )
-    runner = LocalRunner(tmp / "rescale")
+    # A pre-started worker takes each spawn, as in the agent (supervisor.prewarm, on by default).
+    runner = LocalRunner(tmp / "rescale", warm=warm)
     specs = initial_specs(toml, BrokerSpec(host=host, port=port), str(tmp / "rescale" / "state"), cluster="rescale",
                           extra={"sink_dir": str(tmp / "rescale" / "sink"), "seed": 5})
     specs = [replace(sp, heartbeat_period=0.2) for sp in specs]
@@ -470,6 +578,7 @@ def measure_rescale(host: str, port: int, tmp: Path, cycles: int = 3, up_s: floa
     firsts = {i: st.get("first_record_at") for i, st in stats.items()}
     delays: List[float] = []
     ratios: List[float] = []
+    parts = rescale_parts(stats)
     decisions = [d for st in stats.values() for d in st.get("decisions", []) if d["kind"] == "scale_out"]
     for d in decisions:
         fr = [firsts.get(n) for n in d["new"] if firsts.get(n)]
@@ -494,11 +603,49 @@ def measure_rescale(host: str, port: int, tmp: Path, cycles: int = 3, up_s: floa
             "max": delays[-1] if delays else None,
             "all": [round(x, 3) for x in delays],
         },
+        "breakdown_median_s": parts,
         "min_output_over_input_1s": min(ratios) if ratios else None,
         "records": generated,
         "lost": len(set(range(generated)) - got),
         "duplicated": dup + len(got - set(range(generated))),
     }
+
+
+def rescale_parts(stats: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
+    """Where decision -> first record goes, medians over the scale-outs (wall clock, workers on
+    this machine), from the creator's decision record and the new instance's stats:
+    spawn = decision -> last "spawned" reply (process start, imports, connect, subscribe);
+    round = spawned -> the new instance's Start (duplication messages and acks through the
+    broker, each behind the data its sender queued before it: FIFO channels);
+    first = Start -> its first processed record."""
+    spawn: List[float] = []
+    rnd: List[float] = []
+    first: List[float] = []
+    each: List[List[Optional[float]]] = []
+    for st in stats.values():
+        for d in st.get("decisions", []) or []:
+            if not isinstance(d, dict) or d.get("kind") != "scale_out" or not d.get("new"):
+                continue
+            new = [stats.get(n, {}) for n in d["new"]]
+            act = [x.get("activated_at") for x in new if isinstance(x.get("activated_at"), (int, float))]
+            fr = [x.get("first_record_at") for x in new if isinstance(x.get("first_record_at"), (int, float))]
+            sp = d.get("spawned_at")
+            row: List[Optional[float]] = [None, None, None]
+            if isinstance(sp, (int, float)):
+                spawn.append(sp - d["at"])
+                row[0] = round(spawn[-1], 3)
+                if act:
+                    rnd.append(min(act) - sp)
+                    row[1] = round(rnd[-1], 3)
+            if act and fr:
+                first.append(min(fr) - min(act))
+                row[2] = round(first[-1], 3)
+            each.append(row)
+
+    def med(xs: List[float]) -> Optional[float]:
+        return round(sorted(xs)[len(xs) // 2], 3) if xs else None
+
+    return {"spawn": med(spawn), "round": med(rnd), "first_batch": med(first), "each": each}
 
 
 def _interp(series: Dict[float, float], t: float) -> float:
@@ -523,7 +670,7 @@ def _baseline_rss() -> float:
 def _cmd(args: argparse.Namespace) -> int:
     res = run_bench(
         seconds=args.seconds, batch_size=args.batch_size, record=args.record, window=args.window,
-        rescale=args.rescale_cycles,
+        rescale=args.rescale_cycles, warm=not args.no_warm_worker,
     )
     if args.json:
         print(json.dumps(res, indent=2, sort_keys=True, default=str))
@@ -560,5 +707,7 @@ def register_bench(groups: Any) -> None:
     p.add_argument("--record", choices=("taxi", "tiny"), default="taxi")
     p.add_argument("--window", type=int, default=8, help="max_inflight_batches of each operator")
     p.add_argument("--rescale-cycles", type=int, default=3, help="step-load cycles of the rescale part (0: skip)")
+    p.add_argument("--no-warm-worker", action="store_true",
+                   help="rescale part: start each new instance's process cold (no pre-started worker)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd)

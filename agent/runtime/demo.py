@@ -343,6 +343,14 @@ class Monitor:
                     delays.append(min(firsts) - d["at"])
         return sorted(delays)
 
+    def rescale_parts(self) -> Dict[str, Any]:
+        """decision -> first record split into spawn, protocol round and first batch (medians)."""
+        from agent.runtime.dataplane_bench import rescale_parts
+
+        with self._lock:
+            stats = {i: dict(s) for i, s in self.instance_stats.items()}
+        return rescale_parts(stats)
+
     def agent_events(self, etype: str, cause: Optional[str] = None) -> List[Dict[str, Any]]:
         with self._lock:
             return [e for e in self.events if e.get("type") == etype and (e.get("detail") or {}).get("source") == "agent"
@@ -679,12 +687,14 @@ def bench_rescale(rate: float = 500.0, workdir: Optional[Path] = None) -> Dict[s
             mon.wait(lambda m: m.instances_per_operator().get("work", 0) <= 1, 30)
             time.sleep(2.0)
             delays = mon.rescale_delays()
+            parts = mon.rescale_parts()
             scale_outs = len(mon.agent_events("spawned", "spawn"))
         finally:
             mon.close()
             fleet.stop()
         v = verify(cfg, fleet.sink_dir)
-        out[mode] = {"decision_to_first_record_s": _median_max(delays), "scale_outs": scale_outs,
+        out[mode] = {"decision_to_first_record_s": _median_max(delays), "breakdown_median_s": parts,
+                     "scale_outs": scale_outs,
                      "records": v.generated, "lost": v.lost, "duplicated": v.duplicated + v.unexpected}
     from agent.runtime.broker import start_private_broker
 

@@ -100,6 +100,7 @@ def _bad_int(v: Any, low: int) -> bool:
 _dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, check_circular=False).encode
 _loads = json.loads
 
+
 # Hostile input (docs/hostile-input.md). Stack frames that decoding keeps free: JSON nested so
 # deep that it only just parses cannot be encoded again a few frames deeper (a worker forwarding
 # a record re-encodes it: RecursionError, the worker dies). Parsing that many frames deeper than
@@ -110,6 +111,74 @@ _DEEP_ENOUGH = 2 * (1000 - 2 * DEPTH_MARGIN)
 # A \uD800-\uDFFF escape can decode to a lone surrogate, which no UTF-8 encoder accepts: an
 # envelope naming such a sender could never be answered (encode -> UnicodeEncodeError).
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")
+
+# Optional fast codec (`pip install orjson`): the same JSON, 4-7x faster here on a batch of 100
+# taxi records (encode 0.69 -> 0.09 ms, parse 0.48 -> 0.11 ms; byte-identical output for them).
+# It is used only where it gives exactly what the stdlib gives; everywhere else the stdlib path
+# runs as before (see `_fast_parse` and `_fast_dumps`), so behaviour never depends on it.
+try:
+    import orjson as _orjson
+except ImportError:  # pragma: no cover - depends on the environment
+    _orjson = None
+_NO = object()
+# Deepest nesting the fast path accepts (well inside what the guarded stdlib path accepts, ~850).
+_FAST_DEPTH = _DEEP_ENOUGH // 4
+# orjson parses integers beyond 64 bits as floats (silently); the stdlib keeps them exact. So
+# input with a run of 19+ digits takes the stdlib path. Found by mapping every digit to "0" and
+# everything else to " " (0.06 ms on a 22 kB batch; a regex took 0.65 ms, more than the parse).
+_DIGITS_AS_0 = bytes(0x30 if 0x30 <= c <= 0x39 else 0x20 for c in range(256))
+_LONG_RUN = b"0" * 19
+_ORJSON_OPTS = _orjson.OPT_PASSTHROUGH_SUBCLASS | _orjson.OPT_PASSTHROUGH_DATETIME | _orjson.OPT_PASSTHROUGH_DATACLASS if _orjson else 0
+
+
+def _fast_parse(raw: Union[bytes, bytearray]) -> Any:
+    """orjson.loads when its result is certainly the stdlib's, else `_NO` (caller falls back).
+
+    Equal by construction: orjson accepts strict JSON only (no NaN/Infinity, no lone surrogate,
+    strict UTF-8, no BOM), on which both agree; long digit runs (a possible >64-bit integer)
+    and inputs with enough brackets to nest past the stdlib path's depth guard go to the stdlib
+    path; anything orjson rejects goes there too and gets the stdlib's verdict."""
+    if raw.translate(_DIGITS_AS_0).find(_LONG_RUN) >= 0:
+        return _NO
+    try:
+        msg = _orjson.loads(raw)
+    except _orjson.JSONDecodeError:
+        return _NO
+    if raw.count(b"[") + raw.count(b"{") >= _FAST_DEPTH and not _shallow(msg, _FAST_DEPTH):
+        return _NO
+    return msg
+
+
+def _shallow(obj: Any, limit: int) -> bool:
+    """Nesting depth of parsed JSON below `limit` (iterative: no recursion to guard)."""
+    stack = [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if d >= limit:
+            return False
+        if type(o) is list:
+            stack.extend((x, d + 1) for x in o if type(x) is list or type(x) is dict)
+        elif type(o) is dict:
+            stack.extend((x, d + 1) for x in o.values() if type(x) is list or type(x) is dict)
+    return True
+
+
+def _fast_dumps(obj: Any) -> bytes:
+    """orjson.dumps when its bytes mean exactly what the stdlib would write, else the stdlib.
+
+    orjson writes NaN and +-Infinity as null (the stdlib writes the tokens NaN/Infinity, which
+    our decoder reads back as floats): any null in its output falls back, so a NaN is never
+    turned into None. It refuses what the stdlib refuses or converts (non-str keys, >64-bit
+    integers, subclasses, datetimes, dataclasses, nesting past 254): fallback as well."""
+    if _orjson is not None:
+        try:
+            out = _orjson.dumps(obj, option=_ORJSON_OPTS)
+        except (TypeError, _orjson.JSONEncodeError):
+            pass
+        else:
+            if out.find(b"null") < 0:
+                return out
+    return _dumps(obj).encode()
 
 
 def _loads_margin(raw: Any, n: int = DEPTH_MARGIN) -> Any:
@@ -122,6 +191,10 @@ def _parse(raw: Union[bytes, bytearray, str]) -> Any:
         text = raw
         raw.encode()  # a literal lone surrogate: UnicodeEncodeError (a ValueError)
     else:
+        if _orjson is not None:
+            msg = _fast_parse(raw)
+            if msg is not _NO:
+                return msg
         # Strict UTF-8 (json.loads on bytes would pass surrogates and accept UTF-16/32).
         text = raw.decode()
     msg = _loads_margin(text) if len(text) >= _DEEP_ENOUGH else _loads(text)
@@ -131,7 +204,7 @@ def _parse(raw: Union[bytes, bytearray, str]) -> Any:
 
 
 def encode(env: Envelope) -> bytes:
-    return _dumps([VERSION, env.sender, env.epoch, env.seq, env.kind.value, env.body]).encode()
+    return _fast_dumps([VERSION, env.sender, env.epoch, env.seq, env.kind.value, env.body])
 
 
 def encode_data(sender: str, epoch: int, seq: int, items: List[Item]) -> bytes:
@@ -142,7 +215,7 @@ def encode_data(sender: str, epoch: int, seq: int, items: List[Item]) -> bytes:
     100 taxi records: encode 4.0 -> 2.1 ms, decode 2.5 -> 1.3 ms (values rebuilt into dicts), and
     48 -> 21 kB on the wire. Anything else is sent as the plain list of items.
     """
-    return _dumps([VERSION, sender, epoch, seq, "d", _compact(items)]).encode()
+    return _fast_dumps([VERSION, sender, epoch, seq, "d", _compact(items)])
 
 
 def _compact(items: List[Item]) -> Any:
@@ -161,8 +234,13 @@ def _compact(items: List[Item]) -> Any:
     return {"k": keys, "r": rows}
 
 
-def decode(raw: Union[bytes, bytearray, str]) -> Envelope:
-    """Parse and validate one envelope; raise `MalformedEnvelope` on any defect."""
+def decode(raw: Union[bytes, bytearray, str], records: bool = True) -> Envelope:
+    """Parse and validate one envelope; raise `MalformedEnvelope` on any defect.
+
+    `records=False` (a sink that only reads record ids, e.g. `counting_sink` without spill):
+    a compact data body is validated exactly as usual but its records are not rebuilt into
+    dicts; each item is `(source, seq, None)`. Rebuilding is a third of such a sink's CPU per
+    batch of taxi records (measured ~0.3 of 0.8 ms)."""
     try:
         msg = _parse(raw)
     except (ValueError, TypeError, RecursionError) as exc:
@@ -181,7 +259,7 @@ def decode(raw: Union[bytes, bytearray, str]) -> Envelope:
         raise MalformedEnvelope(f"envelope from {sender}: unknown kind {_short(kind)}, expected d, a or p")
     if k is Kind.DATA:
         if type(body) is dict:
-            return Envelope(sender, epoch, seq, k, _expand(sender, body), bytes(raw) if isinstance(raw, (bytes, bytearray)) else None)
+            return Envelope(sender, epoch, seq, k, _expand(sender, body, records), bytes(raw) if isinstance(raw, (bytes, bytearray)) else None)
         if not isinstance(body, list):
             raise MalformedEnvelope(f"data from {sender}: expected a list of records, found {_short(body)}")
         items: List[Item] = []
@@ -204,8 +282,9 @@ def decode(raw: Union[bytes, bytearray, str]) -> Envelope:
     return Envelope(sender, epoch, seq, k, body)
 
 
-def _expand(sender: str, body: Dict[str, Any]) -> List[Item]:
-    """The compact data body back into items with dict records (validated)."""
+def _expand(sender: str, body: Dict[str, Any], records: bool = True) -> List[Item]:
+    """The compact data body back into items with dict records (validated); with
+    `records=False`, items without their records (`None`), validated all the same."""
     keys, rows = body.get("k"), body.get("r")
     if (
         len(body) != 2
@@ -223,7 +302,7 @@ def _expand(sender: str, body: Dict[str, Any]) -> List[Item]:
         src, rseq, vals = row
         if type(src) is not str or type(rseq) is not int or rseq < 0 or type(vals) is not list or len(vals) != n:
             raise MalformedEnvelope(f"data from {sender}: expected [source, seq, [values]], found {_short(row)}")
-        append((src, rseq, dict(zip(keys, vals))))
+        append((src, rseq, dict(zip(keys, vals)) if records else None))
     return items
 
 

@@ -116,6 +116,9 @@ class SinkOperator(Operator):
 
     kind = "sink"
     deferred = False
+    # False: `record` reads only the ids of its items (item[2] may be None then), so the worker
+    # does not rebuild the records of compact batches (envelope.decode(records=False)).
+    reads_records = True
 
     def record(self, items: List[Item]) -> List[Publication]:
         raise NotImplementedError
@@ -295,6 +298,10 @@ class CountingSink(SinkOperator):
     @property
     def deferred(self) -> bool:  # type: ignore[override]
         return self.spool is not None
+
+    @property
+    def reads_records(self) -> bool:  # type: ignore[override]
+        return self.spool is not None  # spilling re-encodes the new records of a batch with duplicates
 
     def _open_spool(self, ctx: OperatorContext) -> None:
         from agent.runtime.spool import BatchSpool
@@ -477,6 +484,8 @@ counting_sink = _Factory(CountingSink)
 
 class NullSink(SinkOperator):
     """Counts and forgets (benchmarks: no id bookkeeping, so it measures the data path alone)."""
+
+    reads_records = False
 
     def __init__(self, ctx: OperatorContext) -> None:
         self.recorded = 0

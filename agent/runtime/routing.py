@@ -81,20 +81,25 @@ class Outbox:
         self.router = router
         self.batch_size = batch_size
         self.linger = linger
-        # Keyless: one shared buffer (dest chosen at send time). Keyed: one buffer per dest.
-        self._shared: Deque[Pending] = deque()
+        # Keyless: one shared buffer (dest chosen at send time) of chunks [items, index, offset]
+        # (one per add: no per-record tuple on the way through). Keyed: one buffer per dest.
+        self._shared: Deque[List[Any]] = deque()
+        self._shared_n = 0
         self._shared_since = 0.0
         self._keyed: Dict[str, List[Pending]] = {}
         self._keyed_since: Dict[str, float] = {}
         self.pending = 0
 
     def add(self, items: Sequence[Item], index: int, now: float) -> None:
+        """Buffer the records derived from input `index` (keyless: the list itself is kept, as
+        one chunk, so the caller must not change it afterwards; the worker never does)."""
         if not items:
             return
         if self.router.key is None:
             if not self._shared:
                 self._shared_since = now
-            self._shared.extend((it, index) for it in items)
+            self._shared.append([items if isinstance(items, list) else list(items), index, 0])
+            self._shared_n += len(items)
         else:
             if not self.router.succs:
                 raise RuntimeError("keyed routing without successors")
@@ -119,16 +124,32 @@ class Outbox:
 
         if self.router.key is None:
             while self._shared and (
-                len(self._shared) >= self.batch_size or force or now - self._shared_since >= self.linger
+                self._shared_n >= self.batch_size or force or now - self._shared_since >= self.linger
             ):
                 dest = self.router.next_with_credit(left)
                 if dest is None:
                     break
-                n = min(self.batch_size, len(self._shared))
-                chunk = [self._shared.popleft() for _ in range(n)]
-                out.append((dest, [p[0] for p in chunk], chunk[0][1]))
+                n = min(self.batch_size, self._shared_n)
+                low = self._shared[0][1]
+                batch: List[Item] = []
+                need = n
+                while need:
+                    c = self._shared[0]
+                    items, _, off = c
+                    k = min(need, len(items) - off)
+                    if off == 0 and k == len(items) == need and not batch:
+                        batch = items  # the whole chunk: no copy
+                    else:
+                        batch.extend(items[off:off + k])
+                    need -= k
+                    if off + k == len(items):
+                        self._shared.popleft()
+                    else:
+                        c[2] = off + k
+                out.append((dest, batch, low))
                 sent[dest] = sent.get(dest, 0) + 1
                 self.pending -= n
+                self._shared_n -= n
         else:
             for dest in list(self._keyed):
                 if dest not in self.router.succs:
@@ -174,7 +195,7 @@ class Outbox:
         lows = [buf[0][1] for buf in self._keyed.values() if buf]
         if self._shared:
             lows.append(self._shared[0][1])
-        return min(lows) if lows else None
+        return min(lows) if lows else None  # chunks are in index order: the first is the lowest
 
     def next_deadline(self) -> Optional[float]:
         times = [self._keyed_since[d] + self.linger for d, b in self._keyed.items() if b]
