@@ -67,7 +67,7 @@ ACK_DELAY = 0.005  # coalesce upstream acks for at most this long
 DECISION_EVENT_PERIOD = 5.0  # at most one "nothing to do" decision event per instance per 5 s
 SOURCE_RESERVE = 2000  # records a source may generate past its last written position
 LOCK_EVENT_BURST = 20  # at most this many lock events per instance per second (6 per round)
-SINK_SETTLE_POLL = 0.002  # a spilling sink checks its spool writer this often while records wait
+SINK_SETTLE_POLL = 0.05  # a sink whose spool is at its cap checks this often whether shipping freed it
 STATE_PERIOD = 1.0  # persist the channel snapshot at most this often (a rename costs ~5 ms here)
 # A hole in a sender's numbering this old will not close by itself: the broker lost those
 # messages, or another connection with our client id took them (a fenced copy after a partition).
@@ -319,7 +319,7 @@ class Worker:
         if self.ack_since is not None:
             deadlines.append(self.ack_since + ACK_DELAY)
         if self.sink_wait:
-            deadlines.append(now + SINK_SETTLE_POLL)  # the spool's writer thread cannot wake us
+            deadlines.append(now + SINK_SETTLE_POLL)  # the shipper (another process) cannot wake us
         if self.is_source and self._can_produce():
             deadlines.append(self.operator.next_due(now))
         return max(0.0, min(deadlines) - now)
