@@ -391,15 +391,15 @@ class Worker:
 
     def _new_incarnation(self, why: str, counter: str) -> None:
         """The broker came back without our session (it restarted without its persistence, or
-        lost it), or messages to us went missing (`_check_silence`: lost by the broker, or
-        taken by another connection with our client id): what was queued for us or
-        in flight through it may be gone. Become a new
-        incarnation as after a crash, keeping what we still hold: a new epoch (receivers restart
-        our channel), our own channels resync, predecessors replay what we had not acked (an
-        empty ack in the new epoch, as in `start`), and we replay to our successors what they
-        had not acked (their acks for the old epoch would be ignored). Records that got through
-        twice are dropped by id at the sink; protocol messages lost on the way are sent again by
-        the round's resend on silence (agent.runtime.recovery)."""
+        lost it), or messages to us went missing (`_check_silence`: lost by the broker, or taken
+        by another connection with our client id): what was queued for us or in flight through
+        it may be gone. Become a new incarnation as after a crash, keeping what we still hold:
+        a new epoch (receivers restart our channel), our own channels resync, predecessors
+        replay what we had not acked (an empty ack in the new epoch, as in `start`), and we
+        replay to our successors what they had not acked (their acks for the old epoch would be
+        ignored). Records that got through twice are dropped by id at the sink; protocol
+        messages lost on the way are sent again by the round's resend on silence
+        (agent.runtime.recovery)."""
         self.epoch += 1
         self.outbound = Outbound(self.epoch)
         self.inbound.restore(self.inbound.snapshot(), resync=True)
