@@ -211,3 +211,17 @@ def test_checker_catches_a_dropped_acks_to_ign_update():
 def test_exhaustive_checker_catches_the_fault_too():
     r = exhaustive_check("2fgme", (2, 1), 2, fault="skip_acks_to_ign")
     assert r.safety_violations == 1, r.first_failure
+
+
+def test_cli_bench_gme_check(capsys):
+    import json
+
+    from agent.cli.main import main
+
+    assert main(["bench", "gme-check", "--groups", "2,1", "--requests", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["verdict"] == "ok" and report["reduction"] and report["symmetry"]
+    assert report["states"] > 5_000 and report["terminal_states"] == 44
+    assert main(["bench", "gme-check", "--groups", "2,1", "--requests", "2", "--fault", "skip_acks_to_ign", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["verdict"] == "violation" and report["safety_violations"] == 1 and report["trace"]

@@ -87,6 +87,7 @@ class CheckResult:
     local_states: int = 0  # exhaustive search: distinct node states met
     reduced: bool = False  # exhaustive search: partial-order reduction on
     hashed: bool = False  # exhaustive search: visited set by 128-bit digests (hash compaction)
+    symmetry: bool = False  # exhaustive search: states matched up to in-group permutations
     full_expansions: int = 0  # exhaustive search with reduction: states where T = all enabled
     collision_bound: Optional[float] = None  # P(some state skipped by a digest collision) <= this
     first_failure: Optional[str] = None
@@ -310,6 +311,54 @@ class _LocalStates:
             )
 
 
+class _DigestSet:
+    """A set of 128-bit digests in one flat bytearray (open addressing, linear probing).
+
+    Why: a Python set of 16-byte `bytes` costs ~90 bytes per element (object header, allocator
+    rounding, set slot); this table costs 16 bytes per slot at a load factor <= 2/3, ~24-48 bytes
+    per state, so 2+2 x 2 requests fits in a few hundred MB. The empty slot is 16 zero bytes; a
+    stored digest has its lowest bit forced to 1 (127 bits remain, see `collision_bound`)."""
+
+    def __init__(self, capacity: int = 1 << 20) -> None:
+        self.cap = capacity
+        self.mask = capacity - 1
+        self.table = bytearray(16 * capacity)
+        self.size = 0
+
+    def add(self, digest: bytes) -> bool:
+        """Insert; True if the digest was not there yet."""
+        d = digest[:15] + bytes((digest[15] | 1,))
+        table, mask = self.table, self.mask
+        i = int.from_bytes(d[:8], "little") & mask
+        while True:
+            o = 16 * i
+            cur = table[o:o + 16]
+            if cur == d:
+                return False
+            if not any(cur):
+                table[o:o + 16] = d
+                self.size += 1
+                if 3 * self.size > 2 * self.cap:
+                    self._grow()
+                return True
+            i = (i + 1) & mask
+
+    def _grow(self) -> None:
+        old = self.table
+        self.cap *= 2
+        self.mask = self.cap - 1
+        self.table = bytearray(16 * self.cap)
+        self.size = 0
+        zero = bytes(16)
+        for o in range(0, len(old), 16):
+            d = bytes(old[o:o + 16])
+            if d != zero:
+                self.add(d)
+
+    def __len__(self) -> int:
+        return self.size
+
+
 def exhaustive_check(
     algorithm: str,
     sizes: Sequence[int] = (2, 2),
@@ -374,10 +423,12 @@ def exhaustive_check(
     explored. It composes with (1)-(2) above: a successor matched up to symmetry has a symmetric
     image explored, from which the symmetric image of every terminal/bad state is reached.
 
-    Visited set: exact (`hash_states=False`: the canonical encoding, bytes) or hash compaction
-    (`hash_states=True`: a 128-bit BLAKE2b digest of it). With hash compaction two distinct states
-    can collide and a state can be skipped unexplored; the probability that any collision
-    happened is at most states^2 / 2^129, reported as `collision_bound`.
+    Visited set: exact (`hash_states=False`: the canonical state, a flat tuple of small ints, as
+    bytes in a Python set, ~150 bytes per state) or hash compaction (`hash_states=True`: a 128-bit
+    BLAKE2b digest of it, one bit forced to 1, in `_DigestSet`, ~30 bytes per state). With hash
+    compaction two distinct states can collide and one of them would be skipped unexplored; the
+    probability that any collision happened among N states is at most N^2 / 2^128 (127
+    uniformly distributed bits, N^2/2 pairs), reported as `collision_bound`.
     """
     res = CheckResult(reduced=reduction, hashed=hash_states)
     nodes0 = make_nodes(algorithm, sizes, fault)
@@ -429,6 +480,7 @@ def exhaustive_check(
             if tuple(perm) != tuple(range(n)):
                 perms.append(tuple(perm))
     # per permutation: where each position of the state goes, and memos of renamed ids
+    res.symmetry = bool(perms)
     perm_pos = [
         [p[i] for i in range(n)] + [L0 + p[i] for i in range(n)]
         + [slot[(p[a], p[b])] for (a, b) in chan_index]
@@ -438,17 +490,25 @@ def exhaustive_check(
     cid_ren: List[Dict[int, int]] = [{} for _ in perms]
 
     def canonical(state: Tuple[int, ...]) -> Tuple[int, ...]:
-        """The smallest image of `state` under the in-group permutations (itself if none)."""
+        """The smallest image of `state` under the in-group permutations (itself if none).
+
+        The node part (the first n entries) is compared first: an image whose node part is
+        already larger than the best one's cannot win, and its channels are not renamed."""
         best = state
+        best_nodes = state[:n]
         for pi, p in enumerate(perms):
             pos, sr, cr = perm_pos[pi], sid_ren[pi], cid_ren[pi]
-            img = [0] * len(state)
+            nodes_img = [0] * n
             for k in range(n):
                 sid = state[k]
                 r = sr.get(sid)
                 if r is None:
                     r = sr[sid] = ls.rename(sid, p)
-                img[pos[k]] = r
+                nodes_img[p[k]] = r
+            t_nodes = tuple(nodes_img)
+            if t_nodes > best_nodes:
+                continue
+            img = nodes_img + [0] * (len(state) - n)
             for k in range(n, C0):
                 img[pos[k]] = state[k]
             for k in range(C0, len(state)):
@@ -460,7 +520,7 @@ def exhaustive_check(
                     img[pos[k]] = r
             t = tuple(img)
             if t < best:
-                best = t
+                best, best_nodes = t, t_nodes
         return best
 
     def unwind(path: object) -> List[str]:
@@ -477,12 +537,21 @@ def exhaustive_check(
     blake = hashlib.blake2b
     ARR = "I"
 
-    def store(t: Tuple[int, ...]) -> bytes:
+    exact: Set[bytes] = set()
+    digests = _DigestSet()
+
+    def add(t: Tuple[int, ...]) -> bool:
+        """Record a canonical state; True if it was new."""
         b = array(ARR, t).tobytes()
-        return blake(b, digest_size=16).digest() if hash_states else b
+        if hash_states:
+            return digests.add(blake(b, digest_size=16).digest())
+        if b in exact:
+            return False
+        exact.add(b)
+        return True
 
     start_state = tuple(ls.initial) + (requests,) * n + (0,) * nch
-    visited: Set[bytes] = {store(canonical(start_state))}
+    add(canonical(start_state))
     stack: List[Tuple[Any, ...]] = [(start_state, None)]
     res.states = 1
     next_report = progress_every
@@ -593,10 +662,8 @@ def exhaustive_check(
                         res.trace = unwind(((i, code, mid), path))
                         return res
                     t = tuple(nxt)
-                    key = store(canonical(t) if perms else t)
-                    if key in visited:
+                    if not add(canonical(t) if perms else t):
                         continue
-                    visited.add(key)
                     res.states += 1
                     if res.states > max_states:
                         raise RuntimeError(f"state space larger than {max_states} states")
@@ -615,7 +682,7 @@ def exhaustive_check(
             res.local_states = len(ls.objs)
             progress(res)
     if hash_states:
-        res.collision_bound = res.states * res.states / 2.0 ** 129
+        res.collision_bound = res.states * res.states / 2.0 ** 128
     res.local_states = len(ls.objs)
     return res
 
