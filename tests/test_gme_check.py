@@ -231,3 +231,17 @@ def test_cli_bench_gme_check(capsys):
     assert main(args + ["--fault", "skip_acks_to_ign"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert report["verdict"] == "violation" and report["safety_violations"] == 1 and report["trace"]
+
+
+def test_exhaustive_reports_a_raising_core_as_a_protocol_error(monkeypatch):
+    import agent.sim.gme_check as gc
+    from agent.protocol.gme_fgme import FgmeNode
+
+    class Brittle(FgmeNode):
+        def _on_end(self, m):
+            raise ValueError("boom")
+
+    monkeypatch.setattr(gc, "_algorithms", lambda: {"2fgme": Brittle})
+    for reduction in (False, True):
+        r = gc.exhaustive_check("2fgme", (1, 1), 1, reduction=reduction)
+        assert r.protocol_errors == 1 and "ValueError: boom" in (r.first_failure or "")

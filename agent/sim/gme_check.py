@@ -190,6 +190,13 @@ _PROGRESS: Dict[str, Callable[[GmeNode], int]] = {
 _REQUEST, _EXIT = -1, -2  # event codes; an event code >= 0 is "deliver the head of channel code -> node"
 
 
+class _CoreError(Exception):
+    """A protocol core raised while the exhaustive search ran it (the cause is the core's error).
+
+    Only these count as protocol errors: a MemoryError or a bug of the checker itself must
+    propagate, not be reported as a defect of the algorithm."""
+
+
 class ReductionUnsound(RuntimeError):
     """An assumption the reductions rely on does not hold for this algorithm (never silently ignored)."""
 
@@ -261,12 +268,15 @@ class _LocalStates:
         if hit is not None:
             return hit
         x = _clone_node(self.objs[sid])
-        if kind == "request":
-            outs = x.request()
-        elif kind == "exit":
-            outs = x.exit()
-        else:
-            outs = x.receive(self.msgs[mid])  # type: ignore[arg-type]
+        try:
+            if kind == "request":
+                outs = x.request()
+            elif kind == "exit":
+                outs = x.exit()
+            else:
+                outs = x.receive(self.msgs[mid])  # type: ignore[arg-type]
+        except Exception as exc:  # the core's failure, told apart from the checker's own errors
+            raise _CoreError(exc) from exc
         sends: List[Tuple[int, int]] = []
         for o in outs:
             if type(o) is Send:
@@ -376,8 +386,9 @@ def exhaustive_check(
     Model: nodes are the real cores (deterministic); channel b -> i is FIFO (thesis 5.2.1,
     DESIGN.md invariant 1). A transition is one node's step: `request()` (idle, requests left),
     `exit()` (in the CS) or the delivery of the head of one of its input channels. A global state
-    is (local state ids, request budgets, channel contents as message ids); `_LocalStates` runs
-    each (local state, input) pair through the core once and memoizes the answer.
+    is one flat tuple of small ints: local state ids, request budgets, and one interned id per
+    channel of the communication graph for its contents (a tuple of message ids). `_LocalStates`
+    runs each (local state, input) pair through the core once and memoizes the answer.
 
     Properties: safety (no two groups in the CS) on every explored state; liveness on every
     terminal state (nothing enabled): every request made and served, everybody idle, else it is
@@ -388,8 +399,14 @@ def exhaustive_check(
     requests made, sum of 2*entries - in_cs, -Reqs in flight, -other messages in flight), all
     functions of the global state. So the full state graph has no cycle, every run is finite and
     ends in a terminal state, and "every terminal state is good" means every request is served
-    under every schedule. The checker does not take this on faith: every local transition it
-    computes (each once, memoized) is checked to increase the measure, else ReductionUnsound.
+    under every schedule. By inspection of the cores: 2-FGME's Req handler sends no Req and
+    leaves the epoch; its Ack and End handlers send Reqs only through `_multicast_req` (epoch
+    +1), else enter or send nothing; RA1 sends Reqs only in `request()`; RA2's Start messages
+    raise VF (`_capture`), VF only grows (`_merge` takes maxima), and its handlers otherwise
+    answer a Req with at most one Ack or enter. The checker does not take this on faith: every
+    step enabled in an explored state (each distinct local transition once, memoized; the
+    steps the reduction leaves out included) is checked to increase the measure, else
+    ReductionUnsound. (States the reduction never reaches are covered by the inspection only.)
 
     Partial-order reduction (`reduction=True`), persistent sets [Godefroid 1996, ch. 4] with
     the visibility condition [Peled 1994]. Transitions of different nodes are independent: a step
@@ -637,6 +654,13 @@ def exhaustive_check(
                 if chosen is None:
                     res.full_expansions += 1
             movers = chosen if chosen is not None else range(n)
+            if chosen is not None:
+                # the steps left out are computed too (memoized, cheap): their acyclicity and
+                # communication-graph checks run, and a step that raises is a reachable error
+                for i in range(n):
+                    if i not in chosen:
+                        for code in ev_of[i]:
+                            step(i, code)
             for i in movers:
                 for code in ev_of[i]:
                     res.transitions += 1
@@ -668,11 +692,8 @@ def exhaustive_check(
                     if res.states > max_states:
                         raise RuntimeError(f"state space larger than {max_states} states")
                     stack.append((t, ((i, code, mid), path)))
-        except ReductionUnsound:
-            raise
-        except RuntimeError:
-            raise
-        except Exception as exc:  # a core raising is a failure of the algorithm, not of us
+        except _CoreError as err:  # a core raising is a failure of the algorithm, not of us
+            exc = err.__cause__
             res.protocol_errors += 1
             res.first_failure = f"{type(exc).__name__}: {exc}"
             res.trace = unwind(path)
