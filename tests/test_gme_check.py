@@ -18,17 +18,137 @@ def test_exhaustive_small_systems_are_safe_and_live(alg, sizes, requests):
 
 
 def test_exhaustive_2fgme_two_plus_one_nodes_two_requests():
-    # 62k distinct states with the partial-order reduction, 32k with the symmetry reduction
-    r = exhaustive_check("2fgme", (2, 1), 2, symmetry=True)
+    # every reachable state (no partial-order reduction): 24,062, or 12,128 up to symmetry
+    r = exhaustive_check("2fgme", (2, 1), 2, symmetry=True, reduction=False)
     assert r.ok, (r.first_failure, r.trace[-30:])
     assert r.states > 10_000
 
 
 def test_exhaustive_2fgme_two_plus_two_nodes_one_request():
-    # ~250k states (symmetry + POR). 2+2 x 2 requests exceeds 8M states: not in the suite (docs/gme.md)
-    r = exhaustive_check("2fgme", (2, 2), 1, symmetry=True)
+    # every reachable state, no reduction at all: 232,922 states (~2 s)
+    r = exhaustive_check("2fgme", (2, 2), 1, symmetry=False, reduction=False)
     assert r.ok, (r.first_failure, r.trace[-30:])
     assert r.states > 100_000
+
+
+def _naive_reachable(alg, sizes, requests):
+    """Reference for the optimized search: every reachable state by brute force, no memo, no
+    interning, no reduction: the moving node deep-copied, channels as dicts of tuples of messages."""
+    import copy
+
+    from agent.protocol.gme_base import GmeState, Send
+    from agent.sim.gme_check import make_nodes
+
+    def key(nodes, left, chans):
+        busy = tuple(sorted((c, q) for c, q in chans.items() if q))
+        return (tuple(x.snapshot() for x in nodes), tuple(left), busy)
+
+    start = (make_nodes(alg, sizes), [requests] * sum(sizes), {})
+    seen = {key(*start)}
+    todo = [start]
+    while todo:
+        nodes, left, chans = todo.pop()
+        moves = [(i, "request", None) for i, x in enumerate(nodes) if x.state is GmeState.IDLE and left[i]]
+        moves += [(i, "exit", None) for i, x in enumerate(nodes) if x.state is GmeState.IN_CS]
+        moves += [(c[1], "deliver", c) for c, q in chans.items() if q]
+        for i, kind, c in moves:
+            ns, nl, nc = list(nodes), list(left), dict(chans)
+            ns[i] = copy.deepcopy(nodes[i])  # only the mover changes; the others stay shared
+            if kind == "request":
+                nl[i] -= 1
+                outs = ns[i].request()
+            elif kind == "exit":
+                outs = ns[i].exit()
+            else:
+                msg, nc[c] = nc[c][0], nc[c][1:]
+                outs = ns[i].receive(msg)
+            for o in outs:
+                if isinstance(o, Send):
+                    nc[(i, o.to)] = nc.get((i, o.to), ()) + (o.message,)
+            k = key(ns, nl, nc)
+            if k not in seen:
+                seen.add(k)
+                todo.append((ns, nl, nc))
+    return len(seen)
+
+
+@pytest.mark.parametrize("alg,sizes,requests", [("2fgme", (2, 1), 2), ("ra1", (2, 1), 1), ("ra2", (2, 1), 1)])
+def test_unreduced_search_visits_exactly_the_reachable_states(alg, sizes, requests):
+    """The interned, memoized, flat-tuple search without reductions = brute force, state for state."""
+    r = exhaustive_check(alg, sizes, requests, symmetry=False, reduction=False)
+    assert r.ok
+    assert r.states == _naive_reachable(alg, sizes, requests)
+
+
+REDUCTION_CASES = [(a, (1, 1), 3) for a in ALGS] + [(a, (2, 1), 1) for a in ALGS] + [
+    ("2fgme", (2, 1), 2),
+    ("2fgme", (2, 2), 1),
+]
+
+
+@pytest.mark.parametrize("alg,sizes,requests", REDUCTION_CASES)
+@pytest.mark.parametrize("symmetry", [False, True])
+def test_reduced_search_agrees_with_the_full_search(alg, sizes, requests, symmetry):
+    """Persistent sets preserve every terminal state: same verdict AND the same number of distinct
+    terminal states (up to symmetry) as the unreduced search, with fewer states explored."""
+    full = exhaustive_check(alg, sizes, requests, symmetry=symmetry, reduction=False)
+    red = exhaustive_check(alg, sizes, requests, symmetry=symmetry, reduction=True)
+    assert full.ok and red.ok, (full.first_failure, red.first_failure)
+    assert red.schedules == full.schedules
+    assert red.states < full.states
+    assert red.transitions < full.transitions
+
+
+@pytest.mark.parametrize("sizes,requests", [((2, 1), 2), ((2, 2), 1)])
+@pytest.mark.parametrize("symmetry", [False, True])
+def test_reduced_search_catches_the_seeded_fault(sizes, requests, symmetry):
+    """The mutant that skips lines 36/49 (acks_to_ign) is still caught with the reductions on."""
+    r = exhaustive_check(
+        "2fgme", sizes, requests, fault="skip_acks_to_ign", symmetry=symmetry, reduction=True
+    )
+    assert r.safety_violations == 1, r.first_failure
+    assert "two groups in the CS" in (r.first_failure or "")
+    assert r.trace  # a replayable schedule
+
+
+def test_hash_compaction_explores_the_same_states_and_bounds_collisions():
+    exact = exhaustive_check("2fgme", (2, 2), 1, symmetry=True, reduction=True)
+    hashed = exhaustive_check("2fgme", (2, 2), 1, symmetry=True, reduction=True, hash_states=True)
+    assert hashed.ok and hashed.hashed and not exact.hashed
+    counts = lambda r: (r.states, r.transitions, r.schedules)  # noqa: E731
+    assert counts(hashed) == counts(exact)
+    assert exact.collision_bound is None
+    assert hashed.collision_bound is not None and hashed.collision_bound < 1e-25
+
+
+def test_acyclicity_guard_rejects_a_protocol_that_can_loop(monkeypatch):
+    """Liveness and the reduction's soundness need an acyclic state graph; a ping-pong protocol
+    (an answer to every message) must make the checker refuse, not report 'ok'."""
+    from dataclasses import dataclass
+
+    import agent.sim.gme_check as gc
+    from agent.protocol.gme_base import GmeMessage, GmeNode, Send
+
+    @dataclass(frozen=True)
+    class Ping(GmeMessage):
+        kind = "ping"
+
+    class PingPong(GmeNode):
+        def _on_request(self):
+            return [Send(1 - self.id, Ping(self.id))]  # and waits forever: the loop never ends
+
+        def _on_exit(self):
+            return []
+
+        def receive(self, message):
+            return [Send(message.sender, Ping(self.id))]
+
+        def snapshot(self):
+            return (self.state.value, self.entries)
+
+    monkeypatch.setattr(gc, "_algorithms", lambda: {"pingpong": PingPong})
+    with pytest.raises(gc.ReductionUnsound, match="acyclicity"):
+        gc.exhaustive_check("pingpong", (1, 1), 1)
 
 
 def test_symmetry_reduction_keeps_the_fault_visible():
@@ -96,3 +216,32 @@ def test_checker_catches_a_dropped_acks_to_ign_update():
 def test_exhaustive_checker_catches_the_fault_too():
     r = exhaustive_check("2fgme", (2, 1), 2, fault="skip_acks_to_ign")
     assert r.safety_violations == 1, r.first_failure
+
+
+def test_cli_bench_gme_check(capsys):
+    import json
+
+    from agent.cli.main import main
+
+    assert main(["bench", "gme-check", "--groups", "2,1", "--requests", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["verdict"] == "ok" and report["reduction"] and report["symmetry"]
+    assert report["states"] > 5_000 and report["terminal_states"] == 44
+    args = ["bench", "gme-check", "--groups", "2,1", "--requests", "2", "--json"]
+    assert main(args + ["--fault", "skip_acks_to_ign"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["verdict"] == "violation" and report["safety_violations"] == 1 and report["trace"]
+
+
+def test_exhaustive_reports_a_raising_core_as_a_protocol_error(monkeypatch):
+    import agent.sim.gme_check as gc
+    from agent.protocol.gme_fgme import FgmeNode
+
+    class Brittle(FgmeNode):
+        def _on_end(self, m):
+            raise ValueError("boom")
+
+    monkeypatch.setattr(gc, "_algorithms", lambda: {"2fgme": Brittle})
+    for reduction in (False, True):
+        r = gc.exhaustive_check("2fgme", (1, 1), 1, reduction=reduction)
+        assert r.protocol_errors == 1 and "ValueError: boom" in (r.first_failure or "")

@@ -81,7 +81,7 @@ class End(GmeMessage):
 
 
 # Deliberate bugs, for tests that prove the checker can fail. Never used outside tests.
-FAULTS = frozenset({"skip_acks_to_ign"})
+FAULTS = frozenset({"skip_acks_to_ign", "undo_deviation_3"})
 
 
 class FgmeNode(GmeNode):
@@ -139,6 +139,12 @@ class FgmeNode(GmeNode):
     def _withdraw_from(self, k: NodeId) -> None:
         """Lines 32-37 / 45-50: our Req to k is on hold; its acknowledgement no longer counts."""
         self.reqs_to_send.add(k)  # line 32 / 45
+        if self.fault == "undo_deviation_3":  # the pseudo-code's "else", as before the fix
+            if k in self.acks_rcvd:
+                self.acks_rcvd.discard(k)
+            else:
+                self.acks_to_ign[k] = self.sent_epoch.get(k, 0)
+            return
         self.acks_rcvd.discard(k)  # lines 33-34 / 46-47
         if self.fault != "skip_acks_to_ign":
             # line 36 / 49, DEVIATION 3: applied even when k's Ack was already counted (the

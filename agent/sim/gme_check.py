@@ -13,17 +13,26 @@ Properties checked:
 - safety (every reached state): no two nodes of different groups are in the CS together;
 - liveness (every terminal state, i.e. nothing enabled): every node made all its requests and
   entered the CS for each of them; a terminal state with a node still requesting is a deadlock.
-Since every run is finite (each node makes a bounded number of requests and each handler emits a
-bounded number of messages), "every terminal state is good" means every request is eventually
-served under every fair schedule.
+Every run is finite: each step strictly increases a measure of the global state (see
+`exhaustive_check`; the checker verifies it on every local transition it computes), so the state
+graph is acyclic and "every terminal state is good" means every request is eventually served
+under every schedule.
+
+The exhaustive search reduces the interleavings it explores (persistent sets with the
+visibility condition), the states it stores (symmetry inside a group, for 2-FGME) and the memory
+per state (interned local states, interned channel contents, a flat tuple of small ints per state
+stored as bytes, or as a 128-bit digest with `hash_states=True`); `exhaustive_check`'s docstring
+gives the soundness argument of each.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import itertools
 import random
+from array import array
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple
@@ -34,6 +43,7 @@ __all__ = [
     "ALGORITHMS",
     "make_nodes",
     "CheckResult",
+    "ReductionUnsound",
     "exhaustive_check",
     "random_check",
     "random_schedule",
@@ -73,6 +83,13 @@ class CheckResult:
     deadlocks: int = 0
     protocol_errors: int = 0
     messages: int = 0
+    transitions: int = 0  # exhaustive search: transitions executed (after reduction)
+    local_states: int = 0  # exhaustive search: distinct node states met
+    reduced: bool = False  # exhaustive search: partial-order reduction on
+    hashed: bool = False  # exhaustive search: visited set by 128-bit digests (hash compaction)
+    symmetry: bool = False  # exhaustive search: states matched up to in-group permutations
+    full_expansions: int = 0  # exhaustive search with reduction: states where T = all enabled
+    collision_bound: Optional[float] = None  # P(some state skipped by a digest collision) <= this
     first_failure: Optional[str] = None
     trace: List[str] = field(default_factory=list)
 
@@ -162,6 +179,28 @@ class _System:
         ) and all(s == n.entries for s, n in zip(self.served, self.nodes))
 
 
+# Monotone per-node counters for the acyclicity argument (see `exhaustive_check`): 2-FGME's
+# epoch (+1 per Req multicast), RA2's sum of VF (a captain's Start raises VF of its target).
+_PROGRESS: Dict[str, Callable[[GmeNode], int]] = {
+    "2fgme": lambda x: x.epoch,  # type: ignore[attr-defined]
+    "ra1": lambda x: 0,
+    "ra2": lambda x: sum(x.vf),  # type: ignore[attr-defined]
+}
+
+_REQUEST, _EXIT = -1, -2  # event codes; an event code >= 0 is "deliver the head of channel code -> node"
+
+
+class _CoreError(Exception):
+    """A protocol core raised while the exhaustive search ran it (the cause is the core's error).
+
+    Only these count as protocol errors: a MemoryError or a bug of the checker itself must
+    propagate, not be reported as a defect of the algorithm."""
+
+
+class ReductionUnsound(RuntimeError):
+    """An assumption the reductions rely on does not hold for this algorithm (never silently ignored)."""
+
+
 class _LocalStates:
     """Interned local states and a memo of their transitions (the exhaustive search's engine).
 
@@ -172,7 +211,11 @@ class _LocalStates:
     key is a tuple of ints hashed at C speed, and nothing is copied or re-hashed per step.
     """
 
-    def __init__(self, nodes: Sequence[GmeNode]) -> None:
+    def __init__(self, nodes: Sequence[GmeNode], progress: Callable[[GmeNode], int] = lambda x: 0) -> None:
+        self.progress_of = progress
+        self.progress: List[int] = []  # per local state: the node's monotone progress counter
+        self.phase: List[int] = []  # per local state: 2 * entries - in_cs (+1 per entry, per exit)
+        self.allowed: Optional[Set[Tuple[int, int]]] = None  # (sender, receiver) pairs, if checked
         self.objs: List[GmeNode] = []
         self.ids: Dict[Tuple[int, object], int] = {}
         self.in_cs: List[bool] = []
@@ -190,8 +233,11 @@ class _LocalStates:
         if sid is None:
             sid = self.ids[key] = len(self.objs)
             self.objs.append(node)
-            self.in_cs.append(node.state is GmeState.IN_CS)
+            in_cs = node.state is GmeState.IN_CS
+            self.in_cs.append(in_cs)
             self.idle.append(node.state is GmeState.IDLE)
+            self.progress.append(self.progress_of(node))
+            self.phase.append(2 * node.entries - in_cs)
         return sid
 
     def rename(self, sid: int, perm: Tuple[int, ...]) -> int:
@@ -222,12 +268,15 @@ class _LocalStates:
         if hit is not None:
             return hit
         x = _clone_node(self.objs[sid])
-        if kind == "request":
-            outs = x.request()
-        elif kind == "exit":
-            outs = x.exit()
-        else:
-            outs = x.receive(self.msgs[mid])  # type: ignore[arg-type]
+        try:
+            if kind == "request":
+                outs = x.request()
+            elif kind == "exit":
+                outs = x.exit()
+            else:
+                outs = x.receive(self.msgs[mid])  # type: ignore[arg-type]
+        except Exception as exc:  # the core's failure, told apart from the checker's own errors
+            raise _CoreError(exc) from exc
         sends: List[Tuple[int, int]] = []
         for o in outs:
             if type(o) is Send:
@@ -238,8 +287,86 @@ class _LocalStates:
                     self.msgs.append(m)
                 sends.append((o[0], k))
         res = (self.intern(index, x), tuple(sends))
+        self._check_step(index, sid, kind, mid, res)
         self.memo[key] = res
         return res
+
+    def _check_step(
+        self, index: int, sid: int, kind: str, mid: int, res: Tuple[int, Tuple[Tuple[int, int], ...]]
+    ) -> None:
+        """The assumptions of `exhaustive_check`'s soundness argument, for one local transition.
+
+        (a) sends follow the declared communication graph (the partial-order reduction's "who may
+        enable whose delivery"); (b) the step strictly increases the lexicographic measure
+        (progress, requests made, phase, -Reqs in flight, -other messages in flight), so the
+        full state graph is acyclic. Checked once per distinct (local state, input)."""
+        nsid, sends = res
+        if self.allowed is not None:
+            for to, _m in sends:
+                if (index, to) not in self.allowed:
+                    raise ReductionUnsound(f"node {index} sent to {to}, outside the communication graph")
+        reqs = sum(1 for _to, m in sends if self.msgs[m].kind == "req")  # type: ignore[attr-defined]
+        consumed_req = kind == "deliver" and self.msgs[mid].kind == "req"  # type: ignore[attr-defined]
+        delta = (
+            self.progress[nsid] - self.progress[sid],
+            1 if kind == "request" else 0,
+            self.phase[nsid] - self.phase[sid],
+            consumed_req - reqs,
+            (kind == "deliver" and not consumed_req) - (len(sends) - reqs),
+        )
+        if not any(delta) or next(d for d in delta if d) < 0:
+            raise ReductionUnsound(
+                f"node {index}: step {kind} {self.msgs[mid] if mid >= 0 else ''} does not increase the "
+                f"acyclicity measure (deltas {delta}); the checker's liveness and reduction arguments need it"
+            )
+
+
+class _DigestSet:
+    """A set of 128-bit digests in one flat bytearray (open addressing, linear probing).
+
+    Why: a Python set of 16-byte `bytes` costs ~90 bytes per element (object header, allocator
+    rounding, set slot); this table costs 16 bytes per slot at a load factor <= 2/3, ~24-48 bytes
+    per state, so 2+2 x 2 requests fits in a few hundred MB. The empty slot is 16 zero bytes; a
+    stored digest has its lowest bit forced to 1 (127 bits remain, see `collision_bound`)."""
+
+    def __init__(self, capacity: int = 1 << 20) -> None:
+        self.cap = capacity
+        self.mask = capacity - 1
+        self.table = bytearray(16 * capacity)
+        self.size = 0
+
+    def add(self, digest: bytes) -> bool:
+        """Insert; True if the digest was not there yet."""
+        d = digest[:15] + bytes((digest[15] | 1,))
+        table, mask = self.table, self.mask
+        i = int.from_bytes(d[:8], "little") & mask
+        while True:
+            o = 16 * i
+            cur = table[o:o + 16]
+            if cur == d:
+                return False
+            if not any(cur):
+                table[o:o + 16] = d
+                self.size += 1
+                if 3 * self.size > 2 * self.cap:
+                    self._grow()
+                return True
+            i = (i + 1) & mask
+
+    def _grow(self) -> None:
+        old = self.table
+        self.cap *= 2
+        self.mask = self.cap - 1
+        self.table = bytearray(16 * self.cap)
+        self.size = 0
+        zero = bytes(16)
+        for o in range(0, len(old), 16):
+            d = bytes(old[o:o + 16])
+            if d != zero:
+                self.add(d)
+
+    def __len__(self) -> int:
+        return self.size
 
 
 def exhaustive_check(
@@ -247,62 +374,112 @@ def exhaustive_check(
     sizes: Sequence[int] = (2, 2),
     requests: int = 2,
     fault: Optional[str] = None,
-    max_states: int = 5_000_000,
+    max_states: int = 200_000_000,
     symmetry: bool = False,
+    reduction: bool = True,
+    hash_states: bool = False,
+    progress: Optional[Callable[[CheckResult], None]] = None,
+    progress_every: int = 1_000_000,
 ) -> CheckResult:
-    """Explore every delivery order (DFS over distinct states). Stops at the first violation.
+    """Explore every reachable state up to the reductions below (DFS). Stops at the first violation.
 
-    Partial-order reduction, and why it is sound: events at different nodes commute (a step
-    reads one node's state and the head of one of its input channels, writes that node's state
-    and appends to its output channels). So instead of interleaving all nodes, only the
-    lowest-numbered *active* node moves, choosing any of its enabled steps, or choosing to *wait*:
-    it becomes passive until a new message reaches it. Every consistent cut of every execution is
-    reached this way (each node follows its own history and waits whenever its next step is the
-    delivery of a message not yet sent, or whenever it wants to let others overtake it, e.g. a
-    node that stays in the CS). Safety is checked on every reached state, hence on every cut, and
-    liveness on every state where no step at all is enabled.
+    Model: nodes are the real cores (deterministic); channel b -> i is FIFO (thesis 5.2.1,
+    DESIGN.md invariant 1). A transition is one node's step: `request()` (idle, requests left),
+    `exit()` (in the CS) or the delivery of the head of one of its input channels. A global state
+    is one flat tuple of small ints: local state ids, request budgets, and one interned id per
+    channel of the communication graph for its contents (a tuple of message ids). `_LocalStates`
+    runs each (local state, input) pair through the core once and memoizes the answer.
 
-    States are matched exactly (same node states, channels, budgets AND waiting set). Skipping a
-    state already visited with a smaller waiting set looks sound but is not with DFS caching (it
-    missed the fault injected in `test_exhaustive_checker_catches_the_fault_too`), so we do not.
+    Properties: safety (no two groups in the CS) on every explored state; liveness on every
+    terminal state (nothing enabled): every request made and served, everybody idle, else it is
+    a deadlock. A core raising is a protocol error.
 
-    Speed: local states and messages are interned and transitions memoized (`_LocalStates`);
-    a global state is (local state ids, budgets, channel contents as message ids, waiting mask).
+    Acyclicity (needed by liveness AND by the reduction's soundness proof): every transition
+    strictly increases, lexicographically, (sum of the nodes' progress counters `_PROGRESS`,
+    requests made, sum of 2*entries - in_cs, -Reqs in flight, -other messages in flight), all
+    functions of the global state. So the full state graph has no cycle, every run is finite and
+    ends in a terminal state, and "every terminal state is good" means every request is served
+    under every schedule. By inspection of the cores: 2-FGME's Req handler sends no Req and
+    leaves the epoch; its Ack and End handlers send Reqs only through `_multicast_req` (epoch
+    +1), else enter or send nothing; RA1 sends Reqs only in `request()`; RA2's Start messages
+    raise VF (`_capture`), VF only grows (`_merge` takes maxima), and its handlers otherwise
+    answer a Req with at most one Ack or enter. The checker does not take this on faith: every
+    step enabled in an explored state (each distinct local transition once, memoized; the
+    steps the reduction leaves out included) is checked to increase the measure, else
+    ReductionUnsound. (States the reduction never reaches are covered by the inspection only.)
 
-    Symmetry (`symmetry=True`, cores with a `renamed(perm)` method: 2-FGME): nodes of one group
-    are interchangeable. Groups hold consecutive ids, so a permutation inside each group keeps
-    every cross-group priority comparison (the only ones 2-FGME makes) and the group of every
-    node: it maps executions to executions and preserves both properties. A state is matched by
-    the smallest key over these permutations (node positions, ids inside node states, message
-    senders, channel ends and the waiting set all renamed); the state itself is explored as is.
-    The waiting-set semantics ("does not move before a new message arrives") does not depend
-    on the numbering, so the reduction composes with the partial-order reduction; the injected
-    fault is still found with it (tests).
+    Partial-order reduction (`reduction=True`), persistent sets [Godefroid 1996, ch. 4] with
+    the visibility condition [Peled 1994]. Transitions of different nodes are independent: a step
+    touches one node's state, pops the head of one of its non-empty input channels and appends
+    to the tail of its output channels; a pop at the head and an append at the tail of a
+    non-empty FIFO commute. Two transitions of one node are dependent. At a state s, the set T is
+    the enabled transitions of a node set S closed under: j in S, b may send to j, channel b -> j
+    empty => b in S (b's move is the only way to enable that delivery of j). T is persistent:
+    while nobody in S moves, S's states and the channels between S nodes stay as they are, every
+    channel into S from outside stays non-empty (so S's deliveries stay enabled, no new
+    transition of S appears) and outside moves only append behind the head S pops. "b may send
+    to j" is the algorithm's communication graph (2-FGME: competitors only), verified on every
+    computed transition (a send outside it raises ReductionUnsound). Visibility: if T is not
+    everything enabled, no transition in T enters or leaves the CS (a candidate that would is
+    skipped; the smallest valid candidate is taken, else all enabled transitions).
+    Soundness, by induction on the height of a state in the (acyclic) full graph: (1) every
+    terminal state reachable from an explored state s is reached: a run from s to a terminal
+    state contains a T transition (else T would still be enabled at the end); moving the first
+    one to the front gives an equivalent run through an explored successor, of smaller height.
+    (2) every violation reachable from s is reached: if the run to the bad state contains a
+    T transition, the same; if not, any t in T is independent of the whole run and invisible
+    (its node does not move in the run, so t does the same local step at the end), so t followed
+    by the run reaches a state with the same nodes in the CS, from the explored successor t(s).
+    Protocol errors: a raising step is a step of one node; the same argument (a node that raised
+    is stuck) reaches one. No cycle proviso is needed because the full graph is acyclic.
+
+    Symmetry (`symmetry=True`, cores with `renamed(perm)`: 2-FGME): permutations inside each
+    group (a group's ids are consecutive, so every cross-group priority comparison, the only ones
+    2-FGME makes, keeps its outcome) map runs to runs and keep both properties and the measure.
+    A state is matched by its smallest encoding over these permutations; the state itself is
+    explored. It composes with (1)-(2) above: a successor matched up to symmetry has a symmetric
+    image explored, from which the symmetric image of every terminal/bad state is reached.
+
+    Visited set: exact (`hash_states=False`: the canonical state, a flat tuple of small ints, as
+    bytes in a Python set, ~150 bytes per state) or hash compaction (`hash_states=True`: a 128-bit
+    BLAKE2b digest of it, one bit forced to 1, in `_DigestSet`, ~30 bytes per state). With hash
+    compaction two distinct states can collide and one of them would be skipped unexplored; the
+    probability that any collision happened among N states is at most N^2 / 2^128 (127
+    uniformly distributed bits, N^2/2 pairs), reported as `collision_bound`.
     """
-    res = CheckResult()
+    res = CheckResult(reduced=reduction, hashed=hash_states)
     nodes0 = make_nodes(algorithm, sizes, fault)
     n = len(nodes0)
     groups = [x.group for x in nodes0]
-    ls = _LocalStates(nodes0)
+    ls = _LocalStates(nodes0, _PROGRESS.get(algorithm, lambda x: 0))
     in_cs_of, idle_of = ls.in_cs, ls.idle
-    Chans = Dict[Tuple[int, int], Tuple[int, ...]]
-    # stack items: (local state ids, left, chans, waiting mask, path as a linked list)
-    start: Tuple[Any, ...] = (ls.initial, (requests,) * n, {}, 0, None)
-    visited: Set[Tuple[object, ...]] = set()
-    stack: List[Tuple[Any, ...]] = [start]
-    inbound = [[(a, i) for a in range(n) if a != i] for i in range(n)]
+    # who may send to whom: the competitors (2-FGME) or every other node (RA1, RA2)
+    senders: List[Tuple[int, ...]] = [
+        tuple(sorted(x.competitors)) if hasattr(x, "competitors") else tuple(j for j in range(n) if j != x.id)
+        for x in nodes0
+    ]
+    ls.allowed = {(b, i) for i in range(n) for b in senders[i]}
+    chan_index = sorted(ls.allowed)  # the channels that can ever be non-empty, in a fixed order
+    nch = len(chan_index)
+    # A state is one flat tuple: n local state ids, n budgets, nch channel-content ids.
+    L0, C0 = n, 2 * n
+    slot = {c: C0 + k for k, c in enumerate(chan_index)}  # channel -> position in the state
+    inbound = [[(b, slot[(b, i)]) for b in senders[i]] for i in range(n)]
+    out_slot = [{to: slot[(i, to)] for to in range(n) if (i, to) in slot} for i in range(n)]
 
-    def unwind(path: object) -> List[str]:
-        out: List[str] = []
-        while path is not None:
-            ev, path = path  # type: ignore[misc]
-            out.append(ev if isinstance(ev, str) else repr(ev))
-        return out[::-1]
+    # channel contents (tuples of message ids) interned to ints; 0 is the empty channel
+    chan_objs: List[Tuple[int, ...]] = [()]
+    chan_ids: Dict[Tuple[int, ...], int] = {(): 0}
 
-    def describe(sids: Sequence[int]) -> str:
-        return ", ".join(
-            f"{i}:{groups[i]}:{ls.objs[sid].state.name}" for i, sid in enumerate(sids)
-        )
+    def intern_chan(q: Tuple[int, ...]) -> int:
+        c = chan_ids.get(q)
+        if c is None:
+            c = chan_ids[q] = len(chan_objs)
+            chan_objs.append(q)
+        return c
+
+    pop_memo: Dict[int, Tuple[int, int]] = {}  # content -> (head message, content without it)
+    push_memo: Dict[Tuple[int, int], int] = {}  # (content, message) -> content with it appended
 
     perms: List[Tuple[int, ...]] = []
     if symmetry and hasattr(nodes0[0], "renamed"):
@@ -313,109 +490,221 @@ def exhaustive_check(
             else:
                 blocks.append([i])
         for choice in itertools.product(*(itertools.permutations(b) for b in blocks)):
-            p = tuple(x for part in choice for x in part)
             perm = [0] * n
             for b, part in zip(blocks, choice):
                 for src, dst in zip(b, part):
                     perm[src] = dst
             if tuple(perm) != tuple(range(n)):
                 perms.append(tuple(perm))
+    # per permutation: where each position of the state goes, and memos of renamed ids
+    res.symmetry = bool(perms)
+    perm_pos = [
+        [p[i] for i in range(n)] + [L0 + p[i] for i in range(n)]
+        + [slot[(p[a], p[b])] for (a, b) in chan_index]
+        for p in perms
+    ]
+    sid_ren: List[Dict[int, int]] = [{} for _ in perms]
+    cid_ren: List[Dict[int, int]] = [{} for _ in perms]
 
-    def canonical(sids: Tuple[int, ...], left: Tuple[int, ...], waiting: int, chans: Chans) -> Any:
-        best = (sids, left, waiting, tuple(sorted(chans.items())))
-        for p in perms:
-            ns = [0] * n
-            nl = [0] * n
-            w = 0
-            for i in range(n):
-                ns[p[i]] = ls.rename(sids[i], p)
-                nl[p[i]] = left[i]
-                if (waiting >> i) & 1:
-                    w |= 1 << p[i]
-            ch = tuple(sorted(
-                ((p[a], p[b]), tuple(ls.rename_msg(m, p) for m in q)) for (a, b), q in chans.items()
-            ))
-            k = (tuple(ns), tuple(nl), w, ch)
-            if k < best:
-                best = k
+    def canonical(state: Tuple[int, ...]) -> Tuple[int, ...]:
+        """The smallest image of `state` under the in-group permutations (itself if none).
+
+        The node part (the first n entries) is compared first: an image whose node part is
+        already larger than the best one's cannot win, and its channels are not renamed."""
+        best = state
+        best_nodes = state[:n]
+        for pi, p in enumerate(perms):
+            pos, sr, cr = perm_pos[pi], sid_ren[pi], cid_ren[pi]
+            nodes_img = [0] * n
+            for k in range(n):
+                sid = state[k]
+                r = sr.get(sid)
+                if r is None:
+                    r = sr[sid] = ls.rename(sid, p)
+                nodes_img[p[k]] = r
+            t_nodes = tuple(nodes_img)
+            if t_nodes > best_nodes:
+                continue
+            img = nodes_img + [0] * (len(state) - n)
+            for k in range(n, C0):
+                img[pos[k]] = state[k]
+            for k in range(C0, len(state)):
+                cid = state[k]
+                if cid:
+                    r = cr.get(cid)
+                    if r is None:
+                        r = cr[cid] = intern_chan(tuple(ls.rename_msg(m, p) for m in chan_objs[cid]))
+                    img[pos[k]] = r
+            t = tuple(img)
+            if t < best:
+                best, best_nodes = t, t_nodes
         return best
 
+    def unwind(path: object) -> List[str]:
+        out: List[str] = []
+        while path is not None:
+            (i, code, mid), path = path  # type: ignore[misc]
+            out.append(f"request {i}" if code == _REQUEST else f"exit {i}" if code == _EXIT
+                       else f"deliver {code}->{i} {ls.msgs[mid]!r}")
+        return out[::-1]
+
+    def describe(state: Sequence[int]) -> str:
+        return ", ".join(f"{i}:{groups[i]}:{ls.objs[state[i]].state.name}" for i in range(n))
+
+    blake = hashlib.blake2b
+    ARR = "I"
+
+    exact: Set[bytes] = set()
+    digests = _DigestSet()
+
+    def add(t: Tuple[int, ...]) -> bool:
+        """Record a canonical state; True if it was new."""
+        b = array(ARR, t).tobytes()
+        if hash_states:
+            return digests.add(blake(b, digest_size=16).digest())
+        if b in exact:
+            return False
+        exact.add(b)
+        return True
+
+    start_state = tuple(ls.initial) + (requests,) * n + (0,) * nch
+    add(canonical(start_state))
+    stack: List[Tuple[Any, ...]] = [(start_state, None)]
+    res.states = 1
+    next_report = progress_every
+    KINDS = {_REQUEST: "request", _EXIT: "exit"}
+
     while stack:
-        sids, left, chans, waiting, path = stack.pop()
-        key = canonical(sids, left, waiting, chans) if perms else (
-            sids, left, waiting, tuple(sorted(chans.items())))
-        if key in visited:
-            continue
-        visited.add(key)
-        res.states += 1
-        if res.states > max_states:
-            raise RuntimeError(f"state space larger than {max_states} states")
-        mover = -1
-        any_event = False
-        mine: List[Tuple[str, int, int]] = []
+        state, path = stack.pop()
+        # enabled events per node: _REQUEST, _EXIT, or the sender whose channel head is delivered
+        ev_of: List[List[int]] = []
+        total = 0
         for i in range(n):
-            sid = sids[i]
-            ev: List[Tuple[str, int, int]] = []
-            if idle_of[sid] and left[i] > 0:
-                ev.append(("request", i, -1))
+            sid = state[i]
+            e: List[int] = []
+            if idle_of[sid] and state[L0 + i] > 0:
+                e.append(_REQUEST)
             elif in_cs_of[sid]:
-                ev.append(("exit", i, -1))
-            for c in inbound[i]:
-                if c in chans:
-                    ev.append(("deliver", c[0], i))
-            if ev:
-                any_event = True
-                if not (waiting >> i) & 1:
-                    mover, mine = i, ev
-                    break
-        if not any_event:
+                e.append(_EXIT)
+            for b, k in inbound[i]:
+                if state[k]:
+                    e.append(b)
+            ev_of.append(e)
+            total += len(e)
+        if total == 0:
             res.schedules += 1
-            if any(left) or not all(idle_of[sid] for sid in sids):
+            if any(state[L0:C0]) or not all(idle_of[state[i]] for i in range(n)):
                 res.deadlocks += 1
-                res.first_failure = f"deadlock or unserved request: {describe(sids)}"
+                res.first_failure = f"deadlock or unserved request: {describe(state)}"
                 res.trace = unwind(path)
                 return res
             continue
-        if mover < 0:
-            continue  # every node with a step chose to wait: this branch adds nothing
-        stack.append((sids, left, chans, waiting | (1 << mover), ("wait %d" % mover, path)))
-        for ev in mine:
-            kind, a, b = ev
-            nchans: Chans = dict(chans)
-            nleft = left
-            mid = -1
-            if kind == "request":
-                nl = list(left)
-                nl[mover] -= 1
-                nleft = tuple(nl)
-            elif kind == "deliver":
-                q = nchans[(a, b)]
-                if len(q) == 1:
-                    del nchans[(a, b)]
-                else:
-                    nchans[(a, b)] = q[1:]
-                mid = q[0]
-            try:
-                nsid, sends = ls.step(mover, sids[mover], kind, mid)
-            except Exception as exc:  # a core raising is a failure of the algorithm, not of us
-                res.protocol_errors += 1
-                res.first_failure = f"{type(exc).__name__}: {exc}"
-                res.trace = unwind((ev, path))
-                return res
-            nwait = waiting
-            for to, m in sends:
-                k2 = (mover, to)
-                nchans[k2] = nchans.get(k2, ()) + (m,)
-                nwait &= ~(1 << to)  # a new message wakes its receiver
-            nsids = sids[:mover] + (nsid,) + sids[mover + 1:]
-            if in_cs_of[nsid]:
-                in_cs = {groups[i] for i in range(n) if in_cs_of[nsids[i]]}
-                if len(in_cs) > 1:
-                    res.safety_violations += 1
-                    res.first_failure = f"two groups in the CS: {describe(nsids)}"
-                    res.trace = unwind((ev, path))
-                    return res
-            stack.append((nsids, nleft, nchans, nwait, (ev, path)))
+
+        def head(i: int, code: int) -> int:
+            if code < 0:
+                return -1
+            cid = state[slot[(code, i)]]
+            hp = pop_memo.get(cid)
+            if hp is None:
+                q = chan_objs[cid]
+                hp = pop_memo[cid] = (q[0], intern_chan(q[1:]))
+            return hp[0]
+
+        def step(i: int, code: int) -> Tuple[int, Tuple[Tuple[int, int], ...]]:
+            return ls.step(i, state[i], KINDS.get(code, "deliver"), head(i, code))
+
+        chosen: Optional[List[int]] = None  # nodes whose enabled events form T
+        try:
+            if reduction:
+                cands: List[Tuple[int, List[int]]] = []
+                seen_sets: Set[int] = set()
+                for i in range(n):
+                    if not ev_of[i]:
+                        continue
+                    mask, work = 1 << i, [i]
+                    while work:
+                        j = work.pop()
+                        for b, k in inbound[j]:
+                            if not (mask >> b) & 1 and not state[k]:
+                                mask |= 1 << b
+                                work.append(b)
+                    if mask in seen_sets:
+                        continue
+                    seen_sets.add(mask)
+                    members = [j for j in range(n) if (mask >> j) & 1]
+                    size = sum(len(ev_of[j]) for j in members)
+                    if size < total:
+                        cands.append((size, members))
+                cands.sort()
+                for _, members in cands:
+                    ok = True
+                    for j in members:
+                        if in_cs_of[state[j]]:
+                            ok = False  # exit() is visible
+                            break
+                        for code in ev_of[j]:
+                            if in_cs_of[step(j, code)[0]]:
+                                ok = False  # this step enters the CS: visible
+                                break
+                        if not ok:
+                            break
+                    if ok:
+                        chosen = members
+                        break
+                if chosen is None:
+                    res.full_expansions += 1
+            movers = chosen if chosen is not None else range(n)
+            if chosen is not None:
+                # the steps left out are computed too (memoized, cheap): their acyclicity and
+                # communication-graph checks run, and a step that raises is a reachable error
+                for i in range(n):
+                    if i not in chosen:
+                        for code in ev_of[i]:
+                            step(i, code)
+            for i in movers:
+                for code in ev_of[i]:
+                    res.transitions += 1
+                    mid = head(i, code)
+                    nsid, sends = step(i, code)
+                    nxt = list(state)
+                    nxt[i] = nsid
+                    if code == _REQUEST:
+                        nxt[L0 + i] -= 1
+                    elif code >= 0:
+                        k = slot[(code, i)]
+                        nxt[k] = pop_memo[nxt[k]][1]
+                    for to, m in sends:
+                        k = out_slot[i][to]
+                        c = nxt[k]
+                        c2 = push_memo.get((c, m))
+                        if c2 is None:
+                            c2 = push_memo[(c, m)] = intern_chan(chan_objs[c] + (m,))
+                        nxt[k] = c2
+                    if in_cs_of[nsid] and len({groups[j] for j in range(n) if in_cs_of[nxt[j]]}) > 1:
+                        res.safety_violations += 1
+                        res.first_failure = f"two groups in the CS: {describe(nxt)}"
+                        res.trace = unwind(((i, code, mid), path))
+                        return res
+                    t = tuple(nxt)
+                    if not add(canonical(t) if perms else t):
+                        continue
+                    res.states += 1
+                    if res.states > max_states:
+                        raise RuntimeError(f"state space larger than {max_states} states")
+                    stack.append((t, ((i, code, mid), path)))
+        except _CoreError as err:  # a core raising is a failure of the algorithm, not of us
+            exc = err.__cause__
+            res.protocol_errors += 1
+            res.first_failure = f"{type(exc).__name__}: {exc}"
+            res.trace = unwind(path)
+            return res
+        if progress is not None and res.states >= next_report:
+            next_report += progress_every
+            res.local_states = len(ls.objs)
+            progress(res)
+    if hash_states:
+        res.collision_bound = res.states * res.states / 2.0 ** 128
+    res.local_states = len(ls.objs)
     return res
 
 
