@@ -232,17 +232,29 @@ class Nemesis:
         return getattr(self, kind.replace("-", "_"))(target)
 
     def kill_worker(self, target: Optional[str]) -> Tuple[str, Dict[str, Any]]:
-        active = _active_instances(self.mon)
-        if target is None:
-            target = self.rng.choice(sorted(active))
-        elif target.startswith("~"):  # a copy (not the keeper) of this operator
-            copies = sorted(i for i, e in active.items() if e.get("operator") == target[1:] and not e.get("keeper"))
-            if not copies:
-                raise RuntimeError(f"kill-worker {target}: no active copy of {target[1:]} to kill")
-            target = copies[0]
-        pid = int(active[target]["pid"])
-        os.kill(pid, signal.SIGKILL)
-        return target, {"pid": pid, "node": active[target]["node"]}
+        for attempt in range(3):
+            active = _active_instances(self.mon)
+            chosen = target
+            if target is None:
+                chosen = self.rng.choice(sorted(active))
+            elif target.startswith("~"):  # a copy (not the keeper) of this operator
+                copies = sorted(i for i, e in active.items() if e.get("operator") == target[1:] and not e.get("keeper"))
+                if not copies:
+                    raise RuntimeError(f"kill-worker {target}: no active copy of {target[1:]} to kill")
+                chosen = copies[0]
+            assert chosen is not None
+            pid = int(active[chosen]["pid"])
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                # The retained state lags by up to a state period: the instance just terminated
+                # (scaled in). A drawn target is drawn again; a named one is an error.
+                if target is not None and not target.startswith("~") or attempt == 2:
+                    raise
+                time.sleep(1.0)
+                continue
+            return chosen, {"pid": pid, "node": active[chosen]["node"]}
+        raise AssertionError("unreachable")
 
     def kill_agent(self, target: Optional[str]) -> Tuple[str, Dict[str, Any]]:
         node = target or self.rng.choice(list(self.cfg.nodes))
