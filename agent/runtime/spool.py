@@ -214,7 +214,42 @@ def list_closed(closed_dir: Path) -> List[ClosedFile]:
     return sorted(out, key=lambda f: f.seq)
 
 
-class Spool:
+def _dir_bytes(path: Path) -> int:
+    """Bytes of the files in a directory (one released meanwhile by another process: skipped)."""
+    total = 0
+    for p in path.iterdir():
+        try:
+            total += p.stat().st_size
+        except FileNotFoundError:
+            continue
+    return total
+
+
+class _SpoolEvents:
+    """What both spools share: their events (kept in `events`, passed to `on_event`) and the
+    listing of `closed/`. The subclass sets node, events, on_event and closed_dir."""
+
+    node: str
+    events: List[SpoolEvent]
+    on_event: Optional[Callable[[SpoolEvent], None]]
+    closed_dir: Path
+
+    def closed_files(self) -> List[ClosedFile]:
+        """Files ready to ship, oldest first (the daemon's shipper uses `SpoolDirs` instead)."""
+        return list_closed(self.closed_dir)
+
+    def _event(self, name: str, now: float, **detail: Any) -> SpoolEvent:
+        ev = SpoolEvent(name, now, self.node, dict(detail))
+        self.events.append(ev)
+        return ev
+
+    def _emit(self, events: List[SpoolEvent]) -> None:
+        if self.on_event is not None:
+            for ev in events:
+                self.on_event(ev)
+
+
+class Spool(_SpoolEvents):
     """Append-only, rotated, capped spool of JSON records (thread-safe: a sink and a shipper).
 
     Typical use from a sink:
@@ -474,10 +509,6 @@ class Spool:
             self._thread.join()
             self._thread = None
 
-    def closed_files(self) -> List[ClosedFile]:
-        """Files ready to ship, oldest first (by sequence number)."""
-        return list_closed(self.closed_dir)
-
     def release(self, f: Union[ClosedFile, Path]) -> None:
         """The centre has this file: delete it and free its bytes (may end back pressure)."""
         path = f.path if isinstance(f, ClosedFile) else Path(f)
@@ -510,12 +541,7 @@ class Spool:
 
     def _refresh_closed(self) -> None:
         """Recount closed/ from the directory: files another process released free their bytes."""
-        total = 0
-        for p in self.closed_dir.iterdir():
-            try:
-                total += p.stat().st_size
-            except FileNotFoundError:
-                continue
+        total = _dir_bytes(self.closed_dir)
         with self._count_lock:
             self._closed_bytes = total
 
@@ -542,16 +568,6 @@ class Spool:
             self._closed_bytes += size
         self.stats["files_closed"] += 1
         return self._event("file_closed", now, file=dest.name, kind=kind, records=f.records, bytes=size)
-
-    def _event(self, name: str, now: float, **detail: Any) -> SpoolEvent:
-        ev = SpoolEvent(name, now, self.node, dict(detail))
-        self.events.append(ev)
-        return ev
-
-    def _emit(self, events: List[SpoolEvent]) -> None:
-        if self.on_event is not None:
-            for ev in events:
-                self.on_event(ev)
 
     def _recover(self) -> None:
         """Start-up: count closed bytes, continue the sequence, salvage files a crash left open."""
@@ -697,7 +713,7 @@ def _write_all(fd: int, data: bytes) -> None:
         n = os.write(fd, data)
 
 
-class BatchSpool:
+class BatchSpool(_SpoolEvents):
     """The spool of a counting sink: a line is in the OS file when `append_line` returns, so the
     caller may record its ids and ack right after, with no thread hand-off and no wait.
 
@@ -857,10 +873,6 @@ class BatchSpool:
             self._work.notify_all()
         self._thread.join()
 
-    def closed_files(self) -> List[ClosedFile]:
-        """Files ready to ship, oldest first (the daemon's shipper uses `SpoolDirs` instead)."""
-        return list_closed(self.closed_dir)
-
     def release(self, f: Union[ClosedFile, Path]) -> None:
         """The centre has this file: delete it (another process may do this instead)."""
         path = f.path if isinstance(f, ClosedFile) else Path(f)
@@ -897,13 +909,7 @@ class BatchSpool:
         """Recount closed/ (another process releases files); under _count_lock, so that the
         compressor's rename + count is atomic to it."""
         with self._count_lock:
-            total = 0
-            for p in self.closed_dir.iterdir():
-                try:
-                    total += p.stat().st_size
-                except FileNotFoundError:
-                    continue
-            self._closed_bytes = total
+            self._closed_bytes = _dir_bytes(self.closed_dir)
 
     def _open_file(self, kind: str, now: float) -> _RawFile:
         self._seq += 1
@@ -973,16 +979,6 @@ class BatchSpool:
         self.stats["files_closed"] += 1
         self._emit([self._event("file_closed", self.clock(), file=gz_name, kind=parse_name(gz_name)["kind"],
                                 records=records, bytes=size)])
-
-    def _event(self, name: str, now: float, **detail: Any) -> SpoolEvent:
-        ev = SpoolEvent(name, now, self.node, dict(detail))
-        self.events.append(ev)
-        return ev
-
-    def _emit(self, events: List[SpoolEvent]) -> None:
-        if self.on_event is not None:
-            for ev in events:
-                self.on_event(ev)
 
     def _recover(self) -> None:
         """Start-up: continue the sequence; keep the complete lines of what a crash left in
