@@ -163,3 +163,31 @@ def test_cancelled_guarded_round_releases_its_locks():
     released = b.cancel_duplication(created=())
     assert b.lock_state is GmeState.IDLE and not b.in_round
     assert [type(o.message.inner).__name__ for o in released] == ["End"]
+
+
+def test_guarded_adoption_runs_inside_the_locks_and_survives_a_restart():
+    """coordination = "fgme": adopting an orphaned copy is a round like any other, so it waits
+    for the neighbours' lock; the intent (and which copy) survives a worker restart; once in the
+    CS the round announces the copy (no CreateInstance) and releases the lock after Start."""
+    import json
+
+    from agent.policy.decentralized import ScalingParams
+    from agent.protocol.scaling import CreateInstance, Send
+
+    sysm = build_guarded([1, 1], [])
+    a, b = sysm.cores["s0i0"], sysm.cores["s1i0"]
+    outs = b.adopt("s1-orphan")
+    assert b.lock_state is GmeState.REQUESTING and not b.in_round and b.adopting == "s1-orphan"
+    b = GuardedCore.restore(json.loads(json.dumps(b.snapshot())), ScalingParams())
+    assert b.adopting == "s1-orphan" and b.lock_state is GmeState.REQUESTING
+    (ack,) = a.handle(outs[0].message)
+    outs = b.handle(ack.message)
+    assert b.in_round and b.lock_state is GmeState.IN_CS and b.adopting is None
+    assert not [o for o in outs if isinstance(o, CreateInstance)]
+    (dup,) = [o for o in outs if isinstance(o, Send) and o.message.type == "duplication"]
+    assert dup.dest == "s0i0" and dup.message.new_instances == ("s1-orphan",)
+    dup_outs = a.handle(dup.message)
+    (dup_ack,) = [o for o in dup_outs if isinstance(o, Send) and o.message.type == "duplication_ack"]
+    done = b.handle(dup_ack.message)
+    assert [o.dest for o in done if isinstance(o, Send) and o.message.type == "start"] == ["s1-orphan"]
+    assert b.lock_state is GmeState.IDLE and not b.in_round

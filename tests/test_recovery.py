@@ -337,11 +337,123 @@ def test_an_idle_copy_asks_its_creator_for_start_again_and_only_its_creator_answ
         creator.step(clock[0])
         return [decode(p) for t, p in keeper_wire.sent[before:] if t == to_copy]
 
-    assert ping_creator(1) == []  # a copy it never started: no Start
+    probe = ping_creator(1)  # a copy it never started: no Start, a probe (see the adoption test below)
+    assert [e.body["type"] for e in probe] == ["probe"]
     creator.scaling.started.append("work-x")
     sent = ping_creator(2)
     assert len(sent) == 1 and sent[0].kind is Kind.PROTO and sent[0].body["type"] == "start", sent
     assert sent[0].body["succs"] == ["sink-0"] and sent[0].body["preds"] == ["source-0"]
-    copy_wire.events.append(Received(to_copy, encode(sent[0])))
+    copy_wire.events.extend(Received(to_copy, encode(e)) for e in probe + sent)
     copy.step(clock[0])
     assert copy.scaling.core.is_active and copy.router.succs == ("sink-0",)  # started at last
+
+
+def test_a_creator_adopts_an_idle_copy_of_its_earlier_incarnation_only_after_it_echoed_a_probe(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A node lost in the middle of a duplication round (re-homing): the creator comes back
+    elsewhere from rebuilt tables and knows nothing of the round; its copy, on another node,
+    never got its Start while neighbours may already route records to it. The copy's idle ping
+    reaches the new incarnation, which probes it; only an echo of that probe (sent while the copy
+    is idle) makes it announce the copy again to every neighbour (a Duplication, no spawn) and
+    start it once they acked. A wrong echo, or a probe reaching a copy that is active, adopts
+    nothing."""
+    import dataclasses
+    import os
+
+    from agent import topics
+    from agent.protocol.messages import DuplicationAck
+    from agent.runtime.dataplane_bench import initial_specs, pipeline_toml
+    from agent.runtime.envelope import Envelope, Kind, decode, encode
+    from agent.runtime.spec import BrokerSpec
+    from agent.runtime.transport import Received
+    from agent.runtime.worker import IDLE_PING, Worker
+
+    toml = pipeline_toml("p", [
+        {"name": "source", "kind": "source", "function": "agent.runtime.taxi:mqtt_source",
+         "params": {"topic": "sensors/#"}},
+        {"name": "work", "function": "agent.runtime.operators:validate"},
+        {"name": "sink", "kind": "sink", "function": "agent.runtime.operators:counting_sink"},
+    ], scaling={"policy": "decentralized"})
+    keeper = [s for s in initial_specs(toml, BrokerSpec("127.0.0.1", 1), str(tmp_path / "state"), cluster="c",
+                                       extra={"sink_dir": str(tmp_path / "sink")}) if s.operator == "work"][0]
+    copy_spec = dataclasses.replace(keeper, instance="work-x", keeper=False, active=False, succs=(), preds=(),
+                                    extra={**keeper.extra, "creator": "work-0"})
+    clock = [100.0]
+    copy_wire, keeper_wire = _Wire(), _Wire()
+    copy = Worker(copy_spec, out=open(os.devnull, "w"), clock=lambda: clock[0], transport=copy_wire)  # noqa: SIM115
+    copy.start()
+    creator = Worker(keeper, out=open(os.devnull, "w"), clock=lambda: clock[0], transport=keeper_wire)  # noqa: SIM115
+    creator.start()
+    to_copy, to_creator = topics.inbox("c", "work-x"), topics.inbox("c", "work-0")
+    seen = {"copy": 0, "creator": 0}
+
+    def carry(wire, worker, topic, key):  # type: ignore[no-untyped-def]
+        """Deliver what `wire` published to `topic` since the last call to `worker`; return it."""
+        got = [p for t, p in wire.sent if t == topic]
+        new, seen[key] = got[seen[key]:], len(got)
+        for p in new:
+            worker.transport.events.append(Received(topic, p))
+        clock[0] += 0.1
+        worker.step(clock[0])
+        return [decode(p) for p in new]
+
+    clock[0] += IDLE_PING + 0.5
+    copy.step(clock[0])
+    assert [list(e.body) for e in carry(copy_wire, creator, to_creator, "creator")] == [[0, 0]]  # idle ping
+    probe = [decode(p) for t, p in keeper_wire.sent if t == to_copy]
+    assert [e.body["type"] for e in probe] == ["probe"], probe
+    n = probe[0].body["n"]
+
+    inboxes = {topics.inbox("c", i) for i in ("source-0", "work-0", "work-x", "sink-0")}
+
+    def protos(wire, topic=None):  # type: ignore[no-untyped-def]
+        """The protocol messages `wire` published (to `topic`), in order, with their topics."""
+        return [(t, e.body) for t, e in ((t, decode(p)) for t, p in wire.sent if t in inboxes)
+                if e.kind is Kind.PROTO and (topic is None or t == topic)]
+
+    def echo(seq: int, n_: int) -> None:
+        body = {"type": "probe_echo", "sender": "work-x", "n": n_}
+        keeper_wire.events.append(Received(to_creator, encode(Envelope("work-x", copy.epoch, seq, Kind.PROTO, body))))
+        clock[0] += 0.1
+        creator.step(clock[0])
+
+    echo(2, n + 1)  # a wrong echo adopts nothing
+    assert list(creator.scaling.orphans) == [] and creator.scaling.core.state.value == "active"
+    assert not [b for _, b in protos(keeper_wire) if b["type"] == "duplication"]
+
+    # the copy (idle) echoes the probe; then the creator announces it to both neighbours, spawns nothing
+    carry(keeper_wire, copy, to_copy, "copy")
+    assert [(b["type"], b["n"]) for _, b in protos(copy_wire, to_creator)] == [("probe_echo", n)]
+    echo(3, n)
+    dup = [(t, b) for t, b in protos(keeper_wire) if b["type"] == "duplication"]
+    assert sorted(t for t, _ in dup) == sorted([topics.inbox("c", "source-0"), topics.inbox("c", "sink-0")]), dup
+    assert all(b["new_instances"] == ["work-x"] for _, b in dup), dup
+    assert creator.scaling.counts["spawns"] == 0 and creator.scaling.counts["adopted"] == 1
+    rnd = dup[0][1]["round"]
+    for seq_, peer, stage in ((1, "source-0", 0), (1, "sink-0", 2)):
+        ack = DuplicationAck.trusted(sender=peer, stage=stage, round=rnd)
+        keeper_wire.events.append(Received(to_creator, encode(Envelope(peer, 0, seq_, Kind.PROTO, ack.to_dict()))))
+    clock[0] += 0.1
+    creator.step(clock[0])
+    start = [b for _, b in protos(keeper_wire, to_copy) if b["type"] == "start"]
+    assert len(start) == 1 and start[0]["succs"] == ["sink-0"] and start[0]["preds"] == ["source-0"], start
+    carry(keeper_wire, copy, to_copy, "copy")
+    assert copy.scaling.core.is_active and copy.router.succs == ("sink-0",)
+
+    # once active, the copy echoes no probe: a late ping cannot make the creator adopt it twice
+    creator.scaling.started.clear()
+    keeper_wire.events.append(Received(to_creator, encode(Envelope("work-x", copy.epoch, 4, Kind.ACK, [0, 0]))))
+    creator.step(clock[0])
+    carry(keeper_wire, copy, to_copy, "copy")
+    assert len(protos(keeper_wire, to_copy)) == 3  # probe, start, a second probe
+    assert len(protos(copy_wire, to_creator)) == 1  # the first echo only
+    assert creator.scaling.counts["adopted"] == 1
+
+    # hostile probes and echoes: counted as protocol errors, nothing else happens
+    errors = creator.stats["protocol_errors"]
+    bad = [{"type": "probe_echo", "sender": "work-x", "n": v} for v in ("1", True, 0, -3, None, 1.0)]
+    bad += [{"type": "probe_echo", "sender": "work-y", "n": n}, {"type": "probe", "n": n}]
+    for k, body in enumerate(bad):
+        keeper_wire.events.append(Received(to_creator, encode(Envelope("work-x", copy.epoch, 5 + k, Kind.PROTO, body))))
+    creator.step(clock[0])
+    assert creator.stats["protocol_errors"] == errors + len(bad)
+    assert creator.scaling.counts["adopted"] == 1 and list(creator.scaling.orphans) == []

@@ -247,3 +247,30 @@ def test_r_secure_never_leaves_capacity_exceeded():
         assert r_secure(500.0, load) <= 1.0
     plain = decide(P, 550.0, False, 0.99)  # p = 0.571: without the guarantee, no copy this time
     assert plain.action is Action.NONE
+
+
+def test_adopt_announces_an_existing_copy_without_creating_it_and_starts_it_after_the_acks():
+    """Re-homing: a creator that lost the round its copy belongs to announces that copy again
+    (no CreateInstance); a neighbour that already routes to it acks without a route change, one
+    that did not know it adds it; Start follows the last ack, with the creator's tables."""
+    core = ScalingCore.initial("b0", "b", 1, P, succs=("c0",), preds=("a0",), keeper=True)
+    outs = core.adopt("b-old")
+    assert not [o for o in outs if isinstance(o, CreateInstance)]
+    assert [(o.dest, o.message) for o in outs] == [
+        (d, Duplication("b0", 1, 1, ("b-old",))) for d in ("c0", "a0")]
+    assert core.state is InstanceState.DUPLICATING and core.pending == {"a0", "c0"}
+    knows = ScalingCore.initial("a0", "a", 0, P, succs=("b0", "b-old"))
+    (ack_a,) = knows.handle(outs[1].message)  # already routes to it: just the ack
+    new = ScalingCore.initial("c0", "c", 2, P, preds=("b0",))
+    changed, ack_c = new.handle(outs[0].message)
+    assert isinstance(changed, RoutesChanged) and changed.preds == ("b-old", "b0")
+    assert core.handle(ack_a.message) == []
+    (start,) = core.handle(ack_c.message)
+    assert start == Send("b-old", Start("b0", 1, ("c0",), ("a0",))) and core.state is InstanceState.ACTIVE
+    copy = ScalingCore.from_create(CreateInstance("b-old", "b", 1, "b0"), P)
+    assert copy.handle(start.message) == [Activate(("c0",), ("a0",))]
+    with pytest.raises(LocalProtocolError):
+        core.adopt("b0")
+    core.start_duplication(1)
+    with pytest.raises(LocalProtocolError):  # one round at a time, as any round
+        core.adopt("b-other")

@@ -268,6 +268,7 @@ class GuardedCore(ScalingCore):
             s: MemberFgmeNode(self.instance_id, lower=True),
         }
         self.intent: Optional[Decision] = None
+        self.adopting: Optional[str] = None  # the intent adopts this copy (ScalingCore.adopt)
         self.holding: Tuple[int, ...] = ()  # boundaries whose CS we are in, in acquisition order
         self.guarded_round = False  # a round we started under the locks is running
         if self.state is not InstanceState.IDLE:
@@ -292,15 +293,25 @@ class GuardedCore(ScalingCore):
         self.intent = decision
         return self._acquire_next()
 
+    def adopt(self, copy_id: str) -> List[Output]:
+        """Inside the locks like any other round: a duplication of one, of this existing copy."""
+        if self.intent is not None:
+            return []
+        self._require_idle_active("adopt a copy")
+        self.intent = Decision(Action.DUPLICATE, 1)
+        self.adopting = copy_id
+        return self._acquire_next()
+
     def _acquire_next(self) -> List[Output]:
         for b in self._needed():
             if b not in self.holding:
                 return self._lock_out(b, self.locks[b].request())
         # every lock held: run the round now
         decision, self.intent = self.intent, None
+        copy_id, self.adopting = self.adopting, None
         assert decision is not None
         self.guarded_round = True
-        out = list(ScalingCore.start_round(self, decision))
+        out = list(ScalingCore.adopt(self, copy_id) if copy_id else ScalingCore.start_round(self, decision))
         out += self._after_core()
         return out
 
@@ -386,7 +397,7 @@ class GuardedCore(ScalingCore):
         intent = self.intent
         data["fgme"] = {
             "intent": None if intent is None else [intent.action.value, intent.count, intent.factor],
-            "holding": list(self.holding), "guarded_round": self.guarded_round,
+            "adopting": self.adopting, "holding": list(self.holding), "guarded_round": self.guarded_round,
             "locks": {str(b): n.dump() for b, n in sorted(self.locks.items())},
         }
         return data
@@ -405,6 +416,7 @@ class GuardedCore(ScalingCore):
 
             it = g["intent"]
             core.intent = None if it is None else Decision(Action(it[0]), int(it[1]), float(it[2]))
+            core.adopting = None if g.get("adopting") is None else str(g["adopting"])
             core.holding = tuple(int(b) for b in g["holding"])
             core.guarded_round = bool(g["guarded_round"])
             core.locks = {int(b): MemberFgmeNode.load(core.instance_id, d) for b, d in g["locks"].items()}
@@ -428,7 +440,7 @@ class GuardedCore(ScalingCore):
 
     def key(self) -> Tuple[Any, ...]:
         return super().key() + (
-            self.intent, self.holding, self.guarded_round,
+            self.intent, self.adopting, self.holding, self.guarded_round,
             tuple((b, n.snapshot()) for b, n in sorted(self.locks.items())),
         )
 

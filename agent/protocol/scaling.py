@@ -16,6 +16,7 @@ API
     decision = core.decide(load, draw)                  # seam for lock-guarded scaling (2-FGME):
     outs = core.start_round(decision)                   #   decide now, start the round later
     outs = core.cancel_duplication(created=())          # createNode() failed: withdraw the round
+    outs = core.adopt(copy_id)                          # start an orphaned idle copy (re-homing)
 
 `handle` and `tick` return a list of outputs, in the order they must be performed:
 
@@ -275,8 +276,11 @@ class ScalingCore:
             return self.start_duplication(decision.count, new_ids)
         return self.start_deletion()
 
-    def start_duplication(self, count: int, new_ids: Optional[Sequence[str]] = None) -> List[Output]:
-        """Algorithm 4: create `count` idle siblings and announce them to every neighbour."""
+    def start_duplication(
+        self, count: int, new_ids: Optional[Sequence[str]] = None, *, create: bool = True
+    ) -> List[Output]:
+        """Algorithm 4: create `count` idle siblings and announce them to every neighbour
+        (`create=False`: the siblings exist already, see `adopt`)."""
         self._require_idle_active("start a duplication")
         if count < 1:
             raise LocalProtocolError(f"a duplication creates at least one instance, asked for {count}")
@@ -286,7 +290,9 @@ class ScalingCore:
             raise LocalProtocolError(f"new_ids: expected {count} distinct new ids, found {ids!r}")
         self.round = rnd
         self.new_siblings = ids
-        out: List[Output] = [CreateInstance(i, self.operator, self.stage, self.instance_id) for i in ids]
+        out: List[Output] = []
+        if create:
+            out = [CreateInstance(i, self.operator, self.stage, self.instance_id) for i in ids]
         msg = Duplication(self.instance_id, self.stage, rnd, ids)
         targets = sorted(self.succs) + sorted(self.preds)
         out.extend(Send(t, msg) for t in targets)
@@ -295,6 +301,24 @@ class ScalingCore:
         if not self.pending:
             out.extend(self._finish_duplication())
         return out
+
+    def adopt(self, copy_id: str) -> List[Output]:
+        """A duplication round for a copy that exists, idle, and that no round of ours will start.
+
+        Why: an instance re-homed after its node died (docs/reliability.md) restarts from rebuilt
+        tables and knows nothing of the round its earlier incarnation was in. The copy that round
+        created waits for a Start that only we may send, while the neighbours that applied the
+        Duplication route records to it, so those records would never be processed. Announcing
+        the copy again is idempotent for those neighbours (`_on_duplication` acks an instance it
+        knows without a change) and adds it for the others; then Start activates it with our
+        tables: the end of Algorithm 4, same message cost as a duplication of one copy.
+
+        Safe only for a copy known to be idle now and created by an earlier incarnation of ours:
+        the driver adopts a copy only after it answered a probe sent by this incarnation
+        (agent.runtime.worker), so no earlier Start can still reach it and it cannot have left."""
+        if copy_id == self.instance_id:
+            raise LocalProtocolError(f"{self.instance_id} cannot adopt itself")
+        return self.start_duplication(1, (copy_id,), create=False)
 
     def cancel_duplication(self, created: Sequence[str] = ()) -> List[Output]:
         """Withdraw the current duplication round, or shrink it to the copies that exist.

@@ -81,8 +81,11 @@ LINK_SILENCE_MAX = 600.0  # the wait doubles after each replay that brought no a
 SILENCE_CHECK = 1.0  # seconds between the two checks above
 # A new copy still idle this long after it started asks its creator for Start again (doubling):
 # Start is the one protocol message nobody acks, so a broker that lost it would leave the copy
-# idle for ever with batches routed to it.
+# idle for ever with batches routed to it. The same ping reaches a creator re-homed after its node
+# died in the middle of the round: that one adopts the copy (see `_ScalingDriver.on_idle_ping`).
 IDLE_PING = 10.0
+IDLE_PING_MAX = 40.0
+PROBE, PROBE_ECHO = "probe", "probe_echo"  # see _ScalingDriver.on_probe
 
 
 class Worker:
@@ -438,9 +441,8 @@ class Worker:
         self.stats["acks_in"] += 1
         link = self.links.get(env.sender)
         epoch, upto = env.body
-        if self.scaling is not None and list(env.body) == [0, 0] and env.sender in self.scaling.started:
-            self.scaling.start_again(env.sender)  # a copy we started says it is still idle
-            return
+        if self.scaling is not None and list(env.body) == [0, 0] and self.scaling.on_idle_ping(env.sender):
+            return  # an idle copy asks for its Start
         if epoch != self.epoch:
             self.stats["stale_acks"] = self.stats.get("stale_acks", 0) + 1  # for a dead incarnation
             return
@@ -1023,8 +1025,11 @@ class _ScalingDriver:
         self._spawn_errors: List[str] = []
         self.round_created: List[str] = []  # copies of the current round whose create succeeded
         self.started: Deque[str] = deque(maxlen=256)  # copies this instance sent Start (see start_again)
-        self._idle_since = worker.clock()
+        self._next_ping = worker.clock() + IDLE_PING
         self._idle_pings = 0
+        self.probes: Dict[str, int] = {}  # copy -> number of the probe we sent it (on_idle_ping)
+        self._probe_seq = 0
+        self.orphans: Deque[str] = deque()  # idle copies nobody will start: we adopt them (_maybe_adopt)
         self.memory = RoundMemory(saved.get("rounds_applied") if spec.restart else None)
         self._round_clock: Dict[str, float] = {}  # neighbour -> last sent to / heard from
         if spec.restart and saved.get("scaling"):
@@ -1141,6 +1146,9 @@ class _ScalingDriver:
         from agent.protocol.guarded import LockMessage
 
         stats = self.w.stats
+        if isinstance(env.body, dict) and env.body.get("type") in (PROBE, PROBE_ECHO):
+            self.on_probe(env)
+            return
         is_lock = isinstance(env.body, dict) and env.body.get("type") == LockMessage.type
         if is_lock:
             stats["lock_in"] = stats.get("lock_in", 0) + 1
@@ -1213,6 +1221,7 @@ class _ScalingDriver:
 
     def maybe_tick(self, now: float) -> None:
         self._run_forced(now)
+        self._maybe_adopt()
         self.resend_silent(now)
         if now < self.next_tick:
             return
@@ -1306,18 +1315,84 @@ class _ScalingDriver:
 
     def ping_if_idle(self, now: float) -> None:
         """An idle copy (created, not started) asks its creator for Start again: an ack of
-        nothing, every IDLE_PING s doubling (the creator answers only for a copy it started)."""
+        nothing ([0, 0]) after IDLE_PING s, then at doubling intervals up to IDLE_PING_MAX."""
         from agent.protocol.scaling import InstanceState
 
-        if self.core.state is not InstanceState.IDLE or not self.core.creator:
+        if self.core.state is not InstanceState.IDLE or not self.core.creator or now < self._next_ping:
             return
-        if now - self._idle_since < IDLE_PING * (2 ** self._idle_pings - 1) + IDLE_PING:
-            return
+        self._next_ping = now + min(IDLE_PING * 2 ** self._idle_pings, IDLE_PING_MAX)
         self._idle_pings += 1
         self.counts["start_requests"] = self.counts.get("start_requests", 0) + 1
-        log.warning("still idle %.0fs after creation: asking %s for Start again", now - self._idle_since,
-                    self.core.creator, extra=self.w.ctx)
+        log.warning("still idle after creation: asking %s for Start again", self.core.creator, extra=self.w.ctx)
         self.w.send_envelope(self.core.creator, Kind.ACK, [0, 0])
+
+    def on_idle_ping(self, sender: str) -> bool:
+        """An ack of nothing ([0, 0]) from `sender`: True if it was a copy's idle ping for us.
+
+        From a copy we started: its Start was lost, send it again. From a copy of our current
+        round: that round will start it. From a neighbour: a new incarnation of it asking for
+        replays, not ours to answer (False). From any other instance: it may be a copy created by
+        an earlier incarnation of ours, lost with its node (re-homing) in the middle of the
+        round; nobody else may start it and records may already be routed to it, so we probe it
+        and adopt it if it echoes the probe (`on_probe`)."""
+        from agent.protocol.scaling import InstanceState
+
+        core = self.core
+        if sender in self.started:
+            self.start_again(sender)
+            return True
+        if (sender in core.succs or sender in core.preds or sender in core.new_siblings
+                or sender in self.orphans or core.state is InstanceState.IDLE or core.terminated):
+            return sender in core.new_siblings
+        self._probe_seq += 1
+        self.probes[sender] = self._probe_seq
+        self.counts["probes"] = self.counts.get("probes", 0) + 1
+        log.warning("%s is idle and not a copy of this incarnation: probing it", sender, extra=self.w.ctx)
+        self.w.send_envelope(sender, Kind.PROTO, {"type": PROBE, "sender": self.core.instance_id, "n": self._probe_seq})
+        return True
+
+    def on_probe(self, env: Envelope) -> None:
+        """A creator's probe to a copy, or the copy's echo of it (both outside the paper's cost).
+
+        The copy echoes only while idle and only to its creator. The echo leaves the copy after
+        every message an earlier incarnation of the creator sent it (one FIFO channel; a late one
+        of an older epoch is dropped by the receive path), so no Start of that incarnation can
+        still activate it, and an idle copy never leaves: adopting it cannot bring back an
+        instance that has left its neighbours' tables."""
+        from agent.protocol.scaling import InstanceState
+
+        body = env.body
+        n = body.get("n")
+        if type(n) is not int or n < 1 or body.get("sender") != env.sender:
+            self.w.stats["protocol_errors"] += 1
+            if env.sender not in self._errors_logged:
+                self._errors_logged.add(env.sender)
+                log.warning("bad %s from %s ignored", body.get("type"), env.sender, extra=self.w.ctx)
+            return
+        core = self.core
+        if body["type"] == PROBE:
+            if core.state is InstanceState.IDLE and env.sender == core.creator:
+                self.w.send_envelope(env.sender, Kind.PROTO, {"type": PROBE_ECHO, "sender": core.instance_id, "n": n})
+        elif self.probes.get(env.sender) == n:
+            del self.probes[env.sender]
+            if env.sender not in self.started and env.sender not in self.orphans:
+                self.orphans.append(env.sender)
+
+    def _maybe_adopt(self) -> None:
+        """Start an orphaned copy (on_probe) when we are free to start a round."""
+        from agent.protocol.scaling import InstanceState
+
+        if (not self.orphans or self.outputs or self.w._stopping or self.lock_pending
+                or self.core.state is not InstanceState.ACTIVE):
+            return
+        copy_id = self.orphans.popleft()
+        self.round_created = []
+        outs = self.core.adopt(copy_id)
+        self._observe(outs)
+        self.counts["adopted"] = self.counts.get("adopted", 0) + 1
+        log.warning("adopting %s, an idle copy of an earlier incarnation: announcing it again", copy_id,
+                    extra=self.w.ctx)
+        self._queue(outs)
 
     def start_again(self, copy: str) -> None:
         """Send Start again to a copy we started that says it is still idle (its Start was lost
