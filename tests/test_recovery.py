@@ -277,21 +277,15 @@ def test_an_instance_restarted_after_its_termination_exits_for_good(tmp_path) ->
     assert again._exit is not None and again._exit[2] is True, again._exit  # final
 
 
-def test_an_idle_copy_asks_its_creator_for_start_again_and_only_its_creator_answers(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """Start is the one protocol message nobody acks: a broker that loses it (killed between two
-    autosaves, with the copy's new session) would leave the copy idle for ever, with batches
-    routed to it. The copy asks again (an ack of nothing to its creator) after IDLE_PING, then
-    at doubling intervals; a creator answers with Start and its current tables, but only for a
-    copy it has started (the round is over: Start never goes out before the neighbours acked)."""
+def _creator_and_idle_copy(tmp_path):  # type: ignore[no-untyped-def]
+    """source -> work -> sink on in-memory wires, a clock: the keeper work-0 and its idle copy
+    work-x (created, never started), both started. Returns (clock, copy, its wire, creator, its wire)."""
     import dataclasses
     import os
 
-    from agent import topics
     from agent.runtime.dataplane_bench import initial_specs, pipeline_toml
-    from agent.runtime.envelope import Envelope, Kind, decode, encode
     from agent.runtime.spec import BrokerSpec
-    from agent.runtime.transport import Received
-    from agent.runtime.worker import IDLE_PING, Worker
+    from agent.runtime.worker import Worker
 
     toml = pipeline_toml("p", [
         {"name": "source", "kind": "source", "function": "agent.runtime.taxi:mqtt_source",
@@ -309,6 +303,21 @@ def test_an_idle_copy_asks_its_creator_for_start_again_and_only_its_creator_answ
     copy.start()
     creator = Worker(keeper, out=open(os.devnull, "w"), clock=lambda: clock[0], transport=keeper_wire)  # noqa: SIM115
     creator.start()
+    return clock, copy, copy_wire, creator, keeper_wire
+
+
+def test_an_idle_copy_asks_its_creator_for_start_again_and_only_its_creator_answers(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Start is the one protocol message nobody acks: a broker that loses it (killed between two
+    autosaves, with the copy's new session) would leave the copy idle for ever, with batches
+    routed to it. The copy asks again (an ack of nothing to its creator) after IDLE_PING, then
+    at doubling intervals; a creator answers with Start and its current tables, but only for a
+    copy it has started (the round is over: Start never goes out before the neighbours acked)."""
+    from agent import topics
+    from agent.runtime.envelope import Envelope, Kind, decode, encode
+    from agent.runtime.transport import Received
+    from agent.runtime.worker import IDLE_PING
+
+    clock, copy, copy_wire, creator, keeper_wire = _creator_and_idle_copy(tmp_path)
 
     def pings() -> list:
         return [decode(p) for t, p in copy_wire.sent if t == topics.inbox("c", "work-0")]
@@ -356,33 +365,14 @@ def test_a_creator_adopts_an_idle_copy_of_its_earlier_incarnation_only_after_it_
     is idle) makes it announce the copy again to every neighbour (a Duplication, no spawn) and
     start it once they acked. A wrong echo, or a probe reaching a copy that is active, adopts
     nothing."""
-    import dataclasses
-    import os
 
     from agent import topics
     from agent.protocol.messages import DuplicationAck
-    from agent.runtime.dataplane_bench import initial_specs, pipeline_toml
     from agent.runtime.envelope import Envelope, Kind, decode, encode
-    from agent.runtime.spec import BrokerSpec
     from agent.runtime.transport import Received
-    from agent.runtime.worker import IDLE_PING, Worker
+    from agent.runtime.worker import IDLE_PING
 
-    toml = pipeline_toml("p", [
-        {"name": "source", "kind": "source", "function": "agent.runtime.taxi:mqtt_source",
-         "params": {"topic": "sensors/#"}},
-        {"name": "work", "function": "agent.runtime.operators:validate"},
-        {"name": "sink", "kind": "sink", "function": "agent.runtime.operators:counting_sink"},
-    ], scaling={"policy": "decentralized"})
-    keeper = [s for s in initial_specs(toml, BrokerSpec("127.0.0.1", 1), str(tmp_path / "state"), cluster="c",
-                                       extra={"sink_dir": str(tmp_path / "sink")}) if s.operator == "work"][0]
-    copy_spec = dataclasses.replace(keeper, instance="work-x", keeper=False, active=False, succs=(), preds=(),
-                                    extra={**keeper.extra, "creator": "work-0"})
-    clock = [100.0]
-    copy_wire, keeper_wire = _Wire(), _Wire()
-    copy = Worker(copy_spec, out=open(os.devnull, "w"), clock=lambda: clock[0], transport=copy_wire)  # noqa: SIM115
-    copy.start()
-    creator = Worker(keeper, out=open(os.devnull, "w"), clock=lambda: clock[0], transport=keeper_wire)  # noqa: SIM115
-    creator.start()
+    clock, copy, copy_wire, creator, keeper_wire = _creator_and_idle_copy(tmp_path)
     to_copy, to_creator = topics.inbox("c", "work-x"), topics.inbox("c", "work-0")
     seen = {"copy": 0, "creator": 0}
 
