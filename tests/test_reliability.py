@@ -40,25 +40,31 @@ def test_each_fault_path_on_a_fixed_schedule(tmp_path: Path) -> None:
     4. SIGSTOP of the node hosting the in_zone keeper for 4 s: nobody is killed as hung;
     5. kill -9 of the agent hosting the source (the chaos fleet places every keeper there): its
        workers drain and exit, the restarted agent re-adopts each of them (the source resumes
-       from its position: the first record not yet acked end to end).
+       from its position: the first record not yet acked end to end);
+    6. that node cut off the broker for 18 s while its processes run (a partition, through its
+       proxy): past the 10 s keepalive the broker fires its Will and the clients time out; on
+       heal they reconnect to their sessions (re-homing is off, the default).
     Then: nothing lost, nothing twice, one instance per operator.
 
     `kill-node` (a node lost for good, re-homed: opt-in) has its own test below."""
-    cfg = ChaosConfig(duration=40.0, seed=5, workdir=tmp_path, stall=(4.0, 4.0),
+    cfg = ChaosConfig(duration=58.0, seed=5, workdir=tmp_path, stall=(4.0, 4.0), partition=(18.0, 18.0),
                       schedule=[(5.0, "kill-worker", "chaos.in_zone.0"), (9.0, "kill-worker", "~in_zone"),
                                 (14.0, "restart-broker", None), (20.0, "stall-node", "@chaos.in_zone.0"),
-                                (27.0, "kill-agent", "@chaos.source.0")])
+                                (27.0, "kill-agent", "@chaos.source.0"), (33.0, "partition", "@chaos.source.0")])
     summary = run_chaos(cfg, live=False)
     kinds = [f["kind"] for f in summary["faults"]]
-    assert kinds == ["kill-worker", "kill-worker", "restart-broker", "stall-node", "kill-agent"], summary["faults"]
+    assert kinds == ["kill-worker", "kill-worker", "restart-broker", "stall-node", "kill-agent", "partition"], \
+        summary["faults"]
     assert summary["faults"][0]["target"] == "chaos.in_zone.0"
     assert summary["faults"][1]["target"].startswith("in_zone-")  # a copy: restored with its own tables
     readopted = summary["faults"][4]["detail"]["instances"]
     assert "chaos.source.0" in readopted, readopted
     # restarts: the keeper, the copy, and every instance of the restarted agent (re-adopted);
-    # the broker restart and the stall restarted nobody
+    # the broker restart, the stall and the partition restarted nobody
     assert summary["restarts"] == 2 + len(readopted), (summary["restarts"], readopted)
-    assert_nothing_lost(summary, 5)
+    cut = summary["faults"][5]["detail"]
+    assert cut["cut_s"] == 18.0 and cut["offline_after_s"] is not None and cut["offline_after_s"] < 18.0, cut
+    assert_nothing_lost(summary, 6)
 
 
 def test_crash_in_the_middle_of_a_duplication_round(tmp_path: Path) -> None:
