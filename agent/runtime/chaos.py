@@ -406,7 +406,8 @@ def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dic
             raise RuntimeError(f"agents did not come online (logs in {workdir})")
         fleet.deploy(text, extra=dict(cfg.deploy_extra))
         t0 = time.monotonic()
-        say(f"chaos seed {cfg.seed}: {cfg.duration:.0f}s of load, faults {', '.join(cfg.faults)}; work dir {workdir}")
+        say(f"chaos seed {cfg.seed}: {cfg.duration:.0f}s of load, faults "
+            f"{', '.join(cfg.faults) if cfg.schedule is None else 'on a fixed schedule'}; work dir {workdir}")
         nemesis = Nemesis(fleet, mon, cfg, rng)
         plan = None if cfg.schedule is None else list(cfg.schedule)
         next_at = (plan[0][0] if plan else float("inf")) if plan is not None else cfg.warmup + rng.uniform(*cfg.pause)
