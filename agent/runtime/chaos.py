@@ -139,6 +139,7 @@ class ChaosConfig:
     # "@<instance>" (the node hosting it); [] = no fault.
     schedule: Optional[Sequence[Tuple[float, str, Optional[str]]]] = None
     deploy_extra: Dict[str, Any] = field(default_factory=dict)  # `fog-agent deploy --set` values
+    rehoming: Optional[bool] = None  # the agents' dead_after > 0; None: on iff kill-node may be drawn
 
     def __post_init__(self) -> None:
         bad = [f for f in self.faults if f not in FAULTS]
@@ -379,7 +380,7 @@ def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dic
     workdir = Path(cfg.workdir) if cfg.workdir else Path(tempfile.mkdtemp(prefix="fog-chaos-"))
     started = time.monotonic()
     kinds = set(cfg.faults) if cfg.schedule is None else {k for _, k, _ in cfg.schedule}
-    node_loss = "kill-node" in kinds
+    node_loss = "kill-node" in kinds if cfg.rehoming is None else cfg.rehoming
     fleet = Fleet(workdir, nodes=tuple(cfg.nodes), cluster="chaos", log_level=cfg.log_level, shutdown_timeout=10.0,
                   dead_after=cfg.dead_after if node_loss else 0.0,  # re-homing only where a node is lost
                   proxied="partition" in kinds)
