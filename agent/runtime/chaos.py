@@ -520,8 +520,9 @@ def exit_status(summary: Dict[str, Any]) -> int:
 def main(args: Any) -> int:
     faults = [f.strip() for f in str(args.faults).split(",") if f.strip()]
     try:
+        rehoming = {"on": True, "off": False}.get(str(getattr(args, "rehoming", "auto")))
         cfg = ChaosConfig(duration=float(args.duration), seed=int(args.seed), faults=faults,
-                          workdir=Path(args.workdir) if args.workdir else None)
+                          workdir=Path(args.workdir) if args.workdir else None, rehoming=rehoming)
     except ValueError as exc:
         print(f"fog-agent chaos: {exc}", file=sys.stderr)
         return 2
