@@ -183,3 +183,35 @@ def test_rtt_through_the_broker_follows_the_emulated_matrix(nodelay_broker):
     # the measured row drives placement: from a, the nearer of c and d is chosen
     measured = {"a": {y: v for y, v in medians["a"].items() if y != BROKER}, "c": {"d": medians["c"]["d"]}}
     assert rank_nodes_for_scale_out(measured, ["a"], ["d", "c"])[0] == "c"
+
+
+def test_proxy_cut_holds_every_byte_and_new_connection_until_heal():
+    """A partition (chaos `partition`): nothing passes either way while cut, nothing is lost or
+    reordered, and a connection opened during the cut goes through only after `heal`."""
+    import socket
+
+    echo = EchoServer().start()
+    try:
+        with DelayProxy(("127.0.0.1", echo.port)) as proxy:
+            a = socket.create_connection(("127.0.0.1", proxy.port), timeout=5)
+            a.sendall(b"one")
+            assert a.recv(16) == b"one"
+            proxy.cut()
+            a.sendall(b"two")
+            b = socket.create_connection(("127.0.0.1", proxy.port), timeout=5)  # accepted, held
+            b.sendall(b"three")
+            for s in (a, b):
+                s.settimeout(0.6)
+                with pytest.raises(socket.timeout):
+                    s.recv(16)
+            proxy.heal()
+            for s, want in ((a, b"two"), (b, b"three")):
+                s.settimeout(5)
+                got = b""
+                while len(got) < len(want):
+                    got += s.recv(16)
+                assert got == want
+            a.close()
+            b.close()
+    finally:
+        echo.stop()

@@ -146,3 +146,57 @@ def test_short_demo_through_the_cli(tmp_path: Path) -> None:
     assert summary["duration_s"] < 120
     assert (tmp_path / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "in/s" in proc.stderr  # the live table went to stderr with --json
+
+
+@pytest.mark.broker
+@pytest.mark.slow
+def test_sigterm_to_the_demo_stops_its_whole_fleet(tmp_path: Path) -> None:
+    """`timeout`, systemd or a CI cancel stop a demo with SIGTERM: it must unwind like Ctrl-C
+    (exit 143) and take its private Mosquitto, agents and workers with it. Before, Python's
+    default SIGTERM action killed the demo alone and the whole fleet kept running."""
+    import signal
+    import time
+
+    pipeline = tmp_path / "mini.toml"
+    pipeline.write_text(PIPELINE)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agent", "demo", "--pipeline", str(pipeline), "--json", "--no-analytics",
+         "--duration", "60", "--workdir", str(tmp_path / "run")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=str(ROOT),
+        start_new_session=True,
+    )
+    pgid = proc.pid
+
+    def group() -> list:
+        """The live processes of the demo's session (the demo, its broker, agents and workers)."""
+        out = []
+        for d in Path("/proc").iterdir():
+            try:
+                if d.name.isdigit() and os.getpgid(int(d.name)) == pgid:
+                    state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                    if state != "Z":
+                        out.append((int(d.name), (d / "cmdline").read_bytes().replace(b"\0", b" ")[:120]))
+            except (ProcessLookupError, FileNotFoundError, PermissionError):
+                pass
+        return out
+
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any(b"agent.runtime.worker" in c for _, c in group()):
+            time.sleep(0.5)
+        assert any(b"mosquitto" in c for _, c in group()), group()
+        assert any(b"agent.runtime.worker" in c for _, c in group()), group()
+        time.sleep(2.0)
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=60)
+        assert rc == 143, (rc, proc.stderr.read()[-2000:] if proc.stderr else "")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and group():
+            time.sleep(0.2)
+        assert group() == []
+    finally:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

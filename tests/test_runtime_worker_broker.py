@@ -445,3 +445,34 @@ def test_copies_of_one_round_are_spawned_at_once(runner, mosquitto, tmp_path: Pa
     ids, dup = read_sink_ids(tmp_path / "sink")
     assert dup == 0
     assert ids.get("source-0", set()) == expected_ids(3, "source-0", n, ops=("validate",))
+
+
+@pytest.mark.broker
+def test_a_fenced_transport_reconnects_only_when_allowed(mosquitto) -> None:
+    """Re-homing on: a worker's transport that lost its connection (here a partition through a
+    proxy, longer than the 1 s keepalive) does not reconnect on its own, so it cannot take its
+    MQTT session from an incarnation started elsewhere meanwhile; once allowed, it does."""
+    from agent.runtime.delayproxy import DelayProxy
+    from agent.runtime.spec import BrokerSpec
+    from agent.runtime.transport import Disconnected, Transport
+
+    with DelayProxy((mosquitto.host, mosquitto.port)) as proxy:
+        t = Transport("fog-test-fenced", BrokerSpec("127.0.0.1", proxy.port, keepalive=1))
+        t.gate_reconnect = True
+        t.connect()
+        proxy.cut()
+        deadline = time.monotonic() + 10
+        while t.connected and time.monotonic() < deadline:
+            t.poll(0.1)
+        assert not t.connected and any(isinstance(e, Disconnected) for e in t.take_events())
+        proxy.heal()
+        end = time.monotonic() + 3.0
+        while time.monotonic() < end:
+            t.poll(0.1)
+        assert not t.connected and t.reconnect_held and t.reconnects == 0
+        t.allow_reconnect()
+        deadline = time.monotonic() + 10
+        while not t.connected and time.monotonic() < deadline:
+            t.poll(0.1)
+        assert t.connected and not t.reconnect_held
+        t.close(final=True)

@@ -15,8 +15,11 @@ def register(groups: Any) -> None:
     p.add_argument("--seed", type=int, default=1, help="seed of the fault schedule and the data (default 1)")
     p.add_argument("--faults", default=",".join(DEFAULT_FAULTS),
                    help=f"comma-separated faults to draw from, of {','.join(FAULTS)} "
-                        f"(default {','.join(DEFAULT_FAULTS)}; kill-node re-homes (opt-in), kill-broker loses what the "
-                        "broker received since its last autosave)")
+                        f"(default {','.join(DEFAULT_FAULTS)}; kill-node turns re-homing on (opt-in), partition cuts a "
+                        "node off the broker for 3-30 s, kill-broker loses what the broker received since its last autosave)")
+    p.add_argument("--rehoming", choices=("auto", "on", "off"), default="auto",
+                   help="the agents re-home the instances of a node offline for 6 s (auto: only when kill-node "
+                        "may be drawn)")
     p.add_argument("--runs", type=int, default=1, help="runs with seeds seed, seed+1, ... (default 1)")
     p.add_argument("--workdir", default=None, help="work directory of the first run (default: a new temporary one)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON (a list for several runs)")

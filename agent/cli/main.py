@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
@@ -33,6 +34,21 @@ COMMAND_MODULES = (
 EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_USAGE = 2
+EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports it
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread like Ctrl-C.
+
+    Why: Python's default SIGTERM action kills the process without running a `finally`, so a
+    `fog-agent demo`, `chaos` or `bench` stopped by `timeout`, systemd or a CI cancel left its
+    private Mosquitto, agents and workers running. As a KeyboardInterrupt it unwinds through
+    the same cleanup as Ctrl-C. Commands with a SIGTERM plan of their own (the daemon `run`,
+    the collector) install their handler later, which replaces this one."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated()
 
 
 @dataclass
@@ -92,8 +108,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     func: Optional[Handler] = getattr(args, "func", None)
     if func is None:
         return _usage(parser)
+    signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         return int(func(args) or 0)
+    except Terminated:
+        return EXIT_TERMINATED
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

@@ -21,6 +21,12 @@ seeded pause):
   the node away longer than `dead_after`: the lowest-named surviving agent starts its instances
   elsewhere with the same identities (agent.runtime.rehome); then the node comes back and must
   not run them a second time.
+- `partition`: cut one node off the broker for a few to ~30 s while its processes keep running
+  (each node reaches the broker through a proxy of its own, agent.runtime.delayproxy: nothing
+  passes while cut, nothing is dropped). Short cuts are a pause; past the MQTT keepalive the
+  broker fires the node's Will and the clients reconnect on heal with their sessions. Re-homing
+  stays as configured (off unless kill-node is drawn too: a partition longer than `dead_after`
+  then re-homes instances whose originals still run; see docs/reliability.md).
 
 Recovery time of a fault: from the moment it was injected until every instance that was active
 before it is active again with a heartbeat newer than the end of the fault (or left through a
@@ -52,8 +58,9 @@ log = logging.getLogger(__name__)
 
 __all__ = ["FAULTS", "ChaosConfig", "Fault", "chaos_pipeline", "run_chaos", "print_report", "main"]
 
-FAULTS = ("kill-worker", "kill-agent", "restart-broker", "stall-node", "kill-node", "kill-broker")
-DEFAULT_FAULTS = FAULTS[:4]  # the issue's four; kill-node needs re-homing (opt-in), kill-broker is extra
+FAULTS = ("kill-worker", "kill-agent", "restart-broker", "stall-node", "kill-node", "kill-broker", "partition")
+# the issue's four; kill-node turns re-homing on (opt-in), kill-broker and partition are extra
+DEFAULT_FAULTS = FAULTS[:4]
 EXIT_OK = 0
 EXIT_SETUP = 1
 EXIT_LOSS = 3  # a record was lost or duplicated at the sink
@@ -120,6 +127,7 @@ class ChaosConfig:
     warmup: float = 5.0  # no fault before this many seconds of load
     stall: Tuple[float, float] = (2.0, 6.0)  # SIGSTOP duration of stall-node
     broker_down: Tuple[float, float] = (0.5, 2.0)  # restart-broker: seconds without a broker
+    partition: Tuple[float, float] = (3.0, 30.0)  # partition: seconds cut off (keepalive 10 s, Will after 15)
     agent_restart_delay: float = 1.0  # kill-agent: systemd's RestartSec
     dead_after: float = 6.0  # the agents' [agent].dead_after (kill-node: the node stays away longer)
     recovery_timeout: float = 60.0
@@ -131,6 +139,7 @@ class ChaosConfig:
     # "@<instance>" (the node hosting it); [] = no fault.
     schedule: Optional[Sequence[Tuple[float, str, Optional[str]]]] = None
     deploy_extra: Dict[str, Any] = field(default_factory=dict)  # `fog-agent deploy --set` values
+    rehoming: Optional[bool] = None  # the agents' dead_after > 0; None: on iff kill-node may be drawn
 
     def __post_init__(self) -> None:
         bad = [f for f in self.faults if f not in FAULTS]
@@ -333,6 +342,25 @@ class Nemesis:
         return node, {"instances": sorted(hosted), "rehomed_after_s": rehomed}
 
 
+    def partition(self, target: Optional[str]) -> Tuple[str, Dict[str, Any]]:
+        node = target or self.rng.choice(list(self.cfg.nodes))
+        hosted = {i for i, e in _active_instances(self.mon).items() if e["node"] == node}
+        cut = round(self.rng.uniform(*self.cfg.partition), 2)
+        proxy = self.fleet.proxies.proxies[node]
+        proxy.cut()
+        end, offline_after = time.monotonic() + cut, None
+        try:
+            while time.monotonic() < end:  # the broker fires the node's Will after 1.5 keepalives
+                if offline_after is None and self.mon.status.get(node) == "offline":
+                    offline_after = round(cut - (end - time.monotonic()), 2)
+                time.sleep(min(0.2, max(0.0, end - time.monotonic())))
+        finally:
+            proxy.heal()
+        elsewhere = sorted(i for i, e in _active_instances(self.mon).items() if i in hosted and e["node"] != node)
+        return node, {"cut_s": cut, "offline_after_s": offline_after, "instances": sorted(hosted),
+                      "active_elsewhere_at_heal": elsewhere}
+
+
 def _signal(pid: int, sig: int) -> None:
     try:
         os.kill(pid, sig)
@@ -351,9 +379,11 @@ def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dic
     profile = pipeline.operators[0].params["steps"]
     workdir = Path(cfg.workdir) if cfg.workdir else Path(tempfile.mkdtemp(prefix="fog-chaos-"))
     started = time.monotonic()
-    node_loss = "kill-node" in cfg.faults if cfg.schedule is None else any(k == "kill-node" for _, k, _ in cfg.schedule)
+    kinds = set(cfg.faults) if cfg.schedule is None else {k for _, k, _ in cfg.schedule}
+    node_loss = "kill-node" in kinds if cfg.rehoming is None else cfg.rehoming
     fleet = Fleet(workdir, nodes=tuple(cfg.nodes), cluster="chaos", log_level=cfg.log_level, shutdown_timeout=10.0,
-                  dead_after=cfg.dead_after if node_loss else 0.0)  # re-homing only where a node is lost
+                  dead_after=cfg.dead_after if node_loss else 0.0,  # re-homing only where a node is lost
+                  proxied="partition" in kinds)
     faults: List[Fault] = []
     summary: Dict[str, Any] = {"seed": cfg.seed, "duration": cfg.duration, "faults_enabled": list(cfg.faults),
                                "workdir": str(workdir)}
@@ -377,7 +407,8 @@ def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dic
             raise RuntimeError(f"agents did not come online (logs in {workdir})")
         fleet.deploy(text, extra=dict(cfg.deploy_extra))
         t0 = time.monotonic()
-        say(f"chaos seed {cfg.seed}: {cfg.duration:.0f}s of load, faults {', '.join(cfg.faults)}; work dir {workdir}")
+        say(f"chaos seed {cfg.seed}: {cfg.duration:.0f}s of load, faults "
+            f"{', '.join(cfg.faults) if cfg.schedule is None else 'on a fixed schedule'}; work dir {workdir}")
         nemesis = Nemesis(fleet, mon, cfg, rng)
         plan = None if cfg.schedule is None else list(cfg.schedule)
         next_at = (plan[0][0] if plan else float("inf")) if plan is not None else cfg.warmup + rng.uniform(*cfg.pause)
@@ -489,8 +520,9 @@ def exit_status(summary: Dict[str, Any]) -> int:
 def main(args: Any) -> int:
     faults = [f.strip() for f in str(args.faults).split(",") if f.strip()]
     try:
+        rehoming = {"on": True, "off": False}.get(str(getattr(args, "rehoming", "auto")))
         cfg = ChaosConfig(duration=float(args.duration), seed=int(args.seed), faults=faults,
-                          workdir=Path(args.workdir) if args.workdir else None)
+                          workdir=Path(args.workdir) if args.workdir else None, rehoming=rehoming)
     except ValueError as exc:
         print(f"fog-agent chaos: {exc}", file=sys.stderr)
         return 2

@@ -170,6 +170,8 @@ class Agent:
         self._rehomed: Set[str] = set()
         self._hosted_dirty = True
         self._reconcile_at: Optional[float] = None
+        self._reconnect_asks: Dict[str, float] = {}  # worker -> when it asked to reconnect (fencing)
+        self._last_puback = -1e9
         self._to_readopt: List[InstanceSpec] = []  # hosted when this agent started (see run)
         self._connected_at = 0.0  # clock() of the last connect: workers started before it may be fenced
         self._fenced: Set[str] = set()  # killed because another node runs them: never restarted here
@@ -227,6 +229,7 @@ class Agent:
         # our certificate reads as "Unspecified error"); the cause is in its error log line.
         c.on_log = lambda cl, ud, level, buf: level == mqtt.MQTT_LOG_ERR and self._events.put(("mqtt_error", buf))
         c.on_message = lambda cl, ud, msg: self._events.put(("mqtt_message", msg))
+        c.on_publish = lambda cl, ud, mid, reason=None, props=None: self._events.put(("mqtt_puback", mid))
         props = Properties(PacketTypes.CONNECT)
         props.SessionExpiryInterval = SESSION_EXPIRY
         c.connect_async(self.broker.host, self.broker.port, keepalive=self.broker.keepalive,
@@ -356,6 +359,8 @@ class Agent:
             self._on_worker_line(ev[1], ev[2], now)
         elif kind == "worker_eof":
             pass  # the exit is seen by supervisor.poll()
+        elif kind == "mqtt_puback":
+            self._last_puback = now
         elif kind == "mqtt_connect":
             if ev[1]:
                 self._connect_error, self._paho_error = None, None
@@ -396,6 +401,7 @@ class Agent:
         if self._hosted_dirty and self.connected:
             self._publish_hosted()
         self._maybe_rehome(now)
+        self._grant_reconnects(now)
         for inst, (when, spec) in list(self._delayed_restarts.items()):
             if now >= when and self._stopping_since is None:
                 del self._delayed_restarts[inst]
@@ -607,6 +613,13 @@ class Agent:
             self._on_ready(instance, now)
         elif event == "spawn":
             self._on_worker_spawn(instance, msg, now)
+        elif event == "may_reconnect":
+            # Fencing: answered in _grant_reconnects once a PUBACK newer than this ask proves
+            # our own connection is up (then the broker never fired our Will meanwhile, or we
+            # reconnected and _reconcile ran). The state publish provokes that PUBACK.
+            self._reconnect_asks.setdefault(instance, now)
+            if self.connected:
+                self._publish_state(now)
         elif event == "round_cancelled":
             w = self.supervisor.get(instance)
             if w is not None:
@@ -671,6 +684,8 @@ class Agent:
         base["broker"] = self.broker
         base["state_dir"] = self.cfg.agent.state_dir
         base["heartbeat_period"] = self.cfg.agent.heartbeat_period
+        # re-homing on: a worker that lost its connection waits for our word (_grant_reconnects)
+        base["extra"] = dict(base.get("extra") or {}, fence_reconnect=self.cfg.agent.dead_after > 0)
         base["succs"] = tuple(base.get("succs", ()))
         base["preds"] = tuple(base.get("preds", ()))
         missing = [k for k in ("operator", "pipeline", "pipeline_toml") if not base.get(k)]
@@ -983,6 +998,22 @@ class Agent:
         return {str(i.get("id")) for n, doc in self.fleet.items() if n != self.node and self.online.get(n)
                 for i in doc.get("instances", []) or [] if isinstance(i, dict)}
 
+    def _grant_reconnects(self, now: float) -> None:
+        """Let workers that lost their connection reconnect (re-homing on, see
+        worker.Worker._ask_to_reconnect), once a PUBACK newer than the ask came back and no
+        reconcile is pending. Why that is enough: if our connection survived the worker's
+        outage, the broker never fired our Will and nobody re-homed our instances; if it did
+        not, we reconnected, and `_reconcile` (1 s later, with the retained re-homing records in)
+        has killed every instance that now runs elsewhere, so it is no longer asking."""
+        if not self._reconnect_asks or not self.connected or self._reconcile_at is not None:
+            return
+        for inst, asked in list(self._reconnect_asks.items()):
+            if inst not in self.supervisor or inst in self._fenced:
+                del self._reconnect_asks[inst]
+            elif self._last_puback > asked:
+                del self._reconnect_asks[inst]
+                self.supervisor.send(inst, "reconnect")
+
     def _reconcile(self, now: float) -> None:
         """After a (re)connect, once the retained states are in: an instance of ours that an
         online node now runs was re-homed while we were away (agent.runtime.rehome). We fence it
@@ -1076,7 +1107,8 @@ class Agent:
                 continue
             spec = dataclasses.replace(spec, node=self.node, cluster=self.cluster, broker=self.broker,
                                        state_dir=self.cfg.agent.state_dir,
-                                       heartbeat_period=self.cfg.agent.heartbeat_period, restart=True)
+                                       heartbeat_period=self.cfg.agent.heartbeat_period, restart=True,
+                                       extra=dict(spec.extra, fence_reconnect=self.cfg.agent.dead_after > 0))
             if self.spill is not None:
                 spec = self.spill.with_spill(spec)
             try:

@@ -9,6 +9,7 @@ delivery times never decrease), so MQTT runs through it unchanged.
     proxy = DelayProxy(("127.0.0.1", broker_port), rtt_ms=50).start()
     ... connect the agent to ("127.0.0.1", proxy.port) ...
     proxy.set_rtt(150)          # takes effect for chunks read from now on
+    proxy.cut(); proxy.heal()   # a partition: nothing passes in between (see `cut`)
     proxy.stop()
 
 Through the broker, node A behind a proxy of RTT a and node B behind one of RTT b see
@@ -25,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 __all__ = ["DelayProxy", "ProxyBank", "pair_proxies"]
 
@@ -50,6 +51,7 @@ class DelayProxy:
         self._error: Optional[BaseException] = None
         self.port = 0
         self.connections = 0
+        self._open: Optional[asyncio.Event] = None  # cleared while cut (created in the loop thread)
 
     # ---- control (any thread) ----
 
@@ -65,6 +67,25 @@ class DelayProxy:
         self.rtt_ms = float(rtt_ms)
         if jitter_ms is not None:
             self.jitter_ms = float(jitter_ms)
+
+    def cut(self) -> None:
+        """A network partition between the two sides: from now on every byte, both ways, and
+        every new connection waits until `heal`. Nothing is dropped or reset by the proxy: as on
+        a real network, the endpoints' own timers (MQTT keepalive) decide whether a connection
+        survives; one they close ends at the other side only after `heal`."""
+        self._call(lambda e: e.clear())
+
+    def heal(self) -> None:
+        """End the partition: held bytes and connections go on, in order."""
+        self._call(lambda e: e.set())
+
+    def _call(self, fn: Any) -> None:
+        loop, ev = self._loop, self._open
+        if loop is None or ev is None:
+            raise RuntimeError("the proxy is not running")
+        done = threading.Event()
+        loop.call_soon_threadsafe(lambda: (fn(ev), done.set()))
+        done.wait(5)
 
     def stop(self) -> None:
         loop = self._loop
@@ -87,6 +108,8 @@ class DelayProxy:
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
         self._loop = loop
+        self._open = asyncio.Event()
+        self._open.set()
         try:
             self._server = loop.run_until_complete(asyncio.start_server(self._handle, *self.listen))
             self.port = self._server.sockets[0].getsockname()[1]
@@ -113,6 +136,8 @@ class DelayProxy:
 
     async def _handle(self, c_reader: asyncio.StreamReader, c_writer: asyncio.StreamWriter) -> None:
         self.connections += 1
+        assert self._open is not None
+        await self._open.wait()  # cut: the connection attempt hangs, as behind a dead link
         try:
             t_reader, t_writer = await asyncio.open_connection(*self.target)
         except OSError:
@@ -128,6 +153,8 @@ class DelayProxy:
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         loop = asyncio.get_running_loop()
         queue: "asyncio.Queue[Tuple[float, bytes]]" = asyncio.Queue()
+        is_open = self._open
+        assert is_open is not None
 
         async def pump_out() -> None:
             while True:
@@ -135,6 +162,7 @@ class DelayProxy:
                 wait = due - loop.time()
                 if wait > 0:
                     await asyncio.sleep(wait)
+                await is_open.wait()  # held while cut
                 if data == _EOF:
                     try:
                         writer.write_eof()

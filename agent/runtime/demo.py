@@ -102,8 +102,12 @@ class Fleet:
     log_level: str = "info"
     agent_args: Sequence[str] = ()  # extra `fog-agent run` options (e.g. --no-warm-worker)
     spill: bool = False  # [spill] on every agent, shipped by path into `landing`
+    # Each node's agent (and so its workers) reaches the broker through a proxy of its own
+    # (agent.runtime.delayproxy), which can cut the node off: the chaos fault `partition`.
+    proxied: bool = False
     procs: Dict[str, subprocess.Popen] = field(default_factory=dict)
     broker: Any = None
+    proxies: Any = None  # a ProxyBank when `proxied`
 
     @property
     def sink_dir(self) -> Path:
@@ -128,6 +132,10 @@ class Fleet:
         self.sink_dir.mkdir(parents=True, exist_ok=True)
         if self.broker_host is None:
             self.broker = start_private_broker(self.workdir / "broker", max_queued=self.max_queued)
+        if self.proxied:
+            from agent.runtime.delayproxy import ProxyBank
+
+            self.proxies = ProxyBank((self.host, self.port), {n: 0.0 for n in self.nodes}).start()
         for node in self.nodes:
             self.start_agent(node)
         return self
@@ -144,7 +152,8 @@ class Fleet:
         conf.write_text(AGENT_TOML.format(
             node=node, cluster=self.cluster, slots=self.slots, state_dir=self.workdir / f"state-{node}",
             state_period=self.state_period, heartbeat_period=self.heartbeat_period,
-            shutdown_timeout=self.shutdown_timeout, dead_after=self.dead_after, host=self.host, port=self.port,
+            shutdown_timeout=self.shutdown_timeout, dead_after=self.dead_after, host=self.host,
+            port=self.proxies.port(node) if self.proxies is not None else self.port,
         ) + (SPILL_TOML.format(spool_dir=self.workdir / f"spool-{node}", landing=self.landing) if self.spill else ""))
         logf = open(self.workdir / f"{node}.log", "a")
         proc = subprocess.Popen(
@@ -178,6 +187,8 @@ class Fleet:
                 proc.kill()
                 proc.wait()
                 codes[node] = None
+        if self.proxies is not None:
+            self.proxies.stop()
         if self.broker is not None:
             self.broker.stop()
         return codes

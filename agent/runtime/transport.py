@@ -95,6 +95,10 @@ class Transport:
         self._connected = False
         self._backoff = 0.1
         self._next_reconnect = 0.0
+        # Fencing (re-homing on): after a lost connection, reconnect only once the owner says so
+        # (`allow_reconnect`), see agent.runtime.worker. Off: reconnect at once, with backoff.
+        self.gate_reconnect = False
+        self._allowed_until = float("inf")
         self.published = 0
         self.rejected = 0
         self.reconnects = 0
@@ -126,6 +130,8 @@ class Transport:
         self.events.append(Connected(bool(flags.session_present)))
 
     def _on_disconnect(self, client: Any, userdata: Any, flags: Any, rc: Any, props: Any = None) -> None:
+        if self._connected and self.gate_reconnect:
+            self._allowed_until = 0.0  # wait for allow_reconnect()
         self._connected = False
         self.events.append(Disconnected(str(rc)))
 
@@ -212,8 +218,13 @@ class Transport:
             rc = self.client.loop(timeout)
             if rc == MQTTErrorCode.MQTT_ERR_SUCCESS:
                 return
+            if self._connected and self.gate_reconnect:
+                self._allowed_until = 0.0
             self._connected = False
         now = time.monotonic()
+        if now >= self._allowed_until:
+            time.sleep(timeout)  # fenced: the owner has not allowed a reconnect (yet)
+            return
         if now < self._next_reconnect:
             time.sleep(min(timeout, self._next_reconnect - now))
             return
@@ -224,12 +235,24 @@ class Transport:
             while not self._connected and time.monotonic() < deadline:
                 self.client.loop(0.05)
             if self._connected:
+                self._allowed_until = float("inf")
                 self._renew_subscriptions()
                 return
         except (OSError, ValueError) as exc:
             log.warning("reconnect to %s:%s failed: %s", self.broker.host, self.broker.port, exc)
         self._next_reconnect = time.monotonic() + self._backoff
         self._backoff = min(self._backoff * 2, 5.0)
+
+    @property
+    def reconnect_held(self) -> bool:
+        """Disconnected and not allowed to reconnect (gate_reconnect)."""
+        return not self._connected and time.monotonic() >= self._allowed_until
+
+    def allow_reconnect(self, for_s: float = 10.0) -> None:
+        """Reconnect attempts may go on for `for_s` seconds; after that, ask again (the check
+        that allowed them is only that fresh)."""
+        self._allowed_until = time.monotonic() + for_s
+        self._next_reconnect = 0.0
 
     def _renew_subscriptions(self) -> None:
         session = any(isinstance(e, Connected) and e.session_present for e in self.events)

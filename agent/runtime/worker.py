@@ -86,6 +86,7 @@ SILENCE_CHECK = 1.0  # seconds between the two checks above
 IDLE_PING = 10.0
 IDLE_PING_MAX = 40.0
 PROBE, PROBE_ECHO = "probe", "probe_echo"  # see _ScalingDriver.on_probe
+RECONNECT_ASK = 5.0  # a fenced worker asks its agent again this often (see Worker._ask_to_reconnect)
 
 
 class Worker:
@@ -165,6 +166,10 @@ class Worker:
         self.ack_every = max(1, pred_window // 4)
 
         self.transport = transport or Transport(f"fog-{spec.cluster}-{spec.instance}", spec.broker)
+        # Re-homing on: after a lost connection, reconnect only when our agent says this identity
+        # was not re-homed meanwhile (see _ask_to_reconnect).
+        self.transport.gate_reconnect = bool(spec.extra.get("fence_reconnect"))
+        self._asked_reconnect_at = -1e9
         self.control: "deque[Dict[str, Any]]" = deque()
 
         self.scaling = _ScalingDriver.maybe(self, saved)
@@ -282,12 +287,14 @@ class Worker:
                 self.pending_pub.pop(ev.mid, None)
             elif isinstance(ev, Disconnected):
                 log.warning("broker connection lost: %s", ev.reason, extra=self.ctx)
+                self._asked_reconnect_at = -1e9
             elif isinstance(ev, Connected):
                 log.info("reconnected (session kept: %s)", ev.session_present, extra=self.ctx)
                 if not ev.session_present:
                     self._new_incarnation("the broker lost our session", "sessions_lost")
         while self.control:
             self._on_control(self.control.popleft(), now)
+        self._ask_to_reconnect(now)
         if self.scaling is not None:
             self.scaling.run_outputs(now)
         if self.is_source:
@@ -790,10 +797,24 @@ class Worker:
 
     # ---- control channel ----------------------------------------------------------------------------
 
+    def _ask_to_reconnect(self, now: float) -> None:
+        """Fencing after a partition (re-homing on). Our node may have been declared dead while
+        we could not reach the broker, and this identity started elsewhere; reconnecting would
+        take its MQTT session from the new incarnation (they took it from each other about 60
+        times in the second before the agent killed us, and the new one stalled: records lost).
+        So a worker that lost its connection waits until its agent, connected again, has checked
+        the retained re-homing records and either kills it or sends "reconnect"."""
+        if getattr(self.transport, "reconnect_held", False) and now - self._asked_reconnect_at >= RECONNECT_ASK:
+            self._asked_reconnect_at = now
+            self.stats["reconnect_asks"] = self.stats.get("reconnect_asks", 0) + 1
+            self._emit("may_reconnect")
+
     def _on_control(self, msg: Dict[str, Any], now: float) -> None:
         event = msg.get("event")
         if event == "stop":
             self.request_stop(now)
+        elif event == "reconnect":
+            self.transport.allow_reconnect()
         elif event == "spawned":
             if self.scaling is not None:
                 self.scaling.on_spawned(msg)
