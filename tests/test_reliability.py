@@ -95,11 +95,11 @@ def test_a_node_lost_in_the_middle_of_a_duplication_is_rehomed_and_nothing_is_lo
     idle with batches routed to it and 639 records never reached the sink (2 runs of 3). In the
     run that found the copy-id re-use, the re-homed keeper's new copy stalled (206 records).
 
-    Then a partition of the node now hosting the keepers for 28 s: its Will fires, its instances
-    are re-homed while the originals still run, and on heal its workers wait for their agent
+    Then a partition of the node now hosting the keepers for 34 s: its Will fires (15-20 s into
+    the cut), its instances are re-homed 6 s later while the originals still run, and on heal its workers wait for their agent
     (fencing) instead of taking their sessions back: before, both incarnations took each
     session from each other ~60 times, and a run lost 188 records and recorded 185 twice."""
-    cfg = ChaosConfig(duration=64.0, seed=5, workdir=tmp_path, partition=(28.0, 28.0),
+    cfg = ChaosConfig(duration=70.0, seed=5, workdir=tmp_path, partition=(34.0, 34.0),
                       schedule=[(5.0, "kill-worker", "chaos.in_zone.0"), (9.0, "kill-node", "@chaos.source.0"),
                                 (28.0, "partition", "@chaos.source.0")])
     summary = run_chaos(cfg, live=False)
