@@ -24,9 +24,10 @@ seeded pause):
 - `partition`: cut one node off the broker for a few to ~30 s while its processes keep running
   (each node reaches the broker through a proxy of its own, agent.runtime.delayproxy: nothing
   passes while cut, nothing is dropped). Short cuts are a pause; past the MQTT keepalive the
-  broker fires the node's Will and the clients reconnect on heal with their sessions. Re-homing
-  stays as configured (off unless kill-node is drawn too: a partition longer than `dead_after`
-  then re-homes instances whose originals still run; see docs/reliability.md).
+  broker fires the node's Will and the clients reconnect on heal with their sessions. With
+  re-homing on (`rehoming`, or kill-node among the faults) a partition longer than `dead_after`
+  re-homes instances whose originals still run, and on heal the agent fences them before its
+  workers may reconnect (see docs/reliability.md).
 
 Recovery time of a fault: from the moment it was injected until every instance that was active
 before it is active again with a heartbeat newer than the end of the fault (or left through a
@@ -127,7 +128,7 @@ class ChaosConfig:
     warmup: float = 5.0  # no fault before this many seconds of load
     stall: Tuple[float, float] = (2.0, 6.0)  # SIGSTOP duration of stall-node
     broker_down: Tuple[float, float] = (0.5, 2.0)  # restart-broker: seconds without a broker
-    partition: Tuple[float, float] = (3.0, 30.0)  # partition: seconds cut off (keepalive 10 s, Will after 15)
+    partition: Tuple[float, float] = (3.0, 30.0)  # partition: seconds cut off (the Will comes 15-20 s in)
     agent_restart_delay: float = 1.0  # kill-agent: systemd's RestartSec
     dead_after: float = 6.0  # the agents' [agent].dead_after (kill-node: the node stays away longer)
     recovery_timeout: float = 60.0
@@ -340,7 +341,6 @@ class Nemesis:
         time.sleep(max(0.0, killed + self.cfg.dead_after + 2.0 - time.monotonic()))
         self.fleet.start_agent(node)
         return node, {"instances": sorted(hosted), "rehomed_after_s": rehomed}
-
 
     def partition(self, target: Optional[str]) -> Tuple[str, Dict[str, Any]]:
         node = target or self.rng.choice(list(self.cfg.nodes))

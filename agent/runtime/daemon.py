@@ -679,19 +679,22 @@ class Agent:
                 raise ValueError("spec without an operator")
             base["instance"] = self._new_instance_id(base["operator"])
         topics._check(str(base["instance"]))
-        base["node"] = self.node
-        base["cluster"] = self.cluster
-        base["broker"] = self.broker
-        base["state_dir"] = self.cfg.agent.state_dir
-        base["heartbeat_period"] = self.cfg.agent.heartbeat_period
-        # re-homing on: a worker that lost its connection waits for our word (_grant_reconnects)
-        base["extra"] = dict(base.get("extra") or {}, fence_reconnect=self.cfg.agent.dead_after > 0)
+        base.update(self._node_local(base.get("extra") or {}))
         base["succs"] = tuple(base.get("succs", ()))
         base["preds"] = tuple(base.get("preds", ()))
         missing = [k for k in ("operator", "pipeline", "pipeline_toml") if not base.get(k)]
         if missing:
             raise ValueError(f"spec without {', '.join(missing)}")
         return InstanceSpec(**base)
+
+    def _node_local(self, extra: Dict[str, Any]) -> Dict[str, Any]:
+        """The spec fields that are always this agent's, whatever the spec came with (a request
+        from another node, a stored spec): where to connect, where to write, how often to beat,
+        and, re-homing on, that a worker which lost its connection waits for our word before it
+        reconnects (_grant_reconnects)."""
+        return {"node": self.node, "cluster": self.cluster, "broker": self.broker,
+                "state_dir": self.cfg.agent.state_dir, "heartbeat_period": self.cfg.agent.heartbeat_period,
+                "extra": dict(extra, fence_reconnect=self.cfg.agent.dead_after > 0)}
 
     def _create_node(self, spec: InstanceSpec, reply: Callable[[Dict[str, Any]], None], cause: str, now: float) -> None:
         if self._stopping_since is not None:
@@ -1105,10 +1108,7 @@ class Agent:
         for spec in self._to_readopt:
             if spec.instance in self.supervisor or spec.instance not in present:
                 continue
-            spec = dataclasses.replace(spec, node=self.node, cluster=self.cluster, broker=self.broker,
-                                       state_dir=self.cfg.agent.state_dir,
-                                       heartbeat_period=self.cfg.agent.heartbeat_period, restart=True,
-                                       extra=dict(spec.extra, fence_reconnect=self.cfg.agent.dead_after > 0))
+            spec = dataclasses.replace(spec, restart=True, **self._node_local(spec.extra))
             if self.spill is not None:
                 spec = self.spill.with_spill(spec)
             try:

@@ -130,10 +130,14 @@ class Transport:
         self.events.append(Connected(bool(flags.session_present)))
 
     def _on_disconnect(self, client: Any, userdata: Any, flags: Any, rc: Any, props: Any = None) -> None:
-        if self._connected and self.gate_reconnect:
-            self._allowed_until = 0.0  # wait for allow_reconnect()
-        self._connected = False
+        self._lost()
         self.events.append(Disconnected(str(rc)))
+
+    def _lost(self) -> None:
+        """The connection is gone; fenced (gate_reconnect): wait for allow_reconnect()."""
+        if self._connected and self.gate_reconnect:
+            self._allowed_until = 0.0
+        self._connected = False
 
     def _on_message(self, client: Any, userdata: Any, msg: Any) -> None:
         self.events.append(Received(msg.topic, msg.payload))
@@ -218,9 +222,7 @@ class Transport:
             rc = self.client.loop(timeout)
             if rc == MQTTErrorCode.MQTT_ERR_SUCCESS:
                 return
-            if self._connected and self.gate_reconnect:
-                self._allowed_until = 0.0
-            self._connected = False
+            self._lost()
         now = time.monotonic()
         if now >= self._allowed_until:
             time.sleep(timeout)  # fenced: the owner has not allowed a reconnect (yet)
