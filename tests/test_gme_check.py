@@ -114,11 +114,16 @@ def test_reduced_search_catches_the_seeded_fault(sizes, requests, symmetry):
 def test_hash_compaction_explores_the_same_states_and_bounds_collisions():
     exact = exhaustive_check("2fgme", (2, 2), 1, symmetry=True, reduction=True)
     hashed = exhaustive_check("2fgme", (2, 2), 1, symmetry=True, reduction=True, hash_states=True)
+    presized = exhaustive_check("2fgme", (2, 2), 1, symmetry=True, reduction=True, hash_states=True,
+                                digest_slots=1 << 16)
     assert hashed.ok and hashed.hashed and not exact.hashed
     counts = lambda r: (r.states, r.transitions, r.schedules)  # noqa: E731
-    assert counts(hashed) == counts(exact)
+    assert counts(hashed) == counts(exact) == counts(presized)
     assert exact.collision_bound is None
     assert hashed.collision_bound is not None and hashed.collision_bound < 1e-25
+    assert presized.collision_bound == exact.states ** 2 / 2.0 ** 96
+    with pytest.raises(RuntimeError, match="digest table full"):  # a pre-sized table never grows
+        exhaustive_check("2fgme", (2, 2), 1, symmetry=True, hash_states=True, digest_slots=1 << 4)
 
 
 def test_acyclicity_guard_rejects_a_protocol_that_can_loop(monkeypatch):

@@ -322,46 +322,57 @@ class _LocalStates:
 
 
 class _DigestSet:
-    """A set of 128-bit digests in one flat bytearray (open addressing, linear probing).
+    """A set of fixed-width digests in one flat bytearray (open addressing, linear probing).
 
     Why: a Python set of 16-byte `bytes` costs ~90 bytes per element (object header, allocator
-    rounding, set slot); this table costs 16 bytes per slot at a load factor <= 2/3, ~24-48 bytes
-    per state, so 2+2 x 2 requests fits in a few hundred MB. The empty slot is 16 zero bytes; a
-    stored digest has its lowest bit forced to 1 (127 bits remain, see `collision_bound`)."""
+    rounding, set slot); this table costs `width` bytes per slot at a load factor <= 2/3, ~24-48
+    bytes per state, so 2+2 x 2 requests fits in a few hundred MB. The empty slot is all zero
+    bytes; a stored digest has its lowest bit forced to 1 (8 * width - 1 bits remain, see
+    `collision_bound`). `fixed=True` never doubles (doubling holds the old and the new table at
+    once, 3x the memory at the worst moment): the table is allocated at its final size and
+    fills up to a load of 0.9, then raises."""
 
-    def __init__(self, capacity: int = 1 << 20) -> None:
+    def __init__(self, capacity: int = 1 << 20, width: int = 16, fixed: bool = False) -> None:
+        if capacity & (capacity - 1):
+            raise ValueError(f"digest table capacity must be a power of two, got {capacity}")
         self.cap = capacity
         self.mask = capacity - 1
-        self.table = bytearray(16 * capacity)
+        self.width = width
+        self.fixed = fixed
+        self.table = bytearray(width * capacity)
         self.size = 0
 
     def add(self, digest: bytes) -> bool:
         """Insert; True if the digest was not there yet."""
-        d = digest[:15] + bytes((digest[15] | 1,))
+        w = self.width
+        d = digest[:w - 1] + bytes((digest[w - 1] | 1,))
         table, mask = self.table, self.mask
         i = int.from_bytes(d[:8], "little") & mask
         while True:
-            o = 16 * i
-            cur = table[o:o + 16]
+            o = w * i
+            cur = table[o:o + w]
             if cur == d:
                 return False
             if not any(cur):
-                table[o:o + 16] = d
+                table[o:o + w] = d
                 self.size += 1
-                if 3 * self.size > 2 * self.cap:
+                if self.fixed:
+                    if 10 * self.size > 9 * self.cap:
+                        raise RuntimeError(f"digest table full: {self.size} states in {self.cap} slots")
+                elif 3 * self.size > 2 * self.cap:
                     self._grow()
                 return True
             i = (i + 1) & mask
 
     def _grow(self) -> None:
-        old = self.table
+        old, w = self.table, self.width
         self.cap *= 2
         self.mask = self.cap - 1
-        self.table = bytearray(16 * self.cap)
+        self.table = bytearray(w * self.cap)
         self.size = 0
-        zero = bytes(16)
-        for o in range(0, len(old), 16):
-            d = bytes(old[o:o + 16])
+        zero = bytes(w)
+        for o in range(0, len(old), w):
+            d = bytes(old[o:o + w])
             if d != zero:
                 self.add(d)
 
@@ -380,6 +391,7 @@ def exhaustive_check(
     hash_states: bool = False,
     progress: Optional[Callable[[CheckResult], None]] = None,
     progress_every: int = 1_000_000,
+    digest_slots: Optional[int] = None,
 ) -> CheckResult:
     """Explore every reachable state up to the reductions below (DFS). Stops at the first violation.
 
@@ -445,7 +457,9 @@ def exhaustive_check(
     BLAKE2b digest of it, one bit forced to 1, in `_DigestSet`, ~30 bytes per state). With hash
     compaction two distinct states can collide and one of them would be skipped unexplored; the
     probability that any collision happened among N states is at most N^2 / 2^128 (127
-    uniformly distributed bits, N^2/2 pairs), reported as `collision_bound`.
+    uniformly distributed bits, N^2/2 pairs), reported as `collision_bound`. `digest_slots`
+    (a power of two) pre-sizes the table for runs that fill most of the memory: 96-bit digests,
+    12 bytes a slot, never doubled, bound N^2 / 2^96.
     """
     res = CheckResult(reduced=reduction, hashed=hash_states)
     nodes0 = make_nodes(algorithm, sizes, fault)
@@ -555,7 +569,7 @@ def exhaustive_check(
     ARR = "I"
 
     exact: Set[bytes] = set()
-    digests = _DigestSet()
+    digests = (_DigestSet(digest_slots, width=12, fixed=True) if digest_slots else _DigestSet())
 
     def add(t: Tuple[int, ...]) -> bool:
         """Record a canonical state; True if it was new."""
@@ -703,7 +717,7 @@ def exhaustive_check(
             res.local_states = len(ls.objs)
             progress(res)
     if hash_states:
-        res.collision_bound = res.states * res.states / 2.0 ** 128
+        res.collision_bound = res.states * res.states / 2.0 ** (8 * digests.width)
     res.local_states = len(ls.objs)
     return res
 
