@@ -476,3 +476,130 @@ def test_a_fenced_transport_reconnects_only_when_allowed(mosquitto) -> None:
             t.poll(0.1)
         assert t.connected and not t.reconnect_held
         t.close(final=True)
+
+
+class _EatingProxy:
+    """A TCP proxy in front of the broker that, while `eat` is set, drops every PUBLISH packet on
+    the way to the client and passes everything else (CONNACK, PUBACK, PINGRESP): the client
+    stays connected and its keepalive is answered, but nothing is delivered, and the broker
+    counts what it sent as in flight. That is what a broker that stops delivering to one session
+    looks like from the client (docs/reliability.md, seed 5002)."""
+
+    def __init__(self, target: tuple) -> None:
+        import socket
+        import threading
+
+        self.target = target
+        self.eat = False
+        self.eaten = 0
+        self._srv = socket.create_server(("127.0.0.1", 0))
+        self.port = self._srv.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while True:
+            try:
+                c, _ = self._srv.accept()
+            except OSError:
+                return
+            b = socket.create_connection(self.target)
+            threading.Thread(target=self._pipe, args=(c, b, False), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(b, c, True), daemon=True).start()
+
+    def _pipe(self, src, dst, to_client: bool) -> None:  # type: ignore[no-untyped-def]
+        buf = b""
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                if not to_client:
+                    dst.sendall(data)
+                    continue
+                buf += data
+                while len(buf) >= 2:  # whole MQTT packets: type byte, remaining length, body
+                    n, mult, i = 0, 1, 1
+                    while i < len(buf) and i <= 4:
+                        n += (buf[i] & 0x7F) * mult
+                        mult *= 128
+                        i += 1
+                        if not buf[i - 1] & 0x80:
+                            break
+                    else:
+                        break
+                    if len(buf) < i + n:
+                        break
+                    packet, buf = buf[:i + n], buf[i + n:]
+                    if self.eat and packet[0] >> 4 == 3:
+                        self.eaten += 1
+                        continue
+                    dst.sendall(packet)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.close()
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self._srv.close()
+
+
+@pytest.mark.broker
+def test_a_reconnect_gets_deliveries_a_live_connection_lost_and_a_clean_session_resubscribes(mosquitto) -> None:
+    """The two remedies of agent.runtime.delivery on the real broker. Deliveries to a connected
+    persistent session vanish (the proxy eats them): a forced reconnect makes Mosquitto send them
+    again (they were in flight for the session). A forced clean session comes back without a
+    session (the worker becomes a new incarnation on that) and with its subscription renewed."""
+    from agent.runtime.spec import BrokerSpec
+    from agent.runtime.transport import Connected, Received, Transport
+
+    proxy = _EatingProxy((mosquitto.host, mosquitto.port))
+    topic = "fog/test/inbox/eaten-0"
+    t = Transport("fog-test-eaten", BrokerSpec("127.0.0.1", proxy.port, keepalive=5))
+    pub = Transport("fog-test-eater-pub", BrokerSpec(mosquitto.host, mosquitto.port), persistent=False)
+
+    def pump(seconds: float, until=lambda: False) -> None:  # type: ignore[no-untyped-def]
+        end = time.monotonic() + seconds
+        while time.monotonic() < end and not until():
+            t.poll(0.05)
+            pub.poll(0.01)
+
+    def got() -> list:
+        return [e.payload for e in t.events if isinstance(e, Received)]
+
+    try:
+        t.connect()
+        t.subscribe(topic)
+        pub.connect()
+        proxy.eat = True
+        for i in range(5):
+            pub.publish(topic, b"m%d" % i, qos=1)
+        pump(2.0, lambda: proxy.eaten >= 5)
+        assert proxy.eaten >= 5 and got() == [] and t.connected  # connected, nothing delivered
+        proxy.eat = False
+        t.force_reconnect()
+        pump(10.0, lambda: len(set(got())) == 5)
+        assert sorted(set(got())) == [b"m%d" % i for i in range(5)], got()
+        assert t.connected and t.reconnects == 1
+        t.take_events()
+
+        t.force_reconnect(clean=True)
+        pump(10.0, lambda: t.connected and any(isinstance(e, Connected) for e in t.events))
+        assert [e.session_present for e in t.events if isinstance(e, Connected)] == [False]
+        pump(1.0)
+        pub.publish(topic, b"after", qos=1)
+        pump(5.0, lambda: b"after" in got())
+        assert b"after" in got()  # subscribed again in the new session
+        t.force_reconnect()  # and later reconnects keep their session again
+        t.take_events()
+        pump(10.0, lambda: t.connected and any(isinstance(e, Connected) for e in t.events))
+        assert [e.session_present for e in t.events if isinstance(e, Connected)] == [True]
+    finally:
+        t.close(final=True)
+        pub.close()
+        proxy.close()
