@@ -33,10 +33,9 @@ def rec(i: int, rng: random.Random) -> dict:
     return {"record_id": i, "fare": round(rng.uniform(2, 60), 2), "pad": rng.getrandbits(64)}
 
 
-@pytest.mark.parametrize("background", [False, True])
-def test_records_come_back_in_order_once_per_kind_across_rotations(tmp_path: Path, background: bool) -> None:
+def test_records_come_back_in_order_once_per_kind_across_rotations(tmp_path: Path) -> None:
     rng = random.Random(7)
-    s = Spool(tmp_path, "n1", rotate_bytes=4000, sync_bytes=1000, clock=FakeClock(), background=background)
+    s = Spool(tmp_path, "n1", rotate_bytes=4000, sync_bytes=1000, clock=FakeClock())
     for i in range(3000):
         assert s.append("records", rec(i, rng))
         if i % 10 == 0:
@@ -100,11 +99,10 @@ def test_cap_applies_back_pressure_raises_one_event_and_loses_nothing(tmp_path: 
     assert got == list(range(stored_before + 1))
 
 
-@pytest.mark.parametrize("background", [False, True])
-def test_sink_blocked_by_the_cap_resumes_when_the_shipper_releases(tmp_path: Path, background: bool) -> None:
+def test_sink_blocked_by_the_cap_resumes_when_the_shipper_releases(tmp_path: Path) -> None:
     """A sink thread that waits on back pressure and a shipper thread: all records, once."""
     rng = random.Random(5)
-    s = Spool(tmp_path, "n1", max_bytes=20_000, rotate_bytes=3_000, sync_bytes=1_000, background=background)
+    s = Spool(tmp_path, "n1", max_bytes=20_000, rotate_bytes=3_000, sync_bytes=1_000)
     shipped: List[dict] = []
     done = threading.Event()
     N = 4000

@@ -18,22 +18,16 @@ Rules of this file:
   rotates every open file). Every `sync_bytes` of input the compressor is sync-flushed to the OS
   (no fsync), which bounds both the cap's uncertainty and what a crashed process loses.
 - The clock is passed in (`clock`), so rotation by age is testable without sleeping.
-- `background=True` moves compression and file writes to one writer thread (the sink only
-  enqueues; queued bytes count against the cap). zlib releases the GIL, so on a multi-core Pi the
-  sink keeps decoding while the spool compresses. `close()` writes what is queued first.
-  `on_event` is then also called from the writer thread: make it enqueue (paho is not
-  thread-safe), not publish.
+- Appends are compressed and written by the calling thread, under the spool's lock, before
+  `append*` returns; `on_event` is called from the thread that caused the event.
 - Lines may be whole batches (a JSON array of records, as the transport delivered them): no
   re-encoding in the sink's thread; readers expand them (`read_records`, Spark's JSON reader).
 - gzip level 1 by default: about 3x faster than level 6 for ~25% larger files.
 - The counting sink uses `BatchSpool` (end of this file) instead: its lines reach the OS file
   in the sink's own thread, uncompressed, and are gzip'ed when a file is closed; measured much
-  cheaper for the sink than waiting for this class's writer (docs/spill.md, section 6).
-- Durable-before-ack: `append_lines(..., sync=True)` returns a ticket number
-  (`last_ticket`); once `synced_ticket >= ticket` the lines are compressed, sync-flushed and in
-  the OS file (they survive a crash of this process; `flush()` adds fsync for a power cut). In
-  background mode the writer compresses OUTSIDE the append lock (the sink keeps decoding the next
-  batch meanwhile) and sync-flushes once per group of queued batches (group commit).
+  cheaper for the sink than compressing before the ack (docs/spill.md, section 6).
+- `append_lines(..., sync=True)`: when it returns, the stored lines are compressed, sync-flushed
+  and in the OS file (they survive a crash of this process; `flush()` adds fsync for a power cut).
 - `auto_rotate=False`: size/age rotation happens only in `tick()`/`rotate_all()` (the caller's
   thread), so a caller can make its own bookkeeping durable before a file may leave `open/`.
 - Another process may release closed files (the daemon's shipper ships a worker's spool):
@@ -184,8 +178,8 @@ class _OpenFile:
         an upper bound, so that the cap holds without waiting for zlib to emit output."""
         try:
             written = self.raw.tell()
-        except ValueError:  # background mode: the writer rotated (closed) it since the caller
-            return 0  # listed the open files; its bytes are (about to be) in the closed count
+        except ValueError:  # rotated (closed) by another thread since the caller listed the
+            return 0  # open files (`rotation_due` reads without the lock); its bytes are closed now
         return written + self.pending
 
 
@@ -271,7 +265,6 @@ class Spool(_SpoolEvents):
         on_event: Optional[Callable[[SpoolEvent], None]] = None,
         compresslevel: int = 1,
         sync_bytes: int = 1024 * 1024,
-        background: bool = False,
         auto_rotate: bool = True,
     ) -> None:
         if max_bytes <= 0 or rotate_bytes <= 0 or rotate_seconds <= 0:
@@ -288,11 +281,7 @@ class Spool(_SpoolEvents):
         self.open_dir.mkdir(parents=True, exist_ok=True)
         self.closed_dir.mkdir(parents=True, exist_ok=True)
         self.auto_rotate = auto_rotate
-        self._lock = threading.Lock()
-        # Held while files are written/compressed/rotated; never taken by append_lines, so the
-        # appending thread is not blocked by compression. Order: _lock, then _io_lock.
-        self._io_lock = threading.Lock()
-        self._count_lock = threading.Lock()  # leaf lock for _closed_bytes
+        self._lock = threading.Lock()  # every write, rotation and byte count happens under it
         self._writable = threading.Condition(self._lock)
         self._open: Dict[str, _OpenFile] = {}
         self._closed_bytes = 0
@@ -301,22 +290,10 @@ class Spool(_SpoolEvents):
         self.stats = {"appended": 0, "rejected": 0, "files_closed": 0, "released": 0,
                       "recovered_records": 0, "full_events": 0}
         self._seq = 0
-        self._background = background
-        self._queue: Deque[Tuple[str, List[bytes], float, int, bool]] = collections.deque()
-        self._queued_bytes = 0
-        self._writing = 0  # batches taken by the writer thread, not written yet
-        self._ticket = 0  # appends accepted so far
-        self._synced = 0  # every append up to this ticket is in the OS file
         self._last_refresh = 0.0
-        self._stopping = False
-        self._work = threading.Condition(self._lock)
-        self._drained = threading.Condition(self._lock)
-        self._thread: Optional[threading.Thread] = None
+        self._closed = False  # close() was called: appends raise
         self._recover()
         self._emit(list(self.events))  # recovered files, with what they salvaged
-        if background:
-            self._thread = threading.Thread(target=self._writer, name=f"spool-{node}", daemon=True)
-            self._thread.start()
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -345,13 +322,12 @@ class Spool(_SpoolEvents):
 
         A line may also hold a JSON array of records (a whole batch as received, no re-encoding):
         `read_records` and Spark's JSON reader both expand it into one row per record.
-        `sync=True`: the stored lines are sync-flushed to the OS file before `synced_ticket`
-        reaches this append's ticket (`last_ticket` right after the call)."""
+        `sync=True`: the stored lines are sync-flushed to the OS file before this returns."""
         _check_name(kind, "kind")
         now = self.clock()
         events: List[SpoolEvent] = []
         with self._lock:
-            if self._stopping:
+            if self._closed:
                 raise RuntimeError(f"spool {self.dir} is closed")
             used = self._used()
             if used >= self.max_bytes and now - self._last_refresh >= 0.2:
@@ -370,38 +346,15 @@ class Spool(_SpoolEvents):
                     break
                 stored += 1
                 used += len(line)
-            accepted = lines[:stored] if stored < len(lines) else lines
             if stored:
-                self._ticket += 1
-                ticket = self._ticket
-            if stored and self._background:
-                self._queue.append((kind, accepted, now, ticket, sync))
-                self._queued_bytes += sum(len(x) for x in accepted)
-                self._work.notify()
-            elif stored:
-                with self._io_lock:
-                    events.extend(self._write(kind, accepted, now))
-                    if sync and kind in self._open:
-                        self._sync_flush(self._open[kind])
-                self._synced = ticket
+                accepted = lines[:stored] if stored < len(lines) else lines
+                events.extend(self._write(kind, accepted, now))
+                if sync and kind in self._open:
+                    self._sync_flush(self._open[kind])
             self.stats["appended"] += stored
             self.stats["rejected"] += len(lines) - stored
         self._emit(events)
         return stored
-
-    @property
-    def last_ticket(self) -> int:
-        """The ticket of the last accepted append (0: none yet)."""
-        return self._ticket
-
-    @property
-    def synced_ticket(self) -> int:
-        """Every append up to this ticket is written (sync appends: sync-flushed to the OS)."""
-        return self._synced
-
-    def wait_synced(self, ticket: int, timeout: Optional[float] = None) -> bool:
-        with self._lock:
-            return self._drained.wait_for(lambda: self._synced >= ticket or self._stopping, timeout)
 
     def _write(self, kind: str, lines: List[bytes], now: float) -> List[SpoolEvent]:
         events = []
@@ -420,41 +373,6 @@ class Spool(_SpoolEvents):
         f.gz.flush(zlib.Z_SYNC_FLUSH)  # GzipFile.flush also flushes the OS file object
         f.pending = 0
 
-    def _writer(self) -> None:
-        """Background mode: compress and write queued lines, outside the append lock. zlib
-        releases the GIL, so the sink decodes its next batch on the other core while this thread
-        compresses the last ones; one sync flush per group of queued batches (group commit)."""
-        while True:
-            with self._lock:
-                self._work.wait_for(lambda: bool(self._queue) or self._stopping)
-                if not self._queue:
-                    return
-                group = list(self._queue)
-                self._queue.clear()
-                self._writing = len(group)
-            events: List[SpoolEvent] = []
-            with self._io_lock:
-                to_sync = set()
-                for kind, lines, now, _ticket, sync in group:
-                    events.extend(self._write(kind, lines, now))
-                    if sync:
-                        to_sync.add(kind)
-                for kind in to_sync:
-                    if kind in self._open:
-                        self._sync_flush(self._open[kind])
-            with self._lock:
-                self._queued_bytes -= sum(len(x) for g in group for x in g[1])
-                self._writing = 0
-                self._synced = max(self._synced, group[-1][3])
-                self._maybe_resume(group[-1][2], self._used(), events)
-                self._drained.notify_all()
-            self._emit(events)
-
-    def _drain(self) -> None:
-        """Called with the lock held: wait until the writer thread wrote everything queued."""
-        if self._background:
-            self._drained.wait_for(lambda: not self._queue and not self._writing)
-
     def wait_writable(self, timeout: Optional[float] = None) -> bool:
         """Block until the cap no longer holds appends back (or timeout); True if writable."""
         with self._writable:
@@ -466,11 +384,9 @@ class Spool(_SpoolEvents):
         now = self.clock()
         with self._lock:
             self._refresh_closed()
-            self._drain()
-            with self._io_lock:
-                events = [self._rotate(k, now) for k, f in list(self._open.items())
-                          if f.records and (now - f.opened_at >= self.rotate_seconds
-                                            or f.size >= self.rotate_bytes)]
+            events = [self._rotate(k, now) for k, f in list(self._open.items())
+                      if f.records and (now - f.opened_at >= self.rotate_seconds
+                                        or f.size >= self.rotate_bytes)]
             self._maybe_resume(now, self._used(), events)
         self._emit(events)
 
@@ -484,30 +400,22 @@ class Spool(_SpoolEvents):
         """Close every open file now (before a clean shutdown, or to ship what is there)."""
         now = self.clock()
         with self._lock:
-            self._drain()
-            with self._io_lock:
-                events = [self._rotate(k, now) for k in list(self._open)]
+            events = [self._rotate(k, now) for k in list(self._open)]
         self._emit(events)
 
     def flush(self) -> None:
         """Push buffered records of open files to disk (sync flush + fsync): bounds crash loss."""
         with self._lock:
-            self._drain()
-            with self._io_lock:
-                for f in self._open.values():
-                    self._sync_flush(f)
-                    f.raw.flush()
-                    os.fsync(f.raw.fileno())
+            for f in self._open.values():
+                self._sync_flush(f)
+                f.raw.flush()
+                os.fsync(f.raw.fileno())
 
     def close(self) -> None:
-        """Write what is queued, close every open file, stop the writer thread."""
+        """Close (rotate) every open file; later appends raise RuntimeError."""
         self.rotate_all()
         with self._lock:
-            self._stopping = True
-            self._work.notify_all()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+            self._closed = True
 
     def release(self, f: Union[ClosedFile, Path]) -> None:
         """The centre has this file: delete it and free its bytes (may end back pressure)."""
@@ -520,8 +428,7 @@ class Spool(_SpoolEvents):
                 path.unlink()
             except FileNotFoundError:
                 return
-            with self._count_lock:
-                self._closed_bytes -= size
+            self._closed_bytes -= size
             self.stats["released"] += 1
             self._maybe_resume(now, self._used(), events)
         self._emit(events)
@@ -537,13 +444,11 @@ class Spool(_SpoolEvents):
             self._writable.notify_all()
 
     def _used(self) -> int:
-        return self._closed_bytes + self._queued_bytes + sum(f.size for f in list(self._open.values()))
+        return self._closed_bytes + sum(f.size for f in list(self._open.values()))
 
     def _refresh_closed(self) -> None:
         """Recount closed/ from the directory: files another process released free their bytes."""
-        total = _dir_bytes(self.closed_dir)
-        with self._count_lock:
-            self._closed_bytes = total
+        self._closed_bytes = _dir_bytes(self.closed_dir)
 
     def _open_file(self, kind: str, now: float) -> _OpenFile:
         self._seq += 1
@@ -564,8 +469,7 @@ class Spool(_SpoolEvents):
         os.replace(f.path, dest)
         _fsync_dir(self.closed_dir)
         _fsync_dir(self.open_dir)
-        with self._count_lock:
-            self._closed_bytes += size
+        self._closed_bytes += size
         self.stats["files_closed"] += 1
         return self._event("file_closed", now, file=dest.name, kind=kind, records=f.records, bytes=size)
 
@@ -718,8 +622,8 @@ class BatchSpool(_SpoolEvents):
     caller may record its ids and ack right after, with no thread hand-off and no wait.
 
     Why a second spool class (docs/spill.md, issue 7): the sink acks a batch only once its spool
-    line is handed to the OS. With `Spool` that meant gzip first (~2 us per taxi record here) on
-    a writer thread, and the sink waited for it: about half its throughput. Here the line (the
+    line is handed to the OS. With `Spool` that meant waiting for gzip first (~2 us per taxi
+    record here): about half its throughput. Here the line (the
     batch body as it arrived) is written as it is, with one `os.write`, into a plain JSON Lines
     file in `open/` (`kind+node+date+seq.jsonl`). Closing a file costs the appending thread only
     an `os.close`; a compressor thread then, per file, in this order:
