@@ -95,7 +95,6 @@ class Transport:
         self._connected = False
         self._backoff = 0.1
         self._next_reconnect = 0.0
-        self._clean_once = False  # force_reconnect(clean=True) is pending
         # Fencing (re-homing on): after a lost connection, reconnect only once the owner says so
         # (`allow_reconnect`), see agent.runtime.worker. Off: reconnect at once, with backoff.
         self.gate_reconnect = False
@@ -239,31 +238,12 @@ class Transport:
                 self.client.loop(0.05)
             if self._connected:
                 self._allowed_until = float("inf")
-                if self._clean_once:
-                    self._clean_once = False
-                    self.client._clean_start = not self.persistent  # noqa: SLF001
                 self._renew_subscriptions()
                 return
         except (OSError, ValueError) as exc:
             log.warning("reconnect to %s:%s failed: %s", self.broker.host, self.broker.port, exc)
         self._next_reconnect = time.monotonic() + self._backoff
         self._backoff = min(self._backoff * 2, 5.0)
-
-    def force_reconnect(self, clean: bool = False) -> None:
-        """Drop the connection now; `poll` reconnects (agent.runtime.delivery: the broker stopped
-        delivering to us). `clean`: the next connection starts a clean session (the broker's
-        queue for us is dropped), later ones keep their session again."""
-        self._check_owner()
-        if clean:
-            self.client._clean_start = True  # noqa: SLF001 - paho's reconnect() reads it
-            self._clean_once = True
-        self._lost()
-        try:  # paho's on_disconnect reports it (Disconnected)
-            self.client.disconnect()
-            self.client.loop_write()
-        except (OSError, ValueError):
-            pass
-        self._next_reconnect = 0.0
 
     @property
     def reconnect_held(self) -> bool:

@@ -37,8 +37,6 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Set, TextIO, Tupl
 from agent import topics
 from agent.config import RUNTIME_POLICIES, PipelineConfig, load_pipeline_text
 from agent.runtime.channel import Inbound, Outbound
-from agent.runtime.delivery import TIMEOUT as DELIVERY_TIMEOUT
-from agent.runtime.delivery import DeliveryCheck, is_probe
 from agent.runtime.envelope import Envelope, Item, Kind, MalformedEnvelope, data_body_bytes, decode, encode, encode_data
 from agent.runtime.flow import AckTracker, OutLink
 from agent.runtime.operators import OperatorContext, SinkOperator, load_operator
@@ -212,9 +210,6 @@ class Worker:
         self._last_source_write = -1e9
         self._holes: Dict[str, Tuple[Tuple[int, int], float]] = {}  # sender -> ((epoch, missing seq), since)
         self._next_silence_check = clock() + SILENCE_CHECK
-        # Does the broker still deliver our inbox? (agent.runtime.delivery; checked with the above)
-        self.delivery = DeliveryCheck(spec.instance, str(os.getpid()), clock())
-        self._inbox_seen = False
         self.first_record_at: Optional[float] = None
         self.activated_at: Optional[float] = None  # wall time of our Start (rescale breakdown)
         self._terminate_reason = ""
@@ -347,10 +342,6 @@ class Worker:
             if ingest is not None:
                 ingest(ev.topic, ev.payload)
             return
-        self._inbox_seen = True
-        if is_probe(ev.payload):
-            self.delivery.echoed(ev.payload, self.clock())
-            return
         try:
             env = decode(ev.payload, self._decode_records)
         except MalformedEnvelope as exc:
@@ -392,7 +383,6 @@ class Worker:
         self._next_silence_check = now + SILENCE_CHECK
         if self._stopping:
             return
-        self._check_delivery(now)
         holes = {s: (g[0], g[1]) for s, g in self.inbound.gaps().items()}
         self._holes = {s: (h, self._holes[s][1] if self._holes.get(s, (None,))[0] == h else now)
                        for s, h in holes.items()}
@@ -408,21 +398,6 @@ class Worker:
                 self.stats["silent_links_replayed"] = self.stats.get("silent_links_replayed", 0) + 1
                 link.silent_replays += 1
                 self._replay_to(dest)
-
-    def _check_delivery(self, now: float) -> None:
-        """A quiet inbox gets a probe to itself; a lost probe, a reconnect, then a clean session
-        (whose Connected(session_present=False) makes us a new incarnation in `step`)."""
-        if self._inbox_seen:
-            self._inbox_seen = False
-            self.delivery.seen(now)
-        action = self.delivery.due(now, self.transport.connected)
-        if action == "probe":
-            self._publish_tracked(self.inbox, self.delivery.payload(), self.tracker.last_index + 1)
-        elif action is not None:
-            self.stats["delivery_" + action] = self.stats.get("delivery_" + action, 0) + 1
-            log.warning("a probe to our own inbox did not come back in %.0fs: %s", DELIVERY_TIMEOUT,
-                        "reconnecting" if action == "reconnect" else "starting a clean session", extra=self.ctx)
-            self.transport.force_reconnect(clean=action == "new_session")
 
     def _new_incarnation(self, why: str, counter: str) -> None:
         """The broker came back without our session (it restarted without its persistence, or
