@@ -70,6 +70,7 @@ class _Wire:
         self.events: list = []
         self.sent: list = []
         self.connected = True
+        self.refuse = 0  # refuse this many publishes (PublishRejected)
         self._puback = PubAck
 
     def connect(self, *a: object, **k: object) -> bool:
@@ -79,6 +80,11 @@ class _Wire:
         pass
 
     def publish(self, topic: str, payload: bytes, qos: object = None, retain: bool = False) -> int:
+        if self.refuse:
+            from agent.runtime.transport import PublishRejected
+
+            self.refuse -= 1
+            raise PublishRejected(topic, 15)  # MQTT_ERR_QUEUE_SIZE: paho did not take it
         self.sent.append((topic, payload))
         self.events.append(self._puback(len(self.sent)))
         return len(self.sent)
@@ -447,3 +453,40 @@ def test_a_creator_adopts_an_idle_copy_of_its_earlier_incarnation_only_after_it_
     creator.step(clock[0])
     assert creator.stats["protocol_errors"] == errors + len(bad)
     assert creator.scaling.counts["adopted"] == 1 and list(creator.scaling.orphans) == []
+
+
+def test_a_refused_ack_of_a_sink_is_published_later_and_later_acks_follow(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Chaos seed 5002: the sink's ack was refused once (the broker restarting under the write);
+    refused publishes wait in order behind each other, and they were retried only when data was
+    flushed. A sink flushes no data, so that ack and every later one waited for ever: its
+    predecessors ran out of credit and the last records never reached it."""
+    from agent import topics
+    from agent.runtime.envelope import decode, encode_data
+    from agent.runtime.taxi import sample
+    from agent.runtime.transport import Received
+
+    clock, wire = [100.0], _Wire()
+    w = _chain(tmp_path, clock, wire, "sink")
+    inbox, to_work = topics.inbox("c", "sink-0"), topics.inbox("c", "work-0")
+    recs = sample(1, 40)
+
+    def batch(seq: int) -> Received:
+        return Received(inbox, encode_data("work-0", 0, seq, [("source-0", 4 * seq + i, recs[4 * seq + i]) for i in range(4)]))
+
+    def acked() -> int:
+        return max([decode(p).body[1] for t, p in wire.sent if t == to_work and decode(p).kind.value == "a"] or [0])
+
+    def run(seconds: float) -> None:
+        end = clock[0] + seconds
+        while clock[0] < end:
+            clock[0] += 0.05
+            w.step(clock[0])
+
+    wire.refuse = 1
+    wire.events += [batch(1), batch(2)]
+    run(1.0)
+    assert w.stats["publish_rejected"] == 1
+    wire.events += [batch(s) for s in range(3, 9)]
+    run(1.0)
+    assert acked() == 8, f"the sink acked only up to {acked()} of 8 batches"
+    assert not w.retry

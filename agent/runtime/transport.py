@@ -5,9 +5,12 @@ Rules of this file (from paho issues #354/#787 and DESIGN.md section 6):
   `publish`, `subscribe` or `poll` (checked; a second thread raises). We never call
   `loop_start()`: `poll()` runs paho's network loop in the owner thread, so callbacks run there
   too, and they only convert and enqueue (aiomqtt style);
-- every publish return code is checked: MQTT_ERR_SUCCESS and MQTT_ERR_NO_CONN (paho keeps QoS>0
-  messages and sends them after the reconnect) are accepted, anything else raises
-  `PublishRejected` so the caller keeps the data and retries later;
+- every publish return code is checked. For QoS > 0 only MQTT_ERR_QUEUE_SIZE means paho did not
+  take the message: once taken, paho keeps it whatever its first socket write returned
+  (MQTT_ERR_NO_CONN, or MQTT_ERR_CONN_LOST when the broker goes away during the write) and sends
+  it after the reconnect, so retrying it ourselves would send it twice. For QoS 0 anything but
+  SUCCESS/NO_CONN is a rejection. A rejection raises `PublishRejected`: the caller keeps the data
+  and retries later;
 - persistent session (MQTT 5, clean_start false, a session expiry): the inbox keeps filling while a
   worker restarts (invariant 2 and issue 10). A final exit clears the session (expiry 0) so the
   broker does not keep queues of instances that are gone for good;
@@ -208,8 +211,10 @@ class Transport:
     def publish(self, topic: str, payload: Union[bytes, str], qos: Optional[int] = None, retain: bool = False) -> int:
         """Hand one message to paho; returns its mid (PubAck(mid) follows for QoS > 0)."""
         self._check_owner()
-        info = self.client.publish(topic, payload, qos=self.broker.qos if qos is None else qos, retain=retain)
-        if info.rc not in (MQTTErrorCode.MQTT_ERR_SUCCESS, MQTTErrorCode.MQTT_ERR_NO_CONN):
+        q = self.broker.qos if qos is None else qos
+        info = self.client.publish(topic, payload, qos=q, retain=retain)
+        if info.rc not in (MQTTErrorCode.MQTT_ERR_SUCCESS, MQTTErrorCode.MQTT_ERR_NO_CONN) and (
+                q == 0 or info.rc == MQTTErrorCode.MQTT_ERR_QUEUE_SIZE):
             self.rejected += 1
             raise PublishRejected(topic, info.rc)
         self.published += 1
