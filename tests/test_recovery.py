@@ -490,3 +490,65 @@ def test_a_refused_ack_of_a_sink_is_published_later_and_later_acks_follow(tmp_pa
     run(1.0)
     assert acked() == 8, f"the sink acked only up to {acked()} of 8 batches"
     assert not w.retry
+
+
+def test_a_departing_copy_drains_data_queued_behind_a_duplicate_deletion_ack(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Chaos seed 9121 (a partition): the copy's Deletion got no answer for 10 s and was sent
+    again, so its predecessor acked the round twice, then replayed batches the copy had not
+    acked. The first ack completed the round (Drain: forward everything, then Terminate); the
+    second sat at the head of the predecessor's queue, and protocol messages waited while
+    outputs were pending, so the data behind it was never processed and the Drain never ended:
+    a departing copy for ever and the records it held lost. While draining, the predecessors
+    have all removed us, so only repeats can come: they are handled (a repeat is a counted
+    no-op), and the data behind them drains."""
+    import dataclasses
+    import os
+
+    from agent import topics
+    from agent.protocol.messages import DeletionAck
+    from agent.runtime.envelope import Envelope, Kind, decode, encode, encode_data
+    from agent.runtime.taxi import sample
+    from agent.runtime.transport import Received
+    from agent.runtime.worker import Worker
+
+    clock = [100.0]
+    _, _, _, keeper, _ = _creator_and_idle_copy(tmp_path)
+    spec = dataclasses.replace(keeper.spec, instance="work-y", keeper=False, active=True, preds=("source-0",),
+                               succs=("sink-0",), extra={**keeper.spec.extra, "creator": "work-0"})
+    wire = _Wire()
+    w = Worker(spec, out=open(os.devnull, "w"), clock=lambda: clock[0], transport=wire)  # noqa: SIM115
+    w.start()
+    inbox = topics.inbox("c", "work-y")
+    recs = sample(1, 12)
+
+    def run(seconds: float) -> None:
+        end = clock[0] + seconds
+        while clock[0] < end and w._exit is None:  # noqa: SLF001
+            clock[0] += 0.05
+            w.step(clock[0])
+
+    def data(seq: int, first: int) -> Received:
+        return Received(inbox, encode_data("source-0", 0, seq, [("source-0", first + i, recs[first + i]) for i in range(4)]))
+
+    def proto(sender: str, seq: int, rnd: int) -> Received:
+        stage = 0 if sender == "source-0" else 2
+        return Received(inbox, encode(Envelope(sender, 0, seq, Kind.PROTO, DeletionAck(sender, stage, rnd).to_dict())))
+
+    def sent(kind: Kind, dest: str) -> list:
+        return [decode(p) for t, p in wire.sent if t == topics.inbox("c", dest) and decode(p).kind is kind]
+
+    w.scaling.force("terminate", 1)
+    run(1.0)
+    (deletion,) = sent(Kind.PROTO, "source-0")  # two-phase: the predecessors first
+    rnd = deletion.body["round"]
+    # the predecessor's last batch, its ack, the same ack again (our Deletion was re-sent), a replay
+    wire.events += [data(1, 0), proto("source-0", 2, rnd), proto("source-0", 3, rnd), data(4, 4)]
+    run(2.0)
+    batches = sent(Kind.DATA, "sink-0")
+    assert sum(len(e.body) for e in batches) == 8, "the data behind the repeated ack was not drained"
+    wire.events.append(Received(inbox, encode(Envelope("sink-0", 0, 1, Kind.ACK, [w.epoch, batches[-1].seq]))))
+    run(1.0)
+    (to_succ,) = sent(Kind.PROTO, "sink-0")  # drained: now the successors
+    wire.events.append(proto("sink-0", 2, to_succ.body["round"]))
+    run(1.0)
+    assert w._exit is not None and w.scaling.terminated  # noqa: SLF001
