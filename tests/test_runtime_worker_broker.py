@@ -476,3 +476,36 @@ def test_a_fenced_transport_reconnects_only_when_allowed(mosquitto) -> None:
             t.poll(0.1)
         assert t.connected and not t.reconnect_held
         t.close(final=True)
+
+
+@pytest.mark.broker
+def test_a_qos1_publish_whose_write_fails_is_kept_by_paho_and_arrives_after_the_reconnect(mosquitto) -> None:
+    """paho takes a QoS 1 message into its store before writing it; a write that fails (the broker
+    went away under it: MQTT_ERR_CONN_LOST) leaves it there and paho sends it after the
+    reconnect. So it is not a rejection: rejecting it put it in the worker's retry queue as well
+    (a second copy) and, worse, held every later publish behind it (chaos seed 5002)."""
+    import socket
+
+    from agent.runtime.spec import BrokerSpec
+    from agent.runtime.transport import Received, Transport
+
+    topic = "fog/test/inbox/connlost-0"
+    sub = Transport("fog-test-connlost-sub", BrokerSpec(mosquitto.host, mosquitto.port), persistent=False)
+    pub = Transport("fog-test-connlost-pub", BrokerSpec(mosquitto.host, mosquitto.port))
+    try:
+        sub.connect()
+        sub.subscribe(topic)
+        pub.connect()
+        pub.client.socket().shutdown(socket.SHUT_RDWR)  # the connection dies under the next write
+        pub.publish(topic, b"kept", qos=1)  # must not raise PublishRejected
+        assert pub.rejected == 0 and pub.pending_out() == 1
+        got: list = []
+        deadline = time.monotonic() + 15
+        while b"kept" not in got and time.monotonic() < deadline:
+            pub.poll(0.05)
+            sub.poll(0.05)
+            got += [e.payload for e in sub.take_events() if isinstance(e, Received)]
+        assert got == [b"kept"] and pub.reconnects >= 1
+    finally:
+        pub.close(final=True)
+        sub.close()
