@@ -155,7 +155,7 @@ class Worker:
         self.queues: Dict[str, Deque[Envelope]] = {}
         self.pending_pub: Dict[int, int] = {}  # mid -> lowest process index it carries
         self.sink_wait: Deque[int] = deque()  # a deferred sink's record() calls not recorded yet
-        self.retry: Deque[Tuple[str, bytes, int]] = deque()  # (topic, payload, lowest index)
+        self.retry: Deque[Tuple[str, bytes, Optional[int]]] = deque()  # (topic, payload, lowest index)
         self.ack_due: Dict[str, Tuple[int, int]] = {}  # sender -> (its epoch, data seq)
         self.ack_since: Optional[float] = None
         self.busy_until = 0.0
@@ -710,24 +710,29 @@ class Worker:
             except PublishRejected:
                 break
             self.retry.popleft()
-            self.pending_pub[mid] = low
+            if low is not None:
+                self.pending_pub[mid] = low
 
-    def _publish_tracked(self, topic: str, payload: bytes, low: int) -> None:
-        """Publish after whatever paho refused earlier (order); the inputs from index `low` on
-        stay unacked until the broker PUBACKs."""
+    def _publish_tracked(self, topic: str, payload: bytes, low: Optional[int]) -> None:
+        """Publish after whatever paho refused earlier (order). With `low`, the inputs from that
+        index on stay unacked upstream until the broker PUBACKs (data we forward); None for our
+        own acks and protocol messages, which carry no input."""
         if not self.retry:
             try:
-                self.pending_pub[self.transport.publish(topic, payload)] = low
-                return
+                mid = self.transport.publish(topic, payload)
             except PublishRejected as exc:
                 self.stats["publish_rejected"] += 1
                 log.warning("%s; will retry", exc, extra=self.ctx)
+            else:
+                if low is not None:
+                    self.pending_pub[mid] = low
+                return
         self.retry.append((topic, payload, low))
 
     def send_envelope(self, dest: str, kind: Kind, body: Any) -> None:
         """Acks and protocol messages: numbered on the same channel as the data (invariant 1)."""
         env = Envelope(self.spec.instance, self.epoch, self.outbound.take(dest), kind, body)
-        self._publish_tracked(topics.inbox(self.spec.cluster, dest), encode(env), self.tracker.last_index + 1)
+        self._publish_tracked(topics.inbox(self.spec.cluster, dest), encode(env), None)
 
     def _lowest_pending(self) -> Optional[int]:
         """The lowest input index whose outputs are not all acked by the successors yet.
@@ -743,8 +748,7 @@ class Worker:
             lows.append(lo)
         if self.pending_pub:
             lows.append(min(self.pending_pub.values()))
-        if self.retry:
-            lows.append(min(r[2] for r in self.retry))
+        lows += [r[2] for r in self.retry if r[2] is not None]
         if self.sink_wait:
             lows.append(self.sink_wait[0])
         return min(lows) if lows else None
