@@ -552,3 +552,35 @@ def test_a_departing_copy_drains_data_queued_behind_a_duplicate_deletion_ack(tmp
     wire.events.append(proto("sink-0", 2, to_succ.body["round"]))
     run(1.0)
     assert w._exit is not None and w.scaling.terminated  # noqa: SLF001
+
+
+def test_a_rehomed_copy_numbers_its_rounds_above_any_its_dead_incarnation_used(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Chaos seed 9310: a copy re-homed after its node died numbered its rounds from 1 again (its
+    state went with the node). Its predecessor had applied round 1 of the dead incarnation (a
+    duplication), so the new round 1, a Deletion, looked like a repeat: acked, not applied. The
+    copy left, the predecessor kept routing records to it. A re-homed instance (`min_epoch`)
+    numbers its rounds above anything the dead one can have used, so the neighbour applies them."""
+    import dataclasses
+    import os
+
+    from agent.protocol.messages import Duplication, from_dict
+    from agent.runtime.envelope import Kind, decode
+    from agent.runtime.recovery import RoundMemory
+    from agent.runtime.worker import Worker
+
+    clock = [100.0]
+    _, _, _, keeper, _ = _creator_and_idle_copy(tmp_path)
+    memory = RoundMemory()  # the predecessor applied round 1 of the dead incarnation
+    memory.applied_now(Duplication("work-y", 1, 1, ("work-z",)))
+    for rehomed, applies in ((False, False), (True, True)):
+        extra = {**keeper.spec.extra, "creator": "work-0", **({"min_epoch": 1_795_535_791} if rehomed else {})}
+        spec = dataclasses.replace(keeper.spec, instance="work-y", keeper=False, active=True, preds=("source-0",),
+                                   succs=("sink-0",), restart=rehomed, state_dir=str(tmp_path / f"s{rehomed}"), extra=extra)
+        wire = _Wire()
+        w = Worker(spec, out=open(os.devnull, "w"), clock=lambda: clock[0], transport=wire)  # noqa: SIM115
+        w.start()
+        w.scaling.force("terminate", 1)
+        clock[0] += 1.0
+        w.step(clock[0])
+        (deletion,) = [from_dict(decode(p).body) for _, p in wire.sent if decode(p).kind is Kind.PROTO]
+        assert (memory.replay_ack(deletion, "source-0", 0) is None) is applies, (rehomed, deletion)

@@ -1044,6 +1044,14 @@ class _ScalingDriver:
                 CreateInstance(spec.instance, spec.operator, worker.stage, creator), self.params,
                 incarnation=worker.epoch,
             )
+        if not (spec.restart and saved.get("scaling")) and spec.extra.get("min_epoch"):
+            # Re-homed (agent.runtime.rehome): the dead incarnation's round numbers went with its
+            # state, and each neighbour remembers the last round of ours it applied (RoundMemory):
+            # a round numbered from 1 again looks like a repeat, is acked and NOT applied (chaos
+            # seed 9310: a re-homed copy's Deletion acked by a predecessor that kept routing
+            # records to it after it left). Start above any round it used: min_epoch is
+            # wall-clock seconds, and no incarnation runs a thousand rounds a second.
+            self.core.round = max(self.core.round, int(spec.extra["min_epoch"]) * 1000)
         self.log = RoundLog([op.name for op in worker.pipeline.operators], spec.operator)
         self.log.observe(self.core, time.monotonic(), time.time())
         self.lock_counts: Dict[str, Dict[str, int]] = {"in": {}, "out": {}}
