@@ -3,6 +3,8 @@ resend on silence. The live path (a creator killed mid-round) is in test_reliabi
 
 from __future__ import annotations
 
+from typing import Optional
+
 import pytest
 
 from agent.policy.decentralized import ScalingParams
@@ -492,6 +494,24 @@ def test_a_refused_ack_of_a_sink_is_published_later_and_later_acks_follow(tmp_pa
     assert not w.retry
 
 
+def _active_copy(tmp_path, clock: list, restart: bool = False, extra: Optional[dict] = None):  # type: ignore[no-untyped-def]
+    """An active, started copy work-y of source -> work -> sink (creator work-0) on an in-memory
+    wire, its clock in `clock[0]`; `extra` adds to its spec's extra. Returns (worker, wire)."""
+    import dataclasses
+    import os
+
+    from agent.runtime.worker import Worker
+
+    _, _, _, keeper, _ = _creator_and_idle_copy(tmp_path)
+    spec = dataclasses.replace(keeper.spec, instance="work-y", keeper=False, active=True, preds=("source-0",),
+                               succs=("sink-0",), restart=restart,
+                               extra={**keeper.spec.extra, "creator": "work-0", **(extra or {})})
+    wire = _Wire()
+    w = Worker(spec, out=open(os.devnull, "w"), clock=lambda: clock[0], transport=wire)  # noqa: SIM115
+    w.start()
+    return w, wire
+
+
 def test_a_departing_copy_drains_data_queued_behind_a_duplicate_deletion_ack(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Chaos seed 9121 (a partition): the copy's Deletion got no answer for 10 s and was sent
     again, so its predecessor acked the round twice, then replayed batches the copy had not
@@ -501,23 +521,13 @@ def test_a_departing_copy_drains_data_queued_behind_a_duplicate_deletion_ack(tmp
     a departing copy for ever and the records it held lost. While draining, the predecessors
     have all removed us, so only repeats can come: they are handled (a repeat is a counted
     no-op), and the data behind them drains."""
-    import dataclasses
-    import os
-
     from agent import topics
-    from agent.protocol.messages import DeletionAck
     from agent.runtime.envelope import Envelope, Kind, decode, encode, encode_data
     from agent.runtime.taxi import sample
     from agent.runtime.transport import Received
-    from agent.runtime.worker import Worker
 
     clock = [100.0]
-    _, _, _, keeper, _ = _creator_and_idle_copy(tmp_path)
-    spec = dataclasses.replace(keeper.spec, instance="work-y", keeper=False, active=True, preds=("source-0",),
-                               succs=("sink-0",), extra={**keeper.spec.extra, "creator": "work-0"})
-    wire = _Wire()
-    w = Worker(spec, out=open(os.devnull, "w"), clock=lambda: clock[0], transport=wire)  # noqa: SIM115
-    w.start()
+    w, wire = _active_copy(tmp_path, clock)
     inbox = topics.inbox("c", "work-y")
     recs = sample(1, 12)
 
@@ -560,25 +570,14 @@ def test_a_rehomed_copy_numbers_its_rounds_above_any_its_dead_incarnation_used(t
     duplication), so the new round 1, a Deletion, looked like a repeat: acked, not applied. The
     copy left, the predecessor kept routing records to it. A re-homed instance (`min_epoch`)
     numbers its rounds above anything the dead one can have used, so the neighbour applies them."""
-    import dataclasses
-    import os
-
-    from agent.protocol.messages import Duplication, from_dict
     from agent.runtime.envelope import Kind, decode
-    from agent.runtime.recovery import RoundMemory
-    from agent.runtime.worker import Worker
 
     clock = [100.0]
-    _, _, _, keeper, _ = _creator_and_idle_copy(tmp_path)
     memory = RoundMemory()  # the predecessor applied round 1 of the dead incarnation
     memory.applied_now(Duplication("work-y", 1, 1, ("work-z",)))
     for rehomed, applies in ((False, False), (True, True)):
-        extra = {**keeper.spec.extra, "creator": "work-0", **({"min_epoch": 1_795_535_791} if rehomed else {})}
-        spec = dataclasses.replace(keeper.spec, instance="work-y", keeper=False, active=True, preds=("source-0",),
-                                   succs=("sink-0",), restart=rehomed, state_dir=str(tmp_path / f"s{rehomed}"), extra=extra)
-        wire = _Wire()
-        w = Worker(spec, out=open(os.devnull, "w"), clock=lambda: clock[0], transport=wire)  # noqa: SIM115
-        w.start()
+        w, wire = _active_copy(tmp_path / f"s{rehomed}", clock, restart=rehomed,
+                               extra={"min_epoch": 1_795_535_791} if rehomed else {})
         w.scaling.force("terminate", 1)
         clock[0] += 1.0
         w.step(clock[0])
