@@ -499,13 +499,8 @@ class Worker:
                     self._process_data(env, now)
                     progress = True
                 else:
-                    # Earlier outputs still running: keep the order of effects. Except while our
-                    # deletion round's Drain waits for our input to empty: every predecessor has
-                    # removed us, so only repeats come now (the second ack of a re-sent Deletion,
-                    # a counted no-op); held, one held the data behind it, which the Drain waits
-                    # for: a departing copy for ever (chaos seed 9121).
-                    if self.scaling is not None and self.scaling.blocked and not self.scaling.draining:
-                        continue
+                    if self.scaling is not None and self.scaling.blocked:
+                        continue  # earlier outputs still running: keep the order of effects
                     q.popleft()
                     self._on_protocol(env)
                     progress = True
@@ -1114,7 +1109,12 @@ class _ScalingDriver:
 
     @property
     def blocked(self) -> bool:
-        return bool(self.outputs)
+        """Protocol messages wait while earlier outputs run (the order of effects). Except while
+        our deletion round's Drain waits for our input to empty: every predecessor has removed
+        us, so only repeats come now (the second ack of a re-sent Deletion, a counted no-op);
+        held, one held the data behind it, which the Drain waits for: a departing copy for ever
+        (chaos seed 9121)."""
+        return bool(self.outputs) and not self.draining
 
     @property
     def duplicating(self) -> bool:
