@@ -325,8 +325,8 @@ class _DigestSet:
     """A set of fixed-width digests in one flat bytearray (open addressing, linear probing).
 
     Why: a Python set of 16-byte `bytes` costs ~90 bytes per element (object header, allocator
-    rounding, set slot); this table costs `width` bytes per slot at a load factor <= 2/3, ~24-48
-    bytes per state, so 2+2 x 2 requests fits in a few hundred MB. The empty slot is all zero
+    rounding, set slot); this table costs `width` bytes per slot at a load factor <= 2/3, 1.5 to
+    3 x `width` bytes per state (24-48 for the default 16). The empty slot is all zero
     bytes; a stored digest has its lowest bit forced to 1 (8 * width - 1 bits remain, see
     `collision_bound`). `fixed=True` never doubles (doubling holds the old and the new table at
     once, 3x the memory at the worst moment): the table is allocated at its final size and
