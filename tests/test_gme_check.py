@@ -126,6 +126,47 @@ def test_hash_compaction_explores_the_same_states_and_bounds_collisions():
         exhaustive_check("2fgme", (2, 2), 1, symmetry=True, hash_states=True, digest_slots=1 << 4)
 
 
+@pytest.mark.parametrize("sizes,requests", [((1, 1), 3), ((2, 1), 2), ((2, 2), 1), ((3, 1), 1)])
+@pytest.mark.parametrize("symmetry", [False, True])
+def test_dead_variable_merging_is_a_bisimulation_on_every_reached_state(sizes, requests, symmetry):
+    """check_merges computes the steps of every merged state too: each one must send what its
+    class sends and move to the class its class moves to (else ReductionUnsound). Fewer states,
+    the same verdict."""
+    merged = exhaustive_check("2fgme", sizes, requests, symmetry=symmetry, merge_dead=True, check_merges=True)
+    plain = exhaustive_check("2fgme", sizes, requests, symmetry=symmetry)
+    assert merged.merged and not plain.merged
+    assert merged.ok and plain.ok, (merged.first_failure, plain.first_failure)
+    assert merged.states < plain.states
+    assert merged.schedules == 1  # every run ends with all nodes done and nothing in flight
+
+
+@pytest.mark.parametrize("fault,sizes,requests", [
+    ("skip_acks_to_ign", (2, 1), 2), ("skip_acks_to_ign", (2, 2), 1), ("undo_deviation_3", (2, 2), 2),
+])
+def test_dead_variable_merging_keeps_the_seeded_faults_visible(fault, sizes, requests):
+    r = exhaustive_check("2fgme", sizes, requests, fault=fault, symmetry=True, merge_dead=True, check_merges=True)
+    assert r.safety_violations == 1, r.first_failure
+    assert r.trace
+
+
+def test_dead_variable_merging_refuses_a_live_variable_left_out(monkeypatch):
+    """A live snapshot that forgets a variable still read (the Lamport clock of an idle node, which
+    its next Req carries) merges states that behave differently: the class check must say so."""
+    from agent.protocol.gme_base import GmeState
+    from agent.protocol.gme_fgme import FgmeNode
+    from agent.sim.gme_check import ReductionUnsound
+
+    right = FgmeNode.live_snapshot
+
+    def wrong(self, requests_left):
+        s = right(self, requests_left)
+        return (s[0],) + s[2:] if self.state is GmeState.IDLE and requests_left else s
+
+    monkeypatch.setattr(FgmeNode, "live_snapshot", wrong)
+    with pytest.raises(ReductionUnsound, match="equal live snapshots"):
+        exhaustive_check("2fgme", (2, 1), 2, merge_dead=True)
+
+
 def test_acyclicity_guard_rejects_a_protocol_that_can_loop(monkeypatch):
     """Liveness and the reduction's soundness need an acyclic state graph; a ping-pong protocol
     (an answer to every message) must make the checker refuse, not report 'ok'."""
@@ -230,9 +271,12 @@ def test_cli_bench_gme_check(capsys):
 
     assert main(["bench", "gme-check", "--groups", "2,1", "--requests", "2", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["verdict"] == "ok" and report["reduction"] and report["symmetry"]
-    assert report["states"] > 5_000 and report["terminal_states"] == 44
+    assert report["verdict"] == "ok" and report["reduction"] and report["symmetry"] and report["merge_dead"]
+    assert report["states"] > 5_000 and report["terminal_states"] == 1  # all done, nothing in flight
     args = ["bench", "gme-check", "--groups", "2,1", "--requests", "2", "--json"]
+    assert main(args + ["--no-merge"]) == 0
+    unmerged = json.loads(capsys.readouterr().out)
+    assert unmerged["terminal_states"] == 44 and unmerged["states"] > report["states"]
     assert main(args + ["--fault", "skip_acks_to_ign"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert report["verdict"] == "violation" and report["safety_violations"] == 1 and report["trace"]

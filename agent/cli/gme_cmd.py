@@ -36,6 +36,10 @@ def register(groups: Any) -> None:
     c.add_argument("--no-symmetry", action="store_true", help="no symmetry reduction (2-FGME only)")
     c.add_argument("--hash-states", action="store_true",
                    help="store 128-bit digests of the states (hash compaction; reports the collision bound)")
+    c.add_argument("--no-merge", action="store_true",
+                   help="no dead-variable merging (states equal but for variables never read again; 2-FGME)")
+    c.add_argument("--digest-slots-log2", type=int, default=None, metavar="K",
+                   help="with --hash-states: one table of 2^K 12-byte slots, sized once (for runs that fill the memory)")
     c.add_argument("--fault", default=None, help="seeded bug in the protocol (2-FGME: skip_acks_to_ign)")
     c.add_argument("--max-states", type=int, default=500_000_000)
     c.add_argument("--progress", action="store_true", help="print a line per million states on stderr")
@@ -108,6 +112,8 @@ def run_check(args: argparse.Namespace) -> int:
         args.algorithm, sizes, args.requests, fault=args.fault, max_states=args.max_states,
         symmetry=not args.no_symmetry, reduction=not args.no_reduction,
         hash_states=args.hash_states, progress=progress if args.progress else None,
+        merge_dead=not args.no_merge,
+        digest_slots=1 << args.digest_slots_log2 if args.hash_states and args.digest_slots_log2 else None,
     )
     report: Dict[str, Any] = {
         "algorithm": args.algorithm,
@@ -117,6 +123,7 @@ def run_check(args: argparse.Namespace) -> int:
         "verdict": "ok" if r.ok else "violation",
         "reduction": r.reduced,
         "symmetry": r.symmetry,
+        "merge_dead": r.merged,
         "hash_states": r.hashed,
         "collision_bound": r.collision_bound,
         "states": r.states,

@@ -294,6 +294,54 @@ class FgmeNode(GmeNode):
         new.acks_rcvd = {perm[k] for k in self.acks_rcvd}
         return new
 
+    def live_snapshot(self, requests_left: int) -> Tuple[object, ...]:
+        """`snapshot()` without the variables no future step reads before writing them.
+
+        Why: the exhaustive checker merges global states that differ only in dead variables
+        (they send the same messages and enter at the same points under every schedule). Two
+        nodes with equal live snapshots must react to every input with the same sends and with
+        successors whose live snapshots are equal again; the checker verifies this on every
+        transition it computes (`exhaustive_check`, dead-variable merging). By state:
+
+        - IDLE, no request left: answers each Req with Ack(epoch of the Req) (line 20: req_clock
+          is infinite, line 24 false), sends nothing on Ack or End (`_resume` needs REQUESTING),
+          never requests or exits again. Nothing else is read.
+        - IDLE with requests left: `request()` reads lc, epoch, competitors_authorized and
+          reqs_to_send (kept, line 11: a Req sent to all does not clear it); it resets acks_rcvd
+          and req_first_epoch = epoch + 1 makes every acks_to_ign / sent_epoch value (all <= epoch)
+          irrelevant; waiting_reqs is empty (cleared at exit, filled only outside IDLE).
+        - IN_CS: Reqs are queued (line 54), Acks ignored, `exit()` reads lc, waiting_reqs,
+          competitors_authorized and sets req_clock, acks_to_ign; sent_epoch and
+          req_first_epoch are overwritten before the next read (as in IDLE), acks_rcvd too.
+        - REQUESTING: everything, except acks_to_ign / sent_epoch entries below req_first_epoch
+          (an Ack answering such an epoch is stale by `m.epoch < req_first_epoch` already).
+        `entries` only counts, for the checker's measure.
+        """
+        s = self.state
+        if s is GmeState.IDLE:
+            if requests_left == 0:
+                return (s.value,)
+            return (s.value, self.lc, self.epoch, self.competitors_authorized, frozenset(self.reqs_to_send))
+        if s is GmeState.IN_CS:
+            return (
+                s.value, self.lc, self.epoch, tuple(sorted(self.waiting_reqs.items())),
+                frozenset(self.reqs_to_send), self.competitors_authorized,
+            )
+        first = self.req_first_epoch
+        return (
+            s.value,
+            self.req_clock,
+            self.lc,
+            tuple(sorted(self.waiting_reqs.items())),
+            frozenset(self.reqs_to_send),
+            tuple(sorted((k, e) for k, e in self.acks_to_ign.items() if e >= first)),
+            self.epoch,
+            first,
+            tuple(sorted((k, e) for k, e in self.sent_epoch.items() if e >= first)),
+            self.competitors_authorized,
+            frozenset(self.acks_rcvd),
+        )
+
     def snapshot(self) -> Tuple[object, ...]:
         return (
             self.state.value,

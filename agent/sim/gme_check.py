@@ -13,10 +13,10 @@ Properties checked:
 - safety (every reached state): no two nodes of different groups are in the CS together;
 - liveness (every terminal state, i.e. nothing enabled): every node made all its requests and
   entered the CS for each of them; a terminal state with a node still requesting is a deadlock.
-Every run is finite: each step strictly increases a measure of the global state (see
-`exhaustive_check`; the checker verifies it on every local transition it computes), so the state
-graph is acyclic and "every terminal state is good" means every request is eventually served
-under every schedule.
+Each step strictly increases a measure of the global state (the checker verifies it on every
+local transition it computes), so the state graph is acyclic, and a search that terminates shows
+that every run is finite (`exhaustive_check` gives the argument): "every terminal state is good"
+then means every request is eventually served under every schedule.
 
 The exhaustive search reduces the interleavings it explores (persistent sets with the
 visibility condition), the states it stores (symmetry inside a group, for 2-FGME) and the memory
@@ -89,6 +89,7 @@ class CheckResult:
     hashed: bool = False  # exhaustive search: visited set by 128-bit digests (hash compaction)
     symmetry: bool = False  # exhaustive search: states matched up to in-group permutations
     full_expansions: int = 0  # exhaustive search with reduction: states where T = all enabled
+    merged: bool = False  # exhaustive search: states equal up to dead variables matched
     collision_bound: Optional[float] = None  # P(some state skipped by a digest collision) <= this
     first_failure: Optional[str] = None
     trace: List[str] = field(default_factory=list)
@@ -225,6 +226,15 @@ class _LocalStates:
         self.memo: Dict[Tuple[int, str, int], Tuple[int, Tuple[Tuple[int, int], ...]]] = {}
         self.renames: Dict[Tuple[int, Tuple[int, ...]], int] = {}
         self.renames_msg: Dict[Tuple[int, Tuple[int, ...]], int] = {}
+        # dead-variable merging (`exhaustive_check(merge_dead=True)`): classes of
+        # (local state, requests left) with equal `live_snapshot`, and what a class does
+        self.merge = False
+        self.stride = 1  # requests + 1: (sid, left) is keyed as sid * stride + left
+        self.class_ids: Dict[Tuple[int, object], int] = {}
+        self.class_of: Dict[int, int] = {}
+        self.class_rep: List[Tuple[int, int]] = []  # class -> (a local state in it, left)
+        self.class_steps: Dict[Tuple[int, str, int], Tuple[Tuple[Tuple[int, int], ...], int]] = {}
+        self.class_renames: Dict[Tuple[int, Tuple[int, ...]], int] = {}
         self.initial = tuple(self.intern(i, x) for i, x in enumerate(nodes))
 
     def intern(self, index: int, node: GmeNode) -> int:
@@ -261,6 +271,36 @@ class _LocalStates:
             self.renames_msg[key] = r
         return r
 
+    def klass(self, sid: int, left: int) -> int:
+        """The class of local state `sid` with `left` requests to make: equal live snapshots."""
+        k = sid * self.stride + left
+        c = self.class_of.get(k)
+        if c is None:
+            node = self.objs[sid]
+            key = (node.id, left, node.live_snapshot(left))  # type: ignore[attr-defined]
+            c = self.class_ids.get(key)
+            if c is None:
+                c = self.class_ids[key] = len(self.class_rep)
+                self.class_rep.append((sid, left))
+            self.class_of[k] = c
+        return c
+
+    def rename_class(self, c: int, perm: Tuple[int, ...]) -> int:
+        """The class of the renamed members of class `c` (renaming commutes with the live
+        snapshot: `renamed` renames every field; `check_rename` verifies it per member)."""
+        key = (c, perm)
+        r = self.class_renames.get(key)
+        if r is None:
+            sid, left = self.class_rep[c]
+            r = self.class_renames[key] = self.klass(self.rename(sid, perm), left)
+        return r
+
+    def check_rename(self, sid: int, left: int, perms: Sequence[Tuple[int, ...]]) -> None:
+        c = self.klass(sid, left)
+        for p in perms:
+            if self.klass(self.rename(sid, p), left) != self.rename_class(c, p):
+                raise ReductionUnsound(f"renaming local state {sid} by {p} does not commute with its live snapshot")
+
     def step(self, index: int, sid: int, kind: str, mid: int) -> Tuple[int, Tuple[Tuple[int, int], ...]]:
         """(next local state, ((to, message id), ...)); raises what the core raises."""
         key = (sid, kind, mid)
@@ -288,8 +328,24 @@ class _LocalStates:
                 sends.append((o[0], k))
         res = (self.intern(index, x), tuple(sends))
         self._check_step(index, sid, kind, mid, res)
+        if self.merge:
+            self._check_class_step(sid, kind, mid, res)
         self.memo[key] = res
         return res
+
+    def _check_class_step(self, sid: int, kind: str, mid: int, res: Tuple[int, Tuple[Tuple[int, int], ...]]) -> None:
+        """Dead-variable merging's assumption, for one local transition: every local state of a
+        class, for the same input, sends the same messages and moves to one class."""
+        nsid, sends = res
+        for left in range(1 if kind == "request" else 0, self.stride):
+            after = left - 1 if kind == "request" else left
+            val = (sends, self.klass(nsid, after))
+            old = self.class_steps.setdefault((self.klass(sid, left), kind, mid), val)
+            if old != val:
+                raise ReductionUnsound(
+                    f"local states {self.class_rep[self.klass(sid, left)][0]} and {sid} have equal live "
+                    f"snapshots but differ on {kind} {self.msgs[mid] if mid >= 0 else ''}: {old} vs {val}"
+                )
 
     def _check_step(
         self, index: int, sid: int, kind: str, mid: int, res: Tuple[int, Tuple[Tuple[int, int], ...]]
@@ -392,6 +448,8 @@ def exhaustive_check(
     progress: Optional[Callable[[CheckResult], None]] = None,
     progress_every: int = 1_000_000,
     digest_slots: Optional[int] = None,
+    merge_dead: bool = False,
+    check_merges: bool = False,
 ) -> CheckResult:
     """Explore every reachable state up to the reductions below (DFS). Stops at the first violation.
 
@@ -409,9 +467,15 @@ def exhaustive_check(
     Acyclicity (needed by liveness AND by the reduction's soundness proof): every transition
     strictly increases, lexicographically, (sum of the nodes' progress counters `_PROGRESS`,
     requests made, sum of 2*entries - in_cs, -Reqs in flight, -other messages in flight), all
-    functions of the global state. So the full state graph has no cycle, every run is finite and
-    ends in a terminal state, and "every terminal state is good" means every request is served
-    under every schedule. By inspection of the cores: 2-FGME's Req handler sends no Req and
+    functions of the global state. So the full state graph has no cycle. A strictly increasing
+    measure alone does not bound a run (the epochs are unbounded integers); finiteness follows
+    from the search terminating: an infinite run from an explored state s has an infinite
+    continuation from an explored successor of s (below: move the first transition of the
+    persistent set T to the front, or, if the run has none, put any t in T first; t stays enabled
+    and commutes with the whole run), so the explored graph, acyclic too (see merging below),
+    would be infinite. A finite search thus means no infinite run, a finite full graph
+    (finitely branching, König), every run ends in a terminal state, and "every terminal state
+    is good" means every request is served under every schedule. By inspection of the cores: 2-FGME's Req handler sends no Req and
     leaves the epoch; its Ack and End handlers send Reqs only through `_multicast_req` (epoch
     +1), else enter or send nothing; RA1 sends Reqs only in `request()`; RA2's Start messages
     raise VF (`_capture`), VF only grows (`_merge` takes maxima), and its handlers otherwise
@@ -452,6 +516,20 @@ def exhaustive_check(
     explored. It composes with (1)-(2) above: a successor matched up to symmetry has a symmetric
     image explored, from which the symmetric image of every terminal/bad state is reached.
 
+    Dead-variable merging (`merge_dead=True`, cores with `live_snapshot(left)`: 2-FGME). The
+    node part of the matched key holds, instead of a local state, its class: the node, its
+    requests left, and its live snapshot (the variables a future step can read before writing
+    them; the core's docstring argues it per state). Two states with equal keys are bisimilar:
+    each node's classes react to every input with the same sends and successor classes, and the
+    channels and budgets are equal. Every computed local transition is checked for this against
+    the class's first recorded answer, for each number of requests left (`ReductionUnsound`
+    otherwise); `check_merges=True` also computes the steps of every state matched to an
+    explored one, so on small sizes the bisimulation is checked on every reached state (tests).
+    Merged states are matched like symmetric ones and compose with (1)-(2) the same way. Two
+    states of one path with equal keys have equal measures (the same nodes are finished, and a
+    finished node never changes its epoch again; entries follow from budget and state), so no
+    path returns to its own key and the matched graph stays acyclic.
+
     Visited set: exact (`hash_states=False`: the canonical state, a flat tuple of small ints, as
     bytes in a Python set, ~150 bytes per state) or hash compaction (`hash_states=True`: a 128-bit
     BLAKE2b digest of it, one bit forced to 1, in `_DigestSet`, ~30 bytes per state). With hash
@@ -466,6 +544,9 @@ def exhaustive_check(
     n = len(nodes0)
     groups = [x.group for x in nodes0]
     ls = _LocalStates(nodes0, _PROGRESS.get(algorithm, lambda x: 0))
+    merge = ls.merge = merge_dead and hasattr(nodes0[0], "live_snapshot")
+    ls.stride = requests + 1
+    res.merged = merge
     in_cs_of, idle_of = ls.in_cs, ls.idle
     # who may send to whom: the competitors (2-FGME) or every other node (RA1, RA2)
     senders: List[Tuple[int, ...]] = [
@@ -510,6 +591,7 @@ def exhaustive_check(
                     perm[src] = dst
             if tuple(perm) != tuple(range(n)):
                 perms.append(tuple(perm))
+    rename_node = ls.rename_class if merge else ls.rename  # what the node part of a key holds
     # per permutation: where each position of the state goes, and memos of renamed ids
     res.symmetry = bool(perms)
     perm_pos = [
@@ -534,7 +616,7 @@ def exhaustive_check(
                 sid = state[k]
                 r = sr.get(sid)
                 if r is None:
-                    r = sr[sid] = ls.rename(sid, p)
+                    r = sr[sid] = rename_node(sid, p)
                 nodes_img[p[k]] = r
             t_nodes = tuple(nodes_img)
             if t_nodes > best_nodes:
@@ -581,16 +663,23 @@ def exhaustive_check(
         exact.add(b)
         return True
 
-    start_state = tuple(ls.initial) + (requests,) * n + (0,) * nch
-    add(canonical(start_state))
-    stack: List[Tuple[Any, ...]] = [(start_state, None)]
-    res.states = 1
-    next_report = progress_every
-    KINDS = {_REQUEST: "request", _EXIT: "exit"}
+    checked_renames: Set[int] = set()
 
-    while stack:
-        state, path = stack.pop()
-        # enabled events per node: _REQUEST, _EXIT, or the sender whose channel head is delivered
+    def key(t: Tuple[int, ...]) -> Tuple[int, ...]:
+        """What the visited set matches: the node part as classes of equal live snapshots (with
+        `merge`), then the smallest image under the in-group permutations."""
+        if merge:
+            if check_merges:
+                for i in range(n):
+                    if t[i] * ls.stride + t[L0 + i] not in checked_renames:
+                        checked_renames.add(t[i] * ls.stride + t[L0 + i])
+                        ls.check_rename(t[i], t[L0 + i], perms)
+            t = tuple([ls.klass(t[i], t[L0 + i]) for i in range(n)]) + t[n:]
+        return canonical(t) if perms else t
+
+    def events(state: Tuple[int, ...]) -> Tuple[List[List[int]], int]:
+        """Enabled events per node (_REQUEST, _EXIT, or the sender whose channel head is
+        delivered) and their number."""
         ev_of: List[List[int]] = []
         total = 0
         for i in range(n):
@@ -605,6 +694,39 @@ def exhaustive_check(
                     e.append(b)
             ev_of.append(e)
             total += len(e)
+        return ev_of, total
+
+    def head_of(state: Tuple[int, ...], i: int, code: int) -> int:
+        if code < 0:
+            return -1
+        cid = state[slot[(code, i)]]
+        hp = pop_memo.get(cid)
+        if hp is None:
+            q = chan_objs[cid]
+            hp = pop_memo[cid] = (q[0], intern_chan(q[1:]))
+        return hp[0]
+
+    def step_of(state: Tuple[int, ...], i: int, code: int) -> Tuple[int, Tuple[Tuple[int, int], ...]]:
+        return ls.step(i, state[i], KINDS.get(code, "deliver"), head_of(state, i, code))
+
+    def touch(state: Tuple[int, ...]) -> None:
+        """`check_merges`: a merged state's steps are computed too, so that every step of every
+        reached state goes through the class check (not only those of the explored member)."""
+        ev_of, _ = events(state)
+        for i in range(n):
+            for code in ev_of[i]:
+                step_of(state, i, code)
+
+    KINDS = {_REQUEST: "request", _EXIT: "exit"}
+    start_state = tuple(ls.initial) + (requests,) * n + (0,) * nch
+    add(key(start_state))
+    stack: List[Tuple[Any, ...]] = [(start_state, None)]
+    res.states = 1
+    next_report = progress_every
+
+    while stack:
+        state, path = stack.pop()
+        ev_of, total = events(state)
         if total == 0:
             res.schedules += 1
             if any(state[L0:C0]) or not all(idle_of[state[i]] for i in range(n)):
@@ -613,19 +735,6 @@ def exhaustive_check(
                 res.trace = unwind(path)
                 return res
             continue
-
-        def head(i: int, code: int) -> int:
-            if code < 0:
-                return -1
-            cid = state[slot[(code, i)]]
-            hp = pop_memo.get(cid)
-            if hp is None:
-                q = chan_objs[cid]
-                hp = pop_memo[cid] = (q[0], intern_chan(q[1:]))
-            return hp[0]
-
-        def step(i: int, code: int) -> Tuple[int, Tuple[Tuple[int, int], ...]]:
-            return ls.step(i, state[i], KINDS.get(code, "deliver"), head(i, code))
 
         chosen: Optional[List[int]] = None  # nodes whose enabled events form T
         try:
@@ -657,7 +766,7 @@ def exhaustive_check(
                             ok = False  # exit() is visible
                             break
                         for code in ev_of[j]:
-                            if in_cs_of[step(j, code)[0]]:
+                            if in_cs_of[step_of(state, j, code)[0]]:
                                 ok = False  # this step enters the CS: visible
                                 break
                         if not ok:
@@ -674,12 +783,12 @@ def exhaustive_check(
                 for i in range(n):
                     if i not in chosen:
                         for code in ev_of[i]:
-                            step(i, code)
+                            step_of(state, i, code)
             for i in movers:
                 for code in ev_of[i]:
                     res.transitions += 1
-                    mid = head(i, code)
-                    nsid, sends = step(i, code)
+                    mid = head_of(state, i, code)
+                    nsid, sends = ls.step(i, state[i], KINDS.get(code, "deliver"), mid)
                     nxt = list(state)
                     nxt[i] = nsid
                     if code == _REQUEST:
@@ -700,7 +809,9 @@ def exhaustive_check(
                         res.trace = unwind(((i, code, mid), path))
                         return res
                     t = tuple(nxt)
-                    if not add(canonical(t) if perms else t):
+                    if not add(key(t)):
+                        if check_merges:
+                            touch(t)
                         continue
                     res.states += 1
                     if res.states > max_states:
