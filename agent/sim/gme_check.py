@@ -31,6 +31,7 @@ import copy
 import dataclasses
 import hashlib
 import itertools
+import mmap
 import random
 from array import array
 from collections import deque
@@ -395,7 +396,9 @@ class _DigestSet:
         self.mask = capacity - 1
         self.width = width
         self.fixed = fixed
-        self.table = bytearray(width * capacity)
+        # a fixed table is an anonymous mapping: zero pages come from the kernel on first touch,
+        # where PyPy's bytearray(n) needs about twice n while it builds it
+        self.table: Any = mmap.mmap(-1, width * capacity) if fixed else bytearray(width * capacity)
         self.size = 0
 
     def add(self, digest: bytes) -> bool:
