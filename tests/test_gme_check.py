@@ -167,6 +167,25 @@ def test_dead_variable_merging_refuses_a_live_variable_left_out(monkeypatch):
         exhaustive_check("2fgme", (2, 1), 2, merge_dead=True)
 
 
+@pytest.mark.parametrize("slots", [None, 1 << 16])
+def test_a_stopped_search_resumes_from_its_checkpoint(tmp_path, slots):
+    """A search longer than a session goes on from its last checkpoint: same states, transitions
+    and terminal states as one uninterrupted run, and it really starts where it was saved."""
+    kw = dict(symmetry=True, hash_states=True, merge_dead=True, digest_slots=slots)
+    whole = exhaustive_check("2fgme", (2, 1), 2, **kw)
+    ckpt = str(tmp_path / "search.ckpt")
+    with pytest.raises(RuntimeError, match="larger than 4000"):  # stands for the end of a session
+        exhaustive_check("2fgme", (2, 1), 2, checkpoint=ckpt, checkpoint_every=1500, max_states=4000, **kw)
+    seen = []
+    resumed = exhaustive_check("2fgme", (2, 1), 2, checkpoint=ckpt, checkpoint_every=1500,
+                               progress=lambda r: seen.append(r.states), progress_every=1, **kw)
+    assert seen[0] > 3000  # the saved DFS went on (3000 states at the second checkpoint)
+    assert resumed.ok
+    assert (resumed.states, resumed.transitions, resumed.schedules) == (whole.states, whole.transitions, whole.schedules)
+    with pytest.raises(ValueError, match="of another check"):
+        exhaustive_check("2fgme", (2, 1), 1, checkpoint=ckpt, **kw)
+
+
 def test_acyclicity_guard_rejects_a_protocol_that_can_loop(monkeypatch):
     """Liveness and the reduction's soundness need an acyclic state graph; a ping-pong protocol
     (an answer to every message) must make the checker refuse, not report 'ok'."""

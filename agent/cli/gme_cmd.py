@@ -40,6 +40,9 @@ def register(groups: Any) -> None:
                    help="no dead-variable merging (states equal but for variables never read again; 2-FGME)")
     c.add_argument("--digest-slots-log2", type=int, default=None, metavar="K",
                    help="with --hash-states: one table of 2^K 12-byte slots, sized once (for runs that fill the memory)")
+    c.add_argument("--checkpoint", default=None, metavar="PATH",
+                   help="save the search here now and then (PATH and PATH.table.N), and resume from it when it exists")
+    c.add_argument("--checkpoint-every", type=int, default=50_000_000, metavar="STATES")
     c.add_argument("--fault", default=None, help="seeded bug in the protocol (2-FGME: skip_acks_to_ign)")
     c.add_argument("--max-states", type=int, default=500_000_000)
     c.add_argument("--progress", action="store_true", help="print a line per million states on stderr")
@@ -112,7 +115,7 @@ def run_check(args: argparse.Namespace) -> int:
         args.algorithm, sizes, args.requests, fault=args.fault, max_states=args.max_states,
         symmetry=not args.no_symmetry, reduction=not args.no_reduction,
         hash_states=args.hash_states, progress=progress if args.progress else None,
-        merge_dead=not args.no_merge,
+        merge_dead=not args.no_merge, checkpoint=args.checkpoint, checkpoint_every=args.checkpoint_every,
         digest_slots=1 << args.digest_slots_log2 if args.hash_states and args.digest_slots_log2 else None,
     )
     report: Dict[str, Any] = {

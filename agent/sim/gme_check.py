@@ -32,6 +32,8 @@ import dataclasses
 import hashlib
 import itertools
 import mmap
+import os
+import pickle
 import random
 from array import array
 from collections import deque
@@ -439,6 +441,46 @@ class _DigestSet:
         return self.size
 
 
+def _save_checkpoint(
+    path: str, run_id: Tuple[object, ...], gen: int, parts: Dict[str, Any], digests: _DigestSet
+) -> None:
+    """Write everything the DFS needs to go on; the previous checkpoint stays valid until the new
+    one is complete (the visited table and the rest must be of the same moment: a table with
+    states added after the stack was saved would make the resumed search skip them unexplored)."""
+    table_path = f"{path}.table.{gen}"
+    with open(table_path, "wb") as f:
+        f.write(digests.table)
+    table = digests.table
+    digests.table = None  # type: ignore[assignment]
+    try:
+        with open(path + ".tmp", "wb") as f:
+            pickle.dump({"run_id": run_id, "gen": gen, "table_path": table_path, **parts, "digests": digests},
+                        f, protocol=pickle.HIGHEST_PROTOCOL)
+    finally:
+        digests.table = table
+    os.replace(path + ".tmp", path)
+    old = f"{path}.table.{gen - 1}"
+    if os.path.exists(old):
+        os.remove(old)
+
+
+def _load_checkpoint(path: str, run_id: Tuple[object, ...]) -> Optional[Dict[str, Any]]:
+    """The saved search, if `path` holds one for the same question (else a clear error)."""
+    if not os.path.exists(path):
+        return None
+    with open(path, "rb") as f:
+        saved = pickle.load(f)
+    if saved["run_id"] != tuple(run_id):
+        raise ValueError(f"checkpoint {path} is of another check {saved['run_id']}, not {tuple(run_id)}")
+    d = saved["digests"]
+    size = d.width * d.cap
+    d.table = mmap.mmap(-1, size) if d.fixed else bytearray(size)
+    with open(saved["table_path"], "rb") as f:
+        if f.readinto(d.table) != size:
+            raise ValueError(f"checkpoint table {saved['table_path']} is truncated")
+    return saved
+
+
 def exhaustive_check(
     algorithm: str,
     sizes: Sequence[int] = (2, 2),
@@ -453,6 +495,8 @@ def exhaustive_check(
     digest_slots: Optional[int] = None,
     merge_dead: bool = False,
     check_merges: bool = False,
+    checkpoint: Optional[str] = None,
+    checkpoint_every: int = 50_000_000,
 ) -> CheckResult:
     """Explore every reachable state up to the reductions below (DFS). Stops at the first violation.
 
@@ -546,7 +590,14 @@ def exhaustive_check(
     nodes0 = make_nodes(algorithm, sizes, fault)
     n = len(nodes0)
     groups = [x.group for x in nodes0]
-    ls = _LocalStates(nodes0, _PROGRESS.get(algorithm, lambda x: 0))
+    progress_of = _PROGRESS.get(algorithm, lambda x: 0)
+    ls = _LocalStates(nodes0, progress_of)
+    # what a checkpoint must match to be resumed: the question asked, not how it is answered
+    run_id = (algorithm, tuple(sizes), requests, fault, symmetry, reduction, hash_states, digest_slots, merge_dead)
+    saved = _load_checkpoint(checkpoint, run_id) if checkpoint else None
+    if saved is not None:
+        ls = saved["ls"]
+        ls.progress_of = progress_of
     merge = ls.merge = merge_dead and hasattr(nodes0[0], "live_snapshot")
     ls.stride = requests + 1
     res.merged = merge
@@ -566,8 +617,8 @@ def exhaustive_check(
     out_slot = [{to: slot[(i, to)] for to in range(n) if (i, to) in slot} for i in range(n)]
 
     # channel contents (tuples of message ids) interned to ints; 0 is the empty channel
-    chan_objs: List[Tuple[int, ...]] = [()]
-    chan_ids: Dict[Tuple[int, ...], int] = {(): 0}
+    chan_objs: List[Tuple[int, ...]] = saved["chan_objs"] if saved else [()]
+    chan_ids: Dict[Tuple[int, ...], int] = {q: c for c, q in enumerate(chan_objs)}
 
     def intern_chan(q: Tuple[int, ...]) -> int:
         c = chan_ids.get(q)
@@ -726,6 +777,21 @@ def exhaustive_check(
     stack: List[Tuple[Any, ...]] = [(start_state, None)]
     res.states = 1
     next_report = progress_every
+    if saved is not None:  # the DFS goes on exactly where the checkpoint left it
+        stack, res, exact, digests = saved["stack"], saved["res"], saved["exact"], saved["digests"]
+        next_report = res.states + progress_every
+    next_checkpoint = res.states + checkpoint_every
+    gen = saved["gen"] if saved else 0
+
+    def save() -> None:
+        nonlocal gen
+        gen += 1
+        ls.progress_of = None  # a lambda: not picklable, and given again on resume
+        try:
+            _save_checkpoint(checkpoint, run_id, gen, {"ls": ls, "chan_objs": chan_objs, "stack": stack,
+                                                       "res": res, "exact": exact}, digests)
+        finally:
+            ls.progress_of = progress_of
 
     while stack:
         state, path = stack.pop()
@@ -830,6 +896,9 @@ def exhaustive_check(
             next_report += progress_every
             res.local_states = len(ls.objs)
             progress(res)
+        if checkpoint and res.states >= next_checkpoint:
+            next_checkpoint = res.states + checkpoint_every
+            save()
     if hash_states:
         res.collision_bound = res.states * res.states / 2.0 ** (8 * digests.width)
     res.local_states = len(ls.objs)
