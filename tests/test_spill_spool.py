@@ -73,7 +73,7 @@ def test_cap_applies_back_pressure_raises_one_event_and_loses_nothing(tmp_path: 
     events = []
     s = Spool(tmp_path, "n1", max_bytes=30_000, rotate_bytes=5_000, sync_bytes=2_000,
               clock=FakeClock(), on_event=events.append)
-    produced, i = 0, 0
+    i = 0
     while s.append("records", rec(i, rng)):
         i += 1
     stored_before = i

@@ -38,7 +38,7 @@ import random
 from array import array
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple
 
 from agent.protocol.gme_base import Entered, GmeNode, GmeState, NodeId, Send, two_groups
 
