@@ -15,7 +15,7 @@ import importlib
 import signal
 import sys
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from agent import __version__
 

@@ -32,9 +32,9 @@ Placement: `rank_nodes_for_scale_out` prefers the node that keeps the operator's
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
-from typing import Dict, Mapping, Optional, Sequence, Tuple
+from typing import Mapping, Optional, Sequence, Tuple
 
 try:  # Python 3.8+: typing.Protocol
     from typing import Protocol

@@ -34,7 +34,6 @@ from typing import ClassVar, Dict, FrozenSet, List, Mapping, Optional, Sequence,
 
 from agent.protocol.gme_base import (
     INF,
-    Entered,
     GmeMessage,
     GmeNode,
     GmeState,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from operator import gt
-from typing import ClassVar, Dict, List, Mapping, Set, Tuple
+from typing import ClassVar, Dict, List, Mapping, Tuple
 
 from agent.protocol.gme_base import (
     INF,

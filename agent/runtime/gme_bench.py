@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 from agent.protocol.gme_base import Entered, Send, message_from_dict
 from agent.sim.gme_check import make_nodes

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 from agent import topics
-from agent.runtime.spool import ClosedFile, Spool, file_id
+from agent.runtime.spool import ClosedFile, file_id
 
 __all__ = [
     "Ack",

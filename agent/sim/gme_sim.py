@@ -14,7 +14,7 @@ import heapq
 import random
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from agent.protocol.gme_base import Entered, GmeState, Send
 from agent.sim.gme_check import make_nodes

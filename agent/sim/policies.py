@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Sequence, Tuple
 
 from agent.metrics_spec import ElasticityMetrics, drain_time, elasticity_metrics, summarize
 from agent.policy.base import (

@@ -28,8 +28,8 @@ import math
 import random
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Type
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Sequence, Tuple, Type
 
 from agent.policy.decentralized import Action, Decision, ScalingParams
 from agent.protocol.errors import ProtocolError
