@@ -441,6 +441,9 @@ class _DigestSet:
         return self.size
 
 
+_CHUNK = 1 << 26  # bytes of the visited table copied at a time by a checkpoint
+
+
 def _save_checkpoint(
     path: str, run_id: Tuple[object, ...], gen: int, parts: Dict[str, Any], digests: _DigestSet
 ) -> None:
@@ -448,9 +451,10 @@ def _save_checkpoint(
     one is complete (the visited table and the rest must be of the same moment: a table with
     states added after the stack was saved would make the resumed search skip them unexplored)."""
     table_path = f"{path}.table.{gen}"
-    with open(table_path, "wb") as f:
-        f.write(digests.table)
     table = digests.table
+    with open(table_path, "wb") as f:  # in slices: PyPy copies a whole mmap it writes (12 GB)
+        for o in range(0, len(table), _CHUNK):
+            f.write(table[o:o + _CHUNK])
     digests.table = None  # type: ignore[assignment]
     try:
         with open(path + ".tmp", "wb") as f:
@@ -476,8 +480,11 @@ def _load_checkpoint(path: str, run_id: Tuple[object, ...]) -> Optional[Dict[str
     size = d.width * d.cap
     d.table = mmap.mmap(-1, size) if d.fixed else bytearray(size)
     with open(saved["table_path"], "rb") as f:
-        if f.readinto(d.table) != size:
-            raise ValueError(f"checkpoint table {saved['table_path']} is truncated")
+        for o in range(0, size, _CHUNK):
+            part = f.read(_CHUNK)
+            if len(part) != min(_CHUNK, size - o):
+                raise ValueError(f"checkpoint table {saved['table_path']} is truncated")
+            d.table[o:o + len(part)] = part
     return saved
 
 
