@@ -444,6 +444,49 @@ class _DigestSet:
 _CHUNK = 1 << 26  # bytes of the visited table copied at a time by a checkpoint
 
 
+class _Layout:
+    """Where things are in a global state (a flat tuple: n local state ids, n budgets, one
+    channel-content id per channel of the communication graph), and the symmetries."""
+
+    def __init__(self, nodes0: Sequence[GmeNode], symmetry: bool) -> None:
+        n = self.n = len(nodes0)
+        self.groups = groups = [x.group for x in nodes0]
+        # who may send to whom: the competitors (2-FGME) or every other node (RA1, RA2)
+        senders: List[Tuple[int, ...]] = [
+            tuple(sorted(x.competitors)) if hasattr(x, "competitors") else tuple(j for j in range(n) if j != x.id)
+            for x in nodes0
+        ]
+        self.allowed = {(b, i) for i in range(n) for b in senders[i]}
+        self.chan_index = chan_index = sorted(self.allowed)  # channels that can ever be non-empty
+        self.nch = len(chan_index)
+        self.L0, self.C0 = n, 2 * n
+        self.slot = slot = {c: self.C0 + k for k, c in enumerate(chan_index)}  # channel -> position
+        self.inbound = [[(b, slot[(b, i)]) for b in senders[i]] for i in range(n)]
+        self.out_slot = [{to: slot[(i, to)] for to in range(n) if (i, to) in slot} for i in range(n)]
+        # permutations inside each group (a group's ids are consecutive), identity left out
+        self.perms: List[Tuple[int, ...]] = []
+        if symmetry and hasattr(nodes0[0], "renamed"):
+            blocks: List[List[int]] = []
+            for i, g in enumerate(groups):
+                if blocks and groups[blocks[-1][0]] == g:
+                    blocks[-1].append(i)
+                else:
+                    blocks.append([i])
+            for choice in itertools.product(*(itertools.permutations(b) for b in blocks)):
+                perm = [0] * n
+                for b, part in zip(blocks, choice):
+                    for src, dst in zip(b, part):
+                        perm[src] = dst
+                if tuple(perm) != tuple(range(n)):
+                    self.perms.append(tuple(perm))
+        # per permutation: where each position of the state goes
+        self.perm_pos = [
+            [p[i] for i in range(n)] + [self.L0 + p[i] for i in range(n)]
+            + [slot[(p[a], p[b])] for (a, b) in chan_index]
+            for p in self.perms
+        ]
+
+
 def _save_checkpoint(
     path: str, run_id: Tuple[object, ...], gen: int, parts: Dict[str, Any], digests: _DigestSet
 ) -> None:
@@ -609,19 +652,10 @@ def exhaustive_check(
     ls.stride = requests + 1
     res.merged = merge
     in_cs_of, idle_of = ls.in_cs, ls.idle
-    # who may send to whom: the competitors (2-FGME) or every other node (RA1, RA2)
-    senders: List[Tuple[int, ...]] = [
-        tuple(sorted(x.competitors)) if hasattr(x, "competitors") else tuple(j for j in range(n) if j != x.id)
-        for x in nodes0
-    ]
-    ls.allowed = {(b, i) for i in range(n) for b in senders[i]}
-    chan_index = sorted(ls.allowed)  # the channels that can ever be non-empty, in a fixed order
-    nch = len(chan_index)
-    # A state is one flat tuple: n local state ids, n budgets, nch channel-content ids.
-    L0, C0 = n, 2 * n
-    slot = {c: C0 + k for k, c in enumerate(chan_index)}  # channel -> position in the state
-    inbound = [[(b, slot[(b, i)]) for b in senders[i]] for i in range(n)]
-    out_slot = [{to: slot[(i, to)] for to in range(n) if (i, to) in slot} for i in range(n)]
+    lay = _Layout(nodes0, symmetry)
+    ls.allowed = lay.allowed
+    chan_index, nch, L0, C0 = lay.chan_index, lay.nch, lay.L0, lay.C0
+    slot, inbound, out_slot, perms, perm_pos = lay.slot, lay.inbound, lay.out_slot, lay.perms, lay.perm_pos
 
     # channel contents (tuples of message ids) interned to ints; 0 is the empty channel
     chan_objs: List[Tuple[int, ...]] = saved["chan_objs"] if saved else [()]
@@ -637,29 +671,9 @@ def exhaustive_check(
     pop_memo: Dict[int, Tuple[int, int]] = {}  # content -> (head message, content without it)
     push_memo: Dict[Tuple[int, int], int] = {}  # (content, message) -> content with it appended
 
-    perms: List[Tuple[int, ...]] = []
-    if symmetry and hasattr(nodes0[0], "renamed"):
-        blocks: List[List[int]] = []
-        for i, g in enumerate(groups):
-            if blocks and groups[blocks[-1][0]] == g:
-                blocks[-1].append(i)
-            else:
-                blocks.append([i])
-        for choice in itertools.product(*(itertools.permutations(b) for b in blocks)):
-            perm = [0] * n
-            for b, part in zip(blocks, choice):
-                for src, dst in zip(b, part):
-                    perm[src] = dst
-            if tuple(perm) != tuple(range(n)):
-                perms.append(tuple(perm))
     rename_node = ls.rename_class if merge else ls.rename  # what the node part of a key holds
-    # per permutation: where each position of the state goes, and memos of renamed ids
     res.symmetry = bool(perms)
-    perm_pos = [
-        [p[i] for i in range(n)] + [L0 + p[i] for i in range(n)]
-        + [slot[(p[a], p[b])] for (a, b) in chan_index]
-        for p in perms
-    ]
+    # per permutation: memos of renamed ids
     sid_ren: List[Dict[int, int]] = [{} for _ in perms]
     cid_ren: List[Dict[int, int]] = [{} for _ in perms]
 
