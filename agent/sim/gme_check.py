@@ -654,7 +654,7 @@ def exhaustive_check(
     in_cs_of, idle_of = ls.in_cs, ls.idle
     lay = _Layout(nodes0, symmetry)
     ls.allowed = lay.allowed
-    chan_index, nch, L0, C0 = lay.chan_index, lay.nch, lay.L0, lay.C0
+    nch, L0, C0 = lay.nch, lay.L0, lay.C0
     slot, inbound, out_slot, perms, perm_pos = lay.slot, lay.inbound, lay.out_slot, lay.perms, lay.perm_pos
 
     # channel contents (tuples of message ids) interned to ints; 0 is the empty channel

@@ -23,12 +23,11 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 from agent.sim.gme_check import (
     _PROGRESS,
     CheckResult,
-    ReductionUnsound,
     _CoreError,
     _Layout,
     _LocalStates,
