@@ -140,10 +140,9 @@ def test_dead_variable_merging_is_a_bisimulation_on_every_reached_state(sizes, r
     assert merged.schedules == 1  # every run ends with all nodes done and nothing in flight
 
 
-@pytest.mark.parametrize("fault,sizes,requests", [
-    ("skip_acks_to_ign", (2, 1), 2), ("skip_acks_to_ign", (2, 2), 1), ("undo_deviation_3", (2, 2), 2),
-])
+@pytest.mark.parametrize("fault,sizes,requests", [("skip_acks_to_ign", (2, 1), 2), ("skip_acks_to_ign", (2, 2), 1)])
 def test_dead_variable_merging_keeps_the_seeded_faults_visible(fault, sizes, requests):
+    # undo_deviation_3 needs 2+2 x 2 (~290k states): tests/test_gme_fast.py runs it compiled
     r = exhaustive_check("2fgme", sizes, requests, fault=fault, symmetry=True, merge_dead=True, check_merges=True)
     assert r.safety_violations == 1, r.first_failure
     assert r.trace
