@@ -572,9 +572,10 @@ def exhaustive_check(
     and commutes with the whole run), so the explored graph, acyclic too (see merging below),
     would be infinite. A finite search thus means no infinite run, a finite full graph
     (finitely branching, König), every run ends in a terminal state, and "every terminal state
-    is good" means every request is served under every schedule. By inspection of the cores: 2-FGME's Req handler sends no Req and
-    leaves the epoch; its Ack and End handlers send Reqs only through `_multicast_req` (epoch
-    +1), else enter or send nothing; RA1 sends Reqs only in `request()`; RA2's Start messages
+    is good" means every request is served under every schedule.
+    By inspection of the cores: 2-FGME's Req handler sends no Req and leaves the epoch; its
+    Ack and End handlers send Reqs only through `_multicast_req` (epoch +1), else enter or
+    send nothing; RA1 sends Reqs only in `request()`; RA2's Start messages
     raise VF (`_capture`), VF only grows (`_merge` takes maxima), and its handlers otherwise
     answer a Req with at most one Ack or enter. The checker does not take this on faith: every
     step enabled in an explored state (each distinct local transition once, memoized; the
