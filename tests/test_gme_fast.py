@@ -25,6 +25,7 @@ COUNTS = lambda r: (r.states, r.transitions, r.schedules, r.full_expansions)  # 
     ("ra1", (2, 1), 1, False, True, False),
     ("ra2", (2, 1), 1, False, True, False),
     ("ra2", (1, 1), 3, False, False, False),
+    ("2fgme", (2, 1), (2, 1, 2), True, True, True),  # one budget per node
 ])
 def test_the_compiled_search_visits_exactly_what_the_python_search_visits(alg, sizes, requests, symmetry,
                                                                           reduction, merge):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any, Dict
+from typing import Any, Dict, Tuple, Union
 
 ALGORITHMS = ("2fgme", "ra1", "ra2")
 
@@ -31,7 +31,8 @@ def register(groups: Any) -> None:
     )
     c.add_argument("--algorithm", choices=ALGORITHMS, default="2fgme")
     c.add_argument("--groups", default="2,2", help="group sizes, e.g. 2,2 (nodes 0-1 and 2-3)")
-    c.add_argument("--requests", type=int, default=2, help="CS requests per node")
+    c.add_argument("--requests", type=_requests, default=2,
+                   help="CS requests per node, or one number per node (2,2,2,1)")
     c.add_argument("--no-reduction", action="store_true", help="explore every interleaving (no POR)")
     c.add_argument("--no-symmetry", action="store_true", help="no symmetry reduction (2-FGME only)")
     c.add_argument("--hash-states", action="store_true",
@@ -52,6 +53,11 @@ def register(groups: Any) -> None:
     c.add_argument("--progress", action="store_true", help="print a line per million states on stderr")
     c.add_argument("--json", action="store_true", help="print the report as JSON")
     c.set_defaults(func=run_check)
+
+
+def _requests(text: str) -> Union[int, Tuple[int, ...]]:
+    parts = tuple(int(x) for x in text.split(","))
+    return parts[0] if len(parts) == 1 else parts
 
 
 def _common(p: argparse.ArgumentParser, entries: int, think: float, cs: float) -> None:

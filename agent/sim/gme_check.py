@@ -38,7 +38,7 @@ import random
 from array import array
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 from agent.protocol.gme_base import Entered, GmeNode, GmeState, NodeId, Send, two_groups
 
@@ -444,6 +444,16 @@ class _DigestSet:
 _CHUNK = 1 << 26  # bytes of the visited table copied at a time by a checkpoint
 
 
+def _budgets(requests: Union[int, Sequence[int]], n: int) -> Tuple[int, ...]:
+    """Requests per node: one number for all, or one per node (e.g. 2,2,2,1 to measure how the
+    state space grows towards 2+2 x 2)."""
+    if isinstance(requests, int):
+        return (requests,) * n
+    if len(requests) != n:
+        raise ValueError(f"{len(requests)} request budgets for {n} nodes")
+    return tuple(requests)
+
+
 class _Layout:
     """Where things are in a global state (a flat tuple: n local state ids, n budgets, one
     channel-content id per channel of the communication graph), and the symmetries."""
@@ -534,7 +544,7 @@ def _load_checkpoint(path: str, run_id: Tuple[object, ...]) -> Optional[Dict[str
 def exhaustive_check(
     algorithm: str,
     sizes: Sequence[int] = (2, 2),
-    requests: int = 2,
+    requests: Union[int, Sequence[int]] = 2,
     fault: Optional[str] = None,
     max_states: int = 200_000_000,
     symmetry: bool = False,
@@ -644,13 +654,14 @@ def exhaustive_check(
     progress_of = _PROGRESS.get(algorithm, lambda x: 0)
     ls = _LocalStates(nodes0, progress_of)
     # what a checkpoint must match to be resumed: the question asked, not how it is answered
-    run_id = (algorithm, tuple(sizes), requests, fault, symmetry, reduction, hash_states, digest_slots, merge_dead)
+    budgets = _budgets(requests, n)
+    run_id = (algorithm, tuple(sizes), budgets, fault, symmetry, reduction, hash_states, digest_slots, merge_dead)
     saved = _load_checkpoint(checkpoint, run_id) if checkpoint else None
     if saved is not None:
         ls = saved["ls"]
         ls.progress_of = progress_of
     merge = ls.merge = merge_dead and hasattr(nodes0[0], "live_snapshot")
-    ls.stride = requests + 1
+    ls.stride = max(budgets) + 1
     res.merged = merge
     in_cs_of, idle_of = ls.in_cs, ls.idle
     lay = _Layout(nodes0, symmetry)
@@ -794,7 +805,7 @@ def exhaustive_check(
                 step_of(state, i, code)
 
     KINDS = {_REQUEST: "request", _EXIT: "exit"}
-    start_state = tuple(ls.initial) + (requests,) * n + (0,) * nch
+    start_state = tuple(ls.initial) + budgets + (0,) * nch
     add(key(start_state))
     stack: List[Tuple[Any, ...]] = [(start_state, None)]
     res.states = 1

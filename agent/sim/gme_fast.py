@@ -23,12 +23,13 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Union
 
 from agent.sim.gme_check import (
     _PROGRESS,
     CheckResult,
     _CoreError,
+    _budgets,
     _Layout,
     _LocalStates,
     make_nodes,
@@ -87,7 +88,7 @@ def _ints(xs: Sequence[int]) -> Any:
 def fast_check(
     algorithm: str,
     sizes: Sequence[int] = (2, 2),
-    requests: int = 2,
+    requests: Union[int, Sequence[int]] = 2,
     fault: Optional[str] = None,
     symmetry: bool = True,
     reduction: bool = True,
@@ -103,7 +104,8 @@ def fast_check(
     nodes0 = make_nodes(algorithm, sizes, fault)
     ls = _LocalStates(nodes0, _PROGRESS.get(algorithm, lambda x: 0))
     merge = ls.merge = merge_dead and hasattr(nodes0[0], "live_snapshot")
-    ls.stride = requests + 1
+    budgets = _budgets(requests, len(nodes0))
+    ls.stride = max(budgets) + 1
     lay = _Layout(nodes0, symmetry)
     ls.allowed = lay.allowed
     n, perms = lay.n, lay.perms
@@ -153,14 +155,14 @@ def fast_check(
             in_b[i * n + t], in_k[i * n + t] = b, k
     out_slot = [lay.out_slot[i].get(to, -1) for i in range(n) for to in range(n)]
     s = dll.gme_new(
-        n, lay.nch, len(perms), requests + 1, int(merge), int(reduction),
+        n, lay.nch, len(perms), ls.stride, int(merge), int(reduction),
         _ints(lay.groups), _ints(nin), _ints(in_b), _ints(in_k), _ints(out_slot),
         _ints([x for p in perms for x in p]), _ints([x for pos in lay.perm_pos for x in pos]),
         table_bits, float(max_states), float(progress_every), *callbacks,
     )
     if not s:
         raise MemoryError(f"gme_fast: no memory for 2^{table_bits} slots")
-    start = list(ls.initial) + [requests] * n + [0] * lay.nch
+    start = list(ls.initial) + list(budgets) + [0] * lay.nch
     rc = dll.gme_search(s, _ints(start))
     counts = (ctypes.c_double * 6)()
     dll.gme_counts(s, counts)
