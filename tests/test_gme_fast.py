@@ -94,3 +94,56 @@ def test_cli_bench_gme_check_fast(capsys):
     assert report["compiled"] and report["verdict"] == "ok" and report["states"] == 5862
     assert main(args + ["--fault", "skip_acks_to_ign"]) == 1
     assert json.loads(capsys.readouterr().out)["safety_violations"] == 1
+
+
+# --- the sweep (fast_check(sweep_dir=...)): the same expansion in the order of a progress measure
+
+
+@pytest.mark.parametrize("alg,sizes,requests,reduction", [
+    ("2fgme", (2, 1), 2, False),
+    ("2fgme", (2, 1), 2, True),
+    ("2fgme", (2, 2), 1, True),
+    ("ra1", (2, 1), 2, True),
+    ("ra2", (2, 1), 2, False),
+])
+def test_the_sweep_visits_exactly_what_the_dfs_visits_without_symmetry(tmp_path, alg, sizes, requests, reduction):
+    """Without symmetry and merging a key is the state itself: the reduced graph is one, whatever the order."""
+    kw = dict(symmetry=False, reduction=reduction, merge_dead=False)
+    dfs = fast_check(alg, sizes, requests, **kw)
+    sweep = fast_check(alg, sizes, requests, sweep_dir=str(tmp_path), **kw)
+    assert dfs.ok and sweep.ok
+    assert COUNTS(sweep) == COUNTS(dfs)
+    assert 0 < sweep.held < dfs.states / 2  # it forgets: never more than half the fingerprints at once
+    assert sweep.sublayers > 10 and not list(tmp_path.iterdir())  # every sub-layer file read and removed
+
+
+def test_the_sweep_with_symmetry_and_merging_gives_the_dfs_verdict(tmp_path):
+    """Another representative per class, so another (equally valid) reduced graph: the verdict and
+    the one good terminal class agree; the run is deterministic."""
+    dfs = fast_check("2fgme", (2, 2), (2, 1, 1, 1))
+    a = fast_check("2fgme", (2, 2), (2, 1, 1, 1), sweep_dir=str(tmp_path / "a"))
+    b = fast_check("2fgme", (2, 2), (2, 1, 1, 1), sweep_dir=str(tmp_path / "b"))
+    assert dfs.ok and a.ok and (dfs.schedules, a.schedules) == (1, 1)
+    assert COUNTS(a) == COUNTS(b) and a.held == b.held
+    assert a.held < a.states / 4
+
+
+@pytest.mark.parametrize("fault,sizes,requests", [
+    ("skip_acks_to_ign", (2, 1), 2), ("undo_deviation_3", (2, 2), 2),
+])
+def test_the_sweep_finds_the_seeded_faults(tmp_path, fault, sizes, requests):
+    r = fast_check("2fgme", sizes, requests, fault=fault, sweep_dir=str(tmp_path))
+    assert r.safety_violations == 1 and "two groups in the CS" in (r.first_failure or "")
+    assert not list(tmp_path.iterdir())  # the files of the sub-layers not reached are removed too
+
+
+def test_the_sweep_refuses_a_measure_that_goes_back_and_a_full_memory(tmp_path, monkeypatch):
+    """Forgetting is only sound if no step lowers the measure: checked on every successor."""
+    import agent.sim.gme_fast as gf
+
+    with pytest.raises(RuntimeError, match="digest table full"):
+        fast_check("2fgme", (2, 2), 1, sweep_dir=str(tmp_path), memory_gb=2e-4)
+    right = gf._sweep_counter
+    monkeypatch.setattr(gf, "_sweep_counter", lambda ls, sid, left: 100 - right(ls, sid, left))
+    with pytest.raises(RuntimeError, match="lowered the sweep's progress measure"):
+        fast_check("2fgme", (2, 1), 2, sweep_dir=str(tmp_path))

@@ -45,6 +45,11 @@ def register(groups: Any) -> None:
                    help="the same search compiled (agent/sim/gme_fast.c, needs cc): ~10x faster, 8-byte fingerprints, no trace")
     c.add_argument("--table-bits", type=int, default=27, metavar="K",
                    help="with --fast: 2^K 8-byte slots for the visited set (27 = 1 GB, ~120 M states)")
+    c.add_argument("--sweep", default=None, metavar="DIR",
+                   help="with --fast: explore in the order of a progress measure and forget what is passed "
+                        "(memory holds the states ahead only; states waiting for later sub-layers go to files in DIR)")
+    c.add_argument("--memory-gb", type=float, default=16.0,
+                   help="with --sweep: memory for the sub-layer tables, in all")
     c.add_argument("--checkpoint", default=None, metavar="PATH",
                    help="save the search here now and then (PATH and PATH.table.N), and resume from it when it exists")
     c.add_argument("--checkpoint-every", type=int, default=50_000_000, metavar="STATES")
@@ -118,7 +123,8 @@ def run_check(args: argparse.Namespace) -> int:
 
     def progress(r: Any) -> None:
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        print(f"{r.states} states, {r.transitions} transitions, {r.schedules} terminal, "
+        where = f", layer {r.layer}, {r.held} fingerprints held" if args.fast and args.sweep else ""
+        print(f"{r.states} states, {r.transitions} transitions, {r.schedules} terminal{where}, "
               f"{time.process_time() - t0:.0f} s CPU, peak RSS {rss:.0f} MB", file=sys.stderr, flush=True)
 
     if args.fast:
@@ -128,6 +134,7 @@ def run_check(args: argparse.Namespace) -> int:
             args.algorithm, sizes, args.requests, fault=args.fault, max_states=args.max_states,
             symmetry=not args.no_symmetry, reduction=not args.no_reduction, merge_dead=not args.no_merge,
             table_bits=args.table_bits, progress=progress if args.progress else None,
+            sweep_dir=args.sweep, memory_gb=args.memory_gb,
         )
     else:
         r = exhaustive_check(
@@ -148,6 +155,8 @@ def run_check(args: argparse.Namespace) -> int:
         "merge_dead": r.merged,
         "hash_states": r.hashed,
         "compiled": args.fast,
+        "sweep": bool(args.fast and args.sweep),
+        "fingerprints_held_peak": r.held if args.fast else None,
         "collision_bound": r.collision_bound,
         "states": r.states,
         "transitions": r.transitions,

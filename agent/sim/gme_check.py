@@ -93,6 +93,9 @@ class CheckResult:
     symmetry: bool = False  # exhaustive search: states matched up to in-group permutations
     full_expansions: int = 0  # exhaustive search with reduction: states where T = all enabled
     merged: bool = False  # exhaustive search: states equal up to dead variables matched
+    layer: int = -1  # compiled sweep: the layer being (or last) explored
+    held: int = 0  # compiled search: fingerprints in memory (sweep: at the peak, finished sub-layers dropped)
+    sublayers: int = 0  # compiled sweep: sub-layers explored
     collision_bound: Optional[float] = None  # P(some state skipped by a digest collision) <= this
     first_failure: Optional[str] = None
     trace: List[str] = field(default_factory=list)

@@ -39,13 +39,19 @@ __all__ = ["fast_check", "compiler_available"]
 
 _SRC = Path(__file__).with_name("gme_fast.c")
 _CODES = {-1: "request", -2: "exit"}
-_ERRORS = {1: "callback", 2: "violation", 3: "deadlock", 4: "table full", 5: "max states", 6: "out of memory"}
+_ERRORS = {1: "callback", 2: "violation", 3: "deadlock", 4: "table full", 5: "max states", 6: "out of memory",
+           7: "I/O error on the sub-layer files", 8: "a step lowered the sweep's progress measure"}
 
 i32p = ctypes.POINTER(ctypes.c_int32)
 STEP = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, i32p, ctypes.c_int)
 INT1 = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)
 INT2 = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_int)
 PROGRESS = ctypes.CFUNCTYPE(None, ctypes.POINTER(ctypes.c_double))
+
+
+def _sweep_counter(ls: _LocalStates, sid: int, left: int) -> int:
+    """The sweep's e for one node: its progress counter, 0 once it is idle with no request left."""
+    return 0 if left == 0 and ls.idle[sid] else ls.progress_of(ls.objs[sid])
 
 
 def compiler_available() -> bool:
@@ -72,9 +78,11 @@ def _library() -> ctypes.CDLL:
             os.replace(out, lib)
     dll = ctypes.CDLL(str(lib))
     dll.gme_new.restype = ctypes.c_void_p
-    dll.gme_new.argtypes = [ctypes.c_int] * 6 + [i32p] * 7 + [ctypes.c_int, ctypes.c_double, ctypes.c_double,
-                                                               STEP, INT1, INT2, INT2, INT2, PROGRESS]
+    dll.gme_new.argtypes = [ctypes.c_int] * 6 + [i32p] * 7 + [ctypes.c_int, ctypes.c_double, ctypes.c_double, ctypes.c_double,
+                                                               STEP, INT1, INT2, INT2, INT2, INT2, PROGRESS]
     dll.gme_search.argtypes = [ctypes.c_void_p, i32p]
+    dll.gme_sweep.argtypes = [ctypes.c_void_p, i32p, ctypes.c_char_p]
+    dll.gme_free.argtypes = [ctypes.c_void_p]
     dll.gme_counts.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_double)]
     dll.gme_bad_state.restype = i32p
     dll.gme_bad_state.argtypes = [ctypes.c_void_p]
@@ -97,9 +105,16 @@ def fast_check(
     max_states: float = 1e12,
     progress: Optional[Callable[[CheckResult], None]] = None,
     progress_every: int = 10_000_000,
+    sweep_dir: Optional[str] = None,
+    memory_gb: float = 16.0,
 ) -> CheckResult:
     """`exhaustive_check` with hash compaction, in C. `table_bits`: 2^bits 8-byte slots (filled
-    to 0.9 at most). `collision_bound` is fingerprint comparisons / 2^63 (see gme_fast.c)."""
+    to 0.9 at most). `collision_bound` is fingerprint comparisons / 2^63 (see gme_fast.c).
+
+    `sweep_dir`: explore in the order of a progress measure instead (the sweep-line method, see
+    gme_fast.c): only the fingerprints of states not yet passed are held, in tables that grow up
+    to `memory_gb` in all (`table_bits` is then unused); the states waiting for a later
+    sub-layer are kept in files in this directory, each removed once read."""
     dll = _library()
     nodes0 = make_nodes(algorithm, sizes, fault)
     ls = _LocalStates(nodes0, _PROGRESS.get(algorithm, lambda x: 0))
@@ -134,6 +149,8 @@ def fast_check(
 
     def report(counts: Any) -> None:
         res.states, res.transitions, res.schedules, res.full_expansions = (int(counts[k]) for k in range(4))
+        res.layer = int(counts[6])
+        res.held = int(counts[7])
         res.local_states = len(ls.objs)
         if progress is not None:
             progress(res)
@@ -145,6 +162,7 @@ def fast_check(
         INT2(guard(ls.klass)),
         INT2(guard(lambda c, p: rename_node(c, perms[p]))),
         INT2(guard(lambda mid, p: ls.rename_msg(mid, perms[p]))),
+        INT2(guard(lambda sid, left: _sweep_counter(ls, sid, left))),
         PROGRESS(lambda c: guard(lambda: report(c) or 0)()),
     )
     nin = [len(lay.inbound[i]) for i in range(n)]
@@ -158,14 +176,24 @@ def fast_check(
         n, lay.nch, len(perms), ls.stride, int(merge), int(reduction),
         _ints(lay.groups), _ints(nin), _ints(in_b), _ints(in_k), _ints(out_slot),
         _ints([x for p in perms for x in p]), _ints([x for pos in lay.perm_pos for x in pos]),
-        table_bits, float(max_states), float(progress_every), *callbacks,
+        0 if sweep_dir else table_bits, memory_gb * 2.0 ** 30, float(max_states), float(progress_every), *callbacks,
     )
     if not s:
         raise MemoryError(f"gme_fast: no memory for 2^{table_bits} slots")
     start = list(ls.initial) + list(budgets) + [0] * lay.nch
-    rc = dll.gme_search(s, _ints(start))
-    counts = (ctypes.c_double * 6)()
+    try:
+        if sweep_dir:
+            Path(sweep_dir).mkdir(parents=True, exist_ok=True)
+            rc = dll.gme_sweep(s, _ints(start), os.fsencode(sweep_dir))
+        else:
+            rc = dll.gme_search(s, _ints(start))
+    finally:
+        dll.gme_free(s)
+        for f in Path(sweep_dir).glob("sub-*.bin") if sweep_dir else ():
+            f.unlink()  # left by a search that stopped early
+    counts = (ctypes.c_double * 8)()
     dll.gme_counts(s, counts)
+    res.held, res.sublayers = int(counts[5]), int(counts[6])
     res.states, res.transitions, res.schedules, res.full_expansions = (int(counts[k]) for k in range(4))
     res.local_states = len(ls.objs)
     res.collision_bound = counts[4] / 2.0 ** 63
@@ -187,7 +215,8 @@ def fast_check(
             res.deadlocks += 1
             res.first_failure = f"deadlock or unserved request: {what}"
     elif rc == 4:
-        raise RuntimeError(f"digest table full: {res.states} states in 2^{table_bits} slots")
+        where = f"{memory_gb} GB of sub-layer tables" if sweep_dir else f"2^{table_bits} slots"
+        raise RuntimeError(f"digest table full: {res.states} states in {where}")
     elif rc == 5:
         raise RuntimeError(f"state space larger than {max_states:.0f} states")
     elif rc != 0:
