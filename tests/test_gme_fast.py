@@ -147,3 +147,14 @@ def test_the_sweep_refuses_a_measure_that_goes_back_and_a_full_memory(tmp_path, 
     monkeypatch.setattr(gf, "_sweep_counter", lambda ls, sid, left: 100 - right(ls, sid, left))
     with pytest.raises(RuntimeError, match="lowered the sweep's progress measure"):
         fast_check("2fgme", (2, 1), 2, sweep_dir=str(tmp_path))
+
+
+def test_the_sweep_refuses_a_counter_that_is_not_a_function_of_the_class(tmp_path, monkeypatch):
+    """An idle node with no request left forgets its epoch (merged): counting the epoch there
+    would put one class at two measures (explored twice, counted twice). Refused."""
+    import agent.sim.gme_fast as gf
+    from agent.sim.gme_check import ReductionUnsound
+
+    monkeypatch.setattr(gf, "_node_counter", lambda ls, sid, left: ls.progress_of(ls.objs[sid]))
+    with pytest.raises(ReductionUnsound, match="one progress measure"):
+        fast_check("2fgme", (2, 1), 2, sweep_dir=str(tmp_path))

@@ -28,6 +28,7 @@ from typing import Any, Callable, List, Optional, Sequence, Union
 from agent.sim.gme_check import (
     _PROGRESS,
     CheckResult,
+    ReductionUnsound,
     _CoreError,
     _budgets,
     _Layout,
@@ -49,9 +50,22 @@ INT2 = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_int)
 PROGRESS = ctypes.CFUNCTYPE(None, ctypes.POINTER(ctypes.c_double))
 
 
-def _sweep_counter(ls: _LocalStates, sid: int, left: int) -> int:
+def _node_counter(ls: _LocalStates, sid: int, left: int) -> int:
     """The sweep's e for one node: its progress counter, 0 once it is idle with no request left."""
     return 0 if left == 0 and ls.idle[sid] else ls.progress_of(ls.objs[sid])
+
+
+def _sweep_counter(ls: _LocalStates, sid: int, left: int) -> int:
+    """`_node_counter`, checked: with merging, the sweep needs it to be a function of the class
+    (one measure per class, so one table per class); checked for every local state met."""
+    e = _node_counter(ls, sid, left)
+    if ls.merge:
+        seen = ls.__dict__.setdefault("class_counter", {})
+        c = ls.klass(sid, left)
+        if seen.setdefault(c, e) != e:
+            raise ReductionUnsound(f"the sweep's counter differs inside class {c} ({seen[c]} and {e}): "
+                                   "a class must have one progress measure")
+    return e
 
 
 def compiler_available() -> bool:
