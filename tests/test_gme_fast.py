@@ -117,6 +117,17 @@ def test_the_sweep_visits_exactly_what_the_dfs_visits_without_symmetry(tmp_path,
     assert sweep.sublayers > 10 and not list(tmp_path.iterdir())  # every sub-layer file read and removed
 
 
+@pytest.mark.parametrize("alg,sizes,requests,kb", [("2fgme", (2, 1), 2, 300), ("ra2", (2, 1), 2, 1200)])
+def test_the_sweep_short_of_memory_checks_later_states_when_it_reaches_them(tmp_path, alg, sizes, requests, kb):
+    """Past three quarters of the memory, states for later sub-layers wait on disk unchecked
+    (duplicates included) and are checked when their sub-layer is explored: the same counts."""
+    kw = dict(symmetry=False, reduction=True, merge_dead=False)
+    dfs = fast_check(alg, sizes, requests, **kw)
+    short = fast_check(alg, sizes, requests, sweep_dir=str(tmp_path), memory_gb=kb / 2**20, **kw)
+    assert short.unchecked > 1000 and short.ok
+    assert COUNTS(short) == COUNTS(dfs)
+
+
 def test_the_sweep_with_symmetry_and_merging_gives_the_dfs_verdict(tmp_path):
     """Another representative per class, so another (equally valid) reduced graph: the verdict and
     the one good terminal class agree; the run is deterministic."""

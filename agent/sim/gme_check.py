@@ -96,6 +96,7 @@ class CheckResult:
     layer: int = -1  # compiled sweep: the layer being (or last) explored
     held: int = 0  # compiled search: fingerprints in memory (sweep: at the peak, finished sub-layers dropped)
     sublayers: int = 0  # compiled sweep: sub-layers explored
+    unchecked: int = 0  # compiled sweep: states that waited unchecked on disk (memory short)
     collision_bound: Optional[float] = None  # P(some state skipped by a digest collision) <= this
     first_failure: Optional[str] = None
     trace: List[str] = field(default_factory=list)

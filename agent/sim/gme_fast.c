@@ -122,7 +122,7 @@ typedef struct {
     table t;
     i32 *budget;          /* n: the start state's request budgets (the sweep's measure) */
     int2_cb_t counter_cb; vec counter;   /* the sweep's progress counter of (sid, left) */
-    double held, peak_held, held_bytes, mem_cap, sublayers;
+    double held, peak_held, held_bytes, mem_cap, sublayers, unchecked;
     /* scratch of one expansion */
     i32 *best, *img, *kt, *nxt; struct cand_ *cands;
     /* counters */
@@ -499,6 +499,10 @@ out:
  * A sub-layer (m, e) has its own table, grown by doubling (16-byte slots: the fingerprint and
  * the home index, to rehash), and its entry states (those reached from an earlier sub-layer)
  * wait in a file of LEB128 varints (~30 bytes a state). Inside a sub-layer the search is a DFS.
+ * When the tables reach three quarters of `mem_cap`, a state for a later sub-layer that its
+ * table has not seen is written unchecked (so duplicates may wait on disk) and checked against
+ * that sub-layer's table when it is explored (delayed duplicate detection): disk instead of
+ * memory, the same states and counts. The last quarter is for the sub-layer being explored.
  *
  * Which states are visited: the same classes as the DFS, each explored from the first state
  * found of its class; "first" follows another order here, and the persistent set chosen at a
@@ -535,10 +539,10 @@ static int gtable_put(gtable *t, u64 h1, u64 fp) {  /* no growth here */
     t->fp[i] = fp; t->home[i] = (uint32_t)h1; t->size++;
     return 0;
 }
-static int gtable_grow(S *s, gtable *t) {
+static int gtable_grow(S *s, gtable *t, double limit) {
     u64 cap = t->fp ? 2 * (t->mask + 1) : 1 << 12;
     if (cap > ((u64)1 << 32)) return E_FULL;
-    if (s->held_bytes + cap * 12 > s->mem_cap) return E_FULL;
+    if (s->held_bytes + cap * 12 > limit) return E_FULL;
     gtable nt = { calloc(cap, sizeof(u64)), malloc(cap * sizeof(uint32_t)), cap - 1, 0 };
     if (!nt.fp || !nt.home) { free(nt.fp); free(nt.home); return E_NOMEM; }
     for (u64 i = 0; t->fp && i <= t->mask; i++) if (t->fp[i]) gtable_put(&nt, t->home[i], t->fp[i]);
@@ -548,7 +552,8 @@ static int gtable_grow(S *s, gtable *t) {
     *t = nt;
     return OK;
 }
-static int gvisit(S *s, gtable *t, const i32 *key) {  /* 1 new, 0 seen, < 0 an error code negated */
+/* 1 new, 0 seen, < 0 an error code negated (-E_FULL: not seen, but no room under `limit`) */
+static int gvisit(S *s, gtable *t, const i32 *key, double limit) {
     u64 h1, fp;
     hash_key(key, s->L, &h1, &fp);
     if (t->fp) {
@@ -558,7 +563,7 @@ static int gvisit(S *s, gtable *t, const i32 *key) {  /* 1 new, 0 seen, < 0 an e
         }
     }
     if (!t->fp || 10 * (t->size + 1) > 9 * (t->mask + 1)) {
-        int rc = gtable_grow(s, t);
+        int rc = gtable_grow(s, t, limit);
         if (rc) return -rc;
     }
     gtable_put(t, h1, fp);
@@ -572,8 +577,9 @@ static void gtable_free(S *s, gtable *t) {
     memset(t, 0, sizeof *t);
 }
 
-static int spool_put(sublayer *w, const i32 *st, int L) {
-    unsigned char buf[5 * 64], *p = buf;
+static int spool_put(sublayer *w, const i32 *st, int L, int unchecked) {
+    unsigned char buf[5 * 65], *p = buf;
+    *p++ = (unsigned char)unchecked;
     for (int k = 0; k < L; k++) {
         uint32_t x = (uint32_t)st[k];
         while (x >= 0x80) { *p++ = (unsigned char)(x | 0x80); x >>= 7; }
@@ -583,11 +589,14 @@ static int spool_put(sublayer *w, const i32 *st, int L) {
     w->count++;
     return OK;
 }
-static int spool_get(FILE *f, i32 *st, int L) {  /* 1 read, 0 end, -1 error */
+static int spool_get(FILE *f, i32 *st, int L, int *unchecked) {  /* 1 read, 0 end, -1 error */
+    int c0 = getc(f);
+    if (c0 == EOF) return 0;
+    *unchecked = c0;
     for (int k = 0; k < L; k++) {
         uint32_t x = 0; int shift = 0, c;
         do {
-            if ((c = getc(f)) == EOF) return k == 0 && shift == 0 ? 0 : -1;
+            if ((c = getc(f)) == EOF) return -1;
             x |= (uint32_t)(c & 0x7f) << shift; shift += 7;
         } while (c & 0x80);
         st[k] = (i32)x;
@@ -599,6 +608,7 @@ static void sub_path(char *path, size_t len, const char *dir, int m, int e) {
 }
 
 typedef struct { stack_t_ *k; sublayer **grid; const char *dir; int m, e; } sweep_ctx;
+static int spool_to(sweep_ctx *c, sublayer *w, int m, int e, const i32 *st, int unchecked, int L);
 
 static sublayer *sub_at(sweep_ctx *c, int m, int e, int create) {
     sublayer **x = &c->grid[(size_t)m * EMAX + e];
@@ -615,19 +625,27 @@ static int sweep_succ(S *s, const i32 *nxt, void *ctx) {
     if (err) return err;
     sublayer *w = sub_at(c, m, e, 1);
     if (!w) return E_NOMEM;
-    int v = gvisit(s, &w->t, s->best);
+    int now = m == c->m && e == c->e;
+    /* a later sub-layer's table may not take the last quarter of the memory: past that, its
+     * states wait unchecked (duplicates possible) and are checked when it is explored */
+    int v = gvisit(s, &w->t, s->best, now ? s->mem_cap : 0.75 * s->mem_cap);
+    if (v == -E_FULL && !now) { s->unchecked += 1; return spool_to(c, w, m, e, nxt, 1, s->L); }
     if (v < 0) return -v;
     if (!v) return OK;
     s->states += 1;
     if (s->states > s->max_states) return E_MAXSTATES;
-    if (m == c->m && e == c->e) return push(c->k, nxt);
+    if (now) return push(c->k, nxt);
+    return spool_to(c, w, m, e, nxt, 0, s->L);
+}
+
+static int spool_to(sweep_ctx *c, sublayer *w, int m, int e, const i32 *st, int unchecked, int L) {
     if (!w->f) {
         char path[4096];
         sub_path(path, sizeof path, c->dir, m, e);
         if (!(w->f = fopen(path, "wb"))) return E_IO;
         setvbuf(w->f, NULL, _IOFBF, 1 << 16);
     }
-    return spool_put(w, nxt, s->L);
+    return spool_put(w, st, L, unchecked);
 }
 
 int gme_sweep(S *s, const i32 *start, const char *dir) {
@@ -646,7 +664,7 @@ int gme_sweep(S *s, const i32 *start, const char *dir) {
     if (err) { rc = err; goto out; }
     if (c.m >= MMAX || c.e >= EMAX) { rc = E_MEASURE; goto out; }
     sublayer *w = sub_at(&c, c.m, c.e, 1);
-    if (!w || gvisit(s, &w->t, s->best) != 1) { rc = E_NOMEM; goto out; }
+    if (!w || gvisit(s, &w->t, s->best, s->mem_cap) != 1) { rc = E_FULL; goto out; }
     s->states = 1;
     if ((rc = push(&k, start))) goto out;
     for (;;) {
@@ -657,9 +675,17 @@ int gme_sweep(S *s, const i32 *start, const char *dir) {
                 if (s->states >= next_report) { next_report += s->progress_every; report(s, (double)k.top, c.m); }
             }
             if (!cur) break;
-            int got = spool_get(cur, st, L);
+            int unchecked = 0, got = spool_get(cur, st, L, &unchecked);
             if (got < 0) { rc = E_IO; goto out; }
             if (!got) break;
+            if (unchecked) {  /* written when memory was short: a duplicate, or new now */
+                key_of(s, st, s->best, s->img, s->kt);
+                if (err) { rc = err; goto out; }
+                int v = gvisit(s, &sub_at(&c, c.m, c.e, 0)->t, s->best, s->mem_cap);
+                if (v < 0) { rc = -v; goto out; }
+                if (!v) continue;
+                if (++s->states > s->max_states) { rc = E_MAXSTATES; goto out; }
+            }
             if ((rc = push(&k, st))) goto out;
         }
         /* sub-layer (m, e) is done: nothing can reach it again */
@@ -730,7 +756,7 @@ S *gme_new(int n, int nch, int nperm, int stride, int merge, int reduction, cons
 }
 void gme_counts(const S *s, double *out) {
     out[0] = s->states; out[1] = s->transitions; out[2] = s->schedules; out[3] = s->full_expansions;
-    out[4] = s->comparisons; out[5] = s->t.mask ? (double)s->t.size : s->peak_held; out[6] = s->sublayers;
+    out[4] = s->comparisons; out[5] = s->t.mask ? (double)s->t.size : s->peak_held; out[6] = s->sublayers; out[7] = s->unchecked;
 }
 const i32 *gme_bad_state(const S *s) { return s->bad_state; }
 const i32 *gme_chan(const S *s, int c, int *len) { *len = s->ch_len.a[c]; return s->chpool.a + s->ch_off.a[c]; }

@@ -207,7 +207,7 @@ def fast_check(
             f.unlink()  # left by a search that stopped early
     counts = (ctypes.c_double * 8)()
     dll.gme_counts(s, counts)
-    res.held, res.sublayers = int(counts[5]), int(counts[6])
+    res.held, res.sublayers, res.unchecked = int(counts[5]), int(counts[6]), int(counts[7])
     res.states, res.transitions, res.schedules, res.full_expansions = (int(counts[k]) for k in range(4))
     res.local_states = len(ls.objs)
     res.collision_bound = counts[4] / 2.0 ** 63
