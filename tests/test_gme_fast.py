@@ -131,9 +131,9 @@ def test_the_sweep_short_of_memory_checks_later_states_when_it_reaches_them(tmp_
 def test_the_sweep_with_symmetry_and_merging_gives_the_dfs_verdict(tmp_path):
     """Another representative per class, so another (equally valid) reduced graph: the verdict and
     the one good terminal class agree; the run is deterministic."""
-    dfs = fast_check("2fgme", (2, 2), (2, 1, 1, 1))
-    a = fast_check("2fgme", (2, 2), (2, 1, 1, 1), sweep_dir=str(tmp_path / "a"))
-    b = fast_check("2fgme", (2, 2), (2, 1, 1, 1), sweep_dir=str(tmp_path / "b"))
+    dfs = fast_check("2fgme", (2, 2), 1)
+    a = fast_check("2fgme", (2, 2), 1, sweep_dir=str(tmp_path / "a"))
+    b = fast_check("2fgme", (2, 2), 1, sweep_dir=str(tmp_path / "b"))
     assert dfs.ok and a.ok and (dfs.schedules, a.schedules) == (1, 1)
     assert COUNTS(a) == COUNTS(b) and a.held == b.held
     assert a.held < a.states / 4
