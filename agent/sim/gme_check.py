@@ -187,8 +187,9 @@ class _System:
         ) and all(s == n.entries for s, n in zip(self.served, self.nodes))
 
 
-# Monotone per-node counters for the acyclicity argument (see `exhaustive_check`): 2-FGME's
-# epoch (+1 per Req multicast), RA2's sum of VF (a captain's Start raises VF of its target).
+# Monotone per-node counters for the acyclicity argument (see `exhaustive_check`) and for the
+# compiled sweep's progress measure (gme_fast): 2-FGME's epoch (+1 per Req multicast), RA2's
+# sum of VF (a captain's Start raises VF of its target).
 _PROGRESS: Dict[str, Callable[[GmeNode], int]] = {
     "2fgme": lambda x: x.epoch,  # type: ignore[attr-defined]
     "ra1": lambda x: 0,
