@@ -96,6 +96,20 @@ def test_cli_bench_gme_check_fast(capsys):
     assert json.loads(capsys.readouterr().out)["safety_violations"] == 1
 
 
+def test_cli_bench_gme_check_sweep(capsys, tmp_path):
+    import json
+
+    from agent.cli.main import main
+
+    args = ["bench", "gme-check", "--groups", "2,1", "--requests", "2", "--json", "--fast", "--sweep", str(tmp_path)]
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["sweep"] and report["verdict"] == "ok" and 0 < report["fingerprints_held_peak"] < report["states"]
+    assert main(args + ["--memory-gb", "1e-5"]) == 2  # no room: one line, no verdict
+    err = capsys.readouterr().err
+    assert "digest table full" in err and "--memory-gb" in err and "Traceback" not in err
+
+
 # --- the sweep (fast_check(sweep_dir=...)): the same expansion in the order of a progress measure
 
 

@@ -130,12 +130,17 @@ def run_check(args: argparse.Namespace) -> int:
     if args.fast:
         from agent.sim.gme_fast import fast_check
 
-        r = fast_check(
-            args.algorithm, sizes, args.requests, fault=args.fault, max_states=args.max_states,
-            symmetry=not args.no_symmetry, reduction=not args.no_reduction, merge_dead=not args.no_merge,
-            table_bits=args.table_bits, progress=progress if args.progress else None,
-            sweep_dir=args.sweep, memory_gb=args.memory_gb,
-        )
+        try:
+            r = fast_check(
+                args.algorithm, sizes, args.requests, fault=args.fault, max_states=args.max_states,
+                symmetry=not args.no_symmetry, reduction=not args.no_reduction, merge_dead=not args.no_merge,
+                table_bits=args.table_bits, progress=progress if args.progress else None,
+                sweep_dir=args.sweep, memory_gb=args.memory_gb,
+            )
+        except (RuntimeError, MemoryError) as exc:  # no verdict: say why in one line, not a traceback
+            hint = "--memory-gb" if args.sweep else "--table-bits (or --sweep DIR)"
+            print(f"gme-check: {exc}; no verdict (raise {hint})", file=sys.stderr)
+            return 2
     else:
         r = exhaustive_check(
             args.algorithm, sizes, args.requests, fault=args.fault, max_states=args.max_states,
