@@ -496,7 +496,7 @@ out:
  * counts are exact. Every successor is checked: m' = m and e' >= e, or m' = m + 1, else
  * E_MEASURE (the search stops: the argument would be wrong).
  *
- * A sub-layer (m, e) has its own table, grown by doubling (16-byte slots: the fingerprint and
+ * A sub-layer (m, e) has its own table, grown by doubling (12-byte slots: the fingerprint and
  * the home index, to rehash), and its entry states (those reached from an earlier sub-layer)
  * wait in a file of LEB128 varints (~30 bytes a state). Inside a sub-layer the search is a DFS.
  * When the tables reach three quarters of `mem_cap`, a state for a later sub-layer that its
