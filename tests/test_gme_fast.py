@@ -180,6 +180,6 @@ def test_the_sweep_refuses_a_counter_that_is_not_a_function_of_the_class(tmp_pat
     import agent.sim.gme_fast as gf
     from agent.sim.gme_check import ReductionUnsound
 
-    monkeypatch.setattr(gf, "_node_counter", lambda ls, sid, left: ls.progress_of(ls.objs[sid]))
+    monkeypatch.setattr(gf, "_node_counter", lambda ls, sid, left: ls.progress[sid])
     with pytest.raises(ReductionUnsound, match="one progress measure"):
         fast_check("2fgme", (2, 1), 2, sweep_dir=str(tmp_path))

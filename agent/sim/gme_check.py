@@ -243,6 +243,7 @@ class _LocalStates:
         self.class_rep: List[Tuple[int, int]] = []  # class -> (a local state in it, left)
         self.class_steps: Dict[Tuple[int, str, int], Tuple[Tuple[Tuple[int, int], ...], int]] = {}
         self.class_renames: Dict[Tuple[int, Tuple[int, ...]], int] = {}
+        self.class_counter: Dict[int, int] = {}  # class -> the compiled sweep's counter (one per class)
         self.initial = tuple(self.intern(i, x) for i, x in enumerate(nodes))
 
     def intern(self, index: int, node: GmeNode) -> int:

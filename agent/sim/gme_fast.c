@@ -426,7 +426,7 @@ static int expand(S *s, const i32 *st, succ_fn on_succ, void *ctx) {
 static void report(S *s, double top, double layer) {
     if (!s->progress_cb) return;
     double c[8] = { s->states, s->transitions, s->schedules, s->full_expansions, s->comparisons, top,
-                    layer, s->t.slots ? (double)s->t.size : s->held };
+                    layer, s->t.mask ? (double)s->t.size : s->held };
     s->progress_cb(c);
 }
 

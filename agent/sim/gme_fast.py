@@ -52,7 +52,7 @@ PROGRESS = ctypes.CFUNCTYPE(None, ctypes.POINTER(ctypes.c_double))
 
 def _node_counter(ls: _LocalStates, sid: int, left: int) -> int:
     """The sweep's e for one node: its progress counter, 0 once it is idle with no request left."""
-    return 0 if left == 0 and ls.idle[sid] else ls.progress_of(ls.objs[sid])
+    return 0 if left == 0 and ls.idle[sid] else ls.progress[sid]
 
 
 def _sweep_counter(ls: _LocalStates, sid: int, left: int) -> int:
@@ -60,10 +60,9 @@ def _sweep_counter(ls: _LocalStates, sid: int, left: int) -> int:
     (one measure per class, so one table per class); checked for every local state met."""
     e = _node_counter(ls, sid, left)
     if ls.merge:
-        seen = ls.__dict__.setdefault("class_counter", {})
         c = ls.klass(sid, left)
-        if seen.setdefault(c, e) != e:
-            raise ReductionUnsound(f"the sweep's counter differs inside class {c} ({seen[c]} and {e}): "
+        if ls.class_counter.setdefault(c, e) != e:
+            raise ReductionUnsound(f"the sweep's counter differs inside class {c} ({ls.class_counter[c]} and {e}): "
                                    "a class must have one progress measure")
     return e
 
@@ -161,11 +160,16 @@ def fast_check(
             out[2 + 2 * q], out[3 + 2 * q] = to, m
         return 2 + 2 * len(sends)
 
-    def report(counts: Any) -> None:
+    def take(counts: Any) -> None:
+        """The first five counts, laid out alike by gme_counts and the progress callback."""
         res.states, res.transitions, res.schedules, res.full_expansions = (int(counts[k]) for k in range(4))
+        res.local_states = len(ls.objs)
+        res.collision_bound = counts[4] / 2.0 ** 63
+
+    def report(counts: Any) -> None:
+        take(counts)
         res.layer = int(counts[6])
         res.held = int(counts[7])
-        res.local_states = len(ls.objs)
         if progress is not None:
             progress(res)
 
@@ -193,7 +197,8 @@ def fast_check(
         0 if sweep_dir else table_bits, memory_gb * 2.0 ** 30, float(max_states), float(progress_every), *callbacks,
     )
     if not s:
-        raise MemoryError(f"gme_fast: no memory for 2^{table_bits} slots")
+        raise MemoryError("gme_fast: no memory to set up the search" if sweep_dir else
+                          f"gme_fast: no memory for 2^{table_bits} slots")
     start = list(ls.initial) + list(budgets) + [0] * lay.nch
     try:
         if sweep_dir:
@@ -207,10 +212,8 @@ def fast_check(
             f.unlink()  # left by a search that stopped early
     counts = (ctypes.c_double * 8)()
     dll.gme_counts(s, counts)
+    take(counts)
     res.held, res.sublayers, res.unchecked = int(counts[5]), int(counts[6]), int(counts[7])
-    res.states, res.transitions, res.schedules, res.full_expansions = (int(counts[k]) for k in range(4))
-    res.local_states = len(ls.objs)
-    res.collision_bound = counts[4] / 2.0 ** 63
     if failure:
         exc = failure[0]
         if isinstance(exc, _CoreError):
