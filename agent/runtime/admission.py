@@ -31,7 +31,7 @@ import importlib
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, FrozenSet, Iterable, List, Mapping, Optional, Tuple
 
 __all__ = [
     "BUILTIN",
@@ -40,8 +40,10 @@ __all__ = [
     "AllowList",
     "NodeDirs",
     "OperatorRefused",
+    "PATH_PARAMS",
     "PathRefused",
     "check_module_name",
+    "check_spec_paths",
     "node_allow_list",
     "parse_ref",
     "spec_paths",
@@ -156,8 +158,11 @@ class AllowList:
 
     def describe(self) -> str:
         """What is allowed, in one line (for errors and logs)."""
-        parts = ["built-in agent.runtime.operators:{validate,in_zone,identity,counting_sink,null_sink,mqtt_sink},"
-                 " agent.runtime.taxi:{source,mqtt_source,bench_source}"]
+        by_module: Dict[str, List[str]] = {}
+        for ref in sorted(BUILTIN):
+            module, _, name = ref.partition(":")
+            by_module.setdefault(module, []).append(name)
+        parts = ["built-in " + ", ".join(f"{m}:{{{','.join(names)}}}" for m, names in sorted(by_module.items()))]
         eps = sorted(set(self.entry_points.values()))
         parts.append(f"entry points ({ENTRY_POINT_GROUP}): {', '.join(eps) if eps else 'none'}")
         mods = ", ".join(f"{m}:*" for m in self.modules)
@@ -240,7 +245,8 @@ class NodeDirs:
 
 
 def spec_paths(extra: Mapping[str, Any], function: str, params: Mapping[str, Any]) -> List[Tuple[str, Any]]:
-    """Every path a spec carries that a worker would open: (what, path)."""
+    """Every path a spec carries that a worker would open: (what, path). `extra.spill` is the
+    node's own by then (`Agent._node_local` drops a request's), checked all the same."""
     found: List[Tuple[str, Any]] = []
     if extra.get("sink_dir") is not None:
         found.append(("extra.sink_dir", extra["sink_dir"]))
@@ -259,5 +265,3 @@ def check_spec_paths(dirs: NodeDirs, extra: Mapping[str, Any], function: str, pa
     for what, path in spec_paths(extra, function, params):
         dirs.check(what, path)
 
-
-__all__ += ["PATH_PARAMS", "check_spec_paths"]
