@@ -278,6 +278,10 @@ def test_spec_from_refuses_and_logs_the_requester(tmp_path: Path, opsdir: Tuple[
     assert sum("from admin intruder" in r.getMessage() and "builtins:exec" in r.getMessage() for r in caplog.records) == 1
     good = agent._spec_from(spec_body(f"{names['ops']}:double"), template=None)
     assert good.instance == "p.work.0"
+    # this node does not spill: a request's spool settings (a directory anywhere) are dropped
+    spilling = agent._spec_from(spec_body(f"{names['ops']}:double", spill={"dir": str(tmp_path / "evil")}),
+                                template=None)
+    assert agent.spill is None and "spill" not in spilling.extra
     # a worker's createNode() is admitted too, and logged with the worker as the requester
     caplog.clear()
     with pytest.raises(ValueError):
