@@ -287,6 +287,11 @@ def test_spec_from_refuses_and_logs_the_requester(tmp_path: Path, opsdir: Tuple[
     with pytest.raises(ValueError):
         agent._spec_from({"operator": "work", "pipeline_toml": PIPELINE.replace("FUNC", "os:system")}, template=good)
     assert any("from worker p.work.0" in r.getMessage() for r in caplog.records)
+    # a pipeline text nested 100k deep is refused, not a RecursionError in the agent's loop
+    deep = spec_body("agent.runtime.operators:identity")
+    deep["pipeline_toml"] = "x = " + "[" * 100_000 + "]" * 100_000 + "\n" + deep["pipeline_toml"]
+    with pytest.raises(ValueError, match="nested too deeply"):
+        agent._spec_from(deep, template=None)
     # an operator that is not in the pipeline text
     with pytest.raises(ValueError, match="not in pipeline"):
         agent._spec_from(dict(spec_body("agent.runtime.operators:identity"), operator="nope"), template=None)
