@@ -26,9 +26,28 @@ DEFAULT_AGENT_CONFIG = Path("/etc/fog-agent/agent.toml")
 
 
 def _module_function(v: Any) -> Optional[str]:
-    module, sep, func = v.partition(":")
-    ok = bool(sep) and all(p.isidentifier() for p in module.split(".")) and func.isidentifier()
-    return None if ok else 'expected "package.module:function"'
+    from agent.runtime.admission import parse_ref
+
+    try:
+        parse_ref(v)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _operator_modules(v: Any) -> Optional[str]:
+    from agent.runtime.admission import check_module_name
+
+    for m in v:
+        why = check_module_name(m)
+        if why:
+            return f"{m!r}: {why}"
+    return None
+
+
+def _absolute_paths(v: Any) -> Optional[str]:
+    bad = [p for p in v if not os.path.isabs(p)]
+    return f"expected absolute paths ({bad[0]!r} is not)" if bad else None
 
 
 # ---- agent.toml ---------------------------------------------------------------------------------
@@ -48,6 +67,9 @@ class AgentSection:
     # default) never re-homes: experimental, chaos runs still lose records in flight on the
     # dead node (docs/reliability.md); without it the dead node's routes wait, losing nothing.
     dead_after: float = field(default=0.0, metadata={"check": non_negative("seconds")})
+    # Directories besides state_dir (and the spool dir) where a spec's `extra.sink_dir` may point,
+    # e.g. shared storage for the sinks' id files (docs/security.md: paths in requests).
+    sink_dirs: Tuple[str, ...] = field(default=(), metadata={"check": _absolute_paths})
 
 
 @dataclass(frozen=True)
@@ -110,8 +132,18 @@ class LatencySection:
 
 
 @dataclass(frozen=True)
+class OperatorsSection:
+    """The node's own operator modules: their public functions may run here, beside the built-in
+    operators and those installed packages register (entry points `fog_agent.operators`).
+    Fixed on the node, never by a request (docs/security.md, "No code from the bus")."""
+
+    modules: Tuple[str, ...] = field(default=(), metadata={"check": _operator_modules})
+
+
+@dataclass(frozen=True)
 class AgentConfig:
     agent: AgentSection
+    operators: OperatorsSection = OperatorsSection()
     mqtt: MqttSection = MqttSection()
     log: LogSection = LogSection()
     metrics: MetricsSection = MetricsSection()

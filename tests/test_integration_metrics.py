@@ -61,6 +61,7 @@ def test_metrics_endpoint_counters_equal_the_agents_own_counts(mosquitto: Any, t
         conf = tmp_path / f"{node}.toml"
         conf.write_text(
             f'[agent]\nnode = "{node}"\ncluster = "{cluster}"\nslots = 2\nstate_dir = "{tmp_path}/state-{node}"\n'
+            f'sink_dirs = ["{tmp_path}/sink"]\n'
             f"state_period = 0.5\nheartbeat_period = 0.2\nshutdown_timeout = 5.0\n"
             f'[mqtt]\nhost = "{mosquitto.host}"\nport = {mosquitto.port}\n[metrics]\nport = {port}\n')
         log = open(tmp_path / f"{node}.log", "w")

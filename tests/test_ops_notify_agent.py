@@ -52,11 +52,11 @@ name = "wd"
 [[operator]]
 name = "source"
 kind = "source"
-function = "x.y:source"
+function = "agent.runtime.taxi:source"
 [[operator]]
 name = "sink"
 kind = "sink"
-function = "x.y:sink"
+function = "agent.runtime.operators:counting_sink"
 """
 
 WATCHDOG_USEC = 1_000_000  # WatchdogSec=1s: the agent must ping every 0.5 s

@@ -78,14 +78,14 @@ name = "p"
 [[operator]]
 name = "source"
 kind = "source"
-function = "x.y:source"
+function = "agent.runtime.taxi:source"
 [[operator]]
 name = "work"
-function = "x.y:work"
+function = "agent.runtime.operators:identity"
 [[operator]]
 name = "sink"
 kind = "sink"
-function = "x.y:sink"
+function = "agent.runtime.operators:counting_sink"
 """
 
 
@@ -604,6 +604,7 @@ def test_a_handed_over_keeper_keeps_its_identity_state_and_a_higher_epoch(tmp_pa
 
     conf = tmp_path / "a.toml"
     conf.write_text(f'[agent]\nnode = "me"\ncluster = "c"\nstate_dir = "{tmp_path}/state"\n'
+                    f'sink_dirs = ["{tmp_path}/sink"]\n'
                     '[mqtt]\nhost = "127.0.0.1"\nport = 1\npassword = "secret"\nusername = "u"\n')
     agent = Agent(load_agent_config(conf))
     shipped = {"epoch": 4, "inbound": {}}

@@ -1,4 +1,10 @@
-"""`fog-agent check-config FILE`: validate an agent or pipeline file and print the effective values."""
+"""`fog-agent check-config FILE`: validate an agent or pipeline file and print the effective values.
+
+A pipeline is also checked against THIS node's operator allow-list (docs/security.md, "No code
+from the bus"): built-ins, installed entry points, and the `[operators] modules` of the node's
+agent.toml (`--agent-config`, default $FOG_AGENT_CONFIG or /etc/fog-agent/agent.toml when it
+exists). A function the node would refuse is one error line naming file, key and what is allowed.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +12,7 @@ import argparse
 import dataclasses
 import json
 import sys
-from typing import Any
+from typing import Any, List, Optional, Tuple
 
 from agent.schema import ConfigError, read_toml
 from pathlib import Path
@@ -21,6 +27,9 @@ def register(groups: Any) -> None:
     )
     p.add_argument("file", help="an agent.toml or a pipeline .toml (told apart by its [pipeline] table)")
     p.add_argument("--json", action="store_true", help="print the effective configuration as JSON")
+    p.add_argument("--agent-config", metavar="AGENT_TOML",
+                   help="for a pipeline: the agent.toml whose [operators] modules are allowed "
+                        "(default: $FOG_AGENT_CONFIG or /etc/fog-agent/agent.toml if it exists)")
     p.set_defaults(func=run)
 
 
@@ -33,6 +42,16 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    if is_pipeline:
+        try:
+            refused = refused_functions(cfg, args.file, args.agent_config)
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        for line in refused:
+            print(f"error: {line}", file=sys.stderr)
+        if refused:
+            return 1
     data = _redact(dataclasses.asdict(cfg))
     if args.json:
         json.dump(data, sys.stdout, indent=2, sort_keys=True)
@@ -42,6 +61,26 @@ def run(args: argparse.Namespace) -> int:
         print(f"# {args.file}: valid {kind} configuration; effective values:")
         _print_toml(data)
     return 0
+
+
+def refused_functions(cfg: Any, file: str, agent_config: Optional[str]) -> List[str]:
+    """One line per operator whose function this node's allow-list refuses."""
+    from agent.config import default_config_path, load_agent_config
+    from agent.runtime.admission import AllowList, OperatorRefused
+
+    path = Path(agent_config) if agent_config else default_config_path()
+    modules: Tuple[str, ...] = ()
+    if agent_config or path.exists():
+        modules = load_agent_config(path).operators.modules
+    allowed = AllowList.for_node(modules)
+    out = []
+    for i, op in enumerate(cfg.operators):
+        try:
+            allowed.check(op.function)
+        except OperatorRefused as exc:
+            out.append(f'{file}: [operator[{i}]].function: "{op.function}" is not allowed on this node: '
+                       f"{exc.why} (allowed: {exc.allowed}; node config: {path if modules or agent_config else 'none'})")
+    return out
 
 
 def _redact(data: Any) -> Any:

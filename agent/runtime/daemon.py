@@ -39,7 +39,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from agent import topics
 from agent.config import AgentConfig, check_tls, load_pipeline_text, resolve_password
-from agent.runtime import hosted, nodestate, rehome, rpc
+from agent.runtime import admission, hosted, nodestate, rehome, rpc
 from agent.runtime.placement import DEFAULT_POLICY, NodeView, PlacementPolicy, PlacementRequest, get_policy
 from agent.runtime.spec import BrokerSpec, InstanceSpec, request_spec
 from agent.runtime.supervisor import WORKER_COMMAND, WORKER_EXIT_BAD_SPEC, Reaped, Supervisor, Worker, WorkerStatus
@@ -123,6 +123,9 @@ class Agent:
         self.connect_timeout = connect_timeout
         self.client_id = client_id_for(self.cluster, self.node)
         self._events: "queue.SimpleQueue[Tuple[Any, ...]]" = queue.SimpleQueue()
+        # What a spec may name here (docs/security.md, "No code from the bus"): fixed at start.
+        self.allowed = admission.AllowList.for_node(cfg.operators.modules)
+        self.node_dirs = admission.NodeDirs.of(cfg)
         timeout = cfg.agent.shutdown_timeout
         self.supervisor = Supervisor(
             emit=self._events.put,
@@ -132,7 +135,7 @@ class Agent:
             term_after=timeout / 2,
             kill_after=timeout,
             command=worker_command,
-            env=env if env is not None else worker_env(),
+            env=dict(env if env is not None else worker_env(), **self.allowed.env()),
         )
         self.broker = BrokerSpec(
             host=cfg.mqtt.host,
@@ -661,11 +664,15 @@ class Agent:
             return
         self._create_node(spec, reply, cause="spawn", now=now)
 
-    def _spec_from(self, data: Dict[str, Any], template: Optional[InstanceSpec]) -> InstanceSpec:
+    def _spec_from(self, data: Dict[str, Any], template: Optional[InstanceSpec],
+                   requester: Optional[str] = None) -> InstanceSpec:
         """A full spec for an instance to start here: the request's fields over the template's.
 
-        The node-local fields (node, broker, state_dir, heartbeat period) are always this agent's:
-        a request from another node must not make us connect elsewhere or write to its paths.
+        The node-local fields (node, broker, state_dir, heartbeat period, spool) are always this
+        agent's: a request from another node must not make us connect elsewhere or write to its
+        paths. The spec must pass `_admit` (its function on this node's allow-list, its paths
+        inside this node's directories), else ValueError, logged with `requester` (default: the
+        template's worker, who asked), and nothing is started or saved.
         """
         base: Dict[str, Any] = dataclasses.asdict(without_handover(template)) if template is not None else {}
         base.pop("instance", None)  # a sibling never inherits its requester's identity
@@ -685,16 +692,45 @@ class Agent:
         missing = [k for k in ("operator", "pipeline", "pipeline_toml") if not base.get(k)]
         if missing:
             raise ValueError(f"spec without {', '.join(missing)}")
-        return InstanceSpec(**base)
+        spec = InstanceSpec(**base)
+        if requester is None:
+            requester = f"worker {template.instance}" if template is not None else "unknown requester"
+        self._admit(spec, requester)
+        return spec
+
+    def _admit(self, spec: InstanceSpec, requester: str) -> None:
+        """Refuse (ValueError, counted, one log line naming the requester) a spec whose operator
+        function is not on this node's allow-list or that names a path outside this node's
+        directories (agent.runtime.admission). Reads the names only: never imports the function."""
+        try:
+            if not isinstance(spec.pipeline_toml, str) or not isinstance(spec.operator, str):
+                raise ValueError("pipeline_toml and operator must be strings")
+            try:
+                op = load_pipeline_text(spec.pipeline_toml, f"pipeline {spec.pipeline}").operator(spec.operator)
+            except KeyError:
+                raise ValueError(f"operator {spec.operator!r} is not in pipeline {spec.pipeline!r}") from None
+            except RecursionError:
+                raise ValueError("pipeline text nested too deeply") from None
+            if not isinstance(spec.extra, dict):
+                raise ValueError("extra must be an object")
+            self.allowed.check(op.function)
+            admission.check_spec_paths(self.node_dirs, spec.extra, op.function, op.params)
+        except ValueError as exc:
+            self.counters["refused_specs"] = self.counters.get("refused_specs", 0) + 1
+            log.warning("refused spec of instance %s from %s: %s", spec.instance, requester, exc,
+                        extra={"node": self.node})
+            raise
 
     def _node_local(self, extra: Dict[str, Any]) -> Dict[str, Any]:
         """The spec fields that are always this agent's, whatever the spec came with (a request
         from another node, a stored spec): where to connect, where to write, how often to beat,
         and, re-homing on, that a worker which lost its connection waits for our word before it
-        reconnects (_grant_reconnects)."""
+        reconnects (_grant_reconnects). The spool settings are the node's own too: dropped here,
+        set again by `AgentSpill.with_spill` when this node spills."""
+        own = {k: v for k, v in extra.items() if k != "spill"}  # the spool: AgentSpill.with_spill, or none
         return {"node": self.node, "cluster": self.cluster, "broker": self.broker,
                 "state_dir": self.cfg.agent.state_dir, "heartbeat_period": self.cfg.agent.heartbeat_period,
-                "extra": dict(extra, fence_reconnect=self.cfg.agent.dead_after > 0)}
+                "extra": dict(own, fence_reconnect=self.cfg.agent.dead_after > 0)}
 
     def _create_node(self, spec: InstanceSpec, reply: Callable[[Dict[str, Any]], None], cause: str, now: float) -> None:
         if self._stopping_since is not None:
@@ -1087,8 +1123,8 @@ class Agent:
             log.warning("node %s offline for %.0fs: re-homing %d instances", node, now - since, len(plan),
                         extra={"node": self.node})
             for data in plan:
-                try:
-                    spec = self._spec_from(data, template=None)
+                try:  # the hosted record is bus input: admitted like a spawn request
+                    spec = self._spec_from(data, template=None, requester=f"the hosted record of {node}")
                 except (TypeError, ValueError) as exc:
                     log.error("cannot re-home %s: %s", data.get("instance"), exc, extra={"node": self.node})
                     continue
@@ -1103,12 +1139,19 @@ class Agent:
     def _readopt(self, now: float) -> None:
         """Restart, with the same identity, every instance this node hosted when its agent last
         stopped (agent.runtime.hosted): they are still in their neighbours' routing tables.
-        Node-local settings come from this agent's configuration, not from the stored spec."""
+        Node-local settings come from this agent's configuration, not from the stored spec; a
+        stored spec this node no longer admits is set aside (`hosted.set_aside`), not started."""
         present = {s.instance for s in hosted.hosted(self.cfg.agent.state_dir)}  # not forgotten since
         for spec in self._to_readopt:
             if spec.instance in self.supervisor or spec.instance not in present:
                 continue
             spec = dataclasses.replace(spec, restart=True, **self._node_local(spec.extra))
+            try:  # a file in the state dir is no more trusted than the request that wrote it
+                self._admit(spec, "the state dir")
+            except ValueError:
+                hosted.set_aside(self.cfg.agent.state_dir, spec.instance)
+                self._hosted_dirty = True
+                continue
             if self.spill is not None:
                 spec = self.spill.with_spill(spec)
             try:

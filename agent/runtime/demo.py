@@ -59,6 +59,7 @@ node = "{node}"
 cluster = "{cluster}"
 slots = {slots}
 state_dir = "{state_dir}"
+sink_dirs = ["{sink_dir}"]
 state_period = {state_period}
 heartbeat_period = {heartbeat_period}
 shutdown_timeout = {shutdown_timeout}
@@ -151,6 +152,7 @@ class Fleet:
         conf = self.workdir / f"{node}.toml"
         conf.write_text(AGENT_TOML.format(
             node=node, cluster=self.cluster, slots=self.slots, state_dir=self.workdir / f"state-{node}",
+            sink_dir=self.sink_dir,
             state_period=self.state_period, heartbeat_period=self.heartbeat_period,
             shutdown_timeout=self.shutdown_timeout, dead_after=self.dead_after, host=self.host,
             port=self.proxies.port(node) if self.proxies is not None else self.port,

@@ -33,9 +33,10 @@ from agent.runtime.spec import InstanceSpec
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SUFFIX", "remember", "forget", "hosted", "since"]
+__all__ = ["SUFFIX", "REFUSED", "remember", "forget", "set_aside", "hosted", "since"]
 
 SUFFIX = ".spec.json"
+REFUSED = ".refused"  # appended to a stored spec the agent no longer admits (see set_aside)
 
 PathLike = Union[str, Path]
 
@@ -57,6 +58,19 @@ def remember(state_dir: PathLike, spec: InstanceSpec) -> None:
 def forget(state_dir: PathLike, instance: str) -> None:
     try:
         _path(state_dir, instance).unlink()
+    except FileNotFoundError:
+        pass
+
+
+def set_aside(state_dir: PathLike, instance: str) -> None:
+    """Stop hosting a stored spec the node does not admit (its function is not on the node's
+    allow-list, or it names a path outside the node's directories; docs/security.md): renamed to
+    `<instance>.spec.json.refused`, so it is neither re-adopted nor published, and kept for a
+    person to look at."""
+    path = _path(state_dir, instance)
+    try:
+        os.replace(path, path.with_name(path.name + REFUSED))
+        log.error("%s: not admitted on this node: set aside as %s%s", path, path.name, REFUSED)
     except FileNotFoundError:
         pass
 

@@ -1,6 +1,9 @@
 """The user operator API and the built-in operators: validate, in_zone, counting_sink, mqtt_sink.
 
-An `[[operator]] function = "package.module:name"` names one of:
+An `[[operator]] function = "package.module:name"` names one of the following, and must be on the
+node's allow-list (agent.runtime.admission: the built-in operators below, the entry points of
+installed packages in the group `fog_agent.operators`, the public functions of the modules the
+node's agent.toml lists in `[operators] modules`; docs/runtime.md, "Your own operators"):
 - a plain function `f(record) -> record | None` (a map or filter: None drops the record),
 - a function decorated with `@record_map` (receives `(record, params)`),
 - a factory with a `build(ctx) -> Operator` attribute (sources, sinks, stateful operators).
@@ -17,16 +20,18 @@ busy (it processes nothing else meanwhile) without burning the shared CPU (see d
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 from agent.runtime.envelope import Item
+
+if TYPE_CHECKING:
+    from agent.runtime.admission import AllowList
 
 __all__ = [
     "OperatorContext",
@@ -149,13 +154,13 @@ def record_map(fn: Callable[[Any, Dict[str, Any]], Any]) -> Callable[[Any, Dict[
     return fn
 
 
-def load_operator(ref: str, ctx: OperatorContext) -> Operator:
-    """Resolve "package.module:name" and build the operator instance."""
-    module_name, _, name = ref.partition(":")
-    try:
-        obj = getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"operator function {ref!r}: cannot import ({exc})") from None
+def load_operator(ref: str, ctx: OperatorContext, allowed: Optional["AllowList"] = None) -> Operator:
+    """Resolve "package.module:name" through the node's allow-list and build the operator
+    instance. `allowed` defaults to this process's (`admission.node_allow_list`: built-ins,
+    entry points, and the modules its agent configured); a refused name is never imported."""
+    from agent.runtime.admission import node_allow_list
+
+    obj = (allowed if allowed is not None else node_allow_list()).resolve(ref)
     build = getattr(obj, "build", None)
     if callable(build):
         op = build(ctx)

@@ -52,6 +52,10 @@ class InstanceSpec:
     `succs`/`preds` are the initial routing table; `keeper` is true for the first instance of an
     operator (it never terminates itself). `restart` is true when the agent restarts a crashed
     worker with the same identity (the worker then restores its persisted state).
+
+    A spec that arrives from the bus or the state dir is input to check, not to trust: the agent
+    replaces its node-local fields and admits its operator function and paths
+    (`Agent._spec_from`, agent.runtime.admission) before any worker sees it.
     """
 
     instance: str

@@ -39,6 +39,7 @@ from agent.config import RUNTIME_POLICIES, PipelineConfig, load_pipeline_text
 from agent.runtime.channel import Inbound, Outbound
 from agent.runtime.envelope import Envelope, Item, Kind, MalformedEnvelope, data_body_bytes, decode, encode, encode_data
 from agent.runtime.flow import AckTracker, OutLink
+from agent.runtime.admission import OperatorRefused, node_allow_list
 from agent.runtime.operators import OperatorContext, SinkOperator, load_operator
 from agent.runtime.recovery import RESEND_AFTER
 from agent.runtime.routing import Outbox, Router
@@ -102,6 +103,10 @@ class Worker:
         self.clock = clock
         self.pipeline: PipelineConfig = load_pipeline_text(spec.pipeline_toml, f"pipeline {spec.pipeline}")
         self.op = self.pipeline.operator(spec.operator)
+        # Defence in depth (docs/security.md, "No code from the bus"): the agent admitted this
+        # function; refuse it again here, from the node's own allow-list, before anything is
+        # created or imported.
+        node_allow_list().check(self.op.function)
         self.stage = self.pipeline.index(spec.operator)
         self.kind = self.op.kind
         self.ctx = {"instance": spec.instance, "operator": spec.operator, "node": spec.node}
@@ -1695,6 +1700,7 @@ def _preimport() -> None:
             importlib.import_module(name)
         except ImportError:
             pass
+    node_allow_list()  # reads the installed packages' entry points (once per process)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -1714,6 +1720,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     except InstanceBusy as exc:
         log.error("%s", exc)
         return EXIT_CRASH  # no exit line: the agent treats it as a crash and retries (bounded)
+    except OperatorRefused as exc:  # not on this node's allow-list: one line, never imported
+        log.error("instance %s: %s", spec.instance, exc)
+        sys.stdout.write(control_line("exit", code=EXIT_BAD_SPEC, reason=str(exc)[:300]))
+        return EXIT_BAD_SPEC
     except Exception as exc:  # noqa: BLE001 - config/operator errors: say so and do not restart
         log.exception("cannot build instance %s", spec.instance)
         sys.stdout.write(control_line("exit", code=EXIT_BAD_SPEC, reason=str(exc)[:300]))
