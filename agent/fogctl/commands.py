@@ -206,7 +206,7 @@ def parse_delta(text: str) -> int:
 
 
 def _reply(ctx: Context, conn: Connection, node: str, body: Dict[str, Any]) -> Reply:
-    return Reply.from_dict(conn.request(topics.agent_rpc(ctx.cfg.cluster, node), body))
+    return Reply.from_dict(conn.rpc(node, body))
 
 
 def _wait_for(ctx: Context, conn: Connection, done: Callable[[Fleet], bool], timeout: float) -> Fleet:

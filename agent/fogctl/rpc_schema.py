@@ -61,12 +61,15 @@ class ScaleRequest:
     instances: Tuple[str, ...] = ()  # scale-in: which instances leave
 
     def __post_init__(self) -> None:
+        # Types first: the request comes from the bus (a list as delta once raised TypeError).
+        if not isinstance(self.operator, str) or not self.operator:
+            raise RequestError(f"operator: expected a non-empty string, found {str(self.operator)[:80]!r}")
+        if isinstance(self.delta, bool) or not isinstance(self.delta, int) or self.delta == 0:
+            raise RequestError(f"delta: expected a non-zero integer, found {str(self.delta)[:80]!r}")
+        if self.pipeline is not None and not isinstance(self.pipeline, str):
+            raise RequestError(f"pipeline: expected a string or null, found {type(self.pipeline).__name__}")
         if self.instances and len(self.instances) != -self.delta:
             raise RequestError(f"instances: expected {-self.delta} ids for delta {self.delta}, found {len(self.instances)}")
-        if not isinstance(self.operator, str) or not self.operator:
-            raise RequestError(f"operator: expected a non-empty string, found {self.operator!r}")
-        if isinstance(self.delta, bool) or not isinstance(self.delta, int) or self.delta == 0:
-            raise RequestError(f"delta: expected a non-zero integer, found {self.delta!r}")
 
     def to_dict(self) -> Dict[str, Any]:
         d = {"v": SCHEMA_VERSION, "op": "scale", "operator": self.operator, "delta": self.delta,
@@ -205,10 +208,13 @@ class Action:
     count: int = 1
 
 
-def agent_actions(req: Any, node: str, local: Sequence[Instance]) -> List[Action]:
+def agent_actions(req: Any, node: str, local: Sequence[Instance], free_slots: Optional[int] = None) -> List[Action]:
     """The daemon's half of a steering request: actions on its own instances, or RequestError.
 
-    `local` are the instances this agent hosts (fleet.Instance, e.g. from its own state doc).
+    `local` are the instances this agent hosts (fleet.Instance, e.g. from its own state doc);
+    `free_slots`, the free slots of the online fleet as this agent sees it: a forced scale-out
+    asking for more copies is refused (docs/security.md: a delta of 3,000,000 once ran 1,846
+    rounds and filled every slot).
     """
     if isinstance(req, DrainRequest):
         if req.node != node:
@@ -221,6 +227,9 @@ def agent_actions(req: Any, node: str, local: Sequence[Instance]) -> List[Action
         raise RequestError(f"unsupported request {req!r}")
     mine = [i for i in local if i.operator == req.operator and (req.pipeline is None or i.pipeline in (None, req.pipeline))]
     if req.delta > 0:
+        if free_slots is not None and req.delta > free_slots:
+            raise RequestError(f"refused: {req.operator} +{req.delta} needs {req.delta} free slots, "
+                               f"the online nodes have {max(0, free_slots)}")
         live = sorted((i for i in mine if i.phase is Phase.ACTIVE), key=lambda i: (not i.keeper, i.id))
         if not live:
             raise RequestError(f"no active instance of {req.operator!r} on {node}")

@@ -74,17 +74,23 @@ def keeper_specs(
 
 def fleet_from_snapshot(states: Dict[str, bytes], statuses: Dict[str, bytes]) -> List[NodeView]:
     """Placement views from retained state/status payloads keyed by topic."""
-    online = {t.split("/")[3]: p == b"online" for t, p in statuses.items()}
+    online = {}
+    for t, p in statuses.items():
+        parsed = topics.parse_any(t)
+        if parsed is not None and parsed.kind == "status":
+            online[parsed.node] = p == b"online"
     views = []
     for topic, payload in sorted(states.items()):
         if not payload:
             continue
+        parsed = topics.parse_any(topic)
         try:
             doc = nodestate.parse_node_state(payload)
-        except ValueError as exc:
-            log.warning("ignoring %s: %s", topic, exc)
-            continue
-        views.append(nodestate.node_view(doc, online=online.get(doc["node"], False)))
+            if parsed is None or parsed.kind != "state" or doc["node"] != parsed.node:
+                raise ValueError(f"state names node {str(doc['node'])[:40]!r}")
+            views.append(nodestate.node_view(doc, online=online.get(doc["node"], False)))
+        except (ValueError, TypeError) as exc:  # a hostile neighbour's state: skipped, in one line
+            log.warning("ignoring %s: %s", topic[:200], exc)
     return views
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
-from agent import topics
+from agent import topics, wire
 from agent.runtime.spool import ClosedFile, file_id
 
 __all__ = [
@@ -50,16 +50,16 @@ WIRE_VERSION = 1
 
 
 def chunk_topic(cluster: str, node: str) -> str:
-    return topics.spill(cluster, node) + "/chunk"
+    return topics.spill_chunk(cluster, node)
 
 
 def ack_topic(cluster: str, node: str) -> str:
-    return topics.spill(cluster, node) + "/ack"
+    return topics.spill_ack(cluster, node)
 
 
 def chunk_subscription(cluster: str) -> str:
     """What the collector subscribes to: every node's chunks."""
-    return topics.base(cluster) + "/spill/+/chunk"
+    return topics.all_spill_chunks(cluster)
 
 
 @dataclass(frozen=True)
@@ -120,11 +120,14 @@ class Ack:
 
     @classmethod
     def decode(cls, payload: bytes) -> "Ack":
-        d = json.loads(payload)
+        d = wire.loads(payload, what="spill ack", expect=dict)
         if d.get("status") not in ("landed", "duplicate", "nack"):
             raise ValueError(f"unknown ack status {d.get('status')!r}")
-        return cls(str(d["file_id"]), d["status"], tuple(int(i) for i in d.get("missing", ())),
-                   str(d.get("reason", "")))
+        try:
+            return cls(str(d["file_id"]), d["status"], tuple(int(i) for i in d.get("missing", ())),
+                       str(d.get("reason", "")))
+        except (KeyError, TypeError) as exc:  # bus input: one ValueError, never another type
+            raise ValueError(f"spill ack: {type(exc).__name__}: {str(exc)[:80]}") from None
 
 
 def encode_chunk(header: ChunkHeader, body: bytes) -> bytes:
@@ -138,9 +141,9 @@ def decode_chunk(payload: bytes) -> Tuple[ChunkHeader, bytes]:
     if not sep:
         raise ValueError("chunk without header line")
     try:
-        h = json.loads(head)
-    except ValueError as exc:
-        raise ValueError(f"chunk header is not JSON ({exc})") from None
+        h = wire.loads(head, what="chunk header")
+    except wire.BusInputError as exc:
+        raise ValueError(str(exc)) from None
     if not isinstance(h, dict) or h.pop("v", None) != WIRE_VERSION:
         raise ValueError(f"chunk header: expected wire version {WIRE_VERSION}")
     try:
