@@ -24,6 +24,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -36,8 +38,8 @@ from paho.mqtt.properties import Properties
 
 from agent import topics
 from agent.cli.fogctl import main as fogctl_main
-from tls_site import (NOT_AUTHORIZED, OK_CODES, ROOT, AgentProc, Client, Site, agent_toml, have_tools, render_role,
-                      running_site, wait_until)
+from tls_site import (NOT_AUTHORIZED, OK_CODES, ROOT, AgentProc, Client, Site, agent_toml, have_tools, make_crl,
+                      render_role, running_site, wait_until)
 
 from pipelines import taxi_in_zone  # noqa: E402
 
@@ -305,6 +307,33 @@ def test_revoked_certificate_is_refused_at_the_handshake(site: Site) -> None:
         good.close()
         revoked.close()
     assert "certificate verify failed" in site.log.read_text()
+
+
+def test_revocation_and_removal_from_the_lists_take_effect_on_reload(tmp_path: Path) -> None:
+    """docs/security.md, "Revoking": a new CRL and an ACL without the identity, then SIGHUP (the
+    role's reload handler): the revoked certificate cannot connect again, its open connection may
+    do nothing any more, and nobody else is disconnected."""
+    with running_site(tmp_path, CLUSTER, NODES, [ADMIN]) as s:
+        old, other = connected(s, "n1"), connected(s, "n2")
+        try:
+            assert old.publish(T("events"), b"before") in OK_CODES
+            crl = make_crl(s.certs, "fog", ["n1"])
+            shutil.copy(crl, s.conf.parent / "certs/crl.pem")
+            v = render_role(tmp_path / "root", s.port, mosquitto_cluster=CLUSTER, mosquitto_node_identities=["n2"],
+                            mosquitto_admin_identities=[ADMIN], mosquitto_tls_crl_src=str(crl))
+            assert Path(v["mosquitto_acl_file"]) == s.acl and "user n1" not in s.acl.read_text()
+            os.kill(s.proc.pid, signal.SIGHUP)
+            again = Client(s, "n1")
+            assert wait_until(lambda: "Reloading config" in s.log.read_text(), 5)
+            outcome = again.connect()
+            again.close()
+            assert outcome != "connected", outcome
+            assert old.publish(T("events"), b"after") == NOT_AUTHORIZED
+            assert other.publish(T("events"), b"after") in OK_CODES
+            assert not old.disconnected.is_set() and not other.disconnected.is_set()
+        finally:
+            old.close()
+            other.close()
 
 
 def test_packets_over_the_limit_close_the_connection(site: Site) -> None:
