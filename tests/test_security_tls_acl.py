@@ -331,6 +331,20 @@ def test_revocation_and_removal_from_the_lists_take_effect_on_reload(tmp_path: P
             assert old.publish(T("events"), b"after") == NOT_AUTHORIZED
             assert other.publish(T("events"), b"after") in OK_CODES
             assert not old.disconnected.is_set() and not other.disconnected.is_set()
+
+            # A CRL past its nextUpdate refuses every client, revoked or not (the doc's warning).
+            expired = s.certs / "expired-crl.pem"
+            subprocess.run(["openssl", "ca", "-config", str(s.certs / "fog-ca-db/ca.cnf"), "-keyfile",
+                            str(s.certs / "fog-ca.key"), "-cert", str(s.certs / "fog-ca.crt"), "-gencrl",
+                            "-crlsec", "1", "-out", str(expired)], check=True, capture_output=True)
+            time.sleep(1.5)
+            shutil.copy(expired, s.conf.parent / "certs/crl.pem")
+            os.kill(s.proc.pid, signal.SIGHUP)
+            assert wait_until(lambda: s.log.read_text().count("Reloading config") >= 2, 5)
+            late = Client(s, "n2")
+            outcome = late.connect()
+            late.close()
+            assert outcome != "connected", outcome
         finally:
             old.close()
             other.close()
@@ -364,9 +378,10 @@ def test_packets_over_the_limit_close_the_connection(site: Site) -> None:
 
 def test_client_id_takeover_gets_nothing_the_taker_may_not_read(site: Site) -> None:
     """Mosquitto 2.0.11 lets any identity connect with another's client id (docs/security.md,
-    "Client ids"): it takes over the session, subscriptions included, and kicks the owner. What it
-    receives is still checked against ITS identity: an unlisted one gets nothing, another node
-    none of the owner's requests (only what it could read anyway, e.g. inboxes)."""
+    "Client ids"): it takes over the session, subscriptions included, and each side kicks the
+    other when it connects. What the taker receives is still checked against ITS identity: an
+    unlisted one gets nothing, another node none of the owner's requests. The owner's queued
+    messages that the taker was refused are dropped (the denial of service the doc describes)."""
     admin = connected(site, ADMIN)
     try:
         for taker in ("intruder", "n2"):
@@ -377,14 +392,21 @@ def test_client_id_takeover_gets_nothing_the_taker_may_not_read(site: Site) -> N
             owner.close()
             assert admin.publish(T("agents/n1/rpc/admin"), b"queued") in OK_CODES
             thief = Client(site, taker, client_id=cid)
+            back = Client(site, "n1", client_id=cid)
             try:
                 assert thief.connect(clean_start=False, session_expiry=600) == "connected"
                 assert thief.session_present  # the owner's session, as measured
                 assert admin.publish(T("agents/n1/rpc/admin"), b"live") in OK_CODES
                 time.sleep(0.5)
                 assert not [t for t, _, _, _ in thief.received], thief.topics()
+                # the owner comes back: the taker is kicked, and the refused messages are gone
+                assert back.connect(clean_start=False, session_expiry=600) == "connected"
+                assert wait_until(thief.disconnected.is_set, 5)
+                time.sleep(0.5)
+                assert back.session_present and back.received == [], back.topics()
             finally:
-                thief.close()
+                thief.c.loop_stop()
+                back.close()
     finally:
         admin.close()
 
