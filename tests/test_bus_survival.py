@@ -185,11 +185,20 @@ def test_a_set_naming_the_control_lines_own_key_never_reaches_the_worker(agent: 
     assert sent == [(("i", "set"), {"service_time_ms": 5.0})]
 
 
-def test_a_forced_scale_out_is_bounded_by_the_free_slots_of_the_fleet(agent: Any) -> None:
+def test_a_forced_scale_out_is_bounded_by_the_slots_of_the_fleet(agent: Any) -> None:
     body = {"v": 1, "op": "scale", "operator": "work", "delta": 3_000_000, "pipeline": "p"}
     agent._on_message_safely(_msg(topics.agent_rpc("c", "me", "adm"), json.dumps(body).encode()), 0.0)
     ((_, reply, _),) = _replies(agent)
-    assert reply["ok"] is False and "3000000 free slots" in reply["error"] and "have 2" in reply["error"]
+    assert reply["ok"] is False and "+3000000 asks for more copies than the 2 slots" in reply["error"]
+    # a neighbour's slots count too; within the bound the request goes on to the usual checks
+    n2 = {"v": 1, "node": "n2", "ts": 1.0, "slots": 4, "free_slots": 4, "instances": []}
+    agent._on_message_safely(_msg(topics.agent_state("c", "n2"), json.dumps(n2).encode(), retain=True), 0.0)
+    agent._on_message_safely(_msg(topics.agent_status("c", "n2"), b"online", retain=True), 0.0)
+    for delta, error in ((7, "more copies than the 6 slots"), (6, "no active instance of 'work'")):
+        agent._client.published.clear()
+        body["delta"] = delta
+        agent._on_message_safely(_msg(topics.agent_rpc("c", "me", "adm"), json.dumps(body).encode()), 0.0)
+        assert error in _replies(agent)[0][1]["error"]
 
 
 def test_retained_requests_replies_and_probes_are_ignored(agent: Any) -> None:
@@ -364,7 +373,7 @@ def test_the_messages_that_killed_agents_are_survived_by_real_agents(tmp_path: P
         reply = admin.call("n1", {"op": "set", "instance": "x", "fields": {"event": "x"}}, timeout=5)
         assert reply["ok"] is False and "reserved" in reply["error"]
         reply = admin.call("n1", {"v": 1, "op": "scale", "operator": "work", "delta": 3_000_000}, timeout=5)
-        assert reply["ok"] is False and "3000000 free slots" in reply["error"]
+        assert reply["ok"] is False and "more copies than the 1 slots" in reply["error"]
         a2 = _AgentProc(tmp_path, mosquitto, "n2", cluster)
         assert _wait(lambda: _ping(admin, "n2"), 20), a2.text()
         time.sleep(1.0)  # a latency round and a state period with the hostile records in

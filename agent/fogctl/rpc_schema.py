@@ -208,13 +208,15 @@ class Action:
     count: int = 1
 
 
-def agent_actions(req: Any, node: str, local: Sequence[Instance], free_slots: Optional[int] = None) -> List[Action]:
+def agent_actions(req: Any, node: str, local: Sequence[Instance], slots: Optional[int] = None) -> List[Action]:
     """The daemon's half of a steering request: actions on its own instances, or RequestError.
 
     `local` are the instances this agent hosts (fleet.Instance, e.g. from its own state doc);
-    `free_slots`, the free slots of the online fleet as this agent sees it: a forced scale-out
-    asking for more copies is refused (docs/security.md: a delta of 3,000,000 once ran 1,846
-    rounds and filled every slot).
+    `slots`, all the slots of the online fleet as this agent sees it: a forced scale-out asking
+    for more copies than exist is refused (docs/security.md: a delta of 3,000,000 once ran 1,846
+    rounds and filled every slot). Why all slots, not the free ones: free slots change between
+    this check and the rounds, and a copy that finds no slot cancels its round (the protocol's
+    own answer); what must not exist is a request for rounds no fleet could ever hold.
     """
     if isinstance(req, DrainRequest):
         if req.node != node:
@@ -227,9 +229,9 @@ def agent_actions(req: Any, node: str, local: Sequence[Instance], free_slots: Op
         raise RequestError(f"unsupported request {req!r}")
     mine = [i for i in local if i.operator == req.operator and (req.pipeline is None or i.pipeline in (None, req.pipeline))]
     if req.delta > 0:
-        if free_slots is not None and req.delta > free_slots:
-            raise RequestError(f"refused: {req.operator} +{req.delta} needs {req.delta} free slots, "
-                               f"the online nodes have {max(0, free_slots)}")
+        if slots is not None and req.delta > slots:
+            raise RequestError(f"refused: {req.operator} +{req.delta} asks for more copies than the "
+                               f"{max(0, slots)} slots of the online nodes")
         live = sorted((i for i in mine if i.phase is Phase.ACTIVE), key=lambda i: (not i.keeper, i.id))
         if not live:
             raise RequestError(f"no active instance of {req.operator!r} on {node}")

@@ -534,9 +534,9 @@ class Agent:
             views.append(dataclasses.replace(view, free_slots=free))
         return views
 
-    def fleet_free_slots(self) -> int:
-        """Free slots of the online fleet as this agent sees it: the bound of a forced scale-out."""
-        return sum(v.free_slots for v in self.fleet_views() if v.online)
+    def fleet_slots(self) -> int:
+        """All slots of the online fleet as this agent sees it: the bound of a forced scale-out."""
+        return sum(max(0, v.slots) for v in self.fleet_views() if v.online)
 
     def free_slots(self) -> int:
         if self.draining:
@@ -567,7 +567,7 @@ class Agent:
 
         try:
             req = parse_request(body)
-            actions = agent_actions(req, self.node, self._local_instances(), free_slots=self.fleet_free_slots())
+            actions = agent_actions(req, self.node, self._local_instances(), slots=self.fleet_slots())
         except RequestError as exc:
             return Reply(False, {}, str(exc)).to_dict()
         if isinstance(req, DrainRequest):

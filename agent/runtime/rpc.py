@@ -148,7 +148,8 @@ class RpcClient:
 
     def __init__(self, host: str, port: int, cluster: str, client_id: Optional[str] = None,
                  username: Optional[str] = None, password: Optional[str] = None,
-                 identity: Optional[str] = None, cert_file: Optional[str] = None) -> None:
+                 identity: Optional[str] = None, cert_file: Optional[str] = None,
+                 ca_file: Optional[str] = None, key_file: Optional[str] = None, tls_insecure: bool = False) -> None:
         import paho.mqtt.client as mqtt
 
         self.cluster = cluster
@@ -164,6 +165,10 @@ class RpcClient:
         c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=mqtt.MQTTv5)
         if username:
             c.username_pw_set(username, password)
+        if ca_file:  # the role's broker: TLS, and the certificate's CN is our identity
+            c.tls_set(ca_certs=ca_file, certfile=cert_file, keyfile=key_file)
+            if tls_insecure:
+                c.tls_insecure_set(True)
         c.on_connect = self._on_connect
         c.on_message = self._on_message
         c.on_subscribe = lambda *a, **k: self._subscribed.set()
