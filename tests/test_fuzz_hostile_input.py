@@ -423,3 +423,8 @@ def test_fogctl_shows_a_hostile_state_as_an_error_row() -> None:
     assert "bad state" in [line for line in text.splitlines() if line.startswith("n9")][0]
     assert state_decisions("c", "fog/c/agents/n9/state", msgs["fog/c/agents/n9/state"]) == []
     views.latency(fleet)
+    # retained pipelines that are TOML but not pipelines, or too deep for the TOML parser
+    for text in (b"operator = 5", b"operator = 'abc'", b"a = " + b"[" * 100_000, b"[[operator]]\nname = 3"):
+        f = Fleet.from_messages("c", dict(msgs, **{"fog/c/pipelines/p": text}))
+        views.pipelines(f)
+        views.status(f, 0.0)

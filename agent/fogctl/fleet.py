@@ -332,7 +332,9 @@ def _operators_of(text: str) -> List[str]:
         data = tomllib.loads(text)
     except Exception:  # a malformed retained pipeline must not break `status`
         return []
-    ops = data.get("operator") or []
+    ops = data.get("operator")
+    if not isinstance(ops, list):  # `operator = 5` in a hostile retained pipeline
+        return []
     return [op["name"] for op in ops if isinstance(op, dict) and isinstance(op.get("name"), str)]
 
 
