@@ -12,9 +12,13 @@ What it does:
   a Last Will "offline" (retained), so the fleet learns of a dead agent without polling.
 - Node state: retained JSON (`agent.runtime.nodestate`) every `state_period`, and soon after
   every change of its instances.
-- createNode(): a worker's "spawn" line, or a "spawn" rpc from another agent or from
-  `fog-agent deploy`. Placement (`agent.runtime.placement`) ranks the nodes; a local slot starts a
-  worker here, a remote one becomes an rpc to that agent. Either way the answer ("spawned", or the
+- createNode(): a worker's "spawn" line, a "spawn" on our peer topic from another agent, or one
+  on our rpc topic from `fog-agent deploy`. Placement (`agent.runtime.placement`) ranks the
+  nodes; a local slot starts a worker here, a remote one becomes a peer request to that agent.
+- Bus input (docs/security.md): control requests only on `agents/<me>/rpc/<admin>`, the
+  protocol's spawns only on `agents/<me>/peer/<node>` and only for a pipeline that node hosts,
+  re-homes or an admin deployed; replies only to `replies/<requester>/<me>`; every payload
+  bounded before parsing (agent.wire); no message ends the loop (`_on_message_safely`). Either way the answer ("spawned", or the
   rpc reply) is sent only after the new worker said "ready", i.e. after it subscribed to its inbox
   (DESIGN.md invariant 2: subscribe before announce).
 - Shutdown on SIGTERM/SIGINT: "stop" to every worker (they drain, invariant 4), SIGTERM after
