@@ -86,7 +86,7 @@ def test_identity_is_the_user_name_else_the_certificate_cn_else_the_client_id(tm
     from tls_certs import make_ca, make_cert
 
     make_ca(tmp_path, "ca")
-    cert, _ = make_cert(tmp_path, "ca", "ops-admin")
+    cert, key = make_cert(tmp_path, "ca", "ops-admin")
     assert identity.certificate_cn(str(cert)) == "ops-admin"
     assert identity.identity("alice", str(cert), "cid") == "alice"
     assert identity.identity(None, str(cert), "cid") == "ops-admin"
@@ -95,6 +95,17 @@ def test_identity_is_the_user_name_else_the_certificate_cn_else_the_client_id(tm
         identity.identity("a/b", None, "cid")  # no topic level
     with pytest.raises(identity.IdentityError):
         identity.certificate_cn(str(tmp_path / "missing.crt"))
+    # the tools take it from there: fogctl, `fog-agent deploy`'s RpcClient
+    from agent.fogctl.client import Connection
+    from agent.fogctl.config import FogctlConfig
+
+    conn = Connection(FogctlConfig(broker="127.0.0.1:1", cluster="c", cert=str(cert), client_id="cid"))
+    assert conn.identity == "ops-admin" and conn.reply_filter == "fog/c/replies/ops-admin/+"
+    assert conn.reply_topic == topics.replies("c", "ops-admin", "ops-admin")  # its sync marker
+    tool = rpc.RpcClient("127.0.0.1", 1, "c", client_id="cid", cert_file=str(cert), key_file=str(key),
+                         ca_file=str(tmp_path / "ca-ca.crt"))
+    assert tool.identity == "ops-admin" and tool.reply_filter == "fog/c/replies/ops-admin/+"
+    assert rpc.RpcClient("127.0.0.1", 1, "c", client_id="cid", username="dep").identity == "dep"
 
 
 # ---- the daemon's handlers, fed directly ----------------------------------------------------------
