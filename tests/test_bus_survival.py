@@ -448,3 +448,44 @@ def test_a_node_cannot_steer_another_through_its_peer_topic(tmp_path: Path, mosq
         admin.close()
         code = a1.stop()
     assert code == 0
+
+
+@pytest.mark.broker
+def test_fogctl_views_read_hostile_retained_records_without_a_traceback(mosquitto: Any, capsys: Any) -> None:
+    """status, topology, latency, locks, pipelines and why on a fleet whose retained records are
+    100k deep, not JSON, or JSON of the wrong shape: a table (with the bad row marked) or one
+    line, never a traceback."""
+    from agent.cli.fogctl import main as fogctl
+
+    cluster = f"views{os.getpid()}"
+    records = {
+        topics.agent_state(cluster, "n1"): json.dumps({"node": "n1", "slots": 2, "free_slots": 1, "instances": [
+            {"id": "p.a.0", "operator": "a", "keeper": True, "status": "active", "lock": {"state": [1]},
+             "stats": {"decisions": [{"at": "x"}, 5]}}]}).encode(),
+        topics.agent_status(cluster, "n1"): b"online",
+        topics.agent_state(cluster, "n9"): DEEP,
+        topics.agent_status(cluster, "n9"): b'{"status": ' + b"[" * 1000,
+        topics.latency(cluster, "n9"): b"{" * 100_000,
+        topics.latency(cluster, "n1"): b'{"rtt_ms": {"n9": "fast"}, "emulated_ms": []}',
+        topics.pipeline(cluster, "p"): b"operator = 5",
+        topics.pipeline(cluster, "q"): b"a = " + b"[" * 100_000,
+        topics.decisions(cluster, "p.a.0"): DEEP,
+    }
+    with rpc.RpcClient(mosquitto.host, mosquitto.port, cluster, identity="adm") as admin:
+        for topic, payload in records.items():
+            admin.publish(topic, payload, retain=True)
+        try:
+            base = ["--broker", mosquitto.address, "--cluster", cluster, "--timeout", "5"]
+            for argv in (["status"], ["topology"], ["latency"], ["locks"], ["pipelines"], ["--json", "status"]):
+                code = fogctl(base + argv)
+                out, err = capsys.readouterr()
+                assert code == 0 and "Traceback" not in out + err, (argv, out, err)
+            code = fogctl(base + ["status"])
+            out, _ = capsys.readouterr()
+            assert "bad state" in next(line for line in out.splitlines() if line.startswith("n9"))
+            code = fogctl(base + ["why", "p.a.0"])
+            out, err = capsys.readouterr()
+            assert code == 1 and len(err.strip().splitlines()) == 1 and "nested deeper" in err, err
+        finally:
+            for topic in records:
+                admin.publish(topic, b"", retain=True)
