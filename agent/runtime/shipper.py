@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 from agent import topics, wire
+from agent.config import TlsSection, tls_setup
 from agent.runtime.spool import ClosedFile, file_id
 
 __all__ = [
@@ -287,7 +288,9 @@ class MqttShipper:
     """Driver: one thread owns one paho client; ships the spool's closed files until stopped.
 
     `tamper` (tests only) may rewrite an outgoing message before it is published -- the way the
-    collector tests damage a chunk on the wire.
+    collector tests damage a chunk on the wire. `tls`: the agent's `[mqtt.tls]` section, so the
+    shipper connects with the node's certificate like the agent and its workers (the broker's ACL
+    lets only that identity write `spill/<node>/chunk` and read its acks).
     """
 
     def __init__(self, spool: Any, cluster: str, *, host: str = "127.0.0.1", port: int = 1883,
@@ -295,8 +298,10 @@ class MqttShipper:
                  ack_timeout: float = 5.0, max_backoff: float = 60.0, window: int = 4,
                  poll_interval: float = 0.1, clock: Callable[[], float] = time.monotonic,
                  tamper: Optional[Callable[[Outgoing], Outgoing]] = None,
-                 username: Optional[str] = None, password: Optional[str] = None) -> None:
+                 username: Optional[str] = None, password: Optional[str] = None,
+                 tls: Optional[TlsSection] = None) -> None:
         self.spool, self.cluster, self.host, self.port = spool, cluster, host, port
+        self.tls = tls
         self.client_id = client_id or f"fog-spill-{cluster}-{spool.node}"
         self.core = ShipperCore(cluster, spool.node, chunk_bytes=chunk_bytes, ack_timeout=ack_timeout,
                                 max_backoff=max_backoff, window=window)
@@ -316,6 +321,7 @@ class MqttShipper:
                         clean_session=False)
         if self.username:
             c.username_pw_set(self.username, self.password)
+        tls_setup(c, self.tls)
         c.max_inflight_messages_set(100)
         c.max_queued_messages_set(0)
         c.on_connect = self._on_connect
