@@ -3,7 +3,8 @@
 A private Mosquitto with the role's TLS listener and ACL (`tests/tls_site.py`: nodes n1 and n2, the
 collector identity `central`; `intruder` is a certificate the site CA signed but no list names).
 What it shows (docs/security.md, "Identities"; docs/spill.md, "The collector"):
-- `fog-agent collector` with `[mqtt.tls]` in central.toml (the certificate CN `central`) receives
+- `fog-agent collector` with the central.toml the fog_central role renders with TLS on (its
+  `[mqtt.tls]`, the certificate CN `central`, files where the role copies them) receives
   a node's spill chunks, shipped by the node's certificate, lands them and acks them: the shipper
   releases every file;
 - the agent's own shipper (`AgentSpill`) takes the TLS settings of `agent.toml`;
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -26,7 +28,9 @@ import uuid
 from pathlib import Path
 from typing import Dict, Iterator
 
+import jinja2
 import pytest
+import yaml
 
 from agent.collector.service import Collector
 from agent.config import TlsSection, load_agent_config
@@ -94,6 +98,29 @@ def central_toml(site: Site, landing: Path, cert: str, key: str = "") -> Path:
     return p
 
 
+def role_central_toml(site: Site, landing: Path, cert: str) -> Path:
+    """central.toml as the fog_central role renders it (its template and defaults, with the example
+    inventory's TLS settings), and the certificate files where the role copies them."""
+    role = ROOT / "ansible/roles/fog_central"
+    v = yaml.safe_load((role / "defaults/main.yml").read_text())
+    conf_dir = site.tmp / f"central-{uuid.uuid4().hex[:6]}"
+    v.update(fog_central_config_dir=str(conf_dir), fog_central_cluster=CLUSTER, fog_central_mqtt_port=site.port,
+             fog_central_mqtt_tls=True, fog_central_client_id=f"coll-{uuid.uuid4().hex[:8]}")
+    env = jinja2.Environment(trim_blocks=True, undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+    env.filters["bool"] = lambda x: x if isinstance(x, bool) else str(x).lower() in ("true", "yes", "on", "1")
+    env.filters["ternary"] = lambda cond, yes, no: yes if cond else no
+    for _ in range(3):
+        v = {k: env.from_string(x).render(v) if isinstance(x, str) and "{{" in x else x for k, x in v.items()}
+    text = env.from_string((role / "templates/central.toml.j2").read_text()).render(v)
+    (conf_dir / "collector-tls").mkdir(parents=True)
+    for src, dst in (("fog-ca.crt", "ca.crt"), (f"{cert}.crt", "collector.crt"), (f"{cert}.key", "collector.key")):
+        shutil.copy(site.certs / src, conf_dir / "collector-tls" / dst)
+    text = text.replace(f'landing_dir = "{v["fog_central_state_dir"]}/landing"', f'landing_dir = "{landing}"')
+    assert f'landing_dir = "{landing}"' in text and "username" not in text, text
+    (conf_dir / "central.toml").write_text(text)
+    return conf_dir / "central.toml"
+
+
 def run_collector(conf: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "agent", "collector", "--config", str(conf)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=str(ROOT),
@@ -115,7 +142,7 @@ def test_collector_with_its_certificate_lands_a_nodes_chunks_and_acks_them(site:
     spool = fill_spool(tmp_path / "n1", "n1", 600, seed=1)
     expected = originals(spool)
     assert len(expected) >= 3
-    proc = run_collector(central_toml(site, landing, COLLECTOR))
+    proc = run_collector(role_central_toml(site, landing, COLLECTOR))
     sh = shipper(site, spool, "n1", ack_timeout=2.0)
     try:
         assert sh.wait_idle(15), f"files not acked: {sh.core.stats}"  # released only on the collector's ack
