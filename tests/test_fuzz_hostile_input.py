@@ -428,3 +428,13 @@ def test_fogctl_shows_a_hostile_state_as_an_error_row() -> None:
         f = Fleet.from_messages("c", dict(msgs, **{"fog/c/pipelines/p": text}))
         views.pipelines(f)
         views.status(f, 0.0)
+
+
+@pytest.mark.parametrize("ts", [2.0**63, 1e300, -1e300])
+def test_an_event_at_a_time_no_clock_shows_still_renders(ts: float) -> None:
+    """Found by the events target: `fogctl watch` ended with OverflowError on such an event."""
+    from agent import events
+    from agent.fogctl.views import event_line
+
+    ev = events.parse(json.dumps({"v": 1, "ts": ts, "node": "n1", "type": "spawned", "detail": {}}).encode())
+    assert event_line(ev).startswith("ts=") and "n1 - spawned" in event_line(ev)

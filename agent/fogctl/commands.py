@@ -135,7 +135,8 @@ def cmd_watch(args: argparse.Namespace, ctx: Context) -> int:
         ctx.err.flush()
         for m in live:
             batch: List[ev_mod.Event] = []
-            if m.topic.endswith("/state"):
+            parsed = topics.parse(cluster, m.topic)
+            if parsed is not None and parsed.kind == "state":
                 for e in state_decisions(cluster, m.topic, m.payload):
                     key = (e.instance, e.ts)
                     if key in known:
@@ -147,7 +148,7 @@ def cmd_watch(args: argparse.Namespace, ctx: Context) -> int:
                 try:
                     event = ev_mod.parse(m.payload)
                 except ev_mod.EventError as exc:
-                    ctx.err.write(f"fogctl: skipped a malformed event on {m.topic}: {exc}\n")
+                    ctx.err.write(f"fogctl: skipped a malformed event on {m.topic}: {str(exc)[:200]}\n")
                     continue
                 if event.reason is not None and event.instance:
                     with_events.add(event.instance)

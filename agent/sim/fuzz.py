@@ -1092,7 +1092,10 @@ def _check_events(value: Any) -> None:
     for e in value if isinstance(value, list) else [value]:
         if not isinstance(e, events.Event) or not isinstance(e.node, str) or not e.node:
             raise PropertyViolation("invalid_accepted", f"event {_short(e, 80)}")
-        e.to_json()  # what fogctl watch prints must encode
+        e.to_json()  # what fogctl watch prints must encode and render
+        from agent.fogctl.views import event_line
+
+        event_line(e)
 
 
 class LatencyProbeTarget(Target):
