@@ -386,7 +386,7 @@ def test_bus_targets_are_registered_and_run_through_the_cli(capsys: Any) -> None
 
     assert set(fuzz.BUS_TARGETS) <= set(fuzz.TARGETS)
     assert {"rpc_request", "rpc_reply", "node_state", "hosted", "rehomed", "latency_record",
-            "latency_probe", "events", "fogctl_views"} == set(fuzz.BUS_TARGETS)
+            "latency_probe", "events", "fogctl_views", "daemon"} == set(fuzz.BUS_TARGETS)
     import argparse
 
     args = argparse.Namespace(inputs=1, each=40, seed=3, target=["rpc_request", "latency_probe"],
@@ -438,3 +438,22 @@ def test_an_event_at_a_time_no_clock_shows_still_renders(ts: float) -> None:
 
     ev = events.parse(json.dumps({"v": 1, "ts": ts, "node": "n1", "type": "spawned", "detail": {}}).encode())
     assert event_line(ev).startswith("ts=") and "n1 - spawned" in event_line(ev)
+
+
+class _DaemonForgetsOnRefusal(fuzz.DaemonTarget):
+    """Injected fault: the daemon drops what it knew of a node before refusing its message."""
+
+    def prepare(self, seed: int) -> None:
+        super().prepare(seed)
+        agent, original = self.agent, self.agent._bad
+
+        def bad(what: str, sender: Any, exc: Any) -> None:
+            agent.fleet.pop("n2", None)
+            original(what, sender, exc)
+
+        agent._bad = bad
+
+
+def test_the_daemon_target_reports_state_changed_on_refusal() -> None:
+    stats = fuzz.run_target(_DaemonForgetsOnRefusal(), 300, seed=2)
+    assert stats.crashes > 0 and {f.kind for f in stats.failures} == {"state_changed_on_error"}

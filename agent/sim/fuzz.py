@@ -33,6 +33,7 @@ import copy
 import dataclasses
 import enum
 import json
+import logging
 import random
 import signal
 import threading
@@ -1180,9 +1181,114 @@ def _fogctl_corpus() -> List[Any]:
             {"status": "online"}, _state_doc("n2", 2)]
 
 
+class DaemonTarget(Target):
+    """The agent daemon's own message handling (`Agent._on_message`, without its safety net):
+    any payload on any of its topics from any sender is handled without an exception; a message
+    it counts as bad leaves its fleet knowledge exactly as it was; everything it publishes goes
+    to the sender's reply namespace or pong topic, never to a topic a payload names. The agent
+    never connects (its publishes are recorded) and has no free slot, so no worker starts."""
+
+    name = "daemon"
+
+    class _Recorder:
+        def __init__(self) -> None:
+            self.published: List[Tuple[str, Any]] = []
+
+        def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False, properties: Any = None) -> Any:
+            self.published.append((topic, payload))
+            return type("Info", (), {"rc": 0, "mid": 1})()
+
+    def prepare(self, seed: int) -> None:
+        import tempfile
+        from pathlib import Path
+
+        from agent.config import load_agent_config
+        from agent.runtime.daemon import Agent
+
+        self._dir = tempfile.TemporaryDirectory(prefix="fuzz-daemon-")
+        conf = Path(self._dir.name) / "agent.toml"
+        conf.write_text(f'[agent]\nnode = "me"\ncluster = "c"\nslots = 2\nstate_dir = "{self._dir.name}/state"\n'
+                        '[mqtt]\nhost = "127.0.0.1"\nport = 1\n[metrics]\nport = 0\n')
+        agent = Agent(load_agent_config(conf), warm_worker=False)
+        agent.free_slots = lambda: 0  # type: ignore[method-assign]  # refuse, never start a worker
+        agent.supervisor.start = None  # type: ignore[assignment]  # ... and prove it: calling it is a crash
+        agent.connected = True
+        agent._client = self._Recorder()
+        spec = _bus_corpus_spec()
+        self.corpus = _rpc_request_corpus() + [_state_doc("n2", 1), [spec], {"taxi.in_zone.0": 1.7e9},
+                                               {"node": "n2", "rtt_ms": {"me": 1.0}}]
+        for topic, doc in ((topics_mod().agent_state("c", "n2"), _state_doc("n2", 1)),
+                           (topics_mod().agent_hosted("c", "n2"), [spec]),
+                           (topics_mod().agent_status("c", "n2"), "online")):
+            raw = doc.encode() if isinstance(doc, str) else json.dumps(doc).encode()
+            agent._on_message(  # the fleet it knows before the hostile input: a neighbour n2
+type("M", (), {"topic": topic, "payload": raw, "retain": True, "properties": None})(), 0.0)
+        self.agent = agent
+        self.base = self._knowledge()
+        self.base_counters = dict(agent.counters)
+
+    def _knowledge(self) -> Any:
+        a = self.agent
+        return fingerprint((a.fleet, a.online, a.hosted_by_node, a.rehomed_by_node, a.latency, a.deployed,
+                            a.draining, a._offline_since, a._reserved, sorted(a._calls.calls)))
+
+    def _restore(self) -> None:
+        a, (fleet, online, hosted, rehomed, latency, deployed) = self.agent, self._saved
+        a.fleet, a.online, a.hosted_by_node, a.rehomed_by_node = copy.deepcopy(fleet), dict(online), \
+            copy.deepcopy(hosted), copy.deepcopy(rehomed)
+        a.latency, a.deployed, a.draining = copy.deepcopy(latency), set(deployed), False
+        a._offline_since.clear()
+        a._reserved.clear()
+        a.counters = dict(self.base_counters)
+        a._client.published.clear()
+
+    def one(self, rng: random.Random) -> bool:
+        t = topics_mod()
+        a = self.agent
+        if not hasattr(self, "_saved"):
+            self._saved = (copy.deepcopy(a.fleet), dict(a.online), copy.deepcopy(a.hosted_by_node),
+                           copy.deepcopy(a.rehomed_by_node), copy.deepcopy(a.latency), set(a.deployed))
+        self._restore()
+        sender = rng.choice(("adm", "n2", "n3", "me"))
+        build = rng.choice((
+            lambda: t.agent_rpc("c", "me", sender), lambda: t.agent_peer("c", "me", sender),
+            lambda: t.replies("c", "me", sender), lambda: t.agent_state("c", sender),
+            lambda: t.agent_hosted("c", sender), lambda: t.agent_rehomed("c", sender),
+            lambda: t.agent_status("c", sender), lambda: t.latency("c", sender),
+            lambda: t.latency_ping("c", "me", sender), lambda: t.latency_pong("c", "me", sender),
+            lambda: t.pipeline("c", sender)))
+        topic = build()
+        raw = _bus_input(rng, self.corpus)
+        retain = rng.random() < 0.2
+        props = type("P", (), {"CorrelationData": rng.choice((b"k", None, b"\xff" * 3)),
+                               "ResponseTopic": "fog/c/agents/n2/status"})()
+        msg = type("M", (), {"topic": topic, "payload": raw, "retain": retain, "properties": props})()
+        self.last_input = (topic, retain, raw)
+        before = self._knowledge()
+        logging.disable(logging.CRITICAL)  # its one line per refused message: not for the bench's output
+        try:
+            a._on_message(msg, 1.0)
+        finally:
+            logging.disable(logging.NOTSET)
+        for out, _ in a._client.published:
+            if out not in (t.replies("c", sender, "me"), t.latency_pong("c", sender, "me")):
+                raise PropertyViolation("reply_misdirected", f"{out} for a message from {sender} on {topic}")
+        refused = a.counters["bad_messages"] + a.counters["retained_ignored"] + a.counters["peer_refused"] \
+            > sum(self.base_counters[k] for k in ("bad_messages", "retained_ignored", "peer_refused"))
+        if refused and self._knowledge() != before:
+            raise PropertyViolation("state_changed_on_error", f"after a refused message on {topic}")
+        return not refused
+
+
+def topics_mod() -> Any:
+    from agent import topics
+
+    return topics
+
+
 BUS_TARGETS: Tuple[str, ...] = (
     "rpc_request", "rpc_reply", "node_state", "hosted", "rehomed", "latency_record", "latency_probe",
-    "events", "fogctl_views",
+    "events", "fogctl_views", "daemon",
 )
 
 
@@ -1191,6 +1297,8 @@ def _bus_target(name: str) -> Target:
 
     if name == "latency_probe":
         return LatencyProbeTarget()
+    if name == "daemon":
+        return DaemonTarget()
     table: Dict[str, Tuple[Callable[[Any], Any], Callable[[], List[Any]], Optional[Callable[[Any], None]]]] = {
         "rpc_request": (rpc.decode_request, _rpc_request_corpus, _check_rpc_request),
         "rpc_reply": (rpc.decode_reply, lambda: [{"ok": True, "instance": "i", "node": "n1"},
