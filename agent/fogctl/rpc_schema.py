@@ -1,9 +1,10 @@
 """Steering requests from fogctl to an agent's rpc topic, and the agent's reply (JSON, MQTT 5).
 
-Transport: fogctl publishes the request (QoS 1, not retained) on `topics.agent_rpc(cluster, node)`
-with the MQTT 5 properties ResponseTopic (`topics.replies(cluster, client)`) and CorrelationData;
-the agent publishes exactly one reply object on the response topic with the same CorrelationData.
-The same topic also carries the daemon's own `spawn` requests; requests are told apart by `op`.
+Transport: fogctl publishes the request (QoS 1, not retained) on
+`topics.agent_rpc(cluster, node, identity)` with MQTT 5 CorrelationData; the agent publishes
+exactly one reply object on `topics.replies(cluster, identity, node)` (computed from the request's
+topic, docs/security.md) with the same CorrelationData. `fog-agent deploy`'s spawns use the same
+topic; another agent's spawns come on `topics.agent_peer`. Requests are told apart by `op`.
 
 Requests (`{"v": 1, "op": ..., ...}`):
   scale     {"op": "scale", "pipeline": "taxi"|null, "operator": "in_zone", "delta": 2}
