@@ -245,3 +245,22 @@ def test_collector_tls_mistakes_are_one_line(site: Site, tmp_path: Path) -> None
     assert r.returncode == 78 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert f"{wrong.name}: [mqtt.tls].cert_file: expected a PEM client certificate" in r.stderr, r.stderr
     assert json.dumps(str(site.certs / "central.crt")) in r.stderr, r.stderr
+
+
+def test_collector_whose_certificate_the_broker_rejects_says_why_once(site: Site, tmp_path: Path,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """A certificate of another CA (the right name, `n1`, from the `foreign` CA): no connection,
+    and one error line naming the TLS failure, not one per retry and not silence."""
+    bad = TlsSection(str(site.certs / "fog-ca.crt"), str(site.certs / "foreign-n1.crt"),
+                     str(site.certs / "foreign-n1.key"))
+    caplog.set_level("ERROR", logger="agent.collector.service")
+    c = Collector(CLUSTER, str(tmp_path / "landing"), host="127.0.0.1", port=site.port,
+                  client_id=f"coll-foreign-{uuid.uuid4().hex[:8]}", tls=bad).start()
+    try:
+        assert wait_until(lambda: any("TLS error" in r.getMessage() for r in caplog.records), 10), caplog.text
+        time.sleep(1.5)  # several retries (reconnect delay 0.2 s, doubling)
+        assert not c.connected.is_set()
+    finally:
+        c.stop()
+    lines = [r.getMessage() for r in caplog.records if "cannot connect" in r.getMessage()]
+    assert len(lines) == len(set(lines)) >= 1, lines

@@ -26,6 +26,7 @@ from agent import topics
 from agent.collector.core import CollectorCore
 from agent.collector.landing import LandingZone
 from agent.config import TlsSection, tls_setup
+from agent.runtime.daemon import connect_error, paho_error
 from agent.runtime.shipper import chunk_subscription
 
 __all__ = ["BatchScheduler", "Collector"]
@@ -88,6 +89,7 @@ class Collector:
         self._client: Any = None
         self._thread: Optional[threading.Thread] = None
         self.connected = threading.Event()
+        self._connect_errors: set = set()  # reasons logged since the last successful connect
 
     # Run in the foreground (the CLI) or in a thread (tests) ----------------------------------
 
@@ -119,6 +121,8 @@ class Collector:
         tls_setup(c, self.tls)
         c.max_inflight_messages_set(100)
         c.on_connect = self._on_connect
+        c.on_connect_fail = self._on_connect_fail
+        c.on_log = lambda _c, _u, level, buf: level == mqtt.MQTT_LOG_ERR and self._connect_failed(paho_error(buf))
         c.on_disconnect = lambda *a: self.connected.clear()
         c.on_message = lambda _c, _u, msg: self._inbox.put((msg.topic, msg.payload, bool(msg.retain)))
         c.reconnect_delay_set(0.2, 5)
@@ -136,8 +140,20 @@ class Collector:
         if getattr(rc, "is_failure", False):
             log.error("collector cannot connect to the broker: %s", rc)
             return
+        self._connect_errors.clear()
         client.subscribe(chunk_subscription(self.cluster), qos=1)
         self.connected.set()
+
+    def _on_connect_fail(self, _client: Any, _u: Any) -> None:
+        self._connect_failed(connect_error(sys.exc_info()[1]))  # paho calls this inside its `except OSError`
+
+    def _connect_failed(self, why: str) -> None:
+        """paho retries a failed connect (refused, TLS handshake) by itself and says nothing, and
+        reports a certificate the broker rejects only in its error log line: say why, once per
+        reason until connected (a rejected certificate must not make a silent collector)."""
+        if why not in self._connect_errors:
+            self._connect_errors.add(why)
+            log.error("collector cannot connect to %s:%d: %s", self.host, self.port, why)
 
     def _handle(self, topic: str, payload: bytes, retained: bool, now: float) -> None:
         """One chunk: land it, answer the node named by its topic. Bus input never ends the loop:
