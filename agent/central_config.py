@@ -2,7 +2,10 @@
 
 Same loader and error contract as `agent.config` (`agent.schema.load_dataclass`: unknown keys are
 errors, messages name file and key). The `[mqtt]` table is the agent's own `MqttSection`, so the
-collector reaches the broker exactly like an agent does.
+collector reaches the broker exactly like an agent does: `[mqtt.tls]` (ca_file, cert_file,
+key_file) is the same section, loaded and checked by the same code (`agent.config.check_tls`), and
+the certificate's CN is the collector's identity on the bus, the name the mosquitto role lists in
+`mosquitto_collector_identities` (docs/security.md, "Identities").
 """
 
 from __future__ import annotations

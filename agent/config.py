@@ -286,32 +286,55 @@ def resolve_password(mqtt: MqttSection) -> Optional[str]:
     return mqtt.password
 
 
-def check_tls(mqtt: MqttSection) -> None:
+def check_tls(mqtt: MqttSection, config_file: Optional[str] = None) -> None:
     """Load the [mqtt.tls] files now: a missing, unreadable or invalid CA, certificate or key is
-    one ConfigError naming the file (exit 78 for `fog-agent run`), not a traceback at connect."""
+    one ConfigError (exit 78 for `fog-agent run` and `fog-agent collector`), not a traceback at
+    connect.
+
+    With `config_file` (the TOML that names the files) the line names that file, the key and what
+    was expected: `central.toml: [mqtt.tls].key_file: expected a readable PEM file (No such file
+    or directory), got "/etc/x.key"`; without it, `<TLS file>: <what is wrong>`."""
     tls = mqtt.tls
     if tls is None:
         return
     import ssl
 
-    for path in (tls.ca_file, tls.cert_file, tls.key_file):
+    def error(key: str, path: str, expected: str, short: str, why: str) -> ConfigError:
+        if config_file is None:
+            return ConfigError(path, "", f"{short} ({why})")
+        return ConfigError(Path(config_file).name, f"[mqtt.tls].{key}", f"expected {expected} ({why})", got=path)
+
+    for key, path in (("ca_file", tls.ca_file), ("cert_file", tls.cert_file), ("key_file", tls.key_file)):
         if path is None:
             continue
         try:
             with open(path, "rb"):
                 pass
         except OSError as exc:
-            raise ConfigError(path, "", f"cannot read TLS file ({exc.strerror})") from None
+            raise error(key, path, "a readable PEM file", "cannot read TLS file", str(exc.strerror)) from None
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     try:
         ctx.load_verify_locations(cafile=tls.ca_file)
     except ssl.SSLError as exc:
-        raise ConfigError(tls.ca_file, "", f"not a PEM CA certificate ({exc.reason or exc})") from None
+        raise error("ca_file", tls.ca_file, "a PEM CA certificate", "not a PEM CA certificate",
+                    str(exc.reason or exc)) from None
     if tls.cert_file:
         try:
             ctx.load_cert_chain(tls.cert_file, tls.key_file)
         except ssl.SSLError as exc:
-            raise ConfigError(tls.cert_file, "", f"client certificate and key do not load ({exc.reason or exc})") from None
+            raise error("cert_file", tls.cert_file, "a PEM client certificate that loads with key_file",
+                        "client certificate and key do not load", str(exc.reason or exc)) from None
+
+
+def tls_setup(client: Any, tls: Optional[TlsSection]) -> None:
+    """Give a paho client the [mqtt.tls] settings (nothing when `tls` is None): the one place
+    that turns the section into a TLS client, for every process that reads one (collector,
+    shipper). Call `check_tls` first: paho raises its own errors from here."""
+    if tls is None:
+        return
+    client.tls_set(ca_certs=tls.ca_file, certfile=tls.cert_file, keyfile=tls.key_file)
+    if tls.insecure:
+        client.tls_insecure_set(True)
 
 
 def default_config_path() -> Path:

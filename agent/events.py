@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
+from agent import wire
+
 __all__ = [
     "SCHEMA_VERSION",
     "EventType",
@@ -235,30 +237,25 @@ def decision(
 
 def parse(payload: Any) -> Event:
     """Decode one event payload (bytes, str or dict); raises EventError, never anything else."""
-    if isinstance(payload, (bytes, bytearray)):
-        try:
-            payload = payload.decode("utf-8")
-        except UnicodeDecodeError:
-            raise EventError("event: expected UTF-8 JSON") from None
-    if isinstance(payload, str):
-        try:
-            payload = json.loads(payload)
-        except ValueError as exc:
-            raise EventError(f"event: invalid JSON ({exc})") from None
+    if isinstance(payload, (bytes, bytearray, memoryview, str)):
+        try:  # bus input: bounded in size and depth before parsing (agent.wire)
+            payload = wire.loads(payload, what="event")
+        except wire.BusInputError as exc:
+            raise EventError(str(exc)) from None
     return Event.from_dict(payload)
 
 
 def parse_history(payload: Any) -> List[Event]:
     """Decode the retained decision history of an instance (JSON array of events)."""
-    if isinstance(payload, (bytes, bytearray)):
-        payload = payload.decode("utf-8", "replace")
+    if isinstance(payload, (bytes, bytearray, memoryview)):
+        payload = bytes(payload).decode("utf-8", "replace")
     if isinstance(payload, str):
         if not payload.strip():
             return []
-        try:
-            payload = json.loads(payload)
-        except ValueError as exc:
-            raise EventError(f"history: invalid JSON ({exc})") from None
+        try:  # bus input: bounded in size and depth before parsing (agent.wire)
+            payload = wire.loads(payload, what="history")
+        except wire.BusInputError as exc:
+            raise EventError(str(exc)) from None
     if not isinstance(payload, list):
         raise EventError(f"history: expected a JSON array, found {type(payload).__name__}")
     return [Event.from_dict(d) for d in payload]

@@ -6,6 +6,8 @@ daemon build topics only through these functions so that the two never drift apa
 
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
 ROOT = "fog"
 
 
@@ -32,12 +34,49 @@ def agent_status(cluster: str, node: str) -> str:
     return f"{base(cluster)}/agents/{_check(node)}/status"
 
 
-def agent_rpc(cluster: str, node: str) -> str:
-    return f"{base(cluster)}/agents/{_check(node)}/rpc"
+def agent_rpc(cluster: str, node: str, requester: str) -> str:
+    """Control requests (ping, stop, set, scale, drain, undrain, spawn) from admin `requester` to
+    `node` (docs/security.md: the ACL lets only `requester` write this topic, so the receiver
+    reads the sender here, never from the payload)."""
+    return f"{base(cluster)}/agents/{_check(node)}/rpc/{_check(requester)}"
+
+
+def agent_rpc_inbox(cluster: str, node: str) -> str:
+    """The subscription of `node` to the control requests of every admin."""
+    return f"{base(cluster)}/agents/{_check(node)}/rpc/+"
+
+
+def agent_peer(cluster: str, node: str, requester: str) -> str:
+    """The protocol's node-to-node requests (spawn for createNode, a keeper's hand-over, a
+    re-home) from node `requester` to `node`."""
+    return f"{base(cluster)}/agents/{_check(node)}/peer/{_check(requester)}"
+
+
+def agent_peer_inbox(cluster: str, node: str) -> str:
+    return f"{base(cluster)}/agents/{_check(node)}/peer/+"
 
 
 def latency(cluster: str, node: str) -> str:
     return f"{base(cluster)}/latency/{_check(node)}"
+
+
+def latency_ping(cluster: str, target: str, sender: str) -> str:
+    """A latency probe from `sender` to `target` (a self-ping has target == sender)."""
+    return f"{base(cluster)}/latency/{_check(target)}/ping/{_check(sender)}"
+
+
+def latency_pong(cluster: str, sender: str, target: str) -> str:
+    """`target`'s answer to a ping of `sender`: under the sender's subtree, written by target."""
+    return f"{base(cluster)}/latency/{_check(sender)}/pong/{_check(target)}"
+
+
+def latency_pings(cluster: str, node: str) -> str:
+    """The subscription of `node` to the pings of every sender."""
+    return f"{base(cluster)}/latency/{_check(node)}/ping/+"
+
+
+def latency_pongs(cluster: str, node: str) -> str:
+    return f"{base(cluster)}/latency/{_check(node)}/pong/+"
 
 
 def events(cluster: str) -> str:
@@ -54,6 +93,20 @@ def locks(cluster: str) -> str:
 
 def spill(cluster: str, node: str) -> str:
     return f"{base(cluster)}/spill/{_check(node)}"
+
+
+def spill_chunk(cluster: str, node: str) -> str:
+    """Spill chunks of `node` to the central collector (agent.runtime.shipper)."""
+    return f"{spill(cluster, node)}/chunk"
+
+
+def spill_ack(cluster: str, node: str) -> str:
+    """The collector's acks of `node`'s chunks."""
+    return f"{spill(cluster, node)}/ack"
+
+
+def all_spill_chunks(cluster: str) -> str:
+    return f"{base(cluster)}/spill/+/chunk"
 
 
 def agent_hosted(cluster: str, node: str) -> str:
@@ -92,9 +145,16 @@ def decisions(cluster: str, instance: str) -> str:
     return f"{base(cluster)}/decisions/{_check(instance)}"
 
 
-def replies(cluster: str, client: str) -> str:
-    """Response topic of one fogctl client for rpc requests (MQTT 5 response topic)."""
-    return f"{base(cluster)}/replies/{_check(client)}"
+def replies(cluster: str, requester: str, replier: str) -> str:
+    """`replier`'s reply to a request of `requester` (an admin or a node). The replier computes
+    it from the request's topic; a request's MQTT 5 Response Topic is ignored (docs/security.md).
+    A requester also publishes its snapshot sync marker to `replies(c, me, me)`."""
+    return f"{base(cluster)}/replies/{_check(requester)}/{_check(replier)}"
+
+
+def replies_inbox(cluster: str, requester: str) -> str:
+    """The subscription of `requester` to the replies addressed to it (matched by correlation)."""
+    return f"{base(cluster)}/replies/{_check(requester)}/+"
 
 
 def all_latency(cluster: str) -> str:
@@ -103,3 +163,77 @@ def all_latency(cluster: str) -> str:
 
 def all_pipelines(cluster: str) -> str:
     return f"{base(cluster)}/pipelines/+"
+
+
+def all_decisions(cluster: str) -> str:
+    return f"{base(cluster)}/decisions/+"
+
+
+# -- parsing: the one place that knows the topic layout ---------------------------------------
+
+# Kinds of topic whose messages are requests, replies or live traffic: a retained message on one
+# of them is never legitimate (docs/security.md, "Retained messages are ignored").
+NOT_RETAINED = frozenset({"rpc", "peer", "reply", "ping", "pong", "events", "locks", "inbox"})
+
+_AGENT_RECORDS = frozenset({"state", "status", "hosted", "rehomed"})
+
+
+class Parsed(NamedTuple):
+    """The parts of a topic of one cluster.
+
+    kind: state | status | hosted | rehomed | rpc | peer | reply | latency | ping | pong |
+          events | locks | pipeline | decisions | inbox | spill_chunk | spill_ack
+    node: the node (or requester of a reply, instance of inbox/decisions, pipeline name) the
+          topic is about, i.e. its owner; sender: the identity in the last level of a request,
+          reply or probe topic (who wrote it, as the ACL proves), else None.
+    """
+
+    kind: str
+    node: Optional[str] = None
+    sender: Optional[str] = None
+
+
+def parse(cluster: str, topic: str) -> Optional[Parsed]:
+    """The parts of `topic` if it is one of this module's topics of `cluster`, else None.
+
+    Never raises: topics come from the bus. Every segment it returns is a valid segment."""
+    prefix = f"{ROOT}/{cluster}/"
+    if not isinstance(topic, str) or not topic.startswith(prefix):
+        return None
+    parts = topic[len(prefix):].split("/")
+    if any(not p or p in ("+", "#") or "\0" in p for p in parts):
+        return None
+    n = len(parts)
+    head = parts[0]
+    if head == "agents" and n == 3 and parts[2] in _AGENT_RECORDS:
+        return Parsed(parts[2], parts[1])
+    if head == "agents" and n == 4 and parts[2] in ("rpc", "peer"):
+        return Parsed(parts[2], parts[1], parts[3])
+    if head == "replies" and n == 3:
+        return Parsed("reply", parts[1], parts[2])
+    if head == "latency" and n == 2:
+        return Parsed("latency", parts[1])
+    if head == "latency" and n == 4 and parts[2] in ("ping", "pong"):
+        return Parsed(parts[2], parts[1], parts[3])
+    if head == "events" and n == 1:
+        return Parsed("events")
+    if head == "locks":
+        return Parsed("locks", "/".join(parts[1:]) or None)
+    if head == "pipelines" and n == 2:
+        return Parsed("pipeline", parts[1])
+    if head == "decisions" and n == 2:
+        return Parsed("decisions", parts[1])
+    if head == "inbox" and n == 2:
+        return Parsed("inbox", parts[1])
+    if head == "spill" and n == 3 and parts[2] in ("chunk", "ack"):
+        return Parsed(f"spill_{parts[2]}", parts[1])
+    return None
+
+
+def parse_any(topic: str) -> Optional[Parsed]:
+    """`parse` for a topic of whatever cluster it names (callers that hold topics keyed by a
+    subscription of one cluster, e.g. a snapshot)."""
+    parts = topic.split("/", 2) if isinstance(topic, str) else []
+    if len(parts) < 3 or parts[0] != ROOT or not parts[1] or parts[1] in ("+", "#"):
+        return None
+    return parse(parts[1], topic)

@@ -174,3 +174,40 @@ def test_unparseable_header_is_counted_not_fatal(tmp_path: Path) -> None:
     assert coll.on_chunk(b"garbage without newline", 0.0) == []
     assert coll.on_chunk(b'{"v": 99}\nbody', 0.0) == []
     assert coll.stats["bad_headers"] == 2
+
+
+def test_header_naming_another_node_than_the_topic_is_dropped(tmp_path: Path) -> None:
+    """The sender is the node of the chunk's topic (the broker's ACL proves it), not the header's."""
+    files = make_files(tmp_path, n_records=50)
+    meta, data = next(iter(files.values()))
+    landing = LandingZone(tmp_path / "landing")
+    coll = CollectorCore("c", landing.land, landing.contains)
+    ship = ShipperCore("c", meta.node, chunk_bytes=10_000_000)
+    ship.add(meta, data)
+    (out,) = ship.poll(0.0)
+    header, body = decode_chunk(out.payload)
+    odd = type(header)(**{**header.__dict__, "node": 5})  # not even a string: dropped, no exception
+    assert coll.on_chunk(out.payload, 0.0, sender="someone-else") == []
+    assert coll.on_chunk(encode_chunk(odd, body), 0.0, sender=meta.node) == []
+    assert coll.stats["forged_senders"] == 2 and list(landing.files()) == []
+    (reply,) = coll.on_chunk(out.payload, 0.0, sender=meta.node)
+    assert reply.ack.status == "landed" and reply.topic == f"fog/c/spill/{meta.node}/ack"
+
+
+def test_collector_loop_skips_what_is_no_chunk_of_its_cluster(tmp_path: Path) -> None:
+    """Bus input never ends the collector's loop: another topic, a retained chunk, a header that
+    breaks the core -- each counted and skipped (no client needed: nothing is answered)."""
+    from agent.collector.service import Collector
+
+    coll = Collector("c", str(tmp_path / "landing"))
+    coll._handle("fog/c/inbox/x", b"{}", False, 0.0)
+    coll._handle("fog/other/spill/n1/chunk", b"{}", False, 0.0)
+    coll._handle("fog/c/spill/n1/chunk", b'{"v": 1}\nbody', True, 0.0)  # retained
+    assert coll.bad_messages == 3 and coll.core.stats["chunks"] == 0
+    coll._handle("fog/c/spill/n1/chunk", b'{"v": 1, "node": "n1"}\nbody', False, 0.0)
+    assert coll.core.stats["bad_headers"] == 1
+    body = b"body"
+    odd = {"v": 1, "file_id": [0] * 64, "name": "x", "kind": "records", "node": "n1", "date": "2026-01-01",
+           "size": 4, "index": 0, "count": 1, "sha256": hashlib.sha256(body).hexdigest()}
+    coll._handle("fog/c/spill/n1/chunk", json.dumps(odd).encode() + b"\n" + body, False, 0.0)
+    assert coll.bad_messages == 4  # the core raised (a list is no file id); the loop goes on

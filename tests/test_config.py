@@ -42,7 +42,7 @@ def write(tmp_path: Path, text: str, name: str = "agent.toml") -> Path:
 
 def test_examples_are_valid() -> None:
     cfg = load_agent_config(ROOT / "examples/agent.toml")
-    assert cfg.agent.node == "n1" and cfg.mqtt.port == 1883
+    assert cfg.agent.node == "n1" and cfg.mqtt.port == 8883 and cfg.mqtt.tls is not None  # TLS on (docs/security.md)
     pipe = load_pipeline(ROOT / "examples/pipeline.toml")
     assert [op.name for op in pipe.operators] == ["source", "validate", "in_zone", "sink"]
     assert pipe.scaling_for("in_zone").capacity == 400.0

@@ -127,7 +127,7 @@ def test_real_fleet_status_topology_match_agents_own_view(capsys, mosquitto, fle
     assert topo, "keepers did not become active"
     # The agents' own answer: what their supervisors run.
     with Connection(FogctlConfig(broker=mosquitto.address, cluster=cluster)) as conn:
-        own = {a.node: set(conn.request(topics.agent_rpc(cluster, a.node), {"op": "ping"})["instances"])
+        own = {a.node: set(conn.rpc(a.node, {"op": "ping"})["instances"])
                for a in agents}
     status = fogctl(capsys, mosquitto, cluster, "--json", "status")
     assert {n["node"]: set(n["instances"]) for n in status["nodes"]} == own

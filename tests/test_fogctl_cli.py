@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from agent import events
+from agent import events, topics
 from agent.cli.fogctl import main
 from agent.fogctl.config import load_config, parse_broker
 from agent.fogctl.fleet import Fleet, LockState, Phase, parse_state, parse_status
@@ -262,7 +262,7 @@ def test_drain_empties_node(capsys, mosquitto, steer_fleet) -> None:
 @pytest.mark.broker
 def test_rpc_timeout_when_agent_does_not_answer(capsys, mosquitto, steer_fleet) -> None:
     cluster, a1, _ = steer_fleet
-    a1.client.unsubscribe(f"fog/{cluster}/agents/n1/rpc")
+    a1.client.unsubscribe(topics.agent_rpc_inbox(cluster, "n1"))
     time.sleep(0.2)
     code, _, err = run(capsys, mosquitto, cluster, "--timeout", "1", "scale", "in_zone", "+1")
     assert code == 1 and "no reply" in err

@@ -375,3 +375,85 @@ def test_worker_logs_protocol_messages_it_cannot_handle_once_per_sender(caplog: 
             Worker._on_protocol(w, Envelope(sender, 0, 1, Kind.PROTO, body))
     assert w.stats["protocol_errors"] == 4
     assert len([r for r in caplog.records if "scaling is off" in r.getMessage()]) == 2
+
+
+# ---- bus input of the agent and fogctl (issue #20) ---------------------------------------------------
+
+
+def test_bus_targets_are_registered_and_run_through_the_cli(capsys: Any) -> None:
+    """Every parser of bus input has a target, and `fog-agent bench fuzz --each N` runs N each."""
+    from agent.cli.fuzz_cmd import run_bench
+
+    assert set(fuzz.BUS_TARGETS) <= set(fuzz.TARGETS)
+    assert {"rpc_request", "rpc_reply", "node_state", "hosted", "rehomed", "latency_record",
+            "latency_probe", "events", "fogctl_views", "daemon"} == set(fuzz.BUS_TARGETS)
+    import argparse
+
+    args = argparse.Namespace(inputs=1, each=40, seed=3, target=["rpc_request", "latency_probe"],
+                              hang_seconds=5.0, json=True)
+    assert run_bench(args) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [(t["target"], t["inputs"], t["crashes"]) for t in doc["targets"]] == [
+        ("rpc_request", 40, 0), ("latency_probe", 40, 0)]
+
+
+@pytest.mark.parametrize("body", [
+    {"op": "scale", "operator": "x", "delta": [], "instances": ["a"]},  # found by the fuzzer: TypeError
+    {"op": "scale", "operator": "x", "delta": [True], "instances": ["a"]},
+    {"op": "scale", "operator": "x", "delta": 1, "pipeline": ["p"]},
+    {"op": "scale", "operator": ["x"], "delta": 1},
+])
+def test_a_scale_request_with_wrong_types_is_a_request_error(body: Any) -> None:
+    from agent.fogctl.rpc_schema import RequestError, parse_request
+
+    with pytest.raises(RequestError):
+        parse_request(body)
+
+
+def test_fogctl_shows_a_hostile_state_as_an_error_row() -> None:
+    from agent.fogctl import views
+    from agent.fogctl.fleet import Fleet, state_decisions
+
+    msgs = {"fog/c/agents/n9/state": b"[" * 100_000, "fog/c/agents/n9/status": b"online",
+            "fog/c/agents/n8/state": b'{"node": "n8", "slots": 2, "instances": {"a": [1]}, "measure": []}',
+            "fog/c/latency/n9": b"{" * 100_000}
+    fleet = Fleet.from_messages("c", msgs)
+    assert "nested deeper" in (fleet.node("n9").error or "")
+    _, text = views.status(fleet, 0.0)
+    assert "bad state" in [line for line in text.splitlines() if line.startswith("n9")][0]
+    assert state_decisions("c", "fog/c/agents/n9/state", msgs["fog/c/agents/n9/state"]) == []
+    views.latency(fleet)
+    # retained pipelines that are TOML but not pipelines, or too deep for the TOML parser
+    for text in (b"operator = 5", b"operator = 'abc'", b"a = " + b"[" * 100_000, b"[[operator]]\nname = 3"):
+        f = Fleet.from_messages("c", dict(msgs, **{"fog/c/pipelines/p": text}))
+        views.pipelines(f)
+        views.status(f, 0.0)
+
+
+@pytest.mark.parametrize("ts", [2.0**63, 1e300, -1e300])
+def test_an_event_at_a_time_no_clock_shows_still_renders(ts: float) -> None:
+    """Found by the events target: `fogctl watch` ended with OverflowError on such an event."""
+    from agent import events
+    from agent.fogctl.views import event_line
+
+    ev = events.parse(json.dumps({"v": 1, "ts": ts, "node": "n1", "type": "spawned", "detail": {}}).encode())
+    assert event_line(ev).startswith("ts=") and "n1 - spawned" in event_line(ev)
+
+
+class _DaemonForgetsOnRefusal(fuzz.DaemonTarget):
+    """Injected fault: the daemon drops what it knew of a node before refusing its message."""
+
+    def prepare(self, seed: int) -> None:
+        super().prepare(seed)
+        agent, original = self.agent, self.agent._bad
+
+        def bad(what: str, sender: Any, exc: Any) -> None:
+            agent.fleet.pop("n2", None)
+            original(what, sender, exc)
+
+        agent._bad = bad
+
+
+def test_the_daemon_target_reports_state_changed_on_refusal() -> None:
+    stats = fuzz.run_target(_DaemonForgetsOnRefusal(), 300, seed=2)
+    assert stats.crashes > 0 and {f.kind for f in stats.failures} == {"state_changed_on_error"}

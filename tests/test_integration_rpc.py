@@ -13,6 +13,7 @@ from typing import Dict, List
 
 import pytest
 
+from agent import topics
 from agent.runtime.rpc import RpcClient, RpcError
 
 pytestmark = pytest.mark.broker
@@ -63,7 +64,8 @@ def test_snapshot_ends_while_agents_publish_every_100ms(mosquitto) -> None:
 def test_snapshot_has_a_hard_deadline(mosquitto) -> None:
     """If the marker never comes back the snapshot raises within its timeout instead of hanging."""
     with RpcClient(mosquitto.host, mosquitto.port, "snapdead") as reader:
-        reader.reply_topic = reader.reply_topic + "-nobody-listens"  # the marker goes nowhere
+        # the marker goes to another identity's reply namespace: nobody here listens
+        reader.reply_topic = topics.replies("snapdead", "nobody-listens", reader.identity)
         t0 = time.monotonic()
         with pytest.raises(RpcError, match="sync marker"):
             reader.snapshot("fog/snapdead/agents/+/state", timeout=1.5)

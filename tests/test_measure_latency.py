@@ -41,23 +41,47 @@ def test_core_ping_pong_on_a_fake_link():
     a, b = LatencyCore("a", "c", period=5.0), LatencyCore("b", "c", period=5.0)
     a.set_neighbours(["b", "a"])  # itself is ignored
     pings = a.poll(100.0)
-    assert [t for t, _ in pings] == [ping_topic("c", "a"), ping_topic("c", "b")]
+    # the sender is the topic's last level: latency/<target>/ping/<sender>
+    assert [t for t, _ in pings] == [ping_topic("c", "a", "a"), ping_topic("c", "b", "a")]
+    assert ping_topic("c", "b", "a") == "fog/c/latency/b/ping/a"
     assert a.poll(101.0) == []  # one round per period
-    # b answers its ping with a pong to a
-    (to_b,) = [p for t, p in pings if t == ping_topic("c", "b")]
-    replies = b.on_message(ping_topic("c", "b"), to_b, 100.02)
-    assert replies == [(pong_topic("c", "a"), to_b)]
-    assert a.on_message(pong_topic("c", "a"), to_b, 100.05) == []
+    # b answers its ping with a pong to a, on a's pong topic, signed with b: latency/a/pong/b
+    (to_b,) = [p for t, p in pings if t == ping_topic("c", "b", "a")]
+    replies = b.on_message(ping_topic("c", "b", "a"), to_b, 100.02)
+    assert replies == [(pong_topic("c", "a", "b"), to_b)]
+    assert pong_topic("c", "a", "b") == "fog/c/latency/a/pong/b"
+    assert a.on_message(pong_topic("c", "a", "b"), to_b, 100.05) == []
     assert a.rtt("b") == pytest.approx(50.0)
-    assert a.on_message(pong_topic("c", "a"), to_b, 100.5) == [] and a.rtt("b") == pytest.approx(50.0)  # duplicate
-    (self_ping,) = [p for t, p in pings if t == ping_topic("c", "a")]
-    a.on_message(ping_topic("c", "a"), self_ping, 100.004)
+    assert a.on_message(pong_topic("c", "a", "b"), to_b, 100.5) == [] and a.rtt("b") == pytest.approx(50.0)  # duplicate
+    (self_ping,) = [p for t, p in pings if t == ping_topic("c", "a", "a")]
+    a.on_message(ping_topic("c", "a", "a"), self_ping, 100.004)
     assert a.rtt(BROKER) == pytest.approx(4.0)
     topic, payload = a.retained(200.0)
     doc = json.loads(payload)
     assert topic == topics.latency("c", "a")
     assert doc["rtt_ms"] == {"b": 50.0} and doc["broker_rtt_ms"] == 4.0
-    assert a.on_message(pong_topic("c", "a"), b"garbage", 1.0) == []
+    # a malformed probe is refused with the documented error type (the caller counts it)
+    with pytest.raises(ValueError):
+        a.on_message(pong_topic("c", "a", "b"), b"garbage", 1.0)
+    assert a.rtt("b") == pytest.approx(50.0)
+
+
+def test_core_refuses_probes_whose_payload_contradicts_the_topic():
+    """The peer is the topic's last level (the ACL proves it): a ping naming another origin, a
+    ping {"o": ""} (once ended the agent) or a 100k-deep one is refused, nothing is sent."""
+    b = LatencyCore("b", "c", period=5.0)
+    forged = json.dumps({"o": "victim", "t": "b", "n": 1, "s": 0.0}).encode()
+    for topic, payload in [
+        (ping_topic("c", "b", "mallory"), forged),
+        (ping_topic("c", "b", "a"), b'{"o": ""}'),
+        (ping_topic("c", "b", "a"), b"[" * 100_000),
+        (ping_topic("c", "b", "a"), json.dumps({"o": "a", "t": "b", "n": True, "s": 0.0}).encode()),
+        (ping_topic("c", "b", "a"), json.dumps({"o": "a", "t": "b", "n": 1, "s": float("inf")}).encode()),
+    ]:
+        with pytest.raises(ValueError):
+            b.on_message(topic, payload, 1.0)
+    assert b.on_message(ping_topic("c", "x", "a"), forged, 1.0) == []  # not ours
+    assert b.on_message(topics.latency("c", "b"), forged, 1.0) == []
 
 
 def test_core_counts_lost_pings_and_forgets_departed_neighbours():

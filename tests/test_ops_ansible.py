@@ -119,11 +119,17 @@ def deployed(tmp_path_factory: pytest.TempPathFactory) -> Deployment:
                 "mosquitto_manage_service": False,
                 "mosquitto_user": "root",
                 "mosquitto_group": "root",
+                # password users on the plain listener: the role's defaults are TLS on, plain off
+                "mosquitto_listener_enabled": True,
+                "mosquitto_tls_enabled": False,
                 "mosquitto_listener_address": "127.0.0.1",
                 "mosquitto_listener_port": port,
                 "mosquitto_cluster": CLUSTER,
                 "mosquitto_users": [{"name": k, "password": v} for k, v in PASSWORDS.items()],
-                "mosquitto_admin_users": ["central"],
+                # the host is "fogtest", the node identities are the agents' user names
+                "mosquitto_node_identities": ["n1", "n2"],
+                "mosquitto_admin_users": ["central"],  # the deprecated alias of mosquitto_admin_identities
+                "mosquitto_collector_identities": ["central"],
                 "mosquitto_autosave_interval": 5,
                 # fog_agent
                 "fog_agent_prefix": str(prefix),
@@ -406,11 +412,13 @@ def test_rendered_broker_acl_denies_writes_to_another_nodes_topics(broker: Deplo
         admin.c.subscribe("fog/#", qos=1)
         assert admin.subscribed.wait(5)
 
+        # docs/security.md: a node writes its own records and the shared topics; control requests
+        # (rpc) come only from admins, pipelines only from admins
         foreign = [topics.agent_state(CLUSTER, "n2"), topics.agent_status(CLUSTER, "n2"),
-                   topics.latency(CLUSTER, "n2"), topics.spill(CLUSTER, "n2") + "/f1"]
+                   topics.latency(CLUSTER, "n2"), topics.spill(CLUSTER, "n2") + "/chunk",
+                   f"fog/{CLUSTER}/agents/n2/rpc/n1", f"fog/{CLUSTER}/agents/n2/peer/n2", f"fog/{CLUSTER}/pipelines/x"]
         own_or_shared = [topics.agent_state(CLUSTER, "n1"), topics.latency(CLUSTER, "n1"),
-                         topics.inbox(CLUSTER, "in_zone-3"), topics.events(CLUSTER),
-                         topics.agent_rpc(CLUSTER, "n2"), f"fog/{CLUSTER}/rpc-reply/fog-tool-0123456789"]
+                         topics.inbox(CLUSTER, "in_zone-3"), topics.events(CLUSTER)]
         denied_codes = [n1.publish(t, b"forged") for t in foreign]
         allowed_codes = [n1.publish(t, b"ok") for t in own_or_shared]
         # A positive control last: once it arrived, everything published before it has been routed.
@@ -440,6 +448,9 @@ def test_rendered_broker_rejects_bad_and_anonymous_credentials(broker: Deploymen
 def test_rendered_broker_has_explicit_queue_limits_and_persistence(deployed: Deployment) -> None:
     conf = (deployed.prefix / "etc/mosquitto/mosquitto.conf").read_text()
     assert re.search(r"^max_queued_messages 100000$", conf, re.M)
+    assert re.search(r"^max_queued_bytes 67108864$", conf, re.M)  # bounded (docs/security.md, broker limits)
+    assert re.search(r"^max_packet_size 1048576$", conf, re.M)
+    assert re.search(r"^listener \d+ 127\.0\.0\.1$", conf, re.M)
     assert re.search(r"^persistence true$", conf, re.M)
     assert re.search(r"^allow_anonymous false$", conf, re.M)
     passwd = (deployed.prefix / "etc/mosquitto/fog.passwd").read_text()

@@ -334,7 +334,7 @@ class Watcher:
         raw = self.client.snapshot(f, settle=0.3)
         out = {}
         for topic, payload in raw.items():
-            node = topic.split("/")[3]
+            node = topics.parse(self.cluster, topic).node
             out[node] = json.loads(payload) if kind == "state" and payload else payload
         return out
 
@@ -512,8 +512,8 @@ def test_placement_prefers_the_lower_latency_node_once_measured(tmp_path: Path, 
     watcher = Watcher(mosquitto, cluster)
 
     def rows() -> Dict[str, Dict[str, float]]:
-        raw = watcher.client.snapshot(f"{topics.base(cluster)}/latency/+", settle=0.2)
-        return {t.split("/")[3]: json.loads(p).get("rtt_ms", {}) for t, p in raw.items() if p}
+        raw = watcher.client.snapshot(topics.all_latency(cluster), settle=0.2)
+        return {topics.parse(cluster, t).node: json.loads(p).get("rtt_ms", {}) for t, p in raw.items() if p}
 
     try:
         def measured() -> bool:

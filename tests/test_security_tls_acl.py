@@ -1,303 +1,80 @@
 """Security with real processes: a private Mosquitto with the TLS listener and the ACL that the
 Ansible role `mosquitto` ships (both rendered from ansible/roles/mosquitto/templates with the
-role's defaults; only paths, port, cluster and the admin user are set), client certificates whose
-CN is the node name (`require_certificate` + `use_identity_as_username`, no anonymous access).
+role's defaults; only paths, port, cluster and the identity lists are set: nodes n1 and n2, the
+admin `admin`, the collector `collector`), client certificates whose CN is the identity
+(`require_certificate` + `use_identity_as_username`, no anonymous access) and the CA's CRL.
 
-What it shows:
-- real agents (`python -m agent run`) with their node certificate connect and publish their
-  retained status and state; their workers (same certificate) run a deployed pipeline; latency
-  probes between the two agents get through; fogctl with the admin certificate reads and steers;
-- with node n1's certificate (MQTT 5, QoS 1): its own and the shared topics are accepted, n2's
-  topics are refused with PUBACK reason code 135 and never reach a subscriber, a retained forgery
-  does not replace n2's status, n2's rpc topic cannot be subscribed to, and claiming another user
-  name changes nothing (the certificate's CN is the identity);
+What it shows (docs/security.md, "Topics and who may use them"):
+- the broker alone, with MQTT 5 test clients (QoS 1; 135 = PUBACK "not authorized"): a node writes
+  its own records, the shared topics, peer requests, replies and probes that end in its own name,
+  and nothing else (no rpc, no other node's name, no pipelines); it reads no other node's rpc,
+  peer, reply or ack topics; an admin writes rpc and pipelines but no inbox nor agent records; a
+  CA-signed certificate on no list (CN=intruder) and the broker's own certificate can neither
+  publish nor receive anything; a revoked certificate is refused at the handshake; a packet over
+  `max_packet_size` closes the connection; a client that takes another identity's client id
+  receives nothing that identity may read and it may not;
+- real agents (`python -m agent run`) with their node certificate publish their retained status
+  and state; fogctl with the admin certificate reads and steers them;
 - a client without a certificate, with a certificate of a foreign CA, or without TLS is refused;
 - TLS mistakes in the agent's own configuration are one line, never a traceback.
 """
 
 from __future__ import annotations
 
-import getpass
 import json
 import os
+import re
 import shutil
 import signal
-import socket
-import ssl
 import subprocess
 import sys
-import threading
 import time
-import uuid
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Tuple
 
-import jinja2
-import paho.mqtt.client as mqtt
 import pytest
-import yaml
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from agent import topics
 from agent.cli.fogctl import main as fogctl_main
-from agent.runtime.broker import MOSQUITTO, free_port, wait_port
-from tls_certs import OPENSSL, make_ca, make_cert
+from tls_site import (NOT_AUTHORIZED, OK_CODES, ROOT, AgentProc, Client, Site, agent_toml, have_tools, make_crl,
+                      render_role, running_site, wait_until)
 
 from pipelines import taxi_in_zone  # noqa: E402
 
 pytestmark = pytest.mark.broker
 
-ROOT = Path(__file__).resolve().parent.parent
-ROLE = ROOT / "ansible/roles/mosquitto"
 CLUSTER = "sec"
 ADMIN = "admin"
-NOT_AUTHORIZED = 135  # MQTT 5 reason code
-OK_CODES = (0, 16)  # success, no matching subscribers
+COLLECTOR = "collector"
+NODES = ("n1", "n2")
 
 PIPELINE = taxi_in_zone("taxi", seed=1, rate=50.0)
 
 
-# ---- the broker the role ships, rendered ---------------------------------------------------------
-
-
-def render_role(prefix: Path, port: int) -> Dict[str, Any]:
-    """Render mosquitto.conf and fog.acl from the role's templates with its defaults.
-
-    Ansible's own filters used by these templates (`bool`, `ternary`) are given their documented
-    meaning; defaults that refer to other defaults are resolved like Ansible does, lazily.
-    """
-    v = yaml.safe_load((ROLE / "defaults/main.yml").read_text())
-    v.update(
-        inventory_hostname="broker",
-        mosquitto_prefix=str(prefix),
-        mosquitto_user=getpass.getuser(),  # root here: do not drop to a user who cannot read tmp
-        mosquitto_listener_enabled=False,  # TLS only
-        mosquitto_tls_enabled=True,
-        mosquitto_tls_address="127.0.0.1",
-        mosquitto_tls_port=port,
-        mosquitto_cluster=CLUSTER,
-        mosquitto_admin_users=[ADMIN],
-        mosquitto_persistence=False,
-    )
-    env = jinja2.Environment(trim_blocks=True, undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
-    env.filters["bool"] = lambda x: x if isinstance(x, bool) else str(x).lower() in ("true", "yes", "on", "1")
-    env.filters["ternary"] = lambda cond, yes, no: yes if cond else no
-    for _ in range(5):
-        v = {k: env.from_string(x).render(v) if isinstance(x, str) and "{{" in x else x for k, x in v.items()}
-    conf_dir = Path(v["mosquitto_config_dir"])
-    (conf_dir / "certs").mkdir(parents=True, exist_ok=True)
-    Path(v["mosquitto_log_dest"].split(" ", 1)[1]).parent.mkdir(parents=True, exist_ok=True)
-    for name in ("mosquitto.conf", "fog.acl"):
-        text = env.from_string((ROLE / "templates" / f"{name}.j2").read_text()).render(v)
-        (conf_dir / name).write_text(text)
-    return v
-
-
-@dataclass
-class Site:
-    port: int
-    certs: Path
-    conf: Path
-    acl: Path
-    log: Path
-    tmp: Path
-
-    def tls(self, name: str, ca: str = "fog") -> Dict[str, str]:
-        """ca/cert/key paths of a client certificate made by `site` (`name` = its file stem)."""
-        return {"ca_certs": str(self.certs / "fog-ca.crt"), "certfile": str(self.certs / f"{name}.crt"),
-                "keyfile": str(self.certs / f"{name}.key")}
+def T(rest: str) -> str:
+    """A topic of the test cluster, written out as docs/security.md's table names it."""
+    return f"fog/{CLUSTER}/{rest}"
 
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
-    if not OPENSSL or not os.path.exists(MOSQUITTO):
+    if not have_tools():
         pytest.skip("openssl or mosquitto missing")
-    tmp = tmp_path_factory.mktemp("sec")
-    certs = tmp / "certs"
-    certs.mkdir()
-    make_ca(certs, "fog")
-    make_ca(certs, "foreign")
-    make_cert(certs, "fog", "localhost", server=True, stem="server")
-    for cn in ("n1", "n2", ADMIN):
-        make_cert(certs, "fog", cn, stem=cn)
-    make_cert(certs, "foreign", "n1", stem="foreign-n1")  # the right name, the wrong CA
-    port = free_port()
-    v = render_role(tmp / "root", port)
-    conf_dir = Path(v["mosquitto_config_dir"])
-    for src, dst in (("fog-ca.crt", "ca.crt"), ("server.crt", "server.crt"), ("server.key", "server.key")):
-        shutil.copy(certs / src, conf_dir / "certs" / dst)
-    log = Path(v["mosquitto_log_dest"].split(" ", 1)[1])
-    proc = subprocess.Popen([MOSQUITTO, "-c", str(conf_dir / "mosquitto.conf")], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
-    try:
-        wait_port("127.0.0.1", port)
-    except TimeoutError:
-        proc.kill()
-        pytest.fail("mosquitto did not start with the rendered config: "
-                    + (proc.stderr.read().decode() if proc.stderr else "") + (log.read_text() if log.exists() else ""))
-    try:
-        yield Site(port, certs, conf_dir / "mosquitto.conf", conf_dir / "fog.acl", log, tmp)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-# ---- real agents -----------------------------------------------------------------------------------
-
-
-def agent_toml(site: Site, node: str, cert: str, extra: str = "") -> Path:
-    conf = site.tmp / f"{node}-{cert}-{uuid.uuid4().hex[:6]}.toml"
-    conf.write_text(
-        f'[agent]\nnode = "{node}"\ncluster = "{CLUSTER}"\nslots = 3\nstate_dir = "{site.tmp}/state-{node}"\n'
-        "state_period = 0.5\nheartbeat_period = 0.2\nshutdown_timeout = 3.0\n"
-        f'[mqtt]\nhost = "127.0.0.1"\nport = {site.port}\nkeepalive = 5\n'
-        f'[mqtt.tls]\nca_file = "{site.certs}/fog-ca.crt"\ncert_file = "{site.certs}/{cert}.crt"\n'
-        f'key_file = "{site.certs}/{cert}.key"\n{extra}'
-        "[metrics]\nport = 0\n[latency]\nperiod = 0.5\n"
-    )
-    return conf
-
-
-class AgentProc:
-    def __init__(self, site: Site, node: str, cert: Optional[str] = None, conf: Optional[Path] = None) -> None:
-        self.node = node
-        self.conf = conf or agent_toml(site, node, cert or node)
-        self.log_path = site.tmp / f"{self.conf.stem}.log"
-        self.log = open(self.log_path, "w")
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
-        self.proc = subprocess.Popen([sys.executable, "-m", "agent", "run", "--config", str(self.conf)],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT))
-
-    def text(self) -> str:
-        return self.log_path.read_text()
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        return int(self.proc.returncode)
+    with running_site(tmp_path_factory.mktemp("sec"), CLUSTER, NODES, [ADMIN], extra_certs=["intruder"],
+                      revoked=["n2"], collectors=[COLLECTOR]) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def agents(site: Site) -> Iterator[Dict[str, AgentProc]]:
-    procs = {n: AgentProc(site, n) for n in ("n1", "n2")}
+    procs = {n: AgentProc(site, n) for n in NODES}
     try:
         yield procs
     finally:
         for p in procs.values():
             p.stop()
-
-
-# ---- MQTT 5 test clients ---------------------------------------------------------------------------
-
-
-class Client:
-    """A paho MQTT 5 client over TLS that records messages, PUBACK and SUBACK reason codes."""
-
-    def __init__(self, site: Site, cert: Optional[str], ca: str = "fog", username: Optional[str] = None,
-                 tls: bool = True, client_id: Optional[str] = None) -> None:
-        self.client_id = client_id or f"test-{cert}-{uuid.uuid4().hex[:8]}"
-        self.received: List[Tuple[str, bytes, bool, Any]] = []
-        self.pubacks: Dict[int, int] = {}
-        self.subacks: Dict[int, List[int]] = {}
-        self.lock = threading.Lock()
-        self.connected = threading.Event()
-        self.connect_rc: Any = None
-        self.disconnected = threading.Event()
-        self.c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=mqtt.MQTTv5)
-        if username is not None:
-            self.c.username_pw_set(username, "ignored")
-        if tls:
-            self.c.tls_set(ca_certs=str(site.certs / "fog-ca.crt"),
-                           certfile=str(site.certs / f"{cert}.crt") if cert else None,
-                           keyfile=str(site.certs / f"{cert}.key") if cert else None)
-        self.c.on_connect = self._on_connect
-        self.c.on_disconnect = lambda *a: self.disconnected.set()
-        self.c.on_message = self._on_message
-        self.c.on_publish = self._on_publish
-        self.c.on_subscribe = self._on_subscribe
-        self.site = site
-
-    def _on_connect(self, client: Any, userdata: Any, flags: Any, rc: Any, props: Any) -> None:
-        self.connect_rc = rc
-        self.connected.set()
-
-    def _on_message(self, client: Any, userdata: Any, msg: Any) -> None:
-        with self.lock:
-            self.received.append((msg.topic, bytes(msg.payload), bool(msg.retain), msg.properties))
-
-    def _on_publish(self, client: Any, userdata: Any, mid: int, rc: Any, props: Any) -> None:
-        with self.lock:
-            self.pubacks[mid] = rc.value
-
-    def _on_subscribe(self, client: Any, userdata: Any, mid: int, rcs: Any, props: Any) -> None:
-        with self.lock:
-            self.subacks[mid] = [r.value for r in rcs]
-
-    def connect(self, timeout: float = 5.0) -> str:
-        """'connected', or why not: the TLS error, the CONNACK reason, or a dropped connection."""
-        try:
-            self.c.connect("127.0.0.1", self.site.port, keepalive=10)
-        except (OSError, ssl.SSLError) as exc:
-            return f"connect raised {type(exc).__name__}: {exc}"
-        self.c.loop_start()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.connected.is_set():
-                return "connected" if not self.connect_rc.is_failure else f"CONNACK {self.connect_rc}"
-            if self.disconnected.is_set():
-                return "disconnected before CONNACK"
-            time.sleep(0.02)
-        return "no CONNACK"
-
-    def publish(self, topic: str, payload: bytes, retain: bool = False, properties: Any = None) -> int:
-        """Publish at QoS 1 and return the PUBACK reason code."""
-        info = self.c.publish(topic, payload, qos=1, retain=retain, properties=properties)
-        assert info.rc == 0, info.rc
-        return self._wait(self.pubacks, info.mid, f"PUBACK for {topic}")
-
-    def subscribe(self, topic: str) -> List[int]:
-        rc, mid = self.c.subscribe(topic, qos=1)
-        assert rc == 0, rc
-        return self._wait(self.subacks, mid, f"SUBACK for {topic}")
-
-    def _wait(self, table: Dict[int, Any], mid: int, what: str) -> Any:
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            with self.lock:
-                if mid in table:
-                    return table[mid]
-            time.sleep(0.01)
-        raise AssertionError(f"no {what}")
-
-    def topics(self) -> Dict[str, bytes]:
-        with self.lock:
-            return {t: p for t, p, _, _ in self.received}
-
-    def wait_for(self, pred: Any, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self.lock:
-                snapshot = list(self.received)
-            if pred(snapshot):
-                return True
-            time.sleep(0.05)
-        return False
-
-    def close(self) -> None:
-        self.c.disconnect()
-        self.c.loop_stop()
 
 
 @pytest.fixture()
@@ -310,6 +87,13 @@ def admin(site: Site) -> Iterator[Client]:
         c.close()
 
 
+def connected(site: Site, cert: str, **kw: Any) -> Client:
+    c = Client(site, cert, **kw)
+    outcome = c.connect()
+    assert outcome == "connected", f"{cert}: {outcome}"
+    return c
+
+
 def fogctl(capsys: Any, site: Site, *argv: str, cert: str = ADMIN) -> Tuple[int, str, str]:
     code = fogctl_main(["--broker", f"127.0.0.1:{site.port}", "--cluster", CLUSTER, "--timeout", "10",
                         "--cafile", str(site.certs / "fog-ca.crt"), "--cert", str(site.certs / f"{cert}.crt"),
@@ -318,25 +102,316 @@ def fogctl(capsys: Any, site: Site, *argv: str, cert: str = ADMIN) -> Tuple[int,
     return code, out, err
 
 
-def wait_until(pred: Any, timeout: float, step: float = 0.2) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got or time.monotonic() > deadline:
-            return got
-        time.sleep(step)
+def routed(sender: Client, receivers: List[Client], marker: bytes) -> None:
+    """A positive control: once `marker` (published last on events) reached every receiver, every
+    message published before it by `sender` has been routed."""
+    assert sender.publish(T("events"), marker) in OK_CODES
+    for r in receivers:
+        assert r.wait_for(lambda m: (T("events"), marker) in {(t, p) for t, p, _, _ in m}, 5), r.client_id
 
 
-# ---- the tests -----------------------------------------------------------------------------------
+# ---- the rendered configuration --------------------------------------------------------------------
 
 
-def test_rendered_broker_is_tls_only_with_certificates_and_no_anonymous(site: Site) -> None:
+def test_rendered_broker_is_tls_only_with_certificates_crl_and_limits(site: Site) -> None:
     conf = site.conf.read_text().splitlines()
     for line in ("allow_anonymous false", "require_certificate true", "use_identity_as_username true",
-                 f"listener {site.port} 127.0.0.1", f"acl_file {site.acl}"):
+                 f"listener {site.port} 127.0.0.1", f"acl_file {site.acl}", "max_packet_size 1048576",
+                 f"crlfile {site.conf.parent}/certs/crl.pem"):
         assert line in conf, line
     assert sum(line.startswith("listener ") for line in conf) == 1  # no plain listener
     assert "password_file" not in site.conf.read_text()  # certificates are the only credential here
+    queued = [int(line.split()[1]) for line in conf if line.startswith("max_queued_bytes ")]
+    assert queued and queued[0] >= 16 * 1024 * 1024, queued  # bounded, and above the spill window
+    assert [line for line in conf if line.startswith("max_queued_messages ")] == ["max_queued_messages 100000"]
+
+
+def test_rendered_acl_has_one_block_per_listed_identity_and_no_patterns(site: Site) -> None:
+    lines = [line.strip() for line in site.acl.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    assert not [line for line in lines if line.startswith("pattern")], "a pattern applies to every user"
+    users = [line.split()[1] for line in lines if line.startswith("user ")]
+    assert sorted(users) == sorted([*NODES, ADMIN, COLLECTOR])
+    assert lines[0].startswith("user "), "topic lines before the first user apply to anonymous clients"
+    assert all(re.fullmatch(r"(user \S+|topic (read|write|readwrite) \S+)", line) for line in lines), lines
+    # a wildcard never stands where a sender's name belongs
+    for line in lines:
+        topic = line.split()[-1]
+        for kind in ("peer", "rpc", "ping", "pong"):
+            if f"/{kind}/" in topic and line.startswith("topic write"):
+                assert not topic.endswith("/+"), line
+        if "/replies/" in topic and "write" in line:
+            assert not topic.endswith("/+"), line
+
+
+def test_role_defaults_turn_tls_on_and_plaintext_off(tmp_path: Path) -> None:
+    """The role's defaults, not the test's overrides: TLS listener, no plain listener; a plain
+    listener turned on listens on loopback unless told otherwise."""
+    v = render_role(tmp_path / "a", 18883, groups={"fog_nodes": ["pi1", "pi2"], "brokers": ["broker"]})
+    conf = (Path(v["mosquitto_config_dir"]) / "mosquitto.conf").read_text().splitlines()
+    assert [line for line in conf if line.startswith("listener ")] == ["listener 18883 127.0.0.1"]  # the TLS one
+    assert "require_certificate true" in conf and "crlfile" not in "\n".join(conf)  # no CRL given: none
+    # the node list defaults to the inventory's fog_nodes group; no admin, no collector by default
+    acl = (Path(v["mosquitto_config_dir"]) / "fog.acl").read_text()
+    assert re.findall(r"^user (\S+)$", acl, re.M) == ["pi1", "pi2"]
+    assert "topic write fog/default/agents/pi1/state" in acl.splitlines()
+    v = render_role(tmp_path / "b", 18883, mosquitto_listener_enabled=True)
+    conf = (Path(v["mosquitto_config_dir"]) / "mosquitto.conf").read_text().splitlines()
+    assert "listener 1883 127.0.0.1" in conf
+
+
+# ---- the broker alone: who may write and read what -------------------------------------------------
+
+
+def test_node_writes_own_shared_and_own_name_topics_only(site: Site) -> None:
+    admin, n2, coll = connected(site, ADMIN), connected(site, "n2"), connected(site, COLLECTOR)
+    n1 = connected(site, "n1")
+    # The certificate's CN is the identity: claiming to be the admin in the CONNECT changes nothing.
+    n1_claiming_admin = connected(site, "n1", username=ADMIN)
+    try:
+        for r in (admin, n2, coll):
+            assert r.subscribe("fog/#") == [1]
+        own = [T("agents/n1/state"), T("agents/n1/status"), T("agents/n1/hosted"), T("agents/n1/rehomed"),
+               T("latency/n1"), T("spill/n1/chunk")]
+        shared = [T("inbox/taxi.sink.7"), T("locks"), T("locks/x"), T("decisions/taxi.sink.7")]
+        own_name = [T("agents/n2/peer/n1"), T("replies/admin/n1"), T("replies/n2/n1"), T("latency/n2/ping/n1"),
+                    T("latency/n2/pong/n1")]
+        foreign = [T("agents/n2/status"), T("agents/n2/state"), T("agents/n2/hosted"), T("agents/n1/state/x"),
+                   T("latency/n2"), T("spill/n2/chunk"), T("spill/n1/ack"),
+                   # control requests are for admins only, to anyone
+                   T("agents/n2/rpc/n1"), T("agents/n2/rpc/admin"), T("agents/n1/rpc/admin"), T("agents/n2/rpc"),
+                   # requests, replies and probes that end in another node's name
+                   T("agents/n2/peer/n2"), T("agents/n1/peer/n2"), T("replies/admin/n2"), T("replies/n1/n2"),
+                   T("latency/n2/ping/n2"), T("latency/n1/pong/n2"),
+                   T("pipelines/taxi"), T("pipelines/taxi/x"), "fog/othercluster/events"]
+        allowed = {t: n1.publish(t, b"probe") for t in own + shared + own_name}
+        denied = {t: n1.publish(t, b"forged", retain=True) for t in foreign}
+        spoofed = {t: n1_claiming_admin.publish(t, b"forged", retain=True) for t in foreign[:3] + foreign[7:9]}
+        routed(n1, [admin, n2], b"marker")
+        assert all(code in OK_CODES for code in allowed.values()), allowed
+        assert all(code == NOT_AUTHORIZED for code in denied.values()), denied
+        assert all(code == NOT_AUTHORIZED for code in spoofed.values()), spoofed
+
+        def delivered() -> set:
+            return {t for r in (admin, n2, coll) for t, p, _, _ in list(r.received) if p == b"probe"}
+
+        wait_until(lambda: set(own + shared + own_name) <= delivered(), 5, 0.05)
+        assert set(own + shared + own_name) <= delivered(), set(own + shared + own_name) - delivered()
+        forged = [t for r in (admin, n2, coll) for t, p, _, _ in r.received if p == b"forged"]
+        assert not forged, "a refused publish reached a subscriber"
+    finally:
+        for c in (admin, n2, coll, n1, n1_claiming_admin):
+            c.close()
+
+
+def test_node_reads_no_other_nodes_requests_replies_or_acks(site: Site) -> None:
+    admin, n2, coll, n1 = (connected(site, c) for c in (ADMIN, "n2", COLLECTOR, "n1"))
+    try:
+        private = {T("agents/n2/rpc/admin"): admin, T("agents/n2/peer/n1"): n1, T("replies/n2/n1"): n1,
+                   T("replies/admin/n2"): n2, T("latency/n2/ping/n1"): n1, T("latency/n2/pong/n1"): n1,
+                   T("spill/n2/ack"): coll, T("spill/n2/chunk"): n2}
+        # Mosquitto 2.0 grants the SUBACK and checks read access per message: nothing is delivered.
+        for t in [*private, T("agents/n2/#"), T("replies/#"), T("spill/#"), T("events")]:
+            n1.subscribe(t)
+        for t, writer in private.items():
+            assert writer.publish(t, b"private") in OK_CODES, t
+        routed(n2, [n1], b"marker-2")  # every publish above was PUBACKed: routed before it
+        assert not {t for t, _, _, _ in n1.received} & set(private), n1.topics()
+        # n2 (the addressee) does read them: the refusal above is about n1, not the topics.
+        assert n2.subscribe(T("agents/n2/#")) == [1] and n2.subscribe(T("replies/n2/+")) == [1]
+        for t in (T("agents/n2/rpc/admin"), T("agents/n2/peer/n1"), T("replies/n2/n1")):
+            assert private[t].publish(t, b"to-n2") in OK_CODES
+        assert n2.wait_for(lambda m: {T("agents/n2/rpc/admin"), T("agents/n2/peer/n1"), T("replies/n2/n1")}
+                           <= {t for t, p, _, _ in m if p == b"to-n2"}, 5), n2.topics()
+    finally:
+        for c in (admin, n2, coll, n1):
+            c.close()
+
+
+def test_admin_sends_requests_and_deploys_but_writes_no_data_or_records(site: Site) -> None:
+    admin, n2 = connected(site, ADMIN), connected(site, "n2")
+    try:
+        assert n2.subscribe(T("agents/n2/rpc/+")) == [1] and n2.subscribe(T("pipelines/+")) == [1]
+        assert n2.subscribe(T("inbox/#")) == [1] and n2.subscribe(T("agents/+/state")) == [1]
+        assert admin.publish(T("agents/n2/rpc/admin"), b'{"op": "ping"}') in OK_CODES
+        assert admin.publish(T("pipelines/probe"), b"x", retain=True) in OK_CODES
+        assert admin.publish(T("pipelines/probe"), b"", retain=True) in OK_CODES  # clear it again
+        refused = {t: admin.publish(t, b"forged") for t in
+                   (T("inbox/taxi.sink.0"), T("agents/n2/state"), T("agents/admin/state"), T("agents/n2/rpc/other"),
+                    T("agents/n2/peer/admin"), T("replies/n2/admin"), T("events"), T("locks"),
+                    T("latency/admin"), T("spill/n2/ack"), T("decisions/x"))}
+        assert all(code == NOT_AUTHORIZED for code in refused.values()), refused
+        assert n2.wait_for(lambda m: any(t == T("pipelines/probe") for t, _, _, _ in m), 5)
+        assert n2.got(T("agents/n2/rpc/admin"))
+        assert not [t for t, p, _, _ in n2.received if p == b"forged"]
+    finally:
+        admin.close()
+        n2.close()
+
+
+def test_collector_reads_chunks_and_writes_acks_only(site: Site) -> None:
+    coll, n1 = connected(site, COLLECTOR), connected(site, "n1")
+    try:
+        assert coll.subscribe(T("spill/+/chunk")) == [1] and coll.subscribe(T("inbox/#")) == [1]
+        assert n1.subscribe(T("spill/n1/ack")) == [1]
+        assert n1.publish(T("spill/n1/chunk"), b"chunk") in OK_CODES
+        assert n1.publish(T("inbox/x"), b"data") in OK_CODES
+        assert coll.publish(T("spill/n1/ack"), b"ack") in OK_CODES
+        refused = {t: coll.publish(t, b"forged") for t in
+                   (T("spill/n1/chunk"), T("inbox/x"), T("agents/n1/rpc/collector"), T("pipelines/x"), T("events"))}
+        assert all(code == NOT_AUTHORIZED for code in refused.values()), refused
+        assert coll.wait_for(lambda m: any(t == T("spill/n1/chunk") for t, _, _, _ in m), 5)
+        assert n1.wait_for(lambda m: any(t == T("spill/n1/ack") for t, _, _, _ in m), 5)
+        assert not coll.got(T("inbox/x"))  # no data for the collector
+    finally:
+        coll.close()
+        n1.close()
+
+
+@pytest.mark.parametrize("cert", ["intruder", "server"])
+def test_certificates_on_no_list_get_nothing(site: Site, cert: str) -> None:
+    """A certificate the site CA signed but the role lists nowhere (CN=intruder), and the broker's
+    own server certificate (CN=localhost): the handshake succeeds, and nothing else does."""
+    n1, admin = connected(site, "n1"), connected(site, ADMIN)
+    x = connected(site, cert)
+    try:
+        assert n1.publish(T("agents/n1/state"), b'{"node": "n1"}', retain=True) in OK_CODES
+        for t in ("#", "fog/#", "$SYS/#"):
+            x.subscribe(t)
+        attempts = [T("events"), T("inbox/taxi.sink.0"), T("locks"), T("decisions/x"), T("pipelines/x"),
+                    T("agents/n1/rpc/intruder"), T("agents/n1/rpc/localhost"), T("agents/n1/rpc/admin"),
+                    T("agents/n1/peer/intruder"), T("agents/n1/peer/localhost"), T("agents/intruder/state"),
+                    T("agents/n1/state"), T("replies/admin/intruder"), T("replies/admin/n1"), T("latency/intruder"),
+                    T("latency/n1/ping/intruder"), T("spill/n1/ack"), "fog/other/events", "elsewhere"]
+        codes = {t: x.publish(t, b"forged") for t in attempts}
+        assert all(code == NOT_AUTHORIZED for code in codes.values()), codes
+        for t in (T("events"), T("inbox/taxi.sink.0")):
+            assert n1.publish(t, b"live") in OK_CODES
+        assert admin.publish(T("agents/n1/rpc/admin"), b"live") in OK_CODES
+        assert admin.subscribe(T("events")) == [1]
+        routed(n1, [admin], b"marker-x")
+        time.sleep(0.3)
+        assert x.received == [], [t for t, _, _, _ in x.received]  # not even the retained state
+    finally:
+        for c in (n1, admin, x):
+            c.close()
+
+
+def test_revoked_certificate_is_refused_at_the_handshake(site: Site) -> None:
+    good, revoked = Client(site, "n2"), Client(site, "n2-revoked")
+    try:
+        assert good.connect() == "connected"
+        outcome = revoked.connect()
+        assert outcome != "connected", outcome
+        assert not revoked.connected.is_set()  # no CONNACK: refused before MQTT
+    finally:
+        good.close()
+        revoked.close()
+    assert "certificate verify failed" in site.log.read_text()
+
+
+def test_revocation_and_removal_from_the_lists_take_effect_on_reload(tmp_path: Path) -> None:
+    """docs/security.md, "Revoking": a new CRL and an ACL without the identity, then SIGHUP (the
+    role's reload handler): the revoked certificate cannot connect again, its open connection may
+    do nothing any more, and nobody else is disconnected."""
+    with running_site(tmp_path, CLUSTER, NODES, [ADMIN]) as s:
+        old, other = connected(s, "n1"), connected(s, "n2")
+        try:
+            assert old.publish(T("events"), b"before") in OK_CODES
+            crl = make_crl(s.certs, "fog", ["n1"])
+            shutil.copy(crl, s.conf.parent / "certs/crl.pem")
+            v = render_role(tmp_path / "root", s.port, mosquitto_cluster=CLUSTER, mosquitto_node_identities=["n2"],
+                            mosquitto_admin_identities=[ADMIN], mosquitto_tls_crl_src=str(crl))
+            assert Path(v["mosquitto_acl_file"]) == s.acl and "user n1" not in s.acl.read_text()
+            os.kill(s.proc.pid, signal.SIGHUP)
+            again = Client(s, "n1")
+            assert wait_until(lambda: "Reloading config" in s.log.read_text(), 5)
+            outcome = again.connect()
+            again.close()
+            assert outcome != "connected", outcome
+            assert old.publish(T("events"), b"after") == NOT_AUTHORIZED
+            assert other.publish(T("events"), b"after") in OK_CODES
+            assert not old.disconnected.is_set() and not other.disconnected.is_set()
+
+            # A CRL past its nextUpdate refuses every client, revoked or not (the doc's warning).
+            expired = s.certs / "expired-crl.pem"
+            subprocess.run(["openssl", "ca", "-config", str(s.certs / "fog-ca-db/ca.cnf"), "-keyfile",
+                            str(s.certs / "fog-ca.key"), "-cert", str(s.certs / "fog-ca.crt"), "-gencrl",
+                            "-crlsec", "1", "-out", str(expired)], check=True, capture_output=True)
+            time.sleep(1.5)
+            shutil.copy(expired, s.conf.parent / "certs/crl.pem")
+            os.kill(s.proc.pid, signal.SIGHUP)
+            assert wait_until(lambda: s.log.read_text().count("Reloading config") >= 2, 5)
+            late = Client(s, "n2")
+            outcome = late.connect()
+            late.close()
+            assert outcome != "connected", outcome
+        finally:
+            old.close()
+            other.close()
+
+
+def test_packets_over_the_limit_close_the_connection(site: Site) -> None:
+    """max_packet_size 1 MiB: a spill chunk (256 KiB + header) and a 200 kB batch pass; 2 MiB does
+    not reach anyone and costs the sender its connection."""
+    n2 = connected(site, "n2")
+    try:
+        assert n2.subscribe(T("inbox/big")) == [1]
+        for size in (200_000, 256 * 1024 + 512, 1_000_000):
+            n1 = connected(site, "n1")
+            try:
+                assert n1.publish_outcome(T("inbox/big"), b"a" * size) in ("puback 0", "puback 16"), size
+            finally:
+                n1.close()
+        big = connected(site, "n1")
+        try:
+            assert big.publish_outcome(T("inbox/big"), b"b" * (2 * 1024 * 1024)) == "disconnected"
+        finally:
+            big.close()
+        sizes = lambda: sorted(len(p) for t, p, _, _ in n2.received if t == T("inbox/big"))  # noqa: E731
+        assert wait_until(lambda: len(sizes()) == 3, 5)
+        time.sleep(0.3)
+        assert sizes() == [200_000, 256 * 1024 + 512, 1_000_000], sizes()
+        assert "oversize packet" in site.log.read_text()
+    finally:
+        n2.close()
+
+
+def test_client_id_takeover_gets_nothing_the_taker_may_not_read(site: Site) -> None:
+    """Mosquitto 2.0.11 lets any identity connect with another's client id (docs/security.md,
+    "Client ids"): it takes over the session, subscriptions included, and each side kicks the
+    other when it connects. What the taker receives is still checked against ITS identity: an
+    unlisted one gets nothing, another node none of the owner's requests. The owner's queued
+    messages that the taker was refused are dropped (the denial of service the doc describes)."""
+    admin = connected(site, ADMIN)
+    try:
+        for taker in ("intruder", "n2"):
+            cid = f"fog-agent-{CLUSTER}-n1-{taker}"
+            owner = Client(site, "n1", client_id=cid)
+            assert owner.connect(clean_start=True, session_expiry=600) == "connected"
+            assert owner.subscribe(T("agents/n1/rpc/+")) == [1] and owner.subscribe(T("replies/n1/+")) == [1]
+            owner.close()
+            assert admin.publish(T("agents/n1/rpc/admin"), b"queued") in OK_CODES
+            thief = Client(site, taker, client_id=cid)
+            back = Client(site, "n1", client_id=cid)
+            try:
+                assert thief.connect(clean_start=False, session_expiry=600) == "connected"
+                assert thief.session_present  # the owner's session, as measured
+                assert admin.publish(T("agents/n1/rpc/admin"), b"live") in OK_CODES
+                time.sleep(0.5)
+                assert not [t for t, _, _, _ in thief.received], thief.topics()
+                # the owner comes back: the taker is kicked, and the refused messages are gone
+                assert back.connect(clean_start=False, session_expiry=600) == "connected"
+                assert wait_until(thief.disconnected.is_set, 5)
+                time.sleep(0.5)
+                assert back.session_present and back.received == [], back.topics()
+            finally:
+                thief.c.loop_stop()
+                back.close()
+    finally:
+        admin.close()
+
+
+# ---- real agents and fogctl ------------------------------------------------------------------------
 
 
 def test_agents_with_node_certificates_publish_status_and_state(site: Site, agents: Dict[str, AgentProc],
@@ -347,7 +422,7 @@ def test_agents_with_node_certificates_publish_status_and_state(site: Site, agen
     def up(msgs: List[Any]) -> bool:
         got = {t: p for t, p, _, _ in msgs}
         return all(got.get(topics.agent_status(CLUSTER, n)) == b"online" and topics.agent_state(CLUSTER, n) in got
-                   for n in ("n1", "n2"))
+                   for n in NODES)
 
     assert admin.wait_for(up, 30), (admin.topics(), agents["n1"].text()[-2000:])
     got = admin.topics()
@@ -356,82 +431,43 @@ def test_agents_with_node_certificates_publish_status_and_state(site: Site, agen
     assert "Traceback" not in agents["n1"].text()
 
 
-def test_node_writes_own_and_shared_topics_but_not_another_nodes(site: Site, agents: Dict[str, AgentProc],
-                                                                 admin: Client) -> None:
-    assert admin.subscribe("fog/#") == [1]
-    assert admin.wait_for(lambda m: any(t == topics.agent_status(CLUSTER, "n2") and p == b"online" for t, p, _, _ in m), 30)
-    n1 = Client(site, "n1")
-    # The certificate's CN is the identity: claiming to be the admin in the CONNECT changes nothing.
-    n1_claiming_admin = Client(site, "n1", username=ADMIN)
+def test_agents_answer_on_the_requesters_reply_topic_only(site: Site, agents: Dict[str, AgentProc]) -> None:
+    """An admin's ping on `agents/n2/rpc/admin` is answered on `replies/admin/n2`, the topic
+    computed from the request's; a Response Topic naming n1's status is ignored. A node may send
+    peer requests, but only the ones the protocol needs: n1's ping on `agents/n2/peer/n1` is
+    answered with a refusal on `replies/n1/n2`."""
+    admin, n1 = connected(site, ADMIN), connected(site, "n1")
     try:
-        assert n1.connect() == "connected" and n1_claiming_admin.connect() == "connected"
-        own = [topics.agent_state(CLUSTER, "n1") + "/probe", topics.spill(CLUSTER, "n1") + "/probe",
-               topics.latency(CLUSTER, "n1") + "/probe"]
-        shared = [topics.inbox(CLUSTER, "taxi.sink.7"), topics.events(CLUSTER), topics.locks(CLUSTER),
-                  f"fog/{CLUSTER}/replies/fogctl-0123456789ab", f"fog/{CLUSTER}/rpc-reply/fog-agent-{CLUSTER}-n2",
-                  f"fog/{CLUSTER}/decisions/taxi.sink.7"]
-        foreign = [topics.agent_status(CLUSTER, "n2"), topics.agent_state(CLUSTER, "n2"),
-                   topics.agent_state(CLUSTER, "n2") + "/probe", topics.latency(CLUSTER, "n2"),
-                   topics.spill(CLUSTER, "n2") + "/f1", topics.pipeline(CLUSTER, "taxi"),
-                   "fog/othercluster/events"]
-        allowed_codes = {t: n1.publish(t, b"probe") for t in own + shared}
-        denied_codes = {t: n1.publish(t, b"forged", retain=True) for t in foreign}
-        spoof_codes = {t: n1_claiming_admin.publish(t, b"forged", retain=True) for t in foreign[:3]}
-        # A positive control last: once it arrived, everything published before it was routed.
-        assert n1.publish(topics.events(CLUSTER), b"marker") in OK_CODES
-        assert admin.wait_for(lambda m: (topics.events(CLUSTER), b"marker") in {(t, p) for t, p, _, _ in m}, 5)
-        with admin.lock:
-            delivered = [(t, p) for t, p, _, _ in admin.received]
-        assert all(code in OK_CODES for code in allowed_codes.values()), allowed_codes
-        assert all(code == NOT_AUTHORIZED for code in denied_codes.values()), denied_codes
-        assert all(code == NOT_AUTHORIZED for code in spoof_codes.values()), spoof_codes
-        assert set(own + shared) <= {t for t, p in delivered if p == b"probe"}
-        assert not [t for t, p in delivered if p == b"forged"], "a refused publish reached a subscriber"
+        assert admin.subscribe(T("replies/admin/+")) == [1] and admin.subscribe(T("agents/n1/status")) == [1]
+        assert n1.subscribe(T("replies/n1/+")) == [1]
 
-        # n1 cannot read another node's spawn requests nor another client's rpc replies. Mosquitto
-        # 2.0 grants the SUBACK and checks read access per message, so: nothing is delivered.
-        private = [topics.agent_rpc(CLUSTER, "n2"), f"fog/{CLUSTER}/rpc-reply/fog-agent-{CLUSTER}-n2"]
-        for t in private + [topics.events(CLUSTER)]:
-            n1.subscribe(t)
-        for t in private:
-            assert admin.publish(t, b'{"op": "ping"}') in OK_CODES
-        assert admin.publish(topics.events(CLUSTER), b"marker-2") in OK_CODES
-        assert n1.wait_for(lambda m: (topics.events(CLUSTER), b"marker-2") in {(t, p) for t, p, _, _ in m}, 5)
-        assert not set(private) & set(n1.topics()), n1.topics()
-        assert n1.subscribe(topics.all_agents_status(CLUSTER)) == [1]
-        # ... and the retained forgery did not replace n2's status: a new subscriber sees "online".
-        assert n1.wait_for(lambda m: any(t == topics.agent_status(CLUSTER, "n2") and r for t, _, r, _ in m), 5)
-        with n1.lock:
-            retained_n2 = [p for t, p, r, _ in n1.received if t == topics.agent_status(CLUSTER, "n2") and r]
-        assert retained_n2 == [b"online"], retained_n2
-    finally:
-        n1.close()
-        n1_claiming_admin.close()
+        def ask(c: Client, topic: str, reply_topic: str, corr: bytes) -> Dict[str, Any]:
+            props = Properties(PacketTypes.PUBLISH)
+            props.ResponseTopic = T("agents/n1/status")  # the attack of issue #20: must be ignored
+            props.CorrelationData = corr
 
+            def replied(msgs: List[Any]) -> bool:
+                return any(t == reply_topic and getattr(pr, "CorrelationData", None) == corr for t, _, _, pr in msgs)
 
-def test_node_calls_another_agent_over_rpc_and_gets_the_reply(site: Site, agents: Dict[str, AgentProc]) -> None:
-    """MQTT 5 request/response across nodes under the ACL: n1 writes n2's rpc topic, the agent n2
-    answers on n1's rpc-reply/<client id> topic (its own pattern %c)."""
-    n1 = Client(site, "n1")
-    try:
-        assert n1.connect() == "connected"
-        reply_topic = f"fog/{CLUSTER}/rpc-reply/{n1.client_id}"
-        assert n1.subscribe(reply_topic) == [1]
-        props = Properties(PacketTypes.PUBLISH)
-        props.ResponseTopic = reply_topic
-        props.CorrelationData = b"c-1"
+            deadline = time.monotonic() + 20  # the agent may still be starting: ask again until it answers
+            while time.monotonic() < deadline and not replied(c.received):
+                assert c.publish(topic, b'{"op": "ping"}', properties=props) in OK_CODES
+                c.wait_for(replied, 2)
+            assert replied(c.received), agents["n2"].text()[-2000:]
+            return json.loads(next(p for t, p, _, pr in c.received
+                                   if t == reply_topic and getattr(pr, "CorrelationData", None) == corr))
 
-        def replied(msgs: List[Any]) -> bool:
-            return any(t == reply_topic and getattr(pr, "CorrelationData", None) == b"c-1" for t, _, _, pr in msgs)
-
-        deadline = time.monotonic() + 20  # the agent may still be starting: ask again until it answers
-        while time.monotonic() < deadline and not replied(n1.received):
-            assert n1.publish(topics.agent_rpc(CLUSTER, "n2"), b'{"op": "ping"}', properties=props) in OK_CODES
-            n1.wait_for(replied, 2)
-        assert replied(n1.received), agents["n2"].text()[-2000:]
-        body = json.loads(next(p for t, p, _, _ in n1.received if t == reply_topic))
+        body = ask(admin, T("agents/n2/rpc/admin"), T("replies/admin/n2"), b"c-1")
         assert body["ok"] is True and body["node"] == "n2"
+        refused = ask(n1, T("agents/n2/peer/n1"), T("replies/n1/n2"), b"c-2")
+        assert refused["ok"] is False, refused
+        time.sleep(0.3)
+        with admin.lock:
+            statuses = [p for t, p, _, _ in admin.received if t == T("agents/n1/status")]
+        assert statuses and set(statuses) == {b"online"}, statuses  # no reply landed on n1's status
+        assert agents["n2"].alive() and agents["n1"].alive()
     finally:
+        admin.close()
         n1.close()
 
 
@@ -460,7 +496,7 @@ def test_fogctl_with_admin_certificate_reads_and_steers_the_fleet(capsys: Any, s
         assert code == 0, err
         return {n["node"]: n for n in json.loads(out)["nodes"]}
 
-    assert wait_until(lambda: all(status().get(n, {}).get("status") == "online" for n in ("n1", "n2")), 30)
+    assert wait_until(lambda: all(status().get(n, {}).get("status") == "online" for n in NODES), 30)
     assert status()["n1"]["status"] == "online"
 
     # deploy: agents answer fogctl's requests (replies/<client>), workers run with the node's certificate

@@ -17,6 +17,8 @@ from typing import Any
 def register(groups: Any) -> None:
     b = groups.bench.add_parser("fuzz", help="fuzz the inbox decoder, channel and protocol cores with hostile input")
     b.add_argument("--inputs", type=int, default=100_000, help="total inputs, split over the targets (default 100000)")
+    b.add_argument("--each", type=int, default=None, metavar="N",
+                   help="N inputs for every selected target (overrides --inputs)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--target", action="append", default=None, metavar="NAME",
                    help="only this target (repeatable); default: all")
@@ -38,7 +40,8 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"  {s.target}: {s.inputs} inputs, {s.crashes} crashes, {s.rate:,.0f}/s", file=sys.stderr, flush=True)
 
     t0 = time.perf_counter()
-    results = run_all(args.inputs, args.seed, targets=targets, hang_seconds=args.hang_seconds,
+    total_inputs = args.each * len(targets) if args.each else args.inputs
+    results = run_all(total_inputs, args.seed, targets=targets, hang_seconds=args.hang_seconds,
                       progress=progress if not args.json else None)
     total = time.perf_counter() - t0
     inputs = sum(r.inputs for r in results)

@@ -103,13 +103,13 @@ def deploy_cmd(args: argparse.Namespace) -> int:
     from agent.runtime.rpc import RpcError
     from agent.schema import ConfigError
 
-    host, port, cluster, user, password = "127.0.0.1", 1883, "default", None, None
+    host, port, cluster, user, password, tls = "127.0.0.1", 1883, "default", None, None, None
     try:
         if args.config or (args.host is None and args.port is None):
             try:
                 cfg = _load_cfg(args.config)
                 host, port, cluster = cfg.mqtt.host, cfg.mqtt.port, cfg.agent.cluster
-                user, password = cfg.mqtt.username, resolve_password(cfg.mqtt)
+                user, password, tls = cfg.mqtt.username, resolve_password(cfg.mqtt), cfg.mqtt.tls
             except ConfigError:
                 if args.config:
                     raise
@@ -118,7 +118,8 @@ def deploy_cmd(args: argparse.Namespace) -> int:
         cluster = args.cluster or cluster
         text = Path(args.pipeline).read_text()
         placed = deploy(text, host, port, cluster, extra=_parse_extra(args.extra), policy_name=args.placement,
-                        timeout=args.timeout, username=user, password=password, name=Path(args.pipeline).name)
+                        timeout=args.timeout, username=user, password=password, name=Path(args.pipeline).name,
+                        tls=tls)
     except (ConfigError, DeployError, RpcError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
 EXIT_OK, EXIT_ERROR = 0, 1
+EXIT_CONFIG = 78  # EX_CONFIG: fog-collector.service does not restart (RestartPreventExitStatus=78)
 
 
 def register(groups: Any) -> None:
@@ -70,29 +71,36 @@ def register(groups: Any) -> None:
 def cmd_collector(args: argparse.Namespace) -> int:
     from agent.central_config import load_central_config
     from agent.collector.service import BatchScheduler, Collector
-    from agent.config import resolve_password
+    from agent.config import check_tls, resolve_password
+    from agent.identity import IdentityError, identity
     from agent.schema import ConfigError
 
     try:
         cfg = load_central_config(args.config)
         password = resolve_password(cfg.mqtt)
-    except ConfigError as exc:
+        check_tls(cfg.mqtt, cfg.source)  # a bad CA/cert/key: one line now, not paho's traceback later
+        tls = cfg.mqtt.tls
+        who = identity(cfg.mqtt.username if tls is None or tls.cert_file is None else None,
+                       tls.cert_file if tls else None, cfg.collector.client_id)
+    except (ConfigError, IdentityError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_ERROR
+        return EXIT_CONFIG
     scheduler = None
     if cfg.analytics.enabled:
         scheduler = BatchScheduler(cfg.collector.landing_dir, cfg.analytics.out_dir, cfg.analytics.master,
                                    cfg.analytics.schedule_seconds, cfg.analytics.trigger_files, time.time())
     coll = Collector(cfg.collector.cluster, cfg.collector.landing_dir, host=cfg.mqtt.host, port=cfg.mqtt.port,
                      client_id=cfg.collector.client_id, partial_timeout=cfg.collector.partial_timeout,
-                     scheduler=scheduler, username=cfg.mqtt.username, password=password)
+                     scheduler=scheduler, username=cfg.mqtt.username, password=password, tls=cfg.mqtt.tls)
     # Signal handlers only ask the loop to stop; the loop owns the client and the landing zone.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: coll._stop.set())
+    # The identity the broker will see (docs/security.md): it must be on mosquitto_collector_identities,
+    # else the broker accepts the connection and the subscription and delivers nothing.
     print(f"collector: cluster {cfg.collector.cluster}, landing {cfg.collector.landing_dir}, "
-          f"broker {cfg.mqtt.host}:{cfg.mqtt.port}", file=sys.stderr)
+          f"broker {cfg.mqtt.host}:{cfg.mqtt.port} {'TLS' if tls else 'plain'}, identity {who}", file=sys.stderr)
     coll.serve_forever()
-    print(json.dumps(coll.core.stats), file=sys.stderr)
+    print(json.dumps({**coll.core.stats, "bad_messages": coll.bad_messages}), file=sys.stderr)
     return EXIT_OK
 
 

@@ -11,6 +11,9 @@ Rules of this file:
   the first ack was lost or late): exactly once is the landing zone's property, the ack is only
   the shipper's permission to delete.
 - Partial files older than `partial_timeout` are forgotten (the shipper resends them anyway).
+- The sender is the node in the chunk's topic (`fog/<c>/spill/<node>/chunk`), which the broker's
+  ACL lets only that node write (docs/security.md); a header naming another node is a forgery
+  (it would land in that node's partition and steal its acks): counted, logged, never kept.
 """
 
 from __future__ import annotations
@@ -50,15 +53,20 @@ class CollectorCore:
         self._partials: Dict[str, _Partial] = {}
         self.landed: List[LandResult] = []
         self.stats = {"chunks": 0, "corrupt_chunks": 0, "bad_headers": 0, "files_landed": 0,
-                      "duplicates": 0, "corrupt_files": 0, "records_landed": 0}
+                      "duplicates": 0, "corrupt_files": 0, "records_landed": 0, "forged_senders": 0}
 
-    def on_chunk(self, payload: bytes, now: float) -> List[Reply]:
+    def on_chunk(self, payload: bytes, now: float, sender: Optional[str] = None) -> List[Reply]:
+        """`sender`: the node named by the chunk's topic (None: trust the header, sans-IO tests)."""
         self.stats["chunks"] += 1
         try:
             header, body = decode_chunk(payload)
         except ValueError as exc:
             self.stats["bad_headers"] += 1
             log.warning("dropping spill chunk with unreadable header: %s", exc)
+            return []
+        if sender is not None and header.node != sender:
+            self.stats["forged_senders"] += 1
+            log.warning("dropping spill chunk from %s that claims to come from node %.64r", sender, header.node)
             return []
         reply_to = ack_topic(self.cluster, header.node)
         meta = header.meta

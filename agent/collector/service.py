@@ -4,6 +4,12 @@ Why a persistent session (clean_session=False, stable client id, QoS 1 subscript
 collector is down the broker queues the agents' chunks for it, so a restart resumes where it
 stopped; chunks the broker could not queue are resent by the shippers after their ack timeout.
 paho callbacks only enqueue; the main loop owns the core and the landing zone (one owner).
+
+Who it is on the bus (docs/security.md, "Identities"): with `[mqtt.tls]` the client certificate's
+CN, which the broker takes as the user name and the mosquitto role lists in
+`mosquitto_collector_identities`; its ACL lets it read every listed node's
+`spill/<node>/chunk` and write `spill/<node>/ack`, nothing else. A chunk's sender is the node in
+its topic, never the one its header claims (`CollectorCore.on_chunk`).
 """
 
 from __future__ import annotations
@@ -14,10 +20,13 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
+from agent import topics
 from agent.collector.core import CollectorCore
 from agent.collector.landing import LandingZone
+from agent.config import TlsSection, tls_setup
+from agent.runtime.daemon import connect_error, paho_error
 from agent.runtime.shipper import chunk_subscription
 
 __all__ = ["BatchScheduler", "Collector"]
@@ -68,17 +77,19 @@ class Collector:
     def __init__(self, cluster: str, landing_dir: str, *, host: str = "127.0.0.1", port: int = 1883,
                  client_id: str = "fog-collector", partial_timeout: float = 600.0,
                  scheduler: Optional[BatchScheduler] = None, username: Optional[str] = None,
-                 password: Optional[str] = None) -> None:
+                 password: Optional[str] = None, tls: Optional[TlsSection] = None) -> None:
         self.cluster, self.host, self.port, self.client_id = cluster, host, port, client_id
         self.landing = LandingZone(landing_dir)
         self.core = CollectorCore(cluster, self.landing.land, self.landing.contains, partial_timeout)
         self.scheduler = scheduler
-        self.username, self.password = username, password
-        self._inbox: "queue.Queue[bytes]" = queue.Queue()
+        self.username, self.password, self.tls = username, password, tls
+        self.bad_messages = 0  # messages the loop could not handle (counted, logged, skipped)
+        self._inbox: "queue.Queue[Tuple[str, bytes, bool]]" = queue.Queue()
         self._stop = threading.Event()
         self._client: Any = None
         self._thread: Optional[threading.Thread] = None
         self.connected = threading.Event()
+        self._connect_errors: set = set()  # reasons logged since the last successful connect
 
     # Run in the foreground (the CLI) or in a thread (tests) ----------------------------------
 
@@ -107,10 +118,13 @@ class Collector:
         c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=self.client_id, clean_session=False)
         if self.username:
             c.username_pw_set(self.username, self.password)
+        tls_setup(c, self.tls)
         c.max_inflight_messages_set(100)
         c.on_connect = self._on_connect
+        c.on_connect_fail = self._on_connect_fail
+        c.on_log = lambda _c, _u, level, buf: level == mqtt.MQTT_LOG_ERR and self._connect_failed(paho_error(buf))
         c.on_disconnect = lambda *a: self.connected.clear()
-        c.on_message = lambda _c, _u, msg: self._inbox.put(msg.payload)
+        c.on_message = lambda _c, _u, msg: self._inbox.put((msg.topic, msg.payload, bool(msg.retain)))
         c.reconnect_delay_set(0.2, 5)
         c.connect_async(self.host, self.port, keepalive=10)
         c.loop_start()
@@ -126,23 +140,51 @@ class Collector:
         if getattr(rc, "is_failure", False):
             log.error("collector cannot connect to the broker: %s", rc)
             return
+        self._connect_errors.clear()
         client.subscribe(chunk_subscription(self.cluster), qos=1)
         self.connected.set()
+
+    def _on_connect_fail(self, _client: Any, _u: Any) -> None:
+        self._connect_failed(connect_error(sys.exc_info()[1]))  # paho calls this inside its `except OSError`
+
+    def _connect_failed(self, why: str) -> None:
+        """paho retries a failed connect (refused, TLS handshake) by itself and says nothing, and
+        reports a certificate the broker rejects only in its error log line: say why, once per
+        reason until connected (a rejected certificate must not make a silent collector)."""
+        if why not in self._connect_errors:
+            self._connect_errors.add(why)
+            log.error("collector cannot connect to %s:%d: %s", self.host, self.port, why)
+
+    def _handle(self, topic: str, payload: bytes, retained: bool, now: float) -> None:
+        """One chunk: land it, answer the node named by its topic. Bus input never ends the loop:
+        what cannot be handled is counted, logged in one line naming the topic, and skipped.
+        A shipper never retains a chunk; a retained one would be replayed at every subscription."""
+        parsed = topics.parse(self.cluster, topic)
+        if parsed is None or parsed.kind != "spill_chunk" or parsed.node is None or retained:
+            self.bad_messages += 1
+            log.warning("ignoring a message on %.200r: %s", topic,
+                        "retained" if parsed is not None and retained else "not a spill chunk topic")
+            return
+        before = self.core.stats["files_landed"]
+        try:
+            for reply in self.core.on_chunk(payload, now, sender=parsed.node):
+                self._client.publish(reply.topic, reply.ack.encode(), qos=1)
+        except Exception as exc:  # noqa: BLE001 - a chunk that breaks the core must not stop the collector
+            self.bad_messages += 1
+            log.warning("skipping a spill chunk on %s: %s: %.200s", topic, type(exc).__name__, exc)
+        if self.scheduler is not None:
+            self.scheduler.landed(self.core.stats["files_landed"] - before)
 
     def _loop(self) -> None:
         last_expire = time.monotonic()
         while not self._stop.is_set():
             try:
-                payload = self._inbox.get(timeout=0.2)
+                message: Optional[Tuple[str, bytes, bool]] = self._inbox.get(timeout=0.2)
             except queue.Empty:
-                payload = None
+                message = None
             now = time.monotonic()
-            if payload is not None:
-                before = self.core.stats["files_landed"]
-                for reply in self.core.on_chunk(payload, now):
-                    self._client.publish(reply.topic, reply.ack.encode(), qos=1)
-                if self.scheduler is not None:
-                    self.scheduler.landed(self.core.stats["files_landed"] - before)
+            if message is not None:
+                self._handle(*message, now)
             if now - last_expire > 5.0:
                 self.core.expire(now)
                 last_expire = now

@@ -28,7 +28,7 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from agent import topics
+from agent import identity, topics, wire
 from agent.fogctl.config import FogctlConfig
 
 __all__ = ["Connection", "FogctlError", "BrokerUnreachable", "RequestTimeout", "Message"]
@@ -61,7 +61,7 @@ class Message:
         return self.payload.decode("utf-8", "replace")
 
     def json(self) -> Any:
-        return json.loads(self.payload.decode("utf-8"))
+        return wire.loads(self.payload, what=self.topic)
 
 
 _SYNC = b"\x00fogctl-sync"
@@ -73,7 +73,14 @@ class Connection:
     def __init__(self, cfg: FogctlConfig) -> None:
         self.cfg = cfg
         self.client_id = cfg.client_id or f"fogctl-{uuid.uuid4().hex[:12]}"
-        self.reply_topic = topics.replies(cfg.cluster, self.client_id)
+        # docs/security.md: requests name their sender, replies come to replies/<identity>/+
+        # (agent.identity: user name, else the certificate's CN, else the client id).
+        try:
+            self.identity = identity.identity(cfg.username, cfg.cert, self.client_id)
+        except identity.IdentityError as exc:
+            raise FogctlError(str(exc)) from None
+        self.reply_filter = topics.replies_inbox(cfg.cluster, self.identity)
+        self.reply_topic = topics.replies(cfg.cluster, self.identity, self.identity)  # sync markers
         self._inbox: "queue.Queue[Message]" = queue.Queue()
         self._acks: "queue.Queue[Tuple[str, Any]]" = queue.Queue()
         self._connected = threading.Event()
@@ -130,7 +137,7 @@ class Connection:
             self.close()
             raise FogctlError(f"the broker at {self.address} refused the connection: {rc}")
         # Our own reply topic first: rpc replies and the snapshot sync marker arrive there.
-        self._subscribe([self.reply_topic])
+        self._subscribe([self.reply_filter])
 
     def close(self) -> None:
         c, self._client = self._client, None
@@ -168,6 +175,11 @@ class Connection:
         self._acks.put(("puback", mid))
 
     # -- helpers -----------------------------------------------------------------------------------
+
+    def _is_reply(self, m: Message) -> bool:
+        """A message on our own reply namespace (a reply or a sync marker)."""
+        parsed = topics.parse(self.cfg.cluster, m.topic)
+        return parsed is not None and parsed.kind == "reply" and parsed.node == self.identity
 
     def _require(self) -> mqtt.Client:
         if self._client is None:
@@ -232,8 +244,8 @@ class Connection:
                 m = self._inbox.get(timeout=left)
             except queue.Empty:
                 continue
-            if m.topic == self.reply_topic:
-                if m.payload == marker:
+            if self._is_reply(m):
+                if m.topic == self.reply_topic and m.payload == marker:
                     break
                 continue
             if m.payload:
@@ -253,7 +265,7 @@ class Connection:
                 m = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if m.topic == self.reply_topic:
+            if self._is_reply(m):
                 keep.append(m)
         for m in keep:
             self._inbox.put(m)
@@ -278,15 +290,22 @@ class Connection:
                 m = self._inbox.get(timeout=0.5 if left is None else min(left, 0.5))
             except queue.Empty:
                 continue
-            if m.topic == self.reply_topic or (m.retain and not include_retained):
+            if self._is_reply(m) or (m.retain and not include_retained):
                 continue
             yield m
 
+    def rpc(self, node: str, body: Dict[str, Any], timeout: Optional[float] = None) -> Dict[str, Any]:
+        """A control request to `node`'s agent on `agents/<node>/rpc/<identity>`; its reply."""
+        return self.request(topics.agent_rpc(self.cfg.cluster, node, self.identity), body, timeout)
+
     def request(self, topic: str, body: Dict[str, Any], timeout: Optional[float] = None) -> Dict[str, Any]:
-        """MQTT 5 request/response: response topic + correlation data; returns the reply object."""
+        """MQTT 5 request/response on a request topic that names us (agent.topics.agent_rpc):
+        the reply comes on `replies/<identity>/<node>` with our correlation data (the agent
+        computes the reply topic from the request's topic; no Response Topic is sent)."""
         corr = uuid.uuid4().hex.encode()
+        target = topics.parse(self.cfg.cluster, topic)
+        replier = target.node if target is not None and target.kind in ("rpc", "peer") else None
         props = Properties(PacketTypes.PUBLISH)
-        props.ResponseTopic = self.reply_topic
         props.CorrelationData = corr
         props.ContentType = "application/json"
         self.publish(topic, json.dumps(body, sort_keys=True).encode(), qos=1, properties=props)
@@ -300,14 +319,16 @@ class Connection:
                 m = self._inbox.get(timeout=left)
             except queue.Empty:
                 continue
-            if m.topic == self.reply_topic and m.correlation == corr:
-                try:
-                    reply = m.json()
-                except ValueError:
-                    raise FogctlError(f"the reply on {topic} is not JSON: {m.text()[:80]!r}") from None
-                if not isinstance(reply, dict):
-                    raise FogctlError(f"the reply on {topic} is not a JSON object: {m.text()[:80]!r}")
-                return reply
+            if m.retain or not self._is_reply(m) or m.correlation != corr:
+                continue  # replies are never retained (docs/security.md)
+            sender = topics.parse(self.cfg.cluster, m.topic)
+            if replier is not None and sender is not None and sender.sender != replier:
+                continue  # our correlation, but not from the agent we asked
+            try:
+                reply = wire.loads(m.payload, what=f"the reply on {m.topic}", expect=dict)
+            except wire.BusInputError as exc:
+                raise FogctlError(str(exc)) from None
+            return reply
 
 
 def _reason(exc: BaseException) -> str:

@@ -135,7 +135,8 @@ def cmd_watch(args: argparse.Namespace, ctx: Context) -> int:
         ctx.err.flush()
         for m in live:
             batch: List[ev_mod.Event] = []
-            if m.topic.endswith("/state"):
+            parsed = topics.parse(cluster, m.topic)
+            if parsed is not None and parsed.kind == "state":
                 for e in state_decisions(cluster, m.topic, m.payload):
                     key = (e.instance, e.ts)
                     if key in known:
@@ -147,7 +148,7 @@ def cmd_watch(args: argparse.Namespace, ctx: Context) -> int:
                 try:
                     event = ev_mod.parse(m.payload)
                 except ev_mod.EventError as exc:
-                    ctx.err.write(f"fogctl: skipped a malformed event on {m.topic}: {exc}\n")
+                    ctx.err.write(f"fogctl: skipped a malformed event on {m.topic}: {str(exc)[:200]}\n")
                     continue
                 if event.reason is not None and event.instance:
                     with_events.add(event.instance)
@@ -206,7 +207,7 @@ def parse_delta(text: str) -> int:
 
 
 def _reply(ctx: Context, conn: Connection, node: str, body: Dict[str, Any]) -> Reply:
-    return Reply.from_dict(conn.request(topics.agent_rpc(ctx.cfg.cluster, node), body))
+    return Reply.from_dict(conn.rpc(node, body))
 
 
 def _wait_for(ctx: Context, conn: Connection, done: Callable[[Fleet], bool], timeout: float) -> Fleet:

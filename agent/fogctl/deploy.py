@@ -58,7 +58,7 @@ def deploy_pipeline(conn: Connection, text: str, name: str, timeout: float,
             body = {"op": "spawn", "cause": "deploy",
                     "spec": request_spec(dataclasses.replace(spec, node=candidate))}
             try:
-                reply = conn.request(topics.agent_rpc(c.cluster, candidate), body, timeout=timeout)
+                reply = conn.rpc(candidate, body, timeout=timeout)
             except FogctlError as exc:
                 errors.append(str(exc))
                 continue

@@ -12,11 +12,12 @@ the retained messages (topic -> payload bytes) and the time passed in.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from agent import topics, wire
 
 __all__ = ["Phase", "LockState", "Instance", "Node", "Fleet", "parse_state", "parse_status", "parse_latency"]
 
@@ -123,28 +124,28 @@ class Fleet:
 
     @classmethod
     def from_messages(cls, cluster: str, messages: Mapping[str, bytes]) -> "Fleet":
-        prefix = f"fog/{cluster}/"
         states: Dict[str, Any] = {}
         statuses: Dict[str, str] = {}
         latency: Dict[str, Dict[str, float]] = {}
         emulated: Dict[str, Dict[str, float]] = {}
         pipelines: Dict[str, str] = {}
         for topic, payload in messages.items():
-            if not topic.startswith(prefix) or not payload:
+            parsed = topics.parse(cluster, topic)
+            if parsed is None or not payload or parsed.node is None:
                 continue
-            parts = topic[len(prefix):].split("/")
-            if len(parts) == 3 and parts[0] == "agents" and parts[2] == "state":
-                states[parts[1]] = payload
-            elif len(parts) == 3 and parts[0] == "agents" and parts[2] == "status":
-                statuses[parts[1]] = parse_status(payload)
-            elif len(parts) == 2 and parts[0] == "latency":
+            name = parsed.node
+            if parsed.kind == "state":
+                states[name] = payload
+            elif parsed.kind == "status":
+                statuses[name] = parse_status(payload)
+            elif parsed.kind == "latency":
                 measured, emu = parse_latency(payload)
                 if measured:
-                    latency[parts[1]] = measured
+                    latency[name] = measured
                 if emu:
-                    emulated[parts[1]] = emu
-            elif len(parts) == 2 and parts[0] == "pipelines":
-                pipelines[parts[1]] = payload.decode("utf-8", "replace")
+                    emulated[name] = emu
+            elif parsed.kind == "pipeline" and len(payload) <= wire.MAX_CONTROL_BYTES:
+                pipelines[name] = payload.decode("utf-8", "replace")
         # An instance whose state does not name its pipeline belongs to the one deployed pipeline
         # that has its operator, when there is exactly one.
         owners: Dict[str, List[str]] = {}
@@ -169,21 +170,31 @@ def parse_status(payload: bytes) -> str:
     text = payload.decode("utf-8", "replace").strip()
     if text.startswith("{"):
         try:
-            text = str(json.loads(text).get("status", "unknown"))
-        except (ValueError, AttributeError):
+            text = str(wire.loads(payload, what="status", expect=dict).get("status", "unknown"))
+        except ValueError:
             return "unknown"
     text = text.strip('"').lower()
     return text if text in ("online", "offline") else "unknown"
 
 
 def parse_state(node: str, payload: bytes) -> Node:
+    """A node's retained state for the views; anything unreadable (too large, too deep, not
+    JSON, odd values) becomes a Node with `error` set, one table row, never an exception."""
     try:
-        d = json.loads(payload.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        return Node(node, error=f"state is not JSON ({exc})")
+        d = wire.loads(payload, what="state")
+    except wire.BusInputError as exc:
+        return Node(node, error=str(exc)[:160])
     if not isinstance(d, dict):
         return Node(node, error=f"state is a JSON {type(d).__name__}, expected an object")
-    name = d.get("node") if isinstance(d.get("node"), str) else node
+    try:
+        return _parse_state_doc(node, d)
+    except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as exc:
+        return Node(node, error=f"unreadable state ({type(exc).__name__}: {str(exc)[:120]})")
+
+
+def _parse_state_doc(node: str, d: Dict[str, Any]) -> Node:
+    # The topic names the node (the broker's ACL proves it); a payload naming another is ignored.
+    name = node
     raw = d.get("instances") or []
     if isinstance(raw, dict):  # {"id": {...}} form
         raw = [dict(v, id=k) if isinstance(v, dict) else {"id": k} for k, v in raw.items()]
@@ -290,10 +301,8 @@ def _lock_state(v: Any) -> Optional[LockState]:
 def parse_latency(payload: bytes) -> Tuple[Dict[str, float], Dict[str, float]]:
     """Retained latency of one node: ({peer: measured RTT ms}, {peer: emulated delay ms})."""
     try:
-        d = json.loads(payload.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        return {}, {}
-    if not isinstance(d, dict):
+        d = wire.loads(payload, what="latency", expect=dict)
+    except wire.BusInputError:
         return {}, {}
     measured = _peer_map(d, ("rtt_ms", "measured", "peers", "rtt"))
     emulated = _peer_map(d, ("emulated_ms", "emulated", "netem_ms", "configured"))
@@ -323,7 +332,9 @@ def _operators_of(text: str) -> List[str]:
         data = tomllib.loads(text)
     except Exception:  # a malformed retained pipeline must not break `status`
         return []
-    ops = data.get("operator") or []
+    ops = data.get("operator")
+    if not isinstance(ops, list):  # `operator = 5` in a hostile retained pipeline
+        return []
     return [op["name"] for op in ops if isinstance(op, dict) and isinstance(op.get("name"), str)]
 
 
@@ -365,19 +376,24 @@ def state_decisions(cluster: str, topic: str, payload: bytes) -> List[Any]:
     load, capacity and ratio but no probability or draw (the state does not record them), and
     `detail.source = "state"`.
     """
-    from agent.events import Event, EventType, Reason
-
-    prefix = f"fog/{cluster}/agents/"
-    if not topic.startswith(prefix) or not topic.endswith("/state") or not payload:
+    parsed = topics.parse(cluster, topic)
+    if parsed is None or parsed.kind != "state" or not payload:
         return []
-    node_name = topic[len(prefix):-len("/state")]
+    node_name = str(parsed.node)
     try:
-        d = json.loads(payload.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        return []
-    if not isinstance(d, dict):
+        d = wire.loads(payload, what="state", expect=dict)
+    except wire.BusInputError:
         return []
     node = parse_state(node_name, payload)
+    try:
+        return _state_decisions(d, node)
+    except (ValueError, TypeError, KeyError, AttributeError, OverflowError, ZeroDivisionError):
+        return []  # a hostile or odd state: no decisions from it, never a traceback
+
+
+def _state_decisions(d: Dict[str, Any], node: Node) -> List[Any]:
+    from agent.events import Event, EventType, Reason
+
     stats_by_id: Dict[str, Any] = {}
     raw = d.get("instances") or []
     if isinstance(raw, list):

@@ -1,9 +1,10 @@
 """Steering requests from fogctl to an agent's rpc topic, and the agent's reply (JSON, MQTT 5).
 
-Transport: fogctl publishes the request (QoS 1, not retained) on `topics.agent_rpc(cluster, node)`
-with the MQTT 5 properties ResponseTopic (`topics.replies(cluster, client)`) and CorrelationData;
-the agent publishes exactly one reply object on the response topic with the same CorrelationData.
-The same topic also carries the daemon's own `spawn` requests; requests are told apart by `op`.
+Transport: fogctl publishes the request (QoS 1, not retained) on
+`topics.agent_rpc(cluster, node, identity)` with MQTT 5 CorrelationData; the agent publishes
+exactly one reply object on `topics.replies(cluster, identity, node)` (computed from the request's
+topic, docs/security.md) with the same CorrelationData. `fog-agent deploy`'s spawns use the same
+topic; another agent's spawns come on `topics.agent_peer`. Requests are told apart by `op`.
 
 Requests (`{"v": 1, "op": ..., ...}`):
   scale     {"op": "scale", "pipeline": "taxi"|null, "operator": "in_zone", "delta": 2}
@@ -61,12 +62,15 @@ class ScaleRequest:
     instances: Tuple[str, ...] = ()  # scale-in: which instances leave
 
     def __post_init__(self) -> None:
+        # Types first: the request comes from the bus (a list as delta once raised TypeError).
+        if not isinstance(self.operator, str) or not self.operator:
+            raise RequestError(f"operator: expected a non-empty string, found {str(self.operator)[:80]!r}")
+        if isinstance(self.delta, bool) or not isinstance(self.delta, int) or self.delta == 0:
+            raise RequestError(f"delta: expected a non-zero integer, found {str(self.delta)[:80]!r}")
+        if self.pipeline is not None and not isinstance(self.pipeline, str):
+            raise RequestError(f"pipeline: expected a string or null, found {type(self.pipeline).__name__}")
         if self.instances and len(self.instances) != -self.delta:
             raise RequestError(f"instances: expected {-self.delta} ids for delta {self.delta}, found {len(self.instances)}")
-        if not isinstance(self.operator, str) or not self.operator:
-            raise RequestError(f"operator: expected a non-empty string, found {self.operator!r}")
-        if isinstance(self.delta, bool) or not isinstance(self.delta, int) or self.delta == 0:
-            raise RequestError(f"delta: expected a non-zero integer, found {self.delta!r}")
 
     def to_dict(self) -> Dict[str, Any]:
         d = {"v": SCHEMA_VERSION, "op": "scale", "operator": self.operator, "delta": self.delta,
@@ -205,10 +209,15 @@ class Action:
     count: int = 1
 
 
-def agent_actions(req: Any, node: str, local: Sequence[Instance]) -> List[Action]:
+def agent_actions(req: Any, node: str, local: Sequence[Instance], slots: Optional[int] = None) -> List[Action]:
     """The daemon's half of a steering request: actions on its own instances, or RequestError.
 
-    `local` are the instances this agent hosts (fleet.Instance, e.g. from its own state doc).
+    `local` are the instances this agent hosts (fleet.Instance, e.g. from its own state doc);
+    `slots`, all the slots of the online fleet as this agent sees it: a forced scale-out asking
+    for more copies than exist is refused (docs/security.md: a delta of 3,000,000 once ran 1,846
+    rounds and filled every slot). Why all slots, not the free ones: free slots change between
+    this check and the rounds, and a copy that finds no slot cancels its round (the protocol's
+    own answer); what must not exist is a request for rounds no fleet could ever hold.
     """
     if isinstance(req, DrainRequest):
         if req.node != node:
@@ -221,6 +230,9 @@ def agent_actions(req: Any, node: str, local: Sequence[Instance]) -> List[Action
         raise RequestError(f"unsupported request {req!r}")
     mine = [i for i in local if i.operator == req.operator and (req.pipeline is None or i.pipeline in (None, req.pipeline))]
     if req.delta > 0:
+        if slots is not None and req.delta > slots:
+            raise RequestError(f"refused: {req.operator} +{req.delta} asks for more copies than the "
+                               f"{max(0, slots)} slots of the online nodes")
         live = sorted((i for i in mine if i.phase is Phase.ACTIVE), key=lambda i: (not i.keeper, i.id))
         if not live:
             raise RequestError(f"no active instance of {req.operator!r} on {node}")

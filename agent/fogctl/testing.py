@@ -75,7 +75,7 @@ class FakeAgent:
         self.client.loop_start()
         if not self._connected.wait(5):
             raise TimeoutError(f"fake agent {self.node} could not connect")
-        self.client.subscribe(topics.agent_rpc(self.cluster, self.node), qos=1)
+        self.client.subscribe(topics.agent_rpc_inbox(self.cluster, self.node), qos=1)
         self._pub(topics.agent_status(self.cluster, self.node), b"online")
         self.publish_state()
         if self.latency_ms is not None or self.emulated_ms is not None:
@@ -124,9 +124,12 @@ class FakeAgent:
     # -- rpc responder -------------------------------------------------------------------------------
 
     def _on_message(self, client: Any, userdata: Any, msg: Any) -> None:
-        props = msg.properties
-        reply_to = getattr(props, "ResponseTopic", None)
-        corr = getattr(props, "CorrelationData", None)
+        # Like the daemon: the reply goes to replies/<requester>/<me>, from the request's topic.
+        parsed = topics.parse(self.cluster, msg.topic)
+        if parsed is None or parsed.kind != "rpc" or msg.retain:
+            return
+        reply_to = topics.replies(self.cluster, str(parsed.sender), self.node)
+        corr = getattr(msg.properties, "CorrelationData", None)
         try:
             body = json.loads(msg.payload)
             self.requests.append(body)

@@ -156,7 +156,10 @@ def event_line(ev: Event) -> str:
     """One line per event: time, node, instance, type, then the reason's numbers."""
     import time as _time
 
-    clock = _time.strftime("%H:%M:%S", _time.gmtime(ev.ts)) + f".{int((ev.ts % 1) * 1000):03d}"
+    try:
+        clock = _time.strftime("%H:%M:%S", _time.gmtime(ev.ts)) + f".{int((ev.ts % 1) * 1000):03d}"
+    except (OverflowError, OSError, ValueError):  # a time no clock shows (an event from the bus)
+        clock = f"ts={ev.ts:g}"
     parts = [clock, ev.node, ev.instance or "-", ev.type.value]
     r = ev.reason
     if r is not None:

@@ -12,9 +12,13 @@ What it does:
   a Last Will "offline" (retained), so the fleet learns of a dead agent without polling.
 - Node state: retained JSON (`agent.runtime.nodestate`) every `state_period`, and soon after
   every change of its instances.
-- createNode(): a worker's "spawn" line, or a "spawn" rpc from another agent or from
-  `fog-agent deploy`. Placement (`agent.runtime.placement`) ranks the nodes; a local slot starts a
-  worker here, a remote one becomes an rpc to that agent. Either way the answer ("spawned", or the
+- createNode(): a worker's "spawn" line, a "spawn" on our peer topic from another agent, or one
+  on our rpc topic from `fog-agent deploy`. Placement (`agent.runtime.placement`) ranks the
+  nodes; a local slot starts a worker here, a remote one becomes a peer request to that agent.
+- Bus input (docs/security.md): control requests only on `agents/<me>/rpc/<admin>`, the
+  protocol's spawns only on `agents/<me>/peer/<node>` and only for a pipeline that node hosts,
+  re-homes or an admin deployed; replies only to `replies/<requester>/<me>`; every payload
+  bounded before parsing (agent.wire); no message ends the loop (`_on_message_safely`). Either way the answer ("spawned", or the
   rpc reply) is sent only after the new worker said "ready", i.e. after it subscribed to its inbox
   (DESIGN.md invariant 2: subscribe before announce).
 - Shutdown on SIGTERM/SIGINT: "stop" to every worker (they drain, invariant 4), SIGTERM after
@@ -192,7 +196,9 @@ class Agent:
         self._ready_notified = False
         self._started = clock()
         self.counters: Dict[str, int] = {"spawned_local": 0, "spawned_remote": 0, "spawn_failed": 0,
-                                         "rpc_requests": 0, "restarts": 0, "bad_messages": 0}
+                                         "rpc_requests": 0, "restarts": 0, "bad_messages": 0,
+                                         "peer_refused": 0, "retained_ignored": 0}
+        self.deployed: Set[str] = set()  # pipelines an admin deployed (retained pipelines/<name>)
         self._client: Any = None
         self.draining = False  # fogctl drain: refuse new instances (free_slots() = 0)
         self.metrics: Any = None  # agent.runtime.metrics, when [metrics].port != 0
@@ -254,13 +260,15 @@ class Agent:
         self._ever_connected = True
         c = self._client
         subs = [
-            (topics.agent_rpc(self.cluster, self.node), 1),
-            (rpc.reply_topic(self.cluster, self.client_id), 1),
+            (topics.agent_rpc_inbox(self.cluster, self.node), 1),
+            (topics.agent_peer_inbox(self.cluster, self.node), 1),
+            (topics.replies_inbox(self.cluster, self.node), 1),
             (topics.all_agents_state(self.cluster), 1),
             (topics.all_agents_status(self.cluster), 1),
-            (f"{topics.base(self.cluster)}/latency/+", 1),
+            (topics.all_latency(self.cluster), 1),
             (topics.all_agents_hosted(self.cluster), 1),
             (topics.all_agents_rehomed(self.cluster), 1),
+            (topics.all_pipelines(self.cluster), 1),
         ]
         if self.latency_core is not None:
             subs.extend((t, 0) for t in self.latency_core.subscriptions())
@@ -357,7 +365,7 @@ class Agent:
     def _dispatch(self, ev: Tuple[Any, ...], now: float) -> None:
         kind = ev[0]
         if kind == "mqtt_message":
-            self._on_message(ev[1], now)
+            self._on_message_safely(ev[1], now)
         elif kind == "worker_line":
             self._on_worker_line(ev[1], ev[2], now)
         elif kind == "worker_eof":
@@ -533,6 +541,10 @@ class Agent:
             views.append(dataclasses.replace(view, free_slots=free))
         return views
 
+    def fleet_slots(self) -> int:
+        """All slots of the online fleet as this agent sees it: the bound of a forced scale-out."""
+        return sum(max(0, v.slots) for v in self.fleet_views() if v.online)
+
     def free_slots(self) -> int:
         if self.draining:
             return 0  # `fogctl drain`: no new instance until `undrain`
@@ -562,7 +574,7 @@ class Agent:
 
         try:
             req = parse_request(body)
-            actions = agent_actions(req, self.node, self._local_instances())
+            actions = agent_actions(req, self.node, self._local_instances(), slots=self.fleet_slots())
         except RequestError as exc:
             return Reply(False, {}, str(exc)).to_dict()
         if isinstance(req, DrainRequest):
@@ -783,8 +795,13 @@ class Agent:
             correlation = f"{self.client_id}-{self._boot}-{self._counter}-{len(self._calls)}-{now:.6f}"
             self._calls.add(correlation, node, now, RPC_TIMEOUT, context=job)
             body = {"op": "spawn", "spec": request_spec(job.spec), "cause": job.cause, "from": self.node}
-            props = rpc.publish_properties(rpc.reply_topic(self.cluster, self.client_id), correlation)
-            if self._publish(topics.agent_rpc(self.cluster, node), rpc.encode(body), properties=props):
+            if self._hosted_dirty:
+                # The receiver accepts a peer spawn only for a pipeline our retained hosted record
+                # lists (docs/security.md): publish it first, on the same connection, so that it
+                # arrives before the request.
+                self._publish_hosted()
+            props = rpc.publish_properties(correlation)
+            if self._publish(topics.agent_peer(self.cluster, node, self.node), rpc.encode(body), properties=props):
                 self._reserved[node] = self._reserved.get(node, 0) + 1
                 return
             self._calls.resolve(correlation)
@@ -812,71 +829,141 @@ class Agent:
 
     # -- messages ------------------------------------------------------------------------------
 
+    def _on_message_safely(self, msg: Any, now: float) -> None:
+        """One message from the bus: whatever it holds, it never ends the loop (docs/security.md).
+        A failure the handlers did not foresee is counted and logged in one line naming the
+        topic and the sender, and the loop goes on with the next message."""
+        try:
+            self._on_message(msg, now)
+        except Exception as exc:
+            self.counters["bad_messages"] += 1
+            topic = str(getattr(msg, "topic", "?"))
+            parsed = topics.parse(self.cluster, topic)
+            sender = (parsed.sender or parsed.node) if parsed is not None else None
+            log.warning("message on %s from %s skipped: %s: %s", topic[:200], sender or "?", type(exc).__name__,
+                        str(exc)[:200], extra={"node": self.node})
+
+    def _bad(self, what: str, sender: Optional[str], exc: Any) -> None:
+        self.counters["bad_messages"] += 1
+        log.warning("ignoring %s from %s: %s", what, sender or "?", str(exc)[:200], extra={"node": self.node})
+
     def _on_message(self, msg: Any, now: float) -> None:
         topic: str = msg.topic
-        parts = topic.split("/")
-        if topic == topics.agent_rpc(self.cluster, self.node):
-            self._on_rpc_request(msg, now)
-        elif topic == rpc.reply_topic(self.cluster, self.client_id):
-            self._on_rpc_reply(msg, now)
-        elif len(parts) == 5 and parts[2] == "agents" and parts[4] == "state":
-            node = parts[3]
+        parsed = topics.parse(self.cluster, topic)
+        if parsed is None:
+            return
+        kind, node = parsed.kind, parsed.node
+        if getattr(msg, "retain", False) and kind in topics.NOT_RETAINED:
+            # Requests, replies and probes are never retained: a retained one is a forgery or a
+            # leftover, and acting on it would repeat it at every reconnect.
+            self.counters["retained_ignored"] += 1
+            log.warning("ignoring a retained message on %s (never retained)", topic[:200], extra={"node": self.node})
+            return
+        if kind in ("rpc", "peer") and node == self.node:
+            self._on_rpc_request(msg, str(parsed.sender), peer=kind == "peer", now=now)
+        elif kind == "reply" and node == self.node:
+            self._on_rpc_reply(msg, str(parsed.sender), now)
+        elif kind == "state":
             if node == self.node or not msg.payload:
                 if not msg.payload:
                     self.fleet.pop(node, None)
                 return
             try:
-                self.fleet[node] = nodestate.parse_node_state(msg.payload)
-                self._reserved.pop(node, None)
-            except ValueError as exc:
-                self.counters["bad_messages"] += 1
-                log.warning("ignoring state of %s: %s", node, exc, extra={"node": self.node})
-        elif len(parts) == 5 and parts[2] == "agents" and parts[4] == "status":
-            node, up = parts[3], msg.payload == b"online"
+                doc = nodestate.parse_node_state(msg.payload)
+                if doc["node"] != node:
+                    raise ValueError(f"state on {node}'s topic names node {str(doc['node'])[:40]!r}")
+                nodestate.node_view(doc)  # what placement will read of it must be readable
+            except (ValueError, TypeError, KeyError) as exc:
+                self._bad("state", node, exc)
+                return
+            self.fleet[node] = doc
+            self._reserved.pop(node, None)
+        elif kind == "status":
+            up = msg.payload == b"online"
             self.online[node] = up
             if up:
                 self._offline_since.pop(node, None)
                 self._rehomed.discard(node)
             elif node != self.node:
                 self._offline_since.setdefault(node, now)
-        elif len(parts) == 5 and parts[2] == "agents" and parts[4] == "rehomed":
+        elif kind == "rehomed":
             try:
-                record = json.loads(msg.payload or b"{}")
-                if not isinstance(record, dict):
-                    raise ValueError("expected a JSON object")
-                self.rehomed_by_node[parts[3]] = {str(k): float(v) for k, v in record.items()}
-            except (ValueError, TypeError) as exc:
-                self.counters["bad_messages"] += 1
-                log.warning("ignoring re-homed record of %s: %s", parts[3], exc, extra={"node": self.node})
-        elif len(parts) == 5 and parts[2] == "agents" and parts[4] == "hosted":
-            if parts[3] == self.node:
+                self.rehomed_by_node[node] = rehome.decode_rehomed(msg.payload)
+            except ValueError as exc:
+                self._bad("re-homed record", node, exc)
+        elif kind == "hosted":
+            if node == self.node:
                 return
             try:
-                self.hosted_by_node[parts[3]] = rehome.decode_hosted(msg.payload)
+                self.hosted_by_node[node] = rehome.decode_hosted(msg.payload)
             except ValueError as exc:
-                self.counters["bad_messages"] += 1
-                log.warning("ignoring hosted record of %s: %s", parts[3], exc, extra={"node": self.node})
-        elif len(parts) == 4 and parts[2] == "latency":
-            self.latency[parts[3]] = nodestate.parse_latency(msg.payload)
-        elif len(parts) == 5 and parts[2] == "latency" and self.latency_core is not None:
-            for out_topic, payload in self.latency_core.on_message(topic, msg.payload, now):
+                self._bad("hosted record", node, exc)
+        elif kind == "pipeline":
+            if msg.payload:
+                self.deployed.add(node)
+            else:
+                self.deployed.discard(node)
+        elif kind == "latency":
+            self.latency[node] = nodestate.parse_latency(msg.payload)
+        elif kind in ("ping", "pong") and node == self.node and self.latency_core is not None:
+            try:
+                out = self.latency_core.on_message(topic, msg.payload, now)
+            except ValueError as exc:
+                self._bad(f"latency {kind}", parsed.sender, exc)
+                return
+            for out_topic, payload in out:
                 self._publish(out_topic, payload, qos=0)
 
-    def _on_rpc_request(self, msg: Any, now: float) -> None:
+    def _peer_may_spawn(self, requester: str, body: Dict[str, Any]) -> Optional[str]:
+        """Why a spawn from node `requester` on our peer topic is refused, or None to accept it.
+
+        docs/security.md: only for a pipeline the requester hosts (its retained hosted record
+        lists an instance of it), one an admin deployed (retained pipelines/<name>), or an
+        instance the requester re-homes (its retained re-homed record names it, and a node's
+        hosted record listed it in that pipeline)."""
+        spec = body.get("spec")
+        pipeline = spec.get("pipeline") if isinstance(spec, dict) else None
+        if not isinstance(pipeline, str) or not pipeline:
+            return "spawn without a pipeline"
+        if pipeline in self.deployed:
+            return None
+        if any(s.get("pipeline") == pipeline for s in self.hosted_by_node.get(requester, [])):
+            return None
+        inst = spec.get("instance") if isinstance(spec, dict) else None
+        if isinstance(inst, str) and inst in self.rehomed_by_node.get(requester, {}) and any(
+            s.get("instance") == inst and s.get("pipeline") == pipeline
+            for n, specs in self.hosted_by_node.items() if n != requester for s in specs
+        ):
+            return None
+        return f"{requester} hosts no instance of pipeline {pipeline[:80]!r} and it is not deployed"
+
+    def _on_rpc_request(self, msg: Any, requester: str, peer: bool, now: float) -> None:
+        """A request on `agents/<me>/rpc/<admin>` (control) or `agents/<me>/peer/<node>` (the
+        protocol's spawns). The reply goes to `replies/<requester>/<me>`, computed from the
+        topic; a Response Topic in the request is ignored (docs/security.md)."""
         self.counters["rpc_requests"] += 1
-        response_topic, correlation = rpc.message_rpc_fields(msg)
+        correlation = rpc.correlation_of(msg)
+        reply_to = topics.replies(self.cluster, requester, self.node)
+        where = "peer" if peer else "rpc"
 
         def reply(result: Dict[str, Any]) -> None:
-            if response_topic:
-                self._publish(response_topic, rpc.encode(result), properties=rpc.reply_properties(correlation or b""))
+            self._publish(reply_to, rpc.encode(result), properties=rpc.reply_properties(correlation or b""))
 
         try:
             body = rpc.decode_request(msg.payload)
         except ValueError as exc:
-            self.counters["bad_messages"] += 1
+            self._bad(f"{where} request", requester, exc)
             reply({"ok": False, "error": str(exc)})
             return
         op = body["op"]
+        if peer:
+            why = (f"op {op!r} is not allowed on the peer topic (only {', '.join(rpc.PEER_OPS)})"
+                   if op not in rpc.PEER_OPS else self._peer_may_spawn(requester, body))
+            if why is not None:
+                self.counters["peer_refused"] += 1
+                log.warning("refused %s request from node %s: %s", op, requester, why, extra={"node": self.node})
+                reply({"ok": False, "error": f"refused: {why}"})
+                return
         if op == "ping":
             reply({"ok": True, "node": self.node, "instances": sorted(self.supervisor.workers)})
         elif op == "stop":
@@ -885,13 +972,13 @@ class Agent:
                 self.supervisor.stop(inst, now)
                 reply({"ok": True, "instance": inst, "node": self.node})
             else:
-                reply({"ok": False, "error": f"no instance {inst!r} on {self.node}"})
+                reply({"ok": False, "error": f"no instance {inst[:80]!r} on {self.node}"})
         elif op == "set":
             inst = body["instance"]
             if self.supervisor.send(inst, "set", **body["fields"]):
                 reply({"ok": True, "instance": inst, "node": self.node})
             else:
-                reply({"ok": False, "error": f"no running instance {inst!r} on {self.node}"})
+                reply({"ok": False, "error": f"no running instance {inst[:80]!r} on {self.node}"})
         elif op in ("scale", "drain", "undrain"):
             reply(self._on_steering(body, now))
         elif op == "spawn":
@@ -907,18 +994,22 @@ class Agent:
                 return
             # A request that reached this node was placed here: start locally or refuse (no
             # forwarding, so that two agents with stale views cannot bounce a request forever).
-            job = SpawnJob(spec=spec, candidates=[self.node], reply=reply, cause=str(body.get("cause", "rpc")))
+            job = SpawnJob(spec=spec, candidates=[self.node], reply=reply, cause=str(body.get("cause", "rpc"))[:40])
             self._try_next(job, now, f"no free slot on {self.node}")
 
-    def _on_rpc_reply(self, msg: Any, now: float) -> None:
-        _, correlation = rpc.message_rpc_fields(msg)
-        call = self._calls.resolve((correlation or b"").decode(errors="replace"))
-        if call is None:
-            return  # late reply after a timeout: the job moved on
+    def _on_rpc_reply(self, msg: Any, replier: str, now: float) -> None:
+        """A reply on `replies/<me>/<replier>`: it answers a call only if it comes from the node
+        the call went to (the topic proves the replier) with the call's correlation."""
+        correlation = (rpc.correlation_of(msg) or b"").decode(errors="replace")
+        pending = self._calls.calls.get(correlation)
+        if pending is None or pending.node != replier:
+            return  # late reply after a timeout (the job moved on), or not from the node we asked
+        call = self._calls.resolve(correlation)
         job: SpawnJob = call.context
         try:
             result = rpc.decode_reply(msg.payload)
         except ValueError as exc:
+            self._bad("reply", replier, exc)
             self._try_next(job, now, f"bad reply from {call.node}: {exc}")
             return
         if result["ok"]:

@@ -74,17 +74,23 @@ def keeper_specs(
 
 def fleet_from_snapshot(states: Dict[str, bytes], statuses: Dict[str, bytes]) -> List[NodeView]:
     """Placement views from retained state/status payloads keyed by topic."""
-    online = {t.split("/")[3]: p == b"online" for t, p in statuses.items()}
+    online = {}
+    for t, p in statuses.items():
+        parsed = topics.parse_any(t)
+        if parsed is not None and parsed.kind == "status":
+            online[parsed.node] = p == b"online"
     views = []
     for topic, payload in sorted(states.items()):
         if not payload:
             continue
+        parsed = topics.parse_any(topic)
         try:
             doc = nodestate.parse_node_state(payload)
-        except ValueError as exc:
-            log.warning("ignoring %s: %s", topic, exc)
-            continue
-        views.append(nodestate.node_view(doc, online=online.get(doc["node"], False)))
+            if parsed is None or parsed.kind != "state" or doc["node"] != parsed.node:
+                raise ValueError(f"state names node {str(doc['node'])[:40]!r}")
+            views.append(nodestate.node_view(doc, online=online.get(doc["node"], False)))
+        except (ValueError, TypeError) as exc:  # a hostile neighbour's state: skipped, in one line
+            log.warning("ignoring %s: %s", topic[:200], exc)
     return views
 
 
@@ -99,8 +105,12 @@ def deploy(
     username: Optional[str] = None,
     password: Optional[str] = None,
     name: str = "pipeline.toml",
+    tls: Any = None,
 ) -> List[Deployed]:
-    """Deploy one pipeline description (TOML text); returns where each keeper runs."""
+    """Deploy one pipeline description (TOML text); returns where each keeper runs.
+
+    `tls`: the [mqtt.tls] section (ca_file, cert_file, key_file, insecure) or None. The requests
+    name the deployer's identity (agent.identity: user name, else the certificate's CN)."""
     cfg = load_pipeline_text(text, name)  # ConfigError says where the file is wrong
     unsupported = cfg.runtime_policy_errors()
     if unsupported:
@@ -108,7 +118,11 @@ def deploy(
     policy = get_policy(policy_name)
     broker = BrokerSpec(host=host, port=port, username=username, password=password)
     specs = keeper_specs(cfg, text, cluster, broker, extra)
-    with rpc.RpcClient(host, port, cluster, username=username, password=password) as client:
+    tls_args: Dict[str, Any] = {}
+    if tls is not None:
+        tls_args = {"ca_file": tls.ca_file, "cert_file": tls.cert_file, "key_file": tls.key_file,
+                    "tls_insecure": bool(tls.insecure)}
+    with rpc.RpcClient(host, port, cluster, username=username, password=password, **tls_args) as client:
         states = client.snapshot(topics.all_agents_state(cluster))
         statuses = client.snapshot(topics.all_agents_status(cluster))
         fleet = fleet_from_snapshot(states, statuses)

@@ -30,6 +30,7 @@ tools and nodes without a daemon.
 from __future__ import annotations
 
 import json
+import math
 import queue
 import socket
 import socketserver
@@ -39,7 +40,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
-from agent import topics
+from agent import topics, wire
 
 __all__ = [
     "ping_topic",
@@ -56,12 +57,14 @@ __all__ = [
 BROKER = "broker"  # the pseudo-peer of a self-ping
 
 
-def ping_topic(cluster: str, node: str) -> str:
-    return topics.latency(cluster, node) + "/ping"
+def ping_topic(cluster: str, target: str, sender: str) -> str:
+    """`sender`'s ping to `target` (agent.topics.latency_ping)."""
+    return topics.latency_ping(cluster, target, sender)
 
 
-def pong_topic(cluster: str, node: str) -> str:
-    return topics.latency(cluster, node) + "/pong"
+def pong_topic(cluster: str, sender: str, target: str) -> str:
+    """`target`'s pong to the ping of `sender` (agent.topics.latency_pong)."""
+    return topics.latency_pong(cluster, sender, target)
 
 
 class SmoothedRow:
@@ -104,8 +107,16 @@ class Probe:
 
     @classmethod
     def decode(cls, payload: bytes) -> "Probe":
-        d = json.loads(payload.decode())
-        return cls(str(d["o"]), str(d["t"]), int(d["n"]), float(d["s"]))
+        """Parse a probe from the bus; raises wire.BusInputError (a ValueError) saying why."""
+        d = wire.loads(payload, what="latency probe", expect=dict)
+        o, t, n, s = d.get("o"), d.get("t"), d.get("n"), d.get("s")
+        if not isinstance(o, str) or not isinstance(t, str) or not o or not t:
+            raise wire.BusInputError("latency probe: 'o' and 't' must be non-empty strings")
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise wire.BusInputError("latency probe: 'n' must be an integer")
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s):
+            raise wire.BusInputError("latency probe: 's' must be a finite number")
+        return cls(o, t, n, float(s))
 
 
 class LatencyCore:
@@ -127,7 +138,7 @@ class LatencyCore:
         self.dirty = False
 
     def subscriptions(self) -> List[str]:
-        return [ping_topic(self.cluster, self.node), pong_topic(self.cluster, self.node)]
+        return [topics.latency_pings(self.cluster, self.node), topics.latency_pongs(self.cluster, self.node)]
 
     def set_neighbours(self, peers: Iterable[str]) -> None:
         new = tuple(sorted(set(peers) - {self.node}))
@@ -150,25 +161,33 @@ class LatencyCore:
             self._nonce += 1
             p = Probe(self.node, target, self._nonce, now)
             self._outstanding[p.nonce] = p
-            out.append((ping_topic(self.cluster, target), p.encode()))
+            out.append((ping_topic(self.cluster, target, self.node), p.encode()))
         return out
 
     def next_due(self) -> Optional[float]:
         return self._next_round
 
     def on_message(self, topic: str, payload: bytes, now: float) -> List[Tuple[str, bytes]]:
-        """A ping to answer (returns the pong) or a pong of ours (records the RTT)."""
-        try:
-            probe = Probe.decode(payload)
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-            return []  # not ours; never crash the daemon on a malformed message
-        if topic == ping_topic(self.cluster, self.node):
-            if probe.origin == self.node and probe.target == self.node:
+        """A ping to answer (returns the pong) or a pong of ours (records the RTT).
+
+        The peer is the topic's last level (the broker's ACL proved it), and the probe must say
+        the same: a pong goes only to the pinging node's own pong topic, never to a topic the
+        payload names. Raises wire.BusInputError (a ValueError) for a malformed or mismatched
+        probe, so that the caller counts it; a topic not ours returns []."""
+        parsed = topics.parse(self.cluster, topic)
+        if parsed is None or parsed.node != self.node or parsed.kind not in ("ping", "pong"):
+            return []
+        probe = Probe.decode(payload)
+        peer = parsed.sender or ""
+        if parsed.kind == "ping":
+            if probe.origin != peer or probe.target != self.node:
+                raise wire.BusInputError(f"latency ping from {peer}: probe says {probe.origin[:40]!r} -> {probe.target[:40]!r}")
+            if peer == self.node:
                 return self._pong(probe, now)  # the self-ping: its echo is this very message
-            return [(pong_topic(self.cluster, probe.origin), payload)]
-        if topic == pong_topic(self.cluster, self.node):
-            return self._pong(probe, now)
-        return []
+            return [(pong_topic(self.cluster, peer, self.node), payload)]
+        if probe.origin != self.node or probe.target != peer:
+            raise wire.BusInputError(f"latency pong from {peer}: probe says {probe.origin[:40]!r} -> {probe.target[:40]!r}")
+        return self._pong(probe, now)
 
     def _pong(self, probe: Probe, now: float) -> List[Tuple[str, bytes]]:
         sent = self._outstanding.pop(probe.nonce, None)
@@ -316,7 +335,9 @@ class MqttLatencyAgent:
         self.connected = threading.Event()
         self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id or f"lat-{core.node}")
         self.client.on_connect = self._on_connect
-        self.client.on_message = lambda c, u, m: self.inbox.put((m.topic, m.payload, self.clock()))
+        self.bad_messages = 0
+        # a retained probe is never legitimate (docs/security.md): dropped here
+        self.client.on_message = lambda c, u, m: m.retain or self.inbox.put((m.topic, m.payload, self.clock()))
         self.host, self.port = host, port
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -356,17 +377,24 @@ class MqttLatencyAgent:
                 topic, payload, at = self.inbox.get(timeout=0.01)
             except queue.Empty:
                 continue
-            for t, p in self.core.on_message(topic, payload, at):
-                self._publish(t, p)
+            self._handle(topic, payload, at)
             while True:
                 try:
                     topic, payload, at = self.inbox.get_nowait()
                 except queue.Empty:
                     break
-                for t, p in self.core.on_message(topic, payload, at):
-                    self._publish(t, p)
+                self._handle(topic, payload, at)
             if self.core.dirty:
                 self._publish(*self.core.retained(time.time()), retain=True)
+
+    def _handle(self, topic: str, payload: bytes, at: float) -> None:
+        try:
+            out = self.core.on_message(topic, payload, at)
+        except ValueError:
+            self.bad_messages += 1  # a malformed probe: skipped, never the end of this thread
+            return
+        for t, p in out:
+            self._publish(t, p)
 
     def stop(self) -> None:
         self._stop.set()

@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
+from agent import wire
 from agent.runtime.placement import NodeView
 
 STATE_VERSION = 1
@@ -91,12 +92,10 @@ def encode_state(doc: Mapping[str, Any]) -> bytes:
 
 
 def parse_node_state(payload: bytes) -> Dict[str, Any]:
-    """Decode a state payload; raise ValueError with the reason if it is not one."""
-    try:
-        doc = json.loads(payload.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"node state is not JSON ({exc})") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("node"), str):
+    """Decode a state payload; raise ValueError (wire.BusInputError) with the reason if it is not
+    one. Bounded in size and depth before parsing: a neighbour's state is bus input."""
+    doc = wire.loads(payload, what="node state", expect=dict)
+    if not isinstance(doc.get("node"), str):
         raise ValueError("node state without a 'node' string")
     if not isinstance(doc.get("slots"), int) or not isinstance(doc.get("free_slots"), int):
         raise ValueError("node state without integer 'slots' and 'free_slots'")
@@ -125,10 +124,8 @@ def parse_latency(payload: bytes) -> Dict[str, float]:
     lenient so that a format change there degrades placement to 'unmeasured', never crashes it.
     """
     try:
-        doc = json.loads(payload.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return {}
-    if not isinstance(doc, dict):
+        doc = wire.loads(payload, what="latency record", expect=dict)
+    except wire.BusInputError:
         return {}
     for key in ("rtt_ms", "latency_ms", "peers", "rtt"):
         if isinstance(doc.get(key), dict):

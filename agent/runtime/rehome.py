@@ -32,9 +32,25 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
+from agent import wire
 from agent.config import load_pipeline_text
 
 __all__ = ["responsible", "plan_rehome", "encode_hosted", "decode_hosted"]
+
+
+# A hosted record carries each instance's pipeline text: larger than other control payloads.
+HOSTED_MAX_BYTES = 4 * wire.MAX_CONTROL_BYTES
+
+
+def decode_rehomed(payload: bytes) -> Dict[str, float]:
+    """Parse a re-homed record {instance: wall time}; raises ValueError on anything else."""
+    data = wire.loads(payload or b"{}", what="re-homed record", expect=dict)
+    out: Dict[str, float] = {}
+    for k, v in data.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise wire.BusInputError(f"re-homed record: {str(k)[:40]!r} maps to {type(v).__name__}, not a time")
+        out[str(k)] = float(v)
+    return out
 
 
 def responsible(me: str, online: Iterable[str]) -> bool:
@@ -50,7 +66,7 @@ def encode_hosted(specs: Sequence[Mapping[str, Any]]) -> bytes:
 
 def decode_hosted(payload: bytes) -> List[Dict[str, Any]]:
     """Parse a hosted record; raises ValueError on anything that is not a list of specs."""
-    data = json.loads(payload or b"[]")
+    data = wire.loads(payload or b"[]", what="hosted record", max_bytes=HOSTED_MAX_BYTES)
     if not isinstance(data, list) or not all(
         isinstance(s, dict) and isinstance(s.get("instance"), str) and isinstance(s.get("operator"), str)
         and isinstance(s.get("pipeline"), str) and isinstance(s.get("pipeline_toml"), str) for s in data

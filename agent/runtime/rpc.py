@@ -1,17 +1,21 @@
-"""Agent-to-agent requests over MQTT 5 request/response: spawn an instance, stop one, ping.
+"""Requests to an agent and its replies over MQTT 5: spawn an instance, stop one, ping, steer.
 
-Why MQTT 5 request/response instead of a home-made reply field: the Response Topic and
-Correlation Data properties travel in the PUBLISH header, so a reply can be matched to its call
-without parsing the body, and `mosquitto_sub -F '%P'` shows them when debugging.
+Topics (docs/security.md; built and parsed only by agent.topics): an admin's control request goes
+to `agents/<node>/rpc/<admin>`, a node's protocol request (createNode's spawn, a keeper's
+hand-over, a re-home) to `agents/<node>/peer/<requester>`, and the reply to
+`replies/<requester>/<node>`. The replier computes the reply topic from the request's topic (the
+broker's ACL proved who wrote it); the MQTT 5 Response Topic is ignored, so no request can aim a
+reply at somebody else's topic. Correlation Data is echoed, and a requester matches replies by it.
 
 Rules of this file: the codec and `PendingCalls` are pure (time is passed in); only
 `RpcClient` does I/O (a small blocking client for `fog-agent deploy` and tools; the daemon drives
-`PendingCalls` from its own event loop and never blocks on a call).
+`PendingCalls` from its own event loop and never blocks on a call). Bodies are parsed with
+agent.wire (bounded size and depth) and refused with a ValueError saying why.
 
 Request body (JSON): {"op": "spawn", "spec": {InstanceSpec}} | {"op": "stop", "instance": id}
                      | {"op": "set", "instance": id, "fields": {...}}   (a "set" control line,
                        e.g. {"service_time_ms": 5.0}: tests and the demo slow an instance down)
-                     | {"op": "ping"}
+                     | {"op": "ping"} | scale / drain / undrain (agent.fogctl.rpc_schema)
 Reply body (JSON):   {"ok": true, "instance": id, "node": node} | {"ok": false, "error": "..."}
 """
 
@@ -25,9 +29,16 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from agent import topics
+from agent import identity as identity_mod
+from agent import topics, wire
 
 OPS = ("spawn", "stop", "set", "ping", "scale", "drain", "undrain")
+# What a node may ask another node on its peer topic: createNode()'s spawn (also the carrier
+# of a keeper's hand-over and of a re-home, which are spawns of an existing identity).
+PEER_OPS = ("spawn",)
+# Keys of a worker's control line itself (agent.runtime.supervisor): a "set" field may not
+# replace them (`fields = {"event": "x"}` once ended the agent).
+CONTROL_KEYS = frozenset({"event"})
 
 # Payload prefix of a snapshot's sync marker on our own reply topic (never a JSON reply).
 _SYNC = b"\x00fog-sync:"
@@ -37,38 +48,32 @@ class RpcError(RuntimeError):
     """A call failed: timeout, refused by the remote agent, or undecodable reply."""
 
 
-def reply_topic(cluster: str, client_id: str) -> str:
-    """Where the replies to one client's calls arrive (one per MQTT client id)."""
-    return f"{topics.base(cluster)}/rpc-reply/{topics._check(client_id)}"
-
-
 def encode(body: Dict[str, Any]) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
 def decode_request(payload: bytes) -> Dict[str, Any]:
     """Parse a request; raise ValueError saying what is wrong (the caller replies with it)."""
-    try:
-        body = json.loads(payload.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"request is not JSON ({exc})") from None
-    if not isinstance(body, dict) or body.get("op") not in OPS:
+    body = wire.loads(payload, what="request", expect=dict)
+    if body.get("op") not in OPS:
         raise ValueError(f"request without a known 'op' (expected one of {OPS})")
     if body["op"] == "spawn" and not isinstance(body.get("spec"), dict):
         raise ValueError("spawn request without a 'spec' object")
     if body["op"] in ("stop", "set") and not isinstance(body.get("instance"), str):
         raise ValueError(f"{body['op']} request without an 'instance' string")
-    if body["op"] == "set" and not isinstance(body.get("fields"), dict):
-        raise ValueError("set request without a 'fields' object")
+    if body["op"] == "set":
+        fields = body.get("fields")
+        if not isinstance(fields, dict):
+            raise ValueError("set request without a 'fields' object")
+        clash = sorted(CONTROL_KEYS.intersection(fields))
+        if clash:
+            raise ValueError(f"set request: field name {clash[0]!r} is reserved by the control line")
     return body
 
 
 def decode_reply(payload: bytes) -> Dict[str, Any]:
-    try:
-        body = json.loads(payload.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"reply is not JSON ({exc})") from None
-    if not isinstance(body, dict) or not isinstance(body.get("ok"), bool):
+    body = wire.loads(payload, what="reply", expect=dict)
+    if not isinstance(body.get("ok"), bool):
         raise ValueError("reply without a boolean 'ok'")
     return body
 
@@ -108,12 +113,12 @@ class PendingCalls:
         return len(self.calls)
 
 
-def publish_properties(response_topic: str, correlation: str) -> Any:
+def publish_properties(correlation: str) -> Any:
+    """A request's properties: Correlation Data only (the reply topic follows from the topic)."""
     from paho.mqtt.packettypes import PacketTypes
     from paho.mqtt.properties import Properties
 
     props = Properties(PacketTypes.PUBLISH)
-    props.ResponseTopic = response_topic
     props.CorrelationData = correlation.encode()
     return props
 
@@ -127,12 +132,11 @@ def reply_properties(correlation: bytes) -> Any:
     return props
 
 
-def message_rpc_fields(msg: Any) -> Tuple[Optional[str], Optional[bytes]]:
-    """(response topic, correlation data) of a received paho message, if present."""
+def correlation_of(msg: Any) -> Optional[bytes]:
+    """The Correlation Data of a received paho message, if any (its Response Topic is ignored)."""
     props = getattr(msg, "properties", None)
-    rt = getattr(props, "ResponseTopic", None) if props is not None else None
     cd = getattr(props, "CorrelationData", None) if props is not None else None
-    return rt, cd
+    return bytes(cd) if isinstance(cd, (bytes, bytearray)) else None
 
 
 class RpcClient:
@@ -143,19 +147,28 @@ class RpcClient:
     """
 
     def __init__(self, host: str, port: int, cluster: str, client_id: Optional[str] = None,
-                 username: Optional[str] = None, password: Optional[str] = None) -> None:
+                 username: Optional[str] = None, password: Optional[str] = None,
+                 identity: Optional[str] = None, cert_file: Optional[str] = None,
+                 ca_file: Optional[str] = None, key_file: Optional[str] = None, tls_insecure: bool = False) -> None:
         import paho.mqtt.client as mqtt
 
         self.cluster = cluster
         self.client_id = client_id or f"fog-tool-{uuid.uuid4().hex[:10]}"
-        self.reply_topic = reply_topic(cluster, self.client_id)
-        self._replies: "queue.SimpleQueue[Tuple[str, bytes]]" = queue.SimpleQueue()
+        # agent.identity: user name, else the certificate's CN, else the client id
+        self.identity = topics._check(identity) if identity else identity_mod.identity(username, cert_file, self.client_id)
+        self.reply_filter = topics.replies_inbox(cluster, self.identity)
+        self.reply_topic = topics.replies(cluster, self.identity, self.identity)  # the sync marker's
+        self._replies: "queue.SimpleQueue[Tuple[str, str, bytes]]" = queue.SimpleQueue()
         self._retained: "queue.SimpleQueue[Tuple[str, bytes]]" = queue.SimpleQueue()
         self._connected = threading.Event()
         self._subscribed = threading.Event()
         c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=mqtt.MQTTv5)
         if username:
             c.username_pw_set(username, password)
+        if ca_file:  # the role's broker: TLS, and the certificate's CN is our identity
+            c.tls_set(ca_certs=ca_file, certfile=cert_file, keyfile=key_file)
+            if tls_insecure:
+                c.tls_insecure_set(True)
         c.on_connect = self._on_connect
         c.on_message = self._on_message
         c.on_subscribe = lambda *a, **k: self._subscribed.set()
@@ -164,15 +177,19 @@ class RpcClient:
 
     def _on_connect(self, client: Any, userdata: Any, flags: Any, reason: Any, props: Any = None) -> None:
         if not reason.is_failure:
-            client.subscribe(self.reply_topic, qos=1)
+            client.subscribe(self.reply_filter, qos=1)
             self._connected.set()
 
     def _on_message(self, client: Any, userdata: Any, msg: Any) -> None:
-        if msg.topic == self.reply_topic and msg.payload.startswith(_SYNC):
-            self._retained.put((msg.topic, msg.payload))  # a snapshot's sync marker
-        elif msg.topic == self.reply_topic:
-            _, cd = message_rpc_fields(msg)
-            self._replies.put(((cd or b"").decode(errors="replace"), msg.payload))
+        parsed = topics.parse(self.cluster, msg.topic)
+        if parsed is not None and parsed.kind == "reply" and parsed.node == self.identity:
+            if msg.retain:
+                return  # a reply is never retained (docs/security.md): a leftover or a forgery
+            if msg.topic == self.reply_topic and msg.payload.startswith(_SYNC):
+                self._retained.put((msg.topic, msg.payload))  # a snapshot's sync marker
+            else:
+                cd = correlation_of(msg)
+                self._replies.put(((cd or b"").decode(errors="replace"), parsed.sender or "", msg.payload))
         else:
             self._retained.put((msg.topic, msg.payload))
 
@@ -256,8 +273,9 @@ class RpcClient:
     def call(self, node: str, body: Dict[str, Any], timeout: float = 30.0) -> Dict[str, Any]:
         """Send one request to `node`'s agent and wait for its reply; raise RpcError on failure."""
         correlation = uuid.uuid4().hex
-        props = publish_properties(self.reply_topic, correlation)
-        info = self._client.publish(topics.agent_rpc(self.cluster, node), encode(body), qos=1, properties=props)
+        props = publish_properties(correlation)
+        topic = topics.agent_rpc(self.cluster, node, self.identity)
+        info = self._client.publish(topic, encode(body), qos=1, properties=props)
         if info.rc != 0:
             raise RpcError(f"request to {node} not queued (rc={info.rc})")
         deadline = time.monotonic() + timeout
@@ -266,11 +284,11 @@ class RpcClient:
             if left <= 0:
                 raise RpcError(f"no reply from agent {node} within {timeout}s to {body.get('op')}")
             try:
-                corr, payload = self._replies.get(timeout=left)
+                corr, sender, payload = self._replies.get(timeout=left)
             except queue.Empty:
                 continue
-            if corr != correlation:
-                continue  # a late reply to an earlier call
+            if corr != correlation or sender != node:
+                continue  # a late reply to an earlier call, or not from the node we asked
             try:
                 return decode_reply(payload)
             except ValueError as exc:
@@ -278,16 +296,17 @@ class RpcClient:
 
 
 __all__ = [
+    "CONTROL_KEYS",
     "Call",
     "OPS",
+    "PEER_OPS",
     "PendingCalls",
     "RpcClient",
     "RpcError",
     "decode_reply",
     "decode_request",
     "encode",
-    "message_rpc_fields",
+    "correlation_of",
     "publish_properties",
     "reply_properties",
-    "reply_topic",
 ]

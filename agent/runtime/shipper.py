@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
-from agent import topics
+from agent import topics, wire
+from agent.config import TlsSection, tls_setup
 from agent.runtime.spool import ClosedFile, file_id
 
 __all__ = [
@@ -50,16 +51,16 @@ WIRE_VERSION = 1
 
 
 def chunk_topic(cluster: str, node: str) -> str:
-    return topics.spill(cluster, node) + "/chunk"
+    return topics.spill_chunk(cluster, node)
 
 
 def ack_topic(cluster: str, node: str) -> str:
-    return topics.spill(cluster, node) + "/ack"
+    return topics.spill_ack(cluster, node)
 
 
 def chunk_subscription(cluster: str) -> str:
     """What the collector subscribes to: every node's chunks."""
-    return topics.base(cluster) + "/spill/+/chunk"
+    return topics.all_spill_chunks(cluster)
 
 
 @dataclass(frozen=True)
@@ -120,11 +121,14 @@ class Ack:
 
     @classmethod
     def decode(cls, payload: bytes) -> "Ack":
-        d = json.loads(payload)
+        d = wire.loads(payload, what="spill ack", expect=dict)
         if d.get("status") not in ("landed", "duplicate", "nack"):
             raise ValueError(f"unknown ack status {d.get('status')!r}")
-        return cls(str(d["file_id"]), d["status"], tuple(int(i) for i in d.get("missing", ())),
-                   str(d.get("reason", "")))
+        try:
+            return cls(str(d["file_id"]), d["status"], tuple(int(i) for i in d.get("missing", ())),
+                       str(d.get("reason", "")))
+        except (KeyError, TypeError) as exc:  # bus input: one ValueError, never another type
+            raise ValueError(f"spill ack: {type(exc).__name__}: {str(exc)[:80]}") from None
 
 
 def encode_chunk(header: ChunkHeader, body: bytes) -> bytes:
@@ -138,9 +142,9 @@ def decode_chunk(payload: bytes) -> Tuple[ChunkHeader, bytes]:
     if not sep:
         raise ValueError("chunk without header line")
     try:
-        h = json.loads(head)
-    except ValueError as exc:
-        raise ValueError(f"chunk header is not JSON ({exc})") from None
+        h = wire.loads(head, what="chunk header")
+    except wire.BusInputError as exc:
+        raise ValueError(str(exc)) from None
     if not isinstance(h, dict) or h.pop("v", None) != WIRE_VERSION:
         raise ValueError(f"chunk header: expected wire version {WIRE_VERSION}")
     try:
@@ -284,7 +288,9 @@ class MqttShipper:
     """Driver: one thread owns one paho client; ships the spool's closed files until stopped.
 
     `tamper` (tests only) may rewrite an outgoing message before it is published -- the way the
-    collector tests damage a chunk on the wire.
+    collector tests damage a chunk on the wire. `tls`: the agent's `[mqtt.tls]` section, so the
+    shipper connects with the node's certificate like the agent and its workers (the broker's ACL
+    lets only that identity write `spill/<node>/chunk` and read its acks).
     """
 
     def __init__(self, spool: Any, cluster: str, *, host: str = "127.0.0.1", port: int = 1883,
@@ -292,8 +298,10 @@ class MqttShipper:
                  ack_timeout: float = 5.0, max_backoff: float = 60.0, window: int = 4,
                  poll_interval: float = 0.1, clock: Callable[[], float] = time.monotonic,
                  tamper: Optional[Callable[[Outgoing], Outgoing]] = None,
-                 username: Optional[str] = None, password: Optional[str] = None) -> None:
+                 username: Optional[str] = None, password: Optional[str] = None,
+                 tls: Optional[TlsSection] = None) -> None:
         self.spool, self.cluster, self.host, self.port = spool, cluster, host, port
+        self.tls = tls
         self.client_id = client_id or f"fog-spill-{cluster}-{spool.node}"
         self.core = ShipperCore(cluster, spool.node, chunk_bytes=chunk_bytes, ack_timeout=ack_timeout,
                                 max_backoff=max_backoff, window=window)
@@ -313,6 +321,7 @@ class MqttShipper:
                         clean_session=False)
         if self.username:
             c.username_pw_set(self.username, self.password)
+        tls_setup(c, self.tls)
         c.max_inflight_messages_set(100)
         c.max_queued_messages_set(0)
         c.on_connect = self._on_connect

@@ -50,11 +50,16 @@ class AgentSpill:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         if s.ship == "mqtt":
+            from agent.config import TlsSection
             from agent.runtime.shipper import MqttShipper
 
+            # The node's own identity, like the agent's and its workers': [mqtt.tls] as the
+            # daemon checked it (docs/security.md, "Identities").
+            tls = (TlsSection(broker.ca_file, broker.cert_file, broker.key_file, broker.tls_insecure)
+                   if broker.ca_file else None)
             self._mqtt = MqttShipper(self.view, self.cluster, host=broker.host, port=broker.port,
                                      client_id=f"fog-spill-{self.cluster}-{self.node}",
-                                     username=broker.username, password=broker.password).start()
+                                     username=broker.username, password=broker.password, tls=tls).start()
         elif s.ship == "path":
             from agent.runtime.shipper import PathShipper
 

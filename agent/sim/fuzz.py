@@ -33,6 +33,7 @@ import copy
 import dataclasses
 import enum
 import json
+import logging
 import random
 import signal
 import threading
@@ -918,11 +919,410 @@ class GmeNodeTarget(_CoreTarget):
                 raise PropertyViolation("bad_output", f"output {o!r} after {msg!r}")
 
 
+# ---- bus input of the agent and fogctl (issue #20, docs/security.md) ------------------------------
+#
+# Every payload an agent or fogctl reads from a topic it does not own: rpc requests and replies,
+# node states, hosted and re-homed records, latency records and probes, events and decision
+# histories, and the snapshot fogctl renders. The property: a parser returns a value of its
+# documented shape or raises its documented error (a ValueError: wire.BusInputError, EventError);
+# the latency core, refusing a probe, keeps its state; fogctl's views render any snapshot.
+
+
+def _bus_input(rng: random.Random, corpus: Sequence[Any]) -> Any:
+    """Bytes for a bus parser: mutated real payloads, deep and huge documents, random bytes."""
+    r = rng.random()
+    if r < 0.05:
+        return bytes(rng.randrange(256) for _ in range(rng.randrange(0, 80)))
+    if r < 0.1:
+        return _pathological(rng)
+    if r < 0.13:
+        depth = rng.choice((33, 1000, 100_000))
+        return rng.choice((b"[", b'{"a":')) * depth
+    if r < 0.15:
+        return b'{"op":"ping","x":"' + b"a" * rng.choice((300_000, 1_000_000)) + b'"}'
+    v = rng.choice(corpus)
+    if r < 0.25:
+        return _dumps(v)
+    for _ in range(rng.choice((1, 1, 2, 3))):
+        v = _mutate_value(rng, v)
+    raw = _dumps(v)
+    return _mutate_bytes(rng, raw) if rng.random() < 0.15 else raw
+
+
+def _bus_corpus_spec() -> Dict[str, Any]:
+    return {"instance": "taxi.in_zone.0", "operator": "in_zone", "pipeline": "taxi",
+            "pipeline_toml": "[pipeline]\nname = \"taxi\"\n", "succs": ["taxi.sink.0"],
+            "preds": ["taxi.source.0"], "keeper": True, "active": True, "restart": False,
+            "extra": {"capacity": 500.0}}
+
+
+def _state_doc(node: str, i: int) -> Dict[str, Any]:
+    return {"v": 1, "node": node, "ts": 1.7e9 + i, "cpu": 12.5, "memory": 40.0, "temperature": 51.0,
+            "slots": 4, "free_slots": 3 - i % 2, "capacity": 500.0,
+            "instances": [{"id": f"taxi.in_zone.{i}", "operator": "in_zone", "keeper": i == 0, "status": "active",
+                           "load": 100.0, "capacity": 500.0, "pid": 4242, "phase": "active",
+                           "lock": {"state": "idle", "boundaries": [{"boundary": "a|b", "state": "in"}]},
+                           "stats": {"state": "active", "decisions": [
+                               {"at": 1.7e9, "kind": "scale_out", "load": 420.0, "capacity": 500.0,
+                                "new": ["in_zone-n1-1"]}]}}]}
+
+
+class BusParserTarget(Target):
+    """One parser of bus input: accepted values are checked by `check`, the documented error is
+    a rejection, anything else a crash."""
+
+    def __init__(self, name: str, parse: Callable[[Any], Any], corpus: Callable[[], List[Any]],
+                 errors: Tuple[Type[BaseException], ...] = (ValueError,),
+                 check: Optional[Callable[[Any], None]] = None) -> None:
+        self.name = name
+        self.parse = parse
+        self._corpus = corpus
+        self.corpus: List[Any] = []
+        self.errors = errors
+        self.check = check
+
+    def prepare(self, seed: int) -> None:
+        self.corpus = self._corpus()
+
+    def one(self, rng: random.Random) -> bool:
+        raw = self.last_input = _bus_input(rng, self.corpus)
+        try:
+            value = self.parse(raw)
+        except self.errors:
+            return False
+        if self.check is not None:
+            self.check(value)
+        return True
+
+
+def _rpc_request_corpus() -> List[Any]:
+    return [{"op": "ping"}, {"op": "stop", "instance": "taxi.sink.0"},
+            {"op": "set", "instance": "taxi.sink.0", "fields": {"service_time_ms": 5.0}},
+            {"op": "spawn", "spec": _bus_corpus_spec(), "cause": "spawn", "from": "n1"},
+            {"v": 1, "op": "scale", "operator": "in_zone", "delta": 2, "pipeline": "taxi"},
+            {"v": 1, "op": "scale", "operator": "in_zone", "delta": -1, "pipeline": None, "instances": ["in_zone-3"]},
+            {"v": 1, "op": "drain", "node": "n2"}, {"v": 1, "op": "undrain", "node": "n2"}]
+
+
+def _check_rpc_request(body: Any) -> None:
+    from agent.runtime import rpc
+
+    if not isinstance(body, dict) or body.get("op") not in rpc.OPS:
+        raise PropertyViolation("invalid_accepted", f"request {_short(body, 80)}")
+    if body["op"] == "set" and (not isinstance(body.get("fields"), dict) or "event" in body["fields"]):
+        raise PropertyViolation("invalid_accepted", "a set whose fields collide with the control line")
+    if body["op"] in ("scale", "drain", "undrain"):
+        from agent.fogctl.rpc_schema import RequestError, parse_request
+
+        try:  # what the daemon does next with it: RequestError (a ValueError) or a request
+            parse_request(body)
+        except RequestError:
+            pass
+
+
+def _check_reply(body: Any) -> None:
+    if not isinstance(body, dict) or not isinstance(body.get("ok"), bool):
+        raise PropertyViolation("invalid_accepted", f"reply {_short(body, 80)}")
+
+
+def _parse_peer_state(raw: Any) -> Any:
+    """What the daemon and `fog-agent deploy` do with a neighbour's retained state."""
+    from agent.runtime import nodestate
+
+    doc = nodestate.parse_node_state(raw)
+    return doc, nodestate.node_view(doc)
+
+
+def _check_peer_state(value: Any) -> None:
+    doc, view = value
+    if not isinstance(view.slots, int) or not isinstance(view.free_slots, int) or not isinstance(doc["node"], str):
+        raise PropertyViolation("invalid_accepted", f"state {_short(doc, 80)}")
+
+
+def _check_hosted(value: Any) -> None:
+    if not isinstance(value, list) or not all(isinstance(s, dict) and isinstance(s.get("instance"), str) for s in value):
+        raise PropertyViolation("invalid_accepted", f"hosted {_short(value, 80)}")
+
+
+def _check_rehomed(value: Any) -> None:
+    if not isinstance(value, dict) or not all(isinstance(k, str) and type(v) is float for k, v in value.items()):
+        raise PropertyViolation("invalid_accepted", f"re-homed {_short(value, 80)}")
+
+
+def _parse_latency_record(raw: Any) -> Any:
+    """The agent's and fogctl's readers of a retained latency record: lenient, they never raise;
+    an unusable record reads as 'unmeasured' (a rejection here)."""
+    from agent.fogctl.fleet import parse_latency as fogctl_latency
+    from agent.runtime import nodestate
+
+    rtt = nodestate.parse_latency(raw)
+    measured, emulated = fogctl_latency(raw)
+    for m in (rtt, measured, emulated):
+        if not all(isinstance(k, str) and type(v) is float for k, v in m.items()):
+            raise PropertyViolation("invalid_accepted", f"latency {_short(m, 80)}")
+    if not rtt and not measured and not emulated:
+        raise ValueError("unmeasured")
+    return rtt
+
+
+def _event_corpus() -> List[Any]:
+    from agent import events
+
+    ev = events.decision(ts=1.7e9, node="n1", instance="taxi.in_zone.0", operator="in_zone", pipeline="taxi",
+                         load=420.0, capacity=500.0, probability=0.3, draw=0.1, action="duplicate", count=1)
+    base = {"v": 1, "ts": 1.7e9, "node": "n1", "instance": "taxi.in_zone.0", "operator": "in_zone",
+            "pipeline": "taxi", "type": "scale_out",
+            "reason": {"load": 420.0, "capacity": 500.0, "ratio": 0.84, "probability": 0.3, "draw": 0.1,
+                       "action": "duplicate", "count": 1}, "detail": {"new": ["in_zone-n1-1"]}}
+    out: List[Any] = [base, dict(base, type="spawned", reason=None, detail={"cause": "deploy"}), [base, base]]
+    out.append(ev.to_dict())
+    return out
+
+
+def _parse_event_or_history(raw: Any) -> Any:
+    from agent import events
+
+    if raw.lstrip()[:1] == b"[":
+        return events.parse_history(raw)
+    return events.parse(raw)
+
+
+def _check_events(value: Any) -> None:
+    from agent import events
+
+    for e in value if isinstance(value, list) else [value]:
+        if not isinstance(e, events.Event) or not isinstance(e.node, str) or not e.node:
+            raise PropertyViolation("invalid_accepted", f"event {_short(e, 80)}")
+        e.to_json()  # what fogctl watch prints must encode and render
+        from agent.fogctl.views import event_line
+
+        event_line(e)
+
+
+class LatencyProbeTarget(Target):
+    """`LatencyCore.on_message` on pings and pongs with hostile payloads and senders: it answers
+    (a pong to the topic's sender only) or raises ValueError with the core's state unchanged."""
+
+    name = "latency_probe"
+
+    def prepare(self, seed: int) -> None:
+        from agent.runtime.latency import LatencyCore
+
+        self.cluster = "c"
+        self.core = LatencyCore("b", self.cluster, period=1.0)
+        self.core.set_neighbours(["a", "c1"])
+        self.pings = self.core.poll(100.0)  # outstanding probes of b: real pongs are accepted
+        self.corpus = [json.loads(p) for _, p in self.pings] + [{"o": "a", "t": "b", "n": 7, "s": 99.5}]
+        self.base = copy.deepcopy(self.core)
+
+    def one(self, rng: random.Random) -> bool:
+        from agent import topics
+
+        core = copy.deepcopy(self.base)
+        if rng.random() < 0.2:  # a well-formed probe, on a consistent or a forged topic
+            probe = dict(rng.choice(self.corpus))
+            kind = rng.choice(("ping", "pong"))
+            sender = str(probe["t"] if kind == "pong" else probe["o"]) if rng.random() < 0.7 else "mallory"
+            if kind == "ping" and sender != "mallory":
+                probe["t"] = "b"
+            raw = json.dumps(probe).encode()
+        else:
+            sender = rng.choice(("a", "b", "c1", "mallory"))
+            kind = rng.choice(("ping", "pong"))
+            raw = _bus_input(rng, self.corpus)
+        topic = (topics.latency_ping if kind == "ping" else topics.latency_pong)(self.cluster, "b", sender)
+        self.last_input = (topic, raw)
+        before = fingerprint(core)
+        try:
+            out = core.on_message(topic, raw, 100.05)
+        except ValueError:
+            if fingerprint(core) != before:
+                raise PropertyViolation("state_changed_on_error", f"latency core after {_short(raw, 80)}") from None
+            return False
+        for t, _ in out:
+            if t != topics.latency_pong(self.cluster, sender, "b"):
+                raise PropertyViolation("reply_misdirected", f"pong to {t} for a ping from {sender}")
+        return True
+
+
+def _fogctl_views(raw: Any) -> Any:
+    """fogctl's views of a snapshot where one node's retained state (or latency, status,
+    pipeline) is hostile: they must render; a node whose state is unreadable shows its error."""
+    from agent.fogctl import views
+    from agent.fogctl.fleet import Fleet, state_decisions
+
+    msgs = {"fog/c/agents/n1/state": json.dumps(_state_doc("n1", 0)).encode(),
+            "fog/c/agents/n1/status": b"online", "fog/c/agents/n2/status": b"online",
+            "fog/c/pipelines/taxi": b'[pipeline]\nname = "taxi"\n[[operators]]\nname = "in_zone"\n'}
+    slot = int.from_bytes(raw[:1] or b"\0", "big") % 4
+    key = ("fog/c/agents/n2/state", "fog/c/latency/n2", "fog/c/agents/n2/status", "fog/c/pipelines/p2")[slot]
+    msgs[key] = raw
+    fleet = Fleet.from_messages("c", msgs)
+    texts = [views.status(fleet, 1.7e9 + 5)[1], views.topology(fleet)[1], views.latency(fleet)[1],
+             views.locks(fleet)[1], views.pipelines(fleet)[1]]
+    for t in texts:
+        if not isinstance(t, str):
+            raise PropertyViolation("invalid_accepted", f"a view rendered {type(t).__name__}")
+        json.dumps([views.status(fleet, 1.7e9)[0]], default=str)
+    for e in state_decisions("c", "fog/c/agents/n2/state", raw):
+        views.event_line(e)
+    n2 = fleet.node("n2")
+    if slot == 0 and (n2 is None or n2.error):
+        raise ValueError("unreadable state shown as an error row")
+    if slot == 1 and "n2" not in fleet.latency and "n2" not in fleet.emulated:
+        raise ValueError("unreadable latency shown as unmeasured")
+    if slot == 2 and (n2 is None or n2.status == "unknown"):
+        raise ValueError("unreadable status shown as unknown")
+    return texts
+
+
+def _fogctl_corpus() -> List[Any]:
+    return [_state_doc("n2", 1), {"node": "n2", "rtt_ms": {"n1": 1.5}, "emulated_ms": {"n1": 1.0}},
+            {"status": "online"}, _state_doc("n2", 2)]
+
+
+class DaemonTarget(Target):
+    """The agent daemon's own message handling (`Agent._on_message`, without its safety net):
+    any payload on any of its topics from any sender is handled without an exception; a message
+    it counts as bad leaves its fleet knowledge exactly as it was; everything it publishes goes
+    to the sender's reply namespace or pong topic, never to a topic a payload names. The agent
+    never connects (its publishes are recorded) and has no free slot, so no worker starts."""
+
+    name = "daemon"
+
+    class _Recorder:
+        def __init__(self) -> None:
+            self.published: List[Tuple[str, Any]] = []
+
+        def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False, properties: Any = None) -> Any:
+            self.published.append((topic, payload))
+            return type("Info", (), {"rc": 0, "mid": 1})()
+
+    def prepare(self, seed: int) -> None:
+        import tempfile
+        from pathlib import Path
+
+        from agent.config import load_agent_config
+        from agent.runtime.daemon import Agent
+
+        self._dir = tempfile.TemporaryDirectory(prefix="fuzz-daemon-")
+        conf = Path(self._dir.name) / "agent.toml"
+        conf.write_text(f'[agent]\nnode = "me"\ncluster = "c"\nslots = 2\nstate_dir = "{self._dir.name}/state"\n'
+                        '[mqtt]\nhost = "127.0.0.1"\nport = 1\n[metrics]\nport = 0\n')
+        agent = Agent(load_agent_config(conf), warm_worker=False)
+        agent.free_slots = lambda: 0  # type: ignore[method-assign]  # refuse, never start a worker
+        agent.supervisor.start = None  # type: ignore[assignment]  # ... and prove it: calling it is a crash
+        agent.connected = True
+        agent._client = self._Recorder()
+        spec = _bus_corpus_spec()
+        self.corpus = _rpc_request_corpus() + [_state_doc("n2", 1), [spec], {"taxi.in_zone.0": 1.7e9},
+                                               {"node": "n2", "rtt_ms": {"me": 1.0}}]
+        for topic, doc in ((topics_mod().agent_state("c", "n2"), _state_doc("n2", 1)),
+                           (topics_mod().agent_hosted("c", "n2"), [spec]),
+                           (topics_mod().agent_status("c", "n2"), "online")):
+            raw = doc.encode() if isinstance(doc, str) else json.dumps(doc).encode()
+            agent._on_message(  # the fleet it knows before the hostile input: a neighbour n2
+type("M", (), {"topic": topic, "payload": raw, "retain": True, "properties": None})(), 0.0)
+        self.agent = agent
+        self.base = self._knowledge()
+        self.base_counters = dict(agent.counters)
+
+    def _knowledge(self) -> Any:
+        a = self.agent
+        return fingerprint((a.fleet, a.online, a.hosted_by_node, a.rehomed_by_node, a.latency, a.deployed,
+                            a.draining, a._offline_since, a._reserved, sorted(a._calls.calls)))
+
+    def _restore(self) -> None:
+        a, (fleet, online, hosted, rehomed, latency, deployed) = self.agent, self._saved
+        a.fleet, a.online, a.hosted_by_node, a.rehomed_by_node = copy.deepcopy(fleet), dict(online), \
+            copy.deepcopy(hosted), copy.deepcopy(rehomed)
+        a.latency, a.deployed, a.draining = copy.deepcopy(latency), set(deployed), False
+        a._offline_since.clear()
+        a._reserved.clear()
+        a.counters = dict(self.base_counters)
+        a._client.published.clear()
+
+    def one(self, rng: random.Random) -> bool:
+        t = topics_mod()
+        a = self.agent
+        if not hasattr(self, "_saved"):
+            self._saved = (copy.deepcopy(a.fleet), dict(a.online), copy.deepcopy(a.hosted_by_node),
+                           copy.deepcopy(a.rehomed_by_node), copy.deepcopy(a.latency), set(a.deployed))
+        self._restore()
+        sender = rng.choice(("adm", "n2", "n3", "me"))
+        build = rng.choice((
+            lambda: t.agent_rpc("c", "me", sender), lambda: t.agent_peer("c", "me", sender),
+            lambda: t.replies("c", "me", sender), lambda: t.agent_state("c", sender),
+            lambda: t.agent_hosted("c", sender), lambda: t.agent_rehomed("c", sender),
+            lambda: t.agent_status("c", sender), lambda: t.latency("c", sender),
+            lambda: t.latency_ping("c", "me", sender), lambda: t.latency_pong("c", "me", sender),
+            lambda: t.pipeline("c", sender)))
+        topic = build()
+        raw = _bus_input(rng, self.corpus)
+        retain = rng.random() < 0.2
+        props = type("P", (), {"CorrelationData": rng.choice((b"k", None, b"\xff" * 3)),
+                               "ResponseTopic": "fog/c/agents/n2/status"})()
+        msg = type("M", (), {"topic": topic, "payload": raw, "retain": retain, "properties": props})()
+        self.last_input = (topic, retain, raw)
+        before = self._knowledge()
+        logging.disable(logging.CRITICAL)  # its one line per refused message: not for the bench's output
+        try:
+            a._on_message(msg, 1.0)
+        finally:
+            logging.disable(logging.NOTSET)
+        for out, _ in a._client.published:
+            if out not in (t.replies("c", sender, "me"), t.latency_pong("c", sender, "me")):
+                raise PropertyViolation("reply_misdirected", f"{out} for a message from {sender} on {topic}")
+        refused = a.counters["bad_messages"] + a.counters["retained_ignored"] + a.counters["peer_refused"] \
+            > sum(self.base_counters[k] for k in ("bad_messages", "retained_ignored", "peer_refused"))
+        if refused and self._knowledge() != before:
+            raise PropertyViolation("state_changed_on_error", f"after a refused message on {topic}")
+        return not refused
+
+
+def topics_mod() -> Any:
+    from agent import topics
+
+    return topics
+
+
+BUS_TARGETS: Tuple[str, ...] = (
+    "rpc_request", "rpc_reply", "node_state", "hosted", "rehomed", "latency_record", "latency_probe",
+    "events", "fogctl_views", "daemon",
+)
+
+
+def _bus_target(name: str) -> Target:
+    from agent.runtime import rehome, rpc
+
+    if name == "latency_probe":
+        return LatencyProbeTarget()
+    if name == "daemon":
+        return DaemonTarget()
+    table: Dict[str, Tuple[Callable[[Any], Any], Callable[[], List[Any]], Optional[Callable[[Any], None]]]] = {
+        "rpc_request": (rpc.decode_request, _rpc_request_corpus, _check_rpc_request),
+        "rpc_reply": (rpc.decode_reply, lambda: [{"ok": True, "instance": "i", "node": "n1"},
+                                                 {"ok": False, "error": "no free slot"},
+                                                 {"v": 1, "ok": True, "result": {"instances": ["a"]}}], _check_reply),
+        "node_state": (_parse_peer_state, lambda: [_state_doc("n1", 0), _state_doc("n2", 1)], _check_peer_state),
+        "hosted": (rehome.decode_hosted, lambda: [[_bus_corpus_spec()], [], [_bus_corpus_spec(), _bus_corpus_spec()]],
+                   _check_hosted),
+        "rehomed": (rehome.decode_rehomed, lambda: [{"taxi.in_zone.0": 1.7e9, "in_zone-n1-2": 1.7e9 + 1}, {}],
+                    _check_rehomed),
+        "latency_record": (_parse_latency_record, lambda: [{"node": "n1", "ts": 1.0, "rtt_ms": {"n2": 1.5},
+                                                            "emulated_ms": {"n2": 1.0}}, {"n2": 3.0}], None),
+        "events": (_parse_event_or_history, _event_corpus, _check_events),
+        "fogctl_views": (_fogctl_views, _fogctl_corpus, None),
+    }
+    parse, corpus, check = table[name]
+    return BusParserTarget(name, parse, corpus, (ValueError,), check)
+
+
 # ---- registry and drivers --------------------------------------------------------------------------
 
 TARGETS: Tuple[str, ...] = (
     "envelope", "channel", "scaling_codec", "scaling_core", "gme_codec", "fgme", "ra1", "ra2", "guarded",
-)
+) + BUS_TARGETS
 
 
 def make_target(name: str) -> Target:
@@ -937,6 +1337,8 @@ def make_target(name: str) -> Target:
         "ra2": lambda: GmeNodeTarget("ra2"),
         "guarded": GuardedTarget,
     }
+    if name in BUS_TARGETS:
+        return _bus_target(name)
     if name not in factories:
         raise ValueError(f"unknown fuzz target {name!r}; expected one of {list(TARGETS)}")
     return factories[name]()
