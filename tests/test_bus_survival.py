@@ -35,11 +35,11 @@ name = "p"
 [[operator]]
 name = "source"
 kind = "source"
-function = "x.y:source"
+function = "agent.runtime.taxi:source"
 [[operator]]
 name = "sink"
 kind = "sink"
-function = "x.y:sink"
+function = "agent.runtime.operators:counting_sink"
 """
 
 

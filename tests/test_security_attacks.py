@@ -183,8 +183,6 @@ def _function_of(pipeline_toml: str, operator: str) -> str:
     return str(next(o["function"] for o in ops if o["name"] == operator))
 
 
-@pytest.mark.xfail(strict=True, reason="issue #20 item 2 (no code from the bus: an operator allow-list fixed on the "
-                   "node) is not on this branch yet: the agent still starts a spawn naming builtins:exec")
 @pytest.mark.parametrize("requester", ["admin", "peer"])
 def test_spawn_of_builtins_exec_is_refused(fleet: Fleet, requester: str) -> None:
     """From an admin (rpc) and from a node of the same pipeline (peer, the protocol's createNode):

@@ -986,7 +986,8 @@ class Agent:
                 reply({"ok": False, "error": f"agent {self.node} is shutting down"})
                 return
             try:
-                spec = self._spec_from(body["spec"], template=None)
+                spec = self._spec_from(body["spec"], template=None,
+                                       requester=f"{'node' if peer else 'admin'} {requester}")
             except (TypeError, ValueError) as exc:
                 reply({"ok": False, "error": f"invalid spec: {exc}"})
                 return
