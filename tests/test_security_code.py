@@ -214,6 +214,35 @@ def test_check_config_names_file_key_and_what_is_allowed(tmp_path: Path, opsdir:
     assert names["ops"] not in sys.modules  # check-config never imports a module either
 
 
+def test_calibrate_imports_through_the_nodes_allow_list(tmp_path: Path, opsdir: Tuple[Path, Dict[str, str]]) -> None:
+    """`fog-agent calibrate --config agent.toml` measures a function of the node's `[operators]
+    modules` (before, it used only the built-ins and entry points and refused it); a module the
+    agent.toml does not list is refused there too, and never imported."""
+    pkgs, names = opsdir
+    pipe = tmp_path / "p.toml"
+    pipe.write_text(PIPELINE.replace("FUNC", f"{names['ops']}:double"))
+    agent_toml = tmp_path / "agent.toml"
+    agent_toml.write_text(f'[agent]\nnode = "n7"\nstate_dir = "{tmp_path}/state"\n'
+                          f'[operators]\nmodules = ["{names["ops"]}"]\n')
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(pkgs)]))
+    env.pop(admission.ENV_MODULES, None)
+    cmd = [sys.executable, "-m", "agent", "calibrate", "--pipeline", str(pipe), "--operator", "work",
+           "--config", str(agent_toml), "--window", "0.05", "--start-rate", "100", "--max-rate", "300", "--json"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(ROOT), timeout=60)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["node"] == "n7" and out["operator"] == "work" and out["capacity"] > 0 and out["steps"], out
+    stored = json.loads((tmp_path / "state" / "capacity.json").read_text())
+    assert "n7" in json.dumps(stored) and "work" in json.dumps(stored)
+    assert (tmp_path / "markers" / "ops_imported").exists()
+    # a module the node does not list: refused with the allow-list, never imported
+    pipe.write_text(PIPELINE.replace("FUNC", f"{names['evil']}:run"))
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(ROOT), timeout=60)
+    assert r.returncode == 1 and f"{names['evil']}:run" in r.stderr and "allowed here" in r.stderr, r.stderr
+    assert f"[operators] modules: {names['ops']}:*" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "markers" / "evil_imported").exists()
+
+
 # ---- paths ---------------------------------------------------------------------------------------
 
 
