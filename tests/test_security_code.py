@@ -2,7 +2,8 @@
 must be on the node's own allow-list, and paths a spec names must resolve inside the node's own
 directories. Checked where a spec enters a node (spawn from the bus, a worker's spawn, a re-home
 from another node's retained hosted record, re-adoption from the state dir) and again in the
-worker before it imports anything.
+worker before it imports anything. The steering fields of a spec's extra too: an epoch floor far
+ahead of the node's clock is refused, `crash_at` is dropped unless fault injection is on.
 
 Every refused module here writes a marker file when it is imported: the tests assert the marker
 is absent and the module is not in sys.modules, i.e. the check never imported it.
@@ -512,8 +513,8 @@ def test_the_worker_refuses_a_function_before_importing_or_creating_anything(
 
 
 @pytest.mark.broker
-def test_a_real_agent_refuses_spawns_of_code_and_escaping_paths(tmp_path: Path, mosquitto: Any,
-                                                                opsdir: Tuple[Path, Dict[str, str]]) -> None:
+def test_a_real_agent_refuses_spawns_of_code_escaping_paths_and_forged_epochs(
+        tmp_path: Path, mosquitto: Any, opsdir: Tuple[Path, Dict[str, str]]) -> None:
     from agent.runtime.rpc import RpcClient
 
     pkgs, names = opsdir
@@ -544,15 +545,17 @@ def test_a_real_agent_refuses_spawns_of_code_and_escaping_paths(tmp_path: Path, 
             bad = [spec_body("builtins:exec", "p.work.1"), spec_body(f"{names['evil']}:run", "p.work.2"),
                    spec_body(f"{names['ops']}:system", "p.work.3"),  # allowed module, imported name: the worker refuses
                    spec_body(f"{names['ops']}:double", "p.work.4", sink_dir=f"{state}/../escape"),
-                   spec_body(f"{names['ops']}:double", "p.work.5", sink_dir=f"{state}/link/escape")]
+                   spec_body(f"{names['ops']}:double", "p.work.5", sink_dir=f"{state}/link/escape"),
+                   spec_body(f"{names['ops']}:double", "p.work.6", min_epoch=2 ** 53)]  # a forged epoch floor
             replies = [client.call("n1", {"op": "spawn", "spec": b, "cause": "rpc"}, timeout=20) for b in bad]
             good = client.call("n1", {"op": "spawn", "spec": spec_body(f"{names['ops']}:double", "p.work.0")},
                                timeout=20)
         assert good["ok"] and good["instance"] == "p.work.0", good
-        assert [r["ok"] for r in replies] == [False] * 5, replies
+        assert [r["ok"] for r in replies] == [False] * 6, replies
         assert "'builtins:exec' refused" in replies[0]["error"] and "allowed here" in replies[0]["error"]
         assert f"{names['evil']}:run" in replies[1]["error"]
         assert "extra.sink_dir" in replies[3]["error"] and "extra.sink_dir" in replies[4]["error"]
+        assert "extra.min_epoch" in replies[5]["error"] and "ahead of this node's clock" in replies[5]["error"]
         # the allowed module ran in the worker (the agent handed its list over), never in the agent
         pids = (tmp_path / "markers" / "ops_imported").read_text().split()
         assert pids and str(proc.pid) not in pids
@@ -567,6 +570,6 @@ def test_a_real_agent_refuses_spawns_of_code_and_escaping_paths(tmp_path: Path, 
             proc.kill()
             proc.wait()
     text = log_path.read_text()
-    assert text.count("refused spec of instance") == 4, text  # p.work.3 is refused by its worker
+    assert text.count("refused spec of instance") == 5, text  # p.work.3 is refused by its worker
     assert "is not defined in" in text
     assert proc.returncode == 0
