@@ -86,6 +86,43 @@ def recap(output: str) -> Dict[str, int]:
     return totals
 
 
+OPERATOR_MODULE = "fogtest_ops"
+OPERATOR_SRC = """def double(rec):
+    return rec * 2 if isinstance(rec, int) else rec
+
+
+def upper(rec):
+    return rec.upper() if isinstance(rec, str) else rec
+"""
+
+
+def operator_wheel(where: Path) -> Path:
+    """A user's operator package as a wheel, built by hand (no index, no build backend): the
+    module fogtest_ops and an entry point in the group fog_agent.operators."""
+    import base64
+    import hashlib
+    import zipfile
+
+    dist = "fogtest_ops-1.0.dist-info"
+    files = {
+        f"{OPERATOR_MODULE}.py": OPERATOR_SRC,
+        f"{dist}/METADATA": "Metadata-Version: 2.1\nName: fogtest-ops\nVersion: 1.0\n",
+        f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: test_ops_ansible\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        f"{dist}/entry_points.txt": f"[fog_agent.operators]\nfogtest_upper = {OPERATOR_MODULE}:upper\n",
+    }
+    record = []
+    for name, text in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
+        record.append(f"{name},sha256={digest},{len(text.encode())}")
+    files[f"{dist}/RECORD"] = "\n".join(record + [f"{dist}/RECORD,,"]) + "\n"
+    where.mkdir(parents=True, exist_ok=True)
+    wheel = where / "fogtest_ops-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+    return wheel
+
+
 @dataclass
 class Deployment:
     prefix: Path
@@ -107,6 +144,7 @@ def deployed(tmp_path_factory: pytest.TempPathFactory) -> Deployment:
     assert res.returncode == 0, res.stderr
     prefix = tmp / "prefix"
     port = free_port()
+    wheel = operator_wheel(tmp / "operator-wheels")
     inventory = {
         "all": {
             "vars": {
@@ -146,6 +184,9 @@ def deployed(tmp_path_factory: pytest.TempPathFactory) -> Deployment:
                 "fog_agent_mqtt_password": PASSWORDS["n1"],
                 "fog_agent_metrics_port": 0,
                 "fog_agent_pipelines": [{"name": "taxi", "src": str(ROOT / "examples/pipeline.toml")}],
+                "fog_agent_operator_wheels": [str(wheel)],
+                "fog_agent_operator_modules": [OPERATOR_MODULE],
+                "fog_agent_sink_dirs": [str(prefix / "srv/fog-sinks")],
                 # fog_netem
                 "fog_netem_enabled": True,
                 "fog_netem_prefix": str(prefix),
@@ -273,6 +314,60 @@ def test_agent_installed_in_venv_and_config_accepted(deployed: Deployment) -> No
     pipe = p / "etc/fog-agent/pipelines/taxi.toml"
     assert subprocess.run([str(venv / "bin/fog-agent"), "check-config", str(pipe)], capture_output=True,
                           env=env, cwd=str(p)).returncode == 0
+
+
+OPS_PIPELINE = """
+[pipeline]
+name = "p"
+[[operator]]
+name = "source"
+kind = "source"
+function = "agent.runtime.taxi:source"
+[[operator]]
+name = "work"
+function = "FUNC"
+[[operator]]
+name = "sink"
+kind = "sink"
+function = "agent.runtime.operators:counting_sink"
+"""
+
+
+def test_operator_package_modules_and_sink_dirs(deployed: Deployment, tmp_path: Path) -> None:
+    """The role installs a user's operator wheel into the agent's venv and renders `[operators]
+    modules` and `[agent] sink_dirs` (docs/security.md, "No code from the bus"): the rendered
+    agent.toml loads with agent.config, the installed agent allows the listed module's functions
+    and the wheel's entry point and nothing else, and calibrates the module's function with it."""
+    from agent.config import load_agent_config
+
+    p = deployed.prefix
+    venv = p / "opt/fog-agent/venv"
+    conf = p / "etc/fog-agent/agent.toml"
+    sinks = p / "srv/fog-sinks"
+    cfg = load_agent_config(conf)
+    assert cfg.operators.modules == (OPERATOR_MODULE,)
+    assert cfg.agent.sink_dirs == (str(sinks),)
+    assert sinks.is_dir() and oct(sinks.stat().st_mode & 0o777) == "0o750"
+    dropin = (p / "etc/systemd/system/fog-agent.service.d/sink-dirs.conf").read_text()
+    assert f"ReadWritePaths=-{sinks}\n" in dropin and "[Service]" in dropin
+    env = dict(deployed.env)
+    where = subprocess.run([str(venv / "bin/python"), "-c", f"import {OPERATOR_MODULE}; print({OPERATOR_MODULE}.__file__)"],
+                           capture_output=True, text=True, env=env, cwd=str(tmp_path))
+    assert where.returncode == 0 and where.stdout.startswith(str(venv)), where.stdout + where.stderr
+    pipe = tmp_path / "p.toml"
+    for func, ok in ((f"{OPERATOR_MODULE}:double", True), (f"{OPERATOR_MODULE}:upper", True),
+                     ("fogtest_other:run", False), ("builtins:exec", False)):
+        pipe.write_text(OPS_PIPELINE.replace("FUNC", func))
+        res = subprocess.run([str(venv / "bin/fog-agent"), "check-config", str(pipe), "--agent-config", str(conf)],
+                             capture_output=True, text=True, env=env, cwd=str(tmp_path))
+        assert (res.returncode == 0) is ok, (func, res.stderr)
+    assert f"entry points (fog_agent.operators): {OPERATOR_MODULE}:upper" in res.stderr, res.stderr
+    pipe.write_text(OPS_PIPELINE.replace("FUNC", f"{OPERATOR_MODULE}:double"))
+    cal = subprocess.run([str(venv / "bin/fog-agent"), "calibrate", "--pipeline", str(pipe), "--operator", "work",
+                          "--config", str(conf), "--dry-run", "--json", "--window", "0.05", "--start-rate", "100",
+                          "--max-rate", "300"], capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=120)
+    assert cal.returncode == 0, cal.stderr
+    assert json.loads(cal.stdout)["capacity"] > 0
 
 
 def test_units_installed_verbatim(deployed: Deployment) -> None:

@@ -68,11 +68,15 @@ def test_each_fault_path_on_a_fixed_schedule(tmp_path: Path) -> None:
     assert_nothing_lost(summary, 6)
 
 
-def test_crash_in_the_middle_of_a_duplication_round(tmp_path: Path) -> None:
+def test_crash_in_the_middle_of_a_duplication_round(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The in_zone keeper dies (as by kill -9) right after asking its agent to create its copy,
     before any Duplication was sent. The restarted keeper performs its queued outputs again
     (write-ahead), the agent answers with the copy it already started (no second process with
-    that identity), the round completes, the copy is activated and later scaled in."""
+    that identity), the round completes, the copy is activated and later scaled in.
+
+    `extra.crash_at` is honoured only by agents whose environment enables fault injection
+    (docs/security.md, "Steering fields"): the fleet's agents inherit this one."""
+    monkeypatch.setenv("FOG_AGENT_FAULT_INJECTION", "1")
     cfg = ChaosConfig(duration=30.0, seed=7, workdir=tmp_path, schedule=[],
                       deploy_extra={"crash_at": "chaos.in_zone.0:spawn_requested"})
     summary = run_chaos(cfg, live=False)

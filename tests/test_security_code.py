@@ -2,7 +2,8 @@
 must be on the node's own allow-list, and paths a spec names must resolve inside the node's own
 directories. Checked where a spec enters a node (spawn from the bus, a worker's spawn, a re-home
 from another node's retained hosted record, re-adoption from the state dir) and again in the
-worker before it imports anything.
+worker before it imports anything. The steering fields of a spec's extra too: an epoch floor far
+ahead of the node's clock is refused, `crash_at` is dropped unless fault injection is on.
 
 Every refused module here writes a marker file when it is imported: the tests assert the marker
 is absent and the module is not in sys.modules, i.e. the check never imported it.
@@ -214,6 +215,35 @@ def test_check_config_names_file_key_and_what_is_allowed(tmp_path: Path, opsdir:
     assert names["ops"] not in sys.modules  # check-config never imports a module either
 
 
+def test_calibrate_imports_through_the_nodes_allow_list(tmp_path: Path, opsdir: Tuple[Path, Dict[str, str]]) -> None:
+    """`fog-agent calibrate --config agent.toml` measures a function of the node's `[operators]
+    modules` (before, it used only the built-ins and entry points and refused it); a module the
+    agent.toml does not list is refused there too, and never imported."""
+    pkgs, names = opsdir
+    pipe = tmp_path / "p.toml"
+    pipe.write_text(PIPELINE.replace("FUNC", f"{names['ops']}:double"))
+    agent_toml = tmp_path / "agent.toml"
+    agent_toml.write_text(f'[agent]\nnode = "n7"\nstate_dir = "{tmp_path}/state"\n'
+                          f'[operators]\nmodules = ["{names["ops"]}"]\n')
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(pkgs)]))
+    env.pop(admission.ENV_MODULES, None)
+    cmd = [sys.executable, "-m", "agent", "calibrate", "--pipeline", str(pipe), "--operator", "work",
+           "--config", str(agent_toml), "--window", "0.05", "--start-rate", "100", "--max-rate", "300", "--json"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(ROOT), timeout=60)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["node"] == "n7" and out["operator"] == "work" and out["capacity"] > 0 and out["steps"], out
+    stored = json.loads((tmp_path / "state" / "capacity.json").read_text())
+    assert "n7" in json.dumps(stored) and "work" in json.dumps(stored)
+    assert (tmp_path / "markers" / "ops_imported").exists()
+    # a module the node does not list: refused with the allow-list, never imported
+    pipe.write_text(PIPELINE.replace("FUNC", f"{names['evil']}:run"))
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(ROOT), timeout=60)
+    assert r.returncode == 1 and f"{names['evil']}:run" in r.stderr and "allowed here" in r.stderr, r.stderr
+    assert f"[operators] modules: {names['ops']}:*" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "markers" / "evil_imported").exists()
+
+
 # ---- paths ---------------------------------------------------------------------------------------
 
 
@@ -364,6 +394,97 @@ def test_rehome_from_a_hosted_record_is_admitted_like_a_spawn(tmp_path: Path,
     assert len(refused) == 2 and all("the hosted record of n9" in m for m in refused)
 
 
+# ---- steering fields of extra: epoch floors and fault injection ----------------------------------
+
+NOW = 1_795_000_000.0  # the node's wall clock in these tests
+
+
+def test_an_epoch_floor_ahead_of_the_nodes_clock_is_refused_and_never_saved(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A forged `min_epoch` of 2^53 would give the instance an absurd epoch that its receivers
+    keep (docs/security.md, "Steering fields"): refused wherever a spec enters from the bus (a
+    spawn, a worker's createNode, a re-home from a retained hosted record), as is a hand-over
+    state's epoch; a floor a real re-home or hand-over sets (another node's clock, a moment ago,
+    within MAX_EPOCH_AHEAD of skew) passes."""
+    agent = agent_for(tmp_path)
+    agent.wall = lambda: NOW
+    ok = "agent.runtime.operators:identity"
+    caplog.set_level(logging.WARNING, logger="agent.runtime.daemon")
+    with pytest.raises(ValueError, match="extra.min_epoch"):
+        agent._spec_from(spec_body(ok, min_epoch=2 ** 53), template=None, requester="peer n7")
+    ahead = int(NOW) + admission.MAX_EPOCH_AHEAD + 1
+    for i, extra in enumerate(({"min_epoch": 2 ** 53}, {"min_epoch": ahead}, {"min_epoch": "1795000000"},
+                               {"min_epoch": True}, {"min_epoch": -1}, {"min_epoch": 1.7e9},
+                               {"handover_state": {"epoch": 2 ** 53, "inbound": {}}})):
+        with pytest.raises(ValueError, match="extra.(min_epoch|handover_state.epoch)"):
+            agent._spec_from(spec_body(ok, f"p.work.{i}", **extra), template=None, requester="peer n7")
+    assert agent.counters["refused_specs"] == 8
+    assert any("from peer n7" in r.getMessage() and "ahead of this node's clock" in r.getMessage()
+               for r in caplog.records)
+    for floor in (int(NOW), int(NOW) + admission.MAX_EPOCH_AHEAD - 1, 0, None):  # skew within the margin
+        spec = agent._spec_from(spec_body(ok, min_epoch=floor), template=None)
+        assert spec.extra["min_epoch"] == floor
+    handed = agent._spec_from(spec_body(ok, handover_state={"epoch": 4, "inbound": {}}), template=None)
+    assert handed.extra["handover_state"]["epoch"] == 4
+    # a worker's createNode() carrying a forged floor
+    with pytest.raises(ValueError, match="extra.min_epoch"):
+        agent._spec_from({"operator": "work", "extra": {"min_epoch": 2 ** 53}}, template=handed)
+    # a re-home from a dead node's retained hosted record: the plan keeps the record's larger floor
+    created: List[InstanceSpec] = []
+    agent._create_node = lambda spec, reply, cause, now: created.append(spec)  # type: ignore[assignment]
+    agent.connected, agent.online, agent._offline_since = True, {"n9": False}, {"n9": 0.0}
+    agent.hosted_by_node["n9"] = [spec_body(ok, "p.work.0"), spec_body(ok, "p.work.1", min_epoch=2 ** 53)]
+    agent._maybe_rehome(100.0)
+    assert [(s.instance, s.extra["min_epoch"]) for s in created] == [("p.work.0", int(NOW))]
+    assert hosted.hosted(tmp_path / "state") == []  # nothing refused was saved
+
+
+def test_a_stored_epoch_floor_survives_a_clock_set_back(tmp_path: Path) -> None:
+    """A spec in the node's own state dir was held to the clock when it arrived; a Pi without a
+    real-time clock may boot with an older time, which must not set its instances aside. A
+    malformed floor there is still refused."""
+    agent = agent_for(tmp_path)
+    agent.wall = lambda: NOW - 3600.0  # booted with the time saved an hour before the re-home
+    started: List[InstanceSpec] = []
+    agent.supervisor.start = lambda spec, now: started.append(spec)  # type: ignore[assignment]
+    state = tmp_path / "state"
+    broker = BrokerSpec("h", 1)
+    text = PIPELINE.replace("FUNC", "agent.runtime.operators:identity")
+    hosted.remember(state, InstanceSpec("p.work.0", "work", "me", "c", "p", text, broker, extra={"min_epoch": int(NOW)}))
+    hosted.remember(state, InstanceSpec("p.work.1", "work", "me", "c", "p", text, broker, extra={"min_epoch": "x"}))
+    agent._to_readopt = hosted.hosted(state)
+    agent._readopt(0.0)
+    assert [s.instance for s in started] == ["p.work.0"] and started[0].extra["min_epoch"] == int(NOW)
+    assert [p.name for p in state.glob("*.refused")] == ["p.work.1.spec.json.refused"]
+
+
+def test_crash_at_is_honoured_only_where_fault_injection_is_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """`extra.crash_at` kills a worker at a named point (agent.runtime.worker `crash_point`): from
+    a request it is dropped, unless the node's environment enables fault injection (the
+    reliability tests do; nothing else)."""
+    assert admission.ENV_FAULT_INJECTION == "FOG_AGENT_FAULT_INJECTION"  # the name tests/test_reliability.py sets
+    agent = agent_for(tmp_path)
+    ok = "agent.runtime.operators:identity"
+    crash = "p.work.0:spawn_requested"
+    caplog.set_level(logging.WARNING, logger="agent.runtime.daemon")
+    for value in (None, "0", "true", "yes"):
+        if value is None:
+            monkeypatch.delenv(admission.ENV_FAULT_INJECTION, raising=False)
+        else:
+            monkeypatch.setenv(admission.ENV_FAULT_INJECTION, value)
+        spec = agent._spec_from(spec_body(ok, crash_at=crash, sink_dir=f"{tmp_path}/state/s"), template=None)
+        assert "crash_at" not in spec.extra and spec.extra["sink_dir"] == f"{tmp_path}/state/s", value
+        child = agent._spec_from({"operator": "work", "extra": {"crash_at": "x:spawn_requested"}}, template=spec)
+        assert "crash_at" not in child.extra
+    assert any("dropped extra.crash_at" in r.getMessage() and admission.ENV_FAULT_INJECTION in r.getMessage()
+               for r in caplog.records)
+    monkeypatch.setenv(admission.ENV_FAULT_INJECTION, "1")
+    spec = agent._spec_from(spec_body(ok, crash_at=crash), template=None)
+    assert spec.extra["crash_at"] == crash
+    assert agent._spec_from({"operator": "work"}, template=spec).extra["crash_at"] == crash  # copies too
+
+
 # ---- the worker refuses on its own ---------------------------------------------------------------
 
 
@@ -392,8 +513,8 @@ def test_the_worker_refuses_a_function_before_importing_or_creating_anything(
 
 
 @pytest.mark.broker
-def test_a_real_agent_refuses_spawns_of_code_and_escaping_paths(tmp_path: Path, mosquitto: Any,
-                                                                opsdir: Tuple[Path, Dict[str, str]]) -> None:
+def test_a_real_agent_refuses_spawns_of_code_escaping_paths_and_forged_epochs(
+        tmp_path: Path, mosquitto: Any, opsdir: Tuple[Path, Dict[str, str]]) -> None:
     from agent.runtime.rpc import RpcClient
 
     pkgs, names = opsdir
@@ -424,15 +545,17 @@ def test_a_real_agent_refuses_spawns_of_code_and_escaping_paths(tmp_path: Path, 
             bad = [spec_body("builtins:exec", "p.work.1"), spec_body(f"{names['evil']}:run", "p.work.2"),
                    spec_body(f"{names['ops']}:system", "p.work.3"),  # allowed module, imported name: the worker refuses
                    spec_body(f"{names['ops']}:double", "p.work.4", sink_dir=f"{state}/../escape"),
-                   spec_body(f"{names['ops']}:double", "p.work.5", sink_dir=f"{state}/link/escape")]
+                   spec_body(f"{names['ops']}:double", "p.work.5", sink_dir=f"{state}/link/escape"),
+                   spec_body(f"{names['ops']}:double", "p.work.6", min_epoch=2 ** 53)]  # a forged epoch floor
             replies = [client.call("n1", {"op": "spawn", "spec": b, "cause": "rpc"}, timeout=20) for b in bad]
             good = client.call("n1", {"op": "spawn", "spec": spec_body(f"{names['ops']}:double", "p.work.0")},
                                timeout=20)
         assert good["ok"] and good["instance"] == "p.work.0", good
-        assert [r["ok"] for r in replies] == [False] * 5, replies
+        assert [r["ok"] for r in replies] == [False] * 6, replies
         assert "'builtins:exec' refused" in replies[0]["error"] and "allowed here" in replies[0]["error"]
         assert f"{names['evil']}:run" in replies[1]["error"]
         assert "extra.sink_dir" in replies[3]["error"] and "extra.sink_dir" in replies[4]["error"]
+        assert "extra.min_epoch" in replies[5]["error"] and "ahead of this node's clock" in replies[5]["error"]
         # the allowed module ran in the worker (the agent handed its list over), never in the agent
         pids = (tmp_path / "markers" / "ops_imported").read_text().split()
         assert pids and str(proc.pid) not in pids
@@ -447,6 +570,6 @@ def test_a_real_agent_refuses_spawns_of_code_and_escaping_paths(tmp_path: Path, 
             proc.kill()
             proc.wait()
     text = log_path.read_text()
-    assert text.count("refused spec of instance") == 4, text  # p.work.3 is refused by its worker
+    assert text.count("refused spec of instance") == 5, text  # p.work.3 is refused by its worker
     assert "is not defined in" in text
     assert proc.returncode == 0

@@ -2,7 +2,9 @@
 
 calibrate: drives the pipeline's operator function in-process at rising input rates, with the
 worker's per-record service-time emulation, until its output lags (thesis 4.3.1), and stores the
-capacity per (node, operator) in `<state_dir>/capacity.json`.
+capacity per (node, operator) in `<state_dir>/capacity.json`. The function is imported through the
+node's allow-list (docs/security.md, "No code from the bus"): with `--config`, the agent.toml's
+`[operators] modules` count, as they do for that node's workers.
 netem: turns a latency matrix into tc commands (see agent.runtime.netem); exit 3 when the kernel
 lacks sch_netem, with one line saying so.
 simulate policies: runs every policy on the same synthetic taxi trace and latency matrix over
@@ -25,7 +27,7 @@ def register(groups: Any) -> None:
     p = groups.root.add_parser("calibrate", help="measure the records/s one operator instance sustains here")
     p.add_argument("--pipeline", required=True, help="pipeline TOML")
     p.add_argument("--operator", required=True, help="operator name, e.g. in_zone")
-    p.add_argument("--config", default=None, help="agent.toml (node name and state_dir)")
+    p.add_argument("--config", default=None, help="agent.toml (node name, state_dir, [operators] modules)")
     p.add_argument("--node", default=None, help="node name (default: agent.toml's, else the host name)")
     p.add_argument("--state-dir", default=None, help="where capacity.json goes (default: agent.toml's)")
     p.add_argument("--window", type=float, default=0.5, help="seconds per input rate step")
@@ -77,8 +79,10 @@ def register(groups: Any) -> None:
 # ---- calibrate ------------------------------------------------------------------------------------
 
 
-def record_factory(seed: int, pipe: Any = None, operator: str = "", n: int = 4000) -> Callable[[int], Any]:
-    """Records i = 0, 1, ... as the operator sees them: taxi records through the upstream maps."""
+def record_factory(seed: int, pipe: Any = None, operator: str = "", n: int = 4000,
+                   allowed: Any = None) -> Callable[[int], Any]:
+    """Records i = 0, 1, ... as the operator sees them: taxi records through the upstream maps
+    (imported through `allowed`, the node's allow-list: see `operator_under_test`)."""
     from agent.runtime.taxi import sample
 
     recs: List[Any] = sample(seed, n, "calibrate")
@@ -88,42 +92,51 @@ def record_factory(seed: int, pipe: Any = None, operator: str = "", n: int = 400
         for op in pipe.operators[1:pipe.index(operator)]:
             if op.kind != "map":
                 continue
-            up = load_operator(op.function, OperatorContext("calibrate", op.name, "calibrate", op.kind, dict(op.params)))
+            up = load_operator(op.function, OperatorContext("calibrate", op.name, "calibrate", op.kind, dict(op.params)),
+                               allowed)
             recs = [r for (_, _, r) in up.process([("c", i, r) for i, r in enumerate(recs)])]
         if not recs:
             raise ValueError(f"the operators before {operator!r} filter out every generated record")
     return lambda i: recs[i % len(recs)]
 
 
-def operator_under_test(pipe: Any, operator: str, node: str, service_time_ms: Any = None) -> Any:
+def operator_under_test(pipe: Any, operator: str, node: str, service_time_ms: Any = None,
+                        allowed: Any = None) -> Any:
+    """The operator's function, imported in this process through `allowed` (an
+    admission.AllowList: the node's own, so that calibrate imports exactly what the node's
+    workers may; None: this process's, from its environment)."""
     from agent.runtime.capacity import OperatorUnderTest
     from agent.runtime.operators import OperatorContext, load_operator
 
     op = pipe.operator(operator)
     if op.kind != "map":
         raise ValueError(f"operator {operator!r} is a {op.kind}: calibrate measures map operators")
-    impl = load_operator(op.function, OperatorContext(f"calibrate-{operator}", operator, node, op.kind, dict(op.params)))
+    impl = load_operator(op.function, OperatorContext(f"calibrate-{operator}", operator, node, op.kind, dict(op.params)),
+                         allowed)
     st = op.service_time_ms if service_time_ms is None else service_time_ms
     return OperatorUnderTest(lambda batch: impl.process([("c", i, r) for i, r in enumerate(batch)]), st)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from agent.config import load_agent_config, load_pipeline
+    from agent.runtime.admission import AllowList
     from agent.runtime.capacity import Calibrator, CapacityRecord, CapacityStore, calibrate
     from agent.runtime.measure import read_frequency
     from agent.schema import ConfigError
 
     try:
         pipe = load_pipeline(args.pipeline)
-        node, state_dir = args.node, args.state_dir
+        node, state_dir, allowed = args.node, args.state_dir, None
         if args.config:
             cfg = load_agent_config(args.config)
             node = node or cfg.agent.node
             state_dir = state_dir or cfg.agent.state_dir
+            # the node's allow-list, as its agent builds it: its `[operators] modules` too
+            allowed = AllowList.for_node(cfg.operators.modules)
         node = node or socket.gethostname().split(".")[0]
         state_dir = state_dir or "/var/lib/fog-agent"
-        op = operator_under_test(pipe, args.operator, node, args.service_time_ms)
-        make = record_factory(1, pipe, args.operator)
+        op = operator_under_test(pipe, args.operator, node, args.service_time_ms, allowed)
+        make = record_factory(1, pipe, args.operator, allowed=allowed)
     except (ConfigError, KeyError, ValueError) as exc:
         print(f"calibrate: {exc}", file=sys.stderr)
         return EXIT_ERROR

@@ -22,6 +22,11 @@ and then, for a configured module, that the object is defined there.
 Paths: a spec's `extra.sink_dir` (and a source's `params.csv`) must resolve, after `..` and
 symbolic links, inside the node's own directories (`NodeDirs`); everything else a spec could name
 (state_dir, the spool dir) is replaced by the node's own settings when the spec enters.
+
+Steering fields of `extra` (`check_epochs`, `fault_injection_enabled`): an instance's epoch floor
+`min_epoch` (and a hand-over's `handover_state.epoch`) derive from a wall clock, so one far ahead
+of this node's clock is refused; the fault-injection hook `crash_at` is honoured only on a node
+that enables fault injection (`FOG_AGENT_FAULT_INJECTION=1`, set by the reliability tests only).
 """
 
 from __future__ import annotations
@@ -36,14 +41,19 @@ from typing import Any, Dict, FrozenSet, Iterable, List, Mapping, Optional, Tupl
 __all__ = [
     "BUILTIN",
     "ENTRY_POINT_GROUP",
+    "ENV_FAULT_INJECTION",
     "ENV_MODULES",
+    "FROM_STATE_DIR",
+    "MAX_EPOCH_AHEAD",
     "AllowList",
     "NodeDirs",
     "OperatorRefused",
     "PATH_PARAMS",
     "PathRefused",
+    "check_epochs",
     "check_module_name",
     "check_spec_paths",
+    "fault_injection_enabled",
     "node_allow_list",
     "parse_ref",
     "spec_paths",
@@ -265,3 +275,48 @@ def check_spec_paths(dirs: NodeDirs, extra: Mapping[str, Any], function: str, pa
     for what, path in spec_paths(extra, function, params):
         dirs.check(what, path)
 
+
+
+# ---- steering fields of extra -------------------------------------------------------------------
+
+# How far (seconds) a spec's epoch floor may be ahead of this node's clock. Legitimate floors are
+# another node's `int(time.time())` a moment ago (a re-home's plan, a drain's hand-over), so the
+# margin only has to cover clock skew between NTP-synchronised nodes; a forged 2^53 would give the
+# instance an absurd epoch that its receivers keep (docs/security.md, "Steering fields").
+MAX_EPOCH_AHEAD = 300
+# The requester `Agent._readopt` names: a spec stored in this node's own state dir.
+FROM_STATE_DIR = "the state dir"
+# Fault injection (`extra.crash_at`, agent.runtime.worker `crash_point`) is honoured only where
+# this is "1" in the agent's environment: the reliability tests set it, nothing else does.
+ENV_FAULT_INJECTION = "FOG_AGENT_FAULT_INJECTION"
+
+
+def fault_injection_enabled(env: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether this node honours `extra.crash_at` (never by default)."""
+    return (os.environ if env is None else env).get(ENV_FAULT_INJECTION, "") == "1"
+
+
+def _epoch_floor(what: str, value: Any, now: float, bounded: bool) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what}: expected a non-negative integer, got {str(value)[:40]!r}")
+    if bounded and value > now + MAX_EPOCH_AHEAD:
+        raise ValueError(f"{what}: {value} is {value - now:.0f} s ahead of this node's clock (at most "
+                         f"{MAX_EPOCH_AHEAD} s: epochs derive from the wall clock; is this node's clock set?)")
+
+
+def check_epochs(extra: Mapping[str, Any], now: float, stored: bool = False) -> None:
+    """Refuse (ValueError naming the field) an epoch floor a spec carries that no real sender can
+    have: `extra.min_epoch` and a hand-over's `extra.handover_state.epoch` must be non-negative
+    integers at most MAX_EPOCH_AHEAD seconds ahead of `now` (this node's wall clock).
+
+    Refused, not clamped: a floor clamped below the one a re-home or a hand-over meant could
+    number the new incarnation below its predecessor's messages (its receivers would drop them as
+    old), so a node whose clock is that far behind says so and the requester tries another node.
+    A `stored` spec (this node's state dir) was bounded when it arrived; only its type is checked,
+    so a clock set back at boot (a Pi without a real-time clock) does not set instances aside."""
+    _epoch_floor("extra.min_epoch", extra.get("min_epoch"), now, not stored)
+    handover = extra.get("handover_state")
+    if isinstance(handover, Mapping):
+        _epoch_floor("extra.handover_state.epoch", handover.get("epoch"), now, not stored)

@@ -712,8 +712,10 @@ class Agent:
 
     def _admit(self, spec: InstanceSpec, requester: str) -> None:
         """Refuse (ValueError, counted, one log line naming the requester) a spec whose operator
-        function is not on this node's allow-list or that names a path outside this node's
-        directories (agent.runtime.admission). Reads the names only: never imports the function."""
+        function is not on this node's allow-list, that names a path outside this node's
+        directories, or whose epoch floor is ahead of this node's clock (agent.runtime.admission;
+        a spec from this node's state dir, `admission.FROM_STATE_DIR`, is not held to the clock).
+        Reads the names only: never imports the function."""
         try:
             if not isinstance(spec.pipeline_toml, str) or not isinstance(spec.operator, str):
                 raise ValueError("pipeline_toml and operator must be strings")
@@ -727,6 +729,7 @@ class Agent:
                 raise ValueError("extra must be an object")
             self.allowed.check(op.function)
             admission.check_spec_paths(self.node_dirs, spec.extra, op.function, op.params)
+            admission.check_epochs(spec.extra, self.wall(), stored=requester == admission.FROM_STATE_DIR)
         except ValueError as exc:
             self.counters["refused_specs"] = self.counters.get("refused_specs", 0) + 1
             log.warning("refused spec of instance %s from %s: %s", spec.instance, requester, exc,
@@ -738,8 +741,14 @@ class Agent:
         from another node, a stored spec): where to connect, where to write, how often to beat,
         and, re-homing on, that a worker which lost its connection waits for our word before it
         reconnects (_grant_reconnects). The spool settings are the node's own too: dropped here,
-        set again by `AgentSpill.with_spill` when this node spills."""
+        set again by `AgentSpill.with_spill` when this node spills. The fault-injection hook
+        `crash_at` is dropped unless this node enables fault injection (admission.ENV_FAULT_INJECTION):
+        from a request it would let anyone crash a worker at will."""
         own = {k: v for k, v in extra.items() if k != "spill"}  # the spool: AgentSpill.with_spill, or none
+        if "crash_at" in own and not admission.fault_injection_enabled():
+            dropped = own.pop("crash_at")
+            log.warning("dropped extra.crash_at %.100r: fault injection is off on this node (%s)",
+                        dropped, admission.ENV_FAULT_INJECTION, extra={"node": self.node})
         return {"node": self.node, "cluster": self.cluster, "broker": self.broker,
                 "state_dir": self.cfg.agent.state_dir, "heartbeat_period": self.cfg.agent.heartbeat_period,
                 "extra": dict(own, fence_reconnect=self.cfg.agent.dead_after > 0)}
