@@ -401,10 +401,10 @@ class Worker:
                                 env.epoch, env.seq, time.time(), self.window)
         if fault is not None:
             return REFUSE, fault
-        if env.kind is Kind.ACK and env.body[0] == self.epoch:
+        if env.kind is Kind.ACK and env.body[0] == self.epoch and env.body[1] > 0:
             link = self.links.get(env.sender)
-            if link is not None and not link.plausible_ack(env.body[1]):
-                return REFUSE, "seq"
+            if link is None or not link.plausible_ack(env.body[1]):
+                return REFUSE, "seq"  # acks (in our epoch) what we never sent it
         return ACCEPT, ""
 
     def _sender_allowed(self, env: Envelope) -> bool:
