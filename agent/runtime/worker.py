@@ -217,7 +217,8 @@ class Worker:
             "refused_seqs": 0,  # a number (or an ack) far beyond what the sender can have sent
             "held_dropped": 0,  # of those, refused because the hold buffer was full
         }
-        self._malformed_logged = LogLimiter()  # bounded: a flood of invented names costs nothing
+        self._malformed_log = LogLimiter()  # bounded: a flood of invented names costs nothing
+        self._malformed_logged: Set[str] = set()  # protocol senders (admitted ones only: bounded)
         self._period_records = 0
         self._last_load = 0.0
         self._exit: Optional[Tuple[int, str, bool]] = None
@@ -372,7 +373,7 @@ class Worker:
             # INVARIANT 5 (nothing dropped silently): counted, logged once per sender, skipped.
             self.stats["malformed"] += 1
             who = _guess_sender(ev.payload)
-            if self._malformed_logged.allow(who, self.clock()):
+            if self._malformed_log.allow(who, self.clock()):
                 log.warning("malformed payload on inbox from %s skipped: %s", who, exc, extra=self.ctx)
             return
         if env.sender in self.hold:
@@ -764,7 +765,8 @@ class Worker:
         if self.scaling is None:
             self.stats["protocol_in"] += 1
             self.stats["protocol_errors"] += 1
-            if self._malformed_logged.allow("p:" + env.sender, self.clock()):  # invariant 5
+            if "p:" + env.sender not in self._malformed_logged:  # logged once per sender (invariant 5)
+                self._malformed_logged.add("p:" + env.sender)
                 log.warning("protocol message from %s but scaling is off: ignored", env.sender, extra=self.ctx)
             return
         self.scaling.handle(env)
