@@ -1232,7 +1232,7 @@ class _ScalingDriver:
         self.next_tick = worker.clock() + self.period
         self.last_round_end = -1e9
         self.counts = {"scale_outs": 0, "scale_ins": 0, "spawns": 0, "spawn_failures": 0}
-        self._errors_logged: Set[str] = set()
+        self._errors_log = LogLimiter()  # once per sender per minute, bounded (probed names are invented)
         self._req = 0
         self.decisions: Deque[Dict[str, Any]] = deque(maxlen=32)  # recent decisions (bench, demo)
 
@@ -1392,8 +1392,7 @@ class _ScalingDriver:
         except (ProtocolError, ValueError) as exc:
             # Unexpected or invalid: counted, logged once per sender, state unchanged.
             stats["protocol_errors"] += 1
-            if env.sender not in self._errors_logged:
-                self._errors_logged.add(env.sender)
+            if self._errors_log.allow(env.sender, self.w.clock()):
                 log.warning("protocol message from %s rejected: %s", env.sender, exc, extra=self.w.ctx)
             return
         if is_lock:
@@ -1588,8 +1587,7 @@ class _ScalingDriver:
         n = body.get("n")
         if type(n) is not int or n < 1 or body.get("sender") != env.sender:
             self.w.stats["protocol_errors"] += 1
-            if env.sender not in self._errors_logged:
-                self._errors_logged.add(env.sender)
+            if self._errors_log.allow(env.sender, self.w.clock()):
                 log.warning("bad %s from %s ignored", body.get("type"), env.sender, extra=self.w.ctx)
             return
         core = self.core
