@@ -294,6 +294,68 @@ def test_an_idle_copy_holds_its_predecessors_batches_until_its_start_then_proces
     assert w.inbound.senders() == 2  # work-0 (its Start) and source-0
 
 
+def test_data_claimed_by_a_known_sender_that_is_no_predecessor_is_never_processed(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The successor's name is known (it acks us), but a data batch under that name is not one
+    a real successor can send: held (the protocol never announces it as a predecessor), then
+    refused; its records never reach the operator."""
+    from agent.runtime.worker import HOLD_TTL
+
+    clock = [100.0]
+    w, wire = _worker(tmp_path, "work", clock)
+    inbox = topics.inbox("c", "work-0")
+    wire.events.append(Received(inbox, encode_data("source-0", 0, 1, _records(0, 4))))
+    _run(w, clock, 0.5)
+    wire.events.append(Received(inbox, encode(Envelope("sink-0", 0, 1, Kind.ACK, [w.epoch, 1]))))
+    wire.events.append(Received(inbox, encode_data("sink-0", 0, 2, _records(100, 4))))
+    _run(w, clock, 0.5)
+    assert w.links["sink-0"].inflight == 0  # its ack is fine
+    assert w.stats["records_in"] == 4 and w.hold.count == 1
+    _run(w, clock, HOLD_TTL + 1.0, step=0.5)
+    assert w.stats["records_in"] == 4 and w.hold.count == 0 and w.stats["refused_senders"] == 1
+
+
+def test_a_departed_neighbours_resent_deletion_is_still_answered(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Recovery mechanism 2 (agent.runtime.recovery): a predecessor that left resends its Deletion
+    when our ack got lost. It is in no table any more, but our channel with it and our round
+    memory know it: the resend is admitted and acked again, not held or refused."""
+    from agent.protocol.messages import Deletion
+
+    clock = [100.0]
+    w, wire = _worker(tmp_path, "work", clock)
+    inbox, to_source = topics.inbox("c", "work-0"), topics.inbox("c", "source-0")
+    deletion = Deletion("source-0", 0, 1).to_dict()
+    wire.events.append(Received(inbox, encode(Envelope("source-0", 0, 1, Kind.PROTO, deletion))))
+    _run(w, clock, 0.5)
+    assert "source-0" not in w.scaling.core.preds
+    wire.events.append(Received(inbox, encode(Envelope("source-0", 0, 2, Kind.PROTO, deletion))))
+    _run(w, clock, 0.5)
+    acks = [decode(p).body for t, p in wire.sent if t == to_source and decode(p).kind is Kind.PROTO]
+    assert [a["type"] for a in acks] == ["deletion_ack", "deletion_ack"], acks
+    assert w.hold.count == 0 and w.stats["refused_senders"] == 0
+
+
+def test_an_idle_copy_applies_a_held_duplication_after_its_start_and_acks_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A neighbour of the creator may announce its own copy to ours before our Start (it learned
+    of us from the creator's Duplication): held, then applied once the Start names the sender,
+    and acked, so that neighbour's round completes."""
+    from agent.protocol.messages import Duplication, Start
+
+    clock = [100.0]
+    w, wire = _worker(tmp_path, "work", clock, instance="work-x", keeper=False, active=False, succs=(), preds=(),
+                      extra={"sink_dir": str(tmp_path / "sink"), "creator": "work-0"})
+    inbox, to_sink = topics.inbox("c", "work-x"), topics.inbox("c", "sink-0")
+    dup = Duplication("sink-0", 2, 1, ("sink-z",)).to_dict()
+    wire.events.append(Received(inbox, encode(Envelope("sink-0", 0, 1, Kind.PROTO, dup))))
+    _run(w, clock, 0.5)
+    assert w.hold.count == 1 and not [p for t, p in wire.sent if t == to_sink]
+    start = Start("work-0", 1, ("sink-0",), ("source-0",))
+    wire.events.append(Received(inbox, encode(Envelope("work-0", 0, 1, Kind.PROTO, start.to_dict()))))
+    _run(w, clock, 0.5)
+    assert w.hold.count == 0 and w.router.succs == ("sink-0", "sink-z")
+    acks = [decode(p).body for t, p in wire.sent if t == to_sink and decode(p).kind is Kind.PROTO]
+    assert [(a["type"], a["round"]) for a in acks] == [("duplication_ack", 1)], acks
+
+
 # ---- real workers on a real broker ------------------------------------------------------------------
 
 
