@@ -206,9 +206,12 @@ def test_a_sink_refuses_forged_epochs_numbers_and_senders_and_keeps_recording_re
     deliver(encode_data("work-0", 2 ** 53, 1, _records(0, 4)))  # a real predecessor's name, epoch 2**53
     deliver(encode_data("work-0", 0, 10 ** 9, _records(0, 4)))  # far beyond the window
     deliver(encode_data("ghost-1", 0, 1, _records(0, 8)))  # an invented sender: the next ids
+    deliver(encode_data("work-f00d", 0, 1, _records(0, 8)))  # invented, named like a predecessor's copy
     _run(w, clock, 1.0)
     assert w.stats["refused_epochs"] == 1 and w.stats["refused_seqs"] == 1
-    assert w.hold.count == 1 and w.operator.stats()["recorded"] == 0
+    assert w.stats["refused_senders"] == 1  # no operator's instance has that name: refused at once
+    assert w.hold.count == 1 and "work-f00d" in w.hold  # might be announced yet: held, bounded
+    assert w.operator.stats()["recorded"] == 0
     saved = json.loads(state.read_text())
     assert saved["inbound"] == {} and "9007199254740992" not in state.read_text()
 
@@ -220,7 +223,7 @@ def test_a_sink_refuses_forged_epochs_numbers_and_senders_and_keeps_recording_re
     saved = json.loads(state.read_text())
     assert saved["inbound"] == {"work-0": [0, 3]}
     _run(w, clock, HOLD_TTL + 1.0, step=0.5)
-    assert w.hold.count == 0 and w.stats["refused_senders"] == 1  # never announced: refused
+    assert w.hold.count == 0 and w.stats["refused_senders"] == 2  # never announced: refused
     assert w.operator.stats()["duplicates_dropped"] == 0 and w.operator.stats()["recorded"] == 8
     w.operator.close()
     ids, dup = read_sink_ids(tmp_path / "sink")
@@ -272,7 +275,8 @@ def test_a_forged_ack_beyond_what_was_sent_cannot_release_the_replay_buffer(tmp_
 def test_an_idle_copy_holds_its_predecessors_batches_until_its_start_then_processes_them(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A new copy learns its predecessors with its Start, but they route to it as soon as they
     acked its creator's Duplication: their batches wait in the hold, not in the channel tables,
-    and are processed once the Start names them. A sender the Start does not name stays held."""
+    and are processed once the Start names them. A sender the Start does not name stays held;
+    a name no predecessor can have is refused at once."""
     from agent.protocol.messages import Start
 
     clock = [100.0]
@@ -282,13 +286,15 @@ def test_an_idle_copy_holds_its_predecessors_batches_until_its_start_then_proces
     for seq in (1, 2):
         wire.events.append(Received(inbox, encode_data("source-0", 0, seq, _records(4 * (seq - 1), 4))))
     wire.events.append(Received(inbox, encode_data("ghost-2", 0, 1, _records(0, 4))))
+    wire.events.append(Received(inbox, encode_data("source-zz", 0, 1, _records(0, 4))))
     _run(w, clock, 0.5)
     assert w.hold.count == 3 and w.inbound.senders() == 0 and w.stats["records_in"] == 0
+    assert w.stats["refused_senders"] == 1  # ghost-2: no neighbour's instance has that name
     start = Start("work-0", 1, ("sink-0",), ("source-0",))
     wire.events.append(Received(inbox, encode(Envelope("work-0", 0, 1, Kind.PROTO, start.to_dict()))))
     _run(w, clock, 0.5)
     assert w.scaling.core.is_active
-    assert w.stats["records_in"] == 8 and w.hold.count == 1 and "ghost-2" in w.hold
+    assert w.stats["records_in"] == 8 and w.hold.count == 1 and "source-zz" in w.hold
     out = [decode(p) for t, p in wire.sent if t == topics.inbox("c", "sink-0")]
     assert sum(len(e.body) for e in out if e.kind is Kind.DATA) == 8
     assert w.inbound.senders() == 2  # work-0 (its Start) and source-0
@@ -296,8 +302,8 @@ def test_an_idle_copy_holds_its_predecessors_batches_until_its_start_then_proces
 
 def test_data_claimed_by_a_known_sender_that_is_no_predecessor_is_never_processed(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The successor's name is known (it acks us), but a data batch under that name is not one
-    a real successor can send: held (the protocol never announces it as a predecessor), then
-    refused; its records never reach the operator."""
+    a real successor can send (nor one a predecessor's instance can be named): refused at once;
+    its records never reach the operator."""
     from agent.runtime.worker import HOLD_TTL
 
     clock = [100.0]
@@ -309,9 +315,9 @@ def test_data_claimed_by_a_known_sender_that_is_no_predecessor_is_never_processe
     wire.events.append(Received(inbox, encode_data("sink-0", 0, 2, _records(100, 4))))
     _run(w, clock, 0.5)
     assert w.links["sink-0"].inflight == 0  # its ack is fine
-    assert w.stats["records_in"] == 4 and w.hold.count == 1
-    _run(w, clock, HOLD_TTL + 1.0, step=0.5)
     assert w.stats["records_in"] == 4 and w.hold.count == 0 and w.stats["refused_senders"] == 1
+    _run(w, clock, HOLD_TTL + 1.0, step=0.5)
+    assert w.stats["records_in"] == 4 and w.stats["refused_senders"] == 1
 
 
 def test_a_departed_neighbours_resent_deletion_is_still_answered(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -426,7 +432,8 @@ def test_forged_inbox_messages_on_a_real_broker_stall_nothing_and_leave_no_state
         forged = [
             encode_data("in_zone-0", 2 ** 53, 1, fake),
             encode_data("in_zone-0", 0, 10 ** 9, fake),
-            encode_data("intruder-7", 0, 1, fake),
+            encode_data("intruder-7", 0, 1, fake),  # refused at once
+            encode_data("in_zone-f00d", 0, 1, fake),  # named like a copy of the predecessor: held
         ]
         for p in forged:
             c.publish(to_sink, p, qos=1).wait_for_publish(5)
@@ -440,13 +447,13 @@ def test_forged_inbox_messages_on_a_real_broker_stall_nothing_and_leave_no_state
                 info = c.publish(to_sink, encode(Envelope(f"ghost-{sent}", 0, 1, Kind.ACK, [0, sent])), qos=1)
                 sent += 1
             info.wait_for_publish(10)
-            _wait(lambda: procs["sink"].stats.get("refused_senders", 0) >= sent, 20,
+            _wait(lambda: procs["sink"].stats.get("refused_senders", 0) >= sent + 1, 20,
                   lambda: f"the acks to be refused ({sent}): {procs['sink'].stats}")
         c.loop_stop()
         c.disconnect()
 
         sink = procs["sink"].stats
-        assert sink["refused_epochs"] == 1 and sink["refused_seqs"] == 1 and sink["refused_senders"] == 30_000
+        assert sink["refused_epochs"] == 1 and sink["refused_seqs"] == 1 and sink["refused_senders"] == 30_001
         assert sink["inbound_senders"] == 0 and sink.get("recorded") == 0
         state = tmp_path / "state" / "sink-0.state.json"
         assert len(state.read_bytes()) < 1000, state.read_text()
@@ -457,10 +464,11 @@ def test_forged_inbox_messages_on_a_real_broker_stall_nothing_and_leave_no_state
         time.sleep(0.6)  # one more heartbeat and state write
         sink = procs["sink"].stats
         assert sink["duplicates_dropped"] == 0, "a real record was dropped as a duplicate of a forged one"
-        assert sink["inbound_senders"] == 1 and sink["held"] == 1  # in_zone-0; intruder-7 still held (HOLD_TTL)
+        assert sink["inbound_senders"] == 1 and sink["held"] == 1  # in_zone-0; in_zone-f00d still held (HOLD_TTL)
         text = state.read_text()
         assert json.loads(text)["inbound"].keys() == {"in_zone-0"}
         assert "9007199254740992" not in text and "ghost" not in text and "intruder" not in text, text
+        assert "f00d" not in text, text
         assert len(text) < 1000, text
         assert json.loads(text)["inbound"]["in_zone-0"][0] == 0  # the real epoch, not 2**53
         codes = runner.stop_all()

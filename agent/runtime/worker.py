@@ -181,6 +181,17 @@ class Worker:
         self.window = max(pred_window, self.op.max_inflight_batches)
         self.hold = HoldBuffer(HOLD_MAX_SENDERS, 2 * self.window + 32, HOLD_MAX_BYTES)
         self._refusals = LogLimiter()
+        # Only a name an instance of a neighbouring operator can have is worth holding: keepers
+        # are "<pipeline>.<operator>.0" (deploy.keeper_id), every other instance "<operator>-..."
+        # (ScalingCore._new_id, the agent's createNode, the bench). Invented names are refused
+        # at once, so they cannot fill the hold buffer that a new copy's predecessors need.
+        ops = self.pipeline.operators
+        pred_op = [ops[self.stage - 1].name] if self.stage > 0 else []
+        near = pred_op + [spec.operator] + ([ops[self.stage + 1].name] if self.stage + 1 < len(ops) else [])
+        self._shapes = {
+            Kind.DATA: (tuple(f"{o}-" for o in pred_op), {f"{spec.pipeline}.{o}.0" for o in pred_op}),
+            Kind.PROTO: (tuple(f"{o}-" for o in near), {f"{spec.pipeline}.{o}.0" for o in near}),
+        }
 
         self.transport = transport or Transport(f"fog-{spec.cluster}-{spec.instance}", spec.broker)
         # Re-homing on: after a lost connection, reconnect only when our agent says this identity
@@ -395,9 +406,13 @@ class Worker:
         have (agent.runtime.admission). Cheap on the hot path: a set lookup and a few compares."""
         if not self._sender_allowed(env):
             # Data and protocol messages may come from an instance the protocol announces to us
-            # only later (a new copy's predecessors before its Start): hold. Acks come only from
-            # instances we sent data to, which we know by then: refuse.
-            return (REFUSE if env.kind is Kind.ACK else HOLD), "sender"
+            # only later (a new copy's predecessors before its Start): hold, if the name can be
+            # one of a neighbouring operator's. Acks come only from instances we sent data to,
+            # which we know by then: refuse.
+            shape = self._shapes.get(env.kind)
+            if shape is not None and (env.sender.startswith(shape[0]) or env.sender in shape[1]):
+                return HOLD, "sender"
+            return REFUSE, "sender"
         fault = numbering_fault(self.inbound.position(env.sender), self.inbound.resync_unknown,
                                 env.epoch, env.seq, time.time(), self.window)
         if fault is not None:
