@@ -295,6 +295,7 @@ def test_an_idle_copy_holds_its_predecessors_batches_until_its_start_then_proces
     _run(w, clock, 0.5)
     assert w.scaling.core.is_active
     assert w.stats["records_in"] == 8 and w.hold.count == 1 and "source-zz" in w.hold
+    assert w.stats["held_released"] == 2
     out = [decode(p) for t, p in wire.sent if t == topics.inbox("c", "sink-0")]
     assert sum(len(e.body) for e in out if e.kind is Kind.DATA) == 8
     assert w.inbound.senders() == 2  # work-0 (its Start) and source-0

@@ -227,6 +227,7 @@ class Worker:
             "refused_epochs": 0,  # an epoch no real incarnation of the sender can have
             "refused_seqs": 0,  # a number (or an ack) far beyond what the sender can have sent
             "held_dropped": 0,  # of those, refused because the hold buffer was full
+            "held_released": 0,  # held until the protocol announced their sender, then admitted
         }
         self._malformed_log = LogLimiter()  # bounded: a flood of invented names costs nothing
         self._malformed_logged: Set[str] = set()  # protocol senders (admitted ones only: bounded)
@@ -527,6 +528,7 @@ class Worker:
                     break
                 self.hold.pop_first(sender)
                 if verdict == ACCEPT:
+                    self.stats["held_released"] += 1
                     self._accept(env)
                 else:
                     self._refuse(env, why)
