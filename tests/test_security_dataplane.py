@@ -5,7 +5,7 @@ envelope are claims. These tests forge what a hostile node can write, and check 
 refuses it before it touches any state, bounds what it keeps for senders it does not know yet,
 and still delivers every real record exactly once:
 
-- unit tests of the acceptance rule (`agent.runtime.admission`) and of the worker's use of it,
+- unit tests of the acceptance rule (`agent.runtime.inbound`) and of the worker's use of it,
   in process on an in-memory wire;
 - real workers on a real Mosquitto, the forgeries published with a paho client.
 """
@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Set
 import pytest
 
 from agent import topics
-from agent.runtime.admission import (
+from agent.runtime.inbound import (
     MAX_CLOCK_AHEAD,
     MAX_EPOCH_STEP,
     MAX_SEQ,

@@ -116,7 +116,7 @@ class Inbound:
 
     def position(self, sender: str) -> Optional[Tuple[int, int, bool]]:
         """(epoch, next seq, resync) of a known sender, None for one never received from: what
-        `agent.runtime.admission.numbering_fault` checks an envelope against before `receive`."""
+        `agent.runtime.inbound.numbering_fault` checks an envelope against before `receive`."""
         ch = self._chans.get(sender)
         return (ch.epoch, ch.next_seq, ch.resync) if ch else None
 

@@ -36,7 +36,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Set, TextIO, Tupl
 
 from agent import topics
 from agent.config import RUNTIME_POLICIES, PipelineConfig, load_pipeline_text
-from agent.runtime.admission import ACCEPT, HOLD, REFUSE, HoldBuffer, LogLimiter, numbering_fault
+from agent.runtime.inbound import ACCEPT, HOLD, REFUSE, HoldBuffer, LogLimiter, numbering_fault
 from agent.runtime.channel import Inbound, Outbound
 from agent.runtime.envelope import Envelope, Item, Kind, MalformedEnvelope, data_body_bytes, decode, encode, encode_data
 from agent.runtime.flow import AckTracker, OutLink
@@ -88,7 +88,7 @@ IDLE_PING = 10.0
 IDLE_PING_MAX = 40.0
 PROBE, PROBE_ECHO = "probe", "probe_echo"  # see _ScalingDriver.on_probe
 RECONNECT_ASK = 5.0  # a fenced worker asks its agent again this often (see Worker._ask_to_reconnect)
-# Envelopes of senders not known yet (agent.runtime.admission.HoldBuffer) wait this long for the
+# Envelopes of senders not known yet (agent.runtime.inbound.HoldBuffer) wait this long for the
 # protocol to announce them (a new copy's Start, resent after IDLE_PING..IDLE_PING_MAX), then they
 # are refused. An idle copy holds until its Start: until then it cannot know its predecessors.
 HOLD_TTL = 60.0
@@ -175,7 +175,7 @@ class Worker:
         # Acks go out every quarter of the predecessors' window (their operator's setting).
         pred_window = self.pipeline.operators[self.stage - 1].max_inflight_batches if self.stage > 0 else 8
         self.ack_every = max(1, pred_window // 4)
-        # Admission (agent.runtime.admission): how far ahead an honest sender's numbers can run is
+        # Admission (agent.runtime.inbound): how far ahead an honest sender's numbers can run is
         # set by the larger window on our channels; a held sender gets room for a window of data
         # twice over, plus its protocol and lock messages.
         self.window = max(pred_window, self.op.max_inflight_batches)
@@ -404,7 +404,7 @@ class Worker:
     def _admit(self, env: Envelope) -> Tuple[str, str]:
         """ACCEPT, HOLD or REFUSE (with the reason) for one decoded envelope, before it touches
         any state: its sender must exist for our tables, its numbers must be ones that sender can
-        have (agent.runtime.admission). Cheap on the hot path: a set lookup and a few compares."""
+        have (agent.runtime.inbound). Cheap on the hot path: a set lookup and a few compares."""
         if not self._sender_allowed(env):
             # Data and protocol messages may come from an instance the protocol announces to us
             # only later (a new copy's predecessors before its Start): hold, if the name can be
