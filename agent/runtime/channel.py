@@ -14,7 +14,7 @@ record; here it can happen neither way.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from agent.runtime.envelope import Envelope
 
@@ -114,6 +114,20 @@ class Inbound:
         ch = self._chans.get(sender)
         return ch.next_seq if ch else None
 
+    def position(self, sender: str) -> Optional[Tuple[int, int, bool]]:
+        """(epoch, next seq, resync) of a known sender, None for one never received from: what
+        `agent.runtime.inbound.numbering_fault` checks an envelope against before `receive`."""
+        ch = self._chans.get(sender)
+        return (ch.epoch, ch.next_seq, ch.resync) if ch else None
+
+    def senders(self) -> int:
+        return len(self._chans)
+
+    def forget(self, sender: str) -> None:
+        """Drop a sender's channel (one that was admitted only provisionally, see
+        `Worker._expire_probes`): its next envelope starts a new channel."""
+        self._chans.pop(sender, None)
+
     def snapshot(self) -> Dict[str, Any]:
         return {s: [c.epoch, c.next_seq] for s, c in self._chans.items()}
 
@@ -140,6 +154,9 @@ class Outbound:
 
     def peek(self, dest: str) -> int:
         return self._next.get(dest, 1)
+
+    def forget(self, dest: str) -> None:
+        self._next.pop(dest, None)
 
     def snapshot(self) -> Dict[str, Any]:
         return {"epoch": self.epoch, "next": dict(self._next)}

@@ -49,6 +49,7 @@ class OutLink:
         self.silent_replays = 0  # replays since that ack (the worker backs off between them)
         self.batches_sent = 0
         self.records_sent = 0
+        self.highest_sent = 0  # highest data seq sent in this epoch: no honest ack goes above it
 
     @property
     def credit(self) -> int:
@@ -67,6 +68,7 @@ class OutLink:
         if self.credit <= 0:
             raise RuntimeError(f"flow control to {self.dest}: sent seq {seq} without credit")
         self._unacked[seq] = Unacked(seq, payload, records, now, low)
+        self.highest_sent = max(self.highest_sent, seq)
         self.batches_sent += 1
         self.records_sent += records
 
@@ -90,11 +92,19 @@ class OutLink:
         """We took a new epoch: our numbering to `dest` starts again at 1, so the ack position
         of the old epoch must go (kept, it made every ack of the new epoch look old)."""
         self.acked_upto = 0
+        self.highest_sent = 0
 
     def replace(self, old_seq: int, new_seq: int, payload: bytes, now: float) -> None:
         """A batch was sent again under a new number (replay after the successor restarted)."""
         u = self._unacked.pop(old_seq)
         self._unacked[new_seq] = Unacked(new_seq, payload, u.records, now, u.low)
+        self.highest_sent = max(self.highest_sent, new_seq)
+
+    def plausible_ack(self, upto: int) -> bool:
+        """An ack up to `upto` can come from the real receiver: it acks only what we sent it.
+        A higher one (forged) would release the replay buffer and, kept as `acked_upto`, make
+        every later real ack look old: no credit ever again (docs/security.md)."""
+        return upto <= self.highest_sent
 
     def lowest_input(self) -> Optional[int]:
         """The lowest input index any unacked batch carries (None when all are acked)."""

@@ -36,6 +36,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Set, TextIO, Tupl
 
 from agent import topics
 from agent.config import RUNTIME_POLICIES, PipelineConfig, load_pipeline_text
+from agent.runtime.inbound import ACCEPT, HOLD, REFUSE, HoldBuffer, LogLimiter, numbering_fault
 from agent.runtime.channel import Inbound, Outbound
 from agent.runtime.envelope import Envelope, Item, Kind, MalformedEnvelope, data_body_bytes, decode, encode, encode_data
 from agent.runtime.flow import AckTracker, OutLink
@@ -88,6 +89,16 @@ IDLE_PING = 10.0
 IDLE_PING_MAX = 40.0
 PROBE, PROBE_ECHO = "probe", "probe_echo"  # see _ScalingDriver.on_probe
 RECONNECT_ASK = 5.0  # a fenced worker asks its agent again this often (see Worker._ask_to_reconnect)
+# Envelopes of senders not known yet (agent.runtime.inbound.HoldBuffer) wait this long for the
+# protocol to announce them (a new copy's Start, resent after IDLE_PING..IDLE_PING_MAX), then they
+# are refused. An idle copy holds until its Start: until then it cannot know its predecessors.
+HOLD_TTL = 60.0
+HOLD_MAX_SENDERS = 64
+HOLD_MAX_BYTES = 8 << 20
+# Idle pings ([0, 0] acks) from copies we do not know that we probe at once (`on_idle_ping`),
+# and how long a probe waits for its echo before the channel it opened is forgotten.
+MAX_PROBES = 8
+PROBE_TTL = 60.0
 
 
 class Worker:
@@ -169,6 +180,23 @@ class Worker:
         # Acks go out every quarter of the predecessors' window (their operator's setting).
         pred_window = self.pipeline.operators[self.stage - 1].max_inflight_batches if self.stage > 0 else 8
         self.ack_every = max(1, pred_window // 4)
+        # Admission (agent.runtime.inbound): how far ahead an honest sender's numbers can run is
+        # set by the larger window on our channels; a held sender gets room for a window of data
+        # twice over, plus its protocol and lock messages.
+        self.window = max(pred_window, self.op.max_inflight_batches)
+        self.hold = HoldBuffer(HOLD_MAX_SENDERS, 2 * self.window + 32, HOLD_MAX_BYTES)
+        self._refusals = LogLimiter()
+        # Only a name an instance of a neighbouring operator can have is worth holding: keepers
+        # are "<pipeline>.<operator>.0" (deploy.keeper_id), every other instance "<operator>-..."
+        # (ScalingCore._new_id, the agent's createNode, the bench). Invented names are refused
+        # at once, so they cannot fill the hold buffer that a new copy's predecessors need.
+        ops = self.pipeline.operators
+        pred_op = [ops[self.stage - 1].name] if self.stage > 0 else []
+        near = pred_op + [spec.operator] + ([ops[self.stage + 1].name] if self.stage + 1 < len(ops) else [])
+        self._shapes = {
+            Kind.DATA: (tuple(f"{o}-" for o in pred_op), {f"{spec.pipeline}.{o}.0" for o in pred_op}),
+            Kind.PROTO: (tuple(f"{o}-" for o in near), {f"{spec.pipeline}.{o}.0" for o in near}),
+        }
 
         self.transport = transport or Transport(f"fog-{spec.cluster}-{spec.instance}", spec.broker)
         # Re-homing on: after a lost connection, reconnect only when our agent says this identity
@@ -200,8 +228,14 @@ class Worker:
             "sends_to_non_successor": 0,
             "credit_stalls": 0,
             "publish_rejected": 0,
+            "refused_senders": 0,  # envelopes from senders our tables do not know (incl. expired holds)
+            "refused_epochs": 0,  # an epoch no real incarnation of the sender can have
+            "refused_seqs": 0,  # a number (or an ack) far beyond what the sender can have sent
+            "held_dropped": 0,  # of those, refused because the hold buffer was full
+            "held_released": 0,  # held until the protocol announced their sender, then admitted
         }
-        self._malformed_logged: Set[str] = set()
+        self._malformed_log = LogLimiter()  # bounded: a flood of invented names costs nothing
+        self._malformed_logged: Set[str] = set()  # protocol senders (admitted ones only: bounded)
         self._period_records = 0
         self._last_load = 0.0
         self._exit: Optional[Tuple[int, str, bool]] = None
@@ -305,6 +339,8 @@ class Worker:
         if self.is_source:
             self._produce(now)
         self._process(now)
+        if self.hold:
+            self._release_held(now)
         if self.is_sink:
             self._settle_sink()
         self._flush(now)
@@ -354,10 +390,75 @@ class Worker:
             # INVARIANT 5 (nothing dropped silently): counted, logged once per sender, skipped.
             self.stats["malformed"] += 1
             who = _guess_sender(ev.payload)
-            if who not in self._malformed_logged:
-                self._malformed_logged.add(who)
+            if self._malformed_log.allow(who, self.clock()):
                 log.warning("malformed payload on inbox from %s skipped: %s", who, exc, extra=self.ctx)
             return
+        if env.sender in self.hold:
+            self._hold(env, ev.payload)  # behind what it already holds: the sender's order is kept
+            return
+        verdict, why = self._admit(env)
+        if verdict == ACCEPT:
+            self._accept(env)
+        elif verdict == HOLD:
+            self._hold(env, ev.payload)
+        else:
+            self._refuse(env, why)
+
+    # ---- admission (docs/security.md, "Data channels") ------------------------------------------
+
+    def _admit(self, env: Envelope) -> Tuple[str, str]:
+        """ACCEPT, HOLD or REFUSE (with the reason) for one decoded envelope, before it touches
+        any state: its sender must exist for our tables, its numbers must be ones that sender can
+        have (agent.runtime.inbound). Cheap on the hot path: a set lookup and a few compares."""
+        if not self._sender_allowed(env):
+            # Data and protocol messages may come from an instance the protocol announces to us
+            # only later (a new copy's predecessors before its Start): hold, if the name can be
+            # one of a neighbouring operator's. Acks come only from instances we sent data to,
+            # which we know by then: refuse.
+            shape = self._shapes.get(env.kind)
+            if shape is not None and (env.sender.startswith(shape[0]) or env.sender in shape[1]):
+                return HOLD, "sender"
+            return REFUSE, "sender"
+        fault = numbering_fault(self.inbound.position(env.sender), self.inbound.resync_unknown,
+                                env.epoch, env.seq, time.time(), self.window)
+        if fault is not None:
+            return REFUSE, fault
+        if env.kind is Kind.ACK and env.body[0] == self.epoch and env.body[1] > 0:
+            link = self.links.get(env.sender)
+            if link is None or not link.plausible_ack(env.body[1]):
+                return REFUSE, "seq"  # acks (in our epoch) what we never sent it
+        return ACCEPT, ""
+
+    def _sender_allowed(self, env: Envelope) -> bool:
+        """Does our view of the pipeline say `env.sender` may send us an envelope of this kind?
+
+        Data: a predecessor (the core's table, or one announced to an idle copy). Acks: an
+        instance we sent data to (a link, a successor), a copy of ours pinging for its Start, or a
+        copy we may have to adopt (`_ScalingDriver.may_probe`). Protocol and lock messages: any
+        instance our tables, our rounds or our persisted channels know."""
+        s = env.sender
+        sc = self.scaling
+        kind = env.kind
+        if kind is Kind.DATA:
+            if sc is None:
+                return s in self.spec.preds
+            return s in sc.core.preds or s in sc.core.preds_to_add
+        if kind is Kind.ACK:
+            if s in self.links or s in self.router.succs:
+                return True
+            if sc is None:
+                return False
+            core = sc.core
+            if s in core.succs or s in core.new_siblings or s in sc.started or s in sc.probes or s in sc.orphans:
+                return True
+            return tuple(env.body) == (0, 0) and sc.may_probe(s)
+        if self.inbound.position(s) is not None or s in self.links:
+            return True
+        if sc is None:
+            return s in self.spec.preds or s in self.spec.succs
+        return sc.knows(s)
+
+    def _accept(self, env: Envelope) -> None:
         before = self.inbound.stats.duplicates + self.inbound.stats.stale_epoch
         known = self.inbound.epoch_of(env.sender)
         if env.sender in self.links and env.epoch > (known if known is not None else 0):
@@ -381,6 +482,69 @@ class Worker:
             log.warning("data batch %d of %s's old epoch %d dropped (now epoch %s)", env.seq, env.sender,
                         env.epoch, self.inbound.epoch_of(env.sender), extra=self.ctx)
 
+    def forget_sender(self, sender: str) -> None:
+        """Drop every per-sender entry of an instance admitted only provisionally (an unanswered
+        probe): channel position, numbering, an empty queue."""
+        if self.queues.get(sender):
+            return  # something of it still waits to be handled: keep it
+        self.queues.pop(sender, None)
+        self.inbound.forget(sender)
+        self.outbound.forget(sender)
+        self._holes.pop(sender, None)
+        self.mark_state_changed()
+
+    def _hold(self, env: Envelope, payload: bytes) -> None:
+        # Kept: the bytes (decoded again on release, so memory is what the byte bound says) and
+        # a header without records (what `_sender_allowed` looks at while it waits).
+        head = Envelope(env.sender, env.epoch, env.seq, env.kind, [] if env.kind is Kind.DATA else env.body)
+        if not self.hold.add(env.sender, (head, bytes(payload)), len(payload) + 200, self.clock()):
+            self.stats["held_dropped"] += 1
+            self._refuse(env, "sender (hold buffer full)")
+
+    def _refuse(self, env: Envelope, why: str) -> None:
+        """Counted, logged at most once per sender per minute (and 20 lines a minute in all), and
+        nothing else: no channel entry, no record id, nothing persisted."""
+        key = "refused_epochs" if why == "epoch" else "refused_seqs" if why == "seq" else "refused_senders"
+        self.stats[key] += 1
+        if self._refusals.allow(env.sender, self.clock()):
+            more = self._refusals.take_suppressed()
+            log.warning("refused %s envelope %d/%d from %s on our inbox: %s not plausible%s",
+                        env.kind.name.lower(), env.epoch, env.seq, env.sender[:64], why,
+                        f" ({more} more refusals not logged)" if more else "", extra=self.ctx)
+
+    def _release_held(self, now: float) -> None:
+        """Senders the protocol has announced since their envelopes were held: admit those
+        envelopes now, in arrival order (the channel then puts them in the sender's order). The
+        rest wait, up to HOLD_TTL (an idle copy: until its Start)."""
+        for sender in self.hold.senders():
+            while True:
+                held = self.hold.first(sender)
+                if held is None:
+                    break
+                if not self._sender_allowed(held[0]):
+                    if held[0].kind is not Kind.ACK:
+                        break  # still not announced: keep waiting
+                    self.hold.pop_first(sender)  # an ack is never held for itself (see _admit)
+                    self._refuse(held[0], "sender")
+                    continue
+                env = decode(held[1], self._decode_records)  # decoded once already: cannot fail
+                verdict, why = self._admit(env)
+                if verdict == HOLD:
+                    break
+                self.hold.pop_first(sender)
+                if verdict == ACCEPT:
+                    self.stats["held_released"] += 1
+                    self._accept(env)
+                else:
+                    self._refuse(env, why)
+        if self.scaling is not None and not self.scaling.data_enabled:
+            return  # idle: its predecessors are announced with its Start
+        for sender, n in self.hold.expire(now, HOLD_TTL):
+            self.stats["refused_senders"] += n
+            if self._refusals.allow(sender, now):
+                log.warning("refused %d envelopes from %s: not announced to us within %.0fs", n, sender[:64],
+                            HOLD_TTL, extra=self.ctx)
+
     def _check_silence(self, now: float) -> None:
         """Messages that will never come (they were lost, or taken by another process with our
         session) show up as a hole in a sender's numbering that stays open (we become a new
@@ -398,6 +562,7 @@ class Worker:
             self._new_incarnation(f"messages from {', '.join(stuck)} missing for {GAP_TIMEOUT:.0f}s", "gaps_recovered")
         if self.scaling is not None:
             self.scaling.ping_if_idle(now)
+            self.scaling.expire_probes(now)
         for dest, link in list(self.links.items()):
             wait = min(LINK_SILENCE * 2 ** link.silent_replays, LINK_SILENCE_MAX)
             if link.inflight and link.oldest_age(now) >= wait and now - link.last_ack_at >= wait:
@@ -894,6 +1059,8 @@ class Worker:
             outbox=self.outbox.pending,
             queued=sum(len(q) for q in self.queues.values()),
             gaps_skipped=self.inbound.gaps_skipped,
+            inbound_senders=self.inbound.senders(),
+            held=self.hold.count,
             reorder_waiting=self.inbound.waiting_total(),
             gaps=self.inbound.gaps(),
             unpubacked=len(self.pending_pub) + len(self.retry),
@@ -1065,6 +1232,7 @@ class _ScalingDriver:
         self._next_ping = worker.clock() + IDLE_PING
         self._idle_pings = 0
         self.probes: Dict[str, int] = {}  # copy -> number of the probe we sent it (on_idle_ping)
+        self._probed_at: Dict[str, float] = {}  # copy -> when (unanswered probes expire: PROBE_TTL)
         self._probe_seq = 0
         self.orphans: Deque[str] = deque()  # idle copies nobody will start: we adopt them (_maybe_adopt)
         self.memory = RoundMemory(saved.get("rounds_applied") if spec.restart else None)
@@ -1086,7 +1254,7 @@ class _ScalingDriver:
         self.next_tick = worker.clock() + self.period
         self.last_round_end = -1e9
         self.counts = {"scale_outs": 0, "scale_ins": 0, "spawns": 0, "spawn_failures": 0}
-        self._errors_logged: Set[str] = set()
+        self._errors_log = LogLimiter()  # once per sender per minute, bounded (probed names are invented)
         self._req = 0
         self.decisions: Deque[Dict[str, Any]] = deque(maxlen=32)  # recent decisions (bench, demo)
 
@@ -1127,6 +1295,40 @@ class _ScalingDriver:
         from agent.protocol.scaling import InstanceState
 
         return self.core.state is InstanceState.DUPLICATING
+
+    def knows(self, sender: str) -> bool:
+        """Is `sender` an instance our tables, our rounds or our round memory name? (Who may send
+        us protocol and lock messages, besides the channels we already have: Worker._admit.)"""
+        core = self.core
+        return (sender in core.preds or sender in core.succs or sender == core.creator
+                or sender in core.pending or sender in core.new_siblings
+                or sender in core.preds_to_add or sender in core.succs_to_add
+                or sender in core.preds_to_delete or sender in core.succs_to_delete
+                or sender in self.started or sender in self.probes or sender in self.orphans
+                or sender in self.memory.applied or sender in self.waiting_spawn.values()
+                or sender in self.round_created)
+
+    def may_probe(self, sender: str) -> bool:
+        """May an idle ping from `sender`, an instance we do not know, be a copy an earlier
+        incarnation of ours created (`on_idle_ping`)? Only if it is named like our copies
+        (`ScalingCore._new_id`: "<operator>-<digest>"), we are active, and fewer than MAX_PROBES
+        probes wait for their echo: invented names cost at most MAX_PROBES channels, each
+        forgotten after PROBE_TTL (`expire_probes`)."""
+        from agent.protocol.scaling import InstanceState
+
+        return (self.core.state is InstanceState.ACTIVE and len(self.probes) < MAX_PROBES
+                and len(sender) <= 128 and sender.startswith(self.core.operator + "-"))
+
+    def expire_probes(self, now: float) -> None:
+        """Probes unanswered for PROBE_TTL: the instance was no copy of ours (or is gone). Its
+        channel and our numbering to it go, unless something else names it."""
+        for copy, at in list(self._probed_at.items()):
+            if now - at < PROBE_TTL:
+                continue
+            del self._probed_at[copy]
+            self.probes.pop(copy, None)
+            if not self.knows(copy) and copy not in self.w.links and copy not in self.w.router.succs:
+                self.w.forget_sender(copy)
 
     @property
     def lock_pending(self) -> bool:
@@ -1212,8 +1414,7 @@ class _ScalingDriver:
         except (ProtocolError, ValueError) as exc:
             # Unexpected or invalid: counted, logged once per sender, state unchanged.
             stats["protocol_errors"] += 1
-            if env.sender not in self._errors_logged:
-                self._errors_logged.add(env.sender)
+            if self._errors_log.allow(env.sender, self.w.clock()):
                 log.warning("protocol message from %s rejected: %s", env.sender, exc, extra=self.w.ctx)
             return
         if is_lock:
@@ -1388,6 +1589,7 @@ class _ScalingDriver:
             return sender in core.new_siblings
         self._probe_seq += 1
         self.probes[sender] = self._probe_seq
+        self._probed_at[sender] = self.w.clock()
         self.counts["probes"] = self.counts.get("probes", 0) + 1
         log.warning("%s is idle and not a copy of this incarnation: probing it", sender, extra=self.w.ctx)
         self.w.send_envelope(sender, Kind.PROTO, {"type": PROBE, "sender": self.core.instance_id, "n": self._probe_seq})
@@ -1407,8 +1609,7 @@ class _ScalingDriver:
         n = body.get("n")
         if type(n) is not int or n < 1 or body.get("sender") != env.sender:
             self.w.stats["protocol_errors"] += 1
-            if env.sender not in self._errors_logged:
-                self._errors_logged.add(env.sender)
+            if self._errors_log.allow(env.sender, self.w.clock()):
                 log.warning("bad %s from %s ignored", body.get("type"), env.sender, extra=self.w.ctx)
             return
         core = self.core
@@ -1417,6 +1618,7 @@ class _ScalingDriver:
                 self.w.send_envelope(env.sender, Kind.PROTO, {"type": PROBE_ECHO, "sender": core.instance_id, "n": n})
         elif self.probes.get(env.sender) == n:
             del self.probes[env.sender]
+            self._probed_at.pop(env.sender, None)
             if env.sender not in self.started and env.sender not in self.orphans:
                 self.orphans.append(env.sender)
 
