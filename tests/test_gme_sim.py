@@ -102,3 +102,31 @@ def test_cli_simulate_gme_json_and_plot(tmp_path, capsys):
     assert out["cs_entries"] == 18 and out["safety_violations"] == 0 and out["unserved_requests"] == 0
     assert out["messages"] == sum(out["messages_by_kind"].values())
     assert png.stat().st_size > 1000
+
+
+def test_per_publisher_send_queue_reproduces_the_24_node_broker_stall():
+    """Issue 27's cause, in the model (docs/gme.md, "24 nodes on the broker"): each node's
+    messages leave through one queue (a paho client), 3 ms each. Under this delivery order,
+    which MQTT allows and independent link delays almost never produce, 2-FGME's authorization
+    churn feeds itself: the queues' wait grows every second and entries all but stop, as on the
+    broker. 1 ms per message keeps the same seed healthy. A damping of the churn must turn the
+    first half of this test into a liveness assertion."""
+    base = dict(algorithm="2fgme", nodes=24, entries=10, think_ms=100, cs_ms=100, seed=1, max_messages=80_000)
+    ok = simulate(GmeSimConfig(send_ms=1.0, **base))
+    assert ok.unserved_requests == 0 and ok.safety_violations == 0 and ok.messages < 9_000
+    stall = simulate(GmeSimConfig(send_ms=3.0, **base))
+    assert stall.safety_violations == 0  # slow, never unsafe
+    assert stall.messages >= 80_000 and stall.entries < 60  # 240 would be every request
+    waits = stall.send_wait_ms_max
+    assert max(waits[-3:]) > 3 * waits[0] > 6_000  # the backlog keeps growing: a feedback loop, not a burst
+    ra2 = simulate(GmeSimConfig(send_ms=3.0, **{**base, "algorithm": "ra2"}))
+    assert ra2.unserved_requests == 0 and ra2.messages < 20_000  # same queues, no churn
+    assert max(ra2.send_wait_ms_max) < 200
+
+
+def test_send_queue_off_keeps_the_old_schedules():
+    a = simulate(GmeSimConfig(algorithm="2fgme", nodes=8, entries=3, seed=2))
+    b = simulate(GmeSimConfig(algorithm="2fgme", nodes=8, entries=3, seed=2, send_ms=0.0))
+    assert a.summary() == b.summary()
+    c = simulate(GmeSimConfig(algorithm="2fgme", nodes=8, entries=3, seed=2, send_ms=0.5))
+    assert c.unserved_requests == 0 and c.end_ms > a.end_ms and max(c.send_wait_ms_max) > 0
