@@ -88,3 +88,24 @@ def test_cli_unreachable_broker_is_one_line_and_exit_2():
     assert p.returncode == 2
     assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
     assert "unreachable" in p.stderr
+
+
+@pytest.mark.broker
+def test_bench_clients_turn_nagle_off(mosquitto):
+    """paho 2.2 leaves Nagle on: a small publish behind an unacknowledged one then waits for the
+    broker's delayed ACK, which serializes each node's messages (the per-publisher queue under
+    which 2-FGME's churn feeds itself, docs/gme.md). The bench's clients must set TCP_NODELAY."""
+    import threading
+
+    from agent.runtime.gme_bench import _Node
+    from agent.sim.gme_check import make_nodes
+
+    cfg = BenchConfig(nodes=2, host=mosquitto.host, port=mosquitto.port)
+    node = _Node(make_nodes("2fgme", (1, 1))[0], cfg, "fog/gme-bench/nagle", threading.Event())
+    try:
+        assert node.subscribed.wait(10)
+        sock = node.client.socket()
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+    finally:
+        node.client.disconnect()
+        node.client.loop_stop()

@@ -68,6 +68,17 @@ def _client(client_id: str):  # type: ignore[no-untyped-def]
     return c
 
 
+def _nodelay(client: Any) -> None:
+    """TCP_NODELAY on paho's socket (paho 2.2 leaves Nagle on; agent/runtime/transport.py).
+
+    Without it every small publish behind an unacknowledged one waits for the broker's delayed
+    TCP ACK: tens of ms per message, which is the slow delivery 2-FGME's churn feeds on
+    (docs/gme.md, "24 nodes on the broker")."""
+    from agent.runtime.transport import _nodelay as nodelay
+
+    nodelay(client)
+
+
 class _Node(threading.Thread):
     def __init__(self, core: Any, cfg: BenchConfig, prefix: str, start_evt: threading.Event) -> None:
         super().__init__(daemon=True, name=f"gme-node-{core.id}")
@@ -94,6 +105,7 @@ class _Node(threading.Thread):
         self.client.on_message = lambda c, u, m: self.inbox.put(m.payload)
         self.client.on_subscribe = lambda c, u, mid, rc, p: self.subscribed.set()
         self.client.connect(cfg.host, cfg.port, keepalive=30)
+        _nodelay(self.client)
         self.client.subscribe(f"{prefix}/inbox/{core.id}", qos=1)
         self.client.loop_start()
 
@@ -371,6 +383,7 @@ def run_bench(cfg: BenchConfig) -> Dict[str, Any]:
     ver.on_message = on_message
     ver.on_subscribe = lambda c, u, mid, rc, p: got_sub.set()
     ver.connect(cfg.host, cfg.port, keepalive=30)
+    _nodelay(ver)
     ver.subscribe([(f"{prefix}/events", 1), ("$SYS/broker/publish/messages/dropped", 0)])
     ver.loop_start()
     procs = max(1, min(cfg.procs, cfg.nodes))
