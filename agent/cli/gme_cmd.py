@@ -16,6 +16,10 @@ def register(groups: Any) -> None:
     _common(p, entries=10, think=1000.0, cs=1000.0)
     p.add_argument("--delay-ms", type=float, default=1.0, help="mean one-way link delay (ms)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--send-ms", type=float, default=0.0,
+                   help="per-message time of each node's one outgoing queue (a publisher on MQTT)")
+    p.add_argument("--max-messages", type=int, default=1_000_000,
+                   help="stop after this many messages (the rest counts as unserved)")
     p.add_argument("--plot", metavar="FILE.png", help="figure 5.2 style occupancy plot")
     p.set_defaults(func=run_simulate)
 
@@ -76,6 +80,8 @@ def _common(p: argparse.ArgumentParser, entries: int, think: float, cs: float) -
     p.add_argument("--think-ms", type=float, default=think, help="P: think time between requests")
     p.add_argument("--cs-ms", type=float, default=cs, help="inCS: time spent in the CS")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--damping", action="store_true",
+                   help="2-FGME: an End ends only the authorization granted for its sender (DEVIATION 4, docs/gme.md)")
 
 
 def _print(report: Dict[str, Any], as_json: bool) -> None:
@@ -93,6 +99,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     cfg = GmeSimConfig(
         algorithm=args.algorithm, nodes=args.nodes, entries=args.entries,
         think_ms=args.think_ms, cs_ms=args.cs_ms, delay_ms=args.delay_ms, seed=args.seed,
+        send_ms=args.send_ms, damping=args.damping, max_messages=args.max_messages,
     )
     res = simulate(cfg)
     _print(res.summary(), args.json)
@@ -134,7 +141,7 @@ def run_bench(args: argparse.Namespace) -> int:
         report = bench(BenchConfig(
             algorithm=args.algorithm, nodes=args.nodes, entries=args.entries,
             think_ms=args.think_ms, cs_ms=args.cs_ms, host=host, port=port,
-            timeout_s=args.timeout, procs=args.procs,
+            timeout_s=args.timeout, procs=args.procs, damping=args.damping,
         ))
     except OSError as exc:  # the broker went away while the clients connected
         print(f"bench gme: broker {host}:{port}: {exc}", file=sys.stderr)

@@ -57,6 +57,7 @@ class BenchConfig:
     timeout_s: float = 300.0
     procs: int = 1  # processes the nodes are spread over (round robin)
     bucket_s: float = 1.0  # width of the message-rate buckets
+    damping: bool = False  # 2-FGME's DEVIATION 4 (agent/protocol/gme_fgme.py)
 
 
 def _client(client_id: str):  # type: ignore[no-untyped-def]
@@ -238,6 +239,9 @@ class _Group:
     def __init__(self, cfg: BenchConfig, prefix: str, ids: Sequence[int]) -> None:
         sizes = (cfg.nodes // 2, cfg.nodes - cfg.nodes // 2)
         cores = make_nodes(cfg.algorithm, sizes)
+        if cfg.damping:
+            for c in cores:
+                c.damped = True
         self.start_evt = threading.Event()
         self.nodes = [_Node(cores[i], cfg, prefix, self.start_evt) for i in ids]
         for n in self.nodes:  # subscribe before announce: wait for every SUBACK
@@ -430,6 +434,7 @@ def run_bench(cfg: BenchConfig) -> Dict[str, Any]:
     msgs = sum(r["sent"] for r in reports)
     report: Dict[str, Any] = {
         "algorithm": cfg.algorithm,
+        "damping": cfg.damping,
         "nodes": cfg.nodes,
         "entries_per_node": cfg.entries,
         "think_ms": cfg.think_ms,

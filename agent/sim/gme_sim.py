@@ -43,6 +43,7 @@ class GmeSimConfig:
     max_time_ms: float = 1e9
     send_ms: float = 0.0  # per-message service time of each node's single outgoing queue
     max_messages: Optional[int] = None  # stop (requests unserved) after this many messages
+    damping: bool = False  # 2-FGME's DEVIATION 4 (agent/protocol/gme_fgme.py)
 
 
 @dataclass
@@ -84,6 +85,7 @@ class GmeSimResult:
         p95 = lat[min(len(lat) - 1, int(0.95 * len(lat)))] if lat else 0.0
         return {
             "algorithm": self.config.algorithm,
+            "damping": self.config.damping,
             "nodes": self.config.nodes,
             "entries_per_node": self.config.entries,
             "messages": self.messages,
@@ -106,6 +108,9 @@ def simulate(cfg: GmeSimConfig) -> GmeSimResult:
         raise ValueError(f"need at least 2 nodes, got {cfg.nodes}")
     sizes = (cfg.nodes // 2, cfg.nodes - cfg.nodes // 2)
     nodes = make_nodes(cfg.algorithm, sizes)
+    if cfg.damping:
+        for n in nodes:
+            n.damped = True  # type: ignore[attr-defined]
     rng = random.Random(cfg.seed)
     res = GmeSimResult(cfg)
     heap: List[Tuple[float, int, str, int, object]] = []
