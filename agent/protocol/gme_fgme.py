@@ -126,7 +126,9 @@ class FgmeNode(GmeNode):
         self.sent_epoch: Dict[NodeId, int] = {}  # node -> epoch of the last Req sent to it
         self.req_first_epoch: int = 1  # acks answering older epochs belong to older requests
         self.competitors_authorized: bool = False
-        self.authorized_for: FrozenSet[NodeId] = frozenset()  # DEVIATION 4; read only while authorizing
+        # DEVIATION 4: written and read only when damped (published: stays empty, so persisted
+        # lock states, agent/protocol/guarded.py, need not carry it)
+        self.authorized_for: FrozenSet[NodeId] = frozenset()
         self.acks_rcvd: Set[NodeId] = set()
 
     # -- priority ---------------------------------------------------------------------------------
@@ -190,7 +192,8 @@ class FgmeNode(GmeNode):
                 self.reqs_to_send.add(j)
             if not self.competitors_authorized:  # line 22
                 self.competitors_authorized = True  # line 23
-                self.authorized_for = frozenset((j,))  # DEVIATION 4
+                if self.damped:
+                    self.authorized_for = frozenset((j,))  # DEVIATION 4
                 if self.req_clock != INF:  # line 24
                     end = End(self.id, self.lc)  # one immutable End shared by the multicast
                     for k in self._sorted_competitors:  # line 25
@@ -263,7 +266,8 @@ class FgmeNode(GmeNode):
         self.req_clock = INF  # line 89
         if self.waiting_reqs:  # line 90
             self.competitors_authorized = True  # line 91
-            self.authorized_for = frozenset(self.waiting_reqs)  # DEVIATION 4
+            if self.damped:
+                self.authorized_for = frozenset(self.waiting_reqs)  # DEVIATION 4
             for k, e in sorted(self.waiting_reqs.items()):  # line 92
                 out.append(Send(k, Ack(self.id, end=True, epoch=e)))
         end = End(self.id, self.lc)
