@@ -90,7 +90,12 @@ def _print(report: Dict[str, Any], as_json: bool) -> None:
         print()
         return
     for k, v in report.items():
-        print(f"{k:22s} {v}")
+        if isinstance(v, list) and v and isinstance(v[0], dict):  # timeline, node_states: a row per line
+            print(k)
+            for row in v:
+                print(f"  {json.dumps(row, sort_keys=True)}")
+        else:
+            print(f"{k:22s} {v}")
 
 
 def run_simulate(args: argparse.Namespace) -> int:
