@@ -16,13 +16,21 @@ def register(groups: Any) -> None:
     _common(p, entries=10, think=1000.0, cs=1000.0)
     p.add_argument("--delay-ms", type=float, default=1.0, help="mean one-way link delay (ms)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--send-ms", type=float, default=0.0,
+                   help="per-message time of each node's one outgoing queue (a publisher on MQTT)")
+    p.add_argument("--max-messages", type=int, default=1_000_000,
+                   help="stop after this many messages (the rest counts as unserved)")
     p.add_argument("--plot", metavar="FILE.png", help="figure 5.2 style occupancy plot")
     p.set_defaults(func=run_simulate)
 
     b = groups.bench.add_parser("gme", help="2-FGME / RA1 / RA2 through a real Mosquitto broker")
     _common(b, entries=25, think=50.0, cs=50.0)
-    b.add_argument("--broker", default="127.0.0.1:1883", help="HOST:PORT of Mosquitto")
-    b.add_argument("--timeout", type=float, default=300.0, help="give up after this many seconds")
+    b.add_argument("--broker", default=None,
+                   help="HOST:PORT of Mosquitto (default: a private broker on a free loopback port)")
+    b.add_argument("--timeout", type=float, default=300.0,
+                   help="end the run after this many seconds: partial report with every node's state, exit 3")
+    b.add_argument("--procs", type=int, default=1,
+                   help="processes to spread the nodes over (one process tops out near 24 nodes, docs/gme.md)")
     b.set_defaults(func=run_bench)
 
     c = groups.bench.add_parser(
@@ -72,6 +80,8 @@ def _common(p: argparse.ArgumentParser, entries: int, think: float, cs: float) -
     p.add_argument("--think-ms", type=float, default=think, help="P: think time between requests")
     p.add_argument("--cs-ms", type=float, default=cs, help="inCS: time spent in the CS")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--damping", action="store_true",
+                   help="2-FGME: an End ends only the authorization granted for its sender (DEVIATION 4, docs/gme.md)")
 
 
 def _print(report: Dict[str, Any], as_json: bool) -> None:
@@ -80,7 +90,12 @@ def _print(report: Dict[str, Any], as_json: bool) -> None:
         print()
         return
     for k, v in report.items():
-        print(f"{k:22s} {v}")
+        if isinstance(v, list) and v and isinstance(v[0], dict):  # timeline, node_states: a row per line
+            print(k)
+            for row in v:
+                print(f"  {json.dumps(row, sort_keys=True)}")
+        else:
+            print(f"{k:22s} {v}")
 
 
 def run_simulate(args: argparse.Namespace) -> int:
@@ -89,6 +104,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     cfg = GmeSimConfig(
         algorithm=args.algorithm, nodes=args.nodes, entries=args.entries,
         think_ms=args.think_ms, cs_ms=args.cs_ms, delay_ms=args.delay_ms, seed=args.seed,
+        send_ms=args.send_ms, damping=args.damping, max_messages=args.max_messages,
     )
     res = simulate(cfg)
     _print(res.summary(), args.json)
@@ -98,15 +114,53 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    """Exit 0 when the run finished safe and served; 1 on a violation or error; 2 when the broker
+    is unreachable or does not start; 3 when `--timeout` ended the run (report still printed)."""
+    import socket
+    import tempfile
+
+    from agent.runtime.broker import BrokerError, start_private_broker
     from agent.runtime.gme_bench import BenchConfig, run_bench as bench
 
-    host, _, port = args.broker.rpartition(":")
-    report = bench(BenchConfig(
-        algorithm=args.algorithm, nodes=args.nodes, entries=args.entries,
-        think_ms=args.think_ms, cs_ms=args.cs_ms, host=host or "127.0.0.1", port=int(port),
-        timeout_s=args.timeout,
-    ))
+    broker = None
+    tmp = None
+    if args.broker is None:
+        tmp = tempfile.TemporaryDirectory(prefix="gme-bench-")
+        try:
+            broker = start_private_broker(tmp.name, max_queued=100000)
+        except BrokerError as exc:
+            print(f"bench gme: {exc}", file=sys.stderr)
+            tmp.cleanup()
+            return 2
+        host, port = broker.host, broker.port
+    else:
+        h, _, p = args.broker.rpartition(":")
+        host = h or "127.0.0.1"
+        try:
+            port = int(p)
+            socket.create_connection((host, port), timeout=5).close()
+        except (ValueError, OSError) as exc:
+            print(f"bench gme: broker {args.broker} unreachable: {exc}", file=sys.stderr)
+            return 2
+    try:
+        report = bench(BenchConfig(
+            algorithm=args.algorithm, nodes=args.nodes, entries=args.entries,
+            think_ms=args.think_ms, cs_ms=args.cs_ms, host=host, port=port,
+            timeout_s=args.timeout, procs=args.procs, damping=args.damping,
+        ))
+    except OSError as exc:  # the broker went away while the clients connected
+        print(f"bench gme: broker {host}:{port}: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if broker is not None:
+            broker.stop()
+        if tmp is not None:
+            tmp.cleanup()
     _print(report, args.json)
+    if report["timed_out"]:
+        print(f"bench gme: timed out after {args.timeout:g} s with {report['unserved_requests']} "
+              "requests unserved (node_states has every node's state)", file=sys.stderr)
+        return 3
     ok = not report["errors"] and report["safety_violations"] == 0 and report["unserved_requests"] == 0
     return 0 if ok else 1
 

@@ -24,6 +24,20 @@ change we found: every Req carries an *epoch* (a per-node counter, +1 per Req se
 echoes the epoch of the Req it answers (`waiting_reqs` remembers it), and `acks_to_ign` maps a
 competitor to the last withdrawn epoch: an Ack is ignored when it answers a withdrawn Req or a
 Req of an earlier request. Same messages, same count, same lines; only the bookkeeping counts.
+
+DEVIATION 4 (damping, issue 27; docs/gme.md "24 nodes on the broker"): line 79 ends the
+authorization of the other group on ANY End. An End that answers nothing of ours, the
+withdrawal broadcast of a competitor that just yielded to someone else (lines 25-31), then makes
+an authorizing node resume (line 83), its resumed Reqs make lower-priority competitors withdraw
+and broadcast Ends again: a branching loop whose factor is ~1 with instant delivery and above 1
+when each node's messages leave through one queue (MQTT). On the broker at 24 nodes it never
+ends. Damped (opt-in, `damped`), the authorization ends on an End only from a node it was granted FOR
+(`authorized_for`: the higher-priority requester of line 20-23, or the waiting requesters acked
+at exit, lines 90-92), on any Ack(renew) / Ack(end) (line 60, unchanged), and never before one of
+them leaves or withdraws: the thesis's prose ("a node stops acknowledging requests from its
+competitors when one of them either leaves the critical section or postpones its own request"),
+read as "one of those it acknowledges". Other Ends still update the clock and drop the sender's
+waiting Req (lines 78, 80-82).
 """
 
 from __future__ import annotations
@@ -87,6 +101,9 @@ class FgmeNode(GmeNode):
     """One 2-FGME node. Competitors are all nodes of the other group(s)."""
 
     algorithm: ClassVar[str] = "2fgme"
+    # DEVIATION 4 is opt-in (`node.damped = True`, CLI `--damping`): the published line 79 stays
+    # the default, the variant the exhaustive 2+2 x 2 search proved (docs/gme.md)
+    damped: ClassVar[bool] = False
 
     def __init__(
         self, node_id: NodeId, groups: Mapping[NodeId, Group], fault: Optional[str] = None
@@ -109,6 +126,9 @@ class FgmeNode(GmeNode):
         self.sent_epoch: Dict[NodeId, int] = {}  # node -> epoch of the last Req sent to it
         self.req_first_epoch: int = 1  # acks answering older epochs belong to older requests
         self.competitors_authorized: bool = False
+        # DEVIATION 4: written and read only when damped (published: stays empty, so persisted
+        # lock states, agent/protocol/guarded.py, need not carry it)
+        self.authorized_for: FrozenSet[NodeId] = frozenset()
         self.acks_rcvd: Set[NodeId] = set()
 
     # -- priority ---------------------------------------------------------------------------------
@@ -172,6 +192,8 @@ class FgmeNode(GmeNode):
                 self.reqs_to_send.add(j)
             if not self.competitors_authorized:  # line 22
                 self.competitors_authorized = True  # line 23
+                if self.damped:
+                    self.authorized_for = frozenset((j,))  # DEVIATION 4
                 if self.req_clock != INF:  # line 24
                     end = End(self.id, self.lc)  # one immutable End shared by the multicast
                     for k in self._sorted_competitors:  # line 25
@@ -216,6 +238,10 @@ class FgmeNode(GmeNode):
 
     def _on_end(self, m: End) -> List[Output]:
         self.lc = max(self.lc, m.clock)  # line 78
+        if self.competitors_authorized and m.sender not in self.authorized_for and self.damped:
+            # DEVIATION 4: not the end of the authorization we granted; only lines 80-82
+            self.waiting_reqs.pop(m.sender, None)
+            return []
         self.competitors_authorized = False  # line 79
         self.waiting_reqs.pop(m.sender, None)  # lines 80-82
         return self._resume()  # lines 83-85
@@ -240,6 +266,8 @@ class FgmeNode(GmeNode):
         self.req_clock = INF  # line 89
         if self.waiting_reqs:  # line 90
             self.competitors_authorized = True  # line 91
+            if self.damped:
+                self.authorized_for = frozenset(self.waiting_reqs)  # DEVIATION 4
             for k, e in sorted(self.waiting_reqs.items()):  # line 92
                 out.append(Send(k, Ack(self.id, end=True, epoch=e)))
         end = End(self.id, self.lc)
@@ -291,6 +319,7 @@ class FgmeNode(GmeNode):
         new.acks_to_ign = {perm[k]: e for k, e in self.acks_to_ign.items()}
         new.sent_epoch = {perm[k]: e for k, e in self.sent_epoch.items()}
         new.acks_rcvd = {perm[k] for k in self.acks_rcvd}
+        new.authorized_for = frozenset(perm[k] for k in self.authorized_for)
         return new
 
     def live_snapshot(self, requests_left: int) -> Tuple[object, ...]:
@@ -314,17 +343,21 @@ class FgmeNode(GmeNode):
           req_first_epoch are overwritten before the next read (as in IDLE), acks_rcvd too.
         - REQUESTING: everything, except acks_to_ign / sent_epoch entries below req_first_epoch
           (an Ack answering such an epoch is stale by `m.epoch < req_first_epoch` already).
+        - authorized_for (DEVIATION 4) is read only when damped and competitors_authorized is
+          true, and written whenever the latter becomes true: dead otherwise.
         `entries` only counts, for the checker's measure.
         """
         s = self.state
+        # read only when damped and authorizing: dead otherwise (keeps the published variant's classes)
+        auth_for = self.authorized_for if self.competitors_authorized and self.damped else None
         if s is GmeState.IDLE:
             if requests_left == 0:
                 return (s.value,)
-            return (s.value, self.lc, self.epoch, self.competitors_authorized, frozenset(self.reqs_to_send))
+            return (s.value, self.lc, self.epoch, self.competitors_authorized, frozenset(self.reqs_to_send), auth_for)
         if s is GmeState.IN_CS:
             return (
                 s.value, self.lc, self.epoch, tuple(sorted(self.waiting_reqs.items())),
-                frozenset(self.reqs_to_send), self.competitors_authorized,
+                frozenset(self.reqs_to_send), self.competitors_authorized, auth_for,
             )
         first = self.req_first_epoch
         return (
@@ -338,6 +371,7 @@ class FgmeNode(GmeNode):
             first,
             tuple(sorted((k, e) for k, e in self.sent_epoch.items() if e >= first)),
             self.competitors_authorized,
+            auth_for,
             frozenset(self.acks_rcvd),
         )
 
@@ -353,6 +387,7 @@ class FgmeNode(GmeNode):
             self.req_first_epoch,
             tuple(sorted(self.sent_epoch.items())),
             self.competitors_authorized,
+            self.authorized_for if self.competitors_authorized and self.damped else None,
             frozenset(self.acks_rcvd),
             self.entries,
         )

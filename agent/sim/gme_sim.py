@@ -6,6 +6,14 @@ each node thinks P ms, requests, stays `cs_ms` in the CS, exits, `entries` times
 pair of nodes is a FIFO link with a per-message delay drawn from `delay_ms * U(0.5, 1.5)`
 (a message never overtakes an earlier one on the same link). The scheduler is a heap of
 (time, seq, event), seeded, so a run repeats exactly (SimPy's design).
+
+`send_ms` adds what a publisher on MQTT does and independent link delays do not: each node's
+messages leave through ONE queue, one after another (a paho client's outgoing queue drained
+through its in-flight window; on the bench, one GIL for all clients), each taking
+`send_ms * U(0.5, 1.5)`. A node that multicasts 11 Ends at once then delays its own later
+messages, including the Acks others wait for, by its own backlog, and the receivers act on what
+it decided long ago. This is the delivery model under which 2-FGME's authorization churn feeds
+itself at 24 nodes (docs/gme.md, "24 nodes on the broker"); `max_messages` bounds such a run.
 """
 
 from __future__ import annotations
@@ -33,6 +41,9 @@ class GmeSimConfig:
     seed: int = 0
     start_spread_ms: Optional[float] = None  # first request in U(0, spread); default think_ms
     max_time_ms: float = 1e9
+    send_ms: float = 0.0  # per-message service time of each node's single outgoing queue
+    max_messages: Optional[int] = None  # stop (requests unserved) after this many messages
+    damping: bool = False  # 2-FGME's DEVIATION 4 (agent/protocol/gme_fgme.py)
 
 
 @dataclass
@@ -47,6 +58,9 @@ class GmeSimResult:
     # per group: list of (time_ms, requesting_or_in_cs, in_cs)
     timeline: Dict[int, List[Tuple[float, int, int]]] = field(default_factory=dict)
     end_ms: float = 0.0
+    # messages sent per simulated second, and the largest send-queue wait (ms) in that second
+    sent_per_s: List[int] = field(default_factory=list)
+    send_wait_ms_max: List[float] = field(default_factory=list)
 
     def occupancy(self, group: int) -> Dict[str, float]:
         """Max and time-weighted mean of in-CS / requesting while the group holds the CS."""
@@ -71,6 +85,7 @@ class GmeSimResult:
         p95 = lat[min(len(lat) - 1, int(0.95 * len(lat)))] if lat else 0.0
         return {
             "algorithm": self.config.algorithm,
+            "damping": self.config.damping,
             "nodes": self.config.nodes,
             "entries_per_node": self.config.entries,
             "messages": self.messages,
@@ -83,6 +98,8 @@ class GmeSimResult:
             "safety_violations": self.safety_violations,
             "unserved_requests": self.unserved_requests,
             "simulated_ms": round(self.end_ms, 3),
+            "sent_per_s": self.sent_per_s,
+            "send_wait_ms_max": [round(x, 1) for x in self.send_wait_ms_max],
         }
 
 
@@ -91,11 +108,15 @@ def simulate(cfg: GmeSimConfig) -> GmeSimResult:
         raise ValueError(f"need at least 2 nodes, got {cfg.nodes}")
     sizes = (cfg.nodes // 2, cfg.nodes - cfg.nodes // 2)
     nodes = make_nodes(cfg.algorithm, sizes)
+    if cfg.damping:
+        for n in nodes:
+            n.damped = True  # type: ignore[attr-defined]
     rng = random.Random(cfg.seed)
     res = GmeSimResult(cfg)
     heap: List[Tuple[float, int, str, int, object]] = []
     seq = 0
     link_free: Dict[Tuple[int, int], float] = {}
+    send_free: Dict[int, float] = {}  # node -> when its outgoing queue is empty
     left = [cfg.entries] * len(nodes)
     asked_at: Dict[int, float] = {}
     kinds: Counter = Counter()
@@ -116,8 +137,18 @@ def simulate(cfg: GmeSimConfig) -> GmeSimResult:
             if isinstance(o, Send):
                 res.messages += 1
                 kinds[o.message.kind] += 1
+                sec = int(t // 1000.0)
+                while len(res.sent_per_s) <= sec:
+                    res.sent_per_s.append(0)
+                    res.send_wait_ms_max.append(0.0)
+                res.sent_per_s[sec] += 1
+                leave = t
+                if cfg.send_ms > 0:
+                    leave = max(t, send_free.get(src, 0.0)) + cfg.send_ms * (0.5 + rng.random())
+                    send_free[src] = leave
+                    res.send_wait_ms_max[sec] = max(res.send_wait_ms_max[sec], leave - t)
                 key = (src, o.to)
-                at = max(t + cfg.delay_ms * (0.5 + rng.random()), link_free.get(key, 0.0))
+                at = max(leave + cfg.delay_ms * (0.5 + rng.random()), link_free.get(key, 0.0))
                 link_free[key] = at
                 push(at, "deliver", o.to, o.message)
             elif isinstance(o, Entered):
@@ -136,7 +167,7 @@ def simulate(cfg: GmeSimConfig) -> GmeSimResult:
     t = 0.0
     while heap:
         t, _, what, i, payload = heapq.heappop(heap)
-        if t > cfg.max_time_ms:
+        if t > cfg.max_time_ms or (cfg.max_messages is not None and res.messages >= cfg.max_messages):
             break
         node = nodes[i]
         if what == "request":
