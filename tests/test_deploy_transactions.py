@@ -239,3 +239,106 @@ def test_deploy_on_a_full_fleet_is_refused_and_a_failed_one_rolled_back(
         assert code == 0 and [p["pipeline"] for p in doc["pipelines"] if p["deployed"]] == [], doc
     finally:
         fleet.stop()
+
+
+PIN_PIPELINE = """
+[pipeline]
+name = "pin"
+[scaling]
+policy = "decentralized"
+capacity = 1000.0
+period = 0.5
+max_instances = 3
+[[operator]]
+name = "source"
+kind = "source"
+function = "agent.runtime.taxi:source"
+params = { seed = 4, profile = "constant", rate = 20.0 }
+[[operator]]
+name = "in_zone"
+function = "agent.runtime.operators:in_zone"
+[[operator]]
+name = "sink"
+kind = "sink"
+function = "agent.runtime.operators:counting_sink"
+"""
+
+
+def test_manual_scale_pins_the_count_until_released(capsys, mosquitto: Any, tmp_path: Path) -> None:
+    """Real workers, real policy: in_zone gets 20 records/s for a capacity of 1,000, so a copy
+    scales itself in at its first decisions (q = 1 - load/(0.7 C) ~ 0.97 per 0.5 s period).
+    After `fogctl scale in_zone +1` the copy stays for 8 periods (pinned; `why` says so);
+    after `fogctl scale --release in_zone` the policy removes it again."""
+    from test_fogctl_agents import Agent
+
+    cluster = "tx4"
+    agents = [Agent(tmp_path, mosquitto, cluster, n) for n in ("p1", "p2")]
+    try:
+        def in_zone() -> List[Dict[str, Any]]:
+            code, doc, _ = fogctl(capsys, mosquitto, cluster, "topology", "pin")
+            if code != 0 or not doc["pipelines"]:
+                return []
+            return [i for o in doc["pipelines"][0]["operators"] if o["operator"] == "in_zone"
+                    for i in o["instances"] if i["phase"] == "active"]
+
+        assert wait_until(lambda: [n["status"] for n in fogctl(capsys, mosquitto, cluster, "status")[1]["nodes"]]
+                          == ["online"] * 2, 30)
+        code, doc, err = fogctl(capsys, mosquitto, cluster, "deploy", write(tmp_path, PIN_PIPELINE))
+        assert code == 0, err
+        assert wait_until(lambda: len(in_zone()) == 1, 20)
+        code, doc, err = fogctl(capsys, mosquitto, cluster, "scale", "in_zone", "+1", "--wait", "20")
+        assert code == 0, err
+        assert doc["instances"] == 2 and sorted(doc["pinned"]["nodes"]) == ["p1", "p2"]
+        assert doc["pinned"]["seconds"] is None
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 4.0:  # 8 policy periods
+            got = in_zone()
+            assert len(got) == 2, got
+            time.sleep(0.3)
+        (copy,) = [i["id"] for i in in_zone() if not i["keeper"]]
+        code, doc, err = fogctl(capsys, mosquitto, cluster, "why", copy)
+        assert code == 0 and doc["pinned"]["operator"] == "in_zone" and doc["pinned"]["until"] is None, doc
+        main(["--broker", mosquitto.address, "--cluster", cluster, "why", copy])
+        assert "pinned: in_zone's instance count was set by fogctl scale, until released" in capsys.readouterr()[0]
+
+        code, doc, err = fogctl(capsys, mosquitto, cluster, "scale", "--release", "in_zone")
+        assert code == 0 and sorted(doc["released"]) == ["p1", "p2"], err
+        assert wait_until(lambda: len(in_zone()) == 1, 10), in_zone()
+        code, doc, err = fogctl(capsys, mosquitto, cluster, "why", [i["id"] for i in in_zone()][0])
+        assert code == 0 and doc["pinned"] is None
+
+        # --for: the pin ends by itself (the agents' clocks), then the policy removes the copy.
+        assert listed(capsys, mosquitto, cluster, 3)  # the copy's slot is free again in the states
+        code, doc, err = fogctl(capsys, mosquitto, cluster, "scale", "in_zone", "+1", "--for", "2s", "--wait", "20")
+        assert code == 0 and doc["pinned"]["seconds"] == 2.0, err
+        assert doc["instances"] == 2
+        assert wait_until(lambda: len(in_zone()) == 1, 10), in_zone()
+    finally:
+        for a in agents:
+            a.stop()
+
+
+def test_records_generations_and_durations_pure() -> None:
+    """The rules the agents apply (agent.runtime.deploy.stale_reason) and fogctl's --for."""
+    from agent.config import load_pipeline_text
+    from agent.fogctl.rpc_schema import RequestError, parse_duration
+    from agent.runtime.deploy import PipelineRecord, stale_reason, stamp, tombstone
+
+    text = stamp(PIPELINE, "18c-abc123")
+    assert load_pipeline_text(text).pipeline.name == "p"  # the stamp is a TOML comment
+    assert parse_record(text.encode()) == PipelineRecord("deployed", "18c-abc123")
+    assert parse_record(PIPELINE.encode()) == PipelineRecord("deployed", None)  # before generations
+    assert parse_record(tombstone("p", "18c-abc123")) == PipelineRecord("undeployed", "18c-abc123")
+    assert parse_record(tombstone("p", None)) == PipelineRecord("undeployed", None)
+    assert parse_record(b"") is None
+    deployed = PipelineRecord("deployed", "g2")
+    assert stale_reason("g2", deployed) is None
+    assert "g1" in stale_reason("g1", deployed) and "g2" in stale_reason("g1", deployed)
+    assert stale_reason(None, deployed) is None and stale_reason("g1", PipelineRecord("deployed")) is None
+    assert "undeployed" in stale_reason("g2", PipelineRecord("undeployed", "g2"))
+    assert "undeployed" in stale_reason(None, PipelineRecord("undeployed"))
+    assert stale_reason("g1", None) is None  # no record at all: kept (see stale_reason's docstring)
+    assert [parse_duration(x) for x in ("90", "90s", "10m", "2h", "1d", "0.5m")] == [90, 90, 600, 7200, 86400, 30]
+    for bad in ("", "0", "-5m", "10x", "nan", "inf", "400d"):
+        with pytest.raises(RequestError):
+            parse_duration(bad)
