@@ -1267,6 +1267,10 @@ class Agent:
             log.warning("node %s offline for %.0fs: re-homing %d instances", node, now - since, len(plan),
                         extra={"node": self.node})
             for data in plan:
+                stale = records.stale_reason(records.spec_generation(data), self.records.get(str(data.get("pipeline"))))
+                if stale:  # an undeployed pipeline does not come back through a dead node's record
+                    log.info("not re-homing %s: %s", data.get("instance"), stale, extra={"node": self.node})
+                    continue
                 try:  # the hosted record is bus input: admitted like a spawn request
                     spec = self._spec_from(data, template=None, requester=f"the hosted record of {node}")
                 except (TypeError, ValueError) as exc:
