@@ -342,3 +342,19 @@ def test_records_generations_and_durations_pure() -> None:
     for bad in ("", "0", "-5m", "10x", "nan", "inf", "400d"):
         with pytest.raises(RequestError):
             parse_duration(bad)
+
+
+def test_pins_are_kept_in_the_state_dir(tmp_path: Path) -> None:
+    """An agent restart keeps the pins (they are applied to the re-adopted instances); a damaged
+    file or a damaged entry is no pin, never an error."""
+    from agent.runtime.daemon import PINS_FILE, _load_pins, _save_pins
+
+    pins = {"taxi/in_zone": {"pipeline": "taxi", "operator": "in_zone", "until": None},
+            "/sink": {"pipeline": None, "operator": "sink", "until": 1800000000.5}}
+    _save_pins(tmp_path, pins)
+    assert _load_pins(tmp_path) == pins
+    (tmp_path / PINS_FILE).write_text('{"a": {"operator": 5}, "b": {"operator": "x", "until": "soon"}, '
+                                      '"c": {"operator": "y", "pipeline": 7}}')
+    assert _load_pins(tmp_path) == {"c": {"pipeline": None, "operator": "y", "until": None}}
+    (tmp_path / PINS_FILE).write_text("not json")
+    assert _load_pins(tmp_path) == {}
