@@ -215,13 +215,17 @@ def run(capsys, broker, cluster, *argv):
 
 @pytest.mark.broker
 def test_scale_plus_two_adds_two_instances(capsys, mosquitto, steer_fleet) -> None:
-    cluster, a1, _ = steer_fleet
+    cluster, a1, a2 = steer_fleet
     code, out, err = run(capsys, mosquitto, cluster, "--json", "scale", "in_zone", "+2", "--wait", "5")
     assert code == 0, err
     doc = json.loads(out)
     (sent,) = doc["requests"]
     assert sent["node"] == "n1"  # sent to the keeper's agent
-    assert a1.requests == [{"v": 1, "op": "scale", "operator": "in_zone", "delta": 2, "pipeline": None}]
+    # The pin (docs/fogctl.md: a manual scale pins the count) goes to every online agent first.
+    pin = {"v": 1, "op": "pin", "operator": "in_zone", "pipeline": "taxi", "seconds": None, "release": False}
+    assert a1.requests == [pin, {"v": 1, "op": "scale", "operator": "in_zone", "delta": 2, "pipeline": None}]
+    assert a2.requests[-1] == pin
+    assert doc["pinned"] == {"pipeline": "taxi", "seconds": None, "nodes": ["n1", "n2"]}
     assert len(sent["result"]["instances"]) == 2
     assert (doc["instances"], doc["expected"]) == (5, 5)
 
@@ -236,10 +240,12 @@ def test_scale_in_refused_locally_before_sending(capsys, mosquitto, steer_fleet)
     assert code == 0, err
     assert "in_zone now has 1 active instances" in out
     # One request per node, naming the leaving instances; the keeper stays.
-    assert a1.requests == [{"v": 1, "op": "scale", "operator": "in_zone", "delta": -1, "pipeline": None,
-                            "instances": ["in_zone-2"]}]
-    assert a2.requests == [{"v": 1, "op": "scale", "operator": "in_zone", "delta": -1, "pipeline": None,
-                            "instances": ["in_zone-3"]}]
+    # (after the pin, which every online agent gets first)
+    pin = {"v": 1, "op": "pin", "operator": "in_zone", "pipeline": "taxi", "seconds": None, "release": False}
+    assert a1.requests == [pin, {"v": 1, "op": "scale", "operator": "in_zone", "delta": -1, "pipeline": None,
+                                 "instances": ["in_zone-2"]}]
+    assert a2.requests == [pin, {"v": 1, "op": "scale", "operator": "in_zone", "delta": -1, "pipeline": None,
+                                 "instances": ["in_zone-3"]}]
 
 
 @pytest.mark.broker

@@ -1,6 +1,7 @@
 """`fogctl`: inspect and steer a fog-agent fleet over MQTT (docs/fogctl.md).
 
-Exit statuses: 0 ok, 1 error (refused, timed out, bad config), 2 usage, 3 broker unreachable.
+Exit statuses: 0 ok, 1 error (refused, timed out, bad config), 2 usage, 3 broker unreachable;
+deploy also 4 (a keeper failed to start: rolled back) and 5 (rolled back incompletely).
 Every error is one line on stderr naming what failed and where; no traceback reaches a person.
 Option names mirror mosquitto_sub where it has one (-u/--username, -P/--pw, --cafile, --cert,
 --key, --insecure, -i/--id, -k/--keepalive).
@@ -55,10 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("instance")
     p.add_argument("--last", type=int, default=10, help="how many decisions (default 10)")
     p.add_argument("--wait", type=float, default=0.0, help="also listen this many seconds for new decisions")
-    p = sub.add_parser("scale", help="manual scaling through the protocol: OPERATOR +N or -N")
+    p = sub.add_parser("scale", help="manual scaling through the protocol: OPERATOR +N or -N (pins the count)")
     p.add_argument("operator")
-    p.add_argument("delta", type=parse_delta, help="+N (duplicate) or -N (scale in)")
+    p.add_argument("delta", type=parse_delta, nargs="?", help="+N (duplicate) or -N (scale in)")
     p.add_argument("--pipeline", help="when the operator name exists in several pipelines")
+    p.add_argument("--for", dest="for_", metavar="DURATION",
+                   help="pin the count this long (90s, 10m, 2h); default: until --release")
+    p.add_argument("--release", action="store_true", help="end the pin: the policy decides again")
     p.add_argument("--wait", type=float, default=0.0, help="wait up to this many seconds for the new count")
     p = sub.add_parser("drain", help="empty a node: its instances leave by scale-in, keepers migrate to other nodes")
     p.add_argument("node")
@@ -68,8 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", metavar="PIPELINE.toml")
     p.add_argument("--keeper-timeout", dest="keeper_timeout", type=float, default=30.0,
                    help="seconds to wait for each keeper to be ready")
-    p = sub.add_parser("undeploy", help="stop a pipeline's instances (sources first) and clear its description")
+    p = sub.add_parser("undeploy", help="stop a pipeline's instances (sources first); every agent forgets them")
     p.add_argument("pipeline", metavar="PIPELINE|PIPELINE.toml")
+    p.add_argument("--force", action="store_true",
+                   help="also without a description (lost by the broker): stop what the agents' states list")
     for choice in sub.choices.values():  # `fogctl status --json` works as well as `fogctl --json status`
         choice.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="JSON output")
     return parser
@@ -117,7 +123,7 @@ def main(argv: Optional[Sequence[str]] = None, connect: Optional[Callable[..., A
         return EXIT_UNREACHABLE
     except (FogctlError, RequestError, ConfigError, ValueError) as exc:
         print(f"fogctl: error: {exc}", file=sys.stderr)
-        return EXIT_ERROR
+        return int(getattr(exc, "status", EXIT_ERROR))  # deploy: 4 rolled back, 5 rollback incomplete
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

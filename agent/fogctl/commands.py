@@ -20,7 +20,8 @@ from agent.fogctl import views
 from agent.fogctl.client import Connection, FogctlError
 from agent.fogctl.config import FogctlConfig
 from agent.fogctl.fleet import Fleet, Phase
-from agent.fogctl.rpc_schema import DrainRequest, Reply, RequestError, ScaleRequest, check_drain, check_scale
+from agent.fogctl.rpc_schema import (DrainRequest, PinRequest, Reply, RequestError, ScaleRequest, check_drain,
+                                     check_scale, parse_duration)
 
 __all__ = ["COMMANDS", "fleet_snapshot", "Context"]
 
@@ -164,6 +165,29 @@ def cmd_watch(args: argparse.Namespace, ctx: Context) -> int:
     return 0
 
 
+def pin_of(states: Dict[str, Any], instance: str) -> Optional[Dict[str, Any]]:
+    """The pin (fogctl scale) that holds `instance`, from the agents' retained states, or None:
+    {"operator", "pipeline", "until" (unix seconds or None: until released), "node"}."""
+    from agent import wire
+
+    for topic, m in sorted(states.items()):
+        try:
+            doc = wire.loads(m.payload, what="state", expect=dict)
+        except ValueError:
+            continue
+        items = doc.get("instances") if isinstance(doc.get("instances"), list) else []
+        item = next((i for i in items if isinstance(i, dict) and i.get("id") == instance), None)
+        if item is None or item.get("pinned") is not True:
+            continue
+        pins = doc.get("pins") if isinstance(doc.get("pins"), list) else []
+        pin = next((p for p in pins if isinstance(p, dict) and p.get("operator") == item.get("operator")
+                    and p.get("pipeline") in (None, item.get("pipeline"))), {})
+        until = pin.get("until")
+        return {"operator": item.get("operator"), "pipeline": item.get("pipeline"), "node": doc.get("node"),
+                "until": until if isinstance(until, (int, float)) and not isinstance(until, bool) else None}
+    return None
+
+
 def cmd_why(args: argparse.Namespace, ctx: Context) -> int:
     with ctx.connect(ctx.cfg) as conn:
         topic = topics.decisions(ctx.cfg.cluster, args.instance)
@@ -174,10 +198,11 @@ def cmd_why(args: argparse.Namespace, ctx: Context) -> int:
                 history = ev_mod.parse_history(snap[topic].payload)
             except ev_mod.EventError as exc:
                 raise FogctlError(f"the decision history on {topic} is malformed: {exc}") from None
+        states = conn.snapshot([topics.all_agents_state(ctx.cfg.cluster)])
+        pinned = pin_of(states, args.instance)
         if not history:  # no retained history: the decisions the agents' states carry
             from agent.fogctl.fleet import state_decisions
 
-            states = conn.snapshot([topics.all_agents_state(ctx.cfg.cluster)])
             history = sorted((e for t, m in states.items() for e in state_decisions(ctx.cfg.cluster, t, m.payload)
                               if e.instance == args.instance), key=lambda e: e.ts)
         if args.wait:
@@ -189,9 +214,14 @@ def cmd_why(args: argparse.Namespace, ctx: Context) -> int:
                 if e.instance == args.instance and e.reason is not None:
                     history.append(e)
     history = [e for e in history if e.instance in (None, args.instance)][-args.last:]
-    doc = {"instance": args.instance, "decisions": [e.to_dict() for e in history]}
+    doc = {"instance": args.instance, "decisions": [e.to_dict() for e in history], "pinned": pinned}
     text = "\n".join(views.event_line(e) for e in history) if history else \
         f"no decisions recorded for {args.instance} on {topic} (use --wait SECONDS to listen)"
+    if pinned is not None:
+        until = ("until " + time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(pinned["until"]))
+                 if pinned["until"] is not None else "until released")
+        text = (f"pinned: {pinned['operator']}'s instance count was set by fogctl scale, {until} "
+                f"(fogctl scale --release {pinned['operator']}): the policy makes no automatic decision\n" + text)
     ctx.emit(args, doc, text)
     return 0
 
@@ -219,22 +249,58 @@ def _wait_for(ctx: Context, conn: Connection, done: Callable[[Fleet], bool], tim
         time.sleep(0.2)
 
 
+def _pin_all(conn: Connection, fleet: Fleet, pin: PinRequest) -> List[str]:
+    """Send `pin` to every online agent (a copy may start on any of them); the nodes it reached."""
+    nodes = [n.node for n in fleet.nodes if n.status == "online"]
+    for node in nodes:
+        reply = Reply.from_dict(conn.rpc(node, pin.to_dict()))
+        if not reply.ok:
+            raise FogctlError(f"{node} refused to {'release' if pin.release else 'pin'} {pin.operator}: {reply.error}")
+    return nodes
+
+
+def _operator_pipeline(fleet: Fleet, operator: str, pipeline: Optional[str]) -> Optional[str]:
+    found = sorted({i.pipeline for i in fleet.instances if i.operator == operator and i.pipeline})
+    return pipeline or (found[0] if len(found) == 1 else None)
+
+
 def cmd_scale(args: argparse.Namespace, ctx: Context) -> int:
+    """Manual scaling, which pins the operator's count (docs/fogctl.md): the agents make no
+    automatic decision for its instances until `--release` or the `--for` duration has passed.
+    The pin goes out before the scale requests, so the policy cannot undo the step meanwhile."""
+    if args.release:
+        if args.delta is not None or args.for_:
+            raise RequestError("scale --release OPERATOR takes no +N/-N and no --for")
+        with ctx.connect(ctx.cfg) as conn:
+            fleet = fleet_snapshot(conn, ctx.cfg.cluster)
+            pipeline = _operator_pipeline(fleet, args.operator, args.pipeline)
+            nodes = _pin_all(conn, fleet, PinRequest(args.operator, pipeline, release=True))
+        ctx.emit(args, {"ok": True, "operator": args.operator, "pipeline": pipeline, "released": nodes},
+                 f"released {args.operator}: the policy decides again ({', '.join(nodes) or 'no online node'})")
+        return 0
+    if args.delta is None:
+        raise RequestError("scale: expected OPERATOR +N or -N (or scale --release OPERATOR)")
+    seconds = parse_duration(args.for_) if args.for_ else None
     req = ScaleRequest(operator=args.operator, delta=args.delta, pipeline=args.pipeline)
     with ctx.connect(ctx.cfg) as conn:
         fleet = fleet_snapshot(conn, ctx.cfg.cluster)
         plan = check_scale(fleet, req)
         want = _count_active(fleet, req.operator) + req.delta
+        pin = PinRequest(req.operator, _operator_pipeline(fleet, req.operator, req.pipeline), seconds)
+        pinned_on = _pin_all(conn, fleet, pin)
         results = []
         for node, sub in plan:
             reply = _reply(ctx, conn, node, sub.to_dict())
             if not reply.ok:
                 raise FogctlError(f"{node} refused scale {req.operator} {sub.delta:+d}: {reply.error}")
             results.append({"node": node, "request": sub.to_dict(), "result": reply.result})
-        doc: Dict[str, Any] = {"ok": True, "operator": req.operator, "delta": req.delta, "requests": results}
+        doc: Dict[str, Any] = {"ok": True, "operator": req.operator, "delta": req.delta, "requests": results,
+                               "pinned": {"pipeline": pin.pipeline, "seconds": seconds, "nodes": pinned_on}}
         text = f"scale {req.operator} {req.delta:+d}: accepted by {', '.join(n for n, _ in plan)}"
         if req.delta < 0:
             text += f" ({', '.join(i for _, s in plan for i in s.instances)} leaving)"
+        text += (f"; pinned for {seconds:g}s" if seconds is not None else
+                 f"; pinned until fogctl scale --release {req.operator}")
         if args.wait:
             fleet = _wait_for(ctx, conn, lambda f: _count_active(f, req.operator) == want
                               and not _count_phase(f, req.operator, Phase.TERMINATING), args.wait)
@@ -301,7 +367,13 @@ def cmd_deploy(args: argparse.Namespace, ctx: Context) -> int:
 
 
 def cmd_undeploy(args: argparse.Namespace, ctx: Context) -> int:
-    """Stop every instance of the pipeline (sources first, so successors drain), then clear it."""
+    """Stop every instance of the pipeline (sources first, so successors drain) and make every
+    agent forget it (docs/fogctl.md, "Deploy and undeploy"): each stop carries `forget` (the
+    agent deletes the stored spec before it answers), then the record becomes a tombstone,
+    which agents that were away read when they come back. `--force`: also without a record
+    (the broker lost it), stopping what the agents' states list under the pipeline's name."""
+    from agent.runtime.deploy import parse_record, tombstone
+
     name = args.pipeline
     if name.endswith(".toml"):
         from agent.config import load_pipeline
@@ -311,22 +383,34 @@ def cmd_undeploy(args: argparse.Namespace, ctx: Context) -> int:
     stopped: List[Dict[str, str]] = []
     with ctx.connect(ctx.cfg) as conn:
         fleet = fleet_snapshot(conn, ctx.cfg.cluster)
-        if name not in fleet.pipelines:
-            raise FogctlError(f"pipeline {name!r} is not deployed on {topic}")
         order = {op: k for k, op in enumerate(fleet.operator_order(name))}
         insts = sorted((i for i in fleet.instances if i.pipeline == name),
                        key=lambda i: (order.get(i.operator, len(order)), not i.keeper, i.id))
+        if name not in fleet.pipelines and not args.force:
+            if insts:
+                raise FogctlError(f"pipeline {name!r} has no description on {topic}, but the agents run "
+                                  f"{len(insts)} instance(s) of it ({', '.join(f'{i.id}@{i.node}' for i in insts[:5])}"
+                                  f"{', ...' if len(insts) > 5 else ''}): stop them with fogctl undeploy --force {name}")
+            raise FogctlError(f"pipeline {name!r} is not deployed on {topic}")
         offline = sorted({i.node for i in insts if (fleet.node(i.node) or i).status != "online"})  # type: ignore[union-attr]
-        if offline:
-            raise FogctlError(f"refused: {name} has instances on offline node(s) {', '.join(offline)}")
+        if offline and not args.force:
+            raise FogctlError(f"refused: {name} has instances on offline node(s) {', '.join(offline)} "
+                              f"(fogctl undeploy --force {name} stops the others; the tombstone reaches them later)")
         for i in insts:
-            reply = _reply(ctx, conn, i.node, {"op": "stop", "instance": i.id})
+            if i.node in offline:
+                continue
+            reply = _reply(ctx, conn, i.node, {"op": "stop", "instance": i.id, "forget": True})
             if not reply.ok:
                 raise FogctlError(f"{i.node} refused to stop {i.id}: {reply.error}")
             stopped.append({"instance": i.id, "node": i.node})
-        conn.publish(topic, b"", qos=1, retain=True)  # an empty retained message clears it
-    ctx.emit(args, {"ok": True, "pipeline": name, "topic": topic, "stopped": stopped},
-             f"undeployed {name}: stopped {len(stopped)} instance(s), cleared {topic}")
+        record = parse_record(fleet.pipelines.get(name, "").encode("utf-8"))
+        conn.publish(topic, tombstone(name, record.generation if record else None), qos=1, retain=True)
+    left = [{"instance": i.id, "node": i.node} for i in insts if i.node in offline]
+    text = f"undeployed {name}: stopped {len(stopped)} instance(s), {topic} holds a tombstone"
+    if left:
+        text += f"; left on offline node(s): {', '.join(d['instance'] + '@' + d['node'] for d in left)}"
+    ctx.emit(args, {"ok": True, "pipeline": name, "topic": topic, "stopped": stopped, "offline": left,
+                    "forced": bool(args.force)}, text)
     return 0
 
 

@@ -6,27 +6,37 @@ publish their state every half second (measured: a deploy blocked for 8 minutes)
 snapshot ends at its sync marker instead. The pure parts are shared, so both tools place and
 start keepers identically: `keeper_specs` (ids, routing tables), `fleet_from_snapshot`, the
 placement policy, sink first (a successor is subscribed before its predecessor exists,
-DESIGN.md invariant 2), one `spawn` rpc per keeper, answered only after the worker is ready.
+DESIGN.md invariant 2), one `spawn` rpc per keeper, answered only after the worker is ready, and
+the transaction around them (`run_deploy`: placement checked before anything is published, every
+keeper started or the started ones stopped and the record replaced by a tombstone).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Dict, List, Optional, Tuple
 
 from agent import topics
 from agent.fogctl.client import Connection, FogctlError
 
-__all__ = ["deploy_pipeline"]
+__all__ = ["DeployFailed", "deploy_pipeline"]
+
+
+class DeployFailed(FogctlError):
+    """A deploy that did not happen; `status` is fogctl's exit status: 1 refused before anything
+    was started or published, 4 failed and rolled back, 5 failed and the rollback is incomplete."""
+
+    def __init__(self, message: str, status: int = 1) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def deploy_pipeline(conn: Connection, text: str, name: str, timeout: float,
                     policy_name: Optional[str] = None) -> Tuple[Any, List[Dict[str, str]]]:
     """Publish the TOML retained and start its keepers; returns (PipelineConfig, placed keepers)."""
     from agent.config import load_pipeline_text
-    from agent.runtime.deploy import fleet_from_snapshot, keeper_specs
-    from agent.runtime.placement import DEFAULT_POLICY, PlacementRequest, get_policy
-    from agent.runtime.spec import BrokerSpec, request_spec
+    from agent.runtime.deploy import DeployError, fleet_from_snapshot, keeper_specs, run_deploy
+    from agent.runtime.placement import DEFAULT_POLICY, get_policy
+    from agent.runtime.spec import BrokerSpec
 
     cfg = load_pipeline_text(text, name)  # ConfigError names the file and key
     unsupported = cfg.runtime_policy_errors()
@@ -41,35 +51,17 @@ def deploy_pipeline(conn: Connection, text: str, name: str, timeout: float,
     states = {t: m.payload for t, m in msgs.items() if t.endswith("/state")}
     statuses = {t: m.payload for t, m in msgs.items() if t.endswith("/status")}
     fleet = fleet_from_snapshot(states, statuses)
-    if not any(v.online for v in fleet):
-        raise FogctlError(f"no agent of cluster {c.cluster!r} is online at {conn.address}")
-    running = {i for v in fleet for i in v.instances}
-    clash = [s.instance for s in specs if s.instance in running]
-    if clash:
-        raise FogctlError(f"pipeline {cfg.pipeline.name!r} is already deployed ({clash[0]} runs)")
-    conn.publish(topics.pipeline(c.cluster, cfg.pipeline.name), text.encode("utf-8"), qos=1, retain=True)
-    policy = get_policy(policy_name or DEFAULT_POLICY)
-    placed: List[Dict[str, str]] = []
-    for spec in reversed(specs):  # sink first
-        ranking = policy(PlacementRequest(spec.operator, None, spec.succs + spec.preds), fleet)
-        errors: List[str] = []
-        node = None
-        for candidate in ranking:
-            body = {"op": "spawn", "cause": "deploy",
-                    "spec": request_spec(dataclasses.replace(spec, node=candidate))}
-            try:
-                reply = conn.rpc(candidate, body, timeout=timeout)
-            except FogctlError as exc:
-                errors.append(str(exc))
-                continue
-            if reply.get("ok"):
-                node = str(reply.get("node", candidate))
-                break
-            errors.append(f"{candidate}: {reply.get('error')}")
-        if node is None:
-            raise FogctlError(f"cannot start the keeper of {spec.operator!r}: "
-                              + ("; ".join(errors) or "no online node has a free slot"))
-        placed.append({"operator": spec.operator, "instance": spec.instance, "node": node})
-        fleet = [dataclasses.replace(v, free_slots=v.free_slots - 1, instances=v.instances + (spec.instance,))
-                 if v.node == node else v for v in fleet]
-    return cfg, list(reversed(placed))
+
+    def call(node: str, body: Dict[str, Any]) -> Dict[str, Any]:
+        try:
+            return conn.rpc(node, body, timeout=timeout)
+        except FogctlError as exc:
+            return {"ok": False, "error": str(exc)}
+
+    try:
+        placed = run_deploy(cfg, text, specs, fleet, get_policy(policy_name or DEFAULT_POLICY), call,
+                            lambda topic, payload: conn.publish(topic, payload, qos=1, retain=True), c.cluster,
+                            where=conn.address)
+    except DeployError as exc:
+        raise DeployFailed(str(exc), getattr(exc, "status", 1)) from None
+    return cfg, [{"operator": d.operator, "instance": d.instance, "node": d.node} for d in placed]

@@ -145,6 +145,8 @@ class Fleet:
                 if emu:
                     emulated[name] = emu
             elif parsed.kind == "pipeline" and len(payload) <= wire.MAX_CONTROL_BYTES:
+                if payload.startswith(b"# fog-undeployed:"):  # a tombstone (agent.runtime.deploy)
+                    continue
                 pipelines[name] = payload.decode("utf-8", "replace")
         # An instance whose state does not name its pipeline belongs to the one deployed pipeline
         # that has its operator, when there is exactly one.

@@ -22,8 +22,16 @@ Requests (`{"v": 1, "op": ..., ...}`):
             (`restart = true`, epoch + 1, its predecessors replay). The agent stops accepting new
             instances until `undrain`.
   undrain   {"op": "undrain", "node": "n2"}
+  pin       {"op": "pin", "pipeline": "taxi"|null, "operator": "in_zone", "seconds": 600|null,
+             "release": false}
+            sent by `fogctl scale` to every online agent after the scale requests: while pinned,
+            the operator's instances on that agent (also the ones started later) make no
+            automatic decision; steering still works. Until "release": true or `seconds` have
+            passed (the agent's clock). Kept in the agent's state dir; listed in its state
+            ("pins", and "pinned": true per instance), which `fogctl why` reads.
 Reply: {"v": 1, "ok": true, "result": {...}} or {"v": 1, "ok": false, "error": "one line"}.
-  scale result: {"instances": [new or leaving instance ids]}; drain result: {"leaving": [...]}.
+  scale result: {"instances": [new or leaving instance ids]}; drain result: {"leaving": [...]};
+  pin result: {"pinned": bool, "until": wall time or null, "instances": [local ones it applies to]}.
 
 An agent MUST refuse (ok=false, error says which invariant) a request that would break one:
 scaling below one instance or terminating a keeper, more copies than free slots, draining the
@@ -43,7 +51,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 from agent.fogctl.fleet import Fleet, Instance, Phase
 
 __all__ = [
-    "SCHEMA_VERSION", "ScaleRequest", "DrainRequest", "Reply", "parse_request", "check_scale",
+    "SCHEMA_VERSION", "ScaleRequest", "DrainRequest", "PinRequest", "Reply", "parse_request", "check_scale",
     "check_drain", "RequestError", "ActionKind", "Action", "agent_actions",
 ]
 
@@ -93,6 +101,47 @@ class DrainRequest:
         return {"v": SCHEMA_VERSION, "op": "undrain" if self.undo else "drain", "node": self.node}
 
 
+MAX_PIN_SECONDS = 366 * 86400.0  # a year: a longer pin is a typo (use no timeout instead)
+
+
+@dataclass(frozen=True)
+class PinRequest:
+    operator: str
+    pipeline: Optional[str] = None
+    seconds: Optional[float] = None  # None: until released
+    release: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.operator, str) or not self.operator or len(self.operator) > 200:
+            raise RequestError(f"operator: expected a non-empty string, found {str(self.operator)[:80]!r}")
+        if self.pipeline is not None and (not isinstance(self.pipeline, str) or len(self.pipeline) > 200):
+            raise RequestError(f"pipeline: expected a string or null, found {str(self.pipeline)[:80]!r}")
+        if self.seconds is not None and (isinstance(self.seconds, bool) or not isinstance(self.seconds, (int, float))
+                                         or not 0 < self.seconds <= MAX_PIN_SECONDS):
+            raise RequestError(f"seconds: expected a number in (0, {MAX_PIN_SECONDS:g}] or null, "
+                               f"found {str(self.seconds)[:80]!r}")
+        if not isinstance(self.release, bool):
+            raise RequestError("release: expected true or false")
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"v": SCHEMA_VERSION, "op": "pin", "operator": self.operator, "pipeline": self.pipeline,
+                "seconds": self.seconds, "release": self.release}
+
+
+def parse_duration(text: str) -> float:
+    """`--for 10m`: seconds from "90", "90s", "10m", "2h", "1d" (RequestError otherwise)."""
+    t = str(text).strip().lower()
+    unit = {"s": 1, "m": 60, "h": 3600, "d": 86400}.get(t[-1:], None)
+    number = t[:-1] if unit else t
+    try:
+        value = float(number) * (unit or 1)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= MAX_PIN_SECONDS or value != value:
+        raise RequestError(f"--for {text!r}: expected a positive duration like 90s, 10m, 2h (at most a year)")
+    return value
+
+
 @dataclass(frozen=True)
 class Reply:
     ok: bool
@@ -130,7 +179,10 @@ def parse_request(d: Any) -> Any:
                             instances=tuple(ids))
     if op in ("drain", "undrain"):
         return DrainRequest(node=d.get("node"), undo=op == "undrain")  # type: ignore[arg-type]
-    raise RequestError(f"op: expected scale, drain or undrain, found {op!r}")
+    if op == "pin":
+        return PinRequest(operator=d.get("operator"), pipeline=d.get("pipeline"),  # type: ignore[arg-type]
+                          seconds=d.get("seconds"), release=d.get("release", False))  # type: ignore[arg-type]
+    raise RequestError(f"op: expected scale, drain, undrain or pin, found {op!r}")
 
 
 # ---- the invariants, checked from a fleet snapshot (pure) --------------------------------------

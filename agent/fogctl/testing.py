@@ -20,7 +20,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from agent import events, topics
-from agent.fogctl.rpc_schema import DrainRequest, Reply, RequestError, ScaleRequest, parse_request
+from agent.fogctl.rpc_schema import DrainRequest, PinRequest, Reply, RequestError, ScaleRequest, parse_request
 
 __all__ = ["FakeInstance", "FakeAgent"]
 
@@ -59,6 +59,7 @@ class FakeAgent:
         self.latency_ms, self.emulated_ms = latency_ms, emulated_ms
         self.refuse = refuse
         self.requests: List[Dict[str, Any]] = []
+        self.pins: Dict[str, Dict[str, Any]] = {}  # "<pipeline>/<operator>" -> pin, as the daemon keeps them
         self._next = 100
         self._lock = threading.Lock()
         self._connected = threading.Event()
@@ -107,9 +108,16 @@ class FakeAgent:
     def state(self) -> Dict[str, Any]:
         with self._lock:
             insts = [i.to_dict() for i in self.instances]
-        return {"v": 1, "node": self.node, "ts": time.time(), "cpu": self.cpu, "memory": self.memory,
-                "temperature": self.temperature, "slots": self.slots,
-                "free_slots": self.slots - len(insts), "capacity": 500.0, "instances": insts}
+            pins = sorted(self.pins.values(), key=lambda p: (p["pipeline"] or "", p["operator"]))
+        for i in insts:
+            if any(p["operator"] == i["operator"] and p["pipeline"] in (None, i["pipeline"]) for p in pins):
+                i["pinned"] = True
+        doc = {"v": 1, "node": self.node, "ts": time.time(), "cpu": self.cpu, "memory": self.memory,
+               "temperature": self.temperature, "slots": self.slots,
+               "free_slots": self.slots - len(insts), "capacity": 500.0, "instances": insts}
+        if pins:
+            doc["pins"] = pins
+        return doc
 
     def publish_state(self) -> None:
         self._pub(topics.agent_state(self.cluster, self.node), json.dumps(self.state()).encode())
@@ -164,6 +172,16 @@ class FakeAgent:
         return {"ok": True, "node": self.node}
 
     def _handle(self, req: Any) -> Reply:
+        with self._lock:
+            if isinstance(req, PinRequest):  # the pin is no steering: `refuse` leaves it alone
+                if req.release:
+                    self.pins = {k: p for k, p in self.pins.items() if not (
+                        p["operator"] == req.operator and req.pipeline in (None, p["pipeline"]))}
+                else:
+                    until = None if req.seconds is None else time.time() + req.seconds
+                    self.pins[f"{req.pipeline or ''}/{req.operator}"] = {
+                        "pipeline": req.pipeline, "operator": req.operator, "until": until}
+                return Reply(True, {"pinned": not req.release, "node": self.node})
         if self.refuse:
             return Reply(False, {}, self.refuse)
         with self._lock:

@@ -44,6 +44,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 from agent import topics
 from agent.config import AgentConfig, check_tls, load_pipeline_text, resolve_password
 from agent.runtime import admission, hosted, nodestate, rehome, rpc
+from agent.runtime import deploy as records
 from agent.runtime.placement import DEFAULT_POLICY, NodeView, PlacementPolicy, PlacementRequest, get_policy
 from agent.runtime.spec import BrokerSpec, InstanceSpec, request_spec
 from agent.runtime.supervisor import WORKER_COMMAND, WORKER_EXIT_BAD_SPEC, Reaped, Supervisor, Worker, WorkerStatus
@@ -199,6 +200,13 @@ class Agent:
                                          "rpc_requests": 0, "restarts": 0, "bad_messages": 0,
                                          "peer_refused": 0, "retained_ignored": 0}
         self.deployed: Set[str] = set()  # pipelines an admin deployed (retained pipelines/<name>)
+        # The retained pipeline records (deployed with a generation, or a tombstone): an instance
+        # they rule out is stopped and forgotten (records.stale_reason, docs/fogctl.md).
+        self.records: Dict[str, records.PipelineRecord] = {}
+        self._undeploying: Set[str] = set()  # stopped for an undeploy: forgotten, never restarted
+        # fogctl scale pins: "<pipeline>/<operator>" -> {pipeline, operator, until (wall) or None}
+        self.pins: Dict[str, Dict[str, Any]] = _load_pins(Path(cfg.agent.state_dir))
+        self._pinned_sent: Dict[str, bool] = {}  # instance -> the pinned flag its worker was sent
         self._client: Any = None
         self.draining = False  # fogctl drain: refuse new instances (free_slots() = 0)
         self.metrics: Any = None  # agent.runtime.metrics, when [metrics].port != 0
@@ -413,6 +421,8 @@ class Agent:
             self._publish_hosted()
         self._maybe_rehome(now)
         self._grant_reconnects(now)
+        if self.pins:
+            self._expire_pins()
         for inst, (when, spec) in list(self._delayed_restarts.items()):
             if now >= when and self._stopping_since is None:
                 del self._delayed_restarts[inst]
@@ -503,6 +513,17 @@ class Agent:
         # A draining node offers no slot to anybody: the other agents' placement (and fogctl's
         # checks) read this number, and would otherwise ask it for instances it refuses.
         doc["free_slots"] = min(int(doc["free_slots"]), self.free_slots())
+        for item in doc.get("instances", []):  # which deploy an instance belongs to (fogctl undeploy --force)
+            w = self.supervisor.get(str(item.get("id")))
+            if w is not None:
+                item["pipeline"] = w.spec.pipeline
+                gen = records.spec_generation(w.spec)
+                if gen:
+                    item["generation"] = gen
+                if self._pinned_sent.get(w.instance):
+                    item["pinned"] = True
+        if self.pins:
+            doc["pins"] = sorted(self.pins.values(), key=lambda p: (p["pipeline"] or "", p["operator"]))
         return doc
 
     def _publish_state(self, now: float) -> None:
@@ -648,10 +669,12 @@ class Agent:
         self._state_dirty = True
         job = self._awaiting_ready.pop(instance, None)
         w = self.supervisor.get(instance)
-        if w is not None:
+        if w is not None and instance not in self._undeploying:
             # From now on the instance may be announced: an agent restart must bring it back.
             hosted.remember(self.cfg.agent.state_dir, without_handover(w.spec))
             self._hosted_dirty = True
+            if self.pins:
+                self._apply_pins()
             self._event("spawned", instance, w.spec.operator, w.spec.pipeline,
                         cause=job.cause if job else ("restart" if w.spec.restart else "unknown"))
         if job is not None:
@@ -668,6 +691,10 @@ class Agent:
 
         if w is None or not isinstance(msg.get("spec"), dict):
             reply({"ok": False, "error": "spawn without a spec object"})
+            return
+        stale = records.stale_reason(records.spec_generation(w.spec), self.records.get(w.spec.pipeline))
+        if stale or requester in self._undeploying:
+            reply({"ok": False, "error": f"refused: {stale or 'it is being undeployed'}"})
             return
         try:
             spec = self._spec_from(msg["spec"], template=w.spec)
@@ -908,10 +935,16 @@ class Agent:
             except ValueError as exc:
                 self._bad("hosted record", node, exc)
         elif kind == "pipeline":
-            if msg.payload:
+            record = records.parse_record(msg.payload)
+            if record is None:
+                self.records.pop(node, None)
+            else:
+                self.records[node] = record
+            if record is not None and record.state == "deployed":
                 self.deployed.add(node)
             else:
                 self.deployed.discard(node)
+            self._drop_stale(node, now)
         elif kind == "latency":
             self.latency[node] = nodestate.parse_latency(msg.payload)
         elif kind in ("ping", "pong") and node == self.node and self.latency_core is not None:
@@ -934,6 +967,9 @@ class Agent:
         pipeline = spec.get("pipeline") if isinstance(spec, dict) else None
         if not isinstance(pipeline, str) or not pipeline:
             return "spawn without a pipeline"
+        stale = records.stale_reason(records.spec_generation(spec), self.records.get(pipeline))
+        if stale:
+            return f"pipeline {pipeline[:80]!r}: {stale}"
         if pipeline in self.deployed:
             return None
         if any(s.get("pipeline") == pipeline for s in self.hosted_by_node.get(requester, [])):
@@ -976,12 +1012,22 @@ class Agent:
         if op == "ping":
             reply({"ok": True, "node": self.node, "instances": sorted(self.supervisor.workers)})
         elif op == "stop":
-            inst = body["instance"]
+            # `forget`: an undeploy (docs/fogctl.md): the stored spec goes before the reply, so
+            # that no restart of this agent brings the instance back, whatever the broker keeps.
+            inst, forget = body["instance"], body.get("forget") is True
+            stored = forget and any(s.instance == inst for s in hosted.hosted(self.cfg.agent.state_dir))
+            if forget and (inst in self.supervisor or stored):
+                self._undeploying.add(inst)
+                self._forget(inst)
             if inst in self.supervisor:
                 self.supervisor.stop(inst, now)
                 reply({"ok": True, "instance": inst, "node": self.node})
+            elif stored:
+                reply({"ok": True, "instance": inst, "node": self.node, "forgotten": True})
             else:
                 reply({"ok": False, "error": f"no instance {inst[:80]!r} on {self.node}"})
+        elif op == "pin":
+            reply(self._on_pin(body))
         elif op == "set":
             inst = body["instance"]
             if self.supervisor.send(inst, "set", **body["fields"]):
@@ -1054,11 +1100,17 @@ class Agent:
         if final:
             hosted.forget(self.cfg.agent.state_dir, w.instance)  # gone for good: never re-adopt
             self._hosted_dirty = True
+        undeployed = w.instance in self._undeploying
+        self._undeploying.discard(w.instance)
+        self._pinned_sent.pop(w.instance, None)
+        if undeployed:
+            cause = "undeploy"
+            self._forget(w.instance)  # again: the state file it wrote while draining
         self._event("terminated", w.instance, w.spec.operator, w.spec.pipeline, cause=cause,
                     code=reaped.returncode, reason=str(reason), clean=reaped.clean, stats=w.stats)
         if handover:
             self._hand_over(w, now)
-        elif reaped.crashed and self._stopping_since is None and not fenced:
+        elif reaped.crashed and self._stopping_since is None and not fenced and not undeployed:
             self._maybe_restart(w, now)
 
     def _hand_over(self, w: Worker, now: float) -> None:
@@ -1224,6 +1276,10 @@ class Agent:
             log.warning("node %s offline for %.0fs: re-homing %d instances", node, now - since, len(plan),
                         extra={"node": self.node})
             for data in plan:
+                stale = records.stale_reason(records.spec_generation(data), self.records.get(str(data.get("pipeline"))))
+                if stale:  # an undeployed pipeline does not come back through a dead node's record
+                    log.info("not re-homing %s: %s", data.get("instance"), stale, extra={"node": self.node})
+                    continue
                 try:  # the hosted record is bus input: admitted like a spawn request
                     spec = self._spec_from(data, template=None, requester=f"the hosted record of {node}")
                 except (TypeError, ValueError) as exc:
@@ -1237,6 +1293,75 @@ class Agent:
 
                 self._create_node(spec, reply, cause="rehome", now=now)
 
+    def _drop_stale(self, pipeline: str, now: float) -> None:
+        """The record of `pipeline` changed: every instance of it that the record now rules out
+        (a tombstone, another deploy's generation: records.stale_reason) is forgotten and, if it
+        runs, stopped. This is how an agent that was away during an undeploy learns it."""
+        record = self.records.get(pipeline)
+        for spec in hosted.hosted(self.cfg.agent.state_dir):
+            why = spec.pipeline == pipeline and records.stale_reason(records.spec_generation(spec), record)
+            if why and spec.instance not in self.supervisor:
+                log.warning("stored spec forgotten: %s", why, extra={"instance": spec.instance})
+                self._forget(spec.instance)
+        for inst, w in list(self.supervisor.workers.items()):
+            why = w.spec.pipeline == pipeline and records.stale_reason(records.spec_generation(w.spec), record)
+            if why and inst not in self._undeploying:
+                log.warning("stopping: %s", why, extra={"instance": inst})
+                self._undeploying.add(inst)
+                self._forget(inst)
+                self.supervisor.stop(inst, now)
+
+    # -- pins (fogctl scale: the policy makes no automatic decision for a pinned operator) -------
+
+    def _on_pin(self, body: Dict[str, Any]) -> Dict[str, Any]:
+        from agent.fogctl.rpc_schema import Reply, RequestError, parse_request
+
+        try:
+            req = parse_request(body)
+        except RequestError as exc:
+            return Reply(False, {}, str(exc)).to_dict()
+        key = f"{req.pipeline or ''}/{req.operator}"
+        if req.release:  # every pin of the operator (of that pipeline, when it names one)
+            for k, p in list(self.pins.items()):
+                if p["operator"] == req.operator and req.pipeline in (None, p["pipeline"]):
+                    del self.pins[k]
+        else:
+            until = None if req.seconds is None else round(self.wall() + req.seconds, 3)
+            self.pins[key] = {"pipeline": req.pipeline, "operator": req.operator, "until": until}
+        _save_pins(Path(self.cfg.agent.state_dir), self.pins)
+        pinned = self._apply_pins()
+        log.info("%s %s: local instances %s", "released" if req.release else "pinned", key, pinned,
+                 extra={"node": self.node})
+        return Reply(True, {"pinned": not req.release, "until": self.pins.get(key, {}).get("until"),
+                            "instances": pinned, "node": self.node}).to_dict()
+
+    def _pin_of(self, spec: InstanceSpec) -> Optional[Dict[str, Any]]:
+        return next((p for p in self.pins.values() if p["operator"] == spec.operator
+                     and p["pipeline"] in (None, spec.pipeline)), None)
+
+    def _apply_pins(self) -> List[str]:
+        """Send each worker whose pinned flag changed a `set pinned` control line; the pinned ones."""
+        pinned = []
+        for inst, w in self.supervisor.workers.items():
+            want = self._pin_of(w.spec) is not None
+            if want:
+                pinned.append(inst)
+            if self._pinned_sent.get(inst, False) != want and w.status is WorkerStatus.ACTIVE:
+                if self.supervisor.send(inst, "set", pinned=want):
+                    self._pinned_sent[inst] = want
+        self._state_dirty = True
+        return sorted(pinned)
+
+    def _expire_pins(self) -> None:
+        wall = self.wall()
+        expired = [k for k, p in self.pins.items() if p["until"] is not None and p["until"] <= wall]
+        for k in expired:
+            log.info("pin of %s expired", k, extra={"node": self.node})
+            del self.pins[k]
+        if expired:
+            _save_pins(Path(self.cfg.agent.state_dir), self.pins)
+            self._apply_pins()
+
     def _readopt(self, now: float) -> None:
         """Restart, with the same identity, every instance this node hosted when its agent last
         stopped (agent.runtime.hosted): they are still in their neighbours' routing tables.
@@ -1245,6 +1370,11 @@ class Agent:
         present = {s.instance for s in hosted.hosted(self.cfg.agent.state_dir)}  # not forgotten since
         for spec in self._to_readopt:
             if spec.instance in self.supervisor or spec.instance not in present:
+                continue
+            stale = records.stale_reason(records.spec_generation(spec), self.records.get(spec.pipeline))
+            if stale:
+                log.warning("not re-adopted: %s (stored spec forgotten)", stale, extra={"instance": spec.instance})
+                self._forget(spec.instance)
                 continue
             spec = dataclasses.replace(spec, restart=True, **self._node_local(spec.extra))
             try:  # a file in the state dir is no more trusted than the request that wrote it
@@ -1380,6 +1510,28 @@ def _latency_core(cfg: AgentConfig) -> Any:
     except ImportError:
         return None
     return LatencyCore(cfg.agent.node, cfg.agent.cluster, period=cfg.latency.period, smoothing=cfg.latency.smoothing)
+
+
+PINS_FILE = "pins.json"
+
+
+def _load_pins(state_dir: Path) -> Dict[str, Dict[str, Any]]:
+    """The pins this node was given (kept over an agent restart); an unreadable file: none."""
+    doc = _read_json(state_dir / PINS_FILE)
+    out: Dict[str, Dict[str, Any]] = {}
+    for key, p in (doc or {}).items():
+        if isinstance(p, dict) and isinstance(p.get("operator"), str) and (
+                p.get("until") is None or isinstance(p.get("until"), (int, float))):
+            out[str(key)] = {"pipeline": p.get("pipeline") if isinstance(p.get("pipeline"), str) else None,
+                             "operator": p["operator"], "until": p.get("until")}
+    return out
+
+
+def _save_pins(state_dir: Path, pins: Dict[str, Dict[str, Any]]) -> None:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    tmp = state_dir / (PINS_FILE + ".tmp")
+    tmp.write_text(json.dumps(pins, sort_keys=True))
+    os.replace(tmp, state_dir / PINS_FILE)
 
 
 def _read_json(path: Path) -> Optional[Dict[str, Any]]:

@@ -9,14 +9,25 @@ instance subscribed before that instance exists.
 The pipeline description is published retained on `fog/<cluster>/pipelines/<name>` (the TOML text
 itself) so that tools and late agents can read what runs; each keeper's spec carries the text too,
 so a node never needs the file.
+
+A deploy is a transaction (docs/fogctl.md, "Deploy and undeploy"): placement is checked first
+against the free slots of the retained agent states (`plan_placement`: nothing is published when
+the keepers do not fit), then every keeper starts, or the ones that did are stopped and the record
+is replaced by a tombstone (`run_deploy`). Each deploy has a generation id, carried in the record
+(`stamp`) and in every spec (`extra["generation"]`, inherited by every copy), and an undeploy
+leaves a tombstone naming it (`tombstone`). An agent keeps or re-adopts a stored spec only while
+`stale_reason` finds no reason against it; see that function for the case of no record at all.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import re
+import secrets
+import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from agent import topics
 from agent.config import PipelineConfig, load_pipeline_text
@@ -36,6 +47,85 @@ class Deployed:
     operator: str
     instance: str
     node: str
+
+
+# ---- the pipeline record on pipelines/<name> (admin-written, docs/security.md) ------------------
+
+GENERATION_KEY = "generation"  # in InstanceSpec.extra
+_GENERATION_LINE = re.compile(r"# fog-generation: ([0-9A-Za-z_.-]{1,64})\r?$")
+_TOMBSTONE_LINE = re.compile(r"# fog-undeployed: ([0-9A-Za-z_.-]{1,64})\r?$")
+
+
+@dataclass(frozen=True)
+class PipelineRecord:
+    """What the retained `pipelines/<name>` says: "deployed" (TOML text) or "undeployed" (a
+    tombstone), with the generation it names (None: written by a tool without generations)."""
+
+    state: str
+    generation: Optional[str] = None
+
+
+def new_generation(wall: Optional[float] = None) -> str:
+    """A fresh generation id: milliseconds (hex, so later deploys sort later) + 24 random bits."""
+    return f"{int((time.time() if wall is None else wall) * 1000):x}-{secrets.token_hex(3)}"
+
+
+def stamp(text: str, generation: str) -> str:
+    """The record of a deploy: the TOML text with a first comment line naming its generation
+    (a comment, so every reader that loads the TOML reads the same pipeline)."""
+    return f"# fog-generation: {generation}\n{text}"
+
+
+def tombstone(name: str, generation: Optional[str]) -> bytes:
+    """The record an undeploy (or a rolled-back deploy) leaves: not TOML of a pipeline, and not
+    empty (an empty retained message deletes the record, and with it what agents that were away
+    need to learn: forget this pipeline's instances)."""
+    return (f"# fog-undeployed: {generation or '-'}\n# pipeline {name} was undeployed at "
+            f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}: agents forget its instances\n").encode()
+
+
+def parse_record(payload: bytes) -> Optional[PipelineRecord]:
+    """The record a retained payload holds; None for an empty payload (no record)."""
+    if not payload:
+        return None
+    first = payload[:200].split(b"\n", 1)[0].decode("utf-8", "replace")
+    m = _TOMBSTONE_LINE.match(first)
+    if m is not None or first.startswith("# fog-undeployed:"):
+        gen = m.group(1) if m is not None else None
+        return PipelineRecord("undeployed", None if gen == "-" else gen)
+    m = _GENERATION_LINE.match(first)
+    return PipelineRecord("deployed", m.group(1) if m is not None else None)
+
+
+def spec_generation(spec: Any) -> Optional[str]:
+    """The generation an InstanceSpec (or its request dict) belongs to, None before generations."""
+    extra = spec.get("extra") if isinstance(spec, dict) else getattr(spec, "extra", None)
+    gen = extra.get(GENERATION_KEY) if isinstance(extra, dict) else None
+    return gen if isinstance(gen, str) and gen else None
+
+
+def stale_reason(generation: Optional[str], record: Optional[PipelineRecord]) -> Optional[str]:
+    """Why an instance of generation `generation` must not run (or be re-adopted), or None.
+
+    - a tombstone: the pipeline was undeployed;
+    - a deployed record of another generation: the instance is left over from an earlier deploy;
+    - no record at all: None, the instance is kept. Why: a broker without persistence loses
+      every retained record when it restarts, also those of pipelines that run; refusing then
+      would turn a broker restart plus an agent restart into an outage of that agent's part of
+      every pipeline (its neighbours' routes stall). An undeploy does not depend on the record
+      surviving: it makes each agent forget the specs at once (`stop` with `forget`, answered
+      after the files are gone), and the tombstone reaches agents that were away. What is left
+      (an agent away during the undeploy AND a broker that lost the tombstone meanwhile) shows
+      in the agents' states, and `fogctl undeploy --force NAME` stops it.
+    A spec or record without a generation (written before generations) is judged by the
+    record's state only."""
+    if record is None:
+        return None
+    if record.state == "undeployed":
+        return "its pipeline was undeployed"
+    if generation and record.generation and generation != record.generation:
+        return f"it belongs to deploy {generation}, the deployed one is {record.generation}"
+    return None
 
 
 def keeper_id(pipeline: str, operator: str) -> str:
@@ -94,6 +184,91 @@ def fleet_from_snapshot(states: Dict[str, bytes], statuses: Dict[str, bytes]) ->
     return views
 
 
+class DeployRefused(DeployError):
+    """Refused before anything was started or published (no online agent, no room, a clash)."""
+
+    status = 1
+
+
+class DeployRolledBack(DeployError):
+    """A keeper could not start: the started ones were stopped, the record is a tombstone."""
+
+    status = 4
+
+
+class RollbackIncomplete(DeployError):
+    """A keeper could not start and stopping the started ones failed too (the message names them)."""
+
+    status = 5
+
+
+Call = Callable[[str, Dict[str, Any]], Dict[str, Any]]  # (node, request) -> reply; errors as ok=false
+Publish = Callable[[str, bytes], None]  # retained, QoS 1
+
+
+def plan_placement(specs: Sequence[InstanceSpec], fleet: Sequence[NodeView], policy: Any) -> Optional[str]:
+    """Why the keepers do not fit on the online nodes' free slots (pure), or None when they do.
+    Placement is simulated as the deploy will run it (sink first, one slot per keeper)."""
+    views = list(fleet)
+    for spec in reversed(specs):
+        ranking = policy(PlacementRequest(spec.operator, None, spec.succs + spec.preds), views)
+        if not ranking:
+            online = [v for v in fleet if v.online]
+            free = sum(max(0, v.free_slots) for v in online)
+            per = ", ".join(f"{v.node} {max(0, v.free_slots)}" for v in online)
+            return (f"its {len(specs)} keeper(s) need {len(specs)} free slot(s), the online nodes have "
+                    f"{free} ({per or 'none online'})")
+        node = ranking[0]
+        views = [dataclasses.replace(v, free_slots=v.free_slots - 1, instances=v.instances + (spec.instance,))
+                 if v.node == node else v for v in views]
+    return None
+
+
+def run_deploy(cfg: PipelineConfig, text: str, specs: Sequence[InstanceSpec], fleet: Sequence[NodeView],
+               policy: Any, call: Call, publish: Publish, cluster: str,
+               generation: Optional[str] = None, where: str = "") -> List[Deployed]:
+    """The transaction, over any client (`call`, `publish`): check, publish, start every keeper
+    sink first, or roll back. Raises DeployRefused / DeployRolledBack / RollbackIncomplete with a
+    one-line message that says which."""
+    name = cfg.pipeline.name
+    if not any(v.online for v in fleet):
+        raise DeployRefused(f"no agent of cluster {cluster!r} is online" + (f" at {where}" if where else ""))
+    running = {i for v in fleet for i in v.instances}
+    clash = [s.instance for s in specs if s.instance in running]
+    if clash:
+        raise DeployRefused(f"pipeline {name!r} is already deployed ({clash[0]} runs)")
+    problem = plan_placement(specs, fleet, policy)
+    if problem:
+        raise DeployRefused(f"deploy of {name} refused: {problem}; nothing was started or published")
+    gen = generation or new_generation()
+    specs = [dataclasses.replace(s, extra=dict(s.extra, **{GENERATION_KEY: gen})) for s in specs]
+    topic = topics.pipeline(cluster, name)
+    publish(topic, stamp(text, gen).encode("utf-8"))
+    placed: List[Deployed] = []
+    views = list(fleet)
+    try:
+        for spec in reversed(specs):  # sink first: successors subscribed before predecessors exist
+            node = _place_one(call, spec, views, policy)
+            placed.append(Deployed(spec.operator, spec.instance, node))
+            views = [dataclasses.replace(v, free_slots=v.free_slots - 1, instances=v.instances + (spec.instance,))
+                     if v.node == node else v for v in views]
+            log.info("keeper %s of %s started on %s", spec.instance, spec.operator, node)
+    except DeployError as exc:
+        failed = []
+        for d in reversed(placed):  # sources first, as an undeploy
+            reply = call(d.node, {"op": "stop", "instance": d.instance, "forget": True})
+            if not reply.get("ok"):
+                failed.append(f"{d.instance}@{d.node} ({reply.get('error')})")
+        publish(topic, tombstone(name, gen))
+        started = ", ".join(f"{d.instance}@{d.node}" for d in reversed(placed)) or "none"
+        if failed:
+            raise RollbackIncomplete(f"deploy of {name} failed ({exc}); rollback incomplete: could not stop "
+                                     f"{', '.join(failed)}; {topic} holds a tombstone") from None
+        raise DeployRolledBack(f"deploy of {name} failed and was rolled back: {exc}; stopped: {started}; "
+                               f"{topic} holds a tombstone") from None
+    return list(reversed(placed))
+
+
 def deploy(
     text: str,
     host: str,
@@ -126,33 +301,24 @@ def deploy(
         states = client.snapshot(topics.all_agents_state(cluster))
         statuses = client.snapshot(topics.all_agents_status(cluster))
         fleet = fleet_from_snapshot(states, statuses)
-        if not any(v.online for v in fleet):
-            raise DeployError(f"no agent of cluster {cluster!r} is online at {host}:{port}")
-        running = {i for v in fleet for i in v.instances}
-        clash = [s.instance for s in specs if s.instance in running]
-        if clash:
-            raise DeployError(f"pipeline {cfg.pipeline.name!r} is already deployed ({clash[0]} runs)")
-        client.publish(topics.pipeline(cluster, cfg.pipeline.name), text.encode(), retain=True)
-        placed: List[Deployed] = []
-        for spec in reversed(specs):  # sink first: successors subscribed before predecessors exist
-            node = _place_one(client, spec, fleet, policy, timeout)
-            placed.append(Deployed(spec.operator, spec.instance, node))
-            fleet = [dataclasses.replace(v, free_slots=v.free_slots - 1, instances=v.instances + (spec.instance,))
-                     if v.node == node else v for v in fleet]
-            log.info("keeper %s of %s started on %s", spec.instance, spec.operator, node)
-    return list(reversed(placed))
+
+        def call(node: str, body: Dict[str, Any]) -> Dict[str, Any]:
+            try:
+                return client.call(node, body, timeout=timeout)
+            except rpc.RpcError as exc:
+                return {"ok": False, "error": str(exc)}
+
+        return run_deploy(cfg, text, specs, fleet, policy, call,
+                          lambda topic, payload: client.publish(topic, payload, retain=True), cluster,
+                          where=f"{host}:{port}")
 
 
-def _place_one(client: rpc.RpcClient, spec: InstanceSpec, fleet: Sequence[NodeView], policy: Any, timeout: float) -> str:
+def _place_one(call: Call, spec: InstanceSpec, fleet: Sequence[NodeView], policy: Any) -> str:
     ranking = policy(PlacementRequest(spec.operator, None, spec.succs + spec.preds), fleet)
     errors: List[str] = []
     for node in ranking:
         body = {"op": "spawn", "spec": request_spec(dataclasses.replace(spec, node=node)), "cause": "deploy"}
-        try:
-            reply = client.call(node, body, timeout=timeout)
-        except rpc.RpcError as exc:
-            errors.append(str(exc))
-            continue
+        reply = call(node, body)
         if reply.get("ok"):
             return str(reply.get("node", node))
         errors.append(f"{node}: {reply.get('error')}")
@@ -164,4 +330,6 @@ def undeploy_order(placed: Sequence[Deployed]) -> List[Tuple[str, str]]:
     return [(d.node, d.instance) for d in placed]
 
 
-__all__ = ["DeployError", "Deployed", "deploy", "fleet_from_snapshot", "keeper_id", "keeper_specs", "undeploy_order"]
+__all__ = ["DeployError", "DeployRefused", "DeployRolledBack", "Deployed", "PipelineRecord", "RollbackIncomplete",
+           "deploy", "fleet_from_snapshot", "keeper_id", "keeper_specs", "new_generation", "parse_record",
+           "plan_placement", "run_deploy", "spec_generation", "stale_reason", "stamp", "tombstone", "undeploy_order"]

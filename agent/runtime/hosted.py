@@ -16,6 +16,11 @@ When a spec is written and removed (the rules that keep one identity on one node
   process with the same identity;
 - removed when the worker exits for good: terminated by the protocol (its exit line says
   `final`) or with a bad spec (restarting cannot help).
+- removed when its pipeline is undeployed: at once when an undeploy stops it (`stop` with
+  `forget`, before the agent answers), or when the retained pipeline record rules it out (a
+  tombstone, another deploy's generation: `agent.runtime.deploy.stale_reason`), also for a spec
+  whose instance does not run; re-adoption checks the record again (docs/fogctl.md, "Deploy and
+  undeploy").
 
 The stored spec carries no broker password (the state dir is not a secret store): the agent
 fills in its own broker settings when it re-adopts.

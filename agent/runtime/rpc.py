@@ -12,10 +12,11 @@ Rules of this file: the codec and `PendingCalls` are pure (time is passed in); o
 `PendingCalls` from its own event loop and never blocks on a call). Bodies are parsed with
 agent.wire (bounded size and depth) and refused with a ValueError saying why.
 
-Request body (JSON): {"op": "spawn", "spec": {InstanceSpec}} | {"op": "stop", "instance": id}
+Request body (JSON): {"op": "spawn", "spec": {InstanceSpec}} | {"op": "stop", "instance": id,
+"forget": true (an undeploy: the stored spec goes too)}
                      | {"op": "set", "instance": id, "fields": {...}}   (a "set" control line,
                        e.g. {"service_time_ms": 5.0}: tests and the demo slow an instance down)
-                     | {"op": "ping"} | scale / drain / undrain (agent.fogctl.rpc_schema)
+                     | {"op": "ping"} | scale / drain / undrain / pin (agent.fogctl.rpc_schema)
 Reply body (JSON):   {"ok": true, "instance": id, "node": node} | {"ok": false, "error": "..."}
 """
 
@@ -32,7 +33,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from agent import identity as identity_mod
 from agent import topics, wire
 
-OPS = ("spawn", "stop", "set", "ping", "scale", "drain", "undrain")
+OPS = ("spawn", "stop", "set", "ping", "scale", "drain", "undrain", "pin")
 # What a node may ask another node on its peer topic: createNode()'s spawn (also the carrier
 # of a keeper's hand-over and of a re-home, which are spawns of an existing identity).
 PEER_OPS = ("spawn",)

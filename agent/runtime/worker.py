@@ -17,6 +17,7 @@ The main loop:
 Extra control lines this worker understands besides the contract's "stop" and "spawned":
     {"event": "set", "service_time_ms": 20.0}   change the emulated per-record cost (tests, demo)
     {"event": "set", "paused": true}             pause / resume a source
+    {"event": "set", "pinned": true}             fogctl scale pinned the count: no automatic decision
 """
 
 from __future__ import annotations
@@ -1000,6 +1001,8 @@ class Worker:
                 log.info("service time set to %.3f ms", self.service_time * 1000, extra=self.ctx)
             if "paused" in msg and self.is_source:
                 self.operator.paused = bool(msg["paused"])
+            if "pinned" in msg and self.scaling is not None:
+                self.scaling.pinned = bool(msg["pinned"])
         elif event == "eof":
             self.request_stop(now)
         else:
@@ -1245,6 +1248,7 @@ class _ScalingDriver:
                 self._round_clock.update((n, worker.clock()) for n in self.core.pending)
         self.skip_decisions = 0  # decisions to skip (the first one after activation)
         self.forced: Deque[Tuple[str, int]] = deque()  # steering requests (fogctl), in order
+        self.pinned = False  # fogctl scale pinned this operator's count: forced rounds only
         self.history: List[Any] = []  # last decision events (retained for `fogctl why`)
         self._last_none_event = -1e9
         self._last_history_pub = -1e9
@@ -1470,7 +1474,7 @@ class _ScalingDriver:
             return
         load = self.w.measure_load(now)
         self.next_tick = now + self.period
-        if self.policy == "none" or self.w.is_source or self.w._stopping:
+        if self.policy == "none" or self.w.is_source or self.w._stopping or self.pinned:
             return
         if self.outputs or self.core.in_round or self.lock_pending or now - self.last_round_end < self.cooldown:
             return
