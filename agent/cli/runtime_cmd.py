@@ -103,6 +103,11 @@ def deploy_cmd(args: argparse.Namespace) -> int:
     from agent.runtime.rpc import RpcError
     from agent.schema import ConfigError
 
+    try:  # first, before any broker: a missing file is one line naming it, not an errno
+        text = Path(args.pipeline).read_text()
+    except OSError as exc:
+        print(f"error: cannot read pipeline file {args.pipeline}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     host, port, cluster, user, password, tls = "127.0.0.1", 1883, "default", None, None, None
     try:
         if args.config or (args.host is None and args.port is None):
@@ -116,7 +121,6 @@ def deploy_cmd(args: argparse.Namespace) -> int:
         host = args.host or host
         port = args.port or port
         cluster = args.cluster or cluster
-        text = Path(args.pipeline).read_text()
         placed = deploy(text, host, port, cluster, extra=_parse_extra(args.extra), policy_name=args.placement,
                         timeout=args.timeout, username=user, password=password, name=Path(args.pipeline).name,
                         tls=tls)
