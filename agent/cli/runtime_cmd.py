@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import sys
@@ -141,7 +142,10 @@ def demo_cmd(args: argparse.Namespace) -> int:
 def bench_rescale_cmd(args: argparse.Namespace) -> int:
     from agent.runtime import demo
 
-    result = demo.bench_rescale(rate=args.rate)
+    from agent.log import stdout_to_stderr
+
+    with stdout_to_stderr() if args.json else contextlib.nullcontext():  # --json: stdout is the JSON alone
+        result = demo.bench_rescale(rate=args.rate)
     if args.json:
         json.dump(result, sys.stdout, indent=2, sort_keys=True)
         print()
