@@ -256,6 +256,8 @@ class Agent:
         return True
 
     def _on_connected(self, session_present: bool) -> None:
+        if self._ever_connected and self.metrics is not None:
+            self.metrics.reconnect("agent")  # fog_mqtt_reconnects_total{client="agent"}
         self.connected = True
         self._ever_connected = True
         c = self._client
@@ -506,6 +508,8 @@ class Agent:
         return doc
 
     def _publish_state(self, now: float) -> None:
+        if self.metrics is not None:  # fog_instances, fog_spool_*: on the beat of the retained state
+            self.metrics.observe_node(self.supervisor.workers.values(), self.spill)
         doc = self.state_doc()
         self.fleet[self.node] = doc
         if self._publish(topics.agent_state(self.cluster, self.node), nodestate.encode_state(doc), retain=True):
