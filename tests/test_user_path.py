@@ -388,3 +388,26 @@ def test_every_documented_metric_is_set_by_a_live_agent(tmp_path: Path, capsys: 
             proc.wait()
         log.close()
         broker.stop()
+
+
+# ---- docs match the wire ----------------------------------------------------------------------------
+
+
+def test_documented_node_state_has_the_builders_keys() -> None:
+    """docs/fogctl.md's node state example uses the keys `build_node_state` writes, no others."""
+    import re
+
+    from agent.runtime.nodestate import InstanceInfo, MachineSample, build_node_state, encode_state, parse_node_state
+
+    doc = (ROOT / "docs" / "fogctl.md").read_text()
+    block = re.search(r"Node state, as the agent publishes it.*?```json\n(.*?)```", doc, re.S)
+    assert block, "node state example not found"
+    documented = json.loads(block.group(1))
+    lock = {"state": "in_cs", "intent": None, "boundaries": []}
+    real = build_node_state("n1", 4, [InstanceInfo("taxi.in_zone.0", "in_zone", True, "active", 380.0, 400.0, 4242,
+                                                    {"records_in": 1, "state": "active", "lock": lock})],
+                            MachineSample(12.5, 40.1, 51.0, {"capacity": 500.0}), 1700000000.5)
+    real = parse_node_state(encode_state(real))
+    assert set(documented) == set(real)
+    assert set(documented["instances"][0]) == set(real["instances"][0])
+    assert documented["version"] == real["version"]
