@@ -434,3 +434,42 @@ def test_design_citations_point_at_the_design_document() -> None:
             cited += 1
             assert int(n) in (sections if kind == "section" else invariants), (p, kind, n)
     assert cited >= 20
+
+
+@pytest.mark.parametrize("failure", ["setup", "loss", "interrupt"])
+def test_a_failed_demo_says_where_its_work_directory_is(failure: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                        capfd: pytest.CaptureFixture) -> None:
+    from agent.runtime import demo
+
+    work = tmp_path / "work"
+
+    def run(*a: Any, **k: Any) -> Dict[str, Any]:
+        assert k["workdir"] == work
+        work.mkdir()
+        (work / "n1.log").write_text("agent log\n")
+        if failure == "setup":
+            raise RuntimeError("agents did not come online")
+        if failure == "interrupt":
+            raise KeyboardInterrupt
+        return {"ok": False, "workdir": str(work), "lost": 3, "duplicated": 0}
+
+    monkeypatch.setattr(demo, "run_demo", run)
+    args = argparse.Namespace(pipeline=None, duration=None, workdir=str(work), plot=None, quiet=True, json=False,
+                              no_analytics=True)
+    if failure == "interrupt":
+        with pytest.raises(KeyboardInterrupt):
+            demo.main(args)
+    else:
+        assert demo.main(args) == {"setup": demo.EXIT_SETUP, "loss": demo.EXIT_LOSS}[failure]
+    err = capfd.readouterr().err
+    assert f"kept in {work}" in err, err
+    assert (work / "n1.log").exists()
+
+
+def test_placement_choices_are_the_runtimes_policies() -> None:
+    from agent.cli.runtime_cmd import PLACEMENTS
+    from agent.runtime.placement import POLICIES
+
+    assert set(PLACEMENTS) == set(POLICIES)
+    r = fog_agent("run", "--placement", "nope")
+    assert r.returncode == 2 and "invalid choice: 'nope'" in r.stderr

@@ -11,10 +11,15 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 
+# The placement policies of agent/runtime/placement.py (POLICIES), listed here so that `--help`
+# and argparse check the name without importing the runtime for every command.
+PLACEMENTS = ("free-slots-then-latency", "spread", "local-only")
+
+
 def register(groups: Any) -> None:
     p = groups.root.add_parser("run", help="run the per-node agent daemon (hosts operator instances)")
     p.add_argument("--config", "-c", default=None, help="agent.toml (default: $FOG_AGENT_CONFIG or /etc/fog-agent/agent.toml)")
-    p.add_argument("--placement", default=None, help="placement policy (free-slots-then-latency, spread, local-only)")
+    p.add_argument("--placement", default=None, choices=PLACEMENTS, help="placement policy (default free-slots-then-latency)")
     p.add_argument("--no-warm-worker", action="store_true",
                    help="do not keep a pre-started worker process for the next scale-out")
     # Tests replace the worker program (a fake speaking the control contract): JSON list of argv.
@@ -29,7 +34,8 @@ def register(groups: Any) -> None:
     d.add_argument("--cluster", default=None, help="cluster name (overrides the config)")
     d.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
                    help="extra value passed to every instance's spec (e.g. sink_dir=/tmp/sink)")
-    d.add_argument("--placement", default="free-slots-then-latency", help="placement policy for the keepers")
+    d.add_argument("--placement", default="free-slots-then-latency", choices=PLACEMENTS,
+                   help="placement policy for the keepers")
     d.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for each keeper")
     d.set_defaults(func=deploy_cmd)
 

@@ -869,7 +869,7 @@ def main(args: argparse.Namespace) -> int:
     if not summary["ok"]:
         print(f"demo: FAILED (lost or duplicated records); work directory kept in {summary['workdir']}",
               file=sys.stderr)
-    elif created and not any(workdir.iterdir()):
+    if created and workdir.is_dir() and not any(workdir.iterdir()):
         workdir.rmdir()  # nothing was written there (a run that never started its fleet)
     return EXIT_OK if summary["ok"] else EXIT_LOSS
 
