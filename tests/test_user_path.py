@@ -52,10 +52,12 @@ CHEAP_JSON_COMMANDS: List[List[str]] = [
     ["bench", "spill", "--json", "--records", "2000", "--reps", "1"],
     ["calibrate", "--json", "--dry-run", "--pipeline", "examples/pipeline.toml", "--operator", "validate",
      "--window", "0.05", "--max-rate", "300", "--node", "n1", "--state-dir", "{tmp}"],
+    # a broker and worker processes for half a second per part (~8 s)
+    pytest.param(["bench", "dataplane", "--json", "--seconds", "0.5", "--rescale-cycles", "0"], marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize("argv", CHEAP_JSON_COMMANDS, ids=lambda a: " ".join(a[:3]))
+@pytest.mark.parametrize("argv", CHEAP_JSON_COMMANDS, ids=lambda a: " ".join(a[:3]) if isinstance(a, list) else None)
 def test_json_commands_write_only_json_to_stdout(argv: List[str], tmp_path: Path) -> None:
     r = fog_agent(*[a.format(tmp=tmp_path) for a in argv])
     assert r.returncode == 0, r.stderr[-2000:]
