@@ -475,3 +475,32 @@ def test_placement_choices_are_the_runtimes_policies() -> None:
     assert set(PLACEMENTS) == set(POLICIES)
     r = fog_agent("run", "--placement", "nope")
     assert r.returncode == 2 and "invalid choice: 'nope'" in r.stderr
+
+
+def test_documented_topics_are_the_codes_topics() -> None:
+    """Every topic of docs/design.md section 5 and of docs/fogctl.md's topic table is one that
+    `agent.topics.parse` knows (placeholders filled in), and every kind it knows is in the design."""
+    import re
+
+    from agent import topics
+
+    def concrete(t: str) -> str:
+        t = re.sub(r"<[^>]+>", "x", t.strip().strip("`"))
+        return t if t.startswith("fog/") else "fog/c/" + t
+
+    design = (ROOT / "docs" / "design.md").read_text().split("## 5.")[1].split("\n## ")[0]
+    kinds = set()
+    for line in design.split("```")[1].strip().splitlines():
+        got = topics.parse("c", concrete(line.split()[0].replace("fog/<c>/", "fog/c/")))
+        assert got is not None, line
+        kinds.add(got.kind)
+    listed = re.search(r"kind: (.*?)\n\s+node:", topics.Parsed.__doc__ or "", re.S)
+    assert listed, "agent.topics.Parsed no longer lists its kinds"
+    all_kinds = {k.strip() for k in listed.group(1).split("|")}
+    assert len(all_kinds) >= 17
+    assert kinds == all_kinds, all_kinds - kinds
+    table = (ROOT / "docs" / "fogctl.md").read_text().split("## Topics")[1].split("\n## ")[0]
+    rows = re.findall(r"^\| `([^`]+)` \|", table, re.M)
+    assert len(rows) >= 9
+    for row in rows:
+        assert topics.parse("c", concrete(row)) is not None, row
