@@ -62,7 +62,10 @@ def setup_logging(level: Optional[str] = None, fmt: str = "auto") -> None:
     for old in list(root.handlers):
         root.removeHandler(old)
     root.addHandler(handler)
-    root.setLevel(getattr(logging, level, logging.INFO))
+    known = level in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+    root.setLevel(getattr(logging, level) if known else logging.INFO)
+    if not known:  # only $FOG_AGENT_LOG_LEVEL can get here: --log-level and [log] level are checked
+        logging.getLogger(__name__).warning("unknown log level %r (FOG_AGENT_LOG_LEVEL?); using info", level.lower())
 
 
 def _journal_available() -> bool:

@@ -175,6 +175,8 @@ def test_log_level_is_one_of_four(tmp_path: Path) -> None:
     r = fog_agent("--log-level", "loud", "check-config", "examples/agent.toml")
     assert r.returncode == 2 and "invalid choice: 'loud'" in r.stderr
     assert fog_agent("--log-level", "WARNING", "check-config", "examples/agent.toml").returncode == 0
+    r = fog_agent("check-config", "examples/agent.toml", env={"FOG_AGENT_LOG_LEVEL": "loud"})
+    assert r.returncode == 0 and "unknown log level 'loud'" in r.stderr
 
 
 def test_fogctl_config_naming_a_missing_file_is_an_error(capsys: pytest.CaptureFixture, tmp_path: Path,
