@@ -23,7 +23,7 @@ import math
 import re
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from agent.schema import ConfigError, read_toml
 
