@@ -7,6 +7,8 @@ reproduces the published set-up without tuning.
 
 from __future__ import annotations
 
+import math
+
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -180,7 +182,9 @@ class ScalingSection:
     down: float = field(default=0.6, metadata={"check": in_range(0.0, 10.0)})
     period: float = field(default=5.0, metadata={"check": positive("seconds")})
     capacity: Union[float, Literal["calibrate"]] = field(
-        default=500.0, metadata={"check": lambda v: None if v == "calibrate" or v > 0 else 'expected a number > 0 or "calibrate"'}
+        # finite: an infinite capacity makes every load ratio 0, so the operator never scales out
+        default=500.0, metadata={"check": lambda v: None if v == "calibrate" or (v > 0 and math.isfinite(v))
+                                 else 'expected a finite number > 0 or "calibrate"'}
     )
     r_secure: bool = False
     min_instances: int = field(default=1, metadata={"check": in_range(1, 100000, "an integer")})

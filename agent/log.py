@@ -8,10 +8,11 @@ structured journal fields.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
-from typing import Optional
+from typing import Iterator, Optional
 
 CONTEXT_FIELDS = ("node", "operator", "instance")
 
@@ -61,7 +62,10 @@ def setup_logging(level: Optional[str] = None, fmt: str = "auto") -> None:
     for old in list(root.handlers):
         root.removeHandler(old)
     root.addHandler(handler)
-    root.setLevel(getattr(logging, level, logging.INFO))
+    known = level in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+    root.setLevel(getattr(logging, level) if known else logging.INFO)
+    if not known:  # only $FOG_AGENT_LOG_LEVEL can get here: --log-level and [log] level are checked
+        logging.getLogger(__name__).warning("unknown log level %r (FOG_AGENT_LOG_LEVEL?); using info", level.lower())
 
 
 def _journal_available() -> bool:
@@ -71,3 +75,26 @@ def _journal_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """Send everything written to stdout to stderr for the duration (a `--json` command's work).
+
+    Why both levels: `print` from a library or hook goes through `sys.stdout`, while a JVM
+    (PySpark), a C library or a child process writes to file descriptor 1 directly. The caller
+    writes its JSON after the block, so stdout carries that JSON and nothing else."""
+    sys.stdout.flush()
+    try:
+        saved: Optional[int] = os.dup(1)
+        os.dup2(2, 1)
+    except OSError:  # no fd 1 (a daemon context): the Python-level redirect still holds
+        saved = None
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        if saved is not None:
+            os.dup2(saved, 1)
+            os.close(saved)

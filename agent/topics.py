@@ -1,4 +1,4 @@
-"""The MQTT topic space (DESIGN.md section 5), in one place.
+"""The MQTT topic space (docs/design.md section 5), in one place.
 
 Everything an agent publishes is readable with `mosquitto_sub -v -t 'fog/#'`; fogctl and the
 daemon build topics only through these functions so that the two never drift apart.

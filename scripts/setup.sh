@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install what the project needs on a fresh Debian machine (run as root; idempotent):
-# system packages from apt, then a .venv with the project and its extras.
+# system packages from apt (only the missing ones), then a .venv in the checkout with the project
+# and its extras. It changes nothing else: no service is enabled, disabled, started or stopped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -26,10 +27,8 @@ if [ ${#missing[@]} -gt 0 ]; then
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
-# Mosquitto must not run as a system service here: tests start private brokers.
-if command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ]; then
-  systemctl disable --now mosquitto >/dev/null 2>&1 || true
-fi
+# A system Mosquitto (installed here or before) is left as it is: the demo and the tests start
+# private brokers on free loopback ports and never use port 1883.
 
 if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv with $("$PYTHON" --version)"

@@ -1,6 +1,6 @@
 """netem: commands generated from the matrix, and the tree run for real in a network namespace.
 
-This kernel has no sch_netem (DESIGN.md section 6), so the real-kernel tests build the same
+This kernel has no sch_netem (docs/design.md section 6), so the real-kernel tests build the same
 htb/u32 tree with a pfifo leaf instead of netem: the root, classes and destination filters are
 accepted by the kernel and checked with `tc ... show`; the netem leaf itself is only checked as
 generated text, and its absence must produce the one-line NetemMissing error.

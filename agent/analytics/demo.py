@@ -16,6 +16,7 @@ local mode and the hook reports the report's path and the accounting row (`exact
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -66,7 +67,7 @@ def demo_hook(workdir: Path, summary: Dict[str, Any]) -> Optional[Dict[str, Any]
     expected = spill_expected_ids(Path(workdir), landing)
     report = run_demo_analytics(landing, workdir)
     acc = _accounting(report)
-    print(f"analytics report: {report}")
+    print(f"analytics report: {report}", file=sys.stderr)  # stdout may be `demo --json`
     return {"report": str(report), "accounting": acc, "expected_ids": expected,
             "landed_files": sum(1 for _ in landing.glob("kind=*/*/*/*.gz")),
             "analytics_s": round(time.monotonic() - t0, 1)}

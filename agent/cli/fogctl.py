@@ -115,6 +115,14 @@ def main(argv: Optional[Sequence[str]] = None, connect: Optional[Callable[..., A
     from agent.schema import ConfigError
 
     try:
+        # A settings file named on the command line or in $FOGCTL_CONFIG must exist: silently
+        # falling back to the defaults would talk to another broker than the one the user chose.
+        import os
+
+        named = args.config or os.environ.get("FOGCTL_CONFIG")
+        if named and not Path(named).is_file():
+            where = "--config" if args.config else "$FOGCTL_CONFIG"
+            raise ConfigError(named, "", f"no such settings file (named by {where})")
         cfg = load_config(_overrides(args), path=Path(args.config) if args.config else None)
         ctx = Context(cfg, connect or Connection)
         return COMMANDS[args.command](args, ctx)

@@ -31,6 +31,7 @@ COMMAND_MODULES = (
     "agent.cli.fuzz_cmd",      # bench fuzz
 )
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
 EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -71,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"fog-agent {__version__}")
     parser.add_argument(
-        "--log-level", default=None, help="debug, info, warning or error (default: info)"
+        "--log-level", default=None, type=str.lower, choices=LOG_LEVELS,
+        help="debug, info, warning or error (default: info, or $FOG_AGENT_LOG_LEVEL)",
     )
     root = parser.add_subparsers(dest="command", metavar="COMMAND")
     sim = root.add_parser("simulate", help="run a simulator (scaling, gme, policies)")

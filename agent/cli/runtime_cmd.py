@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import sys
@@ -10,10 +11,15 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 
+# The placement policies of agent/runtime/placement.py (POLICIES), listed here so that `--help`
+# and argparse check the name without importing the runtime for every command.
+PLACEMENTS = ("free-slots-then-latency", "spread", "local-only")
+
+
 def register(groups: Any) -> None:
     p = groups.root.add_parser("run", help="run the per-node agent daemon (hosts operator instances)")
     p.add_argument("--config", "-c", default=None, help="agent.toml (default: $FOG_AGENT_CONFIG or /etc/fog-agent/agent.toml)")
-    p.add_argument("--placement", default=None, help="placement policy (free-slots-then-latency, spread, local-only)")
+    p.add_argument("--placement", default=None, choices=PLACEMENTS, help="placement policy (default free-slots-then-latency)")
     p.add_argument("--no-warm-worker", action="store_true",
                    help="do not keep a pre-started worker process for the next scale-out")
     # Tests replace the worker program (a fake speaking the control contract): JSON list of argv.
@@ -28,7 +34,8 @@ def register(groups: Any) -> None:
     d.add_argument("--cluster", default=None, help="cluster name (overrides the config)")
     d.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
                    help="extra value passed to every instance's spec (e.g. sink_dir=/tmp/sink)")
-    d.add_argument("--placement", default="free-slots-then-latency", help="placement policy for the keepers")
+    d.add_argument("--placement", default="free-slots-then-latency", choices=PLACEMENTS,
+                   help="placement policy for the keepers")
     d.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for each keeper")
     d.set_defaults(func=deploy_cmd)
 
@@ -103,6 +110,11 @@ def deploy_cmd(args: argparse.Namespace) -> int:
     from agent.runtime.rpc import RpcError
     from agent.schema import ConfigError
 
+    try:  # first, before any broker: a missing file is one line naming it, not an errno
+        text = Path(args.pipeline).read_text()
+    except OSError as exc:
+        print(f"error: cannot read pipeline file {args.pipeline}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     host, port, cluster, user, password, tls = "127.0.0.1", 1883, "default", None, None, None
     try:
         if args.config or (args.host is None and args.port is None):
@@ -116,7 +128,6 @@ def deploy_cmd(args: argparse.Namespace) -> int:
         host = args.host or host
         port = args.port or port
         cluster = args.cluster or cluster
-        text = Path(args.pipeline).read_text()
         placed = deploy(text, host, port, cluster, extra=_parse_extra(args.extra), policy_name=args.placement,
                         timeout=args.timeout, username=user, password=password, name=Path(args.pipeline).name,
                         tls=tls)
@@ -137,7 +148,10 @@ def demo_cmd(args: argparse.Namespace) -> int:
 def bench_rescale_cmd(args: argparse.Namespace) -> int:
     from agent.runtime import demo
 
-    result = demo.bench_rescale(rate=args.rate)
+    from agent.log import stdout_to_stderr
+
+    with stdout_to_stderr() if args.json else contextlib.nullcontext():  # --json: stdout is the JSON alone
+        result = demo.bench_rescale(rate=args.rate)
     if args.json:
         json.dump(result, sys.stdout, indent=2, sort_keys=True)
         print()

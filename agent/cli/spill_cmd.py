@@ -12,6 +12,7 @@ PySpark and matplotlib are imported inside the handlers: the Pis never install t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -137,19 +138,22 @@ def cmd_bench_analytics(args: argparse.Namespace) -> int:
     from agent.analytics.job import build_session, run_job
     from agent.analytics.synth import write_synthetic_landing
 
+    from agent.log import stdout_to_stderr
+
     work = Path(args.workdir or tempfile.mkdtemp(prefix="fog-bench-analytics-"))
     landing, out = work / "landing", work / "out"
-    spark = build_session(args.master, driver_memory=args.driver_memory)
-    try:
-        t0 = time.monotonic()
-        write_synthetic_landing(spark, landing, args.records, 1)
-        t_gen = time.monotonic() - t0
-        t0 = time.monotonic()
-        report = run_job(spark, landing, out)
-        t_job = time.monotonic() - t0
-        cores = spark.sparkContext.defaultParallelism
-    finally:
-        spark.stop()
+    with stdout_to_stderr() if args.json else contextlib.nullcontext():  # --json: stdout is the JSON alone
+        spark = build_session(args.master, driver_memory=args.driver_memory)
+        try:
+            t0 = time.monotonic()
+            write_synthetic_landing(spark, landing, args.records, 1)
+            t_gen = time.monotonic() - t0
+            t0 = time.monotonic()
+            report = run_job(spark, landing, out)
+            t_job = time.monotonic() - t0
+            cores = spark.sparkContext.defaultParallelism
+        finally:
+            spark.stop()
     size = sum(p.stat().st_size for p in landing.rglob("*.gz"))
     res = {"records": args.records, "master": args.master, "parallelism": cores,
            "generate_s": round(t_gen, 1), "job_s": round(t_job, 1),

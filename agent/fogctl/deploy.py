@@ -6,7 +6,7 @@ publish their state every half second (measured: a deploy blocked for 8 minutes)
 snapshot ends at its sync marker instead. The pure parts are shared, so both tools place and
 start keepers identically: `keeper_specs` (ids, routing tables), `fleet_from_snapshot`, the
 placement policy, sink first (a successor is subscribed before its predecessor exists,
-DESIGN.md invariant 2), one `spawn` rpc per keeper, answered only after the worker is ready, and
+docs/design.md invariant 2), one `spawn` rpc per keeper, answered only after the worker is ready, and
 the transaction around them (`run_deploy`: placement checked before anything is published, every
 keeper started or the started ones stopped and the record replaced by a tombstone).
 """

@@ -163,7 +163,7 @@ class DataBatch(Message):
     """A batch of `count` records (the data plane, as modelled by the simulator and checker).
 
     Not handled by the scaling core: it only has to travel on the same FIFO channel as the
-    protocol messages so that a `DeletionAck` overtakes no data (DESIGN.md invariant 1).
+    protocol messages so that a `DeletionAck` overtakes no data (docs/design.md invariant 1).
     """
 
     seq: int

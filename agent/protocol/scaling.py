@@ -23,7 +23,7 @@ API
 - `Send(dest, message)`: put `message` on the FIFO channel to instance `dest`.
 - `CreateInstance(instance_id, operator, stage, creator)`: the paper's createNode(). The new
   instance must exist and be subscribed to its inbox before the sends that follow it
-  (DESIGN.md invariant 2, "subscribe before announce").
+  (docs/design.md invariant 2, "subscribe before announce").
 - `Activate(succs, preds)`: a new instance got its Start: begin processing with these tables.
 - `RoutesChanged(succs, preds)`: the full new routing tables of this instance.
 - `Drain()`: two-phase deletion only: every predecessor has acknowledged our deletion, so no

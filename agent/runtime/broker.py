@@ -3,7 +3,7 @@
 Why a copy of the test fixture's logic instead of importing `tests/conftest.py`: the package must
 not depend on its test tree (a Pi install has no tests), and the demo and the dataplane benchmark
 need the same broker configuration the tests use: explicit `max_queued_messages` (the default 1000
-silently drops QoS 1 messages past it, DESIGN.md invariant 5) and `sys_interval 1` so that
+silently drops QoS 1 messages past it, docs/design.md invariant 5) and `sys_interval 1` so that
 `$SYS/broker/publish/messages/dropped` can be read during a run. `set_tcp_nodelay true`: with
 Nagle's algorithm on, every small ack waits ~40 ms for a delayed TCP ACK (see transport.py).
 """

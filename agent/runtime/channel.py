@@ -1,4 +1,4 @@
-"""Per-sender FIFO sequencing and duplicate removal (DESIGN.md invariant 1), sans-IO.
+"""Per-sender FIFO sequencing and duplicate removal (docs/design.md invariant 1), sans-IO.
 
 Rules of this file: no I/O, no clock. `Inbound` turns envelopes in arrival order into envelopes in
 each sender's sending order, exactly once; `Outbound` hands out the numbers. Both snapshot to a

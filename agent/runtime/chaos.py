@@ -526,11 +526,16 @@ def main(args: Any) -> int:
     except ValueError as exc:
         print(f"fog-agent chaos: {exc}", file=sys.stderr)
         return 2
+    import contextlib
+
+    from agent.log import stdout_to_stderr
+
     runs: List[Dict[str, Any]] = []
     for i in range(int(args.runs)):
         run_cfg = cfg if i == 0 else ChaosConfig(**{**asdict(cfg), "seed": cfg.seed + i, "workdir": None})
         try:
-            summary = run_chaos(run_cfg, out=sys.stderr, live=not args.json)
+            with stdout_to_stderr() if args.json else contextlib.nullcontext():  # --json: stdout is the JSON alone
+                summary = run_chaos(run_cfg, out=sys.stderr, live=not args.json)
         except Exception as exc:  # noqa: BLE001 - the fleet could not be set up: say so, one line
             print(f"fog-agent chaos: set-up failed: {exc}", file=sys.stderr)
             return EXIT_SETUP

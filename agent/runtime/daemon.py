@@ -20,7 +20,7 @@ What it does:
   re-homes or an admin deployed; replies only to `replies/<requester>/<me>`; every payload
   bounded before parsing (agent.wire); no message ends the loop (`_on_message_safely`). Either way the answer ("spawned", or the
   rpc reply) is sent only after the new worker said "ready", i.e. after it subscribed to its inbox
-  (DESIGN.md invariant 2: subscribe before announce).
+  (docs/design.md invariant 2: subscribe before announce).
 - Shutdown on SIGTERM/SIGINT: "stop" to every worker (they drain, invariant 4), SIGTERM after
   shutdown_timeout/2, SIGKILL after shutdown_timeout, then "offline" and exit. Bound: the process
   exits within shutdown_timeout + SHUTDOWN_SLACK seconds of the signal.
@@ -258,12 +258,14 @@ class Agent:
             return False
         info = self._client.publish(topic, payload, qos=qos, retain=retain, properties=properties)
         if info.rc != 0:
-            # paho does not raise on a full queue (DESIGN.md section 6): say so, never drop silently.
+            # paho does not raise on a full queue (docs/design.md section 6): say so, never drop silently.
             log.warning("publish to %s not queued (rc=%s)", topic, info.rc, extra={"node": self.node})
             return False
         return True
 
     def _on_connected(self, session_present: bool) -> None:
+        if self._ever_connected and self.metrics is not None:
+            self.metrics.reconnect("agent")  # fog_mqtt_reconnects_total{client="agent"}
         self.connected = True
         self._ever_connected = True
         c = self._client
@@ -527,6 +529,8 @@ class Agent:
         return doc
 
     def _publish_state(self, now: float) -> None:
+        if self.metrics is not None:  # fog_instances, fog_spool_*: on the beat of the retained state
+            self.metrics.observe_node(self.supervisor.workers.values(), self.spill)
         doc = self.state_doc()
         self.fleet[self.node] = doc
         if self._publish(topics.agent_state(self.cluster, self.node), nodestate.encode_state(doc), retain=True):

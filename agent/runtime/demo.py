@@ -22,6 +22,7 @@ is imported if it exists and may register itself there.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -790,27 +791,86 @@ def print_summary(summary: Dict[str, Any], out: Any) -> None:
     print("  verdict            " + ("OK: every record exactly once" if summary.get("ok") else "FAILED: loss or duplicates"), file=out)
 
 
-def main(args: argparse.Namespace) -> int:
-    from agent.runtime.broker import BrokerError
+class DemoArgumentError(ValueError):
+    """A bad `fog-agent demo` argument, found before anything is started."""
+
+
+def preflight(args: argparse.Namespace) -> Tuple[Path, Optional[Path]]:
+    """Check every argument before a broker or agent starts: (pipeline path, work directory).
+
+    Why up front: a bad pipeline or duration used to surface after a private broker and three
+    agents were running (or at the very end, in the verifier), leaving a work directory behind."""
+    from agent.schema import ConfigError
 
     pipeline = Path(args.pipeline) if args.pipeline else DEFAULT_PIPELINE
+    if args.duration is not None and not (args.duration > 0 and args.duration < float("inf")):
+        raise DemoArgumentError(f"--duration must be a positive number of seconds, got {args.duration}")
     try:
-        summary = run_demo(pipeline, duration=args.duration, workdir=Path(args.workdir) if args.workdir else None,
-                           plot_path=Path(args.plot) if args.plot else None, live=not args.quiet,
-                           out=sys.stderr if args.json else sys.stdout, analytics=False)
-    except (BrokerError, RuntimeError, OSError) as exc:
-        print(f"demo failed: {exc}", file=sys.stderr)
-        return EXIT_SETUP
-    # The verdict first (the analytics step can take a while on a busy machine), then analytics.
-    if not args.json:
-        print_summary(summary, sys.stdout)
-    if not getattr(args, "no_analytics", False):
-        result = run_analytics(Path(summary["workdir"]), summary)
-        if result and not args.json:
-            print("analytics:", json.dumps(result, default=str)[:2000], file=sys.stdout)
+        text = pipeline.read_text()
+    except OSError as exc:
+        raise DemoArgumentError(f"cannot read pipeline file {pipeline}: {exc.strerror or exc}") from None
+    try:
+        cfg = load_pipeline_text(scale_profile(text, args.duration), pipeline.name)
+        expected_ids(cfg, {})  # imports every operator; the verifier needs per-record maps between source and sink
+    except (ConfigError, ValueError, ImportError, AttributeError) as exc:
+        raise DemoArgumentError(f"{pipeline}: not usable by the demo: {exc}") from None
+    steps = cfg.operators[0].params.get("steps") if cfg.operators[0].params.get("profile") == "steps" else None
+    if not steps or steps[-1][1] != 0:
+        # Records still in flight when the fleet stops would count as lost: the load must end.
+        raise DemoArgumentError(f'{pipeline}: the demo needs a source with profile = "steps" whose last step '
+                                f"has rate 0 (the load ends, then every record id is checked), as in {DEFAULT_PIPELINE.name}")
+    workdir = Path(args.workdir) if args.workdir else None
+    if workdir is not None:
+        if workdir.exists() and not workdir.is_dir():
+            raise DemoArgumentError(f"--workdir {workdir} exists and is not a directory")
+        if (workdir / "sink").is_dir() and any((workdir / "sink").iterdir()):
+            raise DemoArgumentError(f"--workdir {workdir} holds a previous run (sink/); choose a new or empty one")
+    if args.plot and Path(args.plot).is_dir():
+        raise DemoArgumentError(f"--plot {args.plot} is a directory; give a .png file name")
+    return pipeline, workdir
+
+
+def main(args: argparse.Namespace) -> int:
+    from agent.log import stdout_to_stderr
+    from agent.runtime.broker import BrokerError
+
+    try:
+        pipeline, workdir = preflight(args)
+    except DemoArgumentError as exc:
+        print(f"fog-agent demo: error: {exc}", file=sys.stderr)
+        return 2
+    created = workdir is None
+    workdir = workdir or Path(tempfile.mkdtemp(prefix="fog-demo-"))
+    # With --json, stdout carries the JSON summary and nothing else: the live table, the analytics
+    # step and anything a library prints (even at the file-descriptor level) go to stderr.
+    guard = stdout_to_stderr() if args.json else contextlib.nullcontext()
+    with guard:
+        try:
+            summary = run_demo(pipeline, duration=args.duration, workdir=workdir,
+                               plot_path=Path(args.plot) if args.plot else None, live=not args.quiet,
+                               out=sys.stderr if args.json else sys.stdout, analytics=False)
+        except (BrokerError, RuntimeError, OSError) as exc:
+            print(f"demo failed: {exc}", file=sys.stderr)
+            print(f"demo: work directory (broker, agent logs, sink files) kept in {workdir}", file=sys.stderr)
+            return EXIT_SETUP
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the fleet is stopped; say where its files are
+            print(f"demo: interrupted; work directory kept in {workdir}", file=sys.stderr)
+            raise
+        # The verdict first (the analytics step can take a while on a busy machine), then analytics.
+        if not args.json:
+            print_summary(summary, sys.stdout)
+        if not getattr(args, "no_analytics", False):
+            result = run_analytics(Path(summary["workdir"]), summary)
+            if result and not args.json:
+                print("analytics:", json.dumps(result, default=str)[:2000], file=sys.stdout)
     if args.json:
         json.dump(summary, sys.stdout, indent=2, sort_keys=True, default=str)
         print()
+    if not summary["ok"]:
+        print(f"demo: FAILED (lost or duplicated records); work directory kept in {summary['workdir']}",
+              file=sys.stderr)
+    if created and workdir.is_dir() and not any(workdir.iterdir()):
+        workdir.rmdir()  # nothing was written there (a run that never started its fleet)
     return EXIT_OK if summary["ok"] else EXIT_LOSS
 
 

@@ -1,7 +1,7 @@
 """`fog-agent deploy pipeline.toml`: publish a pipeline and start its keepers through placement.
 
 Why keepers are started sink first: a source's keeper starts producing the moment it is ready, so
-its successor must already be subscribed to its inbox (DESIGN.md invariant 2: a message published
+its successor must already be subscribed to its inbox (docs/design.md invariant 2: a message published
 to a topic nobody is subscribed to is gone). Starting in reverse pipeline order, and waiting for
 each agent's "spawned" reply (sent only after the worker said "ready"), makes every successor of an
 instance subscribed before that instance exists.

@@ -1,6 +1,6 @@
 """The wire format of an instance inbox: every message is one numbered envelope.
 
-Why one envelope for data, acks and protocol messages: DESIGN.md invariant 1 (FIFO channel) needs
+Why one envelope for data, acks and protocol messages: docs/design.md invariant 1 (FIFO channel) needs
 a `deletion_ack` to be handled after every data batch its sender sent before it. MQTT orders
 messages only per topic and publisher and may redeliver after a reconnect, so the receiver orders
 by our own number instead: `seq` counts every envelope a sender sent to one destination (all

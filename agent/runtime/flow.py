@@ -1,6 +1,6 @@
 """Credit/ack flow control, the replay buffer, and when to acknowledge upstream. Sans-IO.
 
-Why application-level flow control (DESIGN.md invariant 5): Mosquitto drops QoS 1 messages for a
+Why application-level flow control (docs/design.md invariant 5): Mosquitto drops QoS 1 messages for a
 client whose queue passed `max_queued_messages`, and `$share` round-robin is load-blind. So a
 sender may have at most `window` (= the operator's `max_inflight_batches`) data batches to one
 successor that the successor has not acknowledged; with no credit left it stops producing, which

@@ -2,10 +2,10 @@
 
 Why: the simulator's message counts say nothing about what a broker does to ordering and
 latency. Each node owns one paho client (CallbackAPIVersion.VERSION2, QoS 1) that subscribes to
-its own inbox topic before anybody is told to start (DESIGN invariant 2) and is the only
+its own inbox topic before anybody is told to start (docs/design.md invariant 2) and is the only
 publisher of its messages. FIFO per link (invariant 1): every message carries a per-destination
 sequence number and the receiver delivers in sequence order, dropping duplicates, whatever the
-broker does on reconnect. The in-flight window is 100 (DESIGN.md: fastest here); it was 1,
+broker does on reconnect. The in-flight window is 100 (docs/design.md section 6: fastest measured); it was 1,
 which serialized every publish behind a broker round trip and made 18 nodes take > 150 s.
 
 paho callbacks only enqueue (aiomqtt style); the node's worker thread owns the core, the timers

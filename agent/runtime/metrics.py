@@ -172,6 +172,37 @@ class Metrics:
                 g.labels(*key).set(n)
             self._last_counts = dict(counts)
 
+    def observe_node(self, workers: Any, spill: Any = None) -> None:
+        """The node-level gauges, from what the agent holds: its workers (fog_instances) and its
+        spill's closed files waiting to be shipped (fog_spool_bytes, fog_spool_files)."""
+        self.set_instances(self.instance_counts(workers))
+        view = getattr(spill, "view", None)
+        if view is not None:
+            try:
+                files = view.closed_files()
+            except OSError:
+                return
+            self.set_spool(sum(f.size for f in files), len(files))
+
+    @staticmethod
+    def instance_counts(workers: Any) -> Dict[Tuple[str, str, str], int]:
+        """(pipeline, operator, phase) -> instances, from the supervisor's workers; the phases are
+        fogctl's: starting (not ready, or created and not yet started by its creator), active,
+        terminating (stopping, or its protocol core is deleting/departing)."""
+        counts: Dict[Tuple[str, str, str], int] = {}
+        for w in workers:
+            status = getattr(w.status, "value", str(w.status))
+            state = w.stats.get("state") if isinstance(w.stats, dict) else None
+            if status == "terminating" or state in ("deleting", "departing", "terminated"):
+                phase = "terminating"
+            elif status == "active" and state != "idle":
+                phase = "active"
+            else:
+                phase = "starting"
+            key = (w.spec.pipeline, w.spec.operator, phase)
+            counts[key] = counts.get(key, 0) + 1
+        return counts
+
     def set_spool(self, nbytes: int, nfiles: int) -> None:
         self.spool_bytes.set(nbytes)
         self.spool_files.set(nfiles)
@@ -211,6 +242,12 @@ class StatsBridge:
             if key in stats:
                 child = self.m["fog_scaling_decisions_total"].labels(pipeline, operator, action)
                 self._advance(child, (instance, key), _count(stats.get(key)))
+        # The worker counts its scaling protocol messages, not their types: exported as type="all"
+        # (`Metrics.protocol_message` keeps per-type counts for a caller that knows them).
+        for direction in ("in", "out"):
+            if f"protocol_{direction}" in stats:
+                child = self.m["fog_protocol_messages_total"].labels("all", direction)
+                self._advance(child, (instance, f"protocol_{direction}"), _count(stats.get(f"protocol_{direction}")))
         if "reconnects" in stats:
             self._advance(self.m["fog_mqtt_reconnects_total"].labels(instance), (instance, "reconnects"),
                           _count(stats.get("reconnects")))

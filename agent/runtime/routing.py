@@ -4,12 +4,12 @@
   credit (a slow instance then receives less instead of blocking its siblings' share; when all
   have credit it is plain round-robin, as the paper assumes for an even load share).
 - With a key (the operator declares `key = "field"`): records are routed by key GROUP, not by raw
-  hash modulo instance count (DESIGN.md section 8): group = crc32(key) mod `groups`, and the
+  hash modulo instance count (docs/design.md section 8): group = crc32(key) mod `groups`, and the
   groups are dealt over the successors in sorted order, so every predecessor maps a key to the
   same instance, and a later state hand-over can move whole groups.
 
 The outbox never drops a record: records buffered for a successor that leaves the routing table
-are routed again over the new table (DESIGN.md invariant 3: after the route change nothing more
+are routed again over the new table (docs/design.md invariant 3: after the route change nothing more
 goes to the leaving instance). Each buffered record carries the process index of the input batch
 it came from, so the worker can tell which inputs are fully forwarded (see flow.AckTracker).
 """

@@ -1,6 +1,6 @@
 """The MQTT client of one worker: paho with exactly one owner thread.
 
-Rules of this file (from paho issues #354/#787 and DESIGN.md section 6):
+Rules of this file (from paho issues #354/#787 and docs/design.md section 6):
 - one owner thread: the thread that created the Transport is the only one that may call
   `publish`, `subscribe` or `poll` (checked; a second thread raises). We never call
   `loop_start()`: `poll()` runs paho's network loop in the owner thread, so callbacks run there

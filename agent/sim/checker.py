@@ -8,7 +8,7 @@ cases of thesis 3.3.4 (a round starting before or after a neighbour's message is
 
 Checked in every reachable state (safety):
 - no instance whose data path forwards records has a terminated instance among its successors
-  (records it forwards would be lost: DESIGN.md invariant 4, paper's "no outdated connection");
+  (records it forwards would be lost: docs/design.md invariant 4, paper's "no outdated connection");
 - no message is delivered to a terminated instance, and no core raises a protocol error;
 - every stage keeps at least one live instance.
 Checked in every terminal state (quiescence, liveness):

@@ -2,7 +2,7 @@
 
 Why: a GME algorithm fails on rare interleavings, never on the happy path. The checker drives the
 same core classes as the simulator and the MQTT benchmark, over FIFO channels (one queue per
-ordered pair of nodes, as the thesis's system model and DESIGN.md invariant 1 require), and
+ordered pair of nodes, as the thesis's system model and docs/design.md invariant 1 require), and
 explores which enabled step happens next:
 
 - a node that is idle and has requests left calls `request()`,
@@ -567,7 +567,7 @@ def exhaustive_check(
     """Explore every reachable state up to the reductions below (DFS). Stops at the first violation.
 
     Model: nodes are the real cores (deterministic); channel b -> i is FIFO (thesis 5.2.1,
-    DESIGN.md invariant 1). A transition is one node's step: `request()` (idle, requests left),
+    docs/design.md invariant 1). A transition is one node's step: `request()` (idle, requests left),
     `exit()` (in the CS) or the delivery of the head of one of its input channels. A global state
     is one flat tuple of small ints: local state ids, request budgets, and one interned id per
     channel of the communication graph for its contents (a tuple of message ids). `_LocalStates`

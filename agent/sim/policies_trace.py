@@ -1,6 +1,6 @@
 """A synthetic taxi trace (records/s per second) and the emulated latency matrix of the policy study.
 
-Why synthetic: the NYC taxi data set is not available here (DESIGN.md section 6). Gesscale replays
+Why synthetic: the NYC taxi data set is not available here (docs/design.md section 6). Gesscale replays
 the first two days of May 2013 (a Wednesday and a Thursday) with SpeedFactor = 10 (10 s of
 real-world events per second), three records per ride. We rebuild that shape from a seed:
 
