@@ -15,8 +15,12 @@ $(STAMP): pyproject.toml scripts/setup.sh
 demo: setup
 	$(PY) -m agent demo
 
+# Three test processes on two cores, one per test file (`--dist loadfile`: a file's fixtures are
+# built once): most of the suite waits on real brokers, agents and timers, not on the CPU.
+TEST_PROCESSES ?= 3
+
 test: setup
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_PROCESSES) --dist loadfile
 
 bench: setup
 	$(PY) -m agent bench sim

@@ -46,6 +46,23 @@ class HumanFormatter(logging.Formatter):
         return line + (" [" + " ".join(ctx) + "]" if ctx else "")
 
 
+class StderrHandler(logging.StreamHandler):
+    """A StreamHandler on whatever `sys.stderr` is when a record is emitted, not when the handler
+    was made: tools that redirect stderr (`stdout_to_stderr`, a test's capture, a CLI called
+    in-process twice) must not leave the root logger writing to a closed stream."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property  # type: ignore[override]
+    def stream(self) -> "object":
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: "object") -> None:
+        pass
+
+
 def setup_logging(level: Optional[str] = None, fmt: str = "auto") -> None:
     """Configure the root logger once per process (workers call it again after fork/spawn)."""
     level = (level or os.environ.get("FOG_AGENT_LOG_LEVEL") or "info").upper()
@@ -55,7 +72,7 @@ def setup_logging(level: Optional[str] = None, fmt: str = "auto") -> None:
 
         handler = JournalHandler()
     else:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = StderrHandler()
         human = fmt == "human" or (fmt == "auto" and sys.stderr.isatty())
         handler.setFormatter(HumanFormatter() if human else KeyValueFormatter())
     root = logging.getLogger()
