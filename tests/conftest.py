@@ -46,6 +46,20 @@ def stop_broker(broker: Broker) -> None:
     broker.stop()
 
 
+@pytest.fixture(autouse=True)
+def _root_logging_as_it_was() -> Iterator[None]:
+    """A CLI called in-process (`setup_logging`) leaves a handler and a level on the root logger;
+    without this, what the next test of the same process captures on stderr depends on which test
+    ran before it (with pytest-xdist, on the order the files were dealt out)."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for h in list(root.handlers):
+        if h not in handlers and not type(h).__module__.startswith("_pytest"):
+            root.removeHandler(h)
+    root.setLevel(level)
+
+
 @pytest.fixture(scope="session")
 def mosquitto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
     broker = start_broker(tmp_path_factory.mktemp("mosquitto"))
