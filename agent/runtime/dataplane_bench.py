@@ -769,7 +769,8 @@ def run_bench(
             procs = [runner.start(s) for s in reversed(specs)]  # successors subscribe first
             sink = procs[0]
             time.sleep(1.0)  # warm-up
-            pids = {"source": procs[-1].pid, "map": procs[1].pid, "sink": procs[0].pid, "broker": broker.pid}
+            pids = {"source": procs[-1].pid, "map": procs[1].pid, "sink": procs[0].pid, "broker": broker.pid,
+                    "bench": os.getpid()}  # this process: the runner's pipe readers and the drop watch
             c0 = _cpu_seconds(pids)
             r0 = sink.stats.get("recorded", 0)
             t0 = time.monotonic()
