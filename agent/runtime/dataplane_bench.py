@@ -400,7 +400,10 @@ class DropWatch:
     def _on_message(self, client: Any, userdata: Any, msg: Any) -> None:
         if msg.retain:  # the value at subscription time, before any phase
             if msg.topic == SYS_DROPPED:
-                self.value = float(msg.payload.decode(errors="replace") or 0)
+                try:
+                    self.value = float(msg.payload.decode())
+                except (ValueError, UnicodeDecodeError):
+                    pass
             return
         with self._cond:
             if msg.topic == self.UPTIME:
@@ -422,13 +425,15 @@ class DropWatch:
             return self.value
 
     @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
+    def phase(self, name: str, into: Optional[Dict[str, Any]] = None) -> Iterator[Dict[str, Any]]:
         """Run one phase; afterwards raise BenchFailed if the broker dropped any message in it
-        (a stall inside the phase is reported with the phase's drop count)."""
+        (a stall inside the phase is reported with the phase's drop count). The phase writes
+        its numbers into the dict it is given; they reach `into` only if the phase was valid."""
         before = self.value
         err: Optional[BenchFailed] = None
+        part: Dict[str, Any] = {}
         try:
-            yield
+            yield part
         except BenchFailed as exc:
             err = exc
         dropped = self.settled(time.monotonic()) - before
@@ -438,6 +443,8 @@ class DropWatch:
                               "the numbers of this run are not valid" + (f" ({err})" if err else "")) from err
         if err is not None:
             raise err
+        if into is not None:
+            into.update(part)
 
     def close(self) -> None:
         self._client.loop_stop()
@@ -740,14 +747,14 @@ def run_bench(
         result["dropped"] = drops.per_phase  # filled phase by phase: every value must be 0
         raw_args = dict(batch_size=batch_size, record=record, seconds=seconds, broker_pid=broker.pid, window=raw_window)
         _progress(f"raw, one process ({seconds:g} s)")
-        with drops.phase("raw_1proc"):
-            result["raw_1proc"] = measure_raw(broker.host, broker.port, **raw_args)  # type: ignore[arg-type]
+        with drops.phase("raw_1proc", result) as part:
+            part["raw_1proc"] = measure_raw(broker.host, broker.port, **raw_args)  # type: ignore[arg-type]
         _progress(f"raw, two processes ({seconds:g} s)")
-        with drops.phase("raw_2proc"):
-            result["raw_2proc"] = measure_raw_2proc(broker.host, broker.port, **raw_args)  # type: ignore[arg-type]
+        with drops.phase("raw_2proc", result) as part:
+            part["raw_2proc"] = measure_raw_2proc(broker.host, broker.port, **raw_args)  # type: ignore[arg-type]
         _progress(f"raw, one process encoding each batch ({seconds:g} s)")
-        with drops.phase("raw_1proc_encoding"):
-            result["raw_1proc_encoding"] = measure_raw(broker.host, broker.port, encode=True,
+        with drops.phase("raw_1proc_encoding", result) as part:
+            part["raw_1proc_encoding"] = measure_raw(broker.host, broker.port, encode=True,
                                                        **raw_args)  # type: ignore[arg-type]
         toml = pipeline_toml(
             "bench",
@@ -765,7 +772,7 @@ def run_bench(
         bspec = BrokerSpec(host=broker.host, port=broker.port)
         specs = initial_specs(toml, bspec, str(tmp / "state"), extra={"sink_dir": str(tmp / "sink")})
         _progress(f"pipeline source -> identity -> sink ({seconds:g} s)")
-        with drops.phase("pipeline"):
+        with drops.phase("pipeline", result) as part:
             procs = [runner.start(s) for s in reversed(specs)]  # successors subscribe first
             sink = procs[0]
             time.sleep(1.0)  # warm-up
@@ -780,7 +787,7 @@ def run_bench(
             c1 = _cpu_seconds(pids)
             rate = (r1 - r0) / (t1 - t0)
             batches = max(1.0, (r1 - r0) / batch_size)
-            result["pipeline"] = {
+            part["pipeline"] = {
                 "records_per_s": rate,
                 # Where the CPU goes (the machine is shared: `machine_busy` counts the other jobs too):
                 # CPU seconds per wall second of each process, and CPU ms per batch of `batch_size`.
@@ -793,14 +800,14 @@ def run_bench(
             r1p = result["raw_1proc"]["records_per_s"]
             r2p = result["raw_2proc"]["records_per_s"]
             # The goal (issue 26): >= 0.5 of the one-process raw, a worker's per-process equivalent.
-            result["ratio"] = rate / r1p if r1p else 0.0
-            result["ratio_vs_raw_2proc"] = rate / r2p if r2p else 0.0
+            part["ratio"] = rate / r1p if r1p else 0.0
+            part["ratio_vs_raw_2proc"] = rate / r2p if r2p else 0.0
             enc = result["raw_1proc_encoding"]["records_per_s"]
-            result["ratio_vs_encoding_producer"] = rate / enc if enc else 0.0
+            part["ratio_vs_encoding_producer"] = rate / enc if enc else 0.0
             # Idle worker memory: pause the source, wait, read the map worker's RSS.
             procs[-1].send("set", paused=True)
             time.sleep(1.5)
-            result["rss_mb"] = {
+            part["rss_mb"] = {
                 "idle_worker": _rss_mb(procs[1].pid),
                 "sink_worker": _rss_mb(procs[0].pid),
                 "python_paho_baseline": _baseline_rss(),
@@ -808,9 +815,9 @@ def run_bench(
             runner.stop_all()
         if rescale:
             _progress(f"rescale, {rescale} step-load cycles")
-            with drops.phase("rescale"):
-                result["rescale"] = measure_rescale(broker.host, broker.port, tmp, cycles=rescale, warm=warm)
-                result["rescale"]["warm_worker"] = warm
+            with drops.phase("rescale", result) as part:
+                part["rescale"] = measure_rescale(broker.host, broker.port, tmp, cycles=rescale, warm=warm)
+                part["rescale"]["warm_worker"] = warm
     finally:
         runner.stop_all()
         if drops is not None:
