@@ -4,15 +4,21 @@ Also home of `LocalRunner`, a minimal stand-in for the agent daemon (it plays th
 of the control pipe: starts workers, answers "spawn" by starting another worker and replying
 "spawned" once it is ready). Tests and this benchmark use it to run workers without the daemon.
 
-Measured in one run, on one private Mosquitto:
-- raw: one paho publisher sends pre-encoded batches (the same bytes a worker sends: same batch
-  size, same records, QoS 1, in-flight window 100) to one no-op subscriber: the broker + paho
-  limit for this batch size, in records/s;
+Measured in one run, on one private Mosquitto (docs/runtime.md, "Numbers"):
+- raw, one process: a paho publisher and a no-op paho subscriber in one process (one thread,
+  one select loop: a worker's per-process equivalent) send pre-encoded batches (the same bytes a
+  worker sends: same batch size, same records, QoS 1) through the broker;
+- raw, two processes: the same publisher, the subscriber in a child process;
+  both raws keep at most `raw_window` batches between publish and the subscriber's receipt (so
+  the broker never queues what the subscriber cannot take) and end at the last receipt;
 - pipeline: source -> identity -> sink (3 operators of trivial work, one instance each, the
   real worker processes with envelopes, FIFO channels, credit flow control and PUBACK-gated
   acks), records/s at the sink;
-- ratio = pipeline / raw (goal >= 0.5);
+- ratio = pipeline / raw one process (goal >= 0.5), and against the two-process raw;
+- CPU ms per batch of every process of each part;
 - RSS of one idle worker (goal < 40 MB) next to a bare `python -c "import paho.mqtt.client"`.
+A phase in which the broker dropped any message (`$SYS/broker/publish/messages/dropped`) fails
+the bench (BenchFailed, exit 1): its numbers would count messages that were never delivered.
 """
 
 from __future__ import annotations
@@ -20,19 +26,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence
 
 from agent.runtime.spec import BrokerSpec, InstanceSpec, control_line, parse_control_line
 
-__all__ = ["WorkerProc", "LocalRunner", "pipeline_toml", "initial_specs", "register_bench", "run_bench"]
+__all__ = ["BenchFailed", "DropWatch", "WorkerProc", "LocalRunner", "pipeline_toml", "initial_specs", "measure_raw",
+           "measure_raw_2proc", "register_bench", "run_bench"]
 
 PY = sys.executable
 
@@ -344,70 +354,338 @@ def _payloads(batch_size: int, n_batches: int, record: str) -> List[bytes]:
     ]
 
 
-def measure_raw(
-    host: str, port: int, batch_size: int, record: str, seconds: float, encode: bool = False, broker_pid: int = 0
-) -> Dict[str, Any]:
-    """One publisher -> broker -> one no-op subscriber, QoS 1, pre-encoded batches (the broker +
-    paho limit); with `encode`, the publisher encodes every batch like a worker does (the limit
-    of a Python producer of these batches)."""
-    from agent.runtime.envelope import encode_data
-    from agent.runtime.taxi import TaxiGenerator
+SYS_DROPPED = "$SYS/broker/publish/messages/dropped"
+RAW_TOPIC = "fog/bench/raw"
+
+
+class BenchFailed(RuntimeError):
+    """A phase did not measure what it claims (the broker dropped messages, a raw run stalled):
+    the bench reports it and exits non-zero instead of printing a number."""
+
+
+class DropWatch:
+    """The private broker's `$SYS/broker/publish/messages/dropped`, read around each phase.
+
+    Mosquitto publishes its $SYS tree in passes, one every 2 s with `sys_interval 1` (broker.py;
+    it compares whole seconds), each pass in a fixed order: `uptime` first, `dropped` (only when
+    it changed) in the middle, `bytes/sent` (changes every pass: it counts these messages) near
+    the end. So the value is final for a phase once a pass that started after the phase ended
+    has been read to its `bytes/sent`."""
+
+    UPTIME = "$SYS/broker/uptime"
+    PASS_END = "$SYS/broker/bytes/sent"
+
+    def __init__(self, host: str, port: int, timeout: float = 10.0) -> None:
+        import paho.mqtt.client as mqtt
+        from paho.mqtt.enums import CallbackAPIVersion
+
+        self.timeout = timeout
+        self.value = 0.0
+        self.per_phase: Dict[str, float] = {}
+        self._cond = threading.Condition()
+        self._pass_start = 0.0
+        self._last_pass = 0.0  # start time of the last pass read to its end
+        self._subscribed = threading.Event()
+        c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"bench-dropwatch-{os.getpid()}", protocol=mqtt.MQTTv5)
+        topics = [(SYS_DROPPED, 0), (self.UPTIME, 0), (self.PASS_END, 0)]
+        c.on_connect = lambda cl, u, f, rc, p=None: cl.subscribe(topics)
+        c.on_subscribe = lambda *a: self._subscribed.set()
+        c.on_message = self._on_message
+        c.connect(host, port)
+        c.loop_start()
+        self._client = c
+        if not self._subscribed.wait(timeout):
+            raise BenchFailed(f"cannot subscribe to {SYS_DROPPED} on {host}:{port}")
+
+    def _on_message(self, client: Any, userdata: Any, msg: Any) -> None:
+        if msg.retain:  # the value at subscription time, before any phase
+            if msg.topic == SYS_DROPPED:
+                try:
+                    self.value = float(msg.payload.decode())
+                except (ValueError, UnicodeDecodeError):
+                    pass
+            return
+        with self._cond:
+            if msg.topic == self.UPTIME:
+                self._pass_start = time.monotonic()
+            elif msg.topic == SYS_DROPPED:
+                try:
+                    self.value = float(msg.payload.decode())
+                except (ValueError, UnicodeDecodeError):
+                    pass
+            elif msg.topic == self.PASS_END and self._pass_start:
+                self._last_pass = self._pass_start
+                self._cond.notify_all()
+
+    def settled(self, since: float, margin: float = 0.25) -> float:
+        """The counter once a pass that began `margin` s after `since` (monotonic) was read."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._last_pass > since + margin, self.timeout):
+                raise BenchFailed(f"{SYS_DROPPED}: no $SYS update within {self.timeout:.0f} s")
+            return self.value
+
+    @contextmanager
+    def phase(self, name: str, into: Optional[Dict[str, Any]] = None) -> Iterator[Dict[str, Any]]:
+        """Run one phase; afterwards raise BenchFailed if the broker dropped any message in it
+        (a stall inside the phase is reported with the phase's drop count). The phase writes
+        its numbers into the dict it is given; they reach `into` only if the phase was valid."""
+        before = self.value
+        err: Optional[BenchFailed] = None
+        part: Dict[str, Any] = {}
+        try:
+            yield part
+        except BenchFailed as exc:
+            err = exc
+        dropped = self.settled(time.monotonic()) - before
+        self.per_phase[name] = dropped
+        if dropped:
+            raise BenchFailed(f"{name}: the broker dropped {dropped:.0f} messages ({SYS_DROPPED}); "
+                              "the numbers of this run are not valid" + (f" ({err})" if err else "")) from err
+        if err is not None:
+            raise err
+        if into is not None:
+            into.update(part)
+
+    def close(self) -> None:
+        self._client.loop_stop()
+        self._client.disconnect()
+
+
+def _nodelay(client: Any) -> None:
+    """TCP_NODELAY like a worker's connection (transport.py): without it each small ack waits."""
+    sock = client.socket()
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except (OSError, AttributeError):
+        pass
+
+
+def _raw_client(name: str, host: str, port: int, topic: Optional[str] = None, timeout: float = 10.0) -> Any:
+    """A connected paho client (MQTT 5, like a worker's), subscribed to `topic` at QoS 1 if given;
+    driven by the caller's own select loop (no network thread)."""
     import paho.mqtt.client as mqtt
     from paho.mqtt.enums import CallbackAPIVersion
 
-    topic = "fog/bench/raw"
-    got = [0]
-    done = threading.Event()
+    c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"{name}-{os.getpid()}", protocol=mqtt.MQTTv5)
+    c.max_inflight_messages_set(0)  # no paho-side cap: the bench's window is the only limit
+    ready = threading.Event()
+    c.on_connect = lambda cl, u, f, rc, p=None: (cl.subscribe(topic, qos=1) if topic else ready.set())
+    c.on_subscribe = lambda *a: ready.set()
+    c.connect(host, port)
+    _nodelay(c)
+    deadline = time.monotonic() + timeout
+    while not ready.is_set():
+        if time.monotonic() > deadline:
+            raise BenchFailed(f"{name}: not connected/subscribed to {host}:{port} after {timeout}s")
+        c.loop(0.05)
+    return c
 
-    sub = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="bench-raw-sub", protocol=mqtt.MQTTv5)
-    sub.on_message = lambda c, u, m: got.__setitem__(0, got[0] + 1)
-    sub.connect(host, port)
-    sub.subscribe(topic, qos=1)
-    sub.loop_start()
-    pub = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="bench-raw-pub", protocol=mqtt.MQTTv5)
-    pub.max_inflight_messages_set(100)
-    acked = [0]
-    pub.on_publish = lambda c, u, mid, rc, p: acked.__setitem__(0, acked[0] + 1)
-    pub.connect(host, port)
-    time.sleep(0.3)
+
+def _drain(client: Any, count: Callable[[], int]) -> None:
+    """Read every packet waiting on `client`'s socket (paho's loop_read reads one PUBLISH)."""
+    while True:
+        before = count()
+        client.loop_read()
+        if count() == before:
+            return
+
+
+class _Delivered:
+    """Messages the subscriber has received, and when the last one arrived."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.last = 0.0
+
+    def add(self, k: int = 1) -> None:
+        self.n += k
+        self.last = time.monotonic()
+
+
+def _publish_windowed(
+    pub: Any,
+    body: Callable[[int], bytes],
+    window: int,
+    seconds: float,
+    delivered: _Delivered,
+    others: Sequence[Any],
+    on_readable: Callable[[Any], None],
+    stall_s: float,
+) -> Dict[str, float]:
+    """Publish for `seconds` with at most `window` messages sent but not yet received by the
+    subscriber (so the broker's queue for it never holds more than `window`), then wait for
+    the last one. `others`: further sockets/clients to select on (the subscriber's client in one
+    process, its pipe in two), handled by `on_readable`. Raises BenchFailed when nothing is
+    delivered for `stall_s` (a message the broker dropped never arrives)."""
+    ps = pub.socket()
+    sent = 0
+    t0 = time.monotonic()
+    deadline = t0 + seconds
+    last_n, progress, misc = 0, t0, t0
+    while True:
+        now = time.monotonic()
+        if now < deadline:
+            while sent - delivered.n < window:
+                info = pub.publish(RAW_TOPIC, body(sent), qos=1)
+                if info.rc != 0:
+                    raise BenchFailed(f"raw: publish failed (rc {info.rc})")
+                sent += 1
+        elif delivered.n >= sent:
+            break
+        writers = [c.socket() for c in [pub, *others] if hasattr(c, "want_write") and c.want_write()]
+        rd = [ps] + [c.socket() if hasattr(c, "socket") else c for c in others]
+        r, w, _ = select.select(rd, writers, [], 0.05)
+        for c in [pub, *others]:
+            if hasattr(c, "want_write") and c.socket() in w:
+                c.loop_write()
+        if ps in r:
+            pub.loop_read()
+        for x in others:
+            if (x.socket() if hasattr(x, "socket") else x) in r:
+                on_readable(x)
+        if delivered.n != last_n:
+            last_n, progress = delivered.n, now
+        elif now - progress > stall_s:
+            raise BenchFailed(f"raw: {sent} sent, {delivered.n} received, nothing received for {stall_s:.0f} s "
+                              "(the broker dropped a message?)")
+        if now - misc >= 1.0:
+            for c in [pub, *others]:
+                if hasattr(c, "loop_misc"):
+                    c.loop_misc()
+            misc = now
+    return {"t0": t0, "sent": float(sent)}
+
+
+def _raw_result(batch_size: int, payload: int, sent: float, delivered: _Delivered, t0: float, window: int,
+                cpu0: Dict[str, float], cpu1: Dict[str, float]) -> Dict[str, Any]:
+    elapsed = max(1e-9, delivered.last - t0)  # up to the last message received, never a timeout
+    n = delivered.n
+    return {
+        "sent": sent,
+        "delivered": float(n),
+        "batches": float(n),
+        "elapsed_s": round(elapsed, 4),
+        "window": window,
+        "records_per_s": n * batch_size / elapsed,
+        "batches_per_s": n / elapsed,
+        "payload_bytes": float(payload),
+        "cpu_ms_per_batch": {k: round(1000 * (cpu1[k] - cpu0[k]) / max(1, n), 4)
+                             for k in cpu1 if k != "machine_busy" and not k.endswith("_sys")},
+    }
+
+
+def measure_raw(
+    host: str, port: int, batch_size: int, record: str, seconds: float, encode: bool = False, broker_pid: int = 0,
+    window: int = 100, stall_s: float = 2.0,
+) -> Dict[str, Any]:
+    """One process: a publisher and a no-op subscriber (two connections, one thread, one select
+    loop -- a worker's per-process equivalent: receive batches and send batches) through the
+    broker, QoS 1, pre-encoded batches (the broker + paho limit per process); with `encode`, the
+    publisher encodes every batch like a worker does. At most `window` batches are between
+    publish and receipt, counted from what the subscriber received (not from the broker's
+    PUBACK: the broker would queue, then drop, what the subscriber cannot take)."""
+    from agent.runtime.envelope import encode_data
+    from agent.runtime.taxi import TaxiGenerator
+
+    delivered = _Delivered()
+    sub = _raw_client("bench-raw-sub", host, port, RAW_TOPIC)
+    sub.on_message = lambda c, u, m: delivered.add()
+    pub = _raw_client("bench-raw-pub", host, port)
     payloads = _payloads(batch_size, 64, record)
     gen = TaxiGenerator(1, "raw")
     recs = [gen.record() if record == "taxi" else {"v": 1} for _ in range(batch_size)]
-    sent = 0
-    me = _cpu_seconds({"raw": os.getpid(), "broker": broker_pid} if broker_pid else {"raw": os.getpid()})
-    t0 = time.monotonic()
-    deadline = t0 + seconds
-    # The publisher keeps at most 200 unacked messages (like a window), so the broker queue
-    # never overflows and the number measures throughput, not buffering.
-    while time.monotonic() < deadline:
-        while sent - acked[0] < 200:
-            if encode:
-                body = encode_data("raw-0", 0, sent + 1, [("src-0", sent * batch_size + k, r) for k, r in enumerate(recs)])
-            else:
-                body = payloads[sent % len(payloads)]
-            info = pub.publish(topic, body, qos=1)
-            if info.rc not in (0,):
-                break
-            sent += 1
-        pub.loop(0.001)
-    t1 = time.monotonic()
-    while got[0] < sent and time.monotonic() < t1 + 5:
-        pub.loop(0.01)
-    t2 = time.monotonic()
-    me2 = _cpu_seconds({"raw": os.getpid(), "broker": broker_pid} if broker_pid else {"raw": os.getpid()})
-    done.set()
-    sub.loop_stop()
+
+    def body(i: int) -> bytes:
+        if encode:
+            return encode_data("raw-0", 0, i + 1, [("src-0", i * batch_size + k, r) for k, r in enumerate(recs)])
+        return payloads[i % len(payloads)]
+
+    pids = {"process": os.getpid(), "broker": broker_pid} if broker_pid else {"process": os.getpid()}
+    try:
+        c0 = _cpu_seconds(pids)
+        out = _publish_windowed(pub, body, window, seconds, delivered, [sub],
+                                lambda c: _drain(c, lambda: delivered.n), stall_s)
+        c1 = _cpu_seconds(pids)
+    finally:
+        sub.disconnect()
+        pub.disconnect()
+    return _raw_result(batch_size, len(payloads[0]), out["sent"], delivered, out["t0"], window, c0, c1)
+
+
+def measure_raw_2proc(
+    host: str, port: int, batch_size: int, record: str, seconds: float, broker_pid: int = 0,
+    window: int = 100, stall_s: float = 2.0,
+) -> Dict[str, Any]:
+    """Two processes: this one publishes (pre-encoded batches, QoS 1), a child process
+    subscribes and writes one byte to its stdout per message received; the window counts
+    those bytes. The two-core limit of the broker + paho for one hop."""
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    child = subprocess.Popen([PY, "-m", "agent.runtime.dataplane_bench", "raw-subscriber", host, str(port)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+    assert child.stdout is not None and child.stdin is not None
+    fd = child.stdout.fileno()
+    delivered = _Delivered()
+    try:
+        r, _, _ = select.select([fd], [], [], 15.0)
+        if not r or os.read(fd, 1) != b"R":
+            raise BenchFailed("raw 2-proc: the subscriber process did not get ready")
+        pub = _raw_client("bench-raw-pub2", host, port)
+        payloads = _payloads(batch_size, 64, record)
+
+        def on_pipe(x: Any) -> None:
+            data = os.read(fd, 65536)
+            if not data:
+                raise BenchFailed("raw 2-proc: the subscriber process exited")
+            delivered.add(len(data))
+
+        pids = {"publisher": os.getpid(), "subscriber": child.pid}
+        if broker_pid:
+            pids["broker"] = broker_pid
+        try:
+            c0 = _cpu_seconds(pids)
+            out = _publish_windowed(pub, lambda i: payloads[i % len(payloads)], window, seconds, delivered, [fd],
+                                    on_pipe, stall_s)
+            c1 = _cpu_seconds(pids)
+        finally:
+            pub.disconnect()
+    finally:
+        child.stdin.close()  # EOF: the subscriber disconnects and exits
+        try:
+            child.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+        child.stdout.close()
+    return _raw_result(batch_size, len(payloads[0]), out["sent"], delivered, out["t0"], window, c0, c1)
+
+
+def _raw_subscriber_main(host: str, port: int) -> int:
+    """The subscriber process of `measure_raw_2proc`: b"R" once subscribed, then one byte per
+    message received; exits at EOF on stdin."""
+    n = [0]
+    sub = _raw_client("bench-raw-sub2", host, port, RAW_TOPIC)
+    sub.on_message = lambda c, u, m: n.__setitem__(0, n[0] + 1)
+    os.write(1, b"R")
+    ss, stdin = sub.socket(), sys.stdin.fileno()
+    misc = time.monotonic()
+    while True:
+        r, w, _ = select.select([ss, stdin], [ss] if sub.want_write() else [], [], 0.5)
+        if w:
+            sub.loop_write()
+        if ss in r:
+            _drain(sub, lambda: n[0])
+            if n[0]:
+                os.write(1, b"." * n[0])
+                n[0] = 0
+        if stdin in r and not os.read(stdin, 4096):
+            break
+        if time.monotonic() - misc >= 1.0:
+            sub.loop_misc()
+            misc = time.monotonic()
     sub.disconnect()
-    pub.disconnect()
-    elapsed = t2 - t0
-    return {
-        "batches": float(got[0]),
-        "records_per_s": got[0] * batch_size / elapsed,
-        "batches_per_s": got[0] / elapsed,
-        "payload_bytes": float(len(payloads[0])),
-        # publisher and subscriber together (one process), and the broker: CPU ms per batch
-        "cpu_ms_per_batch": {k: round(1000 * (me2[k] - me[k]) / max(1, got[0]), 3) for k in me2 if k != "machine_busy"},
-    }
+    return 0
 
 
 def _cpu_seconds(pids: Dict[str, int]) -> Dict[str, float]:
@@ -434,6 +712,11 @@ def _rss_mb(pid: int) -> float:
     return psutil.Process(pid).memory_info().rss / 1e6
 
 
+def _progress(msg: str) -> None:
+    """Progress goes to stderr: `--json` keeps stdout pure JSON."""
+    print(f"bench dataplane: {msg}", file=sys.stderr, flush=True)
+
+
 def run_bench(
     seconds: float = 8.0,
     batch_size: int = 100,
@@ -442,18 +725,37 @@ def run_bench(
     workdir: Optional[str] = None,
     rescale: int = 3,
     warm: bool = True,
+    raw_window: int = 100,
+    broker_max_queued: int = 10000,
+    broker_max_inflight: int = 100,
+    result: Optional[Dict[str, Any]] = None,
 ) -> Dict[str, Any]:
+    """Every phase on one private broker; raises BenchFailed (with the partial numbers in
+    `result` if the caller passed a dict) when the broker dropped a message in any phase."""
     from agent.runtime.broker import start_private_broker
 
     tmp = Path(workdir or tempfile.mkdtemp(prefix="fog-dataplane-"))
-    broker = start_private_broker(tmp / "broker", max_queued=10000)
-    result: Dict[str, Any] = {"batch_size": batch_size, "record": record, "seconds": seconds, "window": window}
+    broker = start_private_broker(tmp / "broker", max_queued=broker_max_queued, max_inflight=broker_max_inflight)
+    if result is None:
+        result = {}
+    result.update({"batch_size": batch_size, "record": record, "seconds": seconds, "window": window,
+                   "raw_window": raw_window})
     runner = LocalRunner(tmp)
+    drops: Optional[DropWatch] = None
     try:
-        raw = measure_raw(broker.host, broker.port, batch_size, record, seconds, broker_pid=broker.pid)
-        result["raw"] = raw
-        result["raw_encoded"] = measure_raw(broker.host, broker.port, batch_size, record, seconds, encode=True,
-                                            broker_pid=broker.pid)
+        drops = DropWatch(broker.host, broker.port)
+        result["dropped"] = drops.per_phase  # filled phase by phase: every value must be 0
+        raw_args = dict(batch_size=batch_size, record=record, seconds=seconds, broker_pid=broker.pid, window=raw_window)
+        _progress(f"raw, one process ({seconds:g} s)")
+        with drops.phase("raw_1proc", result) as part:
+            part["raw_1proc"] = measure_raw(broker.host, broker.port, **raw_args)  # type: ignore[arg-type]
+        _progress(f"raw, two processes ({seconds:g} s)")
+        with drops.phase("raw_2proc", result) as part:
+            part["raw_2proc"] = measure_raw_2proc(broker.host, broker.port, **raw_args)  # type: ignore[arg-type]
+        _progress(f"raw, one process encoding each batch ({seconds:g} s)")
+        with drops.phase("raw_1proc_encoding", result) as part:
+            part["raw_1proc_encoding"] = measure_raw(broker.host, broker.port, encode=True,
+                                                       **raw_args)  # type: ignore[arg-type]
         toml = pipeline_toml(
             "bench",
             [
@@ -469,46 +771,57 @@ def run_bench(
         )
         bspec = BrokerSpec(host=broker.host, port=broker.port)
         specs = initial_specs(toml, bspec, str(tmp / "state"), extra={"sink_dir": str(tmp / "sink")})
-        procs = [runner.start(s) for s in reversed(specs)]  # successors subscribe first
-        sink = procs[0]
-        time.sleep(1.0)  # warm-up
-        pids = {"source": procs[-1].pid, "map": procs[1].pid, "sink": procs[0].pid, "broker": broker.pid}
-        c0 = _cpu_seconds(pids)
-        r0 = sink.stats.get("recorded", 0)
-        t0 = time.monotonic()
-        time.sleep(seconds)
-        r1 = sink.stats.get("recorded", 0)
-        t1 = time.monotonic()
-        c1 = _cpu_seconds(pids)
-        rate = (r1 - r0) / (t1 - t0)
-        batches = max(1.0, (r1 - r0) / batch_size)
-        result["pipeline"] = {
-            "records_per_s": rate,
-            # Where the CPU goes (the machine is shared: `machine_busy` counts the other jobs too):
-            # CPU seconds per wall second of each process, and CPU ms per batch of `batch_size`.
-            "cpu_share": {k: round((c1[k] - c0[k]) / (t1 - t0), 3) for k in c1},
-            "cpu_ms_per_batch": {k: round(1000 * (c1[k] - c0[k]) / batches, 3) for k in c1},
-            "source": procs[-1].stats,
-            "map": procs[1].stats,
-            "sink": sink.stats,
-        }
-        result["ratio"] = rate / raw["records_per_s"] if raw["records_per_s"] else 0.0
-        enc = result["raw_encoded"]["records_per_s"]
-        result["ratio_vs_encoding_producer"] = rate / enc if enc else 0.0
-        # Idle worker memory: pause the source, wait, read the map worker's RSS.
-        procs[-1].send("set", paused=True)
-        time.sleep(1.5)
-        result["rss_mb"] = {
-            "idle_worker": _rss_mb(procs[1].pid),
-            "sink_worker": _rss_mb(procs[0].pid),
-            "python_paho_baseline": _baseline_rss(),
-        }
-        runner.stop_all()
+        _progress(f"pipeline source -> identity -> sink ({seconds:g} s)")
+        with drops.phase("pipeline", result) as part:
+            procs = [runner.start(s) for s in reversed(specs)]  # successors subscribe first
+            sink = procs[0]
+            time.sleep(1.0)  # warm-up
+            pids = {"source": procs[-1].pid, "map": procs[1].pid, "sink": procs[0].pid, "broker": broker.pid,
+                    "bench": os.getpid()}  # this process: the runner's pipe readers and the drop watch
+            c0 = _cpu_seconds(pids)
+            r0 = sink.stats.get("recorded", 0)
+            t0 = time.monotonic()
+            time.sleep(seconds)
+            r1 = sink.stats.get("recorded", 0)
+            t1 = time.monotonic()
+            c1 = _cpu_seconds(pids)
+            rate = (r1 - r0) / (t1 - t0)
+            batches = max(1.0, (r1 - r0) / batch_size)
+            part["pipeline"] = {
+                "records_per_s": rate,
+                # Where the CPU goes (the machine is shared: `machine_busy` counts the other jobs too):
+                # CPU seconds per wall second of each process, and CPU ms per batch of `batch_size`.
+                "cpu_share": {k: round((c1[k] - c0[k]) / (t1 - t0), 3) for k in c1},
+                "cpu_ms_per_batch": {k: round(1000 * (c1[k] - c0[k]) / batches, 3) for k in c1},
+                "source": procs[-1].stats,
+                "map": procs[1].stats,
+                "sink": sink.stats,
+            }
+            r1p = result["raw_1proc"]["records_per_s"]
+            r2p = result["raw_2proc"]["records_per_s"]
+            # The goal (issue 26): >= 0.5 of the one-process raw, a worker's per-process equivalent.
+            part["ratio"] = rate / r1p if r1p else 0.0
+            part["ratio_vs_raw_2proc"] = rate / r2p if r2p else 0.0
+            enc = result["raw_1proc_encoding"]["records_per_s"]
+            part["ratio_vs_encoding_producer"] = rate / enc if enc else 0.0
+            # Idle worker memory: pause the source, wait, read the map worker's RSS.
+            procs[-1].send("set", paused=True)
+            time.sleep(1.5)
+            part["rss_mb"] = {
+                "idle_worker": _rss_mb(procs[1].pid),
+                "sink_worker": _rss_mb(procs[0].pid),
+                "python_paho_baseline": _baseline_rss(),
+            }
+            runner.stop_all()
         if rescale:
-            result["rescale"] = measure_rescale(broker.host, broker.port, tmp, cycles=rescale, warm=warm)
-            result["rescale"]["warm_worker"] = warm
+            _progress(f"rescale, {rescale} step-load cycles")
+            with drops.phase("rescale", result) as part:
+                part["rescale"] = measure_rescale(broker.host, broker.port, tmp, cycles=rescale, warm=warm)
+                part["rescale"]["warm_worker"] = warm
     finally:
         runner.stop_all()
+        if drops is not None:
+            drops.close()
         broker.stop()
     return result
 
@@ -667,22 +980,42 @@ def _baseline_rss() -> float:
     return float(out.stdout.strip())
 
 
+def _fmt_cpu(cpu: Dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.3f}" for k, v in cpu.items())
+
+
 def _cmd(args: argparse.Namespace) -> int:
-    res = run_bench(
-        seconds=args.seconds, batch_size=args.batch_size, record=args.record, window=args.window,
-        rescale=args.rescale_cycles, warm=not args.no_warm_worker,
-    )
+    res: Dict[str, Any] = {}
+    try:
+        run_bench(
+            seconds=args.seconds, batch_size=args.batch_size, record=args.record, window=args.window,
+            rescale=args.rescale_cycles, warm=not args.no_warm_worker, raw_window=args.raw_window,
+            broker_max_queued=args.broker_max_queued, broker_max_inflight=args.broker_max_inflight, result=res,
+        )
+    except BenchFailed as exc:
+        res["error"] = str(exc)
+        print(f"error: bench dataplane failed: {exc}", file=sys.stderr)
+        if args.json:
+            print(json.dumps(res, indent=2, sort_keys=True, default=str))
+        return 1
     if args.json:
         print(json.dumps(res, indent=2, sort_keys=True, default=str))
     else:
-        raw = res["raw"]["records_per_s"]
+        r1, r2 = res["raw_1proc"], res["raw_2proc"]
         pipe = res["pipeline"]["records_per_s"]
-        print(f"batch size {res['batch_size']} ({res['record']} records, {res['raw']['payload_bytes']:.0f} B/batch)")
-        print(f"raw limit (publisher -> broker -> no-op subscriber): {raw:10.0f} records/s")
-        enc = res["raw_encoded"]["records_per_s"]
-        print(f"raw, publisher encoding each batch:                  {enc:10.0f} records/s")
-        print(f"pipeline source -> identity -> sink:                  {pipe:10.0f} records/s")
-        print(f"ratio: {res['ratio']:.2f} (goal >= 0.5); vs the encoding producer: {res['ratio_vs_encoding_producer']:.2f}")
+        print(f"batch size {res['batch_size']} ({res['record']} records, {r1['payload_bytes']:.0f} B/batch), "
+              f"raw window {res['raw_window']} batches counted from the subscriber's receipts")
+        print(f"raw, one process (publisher + subscriber):   {r1['records_per_s']:10.0f} records/s  "
+              f"CPU ms/batch: {_fmt_cpu(r1['cpu_ms_per_batch'])}")
+        print(f"raw, two processes:                          {r2['records_per_s']:10.0f} records/s  "
+              f"CPU ms/batch: {_fmt_cpu(r2['cpu_ms_per_batch'])}")
+        enc = res["raw_1proc_encoding"]["records_per_s"]
+        print(f"raw, one process encoding each batch:        {enc:10.0f} records/s")
+        print(f"pipeline source -> identity -> sink:         {pipe:10.0f} records/s  "
+              f"CPU ms/batch: {_fmt_cpu({k: v for k, v in res['pipeline']['cpu_ms_per_batch'].items() if k in ('source', 'map', 'sink', 'broker')})}")
+        print(f"ratio vs one-process raw: {res['ratio']:.3f} (goal >= 0.5); vs two-process raw: "
+              f"{res['ratio_vs_raw_2proc']:.3f}; vs the encoding producer: {res['ratio_vs_encoding_producer']:.3f}")
+        print("messages the broker dropped, per phase: " + ", ".join(f"{k} {v:.0f}" for k, v in res["dropped"].items()))
         rss = res["rss_mb"]
         print(f"RSS idle worker {rss['idle_worker']:.1f} MB (python+paho baseline {rss['python_paho_baseline']:.1f} MB; goal < 40 MB)")
         rs = res.get("rescale")
@@ -706,8 +1039,20 @@ def register_bench(groups: Any) -> None:
     p.add_argument("--batch-size", type=int, default=100)
     p.add_argument("--record", choices=("taxi", "tiny"), default="taxi")
     p.add_argument("--window", type=int, default=8, help="max_inflight_batches of each operator")
+    p.add_argument("--raw-window", type=int, default=100,
+                   help="raw parts: batches between publish and the subscriber's receipt (default: the "
+                        "broker's max_inflight_messages, so nothing waits in the broker's queue)")
     p.add_argument("--rescale-cycles", type=int, default=3, help="step-load cycles of the rescale part (0: skip)")
     p.add_argument("--no-warm-worker", action="store_true",
                    help="rescale part: start each new instance's process cold (no pre-started worker)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the result as JSON on stdout (progress on stderr)")
+    # Tests make the private broker drop messages with these (a bench that saw a drop must fail).
+    p.add_argument("--broker-max-queued", type=int, default=10000, help=argparse.SUPPRESS)
+    p.add_argument("--broker-max-inflight", type=int, default=100, help=argparse.SUPPRESS)
     p.set_defaults(func=_cmd)
+
+
+if __name__ == "__main__":  # the subscriber process of measure_raw_2proc
+    if len(sys.argv) == 4 and sys.argv[1] == "raw-subscriber":
+        sys.exit(_raw_subscriber_main(sys.argv[2], int(sys.argv[3])))
+    sys.exit(2)

@@ -1,0 +1,80 @@
+"""`bench dataplane`'s raw limit is honest (issue 26): windowed on messages the subscriber received,
+timed up to the last one received, and a run in which the broker dropped a message fails.
+
+Real parts: a private Mosquitto per test (tiny queues where a drop must happen), the real
+publisher/subscriber code of the bench, and the CLI as a subprocess for the exit code and the
+`--json` stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agent.runtime.broker import start_private_broker
+from agent.runtime.dataplane_bench import DropWatch, measure_raw, measure_raw_2proc
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _bench(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "agent", "bench", "dataplane", "--record", "tiny", *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def test_raw_is_windowed_on_delivered_messages_and_timed_to_the_last_one(tmp_path: Path) -> None:
+    """A broker that queues at most 8 messages per client and sends 1 at a time: a publisher
+    windowed on the broker's PUBACKs overflows it at once; windowed on receipts (8 batches) it
+    never does, every message sent is received, and the time ends at the last receipt (no
+    drain timeout added)."""
+    broker = start_private_broker(tmp_path / "b", max_queued=8, max_inflight=1)
+    drops = DropWatch(broker.host, broker.port)
+    try:
+        with drops.phase("raw_1proc"):
+            r1 = measure_raw(broker.host, broker.port, 10, "tiny", 0.5, broker_pid=broker.pid, window=8)
+        with drops.phase("raw_2proc"):
+            r2 = measure_raw_2proc(broker.host, broker.port, 10, "tiny", 0.5, broker_pid=broker.pid, window=8)
+    finally:
+        drops.close()
+        broker.stop()
+    assert drops.per_phase == {"raw_1proc": 0.0, "raw_2proc": 0.0}
+    for r, procs in ((r1, {"process", "broker"}), (r2, {"publisher", "subscriber", "broker"})):
+        assert r["delivered"] == r["sent"] > 50
+        assert 0.5 <= r["elapsed_s"] < 0.8  # up to the last receipt: the publishing time plus one window
+        assert r["records_per_s"] == pytest.approx(r["delivered"] * 10 / r["elapsed_s"], rel=1e-3)
+        assert set(r["cpu_ms_per_batch"]) == procs and all(v > 0 for v in r["cpu_ms_per_batch"].values())
+
+
+def test_a_message_the_broker_drops_fails_the_bench(tmp_path: Path) -> None:
+    """Window 64 against a broker queue of 4: the broker drops, the dropped messages never
+    arrive, and the bench exits 1 naming the drop instead of printing a rate; stdout is still
+    pure JSON (the partial result with the error and the drop count)."""
+    p = _bench("--seconds", "0.5", "--rescale-cycles", "0", "--raw-window", "64",
+               "--broker-max-queued", "4", "--broker-max-inflight", "1", "--json")
+    assert p.returncode == 1, p.stderr
+    assert "error: bench dataplane failed: raw_1proc: the broker dropped" in p.stderr
+    res = json.loads(p.stdout)
+    assert res["dropped"]["raw_1proc"] > 0 and "dropped" in res["error"]
+    assert "raw_1proc" not in res and "pipeline" not in res  # no number from an invalid phase
+
+
+def test_json_stdout_parses_and_reports_both_raws(tmp_path: Path) -> None:
+    p = _bench("--seconds", "0.5", "--rescale-cycles", "0", "--json")
+    assert p.returncode == 0, p.stderr
+    res = json.loads(p.stdout)  # pure JSON: progress went to stderr
+    assert "bench dataplane: raw, one process" in p.stderr
+    assert set(res["dropped"]) == {"raw_1proc", "raw_2proc", "raw_1proc_encoding", "pipeline"}
+    assert not any(res["dropped"].values())
+    pipe = res["pipeline"]["records_per_s"]
+    assert pipe > 0
+    assert res["ratio"] == pytest.approx(pipe / res["raw_1proc"]["records_per_s"])
+    assert res["ratio_vs_raw_2proc"] == pytest.approx(pipe / res["raw_2proc"]["records_per_s"])
+    for part in ("raw_1proc", "raw_2proc", "raw_1proc_encoding"):
+        assert res[part]["delivered"] == res[part]["sent"] > 0
+    assert set(res["raw_2proc"]["cpu_ms_per_batch"]) == {"publisher", "subscriber", "broker"}
+    assert {"source", "map", "sink", "broker"} <= set(res["pipeline"]["cpu_ms_per_batch"])
+
