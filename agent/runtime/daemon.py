@@ -524,6 +524,8 @@ class Agent:
                     item["generation"] = gen
                 if self._pinned_sent.get(w.instance):
                     item["pinned"] = True
+        if self.draining:  # fogctl status flags the node (docs/fogctl.md, "Payloads")
+            doc["draining"] = True
         if self.pins:
             doc["pins"] = sorted(self.pins.values(), key=lambda p: (p["pipeline"] or "", p["operator"]))
         return doc
