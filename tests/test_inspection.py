@@ -62,6 +62,8 @@ def test_an_event_line_is_bounded_key_value_and_names_the_cause_first() -> None:
     assert "{" not in line and "'" not in line and "counter_" not in line  # no Python repr of the stats
     assert 'reason="stopped: undeploy requested"' in line and "clean=yes" in line and "code=0" in line
     assert "source=" not in line
+    from_state = events.make("scale_out", ts=1.0, node="n1", instance="a", detail={"source": "state"})
+    assert views.event_line(from_state).endswith(" scale_out source=state")  # docs/fogctl.md: read from a state
     many = events.make("scale_out", ts=1.0, node="n1", instance="a", detail={"new": [f"a-{k}" for k in range(9)],
                                                                                "note": "x" * 500})
     line = views.event_line(many)

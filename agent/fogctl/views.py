@@ -188,10 +188,11 @@ def pipelines(fleet: Fleet) -> Tuple[Doc, str]:
     return doc, text
 
 
-# Detail keys shown first, in this order (what happened before the particulars); `source` (which
-# publisher wrote the event) is left out of the line, `--json` keeps it.
+# Detail keys shown first, in this order (what happened before the particulars). `source` says
+# which publisher wrote the event: left out of the line when it is the usual agent or worker,
+# shown as `source=state` for a decision read from an agent's state (docs/fogctl.md); --json keeps it.
 _LEAD_KEYS = ("cause", "action", "what", "ok", "error", "new", "node", "boundary")
-_HIDDEN_KEYS = ("source",)
+_QUIET_SOURCES = ("agent", "worker")
 EVENT_LINE_MAX = 240  # characters: one terminal line and a bit; --json has everything
 _VALUE_MAX = 60
 
@@ -244,7 +245,7 @@ def event_line(ev: Event) -> str:
             parts.append(f"-> {r.action}" + (f" x{r.count}" if r.count > 1 else ""))
     keys = [k for k in _LEAD_KEYS if k in ev.detail] + sorted(k for k in ev.detail if k not in _LEAD_KEYS)
     for k in keys:
-        if k in _HIDDEN_KEYS:
+        if k == "source" and ev.detail[k] in _QUIET_SOURCES:
             continue
         shown = _detail_value(ev.detail[k])
         if shown is not None:
