@@ -50,6 +50,7 @@ __all__ = [
     "parse_history",
     "remember",
     "HISTORY_LENGTH",
+    "changes_something",
 ]
 
 SCHEMA_VERSION = 1
@@ -259,6 +260,17 @@ def parse_history(payload: Any) -> List[Event]:
     if not isinstance(payload, list):
         raise EventError(f"history: expected a JSON array, found {type(payload).__name__}")
     return [Event.from_dict(d) for d in payload]
+
+
+def changes_something(event: Event) -> bool:
+    """Whether the event reports a change (a scaling round, a spawn, a termination, a drain, a
+    lock step, a refusal, a spool state), as opposed to the periodic "nothing to do" decision
+    every instance publishes (docs/fogctl.md, "watch"): `fogctl watch` shows only these unless
+    `--all` is given, so a quiet fleet prints nothing."""
+    if event.type is not EventType.DECISION:
+        return True
+    r = event.reason
+    return r is not None and r.action not in (None, "none")
 
 
 def remember(history: Sequence[Event], event: Event, keep: int = HISTORY_LENGTH) -> List[Event]:

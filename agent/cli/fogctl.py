@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--filter", action="append", metavar="KEY=VALUE[,VALUE]",
                    help="keep events whose type/node/instance/operator/pipeline matches (repeatable)")
     p.add_argument("--instance", help="shorthand for --filter instance=ID")
+    p.add_argument("--all", action="store_true",
+                   help="also the periodic 'nothing to do' decisions (default: only events that change something)")
     p.add_argument("--duration", type=float, help="stop after this many seconds")
     p.add_argument("--count", type=int, help="stop after this many events")
     p = sub.add_parser("why", help="the last scaling decisions of one instance, with their reasons")

@@ -119,10 +119,16 @@ def cmd_watch(args: argparse.Namespace, ctx: Context) -> int:
     decision event during this watch (then its events are the source), so nothing is shown twice
     once workers publish events. Decisions already in the retained states when the watch starts
     are history, not shown (`fogctl why` shows them).
+
+    Only changes by default (`events.changes_something`): every instance publishes a "nothing to
+    do" decision every few seconds, which would bury the scaling rounds, spawns, terminations,
+    drains, locks and refusals a person watches for; `--all`, or a `--filter type=decision`,
+    shows them too.
     """
     from agent.fogctl.fleet import state_decisions
 
     filters = parse_filters(args.filter or [])
+    everything = bool(getattr(args, "all", False)) or "decision" in filters.get("type", ())
     if args.instance:
         filters.setdefault("instance", []).append(args.instance)
     seen = 0
@@ -155,7 +161,7 @@ def cmd_watch(args: argparse.Namespace, ctx: Context) -> int:
                     with_events.add(event.instance)
                 batch.append(event)
             for event in batch:
-                if not matches(event, filters):
+                if not matches(event, filters) or not (everything or ev_mod.changes_something(event)):
                     continue
                 ctx.out.write((event.to_json() if args.json else views.event_line(event)) + "\n")
                 ctx.out.flush()

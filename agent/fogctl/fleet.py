@@ -80,15 +80,28 @@ class Node:
     instances: Tuple[Instance, ...] = ()
     ts: Optional[float] = None  # when the agent published its state (unix seconds)
     error: Optional[str] = None
+    draining: bool = False  # fogctl drain: the node takes no new instance and hands its own over
+    # fogctl scale pins this agent holds: ({"pipeline", "operator", "until" (unix s or None)}, ...)
+    pins: Tuple[Dict[str, Any], ...] = ()
 
     def last_seen(self, now: float) -> Optional[float]:
         return None if self.ts is None else max(0.0, now - self.ts)
 
+    @property
+    def offline(self) -> bool:
+        return self.status == "offline"
+
     def to_dict(self, now: float) -> Dict[str, Any]:
+        # An offline node's retained state is its last word, not its present: its machine
+        # figures would read as current, so they are left out (null), its age stays.
+        live = not self.offline
         return {
-            "node": self.node, "status": self.status, "cpu": self.cpu, "memory": self.memory,
-            "temperature": self.temperature, "slots": self.slots, "free_slots": self.free_slots,
+            "node": self.node, "status": self.status, "draining": self.draining,
+            "cpu": self.cpu if live else None, "memory": self.memory if live else None,
+            "temperature": self.temperature if live else None, "slots": self.slots,
+            "free_slots": self.free_slots if live else None,
             "capacity": self.capacity, "instances": [i.id for i in self.instances],
+            "pins": [dict(p) for p in self.pins],
             "ts": self.ts, "last_seen_s": _round(self.last_seen(now), 3), "error": self.error,
         }
 
@@ -219,7 +232,21 @@ def _parse_state_doc(node: str, d: Dict[str, Any]) -> Node:
         capacity=_node_capacity(d, instances),
         instances=tuple(sorted(instances, key=lambda i: (i.operator, i.id))),
         ts=_num(d, "ts", "time", "timestamp"),
+        draining=d.get("draining") is True,
+        pins=_pins(d.get("pins")),
     )
+
+
+def _pins(raw: Any) -> Tuple[Dict[str, Any], ...]:
+    """The `pins` list of a state, each reduced to its documented keys (bus input: odd items skipped)."""
+    out = []
+    for p in raw[:64] if isinstance(raw, list) else []:
+        if not isinstance(p, dict) or not isinstance(p.get("operator"), str) or not p["operator"]:
+            continue
+        pipeline = p.get("pipeline") if isinstance(p.get("pipeline"), str) else None
+        until = p.get("until") if _isnum(p.get("until")) else None
+        out.append({"operator": p["operator"][:80], "pipeline": pipeline and pipeline[:80], "until": until})
+    return tuple(out)
 
 
 def _node_capacity(d: Mapping[str, Any], instances: Sequence[Instance]) -> Optional[float]:

@@ -7,6 +7,7 @@ same rows so that the two never disagree.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Dict, List, Optional, Tuple
 
 from agent.events import Event
@@ -19,19 +20,54 @@ Doc = Dict[str, Any]
 
 
 def status(fleet: Fleet, now: float) -> Tuple[Doc, str]:
-    doc = {"cluster": fleet.cluster, "nodes": [n.to_dict(now) for n in fleet.nodes]}
+    """One row per node. A draining node says so in STATUS; an offline node shows no machine
+    figures (its retained state is its last word, not its present), only when it was last seen.
+    Pins (fogctl scale) the agents hold follow the table, once per operator."""
+    pins = _fleet_pins(fleet)
+    doc = {"cluster": fleet.cluster, "nodes": [n.to_dict(now) for n in fleet.nodes], "pins": pins}
     rows = []
-    for n in fleet.nodes:
-        slots = "-" if n.slots is None else f"{n.free_slots if n.free_slots is not None else '-'}/{n.slots}"
+    for d, n in zip(doc["nodes"], fleet.nodes):
+        slots = "-" if n.slots is None else f"{d['free_slots'] if d['free_slots'] is not None else '-'}/{n.slots}"
+        state = n.status + (" draining" if n.draining else "")
         rows.append([
-            n.node, n.status if not n.error else f"{n.status} (bad state: {n.error})",
-            fmt_num(n.cpu), fmt_num(n.memory), fmt_num(n.temperature), slots, fmt_num(n.capacity),
+            n.node, state if not n.error else f"{state} (bad state: {n.error})",
+            fmt_num(d["cpu"]), fmt_num(d["memory"]), fmt_num(d["temperature"]), slots, fmt_num(n.capacity),
             len(n.instances), ",".join(i.id for i in n.instances) or "-", fmt_age(n.last_seen(now)),
         ])
     text = table(["NODE", "STATUS", "CPU%", "MEM%", "TEMP_C", "FREE/SLOTS", "CAPACITY", "N", "INSTANCES", "LAST_SEEN"], rows)
+    if pins:
+        text += "\npinned by fogctl scale (the policy leaves their count alone): " + "; ".join(
+            f"{p['operator']}" + (f" ({p['pipeline']})" if p["pipeline"] else "") + " " + _until(p["until"])
+            for p in pins)
     if not fleet.nodes:
         text = f"no agents found on fog/{fleet.cluster}/agents/+/state (wrong --cluster?)"
     return doc, text
+
+
+def _fleet_pins(fleet: Fleet) -> List[Dict[str, Any]]:
+    """Every agent keeps the pins it was sent (fogctl scale pins on every online node): one
+    entry per (pipeline, operator), with the nodes that hold it and the latest end."""
+    out: Dict[Tuple[str, str], Dict[str, Any]] = {}
+    for n in fleet.nodes:
+        for p in n.pins:
+            key = (p["pipeline"] or "", p["operator"])
+            entry = out.setdefault(key, {"operator": p["operator"], "pipeline": p["pipeline"], "until": p["until"],
+                                         "nodes": []})
+            entry["nodes"].append(n.node)
+            if p["until"] is None or (entry["until"] is not None and p["until"] > entry["until"]):
+                entry["until"] = p["until"]
+    return [out[k] for k in sorted(out)]
+
+
+def _until(until: Optional[float]) -> str:
+    import time as _time
+
+    if until is None:
+        return "until released"
+    try:
+        return "until " + _time.strftime("%H:%M:%SZ", _time.gmtime(until))
+    except (OverflowError, OSError, ValueError):
+        return f"until ts={until:g}"
 
 
 def _pipelines_of(fleet: Fleet, pipeline: Optional[str]) -> List[Optional[str]]:
@@ -152,8 +188,45 @@ def pipelines(fleet: Fleet) -> Tuple[Doc, str]:
     return doc, text
 
 
+# Detail keys shown first, in this order (what happened before the particulars). `source` says
+# which publisher wrote the event: left out of the line when it is the usual agent or worker,
+# shown as `source=state` for a decision read from an agent's state (docs/fogctl.md); --json keeps it.
+_LEAD_KEYS = ("cause", "action", "what", "ok", "error", "new", "node", "boundary")
+_QUIET_SOURCES = ("agent", "worker")
+EVENT_LINE_MAX = 240  # characters: one terminal line and a bit; --json has everything
+_VALUE_MAX = 60
+
+
+def _scalar(v: Any) -> str:
+    """One detail value as text a person reads: no Python reprs, quoted when it has spaces."""
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return f"{v:g}"
+    text = str(v)
+    text = " ".join(text.split())  # newlines and runs of blanks from a reason or an error
+    if len(text) > _VALUE_MAX:
+        text = text[:_VALUE_MAX - 3] + "..."
+    return json.dumps(text, ensure_ascii=False) if (" " in text or "=" in text or not text) else text
+
+
+def _detail_value(v: Any) -> Optional[str]:
+    """A list as comma-separated scalars; an object (a worker's stats, say) is left to --json."""
+    if isinstance(v, dict):
+        return None
+    if isinstance(v, (list, tuple)):
+        items = [_scalar(x) for x in v if not isinstance(x, (dict, list, tuple))]
+        shown = ",".join(items[:5]) + (f",+{len(items) - 5}" if len(items) > 5 else "")
+        return shown or "-"
+    if v is None:
+        return "-"
+    return _scalar(v)
+
+
 def event_line(ev: Event) -> str:
-    """One line per event: time, node, instance, type, then the reason's numbers."""
+    """One bounded line per event: time, node, instance, type, then key=value (docs/fogctl.md,
+    "watch"): the reason's numbers, then the detail's scalars and lists (what happened first).
+    Nested objects (a terminated worker's stats) stay out of the line; `--json` carries them."""
     import time as _time
 
     try:
@@ -170,7 +243,12 @@ def event_line(ev: Event) -> str:
             parts.append(f"draw={r.draw:.3f}")
         if r.action:
             parts.append(f"-> {r.action}" + (f" x{r.count}" if r.count > 1 else ""))
-    for k in sorted(ev.detail):
-        v = ev.detail[k]
-        parts.append(f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}")
-    return " ".join(parts)
+    keys = [k for k in _LEAD_KEYS if k in ev.detail] + sorted(k for k in ev.detail if k not in _LEAD_KEYS)
+    for k in keys:
+        if k == "source" and ev.detail[k] in _QUIET_SOURCES:
+            continue
+        shown = _detail_value(ev.detail[k])
+        if shown is not None:
+            parts.append(f"{_scalar(k)}={shown}")
+    line = " ".join(parts)
+    return line if len(line) <= EVENT_LINE_MAX else line[:EVENT_LINE_MAX - 3] + "..."

@@ -269,6 +269,9 @@ class Agent:
         self.connected = True
         self._ever_connected = True
         c = self._client
+        from agent.runtime.transport import _nodelay
+
+        _nodelay(c)  # a pong or a reply behind an unacked packet would wait ~40 ms (docs/measurement.md)
         subs = [
             (topics.agent_rpc_inbox(self.cluster, self.node), 1),
             (topics.agent_peer_inbox(self.cluster, self.node), 1),
@@ -449,7 +452,7 @@ class Agent:
         if self.connected and self.latency_core is not None:
             core = self.latency_core
             core.set_neighbours(n for n in self.fleet if n != self.node and self.online.get(n, False))
-            for topic, payload in core.poll(now):
+            for topic, payload in core.poll(self.clock()):  # a ping's send time: after the work above
                 self._publish(topic, payload, qos=0)
             if core.dirty:
                 topic, payload = core.retained(self.wall())
@@ -524,6 +527,8 @@ class Agent:
                     item["generation"] = gen
                 if self._pinned_sent.get(w.instance):
                     item["pinned"] = True
+        if self.draining:  # fogctl status flags the node (docs/fogctl.md, "Payloads")
+            doc["draining"] = True
         if self.pins:
             doc["pins"] = sorted(self.pins.values(), key=lambda p: (p["pipeline"] or "", p["operator"]))
         return doc
@@ -953,7 +958,11 @@ class Agent:
             self.latency[node] = nodestate.parse_latency(msg.payload)
         elif kind in ("ping", "pong") and node == self.node and self.latency_core is not None:
             try:
-                out = self.latency_core.on_message(topic, msg.payload, now)
+                from agent.runtime.latency import received_at
+
+                # timed at receipt on paho's thread, not when this loop reads it (docs/measurement.md)
+                t = self.clock()
+                out = self.latency_core.on_message(topic, msg.payload, t, received=received_at(msg, t, self.clock))
             except ValueError as exc:
                 self._bad(f"latency {kind}", parsed.sender, exc)
                 return

@@ -17,7 +17,11 @@ API for the daemon (sans-IO core: the daemon owns the MQTT client and the clock)
         core.record(peer, tcp_rtt(host, port), via="echo") from a worker thread or the loop.
 
 The broker path measures me -> broker -> peer -> broker -> me: it includes both agents' links
-to the broker, which is what an MQTT message between them costs. A ping to oneself measures the
+to the broker, which is what an MQTT message between them costs, and nothing of either agent's
+loop (docs/measurement.md, "What the RTT includes"): a probe is timestamped at receipt, on the
+MQTT client's network thread (`received_at`: paho stamps every message there), not when the
+loop gets round to it, and a pong carries how long the peer held the ping before answering
+(`h`, ms), which is subtracted. So a busy loop on either side shows in neither figure. A ping to oneself measures the
 RTT to the broker (published as the "broker" entry). Pings and pongs are QoS 0 (a lost ping is
 just a missing sample; a retransmitted one would measure the retransmission). A pong carries the
 sender's own send time back, so the RTT is computed on one clock; the nonce rejects stale and
@@ -37,7 +41,7 @@ import socketserver
 import statistics
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from agent import topics, wire
@@ -52,6 +56,7 @@ __all__ = [
     "udp_rtt",
     "MqttLatencyAgent",
     "BROKER",
+    "received_at",
 ]
 
 BROKER = "broker"  # the pseudo-peer of a self-ping
@@ -101,9 +106,15 @@ class Probe:
     target: str
     nonce: int
     sent_at: float
+    # On a pong: ms the answering agent held the ping between its receipt and the answer. Not
+    # part of the probe's identity (a pong matches its ping whatever the hold).
+    hold_ms: float = field(default=0.0, compare=False)
 
     def encode(self) -> bytes:
-        return json.dumps({"o": self.origin, "t": self.target, "n": self.nonce, "s": self.sent_at}).encode()
+        d: Dict[str, Any] = {"o": self.origin, "t": self.target, "n": self.nonce, "s": self.sent_at}
+        if self.hold_ms > 0:
+            d["h"] = round(self.hold_ms, 3)
+        return json.dumps(d).encode()
 
     @classmethod
     def decode(cls, payload: bytes) -> "Probe":
@@ -116,7 +127,10 @@ class Probe:
             raise wire.BusInputError("latency probe: 'n' must be an integer")
         if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s):
             raise wire.BusInputError("latency probe: 's' must be a finite number")
-        return cls(o, t, n, float(s))
+        h = d.get("h", 0.0)
+        if isinstance(h, bool) or not isinstance(h, (int, float)) or not math.isfinite(h) or h < 0:
+            raise wire.BusInputError("latency probe: 'h' must be a finite number >= 0")
+        return cls(o, t, n, float(s), float(h))
 
 
 class LatencyCore:
@@ -167,8 +181,13 @@ class LatencyCore:
     def next_due(self) -> Optional[float]:
         return self._next_round
 
-    def on_message(self, topic: str, payload: bytes, now: float) -> List[Tuple[str, bytes]]:
+    def on_message(self, topic: str, payload: bytes, now: float,
+                   received: Optional[float] = None) -> List[Tuple[str, bytes]]:
         """A ping to answer (returns the pong) or a pong of ours (records the RTT).
+
+        `received`: when the message arrived, on the MQTT network thread (`received_at`), on the
+        clock of `now`; None means now. A pong's RTT is its receipt minus our ping's send time,
+        less the hold the peer reports; a ping's answer reports now - received as its hold.
 
         The peer is the topic's last level (the broker's ACL proved it), and the probe must say
         the same: a pong goes only to the pinging node's own pong topic, never to a topic the
@@ -179,22 +198,29 @@ class LatencyCore:
             return []
         probe = Probe.decode(payload)
         peer = parsed.sender or ""
+        at = now if received is None or received > now else received
         if parsed.kind == "ping":
             if probe.origin != peer or probe.target != self.node:
                 raise wire.BusInputError(f"latency ping from {peer}: probe says {probe.origin[:40]!r} -> {probe.target[:40]!r}")
             if peer == self.node:
-                return self._pong(probe, now)  # the self-ping: its echo is this very message
-            return [(pong_topic(self.cluster, peer, self.node), payload)]
+                return self._pong(probe, at)  # the self-ping: its echo is this very message
+            hold_ms = (now - at) * 1000.0
+            if hold_ms <= 0:
+                return [(pong_topic(self.cluster, peer, self.node), payload)]
+            return [(pong_topic(self.cluster, peer, self.node), replace(probe, hold_ms=hold_ms).encode())]
         if probe.origin != self.node or probe.target != peer:
             raise wire.BusInputError(f"latency pong from {peer}: probe says {probe.origin[:40]!r} -> {probe.target[:40]!r}")
-        return self._pong(probe, now)
+        return self._pong(probe, at)
 
-    def _pong(self, probe: Probe, now: float) -> List[Tuple[str, bytes]]:
+    def _pong(self, probe: Probe, at: float) -> List[Tuple[str, bytes]]:
         sent = self._outstanding.pop(probe.nonce, None)
         if sent is None or sent != probe:
             return []  # stale, duplicated or forged
         peer = BROKER if probe.target == self.node else probe.target
-        self.record(peer, (now - sent.sent_at) * 1000.0, "broker")
+        total = (at - sent.sent_at) * 1000.0
+        # The peer's hold is its word: it can make itself look nearer only by what its answer
+        # took (never below 0), and farther only as a slow answer already could.
+        self.record(peer, max(0.0, total - min(probe.hold_ms, total)), "broker")
         return []
 
     def record(self, peer: str, rtt_ms: float, via: str = "echo") -> None:
@@ -221,6 +247,16 @@ class LatencyCore:
         if self.emulated:
             doc["emulated_ms"] = dict(sorted(self.emulated.items()))
         return topics.latency(self.cluster, self.node), json.dumps(doc, sort_keys=True).encode()
+
+
+def received_at(msg: Any, now: float, clock: Callable[[], float]) -> float:
+    """When an MQTT message arrived: paho stamps `msg.timestamp` with time.monotonic on its
+    network thread as it reads the PUBLISH, before the loop that owns the client handles it.
+    Usable only when `clock` is that same clock (a test's fake clock is not): else `now`."""
+    ts = getattr(msg, "timestamp", None)
+    if clock is not time.monotonic or isinstance(ts, bool) or not isinstance(ts, (int, float)):
+        return now
+    return float(ts) if 0 < ts <= now else now
 
 
 # ---- direct echo ------------------------------------------------------------------------------------
@@ -389,7 +425,7 @@ class MqttLatencyAgent:
 
     def _handle(self, topic: str, payload: bytes, at: float) -> None:
         try:
-            out = self.core.on_message(topic, payload, at)
+            out = self.core.on_message(topic, payload, self.clock(), received=at)
         except ValueError:
             self.bad_messages += 1  # a malformed probe: skipped, never the end of this thread
             return
