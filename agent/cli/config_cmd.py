@@ -296,7 +296,7 @@ def mqtt_file_problems(mqtt: Any, file: str) -> Tuple[List[str], List[str]]:
             with open(mqtt.password_file, "rb"):
                 pass
         except OSError as exc:
-            errors.append(str(ConfigError(file, "[mqtt].password_file", f"expected a readable file ({exc.strerror})",
+            errors.append(str(ConfigError(Path(file).name, "[mqtt].password_file", f"expected a readable file ({exc.strerror})",
                                           mqtt.password_file)))
     try:
         check_tls(mqtt, file)

@@ -234,12 +234,12 @@ def check_params(obj: Any, params: Dict[str, Any]) -> List[Tuple[str, str, Any]]
         return []
     out: List[Tuple[str, str, Any]] = []
     for key in sorted(set(params) - set(schema)):
-        allowed = ", ".join(sorted(schema)) or "none: this operator takes no params"
-        out.append((key, f"unknown key (allowed: {allowed})", params[key]))
+        allowed = f"allowed: {', '.join(sorted(schema))}" if schema else "this operator takes no params"
+        out.append((key, f"unknown key ({allowed})", params[key]))
     for key, spec in schema.items():
         if key not in params:
             if spec.required:
-                out.append((key, f"missing required key ({spec.expected()})", None))
+                out.append((key, f"missing required key (expected {spec.expected()})", None))
             continue
         why = spec.problem(params[key])
         if why:
