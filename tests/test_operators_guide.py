@@ -274,6 +274,39 @@ def test_the_example_package_declares_its_entry_points() -> None:
         assert f'function = "{ref}"' in pipe
 
 
+def test_installed_with_its_entry_points_the_example_needs_no_operators_modules(tmp_path: Path) -> None:
+    """The wheel way of docs/operators.md, without building a wheel: the package's metadata (a
+    dist-info directory with the entry points of its pyproject.toml, as pip installs it) on the
+    path makes exactly its two operators allowed on a node whose agent.toml lists no module."""
+    from agent.schema import tomllib
+
+    project = tomllib.loads((EXAMPLE / "pyproject.toml").read_text())["project"]
+    site = tmp_path / "site"
+    info = site / "fog_example_ops-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n")
+    eps = project["entry-points"]["fog_agent.operators"]
+    (info / "entry_points.txt").write_text("[fog_agent.operators]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()))
+    node = tmp_path / "agent.toml"
+    node.write_text('[agent]\nnode = "n"\n')
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(EXAMPLE), str(site)]))
+
+    def check_cli(pipeline_file: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "agent", "check-config", str(pipeline_file), "--agent-config",
+                               str(node)], capture_output=True, text=True, cwd=str(tmp_path), timeout=60, env=env)
+
+    r = check_cli(EXAMPLE / "pipeline.toml")
+    assert r.returncode == 0, r.stderr
+    # an entry point allows its target only, not the rest of the module
+    other = tmp_path / "p.toml"
+    other.write_text((EXAMPLE / "pipeline.toml").read_text().replace("ops:sensor_stats", "ops:SensorStats"))
+    r = check_cli(other)
+    assert r.returncode == 1 and '"fog_example_ops.ops:SensorStats" is not allowed on this node' in r.stderr
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(EXAMPLE)])  # the module without its metadata
+    r = check_cli(EXAMPLE / "pipeline.toml")
+    assert r.returncode == 1 and '"fog_example_ops.ops:to_fahrenheit" is not allowed on this node' in r.stderr
+
+
 @pytest.mark.broker
 def test_the_worked_example_runs_on_real_agents(tmp_path: Path, mosquitto: Any) -> None:
     import paho.mqtt.client as mqtt
