@@ -173,10 +173,11 @@ def test_user_functions_are_imported_after_the_allow_list_and_their_schema_check
         "def scale(rec, params):\n    return rec\n"
         "scale.params_schema = {'factor': Param('number', required=True, above=0), 'unit': Param('string', choices=('c', 'f'))}\n"
         "def free(rec):\n    return rec\n")
+    (pkgs / f"{mod}_broken.py").write_text("raise RuntimeError('needs a GPIO board')\n")
     (pkgs / f"{evil}.py").write_text(f"open({str(marker)!r}, 'w').close()\ndef run(rec):\n    return rec\n")
     monkeypatch.syspath_prepend(str(pkgs))
     node = tmp_path / "agent.toml"
-    node.write_text(f'[agent]\nnode = "n"\n[operators]\nmodules = ["{mod}", "guide_absent_module"]\n')
+    node.write_text(f'[agent]\nnode = "n"\n[operators]\nmodules = ["{mod}", "{mod}_broken", "guide_absent_module"]\n')
 
     # a refused module is never imported, even when another operator's function is fine
     p = pipeline(tmp_path, work=f"{evil}:run")
@@ -185,7 +186,8 @@ def test_user_functions_are_imported_after_the_allow_list_and_their_schema_check
     assert not marker.exists() and evil not in sys.modules
 
     # allowed but not importable: said now, not by a worker after deploy (old check-config passed it)
-    for ref, why in ((f"{mod}:nope", "has no attribute 'nope'"), ("guide_absent_module:f", "No module named")):
+    for ref, why in ((f"{mod}:nope", "has no attribute 'nope'"), ("guide_absent_module:f", "No module named"),
+                     (f"{mod}_broken:f", "importing it raised RuntimeError: needs a GPIO board")):
         p = pipeline(tmp_path, work=ref)
         rc, [line] = check(p, capsys, node)
         assert rc == 1 and line.startswith(f'error: {p}: [operator[1]].function: expected an importable operator '

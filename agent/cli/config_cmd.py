@@ -258,7 +258,6 @@ def operator_problems(cfg: Any, file: str, agent_config: Optional[str]) -> List[
     (its function's `params_schema`). Called only after `refused_functions` found nothing."""
     from agent.runtime.admission import AllowList, NodeDirs, PathRefused, spec_paths
     from agent.runtime.operators import check_params
-    from agent.schema import ConfigError as _E
 
     path, node = _node_config(agent_config)
     allowed = AllowList.for_node(node.operators.modules if node is not None else ())
@@ -267,12 +266,19 @@ def operator_problems(cfg: Any, file: str, agent_config: Optional[str]) -> List[
         where = f"[operator[{i}]]"
         try:
             obj = allowed.resolve(op.function)
-        except ValueError as exc:  # OperatorRefused is one too
+        except Exception as exc:  # noqa: BLE001 - the user's module may raise anything on import
+            why = getattr(exc, "why", None) or (str(exc) if isinstance(exc, ValueError)
+                                                else f"importing it raised {type(exc).__name__}: {exc}")
             out.append(f"{file}: {where}.function: expected an importable operator function, "
-                       f'got "{op.function}" ({getattr(exc, "why", None) or exc})')
+                       f'got "{op.function}" ({why})')
             continue
-        for key, expected, got in check_params(obj, op.params):
-            out.append(str(_E(file, f"{where}.params.{key}", expected, *(() if got is None else (got,)))))
+        try:
+            problems = check_params(obj, op.params)
+        except Exception as exc:  # noqa: BLE001 - a user's check_params
+            problems = [("", f"its check_params raised {type(exc).__name__}: {exc}", None)]
+        for key, expected, got in problems:
+            key_ = f"{where}.params.{key}" if key else f"{where}.params"
+            out.append(str(ConfigError(file, key_, expected, *(() if got is None else (got,)))))
         if node is not None:  # the paths the node's agent would refuse at deploy (admission.py)
             dirs = NodeDirs.of(node)
             for what, value in spec_paths({}, op.function, op.params):
