@@ -86,9 +86,15 @@ class TlsSection:
             raise ValueError("key_file needs cert_file (the client certificate)")
 
 
+def _host(v: Any) -> Optional[str]:
+    # "" would make paho connect to nothing and fail only at `run`
+    ok = bool(v.strip()) and not any(c.isspace() for c in v)
+    return None if ok else "expected a host name or address"
+
+
 @dataclass(frozen=True)
 class MqttSection:
-    host: str = "127.0.0.1"
+    host: str = field(default="127.0.0.1", metadata={"check": _host})
     port: int = field(default=1883, metadata={"check": in_range(1, 65535, "an integer")})
     keepalive: int = field(default=10, metadata={"check": in_range(1, 65535, "an integer")})
     username: Optional[str] = None

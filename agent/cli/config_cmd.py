@@ -12,6 +12,14 @@ A pipeline is also checked against THIS node's operator allow-list (docs/securit
 from the bus"): built-ins, installed entry points, and the `[operators] modules` of the node's
 agent.toml (`--agent-config`, default $FOG_AGENT_CONFIG or /etc/fog-agent/agent.toml when it
 exists). A function the node would refuse is one error line naming file, key and what is allowed.
+Only when every function is allowed are they imported (a refused module is never imported), and
+each operator's params are checked against the `params_schema` its function declares (the
+built-ins do: agent.runtime.operators.check_params; docs/operators.md, "Declaring params").
+
+Files a configuration names are opened: a pipeline's path params (`params.csv`), an agent's or
+central's `[mqtt].password_file`. A missing `[mqtt.tls]` file is a warning only: packages write
+agent.toml before the certificates arrive, and `fog-agent run` refuses to start without them
+(exit 78). Every problem is one line naming file, key and what was expected.
 """
 
 from __future__ import annotations
@@ -98,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
     if kind == "pipeline":
         try:
             refused = refused_functions(cfg, args.file, args.agent_config)
+            if not refused:  # import only what the allow-list admits
+                refused = operator_problems(cfg, args.file, args.agent_config)
         except ConfigError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
@@ -105,6 +115,14 @@ def run(args: argparse.Namespace) -> int:
         for line in refused:
             print(f"error: {line}", file=sys.stderr)
         if refused:
+            return 1
+    elif kind in ("agent", "central"):
+        problems, warnings = mqtt_file_problems(cfg.mqtt, args.file)
+        for line in warnings:
+            print(f"warning: {line}", file=sys.stderr)
+        for line in problems:
+            print(f"error: {line}", file=sys.stderr)
+        if problems:
             return 1
     data = _redact(effective(cfg))
     if args.json:
@@ -226,15 +244,79 @@ def to_toml(data: Mapping[str, Any], prefix: str = "") -> str:
     return "\n".join(lines) + "\n" if lines else ""
 
 
-def refused_functions(cfg: Any, file: str, agent_config: Optional[str]) -> List[str]:
-    """One line per operator whose function this node's allow-list refuses."""
+def _node_config(agent_config: Optional[str]) -> Tuple[Path, Any]:
+    """(path, AgentConfig or None): the node's agent.toml that check-config checks a pipeline
+    against (`--agent-config`, else the default one if it exists)."""
     from agent.config import default_config_path, load_agent_config
-    from agent.runtime.admission import AllowList, OperatorRefused
 
     path = Path(agent_config) if agent_config else default_config_path()
-    modules: Tuple[str, ...] = ()
-    if agent_config or path.exists():
-        modules = load_agent_config(path).operators.modules
+    return path, (load_agent_config(path) if agent_config or path.exists() else None)
+
+
+def operator_problems(cfg: Any, file: str, agent_config: Optional[str]) -> List[str]:
+    """One line per operator function that does not import, and per bad param of each operator
+    (its function's `params_schema`). Called only after `refused_functions` found nothing."""
+    from agent.runtime.admission import AllowList, NodeDirs, PathRefused, spec_paths
+    from agent.runtime.operators import check_params
+
+    path, node = _node_config(agent_config)
+    allowed = AllowList.for_node(node.operators.modules if node is not None else ())
+    out: List[str] = []
+    for i, op in enumerate(cfg.operators):
+        where = f"[operator[{i}]]"
+        try:
+            obj = allowed.resolve(op.function)
+        except Exception as exc:  # noqa: BLE001 - the user's module may raise anything on import
+            why = getattr(exc, "why", None) or (str(exc) if isinstance(exc, ValueError)
+                                                else f"importing it raised {type(exc).__name__}: {exc}")
+            out.append(f"{file}: {where}.function: expected an importable operator function, "
+                       f'got "{op.function}" ({why})')
+            continue
+        try:
+            problems = check_params(obj, op.params)
+        except Exception as exc:  # noqa: BLE001 - a user's check_params
+            problems = [("", f"its check_params raised {type(exc).__name__}: {exc}", None)]
+        for key, expected, got in problems:
+            key_ = f"{where}.params.{key}" if key else f"{where}.params"
+            out.append(str(ConfigError(file, key_, expected, *(() if got is None else (got,)))))
+        if node is not None:  # the paths the node's agent would refuse at deploy (admission.py)
+            dirs = NodeDirs.of(node)
+            for what, value in spec_paths({}, op.function, op.params):
+                try:
+                    dirs.check(what, value)
+                except PathRefused as exc:
+                    out.append(f"{file}: {where}.{what}: expected a path inside the node's directories "
+                               f"(agent config {path}): {exc}")
+    return out
+
+
+def mqtt_file_problems(mqtt: Any, file: str) -> Tuple[List[str], List[str]]:
+    """(errors, warnings) about the files an [mqtt] table names: the password file must be
+    readable (the agent reads it at `run`); a missing TLS file is a warning (see the module doc)."""
+    from agent.config import check_tls
+
+    errors: List[str] = []
+    warnings: List[str] = []
+    if mqtt.password_file is not None:
+        try:
+            with open(mqtt.password_file, "rb"):
+                pass
+        except OSError as exc:
+            errors.append(str(ConfigError(Path(file).name, "[mqtt].password_file", f"expected a readable file ({exc.strerror})",
+                                          mqtt.password_file)))
+    try:
+        check_tls(mqtt, file)
+    except ConfigError as exc:
+        (warnings if "readable PEM file" in exc.expected else errors).append(str(exc))
+    return errors, warnings
+
+
+def refused_functions(cfg: Any, file: str, agent_config: Optional[str]) -> List[str]:
+    """One line per operator whose function this node's allow-list refuses."""
+    from agent.runtime.admission import AllowList, OperatorRefused
+
+    path, node = _node_config(agent_config)
+    modules: Tuple[str, ...] = node.operators.modules if node is not None else ()
     allowed = AllowList.for_node(modules)
     out = []
     for i, op in enumerate(cfg.operators):

@@ -21,6 +21,7 @@ busy (it processes nothing else meanwhile) without burning the shared CPU (see d
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections import deque
@@ -40,6 +41,8 @@ __all__ = [
     "SinkOperator",
     "Publication",
     "record_map",
+    "Param",
+    "check_params",
     "load_operator",
     "validate",
     "in_zone",
@@ -154,6 +157,99 @@ def record_map(fn: Callable[[Any, Dict[str, Any]], Any]) -> Callable[[Any, Dict[
     return fn
 
 
+@dataclass(frozen=True)
+class Param:
+    """One key of an operator's params, as `fog-agent check-config` checks it (docs/operators.md,
+    "Declaring params"). An operator declares its keys with a `params_schema = {"key": Param(...)}`
+    attribute on the object the pipeline names; without one, its params are not checked. Checked
+    by check-config only: the worker builds the operator with the params as they are.
+
+    `type`: "number", "integer", "string", "boolean", "array", "table" or "any"; `choices`: the
+    allowed values; `min` / `max` inclusive bounds, `above` an exclusive lower bound (numbers);
+    `path`: a file the operator opens, which must exist and be readable where check-config runs."""
+
+    type: str = "any"
+    required: bool = False
+    choices: Tuple[Any, ...] = ()
+    min: Optional[float] = None
+    max: Optional[float] = None
+    above: Optional[float] = None
+    path: bool = False
+
+    def expected(self) -> str:
+        """What a good value is, in words (the end of an error line)."""
+        if self.choices:
+            return "one of " + ", ".join(json.dumps(c) for c in self.choices)
+        words = {"number": "a finite number", "integer": "an integer", "string": "a string", "boolean": "a boolean",
+                 "array": "an array", "table": "a table", "any": "a value"}[self.type]
+        if self.path:
+            words = "a readable file"
+        bounds = []
+        if self.above is not None:
+            bounds.append(f"> {self.above:g}")
+        if self.min is not None:
+            bounds.append(f">= {self.min:g}")
+        if self.max is not None:
+            bounds.append(f"<= {self.max:g}")
+        return words + (" " + " and ".join(bounds) if bounds else "")
+
+    def problem(self, value: Any) -> Optional[str]:
+        """None if `value` is good, else what was expected."""
+        t = self.type
+        ok = {
+            "number": isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+            "integer": isinstance(value, int) and not isinstance(value, bool),
+            "string": isinstance(value, str),
+            "boolean": isinstance(value, bool),
+            "array": isinstance(value, list),
+            "table": isinstance(value, dict),
+            "any": True,
+        }[t]
+        if ok and self.choices:
+            ok = value in self.choices
+        if ok and t in ("number", "integer"):
+            ok = ((self.above is None or value > self.above) and (self.min is None or value >= self.min)
+                  and (self.max is None or value <= self.max))
+        if not ok:
+            return f"expected {self.expected()}"
+        if self.path:
+            if not isinstance(value, str) or not value:
+                return "expected a readable file"
+            try:
+                with open(value, "rb"):
+                    pass
+            except OSError as exc:
+                return f"expected a readable file ({exc.strerror})"
+        return None
+
+
+def check_params(obj: Any, params: Dict[str, Any]) -> List[Tuple[str, str, Any]]:
+    """(key, what was expected, the value) for each problem of `params` against the
+    `params_schema` the operator object `obj` declares (none: nothing is checked). A key the
+    schema does not name is a problem: a misspelt key would silently fall back to its default.
+    An object may add checks across keys with a `check_params(params)` attribute returning the
+    same triples (the taxi source: `csv` is required with `profile = "csv"`)."""
+    schema = getattr(obj, "params_schema", None)
+    if not isinstance(schema, dict):
+        return []
+    out: List[Tuple[str, str, Any]] = []
+    for key in sorted(set(params) - set(schema)):
+        allowed = f"allowed: {', '.join(sorted(schema))}" if schema else "this operator takes no params"
+        out.append((key, f"unknown key ({allowed})", params[key]))
+    for key, spec in schema.items():
+        if key not in params:
+            if spec.required:
+                out.append((key, f"missing required key (expected {spec.expected()})", None))
+            continue
+        why = spec.problem(params[key])
+        if why:
+            out.append((key, why, params[key]))
+    extra = getattr(obj, "check_params", None)
+    if callable(extra) and not out:
+        out.extend(extra(params))
+    return out
+
+
 def load_operator(ref: str, ctx: OperatorContext, allowed: Optional["AllowList"] = None) -> Operator:
     """Resolve "package.module:name" through the node's allow-list and build the operator
     instance. `allowed` defaults to this process's (`admission.node_allow_list`: built-ins,
@@ -238,6 +334,12 @@ def in_zone(rec: Any, params: Dict[str, Any]) -> Any:
 def identity(rec: Any) -> Any:
     """The trivial operator of the dataplane benchmark."""
     return rec
+
+
+# The built-in maps take no params (check_params: any key is a misspelling).
+validate.params_schema = {}  # type: ignore[attr-defined]
+in_zone.params_schema = {}  # type: ignore[attr-defined]
+identity.params_schema = {}  # type: ignore[attr-defined]
 
 
 # ---- sinks --------------------------------------------------------------------------------------
@@ -485,6 +587,7 @@ class _Factory:
 
 
 counting_sink = _Factory(CountingSink)
+counting_sink.params_schema = {}  # type: ignore[attr-defined]
 
 
 class NullSink(SinkOperator):
@@ -504,6 +607,7 @@ class NullSink(SinkOperator):
 
 
 null_sink = _Factory(NullSink)
+null_sink.params_schema = {}  # type: ignore[attr-defined]
 
 
 class MqttSink(SinkOperator):
@@ -529,6 +633,9 @@ class MqttSink(SinkOperator):
 
 
 mqtt_sink = _Factory(MqttSink)
+mqtt_sink.params_schema = {"topic": Param("string", required=True)}  # type: ignore[attr-defined]
+mqtt_sink.check_params = lambda p: (  # type: ignore[attr-defined]
+    [("topic", "expected a topic name (no + or #)", p["topic"])] if not p["topic"] or "+" in p["topic"] or "#" in p["topic"] else [])
 
 
 def _read_ids(path: Path) -> Iterable[Tuple[str, int]]:

@@ -33,7 +33,7 @@ from datetime import datetime, timedelta
 from typing import Any, Dict, List, Optional, Tuple
 
 from agent.runtime.envelope import Item
-from agent.runtime.operators import OperatorContext
+from agent.runtime.operators import OperatorContext, Param
 
 __all__ = [
     "RateProfile",
@@ -373,6 +373,55 @@ class _Factory:
 source = _Factory(TaxiSource)
 mqtt_source = _Factory(MqttIngestSource)
 
+# What `fog-agent check-config` checks (agent.runtime.operators.check_params; the module
+# docstring says what each key means).
+PROFILES = ("constant", "steps", "sinusoid", "csv")
+SOURCE_PARAMS = {
+    "seed": Param("integer"),
+    "profile": Param("string", choices=PROFILES),
+    "rate": Param("number", min=0),
+    "steps": Param("array"),
+    "amplitude": Param("number", min=0),
+    "period": Param("number", above=0),
+    "csv": Param("string", path=True),
+    "max_records": Param("integer", min=0),
+    "max_lag_s": Param("number", above=0),
+}
+
+
+def check_source_params(params: Dict[str, Any]) -> List[Tuple[str, str, Any]]:
+    """The checks across keys: `steps` are [t, rate] pairs with increasing t and rates >= 0, and
+    `profile = "csv"` needs a `csv` file that parses as `t,rate` lines."""
+    profile = params.get("profile", "constant")
+    if "steps" in params:
+        steps = params["steps"]
+        ok = bool(steps) and all(
+            isinstance(s, list) and len(s) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in s)
+            and s[1] >= 0 for s in steps)
+        if ok:
+            times = [s[0] for s in steps]
+            ok = times == sorted(times)
+        if not ok:
+            return [("steps", "expected [[t, rate], ...] with increasing t and rates >= 0", steps)]
+    if profile == "csv":
+        if "csv" not in params:
+            return [("csv", 'missing required key (profile = "csv" reads the rates from this file)', None)]
+        try:
+            _steps_from_csv(str(params["csv"]))
+        except (ValueError, OSError) as exc:
+            return [("csv", f"expected a file of 't,rate' lines ({exc})", params["csv"])]
+    return []
+
+
+source.params_schema = SOURCE_PARAMS  # type: ignore[attr-defined]
+source.check_params = check_source_params  # type: ignore[attr-defined]
+mqtt_source.params_schema = {  # type: ignore[attr-defined]
+    "topic": Param("string", required=True),
+    "max_buffer": Param("integer", min=1),
+}
+mqtt_source.check_params = lambda p: (  # type: ignore[attr-defined]
+    [("topic", "expected a topic filter", p["topic"])] if not p["topic"] else [])
+
 
 class _TinyRecord:
     """Benchmark records: a small constant dict (measures the data path, not the generator)."""
@@ -403,6 +452,8 @@ def _bench_source(ctx: OperatorContext) -> TaxiSource:
 
 
 bench_source = _Factory(_bench_source)
+bench_source.params_schema = dict(SOURCE_PARAMS, record=Param("string"))  # type: ignore[attr-defined]
+bench_source.check_params = check_source_params  # type: ignore[attr-defined]
 
 
 def sample(seed: int, n: int, stream: str = "sample") -> List[Dict[str, Any]]:
