@@ -184,7 +184,7 @@ def test_setup_logging_picks_journal_only_under_systemd(tmp_path: Path) -> None:
     env = dict(os.environ)
     env.pop("JOURNAL_STREAM", None)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "StreamHandler"
+    assert out.stdout.strip() == "StderrHandler"  # key=value lines on the stderr of the moment (agent.log)
     env["JOURNAL_STREAM"] = "8:1234"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "JournalHandler"
