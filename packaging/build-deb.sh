@@ -2,6 +2,11 @@
 # Build the fog-agent Debian package: wheels + units + default config, venv built at install time.
 #
 # Usage: packaging/build-deb.sh [--out DIR] [--wheelhouse DIR] [--arch all|arm64|amd64|armhf]
+#                               [--maintainer "Name <address>"]
+#
+# The Maintainer (control file and changelog trailer) is --maintainer, else "$DEBFULLNAME
+# <$DEBEMAIL>", else a placeholder that says to set it (with a warning): a package for your
+# fleet should name whoever answers for it.
 #
 # Why the venv is built by postinst rather than shipped: a venv holds absolute paths and
 # interpreter-specific files, and building an arm64 venv on an amd64 machine is not possible
@@ -16,20 +21,35 @@ PROJECT="$(cd "$HERE/.." && pwd)"
 OUT="$PROJECT/dist"
 WHEELHOUSE=""
 ARCH=all
+MAINTAINER=""
+if [ -n "${DEBEMAIL:-}" ]; then MAINTAINER="${DEBFULLNAME:-fog-agent packager} <$DEBEMAIL>"; fi
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUT="$2"; shift 2 ;;
     --wheelhouse) WHEELHOUSE="$2"; shift 2 ;;
     --arch) ARCH="$2"; shift 2 ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    --maintainer) MAINTAINER="$2"; shift 2 ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
     *) echo "build-deb: unknown argument $1" >&2; exit 2 ;;
   esac
 done
 case "$ARCH" in all|arm64|amd64|armhf) ;; *) echo "build-deb: unsupported --arch $ARCH" >&2; exit 2 ;; esac
+if [ -z "$MAINTAINER" ]; then
+  MAINTAINER="Unset Maintainer <set-DEBEMAIL-or-pass-maintainer@invalid>"
+  echo "build-deb: warning: no --maintainer and no DEBEMAIL: using the placeholder $MAINTAINER" >&2
+fi
+case "$MAINTAINER" in *" <"*@*">") ;; *) echo "build-deb: --maintainer must look like 'Name <address>'" >&2; exit 2 ;; esac
 
 PYTHON="${PYTHON:-$PROJECT/.venv/bin/python}"
 [ -x "$PYTHON" ] || PYTHON=python3
 VERSION="$("$PYTHON" -c 'import re,sys; print(re.search(r"__version__ = \"([^\"]+)\"", open(sys.argv[1]).read()).group(1))' "$PROJECT/agent/__init__.py")"
+
+# The changelog's newest entry must be this version: a release without its entry is a mistake.
+TOP="$(sed -n '1s/^fog-agent (\([^)]*\)).*/\1/p' "$HERE/deb/changelog")"
+if [ "$TOP" != "$VERSION" ]; then
+  echo "build-deb: packaging/deb/changelog starts with $TOP, agent/__init__.py says $VERSION: add an entry" >&2
+  exit 2
+fi
 
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
@@ -51,8 +71,11 @@ install -m 0644 "$PROJECT/examples/agent.toml" "$STAGE/usr/share/fog-agent/agent
 install -m 0644 "$PROJECT/examples/pipeline.toml" "$STAGE/usr/share/fog-agent/pipeline.toml.example"
 install -m 0644 "$HERE/deb/default-fog-agent" "$STAGE/etc/default/fog-agent"
 install -m 0644 "$HERE/deb/copyright" "$STAGE/usr/share/doc/fog-agent/copyright"
+# A native package's changelog, compressed as policy says (gzip -n: reproducible).
+sed "s|@MAINTAINER@|$MAINTAINER|" "$HERE/deb/changelog" | gzip -9n > "$STAGE/usr/share/doc/fog-agent/changelog.gz"
+chmod 0644 "$STAGE/usr/share/doc/fog-agent/changelog.gz"
 [ -f "$PROJECT/docs/operations.md" ] && install -m 0644 "$PROJECT/docs/operations.md" "$STAGE/usr/share/doc/fog-agent/"
-# Commands on PATH; they dangle until postinst has built the venv.
+# Commands on PATH through the venv symlink (postinst points it at the current version's venv).
 ln -s /opt/fog-agent/venv/bin/fog-agent "$STAGE/usr/bin/fog-agent"
 ln -s /opt/fog-agent/venv/bin/fogctl "$STAGE/usr/bin/fogctl"
 
@@ -62,7 +85,7 @@ for script in postinst prerm postrm; do
 done
 install -m 0644 "$HERE/deb/conffiles" "$STAGE/DEBIAN/conffiles"
 SIZE="$(du -sk --exclude=DEBIAN "$STAGE" | cut -f1)"
-sed -e "s/@VERSION@/$VERSION/" -e "s/@ARCH@/$ARCH/" -e "s/@SIZE@/$SIZE/" \
+sed -e "s/@VERSION@/$VERSION/" -e "s/@ARCH@/$ARCH/" -e "s/@SIZE@/$SIZE/" -e "s|@MAINTAINER@|$MAINTAINER|" \
   "$HERE/deb/control.in" > "$STAGE/DEBIAN/control"
 find "$STAGE" -type d -exec chmod 0755 {} +
 

@@ -131,6 +131,7 @@ class Deployment:
     second: subprocess.CompletedProcess
     env: Dict[str, str]
     seconds: Tuple[float, float]
+    inventory: Dict[str, object]
 
 
 @pytest.fixture(scope="module")
@@ -231,7 +232,7 @@ def deployed(tmp_path_factory: pytest.TempPathFactory) -> Deployment:
     (tmp / "second-run.log").write_text(second.stdout + second.stderr)
     assert second.returncode == 0, second.stdout[-6000:] + second.stderr[-3000:]
     print(f"ansible site.yml: first run {t1 - t0:.1f}s, second run {t2 - t1:.1f}s")
-    return Deployment(prefix, port, first, second, env, (t1 - t0, t2 - t1))
+    return Deployment(prefix, port, first, second, env, (t1 - t0, t2 - t1), inventory)
 
 
 # ---- static checks ------------------------------------------------------------------------------
@@ -409,6 +410,58 @@ def test_central_config_rendered(deployed: Deployment) -> None:
     assert data["mqtt"]["username"] == "central" and data["mqtt"]["port"] == deployed.port
     assert data["analytics"]["enabled"] is False  # timer mode by default
     assert (deployed.prefix / "var/lib/fog-collector/landing").is_dir()
+
+
+def test_fresh_node_check_mode_with_users_and_services_managed(deployed: Deployment, tmp_path: Path) -> None:
+    """`--check --diff` against a fresh node with the real-target paths on (users, groups, units,
+    handlers; only apt stays off): it must succeed. Before, systemd_service asked for the units
+    that check mode had not installed, and fog_central's `include_role: fog_agent` brought a
+    handler that restarts an agent unit the central host does not have. No systemd is PID 1
+    here, so any service task or handler that is not skipped fails this run."""
+    fresh = tmp_path / "prefix"
+    text = json.dumps(deployed.inventory).replace(str(deployed.prefix), str(fresh))
+    inv = json.loads(text)
+    v = inv["all"]["vars"]
+    for key in ("fog_agent_manage_user", "fog_agent_manage_service", "fog_netem_manage_service",
+                "fog_central_manage_user", "fog_central_manage_service", "fog_central_install_agent"):
+        v[key] = True
+    for key in ("fog_agent_user", "fog_agent_group", "fog_netem_group", "fog_central_user", "fog_central_group"):
+        v.pop(key)  # the real names: fog-agent, fog-collector (absent on this machine)
+    inv["all"]["children"]["brokers"] = {"hosts": {}}
+    path = tmp_path / "inventory.yml"
+    path.write_text(json.dumps(inv))
+    res = run([str(PLAYBOOK), "-i", str(path), "--check", "--diff", "site.yml"], deployed.env)
+    out = res.stdout
+    assert res.returncode == 0, out[-6000:] + res.stderr[-3000:]
+    totals = recap(out)
+    assert totals["failed"] == 0 and totals["changed"] >= 10
+    assert not fresh.exists() or not any(fresh.rglob("*.service")), "check mode wrote files"
+    # Every service task and handler was skipped (no unit installed), none ran.
+    for header in ("Ensure the agent service is enabled and running", "Ensure the latency emulation is enabled",
+                   "Ensure the collector is enabled and running"):
+        block = out.split(header, 1)[1].split("\n", 1)[1].split("TASK [", 1)[0]
+        assert block.strip().startswith("skipping:") and "ok:" not in block, (header, block)
+    assert "RUNNING HANDLER [fog_agent : Restart fog-agent]" not in out or \
+        "changed:" not in out.split("RUNNING HANDLER [fog_agent : Restart fog-agent]", 1)[1].split("TASK [", 1)[0]
+    # fog_netem creates the agent's group before its first chgrp to it (it runs before fog_agent).
+    play = out.index("PLAY [Configure the fog nodes]")
+    order = [out.index("TASK [fog_netem : Create the group of the configuration files]", play),
+             out.index("TASK [fog_netem : Create the configuration directory]", play),
+             out.index("TASK [fog_agent : Create the service group]", play)]
+    assert order == sorted(order), order
+
+
+def test_fog_node_play_rolls_in_batches() -> None:
+    """docs/operations.md, "Rolling changes": serial and max_fail_percentage on the fog node play,
+    overridable with extra vars; the brokers and the centre are not rolled."""
+    import yaml
+
+    plays = {p["name"]: p for p in yaml.safe_load((ANSIBLE_DIR / "site.yml").read_text())}
+    nodes = plays["Configure the fog nodes"]
+    assert nodes["serial"] == "{{ fog_nodes_serial | default('25%') }}"
+    assert nodes["max_fail_percentage"] == "{{ fog_nodes_max_fail_percentage | default(0) }}"
+    assert [r["role"] for r in nodes["roles"]] == ["fog_netem", "fog_agent"]
+    assert "serial" not in plays["Configure the MQTT brokers"]
 
 
 # ---- the rendered broker, for real --------------------------------------------------------------

@@ -2,9 +2,10 @@
 dpkg and the real maintainer scripts (`dpkg --root --force-script-chrootless`), gives a runnable
 `fog-agent --version`, and purges cleanly.
 
-The venv is not in the archive: postinst builds /opt/fog-agent/venv from the bundled wheels (see
-packaging/build-deb.sh for why), so the test checks the wheels in the listing and the venv after
-installation.
+The venv is not in the archive: postinst builds /opt/fog-agent/venvs/<version> from the bundled
+wheels (see packaging/build-deb.sh for why) and switches the /opt/fog-agent/venv symlink to it, so
+the test checks the wheels in the listing, the versioned layout after installation, and that an
+upgrade leaves the running version's venv usable while the new one is built.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from agent import __version__
 ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / "packaging" / "build-deb.sh"
 SYSTEM_PYTHON = "/usr/bin/python3"
+MAINTAINER = "Jane Doe <jane@lab.example.org>"
 
 pytestmark = pytest.mark.skipif(shutil.which("dpkg-deb") is None, reason="dpkg-deb is not installed")
 
@@ -37,7 +39,7 @@ def deb(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # The wheelhouse lives in the session's base temp dir, shared with the Ansible test.
     wheelhouse = tmp_path_factory.getbasetemp() / "ops-wheelhouse"
     out = tmp_path_factory.mktemp("deb")
-    res = run("bash", str(BUILD), "--out", str(out), "--wheelhouse", str(wheelhouse))
+    res = run("bash", str(BUILD), "--out", str(out), "--wheelhouse", str(wheelhouse), "--maintainer", MAINTAINER)
     path = Path(res.stdout.strip().splitlines()[-1])
     assert path.is_file() and path.name == f"fog-agent_{__version__}_all.deb"
     return path
@@ -51,6 +53,11 @@ def test_deb_info(deb: Path) -> None:
     assert fields["Architecture"] == "all"
     # Never the system Python's site (PEP 668): the package needs venv support, not pip.
     assert "python3-venv" in fields["Depends"] and "python3-pip" not in fields["Depends"]
+    # Journal fields and priorities by default (agent.log picks agent.journal when it can import it).
+    assert "python3-systemd" in fields["Depends"].split(", ")
+    assert "python3-psutil (>= 5.9)" in fields["Depends"]
+    assert fields["Maintainer"] == MAINTAINER
+    assert "bookworm" in info and "bullseye" in info  # the supported platforms, and the one that is not
     for script in ("postinst", "prerm", "postrm", "conffiles"):
         assert re.search(rf"\s{script}\b", info), script
 
@@ -69,7 +76,25 @@ def test_deb_contents_lists_units_wheels_and_commands(deb: Path) -> None:
     assert "./usr/share/fog-agent/agent.toml.example" in names
     assert "./etc/default/fog-agent" in names
     assert "./usr/bin/fog-agent" in names
+    assert "./usr/share/doc/fog-agent/changelog.gz" in names
     assert "/opt/fog-agent/venv/bin/fog-agent" in listing  # the symlink target
+
+
+def test_deb_changelog_names_this_version_and_the_maintainer(deb: Path, tmp_path: Path) -> None:
+    import gzip
+
+    run("dpkg-deb", "-x", str(deb), str(tmp_path))
+    text = gzip.decompress((tmp_path / "usr/share/doc/fog-agent/changelog.gz").read_bytes()).decode()
+    assert text.startswith(f"fog-agent ({__version__}) ")
+    assert re.search(rf"^ -- {re.escape(MAINTAINER)}  \w{{3}}, \d", text, re.M), text
+    # a changelog entry for another version than agent/__init__.py's stops the build
+    assert "@MAINTAINER@" not in text
+
+
+def test_build_refuses_a_malformed_maintainer(tmp_path: Path) -> None:
+    res = subprocess.run(["bash", str(BUILD), "--out", str(tmp_path), "--maintainer", "nobody"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "Name <address>" in res.stderr
 
 
 def test_deb_units_match_the_repository(deb: Path, tmp_path: Path) -> None:
@@ -98,8 +123,11 @@ def test_install_into_scratch_root_runs_fog_agent_then_purges(deb: Path, tmp_pat
 
     venv = root / "opt/fog-agent/venv"
     script = venv / "bin/fog-agent"
-    # The console script points at the FINAL location, as on a Pi imaged with `dpkg --root`.
-    assert script.read_text().splitlines()[0] == "#!/opt/fog-agent/venv/bin/python"
+    # Versioned layout: the venv is a relative symlink to venvs/<version>, and the console script
+    # names the FINAL versioned interpreter (not the scratch root, not the build's temporary name).
+    assert os.readlink(venv) == f"venvs/{__version__}"
+    assert sorted(p.name for p in (root / "opt/fog-agent/venvs").iterdir()) == [__version__]
+    assert script.read_text().splitlines()[0] == f"#!/opt/fog-agent/venvs/{__version__}/bin/python"
     out = run(str(venv / "bin/python"), str(script), "--version", env=env, cwd=str(tmp_path)).stdout
     assert out.strip() == f"fog-agent {__version__}"
     # It runs from the venv's own site-packages, not from this checkout.
@@ -117,7 +145,98 @@ def test_install_into_scratch_root_runs_fog_agent_then_purges(deb: Path, tmp_pat
     wants = root / "etc/systemd/system/multi-user.target.wants/fog-agent.service"
     assert os.readlink(wants) == "/lib/systemd/system/fog-agent.service"
 
+    # Under systemd (JOURNAL_STREAM set) the installed agent logs to the journal: python3-systemd,
+    # a dependency, is visible through the venv's system site.
+    if subprocess.run([SYSTEM_PYTHON, "-c", "import systemd.journal"], capture_output=True).returncode == 0:
+        code = "import logging, agent.log as l; l.setup_logging(); print(type(logging.getLogger().handlers[0]).__name__)"
+        out = run(str(venv / "bin/python"), "-c", code, env=dict(env, JOURNAL_STREAM="8:1234"), cwd=str(tmp_path))
+        assert out.stdout.strip() == "JournalHandler"
+
     run(*dpkg, "--purge", "fog-agent", env=env)
     assert not (root / "opt/fog-agent").exists()
     assert not conf.exists()
     assert not wants.exists() and not os.path.lexists(wants)
+
+
+def scratch_root(tmp_path: Path) -> Path:
+    root = tmp_path / "root"
+    admin = root / "var/lib/dpkg"
+    for d in ("info", "updates", "triggers"):
+        (admin / d).mkdir(parents=True)
+    (admin / "status").touch()
+    (admin / "available").touch()
+    return root
+
+
+def relabel(deb: Path, version: str, out: Path) -> Path:
+    """The same wheels as a package of another version (what an upgrade looks like to dpkg and
+    to postinst, without a second wheel build)."""
+    tree = out / "tree"
+    out.mkdir(parents=True)
+    run("dpkg-deb", "-R", str(deb), str(tree))
+    control = tree / "DEBIAN/control"
+    control.write_text(re.sub(r"^Version: .*$", f"Version: {version}", control.read_text(), flags=re.M))
+    postinst = tree / "DEBIAN/postinst"
+    postinst.write_text(re.sub(r'^DEB_VERSION=.*$', f'DEB_VERSION="{version}"', postinst.read_text(), flags=re.M))
+    new = out / f"fog-agent_{version}_all.deb"
+    run("dpkg-deb", "--root-owner-group", "-Zxz", "--build", str(tree), str(new))
+    return new
+
+
+@pytest.mark.skipif(not os.path.exists(SYSTEM_PYTHON), reason="no Debian python3")
+def test_upgrade_keeps_the_running_venv_until_the_switch(deb: Path, tmp_path: Path) -> None:
+    """postinst used to `rm -rf` the venv a running agent imports from and rebuild it in place
+    (27 failed worker imports over 3 s). Now: the new version is built beside the old one, the
+    symlink switches with one rename, and the previous venv stays. The build step's interpreter
+    is a wrapper that, at the moment the new venv is being made, checks that the symlink still
+    points at the old venv and that a fresh interpreter from it imports the agent."""
+    root = scratch_root(tmp_path)
+    dpkg = ["dpkg", f"--root={root}", "--force-script-chrootless", "--log=/dev/null", "--force-depends"]
+    env = dict(os.environ, FOG_AGENT_NODE="pi-08", FOG_AGENT_PYTHON=SYSTEM_PYTHON)
+    env.pop("PYTHONPATH", None)
+    run(*dpkg, "-i", str(deb), env=env)
+    base = root / "opt/fog-agent"
+    old = base / "venvs" / __version__
+    assert os.readlink(base / "venv") == f"venvs/{__version__}"
+
+    # A "running agent" of the old version: started as systemd does, through the console script,
+    # whose #! names the versioned interpreter (asserted below), so sys.prefix is the versioned
+    # venv; it imports agent modules lazily, after the upgrade.
+    shebang = (base / "venv/bin/fog-agent").read_text().splitlines()[0]
+    assert shebang == f"#!/opt/fog-agent/venvs/{__version__}/bin/python"
+    probe = subprocess.Popen([str(root) + shebang[2:], "-c",
+                              "import sys, agent; sys.stdin.readline(); import agent.runtime.daemon as d; "
+                              "print(sys.prefix); print(d.__file__)"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=str(tmp_path))
+
+    seen = tmp_path / "during-build.txt"
+    wrapper = tmp_path / "python-wrapper"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        f'{{ readlink "{base}/venv"; "{old}/bin/python" -c "import agent.runtime.daemon" && echo import-ok; }} > "{seen}" 2>&1\n'
+        f'exec {SYSTEM_PYTHON} "$@"\n')
+    wrapper.chmod(0o755)
+    new_version = f"{__version__}+t2"
+    new_deb = relabel(deb, new_version, tmp_path / "v2")
+    run(*dpkg, "-i", str(new_deb), env=dict(env, FOG_AGENT_PYTHON=str(wrapper)))
+
+    assert seen.read_text().split() == [f"venvs/{__version__}", "import-ok"], seen.read_text()
+    assert os.readlink(base / "venv") == f"venvs/{new_version}"
+    assert sorted(p.name for p in (base / "venvs").iterdir()) == sorted([__version__, new_version])
+    out, _ = probe.communicate("go\n", timeout=60)
+    assert probe.returncode == 0, out
+    prefix, daemon_file = out.split()
+    # The old process kept its own, versioned venv: its lazy import came from there.
+    assert prefix == str(old), prefix
+    assert daemon_file.startswith(str(old) + "/"), daemon_file
+    new_script = base / "venv/bin/fog-agent"
+    assert new_script.read_text().splitlines()[0] == f"#!/opt/fog-agent/venvs/{new_version}/bin/python"
+    assert run(str(base / "venv/bin/python"), str(new_script), "--version", env=env,
+               cwd=str(tmp_path)).stdout.strip() == f"fog-agent {__version__}"
+
+    # A third version removes the oldest and keeps the previous one.
+    third = relabel(deb, f"{__version__}+t3", tmp_path / "v3")
+    run(*dpkg, "-i", str(third), env=env)
+    assert sorted(p.name for p in (base / "venvs").iterdir()) == sorted([new_version, f"{__version__}+t3"])
+    run(*dpkg, "--purge", "fog-agent", env=env)
+    assert not base.exists()

@@ -225,3 +225,54 @@ def test_watchdog_pings_stop_while_a_worker_hangs(tmp_path: Path, mosquitto) -> 
     finally:
         stop_agent(agent)
         listener.close()
+
+
+@pytest.mark.broker
+@pytest.mark.timeout(90)
+def test_sighup_reloads_the_log_level_and_never_exits(tmp_path: Path, mosquitto) -> None:
+    """`systemctl reload` (ExecReload= sends SIGHUP): the agent stays up, re-reads agent.toml,
+    applies [log] level, names what needs a restart, tells systemd RELOADING=1 then READY=1; a
+    broken file is refused with one warning. Python's default for SIGHUP is to die (exit -1/129)."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(WORKER)
+    listener = NotifyListener(tmp_path / "notify.sock")
+    agent = start_agent(tmp_path, mosquitto.port, tmp_path / "notify.sock", worker)
+    log = tmp_path / "agent.log"
+    conf = tmp_path / "agent.toml"
+    try:
+        assert listener.pump_until(lambda: listener.times("READY=1"), 20), log.read_text()[-3000:]
+        original = conf.read_text()
+        conf.write_text(original.replace("slots = 2", "slots = 3") + '[log]\nlevel = "debug"\n')
+        t_hup = time.monotonic()
+        agent.send_signal(signal.SIGHUP)
+        assert listener.pump_until(lambda: listener.times("READY=1", since=t_hup), 10), log.read_text()[-3000:]
+        assert listener.times("RELOADING=1", since=t_hup), listener.got
+        text = log.read_text()
+        assert re.search(r"SIGHUP: reloaded \S+: log level debug; changed \[agent\] need a restart", text), text[-2000:]
+        listener.pump(1.0)
+        assert agent.poll() is None, text[-2000:]
+
+        conf.write_text("[agent\nbroken")
+        mark = len(log.read_text())
+        agent.send_signal(signal.SIGHUP)
+        listener.pump(1.5)
+        assert agent.poll() is None, log.read_text()[-2000:]
+        assert "not reloaded, keeping the running configuration" in log.read_text()[mark:]
+
+        # The level really applies: at "error", the next refusal (a warning) is not logged.
+        conf.write_text(original + '[log]\nlevel = "error"\n')
+        agent.send_signal(signal.SIGHUP)
+        listener.pump(1.0)
+        assert "SIGHUP: reloaded" in log.read_text()[mark:].split("not reloaded", 1)[1]
+        conf.write_text("[agent\nbroken")
+        mark = len(log.read_text())
+        agent.send_signal(signal.SIGHUP)
+        listener.pump(1.5)
+        assert agent.poll() is None, log.read_text()[-2000:]
+        assert "not reloaded" not in log.read_text()[mark:]
+
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=15) == 0, log.read_text()[-2000:]
+    finally:
+        stop_agent(agent)
+        listener.close()

@@ -49,6 +49,10 @@ def unit_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     stub.parent.mkdir(parents=True)
     stub.write_text("#!/bin/sh\nexit 0\n")
     stub.chmod(0o755)
+    kill = root / "bin/kill"  # ExecReload= (procps on the target)
+    kill.parent.mkdir(parents=True)
+    kill.write_text("#!/bin/sh\nexit 0\n")
+    kill.chmod(0o755)
     (root / "etc/systemd/system").mkdir(parents=True)
     return root
 
@@ -148,3 +152,30 @@ def test_netem_unit_has_only_cap_net_admin() -> None:
     assert "AF_NETLINK" in one["RestrictAddressFamilies"].split()
     unit = parse_unit(ROOT / "systemd/fog-netem.service")["Unit"]
     assert "fog-agent.service" in unit["Before"][0].split()
+
+
+def test_agent_unit_survives_oom_and_keeps_restarting() -> None:
+    """One worker's OOM kill must not stop the agent (OOMPolicy=continue); the unit never reaches
+    the start limit (StartLimitIntervalSec=0) and restarts at a fixed delay; `systemctl reload`
+    sends SIGHUP, which the agent handles (tests/test_ops_notify_agent.py::test_sighup_...)."""
+    u = parse_unit(ROOT / "systemd/fog-agent.service")
+    one = {k: v[-1] for k, v in u["Service"].items()}
+    assert one["OOMPolicy"] == "continue"
+    assert u["Unit"]["StartLimitIntervalSec"] == ["0"]
+    assert "StartLimitBurst" not in u["Unit"]
+    assert one["Restart"] == "on-failure" and int(one["RestartSec"]) >= 5
+    assert one["ExecReload"] == "/bin/kill -HUP $MAINPID"
+
+
+def test_restart_steps_need_a_newer_systemd_than_bookworms(unit_root: Path, tmp_path: Path) -> None:
+    """Why the unit has no RestartSteps=/RestartMaxDelaySec=: systemd < 254 (Debian bookworm has
+    252) does not know them and `verify` says so. Skipped where systemd is newer."""
+    version = int(re.search(r"systemd (\d+)", subprocess.run([ANALYZE, "--version"], capture_output=True,
+                                                             text=True).stdout).group(1))
+    if version >= 254:
+        pytest.skip(f"systemd {version} knows RestartSteps=")
+    unit = tmp_path / "fog-steps.service"
+    unit.write_text((ROOT / "systemd/fog-agent.service").read_text().replace(
+        "RestartSec=10\n", "RestartSec=10\nRestartSteps=5\nRestartMaxDelaySec=300\n"))
+    res = verify(unit_root, unit)
+    assert "RestartSteps" in res.stderr, res.stderr

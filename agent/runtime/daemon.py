@@ -307,6 +307,9 @@ class Agent:
     def install_signal_handlers(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, frame: self._events.put(("signal", signum)))
+        # SIGHUP (systemctl reload) re-reads what can change in place; its default action would
+        # kill the daemon without a drain (docs/operations.md, "Reload").
+        signal.signal(signal.SIGHUP, lambda signum, frame: self._events.put(("reload", signum)))
 
     def _start_metrics(self) -> None:
         """`[metrics].port` != 0: serve /metrics (prometheus_client multiprocess mode, files under
@@ -406,6 +409,32 @@ class Agent:
                 self._connection_problem(f"connection closed before CONNACK: {reason}")
         elif kind == "signal":
             self._begin_shutdown(now, f"signal {signal.Signals(ev[1]).name}")
+        elif kind == "reload":
+            self._reload()
+
+    def _reload(self) -> None:
+        """SIGHUP: re-read the config file and apply its [log] level, the one setting that changes
+        safely in place; anything else needs a restart (drain, rejoin), which the log line says."""
+        from agent import notify
+        from agent.config import load_agent_config
+
+        if self._ready_notified:
+            notify.reloading()
+        try:
+
+            new = load_agent_config(self.cfg.source)
+        except (OSError, ValueError) as exc:
+            log.warning("SIGHUP: %s not reloaded, keeping the running configuration: %s", self.cfg.source,
+                        exc, extra={"node": self.node})
+        else:
+            other = [f.name for f in dataclasses.fields(new) if f.name != "log"
+                     and getattr(new, f.name) != getattr(self.cfg, f.name)]
+            log.warning("SIGHUP: reloaded %s: log level %s%s", self.cfg.source, new.log.level,
+                        f"; changed [{'], ['.join(other)}] need a restart (systemctl restart fog-agent)"
+                        if other else "", extra={"node": self.node})
+            logging.getLogger().setLevel(getattr(logging, new.log.level.upper(), logging.INFO))
+        if self._ready_notified:
+            notify.ready(self._status_line())
 
     def _connection_problem(self, reason: str) -> None:
         """A failed connect attempt: paho retries; we log each distinct reason once (no traceback,
