@@ -142,3 +142,19 @@ def test_a_copy_placed_on_another_node_counts_until_that_node_publishes_its_stat
     agent._placed["hot.in_zone.r"] = ("n2", ("hot.in_zone.r", "hot", "in_zone"))
     _spawn(agent, "hot.in_zone.0", "hot.in_zone.a", "r0")
     assert started == [] and "max_instances" in replies[-1][1]["error"]
+
+
+def test_check_config_says_what_the_bounds_guarantee(tmp_path: Path, capsys: Any) -> None:
+    """check-config (the user-visible text): max_instances is exact through one agent only, and
+    min_instances is not enforced; a pipeline without such settings gets no such warning."""
+    from agent.cli.main import main
+
+    pipe = tmp_path / "p.toml"
+    pipe.write_text(PIPELINE.replace("max_instances = 2", "max_instances = 2\nmin_instances = 2"))
+    assert main(["check-config", str(pipe)]) == 0
+    err = capsys.readouterr().err
+    assert "warning:" in err and "max_instances = 2 bounds every instance" in err and "one state period" in err
+    assert "min_instances = 2 is not enforced" in err
+    pipe.write_text(PIPELINE.replace("max_instances = 2\n", ""))
+    assert main(["check-config", str(pipe)]) == 0
+    assert "max_instances" not in capsys.readouterr().err
