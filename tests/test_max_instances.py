@@ -158,3 +158,26 @@ def test_check_config_says_what_the_bounds_guarantee(tmp_path: Path, capsys: Any
     pipe.write_text(PIPELINE.replace("max_instances = 2\n", ""))
     assert main(["check-config", str(pipe)]) == 0
     assert "max_instances" not in capsys.readouterr().err
+
+
+def test_fogctl_scale_refuses_past_max_instances_before_asking_an_agent() -> None:
+    """A forced scale-out takes the agents' path, so they would refuse the extra copies; fogctl
+    says it first, counting as the agents do (every phase, online nodes)."""
+    import pytest
+
+    from agent.fogctl.fleet import Fleet
+    from agent.fogctl.rpc_schema import RequestError, ScaleRequest, check_scale
+
+    def fleet(pipeline_text: str) -> Fleet:
+        insts = [{"id": "hot.in_zone.0", "operator": "in_zone", "pipeline": "hot", "keeper": True, "status": "active"}]
+        return Fleet.from_messages("c", {
+            "fog/c/agents/n1/status": b"online",
+            "fog/c/agents/n1/state": json.dumps({"slots": 6, "instances": insts}).encode(),
+            "fog/c/pipelines/hot": pipeline_text.encode(),
+        })
+
+    assert check_scale(fleet(PIPELINE), ScaleRequest("in_zone", 1)) == [("n1", ScaleRequest("in_zone", 1))]
+    with pytest.raises(RequestError, match="would make 3 instances, its max_instances is 2"):
+        check_scale(fleet(PIPELINE), ScaleRequest("in_zone", 2))
+    # unknown bound (no or a malformed retained pipeline): only the slots are checked here
+    assert check_scale(fleet("[[operator]"), ScaleRequest("in_zone", 2))
