@@ -406,6 +406,11 @@ def test_every_documented_metric_is_set_by_a_live_agent(tmp_path: Path, capsys: 
                 continue  # 2-FGME pipelines only (tests/test_metrics_prom.py exports it through the bridge)
             assert name in names, (name, sorted(names))
         assert max(in_zone_counts) <= 2, in_zone_counts  # across the broker restart too
+        # the first round asked for 3-4 copies (docs/scaling.md): the agent refused the extra
+        # ones, and a refusal at the bound is no warning (the keeper asks again every period)
+        lines = (tmp_path / "agent.log").read_text().splitlines()
+        assert any("level=info" in ln and "max_instances reached" in ln for ln in lines)
+        assert not any("level=warning" in ln and "max_instances" in ln for ln in lines)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
