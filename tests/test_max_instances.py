@@ -139,9 +139,30 @@ def test_a_copy_placed_on_another_node_counts_until_that_node_publishes_its_stat
     """Between the remote node's "ready" reply and its next retained state, the copy is in no
     view but this agent's own record of what it placed."""
     agent, replies, started = _agent(tmp_path)
+    from types import SimpleNamespace
+
+    from agent import topics
+    from agent.runtime import nodestate
+
     agent._placed["hot.in_zone.r"] = ("n2", ("hot.in_zone.r", "hot", "in_zone"))
     _spawn(agent, "hot.in_zone.0", "hot.in_zone.a", "r0")
     assert started == [] and "max_instances" in replies[-1][1]["error"]
+
+    def state(*ids: str) -> None:  # n2's retained state arrives (published after its reply)
+        doc = nodestate.build_node_state("n2", 4, [nodestate.InstanceInfo(i, "in_zone", False, "active") for i in ids],
+                                         nodestate.MachineSample(1.0, 1.0), 1.0)
+        for item in doc["instances"]:
+            item["pipeline"] = "hot"
+        agent._on_message(SimpleNamespace(topic=topics.agent_state("c", "n2"), payload=nodestate.encode_state(doc),
+                                          retain=True), 2.0)
+
+    state("hot.in_zone.r")  # now in n2's state: counted from there, once
+    assert agent._placed == {}
+    _spawn(agent, "hot.in_zone.0", "hot.in_zone.b", "r1")
+    assert started == [] and "has 2 instances" in replies[-1][1]["error"]
+    state()  # it left n2: room again
+    _spawn(agent, "hot.in_zone.0", "hot.in_zone.c", "r2")
+    assert started == ["hot.in_zone.c"], replies
 
 
 def test_check_config_says_what_the_bounds_guarantee(tmp_path: Path, capsys: Any) -> None:
