@@ -193,6 +193,10 @@ class ScalingSection:
                                  else 'expected a finite number > 0 or "calibrate"'}
     )
     r_secure: bool = False
+    # Runtime (docs/scaling.md, "max_instances and min_instances"): max_instances bounds every
+    # instance that exists (starting, active, terminating), refused at the agents' createNode():
+    # hard on one agent, as fresh as the retained states across agents. min_instances is for the
+    # simulator's baselines: instances terminate alone, only the keeper is always kept.
     min_instances: int = field(default=1, metadata={"check": in_range(1, 100000, "an integer")})
     max_instances: int = field(default=64, metadata={"check": in_range(1, 100000, "an integer")})
     cooldown: float = field(default=0.0, metadata={"check": non_negative("seconds")})
@@ -252,6 +256,25 @@ class PipelineConfig:
             f'"{" or ".join(RUNTIME_POLICIES)}" ("threshold" and "model" are compared by `fog-agent simulate policies`)'
             for op in self.operators if self.scaling_for(op.name).policy not in RUNTIME_POLICIES
         ]
+
+    def scaling_notes(self) -> List[str]:
+        """What the agent makes of the [scaling] instance bounds, said where it differs from a
+        reading of the names (check-config prints these as warnings; docs/scaling.md,
+        "max_instances and min_instances")."""
+        notes = []
+        default = ScalingSection().max_instances
+        for op in self.operators:
+            sc = self.scaling_for(op.name)
+            if sc.policy != "decentralized" or op.kind == "source":
+                continue  # "none": no automatic decision; a source never scales
+            if sc.min_instances > 1:
+                notes.append(f"operator {op.name!r}: min_instances = {sc.min_instances} is not enforced by the "
+                             "agent (instances terminate alone; only the keeper is always kept, so >= 1)")
+            if sc.max_instances < default:
+                notes.append(f"operator {op.name!r}: max_instances = {sc.max_instances} bounds every instance "
+                             "(starting ones included) and is exact when copies are requested through one agent; "
+                             "agents placing copies within one state period of each other may exceed it")
+        return notes
 
     def scaling_for(self, operator: str) -> ScalingSection:
         """The operator's own [operator.scaling] table, else the pipeline-wide [scaling] table."""

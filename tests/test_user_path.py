@@ -344,14 +344,19 @@ def test_every_documented_metric_is_set_by_a_live_agent(tmp_path: Path, capsys: 
                             cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     base = ["--broker", broker.address, "--cluster", "metrics", "--timeout", "5"]
 
+    in_zone_counts: List[float] = []  # in_zone instances, every phase, at each scrape
+
     def scrape() -> Dict[tuple, float]:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
                 text = r.read().decode()
         except OSError:
             return {}
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for fam in text_string_to_metric_families(text) for s in fam.samples}
+        out = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(text) for s in fam.samples}
+        in_zone_counts.append(sum(v for (n, lab), v in out.items()
+                                  if n == "fog_instances" and dict(lab).get("operator") == "in_zone"))
+        return out
 
     def has(samples: Dict[tuple, float], name: str, pred: Any = lambda labels, v: True) -> bool:
         return any(n == name and pred(dict(lab), v) for (n, lab), v in samples.items())
@@ -381,6 +386,9 @@ def test_every_documented_metric_is_set_by_a_live_agent(tmp_path: Path, capsys: 
                                                              "phase": "active"} and v >= 2), \
             {k: v for k, v in s.items() if k[0] == "fog_instances"}
         assert has(s, "fog_instances", lambda lab, v: lab["operator"] == "source" and lab["phase"] == "active" and v == 1)
+        # max_instances = 2 bounds every instance, starting and terminating ones included (one
+        # agent: a hard bound, docs/scaling.md "max_instances and min_instances"); it once had 3.
+        assert max(in_zone_counts) <= 2, in_zone_counts
         assert has(s, "fog_protocol_messages_total", lambda lab, v: lab == {"type": "all", "direction": "out"} and v > 0)
         assert has(s, "fog_protocol_messages_total", lambda lab, v: lab == {"type": "all", "direction": "in"} and v > 0)
         assert not has(s, "fog_mqtt_reconnects_total", lambda lab, v: lab.get("client") == "agent" and v > 0)
@@ -397,6 +405,12 @@ def test_every_documented_metric_is_set_by_a_live_agent(tmp_path: Path, capsys: 
             if name == "fog_lock_messages_total":
                 continue  # 2-FGME pipelines only (tests/test_metrics_prom.py exports it through the bridge)
             assert name in names, (name, sorted(names))
+        assert max(in_zone_counts) <= 2, in_zone_counts  # across the broker restart too
+        # the first round asked for 3-4 copies (docs/scaling.md): the agent refused the extra
+        # ones, and a refusal at the bound is no warning (the keeper asks again every period)
+        lines = (tmp_path / "agent.log").read_text().splitlines()
+        assert any("level=info" in ln and "max_instances reached" in ln for ln in lines)
+        assert not any("level=warning" in ln and "max_instances" in ln for ln in lines)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

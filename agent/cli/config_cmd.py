@@ -112,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 1
         refused += [f"{args.file}: {e}" for e in cfg.runtime_policy_errors()]  # deploy refuses these too
+        for line in cfg.scaling_notes():
+            print(f"warning: {args.file}: {line}", file=sys.stderr)
         for line in refused:
             print(f"error: {line}", file=sys.stderr)
         if refused:

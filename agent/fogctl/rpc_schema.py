@@ -208,6 +208,13 @@ def check_scale(fleet: Fleet, req: ScaleRequest) -> List[Tuple[str, ScaleRequest
         if req.delta > free:
             raise RequestError(f"refused: {req.operator} +{req.delta} needs {req.delta} free slots, "
                                f"the online nodes have {free}")
+        limit = _max_instances(fleet, req.pipeline or (pipelines[0] if pipelines else None), req.operator)
+        # Counted as the agents count (agent.runtime.bounds): every phase, online nodes. Said
+        # here, because the agent would only refuse the copies and the round would shrink.
+        have = sum(1 for i in insts if i.node in online)
+        if limit is not None and have + req.delta > limit:
+            raise RequestError(f"refused: {req.operator} +{req.delta} would make {have + req.delta} instances, "
+                               f"its max_instances is {limit} (docs/scaling.md)")
     else:
         removable = [i for i in live if not i.keeper and i.phase is Phase.ACTIVE]
         if -req.delta > len(removable):
@@ -223,6 +230,20 @@ def check_scale(fleet: Fleet, req: ScaleRequest) -> List[Tuple[str, ScaleRequest
     keepers = [i for i in live if i.keeper]
     target = (keepers or sorted(live, key=lambda i: i.id))[0].node
     return [(target, req)]
+
+
+def _max_instances(fleet: Fleet, pipeline: Optional[str], operator: str) -> Optional[int]:
+    """The operator's [scaling] max_instances from the retained pipeline TOML (None: unknown;
+    a malformed retained pipeline must not break `scale`)."""
+    text = fleet.pipelines.get(pipeline or "")
+    if not text:
+        return None
+    try:
+        from agent.config import load_pipeline_text
+
+        return load_pipeline_text(text, f"pipeline {pipeline}").scaling_for(operator).max_instances
+    except Exception:  # any error in a retained text: no bound known here, the agents still bound
+        return None
 
 
 def check_drain(fleet: Fleet, req: DrainRequest) -> List[str]:

@@ -43,7 +43,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from agent import topics
 from agent.config import AgentConfig, check_tls, load_pipeline_text, resolve_password
-from agent.runtime import admission, hosted, nodestate, rehome, rpc
+from agent.runtime import admission, bounds, hosted, nodestate, rehome, rpc
 from agent.runtime import deploy as records
 from agent.runtime.placement import DEFAULT_POLICY, NodeView, PlacementPolicy, PlacementRequest, get_policy
 from agent.runtime.spec import BrokerSpec, InstanceSpec, request_spec
@@ -164,6 +164,8 @@ class Agent:
         self.online: Dict[str, bool] = {}
         self.latency: Dict[str, Dict[str, float]] = {}
         self._reserved: Dict[str, int] = {}  # remote slots we asked for since their last state
+        # copies started on another node since its last state: counted for max_instances (bounds)
+        self._placed: Dict[str, Tuple[str, bounds.Known]] = {}  # instance -> (node, known)
         self.latency_core = _latency_core(cfg)  # RTT to the other agents (issue 6), if installed
         # createNode() bookkeeping
         self._awaiting_ready: Dict[str, SpawnJob] = {}  # instance id -> job, local start
@@ -739,7 +741,29 @@ class Agent:
         except (TypeError, ValueError) as exc:
             reply({"ok": False, "error": f"invalid spec: {exc}"})
             return
+        why = self._max_instances_refusal(spec)
+        if why:
+            # The creator cancels this copy (docs/scaling.md, deviation 8); not an error here.
+            self.counters["spawn_refused_max"] = self.counters.get("spawn_refused_max", 0) + 1
+            log.info("refused copy %s of %s: %s", spec.instance, requester, why,
+                     extra={"node": self.node, "operator": spec.operator})
+            reply({"ok": False, "error": why})
+            return
         self._create_node(spec, reply, cause="spawn", now=now)
+
+    def _max_instances_refusal(self, spec: InstanceSpec) -> Optional[str]:
+        """Why a worker's copy would take its operator past [scaling] max_instances (None: it
+        would not). Every instance this agent knows of counts, whatever its phase, plus the
+        copies it is placing elsewhere (agent.runtime.bounds: hard on one agent, as fresh as
+        the retained states across agents)."""
+        limit = load_pipeline_text(spec.pipeline_toml, f"pipeline {spec.pipeline}").scaling_for(spec.operator).max_instances
+        local = [(w.instance, w.spec.pipeline, w.spec.operator) for w in self.supervisor.workers.values()]
+        placing = [(c.context.spec.instance, c.context.spec.pipeline, c.context.spec.operator)
+                   for c in self._calls.calls.values() if isinstance(c.context, SpawnJob)]
+        placing += [known for _, known in self._placed.values()]
+        existing = bounds.operator_instances(spec.pipeline, spec.operator, self.node, local, self.fleet,
+                                             self.online, placing)
+        return bounds.refusal(spec.operator, spec.instance, limit, existing)
 
     def _spec_from(self, data: Dict[str, Any], template: Optional[InstanceSpec],
                    requester: Optional[str] = None) -> InstanceSpec:
@@ -952,6 +976,8 @@ class Agent:
                 return
             self.fleet[node] = doc
             self._reserved.pop(node, None)
+            # Published after its replies to us (one connection, in order): it lists their copies.
+            self._placed = {i: v for i, v in self._placed.items() if v[0] != node}
         elif kind == "status":
             up = msg.payload == b"online"
             self.online[node] = up
@@ -1112,6 +1138,7 @@ class Agent:
             return
         if result["ok"]:
             self.counters["spawned_remote"] += 1
+            self._placed[job.spec.instance] = (call.node, (job.spec.instance, job.spec.pipeline, job.spec.operator))
             job.reply(result)
         else:
             self._try_next(job, now, f"{call.node}: {result.get('error')}")

@@ -1802,8 +1802,11 @@ class _ScalingDriver:
         self._observe(replacement)
         self.outputs.extendleft(reversed(replacement))
         self.counts["rounds_cancelled"] = self.counts.get("rounds_cancelled", 0) + 1
-        log.warning("spawn failed (%s): duplication round %d %s", why, core.round,
-                    f"continues with {list(created)}" if created else "cancelled", extra=self.w.ctx)
+        # At max_instances (agent.runtime.bounds) a loaded instance asks again every period and
+        # is refused: the bound working, not a failure, so not a warning each period.
+        level = logging.INFO if all(e.startswith("max_instances reached") for e in why.split("; ")) else logging.WARNING
+        log.log(level, "spawn failed (%s): duplication round %d %s", why, core.round,
+                f"continues with {list(created)}" if created else "cancelled", extra=self.w.ctx)
         self.w._emit("round_cancelled", round=core.round, created=list(created), error=why)
         self.run_outputs(self.w.clock())
 
