@@ -258,7 +258,8 @@ def test_a_reply_counts_only_from_the_node_the_call_went_to(agent: Any) -> None:
     from agent.runtime.daemon import SpawnJob
 
     got: List[Dict[str, Any]] = []
-    job = SpawnJob(spec=None, candidates=[], reply=got.append, cause="spawn")  # type: ignore[arg-type]
+    spec = SimpleNamespace(instance="i", pipeline="p", operator="work")  # what a placed copy records
+    job = SpawnJob(spec=spec, candidates=[], reply=got.append, cause="spawn")  # type: ignore[arg-type]
     agent._calls.add("corr-1", "n2", 0.0, 30.0, context=job)
     ok = json.dumps({"ok": True, "instance": "i", "node": "n2"}).encode()
     agent._on_message_safely(_msg(topics.replies("c", "me", "n3"), ok, correlation=b"corr-1"), 0.0)
