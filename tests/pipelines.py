@@ -23,3 +23,23 @@ name = "sink"
 kind = "sink"
 function = "agent.runtime.operators:counting_sink"
 """
+
+
+def with_work(function: str) -> str:
+    """Pipeline "p": taxi source -> `work` running `function` -> counting sink (no params: what
+    an allow-list or a spec check looks at, not what it computes)."""
+    return f"""
+[pipeline]
+name = "p"
+[[operator]]
+name = "source"
+kind = "source"
+function = "agent.runtime.taxi:source"
+[[operator]]
+name = "work"
+function = "{function}"
+[[operator]]
+name = "sink"
+kind = "sink"
+function = "agent.runtime.operators:counting_sink"
+"""

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Dict, Iterator, List, Tuple
 
 import pytest
+from pipelines import with_work
 
 ROOT = Path(__file__).resolve().parent.parent
 ANSIBLE_DIR = ROOT / "ansible"
@@ -317,21 +318,6 @@ def test_agent_installed_in_venv_and_config_accepted(deployed: Deployment) -> No
                           env=env, cwd=str(p)).returncode == 0
 
 
-OPS_PIPELINE = """
-[pipeline]
-name = "p"
-[[operator]]
-name = "source"
-kind = "source"
-function = "agent.runtime.taxi:source"
-[[operator]]
-name = "work"
-function = "FUNC"
-[[operator]]
-name = "sink"
-kind = "sink"
-function = "agent.runtime.operators:counting_sink"
-"""
 
 
 def test_operator_package_modules_and_sink_dirs(deployed: Deployment, tmp_path: Path) -> None:
@@ -358,12 +344,12 @@ def test_operator_package_modules_and_sink_dirs(deployed: Deployment, tmp_path: 
     pipe = tmp_path / "p.toml"
     for func, ok in ((f"{OPERATOR_MODULE}:double", True), (f"{OPERATOR_MODULE}:upper", True),
                      ("fogtest_other:run", False), ("builtins:exec", False)):
-        pipe.write_text(OPS_PIPELINE.replace("FUNC", func))
+        pipe.write_text(with_work(func))
         res = subprocess.run([str(venv / "bin/fog-agent"), "check-config", str(pipe), "--agent-config", str(conf)],
                              capture_output=True, text=True, env=env, cwd=str(tmp_path))
         assert (res.returncode == 0) is ok, (func, res.stderr)
     assert f"entry points (fog_agent.operators): {OPERATOR_MODULE}:upper" in res.stderr, res.stderr
-    pipe.write_text(OPS_PIPELINE.replace("FUNC", f"{OPERATOR_MODULE}:double"))
+    pipe.write_text(with_work(f"{OPERATOR_MODULE}:double"))
     cal = subprocess.run([str(venv / "bin/fog-agent"), "calibrate", "--pipeline", str(pipe), "--operator", "work",
                           "--config", str(conf), "--dry-run", "--json", "--window", "0.05", "--start-rate", "100",
                           "--max-rate", "300"], capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=120)

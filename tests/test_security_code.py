@@ -26,7 +26,8 @@ import pytest
 from agent.runtime import admission, hosted
 from agent.runtime.admission import AllowList, NodeDirs, OperatorRefused, PathRefused
 from agent.runtime.operators import OperatorContext, load_operator
-from agent.runtime.spec import BrokerSpec, InstanceSpec, request_spec
+from agent.runtime.spec import BrokerSpec, InstanceSpec
+from pipelines import with_work
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -198,7 +199,7 @@ def test_agent_toml_operators_and_sink_dirs(tmp_path: Path) -> None:
 def test_check_config_names_file_key_and_what_is_allowed(tmp_path: Path, opsdir: Tuple[Path, Dict[str, str]]) -> None:
     _, names = opsdir
     pipe = tmp_path / "p.toml"
-    pipe.write_text(PIPELINE.replace("FUNC", "builtins:exec"))
+    pipe.write_text(with_work("builtins:exec"))
     agent_toml = tmp_path / "agent.toml"
     agent_toml.write_text(f'[agent]\nnode = "n"\n[operators]\nmodules = ["{names["ops"]}"]\n')
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(opsdir[0])]))
@@ -208,7 +209,7 @@ def test_check_config_names_file_key_and_what_is_allowed(tmp_path: Path, opsdir:
     [line] = r.stderr.strip().splitlines()
     assert line.startswith(f'error: {pipe}: [operator[1]].function: "builtins:exec" is not allowed on this node')
     assert f"[operators] modules: {names['ops']}:*" in line and "built-in" in line and str(agent_toml) in line
-    pipe.write_text(PIPELINE.replace("FUNC", f"{names['ops']}:double"))
+    pipe.write_text(with_work(f"{names['ops']}:double"))
     r = subprocess.run([sys.executable, "-m", "agent", "check-config", str(pipe), "--agent-config", str(agent_toml)],
                        capture_output=True, text=True, env=env, cwd=str(ROOT), timeout=60)
     assert r.returncode == 0, r.stderr
@@ -221,7 +222,7 @@ def test_calibrate_imports_through_the_nodes_allow_list(tmp_path: Path, opsdir: 
     agent.toml does not list is refused there too, and never imported."""
     pkgs, names = opsdir
     pipe = tmp_path / "p.toml"
-    pipe.write_text(PIPELINE.replace("FUNC", f"{names['ops']}:double"))
+    pipe.write_text(with_work(f"{names['ops']}:double"))
     agent_toml = tmp_path / "agent.toml"
     agent_toml.write_text(f'[agent]\nnode = "n7"\nstate_dir = "{tmp_path}/state"\n'
                           f'[operators]\nmodules = ["{names["ops"]}"]\n')
@@ -237,7 +238,7 @@ def test_calibrate_imports_through_the_nodes_allow_list(tmp_path: Path, opsdir: 
     assert "n7" in json.dumps(stored) and "work" in json.dumps(stored)
     assert (tmp_path / "markers" / "ops_imported").exists()
     # a module the node does not list: refused with the allow-list, never imported
-    pipe.write_text(PIPELINE.replace("FUNC", f"{names['evil']}:run"))
+    pipe.write_text(with_work(f"{names['evil']}:run"))
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(ROOT), timeout=60)
     assert r.returncode == 1 and f"{names['evil']}:run" in r.stderr and "allowed here" in r.stderr, r.stderr
     assert f"[operators] modules: {names['ops']}:*" in r.stderr and "Traceback" not in r.stderr
@@ -264,21 +265,6 @@ def test_paths_resolve_inside_the_node_directories(tmp_path: Path) -> None:
 
 # ---- the agent: every place a spec enters ---------------------------------------------------------
 
-PIPELINE = """
-[pipeline]
-name = "p"
-[[operator]]
-name = "source"
-kind = "source"
-function = "agent.runtime.taxi:source"
-[[operator]]
-name = "work"
-function = "FUNC"
-[[operator]]
-name = "sink"
-kind = "sink"
-function = "agent.runtime.operators:counting_sink"
-"""
 
 
 def agent_for(tmp_path: Path, extra_toml: str = "") -> Any:
@@ -292,7 +278,7 @@ def agent_for(tmp_path: Path, extra_toml: str = "") -> Any:
 
 
 def spec_body(func: str, instance: str = "p.work.0", **extra: Any) -> Dict[str, Any]:
-    return {"instance": instance, "operator": "work", "pipeline": "p", "pipeline_toml": PIPELINE.replace("FUNC", func),
+    return {"instance": instance, "operator": "work", "pipeline": "p", "pipeline_toml": with_work(func),
             "succs": ["p.sink.0"], "preds": ["p.source.0"], "keeper": True, "extra": extra}
 
 
@@ -315,7 +301,7 @@ def test_spec_from_refuses_and_logs_the_requester(tmp_path: Path, opsdir: Tuple[
     # a worker's createNode() is admitted too, and logged with the worker as the requester
     caplog.clear()
     with pytest.raises(ValueError):
-        agent._spec_from({"operator": "work", "pipeline_toml": PIPELINE.replace("FUNC", "os:system")}, template=good)
+        agent._spec_from({"operator": "work", "pipeline_toml": with_work("os:system")}, template=good)
     assert any("from worker p.work.0" in r.getMessage() for r in caplog.records)
     # a pipeline text nested 100k deep is refused, not a RecursionError in the agent's loop
     deep = spec_body("agent.runtime.operators:identity")
@@ -345,7 +331,7 @@ def test_spec_paths_and_the_spool_are_the_nodes_own(tmp_path: Path) -> None:
     assert "spill" not in spec.extra
     assert agent.spill.with_spill(spec).extra["spill"]["dir"] == f"{tmp_path}/spool"
     # a source's profile file is a path too
-    text = PIPELINE.replace("FUNC", ok).replace('function = "agent.runtime.taxi:source"',
+    text = with_work(ok).replace('function = "agent.runtime.taxi:source"',
                                                  'function = "agent.runtime.taxi:source"\n'
                                                  'params = { profile = "csv", csv = "/etc/fog-agent/tls/client.key" }')
     with pytest.raises(ValueError, match="params.csv"):
@@ -363,7 +349,7 @@ def test_readopt_sets_aside_a_stored_spec_the_node_does_not_admit(tmp_path: Path
     broker = BrokerSpec("h", 1)
 
     def stored(inst: str, func: str, **extra: Any) -> InstanceSpec:
-        return InstanceSpec(inst, "work", "me", "c", "p", PIPELINE.replace("FUNC", func), broker, extra=extra)
+        return InstanceSpec(inst, "work", "me", "c", "p", with_work(func), broker, extra=extra)
 
     hosted.remember(state, stored("p.work.0", "agent.runtime.operators:identity"))
     hosted.remember(state, stored("p.work.1", "builtins:exec"))  # saved before this node refused it
@@ -449,7 +435,7 @@ def test_a_stored_epoch_floor_survives_a_clock_set_back(tmp_path: Path) -> None:
     agent.supervisor.start = lambda spec, now: started.append(spec)  # type: ignore[assignment]
     state = tmp_path / "state"
     broker = BrokerSpec("h", 1)
-    text = PIPELINE.replace("FUNC", "agent.runtime.operators:identity")
+    text = with_work("agent.runtime.operators:identity")
     hosted.remember(state, InstanceSpec("p.work.0", "work", "me", "c", "p", text, broker, extra={"min_epoch": int(NOW)}))
     hosted.remember(state, InstanceSpec("p.work.1", "work", "me", "c", "p", text, broker, extra={"min_epoch": "x"}))
     agent._to_readopt = hosted.hosted(state)
@@ -492,7 +478,7 @@ def test_the_worker_refuses_a_function_before_importing_or_creating_anything(
         tmp_path: Path, opsdir: Tuple[Path, Dict[str, str]]) -> None:
     pkgs, names = opsdir
     state = tmp_path / "wstate"
-    spec = InstanceSpec("p.work.0", "work", "me", "c", "p", PIPELINE.replace("FUNC", f"{names['evil']}:run"),
+    spec = InstanceSpec("p.work.0", "work", "me", "c", "p", with_work(f"{names['evil']}:run"),
                         BrokerSpec("127.0.0.1", 1), state_dir=str(state), extra={"sink_dir": str(tmp_path / "wsink")})
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(pkgs)]))
     env.pop(admission.ENV_MODULES, None)
