@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import select
-import socket
 import subprocess
 import sys
 import tempfile
@@ -451,20 +450,13 @@ class DropWatch:
         self._client.disconnect()
 
 
-def _nodelay(client: Any) -> None:
-    """TCP_NODELAY like a worker's connection (transport.py): without it each small ack waits."""
-    sock = client.socket()
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    except (OSError, AttributeError):
-        pass
-
-
 def _raw_client(name: str, host: str, port: int, topic: Optional[str] = None, timeout: float = 10.0) -> Any:
     """A connected paho client (MQTT 5, like a worker's), subscribed to `topic` at QoS 1 if given;
     driven by the caller's own select loop (no network thread)."""
     import paho.mqtt.client as mqtt
     from paho.mqtt.enums import CallbackAPIVersion
+
+    from agent.runtime.transport import _nodelay  # TCP_NODELAY like a worker's: else each small ack waits
 
     c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"{name}-{os.getpid()}", protocol=mqtt.MQTTv5)
     c.max_inflight_messages_set(0)  # no paho-side cap: the bench's window is the only limit
