@@ -218,10 +218,14 @@ def plan_placement(specs: Sequence[InstanceSpec], fleet: Sequence[NodeView], pol
             per = ", ".join(f"{v.node} {max(0, v.free_slots)}" for v in online)
             return (f"its {len(specs)} keeper(s) need {len(specs)} free slot(s), the online nodes have "
                     f"{free} ({per or 'none online'})")
-        node = ranking[0]
-        views = [dataclasses.replace(v, free_slots=v.free_slots - 1, instances=v.instances + (spec.instance,))
-                 if v.node == node else v for v in views]
+        views = _take_slot(views, ranking[0], spec.instance)
     return None
+
+
+def _take_slot(views: Sequence[NodeView], node: str, instance: str) -> List[NodeView]:
+    """The views after `instance` took one slot on `node`."""
+    return [dataclasses.replace(v, free_slots=v.free_slots - 1, instances=v.instances + (instance,))
+            if v.node == node else v for v in views]
 
 
 def run_deploy(cfg: PipelineConfig, text: str, specs: Sequence[InstanceSpec], fleet: Sequence[NodeView],
@@ -250,8 +254,7 @@ def run_deploy(cfg: PipelineConfig, text: str, specs: Sequence[InstanceSpec], fl
         for spec in reversed(specs):  # sink first: successors subscribed before predecessors exist
             node = _place_one(call, spec, views, policy)
             placed.append(Deployed(spec.operator, spec.instance, node))
-            views = [dataclasses.replace(v, free_slots=v.free_slots - 1, instances=v.instances + (spec.instance,))
-                     if v.node == node else v for v in views]
+            views = _take_slot(views, node, spec.instance)
             log.info("keeper %s of %s started on %s", spec.instance, spec.operator, node)
     except DeployError as exc:
         failed = []
