@@ -105,9 +105,10 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if kind == "pipeline":
         try:
-            refused = refused_functions(cfg, args.file, args.agent_config)
+            node = _node_config(args.agent_config)
+            refused = refused_functions(cfg, args.file, node, args.agent_config)
             if not refused:  # import only what the allow-list admits
-                refused = operator_problems(cfg, args.file, args.agent_config)
+                refused = operator_problems(cfg, args.file, node)
         except ConfigError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
@@ -246,23 +247,24 @@ def to_toml(data: Mapping[str, Any], prefix: str = "") -> str:
     return "\n".join(lines) + "\n" if lines else ""
 
 
-def _node_config(agent_config: Optional[str]) -> Tuple[Path, Any]:
-    """(path, AgentConfig or None): the node's agent.toml that check-config checks a pipeline
-    against (`--agent-config`, else the default one if it exists)."""
+def _node_config(agent_config: Optional[str]) -> Tuple[Path, Any, Any]:
+    """(path, AgentConfig or None, its AllowList): the node's agent.toml that check-config checks
+    a pipeline against (`--agent-config`, else the default one if it exists)."""
     from agent.config import default_config_path, load_agent_config
+    from agent.runtime.admission import AllowList
 
     path = Path(agent_config) if agent_config else default_config_path()
-    return path, (load_agent_config(path) if agent_config or path.exists() else None)
+    node = load_agent_config(path) if agent_config or path.exists() else None
+    return path, node, AllowList.for_node(node.operators.modules if node is not None else ())
 
 
-def operator_problems(cfg: Any, file: str, agent_config: Optional[str]) -> List[str]:
+def operator_problems(cfg: Any, file: str, node_config: Tuple[Path, Any, Any]) -> List[str]:
     """One line per operator function that does not import, and per bad param of each operator
     (its function's `params_schema`). Called only after `refused_functions` found nothing."""
-    from agent.runtime.admission import AllowList, NodeDirs, PathRefused, spec_paths
+    from agent.runtime.admission import NodeDirs, PathRefused, spec_paths
     from agent.runtime.operators import check_params
 
-    path, node = _node_config(agent_config)
-    allowed = AllowList.for_node(node.operators.modules if node is not None else ())
+    path, node, allowed = node_config
     out: List[str] = []
     for i, op in enumerate(cfg.operators):
         where = f"[operator[{i}]]"
@@ -313,13 +315,12 @@ def mqtt_file_problems(mqtt: Any, file: str) -> Tuple[List[str], List[str]]:
     return errors, warnings
 
 
-def refused_functions(cfg: Any, file: str, agent_config: Optional[str]) -> List[str]:
+def refused_functions(cfg: Any, file: str, node_config: Tuple[Path, Any, Any], agent_config: Optional[str]) -> List[str]:
     """One line per operator whose function this node's allow-list refuses."""
-    from agent.runtime.admission import AllowList, OperatorRefused
+    from agent.runtime.admission import OperatorRefused
 
-    path, node = _node_config(agent_config)
+    path, node, allowed = node_config
     modules: Tuple[str, ...] = node.operators.modules if node is not None else ()
-    allowed = AllowList.for_node(modules)
     out = []
     for i, op in enumerate(cfg.operators):
         try:
