@@ -137,6 +137,8 @@ class Fleet:
 
     @classmethod
     def from_messages(cls, cluster: str, messages: Mapping[str, bytes]) -> "Fleet":
+        from agent.runtime.deploy import parse_record
+
         states: Dict[str, Any] = {}
         statuses: Dict[str, str] = {}
         latency: Dict[str, Dict[str, float]] = {}
@@ -158,7 +160,7 @@ class Fleet:
                 if emu:
                     emulated[name] = emu
             elif parsed.kind == "pipeline" and len(payload) <= wire.MAX_CONTROL_BYTES:
-                if payload.startswith(b"# fog-undeployed:"):  # a tombstone (agent.runtime.deploy)
+                if parse_record(payload).state == "undeployed":  # a tombstone
                     continue
                 pipelines[name] = payload.decode("utf-8", "replace")
         # An instance whose state does not name its pipeline belongs to the one deployed pipeline
