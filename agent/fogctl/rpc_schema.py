@@ -70,7 +70,7 @@ class ScaleRequest:
     instances: Tuple[str, ...] = ()  # scale-in: which instances leave
 
     def __post_init__(self) -> None:
-        # Types first: the request comes from the bus (a list as delta once raised TypeError).
+        # Types first: the request comes from the bus, and the checks below compare and negate delta.
         if not isinstance(self.operator, str) or not self.operator:
             raise RequestError(f"operator: expected a non-empty string, found {str(self.operator)[:80]!r}")
         if isinstance(self.delta, bool) or not isinstance(self.delta, int) or self.delta == 0:
@@ -287,10 +287,11 @@ def agent_actions(req: Any, node: str, local: Sequence[Instance], slots: Optiona
 
     `local` are the instances this agent hosts (fleet.Instance, e.g. from its own state doc);
     `slots`, all the slots of the online fleet as this agent sees it: a forced scale-out asking
-    for more copies than exist is refused (docs/security.md: a delta of 3,000,000 once ran 1,846
-    rounds and filled every slot). Why all slots, not the free ones: free slots change between
-    this check and the rounds, and a copy that finds no slot cancels its round (the protocol's
-    own answer); what must not exist is a request for rounds no fleet could ever hold.
+    for more copies than exist is refused (docs/security.md: each copy is one scaling round, and
+    such a request would run rounds until it filled every slot). Why all slots, not the free
+    ones: free slots change between this check and the rounds, and a copy that finds no slot
+    cancels its round (the protocol's own answer); what must not exist is a request for rounds
+    no fleet could ever hold.
     """
     if isinstance(req, DrainRequest):
         if req.node != node:

@@ -38,7 +38,7 @@ OPS = ("spawn", "stop", "set", "ping", "scale", "drain", "undrain", "pin")
 # of a keeper's hand-over and of a re-home, which are spawns of an existing identity).
 PEER_OPS = ("spawn",)
 # Keys of a worker's control line itself (agent.runtime.supervisor): a "set" field may not
-# replace them (`fields = {"event": "x"}` once ended the agent).
+# replace them (`control_line(event, **fields)` takes the event under that name).
 CONTROL_KEYS = frozenset({"event"})
 
 # Payload prefix of a snapshot's sync marker on our own reply topic (never a JSON reply).
