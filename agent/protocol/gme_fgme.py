@@ -322,6 +322,11 @@ class FgmeNode(GmeNode):
         new.authorized_for = frozenset(perm[k] for k in self.authorized_for)
         return new
 
+    def _live_authorized_for(self) -> Optional[FrozenSet[NodeId]]:
+        """authorized_for where it is read (damped and authorizing), else None: dead otherwise
+        (keeps the published variant's classes)."""
+        return self.authorized_for if self.competitors_authorized and self.damped else None
+
     def live_snapshot(self, requests_left: int) -> Tuple[object, ...]:
         """`snapshot()` without the variables no future step reads before writing them.
 
@@ -348,8 +353,7 @@ class FgmeNode(GmeNode):
         `entries` only counts, for the checker's measure.
         """
         s = self.state
-        # read only when damped and authorizing: dead otherwise (keeps the published variant's classes)
-        auth_for = self.authorized_for if self.competitors_authorized and self.damped else None
+        auth_for = self._live_authorized_for()
         if s is GmeState.IDLE:
             if requests_left == 0:
                 return (s.value,)
@@ -387,7 +391,7 @@ class FgmeNode(GmeNode):
             self.req_first_epoch,
             tuple(sorted(self.sent_epoch.items())),
             self.competitors_authorized,
-            self.authorized_for if self.competitors_authorized and self.damped else None,
+            self._live_authorized_for(),
             frozenset(self.acks_rcvd),
             self.entries,
         )
