@@ -1,11 +1,11 @@
 """What a receiver accepts on its inbox, checked before anything touches its state. Sans-IO.
 
 docs/security.md, "Data channels": the broker's ACL proves only that *a node identity* wrote an
-inbox message; the sender, epoch and sequence number in the envelope are claims. One forged
-envelope used to be enough to stall a pipeline for good: an epoch of 2**53 made every later real
-batch "old", a fake batch from an invented sender consumed record ids, and acks from invented
-senders each created a channel entry that was persisted. So a receiver admits an envelope only
-when what it claims is something a real sender can send:
+inbox message; the sender, epoch and sequence number in the envelope are claims. Taken as they
+come, one forged envelope is enough to stall a pipeline for good: an epoch of 2**53 makes every
+later real batch "old", a fake batch from an invented sender consumes record ids, and acks from
+invented senders each create a channel entry that is persisted. So a receiver admits an envelope
+only when what it claims is something a real sender can send:
 
 - **sender**: the worker's own tables say it exists (`Worker._sender_allowed`: predecessors for
   data, instances it sent data to for acks, any neighbour, round peer or known channel for
