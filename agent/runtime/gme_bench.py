@@ -217,9 +217,9 @@ class _Node(threading.Thread):
                     elif isinstance(v, (set, frozenset)):
                         v = sorted(v)
                     core[name] = v
-            # "who it authorizes": 2-FGME keeps no set, only competitors_authorized (the whole
-            # other group) and the Reqs it holds back (waiting_reqs); reqs_to_send is its own
-            # request on hold
+            # "who it authorizes": published 2-FGME keeps no set, only competitors_authorized (the
+            # whole other group) and the Reqs it holds back (waiting_reqs); reqs_to_send is its own
+            # request on hold. Damped, it also keeps authorized_for (not in this list)
             held = {str(s): {"next": self.in_next.get(s, 1), "held": len(h), "lowest": min(h)}
                     for s, h in sorted(self.held.items()) if h}
         finally:
