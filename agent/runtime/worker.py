@@ -1234,8 +1234,8 @@ class _ScalingDriver:
         self.started: Deque[str] = deque(maxlen=256)  # copies this instance sent Start (see start_again)
         self._next_ping = worker.clock() + IDLE_PING
         self._idle_pings = 0
-        self.probes: Dict[str, int] = {}  # copy -> number of the probe we sent it (on_idle_ping)
-        self._probed_at: Dict[str, float] = {}  # copy -> when (unanswered probes expire: PROBE_TTL)
+        # copy -> (number of the probe we sent it, when: unanswered probes expire after PROBE_TTL)
+        self.probes: Dict[str, Tuple[int, float]] = {}  # (on_idle_ping)
         self._probe_seq = 0
         self.orphans: Deque[str] = deque()  # idle copies nobody will start: we adopt them (_maybe_adopt)
         self.memory = RoundMemory(saved.get("rounds_applied") if spec.restart else None)
@@ -1326,11 +1326,10 @@ class _ScalingDriver:
     def expire_probes(self, now: float) -> None:
         """Probes unanswered for PROBE_TTL: the instance was no copy of ours (or is gone). Its
         channel and our numbering to it go, unless something else names it."""
-        for copy, at in list(self._probed_at.items()):
+        for copy, (_, at) in list(self.probes.items()):
             if now - at < PROBE_TTL:
                 continue
-            del self._probed_at[copy]
-            self.probes.pop(copy, None)
+            del self.probes[copy]
             if not self.knows(copy) and copy not in self.w.links and copy not in self.w.router.succs:
                 self.w.forget_sender(copy)
 
@@ -1592,8 +1591,7 @@ class _ScalingDriver:
                 or sender in self.orphans or core.state is InstanceState.IDLE or core.terminated):
             return sender in core.new_siblings
         self._probe_seq += 1
-        self.probes[sender] = self._probe_seq
-        self._probed_at[sender] = self.w.clock()
+        self.probes[sender] = (self._probe_seq, self.w.clock())
         self.counts["probes"] = self.counts.get("probes", 0) + 1
         log.warning("%s is idle and not a copy of this incarnation: probing it", sender, extra=self.w.ctx)
         self.w.send_envelope(sender, Kind.PROTO, {"type": PROBE, "sender": self.core.instance_id, "n": self._probe_seq})
@@ -1620,9 +1618,8 @@ class _ScalingDriver:
         if body["type"] == PROBE:
             if core.state is InstanceState.IDLE and env.sender == core.creator:
                 self.w.send_envelope(env.sender, Kind.PROTO, {"type": PROBE_ECHO, "sender": core.instance_id, "n": n})
-        elif self.probes.get(env.sender) == n:
+        elif env.sender in self.probes and self.probes[env.sender][0] == n:
             del self.probes[env.sender]
-            self._probed_at.pop(env.sender, None)
             if env.sender not in self.started and env.sender not in self.orphans:
                 self.orphans.append(env.sender)
 
