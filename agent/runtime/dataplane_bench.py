@@ -396,22 +396,22 @@ class DropWatch:
         if not self._subscribed.wait(timeout):
             raise BenchFailed(f"cannot subscribe to {SYS_DROPPED} on {host}:{port}")
 
+    def _read_dropped(self, payload: bytes) -> None:
+        try:
+            self.value = float(payload.decode())
+        except (ValueError, UnicodeDecodeError):
+            pass
+
     def _on_message(self, client: Any, userdata: Any, msg: Any) -> None:
         if msg.retain:  # the value at subscription time, before any phase
             if msg.topic == SYS_DROPPED:
-                try:
-                    self.value = float(msg.payload.decode())
-                except (ValueError, UnicodeDecodeError):
-                    pass
+                self._read_dropped(msg.payload)
             return
         with self._cond:
             if msg.topic == self.UPTIME:
                 self._pass_start = time.monotonic()
             elif msg.topic == SYS_DROPPED:
-                try:
-                    self.value = float(msg.payload.decode())
-                except (ValueError, UnicodeDecodeError):
-                    pass
+                self._read_dropped(msg.payload)
             elif msg.topic == self.PASS_END and self._pass_start:
                 self._last_pass = self._pass_start
                 self._cond.notify_all()
