@@ -179,6 +179,10 @@ class AllowList:
         parts.append(f"[operators] modules: {mods or 'none'}")
         return "; ".join(parts)
 
+    def _listed(self, ref: str) -> bool:
+        """Named exactly: a built-in or an installed entry point (not by a configured module)."""
+        return ref in BUILTIN or ref in self.entry_points.values()
+
     def check(self, ref: Any) -> Tuple[str, str]:
         """("module", "name") if `ref` may be imported here, else OperatorRefused. Looks at the
         name only: never imports anything."""
@@ -186,7 +190,7 @@ class AllowList:
             module, name = parse_ref(ref)
         except ValueError as exc:
             raise OperatorRefused(ref, str(exc), self.describe()) from None
-        if ref in BUILTIN or ref in self.entry_points.values():
+        if self._listed(ref):
             return module, name
         if module in self.modules:
             if name.startswith("_"):
@@ -203,7 +207,7 @@ class AllowList:
             obj = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError) as exc:
             raise ValueError(f"operator function {ref!r}: cannot import ({exc})") from None
-        if ref not in BUILTIN and ref not in self.entry_points.values() and not _defined_in(obj, module):
+        if not self._listed(ref) and not _defined_in(obj, module):
             raise OperatorRefused(ref, f"{name!r} is not defined in {module!r}", self.describe())
         return obj
 
