@@ -788,8 +788,8 @@ class Worker:
         if self.scaling is None:
             self.stats["protocol_in"] += 1
             self.stats["protocol_errors"] += 1
-            if "p:" + env.sender not in self._malformed_logged:  # logged once per sender (invariant 5)
-                self._malformed_logged.add("p:" + env.sender)
+            if env.sender not in self._malformed_logged:  # logged once per sender (invariant 5)
+                self._malformed_logged.add(env.sender)
                 log.warning("protocol message from %s but scaling is off: ignored", env.sender, extra=self.ctx)
             return
         self.scaling.handle(env)
