@@ -14,15 +14,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
+from agent_process import AgentProcess
 
 from agent import identity, topics
 from agent.runtime import rpc
@@ -313,10 +311,11 @@ def test_an_unforeseen_failure_in_a_handler_is_one_log_line_not_the_end_of_the_l
 # ---- real agents on the private broker ------------------------------------------------------------
 
 
-class _AgentProc:
+class _AgentProc(AgentProcess):
+    STOP_TIMEOUT = 8.0
+
     def __init__(self, tmp_path: Path, broker: Any, node: str, cluster: str) -> None:
         self.node = node
-        self.log_path = tmp_path / f"{node}.log"
         conf = tmp_path / f"{node}.toml"
         conf.write_text(
             f'[agent]\nnode = "{node}"\ncluster = "{cluster}"\nslots = 1\nstate_dir = "{tmp_path}/state-{node}"\n'
@@ -324,24 +323,7 @@ class _AgentProc:
             f'[mqtt]\nhost = "{broker.host}"\nport = {broker.port}\n[metrics]\nport = 0\n'
             "[latency]\nperiod = 0.5\n"
         )
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "agent", "run", "--config", str(conf)],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT))
-
-    def text(self) -> str:
-        return self.log_path.read_text()
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=8)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        return self.proc.returncode
+        super().__init__(conf, tmp_path / f"{node}.log")
 
 
 def _wait(pred: Any, timeout: float) -> bool:

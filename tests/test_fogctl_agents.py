@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Dict
 
 import pytest
+from agent_process import AgentProcess
 
 import agent.runtime.daemon  # noqa: E402,F401  (a broken daemon must fail here, not skip)
 
@@ -36,7 +37,9 @@ KEEPALIVE = 2  # seconds, [mqtt].keepalive of the agents under test
 PIPELINE = taxi_in_zone("taxi", seed=1, rate=50.0)
 
 
-class Agent:
+class Agent(AgentProcess):
+    STOP_TIMEOUT = 8.0
+
     def __init__(self, tmp: Path, broker: Any, cluster: str, node: str) -> None:
         self.node = node
         conf = tmp / f"{node}.toml"
@@ -45,20 +48,7 @@ class Agent:
             f"state_period = 0.5\nheartbeat_period = 0.2\nshutdown_timeout = 3.0\n"
             f'[mqtt]\nhost = "{broker.host}"\nport = {broker.port}\nkeepalive = {KEEPALIVE}\n[metrics]\nport = 0\n'
         )
-        self.log = open(tmp / f"{node}.log", "w")
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
-        self.proc = subprocess.Popen([sys.executable, "-m", "agent", "run", "--config", str(conf)],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT))
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=8)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
+        super().__init__(conf, tmp / f"{node}.log")
 
 
 def fogctl(capsys: Any, broker: Any, cluster: str, *argv: str) -> Any:

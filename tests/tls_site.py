@@ -15,10 +15,8 @@ import getpass
 import json
 import os
 import shutil
-import signal
 import ssl
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -31,6 +29,7 @@ import paho.mqtt.client as mqtt
 import yaml
 
 from agent.runtime.broker import MOSQUITTO, free_port, wait_port
+from agent_process import AgentProcess
 from tls_certs import OPENSSL, make_ca, make_cert
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -183,38 +182,17 @@ def agent_toml(site: Site, node: str, cert: str, extra: str = "", slots: int = 3
     return conf
 
 
-class AgentProc:
-    """`python -m agent run` with a node certificate; its log in a file."""
+class AgentProc(AgentProcess):
+    """`python -m agent run` with a node certificate; each start logs to a new file."""
 
     def __init__(self, site: Site, node: str, cert: Optional[str] = None, conf: Optional[Path] = None) -> None:
         self.node = node
         self.site = site
-        self.conf = conf or agent_toml(site, node, cert or node)
-        self.start()
+        super().__init__(conf or agent_toml(site, node, cert or node))
 
     def start(self) -> None:
         self.log_path = self.site.tmp / f"{self.conf.stem}-{uuid.uuid4().hex[:4]}.log"
-        self.log = open(self.log_path, "w")
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
-        self.proc = subprocess.Popen([sys.executable, "-m", "agent", "run", "--config", str(self.conf)],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT))
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def text(self) -> str:
-        return self.log_path.read_text()
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        return int(self.proc.returncode)
+        super().start()
 
 
 # ---- MQTT 5 test clients ---------------------------------------------------------------------------

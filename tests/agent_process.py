@@ -1,0 +1,45 @@
+"""One real agent as a process: `python -m agent run --config CONF` on this checkout's code, its
+stdout and stderr in a log file, stopped the way systemd stops it (SIGTERM, then SIGKILL)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class AgentProcess:
+    STOP_TIMEOUT = 10.0  # seconds between SIGTERM and SIGKILL
+
+    def __init__(self, conf: Path, log_path: Optional[Path] = None) -> None:
+        self.conf = conf
+        self.log_path = log_path or conf.with_suffix(".log")
+        self.start()
+
+    def start(self) -> None:
+        self.log = open(self.log_path, "w")
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        self.proc = subprocess.Popen([sys.executable, "-m", "agent", "run", "--config", str(self.conf)],
+                                     stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT))
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def text(self) -> str:
+        return self.log_path.read_text()
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=self.STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return int(self.proc.returncode)
