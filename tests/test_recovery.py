@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Optional
 
 import pytest
+from memory_wire import MemoryWire
 
 from agent.policy.decentralized import ScalingParams
 from agent.protocol.messages import Deletion, DeletionAck, Duplication, DuplicationAck, Start, from_dict
@@ -63,46 +64,6 @@ def test_resend_goes_only_to_silent_pending_neighbours_that_were_sent_the_round(
     assert round_message(idle) is None and silent_pending(idle, {"s-0": 0.0}, 100.0) == []
 
 
-class _Wire:
-    """The worker's transport, in memory: publications are kept, each one PUBACKed at once."""
-
-    def __init__(self) -> None:
-        from agent.runtime.transport import PubAck
-
-        self.events: list = []
-        self.sent: list = []
-        self.connected = True
-        self.refuse = 0  # refuse this many publishes (PublishRejected)
-        self._puback = PubAck
-
-    def connect(self, *a: object, **k: object) -> bool:
-        return True
-
-    def subscribe(self, *a: object, **k: object) -> None:
-        pass
-
-    def publish(self, topic: str, payload: bytes, qos: object = None, retain: bool = False) -> int:
-        if self.refuse:
-            from agent.runtime.transport import PublishRejected
-
-            self.refuse -= 1
-            raise PublishRejected(topic, 15)  # MQTT_ERR_QUEUE_SIZE: paho did not take it
-        self.sent.append((topic, payload))
-        self.events.append(self._puback(len(self.sent)))
-        return len(self.sent)
-
-    def poll(self, timeout: float) -> None:
-        pass
-
-    def take_events(self) -> list:
-        ev, self.events = self.events, []
-        return ev
-
-    def pending_out(self) -> int:
-        return 0
-
-    def close(self, final: bool = False, timeout: float = 5.0) -> None:
-        pass
 
 
 def test_a_source_resumes_at_its_oldest_unacked_poll_not_its_newest(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -129,7 +90,7 @@ def test_a_source_resumes_at_its_oldest_unacked_poll_not_its_newest(tmp_path) ->
     spec = initial_specs(toml, BrokerSpec("127.0.0.1", 1), str(tmp_path / "state"), cluster="c",
                          extra={"sink_dir": str(tmp_path / "sink")})[0]
     clock = [100.0]
-    wire = _Wire()
+    wire = MemoryWire()
     w = Worker(spec, out=open(os.devnull, "w"), clock=lambda: clock[0], transport=wire)  # noqa: SIM115
     w.start()
 
@@ -160,7 +121,7 @@ def test_a_source_resumes_at_its_oldest_unacked_poll_not_its_newest(tmp_path) ->
     assert w.source_resume_seq() == 12  # all acked: resume after the last generated record
 
 
-def _chain(tmp_path, clock: list, wire: "_Wire", operator: str, policy: str = "none",  # type: ignore[no-untyped-def]
+def _chain(tmp_path, clock: list, wire: "MemoryWire", operator: str, policy: str = "none",  # type: ignore[no-untyped-def]
            restart: bool = False):
     """One worker of source -> work -> sink, on the in-memory wire, its clock in `clock[0]`."""
     import dataclasses
@@ -195,7 +156,7 @@ def test_a_hole_in_a_senders_numbering_that_stays_open_makes_us_a_new_incarnatio
     from agent.runtime.transport import Received
     from agent.runtime.worker import GAP_TIMEOUT, SILENCE_CHECK
 
-    clock, wire = [100.0], _Wire()
+    clock, wire = [100.0], MemoryWire()
     w = _chain(tmp_path, clock, wire, "work")
     inbox = topics.inbox("c", "work-0")
     recs = sample(1, 12)
@@ -230,7 +191,7 @@ def test_batches_a_successor_never_acks_are_replayed_to_it(tmp_path) -> None:  #
     from agent.runtime.transport import Received
     from agent.runtime.worker import LINK_SILENCE
 
-    clock, wire = [100.0], _Wire()
+    clock, wire = [100.0], MemoryWire()
     w = _chain(tmp_path, clock, wire, "source")
     for i in range(8):
         w.operator.ingest("sensors/x", b'{"v": %d}' % i)
@@ -273,7 +234,7 @@ def test_an_instance_restarted_after_its_termination_exits_for_good(tmp_path) ->
 
     from agent.protocol.scaling import InstanceState
 
-    clock, wire = [100.0], _Wire()
+    clock, wire = [100.0], MemoryWire()
     w = _chain(tmp_path, clock, wire, "work", policy="decentralized")
     assert w._exit is None
     w.scaling.core.state = InstanceState.TERMINATED
@@ -306,7 +267,7 @@ def _creator_and_idle_copy(tmp_path):  # type: ignore[no-untyped-def]
     copy_spec = dataclasses.replace(keeper, instance="work-x", keeper=False, active=False, succs=(), preds=(),
                                     extra={**keeper.extra, "creator": "work-0"})
     clock = [100.0]
-    copy_wire, keeper_wire = _Wire(), _Wire()
+    copy_wire, keeper_wire = MemoryWire(), MemoryWire()
     copy = Worker(copy_spec, out=open(os.devnull, "w"), clock=lambda: clock[0], transport=copy_wire)  # noqa: SIM115
     copy.start()
     creator = Worker(keeper, out=open(os.devnull, "w"), clock=lambda: clock[0], transport=keeper_wire)  # noqa: SIM115
@@ -467,7 +428,7 @@ def test_a_refused_ack_of_a_sink_is_published_later_and_later_acks_follow(tmp_pa
     from agent.runtime.taxi import sample
     from agent.runtime.transport import Received
 
-    clock, wire = [100.0], _Wire()
+    clock, wire = [100.0], MemoryWire()
     w = _chain(tmp_path, clock, wire, "sink")
     inbox, to_work = topics.inbox("c", "sink-0"), topics.inbox("c", "work-0")
     recs = sample(1, 40)
@@ -506,7 +467,7 @@ def _active_copy(tmp_path, clock: list, restart: bool = False, extra: Optional[d
     spec = dataclasses.replace(keeper.spec, instance="work-y", keeper=False, active=True, preds=("source-0",),
                                succs=("sink-0",), restart=restart,
                                extra={**keeper.spec.extra, "creator": "work-0", **(extra or {})})
-    wire = _Wire()
+    wire = MemoryWire()
     w = Worker(spec, out=open(os.devnull, "w"), clock=lambda: clock[0], transport=wire)  # noqa: SIM115
     w.start()
     return w, wire

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Set
 
 import pytest
+from memory_wire import MemoryWire
 
 from agent import topics
 from agent.runtime.inbound import (
@@ -34,7 +35,7 @@ from agent.runtime.inbound import (
 )
 from agent.runtime.envelope import Envelope, Kind, decode, encode, encode_data
 from agent.runtime.flow import OutLink
-from agent.runtime.transport import PubAck, Received
+from agent.runtime.transport import Received
 
 WALL = 1_795_000_000.0  # a wall clock (seconds) for the pure tests
 
@@ -124,37 +125,6 @@ def test_the_log_limiter_writes_once_per_sender_per_minute_and_a_bounded_number_
 # ---- the worker's use of it, on an in-memory wire -----------------------------------------------
 
 
-class _Wire:
-    """The worker's transport in memory: publications kept, each PUBACKed at once."""
-
-    def __init__(self) -> None:
-        self.events: List[Any] = []
-        self.sent: List[Any] = []
-        self.connected = True
-
-    def connect(self, *a: object, **k: object) -> bool:
-        return True
-
-    def subscribe(self, *a: object, **k: object) -> None:
-        pass
-
-    def publish(self, topic: str, payload: bytes, qos: object = None, retain: bool = False) -> int:
-        self.sent.append((topic, payload))
-        self.events.append(PubAck(len(self.sent)))
-        return len(self.sent)
-
-    def poll(self, timeout: float) -> None:
-        pass
-
-    def take_events(self) -> list:
-        ev, self.events = self.events, []
-        return ev
-
-    def pending_out(self) -> int:
-        return 0
-
-    def close(self, final: bool = False, timeout: float = 5.0) -> None:
-        pass
 
 
 def _worker(tmp_path: Path, operator: str, clock: List[float], **changes: Any):  # type: ignore[no-untyped-def]
@@ -172,7 +142,7 @@ def _worker(tmp_path: Path, operator: str, clock: List[float], **changes: Any): 
     spec = [s for s in initial_specs(toml, BrokerSpec("127.0.0.1", 1), str(tmp_path / "state"), cluster="c",
                                      extra={"sink_dir": str(tmp_path / "sink")}) if s.operator == operator][0]
     spec = dataclasses.replace(spec, **changes)
-    wire = _Wire()
+    wire = MemoryWire()
     w = Worker(spec, out=open(os.devnull, "w"), clock=lambda: clock[0], transport=wire)  # noqa: SIM115
     w.start()
     return w, wire
