@@ -31,6 +31,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from agent.runtime.files import write_atomic
+
 __all__ = [
     "CalibrationStep",
     "CalibrationResult",
@@ -271,9 +273,7 @@ class CapacityStore:
         data = {k: asdict(v) for k, v in self.load().items()}
         data[f"{rec.node}/{rec.operator}"] = asdict(rec)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
-        os.replace(tmp, self.path)
+        write_atomic(self.path, json.dumps(data, indent=2, sort_keys=True))
 
 
 def capacity_for(state_dir: "str | os.PathLike[str]", node: str, operator: str, configured: Optional[float],

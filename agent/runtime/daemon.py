@@ -46,6 +46,7 @@ from agent.config import AgentConfig, check_tls, load_pipeline_text, resolve_pas
 from agent.runtime import admission, bounds, hosted, nodestate, rehome, rpc
 from agent.runtime import deploy as records
 from agent.runtime.placement import DEFAULT_POLICY, NodeView, PlacementPolicy, PlacementRequest, get_policy
+from agent.runtime.files import write_atomic
 from agent.runtime.spec import BrokerSpec, InstanceSpec, request_spec
 from agent.runtime.supervisor import WORKER_COMMAND, WORKER_EXIT_BAD_SPEC, Reaped, Supervisor, Worker, WorkerStatus
 
@@ -1598,9 +1599,7 @@ def _load_pins(state_dir: Path) -> Dict[str, Dict[str, Any]]:
 
 def _save_pins(state_dir: Path, pins: Dict[str, Dict[str, Any]]) -> None:
     state_dir.mkdir(parents=True, exist_ok=True)
-    tmp = state_dir / (PINS_FILE + ".tmp")
-    tmp.write_text(json.dumps(pins, sort_keys=True))
-    os.replace(tmp, state_dir / PINS_FILE)
+    write_atomic(state_dir / PINS_FILE, json.dumps(pins, sort_keys=True))
 
 
 def _read_json(path: Path) -> Optional[Dict[str, Any]]:

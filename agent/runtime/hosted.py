@@ -34,6 +34,7 @@ import os
 from pathlib import Path
 from typing import List, Union
 
+from agent.runtime.files import write_atomic
 from agent.runtime.spec import InstanceSpec
 
 log = logging.getLogger(__name__)
@@ -55,9 +56,7 @@ def remember(state_dir: PathLike, spec: InstanceSpec) -> None:
     stored = dataclasses.replace(spec, broker=dataclasses.replace(spec.broker, password=None))
     path = _path(state_dir, spec.instance)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(stored.to_json())
-    os.replace(tmp, path)
+    write_atomic(path, stored.to_json())
 
 
 def forget(state_dir: PathLike, instance: str) -> None:

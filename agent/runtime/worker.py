@@ -45,6 +45,7 @@ from agent.runtime.admission import OperatorRefused, node_allow_list
 from agent.runtime.operators import OperatorContext, SinkOperator, load_operator
 from agent.runtime.recovery import RESEND_AFTER
 from agent.runtime.routing import Outbox, Router
+from agent.runtime.files import write_atomic
 from agent.runtime.spec import InstanceSpec, control_line, parse_control_line
 from agent.runtime.transport import (
     Connected,
@@ -1100,7 +1101,7 @@ class Worker:
             return
         data = {"instance": self.spec.instance, **self.operator.stats(), "resume_from": self.source_resume_seq(),
                 "reserved": self._source_reserved, "profile_started_at": self._source_started_at}
-        _atomic_write(self.sink_dir / f"{self.spec.instance}.source.json", json.dumps(data))
+        write_atomic(self.sink_dir / f"{self.spec.instance}.source.json", json.dumps(data))
 
     def _take_handover(self, extra: Dict[str, Any]) -> None:
         """A keeper migrated off a draining node (daemon `_hand_over`) arrives here with its
@@ -1112,7 +1113,7 @@ class Worker:
         of an earlier stay here and must not be restored."""
         state = extra.get("handover_state")
         if isinstance(state, dict) and int(self._load_state().get("epoch", -1)) < int(state.get("epoch", 0)):
-            _atomic_write(self.state_path, json.dumps(state))
+            write_atomic(self.state_path, json.dumps(state))
             log.info("hand-over: restoring the state shipped with the spec (epoch %s)", state.get("epoch"),
                      extra=self.ctx)
         source = extra.get("handover_source")
@@ -1123,7 +1124,7 @@ class Worker:
             except (OSError, ValueError, AttributeError):
                 here = -1
             if here < int(source.get("resume_from", 0)):  # a shared sink_dir already has it
-                _atomic_write(position, json.dumps(source))
+                write_atomic(position, json.dumps(source))
 
     def _load_state(self) -> Dict[str, Any]:
         try:
@@ -1140,7 +1141,7 @@ class Worker:
         data: Dict[str, Any] = {"epoch": self.epoch, "inbound": self.inbound.snapshot()}
         if self.scaling is not None:
             data.update(self.scaling.persisted())
-        _atomic_write(self.state_path, json.dumps(data))
+        write_atomic(self.state_path, json.dumps(data))
         self.inbound.changed = False
         self._state_dirty = False
         self._last_state_write = now
@@ -1856,10 +1857,6 @@ def hold_identity_lock(path: Path, timeout: float) -> int:
             time.sleep(0.05)
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _stdin_reader(stream: TextIO, sink: "deque[Dict[str, Any]]") -> None:
