@@ -1,3 +1,3 @@
 """fog-agent: decentralized elastic stream processing for fleets of fog nodes."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

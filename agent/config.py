@@ -28,7 +28,7 @@ DEFAULT_AGENT_CONFIG = Path("/etc/fog-agent/agent.toml")
 
 
 def _module_function(v: Any) -> Optional[str]:
-    from agent.runtime.admission import parse_ref
+    from agent.operators.admission import parse_ref
 
     try:
         parse_ref(v)
@@ -38,7 +38,7 @@ def _module_function(v: Any) -> Optional[str]:
 
 
 def _operator_modules(v: Any) -> Optional[str]:
-    from agent.runtime.admission import check_module_name
+    from agent.operators.admission import check_module_name
 
     for m in v:
         why = check_module_name(m)
@@ -65,7 +65,7 @@ class AgentSection:
     heartbeat_period: float = field(default=1.0, metadata={"check": positive("seconds")})
     shutdown_timeout: float = field(default=10.0, metadata={"check": positive("seconds")})
     # A node offline this long is gone: the lowest-named online agent starts its instances
-    # elsewhere with the same identity (agent.runtime.rehome). Longer than a reboot. 0 (the
+    # elsewhere with the same identity (agent.node.rehome). Longer than a reboot. 0 (the
     # default) never re-homes: experimental, chaos runs still lose records in flight on the
     # dead node (docs/reliability.md); without it the dead node's routes wait, losing nothing.
     dead_after: float = field(default=0.0, metadata={"check": non_negative("seconds")})
@@ -220,6 +220,11 @@ class OperatorSection:
     max_inflight_batches: int = field(default=8, metadata={"check": in_range(1, 10000, "an integer")})
     scaling: Optional[ScalingSection] = None
     params: Dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from agent.operators.admission import current_ref
+
+        object.__setattr__(self, "function", current_ref(self.function))
 
 
 @dataclass(frozen=True)

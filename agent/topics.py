@@ -96,7 +96,7 @@ def spill(cluster: str, node: str) -> str:
 
 
 def spill_chunk(cluster: str, node: str) -> str:
-    """Spill chunks of `node` to the central collector (agent.runtime.shipper)."""
+    """Spill chunks of `node` to the central collector (agent.spill.shipper)."""
     return f"{spill(cluster, node)}/chunk"
 
 
@@ -111,7 +111,7 @@ def all_spill_chunks(cluster: str) -> str:
 
 def agent_hosted(cluster: str, node: str) -> str:
     """Retained JSON list of the specs of the instances a node hosts (no broker settings): what
-    the survivors need to start them elsewhere if the node stays away (agent.runtime.rehome)."""
+    the survivors need to start them elsewhere if the node stays away (agent.node.rehome)."""
     return f"{base(cluster)}/agents/{_check(node)}/hosted"
 
 

@@ -7,7 +7,7 @@ bracket nesting is measured by a linear scan that skips string contents, and onl
 both bounds reaches `json.loads`. Every failure is one `BusInputError` (a ValueError) whose text
 says what was wrong, so callers count, log one line and go on.
 
-Data envelopes have their own, faster guarded parser (agent.runtime.envelope); this one is for
+Data envelopes have their own, faster guarded parser (agent.dataplane.envelope); this one is for
 control traffic: rpc requests and replies, node state, hosted records, latency pings, locks,
 events and fogctl's views.
 """

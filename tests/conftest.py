@@ -16,7 +16,7 @@ from typing import Iterator
 
 import pytest
 
-from agent.runtime.broker import (
+from agent.tools.broker import (
     MOSQUITTO,
     BrokerError,
     PrivateBroker,
@@ -29,7 +29,7 @@ from agent.runtime.broker import (
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("PYTHONPATH", str(ROOT))
 
-# One broker configuration for tests, the demo and the benchmarks (agent/runtime/broker.py).
+# One broker configuration for tests, the demo and the benchmarks (agent/tools/broker.py).
 Broker = PrivateBroker
 __all__ = ["MOSQUITTO", "Broker", "free_port", "wait_port", "start_broker", "stop_broker"]
 

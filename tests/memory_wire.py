@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, List, Tuple
 
-from agent.runtime.transport import PubAck, PublishRejected
+from agent.mqtt.transport import PubAck, PublishRejected
 
 
 class MemoryWire:

@@ -13,15 +13,15 @@ policy = "none"
 [[operator]]
 name = "source"
 kind = "source"
-function = "agent.runtime.taxi:source"
+function = "agent.operators.taxi:source"
 params = {{ seed = {seed}, profile = "constant", rate = {float(rate)} }}
 [[operator]]
 name = "in_zone"
-function = "agent.runtime.operators:in_zone"
+function = "agent.operators.builtin:in_zone"
 [[operator]]
 name = "sink"
 kind = "sink"
-function = "agent.runtime.operators:counting_sink"
+function = "agent.operators.builtin:counting_sink"
 """
 
 
@@ -34,12 +34,12 @@ name = "p"
 [[operator]]
 name = "source"
 kind = "source"
-function = "agent.runtime.taxi:source"
+function = "agent.operators.taxi:source"
 [[operator]]
 name = "work"
 function = "{function}"
 [[operator]]
 name = "sink"
 kind = "sink"
-function = "agent.runtime.operators:counting_sink"
+function = "agent.operators.builtin:counting_sink"
 """

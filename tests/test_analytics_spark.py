@@ -211,7 +211,7 @@ def test_accounting_finds_missing_duplicated_and_unexpected_ids(spark) -> None:
 def test_whole_job_from_spools_to_report(spark, tmp_path: Path) -> None:
     """Spools -> landing zone -> run_job: Parquet tables, report.md with plots, exactly once."""
     from agent.analytics.job import land_spools, run_job
-    from agent.runtime.spool import Spool
+    from agent.spill.spool import Spool
 
     spool = Spool(tmp_path / "spool", "n1", rotate_bytes=3000, sync_bytes=1000)
     rows = q1_rows()

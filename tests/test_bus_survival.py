@@ -23,7 +23,7 @@ import pytest
 from agent_process import AgentProcess
 
 from agent import identity, topics
-from agent.runtime import rpc
+from agent.node import rpc
 
 ROOT = Path(__file__).resolve().parent.parent
 DEEP = b"[" * 100_000
@@ -33,11 +33,11 @@ name = "p"
 [[operator]]
 name = "source"
 kind = "source"
-function = "agent.runtime.taxi:source"
+function = "agent.operators.taxi:source"
 [[operator]]
 name = "sink"
 kind = "sink"
-function = "agent.runtime.operators:counting_sink"
+function = "agent.operators.builtin:counting_sink"
 """
 
 
@@ -134,7 +134,7 @@ def _msg(topic: str, payload: bytes, retain: bool = False, correlation: Optional
 @pytest.fixture
 def agent(tmp_path: Path) -> Any:
     from agent.config import load_agent_config
-    from agent.runtime.daemon import Agent
+    from agent.node.daemon import Agent
 
     conf = tmp_path / "a.toml"
     conf.write_text(f'[agent]\nnode = "me"\ncluster = "c"\nslots = 2\nstate_dir = "{tmp_path}/state"\n'
@@ -253,7 +253,7 @@ def test_the_peer_topic_takes_only_spawns_of_pipelines_the_requester_hosts_or_an
 
 
 def test_a_reply_counts_only_from_the_node_the_call_went_to(agent: Any) -> None:
-    from agent.runtime.daemon import SpawnJob
+    from agent.node.daemon import SpawnJob
 
     got: List[Dict[str, Any]] = []
     spec = SimpleNamespace(instance="i", pipeline="p", operator="work")  # what a placed copy records
@@ -293,7 +293,7 @@ def test_hostile_neighbour_records_are_counted_and_leave_the_state_unchanged(age
 
 def test_an_unforeseen_failure_in_a_handler_is_one_log_line_not_the_end_of_the_loop(
         agent: Any, caplog: Any, monkeypatch: Any) -> None:
-    from agent.runtime import nodestate
+    from agent.node import nodestate
 
     def boom(payload: bytes) -> Dict[str, float]:
         raise RuntimeError("unforeseen")

@@ -17,14 +17,14 @@ import pytest
 
 from agent.collector.core import CollectorCore
 from agent.collector.landing import CorruptFile, LandingZone
-from agent.runtime.shipper import (
+from agent.spill.shipper import (
     Ack,
     FileMeta,
     ShipperCore,
     decode_chunk,
     encode_chunk,
 )
-from agent.runtime.spool import Spool, file_id, read_records
+from agent.spill.spool import Spool, file_id, read_records
 
 
 def make_files(tmp: Path, n_records: int = 3000, seed: int = 1) -> Dict[str, Tuple[FileMeta, bytes]]:

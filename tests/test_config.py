@@ -26,11 +26,11 @@ name = "p"
 [[operator]]
 name = "src"
 kind = "source"
-function = "agent.runtime.taxi:source"
+function = "agent.operators.taxi:source"
 [[operator]]
 name = "snk"
 kind = "sink"
-function = "agent.runtime.operators:counting_sink"
+function = "agent.operators.builtin:counting_sink"
 """
 
 
@@ -103,7 +103,7 @@ def _op(extra: str) -> str:
 @pytest.mark.parametrize(
     "text, expected",
     [
-        (GOOD_PIPELINE.replace("agent.runtime.taxi:source", "not a function"),
+        (GOOD_PIPELINE.replace("agent.operators.taxi:source", "not a function"),
          'p.toml: [operator[0]].function: expected "package.module:function", got "not a function"'),
         (_op("batch_size = 0"), "p.toml: [operator[1]].batch_size: expected an integer 1-100000, got 0"),
         (_op("[operator.scaling]\ntarget_ratio = 2.0"), "p.toml: [operator[1].scaling].target_ratio: expected a number 0.01-1, got 2.0"),
@@ -160,7 +160,7 @@ def test_a_policy_the_agent_cannot_run_is_refused_at_deploy_not_run_as_another()
     import pytest
 
     from agent.config import load_pipeline_text
-    from agent.runtime.deploy import DeployError, deploy
+    from agent.node.deploy import DeployError, deploy
 
     text = """
 [pipeline]
@@ -170,19 +170,35 @@ policy = "decentralized"
 [[operator]]
 name = "source"
 kind = "source"
-function = "agent.runtime.taxi:source"
+function = "agent.operators.taxi:source"
 [[operator]]
 name = "work"
-function = "agent.runtime.operators:validate"
+function = "agent.operators.builtin:validate"
 [operator.scaling]
 policy = "threshold"
 [[operator]]
 name = "sink"
 kind = "sink"
-function = "agent.runtime.operators:counting_sink"
+function = "agent.operators.builtin:counting_sink"
 """
     errors = load_pipeline_text(text).runtime_policy_errors()
     assert len(errors) == 1 and "'work'" in errors[0] and '"threshold"' in errors[0], errors
     assert load_pipeline_text(text.replace('"threshold"', '"none"')).runtime_policy_errors() == []
     with pytest.raises(DeployError, match="work.*threshold"):
         deploy(text, "127.0.0.1", 1, "c", name="p.toml")  # refused before any connection
+
+
+def test_a_saved_spec_with_0_1_operator_names_is_read_under_the_new_names(caplog: pytest.LogCaptureFixture) -> None:
+    """An agent upgraded from 0.1 re-reads hosted specs whose pipeline names the built-ins by their
+    old modules; they must load (and resolve on the allow-list), not be set aside."""
+    from agent.operators.admission import AllowList
+
+    text = (Path(__file__).parent.parent / "examples" / "pipeline.toml").read_text()
+    old = text.replace("agent.operators.builtin:", "agent.runtime.operators:").replace(
+        "agent.operators.taxi:", "agent.runtime.taxi:")
+    assert "agent.runtime.operators:in_zone" in old
+    with caplog.at_level("WARNING", logger="agent.operators.admission"):
+        cfg = load_pipeline_text(old)
+    assert [op.function for op in cfg.operators] == [op.function for op in load_pipeline_text(text).operators]
+    assert all(AllowList().resolve(op.function) for op in cfg.operators)
+    assert "renamed" in caplog.text and "agent.runtime.operators:in_zone" in caplog.text

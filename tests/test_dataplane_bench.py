@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.runtime.broker import start_private_broker
-from agent.runtime.dataplane_bench import DropWatch, measure_raw, measure_raw_2proc
+from agent.tools.broker import start_private_broker
+from agent.tools.dataplane_bench import DropWatch, measure_raw, measure_raw_2proc
 
 ROOT = Path(__file__).resolve().parent.parent
 

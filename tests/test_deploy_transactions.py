@@ -23,8 +23,8 @@ from agent import topics
 from agent.cli.fogctl import main
 from agent.fogctl.client import Connection
 from agent.fogctl.config import FogctlConfig
-from agent.runtime.broker import start_private_broker
-from agent.runtime.deploy import parse_record
+from agent.tools.broker import start_private_broker
+from agent.node.deploy import parse_record
 from test_runtime_daemon import PIPELINE, AgentProc, fake_worker, wait_until  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.broker
@@ -226,7 +226,7 @@ def test_deploy_on_a_full_fleet_is_refused_and_a_failed_one_rolled_back(
         assert code == 0, err
         assert wait_until(lambda: running(capsys, mosquitto, cluster) == {"n1": [], "n2": []}, 10)
         assert listed(capsys, mosquitto, cluster, 0)
-        r = PIPELINE.replace('name = "p"', 'name = "r"').replace("agent.runtime.taxi:source", "fogtest_nowhere:source")
+        r = PIPELINE.replace('name = "p"', 'name = "r"').replace("agent.operators.taxi:source", "fogtest_nowhere:source")
         code, doc, err = fogctl(capsys, mosquitto, cluster, "deploy", write(tmp_path, r, "r.toml"))
         assert code == 4, err
         assert "rolled back" in err and "cannot start the keeper of 'source'" in err
@@ -252,15 +252,15 @@ max_instances = 3
 [[operator]]
 name = "source"
 kind = "source"
-function = "agent.runtime.taxi:source"
+function = "agent.operators.taxi:source"
 params = { seed = 4, profile = "constant", rate = 20.0 }
 [[operator]]
 name = "in_zone"
-function = "agent.runtime.operators:in_zone"
+function = "agent.operators.builtin:in_zone"
 [[operator]]
 name = "sink"
 kind = "sink"
-function = "agent.runtime.operators:counting_sink"
+function = "agent.operators.builtin:counting_sink"
 """
 
 
@@ -319,10 +319,10 @@ def test_manual_scale_pins_the_count_until_released(capsys, mosquitto: Any, tmp_
 
 
 def test_records_generations_and_durations_pure() -> None:
-    """The rules the agents apply (agent.runtime.deploy.stale_reason) and fogctl's --for."""
+    """The rules the agents apply (agent.node.deploy.stale_reason) and fogctl's --for."""
     from agent.config import load_pipeline_text
     from agent.fogctl.rpc_schema import RequestError, parse_duration
-    from agent.runtime.deploy import PipelineRecord, stale_reason, stamp, tombstone
+    from agent.node.deploy import PipelineRecord, stale_reason, stamp, tombstone
 
     text = stamp(PIPELINE, "18c-abc123")
     assert load_pipeline_text(text).pipeline.name == "p"  # the stamp is a TOML comment
@@ -347,7 +347,7 @@ def test_records_generations_and_durations_pure() -> None:
 def test_pins_are_kept_in_the_state_dir(tmp_path: Path) -> None:
     """An agent restart keeps the pins (they are applied to the re-adopted instances); a damaged
     file or a damaged entry is no pin, never an error."""
-    from agent.runtime.daemon import PINS_FILE, _load_pins, _save_pins
+    from agent.node.daemon import PINS_FILE, _load_pins, _save_pins
 
     pins = {"taxi/in_zone": {"pipeline": "taxi", "operator": "in_zone", "until": None},
             "/sink": {"pipeline": None, "operator": "sink", "until": 1800000000.5}}

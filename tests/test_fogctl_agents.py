@@ -20,7 +20,7 @@ from typing import Any, Dict
 import pytest
 from agent_process import AgentProcess
 
-import agent.runtime.daemon  # noqa: E402,F401  (a broken daemon must fail here, not skip)
+import agent.node.daemon  # noqa: E402,F401  (a broken daemon must fail here, not skip)
 
 from agent.cli.fogctl import main  # noqa: E402
 from agent import topics  # noqa: E402
@@ -144,7 +144,7 @@ def test_metrics_bridge_exports_the_real_workers_counts(mosquitto, fleet) -> Non
     from prometheus_client import CollectorRegistry
     from prometheus_client.parser import text_string_to_metric_families
 
-    from agent.runtime import metrics
+    from agent.measure import metrics
 
     cluster, agents, _ = fleet
 
@@ -208,15 +208,15 @@ max_instances = 3
 [[operator]]
 name = "source"
 kind = "source"
-function = "agent.runtime.taxi:source"
+function = "agent.operators.taxi:source"
 params = { seed = 2, profile = "constant", rate = 60.0 }
 [[operator]]
 name = "in_zone"
-function = "agent.runtime.operators:in_zone"
+function = "agent.operators.builtin:in_zone"
 [[operator]]
 name = "sink"
 kind = "sink"
-function = "agent.runtime.operators:counting_sink"
+function = "agent.operators.builtin:counting_sink"
 """
 
 
@@ -272,15 +272,15 @@ policy = "none"
 [[operator]]
 name = "source"
 kind = "source"
-function = "agent.runtime.taxi:source"
+function = "agent.operators.taxi:source"
 params = { seed = 3, profile = "constant", rate = 40.0 }
 [[operator]]
 name = "in_zone"
-function = "agent.runtime.operators:in_zone"
+function = "agent.operators.builtin:in_zone"
 [[operator]]
 name = "sink"
 kind = "sink"
-function = "agent.runtime.operators:counting_sink"
+function = "agent.operators.builtin:counting_sink"
 """
 
 
@@ -289,7 +289,7 @@ def test_fogctl_scale_and_drain_on_real_agents_lose_no_record(capsys, mosquitto,
     else scales), `fogctl drain s2` empties s2 through the protocol's scale-in, and every record
     generated reaches the sink exactly once (the demo's verifier)."""
     from agent.config import load_pipeline_text
-    from agent.runtime.demo import Fleet, Monitor, verify
+    from agent.tools.demo import Fleet, Monitor, verify
 
     cluster = "s" + uuid.uuid4().hex[:8]
     # s1 and s3 hold the three keepers (4 slots): the copies need s2, which hosts no keeper.
@@ -326,7 +326,7 @@ def test_fogctl_scale_and_drain_on_real_agents_lose_no_record(capsys, mosquitto,
         assert len(terminated) >= on_s2
         time.sleep(2.0)  # records keep flowing through the remaining instances
         # Stop the source, let the pipeline empty, then stop the agents (as the demo's profile end).
-        from agent.runtime.rpc import RpcClient
+        from agent.node.rpc import RpcClient
 
         src = "steer.source.0"
         with RpcClient(mosquitto.host, mosquitto.port, cluster) as client:
@@ -367,8 +367,8 @@ def test_fogctl_drain_hands_a_keeper_over_to_another_node(capsys, mosquitto, tmp
     one instance per operator. Without the state shipped in the spec the new incarnation would
     start at epoch 0 (asserted >= 1 below) and its predecessors would not replay to it."""
     from agent.config import load_pipeline_text
-    from agent.runtime.demo import Fleet, Monitor, verify
-    from agent.runtime.rpc import RpcClient
+    from agent.tools.demo import Fleet, Monitor, verify
+    from agent.node.rpc import RpcClient
 
     started = time.monotonic()
     cluster = "h" + uuid.uuid4().hex[:8]

@@ -332,9 +332,9 @@ def test_watch_and_why_explain_decisions_carried_in_agent_state(capsys, mosquitt
 
 
 def test_latency_shows_what_the_real_latency_measurers_published(capsys, mosquitto) -> None:
-    """Three agent.runtime.latency measurers ping each other through the broker; every row
+    """Three agent.measure.latency measurers ping each other through the broker; every row
     fogctl shows is exactly a row that node published (measured and emulated)."""
-    from agent.runtime.latency import LatencyCore, MqttLatencyAgent
+    from agent.measure.latency import LatencyCore, MqttLatencyAgent
 
     cluster = "l" + uuid.uuid4().hex[:8]
     names = ["n1", "n2", "n3"]

@@ -25,8 +25,8 @@ from agent.protocol.gme_ra1 import Ra1Ack, Ra1Node, Ra1Req
 from agent.protocol.gme_ra2 import Ra2Ack, Ra2Node, Ra2Req
 from agent.protocol.messages import from_dict, from_json
 from agent.protocol.scaling import ScalingCore
-from agent.runtime.channel import Inbound
-from agent.runtime.envelope import Envelope, Kind, MalformedEnvelope, decode, encode
+from agent.dataplane.channel import Inbound
+from agent.dataplane.envelope import Envelope, Kind, MalformedEnvelope, decode, encode
 from agent.sim import fuzz
 
 BUDGET = 1200  # inputs per target here: ~1 s each on a loaded 2-core machine
@@ -362,7 +362,7 @@ def test_hypothesis_channel_any_order(script: Any, max_pending: int) -> None:
 def test_worker_logs_protocol_messages_it_cannot_handle_once_per_sender(caplog: Any) -> None:
     """Counted every time, logged once per sender (was: one warning per message, so a hostile
     or misconfigured peer could flood the log)."""
-    from agent.runtime.worker import Worker
+    from agent.instance.worker import Worker
 
     w = object.__new__(Worker)  # only the fields _on_protocol uses: no broker, no process
     w.stats = {"protocol_in": 0, "protocol_errors": 0}
@@ -370,7 +370,7 @@ def test_worker_logs_protocol_messages_it_cannot_handle_once_per_sender(caplog: 
     w._malformed_logged = set()
     w.ctx = {}
     body = {"type": "deletion", "sender": "x", "stage": 0, "round": 1}
-    with caplog.at_level("WARNING", logger="agent.runtime.worker"):
+    with caplog.at_level("WARNING", logger="agent.instance.worker"):
         for sender in ("x", "x", "x", "y"):
             Worker._on_protocol(w, Envelope(sender, 0, 1, Kind.PROTO, body))
     assert w.stats["protocol_errors"] == 4

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from agent.runtime.gme_bench import BenchConfig, run_bench
+from agent.tools.gme_bench import BenchConfig, run_bench
 
 
 @pytest.mark.broker
@@ -97,7 +97,7 @@ def test_bench_clients_turn_nagle_off(mosquitto):
     which 2-FGME's churn feeds itself, docs/gme.md). The bench's clients must set TCP_NODELAY."""
     import threading
 
-    from agent.runtime.gme_bench import _Node
+    from agent.tools.gme_bench import _Node
     from agent.sim.gme_check import make_nodes
 
     cfg = BenchConfig(nodes=2, host=mosquitto.host, port=mosquitto.port)

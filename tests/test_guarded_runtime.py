@@ -2,7 +2,7 @@
 session's Mosquitto, the test playing the agent (LocalRunner), then `fogctl locks` on real agents.
 
 How "never an instance of operator s and one of s+1 in a round at once" is checked across
-processes: every worker records its own round intervals (agent.runtime.rounds: `enter` right
+processes: every worker records its own round intervals (agent.instance.rounds: `enter` right
 after the core call that started the round returns, `exit` right after the call that ended it,
 before that call's outputs, among them the lock exit messages, are published), on
 time.monotonic(), i.e. CLOCK_MONOTONIC, one clock shared by all processes of this host. With the
@@ -30,7 +30,7 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
-from agent.runtime.dataplane_bench import LocalRunner, pipeline_toml
+from agent.tools.dataplane_bench import LocalRunner, pipeline_toml
 from tests.test_runtime_worker_broker import RUNNERS, assert_exactly_once, expected_ids, start_pipeline, wait_for
 
 pytestmark = [pytest.mark.broker, pytest.mark.timeout(180)]
@@ -42,11 +42,11 @@ def guarded_pipeline(coordination: str, rate: float, n: int) -> str:
     toml = pipeline_toml(
         "taxi",
         [
-            {"name": "source", "kind": "source", "function": "agent.runtime.taxi:source", "batch_size": 20,
+            {"name": "source", "kind": "source", "function": "agent.operators.taxi:source", "batch_size": 20,
              "linger_ms": 10.0, "params": {"seed": 3, "profile": "constant", "rate": rate, "max_records": n}},
-            {"name": "validate", "function": "agent.runtime.operators:validate", "batch_size": 20, "linger_ms": 10.0},
-            {"name": "in_zone", "function": "agent.runtime.operators:in_zone", "batch_size": 20, "linger_ms": 10.0},
-            {"name": "sink", "kind": "sink", "function": "agent.runtime.operators:counting_sink",
+            {"name": "validate", "function": "agent.operators.builtin:validate", "batch_size": 20, "linger_ms": 10.0},
+            {"name": "in_zone", "function": "agent.operators.builtin:in_zone", "batch_size": 20, "linger_ms": 10.0},
+            {"name": "sink", "kind": "sink", "function": "agent.operators.builtin:counting_sink",
              "batch_size": 20, "linger_ms": 10.0},
         ],
         scaling={"policy": "none"},  # only the steering requests below scale: same scenario twice
@@ -228,21 +228,21 @@ policy = "none"
 [[operator]]
 name = "source"
 kind = "source"
-function = "agent.runtime.taxi:source"
+function = "agent.operators.taxi:source"
 params = { seed = 3, profile = "constant", rate = 40.0 }
 linger_ms = 5.0
 [[operator]]
 name = "validate"
-function = "agent.runtime.operators:validate"
+function = "agent.operators.builtin:validate"
 linger_ms = 5.0
 [[operator]]
 name = "in_zone"
-function = "agent.runtime.operators:in_zone"
+function = "agent.operators.builtin:in_zone"
 linger_ms = 5.0
 [[operator]]
 name = "sink"
 kind = "sink"
-function = "agent.runtime.operators:counting_sink"
+function = "agent.operators.builtin:counting_sink"
 """
 
 
@@ -291,7 +291,7 @@ def test_fogctl_locks_on_real_agents_shows_who_requests_and_who_is_in_the_cs(cap
 
     from agent.events import parse
     from agent.fogctl.views import event_line
-    from agent.runtime.rpc import RpcClient
+    from agent.node.rpc import RpcClient
     from tests.test_fogctl_agents import Agent, fogctl
     from tests.test_fogctl_agents import wait_for as poll
 

@@ -3,7 +3,7 @@
 `fog/#`, and the latency matrix measures the network, not the agents' loops.
 
 Real parts: the session broker (conftest `mosquitto`, `set_tcp_nodelay true`), `mosquitto_sub`,
-real agents (`python -m agent run`) and the userspace delay proxy (agent/runtime/delayproxy.py).
+real agents (`python -m agent run`) and the userspace delay proxy (agent/tools/delayproxy.py).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from agent.cli.fogctl import main
 from agent.fogctl import views
 from agent.fogctl.fleet import Fleet
 from agent.fogctl.testing import FakeAgent, FakeInstance
-from agent.runtime.delayproxy import DelayProxy, ProxyBank
-from agent.runtime.latency import BROKER, LatencyCore, MqttLatencyAgent, Probe, ping_topic, pong_topic, received_at
+from agent.tools.delayproxy import DelayProxy, ProxyBank
+from agent.measure.latency import BROKER, LatencyCore, MqttLatencyAgent, Probe, ping_topic, pong_topic, received_at
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,7 +43,7 @@ def fogctl(capsys, broker, cluster: str, *argv: str) -> Tuple[int, str, str]:
 
 
 def terminated(cause: str) -> events.Event:
-    """What the daemon publishes when a worker leaves (agent/runtime/daemon.py `_on_reaped`):
+    """What the daemon publishes when a worker leaves (agent/node/daemon.py `_on_reaped`):
     the worker's whole stats object rides along, ~1,500 characters of it."""
     stats = {f"counter_{k}": k * 1000 for k in range(80)}
     stats.update(decisions=[{"at": 1.0, "kind": "scale_out", "load": 5.0, "new": ["x"]}], state="terminated")

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-import agent.runtime.daemon  # noqa: E402,F401  (a broken daemon must fail here, not skip)
+import agent.node.daemon  # noqa: E402,F401  (a broken daemon must fail here, not skip)
 
 from pipelines import taxi_in_zone  # noqa: E402
 
@@ -26,8 +26,8 @@ PIPELINE = taxi_in_zone("full", seed=4, rate=40.0)
 
 def test_failed_spawn_cancels_the_round_and_loses_nothing(mosquitto: Any, tmp_path: Any) -> None:
     from agent.config import load_pipeline_text
-    from agent.runtime.demo import Fleet, Monitor, verify
-    from agent.runtime.rpc import RpcClient
+    from agent.tools.demo import Fleet, Monitor, verify
+    from agent.node.rpc import RpcClient
 
     cluster = "c" + uuid.uuid4().hex[:8]
     fleet = Fleet(tmp_path, nodes=("c1",), slots=3, cluster=cluster, broker_host=mosquitto.host,

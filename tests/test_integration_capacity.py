@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from agent.runtime.capacity import CapacityRecord, CapacityStore
-from agent.runtime.daemon import spec_with_capacity
-from agent.runtime.spec import BrokerSpec, InstanceSpec
+from agent.measure.capacity import CapacityRecord, CapacityStore
+from agent.node.daemon import spec_with_capacity
+from agent.instance.spec import BrokerSpec, InstanceSpec
 
 TOML = """
 [pipeline]
@@ -18,16 +18,16 @@ capacity = "calibrate"
 [[operator]]
 name = "source"
 kind = "source"
-function = "agent.runtime.taxi:source"
+function = "agent.operators.taxi:source"
 [[operator]]
 name = "in_zone"
-function = "agent.runtime.operators:in_zone"
+function = "agent.operators.builtin:in_zone"
 [operator.scaling]
 capacity = 123.0
 [[operator]]
 name = "sink"
 kind = "sink"
-function = "agent.runtime.operators:counting_sink"
+function = "agent.operators.builtin:counting_sink"
 """
 
 

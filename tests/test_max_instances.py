@@ -1,4 +1,4 @@
-"""[scaling] max_instances at runtime (agent/runtime/bounds.py, docs/scaling.md "max_instances
+"""[scaling] max_instances at runtime (agent/node/bounds.py, docs/scaling.md "max_instances
 and min_instances").
 
 Found by the live metrics test (tests/test_user_path.py): in_zone with max_instances = 2 had 3
@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from agent.policy.decentralized import Action, ScalingParams, decide
-from agent.runtime import bounds
-from agent.runtime.spec import BrokerSpec, InstanceSpec
+from agent.node import bounds
+from agent.instance.spec import BrokerSpec, InstanceSpec
 
 PIPELINE = """
 [pipeline]
@@ -23,10 +23,10 @@ name = "hot"
 [[operator]]
 name = "source"
 kind = "source"
-function = "agent.runtime.taxi:source"
+function = "agent.operators.taxi:source"
 [[operator]]
 name = "in_zone"
-function = "agent.runtime.operators:in_zone"
+function = "agent.operators.builtin:in_zone"
 [operator.scaling]
 policy = "decentralized"
 capacity = 20.0
@@ -34,7 +34,7 @@ max_instances = 2
 [[operator]]
 name = "sink"
 kind = "sink"
-function = "agent.runtime.operators:counting_sink"
+function = "agent.operators.builtin:counting_sink"
 """
 
 
@@ -81,8 +81,8 @@ def _agent(tmp_path: Path) -> Tuple[Any, List[Tuple[str, Dict[str, Any]]], List[
     """A real daemon object (not run) whose supervisor registers a started worker without a
     process (as tests/test_runtime_daemon.py does) and records the replies to its workers."""
     from agent.config import load_agent_config
-    from agent.runtime.daemon import Agent
-    from agent.runtime.supervisor import Worker, WorkerStatus
+    from agent.node.daemon import Agent
+    from agent.node.supervisor import Worker, WorkerStatus
 
     conf = tmp_path / "a.toml"
     conf.write_text(f'[agent]\nnode = "me"\ncluster = "c"\nstate_dir = "{tmp_path}"\nslots = 16\n'
@@ -142,7 +142,7 @@ def test_a_copy_placed_on_another_node_counts_until_that_node_publishes_its_stat
     from types import SimpleNamespace
 
     from agent import topics
-    from agent.runtime import nodestate
+    from agent.node import nodestate
 
     agent._placed["hot.in_zone.r"] = ("n2", ("hot.in_zone.r", "hot", "in_zone"))
     _spawn(agent, "hot.in_zone.0", "hot.in_zone.a", "r0")

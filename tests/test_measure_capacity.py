@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from agent.runtime.capacity import (
+from agent.measure.capacity import (
     CalibrationResult,
     Calibrator,
     CapacityRecord,
@@ -20,7 +20,7 @@ from agent.runtime.capacity import (
     calibrate,
     corrected_capacity,
 )
-from agent.runtime.measure import NodeSampler, frequency_ratio, measure_node
+from agent.measure.resources import NodeSampler, frequency_ratio, measure_node
 
 
 class FakeClock:
@@ -145,7 +145,7 @@ def test_frequency_ratio():
 
 
 def test_capacity_for_prefers_the_calibration_and_follows_the_online_estimate(tmp_path):
-    from agent.runtime.capacity import capacity_for
+    from agent.measure.capacity import capacity_for
 
     assert capacity_for(tmp_path, "n1", "in_zone", 400.0) == pytest.approx(400.0)
     # configured 400/s = 2.5 ms; the instance now needs 5 ms per record -> half

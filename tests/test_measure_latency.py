@@ -16,8 +16,8 @@ import pytest
 
 from agent import topics
 from agent.policy.base import rank_nodes_for_scale_out
-from agent.runtime.delayproxy import DelayProxy, ProxyBank, pair_proxies
-from agent.runtime.latency import (
+from agent.tools.delayproxy import DelayProxy, ProxyBank, pair_proxies
+from agent.measure.latency import (
     BROKER,
     EchoServer,
     LatencyCore,
@@ -106,7 +106,7 @@ def test_smoothing_is_an_ewma():
 
 def test_fogctl_and_nodestate_read_the_retained_document():
     from agent.fogctl.fleet import parse_latency as fogctl_parse
-    from agent.runtime.nodestate import parse_latency as node_parse
+    from agent.node.nodestate import parse_latency as node_parse
 
     a = LatencyCore("a", "c", emulated={"b": 50.0})
     a.record("b", 51.5)

@@ -17,7 +17,7 @@ from typing import Dict, Tuple
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.runtime import metrics
+from agent.measure import metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -101,7 +101,7 @@ def test_single_process_endpoint_counts(tmp_path) -> None:
 
 AGENT = textwrap.dedent("""
     import sys
-    from agent.runtime import metrics
+    from agent.measure import metrics
     metrics.enable_multiprocess(sys.argv[1])
     m = metrics.Metrics()
     m.reconnect("agent")
@@ -117,7 +117,7 @@ AGENT = textwrap.dedent("""
 
 WORKER = textwrap.dedent("""
     import json, random, sys
-    from agent.runtime import metrics
+    from agent.measure import metrics
     k, batches, stay = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "stay"
     m = metrics.Metrics()
     im = m.instance("taxi", "in_zone", f"in_zone-{k}")

@@ -16,7 +16,7 @@ import uuid
 
 import pytest
 
-from agent.runtime import netem
+from agent.measure import netem
 
 MATRIX_TOML = {
     "nodes": {"pi1": "10.9.0.1", "pi2": "10.9.0.2", "pi3": {"address": "10.9.0.3", "dev": "veth3"},

@@ -52,9 +52,9 @@ params = {{ {sink_params} }}
 """
 
 
-def pipeline(tmp_path: Path, src: str = "agent.runtime.taxi:source", src_params: str = "",
-             work: str = "agent.runtime.operators:in_zone", work_params: str = "",
-             sink: str = "agent.runtime.operators:counting_sink", sink_params: str = "") -> Path:
+def pipeline(tmp_path: Path, src: str = "agent.operators.taxi:source", src_params: str = "",
+             work: str = "agent.operators.builtin:in_zone", work_params: str = "",
+             sink: str = "agent.operators.builtin:counting_sink", sink_params: str = "") -> Path:
     p = tmp_path / "p.toml"
     p.write_text(PIPELINE.format(src=src, src_params=src_params, work=work, work_params=work_params, sink=sink,
                                  sink_params=sink_params))
@@ -142,12 +142,12 @@ def test_a_path_param_outside_the_nodes_directories_is_refused_as_deploy_would(t
 
 @pytest.mark.parametrize("kwargs, key, expected", [
     ({"work_params": "k = 3"}, "[operator[1]].params.k", "unknown key (this operator takes no params), got 3"),
-    ({"sink": "agent.runtime.operators:mqtt_sink"}, "[operator[2]].params.topic", "missing required key (expected a string)"),
-    ({"sink": "agent.runtime.operators:mqtt_sink", "sink_params": 'topic = "out/#"'}, "[operator[2]].params.topic",
+    ({"sink": "agent.operators.builtin:mqtt_sink"}, "[operator[2]].params.topic", "missing required key (expected a string)"),
+    ({"sink": "agent.operators.builtin:mqtt_sink", "sink_params": 'topic = "out/#"'}, "[operator[2]].params.topic",
      'expected a topic name (no + or #), got "out/#"'),
-    ({"src": "agent.runtime.taxi:mqtt_source", "src_params": 'topic = ""'}, "[operator[0]].params.topic",
+    ({"src": "agent.operators.taxi:mqtt_source", "src_params": 'topic = ""'}, "[operator[0]].params.topic",
      'expected a topic filter, got ""'),
-    ({"src": "agent.runtime.taxi:mqtt_source", "src_params": 'topic = "s/#", max_buffer = 0'},
+    ({"src": "agent.operators.taxi:mqtt_source", "src_params": 'topic = "s/#", max_buffer = 0'},
      "[operator[0]].params.max_buffer", "expected an integer >= 1, got 0"),
 ])
 def test_other_builtins_params(tmp_path: Path, capsys: Any, no_node: None, kwargs: Dict[str, str], key: str,
@@ -168,7 +168,7 @@ def test_user_functions_are_imported_after_the_allow_list_and_their_schema_check
     pkgs.mkdir()
     marker = tmp_path / "evil_imported"
     (pkgs / f"{mod}.py").write_text(
-        "from agent.runtime.operators import Param, record_map\n"
+        "from agent.operators.builtin import Param, record_map\n"
         "@record_map\n"
         "def scale(rec, params):\n    return rec\n"
         "scale.params_schema = {'factor': Param('number', required=True, above=0), 'unit': Param('string', choices=('c', 'f'))}\n"
@@ -313,7 +313,7 @@ def test_installed_with_its_entry_points_the_example_needs_no_operators_modules(
 def test_the_worked_example_runs_on_real_agents(tmp_path: Path, mosquitto: Any) -> None:
     import paho.mqtt.client as mqtt
 
-    from agent.runtime.rpc import RpcClient
+    from agent.node.rpc import RpcClient
 
     t0 = time.monotonic()
     cluster = "ops" + uuid.uuid4().hex[:6]

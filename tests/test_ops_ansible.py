@@ -366,7 +366,7 @@ def test_units_installed_verbatim(deployed: Deployment) -> None:
 
 
 def test_latency_matrix_rendered_from_inventory(deployed: Deployment) -> None:
-    from agent.runtime import netem
+    from agent.measure import netem
     matrix = netem.load_matrix(deployed.prefix / "etc/fog-agent/latency.toml")
     assert matrix.addresses == {"n1": "127.0.0.1", "n2": "127.0.0.2", "n3": "127.0.0.3"}
     assert matrix.devices.get("n1") == "lo"

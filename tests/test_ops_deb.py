@@ -205,7 +205,7 @@ def test_upgrade_keeps_the_running_venv_until_the_switch(deb: Path, tmp_path: Pa
     shebang = (base / "venv/bin/fog-agent").read_text().splitlines()[0]
     assert shebang == f"#!/opt/fog-agent/venvs/{__version__}/bin/python"
     probe = subprocess.Popen([str(root) + shebang[2:], "-c",
-                              "import sys, agent; sys.stdin.readline(); import agent.runtime.daemon as d; "
+                              "import sys, agent; sys.stdin.readline(); import agent.node.daemon as d; "
                               "print(sys.prefix); print(d.__file__)"],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=str(tmp_path))
 
@@ -213,7 +213,7 @@ def test_upgrade_keeps_the_running_venv_until_the_switch(deb: Path, tmp_path: Pa
     wrapper = tmp_path / "python-wrapper"
     wrapper.write_text(
         "#!/bin/sh\n"
-        f'{{ readlink "{base}/venv"; "{old}/bin/python" -c "import agent.runtime.daemon" && echo import-ok; }} > "{seen}" 2>&1\n'
+        f'{{ readlink "{base}/venv"; "{old}/bin/python" -c "import agent.node.daemon" && echo import-ok; }} > "{seen}" 2>&1\n'
         f'exec {SYSTEM_PYTHON} "$@"\n')
     wrapper.chmod(0o755)
     new_version = f"{__version__}+t2"

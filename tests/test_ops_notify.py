@@ -114,7 +114,7 @@ def test_watchdog_pid_defaults_to_own_pid() -> None:
 
 
 def _record(level: int = logging.WARNING, **extra) -> logging.LogRecord:
-    logger = logging.getLogger("agent.runtime.test")
+    logger = logging.getLogger("agent.node.test")
     record = logger.makeRecord(logger.name, level, "/x/daemon.py", 12, "hello %s", ("w",), None, "run", extra)
     return record
 
@@ -124,7 +124,7 @@ def test_journal_fields_carry_context_and_priority() -> None:
     f = journal_fields(rec, "fog-agent")
     assert f["NODE"] == "n1" and f["OPERATOR"] == "in_zone" and f["INSTANCE"] == "in_zone-3"
     assert f["PRIORITY"] == "4"
-    assert f["LOGGER"] == "agent.runtime.test"
+    assert f["LOGGER"] == "agent.node.test"
     assert f["CODE_FILE"] == "/x/daemon.py" and f["CODE_LINE"] == 12 and f["CODE_FUNC"] == "run"
     assert f["SYSLOG_IDENTIFIER"] == "fog-agent"
     bare = journal_fields(_record(level=logging.DEBUG), "fog-agent")

@@ -2,7 +2,7 @@
 test owns. READY=1 only once the broker is reachable; WATCHDOG=1 at half of WATCHDOG_USEC; when a
 worker hangs (SIGSTOP: alive, silent), the pings stop.
 
-Workers are a minimal stand-in that speaks the agent<->worker contract of agent/runtime/spec.py
+Workers are a minimal stand-in that speaks the agent<->worker contract of agent/instance/spec.py
 (ready, heartbeats), started through the daemon's own supervisor, so that the test depends on the
 daemon's health gating and not on the data path.
 """
@@ -24,7 +24,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-import agent.runtime.daemon  # noqa: E402,F401  (a broken daemon must fail here, not skip)
+import agent.node.daemon  # noqa: E402,F401  (a broken daemon must fail here, not skip)
 import psutil  # noqa: E402
 
 WORKER = r'''
@@ -52,11 +52,11 @@ name = "wd"
 [[operator]]
 name = "source"
 kind = "source"
-function = "agent.runtime.taxi:source"
+function = "agent.operators.taxi:source"
 [[operator]]
 name = "sink"
 kind = "sink"
-function = "agent.runtime.operators:counting_sink"
+function = "agent.operators.builtin:counting_sink"
 """
 
 WATCHDOG_USEC = 1_000_000  # WatchdogSec=1s: the agent must ping every 0.5 s
@@ -184,7 +184,7 @@ def test_agent_ready_only_after_connect_then_periodic_watchdog(tmp_path: Path, l
 @pytest.mark.broker
 @pytest.mark.timeout(120)
 def test_watchdog_pings_stop_while_a_worker_hangs(tmp_path: Path, mosquitto) -> None:
-    from agent.runtime.deploy import deploy
+    from agent.node.deploy import deploy
 
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER)

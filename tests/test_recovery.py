@@ -1,4 +1,4 @@
-"""Round recovery helpers (agent.runtime.recovery), pure: the write-ahead codec, replayed rounds,
+"""Round recovery helpers (agent.instance.recovery), pure: the write-ahead codec, replayed rounds,
 resend on silence. The live path (a creator killed mid-round) is in test_reliability."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from memory_wire import MemoryWire
 from agent.policy.decentralized import ScalingParams
 from agent.protocol.messages import Deletion, DeletionAck, Duplication, DuplicationAck, Start, from_dict
 from agent.protocol.scaling import Activate, CreateInstance, Drain, RoutesChanged, ScalingCore, Send, Terminate
-from agent.runtime.recovery import RoundMemory, decode_outputs, encode_outputs, round_message, silent_pending
+from agent.instance.recovery import RoundMemory, decode_outputs, encode_outputs, round_message, silent_pending
 
 
 def test_queued_outputs_survive_the_disk_in_order() -> None:
@@ -76,16 +76,16 @@ def test_a_source_resumes_at_its_oldest_unacked_poll_not_its_newest(tmp_path) ->
     import os
 
     from agent import topics
-    from agent.runtime.dataplane_bench import initial_specs, pipeline_toml
-    from agent.runtime.envelope import Envelope, Kind, encode
-    from agent.runtime.spec import BrokerSpec
-    from agent.runtime.transport import Received
-    from agent.runtime.worker import Worker
+    from agent.tools.dataplane_bench import initial_specs, pipeline_toml
+    from agent.dataplane.envelope import Envelope, Kind, encode
+    from agent.instance.spec import BrokerSpec
+    from agent.mqtt.transport import Received
+    from agent.instance.worker import Worker
 
     toml = pipeline_toml("p", [
-        {"name": "source", "kind": "source", "function": "agent.runtime.taxi:mqtt_source",
+        {"name": "source", "kind": "source", "function": "agent.operators.taxi:mqtt_source",
          "params": {"topic": "sensors/#"}, "batch_size": 4, "linger_ms": 0},
-        {"name": "sink", "kind": "sink", "function": "agent.runtime.operators:counting_sink"},
+        {"name": "sink", "kind": "sink", "function": "agent.operators.builtin:counting_sink"},
     ], scaling={"policy": "none"})
     spec = initial_specs(toml, BrokerSpec("127.0.0.1", 1), str(tmp_path / "state"), cluster="c",
                          extra={"sink_dir": str(tmp_path / "sink")})[0]
@@ -127,15 +127,15 @@ def _chain(tmp_path, clock: list, wire: "MemoryWire", operator: str, policy: str
     import dataclasses
     import os
 
-    from agent.runtime.dataplane_bench import initial_specs, pipeline_toml
-    from agent.runtime.spec import BrokerSpec
-    from agent.runtime.worker import Worker
+    from agent.tools.dataplane_bench import initial_specs, pipeline_toml
+    from agent.instance.spec import BrokerSpec
+    from agent.instance.worker import Worker
 
     toml = pipeline_toml("p", [
-        {"name": "source", "kind": "source", "function": "agent.runtime.taxi:mqtt_source",
+        {"name": "source", "kind": "source", "function": "agent.operators.taxi:mqtt_source",
          "params": {"topic": "sensors/#"}, "batch_size": 4, "linger_ms": 0},
-        {"name": "work", "function": "agent.runtime.operators:validate", "batch_size": 4, "linger_ms": 0},
-        {"name": "sink", "kind": "sink", "function": "agent.runtime.operators:counting_sink"},
+        {"name": "work", "function": "agent.operators.builtin:validate", "batch_size": 4, "linger_ms": 0},
+        {"name": "sink", "kind": "sink", "function": "agent.operators.builtin:counting_sink"},
     ], scaling={"policy": policy})
     spec = [s for s in initial_specs(toml, BrokerSpec("127.0.0.1", 1), str(tmp_path / "state"), cluster="c",
                                      extra={"sink_dir": str(tmp_path / "sink")}) if s.operator == operator][0]
@@ -151,10 +151,10 @@ def test_a_hole_in_a_senders_numbering_that_stays_open_makes_us_a_new_incarnatio
     GAP_TIMEOUT the worker takes a new epoch and acks nothing in it to its predecessor, which is
     how a predecessor learns to replay everything unacked, batch 2 included."""
     from agent import topics
-    from agent.runtime.envelope import decode, encode_data
-    from agent.runtime.taxi import sample
-    from agent.runtime.transport import Received
-    from agent.runtime.worker import GAP_TIMEOUT, SILENCE_CHECK
+    from agent.dataplane.envelope import decode, encode_data
+    from agent.operators.taxi import sample
+    from agent.mqtt.transport import Received
+    from agent.instance.worker import GAP_TIMEOUT, SILENCE_CHECK
 
     clock, wire = [100.0], MemoryWire()
     w = _chain(tmp_path, clock, wire, "work")
@@ -187,9 +187,9 @@ def test_batches_a_successor_never_acks_are_replayed_to_it(tmp_path) -> None:  #
     """The last batches sent to a successor went missing (nothing comes after them, so it sees
     no hole): after LINK_SILENCE without an ack they are sent again, renumbered; acked ones never."""
     from agent import topics
-    from agent.runtime.envelope import Envelope, Kind, decode, encode
-    from agent.runtime.transport import Received
-    from agent.runtime.worker import LINK_SILENCE
+    from agent.dataplane.envelope import Envelope, Kind, decode, encode
+    from agent.mqtt.transport import Received
+    from agent.instance.worker import LINK_SILENCE
 
     clock, wire = [100.0], MemoryWire()
     w = _chain(tmp_path, clock, wire, "source")
@@ -252,15 +252,15 @@ def _creator_and_idle_copy(tmp_path):  # type: ignore[no-untyped-def]
     import dataclasses
     import os
 
-    from agent.runtime.dataplane_bench import initial_specs, pipeline_toml
-    from agent.runtime.spec import BrokerSpec
-    from agent.runtime.worker import Worker
+    from agent.tools.dataplane_bench import initial_specs, pipeline_toml
+    from agent.instance.spec import BrokerSpec
+    from agent.instance.worker import Worker
 
     toml = pipeline_toml("p", [
-        {"name": "source", "kind": "source", "function": "agent.runtime.taxi:mqtt_source",
+        {"name": "source", "kind": "source", "function": "agent.operators.taxi:mqtt_source",
          "params": {"topic": "sensors/#"}},
-        {"name": "work", "function": "agent.runtime.operators:validate"},
-        {"name": "sink", "kind": "sink", "function": "agent.runtime.operators:counting_sink"},
+        {"name": "work", "function": "agent.operators.builtin:validate"},
+        {"name": "sink", "kind": "sink", "function": "agent.operators.builtin:counting_sink"},
     ], scaling={"policy": "decentralized"})
     keeper = [s for s in initial_specs(toml, BrokerSpec("127.0.0.1", 1), str(tmp_path / "state"), cluster="c",
                                        extra={"sink_dir": str(tmp_path / "sink")}) if s.operator == "work"][0]
@@ -282,9 +282,9 @@ def test_an_idle_copy_asks_its_creator_for_start_again_and_only_its_creator_answ
     at doubling intervals; a creator answers with Start and its current tables, but only for a
     copy it has started (the round is over: Start never goes out before the neighbours acked)."""
     from agent import topics
-    from agent.runtime.envelope import Envelope, Kind, decode, encode
-    from agent.runtime.transport import Received
-    from agent.runtime.worker import IDLE_PING
+    from agent.dataplane.envelope import Envelope, Kind, decode, encode
+    from agent.mqtt.transport import Received
+    from agent.instance.worker import IDLE_PING
 
     clock, copy, copy_wire, creator, keeper_wire = _creator_and_idle_copy(tmp_path)
 
@@ -337,9 +337,9 @@ def test_a_creator_adopts_an_idle_copy_of_its_earlier_incarnation_only_after_it_
 
     from agent import topics
     from agent.protocol.messages import DuplicationAck
-    from agent.runtime.envelope import Envelope, Kind, decode, encode
-    from agent.runtime.transport import Received
-    from agent.runtime.worker import IDLE_PING
+    from agent.dataplane.envelope import Envelope, Kind, decode, encode
+    from agent.mqtt.transport import Received
+    from agent.instance.worker import IDLE_PING
 
     clock, copy, copy_wire, creator, keeper_wire = _creator_and_idle_copy(tmp_path)
     to_copy, to_creator = topics.inbox("c", "work-x"), topics.inbox("c", "work-0")
@@ -424,9 +424,9 @@ def test_a_refused_ack_of_a_sink_is_published_later_and_later_acks_follow(tmp_pa
     flushed. A sink flushes no data, so that ack and every later one waited for ever: its
     predecessors ran out of credit and the last records never reached it."""
     from agent import topics
-    from agent.runtime.envelope import decode, encode_data
-    from agent.runtime.taxi import sample
-    from agent.runtime.transport import Received
+    from agent.dataplane.envelope import decode, encode_data
+    from agent.operators.taxi import sample
+    from agent.mqtt.transport import Received
 
     clock, wire = [100.0], MemoryWire()
     w = _chain(tmp_path, clock, wire, "sink")
@@ -461,7 +461,7 @@ def _active_copy(tmp_path, clock: list, restart: bool = False, extra: Optional[d
     import dataclasses
     import os
 
-    from agent.runtime.worker import Worker
+    from agent.instance.worker import Worker
 
     _, _, _, keeper, _ = _creator_and_idle_copy(tmp_path)
     spec = dataclasses.replace(keeper.spec, instance="work-y", keeper=False, active=True, preds=("source-0",),
@@ -483,9 +483,9 @@ def test_a_departing_copy_drains_data_queued_behind_a_duplicate_deletion_ack(tmp
     have all removed us, so only repeats can come: they are handled (a repeat is a counted
     no-op), and the data behind them drains."""
     from agent import topics
-    from agent.runtime.envelope import Envelope, Kind, decode, encode, encode_data
-    from agent.runtime.taxi import sample
-    from agent.runtime.transport import Received
+    from agent.dataplane.envelope import Envelope, Kind, decode, encode, encode_data
+    from agent.operators.taxi import sample
+    from agent.mqtt.transport import Received
 
     clock = [100.0]
     w, wire = _active_copy(tmp_path, clock)
@@ -531,7 +531,7 @@ def test_a_rehomed_copy_numbers_its_rounds_above_any_its_dead_incarnation_used(t
     duplication), so the new round 1, a Deletion, looked like a repeat: acked, not applied. The
     copy left, the predecessor kept routing records to it. A re-homed instance (`min_epoch`)
     numbers its rounds above anything the dead one can have used, so the neighbour applies them."""
-    from agent.runtime.envelope import Kind, decode
+    from agent.dataplane.envelope import Kind, decode
 
     clock = [100.0]
     memory = RoundMemory()  # the predecessor applied round 1 of the dead incarnation

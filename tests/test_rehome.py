@@ -1,4 +1,4 @@
-"""The re-homing planner (agent.runtime.rehome): who re-homes, which instances, with which tables."""
+"""The re-homing planner (agent.node.rehome): who re-homes, which instances, with which tables."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any, Dict, List
 
 import pytest
 
-from agent.runtime.rehome import decode_hosted, encode_hosted, plan_rehome, responsible
+from agent.node.rehome import decode_hosted, encode_hosted, plan_rehome, responsible
 
 PIPE = """
 [pipeline]
@@ -14,14 +14,14 @@ name = "p"
 [[operator]]
 name = "source"
 kind = "source"
-function = "agent.runtime.taxi:source"
+function = "agent.operators.taxi:source"
 [[operator]]
 name = "mid"
-function = "agent.runtime.operators:identity"
+function = "agent.operators.builtin:identity"
 [[operator]]
 name = "sink"
 kind = "sink"
-function = "agent.runtime.operators:counting_sink"
+function = "agent.operators.builtin:counting_sink"
 """
 
 

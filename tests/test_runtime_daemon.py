@@ -1,6 +1,6 @@
 """The agent daemon, its supervisor, placement, node state and rpc.
 
-Workers here are a small fake program that speaks the control contract of `agent.runtime.spec`
+Workers here are a small fake program that speaks the control contract of `agent.instance.spec`
 (ready / heartbeat / spawn / exit; spawned / stop) and logs what it saw to a file, so that the
 daemon's own promises are tested apart from the data path: "spawned" only after the new worker's
 "ready" (invariant 2), stop escalation, no orphan process, Last Will, retained state.
@@ -21,10 +21,12 @@ from typing import Any, Dict, List, Optional
 
 import pytest
 
-from agent.runtime import nodestate, rpc
-from agent.runtime.placement import NodeView, PlacementRequest, free_slots_then_latency, local_only, spread
-from agent.runtime.spec import BrokerSpec, InstanceSpec
-from agent.runtime.supervisor import Supervisor, WorkerStatus
+from agent.node import nodestate
+
+from agent.node import rpc
+from agent.node.placement import NodeView, PlacementRequest, free_slots_then_latency, local_only, spread
+from agent.instance.spec import BrokerSpec, InstanceSpec
+from agent.node.supervisor import Supervisor, WorkerStatus
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -78,14 +80,14 @@ name = "p"
 [[operator]]
 name = "source"
 kind = "source"
-function = "agent.runtime.taxi:source"
+function = "agent.operators.taxi:source"
 [[operator]]
 name = "work"
-function = "agent.runtime.operators:identity"
+function = "agent.operators.builtin:identity"
 [[operator]]
 name = "sink"
 kind = "sink"
-function = "agent.runtime.operators:counting_sink"
+function = "agent.operators.builtin:counting_sink"
 """
 
 
@@ -345,7 +347,7 @@ class Watcher:
 @pytest.mark.broker
 def test_agent_status_state_spawn_and_clean_sigterm(tmp_path: Path, mosquitto: Any, fake_worker: List[str]) -> None:
     """Deploy keepers through two agents (retained state shows them); SIGTERM stops all in the bound."""
-    from agent.runtime.deploy import deploy
+    from agent.node.deploy import deploy
 
     cluster = "t1"
     fake_log = tmp_path / "fake.log"
@@ -499,7 +501,7 @@ def test_placement_prefers_the_lower_latency_node_once_measured(tmp_path: Path, 
     """b1 is full; b3 has more free slots but sits behind an 80 ms link: the new sibling of an
     instance on b1 goes to b2 (measured RTT to b1 is lower), not to the roomier b3."""
     from agent import topics
-    from agent.runtime.delayproxy import DelayProxy
+    from agent.tools.delayproxy import DelayProxy
 
     cluster = "t5"
     fake_log = tmp_path / "fake.log"
@@ -540,7 +542,7 @@ def test_placement_prefers_the_lower_latency_node_once_measured(tmp_path: Path, 
 
 def test_keeper_specs_chain_the_pipeline_and_are_keepers() -> None:
     from agent.config import load_pipeline_text
-    from agent.runtime.deploy import keeper_specs
+    from agent.node.deploy import keeper_specs
 
     specs = keeper_specs(load_pipeline_text(PIPELINE), PIPELINE, "c", BrokerSpec("h", 1), {"sink_dir": "/x"})
     assert [s.instance for s in specs] == ["p.source.0", "p.work.0", "p.sink.0"]
@@ -553,7 +555,7 @@ def test_a_request_cannot_override_node_local_fields(tmp_path: Path) -> None:
     """A spawn request from another node names the instance and its routes; the broker, node,
     state_dir and heartbeat are always the hosting agent's own."""
     from agent.config import load_agent_config
-    from agent.runtime.daemon import Agent
+    from agent.node.daemon import Agent
 
     conf = tmp_path / "a.toml"
     conf.write_text(f'[agent]\nnode = "me"\ncluster = "c"\nstate_dir = "{tmp_path}"\nheartbeat_period = 0.3\n'
@@ -581,14 +583,14 @@ name = "p"
 [[operator]]
 name = "source"
 kind = "source"
-function = "agent.runtime.taxi:source"
+function = "agent.operators.taxi:source"
 [[operator]]
 name = "work"
-function = "agent.runtime.operators:in_zone"
+function = "agent.operators.builtin:in_zone"
 [[operator]]
 name = "sink"
 kind = "sink"
-function = "agent.runtime.operators:counting_sink"
+function = "agent.operators.builtin:counting_sink"
 """
 
 
@@ -598,9 +600,9 @@ def test_a_handed_over_keeper_keeps_its_identity_state_and_a_higher_epoch(tmp_pa
     state (epoch + 1) unless a newer incarnation's file is already there; copies and the hosted
     record never inherit the shipped state. No broker needed: the worker is only constructed."""
     from agent.config import load_agent_config
-    from agent.runtime.daemon import Agent, without_handover
-    from agent.runtime.spec import request_spec
-    from agent.runtime.worker import Worker
+    from agent.node.daemon import Agent, without_handover
+    from agent.instance.spec import request_spec
+    from agent.instance.worker import Worker
 
     conf = tmp_path / "a.toml"
     conf.write_text(f'[agent]\nnode = "me"\ncluster = "c"\nstate_dir = "{tmp_path}/state"\n'
@@ -648,8 +650,8 @@ def test_fencing_spares_an_instance_placed_here_since_the_connect_and_never_rest
     import signal as _signal
 
     from agent.config import load_agent_config
-    from agent.runtime.daemon import Agent
-    from agent.runtime.supervisor import Reaped, Worker
+    from agent.node.daemon import Agent
+    from agent.node.supervisor import Reaped, Worker
 
     conf = tmp_path / "a.toml"
     conf.write_text(f'[agent]\nnode = "me"\ncluster = "c"\nstate_dir = "{tmp_path}"\n[mqtt]\nhost = "h"\nport = 1\n')
@@ -694,9 +696,9 @@ def test_a_keeper_stopped_for_a_drain_moves_with_its_state_or_restarts_here(tmp_
     no node can take it (here: the draining node is the only one), it restarts HERE with the
     same identity and its local state, so nothing stalls."""
     from agent.config import load_agent_config
-    from agent.runtime import hosted
-    from agent.runtime.daemon import Agent
-    from agent.runtime.supervisor import Reaped, Worker
+    from agent.node import hosted
+    from agent.node.daemon import Agent
+    from agent.node.supervisor import Reaped, Worker
 
     conf = tmp_path / "a.toml"
     conf.write_text(f'[agent]\nnode = "me"\ncluster = "c"\nstate_dir = "{tmp_path}/state"\n[mqtt]\nhost = "h"\nport = 1\n')

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.runtime.channel import Inbound, Outbound
-from agent.runtime.envelope import Envelope, Kind, MalformedEnvelope, decode, encode, encode_data
-from agent.runtime.flow import AckTracker, OutLink
-from agent.runtime.routing import Outbox, Router, key_group
+from agent.dataplane.channel import Inbound, Outbound
+from agent.dataplane.envelope import Envelope, Kind, MalformedEnvelope, decode, encode, encode_data
+from agent.dataplane.flow import AckTracker, OutLink
+from agent.dataplane.routing import Outbox, Router, key_group
 
 # ---- envelope ---------------------------------------------------------------------------------
 
@@ -208,7 +208,7 @@ def test_keyed_routing_is_consistent_and_reroutes_on_removal() -> None:
 
 
 def test_compact_data_encoding_round_trips_and_falls_back() -> None:
-    from agent.runtime.taxi import sample
+    from agent.operators.taxi import sample
 
     recs = sample(1, 50)
     batch = [("src-0", i, r) for i, r in enumerate(recs)]
@@ -227,7 +227,7 @@ def test_compact_data_encoding_round_trips_and_falls_back() -> None:
 
 def test_decode_without_records_keeps_ids_and_validation() -> None:
     """A sink that reads only ids skips rebuilding the records, never the validation."""
-    from agent.runtime.taxi import sample
+    from agent.operators.taxi import sample
 
     batch = [("src-0", i, r) for i, r in enumerate(sample(2, 20))]
     raw = encode_data("a", 0, 1, batch)
@@ -242,7 +242,7 @@ def test_decode_without_records_keeps_ids_and_validation() -> None:
 
 
 def _stdlib_parse(raw: bytes):
-    import agent.runtime.envelope as env
+    import agent.dataplane.envelope as env
 
     saved, env._orjson = env._orjson, None
     try:
@@ -261,7 +261,7 @@ def test_fast_codec_parses_exactly_like_the_stdlib(raw: bytes) -> None:
     """With orjson installed, `_parse` takes its fast path only where the result (or the
     refusal) is the stdlib path's: same value, same exception type."""
     pytest.importorskip("orjson")
-    from agent.runtime.envelope import _parse
+    from agent.dataplane.envelope import _parse
 
     def run(f):
         try:
@@ -280,15 +280,15 @@ def test_fast_codec_writes_what_the_stdlib_means(value) -> None:
     """`_fast_dumps` bytes decode (stdlib) to exactly what the stdlib's own bytes decode to:
     NaN stays NaN (orjson would write null), >64-bit integers stay exact."""
     pytest.importorskip("orjson")
-    from agent.runtime.envelope import _dumps, _fast_dumps
+    from agent.dataplane.envelope import _dumps, _fast_dumps
 
     assert repr(json.loads(_fast_dumps(value))) == repr(json.loads(_dumps(value)))
 
 
 def test_fast_codec_keeps_taxi_batches_byte_identical() -> None:
     pytest.importorskip("orjson")
-    import agent.runtime.envelope as env
-    from agent.runtime.taxi import sample
+    import agent.dataplane.envelope as env
+    from agent.operators.taxi import sample
 
     batch = [("src-0", i, r) for i, r in enumerate(sample(4, 100))]
     fast = encode_data("a", 0, 1, batch)

@@ -15,8 +15,8 @@ from typing import Any, Dict
 import pytest
 
 from agent.config import load_pipeline_text
-from agent.runtime import demo
-from agent.runtime.taxi import TaxiGenerator
+from agent.tools import demo
+from agent.operators.taxi import TaxiGenerator
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,17 +29,17 @@ capacity = 5000.0
 [[operator]]
 name = "source"
 kind = "source"
-function = "agent.runtime.taxi:source"
+function = "agent.operators.taxi:source"
 [operator.params]
 seed = 3
 profile = "steps"
 steps = [[0, 100], [4, 400], [10, 50], [14, 0]]
 [[operator]]
 name = "validate"
-function = "agent.runtime.operators:validate"
+function = "agent.operators.builtin:validate"
 [[operator]]
 name = "in_zone"
-function = "agent.runtime.operators:in_zone"
+function = "agent.operators.builtin:in_zone"
 service_time_ms = 4.0
 [operator.scaling]
 capacity = 200.0
@@ -47,12 +47,12 @@ period = 1.0
 [[operator]]
 name = "sink"
 kind = "sink"
-function = "agent.runtime.operators:counting_sink"
+function = "agent.operators.builtin:counting_sink"
 """
 
 
 def _expected(n: int) -> set:
-    from agent.runtime.operators import in_zone, validate
+    from agent.operators.builtin import in_zone, validate
 
     gen = TaxiGenerator(3, "mini.source.0")
     keep = set()
@@ -183,10 +183,10 @@ def test_sigterm_to_the_demo_stops_its_whole_fleet(tmp_path: Path) -> None:
 
     try:
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not any(b"agent.runtime.worker" in c for _, c in group()):
+        while time.monotonic() < deadline and not any(b"agent.instance.worker" in c for _, c in group()):
             time.sleep(0.5)
         assert any(b"mosquitto" in c for _, c in group()), group()
-        assert any(b"agent.runtime.worker" in c for _, c in group()), group()
+        assert any(b"agent.instance.worker" in c for _, c in group()), group()
         time.sleep(2.0)
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(timeout=60)

@@ -1,6 +1,6 @@
 """Issue 5's "Must hold" on the real broker: three agents, real workers, live scaling, every id once.
 
-Each test runs a fleet of `fog-agent run` processes (agent.runtime.demo.Fleet) on the session's
+Each test runs a fleet of `fog-agent run` processes (agent.tools.demo.Fleet) on the session's
 Mosquitto, deploys a taxi pipeline with a step load profile, and checks with the exactly-once
 verifier (seeded sources regenerated, filters applied, compared with the counting sinks' id
 files). Periods are 1 s and loads small, so that the whole file stays around three minutes.
@@ -18,7 +18,7 @@ import pytest
 
 from agent import topics
 from agent.config import load_pipeline_text
-from agent.runtime.demo import Fleet, Monitor, verify
+from agent.tools.demo import Fleet, Monitor, verify
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
@@ -37,7 +37,7 @@ capacity = 5000.0
 [[operator]]
 name = "source"
 kind = "source"
-function = "agent.runtime.taxi:source"
+function = "agent.operators.taxi:source"
 batch_size = {batch}
 max_inflight_batches = {window}
 [operator.params]
@@ -46,7 +46,7 @@ profile = "steps"
 steps = {steps}
 [[operator]]
 name = "validate"
-function = "agent.runtime.operators:validate"
+function = "agent.operators.builtin:validate"
 batch_size = {batch}
 max_inflight_batches = {window}
 service_time_ms = {validate_ms}
@@ -55,7 +55,7 @@ capacity = {validate_capacity}
 period = 1.0
 [[operator]]
 name = "in_zone"
-function = "agent.runtime.operators:in_zone"
+function = "agent.operators.builtin:in_zone"
 batch_size = {batch}
 max_inflight_batches = {window}
 service_time_ms = 4.0
@@ -65,7 +65,7 @@ period = 1.0
 [[operator]]
 name = "sink"
 kind = "sink"
-function = "agent.runtime.operators:counting_sink"
+function = "agent.operators.builtin:counting_sink"
 batch_size = {batch}
 max_inflight_batches = {window}
 service_time_ms = {sink_ms}
@@ -169,7 +169,7 @@ def test_step_load_scales_out_and_back_exactly_once(tmp_path: Path, mosquitto: A
         t0 = time.monotonic()
         # malformed payloads into the in_zone keeper's inbox, while it works
         time.sleep(2.0)
-        from agent.runtime.rpc import RpcClient
+        from agent.node.rpc import RpcClient
 
         keeper = "step.in_zone.0"
         with RpcClient(mosquitto.host, mosquitto.port, fleet.cluster) as client:
@@ -233,7 +233,7 @@ def test_neighbours_scale_together_and_a_slow_sink_slows_producers(tmp_path: Pat
         while time.monotonic() < deadline and before < 0.85 * rate:
             before = rate_of(mon, "generated", "source", window=3.0)
         sink = placed["sink"]
-        from agent.runtime.rpc import RpcClient
+        from agent.node.rpc import RpcClient
 
         with RpcClient(mosquitto.host, mosquitto.port, fleet.cluster) as client:
             assert client.call(sink.node, {"op": "set", "instance": sink.instance, "fields": {"service_time_ms": 8.0}})["ok"]

@@ -15,10 +15,10 @@ import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
 from agent import topics
-from agent.runtime.dataplane_bench import LocalRunner, initial_specs, pipeline_toml
-from agent.runtime.operators import in_zone, read_sink_ids, validate
-from agent.runtime.spec import BrokerSpec
-from agent.runtime.taxi import TaxiGenerator
+from agent.tools.dataplane_bench import LocalRunner, initial_specs, pipeline_toml
+from agent.operators.builtin import in_zone, read_sink_ids, validate
+from agent.instance.spec import BrokerSpec
+from agent.operators.taxi import TaxiGenerator
 
 pytestmark = [pytest.mark.broker, pytest.mark.timeout(180)]
 
@@ -100,12 +100,12 @@ def taxi_pipeline(rate: float, n: int, scaling=None, in_zone_extra=None, sink_ex
     return pipeline_toml(
         "taxi",
         [
-            {"name": "source", "kind": "source", "function": "agent.runtime.taxi:source", "params": params,
+            {"name": "source", "kind": "source", "function": "agent.operators.taxi:source", "params": params,
              "batch_size": 50},
-            {"name": "validate", "function": "agent.runtime.operators:validate", "batch_size": 50},
-            {"name": "in_zone", "function": "agent.runtime.operators:in_zone", "batch_size": 50,
+            {"name": "validate", "function": "agent.operators.builtin:validate", "batch_size": 50},
+            {"name": "in_zone", "function": "agent.operators.builtin:in_zone", "batch_size": 50,
              **(in_zone_extra or {})},
-            {"name": "sink", "kind": "sink", "function": "agent.runtime.operators:counting_sink",
+            {"name": "sink", "kind": "sink", "function": "agent.operators.builtin:counting_sink",
              "batch_size": 50, **(sink_extra or {})},
         ],
         scaling=scaling or {"policy": "none"},
@@ -210,16 +210,16 @@ def test_live_scale_out_and_in_loses_and_duplicates_nothing(runner, mosquitto, t
     toml = pipeline_toml(
         "taxi",
         [
-            {"name": "source", "kind": "source", "function": "agent.runtime.taxi:source", "batch_size": 20,
+            {"name": "source", "kind": "source", "function": "agent.operators.taxi:source", "batch_size": 20,
              "linger_ms": 10.0, "params": {"seed": 3, "profile": "steps", "max_records": n, "max_lag_s": 5.0,
                                            "steps": [[0, 80.0], [2, 450.0], [11, 30.0], [22, 0.0]]}},
-            {"name": "validate", "function": "agent.runtime.operators:validate", "batch_size": 20,
+            {"name": "validate", "function": "agent.operators.builtin:validate", "batch_size": 20,
              "linger_ms": 10.0, "service_time_ms": 3.0,
              "scaling": {"policy": "decentralized", "capacity": 200.0, "period": 1.0}},
-            {"name": "in_zone", "function": "agent.runtime.operators:in_zone", "batch_size": 20,
+            {"name": "in_zone", "function": "agent.operators.builtin:in_zone", "batch_size": 20,
              "linger_ms": 10.0, "service_time_ms": 5.0,
              "scaling": {"policy": "decentralized", "capacity": 150.0, "period": 1.0}},
-            {"name": "sink", "kind": "sink", "function": "agent.runtime.operators:counting_sink",
+            {"name": "sink", "kind": "sink", "function": "agent.operators.builtin:counting_sink",
              "batch_size": 20, "linger_ms": 10.0},
         ],
         scaling={"policy": "none"},
@@ -261,7 +261,7 @@ def test_live_scale_out_and_in_loses_and_duplicates_nothing(runner, mosquitto, t
 
 
 def test_worker_rejects_a_bad_spec() -> None:
-    p = subprocess.run([sys.executable, "-m", "agent.runtime.worker"], input="{not json}\n",
+    p = subprocess.run([sys.executable, "-m", "agent.instance.worker"], input="{not json}\n",
                        capture_output=True, text=True, timeout=30)
     assert p.returncode == 2
     assert json.loads(p.stdout.splitlines()[-1])["event"] == "exit"
@@ -375,11 +375,11 @@ def test_duplication_ack_overtakes_queued_data_of_an_overloaded_creator(runner, 
     toml = pipeline_toml(
         "ahead",
         [
-            {"name": "source", "kind": "source", "function": "agent.runtime.taxi:source", "batch_size": 50,
+            {"name": "source", "kind": "source", "function": "agent.operators.taxi:source", "batch_size": 50,
              "linger_ms": 10.0, "params": {"seed": 3, "profile": "constant", "rate": 600.0, "max_records": n}},
-            {"name": "validate", "function": "agent.runtime.operators:validate", "batch_size": 50,
+            {"name": "validate", "function": "agent.operators.builtin:validate", "batch_size": 50,
              "linger_ms": 10.0, "service_time_ms": 10.0},
-            {"name": "sink", "kind": "sink", "function": "agent.runtime.operators:counting_sink",
+            {"name": "sink", "kind": "sink", "function": "agent.operators.builtin:counting_sink",
              "batch_size": 50, "linger_ms": 10.0},
         ],
         scaling={"policy": "none"},
@@ -417,12 +417,12 @@ def test_copies_of_one_round_are_spawned_at_once(runner, mosquitto, tmp_path: Pa
     toml = pipeline_toml(
         "multi",
         [
-            {"name": "source", "kind": "source", "function": "agent.runtime.taxi:source", "batch_size": 20,
+            {"name": "source", "kind": "source", "function": "agent.operators.taxi:source", "batch_size": 20,
              "linger_ms": 10.0, "params": {"seed": 3, "profile": "constant", "rate": 700.0, "max_records": n}},
-            {"name": "validate", "function": "agent.runtime.operators:validate", "batch_size": 20,
+            {"name": "validate", "function": "agent.operators.builtin:validate", "batch_size": 20,
              "linger_ms": 10.0, "service_time_ms": 1.0,
              "scaling": {"policy": "decentralized", "capacity": 200.0, "period": 1.0, "cooldown": 30.0}},
-            {"name": "sink", "kind": "sink", "function": "agent.runtime.operators:counting_sink",
+            {"name": "sink", "kind": "sink", "function": "agent.operators.builtin:counting_sink",
              "batch_size": 20, "linger_ms": 10.0},
         ],
         scaling={"policy": "none"},
@@ -454,9 +454,9 @@ def test_a_fenced_transport_reconnects_only_when_allowed(mosquitto) -> None:
     """Re-homing on: a worker's transport that lost its connection (here a partition through a
     proxy, longer than the 1 s keepalive) does not reconnect on its own, so it cannot take its
     MQTT session from an incarnation started elsewhere meanwhile; once allowed, it does."""
-    from agent.runtime.delayproxy import DelayProxy
-    from agent.runtime.spec import BrokerSpec
-    from agent.runtime.transport import Disconnected, Transport
+    from agent.tools.delayproxy import DelayProxy
+    from agent.instance.spec import BrokerSpec
+    from agent.mqtt.transport import Disconnected, Transport
 
     with DelayProxy((mosquitto.host, mosquitto.port)) as proxy:
         t = Transport("fog-test-fenced", BrokerSpec("127.0.0.1", proxy.port, keepalive=1))
@@ -488,8 +488,8 @@ def test_a_qos1_publish_whose_write_fails_is_kept_by_paho_and_arrives_after_the_
     (a second copy) and, worse, held every later publish behind it (chaos seed 5002)."""
     import socket
 
-    from agent.runtime.spec import BrokerSpec
-    from agent.runtime.transport import Received, Transport
+    from agent.instance.spec import BrokerSpec
+    from agent.mqtt.transport import Received, Transport
 
     topic = "fog/test/inbox/connlost-0"
     sub = Transport("fog-test-connlost-sub", BrokerSpec(mosquitto.host, mosquitto.port), persistent=False)

@@ -23,10 +23,12 @@ from typing import Any, Dict, Iterator, List, Tuple
 
 import pytest
 
-from agent.runtime import admission, hosted
-from agent.runtime.admission import AllowList, NodeDirs, OperatorRefused, PathRefused
-from agent.runtime.operators import OperatorContext, load_operator
-from agent.runtime.spec import BrokerSpec, InstanceSpec
+from agent.operators import admission
+
+from agent.node import hosted
+from agent.operators.admission import AllowList, NodeDirs, OperatorRefused, PathRefused
+from agent.operators.builtin import OperatorContext, load_operator
+from agent.instance.spec import BrokerSpec, InstanceSpec
 from pipelines import with_work
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,7 +37,7 @@ OPS_SRC = '''
 import os
 from os import system
 from os import getcwd as cwd
-from agent.runtime.operators import record_map
+from agent.operators.builtin import record_map
 open(os.environ.get("FOGSEC_MARKER_DIR", ".") + "/ops_imported", "a").write(str(os.getpid()) + "\\n")
 
 def double(rec):
@@ -98,22 +100,22 @@ def test_builtins_are_allowed_and_nothing_else_by_default() -> None:
     allowed = AllowList.for_node()
     for ref in sorted(admission.BUILTIN):
         assert allowed.check(ref) == tuple(ref.split(":"))
-    assert load_operator("agent.runtime.operators:identity", ctx(), allowed).process([("s", 1, 5)]) == [("s", 1, 5)]
-    assert hasattr(load_operator("agent.runtime.taxi:source", ctx(), allowed), "poll")
+    assert load_operator("agent.operators.builtin:identity", ctx(), allowed).process([("s", 1, 5)]) == [("s", 1, 5)]
+    assert hasattr(load_operator("agent.operators.taxi:source", ctx(), allowed), "poll")
     # public, in the operators module, but not an operator: not on the list
-    for ref in ("agent.runtime.operators:read_sink_ids", "agent.runtime.operators:load_operator",
-                "agent.runtime.operators:_read_ids", "agent.runtime.operators:_private"):
+    for ref in ("agent.operators.builtin:read_sink_ids", "agent.operators.builtin:load_operator",
+                "agent.operators.builtin:_read_ids", "agent.operators.builtin:_private"):
         with pytest.raises(OperatorRefused, match="not an operator module of this node"):
             allowed.check(ref)
 
 
 @pytest.mark.parametrize("ref", ["builtins:exec", "builtins:eval", "os:system", "subprocess:run",
-                                 "agent.runtime.operators:_private", "importlib:import_module"])
+                                 "agent.operators.builtin:_private", "importlib:import_module"])
 def test_refused_functions_name_the_function_and_the_allow_list(ref: str) -> None:
     with pytest.raises(OperatorRefused) as err:
         AllowList.for_node().check(ref)
     msg = str(err.value)
-    assert repr(ref) in msg and "allowed here: built-in agent.runtime.operators:{counting_sink,identity,in_zone" in msg
+    assert repr(ref) in msg and "allowed here: built-in agent.operators.builtin:{counting_sink,identity,in_zone" in msg
     assert "[operators] modules: none" in msg
 
 
@@ -170,7 +172,7 @@ def test_a_refused_module_is_never_imported(opsdir: Tuple[Path, Dict[str, str]],
 
 def test_the_worker_allow_list_comes_from_its_environment_not_its_spec(opsdir: Tuple[Path, Dict[str, str]]) -> None:
     _, names = opsdir
-    env = AllowList.for_node(modules=[names["ops"], "os", "agent.runtime.daemon"]).env()
+    env = AllowList.for_node(modules=[names["ops"], "os", "agent.node.daemon"]).env()
     # the agent filters its own list the same way config loading does: no stdlib, no fog-agent module
     assert env == {admission.ENV_MODULES: names["ops"]}
     assert AllowList.from_env(env).modules == (names["ops"],)
@@ -187,7 +189,7 @@ def test_agent_toml_operators_and_sink_dirs(tmp_path: Path) -> None:
     assert cfg.operators.modules == ("mylab.ops",) and cfg.agent.sink_dirs == ("/srv/sinks",)
     for bad, msg in (('[operators]\nmodules = ["os"]', "standard library"),
                      ('[operators]\nmodules = ["builtins"]', "standard library"),
-                     ('[operators]\nmodules = ["agent.runtime.operators"]', "built in"),
+                     ('[operators]\nmodules = ["agent.operators.builtin"]', "built in"),
                      ('[operators]\nmodules = ["my lab"]', "module name"),
                      ('[agent]\nnode = "n"\nsink_dirs = ["sinks"]', "absolute")):
         text = bad if bad.startswith("[agent]") else '[agent]\nnode = "n"\n' + bad
@@ -269,7 +271,7 @@ def test_paths_resolve_inside_the_node_directories(tmp_path: Path) -> None:
 
 def agent_for(tmp_path: Path, extra_toml: str = "") -> Any:
     from agent.config import load_agent_config
-    from agent.runtime.daemon import Agent
+    from agent.node.daemon import Agent
 
     conf = tmp_path / "a.toml"
     conf.write_text(f'[agent]\nnode = "me"\ncluster = "c"\nstate_dir = "{tmp_path}/state"\ndead_after = 1.0\n'
@@ -286,8 +288,8 @@ def test_spec_from_refuses_and_logs_the_requester(tmp_path: Path, opsdir: Tuple[
                                                   caplog: pytest.LogCaptureFixture) -> None:
     _, names = opsdir
     agent = agent_for(tmp_path, f'[operators]\nmodules = ["{names["ops"]}"]\n')
-    caplog.set_level(logging.WARNING, logger="agent.runtime.daemon")
-    for func in ("builtins:exec", "os:system", f"{names['evil']}:run", "agent.runtime.operators:_private"):
+    caplog.set_level(logging.WARNING, logger="agent.node.daemon")
+    for func in ("builtins:exec", "os:system", f"{names['evil']}:run", "agent.operators.builtin:_private"):
         with pytest.raises(ValueError, match="refused"):
             agent._spec_from(spec_body(func), template=None, requester="admin intruder")
     assert agent.counters["refused_specs"] == 4
@@ -304,13 +306,13 @@ def test_spec_from_refuses_and_logs_the_requester(tmp_path: Path, opsdir: Tuple[
         agent._spec_from({"operator": "work", "pipeline_toml": with_work("os:system")}, template=good)
     assert any("from worker p.work.0" in r.getMessage() for r in caplog.records)
     # a pipeline text nested 100k deep is refused, not a RecursionError in the agent's loop
-    deep = spec_body("agent.runtime.operators:identity")
+    deep = spec_body("agent.operators.builtin:identity")
     deep["pipeline_toml"] = "x = " + "[" * 100_000 + "]" * 100_000 + "\n" + deep["pipeline_toml"]
     with pytest.raises(ValueError, match="nested too deeply"):
         agent._spec_from(deep, template=None)
     # an operator that is not in the pipeline text
     with pytest.raises(ValueError, match="not in pipeline"):
-        agent._spec_from(dict(spec_body("agent.runtime.operators:identity"), operator="nope"), template=None)
+        agent._spec_from(dict(spec_body("agent.operators.builtin:identity"), operator="nope"), template=None)
     assert names["evil"] not in sys.modules and names["ops"] not in sys.modules  # the agent imports no user code
     assert not (tmp_path / "markers" / "evil_imported").exists()
     assert hosted.hosted(tmp_path / "state") == []  # nothing saved
@@ -320,7 +322,7 @@ def test_spec_paths_and_the_spool_are_the_nodes_own(tmp_path: Path) -> None:
     agent = agent_for(tmp_path, f'[spill]\nenabled = true\nspool_dir = "{tmp_path}/spool"\nship = "none"\n')
     (tmp_path / "state").mkdir()
     (tmp_path / "state" / "link").symlink_to(tmp_path)
-    ok = "agent.runtime.operators:identity"
+    ok = "agent.operators.builtin:identity"
     for sink_dir in (f"{tmp_path}/state/../escape", "/x/../escape", f"{tmp_path}/state/link/escape", "rel", 7):
         with pytest.raises(ValueError, match="extra.sink_dir"):
             agent._spec_from(spec_body(ok, sink_dir=sink_dir), template=None)
@@ -331,8 +333,8 @@ def test_spec_paths_and_the_spool_are_the_nodes_own(tmp_path: Path) -> None:
     assert "spill" not in spec.extra
     assert agent.spill.with_spill(spec).extra["spill"]["dir"] == f"{tmp_path}/spool"
     # a source's profile file is a path too
-    text = with_work(ok).replace('function = "agent.runtime.taxi:source"',
-                                                 'function = "agent.runtime.taxi:source"\n'
+    text = with_work(ok).replace('function = "agent.operators.taxi:source"',
+                                                 'function = "agent.operators.taxi:source"\n'
                                                  'params = { profile = "csv", csv = "/etc/fog-agent/tls/client.key" }')
     with pytest.raises(ValueError, match="params.csv"):
         agent._spec_from({"instance": "p.source.0", "operator": "source", "pipeline": "p", "pipeline_toml": text},
@@ -351,9 +353,9 @@ def test_readopt_sets_aside_a_stored_spec_the_node_does_not_admit(tmp_path: Path
     def stored(inst: str, func: str, **extra: Any) -> InstanceSpec:
         return InstanceSpec(inst, "work", "me", "c", "p", with_work(func), broker, extra=extra)
 
-    hosted.remember(state, stored("p.work.0", "agent.runtime.operators:identity"))
+    hosted.remember(state, stored("p.work.0", "agent.operators.builtin:identity"))
     hosted.remember(state, stored("p.work.1", "builtins:exec"))  # saved before this node refused it
-    hosted.remember(state, stored("p.work.2", "agent.runtime.operators:identity", sink_dir="/x/../escape"))
+    hosted.remember(state, stored("p.work.2", "agent.operators.builtin:identity", sink_dir="/x/../escape"))
     agent._to_readopt = hosted.hosted(state)
     agent._readopt(0.0)
     assert [s.instance for s in started] == ["p.work.0"]
@@ -369,11 +371,11 @@ def test_rehome_from_a_hosted_record_is_admitted_like_a_spawn(tmp_path: Path,
     created: List[InstanceSpec] = []
     agent._create_node = lambda spec, reply, cause, now: created.append(spec)  # type: ignore[assignment]
     agent.connected, agent.online, agent._offline_since = True, {"n9": False}, {"n9": 0.0}
-    record = [spec_body("agent.runtime.operators:identity", "p.work.0"),
+    record = [spec_body("agent.operators.builtin:identity", "p.work.0"),
               spec_body("builtins:exec", "p.work.1"),
-              spec_body("agent.runtime.operators:identity", "p.work.2", sink_dir="/x/../escape")]
+              spec_body("agent.operators.builtin:identity", "p.work.2", sink_dir="/x/../escape")]
     agent.hosted_by_node["n9"] = record
-    caplog.set_level(logging.WARNING, logger="agent.runtime.daemon")
+    caplog.set_level(logging.WARNING, logger="agent.node.daemon")
     agent._maybe_rehome(100.0)
     assert [s.instance for s in created] == ["p.work.0"]
     refused = [r.getMessage() for r in caplog.records if "refused spec" in r.getMessage()]
@@ -394,8 +396,8 @@ def test_an_epoch_floor_ahead_of_the_nodes_clock_is_refused_and_never_saved(
     within MAX_EPOCH_AHEAD of skew) passes."""
     agent = agent_for(tmp_path)
     agent.wall = lambda: NOW
-    ok = "agent.runtime.operators:identity"
-    caplog.set_level(logging.WARNING, logger="agent.runtime.daemon")
+    ok = "agent.operators.builtin:identity"
+    caplog.set_level(logging.WARNING, logger="agent.node.daemon")
     with pytest.raises(ValueError, match="extra.min_epoch"):
         agent._spec_from(spec_body(ok, min_epoch=2 ** 53), template=None, requester="peer n7")
     ahead = int(NOW) + admission.MAX_EPOCH_AHEAD + 1
@@ -435,7 +437,7 @@ def test_a_stored_epoch_floor_survives_a_clock_set_back(tmp_path: Path) -> None:
     agent.supervisor.start = lambda spec, now: started.append(spec)  # type: ignore[assignment]
     state = tmp_path / "state"
     broker = BrokerSpec("h", 1)
-    text = with_work("agent.runtime.operators:identity")
+    text = with_work("agent.operators.builtin:identity")
     hosted.remember(state, InstanceSpec("p.work.0", "work", "me", "c", "p", text, broker, extra={"min_epoch": int(NOW)}))
     hosted.remember(state, InstanceSpec("p.work.1", "work", "me", "c", "p", text, broker, extra={"min_epoch": "x"}))
     agent._to_readopt = hosted.hosted(state)
@@ -446,14 +448,14 @@ def test_a_stored_epoch_floor_survives_a_clock_set_back(tmp_path: Path) -> None:
 
 def test_crash_at_is_honoured_only_where_fault_injection_is_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                 caplog: pytest.LogCaptureFixture) -> None:
-    """`extra.crash_at` kills a worker at a named point (agent.runtime.worker `crash_point`): from
+    """`extra.crash_at` kills a worker at a named point (agent.instance.worker `crash_point`): from
     a request it is dropped, unless the node's environment enables fault injection (the
     reliability tests do; nothing else)."""
     assert admission.ENV_FAULT_INJECTION == "FOG_AGENT_FAULT_INJECTION"  # the name tests/test_reliability.py sets
     agent = agent_for(tmp_path)
-    ok = "agent.runtime.operators:identity"
+    ok = "agent.operators.builtin:identity"
     crash = "p.work.0:spawn_requested"
-    caplog.set_level(logging.WARNING, logger="agent.runtime.daemon")
+    caplog.set_level(logging.WARNING, logger="agent.node.daemon")
     for value in (None, "0", "true", "yes"):
         if value is None:
             monkeypatch.delenv(admission.ENV_FAULT_INJECTION, raising=False)
@@ -483,7 +485,7 @@ def test_the_worker_refuses_a_function_before_importing_or_creating_anything(
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(pkgs)]))
     env.pop(admission.ENV_MODULES, None)
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "agent.runtime.worker"], input=spec.to_json() + "\n",
+    r = subprocess.run([sys.executable, "-m", "agent.instance.worker"], input=spec.to_json() + "\n",
                        capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 2  # EXIT_BAD_SPEC: the agent does not restart it
     [line] = [json.loads(x) for x in r.stdout.splitlines() if x.strip()]
@@ -501,7 +503,7 @@ def test_the_worker_refuses_a_function_before_importing_or_creating_anything(
 @pytest.mark.broker
 def test_a_real_agent_refuses_spawns_of_code_escaping_paths_and_forged_epochs(
         tmp_path: Path, mosquitto: Any, opsdir: Tuple[Path, Dict[str, str]]) -> None:
-    from agent.runtime.rpc import RpcClient
+    from agent.node.rpc import RpcClient
 
     pkgs, names = opsdir
     cluster = "sec" + uuid.uuid4().hex[:6]

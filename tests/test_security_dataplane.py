@@ -5,7 +5,7 @@ envelope are claims. These tests forge what a hostile node can write, and check 
 refuses it before it touches any state, bounds what it keeps for senders it does not know yet,
 and still delivers every real record exactly once:
 
-- unit tests of the acceptance rule (`agent.runtime.inbound`) and of the worker's use of it,
+- unit tests of the acceptance rule (`agent.dataplane.inbound`) and of the worker's use of it,
   in process on an in-memory wire;
 - real workers on a real Mosquitto, the forgeries published with a paho client.
 """
@@ -23,7 +23,7 @@ import pytest
 from memory_wire import MemoryWire
 
 from agent import topics
-from agent.runtime.inbound import (
+from agent.dataplane.inbound import (
     MAX_CLOCK_AHEAD,
     MAX_EPOCH_STEP,
     MAX_SEQ,
@@ -33,9 +33,9 @@ from agent.runtime.inbound import (
     numbering_fault,
     seq_ahead,
 )
-from agent.runtime.envelope import Envelope, Kind, decode, encode, encode_data
-from agent.runtime.flow import OutLink
-from agent.runtime.transport import Received
+from agent.dataplane.envelope import Envelope, Kind, decode, encode, encode_data
+from agent.dataplane.flow import OutLink
+from agent.mqtt.transport import Received
 
 WALL = 1_795_000_000.0  # a wall clock (seconds) for the pure tests
 
@@ -129,15 +129,15 @@ def test_the_log_limiter_writes_once_per_sender_per_minute_and_a_bounded_number_
 
 def _worker(tmp_path: Path, operator: str, clock: List[float], **changes: Any):  # type: ignore[no-untyped-def]
     """One worker of source -> work -> sink (decentralized scaling core, policy none)."""
-    from agent.runtime.dataplane_bench import initial_specs, pipeline_toml
-    from agent.runtime.spec import BrokerSpec
-    from agent.runtime.worker import Worker
+    from agent.tools.dataplane_bench import initial_specs, pipeline_toml
+    from agent.instance.spec import BrokerSpec
+    from agent.instance.worker import Worker
 
     toml = pipeline_toml("p", [
-        {"name": "source", "kind": "source", "function": "agent.runtime.taxi:mqtt_source",
+        {"name": "source", "kind": "source", "function": "agent.operators.taxi:mqtt_source",
          "params": {"topic": "sensors/#"}, "batch_size": 4, "linger_ms": 0},
-        {"name": "work", "function": "agent.runtime.operators:validate", "batch_size": 4, "linger_ms": 0},
-        {"name": "sink", "kind": "sink", "function": "agent.runtime.operators:counting_sink"},
+        {"name": "work", "function": "agent.operators.builtin:validate", "batch_size": 4, "linger_ms": 0},
+        {"name": "sink", "kind": "sink", "function": "agent.operators.builtin:counting_sink"},
     ], scaling={"policy": "none"})
     spec = [s for s in initial_specs(toml, BrokerSpec("127.0.0.1", 1), str(tmp_path / "state"), cluster="c",
                                      extra={"sink_dir": str(tmp_path / "sink")}) if s.operator == operator][0]
@@ -156,14 +156,14 @@ def _run(w, clock: List[float], seconds: float, step: float = 0.05) -> None:  # 
 
 
 def _records(first: int, n: int) -> list:
-    from agent.runtime.taxi import sample
+    from agent.operators.taxi import sample
 
     return [("source-0", first + i, r) for i, r in enumerate(sample(first + 1, n))]
 
 
 def test_a_sink_refuses_forged_epochs_numbers_and_senders_and_keeps_recording_real_batches(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from agent.runtime.operators import read_sink_ids
-    from agent.runtime.worker import HOLD_TTL
+    from agent.operators.builtin import read_sink_ids
+    from agent.instance.worker import HOLD_TTL
 
     clock = [100.0]
     w, wire = _worker(tmp_path, "sink", clock)
@@ -214,7 +214,7 @@ def test_thirty_thousand_acks_from_invented_senders_leave_no_trace(tmp_path) -> 
     for i in range(100):
         wire.events.append(Received(inbox, encode(Envelope(f"work-{i:012x}", 0, 1, Kind.ACK, [0, 0]))))
     _run(w, clock, 1.0)
-    from agent.runtime.worker import MAX_PROBES, PROBE_TTL
+    from agent.instance.worker import MAX_PROBES, PROBE_TTL
 
     assert w.stats["refused_senders"] == 30_000 + 100 - MAX_PROBES
     assert w.inbound.senders() <= 1 + MAX_PROBES and len(w.queues) <= 1 + MAX_PROBES
@@ -275,7 +275,7 @@ def test_data_claimed_by_a_known_sender_that_is_no_predecessor_is_never_processe
     """The successor's name is known (it acks us), but a data batch under that name is not one
     a real successor can send (nor one a predecessor's instance can be named): refused at once;
     its records never reach the operator."""
-    from agent.runtime.worker import HOLD_TTL
+    from agent.instance.worker import HOLD_TTL
 
     clock = [100.0]
     w, wire = _worker(tmp_path, "work", clock)
@@ -292,7 +292,7 @@ def test_data_claimed_by_a_known_sender_that_is_no_predecessor_is_never_processe
 
 
 def test_a_departed_neighbours_resent_deletion_is_still_answered(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """Recovery mechanism 2 (agent.runtime.recovery): a predecessor that left resends its Deletion
+    """Recovery mechanism 2 (agent.instance.recovery): a predecessor that left resends its Deletion
     when our ack got lost. It is in no table any more, but our channel with it and our round
     memory know it: the resend is admitted and acked again, not held or refused."""
     from agent.protocol.messages import Deletion
@@ -337,8 +337,8 @@ def test_an_idle_copy_applies_a_held_duplication_after_its_start_and_acks_it(tmp
 
 
 def _expected_ids(seed: int, instance: str, n: int) -> Set[int]:
-    from agent.runtime.operators import in_zone, validate
-    from agent.runtime.taxi import TaxiGenerator
+    from agent.operators.builtin import in_zone, validate
+    from agent.operators.taxi import TaxiGenerator
 
     gen = TaxiGenerator(seed, instance)
     out = set()
@@ -372,17 +372,17 @@ def test_forged_inbox_messages_on_a_real_broker_stall_nothing_and_leave_no_state
     import paho.mqtt.client as mqtt
     from paho.mqtt.enums import CallbackAPIVersion
 
-    from agent.runtime.dataplane_bench import LocalRunner, initial_specs, pipeline_toml
-    from agent.runtime.operators import read_sink_ids
-    from agent.runtime.spec import BrokerSpec
+    from agent.tools.dataplane_bench import LocalRunner, initial_specs, pipeline_toml
+    from agent.operators.builtin import read_sink_ids
+    from agent.instance.spec import BrokerSpec
 
     n, cluster = 3000, "forged"
     toml = pipeline_toml("taxi", [
-        {"name": "source", "kind": "source", "function": "agent.runtime.taxi:source", "batch_size": 50,
+        {"name": "source", "kind": "source", "function": "agent.operators.taxi:source", "batch_size": 50,
          "params": {"seed": 3, "profile": "constant", "rate": 1500.0, "max_records": n}},
-        {"name": "validate", "function": "agent.runtime.operators:validate", "batch_size": 50},
-        {"name": "in_zone", "function": "agent.runtime.operators:in_zone", "batch_size": 50},
-        {"name": "sink", "kind": "sink", "function": "agent.runtime.operators:counting_sink", "batch_size": 50},
+        {"name": "validate", "function": "agent.operators.builtin:validate", "batch_size": 50},
+        {"name": "in_zone", "function": "agent.operators.builtin:in_zone", "batch_size": 50},
+        {"name": "sink", "kind": "sink", "function": "agent.operators.builtin:counting_sink", "batch_size": 50},
     ], scaling={"policy": "none"})
     specs = initial_specs(toml, BrokerSpec(mosquitto.host, mosquitto.port), str(tmp_path / "state"),
                           cluster=cluster, extra={"sink_dir": str(tmp_path / "sink"), "seed": 11})

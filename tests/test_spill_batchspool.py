@@ -14,9 +14,9 @@ from typing import Any, List
 
 import pytest
 
-from agent.runtime.envelope import Item
-from agent.runtime.operators import CountingSink, OperatorContext, _line_ids
-from agent.runtime.spool import BatchSpool, SpoolEvent, file_id, gzip_engine, parse_name, read_records
+from agent.dataplane.envelope import Item
+from agent.operators.builtin import CountingSink, OperatorContext, _line_ids
+from agent.spill.spool import BatchSpool, SpoolEvent, file_id, gzip_engine, parse_name, read_records
 
 ENGINES = ["zlib"] + (["isal"] if gzip_engine() == "isal" else [])
 

@@ -18,11 +18,11 @@ import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
 from agent import topics
-from agent.runtime.dataplane_bench import LocalRunner, initial_specs, pipeline_toml
-from agent.runtime.operators import _line_ids, read_sink_ids
-from agent.runtime.shipper import PathShipper
-from agent.runtime.spec import BrokerSpec
-from agent.runtime.spool import SpoolDirs
+from agent.tools.dataplane_bench import LocalRunner, initial_specs, pipeline_toml
+from agent.operators.builtin import _line_ids, read_sink_ids
+from agent.spill.shipper import PathShipper
+from agent.instance.spec import BrokerSpec
+from agent.spill.spool import SpoolDirs
 
 pytestmark = [pytest.mark.broker, pytest.mark.timeout(120)]
 
@@ -31,9 +31,9 @@ def pipeline(rate: float, n: int) -> str:
     return pipeline_toml(
         "spill",
         [
-            {"name": "source", "kind": "source", "function": "agent.runtime.taxi:source",
+            {"name": "source", "kind": "source", "function": "agent.operators.taxi:source",
              "params": {"seed": 5, "profile": "constant", "rate": rate, "max_records": n}, "batch_size": 50},
-            {"name": "sink", "kind": "sink", "function": "agent.runtime.operators:counting_sink", "batch_size": 50},
+            {"name": "sink", "kind": "sink", "function": "agent.operators.builtin:counting_sink", "batch_size": 50},
         ],
         scaling={"policy": "none"},
     )

@@ -10,7 +10,7 @@ from typing import List
 
 import pytest
 
-from agent.runtime.spool import Spool, file_id, parse_name, read_records
+from agent.spill.spool import Spool, file_id, parse_name, read_records
 
 
 class FakeClock:

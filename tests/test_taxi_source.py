@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.runtime.operators import OperatorContext, in_zone, load_operator, validate
-from agent.runtime.taxi import FIELDS, Sinusoid, Steps, TaxiGenerator, TaxiSource, profile_from_params, sample
+from agent.operators.builtin import OperatorContext, in_zone, load_operator, validate
+from agent.operators.taxi import FIELDS, Sinusoid, Steps, TaxiGenerator, TaxiSource, profile_from_params, sample
 
 
 def ctx(params, instance="source-0") -> OperatorContext:
@@ -63,8 +63,8 @@ def test_source_max_records_and_profiles(tmp_path: Path) -> None:
 
 def test_load_operator_resolves_every_form() -> None:
     c = ctx({}, "x-0")
-    assert load_operator("agent.runtime.operators:validate", c).process([("s", 1, {"a": 1})]) == []
-    assert load_operator("agent.runtime.operators:identity", c).process([("s", 1, 5)]) == [("s", 1, 5)]
-    assert hasattr(load_operator("agent.runtime.taxi:source", c), "poll")
+    assert load_operator("agent.operators.builtin:validate", c).process([("s", 1, {"a": 1})]) == []
+    assert load_operator("agent.operators.builtin:identity", c).process([("s", 1, 5)]) == [("s", 1, 5)]
+    assert hasattr(load_operator("agent.operators.taxi:source", c), "poll")
     with pytest.raises(ValueError):
-        load_operator("agent.runtime.operators:nope", c)
+        load_operator("agent.operators.builtin:nope", c)

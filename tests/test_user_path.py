@@ -85,7 +85,7 @@ def test_demo_json_stdout_is_the_summary_alone(monkeypatch: pytest.MonkeyPatch, 
     """The demo's code path under --json: whatever the run and the analytics hooks write to stdout,
     by `print` (the analytics hook printed "analytics report: <path>") or straight to file
     descriptor 1 (a JVM, a child process), lands on stderr; stdout is the summary."""
-    from agent.runtime import demo
+    from agent.tools import demo
 
     def noisy_run(*a: Any, **k: Any) -> Dict[str, Any]:
         print("a library prints")
@@ -141,11 +141,11 @@ def test_check_config_round_trips_what_toml_allows(tmp_path: Path) -> None:
     node.write_text('[agent]\nnode = "n"\n[operators]\nmodules = ["rt_ops"]\n')
     src = tmp_path / "p.toml"
     src.write_text(
-        '[pipeline]\nname = "p"\n[[operator]]\nname = "s"\nkind = "source"\nfunction = "agent.runtime.taxi:source"\n'
+        '[pipeline]\nname = "p"\n[[operator]]\nname = "s"\nkind = "source"\nfunction = "agent.operators.taxi:source"\n'
         'params = { seed = 2, rate = 5.0 }\n'
         '[[operator]]\nname = "m"\nfunction = "rt_ops:f"\n'
         'params = { "odd key" = 1, seed = 2, nested = { a = [1, 2], b = "q\\"\\\\" }, big = inf }\n'
-        '[[operator]]\nname = "k"\nkind = "sink"\nfunction = "agent.runtime.operators:counting_sink"\n'
+        '[[operator]]\nname = "k"\nkind = "sink"\nfunction = "agent.operators.builtin:counting_sink"\n'
         '[operator.scaling]\npolicy = "none"\n')
 
     def check(*args: str) -> subprocess.CompletedProcess:
@@ -256,7 +256,7 @@ def test_ctrl_c_on_run_is_quiet(mosquitto: Any, tmp_path: Path) -> None:
         deadline = time.monotonic() + 20
         warm: List[str] = []
         while time.monotonic() < deadline and not warm:
-            warm = subprocess.run(["pgrep", "-g", str(proc.pid), "-f", "agent.runtime.worker"],
+            warm = subprocess.run(["pgrep", "-g", str(proc.pid), "-f", "agent.instance.worker"],
                                   capture_output=True, text=True).stdout.split()
             time.sleep(0.2)
         assert warm, "no pre-started worker"
@@ -283,11 +283,11 @@ policy = "none"
 [[operator]]
 name = "source"
 kind = "source"
-function = "agent.runtime.taxi:source"
+function = "agent.operators.taxi:source"
 params = { seed = 2, profile = "constant", rate = 60.0 }
 [[operator]]
 name = "in_zone"
-function = "agent.runtime.operators:in_zone"
+function = "agent.operators.builtin:in_zone"
 [operator.scaling]
 policy = "decentralized"
 capacity = 20.0
@@ -296,7 +296,7 @@ max_instances = 2
 [[operator]]
 name = "sink"
 kind = "sink"
-function = "agent.runtime.operators:counting_sink"
+function = "agent.operators.builtin:counting_sink"
 """
 
 
@@ -327,7 +327,7 @@ def test_every_documented_metric_is_set_by_a_live_agent(tmp_path: Path, capsys: 
     from prometheus_client.parser import text_string_to_metric_families
 
     from agent.cli.fogctl import main as fogctl
-    from agent.runtime.broker import free_port, start_private_broker
+    from agent.tools.broker import free_port, start_private_broker
 
     broker = start_private_broker(tmp_path / "broker")
     port = free_port()
@@ -429,7 +429,7 @@ def test_documented_node_state_has_the_builders_keys() -> None:
     """docs/fogctl.md's node state example uses the keys `build_node_state` writes, no others."""
     import re
 
-    from agent.runtime.nodestate import InstanceInfo, MachineSample, build_node_state, encode_state, parse_node_state
+    from agent.node.nodestate import InstanceInfo, MachineSample, build_node_state, encode_state, parse_node_state
 
     doc = (ROOT / "docs" / "fogctl.md").read_text()
     block = re.search(r"Node state, as the agent publishes it.*?```json\n(.*?)```", doc, re.S)
@@ -470,7 +470,7 @@ def test_design_citations_point_at_the_design_document() -> None:
 @pytest.mark.parametrize("failure", ["setup", "loss", "interrupt"])
 def test_a_failed_demo_says_where_its_work_directory_is(failure: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                         capfd: pytest.CaptureFixture) -> None:
-    from agent.runtime import demo
+    from agent.tools import demo
 
     work = tmp_path / "work"
 
@@ -499,7 +499,7 @@ def test_a_failed_demo_says_where_its_work_directory_is(failure: str, monkeypatc
 
 def test_placement_choices_are_the_runtimes_policies() -> None:
     from agent.cli.runtime_cmd import PLACEMENTS
-    from agent.runtime.placement import POLICIES
+    from agent.node.placement import POLICIES
 
     assert set(PLACEMENTS) == set(POLICIES)
     r = fog_agent("run", "--placement", "nope")

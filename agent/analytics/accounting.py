@@ -1,7 +1,7 @@
 """End-to-end accounting: did every generated record id arrive at the sink exactly once?
 
 A record id is (source instance, sequence number), as the runtime's sources number them
-(`agent.runtime.taxi.TaxiSource`). Sources spill what they generated as kind "generated", either
+(`agent.operators.taxi.TaxiSource`). Sources spill what they generated as kind "generated", either
 one row per record {"src", "seq"} or one row per range {"src", "first", "count"} (compact: the ids
 of a source are consecutive). Sinks spill what arrived as kind "records" with "src" and "seq".
 Records that only carry a "record_id" use it as `src` with seq 0.

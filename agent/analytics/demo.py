@@ -1,6 +1,6 @@
 """`make demo`'s analytics step: what the agents REALLY spilled -> landing zone -> Spark report.
 
-`agent.runtime.demo.run_demo` runs its agents with `[spill]` on (`Fleet(spill=True)`): every
+`agent.tools.demo.run_demo` runs its agents with `[spill]` on (`Fleet(spill=True)`): every
 counting sink spools the records that reach it (kind "batches": each batch as it arrived, with its
 record ids), every agent spools its per-instance metrics and its events, and each agent's path
 shipper lands closed files in `<workdir>/landing` (the same verified, exactly-once landing as the
@@ -27,8 +27,8 @@ def spill_expected_ids(workdir: Path, landing: Path, pipeline_path: Optional[Pat
     """Spool the verifier's expected ids as kind "generated" and land them; returns the count."""
     from agent.analytics.job import land_spools
     from agent.config import load_pipeline
-    from agent.runtime import demo as rdemo
-    from agent.runtime.spool import Spool
+    from agent.tools import demo as rdemo
+    from agent.spill.spool import Spool
 
     cfg = load_pipeline(pipeline_path or rdemo.DEFAULT_PIPELINE)
     counts = rdemo.source_counts(workdir / "sink")
@@ -74,7 +74,7 @@ def demo_hook(workdir: Path, summary: Dict[str, Any]) -> Optional[Dict[str, Any]
 
 
 try:  # register with the demo when it imports us
-    from agent.runtime.demo import ANALYTICS_HOOKS
+    from agent.tools.demo import ANALYTICS_HOOKS
 
     if demo_hook not in ANALYTICS_HOOKS:
         ANALYTICS_HOOKS.append(demo_hook)

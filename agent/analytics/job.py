@@ -179,8 +179,8 @@ def run(landing: PathLike, out: PathLike, master: Optional[str] = "local[*]", pe
 def land_spools(spool_dirs: Iterable[PathLike], landing: PathLike) -> int:
     """Land every closed file of the given spool directories (the demo's "shared path" shipping)."""
     from agent.collector.landing import LandingZone
-    from agent.runtime.shipper import meta_for
-    from agent.runtime.spool import ClosedFile, parse_name
+    from agent.spill.shipper import meta_for
+    from agent.spill.spool import ClosedFile, parse_name
 
     zone = LandingZone(landing)
     n = 0

@@ -7,7 +7,7 @@ from typing import Any
 
 
 def register(groups: Any) -> None:
-    from agent.runtime.chaos import DEFAULT_FAULTS, FAULTS
+    from agent.tools.chaos import DEFAULT_FAULTS, FAULTS
 
     p = groups.root.add_parser(
         "chaos", help="run the demo fleet while injecting faults at random (seeded), then verify every record id")
@@ -27,6 +27,6 @@ def register(groups: Any) -> None:
 
 
 def chaos_cmd(args: argparse.Namespace) -> int:
-    from agent.runtime import chaos
+    from agent.tools import chaos
 
     return chaos.main(args)

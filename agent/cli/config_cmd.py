@@ -14,7 +14,7 @@ agent.toml (`--agent-config`, default $FOG_AGENT_CONFIG or /etc/fog-agent/agent.
 exists). A function the node would refuse is one error line naming file, key and what is allowed.
 Only when every function is allowed are they imported (a refused module is never imported), and
 each operator's params are checked against the `params_schema` its function declares (the
-built-ins do: agent.runtime.operators.check_params; docs/operators.md, "Declaring params").
+built-ins do: agent.operators.builtin.check_params; docs/operators.md, "Declaring params").
 
 Files a configuration names are opened: a pipeline's path params (`params.csv`), an agent's or
 central's `[mqtt].password_file`. A missing `[mqtt.tls]` file is a warning only: packages write
@@ -81,7 +81,7 @@ def load(kind: str, path: Path) -> Any:
         from agent.central_config import load_central_config
 
         return load_central_config(path)
-    from agent.runtime.netem import parse_matrix
+    from agent.measure.netem import parse_matrix
 
     try:
         return parse_matrix(read_toml(path), path.name)
@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
 def effective(cfg: Any) -> Dict[str, Any]:
     """A configuration object as the TOML table it loads from: the file's key names (`operator`,
     not the field name `operators`), every default filled in, unset options (None) left out."""
-    from agent.runtime.netem import LatencyMatrix
+    from agent.measure.netem import LatencyMatrix
 
     if isinstance(cfg, LatencyMatrix):
         nodes: Dict[str, Any] = {}
@@ -251,7 +251,7 @@ def _node_config(agent_config: Optional[str]) -> Tuple[Path, Any, Any]:
     """(path, AgentConfig or None, its AllowList): the node's agent.toml that check-config checks
     a pipeline against (`--agent-config`, else the default one if it exists)."""
     from agent.config import default_config_path, load_agent_config
-    from agent.runtime.admission import AllowList
+    from agent.operators.admission import AllowList
 
     path = Path(agent_config) if agent_config else default_config_path()
     node = load_agent_config(path) if agent_config or path.exists() else None
@@ -261,8 +261,8 @@ def _node_config(agent_config: Optional[str]) -> Tuple[Path, Any, Any]:
 def operator_problems(cfg: Any, file: str, node_config: Tuple[Path, Any, Any]) -> List[str]:
     """One line per operator function that does not import, and per bad param of each operator
     (its function's `params_schema`). Called only after `refused_functions` found nothing."""
-    from agent.runtime.admission import NodeDirs, PathRefused, spec_paths
-    from agent.runtime.operators import check_params
+    from agent.operators.admission import NodeDirs, PathRefused, spec_paths
+    from agent.operators.builtin import check_params
 
     path, node, allowed = node_config
     out: List[str] = []
@@ -317,7 +317,7 @@ def mqtt_file_problems(mqtt: Any, file: str) -> Tuple[List[str], List[str]]:
 
 def refused_functions(cfg: Any, file: str, node_config: Tuple[Path, Any, Any], agent_config: Optional[str]) -> List[str]:
     """One line per operator whose function this node's allow-list refuses."""
-    from agent.runtime.admission import OperatorRefused
+    from agent.operators.admission import OperatorRefused
 
     path, node, allowed = node_config
     modules: Tuple[str, ...] = node.operators.modules if node is not None else ()

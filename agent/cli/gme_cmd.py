@@ -119,8 +119,8 @@ def run_bench(args: argparse.Namespace) -> int:
     import socket
     import tempfile
 
-    from agent.runtime.broker import BrokerError, start_private_broker
-    from agent.runtime.gme_bench import BenchConfig, run_bench as bench
+    from agent.tools.broker import BrokerError, start_private_broker
+    from agent.tools.gme_bench import BenchConfig, run_bench as bench
 
     broker = None
     tmp = None

@@ -5,7 +5,7 @@ worker's per-record service-time emulation, until its output lags (thesis 4.3.1)
 capacity per (node, operator) in `<state_dir>/capacity.json`. The function is imported through the
 node's allow-list (docs/security.md, "No code from the bus"): with `--config`, the agent.toml's
 `[operators] modules` count, as they do for that node's workers.
-netem: turns a latency matrix into tc commands (see agent.runtime.netem); exit 3 when the kernel
+netem: turns a latency matrix into tc commands (see agent.measure.netem); exit 3 when the kernel
 lacks sch_netem, with one line saying so.
 simulate policies: runs every policy on the same synthetic taxi trace and latency matrix over
 several seeds and prints the SPEC elasticity table next to Gesscale's Table III.
@@ -83,11 +83,11 @@ def record_factory(seed: int, pipe: Any = None, operator: str = "", n: int = 400
                    allowed: Any = None) -> Callable[[int], Any]:
     """Records i = 0, 1, ... as the operator sees them: taxi records through the upstream maps
     (imported through `allowed`, the node's allow-list: see `operator_under_test`)."""
-    from agent.runtime.taxi import sample
+    from agent.operators.taxi import sample
 
     recs: List[Any] = sample(seed, n, "calibrate")
     if pipe is not None:
-        from agent.runtime.operators import OperatorContext, load_operator
+        from agent.operators.builtin import OperatorContext, load_operator
 
         for op in pipe.operators[1:pipe.index(operator)]:
             if op.kind != "map":
@@ -105,8 +105,8 @@ def operator_under_test(pipe: Any, operator: str, node: str, service_time_ms: An
     """The operator's function, imported in this process through `allowed` (an
     admission.AllowList: the node's own, so that calibrate imports exactly what the node's
     workers may; None: this process's, from its environment)."""
-    from agent.runtime.capacity import OperatorUnderTest
-    from agent.runtime.operators import OperatorContext, load_operator
+    from agent.measure.capacity import OperatorUnderTest
+    from agent.operators.builtin import OperatorContext, load_operator
 
     op = pipe.operator(operator)
     if op.kind != "map":
@@ -119,9 +119,9 @@ def operator_under_test(pipe: Any, operator: str, node: str, service_time_ms: An
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from agent.config import load_agent_config, load_pipeline
-    from agent.runtime.admission import AllowList
-    from agent.runtime.capacity import Calibrator, CapacityRecord, CapacityStore, calibrate
-    from agent.runtime.measure import read_frequency
+    from agent.operators.admission import AllowList
+    from agent.measure.capacity import Calibrator, CapacityRecord, CapacityStore, calibrate
+    from agent.measure.resources import read_frequency
     from agent.schema import ConfigError
 
     try:
@@ -178,7 +178,7 @@ def _local_node(matrix: Any) -> Any:
 
 
 def cmd_netem_apply(args: argparse.Namespace) -> int:
-    from agent.runtime import netem
+    from agent.measure import netem
 
     try:
         matrix = netem.load_matrix(args.matrix)
@@ -210,7 +210,7 @@ def cmd_netem_apply(args: argparse.Namespace) -> int:
 
 
 def cmd_netem_clear(args: argparse.Namespace) -> int:
-    from agent.runtime import netem
+    from agent.measure import netem
 
     if args.dry_run:
         print(f"tc qdisc del dev {args.dev} root")
@@ -279,8 +279,8 @@ def _plot(results: Any, path: str) -> None:
 def cmd_bench_latency(args: argparse.Namespace) -> int:
     import statistics
 
-    from agent.runtime.delayproxy import DelayProxy
-    from agent.runtime.latency import EchoServer, tcp_rtt
+    from agent.tools.delayproxy import DelayProxy
+    from agent.measure.latency import EchoServer, tcp_rtt
 
     rtts = [float(x) for x in args.rtt.split(",") if x.strip()]
     echo = EchoServer().start()

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 
-# The placement policies of agent/runtime/placement.py (POLICIES), listed here so that `--help`
+# The placement policies of agent/node/placement.py (POLICIES), listed here so that `--help`
 # and argparse check the name without importing the runtime for every command.
 PLACEMENTS = ("free-slots-then-latency", "spread", "local-only")
 
@@ -56,9 +56,9 @@ def register(groups: Any) -> None:
     b.set_defaults(func=bench_rescale_cmd)
 
     try:
-        bench = importlib.import_module("agent.runtime.dataplane_bench")
+        bench = importlib.import_module("agent.tools.dataplane_bench")
     except ModuleNotFoundError as exc:
-        if exc.name != "agent.runtime.dataplane_bench":
+        if exc.name != "agent.tools.dataplane_bench":
             raise
     else:
         bench.register_bench(groups)
@@ -72,8 +72,8 @@ def _load_cfg(path: Any) -> Any:
 
 def run_cmd(args: argparse.Namespace) -> int:
     from agent.log import setup_logging
-    from agent.runtime import daemon
-    from agent.runtime.placement import DEFAULT_POLICY
+    from agent.node import daemon
+    from agent.node.placement import DEFAULT_POLICY
     from agent.schema import ConfigError
 
     try:
@@ -106,8 +106,8 @@ def _parse_extra(items: List[str]) -> Dict[str, Any]:
 
 def deploy_cmd(args: argparse.Namespace) -> int:
     from agent.config import resolve_password
-    from agent.runtime.deploy import DeployError, deploy
-    from agent.runtime.rpc import RpcError
+    from agent.node.deploy import DeployError, deploy
+    from agent.node.rpc import RpcError
     from agent.schema import ConfigError
 
     try:  # first, before any broker: a missing file is one line naming it, not an errno
@@ -140,13 +140,13 @@ def deploy_cmd(args: argparse.Namespace) -> int:
 
 
 def demo_cmd(args: argparse.Namespace) -> int:
-    from agent.runtime import demo
+    from agent.tools import demo
 
     return demo.main(args)
 
 
 def bench_rescale_cmd(args: argparse.Namespace) -> int:
-    from agent.runtime import demo
+    from agent.tools import demo
 
     from agent.log import stdout_to_stderr
 

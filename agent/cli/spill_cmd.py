@@ -165,7 +165,7 @@ def cmd_bench_analytics(args: argparse.Namespace) -> int:
 
 # ---- spill benchmark ---------------------------------------------------------------------------
 #
-# The REAL sink: a `Worker` (agent.runtime.worker) hosting `counting_sink`, in this process, fed
+# The REAL sink: a `Worker` (agent.instance.worker) hosting `counting_sink`, in this process, fed
 # the data envelopes a predecessor publishes (pre-encoded taxi batches) through an in-memory
 # transport: the same code path as on the broker (envelope decode, FIFO channel, dedupe, ids
 # file, spool line, settle, acks) minus the socket, so the ratio measures the spill and not the
@@ -175,8 +175,8 @@ def cmd_bench_analytics(args: argparse.Namespace) -> int:
 
 _SHIP_LOOP = """
 import select, sys
-from agent.runtime.shipper import PathShipper
-from agent.runtime.spool import SpoolDirs
+from agent.spill.shipper import PathShipper
+from agent.spill.spool import SpoolDirs
 shipper = PathShipper(SpoolDirs(sys.argv[1], "bench"), sys.argv[2])
 print("ready", flush=True)
 while not select.select([sys.stdin], [], [], 0.05)[0]:  # stdin closed: one last pass, then exit
@@ -215,7 +215,7 @@ class _FeedTransport:
     def publish(self, topic: str, payload: Any, qos: Any = None, retain: bool = False) -> int:
         self.published += 1
         if payload[-8:].find(b"]") >= 0 and b',"a",' in payload[:200]:
-            from agent.runtime.envelope import decode
+            from agent.dataplane.envelope import decode
 
             self.acked = max(self.acked, decode(payload).body[1])  # the sink's cumulative ack
         return self.published
@@ -235,8 +235,8 @@ class _FeedTransport:
 
 
 def _make_payloads(n: int, batch: int, inbox_sender: str) -> List[bytes]:
-    from agent.runtime.envelope import encode_data
-    from agent.runtime.taxi import TaxiGenerator
+    from agent.dataplane.envelope import encode_data
+    from agent.operators.taxi import TaxiGenerator
 
     gen = TaxiGenerator(1, "bench")
     out = []
@@ -248,16 +248,16 @@ def _make_payloads(n: int, batch: int, inbox_sender: str) -> List[bytes]:
 
 def _sink_worker_run(payloads: List[bytes], work: Path, spill: bool, batch: int) -> Tuple[float, Dict[str, Any]]:
     from agent import topics
-    from agent.runtime.dataplane_bench import initial_specs, pipeline_toml
-    from agent.runtime.spec import BrokerSpec
-    from agent.runtime.transport import Received
-    from agent.runtime.worker import Worker
+    from agent.tools.dataplane_bench import initial_specs, pipeline_toml
+    from agent.instance.spec import BrokerSpec
+    from agent.mqtt.transport import Received
+    from agent.instance.worker import Worker
 
     run = work / f"run-{time.monotonic_ns()}"
     toml = pipeline_toml("bench", [
-        {"name": "source", "kind": "source", "function": "agent.runtime.taxi:source",
+        {"name": "source", "kind": "source", "function": "agent.operators.taxi:source",
          "params": {"seed": 1, "rate": 1.0}, "batch_size": batch},
-        {"name": "sink", "kind": "sink", "function": "agent.runtime.operators:counting_sink", "batch_size": batch},
+        {"name": "sink", "kind": "sink", "function": "agent.operators.builtin:counting_sink", "batch_size": batch},
     ], scaling={"policy": "none"})
     extra: Dict[str, Any] = {"sink_dir": str(run / "sink")}
     if spill:
@@ -293,7 +293,7 @@ def _sink_worker_run(payloads: List[bytes], work: Path, spill: bool, batch: int)
 
 
 def cmd_bench_spill(args: argparse.Namespace) -> int:
-    from agent.runtime.spool import gzip_engine
+    from agent.spill.spool import gzip_engine
 
     payloads = _make_payloads(args.records, args.batch, "source-0")
     rates: Dict[str, List[float]] = {"off": [], "on": []}

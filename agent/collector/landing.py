@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Union
 
-from agent.runtime.spool import _fsync_dir, file_id, read_records
+from agent.spill.spool import _fsync_dir, file_id, read_records
 
 __all__ = ["CorruptFile", "LandResult", "LandingZone"]
 

@@ -26,8 +26,8 @@ from agent import topics
 from agent.collector.core import CollectorCore
 from agent.collector.landing import LandingZone
 from agent.config import TlsSection, tls_setup
-from agent.runtime.daemon import connect_error, paho_error
-from agent.runtime.shipper import chunk_subscription
+from agent.node.daemon import connect_error, paho_error
+from agent.spill.shipper import chunk_subscription
 
 __all__ = ["BatchScheduler", "Collector"]
 

@@ -1,6 +1,6 @@
 """`fogctl deploy`: the same steps as `fog-agent deploy`, over fogctl's own connection.
 
-Why not call `agent.runtime.deploy.deploy()`: it opens a second client without TLS options, and
+Why not call `agent.node.deploy.deploy()`: it opens a second client without TLS options, and
 its retained snapshot waits for a pause in traffic, which never comes while three or more agents
 publish their state every half second (measured: a deploy blocked for 8 minutes). fogctl's
 snapshot ends at its sync marker instead. The pure parts are shared, so both tools place and
@@ -34,9 +34,9 @@ def deploy_pipeline(conn: Connection, text: str, name: str, timeout: float,
                     policy_name: Optional[str] = None) -> Tuple[Any, List[Dict[str, str]]]:
     """Publish the TOML retained and start its keepers; returns (PipelineConfig, placed keepers)."""
     from agent.config import load_pipeline_text
-    from agent.runtime.deploy import DeployError, fleet_from_snapshot, keeper_specs, run_deploy
-    from agent.runtime.placement import DEFAULT_POLICY, get_policy
-    from agent.runtime.spec import BrokerSpec
+    from agent.node.deploy import DeployError, fleet_from_snapshot, keeper_specs, run_deploy
+    from agent.node.placement import DEFAULT_POLICY, get_policy
+    from agent.instance.spec import BrokerSpec
 
     cfg = load_pipeline_text(text, name)  # ConfigError names the file and key
     unsupported = cfg.runtime_policy_errors()

@@ -137,7 +137,7 @@ class Fleet:
 
     @classmethod
     def from_messages(cls, cluster: str, messages: Mapping[str, bytes]) -> "Fleet":
-        from agent.runtime.deploy import parse_record
+        from agent.node.deploy import parse_record
 
         states: Dict[str, Any] = {}
         statuses: Dict[str, str] = {}

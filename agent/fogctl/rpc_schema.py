@@ -209,7 +209,7 @@ def check_scale(fleet: Fleet, req: ScaleRequest) -> List[Tuple[str, ScaleRequest
             raise RequestError(f"refused: {req.operator} +{req.delta} needs {req.delta} free slots, "
                                f"the online nodes have {free}")
         limit = _max_instances(fleet, req.pipeline or (pipelines[0] if pipelines else None), req.operator)
-        # Counted as the agents count (agent.runtime.bounds): every phase, online nodes. Said
+        # Counted as the agents count (agent.node.bounds): every phase, online nodes. Said
         # here, because the agent would only refuse the copies and the round would shrink.
         have = sum(1 for i in insts if i.node in online)
         if limit is not None and have + req.delta > limit:

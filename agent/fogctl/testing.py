@@ -154,7 +154,7 @@ class FakeAgent:
         threading.Thread(target=self._settle, daemon=True).start()
 
     def _agent_op(self, body: Dict[str, Any]) -> Dict[str, Any]:
-        """The daemon's own rpc ops (agent.runtime.rpc): spawn a keeper, stop an instance."""
+        """The daemon's own rpc ops (agent.node.rpc): spawn a keeper, stop an instance."""
         with self._lock:
             if body["op"] == "spawn":
                 spec = body.get("spec") or {}

@@ -2,7 +2,7 @@
 
 Rules of this file: everything that changes an instance's routing tables or its scaling state
 lives here; no I/O, no clock, no global random. A driver (the simulator in `agent.sim`, the
-worker process in `agent.runtime`) feeds the core and performs what it returns.
+worker process, `agent.instance.worker`) feeds the core and performs what it returns.
 
 API
 ---
@@ -315,7 +315,7 @@ class ScalingCore:
 
         Safe only for a copy known to be idle now and created by an earlier incarnation of ours:
         the driver adopts a copy only after it answered a probe sent by this incarnation
-        (agent.runtime.worker), so no earlier Start can still reach it and it cannot have left."""
+        (agent.instance.worker), so no earlier Start can still reach it and it cannot have left."""
         if copy_id == self.instance_id:
             raise LocalProtocolError(f"{self.instance_id} cannot adopt itself")
         return self.start_duplication(1, (copy_id,), create=False)

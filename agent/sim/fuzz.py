@@ -49,8 +49,8 @@ from agent.protocol.gme_base import Entered, GmeMessage, GmeNode, GmeState, mess
 from agent.protocol.gme_base import Send as GmeSend
 from agent.protocol.messages import Message, from_dict, from_json
 from agent.protocol.scaling import DeletionMode, Effect, InstanceState, ScalingCore, Send
-from agent.runtime.channel import Inbound
-from agent.runtime.envelope import Envelope, Kind, MalformedEnvelope, decode, encode, encode_data
+from agent.dataplane.channel import Inbound
+from agent.dataplane.envelope import Envelope, Kind, MalformedEnvelope, decode, encode, encode_data
 
 __all__ = [
     "Failure",
@@ -1005,7 +1005,7 @@ def _rpc_request_corpus() -> List[Any]:
 
 
 def _check_rpc_request(body: Any) -> None:
-    from agent.runtime import rpc
+    from agent.node import rpc
 
     if not isinstance(body, dict) or body.get("op") not in rpc.OPS:
         raise PropertyViolation("invalid_accepted", f"request {_short(body, 80)}")
@@ -1027,7 +1027,7 @@ def _check_reply(body: Any) -> None:
 
 def _parse_peer_state(raw: Any) -> Any:
     """What the daemon and `fog-agent deploy` do with a neighbour's retained state."""
-    from agent.runtime import nodestate
+    from agent.node import nodestate
 
     doc = nodestate.parse_node_state(raw)
     return doc, nodestate.node_view(doc)
@@ -1053,7 +1053,7 @@ def _parse_latency_record(raw: Any) -> Any:
     """The agent's and fogctl's readers of a retained latency record: lenient, they never raise;
     an unusable record reads as 'unmeasured' (a rejection here)."""
     from agent.fogctl.fleet import parse_latency as fogctl_latency
-    from agent.runtime import nodestate
+    from agent.node import nodestate
 
     rtt = nodestate.parse_latency(raw)
     measured, emulated = fogctl_latency(raw)
@@ -1106,7 +1106,7 @@ class LatencyProbeTarget(Target):
     name = "latency_probe"
 
     def prepare(self, seed: int) -> None:
-        from agent.runtime.latency import LatencyCore
+        from agent.measure.latency import LatencyCore
 
         self.cluster = "c"
         self.core = LatencyCore("b", self.cluster, period=1.0)
@@ -1203,7 +1203,7 @@ class DaemonTarget(Target):
         from pathlib import Path
 
         from agent.config import load_agent_config
-        from agent.runtime.daemon import Agent
+        from agent.node.daemon import Agent
 
         self._dir = tempfile.TemporaryDirectory(prefix="fuzz-daemon-")
         conf = Path(self._dir.name) / "agent.toml"
@@ -1293,7 +1293,8 @@ BUS_TARGETS: Tuple[str, ...] = (
 
 
 def _bus_target(name: str) -> Target:
-    from agent.runtime import rehome, rpc
+    from agent.node import rehome
+    from agent.node import rpc
 
     if name == "latency_probe":
         return LatencyProbeTarget()

@@ -11,7 +11,7 @@ policy objects the agent runs (agent.policy.*) through the common `decide(Measur
   pressure" for the predecessors (BP > 0.5 in Gesscale);
 - each instance measures its share: records/s received and processed (even split), CPU
   utilisation = processed / MST (+ small noise), its online capacity (records/s per busy second,
-  i.e. MST/n: what agent.runtime.capacity estimates from measured service times), ND_max and its
+  i.e. MST/n: what agent.measure.capacity estimates from measured service times), ND_max and its
   latency rank;
 - every `period` seconds each instance calls its own policy object; duplications become capacity
   after `spawn_delay`, terminations after `drain_delay` (our scaling never stops the pipeline;

@@ -1,6 +1,6 @@
 """Two operators for temperature sensors, the worked example of docs/operators.md.
 
-Readings arrive from the sensors over MQTT (`agent.runtime.taxi:mqtt_source`) as JSON objects
+Readings arrive from the sensors over MQTT (`agent.operators.taxi:mqtt_source`) as JSON objects
 `{"sensor": "s1", "celsius": 21.5}`; the pipeline is examples/operators/pipeline.toml:
 
     mqtt_source -> to_fahrenheit (map and filter; key = "sensor") -> sensor_stats (keyed) -> mqtt_sink
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
-from agent.runtime.operators import Operator, OperatorContext, Param, record_map
+from agent.operators import Operator, OperatorContext, Param, record_map
 
 
 @record_map

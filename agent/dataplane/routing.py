@@ -1,0 +1,207 @@
+"""Routing to successors and output batching (size + linger). Sans-IO: time is passed in.
+
+- Without a key: batches go round-robin over the successors, skipping one without flow-control
+  credit (a slow instance then receives less instead of blocking its siblings' share; when all
+  have credit it is plain round-robin, as the paper assumes for an even load share).
+- With a key (the operator declares `key = "field"`): records are routed by key GROUP, not by raw
+  hash modulo instance count (docs/design.md section 8): group = crc32(key) mod `groups`, and the
+  groups are dealt over the successors in sorted order, so every predecessor maps a key to the
+  same instance, and a later state hand-over can move whole groups.
+
+The outbox never drops a record: records buffered for a successor that leaves the routing table
+are routed again over the new table (docs/design.md invariant 3: after the route change nothing more
+goes to the leaving instance). Each buffered record carries the process index of the input batch
+it came from, so the worker can tell which inputs are fully forwarded (see flow.AckTracker).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import deque
+from typing import Any, Callable, Deque, Dict, Iterable, List, Optional, Sequence, Tuple
+
+from agent.dataplane.envelope import Item
+
+__all__ = ["Router", "Outbox", "key_group", "DEFAULT_GROUPS"]
+
+DEFAULT_GROUPS = 128
+
+Pending = Tuple[Item, int]  # (item, process index)
+
+
+def key_group(key: Any, groups: int = DEFAULT_GROUPS) -> int:
+    """Stable across processes and machines (unlike `hash()`, which is salted per process)."""
+    return zlib.crc32(str(key).encode()) % groups
+
+
+class Router:
+    """The routing table to the next operator (the paper's `succs`)."""
+
+    def __init__(self, succs: Sequence[str] = (), key: Optional[str] = None, groups: int = DEFAULT_GROUPS) -> None:
+        self.key = key
+        self.groups = groups
+        self._succs: Tuple[str, ...] = ()
+        self.set_succs(succs)
+        self._rr = 0
+
+    @property
+    def succs(self) -> Tuple[str, ...]:
+        return self._succs
+
+    def set_succs(self, succs: Iterable[str]) -> None:
+        self._succs = tuple(sorted(set(succs)))
+
+    def add(self, dest: str) -> None:
+        self.set_succs(self._succs + (dest,))
+
+    def remove(self, dest: str) -> None:
+        self.set_succs(s for s in self._succs if s != dest)
+
+    def by_key(self, record: Any) -> str:
+        value = record.get(self.key) if isinstance(record, dict) else None
+        g = key_group(value, self.groups)
+        return self._succs[g % len(self._succs)]
+
+    def next_with_credit(self, credit: Callable[[str], int]) -> Optional[str]:
+        n = len(self._succs)
+        for i in range(n):
+            dest = self._succs[(self._rr + i) % n]
+            if credit(dest) > 0:
+                self._rr = (self._rr + i + 1) % n
+                return dest
+        return None
+
+
+class Outbox:
+    """Buffered output records waiting for a full batch, the linger time, or credit."""
+
+    def __init__(self, router: Router, batch_size: int, linger: float) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, found {batch_size}")
+        self.router = router
+        self.batch_size = batch_size
+        self.linger = linger
+        # Keyless: one shared buffer (dest chosen at send time) of chunks [items, index, offset]
+        # (one per add: no per-record tuple on the way through). Keyed: one buffer per dest.
+        self._shared: Deque[List[Any]] = deque()
+        self._shared_n = 0
+        self._shared_since = 0.0
+        self._keyed: Dict[str, List[Pending]] = {}
+        self._keyed_since: Dict[str, float] = {}
+        self.pending = 0
+
+    def add(self, items: Sequence[Item], index: int, now: float) -> None:
+        """Buffer the records derived from input `index` (keyless: the list itself is kept, as
+        one chunk, so the caller must not change it afterwards; the worker never does)."""
+        if not items:
+            return
+        if self.router.key is None:
+            if not self._shared:
+                self._shared_since = now
+            self._shared.append([items if isinstance(items, list) else list(items), index, 0])
+            self._shared_n += len(items)
+        else:
+            if not self.router.succs:
+                raise RuntimeError("keyed routing without successors")
+            for it in items:
+                dest = self.router.by_key(it[2])
+                buf = self._keyed.get(dest)
+                if buf is None:
+                    buf = self._keyed[dest] = []
+                    self._keyed_since[dest] = now
+                buf.append((it, index))
+        self.pending += len(items)
+
+    def take(self, now: float, credit: Callable[[str], int], force: bool = False) -> List[Tuple[str, List[Item], int]]:
+        """Batches to send now: [(dest, items, lowest index)]. The caller must send them all."""
+        out: List[Tuple[str, List[Item], int]] = []
+        if not self.router.succs:
+            return out
+        sent: Dict[str, int] = {}
+
+        def left(dest: str) -> int:  # credit minus the batches already taken in this call
+            return credit(dest) - sent.get(dest, 0)
+
+        if self.router.key is None:
+            while self._shared and (
+                self._shared_n >= self.batch_size or force or now - self._shared_since >= self.linger
+            ):
+                dest = self.router.next_with_credit(left)
+                if dest is None:
+                    break
+                n = min(self.batch_size, self._shared_n)
+                low = self._shared[0][1]
+                batch: List[Item] = []
+                need = n
+                while need:
+                    c = self._shared[0]
+                    items, _, off = c
+                    k = min(need, len(items) - off)
+                    if off == 0 and k == len(items) == need and not batch:
+                        batch = items  # the whole chunk: no copy
+                    else:
+                        batch.extend(items[off:off + k])
+                    need -= k
+                    if off + k == len(items):
+                        self._shared.popleft()
+                    else:
+                        c[2] = off + k
+                out.append((dest, batch, low))
+                sent[dest] = sent.get(dest, 0) + 1
+                self.pending -= n
+                self._shared_n -= n
+        else:
+            for dest in list(self._keyed):
+                if dest not in self.router.succs:
+                    continue  # left the table: reroute() moves these (invariant 3)
+                buf = self._keyed[dest]
+                while buf and (len(buf) >= self.batch_size or force or now - self._keyed_since[dest] >= self.linger):
+                    if left(dest) <= 0:
+                        break
+                    chunk, self._keyed[dest] = buf[: self.batch_size], buf[self.batch_size :]
+                    buf = self._keyed[dest]
+                    out.append((dest, [p[0] for p in chunk], chunk[0][1]))
+                    sent[dest] = sent.get(dest, 0) + 1
+                    self.pending -= len(chunk)
+                if not buf:
+                    del self._keyed[dest]
+                    del self._keyed_since[dest]
+        return out
+
+    def reroute(self, now: float) -> int:
+        """After a routing-table change: move keyed records to their new destination.
+
+        Returns how many records changed destination. A keyless buffer needs nothing: its
+        destination is chosen at send time from the current table.
+        """
+        if self.router.key is None or not self._keyed:
+            return 0
+        moved = 0
+        old, self._keyed, self._keyed_since = self._keyed, {}, {}
+        self.pending = 0
+        for dest, buf in sorted(old.items(), key=lambda kv: kv[1][0][1]):
+            for it, index in buf:
+                new = self.router.by_key(it[2]) if self.router.succs else dest
+                moved += new != dest
+                self._keyed.setdefault(new, []).append((it, index))
+                self._keyed_since.setdefault(new, now)
+                self.pending += 1
+        # keep each buffer in process-index order (the lowest index is the first element)
+        for buf in self._keyed.values():
+            buf.sort(key=lambda p: p[1])
+        return moved
+
+    def lowest_index(self) -> Optional[int]:
+        lows = [buf[0][1] for buf in self._keyed.values() if buf]
+        if self._shared:
+            lows.append(self._shared[0][1])
+        return min(lows) if lows else None  # chunks are in index order: the first is the lowest
+
+    def next_deadline(self) -> Optional[float]:
+        times = [self._keyed_since[d] + self.linger for d, b in self._keyed.items() if b]
+        if self._shared:
+            times.append(self._shared_since + self.linger)
+        return min(times) if times else None
+
+    def buffered_for(self, dest: str) -> int:
+        return len(self._keyed.get(dest, ()))

@@ -1,0 +1,1 @@
+"""What a node measures: capacity, latencies, psutil resources, netem emulation, Prometheus metrics."""

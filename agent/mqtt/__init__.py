@@ -1,0 +1,1 @@
+"""The MQTT client of a worker process (paho with one owner thread)."""

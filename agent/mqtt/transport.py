@@ -1,0 +1,317 @@
+"""The MQTT client of one worker: paho with exactly one owner thread.
+
+Rules of this file (from paho issues #354/#787 and docs/design.md section 6):
+- one owner thread: the thread that created the Transport is the only one that may call
+  `publish`, `subscribe` or `poll` (checked; a second thread raises). We never call
+  `loop_start()`: `poll()` runs paho's network loop in the owner thread, so callbacks run there
+  too, and they only convert and enqueue (aiomqtt style);
+- every publish return code is checked. For QoS > 0 only MQTT_ERR_QUEUE_SIZE means paho did not
+  take the message: once taken, paho keeps it whatever its first socket write returned
+  (MQTT_ERR_NO_CONN, or MQTT_ERR_CONN_LOST when the broker goes away during the write) and sends
+  it after the reconnect, so retrying it ourselves would send it twice. For QoS 0 anything but
+  SUCCESS/NO_CONN is a rejection. A rejection raises `PublishRejected`: the caller keeps the data
+  and retries later;
+- persistent session (MQTT 5, clean_start false, a session expiry): the inbox keeps filling while a
+  worker restarts (invariant 2 and issue 10). A final exit clears the session (expiry 0) so the
+  broker does not keep queues of instances that are gone for good;
+- reconnects with exponential backoff; if the broker lost the session, subscriptions are renewed.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Deque, Dict, List, Optional, Union
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+from agent.instance.spec import BrokerSpec
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "Transport",
+    "TransportError",
+    "PublishRejected",
+    "Received",
+    "PubAck",
+    "Connected",
+    "Disconnected",
+    "Event",
+]
+
+SESSION_EXPIRY = 3600  # seconds a broker keeps an absent worker's inbox (crash-restart window)
+
+
+class TransportError(Exception):
+    """Root of transport errors."""
+
+
+class PublishRejected(TransportError):
+    """paho refused a publish (queue full, message id space exhausted, bad topic)."""
+
+    def __init__(self, topic: str, rc: int) -> None:
+        super().__init__(f"publish to {topic} rejected by paho: {mqtt.error_string(rc)} (rc={rc})")
+        self.rc = rc
+
+
+@dataclass(frozen=True)
+class Received:
+    topic: str
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class PubAck:
+    mid: int
+
+
+@dataclass(frozen=True)
+class Connected:
+    session_present: bool
+
+
+@dataclass(frozen=True)
+class Disconnected:
+    reason: str
+
+
+Event = Union[Received, PubAck, Connected, Disconnected]
+
+
+class Transport:
+    def __init__(self, client_id: str, broker: BrokerSpec, persistent: bool = True) -> None:
+        self.broker = broker
+        self.client_id = client_id
+        self.persistent = persistent
+        self.events: Deque[Event] = deque()
+        self._owner = threading.get_ident()
+        self._subs: Dict[str, int] = {}
+        self._pending_sub: Dict[int, str] = {}
+        self._connected = False
+        self._backoff = 0.1
+        self._next_reconnect = 0.0
+        # Fencing (re-homing on): after a lost connection, reconnect only once the owner says so
+        # (`allow_reconnect`), see agent.instance.worker. Off: reconnect at once, with backoff.
+        self.gate_reconnect = False
+        self._allowed_until = float("inf")
+        self.published = 0
+        self.rejected = 0
+        self.reconnects = 0
+        c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5)
+        c.max_inflight_messages_set(broker.max_inflight)
+        c.max_queued_messages_set(0)  # bounded by our flow control instead (flow.OutLink)
+        if broker.username:
+            c.username_pw_set(broker.username, broker.password)
+        if broker.ca_file:
+            c.tls_set(ca_certs=broker.ca_file, certfile=broker.cert_file, keyfile=broker.key_file)
+            if broker.tls_insecure:
+                c.tls_insecure_set(True)
+        c.on_connect = self._on_connect
+        c.on_disconnect = self._on_disconnect
+        c.on_message = self._on_message
+        c.on_publish = self._on_publish
+        c.on_subscribe = self._on_subscribe
+        self.client = c
+
+    # ---- callbacks: convert and enqueue only ----------------------------------------------------
+
+    def _on_connect(self, client: Any, userdata: Any, flags: Any, rc: Any, props: Any = None) -> None:
+        if rc.is_failure:
+            self.events.append(Disconnected(f"connect refused: {rc}"))
+            return
+        self._connected = True
+        self._backoff = 0.1
+        _nodelay(client)
+        self.events.append(Connected(bool(flags.session_present)))
+
+    def _on_disconnect(self, client: Any, userdata: Any, flags: Any, rc: Any, props: Any = None) -> None:
+        self._lost()
+        self.events.append(Disconnected(str(rc)))
+
+    def _lost(self) -> None:
+        """The connection is gone; fenced (gate_reconnect): wait for allow_reconnect()."""
+        if self._connected and self.gate_reconnect:
+            self._allowed_until = 0.0
+        self._connected = False
+
+    def _on_message(self, client: Any, userdata: Any, msg: Any) -> None:
+        self.events.append(Received(msg.topic, msg.payload))
+
+    def _on_publish(self, client: Any, userdata: Any, mid: int, rc: Any = None, props: Any = None) -> None:
+        self.events.append(PubAck(mid))
+
+    def _on_subscribe(self, client: Any, userdata: Any, mid: int, rcs: Any, props: Any = None) -> None:
+        topic = self._pending_sub.pop(mid, None)
+        if topic is not None:
+            if any(getattr(r, "is_failure", False) for r in rcs):
+                self.events.append(Disconnected(f"subscribe to {topic} refused: {rcs}"))
+            else:
+                self._subs[topic] = 1
+
+    # ---- owner-thread API -------------------------------------------------------------------------
+
+    def _check_owner(self) -> None:
+        if threading.get_ident() != self._owner:
+            raise TransportError("paho client used from a thread that does not own it")
+
+    @property
+    def connected(self) -> bool:
+        return self._connected
+
+    def connect(self, timeout: float = 10.0, will: Optional[tuple] = None) -> bool:
+        """Connect and wait for CONNACK; returns whether the broker kept our session."""
+        self._check_owner()
+        props = Properties(PacketTypes.CONNECT)
+        props.SessionExpiryInterval = SESSION_EXPIRY if self.persistent else 0
+        if will is not None:
+            self.client.will_set(*will)
+        self.client.connect(
+            self.broker.host,
+            self.broker.port,
+            keepalive=self.broker.keepalive,
+            clean_start=not self.persistent,
+            properties=props,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.client.loop(0.05)
+            for i, ev in enumerate(self.events):
+                if isinstance(ev, Connected):
+                    del self.events[i]
+                    return ev.session_present
+                if isinstance(ev, Disconnected) and ev.reason.startswith("connect refused"):
+                    # CONNACK with a failure (bad credentials, not authorized): say so now
+                    raise TransportError(f"{self.broker.host}:{self.broker.port}: {ev.reason}")
+        raise TransportError(f"no CONNACK from {self.broker.host}:{self.broker.port} within {timeout}s")
+
+    def subscribe(self, topic: str, qos: Optional[int] = None, timeout: float = 10.0) -> None:
+        """Subscribe and wait for the SUBACK (invariant 2 needs to know it is in place)."""
+        self._check_owner()
+        q = self.broker.qos if qos is None else qos
+        rc, mid = self.client.subscribe(topic, qos=q)
+        if rc != MQTTErrorCode.MQTT_ERR_SUCCESS:
+            raise TransportError(f"subscribe to {topic}: {mqtt.error_string(rc)}")
+        self._pending_sub[mid] = topic
+        deadline = time.monotonic() + timeout
+        while mid in self._pending_sub:
+            if time.monotonic() > deadline:
+                raise TransportError(f"no SUBACK for {topic} within {timeout}s")
+            self.client.loop(0.05)
+        if topic not in self._subs:
+            raise TransportError(f"subscribe to {topic} refused by the broker")
+
+    def publish(self, topic: str, payload: Union[bytes, str], qos: Optional[int] = None, retain: bool = False) -> int:
+        """Hand one message to paho; returns its mid (PubAck(mid) follows for QoS > 0)."""
+        self._check_owner()
+        q = self.broker.qos if qos is None else qos
+        info = self.client.publish(topic, payload, qos=q, retain=retain)
+        if info.rc == MQTTErrorCode.MQTT_ERR_QUEUE_SIZE or (  # see the rules at the top
+                q == 0 and info.rc not in (MQTTErrorCode.MQTT_ERR_SUCCESS, MQTTErrorCode.MQTT_ERR_NO_CONN)):
+            self.rejected += 1
+            raise PublishRejected(topic, info.rc)
+        self.published += 1
+        return int(info.mid)
+
+    def poll(self, timeout: float) -> None:
+        """Run the network loop once (owner thread); reconnect with backoff when disconnected."""
+        self._check_owner()
+        if self._connected or self.client.is_connected():
+            rc = self.client.loop(timeout)
+            if rc == MQTTErrorCode.MQTT_ERR_SUCCESS:
+                return
+            self._lost()
+        now = time.monotonic()
+        if now >= self._allowed_until:
+            time.sleep(timeout)  # fenced: the owner has not allowed a reconnect (yet)
+            return
+        if now < self._next_reconnect:
+            time.sleep(min(timeout, self._next_reconnect - now))
+            return
+        try:
+            self.client.reconnect()
+            self.reconnects += 1
+            deadline = time.monotonic() + 2.0
+            while not self._connected and time.monotonic() < deadline:
+                self.client.loop(0.05)
+            if self._connected:
+                self._allowed_until = float("inf")
+                self._renew_subscriptions()
+                return
+        except (OSError, ValueError) as exc:
+            log.warning("reconnect to %s:%s failed: %s", self.broker.host, self.broker.port, exc)
+        self._next_reconnect = time.monotonic() + self._backoff
+        self._backoff = min(self._backoff * 2, 5.0)
+
+    @property
+    def reconnect_held(self) -> bool:
+        """Disconnected and not allowed to reconnect (gate_reconnect)."""
+        return not self._connected and time.monotonic() >= self._allowed_until
+
+    def allow_reconnect(self, for_s: float = 10.0) -> None:
+        """Reconnect attempts may go on for `for_s` seconds; after that, ask again (the check
+        that allowed them is only that fresh)."""
+        self._allowed_until = time.monotonic() + for_s
+        self._next_reconnect = 0.0
+
+    def _renew_subscriptions(self) -> None:
+        session = any(isinstance(e, Connected) and e.session_present for e in self.events)
+        if session:
+            return
+        for topic in list(self._subs):
+            rc, mid = self.client.subscribe(topic, qos=self.broker.qos)
+            if rc == MQTTErrorCode.MQTT_ERR_SUCCESS:
+                self._pending_sub[mid] = topic
+
+    def pending_out(self) -> int:
+        """Messages paho still holds (unsent or waiting for PUBACK)."""
+        return len(self.client._out_messages)  # noqa: SLF001 - no public accessor in paho 2.x
+
+    def close(self, final: bool = False, timeout: float = 5.0) -> None:
+        """Flush what paho holds (bounded), then disconnect; `final` deletes the session."""
+        self._check_owner()
+        # Write out what paho holds, but never READ on the way out: paho PUBACKs every delivery
+        # it reads (before our code sees it), so a message read now would be gone from the
+        # broker without being processed. Left unread, it stays in our persistent session and
+        # the next incarnation gets it (found by the chaos runs: records lost at a node restart).
+        deadline = time.monotonic() + timeout
+        while self._connected and self.client.want_write() and time.monotonic() < deadline:
+            if self.client.loop_write() != MQTTErrorCode.MQTT_ERR_SUCCESS:
+                break
+        props = None
+        if final:
+            props = Properties(PacketTypes.DISCONNECT)
+            props.SessionExpiryInterval = 0
+        try:
+            self.client.disconnect(properties=props)
+            self.client.loop_write()  # send the DISCONNECT; reading now could PUBACK a delivery
+        except (OSError, ValueError):
+            pass
+
+    def take_events(self) -> List[Event]:
+        out = list(self.events)
+        self.events.clear()
+        return out
+
+
+def _nodelay(client: Any) -> None:
+    """Disable Nagle's algorithm on paho's socket (paho 2.2 does not).
+
+    Measured: with Nagle on both ends (Mosquitto's `set_tcp_nodelay` defaults to false too), a
+    small ack or PUBACK waits for the peer's delayed ACK, ~40 ms per hop, and a credit window of
+    8 batches then caps a pipeline at ~70 batches/s. Set it on the broker as well.
+    """
+    sock = client.socket()
+    if sock is None:
+        return
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except (OSError, AttributeError):  # TLS wrapper without setsockopt, or a unix socket
+        pass

@@ -1,0 +1,1644 @@
+"""`fog-agent run`: the per-node daemon that hosts operator instances as worker processes.
+
+Rules of this file (gunicorn's arbiter habit): ONE thread owns all state and does all publishing,
+the main loop. Everything else only enqueues into `self._events` (a `queue.SimpleQueue`, whose
+`put` is reentrant and therefore safe from a signal handler): paho's network thread (connect,
+message), one stdout reader thread per worker, and the signal handlers. The loop wakes at least
+every `TICK` seconds to reap workers, expire calls and publish state.
+
+What it does:
+- MQTT 5 session: stable client id `fog-agent-<cluster>-<node>`, clean_start=False with a session
+  expiry, so requests sent while it reconnects wait in the broker; retained status "online" with
+  a Last Will "offline" (retained), so the fleet learns of a dead agent without polling.
+- Node state: retained JSON (`agent.node.nodestate`) every `state_period`, and soon after
+  every change of its instances.
+- createNode(): a worker's "spawn" line, a "spawn" on our peer topic from another agent, or one
+  on our rpc topic from `fog-agent deploy`. Placement (`agent.node.placement`) ranks the
+  nodes; a local slot starts a worker here, a remote one becomes a peer request to that agent.
+- Bus input (docs/security.md): control requests only on `agents/<me>/rpc/<admin>`, the
+  protocol's spawns only on `agents/<me>/peer/<node>` and only for a pipeline that node hosts,
+  re-homes or an admin deployed; replies only to `replies/<requester>/<me>`; every payload
+  bounded before parsing (agent.wire); no message ends the loop (`_on_message_safely`). Either way the answer ("spawned", or the
+  rpc reply) is sent only after the new worker said "ready", i.e. after it subscribed to its inbox
+  (docs/design.md invariant 2: subscribe before announce).
+- Shutdown on SIGTERM/SIGINT: "stop" to every worker (they drain, invariant 4), SIGTERM after
+  shutdown_timeout/2, SIGKILL after shutdown_timeout, then "offline" and exit. Bound: the process
+  exits within shutdown_timeout + SHUTDOWN_SLACK seconds of the signal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import queue
+import signal
+import ssl
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+
+from agent import topics
+from agent.config import AgentConfig, check_tls, load_pipeline_text, resolve_password
+from agent.operators import admission
+from agent.node import bounds
+from agent.node import hosted
+from agent.node import nodestate
+from agent.node import rehome
+from agent.node import rpc
+from agent.node import deploy as records
+from agent.node.placement import DEFAULT_POLICY, NodeView, PlacementPolicy, PlacementRequest, get_policy
+from agent.files import write_atomic
+from agent.instance.spec import BrokerSpec, InstanceSpec, request_spec
+from agent.node.supervisor import WORKER_COMMAND, WORKER_EXIT_BAD_SPEC, Reaped, Supervisor, Worker, WorkerStatus
+
+log = logging.getLogger(__name__)
+
+# Exit statuses of `fog-agent run` (sysexits.h values where one fits).
+EXIT_OK = 0  # clean shutdown after a signal
+EXIT_ERROR = 1  # unexpected error in the loop
+EXIT_CONFIG = 78  # EX_CONFIG: the configuration is unusable
+EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: never reached the broker within connect_timeout
+
+TICK = 0.2  # seconds: the loop's longest sleep
+SHUTDOWN_SLACK = 3.0  # seconds beyond shutdown_timeout for reaping, "offline" and disconnect
+SESSION_EXPIRY = 3600  # seconds the broker keeps our session (subscriptions, queued requests)
+RPC_TIMEOUT = 30.0  # seconds to wait for a remote agent to start an instance and see it ready
+MAX_RESTARTS = 3  # immediate restarts of a crashed worker within RESTART_WINDOW; then with backoff
+RESTART_WINDOW = 60.0
+RESTART_BACKOFF_MAX = 30.0  # seconds: the longest wait before restarting a crash-looping worker
+REHOMED_KEPT = 1000  # entries of this node's retained re-homed record
+READOPT_SETTLE = 1.0  # seconds after connecting before re-adopting: the retained states arrive first
+STATE_MIN_INTERVAL = 0.25  # rate limit of change-triggered state publications
+
+
+class Halt(BaseException):
+    """Leave the main loop with an exit status (gunicorn's HaltServer)."""
+
+    def __init__(self, reason: str, status: int) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.status = status
+
+
+@dataclass
+class SpawnJob:
+    """One createNode() in progress: who asked, the spec, and the nodes still to try."""
+
+    spec: InstanceSpec
+    candidates: List[str]
+    reply: Callable[[Dict[str, Any]], None]
+    cause: str  # "spawn" (a worker duplicated itself), "deploy", "rpc"
+    tried: List[str] = field(default_factory=list)
+
+
+def client_id_for(cluster: str, node: str) -> str:
+    return f"fog-agent-{cluster}-{node}"
+
+
+def worker_env() -> Dict[str, str]:
+    """The workers' environment: ours, with this checkout importable (for a non-installed tree)."""
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if root not in parts:
+        env["PYTHONPATH"] = os.pathsep.join([root] + parts)
+    return env
+
+
+class Agent:
+    """The daemon of one node. `run()` blocks until a signal or `request_stop()`; returns the status."""
+
+    def __init__(
+        self,
+        cfg: AgentConfig,
+        policy: PlacementPolicy = get_policy(DEFAULT_POLICY),
+        worker_command: Sequence[str] = WORKER_COMMAND,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+        sample_machine: Callable[[Sequence[int]], nodestate.MachineSample] = nodestate.sample_machine,
+        connect_timeout: Optional[float] = None,
+        env: Optional[Dict[str, str]] = None,
+        warm_worker: bool = True,
+    ) -> None:
+        self.cfg = cfg
+        self.node = cfg.agent.node
+        self.cluster = cfg.agent.cluster
+        self.policy = policy
+        self.clock = clock
+        self.wall = wall
+        self.sample_machine = sample_machine
+        self.connect_timeout = connect_timeout
+        self.client_id = client_id_for(self.cluster, self.node)
+        self._events: "queue.SimpleQueue[Tuple[Any, ...]]" = queue.SimpleQueue()
+        # What a spec may name here (docs/security.md, "No code from the bus"): fixed at start.
+        self.allowed = admission.AllowList.for_node(cfg.operators.modules)
+        self.node_dirs = admission.NodeDirs.of(cfg)
+        timeout = cfg.agent.shutdown_timeout
+        self.supervisor = Supervisor(
+            emit=self._events.put,
+            heartbeat_timeout=max(5.0, 5 * cfg.agent.heartbeat_period),
+            unhealthy_after=max(1.0, 3 * cfg.agent.heartbeat_period),
+            warm=warm_worker,
+            term_after=timeout / 2,
+            kill_after=timeout,
+            command=worker_command,
+            env=dict(env if env is not None else worker_env(), **self.allowed.env()),
+        )
+        self.broker = BrokerSpec(
+            host=cfg.mqtt.host,
+            port=cfg.mqtt.port,
+            keepalive=cfg.mqtt.keepalive,
+            qos=cfg.mqtt.qos,
+            max_inflight=cfg.mqtt.max_inflight,
+            username=cfg.mqtt.username,
+            password=resolve_password(cfg.mqtt),
+            ca_file=cfg.mqtt.tls.ca_file if cfg.mqtt.tls else None,
+            cert_file=cfg.mqtt.tls.cert_file if cfg.mqtt.tls else None,
+            key_file=cfg.mqtt.tls.key_file if cfg.mqtt.tls else None,
+            tls_insecure=bool(cfg.mqtt.tls and cfg.mqtt.tls.insecure),
+        )
+        check_tls(cfg.mqtt)  # a bad CA/cert/key file: ConfigError now (exit 78), not in paho's thread
+        self._connect_error: Optional[str] = None  # why the last connect attempt failed
+        self._connect_errors_logged: set = set()  # each reason logged once until connected
+        self._paho_error: Optional[str] = None  # paho's last error log line (a TLS alert, ...)
+        # fleet knowledge, from retained topics
+        self.fleet: Dict[str, Dict[str, Any]] = {}
+        self.online: Dict[str, bool] = {}
+        self.latency: Dict[str, Dict[str, float]] = {}
+        self._reserved: Dict[str, int] = {}  # remote slots we asked for since their last state
+        # copies started on another node since its last state: counted for max_instances (bounds)
+        self._placed: Dict[str, Tuple[str, bounds.Known]] = {}  # instance -> (node, known)
+        self.latency_core = _latency_core(cfg)  # RTT to the other agents (issue 6), if installed
+        # createNode() bookkeeping
+        self._awaiting_ready: Dict[str, SpawnJob] = {}  # instance id -> job, local start
+        self._calls = rpc.PendingCalls()  # remote starts
+        self._restarts: Dict[str, List[float]] = {}
+        self._delayed_restarts: Dict[str, Tuple[float, InstanceSpec]] = {}  # instance -> (when, spec)
+        self._handing_over: Set[str] = set()  # keepers asked to stop on a drain, to start elsewhere
+        # node loss (agent.node.rehome): every node's retained hosted record, offline times
+        self.hosted_by_node: Dict[str, List[Dict[str, Any]]] = {}
+        self.rehomed_by_node: Dict[str, Dict[str, float]] = {}  # node -> {instance: when it re-homed it}
+        self._offline_since: Dict[str, float] = {}
+        self._rehomed: Set[str] = set()
+        self._hosted_dirty = True
+        self._reconcile_at: Optional[float] = None
+        self._reconnect_asks: Dict[str, float] = {}  # worker -> when it asked to reconnect (fencing)
+        self._last_puback = -1e9
+        self._to_readopt: List[InstanceSpec] = []  # hosted when this agent started (see run)
+        self._connected_at = 0.0  # clock() of the last connect: workers started before it may be fenced
+        self._fenced: Set[str] = set()  # killed because another node runs them: never restarted here
+        self._readopted = False
+        self._counter = 0
+        self._boot = format(int(wall()) % (36 ** 5), "x")
+        # loop state
+        self.connected = False
+        self._ever_connected = False
+        self._stopping_since: Optional[float] = None
+        self._stop_signal: Optional[int] = None
+        self._state_dirty = True
+        self._last_state = -1e9
+        self._last_watchdog = -1e9
+        self._ready_notified = False
+        self._started = clock()
+        self.counters: Dict[str, int] = {"spawned_local": 0, "spawned_remote": 0, "spawn_failed": 0,
+                                         "rpc_requests": 0, "restarts": 0, "bad_messages": 0,
+                                         "peer_refused": 0, "retained_ignored": 0}
+        self.deployed: Set[str] = set()  # pipelines an admin deployed (retained pipelines/<name>)
+        # The retained pipeline records (deployed with a generation, or a tombstone): an instance
+        # they rule out is stopped and forgotten (records.stale_reason, docs/fogctl.md).
+        self.records: Dict[str, records.PipelineRecord] = {}
+        self._undeploying: Set[str] = set()  # stopped for an undeploy: forgotten, never restarted
+        # fogctl scale pins: "<pipeline>/<operator>" -> {pipeline, operator, until (wall) or None}
+        self.pins: Dict[str, Dict[str, Any]] = _load_pins(Path(cfg.agent.state_dir))
+        self._pinned_sent: Dict[str, bool] = {}  # instance -> the pinned flag its worker was sent
+        self._client: Any = None
+        self.draining = False  # fogctl drain: refuse new instances (free_slots() = 0)
+        self.metrics: Any = None  # agent.measure.metrics, when [metrics].port != 0
+        self.stats_bridge: Any = None
+        # [spill]: the sink workers' spool settings, this agent's metrics/events spool, shipping
+        from agent.spill.local import AgentSpill
+
+        self.spill: Optional[AgentSpill] = AgentSpill.maybe(cfg, self.broker)
+        self.metrics_server: Any = None
+
+    # -- MQTT ----------------------------------------------------------------------------------
+
+    def _make_client(self) -> Any:
+        import paho.mqtt.client as mqtt
+        from paho.mqtt.packettypes import PacketTypes
+        from paho.mqtt.properties import Properties
+
+        c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=mqtt.MQTTv5)
+        if self.broker.username:
+            c.username_pw_set(self.broker.username, self.broker.password)
+        if self.broker.ca_file:
+            c.tls_set(ca_certs=self.broker.ca_file, certfile=self.broker.cert_file, keyfile=self.broker.key_file)
+            if self.broker.tls_insecure:
+                c.tls_insecure_set(True)
+        c.max_inflight_messages_set(self.broker.max_inflight)
+        c.reconnect_delay_set(min_delay=1, max_delay=10)
+        c.will_set(topics.agent_status(self.cluster, self.node), b"offline", qos=1, retain=True)
+        # Callbacks only enqueue (the loop owns the state).
+        c.on_connect = lambda cl, ud, flags, reason, props=None: self._events.put(
+            ("mqtt_connect", not reason.is_failure, str(reason), bool(getattr(flags, "session_present", False)))
+        )
+        c.on_disconnect = lambda cl, ud, flags, reason, props=None: self._events.put(("mqtt_disconnect", str(reason)))
+        # paho swallows a failed (re)connect (refused, TLS handshake) and retries; it calls this
+        # from inside its `except OSError`, so the exception is still sys.exc_info()'s.
+        c.on_connect_fail = lambda cl, ud: self._events.put(("mqtt_connect_fail", connect_error(sys.exc_info()[1])))
+        # paho reports a lost connection without its cause (a TLS alert from the broker rejecting
+        # our certificate reads as "Unspecified error"); the cause is in its error log line.
+        c.on_log = lambda cl, ud, level, buf: level == mqtt.MQTT_LOG_ERR and self._events.put(("mqtt_error", buf))
+        c.on_message = lambda cl, ud, msg: self._events.put(("mqtt_message", msg))
+        c.on_publish = lambda cl, ud, mid, reason=None, props=None: self._events.put(("mqtt_puback", mid))
+        props = Properties(PacketTypes.CONNECT)
+        props.SessionExpiryInterval = SESSION_EXPIRY
+        c.connect_async(self.broker.host, self.broker.port, keepalive=self.broker.keepalive,
+                        clean_start=False, properties=props)
+        return c
+
+    def _publish(self, topic: str, payload: bytes, retain: bool = False, qos: int = 1, properties: Any = None) -> bool:
+        if self._client is None:
+            return False
+        info = self._client.publish(topic, payload, qos=qos, retain=retain, properties=properties)
+        if info.rc != 0:
+            # paho does not raise on a full queue (docs/design.md section 6): say so, never drop silently.
+            log.warning("publish to %s not queued (rc=%s)", topic, info.rc, extra={"node": self.node})
+            return False
+        return True
+
+    def _on_connected(self, session_present: bool) -> None:
+        if self._ever_connected and self.metrics is not None:
+            self.metrics.reconnect("agent")  # fog_mqtt_reconnects_total{client="agent"}
+        self.connected = True
+        self._ever_connected = True
+        c = self._client
+        from agent.mqtt.transport import _nodelay
+
+        _nodelay(c)  # a pong or a reply behind an unacked packet would wait ~40 ms (docs/measurement.md)
+        subs = [
+            (topics.agent_rpc_inbox(self.cluster, self.node), 1),
+            (topics.agent_peer_inbox(self.cluster, self.node), 1),
+            (topics.replies_inbox(self.cluster, self.node), 1),
+            (topics.all_agents_state(self.cluster), 1),
+            (topics.all_agents_status(self.cluster), 1),
+            (topics.all_latency(self.cluster), 1),
+            (topics.all_agents_hosted(self.cluster), 1),
+            (topics.all_agents_rehomed(self.cluster), 1),
+            (topics.all_pipelines(self.cluster), 1),
+        ]
+        if self.latency_core is not None:
+            subs.extend((t, 0) for t in self.latency_core.subscriptions())
+        c.subscribe(subs)
+        # State before status: whoever sees "online" (a snapshot ends at a sync marker, not after
+        # a pause) then also finds this node's retained state, so `deploy` can place on it.
+        self._publish_state(self.clock())
+        self._publish(topics.agent_status(self.cluster, self.node), b"online", retain=True)
+        self._state_dirty = True
+        self._hosted_dirty = True
+        # Re-adopt (first connect) and fence (every connect) once the retained states are in.
+        self._reconcile_at = self.clock() + READOPT_SETTLE
+        self._connected_at = self.clock()
+        log.info("connected to %s:%d (session present: %s)", self.broker.host, self.broker.port,
+                 session_present, extra={"node": self.node})
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def request_stop(self, signum: int = signal.SIGTERM) -> None:
+        """Ask the loop to shut down (safe from a signal handler or another thread)."""
+        self._events.put(("signal", signum))
+
+    def install_signal_handlers(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, frame: self._events.put(("signal", signum)))
+        # SIGHUP (systemctl reload) re-reads what can change in place; its default action would
+        # kill the daemon without a drain (docs/operations.md, "Reload").
+        signal.signal(signal.SIGHUP, lambda signum, frame: self._events.put(("reload", signum)))
+
+    def _start_metrics(self) -> None:
+        """`[metrics].port` != 0: serve /metrics (prometheus_client multiprocess mode, files under
+        the state dir) and export the workers' heartbeat counters through StatsBridge, so the
+        endpoint's counters are exactly what the workers count, with no metrics code in their
+        data path. Port 0 (the default and the tests') leaves everything off."""
+        if self.cfg.metrics.port == 0:
+            return
+        from agent.measure import metrics
+
+        metrics.enable_multiprocess(Path(self.cfg.agent.state_dir) / "metrics")
+        self.metrics = metrics.Metrics()
+        self.stats_bridge = metrics.StatsBridge(self.metrics)
+        try:
+            self.metrics_server = metrics.serve(self.cfg.metrics.port, self.cfg.metrics.address)
+        except OSError as exc:  # a busy port must not stop the node from working
+            log.error("metrics endpoint on %s:%d not started: %s", self.cfg.metrics.address,
+                      self.cfg.metrics.port, exc, extra={"node": self.node})
+            return
+        log.info("metrics on %s", self.metrics_server.url if self.metrics_server else "-", extra={"node": self.node})
+
+    def _observe_stats(self, w: Any) -> None:
+        if self.stats_bridge is not None and isinstance(w.stats, dict):
+            self.stats_bridge.observe(w.spec.pipeline, w.spec.operator, w.instance, w.stats)
+
+    def run(self) -> int:
+        self._start_metrics()
+        # What the previous incarnation hosted, read before this one starts anything: only these
+        # are re-adopted (an instance this agent starts and stops before the first reconcile
+        # must not come back).
+        self._to_readopt = hosted.hosted(self.cfg.agent.state_dir)
+        self._client = self._make_client()
+        self._client.loop_start()
+        status = EXIT_OK
+        try:
+            while True:
+                self._step()
+        except Halt as halt:
+            status = halt.status
+            log.info("agent stops: %s (exit %d)", halt.reason, status, extra={"node": self.node})
+        except Exception:
+            log.exception("agent loop failed", extra={"node": self.node})
+            status = EXIT_ERROR
+            self._emergency_stop()
+        finally:
+            if self.spill is not None:
+                self.spill.close()  # workers are stopped: close, ship what is closed, stop shipping
+            self._close_mqtt()
+            if self.metrics_server is not None:
+                self.metrics_server.close()
+        return status
+
+    def _step(self) -> None:
+        try:
+            ev = self._events.get(timeout=TICK)
+        except queue.Empty:
+            ev = None
+        now = self.clock()
+        if ev is not None:
+            self._dispatch(ev, now)
+            # drain what else is queued before the periodic work (bounded, to stay responsive)
+            for _ in range(200):
+                try:
+                    self._dispatch(self._events.get_nowait(), self.clock())
+                except queue.Empty:
+                    break
+        self._periodic(self.clock())
+
+    def _dispatch(self, ev: Tuple[Any, ...], now: float) -> None:
+        kind = ev[0]
+        if kind == "mqtt_message":
+            self._on_message_safely(ev[1], now)
+        elif kind == "worker_line":
+            self._on_worker_line(ev[1], ev[2], now)
+        elif kind == "worker_eof":
+            pass  # the exit is seen by supervisor.poll()
+        elif kind == "mqtt_puback":
+            self._last_puback = now
+        elif kind == "mqtt_connect":
+            if ev[1]:
+                self._connect_error, self._paho_error = None, None
+                self._connect_errors_logged.clear()
+                self._on_connected(ev[3])
+            else:
+                self._connection_problem(f"the broker refused the connection: {ev[2]}")
+        elif kind == "mqtt_connect_fail":
+            self._connection_problem(ev[1])
+        elif kind == "mqtt_error":
+            self._paho_error = paho_error(ev[1])
+        elif kind == "mqtt_disconnect":
+            reason = self._paho_error or ev[1]  # the cause rather than "Unspecified error"
+            self._paho_error = None
+            if self.connected:
+                self.connected = False
+                log.warning("disconnected from broker: %s", reason, extra={"node": self.node})
+            else:
+                self._connection_problem(f"connection closed before CONNACK: {reason}")
+        elif kind == "signal":
+            self._begin_shutdown(now, f"signal {signal.Signals(ev[1]).name}")
+        elif kind == "reload":
+            self._reload()
+
+    def _reload(self) -> None:
+        """SIGHUP: re-read the config file and apply its [log] level, the one setting that changes
+        safely in place; anything else needs a restart (drain, rejoin), which the log line says."""
+        from agent import notify
+        from agent.config import load_agent_config
+
+        if self._ready_notified:
+            notify.reloading()
+        try:
+
+            new = load_agent_config(self.cfg.source)
+        except (OSError, ValueError) as exc:
+            log.warning("SIGHUP: %s not reloaded, keeping the running configuration: %s", self.cfg.source,
+                        exc, extra={"node": self.node})
+        else:
+            other = [f.name for f in dataclasses.fields(new) if f.name != "log"
+                     and getattr(new, f.name) != getattr(self.cfg, f.name)]
+            log.warning("SIGHUP: reloaded %s: log level %s%s", self.cfg.source, new.log.level,
+                        f"; changed [{'], ['.join(other)}] need a restart (systemctl restart fog-agent)"
+                        if other else "", extra={"node": self.node})
+            logging.getLogger().setLevel(getattr(logging, new.log.level.upper(), logging.INFO))
+        if self._ready_notified:
+            notify.ready(self._status_line())
+
+    def _connection_problem(self, reason: str) -> None:
+        """A failed connect attempt: paho retries; we log each distinct reason once (no traceback,
+        no line per retry) and keep the last for the exit message of `connect_timeout`."""
+        self._connect_error = reason
+        if reason not in self._connect_errors_logged:
+            self._connect_errors_logged.add(reason)
+            log.warning("cannot connect to %s:%d: %s (retrying)", self.broker.host, self.broker.port, reason,
+                        extra={"node": self.node})
+
+    def _periodic(self, now: float) -> None:
+        for reaped in self.supervisor.poll(now):
+            self._on_reaped(reaped, now)
+        if self._reconcile_at is not None and now >= self._reconcile_at and self._stopping_since is None:
+            self._reconcile_at = None
+            self._reconcile(now)
+        if self._hosted_dirty and self.connected:
+            self._publish_hosted()
+        self._maybe_rehome(now)
+        self._grant_reconnects(now)
+        if self.pins:
+            self._expire_pins()
+        for inst, (when, spec) in list(self._delayed_restarts.items()):
+            if now >= when and self._stopping_since is None:
+                del self._delayed_restarts[inst]
+                self._restart(spec, now)
+        for call in self._calls.expired(now):
+            job: SpawnJob = call.context
+            log.warning("agent %s did not answer a spawn within %.0fs", call.node, RPC_TIMEOUT, extra={"node": self.node})
+            self._try_next(job, now, f"no reply from {call.node}")
+        if self._stopping_since is not None:
+            if len(self.supervisor) == 0:
+                raise Halt("all workers stopped", EXIT_OK)
+            if now - self._stopping_since > self.cfg.agent.shutdown_timeout + SHUTDOWN_SLACK / 2:
+                self._emergency_stop()
+                raise Halt("shutdown timeout: remaining workers killed", EXIT_OK)
+        if (
+            self.connect_timeout is not None
+            and not self._ever_connected
+            and now - self._started > self.connect_timeout
+        ):
+            last = f" ({self._connect_error})" if self._connect_error else ""
+            raise Halt(f"no broker at {self.broker.host}:{self.broker.port} after {self.connect_timeout}s{last}", EXIT_UNAVAILABLE)
+        if self.connected and self.latency_core is not None:
+            core = self.latency_core
+            core.set_neighbours(n for n in self.fleet if n != self.node and self.online.get(n, False))
+            for topic, payload in core.poll(self.clock()):  # a ping's send time: after the work above
+                self._publish(topic, payload, qos=0)
+            if core.dirty:
+                topic, payload = core.retained(self.wall())
+                self._publish(topic, payload, retain=True)
+        if self.connected:
+            due = now - self._last_state >= self.cfg.agent.state_period
+            if due or (self._state_dirty and now - self._last_state >= STATE_MIN_INTERVAL):
+                self._publish_state(now)
+        if self.spill is not None:
+            self.spill.tick(now)
+        self._notify(now)
+
+    # -- systemd -------------------------------------------------------------------------------
+
+    def _notify(self, now: float) -> None:
+        try:
+            from agent import notify
+        except ImportError:  # pragma: no cover - operations module absent
+            return
+        if not notify.enabled():
+            return
+        if not self._ready_notified and self.connected and self._stopping_since is None:
+            starting = [w for w in self.supervisor.workers.values() if w.status is WorkerStatus.STARTING]
+            if not starting:
+                notify.ready(self._status_line())
+                self._ready_notified = True
+        period = notify.watchdog_period()
+        if period is not None and now - self._last_watchdog >= period:
+            if self.supervisor.healthy(now) and self._stopping_since is None:
+                notify.watchdog()
+                notify.status(self._status_line())
+                self._last_watchdog = now
+
+    def _status_line(self) -> str:
+        ops: Dict[str, int] = {}
+        for w in self.supervisor.workers.values():
+            ops[w.spec.operator] = ops.get(w.spec.operator, 0) + 1
+        detail = ", ".join(f"{k}={v}" for k, v in sorted(ops.items())) or "none"
+        conn = "connected" if self.connected else "disconnected"
+        return f"{conn}; {len(self.supervisor)}/{self.cfg.agent.slots} slots used; instances: {detail}"
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def instance_infos(self) -> List[nodestate.InstanceInfo]:
+        out = []
+        for w in self.supervisor.workers.values():
+            stats = w.stats
+            status = w.status.value
+            # The protocol core's state, when the worker reports it (deleting/departing = leaving).
+            if status == "active" and stats.get("state") in ("deleting", "departing", "terminated"):
+                status = "terminating"
+            out.append(nodestate.InstanceInfo(
+                id=w.instance, operator=w.spec.operator, keeper=bool(stats.get("keeper", w.spec.keeper)),
+                status=status, load=_num(stats.get("load")), capacity=_num(stats.get("capacity")),
+                pid=w.pid, stats=stats,
+            ))
+        return out
+
+    def state_doc(self) -> Dict[str, Any]:
+        doc = nodestate.build_node_state(
+            self.node, self.cfg.agent.slots, self.instance_infos(), self.sample_machine(self.supervisor.pids()), self.wall()
+        )
+        # A draining node offers no slot to anybody: the other agents' placement (and fogctl's
+        # checks) read this number, and would otherwise ask it for instances it refuses.
+        doc["free_slots"] = min(int(doc["free_slots"]), self.free_slots())
+        for item in doc.get("instances", []):  # which deploy an instance belongs to (fogctl undeploy --force)
+            w = self.supervisor.get(str(item.get("id")))
+            if w is not None:
+                item["pipeline"] = w.spec.pipeline
+                gen = records.spec_generation(w.spec)
+                if gen:
+                    item["generation"] = gen
+                if self._pinned_sent.get(w.instance):
+                    item["pinned"] = True
+        if self.draining:  # fogctl status flags the node (docs/fogctl.md, "Payloads")
+            doc["draining"] = True
+        if self.pins:
+            doc["pins"] = sorted(self.pins.values(), key=lambda p: (p["pipeline"] or "", p["operator"]))
+        return doc
+
+    def _publish_state(self, now: float) -> None:
+        if self.metrics is not None:  # fog_instances, fog_spool_*: on the beat of the retained state
+            self.metrics.observe_node(self.supervisor.workers.values(), self.spill)
+        doc = self.state_doc()
+        self.fleet[self.node] = doc
+        if self._publish(topics.agent_state(self.cluster, self.node), nodestate.encode_state(doc), retain=True):
+            self._last_state = now
+            self._state_dirty = False
+
+    def _event(self, etype: str, instance: str, operator: str, pipeline: str, **detail: Any) -> None:
+        from agent import events
+
+        detail["source"] = "agent"
+        try:
+            ev = events.make(etype, ts=self.wall(), node=self.node, instance=instance, operator=operator,
+                             pipeline=pipeline, detail=detail)
+        except ValueError as exc:  # a bad event must never take the agent down
+            log.error("event %s not published: %s", etype, exc, extra={"node": self.node})
+            return
+        self._publish(topics.events(self.cluster), ev.to_json().encode(), qos=1)
+        if self.spill is not None:
+            self.spill.on_event(ev.to_dict())
+
+    # -- fleet view and placement --------------------------------------------------------------
+
+    def fleet_views(self) -> List[NodeView]:
+        views = [NodeView(
+            node=self.node, slots=self.cfg.agent.slots, free_slots=self.free_slots(), online=True,
+            latency_ms=self.latency.get(self.node, {}), instances=tuple(self.supervisor.workers),
+        )]
+        for node, doc in sorted(self.fleet.items()):
+            if node == self.node:
+                continue
+            view = nodestate.node_view(doc, online=self.online.get(node, True), latency_ms=self.latency.get(node, {}))
+            free = max(0, view.free_slots - self._reserved.get(node, 0))
+            views.append(dataclasses.replace(view, free_slots=free))
+        return views
+
+    def fleet_slots(self) -> int:
+        """All slots of the online fleet as this agent sees it: the bound of a forced scale-out."""
+        return sum(max(0, v.slots) for v in self.fleet_views() if v.online)
+
+    def free_slots(self) -> int:
+        if self.draining:
+            return 0  # `fogctl drain`: no new instance until `undrain`
+        return max(0, self.cfg.agent.slots - len(self.supervisor))
+
+    # -- fogctl steering (agent/fogctl/rpc_schema.py) ---------------------------------------
+
+    def _local_instances(self) -> List[Any]:
+        from agent.fogctl.fleet import Instance, Phase
+
+        out = []
+        for info in self.instance_infos():
+            w = self.supervisor.get(info.id)
+            phase = {"active": Phase.ACTIVE, "terminating": Phase.TERMINATING}.get(info.status, Phase.STARTING)
+            if phase is Phase.ACTIVE and info.stats.get("state") == "idle":
+                phase = Phase.STARTING  # created, not yet started by its creator
+            out.append(Instance(id=info.id, operator=info.operator, node=self.node,
+                                pipeline=w.spec.pipeline if w is not None else None,
+                                keeper=info.keeper, phase=phase, load=info.load, capacity=info.capacity))
+        return out
+
+    def _on_steering(self, body: Dict[str, Any], now: float) -> Dict[str, Any]:
+        """A fogctl scale/drain request: check it against our own instances (`agent_actions`) and
+        hand each action to its worker as a control line; the worker runs it through the SAME
+        protocol as an automatic decision (ScalingCore.start_round with a forced decision)."""
+        from agent.fogctl.rpc_schema import ActionKind, DrainRequest, Reply, RequestError, agent_actions, parse_request
+
+        try:
+            req = parse_request(body)
+            actions = agent_actions(req, self.node, self._local_instances(), slots=self.fleet_slots())
+        except RequestError as exc:
+            return Reply(False, {}, str(exc)).to_dict()
+        if isinstance(req, DrainRequest):
+            self.draining = not req.undo
+            self._state_dirty = True
+        sent: List[str] = []
+        for a in actions:
+            if a.kind is ActionKind.HANDOVER:
+                # A keeper never terminates: it moves with its identity (see `_hand_over`). It
+                # stops here first (drains, keeps its session, writes its state); the rest
+                # happens when it has exited.
+                if a.instance not in self.supervisor:
+                    return Reply(False, {"leaving": sent}, f"instance {a.instance} on {self.node} is not running").to_dict()
+                self._handing_over.add(a.instance)
+                self.supervisor.stop(a.instance, now)
+                sent.append(a.instance)
+                continue
+            kind = "duplicate" if a.kind is ActionKind.DUPLICATE else "terminate"
+            if self.supervisor.send(a.instance, "scale", action=kind, count=a.count):
+                sent.append(a.instance)
+            else:
+                return Reply(False, {"instances": sent}, f"instance {a.instance} on {self.node} is not reachable").to_dict()
+        log.info("steering %s: %s", body.get("op"), [(a.kind.value, a.instance, a.count) for a in actions],
+                 extra={"node": self.node})
+        for a in actions:
+            w = self.supervisor.get(a.instance)
+            if w is not None:
+                self._event("drain" if isinstance(req, DrainRequest) else "steer", a.instance, w.spec.operator,
+                            w.spec.pipeline, action=a.kind.value, count=a.count)
+        key = "leaving" if isinstance(req, DrainRequest) else "instances"
+        return Reply(True, {key: sent, "node": self.node}).to_dict()
+
+    def _new_instance_id(self, operator: str) -> str:
+        self._counter += 1
+        return f"{operator}-{self.node}-{self._boot}-{self._counter}"
+
+    # -- createNode() --------------------------------------------------------------------------
+
+    def _on_worker_line(self, instance: str, line: str, now: float) -> None:
+        msg = self.supervisor.handle_line(instance, line, now)
+        if msg is None:
+            return
+        event = msg["event"]
+        if event == "heartbeat":
+            w = self.supervisor.get(instance)
+            if w is not None:
+                self._observe_stats(w)
+                if self.spill is not None:
+                    self.spill.on_heartbeat(w.spec, w.stats, self.wall())
+        elif event == "ready":
+            self._on_ready(instance, now)
+        elif event == "spawn":
+            self._on_worker_spawn(instance, msg, now)
+        elif event == "may_reconnect":
+            # Fencing: answered in _grant_reconnects once a PUBACK newer than this ask proves
+            # our own connection is up (then the broker never fired our Will meanwhile, or we
+            # reconnected and _reconcile ran). The state publish provokes that PUBACK.
+            self._reconnect_asks.setdefault(instance, now)
+            if self.connected:
+                self._publish_state(now)
+        elif event == "round_cancelled":
+            w = self.supervisor.get(instance)
+            if w is not None:
+                self._event("refused", instance, w.spec.operator, w.spec.pipeline, what="round_cancelled",
+                            round=msg.get("round"), created=msg.get("created"), error=msg.get("error"))
+        elif event == "exit":
+            log.info("worker announced exit: %s", msg.get("reason"), extra={"instance": instance})
+            self._state_dirty = True
+
+    def _on_ready(self, instance: str, now: float) -> None:
+        self._state_dirty = True
+        job = self._awaiting_ready.pop(instance, None)
+        w = self.supervisor.get(instance)
+        if w is not None and instance not in self._undeploying:
+            # From now on the instance may be announced: an agent restart must bring it back.
+            hosted.remember(self.cfg.agent.state_dir, without_handover(w.spec))
+            self._hosted_dirty = True
+            if self.pins:
+                self._apply_pins()
+            self._event("spawned", instance, w.spec.operator, w.spec.pipeline,
+                        cause=job.cause if job else ("restart" if w.spec.restart else "unknown"))
+        if job is not None:
+            # Invariant 2: the new instance's inbox is subscribed ("ready"), only now is it announced.
+            job.reply({"ok": True, "instance": instance, "node": self.node})
+
+    def _on_worker_spawn(self, requester: str, msg: Dict[str, Any], now: float) -> None:
+        req_id = msg.get("request")
+        w = self.supervisor.get(requester)
+
+        def reply(result: Dict[str, Any]) -> None:
+            fields = {k: v for k, v in result.items() if k in ("ok", "instance", "node", "error")}
+            self.supervisor.send(requester, "spawned", request=req_id, **fields)
+
+        if w is None or not isinstance(msg.get("spec"), dict):
+            reply({"ok": False, "error": "spawn without a spec object"})
+            return
+        stale = records.stale_reason(records.spec_generation(w.spec), self.records.get(w.spec.pipeline))
+        if stale or requester in self._undeploying:
+            reply({"ok": False, "error": f"refused: {stale or 'it is being undeployed'}"})
+            return
+        try:
+            spec = self._spec_from(msg["spec"], template=w.spec)
+        except (TypeError, ValueError) as exc:
+            reply({"ok": False, "error": f"invalid spec: {exc}"})
+            return
+        why = self._max_instances_refusal(spec)
+        if why:
+            # The creator cancels this copy (docs/scaling.md, deviation 8); not an error here.
+            self.counters["spawn_refused_max"] = self.counters.get("spawn_refused_max", 0) + 1
+            log.info("refused copy %s of %s: %s", spec.instance, requester, why,
+                     extra={"node": self.node, "operator": spec.operator})
+            reply({"ok": False, "error": why})
+            return
+        self._create_node(spec, reply, cause="spawn", now=now)
+
+    def _max_instances_refusal(self, spec: InstanceSpec) -> Optional[str]:
+        """Why a worker's copy would take its operator past [scaling] max_instances (None: it
+        would not). Every instance this agent knows of counts, whatever its phase, plus the
+        copies it is placing elsewhere (agent.node.bounds: hard on one agent, as fresh as
+        the retained states across agents)."""
+        limit = load_pipeline_text(spec.pipeline_toml, f"pipeline {spec.pipeline}").scaling_for(spec.operator).max_instances
+        local = [(w.instance, w.spec.pipeline, w.spec.operator) for w in self.supervisor.workers.values()]
+        placing = [(c.context.spec.instance, c.context.spec.pipeline, c.context.spec.operator)
+                   for c in self._calls.calls.values() if isinstance(c.context, SpawnJob)]
+        placing += [known for _, known in self._placed.values()]
+        existing = bounds.operator_instances(spec.pipeline, spec.operator, self.node, local, self.fleet,
+                                             self.online, placing)
+        return bounds.refusal(spec.operator, spec.instance, limit, existing)
+
+    def _spec_from(self, data: Dict[str, Any], template: Optional[InstanceSpec],
+                   requester: Optional[str] = None) -> InstanceSpec:
+        """A full spec for an instance to start here: the request's fields over the template's.
+
+        The node-local fields (node, broker, state_dir, heartbeat period, spool) are always this
+        agent's: a request from another node must not make us connect elsewhere or write to its
+        paths. The spec must pass `_admit` (its function on this node's allow-list, its paths
+        inside this node's directories), else ValueError, logged with `requester` (default: the
+        template's worker, who asked), and nothing is started or saved.
+        """
+        base: Dict[str, Any] = dataclasses.asdict(without_handover(template)) if template is not None else {}
+        base.pop("instance", None)  # a sibling never inherits its requester's identity
+        base.update({k: v for k, v in data.items() if k in {f.name for f in dataclasses.fields(InstanceSpec)}})
+        if template is not None and "keeper" not in data:
+            base["keeper"] = False
+        if template is not None and "restart" not in data:
+            base["restart"] = False
+        if not base.get("instance"):
+            if not base.get("operator"):
+                raise ValueError("spec without an operator")
+            base["instance"] = self._new_instance_id(base["operator"])
+        topics._check(str(base["instance"]))
+        base.update(self._node_local(base.get("extra") or {}))
+        base["succs"] = tuple(base.get("succs", ()))
+        base["preds"] = tuple(base.get("preds", ()))
+        missing = [k for k in ("operator", "pipeline", "pipeline_toml") if not base.get(k)]
+        if missing:
+            raise ValueError(f"spec without {', '.join(missing)}")
+        spec = InstanceSpec(**base)
+        if requester is None:
+            requester = f"worker {template.instance}" if template is not None else "unknown requester"
+        self._admit(spec, requester)
+        return spec
+
+    def _admit(self, spec: InstanceSpec, requester: str) -> None:
+        """Refuse (ValueError, counted, one log line naming the requester) a spec whose operator
+        function is not on this node's allow-list, that names a path outside this node's
+        directories, or whose epoch floor is ahead of this node's clock (agent.operators.admission;
+        a spec from this node's state dir, `admission.FROM_STATE_DIR`, is not held to the clock).
+        Reads the names only: never imports the function."""
+        try:
+            if not isinstance(spec.pipeline_toml, str) or not isinstance(spec.operator, str):
+                raise ValueError("pipeline_toml and operator must be strings")
+            try:
+                op = load_pipeline_text(spec.pipeline_toml, f"pipeline {spec.pipeline}").operator(spec.operator)
+            except KeyError:
+                raise ValueError(f"operator {spec.operator!r} is not in pipeline {spec.pipeline!r}") from None
+            except RecursionError:
+                raise ValueError("pipeline text nested too deeply") from None
+            if not isinstance(spec.extra, dict):
+                raise ValueError("extra must be an object")
+            self.allowed.check(op.function)
+            admission.check_spec_paths(self.node_dirs, spec.extra, op.function, op.params)
+            admission.check_epochs(spec.extra, self.wall(), stored=requester == admission.FROM_STATE_DIR)
+        except ValueError as exc:
+            self.counters["refused_specs"] = self.counters.get("refused_specs", 0) + 1
+            log.warning("refused spec of instance %s from %s: %s", spec.instance, requester, exc,
+                        extra={"node": self.node})
+            raise
+
+    def _node_local(self, extra: Dict[str, Any]) -> Dict[str, Any]:
+        """The spec fields that are always this agent's, whatever the spec came with (a request
+        from another node, a stored spec): where to connect, where to write, how often to beat,
+        and, re-homing on, that a worker which lost its connection waits for our word before it
+        reconnects (_grant_reconnects). The spool settings are the node's own too: dropped here,
+        set again by `AgentSpill.with_spill` when this node spills. The fault-injection hook
+        `crash_at` is dropped unless this node enables fault injection (admission.ENV_FAULT_INJECTION):
+        from a request it would let anyone crash a worker at will."""
+        own = {k: v for k, v in extra.items() if k != "spill"}  # the spool: AgentSpill.with_spill, or none
+        if "crash_at" in own and not admission.fault_injection_enabled():
+            dropped = own.pop("crash_at")
+            log.warning("dropped extra.crash_at %.100r: fault injection is off on this node (%s)",
+                        dropped, admission.ENV_FAULT_INJECTION, extra={"node": self.node})
+        return {"node": self.node, "cluster": self.cluster, "broker": self.broker,
+                "state_dir": self.cfg.agent.state_dir, "heartbeat_period": self.cfg.agent.heartbeat_period,
+                "extra": dict(own, fence_reconnect=self.cfg.agent.dead_after > 0)}
+
+    def _create_node(self, spec: InstanceSpec, reply: Callable[[Dict[str, Any]], None], cause: str, now: float) -> None:
+        if self._stopping_since is not None:
+            reply({"ok": False, "error": f"agent {self.node} is shutting down"})
+            return
+        if self._answer_if_hosted(spec.instance, reply, local_only=False):
+            return
+        request = PlacementRequest(operator=spec.operator, local=self.node, neighbours=spec.succs + spec.preds)
+        ranking = list(self.policy(request, self.fleet_views()))
+        job = SpawnJob(spec=spec, candidates=ranking, reply=reply, cause=cause)
+        self._try_next(job, now, "no node has a free slot")
+
+    def _answer_if_hosted(self, instance: str, reply: Callable[[Dict[str, Any]], None], local_only: bool) -> bool:
+        """createNode() asked again for an instance that exists (its creator crashed mid-round
+        and performs its queued outputs again, agent.instance.recovery): answer with the existing
+        instance (when it is ready) instead of starting a second process with one identity."""
+        w = self.supervisor.get(instance)
+        if w is not None:
+            job = self._awaiting_ready.get(instance)
+            if job is not None:  # still starting: answer both requesters when it is ready
+                first = job.reply
+                job.reply = lambda result: (first(result), reply(result))
+            elif w.status is WorkerStatus.ACTIVE:
+                reply({"ok": True, "instance": instance, "node": self.node})
+            else:
+                reply({"ok": False, "error": f"instance {instance} is {w.status.value} on {self.node}"})
+            return True
+        if local_only:
+            return False
+        for node, doc in self.fleet.items():
+            if node != self.node and self.online.get(node) and any(
+                isinstance(i, dict) and i.get("id") == instance for i in doc.get("instances", []) or []
+            ):
+                reply({"ok": True, "instance": instance, "node": node})
+                return True
+        return False
+
+    def _try_next(self, job: SpawnJob, now: float, last_error: str) -> None:
+        while job.candidates:
+            node = job.candidates.pop(0)
+            job.tried.append(node)
+            if node == self.node:
+                if self._start_local(job, now):
+                    return
+                last_error = f"no free slot on {self.node}" if self.free_slots() <= 0 else f"{self.node} could not start the worker"
+                continue
+            if not self.connected:
+                last_error = "not connected to the broker"
+                continue
+            correlation = f"{self.client_id}-{self._boot}-{self._counter}-{len(self._calls)}-{now:.6f}"
+            self._calls.add(correlation, node, now, RPC_TIMEOUT, context=job)
+            body = {"op": "spawn", "spec": request_spec(job.spec), "cause": job.cause, "from": self.node}
+            if self._hosted_dirty:
+                # The receiver accepts a peer spawn only for a pipeline our retained hosted record
+                # lists (docs/security.md): publish it first, on the same connection, so that it
+                # arrives before the request.
+                self._publish_hosted()
+            props = rpc.publish_properties(correlation)
+            if self._publish(topics.agent_peer(self.cluster, node, self.node), rpc.encode(body), properties=props):
+                self._reserved[node] = self._reserved.get(node, 0) + 1
+                return
+            self._calls.resolve(correlation)
+            last_error = f"request to {node} not queued"
+        self.counters["spawn_failed"] += 1
+        log.warning("cannot place %s: %s (tried %s)", job.spec.instance, last_error, job.tried or "none",
+                    extra={"node": self.node, "operator": job.spec.operator})
+        job.reply({"ok": False, "error": last_error})
+
+    def _start_local(self, job: SpawnJob, now: float) -> bool:
+        if self.free_slots() <= 0 or job.spec.instance in self.supervisor:
+            return False
+        job.spec = spec_with_capacity(job.spec, self.cfg.agent.state_dir, self.node)
+        if self.spill is not None:
+            job.spec = self.spill.with_spill(job.spec)
+        try:
+            self.supervisor.start(job.spec, now)
+        except (OSError, ValueError) as exc:
+            log.error("cannot start worker: %s", exc, extra={"instance": job.spec.instance})
+            return False
+        self.counters["spawned_local"] += 1
+        self._awaiting_ready[job.spec.instance] = job
+        self._state_dirty = True
+        return True
+
+    # -- messages ------------------------------------------------------------------------------
+
+    def _on_message_safely(self, msg: Any, now: float) -> None:
+        """One message from the bus: whatever it holds, it never ends the loop (docs/security.md).
+        A failure the handlers did not foresee is counted and logged in one line naming the
+        topic and the sender, and the loop goes on with the next message."""
+        try:
+            self._on_message(msg, now)
+        except Exception as exc:
+            self.counters["bad_messages"] += 1
+            topic = str(getattr(msg, "topic", "?"))
+            parsed = topics.parse(self.cluster, topic)
+            sender = (parsed.sender or parsed.node) if parsed is not None else None
+            log.warning("message on %s from %s skipped: %s: %s", topic[:200], sender or "?", type(exc).__name__,
+                        str(exc)[:200], extra={"node": self.node})
+
+    def _bad(self, what: str, sender: Optional[str], exc: Any) -> None:
+        self.counters["bad_messages"] += 1
+        log.warning("ignoring %s from %s: %s", what, sender or "?", str(exc)[:200], extra={"node": self.node})
+
+    def _on_message(self, msg: Any, now: float) -> None:
+        topic: str = msg.topic
+        parsed = topics.parse(self.cluster, topic)
+        if parsed is None:
+            return
+        kind, node = parsed.kind, parsed.node
+        if getattr(msg, "retain", False) and kind in topics.NOT_RETAINED:
+            # Requests, replies and probes are never retained: a retained one is a forgery or a
+            # leftover, and acting on it would repeat it at every reconnect.
+            self.counters["retained_ignored"] += 1
+            log.warning("ignoring a retained message on %s (never retained)", topic[:200], extra={"node": self.node})
+            return
+        if kind in ("rpc", "peer") and node == self.node:
+            self._on_rpc_request(msg, str(parsed.sender), peer=kind == "peer", now=now)
+        elif kind == "reply" and node == self.node:
+            self._on_rpc_reply(msg, str(parsed.sender), now)
+        elif kind == "state":
+            if node == self.node or not msg.payload:
+                if not msg.payload:
+                    self.fleet.pop(node, None)
+                return
+            try:
+                doc = nodestate.parse_node_state(msg.payload)
+                if doc["node"] != node:
+                    raise ValueError(f"state on {node}'s topic names node {str(doc['node'])[:40]!r}")
+                nodestate.node_view(doc)  # what placement will read of it must be readable
+            except (ValueError, TypeError, KeyError) as exc:
+                self._bad("state", node, exc)
+                return
+            self.fleet[node] = doc
+            self._reserved.pop(node, None)
+            # Published after its replies to us (one connection, in order): it lists their copies.
+            self._placed = {i: v for i, v in self._placed.items() if v[0] != node}
+        elif kind == "status":
+            up = msg.payload == b"online"
+            self.online[node] = up
+            if up:
+                self._offline_since.pop(node, None)
+                self._rehomed.discard(node)
+            elif node != self.node:
+                self._offline_since.setdefault(node, now)
+        elif kind == "rehomed":
+            try:
+                self.rehomed_by_node[node] = rehome.decode_rehomed(msg.payload)
+            except ValueError as exc:
+                self._bad("re-homed record", node, exc)
+        elif kind == "hosted":
+            if node == self.node:
+                return
+            try:
+                self.hosted_by_node[node] = rehome.decode_hosted(msg.payload)
+            except ValueError as exc:
+                self._bad("hosted record", node, exc)
+        elif kind == "pipeline":
+            record = records.parse_record(msg.payload)
+            if record is None:
+                self.records.pop(node, None)
+            else:
+                self.records[node] = record
+            if record is not None and record.state == "deployed":
+                self.deployed.add(node)
+            else:
+                self.deployed.discard(node)
+            self._drop_stale(node, now)
+        elif kind == "latency":
+            self.latency[node] = nodestate.parse_latency(msg.payload)
+        elif kind in ("ping", "pong") and node == self.node and self.latency_core is not None:
+            try:
+                from agent.measure.latency import received_at
+
+                # timed at receipt on paho's thread, not when this loop reads it (docs/measurement.md)
+                t = self.clock()
+                out = self.latency_core.on_message(topic, msg.payload, t, received=received_at(msg, t, self.clock))
+            except ValueError as exc:
+                self._bad(f"latency {kind}", parsed.sender, exc)
+                return
+            for out_topic, payload in out:
+                self._publish(out_topic, payload, qos=0)
+
+    def _peer_may_spawn(self, requester: str, body: Dict[str, Any]) -> Optional[str]:
+        """Why a spawn from node `requester` on our peer topic is refused, or None to accept it.
+
+        docs/security.md: only for a pipeline the requester hosts (its retained hosted record
+        lists an instance of it), one an admin deployed (retained pipelines/<name>), or an
+        instance the requester re-homes (its retained re-homed record names it, and a node's
+        hosted record listed it in that pipeline)."""
+        spec = body.get("spec")
+        pipeline = spec.get("pipeline") if isinstance(spec, dict) else None
+        if not isinstance(pipeline, str) or not pipeline:
+            return "spawn without a pipeline"
+        stale = records.stale_reason(records.spec_generation(spec), self.records.get(pipeline))
+        if stale:
+            return f"pipeline {pipeline[:80]!r}: {stale}"
+        if pipeline in self.deployed:
+            return None
+        if any(s.get("pipeline") == pipeline for s in self.hosted_by_node.get(requester, [])):
+            return None
+        inst = spec.get("instance") if isinstance(spec, dict) else None
+        if isinstance(inst, str) and inst in self.rehomed_by_node.get(requester, {}) and any(
+            s.get("instance") == inst and s.get("pipeline") == pipeline
+            for n, specs in self.hosted_by_node.items() if n != requester for s in specs
+        ):
+            return None
+        return f"{requester} hosts no instance of pipeline {pipeline[:80]!r} and it is not deployed"
+
+    def _on_rpc_request(self, msg: Any, requester: str, peer: bool, now: float) -> None:
+        """A request on `agents/<me>/rpc/<admin>` (control) or `agents/<me>/peer/<node>` (the
+        protocol's spawns). The reply goes to `replies/<requester>/<me>`, computed from the
+        topic; a Response Topic in the request is ignored (docs/security.md)."""
+        self.counters["rpc_requests"] += 1
+        correlation = rpc.correlation_of(msg)
+        reply_to = topics.replies(self.cluster, requester, self.node)
+        where = "peer" if peer else "rpc"
+
+        def reply(result: Dict[str, Any]) -> None:
+            self._publish(reply_to, rpc.encode(result), properties=rpc.reply_properties(correlation or b""))
+
+        try:
+            body = rpc.decode_request(msg.payload)
+        except ValueError as exc:
+            self._bad(f"{where} request", requester, exc)
+            reply({"ok": False, "error": str(exc)})
+            return
+        op = body["op"]
+        if peer:
+            why = (f"op {op!r} is not allowed on the peer topic (only {', '.join(rpc.PEER_OPS)})"
+                   if op not in rpc.PEER_OPS else self._peer_may_spawn(requester, body))
+            if why is not None:
+                self.counters["peer_refused"] += 1
+                log.warning("refused %s request from node %s: %s", op, requester, why, extra={"node": self.node})
+                reply({"ok": False, "error": f"refused: {why}"})
+                return
+        if op == "ping":
+            reply({"ok": True, "node": self.node, "instances": sorted(self.supervisor.workers)})
+        elif op == "stop":
+            # `forget`: an undeploy (docs/fogctl.md): the stored spec goes before the reply, so
+            # that no restart of this agent brings the instance back, whatever the broker keeps.
+            inst, forget = body["instance"], body.get("forget") is True
+            stored = forget and any(s.instance == inst for s in hosted.hosted(self.cfg.agent.state_dir))
+            if forget and (inst in self.supervisor or stored):
+                self._undeploying.add(inst)
+                self._forget(inst)
+            if inst in self.supervisor:
+                self.supervisor.stop(inst, now)
+                reply({"ok": True, "instance": inst, "node": self.node})
+            elif stored:
+                reply({"ok": True, "instance": inst, "node": self.node, "forgotten": True})
+            else:
+                reply({"ok": False, "error": f"no instance {inst[:80]!r} on {self.node}"})
+        elif op == "pin":
+            reply(self._on_pin(body))
+        elif op == "set":
+            inst = body["instance"]
+            if self.supervisor.send(inst, "set", **body["fields"]):
+                reply({"ok": True, "instance": inst, "node": self.node})
+            else:
+                reply({"ok": False, "error": f"no running instance {inst[:80]!r} on {self.node}"})
+        elif op in ("scale", "drain", "undrain"):
+            reply(self._on_steering(body, now))
+        elif op == "spawn":
+            if self._stopping_since is not None:
+                reply({"ok": False, "error": f"agent {self.node} is shutting down"})
+                return
+            try:
+                spec = self._spec_from(body["spec"], template=None,
+                                       requester=f"{'node' if peer else 'admin'} {requester}")
+            except (TypeError, ValueError) as exc:
+                reply({"ok": False, "error": f"invalid spec: {exc}"})
+                return
+            if self._answer_if_hosted(spec.instance, reply, local_only=True):
+                return
+            # A request that reached this node was placed here: start locally or refuse (no
+            # forwarding, so that two agents with stale views cannot bounce a request forever).
+            job = SpawnJob(spec=spec, candidates=[self.node], reply=reply, cause=str(body.get("cause", "rpc"))[:40])
+            self._try_next(job, now, f"no free slot on {self.node}")
+
+    def _on_rpc_reply(self, msg: Any, replier: str, now: float) -> None:
+        """A reply on `replies/<me>/<replier>`: it answers a call only if it comes from the node
+        the call went to (the topic proves the replier) with the call's correlation."""
+        correlation = (rpc.correlation_of(msg) or b"").decode(errors="replace")
+        pending = self._calls.calls.get(correlation)
+        if pending is None or pending.node != replier:
+            return  # late reply after a timeout (the job moved on), or not from the node we asked
+        call = self._calls.resolve(correlation)
+        job: SpawnJob = call.context
+        try:
+            result = rpc.decode_reply(msg.payload)
+        except ValueError as exc:
+            self._bad("reply", replier, exc)
+            self._try_next(job, now, f"bad reply from {call.node}: {exc}")
+            return
+        if result["ok"]:
+            self.counters["spawned_remote"] += 1
+            self._placed[job.spec.instance] = (call.node, (job.spec.instance, job.spec.pipeline, job.spec.operator))
+            job.reply(result)
+        else:
+            self._try_next(job, now, f"{call.node}: {result.get('error')}")
+
+    # -- worker exits --------------------------------------------------------------------------
+
+    def _on_reaped(self, reaped: Reaped, now: float) -> None:
+        w = reaped.worker
+        self._state_dirty = True
+        self._observe_stats(w)
+        if self.metrics is not None:
+            from agent.measure import metrics
+
+            metrics.process_exited(w.pid)
+        job = self._awaiting_ready.pop(w.instance, None)
+        reason = (w.exit_event or {}).get("reason") or w.killed_for or f"exit status {reaped.returncode}"
+        log.info("worker pid %d exited with %d (%s)", w.pid, reaped.returncode, reason, extra={"instance": w.instance})
+        if job is not None:
+            self._try_next(job, now, f"worker exited before ready ({reason})")
+        cause = "shutdown" if self._stopping_since is not None else ("scale_in" if reaped.clean else "crash")
+        final = bool((w.exit_event or {}).get("final")) or reaped.returncode == WORKER_EXIT_BAD_SPEC
+        handover = w.instance in self._handing_over and not final and self._stopping_since is None
+        self._handing_over.discard(w.instance)
+        fenced = w.instance in self._fenced
+        self._fenced.discard(w.instance)
+        if handover:
+            cause = "handover"
+        if final:
+            hosted.forget(self.cfg.agent.state_dir, w.instance)  # gone for good: never re-adopt
+            self._hosted_dirty = True
+        undeployed = w.instance in self._undeploying
+        self._undeploying.discard(w.instance)
+        self._pinned_sent.pop(w.instance, None)
+        if undeployed:
+            cause = "undeploy"
+            self._forget(w.instance)  # again: the state file it wrote while draining
+        self._event("terminated", w.instance, w.spec.operator, w.spec.pipeline, cause=cause,
+                    code=reaped.returncode, reason=str(reason), clean=reaped.clean, stats=w.stats)
+        if handover:
+            self._hand_over(w, now)
+        elif reaped.crashed and self._stopping_since is None and not fenced and not undeployed:
+            self._maybe_restart(w, now)
+
+    def _hand_over(self, w: Worker, now: float) -> None:
+        """Start a keeper that stopped for a drain again ELSEWHERE, with the same identity.
+
+        Why a same-identity migration rather than duplicate-then-terminate: a keeper never
+        terminates, and its identity is what its neighbours' tables, its inbox session and its
+        channel positions are keyed by. So it moves like a crash restart on another node: the
+        spec gets `restart = true` and the state file it just wrote (plus a source's position),
+        the new incarnation takes epoch + 1 and the broker session of its inbox, and its
+        predecessors replay what it had not acked (duplicates are dropped by sequence and, at
+        the sink, by record id). Placement skips this node (draining: 0 free slots). Once the
+        new incarnation is ready this node forgets the instance, so an agent restart here never
+        re-adopts it; if no node can take it, it restarts here so that nothing stalls.
+        """
+        inst = w.instance
+        state_dir = Path(self.cfg.agent.state_dir)
+        extra = dict(w.spec.extra)
+        extra["handover_state"] = _read_json(state_dir / f"{inst}.state.json")
+        if extra["handover_state"] is None:  # never written: start above any epoch it used, as a re-home does
+            extra["min_epoch"] = max(int(extra.get("min_epoch", 0) or 0), int(self.wall()))
+        sink_dir = Path(str(extra.get("sink_dir") or state_dir))
+        source = _read_json(sink_dir / f"{inst}.source.json")
+        if source is not None:
+            extra["handover_source"] = source
+        keeper = bool(w.stats.get("keeper", w.spec.keeper))
+        spec = dataclasses.replace(w.spec, restart=True, active=True, keeper=keeper, extra=extra)
+        local = dataclasses.replace(w.spec, restart=True)
+
+        def reply(result: Dict[str, Any]) -> None:
+            if result.get("ok") and result.get("node") != self.node:
+                log.info("handed over to %s (same identity)", result.get("node"), extra={"instance": inst})
+                self._forget(inst)  # hosted.forget + the state file: never re-adopted here
+                self._event("drain", inst, w.spec.operator, w.spec.pipeline, action="handover", ok=True,
+                            to=result.get("node"))
+                return
+            error = result.get("error") if not result.get("ok") else "placed on the draining node"
+            log.error("hand-over failed (%s): restarting it here", error, extra={"instance": inst})
+            self._event("drain", inst, w.spec.operator, w.spec.pipeline, action="handover", ok=False,
+                        error=str(error))
+            if result.get("ok") or self._stopping_since is not None:
+                return  # it runs here already / the agent stops: re-adopted at its restart
+            self._restart(local, self.clock())
+
+        log.info("keeper stopped for the drain: starting it elsewhere (epoch above %s)",
+                 (extra["handover_state"] or {}).get("epoch"), extra={"instance": inst})
+        self._create_node(spec, reply, cause="handover", now=now)
+
+    def _maybe_restart(self, w: Worker, now: float) -> None:
+        """Restart a crashed worker with the same identity: at once for the first MAX_RESTARTS
+        crashes within RESTART_WINDOW, then with a doubling delay (at most RESTART_BACKOFF_MAX).
+        Never give up: the instance is in its neighbours' routing tables until the protocol
+        removes it, so without it their records towards it wait (nothing is lost, but it stalls)."""
+        history = [t for t in self._restarts.get(w.instance, []) if now - t < RESTART_WINDOW]
+        history.append(now)
+        self._restarts[w.instance] = history
+        spec = dataclasses.replace(w.spec, restart=True)
+        excess = len(history) - MAX_RESTARTS
+        if excess > 0:
+            delay = min(RESTART_BACKOFF_MAX, 2.0 ** excess)
+            log.error("worker crashed %d times in %.0fs: restarting in %.0fs", len(history), RESTART_WINDOW, delay,
+                      extra={"instance": w.instance})
+            self._delayed_restarts[w.instance] = (now + delay, spec)
+            return
+        self._restart(spec, now)
+
+    def _restart(self, spec: InstanceSpec, now: float) -> None:
+        try:
+            self.supervisor.start(spec, now)
+            self.counters["restarts"] += 1
+            log.warning("restarted crashed worker (same identity)", extra={"instance": spec.instance})
+        except (OSError, ValueError) as exc:
+            log.error("cannot restart worker: %s", exc, extra={"instance": spec.instance})
+
+    def _listed_elsewhere(self) -> Set[str]:
+        """Instance ids that another ONLINE node lists in its retained state."""
+        return {str(i.get("id")) for n, doc in self.fleet.items() if n != self.node and self.online.get(n)
+                for i in doc.get("instances", []) or [] if isinstance(i, dict)}
+
+    def _grant_reconnects(self, now: float) -> None:
+        """Let workers that lost their connection reconnect (re-homing on, see
+        worker.Worker._ask_to_reconnect), once a PUBACK newer than the ask came back and no
+        reconcile is pending. Why that is enough: if our connection survived the worker's
+        outage, the broker never fired our Will and nobody re-homed our instances; if it did
+        not, we reconnected, and `_reconcile` (1 s later, with the retained re-homing records in)
+        has killed every instance that now runs elsewhere, so it is no longer asking."""
+        if not self._reconnect_asks or not self.connected or self._reconcile_at is not None:
+            return
+        for inst, asked in list(self._reconnect_asks.items()):
+            if inst not in self.supervisor or inst in self._fenced:
+                del self._reconnect_asks[inst]
+            elif self._last_puback > asked:
+                del self._reconnect_asks[inst]
+                self.supervisor.send(inst, "reconnect")
+
+    def _reconcile(self, now: float) -> None:
+        """After a (re)connect, once the retained states are in: an instance of ours that an
+        online node now runs was re-homed while we were away (agent.node.rehome). We fence it
+        (kill our process, forget it) so that one identity never runs twice; on the first connect
+        we then re-adopt the rest."""
+        elsewhere = self._listed_elsewhere() | self._taken_over()
+        # Only workers that ran while we were away can have been re-homed. One started since this
+        # connect was placed here by a createNode() that saw the fleet as it is (a drain's
+        # hand-over, a re-home), while the retained state of the node it comes from may still
+        # list it for a moment: killing it would leave the identity nowhere.
+        before = {i for i, w in self.supervisor.workers.items() if w.started_at < self._connected_at}
+        for inst in sorted(elsewhere & before):
+            log.warning("instance re-homed while this node was away: stopping our copy", extra={"instance": inst})
+            self._fenced.add(inst)
+            self.supervisor.kill(inst, now, "re-homed elsewhere")
+            self._forget(inst)
+        for spec in hosted.hosted(self.cfg.agent.state_dir):
+            if spec.instance in elsewhere and spec.instance not in self.supervisor:
+                self._forget(spec.instance)
+        if not self._readopted:
+            self._readopted = True
+            self._readopt(now)
+
+    def _taken_over(self) -> Set[str]:
+        """Our hosted instances that another node re-homed after we started hosting them (they
+        may have terminated there since: re-adopting them would resurrect a departed instance)."""
+        state_dir = self.cfg.agent.state_dir
+        return {inst for node, record in self.rehomed_by_node.items() if node != self.node
+                for inst, when in record.items() if when > hosted.since(state_dir, inst) > 0}
+
+    def _forget(self, instance: str) -> None:
+        hosted.forget(self.cfg.agent.state_dir, instance)
+        self._delayed_restarts.pop(instance, None)
+        try:
+            (Path(self.cfg.agent.state_dir) / f"{instance}.state.json").unlink()
+        except FileNotFoundError:
+            pass
+        self._hosted_dirty = True
+
+    def _publish_hosted(self) -> None:
+        specs = [request_spec(s) for s in hosted.hosted(self.cfg.agent.state_dir)]
+        self.hosted_by_node[self.node] = specs
+        if self._publish(topics.agent_hosted(self.cluster, self.node), rehome.encode_hosted(specs), retain=True):
+            self._hosted_dirty = False
+
+    def _maybe_rehome(self, now: float) -> None:
+        """Start elsewhere, same identities, the instances of nodes offline for `dead_after`
+        seconds, if this agent is the lowest-named online one (agent.node.rehome)."""
+        if (not self.connected or self._stopping_since is not None or not self._offline_since
+                or self.cfg.agent.dead_after <= 0):
+            return
+        online = {n for n, up in self.online.items() if up} | {self.node}
+        for node, since in sorted(self._offline_since.items()):
+            if node in self._rehomed or now - since < self.cfg.agent.dead_after:
+                continue
+            if not rehome.responsible(self.node, online):
+                return
+            listed = self._listed_elsewhere() | set(self.supervisor.workers)
+            plan = rehome.plan_rehome(node, self.hosted_by_node, online, listed, int(self.wall()))
+            self._rehomed.add(node)
+            if plan:
+                record = self.rehomed_by_node.setdefault(self.node, {})
+                record.update((str(d["instance"]), self.wall()) for d in plan)
+                for inst in sorted(record, key=record.get)[:-REHOMED_KEPT]:
+                    del record[inst]  # bounded: the oldest entries go first
+                self._publish(topics.agent_rehomed(self.cluster, self.node),
+                              json.dumps(record, sort_keys=True).encode(), retain=True)
+            log.warning("node %s offline for %.0fs: re-homing %d instances", node, now - since, len(plan),
+                        extra={"node": self.node})
+            for data in plan:
+                stale = records.stale_reason(records.spec_generation(data), self.records.get(str(data.get("pipeline"))))
+                if stale:  # an undeployed pipeline does not come back through a dead node's record
+                    log.info("not re-homing %s: %s", data.get("instance"), stale, extra={"node": self.node})
+                    continue
+                try:  # the hosted record is bus input: admitted like a spawn request
+                    spec = self._spec_from(data, template=None, requester=f"the hosted record of {node}")
+                except (TypeError, ValueError) as exc:
+                    log.error("cannot re-home %s: %s", data.get("instance"), exc, extra={"node": self.node})
+                    continue
+
+                def reply(result: Dict[str, Any], inst: str = spec.instance) -> None:
+                    if not result.get("ok"):
+                        log.error("re-homing %s failed: %s", inst, result.get("error"), extra={"node": self.node})
+                        self._rehomed.discard(node)  # try again at the next period
+
+                self._create_node(spec, reply, cause="rehome", now=now)
+
+    def _drop_stale(self, pipeline: str, now: float) -> None:
+        """The record of `pipeline` changed: every instance of it that the record now rules out
+        (a tombstone, another deploy's generation: records.stale_reason) is forgotten and, if it
+        runs, stopped. This is how an agent that was away during an undeploy learns it."""
+        record = self.records.get(pipeline)
+        for spec in hosted.hosted(self.cfg.agent.state_dir):
+            why = spec.pipeline == pipeline and records.stale_reason(records.spec_generation(spec), record)
+            if why and spec.instance not in self.supervisor:
+                log.warning("stored spec forgotten: %s", why, extra={"instance": spec.instance})
+                self._forget(spec.instance)
+        for inst, w in list(self.supervisor.workers.items()):
+            why = w.spec.pipeline == pipeline and records.stale_reason(records.spec_generation(w.spec), record)
+            if why and inst not in self._undeploying:
+                log.warning("stopping: %s", why, extra={"instance": inst})
+                self._undeploying.add(inst)
+                self._forget(inst)
+                self.supervisor.stop(inst, now)
+
+    # -- pins (fogctl scale: the policy makes no automatic decision for a pinned operator) -------
+
+    def _on_pin(self, body: Dict[str, Any]) -> Dict[str, Any]:
+        from agent.fogctl.rpc_schema import Reply, RequestError, parse_request
+
+        try:
+            req = parse_request(body)
+        except RequestError as exc:
+            return Reply(False, {}, str(exc)).to_dict()
+        key = f"{req.pipeline or ''}/{req.operator}"
+        if req.release:  # every pin of the operator (of that pipeline, when it names one)
+            for k, p in list(self.pins.items()):
+                if p["operator"] == req.operator and req.pipeline in (None, p["pipeline"]):
+                    del self.pins[k]
+        else:
+            until = None if req.seconds is None else round(self.wall() + req.seconds, 3)
+            self.pins[key] = {"pipeline": req.pipeline, "operator": req.operator, "until": until}
+        _save_pins(Path(self.cfg.agent.state_dir), self.pins)
+        pinned = self._apply_pins()
+        log.info("%s %s: local instances %s", "released" if req.release else "pinned", key, pinned,
+                 extra={"node": self.node})
+        return Reply(True, {"pinned": not req.release, "until": self.pins.get(key, {}).get("until"),
+                            "instances": pinned, "node": self.node}).to_dict()
+
+    def _pin_of(self, spec: InstanceSpec) -> Optional[Dict[str, Any]]:
+        return next((p for p in self.pins.values() if p["operator"] == spec.operator
+                     and p["pipeline"] in (None, spec.pipeline)), None)
+
+    def _apply_pins(self) -> List[str]:
+        """Send each worker whose pinned flag changed a `set pinned` control line; the pinned ones."""
+        pinned = []
+        for inst, w in self.supervisor.workers.items():
+            want = self._pin_of(w.spec) is not None
+            if want:
+                pinned.append(inst)
+            if self._pinned_sent.get(inst, False) != want and w.status is WorkerStatus.ACTIVE:
+                if self.supervisor.send(inst, "set", pinned=want):
+                    self._pinned_sent[inst] = want
+        self._state_dirty = True
+        return sorted(pinned)
+
+    def _expire_pins(self) -> None:
+        wall = self.wall()
+        expired = [k for k, p in self.pins.items() if p["until"] is not None and p["until"] <= wall]
+        for k in expired:
+            log.info("pin of %s expired", k, extra={"node": self.node})
+            del self.pins[k]
+        if expired:
+            _save_pins(Path(self.cfg.agent.state_dir), self.pins)
+            self._apply_pins()
+
+    def _readopt(self, now: float) -> None:
+        """Restart, with the same identity, every instance this node hosted when its agent last
+        stopped (agent.node.hosted): they are still in their neighbours' routing tables.
+        Node-local settings come from this agent's configuration, not from the stored spec; a
+        stored spec this node no longer admits is set aside (`hosted.set_aside`), not started."""
+        present = {s.instance for s in hosted.hosted(self.cfg.agent.state_dir)}  # not forgotten since
+        for spec in self._to_readopt:
+            if spec.instance in self.supervisor or spec.instance not in present:
+                continue
+            stale = records.stale_reason(records.spec_generation(spec), self.records.get(spec.pipeline))
+            if stale:
+                log.warning("not re-adopted: %s (stored spec forgotten)", stale, extra={"instance": spec.instance})
+                self._forget(spec.instance)
+                continue
+            spec = dataclasses.replace(spec, restart=True, **self._node_local(spec.extra))
+            try:  # a file in the state dir is no more trusted than the request that wrote it
+                self._admit(spec, "the state dir")
+            except ValueError:
+                hosted.set_aside(self.cfg.agent.state_dir, spec.instance)
+                self._hosted_dirty = True
+                continue
+            if self.spill is not None:
+                spec = self.spill.with_spill(spec)
+            try:
+                self.supervisor.start(spec, now)
+            except (OSError, ValueError) as exc:
+                log.error("cannot re-adopt instance: %s", exc, extra={"instance": spec.instance})
+                continue
+            self.counters["readopted"] = self.counters.get("readopted", 0) + 1
+            log.warning("re-adopted instance hosted before the agent restarted", extra={"instance": spec.instance})
+        if len(self.supervisor) > self.cfg.agent.slots:
+            log.warning("%d re-adopted instances exceed the %d slots (no new ones until some leave)",
+                        len(self.supervisor), self.cfg.agent.slots, extra={"node": self.node})
+        self._state_dirty = True
+
+    # -- shutdown ------------------------------------------------------------------------------
+
+    def _begin_shutdown(self, now: float, why: str) -> None:
+        if self._stopping_since is not None:
+            return
+        self._stopping_since = now
+        log.info("shutting down (%s): stopping %d workers", why, len(self.supervisor), extra={"node": self.node})
+        try:
+            from agent import notify
+
+            notify.stopping(f"stopping {len(self.supervisor)} workers")
+        except ImportError:  # pragma: no cover
+            pass
+        for job in list(self._awaiting_ready.values()):
+            job.reply({"ok": False, "error": f"agent {self.node} is shutting down"})
+        self._awaiting_ready.clear()
+        self.supervisor.stop_all(now)
+        self.supervisor.close_warm()
+
+    def _emergency_stop(self) -> None:
+        """Kill every remaining worker and wait for it: never leave an orphan behind."""
+        now = self.clock()
+        self.supervisor.close_warm()
+        for inst in list(self.supervisor.workers):
+            self.supervisor.kill(inst, now, "agent exits")
+        for w in list(self.supervisor.workers.values()):
+            try:
+                w.proc.wait(timeout=2.0)
+            except Exception:
+                pass
+        self.supervisor.poll(now)
+
+    def _close_mqtt(self) -> None:
+        c = self._client
+        if c is None:
+            return
+        if self.connected:
+            doc = nodestate.build_node_state(self.node, self.cfg.agent.slots, [], self.sample_machine(()), self.wall())
+            self._publish(topics.agent_state(self.cluster, self.node), nodestate.encode_state(doc), retain=True)
+            info = c.publish(topics.agent_status(self.cluster, self.node), b"offline", qos=1, retain=True)
+            try:
+                info.wait_for_publish(timeout=1.0)
+            except (RuntimeError, ValueError):
+                pass
+        c.disconnect()
+        c.loop_stop()
+
+
+def connect_error(exc: Optional[BaseException]) -> str:
+    """One line for a failed connect attempt: TLS problems named as such (no traceback)."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"TLS error: {exc.verify_message or exc.reason or exc}"
+    if isinstance(exc, ssl.SSLError):
+        return f"TLS error: {exc.reason or exc}"
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused"
+    if exc is None:
+        return "connect failed"
+    return getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+
+
+def paho_error(buf: str) -> str:
+    """paho's error log line, with TLS failures named as such."""
+    return f"TLS error: {buf}" if "SSL" in buf or "TLS" in buf else buf
+
+
+HANDOVER_KEYS = ("handover_state", "handover_source")  # spec.extra of a migrated keeper (`_hand_over`)
+
+
+def without_handover(spec: InstanceSpec) -> InstanceSpec:
+    """`spec` without the state a hand-over shipped in its extra. Why: that state is a snapshot
+    of one moment; once the new incarnation has written its own state file it is stale. It must
+    not reach the hosted record (a re-home would restore it) nor a copy's spec (copies inherit
+    their creator's extra)."""
+    if not any(k in spec.extra for k in HANDOVER_KEYS):
+        return spec
+    return dataclasses.replace(spec, extra={k: v for k, v in spec.extra.items() if k not in HANDOVER_KEYS})
+
+
+def spec_with_capacity(spec: InstanceSpec, state_dir: Any, node: str) -> InstanceSpec:
+    """For `capacity = "calibrate"`: put THIS node's calibrated capacity into the spec's extra.
+
+    Why here: a copy inherits its creator's extra, but may start on another node whose Pi is
+    slower or throttled; the agent that starts the worker knows its own calibration
+    (`capacity.capacity_for`). A numeric capacity in the pipeline is left alone. Without a
+    calibration the worker keeps its fallback and the agent says how to fix it.
+    """
+    try:
+        cfg = load_pipeline_text(spec.pipeline_toml)
+        sc = cfg.scaling_for(spec.operator)
+    except Exception:  # the worker reports an unloadable pipeline itself (EXIT_BAD_SPEC)
+        return spec
+    if sc.capacity != "calibrate":
+        return spec
+    from agent.measure.capacity import capacity_for
+
+    try:
+        cap = capacity_for(state_dir, node, spec.operator, None)
+    except ValueError as exc:
+        log.warning("%s", exc, extra={"node": node, "operator": spec.operator})
+        return spec
+    extra = dict(spec.extra)
+    extra["capacity"] = cap
+    return dataclasses.replace(spec, extra=extra)
+
+
+def _latency_core(cfg: AgentConfig) -> Any:
+    """The latency measurement core of issue 6 when installed (placement works without it)."""
+    try:
+        from agent.measure.latency import LatencyCore
+    except ImportError:
+        return None
+    return LatencyCore(cfg.agent.node, cfg.agent.cluster, period=cfg.latency.period, smoothing=cfg.latency.smoothing)
+
+
+PINS_FILE = "pins.json"
+
+
+def _load_pins(state_dir: Path) -> Dict[str, Dict[str, Any]]:
+    """The pins this node was given (kept over an agent restart); an unreadable file: none."""
+    doc = _read_json(state_dir / PINS_FILE)
+    out: Dict[str, Dict[str, Any]] = {}
+    for key, p in (doc or {}).items():
+        if isinstance(p, dict) and isinstance(p.get("operator"), str) and (
+                p.get("until") is None or isinstance(p.get("until"), (int, float))):
+            out[str(key)] = {"pipeline": p.get("pipeline") if isinstance(p.get("pipeline"), str) else None,
+                             "operator": p["operator"], "until": p.get("until")}
+    return out
+
+
+def _save_pins(state_dir: Path, pins: Dict[str, Dict[str, Any]]) -> None:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(state_dir / PINS_FILE, json.dumps(pins, sort_keys=True))
+
+
+def _read_json(path: Path) -> Optional[Dict[str, Any]]:
+    """A small JSON object file (a worker's state or a source's position), or None."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _num(v: Any) -> Optional[float]:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def run_agent(cfg: AgentConfig, policy_name: str = DEFAULT_POLICY, worker_command: Optional[Sequence[str]] = None,
+              warm_worker: bool = True) -> int:
+    """Entry point of `fog-agent run`: build, install signal handlers, loop, return the status."""
+    agent = Agent(cfg, policy=get_policy(policy_name), worker_command=worker_command or WORKER_COMMAND,
+                  warm_worker=warm_worker)
+    agent.install_signal_handlers()
+    log.info("agent %s starting (cluster %s, %d slots, broker %s:%d)", cfg.agent.node, cfg.agent.cluster,
+             cfg.agent.slots, cfg.mqtt.host, cfg.mqtt.port, extra={"node": cfg.agent.node})
+    return agent.run()
+
+
+__all__ = [
+    "Agent",
+    "EXIT_CONFIG",
+    "EXIT_ERROR",
+    "EXIT_OK",
+    "EXIT_UNAVAILABLE",
+    "Halt",
+    "SHUTDOWN_SLACK",
+    "client_id_for",
+    "run_agent",
+]

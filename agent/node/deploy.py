@@ -1,0 +1,339 @@
+"""`fog-agent deploy pipeline.toml`: publish a pipeline and start its keepers through placement.
+
+Why keepers are started sink first: a source's keeper starts producing the moment it is ready, so
+its successor must already be subscribed to its inbox (docs/design.md invariant 2: a message published
+to a topic nobody is subscribed to is gone). Starting in reverse pipeline order, and waiting for
+each agent's "spawned" reply (sent only after the worker said "ready"), makes every successor of an
+instance subscribed before that instance exists.
+
+The pipeline description is published retained on `fog/<cluster>/pipelines/<name>` (the TOML text
+itself) so that tools and late agents can read what runs; each keeper's spec carries the text too,
+so a node never needs the file.
+
+A deploy is a transaction (docs/fogctl.md, "Deploy and undeploy"): placement is checked first
+against the free slots of the retained agent states (`plan_placement`: nothing is published when
+the keepers do not fit), then every keeper starts, or the ones that did are stopped and the record
+is replaced by a tombstone (`run_deploy`). Each deploy has a generation id, carried in the record
+(`stamp`) and in every spec (`extra["generation"]`, inherited by every copy), and an undeploy
+leaves a tombstone naming it (`tombstone`). An agent keeps or re-adopts a stored spec only while
+`stale_reason` finds no reason against it; see that function for the case of no record at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from agent import topics
+from agent.config import PipelineConfig, load_pipeline_text
+from agent.node import nodestate
+from agent.node import rpc
+from agent.node.placement import DEFAULT_POLICY, NodeView, PlacementRequest, get_policy
+from agent.instance.spec import BrokerSpec, InstanceSpec, request_spec
+
+log = logging.getLogger(__name__)
+
+
+class DeployError(RuntimeError):
+    """The pipeline could not be deployed (says which operator and why)."""
+
+
+@dataclass(frozen=True)
+class Deployed:
+    operator: str
+    instance: str
+    node: str
+
+
+# ---- the pipeline record on pipelines/<name> (admin-written, docs/security.md) ------------------
+
+GENERATION_KEY = "generation"  # in InstanceSpec.extra
+_GENERATION_LINE = re.compile(r"# fog-generation: ([0-9A-Za-z_.-]{1,64})\r?$")
+_TOMBSTONE_LINE = re.compile(r"# fog-undeployed: ([0-9A-Za-z_.-]{1,64})\r?$")
+
+
+@dataclass(frozen=True)
+class PipelineRecord:
+    """What the retained `pipelines/<name>` says: "deployed" (TOML text) or "undeployed" (a
+    tombstone), with the generation it names (None: written by a tool without generations)."""
+
+    state: str
+    generation: Optional[str] = None
+
+
+def new_generation(wall: Optional[float] = None) -> str:
+    """A fresh generation id: milliseconds (hex, so later deploys sort later) + 24 random bits."""
+    return f"{int((time.time() if wall is None else wall) * 1000):x}-{secrets.token_hex(3)}"
+
+
+def stamp(text: str, generation: str) -> str:
+    """The record of a deploy: the TOML text with a first comment line naming its generation
+    (a comment, so every reader that loads the TOML reads the same pipeline)."""
+    return f"# fog-generation: {generation}\n{text}"
+
+
+def tombstone(name: str, generation: Optional[str]) -> bytes:
+    """The record an undeploy (or a rolled-back deploy) leaves: not TOML of a pipeline, and not
+    empty (an empty retained message deletes the record, and with it what agents that were away
+    need to learn: forget this pipeline's instances)."""
+    return (f"# fog-undeployed: {generation or '-'}\n# pipeline {name} was undeployed at "
+            f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}: agents forget its instances\n").encode()
+
+
+def parse_record(payload: bytes) -> Optional[PipelineRecord]:
+    """The record a retained payload holds; None for an empty payload (no record)."""
+    if not payload:
+        return None
+    first = payload[:200].split(b"\n", 1)[0].decode("utf-8", "replace")
+    m = _TOMBSTONE_LINE.match(first)
+    if m is not None or first.startswith("# fog-undeployed:"):
+        gen = m.group(1) if m is not None else None
+        return PipelineRecord("undeployed", None if gen == "-" else gen)
+    m = _GENERATION_LINE.match(first)
+    return PipelineRecord("deployed", m.group(1) if m is not None else None)
+
+
+def spec_generation(spec: Any) -> Optional[str]:
+    """The generation an InstanceSpec (or its request dict) belongs to, None before generations."""
+    extra = spec.get("extra") if isinstance(spec, dict) else getattr(spec, "extra", None)
+    gen = extra.get(GENERATION_KEY) if isinstance(extra, dict) else None
+    return gen if isinstance(gen, str) and gen else None
+
+
+def stale_reason(generation: Optional[str], record: Optional[PipelineRecord]) -> Optional[str]:
+    """Why an instance of generation `generation` must not run (or be re-adopted), or None.
+
+    - a tombstone: the pipeline was undeployed;
+    - a deployed record of another generation: the instance is left over from an earlier deploy;
+    - no record at all: None, the instance is kept. Why: a broker without persistence loses
+      every retained record when it restarts, also those of pipelines that run; refusing then
+      would turn a broker restart plus an agent restart into an outage of that agent's part of
+      every pipeline (its neighbours' routes stall). An undeploy does not depend on the record
+      surviving: it makes each agent forget the specs at once (`stop` with `forget`, answered
+      after the files are gone), and the tombstone reaches agents that were away. What is left
+      (an agent away during the undeploy AND a broker that lost the tombstone meanwhile) shows
+      in the agents' states, and `fogctl undeploy --force NAME` stops it.
+    A spec or record without a generation (written before generations) is judged by the
+    record's state only."""
+    if record is None:
+        return None
+    if record.state == "undeployed":
+        return "its pipeline was undeployed"
+    if generation and record.generation and generation != record.generation:
+        return f"it belongs to deploy {generation}, the deployed one is {record.generation}"
+    return None
+
+
+def keeper_id(pipeline: str, operator: str) -> str:
+    """The keeper's instance id: stable, so a second deploy of the same pipeline is detected."""
+    return f"{pipeline}.{operator}.0"
+
+
+def keeper_specs(
+    cfg: PipelineConfig,
+    text: str,
+    cluster: str,
+    broker: BrokerSpec,
+    extra: Optional[Dict[str, Any]] = None,
+) -> List[InstanceSpec]:
+    """One keeper spec per operator, in pipeline order, with the initial routing table (pure)."""
+    names = [op.name for op in cfg.operators]
+    ids = [keeper_id(cfg.pipeline.name, n) for n in names]
+    specs = []
+    for i, name in enumerate(names):
+        specs.append(InstanceSpec(
+            instance=ids[i],
+            operator=name,
+            node="",  # chosen by placement
+            cluster=cluster,
+            pipeline=cfg.pipeline.name,
+            pipeline_toml=text,
+            broker=broker,
+            succs=(ids[i + 1],) if i + 1 < len(ids) else (),
+            preds=(ids[i - 1],) if i > 0 else (),
+            keeper=True,
+            active=True,
+            extra=dict(extra or {}),
+        ))
+    return specs
+
+
+def fleet_from_snapshot(states: Dict[str, bytes], statuses: Dict[str, bytes]) -> List[NodeView]:
+    """Placement views from retained state/status payloads keyed by topic."""
+    online = {}
+    for t, p in statuses.items():
+        parsed = topics.parse_any(t)
+        if parsed is not None and parsed.kind == "status":
+            online[parsed.node] = p == b"online"
+    views = []
+    for topic, payload in sorted(states.items()):
+        if not payload:
+            continue
+        parsed = topics.parse_any(topic)
+        try:
+            doc = nodestate.parse_node_state(payload)
+            if parsed is None or parsed.kind != "state" or doc["node"] != parsed.node:
+                raise ValueError(f"state names node {str(doc['node'])[:40]!r}")
+            views.append(nodestate.node_view(doc, online=online.get(doc["node"], False)))
+        except (ValueError, TypeError) as exc:  # a hostile neighbour's state: skipped, in one line
+            log.warning("ignoring %s: %s", topic[:200], exc)
+    return views
+
+
+class DeployRefused(DeployError):
+    """Refused before anything was started or published (no online agent, no room, a clash)."""
+
+    status = 1
+
+
+class DeployRolledBack(DeployError):
+    """A keeper could not start: the started ones were stopped, the record is a tombstone."""
+
+    status = 4
+
+
+class RollbackIncomplete(DeployError):
+    """A keeper could not start and stopping the started ones failed too (the message names them)."""
+
+    status = 5
+
+
+Call = Callable[[str, Dict[str, Any]], Dict[str, Any]]  # (node, request) -> reply; errors as ok=false
+Publish = Callable[[str, bytes], None]  # retained, QoS 1
+
+
+def plan_placement(specs: Sequence[InstanceSpec], fleet: Sequence[NodeView], policy: Any) -> Optional[str]:
+    """Why the keepers do not fit on the online nodes' free slots (pure), or None when they do.
+    Placement is simulated as the deploy will run it (sink first, one slot per keeper)."""
+    views = list(fleet)
+    for spec in reversed(specs):
+        ranking = policy(PlacementRequest(spec.operator, None, spec.succs + spec.preds), views)
+        if not ranking:
+            online = [v for v in fleet if v.online]
+            free = sum(max(0, v.free_slots) for v in online)
+            per = ", ".join(f"{v.node} {max(0, v.free_slots)}" for v in online)
+            return (f"its {len(specs)} keeper(s) need {len(specs)} free slot(s), the online nodes have "
+                    f"{free} ({per or 'none online'})")
+        views = _take_slot(views, ranking[0], spec.instance)
+    return None
+
+
+def _take_slot(views: Sequence[NodeView], node: str, instance: str) -> List[NodeView]:
+    """The views after `instance` took one slot on `node`."""
+    return [dataclasses.replace(v, free_slots=v.free_slots - 1, instances=v.instances + (instance,))
+            if v.node == node else v for v in views]
+
+
+def run_deploy(cfg: PipelineConfig, text: str, specs: Sequence[InstanceSpec], fleet: Sequence[NodeView],
+               policy: Any, call: Call, publish: Publish, cluster: str,
+               generation: Optional[str] = None, where: str = "") -> List[Deployed]:
+    """The transaction, over any client (`call`, `publish`): check, publish, start every keeper
+    sink first, or roll back. Raises DeployRefused / DeployRolledBack / RollbackIncomplete with a
+    one-line message that says which."""
+    name = cfg.pipeline.name
+    if not any(v.online for v in fleet):
+        raise DeployRefused(f"no agent of cluster {cluster!r} is online" + (f" at {where}" if where else ""))
+    running = {i for v in fleet for i in v.instances}
+    clash = [s.instance for s in specs if s.instance in running]
+    if clash:
+        raise DeployRefused(f"pipeline {name!r} is already deployed ({clash[0]} runs)")
+    problem = plan_placement(specs, fleet, policy)
+    if problem:
+        raise DeployRefused(f"deploy of {name} refused: {problem}; nothing was started or published")
+    gen = generation or new_generation()
+    specs = [dataclasses.replace(s, extra=dict(s.extra, **{GENERATION_KEY: gen})) for s in specs]
+    topic = topics.pipeline(cluster, name)
+    publish(topic, stamp(text, gen).encode("utf-8"))
+    placed: List[Deployed] = []
+    views = list(fleet)
+    try:
+        for spec in reversed(specs):  # sink first: successors subscribed before predecessors exist
+            node = _place_one(call, spec, views, policy)
+            placed.append(Deployed(spec.operator, spec.instance, node))
+            views = _take_slot(views, node, spec.instance)
+            log.info("keeper %s of %s started on %s", spec.instance, spec.operator, node)
+    except DeployError as exc:
+        failed = []
+        for d in reversed(placed):  # sources first, as an undeploy
+            reply = call(d.node, {"op": "stop", "instance": d.instance, "forget": True})
+            if not reply.get("ok"):
+                failed.append(f"{d.instance}@{d.node} ({reply.get('error')})")
+        publish(topic, tombstone(name, gen))
+        started = ", ".join(f"{d.instance}@{d.node}" for d in reversed(placed)) or "none"
+        if failed:
+            raise RollbackIncomplete(f"deploy of {name} failed ({exc}); rollback incomplete: could not stop "
+                                     f"{', '.join(failed)}; {topic} holds a tombstone") from None
+        raise DeployRolledBack(f"deploy of {name} failed and was rolled back: {exc}; stopped: {started}; "
+                               f"{topic} holds a tombstone") from None
+    return list(reversed(placed))
+
+
+def deploy(
+    text: str,
+    host: str,
+    port: int,
+    cluster: str,
+    extra: Optional[Dict[str, Any]] = None,
+    policy_name: str = DEFAULT_POLICY,
+    timeout: float = 30.0,
+    username: Optional[str] = None,
+    password: Optional[str] = None,
+    name: str = "pipeline.toml",
+    tls: Any = None,
+) -> List[Deployed]:
+    """Deploy one pipeline description (TOML text); returns where each keeper runs.
+
+    `tls`: the [mqtt.tls] section (ca_file, cert_file, key_file, insecure) or None. The requests
+    name the deployer's identity (agent.identity: user name, else the certificate's CN)."""
+    cfg = load_pipeline_text(text, name)  # ConfigError says where the file is wrong
+    unsupported = cfg.runtime_policy_errors()
+    if unsupported:
+        raise DeployError(f"{name}: " + "; ".join(unsupported))
+    policy = get_policy(policy_name)
+    broker = BrokerSpec(host=host, port=port, username=username, password=password)
+    specs = keeper_specs(cfg, text, cluster, broker, extra)
+    tls_args: Dict[str, Any] = {}
+    if tls is not None:
+        tls_args = {"ca_file": tls.ca_file, "cert_file": tls.cert_file, "key_file": tls.key_file,
+                    "tls_insecure": bool(tls.insecure)}
+    with rpc.RpcClient(host, port, cluster, username=username, password=password, **tls_args) as client:
+        states = client.snapshot(topics.all_agents_state(cluster))
+        statuses = client.snapshot(topics.all_agents_status(cluster))
+        fleet = fleet_from_snapshot(states, statuses)
+
+        def call(node: str, body: Dict[str, Any]) -> Dict[str, Any]:
+            try:
+                return client.call(node, body, timeout=timeout)
+            except rpc.RpcError as exc:
+                return {"ok": False, "error": str(exc)}
+
+        return run_deploy(cfg, text, specs, fleet, policy, call,
+                          lambda topic, payload: client.publish(topic, payload, retain=True), cluster,
+                          where=f"{host}:{port}")
+
+
+def _place_one(call: Call, spec: InstanceSpec, fleet: Sequence[NodeView], policy: Any) -> str:
+    ranking = policy(PlacementRequest(spec.operator, None, spec.succs + spec.preds), fleet)
+    errors: List[str] = []
+    for node in ranking:
+        body = {"op": "spawn", "spec": request_spec(dataclasses.replace(spec, node=node)), "cause": "deploy"}
+        reply = call(node, body)
+        if reply.get("ok"):
+            return str(reply.get("node", node))
+        errors.append(f"{node}: {reply.get('error')}")
+    raise DeployError(f"cannot start the keeper of {spec.operator!r}: " + ("; ".join(errors) or "no node has a free slot"))
+
+
+def undeploy_order(placed: Sequence[Deployed]) -> List[Tuple[str, str]]:
+    """(node, instance) pairs source first: stopping producers first lets successors drain."""
+    return [(d.node, d.instance) for d in placed]
+
+
+__all__ = ["DeployError", "DeployRefused", "DeployRolledBack", "Deployed", "PipelineRecord", "RollbackIncomplete",
+           "deploy", "fleet_from_snapshot", "keeper_id", "keeper_specs", "new_generation", "parse_record",
+           "plan_placement", "run_deploy", "spec_generation", "stale_reason", "stamp", "tombstone", "undeploy_order"]

@@ -1,0 +1,120 @@
+"""Re-homing the instances of a node that stays away (pure: no I/O, no clock; inputs passed in).
+
+A node that loses power for good (SD card dead, Pi unplugged) does not come back to re-adopt its
+instances (agent.node.hosted). Its instances are still in their neighbours' routing tables and
+their inboxes still fill in the broker (persistent sessions). Rather than removing them from every
+table (a protocol round nobody can run for them) we start each one again, **with the same
+identity**, on a surviving node:
+
+- the broker hands the new incarnation the inbox session of the old one (same client id), so what
+  the predecessors had sent and not seen acked is still there or is replayed to it;
+- its routing tables are rebuilt from the fleet's retained records (`agents/<node>/hosted`,
+  published by every agent): the instances of the previous and next operator of its pipeline;
+- its epoch starts above anything the dead incarnation used (`min_epoch`, from the wall clock),
+  so receivers restart its channel and predecessors replay their unacked batches to it;
+- a keeper stays the keeper: the same identity with the same flag.
+
+Who does it (a deterministic rule every survivor agrees on without talking): the online agent
+with the lowest node name, once the node has been offline for `dead_after` seconds. It places the
+instances like any createNode() (placement policy, free slots), skipping any instance that an
+online node already lists (somebody re-homed it, or the node came back).
+
+What is lost with the node: the instance's persisted protocol state. A round it was in the middle
+of is not finished (its neighbours' resend on silence reaches the new incarnation, which answers as
+a fresh active instance); a copy it had created but not started is adopted by the new
+incarnation (agent.instance.worker: idle ping, probe, echo, `ScalingCore.adopt`). A sink's id file and
+a source's position file live in `sink_dir`: on a real fleet put it on shared storage, or rely on
+the analytics' accounting to drop duplicate ids (docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
+
+from agent import wire
+from agent.config import load_pipeline_text
+
+__all__ = ["responsible", "plan_rehome", "encode_hosted", "decode_hosted"]
+
+
+# A hosted record carries each instance's pipeline text: larger than other control payloads.
+HOSTED_MAX_BYTES = 4 * wire.MAX_CONTROL_BYTES
+
+
+def decode_rehomed(payload: bytes) -> Dict[str, float]:
+    """Parse a re-homed record {instance: wall time}; raises ValueError on anything else."""
+    data = wire.loads(payload or b"{}", what="re-homed record", expect=dict)
+    out: Dict[str, float] = {}
+    for k, v in data.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise wire.BusInputError(f"re-homed record: {str(k)[:40]!r} maps to {type(v).__name__}, not a time")
+        out[str(k)] = float(v)
+    return out
+
+
+def responsible(me: str, online: Iterable[str]) -> bool:
+    """True when `me` is the agent that re-homes for the fleet: the lowest online node name."""
+    return me == min(set(online) | {me})
+
+
+def encode_hosted(specs: Sequence[Mapping[str, Any]]) -> bytes:
+    """The retained `agents/<node>/hosted` payload: the specs without broker settings."""
+    return json.dumps(sorted((dict(s) for s in specs), key=lambda s: str(s.get("instance"))),
+                      sort_keys=True).encode()
+
+
+def decode_hosted(payload: bytes) -> List[Dict[str, Any]]:
+    """Parse a hosted record; raises ValueError on anything that is not a list of specs."""
+    data = wire.loads(payload or b"[]", what="hosted record", max_bytes=HOSTED_MAX_BYTES)
+    if not isinstance(data, list) or not all(
+        isinstance(s, dict) and isinstance(s.get("instance"), str) and isinstance(s.get("operator"), str)
+        and isinstance(s.get("pipeline"), str) and isinstance(s.get("pipeline_toml"), str) for s in data
+    ):
+        raise ValueError("hosted record: expected a JSON list of instance specs")
+    return data
+
+
+def _operator_order(toml_text: str, cache: Dict[str, List[str]]) -> Optional[List[str]]:
+    if toml_text not in cache:
+        try:
+            cache[toml_text] = [op.name for op in load_pipeline_text(toml_text, "hosted record").operators]
+        except Exception:  # noqa: BLE001 - a record we cannot read is skipped, never fatal
+            cache[toml_text] = []
+    return cache[toml_text] or None
+
+
+def plan_rehome(
+    dead: str,
+    hosted_by_node: Mapping[str, Sequence[Mapping[str, Any]]],
+    online: Set[str],
+    listed_online: Set[str],
+    min_epoch: int,
+) -> List[Dict[str, Any]]:
+    """The specs to start elsewhere for the instances of `dead` (sorted by instance id).
+
+    `hosted_by_node`: every node's retained hosted record; `online`: the nodes online now;
+    `listed_online`: instance ids an online node lists in its state (already running somewhere).
+    """
+    cache: Dict[str, List[str]] = {}
+    members: Dict[Tuple[str, str], Set[str]] = {}
+    for node, specs in hosted_by_node.items():
+        if node != dead and node not in online:
+            continue
+        for s in specs:
+            members.setdefault((str(s["pipeline"]), str(s["operator"])), set()).add(str(s["instance"]))
+    out: List[Dict[str, Any]] = []
+    for s in sorted(hosted_by_node.get(dead, ()), key=lambda x: str(x["instance"])):
+        if s["instance"] in listed_online:
+            continue
+        order = _operator_order(str(s["pipeline_toml"]), cache)
+        if order is None or s["operator"] not in order:
+            continue
+        i = order.index(str(s["operator"]))
+        pipeline = str(s["pipeline"])
+        preds = sorted(members.get((pipeline, order[i - 1]), ())) if i > 0 else []
+        succs = sorted(members.get((pipeline, order[i + 1]), ())) if i + 1 < len(order) else []
+        extra = dict(s.get("extra") or {})
+        extra["min_epoch"] = max(int(extra.get("min_epoch", 0) or 0), int(min_epoch))
+        out.append({**s, "succs": succs, "preds": preds, "restart": True, "active": True, "extra": extra})
+    return out

@@ -1,0 +1,401 @@
+"""The agent's worker processes: start, watch heartbeats, stop with escalation, reap.
+
+Rules of this file: the supervisor never blocks and never decides policy. The daemon's single
+event loop calls `start`, `send`, `stop`, `handle_line` and `poll(now)`; the only threads here are
+one stdout reader per worker, and they only put lines into the daemon's event queue (gunicorn's
+arbiter habit: the loop owns all state). Time is passed in (`now`, monotonic seconds).
+
+Orphans: workers are started in the agent's own process group (so `kill -TERM -<pgid>` and
+systemd's control group reach them) and, on Linux, with PR_SET_PDEATHSIG=SIGTERM so that a worker
+whose agent died by SIGKILL is told to drain and exit instead of running on unsupervised. Their
+stdin is a pipe from the agent: EOF on it is the portable "your agent is gone" signal.
+
+Stop escalation (bound documented in docs/runtime.md): "stop" line at t0 (the worker drains and
+exits), SIGTERM at t0 + term_after, SIGKILL at t0 + kill_after.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import IO, Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from agent.instance.spec import InstanceSpec, control_line, parse_control_line
+
+log = logging.getLogger(__name__)
+
+WORKER_COMMAND: Tuple[str, ...] = (sys.executable, "-m", "agent.instance.worker")
+
+# Exit statuses of a worker as the supervisor classifies them.
+WORKER_EXIT_OK = 0
+WORKER_EXIT_BAD_SPEC = 2  # the worker cannot load its spec or pipeline: restarting will not help
+PR_SET_PDEATHSIG = 1
+# A gap this long between two polls (the agent loop runs every 0.2 s) means the agent itself was
+# not running: SIGSTOP of the node's processes, a suspended VM, a starved CPU.
+STALL_GAP = 2.0
+
+
+class WorkerStatus(enum.Enum):
+    STARTING = "starting"  # process started, inbox not yet subscribed (no "ready" yet)
+    ACTIVE = "active"  # "ready" received; heartbeats expected
+    TERMINATING = "terminating"  # asked to stop, or announced its exit; draining
+
+
+@dataclass
+class Worker:
+    spec: InstanceSpec
+    proc: subprocess.Popen
+    started_at: float
+    status: WorkerStatus = WorkerStatus.STARTING
+    last_heartbeat: float = 0.0
+    stats: Dict[str, Any] = field(default_factory=dict)
+    exit_event: Optional[Dict[str, Any]] = None  # the worker's own "exit" line, if it sent one
+    stop_sent_at: Optional[float] = None
+    term_sent_at: Optional[float] = None
+    kill_sent_at: Optional[float] = None
+    killed_for: Optional[str] = None  # why the supervisor killed it (hung, start timeout)
+    bad_lines: int = 0
+    stdin_broken: bool = False
+
+    @property
+    def instance(self) -> str:
+        return self.spec.instance
+
+    @property
+    def pid(self) -> int:
+        return int(self.proc.pid)
+
+
+@dataclass(frozen=True)
+class Reaped:
+    """A worker process that has exited, and how."""
+
+    worker: Worker
+    returncode: int
+
+    @property
+    def clean(self) -> bool:
+        """Exited on its own terms: announced its exit (terminated after draining) with status 0."""
+        return self.returncode == WORKER_EXIT_OK and self.worker.exit_event is not None
+
+    @property
+    def crashed(self) -> bool:
+        """Died without being asked to and without announcing it (restart candidate)."""
+        w = self.worker
+        return w.exit_event is None and w.stop_sent_at is None
+
+
+def _pdeathsig() -> None:  # pragma: no cover - runs in the child between fork and exec
+    # Ctrl-C in the agent's terminal reaches the whole process group: the agent stops its workers
+    # itself ("stop", then signals), so a worker ignores SIGINT until it installs its own drain
+    # handler (worker._install_signals); without this, the pre-started worker, still reading its
+    # spec, died of KeyboardInterrupt with a traceback on every Ctrl-C of `fog-agent run`.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except Exception:
+        pass
+
+
+EventSink = Callable[[Tuple[Any, ...]], None]
+
+
+class Supervisor:
+    """Owns the worker processes of one agent; see the module docstring for the rules."""
+
+    def __init__(
+        self,
+        emit: EventSink,
+        heartbeat_timeout: float = 5.0,
+        start_timeout: float = 20.0,
+        term_after: float = 5.0,
+        kill_after: float = 10.0,
+        command: Sequence[str] = WORKER_COMMAND,
+        env: Optional[Dict[str, str]] = None,
+        unhealthy_after: Optional[float] = None,
+        warm: bool = False,
+    ) -> None:
+        self._emit = emit
+        self.heartbeat_timeout = heartbeat_timeout
+        # A heartbeat overdue by this much already counts as unhealthy (the systemd watchdog
+        # pauses), well before the worker is declared hung and killed at heartbeat_timeout.
+        self.unhealthy_after = min(unhealthy_after, heartbeat_timeout) if unhealthy_after else heartbeat_timeout
+        self.start_timeout = start_timeout
+        self.term_after = term_after
+        self.kill_after = max(kill_after, term_after)
+        self.command = tuple(command)
+        self.env = env
+        self.workers: Dict[str, Worker] = {}
+        self._last_poll: Optional[float] = None
+        # One pre-started worker process that has done its imports and waits for its spec on
+        # stdin: a scale-out then skips the interpreter start and imports (the longest part of
+        # "decision -> first record" on a loaded Pi). It is not an instance and holds no slot.
+        self.warm = warm
+        self._warm: Optional[subprocess.Popen] = None
+        self._warm_retry_at = 0.0
+        self.warm_used = 0
+
+    # -- starting ------------------------------------------------------------------------------
+
+    def start(self, spec: InstanceSpec, now: float) -> Worker:
+        if spec.instance in self.workers:
+            raise ValueError(f"instance {spec.instance!r} already runs here (pid {self.workers[spec.instance].pid})")
+        proc = self._take_warm()
+        if proc is None:
+            proc = self._popen()
+        else:
+            self.warm_used += 1
+        worker = Worker(spec=spec, proc=proc, started_at=now, last_heartbeat=now)
+        self.workers[spec.instance] = worker
+        self._write(worker, spec.to_json() + "\n")
+        t = threading.Thread(
+            target=self._reader, args=(spec.instance, proc.stdout), name=f"stdout-{spec.instance}", daemon=True
+        )
+        t.start()
+        log.info("started worker pid %d", proc.pid, extra={"instance": spec.instance, "operator": spec.operator})
+        self.prewarm(now)
+        return worker
+
+    def _popen(self) -> subprocess.Popen:
+        preexec = _pdeathsig if sys.platform.startswith("linux") else None
+        return subprocess.Popen(
+            list(self.command),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=None,  # worker logs go to the agent's stderr (journal)
+            env=self.env,
+            preexec_fn=preexec,
+            close_fds=True,
+        )
+
+    def prewarm(self, now: float) -> None:
+        """Keep one idle worker process ready (if enabled); retried at most every 5 s."""
+        if not self.warm or self._warm is not None or now < self._warm_retry_at:
+            return
+        try:
+            self._warm = self._popen()
+        except OSError as exc:
+            log.warning("cannot pre-start a worker: %s", exc)
+            self._warm_retry_at = now + 5.0
+
+    def _take_warm(self) -> Optional[subprocess.Popen]:
+        proc, self._warm = self._warm, None
+        if proc is not None and proc.poll() is None:
+            return proc
+        if proc is not None:
+            self._close_proc(proc)
+        return None
+
+    def close_warm(self) -> None:
+        """Stop the idle pre-started process (agent shutdown): EOF on its stdin, then SIGTERM."""
+        proc, self._warm = self._warm, None
+        self._warm_retry_at = float("inf")
+        if proc is None:
+            return
+        try:
+            if proc.stdin is not None:
+                proc.stdin.close()
+        except OSError:
+            pass
+        if proc.poll() is None:
+            proc.terminate()  # it holds no data: no drain to wait for
+        try:
+            proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        self._close_proc(proc)
+
+    @property
+    def warm_pid(self) -> Optional[int]:
+        return int(self._warm.pid) if self._warm is not None else None
+
+    def _reader(self, instance: str, stream: Optional[IO[bytes]]) -> None:
+        """Reader thread: only forwards lines to the loop (never touches supervisor state)."""
+        if stream is None:
+            return
+        try:
+            for raw in iter(stream.readline, b""):
+                self._emit(("worker_line", instance, raw.decode("utf-8", errors="replace")))
+        except (OSError, ValueError):
+            pass
+        self._emit(("worker_eof", instance))
+
+    # -- control channel -----------------------------------------------------------------------
+
+    def handle_line(self, instance: str, line: str, now: float) -> Optional[Dict[str, Any]]:
+        """Update the worker's status from one control line; return the parsed message.
+
+        Returns None for a line that is not a control message (counted and logged; a worker that
+        prints junk to stdout must not take its agent down).
+        """
+        worker = self.workers.get(instance)
+        if worker is None:
+            return None
+        line = line.strip()
+        if not line:
+            return None
+        try:
+            msg = parse_control_line(line)
+        except (ValueError, json.JSONDecodeError):
+            worker.bad_lines += 1
+            if worker.bad_lines == 1:
+                log.warning("worker wrote a non-control line to stdout: %r", line[:120], extra={"instance": instance})
+            return None
+        event = msg["event"]
+        if event == "ready":
+            if worker.status is WorkerStatus.STARTING:
+                worker.status = WorkerStatus.ACTIVE
+            worker.last_heartbeat = now
+        elif event == "heartbeat":
+            worker.last_heartbeat = now
+            stats = msg.get("stats")
+            if isinstance(stats, dict):
+                worker.stats = stats
+        elif event == "exit":
+            worker.exit_event = msg
+            worker.status = WorkerStatus.TERMINATING
+        return msg
+
+    def send(self, target: str, event: str, /, **fields: Any) -> bool:
+        """One control line to a worker (positional-only: `fields` may carry "instance")."""
+        worker = self.workers.get(target)
+        if worker is None:
+            return False
+        return self._write(worker, control_line(event, **fields))
+
+    def _write(self, worker: Worker, text: str) -> bool:
+        if worker.stdin_broken or worker.proc.stdin is None:
+            return False
+        try:
+            worker.proc.stdin.write(text.encode())
+            worker.proc.stdin.flush()
+            return True
+        except (BrokenPipeError, OSError, ValueError):
+            worker.stdin_broken = True
+            return False
+
+    # -- stopping ------------------------------------------------------------------------------
+
+    def stop(self, instance: str, now: float) -> None:
+        """Ask one worker to drain and exit; `poll` escalates to SIGTERM and SIGKILL."""
+        worker = self.workers.get(instance)
+        if worker is None or worker.stop_sent_at is not None:
+            return
+        worker.stop_sent_at = now
+        worker.status = WorkerStatus.TERMINATING
+        if not self.send(instance, "stop"):
+            self._signal(worker, signal.SIGTERM, now)
+
+    def stop_all(self, now: float) -> None:
+        for instance in list(self.workers):
+            self.stop(instance, now)
+
+    def _signal(self, worker: Worker, sig: int, now: float) -> None:
+        if worker.proc.poll() is not None:
+            return
+        try:
+            worker.proc.send_signal(sig)
+        except ProcessLookupError:
+            return
+        if sig == signal.SIGTERM:
+            worker.term_sent_at = now
+        elif sig == signal.SIGKILL:
+            worker.kill_sent_at = now
+
+    def kill(self, instance: str, now: float, reason: str) -> None:
+        worker = self.workers.get(instance)
+        if worker is not None and worker.kill_sent_at is None:
+            worker.killed_for = reason
+            log.warning("killing worker pid %d: %s", worker.pid, reason, extra={"instance": instance})
+            self._signal(worker, signal.SIGKILL, now)
+
+    # -- the periodic check --------------------------------------------------------------------
+
+    def poll(self, now: float) -> List[Reaped]:
+        """Reap exited workers, escalate stops, kill hung or never-ready workers."""
+        reaped: List[Reaped] = []
+        gap = now - self._last_poll if self._last_poll is not None else 0.0
+        self._last_poll = now
+        if gap > STALL_GAP:
+            # The agent did not run for `gap` seconds; its workers were most likely stopped with
+            # it (a node stall). Their heartbeats could not be read meanwhile: judge them from now
+            # on instead of killing every one as hung (a kill would cost each a restart).
+            log.warning("agent loop stalled for %.1fs: worker deadlines moved on", gap)
+            for w in self.workers.values():
+                w.last_heartbeat += gap
+                w.started_at += gap
+                for name in ("stop_sent_at", "term_sent_at"):
+                    if getattr(w, name) is not None:
+                        setattr(w, name, getattr(w, name) + gap)
+        if self._warm is not None and self._warm.poll() is not None:
+            log.warning("pre-started worker exited with %s", self._warm.returncode)
+            self._close_proc(self._warm)
+            self._warm = None
+            self._warm_retry_at = now + 5.0
+        self.prewarm(now)
+        for instance, w in list(self.workers.items()):
+            rc = w.proc.poll()
+            if rc is not None:
+                del self.workers[instance]
+                self._close(w)
+                reaped.append(Reaped(w, rc))
+                continue
+            if w.exit_event is not None and w.stop_sent_at is None:
+                w.stop_sent_at = now  # it announced its exit: the escalation clock starts now
+            if w.stop_sent_at is not None:
+                elapsed = now - w.stop_sent_at
+                if w.term_sent_at is None and elapsed >= self.term_after:
+                    log.warning("worker did not exit %.1fs after stop: SIGTERM", elapsed, extra={"instance": instance})
+                    self._signal(w, signal.SIGTERM, now)
+                elif w.kill_sent_at is None and elapsed >= self.kill_after:
+                    self.kill(instance, now, f"still running {self.kill_after:.1f}s after stop")
+                continue
+            if w.status is WorkerStatus.STARTING and now - w.started_at > self.start_timeout:
+                self.kill(instance, now, f"not ready {self.start_timeout:.1f}s after start")
+            elif w.status is WorkerStatus.ACTIVE and now - w.last_heartbeat > self.heartbeat_timeout:
+                self.kill(instance, now, f"no heartbeat for {now - w.last_heartbeat:.1f}s")
+        return reaped
+
+    def _close(self, w: Worker) -> None:
+        self._close_proc(w.proc)
+
+    @staticmethod
+    def _close_proc(proc: subprocess.Popen) -> None:
+        for stream in (proc.stdin, proc.stdout):
+            try:
+                if stream is not None:
+                    stream.close()
+            except OSError:
+                pass
+
+    def healthy(self, now: float) -> bool:
+        """All workers that should heartbeat did so recently (gates the systemd watchdog)."""
+        for w in self.workers.values():
+            if w.status is WorkerStatus.ACTIVE and now - w.last_heartbeat > self.unhealthy_after:
+                return False
+        return True
+
+    def pids(self) -> List[int]:
+        return [w.pid for w in self.workers.values()]
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def __contains__(self, instance: object) -> bool:
+        return instance in self.workers
+
+    def get(self, instance: str) -> Optional[Worker]:
+        return self.workers.get(instance)
+
+
+__all__ = ["Reaped", "Supervisor", "WORKER_COMMAND", "Worker", "WorkerStatus"]

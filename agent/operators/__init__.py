@@ -1,0 +1,18 @@
+"""Operators: the API a user's operator is written against, the built-in operators, the taxi
+sources, and the node's allow-list of what may be imported (docs/operators.md).
+
+Import the API from here (`from agent.operators import OperatorContext, Param, record_map`);
+the built-ins are named in pipelines as `agent.operators.builtin:<name>` and
+`agent.operators.taxi:<name>`."""
+
+from agent.operators.builtin import (
+    MapOperator,
+    Operator,
+    OperatorContext,
+    Param,
+    Publication,
+    SinkOperator,
+    record_map,
+)
+
+__all__ = ["MapOperator", "Operator", "OperatorContext", "Param", "Publication", "SinkOperator", "record_map"]

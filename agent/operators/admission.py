@@ -1,0 +1,349 @@
+"""What a node admits from a spec: which operator functions it may import, which paths it may write.
+
+Why (docs/security.md, "No code from the bus"): a spec arrives from the bus (a spawn request, a
+retained hosted record that a re-home reads) or from the state dir, and its pipeline text names
+the function the worker imports. A name taken as it comes lets any identity on the bus run any
+code on any node (`function = "builtins:exec"`). So the functions a node may import are fixed on
+the node, never by a request:
+
+- the built-in operators (`BUILTIN`: `agent.operators.builtin` and the taxi sources);
+- the operators installed packages register in the entry-point group `fog_agent.operators`
+  (`name = "module:attr"`): exactly those "module:attr" values;
+- the public functions of the modules the node's own agent.toml lists
+  (`[operators] modules = ["mylab.ops"]`): a name that does not start with "_" and that is
+  defined in that module (not one it imported from elsewhere, e.g. `from os import system`).
+
+Pipelines keep naming a function as "module:name"; the allow-list decides. `check` looks only at
+the name and never imports anything, so a refused module is never imported; `resolve` imports only
+after `check` passed. The agent checks every spec where it enters (agent.node.daemon) without
+importing user code into the daemon; the worker checks again before it imports (defence in depth)
+and then, for a configured module, that the object is defined there.
+
+Paths: a spec's `extra.sink_dir` (and a source's `params.csv`) must resolve, after `..` and
+symbolic links, inside the node's own directories (`NodeDirs`); everything else a spec could name
+(state_dir, the spool dir) is replaced by the node's own settings when the spec enters.
+
+Steering fields of `extra` (`check_epochs`, `fault_injection_enabled`): an instance's epoch floor
+`min_epoch` (and a hand-over's `handover_state.epoch`) derive from a wall clock, so one far ahead
+of this node's clock is refused; the fault-injection hook `crash_at` is honoured only on a node
+that enables fault injection (`FOG_AGENT_FAULT_INJECTION=1`, set by the reliability tests only).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Dict, FrozenSet, Iterable, List, Mapping, Optional, Tuple
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "BUILTIN",
+    "ENTRY_POINT_GROUP",
+    "ENV_FAULT_INJECTION",
+    "ENV_MODULES",
+    "FROM_STATE_DIR",
+    "MAX_EPOCH_AHEAD",
+    "AllowList",
+    "NodeDirs",
+    "OperatorRefused",
+    "PATH_PARAMS",
+    "PathRefused",
+    "check_epochs",
+    "check_module_name",
+    "check_spec_paths",
+    "fault_injection_enabled",
+    "node_allow_list",
+    "parse_ref",
+    "spec_paths",
+]
+
+ENTRY_POINT_GROUP = "fog_agent.operators"
+# The node's `[operators] modules`, comma-separated, as the agent hands them to its workers (the
+# worker reads no agent.toml; the environment is the agent's, not the request's).
+ENV_MODULES = "FOG_AGENT_OPERATOR_MODULES"
+
+# Built-in modules that moved when agent/runtime/ was split (0.2.0). Specs saved by an older agent
+# (hosted records, state dirs) and pipelines written for it still name the old modules; they are
+# read under the new names, with one warning, until 0.3.0 (docs/operators.md, "Upgrading").
+RENAMED_MODULES: Mapping[str, str] = {
+    "agent.runtime.operators": "agent.operators.builtin",
+    "agent.runtime.taxi": "agent.operators.taxi",
+}
+
+
+def current_ref(ref: str) -> str:
+    """`ref` with a built-in module renamed since 0.1 replaced by its current name."""
+    module, sep, name = ref.partition(":")
+    new = RENAMED_MODULES.get(module)
+    if new is None:
+        return ref
+    log.warning("operator function %r was renamed %r in fog-agent 0.2.0; the old name is read until 0.3.0",
+                ref, f"{new}{sep}{name}")
+    return f"{new}{sep}{name}"
+
+
+BUILTIN: FrozenSet[str] = frozenset({
+    "agent.operators.builtin:validate",
+    "agent.operators.builtin:in_zone",
+    "agent.operators.builtin:identity",
+    "agent.operators.builtin:counting_sink",
+    "agent.operators.builtin:null_sink",
+    "agent.operators.builtin:mqtt_sink",
+    "agent.operators.taxi:source",
+    "agent.operators.taxi:mqtt_source",
+    "agent.operators.taxi:bench_source",
+})
+
+# Operator params that are paths the operator opens (checked like extra.sink_dir).
+PATH_PARAMS: Dict[str, Tuple[str, ...]] = {
+    "agent.operators.taxi:source": ("csv",),
+    "agent.operators.taxi:bench_source": ("csv",),
+}
+
+MAX_REF = 200  # characters of a "module:name"
+
+
+class OperatorRefused(ValueError):
+    """The function a spec names is not on this node's allow-list (or its name is malformed)."""
+
+    def __init__(self, ref: Any, why: str, allowed: str) -> None:
+        self.ref, self.why, self.allowed = ref, why, allowed
+        super().__init__(f"operator function {str(ref)[:MAX_REF]!r} refused: {why} (allowed here: {allowed})")
+
+
+class PathRefused(ValueError):
+    """A path a spec names resolves outside the node's own directories."""
+
+
+def _dotted(name: str) -> bool:
+    return bool(name) and all(p.isidentifier() and p.isascii() for p in name.split("."))
+
+
+def parse_ref(ref: Any) -> Tuple[str, str]:
+    """("module", "name") of a "module:name", or ValueError for anything else (odd characters,
+    spaces, a second colon, non-ASCII look-alikes)."""
+    if not isinstance(ref, str) or len(ref) > MAX_REF:
+        raise ValueError('expected "package.module:function"')
+    module, sep, name = ref.partition(":")
+    if not sep or not _dotted(module) or not (name.isidentifier() and name.isascii()):
+        raise ValueError('expected "package.module:function"')
+    return module, name
+
+
+def check_module_name(module: Any) -> Optional[str]:
+    """What is wrong with a module name in `[operators] modules` (None: nothing). Standard
+    library modules and fog-agent's own are refused: listing `os` or `subprocess` would allow
+    their functions, listing `agent.operators.builtin` its helpers."""
+    if not isinstance(module, str) or not _dotted(module):
+        return 'expected a module name like "mylab.ops"'
+    top = module.split(".")[0]
+    if top in getattr(sys, "stdlib_module_names", ()) or top in sys.builtin_module_names:
+        return "a standard library module is not an operator module"
+    if top == "agent":
+        return "fog-agent's own operators are built in (BUILTIN); list only your own modules"
+    return None
+
+
+def _entry_points(group: str) -> Dict[str, str]:
+    """{entry-point name: "module:attr"} of the group, read from the installed packages'
+    metadata (nothing is imported). A malformed value is skipped."""
+    from importlib import metadata
+
+    eps: Any = metadata.entry_points()
+    found = eps.select(group=group) if hasattr(eps, "select") else eps.get(group, ())  # Python 3.9
+    out: Dict[str, str] = {}
+    for ep in found:
+        value = ep.value.split("[", 1)[0].replace(" ", "")  # "module:attr [extra]" -> "module:attr"
+        try:
+            parse_ref(value)
+        except ValueError:
+            continue
+        out[ep.name] = value
+    return out
+
+
+@dataclass(frozen=True)
+class AllowList:
+    """The operator functions this node may import (see the module docstring)."""
+
+    modules: Tuple[str, ...] = ()
+    entry_points: Mapping[str, str] = field(default_factory=dict)  # name -> "module:attr"
+
+    @classmethod
+    def for_node(cls, modules: Iterable[str] = (), group: str = ENTRY_POINT_GROUP) -> "AllowList":
+        mods = tuple(m for m in modules if check_module_name(m) is None)
+        return cls(modules=mods, entry_points=_entry_points(group))
+
+    @classmethod
+    def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "AllowList":
+        """A worker's allow-list: the modules its agent put into the environment."""
+        raw = (os.environ if env is None else env).get(ENV_MODULES, "")
+        return cls.for_node(m.strip() for m in raw.split(",") if m.strip())
+
+    def env(self) -> Dict[str, str]:
+        """The environment entry that gives a worker this allow-list's configured modules."""
+        return {ENV_MODULES: ",".join(self.modules)}
+
+    def describe(self) -> str:
+        """What is allowed, in one line (for errors and logs)."""
+        by_module: Dict[str, List[str]] = {}
+        for ref in sorted(BUILTIN):
+            module, _, name = ref.partition(":")
+            by_module.setdefault(module, []).append(name)
+        parts = ["built-in " + ", ".join(f"{m}:{{{','.join(names)}}}" for m, names in sorted(by_module.items()))]
+        eps = sorted(set(self.entry_points.values()))
+        parts.append(f"entry points ({ENTRY_POINT_GROUP}): {', '.join(eps) if eps else 'none'}")
+        mods = ", ".join(f"{m}:*" for m in self.modules)
+        parts.append(f"[operators] modules: {mods or 'none'}")
+        return "; ".join(parts)
+
+    def _listed(self, ref: str) -> bool:
+        """Named exactly: a built-in or an installed entry point (not by a configured module)."""
+        return ref in BUILTIN or ref in self.entry_points.values()
+
+    def check(self, ref: Any) -> Tuple[str, str]:
+        """("module", "name") if `ref` may be imported here, else OperatorRefused. Looks at the
+        name only: never imports anything."""
+        try:
+            module, name = parse_ref(ref)
+        except ValueError as exc:
+            raise OperatorRefused(ref, str(exc), self.describe()) from None
+        if self._listed(ref):
+            return module, name
+        if module in self.modules:
+            if name.startswith("_"):
+                raise OperatorRefused(ref, "a name starting with '_' is private", self.describe())
+            return module, name
+        raise OperatorRefused(ref, f"module {module!r} is not an operator module of this node", self.describe())
+
+    def resolve(self, ref: str) -> Any:
+        """The object `ref` names, imported only after `check` allowed it. For a configured
+        module, the object must be defined in that module (its own function or class, or a
+        factory whose `build` is), not imported into it from elsewhere."""
+        module, name = self.check(ref)
+        try:
+            obj = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"operator function {ref!r}: cannot import ({exc})") from None
+        if not self._listed(ref) and not _defined_in(obj, module):
+            raise OperatorRefused(ref, f"{name!r} is not defined in {module!r}", self.describe())
+        return obj
+
+
+def _defined_in(obj: Any, module: str) -> bool:
+    for candidate in (obj, getattr(obj, "build", None), type(obj)):
+        if candidate is not None and getattr(candidate, "__module__", None) == module:
+            return True
+    return False
+
+
+@functools.lru_cache(maxsize=1)
+def node_allow_list() -> AllowList:
+    """This process's allow-list from its environment (a worker's: read once; warm workers read
+    it before their spec arrives)."""
+    return AllowList.from_env()
+
+
+# ---- paths --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeDirs:
+    """The directories of this node a spec may name: its state dir, its spool dir (when it
+    spills) and the `[agent] sink_dirs` of its agent.toml (e.g. shared storage for sinks)."""
+
+    roots: Tuple[str, ...]
+
+    @classmethod
+    def of(cls, cfg: Any) -> "NodeDirs":
+        roots: List[str] = [cfg.agent.state_dir, *getattr(cfg.agent, "sink_dirs", ())]
+        if cfg.spill.enabled:
+            roots.append(cfg.spill.spool_dir)
+        return cls(tuple(os.path.realpath(r) for r in roots))
+
+    def check(self, what: str, path: Any) -> str:
+        """`path` resolved (after `..` and symbolic links), if inside one of the roots; else
+        PathRefused naming `what` and the roots."""
+        if not isinstance(path, str) or not path or "\0" in path:
+            raise PathRefused(f"{what}: expected a path, got {str(path)[:100]!r}")
+        if not os.path.isabs(path):
+            raise PathRefused(f"{what}: {path[:200]!r} is not an absolute path")
+        real = os.path.realpath(path)
+        for root in self.roots:
+            if real == root or real.startswith(root.rstrip(os.sep) + os.sep):
+                return real
+        raise PathRefused(f"{what}: {path[:200]!r} resolves to {real!r}, outside this node's directories "
+                          f"({', '.join(self.roots)})")
+
+
+def spec_paths(extra: Mapping[str, Any], function: str, params: Mapping[str, Any]) -> List[Tuple[str, Any]]:
+    """Every path a spec carries that a worker would open: (what, path). `extra.spill` is the
+    node's own by then (`Agent._node_local` drops a request's), checked all the same."""
+    found: List[Tuple[str, Any]] = []
+    if extra.get("sink_dir") is not None:
+        found.append(("extra.sink_dir", extra["sink_dir"]))
+    spill = extra.get("spill")
+    if isinstance(spill, Mapping) and spill.get("dir") is not None:
+        found.append(("extra.spill.dir", spill["dir"]))
+    elif spill is not None and not isinstance(spill, Mapping):
+        found.append(("extra.spill", spill))
+    for key in PATH_PARAMS.get(function, ()):
+        if params.get(key) is not None:
+            found.append((f"params.{key}", params[key]))
+    return found
+
+
+def check_spec_paths(dirs: NodeDirs, extra: Mapping[str, Any], function: str, params: Mapping[str, Any]) -> None:
+    for what, path in spec_paths(extra, function, params):
+        dirs.check(what, path)
+
+
+
+# ---- steering fields of extra -------------------------------------------------------------------
+
+# How far (seconds) a spec's epoch floor may be ahead of this node's clock. Legitimate floors are
+# another node's `int(time.time())` a moment ago (a re-home's plan, a drain's hand-over), so the
+# margin only has to cover clock skew between NTP-synchronised nodes; a forged 2^53 would give the
+# instance an absurd epoch that its receivers keep (docs/security.md, "Steering fields").
+MAX_EPOCH_AHEAD = 300
+# The requester `Agent._readopt` names: a spec stored in this node's own state dir.
+FROM_STATE_DIR = "the state dir"
+# Fault injection (`extra.crash_at`, agent.instance.worker `crash_point`) is honoured only where
+# this is "1" in the agent's environment: the reliability tests set it, nothing else does.
+ENV_FAULT_INJECTION = "FOG_AGENT_FAULT_INJECTION"
+
+
+def fault_injection_enabled(env: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether this node honours `extra.crash_at` (never by default)."""
+    return (os.environ if env is None else env).get(ENV_FAULT_INJECTION, "") == "1"
+
+
+def _epoch_floor(what: str, value: Any, now: float, bounded: bool) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what}: expected a non-negative integer, got {str(value)[:40]!r}")
+    if bounded and value > now + MAX_EPOCH_AHEAD:
+        raise ValueError(f"{what}: {value} is {value - now:.0f} s ahead of this node's clock (at most "
+                         f"{MAX_EPOCH_AHEAD} s: epochs derive from the wall clock; is this node's clock set?)")
+
+
+def check_epochs(extra: Mapping[str, Any], now: float, stored: bool = False) -> None:
+    """Refuse (ValueError naming the field) an epoch floor a spec carries that no real sender can
+    have: `extra.min_epoch` and a hand-over's `extra.handover_state.epoch` must be non-negative
+    integers at most MAX_EPOCH_AHEAD seconds ahead of `now` (this node's wall clock).
+
+    Refused, not clamped: a floor clamped below the one a re-home or a hand-over meant could
+    number the new incarnation below its predecessor's messages (its receivers would drop them as
+    old), so a node whose clock is that far behind says so and the requester tries another node.
+    A `stored` spec (this node's state dir) was bounded when it arrived; only its type is checked,
+    so a clock set back at boot (a Pi without a real-time clock) does not set instances aside."""
+    _epoch_floor("extra.min_epoch", extra.get("min_epoch"), now, not stored)
+    handover = extra.get("handover_state")
+    if isinstance(handover, Mapping):
+        _epoch_floor("extra.handover_state.epoch", handover.get("epoch"), now, not stored)

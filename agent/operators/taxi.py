@@ -1,0 +1,462 @@
+"""Synthetic NYC-taxi records (DEBS 2015 schema), rate profiles, and the two source operators.
+
+The real data set is not available offline, so records are generated from a seed: the same
+(seed, source instance) gives the same records in the same order, on any machine. About 2% of the
+records carry the defects the DEBS 2015 challenge describes (zero GPS fix, zero trip time or
+distance) so that `validate` has something to drop, and some trips leave the 300 x 300 grid so
+that `in_zone` filters too.
+
+Rate profiles (`params.profile`): records per second as a function of the time since the source
+started; the source generates the integral of the rate, and only while it has flow-control credit
+(a slow pipeline slows the source: back pressure, not loss). A backlog older than `max_lag_s`
+(default 1 s) is not made up later; it is counted as `deferred` (records never generated, so not
+lost).
+
+- constant: `rate`
+- steps:    `steps = [[t0, rate0], [t1, rate1], ...]` (rate_i from t_i on)
+- sinusoid: `rate` (mean), `amplitude` (fraction of the mean), `period` seconds: a diurnal-like wave
+- csv:      `csv = "path"` with lines `t,rate` (step-wise; a header line is allowed)
+
+Source params: `seed`, `profile` and its fields, `max_records` (stop after that many; the worker
+then reports the source finished), `max_lag_s`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import csv
+import math
+import random
+import zlib
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, Dict, List, Optional, Tuple
+
+from agent.dataplane.envelope import Item
+from agent.operators.builtin import OperatorContext, Param
+
+__all__ = [
+    "RateProfile",
+    "Constant",
+    "Steps",
+    "Sinusoid",
+    "profile_from_params",
+    "TaxiGenerator",
+    "TaxiSource",
+    "MqttIngestSource",
+    "source",
+    "mqtt_source",
+    "FIELDS",
+]
+
+FIELDS = (
+    "medallion",
+    "hack_license",
+    "pickup_datetime",
+    "dropoff_datetime",
+    "trip_time_in_secs",
+    "trip_distance",
+    "pickup_longitude",
+    "pickup_latitude",
+    "dropoff_longitude",
+    "dropoff_latitude",
+    "payment_type",
+    "fare_amount",
+    "surcharge",
+    "mta_tax",
+    "tip_amount",
+    "tolls_amount",
+    "total_amount",
+)
+
+
+# ---- rate profiles --------------------------------------------------------------------------------
+
+
+class RateProfile:
+    def rate(self, t: float) -> float:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Constant(RateProfile):
+    value: float
+
+    def rate(self, t: float) -> float:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Steps(RateProfile):
+    times: Tuple[float, ...]
+    rates: Tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.times or len(self.times) != len(self.rates) or list(self.times) != sorted(self.times):
+            raise ValueError("steps: expected [[t, rate], ...] with increasing t")
+
+    def rate(self, t: float) -> float:
+        i = bisect.bisect_right(self.times, t) - 1
+        return self.rates[i] if i >= 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Sinusoid(RateProfile):
+    mean: float
+    amplitude: float
+    period: float
+
+    def rate(self, t: float) -> float:
+        return max(0.0, self.mean * (1.0 + self.amplitude * math.sin(2 * math.pi * t / self.period)))
+
+
+def _steps_from_csv(path: str) -> Steps:
+    times: List[float] = []
+    rates: List[float] = []
+    with open(path, newline="") as fh:
+        for i, row in enumerate(csv.reader(fh)):
+            if not row or row[0].strip().startswith("#"):
+                continue
+            try:
+                t, r = float(row[0]), float(row[1])
+            except (ValueError, IndexError):
+                if i == 0:
+                    continue  # header
+                raise ValueError(f"{path}:{i + 1}: expected 't,rate', found {row!r}") from None
+            times.append(t)
+            rates.append(r)
+    return Steps(tuple(times), tuple(rates))
+
+
+def profile_from_params(params: Dict[str, Any]) -> RateProfile:
+    kind = params.get("profile", "constant")
+    rate = float(params.get("rate", 100.0))
+    if kind == "constant":
+        return Constant(rate)
+    if kind == "steps":
+        steps = params.get("steps") or [[0.0, rate]]
+        return Steps(tuple(float(t) for t, _ in steps), tuple(float(r) for _, r in steps))
+    if kind == "sinusoid":
+        return Sinusoid(rate, float(params.get("amplitude", 0.5)), float(params.get("period", 60.0)))
+    if kind == "csv":
+        return _steps_from_csv(str(params["csv"]))
+    raise ValueError(f"source profile {kind!r}: expected constant, steps, sinusoid or csv")
+
+
+# ---- records ---------------------------------------------------------------------------------------
+
+_EPOCH = datetime(2013, 1, 1)
+# Manhattan-ish centre; most trips start within a few km, a few far away (outside the grid).
+_CENTRE = (40.75, -73.98)
+
+
+class TaxiGenerator:
+    """Deterministic DEBS 2015 records from (seed, stream name)."""
+
+    def __init__(self, seed: int, stream: str, defect_rate: float = 0.02, outside_rate: float = 0.03) -> None:
+        self.rng = random.Random((int(seed) << 32) ^ zlib.crc32(stream.encode()))
+        self.defect_rate = defect_rate
+        self.outside_rate = outside_rate
+        self.medallions = ["%032X" % self.rng.getrandbits(128) for _ in range(500)]
+        self.licenses = ["%032X" % self.rng.getrandbits(128) for _ in range(800)]
+        self.clock = _EPOCH
+
+    def record(self) -> Dict[str, Any]:
+        rng = self.rng
+        self.clock += timedelta(seconds=rng.random() * 2)
+        trip = rng.randint(60, 3600)
+        dist = round(trip / 3600 * rng.uniform(5, 25), 2)
+        spread = 3.0 if rng.random() < self.outside_rate else 0.05
+        plat = _CENTRE[0] + rng.gauss(0, spread)
+        plon = _CENTRE[1] + rng.gauss(0, spread)
+        dlat = plat + rng.gauss(0, 0.02)
+        dlon = plon + rng.gauss(0, 0.02)
+        fare = round(2.5 + dist * 2.5, 2)
+        tip = round(fare * rng.choice((0.0, 0.1, 0.15, 0.2)), 2)
+        tolls = 5.33 if rng.random() < 0.05 else 0.0
+        rec = {
+            "medallion": rng.choice(self.medallions),
+            "hack_license": rng.choice(self.licenses),
+            "pickup_datetime": self.clock.strftime("%Y-%m-%d %H:%M:%S"),
+            "dropoff_datetime": (self.clock + timedelta(seconds=trip)).strftime("%Y-%m-%d %H:%M:%S"),
+            "trip_time_in_secs": trip,
+            "trip_distance": dist,
+            "pickup_longitude": round(plon, 6),
+            "pickup_latitude": round(plat, 6),
+            "dropoff_longitude": round(dlon, 6),
+            "dropoff_latitude": round(dlat, 6),
+            "payment_type": "CRD" if tip else "CSH",
+            "fare_amount": fare,
+            "surcharge": 0.5,
+            "mta_tax": 0.5,
+            "tip_amount": tip,
+            "tolls_amount": tolls,
+            "total_amount": round(fare + 1.0 + tip + tolls, 2),
+        }
+        if rng.random() < self.defect_rate:
+            defect = rng.randrange(3)
+            if defect == 0:
+                rec["pickup_longitude"] = rec["pickup_latitude"] = 0.0
+            elif defect == 1:
+                rec["trip_time_in_secs"] = 0
+            else:
+                rec["trip_distance"] = 0.0
+        return rec
+
+
+# ---- source operators ---------------------------------------------------------------------------------
+
+
+class TaxiSource:
+    """The generator source: `poll(now, budget)` returns the records due by `now` (<= budget).
+
+    Ids are (this instance, 0, 1, 2, ...): with `max_records` the verifier knows exactly which ids
+    must reach the sink.
+    """
+
+    kind = "source"
+
+    def __init__(self, ctx: OperatorContext, record_factory: Optional[Any] = None) -> None:
+        p = ctx.params
+        self.instance = ctx.instance
+        self.profile = profile_from_params(p)
+        self.gen = TaxiGenerator(int(p.get("seed", 1)), ctx.instance)
+        self.make = record_factory or self.gen.record
+        self.max_records: Optional[int] = int(p["max_records"]) if "max_records" in p else None
+        self.max_lag = float(p.get("max_lag_s", 1.0))
+        self.generated = 0
+        self.deferred = 0.0
+        self._due = 0.0
+        self._last: Optional[float] = None
+        self._start: Optional[float] = None
+        self.paused = False
+        self._catch_up = 0  # after a crash: regenerate up to here at once (see resume)
+        self._elapsed = 0.0  # seconds of the rate profile already played before a restart
+
+    def start(self, now: float) -> None:
+        self._start = now - self._elapsed
+        self._last = now
+
+    def resume(self, resume_from: int, catch_up_to: int, elapsed: float) -> None:
+        """Restart after a crash (called by the worker before `start`). Records are a
+        deterministic stream, so the generator is wound forward to `resume_from` (the first record
+        not yet acked downstream) and everything up to `catch_up_to` (the position the previous
+        incarnation had reserved, never below what it generated) is generated again at once:
+        nothing it may have sent is missing, and what did get through is dropped by id at the
+        sink. The rate profile continues where it was (`elapsed` seconds in)."""
+        for _ in range(resume_from):
+            self.make()
+        self.generated = resume_from
+        self._catch_up = max(resume_from, catch_up_to)
+        self._elapsed = max(0.0, elapsed)
+
+    @property
+    def finished(self) -> bool:
+        return self.max_records is not None and self.generated >= self.max_records
+
+    def rate_now(self, now: float) -> float:
+        return self.profile.rate(now - (self._start if self._start is not None else now))
+
+    def poll(self, now: float, budget: int) -> List[Item]:
+        if self._start is None:
+            self.start(now)
+        assert self._last is not None and self._start is not None
+        dt = max(0.0, now - self._last)
+        self._last = now
+        if self.paused or self.finished:
+            return []
+        if self.generated < self._catch_up:
+            return self._emit(min(budget, self._catch_up - self.generated))
+        rate = self.profile.rate(now - self._start)
+        self._due += rate * dt
+        cap = max(rate * self.max_lag, 1.0)
+        if self._due > cap:
+            self.deferred += self._due - cap
+            self._due = cap
+        n = min(int(self._due), max(0, budget))
+        if self.max_records is not None:
+            n = min(n, self.max_records - self.generated)
+        if n <= 0:
+            return []
+        self._due -= n
+        return self._emit(n)
+
+    def _emit(self, n: int) -> List[Item]:
+        if self.max_records is not None:
+            n = min(n, self.max_records - self.generated)
+        if n <= 0:
+            return []
+        first = self.generated
+        self.generated += n
+        make = self.make
+        inst = self.instance
+        return [(inst, first + i, make()) for i in range(n)]
+
+    def next_due(self, now: float) -> float:
+        """When the next record becomes due (for the worker's poll timeout)."""
+        if self.generated < self._catch_up:
+            return now
+        rate = self.rate_now(now)
+        if rate <= 0:
+            return now + 0.05
+        return now + max(0.0, (1.0 - self._due) / rate)
+
+    def close(self) -> None:
+        pass
+
+    def stats(self) -> Dict[str, Any]:
+        return {"generated": self.generated, "deferred": int(self.deferred), "finished": self.finished}
+
+
+class MqttIngestSource:
+    """Records from real sensors: the worker subscribes to `params.topic` (a filter) and hands
+    each payload here. JSON payloads become records as they are; others become
+    {"topic", "payload"} strings. Sensors cannot be slowed down, so past `max_buffer` records the
+    oldest are dropped, counted (`shed`) and logged by the worker (invariant 5: never silently)."""
+
+    kind = "source"
+
+    def __init__(self, ctx: OperatorContext) -> None:
+        topic = ctx.params.get("topic")
+        if not isinstance(topic, str) or not topic:
+            raise ValueError(f"mqtt_source: params.topic must be a topic filter, found {topic!r}")
+        self.topic = topic
+        self.instance = ctx.instance
+        self.max_buffer = int(ctx.params.get("max_buffer", 100000))
+        self.buffer: List[Any] = []
+        self.generated = 0
+        self.shed = 0
+        self.max_records: Optional[int] = None
+
+    finished = False
+
+    def start(self, now: float) -> None:
+        pass
+
+    def ingest(self, topic: str, payload: bytes) -> None:
+        import json
+
+        try:
+            rec = json.loads(payload)
+        except ValueError:
+            rec = {"topic": topic, "payload": payload.decode("utf-8", "replace")}
+        self.buffer.append(rec)
+        if len(self.buffer) > self.max_buffer:
+            drop = len(self.buffer) - self.max_buffer
+            del self.buffer[:drop]
+            self.shed += drop
+
+    def poll(self, now: float, budget: int) -> List[Item]:
+        n = min(len(self.buffer), max(0, budget))
+        if n <= 0:
+            return []
+        recs, self.buffer = self.buffer[:n], self.buffer[n:]
+        first = self.generated
+        self.generated += n
+        return [(self.instance, first + i, r) for i, r in enumerate(recs)]
+
+    def next_due(self, now: float) -> float:
+        return now + (0.0 if self.buffer else 0.05)
+
+    def close(self) -> None:
+        pass
+
+    def stats(self) -> Dict[str, Any]:
+        return {"generated": self.generated, "shed": self.shed, "buffered": len(self.buffer)}
+
+
+class _Factory:
+    def __init__(self, cls: Any) -> None:
+        self.build = cls
+
+
+source = _Factory(TaxiSource)
+mqtt_source = _Factory(MqttIngestSource)
+
+# What `fog-agent check-config` checks (agent.operators.builtin.check_params; the module
+# docstring says what each key means).
+PROFILES = ("constant", "steps", "sinusoid", "csv")
+SOURCE_PARAMS = {
+    "seed": Param("integer"),
+    "profile": Param("string", choices=PROFILES),
+    "rate": Param("number", min=0),
+    "steps": Param("array"),
+    "amplitude": Param("number", min=0),
+    "period": Param("number", above=0),
+    "csv": Param("string", path=True),
+    "max_records": Param("integer", min=0),
+    "max_lag_s": Param("number", above=0),
+}
+
+
+def check_source_params(params: Dict[str, Any]) -> List[Tuple[str, str, Any]]:
+    """The checks across keys: `steps` are [t, rate] pairs with increasing t and rates >= 0, and
+    `profile = "csv"` needs a `csv` file that parses as `t,rate` lines."""
+    profile = params.get("profile", "constant")
+    if "steps" in params:
+        steps = params["steps"]
+        ok = bool(steps) and all(
+            isinstance(s, list) and len(s) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in s)
+            and s[1] >= 0 for s in steps)
+        if ok:
+            times = [s[0] for s in steps]
+            ok = times == sorted(times)
+        if not ok:
+            return [("steps", "expected [[t, rate], ...] with increasing t and rates >= 0", steps)]
+    if profile == "csv":
+        if "csv" not in params:
+            return [("csv", 'missing required key (profile = "csv" reads the rates from this file)', None)]
+        try:
+            _steps_from_csv(str(params["csv"]))
+        except (ValueError, OSError) as exc:
+            return [("csv", f"expected a file of 't,rate' lines ({exc})", params["csv"])]
+    return []
+
+
+source.params_schema = SOURCE_PARAMS  # type: ignore[attr-defined]
+source.check_params = check_source_params  # type: ignore[attr-defined]
+mqtt_source.params_schema = {  # type: ignore[attr-defined]
+    "topic": Param("string", required=True),
+    "max_buffer": Param("integer", min=1),
+}
+mqtt_source.check_params = lambda p: (  # type: ignore[attr-defined]
+    [("topic", "expected a topic filter", p["topic"])] if not p["topic"] else [])
+
+
+class _TinyRecord:
+    """Benchmark records: a small constant dict (measures the data path, not the generator)."""
+
+    def __call__(self) -> Dict[str, Any]:
+        return {"v": 1}
+
+
+class _Pool:
+    """Benchmark taxi records: a pre-generated pool, cycled (the generator costs ~40 us per
+    record here, which would measure the generator instead of the data path)."""
+
+    def __init__(self, seed: int, stream: str, size: int = 1000) -> None:
+        gen = TaxiGenerator(seed, stream)
+        self.pool = [gen.record() for _ in range(size)]
+        self.i = 0
+
+    def __call__(self) -> Dict[str, Any]:
+        self.i += 1
+        return self.pool[self.i % len(self.pool)]
+
+
+def _bench_source(ctx: OperatorContext) -> TaxiSource:
+    kind = ctx.params.get("record", "taxi")
+    if kind == "taxi":
+        return TaxiSource(ctx, record_factory=_Pool(int(ctx.params.get("seed", 1)), ctx.instance))
+    return TaxiSource(ctx, record_factory=_TinyRecord())
+
+
+bench_source = _Factory(_bench_source)
+bench_source.params_schema = dict(SOURCE_PARAMS, record=Param("string"))  # type: ignore[attr-defined]
+bench_source.check_params = check_source_params  # type: ignore[attr-defined]
+
+
+def sample(seed: int, n: int, stream: str = "sample") -> List[Dict[str, Any]]:
+    """n records (tests and docs)."""
+    g = TaxiGenerator(seed, stream)
+    return [g.record() for _ in range(n)]

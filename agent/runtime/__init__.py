@@ -1,1 +1,0 @@
-"""The real driver: agent daemon, worker processes, MQTT transport, placement, measurement, spill."""

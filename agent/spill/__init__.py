@@ -1,0 +1,1 @@
+"""The spill: a durable local spool of what the fog produced and the shipper that moves it to the centre."""

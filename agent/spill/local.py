@@ -1,0 +1,140 @@
+"""The agent's side of the spill (`[spill] enabled = true`): settings for its sink workers, its
+own spool of per-instance metrics and protocol events, and the shipper of every closed file.
+
+Layout under `[spill].spool_dir` (one root per agent):
+
+    <root>/_agent/{open,closed}/       this daemon's spool: kinds "metrics" and "events"
+    <root>/<instance>/{open,closed}/   one spool per sink worker (written by the worker itself)
+
+Why the workers write their own spools: the ack of a batch must wait until its records are
+recorded (docs/runtime.md, invariant 5); a sink that handed records to another process would need
+one more acknowledged hop. The daemon only *ships*: one shipper (MQTT or path) over every
+`closed/` directory under the root (`spool.SpoolDirs`); a worker notices released files when it
+recounts its directory (back pressure ends). Rules: this object belongs to the daemon's loop
+thread (appends, tick, close); the MQTT shipper has its own thread and paho client, the path
+shipper its own thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any, Dict, Mapping, Optional
+
+from agent.spill.spool import Spool, SpoolDirs
+
+__all__ = ["AgentSpill", "AGENT_SPOOL"]
+
+log = logging.getLogger(__name__)
+
+AGENT_SPOOL = "_agent"  # not a valid instance id prefix, so it never collides with a worker's spool
+
+
+class AgentSpill:
+    def __init__(self, cfg: Any, broker: Any = None) -> None:
+        s = cfg.spill
+        self.node, self.cluster = cfg.agent.node, cfg.agent.cluster
+        self.root = Path(s.spool_dir)
+        self.settings = {"dir": str(self.root), "node": self.node, "max_bytes": s.max_bytes,
+                         "rotate_bytes": s.rotate_bytes, "rotate_seconds": s.rotate_seconds}
+        self.spool = Spool(self.root / AGENT_SPOOL, self.node, max_bytes=s.max_bytes,
+                           rotate_bytes=s.rotate_bytes, rotate_seconds=s.rotate_seconds)
+        self.view = SpoolDirs(self.root, self.node)
+        self.dropped = 0  # metrics/events refused by a full agent spool (counted, logged once)
+        self._last_tick = 0.0
+        self._mqtt: Any = None
+        self._path: Any = None
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        if s.ship == "mqtt":
+            from agent.config import TlsSection
+            from agent.spill.shipper import MqttShipper
+
+            # The node's own identity, like the agent's and its workers': [mqtt.tls] as the
+            # daemon checked it (docs/security.md, "Identities").
+            tls = (TlsSection(broker.ca_file, broker.cert_file, broker.key_file, broker.tls_insecure)
+                   if broker.ca_file else None)
+            self._mqtt = MqttShipper(self.view, self.cluster, host=broker.host, port=broker.port,
+                                     client_id=f"fog-spill-{self.cluster}-{self.node}",
+                                     username=broker.username, password=broker.password, tls=tls).start()
+        elif s.ship == "path":
+            from agent.spill.shipper import PathShipper
+
+            if not s.ship_path:
+                raise ValueError('[spill] ship = "path" needs ship_path')
+            self._path = PathShipper(self.view, s.ship_path)
+            self._thread = threading.Thread(target=self._ship_loop, name="spill-path", daemon=True)
+            self._thread.start()
+
+    @classmethod
+    def maybe(cls, cfg: Any, broker: Any = None) -> Optional["AgentSpill"]:
+        return cls(cfg, broker) if getattr(cfg, "spill", None) is not None and cfg.spill.enabled else None
+
+    def with_spill(self, spec: Any) -> Any:
+        """The spec a local worker starts with: the node's spool settings in `extra["spill"]`
+        (node-local, like state_dir: always this agent's, whatever the spec carried; a request's
+        own spill settings are dropped where it enters, `Agent._node_local`)."""
+        extra = dict(spec.extra)
+        extra["spill"] = dict(self.settings)
+        return dataclasses.replace(spec, extra=extra)
+
+    def on_heartbeat(self, spec: Any, stats: Mapping[str, Any], ts: float) -> None:
+        if not isinstance(stats, Mapping):
+            return
+        cap = stats.get("capacity", spec.extra.get("capacity"))
+        row: Dict[str, Any] = {"ts": ts, "operator": spec.operator, "instance": spec.instance,
+                               "load": float(stats.get("load") or 0.0),
+                               "capacity": float(cap) if isinstance(cap, (int, float)) else None}
+        self._append("metrics", row)
+
+    def on_event(self, payload: Mapping[str, Any]) -> None:
+        self._append("events", payload)
+
+    def _append(self, kind: str, row: Mapping[str, Any]) -> None:
+        # Metrics and events are observations, not records: when the agent's own spool is full
+        # they are counted and logged (not silently lost), never allowed to block the loop.
+        if not self.spool.append(kind, row):
+            self.dropped += 1
+            if self.dropped == 1:
+                log.warning("agent spool full: metrics/events not spilled (counted)", extra={"node": self.node})
+
+    def tick(self, now: float) -> None:
+        if now - self._last_tick >= 1.0:
+            self._last_tick = now
+            self.spool.tick()
+
+    def _ship_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._path.ship_once()
+            except Exception:  # noqa: BLE001 - keep shipping; a bad file must not stop the thread
+                log.exception("path shipping failed")
+            self._stop.wait(0.5)
+
+    def close(self, ship_timeout: float = 5.0) -> None:
+        """Clean shutdown (after the workers stopped, so their spools are closed): close this
+        spool, ship what is closed (bounded), stop the shipper. Unshipped files stay for the
+        next start."""
+        self.spool.close()
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._path.ship_once()
+        if self._mqtt is not None:
+            self._mqtt.wait_idle(ship_timeout)
+            self._mqtt.stop()
+
+    def stats(self) -> Dict[str, Any]:
+        out: Dict[str, Any] = {"closed_files": len(self.view.closed_files()), "not_spilled": self.dropped}
+        if self._mqtt is not None:
+            out.update(self._mqtt.core.stats)
+        if self._path is not None:
+            out.update(self._path.stats)
+        return out
+
+
+def _now() -> float:
+    return time.time()

@@ -1,0 +1,399 @@
+"""Shipping closed spool files to the centre: over MQTT (chunked, acked, resent) or to a path.
+
+Rules of this file:
+- `ShipperCore` is sans-IO: it receives files (bytes), acks and the current time, and returns the
+  MQTT publications to make. It never reads a clock or a socket; `MqttShipper` is the thin driver
+  (one paho client, one owner thread) and `PathShipper` the shared-filesystem variant.
+- A file's id is the sha256 of its bytes (`spool.file_id`): a resent file has the same id, so the
+  collector stores it once and acks the duplicate.
+- Wire format, topic `fog/<cluster>/spill/<node>/chunk`, QoS 1: one JSON header line, a newline,
+  then the raw chunk bytes. The header carries the chunk's own sha256, so the collector detects a
+  damaged chunk before it is assembled, and answers a NACK naming the chunks to resend.
+- A file stays in the spool until the collector's ack (`fog/<cluster>/spill/<node>/ack`,
+  {"file_id", "status": "landed"|"duplicate"}) arrives. No ack within the timeout: the whole file
+  is sent again, with exponential back-off (so a collector that is down for long does not flood
+  the broker's queue). At most `window` files are in flight.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
+
+from agent import topics, wire
+from agent.config import TlsSection, tls_setup
+from agent.spill.spool import ClosedFile, file_id
+
+__all__ = [
+    "Ack",
+    "ChunkHeader",
+    "FileMeta",
+    "MqttShipper",
+    "Outgoing",
+    "PathShipper",
+    "ShipperCore",
+    "ack_topic",
+    "chunk_topic",
+    "decode_chunk",
+    "encode_chunk",
+]
+
+log = logging.getLogger(__name__)
+
+WIRE_VERSION = 1
+
+
+def chunk_topic(cluster: str, node: str) -> str:
+    return topics.spill_chunk(cluster, node)
+
+
+def ack_topic(cluster: str, node: str) -> str:
+    return topics.spill_ack(cluster, node)
+
+
+def chunk_subscription(cluster: str) -> str:
+    """What the collector subscribes to: every node's chunks."""
+    return topics.all_spill_chunks(cluster)
+
+
+@dataclass(frozen=True)
+class FileMeta:
+    """What the collector needs to land a file: its id and its landing partition."""
+
+    file_id: str
+    name: str
+    kind: str
+    node: str
+    date: str
+    size: int
+
+
+@dataclass(frozen=True)
+class ChunkHeader:
+    file_id: str
+    name: str
+    kind: str
+    node: str
+    date: str
+    size: int  # whole file
+    index: int
+    count: int
+    sha256: str  # of this chunk's bytes
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.index < self.count):
+            raise ValueError(f"chunk index {self.index} outside 0..{self.count - 1}")
+        if len(self.file_id) != 64 or len(self.sha256) != 64:
+            raise ValueError("file_id and sha256 must be 64 hex digits")
+
+    @property
+    def meta(self) -> FileMeta:
+        return FileMeta(self.file_id, self.name, self.kind, self.node, self.date, self.size)
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    topic: str
+    payload: bytes
+    file_id: str = ""
+    index: int = -1
+
+
+@dataclass(frozen=True)
+class Ack:
+    """Collector -> shipper: landed / duplicate (done), or nack with the chunks to resend."""
+
+    file_id: str
+    status: str  # "landed" | "duplicate" | "nack"
+    missing: Tuple[int, ...] = ()
+    reason: str = ""
+
+    def encode(self) -> bytes:
+        return json.dumps({"file_id": self.file_id, "status": self.status,
+                           "missing": list(self.missing), "reason": self.reason}).encode()
+
+    @classmethod
+    def decode(cls, payload: bytes) -> "Ack":
+        d = wire.loads(payload, what="spill ack", expect=dict)
+        if d.get("status") not in ("landed", "duplicate", "nack"):
+            raise ValueError(f"unknown ack status {d.get('status')!r}")
+        try:
+            return cls(str(d["file_id"]), d["status"], tuple(int(i) for i in d.get("missing", ())),
+                       str(d.get("reason", "")))
+        except (KeyError, TypeError) as exc:  # bus input: one ValueError, never another type
+            raise ValueError(f"spill ack: {type(exc).__name__}: {str(exc)[:80]}") from None
+
+
+def encode_chunk(header: ChunkHeader, body: bytes) -> bytes:
+    h = {"v": WIRE_VERSION, **{k: getattr(header, k) for k in header.__dataclass_fields__}}
+    return json.dumps(h, separators=(",", ":")).encode() + b"\n" + body
+
+
+def decode_chunk(payload: bytes) -> Tuple[ChunkHeader, bytes]:
+    """Split a chunk message; raises ValueError if the header is unreadable (body not checked)."""
+    head, sep, body = payload.partition(b"\n")
+    if not sep:
+        raise ValueError("chunk without header line")
+    h = wire.loads(head, what="chunk header")  # wire.BusInputError is a ValueError
+    if not isinstance(h, dict) or h.pop("v", None) != WIRE_VERSION:
+        raise ValueError(f"chunk header: expected wire version {WIRE_VERSION}")
+    try:
+        return ChunkHeader(**h), body
+    except TypeError as exc:
+        raise ValueError(f"chunk header: {exc}") from None
+
+
+def split_file(meta: FileMeta, data: bytes, chunk_bytes: int) -> List[Tuple[ChunkHeader, bytes]]:
+    count = max(1, -(-len(data) // chunk_bytes))
+    out = []
+    for i in range(count):
+        body = data[i * chunk_bytes:(i + 1) * chunk_bytes]
+        out.append((ChunkHeader(meta.file_id, meta.name, meta.kind, meta.node, meta.date, meta.size,
+                                i, count, hashlib.sha256(body).hexdigest()), body))
+    return out
+
+
+@dataclass
+class _Flight:
+    meta: FileMeta
+    chunks: List[Tuple[ChunkHeader, bytes]]
+    token: Any  # what the driver needs to release the file (its spool path)
+    due: float = 0.0  # when to (re)send; 0 = now
+    attempts: int = 0
+    resend: Set[int] = field(default_factory=set)  # chunk indexes asked for by a nack
+
+
+class ShipperCore:
+    """Which chunks to publish when; pure (time is an argument)."""
+
+    def __init__(self, cluster: str, node: str, *, chunk_bytes: int = 256 * 1024,
+                 ack_timeout: float = 5.0, max_backoff: float = 60.0, window: int = 4) -> None:
+        self.cluster, self.node = cluster, node
+        self.chunk_bytes, self.ack_timeout, self.max_backoff, self.window = (
+            chunk_bytes, ack_timeout, max_backoff, window)
+        self.topic = chunk_topic(cluster, node)
+        self._queue: List[_Flight] = []  # waiting for a window slot, in spool order
+        self._flight: Dict[str, _Flight] = {}
+        self._known: Set[str] = set()
+        self.stats = {"files_sent": 0, "files_acked": 0, "chunks_sent": 0, "file_resends": 0,
+                      "chunk_resends": 0, "nacks": 0, "duplicates_acked": 0}
+
+    def knows(self, fid: str) -> bool:
+        return fid in self._known
+
+    @property
+    def pending(self) -> int:
+        return len(self._queue) + len(self._flight)
+
+    def add(self, meta: FileMeta, data: bytes, token: Any = None) -> None:
+        if meta.file_id in self._known:
+            return
+        self._known.add(meta.file_id)
+        self._queue.append(_Flight(meta, split_file(meta, data, self.chunk_bytes), token))
+
+    def poll(self, now: float) -> List[Outgoing]:
+        """Chunks to publish now: new files entering the window, nacked chunks, timed-out files."""
+        while self._queue and len(self._flight) < self.window:
+            fl = self._queue.pop(0)
+            self._flight[fl.meta.file_id] = fl
+        out: List[Outgoing] = []
+        for fl in self._flight.values():
+            if fl.resend:
+                idx = sorted(fl.resend)
+                fl.resend.clear()
+                self.stats["chunk_resends"] += len(idx)
+                out.extend(self._out(fl, idx))
+                fl.due = now + self.ack_timeout
+            elif now >= fl.due:
+                if fl.attempts:
+                    self.stats["file_resends"] += 1
+                else:
+                    self.stats["files_sent"] += 1
+                out.extend(self._out(fl, range(len(fl.chunks))))
+                fl.due = now + min(self.max_backoff, self.ack_timeout * (2 ** fl.attempts))
+                fl.attempts += 1
+        self.stats["chunks_sent"] += len(out)
+        return out
+
+    def send_failed(self, fid: str, now: float) -> None:
+        """The driver could not hand a chunk to the client (disconnected, queue full): retry soon."""
+        fl = self._flight.get(fid)
+        if fl is not None:
+            fl.due = min(fl.due, now + min(1.0, self.ack_timeout))
+
+    def on_ack(self, ack: Ack, now: float) -> Optional[Any]:
+        """Returns the token of a file now safely at the centre (release it), else None."""
+        fl = self._flight.get(ack.file_id)
+        if fl is None:
+            return None  # an ack for a file already released (a resend's second ack)
+        if ack.status == "nack":
+            self.stats["nacks"] += 1
+            fl.resend.update(i for i in ack.missing if 0 <= i < len(fl.chunks))
+            if not ack.missing:  # the whole file was rejected (assembled but bad): send all again
+                fl.due = now
+            return None
+        if ack.status == "duplicate":
+            self.stats["duplicates_acked"] += 1
+        del self._flight[ack.file_id]
+        self._known.discard(ack.file_id)
+        self.stats["files_acked"] += 1
+        return fl.token
+
+    def _out(self, fl: _Flight, indexes: Any) -> List[Outgoing]:
+        return [Outgoing(self.topic, encode_chunk(*fl.chunks[i]), fl.meta.file_id, i) for i in indexes]
+
+
+def meta_for(f: ClosedFile, data: bytes) -> FileMeta:
+    return FileMeta(file_id(data), f.name, f.kind, f.node, f.date, len(data))
+
+
+# ---- drivers ----------------------------------------------------------------------------------
+
+
+class PathShipper:
+    """Ship to a shared path (NFS, sshfs...): land each closed file there directly, then release.
+
+    The shared path is a landing zone: the same verification and exactly-once rename as the
+    collector's (`agent.collector.landing`)."""
+
+    def __init__(self, spool: Any, landing_dir: Union[str, Path]) -> None:
+        from agent.collector.landing import LandingZone
+
+        self.spool = spool
+        self.landing = LandingZone(landing_dir)
+        self.stats = {"landed": 0, "duplicates": 0}
+
+    def ship_once(self) -> int:
+        n = 0
+        for f in self.spool.closed_files():
+            data = f.path.read_bytes()
+            result = self.landing.land(meta_for(f, data), data, decode=False)
+            self.stats["landed" if result.status == "landed" else "duplicates"] += 1
+            self.spool.release(f)
+            n += 1
+        return n
+
+
+class MqttShipper:
+    """Driver: one thread owns one paho client; ships the spool's closed files until stopped.
+
+    `tamper` (tests only) may rewrite an outgoing message before it is published -- the way the
+    collector tests damage a chunk on the wire. `tls`: the agent's `[mqtt.tls]` section, so the
+    shipper connects with the node's certificate like the agent and its workers (the broker's ACL
+    lets only that identity write `spill/<node>/chunk` and read its acks).
+    """
+
+    def __init__(self, spool: Any, cluster: str, *, host: str = "127.0.0.1", port: int = 1883,
+                 client_id: Optional[str] = None, chunk_bytes: int = 256 * 1024,
+                 ack_timeout: float = 5.0, max_backoff: float = 60.0, window: int = 4,
+                 poll_interval: float = 0.1, clock: Callable[[], float] = time.monotonic,
+                 tamper: Optional[Callable[[Outgoing], Outgoing]] = None,
+                 username: Optional[str] = None, password: Optional[str] = None,
+                 tls: Optional[TlsSection] = None) -> None:
+        self.spool, self.cluster, self.host, self.port = spool, cluster, host, port
+        self.tls = tls
+        self.client_id = client_id or f"fog-spill-{cluster}-{spool.node}"
+        self.core = ShipperCore(cluster, spool.node, chunk_bytes=chunk_bytes, ack_timeout=ack_timeout,
+                                max_backoff=max_backoff, window=window)
+        self.poll_interval, self.clock, self.tamper = poll_interval, clock, tamper
+        self.username, self.password = username, password
+        self._acks: "queue.Queue[bytes]" = queue.Queue()
+        self._stop = threading.Event()
+        self._connected = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._client: Any = None
+        self._added: Set[str] = set()  # spool file paths handed to the core (read + hashed once)
+
+    def start(self) -> "MqttShipper":
+        import paho.mqtt.client as mqtt
+
+        c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=self.client_id,
+                        clean_session=False)
+        if self.username:
+            c.username_pw_set(self.username, self.password)
+        tls_setup(c, self.tls)
+        c.max_inflight_messages_set(100)
+        c.max_queued_messages_set(0)
+        c.on_connect = self._on_connect
+        c.on_disconnect = lambda *a: self._connected.clear()
+        c.on_message = lambda _c, _u, msg: self._acks.put(msg.payload)
+        c.reconnect_delay_set(0.2, 5)
+        c.connect_async(self.host, self.port, keepalive=10)
+        c.loop_start()
+        self._client = c
+        self._thread = threading.Thread(target=self._run, name=f"shipper-{self.spool.node}", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if self._client is not None:
+            self._client.disconnect()
+            self._client.loop_stop()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """True once every closed spool file is acked (tests, shutdown)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.spool.closed_files() and self.core.pending == 0:
+                return True
+            time.sleep(0.05)
+        return False
+
+    def _on_connect(self, client: Any, _u: Any, _flags: Any, rc: Any, _p: Any = None) -> None:
+        if getattr(rc, "is_failure", False):
+            return
+        client.subscribe(ack_topic(self.cluster, self.spool.node), qos=1)
+        self._connected.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._step()
+            except Exception:  # keep shipping; a bad file or a broker hiccup must not stop the thread
+                log.exception("shipper step failed")
+            self._stop.wait(self.poll_interval)
+
+    def _step(self) -> None:
+        now = self.clock()
+        while True:
+            try:
+                payload = self._acks.get_nowait()
+            except queue.Empty:
+                break
+            try:
+                ack = Ack.decode(payload)
+            except (ValueError, KeyError) as exc:
+                log.warning("ignoring malformed spill ack: %s", exc)
+                continue
+            token = self.core.on_ack(ack, now)
+            if token is not None:
+                self.spool.release(token)
+                self._added.discard(str(token.path))
+        if self.core.pending < self.core.window:
+            for f in self.spool.closed_files():
+                if str(f.path) in self._added:
+                    continue
+                data = f.path.read_bytes()
+                self.core.add(meta_for(f, data), data, f)
+                self._added.add(str(f.path))
+                if self.core.pending >= 2 * self.core.window:
+                    break
+        if not self._connected.is_set():
+            return
+        import paho.mqtt.client as mqtt
+
+        for out in self.core.poll(now):
+            msg = self.tamper(out) if self.tamper else out
+            info = self._client.publish(msg.topic, msg.payload, qos=1)
+            if info.rc != mqtt.MQTT_ERR_SUCCESS:
+                self.core.send_failed(out.file_id, now)

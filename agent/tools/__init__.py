@@ -1,0 +1,1 @@
+"""Tools that never run on a fog node: demo, chaos, benchmarks, the private broker and the delay proxy."""

@@ -1,0 +1,547 @@
+"""`fog-agent chaos`: the demo fleet under a changing load while faults are injected, then a verdict.
+
+In the manner of Jepsen's nemesis and Kafka's system tests: a seeded schedule of faults hits a
+real fleet (a private Mosquitto with persistence, three `fog-agent run` processes, real worker
+processes), and the record-id accounting of the demo (`demo.verify`) decides at the end whether
+any record was lost or reached the sink twice.
+
+Faults (one at a time; the next one comes after the fleet recovered from the last, plus a
+seeded pause):
+
+- `kill-worker`: SIGKILL one live instance (any operator: source, keeper, sink included). Its
+  agent restarts it with the same identity (docs/runtime.md, "Persistence and restart").
+- `kill-agent`: SIGKILL one agent; its workers get SIGTERM from the kernel (PR_SET_PDEATHSIG),
+  drain and exit keeping their sessions; after `agent_restart_delay` the agent is started again,
+  as systemd's `Restart=on-failure` would, and re-adopts its instances (agent.node.hosted).
+- `restart-broker`: stop Mosquitto (SIGTERM: it writes its persistence file), start it again
+  on the same port after a pause; every client reconnects with backoff.
+- `stall-node`: SIGSTOP an agent and all its workers for a few seconds, then SIGCONT (a Pi
+  that froze under an SD-card stall or thermal throttling).
+- `kill-node`: SIGKILL an agent and all its workers at once (power loss: nothing drains) and keep
+  the node away longer than `dead_after`: the lowest-named surviving agent starts its instances
+  elsewhere with the same identities (agent.node.rehome); then the node comes back and must
+  not run them a second time.
+- `partition`: cut one node off the broker for a few to ~30 s while its processes keep running
+  (each node reaches the broker through a proxy of its own, agent.tools.delayproxy: nothing
+  passes while cut, nothing is dropped). Short cuts are a pause; past the MQTT keepalive the
+  broker fires the node's Will and the clients reconnect on heal with their sessions. With
+  re-homing on (`rehoming`, or kill-node among the faults) a partition longer than `dead_after`
+  re-homes instances whose originals still run, and on heal the agent fences them before its
+  workers may reconnect (see docs/reliability.md).
+
+Recovery time of a fault: from the moment it was injected until every instance that was active
+before it is active again with a heartbeat newer than the end of the fault (or left through a
+scale-in), every agent is online, and the sink has recorded new records (when the load is not
+zero). The run ends by letting the load fall to zero: the pipeline must come back to one
+instance per operator ("the right size") and every generated record id must have reached the
+sink exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+
+from agent.config import load_pipeline_text
+from agent.tools.demo import Fleet, Monitor, verify
+
+log = logging.getLogger(__name__)
+
+__all__ = ["FAULTS", "ChaosConfig", "Fault", "chaos_pipeline", "run_chaos", "print_report", "main"]
+
+FAULTS = ("kill-worker", "kill-agent", "restart-broker", "stall-node", "kill-node", "kill-broker", "partition")
+# the issue's four; kill-node turns re-homing on (opt-in), kill-broker and partition are extra
+DEFAULT_FAULTS = FAULTS[:4]
+EXIT_OK = 0
+EXIT_SETUP = 1
+EXIT_LOSS = 3  # a record was lost or duplicated at the sink
+EXIT_UNRECOVERED = 4  # a fault was not recovered from, or the pipeline did not come back to size
+
+PIPELINE = """\
+# fog-agent chaos: the demo pipeline (source -> validate -> in_zone -> sink) on a shorter clock.
+[pipeline]
+name = "chaos"
+coordination = "ack"
+
+[scaling]
+policy = "decentralized"
+target_ratio = 0.7
+up = 0.8
+down = 0.6
+period = 1.0
+capacity = 5000.0
+
+[[operator]]
+name = "source"
+kind = "source"
+function = "agent.operators.taxi:source"
+[operator.params]
+seed = {seed}
+profile = "steps"
+steps = {steps}
+
+[[operator]]
+name = "validate"
+function = "agent.operators.builtin:validate"
+
+[[operator]]
+name = "in_zone"
+function = "agent.operators.builtin:in_zone"
+service_time_ms = 4.0
+[operator.scaling]
+capacity = 200.0
+period = 1.0
+
+[[operator]]
+name = "sink"
+kind = "sink"
+function = "agent.operators.builtin:counting_sink"
+[operator.scaling]
+policy = "none"
+"""
+
+
+def chaos_pipeline(duration: float, seed: int) -> str:
+    """A load that makes in_zone scale out (to ~3 instances) and back within `duration` s."""
+    d = float(duration)
+    steps = [[0, 100], [round(0.1 * d, 1), 350], [round(0.5 * d, 1), 200], [round(0.75 * d, 1), 60], [d, 0]]
+    return PIPELINE.format(seed=seed, steps=json.dumps(steps))
+
+
+@dataclass
+class ChaosConfig:
+    duration: float = 120.0  # seconds of load; faults are injected during it
+    seed: int = 1
+    faults: Sequence[str] = DEFAULT_FAULTS
+    nodes: Sequence[str] = ("n1", "n2", "n3")
+    pause: Tuple[float, float] = (3.0, 8.0)  # seconds between a recovery and the next fault
+    warmup: float = 5.0  # no fault before this many seconds of load
+    stall: Tuple[float, float] = (2.0, 6.0)  # SIGSTOP duration of stall-node
+    broker_down: Tuple[float, float] = (0.5, 2.0)  # restart-broker: seconds without a broker
+    partition: Tuple[float, float] = (3.0, 30.0)  # partition: seconds cut off (the Will comes 15-20 s in)
+    agent_restart_delay: float = 1.0  # kill-agent: systemd's RestartSec
+    dead_after: float = 6.0  # the agents' [agent].dead_after (kill-node: the node stays away longer)
+    recovery_timeout: float = 60.0
+    settle_timeout: float = 60.0  # after the load: back to one instance per operator
+    workdir: Optional[Path] = None
+    log_level: str = "warning"  # the agents' and workers' log level (their logs: <workdir>/<node>.log)
+    # A fixed schedule instead of random faults: (t, fault, target) with target None (drawn),
+    # a node, an instance or "~<operator>" (kill-worker: a copy, not the keeper), or
+    # "@<instance>" (the node hosting it); [] = no fault.
+    schedule: Optional[Sequence[Tuple[float, str, Optional[str]]]] = None
+    deploy_extra: Dict[str, Any] = field(default_factory=dict)  # `fog-agent deploy --set` values
+    rehoming: Optional[bool] = None  # the agents' dead_after > 0; None: on iff kill-node may be drawn
+
+    def __post_init__(self) -> None:
+        bad = [f for f in self.faults if f not in FAULTS]
+        if bad or not self.faults:
+            raise ValueError(f"faults: expected a non-empty subset of {', '.join(FAULTS)}, found {list(self.faults)}")
+
+
+@dataclass
+class Fault:
+    t: float  # seconds since the load started
+    kind: str
+    target: str
+    recovery_s: Optional[float] = None  # None: not recovered within recovery_timeout
+    detail: Dict[str, Any] = field(default_factory=dict)
+
+
+# ---- observing the fleet ----------------------------------------------------------------------
+
+
+def _active_instances(mon: Monitor) -> Dict[str, Dict[str, Any]]:
+    """id -> the instance entry of its node's retained state, for instances that are active."""
+    out: Dict[str, Dict[str, Any]] = {}
+    with mon._lock:
+        for node, doc in mon.states.items():
+            if mon.status.get(node) != "online":
+                continue
+            for inst in doc.get("instances", []) or []:
+                if isinstance(inst, dict) and inst.get("status") == "active" and inst.get("id"):
+                    out[str(inst["id"])] = dict(inst, node=node)
+    return out
+
+
+def _holding(mon: Monitor) -> List[str]:
+    """Instances that still hold records in flight (unacked batches, an outbox, queued input),
+    by their last published stats: a run is over when none does, not when the sink is quiet
+    (a replay after a lost message comes up to LINK_SILENCE seconds later)."""
+    out = []
+    with mon._lock:
+        for node, doc in mon.states.items():
+            for inst in doc.get("instances", []) or []:
+                st = inst.get("stats") if isinstance(inst, dict) else None
+                if isinstance(st, dict) and (sum((st.get("inflight") or {}).values()) or st.get("outbox")
+                                             or st.get("queued")):
+                    out.append(str(inst.get("id")))
+    return sorted(out)
+
+
+def _scaled_in_since(mon: Monitor, since_wall: float) -> Set[str]:
+    return {str(e.get("instance")) for e in mon.agent_events("terminated", "scale_in")
+            if float(e.get("ts", e.get("time", 0)) or 0) >= since_wall - 5.0}  # a state is up to 1 s old
+
+
+def _waiting_for(mon: Monitor, nodes: Sequence[str], before: Set[str], start_wall: float, end_wall: float,
+                 sink_dir: Path, recorded_at_end: float, load_on: bool) -> List[str]:
+    """What the fleet still lacks to count as recovered from a fault that lasted from
+    `start_wall` to `end_wall` (empty: recovered)."""
+    with mon._lock:
+        offline = [n for n in nodes if mon.status.get(n) != "online"]
+    if offline:
+        return [f"{n} offline" for n in offline]
+    now_active = _active_instances(mon)
+    gone = _scaled_in_since(mon, start_wall)
+    missing = []
+    for inst in sorted(before - gone):
+        entry = now_active.get(inst)
+        stats = (entry or {}).get("stats") or {}
+        if entry is None:
+            missing.append(f"{inst} not active")
+        elif float(stats.get("at", 0) or 0) < end_wall or stats.get("connected") is False:
+            missing.append(f"{inst} no fresh heartbeat")
+    if missing:
+        return missing
+    if load_on and _recorded(sink_dir) <= recorded_at_end:
+        return ["no new record at the sink"]
+    return []
+
+
+def _recorded(sink_dir: Path) -> int:
+    """Progress at the sinks that survives their restarts: the size of their id files (a
+    restarted sink's own counters start again, and the monitor keeps the larger of two stats)."""
+    return sum(p.stat().st_size for p in Path(sink_dir).glob("*.ids"))
+
+
+# ---- the faults ---------------------------------------------------------------------------------
+
+
+class Nemesis:
+    """Injects one fault into a running `Fleet`; returns when the fault itself is over."""
+
+    def __init__(self, fleet: Fleet, mon: Monitor, cfg: ChaosConfig, rng: random.Random) -> None:
+        self.fleet = fleet
+        self.mon = mon
+        self.cfg = cfg
+        self.rng = rng
+
+    def inject(self, kind: str, target: Optional[str]) -> Tuple[str, Dict[str, Any]]:
+        if target is not None and target.startswith("@"):  # the node that hosts this instance
+            target = str(_active_instances(self.mon)[target[1:]]["node"])
+        return getattr(self, kind.replace("-", "_"))(target)
+
+    def kill_worker(self, target: Optional[str]) -> Tuple[str, Dict[str, Any]]:
+        for attempt in range(3):
+            active = _active_instances(self.mon)
+            chosen = target
+            if target is None:
+                chosen = self.rng.choice(sorted(active))
+            elif target.startswith("~"):  # a copy (not the keeper) of this operator
+                copies = sorted(i for i, e in active.items() if e.get("operator") == target[1:] and not e.get("keeper"))
+                if not copies:
+                    raise RuntimeError(f"kill-worker {target}: no active copy of {target[1:]} to kill")
+                chosen = copies[0]
+            assert chosen is not None
+            pid = int(active[chosen]["pid"])
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                # The retained state lags by up to a state period: the instance just terminated
+                # (scaled in). A drawn target is drawn again; a named one is an error.
+                if target is not None and not target.startswith("~") or attempt == 2:
+                    raise
+                time.sleep(1.0)
+                continue
+            return chosen, {"pid": pid, "node": active[chosen]["node"]}
+        raise AssertionError("unreachable")
+
+    def kill_agent(self, target: Optional[str]) -> Tuple[str, Dict[str, Any]]:
+        node = target or self.rng.choice(list(self.cfg.nodes))
+        hosted = {i for i, e in _active_instances(self.mon).items() if e["node"] == node}
+        proc = self.fleet.procs[node]
+        proc.kill()
+        proc.wait()
+        time.sleep(self.cfg.agent_restart_delay)
+        self.fleet.start_agent(node)
+        return node, {"down_s": self.cfg.agent_restart_delay, "instances": sorted(hosted)}
+
+    def restart_broker(self, target: Optional[str]) -> Tuple[str, Dict[str, Any]]:
+        from agent.tools.broker import start_private_broker
+
+        broker = self.fleet.broker
+        port = broker.port
+        broker.stop()  # SIGTERM: Mosquitto writes its persistence file and exits
+        down = round(self.rng.uniform(*self.cfg.broker_down), 2)
+        time.sleep(down)
+        self.fleet.broker = start_private_broker(self.fleet.workdir / "broker", max_queued=self.fleet.max_queued,
+                                                 port=port)
+        return "broker", {"down_s": down}
+
+    def kill_broker(self, target: Optional[str]) -> Tuple[str, Dict[str, Any]]:
+        """The broker's host loses power: SIGKILL, so what arrived since Mosquitto's last
+        autosave (5 s) is lost: queued messages, and sessions' positions go back in time."""
+        from agent.tools.broker import start_private_broker
+
+        broker = self.fleet.broker
+        port = broker.port
+        broker.proc.kill()
+        broker.proc.wait()
+        down = round(self.rng.uniform(*self.cfg.broker_down), 2)
+        time.sleep(down)
+        self.fleet.broker = start_private_broker(self.fleet.workdir / "broker", max_queued=self.fleet.max_queued,
+                                                 port=port)
+        return "broker", {"down_s": down}
+
+    def stall_node(self, target: Optional[str]) -> Tuple[str, Dict[str, Any]]:
+        import psutil
+
+        node = target or self.rng.choice(list(self.cfg.nodes))
+        agent = psutil.Process(self.fleet.procs[node].pid)
+        procs = [agent] + agent.children(recursive=True)
+        stalled = round(self.rng.uniform(*self.cfg.stall), 2)
+        for p in procs:
+            _signal(p.pid, signal.SIGSTOP)
+        time.sleep(stalled)
+        for p in procs:
+            _signal(p.pid, signal.SIGCONT)
+        return node, {"stalled_s": stalled, "processes": len(procs)}
+
+
+    def kill_node(self, target: Optional[str]) -> Tuple[str, Dict[str, Any]]:
+        import psutil
+
+        node = target or self.rng.choice(list(self.cfg.nodes))
+        agent = psutil.Process(self.fleet.procs[node].pid)
+        procs = [agent] + agent.children(recursive=True)
+        hosted = {i for i, e in _active_instances(self.mon).items() if e["node"] == node}
+        killed = time.monotonic()
+        for p in procs:
+            _signal(p.pid, signal.SIGKILL)
+        self.fleet.procs[node].wait()
+        # away until its instances run elsewhere (re-homed), but at least dead_after + 2 s
+        deadline = killed + self.cfg.dead_after + self.cfg.recovery_timeout
+        rehomed: Optional[float] = None
+        while time.monotonic() < deadline:
+            now_active = _active_instances(self.mon)
+            if all(i in now_active and now_active[i]["node"] != node for i in hosted):
+                rehomed = round(time.monotonic() - killed, 2)
+                break
+            time.sleep(0.2)
+        time.sleep(max(0.0, killed + self.cfg.dead_after + 2.0 - time.monotonic()))
+        self.fleet.start_agent(node)
+        return node, {"instances": sorted(hosted), "rehomed_after_s": rehomed}
+
+    def partition(self, target: Optional[str]) -> Tuple[str, Dict[str, Any]]:
+        node = target or self.rng.choice(list(self.cfg.nodes))
+        hosted = {i for i, e in _active_instances(self.mon).items() if e["node"] == node}
+        cut = round(self.rng.uniform(*self.cfg.partition), 2)
+        proxy = self.fleet.proxies.proxies[node]
+        proxy.cut()
+        end, offline_after = time.monotonic() + cut, None
+        try:
+            while time.monotonic() < end:  # the broker fires the node's Will after 1.5 keepalives
+                if offline_after is None and self.mon.status.get(node) == "offline":
+                    offline_after = round(cut - (end - time.monotonic()), 2)
+                time.sleep(min(0.2, max(0.0, end - time.monotonic())))
+        finally:
+            proxy.heal()
+        elsewhere = sorted(i for i, e in _active_instances(self.mon).items() if i in hosted and e["node"] != node)
+        return node, {"cut_s": cut, "offline_after_s": offline_after, "instances": sorted(hosted),
+                      "active_elsewhere_at_heal": elsewhere}
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+# ---- the run ------------------------------------------------------------------------------------
+
+
+def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dict[str, Any]:
+    """Run one chaos experiment; returns the summary (the `--json` output)."""
+    rng = random.Random(cfg.seed)
+    text = chaos_pipeline(cfg.duration, cfg.seed)
+    pipeline = load_pipeline_text(text, "chaos pipeline")
+    profile = pipeline.operators[0].params["steps"]
+    workdir = Path(cfg.workdir) if cfg.workdir else Path(tempfile.mkdtemp(prefix="fog-chaos-"))
+    started = time.monotonic()
+    kinds = set(cfg.faults) if cfg.schedule is None else {k for _, k, _ in cfg.schedule}
+    node_loss = "kill-node" in kinds if cfg.rehoming is None else cfg.rehoming
+    fleet = Fleet(workdir, nodes=tuple(cfg.nodes), cluster="chaos", log_level=cfg.log_level, shutdown_timeout=10.0,
+                  dead_after=cfg.dead_after if node_loss else 0.0,  # re-homing only where a node is lost
+                  proxied="partition" in kinds)
+    faults: List[Fault] = []
+    summary: Dict[str, Any] = {"seed": cfg.seed, "duration": cfg.duration, "faults_enabled": list(cfg.faults),
+                               "workdir": str(workdir)}
+    mon: Optional[Monitor] = None
+
+    def say(line: str) -> None:
+        if live:
+            print(line, file=out, flush=True)
+
+    def load_at(t: float) -> float:
+        rate = 0.0
+        for at, r in profile:
+            if t >= at:
+                rate = float(r)
+        return rate
+
+    try:
+        fleet.start()
+        mon = Monitor(fleet.host, fleet.port, fleet.cluster)
+        if not mon.wait(lambda m: sum(1 for s in m.status.values() if s == "online") == len(cfg.nodes), 30):
+            raise RuntimeError(f"agents did not come online (logs in {workdir})")
+        fleet.deploy(text, extra=dict(cfg.deploy_extra))
+        t0 = time.monotonic()
+        say(f"chaos seed {cfg.seed}: {cfg.duration:.0f}s of load, faults "
+            f"{', '.join(cfg.faults) if cfg.schedule is None else 'on a fixed schedule'}; work dir {workdir}")
+        nemesis = Nemesis(fleet, mon, cfg, rng)
+        plan = None if cfg.schedule is None else list(cfg.schedule)
+        next_at = (plan[0][0] if plan else float("inf")) if plan is not None else cfg.warmup + rng.uniform(*cfg.pause)
+        while time.monotonic() - t0 < cfg.duration - 5.0:
+            t = time.monotonic() - t0
+            if t < next_at:
+                time.sleep(min(0.5, next_at - t))
+                continue
+            if plan is not None:
+                _, kind, target = plan.pop(0)
+            else:
+                kind, target = rng.choice(list(cfg.faults)), None
+            before = set(_active_instances(mon))
+            recorded = _recorded(fleet.sink_dir)
+            injected, start_wall = time.monotonic(), time.time()
+            name, detail = nemesis.inject(kind, target)
+            end_wall = time.time()
+            fault = Fault(round(injected - t0, 2), kind, name, detail=detail)
+            deadline = time.monotonic() + cfg.recovery_timeout
+            while True:
+                lacking = _waiting_for(mon, cfg.nodes, before, start_wall, end_wall, fleet.sink_dir, recorded,
+                                       load_at(time.monotonic() - t0) > 0)
+                if not lacking:
+                    fault.recovery_s = round(time.monotonic() - injected, 2)
+                    break
+                if time.monotonic() > deadline:
+                    fault.detail["waiting_for"] = lacking[:5]
+                    break
+                time.sleep(0.2)
+            faults.append(fault)
+            rec = f"{fault.recovery_s:.1f}s" if fault.recovery_s is not None else f"NOT RECOVERED {fault.detail.get('waiting_for')}"
+            say(f"  t={fault.t:6.1f}s  {kind:<15} {name:<34} recovered in {rec}   instances {mon.instances_per_operator()}")
+            t = time.monotonic() - t0
+            if plan is not None:
+                next_at = plan[0][0] if plan else float("inf")
+            else:
+                next_at = t + rng.uniform(*cfg.pause)
+        # the load ends: wait for the sink to go quiet and every operator to be back at one instance
+        while time.monotonic() - t0 < cfg.duration:
+            time.sleep(0.5)
+        settle = time.monotonic() + cfg.settle_timeout
+        last, quiet = -1.0, None
+        while time.monotonic() < settle:
+            tot = mon.totals()["recorded"]
+            back = all(v == 1 for v in mon.instances_per_operator().values())
+            quiet = (quiet or time.monotonic()) if tot == last else None
+            last = tot
+            if back and quiet is not None and time.monotonic() - quiet >= 3.0 and not _holding(mon):
+                break
+            time.sleep(1.0)
+        final = mon.instances_per_operator()
+        tot = mon.totals()
+        summary.update(
+            final_instances=final,
+            back_to_size=bool(final) and all(final.get(op.name) == 1 for op in pipeline.operators),
+            duplicates_dropped_at_sink=int(tot["duplicates_dropped"]),
+            protocol_messages=int(tot["protocol_out"]),
+            restarts=len(mon.agent_events("spawned", "restart")),
+            scale_outs=len(mon.agent_events("spawned", "spawn")),
+            scale_ins=len(mon.agent_events("terminated", "scale_in")),
+        )
+    finally:
+        if mon is not None:
+            mon.close()
+        summary["agent_exit_codes"] = fleet.stop()
+    verdict = verify(pipeline, fleet.sink_dir)
+    recovered = [f.recovery_s for f in faults if f.recovery_s is not None]
+    summary.update(
+        faults=[asdict(f) for f in faults],
+        faults_injected=len(faults),
+        all_recovered=len(recovered) == len(faults),
+        recovery_s={"median": round(statistics.median(recovered), 2) if recovered else None,
+                    "max": round(max(recovered), 2) if recovered else None},
+        records_in=verdict.generated,
+        records_expected=verdict.expected,
+        records_out=verdict.received,
+        lost=verdict.lost,
+        duplicated=verdict.duplicated + verdict.unexpected,
+        lost_sample=[list(x) for x in verdict.lost_sample],
+        wall_s=round(time.monotonic() - started, 1),
+    )
+    summary["ok"] = bool(verdict.ok and summary["all_recovered"] and summary.get("back_to_size"))
+    return summary
+
+
+def print_report(summary: Dict[str, Any], out: Any = sys.stdout) -> None:
+    """The faults table and the verdict, for a person."""
+    print(f"{'t (s)':>7}  {'fault':<15} {'target':<34} {'recovery (s)':>12}", file=out)
+    for f in summary.get("faults", []):
+        rec = f"{f['recovery_s']:.2f}" if f.get("recovery_s") is not None else "-"
+        print(f"{f['t']:7.1f}  {f['kind']:<15} {f['target']:<34} {rec:>12}", file=out)
+    r = summary.get("recovery_s") or {}
+    print(f"faults {summary.get('faults_injected', 0)}, recovery median {r.get('median')} s, max {r.get('max')} s; "
+          f"records in {summary.get('records_in')}, expected at the sink {summary.get('records_expected')}, "
+          f"out {summary.get('records_out')}, lost {summary.get('lost')}, duplicated {summary.get('duplicated')} "
+          f"(duplicates dropped at the sink {summary.get('duplicates_dropped_at_sink')}); "
+          f"final instances {summary.get('final_instances')}; {summary.get('wall_s')} s", file=out)
+    print("verdict: " + ("OK" if summary.get("ok") else "FAILED"), file=out)
+
+
+def exit_status(summary: Dict[str, Any]) -> int:
+    if summary.get("lost") or summary.get("duplicated"):
+        return EXIT_LOSS
+    if not summary.get("ok"):
+        return EXIT_UNRECOVERED
+    return EXIT_OK
+
+
+def main(args: Any) -> int:
+    faults = [f.strip() for f in str(args.faults).split(",") if f.strip()]
+    try:
+        rehoming = {"on": True, "off": False}.get(str(getattr(args, "rehoming", "auto")))
+        cfg = ChaosConfig(duration=float(args.duration), seed=int(args.seed), faults=faults,
+                          workdir=Path(args.workdir) if args.workdir else None, rehoming=rehoming)
+    except ValueError as exc:
+        print(f"fog-agent chaos: {exc}", file=sys.stderr)
+        return 2
+    import contextlib
+
+    from agent.log import stdout_to_stderr
+
+    runs: List[Dict[str, Any]] = []
+    for i in range(int(args.runs)):
+        run_cfg = cfg if i == 0 else ChaosConfig(**{**asdict(cfg), "seed": cfg.seed + i, "workdir": None})
+        try:
+            with stdout_to_stderr() if args.json else contextlib.nullcontext():  # --json: stdout is the JSON alone
+                summary = run_chaos(run_cfg, out=sys.stderr, live=not args.json)
+        except Exception as exc:  # noqa: BLE001 - the fleet could not be set up: say so, one line
+            print(f"fog-agent chaos: set-up failed: {exc}", file=sys.stderr)
+            return EXIT_SETUP
+        runs.append(summary)
+        if not args.json:
+            print_report(summary)
+    if args.json:
+        print(json.dumps(runs[0] if len(runs) == 1 else runs, indent=2, default=str))
+    return max(exit_status(s) for s in runs)
