@@ -21,6 +21,12 @@ only when what it claims is something a real sender can send:
   number; a jump past that (`seq_ahead`) is refused. After a restart from a lagging snapshot
   the bound is `RESYNC_AHEAD` (one state period of traffic, with a wide margin).
 
+- **writing node** (`writer_verdict`): the node in the inbox topic (`inbox/<us>/<node>`, which
+  only that node may write) must be the node that hosts the claimed sender, as the agent's
+  binding table says (agent.node.hostmap, sent to the worker as the control line "hosts"). A
+  sender whose binding is not known yet, or a node that also lists it (a hand-over or a re-home
+  in progress), is held; any other node is refused at once.
+
 Refused envelopes are counted by the caller and logged through `LogLimiter` (once per sender per
 minute, and a bounded number of lines per minute overall: 30k invented senders must not become
 30k log lines).
@@ -30,11 +36,11 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any, Deque, Hashable, List, Optional, Tuple
+from typing import Any, Deque, Hashable, List, Optional, Sequence, Tuple
 
 __all__ = [
     "ACCEPT", "HOLD", "REFUSE", "MAX_EPOCH_STEP", "MAX_CLOCK_AHEAD", "MAX_SEQ", "RESYNC_AHEAD",
-    "seq_ahead", "numbering_fault", "HoldBuffer", "LogLimiter",
+    "seq_ahead", "numbering_fault", "writer_verdict", "HoldBuffer", "LogLimiter",
 ]
 
 ACCEPT, HOLD, REFUSE = "accept", "hold", "refuse"
@@ -100,6 +106,18 @@ def numbering_fault(
     return None
 
 
+def writer_verdict(bound: Optional[str], pending: Sequence[str], writer: str) -> str:
+    """ACCEPT if node `writer` (from the inbox topic) is the node the sender is bound to; HOLD if
+    the binding is not known yet or `writer` also lists the sender (it may be taking it over:
+    agent.node.hostmap); else REFUSE: another node writes in the name of an instance it does not
+    host."""
+    if writer == bound:
+        return ACCEPT
+    if bound is None or writer in pending:
+        return HOLD
+    return REFUSE
+
+
 @dataclass
 class _Held:
     since: float
@@ -116,23 +134,25 @@ class HoldBuffer:
     to minutes). Bounded by sender count, envelopes per sender and bytes in all, so a flood of
     invented senders costs at most `max_bytes`; what does not fit is refused by the caller.
     The caller keeps payloads as received (bytes, not decoded records) and passes their size, so
-    the byte bound is the memory bound."""
+    the byte bound is the memory bound. Keyed by one ordered stream: the worker uses (sender,
+    writing node), so that another node's envelopes in a real sender's name never queue in
+    front of the real ones."""
 
     def __init__(self, max_senders: int = 64, max_per_sender: int = 64, max_bytes: int = 8 << 20) -> None:
         self.max_senders = max_senders
         self.max_per_sender = max_per_sender
         self.max_bytes = max_bytes
-        self._held: "OrderedDict[str, _Held]" = OrderedDict()
+        self._held: "OrderedDict[Hashable, _Held]" = OrderedDict()
         self.size = 0
         self.count = 0
 
     def __bool__(self) -> bool:
         return bool(self._held)
 
-    def __contains__(self, sender: str) -> bool:
+    def __contains__(self, sender: Hashable) -> bool:
         return sender in self._held
 
-    def add(self, sender: str, item: Any, size: int, now: float) -> bool:
+    def add(self, sender: Hashable, item: Any, size: int, now: float) -> bool:
         """Hold one envelope (`item`, `size` bytes); False when it does not fit (the caller
         refuses it)."""
         h = self._held.get(sender)
@@ -148,14 +168,14 @@ class HoldBuffer:
         self.count += 1
         return True
 
-    def senders(self) -> List[str]:
+    def senders(self) -> List[Any]:
         return list(self._held)
 
-    def first(self, sender: str) -> Optional[Any]:
+    def first(self, sender: Hashable) -> Optional[Any]:
         h = self._held.get(sender)
         return h.items[0][0] if h is not None else None
 
-    def pop_first(self, sender: str) -> None:
+    def pop_first(self, sender: Hashable) -> None:
         h = self._held[sender]
         _, size = h.items.popleft()
         h.size -= size
@@ -164,7 +184,7 @@ class HoldBuffer:
         if not h.items:
             del self._held[sender]
 
-    def expire(self, now: float, ttl: float) -> List[Tuple[str, int]]:
+    def expire(self, now: float, ttl: float) -> List[Tuple[Any, int]]:
         """Drop the senders held for `ttl` s or more: [(sender, envelopes dropped)]."""
         out = []
         for sender, h in list(self._held.items()):
