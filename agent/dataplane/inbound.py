@@ -23,9 +23,10 @@ only when what it claims is something a real sender can send:
 
 - **writing node** (`writer_verdict`): the node in the inbox topic (`inbox/<us>/<node>`, which
   only that node may write) must be the node that hosts the claimed sender, as the agent's
-  binding table says (agent.node.hostmap, sent to the worker as the control line "hosts"). A
-  sender whose binding is not known yet, or a node that also lists it (a hand-over or a re-home
-  in progress), is held; any other node is refused at once.
+  binding table says (agent.node.hostmap, sent to the worker as the control line "hosts").
+  Anything else is held, for a short time (the worker's WRITER_HOLD_TTL), then refused: a new
+  incarnation (a restart elsewhere, a re-home, a hand-over, a new copy) writes before its node's
+  hosted record reaches us, so "not the bound node" cannot be told from "not bound yet".
 
 Refused envelopes are counted by the caller and logged through `LogLimiter` (once per sender per
 minute, and a bounded number of lines per minute overall: 30k invented senders must not become
@@ -36,7 +37,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any, Deque, Hashable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Hashable, List, Optional, Tuple, Union
 
 __all__ = [
     "ACCEPT", "HOLD", "REFUSE", "MAX_EPOCH_STEP", "MAX_CLOCK_AHEAD", "MAX_SEQ", "RESYNC_AHEAD",
@@ -106,16 +107,12 @@ def numbering_fault(
     return None
 
 
-def writer_verdict(bound: Optional[str], pending: Sequence[str], writer: str) -> str:
-    """ACCEPT if node `writer` (from the inbox topic) is the node the sender is bound to; HOLD if
-    the binding is not known yet or `writer` also lists the sender (it may be taking it over:
-    agent.node.hostmap); else REFUSE: another node writes in the name of an instance it does not
-    host."""
-    if writer == bound:
-        return ACCEPT
-    if bound is None or writer in pending:
-        return HOLD
-    return REFUSE
+def writer_verdict(bound: Optional[str], writer: str) -> str:
+    """ACCEPT if node `writer` (from the inbox topic) is the node the sender is bound to, else
+    HOLD: the binding may be about to name it (the new host's hosted record is on its way; a
+    forgery never gets bound, so it is refused when the hold expires). Never ACCEPT without the
+    binding."""
+    return ACCEPT if writer == bound else HOLD
 
 
 @dataclass
@@ -184,11 +181,12 @@ class HoldBuffer:
         if not h.items:
             del self._held[sender]
 
-    def expire(self, now: float, ttl: float) -> List[Tuple[Any, int]]:
-        """Drop the senders held for `ttl` s or more: [(sender, envelopes dropped)]."""
+    def expire(self, now: float, ttl: Union[float, Callable[[Any], float]]) -> List[Tuple[Any, int]]:
+        """Drop the senders held for `ttl` s (or `ttl(sender)` s) or more: [(sender, envelopes
+        dropped)]."""
         out = []
         for sender, h in list(self._held.items()):
-            if now - h.since >= ttl:
+            if now - h.since >= (ttl(sender) if callable(ttl) else ttl):
                 out.append((sender, len(h.items)))
                 self.size -= h.size
                 self.count -= len(h.items)

@@ -95,6 +95,10 @@ RECONNECT_ASK = 5.0  # a fenced worker asks its agent again this often (see Work
 # protocol to announce them (a new copy's Start, resent after IDLE_PING..IDLE_PING_MAX), then they
 # are refused. An idle copy holds until its Start: until then it cannot know its predecessors.
 HOLD_TTL = 60.0
+# Envelopes of a known sender written by a node it is not bound to (yet) wait this long for the
+# agent's "hosts" line to bind it there (a new host's record normally follows within a second),
+# then they are refused (`refused_nodes`): a forgery by another node never gets bound.
+WRITER_HOLD_TTL = 20.0
 HOLD_MAX_SENDERS = 64
 HOLD_MAX_BYTES = 8 << 20
 # Idle pings ([0, 0] acks) from copies we do not know that we probe at once (`on_idle_ping`),
@@ -133,7 +137,6 @@ class Worker:
         # channels"): the agent sets this and sends the bindings as the control line "hosts".
         self.check_node = bool(spec.extra.get("check_sender_node"))
         self.hosts_bound: Dict[str, str] = {}
-        self.hosts_pending: Dict[str, List[str]] = {}
         # One process per identity: wait for a previous incarnation (still draining after its
         # agent died) to exit before reading its state or taking over its MQTT session.
         self._identity_lock = hold_identity_lock(
@@ -403,13 +406,14 @@ class Worker:
                 log.warning("malformed payload on inbox from %s skipped: %s", who, exc, extra=self.ctx)
             return
         if (env.sender, writer) in self.hold:
-            self._hold(env, ev.payload, writer)  # behind what it already holds: the sender's order is kept
+            # behind what it already holds: the order of (sender, writing node) is kept
+            self._hold(env, ev.payload, writer, "node" if self._waits_for_binding(env.sender, writer) else "sender")
             return
         verdict, why = self._admit(env, writer)
         if verdict == ACCEPT:
             self._accept(env)
         elif verdict == HOLD:
-            self._hold(env, ev.payload, writer)
+            self._hold(env, ev.payload, writer, why)
         else:
             self._refuse(env, why, writer)
 
@@ -429,10 +433,8 @@ class Worker:
             if shape is not None and (env.sender.startswith(shape[0]) or env.sender in shape[1]):
                 return HOLD, "sender"
             return REFUSE, "sender"
-        if self.check_node:
-            verdict = writer_verdict(self.hosts_bound.get(env.sender), self.hosts_pending.get(env.sender, ()), writer)
-            if verdict != ACCEPT:
-                return verdict, "node"
+        if self.check_node and writer_verdict(self.hosts_bound.get(env.sender), writer) != ACCEPT:
+            return HOLD, "node"
         fault = numbering_fault(self.inbound.position(env.sender), self.inbound.resync_unknown,
                                 env.epoch, env.seq, time.time(), self.window)
         if fault is not None:
@@ -507,25 +509,25 @@ class Worker:
         self._holes.pop(sender, None)
         self.mark_state_changed()
 
-    def _hold(self, env: Envelope, payload: bytes, writer: str) -> None:
+    def _hold(self, env: Envelope, payload: bytes, writer: str, why: str) -> None:
         # Kept: the bytes (decoded again on release, so memory is what the byte bound says) and
         # a header without records (what `_sender_allowed` looks at while it waits), per (sender,
         # writing node): one ordered stream each.
         head = Envelope(env.sender, env.epoch, env.seq, env.kind, [] if env.kind is Kind.DATA else env.body)
         if not self.hold.add((env.sender, writer), (head, bytes(payload)), len(payload) + 200, self.clock()):
             self.stats["held_dropped"] += 1
-            self._refuse(env, "sender (hold buffer full)", writer)
+            self._refuse(env, why, writer, " (hold buffer full)")
 
-    def _refuse(self, env: Envelope, why: str, writer: str) -> None:
+    def _refuse(self, env: Envelope, why: str, writer: str, note: str = "") -> None:
         """Counted, logged at most once per sender per minute (and 20 lines a minute in all), and
         nothing else: no channel entry, no record id, nothing persisted."""
         key = {"epoch": "refused_epochs", "seq": "refused_seqs", "node": "refused_nodes"}.get(why, "refused_senders")
         self.stats[key] += 1
         if self._refusals.allow((env.sender, writer), self.clock()):
             more = self._refusals.take_suppressed()
-            what = f"node {writer[:64]} does not host it" if why == "node" else f"{why} not plausible"
-            log.warning("refused %s envelope %d/%d from %s (written by %s) on our inbox: %s%s",
-                        env.kind.name.lower(), env.epoch, env.seq, env.sender[:64], writer[:64], what,
+            what = f"not bound to node {writer[:64]}" if why == "node" else f"{why} not plausible"
+            log.warning("refused %s envelope %d/%d from %s (written by %s) on our inbox: %s%s%s",
+                        env.kind.name.lower(), env.epoch, env.seq, env.sender[:64], writer[:64], what, note,
                         f" ({more} more refusals not logged)" if more else "", extra=self.ctx)
 
     def _release_held(self, now: float) -> None:
@@ -556,19 +558,22 @@ class Worker:
                     self._refuse(env, why, writer)
         if self.scaling is not None and not self.scaling.data_enabled:
             return  # idle: its predecessors are announced with its Start
-        for (sender, writer), n in self.hold.expire(now, HOLD_TTL):
+        for (sender, writer), n in self.hold.expire(now, self._hold_ttl):
             # Not announced by the protocol, or not bound to the node that wrote it, in time.
-            unbound = self.check_node and self._sender_known(sender) and self.hosts_bound.get(sender) != writer
+            unbound = self._waits_for_binding(sender, writer)
             self.stats["refused_nodes" if unbound else "refused_senders"] += n
             if self._refusals.allow((sender, writer), now):
                 log.warning("refused %d envelopes from %s (written by %s): %s within %.0fs", n, sender[:64],
                             writer[:64], f"not bound to node {writer[:64]}" if unbound else "not announced to us",
                             HOLD_TTL, extra=self.ctx)
 
-    def _sender_known(self, sender: str) -> bool:
-        """Whether the sender itself is known to our tables for some kind (for the reason of an
-        expired hold only)."""
-        return self._sender_allowed(Envelope(sender, 0, 1, Kind.PROTO, {}))
+    def _waits_for_binding(self, sender: str, writer: str) -> bool:
+        """A held stream whose sender our tables know, written by a node it is not bound to."""
+        return (self.check_node and self.hosts_bound.get(sender) != writer
+                and self._sender_allowed(Envelope(sender, 0, 1, Kind.PROTO, {})))
+
+    def _hold_ttl(self, key: Tuple[str, str]) -> float:
+        return WRITER_HOLD_TTL if self._waits_for_binding(*key) else HOLD_TTL
 
     def _check_silence(self, now: float) -> None:
         """Messages that will never come (they were lost, or taken by another process with our
@@ -1037,12 +1042,11 @@ class Worker:
     def _on_hosts(self, msg: Dict[str, Any]) -> None:
         """The agent's instance -> node bindings (agent.node.hostmap): replaces ours; what they
         now bind is released from the hold buffer in this step (`_release_held`)."""
-        bound, pending = msg.get("bound"), msg.get("pending")
-        if not isinstance(bound, dict) or not isinstance(pending, dict):
+        bound = msg.get("bound")
+        if not isinstance(bound, dict):
             log.warning("hosts line without its tables ignored", extra=self.ctx)
             return
         self.hosts_bound = {str(i): str(n) for i, n in bound.items()}
-        self.hosts_pending = {str(i): [str(n) for n in ns] for i, ns in pending.items() if isinstance(ns, list)}
 
     def request_stop(self, now: float) -> None:
         """Agent shutdown: stop producing, drain (bounded), exit; the session is kept."""

@@ -17,8 +17,9 @@ The rule, per instance (`HostMap.update`):
   (a re-home). With no other claimer it stays where it was (a terminated instance's last
   messages still arrive; a node whose agent restarts still has draining workers). So a node
   that merely lists an instance another live node hosts does not get its binding.
-- The other claimers are `pending`: what the worker holds (bounded, HOLD_TTL) rather than
-  refuses, since one of them may be taking over. A writer that is neither is refused at once.
+- The other claimers are `pending` (diagnostics: a move in progress, or a node listing an
+  instance it does not host). The worker accepts an envelope only from the bound node; one
+  from any other node waits (briefly, bounded) for the binding to name it, then is refused.
 
 Bounded: at most `max_entries` instances, those no record lists any more forgotten first.
 """
@@ -108,13 +109,10 @@ class HostMap:
     def pending(self, instance: str) -> Tuple[str, ...]:
         return self._pending.get(instance, ())
 
-    def table(self, pipeline: str) -> Dict[str, object]:
+    def table(self, pipeline: str) -> Dict[str, Dict[str, str]]:
         """What a worker of `pipeline` needs (the control line "hosts"): {"bound": {instance:
-        node}, "pending": {instance: [nodes]}} for the instances of that pipeline (and those whose
-        pipeline is unknown)."""
-        bound = {i: n for i, (n, p) in self._bound.items() if p in (pipeline, "")}
-        pending = {i: list(ns) for i, ns in self._pending.items() if i in bound}
-        return {"bound": bound, "pending": pending}
+        node}} for the instances of that pipeline (and those whose pipeline is unknown)."""
+        return {"bound": {i: n for i, (n, p) in self._bound.items() if p in (pipeline, "")}}
 
 
 def _rank(node: str, nodes: List[str]) -> int:

@@ -294,7 +294,7 @@ class LocalRunner:
     def send_hosts(self) -> None:
         """Every worker gets the bindings of every instance (the agent's "hosts" line)."""
         with self.lock:
-            table = {"bound": dict(self.hosts), "pending": {}}
+            table = {"bound": dict(self.hosts)}
             ws = list(self.workers.values())
         for w in ws:
             w.send("hosts", **table)
