@@ -39,12 +39,14 @@ from test_security_dataplane import _records, _run, _worker
 
 
 def test_only_the_bound_node_is_accepted_and_any_other_waits_for_the_binding() -> None:
-    assert writer_verdict("n1", "n1") == ACCEPT
+    assert writer_verdict("n1", (), "n1") == ACCEPT
     # n2 writes in the name of n1's instance: a forgery, or a new incarnation on n2 whose hosted
     # record has not reached us yet; held (the worker refuses it when WRITER_HOLD_TTL is up)
-    assert writer_verdict("n1", "n2") == HOLD
-    assert writer_verdict(None, "n2") == HOLD  # not known yet (a new copy's record on its way)
-    assert REFUSE not in {writer_verdict(b, w) for b in (None, "n1", "n2") for w in ("n1", "n2")}
+    assert writer_verdict("n1", (), "n2") == HOLD
+    assert writer_verdict(None, (), "n2") == HOLD  # not known yet (a new copy's record on its way)
+    # n0 hosted it before and is offline: what it wrote then, still queued, counts
+    assert writer_verdict("n1", ("n0",), "n0") == ACCEPT
+    assert REFUSE not in {writer_verdict(b, (), w) for b in (None, "n1", "n2") for w in ("n1", "n2")}
 
 
 def _map(me: str = "me") -> HostMap:
@@ -62,8 +64,8 @@ def test_a_binding_is_the_listing_node_and_a_local_instance_is_ours() -> None:
     # another node listing our own running instance changes nothing
     m.update({"sink-0": "p"}, _hosted(a=["work-0", "sink-0"], b=["source-0"]), {"a": True, "b": True})
     assert m.bound("sink-0") == "me" and m.pending("sink-0") == ("a",)
-    assert m.table("p") == {"bound": {"work-0": "a", "source-0": "b", "sink-0": "me"}}
-    assert m.table("other") == {"bound": {}}
+    assert m.table("p") == {"bound": {"work-0": "a", "source-0": "b", "sink-0": "me"}, "former": {}}
+    assert m.table("other") == {"bound": {}, "former": {}}
 
 
 def test_a_node_that_lists_a_live_nodes_instance_does_not_get_its_binding() -> None:
@@ -93,8 +95,11 @@ def test_a_rehome_moves_the_binding_and_the_dead_node_coming_back_does_not_take_
     assert m.bound("work-0") == "a"  # its draining workers' last envelopes still count
     m.update({}, _hosted(a=["work-0"], c=["work-0"]), {"a": False, "c": True})  # c re-homed it
     assert m.bound("work-0") == "c"
+    # what a wrote before it died may still be queued (a re-homed receiver's inherited session)
+    assert m.former_offline("work-0") == ["a"] and m.table("p")["former"] == {"work-0": ["a"]}
     m.update({}, _hosted(a=["work-0"], c=["work-0"]), {"a": True, "c": True})  # a back, record stale
     assert m.bound("work-0") == "c" and m.pending("work-0") == ("a",)
+    assert m.former_offline("work-0") == []  # online again: its (fenced) workers count no more
 
 
 def test_a_terminated_instance_keeps_its_binding_for_its_last_messages() -> None:
@@ -132,11 +137,13 @@ def _check_sequence(events: List[Tuple[str, str, bool]]) -> None:
     - it moves only when its node stopped listing "x" or went offline while another online
       node lists it (sticky), and then to a node that lists it;
     - if its node stopped listing and exactly one node lists "x", it moves there;
-    - the pending nodes are exactly the other nodes that list "x"."""
+    - the pending nodes are exactly the other nodes that list "x";
+    - the former nodes whose writes count are offline nodes "x" was bound to before."""
     m = _map("me")
     listed: Set[str] = set()
     online = {n: True for n in NODES}
     ever: Set[str] = set()
+    was_bound: Set[str] = set()
     for kind, node, v in events:
         before = m.bound("x")
         if kind == "list":
@@ -158,6 +165,10 @@ def _check_sequence(events: List[Tuple[str, str, bool]]) -> None:
         if before is not None and before not in listed and len(listed) == 1:
             assert now in listed, (events, before, now)
         assert set(m.pending("x")) == listed - {now}, (events, now, m.pending("x"))
+        if before is not None:
+            was_bound.add(before)
+        former = m.former_offline("x")
+        assert now not in former and all(not online[n] and n in was_bound for n in former), (events, now, former)
 
 
 def test_every_short_sequence_of_listing_and_status_events_keeps_the_binding_rules() -> None:
@@ -247,10 +258,15 @@ def test_an_unknown_binding_holds_apart_from_other_nodes_streams_until_the_agent
     w._on_control({"event": "hosts", "bound": {"work-0": "n3"}}, clock[0])
     _run(w, clock, 0.3)
     assert w.hold.count == 0 and w.stats["records_in"] == 16 and w.stats["held_released"] == 3
-    # and from now on n1 is the stranger
+    # and from now on n1, online, is the stranger
     wire.events.append(Received(real, encode_data("work-0", 1, 2, _records(16, 4))))
     _run(w, clock, WRITER_HOLD_TTL + 1.0, step=0.5)
     assert w.stats["records_in"] == 16 and w.stats["refused_nodes"] == 2
+    # unless n1 is offline: what it wrote while it hosted work-0 counts (here, it is stale)
+    w._on_control({"event": "hosts", "bound": {"work-0": "n3"}, "former": {"work-0": ["n1"]}}, clock[0])
+    wire.events.append(Received(real, encode_data("work-0", 0, 4, _records(20, 4))))
+    _run(w, clock, 0.3)
+    assert w.hold.count == 0 and w.stats["refused_nodes"] == 2 and w.stats["duplicate_envelopes"] == 1
     assert HOLD_TTL > WRITER_HOLD_TTL
 
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Hashable, List, Optional, Tuple, Union
+from typing import Any, Callable, Deque, Hashable, List, Optional, Sequence, Tuple, Union
 
 __all__ = [
     "ACCEPT", "HOLD", "REFUSE", "MAX_EPOCH_STEP", "MAX_CLOCK_AHEAD", "MAX_SEQ", "RESYNC_AHEAD",
@@ -107,12 +107,13 @@ def numbering_fault(
     return None
 
 
-def writer_verdict(bound: Optional[str], writer: str) -> str:
-    """ACCEPT if node `writer` (from the inbox topic) is the node the sender is bound to, else
-    HOLD: the binding may be about to name it (the new host's hosted record is on its way; a
-    forgery never gets bound, so it is refused when the hold expires). Never ACCEPT without the
-    binding."""
-    return ACCEPT if writer == bound else HOLD
+def writer_verdict(bound: Optional[str], former: Sequence[str], writer: str) -> str:
+    """ACCEPT if node `writer` (from the inbox topic) is the node the sender is bound to, or one
+    it was bound to before that is offline now (`former`: what it wrote while it hosted the
+    sender may still wait in the broker; an offline node writes nothing new). Else HOLD: the
+    binding may be about to name it (the new host's hosted record is on its way; a forgery never
+    gets bound, so it is refused when the hold expires)."""
+    return ACCEPT if writer == bound or writer in former else HOLD
 
 
 @dataclass

@@ -137,6 +137,7 @@ class Worker:
         # channels"): the agent sets this and sends the bindings as the control line "hosts".
         self.check_node = bool(spec.extra.get("check_sender_node"))
         self.hosts_bound: Dict[str, str] = {}
+        self.hosts_former: Dict[str, List[str]] = {}
         # One process per identity: wait for a previous incarnation (still draining after its
         # agent died) to exit before reading its state or taking over its MQTT session.
         self._identity_lock = hold_identity_lock(
@@ -433,7 +434,8 @@ class Worker:
             if shape is not None and (env.sender.startswith(shape[0]) or env.sender in shape[1]):
                 return HOLD, "sender"
             return REFUSE, "sender"
-        if self.check_node and writer_verdict(self.hosts_bound.get(env.sender), writer) != ACCEPT:
+        if self.check_node and writer_verdict(self.hosts_bound.get(env.sender), self.hosts_former.get(env.sender, ()),
+                                              writer) != ACCEPT:
             return HOLD, "node"
         fault = numbering_fault(self.inbound.position(env.sender), self.inbound.resync_unknown,
                                 env.epoch, env.seq, time.time(), self.window)
@@ -565,11 +567,12 @@ class Worker:
             if self._refusals.allow((sender, writer), now):
                 log.warning("refused %d envelopes from %s (written by %s): %s within %.0fs", n, sender[:64],
                             writer[:64], f"not bound to node {writer[:64]}" if unbound else "not announced to us",
-                            HOLD_TTL, extra=self.ctx)
+                            WRITER_HOLD_TTL if unbound else HOLD_TTL, extra=self.ctx)
 
     def _waits_for_binding(self, sender: str, writer: str) -> bool:
         """A held stream whose sender our tables know, written by a node it is not bound to."""
         return (self.check_node and self.hosts_bound.get(sender) != writer
+                and writer not in self.hosts_former.get(sender, ())
                 and self._sender_allowed(Envelope(sender, 0, 1, Kind.PROTO, {})))
 
     def _hold_ttl(self, key: Tuple[str, str]) -> float:
@@ -1047,6 +1050,9 @@ class Worker:
             log.warning("hosts line without its tables ignored", extra=self.ctx)
             return
         self.hosts_bound = {str(i): str(n) for i, n in bound.items()}
+        former = msg.get("former")
+        self.hosts_former = ({str(i): [str(n) for n in ns] for i, ns in former.items() if isinstance(ns, list)}
+                             if isinstance(former, dict) else {})
 
     def request_stop(self, now: float) -> None:
         """Agent shutdown: stop producing, drain (bounded), exit; the session is kept."""

@@ -20,6 +20,11 @@ The rule, per instance (`HostMap.update`):
 - The other claimers are `pending` (diagnostics: a move in progress, or a node listing an
   instance it does not host). The worker accepts an envelope only from the bound node; one
   from any other node waits (briefly, bounded) for the binding to name it, then is refused.
+- One exception: the nodes the instance was bound to before (`former`, at most 4) while they
+  are offline. An offline node cannot write; what it wrote while it hosted the instance may
+  still wait in the broker, e.g. in the session a re-homed receiver inherits from its dead
+  incarnation. Accepted as before the node check (the channel drops what a newer epoch made
+  stale); refused, they would come back only through replays.
 
 Bounded: at most `max_entries` instances, those no record lists any more forgotten first.
 """
@@ -27,11 +32,12 @@ Bounded: at most `max_entries` instances, those no record lists any more forgott
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Dict, Iterable, List, Mapping, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
-__all__ = ["HostMap", "MAX_ENTRIES"]
+__all__ = ["HostMap", "MAX_ENTRIES", "MAX_FORMER"]
 
 MAX_ENTRIES = 4096
+MAX_FORMER = 4
 
 
 class HostMap:
@@ -41,6 +47,8 @@ class HostMap:
         # instance -> (bound node, pipeline or "" when unknown); insertion order = age
         self._bound: "OrderedDict[str, Tuple[str, str]]" = OrderedDict()
         self._pending: Dict[str, Tuple[str, ...]] = {}
+        self._former: Dict[str, List[str]] = {}  # instance -> nodes it was bound to before, newest first
+        self._online: Dict[str, bool] = {}
         self._listed: Set[str] = set()
 
     def update(
@@ -86,6 +94,10 @@ class HostMap:
                     new = max(others, key=lambda n: (rehomed.get(n, {}).get(inst, 0.0), -_rank(n, others)))
             if new is None:
                 continue
+            if cur is not None and cur != new:
+                self._former[inst] = [cur] + [n for n in self._former.get(inst, []) if n not in (cur, new)][:MAX_FORMER - 1]
+            elif new in self._former.get(inst, ()):
+                self._former[inst].remove(new)
             if self._bound.get(inst, (None, ""))[0] != new:
                 self._bound.pop(inst, None)
             self._bound[inst] = (new, pipeline)
@@ -93,6 +105,7 @@ class HostMap:
             if rest:
                 pending[inst] = rest
         self._pending = pending
+        self._online = {n: up(n) for n in {*online, self.node}}
         self._listed = set(claims) | set(local)
         if len(self._bound) > self.max_entries:
             for inst in [i for i in self._bound if i not in self._listed]:
@@ -101,6 +114,7 @@ class HostMap:
                 del self._bound[inst]
             while len(self._bound) > self.max_entries:
                 self._bound.popitem(last=False)
+            self._former = {i: ns for i, ns in self._former.items() if i in self._bound}
 
     def bound(self, instance: str) -> Optional[str]:
         entry = self._bound.get(instance)
@@ -109,10 +123,17 @@ class HostMap:
     def pending(self, instance: str) -> Tuple[str, ...]:
         return self._pending.get(instance, ())
 
-    def table(self, pipeline: str) -> Dict[str, Dict[str, str]]:
+    def former_offline(self, instance: str) -> List[str]:
+        """The nodes `instance` was bound to before that are offline now."""
+        return [n for n in self._former.get(instance, ()) if not self._online.get(n, False)]
+
+    def table(self, pipeline: str) -> Dict[str, Dict[str, Any]]:
         """What a worker of `pipeline` needs (the control line "hosts"): {"bound": {instance:
-        node}} for the instances of that pipeline (and those whose pipeline is unknown)."""
-        return {"bound": {i: n for i, (n, p) in self._bound.items() if p in (pipeline, "")}}
+        node}, "former": {instance: [offline nodes it was bound to before]}} for the instances of
+        that pipeline (and those whose pipeline is unknown)."""
+        bound = {i: n for i, (n, p) in self._bound.items() if p in (pipeline, "")}
+        former = {i: f for i in bound if (f := self.former_offline(i))}
+        return {"bound": bound, "former": former}
 
 
 def _rank(node: str, nodes: List[str]) -> int:
