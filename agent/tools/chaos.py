@@ -2,7 +2,7 @@
 
 In the manner of Jepsen's nemesis and Kafka's system tests: a seeded schedule of faults hits a
 real fleet (a private Mosquitto with persistence, three `fog-agent run` processes, real worker
-processes), and the record-id accounting of the demo (`demo.verify`) decides at the end whether
+processes), and the record-id accounting of the demo (`agent.tools.verify`) decides at the end whether
 any record was lost or reached the sink twice.
 
 Faults (one at a time; the next one comes after the fleet recovered from the last, plus a
@@ -53,7 +53,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from agent.config import load_pipeline_text
-from agent.tools.demo import Fleet, Monitor, verify
+from agent.tools.demo import Fleet, Monitor
+from agent.tools.verify import verify
 
 log = logging.getLogger(__name__)
 
