@@ -20,7 +20,6 @@ from __future__ import annotations
 import itertools
 import json
 import time
-import uuid
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Set, Tuple
 
