@@ -134,9 +134,9 @@ def test_check_params_knows_the_window_params() -> None:
     assert check_params(top_k, {"time_field": "t", "size_ms": 10, "by": "x", "lateness_ms": 5}) == []
 
 
-def _pipeline(policy: str, key: Optional[str]) -> Any:
+def _pipeline_text(policy: str, key: Optional[str], params: str = 'time_field = "t", size_ms = 1000') -> str:
     key_line = f'key = "{key}"' if key else ""
-    return load_pipeline_text(f"""
+    return f"""
 [pipeline]
 name = "p"
 [[operator]]
@@ -147,14 +147,18 @@ function = "agent.operators.taxi:source"
 [[operator]]
 name = "win"
 function = "agent.operators.keyed:tumbling_window"
-params = {{ time_field = "t", size_ms = 1000 }}
+params = {{ {params} }}
 [operator.scaling]
 policy = "{policy}"
 [[operator]]
 name = "out"
 kind = "sink"
 function = "agent.operators.builtin:counting_sink"
-""")
+"""
+
+
+def _pipeline(policy: str, key: Optional[str]) -> Any:
+    return load_pipeline_text(_pipeline_text(policy, key))
 
 
 def test_a_keyed_operator_must_not_scale_and_needs_a_key_before_it() -> None:
@@ -164,6 +168,21 @@ def test_a_keyed_operator_must_not_scale_and_needs_a_key_before_it() -> None:
     (line,) = keyed_config_problems(_pipeline("none", None), 1, tumbling_window)
     assert "the operator before it, 'src', must set key" in line
     assert keyed_config_problems(_pipeline("decentralized", None), 1, object()) == []  # not keyed
+
+
+def test_check_config_names_the_window_params_and_the_scaling_policy(tmp_path: Any, capsys: Any) -> None:
+    from agent.cli.main import main
+
+    pipe = tmp_path / "p.toml"
+    pipe.write_text(_pipeline_text("none", "k", 'time_field = "t", size_ms = 1000, slide_ms = 500, agg = "mean"'))
+    assert main(["check-config", str(pipe)]) == 1
+    err = capsys.readouterr().err
+    assert '[operator[1]].params.slide_ms: unknown key' in err  # tumbling: no slide
+    pipe.write_text(_pipeline_text("decentralized", "k"))
+    assert main(["check-config", str(pipe)]) == 1
+    assert 'p.toml: [operator[1]]: operator \'win\' keeps keyed state' in capsys.readouterr().err
+    pipe.write_text(_pipeline_text("none", "k"))
+    assert main(["check-config", str(pipe)]) == 0
 
 
 # ---- exactly-once: batching, duplicates, crashes ----------------------------------------------------

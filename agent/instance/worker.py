@@ -1475,6 +1475,10 @@ class _ScalingDriver:
     def force(self, action: str, count: int) -> None:
         """A steering request (fogctl scale/drain via the agent): queued, run by `_run_forced`
         through the same protocol as an automatic decision. One duplication round per copy."""
+        if self.w.keyed is not None:  # its key groups would not take their state along (docs/operators.md)
+            log.warning("scale %s refused: %s keeps keyed state, its instance count is fixed", action,
+                        self.w.spec.operator, extra=self.w.ctx)
+            return
         if action == "duplicate":
             self.forced.extend(("duplicate", 1) for _ in range(max(1, int(count))))
         elif action == "terminate":
