@@ -304,3 +304,20 @@ def test_a_record_the_operator_fails_on_is_counted_and_the_others_of_its_key_are
     out = ks.apply("p", [("s", 0, {"k": "a"}), ("s", 1, {"k": "a", "bad": 1}), ("s", 2, {"k": "a"})], 1)
     assert [r for _, _, r in out] == [1, 2] and ks.counts["keyed_errors"] == 1
     assert Counter(s for s, _, _ in out) == Counter({out[0][0]: 2})
+
+
+def test_a_worker_refuses_a_keyed_operator_that_may_scale_with_one_line(tmp_path: Any) -> None:
+    """What a deploy reports (the instance exits before "ready" with this reason): one line."""
+    import subprocess
+    import sys
+
+    from agent.instance.spec import BrokerSpec
+    from agent.tools.dataplane_bench import initial_specs
+
+    spec = initial_specs(_pipeline_text("decentralized", "k"), BrokerSpec("127.0.0.1", 1), str(tmp_path))[1]
+    p = subprocess.run([sys.executable, "-m", "agent.instance.worker"], input=spec.to_json() + "\n",
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+    last = json.loads(p.stdout.splitlines()[-1])
+    assert last["event"] == "exit" and 'policy must be "none", found "decentralized"' in last["reason"]
+    assert "\n" not in last["reason"]
