@@ -28,7 +28,7 @@ import heapq
 import json
 import logging
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from agent.dataplane.envelope import Item
 from agent.dataplane.keygroups import key_group, record_key
@@ -72,8 +72,7 @@ class KeyedState:
         self._heap: List[Tuple[float, str, Any]] = []  # (time, key as JSON, key); stale entries skipped
         self.outputs: List[Tuple[int, Item]] = []  # (input index, item): not yet acked downstream
         self._unsaved: Optional[int] = None  # lowest input index applied since the last save
-        self._changed: Set[int] = set()  # groups whose snapshot changed since the last save
-        self._blobs: Dict[int, str] = {}  # group -> its last snapshot (base64), reused while unchanged
+        self._sources: Dict[Any, str] = {}  # key -> output_source(operator, key) (a digest per output is costly)
         self.counts = {"keyed_applied": 0, "duplicates_skipped": 0, "late_dropped": 0, "no_event_time": 0,
                        "keyed_outputs": 0, "keyed_errors": 0, "state_saves": 0}
 
@@ -156,13 +155,14 @@ class KeyedState:
             return
         counters = self.emitted.setdefault(g, {})
         n = counters.get(key, 0)
-        src = output_source(self.operator, key)
+        src = self._sources.get(key)
+        if src is None:
+            src = self._sources[key] = output_source(self.operator, key)
         for value in emitted:
             n += 1
             out.append((src, n, value))
         counters[key] = n
         self.counts["keyed_outputs"] += len(emitted)
-        self._changed.add(g)
 
     def _set(self, g: int, key: Any, state: Any) -> None:
         states = self.states.setdefault(g, {})
@@ -172,7 +172,6 @@ class KeyedState:
                 del self.states[g]
         else:
             states[key] = state
-        self._changed.add(g)
         self._arm(key, state)
 
     def _arm(self, key: Any, state: Any) -> None:
@@ -234,15 +233,27 @@ class KeyedState:
         elif self.outputs and self.outputs[0][0] < lowest_pending:
             self.outputs = [(i, it) for i, it in self.outputs if i >= lowest_pending]
 
+    def _group_json(self, g: int) -> Dict[str, Any]:
+        """One group as a JSON value: an operator with the default (JSON) snapshot keeps its states
+        as they are ("pairs"); any other as its snapshot's bytes in base64 ("bytes")."""
+        states = self.states.get(g, {})
+        emitted = [[k, n] for k, n in self.emitted.get(g, {}).items()]
+        if type(self.op).snapshot is KeyedOperator.snapshot:
+            return {"pairs": [[k, v] for k, v in states.items()], "emitted": emitted}
+        return {"bytes": base64.b64encode(self.op.snapshot(states)).decode(), "emitted": emitted}
+
     def group_snapshot(self, g: int) -> bytes:
-        """One key group as bytes: the operator's snapshot of its states and the id counters."""
-        blob = {"states": base64.b64encode(self.op.snapshot(self.states.get(g, {}))).decode(),
-                "emitted": [[k, n] for k, n in self.emitted.get(g, {}).items()]}
-        return json.dumps(blob, separators=(",", ":")).encode()
+        """One key group as bytes (what a hand-over moves): its states and output counters."""
+        return json.dumps(self._group_json(g), separators=(",", ":")).encode()
 
     def restore_group(self, g: int, data: bytes) -> None:
-        blob = json.loads(data)
-        states = self.op.restore(base64.b64decode(blob["states"]))
+        self._restore_group(g, json.loads(data))
+
+    def _restore_group(self, g: int, blob: Dict[str, Any]) -> None:
+        if "pairs" in blob:
+            states = self.op.restore(json.dumps(blob["pairs"]).encode())
+        else:
+            states = self.op.restore(base64.b64decode(blob["bytes"]))
         if states:
             self.states[g] = {hashable_key(k): s for k, s in states.items()}
         else:
@@ -252,23 +263,21 @@ class KeyedState:
             self.emitted[g] = counters
         for key, state in self.states.get(g, {}).items():
             self._arm(key, state)
-        self._blobs.pop(g, None)
+
+    def to_text(self) -> str:
+        """The saved form: one JSON document (encoded whole: its cost grows with the state)."""
+        return json.dumps({"format": FORMAT, "operator": self.operator, "key_groups": self.groups,
+                           "positions": self.positions, "max_time": self.max_time,
+                           "outputs": [it for _, it in self.outputs],
+                           "groups": {str(g): self._group_json(g) for g in sorted(set(self.states) | set(self.emitted))}},
+                          separators=(",", ":"))
 
     def to_json(self) -> Dict[str, Any]:
-        for g in self._changed:
-            if g in self.states or g in self.emitted:
-                self._blobs[g] = base64.b64encode(self.group_snapshot(g)).decode()
-            else:
-                self._blobs.pop(g, None)
-        self._changed.clear()
-        return {"format": FORMAT, "operator": self.operator, "key_groups": self.groups,
-                "positions": self.positions, "max_time": self.max_time,
-                "groups": {str(g): b for g, b in sorted(self._blobs.items())},
-                "outputs": [list(it) for _, it in self.outputs]}
+        return dict(json.loads(self.to_text()))
 
     def save(self, path: Path) -> None:
         """Write everything in one atomic step; afterwards the applied inputs may be acked."""
-        write_atomic(path, json.dumps(self.to_json(), separators=(",", ":")))
+        write_atomic(path, self.to_text())
         self._unsaved = None
         self.counts["state_saves"] += 1
 
@@ -282,9 +291,8 @@ class KeyedState:
         self.positions = {str(k): int(v) for k, v in (data.get("positions") or {}).items()}
         mt = data.get("max_time")
         self.max_time = float(mt) if mt is not None else None
-        for g, b in (data.get("groups") or {}).items():
-            self.restore_group(int(g), base64.b64decode(b))
-            self._blobs[int(g)] = b
+        for g, blob in (data.get("groups") or {}).items():
+            self._restore_group(int(g), blob)
         return [(str(s), int(q), r) for s, q, r in data.get("outputs") or []]
 
     @staticmethod
