@@ -2,7 +2,7 @@
 reflect, the watermark, the timers and the outputs not yet acked downstream. Sans-IO except
 `save`/`load` (one file, written atomically).
 
-Rules of this file (docs/operators.md, "Keyed state"; docs/reliability.md, "Keyed state"):
+Rules of this file (docs/operators.md, "Keyed state: aggregates and windows per key"):
 - Exactly-once updates. Every record id (source instance, number) travels unchanged through the
   stateless operators, and on one predecessor's channel the numbers of one source only grow
   (FIFO channels, in-order processing, in-order replays). So per (predecessor, source) the highest
