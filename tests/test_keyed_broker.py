@@ -213,3 +213,18 @@ def test_a_windowed_sum_survives_kill_9_of_its_agent(mosquitto, tmp_path: Path) 
     assert coll.got == want, (sorted(set(want) - set(coll.got))[:5], sorted(set(coll.got) - set(want))[:5], logs)
     saved = json.loads((state / "keyed.win.0.keyed.json").read_text())
     assert saved["positions"] and saved["key_groups"] == 128
+
+
+def test_bench_keyed_runs_all_three_pipelines_and_reports_their_state(tmp_path: Path) -> None:
+    """`fog-agent bench keyed` (short): each pipeline moved records; the keyed ones held one state
+    per key and saved it. Rates are the benchmark's to report, not asserted here. ~25 s here: nine
+    worker processes start (three pipelines), each a few seconds on this shared machine."""
+    from agent.tools.keyed_bench import run_keyed_bench
+
+    res = run_keyed_bench(seconds=1.0, keys=20, workdir=str(tmp_path))
+    assert all(res[k]["records_per_s"] > 0 for k in ("stateless_map", "keyed_count", "keyed_window")), res
+    assert res["stateless_map"]["state_saves_per_s"] == 0 and res["stateless_map"]["state_file_bytes"] == 0
+    for k in ("keyed_count", "keyed_window"):
+        assert res[k]["keys_held"] == 20 and res[k]["state_saves_per_s"] > 0 and res[k]["state_file_bytes"] > 0, res
+        assert res[k]["ratio_vs_stateless"] is not None
+    assert res["keyed_window"]["outputs_per_s"] < res["keyed_window"]["records_per_s"]  # one per key and window

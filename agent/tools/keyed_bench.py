@@ -46,9 +46,15 @@ def _measure(runner: LocalRunner, broker: Any, tmp: Path, name: str, function: s
     state = tmp / name
     specs = initial_specs(toml, BrokerSpec(broker.host, broker.port), str(state), cluster=name,
                           extra={"sink_dir": str(tmp / "sink")})
-    procs = [runner.start(s) for s in reversed(specs)]
+    # sink and x start together (a worker's start is seconds on a loaded Pi), the source once
+    # both are subscribed
+    procs = [runner.start(s, wait=False) for s in reversed(specs[1:])]
+    for w in procs:
+        if not w.ready.wait(runner.ready_timeout):
+            raise TimeoutError(f"worker {w.instance} not ready after {runner.ready_timeout}s; see {w.log_path}")
+    procs.append(runner.start(specs[0]))
     try:
-        x = procs[1]
+        x = procs[1]  # procs: sink, x, source
         time.sleep(1.0)
         a, t0 = dict(x.stats), time.monotonic()
         time.sleep(seconds)
@@ -63,7 +69,11 @@ def _measure(runner: LocalRunner, broker: Any, tmp: Path, name: str, function: s
             "keys_held": b.get("keys_held"),
         }
     finally:
-        runner.stop_all()
+        # Source first, sink last: each drains into a successor that still acks (all at once, the
+        # sink left first and the others waited out their drain timeout).
+        for w in reversed(procs):
+            w.send("stop")
+            w.stop(15.0)
     return out
 
 
