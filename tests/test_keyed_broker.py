@@ -105,7 +105,8 @@ def test_a_windowed_sum_under_kill_9_emits_exactly_the_windows_of_the_fault_free
     try:
         specs = initial_specs(pipeline(topic), BrokerSpec(mosquitto.host, mosquitto.port), str(tmp_path / "state"),
                               cluster="keyed", extra={"sink_dir": str(tmp_path / "sink")})
-        procs = {p.spec.operator: p for p in [runner.start(s) for s in reversed(specs)]}
+        for s in reversed(specs):  # successors subscribe before predecessors send
+            runner.start(s)
 
         def emitted() -> int:
             with coll.lock:

@@ -30,7 +30,7 @@ g's records are buffered, only at NEW, only until its state arrives.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 __all__ = [
     "HandoverError",
@@ -181,7 +181,7 @@ class OldOwner:
             raise HandoverError(f"old owner {self.name}: record of group {group} from {sender} after its Eos")
         return [Apply(group, ((sender, record),))]
 
-    def on_eos(self, msg: Eos, snapshot: "Any") -> List[Any]:
+    def on_eos(self, msg: Eos, snapshot: Callable[[int], bytes]) -> List[Any]:
         """`snapshot(group) -> bytes` is called once, when the state is final."""
         mv = self.moving.get(msg.group)
         if mv is None or msg.sender not in mv[1]:
