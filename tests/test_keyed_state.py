@@ -350,3 +350,35 @@ def test_the_worked_example_of_the_guide_runs_as_printed() -> None:
                    {"sensor": "s1", "minute": m + 60_000, "readings": 1, "peak": 21.0},
                    {"sensor": "s2", "minute": m + 60_000, "readings": 1, "peak": 19.0}]
     assert ks.counts["late_dropped"] == 1 and ks.stats()["keys_held"] == 1  # s2's third minute
+
+
+def test_an_agent_refuses_to_scale_or_drain_away_an_instance_with_keyed_state(tmp_path: Any) -> None:
+    """fogctl scale and drain reach the agent (`_on_steering`): an instance whose stats say it
+    keeps keyed state is neither copied, terminated nor moved, and the reply says why."""
+    import subprocess
+    import sys
+
+    from agent.config import load_agent_config
+    from agent.control.rpc_schema import DrainRequest, ScaleRequest
+    from agent.instance.spec import BrokerSpec, InstanceSpec
+    from agent.node.daemon import Agent
+    from agent.node.supervisor import Worker, WorkerStatus
+
+    conf = tmp_path / "a.toml"
+    conf.write_text(f'[agent]\nnode = "me"\ncluster = "c"\nstate_dir = "{tmp_path}/state"\n[mqtt]\nhost = "h"\nport = 1\n')
+    agent = Agent(load_agent_config(conf), warm_worker=False)
+    sent: List[Any] = []
+    agent.supervisor.send = lambda inst, event, **kw: sent.append((inst, event)) or True  # type: ignore[assignment]
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    spec = InstanceSpec("p.win.0", "win", "me", "c", "p", _pipeline_text("none", "k"), BrokerSpec("h", 1),
+                        keeper=True, state_dir=str(tmp_path / "state"))
+    w = Worker(spec=spec, proc=proc, started_at=1.0, status=WorkerStatus.ACTIVE, stats={"keyed_state": True})
+    agent.supervisor.workers["p.win.0"] = w
+    for req in (ScaleRequest(operator="win", delta=1), DrainRequest(node="me")):
+        reply = agent._on_steering(req.to_dict(), 5.0)
+        assert not reply["ok"] and "p.win.0 keeps keyed state" in reply["error"], reply
+    assert sent == [] and not agent.draining
+    w.stats = {}  # a stateless instance: the same request goes through
+    assert agent._on_steering(ScaleRequest(operator="win", delta=1).to_dict(), 5.0)["ok"]
+    assert sent == [("p.win.0", "scale")]

@@ -305,7 +305,7 @@ class KeyedState:
 
     def stats(self) -> Dict[str, Any]:
         s: Dict[str, Any] = dict(self.counts)
-        s.update(key_groups_held=len(self.states), keys_held=sum(len(v) for v in self.states.values()),
+        s.update(keyed_state=True, key_groups_held=len(self.states), keys_held=sum(len(v) for v in self.states.values()),
                  timers=len(self.timers), watermark=self.watermark, unacked_outputs=len(self.outputs))
         s.update(self.op.stats())
         return s
