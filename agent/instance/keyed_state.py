@@ -9,10 +9,11 @@ Rules of this file (docs/operators.md, "Keyed state: aggregates and windows per 
   number applied is the input position the state reflects: a record at or below it is a replay,
   skipped (`duplicates_skipped`), never applied twice.
 - Write-ahead outputs. The state, the positions and every output not yet acked by the successors
-  are persisted in ONE atomic write (`save`). The worker acks an input upstream only once the state
-  that reflects it is saved (`lowest_unsaved`), so a crash loses nothing the predecessors do not
-  still hold: the restarted instance restores the file, sends the saved outputs again (the sink
-  drops the copies by id) and skips every replayed record it had applied.
+  are saved together (`save`: one line of what changed appended to a log, or now and then a full
+  snapshot written atomically, which starts a new log). The worker acks an input upstream only
+  once the state that reflects it is saved (`lowest_unsaved`), so a crash loses nothing the
+  predecessors do not still hold: the restarted instance loads snapshot + log, sends the saved
+  outputs again (the sink drops the copies by id) and skips every replayed record it had applied.
 - Determinism. Lateness is decided record by record in arrival order and timers fire after the
   batch, so the outputs do not depend on how records were batched: a run with crashes emits
   exactly the outputs (same ids, same content) of the fault-free run.
@@ -27,6 +28,7 @@ import hashlib
 import heapq
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -40,6 +42,7 @@ __all__ = ["KeyedState", "FORMAT", "hashable_key", "output_source"]
 log = logging.getLogger("agent.instance.keyed_state")
 
 FORMAT = 1
+LOG_MIN = 256 << 10  # bytes of log below which no snapshot is rewritten for its sake
 MAX_NOTIFY_LOOPS = 1000  # on_notify calls per key per batch whose notify_at keeps moving forward
 
 
@@ -73,6 +76,16 @@ class KeyedState:
         self.outputs: List[Tuple[int, Item]] = []  # (input index, item): not yet acked downstream
         self._unsaved: Optional[int] = None  # lowest input index applied since the last save
         self._sources: Dict[Any, str] = {}  # key -> output_source(operator, key) (a digest per output is costly)
+        # Saving (see `save`): a full snapshot now and then, else one appended line of what changed.
+        self._json_states = type(op).snapshot is KeyedOperator.snapshot
+        self._gen = 0  # the snapshot's generation: log lines of another one are ignored
+        self._full_next = True
+        self._base_bytes = 0
+        self._log_bytes = 0
+        self._dirty_keys: Dict[Tuple[int, Any], None] = {}  # (group, key) changed since the last save
+        self._dirty_pos: Dict[str, None] = {}
+        self._out_new: List[Item] = []  # outputs added since the last save
+        self._out_dropped = 0  # outputs pruned from the front since the last save
         self.counts = {"keyed_applied": 0, "duplicates_skipped": 0, "late_dropped": 0, "no_event_time": 0,
                        "keyed_outputs": 0, "keyed_errors": 0, "state_saves": 0}
 
@@ -99,6 +112,7 @@ class KeyedState:
                 self.counts["duplicates_skipped"] += 1
                 continue
             positions[pk] = seq
+            self._dirty_pos[pk] = None
             applied += 1
             if timed:
                 try:
@@ -130,6 +144,7 @@ class KeyedState:
         if timed:
             self._fire(out)
         self.outputs.extend((index, it) for it in out)
+        self._out_new.extend(out)
         return out
 
     def _call_batch(self, key: Any, recs: List[Any], out: List[Item]) -> None:
@@ -163,6 +178,7 @@ class KeyedState:
             out.append((src, n, value))
         counters[key] = n
         self.counts["keyed_outputs"] += len(emitted)
+        self._dirty_keys[(g, key)] = None
 
     def _set(self, g: int, key: Any, state: Any) -> None:
         states = self.states.setdefault(g, {})
@@ -172,6 +188,7 @@ class KeyedState:
                 del self.states[g]
         else:
             states[key] = state
+        self._dirty_keys[(g, key)] = None
         self._arm(key, state)
 
     def _arm(self, key: Any, state: Any) -> None:
@@ -228,10 +245,12 @@ class KeyedState:
     def prune_outputs(self, lowest_pending: Optional[int]) -> None:
         """Forget the outputs every successor acked: those of inputs below `lowest_pending` (the
         lowest input index with outputs still buffered, in flight or unacked; None: none is)."""
+        before = len(self.outputs)
         if lowest_pending is None:
             self.outputs = []
         elif self.outputs and self.outputs[0][0] < lowest_pending:
             self.outputs = [(i, it) for i, it in self.outputs if i >= lowest_pending]
+        self._out_dropped += before - len(self.outputs)  # a prefix: indices grow along the list
 
     def _group_json(self, g: int) -> Dict[str, Any]:
         """One group as a JSON value: an operator with the default (JSON) snapshot keeps its states
@@ -266,7 +285,7 @@ class KeyedState:
 
     def to_text(self) -> str:
         """The saved form: one JSON document (encoded whole: its cost grows with the state)."""
-        return json.dumps({"format": FORMAT, "operator": self.operator, "key_groups": self.groups,
+        return json.dumps({"format": FORMAT, "gen": self._gen, "operator": self.operator, "key_groups": self.groups,
                            "positions": self.positions, "max_time": self.max_time,
                            "outputs": [it for _, it in self.outputs],
                            "groups": {str(g): self._group_json(g) for g in sorted(set(self.states) | set(self.emitted))}},
@@ -276,10 +295,51 @@ class KeyedState:
         return dict(json.loads(self.to_text()))
 
     def save(self, path: Path) -> None:
-        """Write everything in one atomic step; afterwards the applied inputs may be acked."""
-        write_atomic(path, self.to_text())
+        """Save what changed; afterwards the applied inputs may be acked.
+
+        Two files: `path`, a full snapshot written atomically (write, then rename), and
+        `<path>.log`, one line appended per save with the keys, positions and outputs changed
+        since the previous line (one write() each: a kill -9 leaves it whole or absent, a power
+        cut at worst a torn last line, which `load` ignores). The log is folded into a new
+        snapshot once it is larger than the snapshot (or LOG_MIN), so a save costs what changed,
+        not the whole state, and the log stays within about twice the state."""
+        log_path = path.with_name(path.name + ".log")
+        if self._full_next or self._log_bytes > max(LOG_MIN, self._base_bytes):
+            self._gen += 1
+            text = self.to_text()
+            write_atomic(path, text)
+            with open(log_path, "w"):
+                pass  # lines of the previous generation: folded into the snapshot (ignored if left)
+            self._base_bytes, self._log_bytes, self._full_next = len(text), 0, False
+        else:
+            line = (json.dumps(self._delta(), separators=(",", ":")) + "\n").encode()
+            fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            try:
+                view = memoryview(line)
+                while view:
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
+            self._log_bytes += len(line)
+        self._dirty_keys.clear()
+        self._dirty_pos.clear()
+        self._out_new = []
+        self._out_dropped = 0
         self._unsaved = None
         self.counts["state_saves"] += 1
+
+    def _delta(self) -> Dict[str, Any]:
+        d: Dict[str, Any] = {"gen": self._gen, "positions": {k: self.positions[k] for k in self._dirty_pos},
+                             "max_time": self.max_time, "out_add": self._out_new, "out_drop": self._out_dropped}
+        if self._json_states:
+            keys = []
+            for g, k in self._dirty_keys:
+                states = self.states.get(g, {})
+                keys.append([g, k, k in states, states.get(k), self.emitted.get(g, {}).get(k)])
+            d["keys"] = keys
+        else:  # the operator's own snapshot is per group: the changed groups, whole
+            d["groups"] = {str(g): self._group_json(g) for g in sorted({g for g, _ in self._dirty_keys})}
+        return d
 
     def restore(self, data: Dict[str, Any]) -> List[Item]:
         """Load a saved state; returns the outputs to send again (the caller re-indexes them)."""
@@ -293,15 +353,60 @@ class KeyedState:
         self.max_time = float(mt) if mt is not None else None
         for g, blob in (data.get("groups") or {}).items():
             self._restore_group(int(g), blob)
+        self._gen = int(data.get("gen", 0))
+        self._full_next = True  # the caller re-indexes the outputs: start a new snapshot
         return [(str(s), int(q), r) for s, q, r in data.get("outputs") or []]
 
     @staticmethod
     def load(path: Path) -> Optional[Dict[str, Any]]:
+        """The saved state: the snapshot with the lines of its generation's log applied, in order,
+        up to the first line that does not parse (torn by a power cut: never acked)."""
         try:
-            text = path.read_text()
+            data = dict(json.loads(path.read_text()))
         except FileNotFoundError:
             return None
-        return dict(json.loads(text))
+        try:
+            lines = path.with_name(path.name + ".log").read_bytes().split(b"\n")
+        except FileNotFoundError:
+            lines = []
+        gen = data.get("gen")
+        groups: Dict[str, Any] = data.setdefault("groups", {})
+        pairs: Dict[str, Dict[Any, Any]] = {}  # group -> key -> state, for the groups a line changes
+        counters: Dict[str, Dict[Any, Any]] = {}
+
+        def opened(g: str) -> None:
+            if g not in pairs:
+                blob = groups.get(g) or {}
+                pairs[g] = {k: v for k, v in blob.get("pairs") or []}
+                counters[g] = {k: n for k, n in blob.get("emitted") or []}
+
+        for raw in lines:
+            if not raw:
+                continue
+            try:
+                d = json.loads(raw)
+            except ValueError:
+                break
+            if d.get("gen") != gen:
+                continue
+            data["positions"].update(d["positions"])
+            data["max_time"] = d["max_time"]
+            data["outputs"] = (data["outputs"] + d["out_add"])[d["out_drop"]:]
+            for g, blob in (d.get("groups") or {}).items():
+                groups[g] = blob
+            for g, k, present, state, n in d.get("keys") or []:
+                g = str(g)
+                opened(g)
+                if present:
+                    pairs[g][k] = state
+                else:
+                    pairs[g].pop(k, None)
+                if n is not None:
+                    counters[g][k] = n
+        for g in pairs:
+            groups[g] = {"pairs": [[k, v] for k, v in pairs[g].items()],
+                         "emitted": [[k, n] for k, n in counters[g].items()]}
+        return data
 
     def stats(self) -> Dict[str, Any]:
         s: Dict[str, Any] = dict(self.counts)

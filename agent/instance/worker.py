@@ -938,7 +938,7 @@ class Worker:
         return low
 
     def _save_keyed(self) -> None:
-        """Keyed state, its input positions and the outputs not acked downstream: one atomic write
+        """Keyed state, its input positions and the outputs not acked downstream, saved together
         (agent.instance.keyed_state); only after it are the inputs it reflects acked upstream."""
         assert self.keyed is not None
         self.keyed.prune_outputs(self._lowest_forwarding())
