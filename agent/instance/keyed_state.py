@@ -1,6 +1,6 @@
 """The keyed state of one instance: per key group, the operator's states, the input position they
 reflect, the watermark, the timers and the outputs not yet acked downstream. Sans-IO except
-`save`/`load` (one file, written atomically).
+`save`/`load` (a snapshot and its log of changes).
 
 Rules of this file (docs/operators.md, "Keyed state: aggregates and windows per key"):
 - Exactly-once updates. Every record id (source instance, number) travels unchanged through the
