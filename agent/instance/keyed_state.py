@@ -76,6 +76,7 @@ class KeyedState:
         self.outputs: List[Tuple[int, Item]] = []  # (input index, item): not yet acked downstream
         self._unsaved: Optional[int] = None  # lowest input index applied since the last save
         self._sources: Dict[Any, str] = {}  # key -> output_source(operator, key) (a digest per output is costly)
+        self._key_text: Dict[Any, str] = {}  # key -> its JSON text (timers' tie-break)
         # Saving (see `save`): a full snapshot now and then, else one appended line of what changed.
         self._json_states = type(op).snapshot is KeyedOperator.snapshot
         self._gen = 0  # the snapshot's generation: log lines of another one are ignored
@@ -198,7 +199,10 @@ class KeyedState:
             return
         if self.timers.get(key) != t:
             self.timers[key] = t
-            heapq.heappush(self._heap, (t, json.dumps(key), key))
+            text = self._key_text.get(key)
+            if text is None:
+                text = self._key_text[key] = json.dumps(key)  # the tie-break: (time, key) order
+            heapq.heappush(self._heap, (t, text, key))
 
     def _fire(self, out: List[Item]) -> None:
         """Every timer the watermark has reached, in (time, key) order. A key whose on_notify keeps
