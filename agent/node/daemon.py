@@ -1159,6 +1159,12 @@ class Agent:
         reason = (w.exit_event or {}).get("reason") or w.killed_for or f"exit status {reaped.returncode}"
         log.info("worker pid %d exited with %d (%s)", w.pid, reaped.returncode, reason, extra={"instance": w.instance})
         if job is not None:
+            # The spawn that started it is answered elsewhere (the next candidate, or a failure the
+            # requester places again): this incarnation must not come back here as a crash, or one
+            # identity would run on two nodes (their clients take the session from each other and
+            # both consume its inbox: docs/design.md invariant 7).
+            hosted.forget(self.cfg.agent.state_dir, w.instance)
+            self._hosted_dirty = True
             self._try_next(job, now, f"worker exited before ready ({reason})")
         cause = "shutdown" if self._stopping_since is not None else ("scale_in" if reaped.clean else "crash")
         final = bool((w.exit_event or {}).get("final")) or reaped.returncode == WORKER_EXIT_BAD_SPEC
@@ -1181,7 +1187,7 @@ class Agent:
                     code=reaped.returncode, reason=str(reason), clean=reaped.clean, stats=w.stats)
         if handover:
             self._hand_over(w, now)
-        elif reaped.crashed and self._stopping_since is None and not fenced and not undeployed:
+        elif reaped.crashed and self._stopping_since is None and not fenced and not undeployed and job is None:
             self._maybe_restart(w, now)
 
     def _hand_over(self, w: Worker, now: float) -> None:
