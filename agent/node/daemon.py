@@ -620,6 +620,11 @@ class Agent:
                                 keeper=info.keeper, phase=phase, load=info.load, capacity=info.capacity))
         return out
 
+    def _keeps_keyed_state(self, instance: str) -> bool:
+        """The instance said so in its stats (agent.instance.keyed_state)."""
+        w = self.supervisor.get(instance)
+        return w is not None and bool(w.stats.get("keyed_state"))
+
     def _on_steering(self, body: Dict[str, Any], now: float) -> Dict[str, Any]:
         """A fogctl scale/drain request: check it against our own instances (`agent_actions`) and
         hand each action to its worker as a control line; the worker runs it through the SAME
@@ -629,6 +634,12 @@ class Agent:
             actions = agent_actions(req, self.node, self._local_instances(), slots=self.fleet_slots())
         except RequestError as exc:
             return Reply(False, {}, str(exc)).to_dict()
+        keyed = [a.instance for a in actions if self._keeps_keyed_state(a.instance)]
+        if keyed:
+            # Neither a copy nor a move would take its key groups' state along (docs/operators.md,
+            # "Keyed state"): refused as a whole, before anything is changed.
+            return Reply(False, {}, f"{', '.join(keyed)} keeps keyed state: its instance count and its node are "
+                                    "fixed until key groups can be handed over").to_dict()
         if isinstance(req, DrainRequest):
             self.draining = not req.undo
             self._state_dirty = True
