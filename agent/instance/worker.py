@@ -47,6 +47,8 @@ from agent.instance.recovery import RESEND_AFTER
 from agent.dataplane.routing import Outbox, Router
 from agent.files import write_atomic
 from agent.instance.spec import InstanceSpec, control_line, parse_control_line
+from agent.measure.capacity import LiveCapacity
+from agent.measure.signals import PeriodSignals, Signals
 from agent.mqtt.transport import (
     Connected,
     Disconnected,
@@ -240,6 +242,11 @@ class Worker:
         self._malformed_logged: Set[str] = set()  # protocol senders (admitted ones only: bounded)
         self._period_records = 0
         self._last_load = 0.0
+        # Live signals (docs/measurement.md, "Live signals"): taken at every decision period,
+        # published in the heartbeat, and the online capacity estimate they feed.
+        self.signals = PeriodSignals(clock(), time.process_time())
+        self.last_signals: Optional[Signals] = None
+        self.live_capacity = LiveCapacity(self.scaling.params.capacity if self.scaling is not None else 500.0)
         self._exit: Optional[Tuple[int, str, bool]] = None
         self._stopping = False
         self._stop_deadline = 0.0
@@ -346,6 +353,7 @@ class Worker:
         if self.is_sink:
             self._settle_sink()
         self._flush(now)
+        self.signals.blocked(now, self._backpressured())
         self._send_acks(now)
         self._publish_retries()
         if self.scaling is not None:
@@ -472,6 +480,7 @@ class Worker:
             else:
                 if e.kind is Kind.DATA:
                     self._period_records += len(e.body)
+                    self.signals.arrived(len(e.body))
                 q = self.queues.get(e.sender)
                 if q is None:
                     q = self.queues[e.sender] = deque()
@@ -638,6 +647,10 @@ class Worker:
             return False  # spool full: only a release (seen in settle) can help
         return now >= self.busy_until and self.outbox.pending < self.high_water
 
+    def _backpressured(self) -> bool:
+        """Held back by what comes after us: successors without credit, or the sink's spool full."""
+        return self.outbox.pending >= self.high_water or bool(self.sink_wait and not self.operator.writable())
+
     def _data_blocked(self, now: float) -> bool:
         if self.scaling is not None and not self.scaling.data_enabled:
             return True  # idle new instance: keep input until Start (Algorithm 6)
@@ -718,6 +731,7 @@ class Worker:
         self.stats["records_in"] += n
         self.stats["batches_in"] += 1
         index = self.tracker.processed(env.sender, env.seq, env.epoch)
+        t0 = time.perf_counter()
         if self.is_sink:
             self._record(items, index, env)
         else:
@@ -727,6 +741,7 @@ class Worker:
                 if not self.router.succs:
                     raise RuntimeError(f"{self.spec.instance}: records to forward but no successors")
                 self.outbox.add(out, index, now)
+        self.signals.processed(n, time.perf_counter() - t0 + n * self.service_time)
         if self.service_time:
             self.busy_until = max(self.busy_until, now) + n * self.service_time
 
@@ -1071,6 +1086,10 @@ class Worker:
             paho_out=self.transport.pending_out(),
             connected=self.transport.connected,
             service_time_ms=self.service_time * 1000,
+            live_capacity=round(self.live_capacity.value, 2),
+            online_service_time_ms=(round(self.live_capacity.service_time * 1000, 4)
+                                    if self.live_capacity.service_time else None),
+            signals=self.last_signals.to_stats() if self.last_signals is not None else None,
             first_record_at=self.first_record_at,
             activated_at=self.activated_at,
             at=time.time(),
@@ -1086,6 +1105,13 @@ class Worker:
         if self.is_source and now - self._last_source_write >= 2.0:  # a rename costs ~5-20 ms here
             self._last_source_write = now
             self._write_source_stats()
+
+    def take_signals(self, now: float) -> Signals:
+        """Close the live-signal period (the decision period) and feed the online capacity."""
+        sig = self.signals.take(now, time.process_time())
+        self.live_capacity.update(sig.busy, sig.processed)
+        self.last_signals = sig
+        return sig
 
     def measure_load(self, now: float) -> float:
         """Records received per second since the last call (the paper's l_t, per second)."""
@@ -1473,6 +1499,7 @@ class _ScalingDriver:
         if now < self.next_tick:
             return
         load = self.w.measure_load(now)
+        self.w.take_signals(now)
         self.next_tick = now + self.period
         if self.policy == "none" or self.w.is_source or self.w._stopping or self.pinned:
             return
