@@ -49,6 +49,7 @@ from agent.files import write_atomic
 from agent.instance.spec import InstanceSpec, control_line, parse_control_line
 from agent.measure.capacity import LiveCapacity
 from agent.measure.signals import PeriodSignals, Signals
+from agent.policy.live import LIVE_POLICIES, LivePolicy, PeriodInputs
 from agent.mqtt.transport import (
     Connected,
     Disconnected,
@@ -1019,6 +1020,9 @@ class Worker:
                 self.operator.paused = bool(msg["paused"])
             if "pinned" in msg and self.scaling is not None:
                 self.scaling.pinned = bool(msg["pinned"])
+            if "context" in msg and self.scaling is not None and self.scaling.live is not None:
+                if not self.scaling.live.set_context(msg["context"]):
+                    log.warning("malformed policy context ignored: %.200r", msg["context"], extra=self.ctx)
         elif event == "eof":
             self.request_stop(now)
         else:
@@ -1223,6 +1227,9 @@ class _ScalingDriver:
         self.policy = sc.policy
         if self.policy not in RUNTIME_POLICIES:  # deploy refuses these; a hand-made spec ends here
             raise ValueError("; ".join(worker.pipeline.runtime_policy_errors()))
+        # threshold / model / sized: the simulator's policy objects, fed the live signals and the
+        # daemon's sibling context (agent.policy.live); "decentralized" stays in the core.
+        self.live: Optional[LivePolicy] = LivePolicy(self.policy, sc) if self.policy in LIVE_POLICIES else None
         # coordination = "ack" (paper) or "fgme" (rounds inside 2-FGME CSs, docs/gme.md). Lock
         # messages share the inbox and its numbered FIFO channel with the scaling messages.
         self.coordination = worker.pipeline.pipeline.coordination
@@ -1499,7 +1506,7 @@ class _ScalingDriver:
         if now < self.next_tick:
             return
         load = self.w.measure_load(now)
-        self.w.take_signals(now)
+        sig = self.w.take_signals(now)
         self.next_tick = now + self.period
         if self.policy == "none" or self.w.is_source or self.w._stopping or self.pinned:
             return
@@ -1514,7 +1521,11 @@ class _ScalingDriver:
             return
         self.round_created = []
         draw = self.rng.random()
-        decision = self.core.decide(load, draw)
+        if self.live is not None:
+            decision = self.live.decide(PeriodInputs(now, load, sig.processed_rate, self.w.live_capacity.value,
+                                                     sig.backpressure, self.core.keeper, draw))
+        else:
+            decision = self.core.decide(load, draw)
         if decision.scales:
             self.log.decided(time.monotonic())
         outs = self.core.start_round(decision)
@@ -1525,9 +1536,14 @@ class _ScalingDriver:
             self.counts["scale_outs" if kind == "scale_out" else "scale_ins"] += 1
             new = [o.instance_id for o in outs if type(o).__name__ == "CreateInstance"]
             self.decisions.append({"at": time.time(), "kind": kind, "load": round(load, 1), "new": new})
-            log.info("decision %s at load %.1f/s (capacity %.0f)", kind, load, self.params.capacity, extra=self.w.ctx)
+            log.info("decision %s at load %.1f/s (capacity %.0f)%s", kind, load, self._capacity(),
+                     f" {self.live.last}" if self.live is not None else "", extra=self.w.ctx)
             self.last_round_end = now
         self._queue(outs)
+
+    def _capacity(self) -> float:
+        """The capacity this instance's policy compares with: live for the Gesscale policies."""
+        return self.w.live_capacity.value if self.live is not None else self.params.capacity
 
     def _publish_decision(self, now: float, load: float, draw: float, decision: Any, outs: List[Any]) -> None:
         """A decision event with the numbers it was drawn from (load, capacity, ratio, probability,
@@ -1554,10 +1570,10 @@ class _ScalingDriver:
         try:
             ev = events.decision(
                 ts=time.time(), node=w.spec.node, instance=w.spec.instance, operator=w.spec.operator,
-                pipeline=w.spec.pipeline, load=float(load), capacity=float(self.params.capacity),
-                probability=float(decision.factor) if decision.action is not Action.NONE else None,
+                pipeline=w.spec.pipeline, load=float(load), capacity=float(self._capacity()),
+                probability=float(decision.factor) if decision.action is not Action.NONE and self.live is None else None,
                 draw=float(draw), action=decision.action.value, count=int(decision.count),
-                type=kind, detail={"new": new, "source": "worker"} if new else {"source": "worker"},
+                type=kind, detail=self._decision_detail(new),
             )
             w.transport.publish(topics.events(w.spec.cluster), ev.to_json().encode(), qos=0)
             self.history = events.remember(self.history, ev)
@@ -1569,6 +1585,14 @@ class _ScalingDriver:
         except (TransportError, ValueError) as exc:
             self.counts["decision_events_failed"] = self.counts.get("decision_events_failed", 0) + 1
             log.warning("decision event not published: %s", exc, extra=w.ctx)
+
+    def _decision_detail(self, new: List[str]) -> Dict[str, Any]:
+        detail: Dict[str, Any] = {"source": "worker"}
+        if new:
+            detail["new"] = new
+        if self.live is not None and self.live.last is not None:
+            detail.update({k: v for k, v in self.live.last.items() if k != "context"})
+        return detail
 
     def _queue(self, outs: List[Any]) -> None:
         if outs:
@@ -1843,6 +1867,9 @@ class _ScalingDriver:
         s["decisions"] = list(self.decisions)
         s["capacity"] = self.params.capacity
         s["coordination"] = self.coordination
+        s["policy"] = self.policy
+        if self.live is not None:
+            s["live_decision"] = self.live.last
         s.update(self.log.stats(self.core))
         if self.coordination == "fgme":
             s["lock_messages"] = {d: dict(c) for d, c in self.lock_counts.items()}

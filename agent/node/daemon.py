@@ -50,7 +50,8 @@ from agent.node import nodestate
 from agent.node import rehome
 from agent.node import rpc
 from agent.node import deploy as records
-from agent.node.placement import DEFAULT_POLICY, NodeView, PlacementPolicy, PlacementRequest, get_policy
+from agent.node.placement import DEFAULT_POLICY, NodeView, PlacementPolicy, PlacementRequest, get_policy, instance_context
+from agent.policy.live import LIVE_POLICIES
 from agent.files import write_atomic
 from agent.instance.spec import BrokerSpec, InstanceSpec, request_spec
 from agent.node.supervisor import WORKER_COMMAND, WORKER_EXIT_BAD_SPEC, Reaped, Supervisor, Worker, WorkerStatus
@@ -167,6 +168,7 @@ class Agent:
         self._paho_error: Optional[str] = None  # paho's last error log line (a TLS alert, ...)
         # fleet knowledge, from retained topics
         self.fleet: Dict[str, Dict[str, Any]] = {}
+        self._context_cache: Dict[Tuple[str, str], Optional[str]] = {}
         self.online: Dict[str, bool] = {}
         self.latency: Dict[str, Dict[str, float]] = {}
         self._reserved: Dict[str, int] = {}  # remote slots we asked for since their last state
@@ -498,6 +500,7 @@ class Agent:
             due = now - self._last_state >= self.cfg.agent.state_period
             if due or (self._state_dirty and now - self._last_state >= STATE_MIN_INTERVAL):
                 self._publish_state(now)
+                self._send_policy_contexts()
         if self.spill is not None:
             self.spill.tick(now)
         self._notify(now)
@@ -578,6 +581,37 @@ class Agent:
         if self._publish(topics.agent_state(self.cluster, self.node), nodestate.encode_state(doc), retain=True):
             self._last_state = now
             self._state_dirty = False
+
+    def _send_policy_contexts(self) -> None:
+        """Each local instance of a Gesscale policy gets its sibling context (n, rank, ND_max, the
+        predecessors' back pressure) on the beat of the retained state, from the same fleet view
+        placement reads (`placement.instance_context`; docs/measurement.md, "Policies in the
+        daemon"). A "decentralized" instance needs none: the paper's policy is per instance."""
+        docs = {n: d for n, d in self.fleet.items() if n == self.node or self.online.get(n, True)}
+        for w in list(self.supervisor.workers.values()):
+            if w.status is not WorkerStatus.ACTIVE:
+                continue
+            need = self._policy_needs(w.spec)
+            if need is None:
+                continue
+            ctx = instance_context(docs, self.latency, w.spec.pipeline, w.spec.operator, need, w.instance)
+            self.supervisor.send(w.instance, "set", context=ctx)
+
+    def _policy_needs(self, spec: InstanceSpec) -> Optional[str]:
+        """For an instance of a Gesscale policy, its predecessor operator's name ("" for none);
+        None when the instance takes no context. Cached per pipeline text."""
+        key = (spec.pipeline_toml, spec.operator)
+        if key not in self._context_cache:
+            try:
+                cfg = load_pipeline_text(spec.pipeline_toml)
+                idx = cfg.index(spec.operator)
+                wants = cfg.scaling_for(spec.operator).policy in LIVE_POLICIES and cfg.operators[idx].kind != "source"
+                self._context_cache[key] = (cfg.operators[idx - 1].name if idx > 0 else "") if wants else None
+            except Exception:  # the worker reports an unloadable pipeline itself
+                self._context_cache[key] = None
+            if len(self._context_cache) > 256:
+                self._context_cache.pop(next(iter(self._context_cache)))
+        return self._context_cache[key]
 
     def _event(self, etype: str, instance: str, operator: str, pipeline: str, **detail: Any) -> None:
         from agent import events

@@ -1,0 +1,189 @@
+"""The Gesscale policies in the daemon (docs/measurement.md, "Policies in the daemon"): the pure
+context and mapping on constructed fleets, then a live fleet of three real agents running
+`policy = "threshold"` that scales out under load and back in, every record exactly once."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agent.node.placement import instance_context
+from agent.policy.decentralized import Action
+from agent.policy.live import LivePolicy, PeriodInputs, parse_context
+
+
+def doc(node: str, *items: Dict[str, Any]) -> Dict[str, Any]:
+    return {"node": node, "slots": 4, "free_slots": 4 - len(items), "instances": list(items)}
+
+
+def inst(iid: str, op: str, status: str = "active", keeper: bool = False, bp: Any = None,
+         pipeline: str = "p") -> Dict[str, Any]:
+    stats: Dict[str, Any] = {"signals": {"backpressure": bp}} if bp is not None else {}
+    return {"id": iid, "operator": op, "status": status, "keeper": keeper, "pipeline": pipeline, "stats": stats}
+
+
+LAT = {"a": {"b": 10.0, "c": 80.0}, "b": {"a": 12.0, "c": 70.0}, "c": {"a": 78.0}}
+
+
+def test_context_counts_siblings_ranks_the_farthest_first_and_reads_upstream_backpressure() -> None:
+    docs = {
+        "a": doc("a", inst("p.w.0", "w", keeper=True), inst("p.src.0", "src", bp=0.7)),
+        "b": doc("b", inst("w-b-1", "w"), inst("w-b-2", "w", status="starting")),
+        "c": doc("c", inst("w-c-1", "w"), inst("w-c-2", "w", status="terminating"),
+                 inst("other", "w", pipeline="q"), inst("s2", "src", bp=0.2)),
+    }
+    ctx = {i: instance_context(docs, LAT, "p", "w", "src", i) for i in ("p.w.0", "w-b-1", "w-b-2", "w-c-1")}
+    assert {c["n"] for c in ctx.values()} == {4}  # starting counts, terminating and other pipelines do not
+    assert {c["nd_max_ms"] for c in ctx.values()} == {80.0}  # a-c, read from the a row (c measured 78 the other way)
+    assert ctx["w-c-1"]["rank"] == 0  # c is far from a and b: removed first
+    assert ctx["p.w.0"]["rank"] == 3  # the keeper is always last
+    assert sorted(c["rank"] for c in ctx.values()) == [0, 1, 2, 3]
+    assert {c["upstream_backpressure"] for c in ctx.values()} == {0.7}
+    assert instance_context(docs, LAT, "p", "w", "src", "unknown")["rank"] is None
+    assert instance_context(docs, {}, "p", "w", "", "w-b-1")["upstream_backpressure"] == 0.0
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 9), st.integers(-8, 8), st.integers(0, 2**32 - 1))
+def test_siblings_with_one_view_apply_exactly_the_operator_level_change(n: int, delta: int, seed: int) -> None:
+    """Every instance computes its context from the same fleet view: the ranks are a permutation,
+    and the threshold policy's +1/-1 is carried out by exactly one instance (never the keeper)."""
+    import random
+
+    rnd = random.Random(seed)
+    nodes = ["a", "b", "c", "d"]
+    lat = {x: {y: float(rnd.randint(1, 200)) for y in nodes if y != x} for x in nodes}
+    ids = ["p.w.0"] + [f"w-{k}" for k in range(1, n)]
+    docs: Dict[str, Dict[str, Any]] = {x: doc(x) for x in nodes}
+    for k, iid in enumerate(ids):
+        docs[nodes[rnd.randrange(4)]]["instances"].append(inst(iid, "w", keeper=(k == 0)))
+    ranks = [instance_context(docs, lat, "p", "w", None, i)["rank"] for i in ids]
+    assert sorted(ranks) == list(range(n)) and ranks[0] == n - 1
+    util = 0.95 if delta >= 0 else 0.1  # above up (0.9) or below down (0.5)
+    acted: List[Any] = []
+    for iid in ids:
+        pol = LivePolicy("threshold")
+        assert pol.set_context(instance_context(docs, lat, "p", "w", None, iid))
+        d = pol.decide(PeriodInputs(0.0, 100.0, util * 100.0, 100.0, 0.0, iid == "p.w.0", 0.5))
+        if d.action is not Action.NONE:
+            acted.append((iid, d.action, d.count))
+    if delta >= 0:
+        assert [(a, c) for _, a, c in acted] == [(Action.DUPLICATE, 1)], acted
+    elif n > 1:
+        assert len(acted) == 1 and acted[0][1] is Action.TERMINATE and acted[0][0] != "p.w.0", acted
+    else:
+        assert acted == []  # the keeper alone never leaves
+
+
+def test_a_malformed_context_is_refused_and_the_last_good_one_kept() -> None:
+    pol = LivePolicy("sized")
+    assert pol.set_context({"n": 3, "rank": 1, "nd_max_ms": 5.0, "upstream_backpressure": 0.2})
+    for bad in (None, [], {"n": 0}, {"n": "3"}, {"n": True}):
+        assert not pol.set_context(bad)
+    assert pol.context == parse_context({"n": 3, "rank": 1, "nd_max_ms": 5.0, "upstream_backpressure": 0.2})
+    assert parse_context({"n": 2, "rank": 7, "upstream_backpressure": 9})["rank"] is None  # out of range
+    assert parse_context({"n": 2, "upstream_backpressure": 9})["upstream_backpressure"] == 1.0
+    with pytest.raises(ValueError):
+        LivePolicy("decentralized")  # stays in the protocol core
+
+
+def test_model_policy_sees_algorithm_1_root_from_the_live_signals() -> None:
+    pol = LivePolicy("model")
+    pol.set_context({"n": 2, "rank": 0, "nd_max_ms": 1.0, "upstream_backpressure": 0.8})
+    pol.decide(PeriodInputs(10.0, 300.0, 250.0, 130.0, 0.1, False, 0.3))
+    assert pol.last is not None and pol.last["overload_root"] is True
+    pol.set_context({"n": 2, "rank": 0, "nd_max_ms": 1.0, "upstream_backpressure": 0.8})
+    pol.decide(PeriodInputs(20.0, 300.0, 250.0, 130.0, 0.7, False, 0.3))  # itself blocked: not the root
+    assert pol.last["overload_root"] is False
+
+
+THRESHOLD_PIPELINE = """
+[pipeline]
+name = "thr"
+[scaling]
+policy = "none"
+period = 1.0
+[[operator]]
+name = "source"
+kind = "source"
+function = "agent.operators.taxi:source"
+[operator.params]
+seed = 11
+profile = "steps"
+steps = {steps}
+[[operator]]
+name = "in_zone"
+function = "agent.operators.builtin:in_zone"
+service_time_ms = 4.0
+[operator.scaling]
+policy = "threshold"
+period = 1.0
+cooldown = 4.0
+capacity = 250.0
+[[operator]]
+name = "sink"
+kind = "sink"
+function = "agent.operators.builtin:counting_sink"
+"""
+
+
+@pytest.mark.broker
+@pytest.mark.slow
+def test_live_threshold_policy_scales_out_under_load_and_in_when_it_drops(tmp_path: Path, mosquitto: Any) -> None:
+    """Three real agents; in_zone (4 ms per record, live capacity ~250/s) under `threshold`: at
+    560 records/s it must reach >= 3 instances (one instance at a time: u > 0.9 adds one), at
+    30 records/s return to its keeper, and every record must reach the sink exactly once.
+    About 60 s: the load must hold long enough for two cooldowns up and two down."""
+    from agent.config import load_pipeline_text
+    from agent.tools.demo import Fleet, Monitor, verify
+
+    steps = [[0, 40], [3, 560], [28, 30], [52, 0]]
+    text = THRESHOLD_PIPELINE.format(steps=steps)
+    cfg = load_pipeline_text(text)
+    assert cfg.runtime_policy_errors() == []
+    fleet = Fleet(tmp_path, slots=4, cluster="livethr", broker_host=mosquitto.host, broker_port=mosquitto.port,
+                  shutdown_timeout=8.0)
+    fleet.start()
+    mon = Monitor(mosquitto.host, mosquitto.port, fleet.cluster)
+    try:
+        assert mon.wait(lambda m: list(m.status.values()).count("online") == 3, 30)
+        fleet.deploy(text)
+        t0 = time.monotonic()
+        peak, peak_at = 0, None
+        while time.monotonic() - t0 < 28:
+            n = mon.instances_per_operator(include_terminating=False).get("in_zone", 0)
+            if n > peak:
+                peak, peak_at = n, time.monotonic() - t0
+            time.sleep(0.25)
+        ks = mon.stats_of("thr.in_zone.0")
+        assert peak >= 3, f"in_zone peaked at {peak} instances; keeper stats {ks}"
+        assert ks.get("policy") == "threshold" and (ks.get("live_decision") or {}).get("context"), ks
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and mon.instances_per_operator().get("in_zone", 0) > 1:
+            time.sleep(0.5)
+        back_at = time.monotonic() - t0
+        assert mon.instances_per_operator().get("in_zone") == 1, mon.instances_per_operator()
+        ev = [e for e in mon.events if e.get("type") in ("scale_out", "scale_in") and e.get("operator") == "in_zone"]
+        outs = [e for e in ev if e["type"] == "scale_out"]
+        ins = [e for e in ev if e["type"] == "scale_in"]
+        assert outs and ins and all((e.get("detail") or {}).get("policy") == "threshold" for e in ev), ev
+        while time.monotonic() - t0 < 56:
+            time.sleep(0.5)
+        assert mon.wait(lambda m: m.totals()["recorded"] > 0, 5)
+        time.sleep(3.0)  # the tail reaches the sink
+        print(f"live threshold: peak {peak} in_zone instances at {peak_at:.1f} s, back to 1 at {back_at:.1f} s; "
+              f"{len(outs)} scale-out and {len(ins)} scale-in decisions; "
+              f"series {[(round(t - mon.series[0][0], 1), c.get('in_zone')) for t, c in mon.series[::8]]}")
+    finally:
+        mon.close()
+        fleet.stop(timeout=15)
+    v = verify(cfg, fleet.sink_dir)
+    print(f"live threshold: generated {v.generated}, received {v.received}, lost {v.lost}, duplicated {v.duplicated}")
+    assert v.generated > 10000
+    assert v.lost == 0 and v.duplicated == 0 and v.unexpected == 0, v
+    assert v.received == v.expected
