@@ -12,7 +12,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.node.placement import instance_context
+from agent.node.placement import (
+    NodeView,
+    PlacementRequest,
+    get_policy,
+    instance_context,
+    nd_max_first,
+    policy_for_operator,
+    spread,
+)
 from agent.policy.decentralized import Action
 from agent.policy.live import LivePolicy, PeriodInputs, parse_context
 
@@ -100,6 +108,28 @@ def test_model_policy_sees_algorithm_1_root_from_the_live_signals() -> None:
     pol.set_context({"n": 2, "rank": 0, "nd_max_ms": 1.0, "upstream_backpressure": 0.8})
     pol.decide(PeriodInputs(20.0, 300.0, 250.0, 130.0, 0.7, False, 0.3))  # itself blocked: not the root
     assert pol.last["overload_root"] is False
+
+
+def test_a_copy_goes_where_the_operator_s_nd_max_stays_smallest() -> None:
+    """Siblings on a and b (10 ms apart): c is 80 ms from a, d 15 ms from both; the copy asked for
+    by c's instance goes to d (ND_max 15), not to the asking node c (80) nor to the full node a."""
+    lat = {"a": {"b": 10.0, "c": 80.0, "d": 15.0}, "b": {"c": 70.0, "d": 15.0}, "c": {"d": 60.0}}
+    fleet = [NodeView("a", 4, 0, latency_ms=lat["a"], instances=("w-1",)),
+             NodeView("b", 4, 1, latency_ms=lat["b"], instances=("w-2",)),
+             NodeView("c", 4, 3, latency_ms=lat["c"], instances=("x",)),
+             NodeView("d", 4, 3, latency_ms={}, instances=()),
+             NodeView("e", 4, 4, online=False)]
+    req = PlacementRequest("w", local="c", siblings=("w-1", "w-2"))
+    assert nd_max_first(req, fleet) == ["b", "d", "c"]  # b keeps ND_max at 10; a is full, e offline
+    full_b = [v if v.node != "b" else NodeView("b", 4, 0, latency_ms=lat["b"], instances=("w-2",)) for v in fleet]
+    assert nd_max_first(req, full_b) == ["d", "c"]
+    # no sibling in view: the default ranking (local free slot first)
+    assert nd_max_first(PlacementRequest("w", local="c"), fleet)[0] == "c"
+    default = get_policy("free-slots-then-latency")
+    assert policy_for_operator(default, "threshold") is nd_max_first
+    assert policy_for_operator(default, "sized") is nd_max_first
+    assert policy_for_operator(default, "decentralized") is default
+    assert policy_for_operator(spread, "model") is spread  # a deliberate choice is kept
 
 
 THRESHOLD_PIPELINE = """

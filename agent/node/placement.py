@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 import math
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from agent.policy.live import LIVE_POLICIES
+
 
 @dataclass(frozen=True)
 class NodeView:
@@ -47,14 +49,22 @@ class PlacementRequest:
     operator: str
     local: Optional[str] = None
     neighbours: Tuple[str, ...] = ()  # instance ids of its preds and succs
+    siblings: Tuple[str, ...] = ()  # instance ids of its operator's other instances (ND_max placement)
 
     def neighbour_nodes(self, fleet: Sequence[NodeView]) -> Tuple[str, ...]:
-        hosts = []
-        for inst in self.neighbours:
-            for view in fleet:
-                if inst in view.instances and view.node not in hosts:
-                    hosts.append(view.node)
-        return tuple(hosts)
+        return _hosts(self.neighbours, fleet)
+
+    def sibling_nodes(self, fleet: Sequence[NodeView]) -> Tuple[str, ...]:
+        return _hosts(self.siblings, fleet)
+
+
+def _hosts(instances: Sequence[str], fleet: Sequence[NodeView]) -> Tuple[str, ...]:
+    hosts: List[str] = []
+    for inst in instances:
+        for view in fleet:
+            if inst in view.instances and view.node not in hosts:
+                hosts.append(view.node)
+    return tuple(hosts)
 
 
 PlacementPolicy = Callable[[PlacementRequest, Sequence[NodeView]], List[str]]
@@ -206,10 +216,40 @@ def instance_context(docs: Mapping[str, Mapping[str, Any]], latency: Mapping[str
             "rank": rank, "upstream_backpressure": round(upstream, 4), "keeper": keeper}
 
 
+def nd_max_first(request: PlacementRequest, fleet: Sequence[NodeView]) -> List[str]:
+    """Gesscale's latency-aware placement, as the policy simulator places: among nodes with a free
+    slot, the one that keeps the operator's ND_max (largest RTT among its nodes) smallest, then the
+    smallest summed RTT to the nodes of its instances (`rank_nodes_for_scale_out`), then the asking
+    node, then free slots, then the name. RTTs from the fleet's latency rows (`complete_matrix`).
+    Without siblings in the view it ranks as `free_slots_then_latency`."""
+    current = list(request.sibling_nodes(fleet))
+    if not current:
+        return free_slots_then_latency(request, fleet)
+    candidates = [v for v in fleet if v.online and v.free_slots > 0]
+    nodes = sorted({v.node for v in fleet} | set(current))
+    matrix = complete_matrix({v.node: v.latency_ms for v in fleet}, nodes)
+
+    def key(v: NodeView) -> Tuple[float, float, int, int, str]:
+        return (nd_max(matrix, current + [v.node]), sum(_rtt(matrix, v.node, x) for x in current),
+                0 if v.node == request.local else 1, -v.free_slots, v.node)
+
+    return [v.node for v in sorted(candidates, key=key)]
+
+
+def policy_for_operator(configured: PlacementPolicy, operator_policy: str) -> PlacementPolicy:
+    """The ranking for a copy of an operator: ND_max placement for the Gesscale policies (threshold,
+    model, sized) when the agent runs the default placement; otherwise the agent's own choice (a
+    deliberate `spread` or `local-only` is kept)."""
+    if configured is POLICIES[DEFAULT_POLICY] and operator_policy in LIVE_POLICIES:
+        return nd_max_first
+    return configured
+
+
 POLICIES: Dict[str, PlacementPolicy] = {
     "free-slots-then-latency": free_slots_then_latency,
     "spread": spread,
     "local-only": local_only,
+    "nd-max": nd_max_first,
 }
 DEFAULT_POLICY = "free-slots-then-latency"
 
@@ -226,6 +266,8 @@ __all__ = [
     "complete_matrix",
     "farthest",
     "instance_context",
+    "nd_max_first",
+    "policy_for_operator",
     "nd_max",
     "rank_nodes_for_scale_out",
     "sibling_rank",
