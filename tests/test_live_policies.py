@@ -132,6 +132,25 @@ def test_a_copy_goes_where_the_operator_s_nd_max_stays_smallest() -> None:
     assert policy_for_operator(spread, "model") is spread  # a deliberate choice is kept
 
 
+def test_bench_policies_simulated_side_uses_the_live_demand_and_trace() -> None:
+    """The simulated row of `bench policies` on the same compressed trace: the trace peaks at the
+    asked rate, demand is the smallest n with n x C >= the bucket mean, and the metrics are finite."""
+    from agent.tools.policies_bench import _demand_series, _steps, live_trace, run_simulated
+
+    tr = live_trace(0, 1.0, 650.0)
+    assert len(tr) == 60 and max(tr) == pytest.approx(650.0)
+    d = _demand_series(tr, 250.0, 3, 10)
+    for t in (0, 15, 59):
+        b0 = (t // 10) * 10
+        mean = sum(tr[b0:b0 + 10]) / 10
+        assert d[t] == min(3, max(1, -(-mean // 250)))
+    steps = _steps(tr, 2)
+    assert steps[0][0] == 0.0 and steps[-1] == [60.0, 0.0] and len(steps) == 31
+    row = run_simulated("threshold", tr)
+    assert row["mode"] == "simulated" and row["duration"] == 60.0 and row["reconfigurations"] >= 0
+    assert 0.0 <= row["timeshare_u"] <= 1.0 and row["cost"] > 0
+
+
 THRESHOLD_PIPELINE = """
 [pipeline]
 name = "thr"
@@ -217,3 +236,67 @@ def test_live_threshold_policy_scales_out_under_load_and_in_when_it_drops(tmp_pa
     assert v.generated > 10000
     assert v.lost == 0 and v.duplicated == 0 and v.unexpected == 0, v
     assert v.received == v.expected
+
+
+FOLLOW_PIPELINE = """
+[pipeline]
+name = "fol"
+[scaling]
+policy = "none"
+period = 1.0
+[[operator]]
+name = "source"
+kind = "source"
+function = "agent.operators.taxi:source"
+params = { seed = 5, profile = "constant", rate = 150.0 }
+[[operator]]
+name = "in_zone"
+function = "agent.operators.builtin:in_zone"
+service_time_ms = 2.0
+[operator.scaling]
+policy = "threshold"
+period = 1.0
+cooldown = 3.0
+capacity = 500.0
+[[operator]]
+name = "sink"
+kind = "sink"
+function = "agent.operators.builtin:counting_sink"
+"""
+
+
+@pytest.mark.broker
+@pytest.mark.slow
+def test_a_slowed_instance_s_operator_count_follows_its_live_capacity(tmp_path: Path, mosquitto: Any) -> None:
+    """One real agent, constant 150 records/s, in_zone under `threshold` at 2 ms per record
+    (utilisation 0.3: one instance is right). Made 8 ms per record by a control message, its live
+    capacity falls to the clamp (125/s), its utilisation passes 0.9 and the operator gets a second
+    instance; with the configured capacity alone (500/s) it would never have scaled."""
+    from agent.tools.demo import Fleet, Monitor
+
+    fleet = Fleet(tmp_path, nodes=("n1",), slots=4, cluster="livefol", broker_host=mosquitto.host,
+                  broker_port=mosquitto.port, shutdown_timeout=8.0)
+    fleet.start()
+    mon = Monitor(mosquitto.host, mosquitto.port, fleet.cluster)
+    keeper = "fol.in_zone.0"
+    try:
+        assert mon.wait(lambda m: m.status.get("n1") == "online", 30)
+        fleet.deploy(FOLLOW_PIPELINE)
+        assert mon.wait(lambda m: ((m.stats_of(keeper).get("signals") or {}).get("processed_rate") or 0) > 100, 60)
+        time.sleep(4.0)
+        assert mon.instances_per_operator().get("in_zone") == 1, mon.instances_per_operator()
+        u0 = (mon.stats_of(keeper).get("live_decision") or {}).get("utilisation")
+        assert u0 is not None and u0 < 0.5, mon.stats_of(keeper)
+        assert mon.call(fleet.host, fleet.port, "n1",
+                        {"op": "set", "instance": keeper, "fields": {"service_time_ms": 8.0}})["ok"]
+        t_set = time.monotonic()
+        assert mon.wait(lambda m: m.instances_per_operator(include_terminating=False).get("in_zone", 0) >= 2, 30), \
+            mon.stats_of(keeper)
+        took = time.monotonic() - t_set
+        ks = mon.stats_of(keeper)
+        print(f"count follows capacity: utilisation {u0:.2f} at 2 ms; after 8 ms live capacity "
+              f"{ks.get('live_capacity')}/s, second instance {took:.1f} s after the change")
+        assert ks.get("live_capacity", 1e9) < 500.0 / 2, ks
+    finally:
+        mon.close()
+        fleet.stop(timeout=15)
