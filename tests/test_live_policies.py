@@ -189,7 +189,8 @@ def test_live_threshold_policy_scales_out_under_load_and_in_when_it_drops(tmp_pa
     30 records/s return to its keeper, and every record must reach the sink exactly once.
     About 60 s: the load must hold long enough for two cooldowns up and two down."""
     from agent.config import load_pipeline_text
-    from agent.tools.demo import Fleet, Monitor, verify
+    from agent.tools.demo import Fleet, Monitor
+    from agent.tools.verify import verify
 
     steps = [[0, 40], [3, 560], [28, 30], [52, 0]]
     text = THRESHOLD_PIPELINE.format(steps=steps)

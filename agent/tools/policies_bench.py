@@ -95,7 +95,8 @@ def run_live(policy: str, trace: Sequence[float], workdir: Path, seed: int = 0, 
     """One policy on a fresh private broker and three agents; figures of the run."""
     from agent.config import load_pipeline_text
     from agent.metrics_spec import elasticity_metrics
-    from agent.tools.demo import Fleet, Monitor, verify
+    from agent.tools.demo import Fleet, Monitor
+    from agent.tools.verify import verify
 
     text = PIPELINE.format(seed=seed, steps=_steps(trace, 2), service_ms=round(1000.0 / capacity, 3), policy=policy,
                            period=period, cooldown=cooldown, capacity=capacity, n_max=n_max)
