@@ -151,6 +151,27 @@ def test_bench_policies_simulated_side_uses_the_live_demand_and_trace() -> None:
     assert 0.0 <= row["timeshare_u"] <= 1.0 and row["cost"] > 0
 
 
+@pytest.mark.slow
+def test_bench_policies_prints_only_json_with_a_live_and_a_simulated_row(tmp_path: Path) -> None:
+    """`fog-agent bench policies --json` end to end on a 15 s trace: its own broker and three agents
+    (~40 s, up to 3 min on a loaded machine: the live side needs real agents)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-m", "agent", "bench", "policies", "--json", "--policies", "threshold",
+                        "--minutes", "0.25", "--workdir", str(tmp_path)], capture_output=True, text=True, cwd=root,
+                       timeout=180, env=dict(os.environ, PYTHONPATH=str(root)))
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads(r.stdout)["rows"]  # the whole of stdout: progress goes to stderr
+    assert [(x["policy"], x["mode"]) for x in rows] == [("threshold", "simulated"), ("threshold", "live")]
+    live = rows[1]
+    assert live["records_lost"] == 0 and live["records_duplicated"] == 0 and live["records_generated"] > 1000, live
+    assert live["duration"] == 15.0 and live["cost"] > 0
+
+
 THRESHOLD_PIPELINE = """
 [pipeline]
 name = "thr"

@@ -54,8 +54,6 @@ CHEAP_JSON_COMMANDS: List[List[str]] = [
      "--window", "0.05", "--max-rate", "300", "--node", "n1", "--state-dir", "{tmp}"],
     # a broker and worker processes for half a second per part (~8 s)
     pytest.param(["bench", "dataplane", "--json", "--seconds", "0.5", "--rescale-cycles", "0"], marks=pytest.mark.slow),
-    # a private broker, three agents and a 30 s trace (~50 s): the live side needs real agents
-    pytest.param(["bench", "policies", "--json", "--policies", "threshold", "--minutes", "0.5"], marks=pytest.mark.slow),
 ]
 
 
