@@ -202,6 +202,13 @@ def test_gap_asks_for_a_resend_and_the_resend_fills_it_in_order() -> None:
     assert b.counts["duplicates"] == 1
 
 
+def test_an_instance_leaving_acks_everything_it_delivered() -> None:
+    a, b = ReliableLinks("a", 1), ReliableLinks("b", 2)
+    b.receive("a", a.stamp("b", {"type": "start", "sender": "a"}, 0.0), 0.0)
+    (dest, ack), = b.flush_acks()
+    assert dest == "a" and a.receive("b", ack, 0.1) == (None, []) and a.settled and b.flush_acks() == []
+
+
 def test_departed_peer_is_acked_at_once_and_forgotten() -> None:
     a, b = ReliableLinks("a", 1), ReliableLinks("b", 2)
     b.receive("a", a.stamp("b", {"type": "end", "sender": "a"}, 0.0), 0.0)
@@ -210,6 +217,8 @@ def test_departed_peer_is_acked_at_once_and_forgotten() -> None:
     a.receive("b", ack, 0.1)
     assert a.settled
     assert "a" not in b.dump()["in"] and b.due(100.0) == []
+    late = {"type": "end", "sender": "a", "link": [1, 1, 0, 0]}  # a copy resent before the ack arrived
+    assert b.receive("a", late, 1.0) == (None, []) and b.counts["stale"] == 1  # never answered
 
 
 def test_a_new_generation_restarts_the_channel_and_a_lost_state_starts_at_the_first() -> None:

@@ -192,6 +192,7 @@ class ReliableLinks:
         self.out: Dict[str, Dict[str, Any]] = {}  # peer -> {"next", "unacked": [[n, body]], "progress"}
         self.inp: Dict[str, List[int]] = {}  # peer -> [its generation, highest number delivered]
         self.ack_due: Dict[str, float] = {}  # peer -> when a delivery first went unacked
+        self.gone: List[str] = []  # peers that left for good (`forget`): late copies from them are dropped
         self._sync_at: Dict[str, float] = {}
         self.counts: Dict[str, int] = {"resent": 0, "duplicates": 0, "gaps": 0, "stale": 0, "acks_out": 0,
                                        "syncs_out": 0}
@@ -236,6 +237,9 @@ class ReliableLinks:
         LinkError on a malformed link field or link ack (state unchanged)."""
         if not isinstance(body, dict):
             return body, []
+        if sender in self.gone:
+            self.counts["stale"] += 1  # a late copy from an instance that left: never answer it
+            return None, []
         if body.get("type") == LINK_ACK:
             ack, sync = body.get("ack"), body.get("sync")
             if (set(body) - {"type", "sender", "ack", "sync"} or not isinstance(ack, list) or len(ack) != 2
@@ -314,7 +318,14 @@ class ReliableLinks:
         self.inp.pop(peer, None)
         self.ack_due.pop(peer, None)
         self._sync_at.pop(peer, None)
+        if peer not in self.gone:
+            self.gone = (self.gone + [peer])[-256:]  # ids are never reused; the latest ones matter
         return out
+
+    def flush_acks(self) -> List[Tuple[str, Dict[str, Any]]]:
+        """Ack every delivery now: we leave for good (a peer must not wait for our acks, nor
+        resend to an inbox nobody reads)."""
+        return [(p, self._ack_body(p, sync=False)) for p in sorted(self.ack_due)]
 
     @property
     def settled(self) -> bool:
@@ -329,7 +340,7 @@ class ReliableLinks:
     def dump(self) -> Dict[str, Any]:
         return {"generation": self.generation,
                 "out": {p: {"next": l["next"], "unacked": l["unacked"]} for p, l in sorted(self.out.items())},
-                "in": {p: list(v) for p, v in sorted(self.inp.items())}}
+                "in": {p: list(v) for p, v in sorted(self.inp.items())}, "gone": list(self.gone)}
 
     @classmethod
     def load(cls, me: str, data: Any, now: float) -> "ReliableLinks":
@@ -340,6 +351,7 @@ class ReliableLinks:
                 unacked = [[int(n), dict(b)] for n, b in l["unacked"]]
                 links.out[str(p)] = {"next": int(l["next"]), "unacked": unacked, "progress": now}
             links.inp = {str(p): [int(v[0]), int(v[1])] for p, v in data["in"].items()}
+            links.gone = [str(p) for p in data.get("gone", [])]
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
             raise ValueError(f"link state: {exc!r}") from None
         return links

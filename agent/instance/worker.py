@@ -1019,7 +1019,7 @@ class Worker:
             log.info("stop requested: draining", extra=self.ctx)
 
     def _check_stopped(self, now: float) -> None:
-        if self.drained() and (not self._final or self.scaling is None or self.scaling.links_settled):
+        if self.drained() and (not self._final or self.scaling is None or self.scaling.ready_to_exit()):
             self._exit = (EXIT_OK, "stopped", False)
         elif now > self._stop_deadline:
             self._exit = (EXIT_DRAIN_TIMEOUT, "drain timeout: successors did not ack everything", False)
@@ -1202,7 +1202,7 @@ class _ScalingDriver:
         # coordination = "ack" (paper) or "fgme" (rounds inside 2-FGME CSs, docs/gme.md). Lock
         # messages share the inbox and its numbered FIFO channel with the scaling messages.
         self.coordination = worker.pipeline.pipeline.coordination
-        core_cls = core_class(self.coordination)
+        core_cls = core_class(self.coordination, worker.pipeline.pipeline.fgme_damping)
         self._from_dict = message_from_dict
         if spec.restart and saved.get("scaling"):
             self.core = core_cls.restore(saved["scaling"], self.params, incarnation=worker.epoch)
@@ -1294,9 +1294,12 @@ class _ScalingDriver:
             core = self.core
             self._send_link(self.links.resync(set(core.preds) | set(core.succs), now))
 
-    @property
-    def links_settled(self) -> bool:
-        return self.links is None or self.links.settled
+    def ready_to_exit(self) -> bool:
+        """Terminated: ack what we delivered, and wait until our own messages are acked."""
+        if self.links is None:
+            return True
+        self._send_link(self.links.flush_acks())
+        return self.links.settled
 
     @classmethod
     def maybe(cls, worker: Worker, saved: Dict[str, Any]) -> Optional["_ScalingDriver"]:

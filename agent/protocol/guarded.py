@@ -62,7 +62,8 @@ from agent.protocol.messages import Message
 from agent.protocol.messages import from_dict as scaling_from_dict
 from agent.protocol.scaling import InstanceState, Output, ScalingCore, Send
 
-__all__ = ["LockMessage", "MemberFgmeNode", "GuardedCore", "COORDINATION_MODES", "core_class", "message_from_dict"]
+__all__ = ["LockMessage", "MemberFgmeNode", "GuardedCore", "DampedGuardedCore", "PublishedGuardedCore",
+           "COORDINATION_MODES", "core_class", "message_from_dict"]
 
 COORDINATION_MODES = ("ack", "fgme")
 DAMPED_DEFAULT = False
@@ -466,11 +467,26 @@ def _clone_lock(node: MemberFgmeNode) -> MemberFgmeNode:
     return new
 
 
-def core_class(coordination: str) -> type:
-    """The core class for a `coordination` setting: "ack" (paper) or "fgme" (lock-guarded)."""
+class DampedGuardedCore(GuardedCore):
+    """GuardedCore whose lock nodes use DEVIATION 4 (`[pipeline] fgme_damping = true`)."""
+
+    damped: ClassVar[bool] = True
+
+
+class PublishedGuardedCore(GuardedCore):
+    """GuardedCore whose lock nodes use the published line 79 (`fgme_damping = false`)."""
+
+    damped: ClassVar[bool] = False
+
+
+def core_class(coordination: str, damped: Optional[bool] = None) -> type:
+    """The core class for a `coordination` setting: "ack" (paper) or "fgme" (lock-guarded);
+    `damped` chooses the lock nodes' variant (None: GuardedCore's default)."""
     if coordination == "ack":
         return ScalingCore
     if coordination == "fgme":
-        return GuardedCore
+        if damped is None:
+            return GuardedCore
+        return DampedGuardedCore if damped else PublishedGuardedCore
     raise ValueError(f"coordination: expected one of {COORDINATION_MODES}, found {coordination!r}")
 

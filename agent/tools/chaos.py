@@ -72,6 +72,7 @@ PIPELINE = """\
 [pipeline]
 name = "chaos"
 coordination = "{coordination}"
+fgme_damping = {damping}
 
 [scaling]
 policy = "decentralized"
@@ -111,12 +112,13 @@ policy = "none"
 """
 
 
-def chaos_pipeline(duration: float, seed: int, coordination: str = "ack") -> str:
+def chaos_pipeline(duration: float, seed: int, coordination: str = "ack", fgme_damping: bool = False) -> str:
     """A load that makes in_zone scale out (to ~3 instances) and back within `duration` s;
     `coordination` "fgme" runs every round inside the 2-FGME locks (docs/gme.md)."""
     d = float(duration)
     steps = [[0, 100], [round(0.1 * d, 1), 350], [round(0.5 * d, 1), 200], [round(0.75 * d, 1), 60], [d, 0]]
-    return PIPELINE.format(seed=seed, steps=json.dumps(steps), coordination=coordination)
+    return PIPELINE.format(seed=seed, steps=json.dumps(steps), coordination=coordination,
+                           damping="true" if fgme_damping else "false")
 
 
 @dataclass
@@ -143,6 +145,7 @@ class ChaosConfig:
     deploy_extra: Dict[str, Any] = field(default_factory=dict)  # `fog-agent deploy --set` values
     rehoming: Optional[bool] = None  # the agents' dead_after > 0; None: on iff kill-node may be drawn
     coordination: str = "ack"  # the pipeline's: "ack" (the paper) or "fgme" (rounds inside 2-FGME locks)
+    fgme_damping: bool = False  # the pipeline's [pipeline] fgme_damping (DEVIATION 4 in the lock nodes)
 
     def __post_init__(self) -> None:
         bad = [f for f in self.faults if f not in FAULTS]
@@ -406,7 +409,7 @@ def _signal(pid: int, sig: int) -> None:
 def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dict[str, Any]:
     """Run one chaos experiment; returns the summary (the `--json` output)."""
     rng = random.Random(cfg.seed)
-    text = chaos_pipeline(cfg.duration, cfg.seed, cfg.coordination)
+    text = chaos_pipeline(cfg.duration, cfg.seed, cfg.coordination, cfg.fgme_damping)
     pipeline = load_pipeline_text(text, "chaos pipeline")
     profile = pipeline.operators[0].params["steps"]
     workdir = Path(cfg.workdir) if cfg.workdir else Path(tempfile.mkdtemp(prefix="fog-chaos-"))
@@ -418,7 +421,8 @@ def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dic
                   proxied="partition" in kinds)
     faults: List[Fault] = []
     summary: Dict[str, Any] = {"seed": cfg.seed, "duration": cfg.duration, "faults_enabled": list(cfg.faults),
-                               "coordination": cfg.coordination, "workdir": str(workdir)}
+                               "coordination": cfg.coordination, "fgme_damping": cfg.fgme_damping,
+                               "workdir": str(workdir)}
     mon: Optional[Monitor] = None
 
     def say(line: str) -> None:
@@ -563,7 +567,8 @@ def main(args: Any) -> int:
         rehoming = {"on": True, "off": False}.get(str(getattr(args, "rehoming", "auto")))
         cfg = ChaosConfig(duration=float(args.duration), seed=int(args.seed), faults=faults,
                           workdir=Path(args.workdir) if args.workdir else None, rehoming=rehoming,
-                          coordination=str(getattr(args, "coordination", "ack")))
+                          coordination=str(getattr(args, "coordination", "ack")),
+                          fgme_damping=bool(getattr(args, "fgme_damping", False)))
     except ValueError as exc:
         print(f"fog-agent chaos: {exc}", file=sys.stderr)
         return 2
