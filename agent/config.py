@@ -210,6 +210,10 @@ class OperatorSection:
     function: str = field(metadata={"check": _module_function})
     kind: Literal["source", "map", "sink"] = "map"
     key: Optional[str] = None
+    # The number of key groups of THIS operator's input (its predecessor's `key` routes records to
+    # its instances by group; a keyed operator keeps its state per group): fixed for the life of a
+    # deployment (agent.dataplane.keygroups).
+    key_groups: int = field(default=128, metadata={"check": in_range(1, 65536, "an integer")})
     batch_size: int = field(default=100, metadata={"check": in_range(1, 100000, "an integer")})
     linger_ms: float = field(default=20.0, metadata={"check": non_negative("milliseconds")})
     service_time_ms: float = field(default=0.0, metadata={"check": non_negative("milliseconds")})

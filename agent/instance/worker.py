@@ -43,9 +43,11 @@ from agent.dataplane.envelope import Envelope, Item, Kind, MalformedEnvelope, da
 from agent.dataplane.flow import AckTracker, OutLink
 from agent.operators.admission import OperatorRefused, node_allow_list
 from agent.operators.builtin import OperatorContext, SinkOperator, load_operator
+from agent.operators.keyed import KeyedOperator, keyed_config_problems
 from agent.instance.recovery import RESEND_AFTER, LinkError, ReliableLinks
 from agent.dataplane.routing import Outbox, Router
 from agent.files import write_atomic
+from agent.instance.keyed_state import KeyedState
 from agent.instance.spec import InstanceSpec, control_line, parse_control_line
 from agent.mqtt.transport import (
     Connected,
@@ -166,10 +168,28 @@ class Worker:
         # A sink that reads only record ids gets compact batches without their records rebuilt.
         self._decode_records = not (self.is_sink and getattr(self.operator, "reads_records", True) is False)
 
-        self.router = Router(spec.succs, key=self.op.key)
+        # Keyed stateful operator (agent.instance.keyed_state): state saved with its input position.
+        self.keyed: Optional[KeyedState] = None
+        self.keyed_path = self.state_dir / f"{spec.instance}.keyed.json"
+        if isinstance(self.operator, KeyedOperator):
+            problems = keyed_config_problems(self.pipeline, self.stage, self.operator)
+            if problems:
+                raise ValueError("; ".join(problems))
+            self.keyed = KeyedState(self.operator, spec.operator, self.pipeline.operators[self.stage - 1].key,
+                                    self.op.key_groups)
+        nxt = self.pipeline.operators[self.stage + 1] if self.stage + 1 < len(self.pipeline.operators) else None
+        self.router = Router(spec.succs, key=self.op.key, groups=nxt.key_groups if nxt is not None else 128)
         self.outbox = Outbox(self.router, self.op.batch_size, self.op.linger_ms / 1000.0)
         self.links: Dict[str, OutLink] = {}
         self.tracker = AckTracker()
+        if self.keyed is not None and spec.restart:
+            saved_keyed = KeyedState.load(self.keyed_path)
+            if saved_keyed is not None:
+                again = self.keyed.restore(saved_keyed)
+                if again:  # outputs the successors had not acked: sent again (the sink drops copies)
+                    index = self.tracker.produced()
+                    self.keyed.outputs = [(index, it) for it in again]
+                    self.outbox.add(list(again), index, clock())
         self.queues: Dict[str, Deque[Envelope]] = {}
         self.pending_pub: Dict[int, int] = {}  # mid -> lowest process index it carries
         self.sink_wait: Deque[int] = deque()  # a deferred sink's record() calls not recorded yet
@@ -342,6 +362,8 @@ class Worker:
         if self.is_source:
             self._produce(now)
         self._process(now)
+        if self.keyed is not None and self.keyed.dirty:
+            self._save_keyed()
         if self.hold:
             self._release_held(now)
         if self.is_sink:
@@ -722,6 +744,10 @@ class Worker:
         index = self.tracker.processed(env.sender, env.seq, env.epoch)
         if self.is_sink:
             self._record(items, index, env)
+        elif self.keyed is not None:
+            out = self.keyed.apply(env.sender, items, index)
+            if out:
+                self.outbox.add(out, index, now)
         else:
             out = self._apply(items)
             self.stats["filtered"] += n - len(out)
@@ -905,6 +931,22 @@ class Worker:
         self._publish_tracked(topics.inbox(self.spec.cluster, dest), encode(env), None)
 
     def _lowest_pending(self) -> Optional[int]:
+        """The lowest input index not to be acked upstream yet: its outputs are not all acked by
+        the successors, or (keyed state) the state that reflects it is not saved yet."""
+        low = self._lowest_forwarding()
+        if self.keyed is not None and self.keyed.lowest_unsaved() is not None:
+            k = self.keyed.lowest_unsaved()
+            low = k if low is None else min(low, k)
+        return low
+
+    def _save_keyed(self) -> None:
+        """Keyed state, its input positions and the outputs not acked downstream, saved together
+        (agent.instance.keyed_state); only after it are the inputs it reflects acked upstream."""
+        assert self.keyed is not None
+        self.keyed.prune_outputs(self._lowest_forwarding())
+        self.keyed.save(self.keyed_path)
+
+    def _lowest_forwarding(self) -> Optional[int]:
         """The lowest input index whose outputs are not all acked by the successors yet.
 
         An input is acked upstream only when every record derived from it has been processed
@@ -1042,6 +1084,8 @@ class Worker:
             log.exception("operator close failed", extra=self.ctx)
         self._state_dirty = True
         self._write_state(force=True)
+        if self.keyed is not None:
+            self._save_keyed()
         self._write_source_stats()
         self._heartbeat(self.clock())
         try:
@@ -1078,6 +1122,8 @@ class Worker:
             at=time.time(),
         )
         s.update(self.operator.stats())
+        if self.keyed is not None:
+            s.update(self.keyed.stats())
         if self.scaling is not None:
             s.update(self.scaling.stats())
         return s
@@ -1482,6 +1528,10 @@ class _ScalingDriver:
     def force(self, action: str, count: int) -> None:
         """A steering request (fogctl scale/drain via the agent): queued, run by `_run_forced`
         through the same protocol as an automatic decision. One duplication round per copy."""
+        if self.w.keyed is not None:  # its key groups would not take their state along (docs/operators.md)
+            log.warning("scale %s refused: %s keeps keyed state, its instance count is fixed", action,
+                        self.w.spec.operator, extra=self.w.ctx)
+            return
         if action == "duplicate":
             self.forced.extend(("duplicate", 1) for _ in range(max(1, int(count))))
         elif action == "terminate":

@@ -620,6 +620,11 @@ class Agent:
                                 keeper=info.keeper, phase=phase, load=info.load, capacity=info.capacity))
         return out
 
+    def _keeps_keyed_state(self, instance: str) -> bool:
+        """The instance said so in its stats (agent.instance.keyed_state)."""
+        w = self.supervisor.get(instance)
+        return w is not None and bool(w.stats.get("keyed_state"))
+
     def _on_steering(self, body: Dict[str, Any], now: float) -> Dict[str, Any]:
         """A fogctl scale/drain request: check it against our own instances (`agent_actions`) and
         hand each action to its worker as a control line; the worker runs it through the SAME
@@ -629,6 +634,12 @@ class Agent:
             actions = agent_actions(req, self.node, self._local_instances(), slots=self.fleet_slots())
         except RequestError as exc:
             return Reply(False, {}, str(exc)).to_dict()
+        keyed = [a.instance for a in actions if self._keeps_keyed_state(a.instance)]
+        if keyed:
+            # Neither a copy nor a move would take its key groups' state along (docs/operators.md,
+            # "Keyed state"): refused as a whole, before anything is changed.
+            return Reply(False, {}, f"{', '.join(keyed)} keeps keyed state: its instance count and its node are "
+                                    "fixed until key groups can be handed over").to_dict()
         if isinstance(req, DrainRequest):
             self.draining = not req.undo
             self._state_dirty = True
@@ -1148,6 +1159,12 @@ class Agent:
         reason = (w.exit_event or {}).get("reason") or w.killed_for or f"exit status {reaped.returncode}"
         log.info("worker pid %d exited with %d (%s)", w.pid, reaped.returncode, reason, extra={"instance": w.instance})
         if job is not None:
+            # The spawn that started it is answered elsewhere (the next candidate, or a failure the
+            # requester places again): this incarnation must not come back here as a crash, or one
+            # identity would run on two nodes (their clients take the session from each other and
+            # both consume its inbox: docs/design.md invariant 7).
+            hosted.forget(self.cfg.agent.state_dir, w.instance)
+            self._hosted_dirty = True
             self._try_next(job, now, f"worker exited before ready ({reason})")
         cause = "shutdown" if self._stopping_since is not None else ("scale_in" if reaped.clean else "crash")
         final = bool((w.exit_event or {}).get("final")) or reaped.returncode == WORKER_EXIT_BAD_SPEC
@@ -1170,7 +1187,7 @@ class Agent:
                     code=reaped.returncode, reason=str(reason), clean=reaped.clean, stats=w.stats)
         if handover:
             self._hand_over(w, now)
-        elif reaped.crashed and self._stopping_since is None and not fenced and not undeployed:
+        elif reaped.crashed and self._stopping_since is None and not fenced and not undeployed and job is None:
             self._maybe_restart(w, now)
 
     def _hand_over(self, w: Worker, now: float) -> None:
