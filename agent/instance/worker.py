@@ -44,7 +44,7 @@ from agent.dataplane.flow import AckTracker, OutLink
 from agent.operators.admission import OperatorRefused, node_allow_list
 from agent.operators.builtin import OperatorContext, SinkOperator, load_operator
 from agent.operators.keyed import KeyedOperator, keyed_config_problems
-from agent.instance.recovery import RESEND_AFTER
+from agent.instance.recovery import RESEND_AFTER, LinkError, ReliableLinks
 from agent.dataplane.routing import Outbox, Router
 from agent.files import write_atomic
 from agent.instance.keyed_state import KeyedState
@@ -317,6 +317,7 @@ class Worker:
             # new epoch): it replays what we had not acknowledged (see _replay_to).
             for pred in sorted(self.scaling.core.preds):
                 self.send_envelope(pred, Kind.ACK, [0, 0])
+            self.scaling.resync(now)
         if self.is_source:
             if self.spec.restart:
                 self._resume_source()
@@ -655,6 +656,7 @@ class Worker:
         if self.scaling is not None:
             for pred in sorted(self.scaling.core.preds):
                 self.send_envelope(pred, Kind.ACK, [0, 0])
+            self.scaling.resync(self.clock())
         for dest, link in list(self.links.items()):
             link.restart_numbering()
             self._replay_to(dest)
@@ -1123,7 +1125,7 @@ class Worker:
             log.info("stop requested: draining", extra=self.ctx)
 
     def _check_stopped(self, now: float) -> None:
-        if self.drained():
+        if self.drained() and (not self._final or self.scaling is None or self.scaling.ready_to_exit()):
             self._exit = (EXIT_OK, "stopped", False)
         elif now > self._stop_deadline:
             self._exit = (EXIT_DRAIN_TIMEOUT, "drain timeout: successors did not ack everything", False)
@@ -1324,7 +1326,7 @@ class _ScalingDriver:
         # coordination = "ack" (paper) or "fgme" (rounds inside 2-FGME CSs, docs/gme.md). Lock
         # messages share the inbox and its numbered FIFO channel with the scaling messages.
         self.coordination = worker.pipeline.pipeline.coordination
-        core_cls = core_class(self.coordination)
+        core_cls = core_class(self.coordination, worker.pipeline.pipeline.fgme_damping)
         self._from_dict = message_from_dict
         if spec.restart and saved.get("scaling"):
             self.core = core_cls.restore(saved["scaling"], self.params, incarnation=worker.epoch)
@@ -1365,6 +1367,9 @@ class _ScalingDriver:
         self.orphans: Deque[str] = deque()  # idle copies nobody will start: we adopt them (_maybe_adopt)
         self.memory = RoundMemory(saved.get("rounds_applied") if spec.restart else None)
         self._round_clock: Dict[str, float] = {}  # neighbour -> last sent to / heard from
+        # coordination = "fgme": every protocol message of the core on an exactly-once FIFO
+        # channel (agent.instance.recovery.ReliableLinks); "ack" keeps the paper's path
+        self.links = self._make_links(saved) if self.coordination == "fgme" else None
         if spec.restart and saved.get("scaling"):
             # Finish what the crashed incarnation had queued (write-ahead, agent.instance.recovery).
             self.outputs.extend(decode_outputs(saved.get("outputs") or [], self._from_dict))
@@ -1386,6 +1391,39 @@ class _ScalingDriver:
         self._errors_log = LogLimiter()  # once per sender per minute, bounded (probed names are invented)
         self._req = 0
         self.decisions: Deque[Dict[str, Any]] = deque(maxlen=32)  # recent decisions (bench, demo)
+
+    def _make_links(self, saved: Dict[str, Any]) -> ReliableLinks:
+        w = self.w
+        if w.spec.restart and saved.get("links"):
+            try:
+                return ReliableLinks.load(w.spec.instance, saved["links"], w.clock())
+            except ValueError as exc:
+                log.warning("%s: starting new channels", exc, extra=w.ctx)
+        # a new generation: above any earlier one of this identity (seconds, as min_epoch)
+        lost = bool(w.spec.restart or w.spec.extra.get("min_epoch"))
+        return ReliableLinks(w.spec.instance, int(time.time()), lost_state=lost)
+
+    def _send_link(self, pairs: List[Tuple[str, Dict[str, Any]]]) -> None:
+        """Link acks and resends (agent.instance.recovery.ReliableLinks). The state is written
+        first: an ack must never leave before the deliveries it acknowledges are on disk."""
+        if not pairs:
+            return
+        self.w._write_state(force=True)
+        for dest, body in pairs:
+            self.w.send_envelope(dest, Kind.PROTO, body)
+
+    def resync(self, now: float) -> None:
+        """We are a new incarnation: ask every peer for what we may have lost, resend ours."""
+        if self.links is not None:
+            core = self.core
+            self._send_link(self.links.resync(set(core.preds) | set(core.succs), now))
+
+    def ready_to_exit(self) -> bool:
+        """Terminated: ack what we delivered, and wait until our own messages are acked."""
+        if self.links is None:
+            return True
+        self._send_link(self.links.flush_acks())
+        return self.links.settled
 
     @classmethod
     def maybe(cls, worker: Worker, saved: Dict[str, Any]) -> Optional["_ScalingDriver"]:
@@ -1521,6 +1559,19 @@ class _ScalingDriver:
         if isinstance(env.body, dict) and env.body.get("type") in (PROBE, PROBE_ECHO):
             self.on_probe(env)
             return
+        if self.links is not None:
+            try:
+                body, replies = self.links.receive(env.sender, env.body, self.w.clock())
+            except LinkError as exc:
+                stats["protocol_errors"] += 1
+                if self._errors_log.allow(env.sender, self.w.clock()):
+                    log.warning("protocol message from %s rejected: %s", env.sender, exc, extra=self.w.ctx)
+                return
+            self.w.mark_state_changed()
+            self._send_link(replies)
+            if body is None:
+                return  # a link ack, a copy, or a message past a gap (it comes again in order)
+            env = replace(env, body=body)
         is_lock = isinstance(env.body, dict) and env.body.get("type") == LockMessage.type
         if is_lock:
             stats["lock_in"] = stats.get("lock_in", 0) + 1
@@ -1549,6 +1600,8 @@ class _ScalingDriver:
             self.w.mark_state_changed()  # the lock state changed even when nothing is sent
         self._observe(outs)
         self._queue(outs)
+        if self.links is not None and getattr(self.core, "departed", None) and self.core.departed(env.sender):
+            self._send_link(self.links.forget(env.sender))
 
     def force(self, action: str, count: int) -> None:
         """A steering request (fogctl scale/drain via the agent): queued, run by `_run_forced`
@@ -1598,6 +1651,8 @@ class _ScalingDriver:
         self._run_forced(now)
         self._maybe_adopt()
         self.resend_silent(now)
+        if self.links is not None:
+            self._send_link(self.links.due(now))
         if now < self.next_tick:
             return
         load = self.w.measure_load(now)
@@ -1704,7 +1759,8 @@ class _ScalingDriver:
         from agent.instance.recovery import encode_outputs
 
         return {"scaling": self.core.snapshot(), "outputs": encode_outputs(self.outputs),
-                "rounds_applied": dict(self.memory.applied), "round_created": list(self.round_created)}
+                "rounds_applied": dict(self.memory.applied), "round_created": list(self.round_created),
+                **({"links": self.links.dump()} if self.links is not None else {})}
 
     def ping_if_idle(self, now: float) -> None:
         """An idle copy (created, not started) asks its creator for Start again: an ack of
@@ -1802,8 +1858,8 @@ class _ScalingDriver:
         may have crashed between applying it and acking); never while outputs are queued."""
         from agent.instance.recovery import silent_pending
 
-        if self.outputs or not self.core.in_round:
-            return
+        if self.outputs or not self.core.in_round or self.links is not None:
+            return  # with links, every message is resent until acked (ReliableLinks)
         for dest, msg in silent_pending(self.core, self._round_clock, now):
             self.w.send_envelope(dest, Kind.PROTO, msg.to_dict())
             self._round_clock[dest] = now
@@ -1823,7 +1879,10 @@ class _ScalingDriver:
                 # INVARIANT 6 (the paper's message cost): exactly the core's Sends go out, one
                 # envelope each; data acks and heartbeats are separate (data plane, control pipe).
                 # 2-FGME lock messages travel the same way but are counted apart, by kind.
-                w.send_envelope(out.dest, Kind.PROTO, out.message.to_dict())
+                body = out.message.to_dict()
+                if self.links is not None:
+                    body = self.links.stamp(out.dest, body, now)
+                w.send_envelope(out.dest, Kind.PROTO, body)
                 self._round_clock[out.dest] = now
                 if out.message.type == "start":
                     self.started.append(out.dest)
@@ -1968,6 +2027,8 @@ class _ScalingDriver:
         s.update(self.log.stats(self.core))
         if self.coordination == "fgme":
             s["lock_messages"] = {d: dict(c) for d, c in self.lock_counts.items()}
+        if self.links is not None:
+            s["links"] = dict(self.links.counts, unacked=self.links.unacked())
         return s
 
 
