@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
+from typing import Optional
 
 from agent.fogctl.config import FogctlConfig
 from agent.instance.spec import BrokerSpec
@@ -34,8 +35,8 @@ class Connection(Requester):
         super().__init__(broker, cfg.cluster, cfg.client_id or f"fogctl-{uuid.uuid4().hex[:12]}",
                          timeout=cfg.timeout)
 
-    def connect(self) -> "Connection":
+    def connect(self, timeout: Optional[float] = None) -> "Connection":
         if self.cfg.username is not None:  # read the password file only now (ConfigError names it)
             self.broker = dataclasses.replace(self.broker, password=self.cfg.resolved_password())
-        super().connect()
+        super().connect(timeout)
         return self

@@ -124,19 +124,22 @@ class Requester:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def connect(self) -> "Requester":
+    def connect(self, timeout: Optional[float] = None) -> "Requester":
+        """Connect, wait for the CONNACK (`timeout`, default the client's) and subscribe to our
+        reply namespace."""
+        wait = self.timeout if timeout is None else timeout
         try:
             c = mqttc.make_client(self.broker, self.client_id, reconnect_delay=(1, 5))
         except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
             raise RequestFailed(f"TLS set-up failed: {exc}") from None
-        c.connect_timeout = self.timeout
+        c.connect_timeout = wait
         c.on_connect = self._on_connect
         c.on_message = self._on_message
         c.on_subscribe = self._on_subscribe
         c.on_publish = self._on_publish
         self._client = c
         try:
-            mqttc.connect_and_wait(c, self.broker, timeout=self.timeout)
+            mqttc.connect_and_wait(c, self.broker, timeout=wait)
         except mqttc.ConnectFailed as exc:
             self._client = None
             if exc.refused:

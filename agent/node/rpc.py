@@ -138,10 +138,8 @@ class RpcClient(Requester):
                             cert_file=cert_file, key_file=key_file, tls_insecure=tls_insecure)
         super().__init__(broker, cluster, client_id, identity=identity)
 
-    def connect(self, timeout: float = 10.0) -> "RpcClient":
-        self.timeout = timeout
-        super().connect()
-        self.timeout = 10.0
+    def connect(self, timeout: Optional[float] = None) -> "RpcClient":
+        super().connect(timeout)
         return self
 
     def snapshot(self, topic_filter: Any, settle: float = 0.3, timeout: float = 10.0) -> Any:  # type: ignore[override]
