@@ -20,8 +20,8 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from agent import events, topics
+from agent.control.rpc_schema import DrainRequest, PinRequest, Reply, RequestError, ScaleRequest, parse_request
 from agent.mqtt import client as mqttc
-from agent.fogctl.rpc_schema import DrainRequest, PinRequest, Reply, RequestError, ScaleRequest, parse_request
 
 __all__ = ["FakeInstance", "FakeAgent"]
 
