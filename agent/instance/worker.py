@@ -43,10 +43,15 @@ from agent.dataplane.envelope import Envelope, Item, Kind, MalformedEnvelope, da
 from agent.dataplane.flow import AckTracker, OutLink
 from agent.operators.admission import OperatorRefused, node_allow_list
 from agent.operators.builtin import OperatorContext, SinkOperator, load_operator
+from agent.operators.keyed import KeyedOperator, keyed_config_problems
 from agent.instance.recovery import RESEND_AFTER
 from agent.dataplane.routing import Outbox, Router
 from agent.files import write_atomic
+from agent.instance.keyed_state import KeyedState
 from agent.instance.spec import InstanceSpec, control_line, parse_control_line
+from agent.measure.capacity import LiveCapacity
+from agent.measure.signals import PeriodSignals, Signals
+from agent.policy.live import LIVE_POLICIES, LivePolicy, PeriodInputs
 from agent.mqtt.client import worker_id
 from agent.mqtt.transport import (
     Connected,
@@ -167,10 +172,28 @@ class Worker:
         # A sink that reads only record ids gets compact batches without their records rebuilt.
         self._decode_records = not (self.is_sink and getattr(self.operator, "reads_records", True) is False)
 
-        self.router = Router(spec.succs, key=self.op.key)
+        # Keyed stateful operator (agent.instance.keyed_state): state saved with its input position.
+        self.keyed: Optional[KeyedState] = None
+        self.keyed_path = self.state_dir / f"{spec.instance}.keyed.json"
+        if isinstance(self.operator, KeyedOperator):
+            problems = keyed_config_problems(self.pipeline, self.stage, self.operator)
+            if problems:
+                raise ValueError("; ".join(problems))
+            self.keyed = KeyedState(self.operator, spec.operator, self.pipeline.operators[self.stage - 1].key,
+                                    self.op.key_groups)
+        nxt = self.pipeline.operators[self.stage + 1] if self.stage + 1 < len(self.pipeline.operators) else None
+        self.router = Router(spec.succs, key=self.op.key, groups=nxt.key_groups if nxt is not None else 128)
         self.outbox = Outbox(self.router, self.op.batch_size, self.op.linger_ms / 1000.0)
         self.links: Dict[str, OutLink] = {}
         self.tracker = AckTracker()
+        if self.keyed is not None and spec.restart:
+            saved_keyed = KeyedState.load(self.keyed_path)
+            if saved_keyed is not None:
+                again = self.keyed.restore(saved_keyed)
+                if again:  # outputs the successors had not acked: sent again (the sink drops copies)
+                    index = self.tracker.produced()
+                    self.keyed.outputs = [(index, it) for it in again]
+                    self.outbox.add(list(again), index, clock())
         self.queues: Dict[str, Deque[Envelope]] = {}
         self.pending_pub: Dict[int, int] = {}  # mid -> lowest process index it carries
         self.sink_wait: Deque[int] = deque()  # a deferred sink's record() calls not recorded yet
@@ -241,6 +264,11 @@ class Worker:
         self._malformed_logged: Set[str] = set()  # protocol senders (admitted ones only: bounded)
         self._period_records = 0
         self._last_load = 0.0
+        # Live signals (docs/measurement.md, "Live signals"): taken at every decision period,
+        # published in the heartbeat, and the online capacity estimate they feed.
+        self.signals = PeriodSignals(clock(), time.process_time())
+        self.last_signals: Optional[Signals] = None
+        self.live_capacity = LiveCapacity(self.scaling.params.capacity if self.scaling is not None else 500.0)
         self._exit: Optional[Tuple[int, str, bool]] = None
         self._stopping = False
         self._stop_deadline = 0.0
@@ -342,11 +370,14 @@ class Worker:
         if self.is_source:
             self._produce(now)
         self._process(now)
+        if self.keyed is not None and self.keyed.dirty:
+            self._save_keyed()
         if self.hold:
             self._release_held(now)
         if self.is_sink:
             self._settle_sink()
         self._flush(now)
+        self.signals.blocked(now, self._backpressured())
         self._send_acks(now)
         self._publish_retries()
         if self.scaling is not None:
@@ -473,6 +504,7 @@ class Worker:
             else:
                 if e.kind is Kind.DATA:
                     self._period_records += len(e.body)
+                    self.signals.arrived(len(e.body))
                 q = self.queues.get(e.sender)
                 if q is None:
                     q = self.queues[e.sender] = deque()
@@ -639,6 +671,10 @@ class Worker:
             return False  # spool full: only a release (seen in settle) can help
         return now >= self.busy_until and self.outbox.pending < self.high_water
 
+    def _backpressured(self) -> bool:
+        """Held back by what comes after us: successors without credit, or the sink's spool full."""
+        return self.outbox.pending >= self.high_water or bool(self.sink_wait and not self.operator.writable())
+
     def _data_blocked(self, now: float) -> bool:
         if self.scaling is not None and not self.scaling.data_enabled:
             return True  # idle new instance: keep input until Start (Algorithm 6)
@@ -719,8 +755,13 @@ class Worker:
         self.stats["records_in"] += n
         self.stats["batches_in"] += 1
         index = self.tracker.processed(env.sender, env.seq, env.epoch)
+        t0 = time.perf_counter()
         if self.is_sink:
             self._record(items, index, env)
+        elif self.keyed is not None:
+            out = self.keyed.apply(env.sender, items, index)
+            if out:
+                self.outbox.add(out, index, now)
         else:
             out = self._apply(items)
             self.stats["filtered"] += n - len(out)
@@ -728,6 +769,7 @@ class Worker:
                 if not self.router.succs:
                     raise RuntimeError(f"{self.spec.instance}: records to forward but no successors")
                 self.outbox.add(out, index, now)
+        self.signals.processed(n, time.perf_counter() - t0 + n * self.service_time)
         if self.service_time:
             self.busy_until = max(self.busy_until, now) + n * self.service_time
 
@@ -904,6 +946,22 @@ class Worker:
         self._publish_tracked(topics.inbox(self.spec.cluster, dest), encode(env), None)
 
     def _lowest_pending(self) -> Optional[int]:
+        """The lowest input index not to be acked upstream yet: its outputs are not all acked by
+        the successors, or (keyed state) the state that reflects it is not saved yet."""
+        low = self._lowest_forwarding()
+        if self.keyed is not None and self.keyed.lowest_unsaved() is not None:
+            k = self.keyed.lowest_unsaved()
+            low = k if low is None else min(low, k)
+        return low
+
+    def _save_keyed(self) -> None:
+        """Keyed state, its input positions and the outputs not acked downstream, saved together
+        (agent.instance.keyed_state); only after it are the inputs it reflects acked upstream."""
+        assert self.keyed is not None
+        self.keyed.prune_outputs(self._lowest_forwarding())
+        self.keyed.save(self.keyed_path)
+
+    def _lowest_forwarding(self) -> Optional[int]:
         """The lowest input index whose outputs are not all acked by the successors yet.
 
         An input is acked upstream only when every record derived from it has been processed
@@ -1005,6 +1063,9 @@ class Worker:
                 self.operator.paused = bool(msg["paused"])
             if "pinned" in msg and self.scaling is not None:
                 self.scaling.pinned = bool(msg["pinned"])
+            if "context" in msg and self.scaling is not None and self.scaling.live is not None:
+                if not self.scaling.live.set_context(msg["context"]):
+                    log.warning("malformed policy context ignored: %.200r", msg["context"], extra=self.ctx)
         elif event == "eof":
             self.request_stop(now)
         else:
@@ -1041,6 +1102,8 @@ class Worker:
             log.exception("operator close failed", extra=self.ctx)
         self._state_dirty = True
         self._write_state(force=True)
+        if self.keyed is not None:
+            self._save_keyed()
         self._write_source_stats()
         self._heartbeat(self.clock())
         try:
@@ -1072,11 +1135,17 @@ class Worker:
             paho_out=self.transport.pending_out(),
             connected=self.transport.connected,
             service_time_ms=self.service_time * 1000,
+            live_capacity=round(self.live_capacity.value, 2),
+            online_service_time_ms=(round(self.live_capacity.service_time * 1000, 4)
+                                    if self.live_capacity.service_time else None),
+            signals=self.last_signals.to_stats() if self.last_signals is not None else None,
             first_record_at=self.first_record_at,
             activated_at=self.activated_at,
             at=time.time(),
         )
         s.update(self.operator.stats())
+        if self.keyed is not None:
+            s.update(self.keyed.stats())
         if self.scaling is not None:
             s.update(self.scaling.stats())
         return s
@@ -1087,6 +1156,13 @@ class Worker:
         if self.is_source and now - self._last_source_write >= 2.0:  # a rename costs ~5-20 ms here
             self._last_source_write = now
             self._write_source_stats()
+
+    def take_signals(self, now: float) -> Signals:
+        """Close the live-signal period (the decision period) and feed the online capacity."""
+        sig = self.signals.take(now, time.process_time())
+        self.live_capacity.update(sig.busy, sig.processed)
+        self.last_signals = sig
+        return sig
 
     def measure_load(self, now: float) -> float:
         """Records received per second since the last call (the paper's l_t, per second)."""
@@ -1198,6 +1274,9 @@ class _ScalingDriver:
         self.policy = sc.policy
         if self.policy not in RUNTIME_POLICIES:  # deploy refuses these; a hand-made spec ends here
             raise ValueError("; ".join(worker.pipeline.runtime_policy_errors()))
+        # threshold / model / sized: the simulator's policy objects, fed the live signals and the
+        # daemon's sibling context (agent.policy.live); "decentralized" stays in the core.
+        self.live: Optional[LivePolicy] = LivePolicy(self.policy, sc) if self.policy in LIVE_POLICIES else None
         # coordination = "ack" (paper) or "fgme" (rounds inside 2-FGME CSs, docs/gme.md). Lock
         # messages share the inbox and its numbered FIFO channel with the scaling messages.
         self.coordination = worker.pipeline.pipeline.coordination
@@ -1430,6 +1509,10 @@ class _ScalingDriver:
     def force(self, action: str, count: int) -> None:
         """A steering request (fogctl scale/drain via the agent): queued, run by `_run_forced`
         through the same protocol as an automatic decision. One duplication round per copy."""
+        if self.w.keyed is not None:  # its key groups would not take their state along (docs/operators.md)
+            log.warning("scale %s refused: %s keeps keyed state, its instance count is fixed", action,
+                        self.w.spec.operator, extra=self.w.ctx)
+            return
         if action == "duplicate":
             self.forced.extend(("duplicate", 1) for _ in range(max(1, int(count))))
         elif action == "terminate":
@@ -1474,6 +1557,7 @@ class _ScalingDriver:
         if now < self.next_tick:
             return
         load = self.w.measure_load(now)
+        sig = self.w.take_signals(now)
         self.next_tick = now + self.period
         if self.policy == "none" or self.w.is_source or self.w._stopping or self.pinned:
             return
@@ -1488,7 +1572,11 @@ class _ScalingDriver:
             return
         self.round_created = []
         draw = self.rng.random()
-        decision = self.core.decide(load, draw)
+        if self.live is not None:
+            decision = self.live.decide(PeriodInputs(now, load, sig.processed_rate, self.w.live_capacity.value,
+                                                     sig.backpressure, self.core.keeper, draw))
+        else:
+            decision = self.core.decide(load, draw)
         if decision.scales:
             self.log.decided(time.monotonic())
         outs = self.core.start_round(decision)
@@ -1499,9 +1587,14 @@ class _ScalingDriver:
             self.counts["scale_outs" if kind == "scale_out" else "scale_ins"] += 1
             new = [o.instance_id for o in outs if type(o).__name__ == "CreateInstance"]
             self.decisions.append({"at": time.time(), "kind": kind, "load": round(load, 1), "new": new})
-            log.info("decision %s at load %.1f/s (capacity %.0f)", kind, load, self.params.capacity, extra=self.w.ctx)
+            log.info("decision %s at load %.1f/s (capacity %.0f)%s", kind, load, self._capacity(),
+                     f" {self.live.last}" if self.live is not None else "", extra=self.w.ctx)
             self.last_round_end = now
         self._queue(outs)
+
+    def _capacity(self) -> float:
+        """The capacity this instance's policy compares with: live for the Gesscale policies."""
+        return self.w.live_capacity.value if self.live is not None else self.params.capacity
 
     def _publish_decision(self, now: float, load: float, draw: float, decision: Any, outs: List[Any]) -> None:
         """A decision event with the numbers it was drawn from (load, capacity, ratio, probability,
@@ -1528,10 +1621,10 @@ class _ScalingDriver:
         try:
             ev = events.decision(
                 ts=time.time(), node=w.spec.node, instance=w.spec.instance, operator=w.spec.operator,
-                pipeline=w.spec.pipeline, load=float(load), capacity=float(self.params.capacity),
-                probability=float(decision.factor) if decision.action is not Action.NONE else None,
+                pipeline=w.spec.pipeline, load=float(load), capacity=float(self._capacity()),
+                probability=float(decision.factor) if decision.action is not Action.NONE and self.live is None else None,
                 draw=float(draw), action=decision.action.value, count=int(decision.count),
-                type=kind, detail={"new": new, "source": "worker"} if new else {"source": "worker"},
+                type=kind, detail=self._decision_detail(new),
             )
             w.transport.publish(topics.events(w.spec.cluster), ev.to_json().encode(), qos=0)
             self.history = events.remember(self.history, ev)
@@ -1543,6 +1636,14 @@ class _ScalingDriver:
         except (TransportError, ValueError) as exc:
             self.counts["decision_events_failed"] = self.counts.get("decision_events_failed", 0) + 1
             log.warning("decision event not published: %s", exc, extra=w.ctx)
+
+    def _decision_detail(self, new: List[str]) -> Dict[str, Any]:
+        detail: Dict[str, Any] = {"source": "worker"}
+        if new:
+            detail["new"] = new
+        if self.live is not None and self.live.last is not None:
+            detail.update({k: v for k, v in self.live.last.items() if k != "context"})
+        return detail
 
     def _queue(self, outs: List[Any]) -> None:
         if outs:
@@ -1817,6 +1918,9 @@ class _ScalingDriver:
         s["decisions"] = list(self.decisions)
         s["capacity"] = self.params.capacity
         s["coordination"] = self.coordination
+        s["policy"] = self.policy
+        if self.live is not None:
+            s["live_decision"] = self.live.last
         s.update(self.log.stats(self.core))
         if self.coordination == "fgme":
             s["lock_messages"] = {d: dict(c) for d, c in self.lock_counts.items()}
