@@ -52,6 +52,7 @@ from agent.instance.spec import InstanceSpec, control_line, parse_control_line
 from agent.measure.capacity import LiveCapacity
 from agent.measure.signals import PeriodSignals, Signals
 from agent.policy.live import LIVE_POLICIES, LivePolicy, PeriodInputs
+from agent.mqtt.client import worker_id
 from agent.mqtt.transport import (
     Connected,
     Disconnected,
@@ -232,7 +233,7 @@ class Worker:
             Kind.PROTO: (tuple(f"{o}-" for o in near), {f"{spec.pipeline}.{o}.0" for o in near}),
         }
 
-        self.transport = transport or Transport(f"fog-{spec.cluster}-{spec.instance}", spec.broker)
+        self.transport = transport or Transport(worker_id(spec.broker, spec.cluster, spec.instance), spec.broker)
         # Re-homing on: after a lost connection, reconnect only when our agent says this identity
         # was not re-homed meanwhile (see _ask_to_reconnect).
         self.transport.gate_reconnect = bool(spec.extra.get("fence_reconnect"))
