@@ -1,0 +1,83 @@
+"""`fog-agent testbed up|down|ssh`: a fleet of systemd-nspawn Debian containers on this machine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+
+def register(groups: Any) -> None:
+    p = groups.root.add_parser(
+        "testbed", help="boot a fleet of Debian containers (systemd as PID 1, sshd, an Ansible inventory)")
+    sub = p.add_subparsers(dest="testbed_command", metavar="ACTION")
+    p.set_defaults(func=lambda args: (p.print_help(sys.stderr), 2)[1])
+
+    up = sub.add_parser("up", help="build or reuse the cached root, boot N containers, write the inventory")
+    up.add_argument("--nodes", type=int, default=2, help="number of containers (default 2)")
+    up.add_argument("--arch", choices=("amd64", "arm64"), default="amd64",
+                    help="architecture of the root (arm64 needs qemu-user-static and binfmt_misc)")
+    up.add_argument("--deb", type=Path, default=None,
+                    help="the .deb the inventory installs (fog_agent_deb_src); else pass it to ansible-playbook")
+    up.add_argument("--json", action="store_true", help="print the result as JSON")
+    up.set_defaults(func=up_cmd)
+
+    down = sub.add_parser("down", help="stop the containers and remove everything up added to the host")
+    down.add_argument("--json", action="store_true", help="print what was removed as JSON")
+    down.set_defaults(func=down_cmd)
+
+    ssh = sub.add_parser("ssh", help="run a command on a node (as root, with the fleet's key)")
+    ssh.add_argument("node", help="node name, e.g. fog1")
+    ssh.add_argument("cmd", nargs=argparse.REMAINDER, help="the command (a shell line)")
+    ssh.set_defaults(func=ssh_cmd)
+
+
+def up_cmd(args: argparse.Namespace) -> int:
+    from agent.tools import testbed
+
+    try:
+        result = testbed.up(args.nodes, args.arch, deb=args.deb)
+    except testbed.TestbedError as exc:
+        print(f"testbed: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(asdict(result), indent=1))
+    else:
+        for node in result.nodes:
+            print(f"{node['name']}\t{node['address']}")
+        print(f"inventory: {result.inventory}")
+        print(f"ssh: fog-agent testbed ssh {result.nodes[0]['name']} CMD   (key {result.key})")
+        root = f"built in {result.root_seconds:.0f} s" if result.root_built else "cached"
+        print(f"up in {result.seconds:.1f} s (root {root})")
+    return 0
+
+
+def down_cmd(args: argparse.Namespace) -> int:
+    from agent.tools import testbed
+
+    try:
+        removed = testbed.down()
+    except testbed.TestbedError as exc:
+        print(f"testbed: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"removed": removed}, indent=1))
+    else:
+        print("\n".join(removed) if removed else "nothing to remove")
+    return 0
+
+
+def ssh_cmd(args: argparse.Namespace) -> int:
+    from agent.tools import testbed
+
+    try:
+        proc = testbed.ssh(args.node, " ".join(args.cmd), check=False, timeout=3600)
+    except testbed.TestbedError as exc:
+        print(f"testbed: {exc}", file=sys.stderr)
+        return 1
+    sys.stdout.write(proc.stdout)
+    sys.stderr.write(proc.stderr)
+    return proc.returncode
