@@ -29,6 +29,14 @@ def register(groups: Any) -> None:
     down.add_argument("--json", action="store_true", help="print what was removed as JSON")
     down.set_defaults(func=down_cmd)
 
+    sd = sub.add_parser("systemd", help="check fog-agent.service live on a node: readiness, reload, journal "
+                        "priorities, watchdog, restarts (about 2 minutes)")
+    sd.add_argument("node", help="node name, e.g. fog2 (the agent must be installed and running)")
+    sd.add_argument("--checks", default="ready,reload,journal_priority,watchdog,restart_keeps_retrying",
+                    help="comma-separated checks, in order (default: all)")
+    sd.add_argument("--json", action="store_true", help="print the verdicts as JSON")
+    sd.set_defaults(func=systemd_cmd)
+
     ssh = sub.add_parser("ssh", help="run a command on a node (as root, with the fleet's key)")
     ssh.add_argument("node", help="node name, e.g. fog1")
     ssh.add_argument("cmd", nargs=argparse.REMAINDER, help="the command (a shell line)")
@@ -81,3 +89,29 @@ def ssh_cmd(args: argparse.Namespace) -> int:
     sys.stdout.write(proc.stdout)
     sys.stderr.write(proc.stderr)
     return proc.returncode
+
+
+def systemd_cmd(args: argparse.Namespace) -> int:
+    from agent.tools import testbed, testbed_systemd
+
+    def sh(line: str) -> "tuple[int, str]":
+        proc = testbed.ssh(args.node, line, check=False)
+        return proc.returncode, proc.stdout + proc.stderr
+
+    names = [n for n in args.checks.split(",") if n]
+    unknown = [n for n in names if n not in testbed_systemd.CHECKS]
+    if unknown:
+        print(f"testbed: unknown check {', '.join(unknown)} (known: {', '.join(testbed_systemd.CHECKS)})",
+              file=sys.stderr)
+        return 2
+    try:
+        checks = testbed_systemd.run_checks(sh, names)
+    except (testbed.TestbedError, RuntimeError, TimeoutError) as exc:
+        print(f"testbed: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps([asdict(c) for c in checks], indent=1))
+    else:
+        for c in checks:
+            print(f"{'ok  ' if c.ok else 'FAIL'} {c.name}: {json.dumps(c.detail)}")
+    return 0 if all(c.ok for c in checks) else 1
