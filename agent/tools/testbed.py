@@ -84,13 +84,25 @@ class Plan:
         return self.nodes[0]
 
 
-def make_plan(n: int, arch: str = "amd64") -> Plan:
+def make_plan(n: int, arch: str = "amd64", prefix: str = NODE_PREFIX, bridge: str = BRIDGE,
+              subnet: str = SUBNET) -> Plan:
+    """Node i is <prefix>i at <subnet>.(10 + i); the host side of the bridge is <subnet>.1.
+
+    A second testbed beside the first (the test suite's, while a developer's is up) needs its own
+    prefix (the host-side veth is vb-<name>), bridge and subnet."""
     if arch not in ARCHES:
         raise TestbedError(f"--arch {arch}: expected one of {', '.join(ARCHES)}")
     if not 1 <= n <= MAX_NODES:
         raise TestbedError(f"--nodes {n}: expected 1 to {MAX_NODES}")
-    return Plan(nodes=tuple(Node(f"{NODE_PREFIX}{i}", f"{SUBNET}.{10 + i}", arch) for i in range(1, n + 1)),
-                arch=arch)
+    if not re.fullmatch(r"[a-z][a-z0-9]{0,7}", prefix):
+        raise TestbedError(f"node prefix {prefix!r}: expected 1 to 8 lower-case letters and digits")
+    if not re.fullmatch(r"[a-z][a-z0-9]{0,14}", bridge):
+        raise TestbedError(f"bridge {bridge!r}: expected an interface name of at most 15 letters and digits")
+    octets = subnet.split(".")
+    if len(octets) != 3 or not all(o.isdigit() and 0 <= int(o) <= 255 for o in octets):
+        raise TestbedError(f"subnet {subnet!r}: expected the first three octets of a /24, e.g. {SUBNET}")
+    return Plan(nodes=tuple(Node(f"{prefix}{i}", f"{subnet}.{10 + i}", arch) for i in range(1, n + 1)),
+                arch=arch, bridge=bridge, host_address=f"{subnet}.1")
 
 
 def cache_dir() -> Path:
@@ -403,16 +415,20 @@ def _password() -> str:
 
 
 def up(n: int, arch: str = "amd64", deb: Optional[Path] = None, cache: Optional[Path] = None,
-       progress: Progress = _stderr_progress, boot_timeout: float = 120.0) -> UpResult:
-    plan = make_plan(n, arch)
+       progress: Progress = _stderr_progress, boot_timeout: float = 120.0, run: Optional[Path] = None,
+       prefix: str = NODE_PREFIX, bridge: str = BRIDGE, subnet: str = SUBNET) -> UpResult:
+    plan = make_plan(n, arch, prefix, bridge, subnet)
     preflight(arch)
     cache = cache or cache_dir()
-    run = run_dir(cache)
+    run = run or run_dir(cache)
     if (run / STATE_FILE).exists():
         raise TestbedError(f"a testbed is already up ({run / STATE_FILE}); run `fog-agent testbed down` first")
     started = time.monotonic()
     if Path(f"/sys/class/net/{plan.bridge}").exists():
         raise TestbedError(f"the host already has an interface {plan.bridge}: run `fog-agent testbed down` first")
+    prefix_used = f" {plan.host_address.rsplit('.', 1)[0]}."
+    if prefix_used in _run(["ip", "-o", "-4", "addr", "show"], "listing the host's addresses"):
+        raise TestbedError(f"the host already has an address in{prefix_used}0/24: pick another subnet")
     root, built, root_seconds = ensure_root(cache, arch, progress)
     if not built:
         progress(f"reusing the cached root {root}")
@@ -465,7 +481,7 @@ def up(n: int, arch: str = "amd64", deb: Optional[Path] = None, cache: Optional[
         state.save(state_path)
     except BaseException:
         progress("up failed: removing what it added")
-        down(cache, progress=lambda line: None)
+        down(cache, progress=lambda line: None, run=run)
         raise
     return UpResult(nodes=[{"name": nd.name, "address": nd.address} for nd in plan.nodes], arch=arch,
                     inventory=str(inventory), key=str(key), known_hosts=str(known_hosts),
@@ -491,10 +507,10 @@ def _stop_nspawn(pid: int, timeout: float) -> None:
             pass
 
 
-def down(cache: Optional[Path] = None, progress: Progress = _stderr_progress, timeout: float = 30.0) -> List[str]:
+def down(cache: Optional[Path] = None, progress: Progress = _stderr_progress, timeout: float = 30.0,
+         run: Optional[Path] = None) -> List[str]:
     """Remove everything `up` added to the host; returns what was removed. Safe to repeat."""
-    cache = cache or cache_dir()
-    run = run_dir(cache)
+    run = run or run_dir(cache or cache_dir())
     state = State.load(run / STATE_FILE)
     removed: List[str] = []
     nodes = state.nodes if state else []
@@ -530,14 +546,14 @@ def down(cache: Optional[Path] = None, progress: Progress = _stderr_progress, ti
     return removed
 
 
-def load_state(cache: Optional[Path] = None) -> Optional[State]:
-    return State.load(run_dir(cache or cache_dir()) / STATE_FILE)
+def load_state(cache: Optional[Path] = None, run: Optional[Path] = None) -> Optional[State]:
+    return State.load((run or run_dir(cache or cache_dir())) / STATE_FILE)
 
 
 def ssh(name: str, command: str, cache: Optional[Path] = None, timeout: float = 120.0,
-        check: bool = True) -> subprocess.CompletedProcess:
+        check: bool = True, run: Optional[Path] = None) -> subprocess.CompletedProcess:
     """Run a shell command on a node of the running testbed."""
-    run = run_dir(cache or cache_dir())
+    run = run or run_dir(cache or cache_dir())
     state = State.load(run / STATE_FILE)
     if state is None:
         raise TestbedError("no testbed is up: run `fog-agent testbed up` first")
