@@ -231,7 +231,7 @@ def test_a_request_from_one_container_is_answered_by_the_agent_of_the_other(flee
 
 @fleet_only
 @pytest.mark.timeout(120)
-def test_down_removes_everything_up_added(tmp_path: Path) -> None:
+def test_down_removes_everything_up_added(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A one-node testbed of its own (the fleet's is removed in the module teardown, after the tests)."""
     run = tmp_path / "run"
     testbed.up(1, "amd64", run=run, prefix="tbd", bridge="fogtbd0", subnet="10.215.0", progress=lambda line: None)
@@ -246,4 +246,12 @@ def test_down_removes_everything_up_added(tmp_path: Path) -> None:
     assert not testbed._is_nspawn(pid)  # gone (or a zombie of this process, with no command line)
     assert mount not in Path("/proc/self/mounts").read_text()
     assert not run.exists()
-    assert testbed.down(run=run, progress=lambda line: None) == []
+    # Again, with no state: nothing to remove, and no other testbed's bridge is touched (one named
+    # like the default stands for a developer's testbed that is up meanwhile).
+    monkeypatch.setattr(testbed, "BRIDGE", "fogtbdx")
+    subprocess.run(["ip", "link", "add", "fogtbdx", "type", "bridge"], check=True)
+    try:
+        assert testbed.down(run=run, progress=lambda line: None) == []
+        assert Path("/sys/class/net/fogtbdx").exists()
+    finally:
+        subprocess.run(["ip", "link", "del", "fogtbdx"], check=False)

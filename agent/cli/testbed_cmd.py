@@ -37,6 +37,13 @@ def register(groups: Any) -> None:
     sd.add_argument("--json", action="store_true", help="print the verdicts as JSON")
     sd.set_defaults(func=systemd_cmd)
 
+    pl = sub.add_parser("pipeline", help="deploy a taxi pipeline with a load step on the fleet, follow where "
+                        "its instances run, undeploy, verify every record exactly once")
+    pl.add_argument("--duration", type=float, default=60.0, help="seconds of source load (default 60)")
+    pl.add_argument("--rate", type=float, default=500.0, help="records/s of the load step (default 500)")
+    pl.add_argument("--json", action="store_true", help="print the verdict as JSON")
+    pl.set_defaults(func=pipeline_cmd)
+
     ssh = sub.add_parser("ssh", help="run a command on a node (as root, with the fleet's key)")
     ssh.add_argument("node", help="node name, e.g. fog1")
     ssh.add_argument("cmd", nargs=argparse.REMAINDER, help="the command (a shell line)")
@@ -115,3 +122,20 @@ def systemd_cmd(args: argparse.Namespace) -> int:
         for c in checks:
             print(f"{'ok  ' if c.ok else 'FAIL'} {c.name}: {json.dumps(c.detail)}")
     return 0 if all(c.ok for c in checks) else 1
+
+
+def pipeline_cmd(args: argparse.Namespace) -> int:
+    from agent.tools import testbed, testbed_pipeline
+
+    try:
+        summary = testbed_pipeline.run_pipeline(args.duration, args.rate)
+    except testbed.TestbedError as exc:
+        print(f"testbed: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(summary, indent=1))
+    else:
+        for key, value in summary.items():
+            print(f"{key:20} {value}")
+        print("verdict              " + ("OK: every record exactly once" if summary["ok"] else "FAILED"))
+    return 0 if summary["ok"] else 1

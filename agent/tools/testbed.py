@@ -531,13 +531,15 @@ def down(cache: Optional[Path] = None, progress: Progress = _stderr_progress, ti
         if subprocess.run(["mountpoint", "-q", mount]).returncode == 0:
             _run(["umount", mount], f"umount {mount}")
             removed.append(f"mount {mount}")
-    bridge = (state.bridge if state else None) or BRIDGE
+    # Only what this run directory's state names: without a state, nothing of this testbed was
+    # made (up saves the state before it adds anything), and another testbed's bridge is not ours.
+    bridge = state.bridge if state else None
     for nd in nodes:
         veth = f"vb-{nd['name']}"
         if Path(f"/sys/class/net/{veth}").exists():
             subprocess.run(["ip", "link", "del", veth], capture_output=True)
             removed.append(f"veth {veth}")
-    if Path(f"/sys/class/net/{bridge}").exists():
+    if bridge and Path(f"/sys/class/net/{bridge}").exists():
         _run(["ip", "link", "del", bridge], f"deleting bridge {bridge}")
         removed.append(f"bridge {bridge}")
     if run.exists():

@@ -1,0 +1,193 @@
+"""The taxi pipeline on the testbed's containers, every record accounted for (docs/operations.md, "Testbed").
+
+The agents are the ones Ansible installed (the .deb, under systemd); this module only acts as an
+administrator would: `fogctl deploy` through the site broker, `fogctl topology` every few seconds
+(which container hosts which instance), `fogctl undeploy` once the sources have stopped and the
+sinks are quiet, then it copies each node's source positions and sink id files
+(`<state dir>/*.source.json`, `*.ids`) to the host and runs the demo's exactly-once verifier
+(`agent.tools.demo.verify`) over all of them.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Set
+
+from agent.config import load_pipeline_text
+from agent.tools import testbed
+from agent.tools.demo import verify
+
+STATE_DIR = "/var/lib/fog-agent"
+
+PIPELINE = """
+[pipeline]
+name = "tb"
+coordination = "ack"
+
+[scaling]
+policy = "decentralized"
+period = 2.0
+capacity = 500.0
+
+[[operator]]
+name = "source"
+kind = "source"
+function = "agent.operators.taxi:source"
+[operator.params]
+seed = 7
+profile = "steps"
+steps = [[0, 80], [{t1}, {rate}], [{t2}, 80], [{t3}, 0]]
+
+[[operator]]
+name = "validate"
+function = "agent.operators.builtin:validate"
+
+[[operator]]
+name = "in_zone"
+function = "agent.operators.builtin:in_zone"
+service_time_ms = {service_ms}
+[operator.scaling]
+capacity = {capacity}
+period = 2.0
+
+[[operator]]
+name = "sink"
+kind = "sink"
+function = "agent.operators.builtin:counting_sink"
+"""
+
+
+def pipeline_text(duration: float, rate: float, service_ms: float = 5.0) -> str:
+    """A load step from 80 rec/s to `rate` for the middle of `duration`, then the source stops.
+
+    in_zone's capacity (1000 / service_ms rec/s) is below `rate`, so the step must be absorbed by
+    scaling out, and the slots of one node (4) are not enough for every instance: the extra
+    instances land on other containers."""
+    t1, t2 = round(duration * 0.15, 1), round(duration * 0.75, 1)
+    return PIPELINE.format(t1=t1, t2=t2, t3=round(duration, 1), rate=rate, service_ms=service_ms,
+                           capacity=round(1000.0 / service_ms, 1))
+
+
+def _fogctl(broker: str, password: str, *args: str, timeout: float = 120) -> Dict[str, Any]:
+    cmd = [sys.executable, "-c", "import sys; from agent.cli.fogctl import main; sys.exit(main())",
+           "--broker", broker, "--cluster", "testbed", "-u", "fogctl-admin", "-P", password, "--json", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise testbed.TestbedError(f"fogctl {args[0]} exited {proc.returncode}: {proc.stderr.strip()[-400:]}")
+    return json.loads(proc.stdout) if proc.stdout.strip() else {}
+
+
+def placement(topology: Dict[str, Any], pipeline: str) -> Dict[str, Dict[str, int]]:
+    """{operator: {node: instances}} of one pipeline in a `fogctl topology --json` document."""
+    out: Dict[str, Dict[str, int]] = {}
+    for p in topology.get("pipelines", []):
+        if p.get("pipeline") != pipeline:
+            continue
+        for op in p.get("operators", []):
+            nodes: Dict[str, int] = {}
+            for inst in op.get("instances", []):
+                nodes[inst["node"]] = nodes.get(inst["node"], 0) + 1
+            out[op["operator"]] = nodes
+    return out
+
+
+def _sink_fingerprint(run: Optional[Path], names: List[str]) -> str:
+    return "|".join(testbed.ssh(n, f"cd {STATE_DIR} && cat *.source.json 2>/dev/null; wc -c *.ids 2>/dev/null | tail -1",
+                                run=run, check=False).stdout for n in names)
+
+
+def _collect(run: Optional[Path], names: List[str], into: Path) -> Dict[str, int]:
+    """Copy each node's source positions and sink ids; returns how many files came from each node."""
+    files: Dict[str, int] = {}
+    for name in names:
+        proc = subprocess.run(
+            testbed.ssh_argv(_address(run, name), _key(run), _known(run),
+                             f"cd {STATE_DIR} && tar -cf - $(ls *.source.json *.ids 2>/dev/null)"),
+            capture_output=True, timeout=120)
+        if not proc.stdout:
+            files[name] = 0
+            continue
+        with tarfile.open(fileobj=io.BytesIO(proc.stdout)) as tar:
+            members = [m for m in tar.getmembers() if m.isfile() and "/" not in m.name]
+            for m in members:
+                if (into / m.name).exists():
+                    raise testbed.TestbedError(f"{m.name} exists on two nodes")
+                extracted = tar.extractfile(m)
+                assert extracted is not None
+                (into / m.name).write_bytes(extracted.read())
+            files[name] = len(members)
+    return files
+
+
+def _run_dir(run: Optional[Path]) -> Path:
+    return run or testbed.run_dir(testbed.cache_dir())
+
+
+def _address(run: Optional[Path], name: str) -> str:
+    state = testbed.load_state(run=_run_dir(run))
+    assert state is not None
+    return str(next(n["address"] for n in state.nodes if n["name"] == name))
+
+
+def _key(run: Optional[Path]) -> Path:
+    return _run_dir(run) / "id_ed25519"
+
+
+def _known(run: Optional[Path]) -> Path:
+    return _run_dir(run) / "known_hosts"
+
+
+def run_pipeline(duration: float = 60.0, rate: float = 500.0, run: Optional[Path] = None,
+                 progress: Callable[[str], None] = lambda line: print(f"testbed: {line}", file=sys.stderr),
+                 settle_timeout: float = 90.0) -> Dict[str, Any]:
+    state = testbed.load_state(run=_run_dir(run))
+    if state is None or not state.admin_password:
+        raise testbed.TestbedError("no testbed with an inventory is up: run `fog-agent testbed up` and Ansible first")
+    names = [str(n["name"]) for n in state.nodes]
+    broker = f"{state.nodes[0]['address']}:1883"
+    text = pipeline_text(duration, rate)
+    cfg = load_pipeline_text(text, "testbed.toml")
+    name = cfg.pipeline.name
+    with tempfile.TemporaryDirectory(prefix="fog-testbed-") as tmp:
+        path = Path(tmp) / "tb.toml"
+        path.write_text(text)
+        started = time.monotonic()
+        deployed = _fogctl(broker, state.admin_password, "deploy", str(path))
+        progress(f"deployed {name}: " + ", ".join(f"{k['instance']}@{k['node']}" for k in deployed.get("keepers", [])))
+        seen: Dict[str, Set[str]] = {}
+        max_instances: Dict[str, int] = {}
+        last, quiet_since = "", None
+        while True:
+            time.sleep(3.0)
+            now = time.monotonic() - started
+            where = placement(_fogctl(broker, state.admin_password, "topology"), name)
+            for op, nodes in where.items():
+                seen.setdefault(op, set()).update(nodes)
+                max_instances[op] = max(max_instances.get(op, 0), sum(nodes.values()))
+            progress(f"t={now:5.0f} s  " + "  ".join(f"{op}={dict(sorted(n.items()))}" for op, n in where.items()))
+            if now < duration:
+                continue
+            fp = _sink_fingerprint(run, names)
+            quiet_since = (quiet_since or now) if fp == last else None
+            last = fp
+            if quiet_since is not None and now - quiet_since >= 6.0 or now > duration + settle_timeout:
+                break
+        _fogctl(broker, state.admin_password, "undeploy", name)
+        time.sleep(2.0)
+        out = Path(tmp) / "sink"
+        out.mkdir()
+        files = _collect(run, names, out)
+        verdict = verify(cfg, out)
+    return {"nodes": names, "duration_s": duration, "peak_rate": rate,
+            "nodes_per_operator": {op: sorted(n) for op, n in seen.items()}, "max_instances": max_instances,
+            "files_per_node": files, "generated": verdict.generated, "expected": verdict.expected,
+            "received": verdict.received, "lost": verdict.lost, "duplicated": verdict.duplicated,
+            "unexpected": verdict.unexpected, "lost_sample": [list(x) for x in verdict.lost_sample],
+            "ok": verdict.ok, "seconds": round(time.monotonic() - started, 1)}
