@@ -20,6 +20,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Dict, Iterator
 
@@ -77,7 +78,7 @@ def test_nspawn_boots_systemd_without_registering_on_the_bridge(tmp_path: Path) 
     argv = testbed.nspawn_argv(plan.nodes[1], tmp_path, plan.bridge)
     # The host has no system bus and no systemd as PID 1: without these two nspawn fails.
     assert {"--register=no", "--keep-unit", "--boot"} <= set(argv)
-    assert f"--network-bridge={BRIDGE}" in argv and f"--machine=tbt2" in argv
+    assert f"--network-bridge={BRIDGE}" in argv and "--machine=tbt2" in argv
     assert f"--directory={tmp_path}" in argv
     unit = testbed.network_unit(plan.nodes[1], plan)
     assert "Name=host0" in unit and f"Address={SUBNET}.12/24" in unit
@@ -99,6 +100,22 @@ def test_inventory_lists_the_fleet_and_the_deb(tmp_path: Path) -> None:
     assert {u["name"]: u["password"] for u in v["mosquitto_users"]} == pw
     assert "StrictHostKeyChecking=yes" in v["ansible_ssh_common_args"]
     assert str(tmp_path / "known") in v["ansible_ssh_common_args"]
+
+
+def test_pipeline_step_needs_scaling_and_placement_is_read_per_node() -> None:
+    from agent.config import load_pipeline_text
+    from agent.tools.testbed_pipeline import pipeline_text, placement
+
+    cfg = load_pipeline_text(pipeline_text(60.0, 500.0), "tb.toml")
+    src, in_zone = cfg.operators[0], cfg.operators[2]
+    steps = src.params["steps"]
+    assert steps[-1] == [60.0, 0] and max(rate for _, rate in steps) == 500.0
+    assert in_zone.name == "in_zone" and in_zone.scaling.capacity < 500.0  # one instance cannot keep up
+    topo = {"pipelines": [{"pipeline": "other", "operators": [{"operator": "x", "instances": [{"node": "a"}]}]},
+                          {"pipeline": "tb", "operators": [
+                              {"operator": "in_zone", "instances": [{"node": "tbt1"}, {"node": "tbt2"}, {"node": "tbt2"}]},
+                              {"operator": "sink", "instances": []}]}]}
+    assert placement(topo, "tb") == {"in_zone": {"tbt1": 1, "tbt2": 2}, "sink": {}}
 
 
 def test_parse_show() -> None:
@@ -145,15 +162,19 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     if not CAN_BOOT:
         pytest.skip("needs root with systemd-nspawn and debootstrap")
     tmp = tmp_path_factory.mktemp("testbed")
+    t0 = time.monotonic()
     dist = tmp / "dist"
     build = subprocess.run([str(ROOT / "packaging" / "build-deb.sh"), "--out", str(dist),
                             "--maintainer", "fog-agent tests <tests@example.org>"],
                            capture_output=True, text=True, timeout=600)
     assert build.returncode == 0, build.stderr[-2000:]
     deb = next(dist.glob("fog-agent_*_all.deb"))
+    times = {"build_deb_s": time.monotonic() - t0}
     run = tmp / "run"
+    t0 = time.monotonic()
     result = testbed.up(2, "amd64", deb=deb, run=run, prefix=PREFIX, bridge=BRIDGE, subnet=SUBNET,
                         progress=lambda line: print(f"testbed: {line}", file=sys.stderr))
+    times["testbed_up_s"] = time.monotonic() - t0
     try:
         env = dict(os.environ, ANSIBLE_CONFIG=str(ANSIBLE_DIR / "ansible.cfg"), ANSIBLE_NOCOLOR="1",
                    ANSIBLE_LOCAL_TEMP=str(tmp / "ansible-tmp"), ANSIBLE_HOME=str(tmp / "ansible-home"),
@@ -163,10 +184,13 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         # Both nodes in one batch: the rolling default (25%) would do them one after the other.
         cmd = [str(BIN / "ansible-playbook"), "-i", result.inventory, "site.yml", "-e", "fog_nodes_serial=2"]
         runs = []
-        for _ in range(2):
+        for k in (1, 2):
+            t0 = time.monotonic()
             proc = subprocess.run(cmd, cwd=str(ANSIBLE_DIR), env=env, capture_output=True, text=True, timeout=900)
             assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
             runs.append(proc.stdout)
+            times[f"ansible_run{k}_s"] = time.monotonic() - t0
+        print("testbed fixture: " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()), file=sys.stderr)
         yield Fleet(run, result, runs[0], runs[1])
     finally:
         testbed.down(run=run, progress=lambda line: None)

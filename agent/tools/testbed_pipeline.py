@@ -155,6 +155,9 @@ def run_pipeline(duration: float = 60.0, rate: float = 500.0, run: Optional[Path
     text = pipeline_text(duration, rate)
     cfg = load_pipeline_text(text, "testbed.toml")
     name = cfg.pipeline.name
+    # Instance ids are <pipeline>.<operator>.<n>: a previous run's files would count twice.
+    for n in names:
+        testbed.ssh(n, f"rm -f {STATE_DIR}/{name}.*.source.json {STATE_DIR}/{name}.*.ids", run=run)
     with tempfile.TemporaryDirectory(prefix="fog-testbed-") as tmp:
         path = Path(tmp) / "tb.toml"
         path.write_text(text)
