@@ -41,6 +41,8 @@ def register(groups: Any) -> None:
                         "its instances run, undeploy, verify every record exactly once")
     pl.add_argument("--duration", type=float, default=60.0, help="seconds of source load (default 60)")
     pl.add_argument("--rate", type=float, default=500.0, help="records/s of the load step (default 500)")
+    pl.add_argument("--keep", type=Path, default=None,
+                    help="copy the collected source positions and sink ids (and the pipeline) into this directory")
     pl.add_argument("--json", action="store_true", help="print the verdict as JSON")
     pl.set_defaults(func=pipeline_cmd)
 
@@ -128,7 +130,7 @@ def pipeline_cmd(args: argparse.Namespace) -> int:
     from agent.tools import testbed, testbed_pipeline
 
     try:
-        summary = testbed_pipeline.run_pipeline(args.duration, args.rate)
+        summary = testbed_pipeline.run_pipeline(args.duration, args.rate, keep=args.keep)
     except testbed.TestbedError as exc:
         print(f"testbed: {exc}", file=sys.stderr)
         return 1

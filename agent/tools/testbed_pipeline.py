@@ -1,10 +1,11 @@
 """The taxi pipeline on the testbed's containers, every record accounted for (docs/operations.md, "Testbed").
 
 The agents are the ones Ansible installed (the .deb, under systemd); this module only acts as an
-administrator would: `fogctl deploy` through the site broker, `fogctl topology` every few seconds
-(which container hosts which instance), `fogctl undeploy` once the sources have stopped and the
-sinks are quiet, then it copies each node's source positions and sink id files
-(`<state dir>/*.source.json`, `*.ids`) to the host and runs the demo's exactly-once verifier
+administrator would: a deploy through the site broker with the administrator's password (the
+specs' `extra.sink_dir` is a directory of this run under the agents' state dir), `fogctl topology`
+every few seconds (which container hosts which instance), `fogctl undeploy` once the sources have
+stopped and the sinks are quiet; then it copies each node's source positions and sink id files
+(`<sink_dir>/*.source.json`, `*.ids`) to the host and runs the demo's exactly-once verifier
 (`agent.tools.demo.verify`) over all of them.
 """
 
@@ -12,16 +13,19 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
 import time
+import uuid
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Set
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from agent.config import load_pipeline_text
 from agent.tools import testbed
+from agent.node.deploy import deploy
 from agent.tools.demo import verify
 
 STATE_DIR = "/var/lib/fog-agent"
@@ -98,18 +102,23 @@ def placement(topology: Dict[str, Any], pipeline: str) -> Dict[str, Dict[str, in
     return out
 
 
-def _sink_fingerprint(run: Optional[Path], names: List[str]) -> str:
-    return "|".join(testbed.ssh(n, f"cd {STATE_DIR} && cat *.source.json 2>/dev/null; wc -c *.ids 2>/dev/null | tail -1",
+def _sink_fingerprint(run: Optional[Path], names: List[str], sink_dir: str) -> str:
+    return "|".join(testbed.ssh(n, f"cd {sink_dir} 2>/dev/null && cat *.source.json 2>/dev/null; wc -c *.ids 2>/dev/null | tail -1",
                                 run=run, check=False).stdout for n in names)
 
 
-def _collect(run: Optional[Path], names: List[str], into: Path) -> Dict[str, int]:
-    """Copy each node's source positions and sink ids; returns how many files came from each node."""
+def _collect(run: Optional[Path], names: List[str], sink_dir: str, into: Path) -> Tuple[Dict[str, int], Dict[str, List[str]]]:
+    """Copy each node's source positions and sink ids into one directory.
+
+    An instance that ran on two nodes (a re-home, or a spawn answered late and placed again) left
+    a file on each: they are concatenated, so that the verifier sees every id it recorded
+    anywhere. Returns the files per node and {file: nodes} for those found on several nodes."""
     files: Dict[str, int] = {}
+    where: Dict[str, List[str]] = {}
     for name in names:
         proc = subprocess.run(
             testbed.ssh_argv(_address(run, name), _key(run), _known(run),
-                             f"cd {STATE_DIR} && tar -cf - $(ls *.source.json *.ids 2>/dev/null)"),
+                             f"cd {sink_dir} 2>/dev/null && tar -cf - $(ls *.source.json *.ids 2>/dev/null)"),
             capture_output=True, timeout=120)
         if not proc.stdout:
             files[name] = 0
@@ -117,13 +126,22 @@ def _collect(run: Optional[Path], names: List[str], into: Path) -> Dict[str, int
         with tarfile.open(fileobj=io.BytesIO(proc.stdout)) as tar:
             members = [m for m in tar.getmembers() if m.isfile() and "/" not in m.name]
             for m in members:
-                if (into / m.name).exists():
-                    raise testbed.TestbedError(f"{m.name} exists on two nodes")
                 extracted = tar.extractfile(m)
                 assert extracted is not None
-                (into / m.name).write_bytes(extracted.read())
+                data = extracted.read()
+                where.setdefault(m.name, []).append(name)
+                if m.name.endswith(".source.json") and (into / m.name).exists():
+                    # a source that moved: its position file with the most records generated is the last
+                    old = json.loads((into / m.name).read_text()).get("generated", 0)
+                    if json.loads(data).get("generated", 0) < old:
+                        continue
+                mode = "ab" if m.name.endswith(".ids") else "wb"
+                with open(into / m.name, mode) as fh:
+                    if mode == "ab" and fh.tell() > 0 and not data.startswith(b"\n"):
+                        fh.write(b"\n")
+                    fh.write(data)
             files[name] = len(members)
-    return files
+    return files, {f: nodes for f, nodes in where.items() if len(nodes) > 1}
 
 
 def _run_dir(run: Optional[Path]) -> Path:
@@ -146,7 +164,8 @@ def _known(run: Optional[Path]) -> Path:
 
 def run_pipeline(duration: float = 60.0, rate: float = 500.0, run: Optional[Path] = None,
                  progress: Callable[[str], None] = lambda line: print(f"testbed: {line}", file=sys.stderr),
-                 settle_timeout: float = 90.0) -> Dict[str, Any]:
+                 settle_timeout: float = 90.0, keep: Optional[Path] = None) -> Dict[str, Any]:
+    """Deploy, follow, undeploy, verify; `keep`: a directory that gets the collected files."""
     state = testbed.load_state(run=_run_dir(run))
     if state is None or not state.admin_password:
         raise testbed.TestbedError("no testbed with an inventory is up: run `fog-agent testbed up` and Ansible first")
@@ -155,15 +174,15 @@ def run_pipeline(duration: float = 60.0, rate: float = 500.0, run: Optional[Path
     text = pipeline_text(duration, rate)
     cfg = load_pipeline_text(text, "testbed.toml")
     name = cfg.pipeline.name
-    # Instance ids are <pipeline>.<operator>.<n>: a previous run's files would count twice.
-    for n in names:
-        testbed.ssh(n, f"rm -f {STATE_DIR}/{name}.*.source.json {STATE_DIR}/{name}.*.ids", run=run)
+    # A sink directory of this run under the agents' state dir (allowed without configuration):
+    # instance ids repeat across runs, so a previous run's files would count twice.
+    sink_dir = f"{STATE_DIR}/testbed-runs/{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
     with tempfile.TemporaryDirectory(prefix="fog-testbed-") as tmp:
-        path = Path(tmp) / "tb.toml"
-        path.write_text(text)
         started = time.monotonic()
-        deployed = _fogctl(broker, state.admin_password, "deploy", str(path))
-        progress(f"deployed {name}: " + ", ".join(f"{k['instance']}@{k['node']}" for k in deployed.get("keepers", [])))
+        host, port = broker.rsplit(":", 1)
+        placed = deploy(text, host, int(port), "testbed", extra={"sink_dir": sink_dir}, username="fogctl-admin",
+                        password=state.admin_password, name="tb.toml", timeout=60.0)
+        progress(f"deployed {name} (sink_dir {sink_dir}): " + ", ".join(f"{d.instance}@{d.node}" for d in placed))
         seen: Dict[str, Set[str]] = {}
         max_instances: Dict[str, int] = {}
         last, quiet_since = "", None
@@ -177,7 +196,7 @@ def run_pipeline(duration: float = 60.0, rate: float = 500.0, run: Optional[Path
             progress(f"t={now:5.0f} s  " + "  ".join(f"{op}={dict(sorted(n.items()))}" for op, n in where.items()))
             if now < duration:
                 continue
-            fp = _sink_fingerprint(run, names)
+            fp = _sink_fingerprint(run, names, sink_dir)
             quiet_since = (quiet_since or now) if fp == last else None
             last = fp
             if quiet_since is not None and now - quiet_since >= 6.0 or now > duration + settle_timeout:
@@ -186,11 +205,14 @@ def run_pipeline(duration: float = 60.0, rate: float = 500.0, run: Optional[Path
         time.sleep(2.0)
         out = Path(tmp) / "sink"
         out.mkdir()
-        files = _collect(run, names, out)
+        files, on_several = _collect(run, names, sink_dir, out)
         verdict = verify(cfg, out)
-    return {"nodes": names, "duration_s": duration, "peak_rate": rate,
+        if keep is not None:
+            shutil.copytree(out, keep, dirs_exist_ok=True)
+            (keep / "tb.toml").write_text(text)
+    return {"nodes": names, "sink_dir": sink_dir, "duration_s": duration, "peak_rate": rate,
             "nodes_per_operator": {op: sorted(n) for op, n in seen.items()}, "max_instances": max_instances,
-            "files_per_node": files, "generated": verdict.generated, "expected": verdict.expected,
+            "files_per_node": files, "files_on_several_nodes": on_several, "generated": verdict.generated, "expected": verdict.expected,
             "received": verdict.received, "lost": verdict.lost, "duplicated": verdict.duplicated,
             "unexpected": verdict.unexpected, "lost_sample": [list(x) for x in verdict.lost_sample],
             "ok": verdict.ok, "seconds": round(time.monotonic() - started, 1)}
