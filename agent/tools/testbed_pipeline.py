@@ -6,7 +6,7 @@ specs' `extra.sink_dir` is a directory of this run under the agents' state dir),
 every few seconds (which container hosts which instance), `fogctl undeploy` once the sources have
 stopped and the sinks are quiet; then it copies each node's source positions and sink id files
 (`<sink_dir>/*.source.json`, `*.ids`) to the host and runs the demo's exactly-once verifier
-(`agent.tools.demo.verify`) over all of them.
+(`agent.tools.verify.verify`) over all of them.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 from agent.config import load_pipeline_text
 from agent.tools import testbed
 from agent.node.deploy import deploy
-from agent.tools.demo import verify
+from agent.tools.verify import verify
 
 STATE_DIR = "/var/lib/fog-agent"
 
