@@ -43,6 +43,10 @@ def register(groups: Any) -> None:
     pl.add_argument("--rate", type=float, default=500.0, help="records/s of the load step (default 500)")
     pl.add_argument("--keep", type=Path, default=None,
                     help="copy the collected source positions and sink ids (and the pipeline) into this directory")
+    pl.add_argument("--during", default=None, metavar="CMD",
+                    help="a shell command run on the host while the pipeline runs (e.g. a rolling ansible-playbook); "
+                         "the verdict waits for it")
+    pl.add_argument("--during-at", type=float, default=10.0, help="seconds after the deploy to start --during")
     pl.add_argument("--json", action="store_true", help="print the verdict as JSON")
     pl.set_defaults(func=pipeline_cmd)
 
@@ -130,7 +134,8 @@ def pipeline_cmd(args: argparse.Namespace) -> int:
     from agent.tools import testbed, testbed_pipeline
 
     try:
-        summary = testbed_pipeline.run_pipeline(args.duration, args.rate, keep=args.keep)
+        summary = testbed_pipeline.run_pipeline(args.duration, args.rate, keep=args.keep, during=args.during,
+                                               during_at=args.during_at)
     except testbed.TestbedError as exc:
         print(f"testbed: {exc}", file=sys.stderr)
         return 1

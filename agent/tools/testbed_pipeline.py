@@ -164,8 +164,13 @@ def _known(run: Optional[Path]) -> Path:
 
 def run_pipeline(duration: float = 60.0, rate: float = 500.0, run: Optional[Path] = None,
                  progress: Callable[[str], None] = lambda line: print(f"testbed: {line}", file=sys.stderr),
-                 settle_timeout: float = 90.0, keep: Optional[Path] = None) -> Dict[str, Any]:
-    """Deploy, follow, undeploy, verify; `keep`: a directory that gets the collected files."""
+                 settle_timeout: float = 90.0, keep: Optional[Path] = None, during: Optional[str] = None,
+                 during_at: float = 10.0) -> Dict[str, Any]:
+    """Deploy, follow, undeploy, verify; `keep`: a directory that gets the collected files.
+
+    `during`: a shell command run on the host `during_at` seconds after the deploy (e.g. a rolling
+    `ansible-playbook` run); the pipeline is not undeployed before it has finished, and its exit
+    status and time window go into the summary."""
     state = testbed.load_state(run=_run_dir(run))
     if state is None or not state.admin_password:
         raise testbed.TestbedError("no testbed with an inventory is up: run `fog-agent testbed up` and Ansible first")
@@ -186,22 +191,36 @@ def run_pipeline(duration: float = 60.0, rate: float = 500.0, run: Optional[Path
         seen: Dict[str, Set[str]] = {}
         max_instances: Dict[str, int] = {}
         last, quiet_since = "", None
-        while True:
-            time.sleep(3.0)
-            now = time.monotonic() - started
-            where = placement(_fogctl(broker, state.admin_password, "topology"), name)
-            for op, nodes in where.items():
-                seen.setdefault(op, set()).update(nodes)
-                max_instances[op] = max(max_instances.get(op, 0), sum(nodes.values()))
-            progress(f"t={now:5.0f} s  " + "  ".join(f"{op}={dict(sorted(n.items()))}" for op, n in where.items()))
-            if now < duration:
-                continue
-            fp = _sink_fingerprint(run, names, sink_dir)
-            quiet_since = (quiet_since or now) if fp == last else None
-            last = fp
-            if quiet_since is not None and now - quiet_since >= 6.0 or now > duration + settle_timeout:
-                break
-        _fogctl(broker, state.admin_password, "undeploy", name)
+        side: Optional[subprocess.Popen] = None
+        side_window: Dict[str, Any] = {}
+        try:
+            while True:
+                time.sleep(3.0)
+                now = time.monotonic() - started
+                if during and side is None and now >= during_at:
+                    side = subprocess.Popen(during, shell=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    side_window["started_s"] = round(now, 1)
+                    progress(f"t={now:5.0f} s  started: {during}")
+                if side is not None and "exit" not in side_window and side.poll() is not None:
+                    side_window.update(exit=side.returncode, ended_s=round(now, 1))
+                    progress(f"t={now:5.0f} s  finished with exit {side.returncode}: {during}")
+                where = placement(_fogctl(broker, state.admin_password, "topology"), name)
+                for op, nodes in where.items():
+                    seen.setdefault(op, set()).update(nodes)
+                    max_instances[op] = max(max_instances.get(op, 0), sum(nodes.values()))
+                progress(f"t={now:5.0f} s  " + "  ".join(f"{op}={dict(sorted(n.items()))}" for op, n in where.items()))
+                if now < duration:
+                    continue
+                fp = _sink_fingerprint(run, names, sink_dir)
+                quiet_since = (quiet_since or now) if fp == last else None
+                last = fp
+                if side is not None and "exit" not in side_window:
+                    continue
+                if quiet_since is not None and now - quiet_since >= 6.0 or now > duration + settle_timeout:
+                    break
+        finally:
+            # Also after a failure or Ctrl-C: the pipeline must not keep running on the fleet.
+            _fogctl(broker, state.admin_password, "undeploy", name)
         time.sleep(2.0)
         out = Path(tmp) / "sink"
         out.mkdir()
@@ -210,7 +229,7 @@ def run_pipeline(duration: float = 60.0, rate: float = 500.0, run: Optional[Path
         if keep is not None:
             shutil.copytree(out, keep, dirs_exist_ok=True)
             (keep / "tb.toml").write_text(text)
-    return {"nodes": names, "sink_dir": sink_dir, "duration_s": duration, "peak_rate": rate,
+    return {"nodes": names, "sink_dir": sink_dir, "during": dict(side_window, command=during) if during else None, "duration_s": duration, "peak_rate": rate,
             "nodes_per_operator": {op: sorted(n) for op, n in seen.items()}, "max_instances": max_instances,
             "files_per_node": files, "files_on_several_nodes": on_several, "generated": verdict.generated, "expected": verdict.expected,
             "received": verdict.received, "lost": verdict.lost, "duplicated": verdict.duplicated,
