@@ -164,7 +164,10 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     tmp = tmp_path_factory.mktemp("testbed")
     t0 = time.monotonic()
     dist = tmp / "dist"
+    # The wheelhouse is kept beside the cached root: build-wheelhouse.sh rebuilds it only when the
+    # sources changed, which saves pip's isolated wheel build on a warm run.
     build = subprocess.run([str(ROOT / "packaging" / "build-deb.sh"), "--out", str(dist),
+                            "--wheelhouse", str(testbed.cache_dir() / "wheelhouse"),
                             "--maintainer", "fog-agent tests <tests@example.org>"],
                            capture_output=True, text=True, timeout=600)
     assert build.returncode == 0, build.stderr[-2000:]
