@@ -282,3 +282,38 @@ def test_down_removes_everything_up_added(tmp_path: Path, monkeypatch: pytest.Mo
         assert Path("/sys/class/net/fogtbdx").exists()
     finally:
         subprocess.run(["ip", "link", "del", "fogtbdx"], check=False)
+
+
+@fleet_only
+@pytest.mark.timeout(300)
+def test_partition_and_power_cut_of_a_container(tmp_path: Path) -> None:
+    """The chaos faults on a real node: a cut veth makes it unreachable until healed; a power cut
+    stops it without a shutdown, and it boots again on the disk it had."""
+    run = tmp_path / "run"
+    testbed.up(1, "amd64", run=run, prefix="tbf", bridge="fogtbf0", subnet="10.216.0", progress=lambda line: None)
+    try:
+        def reachable() -> bool:
+            return testbed.ssh("tbf1", "true", run=run, check=False, timeout=30).returncode == 0
+
+        testbed.ssh("tbf1", "echo before > /root/mark && sync", run=run)
+        pid1_start = "cut -d' ' -f22 /proc/1/stat"  # the container's init, in host clock ticks
+        started_before = int(testbed.ssh("tbf1", pid1_start, run=run).stdout)
+        testbed.partition("tbf1", cut=True, run=run)
+        assert not reachable()
+        testbed.partition("tbf1", cut=False, run=run)
+        assert reachable()
+        state = testbed.load_state(run=run)
+        assert state is not None
+        old_pid = int(state.nodes[0]["pid"])  # type: ignore[arg-type]
+        testbed.kill_node("tbf1", run=run)
+        assert not testbed._is_nspawn(old_pid) and not reachable()
+        with pytest.raises(testbed.TestbedError):
+            testbed.kill_node("tbf1", run=run)
+        new_pid = testbed.start_node("tbf1", run=run)
+        assert new_pid != old_pid and testbed._is_nspawn(new_pid)
+        assert testbed.ssh("tbf1", "cat /root/mark", run=run).stdout.strip() == "before"
+        assert testbed.ssh("tbf1", "cat /proc/1/comm", run=run).stdout.strip() == "systemd"
+        assert int(testbed.ssh("tbf1", pid1_start, run=run).stdout) > started_before  # a new boot
+    finally:
+        testbed.down(run=run, progress=lambda line: None)
+    assert not Path("/sys/class/net/fogtbf0").exists()

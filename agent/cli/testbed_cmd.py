@@ -50,6 +50,20 @@ def register(groups: Any) -> None:
     pl.add_argument("--json", action="store_true", help="print the verdict as JSON")
     pl.set_defaults(func=pipeline_cmd)
 
+    kill = sub.add_parser("kill", help="power cut: SIGKILL a node's container (its disk stays; `start` boots it)")
+    kill.add_argument("node")
+    kill.set_defaults(func=fault_cmd, fault="kill")
+    start = sub.add_parser("start", help="boot a killed node again on the same disk")
+    start.add_argument("node")
+    start.set_defaults(func=fault_cmd, fault="start")
+    part = sub.add_parser("partition", help="cut a node off the bridge (its veth down) for --seconds, or --heal")
+    part.add_argument("node")
+    group = part.add_mutually_exclusive_group(required=True)
+    group.add_argument("--seconds", type=float, help="cut, wait, heal")
+    group.add_argument("--cut", action="store_true", help="cut and return")
+    group.add_argument("--heal", action="store_true", help="heal a cut node")
+    part.set_defaults(func=fault_cmd, fault="partition")
+
     ssh = sub.add_parser("ssh", help="run a command on a node (as root, with the fleet's key)")
     ssh.add_argument("node", help="node name, e.g. fog1")
     ssh.add_argument("cmd", nargs=argparse.REMAINDER, help="the command (a shell line)")
@@ -146,3 +160,33 @@ def pipeline_cmd(args: argparse.Namespace) -> int:
             print(f"{key:20} {value}")
         print("verdict              " + ("OK: every record exactly once" if summary["ok"] else "FAILED"))
     return 0 if summary["ok"] else 1
+
+
+def fault_cmd(args: argparse.Namespace) -> int:
+    import time
+
+    from agent.tools import testbed
+
+    try:
+        if args.fault == "kill":
+            testbed.kill_node(args.node)
+            print(f"{args.node}: killed")
+        elif args.fault == "start":
+            pid = testbed.start_node(args.node)
+            print(f"{args.node}: booted (nspawn pid {pid}), sshd answers")
+        elif args.heal:
+            testbed.partition(args.node, cut=False)
+            print(f"{args.node}: healed")
+        else:
+            testbed.partition(args.node, cut=True)
+            print(f"{args.node}: cut off")
+            if args.seconds is not None:
+                try:
+                    time.sleep(args.seconds)
+                finally:
+                    testbed.partition(args.node, cut=False)
+                print(f"{args.node}: healed after {args.seconds:g} s")
+    except testbed.TestbedError as exc:
+        print(f"testbed: {exc}", file=sys.stderr)
+        return 1
+    return 0

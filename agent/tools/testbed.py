@@ -567,3 +567,65 @@ def ssh(name: str, command: str, cache: Optional[Path] = None, timeout: float = 
     if check and proc.returncode != 0:
         raise TestbedError(f"{name}: `{command}` exited {proc.returncode}: {proc.stderr.strip()[-300:]}")
     return proc
+
+
+# ---------------------------------------------------------------------------------------------
+# Faults on real nodes: what `fog-agent chaos` does to processes, done to a container.
+
+
+def _node_entry(state: State, name: str) -> Dict[str, object]:
+    match = [nd for nd in state.nodes if nd["name"] == name]
+    if not match:
+        raise TestbedError(f"no node {name} (nodes: {', '.join(str(nd['name']) for nd in state.nodes)})")
+    return match[0]
+
+
+def _require_state(run: Path) -> State:
+    state = State.load(run / STATE_FILE)
+    if state is None:
+        raise TestbedError("no testbed is up: run `fog-agent testbed up` first")
+    return state
+
+
+def kill_node(name: str, run: Optional[Path] = None) -> None:
+    """A power cut: SIGKILL to the node's nspawn and everything in the container, no shutdown.
+    Its disk (the overlay's upper layer) stays; `start_node` boots it again."""
+    run = run or run_dir(cache_dir())
+    state = _require_state(run)
+    entry = _node_entry(state, name)
+    pid = int(entry["pid"]) if entry.get("pid") else 0
+    if not pid or not _is_nspawn(pid):
+        raise TestbedError(f"{name} is not running")
+    os.killpg(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while _is_nspawn(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    veth = f"vb-{name}"
+    if Path(f"/sys/class/net/{veth}").exists():  # gone with the container's namespace, normally
+        subprocess.run(["ip", "link", "del", veth], capture_output=True)
+
+
+def start_node(name: str, run: Optional[Path] = None, boot_timeout: float = 120.0) -> int:
+    """Boot a node that was killed (or powered off) again, on the same disk; returns nspawn's pid."""
+    run = run or run_dir(cache_dir())
+    state = _require_state(run)
+    entry = _node_entry(state, name)
+    if entry.get("pid") and _is_nspawn(int(entry["pid"])):  # type: ignore[arg-type]
+        raise TestbedError(f"{name} is already running")
+    node = Node(name, str(entry["address"]), state.arch)
+    with open(run / "logs" / f"{name}.console", "ab") as console:
+        proc = subprocess.Popen(nspawn_argv(node, Path(str(entry["mount"])), str(state.bridge)),
+                                stdin=subprocess.DEVNULL, stdout=console, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    entry["pid"] = proc.pid
+    state.save(run / STATE_FILE)
+    wait_ssh(node.address, run / "id_ed25519", run / "known_hosts", boot_timeout)
+    return proc.pid
+
+
+def partition(name: str, cut: bool, run: Optional[Path] = None) -> None:
+    """Cut the node off the bridge (every other node, the broker, the host) or heal it: the host
+    side of its veth goes down or up; the container sees its link drop, nothing is restarted."""
+    run = run or run_dir(cache_dir())
+    _node_entry(_require_state(run), name)
+    _run(["ip", "link", "set", f"vb-{name}", "down" if cut else "up"], f"{'cutting' if cut else 'healing'} {name}")
