@@ -14,6 +14,9 @@ Output per window [start, end), once the watermark reaches its end:
 `{"start", "end", "trips", "top": [[start_cell, end_cell, trips, last_dropoff_ms], ...]}`.
 Its key: whatever the operator before it sets; for the global answer of the challenge, one key
 (a field no record has: every record goes to the group of None).
+
+`forward = true` (param): the trips also go on, unchanged and with their ids (the demo's sink
+records and spills them as before, and the batch job computes the same query over them).
 """
 
 from __future__ import annotations
@@ -46,10 +49,12 @@ class TopRoutes(KeyedOperator):
     """Per key and tumbling window of `size_ms`: the `k` routes with most trips (see the module)."""
 
     params_schema = dict(EVENT_TIME_PARAMS, time_field=Param("string", required=True),
-                         size_ms=Param("integer", required=True, min=1), k=Param("integer", min=1, max=1000))
+                         size_ms=Param("integer", required=True, min=1), k=Param("integer", min=1, max=1000),
+                         forward=Param("boolean"))
 
     def __init__(self, ctx: OperatorContext) -> None:
         super().__init__(ctx)
+        self.forwards = bool(ctx.params.get("forward", False))
         self.size = int(ctx.params["size_ms"])
         self.k = int(ctx.params.get("k", 10))
         self.skipped = 0
