@@ -70,7 +70,8 @@ def edge_vs_batch(landing: Path, batch_json: Path) -> Dict[str, Any]:
         return {}
     cmp = compare_top_routes(edge, json.loads(batch_json.read_text()))
     cmp["equal_all"] = not cmp["differences"]
-    cmp["differences"] = cmp["differences"][:20]  # the count is windows_edge - equal
+    cmp["differing"] = len(cmp["differences"])
+    cmp["differences"] = cmp["differences"][:20]  # the first 20 (each with both lists) in the summary
     return cmp
 
 
