@@ -18,7 +18,7 @@ N = 1500
 
 
 def pipeline() -> Any:
-    return load_pipeline_text(chaos_pipeline(30.0, 4, "stateful"), "chaos pipeline")
+    return load_pipeline_text(chaos_pipeline(30.0, 4, pipeline="stateful"), "chaos pipeline")
 
 
 @functools.lru_cache(maxsize=1)

@@ -13,7 +13,7 @@ from typing import Any, Dict, List
 
 # The placement policies of agent/node/placement.py (POLICIES), listed here so that `--help`
 # and argparse check the name without importing the runtime for every command.
-PLACEMENTS = ("free-slots-then-latency", "spread", "local-only")
+PLACEMENTS = ("free-slots-then-latency", "spread", "local-only", "nd-max")
 
 
 def register(groups: Any) -> None:

@@ -37,18 +37,22 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Set, TextIO, Tupl
 
 from agent import topics
 from agent.config import RUNTIME_POLICIES, PipelineConfig, load_pipeline_text
-from agent.dataplane.inbound import ACCEPT, HOLD, REFUSE, HoldBuffer, LogLimiter, numbering_fault
+from agent.dataplane.inbound import ACCEPT, HOLD, REFUSE, HoldBuffer, LogLimiter, numbering_fault, writer_verdict
 from agent.dataplane.channel import Inbound, Outbound
 from agent.dataplane.envelope import Envelope, Item, Kind, MalformedEnvelope, data_body_bytes, decode, encode, encode_data
 from agent.dataplane.flow import AckTracker, OutLink
 from agent.operators.admission import OperatorRefused, node_allow_list
 from agent.operators.builtin import OperatorContext, SinkOperator, load_operator
 from agent.operators.keyed import KeyedOperator, keyed_config_problems
-from agent.instance.recovery import RESEND_AFTER
+from agent.instance.recovery import RESEND_AFTER, LinkError, ReliableLinks
 from agent.dataplane.routing import Outbox, Router
 from agent.files import write_atomic
 from agent.instance.keyed_state import KeyedState
 from agent.instance.spec import InstanceSpec, control_line, parse_control_line
+from agent.measure.capacity import LiveCapacity
+from agent.measure.signals import PeriodSignals, Signals
+from agent.policy.live import LIVE_POLICIES, LivePolicy, PeriodInputs
+from agent.mqtt.client import worker_id
 from agent.mqtt.transport import (
     Connected,
     Disconnected,
@@ -97,6 +101,10 @@ RECONNECT_ASK = 5.0  # a fenced worker asks its agent again this often (see Work
 # protocol to announce them (a new copy's Start, resent after IDLE_PING..IDLE_PING_MAX), then they
 # are refused. An idle copy holds until its Start: until then it cannot know its predecessors.
 HOLD_TTL = 60.0
+# Envelopes of a known sender written by a node it is not bound to (yet) wait this long for the
+# agent's "hosts" line to bind it there (a new host's record normally follows within a second),
+# then they are refused (`refused_nodes`): a forgery by another node never gets bound.
+WRITER_HOLD_TTL = 20.0
 HOLD_MAX_SENDERS = 64
 HOLD_MAX_BYTES = 8 << 20
 # Idle pings ([0, 0] acks) from copies we do not know that we probe at once (`on_idle_ping`),
@@ -130,7 +138,12 @@ class Worker:
         self.sink_dir = Path(spec.extra.get("sink_dir") or self.state_dir)
         self.sink_dir.mkdir(parents=True, exist_ok=True)
         self.state_path = self.state_dir / f"{spec.instance}.state.json"
-        self.inbox = topics.inbox(spec.cluster, spec.instance)
+        self.inbox = topics.inbox_all(spec.cluster, spec.instance)
+        # The node in an inbox topic must host the envelope's sender (docs/security.md, "Data
+        # channels"): the agent sets this and sends the bindings as the control line "hosts".
+        self.check_node = bool(spec.extra.get("check_sender_node"))
+        self.hosts_bound: Dict[str, str] = {}
+        self.hosts_former: Dict[str, List[str]] = {}
         # One process per identity: wait for a previous incarnation (still draining after its
         # agent died) to exit before reading its state or taking over its MQTT session.
         self._identity_lock = hold_identity_lock(
@@ -220,7 +233,7 @@ class Worker:
             Kind.PROTO: (tuple(f"{o}-" for o in near), {f"{spec.pipeline}.{o}.0" for o in near}),
         }
 
-        self.transport = transport or Transport(f"fog-{spec.cluster}-{spec.instance}", spec.broker)
+        self.transport = transport or Transport(worker_id(spec.broker, spec.cluster, spec.instance), spec.broker)
         # Re-homing on: after a lost connection, reconnect only when our agent says this identity
         # was not re-homed meanwhile (see _ask_to_reconnect).
         self.transport.gate_reconnect = bool(spec.extra.get("fence_reconnect"))
@@ -253,6 +266,7 @@ class Worker:
             "refused_senders": 0,  # envelopes from senders our tables do not know (incl. expired holds)
             "refused_epochs": 0,  # an epoch no real incarnation of the sender can have
             "refused_seqs": 0,  # a number (or an ack) far beyond what the sender can have sent
+            "refused_nodes": 0,  # written by a node that does not host the sender (incl. expired holds)
             "held_dropped": 0,  # of those, refused because the hold buffer was full
             "held_released": 0,  # held until the protocol announced their sender, then admitted
         }
@@ -260,6 +274,11 @@ class Worker:
         self._malformed_logged: Set[str] = set()  # protocol senders (admitted ones only: bounded)
         self._period_records = 0
         self._last_load = 0.0
+        # Live signals (docs/measurement.md, "Live signals"): taken at every decision period,
+        # published in the heartbeat, and the online capacity estimate they feed.
+        self.signals = PeriodSignals(clock(), time.process_time())
+        self.last_signals: Optional[Signals] = None
+        self.live_capacity = LiveCapacity(self.scaling.params.capacity if self.scaling is not None else 500.0)
         self._exit: Optional[Tuple[int, str, bool]] = None
         self._stopping = False
         self._stop_deadline = 0.0
@@ -299,6 +318,7 @@ class Worker:
             # new epoch): it replays what we had not acknowledged (see _replay_to).
             for pred in sorted(self.scaling.core.preds):
                 self.send_envelope(pred, Kind.ACK, [0, 0])
+            self.scaling.resync(now)
         if self.is_source:
             if self.spec.restart:
                 self._resume_source()
@@ -368,6 +388,7 @@ class Worker:
         if self.is_sink:
             self._settle_sink()
         self._flush(now)
+        self.signals.blocked(now, self._backpressured())
         self._send_acks(now)
         self._publish_retries()
         if self.scaling is not None:
@@ -403,7 +424,8 @@ class Worker:
     # ---- inbox --------------------------------------------------------------------------------------
 
     def _on_received(self, ev: Received) -> None:
-        if ev.topic != self.inbox:
+        writer = topics.inbox_writer(self.inbox, ev.topic)
+        if writer is None:
             ingest = getattr(self.operator, "ingest", None)
             if ingest is not None:
                 ingest(ev.topic, ev.payload)
@@ -417,23 +439,25 @@ class Worker:
             if self._malformed_log.allow(who, self.clock()):
                 log.warning("malformed payload on inbox from %s skipped: %s", who, exc, extra=self.ctx)
             return
-        if env.sender in self.hold:
-            self._hold(env, ev.payload)  # behind what it already holds: the sender's order is kept
+        if (env.sender, writer) in self.hold:
+            # behind what it already holds: the order of (sender, writing node) is kept
+            self._hold(env, ev.payload, writer, "node" if self._waits_for_binding(env.sender, writer) else "sender")
             return
-        verdict, why = self._admit(env)
+        verdict, why = self._admit(env, writer)
         if verdict == ACCEPT:
             self._accept(env)
         elif verdict == HOLD:
-            self._hold(env, ev.payload)
+            self._hold(env, ev.payload, writer, why)
         else:
-            self._refuse(env, why)
+            self._refuse(env, why, writer)
 
     # ---- admission (docs/security.md, "Data channels") ------------------------------------------
 
-    def _admit(self, env: Envelope) -> Tuple[str, str]:
+    def _admit(self, env: Envelope, writer: str) -> Tuple[str, str]:
         """ACCEPT, HOLD or REFUSE (with the reason) for one decoded envelope, before it touches
-        any state: its sender must exist for our tables, its numbers must be ones that sender can
-        have (agent.dataplane.inbound). Cheap on the hot path: a set lookup and a few compares."""
+        any state: its sender must exist for our tables, be hosted by the node `writer` that wrote
+        it (check_node), and its numbers must be ones that sender can have
+        (agent.dataplane.inbound). Cheap on the hot path: dict lookups and a few compares."""
         if not self._sender_allowed(env):
             # Data and protocol messages may come from an instance the protocol announces to us
             # only later (a new copy's predecessors before its Start): hold, if the name can be
@@ -443,6 +467,9 @@ class Worker:
             if shape is not None and (env.sender.startswith(shape[0]) or env.sender in shape[1]):
                 return HOLD, "sender"
             return REFUSE, "sender"
+        if self.check_node and writer_verdict(self.hosts_bound.get(env.sender), self.hosts_former.get(env.sender, ()),
+                                              writer) != ACCEPT:
+            return HOLD, "node"
         fault = numbering_fault(self.inbound.position(env.sender), self.inbound.resync_unknown,
                                 env.epoch, env.seq, time.time(), self.window)
         if fault is not None:
@@ -494,6 +521,7 @@ class Worker:
             else:
                 if e.kind is Kind.DATA:
                     self._period_records += len(e.body)
+                    self.signals.arrived(len(e.body))
                 q = self.queues.get(e.sender)
                 if q is None:
                     q = self.queues[e.sender] = deque()
@@ -517,57 +545,72 @@ class Worker:
         self._holes.pop(sender, None)
         self.mark_state_changed()
 
-    def _hold(self, env: Envelope, payload: bytes) -> None:
+    def _hold(self, env: Envelope, payload: bytes, writer: str, why: str) -> None:
         # Kept: the bytes (decoded again on release, so memory is what the byte bound says) and
-        # a header without records (what `_sender_allowed` looks at while it waits).
+        # a header without records (what `_sender_allowed` looks at while it waits), per (sender,
+        # writing node): one ordered stream each.
         head = Envelope(env.sender, env.epoch, env.seq, env.kind, [] if env.kind is Kind.DATA else env.body)
-        if not self.hold.add(env.sender, (head, bytes(payload)), len(payload) + 200, self.clock()):
+        if not self.hold.add((env.sender, writer), (head, bytes(payload)), len(payload) + 200, self.clock()):
             self.stats["held_dropped"] += 1
-            self._refuse(env, "sender (hold buffer full)")
+            self._refuse(env, why, writer, " (hold buffer full)")
 
-    def _refuse(self, env: Envelope, why: str) -> None:
+    def _refuse(self, env: Envelope, why: str, writer: str, note: str = "") -> None:
         """Counted, logged at most once per sender per minute (and 20 lines a minute in all), and
         nothing else: no channel entry, no record id, nothing persisted."""
-        key = "refused_epochs" if why == "epoch" else "refused_seqs" if why == "seq" else "refused_senders"
+        key = {"epoch": "refused_epochs", "seq": "refused_seqs", "node": "refused_nodes"}.get(why, "refused_senders")
         self.stats[key] += 1
-        if self._refusals.allow(env.sender, self.clock()):
+        if self._refusals.allow((env.sender, writer), self.clock()):
             more = self._refusals.take_suppressed()
-            log.warning("refused %s envelope %d/%d from %s on our inbox: %s not plausible%s",
-                        env.kind.name.lower(), env.epoch, env.seq, env.sender[:64], why,
+            what = f"not bound to node {writer[:64]}" if why == "node" else f"{why} not plausible"
+            log.warning("refused %s envelope %d/%d from %s (written by %s) on our inbox: %s%s%s",
+                        env.kind.name.lower(), env.epoch, env.seq, env.sender[:64], writer[:64], what, note,
                         f" ({more} more refusals not logged)" if more else "", extra=self.ctx)
 
     def _release_held(self, now: float) -> None:
         """Senders the protocol has announced since their envelopes were held: admit those
         envelopes now, in arrival order (the channel then puts them in the sender's order). The
         rest wait, up to HOLD_TTL (an idle copy: until its Start)."""
-        for sender in self.hold.senders():
+        for key in self.hold.senders():
+            writer = key[1]
             while True:
-                held = self.hold.first(sender)
+                held = self.hold.first(key)
                 if held is None:
                     break
                 if not self._sender_allowed(held[0]):
                     if held[0].kind is not Kind.ACK:
                         break  # still not announced: keep waiting
-                    self.hold.pop_first(sender)  # an ack is never held for itself (see _admit)
-                    self._refuse(held[0], "sender")
+                    self.hold.pop_first(key)  # an ack is never held for itself (see _admit)
+                    self._refuse(held[0], "sender", writer)
                     continue
                 env = decode(held[1], self._decode_records)  # decoded once already: cannot fail
-                verdict, why = self._admit(env)
+                verdict, why = self._admit(env, writer)
                 if verdict == HOLD:
                     break
-                self.hold.pop_first(sender)
+                self.hold.pop_first(key)
                 if verdict == ACCEPT:
                     self.stats["held_released"] += 1
                     self._accept(env)
                 else:
-                    self._refuse(env, why)
+                    self._refuse(env, why, writer)
         if self.scaling is not None and not self.scaling.data_enabled:
             return  # idle: its predecessors are announced with its Start
-        for sender, n in self.hold.expire(now, HOLD_TTL):
-            self.stats["refused_senders"] += n
-            if self._refusals.allow(sender, now):
-                log.warning("refused %d envelopes from %s: not announced to us within %.0fs", n, sender[:64],
-                            HOLD_TTL, extra=self.ctx)
+        for (sender, writer), n in self.hold.expire(now, self._hold_ttl):
+            # Not announced by the protocol, or not bound to the node that wrote it, in time.
+            unbound = self._waits_for_binding(sender, writer)
+            self.stats["refused_nodes" if unbound else "refused_senders"] += n
+            if self._refusals.allow((sender, writer), now):
+                log.warning("refused %d envelopes from %s (written by %s): %s within %.0fs", n, sender[:64],
+                            writer[:64], f"not bound to node {writer[:64]}" if unbound else "not announced to us",
+                            WRITER_HOLD_TTL if unbound else HOLD_TTL, extra=self.ctx)
+
+    def _waits_for_binding(self, sender: str, writer: str) -> bool:
+        """A held stream whose sender our tables know, written by a node it is not bound to."""
+        return (self.check_node and self.hosts_bound.get(sender) != writer
+                and writer not in self.hosts_former.get(sender, ())
+                and self._sender_allowed(Envelope(sender, 0, 1, Kind.PROTO, {})))
+
+    def _hold_ttl(self, key: Tuple[str, str]) -> float:
+        return WRITER_HOLD_TTL if self._waits_for_binding(*key) else HOLD_TTL
 
     def _check_silence(self, now: float) -> None:
         """Messages that will never come (they were lost, or taken by another process with our
@@ -614,6 +657,7 @@ class Worker:
         if self.scaling is not None:
             for pred in sorted(self.scaling.core.preds):
                 self.send_envelope(pred, Kind.ACK, [0, 0])
+            self.scaling.resync(self.clock())
         for dest, link in list(self.links.items()):
             link.restart_numbering()
             self._replay_to(dest)
@@ -628,7 +672,7 @@ class Worker:
         old = link.unacked()
         if not old:
             return
-        topic = topics.inbox(self.spec.cluster, dest)
+        topic = topics.inbox(self.spec.cluster, dest, self.spec.node)
         now = self.clock()
         for u in old:
             items = decode(u.payload).body
@@ -659,6 +703,10 @@ class Worker:
         if self.sink_wait and not self.operator.writable():
             return False  # spool full: only a release (seen in settle) can help
         return now >= self.busy_until and self.outbox.pending < self.high_water
+
+    def _backpressured(self) -> bool:
+        """Held back by what comes after us: successors without credit, or the sink's spool full."""
+        return self.outbox.pending >= self.high_water or bool(self.sink_wait and not self.operator.writable())
 
     def _data_blocked(self, now: float) -> bool:
         if self.scaling is not None and not self.scaling.data_enabled:
@@ -740,6 +788,7 @@ class Worker:
         self.stats["records_in"] += n
         self.stats["batches_in"] += 1
         index = self.tracker.processed(env.sender, env.seq, env.epoch)
+        t0 = time.perf_counter()
         if self.is_sink:
             self._record(items, index, env)
         elif self.keyed is not None:
@@ -753,6 +802,7 @@ class Worker:
                 if not self.router.succs:
                     raise RuntimeError(f"{self.spec.instance}: records to forward but no successors")
                 self.outbox.add(out, index, now)
+        self.signals.processed(n, time.perf_counter() - t0 + n * self.service_time)
         if self.service_time:
             self.busy_until = max(self.busy_until, now) + n * self.service_time
 
@@ -889,7 +939,7 @@ class Worker:
             seq = self.outbound.take(dest)
             payload = encode_data(self.spec.instance, self.epoch, seq, items)
             link.sent(seq, payload, len(items), now, low)  # replay buffer: kept until dest acks
-            self._publish_tracked(topics.inbox(self.spec.cluster, dest), payload, low)
+            self._publish_tracked(topics.inbox(self.spec.cluster, dest, self.spec.node), payload, low)
             self.stats["batches_out"] += 1
             self.stats["records_out"] += len(items)
 
@@ -926,7 +976,7 @@ class Worker:
     def send_envelope(self, dest: str, kind: Kind, body: Any) -> None:
         """Acks and protocol messages: numbered on the same channel as the data (invariant 1)."""
         env = Envelope(self.spec.instance, self.epoch, self.outbound.take(dest), kind, body)
-        self._publish_tracked(topics.inbox(self.spec.cluster, dest), encode(env), None)
+        self._publish_tracked(topics.inbox(self.spec.cluster, dest, self.spec.node), encode(env), None)
 
     def _lowest_pending(self) -> Optional[int]:
         """The lowest input index not to be acked upstream yet: its outputs are not all acked by
@@ -1046,10 +1096,27 @@ class Worker:
                 self.operator.paused = bool(msg["paused"])
             if "pinned" in msg and self.scaling is not None:
                 self.scaling.pinned = bool(msg["pinned"])
+            if "context" in msg and self.scaling is not None and self.scaling.live is not None:
+                if not self.scaling.live.set_context(msg["context"]):
+                    log.warning("malformed policy context ignored: %.200r", msg["context"], extra=self.ctx)
+        elif event == "hosts":
+            self._on_hosts(msg)
         elif event == "eof":
             self.request_stop(now)
         else:
             log.warning("unknown control event %r ignored", event, extra=self.ctx)
+
+    def _on_hosts(self, msg: Dict[str, Any]) -> None:
+        """The agent's instance -> node bindings (agent.node.hostmap): replaces ours; what they
+        now bind is released from the hold buffer in this step (`_release_held`)."""
+        bound = msg.get("bound")
+        if not isinstance(bound, dict):
+            log.warning("hosts line without its tables ignored", extra=self.ctx)
+            return
+        self.hosts_bound = {str(i): str(n) for i, n in bound.items()}
+        former = msg.get("former")
+        self.hosts_former = ({str(i): [str(n) for n in ns] for i, ns in former.items() if isinstance(ns, list)}
+                             if isinstance(former, dict) else {})
 
     def request_stop(self, now: float) -> None:
         """Agent shutdown: stop producing, drain (bounded), exit; the session is kept."""
@@ -1059,7 +1126,7 @@ class Worker:
             log.info("stop requested: draining", extra=self.ctx)
 
     def _check_stopped(self, now: float) -> None:
-        if self.drained():
+        if self.drained() and (not self._final or self.scaling is None or self.scaling.ready_to_exit()):
             self._exit = (EXIT_OK, "stopped", False)
         elif now > self._stop_deadline:
             self._exit = (EXIT_DRAIN_TIMEOUT, "drain timeout: successors did not ack everything", False)
@@ -1115,6 +1182,10 @@ class Worker:
             paho_out=self.transport.pending_out(),
             connected=self.transport.connected,
             service_time_ms=self.service_time * 1000,
+            live_capacity=round(self.live_capacity.value, 2),
+            online_service_time_ms=(round(self.live_capacity.service_time * 1000, 4)
+                                    if self.live_capacity.service_time else None),
+            signals=self.last_signals.to_stats() if self.last_signals is not None else None,
             first_record_at=self.first_record_at,
             activated_at=self.activated_at,
             at=time.time(),
@@ -1132,6 +1203,13 @@ class Worker:
         if self.is_source and now - self._last_source_write >= 2.0:  # a rename costs ~5-20 ms here
             self._last_source_write = now
             self._write_source_stats()
+
+    def take_signals(self, now: float) -> Signals:
+        """Close the live-signal period (the decision period) and feed the online capacity."""
+        sig = self.signals.take(now, time.process_time())
+        self.live_capacity.update(sig.busy, sig.processed)
+        self.last_signals = sig
+        return sig
 
     def measure_load(self, now: float) -> float:
         """Records received per second since the last call (the paper's l_t, per second)."""
@@ -1243,10 +1321,13 @@ class _ScalingDriver:
         self.policy = sc.policy
         if self.policy not in RUNTIME_POLICIES:  # deploy refuses these; a hand-made spec ends here
             raise ValueError("; ".join(worker.pipeline.runtime_policy_errors()))
+        # threshold / model / sized: the simulator's policy objects, fed the live signals and the
+        # daemon's sibling context (agent.policy.live); "decentralized" stays in the core.
+        self.live: Optional[LivePolicy] = LivePolicy(self.policy, sc) if self.policy in LIVE_POLICIES else None
         # coordination = "ack" (paper) or "fgme" (rounds inside 2-FGME CSs, docs/gme.md). Lock
         # messages share the inbox and its numbered FIFO channel with the scaling messages.
         self.coordination = worker.pipeline.pipeline.coordination
-        core_cls = core_class(self.coordination)
+        core_cls = core_class(self.coordination, worker.pipeline.pipeline.fgme_damping)
         self._from_dict = message_from_dict
         if spec.restart and saved.get("scaling"):
             self.core = core_cls.restore(saved["scaling"], self.params, incarnation=worker.epoch)
@@ -1287,6 +1368,9 @@ class _ScalingDriver:
         self.orphans: Deque[str] = deque()  # idle copies nobody will start: we adopt them (_maybe_adopt)
         self.memory = RoundMemory(saved.get("rounds_applied") if spec.restart else None)
         self._round_clock: Dict[str, float] = {}  # neighbour -> last sent to / heard from
+        # coordination = "fgme": every protocol message of the core on an exactly-once FIFO
+        # channel (agent.instance.recovery.ReliableLinks); "ack" keeps the paper's path
+        self.links = self._make_links(saved) if self.coordination == "fgme" else None
         if spec.restart and saved.get("scaling"):
             # Finish what the crashed incarnation had queued (write-ahead, agent.instance.recovery).
             self.outputs.extend(decode_outputs(saved.get("outputs") or [], self._from_dict))
@@ -1308,6 +1392,39 @@ class _ScalingDriver:
         self._errors_log = LogLimiter()  # once per sender per minute, bounded (probed names are invented)
         self._req = 0
         self.decisions: Deque[Dict[str, Any]] = deque(maxlen=32)  # recent decisions (bench, demo)
+
+    def _make_links(self, saved: Dict[str, Any]) -> ReliableLinks:
+        w = self.w
+        if w.spec.restart and saved.get("links"):
+            try:
+                return ReliableLinks.load(w.spec.instance, saved["links"], w.clock())
+            except ValueError as exc:
+                log.warning("%s: starting new channels", exc, extra=w.ctx)
+        # a new generation: above any earlier one of this identity (seconds, as min_epoch)
+        lost = bool(w.spec.restart or w.spec.extra.get("min_epoch"))
+        return ReliableLinks(w.spec.instance, int(time.time()), lost_state=lost)
+
+    def _send_link(self, pairs: List[Tuple[str, Dict[str, Any]]]) -> None:
+        """Link acks and resends (agent.instance.recovery.ReliableLinks). The state is written
+        first: an ack must never leave before the deliveries it acknowledges are on disk."""
+        if not pairs:
+            return
+        self.w._write_state(force=True)
+        for dest, body in pairs:
+            self.w.send_envelope(dest, Kind.PROTO, body)
+
+    def resync(self, now: float) -> None:
+        """We are a new incarnation: ask every peer for what we may have lost, resend ours."""
+        if self.links is not None:
+            core = self.core
+            self._send_link(self.links.resync(set(core.preds) | set(core.succs), now))
+
+    def ready_to_exit(self) -> bool:
+        """Terminated: ack what we delivered, and wait until our own messages are acked."""
+        if self.links is None:
+            return True
+        self._send_link(self.links.flush_acks())
+        return self.links.settled
 
     @classmethod
     def maybe(cls, worker: Worker, saved: Dict[str, Any]) -> Optional["_ScalingDriver"]:
@@ -1443,6 +1560,19 @@ class _ScalingDriver:
         if isinstance(env.body, dict) and env.body.get("type") in (PROBE, PROBE_ECHO):
             self.on_probe(env)
             return
+        if self.links is not None:
+            try:
+                body, replies = self.links.receive(env.sender, env.body, self.w.clock())
+            except LinkError as exc:
+                stats["protocol_errors"] += 1
+                if self._errors_log.allow(env.sender, self.w.clock()):
+                    log.warning("protocol message from %s rejected: %s", env.sender, exc, extra=self.w.ctx)
+                return
+            self.w.mark_state_changed()
+            self._send_link(replies)
+            if body is None:
+                return  # a link ack, a copy, or a message past a gap (it comes again in order)
+            env = replace(env, body=body)
         is_lock = isinstance(env.body, dict) and env.body.get("type") == LockMessage.type
         if is_lock:
             stats["lock_in"] = stats.get("lock_in", 0) + 1
@@ -1471,6 +1601,8 @@ class _ScalingDriver:
             self.w.mark_state_changed()  # the lock state changed even when nothing is sent
         self._observe(outs)
         self._queue(outs)
+        if self.links is not None and getattr(self.core, "departed", None) and self.core.departed(env.sender):
+            self._send_link(self.links.forget(env.sender))
 
     def force(self, action: str, count: int) -> None:
         """A steering request (fogctl scale/drain via the agent): queued, run by `_run_forced`
@@ -1520,9 +1652,12 @@ class _ScalingDriver:
         self._run_forced(now)
         self._maybe_adopt()
         self.resend_silent(now)
+        if self.links is not None:
+            self._send_link(self.links.due(now))
         if now < self.next_tick:
             return
         load = self.w.measure_load(now)
+        sig = self.w.take_signals(now)
         self.next_tick = now + self.period
         if self.policy == "none" or self.w.is_source or self.w._stopping or self.pinned:
             return
@@ -1537,7 +1672,11 @@ class _ScalingDriver:
             return
         self.round_created = []
         draw = self.rng.random()
-        decision = self.core.decide(load, draw)
+        if self.live is not None:
+            decision = self.live.decide(PeriodInputs(now, load, sig.processed_rate, self.w.live_capacity.value,
+                                                     sig.backpressure, self.core.keeper, draw))
+        else:
+            decision = self.core.decide(load, draw)
         if decision.scales:
             self.log.decided(time.monotonic())
         outs = self.core.start_round(decision)
@@ -1548,9 +1687,14 @@ class _ScalingDriver:
             self.counts["scale_outs" if kind == "scale_out" else "scale_ins"] += 1
             new = [o.instance_id for o in outs if type(o).__name__ == "CreateInstance"]
             self.decisions.append({"at": time.time(), "kind": kind, "load": round(load, 1), "new": new})
-            log.info("decision %s at load %.1f/s (capacity %.0f)", kind, load, self.params.capacity, extra=self.w.ctx)
+            log.info("decision %s at load %.1f/s (capacity %.0f)%s", kind, load, self._capacity(),
+                     f" {self.live.last}" if self.live is not None else "", extra=self.w.ctx)
             self.last_round_end = now
         self._queue(outs)
+
+    def _capacity(self) -> float:
+        """The capacity this instance's policy compares with: live for the Gesscale policies."""
+        return self.w.live_capacity.value if self.live is not None else self.params.capacity
 
     def _publish_decision(self, now: float, load: float, draw: float, decision: Any, outs: List[Any]) -> None:
         """A decision event with the numbers it was drawn from (load, capacity, ratio, probability,
@@ -1577,10 +1721,10 @@ class _ScalingDriver:
         try:
             ev = events.decision(
                 ts=time.time(), node=w.spec.node, instance=w.spec.instance, operator=w.spec.operator,
-                pipeline=w.spec.pipeline, load=float(load), capacity=float(self.params.capacity),
-                probability=float(decision.factor) if decision.action is not Action.NONE else None,
+                pipeline=w.spec.pipeline, load=float(load), capacity=float(self._capacity()),
+                probability=float(decision.factor) if decision.action is not Action.NONE and self.live is None else None,
                 draw=float(draw), action=decision.action.value, count=int(decision.count),
-                type=kind, detail={"new": new, "source": "worker"} if new else {"source": "worker"},
+                type=kind, detail=self._decision_detail(new),
             )
             w.transport.publish(topics.events(w.spec.cluster), ev.to_json().encode(), qos=0)
             self.history = events.remember(self.history, ev)
@@ -1592,6 +1736,14 @@ class _ScalingDriver:
         except (TransportError, ValueError) as exc:
             self.counts["decision_events_failed"] = self.counts.get("decision_events_failed", 0) + 1
             log.warning("decision event not published: %s", exc, extra=w.ctx)
+
+    def _decision_detail(self, new: List[str]) -> Dict[str, Any]:
+        detail: Dict[str, Any] = {"source": "worker"}
+        if new:
+            detail["new"] = new
+        if self.live is not None and self.live.last is not None:
+            detail.update({k: v for k, v in self.live.last.items() if k != "context"})
+        return detail
 
     def _queue(self, outs: List[Any]) -> None:
         if outs:
@@ -1608,7 +1760,8 @@ class _ScalingDriver:
         from agent.instance.recovery import encode_outputs
 
         return {"scaling": self.core.snapshot(), "outputs": encode_outputs(self.outputs),
-                "rounds_applied": dict(self.memory.applied), "round_created": list(self.round_created)}
+                "rounds_applied": dict(self.memory.applied), "round_created": list(self.round_created),
+                **({"links": self.links.dump()} if self.links is not None else {})}
 
     def ping_if_idle(self, now: float) -> None:
         """An idle copy (created, not started) asks its creator for Start again: an ack of
@@ -1706,8 +1859,8 @@ class _ScalingDriver:
         may have crashed between applying it and acking); never while outputs are queued."""
         from agent.instance.recovery import silent_pending
 
-        if self.outputs or not self.core.in_round:
-            return
+        if self.outputs or not self.core.in_round or self.links is not None:
+            return  # with links, every message is resent until acked (ReliableLinks)
         for dest, msg in silent_pending(self.core, self._round_clock, now):
             self.w.send_envelope(dest, Kind.PROTO, msg.to_dict())
             self._round_clock[dest] = now
@@ -1727,7 +1880,10 @@ class _ScalingDriver:
                 # INVARIANT 6 (the paper's message cost): exactly the core's Sends go out, one
                 # envelope each; data acks and heartbeats are separate (data plane, control pipe).
                 # 2-FGME lock messages travel the same way but are counted apart, by kind.
-                w.send_envelope(out.dest, Kind.PROTO, out.message.to_dict())
+                body = out.message.to_dict()
+                if self.links is not None:
+                    body = self.links.stamp(out.dest, body, now)
+                w.send_envelope(out.dest, Kind.PROTO, body)
                 self._round_clock[out.dest] = now
                 if out.message.type == "start":
                     self.started.append(out.dest)
@@ -1866,9 +2022,14 @@ class _ScalingDriver:
         s["decisions"] = list(self.decisions)
         s["capacity"] = self.params.capacity
         s["coordination"] = self.coordination
+        s["policy"] = self.policy
+        if self.live is not None:
+            s["live_decision"] = self.live.last
         s.update(self.log.stats(self.core))
         if self.coordination == "fgme":
             s["lock_messages"] = {d: dict(c) for d, c in self.lock_counts.items()}
+        if self.links is not None:
+            s["links"] = dict(self.links.counts, unacked=self.links.unacked())
         return s
 
 
