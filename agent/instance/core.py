@@ -527,7 +527,7 @@ class Instance:
 
         Data: a predecessor (the core's table, or one announced to an idle copy). Acks: an
         instance we sent data to (a link, a successor), a copy of ours pinging for its Start, or a
-        copy we may have to adopt (`_ScalingDriver.may_probe`). Protocol and lock messages: any
+        copy we may have to adopt (`ScalingDriver.may_probe`). Protocol and lock messages: any
         instance our tables, our rounds or our persisted channels know."""
         s = env.sender
         sc = self.scaling
