@@ -8,12 +8,12 @@ reproduces the published set-up without tuning.
 from __future__ import annotations
 
 import math
-
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
+from agent.refs import check_module_name, current_ref, parse_ref
 from agent.schema import (
     ConfigError,
     identifier,
@@ -28,8 +28,6 @@ DEFAULT_AGENT_CONFIG = Path("/etc/fog-agent/agent.toml")
 
 
 def _module_function(v: Any) -> Optional[str]:
-    from agent.operators.admission import parse_ref
-
     try:
         parse_ref(v)
     except ValueError as exc:
@@ -38,8 +36,6 @@ def _module_function(v: Any) -> Optional[str]:
 
 
 def _operator_modules(v: Any) -> Optional[str]:
-    from agent.operators.admission import check_module_name
-
     for m in v:
         why = check_module_name(m)
         if why:
@@ -222,8 +218,6 @@ class OperatorSection:
     params: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        from agent.operators.admission import current_ref
-
         object.__setattr__(self, "function", current_ref(self.function))
 
 

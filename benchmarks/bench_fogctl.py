@@ -131,7 +131,7 @@ def bench_snapshot(nodes: int, repeat: int) -> dict:
 
 METRICS_CODE = textwrap.dedent("""
     import json, sys, time, tempfile
-    from agent.runtime import metrics
+    from agent.measure import metrics
     mode = sys.argv[1]
     n = int(sys.argv[2])
     if mode == "multiprocess":

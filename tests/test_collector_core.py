@@ -16,7 +16,7 @@ from typing import Dict, List, Tuple
 import pytest
 
 from agent.collector.core import CollectorCore
-from agent.collector.landing import CorruptFile, LandingZone
+from agent.spill.landing import CorruptFile, LandingZone
 from agent.spill.shipper import (
     Ack,
     FileMeta,

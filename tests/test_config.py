@@ -197,7 +197,7 @@ def test_a_saved_spec_with_0_1_operator_names_is_read_under_the_new_names(caplog
     old = text.replace("agent.operators.builtin:", "agent.runtime.operators:").replace(
         "agent.operators.taxi:", "agent.runtime.taxi:")
     assert "agent.runtime.operators:in_zone" in old
-    with caplog.at_level("WARNING", logger="agent.operators.admission"):
+    with caplog.at_level("WARNING", logger="agent.refs"):
         cfg = load_pipeline_text(old)
     assert [op.function for op in cfg.operators] == [op.function for op in load_pipeline_text(text).operators]
     assert all(AllowList().resolve(op.function) for op in cfg.operators)

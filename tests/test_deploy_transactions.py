@@ -321,7 +321,7 @@ def test_manual_scale_pins_the_count_until_released(capsys, mosquitto: Any, tmp_
 def test_records_generations_and_durations_pure() -> None:
     """The rules the agents apply (agent.node.deploy.stale_reason) and fogctl's --for."""
     from agent.config import load_pipeline_text
-    from agent.fogctl.rpc_schema import RequestError, parse_duration
+    from agent.control.rpc_schema import RequestError, parse_duration
     from agent.node.deploy import PipelineRecord, stale_reason, stamp, tombstone
 
     text = stamp(PIPELINE, "18c-abc123")

@@ -16,8 +16,8 @@ import pytest
 from agent import events, topics
 from agent.cli.fogctl import main
 from agent.fogctl.config import load_config, parse_broker
-from agent.fogctl.fleet import Fleet, LockState, Phase, parse_state, parse_status
-from agent.fogctl.rpc_schema import DrainRequest, RequestError, ScaleRequest, check_drain, check_scale, parse_request
+from agent.control.fleet import Fleet, LockState, Phase, parse_state, parse_status
+from agent.control.rpc_schema import DrainRequest, RequestError, ScaleRequest, check_drain, check_scale, parse_request
 from agent.fogctl.testing import FakeAgent, FakeInstance
 from agent.schema import ConfigError
 
@@ -275,8 +275,8 @@ def test_rpc_timeout_when_agent_does_not_answer(capsys, mosquitto, steer_fleet) 
 
 
 def test_agent_actions_the_daemon_side_of_steering() -> None:
-    from agent.fogctl.fleet import Instance
-    from agent.fogctl.rpc_schema import Action, ActionKind, agent_actions
+    from agent.control.fleet import Instance
+    from agent.control.rpc_schema import Action, ActionKind, agent_actions
 
     local = [Instance("z-1", "z", "n1", keeper=True, phase=Phase.ACTIVE),
              Instance("z-2", "z", "n1", phase=Phase.ACTIVE),

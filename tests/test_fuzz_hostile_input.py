@@ -404,7 +404,7 @@ def test_bus_targets_are_registered_and_run_through_the_cli(capsys: Any) -> None
     {"op": "scale", "operator": ["x"], "delta": 1},
 ])
 def test_a_scale_request_with_wrong_types_is_a_request_error(body: Any) -> None:
-    from agent.fogctl.rpc_schema import RequestError, parse_request
+    from agent.control.rpc_schema import RequestError, parse_request
 
     with pytest.raises(RequestError):
         parse_request(body)
@@ -412,7 +412,7 @@ def test_a_scale_request_with_wrong_types_is_a_request_error(body: Any) -> None:
 
 def test_fogctl_shows_a_hostile_state_as_an_error_row() -> None:
     from agent.fogctl import views
-    from agent.fogctl.fleet import Fleet, state_decisions
+    from agent.control.fleet import Fleet, state_decisions
 
     msgs = {"fog/c/agents/n9/state": b"[" * 100_000, "fog/c/agents/n9/status": b"online",
             "fog/c/agents/n8/state": b'{"node": "n8", "slots": 2, "instances": {"a": [1]}, "measure": []}',

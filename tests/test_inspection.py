@@ -25,7 +25,7 @@ import pytest
 from agent import events, topics
 from agent.cli.fogctl import main
 from agent.fogctl import views
-from agent.fogctl.fleet import Fleet
+from agent.control.fleet import Fleet
 from agent.fogctl.testing import FakeAgent, FakeInstance
 from agent.tools.delayproxy import DelayProxy, ProxyBank
 from agent.measure.latency import BROKER, LatencyCore, MqttLatencyAgent, Probe, ping_topic, pong_topic, received_at

@@ -186,8 +186,8 @@ def test_fogctl_scale_refuses_past_max_instances_before_asking_an_agent() -> Non
     says it first, counting as the agents do (every phase, online nodes)."""
     import pytest
 
-    from agent.fogctl.fleet import Fleet
-    from agent.fogctl.rpc_schema import RequestError, ScaleRequest, check_scale
+    from agent.control.fleet import Fleet
+    from agent.control.rpc_schema import RequestError, ScaleRequest, check_scale
 
     def fleet(pipeline_text: str) -> Fleet:
         insts = [{"id": "hot.in_zone.0", "operator": "in_zone", "pipeline": "hot", "keeper": True, "status": "active"}]

@@ -105,7 +105,7 @@ def test_smoothing_is_an_ewma():
 
 
 def test_fogctl_and_nodestate_read_the_retained_document():
-    from agent.fogctl.fleet import parse_latency as fogctl_parse
+    from agent.control.fleet import parse_latency as fogctl_parse
     from agent.node.nodestate import parse_latency as node_parse
 
     a = LatencyCore("a", "c", emulated={"b": 50.0})

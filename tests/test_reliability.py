@@ -25,6 +25,8 @@ def assert_nothing_lost(summary: Dict[str, Any], faults: int) -> None:
     assert summary["faults_injected"] == faults, summary["faults"]
     unrecovered = [(f["kind"], f["target"], f["detail"]) for f in summary["faults"] if f["recovery_s"] is None]
     assert not unrecovered, unrecovered
+    assert summary["settled"], ("records still in flight when the run ended", summary["settle_s"],
+                                summary["holding_at_end"], summary["lost"])
     assert summary["lost"] == 0, (summary["lost"], summary["lost_sample"])
     assert summary["duplicated"] == 0, summary
     assert summary["records_out"] == summary["records_expected"] > 3000, summary

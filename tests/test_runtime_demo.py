@@ -16,6 +16,7 @@ import pytest
 
 from agent.config import load_pipeline_text
 from agent.tools import demo
+from agent.tools.verify import verify
 from agent.operators.taxi import TaxiGenerator
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,24 +83,24 @@ def test_verifier_accepts_exactly_once_and_catches_loss_duplicates_and_strays(tm
 
     ok = tmp_path / "ok"
     write_run(ok, n, keep)
-    v = demo.verify(cfg, ok)
+    v = verify(cfg, ok)
     assert v.ok and v.generated == n and v.expected == len(keep) == v.received
 
     lost = tmp_path / "lost"
     write_run(lost, n, keep[:-3])
-    v = demo.verify(cfg, lost)
+    v = verify(cfg, lost)
     assert not v.ok and v.lost == 3 and v.lost_sample[0] == ("mini.source.0", keep[-3])
 
     dup = tmp_path / "dup"
     write_run(dup, n, keep)
     (dup / "mini.sink.1.ids").write_text(f"mini.source.0 {keep[0]}\n")  # the same id at a second sink
-    v = demo.verify(cfg, dup)
+    v = verify(cfg, dup)
     assert not v.ok and v.duplicated == 1 and v.lost == 0
 
     stray = tmp_path / "stray"
     dropped = next(s for s in range(n) if s not in set(keep))
     write_run(stray, n, keep + [dropped, n + 5])  # a filtered record and a never-generated one
-    v = demo.verify(cfg, stray)
+    v = verify(cfg, stray)
     assert not v.ok and v.unexpected == 2
 
 

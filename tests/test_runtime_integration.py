@@ -18,7 +18,8 @@ import pytest
 
 from agent import topics
 from agent.config import load_pipeline_text
-from agent.tools.demo import Fleet, Monitor, verify
+from agent.tools.demo import Fleet, Monitor
+from agent.tools.verify import verify
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 

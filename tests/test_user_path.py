@@ -92,14 +92,15 @@ def test_demo_json_stdout_is_the_summary_alone(monkeypatch: pytest.MonkeyPatch, 
         os.write(1, b"a child writes to fd 1\n")
         return {"ok": True, "workdir": str(k["workdir"]), "lost": 0, "duplicated": 0}
 
-    def noisy_hook(workdir: Path, summary: Dict[str, Any]) -> Dict[str, Any]:
+    def noisy_analyse(workdir: Path, pipeline_path: Path) -> Dict[str, Any]:
         print(f"analytics report: {workdir}/report.md")
         os.write(1, b"spark writes to fd 1\n")
         return {"report": "r.md"}
 
+    from agent.tools import demo_analytics
+
     monkeypatch.setattr(demo, "run_demo", noisy_run)
-    monkeypatch.setattr(demo, "ANALYTICS_HOOKS", [noisy_hook])
-    monkeypatch.setattr(demo, "_analytics_hooks", lambda: [noisy_hook])
+    monkeypatch.setattr(demo_analytics, "analyse", noisy_analyse)
     args = argparse.Namespace(pipeline=None, duration=None, workdir=str(tmp_path / "w"), plot=None, quiet=True,
                               json=True, no_analytics=False)
     assert demo.main(args) == demo.EXIT_OK

@@ -6,7 +6,7 @@ Entry points:
 - `run_demo_analytics(spool_dirs_or_landing, out_dir)` for `make demo`;
 - `run_job(spark, landing, out)` with a session you already have (tests).
 
-Landing zone layout: `kind=<kind>/date=<date>/node=<node>/*.jsonl.gz` (agent.collector.landing).
+Landing zone layout: `kind=<kind>/date=<date>/node=<node>/*.jsonl.gz` (agent.spill.landing).
 Kinds read: "records" (sink output: DEBS fields + src/seq ids), "batches" (sink output as the
 batches arrived, keys once per batch: see `read_records`), "generated" (source id ranges),
 "metrics" (per-instance load samples), "events" (protocol, lock and spool events). A missing kind
@@ -178,7 +178,7 @@ def run(landing: PathLike, out: PathLike, master: Optional[str] = "local[*]", pe
 
 def land_spools(spool_dirs: Iterable[PathLike], landing: PathLike) -> int:
     """Land every closed file of the given spool directories (the demo's "shared path" shipping)."""
-    from agent.collector.landing import LandingZone
+    from agent.spill.landing import LandingZone
     from agent.spill.shipper import meta_for
     from agent.spill.spool import ClosedFile, parse_name
 

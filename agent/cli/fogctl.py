@@ -113,7 +113,7 @@ def main(argv: Optional[Sequence[str]] = None, connect: Optional[Callable[..., A
     from agent.fogctl.client import BrokerUnreachable, Connection, FogctlError
     from agent.fogctl.commands import COMMANDS, Context
     from agent.fogctl.config import load_config
-    from agent.fogctl.rpc_schema import RequestError
+    from agent.control.rpc_schema import RequestError
     from agent.schema import ConfigError
 
     try:

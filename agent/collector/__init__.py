@@ -6,6 +6,6 @@
 """
 
 from agent.collector.core import CollectorCore
-from agent.collector.landing import CorruptFile, LandingZone, LandResult
+from agent.spill.landing import CorruptFile, LandingZone, LandResult
 
 __all__ = ["CollectorCore", "CorruptFile", "LandResult", "LandingZone"]

@@ -23,7 +23,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
-from agent.collector.landing import CorruptFile, LandResult
+from agent.spill.landing import CorruptFile, LandResult
 from agent.spill.shipper import Ack, ChunkHeader, FileMeta, ack_topic, decode_chunk
 
 __all__ = ["CollectorCore", "Reply"]

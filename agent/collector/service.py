@@ -24,7 +24,7 @@ from typing import Any, List, Optional, Tuple
 
 from agent import topics
 from agent.collector.core import CollectorCore
-from agent.collector.landing import LandingZone
+from agent.spill.landing import LandingZone
 from agent.config import TlsSection, tls_setup
 from agent.node.daemon import connect_error, paho_error
 from agent.spill.shipper import chunk_subscription

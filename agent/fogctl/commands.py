@@ -19,8 +19,8 @@ from agent import topics
 from agent.fogctl import views
 from agent.fogctl.client import Connection, FogctlError
 from agent.fogctl.config import FogctlConfig
-from agent.fogctl.fleet import Fleet, Phase
-from agent.fogctl.rpc_schema import (DrainRequest, PinRequest, Reply, RequestError, ScaleRequest, check_drain,
+from agent.control.fleet import Fleet, Phase
+from agent.control.rpc_schema import (DrainRequest, PinRequest, Reply, RequestError, ScaleRequest, check_drain,
                                      check_scale, parse_duration)
 
 __all__ = ["COMMANDS", "fleet_snapshot", "Context"]
@@ -125,7 +125,7 @@ def cmd_watch(args: argparse.Namespace, ctx: Context) -> int:
     drains, locks and refusals a person watches for; `--all`, or a `--filter type=decision`,
     shows them too.
     """
-    from agent.fogctl.fleet import state_decisions
+    from agent.control.fleet import state_decisions
 
     filters = parse_filters(args.filter or [])
     everything = bool(getattr(args, "all", False)) or "decision" in filters.get("type", ())
@@ -207,7 +207,7 @@ def cmd_why(args: argparse.Namespace, ctx: Context) -> int:
         states = conn.snapshot([topics.all_agents_state(ctx.cfg.cluster)])
         pinned = pin_of(states, args.instance)
         if not history:  # no retained history: the decisions the agents' states carry
-            from agent.fogctl.fleet import state_decisions
+            from agent.control.fleet import state_decisions
 
             history = sorted((e for t, m in states.items() for e in state_decisions(ctx.cfg.cluster, t, m.payload)
                               if e.instance == args.instance), key=lambda e: e.ts)

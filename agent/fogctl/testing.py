@@ -20,7 +20,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from agent import events, topics
-from agent.fogctl.rpc_schema import DrainRequest, PinRequest, Reply, RequestError, ScaleRequest, parse_request
+from agent.control.rpc_schema import DrainRequest, PinRequest, Reply, RequestError, ScaleRequest, parse_request
 
 __all__ = ["FakeInstance", "FakeAgent"]
 

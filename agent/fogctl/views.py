@@ -11,7 +11,7 @@ import json
 from typing import Any, Dict, List, Optional, Tuple
 
 from agent.events import Event
-from agent.fogctl.fleet import Fleet, Instance, LockState
+from agent.control.fleet import Fleet, Instance, LockState
 from agent.fogctl.render import fmt_age, fmt_num, table
 
 __all__ = ["status", "topology", "topology_tree", "latency", "locks", "pipelines", "event_line", "Doc"]

@@ -41,18 +41,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-from agent import topics
-from agent.config import AgentConfig, check_tls, load_pipeline_text, resolve_password
-from agent.operators import admission
-from agent.node import bounds
-from agent.node import hosted
-from agent.node import nodestate
-from agent.node import rehome
-from agent.node import rpc
-from agent.node import deploy as records
-from agent.node.placement import DEFAULT_POLICY, NodeView, PlacementPolicy, PlacementRequest, get_policy
+from agent import events, notify, topics
+from agent.config import AgentConfig, check_tls, load_agent_config, load_pipeline_text, resolve_password
+from agent.control.fleet import Instance, Phase
+from agent.control.rpc_schema import ActionKind, DrainRequest, Reply, RequestError, agent_actions, parse_request
 from agent.files import write_atomic
 from agent.instance.spec import BrokerSpec, InstanceSpec, request_spec
+from agent.measure.capacity import capacity_for
+from agent.node import bounds, hosted, nodestate, rehome, rpc
+from agent.node import deploy as records
+from agent.node.placement import DEFAULT_POLICY, NodeView, PlacementPolicy, PlacementRequest, get_policy
+from agent.operators import admission
+from agent.spill.local import AgentSpill
 from agent.node.supervisor import WORKER_COMMAND, WORKER_EXIT_BAD_SPEC, Reaped, Supervisor, Worker, WorkerStatus
 
 log = logging.getLogger(__name__)
@@ -220,8 +220,6 @@ class Agent:
         self.metrics: Any = None  # agent.measure.metrics, when [metrics].port != 0
         self.stats_bridge: Any = None
         # [spill]: the sink workers' spool settings, this agent's metrics/events spool, shipping
-        from agent.spill.local import AgentSpill
-
         self.spill: Optional[AgentSpill] = AgentSpill.maybe(cfg, self.broker)
         self.metrics_server: Any = None
 
@@ -423,9 +421,6 @@ class Agent:
     def _reload(self) -> None:
         """SIGHUP: re-read the config file and apply its [log] level, the one setting that changes
         safely in place; anything else needs a restart (drain, rejoin), which the log line says."""
-        from agent import notify
-        from agent.config import load_agent_config
-
         if self._ready_notified:
             notify.reloading()
         try:
@@ -505,10 +500,6 @@ class Agent:
     # -- systemd -------------------------------------------------------------------------------
 
     def _notify(self, now: float) -> None:
-        try:
-            from agent import notify
-        except ImportError:  # pragma: no cover - operations module absent
-            return
         if not notify.enabled():
             return
         if not self._ready_notified and self.connected and self._stopping_since is None:
@@ -580,8 +571,6 @@ class Agent:
             self._state_dirty = False
 
     def _event(self, etype: str, instance: str, operator: str, pipeline: str, **detail: Any) -> None:
-        from agent import events
-
         detail["source"] = "agent"
         try:
             ev = events.make(etype, ts=self.wall(), node=self.node, instance=instance, operator=operator,
@@ -617,11 +606,9 @@ class Agent:
             return 0  # `fogctl drain`: no new instance until `undrain`
         return max(0, self.cfg.agent.slots - len(self.supervisor))
 
-    # -- fogctl steering (agent/fogctl/rpc_schema.py) ---------------------------------------
+    # -- fogctl steering (agent/control/rpc_schema.py) ---------------------------------------
 
     def _local_instances(self) -> List[Any]:
-        from agent.fogctl.fleet import Instance, Phase
-
         out = []
         for info in self.instance_infos():
             w = self.supervisor.get(info.id)
@@ -637,8 +624,6 @@ class Agent:
         """A fogctl scale/drain request: check it against our own instances (`agent_actions`) and
         hand each action to its worker as a control line; the worker runs it through the SAME
         protocol as an automatic decision (ScalingCore.start_round with a forced decision)."""
-        from agent.fogctl.rpc_schema import ActionKind, DrainRequest, Reply, RequestError, agent_actions, parse_request
-
         try:
             req = parse_request(body)
             actions = agent_actions(req, self.node, self._local_instances(), slots=self.fleet_slots())
@@ -1389,8 +1374,6 @@ class Agent:
     # -- pins (fogctl scale: the policy makes no automatic decision for a pinned operator) -------
 
     def _on_pin(self, body: Dict[str, Any]) -> Dict[str, Any]:
-        from agent.fogctl.rpc_schema import Reply, RequestError, parse_request
-
         try:
             req = parse_request(body)
         except RequestError as exc:
@@ -1480,8 +1463,6 @@ class Agent:
         self._stopping_since = now
         log.info("shutting down (%s): stopping %d workers", why, len(self.supervisor), extra={"node": self.node})
         try:
-            from agent import notify
-
             notify.stopping(f"stopping {len(self.supervisor)} workers")
         except ImportError:  # pragma: no cover
             pass
@@ -1566,8 +1547,6 @@ def spec_with_capacity(spec: InstanceSpec, state_dir: Any, node: str) -> Instanc
         return spec
     if sc.capacity != "calibrate":
         return spec
-    from agent.measure.capacity import capacity_for
-
     try:
         cap = capacity_for(state_dir, node, spec.operator, None)
     except ValueError as exc:

@@ -16,7 +16,7 @@ Request body (JSON): {"op": "spawn", "spec": {InstanceSpec}} | {"op": "stop", "i
 "forget": true (an undeploy: the stored spec goes too)}
                      | {"op": "set", "instance": id, "fields": {...}}   (a "set" control line,
                        e.g. {"service_time_ms": 5.0}: tests and the demo slow an instance down)
-                     | {"op": "ping"} | scale / drain / undrain / pin (agent.fogctl.rpc_schema)
+                     | {"op": "ping"} | scale / drain / undrain / pin (agent.control.rpc_schema)
 Reply body (JSON):   {"ok": true, "instance": id, "node": node} | {"ok": false, "error": "..."}
 """
 

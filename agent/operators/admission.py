@@ -33,13 +33,12 @@ from __future__ import annotations
 
 import functools
 import importlib
-import logging
 import os
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, Iterable, List, Mapping, Optional, Tuple
 
-log = logging.getLogger(__name__)
+from agent.refs import MAX_REF, check_module_name, parse_ref
+
 
 __all__ = [
     "BUILTIN",
@@ -67,26 +66,6 @@ ENTRY_POINT_GROUP = "fog_agent.operators"
 # worker reads no agent.toml; the environment is the agent's, not the request's).
 ENV_MODULES = "FOG_AGENT_OPERATOR_MODULES"
 
-# Built-in modules that moved when agent/runtime/ was split (0.2.0). Specs saved by an older agent
-# (hosted records, state dirs) and pipelines written for it still name the old modules; they are
-# read under the new names, with one warning, until 0.3.0 (docs/operators.md, "Upgrading").
-RENAMED_MODULES: Mapping[str, str] = {
-    "agent.runtime.operators": "agent.operators.builtin",
-    "agent.runtime.taxi": "agent.operators.taxi",
-}
-
-
-def current_ref(ref: str) -> str:
-    """`ref` with a built-in module renamed since 0.1 replaced by its current name."""
-    module, sep, name = ref.partition(":")
-    new = RENAMED_MODULES.get(module)
-    if new is None:
-        return ref
-    log.warning("operator function %r was renamed %r in fog-agent 0.2.0; the old name is read until 0.3.0",
-                ref, f"{new}{sep}{name}")
-    return f"{new}{sep}{name}"
-
-
 BUILTIN: FrozenSet[str] = frozenset({
     "agent.operators.builtin:validate",
     "agent.operators.builtin:in_zone",
@@ -105,7 +84,6 @@ PATH_PARAMS: Dict[str, Tuple[str, ...]] = {
     "agent.operators.taxi:bench_source": ("csv",),
 }
 
-MAX_REF = 200  # characters of a "module:name"
 
 
 class OperatorRefused(ValueError):
@@ -118,35 +96,6 @@ class OperatorRefused(ValueError):
 
 class PathRefused(ValueError):
     """A path a spec names resolves outside the node's own directories."""
-
-
-def _dotted(name: str) -> bool:
-    return bool(name) and all(p.isidentifier() and p.isascii() for p in name.split("."))
-
-
-def parse_ref(ref: Any) -> Tuple[str, str]:
-    """("module", "name") of a "module:name", or ValueError for anything else (odd characters,
-    spaces, a second colon, non-ASCII look-alikes)."""
-    if not isinstance(ref, str) or len(ref) > MAX_REF:
-        raise ValueError('expected "package.module:function"')
-    module, sep, name = ref.partition(":")
-    if not sep or not _dotted(module) or not (name.isidentifier() and name.isascii()):
-        raise ValueError('expected "package.module:function"')
-    return module, name
-
-
-def check_module_name(module: Any) -> Optional[str]:
-    """What is wrong with a module name in `[operators] modules` (None: nothing). Standard
-    library modules and fog-agent's own are refused: listing `os` or `subprocess` would allow
-    their functions, listing `agent.operators.builtin` its helpers."""
-    if not isinstance(module, str) or not _dotted(module):
-        return 'expected a module name like "mylab.ops"'
-    top = module.split(".")[0]
-    if top in getattr(sys, "stdlib_module_names", ()) or top in sys.builtin_module_names:
-        return "a standard library module is not an operator module"
-    if top == "agent":
-        return "fog-agent's own operators are built in (BUILTIN); list only your own modules"
-    return None
 
 
 def _entry_points(group: str) -> Dict[str, str]:

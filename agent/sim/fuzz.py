@@ -1012,7 +1012,7 @@ def _check_rpc_request(body: Any) -> None:
     if body["op"] == "set" and (not isinstance(body.get("fields"), dict) or "event" in body["fields"]):
         raise PropertyViolation("invalid_accepted", "a set whose fields collide with the control line")
     if body["op"] in ("scale", "drain", "undrain"):
-        from agent.fogctl.rpc_schema import RequestError, parse_request
+        from agent.control.rpc_schema import RequestError, parse_request
 
         try:  # what the daemon does next with it: RequestError (a ValueError) or a request
             parse_request(body)
@@ -1052,7 +1052,7 @@ def _check_rehomed(value: Any) -> None:
 def _parse_latency_record(raw: Any) -> Any:
     """The agent's and fogctl's readers of a retained latency record: lenient, they never raise;
     an unusable record reads as 'unmeasured' (a rejection here)."""
-    from agent.fogctl.fleet import parse_latency as fogctl_latency
+    from agent.control.fleet import parse_latency as fogctl_latency
     from agent.node import nodestate
 
     rtt = nodestate.parse_latency(raw)
@@ -1149,7 +1149,7 @@ def _fogctl_views(raw: Any) -> Any:
     """fogctl's views of a snapshot where one node's retained state (or latency, status,
     pipeline) is hostile: they must render; a node whose state is unreadable shows its error."""
     from agent.fogctl import views
-    from agent.fogctl.fleet import Fleet, state_decisions
+    from agent.control.fleet import Fleet, state_decisions
 
     msgs = {"fog/c/agents/n1/state": json.dumps(_state_doc("n1", 0)).encode(),
             "fog/c/agents/n1/status": b"online", "fog/c/agents/n2/status": b"online",
@@ -1398,21 +1398,23 @@ def run_target(
             rng = _input_rng(seed, target.name, index)
             target.last_input = None
             kind, err, tb = "", "", ""
-            dog.arm()
             try:
-                ok = target.one(rng)
-                dog.disarm()
+                # armed inside the try: on a loaded machine the alarm can fire before the
+                # first line of the target runs, and must then count as this input's hang
+                dog.arm()
+                try:
+                    ok = target.one(rng)
+                finally:
+                    dog.disarm()
                 if ok:
                     stats.accepted += 1
                 else:
                     stats.rejected += 1
             except PropertyViolation as exc:
-                dog.disarm()
                 kind, err = exc.kind, exc.detail
             except Hang as exc:
                 kind, err = "hang", str(exc)
             except Exception as exc:  # noqa: BLE001 - this is what we are looking for
-                dog.disarm()
                 kind, err, tb = "crash", f"{type(exc).__name__}: {exc}", traceback.format_exc(limit=8)
             stats.inputs += 1
             if kind:

@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 from agent import topics, wire
 from agent.config import TlsSection, tls_setup
+from agent.spill.landing import LandingZone
 from agent.spill.spool import ClosedFile, file_id
 
 __all__ = [
@@ -261,11 +262,9 @@ class PathShipper:
     """Ship to a shared path (NFS, sshfs...): land each closed file there directly, then release.
 
     The shared path is a landing zone: the same verification and exactly-once rename as the
-    collector's (`agent.collector.landing`)."""
+    collector's (`agent.spill.landing`)."""
 
     def __init__(self, spool: Any, landing_dir: Union[str, Path]) -> None:
-        from agent.collector.landing import LandingZone
-
         self.spool = spool
         self.landing = LandingZone(landing_dir)
         self.stats = {"landed": 0, "duplicates": 0}

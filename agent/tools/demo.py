@@ -13,10 +13,8 @@ same `Fleet` and `Monitor`):
   records (`taxi.TaxiGenerator`), passes them through the pipeline's map operators, and compares
   the ids that should reach the sink with the ids the counting sinks recorded (`*.ids` files).
 
-Hook for the analytics step (a later issue: spill -> PySpark): `ANALYTICS_HOOKS` is a list of
-callables `(workdir: Path, summary: dict) -> dict | None`; `run_demo` calls each after the
-verification and merges what it returns under `summary["analytics"]`. `agent.analytics.demo`
-is imported if it exists and may register itself there.
+The analytics step (`run_analytics`, agent/tools/demo_analytics.py, PySpark) runs after the
+verdict and merges what it returns under `summary["analytics"]`.
 """
 
 from __future__ import annotations
@@ -38,7 +36,8 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from agent import topics
-from agent.config import PipelineConfig, load_pipeline_text
+from agent.config import load_pipeline_text
+from agent.tools.verify import expected_ids, verify
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +46,6 @@ DEFAULT_PIPELINE = ROOT / "examples" / "demo-pipeline.toml"
 EXIT_OK = 0
 EXIT_LOSS = 3  # a record was lost or duplicated
 EXIT_SETUP = 1  # broker, agents or deploy failed
-
-ANALYTICS_HOOKS: List[Callable[[Path, Dict[str, Any]], Optional[Dict[str, Any]]]] = []
-
 
 # ---- the fleet ---------------------------------------------------------------------------------
 
@@ -379,95 +375,6 @@ class Monitor:
         return bool(pred(self))
 
 
-# ---- exactly-once verification -----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Verdict:
-    generated: int
-    expected: int  # ids that pass the pipeline's filters
-    received: int
-    lost: int
-    duplicated: int
-    unexpected: int  # ids at the sink that should have been filtered or were never generated
-    lost_sample: Tuple[Tuple[str, int], ...] = ()
-
-    @property
-    def ok(self) -> bool:
-        return self.lost == 0 and self.duplicated == 0 and self.unexpected == 0
-
-
-def source_counts(sink_dir: Path) -> Dict[str, int]:
-    """Records generated per source instance, from the sources' `<instance>.source.json` files."""
-    out: Dict[str, int] = {}
-    for path in sorted(Path(sink_dir).glob("*.source.json")):
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        out[str(data.get("instance", path.name[: -len(".source.json")]))] = int(data.get("generated", 0))
-    return out
-
-
-def expected_ids(cfg: PipelineConfig, counts: Dict[str, int]) -> Dict[str, Set[int]]:
-    """Ids that should reach the sink: regenerate each seeded source, apply the map operators."""
-    from agent.operators.builtin import MapOperator, OperatorContext, load_operator
-    from agent.operators.taxi import TaxiGenerator
-
-    src = cfg.operators[0]
-    maps = []
-    for op in cfg.operators[1:-1]:
-        ctx = OperatorContext(instance="verifier", operator=op.name, node="verifier", kind=op.kind,
-                              params=dict(op.params), state_dir=Path(tempfile.gettempdir()),
-                              sink_dir=Path(tempfile.gettempdir()), restart=False)
-        built = load_operator(op.function, ctx)
-        if not isinstance(built, MapOperator):
-            raise ValueError(f"verifier: operator {op.name} is not a per-record map")
-        maps.append(built.fn)
-    regenerate = src.function.endswith(":source") and src.function.startswith("agent.operators.taxi")
-    out: Dict[str, Set[int]] = {}
-    for instance, n in counts.items():
-        if not regenerate:
-            out[instance] = set(range(n))
-            continue
-        gen = TaxiGenerator(int(src.params.get("seed", 1)), instance)
-        keep = set()
-        for seq in range(n):
-            rec: Any = gen.record()
-            for fn in maps:
-                rec = fn(rec)
-                if rec is None:
-                    break
-            if rec is not None:
-                keep.add(seq)
-        out[instance] = keep
-    return out
-
-
-def verify(cfg: PipelineConfig, sink_dir: Path) -> Verdict:
-    from agent.operators.builtin import read_sink_ids
-
-    counts = source_counts(sink_dir)
-    expected = expected_ids(cfg, counts)
-    received, dup = read_sink_ids(sink_dir)
-    lost: List[Tuple[str, int]] = []
-    unexpected = 0
-    for src, ids in expected.items():
-        got = received.get(src, set())
-        lost.extend((src, s) for s in sorted(ids - got))
-        unexpected += len(got - ids)
-    unexpected += sum(len(v) for k, v in received.items() if k not in expected)
-    return Verdict(
-        generated=sum(counts.values()),
-        expected=sum(len(v) for v in expected.values()),
-        received=sum(len(v) for v in received.values()),
-        lost=len(lost),
-        duplicated=dup,
-        unexpected=unexpected,
-        lost_sample=tuple(lost[:5]),
-    )
-
-
 # ---- the demo itself ---------------------------------------------------------------------------
 
 
@@ -524,7 +431,8 @@ def run_demo(
     fleet = Fleet(workdir, log_level="warning", spill=True)
     samples: List[Sample] = []
     monitor: Optional[Monitor] = None
-    summary: Dict[str, Any] = {"workdir": str(workdir), "pipeline": cfg.pipeline.name}
+    summary: Dict[str, Any] = {"workdir": str(workdir), "pipeline": cfg.pipeline.name,
+                               "pipeline_path": str(pipeline_path)}
     try:
         fleet.start()
         monitor = Monitor(fleet.host, fleet.port, fleet.cluster)
@@ -601,14 +509,20 @@ def run_demo(
 
 
 def run_analytics(workdir: Path, summary: Dict[str, Any]) -> Dict[str, Any]:
-    """The analytics step (hook): each registered hook's result merged into summary["analytics"]."""
-    for hook in _analytics_hooks():
+    """The analytics step (agent/tools/demo_analytics.py), merged into summary["analytics"]. It
+    needs the `analytics` extra (PySpark): without it, or when it fails, the step reports an
+    error and never hides the verdict printed before it."""
+    try:
+        from agent.tools import demo_analytics  # PySpark: an extra, imported only for this step
+    except ImportError as exc:
+        res: Optional[Dict[str, Any]] = {"error": f"the analytics step needs the analytics extra ({exc})"}
+    else:
         try:
-            res = hook(workdir, summary)
+            res = demo_analytics.analyse(workdir, Path(summary.get("pipeline_path") or DEFAULT_PIPELINE))
         except Exception as exc:  # noqa: BLE001 - the analytics step must not hide the verdict
             res = {"error": repr(exc)}
-        if res:
-            summary.setdefault("analytics", {}).update(res)
+    if res:
+        summary.setdefault("analytics", {}).update(res)
     return summary.get("analytics", {})
 
 
@@ -733,14 +647,6 @@ def _rss_mb(fleet: Fleet, monitor: Monitor) -> Dict[str, Any]:
     workers = [r for r in (rss(p) for p in sorted(monitor.pids)) if r is not None]
     return {"agent_max": max(agents, default=None), "worker_min": min(workers, default=None),
             "worker_max": max(workers, default=None)}
-
-
-def _analytics_hooks() -> List[Callable[[Path, Dict[str, Any]], Optional[Dict[str, Any]]]]:
-    try:
-        import agent.analytics.demo  # noqa: F401  (may append to ANALYTICS_HOOKS)
-    except ImportError:
-        pass
-    return list(ANALYTICS_HOOKS)
 
 
 def _header(operators: Sequence[str]) -> str:
@@ -874,4 +780,4 @@ def main(args: argparse.Namespace) -> int:
     return EXIT_OK if summary["ok"] else EXIT_LOSS
 
 
-__all__ = ["ANALYTICS_HOOKS", "Fleet", "Monitor", "Verdict", "expected_ids", "run_demo", "source_counts", "verify"]
+__all__ = ["Fleet", "Monitor", "run_demo"]

@@ -8,7 +8,7 @@ collector's); a clean agent stop closes the spools and ships the rest. Nothing i
 demo's output.
 
 The one thing added here is the accounting's reference, kind "generated": the ids that had to
-reach the sink, as the demo's verifier computes them (`demo.expected_ids`: sources regenerated
+reach the sink, as the demo's verifier computes them (`agent.tools.verify.expected_ids`: sources regenerated
 and passed through the pipeline's filters, which drop records on purpose). Then the job runs in
 local mode and the hook reports the report's path and the accounting row (`exactly_once`).
 """
@@ -20,21 +20,21 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-__all__ = ["demo_hook", "spill_expected_ids"]
+__all__ = ["analyse", "spill_expected_ids"]
 
 
-def spill_expected_ids(workdir: Path, landing: Path, pipeline_path: Optional[Path] = None) -> int:
+def spill_expected_ids(workdir: Path, landing: Path, pipeline_path: Path) -> int:
     """Spool the verifier's expected ids as kind "generated" and land them; returns the count."""
     from agent.analytics.job import land_spools
     from agent.config import load_pipeline
-    from agent.tools import demo as rdemo
+    from agent.tools.verify import expected_ids, source_counts
     from agent.spill.spool import Spool
 
-    cfg = load_pipeline(pipeline_path or rdemo.DEFAULT_PIPELINE)
-    counts = rdemo.source_counts(workdir / "sink")
+    cfg = load_pipeline(pipeline_path)
+    counts = source_counts(workdir / "sink")
     spool = Spool(workdir / "verifier-spool", "verifier", rotate_bytes=2 << 20)
     n = 0
-    for src, ids in rdemo.expected_ids(cfg, counts).items():
+    for src, ids in expected_ids(cfg, counts).items():
         rows = [{"src": src, "seq": s} for s in sorted(ids)]
         if rows and spool.append_many("generated", rows) != len(rows):
             raise RuntimeError("verifier spool full")  # a fresh spool with the default 512 MiB cap
@@ -55,7 +55,9 @@ def _accounting(report: Path) -> Dict[str, Any]:
     return {}
 
 
-def demo_hook(workdir: Path, summary: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+def analyse(workdir: Path, pipeline_path: Path) -> Optional[Dict[str, Any]]:
+    """The step itself: the verifier's expected ids spooled and landed, the job run, its report's
+    accounting row returned (merged by the demo under summary[\"analytics\"])."""
     import time
 
     from agent.analytics.job import run_demo_analytics
@@ -64,19 +66,10 @@ def demo_hook(workdir: Path, summary: Dict[str, Any]) -> Optional[Dict[str, Any]
     if not any(landing.glob("kind=batches/*/*/*.gz")) and not any(landing.glob("kind=records/*/*/*.gz")):
         return {"error": f"no spilled sink records landed in {landing}"}
     t0 = time.monotonic()
-    expected = spill_expected_ids(Path(workdir), landing)
+    expected = spill_expected_ids(Path(workdir), landing, pipeline_path)
     report = run_demo_analytics(landing, workdir)
     acc = _accounting(report)
     print(f"analytics report: {report}", file=sys.stderr)  # stdout may be `demo --json`
     return {"report": str(report), "accounting": acc, "expected_ids": expected,
             "landed_files": sum(1 for _ in landing.glob("kind=*/*/*/*.gz")),
             "analytics_s": round(time.monotonic() - t0, 1)}
-
-
-try:  # register with the demo when it imports us
-    from agent.tools.demo import ANALYTICS_HOOKS
-
-    if demo_hook not in ANALYTICS_HOOKS:
-        ANALYTICS_HOOKS.append(demo_hook)
-except ImportError:  # pragma: no cover - runtime area absent
-    pass

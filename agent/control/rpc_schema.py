@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from agent.fogctl.fleet import Fleet, Instance, Phase
+from agent.control.fleet import Fleet, Instance, Phase
 
 __all__ = [
     "SCHEMA_VERSION", "ScaleRequest", "DrainRequest", "PinRequest", "Reply", "parse_request", "check_scale",
