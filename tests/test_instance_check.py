@@ -30,8 +30,8 @@ def test_random_schedules_with_slow_nodes_keep_every_record() -> None:
 
 def test_every_schedule_up_to_depth_three_is_settled_and_checked() -> None:
     """Exhaustive, bounded: every interleaving of the first 3 moves (deliveries, time, the
-    rounds, a crash, a refused publish), each then run to its end. Depth 4: 688 states, 6: 9,155
-    (docs/checking.md)."""
+    rounds, a crash, a refused publish), each then run to its end. Depth 4: 826 states
+    (docs/reliability.md, "Checking whole instances")."""
     rep = explore(Config(records=2, crashes=1, refusals=1), depth=3)
     assert rep.ok, describe(rep)
     assert rep.states >= 40 and rep.terminal_states >= 30
@@ -51,7 +51,8 @@ FOUND = [
 
 
 @pytest.mark.parametrize("fault,cfg,seed,kinds", FOUND, ids=[f[0] for f in FOUND])
-def test_the_checker_finds_each_historic_loss_when_it_is_switched_back_on(fault, cfg, seed, kinds) -> None:  # type: ignore[no-untyped-def]
+def test_the_checker_finds_each_historic_loss_when_it_is_switched_back_on(  # type: ignore[no-untyped-def]
+        fault, cfg, seed, kinds) -> None:
     faulty = random_runs(dataclasses.replace(cfg, faults=frozenset({fault})), schedules=400, seed=seed)
     assert not faulty.ok, f"{fault} not found in 400 schedules"
     assert faulty.violations[0].kind in kinds, describe(faulty)

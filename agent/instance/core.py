@@ -270,7 +270,8 @@ class Instance:
     def _on_restarted(self, ev: Restarted) -> None:
         self._begin(ev.wall, True, ev.state, ev.source_position)
 
-    def _begin(self, wall: float, restart: bool, saved: Dict[str, Any], source_position: Optional[Dict[str, Any]]) -> None:
+    def _begin(self, wall: float, restart: bool, saved: Dict[str, Any],
+               source_position: Optional[Dict[str, Any]]) -> None:
         """Subscribed (the shell says so only after the broker's SUBACK, INVARIANT 2): take our
         epoch, restore what a restart needs, and only then say "ready"."""
         now = self.now

@@ -372,9 +372,10 @@ class ScalingDriver:
         """A decision event with the numbers it was drawn from (load, capacity, ratio, probability,
         draw) on the events topic, plus the retained per-instance history `fogctl why` reads.
 
-        Through the worker's single client (one owner, docs/design.md section 6; a `Notify`); never on the inbox path, so the
-        paper's message cost is untouched. Rate-limited: a decision that acts is always published,
-        a "nothing to do" one at most every DECISION_EVENT_PERIOD s (an instance decides every
+        A `Notify`, through the worker's single client (one owner, docs/design.md section 6);
+        never on the inbox path, so the paper's message cost is untouched. Rate-limited: a
+        decision that acts is always published, a "nothing to do" one at most every
+        DECISION_EVENT_PERIOD s (an instance decides every
         period; thousands of them would flood the topic). A publish failure is the shell's to
         count, never fatal.
         """

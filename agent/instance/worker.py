@@ -33,7 +33,9 @@ from typing import Any, Callable, Dict, List, Optional, TextIO
 
 from agent.config import PipelineConfig, load_pipeline_text
 from agent.files import write_atomic
-from agent.instance.commands import Command, CrashPoint, Emit, Exit, Notify, Persist, PersistSource, Publish, RequestSpawn
+from agent.instance.commands import (
+    Command, CrashPoint, Emit, Exit, Notify, Persist, PersistSource, Publish, RequestSpawn,
+)
 from agent.instance.core import EXIT_BAD_SPEC, EXIT_BROKER, EXIT_CRASH, EXIT_DRAIN_TIMEOUT, EXIT_OK, Instance
 from agent.instance.events import (
     Abort, Control, EnvelopeReceived, Event, PubAcked, PublishAccepted, PublishRefused, Restarted, SessionLost,
@@ -122,7 +124,8 @@ class Worker:
         if self.core.is_source and hasattr(self.operator, "ingest") and topic:
             self.transport.subscribe(topic)
         if self.spec.restart:
-            self.feed(Restarted(self.wall(), self._load_json(self.state_path), self._load_json(self.source_path) or None))
+            position = self._load_json(self.source_path) or None
+            self.feed(Restarted(self.wall(), self._load_json(self.state_path), position))
         else:
             self.feed(Started(self.wall()))
 
@@ -258,7 +261,8 @@ class Worker:
         incarnation on this node (a crash restart after the hand-over); an older one is a leftover
         of an earlier stay here and must not be restored."""
         state = extra.get("handover_state")
-        if isinstance(state, dict) and int(self._load_json(self.state_path).get("epoch", -1)) < int(state.get("epoch", 0)):
+        here_epoch = int(self._load_json(self.state_path).get("epoch", -1))
+        if isinstance(state, dict) and here_epoch < int(state.get("epoch", 0)):
             write_atomic(self.state_path, json.dumps(state))
             log.info("hand-over: restoring the state shipped with the spec (epoch %s)", state.get("epoch"),
                      extra=self.ctx)

@@ -42,7 +42,7 @@ import pickle
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, FrozenSet, List, Optional, Set, Tuple
 
 from agent import topics
 from agent.config import PipelineConfig, load_pipeline_text
