@@ -154,13 +154,12 @@ def test_help_commands() -> None:
     assert fogctl.returncode == 0 and "fogctl" in fogctl.stdout
 
 
-def test_a_policy_the_agent_cannot_run_is_refused_at_deploy_not_run_as_another() -> None:
-    """`threshold` and `model` are simulator baselines: the worker only runs the paper's protocol
-    or nothing. A pipeline asking for them used to run "decentralized" without a word."""
+def test_every_policy_the_config_accepts_is_one_the_agent_runs() -> None:
+    """threshold / model / sized run in the worker (agent.policy.live), so deploy and check-config
+    refuse none of them; a policy name the config does not know is refused naming the key."""
     import pytest
 
-    from agent.config import load_pipeline_text
-    from agent.node.deploy import DeployError, deploy
+    from agent.config import RUNTIME_POLICIES, load_pipeline_text
 
     text = """
 [pipeline]
@@ -181,11 +180,12 @@ name = "sink"
 kind = "sink"
 function = "agent.operators.builtin:counting_sink"
 """
-    errors = load_pipeline_text(text).runtime_policy_errors()
-    assert len(errors) == 1 and "'work'" in errors[0] and '"threshold"' in errors[0], errors
-    assert load_pipeline_text(text.replace('"threshold"', '"none"')).runtime_policy_errors() == []
-    with pytest.raises(DeployError, match="work.*threshold"):
-        deploy(text, "127.0.0.1", 1, "c", name="p.toml")  # refused before any connection
+    for policy in ("decentralized", "threshold", "model", "sized", "none"):
+        assert policy in RUNTIME_POLICIES
+        cfg = load_pipeline_text(text.replace('"threshold"', f'"{policy}"'))
+        assert cfg.scaling_for("work").policy == policy and cfg.runtime_policy_errors() == []
+    with pytest.raises(ValueError, match="policy"):
+        load_pipeline_text(text.replace('"threshold"', '"magic"'))
 
 
 def test_a_saved_spec_with_0_1_operator_names_is_read_under_the_new_names(caplog: pytest.LogCaptureFixture) -> None:

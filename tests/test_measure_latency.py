@@ -15,7 +15,7 @@ import time
 import pytest
 
 from agent import topics
-from agent.policy.base import rank_nodes_for_scale_out
+from agent.node.placement import rank_nodes_for_scale_out
 from agent.tools.delayproxy import DelayProxy, ProxyBank, pair_proxies
 from agent.measure.latency import (
     BROKER,

@@ -6,17 +6,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from agent.node.placement import farthest, nd_max, rank_nodes_for_scale_out, sibling_rank
 from agent.policy.base import (
     ActionKind,
     DecentralizedPolicy,
     Measurements,
     ScalingAction,
-    farthest,
     make_policy,
-    nd_max,
-    rank_nodes_for_scale_out,
     share_of_delta,
-    sibling_rank,
 )
 from agent.policy.threshold import ThresholdPolicy
 

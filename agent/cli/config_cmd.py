@@ -263,6 +263,7 @@ def operator_problems(cfg: Any, file: str, node_config: Tuple[Path, Any, Any]) -
     (its function's `params_schema`). Called only after `refused_functions` found nothing."""
     from agent.operators.admission import NodeDirs, PathRefused, spec_paths
     from agent.operators.builtin import check_params
+    from agent.operators.keyed import keyed_config_problems
 
     path, node, allowed = node_config
     out: List[str] = []
@@ -283,6 +284,7 @@ def operator_problems(cfg: Any, file: str, node_config: Tuple[Path, Any, Any]) -
         for key, expected, got in problems:
             key_ = f"{where}.params.{key}" if key else f"{where}.params"
             out.append(str(ConfigError(file, key_, expected, *(() if got is None else (got,)))))
+        out += [f"{file}: {where}: {line}" for line in keyed_config_problems(cfg, i, obj)]
         if node is not None:  # the paths the node's agent would refuse at deploy (admission.py)
             dirs = NodeDirs.of(node)
             for what, value in spec_paths({}, op.function, op.params):

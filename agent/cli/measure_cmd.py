@@ -70,6 +70,19 @@ def register(groups: Any) -> None:
     s.add_argument("--plot", default=None, help="PNG of supply vs demand for seed 0")
     s.set_defaults(func=cmd_simulate_policies)
 
+    bp = groups.bench.add_parser("policies", help="every scaling policy on a local fleet of 3 real agents next to "
+                                 "`simulate policies` on the same compressed taxi trace")
+    bp.add_argument("--policies", default="decentralized,threshold,model,sized", help="comma-separated")
+    bp.add_argument("--minutes", type=float, default=4.0, help="the two taxi days compressed into this many minutes")
+    bp.add_argument("--peak", type=float, default=600.0, help="peak input, records/s")
+    bp.add_argument("--capacity", type=float, default=250.0, help="in_zone records/s per instance (service time 1/C)")
+    bp.add_argument("--period", type=float, default=1.0, help="decision period, s")
+    bp.add_argument("--cooldown", type=float, default=2.0, help="policy cooldown, s")
+    bp.add_argument("--seed", type=int, default=0)
+    bp.add_argument("--workdir", default=None, help="keep the runs' logs and sink files here")
+    bp.add_argument("--json", action="store_true")
+    bp.set_defaults(func=cmd_bench_policies)
+
     b = groups.bench.add_parser("latency", help="RTT through the userspace delay proxy vs direct (baseline)")
     b.add_argument("--rtt", default="0,50,150,300", help="comma-separated emulated RTTs, ms")
     b.add_argument("--count", type=int, default=20, help="samples per configuration")
@@ -299,3 +312,27 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
         err = "" if ms is None else f"{med - ms:+9.2f}"
         print(f"{name:<20} {med:10.2f} {p90:8.2f} {xs[-1]:8.2f} {err:>9}")
     return EXIT_OK
+
+
+# ---- bench policies -------------------------------------------------------------------------------
+
+
+def cmd_bench_policies(args: argparse.Namespace) -> int:
+    import tempfile
+    from pathlib import Path
+
+    from agent.tools.policies_bench import compare, format_rows
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="fog-bench-policies-"))
+
+    def progress(row: Any) -> None:
+        print(json.dumps(row, sort_keys=True), file=sys.stderr, flush=True)
+
+    rows = compare(policies, work, minutes=args.minutes, peak=args.peak, seed=args.seed, capacity=args.capacity,
+                   period=args.period, cooldown=args.cooldown, progress=progress)
+    if args.json:
+        print(json.dumps({"workdir": str(work), "rows": rows}, indent=2, sort_keys=True))
+    else:
+        print(format_rows(rows))
+    return EXIT_OK if all(r["records_lost"] == 0 for r in rows) else EXIT_ERROR

@@ -1,4 +1,4 @@
-"""`fog-agent run`, `fog-agent deploy`, `fog-agent demo` (and `bench dataplane` from the data path)."""
+"""`fog-agent run`, `fog-agent deploy`, `fog-agent demo` (and `bench dataplane`, `bench keyed` from the data path)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any, Dict, List
 
 # The placement policies of agent/node/placement.py (POLICIES), listed here so that `--help`
 # and argparse check the name without importing the runtime for every command.
-PLACEMENTS = ("free-slots-then-latency", "spread", "local-only")
+PLACEMENTS = ("free-slots-then-latency", "spread", "local-only", "nd-max")
 
 
 def register(groups: Any) -> None:
@@ -62,6 +62,13 @@ def register(groups: Any) -> None:
             raise
     else:
         bench.register_bench(groups)
+    try:
+        keyed_bench = importlib.import_module("agent.tools.keyed_bench")
+    except ModuleNotFoundError as exc:
+        if exc.name != "agent.tools.keyed_bench":
+            raise
+    else:
+        keyed_bench.register_bench(groups)
 
 
 def _load_cfg(path: Any) -> Any:

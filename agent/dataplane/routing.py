@@ -4,9 +4,9 @@
   credit (a slow instance then receives less instead of blocking its siblings' share; when all
   have credit it is plain round-robin, as the paper assumes for an even load share).
 - With a key (the operator declares `key = "field"`): records are routed by key GROUP, not by raw
-  hash modulo instance count (docs/design.md section 8): group = crc32(key) mod `groups`, and the
-  groups are dealt over the successors in sorted order, so every predecessor maps a key to the
-  same instance, and a later state hand-over can move whole groups.
+  hash modulo instance count (docs/design.md section 8): the mapping key -> group -> instance is
+  the one of agent.dataplane.keygroups, shared with the keyed operators' state, so every
+  predecessor maps a key to the same instance, and a later state hand-over can move whole groups.
 
 The outbox never drops a record: records buffered for a successor that leaves the routing table
 are routed again over the new table (docs/design.md invariant 3: after the route change nothing more
@@ -16,22 +16,15 @@ it came from, so the worker can tell which inputs are fully forwarded (see flow.
 
 from __future__ import annotations
 
-import zlib
 from collections import deque
 from typing import Any, Callable, Deque, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from agent.dataplane.envelope import Item
+from agent.dataplane.keygroups import DEFAULT_GROUPS, key_group, record_key
 
 __all__ = ["Router", "Outbox", "key_group", "DEFAULT_GROUPS"]
 
-DEFAULT_GROUPS = 128
-
 Pending = Tuple[Item, int]  # (item, process index)
-
-
-def key_group(key: Any, groups: int = DEFAULT_GROUPS) -> int:
-    """Stable across processes and machines (unlike `hash()`, which is salted per process)."""
-    return zlib.crc32(str(key).encode()) % groups
 
 
 class Router:
@@ -58,9 +51,8 @@ class Router:
         self.set_succs(s for s in self._succs if s != dest)
 
     def by_key(self, record: Any) -> str:
-        value = record.get(self.key) if isinstance(record, dict) else None
-        g = key_group(value, self.groups)
-        return self._succs[g % len(self._succs)]
+        # keygroups.owner without its sort: _succs is kept sorted and duplicate-free
+        return self._succs[key_group(record_key(record, self.key), self.groups) % len(self._succs)]
 
     def next_with_credit(self, credit: Callable[[str], int]) -> Optional[str]:
         n = len(self._succs)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict
 
-__all__ = ["Command", "Publish", "Notify", "RequestSpawn", "Persist", "PersistSource", "Emit",
+__all__ = ["Command", "Publish", "Notify", "RequestSpawn", "Persist", "PersistSource", "SaveKeyed", "Emit",
            "CrashPoint", "Exit"]
 
 
@@ -65,6 +65,14 @@ class PersistSource(Command):
     """Write a source's restart position (and its counters) atomically."""
 
     data: Dict[str, Any]
+
+
+@dataclass(frozen=True)
+class SaveKeyed(Command):
+    """Save a keyed operator's state (agent.instance.keyed_state: full file or delta). It carries
+    the state object itself, whose `save` writes the files: not yet a value (docs/runtime.md)."""
+
+    state: Any
 
 
 @dataclass(frozen=True)

@@ -41,15 +41,19 @@ from agent.dataplane.flow import AckTracker, OutLink
 from agent.dataplane.inbound import ACCEPT, HOLD, REFUSE, HoldBuffer, LogLimiter, numbering_fault
 from agent.dataplane.routing import Outbox, Router
 from agent.instance.commands import (
-    Command, CrashPoint, Emit, Exit, Notify, Persist, PersistSource, Publish, RequestSpawn,
+    Command, CrashPoint, Emit, Exit, Notify, Persist, PersistSource, Publish, RequestSpawn, SaveKeyed,
 )
 from agent.instance.driver import ScalingDriver
 from agent.instance.events import (
     Abort, Control, EnvelopeReceived, Event, PubAcked, PublishAccepted, PublishRefused, Restarted,
     SessionLost, Spawned, Started, Tick,
 )
+from agent.instance.keyed_state import KeyedState
 from agent.instance.spec import InstanceSpec
+from agent.measure.capacity import LiveCapacity
+from agent.measure.signals import PeriodSignals, Signals
 from agent.operators.builtin import SinkOperator
+from agent.operators.keyed import KeyedOperator, keyed_config_problems
 from agent.protocol.errors import LocalProtocolError
 
 __all__ = ["Instance", "Phase", "EXIT_OK", "EXIT_CRASH", "EXIT_BAD_SPEC", "EXIT_BROKER", "EXIT_DRAIN_TIMEOUT",
@@ -109,18 +113,27 @@ _ACCEPTS: Dict[Phase, FrozenSet[Type[Event]]] = {
 }
 
 
+def _no_clock() -> float:
+    """The live signals' clocks when none is passed (the checker): no time spent."""
+    return 0.0
+
+
 class Instance:
     """One operator instance: channels, flow control and acks, the replay buffer, the scaling
     driver and the lifecycle. Built by the shell from what it loaded (spec, pipeline, operator);
     `faults` switch on seeded faults for the checker only."""
 
     def __init__(self, spec: InstanceSpec, pipeline: PipelineConfig, operator: Any,
-                 faults: FrozenSet[str] = frozenset()) -> None:
+                 faults: FrozenSet[str] = frozenset(), perf: Callable[[], float] = _no_clock,
+                 cpu: Callable[[], float] = _no_clock) -> None:
         self.spec = spec
         self.pipeline = pipeline
         self.op = pipeline.operator(spec.operator)
         self.operator = operator
         self.faults = frozenset(faults)
+        # CPU-time and interval clocks for the live signals only (docs/measurement.md); the
+        # shell passes time.perf_counter and time.process_time, the checker nothing.
+        self.perf, self.cpu = perf, cpu
         self.stage = pipeline.index(spec.operator)
         self.kind = self.op.kind
         self.ctx = {"instance": spec.instance, "operator": spec.operator, "node": spec.node}
@@ -138,7 +151,16 @@ class Instance:
         # A sink that reads only record ids gets compact batches without their records rebuilt.
         self._decode_records = not (self.is_sink and getattr(operator, "reads_records", True) is False)
 
-        self.router = Router(spec.succs, key=self.op.key)
+        # Keyed stateful operator (agent.instance.keyed_state): state saved with its input position.
+        self.keyed: Optional[KeyedState] = None
+        if isinstance(operator, KeyedOperator):
+            problems = keyed_config_problems(pipeline, self.stage, operator)
+            if problems:
+                raise ValueError("; ".join(problems))
+            self.keyed = KeyedState(operator, spec.operator, pipeline.operators[self.stage - 1].key,
+                                    self.op.key_groups)
+        nxt = pipeline.operators[self.stage + 1] if self.stage + 1 < len(pipeline.operators) else None
+        self.router = Router(spec.succs, key=self.op.key, groups=nxt.key_groups if nxt is not None else 128)
         self.outbox = Outbox(self.router, self.op.batch_size, self.op.linger_ms / 1000.0)
         self.links: Dict[str, OutLink] = {}
         self.tracker = AckTracker()
@@ -203,6 +225,11 @@ class Instance:
         self._malformed_logged: Set[str] = set()  # protocol senders (admitted ones only: bounded)
         self._period_records = 0
         self._last_load = 0.0
+        # Live signals (docs/measurement.md, "Live signals"): taken at every decision period,
+        # published in the heartbeat, and the online capacity estimate they feed.
+        self.signals = PeriodSignals(0.0, 0.0)
+        self.last_signals: Optional[Signals] = None
+        self.live_capacity = LiveCapacity(500.0)
         self._exit: Optional[Tuple[int, str, bool]] = None
         self.stopping = False
         self._stop_deadline = 0.0
@@ -269,6 +296,12 @@ class Instance:
 
     def _on_restarted(self, ev: Restarted) -> None:
         self._begin(ev.wall, True, ev.state, ev.source_position)
+        if self.keyed is not None and ev.keyed is not None:
+            again = self.keyed.restore(ev.keyed)
+            if again:  # outputs the successors had not acked: sent again (the sink drops copies)
+                index = self.tracker.produced()
+                self.keyed.outputs = [(index, it) for it in again]
+                self.outbox.add(list(again), index, self.now)
 
     def _begin(self, wall: float, restart: bool, saved: Dict[str, Any],
                source_position: Optional[Dict[str, Any]]) -> None:
@@ -288,7 +321,9 @@ class Instance:
         self._next_silence_check = now + SILENCE_CHECK
         self._period_start = now
         self._source_started_at = wall
+        self.signals = PeriodSignals(now, self.cpu())
         self.scaling = ScalingDriver(self, saved, restart)
+        self.live_capacity = LiveCapacity(self.scaling.params.capacity)
         if restart and self.scaling.core.forwards_data:
             # The restored tables, not the spec's initial ones: since its creation the instance
             # may have been activated (a copy starts with none) or seen neighbours come and go.
@@ -299,6 +334,7 @@ class Instance:
             # new epoch): it replays what we had not acknowledged (see _replay_to).
             for pred in sorted(self.scaling.core.preds):
                 self.send_envelope(pred, Kind.ACK, [0, 0])
+            self.scaling.resync(now)
         if self.is_source:
             if restart:
                 self._resume_source(source_position)
@@ -335,11 +371,14 @@ class Instance:
         if self.is_source:
             self._produce(now)
         self._process(now)
+        if self.keyed is not None and self.keyed.dirty:
+            self._save_keyed()
         if self.hold:
             self._release_held(now)
         if self.is_sink:
             self._settle_sink()
         self.flush(now)
+        self.signals.blocked(now, self._backpressured())
         self._send_acks(now)
         if FAULT_RETRY_ONLY_WITH_DATA not in self.faults:
             self._publish_retries()
@@ -427,6 +466,9 @@ class Instance:
                 self.operator.paused = bool(msg["paused"])
             if "pinned" in msg and self.scaling is not None:
                 self.scaling.pinned = bool(msg["pinned"])
+            if "context" in msg and self.scaling is not None and self.scaling.live is not None:
+                if not self.scaling.live.set_context(msg["context"]):
+                    log.warning("malformed policy context ignored: %.200r", msg["context"], extra=self.ctx)
         else:
             log.warning("unknown control event %r ignored", event, extra=self.ctx)
 
@@ -439,7 +481,7 @@ class Instance:
             log.info("stop requested: draining", extra=self.ctx)
 
     def _check_stopped(self, now: float) -> None:
-        if self.drained():
+        if self.drained() and (not self._final or self.scaling is None or self.scaling.ready_to_exit()):
             self._exit = (EXIT_OK, "stopped", False)
         elif now > self._stop_deadline:
             self._exit = (EXIT_DRAIN_TIMEOUT, "drain timeout: successors did not ack everything", False)
@@ -463,6 +505,8 @@ class Instance:
             log.exception("operator close failed", extra=self.ctx)
         self._state_dirty = True
         self.persist(force=True)
+        if self.keyed is not None:
+            self._save_keyed()
         self._write_source_stats()
         self._heartbeat(self.now)
         # `final`: gone for good (terminated by the protocol); the agent then forgets this
@@ -564,6 +608,7 @@ class Instance:
             else:
                 if e.kind is Kind.DATA:
                     self._period_records += len(e.body)
+                    self.signals.arrived(len(e.body))
                 q = self.queues.get(e.sender)
                 if q is None:
                     q = self.queues[e.sender] = deque()
@@ -684,6 +729,7 @@ class Instance:
         if self.scaling is not None:
             for pred in sorted(self.scaling.core.preds):
                 self.send_envelope(pred, Kind.ACK, [0, 0])
+            self.scaling.resync(self.now)
         for dest, link in list(self.links.items()):
             link.restart_numbering()
             self._replay_to(dest)
@@ -729,6 +775,10 @@ class Instance:
         if self.sink_wait and not self.operator.writable():
             return False  # spool full: only a release (seen in settle) can help
         return now >= self.busy_until and self.outbox.pending < self.high_water
+
+    def _backpressured(self) -> bool:
+        """Held back by what comes after us: successors without credit, or the sink's spool full."""
+        return self.outbox.pending >= self.high_water or bool(self.sink_wait and not self.operator.writable())
 
     def _data_blocked(self, now: float) -> bool:
         if self.scaling is not None and not self.scaling.data_enabled:
@@ -810,8 +860,13 @@ class Instance:
         self.stats["records_in"] += n
         self.stats["batches_in"] += 1
         index = self.tracker.processed(env.sender, env.seq, env.epoch)
+        t0 = self.perf()
         if self.is_sink:
             self._record(items, index, env)
+        elif self.keyed is not None:
+            out = self.keyed.apply(env.sender, items, index)
+            if out:
+                self.outbox.add(out, index, now)
         else:
             out = self._apply(items)
             self.stats["filtered"] += n - len(out)
@@ -819,6 +874,7 @@ class Instance:
                 if not self.router.succs:
                     raise RuntimeError(f"{self.spec.instance}: records to forward but no successors")
                 self.outbox.add(out, index, now)
+        self.signals.processed(n, self.perf() - t0 + n * self.service_time)
         if self.service_time:
             self.busy_until = max(self.busy_until, now) + n * self.service_time
 
@@ -989,6 +1045,23 @@ class Instance:
         self._publish_tracked(topics.inbox(self.spec.cluster, dest), encode(env), None)
 
     def _lowest_pending(self) -> Optional[int]:
+        """The lowest input index not to be acked upstream yet: its outputs are not all acked by
+        the successors, or (keyed state) the state that reflects it is not saved yet."""
+        low = self._lowest_forwarding()
+        if self.keyed is not None and self.keyed.lowest_unsaved() is not None:
+            k = self.keyed.lowest_unsaved()
+            low = k if low is None else min(low, k)
+        return low
+
+    def _save_keyed(self) -> None:
+        """Keyed state, its input positions and the outputs not acked downstream, saved together
+        (agent.instance.keyed_state) by the shell; only after it are the inputs it reflects acked
+        upstream (`lowest_unsaved` holds them until then)."""
+        assert self.keyed is not None
+        self.keyed.prune_outputs(self._lowest_forwarding())
+        self._out.append(SaveKeyed(self.keyed))
+
+    def _lowest_forwarding(self) -> Optional[int]:
         """The lowest input index whose outputs are not all acked by the successors yet.
 
         An input is acked upstream only when every record derived from it has been processed
@@ -1079,11 +1152,17 @@ class Instance:
             gaps=self.inbound.gaps(),
             unpubacked=len(self.pending_pub) + len(self.retry) + len(self._unconfirmed),
             service_time_ms=self.service_time * 1000,
+            live_capacity=round(self.live_capacity.value, 2),
+            online_service_time_ms=(round(self.live_capacity.service_time * 1000, 4)
+                                    if self.live_capacity.service_time else None),
+            signals=self.last_signals.to_stats() if self.last_signals is not None else None,
             first_record_at=self.first_record_at,
             activated_at=self.activated_at,
             at=self.wall(),
         )
         s.update(self.operator.stats())
+        if self.keyed is not None:
+            s.update(self.keyed.stats())
         if self.scaling is not None:
             s.update(self.scaling.stats())
         return s
@@ -1094,6 +1173,13 @@ class Instance:
         if self.is_source and now - self._last_source_write >= 2.0:  # a rename costs ~5-20 ms here
             self._last_source_write = now
             self._write_source_stats()
+
+    def take_signals(self, now: float) -> Signals:
+        """Close the live-signal period (the decision period) and feed the online capacity."""
+        sig = self.signals.take(now, self.cpu())
+        self.live_capacity.update(sig.busy, sig.processed)
+        self.last_signals = sig
+        return sig
 
     def measure_load(self, now: float) -> float:
         """Records received per second since the last call (the paper's l_t, per second)."""

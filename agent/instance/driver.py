@@ -23,15 +23,18 @@ import random
 import zlib
 from collections import deque
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Deque, Dict, List, Tuple
+from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Tuple
 
 from agent import events, topics
 from agent.config import RUNTIME_POLICIES
 from agent.dataplane.envelope import Envelope, Kind
 from agent.dataplane.inbound import LogLimiter
-from agent.instance.recovery import RESEND_AFTER, RoundMemory, decode_outputs, encode_outputs, silent_pending
+from agent.instance.recovery import (
+    RESEND_AFTER, LinkError, ReliableLinks, RoundMemory, decode_outputs, encode_outputs, silent_pending,
+)
 from agent.instance.rounds import RoundLog
 from agent.policy.decentralized import Action, Decision, ScalingParams
+from agent.policy.live import LIVE_POLICIES, LivePolicy, PeriodInputs
 from agent.protocol.errors import LocalProtocolError, ProtocolError
 from agent.protocol.guarded import LockMessage, core_class, message_from_dict
 from agent.protocol.messages import Duplication, Start
@@ -87,10 +90,13 @@ class ScalingDriver:
         self.policy = sc.policy
         if self.policy not in RUNTIME_POLICIES:  # deploy refuses these; a hand-made spec ends here
             raise ValueError("; ".join(worker.pipeline.runtime_policy_errors()))
+        # threshold / model / sized: the simulator's policy objects, fed the live signals and the
+        # daemon's sibling context (agent.policy.live); "decentralized" stays in the core.
+        self.live: Optional[LivePolicy] = LivePolicy(self.policy, sc) if self.policy in LIVE_POLICIES else None
         # coordination = "ack" (paper) or "fgme" (rounds inside 2-FGME CSs, docs/gme.md). Lock
         # messages share the inbox and its numbered FIFO channel with the scaling messages.
         self.coordination = worker.pipeline.pipeline.coordination
-        core_cls = core_class(self.coordination)
+        core_cls = core_class(self.coordination, worker.pipeline.pipeline.fgme_damping)
         self._from_dict = message_from_dict
         if restart and saved.get("scaling"):
             self.core = core_cls.restore(saved["scaling"], self.params, incarnation=worker.epoch)
@@ -132,6 +138,9 @@ class ScalingDriver:
         self.orphans: Deque[str] = deque()  # idle copies nobody will start: we adopt them (_maybe_adopt)
         self.memory = RoundMemory(saved.get("rounds_applied") if restart else None)
         self._round_clock: Dict[str, float] = {}  # neighbour -> last sent to / heard from
+        # coordination = "fgme": every protocol message of the core on an exactly-once FIFO
+        # channel (agent.instance.recovery.ReliableLinks); "ack" keeps the paper's path
+        self.links = self._make_links(saved, restart) if self.coordination == "fgme" else None
         if restart and saved.get("scaling"):
             # Finish what the crashed incarnation had queued (write-ahead, agent.instance.recovery).
             self.outputs.extend(decode_outputs(saved.get("outputs") or [], self._from_dict))
@@ -153,6 +162,39 @@ class ScalingDriver:
         self._errors_log = LogLimiter()  # once per sender per minute, bounded (probed names are invented)
         self._req = 0
         self.decisions: Deque[Dict[str, Any]] = deque(maxlen=32)  # recent decisions (bench, demo)
+
+    def _make_links(self, saved: Dict[str, Any], restart: bool) -> ReliableLinks:
+        w = self.w
+        if restart and saved.get("links"):
+            try:
+                return ReliableLinks.load(w.spec.instance, saved["links"], w.now)
+            except ValueError as exc:
+                log.warning("%s: starting new channels", exc, extra=w.ctx)
+        # a new generation: above any earlier one of this identity (seconds, as min_epoch)
+        lost = bool(restart or w.spec.extra.get("min_epoch"))
+        return ReliableLinks(w.spec.instance, int(w.wall()), lost_state=lost)
+
+    def _send_link(self, pairs: List[Tuple[str, Dict[str, Any]]]) -> None:
+        """Link acks and resends (agent.instance.recovery.ReliableLinks). The state is written
+        first: an ack must never leave before the deliveries it acknowledges are on disk."""
+        if not pairs:
+            return
+        self.w.persist(force=True)
+        for dest, body in pairs:
+            self.w.send_envelope(dest, Kind.PROTO, body)
+
+    def resync(self, now: float) -> None:
+        """We are a new incarnation: ask every peer for what we may have lost, resend ours."""
+        if self.links is not None:
+            core = self.core
+            self._send_link(self.links.resync(set(core.preds) | set(core.succs), now))
+
+    def ready_to_exit(self) -> bool:
+        """Terminated: ack what we delivered, and wait until our own messages are acked."""
+        if self.links is None:
+            return True
+        self._send_link(self.links.flush_acks())
+        return self.links.settled
 
     @property
     def data_enabled(self) -> bool:
@@ -271,6 +313,19 @@ class ScalingDriver:
         if isinstance(env.body, dict) and env.body.get("type") in (PROBE, PROBE_ECHO):
             self.on_probe(env)
             return
+        if self.links is not None:
+            try:
+                body, replies = self.links.receive(env.sender, env.body, self.w.now)
+            except LinkError as exc:
+                stats["protocol_errors"] += 1
+                if self._errors_log.allow(env.sender, self.w.now):
+                    log.warning("protocol message from %s rejected: %s", env.sender, exc, extra=self.w.ctx)
+                return
+            self.w.mark_state_changed()
+            self._send_link(replies)
+            if body is None:
+                return  # a link ack, a copy, or a message past a gap (it comes again in order)
+            env = replace(env, body=body)
         is_lock = isinstance(env.body, dict) and env.body.get("type") == LockMessage.type
         if is_lock:
             stats["lock_in"] = stats.get("lock_in", 0) + 1
@@ -299,10 +354,16 @@ class ScalingDriver:
             self.w.mark_state_changed()  # the lock state changed even when nothing is sent
         self._observe(outs)
         self._queue(outs)
+        if self.links is not None and getattr(self.core, "departed", None) and self.core.departed(env.sender):
+            self._send_link(self.links.forget(env.sender))
 
     def force(self, action: str, count: int) -> None:
         """A steering request (fogctl scale/drain via the agent): queued, run by `_run_forced`
         through the same protocol as an automatic decision. One duplication round per copy."""
+        if self.w.keyed is not None:  # its key groups would not take their state along (docs/operators.md)
+            log.warning("scale %s refused: %s keeps keyed state, its instance count is fixed", action,
+                        self.w.spec.operator, extra=self.w.ctx)
+            return
         if action == "duplicate":
             self.forced.extend(("duplicate", 1) for _ in range(max(1, int(count))))
         elif action == "terminate":
@@ -341,9 +402,12 @@ class ScalingDriver:
         self._run_forced(now)
         self._maybe_adopt()
         self.resend_silent(now)
+        if self.links is not None:
+            self._send_link(self.links.due(now))
         if now < self.next_tick:
             return
         load = self.w.measure_load(now)
+        sig = self.w.take_signals(now)
         self.next_tick = now + self.period
         if self.policy == "none" or self.w.is_source or self.w.stopping or self.pinned:
             return
@@ -357,7 +421,11 @@ class ScalingDriver:
             return
         self.round_created = []
         draw = self.rng.random()
-        decision = self.core.decide(load, draw)
+        if self.live is not None:
+            decision = self.live.decide(PeriodInputs(now, load, sig.processed_rate, self.w.live_capacity.value,
+                                                     sig.backpressure, self.core.keeper, draw))
+        else:
+            decision = self.core.decide(load, draw)
         if decision.scales:
             self.log.decided(self.w.now)
         outs = self.core.start_round(decision)
@@ -368,9 +436,14 @@ class ScalingDriver:
             kind = "scale_out" if new else "scale_in"
             self.counts["scale_outs" if kind == "scale_out" else "scale_ins"] += 1
             self.decisions.append({"at": self.w.wall(), "kind": kind, "load": round(load, 1), "new": new})
-            log.info("decision %s at load %.1f/s (capacity %.0f)", kind, load, self.params.capacity, extra=self.w.ctx)
+            log.info("decision %s at load %.1f/s (capacity %.0f)%s", kind, load, self._capacity(),
+                     f" {self.live.last}" if self.live is not None else "", extra=self.w.ctx)
             self.last_round_end = now
         self._queue(outs)
+
+    def _capacity(self) -> float:
+        """The capacity this instance's policy compares with: live for the Gesscale policies."""
+        return self.w.live_capacity.value if self.live is not None else self.params.capacity
 
     def _publish_decision(self, now: float, load: float, draw: float, decision: Any, outs: List[Any]) -> None:
         """A decision event with the numbers it was drawn from (load, capacity, ratio, probability,
@@ -397,10 +470,11 @@ class ScalingDriver:
         try:
             ev = events.decision(
                 ts=self.w.wall(), node=w.spec.node, instance=w.spec.instance, operator=w.spec.operator,
-                pipeline=w.spec.pipeline, load=float(load), capacity=float(self.params.capacity),
-                probability=float(decision.factor) if decision.action is not Action.NONE else None,
+                pipeline=w.spec.pipeline, load=float(load), capacity=float(self._capacity()),
+                probability=(float(decision.factor) if decision.action is not Action.NONE and self.live is None
+                             else None),
                 draw=float(draw), action=decision.action.value, count=int(decision.count),
-                type=kind, detail={"new": new, "source": "worker"} if new else {"source": "worker"},
+                type=kind, detail=self._decision_detail(new),
             )
         except ValueError as exc:
             self.counts["decision_events_failed"] = self.counts.get("decision_events_failed", 0) + 1
@@ -413,6 +487,14 @@ class ScalingDriver:
             payload = json.dumps([e.to_dict() for e in self.history], sort_keys=True).encode()
             w.notify(topics.decisions(w.spec.cluster, w.spec.instance), payload, retain=True)
         self.counts["decision_events"] = self.counts.get("decision_events", 0) + 1
+
+    def _decision_detail(self, new: List[str]) -> Dict[str, Any]:
+        detail: Dict[str, Any] = {"source": "worker"}
+        if new:
+            detail["new"] = new
+        if self.live is not None and self.live.last is not None:
+            detail.update({k: v for k, v in self.live.last.items() if k != "context"})
+        return detail
 
     def _queue(self, outs: List[Any]) -> None:
         if outs:
@@ -428,7 +510,8 @@ class ScalingDriver:
         performed, the rounds applied per sender, the copies created in the current round."""
 
         return {"scaling": self.core.snapshot(), "outputs": encode_outputs(self.outputs),
-                "rounds_applied": dict(self.memory.applied), "round_created": list(self.round_created)}
+                "rounds_applied": dict(self.memory.applied), "round_created": list(self.round_created),
+                **({"links": self.links.dump()} if self.links is not None else {})}
 
     def ping_if_idle(self, now: float) -> None:
         """An idle copy (created, not started) asks its creator for Start again: an ack of
@@ -520,8 +603,8 @@ class ScalingDriver:
         """Send the round message again to pending neighbours silent for RESEND_AFTER s (they
         may have crashed between applying it and acking); never while outputs are queued."""
 
-        if self.outputs or not self.core.in_round:
-            return
+        if self.outputs or not self.core.in_round or self.links is not None:
+            return  # with links, every message is resent until acked (ReliableLinks)
         for dest, msg in silent_pending(self.core, self._round_clock, now):
             self.w.send_envelope(dest, Kind.PROTO, msg.to_dict())
             self._round_clock[dest] = now
@@ -540,7 +623,10 @@ class ScalingDriver:
                 # INVARIANT 6 (the paper's message cost): exactly the core's Sends go out, one
                 # envelope each; data acks and heartbeats are separate (data plane, control pipe).
                 # 2-FGME lock messages travel the same way but are counted apart, by kind.
-                w.send_envelope(out.dest, Kind.PROTO, out.message.to_dict())
+                body = out.message.to_dict()
+                if self.links is not None:
+                    body = self.links.stamp(out.dest, body, now)
+                w.send_envelope(out.dest, Kind.PROTO, body)
                 self._round_clock[out.dest] = now
                 if out.message.type == "start":
                     self.started.append(out.dest)
@@ -676,7 +762,12 @@ class ScalingDriver:
         s["decisions"] = list(self.decisions)
         s["capacity"] = self.params.capacity
         s["coordination"] = self.coordination
+        s["policy"] = self.policy
+        if self.live is not None:
+            s["live_decision"] = self.live.last
         s.update(self.log.stats(self.core))
         if self.coordination == "fgme":
             s["lock_messages"] = {d: dict(c) for d, c in self.lock_counts.items()}
+        if self.links is not None:
+            s["links"] = dict(self.links.counts, unacked=self.links.unacked())
         return s

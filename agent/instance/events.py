@@ -39,6 +39,7 @@ class Restarted(Event):
     wall: float
     state: Dict[str, Any] = field(default_factory=dict)
     source_position: Optional[Dict[str, Any]] = None
+    keyed: Optional[Dict[str, Any]] = None  # a keyed operator's saved state (KeyedState.load)
 
     def __post_init__(self) -> None:
         if not isinstance(self.state, dict):

@@ -34,9 +34,10 @@ from typing import Any, Callable, Dict, List, Optional, TextIO
 from agent.config import PipelineConfig, load_pipeline_text
 from agent.files import write_atomic
 from agent.instance.commands import (
-    Command, CrashPoint, Emit, Exit, Notify, Persist, PersistSource, Publish, RequestSpawn,
+    Command, CrashPoint, Emit, Exit, Notify, Persist, PersistSource, Publish, RequestSpawn, SaveKeyed,
 )
 from agent.instance.core import EXIT_BAD_SPEC, EXIT_BROKER, EXIT_CRASH, EXIT_DRAIN_TIMEOUT, EXIT_OK, Instance
+from agent.instance.keyed_state import KeyedState
 from agent.instance.events import (
     Abort, Control, EnvelopeReceived, Event, PubAcked, PublishAccepted, PublishRefused, Restarted, SessionLost,
     Started, Tick,
@@ -79,6 +80,7 @@ class Worker:
         self.sink_dir.mkdir(parents=True, exist_ok=True)
         self.state_path = self.state_dir / f"{spec.instance}.state.json"
         self.source_path = self.sink_dir / f"{spec.instance}.source.json"
+        self.keyed_path = self.state_dir / f"{spec.instance}.keyed.json"
         # One process per identity: wait for a previous incarnation (still draining after its
         # agent died) to exit before reading its state or taking over its MQTT session.
         self._identity_lock = hold_identity_lock(
@@ -98,7 +100,7 @@ class Worker:
             spill=dict(spec.extra.get("spill") or {}),
         )
         self.operator: Any = load_operator(op.function, ctx)
-        self.core = Instance(spec, self.pipeline, self.operator)
+        self.core = Instance(spec, self.pipeline, self.operator, perf=time.perf_counter, cpu=time.process_time)
         self.transport = transport or Transport(f"fog-{spec.cluster}-{spec.instance}", spec.broker)
         # Re-homing on: after a lost connection, reconnect only when our agent says this identity
         # was not re-homed meanwhile (see _ask_to_reconnect).
@@ -125,7 +127,8 @@ class Worker:
             self.transport.subscribe(topic)
         if self.spec.restart:
             position = self._load_json(self.source_path) or None
-            self.feed(Restarted(self.wall(), self._load_json(self.state_path), position))
+            keyed = KeyedState.load(self.keyed_path) if self.core.keyed is not None else None
+            self.feed(Restarted(self.wall(), self._load_json(self.state_path), position, keyed))
         else:
             self.feed(Started(self.wall()))
 
@@ -213,6 +216,8 @@ class Worker:
                     log.warning("event not published: %s", exc, extra=self.ctx)
             elif isinstance(c, PersistSource):
                 write_atomic(self.source_path, json.dumps(c.data))
+            elif isinstance(c, SaveKeyed):
+                c.state.save(self.keyed_path)
             elif isinstance(c, RequestSpawn):
                 self._emit("spawn", request=c.request, spec=c.spec)
             elif isinstance(c, CrashPoint):

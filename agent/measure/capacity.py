@@ -42,6 +42,7 @@ __all__ = [
     "OperatorUnderTest",
     "ServiceTimeEstimator",
     "corrected_capacity",
+    "LiveCapacity",
     "CapacityRecord",
     "CapacityStore",
     "capacity_for",
@@ -232,6 +233,39 @@ def corrected_capacity(calibrated: Optional[float], calibrated_service_time: Opt
         factor = 1.0
     lo, hi = clamp
     return calibrated * min(hi, max(lo, factor))
+
+
+class LiveCapacity:
+    """The capacity one running instance publishes and its policy uses, fed every period.
+
+    `base` is what the instance started with (this node's calibration, else the pipeline's number);
+    `reference_service_time` is the per-record busy time that capacity stands for (the calibration's
+    measured service time, else 1/base: "C records/s" read as "busy 1/C s per record"). Each period
+    the worker reports its busy seconds and records (agent/measure/signals.py); the estimate is
+    `corrected_capacity(base, reference, online)`, so an instance that becomes k times slower (a hot
+    Pi, a neighbour's load, an added emulated service time) reports base/k within a few periods of
+    the EWMA, clamped to [x0.25, x2] of the base.
+    """
+
+    def __init__(self, base: float, reference_service_time: Optional[float] = None, smoothing: float = 0.5) -> None:
+        if not is_finite_positive(base):
+            raise ValueError(f"base capacity must be a finite number > 0, found {base}")
+        self.base = float(base)
+        self.reference = reference_service_time if is_finite_positive(reference_service_time) else 1.0 / self.base
+        self.estimator = ServiceTimeEstimator(smoothing)
+
+    def update(self, busy_seconds: float, records: int) -> float:
+        self.estimator.update(busy_seconds, records)
+        return self.value
+
+    @property
+    def value(self) -> float:
+        cap = corrected_capacity(self.base, self.reference, self.estimator.service_time)
+        return float(cap) if cap is not None else self.base
+
+    @property
+    def service_time(self) -> Optional[float]:
+        return self.estimator.service_time
 
 
 @dataclass(frozen=True)

@@ -50,8 +50,17 @@ from agent.instance.spec import BrokerSpec, InstanceSpec, request_spec
 from agent.measure.capacity import capacity_for
 from agent.node import bounds, hosted, nodestate, rehome, rpc
 from agent.node import deploy as records
-from agent.node.placement import DEFAULT_POLICY, NodeView, PlacementPolicy, PlacementRequest, get_policy
+from agent.node.placement import (
+    DEFAULT_POLICY,
+    NodeView,
+    PlacementPolicy,
+    PlacementRequest,
+    get_policy,
+    instance_context,
+    policy_for_operator,
+)
 from agent.operators import admission
+from agent.policy.live import LIVE_POLICIES
 from agent.spill.local import AgentSpill
 from agent.node.supervisor import WORKER_COMMAND, WORKER_EXIT_BAD_SPEC, Reaped, Supervisor, Worker, WorkerStatus
 
@@ -167,6 +176,7 @@ class Agent:
         self._paho_error: Optional[str] = None  # paho's last error log line (a TLS alert, ...)
         # fleet knowledge, from retained topics
         self.fleet: Dict[str, Dict[str, Any]] = {}
+        self._context_cache: Dict[Tuple[str, str], Tuple[str, Optional[str]]] = {}
         self.online: Dict[str, bool] = {}
         self.latency: Dict[str, Dict[str, float]] = {}
         self._reserved: Dict[str, int] = {}  # remote slots we asked for since their last state
@@ -493,6 +503,7 @@ class Agent:
             due = now - self._last_state >= self.cfg.agent.state_period
             if due or (self._state_dirty and now - self._last_state >= STATE_MIN_INTERVAL):
                 self._publish_state(now)
+                self._send_policy_contexts()
         if self.spill is not None:
             self.spill.tick(now)
         self._notify(now)
@@ -570,6 +581,55 @@ class Agent:
             self._last_state = now
             self._state_dirty = False
 
+    def _send_policy_contexts(self) -> None:
+        """Each local instance of a Gesscale policy gets its sibling context (n, rank, ND_max, the
+        predecessors' back pressure) on the beat of the retained state, from the same fleet view
+        placement reads (`placement.instance_context`; docs/measurement.md, "Policies in the
+        daemon"). A "decentralized" instance needs none: the paper's policy is per instance."""
+        docs = {n: d for n, d in self.fleet.items() if n == self.node or self.online.get(n, True)}
+        for w in list(self.supervisor.workers.values()):
+            if w.status is not WorkerStatus.ACTIVE:
+                continue
+            need = self._policy_needs(w.spec)
+            if need is None:
+                continue
+            ctx = instance_context(docs, self.latency, w.spec.pipeline, w.spec.operator, need, w.instance)
+            self.supervisor.send(w.instance, "set", context=ctx)
+
+    def _siblings(self, spec: InstanceSpec) -> Tuple[str, ...]:
+        """Ids of the operator's other instances (this pipeline) in our view: ND_max placement."""
+        out = [w.instance for w in self.supervisor.workers.values()
+               if w.spec.pipeline == spec.pipeline and w.spec.operator == spec.operator and w.instance != spec.instance]
+        for node, doc in self.fleet.items():
+            if node == self.node or not self.online.get(node, True):
+                continue
+            out.extend(str(i.get("id")) for i in doc.get("instances", []) or []
+                       if isinstance(i, dict) and i.get("operator") == spec.operator
+                       and i.get("pipeline", spec.pipeline) == spec.pipeline and i.get("id") != spec.instance)
+        return tuple(out)
+
+    def _policy_needs(self, spec: InstanceSpec) -> Optional[str]:
+        """For an instance of a Gesscale policy, its predecessor operator's name ("" for none);
+        None when the instance takes no context (decentralized, none, a source)."""
+        policy, pred = self._operator_policy(spec)
+        return pred if policy in LIVE_POLICIES else None
+
+    def _operator_policy(self, spec: InstanceSpec) -> Tuple[str, Optional[str]]:
+        """(the operator's [scaling] policy, its predecessor's name or "" / None for a source),
+        cached per pipeline text; ("", None) when the pipeline does not load (the worker says why)."""
+        key = (spec.pipeline_toml, spec.operator)
+        if key not in self._context_cache:
+            try:
+                cfg = load_pipeline_text(spec.pipeline_toml)
+                idx = cfg.index(spec.operator)
+                pred = None if cfg.operators[idx].kind == "source" else (cfg.operators[idx - 1].name if idx > 0 else "")
+                self._context_cache[key] = (cfg.scaling_for(spec.operator).policy, pred)
+            except Exception:
+                self._context_cache[key] = ("", None)
+            if len(self._context_cache) > 256:
+                self._context_cache.pop(next(iter(self._context_cache)))
+        return self._context_cache[key]
+
     def _event(self, etype: str, instance: str, operator: str, pipeline: str, **detail: Any) -> None:
         detail["source"] = "agent"
         try:
@@ -620,6 +680,11 @@ class Agent:
                                 keeper=info.keeper, phase=phase, load=info.load, capacity=info.capacity))
         return out
 
+    def _keeps_keyed_state(self, instance: str) -> bool:
+        """The instance said so in its stats (agent.instance.keyed_state)."""
+        w = self.supervisor.get(instance)
+        return w is not None and bool(w.stats.get("keyed_state"))
+
     def _on_steering(self, body: Dict[str, Any], now: float) -> Dict[str, Any]:
         """A fogctl scale/drain request: check it against our own instances (`agent_actions`) and
         hand each action to its worker as a control line; the worker runs it through the SAME
@@ -629,6 +694,12 @@ class Agent:
             actions = agent_actions(req, self.node, self._local_instances(), slots=self.fleet_slots())
         except RequestError as exc:
             return Reply(False, {}, str(exc)).to_dict()
+        keyed = [a.instance for a in actions if self._keeps_keyed_state(a.instance)]
+        if keyed:
+            # Neither a copy nor a move would take its key groups' state along (docs/operators.md,
+            # "Keyed state"): refused as a whole, before anything is changed.
+            return Reply(False, {}, f"{', '.join(keyed)} keeps keyed state: its instance count and its node are "
+                                    "fixed until key groups can be handed over").to_dict()
         if isinstance(req, DrainRequest):
             self.draining = not req.undo
             self._state_dirty = True
@@ -839,8 +910,10 @@ class Agent:
             return
         if self._answer_if_hosted(spec.instance, reply, local_only=False):
             return
-        request = PlacementRequest(operator=spec.operator, local=self.node, neighbours=spec.succs + spec.preds)
-        ranking = list(self.policy(request, self.fleet_views()))
+        request = PlacementRequest(operator=spec.operator, local=self.node, neighbours=spec.succs + spec.preds,
+                                   siblings=self._siblings(spec))
+        policy = policy_for_operator(self.policy, self._operator_policy(spec)[0])
+        ranking = list(policy(request, self.fleet_views()))
         job = SpawnJob(spec=spec, candidates=ranking, reply=reply, cause=cause)
         self._try_next(job, now, "no node has a free slot")
 
@@ -1148,6 +1221,12 @@ class Agent:
         reason = (w.exit_event or {}).get("reason") or w.killed_for or f"exit status {reaped.returncode}"
         log.info("worker pid %d exited with %d (%s)", w.pid, reaped.returncode, reason, extra={"instance": w.instance})
         if job is not None:
+            # The spawn that started it is answered elsewhere (the next candidate, or a failure the
+            # requester places again): this incarnation must not come back here as a crash, or one
+            # identity would run on two nodes (their clients take the session from each other and
+            # both consume its inbox: docs/design.md invariant 7).
+            hosted.forget(self.cfg.agent.state_dir, w.instance)
+            self._hosted_dirty = True
             self._try_next(job, now, f"worker exited before ready ({reason})")
         cause = "shutdown" if self._stopping_since is not None else ("scale_in" if reaped.clean else "crash")
         final = bool((w.exit_event or {}).get("final")) or reaped.returncode == WORKER_EXIT_BAD_SPEC
@@ -1170,7 +1249,7 @@ class Agent:
                     code=reaped.returncode, reason=str(reason), clean=reaped.clean, stats=w.stats)
         if handover:
             self._hand_over(w, now)
-        elif reaped.crashed and self._stopping_since is None and not fenced and not undeployed:
+        elif reaped.crashed and self._stopping_since is None and not fenced and not undeployed and job is None:
             self._maybe_restart(w, now)
 
     def _hand_over(self, w: Worker, now: float) -> None:

@@ -3,7 +3,7 @@ sources, and the node's allow-list of what may be imported (docs/operators.md).
 
 Import the API from here (`from agent.operators import OperatorContext, Param, record_map`);
 the built-ins are named in pipelines as `agent.operators.builtin:<name>` and
-`agent.operators.taxi:<name>`."""
+`agent.operators.taxi:<name>`; the keyed ones `agent.operators.keyed:<name>`."""
 
 from agent.operators.builtin import (
     MapOperator,
@@ -14,5 +14,6 @@ from agent.operators.builtin import (
     SinkOperator,
     record_map,
 )
+from agent.operators.keyed import EVENT_TIME_PARAMS, KeyedOperator
 
-__all__ = ["MapOperator", "Operator", "OperatorContext", "Param", "Publication", "SinkOperator", "record_map"]
+__all__ = ["EVENT_TIME_PARAMS", "KeyedOperator", "MapOperator", "Operator", "OperatorContext", "Param", "Publication", "SinkOperator", "record_map"]

@@ -6,7 +6,8 @@ the function the worker imports. A name taken as it comes lets any identity on t
 code on any node (`function = "builtins:exec"`). So the functions a node may import are fixed on
 the node, never by a request:
 
-- the built-in operators (`BUILTIN`: `agent.operators.builtin` and the taxi sources);
+- the built-in operators (`BUILTIN`: `agent.operators.builtin`, the keyed ones of
+  `agent.operators.keyed` and the taxi sources);
 - the operators installed packages register in the entry-point group `fog_agent.operators`
   (`name = "module:attr"`): exactly those "module:attr" values;
 - the public functions of the modules the node's own agent.toml lists
@@ -73,6 +74,12 @@ BUILTIN: FrozenSet[str] = frozenset({
     "agent.operators.builtin:counting_sink",
     "agent.operators.builtin:null_sink",
     "agent.operators.builtin:mqtt_sink",
+    "agent.operators.keyed:keyed_count",
+    "agent.operators.keyed:keyed_sum",
+    "agent.operators.keyed:keyed_mean",
+    "agent.operators.keyed:tumbling_window",
+    "agent.operators.keyed:sliding_window",
+    "agent.operators.keyed:top_k",
     "agent.operators.taxi:source",
     "agent.operators.taxi:mqtt_source",
     "agent.operators.taxi:bench_source",

@@ -430,6 +430,20 @@ class _TinyRecord:
         return {"v": 1}
 
 
+class _KeyedRecord:
+    """Benchmark records for keyed operators: `{"k": n mod keys, "t": n ms, "v": 1}`, event times
+    rising by 1 ms a record (windows close as the stream goes on)."""
+
+    def __init__(self, keys: int) -> None:
+        self.keys = keys
+        self.n = 0
+
+    def __call__(self) -> Dict[str, Any]:
+        n = self.n
+        self.n += 1
+        return {"k": n % self.keys, "t": n, "v": 1}
+
+
 class _Pool:
     """Benchmark taxi records: a pre-generated pool, cycled (the generator costs ~40 us per
     record here, which would measure the generator instead of the data path)."""
@@ -448,11 +462,14 @@ def _bench_source(ctx: OperatorContext) -> TaxiSource:
     kind = ctx.params.get("record", "taxi")
     if kind == "taxi":
         return TaxiSource(ctx, record_factory=_Pool(int(ctx.params.get("seed", 1)), ctx.instance))
+    if kind == "keyed":
+        return TaxiSource(ctx, record_factory=_KeyedRecord(int(ctx.params.get("keys", 100))))
     return TaxiSource(ctx, record_factory=_TinyRecord())
 
 
 bench_source = _Factory(_bench_source)
-bench_source.params_schema = dict(SOURCE_PARAMS, record=Param("string"))  # type: ignore[attr-defined]
+bench_source.params_schema = dict(SOURCE_PARAMS, record=Param("string", choices=("taxi", "tiny", "keyed")),
+                                   keys=Param("integer", min=1))  # type: ignore[attr-defined]
 bench_source.check_params = check_source_params  # type: ignore[attr-defined]
 
 

@@ -25,8 +25,8 @@ the retained agent states), (2) computes the same operator-level target n' as th
   (floor plus a coin flip on the fraction), scale-in with probability |delta|/(n-1) per non-keeper
   (the keeper never terminates), so the expected change is delta, as in the paper's protocol.
 
-Placement: `rank_nodes_for_scale_out` prefers the node that keeps the operator's largest RTT
-(ND_max of the MST model) smallest; `farthest` names the instance to remove on scale-in.
+Placement (where a new instance goes, which one is the farthest, the rank above) lives in ONE
+module, agent/node/placement.py, which the daemon and the simulator both use.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import Enum
-from typing import Mapping, Optional, Sequence, Tuple
+from typing import Optional
 
 try:  # Python 3.8+: typing.Protocol
     from typing import Protocol
@@ -51,10 +51,6 @@ __all__ = [
     "DecentralizedPolicy",
     "make_policy",
     "POLICY_NAMES",
-    "nd_max",
-    "rank_nodes_for_scale_out",
-    "farthest",
-    "sibling_rank",
 ]
 
 
@@ -222,55 +218,3 @@ def make_policy(name: str, scaling: "object" = None) -> Policy:
             return SizedPolicy()
         return SizedPolicy(min_instances=scaling.min_instances, max_instances=scaling.max_instances)
     raise ValueError(f"unknown policy {name!r}: expected one of {', '.join(POLICY_NAMES)}")
-
-
-# ---- latency-aware placement ---------------------------------------------------------------------
-
-Matrix = Mapping[str, Mapping[str, float]]
-
-
-def _rtt(matrix: Matrix, a: str, b: str) -> float:
-    if a == b:
-        return 0.0
-    v = matrix.get(a, {}).get(b)
-    if v is None:
-        v = matrix.get(b, {}).get(a)
-    if v is None:
-        raise KeyError(f"no latency between {a!r} and {b!r} in the matrix")
-    return float(v)
-
-
-def nd_max(matrix: Matrix, nodes: Sequence[str]) -> float:
-    """The greatest RTT among the nodes hosting an operator (0 for a single node)."""
-    uniq = sorted(set(nodes))
-    return max((_rtt(matrix, a, b) for i, a in enumerate(uniq) for b in uniq[i + 1:]), default=0.0)
-
-
-def rank_nodes_for_scale_out(matrix: Matrix, current: Sequence[str], candidates: Sequence[str]) -> Tuple[str, ...]:
-    """Candidates best first: smallest resulting ND_max, then smallest summed RTT, then name."""
-    def key(c: str) -> Tuple[float, float, str]:
-        return (nd_max(matrix, list(current) + [c]), sum(_rtt(matrix, c, x) for x in current), c)
-
-    return tuple(sorted(candidates, key=key))
-
-
-def farthest(matrix: Matrix, placement: Mapping[str, str], keeper: Optional[str] = None) -> Optional[str]:
-    """The instance (of `placement`: instance -> node) with the greatest summed RTT to the others."""
-    ranked = [i for i in _by_distance(matrix, placement) if i != keeper]
-    return ranked[0] if ranked else None
-
-
-def _by_distance(matrix: Matrix, placement: Mapping[str, str]) -> Tuple[str, ...]:
-    def key(inst: str) -> Tuple[float, str]:
-        node = placement[inst]
-        return (-sum(_rtt(matrix, node, placement[o]) for o in placement if o != inst), inst)
-
-    return tuple(sorted(placement, key=key))
-
-
-def sibling_rank(matrix: Matrix, placement: Mapping[str, str], instance: str, keeper: Optional[str] = None) -> int:
-    """`Measurements.rank` for `instance`: 0 = farthest; the keeper is always ranked last."""
-    order = [i for i in _by_distance(matrix, placement) if i != keeper]
-    if keeper is not None and keeper in placement:
-        order.append(keeper)
-    return order.index(instance)

@@ -32,14 +32,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Sequence, Tuple
 
 from agent.metrics_spec import ElasticityMetrics, drain_time, elasticity_metrics, summarize
-from agent.policy.base import (
-    ActionKind,
-    Measurements,
-    Policy,
-    nd_max,
-    rank_nodes_for_scale_out,
-    sibling_rank,
-)
+from agent.node.placement import nd_max, rank_nodes_for_scale_out, sibling_rank
+from agent.policy.base import ActionKind, Measurements, Policy
 
 __all__ = ["Platform", "SimConfig", "RunResult", "POLICIES", "simulate", "compare", "format_table",
            "GESSCALE_TABLE_III"]

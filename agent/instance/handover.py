@@ -1,0 +1,255 @@
+"""The hand-over of a key group's state from its old owner to a new one, as pure state machines.
+NOT WIRED into the worker or the scaling protocol yet (docs/operators.md, "Keyed state": a keyed
+operator's policy must be "none" until it is).
+
+Rules of this file: no I/O, no clock. Each role is a class whose methods take one input (a
+message, a record) and return the outputs to perform, in order. Channels between two instances
+are FIFO (the data plane's numbered channels, docs/design.md invariant 1); that is the only
+assumption. Unknown or impossible inputs raise `HandoverError` naming the role, group and input.
+
+The sequence for one group g moving from OLD to NEW, with predecessors P1..Pk (Elastic Storm's
+pause-and-resume per task, section V of Cardellini et al., HPCS 2016, per key group here, with the
+buffer at the new owner):
+
+    OLD                        each Pi                            NEW
+     | Redirect(g, NEW) ------>  |                                 |
+     |                           | (records of g sent before: to OLD, FIFO ahead of the EOS)
+     | <------------------ Eos(g)| then g's records go to NEW -----> | buffered: no state yet
+     | (applies g's records up to every Pi's Eos: g's state is final)
+     | StateChunk(g, i, n) ---------------------------------------> | (n chunks, each <= max_chunk bytes)
+     | forgets g                                                     | setState, applies the buffer
+     | <---------------------------------------------- Installed(g) | in arrival order, resumes g
+     | (may drop what it kept for g)
+
+Why it is exactly once and keeps each sender's order: a record of g sent by Pi before its Eos
+reaches OLD before that Eos (FIFO) and is in the state OLD sends; one sent after reaches NEW, which
+applies it only after the state is installed, in arrival order. Other groups keep flowing: only
+g's records are buffered, only at NEW, only until its state arrives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+
+__all__ = [
+    "HandoverError",
+    "Redirect",
+    "Eos",
+    "StateChunk",
+    "Installed",
+    "Send",
+    "Apply",
+    "Install",
+    "Forget",
+    "Predecessor",
+    "OldOwner",
+    "NewOwner",
+    "MAX_CHUNK",
+    "chunks",
+]
+
+# Raw state bytes per chunk: base64 in a JSON envelope makes it 4/3 larger plus a header, which
+# stays under Mosquitto's default 1 MiB message limit.
+MAX_CHUNK = 600_000
+
+
+class HandoverError(RuntimeError):
+    """An input the hand-over of this group cannot receive in its current state."""
+
+
+# ---- messages between instances ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Redirect:
+    group: int
+    new: str
+
+
+@dataclass(frozen=True)
+class Eos:
+    group: int
+    sender: str
+
+
+@dataclass(frozen=True)
+class StateChunk:
+    group: int
+    index: int
+    total: int
+    data: bytes
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.index < self.total:
+            raise HandoverError(f"state chunk {self.index} of {self.total} for group {self.group}: out of range")
+
+
+@dataclass(frozen=True)
+class Installed:
+    group: int
+
+
+# ---- outputs for the driver -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Send:
+    dest: str
+    message: Any
+
+
+@dataclass(frozen=True)
+class Apply:
+    """Apply these records of the group (sender, record) now, in this order."""
+
+    group: int
+    records: Tuple[Tuple[str, Any], ...]
+
+
+@dataclass(frozen=True)
+class Install:
+    """setState: restore the group from these bytes (before any Apply of it that follows)."""
+
+    group: int
+    data: bytes
+
+
+@dataclass(frozen=True)
+class Forget:
+    """The group's state left this instance: drop it."""
+
+    group: int
+
+
+def chunks(group: int, data: bytes, max_chunk: int = MAX_CHUNK) -> List[StateChunk]:
+    """The state of `group` cut into chunks of at most `max_chunk` bytes (one, if empty)."""
+    if max_chunk < 1:
+        raise ValueError(f"max_chunk must be >= 1, found {max_chunk}")
+    parts = [data[i:i + max_chunk] for i in range(0, len(data), max_chunk)] or [b""]
+    return [StateChunk(group, i, len(parts), p) for i, p in enumerate(parts)]
+
+
+# ---- the three roles --------------------------------------------------------------------------------
+
+
+class Predecessor:
+    """An upstream instance: where each group's records go. `route(g)` is the owner to send to."""
+
+    def __init__(self, name: str, owners: Dict[int, str]) -> None:
+        self.name = name
+        self.owners = dict(owners)
+
+    def route(self, group: int) -> str:
+        return self.owners[group]
+
+    def on_redirect(self, sender: str, msg: Redirect) -> List[Any]:
+        """From the group's current owner: an Eos behind everything of the group sent to it, then
+        the group's records go to the new owner."""
+        old = self.owners.get(msg.group)
+        if old != sender:
+            raise HandoverError(f"predecessor {self.name}: Redirect of group {msg.group} from {sender}, "
+                                f"which does not own it (owner: {old})")
+        self.owners[msg.group] = msg.new
+        return [Send(old, Eos(msg.group, self.name))]
+
+
+class OldOwner:
+    """The instance the group leaves. Applies the group's records until every predecessor's Eos,
+    then sends the state (chunked) and forgets the group."""
+
+    def __init__(self, name: str, max_chunk: int = MAX_CHUNK) -> None:
+        self.name = name
+        self.max_chunk = max_chunk
+        self.moving: Dict[int, Tuple[str, Set[str]]] = {}  # group -> (new owner, preds without Eos yet)
+        self.gone: Set[int] = set()
+        self.waiting_install: Set[int] = set()
+
+    def start(self, group: int, new: str, preds: Sequence[str]) -> List[Any]:
+        if group in self.moving or group in self.gone:
+            raise HandoverError(f"old owner {self.name}: group {group} is already moving or gone")
+        if not preds:
+            raise HandoverError(f"old owner {self.name}: moving group {group} needs its predecessors")
+        self.moving[group] = (new, set(preds))
+        return [Send(p, Redirect(group, new)) for p in sorted(set(preds))]
+
+    def on_record(self, sender: str, group: int, record: Any) -> List[Any]:
+        if group in self.gone:
+            raise HandoverError(f"old owner {self.name}: record of group {group} from {sender} after its Eos")
+        mv = self.moving.get(group)
+        if mv is not None and sender not in mv[1]:
+            raise HandoverError(f"old owner {self.name}: record of group {group} from {sender} after its Eos")
+        return [Apply(group, ((sender, record),))]
+
+    def on_eos(self, msg: Eos, snapshot: Callable[[int], bytes]) -> List[Any]:
+        """`snapshot(group) -> bytes` is called once, when the state is final."""
+        mv = self.moving.get(msg.group)
+        if mv is None or msg.sender not in mv[1]:
+            raise HandoverError(f"old owner {self.name}: unexpected Eos of group {msg.group} from {msg.sender}")
+        new, left = mv
+        left.discard(msg.sender)
+        if left:
+            return []
+        del self.moving[msg.group]
+        self.gone.add(msg.group)
+        self.waiting_install.add(msg.group)
+        out: List[Any] = [Send(new, c) for c in chunks(msg.group, snapshot(msg.group), self.max_chunk)]
+        out.append(Forget(msg.group))
+        return out
+
+    def on_installed(self, msg: Installed) -> List[Any]:
+        if msg.group not in self.waiting_install:
+            raise HandoverError(f"old owner {self.name}: Installed for group {msg.group}, which it did not send")
+        self.waiting_install.discard(msg.group)
+        return []
+
+
+class NewOwner:
+    """The instance the group arrives at. Buffers the group's records until its state is
+    installed, then applies them in arrival order."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.expected: Dict[int, str] = {}  # group -> old owner
+        self.parts: Dict[int, Dict[int, bytes]] = {}
+        self.buffer: Dict[int, List[Tuple[str, Any]]] = {}
+        self.owned: Set[int] = set()
+
+    def expect(self, group: int, old: str) -> None:
+        if group in self.owned or group in self.expected:
+            raise HandoverError(f"new owner {self.name}: group {group} is already owned or expected")
+        self.expected[group] = old
+        self.parts[group] = {}
+        self.buffer[group] = []
+
+    def on_record(self, sender: str, group: int, record: Any) -> List[Any]:
+        if group in self.owned:
+            return [Apply(group, ((sender, record),))]
+        if group in self.expected:
+            self.buffer[group].append((sender, record))
+            return []
+        raise HandoverError(f"new owner {self.name}: record of group {group} from {sender}, not owned nor expected")
+
+    def on_chunk(self, sender: str, msg: StateChunk) -> List[Any]:
+        old = self.expected.get(msg.group)
+        if old != sender:
+            raise HandoverError(f"new owner {self.name}: state of group {msg.group} from {sender} (expected {old})")
+        parts = self.parts[msg.group]
+        if msg.index in parts:
+            raise HandoverError(f"new owner {self.name}: chunk {msg.index} of group {msg.group} twice")
+        parts[msg.index] = msg.data
+        if len(parts) < msg.total:
+            return []
+        data = b"".join(parts[i] for i in range(msg.total))
+        del self.expected[msg.group], self.parts[msg.group]
+        self.owned.add(msg.group)
+        buffered = tuple(self.buffer.pop(msg.group))
+        out: List[Any] = [Install(msg.group, data)]
+        if buffered:
+            out.append(Apply(msg.group, buffered))
+        out.append(Send(old, Installed(msg.group)))
+        return out
+
+    def buffered(self, group: int) -> Optional[int]:
+        b = self.buffer.get(group)
+        return None if b is None else len(b)

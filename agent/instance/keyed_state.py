@@ -1,0 +1,420 @@
+"""The keyed state of one instance: per key group, the operator's states, the input position they
+reflect, the watermark, the timers and the outputs not yet acked downstream. Sans-IO except
+`save`/`load` (a snapshot and its log of changes).
+
+Rules of this file (docs/operators.md, "Keyed state: aggregates and windows per key"):
+- Exactly-once updates. Every record id (source instance, number) travels unchanged through the
+  stateless operators, and on one predecessor's channel the numbers of one source only grow
+  (FIFO channels, in-order processing, in-order replays). So per (predecessor, source) the highest
+  number applied is the input position the state reflects: a record at or below it is a replay,
+  skipped (`duplicates_skipped`), never applied twice.
+- Write-ahead outputs. The state, the positions and every output not yet acked by the successors
+  are saved together (`save`: one line of what changed appended to a log, or now and then a full
+  snapshot written atomically, which starts a new log). The worker acks an input upstream only
+  once the state that reflects it is saved (`lowest_unsaved`), so a crash loses nothing the
+  predecessors do not still hold: the restarted instance loads snapshot + log, sends the saved
+  outputs again (the sink drops the copies by id) and skips every replayed record it had applied.
+- Determinism. Lateness is decided record by record in arrival order and timers fire after the
+  batch, so the outputs do not depend on how records were batched: a run with crashes emits
+  exactly the outputs (same ids, same content) of the fault-free run.
+- An output gets the id `(<operator>#<key digest>, n)`: the key's n-th output. Counters survive
+  their key's state being forgotten (an id is never reused).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import heapq
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from agent.dataplane.envelope import Item
+from agent.dataplane.keygroups import key_group, record_key
+from agent.files import write_atomic
+from agent.operators.keyed import KeyedOperator
+
+__all__ = ["KeyedState", "FORMAT", "hashable_key", "output_source"]
+
+log = logging.getLogger("agent.instance.keyed_state")
+
+FORMAT = 1
+LOG_MIN = 256 << 10  # bytes of log below which no snapshot is rewritten for its sake
+MAX_NOTIFY_LOOPS = 1000  # on_notify calls per key per batch whose notify_at keeps moving forward
+
+
+def hashable_key(key: Any) -> Any:
+    """A record's key as a dict key: a JSON scalar as it is, anything else as canonical JSON text."""
+    if key is None or isinstance(key, (str, int, float, bool)):
+        return key
+    return json.dumps(key, sort_keys=True, separators=(",", ":"))
+
+
+def output_source(operator: str, key: Any) -> str:
+    """The source part of the ids of `key`'s outputs: the same on every instance and in every run."""
+    digest = hashlib.blake2b(json.dumps(key, sort_keys=True).encode(), digest_size=8).hexdigest()
+    return f"{operator}#{digest}"
+
+
+class KeyedState:
+    """Drives one `KeyedOperator` over input batches and keeps what it must persist."""
+
+    def __init__(self, op: KeyedOperator, operator: str, key_field: Optional[str], groups: int) -> None:
+        self.op = op
+        self.operator = operator
+        self.key_field = key_field
+        self.groups = groups
+        self.states: Dict[int, Dict[Any, Any]] = {}  # group -> key -> the operator's state
+        self.emitted: Dict[int, Dict[Any, int]] = {}  # group -> key -> outputs so far (ids)
+        self.positions: Dict[str, int] = {}  # "<predecessor> <source>" -> highest number applied
+        self.max_time: Optional[float] = None
+        self.timers: Dict[Any, float] = {}  # key -> event time its on_notify is due
+        self._heap: List[Tuple[float, str, Any]] = []  # (time, key as JSON, key); stale entries skipped
+        self.outputs: List[Tuple[int, Item]] = []  # (input index, item): not yet acked downstream
+        self._unsaved: Optional[int] = None  # lowest input index applied since the last save
+        self._sources: Dict[Any, str] = {}  # key -> output_source(operator, key) (a digest per output is costly)
+        self._key_text: Dict[Any, str] = {}  # key -> its JSON text (timers' tie-break)
+        # Saving (see `save`): a full snapshot now and then, else one appended line of what changed.
+        self._json_states = type(op).snapshot is KeyedOperator.snapshot
+        self._gen = 0  # the snapshot's generation: log lines of another one are ignored
+        self._full_next = True
+        self._base_bytes = 0
+        self._log_bytes = 0
+        self._dirty_keys: Dict[Tuple[int, Any], None] = {}  # (group, key) changed since the last save
+        self._dirty_pos: Dict[str, None] = {}
+        self._out_new: List[Item] = []  # outputs added since the last save
+        self._out_dropped = 0  # outputs pruned from the front since the last save
+        self.counts = {"keyed_applied": 0, "duplicates_skipped": 0, "late_dropped": 0, "no_event_time": 0,
+                       "keyed_outputs": 0, "keyed_errors": 0, "state_saves": 0}
+
+    # ---- the watermark ---------------------------------------------------------------------------
+
+    @property
+    def watermark(self) -> Optional[float]:
+        if self.max_time is None:
+            return None
+        return self.max_time - self.op.lateness_ms
+
+    # ---- input ------------------------------------------------------------------------------------
+
+    def apply(self, sender: str, items: List[Item], index: int) -> List[Item]:
+        """Apply one input batch from `sender` (processed with input index `index`); the outputs."""
+        op = self.op
+        timed = op.uses_event_time
+        by_key: Dict[Any, List[Any]] = {}
+        positions = self.positions
+        applied = 0
+        for src, seq, rec in items:
+            pk = f"{sender} {src}"
+            if seq <= positions.get(pk, -1):
+                self.counts["duplicates_skipped"] += 1
+                continue
+            positions[pk] = seq
+            self._dirty_pos[pk] = None
+            applied += 1
+            if timed:
+                try:
+                    t = op.event_time(rec)
+                except Exception:  # noqa: BLE001 - the user's event_time: the record is unusable
+                    t = None
+                if t is None:
+                    self.counts["no_event_time"] += 1
+                    continue
+                wm = self.watermark
+                if wm is not None and t < wm:
+                    self.counts["late_dropped"] += 1
+                    continue
+                if self.max_time is None or t > self.max_time:
+                    self.max_time = t
+            key = hashable_key(record_key(rec, self.key_field))
+            lst = by_key.get(key)
+            if lst is None:
+                lst = by_key[key] = []
+            lst.append(rec)
+        if not applied:
+            return []
+        if self._unsaved is None:
+            self._unsaved = index
+        self.counts["keyed_applied"] += applied
+        out: List[Item] = []
+        for key, recs in by_key.items():
+            self._call_batch(key, recs, out)
+        if timed:
+            self._fire(out)
+        self.outputs.extend((index, it) for it in out)
+        self._out_new.extend(out)
+        return out
+
+    def _call_batch(self, key: Any, recs: List[Any], out: List[Item]) -> None:
+        g = key_group(key, self.groups)
+        states = self.states.setdefault(g, {})
+        state = states.get(key)
+        try:
+            emitted, state = self.op.on_batch(key, recs, state)
+            self._emit(g, key, list(emitted), out)
+        except Exception:  # noqa: BLE001 - isolate the record(s) the user function fails on
+            for rec in recs:
+                try:
+                    emitted, state = self.op.on_batch(key, [rec], state)
+                    self._emit(g, key, list(emitted), out)
+                except Exception as exc:  # noqa: BLE001
+                    self.counts["keyed_errors"] += 1
+                    if self.counts["keyed_errors"] <= 5:
+                        log.warning("%s: on_batch failed for key %r: %r", self.operator, key, exc)
+        self._set(g, key, state)
+
+    def _emit(self, g: int, key: Any, emitted: List[Any], out: List[Item]) -> None:
+        if not emitted:
+            return
+        counters = self.emitted.setdefault(g, {})
+        n = counters.get(key, 0)
+        src = self._sources.get(key)
+        if src is None:
+            src = self._sources[key] = output_source(self.operator, key)
+        for value in emitted:
+            n += 1
+            out.append((src, n, value))
+        counters[key] = n
+        self.counts["keyed_outputs"] += len(emitted)
+        self._dirty_keys[(g, key)] = None
+
+    def _set(self, g: int, key: Any, state: Any) -> None:
+        states = self.states.setdefault(g, {})
+        if state is None:
+            states.pop(key, None)
+            if not states:
+                del self.states[g]
+        else:
+            states[key] = state
+        self._dirty_keys[(g, key)] = None
+        self._arm(key, state)
+
+    def _arm(self, key: Any, state: Any) -> None:
+        t = None if state is None else self.op.notify_at(key, state)
+        if t is None:
+            self.timers.pop(key, None)
+            return
+        if self.timers.get(key) != t:
+            self.timers[key] = t
+            text = self._key_text.get(key)
+            if text is None:
+                text = self._key_text[key] = json.dumps(key)  # the tie-break: (time, key) order
+            heapq.heappush(self._heap, (t, text, key))
+
+    def _fire(self, out: List[Item]) -> None:
+        """Every timer the watermark has reached, in (time, key) order. A key whose on_notify keeps
+        asking for a time already reached is called at most MAX_NOTIFY_LOOPS times per batch."""
+        wm = self.watermark
+        heap = self._heap
+        fired: Dict[Any, int] = {}
+        later: List[Tuple[float, str, Any]] = []
+        while heap and wm is not None and heap[0][0] <= wm:
+            entry = heapq.heappop(heap)
+            t, _, key = entry
+            if self.timers.get(key) != t:
+                continue  # re-armed or cancelled since
+            n = fired.get(key, 0)
+            if n >= MAX_NOTIFY_LOOPS:
+                later.append(entry)
+                continue
+            fired[key] = n + 1
+            del self.timers[key]
+            g = key_group(key, self.groups)
+            state = self.states.get(g, {}).get(key)
+            try:
+                emitted, state = self.op.on_notify(key, state, wm)
+                self._emit(g, key, list(emitted), out)
+            except Exception as exc:  # noqa: BLE001
+                fired[key] = MAX_NOTIFY_LOOPS  # its timer stays armed: tried again after the next batch
+                self.counts["keyed_errors"] += 1
+                if self.counts["keyed_errors"] <= 5:
+                    log.warning("%s: on_notify failed for key %r: %r", self.operator, key, exc)
+            self._set(g, key, state)
+        for entry in later:
+            heapq.heappush(heap, entry)
+
+    # ---- persistence ------------------------------------------------------------------------------
+
+    @property
+    def dirty(self) -> bool:
+        return self._unsaved is not None
+
+    def lowest_unsaved(self) -> Optional[int]:
+        """The lowest input index applied but not saved yet: not to be acked upstream."""
+        return self._unsaved
+
+    def prune_outputs(self, lowest_pending: Optional[int]) -> None:
+        """Forget the outputs every successor acked: those of inputs below `lowest_pending` (the
+        lowest input index with outputs still buffered, in flight or unacked; None: none is)."""
+        before = len(self.outputs)
+        if lowest_pending is None:
+            self.outputs = []
+        elif self.outputs and self.outputs[0][0] < lowest_pending:
+            self.outputs = [(i, it) for i, it in self.outputs if i >= lowest_pending]
+        self._out_dropped += before - len(self.outputs)  # a prefix: indices grow along the list
+
+    def _group_json(self, g: int) -> Dict[str, Any]:
+        """One group as a JSON value: an operator with the default (JSON) snapshot keeps its states
+        as they are ("pairs"); any other as its snapshot's bytes in base64 ("bytes")."""
+        states = self.states.get(g, {})
+        emitted = [[k, n] for k, n in self.emitted.get(g, {}).items()]
+        if type(self.op).snapshot is KeyedOperator.snapshot:
+            return {"pairs": [[k, v] for k, v in states.items()], "emitted": emitted}
+        return {"bytes": base64.b64encode(self.op.snapshot(states)).decode(), "emitted": emitted}
+
+    def group_snapshot(self, g: int) -> bytes:
+        """One key group as bytes (what a hand-over moves): its states and output counters."""
+        return json.dumps(self._group_json(g), separators=(",", ":")).encode()
+
+    def restore_group(self, g: int, data: bytes) -> None:
+        self._restore_group(g, json.loads(data))
+
+    def _restore_group(self, g: int, blob: Dict[str, Any]) -> None:
+        if "pairs" in blob:
+            states = self.op.restore(json.dumps(blob["pairs"]).encode())
+        else:
+            states = self.op.restore(base64.b64decode(blob["bytes"]))
+        if states:
+            self.states[g] = {hashable_key(k): s for k, s in states.items()}
+        else:
+            self.states.pop(g, None)
+        counters = {hashable_key(k): int(n) for k, n in blob.get("emitted") or []}
+        if counters:
+            self.emitted[g] = counters
+        for key, state in self.states.get(g, {}).items():
+            self._arm(key, state)
+
+    def to_text(self) -> str:
+        """The saved form: one JSON document (encoded whole: its cost grows with the state)."""
+        return json.dumps({"format": FORMAT, "gen": self._gen, "operator": self.operator, "key_groups": self.groups,
+                           "positions": self.positions, "max_time": self.max_time,
+                           "outputs": [it for _, it in self.outputs],
+                           "groups": {str(g): self._group_json(g) for g in sorted(set(self.states) | set(self.emitted))}},
+                          separators=(",", ":"))
+
+    def to_json(self) -> Dict[str, Any]:
+        return dict(json.loads(self.to_text()))
+
+    def save(self, path: Path) -> None:
+        """Save what changed; afterwards the applied inputs may be acked.
+
+        Two files: `path`, a full snapshot written atomically (write, then rename), and
+        `<path>.log`, one line appended per save with the keys, positions and outputs changed
+        since the previous line (one write() each: a kill -9 leaves it whole or absent, a power
+        cut at worst a torn last line, which `load` ignores). The log is folded into a new
+        snapshot once it is larger than the snapshot (or LOG_MIN), so a save costs what changed,
+        not the whole state, and the log stays within about twice the state."""
+        log_path = path.with_name(path.name + ".log")
+        if self._full_next or self._log_bytes > max(LOG_MIN, self._base_bytes):
+            self._gen += 1
+            text = self.to_text()
+            write_atomic(path, text)
+            with open(log_path, "w"):
+                pass  # lines of the previous generation: folded into the snapshot (ignored if left)
+            self._base_bytes, self._log_bytes, self._full_next = len(text), 0, False
+        else:
+            line = (json.dumps(self._delta(), separators=(",", ":")) + "\n").encode()
+            fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            try:
+                view = memoryview(line)
+                while view:
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
+            self._log_bytes += len(line)
+        self._dirty_keys.clear()
+        self._dirty_pos.clear()
+        self._out_new = []
+        self._out_dropped = 0
+        self._unsaved = None
+        self.counts["state_saves"] += 1
+
+    def _delta(self) -> Dict[str, Any]:
+        d: Dict[str, Any] = {"gen": self._gen, "positions": {k: self.positions[k] for k in self._dirty_pos},
+                             "max_time": self.max_time, "out_add": self._out_new, "out_drop": self._out_dropped}
+        if self._json_states:
+            keys = []
+            for g, k in self._dirty_keys:
+                states = self.states.get(g, {})
+                keys.append([g, k, k in states, states.get(k), self.emitted.get(g, {}).get(k)])
+            d["keys"] = keys
+        else:  # the operator's own snapshot is per group: the changed groups, whole
+            d["groups"] = {str(g): self._group_json(g) for g in sorted({g for g, _ in self._dirty_keys})}
+        return d
+
+    def restore(self, data: Dict[str, Any]) -> List[Item]:
+        """Load a saved state; returns the outputs to send again (the caller re-indexes them)."""
+        if data.get("format") != FORMAT:
+            raise ValueError(f"keyed state: expected format {FORMAT}, found {data.get('format')!r}")
+        if int(data.get("key_groups", -1)) != self.groups:
+            raise ValueError(f"keyed state of {self.operator}: saved with {data.get('key_groups')} key groups, "
+                             f"the pipeline says {self.groups} (key_groups is fixed for a deployment)")
+        self.positions = {str(k): int(v) for k, v in (data.get("positions") or {}).items()}
+        mt = data.get("max_time")
+        self.max_time = float(mt) if mt is not None else None
+        for g, blob in (data.get("groups") or {}).items():
+            self._restore_group(int(g), blob)
+        self._gen = int(data.get("gen", 0))
+        self._full_next = True  # the caller re-indexes the outputs: start a new snapshot
+        return [(str(s), int(q), r) for s, q, r in data.get("outputs") or []]
+
+    @staticmethod
+    def load(path: Path) -> Optional[Dict[str, Any]]:
+        """The saved state: the snapshot with the lines of its generation's log applied, in order,
+        up to the first line that does not parse (torn by a power cut: never acked)."""
+        try:
+            data = dict(json.loads(path.read_text()))
+        except FileNotFoundError:
+            return None
+        try:
+            lines = path.with_name(path.name + ".log").read_bytes().split(b"\n")
+        except FileNotFoundError:
+            lines = []
+        gen = data.get("gen")
+        groups: Dict[str, Any] = data.setdefault("groups", {})
+        pairs: Dict[str, Dict[Any, Any]] = {}  # group -> key -> state, for the groups a line changes
+        counters: Dict[str, Dict[Any, Any]] = {}
+
+        def opened(g: str) -> None:
+            if g not in pairs:
+                blob = groups.get(g) or {}
+                pairs[g] = {k: v for k, v in blob.get("pairs") or []}
+                counters[g] = {k: n for k, n in blob.get("emitted") or []}
+
+        for raw in lines:
+            if not raw:
+                continue
+            try:
+                d = json.loads(raw)
+            except ValueError:
+                break
+            if d.get("gen") != gen:
+                continue
+            data["positions"].update(d["positions"])
+            data["max_time"] = d["max_time"]
+            data["outputs"] = (data["outputs"] + d["out_add"])[d["out_drop"]:]
+            for g, blob in (d.get("groups") or {}).items():
+                groups[g] = blob
+            for g, k, present, state, n in d.get("keys") or []:
+                g = str(g)
+                opened(g)
+                if present:
+                    pairs[g][k] = state
+                else:
+                    pairs[g].pop(k, None)
+                if n is not None:
+                    counters[g][k] = n
+        for g in pairs:
+            groups[g] = {"pairs": [[k, v] for k, v in pairs[g].items()],
+                         "emitted": [[k, n] for k, n in counters[g].items()]}
+        return data
+
+    def stats(self) -> Dict[str, Any]:
+        s: Dict[str, Any] = dict(self.counts)
+        s.update(keyed_state=True, key_groups_held=len(self.states), keys_held=sum(len(v) for v in self.states.values()),
+                 timers=len(self.timers), watermark=self.watermark, unacked_outputs=len(self.outputs))
+        s.update(self.op.stats())
+        return s
