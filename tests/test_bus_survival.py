@@ -58,14 +58,21 @@ def test_every_request_reply_and_probe_topic_names_its_sender_last() -> None:
     for build, kind in [(topics.agent_state, "state"), (topics.agent_status, "status"),
                         (topics.agent_hosted, "hosted"), (topics.agent_rehomed, "rehomed"),
                         (topics.latency, "latency"), (topics.pipeline, "pipeline"),
-                        (topics.decisions, "decisions"), (topics.inbox, "inbox"),
+                        (topics.decisions, "decisions"),
                         (topics.spill_chunk, "spill_chunk"), (topics.spill_ack, "spill_ack")]:
         assert p("c", build("c", "x")) == (kind, "x", None)
+    assert topics.inbox("c", "x", "n1") == "fog/c/inbox/x/n1"
+    assert p("c", topics.inbox("c", "x", "n1")) == ("inbox", "x", "n1")  # the writing node, as the ACL proves
+    assert topics.inbox_writer(topics.inbox_all("c", "x"), topics.inbox("c", "x", "n1")) == "n1"
+    for other in ("fog/c/inbox/xy/n1", "fog/c/inbox/x", "fog/c/inbox/x/", "fog/c/inbox/x/n1/n2", "fog/d/inbox/x/n1"):
+        assert topics.inbox_writer(topics.inbox_all("c", "x"), other) is None, other
     assert p("c", topics.events("c")).kind == "events" and p("c", topics.locks("c")).kind == "locks"
     # the subscriptions match exactly the topics above
     import paho.mqtt.client as mqtt
 
     assert mqtt.topic_matches_sub(topics.agent_rpc_inbox("c", "n1"), topics.agent_rpc("c", "n1", "a"))
+    assert mqtt.topic_matches_sub(topics.inbox_all("c", "x"), topics.inbox("c", "x", "n1"))
+    assert not mqtt.topic_matches_sub(topics.inbox_all("c", "x"), topics.inbox("c", "xy", "n1"))
     assert mqtt.topic_matches_sub(topics.agent_peer_inbox("c", "n1"), topics.agent_peer("c", "n1", "n2"))
     assert mqtt.topic_matches_sub(topics.replies_inbox("c", "a"), topics.replies("c", "a", "n1"))
     assert not mqtt.topic_matches_sub(topics.replies_inbox("c", "a"), topics.replies("c", "b", "n1"))

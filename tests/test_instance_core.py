@@ -66,7 +66,7 @@ def test_an_event_the_phase_does_not_expect_raises_a_local_protocol_error_naming
     cmds = inst.handle(Abort("test"), 1.0)
     assert isinstance(cmds[-1], Exit) and inst.phase is Phase.EXITED
     with pytest.raises(LocalProtocolError, match="EnvelopeReceived in phase exited"):
-        inst.handle(EnvelopeReceived(inst.inbox, b"[]"), 2.0)
+        inst.handle(EnvelopeReceived(topics.inbox(CLUSTER, "op-0", "n1"), b"[]"), 2.0)
     assert inst.handle(PubAcked(1), 2.0) == []  # late publish feedback is still fine
 
 
@@ -103,11 +103,11 @@ def test_a_refused_ack_is_retried_on_the_next_tick_even_with_no_data_to_flush(fa
         sink.faults = frozenset({"retry_only_with_data"})
     accept_all(sink, sink.handle(Started(WALL0), 0.0), 0.0)
     batch = encode_data("op-0", 0, 1, [("src", 0, None)])
-    cmds = sink.handle(EnvelopeReceived(sink.inbox, batch), 0.1) + sink.handle(Tick(WALL0), 0.1)
+    cmds = sink.handle(EnvelopeReceived(topics.inbox(CLUSTER, "sink-0", "n1"), batch), 0.1) + sink.handle(Tick(WALL0), 0.1)
     assert accept_all(sink, cmds, 0.1, refuse=1) == []  # the ack was refused
     assert sink.retry and sink.stats["publish_rejected"] == 1
     sent = accept_all(sink, sink.handle(Tick(WALL0 + 1), 1.0), 1.0)
-    acks = [decode(p) for t, p in sent if t == topics.inbox(CLUSTER, "op-0")]
+    acks = [decode(p) for t, p in sent if t == topics.inbox(CLUSTER, "op-0", "n1")]
     if fault:
         assert acks == [] and sink.retry
         return
@@ -120,11 +120,11 @@ def test_publishes_after_a_refused_one_keep_their_order() -> None:
     batches = [encode_data("source-0", 0, s, [("src", s, {"v": s})]) for s in (1, 2, 3)]
     cmds: List[Any] = []
     for b in batches:
-        cmds += op.handle(EnvelopeReceived(op.inbox, b), 0.1)
+        cmds += op.handle(EnvelopeReceived(topics.inbox(CLUSTER, "op-0", "n1"), b), 0.1)
     cmds += op.handle(Tick(WALL0), 0.1)
     first = accept_all(op, cmds, 0.1, refuse=1)
     later = accept_all(op, op.handle(Tick(WALL0 + 1), 1.0), 1.0)
-    to_sink = [decode(p).seq for t, p in first + later if t == topics.inbox(CLUSTER, "sink-0")]
+    to_sink = [decode(p).seq for t, p in first + later if t == topics.inbox(CLUSTER, "sink-0", "n1")]
     assert to_sink == sorted(to_sink) and len(to_sink) >= 2
 
 
@@ -163,16 +163,16 @@ def test_a_restart_announces_a_new_epoch_to_every_predecessor_before_ready() -> 
     assert again.epoch == 1 and len(pubs) == 1 and cmds.index(pubs[0]) < ready
     env = decode(pubs[0].payload)
     assert (env.kind, env.epoch, list(env.body)) == (Kind.ACK, 1, [0, 0])
-    assert pubs[0].topic == topics.inbox(CLUSTER, "source-0")
+    assert pubs[0].topic == topics.inbox(CLUSTER, "source-0", "n1")
 
 
 def test_bad_bytes_on_the_inbox_are_counted_and_skipped() -> None:
     op = make("op")
     op.handle(Started(WALL0), 0.0)
-    assert op.handle(EnvelopeReceived(op.inbox, b"\xff{not json"), 0.1) == []
+    assert op.handle(EnvelopeReceived(topics.inbox(CLUSTER, "op-0", "n1"), b"\xff{not json"), 0.1) == []
     assert op.stats["malformed"] == 1 and op.phase is Phase.RUNNING
     forged = encode(Envelope("ghost", 0, 1, Kind.DATA, [("src", 0, None)]))
-    op.handle(EnvelopeReceived(op.inbox, forged), 0.2)
+    op.handle(EnvelopeReceived(topics.inbox(CLUSTER, "op-0", "n1"), forged), 0.2)
     assert op.stats["refused_senders"] == 1 and not op.queues
 
 

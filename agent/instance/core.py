@@ -38,7 +38,7 @@ from agent.dataplane.envelope import (
     Envelope, Item, Kind, MalformedEnvelope, data_body_bytes, decode, encode, encode_data,
 )
 from agent.dataplane.flow import AckTracker, OutLink
-from agent.dataplane.inbound import ACCEPT, HOLD, REFUSE, HoldBuffer, LogLimiter, numbering_fault
+from agent.dataplane.inbound import ACCEPT, HOLD, REFUSE, HoldBuffer, LogLimiter, numbering_fault, writer_verdict
 from agent.dataplane.routing import Outbox, Router
 from agent.instance.commands import (
     Command, CrashPoint, Emit, Exit, Notify, Persist, PersistSource, Publish, RequestSpawn, SaveKeyed,
@@ -87,6 +87,10 @@ SILENCE_CHECK = 1.0  # seconds between the two checks above
 # protocol to announce them (a new copy's Start, resent after IDLE_PING..IDLE_PING_MAX), then they
 # are refused. An idle copy holds until its Start: until then it cannot know its predecessors.
 HOLD_TTL = 60.0
+# Envelopes of a known sender written by a node it is not bound to (yet) wait this long for the
+# agent's "hosts" line to bind it there (a new host's record normally follows within a second),
+# then they are refused (`refused_nodes`): a forgery by another node never gets bound.
+WRITER_HOLD_TTL = 20.0
 HOLD_MAX_SENDERS = 64
 HOLD_MAX_BYTES = 8 << 20
 
@@ -137,7 +141,12 @@ class Instance:
         self.stage = pipeline.index(spec.operator)
         self.kind = self.op.kind
         self.ctx = {"instance": spec.instance, "operator": spec.operator, "node": spec.node}
-        self.inbox = topics.inbox(spec.cluster, spec.instance)
+        self.inbox = topics.inbox_all(spec.cluster, spec.instance)
+        # The node in an inbox topic must host the envelope's sender (docs/security.md, "Data
+        # channels"): the agent sets this and sends the bindings as the control line "hosts".
+        self.check_node = bool(spec.extra.get("check_sender_node"))
+        self.hosts_bound: Dict[str, str] = {}
+        self.hosts_former: Dict[str, List[str]] = {}
         self.phase = Phase.NEW
         self.now = 0.0
         self._wall_offset = 0.0
@@ -218,6 +227,7 @@ class Instance:
             "refused_senders": 0,  # envelopes from senders our tables do not know (incl. expired holds)
             "refused_epochs": 0,  # an epoch no real incarnation of the sender can have
             "refused_seqs": 0,  # a number (or an ack) far beyond what the sender can have sent
+            "refused_nodes": 0,  # written by a node that does not host the sender (incl. expired holds)
             "held_dropped": 0,  # of those, refused because the hold buffer was full
             "held_released": 0,  # held until the protocol announced their sender, then admitted
         }
@@ -469,8 +479,22 @@ class Instance:
             if "context" in msg and self.scaling is not None and self.scaling.live is not None:
                 if not self.scaling.live.set_context(msg["context"]):
                     log.warning("malformed policy context ignored: %.200r", msg["context"], extra=self.ctx)
+        elif event == "hosts":
+            self._on_hosts(msg)
         else:
             log.warning("unknown control event %r ignored", event, extra=self.ctx)
+
+    def _on_hosts(self, msg: Dict[str, Any]) -> None:
+        """The agent's instance -> node bindings (agent.node.hostmap): replaces ours; what they
+        now bind is released from the hold buffer at the next Tick (`_release_held`)."""
+        bound = msg.get("bound")
+        if not isinstance(bound, dict):
+            log.warning("hosts line without its tables ignored", extra=self.ctx)
+            return
+        self.hosts_bound = {str(i): str(n) for i, n in bound.items()}
+        former = msg.get("former")
+        self.hosts_former = ({str(i): [str(n) for n in ns] for i, ns in former.items() if isinstance(ns, list)}
+                             if isinstance(former, dict) else {})
 
     def request_stop(self, now: float) -> None:
         """Agent shutdown: stop producing, drain (bounded), exit; the session is kept."""
@@ -517,7 +541,8 @@ class Instance:
     # ---- inbox ----------------------------------------------------------------------------------------
 
     def _on_envelope(self, ev: EnvelopeReceived) -> None:
-        if ev.topic != self.inbox:
+        writer = topics.inbox_writer(self.inbox, ev.topic)
+        if writer is None:
             ingest = getattr(self.operator, "ingest", None)
             if ingest is not None:
                 ingest(ev.topic, ev.payload)
@@ -531,23 +556,25 @@ class Instance:
             if self._malformed_log.allow(who, self.now):
                 log.warning("malformed payload on inbox from %s skipped: %s", who, exc, extra=self.ctx)
             return
-        if env.sender in self.hold:
-            self._hold(env, ev.payload)  # behind what it already holds: the sender's order is kept
+        if (env.sender, writer) in self.hold:
+            # behind what it already holds: the order of (sender, writing node) is kept
+            self._hold(env, ev.payload, writer, "node" if self._waits_for_binding(env.sender, writer) else "sender")
             return
-        verdict, why = self._admit(env)
+        verdict, why = self._admit(env, writer)
         if verdict == ACCEPT:
             self._accept(env)
         elif verdict == HOLD:
-            self._hold(env, ev.payload)
+            self._hold(env, ev.payload, writer, why)
         else:
-            self._refuse(env, why)
+            self._refuse(env, why, writer)
 
     # ---- admission (docs/security.md, "Data channels") ------------------------------------------
 
-    def _admit(self, env: Envelope) -> Tuple[str, str]:
+    def _admit(self, env: Envelope, writer: str) -> Tuple[str, str]:
         """ACCEPT, HOLD or REFUSE (with the reason) for one decoded envelope, before it touches
-        any state: its sender must exist for our tables, its numbers must be ones that sender can
-        have (agent.dataplane.inbound). Cheap on the hot path: a set lookup and a few compares."""
+        any state: its sender must exist for our tables, be hosted by the node `writer` that wrote
+        it (check_node), and its numbers must be ones that sender can have
+        (agent.dataplane.inbound). Cheap on the hot path: dict lookups and a few compares."""
         if not self._sender_allowed(env):
             # Data and protocol messages may come from an instance the protocol announces to us
             # only later (a new copy's predecessors before its Start): hold, if the name can be
@@ -557,6 +584,9 @@ class Instance:
             if shape is not None and (env.sender.startswith(shape[0]) or env.sender in shape[1]):
                 return HOLD, "sender"
             return REFUSE, "sender"
+        if self.check_node and writer_verdict(self.hosts_bound.get(env.sender), self.hosts_former.get(env.sender, ()),
+                                              writer) != ACCEPT:
+            return HOLD, "node"
         fault = numbering_fault(self.inbound.position(env.sender), self.inbound.resync_unknown,
                                 env.epoch, env.seq, self.wall(), self.window)
         if fault is not None:
@@ -632,57 +662,72 @@ class Instance:
         self._holes.pop(sender, None)
         self.mark_state_changed()
 
-    def _hold(self, env: Envelope, payload: bytes) -> None:
+    def _hold(self, env: Envelope, payload: bytes, writer: str, why: str) -> None:
         # Kept: the bytes (decoded again on release, so memory is what the byte bound says) and
-        # a header without records (what `_sender_allowed` looks at while it waits).
+        # a header without records (what `_sender_allowed` looks at while it waits), per (sender,
+        # writing node): one ordered stream each.
         head = Envelope(env.sender, env.epoch, env.seq, env.kind, [] if env.kind is Kind.DATA else env.body)
-        if not self.hold.add(env.sender, (head, bytes(payload)), len(payload) + 200, self.now):
+        if not self.hold.add((env.sender, writer), (head, bytes(payload)), len(payload) + 200, self.now):
             self.stats["held_dropped"] += 1
-            self._refuse(env, "sender (hold buffer full)")
+            self._refuse(env, why, writer, " (hold buffer full)")
 
-    def _refuse(self, env: Envelope, why: str) -> None:
+    def _refuse(self, env: Envelope, why: str, writer: str, note: str = "") -> None:
         """Counted, logged at most once per sender per minute (and 20 lines a minute in all), and
         nothing else: no channel entry, no record id, nothing persisted."""
-        key = "refused_epochs" if why == "epoch" else "refused_seqs" if why == "seq" else "refused_senders"
+        key = {"epoch": "refused_epochs", "seq": "refused_seqs", "node": "refused_nodes"}.get(why, "refused_senders")
         self.stats[key] += 1
-        if self._refusals.allow(env.sender, self.now):
+        if self._refusals.allow((env.sender, writer), self.now):
             more = self._refusals.take_suppressed()
-            log.warning("refused %s envelope %d/%d from %s on our inbox: %s not plausible%s",
-                        env.kind.name.lower(), env.epoch, env.seq, env.sender[:64], why,
+            what = f"not bound to node {writer[:64]}" if why == "node" else f"{why} not plausible"
+            log.warning("refused %s envelope %d/%d from %s (written by %s) on our inbox: %s%s%s",
+                        env.kind.name.lower(), env.epoch, env.seq, env.sender[:64], writer[:64], what, note,
                         f" ({more} more refusals not logged)" if more else "", extra=self.ctx)
 
     def _release_held(self, now: float) -> None:
         """Senders the protocol has announced since their envelopes were held: admit those
         envelopes now, in arrival order (the channel then puts them in the sender's order). The
         rest wait, up to HOLD_TTL (an idle copy: until its Start)."""
-        for sender in self.hold.senders():
+        for key in self.hold.senders():
+            writer = key[1]
             while True:
-                held = self.hold.first(sender)
+                held = self.hold.first(key)
                 if held is None:
                     break
                 if not self._sender_allowed(held[0]):
                     if held[0].kind is not Kind.ACK:
                         break  # still not announced: keep waiting
-                    self.hold.pop_first(sender)  # an ack is never held for itself (see _admit)
-                    self._refuse(held[0], "sender")
+                    self.hold.pop_first(key)  # an ack is never held for itself (see _admit)
+                    self._refuse(held[0], "sender", writer)
                     continue
                 env = decode(held[1], self._decode_records)  # decoded once already: cannot fail
-                verdict, why = self._admit(env)
+                verdict, why = self._admit(env, writer)
                 if verdict == HOLD:
                     break
-                self.hold.pop_first(sender)
+                self.hold.pop_first(key)
                 if verdict == ACCEPT:
                     self.stats["held_released"] += 1
                     self._accept(env)
                 else:
-                    self._refuse(env, why)
+                    self._refuse(env, why, writer)
         if self.scaling is not None and not self.scaling.data_enabled:
             return  # idle: its predecessors are announced with its Start
-        for sender, n in self.hold.expire(now, HOLD_TTL):
-            self.stats["refused_senders"] += n
-            if self._refusals.allow(sender, now):
-                log.warning("refused %d envelopes from %s: not announced to us within %.0fs", n, sender[:64],
-                            HOLD_TTL, extra=self.ctx)
+        for (sender, writer), n in self.hold.expire(now, self._hold_ttl):
+            # Not announced by the protocol, or not bound to the node that wrote it, in time.
+            unbound = self._waits_for_binding(sender, writer)
+            self.stats["refused_nodes" if unbound else "refused_senders"] += n
+            if self._refusals.allow((sender, writer), now):
+                log.warning("refused %d envelopes from %s (written by %s): %s within %.0fs", n, sender[:64],
+                            writer[:64], f"not bound to node {writer[:64]}" if unbound else "not announced to us",
+                            WRITER_HOLD_TTL if unbound else HOLD_TTL, extra=self.ctx)
+
+    def _waits_for_binding(self, sender: str, writer: str) -> bool:
+        """A held stream whose sender our tables know, written by a node it is not bound to."""
+        return (self.check_node and self.hosts_bound.get(sender) != writer
+                and writer not in self.hosts_former.get(sender, ())
+                and self._sender_allowed(Envelope(sender, 0, 1, Kind.PROTO, {})))
+
+    def _hold_ttl(self, key: Tuple[str, str]) -> float:
+        return WRITER_HOLD_TTL if self._waits_for_binding(*key) else HOLD_TTL
 
     def _check_silence(self, now: float) -> None:
         """Messages that will never come (they were lost, or taken by another process with our
@@ -744,7 +789,7 @@ class Instance:
         old = link.unacked()
         if not old:
             return
-        topic = topics.inbox(self.spec.cluster, dest)
+        topic = topics.inbox(self.spec.cluster, dest, self.spec.node)
         now = self.now
         for u in old:
             items = decode(u.payload).body
@@ -1013,7 +1058,7 @@ class Instance:
             seq = self.outbound.take(dest)
             payload = encode_data(self.spec.instance, self.epoch, seq, items)
             link.sent(seq, payload, len(items), now, low)  # replay buffer: kept until dest acks
-            self._publish_tracked(topics.inbox(self.spec.cluster, dest), payload, low)
+            self._publish_tracked(topics.inbox(self.spec.cluster, dest, self.spec.node), payload, low)
             self.stats["batches_out"] += 1
             self.stats["records_out"] += len(items)
 
@@ -1042,7 +1087,7 @@ class Instance:
     def send_envelope(self, dest: str, kind: Kind, body: Any) -> None:
         """Acks and protocol messages: numbered on the same channel as the data (invariant 1)."""
         env = Envelope(self.spec.instance, self.epoch, self.outbound.take(dest), kind, body)
-        self._publish_tracked(topics.inbox(self.spec.cluster, dest), encode(env), None)
+        self._publish_tracked(topics.inbox(self.spec.cluster, dest, self.spec.node), encode(env), None)
 
     def _lowest_pending(self) -> Optional[int]:
         """The lowest input index not to be acked upstream yet: its outputs are not all acked by

@@ -19,6 +19,9 @@ agent -> worker (worker's stdin):
   {"event": "spawned", "request": "<id>", "ok": true, "instance": "...", "node": "..."}
   {"event": "spawned", "request": "<id>", "ok": false, "error": "..."}
   {"event": "stop"}                                    drain and exit (agent shutdown)
+  {"event": "hosts", "bound": {"<instance>": "<node>"}} which node hosts which instance of the
+                                                       pipeline: an inbox message counts only if
+                                                       written by its sender's node (docs/security.md)
 """
 
 from __future__ import annotations

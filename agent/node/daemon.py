@@ -49,6 +49,7 @@ from agent.files import write_atomic
 from agent.instance.spec import BrokerSpec, InstanceSpec, request_spec
 from agent.measure.capacity import capacity_for
 from agent.node import bounds, hosted, nodestate, rehome, rpc
+from agent.node.hostmap import HostMap
 from agent.node import deploy as records
 from agent.node.placement import (
     DEFAULT_POLICY,
@@ -195,6 +196,12 @@ class Agent:
         self._offline_since: Dict[str, float] = {}
         self._rehomed: Set[str] = set()
         self._hosted_dirty = True
+        # Which node hosts which instance (docs/security.md, "Data channels"): sent to every worker
+        # as the control line "hosts", which checks the writing node of each inbox message with it.
+        self.hostmap = HostMap(self.node)
+        self._hosts_dirty = True
+        self._hosts_sent: Dict[str, Tuple[int, Dict[str, Any]]] = {}  # instance -> (pid, table sent)
+        self._hosts_local: Set[str] = set()
         self._reconcile_at: Optional[float] = None
         self._reconnect_asks: Dict[str, float] = {}  # worker -> when it asked to reconnect (fencing)
         self._last_puback = -1e9
@@ -466,6 +473,7 @@ class Agent:
             self._reconcile(now)
         if self._hosted_dirty and self.connected:
             self._publish_hosted()
+        self._sync_hosts()
         self._maybe_rehome(now)
         self._grant_reconnects(now)
         if self.pins:
@@ -775,6 +783,10 @@ class Agent:
             # From now on the instance may be announced: an agent restart must bring it back.
             hosted.remember(self.cfg.agent.state_dir, without_handover(w.spec))
             self._hosted_dirty = True
+            if self.connected:
+                # Before the reply below: the receivers of the new instance learn that this node
+                # hosts it (the binding of its envelopes) before anybody is told it exists.
+                self._publish_hosted()
             if self.pins:
                 self._apply_pins()
             self._event("spawned", instance, w.spec.operator, w.spec.pipeline,
@@ -902,7 +914,7 @@ class Agent:
                         dropped, admission.ENV_FAULT_INJECTION, extra={"node": self.node})
         return {"node": self.node, "cluster": self.cluster, "broker": self.broker,
                 "state_dir": self.cfg.agent.state_dir, "heartbeat_period": self.cfg.agent.heartbeat_period,
-                "extra": dict(own, fence_reconnect=self.cfg.agent.dead_after > 0)}
+                "extra": dict(own, fence_reconnect=self.cfg.agent.dead_after > 0, check_sender_node=True)}
 
     def _create_node(self, spec: InstanceSpec, reply: Callable[[Dict[str, Any]], None], cause: str, now: float) -> None:
         if self._stopping_since is not None:
@@ -1045,6 +1057,7 @@ class Agent:
         elif kind == "status":
             up = msg.payload == b"online"
             self.online[node] = up
+            self._hosts_dirty = True
             if up:
                 self._offline_since.pop(node, None)
                 self._rehomed.discard(node)
@@ -1053,6 +1066,7 @@ class Agent:
         elif kind == "rehomed":
             try:
                 self.rehomed_by_node[node] = rehome.decode_rehomed(msg.payload)
+                self._hosts_dirty = True
             except ValueError as exc:
                 self._bad("re-homed record", node, exc)
         elif kind == "hosted":
@@ -1060,6 +1074,7 @@ class Agent:
                 return
             try:
                 self.hosted_by_node[node] = rehome.decode_hosted(msg.payload)
+                self._hosts_dirty = True
             except ValueError as exc:
                 self._bad("hosted record", node, exc)
         elif kind == "pipeline":
@@ -1387,8 +1402,35 @@ class Agent:
     def _publish_hosted(self) -> None:
         specs = [request_spec(s) for s in hosted.hosted(self.cfg.agent.state_dir)]
         self.hosted_by_node[self.node] = specs
+        self._hosts_dirty = True
         if self._publish(topics.agent_hosted(self.cluster, self.node), rehome.encode_hosted(specs), retain=True):
             self._hosted_dirty = False
+
+    def _sync_hosts(self) -> None:
+        """Recompute the instance -> node bindings (agent.node.hostmap) when a record, a status or
+        our own set of workers changed, and send each worker the table of its pipeline when it
+        differs from what that process got last (a restarted worker is a new process)."""
+        workers = self.supervisor.workers
+        if set(workers) != self._hosts_local:
+            self._hosts_local = set(workers)
+            self._hosts_dirty = True
+        if self._hosts_dirty:
+            self._hosts_dirty = False
+            claims = {n: [(s["instance"], s["pipeline"]) for s in specs] for n, specs in self.hosted_by_node.items()}
+            self.hostmap.update({i: w.spec.pipeline for i, w in workers.items()}, claims, self.online,
+                                self.rehomed_by_node)
+        elif all(self._hosts_sent.get(i, (None,))[0] == w.pid for i, w in workers.items()):
+            return
+        tables: Dict[str, Dict[str, Any]] = {}
+        for inst, w in workers.items():
+            table = tables.get(w.spec.pipeline)
+            if table is None:
+                table = tables[w.spec.pipeline] = self.hostmap.table(w.spec.pipeline)
+            sent = self._hosts_sent.get(inst)
+            if (sent is None or sent[0] != w.pid or sent[1] != table) and self.supervisor.send(inst, "hosts", **table):
+                self._hosts_sent[inst] = (w.pid, table)
+        for inst in [i for i in self._hosts_sent if i not in workers]:
+            del self._hosts_sent[inst]
 
     def _maybe_rehome(self, now: float) -> None:
         """Start elsewhere, same identities, the instances of nodes offline for `dead_after`

@@ -58,6 +58,7 @@ from agent.protocol.scaling import InstanceState
 __all__ = ["Config", "Report", "Violation", "World", "explore", "random_runs", "describe", "pipeline_text", "FAULTS"]
 
 CLUSTER = "chk"
+NODE = "n1"  # every instance's node (the writer in its inbox topics)
 WALL0 = 1_700_000_000.0  # the wall clock at time 0 (epoch plausibility compares with it)
 STEP = 1.0  # seconds per `time` move
 SETTLE_LIMIT = 240.0  # simulated seconds a settle may take before the run counts as stuck
@@ -255,7 +256,7 @@ class World:
         self.mid = 0
         names = [op.name for op in self.pipeline.operators]
         for i, name in enumerate(names):
-            spec = InstanceSpec(f"{name}-0", name, "n1", CLUSTER, "chk", self.toml, BROKER,
+            spec = InstanceSpec(f"{name}-0", name, NODE, CLUSTER, "chk", self.toml, BROKER,
                                 succs=(f"{names[i + 1]}-0",) if i + 1 < len(names) else (),
                                 preds=(f"{names[i - 1]}-0",) if i > 0 else (),
                                 keeper=True, state_dir="/nonexistent", heartbeat_period=3600.0)
@@ -273,7 +274,7 @@ class World:
     def _boot(self, spec: InstanceSpec, restart: Optional[str]) -> None:
         iid = spec.instance
         self.specs[iid] = spec
-        self.inboxes[topics.inbox(CLUSTER, iid)] = iid
+        self.inboxes[topics.inbox(CLUSTER, iid, spec.node)] = iid
         inst = Instance(spec, self.pipeline, self._operator(spec), faults=self.cfg.faults)
         self.inst[iid] = inst
         if restart is None:
@@ -421,7 +422,7 @@ class World:
             return
         if dest not in self.inst:
             return
-        self._feed(dest, EnvelopeReceived(topics.inbox(CLUSTER, dest), payload))
+        self._feed(dest, EnvelopeReceived(topics.inbox(CLUSTER, dest, NODE), payload))
         if dest in self.inst:
             self._tick(dest)
 

@@ -238,11 +238,16 @@ class LocalRunner:
 
     `warm=True` keeps one pre-started worker process waiting for its spec, as the agent's
     supervisor does by default (`supervisor.prewarm`): the next `start` (a scale-out's spawn)
-    takes it and a new spare is started. Its log is `logs/warm-<n>.log`."""
+    takes it and a new spare is started. Its log is `logs/warm-<n>.log`.
+
+    Like the agent, it binds every instance to the node of its spec and sends every worker those
+    bindings (the control line "hosts"; the worker then accepts an envelope only from the node
+    its sender is bound to: docs/security.md, "Data channels")."""
 
     def __init__(self, workdir: Path, ready_timeout: float = 20.0, warm: bool = False) -> None:
         self.workdir = Path(workdir)
         self.warm = warm
+        self.hosts: Dict[str, str] = {}  # instance -> node (extra bindings a test may add)
         self._spare: Optional[WarmProc] = None
         self._spares = 0
         self.warm_used = 0
@@ -275,13 +280,24 @@ class LocalRunner:
         spare = self._take_spare()
         if spare is not None:
             self.warm_used += 1
+        spec = replace(spec, extra=dict(spec.extra, check_sender_node=True))
         w = WorkerProc(spec, self.workdir / "logs", self._on_line, warm=spare)
         self._prewarm()
         with self.lock:
             self.workers[spec.instance] = w
+            self.hosts[spec.instance] = spec.node
+        self.send_hosts()
         if wait and not w.ready.wait(self.ready_timeout):
             raise TimeoutError(f"worker {spec.instance} not ready after {self.ready_timeout}s; see {w.log_path}")
         return w
+
+    def send_hosts(self) -> None:
+        """Every worker gets the bindings of every instance (the agent's "hosts" line)."""
+        with self.lock:
+            table = {"bound": dict(self.hosts)}
+            ws = list(self.workers.values())
+        for w in ws:
+            w.send("hosts", **table)
 
     def _on_line(self, w: WorkerProc, msg: Dict[str, Any]) -> None:
         if msg["event"] == "spawn":
