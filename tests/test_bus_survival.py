@@ -414,22 +414,12 @@ def test_a_node_cannot_steer_another_through_its_peer_topic(tmp_path: Path, mosq
     try:
         assert _wait(lambda: _ping(admin, "n1"), 20), a1.text()
         spec = {"instance": "p.sink.0", "operator": "sink", "pipeline": "p", "pipeline_toml": PIPELINE}
-        for body in ({"op": "ping"}, {"op": "stop", "instance": "p.sink.0"}, {"op": "spawn", "spec": spec}):
-            # what RpcClient.call does, on the peer topic instead of rpc
-            intruder._client.publish(topics.agent_peer(cluster, "n1", "n3"), rpc.encode(body), qos=1,
-                                     properties=rpc.publish_properties("k-" + body["op"]))
         got: Dict[str, Dict[str, Any]] = {}
-
-        def collect() -> bool:
-            while True:
-                try:
-                    corr, sender, payload = intruder._replies.get_nowait()
-                except Exception:
-                    return len(got) == 3
-                assert sender == "n1"
-                got[corr] = json.loads(payload)
-
-        assert _wait(collect, 10), got
+        for body in ({"op": "ping"}, {"op": "stop", "instance": "p.sink.0"}, {"op": "spawn", "spec": spec}):
+            # what RpcClient.call does, on the peer topic instead of rpc (a reply counts only
+            # with our correlation and from n1: agent.mqtt.requester)
+            got[body["op"]] = intruder.request(topics.agent_peer(cluster, "n1", "n3"), body, timeout=10)
+        assert len(got) == 3
         assert all(not r["ok"] and r["error"].startswith("refused") for r in got.values()), got
         assert admin.call("n1", {"op": "ping"}, timeout=5)["instances"] == []
         assert a1.text().count("from node n3") == 3

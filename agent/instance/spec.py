@@ -44,6 +44,7 @@ class BrokerSpec:
     cert_file: Optional[str] = None
     key_file: Optional[str] = None
     tls_insecure: bool = False  # [mqtt.tls].insecure: no server host name check
+    id_secret_file: Optional[str] = None  # [mqtt].client_id_secret_file (agent.mqtt.client.site_secret)
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ from agent.instance.events import (
     Started, Tick,
 )
 from agent.instance.spec import InstanceSpec, control_line, parse_control_line
+from agent.mqtt.client import worker_id
 from agent.mqtt.transport import Connected, Disconnected, PubAck, PublishRejected, Received, Transport, TransportError
 from agent.operators.admission import OperatorRefused, node_allow_list
 from agent.operators.builtin import OperatorContext, load_operator
@@ -101,7 +102,7 @@ class Worker:
         )
         self.operator: Any = load_operator(op.function, ctx)
         self.core = Instance(spec, self.pipeline, self.operator, perf=time.perf_counter, cpu=time.process_time)
-        self.transport = transport or Transport(f"fog-{spec.cluster}-{spec.instance}", spec.broker)
+        self.transport = transport or Transport(worker_id(spec.broker, spec.cluster, spec.instance), spec.broker)
         # Re-homing on: after a lost connection, reconnect only when our agent says this identity
         # was not re-homed meanwhile (see _ask_to_reconnect).
         self.transport.gate_reconnect = bool(spec.extra.get("fence_reconnect"))
