@@ -10,7 +10,7 @@ the numbered channels, route changes of the data path, drain, createNode() reque
 Recovery (agent.instance.recovery) lives here too: write-ahead outputs, round memory, resend on
 silence, the idle ping, probe and adoption of an orphaned copy, rounds above a dead incarnation's.
 
-Why ~680 lines in one module: every part (rounds, steering, recovery, probe/adopt, the decision
+Why ~770 lines in one module: every part (rounds, steering, recovery, probe/adopt, the decision
 and lock events) reads and changes the same queue of outputs and the same round state; split,
 each part would reach into the others' fields.
 """
