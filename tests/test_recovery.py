@@ -102,7 +102,7 @@ def test_a_source_resumes_at_its_oldest_unacked_poll_not_its_newest(tmp_path) ->
         w.step(clock[0])
 
     def data_batches() -> list:
-        return [p for t, p in wire.sent if t == topics.inbox("c", "sink-0") and b'"d"' in p[:60]]
+        return [p for t, p in wire.sent if t == topics.inbox("c", "sink-0", "local") and b'"d"' in p[:60]]
 
     poll(4)
     poll(4)
@@ -111,7 +111,7 @@ def test_a_source_resumes_at_its_oldest_unacked_poll_not_its_newest(tmp_path) ->
     assert w.source_resume_seq() == 0  # nothing acked: everything must be generated again
 
     def ack(upto: int, seq: int) -> None:
-        wire.events.append(Received(topics.inbox("c", "source-0"),
+        wire.events.append(Received(topics.inbox("c", "source-0", "local"),
                                     encode(Envelope("sink-0", 0, seq, Kind.ACK, [w.epoch, upto]))))
         w.step(clock[0])
 
@@ -158,7 +158,7 @@ def test_a_hole_in_a_senders_numbering_that_stays_open_makes_us_a_new_incarnatio
 
     clock, wire = [100.0], MemoryWire()
     w = _chain(tmp_path, clock, wire, "work")
-    inbox = topics.inbox("c", "work-0")
+    inbox = topics.inbox("c", "work-0", "local")
     recs = sample(1, 12)
 
     def batch(seq: int) -> Received:
@@ -177,7 +177,7 @@ def test_a_hole_in_a_senders_numbering_that_stays_open_makes_us_a_new_incarnatio
     sent_before = len(wire.sent)
     run(3 * SILENCE_CHECK)
     assert w.epoch == 1 and w.stats["gaps_recovered"] == 1
-    to_source = [decode(p) for t, p in wire.sent[sent_before:] if t == topics.inbox("c", "source-0")]
+    to_source = [decode(p) for t, p in wire.sent[sent_before:] if t == topics.inbox("c", "source-0", "local")]
     assert any(e.epoch == 1 and list(e.body) == [0, 0] for e in to_source), to_source  # "replay to me"
     run(3 * GAP_TIMEOUT)
     assert w.stats["gaps_recovered"] == 1  # the hole was forgotten with the old channel positions
@@ -198,10 +198,10 @@ def test_batches_a_successor_never_acks_are_replayed_to_it(tmp_path) -> None:  #
     clock[0] += 0.1
     w.step(clock[0])
     w.step(clock[0])
-    to_work = topics.inbox("c", "work-0")
+    to_work = topics.inbox("c", "work-0", "local")
     first = [decode(p) for t, p in wire.sent if t == to_work and decode(p).kind.value == "d"]
     assert [e.seq for e in first] == [1, 2]
-    wire.events.append(Received(topics.inbox("c", "source-0"),
+    wire.events.append(Received(topics.inbox("c", "source-0", "local"),
                                 encode(Envelope("work-0", 0, 1, Kind.ACK, [w.epoch, 1]))))  # batch 1 only
     sent = len(wire.sent)
     end = clock[0] + LINK_SILENCE + 2
@@ -289,7 +289,7 @@ def test_an_idle_copy_asks_its_creator_for_start_again_and_only_its_creator_answ
     clock, copy, copy_wire, creator, keeper_wire = _creator_and_idle_copy(tmp_path)
 
     def pings() -> list:
-        return [decode(p) for t, p in copy_wire.sent if t == topics.inbox("c", "work-0")]
+        return [decode(p) for t, p in copy_wire.sent if t == topics.inbox("c", "work-0", "local")]
 
     def run(seconds: float) -> None:
         end = clock[0] + seconds
@@ -306,11 +306,11 @@ def test_an_idle_copy_asks_its_creator_for_start_again_and_only_its_creator_answ
     run(IDLE_PING + 2)
     assert len(pings()) == 2
 
-    to_copy = topics.inbox("c", "work-x")
+    to_copy = topics.inbox("c", "work-x", "local")
 
     def ping_creator(seq: int) -> list:
         before = len(keeper_wire.sent)
-        keeper_wire.events.append(Received(topics.inbox("c", "work-0"),
+        keeper_wire.events.append(Received(topics.inbox("c", "work-0", "local"),
                                            encode(Envelope("work-x", copy.epoch, seq, Kind.ACK, [0, 0]))))
         creator.step(clock[0])
         return [decode(p) for t, p in keeper_wire.sent[before:] if t == to_copy]
@@ -342,7 +342,7 @@ def test_a_creator_adopts_an_idle_copy_of_its_earlier_incarnation_only_after_it_
     from agent.instance.worker import IDLE_PING
 
     clock, copy, copy_wire, creator, keeper_wire = _creator_and_idle_copy(tmp_path)
-    to_copy, to_creator = topics.inbox("c", "work-x"), topics.inbox("c", "work-0")
+    to_copy, to_creator = topics.inbox("c", "work-x", "local"), topics.inbox("c", "work-0", "local")
     seen = {"copy": 0, "creator": 0}
 
     def carry(wire, worker, topic, key):  # type: ignore[no-untyped-def]
@@ -362,7 +362,7 @@ def test_a_creator_adopts_an_idle_copy_of_its_earlier_incarnation_only_after_it_
     assert [e.body["type"] for e in probe] == ["probe"], probe
     n = probe[0].body["n"]
 
-    inboxes = {topics.inbox("c", i) for i in ("source-0", "work-0", "work-x", "sink-0")}
+    inboxes = {topics.inbox("c", i, "local") for i in ("source-0", "work-0", "work-x", "sink-0")}
 
     def protos(wire, topic=None):  # type: ignore[no-untyped-def]
         """The protocol messages `wire` published (to `topic`), in order, with their topics."""
@@ -384,7 +384,7 @@ def test_a_creator_adopts_an_idle_copy_of_its_earlier_incarnation_only_after_it_
     assert [(b["type"], b["n"]) for _, b in protos(copy_wire, to_creator)] == [("probe_echo", n)]
     echo(3, n)
     dup = [(t, b) for t, b in protos(keeper_wire) if b["type"] == "duplication"]
-    assert sorted(t for t, _ in dup) == sorted([topics.inbox("c", "source-0"), topics.inbox("c", "sink-0")]), dup
+    assert sorted(t for t, _ in dup) == sorted([topics.inbox("c", "source-0", "local"), topics.inbox("c", "sink-0", "local")]), dup
     assert all(b["new_instances"] == ["work-x"] for _, b in dup), dup
     assert creator.scaling.counts["spawns"] == 0 and creator.scaling.counts["adopted"] == 1
     rnd = dup[0][1]["round"]
@@ -430,7 +430,7 @@ def test_a_refused_ack_of_a_sink_is_published_later_and_later_acks_follow(tmp_pa
 
     clock, wire = [100.0], MemoryWire()
     w = _chain(tmp_path, clock, wire, "sink")
-    inbox, to_work = topics.inbox("c", "sink-0"), topics.inbox("c", "work-0")
+    inbox, to_work = topics.inbox("c", "sink-0", "local"), topics.inbox("c", "work-0", "local")
     recs = sample(1, 40)
 
     def batch(seq: int) -> Received:
@@ -489,7 +489,7 @@ def test_a_departing_copy_drains_data_queued_behind_a_duplicate_deletion_ack(tmp
 
     clock = [100.0]
     w, wire = _active_copy(tmp_path, clock)
-    inbox = topics.inbox("c", "work-y")
+    inbox = topics.inbox("c", "work-y", "local")
     recs = sample(1, 12)
 
     def run(seconds: float) -> None:
@@ -506,7 +506,7 @@ def test_a_departing_copy_drains_data_queued_behind_a_duplicate_deletion_ack(tmp
         return Received(inbox, encode(Envelope(sender, 0, seq, Kind.PROTO, DeletionAck(sender, stage, rnd).to_dict())))
 
     def sent(kind: Kind, dest: str) -> list:
-        return [decode(p) for t, p in wire.sent if t == topics.inbox("c", dest) and decode(p).kind is kind]
+        return [decode(p) for t, p in wire.sent if t == topics.inbox("c", dest, "local") and decode(p).kind is kind]
 
     w.scaling.force("terminate", 1)
     run(1.0)

@@ -167,7 +167,7 @@ def test_a_sink_refuses_forged_epochs_numbers_and_senders_and_keeps_recording_re
 
     clock = [100.0]
     w, wire = _worker(tmp_path, "sink", clock)
-    inbox = topics.inbox("c", "sink-0")
+    inbox = topics.inbox("c", "sink-0", "local")
     state = tmp_path / "state" / "sink-0.state.json"
 
     def deliver(payload: bytes) -> None:
@@ -180,7 +180,7 @@ def test_a_sink_refuses_forged_epochs_numbers_and_senders_and_keeps_recording_re
     _run(w, clock, 1.0)
     assert w.stats["refused_epochs"] == 1 and w.stats["refused_seqs"] == 1
     assert w.stats["refused_senders"] == 1  # no operator's instance has that name: refused at once
-    assert w.hold.count == 1 and "work-f00d" in w.hold  # might be announced yet: held, bounded
+    assert w.hold.count == 1 and ("work-f00d", "local") in w.hold  # might be announced yet: held, bounded
     assert w.operator.stats()["recorded"] == 0
     saved = json.loads(state.read_text())
     assert saved["inbound"] == {} and "9007199254740992" not in state.read_text()
@@ -203,7 +203,7 @@ def test_a_sink_refuses_forged_epochs_numbers_and_senders_and_keeps_recording_re
 def test_thirty_thousand_acks_from_invented_senders_leave_no_trace(tmp_path) -> None:  # type: ignore[no-untyped-def]
     clock = [100.0]
     w, wire = _worker(tmp_path, "work", clock)
-    inbox = topics.inbox("c", "work-0")
+    inbox = topics.inbox("c", "work-0", "local")
     state = tmp_path / "state" / "work-0.state.json"
     wire.events.append(Received(inbox, encode_data("source-0", 0, 1, _records(0, 4))))
     _run(w, clock, 0.5)
@@ -229,7 +229,7 @@ def test_thirty_thousand_acks_from_invented_senders_leave_no_trace(tmp_path) -> 
 def test_a_forged_ack_beyond_what_was_sent_cannot_release_the_replay_buffer(tmp_path) -> None:  # type: ignore[no-untyped-def]
     clock = [100.0]
     w, wire = _worker(tmp_path, "work", clock)
-    inbox = topics.inbox("c", "work-0")
+    inbox = topics.inbox("c", "work-0", "local")
     wire.events.append(Received(inbox, encode_data("source-0", 0, 1, _records(0, 4))))
     _run(w, clock, 0.5)
     link = w.links["sink-0"]
@@ -252,7 +252,7 @@ def test_an_idle_copy_holds_its_predecessors_batches_until_its_start_then_proces
     clock = [100.0]
     w, wire = _worker(tmp_path, "work", clock, instance="work-x", keeper=False, active=False, succs=(), preds=(),
                       extra={"sink_dir": str(tmp_path / "sink"), "creator": "work-0"})
-    inbox = topics.inbox("c", "work-x")
+    inbox = topics.inbox("c", "work-x", "local")
     for seq in (1, 2):
         wire.events.append(Received(inbox, encode_data("source-0", 0, seq, _records(4 * (seq - 1), 4))))
     wire.events.append(Received(inbox, encode_data("ghost-2", 0, 1, _records(0, 4))))
@@ -264,9 +264,9 @@ def test_an_idle_copy_holds_its_predecessors_batches_until_its_start_then_proces
     wire.events.append(Received(inbox, encode(Envelope("work-0", 0, 1, Kind.PROTO, start.to_dict()))))
     _run(w, clock, 0.5)
     assert w.scaling.core.is_active
-    assert w.stats["records_in"] == 8 and w.hold.count == 1 and "source-zz" in w.hold
+    assert w.stats["records_in"] == 8 and w.hold.count == 1 and ("source-zz", "local") in w.hold
     assert w.stats["held_released"] == 2
-    out = [decode(p) for t, p in wire.sent if t == topics.inbox("c", "sink-0")]
+    out = [decode(p) for t, p in wire.sent if t == topics.inbox("c", "sink-0", "local")]
     assert sum(len(e.body) for e in out if e.kind is Kind.DATA) == 8
     assert w.inbound.senders() == 2  # work-0 (its Start) and source-0
 
@@ -279,7 +279,7 @@ def test_data_claimed_by_a_known_sender_that_is_no_predecessor_is_never_processe
 
     clock = [100.0]
     w, wire = _worker(tmp_path, "work", clock)
-    inbox = topics.inbox("c", "work-0")
+    inbox = topics.inbox("c", "work-0", "local")
     wire.events.append(Received(inbox, encode_data("source-0", 0, 1, _records(0, 4))))
     _run(w, clock, 0.5)
     wire.events.append(Received(inbox, encode(Envelope("sink-0", 0, 1, Kind.ACK, [w.epoch, 1]))))
@@ -299,7 +299,7 @@ def test_a_departed_neighbours_resent_deletion_is_still_answered(tmp_path) -> No
 
     clock = [100.0]
     w, wire = _worker(tmp_path, "work", clock)
-    inbox, to_source = topics.inbox("c", "work-0"), topics.inbox("c", "source-0")
+    inbox, to_source = topics.inbox("c", "work-0", "local"), topics.inbox("c", "source-0", "local")
     deletion = Deletion("source-0", 0, 1).to_dict()
     wire.events.append(Received(inbox, encode(Envelope("source-0", 0, 1, Kind.PROTO, deletion))))
     _run(w, clock, 0.5)
@@ -320,7 +320,7 @@ def test_an_idle_copy_applies_a_held_duplication_after_its_start_and_acks_it(tmp
     clock = [100.0]
     w, wire = _worker(tmp_path, "work", clock, instance="work-x", keeper=False, active=False, succs=(), preds=(),
                       extra={"sink_dir": str(tmp_path / "sink"), "creator": "work-0"})
-    inbox, to_sink = topics.inbox("c", "work-x"), topics.inbox("c", "sink-0")
+    inbox, to_sink = topics.inbox("c", "work-x", "local"), topics.inbox("c", "sink-0", "local")
     dup = Duplication("sink-0", 2, 1, ("sink-z",)).to_dict()
     wire.events.append(Received(inbox, encode(Envelope("sink-0", 0, 1, Kind.PROTO, dup))))
     _run(w, clock, 0.5)
@@ -395,7 +395,7 @@ def test_forged_inbox_messages_on_a_real_broker_stall_nothing_and_leave_no_state
         c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="hostile-node")
         c.connect(mosquitto.host, mosquitto.port)
         c.loop_start()
-        to_sink = topics.inbox(cluster, "sink-0")
+        to_sink = topics.inbox(cluster, "sink-0", "local")
         want = _expected_ids(3, "source-0", n)
         ids = list(range(100))  # the source's next 100 record ids, kept and filtered ones
         assert set(ids) - want and set(ids) & want
@@ -408,7 +408,7 @@ def test_forged_inbox_messages_on_a_real_broker_stall_nothing_and_leave_no_state
         ]
         for p in forged:
             c.publish(to_sink, p, qos=1).wait_for_publish(5)
-        c.publish(topics.inbox(cluster, "in_zone-0"), encode(Envelope("sink-0", 0, 1, Kind.ACK, [0, 10 ** 6])),
+        c.publish(topics.inbox(cluster, "in_zone-0", "local"), encode(Envelope("sink-0", 0, 1, Kind.ACK, [0, 10 ** 6])),
                   qos=1).wait_for_publish(5)
         _wait(lambda: procs["sink"].stats.get("refused_seqs") == 1 and procs["sink"].stats.get("held") == 1
               and procs["in_zone"].stats.get("refused_seqs") == 1, 10, "the forgeries to be refused or held")

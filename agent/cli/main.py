@@ -29,6 +29,7 @@ COMMAND_MODULES = (
     "agent.cli.spill_cmd",     # collector, analytics
     "agent.cli.chaos_cmd",     # chaos
     "agent.cli.fuzz_cmd",      # bench fuzz
+    "agent.cli.testbed_cmd",   # testbed up/down/ssh
 )
 
 LOG_LEVELS = ("debug", "info", "warning", "error")

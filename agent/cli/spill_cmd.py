@@ -267,7 +267,7 @@ def _sink_worker_run(payloads: List[bytes], work: Path, spill: bool, batch: int)
     feed = _FeedTransport()
     w = Worker(spec, out=open(os.devnull, "w"), transport=feed)  # noqa: SIM115 - closed below
     w.start()
-    inbox = topics.inbox("bench", spec.instance)
+    inbox = topics.inbox("bench", spec.instance, spec.node)
     (run / "spool").mkdir(parents=True, exist_ok=True)
     shipper = _start_shipper(run / "spool", work / "landing") if spill else None
     t0, c0, s0 = time.perf_counter(), time.process_time(), time.thread_time()

@@ -37,14 +37,14 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Set, TextIO, Tupl
 
 from agent import topics
 from agent.config import RUNTIME_POLICIES, PipelineConfig, load_pipeline_text
-from agent.dataplane.inbound import ACCEPT, HOLD, REFUSE, HoldBuffer, LogLimiter, numbering_fault
+from agent.dataplane.inbound import ACCEPT, HOLD, REFUSE, HoldBuffer, LogLimiter, numbering_fault, writer_verdict
 from agent.dataplane.channel import Inbound, Outbound
 from agent.dataplane.envelope import Envelope, Item, Kind, MalformedEnvelope, data_body_bytes, decode, encode, encode_data
 from agent.dataplane.flow import AckTracker, OutLink
 from agent.operators.admission import OperatorRefused, node_allow_list
 from agent.operators.builtin import OperatorContext, SinkOperator, load_operator
 from agent.operators.keyed import KeyedOperator, keyed_config_problems
-from agent.instance.recovery import RESEND_AFTER
+from agent.instance.recovery import RESEND_AFTER, LinkError, ReliableLinks
 from agent.dataplane.routing import Outbox, Router
 from agent.files import write_atomic
 from agent.instance.keyed_state import KeyedState
@@ -52,6 +52,7 @@ from agent.instance.spec import InstanceSpec, control_line, parse_control_line
 from agent.measure.capacity import LiveCapacity
 from agent.measure.signals import PeriodSignals, Signals
 from agent.policy.live import LIVE_POLICIES, LivePolicy, PeriodInputs
+from agent.mqtt.client import worker_id
 from agent.mqtt.transport import (
     Connected,
     Disconnected,
@@ -100,6 +101,10 @@ RECONNECT_ASK = 5.0  # a fenced worker asks its agent again this often (see Work
 # protocol to announce them (a new copy's Start, resent after IDLE_PING..IDLE_PING_MAX), then they
 # are refused. An idle copy holds until its Start: until then it cannot know its predecessors.
 HOLD_TTL = 60.0
+# Envelopes of a known sender written by a node it is not bound to (yet) wait this long for the
+# agent's "hosts" line to bind it there (a new host's record normally follows within a second),
+# then they are refused (`refused_nodes`): a forgery by another node never gets bound.
+WRITER_HOLD_TTL = 20.0
 HOLD_MAX_SENDERS = 64
 HOLD_MAX_BYTES = 8 << 20
 # Idle pings ([0, 0] acks) from copies we do not know that we probe at once (`on_idle_ping`),
@@ -133,7 +138,12 @@ class Worker:
         self.sink_dir = Path(spec.extra.get("sink_dir") or self.state_dir)
         self.sink_dir.mkdir(parents=True, exist_ok=True)
         self.state_path = self.state_dir / f"{spec.instance}.state.json"
-        self.inbox = topics.inbox(spec.cluster, spec.instance)
+        self.inbox = topics.inbox_all(spec.cluster, spec.instance)
+        # The node in an inbox topic must host the envelope's sender (docs/security.md, "Data
+        # channels"): the agent sets this and sends the bindings as the control line "hosts".
+        self.check_node = bool(spec.extra.get("check_sender_node"))
+        self.hosts_bound: Dict[str, str] = {}
+        self.hosts_former: Dict[str, List[str]] = {}
         # One process per identity: wait for a previous incarnation (still draining after its
         # agent died) to exit before reading its state or taking over its MQTT session.
         self._identity_lock = hold_identity_lock(
@@ -223,7 +233,7 @@ class Worker:
             Kind.PROTO: (tuple(f"{o}-" for o in near), {f"{spec.pipeline}.{o}.0" for o in near}),
         }
 
-        self.transport = transport or Transport(f"fog-{spec.cluster}-{spec.instance}", spec.broker)
+        self.transport = transport or Transport(worker_id(spec.broker, spec.cluster, spec.instance), spec.broker)
         # Re-homing on: after a lost connection, reconnect only when our agent says this identity
         # was not re-homed meanwhile (see _ask_to_reconnect).
         self.transport.gate_reconnect = bool(spec.extra.get("fence_reconnect"))
@@ -256,6 +266,7 @@ class Worker:
             "refused_senders": 0,  # envelopes from senders our tables do not know (incl. expired holds)
             "refused_epochs": 0,  # an epoch no real incarnation of the sender can have
             "refused_seqs": 0,  # a number (or an ack) far beyond what the sender can have sent
+            "refused_nodes": 0,  # written by a node that does not host the sender (incl. expired holds)
             "held_dropped": 0,  # of those, refused because the hold buffer was full
             "held_released": 0,  # held until the protocol announced their sender, then admitted
         }
@@ -307,6 +318,7 @@ class Worker:
             # new epoch): it replays what we had not acknowledged (see _replay_to).
             for pred in sorted(self.scaling.core.preds):
                 self.send_envelope(pred, Kind.ACK, [0, 0])
+            self.scaling.resync(now)
         if self.is_source:
             if self.spec.restart:
                 self._resume_source()
@@ -412,7 +424,8 @@ class Worker:
     # ---- inbox --------------------------------------------------------------------------------------
 
     def _on_received(self, ev: Received) -> None:
-        if ev.topic != self.inbox:
+        writer = topics.inbox_writer(self.inbox, ev.topic)
+        if writer is None:
             ingest = getattr(self.operator, "ingest", None)
             if ingest is not None:
                 ingest(ev.topic, ev.payload)
@@ -426,23 +439,25 @@ class Worker:
             if self._malformed_log.allow(who, self.clock()):
                 log.warning("malformed payload on inbox from %s skipped: %s", who, exc, extra=self.ctx)
             return
-        if env.sender in self.hold:
-            self._hold(env, ev.payload)  # behind what it already holds: the sender's order is kept
+        if (env.sender, writer) in self.hold:
+            # behind what it already holds: the order of (sender, writing node) is kept
+            self._hold(env, ev.payload, writer, "node" if self._waits_for_binding(env.sender, writer) else "sender")
             return
-        verdict, why = self._admit(env)
+        verdict, why = self._admit(env, writer)
         if verdict == ACCEPT:
             self._accept(env)
         elif verdict == HOLD:
-            self._hold(env, ev.payload)
+            self._hold(env, ev.payload, writer, why)
         else:
-            self._refuse(env, why)
+            self._refuse(env, why, writer)
 
     # ---- admission (docs/security.md, "Data channels") ------------------------------------------
 
-    def _admit(self, env: Envelope) -> Tuple[str, str]:
+    def _admit(self, env: Envelope, writer: str) -> Tuple[str, str]:
         """ACCEPT, HOLD or REFUSE (with the reason) for one decoded envelope, before it touches
-        any state: its sender must exist for our tables, its numbers must be ones that sender can
-        have (agent.dataplane.inbound). Cheap on the hot path: a set lookup and a few compares."""
+        any state: its sender must exist for our tables, be hosted by the node `writer` that wrote
+        it (check_node), and its numbers must be ones that sender can have
+        (agent.dataplane.inbound). Cheap on the hot path: dict lookups and a few compares."""
         if not self._sender_allowed(env):
             # Data and protocol messages may come from an instance the protocol announces to us
             # only later (a new copy's predecessors before its Start): hold, if the name can be
@@ -452,6 +467,9 @@ class Worker:
             if shape is not None and (env.sender.startswith(shape[0]) or env.sender in shape[1]):
                 return HOLD, "sender"
             return REFUSE, "sender"
+        if self.check_node and writer_verdict(self.hosts_bound.get(env.sender), self.hosts_former.get(env.sender, ()),
+                                              writer) != ACCEPT:
+            return HOLD, "node"
         fault = numbering_fault(self.inbound.position(env.sender), self.inbound.resync_unknown,
                                 env.epoch, env.seq, time.time(), self.window)
         if fault is not None:
@@ -527,57 +545,72 @@ class Worker:
         self._holes.pop(sender, None)
         self.mark_state_changed()
 
-    def _hold(self, env: Envelope, payload: bytes) -> None:
+    def _hold(self, env: Envelope, payload: bytes, writer: str, why: str) -> None:
         # Kept: the bytes (decoded again on release, so memory is what the byte bound says) and
-        # a header without records (what `_sender_allowed` looks at while it waits).
+        # a header without records (what `_sender_allowed` looks at while it waits), per (sender,
+        # writing node): one ordered stream each.
         head = Envelope(env.sender, env.epoch, env.seq, env.kind, [] if env.kind is Kind.DATA else env.body)
-        if not self.hold.add(env.sender, (head, bytes(payload)), len(payload) + 200, self.clock()):
+        if not self.hold.add((env.sender, writer), (head, bytes(payload)), len(payload) + 200, self.clock()):
             self.stats["held_dropped"] += 1
-            self._refuse(env, "sender (hold buffer full)")
+            self._refuse(env, why, writer, " (hold buffer full)")
 
-    def _refuse(self, env: Envelope, why: str) -> None:
+    def _refuse(self, env: Envelope, why: str, writer: str, note: str = "") -> None:
         """Counted, logged at most once per sender per minute (and 20 lines a minute in all), and
         nothing else: no channel entry, no record id, nothing persisted."""
-        key = "refused_epochs" if why == "epoch" else "refused_seqs" if why == "seq" else "refused_senders"
+        key = {"epoch": "refused_epochs", "seq": "refused_seqs", "node": "refused_nodes"}.get(why, "refused_senders")
         self.stats[key] += 1
-        if self._refusals.allow(env.sender, self.clock()):
+        if self._refusals.allow((env.sender, writer), self.clock()):
             more = self._refusals.take_suppressed()
-            log.warning("refused %s envelope %d/%d from %s on our inbox: %s not plausible%s",
-                        env.kind.name.lower(), env.epoch, env.seq, env.sender[:64], why,
+            what = f"not bound to node {writer[:64]}" if why == "node" else f"{why} not plausible"
+            log.warning("refused %s envelope %d/%d from %s (written by %s) on our inbox: %s%s%s",
+                        env.kind.name.lower(), env.epoch, env.seq, env.sender[:64], writer[:64], what, note,
                         f" ({more} more refusals not logged)" if more else "", extra=self.ctx)
 
     def _release_held(self, now: float) -> None:
         """Senders the protocol has announced since their envelopes were held: admit those
         envelopes now, in arrival order (the channel then puts them in the sender's order). The
         rest wait, up to HOLD_TTL (an idle copy: until its Start)."""
-        for sender in self.hold.senders():
+        for key in self.hold.senders():
+            writer = key[1]
             while True:
-                held = self.hold.first(sender)
+                held = self.hold.first(key)
                 if held is None:
                     break
                 if not self._sender_allowed(held[0]):
                     if held[0].kind is not Kind.ACK:
                         break  # still not announced: keep waiting
-                    self.hold.pop_first(sender)  # an ack is never held for itself (see _admit)
-                    self._refuse(held[0], "sender")
+                    self.hold.pop_first(key)  # an ack is never held for itself (see _admit)
+                    self._refuse(held[0], "sender", writer)
                     continue
                 env = decode(held[1], self._decode_records)  # decoded once already: cannot fail
-                verdict, why = self._admit(env)
+                verdict, why = self._admit(env, writer)
                 if verdict == HOLD:
                     break
-                self.hold.pop_first(sender)
+                self.hold.pop_first(key)
                 if verdict == ACCEPT:
                     self.stats["held_released"] += 1
                     self._accept(env)
                 else:
-                    self._refuse(env, why)
+                    self._refuse(env, why, writer)
         if self.scaling is not None and not self.scaling.data_enabled:
             return  # idle: its predecessors are announced with its Start
-        for sender, n in self.hold.expire(now, HOLD_TTL):
-            self.stats["refused_senders"] += n
-            if self._refusals.allow(sender, now):
-                log.warning("refused %d envelopes from %s: not announced to us within %.0fs", n, sender[:64],
-                            HOLD_TTL, extra=self.ctx)
+        for (sender, writer), n in self.hold.expire(now, self._hold_ttl):
+            # Not announced by the protocol, or not bound to the node that wrote it, in time.
+            unbound = self._waits_for_binding(sender, writer)
+            self.stats["refused_nodes" if unbound else "refused_senders"] += n
+            if self._refusals.allow((sender, writer), now):
+                log.warning("refused %d envelopes from %s (written by %s): %s within %.0fs", n, sender[:64],
+                            writer[:64], f"not bound to node {writer[:64]}" if unbound else "not announced to us",
+                            WRITER_HOLD_TTL if unbound else HOLD_TTL, extra=self.ctx)
+
+    def _waits_for_binding(self, sender: str, writer: str) -> bool:
+        """A held stream whose sender our tables know, written by a node it is not bound to."""
+        return (self.check_node and self.hosts_bound.get(sender) != writer
+                and writer not in self.hosts_former.get(sender, ())
+                and self._sender_allowed(Envelope(sender, 0, 1, Kind.PROTO, {})))
+
+    def _hold_ttl(self, key: Tuple[str, str]) -> float:
+        return WRITER_HOLD_TTL if self._waits_for_binding(*key) else HOLD_TTL
 
     def _check_silence(self, now: float) -> None:
         """Messages that will never come (they were lost, or taken by another process with our
@@ -624,6 +657,7 @@ class Worker:
         if self.scaling is not None:
             for pred in sorted(self.scaling.core.preds):
                 self.send_envelope(pred, Kind.ACK, [0, 0])
+            self.scaling.resync(self.clock())
         for dest, link in list(self.links.items()):
             link.restart_numbering()
             self._replay_to(dest)
@@ -638,7 +672,7 @@ class Worker:
         old = link.unacked()
         if not old:
             return
-        topic = topics.inbox(self.spec.cluster, dest)
+        topic = topics.inbox(self.spec.cluster, dest, self.spec.node)
         now = self.clock()
         for u in old:
             items = decode(u.payload).body
@@ -905,7 +939,7 @@ class Worker:
             seq = self.outbound.take(dest)
             payload = encode_data(self.spec.instance, self.epoch, seq, items)
             link.sent(seq, payload, len(items), now, low)  # replay buffer: kept until dest acks
-            self._publish_tracked(topics.inbox(self.spec.cluster, dest), payload, low)
+            self._publish_tracked(topics.inbox(self.spec.cluster, dest, self.spec.node), payload, low)
             self.stats["batches_out"] += 1
             self.stats["records_out"] += len(items)
 
@@ -942,7 +976,7 @@ class Worker:
     def send_envelope(self, dest: str, kind: Kind, body: Any) -> None:
         """Acks and protocol messages: numbered on the same channel as the data (invariant 1)."""
         env = Envelope(self.spec.instance, self.epoch, self.outbound.take(dest), kind, body)
-        self._publish_tracked(topics.inbox(self.spec.cluster, dest), encode(env), None)
+        self._publish_tracked(topics.inbox(self.spec.cluster, dest, self.spec.node), encode(env), None)
 
     def _lowest_pending(self) -> Optional[int]:
         """The lowest input index not to be acked upstream yet: its outputs are not all acked by
@@ -1065,10 +1099,24 @@ class Worker:
             if "context" in msg and self.scaling is not None and self.scaling.live is not None:
                 if not self.scaling.live.set_context(msg["context"]):
                     log.warning("malformed policy context ignored: %.200r", msg["context"], extra=self.ctx)
+        elif event == "hosts":
+            self._on_hosts(msg)
         elif event == "eof":
             self.request_stop(now)
         else:
             log.warning("unknown control event %r ignored", event, extra=self.ctx)
+
+    def _on_hosts(self, msg: Dict[str, Any]) -> None:
+        """The agent's instance -> node bindings (agent.node.hostmap): replaces ours; what they
+        now bind is released from the hold buffer in this step (`_release_held`)."""
+        bound = msg.get("bound")
+        if not isinstance(bound, dict):
+            log.warning("hosts line without its tables ignored", extra=self.ctx)
+            return
+        self.hosts_bound = {str(i): str(n) for i, n in bound.items()}
+        former = msg.get("former")
+        self.hosts_former = ({str(i): [str(n) for n in ns] for i, ns in former.items() if isinstance(ns, list)}
+                             if isinstance(former, dict) else {})
 
     def request_stop(self, now: float) -> None:
         """Agent shutdown: stop producing, drain (bounded), exit; the session is kept."""
@@ -1078,7 +1126,7 @@ class Worker:
             log.info("stop requested: draining", extra=self.ctx)
 
     def _check_stopped(self, now: float) -> None:
-        if self.drained():
+        if self.drained() and (not self._final or self.scaling is None or self.scaling.ready_to_exit()):
             self._exit = (EXIT_OK, "stopped", False)
         elif now > self._stop_deadline:
             self._exit = (EXIT_DRAIN_TIMEOUT, "drain timeout: successors did not ack everything", False)
@@ -1279,7 +1327,7 @@ class _ScalingDriver:
         # coordination = "ack" (paper) or "fgme" (rounds inside 2-FGME CSs, docs/gme.md). Lock
         # messages share the inbox and its numbered FIFO channel with the scaling messages.
         self.coordination = worker.pipeline.pipeline.coordination
-        core_cls = core_class(self.coordination)
+        core_cls = core_class(self.coordination, worker.pipeline.pipeline.fgme_damping)
         self._from_dict = message_from_dict
         if spec.restart and saved.get("scaling"):
             self.core = core_cls.restore(saved["scaling"], self.params, incarnation=worker.epoch)
@@ -1320,6 +1368,9 @@ class _ScalingDriver:
         self.orphans: Deque[str] = deque()  # idle copies nobody will start: we adopt them (_maybe_adopt)
         self.memory = RoundMemory(saved.get("rounds_applied") if spec.restart else None)
         self._round_clock: Dict[str, float] = {}  # neighbour -> last sent to / heard from
+        # coordination = "fgme": every protocol message of the core on an exactly-once FIFO
+        # channel (agent.instance.recovery.ReliableLinks); "ack" keeps the paper's path
+        self.links = self._make_links(saved) if self.coordination == "fgme" else None
         if spec.restart and saved.get("scaling"):
             # Finish what the crashed incarnation had queued (write-ahead, agent.instance.recovery).
             self.outputs.extend(decode_outputs(saved.get("outputs") or [], self._from_dict))
@@ -1341,6 +1392,39 @@ class _ScalingDriver:
         self._errors_log = LogLimiter()  # once per sender per minute, bounded (probed names are invented)
         self._req = 0
         self.decisions: Deque[Dict[str, Any]] = deque(maxlen=32)  # recent decisions (bench, demo)
+
+    def _make_links(self, saved: Dict[str, Any]) -> ReliableLinks:
+        w = self.w
+        if w.spec.restart and saved.get("links"):
+            try:
+                return ReliableLinks.load(w.spec.instance, saved["links"], w.clock())
+            except ValueError as exc:
+                log.warning("%s: starting new channels", exc, extra=w.ctx)
+        # a new generation: above any earlier one of this identity (seconds, as min_epoch)
+        lost = bool(w.spec.restart or w.spec.extra.get("min_epoch"))
+        return ReliableLinks(w.spec.instance, int(time.time()), lost_state=lost)
+
+    def _send_link(self, pairs: List[Tuple[str, Dict[str, Any]]]) -> None:
+        """Link acks and resends (agent.instance.recovery.ReliableLinks). The state is written
+        first: an ack must never leave before the deliveries it acknowledges are on disk."""
+        if not pairs:
+            return
+        self.w._write_state(force=True)
+        for dest, body in pairs:
+            self.w.send_envelope(dest, Kind.PROTO, body)
+
+    def resync(self, now: float) -> None:
+        """We are a new incarnation: ask every peer for what we may have lost, resend ours."""
+        if self.links is not None:
+            core = self.core
+            self._send_link(self.links.resync(set(core.preds) | set(core.succs), now))
+
+    def ready_to_exit(self) -> bool:
+        """Terminated: ack what we delivered, and wait until our own messages are acked."""
+        if self.links is None:
+            return True
+        self._send_link(self.links.flush_acks())
+        return self.links.settled
 
     @classmethod
     def maybe(cls, worker: Worker, saved: Dict[str, Any]) -> Optional["_ScalingDriver"]:
@@ -1476,6 +1560,19 @@ class _ScalingDriver:
         if isinstance(env.body, dict) and env.body.get("type") in (PROBE, PROBE_ECHO):
             self.on_probe(env)
             return
+        if self.links is not None:
+            try:
+                body, replies = self.links.receive(env.sender, env.body, self.w.clock())
+            except LinkError as exc:
+                stats["protocol_errors"] += 1
+                if self._errors_log.allow(env.sender, self.w.clock()):
+                    log.warning("protocol message from %s rejected: %s", env.sender, exc, extra=self.w.ctx)
+                return
+            self.w.mark_state_changed()
+            self._send_link(replies)
+            if body is None:
+                return  # a link ack, a copy, or a message past a gap (it comes again in order)
+            env = replace(env, body=body)
         is_lock = isinstance(env.body, dict) and env.body.get("type") == LockMessage.type
         if is_lock:
             stats["lock_in"] = stats.get("lock_in", 0) + 1
@@ -1504,6 +1601,8 @@ class _ScalingDriver:
             self.w.mark_state_changed()  # the lock state changed even when nothing is sent
         self._observe(outs)
         self._queue(outs)
+        if self.links is not None and getattr(self.core, "departed", None) and self.core.departed(env.sender):
+            self._send_link(self.links.forget(env.sender))
 
     def force(self, action: str, count: int) -> None:
         """A steering request (fogctl scale/drain via the agent): queued, run by `_run_forced`
@@ -1553,6 +1652,8 @@ class _ScalingDriver:
         self._run_forced(now)
         self._maybe_adopt()
         self.resend_silent(now)
+        if self.links is not None:
+            self._send_link(self.links.due(now))
         if now < self.next_tick:
             return
         load = self.w.measure_load(now)
@@ -1659,7 +1760,8 @@ class _ScalingDriver:
         from agent.instance.recovery import encode_outputs
 
         return {"scaling": self.core.snapshot(), "outputs": encode_outputs(self.outputs),
-                "rounds_applied": dict(self.memory.applied), "round_created": list(self.round_created)}
+                "rounds_applied": dict(self.memory.applied), "round_created": list(self.round_created),
+                **({"links": self.links.dump()} if self.links is not None else {})}
 
     def ping_if_idle(self, now: float) -> None:
         """An idle copy (created, not started) asks its creator for Start again: an ack of
@@ -1757,8 +1859,8 @@ class _ScalingDriver:
         may have crashed between applying it and acking); never while outputs are queued."""
         from agent.instance.recovery import silent_pending
 
-        if self.outputs or not self.core.in_round:
-            return
+        if self.outputs or not self.core.in_round or self.links is not None:
+            return  # with links, every message is resent until acked (ReliableLinks)
         for dest, msg in silent_pending(self.core, self._round_clock, now):
             self.w.send_envelope(dest, Kind.PROTO, msg.to_dict())
             self._round_clock[dest] = now
@@ -1778,7 +1880,10 @@ class _ScalingDriver:
                 # INVARIANT 6 (the paper's message cost): exactly the core's Sends go out, one
                 # envelope each; data acks and heartbeats are separate (data plane, control pipe).
                 # 2-FGME lock messages travel the same way but are counted apart, by kind.
-                w.send_envelope(out.dest, Kind.PROTO, out.message.to_dict())
+                body = out.message.to_dict()
+                if self.links is not None:
+                    body = self.links.stamp(out.dest, body, now)
+                w.send_envelope(out.dest, Kind.PROTO, body)
                 self._round_clock[out.dest] = now
                 if out.message.type == "start":
                     self.started.append(out.dest)
@@ -1923,6 +2028,8 @@ class _ScalingDriver:
         s.update(self.log.stats(self.core))
         if self.coordination == "fgme":
             s["lock_messages"] = {d: dict(c) for d, c in self.lock_counts.items()}
+        if self.links is not None:
+            s["links"] = dict(self.links.counts, unacked=self.links.unacked())
         return s
 
 

@@ -72,7 +72,8 @@ PIPELINE = """\
 # fog-agent chaos: the demo pipeline (source -> validate -> in_zone -> sink) on a shorter clock.
 [pipeline]
 name = "chaos"
-coordination = "ack"
+coordination = "{coordination}"
+fgme_damping = {damping}
 
 [scaling]
 policy = "decentralized"
@@ -112,11 +113,13 @@ policy = "none"
 """
 
 
-def chaos_pipeline(duration: float, seed: int) -> str:
-    """A load that makes in_zone scale out (to ~3 instances) and back within `duration` s."""
+def chaos_pipeline(duration: float, seed: int, coordination: str = "ack", fgme_damping: bool = False) -> str:
+    """A load that makes in_zone scale out (to ~3 instances) and back within `duration` s;
+    `coordination` "fgme" runs every round inside the 2-FGME locks (docs/gme.md)."""
     d = float(duration)
     steps = [[0, 100], [round(0.1 * d, 1), 350], [round(0.5 * d, 1), 200], [round(0.75 * d, 1), 60], [d, 0]]
-    return PIPELINE.format(seed=seed, steps=json.dumps(steps))
+    return PIPELINE.format(seed=seed, steps=json.dumps(steps), coordination=coordination,
+                           damping="true" if fgme_damping else "false")
 
 
 @dataclass
@@ -142,11 +145,15 @@ class ChaosConfig:
     schedule: Optional[Sequence[Tuple[float, str, Optional[str]]]] = None
     deploy_extra: Dict[str, Any] = field(default_factory=dict)  # `fog-agent deploy --set` values
     rehoming: Optional[bool] = None  # the agents' dead_after > 0; None: on iff kill-node may be drawn
+    coordination: str = "ack"  # the pipeline's: "ack" (the paper) or "fgme" (rounds inside 2-FGME locks)
+    fgme_damping: bool = False  # the pipeline's [pipeline] fgme_damping (DEVIATION 4 in the lock nodes)
 
     def __post_init__(self) -> None:
         bad = [f for f in self.faults if f not in FAULTS]
         if bad or not self.faults:
             raise ValueError(f"faults: expected a non-empty subset of {', '.join(FAULTS)}, found {list(self.faults)}")
+        if self.coordination not in ("ack", "fgme"):
+            raise ValueError(f"coordination: expected ack or fgme, found {self.coordination!r}")
 
 
 @dataclass
@@ -187,6 +194,34 @@ def _holding(mon: Monitor) -> List[str]:
                                              or st.get("queued")):
                     out.append(str(inst.get("id")))
     return sorted(out)
+
+
+def _lock_and_round_state(mon: Monitor) -> Dict[str, Any]:
+    """At the end of a run: instances still holding or waiting for a 2-FGME lock, instances
+    still in a scaling round, lock and link message counts, from the retained states (each
+    worker's own view, the `lock` key fogctl locks reads)."""
+    held: List[str] = []
+    in_round: List[str] = []
+    lock_out = 0
+    links: Dict[str, int] = {}
+    with mon._lock:
+        for doc in mon.states.values():
+            for inst in doc.get("instances", []) or []:
+                if not isinstance(inst, dict):
+                    continue
+                st = inst.get("stats") if isinstance(inst.get("stats"), dict) else {}
+                lock = inst.get("lock")
+                if isinstance(lock, dict) and (lock.get("state") != "idle" or lock.get("intent") is not None or any(
+                        b.get("state") != "idle" for b in lock.get("boundaries") or [] if isinstance(b, dict))):
+                    held.append(str(inst.get("id")))
+                if st.get("state") in ("duplicating", "deleting", "departing"):
+                    in_round.append(str(inst.get("id")))
+                lock_out += int(st.get("lock_out", 0) or 0)
+                for k, v in (st.get("links") or {}).items():
+                    if isinstance(v, int):
+                        links[k] = links.get(k, 0) + v
+    return {"locks_held_at_end": sorted(held), "in_round_at_end": sorted(in_round), "lock_messages": lock_out,
+            "link_counts": links}
 
 
 def _scaled_in_since(mon: Monitor, since_wall: float) -> Set[str]:
@@ -375,7 +410,7 @@ def _signal(pid: int, sig: int) -> None:
 def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dict[str, Any]:
     """Run one chaos experiment; returns the summary (the `--json` output)."""
     rng = random.Random(cfg.seed)
-    text = chaos_pipeline(cfg.duration, cfg.seed)
+    text = chaos_pipeline(cfg.duration, cfg.seed, cfg.coordination, cfg.fgme_damping)
     pipeline = load_pipeline_text(text, "chaos pipeline")
     profile = pipeline.operators[0].params["steps"]
     workdir = Path(cfg.workdir) if cfg.workdir else Path(tempfile.mkdtemp(prefix="fog-chaos-"))
@@ -387,6 +422,7 @@ def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dic
                   proxied="partition" in kinds)
     faults: List[Fault] = []
     summary: Dict[str, Any] = {"seed": cfg.seed, "duration": cfg.duration, "faults_enabled": list(cfg.faults),
+                               "coordination": cfg.coordination, "fgme_damping": cfg.fgme_damping,
                                "workdir": str(workdir)}
     mon: Optional[Monitor] = None
 
@@ -458,7 +494,9 @@ def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dic
             back = all(v == 1 for v in mon.instances_per_operator().values())
             quiet = (quiet or time.monotonic()) if tot == last else None
             last = tot
-            if back and quiet is not None and time.monotonic() - quiet >= 3.0 and not _holding(mon):
+            ends = _lock_and_round_state(mon)
+            if (back and quiet is not None and time.monotonic() - quiet >= 3.0 and not _holding(mon)
+                    and not ends["locks_held_at_end"] and not ends["in_round_at_end"]):
                 settled = True
                 break
             time.sleep(1.0)
@@ -476,6 +514,7 @@ def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dic
             restarts=len(mon.agent_events("spawned", "restart")),
             scale_outs=len(mon.agent_events("spawned", "spawn")),
             scale_ins=len(mon.agent_events("terminated", "scale_in")),
+            **_lock_and_round_state(mon),
         )
     finally:
         if mon is not None:
@@ -497,7 +536,8 @@ def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dic
         lost_sample=[list(x) for x in verdict.lost_sample],
         wall_s=round(time.monotonic() - started, 1),
     )
-    summary["ok"] = bool(verdict.ok and summary["all_recovered"] and summary.get("back_to_size"))
+    summary["ok"] = bool(verdict.ok and summary["all_recovered"] and summary.get("back_to_size")
+                         and not summary.get("locks_held_at_end") and not summary.get("in_round_at_end"))
     return summary
 
 
@@ -513,6 +553,10 @@ def print_report(summary: Dict[str, Any], out: Any = sys.stdout) -> None:
           f"out {summary.get('records_out')}, lost {summary.get('lost')}, duplicated {summary.get('duplicated')} "
           f"(duplicates dropped at the sink {summary.get('duplicates_dropped_at_sink')}); "
           f"final instances {summary.get('final_instances')}; {summary.get('wall_s')} s", file=out)
+    if summary.get("coordination") == "fgme":
+        print(f"coordination fgme: lock messages {summary.get('lock_messages')}, links {summary.get('link_counts')}; "
+              f"locks held at the end {summary.get('locks_held_at_end')}, "
+              f"in a round at the end {summary.get('in_round_at_end')}", file=out)
     if summary.get("settled") is False:
         print(f"not settled after {summary.get('settle_s')} s: {', '.join(summary.get('holding_at_end') or []) or 'no'} "
               "instance still held records in flight; records counted lost may only have been late "
@@ -533,7 +577,9 @@ def main(args: Any) -> int:
     try:
         rehoming = {"on": True, "off": False}.get(str(getattr(args, "rehoming", "auto")))
         cfg = ChaosConfig(duration=float(args.duration), seed=int(args.seed), faults=faults,
-                          workdir=Path(args.workdir) if args.workdir else None, rehoming=rehoming)
+                          workdir=Path(args.workdir) if args.workdir else None, rehoming=rehoming,
+                          coordination=str(getattr(args, "coordination", "ack")),
+                          fgme_damping=bool(getattr(args, "fgme_damping", False)))
     except ValueError as exc:
         print(f"fog-agent chaos: {exc}", file=sys.stderr)
         return 2
