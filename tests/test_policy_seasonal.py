@@ -121,3 +121,21 @@ def test_halves_the_thresholds_reconfigurations_with_no_more_under_provisioning(
                                        "'The policy goal against the bound')")
 def test_costs_no_more_than_the_threshold(clean_days):
     assert clean_days["seasonal"].cost <= clean_days["threshold"].cost
+
+
+def test_cli_reports_seasonal_with_the_bound_and_draws_the_pareto_plot(tmp_path, capsys):
+    import json
+
+    from agent.cli.main import main
+
+    png = tmp_path / "pareto.png"
+    assert main(["simulate", "policies", "--seeds", "1", "--days", "0.5", "--train-days", "1", "--json",
+                 "--policies", "threshold,seasonal", "--pareto", str(png)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert sorted(doc["summary"]) == ["seasonal", "threshold"]
+    costs = [b["cost"] for b in doc["bound"]]
+    assert costs and all(a >= b for a, b in zip(costs, costs[1:]))  # more changes allowed never cost more
+    thr = doc["runs"]["threshold"][0]
+    bound_at_thr = {b["max_changes"]: b["cost"] for b in doc["bound"]}[int(round(thr["reconfigurations"]))]
+    assert bound_at_thr <= thr["cost"]  # threshold's own schedule is one the bound could pick
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

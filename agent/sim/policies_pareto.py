@@ -67,6 +67,7 @@ def plot_pareto(pts: Mapping[str, Tuple[float, float, float]], bound: Sequence[T
     ax.set_xlabel("reconfigurations (mean)")
     ax.set_ylabel("cost, instance-minutes (mean)")
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8, loc="upper right")
+    ax.legend(fontsize=8, loc="lower left")
+    ax.margins(x=0.12, y=0.08)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
