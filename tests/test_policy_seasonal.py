@@ -27,7 +27,7 @@ def test_profile_is_the_mean_of_each_slot_over_the_training_days():
 def _brute_plan_cost(profile: Sequence[float], segments: int) -> float:
     best = float("inf")
     s = len(profile)
-    for k in range(0, min(segments, s) ):
+    for k in range(0, min(segments, s)):
         for cuts in itertools.combinations(range(1, s), k):
             edges = (0,) + cuts + (s,)
             best = min(best, sum(max(profile[a:b]) * (b - a) for a, b in zip(edges, edges[1:])))

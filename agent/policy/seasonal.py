@@ -16,11 +16,19 @@ their slots (a day busier than usual scales the whole profile); the forecast of 
 level x profile[j]. Without a profile (a live operator that has none yet) the forecast is flat at
 the recent maximum, i.e. plain hysteresis.
 
-The rule, every period (n = current instances, needed(x) = smallest n whose model MST covers x):
-- scale out when needed(max(last input, forecast of the next slot) x (1 + margin_up)) > n, or
-  when this operator is the root of the back pressure (Gesscale Algorithm 1); the target is
-  needed(max forecast over the next `horizon_up` slots x (1 + margin)), so one step covers the ramp
-  ahead instead of the next minute;
+The rule with a profile and `segments` (plan mode, what the simulator runs): `plan_day` cuts the
+profile into at most `segments` constant pieces at the profile's maximum over each piece, least
+total first. At each plan boundary the level is sampled and the instances needed for
+level x plan x (1 + margin) are fixed until the next boundary. Every period:
+- scale out to max(that count, needed(last input x (1 + margin_up)), n + 1) when either exceeds n
+  or this operator is the root of the back pressure (Gesscale Algorithm 1);
+- scale in to max(that count, needed(recent peak x (1 + margin_up))) after `hold` quiet periods
+  without back pressure, by `min_step` or more, `cooldown_in` after the last action.
+
+Without `segments` (forecast mode), every period:
+- scale out when needed(max(last input, forecast of the next slot) x (1 + margin_up)) > n, or on
+  the back-pressure root; the target is needed(max forecast over the next `horizon_up` slots x
+  (1 + margin)), so one step covers the ramp ahead instead of the next minute;
 - scale in when, for `hold` consecutive periods with no back pressure, needed(max(recent inputs,
   max forecast over the next `horizon_down` slots) x (1 + margin)) is at least `min_step` below n
   and the last action is `cooldown_in` seconds old.
