@@ -153,20 +153,38 @@ def decide(view: Sequence[NodeView], state: SiteState, cfg: SiteConfig, now: flo
     return state, []
 
 
-def view_of(fleet: Any, default_capacity: float = 0.0) -> List[NodeView]:
-    """The manager's view of an agent.control.fleet.Fleet: per node its capacity and load.
+def view_of(docs: Mapping[str, Mapping[str, Any]], online: Mapping[str, bool],
+            default_capacity: float = 0.0) -> List[NodeView]:
+    """The manager's view of the agents' retained states (agent.node.nodestate documents).
 
-    A node without a published capacity (no instance yet) counts as its slots times the
-    fleet's mean capacity per instance: what it would sustain once used."""
-    per_inst = [i.capacity for i in fleet.instances if i.capacity]
-    mean = sum(per_inst) / len(per_inst) if per_inst else default_capacity
+    A node's capacity is what it sustains with every slot used: its slots times its instances'
+    mean capacity (records/s), else the fleet's mean, else `default_capacity`; so an empty node
+    still counts for what it would add, and the figure does not move with the instance count."""
+    def caps(doc: Mapping[str, Any]) -> List[float]:
+        return [float(c) for i in _items(doc) for c in [i.get("capacity")]
+                if isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) and c > 0]
+
+    every = [c for d in docs.values() for c in caps(d)]
+    fleet_mean = sum(every) / len(every) if every else default_capacity
     out = []
-    for n in fleet.nodes:
-        cap = n.capacity if n.capacity else (n.slots or 0) * mean
-        load = sum(i.load or 0.0 for i in n.instances)
-        out.append(NodeView(n.node, not n.offline and n.status == "online", bool(n.draining),
-                            float(cap or 0.0), float(load), len(n.instances), int(n.free_slots or 0)))
+    for node, doc in sorted(docs.items()):
+        own = caps(doc)
+        per = sum(own) / len(own) if own else fleet_mean
+        slots = _int(doc.get("slots"))
+        load = sum(float(v) for i in _items(doc) for v in [i.get("load")]
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0)
+        out.append(NodeView(node, bool(online.get(node, False)), doc.get("draining") is True,
+                            slots * per, load, len(_items(doc)), _int(doc.get("free_slots"))))
     return out
+
+
+def _items(doc: Mapping[str, Any]) -> List[Mapping[str, Any]]:
+    items = doc.get("instances")
+    return [i for i in items if isinstance(i, Mapping)] if isinstance(items, list) else []
+
+
+def _int(v: Any) -> int:
+    return max(0, int(v)) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else 0
 
 
 # ---- election ------------------------------------------------------------------------------------
