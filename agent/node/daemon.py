@@ -232,7 +232,10 @@ class Agent:
         # The site manager (docs/site-manager.md): every agent reads its leader record (a drain on
         # the peer topic is accepted from the leader only); [site_manager] enabled runs a candidate.
         self.site_lease: Optional[Lease] = None
-        self.site: Optional[SiteDriver] = (SiteDriver(cfg.site_manager, cfg.agent.node, cfg.agent.cluster)
+        # A node state older than three state periods is not counted as serving (a killed agent's
+        # last state would offer its slots until its Will arrives).
+        self.site: Optional[SiteDriver] = (SiteDriver(cfg.site_manager, cfg.agent.node, cfg.agent.cluster,
+                                                      stale_after=3 * cfg.agent.state_period)
                                            if cfg.site_manager.enabled else None)
         self.metrics: Any = None  # agent.measure.metrics, when [metrics].port != 0
         self.stats_bridge: Any = None

@@ -62,8 +62,9 @@ Effect = Union[Publish, Steer, Hook, Emit]
 
 
 class SiteDriver:
-    def __init__(self, section: SiteManagerSection, node: str, cluster: str) -> None:
+    def __init__(self, section: SiteManagerSection, node: str, cluster: str, stale_after: float) -> None:
         self.section = section
+        self.stale_after = stale_after  # a state older than this: its node counts as offline
         self.node = node
         self.cluster = cluster
         self.cfg = SiteConfig(target=section.target, min_nodes=section.min_nodes, max_nodes=section.max_nodes,
@@ -104,7 +105,7 @@ class SiteDriver:
                 self.state = _adopt(self.lease.state)  # the released nodes of the previous leader
             self.leading = True
         out: List[Effect] = []
-        view = view_of(docs, online)
+        view = view_of(docs, online, now, stale_after=self.stale_after)
         self.last_spare = spare([n for n in view if n.online and not n.draining and n.node not in self.state.released])
         self.state, actions = decide(view, self.state, self.cfg, now)
         for a in actions:

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 __all__ = [
     "SiteConfig", "NodeView", "ActionKind", "Action", "Pending", "SiteState", "spare", "decide",
-    "view_of", "Lease", "claim", "parse_lease",
+    "spare_without", "view_of", "Lease", "claim", "parse_lease",
 ]
 
 
@@ -92,6 +92,14 @@ def _fmt(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
+def spare_without(nodes: Sequence[NodeView], gone: NodeView) -> Optional[float]:
+    """The spare fraction once `gone` is drained: its load moves onto the others' capacity."""
+    cap = sum(n.capacity for n in nodes if n is not gone)
+    if cap <= 0:
+        return None
+    return (cap - sum(n.load for n in nodes)) / cap
+
+
 def _serving(view: Sequence[NodeView], released: Tuple[str, ...]) -> List[NodeView]:
     return [n for n in view if n.online and not n.draining and n.node not in released]
 
@@ -142,7 +150,7 @@ def decide(view: Sequence[NodeView], state: SiteState, cfg: SiteConfig, now: flo
         return state, []
     for cand in sorted(serving, key=_usefulness):
         rest = [n for n in serving if n is not cand]
-        s_rest = spare(rest)
+        s_rest = spare_without(serving, cand)
         if s_rest is None or s_rest < cfg.target:
             continue
         if sum(n.free_slots for n in rest) < cand.instances:
@@ -153,13 +161,15 @@ def decide(view: Sequence[NodeView], state: SiteState, cfg: SiteConfig, now: flo
     return state, []
 
 
-def view_of(docs: Mapping[str, Mapping[str, Any]], online: Mapping[str, bool],
-            default_capacity: float = 0.0) -> List[NodeView]:
+def view_of(docs: Mapping[str, Mapping[str, Any]], online: Mapping[str, bool], now: float,
+            stale_after: float, default_capacity: float = 0.0) -> List[NodeView]:
     """The manager's view of the agents' retained states (agent.node.nodestate documents).
 
     A node's capacity is what it sustains with every slot used: its slots times its instances'
     mean capacity (records/s), else the fleet's mean, else `default_capacity`; so an empty node
-    still counts for what it would add, and the figure does not move with the instance count."""
+    still counts for what it would add, and the figure does not move with the instance count.
+    A node whose state is older than `stale_after` seconds counts as offline: a killed agent's
+    Will comes a keepalive and a half later, and until then its last state would offer slots."""
     def caps(doc: Mapping[str, Any]) -> List[float]:
         return [float(c) for i in _items(doc) for c in [i.get("capacity")]
                 if isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) and c > 0]
@@ -173,7 +183,9 @@ def view_of(docs: Mapping[str, Mapping[str, Any]], online: Mapping[str, bool],
         slots = _int(doc.get("slots"))
         load = sum(float(v) for i in _items(doc) for v in [i.get("load")]
                    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0)
-        out.append(NodeView(node, bool(online.get(node, False)), doc.get("draining") is True,
+        ts = doc.get("time")
+        fresh = isinstance(ts, (int, float)) and not isinstance(ts, bool) and now - ts <= stale_after
+        out.append(NodeView(node, bool(online.get(node, False)) and fresh, doc.get("draining") is True,
                             slots * per, load, len(_items(doc)), _int(doc.get("free_slots"))))
     return out
 
