@@ -79,7 +79,7 @@ def _lines(path: Path) -> List[str]:
     return path.read_text().split() if path.exists() else []
 
 
-def test_site_manager_consolidates_acquires_and_fails_over(mosquitto, tmp_path) -> None:
+def test_site_manager_consolidates_acquires_and_fails_over(capsys, mosquitto, tmp_path) -> None:
     from agent.config import load_pipeline_text
     from agent.node.deploy import deploy
     from agent.tools.demo import Monitor
@@ -129,6 +129,17 @@ def test_site_manager_consolidates_acquires_and_fails_over(mosquitto, tmp_path) 
         assert mon.wait(lambda m: not m.states.get(gone, {}).get("draining") and
                         m.states.get(gone, {}).get("free_slots", 0) > 0, 20), mon.states.get(gone)
 
+        # fogctl site: the same record, with the reason of each action (table and --json)
+        from agent.cli.fogctl import main
+
+        assert main(["--broker", mosquitto.address, "--cluster", cluster, "--timeout", "5", "--json", "site"]) == 0
+        shown = json.loads(capsys.readouterr().out)
+        assert shown["leader"] in agents and not shown["expired"] and shown["target"] == 0.6, shown
+        assert [a["action"] for a in shown["actions"]][-4:] == ["drain", "release", "acquire", "undrain"], shown
+        assert all(a["reason"] for a in shown["actions"]), shown
+        assert main(["--broker", mosquitto.address, "--cluster", cluster, "--timeout", "5", "site"]) == 0
+        table = capsys.readouterr().out
+        assert f"release  {gone}" in table and "drained: hosts no instance" in table, table
         site = record.get()["state"]
         assert site["target"] == 0.6 and site["released"] == [], site
         assert [a["action"] for a in site["actions"]][-4:] == ["drain", "release", "acquire", "undrain"], site
