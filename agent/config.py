@@ -99,6 +99,9 @@ class MqttSection:
     qos: int = field(default=1, metadata={"check": in_range(1, 2, "an integer")})
     max_inflight: int = field(default=100, metadata={"check": in_range(1, 65535, "an integer")})
     tls: Optional[TlsSection] = None
+    # The site secret that makes the workers' client ids unguessable (docs/security.md, "Client
+    # ids"); the same file on every node of the site.
+    client_id_secret_file: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.password is not None and self.password_file is not None:
@@ -263,6 +266,9 @@ class OperatorSection:
 class PipelineSection:
     name: str = field(metadata={"check": identifier})
     coordination: Literal["ack", "fgme"] = "ack"
+    # coordination = "fgme" only: the lock nodes use 2-FGME's DEVIATION 4 damping (docs/gme.md,
+    # "Damping in lock-guarded scaling")
+    fgme_damping: bool = False
 
 
 @dataclass(frozen=True)
@@ -364,6 +370,20 @@ def check_tls(mqtt: MqttSection, config_file: Optional[str] = None) -> None:
     With `config_file` (the TOML that names the files) the line names that file, the key and what
     was expected: `central.toml: [mqtt.tls].key_file: expected a readable PEM file (No such file
     or directory), got "/etc/x.key"`; without it, `<TLS file>: <what is wrong>`."""
+    if mqtt.client_id_secret_file is not None:
+        try:
+            secret = Path(mqtt.client_id_secret_file).read_bytes().strip()
+        except OSError as exc:
+            secret, why = b"", str(exc.strerror)
+        else:
+            why = "empty"
+        if len(secret) < 16:
+            why = why if not secret else "shorter than 16 bytes"
+            if config_file is None:
+                raise ConfigError(mqtt.client_id_secret_file, "", f"unusable client id secret ({why})")
+            raise ConfigError(Path(config_file).name, "[mqtt].client_id_secret_file",
+                              f"expected a readable file of at least 16 bytes ({why})",
+                              got=mqtt.client_id_secret_file)
     tls = mqtt.tls
     if tls is None:
         return
@@ -394,17 +414,6 @@ def check_tls(mqtt: MqttSection, config_file: Optional[str] = None) -> None:
         except ssl.SSLError as exc:
             raise error("cert_file", tls.cert_file, "a PEM client certificate that loads with key_file",
                         "client certificate and key do not load", str(exc.reason or exc)) from None
-
-
-def tls_setup(client: Any, tls: Optional[TlsSection]) -> None:
-    """Give a paho client the [mqtt.tls] settings (nothing when `tls` is None): the one place
-    that turns the section into a TLS client, for every process that reads one (collector,
-    shipper). Call `check_tls` first: paho raises its own errors from here."""
-    if tls is None:
-        return
-    client.tls_set(ca_certs=tls.ca_file, certfile=tls.cert_file, keyfile=tls.key_file)
-    if tls.insecure:
-        client.tls_insecure_set(True)
 
 
 def default_config_path() -> Path:

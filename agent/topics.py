@@ -21,9 +21,32 @@ def base(cluster: str) -> str:
     return f"{ROOT}/{_check(cluster)}"
 
 
-def inbox(cluster: str, instance: str) -> str:
-    """Data batches AND protocol messages to one instance (one FIFO channel per sender)."""
-    return f"{base(cluster)}/inbox/{_check(instance)}"
+def inbox(cluster: str, instance: str, writer: str) -> str:
+    """Data batches AND protocol messages to one instance (one FIFO channel per sender), written
+    by node `writer`, the node that hosts the sender instance. The ACL lets a node write only
+    `inbox/+/<itself>`, so the receiver reads the writing node here and accepts an envelope only
+    if that node hosts the instance the envelope claims as its sender (docs/security.md, "Data
+    channels"). One topic per sender node keeps MQTT's order per publisher and topic."""
+    return f"{base(cluster)}/inbox/{_check(instance)}/{_check(writer)}"
+
+
+def inbox_all(cluster: str, instance: str) -> str:
+    """The subscription of one instance to its inbox, whichever node writes."""
+    return f"{base(cluster)}/inbox/{_check(instance)}/+"
+
+
+def inbox_writer(inbox_filter: str, topic: str) -> Optional[str]:
+    """The writing node of `topic` if it is a topic of the subscription `inbox_filter`
+    (`inbox_all(...)`), else None. The worker's fast path (once per envelope); never raises."""
+    prefix = inbox_filter[:-1]
+    if not isinstance(topic, str) or not topic.startswith(prefix):
+        return None
+    writer = topic[len(prefix):]
+    # A delivery of the subscription `.../+` has one level there, never a wildcard (MQTT forbids
+    # them in topic names); checked anyway for topics that do not come from the broker.
+    if not writer or "/" in writer or "+" in writer or "#" in writer:
+        return None
+    return writer
 
 
 def agent_state(cluster: str, node: str) -> str:
@@ -190,7 +213,7 @@ class Parsed(NamedTuple):
           events | locks | site_manager | pipeline | decisions | inbox | spill_chunk | spill_ack
     node: the node (or requester of a reply, instance of inbox/decisions, pipeline name) the
           topic is about, i.e. its owner; sender: the identity in the last level of a request,
-          reply or probe topic (who wrote it, as the ACL proves), else None.
+          reply, probe or inbox topic (who wrote it, as the ACL proves), else None.
     """
 
     kind: str
@@ -230,8 +253,8 @@ def parse(cluster: str, topic: str) -> Optional[Parsed]:
         return Parsed("pipeline", parts[1])
     if head == "decisions" and n == 2:
         return Parsed("decisions", parts[1])
-    if head == "inbox" and n == 2:
-        return Parsed("inbox", parts[1])
+    if head == "inbox" and n == 3:
+        return Parsed("inbox", parts[1], parts[2])
     if head == "spill" and n == 3 and parts[2] in ("chunk", "ack"):
         return Parsed(f"spill_{parts[2]}", parts[1])
     return None

@@ -58,14 +58,21 @@ def test_every_request_reply_and_probe_topic_names_its_sender_last() -> None:
     for build, kind in [(topics.agent_state, "state"), (topics.agent_status, "status"),
                         (topics.agent_hosted, "hosted"), (topics.agent_rehomed, "rehomed"),
                         (topics.latency, "latency"), (topics.pipeline, "pipeline"),
-                        (topics.decisions, "decisions"), (topics.inbox, "inbox"),
+                        (topics.decisions, "decisions"),
                         (topics.spill_chunk, "spill_chunk"), (topics.spill_ack, "spill_ack")]:
         assert p("c", build("c", "x")) == (kind, "x", None)
+    assert topics.inbox("c", "x", "n1") == "fog/c/inbox/x/n1"
+    assert p("c", topics.inbox("c", "x", "n1")) == ("inbox", "x", "n1")  # the writing node, as the ACL proves
+    assert topics.inbox_writer(topics.inbox_all("c", "x"), topics.inbox("c", "x", "n1")) == "n1"
+    for other in ("fog/c/inbox/xy/n1", "fog/c/inbox/x", "fog/c/inbox/x/", "fog/c/inbox/x/n1/n2", "fog/d/inbox/x/n1"):
+        assert topics.inbox_writer(topics.inbox_all("c", "x"), other) is None, other
     assert p("c", topics.events("c")).kind == "events" and p("c", topics.locks("c")).kind == "locks"
     # the subscriptions match exactly the topics above
     import paho.mqtt.client as mqtt
 
     assert mqtt.topic_matches_sub(topics.agent_rpc_inbox("c", "n1"), topics.agent_rpc("c", "n1", "a"))
+    assert mqtt.topic_matches_sub(topics.inbox_all("c", "x"), topics.inbox("c", "x", "n1"))
+    assert not mqtt.topic_matches_sub(topics.inbox_all("c", "x"), topics.inbox("c", "xy", "n1"))
     assert mqtt.topic_matches_sub(topics.agent_peer_inbox("c", "n1"), topics.agent_peer("c", "n1", "n2"))
     assert mqtt.topic_matches_sub(topics.replies_inbox("c", "a"), topics.replies("c", "a", "n1"))
     assert not mqtt.topic_matches_sub(topics.replies_inbox("c", "a"), topics.replies("c", "b", "n1"))
@@ -407,22 +414,12 @@ def test_a_node_cannot_steer_another_through_its_peer_topic(tmp_path: Path, mosq
     try:
         assert _wait(lambda: _ping(admin, "n1"), 20), a1.text()
         spec = {"instance": "p.sink.0", "operator": "sink", "pipeline": "p", "pipeline_toml": PIPELINE}
-        for body in ({"op": "ping"}, {"op": "stop", "instance": "p.sink.0"}, {"op": "spawn", "spec": spec}):
-            # what RpcClient.call does, on the peer topic instead of rpc
-            intruder._client.publish(topics.agent_peer(cluster, "n1", "n3"), rpc.encode(body), qos=1,
-                                     properties=rpc.publish_properties("k-" + body["op"]))
         got: Dict[str, Dict[str, Any]] = {}
-
-        def collect() -> bool:
-            while True:
-                try:
-                    corr, sender, payload = intruder._replies.get_nowait()
-                except Exception:
-                    return len(got) == 3
-                assert sender == "n1"
-                got[corr] = json.loads(payload)
-
-        assert _wait(collect, 10), got
+        for body in ({"op": "ping"}, {"op": "stop", "instance": "p.sink.0"}, {"op": "spawn", "spec": spec}):
+            # what RpcClient.call does, on the peer topic instead of rpc (a reply counts only
+            # with our correlation and from n1: agent.mqtt.requester)
+            got[body["op"]] = intruder.request(topics.agent_peer(cluster, "n1", "n3"), body, timeout=10)
+        assert len(got) == 3
         assert all(not r["ok"] and r["error"].startswith("refused") for r in got.values()), got
         assert admin.call("n1", {"op": "ping"}, timeout=5)["instances"] == []
         assert a1.text().count("from node n3") == 3

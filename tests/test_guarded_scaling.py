@@ -87,6 +87,8 @@ def test_new_instance_joins_the_neighbours_lock_and_a_leaving_one_is_awaited():
 def test_coordination_setting_selects_the_core():
     assert core_class("ack") is ScalingCore
     assert core_class("fgme") is GuardedCore
+    assert core_class("fgme", True).damped and not core_class("fgme", False).damped
+    assert GuardedCore.damped is False  # the published line 79 unless [pipeline] fgme_damping = true
     with pytest.raises(ValueError):
         core_class("token")
 
@@ -191,3 +193,43 @@ def test_guarded_adoption_runs_inside_the_locks_and_survives_a_restart():
     done = b.handle(dup_ack.message)
     assert [o.dest for o in done if isinstance(o, Send) and o.message.type == "start"] == ["s1-orphan"]
     assert b.lock_state is GmeState.IDLE and not b.in_round
+
+
+def test_damped_lock_nodes_random_schedules_neighbours_never_scale_together():
+    """[pipeline] fgme_damping = true: the same random check as above with DEVIATION 4 in every
+    lock node: no two neighbours in a round, every intent served, nothing lost."""
+    from agent.protocol.guarded import DampedGuardedCore
+
+    r = random_runs(lambda rng: _random_system(rng, core_cls=DampedGuardedCore), schedules=400, seed=2,
+                    extra_rounds=4)
+    assert r.ok, r.violations[0]
+    assert r.rounds_completed > 1000
+
+
+def test_damped_snapshot_keeps_the_variant_and_whom_it_authorizes():
+    """A restarted damped lock node must still know whom its authorization was granted for
+    (else an End from that node would not end it, or any End would)."""
+    import json
+
+    from agent.policy.decentralized import ScalingParams
+    from agent.protocol.gme_fgme import Req
+    from agent.protocol.guarded import DampedGuardedCore, PublishedGuardedCore
+
+    sysm = build_guarded([1, 2], [], core_cls=DampedGuardedCore)
+    b = sysm.cores["s1i0"]
+    b.start_round(Plan("s1i0", Action.DUPLICATE).decision())  # requests lock 0 (clock 1)
+    node = b.locks[0]
+    # a higher-priority Req from the other group while b requests: b acks and authorizes it
+    outs = node.receive(Req("s0i0", 0, 1))
+    assert node.competitors_authorized and node.authorized_for == frozenset({"s0i0"}), outs
+    r = PublishedGuardedCore.restore(json.loads(json.dumps(b.snapshot())), ScalingParams())
+    assert r.locks[0].damped and r.locks[0].authorized_for == frozenset({"s0i0"}) and r.key() == b.key()
+
+
+def test_compare_damping_counts_rounds_and_lock_messages_for_both_variants():
+    from agent.sim.guarded_check import compare_damping
+
+    rows = compare_damping(10, seed=3, sim_seeds=(3,), sim_steps=60)
+    assert [r["damped"] for r in rows] == [False, True, False, True]
+    for r in rows:
+        assert r["violations"] == 0 and r["rounds"] > 10 and r["lock_messages"] >= 2 * r["rounds"], r

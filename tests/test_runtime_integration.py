@@ -175,7 +175,7 @@ def test_step_load_scales_out_and_back_exactly_once(tmp_path: Path, mosquitto: A
         keeper = "step.in_zone.0"
         with RpcClient(mosquitto.host, mosquitto.port, fleet.cluster) as client:
             for junk in (b"garbage", b"{}", b"\xff\xfe\x00", b'{"sender": "x", "seq": "a"}', b"[1,2,3]"):
-                client.publish(topics.inbox(fleet.cluster, keeper), junk)
+                client.publish(topics.inbox(fleet.cluster, keeper, "n1"), junk)
         # the load: in_zone gets ~0.95 * high records/s
         target = math.ceil(0.93 * high / (R * C_IN_ZONE))
         reached_at: Optional[float] = None

@@ -25,11 +25,14 @@ from typing import Any, List, Optional, Tuple
 from agent import topics
 from agent.collector.core import CollectorCore
 from agent.spill.landing import LandingZone
-from agent.config import TlsSection, tls_setup
-from agent.node.daemon import connect_error, paho_error
+from agent.config import TlsSection
+from agent.mqtt import client as mqttc
 from agent.spill.shipper import chunk_subscription
 
 __all__ = ["BatchScheduler", "Collector"]
+
+# MQTT 3.1.1, persistent (clean_session false): the broker queues chunks while we are away.
+SESSION = mqttc.Session(mqtt5=False, persistent=True)
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +92,10 @@ class Collector:
         self._client: Any = None
         self._thread: Optional[threading.Thread] = None
         self.connected = threading.Event()
-        self._connect_errors: set = set()  # reasons logged since the last successful connect
+        # The broker settings, and the client id bound to our key (docs/security.md, "Client ids").
+        self.broker = mqttc.broker_from(host, port, tls, username, password)
+        self.session_id = mqttc.client_id(client_id, mqttc.node_secret(self.broker))
+        self._connect_log = mqttc.FailureLog(host, port, log, logging.ERROR, who="collector")
 
     # Run in the foreground (the CLI) or in a thread (tests) ----------------------------------
 
@@ -113,20 +119,12 @@ class Collector:
             self._disconnect()
 
     def _connect(self) -> None:
-        import paho.mqtt.client as mqtt
-
-        c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=self.client_id, clean_session=False)
-        if self.username:
-            c.username_pw_set(self.username, self.password)
-        tls_setup(c, self.tls)
-        c.max_inflight_messages_set(100)
+        c = mqttc.make_client(self.broker, self.session_id, SESSION, max_inflight=100, reconnect_delay=(0.2, 5))
         c.on_connect = self._on_connect
-        c.on_connect_fail = self._on_connect_fail
-        c.on_log = lambda _c, _u, level, buf: level == mqtt.MQTT_LOG_ERR and self._connect_failed(paho_error(buf))
+        mqttc.FailureLog.watch(c, self._connect_log.failed)  # paho's thread: logs, touches no state of ours
         c.on_disconnect = lambda *a: self.connected.clear()
         c.on_message = lambda _c, _u, msg: self._inbox.put((msg.topic, msg.payload, bool(msg.retain)))
-        c.reconnect_delay_set(0.2, 5)
-        c.connect_async(self.host, self.port, keepalive=10)
+        mqttc.connect(c, self.broker, SESSION, blocking=False)
         c.loop_start()
         self._client = c
 
@@ -138,22 +136,11 @@ class Collector:
 
     def _on_connect(self, client: Any, _u: Any, _flags: Any, rc: Any, _p: Any = None) -> None:
         if getattr(rc, "is_failure", False):
-            log.error("collector cannot connect to the broker: %s", rc)
+            self._connect_log.failed(f"the broker refused the connection: {rc}")
             return
-        self._connect_errors.clear()
+        self._connect_log.connected()
         client.subscribe(chunk_subscription(self.cluster), qos=1)
         self.connected.set()
-
-    def _on_connect_fail(self, _client: Any, _u: Any) -> None:
-        self._connect_failed(connect_error(sys.exc_info()[1]))  # paho calls this inside its `except OSError`
-
-    def _connect_failed(self, why: str) -> None:
-        """paho retries a failed connect (refused, TLS handshake) by itself and says nothing, and
-        reports a certificate the broker rejects only in its error log line: say why, once per
-        reason until connected (a rejected certificate must not make a silent collector)."""
-        if why not in self._connect_errors:
-            self._connect_errors.add(why)
-            log.error("collector cannot connect to %s:%d: %s", self.host, self.port, why)
 
     def _handle(self, topic: str, payload: bytes, retained: bool, now: float) -> None:
         """One chunk: land it, answer the node named by its topic. Bus input never ends the loop:

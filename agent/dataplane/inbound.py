@@ -7,7 +7,7 @@ later real batch "old", a fake batch from an invented sender consumes record ids
 invented senders each create a channel entry that is persisted. So a receiver admits an envelope
 only when what it claims is something a real sender can send:
 
-- **sender**: the worker's own tables say it exists (`Worker._sender_allowed`: predecessors for
+- **sender**: the worker's own tables say it exists (`Instance._sender_allowed`: predecessors for
   data, instances it sent data to for acks, any neighbour, round peer or known channel for
   protocol messages). A sender the protocol may announce later (a predecessor that routes to a
   new copy before the copy's Start) is held in a bounded buffer (`HoldBuffer`), never in the
@@ -21,6 +21,13 @@ only when what it claims is something a real sender can send:
   number; a jump past that (`seq_ahead`) is refused. After a restart from a lagging snapshot
   the bound is `RESYNC_AHEAD` (one state period of traffic, with a wide margin).
 
+- **writing node** (`writer_verdict`): the node in the inbox topic (`inbox/<us>/<node>`, which
+  only that node may write) must be the node that hosts the claimed sender, as the agent's
+  binding table says (agent.node.hostmap, sent to the worker as the control line "hosts").
+  Anything else is held, for a short time (the worker's WRITER_HOLD_TTL), then refused: a new
+  incarnation (a restart elsewhere, a re-home, a hand-over, a new copy) writes before its node's
+  hosted record reaches us, so "not the bound node" cannot be told from "not bound yet".
+
 Refused envelopes are counted by the caller and logged through `LogLimiter` (once per sender per
 minute, and a bounded number of lines per minute overall: 30k invented senders must not become
 30k log lines).
@@ -30,11 +37,11 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any, Deque, Hashable, List, Optional, Tuple
+from typing import Any, Callable, Deque, Hashable, List, Optional, Sequence, Tuple, Union
 
 __all__ = [
     "ACCEPT", "HOLD", "REFUSE", "MAX_EPOCH_STEP", "MAX_CLOCK_AHEAD", "MAX_SEQ", "RESYNC_AHEAD",
-    "seq_ahead", "numbering_fault", "HoldBuffer", "LogLimiter",
+    "seq_ahead", "numbering_fault", "writer_verdict", "HoldBuffer", "LogLimiter",
 ]
 
 ACCEPT, HOLD, REFUSE = "accept", "hold", "refuse"
@@ -100,6 +107,15 @@ def numbering_fault(
     return None
 
 
+def writer_verdict(bound: Optional[str], former: Sequence[str], writer: str) -> str:
+    """ACCEPT if node `writer` (from the inbox topic) is the node the sender is bound to, or one
+    it was bound to before that is offline now (`former`: what it wrote while it hosted the
+    sender may still wait in the broker; an offline node writes nothing new). Else HOLD: the
+    binding may be about to name it (the new host's hosted record is on its way; a forgery never
+    gets bound, so it is refused when the hold expires)."""
+    return ACCEPT if writer == bound or writer in former else HOLD
+
+
 @dataclass
 class _Held:
     since: float
@@ -116,23 +132,25 @@ class HoldBuffer:
     to minutes). Bounded by sender count, envelopes per sender and bytes in all, so a flood of
     invented senders costs at most `max_bytes`; what does not fit is refused by the caller.
     The caller keeps payloads as received (bytes, not decoded records) and passes their size, so
-    the byte bound is the memory bound."""
+    the byte bound is the memory bound. Keyed by one ordered stream: the worker uses (sender,
+    writing node), so that another node's envelopes in a real sender's name never queue in
+    front of the real ones."""
 
     def __init__(self, max_senders: int = 64, max_per_sender: int = 64, max_bytes: int = 8 << 20) -> None:
         self.max_senders = max_senders
         self.max_per_sender = max_per_sender
         self.max_bytes = max_bytes
-        self._held: "OrderedDict[str, _Held]" = OrderedDict()
+        self._held: "OrderedDict[Hashable, _Held]" = OrderedDict()
         self.size = 0
         self.count = 0
 
     def __bool__(self) -> bool:
         return bool(self._held)
 
-    def __contains__(self, sender: str) -> bool:
+    def __contains__(self, sender: Hashable) -> bool:
         return sender in self._held
 
-    def add(self, sender: str, item: Any, size: int, now: float) -> bool:
+    def add(self, sender: Hashable, item: Any, size: int, now: float) -> bool:
         """Hold one envelope (`item`, `size` bytes); False when it does not fit (the caller
         refuses it)."""
         h = self._held.get(sender)
@@ -148,14 +166,14 @@ class HoldBuffer:
         self.count += 1
         return True
 
-    def senders(self) -> List[str]:
+    def senders(self) -> List[Any]:
         return list(self._held)
 
-    def first(self, sender: str) -> Optional[Any]:
+    def first(self, sender: Hashable) -> Optional[Any]:
         h = self._held.get(sender)
         return h.items[0][0] if h is not None else None
 
-    def pop_first(self, sender: str) -> None:
+    def pop_first(self, sender: Hashable) -> None:
         h = self._held[sender]
         _, size = h.items.popleft()
         h.size -= size
@@ -164,11 +182,12 @@ class HoldBuffer:
         if not h.items:
             del self._held[sender]
 
-    def expire(self, now: float, ttl: float) -> List[Tuple[str, int]]:
-        """Drop the senders held for `ttl` s or more: [(sender, envelopes dropped)]."""
+    def expire(self, now: float, ttl: Union[float, Callable[[Any], float]]) -> List[Tuple[Any, int]]:
+        """Drop the senders held for `ttl` s (or `ttl(sender)` s) or more: [(sender, envelopes
+        dropped)]."""
         out = []
         for sender, h in list(self._held.items()):
-            if now - h.since >= ttl:
+            if now - h.since >= (ttl(sender) if callable(ttl) else ttl):
                 out.append((sender, len(h.items)))
                 self.size -= h.size
                 self.count -= len(h.items)

@@ -21,6 +21,7 @@ from paho.mqtt.properties import Properties
 
 from agent import events, topics
 from agent.control.rpc_schema import DrainRequest, PinRequest, Reply, RequestError, ScaleRequest, parse_request
+from agent.mqtt import client as mqttc
 
 __all__ = ["FakeInstance", "FakeAgent"]
 
@@ -62,20 +63,16 @@ class FakeAgent:
         self.pins: Dict[str, Dict[str, Any]] = {}  # "<pipeline>/<operator>" -> pin, as the daemon keeps them
         self._next = 100
         self._lock = threading.Lock()
-        self._connected = threading.Event()
-        c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"fake-agent-{cluster}-{node}", protocol=mqtt.MQTTv5)
-        c.will_set(topics.agent_status(cluster, node), b"offline", qos=1, retain=True)
-        c.on_connect = lambda *a: self._connected.set()
+        self._broker = mqttc.broker_from(host, port, keepalive=keepalive)
+        c = mqttc.make_client(self._broker, f"fake-agent-{cluster}-{node}",
+                              will=mqttc.Will(topics.agent_status(cluster, node), b"offline"))
         c.on_message = self._on_message
         self.client = c
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
     def start(self) -> "FakeAgent":
-        self.client.connect(self.host, self.port, keepalive=self.keepalive)
-        self.client.loop_start()
-        if not self._connected.wait(5):
-            raise TimeoutError(f"fake agent {self.node} could not connect")
+        mqttc.connect_and_wait(self.client, self._broker, timeout=5)  # ConnectFailed names host:port
         self.client.subscribe(topics.agent_rpc_inbox(self.cluster, self.node), qos=1)
         self._pub(topics.agent_status(self.cluster, self.node), b"online")
         self.publish_state()

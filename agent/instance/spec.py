@@ -19,6 +19,9 @@ agent -> worker (worker's stdin):
   {"event": "spawned", "request": "<id>", "ok": true, "instance": "...", "node": "..."}
   {"event": "spawned", "request": "<id>", "ok": false, "error": "..."}
   {"event": "stop"}                                    drain and exit (agent shutdown)
+  {"event": "hosts", "bound": {"<instance>": "<node>"}} which node hosts which instance of the
+                                                       pipeline: an inbox message counts only if
+                                                       written by its sender's node (docs/security.md)
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class BrokerSpec:
     cert_file: Optional[str] = None
     key_file: Optional[str] = None
     tls_insecure: bool = False  # [mqtt.tls].insecure: no server host name check
+    id_secret_file: Optional[str] = None  # [mqtt].client_id_secret_file (agent.mqtt.client.site_secret)
 
 
 @dataclass(frozen=True)

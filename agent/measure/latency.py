@@ -45,6 +45,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from agent import topics, wire
+from agent.mqtt import client as mqttc
 
 __all__ = [
     "ping_topic",
@@ -363,13 +364,13 @@ class MqttLatencyAgent:
 
     def __init__(self, core: LatencyCore, host: str, port: int, client_id: Optional[str] = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        import paho.mqtt.client as mqtt
-
         self.core = core
         self.clock = clock
         self.inbox: "queue.Queue[Tuple[str, bytes, float]]" = queue.Queue()
         self.connected = threading.Event()
-        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id or f"lat-{core.node}")
+        self._broker = mqttc.broker_from(host, port)
+        # MQTT 3.1.1, clean session; TCP_NODELAY (a pong behind an unacked packet waits ~40 ms)
+        self.client = mqttc.make_client(self._broker, client_id or f"lat-{core.node}", mqttc.CLEAN_311)
         self.client.on_connect = self._on_connect
         self.bad_messages = 0
         # a retained probe is never legitimate (docs/security.md): dropped here
@@ -379,12 +380,6 @@ class MqttLatencyAgent:
         self._thread: Optional[threading.Thread] = None
 
     def _on_connect(self, client: Any, userdata: Any, flags: Any, rc: Any, props: Any = None) -> None:
-        sock = client.socket()
-        if sock is not None:  # paho leaves Nagle on: a pong behind an unacked packet waits ~40 ms
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:
-                pass
         for t in self.core.subscriptions():
             client.subscribe(t, qos=0)
         self.connected.set()
@@ -395,10 +390,7 @@ class MqttLatencyAgent:
             raise RuntimeError(f"publish to {topic} failed with paho rc {info.rc}")
 
     def start(self) -> "MqttLatencyAgent":
-        self.client.connect(self.host, self.port, keepalive=10)
-        self.client.loop_start()
-        if not self.connected.wait(10):
-            raise TimeoutError(f"no CONNACK from {self.host}:{self.port}")
+        mqttc.connect_and_wait(self.client, self._broker, mqttc.CLEAN_311, timeout=10)  # ConnectFailed
         time.sleep(0.05)  # let the SUBACKs arrive before anybody pings us
         self._thread = threading.Thread(target=self._run, name=f"latency-{self.core.node}", daemon=True)
         self._thread.start()

@@ -20,7 +20,6 @@ Rules of this file (from paho issues #354/#787 and docs/design.md section 6):
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 from collections import deque
@@ -28,11 +27,12 @@ from dataclasses import dataclass
 from typing import Any, Deque, Dict, List, Optional, Union
 
 import paho.mqtt.client as mqtt
-from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
+from paho.mqtt.enums import MQTTErrorCode
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from agent.instance.spec import BrokerSpec
+from agent.mqtt import client as mqttc
 
 log = logging.getLogger(__name__)
 
@@ -105,15 +105,9 @@ class Transport:
         self.published = 0
         self.rejected = 0
         self.reconnects = 0
-        c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5)
-        c.max_inflight_messages_set(broker.max_inflight)
-        c.max_queued_messages_set(0)  # bounded by our flow control instead (flow.OutLink)
-        if broker.username:
-            c.username_pw_set(broker.username, broker.password)
-        if broker.ca_file:
-            c.tls_set(ca_certs=broker.ca_file, certfile=broker.cert_file, keyfile=broker.key_file)
-            if broker.tls_insecure:
-                c.tls_insecure_set(True)
+        self._session = mqttc.Session(persistent=persistent, expiry=SESSION_EXPIRY)
+        # max_queued 0: bounded by our flow control instead (flow.OutLink)
+        c = mqttc.make_client(broker, client_id, self._session, max_inflight=broker.max_inflight, max_queued=0)
         c.on_connect = self._on_connect
         c.on_disconnect = self._on_disconnect
         c.on_message = self._on_message
@@ -129,7 +123,6 @@ class Transport:
             return
         self._connected = True
         self._backoff = 0.1
-        _nodelay(client)
         self.events.append(Connected(bool(flags.session_present)))
 
     def _on_disconnect(self, client: Any, userdata: Any, flags: Any, rc: Any, props: Any = None) -> None:
@@ -166,31 +159,16 @@ class Transport:
     def connected(self) -> bool:
         return self._connected
 
-    def connect(self, timeout: float = 10.0, will: Optional[tuple] = None) -> bool:
-        """Connect and wait for CONNACK; returns whether the broker kept our session."""
+    def connect(self, timeout: float = 10.0) -> bool:
+        """Connect and wait for CONNACK; returns whether the broker kept our session. No
+        connection, a refused one or no CONNACK: mqttc.ConnectFailed (a ConnectionError)."""
         self._check_owner()
-        props = Properties(PacketTypes.CONNECT)
-        props.SessionExpiryInterval = SESSION_EXPIRY if self.persistent else 0
-        if will is not None:
-            self.client.will_set(*will)
-        self.client.connect(
-            self.broker.host,
-            self.broker.port,
-            keepalive=self.broker.keepalive,
-            clean_start=not self.persistent,
-            properties=props,
-        )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            self.client.loop(0.05)
-            for i, ev in enumerate(self.events):
-                if isinstance(ev, Connected):
-                    del self.events[i]
-                    return ev.session_present
-                if isinstance(ev, Disconnected) and ev.reason.startswith("connect refused"):
-                    # CONNACK with a failure (bad credentials, not authorized): say so now
-                    raise TransportError(f"{self.broker.host}:{self.broker.port}: {ev.reason}")
-        raise TransportError(f"no CONNACK from {self.broker.host}:{self.broker.port} within {timeout}s")
+        present = mqttc.connect_and_wait(self.client, self.broker, self._session, timeout, threaded=False)
+        for i, ev in enumerate(self.events):  # the Connected event our callback queued: answered here
+            if isinstance(ev, Connected):
+                del self.events[i]
+                break
+        return present
 
     def subscribe(self, topic: str, qos: Optional[int] = None, timeout: float = 10.0) -> None:
         """Subscribe and wait for the SUBACK (invariant 2 needs to know it is in place)."""
@@ -301,17 +279,3 @@ class Transport:
         return out
 
 
-def _nodelay(client: Any) -> None:
-    """Disable Nagle's algorithm on paho's socket (paho 2.2 does not).
-
-    Measured: with Nagle on both ends (Mosquitto's `set_tcp_nodelay` defaults to false too), a
-    small ack or PUBACK waits for the peer's delayed ACK, ~40 ms per hop, and a credit window of
-    8 batches then caps a pipeline at ~70 batches/s. Set it on the broker as well.
-    """
-    sock = client.socket()
-    if sock is None:
-        return
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    except (OSError, AttributeError):  # TLS wrapper without setsockopt, or a unix socket
-        pass

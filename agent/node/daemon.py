@@ -34,8 +34,6 @@ import logging
 import os
 import queue
 import signal
-import ssl
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,10 +43,12 @@ from agent import events, notify, topics
 from agent.config import AgentConfig, check_tls, load_agent_config, load_pipeline_text, resolve_password
 from agent.control.fleet import Instance, Phase
 from agent.control.rpc_schema import ActionKind, DrainRequest, Reply, RequestError, agent_actions, parse_request
+from agent.mqtt import client as mqttc
 from agent.files import write_atomic
 from agent.instance.spec import BrokerSpec, InstanceSpec, request_spec
 from agent.measure.capacity import capacity_for
 from agent.node import bounds, hosted, nodestate, rehome, rpc
+from agent.node.hostmap import HostMap
 from agent.node import deploy as records
 from agent.node.placement import (
     DEFAULT_POLICY,
@@ -77,6 +77,7 @@ EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: never reached the broker within connect
 TICK = 0.2  # seconds: the loop's longest sleep
 SHUTDOWN_SLACK = 3.0  # seconds beyond shutdown_timeout for reaping, "offline" and disconnect
 SESSION_EXPIRY = 3600  # seconds the broker keeps our session (subscriptions, queued requests)
+SESSION = mqttc.Session(persistent=True, expiry=SESSION_EXPIRY)
 RPC_TIMEOUT = 30.0  # seconds to wait for a remote agent to start an instance and see it ready
 MAX_RESTARTS = 3  # immediate restarts of a crashed worker within RESTART_WINDOW; then with backoff
 RESTART_WINDOW = 60.0
@@ -104,10 +105,6 @@ class SpawnJob:
     reply: Callable[[Dict[str, Any]], None]
     cause: str  # "spawn" (a worker duplicated itself), "deploy", "rpc"
     tried: List[str] = field(default_factory=list)
-
-
-def client_id_for(cluster: str, node: str) -> str:
-    return f"fog-agent-{cluster}-{node}"
 
 
 def worker_env() -> Dict[str, str]:
@@ -143,7 +140,6 @@ class Agent:
         self.wall = wall
         self.sample_machine = sample_machine
         self.connect_timeout = connect_timeout
-        self.client_id = client_id_for(self.cluster, self.node)
         self._events: "queue.SimpleQueue[Tuple[Any, ...]]" = queue.SimpleQueue()
         # What a spec may name here (docs/security.md, "No code from the bus"): fixed at start.
         self.allowed = admission.AllowList.for_node(cfg.operators.modules)
@@ -171,10 +167,11 @@ class Agent:
             cert_file=cfg.mqtt.tls.cert_file if cfg.mqtt.tls else None,
             key_file=cfg.mqtt.tls.key_file if cfg.mqtt.tls else None,
             tls_insecure=bool(cfg.mqtt.tls and cfg.mqtt.tls.insecure),
+            id_secret_file=cfg.mqtt.client_id_secret_file,
         )
         check_tls(cfg.mqtt)  # a bad CA/cert/key file: ConfigError now (exit 78), not in paho's thread
-        self._connect_error: Optional[str] = None  # why the last connect attempt failed
-        self._connect_errors_logged: set = set()  # each reason logged once until connected
+        self.client_id = mqttc.agent_id(self.broker, self.cluster, self.node)  # docs/security.md, "Client ids"
+        self._connect_log = mqttc.FailureLog(self.broker.host, self.broker.port, log, extra={"node": self.node})
         self._paho_error: Optional[str] = None  # paho's last error log line (a TLS alert, ...)
         # fleet knowledge, from retained topics
         self.fleet: Dict[str, Dict[str, Any]] = {}
@@ -197,6 +194,12 @@ class Agent:
         self._offline_since: Dict[str, float] = {}
         self._rehomed: Set[str] = set()
         self._hosted_dirty = True
+        # Which node hosts which instance (docs/security.md, "Data channels"): sent to every worker
+        # as the control line "hosts", which checks the writing node of each inbox message with it.
+        self.hostmap = HostMap(self.node)
+        self._hosts_dirty = True
+        self._hosts_sent: Dict[str, Tuple[int, Dict[str, Any]]] = {}  # instance -> (pid, table sent)
+        self._hosts_local: Set[str] = set()
         self._reconcile_at: Optional[float] = None
         self._reconnect_asks: Dict[str, float] = {}  # worker -> when it asked to reconnect (fencing)
         self._last_puback = -1e9
@@ -246,37 +249,22 @@ class Agent:
     # -- MQTT ----------------------------------------------------------------------------------
 
     def _make_client(self) -> Any:
-        import paho.mqtt.client as mqtt
-        from paho.mqtt.packettypes import PacketTypes
-        from paho.mqtt.properties import Properties
-
-        c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=mqtt.MQTTv5)
-        if self.broker.username:
-            c.username_pw_set(self.broker.username, self.broker.password)
-        if self.broker.ca_file:
-            c.tls_set(ca_certs=self.broker.ca_file, certfile=self.broker.cert_file, keyfile=self.broker.key_file)
-            if self.broker.tls_insecure:
-                c.tls_insecure_set(True)
-        c.max_inflight_messages_set(self.broker.max_inflight)
-        c.reconnect_delay_set(min_delay=1, max_delay=10)
-        c.will_set(topics.agent_status(self.cluster, self.node), b"offline", qos=1, retain=True)
+        c = mqttc.make_client(self.broker, self.client_id, SESSION, max_inflight=self.broker.max_inflight,
+                              reconnect_delay=(1, 10),
+                              will=mqttc.Will(topics.agent_status(self.cluster, self.node), b"offline"))
         # Callbacks only enqueue (the loop owns the state).
         c.on_connect = lambda cl, ud, flags, reason, props=None: self._events.put(
             ("mqtt_connect", not reason.is_failure, str(reason), bool(getattr(flags, "session_present", False)))
         )
         c.on_disconnect = lambda cl, ud, flags, reason, props=None: self._events.put(("mqtt_disconnect", str(reason)))
-        # paho swallows a failed (re)connect (refused, TLS handshake) and retries; it calls this
-        # from inside its `except OSError`, so the exception is still sys.exc_info()'s.
-        c.on_connect_fail = lambda cl, ud: self._events.put(("mqtt_connect_fail", connect_error(sys.exc_info()[1])))
-        # paho reports a lost connection without its cause (a TLS alert from the broker rejecting
-        # our certificate reads as "Unspecified error"); the cause is in its error log line.
-        c.on_log = lambda cl, ud, level, buf: level == mqtt.MQTT_LOG_ERR and self._events.put(("mqtt_error", buf))
+        # A failed (re)connect that paho retries by itself -> "mqtt_connect_fail"; paho reports a
+        # lost connection without its cause (a TLS alert from the broker rejecting our
+        # certificate reads as "Unspecified error"): the cause is in its error log line.
+        mqttc.FailureLog.watch(c, lambda why: self._events.put(("mqtt_connect_fail", why)),
+                               lambda why: self._events.put(("mqtt_error", why)))
         c.on_message = lambda cl, ud, msg: self._events.put(("mqtt_message", msg))
         c.on_publish = lambda cl, ud, mid, reason=None, props=None: self._events.put(("mqtt_puback", mid))
-        props = Properties(PacketTypes.CONNECT)
-        props.SessionExpiryInterval = SESSION_EXPIRY
-        c.connect_async(self.broker.host, self.broker.port, keepalive=self.broker.keepalive,
-                        clean_start=False, properties=props)
+        mqttc.connect(c, self.broker, SESSION, blocking=False)
         return c
 
     def _publish(self, topic: str, payload: bytes, retain: bool = False, qos: int = 1, properties: Any = None) -> bool:
@@ -294,10 +282,7 @@ class Agent:
             self.metrics.reconnect("agent")  # fog_mqtt_reconnects_total{client="agent"}
         self.connected = True
         self._ever_connected = True
-        c = self._client
-        from agent.mqtt.transport import _nodelay
-
-        _nodelay(c)  # a pong or a reply behind an unacked packet would wait ~40 ms (docs/measurement.md)
+        c = self._client  # TCP_NODELAY is set on its socket (agent.mqtt.client.nodelay)
         subs = [
             (topics.agent_rpc_inbox(self.cluster, self.node), 1),
             (topics.agent_peer_inbox(self.cluster, self.node), 1),
@@ -417,15 +402,15 @@ class Agent:
             self._last_puback = now
         elif kind == "mqtt_connect":
             if ev[1]:
-                self._connect_error, self._paho_error = None, None
-                self._connect_errors_logged.clear()
+                self._paho_error = None
+                self._connect_log.connected()
                 self._on_connected(ev[3])
             else:
                 self._connection_problem(f"the broker refused the connection: {ev[2]}")
         elif kind == "mqtt_connect_fail":
             self._connection_problem(ev[1])
         elif kind == "mqtt_error":
-            self._paho_error = paho_error(ev[1])
+            self._paho_error = ev[1]  # already mqttc.paho_error()'d by FailureLog.watch
         elif kind == "mqtt_disconnect":
             reason = self._paho_error or ev[1]  # the cause rather than "Unspecified error"
             self._paho_error = None
@@ -461,13 +446,10 @@ class Agent:
             notify.ready(self._status_line())
 
     def _connection_problem(self, reason: str) -> None:
-        """A failed connect attempt: paho retries; we log each distinct reason once (no traceback,
-        no line per retry) and keep the last for the exit message of `connect_timeout`."""
-        self._connect_error = reason
-        if reason not in self._connect_errors_logged:
-            self._connect_errors_logged.add(reason)
-            log.warning("cannot connect to %s:%d: %s (retrying)", self.broker.host, self.broker.port, reason,
-                        extra={"node": self.node})
+        """A failed connect attempt: paho retries; each distinct reason is logged once (no
+        traceback, no line per retry), the last one is kept for the exit message of
+        `connect_timeout`."""
+        self._connect_log.failed(reason)
 
     def _periodic(self, now: float) -> None:
         for reaped in self.supervisor.poll(now):
@@ -477,6 +459,7 @@ class Agent:
             self._reconcile(now)
         if self._hosted_dirty and self.connected:
             self._publish_hosted()
+        self._sync_hosts()
         self._maybe_rehome(now)
         self._grant_reconnects(now)
         if self.pins:
@@ -500,7 +483,7 @@ class Agent:
             and not self._ever_connected
             and now - self._started > self.connect_timeout
         ):
-            last = f" ({self._connect_error})" if self._connect_error else ""
+            last = f" ({self._connect_log.last})" if self._connect_log.last else ""
             raise Halt(f"no broker at {self.broker.host}:{self.broker.port} after {self.connect_timeout}s{last}", EXIT_UNAVAILABLE)
         if self.connected and self.latency_core is not None:
             core = self.latency_core
@@ -788,6 +771,10 @@ class Agent:
             # From now on the instance may be announced: an agent restart must bring it back.
             hosted.remember(self.cfg.agent.state_dir, without_handover(w.spec))
             self._hosted_dirty = True
+            if self.connected:
+                # Before the reply below: the receivers of the new instance learn that this node
+                # hosts it (the binding of its envelopes) before anybody is told it exists.
+                self._publish_hosted()
             if self.pins:
                 self._apply_pins()
             self._event("spawned", instance, w.spec.operator, w.spec.pipeline,
@@ -915,7 +902,7 @@ class Agent:
                         dropped, admission.ENV_FAULT_INJECTION, extra={"node": self.node})
         return {"node": self.node, "cluster": self.cluster, "broker": self.broker,
                 "state_dir": self.cfg.agent.state_dir, "heartbeat_period": self.cfg.agent.heartbeat_period,
-                "extra": dict(own, fence_reconnect=self.cfg.agent.dead_after > 0)}
+                "extra": dict(own, fence_reconnect=self.cfg.agent.dead_after > 0, check_sender_node=True)}
 
     def _create_node(self, spec: InstanceSpec, reply: Callable[[Dict[str, Any]], None], cause: str, now: float) -> None:
         if self._stopping_since is not None:
@@ -1058,6 +1045,7 @@ class Agent:
         elif kind == "status":
             up = msg.payload == b"online"
             self.online[node] = up
+            self._hosts_dirty = True
             if up:
                 self._offline_since.pop(node, None)
                 self._rehomed.discard(node)
@@ -1066,6 +1054,7 @@ class Agent:
         elif kind == "rehomed":
             try:
                 self.rehomed_by_node[node] = rehome.decode_rehomed(msg.payload)
+                self._hosts_dirty = True
             except ValueError as exc:
                 self._bad("re-homed record", node, exc)
         elif kind == "hosted":
@@ -1073,6 +1062,7 @@ class Agent:
                 return
             try:
                 self.hosted_by_node[node] = rehome.decode_hosted(msg.payload)
+                self._hosts_dirty = True
             except ValueError as exc:
                 self._bad("hosted record", node, exc)
         elif kind == "pipeline":
@@ -1450,8 +1440,35 @@ class Agent:
     def _publish_hosted(self) -> None:
         specs = [request_spec(s) for s in hosted.hosted(self.cfg.agent.state_dir)]
         self.hosted_by_node[self.node] = specs
+        self._hosts_dirty = True
         if self._publish(topics.agent_hosted(self.cluster, self.node), rehome.encode_hosted(specs), retain=True):
             self._hosted_dirty = False
+
+    def _sync_hosts(self) -> None:
+        """Recompute the instance -> node bindings (agent.node.hostmap) when a record, a status or
+        our own set of workers changed, and send each worker the table of its pipeline when it
+        differs from what that process got last (a restarted worker is a new process)."""
+        workers = self.supervisor.workers
+        if set(workers) != self._hosts_local:
+            self._hosts_local = set(workers)
+            self._hosts_dirty = True
+        if self._hosts_dirty:
+            self._hosts_dirty = False
+            claims = {n: [(s["instance"], s["pipeline"]) for s in specs] for n, specs in self.hosted_by_node.items()}
+            self.hostmap.update({i: w.spec.pipeline for i, w in workers.items()}, claims, self.online,
+                                self.rehomed_by_node)
+        elif all(self._hosts_sent.get(i, (None,))[0] == w.pid for i, w in workers.items()):
+            return
+        tables: Dict[str, Dict[str, Any]] = {}
+        for inst, w in workers.items():
+            table = tables.get(w.spec.pipeline)
+            if table is None:
+                table = tables[w.spec.pipeline] = self.hostmap.table(w.spec.pipeline)
+            sent = self._hosts_sent.get(inst)
+            if (sent is None or sent[0] != w.pid or sent[1] != table) and self.supervisor.send(inst, "hosts", **table):
+                self._hosts_sent[inst] = (w.pid, table)
+        for inst in [i for i in self._hosts_sent if i not in workers]:
+            del self._hosts_sent[inst]
 
     def _maybe_rehome(self, now: float) -> None:
         """Start elsewhere, same identities, the instances of nodes offline for `dead_after`
@@ -1643,24 +1660,6 @@ class Agent:
         c.loop_stop()
 
 
-def connect_error(exc: Optional[BaseException]) -> str:
-    """One line for a failed connect attempt: TLS problems named as such (no traceback)."""
-    if isinstance(exc, ssl.SSLCertVerificationError):
-        return f"TLS error: {exc.verify_message or exc.reason or exc}"
-    if isinstance(exc, ssl.SSLError):
-        return f"TLS error: {exc.reason or exc}"
-    if isinstance(exc, ConnectionRefusedError):
-        return "connection refused"
-    if exc is None:
-        return "connect failed"
-    return getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
-
-
-def paho_error(buf: str) -> str:
-    """paho's error log line, with TLS failures named as such."""
-    return f"TLS error: {buf}" if "SSL" in buf or "TLS" in buf else buf
-
-
 HANDOVER_KEYS = ("handover_state", "handover_source")  # spec.extra of a migrated keeper (`_hand_over`)
 
 
@@ -1760,6 +1759,5 @@ __all__ = [
     "EXIT_UNAVAILABLE",
     "Halt",
     "SHUTDOWN_SLACK",
-    "client_id_for",
     "run_agent",
 ]

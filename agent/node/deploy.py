@@ -35,6 +35,7 @@ from agent.node import nodestate
 from agent.node import rpc
 from agent.node.placement import DEFAULT_POLICY, NodeView, PlacementRequest, get_policy
 from agent.instance.spec import BrokerSpec, InstanceSpec, request_spec
+from agent.mqtt.requester import RequestFailed, Requester
 
 log = logging.getLogger(__name__)
 
@@ -286,35 +287,46 @@ def deploy(
     name: str = "pipeline.toml",
     tls: Any = None,
 ) -> List[Deployed]:
-    """Deploy one pipeline description (TOML text); returns where each keeper runs.
+    """`fog-agent deploy`: `deploy_over` a connection of its own; returns where each keeper runs.
 
     `tls`: the [mqtt.tls] section (ca_file, cert_file, key_file, insecure) or None. The requests
     name the deployer's identity (agent.identity: user name, else the certificate's CN)."""
-    cfg = load_pipeline_text(text, name)  # ConfigError says where the file is wrong
-    unsupported = cfg.runtime_policy_errors()
-    if unsupported:
-        raise DeployError(f"{name}: " + "; ".join(unsupported))
-    policy = get_policy(policy_name)
-    broker = BrokerSpec(host=host, port=port, username=username, password=password)
-    specs = keeper_specs(cfg, text, cluster, broker, extra)
     tls_args: Dict[str, Any] = {}
     if tls is not None:
         tls_args = {"ca_file": tls.ca_file, "cert_file": tls.cert_file, "key_file": tls.key_file,
                     "tls_insecure": bool(tls.insecure)}
     with rpc.RpcClient(host, port, cluster, username=username, password=password, **tls_args) as client:
-        states = client.snapshot(topics.all_agents_state(cluster))
-        statuses = client.snapshot(topics.all_agents_status(cluster))
-        fleet = fleet_from_snapshot(states, statuses)
+        return deploy_over(client, text, name, timeout, policy_name, extra)[1]
 
-        def call(node: str, body: Dict[str, Any]) -> Dict[str, Any]:
-            try:
-                return client.call(node, body, timeout=timeout)
-            except rpc.RpcError as exc:
-                return {"ok": False, "error": str(exc)}
 
-        return run_deploy(cfg, text, specs, fleet, policy, call,
-                          lambda topic, payload: client.publish(topic, payload, retain=True), cluster,
-                          where=f"{host}:{port}")
+def deploy_over(conn: Requester, text: str, name: str, timeout: float, policy_name: Optional[str] = None,
+                extra: Optional[Dict[str, Any]] = None) -> Tuple[PipelineConfig, List[Deployed]]:
+    """The one deploy path, over a connected Requester (`fog-agent deploy`'s RpcClient, fogctl's
+    Connection): parse and check the TOML, one snapshot of the agents' retained states and
+    statuses, then `run_deploy`. Returns (PipelineConfig, placed keepers); raises ConfigError
+    (names the file and key), DeployError (status 1, 4 or 5) or RequestFailed."""
+    cfg = load_pipeline_text(text, name)  # ConfigError says where the file is wrong
+    unsupported = cfg.runtime_policy_errors()
+    if unsupported:
+        raise DeployRefused(f"{name}: " + "; ".join(unsupported))
+    cluster = conn.cluster
+    specs = keeper_specs(cfg, text, cluster, conn.broker, extra)
+    msgs = conn.snapshot([topics.all_agents_state(cluster), topics.all_agents_status(cluster)], timeout=None)
+    kinds = {t: topics.parse(cluster, t) for t in msgs}
+    states = {t: m.payload for t, m in msgs.items() if kinds[t] is not None and kinds[t].kind == "state"}
+    statuses = {t: m.payload for t, m in msgs.items() if kinds[t] is not None and kinds[t].kind == "status"}
+    fleet = fleet_from_snapshot(states, statuses)
+
+    def call(node: str, body: Dict[str, Any]) -> Dict[str, Any]:
+        try:
+            return conn.rpc(node, body, timeout=timeout)
+        except RequestFailed as exc:
+            return {"ok": False, "error": str(exc)}
+
+    placed = run_deploy(cfg, text, specs, fleet, get_policy(policy_name or DEFAULT_POLICY), call,
+                        lambda topic, payload: conn.publish(topic, payload, qos=1, retain=True), cluster,
+                        where=conn.address)
+    return cfg, placed
 
 
 def _place_one(call: Call, spec: InstanceSpec, fleet: Sequence[NodeView], policy: Any) -> str:
@@ -335,5 +347,5 @@ def undeploy_order(placed: Sequence[Deployed]) -> List[Tuple[str, str]]:
 
 
 __all__ = ["DeployError", "DeployRefused", "DeployRolledBack", "Deployed", "PipelineRecord", "RollbackIncomplete",
-           "deploy", "fleet_from_snapshot", "keeper_id", "keeper_specs", "new_generation", "parse_record",
+           "deploy", "deploy_over", "fleet_from_snapshot", "keeper_id", "keeper_specs", "new_generation", "parse_record",
            "plan_placement", "run_deploy", "spec_generation", "stale_reason", "stamp", "tombstone", "undeploy_order"]

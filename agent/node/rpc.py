@@ -8,8 +8,9 @@ broker's ACL proved who wrote it); the MQTT 5 Response Topic is ignored, so no r
 reply at somebody else's topic. Correlation Data is echoed, and a requester matches replies by it.
 
 Rules of this file: the codec and `PendingCalls` are pure (time is passed in); only
-`RpcClient` does I/O (a small blocking client for `fog-agent deploy` and tools; the daemon drives
-`PendingCalls` from its own event loop and never blocks on a call). Bodies are parsed with
+`RpcClient` does I/O (agent.mqtt.requester's blocking client, shared with fogctl, for
+`fog-agent deploy` and tools; the daemon drives `PendingCalls` from its own event loop and never
+blocks on a call). Bodies are parsed with
 agent.wire (bounded size and depth) and refused with a ValueError saying why.
 
 Request body (JSON): {"op": "spawn", "spec": {InstanceSpec}} | {"op": "stop", "instance": id,
@@ -23,15 +24,12 @@ Reply body (JSON):   {"ok": true, "instance": id, "node": node} | {"ok": false, 
 from __future__ import annotations
 
 import json
-import queue
-import threading
-import time
-import uuid
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
-from agent import identity as identity_mod
-from agent import topics, wire
+from agent import wire
+from agent.instance.spec import BrokerSpec
+from agent.mqtt.requester import RequestFailed, Requester, request_properties
 
 OPS = ("spawn", "stop", "set", "ping", "scale", "drain", "undrain", "pin")
 # What a node may ask another node on its peer topic: createNode()'s spawn (also the carrier
@@ -41,12 +39,9 @@ PEER_OPS = ("spawn",)
 # replace them (`control_line(event, **fields)` takes the event under that name).
 CONTROL_KEYS = frozenset({"event"})
 
-# Payload prefix of a snapshot's sync marker on our own reply topic (never a JSON reply).
-_SYNC = b"\x00fog-sync:"
 
 
-class RpcError(RuntimeError):
-    """A call failed: timeout, refused by the remote agent, or undecodable reply."""
+RpcError = RequestFailed  # a call failed: timeout, refused by the remote agent, or undecodable reply
 
 
 def encode(body: Dict[str, Any]) -> bytes:
@@ -116,21 +111,11 @@ class PendingCalls:
 
 def publish_properties(correlation: str) -> Any:
     """A request's properties: Correlation Data only (the reply topic follows from the topic)."""
-    from paho.mqtt.packettypes import PacketTypes
-    from paho.mqtt.properties import Properties
-
-    props = Properties(PacketTypes.PUBLISH)
-    props.CorrelationData = correlation.encode()
-    return props
+    return request_properties(correlation.encode())
 
 
 def reply_properties(correlation: bytes) -> Any:
-    from paho.mqtt.packettypes import PacketTypes
-    from paho.mqtt.properties import Properties
-
-    props = Properties(PacketTypes.PUBLISH)
-    props.CorrelationData = correlation
-    return props
+    return request_properties(correlation)
 
 
 def correlation_of(msg: Any) -> Optional[bytes]:
@@ -140,160 +125,38 @@ def correlation_of(msg: Any) -> Optional[bytes]:
     return bytes(cd) if isinstance(cd, (bytes, bytearray)) else None
 
 
-class RpcClient:
-    """Blocking caller for tools (deploy, demo): one paho client, its own network thread.
-
-    Only the caller's thread publishes (paho is not safe to publish from several threads); the
-    network thread's callbacks only put replies into a queue.
-    """
+class RpcClient(Requester):
+    """Blocking caller for tools (`fog-agent deploy`, the demo, tests): the Requester (one paho
+    client, its own network thread, the caller's thread publishes and waits) with host/port
+    arguments and RpcError. Its request/reply code is fogctl's (agent.mqtt.requester)."""
 
     def __init__(self, host: str, port: int, cluster: str, client_id: Optional[str] = None,
                  username: Optional[str] = None, password: Optional[str] = None,
                  identity: Optional[str] = None, cert_file: Optional[str] = None,
                  ca_file: Optional[str] = None, key_file: Optional[str] = None, tls_insecure: bool = False) -> None:
-        import paho.mqtt.client as mqtt
+        broker = BrokerSpec(host=host, port=port, username=username, password=password, ca_file=ca_file,
+                            cert_file=cert_file, key_file=key_file, tls_insecure=tls_insecure)
+        super().__init__(broker, cluster, client_id, identity=identity)
 
-        self.cluster = cluster
-        self.client_id = client_id or f"fog-tool-{uuid.uuid4().hex[:10]}"
-        # agent.identity: user name, else the certificate's CN, else the client id
-        self.identity = topics._check(identity) if identity else identity_mod.identity(username, cert_file, self.client_id)
-        self.reply_filter = topics.replies_inbox(cluster, self.identity)
-        self.reply_topic = topics.replies(cluster, self.identity, self.identity)  # the sync marker's
-        self._replies: "queue.SimpleQueue[Tuple[str, str, bytes]]" = queue.SimpleQueue()
-        self._retained: "queue.SimpleQueue[Tuple[str, bytes]]" = queue.SimpleQueue()
-        self._connected = threading.Event()
-        self._subscribed = threading.Event()
-        c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=mqtt.MQTTv5)
-        if username:
-            c.username_pw_set(username, password)
-        if ca_file:  # the role's broker: TLS, and the certificate's CN is our identity
-            c.tls_set(ca_certs=ca_file, certfile=cert_file, keyfile=key_file)
-            if tls_insecure:
-                c.tls_insecure_set(True)
-        c.on_connect = self._on_connect
-        c.on_message = self._on_message
-        c.on_subscribe = lambda *a, **k: self._subscribed.set()
-        self._client = c
-        self._host, self._port = host, port
-
-    def _on_connect(self, client: Any, userdata: Any, flags: Any, reason: Any, props: Any = None) -> None:
-        if not reason.is_failure:
-            client.subscribe(self.reply_filter, qos=1)
-            self._connected.set()
-
-    def _on_message(self, client: Any, userdata: Any, msg: Any) -> None:
-        parsed = topics.parse(self.cluster, msg.topic)
-        if parsed is not None and parsed.kind == "reply" and parsed.node == self.identity:
-            if msg.retain:
-                return  # a reply is never retained (docs/security.md): a leftover or a forgery
-            if msg.topic == self.reply_topic and msg.payload.startswith(_SYNC):
-                self._retained.put((msg.topic, msg.payload))  # a snapshot's sync marker
-            else:
-                cd = correlation_of(msg)
-                self._replies.put(((cd or b"").decode(errors="replace"), parsed.sender or "", msg.payload))
-        else:
-            self._retained.put((msg.topic, msg.payload))
-
-    def connect(self, timeout: float = 10.0) -> "RpcClient":
-        self._client.connect(self._host, self._port, keepalive=10)
-        self._client.loop_start()
-        if not self._connected.wait(timeout) or not self._subscribed.wait(timeout):
-            self.close()
-            raise RpcError(f"cannot connect to the broker at {self._host}:{self._port} within {timeout}s")
+    def connect(self, timeout: Optional[float] = None) -> "RpcClient":
+        super().connect(timeout)
         return self
 
-    def close(self) -> None:
-        try:
-            self._client.disconnect()
-        finally:
-            self._client.loop_stop()
-
-    def __enter__(self) -> "RpcClient":
-        return self.connect()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def publish(self, topic: str, payload: bytes, retain: bool = False, qos: int = 1) -> None:
-        info = self._client.publish(topic, payload, qos=qos, retain=retain)
-        if info.rc != 0:
-            raise RpcError(f"publish to {topic} failed with rc={info.rc}")
-        info.wait_for_publish(timeout=10)
-
-    def snapshot(self, topic_filter: str, settle: float = 0.3, timeout: float = 10.0) -> Dict[str, bytes]:
-        """Retained messages under a filter, ended by a *sync marker*, not by silence.
-
-        Why: waiting for `settle` s of silence never ends when agents publish their state more
-        often than that (three agents every 0.5 s hung `fog-agent deploy` for 8 min). After the
-        SUBACK we publish a marker to our own reply topic (QoS 1); Mosquitto queues a
-        subscription's retained messages on the session before it routes any later publish to
-        it, so when the marker comes back every retained message has arrived (fogctl's client
-        does the same). `timeout` is a hard deadline for the whole snapshot; `settle` is kept
-        for callers of the old signature and ignored.
-        """
-        import paho.mqtt.client as mqtt
-
+    def snapshot(self, topic_filter: Any, settle: float = 0.3, timeout: float = 10.0) -> Any:  # type: ignore[override]
+        """Retained messages under one filter, by topic, ended by a sync marker (Requester.snapshot);
+        `timeout` is a hard deadline for the whole snapshot, `settle` is kept for callers of the
+        old signature and ignored. A list of filters: Requester.snapshot (payloads as Messages)."""
         del settle
-        while True:  # forget messages of an earlier snapshot that arrived after it ended
-            try:
-                self._retained.get_nowait()
-            except queue.Empty:
-                break
-        hard_deadline = time.monotonic() + timeout
-        acked = threading.Event()
-        self._client.on_subscribe = lambda *a, **k: acked.set()
-        rc, _mid = self._client.subscribe(topic_filter, qos=1)
-        if rc != 0 or not acked.wait(timeout):
-            raise RpcError(f"cannot subscribe to {topic_filter} (rc={rc})")
-        marker = _SYNC + uuid.uuid4().hex.encode()
-        info = self._client.publish(self.reply_topic, marker, qos=1)
-        if info.rc != 0:
-            self._client.unsubscribe(topic_filter)
-            raise RpcError(f"sync marker to {self.reply_topic} not queued (rc={info.rc})")
-        out: Dict[str, bytes] = {}
-        try:
-            while True:
-                left = hard_deadline - time.monotonic()
-                if left <= 0:
-                    raise RpcError(f"snapshot of {topic_filter}: the broker did not echo our sync "
-                                   f"marker within {timeout:g}s")
-                try:
-                    topic, payload = self._retained.get(timeout=left)
-                except queue.Empty:
-                    continue
-                if topic == self.reply_topic:
-                    if payload == marker:
-                        break
-                    continue  # the marker of an earlier, timed-out snapshot
-                if mqtt.topic_matches_sub(topic_filter, topic):
-                    out[topic] = payload
-        finally:
-            self._client.unsubscribe(topic_filter)
-        return out
+        if not isinstance(topic_filter, str):
+            return super().snapshot(topic_filter, timeout)
+        return {t: m.payload for t, m in super().snapshot([topic_filter], timeout).items()}
 
     def call(self, node: str, body: Dict[str, Any], timeout: float = 30.0) -> Dict[str, Any]:
         """Send one request to `node`'s agent and wait for its reply; raise RpcError on failure."""
-        correlation = uuid.uuid4().hex
-        props = publish_properties(correlation)
-        topic = topics.agent_rpc(self.cluster, node, self.identity)
-        info = self._client.publish(topic, encode(body), qos=1, properties=props)
-        if info.rc != 0:
-            raise RpcError(f"request to {node} not queued (rc={info.rc})")
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RpcError(f"no reply from agent {node} within {timeout}s to {body.get('op')}")
-            try:
-                corr, sender, payload = self._replies.get(timeout=left)
-            except queue.Empty:
-                continue
-            if corr != correlation or sender != node:
-                continue  # a late reply to an earlier call, or not from the node we asked
-            try:
-                return decode_reply(payload)
-            except ValueError as exc:
-                raise RpcError(f"bad reply from {node}: {exc}") from None
+        reply = self.rpc(node, body, timeout)
+        if not isinstance(reply.get("ok"), bool):
+            raise RpcError(f"bad reply from {node}: reply without a boolean 'ok'")
+        return reply
 
 
 __all__ = [

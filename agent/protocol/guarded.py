@@ -62,9 +62,11 @@ from agent.protocol.messages import Message
 from agent.protocol.messages import from_dict as scaling_from_dict
 from agent.protocol.scaling import InstanceState, Output, ScalingCore, Send
 
-__all__ = ["LockMessage", "MemberFgmeNode", "GuardedCore", "COORDINATION_MODES", "core_class", "message_from_dict"]
+__all__ = ["LockMessage", "MemberFgmeNode", "GuardedCore", "DampedGuardedCore", "PublishedGuardedCore",
+           "COORDINATION_MODES", "core_class", "message_from_dict"]
 
 COORDINATION_MODES = ("ack", "fgme")
+DAMPED_DEFAULT = False
 
 
 @dataclass(frozen=True)
@@ -138,9 +140,10 @@ def message_from_dict(data: Any) -> Any:
 class MemberFgmeNode(FgmeNode):
     """A 2-FGME node whose competitor set follows a routing table (join / leave, see above)."""
 
-    def __init__(self, node_id: str, lower: bool, competitors: Sequence[str] = ()) -> None:
+    def __init__(self, node_id: str, lower: bool, competitors: Sequence[str] = (), damped: bool = False) -> None:
         groups: Dict[Any, int] = {node_id: 0 if lower else 1}
         super().__init__(node_id, groups)  # type: ignore[arg-type]
+        self.damped = damped  # DEVIATION 4 (gme_fgme.py) for this node; see GuardedCore.damped
         self.competitors = frozenset(competitors)
         self._sorted_competitors = tuple(sorted(self.competitors))
         self.leaving: Set[str] = set()  # competitors in their last CS: wait for their exit
@@ -228,11 +231,14 @@ class MemberFgmeNode(FgmeNode):
             "sent_epoch": sorted(self.sent_epoch.items()), "req_first_epoch": self.req_first_epoch,
             "competitors_authorized": self.competitors_authorized, "acks_rcvd": sorted(self.acks_rcvd),
             "competitors": sorted(self.competitors), "leaving": sorted(self.leaving), "gone": sorted(self.gone),
+            "damped": self.damped, "authorized_for": sorted(self.authorized_for),
         }
 
     @classmethod
-    def load(cls, node_id: str, d: Mapping[str, Any]) -> "MemberFgmeNode":
-        node = cls(node_id, lower=bool(d["lower"]), competitors=d["competitors"])
+    def load(cls, node_id: str, d: Mapping[str, Any], damped: bool = False) -> "MemberFgmeNode":
+        """Inverse of `dump`; `damped` for a dump written before the flag was persisted."""
+        node = cls(node_id, lower=bool(d["lower"]), competitors=d["competitors"], damped=bool(d.get("damped", damped)))
+        node.authorized_for = frozenset(str(k) for k in d.get("authorized_for", ()))
         node.state = GmeState(d["state"])
         node.entries = int(d["entries"])
         node.req_clock = INF if d["req_clock"] is None else int(d["req_clock"])
@@ -259,13 +265,16 @@ class GuardedCore(ScalingCore):
     """
 
     coordination: ClassVar[str] = "fgme"
+    # DEVIATION 4 (damping, gme_fgme.py) in the lock nodes this core creates; see docs/gme.md
+    # "Damping in lock-guarded scaling" for the measurement behind the default
+    damped: ClassVar[bool] = DAMPED_DEFAULT
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         s = self.stage
         self.locks: Dict[int, MemberFgmeNode] = {
-            s - 1: MemberFgmeNode(self.instance_id, lower=False),
-            s: MemberFgmeNode(self.instance_id, lower=True),
+            s - 1: MemberFgmeNode(self.instance_id, lower=False, damped=self.damped),
+            s: MemberFgmeNode(self.instance_id, lower=True, damped=self.damped),
         }
         self.intent: Optional[Decision] = None
         self.adopting: Optional[str] = None  # the intent adopts this copy (ScalingCore.adopt)
@@ -419,12 +428,17 @@ class GuardedCore(ScalingCore):
             core.adopting = None if g.get("adopting") is None else str(g["adopting"])
             core.holding = tuple(int(b) for b in g["holding"])
             core.guarded_round = bool(g["guarded_round"])
-            core.locks = {int(b): MemberFgmeNode.load(core.instance_id, d) for b, d in g["locks"].items()}
+            core.locks = {int(b): MemberFgmeNode.load(core.instance_id, d, cls.damped) for b, d in g["locks"].items()}
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise LocalProtocolError(f"snapshot: cannot restore the lock state ({exc!r})") from None
         return core
 
     # -- checker support --------------------------------------------------------------------------
+
+    def departed(self, peer: str) -> bool:
+        """`peer` left for good: a lock node dropped it after its exit (ids are never reused).
+        The driver then closes its channels to `peer` (agent.instance.recovery.ReliableLinks)."""
+        return any(peer in n.gone and peer not in n.competitors for n in self.locks.values())
 
     @property
     def lock_busy(self) -> bool:
@@ -453,11 +467,26 @@ def _clone_lock(node: MemberFgmeNode) -> MemberFgmeNode:
     return new
 
 
-def core_class(coordination: str) -> type:
-    """The core class for a `coordination` setting: "ack" (paper) or "fgme" (lock-guarded)."""
+class DampedGuardedCore(GuardedCore):
+    """GuardedCore whose lock nodes use DEVIATION 4 (`[pipeline] fgme_damping = true`)."""
+
+    damped: ClassVar[bool] = True
+
+
+class PublishedGuardedCore(GuardedCore):
+    """GuardedCore whose lock nodes use the published line 79 (`fgme_damping = false`)."""
+
+    damped: ClassVar[bool] = False
+
+
+def core_class(coordination: str, damped: Optional[bool] = None) -> type:
+    """The core class for a `coordination` setting: "ack" (paper) or "fgme" (lock-guarded);
+    `damped` chooses the lock nodes' variant (None: GuardedCore's default)."""
     if coordination == "ack":
         return ScalingCore
     if coordination == "fgme":
-        return GuardedCore
+        if damped is None:
+            return GuardedCore
+        return DampedGuardedCore if damped else PublishedGuardedCore
     raise ValueError(f"coordination: expected one of {COORDINATION_MODES}, found {coordination!r}")
 

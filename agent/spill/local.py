@@ -58,7 +58,6 @@ class AgentSpill:
             tls = (TlsSection(broker.ca_file, broker.cert_file, broker.key_file, broker.tls_insecure)
                    if broker.ca_file else None)
             self._mqtt = MqttShipper(self.view, self.cluster, host=broker.host, port=broker.port,
-                                     client_id=f"fog-spill-{self.cluster}-{self.node}",
                                      username=broker.username, password=broker.password, tls=tls).start()
         elif s.ship == "path":
             from agent.spill.shipper import PathShipper

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 from agent import topics, wire
-from agent.config import TlsSection, tls_setup
+from agent.config import TlsSection
+from agent.mqtt import client as mqttc
 from agent.spill.landing import LandingZone
 from agent.spill.spool import ClosedFile, file_id
 
@@ -280,6 +281,10 @@ class PathShipper:
         return n
 
 
+# MQTT 3.1.1, persistent (clean_session false): acks queue for us while we reconnect.
+SESSION = mqttc.Session(mqtt5=False, persistent=True)
+
+
 class MqttShipper:
     """Driver: one thread owns one paho client; ships the spool's closed files until stopped.
 
@@ -298,7 +303,9 @@ class MqttShipper:
                  tls: Optional[TlsSection] = None) -> None:
         self.spool, self.cluster, self.host, self.port = spool, cluster, host, port
         self.tls = tls
-        self.client_id = client_id or f"fog-spill-{cluster}-{spool.node}"
+        self.broker = mqttc.broker_from(host, port, tls, username, password)
+        # default: the node's shipper id, bound to its key (docs/security.md, "Client ids")
+        self.client_id = client_id or mqttc.shipper_id(self.broker, cluster, spool.node)
         self.core = ShipperCore(cluster, spool.node, chunk_bytes=chunk_bytes, ack_timeout=ack_timeout,
                                 max_backoff=max_backoff, window=window)
         self.poll_interval, self.clock, self.tamper = poll_interval, clock, tamper
@@ -311,20 +318,12 @@ class MqttShipper:
         self._added: Set[str] = set()  # spool file paths handed to the core (read + hashed once)
 
     def start(self) -> "MqttShipper":
-        import paho.mqtt.client as mqtt
-
-        c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=self.client_id,
-                        clean_session=False)
-        if self.username:
-            c.username_pw_set(self.username, self.password)
-        tls_setup(c, self.tls)
-        c.max_inflight_messages_set(100)
-        c.max_queued_messages_set(0)
+        c = mqttc.make_client(self.broker, self.client_id, SESSION, max_inflight=100, max_queued=0,
+                              reconnect_delay=(0.2, 5))
         c.on_connect = self._on_connect
         c.on_disconnect = lambda *a: self._connected.clear()
         c.on_message = lambda _c, _u, msg: self._acks.put(msg.payload)
-        c.reconnect_delay_set(0.2, 5)
-        c.connect_async(self.host, self.port, keepalive=10)
+        mqttc.connect(c, self.broker, SESSION, blocking=False)
         c.loop_start()
         self._client = c
         self._thread = threading.Thread(target=self._run, name=f"shipper-{self.spool.node}", daemon=True)
@@ -389,10 +388,8 @@ class MqttShipper:
                     break
         if not self._connected.is_set():
             return
-        import paho.mqtt.client as mqtt
-
         for out in self.core.poll(now):
             msg = self.tamper(out) if self.tamper else out
             info = self._client.publish(msg.topic, msg.payload, qos=1)
-            if info.rc != mqtt.MQTT_ERR_SUCCESS:
+            if info.rc != 0:  # MQTT_ERR_SUCCESS
                 self.core.send_failed(out.file_id, now)

@@ -54,7 +54,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from agent.config import load_pipeline_text
 from agent.tools.demo import Fleet, Monitor
-from agent.tools.verify import verify
+from agent.tools.verify import Verdict, source_counts, verify, verify_windows
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,8 @@ PIPELINE = """\
 # fog-agent chaos: the demo pipeline (source -> validate -> in_zone -> sink) on a shorter clock.
 [pipeline]
 name = "chaos"
-coordination = "ack"
+coordination = "{coordination}"
+fgme_damping = {damping}
 
 [scaling]
 policy = "decentralized"
@@ -112,11 +113,69 @@ policy = "none"
 """
 
 
-def chaos_pipeline(duration: float, seed: int) -> str:
-    """A load that makes in_zone scale out (to ~3 instances) and back within `duration` s."""
+# `--pipeline stateful`: a keyed event-time window (trips and takings per pickup cell and 10
+# minutes of pickup time) before the sink, checked window by window against a fault-free reference
+# (agent.tools.verify.verify_windows). Nothing scales: the keyed operator must run with policy
+# "none", and its records must arrive in source order for the reference to be exact (copies of
+# in_zone would interleave their outputs, and after a fault a replay arrives minutes of event time
+# behind the rest: late, dropped by design, docs/operators.md "Keyed state"). Pickup times grow
+# along the source, so no record is late; the windows still open when the load ends are not emitted.
+STATEFUL_PIPELINE = """\
+# fog-agent chaos --pipeline stateful: source -> validate -> in_zone -> cells (keyed window) -> sink
+[pipeline]
+name = "chaos"
+coordination = "ack"
+
+[scaling]
+policy = "none"
+
+[[operator]]
+name = "source"
+kind = "source"
+function = "agent.operators.taxi:source"
+[operator.params]
+seed = {seed}
+profile = "steps"
+steps = {steps}
+
+[[operator]]
+name = "validate"
+function = "agent.operators.builtin:validate"
+
+[[operator]]
+name = "in_zone"
+function = "agent.operators.builtin:in_zone"
+key = "pickup_cell"
+
+[[operator]]
+name = "cells"
+function = "agent.operators.keyed:tumbling_window"
+[operator.params]
+time_field = "pickup_datetime"
+size_ms = 600000
+lateness_ms = 60000
+agg = "sum"
+field = "total_amount"
+
+[[operator]]
+name = "sink"
+kind = "sink"
+function = "agent.operators.builtin:counting_sink"
+"""
+
+PIPELINES = ("demo", "stateful")
+
+
+def chaos_pipeline(duration: float, seed: int, coordination: str = "ack", fgme_damping: bool = False,
+                   pipeline: str = "demo") -> str:
+    """A load that makes in_zone scale out (to ~3 instances) and back within `duration` s;
+    `coordination` "fgme" runs every round inside the 2-FGME locks (docs/gme.md). `pipeline`
+    "stateful": the same load through a keyed window, nothing scaling (coordination unused)."""
     d = float(duration)
     steps = [[0, 100], [round(0.1 * d, 1), 350], [round(0.5 * d, 1), 200], [round(0.75 * d, 1), 60], [d, 0]]
-    return PIPELINE.format(seed=seed, steps=json.dumps(steps))
+    text = STATEFUL_PIPELINE if pipeline == "stateful" else PIPELINE
+    return text.format(seed=seed, steps=json.dumps(steps), coordination=coordination,
+                       damping="true" if fgme_damping else "false")
 
 
 @dataclass
@@ -142,11 +201,18 @@ class ChaosConfig:
     schedule: Optional[Sequence[Tuple[float, str, Optional[str]]]] = None
     deploy_extra: Dict[str, Any] = field(default_factory=dict)  # `fog-agent deploy --set` values
     rehoming: Optional[bool] = None  # the agents' dead_after > 0; None: on iff kill-node may be drawn
+    coordination: str = "ack"  # the pipeline's: "ack" (the paper) or "fgme" (rounds inside 2-FGME locks)
+    fgme_damping: bool = False  # the pipeline's [pipeline] fgme_damping (DEVIATION 4 in the lock nodes)
+    pipeline: str = "demo"  # or "stateful": a keyed window, verified window by window
 
     def __post_init__(self) -> None:
+        if self.pipeline not in PIPELINES:
+            raise ValueError(f"pipeline: expected one of {', '.join(PIPELINES)}, found {self.pipeline!r}")
         bad = [f for f in self.faults if f not in FAULTS]
         if bad or not self.faults:
             raise ValueError(f"faults: expected a non-empty subset of {', '.join(FAULTS)}, found {list(self.faults)}")
+        if self.coordination not in ("ack", "fgme"):
+            raise ValueError(f"coordination: expected ack or fgme, found {self.coordination!r}")
 
 
 @dataclass
@@ -187,6 +253,34 @@ def _holding(mon: Monitor) -> List[str]:
                                              or st.get("queued")):
                     out.append(str(inst.get("id")))
     return sorted(out)
+
+
+def _lock_and_round_state(mon: Monitor) -> Dict[str, Any]:
+    """At the end of a run: instances still holding or waiting for a 2-FGME lock, instances
+    still in a scaling round, lock and link message counts, from the retained states (each
+    worker's own view, the `lock` key fogctl locks reads)."""
+    held: List[str] = []
+    in_round: List[str] = []
+    lock_out = 0
+    links: Dict[str, int] = {}
+    with mon._lock:
+        for doc in mon.states.values():
+            for inst in doc.get("instances", []) or []:
+                if not isinstance(inst, dict):
+                    continue
+                st = inst.get("stats") if isinstance(inst.get("stats"), dict) else {}
+                lock = inst.get("lock")
+                if isinstance(lock, dict) and (lock.get("state") != "idle" or lock.get("intent") is not None or any(
+                        b.get("state") != "idle" for b in lock.get("boundaries") or [] if isinstance(b, dict))):
+                    held.append(str(inst.get("id")))
+                if st.get("state") in ("duplicating", "deleting", "departing"):
+                    in_round.append(str(inst.get("id")))
+                lock_out += int(st.get("lock_out", 0) or 0)
+                for k, v in (st.get("links") or {}).items():
+                    if isinstance(v, int):
+                        links[k] = links.get(k, 0) + v
+    return {"locks_held_at_end": sorted(held), "in_round_at_end": sorted(in_round), "lock_messages": lock_out,
+            "link_counts": links}
 
 
 def _scaled_in_since(mon: Monitor, since_wall: float) -> Set[str]:
@@ -375,7 +469,8 @@ def _signal(pid: int, sig: int) -> None:
 def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dict[str, Any]:
     """Run one chaos experiment; returns the summary (the `--json` output)."""
     rng = random.Random(cfg.seed)
-    text = chaos_pipeline(cfg.duration, cfg.seed)
+    text = chaos_pipeline(cfg.duration, cfg.seed, cfg.coordination, cfg.fgme_damping, cfg.pipeline)
+    stateful = cfg.pipeline == "stateful"
     pipeline = load_pipeline_text(text, "chaos pipeline")
     profile = pipeline.operators[0].params["steps"]
     workdir = Path(cfg.workdir) if cfg.workdir else Path(tempfile.mkdtemp(prefix="fog-chaos-"))
@@ -384,9 +479,10 @@ def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dic
     node_loss = "kill-node" in kinds if cfg.rehoming is None else cfg.rehoming
     fleet = Fleet(workdir, nodes=tuple(cfg.nodes), cluster="chaos", log_level=cfg.log_level, shutdown_timeout=10.0,
                   dead_after=cfg.dead_after if node_loss else 0.0,  # re-homing only where a node is lost
-                  proxied="partition" in kinds)
+                  proxied="partition" in kinds, spill=stateful)  # stateful: the windows' contents are spilled
     faults: List[Fault] = []
     summary: Dict[str, Any] = {"seed": cfg.seed, "duration": cfg.duration, "faults_enabled": list(cfg.faults),
+                               "coordination": cfg.coordination, "fgme_damping": cfg.fgme_damping,
                                "workdir": str(workdir)}
     mon: Optional[Monitor] = None
 
@@ -458,7 +554,9 @@ def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dic
             back = all(v == 1 for v in mon.instances_per_operator().values())
             quiet = (quiet or time.monotonic()) if tot == last else None
             last = tot
-            if back and quiet is not None and time.monotonic() - quiet >= 3.0 and not _holding(mon):
+            ends = _lock_and_round_state(mon)
+            if (back and quiet is not None and time.monotonic() - quiet >= 3.0 and not _holding(mon)
+                    and not ends["locks_held_at_end"] and not ends["in_round_at_end"]):
                 settled = True
                 break
             time.sleep(1.0)
@@ -476,12 +574,20 @@ def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dic
             restarts=len(mon.agent_events("spawned", "restart")),
             scale_outs=len(mon.agent_events("spawned", "spawn")),
             scale_ins=len(mon.agent_events("terminated", "scale_in")),
+            **_lock_and_round_state(mon),
         )
     finally:
         if mon is not None:
             mon.close()
         summary["agent_exit_codes"] = fleet.stop()
-    verdict = verify(pipeline, fleet.sink_dir)
+    if stateful:
+        wv = verify_windows(pipeline, fleet.sink_dir, fleet.landing)
+        summary["windows"] = asdict(wv)
+        verdict = Verdict(generated=sum(source_counts(fleet.sink_dir).values()), expected=wv.expected,
+                          received=wv.received, lost=wv.missing, duplicated=wv.duplicated,
+                          unexpected=wv.extra + wv.differing + wv.unread)
+    else:
+        verdict = verify(pipeline, fleet.sink_dir)
     recovered = [f.recovery_s for f in faults if f.recovery_s is not None]
     summary.update(
         faults=[asdict(f) for f in faults],
@@ -497,7 +603,8 @@ def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dic
         lost_sample=[list(x) for x in verdict.lost_sample],
         wall_s=round(time.monotonic() - started, 1),
     )
-    summary["ok"] = bool(verdict.ok and summary["all_recovered"] and summary.get("back_to_size"))
+    summary["ok"] = bool(verdict.ok and summary["all_recovered"] and summary.get("back_to_size")
+                         and not summary.get("locks_held_at_end") and not summary.get("in_round_at_end"))
     return summary
 
 
@@ -513,10 +620,21 @@ def print_report(summary: Dict[str, Any], out: Any = sys.stdout) -> None:
           f"out {summary.get('records_out')}, lost {summary.get('lost')}, duplicated {summary.get('duplicated')} "
           f"(duplicates dropped at the sink {summary.get('duplicates_dropped_at_sink')}); "
           f"final instances {summary.get('final_instances')}; {summary.get('wall_s')} s", file=out)
+    if summary.get("coordination") == "fgme":
+        print(f"coordination fgme: lock messages {summary.get('lock_messages')}, links {summary.get('link_counts')}; "
+              f"locks held at the end {summary.get('locks_held_at_end')}, "
+              f"in a round at the end {summary.get('in_round_at_end')}", file=out)
     if summary.get("settled") is False:
         print(f"not settled after {summary.get('settle_s')} s: {', '.join(summary.get('holding_at_end') or []) or 'no'} "
               "instance still held records in flight; records counted lost may only have been late "
               "(raise settle_timeout)", file=out)
+    w = summary.get("windows")
+    if w:
+        print(f"windows: {w['expected']} in the fault-free reference, {w['received']} at the sink, missing "
+              f"{w['missing']}, extra {w['extra']}, twice {w['duplicated']}, other content {w['differing']}, "
+              f"content not landed {w['unread']}", file=out)
+        for line in w.get("samples") or ():
+            print(f"  {line}", file=out)
     print("verdict: " + ("OK" if summary.get("ok") else "FAILED"), file=out)
 
 
@@ -533,7 +651,10 @@ def main(args: Any) -> int:
     try:
         rehoming = {"on": True, "off": False}.get(str(getattr(args, "rehoming", "auto")))
         cfg = ChaosConfig(duration=float(args.duration), seed=int(args.seed), faults=faults,
-                          workdir=Path(args.workdir) if args.workdir else None, rehoming=rehoming)
+                          workdir=Path(args.workdir) if args.workdir else None, rehoming=rehoming,
+                          coordination=str(getattr(args, "coordination", "ack")),
+                          fgme_damping=bool(getattr(args, "fgme_damping", False)),
+                          pipeline=str(getattr(args, "pipeline", "demo")))
     except ValueError as exc:
         print(f"fog-agent chaos: {exc}", file=sys.stderr)
         return 2

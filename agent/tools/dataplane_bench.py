@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence
 
 from agent.instance.spec import BrokerSpec, InstanceSpec, control_line, parse_control_line
+from agent.mqtt import client as mqttc
 
 __all__ = ["BenchFailed", "DropWatch", "WorkerProc", "LocalRunner", "pipeline_toml", "initial_specs", "measure_raw",
            "measure_raw_2proc", "register_bench", "run_bench"]
@@ -238,11 +239,16 @@ class LocalRunner:
 
     `warm=True` keeps one pre-started worker process waiting for its spec, as the agent's
     supervisor does by default (`supervisor.prewarm`): the next `start` (a scale-out's spawn)
-    takes it and a new spare is started. Its log is `logs/warm-<n>.log`."""
+    takes it and a new spare is started. Its log is `logs/warm-<n>.log`.
+
+    Like the agent, it binds every instance to the node of its spec and sends every worker those
+    bindings (the control line "hosts"; the worker then accepts an envelope only from the node
+    its sender is bound to: docs/security.md, "Data channels")."""
 
     def __init__(self, workdir: Path, ready_timeout: float = 20.0, warm: bool = False) -> None:
         self.workdir = Path(workdir)
         self.warm = warm
+        self.hosts: Dict[str, str] = {}  # instance -> node (extra bindings a test may add)
         self._spare: Optional[WarmProc] = None
         self._spares = 0
         self.warm_used = 0
@@ -275,13 +281,24 @@ class LocalRunner:
         spare = self._take_spare()
         if spare is not None:
             self.warm_used += 1
+        spec = replace(spec, extra=dict(spec.extra, check_sender_node=True))
         w = WorkerProc(spec, self.workdir / "logs", self._on_line, warm=spare)
         self._prewarm()
         with self.lock:
             self.workers[spec.instance] = w
+            self.hosts[spec.instance] = spec.node
+        self.send_hosts()
         if wait and not w.ready.wait(self.ready_timeout):
             raise TimeoutError(f"worker {spec.instance} not ready after {self.ready_timeout}s; see {w.log_path}")
         return w
+
+    def send_hosts(self) -> None:
+        """Every worker gets the bindings of every instance (the agent's "hosts" line)."""
+        with self.lock:
+            table = {"bound": dict(self.hosts)}
+            ws = list(self.workers.values())
+        for w in ws:
+            w.send("hosts", **table)
 
     def _on_line(self, w: WorkerProc, msg: Dict[str, Any]) -> None:
         if msg["event"] == "spawn":
@@ -375,9 +392,6 @@ class DropWatch:
     PASS_END = "$SYS/broker/bytes/sent"
 
     def __init__(self, host: str, port: int, timeout: float = 10.0) -> None:
-        import paho.mqtt.client as mqtt
-        from paho.mqtt.enums import CallbackAPIVersion
-
         self.timeout = timeout
         self.value = 0.0
         self.per_phase: Dict[str, float] = {}
@@ -385,12 +399,13 @@ class DropWatch:
         self._pass_start = 0.0
         self._last_pass = 0.0  # start time of the last pass read to its end
         self._subscribed = threading.Event()
-        c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"bench-dropwatch-{os.getpid()}", protocol=mqtt.MQTTv5)
+        broker = mqttc.broker_from(host, port, keepalive=60)
+        c = mqttc.make_client(broker, f"bench-dropwatch-{os.getpid()}")
         topics = [(SYS_DROPPED, 0), (self.UPTIME, 0), (self.PASS_END, 0)]
         c.on_connect = lambda cl, u, f, rc, p=None: cl.subscribe(topics)
         c.on_subscribe = lambda *a: self._subscribed.set()
         c.on_message = self._on_message
-        c.connect(host, port)
+        mqttc.connect(c, broker)
         c.loop_start()
         self._client = c
         if not self._subscribed.wait(timeout):
@@ -453,18 +468,14 @@ class DropWatch:
 def _raw_client(name: str, host: str, port: int, topic: Optional[str] = None, timeout: float = 10.0) -> Any:
     """A connected paho client (MQTT 5, like a worker's), subscribed to `topic` at QoS 1 if given;
     driven by the caller's own select loop (no network thread)."""
-    import paho.mqtt.client as mqtt
-    from paho.mqtt.enums import CallbackAPIVersion
-
-    from agent.mqtt.transport import _nodelay  # TCP_NODELAY like a worker's: else each small ack waits
-
-    c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"{name}-{os.getpid()}", protocol=mqtt.MQTTv5)
-    c.max_inflight_messages_set(0)  # no paho-side cap: the bench's window is the only limit
+    broker = mqttc.broker_from(host, port, keepalive=60)
+    # TCP_NODELAY like a worker's (agent.mqtt.client), else each small ack waits; max_inflight 0:
+    # no paho-side cap, the bench's window is the only limit
+    c = mqttc.make_client(broker, f"{name}-{os.getpid()}", max_inflight=0)
     ready = threading.Event()
     c.on_connect = lambda cl, u, f, rc, p=None: (cl.subscribe(topic, qos=1) if topic else ready.set())
     c.on_subscribe = lambda *a: ready.set()
-    c.connect(host, port)
-    _nodelay(c)
+    mqttc.connect(c, broker)
     deadline = time.monotonic() + timeout
     while not ready.is_set():
         if time.monotonic() > deadline:

@@ -37,6 +37,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from agent import topics
 from agent.config import load_pipeline_text
+from agent.mqtt import client as mqttc
 from agent.tools.verify import expected_ids, verify
 
 log = logging.getLogger(__name__)
@@ -209,8 +210,6 @@ class Monitor:
     """
 
     def __init__(self, host: str, port: int, cluster: str) -> None:
-        import paho.mqtt.client as mqtt
-
         self.cluster = cluster
         self._lock = threading.Lock()
         self.states: Dict[str, Dict[str, Any]] = {}
@@ -224,23 +223,19 @@ class Monitor:
         self.max_queued_dropped = 0.0
         self.dropped: Optional[float] = None
         self._connected = threading.Event()
-        c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"fog-demo-monitor-{uuid.uuid4().hex[:12]}",
-                        protocol=mqtt.MQTTv5)
+        # A persistent session (MQTT 5, expiry 10 min): across a broker restart (chaos runs) the
+        # events published while the monitor reconnects wait for it instead of being missed.
+        broker = mqttc.broker_from(host, port, keepalive=10)
+        session = mqttc.Session(persistent=True, expiry=600)
+        c = mqttc.make_client(broker, f"fog-demo-monitor-{uuid.uuid4().hex[:12]}", session,
+                              reconnect_delay=(0.2, 2))
         c.on_connect = self._on_connect
         c.on_message = self._on_message
         self._client = c
-        # A persistent session (MQTT 5, expiry 10 min): across a broker restart (chaos runs) the
-        # events published while the monitor reconnects wait for it instead of being missed.
-        from paho.mqtt.packettypes import PacketTypes
-        from paho.mqtt.properties import Properties
-
-        props = Properties(PacketTypes.CONNECT)
-        props.SessionExpiryInterval = 600
-        c.reconnect_delay_set(min_delay=0.2, max_delay=2)
-        c.connect(host, port, keepalive=10, clean_start=False, properties=props)
-        c.loop_start()
-        if not self._connected.wait(10):
-            raise RuntimeError(f"monitor cannot connect to {host}:{port}")
+        try:
+            mqttc.connect_and_wait(c, broker, session, timeout=10)
+        except mqttc.ConnectFailed as exc:
+            raise RuntimeError(f"monitor: {exc}") from None
 
     def _on_connect(self, client: Any, userdata: Any, flags: Any, reason: Any, props: Any = None) -> None:
         client.subscribe([
@@ -252,7 +247,7 @@ class Monitor:
         self._connected.set()
 
     def _on_message(self, client: Any, userdata: Any, msg: Any) -> None:
-        parts = msg.topic.split("/")
+        parsed = topics.parse(self.cluster, msg.topic)
         try:
             if msg.topic == "$SYS/broker/publish/messages/dropped":
                 with self._lock:
@@ -266,19 +261,20 @@ class Monitor:
                     if det.get("source") == "agent" and ev.get("type") == "terminated" and isinstance(det.get("stats"), dict) and ev.get("instance"):
                         self._merge_stats(ev["instance"], ev.get("operator") or "", det["stats"])
                 return
-            if len(parts) == 5 and parts[4] == "status":
+            if parsed is not None and parsed.kind == "status":
                 with self._lock:
-                    self.status[parts[3]] = msg.payload.decode(errors="replace")
+                    self.status[parsed.node] = msg.payload.decode(errors="replace")
                 return
-            if len(parts) == 5 and parts[4] == "state" and msg.payload:
+            if parsed is not None and parsed.kind == "state" and msg.payload:
+                node = parsed.node
                 doc = json.loads(msg.payload)
                 with self._lock:
-                    self.states[parts[3]] = doc
+                    self.states[node] = doc
                     for inst in doc.get("instances", []):
                         if isinstance(inst.get("stats"), dict) and inst["stats"]:
                             self._merge_stats(inst["id"], inst.get("operator", ""), inst["stats"])
                         self.instance_operator[inst["id"]] = inst.get("operator", "")
-                        self.instance_node[inst["id"]] = parts[3]
+                        self.instance_node[inst["id"]] = node
                         if isinstance(inst.get("pid"), int):
                             self.pids.add(inst["pid"])
                     self.series.append((time.monotonic(), self._count_locked(True)))
@@ -769,6 +765,11 @@ def main(args: argparse.Namespace) -> int:
             result = run_analytics(Path(summary["workdir"]), summary)
             if result and not args.json:
                 print("analytics:", json.dumps(result, default=str)[:2000], file=sys.stdout)
+                q1 = result.get("debs_edge_vs_batch")
+                if q1:
+                    print(f"DEBS query 1, edge vs batch: {q1['equal']} of {q1['windows_edge']} windows equal, "
+                          f"{q1['differing']} differ, {q1['open_at_edge']} still open at the edge when the load "
+                          f"ended ({q1['windows_batch']} in batch)", file=sys.stdout)
     if args.json:
         json.dump(summary, sys.stdout, indent=2, sort_keys=True, default=str)
         print()

@@ -36,6 +36,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from agent.mqtt import client as mqttc
 from agent.protocol.gme_base import Entered, GmeState, Send, message_from_dict
 from agent.sim.gme_check import make_nodes
 
@@ -60,24 +61,16 @@ class BenchConfig:
     damping: bool = False  # 2-FGME's DEVIATION 4 (agent/protocol/gme_fgme.py)
 
 
-def _client(client_id: str):  # type: ignore[no-untyped-def]
-    import paho.mqtt.client as mqtt
-
-    c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=True)
-    c.max_inflight_messages_set(100)  # order is restored by the per-link sequence numbers
-    c.max_queued_messages_set(0)
+def _client(client_id: str, cfg: BenchConfig) -> Any:
+    """A connected MQTT 3.1.1 clean-session client. TCP_NODELAY is set (agent.mqtt.client): without
+    it every small publish behind an unacknowledged one waits for the broker's delayed TCP ACK,
+    tens of ms per message, which is the slow delivery 2-FGME's churn feeds on (docs/gme.md,
+    "24 nodes on the broker")."""
+    broker = mqttc.broker_from(cfg.host, cfg.port, keepalive=30)
+    # max_inflight 100: order is restored by the per-link sequence numbers
+    c = mqttc.make_client(broker, client_id, mqttc.CLEAN_311, max_inflight=100, max_queued=0)
+    mqttc.connect(c, broker, mqttc.CLEAN_311)
     return c
-
-
-def _nodelay(client: Any) -> None:
-    """TCP_NODELAY on paho's socket (paho 2.2 leaves Nagle on; agent/mqtt/transport.py).
-
-    Without it every small publish behind an unacknowledged one waits for the broker's delayed
-    TCP ACK: tens of ms per message, which is the slow delivery 2-FGME's churn feeds on
-    (docs/gme.md, "24 nodes on the broker")."""
-    from agent.mqtt.transport import _nodelay as nodelay
-
-    nodelay(client)
 
 
 class _Node(threading.Thread):
@@ -102,11 +95,9 @@ class _Node(threading.Thread):
         self.delay_by_bucket: Dict[int, List[float]] = {}  # bucket -> [sum ms, count, max backlog]
         self.latencies: List[float] = []
         self.errors: List[str] = []
-        self.client = _client(f"{prefix}-n{core.id}")
+        self.client = _client(f"{prefix}-n{core.id}", cfg)
         self.client.on_message = lambda c, u, m: self.inbox.put(m.payload)
         self.client.on_subscribe = lambda c, u, mid, rc, p: self.subscribed.set()
-        self.client.connect(cfg.host, cfg.port, keepalive=30)
-        _nodelay(self.client)
         self.client.subscribe(f"{prefix}/inbox/{core.id}", qos=1)
         self.client.loop_start()
 
@@ -370,7 +361,7 @@ def run_bench(cfg: BenchConfig) -> Dict[str, Any]:
     events: List[Dict[str, Any]] = []
     lock = threading.Lock()
     dropped: List[int] = []
-    ver = _client(prefix + "-verifier")
+    ver = _client(prefix + "-verifier", cfg)
     got_sub = threading.Event()
 
     def on_message(c: Any, u: Any, m: Any) -> None:
@@ -386,8 +377,6 @@ def run_bench(cfg: BenchConfig) -> Dict[str, Any]:
 
     ver.on_message = on_message
     ver.on_subscribe = lambda c, u, mid, rc, p: got_sub.set()
-    ver.connect(cfg.host, cfg.port, keepalive=30)
-    _nodelay(ver)
     ver.subscribe([(f"{prefix}/events", 1), ("$SYS/broker/publish/messages/dropped", 0)])
     ver.loop_start()
     procs = max(1, min(cfg.procs, cfg.nodes))

@@ -1,0 +1,192 @@
+"""`fog-agent testbed up|down|ssh`: a fleet of systemd-nspawn Debian containers on this machine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+
+def register(groups: Any) -> None:
+    p = groups.root.add_parser(
+        "testbed", help="boot a fleet of Debian containers (systemd as PID 1, sshd, an Ansible inventory)")
+    sub = p.add_subparsers(dest="testbed_command", metavar="ACTION")
+    p.set_defaults(func=lambda args: (p.print_help(sys.stderr), 2)[1])
+
+    up = sub.add_parser("up", help="build or reuse the cached root, boot N containers, write the inventory")
+    up.add_argument("--nodes", type=int, default=2, help="number of containers (default 2)")
+    up.add_argument("--arch", choices=("amd64", "arm64"), default="amd64",
+                    help="architecture of the root (arm64 needs qemu-user-static and binfmt_misc)")
+    up.add_argument("--deb", type=Path, default=None,
+                    help="the .deb the inventory installs (fog_agent_deb_src); else pass it to ansible-playbook")
+    up.add_argument("--json", action="store_true", help="print the result as JSON")
+    up.set_defaults(func=up_cmd)
+
+    down = sub.add_parser("down", help="stop the containers and remove everything up added to the host")
+    down.add_argument("--json", action="store_true", help="print what was removed as JSON")
+    down.set_defaults(func=down_cmd)
+
+    sd = sub.add_parser("systemd", help="check fog-agent.service live on a node: readiness, reload, journal "
+                        "priorities, watchdog, restarts (about 2 minutes)")
+    sd.add_argument("node", help="node name, e.g. fog2 (the agent must be installed and running)")
+    sd.add_argument("--checks", default="ready,reload,journal_priority,watchdog,restart_keeps_retrying",
+                    help="comma-separated checks, in order (default: all)")
+    sd.add_argument("--json", action="store_true", help="print the verdicts as JSON")
+    sd.set_defaults(func=systemd_cmd)
+
+    pl = sub.add_parser("pipeline", help="deploy a taxi pipeline with a load step on the fleet, follow where "
+                        "its instances run, undeploy, verify every record exactly once")
+    pl.add_argument("--duration", type=float, default=60.0, help="seconds of source load (default 60)")
+    pl.add_argument("--rate", type=float, default=500.0, help="records/s of the load step (default 500)")
+    pl.add_argument("--keep", type=Path, default=None,
+                    help="copy the collected source positions and sink ids (and the pipeline) into this directory")
+    pl.add_argument("--during", default=None, metavar="CMD",
+                    help="a shell command run on the host while the pipeline runs (e.g. a rolling ansible-playbook); "
+                         "the verdict waits for it")
+    pl.add_argument("--during-at", type=float, default=10.0, help="seconds after the deploy to start --during")
+    pl.add_argument("--json", action="store_true", help="print the verdict as JSON")
+    pl.set_defaults(func=pipeline_cmd)
+
+    kill = sub.add_parser("kill", help="power cut: SIGKILL a node's container (its disk stays; `start` boots it)")
+    kill.add_argument("node")
+    kill.set_defaults(func=fault_cmd, fault="kill")
+    start = sub.add_parser("start", help="boot a killed node again on the same disk")
+    start.add_argument("node")
+    start.set_defaults(func=fault_cmd, fault="start")
+    part = sub.add_parser("partition", help="cut a node off the bridge (its veth down) for --seconds, or --heal")
+    part.add_argument("node")
+    group = part.add_mutually_exclusive_group(required=True)
+    group.add_argument("--seconds", type=float, help="cut, wait, heal")
+    group.add_argument("--cut", action="store_true", help="cut and return")
+    group.add_argument("--heal", action="store_true", help="heal a cut node")
+    part.set_defaults(func=fault_cmd, fault="partition")
+
+    ssh = sub.add_parser("ssh", help="run a command on a node (as root, with the fleet's key)")
+    ssh.add_argument("node", help="node name, e.g. fog1")
+    ssh.add_argument("cmd", nargs=argparse.REMAINDER, help="the command (a shell line)")
+    ssh.set_defaults(func=ssh_cmd)
+
+
+def up_cmd(args: argparse.Namespace) -> int:
+    from agent.tools import testbed
+
+    try:
+        result = testbed.up(args.nodes, args.arch, deb=args.deb)
+    except testbed.TestbedError as exc:
+        print(f"testbed: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(asdict(result), indent=1))
+    else:
+        for node in result.nodes:
+            print(f"{node['name']}\t{node['address']}")
+        print(f"inventory: {result.inventory}")
+        print(f"ssh: fog-agent testbed ssh {result.nodes[0]['name']} CMD   (key {result.key})")
+        root = f"built in {result.root_seconds:.0f} s" if result.root_built else "cached"
+        print(f"up in {result.seconds:.1f} s (root {root})")
+    return 0
+
+
+def down_cmd(args: argparse.Namespace) -> int:
+    from agent.tools import testbed
+
+    try:
+        removed = testbed.down()
+    except testbed.TestbedError as exc:
+        print(f"testbed: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"removed": removed}, indent=1))
+    else:
+        print("\n".join(removed) if removed else "nothing to remove")
+    return 0
+
+
+def ssh_cmd(args: argparse.Namespace) -> int:
+    from agent.tools import testbed
+
+    try:
+        proc = testbed.ssh(args.node, " ".join(args.cmd), check=False, timeout=3600)
+    except testbed.TestbedError as exc:
+        print(f"testbed: {exc}", file=sys.stderr)
+        return 1
+    sys.stdout.write(proc.stdout)
+    sys.stderr.write(proc.stderr)
+    return proc.returncode
+
+
+def systemd_cmd(args: argparse.Namespace) -> int:
+    from agent.tools import testbed, testbed_systemd
+
+    def sh(line: str) -> "tuple[int, str]":
+        proc = testbed.ssh(args.node, line, check=False)
+        return proc.returncode, proc.stdout + proc.stderr
+
+    names = [n for n in args.checks.split(",") if n]
+    unknown = [n for n in names if n not in testbed_systemd.CHECKS]
+    if unknown:
+        print(f"testbed: unknown check {', '.join(unknown)} (known: {', '.join(testbed_systemd.CHECKS)})",
+              file=sys.stderr)
+        return 2
+    try:
+        checks = testbed_systemd.run_checks(sh, names)
+    except (testbed.TestbedError, RuntimeError, TimeoutError) as exc:
+        print(f"testbed: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps([asdict(c) for c in checks], indent=1))
+    else:
+        for c in checks:
+            print(f"{'ok  ' if c.ok else 'FAIL'} {c.name}: {json.dumps(c.detail)}")
+    return 0 if all(c.ok for c in checks) else 1
+
+
+def pipeline_cmd(args: argparse.Namespace) -> int:
+    from agent.tools import testbed, testbed_pipeline
+
+    try:
+        summary = testbed_pipeline.run_pipeline(args.duration, args.rate, keep=args.keep, during=args.during,
+                                               during_at=args.during_at)
+    except testbed.TestbedError as exc:
+        print(f"testbed: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(summary, indent=1))
+    else:
+        for key, value in summary.items():
+            print(f"{key:20} {value}")
+        print("verdict              " + ("OK: every record exactly once" if summary["ok"] else "FAILED"))
+    return 0 if summary["ok"] else 1
+
+
+def fault_cmd(args: argparse.Namespace) -> int:
+    import time
+
+    from agent.tools import testbed
+
+    try:
+        if args.fault == "kill":
+            testbed.kill_node(args.node)
+            print(f"{args.node}: killed")
+        elif args.fault == "start":
+            pid = testbed.start_node(args.node)
+            print(f"{args.node}: booted (nspawn pid {pid}), sshd answers")
+        elif args.heal:
+            testbed.partition(args.node, cut=False)
+            print(f"{args.node}: healed")
+        else:
+            testbed.partition(args.node, cut=True)
+            print(f"{args.node}: cut off")
+            if args.seconds is not None:
+                try:
+                    time.sleep(args.seconds)
+                finally:
+                    testbed.partition(args.node, cut=False)
+                print(f"{args.node}: healed after {args.seconds:g} s")
+    except testbed.TestbedError as exc:
+        print(f"testbed: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,140 @@
+"""Which node hosts which instance, as this agent knows it: the binding a receiver checks the
+writer of an inbox message against (docs/security.md, "Data channels"). Sans-IO.
+
+Why the agent computes it from the hosted records rather than having the protocol carry it: the
+retained `agents/<n>/hosted` record is written only by node n (the broker's ACL), lists every
+instance n hosts from the moment it is ready (before anybody is told about it: invariant 2),
+and changes on every way an instance arrives or leaves (deploy, createNode, restart, re-home,
+hand-over, termination). Carrying the node in the protocol's messages would need every one of
+those paths (and the sans-IO scaling core) to learn about nodes; the records already say it.
+
+The rule, per instance (`HostMap.update`):
+- an instance running under this agent is ours: bound to this node;
+- otherwise the nodes whose hosted record lists it are its *claimers*. The binding is sticky: it
+  stays with the node it names while that node still lists the instance and is online, and
+  moves only to another claimer, when its node stops listing it (a hand-over: the old node
+  forgets it once the new incarnation is ready) or goes offline while an online node lists it
+  (a re-home). With no other claimer it stays where it was (a terminated instance's last
+  messages still arrive; a node whose agent restarts still has draining workers). So a node
+  that merely lists an instance another live node hosts does not get its binding.
+- The other claimers are `pending` (diagnostics: a move in progress, or a node listing an
+  instance it does not host). The worker accepts an envelope only from the bound node; one
+  from any other node waits (briefly, bounded) for the binding to name it, then is refused.
+- One exception: the nodes the instance was bound to before (`former`, at most 4) while they
+  are offline. An offline node cannot write; what it wrote while it hosted the instance may
+  still wait in the broker, e.g. in the session a re-homed receiver inherits from its dead
+  incarnation. Accepted as before the node check (the channel drops what a newer epoch made
+  stale); refused, they would come back only through replays.
+
+Bounded: at most `max_entries` instances, those no record lists any more forgotten first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Set, Tuple
+
+__all__ = ["HostMap", "MAX_ENTRIES", "MAX_FORMER"]
+
+MAX_ENTRIES = 4096
+MAX_FORMER = 4
+
+
+class HostMap:
+    def __init__(self, node: str, max_entries: int = MAX_ENTRIES) -> None:
+        self.node = node
+        self.max_entries = max_entries
+        # instance -> (bound node, pipeline or "" when unknown); insertion order = age
+        self._bound: "OrderedDict[str, Tuple[str, str]]" = OrderedDict()
+        self._pending: Dict[str, Tuple[str, ...]] = {}
+        self._former: Dict[str, List[str]] = {}  # instance -> nodes it was bound to before, newest first
+        self._online: Dict[str, bool] = {}
+        self._listed: Set[str] = set()
+
+    def update(
+        self,
+        local: Mapping[str, str],
+        hosted: Mapping[str, Iterable[Tuple[str, str]]],
+        online: Mapping[str, bool],
+        rehomed: Optional[Mapping[str, Mapping[str, float]]] = None,
+    ) -> None:
+        """Recompute from what the agent knows now.
+
+        local: {instance: pipeline} running (or starting) under this agent;
+        hosted: {node: [(instance, pipeline)]} from every node's retained hosted record (ours too);
+        online: {node: up} from the retained status records (this node counts as online);
+        rehomed: {node: {instance: when}} from the retained re-homed records, which only breaks a
+        tie between several online claimers of an unbound instance (the latest re-home wins)."""
+        claims: Dict[str, List[str]] = {}
+        pipelines: Dict[str, str] = {}
+        for node, entries in hosted.items():
+            for inst, pipeline in entries:
+                claims.setdefault(inst, []).append(node)
+                pipelines.setdefault(inst, pipeline)
+        rehomed = rehomed or {}
+
+        def up(n: str) -> bool:
+            return n == self.node or bool(online.get(n))
+
+        pending: Dict[str, Tuple[str, ...]] = {}
+        for inst in sorted(set(claims) | set(local)):
+            nodes = sorted(set(claims.get(inst, ())))
+            pipeline = local.get(inst) or pipelines.get(inst, "")
+            cur = self._bound.get(inst, (None, ""))[0]
+            if inst in local:
+                new: Optional[str] = self.node
+            elif cur is not None and cur in nodes and (up(cur) or not any(up(n) for n in nodes)):
+                new = cur  # still listed, and online (or nobody online lists it)
+            else:
+                live = [n for n in nodes if up(n)] or nodes
+                others = [n for n in live if n != cur] or live
+                if not others:
+                    new = cur  # listed by nobody any more: keep the last binding
+                else:
+                    new = max(others, key=lambda n: (rehomed.get(n, {}).get(inst, 0.0), -_rank(n, others)))
+            if new is None:
+                continue
+            if cur is not None and cur != new:
+                self._former[inst] = [cur] + [n for n in self._former.get(inst, []) if n not in (cur, new)][:MAX_FORMER - 1]
+            elif new in self._former.get(inst, ()):
+                self._former[inst].remove(new)
+            if self._bound.get(inst, (None, ""))[0] != new:
+                self._bound.pop(inst, None)
+            self._bound[inst] = (new, pipeline)
+            rest = tuple(n for n in nodes if n != new)
+            if rest:
+                pending[inst] = rest
+        self._pending = pending
+        self._online = {n: up(n) for n in {*online, self.node}}
+        self._listed = set(claims) | set(local)
+        if len(self._bound) > self.max_entries:
+            for inst in [i for i in self._bound if i not in self._listed]:
+                if len(self._bound) <= self.max_entries:
+                    break
+                del self._bound[inst]
+            while len(self._bound) > self.max_entries:
+                self._bound.popitem(last=False)
+            self._former = {i: ns for i, ns in self._former.items() if i in self._bound}
+
+    def bound(self, instance: str) -> Optional[str]:
+        entry = self._bound.get(instance)
+        return entry[0] if entry is not None else None
+
+    def pending(self, instance: str) -> Tuple[str, ...]:
+        return self._pending.get(instance, ())
+
+    def former_offline(self, instance: str) -> List[str]:
+        """The nodes `instance` was bound to before that are offline now."""
+        return [n for n in self._former.get(instance, ()) if not self._online.get(n, False)]
+
+    def table(self, pipeline: str) -> Dict[str, Dict[str, Any]]:
+        """What a worker of `pipeline` needs (the control line "hosts"): {"bound": {instance:
+        node}, "former": {instance: [offline nodes it was bound to before]}} for the instances of
+        that pipeline (and those whose pipeline is unknown)."""
+        bound = {i: n for i, (n, p) in self._bound.items() if p in (pipeline, "")}
+        former = {i: f for i in bound if (f := self.former_offline(i))}
+        return {"bound": bound, "former": former}
+
+
+def _rank(node: str, nodes: List[str]) -> int:
+    return sorted(nodes).index(node)

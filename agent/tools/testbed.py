@@ -1,0 +1,631 @@
+"""A fleet of real Debian machines on one host: systemd-nspawn containers with systemd as PID 1.
+
+Why containers and not the demo's processes: the demo runs every agent as a process of one host,
+so it cannot show what a Pi sees -- a package installed by dpkg, the unit started by systemd,
+Ansible reaching the node over SSH, a node losing its network. Each testbed node is a booted
+Debian bookworm (systemd PID 1, journald, sshd) on its own network namespace, reached over SSH
+with a key generated for the fleet, and listed in an Ansible inventory (docs/operations.md,
+"Testbed").
+
+What it changes on the host, and `down` removes: one bridge (`fogtb0`, 10.213.0.1/24; each node
+gets `vb-<name>` on it from `--network-bridge`), one overlay mount and one `systemd-nspawn`
+process per node, and the run directory (machine dirs, key, inventory, state). The debootstrapped
+root stays cached (`~/.cache/fog-agent/testbed/roots/`, or `$FOG_TESTBED_CACHE`): a second `up`
+reuses it and each node is a copy-on-write overlay on it.
+
+The plan (names, addresses, command lines, the inventory) is pure functions of the request, tested
+without root; `up`/`down` are the only functions that touch the host.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+SUITE = "bookworm"
+# Everything the nodes need is in the root: the containers have no route to a package mirror.
+# systemd/dbus/sshd: a booted machine reached like a Pi; python3-*: the .deb's Depends and
+# Ansible's modules (apt needs python3-apt); mosquitto: the broker role; sudo: `become`.
+ROOT_PACKAGES: Tuple[str, ...] = (
+    "systemd", "systemd-sysv", "dbus", "iproute2", "openssh-server", "sudo", "adduser",
+    "python3", "python3-venv", "python3-setuptools", "python3-psutil", "python3-systemd",
+    "python3-apt", "mosquitto", "mosquitto-clients",
+)
+ARCHES = ("amd64", "arm64")
+BRIDGE = "fogtb0"
+SUBNET = "10.213.0"  # a /24: the host side is .1, node i is .(10 + i)
+PREFIX_LEN = 24
+MAX_NODES = 200
+NODE_PREFIX = "fog"
+ROOT_MARKER = ".fog-testbed-root"
+STATE_FILE = "state.json"
+DEFAULT_MIRROR = "http://deb.debian.org/debian"
+QEMU_BINFMT = {"arm64": "/proc/sys/fs/binfmt_misc/qemu-aarch64"}
+
+
+class TestbedError(RuntimeError):
+    """A testbed step failed or cannot run here; the message is one line for the user."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan: pure.
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    address: str
+    arch: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    nodes: Tuple[Node, ...]
+    arch: str
+    bridge: str = BRIDGE
+    host_address: str = f"{SUBNET}.1"
+    prefix_len: int = PREFIX_LEN
+
+    @property
+    def broker(self) -> Node:
+        """The node that runs the site broker (and an agent, like every node)."""
+        return self.nodes[0]
+
+
+def make_plan(n: int, arch: str = "amd64", prefix: str = NODE_PREFIX, bridge: str = BRIDGE,
+              subnet: str = SUBNET) -> Plan:
+    """Node i is <prefix>i at <subnet>.(10 + i); the host side of the bridge is <subnet>.1.
+
+    A second testbed beside the first (the test suite's, while a developer's is up) needs its own
+    prefix (the host-side veth is vb-<name>), bridge and subnet."""
+    if arch not in ARCHES:
+        raise TestbedError(f"--arch {arch}: expected one of {', '.join(ARCHES)}")
+    if not 1 <= n <= MAX_NODES:
+        raise TestbedError(f"--nodes {n}: expected 1 to {MAX_NODES}")
+    if not re.fullmatch(r"[a-z][a-z0-9]{0,7}", prefix):
+        raise TestbedError(f"node prefix {prefix!r}: expected 1 to 8 lower-case letters and digits")
+    if not re.fullmatch(r"[a-z][a-z0-9]{0,14}", bridge):
+        raise TestbedError(f"bridge {bridge!r}: expected an interface name of at most 15 letters and digits")
+    octets = subnet.split(".")
+    if len(octets) != 3 or not all(o.isdigit() and 0 <= int(o) <= 255 for o in octets):
+        raise TestbedError(f"subnet {subnet!r}: expected the first three octets of a /24, e.g. {SUBNET}")
+    return Plan(nodes=tuple(Node(f"{prefix}{i}", f"{subnet}.{10 + i}", arch) for i in range(1, n + 1)),
+                arch=arch, bridge=bridge, host_address=f"{subnet}.1")
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("FOG_TESTBED_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "fog-agent" / "testbed"
+
+
+def root_dir(cache: Path, arch: str) -> Path:
+    return cache / "roots" / f"{SUITE}-{arch}"
+
+
+def run_dir(cache: Path) -> Path:
+    return cache / "run"
+
+
+def root_signature(arch: str) -> str:
+    """What a cached root was built from: a root of another package list is rebuilt."""
+    return f"{SUITE} {arch} {' '.join(sorted(ROOT_PACKAGES))}\n"
+
+
+def mirror_from_sources(texts: Iterable[str]) -> Optional[str]:
+    """The first Debian mirror (not the security archive) of apt's sources, one-line or deb822."""
+    for text in texts:
+        for line in text.splitlines():
+            line = line.strip()
+            m = re.match(r"^deb\s+(?:\[[^\]]*\]\s+)?(\S+)\s+\S+", line)
+            if m and "security" not in m.group(1):
+                return m.group(1)
+            m = re.match(r"^URIs:\s*(\S+)", line)
+            if m and "security" not in m.group(1):
+                return m.group(1)
+    return None
+
+
+def debootstrap_argv(root: Path, arch: str, mirror: str) -> List[str]:
+    return ["debootstrap", "--variant=minbase", f"--arch={arch}", f"--include={','.join(ROOT_PACKAGES)}",
+            SUITE, str(root), mirror]
+
+
+def nspawn_argv(node: Node, machine_root: Path, bridge: str) -> List[str]:
+    """Boot the node with systemd as PID 1 on its own network namespace, plugged into the bridge.
+
+    --register=no --keep-unit: the host has no system bus and systemd is not its PID 1, so nspawn
+    must neither ask machined to register the machine nor create a scope unit."""
+    return ["systemd-nspawn", "--quiet", "--register=no", "--keep-unit", "--boot",
+            f"--machine={node.name}", f"--directory={machine_root}", f"--network-bridge={bridge}",
+            "--console=pipe", "--resolv-conf=off", "--timezone=off", "--link-journal=no"]
+
+
+def network_unit(node: Node, plan: Plan) -> str:
+    """systemd-networkd's file for the container side of the veth (static: there is no DHCP)."""
+    return (f"[Match]\nName=host0\n\n[Network]\nAddress={node.address}/{plan.prefix_len}\n"
+            "LinkLocalAddressing=no\nIPv6AcceptRA=no\n")
+
+
+def hosts_file(plan: Plan) -> str:
+    lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback", f"{plan.host_address}\ttestbed-host"]
+    lines += [f"{n.address}\t{n.name}" for n in plan.nodes]
+    return "\n".join(lines) + "\n"
+
+
+def _q(value: object) -> str:
+    """A YAML scalar: JSON strings and numbers are valid YAML flow scalars."""
+    return json.dumps(value)
+
+
+def inventory_yaml(plan: Plan, key: Path, known_hosts: Path, passwords: Dict[str, str],
+                   deb: Optional[Path]) -> str:
+    """The fleet for `ansible-playbook -i <this> ansible/site.yml`.
+
+    The first node is the site broker and also a fog node; the central group is empty (the
+    collector needs PySpark and a JRE, not in the root). The broker's plain listener on the
+    bridge with one password per identity: the ACL is the role's, the identity is the user name."""
+    ssh_args = f"-o UserKnownHostsFile={known_hosts} -o StrictHostKeyChecking=yes -o IdentitiesOnly=yes"
+    out = [
+        "---",
+        "# Written by `fog-agent testbed up`; removed by `fog-agent testbed down`.",
+        "all:",
+        "  vars:",
+        "    ansible_user: root",
+        f"    ansible_ssh_private_key_file: {_q(str(key))}",
+        f"    ansible_ssh_common_args: {_q(ssh_args)}",
+        "    ansible_python_interpreter: /usr/bin/python3",
+        "    fog_cluster: testbed",
+        f"    fog_broker_host: {_q(plan.broker.address)}",
+        # mosquitto role: packages are in the root; a password listener on the bridge.
+        "    mosquitto_cluster: testbed",
+        "    mosquitto_install_packages: false",
+        "    mosquitto_tls_enabled: false",
+        "    mosquitto_listener_enabled: true",
+        f"    mosquitto_listener_address: {_q(plan.broker.address)}",
+        "    mosquitto_listener_port: 1883",
+        "    mosquitto_admin_identities: [fogctl-admin]",
+        "    mosquitto_users:",
+    ]
+    for name in [n.name for n in plan.nodes] + ["fogctl-admin"]:
+        out += [f"      - name: {_q(name)}", f"        password: {_q(passwords[name])}"]
+    out += [
+        # fog_agent role: the .deb (offline: its Depends are in the root).
+        "    fog_agent_cluster: testbed",
+        "    fog_agent_install_method: deb",
+        "    fog_agent_install_packages: false",
+        f"    fog_agent_mqtt_host: {_q(plan.broker.address)}",
+        "    fog_agent_mqtt_port: 1883",
+        "    fog_agent_mqtt_tls: false",
+        "    fog_netem_enabled: false",
+    ]
+    if deb is not None:
+        out.append(f"    fog_agent_deb_src: {_q(str(deb))}")
+    out += ["  children:", "    brokers:", "      hosts:", f"        {plan.broker.name}:",
+            "    central:", "      hosts: {}", "    fog_nodes:", "      hosts:"]
+    for n in plan.nodes:
+        out += [f"        {n.name}:", f"          ansible_host: {_q(n.address)}",
+                f"          fog_agent_mqtt_password: {_q(passwords[n.name])}"]
+    # The brokers group names the first node only: its address comes from its fog_nodes entry.
+    return "\n".join(out) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# The state of a running testbed: what `down` must remove.
+
+
+@dataclass
+class State:
+    arch: str
+    bridge: Optional[str] = None
+    nodes: List[Dict[str, object]] = field(default_factory=list)  # name, address, pid, mount
+    inventory: Optional[str] = None
+    key: Optional[str] = None
+    admin_password: Optional[str] = None
+
+    def save(self, path: Path) -> None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=1))
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: Path) -> Optional["State"]:
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+        return cls(**data)
+
+
+# ---------------------------------------------------------------------------------------------
+# The host side.
+
+Progress = Callable[[str], None]
+
+
+def _stderr_progress(line: str) -> None:
+    print(f"testbed: {line}", file=sys.stderr, flush=True)
+
+
+def _run(argv: Sequence[str], what: str, timeout: float = 600.0, log: Optional[Path] = None) -> str:
+    try:
+        proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        raise TestbedError(f"{what}: no result after {timeout:.0f} s ({shlex.join(argv)})") from exc
+    if log is not None:
+        log.write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-1:] or ["(no output)"]
+        where = f"; full output in {log}" if log is not None else ""
+        raise TestbedError(f"{what} failed (exit {proc.returncode}): {tail[0]}{where}")
+    return proc.stdout
+
+
+def preflight(arch: str) -> None:
+    """Refuse with one line where the testbed cannot run."""
+    if os.geteuid() != 0:
+        raise TestbedError("needs root (debootstrap, systemd-nspawn, a bridge and overlay mounts); run it as root")
+    missing = [tool for tool in ("systemd-nspawn", "debootstrap", "ip", "ssh", "ssh-keygen", "mount", "umount")
+               if shutil.which(tool) is None]
+    if missing:
+        raise TestbedError(f"missing {', '.join(missing)}: apt-get install systemd-container debootstrap "
+                           "iproute2 openssh-client (scripts/setup.sh installs them)")
+    native = {"x86_64": "amd64", "aarch64": "arm64"}.get(os.uname().machine)
+    if arch != native and not Path(QEMU_BINFMT.get(arch, "/nonexistent")).exists():
+        raise TestbedError(f"--arch {arch} on a {native} host needs qemu-user-static with binfmt_misc "
+                           f"({QEMU_BINFMT.get(arch)} is missing)")
+
+
+def _apt_mirror() -> str:
+    texts = []
+    for path in [Path("/etc/apt/sources.list"), *sorted(Path("/etc/apt/sources.list.d").glob("*"))]:
+        if path.suffix in (".list", ".sources") or path.name == "sources.list":
+            try:
+                texts.append(path.read_text())
+            except OSError:
+                continue
+    return mirror_from_sources(texts) or DEFAULT_MIRROR
+
+
+def ensure_root(cache: Path, arch: str, progress: Progress) -> Tuple[Path, bool, float]:
+    """The cached root for arch, built by debootstrap if missing. Returns (root, built, seconds)."""
+    root = root_dir(cache, arch)
+    marker = root / ROOT_MARKER
+    if marker.is_file() and marker.read_text() == root_signature(arch):
+        return root, False, 0.0
+    started = time.monotonic()
+    tmp = root.with_name(root.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    mirror = _apt_mirror()
+    progress(f"building the {SUITE} {arch} root with debootstrap from {mirror} (about a minute, ~320 MB) ...")
+    _run(debootstrap_argv(tmp, arch, mirror), "debootstrap", timeout=1800, log=cache / f"debootstrap-{arch}.log")
+    finish_root(tmp, arch)
+    if root.exists():
+        shutil.rmtree(root)
+    os.rename(tmp, root)
+    return root, True, time.monotonic() - started
+
+
+def finish_root(tmp: Path, arch: str) -> None:
+    """What every node shares beyond debootstrap's packages; the marker last (a complete root)."""
+    # Per-node identities are made at `up`: no shared machine id or SSH host key in the root.
+    (tmp / "etc" / "machine-id").write_text("")
+    for key in (tmp / "etc" / "ssh").glob("ssh_host_*"):
+        key.unlink()
+    # sshd and systemd-networkd start at boot (minbase enables neither networkd nor ssh by itself).
+    wants = tmp / "etc" / "systemd" / "system" / "multi-user.target.wants"
+    wants.mkdir(parents=True, exist_ok=True)
+    for unit in ("systemd-networkd.service", "ssh.service"):
+        link = wants / unit
+        if not link.exists() and not link.is_symlink():
+            link.symlink_to(f"/lib/systemd/system/{unit}")
+    # Mosquitto's package enables it everywhere; only the brokers group runs it (the role enables it).
+    (wants / "mosquitto.service").unlink(missing_ok=True)
+    # apt inside a node must not try to reach a mirror: the packages are already here.
+    (tmp / "etc" / "apt" / "apt.conf.d" / "99fog-testbed-offline").write_text(
+        'Acquire::Languages "none";\nAPT::Get::Update::SourceListWarnings "false";\n')
+    (tmp / "etc" / "apt" / "sources.list").write_text("")
+    (tmp / ROOT_MARKER).write_text(root_signature(arch))
+
+
+def _prepare_machine(node: Node, plan: Plan, lower: Path, mdir: Path, pubkey: str) -> Path:
+    """Overlay mount of the cached root with this node's identity written into its upper layer."""
+    for sub in ("upper", "work", "root"):
+        (mdir / sub).mkdir(parents=True, exist_ok=True)
+    merged = mdir / "root"
+    _run(["mount", "-t", "overlay", "overlay", "-o",
+          f"lowerdir={lower},upperdir={mdir / 'upper'},workdir={mdir / 'work'}", str(merged)],
+         f"overlay mount for {node.name}")
+    etc = merged / "etc"
+    (etc / "hostname").write_text(node.name + "\n")
+    (etc / "machine-id").write_text(uuid.uuid4().hex + "\n")
+    (etc / "hosts").write_text(hosts_file(plan))
+    (etc / "systemd" / "network").mkdir(parents=True, exist_ok=True)
+    (etc / "systemd" / "network" / "10-testbed.network").write_text(network_unit(node, plan))
+    ssh = merged / "root" / ".ssh"
+    ssh.mkdir(mode=0o700, parents=True, exist_ok=True)
+    (ssh / "authorized_keys").write_text(pubkey)
+    os.chmod(ssh / "authorized_keys", 0o600)
+    _run(["ssh-keygen", "-q", "-A", "-f", str(merged)], f"SSH host keys for {node.name}")
+    return merged
+
+
+def _host_key_line(node: Node, merged: Path) -> str:
+    pub = (merged / "etc" / "ssh" / "ssh_host_ed25519_key.pub").read_text().split()
+    return f"{node.address} {pub[0]} {pub[1]}\n"
+
+
+def _is_nspawn(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].endswith(b"systemd-nspawn")
+    except OSError:
+        return False
+
+
+def wait_ssh(address: str, key: Path, known_hosts: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((address, 22), timeout=1.0):
+                pass
+        except OSError:
+            time.sleep(0.3)
+            continue
+        if subprocess.run(ssh_argv(address, key, known_hosts, "true"), capture_output=True,
+                          timeout=30).returncode == 0:
+            return
+        time.sleep(0.5)
+    raise TestbedError(f"{address}: sshd did not answer within {timeout:.0f} s")
+
+
+def ssh_argv(address: str, key: Path, known_hosts: Path, command: str) -> List[str]:
+    return ["ssh", "-q", "-i", str(key), "-o", "IdentitiesOnly=yes", "-o", "BatchMode=yes",
+            "-o", f"UserKnownHostsFile={known_hosts}", "-o", "StrictHostKeyChecking=yes",
+            "-o", "ConnectTimeout=5", f"root@{address}", command]
+
+
+@dataclass
+class UpResult:
+    nodes: List[Dict[str, str]]
+    arch: str
+    inventory: str
+    key: str
+    known_hosts: str
+    admin_password: str
+    root_built: bool
+    root_seconds: float
+    seconds: float
+
+
+def _password() -> str:
+    return uuid.uuid4().hex
+
+
+def up(n: int, arch: str = "amd64", deb: Optional[Path] = None, cache: Optional[Path] = None,
+       progress: Progress = _stderr_progress, boot_timeout: float = 120.0, run: Optional[Path] = None,
+       prefix: str = NODE_PREFIX, bridge: str = BRIDGE, subnet: str = SUBNET) -> UpResult:
+    plan = make_plan(n, arch, prefix, bridge, subnet)
+    preflight(arch)
+    cache = cache or cache_dir()
+    run = run or run_dir(cache)
+    if (run / STATE_FILE).exists():
+        raise TestbedError(f"a testbed is already up ({run / STATE_FILE}); run `fog-agent testbed down` first")
+    started = time.monotonic()
+    if Path(f"/sys/class/net/{plan.bridge}").exists():
+        raise TestbedError(f"the host already has an interface {plan.bridge}: run `fog-agent testbed down` first")
+    prefix_used = f" {plan.host_address.rsplit('.', 1)[0]}."
+    if prefix_used in _run(["ip", "-o", "-4", "addr", "show"], "listing the host's addresses"):
+        raise TestbedError(f"the host already has an address in{prefix_used}0/24: pick another subnet")
+    root, built, root_seconds = ensure_root(cache, arch, progress)
+    if not built:
+        progress(f"reusing the cached root {root}")
+    run.mkdir(parents=True, exist_ok=True)
+    state = State(arch=arch)
+    state_path = run / STATE_FILE
+    state.save(state_path)
+    try:
+        key = run / "id_ed25519"
+        if not key.exists():
+            _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "fog-testbed", "-f", str(key)], "ssh-keygen")
+        state.key = str(key)
+        pubkey = (run / "id_ed25519.pub").read_text()
+        _run(["ip", "link", "add", plan.bridge, "type", "bridge"], f"creating bridge {plan.bridge}")
+        state.bridge = plan.bridge
+        state.save(state_path)
+        _run(["ip", "addr", "add", f"{plan.host_address}/{plan.prefix_len}", "dev", plan.bridge], "bridge address")
+        _run(["ip", "link", "set", plan.bridge, "up"], "bridge up")
+        known_hosts = run / "known_hosts"
+        lines = []
+        logs = run / "logs"
+        logs.mkdir(exist_ok=True)
+        for node in plan.nodes:
+            mdir = run / "machines" / node.name
+            merged = _prepare_machine(node, plan, root, mdir, pubkey)
+            entry: Dict[str, object] = {"name": node.name, "address": node.address, "mount": str(merged), "pid": None}
+            state.nodes.append(entry)
+            state.save(state_path)
+            lines.append(_host_key_line(node, merged))
+            console = open(logs / f"{node.name}.console", "wb")
+            proc = subprocess.Popen(nspawn_argv(node, merged, plan.bridge), stdin=subprocess.DEVNULL,
+                                    stdout=console, stderr=subprocess.STDOUT, start_new_session=True)
+            console.close()
+            entry["pid"] = proc.pid
+            state.save(state_path)
+            progress(f"booting {node.name} ({node.address}), nspawn pid {proc.pid}")
+        known_hosts.write_text("".join(lines))
+        for node in plan.nodes:
+            wait_ssh(node.address, key, known_hosts, boot_timeout)
+            progress(f"{node.name} is up (sshd answers)")
+        passwords = {name: _password() for name in [nd.name for nd in plan.nodes] + ["fogctl-admin"]}
+        inv_dir = run / "inventory"
+        inv_dir.mkdir(exist_ok=True)
+        inventory = inv_dir / "hosts.yml"
+        inventory.write_text(inventory_yaml(plan, key, known_hosts, passwords,
+                                            deb.resolve() if deb is not None else None))
+        os.chmod(inventory, 0o600)
+        state.inventory = str(inventory)
+        state.admin_password = passwords["fogctl-admin"]
+        state.save(state_path)
+    except BaseException:
+        progress("up failed: removing what it added")
+        down(cache, progress=lambda line: None, run=run)
+        raise
+    return UpResult(nodes=[{"name": nd.name, "address": nd.address} for nd in plan.nodes], arch=arch,
+                    inventory=str(inventory), key=str(key), known_hosts=str(known_hosts),
+                    admin_password=passwords["fogctl-admin"], root_built=built,
+                    root_seconds=round(root_seconds, 1), seconds=round(time.monotonic() - started, 1))
+
+
+def _stop_nspawn(pid: int, timeout: float) -> None:
+    """SIGTERM makes nspawn ask the container's systemd to power off; SIGKILL what is left."""
+    if not _is_nspawn(pid):
+        return
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and _is_nspawn(pid):
+        time.sleep(0.2)
+    if _is_nspawn(pid):
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def down(cache: Optional[Path] = None, progress: Progress = _stderr_progress, timeout: float = 30.0,
+         run: Optional[Path] = None) -> List[str]:
+    """Remove everything `up` added to the host; returns what was removed. Safe to repeat."""
+    run = run or run_dir(cache or cache_dir())
+    state = State.load(run / STATE_FILE)
+    removed: List[str] = []
+    nodes = state.nodes if state else []
+    pids = [int(nd["pid"]) for nd in nodes if nd.get("pid")]
+    for pid in pids:
+        if _is_nspawn(pid):
+            os.kill(pid, signal.SIGTERM)
+    for nd in nodes:
+        if nd.get("pid"):
+            _stop_nspawn(int(nd["pid"]), timeout)
+            removed.append(f"container {nd['name']}")
+            progress(f"stopped {nd['name']}")
+    # Mounts: those in the state, and any left under the run directory by an interrupted up.
+    mounts = {str(nd["mount"]) for nd in nodes if nd.get("mount")}
+    mounts |= {line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()
+               if line.split()[1].startswith(str(run / "machines") + "/")}
+    for mount in sorted(mounts):
+        if subprocess.run(["mountpoint", "-q", mount]).returncode == 0:
+            _run(["umount", mount], f"umount {mount}")
+            removed.append(f"mount {mount}")
+    # Only what this run directory's state names: without a state, nothing of this testbed was
+    # made (up saves the state before it adds anything), and another testbed's bridge is not ours.
+    bridge = state.bridge if state else None
+    for nd in nodes:
+        veth = f"vb-{nd['name']}"
+        if Path(f"/sys/class/net/{veth}").exists():
+            subprocess.run(["ip", "link", "del", veth], capture_output=True)
+            removed.append(f"veth {veth}")
+    if bridge and Path(f"/sys/class/net/{bridge}").exists():
+        _run(["ip", "link", "del", bridge], f"deleting bridge {bridge}")
+        removed.append(f"bridge {bridge}")
+    if run.exists():
+        shutil.rmtree(run)
+        removed.append(f"directory {run}")
+    return removed
+
+
+def load_state(cache: Optional[Path] = None, run: Optional[Path] = None) -> Optional[State]:
+    return State.load((run or run_dir(cache or cache_dir())) / STATE_FILE)
+
+
+def ssh(name: str, command: str, cache: Optional[Path] = None, timeout: float = 120.0,
+        check: bool = True, run: Optional[Path] = None) -> subprocess.CompletedProcess:
+    """Run a shell command on a node of the running testbed."""
+    run = run or run_dir(cache or cache_dir())
+    state = State.load(run / STATE_FILE)
+    if state is None:
+        raise TestbedError("no testbed is up: run `fog-agent testbed up` first")
+    match = [nd for nd in state.nodes if nd["name"] == name]
+    if not match:
+        raise TestbedError(f"no node {name} (nodes: {', '.join(str(nd['name']) for nd in state.nodes)})")
+    proc = subprocess.run(ssh_argv(str(match[0]["address"]), run / "id_ed25519", run / "known_hosts", command),
+                          capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise TestbedError(f"{name}: `{command}` exited {proc.returncode}: {proc.stderr.strip()[-300:]}")
+    return proc
+
+
+# ---------------------------------------------------------------------------------------------
+# Faults on real nodes: what `fog-agent chaos` does to processes, done to a container.
+
+
+def _node_entry(state: State, name: str) -> Dict[str, object]:
+    match = [nd for nd in state.nodes if nd["name"] == name]
+    if not match:
+        raise TestbedError(f"no node {name} (nodes: {', '.join(str(nd['name']) for nd in state.nodes)})")
+    return match[0]
+
+
+def _require_state(run: Path) -> State:
+    state = State.load(run / STATE_FILE)
+    if state is None:
+        raise TestbedError("no testbed is up: run `fog-agent testbed up` first")
+    return state
+
+
+def kill_node(name: str, run: Optional[Path] = None) -> None:
+    """A power cut: SIGKILL to the node's nspawn and everything in the container, no shutdown.
+    Its disk (the overlay's upper layer) stays; `start_node` boots it again."""
+    run = run or run_dir(cache_dir())
+    state = _require_state(run)
+    entry = _node_entry(state, name)
+    pid = int(entry["pid"]) if entry.get("pid") else 0
+    if not pid or not _is_nspawn(pid):
+        raise TestbedError(f"{name} is not running")
+    os.killpg(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while _is_nspawn(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    veth = f"vb-{name}"
+    if Path(f"/sys/class/net/{veth}").exists():  # gone with the container's namespace, normally
+        subprocess.run(["ip", "link", "del", veth], capture_output=True)
+
+
+def start_node(name: str, run: Optional[Path] = None, boot_timeout: float = 120.0) -> int:
+    """Boot a node that was killed (or powered off) again, on the same disk; returns nspawn's pid."""
+    run = run or run_dir(cache_dir())
+    state = _require_state(run)
+    entry = _node_entry(state, name)
+    if entry.get("pid") and _is_nspawn(int(entry["pid"])):  # type: ignore[arg-type]
+        raise TestbedError(f"{name} is already running")
+    node = Node(name, str(entry["address"]), state.arch)
+    with open(run / "logs" / f"{name}.console", "ab") as console:
+        proc = subprocess.Popen(nspawn_argv(node, Path(str(entry["mount"])), str(state.bridge)),
+                                stdin=subprocess.DEVNULL, stdout=console, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    entry["pid"] = proc.pid
+    state.save(run / STATE_FILE)
+    wait_ssh(node.address, run / "id_ed25519", run / "known_hosts", boot_timeout)
+    return proc.pid
+
+
+def partition(name: str, cut: bool, run: Optional[Path] = None) -> None:
+    """Cut the node off the bridge (every other node, the broker, the host) or heal it: the host
+    side of its veth goes down or up; the container sees its link drop, nothing is restarted."""
+    run = run or run_dir(cache_dir())
+    _node_entry(_require_state(run), name)
+    _run(["ip", "link", "set", f"vb-{name}", "down" if cut else "up"], f"{'cutting' if cut else 'healing'} {name}")
