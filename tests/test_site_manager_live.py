@@ -182,3 +182,60 @@ def test_site_manager_consolidates_acquires_and_fails_over(capsys, mosquitto, tm
     assert v.ok, v
     print(f"site manager live: {time.monotonic() - started:.1f}s, node-minutes saved {node_minutes_saved:.3f}, "
           f"failover {took:.1f}s, {v}")
+
+
+def test_a_peer_drain_is_accepted_from_the_lease_holder_only(mosquitto, tmp_path) -> None:
+    """`drain` on an agent's peer topic: refused from a node that holds no lease, accepted from
+    the holder of an unexpired one (the node then reports draining), refused again once the
+    lease expired. One agent, no site manager of its own."""
+    import queue
+
+    import paho.mqtt.client as mqtt
+
+    from agent.node import rpc
+    from agent.tools.demo import Monitor
+
+    cluster = "p" + uuid.uuid4().hex[:8]
+    (tmp_path / "sinks").mkdir()
+    conf = tmp_path / "n1.toml"
+    conf.write_text(
+        f'[agent]\nnode = "n1"\ncluster = "{cluster}"\nslots = 1\nstate_dir = "{tmp_path}/state-n1"\n'
+        f"state_period = 0.5\nheartbeat_period = 0.2\nshutdown_timeout = 3.0\n"
+        f'[mqtt]\nhost = "{mosquitto.host}"\nport = {mosquitto.port}\n[metrics]\nport = 0\n')
+    replies: "queue.Queue[Dict[str, Any]]" = queue.Queue()
+    c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"n9-{uuid.uuid4().hex[:6]}", protocol=mqtt.MQTTv5)
+    c.on_connect = lambda cl, *a: cl.subscribe(topics.replies(cluster, "n9", "n1"), qos=1)
+    c.on_message = lambda cl, ud, msg: replies.put(json.loads(msg.payload))
+    c.connect(mosquitto.host, mosquitto.port)
+    c.loop_start()
+    mon = Monitor(mosquitto.host, mosquitto.port, cluster)
+    agent = AgentProcess(conf, tmp_path / "n1.log")
+
+    def ask(op: str) -> Dict[str, Any]:
+        c.publish(topics.agent_peer(cluster, "n1", "n9"), rpc.encode({"op": op, "node": "n1", "v": 1}), qos=1,
+                  properties=rpc.publish_properties(uuid.uuid4().hex)).wait_for_publish(5)
+        return replies.get(timeout=10)
+
+    def lease(until: float) -> None:
+        c.publish(topics.site_manager(cluster), json.dumps({"v": 1, "node": "n9", "until": until}), qos=1,
+                  retain=True).wait_for_publish(5)
+        time.sleep(0.5)
+
+    try:
+        assert mon.wait(lambda m: m.status.get("n1") == "online", 30)
+        r = ask("drain")
+        assert not r["ok"] and "not the site manager" in r["error"], r
+        lease(time.time() + 30)
+        r = ask("drain")
+        assert r["ok"], r
+        assert mon.wait(lambda m: m.states.get("n1", {}).get("draining") is True, 10), mon.states.get("n1")
+        lease(time.time() - 1)
+        r = ask("undrain")
+        assert not r["ok"] and "not the site manager" in r["error"], r
+        assert ask("spawn")["ok"] is False  # the other peer ops keep their own checks
+    finally:
+        agent.stop()
+        mon.close()
+        c.publish(topics.site_manager(cluster), b"", retain=True)
+        c.loop_stop()
+        c.disconnect()
