@@ -78,7 +78,7 @@ def test_a_source_resumes_at_its_oldest_unacked_poll_not_its_newest(tmp_path) ->
     from agent import topics
     from agent.tools.dataplane_bench import initial_specs, pipeline_toml
     from agent.dataplane.envelope import Envelope, Kind, encode
-    from agent.instance.spec import BrokerSpec
+    from agent.mqtt.settings import BrokerSpec
     from agent.mqtt.transport import Received
     from agent.instance.worker import Worker
 
@@ -128,7 +128,7 @@ def _chain(tmp_path, clock: list, wire: "MemoryWire", operator: str, policy: str
     import os
 
     from agent.tools.dataplane_bench import initial_specs, pipeline_toml
-    from agent.instance.spec import BrokerSpec
+    from agent.mqtt.settings import BrokerSpec
     from agent.instance.worker import Worker
 
     toml = pipeline_toml("p", [
@@ -254,7 +254,7 @@ def _creator_and_idle_copy(tmp_path):  # type: ignore[no-untyped-def]
     import os
 
     from agent.tools.dataplane_bench import initial_specs, pipeline_toml
-    from agent.instance.spec import BrokerSpec
+    from agent.mqtt.settings import BrokerSpec
     from agent.instance.worker import Worker
 
     toml = pipeline_toml("p", [

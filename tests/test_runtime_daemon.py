@@ -25,7 +25,8 @@ from agent.node import nodestate
 
 from agent.node import rpc
 from agent.node.placement import NodeView, PlacementRequest, free_slots_then_latency, local_only, spread
-from agent.instance.spec import BrokerSpec, InstanceSpec
+from agent.instance.spec import InstanceSpec
+from agent.mqtt.settings import BrokerSpec
 from agent.node.supervisor import Supervisor, WorkerStatus
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -130,7 +130,7 @@ def test_the_log_limiter_writes_once_per_sender_per_minute_and_a_bounded_number_
 def _worker(tmp_path: Path, operator: str, clock: List[float], **changes: Any):  # type: ignore[no-untyped-def]
     """One worker of source -> work -> sink (decentralized scaling core, policy none)."""
     from agent.tools.dataplane_bench import initial_specs, pipeline_toml
-    from agent.instance.spec import BrokerSpec
+    from agent.mqtt.settings import BrokerSpec
     from agent.instance.worker import Worker
 
     toml = pipeline_toml("p", [
@@ -374,7 +374,7 @@ def test_forged_inbox_messages_on_a_real_broker_stall_nothing_and_leave_no_state
 
     from agent.tools.dataplane_bench import LocalRunner, initial_specs, pipeline_toml
     from agent.operators.builtin import read_sink_ids
-    from agent.instance.spec import BrokerSpec
+    from agent.mqtt.settings import BrokerSpec
 
     n, cluster = 3000, "forged"
     toml = pipeline_toml("taxi", [

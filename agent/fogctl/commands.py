@@ -421,7 +421,7 @@ def cmd_undeploy(args: argparse.Namespace, ctx: Context) -> int:
     agent deletes the stored spec before it answers), then the record becomes a tombstone,
     which agents that were away read when they come back. `--force`: also without a record
     (the broker lost it), stopping what the agents' states list under the pipeline's name."""
-    from agent.node.deploy import parse_record, tombstone
+    from agent.control.records import parse_record, tombstone
 
     name = args.pipeline
     if name.endswith(".toml"):

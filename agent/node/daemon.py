@@ -45,11 +45,12 @@ from agent.control.fleet import Instance, Phase
 from agent.control.rpc_schema import ActionKind, DrainRequest, Reply, RequestError, agent_actions, parse_request
 from agent.mqtt import client as mqttc
 from agent.files import write_atomic
-from agent.instance.spec import BrokerSpec, InstanceSpec, request_spec
+from agent.instance.spec import InstanceSpec, request_spec
+from agent.mqtt.settings import BrokerSpec
 from agent.measure.capacity import capacity_for
 from agent.node import bounds, hosted, nodestate, rehome, rpc
 from agent.node.hostmap import HostMap
-from agent.node import deploy as records
+from agent.control import records
 from agent.node.placement import (
     DEFAULT_POLICY,
     NodeView,

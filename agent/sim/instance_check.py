@@ -52,7 +52,8 @@ from agent.instance.core import Instance
 from agent.instance.events import (
     Control, EnvelopeReceived, Event, PubAcked, PublishAccepted, PublishRefused, Restarted, Spawned, Started, Tick,
 )
-from agent.instance.spec import BrokerSpec, InstanceSpec
+from agent.instance.spec import InstanceSpec
+from agent.mqtt.settings import BrokerSpec
 from agent.protocol.scaling import InstanceState
 
 __all__ = ["Config", "Report", "Violation", "World", "explore", "random_runs", "describe", "pipeline_text", "FAULTS"]

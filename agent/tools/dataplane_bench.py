@@ -38,7 +38,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence
 
-from agent.instance.spec import BrokerSpec, InstanceSpec, control_line, parse_control_line
+from agent.instance.spec import InstanceSpec, control_line, parse_control_line
+
+from agent.mqtt.settings import BrokerSpec
 from agent.mqtt import client as mqttc
 
 __all__ = ["BenchFailed", "DropWatch", "WorkerProc", "LocalRunner", "pipeline_toml", "initial_specs", "measure_raw",

@@ -560,7 +560,8 @@ def start_to_ready(host: str, port: int, workdir: Path, warm: bool, n: int = 5) 
     import queue
 
     from agent.node.daemon import worker_env
-    from agent.instance.spec import BrokerSpec, InstanceSpec
+    from agent.instance.spec import InstanceSpec
+    from agent.mqtt.settings import BrokerSpec
     from agent.node.supervisor import Supervisor, WorkerStatus
 
     q: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
