@@ -35,7 +35,7 @@ import yaml
 from agent.collector.service import Collector
 from agent.config import TlsSection, load_agent_config
 from agent.spill.shipper import MqttShipper, ShipperCore, meta_for
-from agent.instance.spec import BrokerSpec
+from agent.mqtt.settings import BrokerSpec
 from agent.spill.local import AgentSpill
 from agent.spill.spool import Spool, file_id
 from tls_site import OK_CODES, ROOT, Client, Site, agent_toml, have_tools, running_site, wait_until

@@ -24,7 +24,7 @@ from agent.cli.fogctl import main
 from agent.fogctl.client import Connection
 from agent.fogctl.config import FogctlConfig
 from agent.tools.broker import start_private_broker
-from agent.node.deploy import parse_record
+from agent.control.records import parse_record
 from test_runtime_daemon import PIPELINE, AgentProc, fake_worker, wait_until  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.broker
@@ -319,10 +319,10 @@ def test_manual_scale_pins_the_count_until_released(capsys, mosquitto: Any, tmp_
 
 
 def test_records_generations_and_durations_pure() -> None:
-    """The rules the agents apply (agent.node.deploy.stale_reason) and fogctl's --for."""
+    """The rules the agents apply (agent.control.records.stale_reason) and fogctl's --for."""
     from agent.config import load_pipeline_text
     from agent.control.rpc_schema import RequestError, parse_duration
-    from agent.node.deploy import PipelineRecord, stale_reason, stamp, tombstone
+    from agent.control.records import PipelineRecord, stale_reason, stamp, tombstone
 
     text = stamp(PIPELINE, "18c-abc123")
     assert load_pipeline_text(text).pipeline.name == "p"  # the stamp is a TOML comment

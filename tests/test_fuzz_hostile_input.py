@@ -362,9 +362,9 @@ def test_hypothesis_channel_any_order(script: Any, max_pending: int) -> None:
 def test_worker_logs_protocol_messages_it_cannot_handle_once_per_sender(caplog: Any) -> None:
     """Counted every time, logged once per sender (was: one warning per message, so a hostile
     or misconfigured peer could flood the log)."""
-    from agent.instance.worker import Worker
+    from agent.instance.core import Instance
 
-    w = object.__new__(Worker)  # only the fields _on_protocol uses: no broker, no process
+    w = object.__new__(Instance)  # only the fields _on_protocol uses: no broker, no process
     w.stats = {"protocol_in": 0, "protocol_errors": 0}
     w.scaling = None
     w._malformed_logged = set()
@@ -372,7 +372,7 @@ def test_worker_logs_protocol_messages_it_cannot_handle_once_per_sender(caplog: 
     body = {"type": "deletion", "sender": "x", "stage": 0, "round": 1}
     with caplog.at_level("WARNING", logger="agent.instance.worker"):
         for sender in ("x", "x", "x", "y"):
-            Worker._on_protocol(w, Envelope(sender, 0, 1, Kind.PROTO, body))
+            Instance._on_protocol(w, Envelope(sender, 0, 1, Kind.PROTO, body))
     assert w.stats["protocol_errors"] == 4
     assert len([r for r in caplog.records if "scaling is off" in r.getMessage()]) == 2
 

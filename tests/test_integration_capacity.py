@@ -7,7 +7,8 @@ from pathlib import Path
 
 from agent.measure.capacity import CapacityRecord, CapacityStore
 from agent.node.daemon import spec_with_capacity
-from agent.instance.spec import BrokerSpec, InstanceSpec
+from agent.instance.spec import InstanceSpec
+from agent.mqtt.settings import BrokerSpec
 
 TOML = """
 [pipeline]

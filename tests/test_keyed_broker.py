@@ -20,7 +20,7 @@ import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
 from agent.instance.keyed_state import KeyedState
-from agent.instance.spec import BrokerSpec
+from agent.mqtt.settings import BrokerSpec
 from agent.operators.builtin import OperatorContext
 from agent.operators.keyed import tumbling_window
 from agent.operators.taxi import TaxiGenerator

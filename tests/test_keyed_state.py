@@ -353,7 +353,7 @@ def test_a_worker_refuses_a_keyed_operator_that_may_scale_with_one_line(tmp_path
     import subprocess
     import sys
 
-    from agent.instance.spec import BrokerSpec
+    from agent.mqtt.settings import BrokerSpec
     from agent.tools.dataplane_bench import initial_specs
 
     spec = initial_specs(_pipeline_text("decentralized", "k"), BrokerSpec("127.0.0.1", 1), str(tmp_path))[1]
@@ -402,7 +402,8 @@ def test_an_agent_refuses_to_scale_or_drain_away_an_instance_with_keyed_state(tm
 
     from agent.config import load_agent_config
     from agent.control.rpc_schema import DrainRequest, ScaleRequest
-    from agent.instance.spec import BrokerSpec, InstanceSpec
+    from agent.instance.spec import InstanceSpec
+    from agent.mqtt.settings import BrokerSpec
     from agent.node.daemon import Agent
     from agent.node.supervisor import Worker, WorkerStatus
 

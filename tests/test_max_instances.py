@@ -15,7 +15,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from agent.policy.decentralized import Action, ScalingParams, decide
 from agent.node import bounds
-from agent.instance.spec import BrokerSpec, InstanceSpec
+from agent.instance.spec import InstanceSpec
+from agent.mqtt.settings import BrokerSpec
 
 PIPELINE = """
 [pipeline]

@@ -20,7 +20,7 @@ from typing import Any, Iterator, List
 import paho.mqtt.client as mqtt
 import pytest
 
-from agent.instance.spec import BrokerSpec
+from agent.mqtt.settings import BrokerSpec
 from agent.mqtt import client as mqttc
 from agent.tools.broker import free_port
 from tls_site import AgentProc, Client, Site, have_tools, running_site, wait_until

@@ -78,7 +78,7 @@ def test_a_source_resumes_at_its_oldest_unacked_poll_not_its_newest(tmp_path) ->
     from agent import topics
     from agent.tools.dataplane_bench import initial_specs, pipeline_toml
     from agent.dataplane.envelope import Envelope, Kind, encode
-    from agent.instance.spec import BrokerSpec
+    from agent.mqtt.settings import BrokerSpec
     from agent.mqtt.transport import Received
     from agent.instance.worker import Worker
 
@@ -96,7 +96,7 @@ def test_a_source_resumes_at_its_oldest_unacked_poll_not_its_newest(tmp_path) ->
 
     def poll(n: int) -> None:
         for i in range(n):
-            w.operator.ingest("sensors/x", b'{"v": %d}' % i)
+            w.core.operator.ingest("sensors/x", b'{"v": %d}' % i)
         clock[0] += 0.1
         w.step(clock[0])
         w.step(clock[0])
@@ -107,18 +107,18 @@ def test_a_source_resumes_at_its_oldest_unacked_poll_not_its_newest(tmp_path) ->
     poll(4)
     poll(4)
     poll(4)
-    assert len(data_batches()) == 3 and w.operator.generated == 12
-    assert w.source_resume_seq() == 0  # nothing acked: everything must be generated again
+    assert len(data_batches()) == 3 and w.core.operator.generated == 12
+    assert w.core.source_resume_seq() == 0  # nothing acked: everything must be generated again
 
     def ack(upto: int, seq: int) -> None:
         wire.events.append(Received(topics.inbox("c", "source-0", "local"),
-                                    encode(Envelope("sink-0", 0, seq, Kind.ACK, [w.epoch, upto]))))
+                                    encode(Envelope("sink-0", 0, seq, Kind.ACK, [w.core.epoch, upto]))))
         w.step(clock[0])
 
     ack(1, 1)
-    assert w.source_resume_seq() == 4  # the first poll is acked end to end, the second is not
+    assert w.core.source_resume_seq() == 4  # the first poll is acked end to end, the second is not
     ack(3, 2)
-    assert w.source_resume_seq() == 12  # all acked: resume after the last generated record
+    assert w.core.source_resume_seq() == 12  # all acked: resume after the last generated record
 
 
 def _chain(tmp_path, clock: list, wire: "MemoryWire", operator: str, policy: str = "none",  # type: ignore[no-untyped-def]
@@ -128,7 +128,7 @@ def _chain(tmp_path, clock: list, wire: "MemoryWire", operator: str, policy: str
     import os
 
     from agent.tools.dataplane_bench import initial_specs, pipeline_toml
-    from agent.instance.spec import BrokerSpec
+    from agent.mqtt.settings import BrokerSpec
     from agent.instance.worker import Worker
 
     toml = pipeline_toml("p", [
@@ -154,7 +154,7 @@ def test_a_hole_in_a_senders_numbering_that_stays_open_makes_us_a_new_incarnatio
     from agent.dataplane.envelope import decode, encode_data
     from agent.operators.taxi import sample
     from agent.mqtt.transport import Received
-    from agent.instance.worker import GAP_TIMEOUT, SILENCE_CHECK
+    from agent.instance.core import GAP_TIMEOUT, SILENCE_CHECK
 
     clock, wire = [100.0], MemoryWire()
     w = _chain(tmp_path, clock, wire, "work")
@@ -173,14 +173,14 @@ def test_a_hole_in_a_senders_numbering_that_stays_open_makes_us_a_new_incarnatio
 
     wire.events += [batch(1), batch(3)]
     run(GAP_TIMEOUT - 2 * SILENCE_CHECK)
-    assert w.epoch == 0 and w.stats.get("gaps_recovered", 0) == 0  # reordering may still close it
+    assert w.core.epoch == 0 and w.core.stats.get("gaps_recovered", 0) == 0  # reordering may still close it
     sent_before = len(wire.sent)
     run(3 * SILENCE_CHECK)
-    assert w.epoch == 1 and w.stats["gaps_recovered"] == 1
+    assert w.core.epoch == 1 and w.core.stats["gaps_recovered"] == 1
     to_source = [decode(p) for t, p in wire.sent[sent_before:] if t == topics.inbox("c", "source-0", "local")]
     assert any(e.epoch == 1 and list(e.body) == [0, 0] for e in to_source), to_source  # "replay to me"
     run(3 * GAP_TIMEOUT)
-    assert w.stats["gaps_recovered"] == 1  # the hole was forgotten with the old channel positions
+    assert w.core.stats["gaps_recovered"] == 1  # the hole was forgotten with the old channel positions
 
 
 def test_batches_a_successor_never_acks_are_replayed_to_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -189,12 +189,12 @@ def test_batches_a_successor_never_acks_are_replayed_to_it(tmp_path) -> None:  #
     from agent import topics
     from agent.dataplane.envelope import Envelope, Kind, decode, encode
     from agent.mqtt.transport import Received
-    from agent.instance.worker import LINK_SILENCE
+    from agent.instance.core import LINK_SILENCE
 
     clock, wire = [100.0], MemoryWire()
     w = _chain(tmp_path, clock, wire, "source")
     for i in range(8):
-        w.operator.ingest("sensors/x", b'{"v": %d}' % i)
+        w.core.operator.ingest("sensors/x", b'{"v": %d}' % i)
     clock[0] += 0.1
     w.step(clock[0])
     w.step(clock[0])
@@ -202,7 +202,7 @@ def test_batches_a_successor_never_acks_are_replayed_to_it(tmp_path) -> None:  #
     first = [decode(p) for t, p in wire.sent if t == to_work and decode(p).kind.value == "d"]
     assert [e.seq for e in first] == [1, 2]
     wire.events.append(Received(topics.inbox("c", "source-0", "local"),
-                                encode(Envelope("work-0", 0, 1, Kind.ACK, [w.epoch, 1]))))  # batch 1 only
+                                encode(Envelope("work-0", 0, 1, Kind.ACK, [w.core.epoch, 1]))))  # batch 1 only
     sent = len(wire.sent)
     end = clock[0] + LINK_SILENCE + 2
     while clock[0] < end:
@@ -232,18 +232,19 @@ def test_an_instance_restarted_after_its_termination_exits_for_good(tmp_path) ->
     import json
     import os
 
+    from agent.files import write_atomic
     from agent.protocol.scaling import InstanceState
 
     clock, wire = [100.0], MemoryWire()
     w = _chain(tmp_path, clock, wire, "work", policy="decentralized")
-    assert w._exit is None
-    w.scaling.core.state = InstanceState.TERMINATED
-    w._write_state(force=True)
+    assert w.exit_code is None
+    w.core.scaling.core.state = InstanceState.TERMINATED
+    write_atomic(tmp_path / "state" / "work-0.state.json", json.dumps(w.core.persisted_state()))
     path = tmp_path / "state" / "work-0.state.json"
     assert json.loads(path.read_text())["scaling"]["state"] == "terminated"
     os.close(w._identity_lock)  # the first incarnation is gone: its identity lock goes with it
     again = _chain(tmp_path, clock, wire, "work", policy="decentralized", restart=True)
-    assert again._exit is not None and again._exit[2] is True, again._exit  # final
+    assert again.exit_command is not None and again.exit_command.final, again.exit_command
 
 
 def _creator_and_idle_copy(tmp_path):  # type: ignore[no-untyped-def]
@@ -253,7 +254,7 @@ def _creator_and_idle_copy(tmp_path):  # type: ignore[no-untyped-def]
     import os
 
     from agent.tools.dataplane_bench import initial_specs, pipeline_toml
-    from agent.instance.spec import BrokerSpec
+    from agent.mqtt.settings import BrokerSpec
     from agent.instance.worker import Worker
 
     toml = pipeline_toml("p", [
@@ -284,7 +285,7 @@ def test_an_idle_copy_asks_its_creator_for_start_again_and_only_its_creator_answ
     from agent import topics
     from agent.dataplane.envelope import Envelope, Kind, decode, encode
     from agent.mqtt.transport import Received
-    from agent.instance.worker import IDLE_PING
+    from agent.instance.driver import IDLE_PING
 
     clock, copy, copy_wire, creator, keeper_wire = _creator_and_idle_copy(tmp_path)
 
@@ -311,19 +312,19 @@ def test_an_idle_copy_asks_its_creator_for_start_again_and_only_its_creator_answ
     def ping_creator(seq: int) -> list:
         before = len(keeper_wire.sent)
         keeper_wire.events.append(Received(topics.inbox("c", "work-0", "local"),
-                                           encode(Envelope("work-x", copy.epoch, seq, Kind.ACK, [0, 0]))))
+                                           encode(Envelope("work-x", copy.core.epoch, seq, Kind.ACK, [0, 0]))))
         creator.step(clock[0])
         return [decode(p) for t, p in keeper_wire.sent[before:] if t == to_copy]
 
     probe = ping_creator(1)  # a copy it never started: no Start, a probe (see the adoption test below)
     assert [e.body["type"] for e in probe] == ["probe"]
-    creator.scaling.started.append("work-x")
+    creator.core.scaling.started.append("work-x")
     sent = ping_creator(2)
     assert len(sent) == 1 and sent[0].kind is Kind.PROTO and sent[0].body["type"] == "start", sent
     assert sent[0].body["succs"] == ["sink-0"] and sent[0].body["preds"] == ["source-0"]
     copy_wire.events.extend(Received(to_copy, encode(e)) for e in probe + sent)
     copy.step(clock[0])
-    assert copy.scaling.core.is_active and copy.router.succs == ("sink-0",)  # started at last
+    assert copy.core.scaling.core.is_active and copy.core.router.succs == ("sink-0",)  # started at last
 
 
 def test_a_creator_adopts_an_idle_copy_of_its_earlier_incarnation_only_after_it_echoed_a_probe(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -339,7 +340,7 @@ def test_a_creator_adopts_an_idle_copy_of_its_earlier_incarnation_only_after_it_
     from agent.protocol.messages import DuplicationAck
     from agent.dataplane.envelope import Envelope, Kind, decode, encode
     from agent.mqtt.transport import Received
-    from agent.instance.worker import IDLE_PING
+    from agent.instance.driver import IDLE_PING
 
     clock, copy, copy_wire, creator, keeper_wire = _creator_and_idle_copy(tmp_path)
     to_copy, to_creator = topics.inbox("c", "work-x", "local"), topics.inbox("c", "work-0", "local")
@@ -371,12 +372,12 @@ def test_a_creator_adopts_an_idle_copy_of_its_earlier_incarnation_only_after_it_
 
     def echo(seq: int, n_: int) -> None:
         body = {"type": "probe_echo", "sender": "work-x", "n": n_}
-        keeper_wire.events.append(Received(to_creator, encode(Envelope("work-x", copy.epoch, seq, Kind.PROTO, body))))
+        keeper_wire.events.append(Received(to_creator, encode(Envelope("work-x", copy.core.epoch, seq, Kind.PROTO, body))))
         clock[0] += 0.1
         creator.step(clock[0])
 
     echo(2, n + 1)  # a wrong echo adopts nothing
-    assert list(creator.scaling.orphans) == [] and creator.scaling.core.state.value == "active"
+    assert list(creator.core.scaling.orphans) == [] and creator.core.scaling.core.state.value == "active"
     assert not [b for _, b in protos(keeper_wire) if b["type"] == "duplication"]
 
     # the copy (idle) echoes the probe; then the creator announces it to both neighbours, spawns nothing
@@ -386,7 +387,7 @@ def test_a_creator_adopts_an_idle_copy_of_its_earlier_incarnation_only_after_it_
     dup = [(t, b) for t, b in protos(keeper_wire) if b["type"] == "duplication"]
     assert sorted(t for t, _ in dup) == sorted([topics.inbox("c", "source-0", "local"), topics.inbox("c", "sink-0", "local")]), dup
     assert all(b["new_instances"] == ["work-x"] for _, b in dup), dup
-    assert creator.scaling.counts["spawns"] == 0 and creator.scaling.counts["adopted"] == 1
+    assert creator.core.scaling.counts["spawns"] == 0 and creator.core.scaling.counts["adopted"] == 1
     rnd = dup[0][1]["round"]
     for seq_, peer, stage in ((1, "source-0", 0), (1, "sink-0", 2)):
         ack = DuplicationAck.trusted(sender=peer, stage=stage, round=rnd)
@@ -396,26 +397,26 @@ def test_a_creator_adopts_an_idle_copy_of_its_earlier_incarnation_only_after_it_
     start = [b for _, b in protos(keeper_wire, to_copy) if b["type"] == "start"]
     assert len(start) == 1 and start[0]["succs"] == ["sink-0"] and start[0]["preds"] == ["source-0"], start
     carry(keeper_wire, copy, to_copy, "copy")
-    assert copy.scaling.core.is_active and copy.router.succs == ("sink-0",)
+    assert copy.core.scaling.core.is_active and copy.core.router.succs == ("sink-0",)
 
     # once active, the copy echoes no probe: a late ping cannot make the creator adopt it twice
-    creator.scaling.started.clear()
-    keeper_wire.events.append(Received(to_creator, encode(Envelope("work-x", copy.epoch, 4, Kind.ACK, [0, 0]))))
+    creator.core.scaling.started.clear()
+    keeper_wire.events.append(Received(to_creator, encode(Envelope("work-x", copy.core.epoch, 4, Kind.ACK, [0, 0]))))
     creator.step(clock[0])
     carry(keeper_wire, copy, to_copy, "copy")
     assert len(protos(keeper_wire, to_copy)) == 3  # probe, start, a second probe
     assert len(protos(copy_wire, to_creator)) == 1  # the first echo only
-    assert creator.scaling.counts["adopted"] == 1
+    assert creator.core.scaling.counts["adopted"] == 1
 
     # hostile probes and echoes: counted as protocol errors, nothing else happens
-    errors = creator.stats["protocol_errors"]
+    errors = creator.core.stats["protocol_errors"]
     bad = [{"type": "probe_echo", "sender": "work-x", "n": v} for v in ("1", True, 0, -3, None, 1.0)]
     bad += [{"type": "probe_echo", "sender": "work-y", "n": n}, {"type": "probe", "n": n}]
     for k, body in enumerate(bad):
-        keeper_wire.events.append(Received(to_creator, encode(Envelope("work-x", copy.epoch, 5 + k, Kind.PROTO, body))))
+        keeper_wire.events.append(Received(to_creator, encode(Envelope("work-x", copy.core.epoch, 5 + k, Kind.PROTO, body))))
     creator.step(clock[0])
-    assert creator.stats["protocol_errors"] == errors + len(bad)
-    assert creator.scaling.counts["adopted"] == 1 and list(creator.scaling.orphans) == []
+    assert creator.core.stats["protocol_errors"] == errors + len(bad)
+    assert creator.core.scaling.counts["adopted"] == 1 and list(creator.core.scaling.orphans) == []
 
 
 def test_a_refused_ack_of_a_sink_is_published_later_and_later_acks_follow(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -448,11 +449,11 @@ def test_a_refused_ack_of_a_sink_is_published_later_and_later_acks_follow(tmp_pa
     wire.refuse = 1
     wire.events += [batch(1), batch(2)]
     run(1.0)
-    assert w.stats["publish_rejected"] == 1
+    assert w.core.stats["publish_rejected"] == 1
     wire.events += [batch(s) for s in range(3, 9)]
     run(1.0)
     assert acked() == 8, f"the sink acked only up to {acked()} of 8 batches"
-    assert not w.retry
+    assert not w.core.retry
 
 
 def _active_copy(tmp_path, clock: list, restart: bool = False, extra: Optional[dict] = None):  # type: ignore[no-untyped-def]
@@ -494,7 +495,7 @@ def test_a_departing_copy_drains_data_queued_behind_a_duplicate_deletion_ack(tmp
 
     def run(seconds: float) -> None:
         end = clock[0] + seconds
-        while clock[0] < end and w._exit is None:  # noqa: SLF001
+        while clock[0] < end and w.exit_code is None:
             clock[0] += 0.05
             w.step(clock[0])
 
@@ -508,7 +509,7 @@ def test_a_departing_copy_drains_data_queued_behind_a_duplicate_deletion_ack(tmp
     def sent(kind: Kind, dest: str) -> list:
         return [decode(p) for t, p in wire.sent if t == topics.inbox("c", dest, "local") and decode(p).kind is kind]
 
-    w.scaling.force("terminate", 1)
+    w.core.scaling.force("terminate", 1)
     run(1.0)
     (deletion,) = sent(Kind.PROTO, "source-0")  # two-phase: the predecessors first
     rnd = deletion.body["round"]
@@ -517,12 +518,12 @@ def test_a_departing_copy_drains_data_queued_behind_a_duplicate_deletion_ack(tmp
     run(2.0)
     batches = sent(Kind.DATA, "sink-0")
     assert sum(len(e.body) for e in batches) == 8, "the data behind the repeated ack was not drained"
-    wire.events.append(Received(inbox, encode(Envelope("sink-0", 0, 1, Kind.ACK, [w.epoch, batches[-1].seq]))))
+    wire.events.append(Received(inbox, encode(Envelope("sink-0", 0, 1, Kind.ACK, [w.core.epoch, batches[-1].seq]))))
     run(1.0)
     (to_succ,) = sent(Kind.PROTO, "sink-0")  # drained: now the successors
     wire.events.append(proto("sink-0", 2, to_succ.body["round"]))
     run(1.0)
-    assert w._exit is not None and w.scaling.terminated  # noqa: SLF001
+    assert w.exit_code is not None and w.core.scaling.terminated
 
 
 def test_a_rehomed_copy_numbers_its_rounds_above_any_its_dead_incarnation_used(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -539,7 +540,7 @@ def test_a_rehomed_copy_numbers_its_rounds_above_any_its_dead_incarnation_used(t
     for rehomed, applies in ((False, False), (True, True)):
         w, wire = _active_copy(tmp_path / f"s{rehomed}", clock, restart=rehomed,
                                extra={"min_epoch": 1_795_535_791} if rehomed else {})
-        w.scaling.force("terminate", 1)
+        w.core.scaling.force("terminate", 1)
         clock[0] += 1.0
         w.step(clock[0])
         (deletion,) = [from_dict(decode(p).body) for _, p in wire.sent if decode(p).kind is Kind.PROTO]

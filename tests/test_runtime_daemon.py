@@ -25,7 +25,8 @@ from agent.node import nodestate
 
 from agent.node import rpc
 from agent.node.placement import NodeView, PlacementRequest, free_slots_then_latency, local_only, spread
-from agent.instance.spec import BrokerSpec, InstanceSpec
+from agent.instance.spec import InstanceSpec
+from agent.mqtt.settings import BrokerSpec
 from agent.node.supervisor import Supervisor, WorkerStatus
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -603,6 +604,7 @@ def test_a_handed_over_keeper_keeps_its_identity_state_and_a_higher_epoch(tmp_pa
     from agent.node.daemon import Agent, without_handover
     from agent.instance.spec import request_spec
     from agent.instance.worker import Worker
+    from memory_wire import MemoryWire
 
     conf = tmp_path / "a.toml"
     conf.write_text(f'[agent]\nnode = "me"\ncluster = "c"\nstate_dir = "{tmp_path}/state"\n'
@@ -622,15 +624,19 @@ def test_a_handed_over_keeper_keeps_its_identity_state_and_a_higher_epoch(tmp_pa
     assert "handover_state" not in child.extra and not child.restart and not child.keeper
     assert "handover_state" not in without_handover(spec).extra and without_handover(spec).extra["sink_dir"]
 
-    def epoch(s: InstanceSpec) -> int:
-        w = Worker(s, out=open(os.devnull, "w"))
-        os.close(w._identity_lock)  # the next construction takes the identity's lock again
-        return w.epoch
-
     state = Path(spec.state_dir) / "p.work.0.state.json"
+    found = []
+
+    def epoch(s: InstanceSpec) -> int:
+        w = Worker(s, out=open(os.devnull, "w"), transport=MemoryWire())  # type: ignore[arg-type]
+        found.append(json.loads(state.read_text())["epoch"])  # what the worker will restore
+        w.start()  # the epoch is taken at start, from the state the worker found
+        os.close(w._identity_lock)  # the next construction takes the identity's lock again
+        return w.core.epoch
+
     assert not state.exists()
     assert epoch(spec) == 5  # the shipped state's epoch + 1
-    assert json.loads(state.read_text())["epoch"] == 4  # written to our state dir, then loaded
+    assert found[-1] == 4  # written to our state dir, then loaded
     state.write_text(json.dumps({"epoch": 9, "inbound": {}}))  # a later incarnation here wins
     assert epoch(spec) == 10
     state.write_text(json.dumps({"epoch": 1, "inbound": {}}))  # an older leftover does not

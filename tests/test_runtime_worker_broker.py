@@ -17,7 +17,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 from agent import topics
 from agent.tools.dataplane_bench import LocalRunner, initial_specs, pipeline_toml
 from agent.operators.builtin import in_zone, read_sink_ids, validate
-from agent.instance.spec import BrokerSpec
+from agent.mqtt.settings import BrokerSpec
 from agent.operators.taxi import TaxiGenerator
 
 pytestmark = [pytest.mark.broker, pytest.mark.timeout(180)]
@@ -455,7 +455,7 @@ def test_a_fenced_transport_reconnects_only_when_allowed(mosquitto) -> None:
     proxy, longer than the 1 s keepalive) does not reconnect on its own, so it cannot take its
     MQTT session from an incarnation started elsewhere meanwhile; once allowed, it does."""
     from agent.tools.delayproxy import DelayProxy
-    from agent.instance.spec import BrokerSpec
+    from agent.mqtt.settings import BrokerSpec
     from agent.mqtt.transport import Disconnected, Transport
 
     with DelayProxy((mosquitto.host, mosquitto.port)) as proxy:
@@ -488,7 +488,7 @@ def test_a_qos1_publish_whose_write_fails_is_kept_by_paho_and_arrives_after_the_
     (a second copy) and, worse, held every later publish behind it (chaos seed 5002)."""
     import socket
 
-    from agent.instance.spec import BrokerSpec
+    from agent.mqtt.settings import BrokerSpec
     from agent.mqtt.transport import Received, Transport
 
     topic = "fog/test/inbox/connlost-0"

@@ -28,7 +28,8 @@ from agent.operators import admission
 from agent.node import hosted
 from agent.operators.admission import AllowList, NodeDirs, OperatorRefused, PathRefused
 from agent.operators.builtin import OperatorContext, load_operator
-from agent.instance.spec import BrokerSpec, InstanceSpec
+from agent.instance.spec import InstanceSpec
+from agent.mqtt.settings import BrokerSpec
 from pipelines import with_work
 
 ROOT = Path(__file__).resolve().parent.parent

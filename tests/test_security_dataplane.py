@@ -130,7 +130,7 @@ def test_the_log_limiter_writes_once_per_sender_per_minute_and_a_bounded_number_
 def _worker(tmp_path: Path, operator: str, clock: List[float], **changes: Any):  # type: ignore[no-untyped-def]
     """One worker of source -> work -> sink (decentralized scaling core, policy none)."""
     from agent.tools.dataplane_bench import initial_specs, pipeline_toml
-    from agent.instance.spec import BrokerSpec
+    from agent.mqtt.settings import BrokerSpec
     from agent.instance.worker import Worker
 
     toml = pipeline_toml("p", [
@@ -163,7 +163,7 @@ def _records(first: int, n: int) -> list:
 
 def test_a_sink_refuses_forged_epochs_numbers_and_senders_and_keeps_recording_real_batches(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from agent.operators.builtin import read_sink_ids
-    from agent.instance.worker import HOLD_TTL
+    from agent.instance.core import HOLD_TTL
 
     clock = [100.0]
     w, wire = _worker(tmp_path, "sink", clock)
@@ -178,24 +178,24 @@ def test_a_sink_refuses_forged_epochs_numbers_and_senders_and_keeps_recording_re
     deliver(encode_data("ghost-1", 0, 1, _records(0, 8)))  # an invented sender: the next ids
     deliver(encode_data("work-f00d", 0, 1, _records(0, 8)))  # invented, named like a predecessor's copy
     _run(w, clock, 1.0)
-    assert w.stats["refused_epochs"] == 1 and w.stats["refused_seqs"] == 1
-    assert w.stats["refused_senders"] == 1  # no operator's instance has that name: refused at once
-    assert w.hold.count == 1 and ("work-f00d", "local") in w.hold  # might be announced yet: held, bounded
-    assert w.operator.stats()["recorded"] == 0
+    assert w.core.stats["refused_epochs"] == 1 and w.core.stats["refused_seqs"] == 1
+    assert w.core.stats["refused_senders"] == 1  # no operator's instance has that name: refused at once
+    assert w.core.hold.count == 1 and ("work-f00d", "local") in w.core.hold  # might be announced yet: held, bounded
+    assert w.core.operator.stats()["recorded"] == 0
     saved = json.loads(state.read_text())
     assert saved["inbound"] == {} and "9007199254740992" not in state.read_text()
 
     for seq in (1, 2):  # the real batches, ids 0..7
         deliver(encode_data("work-0", 0, seq, _records(4 * (seq - 1), 4)))
     _run(w, clock, 1.0)
-    assert w.operator.stats()["recorded"] == 8 and w.operator.stats()["duplicates_dropped"] == 0
-    assert w.stats["duplicate_envelopes"] == 0
+    assert w.core.operator.stats()["recorded"] == 8 and w.core.operator.stats()["duplicates_dropped"] == 0
+    assert w.core.stats["duplicate_envelopes"] == 0
     saved = json.loads(state.read_text())
     assert saved["inbound"] == {"work-0": [0, 3]}
     _run(w, clock, HOLD_TTL + 1.0, step=0.5)
-    assert w.hold.count == 0 and w.stats["refused_senders"] == 2  # never announced: refused
-    assert w.operator.stats()["duplicates_dropped"] == 0 and w.operator.stats()["recorded"] == 8
-    w.operator.close()
+    assert w.core.hold.count == 0 and w.core.stats["refused_senders"] == 2  # never announced: refused
+    assert w.core.operator.stats()["duplicates_dropped"] == 0 and w.core.operator.stats()["recorded"] == 8
+    w.core.operator.close()
     ids, dup = read_sink_ids(tmp_path / "sink")
     assert ids == {"source-0": set(range(8))} and dup == 0
 
@@ -214,14 +214,14 @@ def test_thirty_thousand_acks_from_invented_senders_leave_no_trace(tmp_path) -> 
     for i in range(100):
         wire.events.append(Received(inbox, encode(Envelope(f"work-{i:012x}", 0, 1, Kind.ACK, [0, 0]))))
     _run(w, clock, 1.0)
-    from agent.instance.worker import MAX_PROBES, PROBE_TTL
+    from agent.instance.driver import MAX_PROBES, PROBE_TTL
 
-    assert w.stats["refused_senders"] == 30_000 + 100 - MAX_PROBES
-    assert w.inbound.senders() <= 1 + MAX_PROBES and len(w.queues) <= 1 + MAX_PROBES
-    assert w._refusals.suppressed + 20 >= w.stats["refused_senders"] - 1  # noqa: SLF001 - few log lines
+    assert w.core.stats["refused_senders"] == 30_000 + 100 - MAX_PROBES
+    assert w.core.inbound.senders() <= 1 + MAX_PROBES and len(w.core.queues) <= 1 + MAX_PROBES
+    assert w.core._refusals.suppressed + 20 >= w.core.stats["refused_senders"] - 1  # noqa: SLF001 - few log lines
     _run(w, clock, PROBE_TTL + 2.0, step=0.5)
-    assert w.inbound.senders() == 1 and set(w.queues) <= {"source-0"}  # unanswered probes forgotten
-    assert len(w.outbound._next) <= 2  # noqa: SLF001 - sink-0, source-0
+    assert w.core.inbound.senders() == 1 and set(w.core.queues) <= {"source-0"}  # unanswered probes forgotten
+    assert len(w.core.outbound._next) <= 2  # noqa: SLF001 - sink-0, source-0
     assert len(state.read_text()) <= size + 50, state.read_text()
     assert "ghost" not in state.read_text() and "work-0000" not in state.read_text()
 
@@ -232,12 +232,12 @@ def test_a_forged_ack_beyond_what_was_sent_cannot_release_the_replay_buffer(tmp_
     inbox = topics.inbox("c", "work-0", "local")
     wire.events.append(Received(inbox, encode_data("source-0", 0, 1, _records(0, 4))))
     _run(w, clock, 0.5)
-    link = w.links["sink-0"]
+    link = w.core.links["sink-0"]
     assert link.inflight == 1
-    wire.events.append(Received(inbox, encode(Envelope("sink-0", 0, 1, Kind.ACK, [w.epoch, 10 ** 6]))))
+    wire.events.append(Received(inbox, encode(Envelope("sink-0", 0, 1, Kind.ACK, [w.core.epoch, 10 ** 6]))))
     _run(w, clock, 0.2)
-    assert w.stats["refused_seqs"] == 1 and link.inflight == 1 and link.acked_upto == 0
-    wire.events.append(Received(inbox, encode(Envelope("sink-0", 0, 1, Kind.ACK, [w.epoch, link.highest_sent]))))
+    assert w.core.stats["refused_seqs"] == 1 and link.inflight == 1 and link.acked_upto == 0
+    wire.events.append(Received(inbox, encode(Envelope("sink-0", 0, 1, Kind.ACK, [w.core.epoch, link.highest_sent]))))
     _run(w, clock, 0.2)
     assert link.inflight == 0  # the real ack (the refused one did not take its number) still works
 
@@ -258,37 +258,37 @@ def test_an_idle_copy_holds_its_predecessors_batches_until_its_start_then_proces
     wire.events.append(Received(inbox, encode_data("ghost-2", 0, 1, _records(0, 4))))
     wire.events.append(Received(inbox, encode_data("source-zz", 0, 1, _records(0, 4))))
     _run(w, clock, 0.5)
-    assert w.hold.count == 3 and w.inbound.senders() == 0 and w.stats["records_in"] == 0
-    assert w.stats["refused_senders"] == 1  # ghost-2: no neighbour's instance has that name
+    assert w.core.hold.count == 3 and w.core.inbound.senders() == 0 and w.core.stats["records_in"] == 0
+    assert w.core.stats["refused_senders"] == 1  # ghost-2: no neighbour's instance has that name
     start = Start("work-0", 1, ("sink-0",), ("source-0",))
     wire.events.append(Received(inbox, encode(Envelope("work-0", 0, 1, Kind.PROTO, start.to_dict()))))
     _run(w, clock, 0.5)
-    assert w.scaling.core.is_active
-    assert w.stats["records_in"] == 8 and w.hold.count == 1 and ("source-zz", "local") in w.hold
-    assert w.stats["held_released"] == 2
+    assert w.core.scaling.core.is_active
+    assert w.core.stats["records_in"] == 8 and w.core.hold.count == 1 and ("source-zz", "local") in w.core.hold
+    assert w.core.stats["held_released"] == 2
     out = [decode(p) for t, p in wire.sent if t == topics.inbox("c", "sink-0", "local")]
     assert sum(len(e.body) for e in out if e.kind is Kind.DATA) == 8
-    assert w.inbound.senders() == 2  # work-0 (its Start) and source-0
+    assert w.core.inbound.senders() == 2  # work-0 (its Start) and source-0
 
 
 def test_data_claimed_by_a_known_sender_that_is_no_predecessor_is_never_processed(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The successor's name is known (it acks us), but a data batch under that name is not one
     a real successor can send (nor one a predecessor's instance can be named): refused at once;
     its records never reach the operator."""
-    from agent.instance.worker import HOLD_TTL
+    from agent.instance.core import HOLD_TTL
 
     clock = [100.0]
     w, wire = _worker(tmp_path, "work", clock)
     inbox = topics.inbox("c", "work-0", "local")
     wire.events.append(Received(inbox, encode_data("source-0", 0, 1, _records(0, 4))))
     _run(w, clock, 0.5)
-    wire.events.append(Received(inbox, encode(Envelope("sink-0", 0, 1, Kind.ACK, [w.epoch, 1]))))
+    wire.events.append(Received(inbox, encode(Envelope("sink-0", 0, 1, Kind.ACK, [w.core.epoch, 1]))))
     wire.events.append(Received(inbox, encode_data("sink-0", 0, 2, _records(100, 4))))
     _run(w, clock, 0.5)
-    assert w.links["sink-0"].inflight == 0  # its ack is fine
-    assert w.stats["records_in"] == 4 and w.hold.count == 0 and w.stats["refused_senders"] == 1
+    assert w.core.links["sink-0"].inflight == 0  # its ack is fine
+    assert w.core.stats["records_in"] == 4 and w.core.hold.count == 0 and w.core.stats["refused_senders"] == 1
     _run(w, clock, HOLD_TTL + 1.0, step=0.5)
-    assert w.stats["records_in"] == 4 and w.stats["refused_senders"] == 1
+    assert w.core.stats["records_in"] == 4 and w.core.stats["refused_senders"] == 1
 
 
 def test_a_departed_neighbours_resent_deletion_is_still_answered(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -303,12 +303,12 @@ def test_a_departed_neighbours_resent_deletion_is_still_answered(tmp_path) -> No
     deletion = Deletion("source-0", 0, 1).to_dict()
     wire.events.append(Received(inbox, encode(Envelope("source-0", 0, 1, Kind.PROTO, deletion))))
     _run(w, clock, 0.5)
-    assert "source-0" not in w.scaling.core.preds
+    assert "source-0" not in w.core.scaling.core.preds
     wire.events.append(Received(inbox, encode(Envelope("source-0", 0, 2, Kind.PROTO, deletion))))
     _run(w, clock, 0.5)
     acks = [decode(p).body for t, p in wire.sent if t == to_source and decode(p).kind is Kind.PROTO]
     assert [a["type"] for a in acks] == ["deletion_ack", "deletion_ack"], acks
-    assert w.hold.count == 0 and w.stats["refused_senders"] == 0
+    assert w.core.hold.count == 0 and w.core.stats["refused_senders"] == 0
 
 
 def test_an_idle_copy_applies_a_held_duplication_after_its_start_and_acks_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -324,11 +324,11 @@ def test_an_idle_copy_applies_a_held_duplication_after_its_start_and_acks_it(tmp
     dup = Duplication("sink-0", 2, 1, ("sink-z",)).to_dict()
     wire.events.append(Received(inbox, encode(Envelope("sink-0", 0, 1, Kind.PROTO, dup))))
     _run(w, clock, 0.5)
-    assert w.hold.count == 1 and not [p for t, p in wire.sent if t == to_sink]
+    assert w.core.hold.count == 1 and not [p for t, p in wire.sent if t == to_sink]
     start = Start("work-0", 1, ("sink-0",), ("source-0",))
     wire.events.append(Received(inbox, encode(Envelope("work-0", 0, 1, Kind.PROTO, start.to_dict()))))
     _run(w, clock, 0.5)
-    assert w.hold.count == 0 and w.router.succs == ("sink-0", "sink-z")
+    assert w.core.hold.count == 0 and w.core.router.succs == ("sink-0", "sink-z")
     acks = [decode(p).body for t, p in wire.sent if t == to_sink and decode(p).kind is Kind.PROTO]
     assert [(a["type"], a["round"]) for a in acks] == [("duplication_ack", 1)], acks
 
@@ -374,7 +374,7 @@ def test_forged_inbox_messages_on_a_real_broker_stall_nothing_and_leave_no_state
 
     from agent.tools.dataplane_bench import LocalRunner, initial_specs, pipeline_toml
     from agent.operators.builtin import read_sink_ids
-    from agent.instance.spec import BrokerSpec
+    from agent.mqtt.settings import BrokerSpec
 
     n, cluster = 3000, "forged"
     toml = pipeline_toml("taxi", [

@@ -21,7 +21,7 @@ from agent import topics
 from agent.tools.dataplane_bench import LocalRunner, initial_specs, pipeline_toml
 from agent.operators.builtin import _line_ids, read_sink_ids
 from agent.spill.shipper import PathShipper
-from agent.instance.spec import BrokerSpec
+from agent.mqtt.settings import BrokerSpec
 from agent.spill.spool import SpoolDirs
 
 pytestmark = [pytest.mark.broker, pytest.mark.timeout(120)]

@@ -54,8 +54,9 @@ WINDOW = "30 minutes"
 TS_FORMAT = "yyyy-MM-dd HH:mm:ss"
 
 
-def prepare_trips(df: Any) -> Any:
-    """Parse times, compute grid cells and the 30-minute window of each trip (drop-off time)."""
+def prepare_trips(df: Any, window: str = WINDOW) -> Any:
+    """Parse times, compute grid cells and the window of each trip (drop-off time): 30 minutes,
+    or `window` (a Spark interval, e.g. "5 minutes": the edge's windows, to compare with them)."""
     from pyspark.sql import functions as F
 
     px, py = cell_columns("pickup_latitude", "pickup_longitude")
@@ -65,7 +66,7 @@ def prepare_trips(df: Any) -> Any:
         .withColumn("dropoff_ts", F.to_timestamp("dropoff_datetime", TS_FORMAT))
         .where(F.col("pickup_ts").isNotNull() & F.col("dropoff_ts").isNotNull())
         .withColumn("px", px).withColumn("py", py).withColumn("dx", dx).withColumn("dy", dy)
-        .withColumn("window", F.window("dropoff_ts", WINDOW))
+        .withColumn("window", F.window("dropoff_ts", window))
     )
     return out.withColumn("in_grid", in_grid(F.col("px"), F.col("py")) & in_grid(F.col("dx"), F.col("dy")))
 

@@ -128,7 +128,9 @@ def run_job(spark: Any, landing: PathLike, out: PathLike, period: float = 5.0) -
             F.sum(F.when(F.col("in_grid"), 1).otherwise(0)).alias("trips_in_grid"),
             F.sum(F.when(F.col("in_grid"), 0).otherwise(1)).alias("trips_outside_grid"),
         )
-        a = acc.accounting(records, generated)
+        # a keyed operator's outputs (ids "<operator>#<key digest>", e.g. the edge's DEBS answers)
+        # are not source records: the accounting is about the trips
+        a = acc.accounting(records.where(~F.col("src").contains("#")), generated)
         tables["accounting_summary"] = a["summary"]
         tables["accounting_duplicates"] = a["duplicates"]
         if "missing" in a:
@@ -147,6 +149,12 @@ def run_job(spark: Any, landing: PathLike, out: PathLike, period: float = 5.0) -
 
     for name, df in tables.items():
         df.write.mode("overwrite").parquet(str(out / name))
+    if records is not None:
+        # query 1's answer as JSON too (at most 10 rows per window): what the edge's answer is
+        # compared with (agent.analytics.debs_compare; the demo's analytics step)
+        from agent.analytics.debs_compare import batch_top_routes
+
+        (out / "top_routes.json").write_text(json.dumps(batch_top_routes(trips), separators=(",", ":")))
     _write_plans(tables, out / "plans.txt")
     # The report reads the small Parquet tables back (bounded collect()s, see report.py).
     report = write_report(spark, out, Path(landing), elapsed=time.monotonic() - t0)

@@ -25,6 +25,7 @@ COMMAND_MODULES = (
     "agent.cli.runtime_cmd",   # run, deploy, demo, bench dataplane
     "agent.cli.scaling_cmd",   # simulate scaling, bench sim
     "agent.cli.gme_cmd",       # simulate gme, bench gme
+    "agent.cli.instance_check_cmd",  # simulate instance
     "agent.cli.measure_cmd",   # calibrate, netem, simulate policies
     "agent.cli.spill_cmd",     # collector, analytics
     "agent.cli.chaos_cmd",     # chaos

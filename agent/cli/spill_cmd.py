@@ -249,8 +249,9 @@ def _make_payloads(n: int, batch: int, inbox_sender: str) -> List[bytes]:
 def _sink_worker_run(payloads: List[bytes], work: Path, spill: bool, batch: int) -> Tuple[float, Dict[str, Any]]:
     from agent import topics
     from agent.tools.dataplane_bench import initial_specs, pipeline_toml
-    from agent.instance.spec import BrokerSpec
+    from agent.mqtt.settings import BrokerSpec
     from agent.mqtt.transport import Received
+    from agent.instance.events import Abort
     from agent.instance.worker import Worker
 
     run = work / f"run-{time.monotonic_ns()}"
@@ -273,20 +274,20 @@ def _sink_worker_run(payloads: List[bytes], work: Path, spill: bool, batch: int)
     t0, c0, s0 = time.perf_counter(), time.process_time(), time.thread_time()
     window = 8  # like a predecessor: at most `window` unacked batches in flight
     sent = 0
-    while sent < len(payloads) or not w.drained():
+    while sent < len(payloads) or not w.core.drained():
         while sent < len(payloads) and sent - feed.acked < window:
             feed.events.append(Received(inbox, payloads[sent]))
             sent += 1
         w.step(w.clock())
-        if w.sink_wait and not feed.events:
+        if w.core.sink_wait and not feed.events:
             time.sleep(0.0002)  # the spool is at its cap (not here); the real loop would poll the socket
-    n = w.stats["records_in"]
-    w._finish(0, "bench", False)  # closes the sink: the spool writes its queue and rotates
+    n = w.core.stats["records_in"]
+    w.feed(Abort("bench"), w.clock())  # closes the sink: the spool writes its queue and rotates
     elapsed = time.perf_counter() - t0
     cpu, sink_cpu = time.process_time() - c0, time.thread_time() - s0
     if shipper is not None:
         shipper.communicate(timeout=60)  # closes its stdin: one last pass, then it exits
-    st = w.operator.stats()
+    st = w.core.operator.stats()
     return n / elapsed, {"cpu_us_per_record": cpu / max(n, 1) * 1e6,
                          "sink_thread_us_per_record": sink_cpu / max(n, 1) * 1e6, "recorded": st.get("recorded"),
                          "spilled": st.get("spilled", 0)}

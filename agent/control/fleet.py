@@ -18,6 +18,7 @@ from enum import Enum
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from agent import topics, wire
+from agent.control.records import parse_record
 
 __all__ = ["Phase", "LockState", "Instance", "Node", "Fleet", "parse_state", "parse_status", "parse_latency"]
 
@@ -137,8 +138,6 @@ class Fleet:
 
     @classmethod
     def from_messages(cls, cluster: str, messages: Mapping[str, bytes]) -> "Fleet":
-        from agent.node.deploy import parse_record
-
         states: Dict[str, Any] = {}
         statuses: Dict[str, str] = {}
         latency: Dict[str, Dict[str, float]] = {}

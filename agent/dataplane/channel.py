@@ -125,7 +125,7 @@ class Inbound:
 
     def forget(self, sender: str) -> None:
         """Drop a sender's channel (one that was admitted only provisionally, see
-        `_ScalingDriver.expire_probes`): its next envelope starts a new channel."""
+        `ScalingDriver.expire_probes`): its next envelope starts a new channel."""
         self._chans.pop(sender, None)
 
     def snapshot(self) -> Dict[str, Any]:

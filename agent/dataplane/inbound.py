@@ -7,7 +7,7 @@ later real batch "old", a fake batch from an invented sender consumes record ids
 invented senders each create a channel entry that is persisted. So a receiver admits an envelope
 only when what it claims is something a real sender can send:
 
-- **sender**: the worker's own tables say it exists (`Worker._sender_allowed`: predecessors for
+- **sender**: the worker's own tables say it exists (`Instance._sender_allowed`: predecessors for
   data, instances it sent data to for acks, any neighbour, round peer or known channel for
   protocol messages). A sender the protocol may announce later (a predecessor that routes to a
   new copy before the copy's Start) is held in a bounded buffer (`HoldBuffer`), never in the

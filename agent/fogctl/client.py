@@ -13,7 +13,7 @@ import uuid
 from typing import Optional
 
 from agent.fogctl.config import FogctlConfig
-from agent.instance.spec import BrokerSpec
+from agent.mqtt.settings import BrokerSpec
 from agent.mqtt.requester import BrokerUnreachable, Message, RequestFailed, Requester, RequestTimeout
 
 __all__ = ["Connection", "FogctlError", "BrokerUnreachable", "RequestTimeout", "Message"]

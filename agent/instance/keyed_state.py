@@ -19,6 +19,9 @@ Rules of this file (docs/operators.md, "Keyed state: aggregates and windows per 
   exactly the outputs (same ids, same content) of the fault-free run.
 - An output gets the id `(<operator>#<key digest>, n)`: the key's n-th output. Counters survive
   their key's state being forgotten (an id is never reused).
+- An operator with `forwards = True` also passes every record it applies on, unchanged and with
+  its own id, before its outputs (saved with them, so a crash loses none and the sink drops the
+  copies by id): the demo's trips reach the sink through the DEBS query operator.
 """
 
 from __future__ import annotations
@@ -107,6 +110,8 @@ class KeyedState:
         by_key: Dict[Any, List[Any]] = {}
         positions = self.positions
         applied = 0
+        forwarded: List[Item] = []
+        forwards = op.forwards
         for src, seq, rec in items:
             pk = f"{sender} {src}"
             if seq <= positions.get(pk, -1):
@@ -115,6 +120,8 @@ class KeyedState:
             positions[pk] = seq
             self._dirty_pos[pk] = None
             applied += 1
+            if forwards:
+                forwarded.append((src, seq, rec))
             if timed:
                 try:
                     t = op.event_time(rec)
@@ -139,7 +146,7 @@ class KeyedState:
         if self._unsaved is None:
             self._unsaved = index
         self.counts["keyed_applied"] += applied
-        out: List[Item] = []
+        out: List[Item] = forwarded
         for key, recs in by_key.items():
             self._call_batch(key, recs, out)
         if timed:

@@ -28,23 +28,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
-
-@dataclass(frozen=True)
-class BrokerSpec:
-    host: str
-    port: int
-    keepalive: int = 10
-    qos: int = 1
-    max_inflight: int = 100
-    username: Optional[str] = None
-    password: Optional[str] = None
-    ca_file: Optional[str] = None
-    cert_file: Optional[str] = None
-    key_file: Optional[str] = None
-    tls_insecure: bool = False  # [mqtt.tls].insecure: no server host name check
-    id_secret_file: Optional[str] = None  # [mqtt].client_id_secret_file (agent.mqtt.client.site_secret)
+from agent.mqtt.settings import BrokerSpec
 
 
 @dataclass(frozen=True)

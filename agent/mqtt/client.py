@@ -31,7 +31,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from agent.instance.spec import BrokerSpec
+from agent.mqtt.settings import BrokerSpec
 
 __all__ = [
     "BrokerSpec",

@@ -37,7 +37,7 @@ from paho.mqtt.properties import Properties
 
 from agent import identity as identity_mod
 from agent import topics, wire
-from agent.instance.spec import BrokerSpec
+from agent.mqtt.settings import BrokerSpec
 from agent.mqtt import client as mqttc
 
 __all__ = ["BrokerUnreachable", "Message", "RequestFailed", "RequestTimeout", "Requester", "SYNC_PREFIX"]

@@ -23,18 +23,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
-import secrets
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from agent import topics
 from agent.config import PipelineConfig, load_pipeline_text
+from agent.control.records import GENERATION_KEY, new_generation, stamp, tombstone
 from agent.node import nodestate
 from agent.node import rpc
 from agent.node.placement import DEFAULT_POLICY, NodeView, PlacementRequest, get_policy
-from agent.instance.spec import BrokerSpec, InstanceSpec, request_spec
+from agent.instance.spec import InstanceSpec, request_spec
+from agent.mqtt.settings import BrokerSpec
 from agent.mqtt.requester import RequestFailed, Requester
 
 log = logging.getLogger(__name__)
@@ -49,85 +48,6 @@ class Deployed:
     operator: str
     instance: str
     node: str
-
-
-# ---- the pipeline record on pipelines/<name> (admin-written, docs/security.md) ------------------
-
-GENERATION_KEY = "generation"  # in InstanceSpec.extra
-_GENERATION_LINE = re.compile(r"# fog-generation: ([0-9A-Za-z_.-]{1,64})\r?$")
-_TOMBSTONE_LINE = re.compile(r"# fog-undeployed: ([0-9A-Za-z_.-]{1,64})\r?$")
-
-
-@dataclass(frozen=True)
-class PipelineRecord:
-    """What the retained `pipelines/<name>` says: "deployed" (TOML text) or "undeployed" (a
-    tombstone), with the generation it names (None: written by a tool without generations)."""
-
-    state: str
-    generation: Optional[str] = None
-
-
-def new_generation(wall: Optional[float] = None) -> str:
-    """A fresh generation id: milliseconds (hex, so later deploys sort later) + 24 random bits."""
-    return f"{int((time.time() if wall is None else wall) * 1000):x}-{secrets.token_hex(3)}"
-
-
-def stamp(text: str, generation: str) -> str:
-    """The record of a deploy: the TOML text with a first comment line naming its generation
-    (a comment, so every reader that loads the TOML reads the same pipeline)."""
-    return f"# fog-generation: {generation}\n{text}"
-
-
-def tombstone(name: str, generation: Optional[str]) -> bytes:
-    """The record an undeploy (or a rolled-back deploy) leaves: not TOML of a pipeline, and not
-    empty (an empty retained message deletes the record, and with it what agents that were away
-    need to learn: forget this pipeline's instances)."""
-    return (f"# fog-undeployed: {generation or '-'}\n# pipeline {name} was undeployed at "
-            f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}: agents forget its instances\n").encode()
-
-
-def parse_record(payload: bytes) -> Optional[PipelineRecord]:
-    """The record a retained payload holds; None for an empty payload (no record)."""
-    if not payload:
-        return None
-    first = payload[:200].split(b"\n", 1)[0].decode("utf-8", "replace")
-    m = _TOMBSTONE_LINE.match(first)
-    if m is not None or first.startswith("# fog-undeployed:"):
-        gen = m.group(1) if m is not None else None
-        return PipelineRecord("undeployed", None if gen == "-" else gen)
-    m = _GENERATION_LINE.match(first)
-    return PipelineRecord("deployed", m.group(1) if m is not None else None)
-
-
-def spec_generation(spec: Any) -> Optional[str]:
-    """The generation an InstanceSpec (or its request dict) belongs to, None before generations."""
-    extra = spec.get("extra") if isinstance(spec, dict) else getattr(spec, "extra", None)
-    gen = extra.get(GENERATION_KEY) if isinstance(extra, dict) else None
-    return gen if isinstance(gen, str) and gen else None
-
-
-def stale_reason(generation: Optional[str], record: Optional[PipelineRecord]) -> Optional[str]:
-    """Why an instance of generation `generation` must not run (or be re-adopted), or None.
-
-    - a tombstone: the pipeline was undeployed;
-    - a deployed record of another generation: the instance is left over from an earlier deploy;
-    - no record at all: None, the instance is kept. Why: a broker without persistence loses
-      every retained record when it restarts, also those of pipelines that run; refusing then
-      would turn a broker restart plus an agent restart into an outage of that agent's part of
-      every pipeline (its neighbours' routes stall). An undeploy does not depend on the record
-      surviving: it makes each agent forget the specs at once (`stop` with `forget`, answered
-      after the files are gone), and the tombstone reaches agents that were away. What is left
-      (an agent away during the undeploy AND a broker that lost the tombstone meanwhile) shows
-      in the agents' states, and `fogctl undeploy --force NAME` stops it.
-    A spec or record without a generation (written before generations) is judged by the
-    record's state only."""
-    if record is None:
-        return None
-    if record.state == "undeployed":
-        return "its pipeline was undeployed"
-    if generation and record.generation and generation != record.generation:
-        return f"it belongs to deploy {generation}, the deployed one is {record.generation}"
-    return None
 
 
 def keeper_id(pipeline: str, operator: str) -> str:
@@ -346,6 +266,6 @@ def undeploy_order(placed: Sequence[Deployed]) -> List[Tuple[str, str]]:
     return [(d.node, d.instance) for d in placed]
 
 
-__all__ = ["DeployError", "DeployRefused", "DeployRolledBack", "Deployed", "PipelineRecord", "RollbackIncomplete",
-           "deploy", "deploy_over", "fleet_from_snapshot", "keeper_id", "keeper_specs", "new_generation", "parse_record",
-           "plan_placement", "run_deploy", "spec_generation", "stale_reason", "stamp", "tombstone", "undeploy_order"]
+__all__ = ["DeployError", "DeployRefused", "DeployRolledBack", "Deployed", "RollbackIncomplete", "deploy",
+           "deploy_over", "fleet_from_snapshot", "keeper_id", "keeper_specs", "plan_placement", "run_deploy",
+           "undeploy_order"]

@@ -18,7 +18,7 @@ When a spec is written and removed (the rules that keep one identity on one node
   `final`) or with a bad spec (restarting cannot help).
 - removed when its pipeline is undeployed: at once when an undeploy stops it (`stop` with
   `forget`, before the agent answers), or when the retained pipeline record rules it out (a
-  tombstone, another deploy's generation: `agent.node.deploy.stale_reason`), also for a spec
+  tombstone, another deploy's generation: `agent.control.records.stale_reason`), also for a spec
   whose instance does not run; re-adoption checks the record again (docs/fogctl.md, "Deploy and
   undeploy").
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from agent import wire
-from agent.instance.spec import BrokerSpec
+from agent.mqtt.settings import BrokerSpec
 from agent.mqtt.requester import RequestFailed, Requester, request_properties
 
 OPS = ("spawn", "stop", "set", "ping", "scale", "drain", "undrain", "pin")

@@ -307,9 +307,11 @@ def validate(rec: Any, params: Dict[str, Any]) -> Any:
 
 
 def cell_of(lat: float, lon: float) -> Optional[Tuple[int, int]]:
-    """The 1-based (east, south) cell of the DEBS grid, or None outside it."""
-    x = int((lon - GRID_ORIGIN[1]) / CELL_LON + 0.5) + 1
-    y = int((GRID_ORIGIN[0] - lat) / CELL_LAT + 0.5) + 1
+    """The 1-based (east, south) cell of the DEBS grid, or None outside it. Floor, not int():
+    truncation towards zero folded the band 0.5-1.5 cells west or north of cell 1.1's centre into
+    the grid, where the batch job (agent.analytics.grid, docs/spill.md) counts it outside."""
+    x = math.floor((lon - GRID_ORIGIN[1]) / CELL_LON + 0.5) + 1
+    y = math.floor((GRID_ORIGIN[0] - lat) / CELL_LAT + 0.5) + 1
     if 1 <= x <= GRID_CELLS and 1 <= y <= GRID_CELLS:
         return x, y
     return None

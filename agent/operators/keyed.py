@@ -90,6 +90,9 @@ class KeyedOperator(Operator):
     and check-config reads its `params_schema`."""
 
     keyed = True
+    # True: every record applied also goes on to the successor unchanged, with its own id
+    # (agent.instance.keyed_state); late records and records without an event time included.
+    forwards = False
     params_schema: Dict[str, Param] = dict(EVENT_TIME_PARAMS)
 
     def __init__(self, ctx: OperatorContext) -> None:

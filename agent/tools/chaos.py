@@ -54,7 +54,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from agent.config import load_pipeline_text
 from agent.tools.demo import Fleet, Monitor
-from agent.tools.verify import verify
+from agent.tools.verify import Verdict, source_counts, verify, verify_windows
 
 log = logging.getLogger(__name__)
 
@@ -113,13 +113,69 @@ policy = "none"
 """
 
 
-def chaos_pipeline(duration: float, seed: int, coordination: str = "ack", fgme_damping: bool = False) -> str:
+# `--pipeline stateful`: a keyed event-time window (trips and takings per pickup cell and 10
+# minutes of pickup time) before the sink, checked window by window against a fault-free reference
+# (agent.tools.verify.verify_windows). Nothing scales: the keyed operator must run with policy
+# "none", and its records must arrive in source order for the reference to be exact (copies of
+# in_zone would interleave their outputs, and after a fault a replay arrives minutes of event time
+# behind the rest: late, dropped by design, docs/operators.md "Keyed state"). Pickup times grow
+# along the source, so no record is late; the windows still open when the load ends are not emitted.
+STATEFUL_PIPELINE = """\
+# fog-agent chaos --pipeline stateful: source -> validate -> in_zone -> cells (keyed window) -> sink
+[pipeline]
+name = "chaos"
+coordination = "ack"
+
+[scaling]
+policy = "none"
+
+[[operator]]
+name = "source"
+kind = "source"
+function = "agent.operators.taxi:source"
+[operator.params]
+seed = {seed}
+profile = "steps"
+steps = {steps}
+
+[[operator]]
+name = "validate"
+function = "agent.operators.builtin:validate"
+
+[[operator]]
+name = "in_zone"
+function = "agent.operators.builtin:in_zone"
+key = "pickup_cell"
+
+[[operator]]
+name = "cells"
+function = "agent.operators.keyed:tumbling_window"
+[operator.params]
+time_field = "pickup_datetime"
+size_ms = 600000
+lateness_ms = 60000
+agg = "sum"
+field = "total_amount"
+
+[[operator]]
+name = "sink"
+kind = "sink"
+function = "agent.operators.builtin:counting_sink"
+"""
+
+PIPELINES = ("demo", "stateful")
+
+
+def chaos_pipeline(duration: float, seed: int, coordination: str = "ack", fgme_damping: bool = False,
+                   pipeline: str = "demo") -> str:
     """A load that makes in_zone scale out (to ~3 instances) and back within `duration` s;
-    `coordination` "fgme" runs every round inside the 2-FGME locks (docs/gme.md)."""
+    `coordination` "fgme" runs every round inside the 2-FGME locks (docs/gme.md). `pipeline`
+    "stateful": the same load through a keyed window, nothing scaling (coordination unused)."""
     d = float(duration)
     steps = [[0, 100], [round(0.1 * d, 1), 350], [round(0.5 * d, 1), 200], [round(0.75 * d, 1), 60], [d, 0]]
-    return PIPELINE.format(seed=seed, steps=json.dumps(steps), coordination=coordination,
-                           damping="true" if fgme_damping else "false")
+    text = STATEFUL_PIPELINE if pipeline == "stateful" else PIPELINE
+    return text.format(seed=seed, steps=json.dumps(steps), coordination=coordination,
+                       damping="true" if fgme_damping else "false")
 
 
 @dataclass
@@ -147,8 +203,11 @@ class ChaosConfig:
     rehoming: Optional[bool] = None  # the agents' dead_after > 0; None: on iff kill-node may be drawn
     coordination: str = "ack"  # the pipeline's: "ack" (the paper) or "fgme" (rounds inside 2-FGME locks)
     fgme_damping: bool = False  # the pipeline's [pipeline] fgme_damping (DEVIATION 4 in the lock nodes)
+    pipeline: str = "demo"  # or "stateful": a keyed window, verified window by window
 
     def __post_init__(self) -> None:
+        if self.pipeline not in PIPELINES:
+            raise ValueError(f"pipeline: expected one of {', '.join(PIPELINES)}, found {self.pipeline!r}")
         bad = [f for f in self.faults if f not in FAULTS]
         if bad or not self.faults:
             raise ValueError(f"faults: expected a non-empty subset of {', '.join(FAULTS)}, found {list(self.faults)}")
@@ -410,7 +469,8 @@ def _signal(pid: int, sig: int) -> None:
 def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dict[str, Any]:
     """Run one chaos experiment; returns the summary (the `--json` output)."""
     rng = random.Random(cfg.seed)
-    text = chaos_pipeline(cfg.duration, cfg.seed, cfg.coordination, cfg.fgme_damping)
+    text = chaos_pipeline(cfg.duration, cfg.seed, cfg.coordination, cfg.fgme_damping, cfg.pipeline)
+    stateful = cfg.pipeline == "stateful"
     pipeline = load_pipeline_text(text, "chaos pipeline")
     profile = pipeline.operators[0].params["steps"]
     workdir = Path(cfg.workdir) if cfg.workdir else Path(tempfile.mkdtemp(prefix="fog-chaos-"))
@@ -419,7 +479,7 @@ def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dic
     node_loss = "kill-node" in kinds if cfg.rehoming is None else cfg.rehoming
     fleet = Fleet(workdir, nodes=tuple(cfg.nodes), cluster="chaos", log_level=cfg.log_level, shutdown_timeout=10.0,
                   dead_after=cfg.dead_after if node_loss else 0.0,  # re-homing only where a node is lost
-                  proxied="partition" in kinds)
+                  proxied="partition" in kinds, spill=stateful)  # stateful: the windows' contents are spilled
     faults: List[Fault] = []
     summary: Dict[str, Any] = {"seed": cfg.seed, "duration": cfg.duration, "faults_enabled": list(cfg.faults),
                                "coordination": cfg.coordination, "fgme_damping": cfg.fgme_damping,
@@ -520,7 +580,14 @@ def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dic
         if mon is not None:
             mon.close()
         summary["agent_exit_codes"] = fleet.stop()
-    verdict = verify(pipeline, fleet.sink_dir)
+    if stateful:
+        wv = verify_windows(pipeline, fleet.sink_dir, fleet.landing)
+        summary["windows"] = asdict(wv)
+        verdict = Verdict(generated=sum(source_counts(fleet.sink_dir).values()), expected=wv.expected,
+                          received=wv.received, lost=wv.missing, duplicated=wv.duplicated,
+                          unexpected=wv.extra + wv.differing + wv.unread)
+    else:
+        verdict = verify(pipeline, fleet.sink_dir)
     recovered = [f.recovery_s for f in faults if f.recovery_s is not None]
     summary.update(
         faults=[asdict(f) for f in faults],
@@ -561,6 +628,13 @@ def print_report(summary: Dict[str, Any], out: Any = sys.stdout) -> None:
         print(f"not settled after {summary.get('settle_s')} s: {', '.join(summary.get('holding_at_end') or []) or 'no'} "
               "instance still held records in flight; records counted lost may only have been late "
               "(raise settle_timeout)", file=out)
+    w = summary.get("windows")
+    if w:
+        print(f"windows: {w['expected']} in the fault-free reference, {w['received']} at the sink, missing "
+              f"{w['missing']}, extra {w['extra']}, twice {w['duplicated']}, other content {w['differing']}, "
+              f"content not landed {w['unread']}", file=out)
+        for line in w.get("samples") or ():
+            print(f"  {line}", file=out)
     print("verdict: " + ("OK" if summary.get("ok") else "FAILED"), file=out)
 
 
@@ -579,7 +653,8 @@ def main(args: Any) -> int:
         cfg = ChaosConfig(duration=float(args.duration), seed=int(args.seed), faults=faults,
                           workdir=Path(args.workdir) if args.workdir else None, rehoming=rehoming,
                           coordination=str(getattr(args, "coordination", "ack")),
-                          fgme_damping=bool(getattr(args, "fgme_damping", False)))
+                          fgme_damping=bool(getattr(args, "fgme_damping", False)),
+                          pipeline=str(getattr(args, "pipeline", "demo")))
     except ValueError as exc:
         print(f"fog-agent chaos: {exc}", file=sys.stderr)
         return 2

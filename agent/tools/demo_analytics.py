@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-__all__ = ["analyse", "spill_expected_ids"]
+__all__ = ["analyse", "spill_expected_ids", "edge_vs_batch"]
 
 
 def spill_expected_ids(workdir: Path, landing: Path, pipeline_path: Path) -> int:
@@ -55,6 +55,26 @@ def _accounting(report: Path) -> Dict[str, Any]:
     return {}
 
 
+def edge_vs_batch(landing: Path, batch_json: Path) -> Dict[str, Any]:
+    """DEBS query 1 as the edge computed it (the `TopRoutes` windows the sink spilled: ids
+    "<operator>#...", rows with "top") against the batch job's answer, window by window
+    (agent.analytics.debs_compare). Empty when the pipeline has no such operator."""
+    import json
+
+    from agent.analytics.debs_compare import compare_top_routes
+    from agent.tools.verify import landed_records
+
+    edge = [r for (src, _), r in landed_records(landing).items()
+            if "#" in src and isinstance(r, dict) and "top" in r and "start" in r]
+    if not edge or not batch_json.exists():
+        return {}
+    cmp = compare_top_routes(edge, json.loads(batch_json.read_text()))
+    cmp["equal_all"] = not cmp["differences"]
+    cmp["differing"] = len(cmp["differences"])
+    cmp["differences"] = cmp["differences"][:20]  # the first 20 (each with both lists) in the summary
+    return cmp
+
+
 def analyse(workdir: Path, pipeline_path: Path) -> Optional[Dict[str, Any]]:
     """The step itself: the verifier's expected ids spooled and landed, the job run, its report's
     accounting row returned (merged by the demo under summary[\"analytics\"])."""
@@ -71,5 +91,6 @@ def analyse(workdir: Path, pipeline_path: Path) -> Optional[Dict[str, Any]]:
     acc = _accounting(report)
     print(f"analytics report: {report}", file=sys.stderr)  # stdout may be `demo --json`
     return {"report": str(report), "accounting": acc, "expected_ids": expected,
+            "debs_edge_vs_batch": edge_vs_batch(landing, report.parent / "top_routes.json"),
             "landed_files": sum(1 for _ in landing.glob("kind=*/*/*/*.gz")),
             "analytics_s": round(time.monotonic() - t0, 1)}

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from agent.instance.spec import BrokerSpec
+from agent.mqtt.settings import BrokerSpec
 from agent.tools.dataplane_bench import LocalRunner, initial_specs, pipeline_toml
 
 __all__ = ["run_keyed_bench", "register_bench"]

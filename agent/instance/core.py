@@ -1,0 +1,1288 @@
+"""One operator instance as a sans-IO state machine: `Instance.handle(event, now) -> [Command]`.
+
+Rules of this file: everything an instance decides lives here or in the modules it drives
+(agent.instance.driver for scaling rounds and recovery, agent.dataplane for channels, flow
+control and routing); nothing here does I/O. No sockets, no files, no clock (`now` comes with
+every event, the wall time with `Started`/`Restarted`/`Tick`), no global random, no import
+from agent.mqtt, agent.node or subprocess. The worker process (agent.instance.worker) is the
+shell: it turns paho callbacks, control lines and its loop's turns into events (agent.instance
+.events) and performs the commands (agent.instance.commands) in order. The interleaving checker
+(agent.sim.instance_check) drives the same class through a model of the broker.
+
+Why one module of ~1,300 lines: the data path (admission, per-sender queues, processing, flow
+control, replay, acks) and the lifecycle share one set of fields that every step reads; split
+by function they would reach into each other's state (docs/runtime.md, "Instance").
+
+Lifecycle (`Phase`, the table `_ACCEPTS`): NEW -(Started | Restarted)-> RUNNING -(stop,
+eof, or Terminate from the protocol)-> STOPPING -(drained, or drain timeout, or Abort)-> EXITED.
+An event the table does not list for the current phase raises `LocalProtocolError` naming the
+phase: the shell broke the contract (a Tick before Started, anything but publish feedback
+after Exit). Bad input from the bus is never an error here: it is counted, logged, skipped.
+
+The order of work in one loop turn is the `Tick` handler's; the shell delivers every transport
+event and control line first, then one Tick (exactly the old worker loop's step).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import deque
+from enum import Enum
+from typing import Any, Callable, Deque, Dict, FrozenSet, List, Optional, Set, Tuple, Type
+
+from agent import events, topics
+from agent.config import PipelineConfig
+from agent.dataplane.channel import Inbound, Outbound
+from agent.dataplane.envelope import (
+    Envelope, Item, Kind, MalformedEnvelope, data_body_bytes, decode, encode, encode_data,
+)
+from agent.dataplane.flow import AckTracker, OutLink
+from agent.dataplane.inbound import ACCEPT, HOLD, REFUSE, HoldBuffer, LogLimiter, numbering_fault, writer_verdict
+from agent.dataplane.routing import Outbox, Router
+from agent.instance.commands import (
+    Command, CrashPoint, Emit, Exit, Notify, Persist, PersistSource, Publish, RequestSpawn, SaveKeyed,
+)
+from agent.instance.driver import ScalingDriver
+from agent.instance.events import (
+    Abort, Control, EnvelopeReceived, Event, PubAcked, PublishAccepted, PublishRefused, Restarted,
+    SessionLost, Spawned, Started, Tick,
+)
+from agent.instance.keyed_state import KeyedState
+from agent.instance.spec import InstanceSpec
+from agent.measure.capacity import LiveCapacity
+from agent.measure.signals import PeriodSignals, Signals
+from agent.operators.builtin import SinkOperator
+from agent.operators.keyed import KeyedOperator, keyed_config_problems
+from agent.protocol.errors import LocalProtocolError
+
+__all__ = ["Instance", "Phase", "EXIT_OK", "EXIT_CRASH", "EXIT_BAD_SPEC", "EXIT_BROKER", "EXIT_DRAIN_TIMEOUT",
+           "FAULT_RETRY_ONLY_WITH_DATA"]
+
+log = logging.getLogger("agent.instance.worker")
+
+# Exit codes (the agent's supervisor maps them to restart decisions).
+EXIT_OK = 0  # drained and exited (stop, or terminated by the protocol)
+EXIT_CRASH = 1  # unexpected exception
+EXIT_BAD_SPEC = 2  # the spec or the pipeline cannot be loaded: restarting will not help
+EXIT_BROKER = 3  # could not connect/subscribe at start
+EXIT_DRAIN_TIMEOUT = 4  # stop requested, but successors did not ack everything in time
+
+MAX_POLL = 0.05  # longest wait the instance asks for (the shell sees control lines within this)
+ACK_DELAY = 0.005  # coalesce upstream acks for at most this long
+SOURCE_RESERVE = 2000  # records a source may generate past its last written position
+SINK_SETTLE_POLL = 0.05  # a sink whose spool is at its cap checks this often whether shipping freed it
+STATE_PERIOD = 1.0  # persist the channel snapshot at most this often (a rename costs ~5 ms here)
+# A hole in a sender's numbering this old will not close by itself: the broker lost those
+# messages, or another connection with our client id took them (a fenced copy after a partition).
+GAP_TIMEOUT = 5.0
+# Batches to a successor unacked this long, with no ack from it meanwhile: replay them (what it
+# lost sits at the end of its channel, so it sees no hole). A slow successor acks within a second
+# or two; a stalled or restarting one gets a replay it may not need: duplicates, dropped by id.
+LINK_SILENCE = 5.0
+LINK_SILENCE_MAX = 600.0  # the wait doubles after each replay that brought no ack (a dead node's
+# instance, re-homing off: its session would otherwise fill with a window of copies every 5 s)
+SILENCE_CHECK = 1.0  # seconds between the two checks above
+# Envelopes of senders not known yet (agent.dataplane.inbound.HoldBuffer) wait this long for the
+# protocol to announce them (a new copy's Start, resent after IDLE_PING..IDLE_PING_MAX), then they
+# are refused. An idle copy holds until its Start: until then it cannot know its predecessors.
+HOLD_TTL = 60.0
+# Envelopes of a known sender written by a node it is not bound to (yet) wait this long for the
+# agent's "hosts" line to bind it there (a new host's record normally follows within a second),
+# then they are refused (`refused_nodes`): a forgery by another node never gets bound.
+WRITER_HOLD_TTL = 20.0
+HOLD_MAX_SENDERS = 64
+HOLD_MAX_BYTES = 8 << 20
+
+# Seeded fault (agent.sim.instance_check, never set elsewhere): refused publishes are retried
+# only when there is data to flush, so a sink's refused ack holds back all its later acks.
+FAULT_RETRY_ONLY_WITH_DATA = "retry_only_with_data"
+
+
+class Phase(Enum):
+    NEW = "new"  # built, not subscribed yet
+    RUNNING = "running"
+    STOPPING = "stopping"  # draining before exit (stop, eof, or terminated by the protocol)
+    EXITED = "exited"  # the Exit command went out
+
+
+_FEEDBACK: FrozenSet[Type[Event]] = frozenset({PublishAccepted, PublishRefused, PubAcked})
+_LIVE: FrozenSet[Type[Event]] = _FEEDBACK | {EnvelopeReceived, SessionLost, Spawned, Control, Tick, Abort}
+# Which events make sense in which phase; anything else is a LocalProtocolError.
+_ACCEPTS: Dict[Phase, FrozenSet[Type[Event]]] = {
+    Phase.NEW: frozenset({Started, Restarted}),
+    Phase.RUNNING: _LIVE,
+    Phase.STOPPING: _LIVE,
+    Phase.EXITED: _FEEDBACK,
+}
+
+
+def _no_clock() -> float:
+    """The live signals' clocks when none is passed (the checker): no time spent."""
+    return 0.0
+
+
+class Instance:
+    """One operator instance: channels, flow control and acks, the replay buffer, the scaling
+    driver and the lifecycle. Built by the shell from what it loaded (spec, pipeline, operator);
+    `faults` switch on seeded faults for the checker only."""
+
+    def __init__(self, spec: InstanceSpec, pipeline: PipelineConfig, operator: Any,
+                 faults: FrozenSet[str] = frozenset(), perf: Callable[[], float] = _no_clock,
+                 cpu: Callable[[], float] = _no_clock) -> None:
+        self.spec = spec
+        self.pipeline = pipeline
+        self.op = pipeline.operator(spec.operator)
+        self.operator = operator
+        self.faults = frozenset(faults)
+        # CPU-time and interval clocks for the live signals only (docs/measurement.md); the
+        # shell passes time.perf_counter and time.process_time, the checker nothing.
+        self.perf, self.cpu = perf, cpu
+        self.stage = pipeline.index(spec.operator)
+        self.kind = self.op.kind
+        self.ctx = {"instance": spec.instance, "operator": spec.operator, "node": spec.node}
+        self.inbox = topics.inbox_all(spec.cluster, spec.instance)
+        # The node in an inbox topic must host the envelope's sender (docs/security.md, "Data
+        # channels"): the agent sets this and sends the bindings as the control line "hosts".
+        self.check_node = bool(spec.extra.get("check_sender_node"))
+        self.hosts_bound: Dict[str, str] = {}
+        self.hosts_former: Dict[str, List[str]] = {}
+        self.phase = Phase.NEW
+        self.now = 0.0
+        self._wall_offset = 0.0
+        self._out: List[Command] = []
+        self.epoch = 0
+        self.inbound = Inbound()
+        self.outbound = Outbound(0)
+        self.is_source = self.kind == "source"
+        self.is_sink = self.kind == "sink" or isinstance(operator, SinkOperator)
+        self.service_time = self.op.service_time_ms / 1000.0
+        # A sink that reads only record ids gets compact batches without their records rebuilt.
+        self._decode_records = not (self.is_sink and getattr(operator, "reads_records", True) is False)
+
+        # Keyed stateful operator (agent.instance.keyed_state): state saved with its input position.
+        self.keyed: Optional[KeyedState] = None
+        if isinstance(operator, KeyedOperator):
+            problems = keyed_config_problems(pipeline, self.stage, operator)
+            if problems:
+                raise ValueError("; ".join(problems))
+            self.keyed = KeyedState(operator, spec.operator, pipeline.operators[self.stage - 1].key,
+                                    self.op.key_groups)
+        nxt = pipeline.operators[self.stage + 1] if self.stage + 1 < len(pipeline.operators) else None
+        self.router = Router(spec.succs, key=self.op.key, groups=nxt.key_groups if nxt is not None else 128)
+        self.outbox = Outbox(self.router, self.op.batch_size, self.op.linger_ms / 1000.0)
+        self.links: Dict[str, OutLink] = {}
+        self.tracker = AckTracker()
+        self.queues: Dict[str, Deque[Envelope]] = {}
+        self.pending_pub: Dict[int, int] = {}  # mid -> lowest process index it carries
+        # token -> (topic, payload, lowest index, retried): issued, not yet answered by the shell
+        self._unconfirmed: Dict[int, Tuple[str, bytes, Optional[int], bool]] = {}
+        self._token = 0
+        self.sink_wait: Deque[int] = deque()  # a deferred sink's record() calls not recorded yet
+        self.retry: Deque[Tuple[str, bytes, Optional[int]]] = deque()  # (topic, payload, lowest index)
+        self.ack_due: Dict[str, Tuple[int, int]] = {}  # sender -> (its epoch, data seq)
+        self.ack_since: Optional[float] = None
+        self.busy_until = 0.0
+        self.high_water = 2 * self.op.batch_size
+        self._unacked_batches = 0
+        # Acks go out every quarter of the predecessors' window (their operator's setting).
+        pred_window = pipeline.operators[self.stage - 1].max_inflight_batches if self.stage > 0 else 8
+        self.ack_every = max(1, pred_window // 4)
+        # Admission (agent.dataplane.inbound): how far ahead an honest sender's numbers can run is
+        # set by the larger window on our channels; a held sender gets room for a window of data
+        # twice over, plus its protocol and lock messages.
+        self.window = max(pred_window, self.op.max_inflight_batches)
+        self.hold = HoldBuffer(HOLD_MAX_SENDERS, 2 * self.window + 32, HOLD_MAX_BYTES)
+        self._refusals = LogLimiter()
+        # Only a name an instance of a neighbouring operator can have is worth holding: keepers
+        # are "<pipeline>.<operator>.0" (deploy.keeper_id), every other instance "<operator>-..."
+        # (ScalingCore._new_id, the agent's createNode, the bench). Invented names are refused
+        # at once, so they cannot fill the hold buffer that a new copy's predecessors need.
+        ops = pipeline.operators
+        pred_op = [ops[self.stage - 1].name] if self.stage > 0 else []
+        near = pred_op + [spec.operator] + ([ops[self.stage + 1].name] if self.stage + 1 < len(ops) else [])
+        self._shapes = {
+            Kind.DATA: (tuple(f"{o}-" for o in pred_op), {f"{spec.pipeline}.{o}.0" for o in pred_op}),
+            Kind.PROTO: (tuple(f"{o}-" for o in near), {f"{spec.pipeline}.{o}.0" for o in near}),
+        }
+        self.scaling: Optional[ScalingDriver] = None
+
+        self.stats: Dict[str, int] = {
+            "records_in": 0,
+            "records_out": 0,
+            "filtered": 0,
+            "operator_errors": 0,
+            "batches_in": 0,
+            "batches_out": 0,
+            "malformed": 0,
+            "duplicate_envelopes": 0,
+            "acks_sent": 0,
+            "acks_in": 0,
+            "protocol_in": 0,
+            "protocol_out": 0,
+            "protocol_errors": 0,
+            "sends_to_non_successor": 0,
+            "credit_stalls": 0,
+            "publish_rejected": 0,
+            "refused_senders": 0,  # envelopes from senders our tables do not know (incl. expired holds)
+            "refused_epochs": 0,  # an epoch no real incarnation of the sender can have
+            "refused_seqs": 0,  # a number (or an ack) far beyond what the sender can have sent
+            "refused_nodes": 0,  # written by a node that does not host the sender (incl. expired holds)
+            "held_dropped": 0,  # of those, refused because the hold buffer was full
+            "held_released": 0,  # held until the protocol announced their sender, then admitted
+        }
+        self._malformed_log = LogLimiter()  # bounded: a flood of invented names costs nothing
+        self._malformed_logged: Set[str] = set()  # protocol senders (admitted ones only: bounded)
+        self._period_records = 0
+        self._last_load = 0.0
+        # Live signals (docs/measurement.md, "Live signals"): taken at every decision period,
+        # published in the heartbeat, and the online capacity estimate they feed.
+        self.signals = PeriodSignals(0.0, 0.0)
+        self.last_signals: Optional[Signals] = None
+        self.live_capacity = LiveCapacity(500.0)
+        self._exit: Optional[Tuple[int, str, bool]] = None
+        self.stopping = False
+        self._stop_deadline = 0.0
+        self._state_dirty = True
+        self._last_state_write = -1e9
+        self._last_heartbeat = 0.0
+        self._sent_to_removed: Set[str] = set()
+        self._final = False
+        self._last_source_write = -1e9
+        self._holes: Dict[str, Tuple[Tuple[int, int], float]] = {}  # sender -> ((epoch, missing seq), since)
+        self._next_silence_check = 0.0
+        self.first_record_at: Optional[float] = None
+        self.activated_at: Optional[float] = None  # wall time of our Start (rescale breakdown)
+        self._terminate_reason = ""
+        self._period_start = 0.0
+        self._source_first: Dict[int, int] = {}  # source: poll index -> its first record seq
+        self._source_reserved = 0  # source: records it may generate before writing its position
+        self._source_started_at = 0.0  # source: wall time its rate profile started
+
+    # ---- the one entry point ------------------------------------------------------------------------
+
+    def handle(self, event: Event, now: float) -> List[Command]:
+        """Apply one event at monotonic time `now`; the commands to perform, in order."""
+        allowed = _ACCEPTS[self.phase]
+        if type(event) not in allowed:
+            raise LocalProtocolError(
+                f"{self.spec.instance}: {type(event).__name__} in phase {self.phase.value}, expected one of "
+                f"{sorted(t.__name__ for t in allowed)}")
+        self.now = now
+        self._out = []
+        self._HANDLERS[type(event)](self, event)
+        if self._exit is not None and self.phase is not Phase.EXITED:
+            self._finish(*self._exit)
+        out, self._out = self._out, []
+        return out
+
+    @property
+    def exited(self) -> bool:
+        return self.phase is Phase.EXITED
+
+    def wall(self) -> float:
+        """The wall clock, as of the last event that carried it (timestamps, epoch plausibility)."""
+        return self.now + self._wall_offset
+
+    # ---- commands (the only way out) ----------------------------------------------------------------
+
+    def emit(self, event: str, **fields: Any) -> None:
+        self._out.append(Emit(event, fields))
+
+    def notify(self, topic: str, payload: bytes, qos: int = 0, retain: bool = False) -> None:
+        self._out.append(Notify(topic, payload, qos, retain))
+
+    def request_spawn(self, request: str, spec: Dict[str, Any]) -> None:
+        self._out.append(RequestSpawn(request, spec))
+
+    def crash_point(self, name: str) -> None:
+        """Where the tests' fault injection may kill the process (the shell decides)."""
+        self._out.append(CrashPoint(name))
+
+    # ---- start -----------------------------------------------------------------------------------------
+
+    def _on_started(self, ev: Started) -> None:
+        self._begin(ev.wall, False, {}, None)
+
+    def _on_restarted(self, ev: Restarted) -> None:
+        self._begin(ev.wall, True, ev.state, ev.source_position)
+        if self.keyed is not None and ev.keyed is not None:
+            again = self.keyed.restore(ev.keyed)
+            if again:  # outputs the successors had not acked: sent again (the sink drops copies)
+                index = self.tracker.produced()
+                self.keyed.outputs = [(index, it) for it in again]
+                self.outbox.add(list(again), index, self.now)
+
+    def _begin(self, wall: float, restart: bool, saved: Dict[str, Any],
+               source_position: Optional[Dict[str, Any]]) -> None:
+        """Subscribed (the shell says so only after the broker's SUBACK, INVARIANT 2): take our
+        epoch, restore what a restart needs, and only then say "ready"."""
+        now = self.now
+        self._wall_offset = wall - now
+        self.phase = Phase.RUNNING
+        # Epoch: a restarted worker (same identity) numbers its messages in a new epoch.
+        self.epoch = int(saved.get("epoch", -1)) + 1 if saved else 0
+        # Re-homed after its node died (agent.node.rehome): the old state is gone with the
+        # node, so start above any epoch the dead incarnation can have used.
+        self.epoch = max(self.epoch, int(self.spec.extra.get("min_epoch", 0) or 0))
+        if restart:
+            self.inbound.restore(saved.get("inbound") or {}, resync=True)
+        self.outbound = Outbound(self.epoch)
+        self._next_silence_check = now + SILENCE_CHECK
+        self._period_start = now
+        self._source_started_at = wall
+        self.signals = PeriodSignals(now, self.cpu())
+        self.scaling = ScalingDriver(self, saved, restart)
+        self.live_capacity = LiveCapacity(self.scaling.params.capacity)
+        if restart and self.scaling.core.forwards_data:
+            # The restored tables, not the spec's initial ones: since its creation the instance
+            # may have been activated (a copy starts with none) or seen neighbours come and go.
+            self.router.set_succs(self.scaling.core.routes()[0])
+        self.persist(force=True)
+        if restart:
+            # Tell each predecessor we are a new incarnation (an ack of nothing, numbered in our
+            # new epoch): it replays what we had not acknowledged (see _replay_to).
+            for pred in sorted(self.scaling.core.preds):
+                self.send_envelope(pred, Kind.ACK, [0, 0])
+            self.scaling.resync(now)
+        if self.is_source:
+            if restart:
+                self._resume_source(source_position)
+            self.operator.start(now)
+        self._period_start = now
+        self.emit("ready")
+        if self.scaling.terminated:
+            # Restarted (an agent restart re-adopting it, say) after the protocol had already
+            # terminated it, before its final exit: gone from every table, so gone for good.
+            self._exit = (EXIT_OK, "restarted after its termination: gone for good", True)
+        elif self.scaling.outputs:
+            self.scaling.run_outputs(now)  # a restarted round: perform what was still queued
+
+    def _resume_source(self, pos: Optional[Dict[str, Any]]) -> None:
+        """A restarted source continues from its last written position (see TaxiSource.resume)."""
+        resume = getattr(self.operator, "resume", None)
+        if resume is None or not isinstance(pos, dict) or "resume_from" not in pos:
+            log.warning("source restarted without a usable position: starting over", extra=self.ctx)
+            return
+        start = int(pos["resume_from"])
+        upto = max(int(pos.get("generated", 0)), int(pos.get("reserved", 0)))
+        self._source_started_at = float(pos.get("profile_started_at", self.wall()))
+        resume(start, upto, self.wall() - self._source_started_at)
+        self._source_reserved = upto
+        log.info("source resumes at record %d, regenerating up to %d", start, upto, extra=self.ctx)
+
+    # ---- one loop turn ---------------------------------------------------------------------------------
+
+    def _on_tick(self, ev: Tick) -> None:
+        now = self.now
+        self._wall_offset = ev.wall - now
+        if self.scaling is not None:
+            self.scaling.run_outputs(now)
+        if self.is_source:
+            self._produce(now)
+        self._process(now)
+        if self.keyed is not None and self.keyed.dirty:
+            self._save_keyed()
+        if self.hold:
+            self._release_held(now)
+        if self.is_sink:
+            self._settle_sink()
+        self.flush(now)
+        self.signals.blocked(now, self._backpressured())
+        self._send_acks(now)
+        if FAULT_RETRY_ONLY_WITH_DATA not in self.faults:
+            self._publish_retries()
+        if self.scaling is not None:
+            self.scaling.maybe_tick(now)
+        if now - self._last_heartbeat >= self.spec.heartbeat_period:
+            self._heartbeat(now)
+        if now >= self._next_silence_check:
+            self._check_silence(now)
+        if self._state_dirty or self.inbound.changed:
+            self.persist()
+        if self.stopping:
+            self._check_stopped(now)
+
+    def next_wake(self, now: float) -> float:
+        """Seconds until the instance has something to do without a new message (the shell's
+        poll timeout): 0 when work is ready."""
+        if self._exit is not None:
+            return 0.0
+        if self._has_ready_input(now):
+            return 0.0
+        deadlines = [now + MAX_POLL, self._last_heartbeat + self.spec.heartbeat_period]
+        d = self.outbox.next_deadline()
+        if d is not None and any(self._credit(s) > 0 for s in self.router.succs):
+            deadlines.append(d)  # without credit only an ack (socket readable) can help: no spin
+        if self.busy_until > now:
+            deadlines.append(self.busy_until)
+        if self.ack_since is not None:
+            deadlines.append(self.ack_since + ACK_DELAY)
+        if self.sink_wait:
+            deadlines.append(now + SINK_SETTLE_POLL)  # the shipper (another process) cannot wake us
+        if self.is_source and self._can_produce():
+            deadlines.append(self.operator.next_due(now))
+        return max(0.0, min(deadlines) - now)
+
+    # ---- publish feedback, session, spawn ----------------------------------------------------------
+
+    def _on_publish_accepted(self, ev: PublishAccepted) -> None:
+        item = self._unconfirmed.pop(ev.token, None)
+        if item is not None and item[2] is not None:
+            self.pending_pub[ev.mid] = item[2]
+
+    def _on_publish_refused(self, ev: PublishRefused) -> None:
+        item = self._unconfirmed.pop(ev.token, None)
+        if item is None:
+            return
+        if not item[3]:
+            self.stats["publish_rejected"] += 1
+            log.warning("%s; will retry", ev.reason or "publish refused", extra=self.ctx)
+        # Refusals come in token order and every later publish of the same list is refused too
+        # (commands.py), so appending keeps the channel order.
+        self.retry.append(item[:3])
+
+    def _on_puback(self, ev: PubAcked) -> None:
+        self.pending_pub.pop(ev.mid, None)
+
+    def _on_session_lost(self, ev: SessionLost) -> None:
+        self._new_incarnation("the broker lost our session", "sessions_lost")
+
+    def _on_spawned(self, ev: Spawned) -> None:
+        if self.scaling is not None:
+            self.scaling.on_spawned({"request": ev.request, "ok": ev.ok, "error": ev.error})
+
+    def _on_abort(self, ev: Abort) -> None:
+        self._exit = (EXIT_DRAIN_TIMEOUT, ev.reason, False)
+
+    # ---- control lines -------------------------------------------------------------------------------
+
+    def _on_control(self, ev: Control) -> None:
+        msg = ev.message
+        event = msg.get("event")
+        now = self.now
+        if event in ("stop", "eof"):
+            self.request_stop(now)
+        elif event == "spawned":
+            self._on_spawned(Spawned(str(msg.get("request")), bool(msg.get("ok")), str(msg.get("error"))))
+        elif event == "scale":
+            if self.scaling is not None:
+                self.scaling.force(str(msg.get("action")), int(msg.get("count", 1)))
+        elif event == "set":
+            if "service_time_ms" in msg:
+                self.service_time = float(msg["service_time_ms"]) / 1000.0
+                log.info("service time set to %.3f ms", self.service_time * 1000, extra=self.ctx)
+            if "paused" in msg and self.is_source:
+                self.operator.paused = bool(msg["paused"])
+            if "pinned" in msg and self.scaling is not None:
+                self.scaling.pinned = bool(msg["pinned"])
+            if "context" in msg and self.scaling is not None and self.scaling.live is not None:
+                if not self.scaling.live.set_context(msg["context"]):
+                    log.warning("malformed policy context ignored: %.200r", msg["context"], extra=self.ctx)
+        elif event == "hosts":
+            self._on_hosts(msg)
+        else:
+            log.warning("unknown control event %r ignored", event, extra=self.ctx)
+
+    def _on_hosts(self, msg: Dict[str, Any]) -> None:
+        """The agent's instance -> node bindings (agent.node.hostmap): replaces ours; what they
+        now bind is released from the hold buffer at the next Tick (`_release_held`)."""
+        bound = msg.get("bound")
+        if not isinstance(bound, dict):
+            log.warning("hosts line without its tables ignored", extra=self.ctx)
+            return
+        self.hosts_bound = {str(i): str(n) for i, n in bound.items()}
+        former = msg.get("former")
+        self.hosts_former = ({str(i): [str(n) for n in ns] for i, ns in former.items() if isinstance(ns, list)}
+                             if isinstance(former, dict) else {})
+
+    def request_stop(self, now: float) -> None:
+        """Agent shutdown: stop producing, drain (bounded), exit; the session is kept."""
+        if not self.stopping:
+            self.stopping = True
+            self.phase = Phase.STOPPING
+            self._stop_deadline = now + float(self.spec.extra.get("drain_timeout", 10.0))
+            log.info("stop requested: draining", extra=self.ctx)
+
+    def _check_stopped(self, now: float) -> None:
+        if self.drained() and (not self._final or self.scaling is None or self.scaling.ready_to_exit()):
+            self._exit = (EXIT_OK, "stopped", False)
+        elif now > self._stop_deadline:
+            self._exit = (EXIT_DRAIN_TIMEOUT, "drain timeout: successors did not ack everything", False)
+
+    def terminate(self, reason: str) -> None:
+        """INVARIANT 4 (drain before exit): called by the scaling driver on `Terminate`, which
+        the core emits only after every deletion ack; the loop still finishes draining first."""
+        self.stopping = True
+        self.phase = Phase.STOPPING
+        self._stop_deadline = self.now + float(self.spec.extra.get("drain_timeout", 30.0))
+        self._final = True
+        self._terminate_reason = reason
+
+    def _finish(self, code: int, reason: str, final: bool) -> None:
+        final = final or self._final
+        if code == EXIT_OK and self._terminate_reason:
+            reason = self._terminate_reason
+        try:
+            self.operator.close()
+        except Exception:  # noqa: BLE001
+            log.exception("operator close failed", extra=self.ctx)
+        self._state_dirty = True
+        self.persist(force=True)
+        if self.keyed is not None:
+            self._save_keyed()
+        self._write_source_stats()
+        self._heartbeat(self.now)
+        # `final`: gone for good (terminated by the protocol); the agent then forgets this
+        # instance instead of re-adopting it after its own restart (agent.node.hosted).
+        self._out.append(Exit(code, reason, final))
+        self.phase = Phase.EXITED
+
+    # ---- inbox ----------------------------------------------------------------------------------------
+
+    def _on_envelope(self, ev: EnvelopeReceived) -> None:
+        writer = topics.inbox_writer(self.inbox, ev.topic)
+        if writer is None:
+            ingest = getattr(self.operator, "ingest", None)
+            if ingest is not None:
+                ingest(ev.topic, ev.payload)
+            return
+        try:
+            env = decode(ev.payload, self._decode_records)
+        except MalformedEnvelope as exc:
+            # INVARIANT 5 (nothing dropped silently): counted, logged once per sender, skipped.
+            self.stats["malformed"] += 1
+            who = _guess_sender(ev.payload)
+            if self._malformed_log.allow(who, self.now):
+                log.warning("malformed payload on inbox from %s skipped: %s", who, exc, extra=self.ctx)
+            return
+        if (env.sender, writer) in self.hold:
+            # behind what it already holds: the order of (sender, writing node) is kept
+            self._hold(env, ev.payload, writer, "node" if self._waits_for_binding(env.sender, writer) else "sender")
+            return
+        verdict, why = self._admit(env, writer)
+        if verdict == ACCEPT:
+            self._accept(env)
+        elif verdict == HOLD:
+            self._hold(env, ev.payload, writer, why)
+        else:
+            self._refuse(env, why, writer)
+
+    # ---- admission (docs/security.md, "Data channels") ------------------------------------------
+
+    def _admit(self, env: Envelope, writer: str) -> Tuple[str, str]:
+        """ACCEPT, HOLD or REFUSE (with the reason) for one decoded envelope, before it touches
+        any state: its sender must exist for our tables, be hosted by the node `writer` that wrote
+        it (check_node), and its numbers must be ones that sender can have
+        (agent.dataplane.inbound). Cheap on the hot path: dict lookups and a few compares."""
+        if not self._sender_allowed(env):
+            # Data and protocol messages may come from an instance the protocol announces to us
+            # only later (a new copy's predecessors before its Start): hold, if the name can be
+            # one of a neighbouring operator's. Acks come only from instances we sent data to,
+            # which we know by then: refuse.
+            shape = self._shapes.get(env.kind)
+            if shape is not None and (env.sender.startswith(shape[0]) or env.sender in shape[1]):
+                return HOLD, "sender"
+            return REFUSE, "sender"
+        if self.check_node and writer_verdict(self.hosts_bound.get(env.sender), self.hosts_former.get(env.sender, ()),
+                                              writer) != ACCEPT:
+            return HOLD, "node"
+        fault = numbering_fault(self.inbound.position(env.sender), self.inbound.resync_unknown,
+                                env.epoch, env.seq, self.wall(), self.window)
+        if fault is not None:
+            return REFUSE, fault
+        if env.kind is Kind.ACK and env.body[0] == self.epoch and env.body[1] > 0:
+            link = self.links.get(env.sender)
+            if link is None or not link.plausible_ack(env.body[1]):
+                return REFUSE, "seq"  # acks (in our epoch) what we never sent it
+        return ACCEPT, ""
+
+    def _sender_allowed(self, env: Envelope) -> bool:
+        """Does our view of the pipeline say `env.sender` may send us an envelope of this kind?
+
+        Data: a predecessor (the core's table, or one announced to an idle copy). Acks: an
+        instance we sent data to (a link, a successor), a copy of ours pinging for its Start, or a
+        copy we may have to adopt (`ScalingDriver.may_probe`). Protocol and lock messages: any
+        instance our tables, our rounds or our persisted channels know."""
+        s = env.sender
+        sc = self.scaling
+        kind = env.kind
+        if kind is Kind.DATA:
+            if sc is None:
+                return s in self.spec.preds
+            return s in sc.core.preds or s in sc.core.preds_to_add
+        if kind is Kind.ACK:
+            if s in self.links or s in self.router.succs:
+                return True
+            if sc is None:
+                return False
+            core = sc.core
+            if s in core.succs or s in core.new_siblings or s in sc.started or s in sc.probes or s in sc.orphans:
+                return True
+            return tuple(env.body) == (0, 0) and sc.may_probe(s)
+        if self.inbound.position(s) is not None or s in self.links:
+            return True
+        if sc is None:
+            return s in self.spec.preds or s in self.spec.succs
+        return sc.knows(s)
+
+    def _accept(self, env: Envelope) -> None:
+        before = self.inbound.stats.duplicates + self.inbound.stats.stale_epoch
+        known = self.inbound.epoch_of(env.sender)
+        if env.sender in self.links and env.epoch > (known if known is not None else 0):
+            self._replay_to(env.sender)  # the successor restarted: it may have lost what it held
+        # INVARIANT 1 (FIFO channel): envelopes are delivered in each sender's numbering, once.
+        for e in self.inbound.receive(env):
+            if e.kind is Kind.ACK:
+                self._on_ack(e)
+            else:
+                if e.kind is Kind.DATA:
+                    self._period_records += len(e.body)
+                    self.signals.arrived(len(e.body))
+                q = self.queues.get(e.sender)
+                if q is None:
+                    q = self.queues[e.sender] = deque()
+                q.append(e)
+        dropped = self.inbound.stats.duplicates + self.inbound.stats.stale_epoch - before
+        self.stats["duplicate_envelopes"] += dropped
+        if dropped and env.kind is Kind.DATA and env.epoch < (self.inbound.epoch_of(env.sender) or 0):
+            # Safe only because the sender's predecessors or source still hold what it carried
+            # (acks are end to end); rare enough to say so once per occurrence.
+            log.warning("data batch %d of %s's old epoch %d dropped (now epoch %s)", env.seq, env.sender,
+                        env.epoch, self.inbound.epoch_of(env.sender), extra=self.ctx)
+
+    def forget_sender(self, sender: str) -> None:
+        """Drop every per-sender entry of an instance admitted only provisionally (an unanswered
+        probe): channel position, numbering, an empty queue."""
+        if self.queues.get(sender):
+            return  # something of it still waits to be handled: keep it
+        self.queues.pop(sender, None)
+        self.inbound.forget(sender)
+        self.outbound.forget(sender)
+        self._holes.pop(sender, None)
+        self.mark_state_changed()
+
+    def _hold(self, env: Envelope, payload: bytes, writer: str, why: str) -> None:
+        # Kept: the bytes (decoded again on release, so memory is what the byte bound says) and
+        # a header without records (what `_sender_allowed` looks at while it waits), per (sender,
+        # writing node): one ordered stream each.
+        head = Envelope(env.sender, env.epoch, env.seq, env.kind, [] if env.kind is Kind.DATA else env.body)
+        if not self.hold.add((env.sender, writer), (head, bytes(payload)), len(payload) + 200, self.now):
+            self.stats["held_dropped"] += 1
+            self._refuse(env, why, writer, " (hold buffer full)")
+
+    def _refuse(self, env: Envelope, why: str, writer: str, note: str = "") -> None:
+        """Counted, logged at most once per sender per minute (and 20 lines a minute in all), and
+        nothing else: no channel entry, no record id, nothing persisted."""
+        key = {"epoch": "refused_epochs", "seq": "refused_seqs", "node": "refused_nodes"}.get(why, "refused_senders")
+        self.stats[key] += 1
+        if self._refusals.allow((env.sender, writer), self.now):
+            more = self._refusals.take_suppressed()
+            what = f"not bound to node {writer[:64]}" if why == "node" else f"{why} not plausible"
+            log.warning("refused %s envelope %d/%d from %s (written by %s) on our inbox: %s%s%s",
+                        env.kind.name.lower(), env.epoch, env.seq, env.sender[:64], writer[:64], what, note,
+                        f" ({more} more refusals not logged)" if more else "", extra=self.ctx)
+
+    def _release_held(self, now: float) -> None:
+        """Senders the protocol has announced since their envelopes were held: admit those
+        envelopes now, in arrival order (the channel then puts them in the sender's order). The
+        rest wait, up to HOLD_TTL (an idle copy: until its Start)."""
+        for key in self.hold.senders():
+            writer = key[1]
+            while True:
+                held = self.hold.first(key)
+                if held is None:
+                    break
+                if not self._sender_allowed(held[0]):
+                    if held[0].kind is not Kind.ACK:
+                        break  # still not announced: keep waiting
+                    self.hold.pop_first(key)  # an ack is never held for itself (see _admit)
+                    self._refuse(held[0], "sender", writer)
+                    continue
+                env = decode(held[1], self._decode_records)  # decoded once already: cannot fail
+                verdict, why = self._admit(env, writer)
+                if verdict == HOLD:
+                    break
+                self.hold.pop_first(key)
+                if verdict == ACCEPT:
+                    self.stats["held_released"] += 1
+                    self._accept(env)
+                else:
+                    self._refuse(env, why, writer)
+        if self.scaling is not None and not self.scaling.data_enabled:
+            return  # idle: its predecessors are announced with its Start
+        for (sender, writer), n in self.hold.expire(now, self._hold_ttl):
+            # Not announced by the protocol, or not bound to the node that wrote it, in time.
+            unbound = self._waits_for_binding(sender, writer)
+            self.stats["refused_nodes" if unbound else "refused_senders"] += n
+            if self._refusals.allow((sender, writer), now):
+                log.warning("refused %d envelopes from %s (written by %s): %s within %.0fs", n, sender[:64],
+                            writer[:64], f"not bound to node {writer[:64]}" if unbound else "not announced to us",
+                            WRITER_HOLD_TTL if unbound else HOLD_TTL, extra=self.ctx)
+
+    def _waits_for_binding(self, sender: str, writer: str) -> bool:
+        """A held stream whose sender our tables know, written by a node it is not bound to."""
+        return (self.check_node and self.hosts_bound.get(sender) != writer
+                and writer not in self.hosts_former.get(sender, ())
+                and self._sender_allowed(Envelope(sender, 0, 1, Kind.PROTO, {})))
+
+    def _hold_ttl(self, key: Tuple[str, str]) -> float:
+        return WRITER_HOLD_TTL if self._waits_for_binding(*key) else HOLD_TTL
+
+    def _check_silence(self, now: float) -> None:
+        """Messages that will never come (they were lost, or taken by another process with our
+        session) show up as a hole in a sender's numbering that stays open (we become a new
+        incarnation: every predecessor replays what we have not acked), or, when they were the
+        last ones a sender sent us, as batches we never ack (the sender replays them to us)."""
+        self._next_silence_check = now + SILENCE_CHECK
+        if self.stopping:
+            return
+        holes = {s: (g[0], g[1]) for s, g in self.inbound.gaps().items()}
+        self._holes = {s: (h, self._holes[s][1] if self._holes.get(s, (None,))[0] == h else now)
+                       for s, h in holes.items()}
+        stuck = sorted(s for s, (_, since) in self._holes.items() if now - since >= GAP_TIMEOUT)
+        if stuck:
+            self._holes = {}
+            self._new_incarnation(f"messages from {', '.join(stuck)} missing for {GAP_TIMEOUT:.0f}s", "gaps_recovered")
+        if self.scaling is not None:
+            self.scaling.ping_if_idle(now)
+            self.scaling.expire_probes(now)
+        for dest, link in list(self.links.items()):
+            wait = min(LINK_SILENCE * 2 ** link.silent_replays, LINK_SILENCE_MAX)
+            if link.inflight and link.oldest_age(now) >= wait and now - link.last_ack_at >= wait:
+                self.stats["silent_links_replayed"] = self.stats.get("silent_links_replayed", 0) + 1
+                link.silent_replays += 1
+                self._replay_to(dest)
+
+    def _new_incarnation(self, why: str, counter: str) -> None:
+        """The broker came back without our session (it restarted without its persistence, or
+        lost it), or messages to us went missing (`_check_silence`: lost by the broker, or taken
+        by another connection with our client id): what was queued for us or in flight through
+        it may be gone. Become a new incarnation as after a crash, keeping what we still hold:
+        a new epoch (receivers restart our channel), our own channels resync, predecessors
+        replay what we had not acked (an empty ack in the new epoch, as in `start`), and we
+        replay to our successors what they had not acked (their acks for the old epoch would be
+        ignored). Records that got through twice are dropped by id at the sink; protocol
+        messages lost on the way are sent again by the round's resend on silence
+        (agent.instance.recovery)."""
+        self.epoch += 1
+        self.outbound = Outbound(self.epoch)
+        self.inbound.restore(self.inbound.snapshot(), resync=True)
+        self.persist(force=True)
+        self.stats[counter] = self.stats.get(counter, 0) + 1
+        log.warning("%s: new epoch %d, asking for replays", why, self.epoch, extra=self.ctx)
+        if self.scaling is not None:
+            for pred in sorted(self.scaling.core.preds):
+                self.send_envelope(pred, Kind.ACK, [0, 0])
+            self.scaling.resync(self.now)
+        for dest, link in list(self.links.items()):
+            link.restart_numbering()
+            self._replay_to(dest)
+
+    def _replay_to(self, dest: str) -> None:
+        """Send every batch `dest` has not acked again, renumbered on the current channel.
+
+        A worker restarted with the same identity (new epoch) has lost the batches it had taken
+        from the broker but not yet forwarded; we still hold them (replay buffer). Records it had
+        already forwarded come twice: the sink drops duplicate record ids."""
+        link = self.links[dest]
+        old = link.unacked()
+        if not old:
+            return
+        topic = topics.inbox(self.spec.cluster, dest, self.spec.node)
+        now = self.now
+        for u in old:
+            items = decode(u.payload).body
+            seq = self.outbound.take(dest)
+            payload = encode_data(self.spec.instance, self.epoch, seq, items)
+            link.replace(u.seq, seq, payload, now)
+            self._publish_tracked(topic, payload, self.tracker.last_index + 1)
+        self.stats["replayed_batches"] = self.stats.get("replayed_batches", 0) + len(old)
+        log.warning("replayed %d unacked batches to %s", len(old), dest, extra=self.ctx)
+
+    def _on_ack(self, env: Envelope) -> None:
+        self.stats["acks_in"] += 1
+        link = self.links.get(env.sender)
+        epoch, upto = env.body
+        if self.scaling is not None and list(env.body) == [0, 0] and self.scaling.on_idle_ping(env.sender):
+            return  # an idle copy asks for its Start
+        if epoch != self.epoch:
+            self.stats["stale_acks"] = self.stats.get("stale_acks", 0) + 1  # for a dead incarnation
+            return
+        if link is not None:
+            link.ack(upto, self.now)
+            if link.inflight == 0 and env.sender not in self.router.succs:
+                del self.links[env.sender]  # a departed successor acked everything we sent it
+
+    def _has_ready_input(self, now: float) -> bool:
+        if not any(self.queues.values()):
+            return False
+        if self.sink_wait and not self.operator.writable():
+            return False  # spool full: only a release (seen in settle) can help
+        return now >= self.busy_until and self.outbox.pending < self.high_water
+
+    def _backpressured(self) -> bool:
+        """Held back by what comes after us: successors without credit, or the sink's spool full."""
+        return self.outbox.pending >= self.high_water or bool(self.sink_wait and not self.operator.writable())
+
+    def _data_blocked(self, now: float) -> bool:
+        if self.scaling is not None and not self.scaling.data_enabled:
+            return True  # idle new instance: keep input until Start (Algorithm 6)
+        if now < self.busy_until:
+            return True  # emulated service time
+        if self.sink_wait and not self.operator.writable():
+            self.stats["spool_stalls"] = self.stats.get("spool_stalls", 0) + 1
+            return True  # back pressure: the sink's spool is at its cap, stop reading (acks stop)
+        if self.outbox.pending >= self.high_water:
+            self.stats["credit_stalls"] += 1
+            return True  # back pressure: successors have no credit, stop reading
+        return False
+
+    def _process(self, now: float) -> None:
+        """Handle queued envelopes, round-robin over senders, each sender strictly in order
+        (one exception: `_duplication_acks_ahead`). `now` stays the event's: an emulated service
+        time ends this turn's data; the next Tick goes on."""
+        if self.scaling is not None and self.scaling.duplicating:
+            self._duplication_acks_ahead()
+        progress = True
+        while progress:
+            progress = False
+            for sender in list(self.queues):
+                q = self.queues[sender]
+                if not q:
+                    continue
+                env = q[0]
+                if env.kind is Kind.DATA:
+                    if self._data_blocked(now):
+                        continue
+                    q.popleft()
+                    self._process_data(env, now)
+                    progress = True
+                else:
+                    if self.scaling is not None and self.scaling.blocked:
+                        continue  # earlier outputs still running: keep the order of effects
+                    q.popleft()
+                    self._on_protocol(env)
+                    progress = True
+
+    def _duplication_acks_ahead(self) -> None:
+        """While our duplication round waits for its acks, a predecessor's `duplication_ack`
+        queued behind that predecessor's DATA batches is handled now instead of after them.
+
+        Why: the creator of a copy is by definition overloaded, so its predecessors' data queue
+        up to a credit window in front of their acks (with a Raspberry-Pi-like 4 ms per record
+        and batches of 100: seconds), and the copy would get its Start only after the creator
+        worked through all of it: most of decision -> first record (`bench rescale`).
+        Why it is safe: handling a duplication ack changes none of our routing tables (our
+        preds and succs stay as they are; the ack only completes the round and sends Start with
+        the tables we already use), and the data batches it overtakes are still processed by us,
+        in their order, right after. Only DATA is overtaken, never a protocol message (a
+        neighbour's own round must be applied before our Start carries our tables), and never
+        while our earlier outputs are still being performed. Deletion acks never move: invariant 1
+        needs a deletion_ack handled after every batch its sender sent before it."""
+        assert self.scaling is not None
+        if self.scaling.blocked:
+            return
+        for q in list(self.queues.values()):
+            if len(q) < 2 or q[0].kind is not Kind.DATA:
+                continue
+            for i, env in enumerate(q):
+                if env.kind is Kind.DATA:
+                    continue
+                if env.kind is Kind.PROTO and isinstance(env.body, dict) and env.body.get("type") == "duplication_ack":
+                    del q[i]
+                    self.stats["acks_ahead_of_data"] = self.stats.get("acks_ahead_of_data", 0) + 1
+                    self._on_protocol(env)
+                break  # the first non-data envelope decides
+            if self.scaling.blocked or not self.scaling.duplicating:
+                return
+
+    def _process_data(self, env: Envelope, now: float) -> None:
+        items: List[Item] = env.body
+        n = len(items)
+        if self.first_record_at is None:
+            self.first_record_at = self.wall()  # wall clock: compared across processes (bench)
+        self.stats["records_in"] += n
+        self.stats["batches_in"] += 1
+        index = self.tracker.processed(env.sender, env.seq, env.epoch)
+        t0 = self.perf()
+        if self.is_sink:
+            self._record(items, index, env)
+        elif self.keyed is not None:
+            out = self.keyed.apply(env.sender, items, index)
+            if out:
+                self.outbox.add(out, index, now)
+        else:
+            out = self._apply(items)
+            self.stats["filtered"] += n - len(out)
+            if out:
+                if not self.router.succs:
+                    raise RuntimeError(f"{self.spec.instance}: records to forward but no successors")
+                self.outbox.add(out, index, now)
+        self.signals.processed(n, self.perf() - t0 + n * self.service_time)
+        if self.service_time:
+            self.busy_until = max(self.busy_until, now) + n * self.service_time
+
+    def _apply(self, items: List[Item]) -> List[Item]:
+        try:
+            return self.operator.process(items)
+        except Exception:  # noqa: BLE001 - a user function failed: isolate the bad record(s)
+            out: List[Item] = []
+            for it in items:
+                try:
+                    out.extend(self.operator.process([it]))
+                except Exception as exc:  # noqa: BLE001
+                    self.stats["operator_errors"] += 1
+                    if self.stats["operator_errors"] <= 5:
+                        log.warning("operator failed on record %s:%s: %r", it[0], it[1], exc, extra=self.ctx)
+            return out
+
+    def _record(self, items: List[Item], index: int, env: Optional[Envelope] = None) -> None:
+        op = self.operator
+        if getattr(op, "deferred", False):
+            pubs = op.record_batch(items, data_body_bytes(env) if env is not None else None)
+            self.sink_wait.append(index)  # acked only once settle() says it is recorded
+        else:
+            pubs = op.record(items)
+        for pub in pubs:
+            self._publish_tracked(pub.topic, pub.payload, index)
+        self.stats["records_out"] += len(items)
+
+    def _settle_sink(self) -> None:
+        """A deferred sink (spilling to its spool): release the inputs it has now recorded, and
+        publish its events (spool_full / spool_resumed: back pressure is never silent)."""
+        op = self.operator
+        if not isinstance(op, SinkOperator):
+            return
+        if op.deferred:
+            for _ in range(op.settle()):
+                self.sink_wait.popleft()
+        for ev in op.take_events():
+            self._publish_spool_event(ev)
+
+    def _publish_spool_event(self, ev: Dict[str, Any]) -> None:
+        what = str(ev.pop("event", ""))
+        etype = {"spool_full": "spool_full", "spool_resumed": "spool_resumed", "recovered": "spool_recovered"}.get(what)
+        if etype is None:
+            return
+        if what == "spool_full":
+            log.warning("spool at its cap (%s bytes): holding input back", ev.get("used_bytes"), extra=self.ctx)
+        try:
+            e = events.make(etype, ts=self.wall(), node=self.spec.node, instance=self.spec.instance,
+                            operator=self.spec.operator, pipeline=self.spec.pipeline,
+                            detail={"source": "worker", **{k: v for k, v in ev.items() if k != "node"}})
+        except ValueError as exc:
+            log.warning("spool event %s not published: %s", what, exc, extra=self.ctx)
+            return
+        self.notify(topics.events(self.spec.cluster), e.to_json().encode(), qos=1)
+        self.stats["spool_events"] = self.stats.get("spool_events", 0) + 1
+
+    def _on_protocol(self, env: Envelope) -> None:
+        if self.scaling is None:
+            self.stats["protocol_in"] += 1
+            self.stats["protocol_errors"] += 1
+            if env.sender not in self._malformed_logged:  # logged once per sender (invariant 5)
+                self._malformed_logged.add(env.sender)
+                log.warning("protocol message from %s but scaling is off: ignored", env.sender, extra=self.ctx)
+            return
+        self.scaling.handle(env)
+
+
+    # ---- source -----------------------------------------------------------------------------------
+
+    def _can_produce(self) -> bool:
+        # A paused source has nothing due: without this check its next_due() says "now" and the
+        # loop polls it in a busy spin (measured: ~25k empty loop turns/s, a whole core).
+        return (
+            not self.stopping
+            and not getattr(self.operator, "paused", False)
+            and self.outbox.pending < self.high_water
+            and bool(self.router.succs)
+            and (self.scaling is None or self.scaling.data_enabled)
+        )
+
+    def _produce(self, now: float) -> None:
+        if not self._can_produce():
+            return
+        budget = self.high_water - self.outbox.pending
+        generated = int(getattr(self.operator, "generated", 0))
+        if generated + budget > self._source_reserved:
+            # Reserve ahead on disk before generating past the last reservation: a restarted
+            # source regenerates up to it, so it never reports fewer records than were sent.
+            self._source_reserved = generated + budget + SOURCE_RESERVE
+            self._write_source_stats()
+        items = self.operator.poll(now, budget)
+        if items:
+            self._period_records += len(items)
+            self.stats["records_in"] += len(items)
+            index = self.tracker.produced()
+            self._source_first[index] = items[0][1]
+            self.outbox.add(items, index, now)
+
+    def source_resume_seq(self) -> int:
+        """The first record seq that a restarted source must generate again: the first of the
+        oldest poll whose records are not all acked by a successor yet (buffered, unPUBACKed, or
+        in a replay buffer). Everything below it has been processed and forwarded downstream, so
+        regenerating from here (the generator is deterministic) loses nothing; records above it
+        that already got through arrive twice and the sink drops them by id."""
+        low = self._lowest_pending()
+        for index in [i for i in self._source_first if low is None or i < low]:
+            del self._source_first[index]  # fully acked: forget
+        if low is None or not self._source_first:
+            return int(getattr(self.operator, "generated", 0))
+        return self._source_first[min(self._source_first)]
+
+    # ---- output -----------------------------------------------------------------------------------
+
+    def _credit(self, dest: str) -> int:
+        link = self.links.get(dest)
+        return self.op.max_inflight_batches if link is None else link.credit
+
+    def flush(self, now: float, force: bool = False) -> None:
+        if self.outbox.pending == 0:
+            return
+        if FAULT_RETRY_ONLY_WITH_DATA in self.faults:
+            self._publish_retries()
+        draining = self.stopping or (self.scaling is not None and self.scaling.draining)
+        batches = self.outbox.take(now, self._credit, force=force or draining)
+        if not batches and self.outbox.pending >= self.outbox.batch_size:
+            self.stats["credit_stalls"] += 1
+        for dest, items, low in batches:
+            if dest not in self.router.succs:
+                # Cannot happen (the outbox routes over the current table); counted if it does.
+                self.stats["sends_to_non_successor"] += 1
+                log.error("BUG: batch routed to %s which is not a successor", dest, extra=self.ctx)
+            link = self.links.get(dest)
+            if link is None:
+                link = self.links[dest] = OutLink(dest, self.op.max_inflight_batches)
+            seq = self.outbound.take(dest)
+            payload = encode_data(self.spec.instance, self.epoch, seq, items)
+            link.sent(seq, payload, len(items), now, low)  # replay buffer: kept until dest acks
+            self._publish_tracked(topics.inbox(self.spec.cluster, dest, self.spec.node), payload, low)
+            self.stats["batches_out"] += 1
+            self.stats["records_out"] += len(items)
+
+    def _publish_retries(self) -> None:
+        """Publishes the client refused, in order, before anything newer (`_publish_tracked`).
+        Every step, not only when there is data to flush: a sink or a departing copy has none,
+        and an ack left here held back every later ack of a sink for good (docs/reliability.md)."""
+        while self.retry:
+            topic, payload, low = self.retry.popleft()
+            self._issue(topic, payload, low, True)
+
+    def _publish_tracked(self, topic: str, payload: bytes, low: Optional[int]) -> None:
+        """Publish after whatever the client refused earlier (order). With `low`, the inputs from
+        that index on stay unacked upstream until the broker PUBACKs (data we forward); None for
+        our own acks and protocol messages, which carry no input."""
+        if self.retry:
+            self.retry.append((topic, payload, low))
+        else:
+            self._issue(topic, payload, low, False)
+
+    def _issue(self, topic: str, payload: bytes, low: Optional[int], retried: bool) -> None:
+        self._token += 1
+        self._unconfirmed[self._token] = (topic, payload, low, retried)
+        self._out.append(Publish(topic, payload, self._token))
+
+    def send_envelope(self, dest: str, kind: Kind, body: Any) -> None:
+        """Acks and protocol messages: numbered on the same channel as the data (invariant 1)."""
+        env = Envelope(self.spec.instance, self.epoch, self.outbound.take(dest), kind, body)
+        self._publish_tracked(topics.inbox(self.spec.cluster, dest, self.spec.node), encode(env), None)
+
+    def _lowest_pending(self) -> Optional[int]:
+        """The lowest input index not to be acked upstream yet: its outputs are not all acked by
+        the successors, or (keyed state) the state that reflects it is not saved yet."""
+        low = self._lowest_forwarding()
+        if self.keyed is not None and self.keyed.lowest_unsaved() is not None:
+            k = self.keyed.lowest_unsaved()
+            low = k if low is None else min(low, k)
+        return low
+
+    def _save_keyed(self) -> None:
+        """Keyed state, its input positions and the outputs not acked downstream, saved together
+        (agent.instance.keyed_state) by the shell; only after it are the inputs it reflects acked
+        upstream (`lowest_unsaved` holds them until then)."""
+        assert self.keyed is not None
+        self.keyed.prune_outputs(self._lowest_forwarding())
+        self._out.append(SaveKeyed(self.keyed))
+
+    def _lowest_forwarding(self) -> Optional[int]:
+        """The lowest input index whose outputs are not all acked by the successors yet.
+
+        An input is acked upstream only when every record derived from it has been processed
+        and forwarded by the NEXT instance too (its data ack), not merely PUBACKed by the broker:
+        paho PUBACKs a delivery on receipt, so a batch in the broker is not safe once its
+        receiver has taken it. If the receiver and we both restart (a whole node restarting),
+        only an upstream replay buffer (or the source's resume position) still holds it."""
+        lows = [lo for lo in (link.lowest_input() for link in self.links.values()) if lo is not None]
+        lo = self.outbox.lowest_index()
+        if lo is not None:
+            lows.append(lo)
+        if self.pending_pub:
+            lows.append(min(self.pending_pub.values()))
+        lows += [u[2] for u in self._unconfirmed.values() if u[2] is not None]
+        lows += [r[2] for r in self.retry if r[2] is not None]
+        if self.sink_wait:
+            lows.append(self.sink_wait[0])
+        return min(lows) if lows else None
+
+    def _send_acks(self, now: float) -> None:
+        """Ack inputs processed AND forwarded (PUBACKed) or recorded; coalesced for ACK_DELAY."""
+        done = self.tracker.release(self._lowest_pending())
+        for sender, pos in done.items():
+            if pos > self.ack_due.get(sender, (-1, 0)):
+                self.ack_due[sender] = pos
+        self._unacked_batches += self.tracker.last_released
+        if not self.ack_due:
+            return
+        if self.ack_since is None:
+            self.ack_since = now
+        # One ack per `ack_every` batches (a quarter of the predecessor's window) or after
+        # ACK_DELAY: credit comes back in time while acks cost a fraction of a message per batch.
+        if self._unacked_batches >= self.ack_every or now - self.ack_since >= ACK_DELAY or self.stopping:
+            for sender, (epoch, seq) in sorted(self.ack_due.items()):
+                self.send_envelope(sender, Kind.ACK, [epoch, seq])
+                self.stats["acks_sent"] += 1
+            self.ack_due.clear()
+            self.ack_since = None
+            self._unacked_batches = 0
+
+    # ---- routes (called by the scaling driver) -----------------------------------------------------
+
+    def set_routes(self, succs: Tuple[str, ...], now: float) -> None:
+        """INVARIANT 3 (route change before ack): the data path uses `succs` when this returns;
+        the scaling driver sends the ack that follows only afterwards (same thread, in order)."""
+        old = set(self.router.succs)
+        self.router.set_succs(succs)
+        moved = self.outbox.reroute(now)
+        for gone in old - set(succs):
+            self._sent_to_removed.add(gone)
+        log.info(
+            "routes: succs %s -> %s (%d buffered records re-routed)", sorted(old), sorted(succs), moved, extra=self.ctx
+        )
+
+    def drained(self) -> bool:
+        """Every data batch received is processed, forwarded, acked by the successors, and acked
+        upstream (queued protocol messages do not count: they may wait behind the drain)."""
+        return (
+            not any(e.kind is Kind.DATA for q in self.queues.values() for e in q)
+            and self.outbox.pending == 0
+            and not self.pending_pub
+            and not self._unconfirmed
+            and not self.retry
+            and all(link.inflight == 0 for link in self.links.values())
+            and self.tracker.waiting() == 0
+            and not self.ack_due
+            and not self.sink_wait
+        )
+
+
+    # ---- heartbeat, persistence ---------------------------------------------------------------------
+
+    def snapshot_stats(self) -> Dict[str, Any]:
+        """The heartbeat's stats (the shell adds its transport's: paho_out, connected)."""
+        s: Dict[str, Any] = dict(self.stats)
+        s.update(
+            instance=self.spec.instance,
+            operator=self.spec.operator,
+            load=round(self._last_load, 1),
+            succs=list(self.router.succs),
+            inflight={d: link.inflight for d, link in self.links.items()},
+            outbox=self.outbox.pending,
+            queued=sum(len(q) for q in self.queues.values()),
+            gaps_skipped=self.inbound.gaps_skipped,
+            inbound_senders=self.inbound.senders(),
+            held=self.hold.count,
+            reorder_waiting=self.inbound.waiting_total(),
+            gaps=self.inbound.gaps(),
+            unpubacked=len(self.pending_pub) + len(self.retry) + len(self._unconfirmed),
+            service_time_ms=self.service_time * 1000,
+            live_capacity=round(self.live_capacity.value, 2),
+            online_service_time_ms=(round(self.live_capacity.service_time * 1000, 4)
+                                    if self.live_capacity.service_time else None),
+            signals=self.last_signals.to_stats() if self.last_signals is not None else None,
+            first_record_at=self.first_record_at,
+            activated_at=self.activated_at,
+            at=self.wall(),
+        )
+        s.update(self.operator.stats())
+        if self.keyed is not None:
+            s.update(self.keyed.stats())
+        if self.scaling is not None:
+            s.update(self.scaling.stats())
+        return s
+
+    def _heartbeat(self, now: float) -> None:
+        self._last_heartbeat = now
+        self.emit("heartbeat", stats=self.snapshot_stats())
+        if self.is_source and now - self._last_source_write >= 2.0:  # a rename costs ~5-20 ms here
+            self._last_source_write = now
+            self._write_source_stats()
+
+    def take_signals(self, now: float) -> Signals:
+        """Close the live-signal period (the decision period) and feed the online capacity."""
+        sig = self.signals.take(now, self.cpu())
+        self.live_capacity.update(sig.busy, sig.processed)
+        self.last_signals = sig
+        return sig
+
+    def measure_load(self, now: float) -> float:
+        """Records received per second since the last call (the paper's l_t, per second)."""
+        dt = max(1e-6, now - self._period_start)
+        load = self._period_records / dt
+        self._period_records = 0
+        self._period_start = now
+        self._last_load = load
+        return load
+
+    def _write_source_stats(self) -> None:
+        if not self.is_source:
+            return
+        data = {"instance": self.spec.instance, **self.operator.stats(), "resume_from": self.source_resume_seq(),
+                "reserved": self._source_reserved, "profile_started_at": self._source_started_at}
+        self._out.append(PersistSource(data))
+
+    def persisted_state(self) -> Dict[str, Any]:
+        """What a restart needs: epoch, channel positions, the scaling driver's state."""
+        data: Dict[str, Any] = {"epoch": self.epoch, "inbound": self.inbound.snapshot()}
+        if self.scaling is not None:
+            data.update(self.scaling.persisted())
+        return data
+
+    def persist(self, force: bool = False) -> None:
+        """Persist what a restart needs (cheap: a small JSON file, at most every STATE_PERIOD
+        unless the protocol state changed)."""
+        now = self.now
+        if not force and not self._state_dirty and now - self._last_state_write < STATE_PERIOD:
+            return
+        self._out.append(Persist(self.persisted_state()))
+        self.inbound.changed = False
+        self._state_dirty = False
+        self._last_state_write = now
+
+    def mark_state_changed(self) -> None:
+        self._state_dirty = True
+
+    _HANDLERS: Dict[Type[Event], Callable[["Instance", Any], None]] = {
+        Started: _on_started,
+        Restarted: _on_restarted,
+        EnvelopeReceived: _on_envelope,
+        PublishAccepted: _on_publish_accepted,
+        PublishRefused: _on_publish_refused,
+        PubAcked: _on_puback,
+        SessionLost: _on_session_lost,
+        Spawned: _on_spawned,
+        Control: _on_control,
+        Tick: _on_tick,
+        Abort: _on_abort,
+    }
+
+
+def _guess_sender(payload: bytes) -> str:
+    try:
+        msg = json.loads(payload)
+        if isinstance(msg, list) and len(msg) > 1 and isinstance(msg[1], str):
+            return msg[1][:64]
+    except (ValueError, TypeError, RecursionError):
+        pass
+    return "<unknown>"

@@ -1,0 +1,773 @@
+"""The scaling driver of an instance: rounds, recovery and steering around the protocol core.
+
+Rules of this file: part of the sans-IO `agent.instance.core.Instance` (no sockets, no clock, no
+global random: the instance passes `now` and the wall time, the decision draws come from a
+seeded generator of its own). It feeds the scaling core (agent.protocol.scaling, or the
+lock-guarded core of agent.protocol.guarded) messages and decision ticks, and performs the
+core's outputs strictly in order (the core's ORDERING CONTRACT) through the instance: sends on
+the numbered channels, route changes of the data path, drain, createNode() requests, persistence.
+
+Recovery (agent.instance.recovery) lives here too: write-ahead outputs, round memory, resend on
+silence, the idle ping, probe and adoption of an orphaned copy, rounds above a dead incarnation's.
+
+Why ~770 lines in one module: every part (rounds, steering, recovery, probe/adopt, the decision
+and lock events) reads and changes the same queue of outputs and the same round state; split,
+each part would reach into the others' fields.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import zlib
+from collections import deque
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Tuple
+
+from agent import events, topics
+from agent.config import RUNTIME_POLICIES
+from agent.dataplane.envelope import Envelope, Kind
+from agent.dataplane.inbound import LogLimiter
+from agent.instance.recovery import (
+    RESEND_AFTER, LinkError, ReliableLinks, RoundMemory, decode_outputs, encode_outputs, silent_pending,
+)
+from agent.instance.rounds import RoundLog
+from agent.policy.decentralized import Action, Decision, ScalingParams
+from agent.policy.live import LIVE_POLICIES, LivePolicy, PeriodInputs
+from agent.protocol.errors import LocalProtocolError, ProtocolError
+from agent.protocol.guarded import LockMessage, core_class, message_from_dict
+from agent.protocol.messages import Duplication, Start
+from agent.protocol.scaling import Activate, CreateInstance, Drain, InstanceState, RoutesChanged, Send, Terminate
+
+if TYPE_CHECKING:
+    from agent.instance.core import Instance
+
+__all__ = ["ScalingDriver", "FAULT_REHOME_ROUNDS_FROM_ONE", "FAULT_DRAIN_HOLDS_PROTOCOL", "PROBE", "PROBE_ECHO",
+           "IDLE_PING", "IDLE_PING_MAX", "MAX_PROBES", "PROBE_TTL"]
+
+log = logging.getLogger("agent.instance.worker")
+
+DECISION_EVENT_PERIOD = 5.0  # at most one "nothing to do" decision event per instance per 5 s
+LOCK_EVENT_BURST = 20  # at most this many lock events per instance per second (6 per round)
+# A new copy still idle this long after it started asks its creator for Start again (doubling):
+# Start is the one protocol message nobody acks, so a broker that lost it would leave the copy
+# idle for ever with batches routed to it. The same ping reaches a creator re-homed after its node
+# died in the middle of the round: that one adopts the copy (see `ScalingDriver.on_idle_ping`).
+IDLE_PING = 10.0
+IDLE_PING_MAX = 40.0
+PROBE, PROBE_ECHO = "probe", "probe_echo"  # see ScalingDriver.on_probe
+# Idle pings ([0, 0] acks) from copies we do not know that we probe at once (`on_idle_ping`),
+# and how long a probe waits for its echo before the channel it opened is forgotten.
+MAX_PROBES = 8
+PROBE_TTL = 60.0
+
+# Seeded faults (agent.sim.instance_check): each brings back a loss the chaos campaigns found
+# (docs/reliability.md), so that the checker can show it finds it. Never set outside the checker.
+FAULT_REHOME_ROUNDS_FROM_ONE = "rehome_rounds_from_one"  # a re-homed instance numbers rounds from 1
+FAULT_DRAIN_HOLDS_PROTOCOL = "drain_holds_protocol"  # a draining copy holds its protocol queue
+
+
+class ScalingDriver:
+    """Drives the sans-IO scaling core (agent.protocol.scaling): feeds it messages and a decision
+    tick, and performs its outputs strictly in order (see the core's ORDERING CONTRACT)
+    through the instance it belongs to."""
+
+    def __init__(self, instance: "Instance", saved: Dict[str, Any], restart: bool) -> None:
+        self.w = worker = instance
+        spec = worker.spec
+        sc = worker.pipeline.scaling_for(spec.operator)
+        capacity = sc.capacity if isinstance(sc.capacity, (int, float)) else float(spec.extra.get("capacity", 500.0))
+        self.params = ScalingParams(
+            capacity=float(spec.extra.get("capacity", capacity)),
+            target_ratio=sc.target_ratio,
+            up=sc.up,
+            down=sc.down,
+            use_r_secure=sc.r_secure,
+        )
+        self.period = sc.period
+        self.cooldown = sc.cooldown
+        self.policy = sc.policy
+        if self.policy not in RUNTIME_POLICIES:  # deploy refuses these; a hand-made spec ends here
+            raise ValueError("; ".join(worker.pipeline.runtime_policy_errors()))
+        # threshold / model / sized: the simulator's policy objects, fed the live signals and the
+        # daemon's sibling context (agent.policy.live); "decentralized" stays in the core.
+        self.live: Optional[LivePolicy] = LivePolicy(self.policy, sc) if self.policy in LIVE_POLICIES else None
+        # coordination = "ack" (paper) or "fgme" (rounds inside 2-FGME CSs, docs/gme.md). Lock
+        # messages share the inbox and its numbered FIFO channel with the scaling messages.
+        self.coordination = worker.pipeline.pipeline.coordination
+        core_cls = core_class(self.coordination, worker.pipeline.pipeline.fgme_damping)
+        self._from_dict = message_from_dict
+        if restart and saved.get("scaling"):
+            self.core = core_cls.restore(saved["scaling"], self.params, incarnation=worker.epoch)
+        elif spec.active:
+            self.core = core_cls.initial(
+                spec.instance, spec.operator, worker.stage, self.params,
+                succs=spec.succs, preds=spec.preds, keeper=spec.keeper, incarnation=worker.epoch,
+            )
+        else:
+            creator = str(spec.extra.get("creator", ""))
+            self.core = core_cls.from_create(
+                CreateInstance(spec.instance, spec.operator, worker.stage, creator), self.params,
+                incarnation=worker.epoch,
+            )
+        if (not (restart and saved.get("scaling")) and spec.extra.get("min_epoch")
+                and FAULT_REHOME_ROUNDS_FROM_ONE not in worker.faults):
+            # Re-homed (agent.node.rehome): the dead incarnation's round numbers went with its
+            # state, and each neighbour remembers the last round of ours it applied (RoundMemory):
+            # a round numbered from 1 again looks like a repeat, is acked and NOT applied (a
+            # re-homed copy's Deletion acked by a predecessor that then keeps routing records to
+            # it after it left, docs/reliability.md). Start above any round it used: min_epoch is
+            # wall-clock seconds, and no incarnation runs a thousand rounds a second.
+            self.core.round = max(self.core.round, int(spec.extra["min_epoch"]) * 1000)
+        self.log = RoundLog([op.name for op in worker.pipeline.operators], spec.operator)
+        self.log.observe(self.core, self.w.now, self.w.wall())
+        self.lock_counts: Dict[str, Dict[str, int]] = {"in": {}, "out": {}}
+        self._lock_events: Deque[float] = deque()  # publish times of the last lock events (rate limit)
+        self.outputs: Deque[Any] = deque()
+        # request -> instance: every copy of a round is requested at once (see run_outputs)
+        self.waiting_spawn: Dict[str, str] = {}
+        self._spawn_errors: List[str] = []
+        self.round_created: List[str] = []  # copies of the current round whose create succeeded
+        self.started: Deque[str] = deque(maxlen=256)  # copies this instance sent Start (see start_again)
+        self._next_ping = worker.now + IDLE_PING
+        self._idle_pings = 0
+        # copy -> (number of the probe we sent it, when: unanswered probes expire after PROBE_TTL)
+        self.probes: Dict[str, Tuple[int, float]] = {}  # (on_idle_ping)
+        self._probe_seq = 0
+        self.orphans: Deque[str] = deque()  # idle copies nobody will start: we adopt them (_maybe_adopt)
+        self.memory = RoundMemory(saved.get("rounds_applied") if restart else None)
+        self._round_clock: Dict[str, float] = {}  # neighbour -> last sent to / heard from
+        # coordination = "fgme": every protocol message of the core on an exactly-once FIFO
+        # channel (agent.instance.recovery.ReliableLinks); "ack" keeps the paper's path
+        self.links = self._make_links(saved, restart) if self.coordination == "fgme" else None
+        if restart and saved.get("scaling"):
+            # Finish what the crashed incarnation had queued (write-ahead, agent.instance.recovery).
+            self.outputs.extend(decode_outputs(saved.get("outputs") or [], self._from_dict))
+            self.round_created = [str(i) for i in saved.get("round_created") or []]
+            if not self.outputs:  # its round messages went out: resend if the answers never come
+                self._round_clock.update((n, worker.now) for n in self.core.pending)
+        self.skip_decisions = 0  # decisions to skip (the first one after activation)
+        self.forced: Deque[Tuple[str, int]] = deque()  # steering requests (fogctl), in order
+        self.pinned = False  # fogctl scale pinned this operator's count: forced rounds only
+        self.history: List[Any] = []  # last decision events (retained for `fogctl why`)
+        self._last_none_event = -1e9
+        self._last_history_pub = -1e9
+        self.draining = False
+        seed = int(spec.extra.get("seed", 0)) ^ zlib.crc32(spec.instance.encode())
+        self.rng = random.Random(seed)
+        self.next_tick = worker.now + self.period
+        self.last_round_end = -1e9
+        self.counts = {"scale_outs": 0, "scale_ins": 0, "spawns": 0, "spawn_failures": 0}
+        self._errors_log = LogLimiter()  # once per sender per minute, bounded (probed names are invented)
+        self._req = 0
+        self.decisions: Deque[Dict[str, Any]] = deque(maxlen=32)  # recent decisions (bench, demo)
+
+    def _make_links(self, saved: Dict[str, Any], restart: bool) -> ReliableLinks:
+        w = self.w
+        if restart and saved.get("links"):
+            try:
+                return ReliableLinks.load(w.spec.instance, saved["links"], w.now)
+            except ValueError as exc:
+                log.warning("%s: starting new channels", exc, extra=w.ctx)
+        # a new generation: above any earlier one of this identity (seconds, as min_epoch)
+        lost = bool(restart or w.spec.extra.get("min_epoch"))
+        return ReliableLinks(w.spec.instance, int(w.wall()), lost_state=lost)
+
+    def _send_link(self, pairs: List[Tuple[str, Dict[str, Any]]]) -> None:
+        """Link acks and resends (agent.instance.recovery.ReliableLinks). The state is written
+        first: an ack must never leave before the deliveries it acknowledges are on disk."""
+        if not pairs:
+            return
+        self.w.persist(force=True)
+        for dest, body in pairs:
+            self.w.send_envelope(dest, Kind.PROTO, body)
+
+    def resync(self, now: float) -> None:
+        """We are a new incarnation: ask every peer for what we may have lost, resend ours."""
+        if self.links is not None:
+            core = self.core
+            self._send_link(self.links.resync(set(core.preds) | set(core.succs), now))
+
+    def ready_to_exit(self) -> bool:
+        """Terminated: ack what we delivered, and wait until our own messages are acked."""
+        if self.links is None:
+            return True
+        self._send_link(self.links.flush_acks())
+        return self.links.settled
+
+    @property
+    def data_enabled(self) -> bool:
+        """An idle (not yet started) instance buffers its input: its succs are unknown."""
+        return self.core.state is not InstanceState.IDLE
+
+    @property
+    def terminated(self) -> bool:
+        return self.core.state is InstanceState.TERMINATED
+
+    @property
+    def blocked(self) -> bool:
+        """Protocol messages wait while earlier outputs run (the order of effects). Except while
+        our deletion round's Drain waits for our input to empty: every predecessor has removed
+        us, so only repeats come now (the second ack of a re-sent Deletion, a counted no-op);
+        held, one held the data behind it, which the Drain waits for: a departing copy for ever
+        (docs/reliability.md)."""
+        if FAULT_DRAIN_HOLDS_PROTOCOL in self.w.faults:
+            return bool(self.outputs)
+        return bool(self.outputs) and not self.draining
+
+    @property
+    def duplicating(self) -> bool:
+        """Our own duplication round waits for its acks."""
+        return self.core.state is InstanceState.DUPLICATING
+
+    def knows(self, sender: str) -> bool:
+        """Is `sender` an instance our tables, our rounds or our round memory name? (Who may send
+        us protocol and lock messages, besides the channels we already have: Instance._admit.)"""
+        core = self.core
+        return (sender in core.preds or sender in core.succs or sender == core.creator
+                or sender in core.pending or sender in core.new_siblings
+                or sender in core.preds_to_add or sender in core.succs_to_add
+                or sender in core.preds_to_delete or sender in core.succs_to_delete
+                or sender in self.started or sender in self.probes or sender in self.orphans
+                or sender in self.memory.applied or sender in self.waiting_spawn.values()
+                or sender in self.round_created)
+
+    def may_probe(self, sender: str) -> bool:
+        """May an idle ping from `sender`, an instance we do not know, be a copy an earlier
+        incarnation of ours created (`on_idle_ping`)? Only if it is named like our copies
+        (`ScalingCore._new_id`: "<operator>-<digest>"), we are active, and fewer than MAX_PROBES
+        probes wait for their echo: invented names cost at most MAX_PROBES channels, each
+        forgotten after PROBE_TTL (`expire_probes`)."""
+
+        return (self.core.state is InstanceState.ACTIVE and len(self.probes) < MAX_PROBES
+                and len(sender) <= 128 and sender.startswith(self.core.operator + "-"))
+
+    def expire_probes(self, now: float) -> None:
+        """Probes unanswered for PROBE_TTL: the instance was no copy of ours (or is gone). Its
+        channel and our numbering to it go, unless something else names it."""
+        for copy, (_, at) in list(self.probes.items()):
+            if now - at < PROBE_TTL:
+                continue
+            del self.probes[copy]
+            if not self.knows(copy) and copy not in self.w.links and copy not in self.w.router.succs:
+                self.w.forget_sender(copy)
+
+    @property
+    def lock_pending(self) -> bool:
+        """A decision waits for its 2-FGME locks (coordination = "fgme"): decide nothing new."""
+        return getattr(self.core, "intent", None) is not None
+
+    # ---- rounds and locks: records and events -------------------------------------------------
+
+    def _observe(self, outs: List[Any]) -> None:
+        """After every core call: record round start/end and lock transitions, publish the lock
+        events. Runs before `outs` are performed (see agent.instance.rounds on why that makes the
+        recorded round intervals of neighbours disjoint whenever the protocol is right)."""
+        trans, edge = self.log.observe(self.core, self.w.now, self.w.wall())
+        if edge == "start":
+            self.round_created = []
+        elif edge == "end":
+            self.last_round_end = self.w.now
+            self._stamp_decision("round_end_at")
+        for t in trans:
+            self._publish_lock_event(t)
+        if trans or edge:
+            self.w.mark_state_changed()
+
+    def _publish_lock_event(self, t: Any) -> None:
+        """A lock_request / lock_enter / lock_exit event (detail.boundary) through the worker's
+        single client, QoS 0 like the decision events; never on an inbox, so no protocol cost.
+        Rate-limited to LOCK_EVENT_BURST events per second per instance (an instance makes at
+        most 6 per round; a flood would mean a bug, counted in `lock_events_dropped`)."""
+
+        etype = t.event_type
+        if etype is None:
+            return
+        w = self.w
+        now = self.w.now
+        q = self._lock_events
+        while q and now - q[0] > 1.0:
+            q.popleft()
+        if len(q) >= LOCK_EVENT_BURST:
+            self.counts["lock_events_dropped"] = self.counts.get("lock_events_dropped", 0) + 1
+            return
+        q.append(now)
+        try:
+            ev = events.make(etype, ts=self.w.wall(), node=w.spec.node, instance=w.spec.instance,
+                             operator=w.spec.operator, pipeline=w.spec.pipeline,
+                             detail={"boundary": t.boundary, "index": t.index, "source": "worker"})
+        except ValueError as exc:
+            self.counts["lock_events_failed"] = self.counts.get("lock_events_failed", 0) + 1
+            log.warning("lock event not published: %s", exc, extra=w.ctx)
+            return
+        w.notify(topics.events(w.spec.cluster), ev.to_json().encode())
+        self.counts["lock_events"] = self.counts.get("lock_events", 0) + 1
+
+    # ---- input ---------------------------------------------------------------------------------
+
+    def handle(self, env: Envelope) -> None:
+
+
+        stats = self.w.stats
+        if isinstance(env.body, dict) and env.body.get("type") in (PROBE, PROBE_ECHO):
+            self.on_probe(env)
+            return
+        if self.links is not None:
+            try:
+                body, replies = self.links.receive(env.sender, env.body, self.w.now)
+            except LinkError as exc:
+                stats["protocol_errors"] += 1
+                if self._errors_log.allow(env.sender, self.w.now):
+                    log.warning("protocol message from %s rejected: %s", env.sender, exc, extra=self.w.ctx)
+                return
+            self.w.mark_state_changed()
+            self._send_link(replies)
+            if body is None:
+                return  # a link ack, a copy, or a message past a gap (it comes again in order)
+            env = replace(env, body=body)
+        is_lock = isinstance(env.body, dict) and env.body.get("type") == LockMessage.type
+        if is_lock:
+            stats["lock_in"] = stats.get("lock_in", 0) + 1
+            kind = str((env.body.get("inner") or {}).get("kind") if isinstance(env.body.get("inner"), dict) else "?")
+            self.lock_counts["in"][kind] = self.lock_counts["in"].get(kind, 0) + 1
+        else:
+            stats["protocol_in"] += 1
+        try:
+            msg = self._from_dict(env.body)
+            if msg.sender != env.sender:
+                raise ValueError(f"message sender {msg.sender} differs from envelope sender {env.sender}")
+            self._round_clock[env.sender] = self.w.now
+            again = self.memory.replay_ack(msg, self.core.instance_id, self.core.stage)
+            if again is not None:  # a round we applied, sent again by a restarted sender
+                self._queue([Send(env.sender, again)])
+                return
+            outs = self.core.handle(msg)
+            self.memory.applied_now(msg)
+        except (ProtocolError, ValueError) as exc:
+            # Unexpected or invalid: counted, logged once per sender, state unchanged.
+            stats["protocol_errors"] += 1
+            if self._errors_log.allow(env.sender, self.w.now):
+                log.warning("protocol message from %s rejected: %s", env.sender, exc, extra=self.w.ctx)
+            return
+        if is_lock:
+            self.w.mark_state_changed()  # the lock state changed even when nothing is sent
+        self._observe(outs)
+        self._queue(outs)
+        if self.links is not None and getattr(self.core, "departed", None) and self.core.departed(env.sender):
+            self._send_link(self.links.forget(env.sender))
+
+    def force(self, action: str, count: int) -> None:
+        """A steering request (fogctl scale/drain via the agent): queued, run by `_run_forced`
+        through the same protocol as an automatic decision. One duplication round per copy."""
+        if self.w.keyed is not None:  # its key groups would not take their state along (docs/operators.md)
+            log.warning("scale %s refused: %s keeps keyed state, its instance count is fixed", action,
+                        self.w.spec.operator, extra=self.w.ctx)
+            return
+        if action == "duplicate":
+            self.forced.extend(("duplicate", 1) for _ in range(max(1, int(count))))
+        elif action == "terminate":
+            self.forced.append(("terminate", 1))
+        else:
+            log.warning("unknown scale action %r ignored", action, extra=self.w.ctx)
+
+    def _run_forced(self, now: float) -> None:
+
+        if not self.forced or self.outputs or self.w.stopping or self.lock_pending:
+            return
+        if self.core.state is not InstanceState.ACTIVE:
+            if self.core.state is not InstanceState.IDLE and not self.core.in_round:
+                self.forced.clear()  # leaving or gone: nothing more to do
+            return
+        action, count = self.forced.popleft()
+        decision = Decision(Action.DUPLICATE if action == "duplicate" else Action.TERMINATE, count)
+        self.round_created = []
+        self.log.decided(self.w.now)
+        try:
+            outs = self.core.start_round(decision)
+        except LocalProtocolError as exc:
+            log.warning("forced %s refused: %s", action, exc, extra=self.w.ctx)
+            self._observe([])
+            return
+        self._observe(outs)
+        kind = "scale_out" if action == "duplicate" else "scale_in"
+        self.counts["scale_outs" if kind == "scale_out" else "scale_ins"] += 1
+        self.counts["forced"] = self.counts.get("forced", 0) + 1
+        new = [o.instance_id for o in outs if isinstance(o, CreateInstance)]
+        self.decisions.append({"at": self.w.wall(), "kind": kind, "forced": True, "new": new})
+        self.last_round_end = now
+        self._queue(outs)
+
+    def maybe_tick(self, now: float) -> None:
+        self._run_forced(now)
+        self._maybe_adopt()
+        self.resend_silent(now)
+        if self.links is not None:
+            self._send_link(self.links.due(now))
+        if now < self.next_tick:
+            return
+        load = self.w.measure_load(now)
+        sig = self.w.take_signals(now)
+        self.next_tick = now + self.period
+        if self.policy == "none" or self.w.is_source or self.w.stopping or self.pinned:
+            return
+        if self.outputs or self.core.in_round or self.lock_pending or now - self.last_round_end < self.cooldown:
+            return
+
+        if self.core.state is not InstanceState.ACTIVE:
+            return
+        if self.skip_decisions > 0:
+            self.skip_decisions -= 1  # this period's load was measured only partly (activation)
+            return
+        self.round_created = []
+        draw = self.rng.random()
+        if self.live is not None:
+            decision = self.live.decide(PeriodInputs(now, load, sig.processed_rate, self.w.live_capacity.value,
+                                                     sig.backpressure, self.core.keeper, draw))
+        else:
+            decision = self.core.decide(load, draw)
+        if decision.scales:
+            self.log.decided(self.w.now)
+        outs = self.core.start_round(decision)
+        self._observe(outs)
+        self._publish_decision(now, load, draw, decision, outs)
+        if outs:
+            new = [o.instance_id for o in outs if isinstance(o, CreateInstance)]
+            kind = "scale_out" if new else "scale_in"
+            self.counts["scale_outs" if kind == "scale_out" else "scale_ins"] += 1
+            self.decisions.append({"at": self.w.wall(), "kind": kind, "load": round(load, 1), "new": new})
+            log.info("decision %s at load %.1f/s (capacity %.0f)%s", kind, load, self._capacity(),
+                     f" {self.live.last}" if self.live is not None else "", extra=self.w.ctx)
+            self.last_round_end = now
+        self._queue(outs)
+
+    def _capacity(self) -> float:
+        """The capacity this instance's policy compares with: live for the Gesscale policies."""
+        return self.w.live_capacity.value if self.live is not None else self.params.capacity
+
+    def _publish_decision(self, now: float, load: float, draw: float, decision: Any, outs: List[Any]) -> None:
+        """A decision event with the numbers it was drawn from (load, capacity, ratio, probability,
+        draw) on the events topic, plus the retained per-instance history `fogctl why` reads.
+
+        A `Notify`, through the worker's single client (one owner, docs/design.md section 6);
+        never on the inbox path, so the paper's message cost is untouched. Rate-limited: a
+        decision that acts is always published, a "nothing to do" one at most every
+        DECISION_EVENT_PERIOD s (an instance decides every
+        period; thousands of them would flood the topic). A publish failure is the shell's to
+        count, never fatal.
+        """
+
+        acted = bool(outs)
+        if not acted and now - self._last_none_event < DECISION_EVENT_PERIOD:
+            return
+        if not acted:
+            self._last_none_event = now
+        w = self.w
+        kind = {Action.DUPLICATE: "scale_out", Action.TERMINATE: "scale_in"}.get(decision.action, "decision")
+        if not acted:
+            kind = "decision"
+        new = [o.instance_id for o in outs if isinstance(o, CreateInstance)]
+        try:
+            ev = events.decision(
+                ts=self.w.wall(), node=w.spec.node, instance=w.spec.instance, operator=w.spec.operator,
+                pipeline=w.spec.pipeline, load=float(load), capacity=float(self._capacity()),
+                probability=(float(decision.factor) if decision.action is not Action.NONE and self.live is None
+                             else None),
+                draw=float(draw), action=decision.action.value, count=int(decision.count),
+                type=kind, detail=self._decision_detail(new),
+            )
+        except ValueError as exc:
+            self.counts["decision_events_failed"] = self.counts.get("decision_events_failed", 0) + 1
+            log.warning("decision event not published: %s", exc, extra=w.ctx)
+            return
+        w.notify(topics.events(w.spec.cluster), ev.to_json().encode())
+        self.history = events.remember(self.history, ev)
+        if acted or now - self._last_history_pub >= DECISION_EVENT_PERIOD:
+            self._last_history_pub = now
+            payload = json.dumps([e.to_dict() for e in self.history], sort_keys=True).encode()
+            w.notify(topics.decisions(w.spec.cluster, w.spec.instance), payload, retain=True)
+        self.counts["decision_events"] = self.counts.get("decision_events", 0) + 1
+
+    def _decision_detail(self, new: List[str]) -> Dict[str, Any]:
+        detail: Dict[str, Any] = {"source": "worker"}
+        if new:
+            detail["new"] = new
+        if self.live is not None and self.live.last is not None:
+            detail.update({k: v for k, v in self.live.last.items() if k != "context"})
+        return detail
+
+    def _queue(self, outs: List[Any]) -> None:
+        if outs:
+            self.outputs.extend(outs)
+            self.w.mark_state_changed()
+            # Write-ahead (agent.instance.recovery): the core's new state and the outputs still to
+            # perform reach the disk before any of them is performed.
+            self.w.persist(force=True)
+            self.run_outputs(self.w.now)
+
+    def persisted(self) -> Dict[str, Any]:
+        """What a restarted worker needs to finish a round: the core, the outputs not yet
+        performed, the rounds applied per sender, the copies created in the current round."""
+
+        return {"scaling": self.core.snapshot(), "outputs": encode_outputs(self.outputs),
+                "rounds_applied": dict(self.memory.applied), "round_created": list(self.round_created),
+                **({"links": self.links.dump()} if self.links is not None else {})}
+
+    def ping_if_idle(self, now: float) -> None:
+        """An idle copy (created, not started) asks its creator for Start again: an ack of
+        nothing ([0, 0]) after IDLE_PING s, then at doubling intervals up to IDLE_PING_MAX."""
+
+        if self.core.state is not InstanceState.IDLE or not self.core.creator or now < self._next_ping:
+            return
+        self._next_ping = now + min(IDLE_PING * 2 ** self._idle_pings, IDLE_PING_MAX)
+        self._idle_pings += 1
+        self.counts["start_requests"] = self.counts.get("start_requests", 0) + 1
+        log.warning("still idle after creation: asking %s for Start again", self.core.creator, extra=self.w.ctx)
+        self.w.send_envelope(self.core.creator, Kind.ACK, [0, 0])
+
+    def on_idle_ping(self, sender: str) -> bool:
+        """An ack of nothing ([0, 0]) from `sender`: True if it was a copy's idle ping for us.
+
+        From a copy we started: its Start was lost, send it again. From a copy of our current
+        round: that round will start it. From a neighbour: a new incarnation of it asking for
+        replays, not ours to answer (False). From any other instance: it may be a copy created by
+        an earlier incarnation of ours, lost with its node (re-homing) in the middle of the
+        round; nobody else may start it and records may already be routed to it, so we probe it
+        and adopt it if it echoes the probe (`on_probe`)."""
+
+        core = self.core
+        if sender in self.started:
+            self.start_again(sender)
+            return True
+        if (sender in core.succs or sender in core.preds or sender in core.new_siblings
+                or sender in self.orphans or core.state is InstanceState.IDLE or core.terminated):
+            return sender in core.new_siblings
+        self._probe_seq += 1
+        self.probes[sender] = (self._probe_seq, self.w.now)
+        self.counts["probes"] = self.counts.get("probes", 0) + 1
+        log.warning("%s is idle and not a copy of this incarnation: probing it", sender, extra=self.w.ctx)
+        self.w.send_envelope(sender, Kind.PROTO, {"type": PROBE, "sender": self.core.instance_id, "n": self._probe_seq})
+        return True
+
+    def on_probe(self, env: Envelope) -> None:
+        """A creator's probe to a copy, or the copy's echo of it (both outside the paper's cost).
+
+        The copy echoes only while idle and only to its creator. The echo leaves the copy after
+        every message an earlier incarnation of the creator sent it (one FIFO channel; a late one
+        of an older epoch is dropped by the receive path), so no Start of that incarnation can
+        still activate it, and an idle copy never leaves: adopting it cannot bring back an
+        instance that has left its neighbours' tables."""
+
+        body = env.body
+        n = body.get("n")
+        if type(n) is not int or n < 1 or body.get("sender") != env.sender:
+            self.w.stats["protocol_errors"] += 1
+            if self._errors_log.allow(env.sender, self.w.now):
+                log.warning("bad %s from %s ignored", body.get("type"), env.sender, extra=self.w.ctx)
+            return
+        core = self.core
+        if body["type"] == PROBE:
+            if core.state is InstanceState.IDLE and env.sender == core.creator:
+                self.w.send_envelope(env.sender, Kind.PROTO, {"type": PROBE_ECHO, "sender": core.instance_id, "n": n})
+        elif env.sender in self.probes and self.probes[env.sender][0] == n:
+            del self.probes[env.sender]
+            if env.sender not in self.started and env.sender not in self.orphans:
+                self.orphans.append(env.sender)
+
+    def _maybe_adopt(self) -> None:
+        """Start an orphaned copy (on_probe) when we are free to start a round."""
+
+        if (not self.orphans or self.outputs or self.w.stopping or self.lock_pending
+                or self.core.state is not InstanceState.ACTIVE):
+            return
+        copy_id = self.orphans.popleft()
+        self.round_created = []
+        outs = self.core.adopt(copy_id)
+        self._observe(outs)
+        self.counts["adopted"] = self.counts.get("adopted", 0) + 1
+        log.warning("adopting %s, an idle copy of an earlier incarnation: announcing it again", copy_id,
+                    extra=self.w.ctx)
+        self._queue(outs)
+
+    def start_again(self, copy: str) -> None:
+        """Send Start again to a copy we started that says it is still idle (its Start was lost
+        with the broker's state): our current tables, as Algorithm 6 would send them now. A copy
+        that is active by then rejects it as unexpected and nothing changes."""
+
+        msg = Start(self.core.instance_id, self.core.stage, *self.core.routes())
+        self.w.send_envelope(copy, Kind.PROTO, msg.to_dict())
+        self.counts["protocol_resent"] = self.counts.get("protocol_resent", 0) + 1
+        log.warning("%s is still idle: sent Start again", copy, extra=self.w.ctx)
+
+    def resend_silent(self, now: float) -> None:
+        """Send the round message again to pending neighbours silent for RESEND_AFTER s (they
+        may have crashed between applying it and acking); never while outputs are queued."""
+
+        if self.outputs or not self.core.in_round or self.links is not None:
+            return  # with links, every message is resent until acked (ReliableLinks)
+        for dest, msg in silent_pending(self.core, self._round_clock, now):
+            self.w.send_envelope(dest, Kind.PROTO, msg.to_dict())
+            self._round_clock[dest] = now
+            self.counts["protocol_resent"] = self.counts.get("protocol_resent", 0) + 1
+            log.warning("no answer from %s for %.0fs in round %d: sent %s again", dest,
+                        RESEND_AFTER, self.core.round, msg.type, extra=self.w.ctx)
+
+    # ---- outputs, strictly in order --------------------------------------------------------------
+
+    def run_outputs(self, now: float) -> None:
+
+        w = self.w
+        while self.outputs:
+            out = self.outputs[0]
+            if isinstance(out, Send):
+                # INVARIANT 6 (the paper's message cost): exactly the core's Sends go out, one
+                # envelope each; data acks and heartbeats are separate (data plane, control pipe).
+                # 2-FGME lock messages travel the same way but are counted apart, by kind.
+                body = out.message.to_dict()
+                if self.links is not None:
+                    body = self.links.stamp(out.dest, body, now)
+                w.send_envelope(out.dest, Kind.PROTO, body)
+                self._round_clock[out.dest] = now
+                if out.message.type == "start":
+                    self.started.append(out.dest)
+                inner = getattr(out.message, "inner", None)
+                if inner is None:
+                    w.stats["protocol_out"] += 1
+                else:
+                    w.stats["lock_out"] = w.stats.get("lock_out", 0) + 1
+                    self.lock_counts["out"][inner.kind] = self.lock_counts["out"].get(inner.kind, 0) + 1
+            elif isinstance(out, RoutesChanged) or isinstance(out, Activate):
+                # INVARIANT 3: the data path switches tables here, before any later Send (ack).
+                w.set_routes(out.succs, now)
+                if isinstance(out, Activate):
+                    if w.activated_at is None:
+                        w.activated_at = self.w.wall()
+                    # DEVIATION (docs/scaling.md): the load of the period we were activated in is
+                    # partial, so the first decision would scale a fresh copy straight back in.
+                    self.skip_decisions = 1
+            elif isinstance(out, CreateInstance):
+                # INVARIANT 2: the Sends announcing this instance wait until the agent says it is
+                # subscribed ("spawned" arrives only after the new worker's "ready").
+                # Every copy at the head of the queue is requested at once, so the agent starts
+                # them in parallel: one after another, each waited for its own "spawned" and
+                # all but the first missed the pre-started worker (~0.34 s per copy measured);
+                # the Sends still wait for every answer (on_spawned).
+                if not self.waiting_spawn:
+                    for o in list(self.outputs):
+                        if not isinstance(o, CreateInstance):
+                            break
+                        self._request_spawn(o)
+                return  # waiting for "spawned"
+            elif isinstance(out, Drain):
+                # Two-phase deletion: every predecessor removed us; forward everything first.
+                w.flush(now, force=True)
+                if not w.drained():
+                    self.draining = True
+                    return
+                self.draining = False
+            elif isinstance(out, Terminate):
+                w.terminate("terminated by the scaling protocol")
+                self.counts["terminated"] = 1
+            self.outputs.popleft()
+
+    def _request_spawn(self, out: Any) -> None:
+        w = self.w
+        self._req += 1
+        request = f"{w.spec.instance}-{self._req}"
+        extra = dict(w.spec.extra)
+        extra["creator"] = w.spec.instance
+        spec = replace(
+            w.spec,
+            instance=out.instance_id,
+            succs=(),
+            preds=(),
+            keeper=False,
+            active=False,
+            restart=False,
+            extra=extra,
+        )
+        self.waiting_spawn[request] = out.instance_id
+        self.counts["spawns"] += 1
+        w.request_spawn(request, json.loads(spec.to_json()))
+        w.crash_point("spawn_requested")  # tests: a crash in the middle of a duplication round
+
+    def on_spawned(self, msg: Dict[str, Any]) -> None:
+
+        instance = self.waiting_spawn.pop(str(msg.get("request")), None)
+        if instance is None:
+            log.warning("unexpected spawned reply %s ignored", msg, extra=self.w.ctx)
+            return
+        if msg.get("ok"):
+            self._stamp_decision("spawned_at")
+            if instance not in self.round_created:
+                self.round_created.append(instance)
+        else:
+            self.counts["spawn_failures"] += 1
+            self._spawn_errors.append(str(msg.get("error")))
+        self.w.mark_state_changed()
+        if self.waiting_spawn:
+            return  # the other copies' answers first: every copy is either created or refused
+        errors, self._spawn_errors = self._spawn_errors, []
+        if errors:
+            # The announcement must not go out for an instance that does not exist. Retrying
+            # while holding the round's messages stalled the neighbours, so withdraw the round
+            # (or shrink it to the copies that exist): nothing was announced yet.
+            self._cancel_round("; ".join(errors))
+            return
+        while self.outputs and isinstance(self.outputs[0], CreateInstance):
+            self.outputs.popleft()  # every copy requested at once is done
+        self.run_outputs(self.w.now)
+
+    def _stamp_decision(self, key: str) -> None:
+        """Wall time of a step of the current scale-out round on its decision record (latest
+        spawn reply, round end): `bench dataplane`/`bench rescale` split decision -> first record
+        into spawn, protocol round and first batch with it."""
+        d = self.decisions[-1] if self.decisions else None
+        if d is not None and d.get("kind") == "scale_out" and (key == "spawned_at" or key not in d):
+            d[key] = self.w.wall()  # spawned_at: with several copies, the last reply counts
+
+    def _cancel_round(self, why: str) -> None:
+
+        core = self.core
+        mine = core.instance_id
+        # The round's outputs sit at the head of the queue: its creates, then its announcements.
+        while self.outputs:
+            out = self.outputs[0]
+            if isinstance(out, CreateInstance) and out.creator == mine:
+                self.outputs.popleft()
+            elif (isinstance(out, Send) and isinstance(out.message, Duplication)
+                  and out.message.sender == mine and out.message.round == core.round):
+                self.outputs.popleft()
+            else:
+                break
+        created = tuple(self.round_created)
+        self.round_created = []
+        replacement = core.cancel_duplication(created=created)
+        self._observe(replacement)
+        self.outputs.extendleft(reversed(replacement))
+        self.counts["rounds_cancelled"] = self.counts.get("rounds_cancelled", 0) + 1
+        # At max_instances (agent.node.bounds) a loaded instance asks again every period and
+        # is refused: the bound working, not a failure, so not a warning each period.
+        level = logging.INFO if all(e.startswith("max_instances reached") for e in why.split("; ")) else logging.WARNING
+        log.log(level, "spawn failed (%s): duplication round %d %s", why, core.round,
+                f"continues with {list(created)}" if created else "cancelled", extra=self.w.ctx)
+        self.w.emit("round_cancelled", round=core.round, created=list(created), error=why)
+        self.run_outputs(self.w.now)
+
+    def stats(self) -> Dict[str, Any]:
+        s: Dict[str, Any] = dict(self.counts)
+        s["state"] = self.core.state.value
+        s["keeper"] = self.core.keeper
+        s["preds"] = sorted(self.core.preds)
+        s["decisions"] = list(self.decisions)
+        s["capacity"] = self.params.capacity
+        s["coordination"] = self.coordination
+        s["policy"] = self.policy
+        if self.live is not None:
+            s["live_decision"] = self.live.last
+        s.update(self.log.stats(self.core))
+        if self.coordination == "fgme":
+            s["lock_messages"] = {d: dict(c) for d, c in self.lock_counts.items()}
+        if self.links is not None:
+            s["links"] = dict(self.links.counts, unacked=self.links.unacked())
+        return s

@@ -1,0 +1,628 @@
+"""Interleaving checker for whole instances: `Instance`s (agent.instance.core) over a broker model.
+
+Where agent.sim.checker drives the scaling cores alone, this drives the instances the worker
+process runs: channels, flow control and acks, the replay buffer, write-ahead outputs, round
+memory, resend on silence, drain, and the scaling core inside. Each instance gets in-memory
+operators (a source of `records` records, an identity map, a sink with a durable id store, as
+the real counting sink keeps its ids on disk).
+
+Broker model (MQTT 3.1.1 / Mosquitto with persistent sessions, QoS 1):
+- one FIFO queue per (publisher, destination inbox): QoS 1 keeps a publisher's order per topic;
+- a publish the client accepted reaches the broker (PUBACK at once: the client's own in-flight
+  loss is the crash fault below); the broker keeps an inbox's queue while its instance is down
+  (persistent session) and delivers it after the restart;
+- `dup`: the head of a queue is delivered twice (a QoS 1 re-send whose PUBACK was lost).
+Faults, each a move with a budget: `crash` (the instance loses its memory, including what it
+took from the broker but had not processed, and restarts from its last `Persist`), `rehome` (the
+same, but its state is gone with its node: restart from nothing above a new epoch floor),
+`refuse` (the instance's next publish is refused by its client).
+
+A move is one event plus the Tick the worker loop performs after it; `time` advances the clock
+by `STEP` and ticks every live instance. The pipeline is source -> op -> sink, and the op goes
+1 -> 2 -> 1: a forced duplication of op-0, then a forced deletion of its copy once active.
+
+Checked at every terminal state (after a deterministic settle: every queue delivered, time run
+on until nothing moves): no record sent to a terminated instance that did not also get through
+elsewhere (a replay that crosses the last ack of a departing copy is a harmless duplicate),
+every record exactly once at the sink, every round ended (no instance in a round or idle, no
+queued outputs), views agree (each live instance's succs/preds are the live instances of the
+next/previous operator). No instance may raise at any step.
+
+`explore` visits every schedule of up to `depth` moves (states deduplicated), each one settled
+and checked; `random_runs` runs seeded random schedules to the end. Seeded faults of the instance
+(`faults=`) bring back historic losses; the tests show that both searches find each of them.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import pickle
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, FrozenSet, List, Optional, Set, Tuple
+
+from agent import topics
+from agent.config import PipelineConfig, load_pipeline_text
+from agent.dataplane.envelope import Item, Kind, MalformedEnvelope, decode
+from agent.instance.commands import Command, Exit, Persist, PersistSource, Publish, RequestSpawn
+from agent.instance.core import Instance
+from agent.instance.events import (
+    Control, EnvelopeReceived, Event, PubAcked, PublishAccepted, PublishRefused, Restarted, Spawned, Started, Tick,
+)
+from agent.instance.spec import InstanceSpec
+from agent.mqtt.settings import BrokerSpec
+from agent.protocol.scaling import InstanceState
+
+__all__ = ["Config", "Report", "Violation", "World", "explore", "random_runs", "describe", "pipeline_text", "FAULTS"]
+
+CLUSTER = "chk"
+NODE = "n1"  # every instance's node (the writer in its inbox topics)
+WALL0 = 1_700_000_000.0  # the wall clock at time 0 (epoch plausibility compares with it)
+STEP = 1.0  # seconds per `time` move
+SETTLE_LIMIT = 240.0  # simulated seconds a settle may take before the run counts as stuck
+REHOME_EPOCH = int(WALL0) + 10  # the epoch floor a re-homed instance starts above (agent.node.rehome)
+BROKER = BrokerSpec("127.0.0.1", 1)
+
+# The seeded faults the instance knows (agent.instance.core, agent.instance.driver).
+FAULTS = ("retry_only_with_data", "drain_holds_protocol", "rehome_rounds_from_one")
+
+
+def pipeline_text(batch: int = 1, window: int = 4) -> str:
+    """source -> op -> sink, no automatic scaling (rounds are the checker's moves)."""
+    ops = [("source", "source", "agent.operators.taxi:source"), ("op", "map", "agent.operators.builtin:validate"),
+           ("sink", "sink", "agent.operators.builtin:counting_sink")]
+    lines = ['[pipeline]', 'name = "chk"', '', '[scaling]', 'policy = "none"', '']
+    for name, kind, fn in ops:
+        lines += ['[[operator]]', f'name = "{name}"', f'kind = "{kind}"', f'function = "{fn}"',
+                  f'batch_size = {batch}', 'linger_ms = 0', f'max_inflight_batches = {window}', '']
+    return "\n".join(lines)
+
+
+# ---- in-memory operators ----------------------------------------------------------------------------
+
+
+class MemorySource:
+    """Generates records ("src", 0..total-1), one per `interval` seconds (so that records are
+    still flowing while the rounds run); resumes where it is told."""
+
+    kind = "source"
+
+    def __init__(self, total: int, interval: float = 1.0) -> None:
+        self.total = total
+        self.interval = interval
+        self.generated = 0
+        self.paused = False
+        self.due = 0.0
+
+    def start(self, now: float) -> None:
+        pass
+
+    def resume(self, start: int, upto: int, elapsed: float) -> None:
+        self.generated = start
+
+    def poll(self, now: float, budget: int) -> List[Item]:
+        if now < self.due or budget < 1 or self.generated >= self.total:
+            return []
+        self.due = now + self.interval
+        self.generated += 1
+        return [("src", self.generated - 1, {"v": self.generated - 1})]
+
+    def next_due(self, now: float) -> float:
+        return max(now, self.due) if self.generated < self.total else now + 3600.0
+
+    def stats(self) -> Dict[str, Any]:
+        return {"generated": self.generated}
+
+    def close(self) -> None:
+        pass
+
+
+class MemoryMap:
+    kind = "map"
+
+    def process(self, items: List[Item]) -> List[Item]:
+        return list(items)
+
+    def stats(self) -> Dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class MemorySink:
+    """Records ids into a durable store (it survives the sink's crashes, as the real id file
+    does); an id seen before is dropped, as the real sink drops it."""
+
+    kind = "sink"
+    deferred = False
+    reads_records = False
+
+    def __init__(self, store: List[Tuple[str, int]], seen: Set[Tuple[str, int]]) -> None:
+        self.store = store
+        self.seen = seen
+        self.duplicates = 0
+
+    def record(self, items: List[Item]) -> List[Any]:
+        for it in items:
+            rid = (it[0], it[1])
+            if rid in self.seen:
+                self.duplicates += 1
+            else:
+                self.seen.add(rid)
+                self.store.append(rid)
+        return []
+
+    def record_batch(self, items: List[Item], body: Optional[bytes]) -> List[Any]:
+        return self.record(items)
+
+    def settle(self) -> int:
+        return 0
+
+    def writable(self) -> bool:
+        return True
+
+    def take_events(self) -> List[Dict[str, Any]]:
+        return []
+
+    def stats(self) -> Dict[str, Any]:
+        return {"recorded": len(self.store)}
+
+    def close(self) -> None:
+        pass
+
+
+# ---- configuration, results -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Config:
+    """What a run may do: records, crash/rehome/refuse/dup budgets, the seeded faults."""
+
+    records: int = 2
+    crashes: int = 0
+    rehomes: int = 0
+    refusals: int = 0
+    dups: int = 0
+    faults: FrozenSet[str] = frozenset()
+    # Forced rounds, in order: (target, action); "copy" is the copy the last duplication created.
+    plans: Tuple[Tuple[str, str], ...] = (("op-0", "duplicate"), ("copy", "terminate"))
+    max_time: float = 30.0  # `time` moves stop here (the settle runs on past it)
+    crash_targets: Tuple[str, ...] = ()  # empty: any live instance
+    rehome_targets: Tuple[str, ...] = ("op-0",)  # re-homing a copy: see docs/reliability.md
+    refuse_targets: Tuple[str, ...] = ()
+    # Random schedules: deliveries to these inboxes are rare (a slow or cut-off node), so that
+    # timers (resend on silence, replay to a silent successor) fire while their messages wait.
+    slow: Tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Violation:
+    kind: str
+    detail: str
+    trace: Tuple[str, ...]
+
+
+@dataclass
+class Report:
+    states: int = 0
+    terminal_states: int = 0
+    schedules: int = 0
+    steps: int = 0
+    seconds: float = 0.0
+    violations: List[Violation] = field(default_factory=list)
+    seed: Optional[int] = None  # the random schedule that found the first violation
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+
+class _Stop(Exception):
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(f"{kind}: {detail}")
+        self.kind, self.detail = kind, detail
+
+
+# ---- the world --------------------------------------------------------------------------------------
+
+
+class World:
+    """Instances, the broker's queues, persisted states, fault budgets and the planned rounds."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.toml = pipeline_text()
+        self.pipeline: PipelineConfig = load_pipeline_text(self.toml, "checker pipeline")
+        self.now = 0.0
+        self.inst: Dict[str, Instance] = {}
+        self.down: Dict[str, str] = {}  # crashed instance -> "crash" | "rehome"
+        self.specs: Dict[str, InstanceSpec] = {}
+        self.persisted: Dict[str, str] = {}  # instance -> JSON of its last Persist
+        self.source_pos: Dict[str, str] = {}
+        self.queues: Dict[Tuple[str, str], Tuple[bytes, ...]] = {}
+        self.inboxes: Dict[str, str] = {}  # inbox topic -> instance
+        self.spawns: List[Tuple[str, str]] = []  # (creator, request) answers still to deliver
+        self.exited: Dict[str, bool] = {}  # instance -> final
+        self.store: List[Tuple[str, int]] = []
+        self.to_terminated: List[Tuple[str, int]] = []  # records in data batches to terminated instances
+        self.seen: Set[Tuple[str, int]] = set()
+        self.budget = {"crash": cfg.crashes, "rehome": cfg.rehomes, "refuse": cfg.refusals, "dup": cfg.dups}
+        self.refuse_next: Set[str] = set()
+        self.plans: List[Tuple[str, str]] = list(cfg.plans)
+        self.copy_id: Optional[str] = None
+        self.mid = 0
+        names = [op.name for op in self.pipeline.operators]
+        for i, name in enumerate(names):
+            spec = InstanceSpec(f"{name}-0", name, NODE, CLUSTER, "chk", self.toml, BROKER,
+                                succs=(f"{names[i + 1]}-0",) if i + 1 < len(names) else (),
+                                preds=(f"{names[i - 1]}-0",) if i > 0 else (),
+                                keeper=True, state_dir="/nonexistent", heartbeat_period=3600.0)
+            self._boot(spec, None)
+
+    # ---- instances ------------------------------------------------------------------------------
+
+    def _operator(self, spec: InstanceSpec) -> Any:
+        if spec.operator == "source":
+            return MemorySource(self.cfg.records)
+        if spec.operator == "sink":
+            return MemorySink(self.store, self.seen)
+        return MemoryMap()
+
+    def _boot(self, spec: InstanceSpec, restart: Optional[str]) -> None:
+        iid = spec.instance
+        self.specs[iid] = spec
+        self.inboxes[topics.inbox(CLUSTER, iid, spec.node)] = iid
+        inst = Instance(spec, self.pipeline, self._operator(spec), faults=self.cfg.faults)
+        self.inst[iid] = inst
+        if restart is None:
+            self._feed(iid, Started(WALL0 + self.now))
+        else:
+            state = json.loads(self.persisted.get(iid, "{}")) if restart == "crash" else {}
+            pos = json.loads(self.source_pos[iid]) if restart == "crash" and iid in self.source_pos else None
+            self._feed(iid, Restarted(WALL0 + self.now, state, pos))
+
+    def _feed(self, iid: str, event: Event) -> None:
+        inst = self.inst[iid]
+        feedback: List[Event] = []
+        for cmd in inst.handle(event, self.now):
+            feedback += self._perform(iid, cmd, feedback)
+        for ev in feedback:
+            if iid in self.inst:
+                self._feed(iid, ev)
+
+    def _perform(self, iid: str, cmd: Command, earlier: List[Event]) -> List[Event]:
+        if isinstance(cmd, Publish):
+            if iid in self.refuse_next or any(isinstance(e, PublishRefused) for e in earlier):
+                self.refuse_next.discard(iid)
+                return [PublishRefused(cmd.token, "refused (checker fault)")]
+            dest = self.inboxes.get(cmd.topic)
+            if dest is None:
+                raise _Stop("unknown_destination", f"{iid} published to {cmd.topic}")
+            key = (iid, dest)
+            self.queues[key] = self.queues.get(key, ()) + (cmd.payload,)
+            self.mid += 1
+            return [PublishAccepted(cmd.token, self.mid), PubAcked(self.mid)]
+        if isinstance(cmd, Persist):
+            self.persisted[iid] = json.dumps(cmd.state, sort_keys=True)
+        elif isinstance(cmd, PersistSource):
+            self.source_pos[iid] = json.dumps(cmd.data, sort_keys=True)
+        elif isinstance(cmd, RequestSpawn):
+            data = dict(cmd.spec)
+            data["broker"] = BROKER
+            data["succs"], data["preds"] = tuple(data["succs"]), tuple(data["preds"])
+            spec = InstanceSpec(**data)
+            self.copy_id = spec.instance
+            self._boot(spec, None)
+            self.spawns.append((iid, cmd.request))
+        elif isinstance(cmd, Exit):
+            del self.inst[iid]
+            self.exited[iid] = cmd.final
+        return []
+
+    # ---- moves ----------------------------------------------------------------------------------
+
+    def moves(self) -> List[Tuple[Any, ...]]:
+        out: List[Tuple[Any, ...]] = []
+        for key in sorted(self.queues):
+            if self.queues[key] and key[1] not in self.down:
+                out.append(("deliver", key))
+                if self.budget["dup"]:
+                    out.append(("dup", key))
+        out += [("spawned", i) for i in range(len(self.spawns))]
+        plan = self._plan_move()
+        if plan is not None:
+            out.append(plan)
+        for iid in sorted(self.down):
+            out.append(("restart", iid))
+        targets = {"crash": self.cfg.crash_targets or tuple(sorted(self.inst)), "rehome": self.cfg.rehome_targets}
+        for kind in ("crash", "rehome"):
+            if self.budget[kind]:
+                out += [(kind, i) for i in targets[kind] if i in self.inst]
+        if self.budget["refuse"]:
+            out += [("refuse", i) for i in (self.cfg.refuse_targets or tuple(sorted(self.inst))) if i in self.inst]
+        if self.now < self.cfg.max_time:
+            out.append(("time",))
+        return out
+
+    def _plan_move(self) -> Optional[Tuple[Any, ...]]:
+        if not self.plans:
+            return None
+        target, action = self.plans[0]
+        iid = self.copy_id if target == "copy" else target
+        core = self._core(iid)
+        if core is None or core.state is not InstanceState.ACTIVE or self.inst[iid].scaling.outputs:
+            return None
+        return ("plan", iid, action)
+
+    def _core(self, iid: Optional[str]) -> Any:
+        inst = self.inst.get(iid) if iid else None
+        return inst.scaling.core if inst is not None and inst.scaling is not None else None
+
+    def apply(self, move: Tuple[Any, ...]) -> None:
+        kind = move[0]
+        if kind == "deliver" or kind == "dup":
+            key = move[1]
+            q = self.queues[key]
+            payload = q[0]
+            if kind == "deliver":
+                self.queues[key] = q[1:]
+            else:
+                self.budget["dup"] -= 1
+            self._deliver(key[1], payload)
+        elif kind == "spawned":
+            creator, request = self.spawns.pop(move[1])
+            if creator in self.inst:
+                self._feed(creator, Spawned(request, True))
+                self._tick(creator)
+        elif kind == "plan":
+            self.plans.pop(0)
+            self._feed(move[1], Control({"event": "scale", "action": move[2], "count": 1}))
+            self._tick(move[1])
+        elif kind in ("crash", "rehome"):
+            self.budget[kind] -= 1
+            iid = move[1]
+            del self.inst[iid]
+            self.down[iid] = kind
+            self.refuse_next.discard(iid)
+            self.spawns = [s for s in self.spawns if s[0] != iid]  # its agent answers a dead process
+        elif kind == "restart":
+            iid = move[1]
+            how = self.down.pop(iid)
+            spec = self.specs[iid]
+            extra = dict(spec.extra)
+            if how == "rehome":
+                extra["min_epoch"] = REHOME_EPOCH
+            self._boot(InstanceSpec(**{**spec.__dict__, "restart": True, "extra": extra}), how)
+            if iid in self.inst:
+                self._tick(iid)
+        elif kind == "refuse":
+            self.budget["refuse"] -= 1
+            self.refuse_next.add(move[1])
+        elif kind == "time":
+            self.now += STEP
+            for iid in sorted(self.inst):
+                if iid in self.inst:
+                    self._tick(iid)
+        else:
+            raise ValueError(f"unknown move {move!r}")
+
+    def _deliver(self, dest: str, payload: bytes) -> None:
+        if dest in self.exited and self.exited[dest]:
+            try:
+                env = decode(payload, False)
+            except MalformedEnvelope:
+                return
+            if env.kind is Kind.DATA:
+                # Harmless only if a copy of every record it carries got through elsewhere (a
+                # replay crossing the terminated instance's last ack): checked at the end.
+                self.to_terminated.extend((it[0], it[1]) for it in env.body)
+            return
+        if dest not in self.inst:
+            return
+        self._feed(dest, EnvelopeReceived(topics.inbox(CLUSTER, dest, NODE), payload))
+        if dest in self.inst:
+            self._tick(dest)
+
+    def _tick(self, iid: str) -> None:
+        self._feed(iid, Tick(WALL0 + self.now))
+
+    # ---- end of a run -----------------------------------------------------------------------------
+
+    def settle(self) -> None:
+        """Run to quiescence deterministically: restart what is down, answer spawns, deliver
+        every queue round-robin, then let time pass (timers: resend, replay, pings)."""
+        quiet_since = self.now
+        while True:
+            progressed = False
+            for iid in sorted(self.down):
+                self.apply(("restart", iid))
+                progressed = True
+            while self.spawns:
+                self.apply(("spawned", 0))
+                progressed = True
+            plan = self._plan_move()
+            if plan is not None:
+                self.apply(plan)
+                progressed = True
+            for key in sorted(self.queues):
+                if self.queues.get(key) and key[1] not in self.down:
+                    self.apply(("deliver", key))
+                    progressed = True
+            if progressed:
+                quiet_since = self.now
+                continue
+            if self.now - quiet_since > 30.0 and self._done():
+                return
+            if self.now > self.cfg.max_time + SETTLE_LIMIT:
+                return  # stuck: the terminal checks say why
+            self.apply(("time",))
+
+    def _done(self) -> bool:
+        return not self.plans and all(
+            not i.scaling.outputs and i.scaling.core.state is InstanceState.ACTIVE for i in self.inst.values())
+
+    def check_terminal(self) -> Optional[Tuple[str, str]]:
+        want = {("src", i) for i in range(self.cfg.records)}
+        got = set(self.store)
+        lost = sorted(set(self.to_terminated) - got)
+        if lost:
+            return ("record_to_terminated", f"records {lost[:8]} went to a terminated instance and nowhere else")
+        if got != want or len(self.store) != len(got):
+            missing = sorted(want - got)
+            return ("records_not_exactly_once", f"missing {missing[:8]}, recorded {len(self.store)} of {len(want)}")
+        for iid, inst in sorted(self.inst.items()):
+            sc = inst.scaling
+            if sc.core.state is not InstanceState.ACTIVE or sc.outputs:
+                return ("round_not_ended", f"{iid} still {sc.core.state.value} (pending {sorted(sc.core.pending)}, "
+                        f"{len(sc.outputs)} queued outputs, draining {sc.draining})")
+        for plan in self.plans:
+            return ("round_not_ended", f"planned {plan} never started")
+        live: Dict[int, Set[str]] = {}
+        for iid, inst in self.inst.items():
+            live.setdefault(inst.stage, set()).add(iid)
+        for iid, inst in sorted(self.inst.items()):
+            core = inst.scaling.core
+            succs, preds = live.get(inst.stage + 1, set()), live.get(inst.stage - 1, set())
+            if core.succs != succs or core.preds != preds:
+                return ("views_disagree", f"{iid}: succs {sorted(core.succs)} preds {sorted(core.preds)}, "
+                        f"live {sorted(succs)} / {sorted(preds)}")
+        return None
+
+    # ---- exploration support ----------------------------------------------------------------------
+
+    def fork(self) -> "World":
+        memo: Dict[int, Any] = {id(self.pipeline): self.pipeline, id(self.cfg): self.cfg}
+        for s in self.specs.values():
+            memo[id(s)] = s
+        for inst in self.inst.values():
+            memo[id(inst.spec)] = inst.spec
+            memo[id(inst.op)] = inst.op
+        return copy.deepcopy(self, memo)
+
+    def fingerprint(self) -> bytes:
+        """A digest of the whole state but the shared, never-changing parts (pipeline, specs)."""
+        saved = [(i, i.pipeline, i.op, i.spec) for i in self.inst.values()]
+        pipeline, specs = self.pipeline, self.specs
+        try:
+            for i, *_ in saved:
+                i.pipeline = i.op = i.spec = None  # type: ignore[assignment]
+            self.pipeline = self.specs = None  # type: ignore[assignment]
+            return hashlib.blake2b(pickle.dumps(self.__dict__, protocol=5), digest_size=16).digest()
+        finally:
+            for i, p, o, s in saved:
+                i.pipeline, i.op, i.spec = p, o, s
+            self.pipeline, self.specs = pipeline, specs
+
+
+def _label(move: Tuple[Any, ...]) -> str:
+    if move[0] in ("deliver", "dup"):
+        return f"{move[0]} {move[1][0]}->{move[1][1]}"
+    return " ".join(str(m) for m in move)
+
+
+def _step(world: World, move: Tuple[Any, ...]) -> Optional[Tuple[str, str]]:
+    try:
+        world.apply(move)
+    except _Stop as stop:
+        return (stop.kind, stop.detail)
+    return None
+
+
+def _finish(world: World) -> Optional[Tuple[str, str]]:
+    try:
+        world.settle()
+    except _Stop as stop:
+        return (stop.kind, stop.detail)
+    return world.check_terminal()
+
+
+def explore(cfg: Config, *, depth: int, max_states: int = 200_000, stop_at_first: bool = True) -> Report:
+    """Every schedule of at most `depth` moves (states deduplicated), each settled and checked."""
+    t0 = time.monotonic()
+    report = Report()
+    seen: Set[bytes] = set()
+    stack: List[Tuple[World, Tuple[str, ...]]] = [(World(cfg), ())]
+    while stack:
+        world, trace = stack.pop()
+        fp = world.fingerprint()
+        if fp in seen:
+            continue
+        seen.add(fp)
+        report.states += 1
+        if report.states > max_states:
+            raise RuntimeError(f"more than {max_states} states: lower the depth")
+        moves = world.moves() if len(trace) < depth else []
+        if not moves:
+            report.terminal_states += 1
+            bad = _finish(world.fork())
+            if bad:
+                report.violations.append(Violation(bad[0], bad[1], trace))
+                if stop_at_first:
+                    break
+            continue
+        for move in reversed(moves):
+            nxt = world.fork()
+            bad = _step(nxt, move)
+            report.steps += 1
+            if bad:
+                report.violations.append(Violation(bad[0], bad[1], trace + (_label(move),)))
+                if stop_at_first:
+                    stack = []
+                    break
+                continue
+            stack.append((nxt, trace + (_label(move),)))
+    report.seconds = time.monotonic() - t0
+    return report
+
+
+def random_runs(cfg: Config, *, schedules: int, seed: int = 0, max_steps: int = 400,
+                stop_at_first: bool = True) -> Report:
+    """`schedules` seeded random schedules, each run to its end and checked. Schedule k uses
+    seed `seed + k` (a failing one is reported in `Report.seed`, and reruns alone)."""
+    t0 = time.monotonic()
+    report = Report()
+    for k in range(schedules):
+        rng = random.Random(seed + k)
+        world = World(cfg)
+        trace: List[str] = []
+        bad: Optional[Tuple[str, str]] = None
+        for _ in range(max_steps):
+            moves = world.moves()
+            if not moves:
+                break
+            # Time passes rarely, so that messages race each other as often as timers fire.
+            weights = [0.15 if m[0] == "time" else 0.03 if m[0] == "deliver" and m[1][1] in cfg.slow else 1.0
+                       for m in moves]
+            move = rng.choices(moves, weights)[0]
+            trace.append(_label(move))
+            report.steps += 1
+            bad = _step(world, move)
+            if bad:
+                break
+        if bad is None:
+            bad = _finish(world)
+        report.schedules += 1
+        report.terminal_states += 1
+        if bad:
+            report.violations.append(Violation(bad[0], bad[1], tuple(trace)))
+            if report.seed is None:
+                report.seed = seed + k
+            if stop_at_first:
+                break
+    report.seconds = time.monotonic() - t0
+    return report
+
+
+def describe(report: Report) -> str:
+    head = (f"{report.states} states, {report.terminal_states} terminal, {report.schedules} schedules, "
+            f"{report.steps} steps, {report.seconds:.1f}s")
+    if report.ok:
+        return head + ": OK"
+    v = report.violations[0]
+    tail = "\n  ".join(v.trace[-25:])
+    seed = f" (seed {report.seed})" if report.seed is not None else ""
+    return f"{head}: {v.kind}{seed}: {v.detail}\n  ... {tail}"

@@ -1,0 +1,193 @@
+"""The sans-IO instance (agent.instance.core) on its own: no broker, no process, no clock."""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+from typing import Any, List, Tuple
+
+import pytest
+
+from agent.instance.commands import Emit, Exit, Persist, Publish, RequestSpawn
+from agent.instance.core import Instance, Phase
+from agent.instance.events import (
+    Abort, Control, EnvelopeReceived, PubAcked, PublishAccepted, PublishRefused, Restarted, Started, Tick,
+)
+from agent.protocol.errors import LocalProtocolError
+from agent.sim.instance_check import BROKER, CLUSTER, WALL0, MemoryMap, MemorySink, pipeline_text
+from agent import topics
+from agent.config import load_pipeline_text
+from agent.dataplane.envelope import Envelope, Kind, decode, encode, encode_data
+from agent.instance.spec import InstanceSpec
+
+TOML = pipeline_text()
+PIPELINE = load_pipeline_text(TOML, "test pipeline")
+
+
+def make(operator: str, **extra: Any) -> Instance:
+    names = ["source", "op", "sink"]
+    i = names.index(operator)
+    spec = InstanceSpec(f"{operator}-0", operator, "n1", CLUSTER, "chk", TOML, BROKER,
+                        succs=(f"{names[i + 1]}-0",) if i < 2 else (), preds=(f"{names[i - 1]}-0",) if i else (),
+                        keeper=True, state_dir="/nonexistent", heartbeat_period=3600.0, extra=dict(extra))
+    op = MemorySink([], set()) if operator == "sink" else MemoryMap()
+    return Instance(spec, PIPELINE, op)
+
+
+def accept_all(inst: Instance, cmds: List[Any], now: float, refuse: int = 0) -> List[Tuple[str, bytes]]:
+    """Perform publishes as the shell does (the first `refuse` refused, and every later one of
+    the list with them); returns what reached the broker."""
+    sent: List[Tuple[str, bytes]] = []
+    feedback: List[Any] = []
+    refused = False
+    for c in cmds:
+        if isinstance(c, Publish):
+            if refuse or refused:
+                refuse = max(0, refuse - 1)
+                refused = True
+                feedback.append(PublishRefused(c.token, "queue full"))
+            else:
+                sent.append((c.topic, c.payload))
+                feedback += [PublishAccepted(c.token, len(sent)), PubAcked(len(sent))]
+    for ev in feedback:
+        assert inst.handle(ev, now) == []
+    return sent
+
+
+def test_an_event_the_phase_does_not_expect_raises_a_local_protocol_error_naming_the_phase() -> None:
+    inst = make("op")
+    with pytest.raises(LocalProtocolError, match="Tick in phase new"):
+        inst.handle(Tick(WALL0), 0.0)
+    inst.handle(Started(WALL0), 0.0)
+    assert inst.phase is Phase.RUNNING
+    with pytest.raises(LocalProtocolError, match="Started in phase running"):
+        inst.handle(Started(WALL0), 0.0)
+    cmds = inst.handle(Abort("test"), 1.0)
+    assert isinstance(cmds[-1], Exit) and inst.phase is Phase.EXITED
+    with pytest.raises(LocalProtocolError, match="EnvelopeReceived in phase exited"):
+        inst.handle(EnvelopeReceived(topics.inbox(CLUSTER, "op-0", "n1"), b"[]"), 2.0)
+    assert inst.handle(PubAcked(1), 2.0) == []  # late publish feedback is still fine
+
+
+def test_every_phase_accepts_exactly_the_events_of_its_table() -> None:
+    from agent.instance.core import _ACCEPTS
+
+    samples = [Started(WALL0), Restarted(WALL0, {}), Tick(WALL0), PubAcked(1), Abort("x"),
+               Control({"event": "set", "service_time_ms": 0})]
+    for phase, allowed in _ACCEPTS.items():
+        for ev in samples:
+            inst = make("op")
+            if phase is not Phase.NEW:
+                inst.handle(Started(WALL0), 0.0)
+            if phase is Phase.STOPPING:
+                inst.handle(Control({"event": "stop"}), 0.0)
+                inst.queues["source-0"] = __import__("collections").deque(
+                    [Envelope("source-0", 0, 1, Kind.DATA, [("src", 0, None)])])  # keeps it draining
+            if phase is Phase.EXITED:
+                inst.handle(Abort("x"), 0.0)
+            assert inst.phase is phase
+            if type(ev) in allowed:
+                inst.handle(ev, 0.5)
+            else:
+                with pytest.raises(LocalProtocolError, match=f"in phase {phase.value}"):
+                    inst.handle(ev, 0.5)
+
+
+@pytest.mark.parametrize("fault", [False, True])
+def test_a_refused_ack_is_retried_on_the_next_tick_even_with_no_data_to_flush(fault: bool) -> None:
+    """A sink has no data to forward: its refused ack must not wait for data (or it holds back
+    every later ack for good, docs/reliability.md). With the historic fault switched on, it does."""
+    sink = make("sink")
+    if fault:
+        sink.faults = frozenset({"retry_only_with_data"})
+    accept_all(sink, sink.handle(Started(WALL0), 0.0), 0.0)
+    batch = encode_data("op-0", 0, 1, [("src", 0, None)])
+    cmds = sink.handle(EnvelopeReceived(topics.inbox(CLUSTER, "sink-0", "n1"), batch), 0.1) + sink.handle(Tick(WALL0), 0.1)
+    assert accept_all(sink, cmds, 0.1, refuse=1) == []  # the ack was refused
+    assert sink.retry and sink.stats["publish_rejected"] == 1
+    sent = accept_all(sink, sink.handle(Tick(WALL0 + 1), 1.0), 1.0)
+    acks = [decode(p) for t, p in sent if t == topics.inbox(CLUSTER, "op-0", "n1")]
+    if fault:
+        assert acks == [] and sink.retry
+        return
+    assert [list(a.body) for a in acks] == [[0, 1]] and not sink.retry
+
+
+def test_publishes_after_a_refused_one_keep_their_order() -> None:
+    op = make("op")
+    accept_all(op, op.handle(Started(WALL0), 0.0), 0.0)
+    batches = [encode_data("source-0", 0, s, [("src", s, {"v": s})]) for s in (1, 2, 3)]
+    cmds: List[Any] = []
+    for b in batches:
+        cmds += op.handle(EnvelopeReceived(topics.inbox(CLUSTER, "op-0", "n1"), b), 0.1)
+    cmds += op.handle(Tick(WALL0), 0.1)
+    first = accept_all(op, cmds, 0.1, refuse=1)
+    later = accept_all(op, op.handle(Tick(WALL0 + 1), 1.0), 1.0)
+    to_sink = [decode(p).seq for t, p in first + later if t == topics.inbox(CLUSTER, "sink-0", "n1")]
+    assert to_sink == sorted(to_sink) and len(to_sink) >= 2
+
+
+def test_a_forced_duplication_persists_its_outputs_before_performing_any() -> None:
+    op = make("op")
+    accept_all(op, op.handle(Started(WALL0), 0.0), 0.0)
+    cmds = op.handle(Control({"event": "scale", "action": "duplicate", "count": 1}), 1.0)
+    cmds += op.handle(Tick(WALL0 + 1), 1.0)  # a forced round starts at the next turn
+    kinds = [type(c) for c in cmds]
+    assert RequestSpawn in kinds and Persist in kinds
+    persist = kinds.index(Persist)
+    assert persist < kinds.index(RequestSpawn)
+    state = next(c for c in cmds if isinstance(c, Persist)).state
+    assert [o["effect"] for o in state["outputs"] if "effect" in o][:1] == ["CreateInstance"]
+    assert not any(isinstance(c, Publish) for c in cmds[:persist])
+
+
+def test_a_rehomed_instance_numbers_its_rounds_above_any_its_dead_incarnation_used() -> None:
+    op = make("op", min_epoch=int(WALL0))
+    op.handle(Restarted(WALL0, {}), 0.0)  # its state went with its node
+    assert op.epoch == int(WALL0) and op.scaling.core.round >= int(WALL0) * 1000
+    cmds = op.handle(Control({"event": "scale", "action": "duplicate", "count": 1}), 1.0)
+    cmds += op.handle(Tick(WALL0 + 1), 1.0)
+    state = next(c for c in cmds if isinstance(c, Persist)).state
+    assert state["scaling"]["round"] == int(WALL0) * 1000 + 1
+
+
+def test_a_restart_announces_a_new_epoch_to_every_predecessor_before_ready() -> None:
+    op = make("op")
+    first = op.handle(Started(WALL0), 0.0)
+    saved = next(c for c in first if isinstance(c, Persist)).state
+    again = make("op")
+    cmds = again.handle(Restarted(WALL0, json.loads(json.dumps(saved))), 5.0)
+    pubs = [c for c in cmds if isinstance(c, Publish)]
+    ready = next(i for i, c in enumerate(cmds) if isinstance(c, Emit) and c.event == "ready")
+    assert again.epoch == 1 and len(pubs) == 1 and cmds.index(pubs[0]) < ready
+    env = decode(pubs[0].payload)
+    assert (env.kind, env.epoch, list(env.body)) == (Kind.ACK, 1, [0, 0])
+    assert pubs[0].topic == topics.inbox(CLUSTER, "source-0", "n1")
+
+
+def test_bad_bytes_on_the_inbox_are_counted_and_skipped() -> None:
+    op = make("op")
+    op.handle(Started(WALL0), 0.0)
+    assert op.handle(EnvelopeReceived(topics.inbox(CLUSTER, "op-0", "n1"), b"\xff{not json"), 0.1) == []
+    assert op.stats["malformed"] == 1 and op.phase is Phase.RUNNING
+    forged = encode(Envelope("ghost", 0, 1, Kind.DATA, [("src", 0, None)]))
+    op.handle(EnvelopeReceived(topics.inbox(CLUSTER, "op-0", "n1"), forged), 0.2)
+    assert op.stats["refused_senders"] == 1 and not op.queues
+
+
+def test_the_core_modules_import_nothing_that_does_io() -> None:
+    """No sockets, no clock, no subprocess, no MQTT client, no daemon code (docs/runtime.md)."""
+    banned = ("agent.mqtt", "agent.node", "agent.tools", "subprocess", "socket", "time", "threading", "os",
+              "paho", "agent.instance.worker", "agent.files")
+    root = Path(__file__).resolve().parents[1] / "agent" / "instance"
+    for name in ("core.py", "driver.py", "events.py", "commands.py", "recovery.py", "rounds.py"):
+        tree = ast.parse((root / name).read_text())
+        for node in ast.walk(tree):
+            mods: List[str] = []
+            if isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                mods = [node.module]
+            for m in mods:
+                assert not any(m == b or m.startswith(b + ".") for b in banned), f"{name} imports {m}"
