@@ -208,7 +208,7 @@ def _with_source(cfg: Any, path: Path) -> Any:
 
 # What the worker's scaling driver runs: the paper's protocol core decides for "decentralized";
 # the Gesscale policies run through agent.policy.live (docs/measurement.md, "Policies in the daemon").
-RUNTIME_POLICIES = ("decentralized", "threshold", "model", "sized", "none")
+RUNTIME_POLICIES = ("decentralized", "threshold", "model", "sized", "seasonal", "none")
 
 
 @dataclass(frozen=True)
