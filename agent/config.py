@@ -147,6 +147,37 @@ class OperatorsSection:
     modules: Tuple[str, ...] = field(default=(), metadata={"check": _operator_modules})
 
 
+def _hook(v: Any) -> Optional[str]:
+    if not v:
+        return None
+    if not all(isinstance(a, str) and a and "\0" not in a for a in v):
+        return "expected a list of non-empty strings (the command and its arguments; no shell)"
+    return None
+
+
+@dataclass(frozen=True)
+class SiteManagerSection:
+    """Node-level elasticity (docs/site-manager.md). The hooks are argv lists run with the node's
+    name appended; they come from this file only, never from the bus (docs/security.md)."""
+
+    enabled: bool = False
+    target: float = field(default=0.3, metadata={"check": in_range(0.0, 0.95)})
+    min_nodes: int = field(default=1, metadata={"check": in_range(1, 10000, "an integer")})
+    max_nodes: int = field(default=64, metadata={"check": in_range(1, 10000, "an integer")})
+    cooldown: float = field(default=60.0, metadata={"check": non_negative("seconds")})
+    timeout: float = field(default=300.0, metadata={"check": positive("seconds")})
+    lease: float = field(default=15.0, metadata={"check": in_range(1.0, 3600.0, "seconds")})
+    period: float = field(default=5.0, metadata={"check": positive("seconds")})
+    release_hook: Tuple[str, ...] = field(default=(), metadata={"check": _hook})
+    acquire_hook: Tuple[str, ...] = field(default=(), metadata={"check": _hook})
+
+    def __post_init__(self) -> None:
+        if self.min_nodes > self.max_nodes:
+            raise ValueError("min_nodes must not exceed max_nodes")
+        if self.period * 2 >= self.lease:
+            raise ValueError(f"lease ({self.lease}) must exceed two periods ({self.period}): the leader renews every period")
+
+
 @dataclass(frozen=True)
 class AgentConfig:
     agent: AgentSection
@@ -156,6 +187,7 @@ class AgentConfig:
     metrics: MetricsSection = MetricsSection()
     spill: SpillSection = SpillSection()
     latency: LatencySection = LatencySection()
+    site_manager: SiteManagerSection = SiteManagerSection()
     source: str = field(default="<memory>", init=False, compare=False)
 
 
@@ -176,7 +208,7 @@ def _with_source(cfg: Any, path: Path) -> Any:
 
 # What the worker's scaling driver runs: the paper's protocol core decides for "decentralized";
 # the Gesscale policies run through agent.policy.live (docs/measurement.md, "Policies in the daemon").
-RUNTIME_POLICIES = ("decentralized", "threshold", "model", "sized", "none")
+RUNTIME_POLICIES = ("decentralized", "threshold", "model", "sized", "seasonal", "none")
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,7 @@ class EventType(Enum):
     LOCK_EXIT = "lock_exit"        # 2-FGME: left the CS
     DRAIN = "drain"                # a node drain started / progressed (detail.node)
     STEER = "steer"                # a manual `fogctl scale` request was accepted
+    SITE_ACTION = "site_action"    # the site manager ordered drain/release/acquire/undrain (detail.reason)
     SPOOL_FULL = "spool_full"      # a spool reached its disk cap: the sink holds back (detail.used_bytes)
     SPOOL_RESUMED = "spool_resumed"  # shipped files were released: the spool takes records again
     SPOOL_RECOVERED = "spool_recovered"  # a crash left spool files open: salvaged (detail.records)

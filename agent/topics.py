@@ -114,6 +114,11 @@ def locks(cluster: str) -> str:
     return f"{base(cluster)}/locks"
 
 
+def site_manager(cluster: str) -> str:
+    """The site manager's retained leader record (docs/site-manager.md, "Election")."""
+    return f"{base(cluster)}/site_manager"
+
+
 def spill(cluster: str, node: str) -> str:
     return f"{base(cluster)}/spill/{_check(node)}"
 
@@ -205,7 +210,7 @@ class Parsed(NamedTuple):
     """The parts of a topic of one cluster.
 
     kind: state | status | hosted | rehomed | rpc | peer | reply | latency | ping | pong |
-          events | locks | pipeline | decisions | inbox | spill_chunk | spill_ack
+          events | locks | site_manager | pipeline | decisions | inbox | spill_chunk | spill_ack
     node: the node (or requester of a reply, instance of inbox/decisions, pipeline name) the
           topic is about, i.e. its owner; sender: the identity in the last level of a request,
           reply, probe or inbox topic (who wrote it, as the ACL proves), else None.
@@ -240,6 +245,8 @@ def parse(cluster: str, topic: str) -> Optional[Parsed]:
         return Parsed(parts[2], parts[1], parts[3])
     if head == "events" and n == 1:
         return Parsed("events")
+    if head == "site_manager" and n == 1:
+        return Parsed("site_manager")
     if head == "locks":
         return Parsed("locks", "/".join(parts[1:]) or None)
     if head == "pipelines" and n == 2:

@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("latency", help="measured latency matrix (and the configured emulated one)")
     sub.add_parser("locks", help="2-FGME state per boundary: who requests, who is in the CS")
     sub.add_parser("pipelines", help="deployed pipelines and their instance counts")
+    sub.add_parser("site", help="the site manager: leader, target, spare, pending action, its last actions and why")
     p = sub.add_parser("watch", help="live scaling and lock events, one line each, with their reason")
     p.add_argument("--filter", action="append", metavar="KEY=VALUE[,VALUE]",
                    help="keep events whose type/node/instance/operator/pipeline matches (repeatable)")

@@ -68,6 +68,11 @@ def register(groups: Any) -> None:
     s.add_argument("--policies", default=None, help="comma-separated subset")
     s.add_argument("--json", action="store_true")
     s.add_argument("--plot", default=None, help="PNG of supply vs demand for seed 0")
+    s.add_argument("--train-days", type=int, default=0,
+                   help="days before the evaluated ones that only teach the seasonal profile")
+    s.add_argument("--day-sigma", type=float, default=0.0, help="day-to-day traffic level noise (log sigma)")
+    s.add_argument("--pareto", default=None, help="PNG: reconfigurations vs cost per policy and the clairvoyant "
+                   "bound at several budgets (needs threshold among the policies)")
     s.set_defaults(func=cmd_simulate_policies)
 
     bp = groups.bench.add_parser("policies", help="every scaling policy on a local fleet of 3 real agents next to "
@@ -250,21 +255,44 @@ def cmd_simulate_policies(args: argparse.Namespace) -> int:
         return EXIT_ERROR
     cfg = SimConfig(period=args.period, cooldown=args.cooldown, stop_seconds=args.stop_seconds)
     t0 = time.perf_counter()
-    results = compare(range(args.seeds), names, days=args.days, cfg=cfg)
+    results = compare(range(args.seeds), names, days=args.days, cfg=cfg, train_days=args.train_days,
+                      day_sigma=args.day_sigma)
     took = time.perf_counter() - t0
+    bound = None
+    if args.pareto or "seasonal" in results:
+        bound = _bound(results, args.pareto)
     if args.json:
         doc = {"seeds": args.seeds, "days": args.days, "config": {"period": cfg.period, "cooldown": cfg.cooldown,
                                                                     "stop_seconds": cfg.stop_seconds},
                "summary": {p: {k: {"mean": m, "sd": sd} for k, (m, sd) in s.items()} for p, s in summary(results).items()},
                "runs": {p: [dict(r.metrics.as_dict(), seed=r.seed, operations=r.operations) for r in rs]
-                        for p, rs in results.items()}}
+                        for p, rs in results.items()},
+               "bound": [{"max_changes": k, "cost": c} for k, c in (bound or [])]}
         print(json.dumps(doc, indent=2))
     else:
         print(format_table(results))
+        if bound:
+            print("\nclairvoyant bound (under-provisioning <= threshold's), mean cost by reconfiguration budget: "
+                  + ", ".join(f"{k}: {c:.1f}" for k, c in bound))
         print(f"\n({args.seeds} seeds x {len(names)} policies in {took:.1f} s)")
     if args.plot:
         _plot(results, args.plot)
     return EXIT_OK
+
+
+def _bound(results: Any, pareto: Any) -> Any:
+    """The clairvoyant bound at the policies' own (rounded) reconfiguration counts and, for the
+    Pareto plot, at a few more budgets; None without a threshold run to take the under limit from."""
+    from agent.sim.policies_pareto import bound_curve, plot_pareto, points
+
+    if "threshold" not in results:
+        return None
+    pts = points(results)
+    budgets = sorted({int(round(v[0])) for v in pts.values()} | ({8, 12, 16, 24, 32} if pareto else set()))
+    bound = bound_curve(results["threshold"], budgets)
+    if pareto:
+        plot_pareto(pts, bound, pareto, f"{len(results['threshold'])} seeds")
+    return bound
 
 
 def _plot(results: Any, path: str) -> None:

@@ -12,13 +12,14 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, TextIO
+from typing import Any, Callable, Dict, List, Optional, Sequence, TextIO, Tuple
 
 from agent import events as ev_mod
 from agent import topics
 from agent.fogctl import views
 from agent.fogctl.client import Connection, FogctlError
 from agent.fogctl.config import FogctlConfig
+from agent.node.site_manager import parse_lease
 from agent.control.fleet import Fleet, Phase
 from agent.control.rpc_schema import (DrainRequest, PinRequest, Reply, RequestError, ScaleRequest, check_drain,
                                      check_scale, parse_duration)
@@ -232,6 +233,48 @@ def cmd_why(args: argparse.Namespace, ctx: Context) -> int:
     return 0
 
 
+def site_view(record: Optional[Dict[str, Any]], now: float) -> Tuple[Dict[str, Any], str]:
+    """The site manager's leader record as (json doc, text): leader, lease, target, spare,
+    pending action, released nodes, and the reasons of its last actions."""
+    if record is None:
+        return {"leader": None}, "no site manager (no leader record: [site_manager] enabled on no agent)"
+    st = record.get("state") if isinstance(record.get("state"), dict) else {}
+    left = float(record["until"]) - now
+    doc = {"leader": record["node"], "lease_left_s": round(left, 3), "expired": left < 0,
+           "target": st.get("target"), "spare": st.get("spare"), "min_nodes": st.get("min_nodes"),
+           "max_nodes": st.get("max_nodes"), "pending": st.get("pending"),
+           "released": st.get("released") or [], "actions": st.get("actions") or []}
+    pend = doc["pending"]
+    lines = [f"leader    {doc['leader']}" + (" (lease expired: none leads)" if left < 0 else f" (lease {left:.1f} s)"),
+             f"target    {doc['target']}   spare {doc['spare']}   nodes {doc['min_nodes']}-{doc['max_nodes']}",
+             "pending   " + (f"{pend.get('action')} {pend.get('node')}" if isinstance(pend, dict) else "-"),
+             "released  " + (", ".join(map(str, doc["released"])) or "-")]
+    for a in doc["actions"]:
+        if isinstance(a, dict):
+            ts = a.get("ts")
+            when = time.strftime("%H:%M:%SZ", time.gmtime(ts)) if isinstance(ts, (int, float)) else "-"
+            lines.append(f"{when}  {str(a.get('action')):8s} {str(a.get('node')):12s} {a.get('reason')}")
+    return doc, "\n".join(lines)
+
+
+def cmd_site(args: argparse.Namespace, ctx: Context) -> int:
+    topic = topics.site_manager(ctx.cfg.cluster)
+    with ctx.connect(ctx.cfg) as conn:
+        snap = conn.snapshot([topic])
+    record = None
+    if topic in snap and snap[topic].payload:
+        try:
+            raw = json.loads(snap[topic].payload)
+        except ValueError:
+            raw = None
+        lease = parse_lease(raw)
+        if lease is not None:
+            record = {"node": lease.node, "until": lease.until, "state": lease.state}
+    doc, text = site_view(record, ctx.clock())
+    ctx.emit(args, doc, text)
+    return 0
+
+
 # ---- steering -----------------------------------------------------------------------------------
 
 
@@ -423,5 +466,5 @@ def cmd_undeploy(args: argparse.Namespace, ctx: Context) -> int:
 COMMANDS = {
     "status": cmd_status, "topology": cmd_topology, "latency": cmd_latency, "locks": cmd_locks,
     "pipelines": cmd_pipelines, "watch": cmd_watch, "why": cmd_why, "scale": cmd_scale,
-    "drain": cmd_drain, "deploy": cmd_deploy, "undeploy": cmd_undeploy,
+    "drain": cmd_drain, "deploy": cmd_deploy, "undeploy": cmd_undeploy, "site": cmd_site,
 }

@@ -24,6 +24,12 @@ What it does:
 - Shutdown on SIGTERM/SIGINT: "stop" to every worker (they drain, invariant 4), SIGTERM after
   shutdown_timeout/2, SIGKILL after shutdown_timeout, then "offline" and exit. Bound: the process
   exits within shutdown_timeout + SHUTDOWN_SLACK seconds of the signal.
+
+Why ~1,750 lines in one module: every handler here reads and writes the state that the one loop
+owns (the workers, the fleet view, the pending calls, the records and pins); the decisions that
+need no such state are already pure modules beside it (placement, rehome, hostmap, bounds,
+site_manager, hosted, nodestate). Splitting the handlers across files would pass that state around
+without making any of it testable on its own.
 """
 
 from __future__ import annotations
@@ -63,6 +69,8 @@ from agent.node.placement import (
 from agent.operators import admission
 from agent.policy.live import LIVE_POLICIES
 from agent.spill.local import AgentSpill
+from agent.node.site_driver import Emit, Hook, Publish, SiteDriver, Steer, run_hook
+from agent.node.site_manager import Lease, parse_lease
 from agent.node.supervisor import WORKER_COMMAND, WORKER_EXIT_BAD_SPEC, Reaped, Supervisor, Worker, WorkerStatus
 
 log = logging.getLogger(__name__)
@@ -231,6 +239,14 @@ class Agent:
         self._pinned_sent: Dict[str, bool] = {}  # instance -> the pinned flag its worker was sent
         self._client: Any = None
         self.draining = False  # fogctl drain: refuse new instances (free_slots() = 0)
+        # The site manager (docs/site-manager.md): every agent reads its leader record (a drain on
+        # the peer topic is accepted from the leader only); [site_manager] enabled runs a candidate.
+        self.site_lease: Optional[Lease] = None
+        # A node state older than three state periods is not counted as serving (a killed agent's
+        # last state would offer its slots until its Will arrives).
+        self.site: Optional[SiteDriver] = (SiteDriver(cfg.site_manager, cfg.agent.node, cfg.agent.cluster,
+                                                      stale_after=3 * cfg.agent.state_period)
+                                           if cfg.site_manager.enabled else None)
         self.metrics: Any = None  # agent.measure.metrics, when [metrics].port != 0
         self.stats_bridge: Any = None
         # [spill]: the sink workers' spool settings, this agent's metrics/events spool, shipping
@@ -284,6 +300,7 @@ class Agent:
             (topics.all_agents_hosted(self.cluster), 1),
             (topics.all_agents_rehomed(self.cluster), 1),
             (topics.all_pipelines(self.cluster), 1),
+            (topics.site_manager(self.cluster), 1),
         ]
         if self.latency_core is not None:
             subs.extend((t, 0) for t in self.latency_core.subscriptions())
@@ -488,6 +505,8 @@ class Agent:
             if due or (self._state_dirty and now - self._last_state >= STATE_MIN_INTERVAL):
                 self._publish_state(now)
                 self._send_policy_contexts()
+        if self.site is not None and self.connected and self._stopping_since is None:
+            self._site_tick()
         if self.spill is not None:
             self.spill.tick(now)
         self._notify(now)
@@ -1064,6 +1083,14 @@ class Agent:
             else:
                 self.deployed.discard(node)
             self._drop_stale(node, now)
+        elif kind == "site_manager":
+            try:
+                d = json.loads(msg.payload) if msg.payload and len(msg.payload) <= 16384 else None
+            except ValueError:
+                d = None
+            self.site_lease = parse_lease(d)
+            if self.site is not None:
+                self.site.on_lease(msg.payload)
         elif kind == "latency":
             self.latency[node] = nodestate.parse_latency(msg.payload)
         elif kind in ("ping", "pong") and node == self.node and self.latency_core is not None:
@@ -1105,6 +1132,45 @@ class Agent:
             return None
         return f"{requester} hosts no instance of pipeline {pipeline[:80]!r} and it is not deployed"
 
+    def _peer_may_steer(self, requester: str) -> Optional[str]:
+        """A node may drain/undrain this one only while it holds the site manager's lease."""
+        lease = self.site_lease
+        if lease is None or lease.node != requester or self.wall() >= lease.until:
+            return f"{requester} is not the site manager"
+        return None
+
+    def _site_tick(self) -> None:
+        """Run the site manager's period (agent.node.site_driver) and carry out its effects."""
+        assert self.site is not None
+        docs = {n: d for n, d in self.fleet.items() if n != self.node}
+        docs[self.node] = self.state_doc()
+        online = {n: self.online.get(n, False) for n in docs}
+        online[self.node] = True
+        now = self.wall()
+        for eff in self.site.tick(now, docs, online):
+            if isinstance(eff, Publish):
+                self._publish(eff.topic, eff.payload, retain=eff.retain)
+            elif isinstance(eff, Steer):
+                if eff.node == self.node:
+                    self._on_steering(eff.body, self.clock())
+                else:
+                    corr = f"{self.client_id}-site-{now:.6f}"
+                    self._publish(topics.agent_peer(self.cluster, eff.node, self.node), rpc.encode(eff.body),
+                                  properties=rpc.publish_properties(corr))
+            elif isinstance(eff, Hook):
+                run_hook(eff.argv, self.node)
+            elif isinstance(eff, Emit):
+                self._site_event(eff.action, now)
+
+    def _site_event(self, action: Dict[str, Any], now: float) -> None:
+        try:
+            ev = events.make(events.EventType.SITE_ACTION.value, ts=now, node=self.node,
+                             detail=dict(action, source="site_manager"))
+        except ValueError as exc:
+            log.error("site event not published: %s", exc, extra={"node": self.node})
+            return
+        self._publish(topics.events(self.cluster), ev.to_json().encode(), qos=1)
+
     def _on_rpc_request(self, msg: Any, requester: str, peer: bool, now: float) -> None:
         """A request on `agents/<me>/rpc/<admin>` (control) or `agents/<me>/peer/<node>` (the
         protocol's spawns). The reply goes to `replies/<requester>/<me>`, computed from the
@@ -1125,8 +1191,11 @@ class Agent:
             return
         op = body["op"]
         if peer:
-            why = (f"op {op!r} is not allowed on the peer topic (only {', '.join(rpc.PEER_OPS)})"
-                   if op not in rpc.PEER_OPS else self._peer_may_spawn(requester, body))
+            if op in ("drain", "undrain"):
+                why = self._peer_may_steer(requester)
+            else:
+                why = (f"op {op!r} is not allowed on the peer topic (only {', '.join(rpc.PEER_OPS)})"
+                       if op not in rpc.PEER_OPS else self._peer_may_spawn(requester, body))
             if why is not None:
                 self.counters["peer_refused"] += 1
                 log.warning("refused %s request from node %s: %s", op, requester, why, extra={"node": self.node})

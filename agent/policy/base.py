@@ -184,7 +184,7 @@ class DecentralizedPolicy:
         return NO_ACTION
 
 
-POLICY_NAMES = ("decentralized", "threshold", "model", "sized")
+POLICY_NAMES = ("decentralized", "threshold", "model", "sized", "seasonal")
 
 
 def make_policy(name: str, scaling: "object" = None) -> Policy:
@@ -217,4 +217,10 @@ def make_policy(name: str, scaling: "object" = None) -> Policy:
         if scaling is None:
             return SizedPolicy()
         return SizedPolicy(min_instances=scaling.min_instances, max_instances=scaling.max_instances)
+    if name == "seasonal":  # no learned profile from a [scaling] section yet: hysteresis on the recent peak
+        from agent.policy.seasonal import SeasonalPolicy
+
+        if scaling is None:
+            return SeasonalPolicy()
+        return SeasonalPolicy(min_instances=scaling.min_instances, max_instances=scaling.max_instances)
     raise ValueError(f"unknown policy {name!r}: expected one of {', '.join(POLICY_NAMES)}")

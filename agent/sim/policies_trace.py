@@ -10,7 +10,11 @@ real-world events per second), three records per ride. We rebuild that shape fro
   at ~17% of the 7 pm peak, morning plateau, evening peak), linearly interpolated;
 - slow noise: a log-AR(1) process with a 5-minute (experiment time) correlation, sigma 0.10;
 - fast noise: independent per-second jitter, sigma 0.03;
-- bursts: Poisson arrivals (about 4 per day) of +20..+50% lasting 2..6 minutes (events, rain).
+- bursts: Poisson arrivals (about 4 per day) of +20..+50% lasting 2..6 minutes (events, rain);
+- day level (`day_sigma` > 0): each real-world day's traffic scaled by exp(N(0, day_sigma)), drawn
+  from its own generator so that day_sigma = 0 gives the same trace as before. The daily pattern
+  repeats for any number of days; the noise, bursts and day levels do not, which is what a
+  seasonal forecast learned from earlier days must live with (docs/measurement.md).
 
 Everything is drawn from `random.Random(seed)`: one seed = one trace, repeatable.
 
@@ -24,7 +28,10 @@ import math
 import random
 from typing import Dict, List
 
-__all__ = ["DIURNAL", "taxi_trace", "fog_testbed_matrix", "NODES"]
+__all__ = ["DIURNAL", "DAY_SECONDS", "taxi_trace", "fog_testbed_matrix", "NODES"]
+
+# one real-world day of the trace at the default speed factor 10, in trace seconds
+DAY_SECONDS = 8640
 
 # relative pickups per hour of day (weekday, NYC yellow cabs), 0h..23h
 DIURNAL = (0.62, 0.45, 0.33, 0.24, 0.18, 0.17, 0.33, 0.55, 0.68, 0.70, 0.66, 0.68,
@@ -39,9 +46,12 @@ def _diurnal(hour: float) -> float:
 
 
 def taxi_trace(seed: int, days: float = 2.0, speed_factor: float = 10.0, peak: float = 2400.0,
-               start_hour: float = 0.0) -> List[float]:
+               start_hour: float = 0.0, day_sigma: float = 0.0) -> List[float]:
     """Records/s for each second of the experiment (days * 86400 / speed_factor samples)."""
     rnd = random.Random(seed)
+    day_rnd = random.Random(seed * 7919 + 101)
+    day_level = [math.exp(day_rnd.gauss(0.0, day_sigma) - day_sigma * day_sigma / 2) if day_sigma > 0 else 1.0
+                 for _ in range(int(math.ceil(days + start_hour / 24.0)) + 1)]
     n = int(days * 86400 / speed_factor)
     tau, sigma = 300.0, 0.10
     phi = math.exp(-1.0 / tau)
@@ -61,7 +71,7 @@ def taxi_trace(seed: int, days: float = 2.0, speed_factor: float = 10.0, peak: f
     for s in range(n):
         x = phi * x + rnd.gauss(0.0, innov)
         hour = start_hour + s * speed_factor / 3600.0
-        v = peak * _diurnal(hour) * math.exp(x - sigma * sigma / 2) * (1.0 + rnd.gauss(0.0, 0.03))
+        v = peak * day_level[int(hour // 24.0)] * _diurnal(hour) * math.exp(x - sigma * sigma / 2) * (1.0 + rnd.gauss(0.0, 0.03))
         while bi < len(bursts) and bursts[bi][1] < s:
             bi += 1
         for b in bursts[bi:bi + 3]:

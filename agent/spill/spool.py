@@ -37,6 +37,9 @@ Rules of this file:
 The gzip header of each file carries its spool name and opening time, so two files with the same
 records still have different bytes: the content-derived file id (sha256 of the bytes, see
 `file_id`) identifies one spool file, and a resent copy of it has the same id.
+
+Why ~930 lines in one module: appending, rotating, closing, salvaging after a crash and releasing
+share one on-disk format and its invariants; the shipper (shipper.py) is apart.
 """
 
 from __future__ import annotations

@@ -1,0 +1,236 @@
+"""The site manager's decisions: node-level elasticity (docs/site-manager.md).
+
+One manager per cluster watches the fleet's spare capacity and orders the nodes: drain the least
+useful node when the fleet could run without it, release it (the release hook) once it hosts
+nothing, acquire a released node (the acquire hook) when spare capacity falls below the target,
+and undrain it once its agent is back online. It proposes and orders through the same requests
+fogctl sends (DrainRequest); the decentralized protocol never waits for it.
+
+Sans-IO: `decide(view, state, cfg, now)` is a pure function of the fleet view (the agents'
+retained states), the manager's own state and the time passed in; `claim(...)` decides the
+leader election from the retained leader record. The driver in the daemon does the I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from enum import Enum
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+__all__ = [
+    "SiteConfig", "NodeView", "ActionKind", "Action", "Pending", "SiteState", "spare", "decide",
+    "spare_without", "view_of", "Lease", "claim", "parse_lease",
+]
+
+
+@dataclass(frozen=True)
+class SiteConfig:
+    """target: the spare-capacity fraction the fleet keeps, (capacity - load) / capacity."""
+
+    target: float = 0.3
+    min_nodes: int = 1
+    max_nodes: int = 64
+    cooldown: float = 60.0  # seconds between two completed actions
+    timeout: float = 300.0  # a drain or an acquisition not done by then is given up
+
+
+@dataclass(frozen=True)
+class NodeView:
+    node: str
+    online: bool
+    draining: bool
+    capacity: float  # records/s the node sustains (its instances' capacities, or measured)
+    load: float  # records/s its instances carry now
+    instances: int
+    free_slots: int
+
+
+class ActionKind(Enum):
+    DRAIN = "drain"  # send DrainRequest(node): its instances leave through the hand-over
+    RELEASE = "release"  # run the release hook with the node's name
+    ACQUIRE = "acquire"  # run the acquire hook with the node's name
+    UNDRAIN = "undrain"  # send DrainRequest(node, undo=True): the node takes instances again
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: ActionKind
+    node: str
+    reason: str  # why, in words and figures: published on the events topic (fogctl why)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"action": self.kind.value, "node": self.node, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class Pending:
+    """The one action under way: a drain waiting for the node to empty, or an acquisition
+    waiting for the agent to come online."""
+
+    kind: ActionKind  # DRAIN or ACQUIRE
+    node: str
+    since: float
+
+
+@dataclass(frozen=True)
+class SiteState:
+    pending: Optional[Pending] = None
+    released: Tuple[str, ...] = ()  # nodes this manager released, acquirable, oldest first
+    last_done: float = -math.inf  # when the last action completed (cooldown)
+
+
+def spare(nodes: Sequence[NodeView]) -> Optional[float]:
+    """(capacity - load) / capacity over the given nodes; None without capacity."""
+    cap = sum(n.capacity for n in nodes)
+    if cap <= 0:
+        return None
+    return (cap - sum(n.load for n in nodes)) / cap
+
+
+def _fmt(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def spare_without(nodes: Sequence[NodeView], gone: NodeView) -> Optional[float]:
+    """The spare fraction once `gone` is drained: its load moves onto the others' capacity."""
+    cap = sum(n.capacity for n in nodes if n is not gone)
+    if cap <= 0:
+        return None
+    return (cap - sum(n.load for n in nodes)) / cap
+
+
+def _serving(view: Sequence[NodeView], released: Tuple[str, ...]) -> List[NodeView]:
+    return [n for n in view if n.online and not n.draining and n.node not in released]
+
+
+def _usefulness(n: NodeView) -> Tuple[float, int, float, str]:
+    # Least useful first: fewest instances to move, least load, least capacity lost, then name.
+    return (n.instances, n.load, n.capacity, n.node)
+
+
+def decide(view: Sequence[NodeView], state: SiteState, cfg: SiteConfig, now: float
+           ) -> Tuple[SiteState, List[Action]]:
+    """At most one action per call, and none while another is pending (except its completion)."""
+    by_name = {n.node: n for n in view}
+    serving = _serving(view, state.released)
+    p = state.pending
+    if p is not None:
+        n = by_name.get(p.node)
+        if p.kind is ActionKind.DRAIN:
+            # The draining node is out of `serving` already: what serving sustains is what stays.
+            s = spare(serving)
+            short = s is None or s < cfg.target or len(serving) < cfg.min_nodes
+            if short or now - p.since > cfg.timeout:
+                why = (f"spare {_fmt(s)} < target {cfg.target:.2f} on {len(serving)} nodes before the node emptied"
+                       if short else f"not empty after {cfg.timeout:.0f} s")
+                return SiteState(None, state.released, now), [Action(ActionKind.UNDRAIN, p.node, why)]
+            if n is not None and n.online and n.instances == 0:
+                done = SiteState(None, state.released + (p.node,), now)
+                return done, [Action(ActionKind.RELEASE, p.node,
+                                     f"drained: hosts no instance; spare {_fmt(s)} on {len(serving)} nodes")]
+            return state, []
+        # ACQUIRE: the node is back once its agent is online; it may still be draining (released).
+        if n is not None and n.online:
+            left = tuple(r for r in state.released if r != p.node)
+            return SiteState(None, left, now), [Action(ActionKind.UNDRAIN, p.node, "agent online again")]
+        if now - p.since > cfg.timeout:
+            return SiteState(None, state.released, now), []
+        return state, []
+    if now - state.last_done < cfg.cooldown:
+        return state, []
+    s = spare(serving)
+    if s is None:
+        return state, []
+    if s < cfg.target and state.released and len(serving) < cfg.max_nodes:
+        node = state.released[0]
+        reason = f"spare {s:.2f} < target {cfg.target:.2f} on {len(serving)} nodes"
+        return replace(state, pending=Pending(ActionKind.ACQUIRE, node, now)), [Action(ActionKind.ACQUIRE, node, reason)]
+    if len(serving) <= cfg.min_nodes:
+        return state, []
+    for cand in sorted(serving, key=_usefulness):
+        rest = [n for n in serving if n is not cand]
+        s_rest = spare_without(serving, cand)
+        if s_rest is None or s_rest < cfg.target:
+            continue
+        if sum(n.free_slots for n in rest) < cand.instances:
+            continue
+        reason = (f"spare {s:.2f} on {len(serving)} nodes, {s_rest:.2f} >= target {cfg.target:.2f} "
+                  f"without {cand.node} ({cand.instances} instances, load {cand.load:.1f})")
+        return replace(state, pending=Pending(ActionKind.DRAIN, cand.node, now)), [Action(ActionKind.DRAIN, cand.node, reason)]
+    return state, []
+
+
+def view_of(docs: Mapping[str, Mapping[str, Any]], online: Mapping[str, bool], now: float,
+            stale_after: float, default_capacity: float = 0.0) -> List[NodeView]:
+    """The manager's view of the agents' retained states (agent.node.nodestate documents).
+
+    A node's capacity is what it sustains with every slot used: its slots times its instances'
+    mean capacity (records/s), else the fleet's mean, else `default_capacity`; so an empty node
+    still counts for what it would add, and the figure does not move with the instance count.
+    A node whose state is older than `stale_after` seconds counts as offline: a killed agent's
+    Will comes a keepalive and a half later, and until then its last state would offer slots."""
+    def caps(doc: Mapping[str, Any]) -> List[float]:
+        return [float(c) for i in _items(doc) for c in [i.get("capacity")]
+                if isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) and c > 0]
+
+    every = [c for d in docs.values() for c in caps(d)]
+    fleet_mean = sum(every) / len(every) if every else default_capacity
+    out = []
+    for node, doc in sorted(docs.items()):
+        own = caps(doc)
+        per = sum(own) / len(own) if own else fleet_mean
+        slots = _int(doc.get("slots"))
+        load = sum(float(v) for i in _items(doc) for v in [i.get("load")]
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0)
+        ts = doc.get("time")
+        fresh = isinstance(ts, (int, float)) and not isinstance(ts, bool) and now - ts <= stale_after
+        out.append(NodeView(node, bool(online.get(node, False)) and fresh, doc.get("draining") is True,
+                            slots * per, load, len(_items(doc)), _int(doc.get("free_slots"))))
+    return out
+
+
+def _items(doc: Mapping[str, Any]) -> List[Mapping[str, Any]]:
+    items = doc.get("instances")
+    return [i for i in items if isinstance(i, Mapping)] if isinstance(items, list) else []
+
+
+def _int(v: Any) -> int:
+    return max(0, int(v)) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else 0
+
+
+# ---- election ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Lease:
+    """The retained leader record on topics.site_manager(cluster)."""
+
+    node: str
+    until: float  # unix seconds: the leader renews before, the others wait until after
+    state: Dict[str, Any] = field(default_factory=dict)  # what fogctl site shows
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"v": 1, "node": self.node, "until": self.until, "state": self.state}
+
+
+def parse_lease(d: Any) -> Optional[Lease]:
+    """The record, or None if absent or malformed (then the role is free)."""
+    if not isinstance(d, Mapping):
+        return None
+    node, until = d.get("node"), d.get("until")
+    if not isinstance(node, str) or not node or isinstance(until, bool) or not isinstance(until, (int, float)):
+        return None
+    if not math.isfinite(until):
+        return None
+    st = d.get("state")
+    return Lease(node[:200], float(until), dict(st) if isinstance(st, Mapping) else {})
+
+
+def claim(current: Optional[Lease], me: str, now: float) -> bool:
+    """May `me` publish its own lease now? Yes if the role is free, expired, or already its own.
+
+    Two agents may both claim an expired lease at once; each then sees the other's record (MQTT
+    orders the retained messages of one topic) and the one whose record is not retained stops
+    at its next tick: leadership is decided by the record the broker kept."""
+    return current is None or current.node == me or now >= current.until

@@ -1,0 +1,141 @@
+"""Seasonal policy: the learned profile, the day plan, causality, determinism, and the goal's
+inequalities against the threshold baseline on a small fixed trace (docs/measurement.md)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import List, Sequence
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agent.policy.base import ActionKind, Measurements, make_policy
+from agent.policy.seasonal import SeasonalPolicy, learn_profile, plan_day
+
+CAP = 100.0  # records/s per instance (linear platform: MST(n) = 100 n)
+
+
+def test_profile_is_the_mean_of_each_slot_over_the_training_days():
+    day1 = [10.0] * 60 + [30.0] * 60
+    day2 = [20.0] * 60 + [50.0] * 60
+    assert learn_profile(day1 + day2, 60, 120) == [15.0, 40.0]
+    with pytest.raises(ValueError, match="whole day"):
+        learn_profile(day1[:100], 60, 120)
+
+
+def _brute_plan_cost(profile: Sequence[float], segments: int) -> float:
+    best = float("inf")
+    s = len(profile)
+    for k in range(0, min(segments, s)):
+        for cuts in itertools.combinations(range(1, s), k):
+            edges = (0,) + cuts + (s,)
+            best = min(best, sum(max(profile[a:b]) * (b - a) for a, b in zip(edges, edges[1:])))
+    return best
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 50).map(float), min_size=1, max_size=7), st.integers(1, 4))
+def test_day_plan_covers_the_profile_with_few_pieces_at_least_cost(profile, segments):
+    plan = plan_day(tuple(profile), segments)
+    assert all(p >= x for p, x in zip(plan, profile))
+    assert sum(1 for a, b in zip(plan, plan[1:]) if a != b) <= segments - 1
+    assert sum(plan) == pytest.approx(_brute_plan_cost(profile, segments))
+
+
+def _run(policy: SeasonalPolicy, totals: Sequence[float], n0: int = 2) -> List[tuple]:
+    """One operator on a linear platform, the policy seen through one instance (n known, rank 0);
+    returns (action kind, count, target) per period. Period = slot = 60 s."""
+    n, out = n0, []
+    for k, total in enumerate(totals):
+        done = min(total, CAP * n)
+        bp = 0.0 if total <= CAP * n else 0.6
+        m = Measurements(now=60.0 * k + 59.0, load=done / n, throughput=done / n, capacity=CAP,
+                         upstream_backpressure=bp, n_instances=n, rank=n - 1, is_keeper=True)
+        a = policy.decide(m)
+        out.append((a.kind, a.count, a.target))
+        if a.target is not None and a.kind is not ActionKind.NONE:
+            n = a.target
+    return out
+
+
+PROFILE = tuple(100.0 + 80.0 * (1 if 8 <= j < 16 else 0) + 10.0 * (j % 3) for j in range(24))
+
+
+def _policy() -> SeasonalPolicy:
+    return SeasonalPolicy(profile=PROFILE, segments=4, margin=0.05, margin_up=0.10, hold=3, cooldown_in=120.0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.floats(0.0, 900.0), min_size=2, max_size=60), st.data())
+def test_a_decision_does_not_depend_on_the_input_after_it(totals, data):
+    cut = data.draw(st.integers(1, len(totals) - 1))
+    other = totals[:cut] + data.draw(st.lists(st.floats(0.0, 900.0), min_size=0, max_size=30))
+    assert _run(_policy(), totals)[:cut] == _run(_policy(), other)[:cut]
+
+
+def test_same_input_same_decisions():
+    totals = [PROFILE[k % 24] * (1.0 + 0.1 * ((k * 7919) % 11 - 5) / 5) for k in range(96)]
+    assert _run(_policy(), totals) == _run(_policy(), totals)
+
+
+def test_steps_up_ahead_of_the_daily_ramp_in_one_reconfiguration():
+    # slot 7 (the one before the busy plateau 8..15): the plan of the next slot needs 196 * 1.05 -> 3
+    pol = _policy()
+    acts = _run(pol, [PROFILE[k] for k in range(9)], n0=2)
+    ups = [(k, a) for k, a in enumerate(acts) if a[0] is ActionKind.SCALE_OUT]
+    assert ups and ups[0][0] <= 7 and ups[0][1][2] >= 2
+
+
+def test_registered_for_the_simulator_and_the_daemon():
+    from agent.config import RUNTIME_POLICIES
+    from agent.policy.live import LIVE_POLICIES
+    from agent.sim.policies import POLICIES
+
+    assert isinstance(make_policy("seasonal"), SeasonalPolicy)
+    assert "seasonal" in RUNTIME_POLICIES and "seasonal" in LIVE_POLICIES and "seasonal" in POLICIES
+
+
+@pytest.fixture(scope="module")
+def clean_days():
+    """Two noiseless days of the weekday taxi shape (about 6 s to simulate both policies): the first
+    only teaches the profile, the second is measured."""
+    from dataclasses import replace
+
+    from agent.sim.policies import SimConfig, simulate
+    from agent.sim.policies_trace import DAY_SECONDS, _diurnal, fog_testbed_matrix
+
+    trace = [2000.0 * _diurnal(s * 10 / 3600.0) for s in range(2 * DAY_SECONDS)]
+    cfg = replace(SimConfig(), profile=tuple(learn_profile(trace[:DAY_SECONDS], 60, DAY_SECONDS)))
+    m = fog_testbed_matrix()
+    return {p: simulate(p, trace[DAY_SECONDS:], m, 0, cfg).metrics for p in ("threshold", "seasonal")}
+
+
+def test_halves_the_thresholds_reconfigurations_with_no_more_under_provisioning(clean_days):
+    thr, sea = clean_days["threshold"], clean_days["seasonal"]
+    assert sea.reconfigurations <= 0.5 * thr.reconfigurations
+    assert sea.accuracy_u <= thr.accuracy_u and sea.timeshare_u <= thr.timeshare_u
+
+
+@pytest.mark.xfail(strict=True, reason="goal not met: +3.7 % cost on this trace (docs/measurement.md, "
+                                       "'The policy goal against the bound')")
+def test_costs_no_more_than_the_threshold(clean_days):
+    assert clean_days["seasonal"].cost <= clean_days["threshold"].cost
+
+
+def test_cli_reports_seasonal_with_the_bound_and_draws_the_pareto_plot(tmp_path, capsys):
+    import json
+
+    from agent.cli.main import main
+
+    png = tmp_path / "pareto.png"
+    assert main(["simulate", "policies", "--seeds", "1", "--days", "0.5", "--train-days", "1", "--json",
+                 "--policies", "threshold,seasonal", "--pareto", str(png)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert sorted(doc["summary"]) == ["seasonal", "threshold"]
+    costs = [b["cost"] for b in doc["bound"]]
+    assert costs and all(a >= b for a, b in zip(costs, costs[1:]))  # more changes allowed never cost more
+    thr = doc["runs"]["threshold"][0]
+    bound_at_thr = {b["max_changes"]: b["cost"] for b in doc["bound"]}[int(round(thr["reconfigurations"]))]
+    assert bound_at_thr <= thr["cost"]  # threshold's own schedule is one the bound could pick
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,170 @@
+"""The site manager's pure core (agent.node.site_manager): invariants under adversarial fleet
+views, a closed-loop model of drain/release/acquire, and the leader election."""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+from hypothesis import given, settings, strategies as st
+
+from agent.node.site_manager import (
+    ActionKind, Lease, NodeView, SiteConfig, SiteState, claim, decide, parse_lease, spare,
+)
+
+NAMES = ["n1", "n2", "n3", "n4", "n5"]
+
+node_views = st.builds(
+    NodeView,
+    node=st.sampled_from(NAMES),
+    online=st.booleans(),
+    draining=st.booleans(),
+    capacity=st.floats(0.0, 1000.0),
+    load=st.floats(0.0, 1000.0),
+    instances=st.integers(0, 6),
+    free_slots=st.integers(0, 6),
+)
+views = st.lists(node_views, min_size=0, max_size=5, unique_by=lambda n: n.node)
+configs = st.builds(SiteConfig, target=st.floats(0.0, 0.9), min_nodes=st.integers(1, 4),
+                    max_nodes=st.integers(4, 6), cooldown=st.sampled_from([0.0, 10.0]),
+                    timeout=st.sampled_from([30.0, 1000.0]))
+
+
+def _serving(view: List[NodeView], released) -> List[NodeView]:
+    return [n for n in view if n.online and not n.draining and n.node not in released]
+
+
+@settings(max_examples=150, deadline=None)
+@given(cfg=configs, steps=st.lists(st.tuples(views, st.floats(0.0, 50.0)), min_size=1, max_size=25))
+def test_invariants_under_arbitrary_views(cfg: SiteConfig, steps) -> None:
+    state, now = SiteState(), 0.0
+    for view, dt in steps:
+        now += dt
+        new, actions = decide(view, state, cfg, now)
+        assert len(actions) <= 1, "never two actions at once"
+        by = {n.node: n for n in view}
+        for a in actions:
+            if state.pending is not None:
+                # while an action is under way, only its completion or its undoing
+                assert a.node == state.pending.node
+                assert a.kind in (ActionKind.RELEASE, ActionKind.UNDRAIN)
+            if a.kind is ActionKind.RELEASE:
+                n = by[a.node]
+                assert n.online and n.instances == 0, "never releases a node that hosts instances"
+                rest = _serving(view, state.released)
+                assert a.node not in [r.node for r in rest]
+                assert len(rest) >= cfg.min_nodes, "never below min_nodes"
+                assert spare(rest) is not None and spare(rest) >= cfg.target, "never below the target"
+            if a.kind is ActionKind.DRAIN:
+                serving = _serving(view, state.released)
+                cand = by[a.node]
+                assert cand in serving
+                rest = [n for n in serving if n.node != a.node]
+                assert len(rest) >= cfg.min_nodes
+                # the drained node's load moves onto the others: what they keep spare must still do
+                cap = sum(n.capacity for n in rest)
+                assert cap > 0 and (cap - sum(n.load for n in serving)) / cap >= cfg.target
+                assert sum(n.free_slots for n in rest) >= cand.instances
+                assert new.pending is not None and new.pending.kind is ActionKind.DRAIN
+            if a.kind is ActionKind.ACQUIRE:
+                assert a.node in state.released
+                s = spare(_serving(view, state.released))
+                assert s is not None and s < cfg.target
+                assert len(_serving(view, state.released)) < cfg.max_nodes
+        if state.pending is None and actions:
+            assert now - state.last_done >= cfg.cooldown
+        assert len(set(new.released)) == len(new.released)
+        state = new
+
+
+class World:
+    """A fleet the manager's orders act on: drain moves instances to the serving nodes,
+    release turns a node off, acquire turns it on (its agent comes back draining)."""
+
+    def __init__(self, n: int, cap: float, slots: int, per_node: int) -> None:
+        self.cap, self.slots = cap, slots
+        self.on: Dict[str, bool] = {f"n{i}": True for i in range(1, n + 1)}
+        self.draining: Dict[str, bool] = {k: False for k in self.on}
+        self.inst: Dict[str, int] = {k: per_node for k in self.on}
+        self.load = 0.0
+        self.released: List[str] = []
+        self.acquired: List[str] = []
+
+    def view(self) -> List[NodeView]:
+        live = [k for k in self.on if self.on[k] and self.inst[k] > 0]
+        total = sum(self.inst[k] for k in live) or 1
+        return [NodeView(k, self.on[k], self.draining[k], self.cap,
+                         self.load * self.inst[k] / total if self.on[k] else 0.0, self.inst[k],
+                         0 if self.draining[k] or not self.on[k] else self.slots - self.inst[k])
+                for k in self.on]
+
+    def apply(self, kind: ActionKind, node: str) -> None:
+        if kind is ActionKind.DRAIN:
+            self.draining[node] = True
+            moving, self.inst[node] = self.inst[node], 0
+            targets = [k for k in self.on if self.on[k] and not self.draining[k]]
+            for i in range(moving):  # the hand-over: same instances on the others
+                t = min(targets, key=lambda k: self.inst[k])
+                assert self.inst[t] < self.slots
+                self.inst[t] += 1
+        elif kind is ActionKind.RELEASE:
+            assert self.inst[node] == 0
+            self.on[node] = False
+            self.released.append(node)
+        elif kind is ActionKind.ACQUIRE:
+            self.on[node] = True  # the agent restarts with its drained flag persisted
+            self.acquired.append(node)
+        elif kind is ActionKind.UNDRAIN:
+            self.draining[node] = False
+
+
+def _run(world: World, cfg: SiteConfig, loads: List[float], state: SiteState, t0: float):
+    now = t0
+    for load in loads:
+        world.load = load
+        now += 5.0
+        state, actions = decide(world.view(), state, cfg, now)
+        for a in actions:
+            world.apply(a.kind, a.node)
+    return state, now
+
+
+def test_closed_loop_consolidates_then_acquires() -> None:
+    cfg = SiteConfig(target=0.3, min_nodes=1, max_nodes=3, cooldown=10.0)
+    w = World(3, cap=100.0, slots=6, per_node=2)
+    state, now = _run(w, cfg, [250.0] * 10, SiteState(), 0.0)
+    assert w.released == [] and sum(w.on.values()) == 3  # 250/300: spare 0.17 < 0.3
+    state, now = _run(w, cfg, [60.0] * 20, state, now)
+    # 60 on two nodes: spare 0.7; on one: 0.4 >= 0.3: down to one node, never lower
+    assert len(w.released) == 2 and sum(w.on.values()) == 1
+    assert sum(w.inst.values()) == 6  # no instance lost
+    state, now = _run(w, cfg, [90.0] * 20, state, now)
+    # 90 on one node: spare 0.1 < 0.3: one node back (two: spare 0.55)
+    assert w.acquired == [w.released[0]]
+    back = w.acquired[0]
+    assert w.on[back] and not w.draining[back]
+    assert state.pending is None and len(state.released) == 1
+
+
+def test_drain_undone_when_load_rises_before_the_node_empties() -> None:
+    cfg = SiteConfig(target=0.3, cooldown=0.0)
+    view = [NodeView("a", True, False, 100.0, 10.0, 1, 5), NodeView("b", True, False, 100.0, 10.0, 1, 5)]
+    state, acts = decide(view, SiteState(), cfg, 0.0)
+    assert [a.kind for a in acts] == [ActionKind.DRAIN]
+    drained = acts[0].node
+    other = "b" if drained == "a" else "a"
+    still = [NodeView(drained, True, True, 100.0, 10.0, 1, 0), NodeView(other, True, False, 100.0, 90.0, 1, 5)]
+    state, acts = decide(still, state, cfg, 1.0)
+    assert [(a.kind, a.node) for a in acts] == [(ActionKind.UNDRAIN, drained)]
+    assert state.pending is None and state.released == ()
+
+
+def test_lease_election() -> None:
+    assert claim(None, "n1", 0.0)
+    held = Lease("n1", until=15.0)
+    assert claim(held, "n1", 10.0)  # renews its own
+    assert not claim(held, "n2", 10.0)  # a second one waits
+    assert claim(held, "n2", 15.0)  # and takes over once the lease ran out
+    assert parse_lease(held.to_dict()) == held
+    for bad in (None, [], {"node": "", "until": 1}, {"node": "a", "until": True},
+                {"node": "a", "until": float("nan")}, {"node": 3, "until": 1.0}):
+        assert parse_lease(bad) is None

@@ -1,0 +1,241 @@
+"""The site manager on three real agents and the test Mosquitto (docs/site-manager.md).
+
+Low load: the leader drains the least useful node through the existing hand-over and, once it
+hosts nothing, runs the release hook (a script that appends the node's name to a file). More
+load (a second pipeline): spare capacity falls below the target, the acquire hook runs for the
+released node and the node is undrained. Every record of the first pipeline reaches the sink
+exactly once (agent.tools.verify). Then the leader is killed: another agent takes the role once
+the lease ran out, and the fleet keeps scaling meanwhile (the protocol never waits for it).
+
+About 60 s: three agents, two pipelines and a lease expiry; it is the only end-to-end run of
+the consolidation cycle.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import stat
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+from agent_process import AgentProcess
+
+import agent.node.daemon  # noqa: F401  (a broken daemon must fail here, not skip)
+from agent import topics
+from pipelines import taxi_in_zone
+
+pytestmark = pytest.mark.broker
+
+PERIOD = 0.5  # [site_manager].period
+LEASE = 4.0  # [site_manager].lease
+
+
+class Agent(AgentProcess):
+    STOP_TIMEOUT = 8.0
+
+    def __init__(self, tmp: Path, broker: Any, cluster: str, node: str, hooks: Path) -> None:
+        self.node = node
+        conf = tmp / f"{node}.toml"
+        conf.write_text(
+            f'[agent]\nnode = "{node}"\ncluster = "{cluster}"\nslots = 4\nstate_dir = "{tmp}/state-{node}"\nsink_dirs = ["{tmp}/sinks"]\n'
+            f"state_period = 0.5\nheartbeat_period = 0.2\nshutdown_timeout = 5.0\n"
+            f'[mqtt]\nhost = "{broker.host}"\nport = {broker.port}\nkeepalive = 2\n[metrics]\nport = 0\n'
+            f"[site_manager]\nenabled = true\ntarget = 0.6\nmin_nodes = 2\nmax_nodes = 3\ncooldown = 2.0\n"
+            f"timeout = 60.0\nperiod = {PERIOD}\nlease = {LEASE}\n"
+            f'release_hook = ["{hooks / "hook.sh"}", "{hooks / "released"}"]\n'
+            f'acquire_hook = ["{hooks / "hook.sh"}", "{hooks / "acquired"}"]\n'
+        )
+        super().__init__(conf, tmp / f"{node}.log")
+
+
+class LeaderRecord:
+    """The retained leader record as a watcher sees it (its own MQTT client)."""
+
+    def __init__(self, broker: Any, cluster: str) -> None:
+        import paho.mqtt.client as mqtt
+
+        self.payload: bytes = b""
+        c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"site-watch-{uuid.uuid4().hex[:8]}",
+                        protocol=mqtt.MQTTv5)
+        c.on_connect = lambda cl, *a: cl.subscribe(topics.site_manager(cluster), qos=1)
+        c.on_message = lambda cl, ud, msg: setattr(self, "payload", msg.payload)
+        c.connect(broker.host, broker.port)
+        c.loop_start()
+        self.client = c
+
+    def get(self) -> Dict[str, Any]:
+        return json.loads(self.payload) if self.payload else {}
+
+    def close(self) -> None:
+        self.client.loop_stop()
+        self.client.disconnect()
+
+
+def _lines(path: Path) -> List[str]:
+    return path.read_text().split() if path.exists() else []
+
+
+def test_site_manager_consolidates_acquires_and_fails_over(capsys, mosquitto, tmp_path) -> None:
+    from agent.config import load_pipeline_text
+    from agent.node.deploy import deploy
+    from agent.tools.demo import Monitor
+    from agent.tools.verify import verify
+
+    started = time.monotonic()
+    cluster = "m" + uuid.uuid4().hex[:8]
+    hook = tmp_path / "hook.sh"
+    hook.write_text('#!/bin/sh\necho "$2" >> "$1"\n')
+    hook.chmod(hook.stat().st_mode | stat.S_IXUSR)
+    sink = tmp_path / "sinks" / "low"  # one directory per pipeline: the verifier reads them all
+    sink.mkdir(parents=True)
+    (tmp_path / "sinks" / "high").mkdir()
+    mon = Monitor(mosquitto.host, mosquitto.port, cluster)
+    record = LeaderRecord(mosquitto, cluster)
+    agents: Dict[str, Agent] = {}
+    low = taxi_in_zone("low", seed=1, rate=50.0)
+    try:
+        agents["n1"] = Agent(tmp_path, mosquitto, cluster, "n1", tmp_path)
+        assert mon.wait(lambda m: m.status.get("n1") == "online", 30)
+        deploy(low, mosquitto.host, mosquitto.port, cluster, extra={"sink_dir": str(sink)})
+        for n in ("n2", "n3"):
+            agents[n] = Agent(tmp_path, mosquitto, cluster, n, tmp_path)
+        assert mon.wait(lambda m: all(m.status.get(n) == "online" for n in agents), 30)
+
+        # Low load (150 records/s on 6000): one node drained and released, never below min_nodes.
+        assert mon.wait(lambda m: len(_lines(tmp_path / "released")) >= 1, 40), mon.states
+        released = _lines(tmp_path / "released")
+        assert len(released) == 1, released
+        gone = released[0]
+        # (the leader may have drained itself: its own view is fresher than its retained state)
+        assert mon.wait(lambda m: m.states[gone].get("instances") == [] and m.states[gone].get("draining") is True,
+                        5), mon.states[gone]
+        t_released = time.monotonic()
+        time.sleep(3 * PERIOD)
+        assert _lines(tmp_path / "released") == [gone]  # min_nodes = 2: no second release
+        drains = [e for e in mon.events if e.get("type") == "site_action"]
+        assert [e["detail"]["action"] for e in drains][:2] == ["drain", "release"], drains
+        assert all(e["detail"]["node"] == gone and e["detail"]["reason"] for e in drains[:2])
+
+        # More load: a second pipeline at 600 records/s: spare 0.51 < 0.6 on two nodes -> acquire
+        # (0.68 on three: no drain after it).
+        high = taxi_in_zone("high", seed=2, rate=600.0)
+        deploy(high, mosquitto.host, mosquitto.port, cluster, extra={"sink_dir": str(tmp_path / "sinks" / "high")})
+        assert mon.wait(lambda m: _lines(tmp_path / "acquired") == [gone], 40), mon.states
+        node_minutes_saved = (time.monotonic() - t_released) / 60.0
+        assert mon.wait(lambda m: not m.states.get(gone, {}).get("draining") and
+                        m.states.get(gone, {}).get("free_slots", 0) > 0, 20), mon.states.get(gone)
+
+        # fogctl site: the same record, with the reason of each action (table and --json)
+        from agent.cli.fogctl import main
+
+        assert main(["--broker", mosquitto.address, "--cluster", cluster, "--timeout", "5", "--json", "site"]) == 0
+        shown = json.loads(capsys.readouterr().out)
+        assert shown["leader"] in agents and not shown["expired"] and shown["target"] == 0.6, shown
+        assert [a["action"] for a in shown["actions"]][-4:] == ["drain", "release", "acquire", "undrain"], shown
+        assert all(a["reason"] for a in shown["actions"]), shown
+        assert main(["--broker", mosquitto.address, "--cluster", cluster, "--timeout", "5", "site"]) == 0
+        table = capsys.readouterr().out
+        assert f"release  {gone}" in table and "drained: hosts no instance" in table, table
+        site = record.get()["state"]
+        assert site["target"] == 0.6 and site["released"] == [], site
+        assert [a["action"] for a in site["actions"]][-4:] == ["drain", "release", "acquire", "undrain"], site
+
+        # The first pipeline's source stops and its records settle: exactly once, before a kill -9.
+        from agent.node.rpc import RpcClient
+
+        with RpcClient(mosquitto.host, mosquitto.port, cluster) as client:
+            reply = client.call(mon.instance_node["low.source.0"],
+                                {"op": "set", "instance": "low.source.0", "fields": {"paused": True}})
+        assert reply["ok"], reply
+        time.sleep(3.0)
+        v = verify(load_pipeline_text(low), sink)
+
+        # Kill the leader: another agent takes over after the lease; the fleet keeps running.
+        leader = record.get()["node"]
+        agents[leader].proc.send_signal(signal.SIGKILL)
+        agents[leader].proc.wait()
+        killed_at = time.monotonic()
+
+        # Nobody leads until the lease runs out (the dead one's record stays retained).
+        assert mon.wait(lambda m: m.status.get(leader) == "offline", 10), mon.status
+        assert record.get()["node"] == leader
+
+        def new_leader(m: Any) -> Any:
+            d = record.get()
+            return d.get("node") not in (None, leader) and d
+
+        assert mon.wait(new_leader, LEASE + 15), record.get()
+        got = record.get()
+        took = time.monotonic() - killed_at
+        assert took >= LEASE - 1.0, took  # the second one waited for the lease
+        assert got["until"] > time.time()
+    finally:
+        for a in agents.values():
+            a.stop()
+        mon.close()
+        record.close()
+    assert v.generated > 100, v
+    assert v.ok, v
+    print(f"site manager live: {time.monotonic() - started:.1f}s, node-minutes saved {node_minutes_saved:.3f}, "
+          f"failover {took:.1f}s, {v}")
+
+
+def test_a_peer_drain_is_accepted_from_the_lease_holder_only(mosquitto, tmp_path) -> None:
+    """`drain` on an agent's peer topic: refused from a node that holds no lease, accepted from
+    the holder of an unexpired one (the node then reports draining), refused again once the
+    lease expired. One agent, no site manager of its own."""
+    import queue
+
+    import paho.mqtt.client as mqtt
+
+    from agent.node import rpc
+    from agent.tools.demo import Monitor
+
+    cluster = "p" + uuid.uuid4().hex[:8]
+    (tmp_path / "sinks").mkdir()
+    conf = tmp_path / "n1.toml"
+    conf.write_text(
+        f'[agent]\nnode = "n1"\ncluster = "{cluster}"\nslots = 1\nstate_dir = "{tmp_path}/state-n1"\n'
+        f"state_period = 0.5\nheartbeat_period = 0.2\nshutdown_timeout = 3.0\n"
+        f'[mqtt]\nhost = "{mosquitto.host}"\nport = {mosquitto.port}\n[metrics]\nport = 0\n')
+    replies: "queue.Queue[Dict[str, Any]]" = queue.Queue()
+    c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"n9-{uuid.uuid4().hex[:6]}", protocol=mqtt.MQTTv5)
+    c.on_connect = lambda cl, *a: cl.subscribe(topics.replies(cluster, "n9", "n1"), qos=1)
+    c.on_message = lambda cl, ud, msg: replies.put(json.loads(msg.payload))
+    c.connect(mosquitto.host, mosquitto.port)
+    c.loop_start()
+    mon = Monitor(mosquitto.host, mosquitto.port, cluster)
+    agent = AgentProcess(conf, tmp_path / "n1.log")
+
+    def ask(op: str) -> Dict[str, Any]:
+        c.publish(topics.agent_peer(cluster, "n1", "n9"), rpc.encode({"op": op, "node": "n1", "v": 1}), qos=1,
+                  properties=rpc.publish_properties(uuid.uuid4().hex)).wait_for_publish(5)
+        return replies.get(timeout=10)
+
+    def lease(until: float) -> None:
+        c.publish(topics.site_manager(cluster), json.dumps({"v": 1, "node": "n9", "until": until}), qos=1,
+                  retain=True).wait_for_publish(5)
+        time.sleep(0.5)
+
+    try:
+        assert mon.wait(lambda m: m.status.get("n1") == "online", 30)
+        r = ask("drain")
+        assert not r["ok"] and "not the site manager" in r["error"], r
+        lease(time.time() + 30)
+        r = ask("drain")
+        assert r["ok"], r
+        assert mon.wait(lambda m: m.states.get("n1", {}).get("draining") is True, 10), mon.states.get("n1")
+        lease(time.time() - 1)
+        r = ask("undrain")
+        assert not r["ok"] and "not the site manager" in r["error"], r
+        assert ask("spawn")["ok"] is False  # the other peer ops keep their own checks
+    finally:
+        agent.stop()
+        mon.close()
+        c.publish(topics.site_manager(cluster), b"", retain=True)
+        c.loop_stop()
+        c.disconnect()
