@@ -41,16 +41,23 @@ FOUND = [
     # a refused ack held back every later ack of a sink (retried only with data to flush)
     ("retry_only_with_data", Config(records=4, refusals=1, refuse_targets=("sink-0",)), 0,
      {"records_not_exactly_once", "round_not_ended", "record_to_terminated"}),
-    # a repeated deletion ack at the head of a draining copy's queue held the data behind it
-    ("drain_holds_protocol", Config(records=4, slow=("source-0", "sink-0")), 0,
-     {"round_not_ended", "records_not_exactly_once"}),
+    # a repeated deletion ack at the head of a draining copy's queue held the data behind it.
+    # The only data that followed the ack in the model was a silent-link replay, renumbered;
+    # since a silent link resends under the batches' own numbers (docs/reliability.md "Found by
+    # the testbed runs") the copy drops those as duplicates and the seeded fault no longer shows
+    # (not found in 1,500-4,000 schedules, with or without a crash): strict, so that a model in
+    # which it shows again says so.
+    pytest.param("drain_holds_protocol", Config(records=4, slow=("source-0", "sink-0")), 0,
+                 {"round_not_ended", "records_not_exactly_once"},
+                 id="drain_holds_protocol", marks=pytest.mark.xfail(strict=True, reason="its only trigger in the model, a renumbered "
+                                         "silent-link replay behind the repeated ack, is gone")),
     # a re-homed instance numbered its rounds from 1 again: neighbours took them as repeats
     ("rehome_rounds_from_one", Config(records=4, rehomes=1, plans=ROUNDS_1212), 0,
      {"views_disagree", "records_not_exactly_once", "record_to_terminated", "round_not_ended"}),
 ]
 
 
-@pytest.mark.parametrize("fault,cfg,seed,kinds", FOUND, ids=[f[0] for f in FOUND])
+@pytest.mark.parametrize("fault,cfg,seed,kinds", FOUND, ids=[getattr(f, "id", None) or f[0] for f in FOUND])
 def test_the_checker_finds_each_historic_loss_when_it_is_switched_back_on(  # type: ignore[no-untyped-def]
         fault, cfg, seed, kinds) -> None:
     faulty = random_runs(dataclasses.replace(cfg, faults=frozenset({fault})), schedules=400, seed=seed)

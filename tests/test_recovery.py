@@ -185,10 +185,15 @@ def test_a_hole_in_a_senders_numbering_that_stays_open_makes_us_a_new_incarnatio
 
 def test_batches_a_successor_never_acks_are_replayed_to_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The last batches sent to a successor went missing (nothing comes after them, so it sees
-    no hole): after LINK_SILENCE without an ack they are sent again, renumbered; acked ones never."""
+    no hole): after LINK_SILENCE without an ack they are sent again under their own numbers
+    (same epoch, same seq); acked ones never. A successor that had them (slow, not lost) drops
+    them as duplicates in its channel instead of processing them twice (a second copy of a
+    record could reach another sink instance, which cannot drop it); one that lost them gets
+    them."""
     from agent import topics
     from agent.dataplane.envelope import Envelope, Kind, decode, encode
     from agent.mqtt.transport import Received
+    from agent.dataplane.channel import Inbound
     from agent.instance.core import LINK_SILENCE
 
     clock, wire = [100.0], MemoryWire()
@@ -209,7 +214,14 @@ def test_batches_a_successor_never_acks_are_replayed_to_it(tmp_path) -> None:  #
         clock[0] += 0.5
         w.step(clock[0])
     again = [decode(p) for t, p in wire.sent[sent:] if t == to_work and decode(p).kind.value == "d"]
-    assert len(again) == 1 and again[0].body == first[1].body and again[0].seq == 3, again
+    assert len(again) == 1 and again[0].body == first[1].body, again
+    assert (again[0].epoch, again[0].seq) == (first[1].epoch, first[1].seq) == (w.core.epoch, 2), again
+    slow, lost = Inbound(), Inbound()  # the successor's channel from us: it has batch 2, or lost it
+    for e in first:
+        slow.receive(e)
+    lost.receive(first[0])
+    assert slow.receive(again[0]) == [] and slow.stats.duplicates == 1  # not processed twice
+    assert [e.seq for e in lost.receive(again[0])] == [2]
     # still no ack (a dead successor): the next replay waits twice as long, not another LINK_SILENCE
     sent = len(wire.sent)
     end = clock[0] + 1.5 * LINK_SILENCE

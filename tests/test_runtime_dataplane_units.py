@@ -148,6 +148,22 @@ def test_outlink_credit_and_cumulative_ack() -> None:
     assert link.ack(6) == 1 and [u.seq for u in link.unacked()] == [7]
 
 
+def test_outlink_resent_keeps_number_order_and_payload_and_restarts_the_age() -> None:
+    """A silent link's resend keeps each batch's number (the receiver's channel drops a copy it
+    has): `resent` changes only the send time, so the batch is not resent again at once."""
+    link = OutLink("s", window=3)
+    for seq in (1, 2, 3):
+        link.sent(seq, b"p%d" % seq, records=seq, now=1.0, low=10 + seq)
+    link.resent(2, now=9.0)
+    assert [(u.seq, u.payload, u.records, u.low) for u in link.unacked()] == [
+        (1, b"p1", 1, 11), (2, b"p2", 2, 12), (3, b"p3", 3, 13)]
+    assert [u.sent_at for u in link.unacked()] == [1.0, 9.0, 1.0]
+    assert link.credit == 0 and link.highest_sent == 3
+    assert link.ack(2) == 2 and [u.seq for u in link.unacked()] == [3]
+    with pytest.raises(KeyError):
+        link.resent(1, now=10.0)  # acked: nothing to resend
+
+
 def test_ack_tracker_releases_only_fully_forwarded_inputs() -> None:
     t = AckTracker()
     i1 = t.processed("p", 1)

@@ -350,6 +350,39 @@ def test_a_session_taken_over_for_a_while_is_replayed_to_us(runner, mosquitto, t
     assert_exactly_once(tmp_path, n)
 
 
+def test_a_successor_slow_to_ack_processes_each_batch_once(runner, mosquitto, tmp_path: Path) -> None:
+    """validate stops acking for longer than LINK_SILENCE (frozen here; an overloaded chain below
+    does the same: an ack waits for every successor's), keeping its session: the source sends its
+    unacked batches again. They must go under their own numbers, so that validate drops the
+    copies in its channel. Renumbered (before), validate processed them a second time, and with
+    several sink instances the second copy of a record reached another sink, which kept it (the
+    testbed's duplicates, docs/reliability.md "Found by the testbed runs"). ~15 s: the freeze
+    must outlast LINK_SILENCE."""
+    import signal
+
+    from agent.instance.core import LINK_SILENCE
+
+    n = 3000
+    procs = start_pipeline(runner, mosquitto, tmp_path, taxi_pipeline(1000.0, n), "slowack")
+    wait_for(lambda: procs["sink"].stats.get("recorded", 0) > 300, 20, "records to flow")
+    procs["validate"].proc.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(LINK_SILENCE + 2.5)
+    finally:
+        procs["validate"].proc.send_signal(signal.SIGCONT)
+    wait_for(lambda: procs["source"].stats.get("generated") == n, 30, "the source to finish")
+    want = len(expected_ids(3, "source-0", n))
+    wait_for(lambda: procs["sink"].stats.get("recorded") == want, 30, "the sink to record everything")
+    wait_for(lambda: procs["validate"].stats.get("records_in", 0) >= n, 10, "validate's stats")
+    assert procs["source"].stats.get("silent_links_replayed", 0) >= 1  # the resend happened
+    time.sleep(1.0)  # a second processing of the resent batches would show by now
+    v = procs["validate"].stats
+    assert v["records_in"] == n, v  # every record processed once, the resent batches dropped
+    assert v["duplicate_envelopes"] >= 1, v
+    runner.stop_all()
+    assert_exactly_once(tmp_path, n)
+
+
 def test_paused_source_sleeps_instead_of_spinning(runner, mosquitto, tmp_path: Path) -> None:
     """A paused source (the bench pauses one to read an idle worker's memory) must not poll its
     generator in a busy loop: before the fix its loop turned ~25k times/s and used a whole core."""

@@ -100,6 +100,12 @@ class OutLink:
         self._unacked[new_seq] = Unacked(new_seq, payload, u.records, now, u.low)
         self.highest_sent = max(self.highest_sent, new_seq)
 
+    def resent(self, seq: int, now: float) -> None:
+        """A batch was sent again under its own number (a silent link: the receiver's channel
+        drops it if it already has it); its age counts from now."""
+        u = self._unacked[seq]
+        self._unacked[seq] = Unacked(seq, u.payload, u.records, now, u.low)
+
     def plausible_ack(self, upto: int) -> bool:
         """An ack up to `upto` can come from the real receiver: it acks only what we sent it.
         A higher one (forged) would release the replay buffer and, kept as `acked_upto`, make

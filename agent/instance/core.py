@@ -76,9 +76,9 @@ STATE_PERIOD = 1.0  # persist the channel snapshot at most this often (a rename 
 # A hole in a sender's numbering this old will not close by itself: the broker lost those
 # messages, or another connection with our client id took them (a fenced copy after a partition).
 GAP_TIMEOUT = 5.0
-# Batches to a successor unacked this long, with no ack from it meanwhile: replay them (what it
-# lost sits at the end of its channel, so it sees no hole). A slow successor acks within a second
-# or two; a stalled or restarting one gets a replay it may not need: duplicates, dropped by id.
+# Batches to a successor unacked this long, with no ack from it meanwhile: send them again under
+# their own numbers (what it lost sits at the end of its channel, so it sees no hole). A successor
+# that only was slow (an overloaded chain delays acks for seconds) drops the copies in its channel.
 LINK_SILENCE = 5.0
 LINK_SILENCE_MAX = 600.0  # the wait doubles after each replay that brought no ack (a dead node's
 # instance, re-homing off: its session would otherwise fill with a window of copies every 5 s)
@@ -752,7 +752,7 @@ class Instance:
             if link.inflight and link.oldest_age(now) >= wait and now - link.last_ack_at >= wait:
                 self.stats["silent_links_replayed"] = self.stats.get("silent_links_replayed", 0) + 1
                 link.silent_replays += 1
-                self._replay_to(dest)
+                self._replay_to(dest, renumber=False)
 
     def _new_incarnation(self, why: str, counter: str) -> None:
         """The broker came back without our session (it restarted without its persistence, or
@@ -779,12 +779,21 @@ class Instance:
             link.restart_numbering()
             self._replay_to(dest)
 
-    def _replay_to(self, dest: str) -> None:
-        """Send every batch `dest` has not acked again, renumbered on the current channel.
+    def _replay_to(self, dest: str, renumber: bool = True) -> None:
+        """Send every batch `dest` has not acked again.
 
-        A worker restarted with the same identity (new epoch) has lost the batches it had taken
-        from the broker but not yet forwarded; we still hold them (replay buffer). Records it had
-        already forwarded come twice: the sink drops duplicate record ids."""
+        renumber=True (a new epoch on either side): renumbered on the current channel. A worker
+        restarted with the same identity has lost the batches it had taken from the broker but
+        not yet forwarded; we still hold them (replay buffer). Records it had already forwarded
+        come twice: the sink drops duplicate record ids, but only when the copy reaches the same
+        sink instance.
+
+        renumber=False (a silent link, same incarnations): each batch goes again under its first
+        number and epoch, so the receiver's channel drops the ones it already has (a slow
+        successor, the usual reason for the silence) and delivers only the ones really lost.
+        Renumbered, a slow successor processed them twice and, round-robin over several sink
+        instances, the second copy reached another sink, which cannot drop it
+        (docs/reliability.md, "Found by the testbed runs")."""
         link = self.links[dest]
         old = link.unacked()
         if not old:
@@ -792,13 +801,19 @@ class Instance:
         topic = topics.inbox(self.spec.cluster, dest, self.spec.node)
         now = self.now
         for u in old:
-            items = decode(u.payload).body
+            env = decode(u.payload)
+            if not renumber and env.epoch == self.epoch:
+                link.resent(u.seq, now)
+                self._publish_tracked(topic, u.payload, self.tracker.last_index + 1)
+                continue
+            items = env.body
             seq = self.outbound.take(dest)
             payload = encode_data(self.spec.instance, self.epoch, seq, items)
             link.replace(u.seq, seq, payload, now)
             self._publish_tracked(topic, payload, self.tracker.last_index + 1)
         self.stats["replayed_batches"] = self.stats.get("replayed_batches", 0) + len(old)
-        log.warning("replayed %d unacked batches to %s", len(old), dest, extra=self.ctx)
+        log.warning("replayed %d unacked batches to %s%s", len(old), dest,
+                    "" if renumber else " under their own numbers (silent link)", extra=self.ctx)
 
     def _on_ack(self, env: Envelope) -> None:
         self.stats["acks_in"] += 1
