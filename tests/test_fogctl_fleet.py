@@ -318,8 +318,22 @@ def test_watch_and_why_explain_decisions_carried_in_agent_state(capsys, mosquitt
         a.client.publish(topic, state([old]), qos=1, retain=True).wait_for_publish(5)
         import threading
 
-        threading.Timer(0.7, lambda: a.client.publish(topic, state([old, new]), qos=1, retain=True)).start()
-        code, out, err = run(capsys, mosquitto, cluster, "watch", "--count", "1", "--duration", "10")
+        # A newer decision every 0.5 s until watch returns: whichever state watch reads as its
+        # starting snapshot (its subscription can take longer than any fixed delay on a loaded
+        # machine), the next one carries a decision it has not seen.
+        done = threading.Event()
+
+        def decide() -> None:
+            i = 0
+            while not done.wait(0.5):
+                i += 1
+                a.client.publish(topic, state([old, dict(new, at=2000.0 + i)]), qos=1, retain=True)
+
+        threading.Thread(target=decide, daemon=True).start()
+        try:
+            code, out, err = run(capsys, mosquitto, cluster, "watch", "--count", "1", "--duration", "10")
+        finally:
+            done.set()
         assert code == 0, err
         (line,) = out.strip().splitlines()
         assert "n1 in_zone-1 scale_out load=600.0 cap=400.0 ratio=1.50 -> duplicate new=in_zone-9" in line
