@@ -454,7 +454,9 @@ def test_copies_of_one_round_are_spawned_at_once(runner, mosquitto, tmp_path: Pa
              "linger_ms": 10.0, "params": {"seed": 3, "profile": "constant", "rate": 700.0, "max_records": n}},
             {"name": "validate", "function": "agent.operators.builtin:validate", "batch_size": 20,
              "linger_ms": 10.0, "service_time_ms": 1.0,
-             "scaling": {"policy": "decentralized", "capacity": 200.0, "period": 1.0, "cooldown": 30.0}},
+             # capacity 100 and a short cooldown: a first decision on a partial first period may
+             # ask for one copy; the next one (350 records/s each) then asks for several
+             "scaling": {"policy": "decentralized", "capacity": 100.0, "period": 1.0, "cooldown": 3.0}},
             {"name": "sink", "kind": "sink", "function": "agent.operators.builtin:counting_sink",
              "batch_size": 20, "linger_ms": 10.0},
         ],
