@@ -55,6 +55,7 @@ from agent.instance.events import (
 from agent.instance.spec import InstanceSpec
 from agent.mqtt.settings import BrokerSpec
 from agent.protocol.scaling import InstanceState
+from agent.sim.checker import Violation
 
 __all__ = ["Config", "Report", "Violation", "World", "explore", "random_runs", "describe", "pipeline_text", "FAULTS"]
 
@@ -197,13 +198,6 @@ class Config:
     # Random schedules: deliveries to these inboxes are rare (a slow or cut-off node), so that
     # timers (resend on silence, replay to a silent successor) fire while their messages wait.
     slow: Tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class Violation:
-    kind: str
-    detail: str
-    trace: Tuple[str, ...]
 
 
 @dataclass
