@@ -185,9 +185,10 @@ class Instance:
         self.busy_until = 0.0
         self.high_water = 2 * self.op.batch_size
         self._unacked_batches = 0
-        # Acks go out every quarter of the predecessors' window (their operator's setting).
+        # Acks go out every half of the predecessors' window (their operator's setting): the
+        # sender still has the other half of its credit while the ack travels (docs/runtime.md).
         pred_window = pipeline.operators[self.stage - 1].max_inflight_batches if self.stage > 0 else 8
-        self.ack_every = max(1, pred_window // 4)
+        self.ack_every = max(1, pred_window // 2)
         # Admission (agent.dataplane.inbound): how far ahead an honest sender's numbers can run is
         # set by the larger window on our channels; a held sender gets room for a window of data
         # twice over, plus its protocol and lock messages.
@@ -1152,7 +1153,7 @@ class Instance:
             return
         if self.ack_since is None:
             self.ack_since = now
-        # One ack per `ack_every` batches (a quarter of the predecessor's window) or after
+        # One ack per `ack_every` batches (half the predecessor's window) or after
         # ACK_DELAY: credit comes back in time while acks cost a fraction of a message per batch.
         if self._unacked_batches >= self.ack_every or now - self.ack_since >= ACK_DELAY or self.stopping:
             for sender, (epoch, seq) in sorted(self.ack_due.items()):
