@@ -70,7 +70,15 @@ EXIT_DRAIN_TIMEOUT = 4  # stop requested, but successors did not ack everything 
 
 MAX_POLL = 0.05  # longest wait the instance asks for (the shell sees control lines within this)
 ACK_DELAY = 0.005  # coalesce upstream acks for at most this long
-SOURCE_RESERVE = 2000  # records a source may generate past its last written position
+# A source reserves on disk the records it may generate before writing its position again
+# (`_produce`): at least SOURCE_RESERVE, else RESERVE_SECONDS of its measured rate (at most
+# SOURCE_RESERVE_MAX), so that it writes source.json about once a second whatever its rate. A
+# fixed 2,000 records cost a source 14% of its CPU at ~50k records/s (issue 26's profile: 25
+# writes a second). The price: a restarted source regenerates up to its reservation at once,
+# i.e. up to a second of records sooner than its rate profile would have (docs/runtime.md).
+SOURCE_RESERVE = 2000
+RESERVE_SECONDS = 1.0
+SOURCE_RESERVE_MAX = 500_000
 SINK_SETTLE_POLL = 0.05  # a sink whose spool is at its cap checks this often whether shipping freed it
 STATE_PERIOD = 1.0  # persist the channel snapshot at most this often (a rename costs ~5 ms here)
 # A hole in a sender's numbering this old will not close by itself: the broker lost those
@@ -258,6 +266,7 @@ class Instance:
         self._period_start = 0.0
         self._source_first: Dict[int, int] = {}  # source: poll index -> its first record seq
         self._source_reserved = 0  # source: records it may generate before writing its position
+        self._reserved_at: Optional[Tuple[float, int]] = None  # source: (when, generated) at the last reservation
         self._source_started_at = 0.0  # source: wall time its rate profile started
 
     # ---- the one entry point ------------------------------------------------------------------------
@@ -1025,7 +1034,7 @@ class Instance:
         if generated + budget > self._source_reserved:
             # Reserve ahead on disk before generating past the last reservation: a restarted
             # source regenerates up to it, so it never reports fewer records than were sent.
-            self._source_reserved = generated + budget + SOURCE_RESERVE
+            self._source_reserved = generated + budget + self._reserve_span(now, generated)
             self._write_source_stats()
         items = self.operator.poll(now, budget)
         if items:
@@ -1034,6 +1043,15 @@ class Instance:
             index = self.tracker.produced()
             self._source_first[index] = items[0][1]
             self.outbox.add(items, index, now)
+
+    def _reserve_span(self, now: float, generated: int) -> int:
+        """Records to reserve past this poll: RESERVE_SECONDS of the rate measured since the last
+        reservation, within [SOURCE_RESERVE, SOURCE_RESERVE_MAX]."""
+        last, self._reserved_at = self._reserved_at, (now, generated)
+        if last is None or now <= last[0]:
+            return SOURCE_RESERVE
+        rate = (generated - last[1]) / (now - last[0])
+        return int(min(SOURCE_RESERVE_MAX, max(SOURCE_RESERVE, rate * RESERVE_SECONDS)))
 
     def source_resume_seq(self) -> int:
         """The first record seq that a restarted source must generate again: the first of the
