@@ -10,7 +10,7 @@ from typing import Any, List, Tuple
 import pytest
 
 from agent.instance.commands import Emit, Exit, Persist, Publish, RequestSpawn
-from agent.instance.core import Instance, Phase
+from agent.instance.core import ACK_DELAY, Instance, Phase
 from agent.instance.events import (
     Abort, Control, EnvelopeReceived, PubAcked, PublishAccepted, PublishRefused, Restarted, Started, Tick,
 )
@@ -104,6 +104,7 @@ def test_a_refused_ack_is_retried_on_the_next_tick_even_with_no_data_to_flush(fa
     accept_all(sink, sink.handle(Started(WALL0), 0.0), 0.0)
     batch = encode_data("op-0", 0, 1, [("src", 0, None)])
     cmds = sink.handle(EnvelopeReceived(topics.inbox(CLUSTER, "sink-0", "n1"), batch), 0.1) + sink.handle(Tick(WALL0), 0.1)
+    cmds += sink.handle(Tick(WALL0), 0.1 + ACK_DELAY)  # one batch, less than half a window: acked after ACK_DELAY
     assert accept_all(sink, cmds, 0.1, refuse=1) == []  # the ack was refused
     assert sink.retry and sink.stats["publish_rejected"] == 1
     sent = accept_all(sink, sink.handle(Tick(WALL0 + 1), 1.0), 1.0)
