@@ -35,7 +35,7 @@ from agent import events, topics
 from agent.config import PipelineConfig
 from agent.dataplane.channel import Inbound, Outbound
 from agent.dataplane.envelope import (
-    Envelope, Item, Kind, MalformedEnvelope, data_body_bytes, decode, encode, encode_data,
+    Envelope, Item, Kind, MalformedEnvelope, Passed, data_body_bytes, decode, encode, encode_data,
 )
 from agent.dataplane.flow import AckTracker, OutLink
 from agent.dataplane.inbound import ACCEPT, HOLD, REFUSE, HoldBuffer, LogLimiter, numbering_fault, writer_verdict
@@ -943,6 +943,11 @@ class Instance:
             if out:
                 if not self.router.succs:
                     raise RuntimeError(f"{self.spec.instance}: records to forward but no successors")
+                if len(out) == n and getattr(self.operator, "unchanged", False) and self.router.key is None:
+                    body = data_body_bytes(env)  # passed on whole and unchanged: forward its bytes
+                    if body is not None:
+                        out = Passed(out, body)
+                        self.stats["passed_batches"] = self.stats.get("passed_batches", 0) + 1
                 self.outbox.add(out, index, now)
         self.signals.processed(n, self.perf() - t0 + n * self.service_time)
         if self.service_time:
