@@ -4,7 +4,8 @@ Rules of this file (from paho issues #354/#787 and docs/design.md section 6):
 - one owner thread: the thread that created the Transport is the only one that may call
   `publish`, `subscribe` or `poll` (checked; a second thread raises). We never call
   `loop_start()`: `poll()` runs paho's network loop in the owner thread, so callbacks run there
-  too, and they only convert and enqueue (aiomqtt style);
+  too, and they only convert and enqueue (aiomqtt style). The loop is `mqttc.loop_once`, not
+  paho's `loop()`, whose wake-up socket pair costs a syscall per publish for nothing here;
 - every publish return code is checked. For QoS > 0 only MQTT_ERR_QUEUE_SIZE means paho did not
   take the message: once taken, paho keeps it whatever its first socket write returned
   (MQTT_ERR_NO_CONN, or MQTT_ERR_CONN_LOST when the broker goes away during the write) and sends
@@ -189,7 +190,7 @@ class Transport:
         while mid in self._pending_sub:
             if time.monotonic() > deadline:
                 raise TransportError(f"no SUBACK for {topic} within {timeout}s")
-            self.client.loop(0.05)
+            mqttc.loop_once(self.client, 0.05)
         if topic not in self._subs:
             raise TransportError(f"subscribe to {topic} refused by the broker")
 
@@ -209,7 +210,7 @@ class Transport:
         """Run the network loop once (owner thread); reconnect with backoff when disconnected."""
         self._check_owner()
         if self._connected or self.client.is_connected():
-            rc = self.client.loop(timeout)
+            rc = mqttc.loop_once(self.client, timeout)  # paho's loop without its wake-up socket pair
             if rc == MQTTErrorCode.MQTT_ERR_SUCCESS:
                 return
             self._lost()
@@ -225,7 +226,7 @@ class Transport:
             self.reconnects += 1
             deadline = time.monotonic() + 2.0
             while not self._connected and time.monotonic() < deadline:
-                self.client.loop(0.05)
+                mqttc.loop_once(self.client, 0.05)
             if self._connected:
                 self._allowed_until = float("inf")
                 self._renew_subscriptions()

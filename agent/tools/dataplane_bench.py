@@ -488,7 +488,7 @@ def _raw_client(name: str, host: str, port: int, topic: Optional[str] = None, ti
     while not ready.is_set():
         if time.monotonic() > deadline:
             raise BenchFailed(f"{name}: not connected/subscribed to {host}:{port} after {timeout}s")
-        c.loop(0.05)
+        mqttc.loop_once(c, 0.05)  # never loop(): its wake-up socket pair costs a send per publish
     return c
 
 
