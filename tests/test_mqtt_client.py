@@ -266,3 +266,63 @@ def test_an_unusable_client_id_secret_file_is_one_config_error(tmp_path: Path) -
     good = tmp_path / "good.secret"
     good.write_text("x" * 16)
     check_tls(MqttSection(client_id_secret_file=str(good)), "agent.toml")
+
+
+def test_buffered_reads_serve_paho_s_small_reads_from_one_recv_and_say_what_they_hold() -> None:
+    """paho reads a packet as 1 + 1..4 + n bytes; BufferedReads must give back exactly the byte
+    stream (in any split), say how much it already holds (`pending`, or a loop would wait in
+    select for bytes that arrived), and pass on "would block" and end of stream as a socket does."""
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    buf = mqttc.BufferedReads(a)
+    stream = bytes(range(256)) * 300  # 76.8 kB: more than one chunk
+    b.sendall(stream[:70000])
+    got = b""
+    for n in [1, 1, 3, 20000]:
+        got += buf.recv(n)
+    assert got == stream[:20005] and buf.pending() == buf.CHUNK - 20005  # one recv so far
+    got += buf.recv(60000)  # the rest of the chunk only: a short read, as a socket may give
+    assert got == stream[:buf.CHUNK] and buf.pending() == 0
+    with pytest.raises(BlockingIOError):
+        while True:
+            got += buf.recv(4096)
+    assert got == stream[:70000] and buf.pending() == 0
+    b.sendall(stream[70000:])
+    b.close()
+    while True:
+        chunk = buf.recv(7)
+        if not chunk:
+            break
+        got += chunk
+    assert got == stream and buf.fileno() == a.fileno()  # EOF: b"", as from the socket
+    a.close()
+
+
+def test_a_client_with_buffered_reads_gets_every_message_through_loop_once(mosquitto) -> None:
+    """Many messages arrive in one recv: `loop_once` must hand each to paho although select no
+    longer sees them (they are in our buffer, not the socket)."""
+    broker = BrokerSpec(mosquitto.host, mosquitto.port)
+    got: List[bytes] = []
+    sub = mqttc.make_client(broker, f"fog-test-buf-{uuid.uuid4().hex[:6]}", mqttc.CLEAN_311, buffered_reads=True)
+    sub.on_message = lambda c, u, m: got.append(m.payload)
+    mqttc.connect_and_wait(sub, broker, mqttc.CLEAN_311, threaded=False)
+    sub.subscribe("fog/test/buffered", qos=1)
+    for _ in range(20):
+        mqttc.loop_once(sub, 0.02)
+    pub = mqttc.make_client(broker, f"fog-test-bufpub-{uuid.uuid4().hex[:6]}", mqttc.CLEAN_311)
+    mqttc.connect_and_wait(pub, broker, mqttc.CLEAN_311, threaded=False)
+    want = [b"%05d" % i + b"x" * 300 for i in range(2000)]
+    for p in want:
+        pub.publish("fog/test/buffered", p, qos=1)
+        mqttc.loop_once(pub, 0.0)
+    t0 = time.monotonic()
+    while len(got) < len(want) and time.monotonic() < t0 + 20:
+        mqttc.loop_once(pub, 0.0)
+        mqttc.loop_once(sub, 0.05)
+    assert got == want
+    # Left in the buffer, the last messages would wait for the next bytes on the socket: the
+    # keepalive's PINGRESP after 10 s (measured: 11 s with `pending` ignored, 1.5 s with it).
+    assert time.monotonic() - t0 < 8.0
+    assert isinstance(sub.socket(), mqttc.BufferedReads)
+    pub.disconnect()
+    sub.disconnect()
