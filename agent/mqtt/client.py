@@ -194,66 +194,17 @@ def nodelay(client: Any, userdata: Any = None, sock: Any = None) -> None:
         pass
 
 
-class BufferedReads:
-    """paho's socket with its reads served from one large `recv`.
-
-    Why: paho reads each packet in pieces (the type byte, each byte of the remaining length,
-    then the rest), one `recv` syscall each: 5-6 per 21 kB data batch, 3 per PUBACK, where one
-    `recv` of 64 kB usually holds several packets (issue 26's profile: socket syscalls were a
-    quarter of a worker's CPU). Everything else goes to the socket. `pending()` says how many
-    bytes are already here (paho's TLS convention, which `loop_once` follows: it reads at once
-    instead of waiting in select for bytes that already arrived)."""
-
-    CHUNK = 65536
-
-    def __init__(self, sock: Any) -> None:
-        self._sock = sock
-        self._buf = b""
-        self._pos = 0
-
-    def recv(self, n: int) -> bytes:
-        pos, buf = self._pos, self._buf
-        if pos >= len(buf):
-            buf = self._sock.recv(max(n, self.CHUNK))  # BlockingIOError, EOF (b""): as paho expects
-            if len(buf) <= n:
-                self._buf, self._pos = b"", 0
-                return buf
-            self._buf, pos = buf, 0
-        out = buf[pos:pos + n]
-        self._pos = pos + len(out)
-        return out
-
-    def pending(self) -> int:
-        inner = self._sock.pending() if hasattr(self._sock, "pending") else 0
-        return len(self._buf) - self._pos + inner
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._sock, name)
-
-
-class _BufferedClient(mqtt.Client):
-    """A paho client whose socket is wrapped in `BufferedReads` when it is created (also on every
-    reconnect). `_create_socket` is paho 2.x's one place where its socket is made; should a
-    later paho not call it, the client simply reads as paho does."""
-
-    def _create_socket(self) -> Any:
-        return BufferedReads(super()._create_socket())
-
-
 def make_client(broker: BrokerSpec, client_id: str, session: Session = CLEAN, *, will: Optional[Will] = None,
                 max_inflight: Optional[int] = None, max_queued: Optional[int] = None,
-                reconnect_delay: Optional[Tuple[float, float]] = None, buffered_reads: bool = False) -> mqtt.Client:
+                reconnect_delay: Optional[Tuple[float, float]] = None) -> mqtt.Client:
     """A paho client with these settings, not connected (`connect`, `connect_and_wait`).
-    `buffered_reads`: its socket reads through `BufferedReads` (a client driven by `loop_once`,
-    or any loop that honours `pending()` as paho's own does).
 
     TLS files are loaded here: a bad one raises ssl.SSLError/OSError now (callers that read a
     config file check them first, agent.config.check_tls, to name the file and key)."""
-    cls = _BufferedClient if buffered_reads else mqtt.Client
     if session.mqtt5:
-        c = cls(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5)
+        c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5)
     else:
-        c = cls(CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=not session.persistent)
+        c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=not session.persistent)
     if broker.username:
         c.username_pw_set(broker.username, broker.password)
     if broker.ca_file or broker.cert_file:

@@ -115,8 +115,7 @@ class Transport:
         self.reconnects = 0
         self._session = mqttc.Session(mqtt5=mqtt5, persistent=persistent, expiry=SESSION_EXPIRY)
         # max_queued 0: bounded by our flow control instead (flow.OutLink)
-        c = mqttc.make_client(broker, client_id, self._session, max_inflight=broker.max_inflight, max_queued=0,
-                              buffered_reads=True)
+        c = mqttc.make_client(broker, client_id, self._session, max_inflight=broker.max_inflight, max_queued=0)
         c.on_connect = self._on_connect
         c.on_disconnect = self._on_disconnect
         c.on_message = self._on_message

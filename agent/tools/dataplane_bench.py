@@ -479,7 +479,7 @@ def _raw_client(name: str, host: str, port: int, topic: Optional[str] = None, ti
     session = mqttc.Session(mqtt5=DATA_MQTT5)
     # TCP_NODELAY like a worker's (agent.mqtt.client), else each small ack waits; max_inflight 0:
     # no paho-side cap, the bench's window is the only limit
-    c = mqttc.make_client(broker, f"{name}-{os.getpid()}", session, max_inflight=0, buffered_reads=True)
+    c = mqttc.make_client(broker, f"{name}-{os.getpid()}", session, max_inflight=0)
     ready = threading.Event()
     c.on_connect = lambda cl, u, f, rc, p=None: (cl.subscribe(topic, qos=1) if topic else ready.set())
     c.on_subscribe = lambda *a: ready.set()
@@ -490,12 +490,6 @@ def _raw_client(name: str, host: str, port: int, topic: Optional[str] = None, ti
             raise BenchFailed(f"{name}: not connected/subscribed to {host}:{port} after {timeout}s")
         mqttc.loop_once(c, 0.05)  # never loop(): its wake-up socket pair costs a send per publish
     return c
-
-
-def _pending(client: Any) -> int:
-    """Bytes a client's socket already holds (BufferedReads): readable without select."""
-    sock = client.socket()
-    return sock.pending() if sock is not None and hasattr(sock, "pending") else 0
 
 
 def _drain(client: Any, count: Callable[[], int]) -> None:
@@ -551,10 +545,7 @@ def _publish_windowed(
             break
         writers = [c.socket() for c in [pub, *others] if hasattr(c, "want_write") and c.want_write()]
         rd = [ps] + [c.socket() if hasattr(c, "socket") else c for c in others]
-        # A client's BufferedReads may already hold what select would wait for (mqttc.loop_once)
-        held = [c.socket() for c in [pub, *others] if hasattr(c, "socket") and _pending(c)]
-        r, w, _ = select.select(rd, writers, [], 0.0 if held else 0.05)
-        r = list(r) + held
+        r, w, _ = select.select(rd, writers, [], 0.05)
         for c in [pub, *others]:
             if hasattr(c, "want_write") and c.socket() in w:
                 c.loop_write()
@@ -691,10 +682,10 @@ def _raw_subscriber_main(host: str, port: int) -> int:
     ss, stdin = sub.socket(), sys.stdin.fileno()
     misc = time.monotonic()
     while True:
-        r, w, _ = select.select([ss, stdin], [ss] if sub.want_write() else [], [], 0.0 if _pending(sub) else 0.5)
+        r, w, _ = select.select([ss, stdin], [ss] if sub.want_write() else [], [], 0.5)
         if w:
             sub.loop_write()
-        if ss in r or _pending(sub):
+        if ss in r:
             _drain(sub, lambda: n[0])
             if n[0]:
                 os.write(1, b"." * n[0])
