@@ -422,7 +422,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if prof_dir:
             import cProfile
 
-            prof = cProfile.Profile()
+            prof = cProfile.Profile(time.process_time)  # CPU, not wall: a loaded machine stretches syscalls
             try:
                 return int(prof.runcall(worker.run))
             finally:
