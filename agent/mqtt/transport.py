@@ -15,7 +15,7 @@ Rules of this file (from paho issues #354/#787 and docs/design.md section 6):
 - persistent session: the inbox keeps filling while a worker restarts (invariant 2 and issue 10).
   MQTT 3.1.1 by default (`clean_session` false): the data path uses no MQTT 5 feature, and paho's
   3.1.1 packets cost less CPU per message (no Properties object per PUBLISH and PUBACK;
-  docs/measurement.md, "Cheap cuts"). The session's life is the broker's
+  docs/measurement.md, "Cheap cuts of the data plane"). The session's life is the broker's
   `persistent_client_expiration` (ansible/roles/mosquitto). A final exit clears the session so the
   broker does not keep queues of instances that are gone for good: MQTT 3.1.1 has no session
   expiry, so the client connects once more with a clean session, which discards the old one

@@ -130,7 +130,7 @@ class MapOperator(Operator):
 def passes_records(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Mark a map function that returns its record itself or None (a filter, or the identity),
     never a modified record: the worker may forward a batch it keeps whole without encoding it
-    again (docs/measurement.md, "Cheap cuts"). A marked function that returns anything else
+    again (docs/measurement.md, "Cheap cuts of the data plane"). A marked function that returns anything else
     just loses the shortcut for that batch; one that modifies its record in place breaks the
     promise (the next hop would see the record as it arrived)."""
     fn.passes_records = True  # type: ignore[attr-defined]
