@@ -100,8 +100,8 @@ class Operator:
 class MapOperator(Operator):
     """Wraps a per-record function; None means 'filtered out' (counted by the worker).
 
-    A function marked `@passes_records` promises to return its record itself (never a changed
-    copy, never changed in place) or None; `unchanged` then says whether the last batch came out
+    A function marked `@passes_records` promises never to change a record in place;
+    `unchanged` then says whether the last batch came out
     whole, record for record (checked with `is`), and the worker forwards such a batch as the
     bytes it arrived in instead of encoding it again (agent.dataplane.envelope.Passed)."""
 
@@ -129,10 +129,10 @@ class MapOperator(Operator):
 
 def passes_records(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Mark a map function that returns its record itself or None (a filter, or the identity),
-    never a modified record: the worker may forward a batch it keeps whole without encoding it
-    again (docs/measurement.md, "Cheap cuts of the data plane"). A marked function that returns anything else
-    just loses the shortcut for that batch; one that modifies its record in place breaks the
-    promise (the next hop would see the record as it arrived)."""
+    never modified in place: the worker may forward a batch it keeps whole without encoding it
+    again (docs/measurement.md, "Cheap cuts of the data plane"). A marked function that returns
+    anything else (a new record) just loses the shortcut for that batch; one that modifies its
+    record in place breaks the promise (the next hop would see the record as it arrived)."""
     fn.passes_records = True  # type: ignore[attr-defined]
     return fn
 
