@@ -231,7 +231,7 @@ class MemberFgmeNode(FgmeNode):
             "sent_epoch": sorted(self.sent_epoch.items()), "req_first_epoch": self.req_first_epoch,
             "competitors_authorized": self.competitors_authorized, "acks_rcvd": sorted(self.acks_rcvd),
             "competitors": sorted(self.competitors), "leaving": sorted(self.leaving), "gone": sorted(self.gone),
-            "damped": self.damped, "authorized_for": sorted(self.authorized_for),
+            "damped": self.damped, "authorized_for": sorted(self.authorized_for), "yielded": self.yielded,
         }
 
     @classmethod
@@ -239,6 +239,7 @@ class MemberFgmeNode(FgmeNode):
         """Inverse of `dump`; `damped` for a dump written before the flag was persisted."""
         node = cls(node_id, lower=bool(d["lower"]), competitors=d["competitors"], damped=bool(d.get("damped", damped)))
         node.authorized_for = frozenset(str(k) for k in d.get("authorized_for", ()))
+        node.yielded = bool(d.get("yielded", False))  # DEVIATION 5; older dumps: may yield once more
         node.state = GmeState(d["state"])
         node.entries = int(d["entries"])
         node.req_clock = INF if d["req_clock"] is None else int(d["req_clock"])
