@@ -114,8 +114,8 @@ class FgmeNode(GmeNode):
     """One 2-FGME node. Competitors are all nodes of the other group(s)."""
 
     algorithm: ClassVar[str] = "2fgme"
-    # DEVIATION 4 is opt-in (`node.damped = True`, CLI `--damping`): the published line 79 stays
-    # the default, the variant the exhaustive 2+2 x 2 search proved (docs/gme.md)
+    # DEVIATIONS 4 and 5 are opt-in (`node.damped = True`, CLI `--damping`): the published lines
+    # 22 and 79 stay the default, the variant the exhaustive 2+2 x 2 search proved (docs/gme.md)
     damped: ClassVar[bool] = False
 
     def __init__(

@@ -143,7 +143,7 @@ class MemberFgmeNode(FgmeNode):
     def __init__(self, node_id: str, lower: bool, competitors: Sequence[str] = (), damped: bool = False) -> None:
         groups: Dict[Any, int] = {node_id: 0 if lower else 1}
         super().__init__(node_id, groups)  # type: ignore[arg-type]
-        self.damped = damped  # DEVIATION 4 (gme_fgme.py) for this node; see GuardedCore.damped
+        self.damped = damped  # DEVIATIONS 4 and 5 (gme_fgme.py) for this node; see GuardedCore.damped
         self.competitors = frozenset(competitors)
         self._sorted_competitors = tuple(sorted(self.competitors))
         self.leaving: Set[str] = set()  # competitors in their last CS: wait for their exit
@@ -266,7 +266,7 @@ class GuardedCore(ScalingCore):
     """
 
     coordination: ClassVar[str] = "fgme"
-    # DEVIATION 4 (damping, gme_fgme.py) in the lock nodes this core creates; see docs/gme.md
+    # DEVIATIONS 4 and 5 (damping, gme_fgme.py) in the lock nodes this core creates; see docs/gme.md
     # "Damping in lock-guarded scaling" for the measurement behind the default
     damped: ClassVar[bool] = DAMPED_DEFAULT
 
@@ -469,7 +469,7 @@ def _clone_lock(node: MemberFgmeNode) -> MemberFgmeNode:
 
 
 class DampedGuardedCore(GuardedCore):
-    """GuardedCore whose lock nodes use DEVIATION 4 (`[pipeline] fgme_damping = true`)."""
+    """GuardedCore whose lock nodes use DEVIATIONS 4 and 5 (`[pipeline] fgme_damping = true`)."""
 
     damped: ClassVar[bool] = True
 
