@@ -266,7 +266,7 @@ class OperatorSection:
 class PipelineSection:
     name: str = field(metadata={"check": identifier})
     coordination: Literal["ack", "fgme"] = "ack"
-    # coordination = "fgme" only: the lock nodes use 2-FGME's DEVIATIONS 4 and 5 (damping; docs/gme.md,
+    # coordination = "fgme" only: the lock nodes use 2-FGME's DEVIATION 4 damping (docs/gme.md,
     # "Damping in lock-guarded scaling")
     fgme_damping: bool = False
 

@@ -151,6 +151,15 @@ def damped(monkeypatch):
     monkeypatch.setattr(FgmeNode, "damped", True)
 
 
+@pytest.fixture
+def damped5(monkeypatch):
+    """DEVIATIONS 4 and 5 (what the GME CLI's --damping turns on)."""
+    from agent.protocol.gme_fgme import FgmeNode
+
+    monkeypatch.setattr(FgmeNode, "damped", True)
+    monkeypatch.setattr(FgmeNode, "yield_once", True)
+
+
 @pytest.mark.parametrize("sizes,requests", [((1, 1), 3), ((2, 1), 2), ((2, 2), 1), ((3, 1), 1)])
 def test_deviation_4_exhaustively_safe_and_live_on_the_suite_sizes(damped, sizes, requests):
     """The damping changes which states are reachable, so the checker runs again on it (every
@@ -184,7 +193,7 @@ def _yields_per_request(schedules, sizes=(6, 6), requests=2, seed=7):
     for _ in range(schedules):
         nodes = make_nodes("2fgme", sizes)
         for n in nodes:
-            n.damped = True
+            n.damped = n.yield_once = True
         left = [requests] * len(nodes)
         chans = {}
         yields = {}
@@ -262,7 +271,7 @@ def test_deviation_5_ends_the_48_and_96_node_stall_behind_slow_publishers(monkey
 
 
 @pytest.mark.parametrize("budgets", [(2, 1, 1, 1), (2, 2, 1, 1), (1, 1, 2, 2), (2, 1, 2, 1)])
-def test_deviations_4_and_5_exhaustively_safe_and_live_with_two_requests(damped, monkeypatch, budgets):
+def test_deviations_4_and_5_exhaustively_safe_and_live_with_two_requests(damped5, monkeypatch, budgets):
     """Every delivery order of 2+2 nodes with two requests at some of them (compiled search,
     symmetry and dead-variable merging, every local step checked against the acyclicity measure
     and its class): no two groups in the CS, and every run ends with every request served and
@@ -286,7 +295,7 @@ def test_deviations_4_and_5_exhaustively_safe_and_live_with_two_requests(damped,
     assert sum(fired) > 0
 
 
-def test_deviation_5_dead_variable_merging_is_a_bisimulation(damped):
+def test_deviation_5_dead_variable_merging_is_a_bisimulation(damped5):
     """live_snapshot drops `yielded` outside REQUESTING: the merge check computes the steps of
     every merged state too and must find each one equal to its class's."""
     from agent.sim.gme_check import exhaustive_check

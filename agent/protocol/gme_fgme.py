@@ -39,8 +39,8 @@ competitors when one of them either leaves the critical section or postpones its
 read as "one of those it acknowledges". Other Ends still update the clock and drop the sender's
 waiting Req (lines 78, 80-82).
 
-DEVIATION 5 (yield once per request, issue 27; docs/gme.md "48 and 96 nodes"), also under
-`damped`: a requesting node runs lines 22-31 (start authorizing the other group and withdraw from
+DEVIATION 5 (yield once per request, issue 27; docs/gme.md "48 and 96 nodes"), opt-in
+(`yield_once`; the GME bench's and simulator's `--damping` turn on 4 and 5): a requesting node runs lines 22-31 (start authorizing the other group and withdraw from
 every other competitor) at most once per request. A later higher-priority Req, while it is not
 authorizing, gets the Ack of line 21 (and DEVIATION 2), nothing more: the acknowledgement a
 higher-priority request needs, without a new withdrawal broadcast. Why: with DEVIATION 4 alone
@@ -114,9 +114,12 @@ class FgmeNode(GmeNode):
     """One 2-FGME node. Competitors are all nodes of the other group(s)."""
 
     algorithm: ClassVar[str] = "2fgme"
-    # DEVIATIONS 4 and 5 are opt-in (`node.damped = True`, CLI `--damping`): the published lines
-    # 22 and 79 stay the default, the variant the exhaustive 2+2 x 2 search proved (docs/gme.md)
+    # DEVIATIONS 4 and 5 are opt-in (`node.damped` / `node.yield_once`, both turned on by the GME
+    # CLI's `--damping`): the published lines 22 and 79 stay the default, the variant the
+    # exhaustive 2+2 x 2 search proved (docs/gme.md). Lock-guarded scaling's `fgme_damping` turns
+    # on DEVIATION 4 only: DEVIATION 5 costs lock messages there (docs/gme.md, "48 and 96 nodes").
     damped: ClassVar[bool] = False
+    yield_once: ClassVar[bool] = False
 
     def __init__(
         self, node_id: NodeId, groups: Mapping[NodeId, Group], fault: Optional[str] = None
@@ -142,7 +145,7 @@ class FgmeNode(GmeNode):
         # DEVIATION 4: written and read only when damped (published: stays empty, so persisted
         # lock states, agent/protocol/guarded.py, need not carry it)
         self.authorized_for: FrozenSet[NodeId] = frozenset()
-        # DEVIATION 5: this request already ran lines 22-31 (written always, read only when damped)
+        # DEVIATION 5: this request already ran lines 22-31 (written always, read only with yield_once)
         self.yielded: bool = False
         self.acks_rcvd: Set[NodeId] = set()
 
@@ -236,7 +239,7 @@ class FgmeNode(GmeNode):
         """DEVIATION 5: this request yielded once already (lines 24-31), so a higher-priority Req
         gets line 21's Ack only. Idle nodes (req_clock infinite) authorize as published: that
         sends nothing."""
-        return self.damped and self.yielded and self.req_clock != INF
+        return self.yield_once and self.yielded and self.req_clock != INF
 
     # -- RECEIVE Ack (lines 58-76) ----------------------------------------------------------------
 
@@ -351,10 +354,10 @@ class FgmeNode(GmeNode):
         return self.authorized_for if self.competitors_authorized and self.damped else None
 
     def _live_yielded(self) -> Optional[bool]:
-        """yielded (DEVIATION 5) where it is read: damped and requesting (reset by `request()`,
+        """yielded (DEVIATION 5) where it is read: yield_once and requesting (reset by `request()`,
         read only at line 22 with a finite req_clock); None otherwise (keeps the published
         variant's states and classes)."""
-        return self.yielded if self.damped and self.state is GmeState.REQUESTING else None
+        return self.yielded if self.yield_once and self.state is GmeState.REQUESTING else None
 
     def live_snapshot(self, requests_left: int) -> Tuple[object, ...]:
         """`snapshot()` without the variables no future step reads before writing them.
@@ -379,7 +382,7 @@ class FgmeNode(GmeNode):
           (an Ack answering such an epoch is stale by `m.epoch < req_first_epoch` already).
         - authorized_for (DEVIATION 4) is read only when damped and competitors_authorized is
           true, and written whenever the latter becomes true: dead otherwise.
-        - yielded (DEVIATION 5) is read only when damped and requesting, and reset by every
+        - yielded (DEVIATION 5) is read only with yield_once and requesting, and reset by every
           request: dead otherwise.
         `entries` only counts, for the checker's measure.
         """

@@ -143,7 +143,7 @@ class MemberFgmeNode(FgmeNode):
     def __init__(self, node_id: str, lower: bool, competitors: Sequence[str] = (), damped: bool = False) -> None:
         groups: Dict[Any, int] = {node_id: 0 if lower else 1}
         super().__init__(node_id, groups)  # type: ignore[arg-type]
-        self.damped = damped  # DEVIATIONS 4 and 5 (gme_fgme.py) for this node; see GuardedCore.damped
+        self.damped = damped  # DEVIATION 4 (gme_fgme.py) for this node; see GuardedCore.damped
         self.competitors = frozenset(competitors)
         self._sorted_competitors = tuple(sorted(self.competitors))
         self.leaving: Set[str] = set()  # competitors in their last CS: wait for their exit
@@ -231,7 +231,7 @@ class MemberFgmeNode(FgmeNode):
             "sent_epoch": sorted(self.sent_epoch.items()), "req_first_epoch": self.req_first_epoch,
             "competitors_authorized": self.competitors_authorized, "acks_rcvd": sorted(self.acks_rcvd),
             "competitors": sorted(self.competitors), "leaving": sorted(self.leaving), "gone": sorted(self.gone),
-            "damped": self.damped, "authorized_for": sorted(self.authorized_for), "yielded": self.yielded,
+            "damped": self.damped, "authorized_for": sorted(self.authorized_for),
         }
 
     @classmethod
@@ -239,7 +239,6 @@ class MemberFgmeNode(FgmeNode):
         """Inverse of `dump`; `damped` for a dump written before the flag was persisted."""
         node = cls(node_id, lower=bool(d["lower"]), competitors=d["competitors"], damped=bool(d.get("damped", damped)))
         node.authorized_for = frozenset(str(k) for k in d.get("authorized_for", ()))
-        node.yielded = bool(d.get("yielded", False))  # DEVIATION 5; older dumps: may yield once more
         node.state = GmeState(d["state"])
         node.entries = int(d["entries"])
         node.req_clock = INF if d["req_clock"] is None else int(d["req_clock"])
@@ -266,7 +265,7 @@ class GuardedCore(ScalingCore):
     """
 
     coordination: ClassVar[str] = "fgme"
-    # DEVIATIONS 4 and 5 (damping, gme_fgme.py) in the lock nodes this core creates; see docs/gme.md
+    # DEVIATION 4 (damping, gme_fgme.py) in the lock nodes this core creates; see docs/gme.md
     # "Damping in lock-guarded scaling" for the measurement behind the default
     damped: ClassVar[bool] = DAMPED_DEFAULT
 
@@ -469,7 +468,7 @@ def _clone_lock(node: MemberFgmeNode) -> MemberFgmeNode:
 
 
 class DampedGuardedCore(GuardedCore):
-    """GuardedCore whose lock nodes use DEVIATIONS 4 and 5 (`[pipeline] fgme_damping = true`)."""
+    """GuardedCore whose lock nodes use DEVIATION 4 (`[pipeline] fgme_damping = true`)."""
 
     damped: ClassVar[bool] = True
 

@@ -110,7 +110,7 @@ def simulate(cfg: GmeSimConfig) -> GmeSimResult:
     nodes = make_nodes(cfg.algorithm, sizes)
     if cfg.damping:
         for n in nodes:
-            n.damped = True  # type: ignore[attr-defined]
+            n.damped = n.yield_once = True  # type: ignore[attr-defined]
     rng = random.Random(cfg.seed)
     res = GmeSimResult(cfg)
     heap: List[Tuple[float, int, str, int, object]] = []

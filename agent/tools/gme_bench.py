@@ -232,7 +232,7 @@ class _Group:
         cores = make_nodes(cfg.algorithm, sizes)
         if cfg.damping:
             for c in cores:
-                c.damped = True
+                c.damped = c.yield_once = True
         self.start_evt = threading.Event()
         self.nodes = [_Node(cores[i], cfg, prefix, self.start_evt) for i in ids]
         for n in self.nodes:  # subscribe before announce: wait for every SUBACK
