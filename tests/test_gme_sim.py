@@ -252,19 +252,24 @@ def test_deviation_5_ends_the_48_and_96_node_stall_behind_slow_publishers(monkey
     1.2x (48) and 1.6x (96) of an uncongested run's (16.7k / 39.4k)."""
     from agent.protocol.gme_fgme import FgmeNode
 
-    runs = [(dict(nodes=48, entries=5), range(6), 25_000, 60_000), (dict(nodes=96, entries=3), range(2), 70_000, 150_000)]
+    # (size, seeds, message bound when it finishes, cut-off when it stalls)
+    runs = [(dict(nodes=48, entries=5), range(6), 25_000, 60_000),
+            (dict(nodes=96, entries=3), range(2), 70_000, 150_000)]
+
+    def run(size, seed, cut):
+        return simulate(GmeSimConfig(algorithm="2fgme", think_ms=100, cs_ms=100, seed=seed, send_ms=10.0,
+                                     damping=True, max_messages=cut, **size))
+
     for size, seeds, bound, cut in runs:
         for seed in seeds:
-            r = simulate(GmeSimConfig(algorithm="2fgme", think_ms=100, cs_ms=100, seed=seed, send_ms=10.0,
-                                      damping=True, max_messages=cut, **size))
+            r = run(size, seed, cut)
             assert r.safety_violations == 0 and r.unserved_requests == 0, (size, seed, r.entries)
             assert r.messages < bound, (size, seed, r.messages)
             assert max(r.send_wait_ms_max) < 2_000 and r.send_wait_ms_max[-1] < r.send_wait_ms_max[0], (size, seed)
     monkeypatch.setattr(FgmeNode, "_yields_again", lambda self: False)
     for size, seeds, bound, cut in runs:
         for seed in seeds:
-            r = simulate(GmeSimConfig(algorithm="2fgme", think_ms=100, cs_ms=100, seed=seed, send_ms=10.0,
-                                      damping=True, max_messages=cut, **size))
+            r = run(size, seed, cut)
             assert r.safety_violations == 0  # slow, never unsafe
             assert r.messages >= cut and r.entries < 0.5 * r.config.nodes * r.config.entries, (size, seed, r.entries)
             assert max(r.send_wait_ms_max) > 5 * r.send_wait_ms_max[0] > 5_000, (size, seed)  # the backlog grows
@@ -303,3 +308,13 @@ def test_deviation_5_dead_variable_merging_is_a_bisimulation(damped5):
     for sizes, requests in (((2, 1), 2), ((2, 2), 1), ((3, 1), 1)):
         r = exhaustive_check("2fgme", sizes, requests, symmetry=True, merge_dead=True, check_merges=True)
         assert r.ok and r.schedules == 1, (sizes, r.first_failure)
+
+
+def test_deviations_4_and_5_random_schedules(damped5):
+    """The random checker (safety in every state, every request served) on DEVIATIONS 4 + 5, the
+    sizes of the DEVIATION 4 test above."""
+    from agent.sim.gme_check import random_check
+
+    for sizes, requests, n in (((2, 2), 2, 500), ((6, 6), 2, 5), ((6, 6), 1, 300)):
+        r = random_check("2fgme", sizes, requests, schedules=n, seed=11)
+        assert r.ok, (sizes, requests, r.first_failure, r.trace[-30:])

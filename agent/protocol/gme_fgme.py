@@ -40,8 +40,9 @@ read as "one of those it acknowledges". Other Ends still update the clock and dr
 waiting Req (lines 78, 80-82).
 
 DEVIATION 5 (yield once per request, issue 27; docs/gme.md "48 and 96 nodes"), opt-in
-(`yield_once`; the GME bench's and simulator's `--damping` turn on 4 and 5): a requesting node runs lines 22-31 (start authorizing the other group and withdraw from
-every other competitor) at most once per request. A later higher-priority Req, while it is not
+(`yield_once`; the GME bench's and simulator's `--damping` turn on 4 and 5): a requesting node
+runs lines 22-31 (start authorizing the other group and withdraw from every other competitor) at
+most once per request. A later higher-priority Req, while it is not
 authorizing, gets the Ack of line 21 (and DEVIATION 2), nothing more: the acknowledgement a
 higher-priority request needs, without a new withdrawal broadcast. Why: with DEVIATION 4 alone
 the churn still fed itself at 48 nodes behind slow publishers: 90% of the withdrawal broadcasts
