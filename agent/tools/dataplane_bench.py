@@ -46,7 +46,7 @@ from agent.instance.spec import InstanceSpec, control_line, parse_control_line
 from agent.mqtt.settings import BrokerSpec
 from agent.mqtt import client as mqttc
 
-__all__ = ["BenchFailed", "DropWatch", "WorkerProc", "LocalRunner", "pipeline_toml", "initial_specs", "measure_raw",
+__all__ = ["BenchFailed", "DropWatch", "WorkerProc", "ChainProc", "MemberProc", "LocalRunner", "pipeline_toml", "initial_specs", "measure_raw",
            "measure_raw_2proc", "register_bench", "run_bench"]
 
 PY = sys.executable
@@ -204,6 +204,119 @@ class WorkerProc:
         self._log.close()
 
 
+class ChainProc:
+    """One chain process (agent.instance.chain): several instances, one control pipe whose lines
+    carry "member". Each member is seen through a `MemberProc` (the WorkerProc interface)."""
+
+    def __init__(
+        self,
+        specs: Sequence[InstanceSpec],
+        log_dir: Path,
+        on_line: Callable[["MemberProc", Dict[str, Any]], None],
+        warm: Optional["WarmProc"] = None,
+    ) -> None:
+        from agent.instance.spec import chain_json
+
+        self.specs = list(specs)
+        self.exited = threading.Event()
+        self._lock = threading.Lock()
+        self._on_line = on_line
+        if warm is None:
+            warm = WarmProc(log_dir, "chain-" + "+".join(s.instance for s in specs))
+        self.log_path = warm.log_path
+        self._log = warm.log
+        self.proc = warm.proc
+        self.members: Dict[str, MemberProc] = {s.instance: MemberProc(self, s) for s in specs}
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(chain_json(self.specs) + "\n")
+        self.proc.stdin.flush()
+        self._reader = threading.Thread(target=self._read, daemon=True, name=f"read-chain-{specs[0].instance}")
+        self._reader.start()
+
+    @property
+    def pid(self) -> int:
+        return int(self.proc.pid)
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            try:
+                msg = parse_control_line(line)
+            except ValueError:
+                continue
+            m = self.members.get(str(msg.pop("member", "")))
+            if m is None:
+                continue
+            ev = msg["event"]
+            if ev == "ready":
+                m.ready.set()
+            elif ev == "heartbeat":
+                m.stats = msg.get("stats", {})
+            elif ev == "exit":
+                m.exit_info = msg
+            m.events.append(msg)
+            self._on_line(m, msg)
+        self.proc.wait()
+        self.exited.set()
+
+    def send(self, event: str, **fields: Any) -> None:
+        with self._lock:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(control_line(event, **fields))
+                self.proc.stdin.flush()
+            except (BrokenPipeError, ValueError, OSError):
+                pass
+
+    def stop(self, timeout: float = 15.0) -> Optional[int]:
+        return WorkerProc.stop(self, timeout)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+class MemberProc:
+    """One instance of a chain process, with the interface of a `WorkerProc`: "stop" stops the
+    whole chain (upstream first), any other line goes to this member."""
+
+    def __init__(self, chain: ChainProc, spec: InstanceSpec) -> None:
+        self.chain = chain
+        self.spec = spec
+        self.instance = spec.instance
+        self.ready = threading.Event()
+        self.exited = chain.exited
+        self.exit_info: Optional[Dict[str, Any]] = None
+        self.stats: Dict[str, Any] = {}
+        self.events: Deque[Dict[str, Any]] = deque(maxlen=1000)
+
+    @property
+    def proc(self) -> subprocess.Popen:
+        return self.chain.proc
+
+    @property
+    def pid(self) -> int:
+        return self.chain.pid
+
+    @property
+    def log_path(self) -> Path:
+        return self.chain.log_path
+
+    def send(self, event: str, **fields: Any) -> None:
+        if event in ("stop", "eof"):
+            self.chain.send(event)
+        else:
+            self.chain.send(event, member=self.instance, **fields)
+
+    def stop(self, timeout: float = 15.0) -> Optional[int]:
+        return self.chain.stop(timeout)
+
+    def close(self) -> None:
+        self.chain.close()
+
+
 class WarmProc:
     """A started `python -m agent.instance.worker` that has not been given its spec yet."""
 
@@ -257,7 +370,7 @@ class LocalRunner:
         self._spare: Optional[WarmProc] = None
         self._spares = 0
         self.warm_used = 0
-        self.workers: Dict[str, WorkerProc] = {}
+        self.workers: Dict[str, Any] = {}  # instance -> WorkerProc, or MemberProc of a chain
         self.lock = threading.Lock()
         self.spawned: List[str] = []
         self.exited: List[str] = []
@@ -297,6 +410,25 @@ class LocalRunner:
             raise TimeoutError(f"worker {spec.instance} not ready after {self.ready_timeout}s; see {w.log_path}")
         return w
 
+    def start_chain(self, specs: Sequence[InstanceSpec], wait: bool = True) -> List[MemberProc]:
+        """Start several consecutive instances in one chain process (upstream first)."""
+        spare = self._take_spare()
+        if spare is not None:
+            self.warm_used += 1
+        specs = [replace(s, extra=dict(s.extra, check_sender_node=True)) for s in specs]
+        chain = ChainProc(specs, self.workdir / "logs", self._on_line, warm=spare)
+        self._prewarm()
+        with self.lock:
+            for s in specs:
+                self.workers[s.instance] = chain.members[s.instance]
+                self.hosts[s.instance] = s.node
+        self.send_hosts()
+        members = list(chain.members.values())
+        for m in members:
+            if wait and not m.ready.wait(self.ready_timeout):
+                raise TimeoutError(f"chain member {m.instance} not ready after {self.ready_timeout}s; see {chain.log_path}")
+        return members
+
     def send_hosts(self) -> None:
         """Every worker gets the bindings of every instance (the agent's "hosts" line)."""
         with self.lock:
@@ -305,7 +437,7 @@ class LocalRunner:
         for w in ws:
             w.send("hosts", **table)
 
-    def _on_line(self, w: WorkerProc, msg: Dict[str, Any]) -> None:
+    def _on_line(self, w: Any, msg: Dict[str, Any]) -> None:
         if msg["event"] == "spawn":
             with self.lock:
                 self.spawn_requests.append((w.instance, (msg.get("spec") or {}).get("instance"), time.monotonic()))
@@ -314,7 +446,7 @@ class LocalRunner:
             with self.lock:
                 self.exited.append(w.instance)
 
-    def _spawn(self, parent: WorkerProc, msg: Dict[str, Any]) -> None:
+    def _spawn(self, parent: Any, msg: Dict[str, Any]) -> None:
         """createNode(): start the new instance; reply only once it is subscribed (invariant 2)."""
         t0 = time.monotonic()
         try:
@@ -337,6 +469,9 @@ class LocalRunner:
         if old.proc.poll() is None:
             raise RuntimeError(f"{instance} is still running")
         old.close()
+        if isinstance(old, MemberProc):  # a chain restarts as a whole, with the same members
+            members = self.start_chain([replace(m.spec, restart=True) for m in old.chain.members.values()])
+            return next(m for m in members if m.instance == instance)
         return self.start(replace(old.spec, restart=True))
 
     def alive(self) -> List[WorkerProc]:
@@ -737,6 +872,7 @@ def run_bench(
     broker_max_queued: int = 10000,
     broker_max_inflight: int = 100,
     result: Optional[Dict[str, Any]] = None,
+    chain: bool = False,
 ) -> Dict[str, Any]:
     """Every phase on one private broker; raises BenchFailed (with the partial numbers in
     `result` if the caller passed a dict) when the broker dropped a message in any phase."""
@@ -821,6 +957,18 @@ def run_bench(
                 "python_paho_baseline": _baseline_rss(),
             }
             runner.stop_all()
+        if chain:
+            _progress(f"chained pipeline [source -> identity -> sink] in one process ({seconds:g} s)")
+            with drops.phase("chained", result) as part:
+                part["chained"] = measure_chained(LocalRunner(tmp / "chained"), toml, bspec, tmp / "chained",
+                                                  seconds, batch_size, broker.pid)
+                c = part["chained"]
+                r1p = result["raw_1proc"]["records_per_s"]
+                r2p = result["raw_2proc"]["records_per_s"]
+                unchained = result["pipeline"]["records_per_s"]
+                c["ratio"] = c["records_per_s"] / r1p if r1p else 0.0
+                c["ratio_vs_raw_2proc"] = c["records_per_s"] / r2p if r2p else 0.0
+                c["vs_unchained"] = c["records_per_s"] / unchained if unchained else 0.0
         if rescale:
             _progress(f"rescale, {rescale} step-load cycles")
             with drops.phase("rescale", result) as part:
@@ -832,6 +980,37 @@ def run_bench(
             drops.close()
         broker.stop()
     return result
+
+
+def measure_chained(runner: LocalRunner, toml: str, bspec: BrokerSpec, workdir: Path, seconds: float,
+                    batch_size: int, broker_pid: int) -> Dict[str, Any]:
+    """The bench pipeline with its three keepers in one chain process (docs/runtime.md,
+    "Chaining"): records/s at the sink, CPU per batch of the chain process and the broker, and
+    the chain's RSS with the source paused (goal < 40 MB). Its own cluster, so that no session
+    of the unchained phase's instances is taken over."""
+    specs = initial_specs(toml, bspec, str(workdir / "state"), cluster="bench-chain",
+                          extra={"sink_dir": str(workdir / "sink")})
+    try:
+        members = runner.start_chain(specs)
+        sink = members[-1]
+        time.sleep(1.0)  # warm-up
+        pids = {"chain": members[0].pid, "broker": broker_pid, "bench": os.getpid()}
+        c0, r0, t0 = _cpu_seconds(pids), sink.stats.get("recorded", 0), time.monotonic()
+        time.sleep(seconds)
+        c1, r1, t1 = _cpu_seconds(pids), sink.stats.get("recorded", 0), time.monotonic()
+        batches = max(1.0, (r1 - r0) / batch_size)
+        out: Dict[str, Any] = {
+            "records_per_s": (r1 - r0) / (t1 - t0),
+            "cpu_share": {k: round((c1[k] - c0[k]) / (t1 - t0), 3) for k in c1},
+            "cpu_ms_per_batch": {k: round(1000 * (c1[k] - c0[k]) / batches, 3) for k in c1},
+            "members": {m.instance: m.stats for m in members},
+        }
+        members[0].send("set", paused=True)
+        time.sleep(1.5)
+        out["rss_mb"] = {"chain": _rss_mb(members[0].pid), "python_paho_baseline": _baseline_rss()}
+        return out
+    finally:
+        runner.stop_all()
 
 
 def measure_rescale(
@@ -999,6 +1178,7 @@ def _cmd(args: argparse.Namespace) -> int:
             seconds=args.seconds, batch_size=args.batch_size, record=args.record, window=args.window,
             rescale=args.rescale_cycles, warm=not args.no_warm_worker, raw_window=args.raw_window,
             broker_max_queued=args.broker_max_queued, broker_max_inflight=args.broker_max_inflight, result=res,
+            chain=args.chain,
         )
     except BenchFailed as exc:
         res["error"] = str(exc)
@@ -1026,6 +1206,13 @@ def _cmd(args: argparse.Namespace) -> int:
         print("messages the broker dropped, per phase: " + ", ".join(f"{k} {v:.0f}" for k, v in res["dropped"].items()))
         rss = res["rss_mb"]
         print(f"RSS idle worker {rss['idle_worker']:.1f} MB (python+paho baseline {rss['python_paho_baseline']:.1f} MB; goal < 40 MB)")
+        ch = res.get("chained")
+        if ch:
+            print(f"chained [source -> identity -> sink], one process: {ch['records_per_s']:10.0f} records/s  "
+                  f"CPU ms/batch: {_fmt_cpu(ch['cpu_ms_per_batch'])}")
+            print(f"chained: ratio vs one-process raw {ch['ratio']:.3f}, vs two-process raw "
+                  f"{ch['ratio_vs_raw_2proc']:.3f}, vs the unchained pipeline {ch['vs_unchained']:.2f}x; "
+                  f"RSS of the chain process {ch['rss_mb']['chain']:.1f} MB (goal < 40 MB)")
         rs = res.get("rescale")
         if rs:
             d = rs["decision_to_first_record_s"]
@@ -1053,6 +1240,8 @@ def register_bench(groups: Any) -> None:
     p.add_argument("--rescale-cycles", type=int, default=3, help="step-load cycles of the rescale part (0: skip)")
     p.add_argument("--no-warm-worker", action="store_true",
                    help="rescale part: start each new instance's process cold (no pre-started worker)")
+    p.add_argument("--chain", action="store_true",
+                   help="also run the pipeline's three keepers chained in one process (docs/runtime.md, \"Chaining\")")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout (progress on stderr)")
     # Tests make the private broker drop messages with these (a bench that saw a drop must fail).
     p.add_argument("--broker-max-queued", type=int, default=10000, help=argparse.SUPPRESS)
