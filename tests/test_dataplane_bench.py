@@ -80,7 +80,7 @@ def test_json_stdout_parses_and_reports_both_raws(tmp_path: Path) -> None:
     assert {"source", "map", "sink", "broker"} <= set(res["pipeline"]["cpu_ms_per_batch"])
     # --chain: the same pipeline in one chain process, batches handed over in memory
     ch = res["chained"]
-    assert ch["records_per_s"] > 0 and set(ch["cpu_ms_per_batch"]) == {"chain", "broker", "bench"}
+    assert ch["records_per_s"] > 0 and {"chain", "broker", "bench"} <= set(ch["cpu_ms_per_batch"])
     assert ch["vs_unchained"] == pytest.approx(ch["records_per_s"] / pipe)
     assert ch["members"]["map-0"]["handed_in"] > 0 and ch["members"]["map-0"].get("mqtt_in", 0) == 0
     assert 0 < ch["rss_mb"]["chain"]
