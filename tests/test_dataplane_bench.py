@@ -68,7 +68,7 @@ def test_json_stdout_parses_and_reports_both_raws(tmp_path: Path) -> None:
     assert p.returncode == 0, p.stderr
     res = json.loads(p.stdout)  # pure JSON: progress went to stderr
     assert "bench dataplane: raw, one process" in p.stderr
-    assert set(res["dropped"]) == {"raw_1proc", "raw_2proc", "raw_1proc_encoding", "pipeline", "chained"}
+    assert set(res["dropped"]) == {"raw_1proc", "raw_2proc", "raw_1proc_encoding", "pipeline", "chained", "chained_tail"}
     assert not any(res["dropped"].values())
     pipe = res["pipeline"]["records_per_s"]
     assert pipe > 0
@@ -84,3 +84,6 @@ def test_json_stdout_parses_and_reports_both_raws(tmp_path: Path) -> None:
     assert ch["vs_unchained"] == pytest.approx(ch["records_per_s"] / pipe)
     assert ch["members"]["map-0"]["handed_in"] > 0 and ch["members"]["map-0"].get("mqtt_in", 0) == 0
     assert 0 < ch["rss_mb"]["chain"]
+    tail = res["chained_tail"]  # the source alone, one MQTT hop into the chain
+    assert tail["records_per_s"] > 0 and {"chain", "source", "broker"} <= set(tail["cpu_ms_per_batch"])
+    assert tail["members"]["map-0"]["handed_in"] == 0 and tail["members"]["sink-0"]["handed_in"] > 0

@@ -962,7 +962,14 @@ def run_bench(
             with drops.phase("chained", result) as part:
                 part["chained"] = measure_chained(LocalRunner(tmp / "chained"), toml, bspec, tmp / "chained",
                                                   seconds, batch_size, broker.pid)
-                c = part["chained"]
+            # The same with the source in its own process: one MQTT hop into the chain, so the
+            # broker is on the path and the ratio against the raw limits means what it says.
+            _progress(f"chained pipeline source -> [identity -> sink] ({seconds:g} s)")
+            with drops.phase("chained_tail", result) as part:
+                part["chained_tail"] = measure_chained(LocalRunner(tmp / "chained_tail"), toml, bspec,
+                                                       tmp / "chained_tail", seconds, batch_size, broker.pid, alone=1)
+            for name in ("chained", "chained_tail"):
+                c = result[name]
                 r1p = result["raw_1proc"]["records_per_s"]
                 r2p = result["raw_2proc"]["records_per_s"]
                 unchained = result["pipeline"]["records_per_s"]
@@ -983,18 +990,21 @@ def run_bench(
 
 
 def measure_chained(runner: LocalRunner, toml: str, bspec: BrokerSpec, workdir: Path, seconds: float,
-                    batch_size: int, broker_pid: int) -> Dict[str, Any]:
-    """The bench pipeline with its three keepers in one chain process (docs/runtime.md,
-    "Chaining"): records/s at the sink, CPU per batch of the chain process and the broker, and
-    the chain's RSS with the source paused (goal < 40 MB). Its own cluster, so that no session
-    of the unchained phase's instances is taken over."""
-    specs = initial_specs(toml, bspec, str(workdir / "state"), cluster="bench-chain",
+                    batch_size: int, broker_pid: int, alone: int = 0) -> Dict[str, Any]:
+    """The bench pipeline with its keepers in one chain process (docs/runtime.md, "Chaining"),
+    except the first `alone`, which run as processes of their own (alone = 1: the source sends
+    to the chain over the broker, one MQTT hop): records/s at the sink, CPU per batch of each
+    process and the broker, and the chain's RSS with the source paused (goal < 40 MB). Its own
+    cluster, so that no session of another phase's instances is taken over."""
+    specs = initial_specs(toml, bspec, str(workdir / "state"), cluster=f"bench-chain{alone}",
                           extra={"sink_dir": str(workdir / "sink")})
     try:
-        members = runner.start_chain(specs)
+        members = runner.start_chain(specs[alone:])
+        heads = [runner.start(s) for s in reversed(specs[:alone])][::-1]  # successors subscribed first
         sink = members[-1]
         time.sleep(1.0)  # warm-up
-        pids = {"chain": members[0].pid, "broker": broker_pid, "bench": os.getpid()}
+        pids = {"chain": members[0].pid, "broker": broker_pid, "bench": os.getpid(),
+                **{h.spec.operator: h.pid for h in heads}}
         c0, r0, t0 = _cpu_seconds(pids), sink.stats.get("recorded", 0), time.monotonic()
         time.sleep(seconds)
         c1, r1, t1 = _cpu_seconds(pids), sink.stats.get("recorded", 0), time.monotonic()
@@ -1005,7 +1015,7 @@ def measure_chained(runner: LocalRunner, toml: str, bspec: BrokerSpec, workdir: 
             "cpu_ms_per_batch": {k: round(1000 * (c1[k] - c0[k]) / batches, 3) for k in c1},
             "members": {m.instance: m.stats for m in members},
         }
-        members[0].send("set", paused=True)
+        (heads or members)[0].send("set", paused=True)
         time.sleep(1.5)
         out["rss_mb"] = {"chain": _rss_mb(members[0].pid), "python_paho_baseline": _baseline_rss()}
         return out
@@ -1206,11 +1216,13 @@ def _cmd(args: argparse.Namespace) -> int:
         print("messages the broker dropped, per phase: " + ", ".join(f"{k} {v:.0f}" for k, v in res["dropped"].items()))
         rss = res["rss_mb"]
         print(f"RSS idle worker {rss['idle_worker']:.1f} MB (python+paho baseline {rss['python_paho_baseline']:.1f} MB; goal < 40 MB)")
-        ch = res.get("chained")
-        if ch:
-            print(f"chained [source -> identity -> sink], one process: {ch['records_per_s']:10.0f} records/s  "
-                  f"CPU ms/batch: {_fmt_cpu(ch['cpu_ms_per_batch'])}")
-            print(f"chained: ratio vs one-process raw {ch['ratio']:.3f}, vs two-process raw "
+        for name, what in (("chained", "[source -> identity -> sink]"), ("chained_tail", "source -> [identity -> sink]")):
+            ch = res.get(name)
+            if not ch:
+                continue
+            print(f"chained {what}: {ch['records_per_s']:10.0f} records/s  "
+                  f"CPU ms/batch: {_fmt_cpu({k: v for k, v in ch['cpu_ms_per_batch'].items() if not k.endswith('_sys')})}")
+            print(f"  ratio vs one-process raw {ch['ratio']:.3f}, vs two-process raw "
                   f"{ch['ratio_vs_raw_2proc']:.3f}, vs the unchained pipeline {ch['vs_unchained']:.2f}x; "
                   f"RSS of the chain process {ch['rss_mb']['chain']:.1f} MB (goal < 40 MB)")
         rs = res.get("rescale")
