@@ -8,7 +8,8 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
+import time
+from typing import Any, Callable, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,3 +44,16 @@ class AgentProcess:
                 self.proc.wait()
         self.log.close()
         return int(self.proc.returncode)
+
+
+def wait_until_answers(client: Any, node: str, alive: Callable[[], bool], timeout: float = 20.0) -> None:
+    """Until agent `node` answers a ping through `client` (an RpcClient); re-raises the last
+    failure after `timeout` s, or at once when `alive()` says its process is gone."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            assert client.call(node, {"op": "ping"}, timeout=2.0)["ok"]
+            return
+        except Exception:
+            if time.monotonic() > deadline or not alive():
+                raise

@@ -26,7 +26,9 @@ from agent.mqtt.settings import BrokerSpec
 from agent.sim.instance_check import BROKER, CLUSTER, WALL0, MemoryMap, MemorySink, pipeline_text
 from agent.tools.dataplane_bench import LocalRunner, initial_specs, pipeline_toml
 
-from test_runtime_worker_broker import RUNNERS, assert_exactly_once, expected_ids, taxi_pipeline, wait_for
+from test_runtime_worker_broker import (
+    RUNNERS, assert_exactly_once, expected_ids, taxi_pipeline, wait_for, wait_source_quiet,
+)
 
 TOML = pipeline_text(batch=1, window=4)
 PIPELINE = load_pipeline_text(TOML, "test pipeline")
@@ -74,12 +76,18 @@ class Shell:
             self.feed(self.by_id[dest], EnvelopeHanded(env), now)
 
 
-def test_a_chained_link_hands_batches_in_memory_with_credit_and_end_to_end_acks() -> None:
-    store: List[Tuple[str, int]] = []
+def started_pair(store: List[Tuple[str, int]]) -> Tuple[Instance, Instance, Shell]:
+    """op-0 -> sink-0 in one process (each knows the other as local), both started."""
     op, sink = make("op", ("sink-0",), store), make("sink", ("op-0",), store)
     sh = Shell(op, sink)
     sh.feed(sink, Started(WALL0), 0.0)
     sh.feed(op, Started(WALL0), 0.0)
+    return op, sink, sh
+
+
+def test_a_chained_link_hands_batches_in_memory_with_credit_and_end_to_end_acks() -> None:
+    store: List[Tuple[str, int]] = []
+    op, sink, sh = started_pair(store)
     inbox = topics.inbox(CLUSTER, "op-0", "n1")
     for s in range(1, 11):
         sh.feed(op, EnvelopeReceived(inbox, encode_data("source-0", 0, s, [("src", s, {"v": s})])), 0.1)
@@ -108,10 +116,7 @@ def test_a_restarted_chained_successor_gets_the_unacked_batches_again_unchanged_
     """A replay to a chained successor hands the batches again, renumbered in its new epoch, from
     our replay buffer: a successor that changed a record in place did not change those."""
     store: List[Tuple[str, int]] = []
-    op, sink = make("op", ("sink-0",), store), make("sink", ("op-0",), store)
-    sh = Shell(op, sink)
-    sh.feed(sink, Started(WALL0), 0.0)
-    sh.feed(op, Started(WALL0), 0.0)
+    op, sink, sh = started_pair(store)
     inbox = topics.inbox(CLUSTER, "op-0", "n1")
     for s in (1, 2):
         sh.feed(op, EnvelopeReceived(inbox, encode_data("source-0", 0, s, [("src", s, {"v": s})])), 0.1)
@@ -253,15 +258,7 @@ def test_a_chained_operator_scales_out_to_a_copy_in_its_own_process(runner, mosq
     wait_for(lambda: copy.stats.get("records_in", 0) > 0, 10, "the copy to get records")
     assert copy.stats.get("mqtt_in", 0) > 0 and copy.stats.get("handed_in", 0) == 0  # over the broker
     wait_for(lambda: time.monotonic() - t0 > 17.0, 30, "the end of the load profile")
-    last = [-1, time.monotonic()]
-
-    def source_quiet() -> bool:
-        g = chain["source"].stats.get("generated", 0)
-        if g != last[0]:
-            last[:] = [g, time.monotonic()]
-        return time.monotonic() - last[1] > 1.5 and chain["source"].stats.get("outbox") == 0
-
-    wait_for(source_quiet, 30, "the source to go quiet")
+    wait_source_quiet(chain["source"])
     generated = chain["source"].stats["generated"]
     want = len(expected_ids(3, "source-0", generated))
     wait_for(lambda: sink.stats.get("recorded") == want, 30, "the sink to record everything")
@@ -342,7 +339,7 @@ def test_an_agent_hosts_a_chained_deploy_in_one_process_and_restarts_it_as_one_a
     from agent.node.nodestate import parse_node_state
     from agent.node.rpc import RpcClient
     from agent.operators.builtin import read_sink_ids
-    from agent_process import ROOT, AgentProcess
+    from agent_process import ROOT, AgentProcess, wait_until_answers
 
     cluster = "chain" + uuid.uuid4().hex[:6]
     n = 12000
@@ -359,14 +356,7 @@ def test_an_agent_hosts_a_chained_deploy_in_one_process_and_restarts_it_as_one_a
     agent = AgentProcess(conf)
     try:
         with RpcClient(mosquitto.host, mosquitto.port, cluster) as client:
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    assert client.call("n1", {"op": "ping"}, timeout=2.0)["ok"]
-                    break
-                except Exception:
-                    if time.monotonic() > deadline or not agent.alive():
-                        raise
+            wait_until_answers(client, "n1", agent.alive, timeout=30.0)
 
             def pids() -> Dict[str, int]:
                 msgs = client.snapshot([topics.agent_state(cluster, "n1")], timeout=5.0)

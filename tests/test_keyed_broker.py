@@ -25,6 +25,7 @@ from agent.operators.builtin import OperatorContext
 from agent.operators.keyed import tumbling_window
 from agent.operators.taxi import TaxiGenerator
 from agent.tools.dataplane_bench import LocalRunner, initial_specs, pipeline_toml
+from agent_process import wait_until_answers
 
 pytestmark = [pytest.mark.broker, pytest.mark.timeout(240)]
 
@@ -179,14 +180,7 @@ def test_a_windowed_sum_survives_kill_9_of_its_agent(mosquitto, tmp_path: Path) 
         from agent.node.rpc import RpcClient
 
         with RpcClient(mosquitto.host, mosquitto.port, cluster) as client:
-            deadline = time.monotonic() + 20
-            while True:
-                try:
-                    assert client.call("n1", {"op": "ping"}, timeout=2.0)["ok"]
-                    break
-                except Exception:
-                    if time.monotonic() > deadline or agent.poll() is not None:
-                        raise
+            wait_until_answers(client, "n1", lambda: agent.poll() is None)
         d = subprocess.run([sys.executable, "-m", "agent", "deploy", str(pipe), "--host", mosquitto.host,
                             "--port", str(mosquitto.port), "--cluster", cluster],
                            capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=60)

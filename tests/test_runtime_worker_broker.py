@@ -60,6 +60,20 @@ def wait_for(pred, timeout: float, what: str, step: float = 0.1) -> None:
     raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{fleet_summary()}")
 
 
+def wait_source_quiet(src, timeout: float = 30.0) -> None:
+    """Until a source's count has not moved for 1.5 s and its outbox is empty (a step profile
+    ends at rate 0, but a backlog held back by flow control may still be generated after it)."""
+    last = [-1, time.monotonic()]
+
+    def quiet() -> bool:
+        g = src.stats.get("generated", 0)
+        if g != last[0]:
+            last[:] = [g, time.monotonic()]
+        return time.monotonic() - last[1] > 1.5 and src.stats.get("outbox") == 0
+
+    wait_for(quiet, timeout, "the source to go quiet")
+
+
 class SysWatch:
     """Reads the broker's dropped-message counters ($SYS, published every second)."""
 
@@ -234,15 +248,7 @@ def test_live_scale_out_and_in_loses_and_duplicates_nothing(runner, mosquitto, t
     # The profile ends at t = 22 s (rate 0); a backlog held back by flow control may still be
     # generated after that, so wait until the source's count stops moving.
     wait_for(lambda: time.monotonic() - t_start > 23.0, 40, "the end of the load profile")
-    last = [-1, time.monotonic()]
-
-    def source_quiet() -> bool:
-        g = src.stats.get("generated", 0)
-        if g != last[0]:
-            last[:] = [g, time.monotonic()]
-        return time.monotonic() - last[1] > 1.5 and src.stats.get("outbox") == 0
-
-    wait_for(source_quiet, 30, "the source to go quiet")
+    wait_source_quiet(src)
     wait_for(lambda: len(runner.exited) >= 2, 20, "validate and in_zone to scale in")
     generated = src.stats["generated"]
     want = len(expected_ids(3, "source-0", generated))

@@ -152,11 +152,7 @@ class Supervisor:
     def start(self, spec: InstanceSpec, now: float) -> Worker:
         if spec.instance in self.workers:
             raise ValueError(f"instance {spec.instance!r} already runs here (pid {self.workers[spec.instance].pid})")
-        proc = self._take_warm()
-        if proc is None:
-            proc = self._popen()
-        else:
-            self.warm_used += 1
+        proc = self._process()
         worker = Worker(spec=spec, proc=proc, started_at=now, last_heartbeat=now)
         self.workers[spec.instance] = worker
         self._write(worker, spec.to_json() + "\n")
@@ -177,11 +173,7 @@ class Supervisor:
         busy = [i for i in ids if i in self.workers]
         if busy:
             raise ValueError(f"instance {busy[0]!r} already runs here (pid {self.workers[busy[0]].pid})")
-        proc = self._take_warm()
-        if proc is None:
-            proc = self._popen()
-        else:
-            self.warm_used += 1
+        proc = self._process()
         members = [Worker(spec=s, proc=proc, started_at=now, last_heartbeat=now, chain=ids) for s in specs]
         for w in members:
             self.workers[w.instance] = w
@@ -212,6 +204,14 @@ class Supervisor:
             pass
         for i in ids:
             self._emit(("worker_eof", i))
+
+    def _process(self) -> subprocess.Popen:
+        """The pre-started worker process if there is one, else a new one."""
+        proc = self._take_warm()
+        if proc is None:
+            return self._popen()
+        self.warm_used += 1
+        return proc
 
     def _popen(self) -> subprocess.Popen:
         preexec = _pdeathsig if sys.platform.startswith("linux") else None

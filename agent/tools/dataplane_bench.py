@@ -123,39 +123,34 @@ def initial_specs(
     return specs
 
 
-class WorkerProc:
-    """One worker process and our end of its control pipe."""
+class _PipedProc:
+    """A worker process (one instance, or a chain of several) and our end of its control pipe."""
 
-    def __init__(
-        self,
-        spec: InstanceSpec,
-        log_dir: Path,
-        on_line: Callable[["WorkerProc", Dict[str, Any]], None],
-        warm: Optional["WarmProc"] = None,
-    ) -> None:
-        self.spec = spec
-        self.instance = spec.instance
-        self.ready = threading.Event()
+    proc: subprocess.Popen
+    _on_line: Callable[[Any, Dict[str, Any]], None]
+
+    def _open(self, first_line: str, name: str, log_dir: Path, warm: Optional["WarmProc"]) -> None:
+        """Take a spare (or start a process), give it its first line, read its lines."""
         self.exited = threading.Event()
-        self.exit_info: Optional[Dict[str, Any]] = None
-        self.stats: Dict[str, Any] = {}
-        self.events: Deque[Dict[str, Any]] = deque(maxlen=1000)
         self._lock = threading.Lock()
-        self._on_line = on_line
         if warm is None:
-            warm = WarmProc(log_dir, spec.instance)
+            warm = WarmProc(log_dir, name)
         self.log_path = warm.log_path
         self._log = warm.log
         self.proc = warm.proc
         assert self.proc.stdin is not None
-        self.proc.stdin.write(spec.to_json() + "\n")
+        self.proc.stdin.write(first_line + "\n")
         self.proc.stdin.flush()
-        self._reader = threading.Thread(target=self._read, daemon=True, name=f"read-{spec.instance}")
+        self._reader = threading.Thread(target=self._read, daemon=True, name=f"read-{name}")
         self._reader.start()
 
     @property
     def pid(self) -> int:
         return int(self.proc.pid)
+
+    def _view(self, msg: Dict[str, Any]) -> Any:
+        """Whom a line is about: this process (one instance), or a chain's member."""
+        return self
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -164,15 +159,18 @@ class WorkerProc:
                 msg = parse_control_line(line)
             except ValueError:
                 continue
+            view = self._view(msg)
+            if view is None:
+                continue
             ev = msg["event"]
             if ev == "ready":
-                self.ready.set()
+                view.ready.set()
             elif ev == "heartbeat":
-                self.stats = msg.get("stats", {})
+                view.stats = msg.get("stats", {})
             elif ev == "exit":
-                self.exit_info = msg
-            self.events.append(msg)
-            self._on_line(self, msg)
+                view.exit_info = msg
+            view.events.append(msg)
+            self._on_line(view, msg)
         self.proc.wait()
         self.exited.set()
 
@@ -204,7 +202,27 @@ class WorkerProc:
         self._log.close()
 
 
-class ChainProc:
+class WorkerProc(_PipedProc):
+    """One worker process and our end of its control pipe."""
+
+    def __init__(
+        self,
+        spec: InstanceSpec,
+        log_dir: Path,
+        on_line: Callable[["WorkerProc", Dict[str, Any]], None],
+        warm: Optional["WarmProc"] = None,
+    ) -> None:
+        self.spec = spec
+        self.instance = spec.instance
+        self.ready = threading.Event()
+        self.exit_info: Optional[Dict[str, Any]] = None
+        self.stats: Dict[str, Any] = {}
+        self.events: Deque[Dict[str, Any]] = deque(maxlen=1000)
+        self._on_line = on_line
+        self._open(spec.to_json(), spec.instance, log_dir, warm)
+
+
+class ChainProc(_PipedProc):
     """One chain process (agent.instance.chain): several instances, one control pipe whose lines
     carry "member". Each member is seen through a `MemberProc` (the WorkerProc interface)."""
 
@@ -218,64 +236,12 @@ class ChainProc:
         from agent.instance.spec import chain_json
 
         self.specs = list(specs)
-        self.exited = threading.Event()
-        self._lock = threading.Lock()
         self._on_line = on_line
-        if warm is None:
-            warm = WarmProc(log_dir, "chain-" + "+".join(s.instance for s in specs))
-        self.log_path = warm.log_path
-        self._log = warm.log
-        self.proc = warm.proc
         self.members: Dict[str, MemberProc] = {s.instance: MemberProc(self, s) for s in specs}
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(chain_json(self.specs) + "\n")
-        self.proc.stdin.flush()
-        self._reader = threading.Thread(target=self._read, daemon=True, name=f"read-chain-{specs[0].instance}")
-        self._reader.start()
+        self._open(chain_json(self.specs), "chain-" + "+".join(s.instance for s in specs), log_dir, warm)
 
-    @property
-    def pid(self) -> int:
-        return int(self.proc.pid)
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            try:
-                msg = parse_control_line(line)
-            except ValueError:
-                continue
-            m = self.members.get(str(msg.pop("member", "")))
-            if m is None:
-                continue
-            ev = msg["event"]
-            if ev == "ready":
-                m.ready.set()
-            elif ev == "heartbeat":
-                m.stats = msg.get("stats", {})
-            elif ev == "exit":
-                m.exit_info = msg
-            m.events.append(msg)
-            self._on_line(m, msg)
-        self.proc.wait()
-        self.exited.set()
-
-    def send(self, event: str, **fields: Any) -> None:
-        with self._lock:
-            try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write(control_line(event, **fields))
-                self.proc.stdin.flush()
-            except (BrokenPipeError, ValueError, OSError):
-                pass
-
-    def stop(self, timeout: float = 15.0) -> Optional[int]:
-        return WorkerProc.stop(self, timeout)  # type: ignore[arg-type]
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self._log.close()
+    def _view(self, msg: Dict[str, Any]) -> Any:
+        return self.members.get(str(msg.pop("member", "")))
 
 
 class MemberProc:
@@ -287,7 +253,6 @@ class MemberProc:
         self.spec = spec
         self.instance = spec.instance
         self.ready = threading.Event()
-        self.exited = chain.exited
         self.exit_info: Optional[Dict[str, Any]] = None
         self.stats: Dict[str, Any] = {}
         self.events: Deque[Dict[str, Any]] = deque(maxlen=1000)
@@ -295,6 +260,10 @@ class MemberProc:
     @property
     def proc(self) -> subprocess.Popen:
         return self.chain.proc
+
+    @property
+    def exited(self) -> threading.Event:
+        return self.chain.exited
 
     @property
     def pid(self) -> int:
