@@ -441,7 +441,8 @@ class Supervisor:
         return True
 
     def pids(self) -> List[int]:
-        return [w.pid for w in self.workers.values()]
+        """The worker processes, each once (a chain's members share one)."""
+        return sorted({w.pid for w in self.workers.values()})
 
     def __len__(self) -> int:
         return len(self.workers)
