@@ -123,6 +123,25 @@ def initial_specs(
     return specs
 
 
+class _Watched:
+    """What the runner knows of one instance from its lines: ready, last stats, exit, events."""
+
+    spec: InstanceSpec
+    instance: str
+    ready: threading.Event
+    exit_info: Optional[Dict[str, Any]]
+    stats: Dict[str, Any]
+    events: Deque[Dict[str, Any]]
+
+    def _watch(self, spec: InstanceSpec) -> None:
+        self.spec = spec
+        self.instance = spec.instance
+        self.ready = threading.Event()
+        self.exit_info = None
+        self.stats = {}
+        self.events = deque(maxlen=1000)
+
+
 class _PipedProc:
     """A worker process (one instance, or a chain of several) and our end of its control pipe."""
 
@@ -202,7 +221,7 @@ class _PipedProc:
         self._log.close()
 
 
-class WorkerProc(_PipedProc):
+class WorkerProc(_Watched, _PipedProc):
     """One worker process and our end of its control pipe."""
 
     def __init__(
@@ -212,12 +231,7 @@ class WorkerProc(_PipedProc):
         on_line: Callable[["WorkerProc", Dict[str, Any]], None],
         warm: Optional["WarmProc"] = None,
     ) -> None:
-        self.spec = spec
-        self.instance = spec.instance
-        self.ready = threading.Event()
-        self.exit_info: Optional[Dict[str, Any]] = None
-        self.stats: Dict[str, Any] = {}
-        self.events: Deque[Dict[str, Any]] = deque(maxlen=1000)
+        self._watch(spec)
         self._on_line = on_line
         self._open(spec.to_json(), spec.instance, log_dir, warm)
 
@@ -244,18 +258,13 @@ class ChainProc(_PipedProc):
         return self.members.get(str(msg.pop("member", "")))
 
 
-class MemberProc:
+class MemberProc(_Watched):
     """One instance of a chain process, with the interface of a `WorkerProc`: "stop" stops the
     whole chain (upstream first), any other line goes to this member."""
 
     def __init__(self, chain: ChainProc, spec: InstanceSpec) -> None:
         self.chain = chain
-        self.spec = spec
-        self.instance = spec.instance
-        self.ready = threading.Event()
-        self.exit_info: Optional[Dict[str, Any]] = None
-        self.stats: Dict[str, Any] = {}
-        self.events: Deque[Dict[str, Any]] = deque(maxlen=1000)
+        self._watch(spec)
 
     @property
     def proc(self) -> subprocess.Popen:
