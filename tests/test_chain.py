@@ -330,7 +330,8 @@ def test_an_agent_hosts_a_chained_deploy_in_one_process_and_restarts_it_as_one_a
         mosquitto, tmp_path: Path) -> None:
     """`fog-agent deploy` of a `chain = true` pipeline on one agent: the four keepers in one worker
     process (one pid in the agent's state); kill -9 of it mid-stream: the agent restarts the four
-    as one chain again (`restart = true` each), and every record arrives exactly once."""
+    as one chain again (`restart = true` each), and every record arrives exactly once. Then a stop
+    of the head: the three others, stopped with it, are started again as a chain of 3."""
     import os
     import subprocess
     import sys
@@ -387,10 +388,20 @@ def test_an_agent_hosts_a_chained_deploy_in_one_process_and_restarts_it_as_one_a
             assert len({again[i] for i in names}) == 1, again  # one process again
             want = expected_ids(3, "taxi.source.0", n)
             wait_for(lambda: recorded() >= len(want), 60, "every record at the sink")
+            # A stop of one member stops the chain (upstream first); the members nobody asked to
+            # stop are still in their neighbours' tables: the agent starts them again, as a chain.
+            assert client.call("n1", {"op": "stop", "instance": names[0]}, timeout=10.0)["ok"]
+
+            def rest_restarted() -> bool:
+                now = pids()
+                return names[0] not in now and set(names[1:]) <= set(now) and now[names[1]] != again[names[1]]
+
+            wait_for(rest_restarted, 30, "the other three members to be started again")
+            assert len({pids()[i] for i in names[1:]}) == 1
             time.sleep(0.5)
     finally:
         agent.stop()
     ids, dup = read_sink_ids(sink_dir)
     got = ids.get("taxi.source.0", set())
     assert dup == 0 and got == want, (dup, len(want - got), len(got - want))
-    assert "as a chain of 4" in agent.text()
+    assert "as a chain of 4" in agent.text() and "as a chain of 3" in agent.text()

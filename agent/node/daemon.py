@@ -1359,9 +1359,13 @@ class Agent:
             self._forget(w.instance)  # again: the state file it wrote while draining
         self._event("terminated", w.instance, w.spec.operator, w.spec.pipeline, cause=cause,
                     code=reaped.returncode, reason=str(reason), clean=reaped.clean, stats=w.stats)
+        # A chain member that stopped only because another member was asked to (a chain stops as
+        # a whole: agent.instance.chain) is still in its neighbours' tables: started again.
+        collateral = bool(w.chain) and not w.asked_to_stop and not final
         if handover:
             self._hand_over(w, now)
-        elif reaped.crashed and self._stopping_since is None and not fenced and not undeployed and job is None:
+        elif (reaped.crashed or collateral) and self._stopping_since is None and not fenced and not undeployed \
+                and job is None:
             self._maybe_restart(w, now)
 
     def _hand_over(self, w: Worker, now: float) -> None:

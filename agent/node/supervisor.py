@@ -65,6 +65,7 @@ class Worker:
     # The members of its chain process, upstream first (docs/runtime.md, "Chaining"), or () for a
     # process of its own. Members share `proc`; their control lines carry "member".
     chain: Tuple[str, ...] = ()
+    asked_to_stop: bool = False  # `stop` named it (a chain's other members stop with it, unasked)
 
     @property
     def instance(self) -> str:
@@ -339,7 +340,10 @@ class Supervisor:
     def stop(self, instance: str, now: float) -> None:
         """Ask one worker to drain and exit; `poll` escalates to SIGTERM and SIGKILL."""
         worker = self.workers.get(instance)
-        if worker is None or worker.stop_sent_at is not None:
+        if worker is None:
+            return
+        worker.asked_to_stop = True
+        if worker.stop_sent_at is not None:
             return
         # A chain stops as a whole, upstream first (agent.instance.chain): every member drains.
         for w in [self.workers[i] for i in worker.chain if i in self.workers] or [worker]:
