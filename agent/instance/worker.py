@@ -4,7 +4,8 @@ Reads one `InstanceSpec` JSON line on stdin, then speaks the control channel of
 `agent.instance.spec` (JSON lines: stdout to the agent, stdin from it; logs on stderr).
 
 This module is the shell around the sans-IO `agent.instance.core.Instance`, which makes every
-decision. The shell owns the I/O: the spec, the pipeline and the operator it loads, the identity
+decision. Given the line {"chain": [spec, ...]} instead of one spec, the process hosts several
+consecutive instances, one `Worker` each, driven by `agent.instance.chain.Chain`. The shell owns the I/O: the spec, the pipeline and the operator it loads, the identity
 lock, the state files, the paho client (agent.mqtt.transport) and the control pipe. One thread
 owns all of it; a second thread only reads stdin lines into a queue. The loop:
 
