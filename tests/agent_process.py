@@ -57,3 +57,13 @@ def wait_until_answers(client: Any, node: str, alive: Callable[[], bool], timeou
         except Exception:
             if time.monotonic() > deadline or not alive():
                 raise
+
+
+def write_agent_conf(path: Path, node: str, cluster: str, state: Path, broker: Any, slots: int = 4,
+                     state_period: float = 0.5, heartbeat_period: float = 0.2, shutdown_timeout: float = 3.0) -> Path:
+    """An agent.toml for one test agent on `broker` (host, port), metrics off; returns `path`."""
+    path.write_text(f'[agent]\nnode = "{node}"\ncluster = "{cluster}"\nslots = {slots}\nstate_dir = "{state}"\n'
+                    f'state_period = {state_period}\nheartbeat_period = {heartbeat_period}\n'
+                    f'shutdown_timeout = {shutdown_timeout}\n'
+                    f'[mqtt]\nhost = "{broker.host}"\nport = {broker.port}\n[metrics]\nport = 0\n')
+    return path

@@ -24,11 +24,12 @@ from agent.instance.events import EnvelopeHanded, EnvelopeReceived, PubAcked, Pu
 from agent.instance.spec import InstanceSpec
 from agent.mqtt.settings import BrokerSpec
 from agent.sim.instance_check import BROKER, CLUSTER, WALL0, MemoryMap, MemorySink, pipeline_text
-from agent.tools.dataplane_bench import LocalRunner, initial_specs, pipeline_toml
+from agent.tools.dataplane_bench import initial_specs
 
 from test_runtime_worker_broker import (
-    RUNNERS, assert_exactly_once, expected_ids, taxi_pipeline, wait_for, wait_source_quiet,
+    assert_exactly_once, expected_ids, step_load_pipeline, taxi_pipeline, wait_for, wait_source_quiet,
 )
+from test_runtime_worker_broker import runner  # noqa: F401 - the fixture (a LocalRunner, stopped after)
 
 TOML = pipeline_text(batch=1, window=4)
 PIPELINE = load_pipeline_text(TOML, "test pipeline")
@@ -140,14 +141,6 @@ def test_a_restarted_chained_successor_gets_the_unacked_batches_again_unchanged_
 # ---- chain processes on the broker ----------------------------------------------------------------
 
 
-@pytest.fixture
-def runner(tmp_path: Path):
-    r = LocalRunner(tmp_path)
-    RUNNERS[:] = [r]
-    yield r
-    r.stop_all(timeout=10)
-
-
 def specs_for(mosquitto: Any, tmp_path: Path, toml: str, cluster: str) -> Dict[str, InstanceSpec]:
     specs = initial_specs(toml, BrokerSpec(mosquitto.host, mosquitto.port), str(tmp_path / "state"),
                           cluster=cluster, extra={"sink_dir": str(tmp_path / "sink"), "seed": 11})
@@ -232,21 +225,7 @@ def test_a_chained_operator_scales_out_to_a_copy_in_its_own_process(runner, mosq
     C = 150/s) gets 450 records/s: its copies are separate processes that validate reaches over
     MQTT while its chained keeper keeps getting batches in memory. Every record exactly once."""
     n = 100000
-    toml = pipeline_toml(
-        "taxi",
-        [
-            {"name": "source", "kind": "source", "function": "agent.operators.taxi:source", "batch_size": 20,
-             "linger_ms": 10.0, "params": {"seed": 3, "profile": "steps", "max_records": n, "max_lag_s": 5.0,
-                                           "steps": [[0, 80.0], [2, 450.0], [9, 30.0], [16, 0.0]]}},
-            {"name": "validate", "function": "agent.operators.builtin:validate", "batch_size": 20, "linger_ms": 10.0},
-            {"name": "in_zone", "function": "agent.operators.builtin:in_zone", "batch_size": 20,
-             "linger_ms": 10.0, "service_time_ms": 5.0,
-             "scaling": {"policy": "decentralized", "capacity": 150.0, "period": 1.0}},
-            {"name": "sink", "kind": "sink", "function": "agent.operators.builtin:counting_sink",
-             "batch_size": 20, "linger_ms": 10.0},
-        ],
-        scaling={"policy": "none"},
-    )
+    toml = step_load_pipeline(n, [[0, 80.0], [2, 450.0], [9, 30.0], [16, 0.0]], {})
     s = specs_for(mosquitto, tmp_path, toml, "chain3")
     sink = runner.start(s["sink"])
     chain = {m.spec.operator: m for m in runner.start_chain([s["source"], s["validate"], s["in_zone"]])}
@@ -340,7 +319,7 @@ def test_an_agent_hosts_a_chained_deploy_in_one_process_and_restarts_it_as_one_a
     from agent.node.nodestate import parse_node_state
     from agent.node.rpc import RpcClient
     from agent.operators.builtin import read_sink_ids
-    from agent_process import ROOT, AgentProcess, wait_until_answers
+    from agent_process import ROOT, AgentProcess, wait_until_answers, write_agent_conf
 
     cluster = "chain" + uuid.uuid4().hex[:6]
     n = 12000
@@ -348,10 +327,8 @@ def test_an_agent_hosts_a_chained_deploy_in_one_process_and_restarts_it_as_one_a
     sink_dir = state / "sink"
     pipe = tmp_path / "taxi.toml"
     pipe.write_text(taxi_pipeline(1500.0, n).replace('name = "taxi"', 'name = "taxi"\nchain = true', 1))
-    conf = tmp_path / "n1.toml"
-    conf.write_text(f'[agent]\nnode = "n1"\ncluster = "{cluster}"\nslots = 6\nstate_dir = "{state}"\n'
-                    f'state_period = 0.3\nheartbeat_period = 0.3\nshutdown_timeout = 6.0\n'
-                    f'[mqtt]\nhost = "{mosquitto.host}"\nport = {mosquitto.port}\n[metrics]\nport = 0\n')
+    conf = write_agent_conf(tmp_path / "n1.toml", "n1", cluster, state, mosquitto, slots=6, state_period=0.3,
+                            heartbeat_period=0.3, shutdown_timeout=6.0)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("FOG_AGENT_CONFIG", None)
     agent = AgentProcess(conf)
