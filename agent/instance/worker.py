@@ -446,20 +446,25 @@ def main(argv: Optional[List[str]] = None) -> int:
         return EXIT_BROKER
     threading.Thread(target=_stdin_reader, args=(sys.stdin, worker.control), daemon=True, name="stdin").start()
     try:
-        prof_dir = os.environ.get("FOG_WORKER_PROFILE")  # benchmarks: cProfile dump per instance
-        if prof_dir:
-            import cProfile
-
-            prof = cProfile.Profile()
-            try:
-                return int(prof.runcall(worker.run))
-            finally:
-                prof.dump_stats(os.path.join(prof_dir, f"{spec.instance}.prof"))
-        return worker.run()
+        return _run_profiled(worker.run, spec.instance)
     except Exception as exc:  # noqa: BLE001
         log.exception("worker crashed", extra=worker.ctx)
         worker._emit("exit", code=EXIT_CRASH, reason=repr(exc)[:300])
         return EXIT_CRASH
+
+
+def _run_profiled(run: Callable[[], int], name: str) -> int:
+    """`run()`; with FOG_WORKER_PROFILE=<dir> (benchmarks) under cProfile, dumped to <dir>/<name>.prof."""
+    prof_dir = os.environ.get("FOG_WORKER_PROFILE")
+    if not prof_dir:
+        return run()
+    import cProfile
+
+    prof = cProfile.Profile()
+    try:
+        return int(prof.runcall(run))
+    finally:
+        prof.dump_stats(os.path.join(prof_dir, f"{name}.prof"))
 
 
 def _main_chain(specs: List[InstanceSpec]) -> int:
@@ -492,7 +497,7 @@ def _main_chain(specs: List[InstanceSpec]) -> int:
         return EXIT_BROKER
     threading.Thread(target=_stdin_reader, args=(sys.stdin, chain.control), daemon=True, name="stdin").start()
     try:
-        return chain.run()
+        return _run_profiled(chain.run, "chain-" + "+".join(s.instance for s in specs))
     except Exception as exc:  # noqa: BLE001
         log.exception("chain %s crashed", names)
         chain.emit("exit", code=EXIT_CRASH, reason=repr(exc)[:300])
