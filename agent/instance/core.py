@@ -73,9 +73,10 @@ ACK_DELAY = 0.005  # coalesce upstream acks for at most this long
 # A source reserves on disk the records it may generate before writing its position again
 # (`_produce`): at least SOURCE_RESERVE, else RESERVE_SECONDS of its measured rate (at most
 # SOURCE_RESERVE_MAX), so that it writes source.json about once a second whatever its rate. A
-# fixed 2,000 records meant 25 writes a second at 50k records/s, each blocking the source 2-4 ms on a
-# loaded disk (docs/measurement.md, "Cheap cuts of the data plane"). The price: a restarted source regenerates up to its reservation at once,
-# i.e. up to a second of records sooner than its rate profile would have (docs/runtime.md).
+# fixed 2,000 records meant 25 writes a second at 50k records/s, each blocking the source 2-4 ms
+# on a loaded disk (docs/measurement.md, "Cheap cuts of the data plane"). The price: a restarted
+# source regenerates up to its reservation at once, i.e. up to a second of records sooner than
+# its rate profile would have (docs/runtime.md).
 SOURCE_RESERVE = 2000
 RESERVE_SECONDS = 1.0
 SOURCE_RESERVE_MAX = 500_000
