@@ -480,7 +480,8 @@ class World:
             if how == "rehome":
                 # agent.node.rehome.plan_rehome: active, tables rebuilt from every node's hosted
                 # instances of the neighbouring operators, epoch above the dead incarnation's
-                extra["min_epoch"] = REHOME_EPOCH
+                # the wall clock at the re-homing: above any epoch an earlier one gave (one a move)
+                extra["min_epoch"] = REHOME_EPOCH + self.cfg.rehomes - self.budget["rehome"]
                 fields.update(active=True, preds=self._hosted(spec.operator, -1), succs=self._hosted(spec.operator, 1))
             self._boot(InstanceSpec(**{**spec.__dict__, **fields}), how)
             if iid in self.inst:
