@@ -7,7 +7,7 @@ import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Callable, Dict
 
 
 def register(groups: Any) -> None:
@@ -213,7 +213,15 @@ def pipeline_cmd(args: argparse.Namespace) -> int:
     return 0 if summary["ok"] else 1
 
 
-def _verdict(summary: Dict[str, Any], as_json: bool) -> int:
+def _verdict(run: Callable[[], Dict[str, Any]], as_json: bool) -> int:
+    """Run a testbed experiment; print its summary (or JSON) and the verdict; exit 0 only if ok."""
+    from agent.tools import testbed
+
+    try:
+        summary = run()
+    except testbed.TestbedError as exc:
+        print(f"testbed: {exc}", file=sys.stderr)
+        return 1
     if as_json:
         print(json.dumps(summary, indent=1, default=str))
     else:
@@ -226,30 +234,24 @@ def _verdict(summary: Dict[str, Any], as_json: bool) -> int:
 def upgrade_cmd(args: argparse.Namespace) -> int:
     import tempfile
 
-    from agent.tools import testbed, testbed_upgrade
+    from agent.tools import testbed_upgrade
 
-    try:
+    def run() -> Dict[str, Any]:
         with tempfile.TemporaryDirectory(prefix="fog-upgrade-") as tmp:
             deb = args.deb.resolve()
             if args.as_version:
                 deb = testbed_upgrade.relabel_deb(deb, args.as_version, Path(tmp))
             nodes = [n for n in args.nodes.split(",") if n] if args.nodes else None
-            summary = testbed_upgrade.run_upgrade(deb, nodes, args.duration, args.rate, args.at)
-    except testbed.TestbedError as exc:
-        print(f"testbed: {exc}", file=sys.stderr)
-        return 1
-    return _verdict(summary, args.json)
+            return testbed_upgrade.run_upgrade(deb, nodes, args.duration, args.rate, args.at)
+
+    return _verdict(run, args.json)
 
 
 def arm64_cmd(args: argparse.Namespace) -> int:
-    from agent.tools import testbed, testbed_arm64
+    from agent.tools import testbed_arm64
 
-    try:
-        summary = testbed_arm64.arm64_check(args.deb.resolve(), args.duration, args.rate, keep_up=args.keep_up)
-    except testbed.TestbedError as exc:
-        print(f"testbed: {exc}", file=sys.stderr)
-        return 1
-    return _verdict(summary, args.json)
+    return _verdict(lambda: testbed_arm64.arm64_check(args.deb.resolve(), args.duration, args.rate,
+                                                      keep_up=args.keep_up), args.json)
 
 
 def fault_cmd(args: argparse.Namespace) -> int:

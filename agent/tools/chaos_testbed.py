@@ -118,7 +118,10 @@ class TestbedNemesis:
     def schedule(self) -> int:
         self.started = time.monotonic()
         for _ in range(self.count):
-            kind, node = self.rng.choice(self.faults), self.rng.choice(self.targets)
+            # A node that hosts instances of the pipeline, if one does: losing an idle node shows nothing.
+            where = instance_nodes(_fogctl(self.broker, self.password, "topology"), "tb")
+            busy = sorted({n for nodes in where.values() for n in nodes} & set(self.targets))
+            kind, node = self.rng.choice(self.faults), self.rng.choice(busy or self.targets)
             t = round(time.monotonic() - self.started, 1)
             self.progress(f"chaos: t+{t} s {kind} {node}")
             try:
@@ -133,9 +136,13 @@ class TestbedNemesis:
 
 
 def run_testbed_chaos(faults: Sequence[str] = FAULTS, count: int = 2, seed: int = 1, duration: float = 150.0,
-                      rate: float = 300.0, down: float = 30.0, cut: Sequence[float] = (5.0, 25.0),
-                      pause: Sequence[float] = (5.0, 10.0), at: float = 20.0, run: Optional[Path] = None,
+                      rate: float = 300.0, down: float = 40.0, cut: Sequence[float] = (20.0, 40.0),
+                      pause: Sequence[float] = (5.0, 10.0), at: float = 40.0, run: Optional[Path] = None,
                       progress: Any = testbed._stderr_progress) -> Dict[str, Any]:
+    """`count` faults drawn from `faults` (seeded), the first `at` s after the deploy (once the load
+    step has made in_zone scale out across containers); a kill-node keeps the container off for
+    `down` s (longer than the agents' dead_after, so its instances are re-homed), a partition
+    lasts a drawn time in `cut` (long cuts pass the MQTT keepalive: the broker fires the Will)."""
     bad = [f for f in faults if f not in FAULTS]
     if bad or not faults:
         raise testbed.TestbedError(f"--faults: on the testbed expected a subset of {', '.join(FAULTS)}, found {list(faults)}")
