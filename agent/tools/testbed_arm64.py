@@ -75,7 +75,7 @@ def arm64_check(deb: Path, duration: float = 40.0, rate: float = 60.0, keep_up: 
         summary["dpkg_arch"] = sh("dpkg --print-architecture").strip()
         remote = copy_to_node(NODE, deb, CACHE, run)
         progress(f"installing {deb.name} on {NODE} (postinst builds the venv under emulation)")
-        sh(f"DEBIAN_FRONTEND=noninteractive apt-get install -y --no-download {remote} 2>&1")
+        sh(f"DEBIAN_FRONTEND=noninteractive apt-get install -y {remote} 2>&1")
         t = _step(timings, "apt_install_s", t)
         summary["package"] = node_facts(NODE, run)
         summary["venv_python_machine"] = sh("/opt/fog-agent/venv/bin/python -c 'import platform, psutil; "

@@ -96,7 +96,7 @@ def upgrade_nodes(nodes: List[str], remote_deb: str, run: Optional[Path], progre
     for i, name in enumerate(nodes):
         before = node_facts(name, run)
         t0 = time.monotonic()
-        proc = testbed.ssh(name, f"DEBIAN_FRONTEND=noninteractive apt-get install -y --no-download {remote_deb} 2>&1",
+        proc = testbed.ssh(name, f"DEBIAN_FRONTEND=noninteractive apt-get install -y {remote_deb} 2>&1",
                            run=run, check=False, timeout=timeout)
         apt_s = round(time.monotonic() - t0, 1)
         active_after = _wait_active(name, before.get("MainPID", ""), run, timeout)
