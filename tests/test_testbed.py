@@ -243,21 +243,24 @@ class Fleet:
         return testbed.ssh(node, line, run=self.run).stdout
 
 
+def build_deb(dist: Path) -> Path:
+    """The .deb of this checkout. The wheelhouse is kept beside the cached root: build-wheelhouse.sh
+    rebuilds it only when the sources changed, which saves pip's isolated wheel build on a warm run."""
+    build = subprocess.run([str(ROOT / "packaging" / "build-deb.sh"), "--out", str(dist),
+                            "--wheelhouse", str(testbed.cache_dir() / "wheelhouse"),
+                            "--maintainer", "fog-agent tests <tests@example.org>"],
+                           capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stderr[-2000:]
+    return next(dist.glob("fog-agent_*_all.deb"))
+
+
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     if not CAN_BOOT:
         pytest.skip("needs root with systemd-nspawn and debootstrap")
     tmp = tmp_path_factory.mktemp("testbed")
     t0 = time.monotonic()
-    dist = tmp / "dist"
-    # The wheelhouse is kept beside the cached root: build-wheelhouse.sh rebuilds it only when the
-    # sources changed, which saves pip's isolated wheel build on a warm run.
-    build = subprocess.run([str(ROOT / "packaging" / "build-deb.sh"), "--out", str(dist),
-                            "--wheelhouse", str(testbed.cache_dir() / "wheelhouse"),
-                            "--maintainer", "fog-agent tests <tests@example.org>"],
-                           capture_output=True, text=True, timeout=600)
-    assert build.returncode == 0, build.stderr[-2000:]
-    deb = next(dist.glob("fog-agent_*_all.deb"))
+    deb = build_deb(tmp / "dist")
     times = {"build_deb_s": time.monotonic() - t0}
     run = tmp / "run"
     t0 = time.monotonic()

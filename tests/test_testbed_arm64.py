@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +20,6 @@ import pytest
 
 from agent.tools import testbed
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _skip_reason() -> str:
@@ -43,12 +41,9 @@ def _skip_reason() -> str:
 def test_the_deb_runs_a_pipeline_on_arm64(tmp_path: Path) -> None:
     from agent.tools.testbed_arm64 import arm64_check
 
-    build = subprocess.run([str(ROOT / "packaging" / "build-deb.sh"), "--out", str(tmp_path),
-                            "--wheelhouse", str(testbed.cache_dir() / "wheelhouse"),
-                            "--maintainer", "fog-agent tests <tests@example.org>"],
-                           capture_output=True, text=True, timeout=600)
-    assert build.returncode == 0, build.stderr[-2000:]
-    deb = next(tmp_path.glob("fog-agent_*_all.deb"))
+    from tests.test_testbed import build_deb
+
+    deb = build_deb(tmp_path / "dist")
     summary = arm64_check(deb, duration=30.0, rate=50.0, run=tmp_path / "run",
                           progress=lambda line: print(f"arm64: {line}", file=sys.stderr))
     # Really arm64: the kernel reports aarch64 inside (qemu), dpkg and the venv's Python agree.
