@@ -41,7 +41,7 @@ fi
 # install below then finds them satisfied. psutil and the extras (test, analytics, Ansible tools)
 # are not locked: they never reach a fog node.
 echo "setup: installing the locked runtime dependencies (pip --require-hashes)"
-.venv/bin/python -m pip install -q --require-hashes --only-binary=:all: -r packaging/requirements.lock
+.venv/bin/python -m pip install -q --require-hashes --no-deps --only-binary=:all: -r packaging/requirements.lock
 echo "setup: installing fog-agent[dev,analytics,systemd,ops,fast] into .venv"
 .venv/bin/python -m pip install -q -e '.[dev,analytics,systemd,ops,fast]'
 
