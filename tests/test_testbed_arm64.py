@@ -2,7 +2,7 @@
 built here (Architecture: all), runs the agent under systemd and a short taxi pipeline through it,
 every record exactly once (agent.tools.testbed_arm64; docs/operations.md, "arm64").
 
-Not part of a normal run: the arm64 root takes about 10 minutes to debootstrap under emulation
+Not part of a normal run: the arm64 root takes 10 to 45 minutes to debootstrap under emulation
 and the run itself several minutes, far beyond the suite's budget. It runs when asked
 (FOG_TESTBED_ARM64=1) on a machine that can (root, nspawn, qemu-user-static with binfmt_misc)
 and has the root cached (`fog-agent testbed root --arch arm64`); otherwise it is skipped with the
@@ -30,7 +30,7 @@ def _skip_reason() -> str:
         return f"no arm64 emulation here: {why}"
     marker = testbed.root_dir(testbed.cache_dir(), "arm64") / testbed.ROOT_MARKER
     if not marker.is_file():
-        return "no cached arm64 root: build it with `fog-agent testbed root --arch arm64` (about 10 minutes)"
+        return "no cached arm64 root: build it with `fog-agent testbed root --arch arm64` (10 to 45 minutes)"
     if os.environ.get("FOG_TESTBED_ARM64") != "1":
         return "several minutes under emulation: run with FOG_TESTBED_ARM64=1"
     return ""

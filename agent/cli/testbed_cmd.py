@@ -28,7 +28,7 @@ def register(groups: Any) -> None:
     root = sub.add_parser("root", help="build the cached Debian root if it is missing (what `make setup` runs), "
                           "boot nothing")
     root.add_argument("--arch", choices=("amd64", "arm64"), default="amd64",
-                      help="architecture of the root (arm64: qemu-user-static; about 10 minutes)")
+                      help="architecture of the root (arm64: qemu-user-static; 10 to 45 minutes)")
     root.add_argument("--json", action="store_true", help="print the result as JSON")
     root.set_defaults(func=root_cmd)
 

@@ -414,7 +414,7 @@ def ensure_root(cache: Path, arch: str, progress: Progress) -> Tuple[Path, bool,
         shutil.rmtree(tmp)
     tmp.parent.mkdir(parents=True, exist_ok=True)
     mirror = _apt_mirror()
-    took = "about 3 minutes" if not needs_emulation(arch) else "about 10 minutes under qemu"
+    took = "about 3 minutes" if not needs_emulation(arch) else "10 to 45 minutes under qemu"
     progress(f"building the {SUITE} {arch} root with debootstrap from {mirror} ({took}, ~350 MB) ...")
     _run_logged(debootstrap_argv(tmp, arch, mirror), "debootstrap", cache / f"debootstrap-{arch}.log", progress,
                 timeout=3600)
@@ -467,6 +467,36 @@ def _prepare_machine(node: Node, plan: Plan, lower: Path, mdir: Path, pubkey: st
     os.chmod(ssh / "authorized_keys", 0o600)
     _run(["ssh-keygen", "-q", "-A", "-f", str(merged)], f"SSH host keys for {node.name}")
     return merged
+
+
+def _container_init(nspawn_pid: int, timeout: float = 60.0) -> int:
+    """The container's PID 1 as the host sees it: nspawn's child."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            children = Path(f"/proc/{nspawn_pid}/task/{nspawn_pid}/children").read_text().split()
+        except OSError:
+            children = []
+        if children:
+            return int(children[0])
+        time.sleep(0.2)
+    raise TestbedError(f"nspawn {nspawn_pid}: no container init after {timeout:.0f} s")
+
+
+def address_from_host(nspawn_pid: int, node: Node, plan_prefix_len: int) -> None:
+    """Give the container's host0 its address with the host's own `ip`, inside the container's
+    network namespace: under qemu user emulation systemd-networkd cannot start (netlink: "Protocol
+    not supported", seen on arm64), so an emulated node would never get its network."""
+    init = _container_init(nspawn_pid)
+    deadline = time.monotonic() + 60.0
+    while not subprocess.run(["nsenter", "-t", str(init), "-n", "ip", "link", "show", "host0"],
+                             capture_output=True).returncode == 0:
+        if time.monotonic() > deadline:
+            raise TestbedError(f"{node.name}: no host0 in the container after 60 s")
+        time.sleep(0.2)
+    _run(["nsenter", "-t", str(init), "-n", "ip", "addr", "replace", f"{node.address}/{plan_prefix_len}",
+          "dev", "host0"], f"{node.name}: address of host0")
+    _run(["nsenter", "-t", str(init), "-n", "ip", "link", "set", "host0", "up"], f"{node.name}: host0 up")
 
 
 def _host_key_line(node: Node, merged: Path) -> str:
@@ -575,6 +605,8 @@ def up(n: int, arch: str = "amd64", deb: Optional[Path] = None, cache: Optional[
             entry["pid"] = proc.pid
             state.save(state_path)
             progress(f"booting {node.name} ({node.address}), nspawn pid {proc.pid}")
+            if needs_emulation(arch):
+                address_from_host(proc.pid, node, plan.prefix_len)
         known_hosts.write_text("".join(lines))
         for node in plan.nodes:
             wait_ssh(node.address, key, known_hosts, boot_timeout or BOOT_TIMEOUT[arch])
@@ -744,6 +776,8 @@ def start_node(name: str, run: Optional[Path] = None, boot_timeout: Optional[flo
                                 start_new_session=True)
     entry["pid"] = proc.pid
     state.save(run / STATE_FILE)
+    if needs_emulation(state.arch):
+        address_from_host(proc.pid, node, PREFIX_LEN)
     wait_ssh(node.address, run / "id_ed25519", run / "known_hosts", boot_timeout or BOOT_TIMEOUT[state.arch])
     return proc.pid
 
