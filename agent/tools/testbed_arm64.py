@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, Optional
 
 from agent.tools import testbed
 from agent.tools.testbed_pipeline import run_pipeline
-from agent.tools.testbed_upgrade import CACHE, copy_to_node, node_facts
+from agent.tools.testbed_upgrade import CACHE, copy_to_node, node_facts, put_file
 
 PREFIX, BRIDGE, SUBNET = "arm", "fogtba0", "10.217.0"
 NODE = f"{PREFIX}1"
@@ -80,10 +80,10 @@ def arm64_check(deb: Path, duration: float = 40.0, rate: float = 60.0, keep_up: 
         summary["package"] = node_facts(NODE, run)
         summary["venv_python_machine"] = sh("/opt/fog-agent/venv/bin/python -c 'import platform, psutil; "
                                             "print(platform.machine(), psutil.__version__)'").strip()
-        sh(f"mkdir -p /etc/mosquitto/conf.d && printf '%s' '{MOSQUITTO}' > /etc/mosquitto/conf.d/testbed.conf "
-           "&& systemctl enable --now mosquitto && systemctl restart mosquitto")
-        sh(f"printf '%s' '{AGENT_TOML}' > /etc/fog-agent/agent.toml.new && "
-           "fog-agent check-config /etc/fog-agent/agent.toml.new >/dev/null && "
+        put_file(NODE, MOSQUITTO.encode(), "/etc/mosquitto/conf.d/testbed.conf", run)
+        sh("systemctl enable --now mosquitto && systemctl restart mosquitto")
+        put_file(NODE, AGENT_TOML.encode(), "/etc/fog-agent/agent.toml.new", run)
+        sh("fog-agent check-config /etc/fog-agent/agent.toml.new >/dev/null && "
            "mv /etc/fog-agent/agent.toml.new /etc/fog-agent/agent.toml && systemctl restart fog-agent")
         deadline = time.monotonic() + 600
         status = ""

@@ -47,21 +47,26 @@ def relabel_deb(deb: Path, version: str, out: Path) -> Path:
     return new
 
 
-def copy_to_node(name: str, path: Path, dest_dir: str, run: Optional[Path] = None) -> str:
-    """Copy a file from the host into a node over the fleet's SSH (no scp in the root needed)."""
+def put_file(name: str, data: bytes, dest: str, run: Optional[Path] = None) -> str:
+    """Write `data` to `dest` on a node over the fleet's SSH (no scp in the root needed, no quoting
+    of the content: it goes through stdin), replacing it in one rename."""
     state = testbed.load_state(run=run)
     if state is None:
         raise testbed.TestbedError("no testbed is up: run `fog-agent testbed up` first")
     address = str(testbed._node_entry(state, name)["address"])
     rundir = run or testbed.run_dir(testbed.cache_dir())
-    dest = f"{dest_dir}/{path.name}"
-    with open(path, "rb") as data:
-        proc = subprocess.run(testbed.ssh_argv(address, rundir / "id_ed25519", rundir / "known_hosts",
-                                               f"mkdir -p {dest_dir} && cat > {dest}.part && mv {dest}.part {dest}"),
-                              stdin=data, capture_output=True, timeout=300)
+    folder = dest.rsplit("/", 1)[0] or "/"
+    proc = subprocess.run(testbed.ssh_argv(address, rundir / "id_ed25519", rundir / "known_hosts",
+                                           f"mkdir -p {folder} && cat > {dest}.part && mv {dest}.part {dest}"),
+                          input=data, capture_output=True, timeout=300)
     if proc.returncode != 0:
-        raise testbed.TestbedError(f"copying {path.name} to {name} failed: {proc.stderr.decode(errors='replace')[-300:]}")
+        raise testbed.TestbedError(f"writing {dest} on {name} failed: {proc.stderr.decode(errors='replace')[-300:]}")
     return dest
+
+
+def copy_to_node(name: str, path: Path, dest_dir: str, run: Optional[Path] = None) -> str:
+    """Copy a file from the host into `dest_dir` on a node."""
+    return put_file(name, path.read_bytes(), f"{dest_dir}/{path.name}", run)
 
 
 def node_facts(name: str, run: Optional[Path] = None) -> Dict[str, str]:
