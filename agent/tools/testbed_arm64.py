@@ -31,6 +31,17 @@ allow_anonymous true
 max_queued_messages 100000
 """
 
+# Only where the node is emulated: qemu user emulation translates the arm64 code with a JIT (it
+# needs writable and executable memory) and makes the host's (x86-64) system calls, so the unit's
+# MemoryDenyWriteExecute and its seccomp filter (SystemCallArchitectures=native, SystemCallFilter)
+# would kill the agent at start. A real arm64 Pi runs the unit as shipped.
+QEMU_DROPIN = """# Written by fog-agent testbed arm64 (qemu user emulation only; see docs/operations.md).
+[Service]
+MemoryDenyWriteExecute=no
+SystemCallArchitectures=
+SystemCallFilter=
+"""
+
 AGENT_TOML = f"""# Written by fog-agent testbed arm64.
 [agent]
 node = "{NODE}"
@@ -82,9 +93,11 @@ def arm64_check(deb: Path, duration: float = 40.0, rate: float = 60.0, keep_up: 
                                             "print(platform.machine(), psutil.__version__)'").strip()
         put_file(NODE, MOSQUITTO.encode(), "/etc/mosquitto/conf.d/testbed.conf", run)
         sh("systemctl enable --now mosquitto && systemctl restart mosquitto")
+        put_file(NODE, QEMU_DROPIN.encode(), "/etc/systemd/system/fog-agent.service.d/zz-qemu.conf", run)
         put_file(NODE, AGENT_TOML.encode(), "/etc/fog-agent/agent.toml.new", run)
         sh("fog-agent check-config /etc/fog-agent/agent.toml.new >/dev/null && "
-           "mv /etc/fog-agent/agent.toml.new /etc/fog-agent/agent.toml && systemctl restart fog-agent")
+           "mv /etc/fog-agent/agent.toml.new /etc/fog-agent/agent.toml && systemctl daemon-reload && "
+           "systemctl restart fog-agent")
         deadline = time.monotonic() + 600
         status = ""
         while time.monotonic() < deadline:
