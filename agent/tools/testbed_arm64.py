@@ -34,12 +34,16 @@ max_queued_messages 100000
 # Only where the node is emulated: qemu user emulation translates the arm64 code with a JIT (it
 # needs writable and executable memory) and makes the host's (x86-64) system calls, so the unit's
 # MemoryDenyWriteExecute and its seccomp filter (SystemCallArchitectures=native, SystemCallFilter)
-# would kill the agent at start. A real arm64 Pi runs the unit as shipped.
+# would kill the agent at start; and systemd inside the emulated container cannot set up the IPC
+# and user namespaces (PrivateIPC: "Input/output error", PrivateUsers: "Invalid argument", seen on
+# arm1). A real arm64 Pi runs the unit as shipped.
 QEMU_DROPIN = """# Written by fog-agent testbed arm64 (qemu user emulation only; see docs/operations.md).
 [Service]
 MemoryDenyWriteExecute=no
 SystemCallArchitectures=
 SystemCallFilter=
+PrivateIPC=no
+PrivateUsers=no
 """
 
 AGENT_TOML = f"""# Written by fog-agent testbed arm64.
