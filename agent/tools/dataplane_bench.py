@@ -286,7 +286,7 @@ class LocalRunner:
         spare = self._take_spare()
         if spare is not None:
             self.warm_used += 1
-        spec = replace(spec, extra=dict(spec.extra, check_sender_node=True))
+        spec = replace(spec, extra=dict(spec.extra, check_sender_node=True, inbox_per_node=True))
         w = WorkerProc(spec, self.workdir / "logs", self._on_line, warm=spare)
         self._prewarm()
         with self.lock:
