@@ -23,7 +23,8 @@ def base(cluster: str) -> str:
 
 def inbox(cluster: str, instance: str, writer: str) -> str:
     """Data batches AND protocol messages to one instance (one FIFO channel per sender), written
-    by node `writer`, the node that hosts the sender instance. The ACL lets a node write only
+    by node `writer`, the node that hosts the sender instance: the shared format, every node may
+    read it (`[mqtt] inbox_per_node = false`; `inbox_at` is the default). The ACL lets a node write only
     `inbox/+/<itself>`, so the receiver reads the writing node here and accepts an envelope only
     if that node hosts the instance the envelope claims as its sender (docs/security.md, "Data
     channels"). One topic per sender node keeps MQTT's order per publisher and topic."""

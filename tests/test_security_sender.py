@@ -12,7 +12,11 @@ hosts the instance the envelope claims as its sender, as its agent's binding tab
   touches any state and cannot take the place of the real batch; an unknown binding holds
   (bounded, apart from other nodes' streams) until the agent's "hosts" line, then refuses;
 - the attack itself against the real TLS broker with the role's config and two real agents
-  (`test_a_node_cannot_write_data_in_the_name_of_another_nodes_instance`).
+  (`test_a_node_cannot_write_data_in_the_name_of_another_nodes_instance`);
+- per-node inboxes (docs/security.md, "Who may read an inbox"): the topics, a worker addressing
+  the bound node, parking what is unbound and following a move, in process; on the TLS broker,
+  a node reading only its own instances' inboxes before and after a drain moves them, every record
+  exactly once.
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@ admin `admin`, the collector `collector`), client certificates whose CN is the i
 What it shows (docs/security.md, "Topics and who may use them"):
 - the broker alone, with MQTT 5 test clients (QoS 1; 135 = PUBACK "not authorized"): a node writes
   its own records, the shared topics, peer requests, replies and probes that end in its own name,
-  and nothing else (no rpc, no other node's name, no pipelines); it reads no other node's rpc,
-  peer, reply or ack topics; an admin writes rpc and pipelines but no inbox nor agent records; a
+  and nothing else (no rpc, no other node's name, no pipelines, no inbox in the shared format of
+  before); it reads no other node's rpc, peer, reply or ack topics, nor the inboxes of another
+  node's instances (`inbox/<node>/...`, per-node inboxes); an admin writes rpc and pipelines but no inbox nor agent records; a
   CA-signed certificate on no list (CN=intruder) and the broker's own certificate can neither
   publish nor receive anything; a revoked certificate is refused at the handshake; a packet over
   `max_packet_size` closes the connection; a client that takes another identity's client id
