@@ -93,6 +93,9 @@ HOLD_TTL = 60.0
 WRITER_HOLD_TTL = 20.0
 HOLD_MAX_SENDERS = 64
 HOLD_MAX_BYTES = 8 << 20
+# Marks a destination that is an MQTT topic of the operator's own (a sink's publications), not an
+# instance: instance ids never contain "\0" (topics._check), so the two cannot be confused.
+RAW_TOPIC = "\0"
 # Envelopes kept per destination our binding table does not name yet (per-node inboxes,
 # `_publish_tracked`): a window of data plus acks and protocol messages, many times over.
 UNROUTED_MAX = 1024
@@ -980,7 +983,7 @@ class Instance:
         else:
             pubs = op.record(items)
         for pub in pubs:
-            self._publish_tracked(pub.topic, pub.payload, index)
+            self._publish_tracked(RAW_TOPIC + pub.topic, pub.payload, index)
         self.stats["records_out"] += len(items)
 
     def _settle_sink(self) -> None:
@@ -1113,7 +1116,7 @@ class Instance:
         Per-node inboxes: a destination our binding table does not name yet (a new copy whose
         node's hosted record has not reached our agent; anything before our first table) waits in
         `unrouted`, in order, until a "hosts" line names it (`_on_hosts`)."""
-        if self.per_node and (dest in self.unrouted or dest not in self.hosts_bound):
+        if self.per_node and not dest.startswith(RAW_TOPIC) and (dest in self.unrouted or dest not in self.hosts_bound):
             self._park(dest, payload, low)
         elif self.retry:
             self.retry.append((dest, payload, low))
@@ -1133,12 +1136,14 @@ class Instance:
         q.append((payload, low))
 
     def _topic(self, dest: str) -> str:
+        if dest.startswith(RAW_TOPIC):
+            return dest[1:]  # a sink operator's own publication (mqtt_sink), not an inbox
         if self.per_node:
             return topics.inbox_at(self.spec.cluster, self.hosts_bound[dest], dest, self.spec.node)
         return topics.inbox(self.spec.cluster, dest, self.spec.node)
 
     def _issue(self, dest: str, payload: bytes, low: Optional[int], retried: bool) -> None:
-        if self.per_node and dest not in self.hosts_bound:
+        if self.per_node and not dest.startswith(RAW_TOPIC) and dest not in self.hosts_bound:
             self._park(dest, payload, low)  # a retry whose binding a newer table no longer has
             return
         self._token += 1
