@@ -188,7 +188,7 @@ def test_malformed_payloads_are_counted_and_skipped(runner, mosquitto, tmp_path:
     c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="vandal")
     c.connect(mosquitto.host, mosquitto.port)
     c.loop_start()
-    inbox = topics.inbox("bad", "in_zone-0", "local")
+    inbox = topics.inbox_at("bad", "local", "in_zone-0", "local")  # LocalRunner: per-node inboxes
     junk = [b"", b"garbage", b"[1]", b'[1, "x", 0, 1, "d", [[1, 2, 3]]]', b"\xff" * 50, b'{"type": "start"}',
             b'[1, "vandal", 0, 1, "p", {"type": "start", "sender": "vandal", "stage": 2, "succs": [], "preds": []}]']
     for j in junk:

@@ -102,6 +102,12 @@ HOLD_TTL = 60.0
 WRITER_HOLD_TTL = 20.0
 HOLD_MAX_SENDERS = 64
 HOLD_MAX_BYTES = 8 << 20
+# Marks a destination that is an MQTT topic of the operator's own (a sink's publications), not an
+# instance: instance ids never contain "\0" (topics._check), so the two cannot be confused.
+RAW_TOPIC = "\0"
+# Envelopes kept per destination our binding table does not name yet (per-node inboxes,
+# `_publish_tracked`): a window of data plus acks and protocol messages, many times over.
+UNROUTED_MAX = 1024
 
 # Seeded fault (agent.sim.instance_check, never set elsewhere): refused publishes are retried
 # only when there is data to flush, so a sink's refused ack holds back all its later acks.
@@ -154,7 +160,14 @@ class Instance:
         self.stage = pipeline.index(spec.operator)
         self.kind = self.op.kind
         self.ctx = {"instance": spec.instance, "operator": spec.operator, "node": spec.node}
-        self.inbox = topics.inbox_all(spec.cluster, spec.instance)
+        # Per-node inboxes (docs/security.md, "Who may read an inbox"): we read
+        # `inbox/<our node>/<us>/+` and write to the node our binding table says hosts the
+        # receiver; before the table names it, what we send it waits in `unrouted`.
+        self.per_node = bool(spec.extra.get("inbox_per_node"))
+        self.inbox = (topics.inbox_all_at(spec.cluster, spec.node, spec.instance) if self.per_node
+                      else topics.inbox_all(spec.cluster, spec.instance))
+        self.unrouted: Dict[str, Deque[Tuple[bytes, Optional[int]]]] = {}
+        self._inbox_root = f"{topics.base(spec.cluster)}/inbox/"
         # The node in an inbox topic must host the envelope's sender (docs/security.md, "Data
         # channels"): the agent sets this and sends the bindings as the control line "hosts".
         self.check_node = bool(spec.extra.get("check_sender_node"))
@@ -188,11 +201,11 @@ class Instance:
         self.tracker = AckTracker()
         self.queues: Dict[str, Deque[Envelope]] = {}
         self.pending_pub: Dict[int, int] = {}  # mid -> lowest process index it carries
-        # token -> (topic, payload, lowest index, retried): issued, not yet answered by the shell
+        # token -> (destination, payload, lowest index, retried): issued, not yet answered by the shell
         self._unconfirmed: Dict[int, Tuple[str, bytes, Optional[int], bool]] = {}
         self._token = 0
         self.sink_wait: Deque[int] = deque()  # a deferred sink's record() calls not recorded yet
-        self.retry: Deque[Tuple[str, bytes, Optional[int]]] = deque()  # (topic, payload, lowest index)
+        self.retry: Deque[Tuple[str, bytes, Optional[int]]] = deque()  # (destination, payload, lowest index)
         self.ack_due: Dict[str, Tuple[int, int]] = {}  # sender -> (its epoch, data seq)
         self.ack_since: Optional[float] = None
         self.busy_until = 0.0
@@ -512,6 +525,10 @@ class Instance:
         former = msg.get("former")
         self.hosts_former = ({str(i): [str(n) for n in ns] for i, ns in former.items() if isinstance(ns, list)}
                              if isinstance(former, dict) else {})
+        for dest in [d for d in self.unrouted if d in self.hosts_bound]:
+            parked = self.unrouted.pop(dest)
+            for payload, low in parked:
+                self._publish_tracked(dest, payload, low)
 
     def request_stop(self, now: float) -> None:
         """Agent shutdown: stop producing, drain (bounded), exit; the session is kept."""
@@ -559,6 +576,13 @@ class Instance:
 
     def _on_envelope(self, ev: EnvelopeReceived) -> None:
         writer = topics.inbox_writer(self.inbox, ev.topic)
+        if writer is None and self.per_node and ev.topic.startswith(self._inbox_root):
+            # Our inbox on a node we no longer run on: a subscription our session kept from an
+            # earlier incarnation (a re-home, a hand-over). The role's ACL drops these at delivery;
+            # a broker without it delivers them. Dropped either way; the predecessors replay what
+            # we have not acked to our new topic (they learn our node from the hosted records).
+            self.stats["foreign_inbox"] = self.stats.get("foreign_inbox", 0) + 1
+            return
         if writer is None:
             ingest = getattr(self.operator, "ingest", None)
             if ingest is not None:
@@ -836,7 +860,6 @@ class Instance:
         old = link.unacked()
         if not old:
             return
-        topic = topics.inbox(self.spec.cluster, dest, self.spec.node)
         now = self.now
         for u in old:
             # A chained successor's batches are kept as the Envelope handed over, not as bytes.
@@ -846,7 +869,7 @@ class Instance:
                 if isinstance(u.payload, Envelope):
                     self._hand(dest, env)
                 else:
-                    self._publish_tracked(topic, u.payload, self.tracker.last_index + 1)
+                    self._publish_tracked(dest, u.payload, self.tracker.last_index + 1)
                 continue
             items = env.body
             seq = self.outbound.take(dest)
@@ -857,7 +880,7 @@ class Instance:
                 continue
             payload = encode_data(self.spec.instance, self.epoch, seq, items)
             link.replace(u.seq, seq, payload, now)
-            self._publish_tracked(topic, payload, self.tracker.last_index + 1)
+            self._publish_tracked(dest, payload, self.tracker.last_index + 1)
         self.stats["replayed_batches"] = self.stats.get("replayed_batches", 0) + len(old)
         log.warning("replayed %d unacked batches to %s%s", len(old), dest,
                     "" if renumber else " under their own numbers (silent link)", extra=self.ctx)
@@ -1012,7 +1035,7 @@ class Instance:
         else:
             pubs = op.record(items)
         for pub in pubs:
-            self._publish_tracked(pub.topic, pub.payload, index)
+            self._publish_tracked(RAW_TOPIC + pub.topic, pub.payload, index)
         self.stats["records_out"] += len(items)
 
     def _settle_sink(self) -> None:
@@ -1139,7 +1162,7 @@ class Instance:
             else:
                 payload = encode_data(self.spec.instance, self.epoch, seq, items)
                 link.sent(seq, payload, len(items), now, low)  # replay buffer: kept until dest acks
-                self._publish_tracked(topics.inbox(self.spec.cluster, dest, self.spec.node), payload, low)
+                self._publish_tracked(dest, payload, low)
             self.stats["batches_out"] += 1
             self.stats["records_out"] += len(items)
 
@@ -1148,22 +1171,50 @@ class Instance:
         Every step, not only when there is data to flush: a sink or a departing copy has none,
         and an ack left here held back every later ack of a sink for good (docs/reliability.md)."""
         while self.retry:
-            topic, payload, low = self.retry.popleft()
-            self._issue(topic, payload, low, True)
+            dest, payload, low = self.retry.popleft()
+            self._issue(dest, payload, low, True)
 
-    def _publish_tracked(self, topic: str, payload: bytes, low: Optional[int]) -> None:
-        """Publish after whatever the client refused earlier (order). With `low`, the inputs from
-        that index on stay unacked upstream until the broker PUBACKs (data we forward); None for
-        our own acks and protocol messages, which carry no input."""
-        if self.retry:
-            self.retry.append((topic, payload, low))
+    def _publish_tracked(self, dest: str, payload: bytes, low: Optional[int]) -> None:
+        """Publish to `dest`'s inbox after whatever the client refused earlier (order). With
+        `low`, the inputs from that index on stay unacked upstream until the broker PUBACKs (data
+        we forward); None for our own acks and protocol messages, which carry no input.
+
+        Per-node inboxes: a destination our binding table does not name yet (a new copy whose
+        node's hosted record has not reached our agent; anything before our first table) waits in
+        `unrouted`, in order, until a "hosts" line names it (`_on_hosts`)."""
+        if self.per_node and not dest.startswith(RAW_TOPIC) and (dest in self.unrouted or dest not in self.hosts_bound):
+            self._park(dest, payload, low)
+        elif self.retry:
+            self.retry.append((dest, payload, low))
         else:
-            self._issue(topic, payload, low, False)
+            self._issue(dest, payload, low, False)
 
-    def _issue(self, topic: str, payload: bytes, low: Optional[int], retried: bool) -> None:
+    def _park(self, dest: str, payload: bytes, low: Optional[int]) -> None:
+        q = self.unrouted.get(dest)
+        if q is None:
+            q = self.unrouted[dest] = deque()
+        if len(q) >= UNROUTED_MAX:
+            # A destination no record ever lists (it died before its node published it): the
+            # oldest goes; what it carried is still in our replay buffer (data) or resent by the
+            # round on silence (protocol), should the destination appear after all.
+            q.popleft()
+            self.stats["unrouted_dropped"] = self.stats.get("unrouted_dropped", 0) + 1
+        q.append((payload, low))
+
+    def _topic(self, dest: str) -> str:
+        if dest.startswith(RAW_TOPIC):
+            return dest[1:]  # a sink operator's own publication (mqtt_sink), not an inbox
+        if self.per_node:
+            return topics.inbox_at(self.spec.cluster, self.hosts_bound[dest], dest, self.spec.node)
+        return topics.inbox(self.spec.cluster, dest, self.spec.node)
+
+    def _issue(self, dest: str, payload: bytes, low: Optional[int], retried: bool) -> None:
+        if self.per_node and not dest.startswith(RAW_TOPIC) and dest not in self.hosts_bound:
+            self._park(dest, payload, low)  # a retry whose binding a newer table no longer has
+            return
         self._token += 1
-        self._unconfirmed[self._token] = (topic, payload, low, retried)
-        self._out.append(Publish(topic, payload, self._token))
+        self._unconfirmed[self._token] = (dest, payload, low, retried)
+        self._out.append(Publish(self._topic(dest), payload, self._token))
 
     def send_envelope(self, dest: str, kind: Kind, body: Any) -> None:
         """Acks and protocol messages: numbered on the same channel as the data (invariant 1)."""
@@ -1171,7 +1222,7 @@ class Instance:
         if dest in self.local:
             self._hand(dest, env)
         else:
-            self._publish_tracked(topics.inbox(self.spec.cluster, dest, self.spec.node), encode(env), None)
+            self._publish_tracked(dest, encode(env), None)
 
     def _hand(self, dest: str, env: Envelope) -> None:
         """An envelope to a co-hosted instance (docs/runtime.md, "Chaining"). Its channel is
@@ -1221,6 +1272,7 @@ class Instance:
             lows.append(min(self.pending_pub.values()))
         lows += [u[2] for u in self._unconfirmed.values() if u[2] is not None]
         lows += [r[2] for r in self.retry if r[2] is not None]
+        lows += [u[1] for q in self.unrouted.values() for u in q if u[1] is not None]
         if self.sink_wait:
             lows.append(self.sink_wait[0])
         return min(lows) if lows else None
@@ -1269,6 +1321,7 @@ class Instance:
             and not self.pending_pub
             and not self._unconfirmed
             and not self.retry
+            and not self.unrouted
             and all(link.inflight == 0 for link in self.links.values())
             and self.tracker.waiting() == 0
             and not self.ack_due
@@ -1295,6 +1348,7 @@ class Instance:
             reorder_waiting=self.inbound.waiting_total(),
             gaps=self.inbound.gaps(),
             unpubacked=len(self.pending_pub) + len(self.retry) + len(self._unconfirmed),
+            unrouted=sum(len(q) for q in self.unrouted.values()),
             service_time_ms=self.service_time * 1000,
             live_capacity=round(self.live_capacity.value, 2),
             online_service_time_ms=(round(self.live_capacity.service_time * 1000, 4)
