@@ -9,7 +9,7 @@ from typing import Any, FrozenSet, List, Tuple
 
 import pytest
 
-from agent.instance.commands import Emit, Exit, Persist, Publish, RequestSpawn
+from agent.instance.commands import Emit, Exit, Persist, Publish, RequestSpawn, SaveRoutes
 from agent.instance.core import Instance, Phase
 from agent.instance.events import (
     Abort, Control, EnvelopeReceived, PubAcked, PublishAccepted, PublishRefused, Restarted, Started, Tick,
@@ -219,6 +219,57 @@ def test_a_restarted_instance_decides_on_a_whole_period_of_input_not_on_its_repl
     accept_all(op, op.handle(Restarted(WALL0 + 50, json.loads(json.dumps(saved))), 50.0), 50.0)
     when, copies = _first_scale_out(op, begin=50.8, until=62.0, start=50.0)
     assert copies in (3, 4) and when == 54.0, (when, copies)
+
+
+@pytest.mark.parametrize("fault", [False, True])
+def test_records_replayed_after_a_crash_go_to_the_sink_instance_they_went_to_before(fault: bool) -> None:
+    """op-0 forwards 4 records to sink-0, its only successor, which records them (its acks are
+    still on their way); the sink scales out (sink-1 joins op-0's table); op-0 is killed before
+    it acked its input upstream. Restarted from its last Persist, it asks the source for a
+    replay and processes the 4 records again. They must go to sink-0 again, which drops them by
+    id (docs/design.md invariant 8): routed afresh, round-robin, half went to sink-1, which has
+    never seen them and keeps them (with the seeded fault `route_afresh`, the old behaviour)."""
+    from agent.protocol.messages import Duplication
+
+    faults = frozenset({"route_afresh"}) if fault else frozenset()
+    inbox = topics.inbox(CLUSTER, "op-0", "n1")
+    op = make("op", faults)
+    cmds = op.handle(Started(WALL0), 0.0)
+    records = [("src", i, {"v": i}) for i in range(4)]
+    cmds += op.handle(EnvelopeReceived(inbox, encode_data("source-0", 0, 1, records)), 0.1)
+    cmds += op.handle(Tick(WALL0 + 0.1), 0.1)
+    sent = accept_all(op, cmds, 0.1)
+    first = {(it[0], it[1]): t for t, p in sent for it in decode(p).body if decode(p).kind is Kind.DATA}
+    assert set(first.values()) == {topics.inbox(CLUSTER, "sink-0", "n1")} and len(first) == 4
+    dup = Duplication("sink-0", 2, 1, ("sink-1",)).to_dict()
+    more = op.handle(EnvelopeReceived(inbox, encode(Envelope("sink-0", 0, 1, Kind.PROTO, dup))), 0.2)
+    more += op.handle(Tick(WALL0 + 0.2), 0.2)
+    accept_all(op, more, 0.2)
+    assert set(op.router.succs) == {"sink-0", "sink-1"}
+    assert not any(t == topics.inbox(CLUSTER, "source-0", "n1") and decode(p).kind is Kind.ACK for t, p in sent)
+    saved = [c.state for c in cmds + more if isinstance(c, Persist)][-1]  # then kill -9
+    snapshot, log = None, ""  # what SaveRoutes left in <op-0>.routes.json and .routes.log
+    for c in cmds + more:
+        if isinstance(c, SaveRoutes):
+            snapshot, log = (c.snapshot, "") if c.snapshot is not None else (snapshot, log)
+            log += c.log
+            assert cmds.index(c) < min(i for i, x in enumerate(cmds) if isinstance(x, Publish)
+                                       and decode(x.payload).kind is Kind.DATA)  # write-ahead
+
+    again = make("op", faults)
+    restarted = Restarted(WALL0 + 1, json.loads(json.dumps(saved)), routes=(snapshot, log))
+    accept_all(again, again.handle(restarted, 1.0), 1.0)
+    assert set(again.router.succs) == {"sink-0", "sink-1"}
+    replay = again.handle(EnvelopeReceived(inbox, encode_data("source-0", 0, 2, records)), 1.1)
+    replay += again.handle(Tick(WALL0 + 1.1), 1.1)
+    resent = {(it[0], it[1]): t for t, p in accept_all(again, replay, 1.1)
+              for it in decode(p).body if decode(p).kind is Kind.DATA}
+    assert set(resent) == set(first)
+    to_sink1 = sorted(r for r, t in resent.items() if t == topics.inbox(CLUSTER, "sink-1", "n1"))
+    if fault:
+        assert to_sink1, resent  # the duplicate the fix prevents
+        return
+    assert to_sink1 == [] and again.routes.pinned == 4
 
 
 def test_bad_bytes_on_the_inbox_are_counted_and_skipped() -> None:
