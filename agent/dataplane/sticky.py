@@ -108,6 +108,7 @@ class RouteMemory:
                  max_remembered: int = MAX_REMEMBERED) -> None:
         self.retain, self.grace, self.max_remembered = retain, grace, max_remembered
         self._where: Dict[str, Dict[int, int]] = {}  # source -> number -> entry no (the latest send)
+        self._top: Dict[str, int] = {}  # source -> the highest number ever sent (split's fast path)
         self._entries: Dict[int, _Entry] = {}
         self._held: Deque[_Entry] = deque()  # inputs not acked upstream yet, in send order
         self._done: Deque[_Entry] = deque()  # acked upstream, in the order they were
@@ -140,6 +141,9 @@ class RouteMemory:
             if where is None:
                 where = self._where[src] = {}
             where.update(dict.fromkeys(seqs, entry.no))
+            top = max(seqs)
+            if top > self._top.get(src, -1):
+                self._top[src] = top
         self._count += len(items)
 
     def released(self, upto: int, now: float) -> None:
@@ -180,6 +184,10 @@ class RouteMemory:
         `items` itself when nothing was sent before (the common case: no copy)."""
         if not self._where:
             return items, {}
+        first = items[0][0] if items else None
+        if first is not None and all(it[0] == first for it in items) and \
+                min(it[1] for it in items) > self._top.get(first, -1):
+            return items, {}  # all newer than anything sent from that source (the common case)
         pinned: Dict[str, List[Item]] = {}
         free: Optional[List[Item]] = None
         for i, it in enumerate(items):

@@ -93,6 +93,7 @@ class Worker:
         self.keyed_path = self.state_dir / f"{spec.instance}.keyed.json"
         self.routes_path = self.state_dir / f"{spec.instance}.routes.json"  # agent.dataplane.sticky
         self.routes_log = self.state_dir / f"{spec.instance}.routes.log"
+        self._routes_fd: Optional[int] = None
         # One process per identity: wait for a previous incarnation (still draining after its
         # agent died) to exit before reading its state or taking over its MQTT session.
         self._identity_lock = hold_identity_lock(
@@ -315,16 +316,15 @@ class Worker:
         log is appended to (a torn last line is skipped at load: its batches never went out)."""
         if c.snapshot is not None:
             write_atomic(self.routes_path, c.snapshot)
-            with open(self.routes_log, "w"):
-                pass
+            if self._routes_fd is not None:
+                os.close(self._routes_fd)
+            self._routes_fd = os.open(self.routes_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_TRUNC, 0o600)
         if c.log:
-            fd = os.open(self.routes_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-            try:
-                view = memoryview(c.log.encode())
-                while view:
-                    view = view[os.write(fd, view):]
-            finally:
-                os.close(fd)
+            if self._routes_fd is None:  # kept open: an open and a close per loop turn cost more than the write
+                self._routes_fd = os.open(self.routes_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            view = memoryview(c.log.encode())
+            while view:
+                view = view[os.write(self._routes_fd, view):]
 
     @staticmethod
     def _load_text(path: Path) -> Optional[str]:
