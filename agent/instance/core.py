@@ -40,8 +40,10 @@ from agent.dataplane.envelope import (
 from agent.dataplane.flow import AckTracker, OutLink
 from agent.dataplane.inbound import ACCEPT, HOLD, REFUSE, HoldBuffer, LogLimiter, numbering_fault, writer_verdict
 from agent.dataplane.routing import Outbox, Router
+from agent.dataplane.sticky import RouteMemory
 from agent.instance.commands import (
     Command, CrashPoint, Emit, Exit, Handoff, Notify, Persist, PersistSource, Publish, RequestSpawn, SaveKeyed,
+    SaveRoutes,
 )
 from agent.instance.driver import ScalingDriver
 from agent.instance.events import (
@@ -57,7 +59,7 @@ from agent.operators.keyed import KeyedOperator, keyed_config_problems
 from agent.protocol.errors import LocalProtocolError
 
 __all__ = ["Instance", "Phase", "EXIT_OK", "EXIT_CRASH", "EXIT_BAD_SPEC", "EXIT_BROKER", "EXIT_DRAIN_TIMEOUT",
-           "FAULT_RETRY_ONLY_WITH_DATA"]
+           "FAULT_RETRY_ONLY_WITH_DATA", "FAULT_ROUTE_AFRESH"]
 
 log = logging.getLogger("agent.instance.worker")
 
@@ -112,6 +114,9 @@ UNROUTED_MAX = 1024
 # Seeded fault (agent.sim.instance_check, never set elsewhere): refused publishes are retried
 # only when there is data to flush, so a sink's refused ack holds back all its later acks.
 FAULT_RETRY_ONLY_WITH_DATA = "retry_only_with_data"
+# Seeded fault (the same): records sent again are routed afresh, not to where they went before,
+# so after a crash a copy can reach another sink instance, which keeps it (INVARIANT 8).
+FAULT_ROUTE_AFRESH = "route_afresh"
 
 
 class Phase(Enum):
@@ -197,6 +202,10 @@ class Instance:
         nxt = pipeline.operators[self.stage + 1] if self.stage + 1 < len(pipeline.operators) else None
         self.router = Router(spec.succs, key=self.op.key, groups=nxt.key_groups if nxt is not None else 128)
         self.outbox = Outbox(self.router, self.op.batch_size, self.op.linger_ms / 1000.0)
+        # INVARIANT 8 (a record sent again goes where it went): keyless forwarding remembers
+        # each record's successor (key groups already send a key to one instance).
+        self.routes = RouteMemory()
+        self.sticky = self.op.key is None and not self.is_sink and FAULT_ROUTE_AFRESH not in self.faults
         self.links: Dict[str, OutLink] = {}
         self.tracker = AckTracker()
         self.queues: Dict[str, Deque[Envelope]] = {}
@@ -335,13 +344,18 @@ class Instance:
         self._begin(ev.wall, False, {}, None)
 
     def _on_restarted(self, ev: Restarted) -> None:
+        if self.sticky:
+            try:
+                self.routes = RouteMemory.load(ev.routes[0], ev.routes[1], self.now)
+            except ValueError as exc:
+                log.warning("%s: records replayed to us are routed afresh", exc, extra=self.ctx)
         self._begin(ev.wall, True, ev.state, ev.source_position)
         if self.keyed is not None and ev.keyed is not None:
             again = self.keyed.restore(ev.keyed)
             if again:  # outputs the successors had not acked: sent again (the sink drops copies)
                 index = self.tracker.produced()
                 self.keyed.outputs = [(index, it) for it in again]
-                self.outbox.add(list(again), index, self.now)
+                self._forward(list(again), index, self.now)
 
     def _begin(self, wall: float, restart: bool, saved: Dict[str, Any],
                source_position: Optional[Dict[str, Any]]) -> None:
@@ -996,7 +1010,7 @@ class Instance:
         elif self.keyed is not None:
             out = self.keyed.apply(env.sender, items, index)
             if out:
-                self.outbox.add(out, index, now)
+                self._forward(out, index, now)
         else:
             out = self._apply(items)
             self.stats["filtered"] += n - len(out)
@@ -1008,7 +1022,7 @@ class Instance:
                     if body is not None:
                         out = Passed(out, body)
                         self.stats["passed_batches"] = self.stats.get("passed_batches", 0) + 1
-                self.outbox.add(out, index, now)
+                self._forward(out, index, now)
         self.signals.processed(n, self.perf() - t0 + n * self.service_time)
         if self.service_time:
             self.busy_until = max(self.busy_until, now) + n * self.service_time
@@ -1107,7 +1121,7 @@ class Instance:
             self.stats["records_in"] += len(items)
             index = self.tracker.produced()
             self._source_first[index] = items[0][1]
-            self.outbox.add(items, index, now)
+            self._forward(items, index, now)
 
     def _reserve_span(self, now: float, generated: int) -> int:
         """Records to reserve past this poll: RESERVE_SECONDS of the rate measured since the last
@@ -1137,6 +1151,15 @@ class Instance:
         link = self.links.get(dest)
         return self.op.max_inflight_batches if link is None else link.credit
 
+    def _forward(self, items: List[Item], index: int, now: float) -> None:
+        """Buffer the outputs of input `index`: a record sent before goes to the same successor
+        again while it is in our table (INVARIANT 8, agent.dataplane.sticky), the rest as routed."""
+        if self.sticky:
+            items, pinned = self.routes.split(items, self.router.succs)
+            for dest, recs in pinned.items():
+                self.outbox.add_to(dest, recs, index, now)
+        self.outbox.add(items, index, now)
+
     def flush(self, now: float, force: bool = False) -> None:
         if self.outbox.pending == 0:
             return
@@ -1146,6 +1169,12 @@ class Instance:
         batches = self.outbox.take(now, self._credit, force=force or draining)
         if not batches and self.outbox.pending >= self.outbox.batch_size:
             self.stats["credit_stalls"] += 1
+        if batches and self.sticky:
+            # Write-ahead (INVARIANT 8): where these records go is on disk before they go, so a
+            # crash cannot lose the destination of a record its predecessors will replay.
+            for dest, items, _ in batches:
+                self.routes.sent(dest, items, self.tracker.last_index)
+            self._out.append(SaveRoutes(*self.routes.take_save(now)))
         for dest, items, low in batches:
             if dest not in self.router.succs:
                 # Cannot happen (the outbox routes over the current table); counted if it does.
@@ -1279,7 +1308,10 @@ class Instance:
 
     def _send_acks(self, now: float) -> None:
         """Ack inputs processed AND forwarded (PUBACKed) or recorded; coalesced for ACK_DELAY."""
-        done = self.tracker.release(self._lowest_pending())
+        low = self._lowest_pending()
+        done = self.tracker.release(low)
+        if self.sticky and not self.retry:  # an ack refused by the client is not on its way yet
+            self.routes.released(self.tracker.last_index if low is None else low - 1, now)
         for sender, pos in done.items():
             if pos > self.ack_due.get(sender, (-1, 0)):
                 self.ack_due[sender] = pos
@@ -1349,6 +1381,8 @@ class Instance:
             gaps=self.inbound.gaps(),
             unpubacked=len(self.pending_pub) + len(self.retry) + len(self._unconfirmed),
             unrouted=sum(len(q) for q in self.unrouted.values()),
+            routes_remembered=len(self.routes),
+            records_pinned=self.routes.pinned,
             service_time_ms=self.service_time * 1000,
             live_capacity=round(self.live_capacity.value, 2),
             online_service_time_ms=(round(self.live_capacity.service_time * 1000, 4)

@@ -1520,10 +1520,11 @@ class Agent:
     def _forget(self, instance: str) -> None:
         hosted.forget(self.cfg.agent.state_dir, instance)
         self._delayed_restarts.pop(instance, None)
-        try:
-            (Path(self.cfg.agent.state_dir) / f"{instance}.state.json").unlink()
-        except FileNotFoundError:
-            pass
+        for name in ("state.json", "routes.json", "routes.log"):  # routes: agent.dataplane.sticky
+            try:
+                (Path(self.cfg.agent.state_dir) / f"{instance}.{name}").unlink()
+            except FileNotFoundError:
+                pass
         self._hosted_dirty = True
 
     def _publish_hosted(self) -> None:
