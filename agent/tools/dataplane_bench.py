@@ -45,6 +45,7 @@ from agent.instance.spec import InstanceSpec, control_line, parse_control_line
 
 from agent.mqtt.settings import BrokerSpec
 from agent.mqtt import client as mqttc
+from agent.mqtt.transport import DATA_MQTT5
 
 __all__ = ["BenchFailed", "DropWatch", "WorkerProc", "ChainProc", "MemberProc", "LocalRunner", "pipeline_toml", "initial_specs", "measure_raw",
            "measure_raw_2proc", "register_bench", "run_bench"]
@@ -330,6 +331,12 @@ class WarmProc:
         self.log.close()
 
 
+def _as_agent_sets(spec: InstanceSpec) -> InstanceSpec:
+    """The spec fields an agent sets on every worker that the runner plays too: the writer check
+    and per-node inboxes (docs/security.md, "Data channels", "Who may read an inbox")."""
+    return replace(spec, extra=dict(spec.extra, check_sender_node=True, inbox_per_node=True))
+
+
 class LocalRunner:
     """Plays the agent for a set of workers on this machine (tests, benchmarks).
 
@@ -377,7 +384,7 @@ class LocalRunner:
         spare = self._take_spare()
         if spare is not None:
             self.warm_used += 1
-        spec = replace(spec, extra=dict(spec.extra, check_sender_node=True))
+        spec = _as_agent_sets(spec)
         w = WorkerProc(spec, self.workdir / "logs", self._on_line, warm=spare)
         self._prewarm()
         with self.lock:
@@ -393,7 +400,7 @@ class LocalRunner:
         spare = self._take_spare()
         if spare is not None:
             self.warm_used += 1
-        specs = [replace(s, extra=dict(s.extra, check_sender_node=True)) for s in specs]
+        specs = [_as_agent_sets(s) for s in specs]
         chain = ChainProc(specs, self.workdir / "logs", self._on_line, warm=spare)
         self._prewarm()
         with self.lock:
@@ -584,21 +591,23 @@ class DropWatch:
 
 
 def _raw_client(name: str, host: str, port: int, topic: Optional[str] = None, timeout: float = 10.0) -> Any:
-    """A connected paho client (MQTT 5, like a worker's), subscribed to `topic` at QoS 1 if given;
-    driven by the caller's own select loop (no network thread)."""
+    """A connected paho client (the MQTT version of a worker's data path, `DATA_MQTT5`),
+    subscribed to `topic` at QoS 1 if given; driven by the caller's own select loop (no network
+    thread)."""
     broker = mqttc.broker_from(host, port, keepalive=60)
+    session = mqttc.Session(mqtt5=DATA_MQTT5)
     # TCP_NODELAY like a worker's (agent.mqtt.client), else each small ack waits; max_inflight 0:
     # no paho-side cap, the bench's window is the only limit
-    c = mqttc.make_client(broker, f"{name}-{os.getpid()}", max_inflight=0)
+    c = mqttc.make_client(broker, f"{name}-{os.getpid()}", session, max_inflight=0)
     ready = threading.Event()
     c.on_connect = lambda cl, u, f, rc, p=None: (cl.subscribe(topic, qos=1) if topic else ready.set())
     c.on_subscribe = lambda *a: ready.set()
-    mqttc.connect(c, broker)
+    mqttc.connect(c, broker, session)
     deadline = time.monotonic() + timeout
     while not ready.is_set():
         if time.monotonic() > deadline:
             raise BenchFailed(f"{name}: not connected/subscribed to {host}:{port} after {timeout}s")
-        c.loop(0.05)
+        mqttc.loop_once(c, 0.05)  # never loop(): its wake-up socket pair costs a send per publish
     return c
 
 
@@ -861,7 +870,7 @@ def run_bench(
     if result is None:
         result = {}
     result.update({"batch_size": batch_size, "record": record, "seconds": seconds, "window": window,
-                   "raw_window": raw_window})
+                   "raw_window": raw_window, "mqtt": "5" if DATA_MQTT5 else "3.1.1"})
     runner = LocalRunner(tmp)
     drops: Optional[DropWatch] = None
     try:
