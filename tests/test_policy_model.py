@@ -97,19 +97,19 @@ def test_policy_scales_up_by_one_on_back_pressure_and_calibrates():
     pol = pols[0]
     assert not pol.decide(_m(30.0, 5, 90.0, upstream_backpressure=0.9, rank=0)).scales  # cooldown
     assert sum(a.count for a in acts if a.kind is ActionKind.SCALE_OUT) == 1  # exactly +1 overall
-    assert pol.points == [MstPoint(4, 0.0, 360.0)]
+    assert pol.mst.points == [MstPoint(4, 0.0, 360.0)]
     assert pol.model().alpha == pytest.approx(90.0)
 
 
 def test_policy_respects_cooldown_then_scales_down_by_several():
     pol = ModelPolicy(threshold_dt=15.0, cooldown=60.0)
-    pol.record(MstPoint(4, 0.0, 400.0))  # alpha = 100
+    pol.mst.record(MstPoint(4, 0.0, 400.0))  # alpha = 100
     pol.last_action_at = 0.0
     assert not pol.decide(_m(30.0, 8, 20.0, rank=0)).scales  # in cooldown
     # 8 instances, operator throughput 160/s: 2 instances give 200 (DT 20%) -> remove 6
     acts = [ModelPolicy(15.0, 60.0) for _ in range(8)]
     for p in acts:
-        p.record(MstPoint(4, 0.0, 400.0))
+        p.mst.record(MstPoint(4, 0.0, 400.0))
     out = [p.decide(_m(100.0, 8, 20.0, rank=r, is_keeper=(r == 7))) for r, p in enumerate(acts)]
     assert [a.kind for a in out].count(ActionKind.SCALE_IN) == 6
     assert all(a.target == 2 for a in out if a.scales)
@@ -118,7 +118,7 @@ def test_policy_respects_cooldown_then_scales_down_by_several():
 
 def test_policy_never_scales_down_under_back_pressure():
     pol = ModelPolicy()
-    pol.record(MstPoint(1, 0.0, 1000.0))
+    pol.mst.record(MstPoint(1, 0.0, 1000.0))
     assert not pol.decide(_m(0.0, 8, 10.0, backpressure=0.9, upstream_backpressure=0.9)).scales
 
 
@@ -133,7 +133,7 @@ def test_extensions_sized_and_early_scale_up_and_demand_window():
     # sized: 4 instances saturated at 400/s (alpha 100); margin 20% -> need 500/s -> 5 instances
     pols = [ModelPolicy(threshold_dt=20.0, sized_scale_up=True) for _ in range(4)]
     for p in pols:
-        p.record(MstPoint(1, 0.0, 100.0))
+        p.mst.record(MstPoint(1, 0.0, 100.0))
     acts = [p.decide(_m(0.0, 4, 100.0, upstream_backpressure=0.9, rank=r)) for r, p in enumerate(pols)]
     assert sum(a.count for a in acts if a.scales) == 1 and acts[-1].target == 5
     pols = [ModelPolicy(threshold_dt=40.0, sized_scale_up=True) for _ in range(4)]
@@ -141,22 +141,22 @@ def test_extensions_sized_and_early_scale_up_and_demand_window():
     assert sum(a.count for a in acts if a.scales) == 3  # 400 / 0.6 = 667/s -> 7 instances
     # early: 92% of the predicted MST without back pressure
     early = ModelPolicy(early_up=0.9)
-    early.record(MstPoint(1, 0.0, 100.0))
+    early.mst.record(MstPoint(1, 0.0, 100.0))
     assert early.decide(_m(0.0, 2, 92.0, rank=1)).kind is ActionKind.SCALE_OUT
     assert not ModelPolicy().decide(_m(0.0, 2, 92.0, capacity=100.0, rank=1)).scales  # published: waits for BP
     # demand window: a peak 2 periods ago blocks the scale-down
     win = ModelPolicy(threshold_dt=15.0, cooldown=0.0, demand_window=3)
-    win.record(MstPoint(1, 0.0, 100.0))
+    win.mst.record(MstPoint(1, 0.0, 100.0))
     assert not win.decide(_m(0.0, 4, 80.0, rank=0)).scales  # 320/s needs 4
     assert not win.decide(_m(60.0, 4, 20.0, rank=0)).scales  # 80/s now, but the window remembers 320
     fresh = ModelPolicy(threshold_dt=15.0, cooldown=0.0)
-    fresh.record(MstPoint(1, 0.0, 100.0))
+    fresh.mst.record(MstPoint(1, 0.0, 100.0))
     assert fresh.decide(_m(60.0, 4, 20.0, rank=0)).kind is ActionKind.SCALE_IN
 
 
 def test_min_scale_down_batches_removals():
     pol = ModelPolicy(threshold_dt=15.0, cooldown=0.0, min_scale_down=2)
-    pol.record(MstPoint(1, 0.0, 100.0))
+    pol.mst.record(MstPoint(1, 0.0, 100.0))
     # 4 instances at 70/s each = 280/s: 3 instances suffice (300, DT 6.7% < 15 -> no); keep 4
     assert not pol.decide(_m(0.0, 4, 70.0, rank=0)).scales
     # 4 at 55/s = 220/s: 3 give DT 26.7% -> one removable only: wait
@@ -166,5 +166,5 @@ def test_min_scale_down_batches_removals():
     assert out.kind is ActionKind.SCALE_IN and out.target == 2
     # never blocked by the batch size when only the minimum is left to remove
     last = ModelPolicy(threshold_dt=15.0, cooldown=0.0, min_scale_down=3)
-    last.record(MstPoint(1, 0.0, 100.0))
+    last.mst.record(MstPoint(1, 0.0, 100.0))
     assert last.decide(_m(0.0, 2, 10.0, rank=0)).target == 1

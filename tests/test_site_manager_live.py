@@ -239,3 +239,81 @@ def test_a_peer_drain_is_accepted_from_the_lease_holder_only(mosquitto, tmp_path
         c.publish(topics.site_manager(cluster), b"", retain=True)
         c.loop_stop()
         c.disconnect()
+
+
+SCALING_PIPELINE = """
+[pipeline]
+name = "free"
+[[operator]]
+name = "source"
+kind = "source"
+function = "agent.operators.taxi:source"
+params = { seed = 3, profile = "constant", rate = 300.0 }
+[[operator]]
+name = "in_zone"
+function = "agent.operators.builtin:in_zone"
+[operator.scaling]
+policy = "decentralized"
+period = 1.0
+capacity = 100.0
+[[operator]]
+name = "sink"
+kind = "sink"
+function = "agent.operators.builtin:counting_sink"
+"""
+
+
+def test_the_fleet_scales_while_no_site_manager_leads(mosquitto, tmp_path) -> None:
+    """docs/site-manager.md: the manager proposes and orders, it never blocks the protocol. Two
+    agents with the site manager enabled, and the role held by a node that is not there (a
+    retained lease of n9, unexpired for the whole test), so that none of them leads: a pipeline
+    at 3x its operator's capacity still scales out, nobody drains or releases, and every record
+    reaches the sink exactly once."""
+    import paho.mqtt.client as mqtt
+
+    from agent.config import load_pipeline_text
+    from agent.node.deploy import deploy
+    from agent.node.rpc import RpcClient
+    from agent.tools.demo import Monitor
+    from agent.tools.verify import verify
+
+    cluster = "f" + uuid.uuid4().hex[:8]
+    hook = tmp_path / "hook.sh"
+    hook.write_text('#!/bin/sh\necho "$2" >> "$1"\n')
+    hook.chmod(hook.stat().st_mode | stat.S_IXUSR)
+    sink = tmp_path / "sinks" / "free"
+    sink.mkdir(parents=True)
+    c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"n9-{uuid.uuid4().hex[:6]}", protocol=mqtt.MQTTv5)
+    c.connect(mosquitto.host, mosquitto.port)
+    c.loop_start()
+    c.publish(topics.site_manager(cluster), json.dumps({"v": 1, "node": "n9", "until": time.time() + 300}), qos=1,
+              retain=True).wait_for_publish(5)
+    mon = Monitor(mosquitto.host, mosquitto.port, cluster)
+    record = LeaderRecord(mosquitto, cluster)
+    agents: Dict[str, Agent] = {}
+    try:
+        for n in ("n1", "n2"):
+            agents[n] = Agent(tmp_path, mosquitto, cluster, n, tmp_path)
+        assert mon.wait(lambda m: all(m.status.get(n) == "online" for n in agents), 30)
+        deploy(SCALING_PIPELINE, mosquitto.host, mosquitto.port, cluster, extra={"sink_dir": str(sink)})
+        assert mon.wait(lambda m: any(e.get("type") == "scale_out" and e.get("operator") == "in_zone"
+                                      for e in m.events), 30), mon.events[-20:]
+        assert mon.wait(lambda m: m.instances_per_operator(include_terminating=False).get("in_zone", 0) >= 2, 10)
+        with RpcClient(mosquitto.host, mosquitto.port, cluster) as client:
+            reply = client.call(mon.instance_node["free.source.0"],
+                                {"op": "set", "instance": "free.source.0", "fields": {"paused": True}})
+        assert reply["ok"], reply
+        time.sleep(3.0)  # the tail reaches the sink
+        assert record.get()["node"] == "n9"  # nobody took the role meanwhile
+        assert not [e for e in mon.events if e.get("type") == "site_action"], mon.events
+        assert not (tmp_path / "released").exists()
+    finally:
+        for a in agents.values():
+            a.stop()
+        mon.close()
+        record.close()
+        c.publish(topics.site_manager(cluster), b"", retain=True).wait_for_publish(5)
+        c.loop_stop()
+        c.disconnect()
+    v = verify(load_pipeline_text(SCALING_PIPELINE), sink)
+    assert v.generated > 300 and v.ok, v

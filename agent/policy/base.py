@@ -48,6 +48,7 @@ __all__ = [
     "Policy",
     "NO_ACTION",
     "share_of_delta",
+    "HeldScaleIn",
     "DecentralizedPolicy",
     "make_policy",
     "POLICY_NAMES",
@@ -153,6 +154,33 @@ def share_of_delta(delta: int, m: Measurements, target: Optional[int] = None, re
             go = m.draw < min(1.0, -delta / max(1, n - 1))
         return ScalingAction(ActionKind.SCALE_IN, 1, target, reason) if go else NO_ACTION
     return NO_ACTION
+
+
+class HeldScaleIn:
+    """Hysteresis for scale-in, shared by the sized and seasonal policies: a scale-in to `target`
+    happens only after `hold` consecutive periods in which it removes at least `min_step`
+    instances (or down to `min_instances`), and `cooldown_in` seconds after the last action. One
+    low period in between and the count starts again: a dip shorter than `hold` periods never
+    removes instances that the next peak would have to start again (docs/measurement.md)."""
+
+    hold: int
+    min_step: int
+    min_instances: int
+    cooldown_in: float
+    low_periods: int
+    last_action_at: Optional[float]
+
+    def held_scale_in(self, m: Measurements, n: int, target: int, since: float, reason: str) -> ScalingAction:
+        if target < n and n - target >= min(self.min_step, n - self.min_instances):
+            self.low_periods += 1
+        else:
+            self.low_periods = 0
+            return NO_ACTION
+        if self.low_periods < self.hold or since < self.cooldown_in:
+            return NO_ACTION
+        self.low_periods = 0
+        self.last_action_at = m.now
+        return share_of_delta(target - n, m, target, reason)
 
 
 class DecentralizedPolicy:

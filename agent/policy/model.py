@@ -47,6 +47,7 @@ from agent.policy.base import NO_ACTION, Measurements, ScalingAction, share_of_d
 __all__ = [
     "MstModel",
     "MstPoint",
+    "MstPoints",
     "fit_mst",
     "is_overload_root",
     "scale_down_target",
@@ -151,6 +152,38 @@ def fit_mst(points: Sequence[MstPoint], beta_range: Tuple[float, float] = (0.2, 
     return model
 
 
+class MstPoints:
+    """The calibration points of one operator's MST model and the model fitted to them.
+
+    One point per configuration (n, ND_max to 10 ms), the newest: the platform changes (a Pi
+    heats, a neighbour loads it), so an old measurement of the same configuration is stale. The
+    fit runs again only after a new point (the model, sized and seasonal policies ask every period).
+    """
+
+    def __init__(self, max_points: int) -> None:
+        self.max_points = max_points
+        self.points: List[MstPoint] = []
+        self._model: Optional[MstModel] = None
+
+    def record(self, point: MstPoint) -> None:
+        self.points = [p for p in self.points
+                       if not (p.n == point.n and abs(p.nd_max_ms - point.nd_max_ms) < 10.0)]
+        self.points.append(point)
+        del self.points[:-self.max_points]
+        self._model = None
+
+    def model(self) -> MstModel:
+        """The fitted model (the points must not be empty)."""
+        if self._model is None:
+            self._model = fit_mst(self.points)
+        return self._model
+
+    def needed(self, rate: float, nd_max_ms: float, min_instances: int, max_instances: int) -> int:
+        """Smallest instance count whose predicted MST covers `rate` (max_instances if none does)."""
+        n = self.model().instances_for(rate, nd_max_ms, max_instances)
+        return max(min_instances, n if n is not None else max_instances)
+
+
 def is_overload_root(backpressure: float, upstream_backpressure: float) -> bool:
     """Algorithm 1: predecessors blocked, this operator not: it is the bottleneck."""
     return upstream_backpressure > HIGH_BACKPRESSURE and backpressure <= HIGH_BACKPRESSURE
@@ -195,24 +228,12 @@ class ModelPolicy:
         self.early_up = early_up
         self.min_scale_down = max(1, min_scale_down)
         self._recent: List[float] = []
-        self.points: List[MstPoint] = []
+        self.mst = MstPoints(max_points)
         self.last_action_at: Optional[float] = None
-        self._model: Optional[MstModel] = None
-
-    def record(self, point: MstPoint) -> None:
-        """Keep the newest point per configuration (n, ND_max to 10 ms): the platform changes."""
-        same = [p for p in self.points if p.n == point.n and abs(p.nd_max_ms - point.nd_max_ms) < 10.0]
-        for p in same:
-            self.points.remove(p)
-        self.points.append(point)
-        del self.points[:-self.max_points]
-        self._model = None
 
     def model(self, capacity: Optional[float] = None) -> Optional[MstModel]:
-        if self.points:
-            if self._model is None:
-                self._model = fit_mst(self.points)
-            return self._model
+        if self.mst.points:
+            return self.mst.model()
         return MstModel(capacity, 1.0, 0.0, 0) if capacity else None
 
     def decide(self, m: Measurements) -> ScalingAction:
@@ -230,7 +251,7 @@ class ModelPolicy:
             early = mod is not None and ct >= self.early_up * mod.predict(n, m.nd_max_ms)
         if root or early:
             if root and ct > 0:
-                self.record(MstPoint(n, m.nd_max_ms, ct))
+                self.mst.record(MstPoint(n, m.nd_max_ms, ct))
             if n + 1 > self.max_instances:
                 return NO_ACTION
             target = n + 1

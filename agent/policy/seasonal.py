@@ -40,8 +40,8 @@ import statistics
 from functools import lru_cache
 from typing import List, Optional, Sequence, Tuple
 
-from agent.policy.base import NO_ACTION, Measurements, ScalingAction, share_of_delta
-from agent.policy.model import MstModel, MstPoint, fit_mst, is_overload_root
+from agent.policy.base import NO_ACTION, HeldScaleIn, Measurements, ScalingAction, share_of_delta
+from agent.policy.model import MstPoint, MstPoints, is_overload_root
 
 __all__ = ["SeasonalPolicy", "learn_profile", "plan_day"]
 
@@ -99,7 +99,7 @@ def plan_day(profile: Tuple[float, ...], segments: int) -> Tuple[float, ...]:
     return tuple(out)
 
 
-class SeasonalPolicy:
+class SeasonalPolicy(HeldScaleIn):
     """One object per instance; every instance computes the same operator-level target."""
 
     name = "seasonal"
@@ -143,26 +143,15 @@ class SeasonalPolicy:
         self.inputs: List[float] = []  # operator input estimate per period, newest last
         self.slots: List[int] = []  # the slot of the day of each input
         self.backpressured: List[bool] = []
-        self.points: List[MstPoint] = []
+        self.mst = MstPoints(max_points)
         self.low_periods = 0
         self.last_action_at: Optional[float] = None
-        self._model: Optional[MstModel] = None
 
     # ---- model and forecast -------------------------------------------------------------------
 
-    def record(self, point: MstPoint) -> None:
-        """Keep the newest point per configuration (n, ND_max to 10 ms), as SizedPolicy does."""
-        self.points = [p for p in self.points
-                       if not (p.n == point.n and abs(p.nd_max_ms - point.nd_max_ms) < 10.0)]
-        self.points.append(point)
-        del self.points[:-self.max_points]
-        self._model = None
 
     def needed(self, rate: float, nd_max_ms: float) -> int:
-        if self._model is None:
-            self._model = fit_mst(self.points)
-        n = self._model.instances_for(rate, nd_max_ms, self.max_instances)
-        return max(self.min_instances, n if n is not None else self.max_instances)
+        return self.mst.needed(rate, nd_max_ms, self.min_instances, self.max_instances)
 
     def slot(self, now: float) -> int:
         """The slot of the day that contains `now` (+ `phase`: seconds since the profile's midnight
@@ -191,7 +180,7 @@ class SeasonalPolicy:
 
     def decide(self, m: Measurements) -> ScalingAction:
         n = m.n_instances or 1
-        self.record(MstPoint(n, m.nd_max_ms, m.capacity * n))
+        self.mst.record(MstPoint(n, m.nd_max_ms, m.capacity * n))
         x = max(m.throughput * n, m.load * n)
         self.inputs.append(x)
         self.slots.append(self.slot(m.now))
@@ -218,16 +207,7 @@ class SeasonalPolicy:
             return NO_ACTION
         peak = max(max(self.inputs[-self.hold:]), self.forecast_peak(self.horizon_down))
         target = max(self.min_instances, self.needed(peak * (1.0 + self.margin), m.nd_max_ms))
-        if target < n and n - target >= min(self.min_step, n - self.min_instances):
-            self.low_periods += 1
-        else:
-            self.low_periods = 0
-            return NO_ACTION
-        if self.low_periods < self.hold or since < self.cooldown_in:
-            return NO_ACTION
-        self.low_periods = 0
-        self.last_action_at = m.now
-        return share_of_delta(target - n, m, target, f"forecast peak {peak:.0f}/s fits {target} (< {n})")
+        return self.held_scale_in(m, n, target, since, f"forecast peak {peak:.0f}/s fits {target} (< {n})")
 
     def _follow_plan(self, m: Measurements, n: int, x: float, since: float) -> ScalingAction:
         """Plan mode: provision level x plan for this slot and the next, out at once, in after `hold`."""
@@ -252,13 +232,4 @@ class SeasonalPolicy:
             return NO_ACTION
         recent = self.needed(max(self.inputs[-self.hold:]) * (1.0 + self.margin_up), m.nd_max_ms)
         target = max(self.min_instances, desired, recent)
-        if target < n and n - target >= min(self.min_step, n - self.min_instances):
-            self.low_periods += 1
-        else:
-            self.low_periods = 0
-            return NO_ACTION
-        if self.low_periods < self.hold or since < self.cooldown_in:
-            return NO_ACTION
-        self.low_periods = 0
-        self.last_action_at = m.now
-        return share_of_delta(target - n, m, target, f"plan {planned:.0f}/s fits {target} (< {n})")
+        return self.held_scale_in(m, n, target, since, f"plan {planned:.0f}/s fits {target} (< {n})")

@@ -45,13 +45,13 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-from agent.policy.base import NO_ACTION, Measurements, ScalingAction, share_of_delta
-from agent.policy.model import MstModel, MstPoint, fit_mst, is_overload_root
+from agent.policy.base import NO_ACTION, HeldScaleIn, Measurements, ScalingAction, share_of_delta
+from agent.policy.model import MstPoint, MstPoints, is_overload_root
 
 __all__ = ["SizedPolicy"]
 
 
-class SizedPolicy:
+class SizedPolicy(HeldScaleIn):
     """One object per instance; every instance computes the same operator-level target."""
 
     name = "sized"
@@ -88,30 +88,16 @@ class SizedPolicy:
         self.max_points = max_points
         self.inputs: List[float] = []  # operator input estimate per period, newest last
         self.backpressured: List[bool] = []
-        self.points: List[MstPoint] = []
+        self.mst = MstPoints(max_points)
         self.low_periods = 0  # consecutive periods in which a scale-in of >= min_step was possible
         self.last_action_at: Optional[float] = None
-        self._model: Optional[MstModel] = None
 
     # ---- model -----------------------------------------------------------------------------------
 
-    def record(self, point: MstPoint) -> None:
-        """Keep the newest point per configuration (n, ND_max to 10 ms)."""
-        self.points = [p for p in self.points
-                       if not (p.n == point.n and abs(p.nd_max_ms - point.nd_max_ms) < 10.0)]
-        self.points.append(point)
-        del self.points[:-self.max_points]
-        self._model = None
 
-    def model(self) -> MstModel:
-        if self._model is None:
-            self._model = fit_mst(self.points)
-        return self._model
 
     def needed(self, rate: float, nd_max_ms: float) -> int:
-        """Smallest instance count whose predicted MST covers `rate` (max_instances if none does)."""
-        n = self.model().instances_for(rate, nd_max_ms, self.max_instances)
-        return max(self.min_instances, n if n is not None else self.max_instances)
+        return self.mst.needed(rate, nd_max_ms, self.min_instances, self.max_instances)
 
     def forecast(self, horizon: Optional[float] = None) -> float:
         """Last input plus `horizon` periods of its recent (positive) trend."""
@@ -127,7 +113,7 @@ class SizedPolicy:
 
     def decide(self, m: Measurements) -> ScalingAction:
         n = m.n_instances or 1
-        self.record(MstPoint(n, m.nd_max_ms, m.capacity * n))
+        self.mst.record(MstPoint(n, m.nd_max_ms, m.capacity * n))
         ct = m.throughput * n
         bp = m.upstream_backpressure  # blocked toward us: our input is hidden
         x = max(ct, m.load * n)
@@ -159,13 +145,4 @@ class SizedPolicy:
             return NO_ACTION  # never scale in while anything was backlogged
         peak = max(self.inputs[-self.hold:])
         target = max(self.min_instances, self.needed(peak * (1.0 + self.margin_down), m.nd_max_ms))
-        if n - target >= min(self.min_step, n - self.min_instances) and target < n:
-            self.low_periods += 1
-        else:
-            self.low_periods = 0
-            return NO_ACTION
-        if self.low_periods < self.hold or since < self.cooldown_in:
-            return NO_ACTION
-        self.low_periods = 0
-        self.last_action_at = m.now
-        return share_of_delta(target - n, m, target, f"peak {peak:.0f}/s fits {target} (< {n})")
+        return self.held_scale_in(m, n, target, since, f"peak {peak:.0f}/s fits {target} (< {n})")
