@@ -183,6 +183,24 @@ def test_a_hole_in_a_senders_numbering_that_stays_open_makes_us_a_new_incarnatio
     assert w.core.stats["gaps_recovered"] == 1  # the hole was forgotten with the old channel positions
 
 
+def _source_sent_two_batches(tmp_path, clock: list, wire: "MemoryWire"):  # type: ignore[no-untyped-def]
+    """The source of `_chain` after it sent its first 8 records to work-0 as batches 1 and 2:
+    (the worker, work-0's inbox, the two data envelopes)."""
+    from agent import topics
+    from agent.dataplane.envelope import Kind, decode
+
+    w = _chain(tmp_path, clock, wire, "source")
+    for i in range(8):
+        w.core.operator.ingest("sensors/x", b'{"v": %d}' % i)
+    clock[0] += 0.1
+    w.step(clock[0])
+    w.step(clock[0])
+    to_work = topics.inbox("c", "work-0", "local")
+    first = [decode(p) for t, p in wire.sent if t == to_work and decode(p).kind is Kind.DATA]
+    assert [e.seq for e in first] == [1, 2]
+    return w, to_work, first
+
+
 def test_batches_a_successor_never_acks_are_replayed_to_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The last batches sent to a successor went missing (nothing comes after them, so it sees
     no hole): after LINK_SILENCE without an ack they are sent again under their own numbers
@@ -197,15 +215,7 @@ def test_batches_a_successor_never_acks_are_replayed_to_it(tmp_path) -> None:  #
     from agent.instance.core import LINK_SILENCE
 
     clock, wire = [100.0], MemoryWire()
-    w = _chain(tmp_path, clock, wire, "source")
-    for i in range(8):
-        w.core.operator.ingest("sensors/x", b'{"v": %d}' % i)
-    clock[0] += 0.1
-    w.step(clock[0])
-    w.step(clock[0])
-    to_work = topics.inbox("c", "work-0", "local")
-    first = [decode(p) for t, p in wire.sent if t == to_work and decode(p).kind.value == "d"]
-    assert [e.seq for e in first] == [1, 2]
+    w, to_work, first = _source_sent_two_batches(tmp_path, clock, wire)
     wire.events.append(Received(topics.inbox("c", "source-0", "local"),
                                 encode(Envelope("work-0", 0, 1, Kind.ACK, [w.core.epoch, 1]))))  # batch 1 only
     sent = len(wire.sent)
@@ -236,6 +246,14 @@ def test_batches_a_successor_never_acks_are_replayed_to_it(tmp_path) -> None:  #
     assert len([p for t, p in wire.sent[sent:] if t == to_work]) == 1
 
 
+def _run(worker, clock: list, seconds: float) -> None:  # type: ignore[no-untyped-def]
+    """Step `worker` every 0.25 s of its clock `clock[0]` for `seconds`."""
+    end = clock[0] + seconds
+    while clock[0] < end:
+        clock[0] += 0.25
+        worker.step(clock[0])
+
+
 def test_a_predecessor_sends_a_replay_marker_before_its_replay_to_a_restarted_successor(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A successor in a new epoch (restarted) gets an empty data batch first, then every batch it
     had not acked, renumbered after it: the marker tells it where the replay starts."""
@@ -244,15 +262,7 @@ def test_a_predecessor_sends_a_replay_marker_before_its_replay_to_a_restarted_su
     from agent.mqtt.transport import Received
 
     clock, wire = [100.0], MemoryWire()
-    w = _chain(tmp_path, clock, wire, "source")
-    for i in range(8):
-        w.core.operator.ingest("sensors/x", b'{"v": %d}' % i)
-    clock[0] += 0.1
-    w.step(clock[0])
-    w.step(clock[0])
-    to_work = topics.inbox("c", "work-0", "local")
-    first = [decode(p) for t, p in wire.sent if t == to_work and decode(p).kind is Kind.DATA]
-    assert [e.seq for e in first] == [1, 2]
+    w, to_work, first = _source_sent_two_batches(tmp_path, clock, wire)
     assert first[0].floors == {"source-0": 0}  # nothing acked yet: the source claims nothing
     sent = len(wire.sent)
     wire.events.append(Received(topics.inbox("c", "source-0", "local"),
@@ -282,15 +292,12 @@ def test_a_restarted_instance_takes_a_predecessors_records_in_order_after_its_re
     inbox = topics.inbox("c", "work-0", "local")
     recs = sample(1, 16)
 
-    def batch(seq: int, first: int) -> Received:
+    def batch(seq: int, first: int) -> Received:  # records first .. first+3 of the source
         return Received(inbox, encode_data("source-0", 0, seq, [("source-0", first + i, recs[first + i])
                                                                  for i in range(4)]))
 
     def run(worker, seconds: float) -> None:  # type: ignore[no-untyped-def]
-        end = clock[0] + seconds
-        while clock[0] < end:
-            clock[0] += 0.25
-            worker.step(clock[0])
+        _run(worker, clock, seconds)
 
     w = _chain(tmp_path, clock, wire, "work")
     wire.events += [batch(1, 0), batch(2, 4)]
@@ -329,23 +336,17 @@ def test_a_restarted_instance_asks_again_when_a_predecessors_marker_does_not_com
         return Received(inbox, encode_data("source-0", 0, seq, [("source-0", first + i, recs[first + i])
                                                                  for i in range(4)]))
 
-    def run(worker, seconds: float) -> None:  # type: ignore[no-untyped-def]
-        end = clock[0] + seconds
-        while clock[0] < end:
-            clock[0] += 0.25
-            worker.step(clock[0])
-
     w = _chain(tmp_path, clock, wire, "work")
     wire.events.append(batch(1, 0))
-    run(w, 2.0)
+    _run(w, clock, 2.0)
     os.close(w._identity_lock)
     again = _chain(tmp_path, clock, wire, "work", restart=True)
     epoch = again.core.epoch
     wire.events.append(batch(2, 4))
-    run(again, REPLAY_WAIT - 2)
+    _run(again, clock, REPLAY_WAIT - 2)
     assert again.core.epoch == epoch and again.core.stats["dropped_before_replay"] == 1
     sent = len(wire.sent)
-    run(again, 3)
+    _run(again, clock, 3)
     assert again.core.epoch == epoch + 1 and again.core.stats["replays_asked_again"] == 1
     asks = [decode(p) for t, p in wire.sent[sent:] if t == topics.inbox("c", "source-0", "local")]
     assert any(e.kind is Kind.ACK and e.epoch == epoch + 1 and list(e.body) == [0, 0] for e in asks), asks
