@@ -274,6 +274,39 @@ def test_a_predecessor_sends_a_replay_marker_before_its_replay_to_a_restarted_su
     assert [e.body for e in after[1:]] == [e.body for e in first]
 
 
+def test_a_source_claims_its_acked_numbers_and_a_stateless_instance_passes_the_claims_on(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The floors of agent.instance.applied: the source's batches carry the first number it has not
+    seen acked end to end (8 once work-0 acked batches 1-2 = records 0-7, taken in one poll: a poll
+    counts once all of it is acked); an instance after it puts the
+    largest claim it received for a source on every batch with records of that source."""
+    from agent import topics
+    from agent.dataplane.envelope import Envelope, Kind, decode, encode, encode_data
+    from agent.mqtt.transport import Received
+    from agent.operators.taxi import sample
+
+    clock, wire = [100.0], MemoryWire()
+    src, to_work, first = _source_sent_two_batches(tmp_path / "a", clock, wire)
+    wire.events.append(Received(topics.inbox("c", "source-0", "local"),
+                                encode(Envelope("work-0", 0, 1, Kind.ACK, [src.core.epoch, 2]))))
+    for i in range(8, 12):
+        src.core.operator.ingest("sensors/x", b'{"v": %d}' % i)
+    _run(src, clock, 0.5)
+    later = [decode(p) for t, p in wire.sent if t == to_work and decode(p).kind is Kind.DATA][2:]
+    assert later and later[0].floors == {"source-0": 8}, later
+
+    wire2 = MemoryWire()
+    work = _chain(tmp_path / "b", clock, wire2, "work")
+    recs = sample(1, 8)
+    inbox = topics.inbox("c", "work-0", "local")
+    wire2.events += [Received(inbox, encode_data("source-0", 0, 1, [("source-0", i, recs[i]) for i in range(4)],
+                                                 {"source-0": 2})),
+                     Received(inbox, encode_data("source-0", 0, 2, [("source-0", i, recs[i]) for i in range(4, 8)],
+                                                 {"source-0": 1}))]  # an older claim, later: still true
+    _run(work, clock, 0.5)
+    out = [decode(p) for t, p in wire2.sent if t == topics.inbox("c", "sink-0", "local")]
+    assert out and all(e.floors == {"source-0": 2} for e in out if e.kind is Kind.DATA), out
+
+
 def test_a_restarted_instance_takes_a_predecessors_records_in_order_after_its_replay_marker(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """kill -9 of `work` after it processed batches 1-2 of the source (what it forwarded may be
     lost with it), with batches 3-4 still queued for it. Its new incarnation asks for a replay;
