@@ -209,6 +209,8 @@ def _parse(raw: Union[bytes, bytearray, str]) -> Any:
 
 
 def encode(env: Envelope) -> bytes:
+    if env.floors and env.kind is Kind.DATA:
+        return _fast_dumps([VERSION, env.sender, env.epoch, env.seq, env.kind.value, env.body, env.floors])
     return _fast_dumps([VERSION, env.sender, env.epoch, env.seq, env.kind.value, env.body])
 
 
