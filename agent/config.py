@@ -269,6 +269,9 @@ class PipelineSection:
     # coordination = "fgme" only: the lock nodes use 2-FGME's DEVIATION 4 damping (docs/gme.md,
     # "Damping in lock-guarded scaling")
     fgme_damping: bool = False
+    # Host consecutive keepers placed on one node in one worker process, batches between them
+    # handed over in memory (docs/runtime.md, "Chaining"). Off: one process per instance.
+    chain: bool = False
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
+import time
+from typing import Any, Callable, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,3 +44,26 @@ class AgentProcess:
                 self.proc.wait()
         self.log.close()
         return int(self.proc.returncode)
+
+
+def wait_until_answers(client: Any, node: str, alive: Callable[[], bool], timeout: float = 20.0) -> None:
+    """Until agent `node` answers a ping through `client` (an RpcClient); re-raises the last
+    failure after `timeout` s, or at once when `alive()` says its process is gone."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            assert client.call(node, {"op": "ping"}, timeout=2.0)["ok"]
+            return
+        except Exception:
+            if time.monotonic() > deadline or not alive():
+                raise
+
+
+def write_agent_conf(path: Path, node: str, cluster: str, state: Path, broker: Any, slots: int = 4,
+                     state_period: float = 0.5, heartbeat_period: float = 0.2, shutdown_timeout: float = 3.0) -> Path:
+    """An agent.toml for one test agent on `broker` (host, port), metrics off; returns `path`."""
+    path.write_text(f'[agent]\nnode = "{node}"\ncluster = "{cluster}"\nslots = {slots}\nstate_dir = "{state}"\n'
+                    f'state_period = {state_period}\nheartbeat_period = {heartbeat_period}\n'
+                    f'shutdown_timeout = {shutdown_timeout}\n'
+                    f'[mqtt]\nhost = "{broker.host}"\nport = {broker.port}\n[metrics]\nport = 0\n')
+    return path

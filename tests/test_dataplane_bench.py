@@ -64,11 +64,11 @@ def test_a_message_the_broker_drops_fails_the_bench(tmp_path: Path) -> None:
 
 
 def test_json_stdout_parses_and_reports_both_raws(tmp_path: Path) -> None:
-    p = _bench("--seconds", "0.5", "--rescale-cycles", "0", "--json")
+    p = _bench("--seconds", "0.5", "--rescale-cycles", "0", "--chain", "--json")
     assert p.returncode == 0, p.stderr
     res = json.loads(p.stdout)  # pure JSON: progress went to stderr
     assert "bench dataplane: raw, one process" in p.stderr
-    assert set(res["dropped"]) == {"raw_1proc", "raw_2proc", "raw_1proc_encoding", "pipeline"}
+    assert set(res["dropped"]) == {"raw_1proc", "raw_2proc", "raw_1proc_encoding", "pipeline", "chained", "chained_tail"}
     assert not any(res["dropped"].values())
     pipe = res["pipeline"]["records_per_s"]
     assert pipe > 0
@@ -78,4 +78,12 @@ def test_json_stdout_parses_and_reports_both_raws(tmp_path: Path) -> None:
         assert res[part]["delivered"] == res[part]["sent"] > 0
     assert set(res["raw_2proc"]["cpu_ms_per_batch"]) == {"publisher", "subscriber", "broker"}
     assert {"source", "map", "sink", "broker"} <= set(res["pipeline"]["cpu_ms_per_batch"])
-
+    # --chain: the same pipeline in one chain process, batches handed over in memory
+    ch = res["chained"]
+    assert ch["records_per_s"] > 0 and {"chain", "broker", "bench"} <= set(ch["cpu_ms_per_batch"])
+    assert ch["vs_unchained"] == pytest.approx(ch["records_per_s"] / pipe)
+    assert ch["members"]["map-0"]["handed_in"] > 0 and ch["members"]["map-0"].get("mqtt_in", 0) == 0
+    assert 0 < ch["rss_mb"]["chain"]
+    tail = res["chained_tail"]  # the source alone, one MQTT hop into the chain
+    assert tail["records_per_s"] > 0 and {"chain", "source", "broker"} <= set(tail["cpu_ms_per_batch"])
+    assert tail["members"]["map-0"]["handed_in"] == 0 and tail["members"]["sink-0"]["handed_in"] > 0

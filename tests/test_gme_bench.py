@@ -80,6 +80,27 @@ def test_cli_without_broker_starts_a_private_one_and_a_timeout_exits_3():
     assert "timed out" in late.stderr and "Traceback" not in late.stderr
 
 
+@pytest.mark.broker
+def test_timeout_with_nodes_in_separate_processes_exits_3_with_every_nodes_state():
+    """The 48- and 96-node runs spread the nodes over processes: there the dump of each node
+    crosses a pipe from its worker process. A timeout must still end the run, exit 3 and report
+    every node of every process (the node in the CS and the ones waiting for it)."""
+    t0 = time.monotonic()
+    late = _cli("--nodes", "4", "--entries", "2", "--think-ms", "10", "--cs-ms", "60000",
+                "--procs", "2", "--timeout", "1.5", "--json")
+    assert time.monotonic() - t0 < 40
+    assert late.returncode == 3, late.stderr
+    r = json.loads(late.stdout)
+    assert r["procs"] == 2 and r["timed_out"] is True and r["unserved_requests"] > 0
+    assert r["errors"] == [] and r["stuck_threads"] == []
+    states = r["node_states"]
+    assert [d["node"] for d in states] == [0, 1, 2, 3]
+    in_cs = [d for d in states if d["core"]["state"] == "in_cs"]
+    assert in_cs and len({d["core"]["group"] for d in in_cs}) == 1
+    assert all(d["core"]["state"] == "requesting" for d in states if d not in in_cs)
+    assert "timed out" in late.stderr and "Traceback" not in late.stderr
+
+
 def test_cli_unreachable_broker_is_one_line_and_exit_2():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

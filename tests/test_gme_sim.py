@@ -151,6 +151,15 @@ def damped(monkeypatch):
     monkeypatch.setattr(FgmeNode, "damped", True)
 
 
+@pytest.fixture
+def damped5(monkeypatch):
+    """DEVIATIONS 4 and 5 (what the GME CLI's --damping turns on)."""
+    from agent.protocol.gme_fgme import FgmeNode
+
+    monkeypatch.setattr(FgmeNode, "damped", True)
+    monkeypatch.setattr(FgmeNode, "yield_once", True)
+
+
 @pytest.mark.parametrize("sizes,requests", [((1, 1), 3), ((2, 1), 2), ((2, 2), 1), ((3, 1), 1)])
 def test_deviation_4_exhaustively_safe_and_live_on_the_suite_sizes(damped, sizes, requests):
     """The damping changes which states are reachable, so the checker runs again on it (every
@@ -171,3 +180,141 @@ def test_deviation_4_random_schedules_and_the_seeded_fault(damped):
         assert r.ok, (sizes, requests, r.first_failure, r.trace[-30:])
     # the checker still sees a broken withdrawal through the damping
     assert not exhaustive_check("2fgme", (2, 1), 2, fault="skip_acks_to_ign", symmetry=True).ok
+
+
+def _yields_per_request(schedules, sizes=(6, 6), requests=2, seed=7):
+    """Random schedules (FIFO per link, uniformly random next step) of damped nodes; per request,
+    how many times its node ran lines 24-31 (start authorizing while requesting = a withdrawal
+    broadcast). Returns the largest count and the number of requests served."""
+    from agent.protocol.gme_base import Entered
+
+    rng = random.Random(seed)
+    worst = served = 0
+    for _ in range(schedules):
+        nodes = make_nodes("2fgme", sizes)
+        for n in nodes:
+            n.damped = n.yield_once = True
+        left = [requests] * len(nodes)
+        chans = {}
+        yields = {}
+
+        def push(src, outs):
+            for o in outs:
+                if isinstance(o, Send):
+                    chans.setdefault((src, o.to), []).append(o.message)
+
+        while True:
+            steps = [("req", i) for i, n in enumerate(nodes) if n.state is GmeState.IDLE and left[i]]
+            steps += [("exit", i) for i, n in enumerate(nodes) if n.state is GmeState.IN_CS]
+            steps += [("msg", k) for k, q in chans.items() if q]
+            if not steps:
+                break
+            kind, x = rng.choice(steps)
+            if kind == "req":
+                left[x] -= 1
+                push(x, nodes[x].request())
+            elif kind == "exit":
+                push(x, nodes[x].exit())
+            else:
+                n = nodes[x[1]]
+                before = n.state is GmeState.REQUESTING and not n.competitors_authorized
+                outs = n.receive(chans[x].pop(0))
+                if before and n.competitors_authorized:
+                    key = (n.id, n.req_clock)
+                    yields[key] = yields.get(key, 0) + 1
+                served += sum(1 for o in outs if isinstance(o, Entered))
+                push(x[1], outs)
+        assert all(n.state is GmeState.IDLE for n in nodes) and not any(left)
+        worst = max([worst, *yields.values()])
+    return worst, served
+
+
+def test_deviation_5_a_request_yields_at_most_once(monkeypatch):
+    """The bound behind DEVIATION 5's fix (docs/gme.md, "48 and 96 nodes"): a request runs the
+    withdrawal broadcast (lines 24-31) at most once, so the broadcasts are bounded by the requests
+    whatever the delivery order. Without the rule (the code before the fix) random 6+6 schedules
+    make some request yield again and again."""
+    from agent.protocol.gme_fgme import FgmeNode
+
+    worst, served = _yields_per_request(100)
+    assert worst == 1 and served == 100 * 12 * 2
+    monkeypatch.setattr(FgmeNode, "_yields_again", lambda self: False)
+    worst, served = _yields_per_request(100)
+    assert worst >= 10 and served == 100 * 12 * 2  # 23-29 with seeds 0-3
+
+
+def test_deviation_5_ends_the_48_and_96_node_stall_behind_slow_publishers(monkeypatch):
+    """Issue 27 at 48 and 96 nodes (docs/gme.md, "48 and 96 nodes"): each node's messages leave
+    through one queue, 10 ms each. With DEVIATION 4 alone (DEVIATION 5 undone: the code before
+    the fix) every seed stalls: the send-queue wait grows from ~1.5-2 s in the first second to
+    15-26 s and entries all but stop (49-125 of 240 / 288 when cut). With DEVIATION 5 every seed
+    finishes, the wait stays under 1.7 s and falls at the end, and the message count is within
+    1.2x (48) and 1.6x (96) of an uncongested run's (16.7k / 39.4k)."""
+    from agent.protocol.gme_fgme import FgmeNode
+
+    # (size, seeds, message bound when it finishes, cut-off when it stalls)
+    runs = [(dict(nodes=48, entries=5), range(6), 25_000, 60_000),
+            (dict(nodes=96, entries=3), range(2), 70_000, 150_000)]
+
+    def run(size, seed, cut):
+        return simulate(GmeSimConfig(algorithm="2fgme", think_ms=100, cs_ms=100, seed=seed, send_ms=10.0,
+                                     damping=True, max_messages=cut, **size))
+
+    for size, seeds, bound, cut in runs:
+        for seed in seeds:
+            r = run(size, seed, cut)
+            assert r.safety_violations == 0 and r.unserved_requests == 0, (size, seed, r.entries)
+            assert r.messages < bound, (size, seed, r.messages)
+            assert max(r.send_wait_ms_max) < 2_000 and r.send_wait_ms_max[-1] < r.send_wait_ms_max[0], (size, seed)
+    monkeypatch.setattr(FgmeNode, "_yields_again", lambda self: False)
+    for size, seeds, bound, cut in runs:
+        for seed in seeds:
+            r = run(size, seed, cut)
+            assert r.safety_violations == 0  # slow, never unsafe
+            assert r.messages >= cut and r.entries < 0.5 * r.config.nodes * r.config.entries, (size, seed, r.entries)
+            assert max(r.send_wait_ms_max) > 5 * r.send_wait_ms_max[0] > 5_000, (size, seed)  # the backlog grows
+
+
+@pytest.mark.parametrize("budgets", [(2, 1, 1, 1), (2, 2, 1, 1), (1, 1, 2, 2), (2, 1, 2, 1)])
+def test_deviations_4_and_5_exhaustively_safe_and_live_with_two_requests(damped5, monkeypatch, budgets):
+    """Every delivery order of 2+2 nodes with two requests at some of them (compiled search,
+    symmetry and dead-variable merging, every local step checked against the acyclicity measure
+    and its class): no two groups in the CS, and every run ends with every request served and
+    nothing in flight (a finite, acyclic graph whose only terminal class is the good end: that is
+    liveness). Not vacuous: DEVIATION 5 decides local steps in each of these spaces. 196k-3.5M
+    states, 1-9 s CPU each."""
+    from agent.protocol.gme_fgme import FgmeNode
+    from agent.sim.gme_fast import fast_check
+
+    fired = []
+    rule = FgmeNode._yields_again
+
+    def counted(self):
+        fired.append(rule(self))
+        return fired[-1]
+
+    monkeypatch.setattr(FgmeNode, "_yields_again", counted)
+    r = fast_check("2fgme", (2, 2), budgets, symmetry=True, merge_dead=True, table_bits=24)
+    assert r.ok, r.first_failure
+    assert r.schedules == 1 and r.states > 150_000
+    assert sum(fired) > 0
+
+
+def test_deviation_5_dead_variable_merging_is_a_bisimulation(damped5):
+    """live_snapshot drops `yielded` outside REQUESTING: the merge check computes the steps of
+    every merged state too and must find each one equal to its class's."""
+    from agent.sim.gme_check import exhaustive_check
+
+    for sizes, requests in (((2, 1), 2), ((2, 2), 1), ((3, 1), 1)):
+        r = exhaustive_check("2fgme", sizes, requests, symmetry=True, merge_dead=True, check_merges=True)
+        assert r.ok and r.schedules == 1, (sizes, r.first_failure)
+
+
+def test_deviations_4_and_5_random_schedules(damped5):
+    """The random checker (safety in every state, every request served) on DEVIATIONS 4 + 5, the
+    sizes of the DEVIATION 4 test above."""
+    from agent.sim.gme_check import random_check
+
+    for sizes, requests, n in (((2, 2), 2, 500), ((6, 6), 2, 5), ((6, 6), 1, 300)):
+        r = random_check("2fgme", sizes, requests, schedules=n, seed=11)
+        assert r.ok, (sizes, requests, r.first_failure, r.trace[-30:])

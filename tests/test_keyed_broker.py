@@ -25,6 +25,7 @@ from agent.operators.builtin import OperatorContext
 from agent.operators.keyed import tumbling_window
 from agent.operators.taxi import TaxiGenerator
 from agent.tools.dataplane_bench import LocalRunner, initial_specs, pipeline_toml
+from agent_process import wait_until_answers, write_agent_conf
 
 pytestmark = [pytest.mark.broker, pytest.mark.timeout(240)]
 
@@ -161,10 +162,7 @@ def test_a_windowed_sum_survives_kill_9_of_its_agent(mosquitto, tmp_path: Path) 
     pipe.write_text(pipeline(topic))
     state = tmp_path / "n1"
     state.mkdir()
-    conf = tmp_path / "n1.toml"
-    conf.write_text(f'[agent]\nnode = "n1"\ncluster = "{cluster}"\nslots = 4\nstate_dir = "{state}"\n'
-                    f'state_period = 0.5\nheartbeat_period = 0.2\nshutdown_timeout = 3.0\n'
-                    f'[mqtt]\nhost = "{mosquitto.host}"\nport = {mosquitto.port}\n[metrics]\nport = 0\n')
+    conf = write_agent_conf(tmp_path / "n1.toml", "n1", cluster, state, mosquitto)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("FOG_AGENT_CONFIG", None)
 
@@ -179,14 +177,7 @@ def test_a_windowed_sum_survives_kill_9_of_its_agent(mosquitto, tmp_path: Path) 
         from agent.node.rpc import RpcClient
 
         with RpcClient(mosquitto.host, mosquitto.port, cluster) as client:
-            deadline = time.monotonic() + 20
-            while True:
-                try:
-                    assert client.call("n1", {"op": "ping"}, timeout=2.0)["ok"]
-                    break
-                except Exception:
-                    if time.monotonic() > deadline or agent.poll() is not None:
-                        raise
+            wait_until_answers(client, "n1", lambda: agent.poll() is None)
         d = subprocess.run([sys.executable, "-m", "agent", "deploy", str(pipe), "--host", mosquitto.host,
                             "--port", str(mosquitto.port), "--cluster", cluster],
                            capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=60)

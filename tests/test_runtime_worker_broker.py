@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Set
+from typing import Any, Dict, List, Set
 
 import paho.mqtt.client as mqtt
 import pytest
@@ -60,6 +60,20 @@ def wait_for(pred, timeout: float, what: str, step: float = 0.1) -> None:
     raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{fleet_summary()}")
 
 
+def wait_source_quiet(src, timeout: float = 30.0) -> None:
+    """Until a source's count has not moved for 1.5 s and its outbox is empty (a step profile
+    ends at rate 0, but a backlog held back by flow control may still be generated after it)."""
+    last = [-1, time.monotonic()]
+
+    def quiet() -> bool:
+        g = src.stats.get("generated", 0)
+        if g != last[0]:
+            last[:] = [g, time.monotonic()]
+        return time.monotonic() - last[1] > 1.5 and src.stats.get("outbox") == 0
+
+    wait_for(quiet, timeout, "the source to go quiet")
+
+
 class SysWatch:
     """Reads the broker's dropped-message counters ($SYS, published every second)."""
 
@@ -109,6 +123,27 @@ def taxi_pipeline(rate: float, n: int, scaling=None, in_zone_extra=None, sink_ex
              "batch_size": 50, **(sink_extra or {})},
         ],
         scaling=scaling or {"policy": "none"},
+    )
+
+
+def step_load_pipeline(n: int, steps: List[List[float]], validate_extra: Dict[str, Any]) -> str:
+    """The taxi pipeline under a step load, batches of 20: in_zone (5 ms per record, C = 150/s)
+    scales; validate as `validate_extra` says (scaling too, or not)."""
+    return pipeline_toml(
+        "taxi",
+        [
+            {"name": "source", "kind": "source", "function": "agent.operators.taxi:source", "batch_size": 20,
+             "linger_ms": 10.0, "params": {"seed": 3, "profile": "steps", "max_records": n, "max_lag_s": 5.0,
+                                           "steps": steps}},
+            {"name": "validate", "function": "agent.operators.builtin:validate", "batch_size": 20,
+             "linger_ms": 10.0, **validate_extra},
+            {"name": "in_zone", "function": "agent.operators.builtin:in_zone", "batch_size": 20,
+             "linger_ms": 10.0, "service_time_ms": 5.0,
+             "scaling": {"policy": "decentralized", "capacity": 150.0, "period": 1.0}},
+            {"name": "sink", "kind": "sink", "function": "agent.operators.builtin:counting_sink",
+             "batch_size": 20, "linger_ms": 10.0},
+        ],
+        scaling={"policy": "none"},
     )
 
 
@@ -207,23 +242,9 @@ def test_live_scale_out_and_in_loses_and_duplicates_nothing(runner, mosquitto, t
     """A step load up then down; validate AND in_zone (neighbours) both scale at the same time:
     no loss, no duplicate, nothing routed to a terminated instance, every exit clean."""
     n = 100000  # more than the profile generates; the profile ends with rate 0
-    toml = pipeline_toml(
-        "taxi",
-        [
-            {"name": "source", "kind": "source", "function": "agent.operators.taxi:source", "batch_size": 20,
-             "linger_ms": 10.0, "params": {"seed": 3, "profile": "steps", "max_records": n, "max_lag_s": 5.0,
-                                           "steps": [[0, 80.0], [2, 450.0], [11, 30.0], [22, 0.0]]}},
-            {"name": "validate", "function": "agent.operators.builtin:validate", "batch_size": 20,
-             "linger_ms": 10.0, "service_time_ms": 3.0,
-             "scaling": {"policy": "decentralized", "capacity": 200.0, "period": 1.0}},
-            {"name": "in_zone", "function": "agent.operators.builtin:in_zone", "batch_size": 20,
-             "linger_ms": 10.0, "service_time_ms": 5.0,
-             "scaling": {"policy": "decentralized", "capacity": 150.0, "period": 1.0}},
-            {"name": "sink", "kind": "sink", "function": "agent.operators.builtin:counting_sink",
-             "batch_size": 20, "linger_ms": 10.0},
-        ],
-        scaling={"policy": "none"},
-    )
+    toml = step_load_pipeline(n, [[0, 80.0], [2, 450.0], [11, 30.0], [22, 0.0]],
+                              {"service_time_ms": 3.0,
+                               "scaling": {"policy": "decentralized", "capacity": 200.0, "period": 1.0}})
     t_start = time.monotonic()
     procs = start_pipeline(runner, mosquitto, tmp_path, toml, "scale")
     src = procs["source"]
@@ -234,15 +255,7 @@ def test_live_scale_out_and_in_loses_and_duplicates_nothing(runner, mosquitto, t
     # The profile ends at t = 22 s (rate 0); a backlog held back by flow control may still be
     # generated after that, so wait until the source's count stops moving.
     wait_for(lambda: time.monotonic() - t_start > 23.0, 40, "the end of the load profile")
-    last = [-1, time.monotonic()]
-
-    def source_quiet() -> bool:
-        g = src.stats.get("generated", 0)
-        if g != last[0]:
-            last[:] = [g, time.monotonic()]
-        return time.monotonic() - last[1] > 1.5 and src.stats.get("outbox") == 0
-
-    wait_for(source_quiet, 30, "the source to go quiet")
+    wait_source_quiet(src)
     wait_for(lambda: len(runner.exited) >= 2, 20, "validate and in_zone to scale in")
     generated = src.stats["generated"]
     want = len(expected_ids(3, "source-0", generated))

@@ -27,6 +27,9 @@ def register(groups: Any) -> None:
     p.add_argument("--pipeline", choices=("demo", "stateful"), default="demo",
                    help="demo: the demo pipeline, in_zone scaling; stateful: a keyed 10-minute window per pickup cell "
                         "before the sink, each window compared with a fault-free reference (default demo)")
+    p.add_argument("--chain", action="store_true",
+                   help="the demo pipeline with [pipeline] chain = true: its keepers share worker processes "
+                        "(docs/runtime.md, \"Chaining\"); kill-worker then kills a whole chain")
     p.add_argument("--runs", type=int, default=1, help="runs with seeds seed, seed+1, ... (default 1)")
     p.add_argument("--workdir", default=None, help="work directory of the first run (default: a new temporary one)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON (a list for several runs)")

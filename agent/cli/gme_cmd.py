@@ -81,7 +81,8 @@ def _common(p: argparse.ArgumentParser, entries: int, think: float, cs: float) -
     p.add_argument("--cs-ms", type=float, default=cs, help="inCS: time spent in the CS")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--damping", action="store_true",
-                   help="2-FGME: an End ends only the authorization granted for its sender (DEVIATION 4, docs/gme.md)")
+                   help="2-FGME: an End ends only the authorization granted for its sender, and a request "
+                        "yields to the other group at most once (DEVIATIONS 4 and 5, docs/gme.md)")
 
 
 def _print(report: Dict[str, Any], as_json: bool) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Deque, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Deque, Dict, Iterable, List, Optional, Tuple
 
 __all__ = ["OutLink", "Unacked", "AckTracker"]
 
@@ -29,7 +29,7 @@ __all__ = ["OutLink", "Unacked", "AckTracker"]
 @dataclass(frozen=True)
 class Unacked:
     seq: int
-    payload: bytes
+    payload: Any  # the bytes sent over MQTT, or the Envelope handed to a chained successor
     records: int
     sent_at: float
     low: int = 0  # lowest input index the batch carries (a source resumes from there after a crash)
@@ -63,7 +63,7 @@ class OutLink:
     def inflight_records(self) -> int:
         return sum(u.records for u in self._unacked.values())
 
-    def sent(self, seq: int, payload: bytes, records: int, now: float, low: int = 0) -> None:
+    def sent(self, seq: int, payload: Any, records: int, now: float, low: int = 0) -> None:
         """Record a data batch handed to the transport (it must have had credit)."""
         if self.credit <= 0:
             raise RuntimeError(f"flow control to {self.dest}: sent seq {seq} without credit")
@@ -94,7 +94,7 @@ class OutLink:
         self.acked_upto = 0
         self.highest_sent = 0
 
-    def replace(self, old_seq: int, new_seq: int, payload: bytes, now: float) -> None:
+    def replace(self, old_seq: int, new_seq: int, payload: Any, now: float) -> None:
         """A batch was sent again under a new number (replay after the successor restarted)."""
         u = self._unacked.pop(old_seq)
         self._unacked[new_seq] = Unacked(new_seq, payload, u.records, now, u.low)

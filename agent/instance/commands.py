@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict
 
-__all__ = ["Command", "Publish", "Notify", "RequestSpawn", "Persist", "PersistSource", "SaveKeyed", "Emit",
-           "CrashPoint", "Exit"]
+__all__ = ["Command", "Publish", "Handoff", "Notify", "RequestSpawn", "Persist", "PersistSource", "SaveKeyed",
+           "Emit", "CrashPoint", "Exit"]
 
 
 class Command:
@@ -33,6 +33,17 @@ class Publish(Command):
     topic: str
     payload: bytes
     token: int
+
+
+@dataclass(frozen=True)
+class Handoff(Command):
+    """An envelope for an instance hosted by the same process (a chained link, docs/runtime.md
+    "Chaining"): the shell gives it to that instance as `EnvelopeHanded`, in the order of the
+    commands, with no encoding and no broker. Never refused and never PUBACKed: the sender's
+    replay buffer keeps a data batch until the receiver acks it, as over MQTT."""
+
+    dest: str
+    envelope: Any  # agent.dataplane.envelope.Envelope
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
 __all__ = [
-    "Event", "Started", "Restarted", "EnvelopeReceived", "PublishAccepted", "PublishRefused",
+    "Event", "Started", "Restarted", "EnvelopeReceived", "EnvelopeHanded", "PublishAccepted", "PublishRefused",
     "PubAcked", "SessionLost", "Spawned", "Control", "Tick", "Abort",
 ]
 
@@ -52,6 +52,14 @@ class EnvelopeReceived(Event):
 
     topic: str
     payload: bytes
+
+
+@dataclass(frozen=True)
+class EnvelopeHanded(Event):
+    """An envelope from an instance hosted by the same process (a chained link, the shell's
+    `Handoff`): built by its sender, nothing to decode; admitted like one from the broker."""
+
+    envelope: Any  # agent.dataplane.envelope.Envelope
 
 
 @dataclass(frozen=True)

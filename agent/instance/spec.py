@@ -22,6 +22,11 @@ agent -> worker (worker's stdin):
   {"event": "hosts", "bound": {"<instance>": "<node>"}} which node hosts which instance of the
                                                        pipeline: an inbox message counts only if
                                                        written by its sender's node (docs/security.md)
+
+A chain (several consecutive instances in one process, docs/runtime.md "Chaining") gets the line
+`{"chain": [spec, spec, ...]}` (upstream first) instead of one spec. Every line it writes carries
+"member": the instance it is about; a line to it with "member" goes to that instance, one
+without to every instance, except "stop", which stops the whole chain (upstream first).
 """
 
 from __future__ import annotations
@@ -69,11 +74,33 @@ class InstanceSpec:
 
     @classmethod
     def from_json(cls, text: str) -> "InstanceSpec":
-        data = json.loads(text)
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_dict(cls, data: Dict[str, Any]) -> "InstanceSpec":
+        data = dict(data)
         data["broker"] = BrokerSpec(**data["broker"])
         data["succs"] = tuple(data.get("succs", ()))
         data["preds"] = tuple(data.get("preds", ()))
         return cls(**data)
+
+
+def chain_json(specs: List[InstanceSpec]) -> str:
+    """The first line for a chain process: its members' specs, upstream first."""
+    return json.dumps({"chain": [asdict(s) for s in specs]}, sort_keys=True)
+
+
+def specs_from_line(text: str) -> List[InstanceSpec]:
+    """The specs of a worker's first line: one spec, or a chain's (see the module docstring)."""
+    data = json.loads(text)
+    if isinstance(data, dict) and "chain" in data:
+        members = data["chain"]
+        if not isinstance(members, list) or len(members) < 2 or not all(isinstance(m, dict) for m in members):
+            raise ValueError("chain: expected a list of at least 2 instance specs")
+        return [InstanceSpec.from_dict(m) for m in members]
+    if not isinstance(data, dict):
+        raise ValueError("expected an instance spec (a JSON object)")
+    return [InstanceSpec.from_dict(data)]
 
 
 def request_spec(spec: InstanceSpec) -> Dict[str, Any]:
@@ -100,4 +127,5 @@ def parse_control_line(line: str) -> Dict[str, Any]:
     return msg
 
 
-__all__: List[str] = ["BrokerSpec", "InstanceSpec", "control_line", "parse_control_line", "request_spec"]
+__all__: List[str] = ["BrokerSpec", "InstanceSpec", "chain_json", "control_line", "parse_control_line", "request_spec",
+                      "specs_from_line"]

@@ -4,7 +4,8 @@ Reads one `InstanceSpec` JSON line on stdin, then speaks the control channel of
 `agent.instance.spec` (JSON lines: stdout to the agent, stdin from it; logs on stderr).
 
 This module is the shell around the sans-IO `agent.instance.core.Instance`, which makes every
-decision. The shell owns the I/O: the spec, the pipeline and the operator it loads, the identity
+decision. Given the line {"chain": [spec, ...]} instead of one spec, the process hosts several
+consecutive instances, one `Worker` each, driven by `agent.instance.chain.Chain`. The shell owns the I/O: the spec, the pipeline and the operator it loads, the identity
 lock, the state files, the paho client (agent.mqtt.transport) and the control pipe. One thread
 owns all of it; a second thread only reads stdin lines into a queue. The loop:
 
@@ -29,12 +30,12 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, TextIO
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, TextIO
 
 from agent.config import PipelineConfig, load_pipeline_text
 from agent.files import write_atomic
 from agent.instance.commands import (
-    Command, CrashPoint, Emit, Exit, Notify, Persist, PersistSource, Publish, RequestSpawn, SaveKeyed,
+    Command, CrashPoint, Emit, Exit, Handoff, Notify, Persist, PersistSource, Publish, RequestSpawn, SaveKeyed,
 )
 from agent.instance.core import EXIT_BAD_SPEC, EXIT_BROKER, EXIT_CRASH, EXIT_DRAIN_TIMEOUT, EXIT_OK, Instance
 from agent.instance.keyed_state import KeyedState
@@ -42,7 +43,7 @@ from agent.instance.events import (
     Abort, Control, EnvelopeReceived, Event, PubAcked, PublishAccepted, PublishRefused, Restarted, SessionLost,
     Started, Tick,
 )
-from agent.instance.spec import InstanceSpec, control_line, parse_control_line
+from agent.instance.spec import InstanceSpec, control_line, parse_control_line, specs_from_line
 from agent.mqtt.client import worker_id
 from agent.mqtt.transport import Connected, Disconnected, PubAck, PublishRejected, Received, Transport, TransportError
 from agent.operators.admission import OperatorRefused, node_allow_list
@@ -63,8 +64,15 @@ class Worker:
         clock: Callable[[], float] = time.monotonic,
         transport: Optional[Transport] = None,
         wall: Callable[[], float] = time.time,
+        local: FrozenSet[str] = frozenset(),
+        handoff: Optional[Callable[[str, Any], None]] = None,
+        member: bool = False,
     ) -> None:
         self.spec = spec
+        # A chain member (agent.instance.chain): `local` are the co-hosted instances, `handoff`
+        # takes the envelopes for them, and every control line carries "member" (our id).
+        self.handoff = handoff
+        self.member = member
         self.out = out
         self.clock = clock
         self.wall = wall
@@ -101,7 +109,8 @@ class Worker:
             spill=dict(spec.extra.get("spill") or {}),
         )
         self.operator: Any = load_operator(op.function, ctx)
-        self.core = Instance(spec, self.pipeline, self.operator, perf=time.perf_counter, cpu=time.process_time)
+        self.core = Instance(spec, self.pipeline, self.operator, perf=time.perf_counter, cpu=time.process_time,
+                             local=local)
         self.transport = transport or Transport(worker_id(spec.broker, spec.cluster, spec.instance), spec.broker)
         # Re-homing on: after a lost connection, reconnect only when our agent says this identity
         # was not re-homed meanwhile (see _ask_to_reconnect).
@@ -111,7 +120,7 @@ class Worker:
         self.exit_code: Optional[int] = None
         self.exit_command: Optional[Exit] = None
         self.abort = ""  # set by a second signal while draining: exit at the next turn
-        self.counts: Dict[str, int] = {"notify_failed": 0, "reconnect_asks": 0}
+        self.counts: Dict[str, int] = {"notify_failed": 0, "reconnect_asks": 0, "mqtt_in": 0}
 
     # ---- start-up ---------------------------------------------------------------------------------
 
@@ -121,11 +130,20 @@ class Worker:
         INVARIANT 2 (subscribe before announce): the agent tells nobody about this instance before
         it reads "ready", and "ready" is written only after the broker's SUBACK for the inbox.
         """
+        self.subscribe()
+        self.begin()
+
+    def subscribe(self) -> None:
+        """Connect and subscribe (the first half of `start`; a chain subscribes every member
+        before it starts any, since a restarted member acks its chained predecessor at once)."""
         self.transport.connect()
         self.transport.subscribe(self.core.inbox)
         topic = getattr(self.operator, "topic", None)
         if self.core.is_source and hasattr(self.operator, "ingest") and topic:
             self.transport.subscribe(topic)
+
+    def begin(self) -> None:
+        """Hand the instance its start (it says "ready"): after `subscribe`."""
         if self.spec.restart:
             position = self._load_json(self.source_path) or None
             keyed = KeyedState.load(self.keyed_path) if self.core.keyed is not None else None
@@ -150,6 +168,7 @@ class Worker:
             return
         for ev in self.transport.take_events():
             if isinstance(ev, Received):
+                self.counts["mqtt_in"] += 1
                 self.feed(EnvelopeReceived(ev.topic, ev.payload), now)
             elif isinstance(ev, PubAck):
                 self.feed(PubAcked(ev.mid), now)
@@ -202,6 +221,10 @@ class Worker:
                     feedback.append(PublishRefused(c.token, str(exc)))
                 else:
                     feedback.append(PublishAccepted(c.token, mid))
+            elif isinstance(c, Handoff):
+                if self.handoff is None:
+                    raise TypeError(f"hand-off to {c.dest} outside a chain")
+                self.handoff(c.dest, c.envelope)  # queued: the chain delivers after this call
             elif isinstance(c, Persist):
                 write_atomic(self.state_path, json.dumps(c.state))
             elif isinstance(c, Emit):
@@ -303,6 +326,8 @@ class Worker:
         os.kill(os.getpid(), 9)
 
     def _emit(self, event: str, **fields: Any) -> None:
+        if self.member:
+            fields["member"] = self.spec.instance
         try:
             self.out.write(control_line(event, **fields))
             self.out.flush()
@@ -391,11 +416,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     _preimport()  # a pre-started (warm) worker does this before its spec arrives
     line = sys.stdin.readline()
     try:
-        spec = InstanceSpec.from_json(line)
+        specs = specs_from_line(line)
     except (ValueError, TypeError, KeyError) as exc:
         log.error("bad instance spec on stdin: %s", exc)
         sys.stdout.write(control_line("exit", code=EXIT_BAD_SPEC, reason=f"bad spec: {exc}"))
         return EXIT_BAD_SPEC
+    if len(specs) > 1:
+        return _main_chain(specs)
+    spec = specs[0]
     try:
         worker = Worker(spec)
     except InstanceBusy as exc:
@@ -418,19 +446,61 @@ def main(argv: Optional[List[str]] = None) -> int:
         return EXIT_BROKER
     threading.Thread(target=_stdin_reader, args=(sys.stdin, worker.control), daemon=True, name="stdin").start()
     try:
-        prof_dir = os.environ.get("FOG_WORKER_PROFILE")  # benchmarks: cProfile dump per instance
-        if prof_dir:
-            import cProfile
-
-            prof = cProfile.Profile()
-            try:
-                return int(prof.runcall(worker.run))
-            finally:
-                prof.dump_stats(os.path.join(prof_dir, f"{spec.instance}.prof"))
-        return worker.run()
+        return _run_profiled(worker.run, spec.instance)
     except Exception as exc:  # noqa: BLE001
         log.exception("worker crashed", extra=worker.ctx)
         worker._emit("exit", code=EXIT_CRASH, reason=repr(exc)[:300])
+        return EXIT_CRASH
+
+
+def _run_profiled(run: Callable[[], int], name: str) -> int:
+    """`run()`; with FOG_WORKER_PROFILE=<dir> (benchmarks) under cProfile, dumped to <dir>/<name>.prof."""
+    prof_dir = os.environ.get("FOG_WORKER_PROFILE")
+    if not prof_dir:
+        return run()
+    import cProfile
+
+    prof = cProfile.Profile()
+    try:
+        return int(prof.runcall(run))
+    finally:
+        prof.dump_stats(os.path.join(prof_dir, f"{name}.prof"))
+
+
+def _main_chain(specs: List[InstanceSpec]) -> int:
+    """`main` for a chain process (agent.instance.chain): the same exits, one line per member."""
+    from agent.instance.chain import Chain
+
+    def fail(code: int, reason: str) -> int:
+        for s in specs:
+            sys.stdout.write(control_line("exit", code=code, reason=reason[:300], member=s.instance))
+        return code
+
+    names = ", ".join(s.instance for s in specs)
+    try:
+        chain = Chain(specs, sys.stdout)
+    except InstanceBusy as exc:
+        log.error("%s", exc)
+        return EXIT_CRASH
+    except OperatorRefused as exc:
+        log.error("chain %s: %s", names, exc)
+        return fail(EXIT_BAD_SPEC, str(exc))
+    except Exception as exc:  # noqa: BLE001 - config/operator errors: say so and do not restart
+        log.exception("cannot build chain %s", names)
+        return fail(EXIT_BAD_SPEC, str(exc))
+    chain.install_signals()
+    try:
+        chain.start()
+    except (TransportError, OSError) as exc:
+        log.error("chain %s cannot reach the broker: %s", names, exc)
+        chain.emit("exit", code=EXIT_BROKER, reason=str(exc))
+        return EXIT_BROKER
+    threading.Thread(target=_stdin_reader, args=(sys.stdin, chain.control), daemon=True, name="stdin").start()
+    try:
+        return _run_profiled(chain.run, "chain-" + "+".join(s.instance for s in specs))
+    except Exception as exc:  # noqa: BLE001
+        log.exception("chain %s crashed", names)
+        chain.emit("exit", code=EXIT_CRASH, reason=repr(exc)[:300])
         return EXIT_CRASH
 
 

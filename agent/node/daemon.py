@@ -54,7 +54,7 @@ from agent.files import write_atomic
 from agent.instance.spec import InstanceSpec, request_spec
 from agent.mqtt.settings import BrokerSpec
 from agent.measure.capacity import capacity_for
-from agent.node import bounds, hosted, nodestate, rehome, rpc
+from agent.node import bounds, chains, hosted, nodestate, rehome, rpc
 from agent.node.hostmap import HostMap
 from agent.control import records
 from agent.node.placement import (
@@ -194,6 +194,7 @@ class Agent:
         self._calls = rpc.PendingCalls()  # remote starts
         self._restarts: Dict[str, List[float]] = {}
         self._delayed_restarts: Dict[str, Tuple[float, InstanceSpec]] = {}  # instance -> (when, spec)
+        self._restart_batch: List[InstanceSpec] = []  # restarts of this loop turn (chains start together)
         self._handing_over: Set[str] = set()  # keepers asked to stop on a drain, to start elsewhere
         # node loss (agent.node.rehome): every node's retained hosted record, offline times
         self.hosted_by_node: Dict[str, List[Dict[str, Any]]] = {}
@@ -475,6 +476,7 @@ class Agent:
             if now >= when and self._stopping_since is None:
                 del self._delayed_restarts[inst]
                 self._restart(spec, now)
+        self._start_restarts(now)
         for call in self._calls.expired(now):
             job: SpawnJob = call.context
             log.warning("agent %s did not answer a spawn within %.0fs", call.node, RPC_TIMEOUT, extra={"node": self.node})
@@ -862,7 +864,7 @@ class Agent:
         missing = [k for k in ("operator", "pipeline", "pipeline_toml") if not base.get(k)]
         if missing:
             raise ValueError(f"spec without {', '.join(missing)}")
-        spec = InstanceSpec(**base)
+        spec = chains.without_chain(InstanceSpec(**base))  # chained only by a chain request (_spawn_chain)
         if requester is None:
             requester = f"worker {template.instance}" if template is not None else "unknown requester"
         self._admit(spec, requester)
@@ -1232,6 +1234,9 @@ class Agent:
             if self._stopping_since is not None:
                 reply({"ok": False, "error": f"agent {self.node} is shutting down"})
                 return
+            if "chain" in body:
+                self._spawn_chain(body, requester, peer, reply, now)
+                return
             try:
                 spec = self._spec_from(body["spec"], template=None,
                                        requester=f"{'node' if peer else 'admin'} {requester}")
@@ -1244,6 +1249,53 @@ class Agent:
             # forwarding, so that two agents with stale views cannot bounce a request forever).
             job = SpawnJob(spec=spec, candidates=[self.node], reply=reply, cause=str(body.get("cause", "rpc"))[:40])
             self._try_next(job, now, f"no free slot on {self.node}")
+
+    def _spawn_chain(self, body: Dict[str, Any], requester: str, peer: bool,
+                     reply: Callable[[Dict[str, Any]], None], now: float) -> None:
+        """A deploy's chain request (docs/runtime.md, "Chaining"): consecutive keepers in one
+        process here, or a refusal (the deployer then places them one by one). The reply waits
+        until every member said "ready" (invariant 2 per member)."""
+        members = body.get("chain")
+        if peer:
+            reply({"ok": False, "error": "refused: a chain is started only by a deploy"})
+            return
+        if not isinstance(members, list) or not all(isinstance(m, dict) for m in members):
+            reply({"ok": False, "error": "invalid chain: expected a list of spec objects"})
+            return
+        try:
+            specs = [self._spec_from(m, template=None, requester=f"admin {requester}")
+                     for m in members[:chains.MAX_CHAIN + 1]]
+        except (TypeError, ValueError) as exc:
+            reply({"ok": False, "error": f"invalid spec: {exc}"})
+            return
+        problem = chains.chain_problem(specs)
+        if problem:
+            reply({"ok": False, "error": f"invalid chain: {problem}"})
+            return
+        here = [s.instance for s in specs if s.instance in self.supervisor]
+        if here:
+            reply({"ok": False, "error": f"instance {here[0]} already runs on {self.node}"})
+            return
+        if self.free_slots() < len(specs):
+            reply({"ok": False, "error": f"no {len(specs)} free slots on {self.node} for a chain"})
+            return
+        specs = [spec_with_capacity(s, self.cfg.agent.state_dir, self.node) for s in specs]
+        if self.spill is not None:
+            specs = [self.spill.with_spill(s) for s in specs]
+        specs = chains.with_chain(specs)
+        try:
+            self.supervisor.start_chain(specs, now)
+        except (OSError, ValueError) as exc:
+            log.error("cannot start chain: %s", exc, extra={"instance": specs[0].instance})
+            reply({"ok": False, "error": f"{self.node} could not start the chain"})
+            return
+        join = chains.ChainReply([s.instance for s in specs], self.node, reply)
+        cause = str(body.get("cause", "rpc"))[:40]
+        for s in specs:
+            self.counters["spawned_local"] += 1
+            self._awaiting_ready[s.instance] = SpawnJob(spec=s, candidates=[], reply=join.member(s.instance),
+                                                        cause=cause)
+        self._state_dirty = True
 
     def _on_rpc_reply(self, msg: Any, replier: str, now: float) -> None:
         """A reply on `replies/<me>/<replier>`: it answers a call only if it comes from the node
@@ -1307,9 +1359,13 @@ class Agent:
             self._forget(w.instance)  # again: the state file it wrote while draining
         self._event("terminated", w.instance, w.spec.operator, w.spec.pipeline, cause=cause,
                     code=reaped.returncode, reason=str(reason), clean=reaped.clean, stats=w.stats)
+        # A chain member that stopped only because another member was asked to (a chain stops as
+        # a whole: agent.instance.chain) is still in its neighbours' tables: started again.
+        collateral = bool(w.chain) and not w.asked_to_stop and not final
         if handover:
             self._hand_over(w, now)
-        elif reaped.crashed and self._stopping_since is None and not fenced and not undeployed and job is None:
+        elif (reaped.crashed or collateral) and self._stopping_since is None and not fenced and not undeployed \
+                and job is None:
             self._maybe_restart(w, now)
 
     def _hand_over(self, w: Worker, now: float) -> None:
@@ -1377,12 +1433,37 @@ class Agent:
         self._restart(spec, now)
 
     def _restart(self, spec: InstanceSpec, now: float) -> None:
+        """Queued for the end of this loop turn (`_start_restarts`): the members of a chain die
+        together, are reaped in one poll, and start again together as one process."""
+        if chains.chain_of(spec):
+            self._restart_batch.append(spec)
+            return
         try:
             self.supervisor.start(spec, now)
             self.counters["restarts"] += 1
             log.warning("restarted crashed worker (same identity)", extra={"instance": spec.instance})
         except (OSError, ValueError) as exc:
             log.error("cannot restart worker: %s", exc, extra={"instance": spec.instance})
+
+    def _start_restarts(self, now: float) -> None:
+        """The chain members whose restart was queued this turn, one process per chain."""
+        batch, self._restart_batch = self._restart_batch, []
+        for group in chains.group_chains(batch):
+            try:
+                self._start_group(group, now)
+                self.counters["restarts"] += len(group)
+                log.warning("restarted crashed worker (same identity)%s",
+                            f" as a chain of {len(group)}" if len(group) > 1 else "",
+                            extra={"instance": group[0].instance})
+            except (OSError, ValueError) as exc:
+                log.error("cannot restart chain: %s", exc, extra={"instance": group[0].instance})
+
+    def _start_group(self, group: List[InstanceSpec], now: float) -> None:
+        """One process for one spec, or a chain process for a chain's members (upstream first)."""
+        if len(group) == 1:
+            self.supervisor.start(group[0], now)
+        else:
+            self.supervisor.start_chain(group, now)
 
     def _listed_elsewhere(self) -> Set[str]:
         """Instance ids that another ONLINE node lists in its retained state."""
@@ -1592,6 +1673,7 @@ class Agent:
         Node-local settings come from this agent's configuration, not from the stored spec; a
         stored spec this node no longer admits is set aside (`hosted.set_aside`), not started."""
         present = {s.instance for s in hosted.hosted(self.cfg.agent.state_dir)}  # not forgotten since
+        adopt: List[InstanceSpec] = []
         for spec in self._to_readopt:
             if spec.instance in self.supervisor or spec.instance not in present:
                 continue
@@ -1609,13 +1691,16 @@ class Agent:
                 continue
             if self.spill is not None:
                 spec = self.spill.with_spill(spec)
+            adopt.append(spec)
+        for group in chains.group_chains(adopt):  # a chain's members together, as one process again
             try:
-                self.supervisor.start(spec, now)
+                self._start_group(group, now)
             except (OSError, ValueError) as exc:
-                log.error("cannot re-adopt instance: %s", exc, extra={"instance": spec.instance})
+                log.error("cannot re-adopt instance: %s", exc, extra={"instance": group[0].instance})
                 continue
-            self.counters["readopted"] = self.counters.get("readopted", 0) + 1
-            log.warning("re-adopted instance hosted before the agent restarted", extra={"instance": spec.instance})
+            self.counters["readopted"] = self.counters.get("readopted", 0) + len(group)
+            for spec in group:
+                log.warning("re-adopted instance hosted before the agent restarted", extra={"instance": spec.instance})
         if len(self.supervisor) > self.cfg.agent.slots:
             log.warning("%d re-adopted instances exceed the %d slots (no new ones until some leave)",
                         len(self.supervisor), self.cfg.agent.slots, extra={"node": self.node})

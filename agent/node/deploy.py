@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from agent import topics
 from agent.config import PipelineConfig, load_pipeline_text
 from agent.control.records import GENERATION_KEY, new_generation, stamp, tombstone
-from agent.node import nodestate
+from agent.node import chains, nodestate
 from agent.node import rpc
 from agent.node.placement import DEFAULT_POLICY, NodeView, PlacementRequest, get_policy
 from agent.instance.spec import InstanceSpec, request_spec
@@ -172,12 +172,22 @@ def run_deploy(cfg: PipelineConfig, text: str, specs: Sequence[InstanceSpec], fl
     publish(topic, stamp(text, gen).encode("utf-8"))
     placed: List[Deployed] = []
     views = list(fleet)
+    # chain = true: groups of consecutive keepers, sink first, each on one node (docs/runtime.md,
+    # "Chaining"); off: every keeper alone, as before.
+    groups = chains.plan_chains(specs, views, policy) if cfg.pipeline.chain else [("", [s]) for s in reversed(specs)]
     try:
-        for spec in reversed(specs):  # sink first: successors subscribed before predecessors exist
-            node = _place_one(call, spec, views, policy)
-            placed.append(Deployed(spec.operator, spec.instance, node))
-            views = _take_slot(views, node, spec.instance)
-            log.info("keeper %s of %s started on %s", spec.instance, spec.operator, node)
+        for node, group in groups:  # sink first: successors subscribed before predecessors exist
+            if len(group) > 1 and _place_chain(call, node, group):
+                for spec in reversed(group):
+                    placed.append(Deployed(spec.operator, spec.instance, node))
+                    views = _take_slot(views, node, spec.instance)
+                log.info("keepers %s started on %s as one chain", ", ".join(s.instance for s in group), node)
+                continue
+            for spec in reversed(group):  # alone (or a chain the node refused: one by one)
+                node = _place_one(call, spec, views, policy)
+                placed.append(Deployed(spec.operator, spec.instance, node))
+                views = _take_slot(views, node, spec.instance)
+                log.info("keeper %s of %s started on %s", spec.instance, spec.operator, node)
     except DeployError as exc:
         failed = []
         for d in reversed(placed):  # sources first, as an undeploy
@@ -247,6 +257,18 @@ def deploy_over(conn: Requester, text: str, name: str, timeout: float, policy_na
                         lambda topic, payload: conn.publish(topic, payload, qos=1, retain=True), cluster,
                         where=conn.address)
     return cfg, placed
+
+
+def _place_chain(call: Call, node: str, group: Sequence[InstanceSpec]) -> bool:
+    """Ask `node` to start consecutive keepers as one chain; whether it did (a refusal is logged
+    and the keepers are then placed one by one)."""
+    specs = [request_spec(dataclasses.replace(s, node=node)) for s in group]
+    reply = call(node, {"op": "spawn", "spec": specs[-1], "chain": specs, "cause": "deploy"})
+    if reply.get("ok"):
+        return True
+    log.warning("chain %s refused by %s (%s): placing its keepers one by one",
+                ", ".join(s.instance for s in group), node, reply.get("error"))
+    return False
 
 
 def _place_one(call: Call, spec: InstanceSpec, fleet: Sequence[NodeView], policy: Any) -> str:

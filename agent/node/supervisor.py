@@ -26,7 +26,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import IO, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from agent.instance.spec import InstanceSpec, control_line, parse_control_line
+from agent.instance.spec import InstanceSpec, chain_json, control_line, parse_control_line
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,10 @@ class Worker:
     killed_for: Optional[str] = None  # why the supervisor killed it (hung, start timeout)
     bad_lines: int = 0
     stdin_broken: bool = False
+    # The members of its chain process, upstream first (docs/runtime.md, "Chaining"), or () for a
+    # process of its own. Members share `proc`; their control lines carry "member".
+    chain: Tuple[str, ...] = ()
+    asked_to_stop: bool = False  # `stop` named it (a chain's other members stop with it, unasked)
 
     @property
     def instance(self) -> str:
@@ -149,11 +153,7 @@ class Supervisor:
     def start(self, spec: InstanceSpec, now: float) -> Worker:
         if spec.instance in self.workers:
             raise ValueError(f"instance {spec.instance!r} already runs here (pid {self.workers[spec.instance].pid})")
-        proc = self._take_warm()
-        if proc is None:
-            proc = self._popen()
-        else:
-            self.warm_used += 1
+        proc = self._process()
         worker = Worker(spec=spec, proc=proc, started_at=now, last_heartbeat=now)
         self.workers[spec.instance] = worker
         self._write(worker, spec.to_json() + "\n")
@@ -164,6 +164,55 @@ class Supervisor:
         log.info("started worker pid %d", proc.pid, extra={"instance": spec.instance, "operator": spec.operator})
         self.prewarm(now)
         return worker
+
+    def start_chain(self, specs: Sequence[InstanceSpec], now: float) -> List[Worker]:
+        """Start consecutive instances in one chain process (agent.instance.chain), upstream
+        first: one record per member, sharing the process, its pipe and its fate."""
+        ids = tuple(s.instance for s in specs)
+        if len(ids) < 2 or len(set(ids)) != len(ids):
+            raise ValueError(f"a chain needs 2 or more distinct instances, found {list(ids)}")
+        busy = [i for i in ids if i in self.workers]
+        if busy:
+            raise ValueError(f"instance {busy[0]!r} already runs here (pid {self.workers[busy[0]].pid})")
+        proc = self._process()
+        members = [Worker(spec=s, proc=proc, started_at=now, last_heartbeat=now, chain=ids) for s in specs]
+        for w in members:
+            self.workers[w.instance] = w
+        self._write(members[0], chain_json(list(specs)) + "\n")
+        t = threading.Thread(target=self._chain_reader, args=(ids, proc.stdout), name=f"stdout-{ids[0]}+", daemon=True)
+        t.start()
+        log.info("started chain pid %d: %s", proc.pid, ", ".join(ids), extra={"instance": ids[0]})
+        self.prewarm(now)
+        return members
+
+    def _chain_reader(self, ids: Tuple[str, ...], stream: Optional[IO[bytes]]) -> None:
+        """Reader thread of a chain: forwards each line to the loop as its member's line (a line
+        naming no member of this chain is forwarded as the head's, which counts it as junk)."""
+        if stream is None:
+            return
+        try:
+            for raw in iter(stream.readline, b""):
+                text = raw.decode("utf-8", errors="replace")
+                member = ids[0]
+                try:
+                    named = json.loads(text).get("member")
+                    if named in ids:
+                        member = named
+                except (ValueError, AttributeError):
+                    pass
+                self._emit(("worker_line", member, text))
+        except (OSError, ValueError):
+            pass
+        for i in ids:
+            self._emit(("worker_eof", i))
+
+    def _process(self) -> subprocess.Popen:
+        """The pre-started worker process if there is one, else a new one."""
+        proc = self._take_warm()
+        if proc is None:
+            return self._popen()
+        self.warm_used += 1
+        return proc
 
     def _popen(self) -> subprocess.Popen:
         preexec = _pdeathsig if sys.platform.startswith("linux") else None
@@ -271,6 +320,8 @@ class Supervisor:
         worker = self.workers.get(target)
         if worker is None:
             return False
+        if worker.chain:
+            fields["member"] = target
         return self._write(worker, control_line(event, **fields))
 
     def _write(self, worker: Worker, text: str) -> bool:
@@ -289,10 +340,15 @@ class Supervisor:
     def stop(self, instance: str, now: float) -> None:
         """Ask one worker to drain and exit; `poll` escalates to SIGTERM and SIGKILL."""
         worker = self.workers.get(instance)
-        if worker is None or worker.stop_sent_at is not None:
+        if worker is None:
             return
-        worker.stop_sent_at = now
-        worker.status = WorkerStatus.TERMINATING
+        worker.asked_to_stop = True
+        if worker.stop_sent_at is not None:
+            return
+        # A chain stops as a whole, upstream first (agent.instance.chain): every member drains.
+        for w in [self.workers[i] for i in worker.chain if i in self.workers] or [worker]:
+            w.stop_sent_at = now
+            w.status = WorkerStatus.TERMINATING
         if not self.send(instance, "stop"):
             self._signal(worker, signal.SIGTERM, now)
 
@@ -307,10 +363,13 @@ class Supervisor:
             worker.proc.send_signal(sig)
         except ProcessLookupError:
             return
-        if sig == signal.SIGTERM:
-            worker.term_sent_at = now
-        elif sig == signal.SIGKILL:
-            worker.kill_sent_at = now
+        # One signal per process: a chain's members share it (a second SIGTERM would abort a
+        # chain that is still draining, agent.instance.chain).
+        for w in [self.workers[i] for i in worker.chain if i in self.workers] or [worker]:
+            if sig == signal.SIGTERM:
+                w.term_sent_at = now
+            elif sig == signal.SIGKILL:
+                w.kill_sent_at = now
 
     def kill(self, instance: str, now: float, reason: str) -> None:
         worker = self.workers.get(instance)
@@ -386,7 +445,8 @@ class Supervisor:
         return True
 
     def pids(self) -> List[int]:
-        return [w.pid for w in self.workers.values()]
+        """The worker processes, each once (a chain's members share one)."""
+        return sorted({w.pid for w in self.workers.values()})
 
     def __len__(self) -> int:
         return len(self.workers)

@@ -38,6 +38,20 @@ them leaves or withdraws: the thesis's prose ("a node stops acknowledging reques
 competitors when one of them either leaves the critical section or postpones its own request"),
 read as "one of those it acknowledges". Other Ends still update the clock and drop the sender's
 waiting Req (lines 78, 80-82).
+
+DEVIATION 5 (yield once per request, issue 27; docs/gme.md "48 and 96 nodes"), opt-in
+(`yield_once`; the GME bench's and simulator's `--damping` turn on 4 and 5): a requesting node
+runs lines 22-31 (start authorizing the other group and withdraw from every other competitor) at
+most once per request. A later higher-priority Req, while it is not
+authorizing, gets the Ack of line 21 (and DEVIATION 2), nothing more: the acknowledgement a
+higher-priority request needs, without a new withdrawal broadcast. Why: with DEVIATION 4 alone
+the churn still fed itself at 48 nodes behind slow publishers: 90% of the withdrawal broadcasts
+were answers to Reqs *resent* after an authorization ended (line 83), and each broadcast's Ends
+made about one more node resend. Yielding at most once per request bounds the broadcasts by the
+requests, whatever the timing. The published algorithm already acks a higher-priority Req with
+no new withdrawal when it is authorizing (line 22 false); this extends that to "already yielded
+for this request". Safety is pairwise and unchanged (an Ack to a higher-priority j is exactly
+line 21); liveness: docs/gme.md.
 """
 
 from __future__ import annotations
@@ -101,9 +115,12 @@ class FgmeNode(GmeNode):
     """One 2-FGME node. Competitors are all nodes of the other group(s)."""
 
     algorithm: ClassVar[str] = "2fgme"
-    # DEVIATION 4 is opt-in (`node.damped = True`, CLI `--damping`): the published line 79 stays
-    # the default, the variant the exhaustive 2+2 x 2 search proved (docs/gme.md)
+    # DEVIATIONS 4 and 5 are opt-in (`node.damped` / `node.yield_once`, both turned on by the GME
+    # CLI's `--damping`): the published lines 22 and 79 stay the default, the variant the
+    # exhaustive 2+2 x 2 search proved (docs/gme.md). Lock-guarded scaling's `fgme_damping` turns
+    # on DEVIATION 4 only: DEVIATION 5 costs lock messages there (docs/gme.md, "48 and 96 nodes").
     damped: ClassVar[bool] = False
+    yield_once: ClassVar[bool] = False
 
     def __init__(
         self, node_id: NodeId, groups: Mapping[NodeId, Group], fault: Optional[str] = None
@@ -129,6 +146,8 @@ class FgmeNode(GmeNode):
         # DEVIATION 4: written and read only when damped (published: stays empty, so persisted
         # lock states, agent/protocol/guarded.py, need not carry it)
         self.authorized_for: FrozenSet[NodeId] = frozenset()
+        # DEVIATION 5: this request already ran lines 22-31 (written always, read only with yield_once)
+        self.yielded: bool = False
         self.acks_rcvd: Set[NodeId] = set()
 
     # -- priority ---------------------------------------------------------------------------------
@@ -144,6 +163,7 @@ class FgmeNode(GmeNode):
         self.lc += 1  # line 10
         self.req_clock = self.lc
         self.req_first_epoch = self.epoch + 1  # acks of older epochs answer older requests
+        self.yielded = False  # DEVIATION 5: a new request may yield once
         if not self.competitors_authorized:  # line 11
             out += self._multicast_req(self._sorted_competitors)  # line 12
         else:
@@ -190,11 +210,12 @@ class FgmeNode(GmeNode):
                 # sent before this Req has already arrived, so nothing is in flight to ignore.)
                 self.acks_rcvd.discard(j)
                 self.reqs_to_send.add(j)
-            if not self.competitors_authorized:  # line 22
+            if not self.competitors_authorized and not self._yields_again():  # line 22
                 self.competitors_authorized = True  # line 23
                 if self.damped:
                     self.authorized_for = frozenset((j,))  # DEVIATION 4
                 if self.req_clock != INF:  # line 24
+                    self.yielded = True
                     end = End(self.id, self.lc)  # one immutable End shared by the multicast
                     for k in self._sorted_competitors:  # line 25
                         if k == j:
@@ -214,6 +235,12 @@ class FgmeNode(GmeNode):
             else:
                 self.waiting_reqs[j] = m.epoch  # line 54
         return out
+
+    def _yields_again(self) -> bool:
+        """DEVIATION 5: this request yielded once already (lines 24-31), so a higher-priority Req
+        gets line 21's Ack only. Idle nodes (req_clock infinite) authorize as published: that
+        sends nothing."""
+        return self.yield_once and self.yielded and self.req_clock != INF
 
     # -- RECEIVE Ack (lines 58-76) ----------------------------------------------------------------
 
@@ -327,6 +354,12 @@ class FgmeNode(GmeNode):
         (keeps the published variant's classes)."""
         return self.authorized_for if self.competitors_authorized and self.damped else None
 
+    def _live_yielded(self) -> Optional[bool]:
+        """yielded (DEVIATION 5) where it is read: yield_once and requesting (reset by `request()`,
+        read only at line 22 with a finite req_clock); None otherwise (keeps the published
+        variant's states and classes)."""
+        return self.yielded if self.yield_once and self.state is GmeState.REQUESTING else None
+
     def live_snapshot(self, requests_left: int) -> Tuple[object, ...]:
         """`snapshot()` without the variables no future step reads before writing them.
 
@@ -350,6 +383,8 @@ class FgmeNode(GmeNode):
           (an Ack answering such an epoch is stale by `m.epoch < req_first_epoch` already).
         - authorized_for (DEVIATION 4) is read only when damped and competitors_authorized is
           true, and written whenever the latter becomes true: dead otherwise.
+        - yielded (DEVIATION 5) is read only with yield_once and requesting, and reset by every
+          request: dead otherwise.
         `entries` only counts, for the checker's measure.
         """
         s = self.state
@@ -377,6 +412,7 @@ class FgmeNode(GmeNode):
             self.competitors_authorized,
             auth_for,
             frozenset(self.acks_rcvd),
+            self._live_yielded(),
         )
 
     def snapshot(self) -> Tuple[object, ...]:
@@ -394,4 +430,5 @@ class FgmeNode(GmeNode):
             self._live_authorized_for(),
             frozenset(self.acks_rcvd),
             self.entries,
+            self._live_yielded(),
         )

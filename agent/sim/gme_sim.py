@@ -43,7 +43,7 @@ class GmeSimConfig:
     max_time_ms: float = 1e9
     send_ms: float = 0.0  # per-message service time of each node's single outgoing queue
     max_messages: Optional[int] = None  # stop (requests unserved) after this many messages
-    damping: bool = False  # 2-FGME's DEVIATION 4 (agent/protocol/gme_fgme.py)
+    damping: bool = False  # 2-FGME's DEVIATIONS 4 and 5 (agent/protocol/gme_fgme.py)
 
 
 @dataclass
@@ -110,7 +110,7 @@ def simulate(cfg: GmeSimConfig) -> GmeSimResult:
     nodes = make_nodes(cfg.algorithm, sizes)
     if cfg.damping:
         for n in nodes:
-            n.damped = True  # type: ignore[attr-defined]
+            n.damped = n.yield_once = True  # type: ignore[attr-defined]
     rng = random.Random(cfg.seed)
     res = GmeSimResult(cfg)
     heap: List[Tuple[float, int, str, int, object]] = []

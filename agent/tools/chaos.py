@@ -74,6 +74,7 @@ PIPELINE = """\
 name = "chaos"
 coordination = "{coordination}"
 fgme_damping = {damping}
+chain = {chain}
 
 [scaling]
 policy = "decentralized"
@@ -167,15 +168,16 @@ PIPELINES = ("demo", "stateful")
 
 
 def chaos_pipeline(duration: float, seed: int, coordination: str = "ack", fgme_damping: bool = False,
-                   pipeline: str = "demo") -> str:
+                   pipeline: str = "demo", chain: bool = False) -> str:
     """A load that makes in_zone scale out (to ~3 instances) and back within `duration` s;
     `coordination` "fgme" runs every round inside the 2-FGME locks (docs/gme.md). `pipeline`
-    "stateful": the same load through a keyed window, nothing scaling (coordination unused)."""
+    "stateful": the same load through a keyed window, nothing scaling (coordination unused).
+    `chain`: the demo pipeline's keepers run chained (docs/runtime.md, "Chaining")."""
     d = float(duration)
     steps = [[0, 100], [round(0.1 * d, 1), 350], [round(0.5 * d, 1), 200], [round(0.75 * d, 1), 60], [d, 0]]
     text = STATEFUL_PIPELINE if pipeline == "stateful" else PIPELINE
     return text.format(seed=seed, steps=json.dumps(steps), coordination=coordination,
-                       damping="true" if fgme_damping else "false")
+                       damping="true" if fgme_damping else "false", chain="true" if chain else "false")
 
 
 @dataclass
@@ -204,6 +206,7 @@ class ChaosConfig:
     coordination: str = "ack"  # the pipeline's: "ack" (the paper) or "fgme" (rounds inside 2-FGME locks)
     fgme_damping: bool = False  # the pipeline's [pipeline] fgme_damping (DEVIATION 4 in the lock nodes)
     pipeline: str = "demo"  # or "stateful": a keyed window, verified window by window
+    chain: bool = False  # the demo pipeline's [pipeline] chain: keepers in chain processes
 
     def __post_init__(self) -> None:
         if self.pipeline not in PIPELINES:
@@ -469,7 +472,7 @@ def _signal(pid: int, sig: int) -> None:
 def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dict[str, Any]:
     """Run one chaos experiment; returns the summary (the `--json` output)."""
     rng = random.Random(cfg.seed)
-    text = chaos_pipeline(cfg.duration, cfg.seed, cfg.coordination, cfg.fgme_damping, cfg.pipeline)
+    text = chaos_pipeline(cfg.duration, cfg.seed, cfg.coordination, cfg.fgme_damping, cfg.pipeline, cfg.chain)
     stateful = cfg.pipeline == "stateful"
     pipeline = load_pipeline_text(text, "chaos pipeline")
     profile = pipeline.operators[0].params["steps"]
@@ -654,7 +657,8 @@ def main(args: Any) -> int:
                           workdir=Path(args.workdir) if args.workdir else None, rehoming=rehoming,
                           coordination=str(getattr(args, "coordination", "ack")),
                           fgme_damping=bool(getattr(args, "fgme_damping", False)),
-                          pipeline=str(getattr(args, "pipeline", "demo")))
+                          pipeline=str(getattr(args, "pipeline", "demo")),
+                          chain=bool(getattr(args, "chain", False)))
     except ValueError as exc:
         print(f"fog-agent chaos: {exc}", file=sys.stderr)
         return 2

@@ -46,7 +46,7 @@ from agent.instance.spec import InstanceSpec, control_line, parse_control_line
 from agent.mqtt.settings import BrokerSpec
 from agent.mqtt import client as mqttc
 
-__all__ = ["BenchFailed", "DropWatch", "WorkerProc", "LocalRunner", "pipeline_toml", "initial_specs", "measure_raw",
+__all__ = ["BenchFailed", "DropWatch", "WorkerProc", "ChainProc", "MemberProc", "LocalRunner", "pipeline_toml", "initial_specs", "measure_raw",
            "measure_raw_2proc", "register_bench", "run_bench"]
 
 PY = sys.executable
@@ -123,39 +123,53 @@ def initial_specs(
     return specs
 
 
-class WorkerProc:
-    """One worker process and our end of its control pipe."""
+class _Watched:
+    """What the runner knows of one instance from its lines: ready, last stats, exit, events."""
 
-    def __init__(
-        self,
-        spec: InstanceSpec,
-        log_dir: Path,
-        on_line: Callable[["WorkerProc", Dict[str, Any]], None],
-        warm: Optional["WarmProc"] = None,
-    ) -> None:
+    spec: InstanceSpec
+    instance: str
+    ready: threading.Event
+    exit_info: Optional[Dict[str, Any]]
+    stats: Dict[str, Any]
+    events: Deque[Dict[str, Any]]
+
+    def _watch(self, spec: InstanceSpec) -> None:
         self.spec = spec
         self.instance = spec.instance
         self.ready = threading.Event()
+        self.exit_info = None
+        self.stats = {}
+        self.events = deque(maxlen=1000)
+
+
+class _PipedProc:
+    """A worker process (one instance, or a chain of several) and our end of its control pipe."""
+
+    proc: subprocess.Popen
+    _on_line: Callable[[Any, Dict[str, Any]], None]
+
+    def _open(self, first_line: str, name: str, log_dir: Path, warm: Optional["WarmProc"]) -> None:
+        """Take a spare (or start a process), give it its first line, read its lines."""
         self.exited = threading.Event()
-        self.exit_info: Optional[Dict[str, Any]] = None
-        self.stats: Dict[str, Any] = {}
-        self.events: Deque[Dict[str, Any]] = deque(maxlen=1000)
         self._lock = threading.Lock()
-        self._on_line = on_line
         if warm is None:
-            warm = WarmProc(log_dir, spec.instance)
+            warm = WarmProc(log_dir, name)
         self.log_path = warm.log_path
         self._log = warm.log
         self.proc = warm.proc
         assert self.proc.stdin is not None
-        self.proc.stdin.write(spec.to_json() + "\n")
+        self.proc.stdin.write(first_line + "\n")
         self.proc.stdin.flush()
-        self._reader = threading.Thread(target=self._read, daemon=True, name=f"read-{spec.instance}")
+        self._reader = threading.Thread(target=self._read, daemon=True, name=f"read-{name}")
         self._reader.start()
 
     @property
     def pid(self) -> int:
         return int(self.proc.pid)
+
+    def _view(self, msg: Dict[str, Any]) -> Any:
+        """Whom a line is about: this process (one instance), or a chain's member."""
+        return self
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -164,15 +178,18 @@ class WorkerProc:
                 msg = parse_control_line(line)
             except ValueError:
                 continue
+            view = self._view(msg)
+            if view is None:
+                continue
             ev = msg["event"]
             if ev == "ready":
-                self.ready.set()
+                view.ready.set()
             elif ev == "heartbeat":
-                self.stats = msg.get("stats", {})
+                view.stats = msg.get("stats", {})
             elif ev == "exit":
-                self.exit_info = msg
-            self.events.append(msg)
-            self._on_line(self, msg)
+                view.exit_info = msg
+            view.events.append(msg)
+            self._on_line(view, msg)
         self.proc.wait()
         self.exited.set()
 
@@ -202,6 +219,80 @@ class WorkerProc:
             self.proc.kill()
             self.proc.wait()
         self._log.close()
+
+
+class WorkerProc(_Watched, _PipedProc):
+    """One worker process and our end of its control pipe."""
+
+    def __init__(
+        self,
+        spec: InstanceSpec,
+        log_dir: Path,
+        on_line: Callable[["WorkerProc", Dict[str, Any]], None],
+        warm: Optional["WarmProc"] = None,
+    ) -> None:
+        self._watch(spec)
+        self._on_line = on_line
+        self._open(spec.to_json(), spec.instance, log_dir, warm)
+
+
+class ChainProc(_PipedProc):
+    """One chain process (agent.instance.chain): several instances, one control pipe whose lines
+    carry "member". Each member is seen through a `MemberProc` (the WorkerProc interface)."""
+
+    def __init__(
+        self,
+        specs: Sequence[InstanceSpec],
+        log_dir: Path,
+        on_line: Callable[["MemberProc", Dict[str, Any]], None],
+        warm: Optional["WarmProc"] = None,
+    ) -> None:
+        from agent.instance.spec import chain_json
+
+        self.specs = list(specs)
+        self._on_line = on_line
+        self.members: Dict[str, MemberProc] = {s.instance: MemberProc(self, s) for s in specs}
+        self._open(chain_json(self.specs), "chain-" + "+".join(s.instance for s in specs), log_dir, warm)
+
+    def _view(self, msg: Dict[str, Any]) -> Any:
+        return self.members.get(str(msg.pop("member", "")))
+
+
+class MemberProc(_Watched):
+    """One instance of a chain process, with the interface of a `WorkerProc`: "stop" stops the
+    whole chain (upstream first), any other line goes to this member."""
+
+    def __init__(self, chain: ChainProc, spec: InstanceSpec) -> None:
+        self.chain = chain
+        self._watch(spec)
+
+    @property
+    def proc(self) -> subprocess.Popen:
+        return self.chain.proc
+
+    @property
+    def exited(self) -> threading.Event:
+        return self.chain.exited
+
+    @property
+    def pid(self) -> int:
+        return self.chain.pid
+
+    @property
+    def log_path(self) -> Path:
+        return self.chain.log_path
+
+    def send(self, event: str, **fields: Any) -> None:
+        if event in ("stop", "eof"):
+            self.chain.send(event)
+        else:
+            self.chain.send(event, member=self.instance, **fields)
+
+    def stop(self, timeout: float = 15.0) -> Optional[int]:
+        return self.chain.stop(timeout)
+
+    def close(self) -> None:
+        self.chain.close()
 
 
 class WarmProc:
@@ -257,7 +348,7 @@ class LocalRunner:
         self._spare: Optional[WarmProc] = None
         self._spares = 0
         self.warm_used = 0
-        self.workers: Dict[str, WorkerProc] = {}
+        self.workers: Dict[str, Any] = {}  # instance -> WorkerProc, or MemberProc of a chain
         self.lock = threading.Lock()
         self.spawned: List[str] = []
         self.exited: List[str] = []
@@ -297,6 +388,25 @@ class LocalRunner:
             raise TimeoutError(f"worker {spec.instance} not ready after {self.ready_timeout}s; see {w.log_path}")
         return w
 
+    def start_chain(self, specs: Sequence[InstanceSpec], wait: bool = True) -> List[MemberProc]:
+        """Start several consecutive instances in one chain process (upstream first)."""
+        spare = self._take_spare()
+        if spare is not None:
+            self.warm_used += 1
+        specs = [replace(s, extra=dict(s.extra, check_sender_node=True)) for s in specs]
+        chain = ChainProc(specs, self.workdir / "logs", self._on_line, warm=spare)
+        self._prewarm()
+        with self.lock:
+            for s in specs:
+                self.workers[s.instance] = chain.members[s.instance]
+                self.hosts[s.instance] = s.node
+        self.send_hosts()
+        members = list(chain.members.values())
+        for m in members:
+            if wait and not m.ready.wait(self.ready_timeout):
+                raise TimeoutError(f"chain member {m.instance} not ready after {self.ready_timeout}s; see {chain.log_path}")
+        return members
+
     def send_hosts(self) -> None:
         """Every worker gets the bindings of every instance (the agent's "hosts" line)."""
         with self.lock:
@@ -305,7 +415,7 @@ class LocalRunner:
         for w in ws:
             w.send("hosts", **table)
 
-    def _on_line(self, w: WorkerProc, msg: Dict[str, Any]) -> None:
+    def _on_line(self, w: Any, msg: Dict[str, Any]) -> None:
         if msg["event"] == "spawn":
             with self.lock:
                 self.spawn_requests.append((w.instance, (msg.get("spec") or {}).get("instance"), time.monotonic()))
@@ -314,7 +424,7 @@ class LocalRunner:
             with self.lock:
                 self.exited.append(w.instance)
 
-    def _spawn(self, parent: WorkerProc, msg: Dict[str, Any]) -> None:
+    def _spawn(self, parent: Any, msg: Dict[str, Any]) -> None:
         """createNode(): start the new instance; reply only once it is subscribed (invariant 2)."""
         t0 = time.monotonic()
         try:
@@ -337,6 +447,9 @@ class LocalRunner:
         if old.proc.poll() is None:
             raise RuntimeError(f"{instance} is still running")
         old.close()
+        if isinstance(old, MemberProc):  # a chain restarts as a whole, with the same members
+            members = self.start_chain([replace(m.spec, restart=True) for m in old.chain.members.values()])
+            return next(m for m in members if m.instance == instance)
         return self.start(replace(old.spec, restart=True))
 
     def alive(self) -> List[WorkerProc]:
@@ -737,6 +850,7 @@ def run_bench(
     broker_max_queued: int = 10000,
     broker_max_inflight: int = 100,
     result: Optional[Dict[str, Any]] = None,
+    chain: bool = False,
 ) -> Dict[str, Any]:
     """Every phase on one private broker; raises BenchFailed (with the partial numbers in
     `result` if the caller passed a dict) when the broker dropped a message in any phase."""
@@ -821,6 +935,25 @@ def run_bench(
                 "python_paho_baseline": _baseline_rss(),
             }
             runner.stop_all()
+        if chain:
+            _progress(f"chained pipeline [source -> identity -> sink] in one process ({seconds:g} s)")
+            with drops.phase("chained", result) as part:
+                part["chained"] = measure_chained(LocalRunner(tmp / "chained"), toml, bspec, tmp / "chained",
+                                                  seconds, batch_size, broker.pid)
+            # The same with the source in its own process: one MQTT hop into the chain, so the
+            # broker is on the path and the ratio against the raw limits means what it says.
+            _progress(f"chained pipeline source -> [identity -> sink] ({seconds:g} s)")
+            with drops.phase("chained_tail", result) as part:
+                part["chained_tail"] = measure_chained(LocalRunner(tmp / "chained_tail"), toml, bspec,
+                                                       tmp / "chained_tail", seconds, batch_size, broker.pid, alone=1)
+            for name in ("chained", "chained_tail"):
+                c = result[name]
+                r1p = result["raw_1proc"]["records_per_s"]
+                r2p = result["raw_2proc"]["records_per_s"]
+                unchained = result["pipeline"]["records_per_s"]
+                c["ratio"] = c["records_per_s"] / r1p if r1p else 0.0
+                c["ratio_vs_raw_2proc"] = c["records_per_s"] / r2p if r2p else 0.0
+                c["vs_unchained"] = c["records_per_s"] / unchained if unchained else 0.0
         if rescale:
             _progress(f"rescale, {rescale} step-load cycles")
             with drops.phase("rescale", result) as part:
@@ -832,6 +965,40 @@ def run_bench(
             drops.close()
         broker.stop()
     return result
+
+
+def measure_chained(runner: LocalRunner, toml: str, bspec: BrokerSpec, workdir: Path, seconds: float,
+                    batch_size: int, broker_pid: int, alone: int = 0) -> Dict[str, Any]:
+    """The bench pipeline with its keepers in one chain process (docs/runtime.md, "Chaining"),
+    except the first `alone`, which run as processes of their own (alone = 1: the source sends
+    to the chain over the broker, one MQTT hop): records/s at the sink, CPU per batch of each
+    process and the broker, and the chain's RSS with the source paused (goal < 40 MB). Its own
+    cluster, so that no session of another phase's instances is taken over."""
+    specs = initial_specs(toml, bspec, str(workdir / "state"), cluster=f"bench-chain{alone}",
+                          extra={"sink_dir": str(workdir / "sink")})
+    try:
+        members = runner.start_chain(specs[alone:])
+        heads = [runner.start(s) for s in reversed(specs[:alone])][::-1]  # successors subscribed first
+        sink = members[-1]
+        time.sleep(1.0)  # warm-up
+        pids = {"chain": members[0].pid, "broker": broker_pid, "bench": os.getpid(),
+                **{h.spec.operator: h.pid for h in heads}}
+        c0, r0, t0 = _cpu_seconds(pids), sink.stats.get("recorded", 0), time.monotonic()
+        time.sleep(seconds)
+        c1, r1, t1 = _cpu_seconds(pids), sink.stats.get("recorded", 0), time.monotonic()
+        batches = max(1.0, (r1 - r0) / batch_size)
+        out: Dict[str, Any] = {
+            "records_per_s": (r1 - r0) / (t1 - t0),
+            "cpu_share": {k: round((c1[k] - c0[k]) / (t1 - t0), 3) for k in c1},
+            "cpu_ms_per_batch": {k: round(1000 * (c1[k] - c0[k]) / batches, 3) for k in c1},
+            "members": {m.instance: m.stats for m in members},
+        }
+        (heads or members)[0].send("set", paused=True)
+        time.sleep(1.5)
+        out["rss_mb"] = {"chain": _rss_mb(members[0].pid), "python_paho_baseline": _baseline_rss()}
+        return out
+    finally:
+        runner.stop_all()
 
 
 def measure_rescale(
@@ -999,6 +1166,7 @@ def _cmd(args: argparse.Namespace) -> int:
             seconds=args.seconds, batch_size=args.batch_size, record=args.record, window=args.window,
             rescale=args.rescale_cycles, warm=not args.no_warm_worker, raw_window=args.raw_window,
             broker_max_queued=args.broker_max_queued, broker_max_inflight=args.broker_max_inflight, result=res,
+            chain=args.chain,
         )
     except BenchFailed as exc:
         res["error"] = str(exc)
@@ -1026,6 +1194,15 @@ def _cmd(args: argparse.Namespace) -> int:
         print("messages the broker dropped, per phase: " + ", ".join(f"{k} {v:.0f}" for k, v in res["dropped"].items()))
         rss = res["rss_mb"]
         print(f"RSS idle worker {rss['idle_worker']:.1f} MB (python+paho baseline {rss['python_paho_baseline']:.1f} MB; goal < 40 MB)")
+        for name, what in (("chained", "[source -> identity -> sink]"), ("chained_tail", "source -> [identity -> sink]")):
+            ch = res.get(name)
+            if not ch:
+                continue
+            print(f"chained {what}: {ch['records_per_s']:10.0f} records/s  "
+                  f"CPU ms/batch: {_fmt_cpu({k: v for k, v in ch['cpu_ms_per_batch'].items() if not k.endswith('_sys')})}")
+            print(f"  ratio vs one-process raw {ch['ratio']:.3f}, vs two-process raw "
+                  f"{ch['ratio_vs_raw_2proc']:.3f}, vs the unchained pipeline {ch['vs_unchained']:.2f}x; "
+                  f"RSS of the chain process {ch['rss_mb']['chain']:.1f} MB (goal < 40 MB)")
         rs = res.get("rescale")
         if rs:
             d = rs["decision_to_first_record_s"]
@@ -1053,6 +1230,8 @@ def register_bench(groups: Any) -> None:
     p.add_argument("--rescale-cycles", type=int, default=3, help="step-load cycles of the rescale part (0: skip)")
     p.add_argument("--no-warm-worker", action="store_true",
                    help="rescale part: start each new instance's process cold (no pre-started worker)")
+    p.add_argument("--chain", action="store_true",
+                   help="also run the pipeline's three keepers chained in one process (docs/runtime.md, \"Chaining\")")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout (progress on stderr)")
     # Tests make the private broker drop messages with these (a bench that saw a drop must fail).
     p.add_argument("--broker-max-queued", type=int, default=10000, help=argparse.SUPPRESS)

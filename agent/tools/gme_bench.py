@@ -58,7 +58,7 @@ class BenchConfig:
     timeout_s: float = 300.0
     procs: int = 1  # processes the nodes are spread over (round robin)
     bucket_s: float = 1.0  # width of the message-rate buckets
-    damping: bool = False  # 2-FGME's DEVIATION 4 (agent/protocol/gme_fgme.py)
+    damping: bool = False  # 2-FGME's DEVIATIONS 4 and 5 (agent/protocol/gme_fgme.py)
 
 
 def _client(client_id: str, cfg: BenchConfig) -> Any:
@@ -232,7 +232,7 @@ class _Group:
         cores = make_nodes(cfg.algorithm, sizes)
         if cfg.damping:
             for c in cores:
-                c.damped = True
+                c.damped = c.yield_once = True
         self.start_evt = threading.Event()
         self.nodes = [_Node(cores[i], cfg, prefix, self.start_evt) for i in ids]
         for n in self.nodes:  # subscribe before announce: wait for every SUBACK
