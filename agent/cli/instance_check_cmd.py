@@ -20,7 +20,9 @@ def register(groups: Any) -> None:
         description="Random schedules (default) or every schedule up to --depth moves, each run to its end "
         "and checked: every record exactly once at the sink, none lost to a terminated instance, every "
         "round ended, views agree. Faults are moves: crash + restart from the last persisted state, "
-        "re-homing of op-0, a refused publish, a duplicated delivery.")
+        "re-homing of op-0 (and of its copy with --rehome-copy), a refused publish, a duplicated delivery, "
+        "a broker restart (sessions kept, lost, or rolled back), a node cut off the broker for a while, "
+        "a refused createNode().")
     p.add_argument("--schedules", type=int, default=10_000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--depth", type=int, default=0, help="explore every schedule up to this depth instead")
@@ -29,6 +31,10 @@ def register(groups: Any) -> None:
     p.add_argument("--rehomes", type=int, default=1)
     p.add_argument("--refusals", type=int, default=1)
     p.add_argument("--dups", type=int, default=1)
+    p.add_argument("--brokers", type=int, default=0, help="broker restarts (restart, lost, rollback)")
+    p.add_argument("--cuts", type=int, default=0, help="nodes cut off the broker for up to 12 s")
+    p.add_argument("--spawn-refusals", type=int, default=0, help="createNode() refused by the agent")
+    p.add_argument("--rehome-copy", action="store_true", help="the re-homing may take op-0's copy instead of op-0")
     p.add_argument("--slow", action="append", default=[], metavar="INSTANCE",
                    help="deliver to this instance rarely in random schedules (repeatable)")
     p.add_argument("--rounds", choices=("1-2-1", "1-2-1-2"), default="1-2-1-2")
@@ -44,7 +50,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.rounds == "1-2-1-2":
         plans += (("op-0", "duplicate"),)
     cfg = Config(records=args.records, crashes=args.crashes, rehomes=args.rehomes, refusals=args.refusals,
-                 dups=args.dups, plans=plans, slow=tuple(args.slow), faults=frozenset(args.fault))
+                 dups=args.dups, plans=plans, slow=tuple(args.slow), faults=frozenset(args.fault),
+                 brokers=args.brokers, cuts=args.cuts, spawn_refusals=args.spawn_refusals,
+                 rehome_targets=("op-0", "copy") if args.rehome_copy else ("op-0",))
     if args.depth:
         rep = explore(cfg, depth=args.depth)
     else:

@@ -14,8 +14,15 @@ Broker model (MQTT 3.1.1 / Mosquitto with persistent sessions, QoS 1):
 - `dup`: the head of a queue is delivered twice (a QoS 1 re-send whose PUBACK was lost).
 Faults, each a move with a budget: `crash` (the instance loses its memory, including what it
 took from the broker but had not processed, and restarts from its last `Persist`), `rehome` (the
-same, but its state is gone with its node: restart from nothing above a new epoch floor),
-`refuse` (the instance's next publish is refused by its client).
+same, but its state is gone with its node: restart from nothing above a new epoch floor, active,
+with tables rebuilt from the hosted instances, as agent.node.rehome plans it; op-0 or its copy),
+`refuse` (the instance's next publish is refused by its client), `broker` (the broker restarts:
+sessions and queues kept, the last delivery of each queue possibly repeated; or no session left,
+every queue gone and every client told `SessionLost`; or sessions kept but every queued message
+gone, a SIGKILL between autosaves), `cut` (a node cannot reach the broker for up to
+`cut_seconds`: nothing is delivered to its instances, what they publish waits in their clients
+and goes out, PUBACKed, at the heal; their timers run on), `refuse_spawn` (the agent answers a
+createNode() with an error: the copy never exists).
 
 A move is one event plus the Tick the worker loop performs after it; `time` advances the clock
 by `STEP` and ticks every live instance. The pipeline is source -> op -> sink, and the op goes
@@ -50,14 +57,16 @@ from agent.dataplane.envelope import Item, Kind, MalformedEnvelope, decode
 from agent.instance.commands import Command, Exit, Persist, PersistSource, Publish, RequestSpawn
 from agent.instance.core import Instance
 from agent.instance.events import (
-    Control, EnvelopeReceived, Event, PubAcked, PublishAccepted, PublishRefused, Restarted, Spawned, Started, Tick,
+    Control, EnvelopeReceived, Event, PubAcked, PublishAccepted, PublishRefused, Restarted, SessionLost, Spawned,
+    Started, Tick,
 )
 from agent.instance.spec import InstanceSpec
 from agent.mqtt.settings import BrokerSpec
 from agent.protocol.scaling import InstanceState
 from agent.sim.checker import Violation
 
-__all__ = ["Config", "Report", "Violation", "World", "explore", "random_runs", "describe", "pipeline_text", "FAULTS"]
+__all__ = ["Config", "Report", "Violation", "World", "explore", "random_runs", "finish", "describe", "pipeline_text",
+           "FAULTS"]
 
 CLUSTER = "chk"
 NODE = "n1"  # every instance's node (the writer in its inbox topics)
@@ -65,6 +74,11 @@ WALL0 = 1_700_000_000.0  # the wall clock at time 0 (epoch plausibility compares
 STEP = 1.0  # seconds per `time` move
 SETTLE_LIMIT = 240.0  # simulated seconds a settle may take before the run counts as stuck
 REHOME_EPOCH = int(WALL0) + 10  # the epoch floor a re-homed instance starts above (agent.node.rehome)
+# Where the instances run, for link cuts (the inbox topics all name NODE: placement only decides
+# which instances a cut isolates together). The agent places copies away from their creator.
+PLACEMENT = {"source-0": "n1", "op-0": "n1", "sink-0": "n2"}
+COPY_NODE = "n2"
+BROKER_KINDS = ("restart", "lost", "rollback")
 BROKER = BrokerSpec("127.0.0.1", 1)
 
 # The seeded faults the instance knows (agent.instance.core, agent.instance.driver).
@@ -192,9 +206,23 @@ class Config:
     # Forced rounds, in order: (target, action); "copy" is the copy the last duplication created.
     plans: Tuple[Tuple[str, str], ...] = (("op-0", "duplicate"), ("copy", "terminate"))
     max_time: float = 30.0  # `time` moves stop here (the settle runs on past it)
-    crash_targets: Tuple[str, ...] = ()  # empty: any live instance
-    rehome_targets: Tuple[str, ...] = ("op-0",)  # re-homing a copy: see docs/reliability.md
+    crash_targets: Tuple[str, ...] = ()  # empty: any live instance; "copy": as below
+    rehome_targets: Tuple[str, ...] = ("op-0",)  # "copy": the copy the last duplication created
     refuse_targets: Tuple[str, ...] = ()
+    # The broker restarts (budget `brokers`), as one of BROKER_KINDS: "restart" (SIGTERM with
+    # persistence: queues and sessions kept, the last delivery to each inbox may come again),
+    # "lost" (no persistence: every queue gone, every client told its session is gone),
+    # "rollback" (SIGKILL between autosaves: sessions kept, what was queued since is gone).
+    brokers: int = 0
+    broker_kinds: Tuple[str, ...] = BROKER_KINDS
+    # A node cut off the broker (budget `cuts`): its instances run on, nothing reaches them, what
+    # they publish waits in their client (accepted, PUBACKed only after the heal). The settle
+    # heals a cut `cut_seconds` after it began, so that timers fire during it.
+    cuts: int = 0
+    cut_seconds: float = 12.0
+    # createNode() refused by the agent (budget `spawn_refusals`): no copy, the round is cancelled;
+    # the forced duplication is asked for again (fogctl scale retried).
+    spawn_refusals: int = 0
     # Random schedules: deliveries to these inboxes are rare (a slow or cut-off node), so that
     # timers (resend on silence, replay to a silent successor) fire while their messages wait.
     slow: Tuple[str, ...] = ()
@@ -239,12 +267,18 @@ class World:
         self.source_pos: Dict[str, str] = {}
         self.queues: Dict[Tuple[str, str], Tuple[bytes, ...]] = {}
         self.inboxes: Dict[str, str] = {}  # inbox topic -> instance
-        self.spawns: List[Tuple[str, str]] = []  # (creator, request) answers still to deliver
+        self.spawns: List[Tuple[str, str, str]] = []  # (creator, request, copy) answers still to deliver
         self.exited: Dict[str, bool] = {}  # instance -> final
         self.store: List[Tuple[str, int]] = []
         self.to_terminated: List[Tuple[str, int]] = []  # records in data batches to terminated instances
         self.seen: Set[Tuple[str, int]] = set()
-        self.budget = {"crash": cfg.crashes, "rehome": cfg.rehomes, "refuse": cfg.refusals, "dup": cfg.dups}
+        self.budget = {"crash": cfg.crashes, "rehome": cfg.rehomes, "refuse": cfg.refusals, "dup": cfg.dups,
+                       "broker": cfg.brokers, "cut": cfg.cuts, "refuse_spawn": cfg.spawn_refusals}
+        self.cut: Dict[str, float] = {}  # node cut off the broker -> when the settle heals it
+        # instance -> (dest, payload, mid): what its client holds while its node is cut off
+        self.held_out: Dict[str, Tuple[Tuple[str, bytes, int], ...]] = {}
+        # queue -> its last delivery (a broker restart may deliver it again)
+        self.last_delivered: Dict[Tuple[str, str], bytes] = {}
         self.refuse_next: Set[str] = set()
         self.plans: List[Tuple[str, str]] = list(cfg.plans)
         self.copy_id: Optional[str] = None
@@ -296,9 +330,12 @@ class World:
             dest = self.inboxes.get(cmd.topic)
             if dest is None:
                 raise _Stop("unknown_destination", f"{iid} published to {cmd.topic}")
+            self.mid += 1
+            if self.node_of(iid) in self.cut:  # in its client until the heal (PUBACK then)
+                self.held_out[iid] = self.held_out.get(iid, ()) + ((dest, cmd.payload, self.mid),)
+                return [PublishAccepted(cmd.token, self.mid)]
             key = (iid, dest)
             self.queues[key] = self.queues.get(key, ()) + (cmd.payload,)
-            self.mid += 1
             return [PublishAccepted(cmd.token, self.mid), PubAcked(self.mid)]
         if isinstance(cmd, Persist):
             self.persisted[iid] = json.dumps(cmd.state, sort_keys=True)
@@ -310,11 +347,14 @@ class World:
             data["succs"], data["preds"] = tuple(data["succs"]), tuple(data["preds"])
             spec = InstanceSpec(**data)
             self.copy_id = spec.instance
-            self._boot(spec, None)
-            self.spawns.append((iid, cmd.request))
+            if spec.instance not in self.inst and spec.instance not in self.down:
+                self._boot(spec, None)  # createNode() of an instance that exists answers with it
+            self.spawns.append((iid, cmd.request, spec.instance))
         elif isinstance(cmd, Exit):
             del self.inst[iid]
             self.exited[iid] = cmd.final
+            if self.node_of(iid) in self.cut:
+                self.held_out.pop(iid, None)  # it exits without reaching the broker: paho's queue is gone
         return []
 
     # ---- moves ----------------------------------------------------------------------------------
@@ -322,25 +362,61 @@ class World:
     def moves(self) -> List[Tuple[Any, ...]]:
         out: List[Tuple[Any, ...]] = []
         for key in sorted(self.queues):
-            if self.queues[key] and key[1] not in self.down:
+            if self.queues[key] and self._reachable(key[1]):
                 out.append(("deliver", key))
                 if self.budget["dup"]:
                     out.append(("dup", key))
-        out += [("spawned", i) for i in range(len(self.spawns))]
+        for i, (creator, _, copy_id) in enumerate(self.spawns):
+            if self.node_of(creator) not in self.cut and self.node_of(copy_id) not in self.cut:
+                out.append(("spawned", i))
+                if self.budget["refuse_spawn"]:
+                    out.append(("refuse_spawn", i))
         plan = self._plan_move()
         if plan is not None:
             out.append(plan)
         for iid in sorted(self.down):
-            out.append(("restart", iid))
-        targets = {"crash": self.cfg.crash_targets or tuple(sorted(self.inst)), "rehome": self.cfg.rehome_targets}
+            if self.node_of(iid) not in self.cut:  # a worker starts once subscribed
+                out.append(("restart", iid))
+        crash = self._targets(self.cfg.crash_targets) if self.cfg.crash_targets else tuple(sorted(self.inst))
+        targets = {"crash": crash, "rehome": self._targets(self.cfg.rehome_targets)}
         for kind in ("crash", "rehome"):
             if self.budget[kind]:
                 out += [(kind, i) for i in targets[kind] if i in self.inst]
         if self.budget["refuse"]:
             out += [("refuse", i) for i in (self.cfg.refuse_targets or tuple(sorted(self.inst))) if i in self.inst]
+        if self.budget["broker"] and not self.cut:
+            out += [("broker", k) for k in self.cfg.broker_kinds]
+        if self.budget["cut"] and not self.cut:
+            out += [("cut", n) for n in sorted(set(PLACEMENT.values()))]
+        out += [("heal", n) for n in sorted(self.cut)]
         if self.now < self.cfg.max_time:
             out.append(("time",))
         return out
+
+    def play(self, label: str) -> None:
+        """Apply the move named `label` as a violation's trace names it, "copy" standing for the
+        copy the last duplication created: fixed schedules in tests, traces replayed by hand."""
+        if self.copy_id is not None:
+            label = label.replace("copy", self.copy_id)
+        for move in self.moves():
+            if _label(move) == label:
+                self.apply(move)
+                return
+        raise ValueError(f"no move {label!r} now; moves: {[_label(m) for m in self.moves()]}")
+
+    def deliver_all(self, but: Tuple[str, ...] = ()) -> None:
+        """Deliver every queue (and answer every spawn) until nothing is left, except the queues
+        named in `but` ("source-0->copy"): a fast network with a few slow links."""
+        skip = {f"deliver {b}".replace("copy", self.copy_id or "copy") for b in but}
+        while True:
+            ready = [m for m in self.moves() if m[0] in ("deliver", "spawned") and _label(m) not in skip]
+            if not ready:
+                return
+            self.apply(ready[0])
+
+    def _targets(self, names: Tuple[str, ...]) -> Tuple[str, ...]:
+        """Instance ids for a fault's targets: "copy" is the copy the last duplication created."""
+        return tuple(i for i in (self.copy_id if t == "copy" else t for t in names) if i is not None)
 
     def _plan_move(self) -> Optional[Tuple[Any, ...]]:
         if not self.plans:
@@ -364,13 +440,24 @@ class World:
             payload = q[0]
             if kind == "deliver":
                 self.queues[key] = q[1:]
+                if self.budget["broker"] and "restart" in self.cfg.broker_kinds:
+                    self.last_delivered[key] = payload
             else:
                 self.budget["dup"] -= 1
             self._deliver(key[1], payload)
         elif kind == "spawned":
-            creator, request = self.spawns.pop(move[1])
+            creator, request, _ = self.spawns.pop(move[1])
             if creator in self.inst:
                 self._feed(creator, Spawned(request, True))
+                self._tick(creator)
+        elif kind == "refuse_spawn":
+            self.budget["refuse_spawn"] -= 1
+            creator, request, copy_id = self.spawns.pop(move[1])
+            self._remove_refused(copy_id)
+            # fogctl scale asks again for the duplication the agent refused
+            self.plans.insert(0, (creator, "duplicate"))
+            if creator in self.inst:
+                self._feed(creator, Spawned(request, False, "max_instances reached (checker fault)"))
                 self._tick(creator)
         elif kind == "plan":
             self.plans.pop(0)
@@ -382,22 +469,39 @@ class World:
             del self.inst[iid]
             self.down[iid] = kind
             self.refuse_next.discard(iid)
+            self.held_out.pop(iid, None)  # what its client held went with the process
             self.spawns = [s for s in self.spawns if s[0] != iid]  # its agent answers a dead process
         elif kind == "restart":
             iid = move[1]
             how = self.down.pop(iid)
             spec = self.specs[iid]
             extra = dict(spec.extra)
+            fields: Dict[str, Any] = {"restart": True, "extra": extra}
             if how == "rehome":
-                extra["min_epoch"] = REHOME_EPOCH
-            self._boot(InstanceSpec(**{**spec.__dict__, "restart": True, "extra": extra}), how)
+                # agent.node.rehome.plan_rehome: active, tables rebuilt from every node's hosted
+                # instances of the neighbouring operators, epoch above the dead incarnation's
+                # the wall clock at the re-homing: above any epoch an earlier one gave (one a move)
+                extra["min_epoch"] = REHOME_EPOCH + self.cfg.rehomes - self.budget["rehome"]
+                fields.update(active=True, preds=self._hosted(spec.operator, -1), succs=self._hosted(spec.operator, 1))
+            self._boot(InstanceSpec(**{**spec.__dict__, **fields}), how)
             if iid in self.inst:
                 self._tick(iid)
         elif kind == "refuse":
             self.budget["refuse"] -= 1
             self.refuse_next.add(move[1])
+        elif kind == "broker":
+            self.budget["broker"] -= 1
+            self._broker_restart(move[1])
+        elif kind == "cut":
+            self.budget["cut"] -= 1
+            self.cut[move[1]] = self.now + self.cfg.cut_seconds
+        elif kind == "heal":
+            self._heal(move[1])
         elif kind == "time":
             self.now += STEP
+            for node in sorted(self.cut):
+                if self.now >= self.cut[node]:  # a cut lasts cut_seconds at most
+                    self._heal(node)
             for iid in sorted(self.inst):
                 if iid in self.inst:
                     self._tick(iid)
@@ -424,6 +528,79 @@ class World:
     def _tick(self, iid: str) -> None:
         self._feed(iid, Tick(WALL0 + self.now))
 
+    # ---- placement, the broker's faults, link cuts, refused spawns ---------------------------------
+
+    def node_of(self, iid: str) -> str:
+        return PLACEMENT.get(iid, COPY_NODE)
+
+    def _reachable(self, iid: str) -> bool:
+        """Can the broker deliver to `iid` now (it runs, and its node is not cut off)?"""
+        return iid not in self.down and self.node_of(iid) not in self.cut
+
+    def _hosted(self, operator: str, offset: int) -> Tuple[str, ...]:
+        """The instances of the operator `offset` stages from `operator` that some node hosts
+        (running or down, not gone for good): the re-homing agent's rebuilt tables."""
+        names = [op.name for op in self.pipeline.operators]
+        i = names.index(operator) + offset
+        if not 0 <= i < len(names):
+            return ()
+        return tuple(sorted(iid for iid, spec in self.specs.items() if spec.operator == names[i]
+                            and (iid in self.inst or iid in self.down)))
+
+    def _remove_refused(self, copy_id: str) -> None:
+        """The agent refused createNode(): the copy never existed. (The model boots a copy at the
+        request; nobody but its creator knows it yet, so nothing of it is left.)"""
+        self.inst.pop(copy_id, None)
+        self.down.pop(copy_id, None)
+        self.specs.pop(copy_id, None)
+        self.persisted.pop(copy_id, None)
+        self.held_out.pop(copy_id, None)
+        self.inboxes = {t: i for t, i in self.inboxes.items() if i != copy_id}
+        for key in [k for k in self.queues if copy_id in k]:
+            del self.queues[key]
+        for key in [k for k in self.last_delivered if copy_id in k]:
+            del self.last_delivered[key]
+        if self.copy_id == copy_id:
+            self.copy_id = None
+
+    def _broker_restart(self, how: str) -> None:
+        if how == "restart":
+            # Queues and sessions kept; a delivery whose PUBACK the broker had not seen comes
+            # again after the reconnect (MQTT 4.4): the last one of each queue, at its head.
+            for key, payload in sorted(self.last_delivered.items()):
+                if self._reachable(key[1]):
+                    self.queues[key] = (payload,) + self.queues.get(key, ())
+            self.last_delivered.clear()
+            return
+        for key in self.queues:  # "lost" and "rollback": nothing still queued survives
+            self.queues[key] = ()
+        self.last_delivered.clear()
+        if how == "lost":
+            for iid in sorted(self.inst):  # each client reconnects and finds no session
+                if iid in self.inst:
+                    self._feed(iid, SessionLost())
+                if iid in self.inst:
+                    self._tick(iid)
+        elif how != "rollback":
+            raise ValueError(f"unknown broker fault {how!r}")
+
+    def _heal(self, node: str) -> None:
+        """The node reaches the broker again: what its clients held goes out, in order, then the
+        broker's PUBACKs come back."""
+        del self.cut[node]
+        for iid in sorted(self.held_out):
+            if self.node_of(iid) != node:
+                continue
+            held = self.held_out.pop(iid)
+            for dest, payload, _ in held:
+                self.queues[(iid, dest)] = self.queues.get((iid, dest), ()) + (payload,)
+            if iid in self.inst:
+                for _, _, mid in held:
+                    if iid in self.inst:
+                        self._feed(iid, PubAcked(mid))
+                if iid in self.inst:
+                    self._tick(iid)
+
     # ---- end of a run -----------------------------------------------------------------------------
 
     def settle(self) -> None:
@@ -432,18 +609,28 @@ class World:
         quiet_since = self.now
         while True:
             progressed = False
+            for node in sorted(self.cut):
+                if self.now >= self.cut[node]:
+                    self.apply(("heal", node))
+                    progressed = True
             for iid in sorted(self.down):
-                self.apply(("restart", iid))
-                progressed = True
-            while self.spawns:
-                self.apply(("spawned", 0))
+                if self.node_of(iid) not in self.cut:
+                    self.apply(("restart", iid))
+                    progressed = True
+            i = 0
+            while i < len(self.spawns):
+                creator, _, copy_id = self.spawns[i]
+                if self.node_of(creator) in self.cut or self.node_of(copy_id) in self.cut:
+                    i += 1
+                    continue
+                self.apply(("spawned", i))
                 progressed = True
             plan = self._plan_move()
             if plan is not None:
                 self.apply(plan)
                 progressed = True
             for key in sorted(self.queues):
-                if self.queues.get(key) and key[1] not in self.down:
+                if self.queues.get(key) and self._reachable(key[1]):
                     self.apply(("deliver", key))
                     progressed = True
             if progressed:
@@ -456,7 +643,7 @@ class World:
             self.apply(("time",))
 
     def _done(self) -> bool:
-        return not self.plans and all(
+        return not self.plans and not self.cut and all(
             not i.scaling.outputs and i.scaling.core.state is InstanceState.ACTIVE for i in self.inst.values())
 
     def check_terminal(self) -> Optional[Tuple[str, str]]:
@@ -526,7 +713,8 @@ def _step(world: World, move: Tuple[Any, ...]) -> Optional[Tuple[str, str]]:
     return None
 
 
-def _finish(world: World) -> Optional[Tuple[str, str]]:
+def finish(world: World) -> Optional[Tuple[str, str]]:
+    """Settle `world` and check its terminal state: (violation kind, detail) or None."""
     try:
         world.settle()
     except _Stop as stop:
@@ -552,7 +740,7 @@ def explore(cfg: Config, *, depth: int, max_states: int = 200_000, stop_at_first
         moves = world.moves() if len(trace) < depth else []
         if not moves:
             report.terminal_states += 1
-            bad = _finish(world.fork())
+            bad = finish(world.fork())
             if bad:
                 report.violations.append(Violation(bad[0], bad[1], trace))
                 if stop_at_first:
@@ -588,9 +776,10 @@ def random_runs(cfg: Config, *, schedules: int, seed: int = 0, max_steps: int = 
             moves = world.moves()
             if not moves:
                 break
-            # Time passes rarely, so that messages race each other as often as timers fire.
-            weights = [0.15 if m[0] == "time" else 0.03 if m[0] == "deliver" and m[1][1] in cfg.slow else 1.0
-                       for m in moves]
+            # Time passes rarely, so that messages race each other as often as timers fire; a cut
+            # mostly lasts until the clock heals it, so that timers fire while it lasts.
+            weights = [0.15 if m[0] == "time" else 0.05 if m[0] == "heal"
+                       else 0.03 if m[0] == "deliver" and m[1][1] in cfg.slow else 1.0 for m in moves]
             move = rng.choices(moves, weights)[0]
             trace.append(_label(move))
             report.steps += 1
@@ -598,7 +787,7 @@ def random_runs(cfg: Config, *, schedules: int, seed: int = 0, max_steps: int = 
             if bad:
                 break
         if bad is None:
-            bad = _finish(world)
+            bad = finish(world)
         report.schedules += 1
         report.terminal_states += 1
         if bad:
