@@ -790,8 +790,7 @@ class Instance:
         if dest in self.local:  # chained: on the same in-memory channel as the replay after it
             self._hand(dest, Envelope(self.spec.instance, self.epoch, seq, Kind.DATA, []))
         else:
-            self._publish_tracked(topics.inbox(self.spec.cluster, dest, self.spec.node),
-                                  encode_data(self.spec.instance, self.epoch, seq, []), None)
+            self._publish_tracked(dest, encode_data(self.spec.instance, self.epoch, seq, []), None)
         self.stats["replay_markers"] = self.stats.get("replay_markers", 0) + 1
 
     def forget_sender(self, sender: str) -> None:
