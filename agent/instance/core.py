@@ -205,9 +205,13 @@ class Instance:
         ops = pipeline.operators
         pred_op = [ops[self.stage - 1].name] if self.stage > 0 else []
         near = pred_op + [spec.operator] + ([ops[self.stage + 1].name] if self.stage + 1 < len(ops) else [])
+        succ_op = [ops[self.stage + 1].name] if self.stage + 1 < len(ops) else []
         self._shapes = {
             Kind.DATA: (tuple(f"{o}-" for o in pred_op), {f"{spec.pipeline}.{o}.0" for o in pred_op}),
             Kind.PROTO: (tuple(f"{o}-" for o in near), {f"{spec.pipeline}.{o}.0" for o in near}),
+            # held only while we are idle (`_admit`): a re-homed successor's first ack in its new
+            # epoch reaches every predecessor of its rebuilt table, idle copies included
+            Kind.ACK: (tuple(f"{o}-" for o in succ_op), {f"{spec.pipeline}.{o}.0" for o in succ_op}),
         }
         self.scaling: Optional[ScalingDriver] = None
 
@@ -606,8 +610,14 @@ class Instance:
             # Data and protocol messages may come from an instance the protocol announces to us
             # only later (a new copy's predecessors before its Start): hold, if the name can be
             # one of a neighbouring operator's. Acks come only from instances we sent data to,
-            # which we know by then: refuse.
+            # which an active instance knows by then: refuse. An idle copy knows no successor
+            # yet, but a re-homed one numbers its first ack (its new epoch) 1 on the channel to
+            # us: refused, every later message of it would wait behind that hole until we became
+            # a new incarnation, possibly in our own deletion (docs/reliability.md, defect A).
+            # So an idle copy holds acks from a successor's name until its Start, like data.
             shape = self._shapes.get(env.kind)
+            if env.kind is Kind.ACK and not self._idle:
+                shape = None
             if shape is not None and (env.sender.startswith(shape[0]) or env.sender in shape[1]):
                 return HOLD, "sender"
             return REFUSE, "sender"
@@ -721,9 +731,9 @@ class Instance:
                 if held is None:
                     break
                 if not self._sender_allowed(held[0]):
-                    if held[0].kind is not Kind.ACK:
-                        break  # still not announced: keep waiting
-                    self.hold.pop_first(key)  # an ack is never held for itself (see _admit)
+                    if held[0].kind is not Kind.ACK or self._idle:
+                        break  # still not announced: keep waiting (an idle copy: until its Start)
+                    self.hold.pop_first(key)  # an ack is held only until Start (see _admit)
                     self._refuse(held[0], "sender", writer)
                     continue
                 env = decode(held[1], self._decode_records)  # decoded once already: cannot fail
@@ -736,8 +746,8 @@ class Instance:
                     self._accept(env)
                 else:
                     self._refuse(env, why, writer)
-        if self.scaling is not None and not self.scaling.data_enabled:
-            return  # idle: its predecessors are announced with its Start
+        if self._idle:
+            return  # idle: its neighbours are announced with its Start
         for (sender, writer), n in self.hold.expire(now, self._hold_ttl):
             # Not announced by the protocol, or not bound to the node that wrote it, in time.
             unbound = self._waits_for_binding(sender, writer)
@@ -746,6 +756,11 @@ class Instance:
                 log.warning("refused %d envelopes from %s (written by %s): %s within %.0fs", n, sender[:64],
                             writer[:64], f"not bound to node {writer[:64]}" if unbound else "not announced to us",
                             WRITER_HOLD_TTL if unbound else HOLD_TTL, extra=self.ctx)
+
+    @property
+    def _idle(self) -> bool:
+        """A copy not yet started: it knows its neighbours only from its Start."""
+        return self.scaling is not None and not self.scaling.data_enabled
 
     def _waits_for_binding(self, sender: str, writer: str) -> bool:
         """A held stream whose sender our tables know, written by a node it is not bound to."""
