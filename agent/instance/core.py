@@ -57,7 +57,7 @@ from agent.operators.keyed import KeyedOperator, keyed_config_problems
 from agent.protocol.errors import LocalProtocolError
 
 __all__ = ["Instance", "Phase", "EXIT_OK", "EXIT_CRASH", "EXIT_BAD_SPEC", "EXIT_BROKER", "EXIT_DRAIN_TIMEOUT",
-           "FAULT_RETRY_ONLY_WITH_DATA"]
+           "FAULT_RETRY_ONLY_WITH_DATA", "FAULT_REPLAY_TO_DEPARTED"]
 
 log = logging.getLogger("agent.instance.worker")
 
@@ -97,6 +97,9 @@ HOLD_MAX_BYTES = 8 << 20
 # Seeded fault (agent.sim.instance_check, never set elsewhere): refused publishes are retried
 # only when there is data to flush, so a sink's refused ack holds back all its later acks.
 FAULT_RETRY_ONLY_WITH_DATA = "retry_only_with_data"
+# Seeded fault (the same): the unacked batches of a successor we removed are replayed to its new
+# incarnation, which is departing and drops them, instead of re-routed (defect A).
+FAULT_REPLAY_TO_DEPARTED = "replay_to_departed"
 
 
 class Phase(Enum):
@@ -667,7 +670,10 @@ class Instance:
         before = self.inbound.stats.duplicates + self.inbound.stats.stale_epoch
         known = self.inbound.epoch_of(env.sender)
         if env.sender in self.links and env.epoch > (known if known is not None else 0):
-            self._replay_to(env.sender)  # the successor restarted: it may have lost what it held
+            if env.sender in self.router.succs or FAULT_REPLAY_TO_DEPARTED in self.faults:
+                self._replay_to(env.sender)  # the successor restarted: it may have lost what it held
+            else:
+                self._reroute_departed(env.sender)
         # INVARIANT 1 (FIFO channel): envelopes are delivered in each sender's numbering, once.
         for e in self.inbound.receive(env):
             if e.kind is Kind.ACK:
@@ -820,6 +826,30 @@ class Instance:
         for dest, link in list(self.links.items()):
             link.restart_numbering()
             self._replay_to(dest)
+
+    def _reroute_departed(self, dest: str) -> None:
+        """A successor we have removed (its deletion round) came back as a new incarnation while
+        it still had batches of ours unacked: it is departing, its successors have removed it
+        too (they refuse its data), so replayed to it they were stranded for good and replayed
+        every few seconds (docs/reliability.md, defect A). They go to our current successors
+        instead, under their input index (nothing is acked upstream before they are acked
+        again). Records the departed copy had already forwarded come twice: the sink drops them
+        by id (INVARIANT 2). Keyless successors only: a keyed copy handed its state over with
+        those records applied, so we replay to it as before (docs/reliability.md)."""
+        link = self.links[dest]
+        if self.router.key is not None or not self.router.succs:
+            self._replay_to(dest)
+            return
+        batches = link.unacked()
+        records = 0
+        for u in reversed(batches):  # put_back prepends: the oldest ends first
+            env = u.payload if isinstance(u.payload, Envelope) else decode(u.payload)
+            self.outbox.put_back(list(env.body), u.low, self.now)
+            records += len(env.body)
+        del self.links[dest]
+        self.stats["departed_rerouted"] = self.stats.get("departed_rerouted", 0) + records
+        log.warning("%s left our table and came back as a new incarnation: %d unacked batches (%d records) "
+                    "re-routed to our successors", dest, len(batches), records, extra=self.ctx)
 
     def _replay_to(self, dest: str, renumber: bool = True) -> None:
         """Send every batch `dest` has not acked again.
