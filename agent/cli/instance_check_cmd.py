@@ -9,7 +9,7 @@ from typing import Any
 EXIT_OK, EXIT_VIOLATION = 0, 1
 
 FAULT_HELP = ("seeded fault to switch on (repeatable): retry_only_with_data, drain_holds_protocol, "
-              "rehome_rounds_from_one; the checker should then report a violation")
+              "rehome_rounds_from_one, replay_to_departed; the checker should then report a violation")
 
 
 def register(groups: Any) -> None:
