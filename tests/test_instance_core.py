@@ -10,7 +10,7 @@ from typing import Any, List, Tuple
 import pytest
 
 from agent.instance.commands import Emit, Exit, Persist, Publish, RequestSpawn
-from agent.instance.core import Instance, Phase
+from agent.instance.core import ACK_DELAY, Instance, Phase
 from agent.instance.events import (
     Abort, Control, EnvelopeReceived, PubAcked, PublishAccepted, PublishRefused, Restarted, Started, Tick,
 )
@@ -104,6 +104,7 @@ def test_a_refused_ack_is_retried_on_the_next_tick_even_with_no_data_to_flush(fa
     accept_all(sink, sink.handle(Started(WALL0), 0.0), 0.0)
     batch = encode_data("op-0", 0, 1, [("src", 0, None)])
     cmds = sink.handle(EnvelopeReceived(topics.inbox(CLUSTER, "sink-0", "n1"), batch), 0.1) + sink.handle(Tick(WALL0), 0.1)
+    cmds += sink.handle(Tick(WALL0), 0.1 + ACK_DELAY)  # one batch, less than half a window: acked after ACK_DELAY
     assert accept_all(sink, cmds, 0.1, refuse=1) == []  # the ack was refused
     assert sink.retry and sink.stats["publish_rejected"] == 1
     sent = accept_all(sink, sink.handle(Tick(WALL0 + 1), 1.0), 1.0)
@@ -229,3 +230,61 @@ def test_batches_unacked_by_a_removed_successor_that_restarts_go_to_the_current_
     cmds += op.handle(Tick(WALL0 + 2), 2.0)
     acks = [decode(p) for t, p in accept_all(op, cmds, 2.0) if t == topics.inbox(CLUSTER, "source-0", "n1")]
     assert [list(a.body) for a in acks if a.kind is Kind.ACK] == [[0, 1]]
+
+
+def _map_with(fn: Any) -> Instance:
+    """The middle instance of a pipeline with batches of 4, running `fn` as its map."""
+    from agent.operators.builtin import MapOperator
+
+    toml = pipeline_text(batch=4)
+    spec = InstanceSpec("op-0", "op", "n1", CLUSTER, "chk", toml, BROKER, succs=("sink-0",), preds=("source-0",),
+                        keeper=True, state_dir="/nonexistent", heartbeat_period=3600.0)
+    inst = Instance(spec, load_pipeline_text(toml, "test pipeline"), MapOperator(fn))
+    accept_all(inst, inst.handle(Started(WALL0), 0.0), 0.0)
+    return inst
+
+
+def _forward(inst: Instance, body: bytes) -> List[bytes]:
+    """One data batch whose body is the JSON text `body` (as another encoder may write it) in,
+    the data batches to the sink out."""
+    raw = b'[1,"source-0",0,1,"d",' + body + b"]"
+    cmds = inst.handle(EnvelopeReceived(topics.inbox(CLUSTER, "op-0", "n1"), raw), 0.1)
+    sent = accept_all(inst, cmds + inst.handle(Tick(WALL0), 0.1), 0.1)
+    return [p for t, p in sent if t == topics.inbox(CLUSTER, "sink-0", "n1")]
+
+
+# Spaces after the separators: what encode_data writes differs, so a copy of these bytes shows.
+_BODY = json.dumps([["src", i, {"v": i, "ok": i != 2}] for i in range(4)]).encode()
+
+
+def test_a_batch_passed_on_whole_and_unchanged_is_forwarded_as_the_bytes_it_arrived_in() -> None:
+    from agent.operators.builtin import passes_records
+
+    inst = _map_with(passes_records(lambda rec: rec))
+    [out] = _forward(inst, _BODY)
+    assert out == b'[1,"op-0",0,1,"d",' + _BODY + b"]" and inst.stats["passed_batches"] == 1
+    assert [(s, q, r) for s, q, r in decode(out).body] == [("src", i, {"v": i, "ok": i != 2}) for i in range(4)]
+
+
+@pytest.mark.parametrize("case", ["unmarked", "changed", "filtered"])
+def test_a_batch_that_changed_or_lost_records_or_whose_operator_promised_nothing_is_encoded_again(case: str) -> None:
+    """Forwarding the bytes of a batch that is not exactly what the operator returned would send
+    the records as they arrived: a marked function that returns a new record anyway, a filter
+    that dropped one, and an unmarked function (which may change records in place) lose the
+    shortcut."""
+    from agent.operators.builtin import passes_records
+
+    def changed(rec: Any) -> Any:
+        return dict(rec, v=rec["v"] + 100)
+
+    fn = {"unmarked": lambda rec: rec, "changed": passes_records(changed),
+          "filtered": passes_records(lambda rec: rec if rec["ok"] else None)}[case]
+    inst = _map_with(fn)
+    [out] = _forward(inst, _BODY)
+    items = [it[2] for it in decode(out).body]
+    want = [{"v": i, "ok": i != 2} for i in range(4)]
+    if case == "changed":
+        want = [dict(r, v=r["v"] + 100) for r in want]
+    if case == "filtered":
+        del want[2]
+    assert items == want and _BODY not in out and "passed_batches" not in inst.stats

@@ -559,3 +559,43 @@ def test_a_qos1_publish_whose_write_fails_is_kept_by_paho_and_arrives_after_the_
     finally:
         pub.close(final=True)
         sub.close()
+
+
+@pytest.mark.parametrize("mqtt5", [False, True])
+def test_a_final_exit_deletes_the_session_and_any_other_exit_keeps_it(mosquitto, mqtt5: bool) -> None:  # type: ignore[no-untyped-def]
+    """A worker's session keeps its inbox while it restarts; a final exit (terminated by the
+    protocol: gone for good) must delete it, or the broker keeps queueing for it. MQTT 3.1.1 (the
+    data path's version) has no session expiry: the transport connects once more with a clean
+    session; MQTT 5: DISCONNECT with expiry 0."""
+    from agent.mqtt.settings import BrokerSpec
+    from agent.mqtt.transport import Received, Transport
+
+    broker = BrokerSpec(mosquitto.host, mosquitto.port)
+    topic, cid = f"fog/test/inbox/final-{int(mqtt5)}", f"fog-test-final-{int(mqtt5)}"
+    pub = Transport(f"fog-test-final-pub-{int(mqtt5)}", broker, persistent=False)
+    pub.connect()
+
+    def queued_while_away() -> List[bytes]:
+        """Reconnect with `cid` after a message was published to its inbox; what it gets."""
+        pub.publish(topic, b"while away", qos=1)
+        for _ in range(10):
+            pub.poll(0.02)
+        back = Transport(cid, broker, mqtt5=mqtt5)
+        present = back.connect()
+        got: List[bytes] = []
+        deadline = time.monotonic() + (3.0 if present else 0.5)
+        while not got and time.monotonic() < deadline:
+            back.poll(0.05)
+            got += [e.payload for e in back.take_events() if isinstance(e, Received)]
+        back.close(final=True)
+        return got if present else []
+
+    try:
+        first = Transport(cid, broker, mqtt5=mqtt5)
+        first.connect()
+        first.subscribe(topic)
+        first.close()  # a restart: the session stays
+        assert queued_while_away() == [b"while away"]  # ... and the final close of that incarnation
+        assert queued_while_away() == []  # gone: no session, nothing queued for it
+    finally:
+        pub.close()

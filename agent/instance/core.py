@@ -35,7 +35,7 @@ from agent import events, topics
 from agent.config import PipelineConfig
 from agent.dataplane.channel import Inbound, Outbound
 from agent.dataplane.envelope import (
-    Envelope, Item, Kind, MalformedEnvelope, data_body_bytes, decode, encode, encode_data,
+    Envelope, Item, Kind, MalformedEnvelope, Passed, data_body_bytes, decode, encode, encode_data,
 )
 from agent.dataplane.flow import AckTracker, OutLink
 from agent.dataplane.inbound import ACCEPT, HOLD, REFUSE, HoldBuffer, LogLimiter, numbering_fault, writer_verdict
@@ -70,7 +70,16 @@ EXIT_DRAIN_TIMEOUT = 4  # stop requested, but successors did not ack everything 
 
 MAX_POLL = 0.05  # longest wait the instance asks for (the shell sees control lines within this)
 ACK_DELAY = 0.005  # coalesce upstream acks for at most this long
-SOURCE_RESERVE = 2000  # records a source may generate past its last written position
+# A source reserves on disk the records it may generate before writing its position again
+# (`_produce`): at least SOURCE_RESERVE, else RESERVE_SECONDS of its measured rate (at most
+# SOURCE_RESERVE_MAX), so that it writes source.json about once a second whatever its rate. A
+# fixed 2,000 records meant 25 writes a second at 50k records/s, each blocking the source 2-4 ms
+# on a loaded disk (docs/measurement.md, "Cheap cuts of the data plane"). The price: a restarted
+# source regenerates up to its reservation at once, i.e. up to a second of records sooner than
+# its rate profile would have (docs/runtime.md).
+SOURCE_RESERVE = 2000
+RESERVE_SECONDS = 1.0
+SOURCE_RESERVE_MAX = 500_000
 SINK_SETTLE_POLL = 0.05  # a sink whose spool is at its cap checks this often whether shipping freed it
 STATE_PERIOD = 1.0  # persist the channel snapshot at most this often (a rename costs ~5 ms here)
 # A hole in a sender's numbering this old will not close by itself: the broker lost those
@@ -192,9 +201,10 @@ class Instance:
         self.busy_until = 0.0
         self.high_water = 2 * self.op.batch_size
         self._unacked_batches = 0
-        # Acks go out every quarter of the predecessors' window (their operator's setting).
+        # Acks go out every half of the predecessors' window (their operator's setting): the
+        # sender still has the other half of its credit while the ack travels (docs/runtime.md).
         pred_window = pipeline.operators[self.stage - 1].max_inflight_batches if self.stage > 0 else 8
-        self.ack_every = max(1, pred_window // 4)
+        self.ack_every = max(1, pred_window // 2)
         # Admission (agent.dataplane.inbound): how far ahead an honest sender's numbers can run is
         # set by the larger window on our channels; a held sender gets room for a window of data
         # twice over, plus its protocol and lock messages.
@@ -270,6 +280,7 @@ class Instance:
         self._period_start = 0.0
         self._source_first: Dict[int, int] = {}  # source: poll index -> its first record seq
         self._source_reserved = 0  # source: records it may generate before writing its position
+        self._reserved_at: Optional[Tuple[float, int]] = None  # source: (when, generated) at the last reservation
         self._source_started_at = 0.0  # source: wall time its rate profile started
 
     # ---- the one entry point ------------------------------------------------------------------------
@@ -1014,6 +1025,11 @@ class Instance:
             if out:
                 if not self.router.succs:
                     raise RuntimeError(f"{self.spec.instance}: records to forward but no successors")
+                if len(out) == n and getattr(self.operator, "unchanged", False) and self.router.key is None:
+                    body = data_body_bytes(env)  # passed on whole and unchanged: forward its bytes
+                    if body is not None:
+                        out = Passed(out, body)
+                        self.stats["passed_batches"] = self.stats.get("passed_batches", 0) + 1
                 self.outbox.add(out, index, now)
         self.signals.processed(n, self.perf() - t0 + n * self.service_time)
         if self.service_time:
@@ -1105,7 +1121,7 @@ class Instance:
         if generated + budget > self._source_reserved:
             # Reserve ahead on disk before generating past the last reservation: a restarted
             # source regenerates up to it, so it never reports fewer records than were sent.
-            self._source_reserved = generated + budget + SOURCE_RESERVE
+            self._source_reserved = generated + budget + self._reserve_span(now, generated)
             self._write_source_stats()
         items = self.operator.poll(now, budget)
         if items:
@@ -1114,6 +1130,15 @@ class Instance:
             index = self.tracker.produced()
             self._source_first[index] = items[0][1]
             self.outbox.add(items, index, now)
+
+    def _reserve_span(self, now: float, generated: int) -> int:
+        """Records to reserve past this poll: RESERVE_SECONDS of the rate measured since the last
+        reservation, within [SOURCE_RESERVE, SOURCE_RESERVE_MAX]."""
+        last, self._reserved_at = self._reserved_at, (now, generated)
+        if last is None or now <= last[0]:
+            return SOURCE_RESERVE
+        rate = (generated - last[1]) / (now - last[0])
+        return int(min(SOURCE_RESERVE_MAX, max(SOURCE_RESERVE, rate * RESERVE_SECONDS)))
 
     def source_resume_seq(self) -> int:
         """The first record seq that a restarted source must generate again: the first of the
@@ -1256,7 +1281,7 @@ class Instance:
             return
         if self.ack_since is None:
             self.ack_since = now
-        # One ack per `ack_every` batches (a quarter of the predecessor's window) or after
+        # One ack per `ack_every` batches (half the predecessor's window) or after
         # ACK_DELAY: credit comes back in time while acks cost a fraction of a message per batch.
         if self._unacked_batches >= self.ack_every or now - self.ack_since >= ACK_DELAY or self.stopping:
             for sender, (epoch, seq) in sorted(self.ack_due.items()):

@@ -460,7 +460,7 @@ def _run_profiled(run: Callable[[], int], name: str) -> int:
         return run()
     import cProfile
 
-    prof = cProfile.Profile()
+    prof = cProfile.Profile(time.process_time)  # CPU, not wall: a loaded machine stretches syscalls
     try:
         return int(prof.runcall(run))
     finally:

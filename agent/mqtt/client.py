@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import select
 import socket
 import ssl
 import sys
@@ -45,6 +46,7 @@ __all__ = [
     "connect",
     "connect_and_wait",
     "connect_error",
+    "loop_once",
     "make_client",
     "node_secret",
     "nodelay",
@@ -243,12 +245,42 @@ def connect(client: mqtt.Client, broker: BrokerSpec, session: Session = CLEAN, b
         raise ConnectFailed(broker.host, broker.port, connect_error(exc)) from None
 
 
+def loop_once(client: mqtt.Client, timeout: float) -> int:
+    """One turn of paho's network loop for a client driven by its caller's thread (a worker's
+    Transport, a bench's clients): paho's `loop()` without its wake-up socket pair.
+
+    Why: `loop()` creates a socket pair on first use so that another thread's publish can wake
+    its select, and from then on every publish writes a byte into it (a send syscall per
+    message) and every turn selects on it and reads it. A client used by one thread needs none
+    of that: paho writes a publish at once when called outside a callback (`_packet_queue`), and
+    what a callback queued (PUBACKs) is written below after the read. Without `loop()` ever
+    being called, paho never makes the pair. Otherwise the same steps: read if readable (or if
+    a TLS socket holds decrypted bytes), write what is waiting, keepalive (`loop_misc`)."""
+    sock = client.socket()
+    if sock is None:
+        return mqtt.MQTT_ERR_NO_CONN
+    pending = sock.pending() if hasattr(sock, "pending") else 0
+    try:
+        readable, _, _ = select.select([sock], [sock] if client.want_write() else [], [], 0.0 if pending else timeout)
+    except (TypeError, ValueError, OSError):  # closed under us: paho's loop() says the same
+        return mqtt.MQTT_ERR_CONN_LOST
+    if readable or pending:
+        rc = client.loop_read()
+        if rc or client.socket() is None:
+            return rc or mqtt.MQTT_ERR_CONN_LOST
+    if client.want_write():
+        rc = client.loop_write()
+        if rc:
+            return rc
+    return client.loop_misc()
+
+
 def connect_and_wait(client: mqtt.Client, broker: BrokerSpec, session: Session = CLEAN, timeout: float = 10.0,
                      threaded: bool = True) -> bool:
     """Connect and wait for the CONNACK; returns whether the broker kept our session.
 
     threaded: start paho's network thread (loop_start) and wait in the caller; else run paho's
-    loop in the calling thread (a worker's owner thread, a bench's select loop). The caller's
+    loop in the calling thread (`loop_once`: a worker's owner thread, a bench's select loop). The caller's
     `on_connect`, `on_disconnect` and `on_log` (set before) still run. No connection, a refused
     CONNACK, a connection closed before the CONNACK (a broker that rejects our certificate: the
     reason is paho's TLS error line) or no CONNACK within `timeout` is ConnectFailed (and the
@@ -287,7 +319,7 @@ def connect_and_wait(client: mqtt.Client, broker: BrokerSpec, session: Session =
                 pass
         else:
             while not got.is_set() and not lost.is_set() and time.monotonic() < deadline:
-                if client.loop(0.05) != mqtt.MQTT_ERR_SUCCESS and not got.is_set():
+                if loop_once(client, 0.05) != mqtt.MQTT_ERR_SUCCESS and not got.is_set():
                     result.setdefault("lost", "connection lost")
                     lost.set()
         if not got.is_set():

@@ -4,16 +4,22 @@ Rules of this file (from paho issues #354/#787 and docs/design.md section 6):
 - one owner thread: the thread that created the Transport is the only one that may call
   `publish`, `subscribe` or `poll` (checked; a second thread raises). We never call
   `loop_start()`: `poll()` runs paho's network loop in the owner thread, so callbacks run there
-  too, and they only convert and enqueue (aiomqtt style);
+  too, and they only convert and enqueue (aiomqtt style). The loop is `mqttc.loop_once`, not
+  paho's `loop()`, whose wake-up socket pair costs a syscall per publish for nothing here;
 - every publish return code is checked. For QoS > 0 only MQTT_ERR_QUEUE_SIZE means paho did not
   take the message: once taken, paho keeps it whatever its first socket write returned
   (MQTT_ERR_NO_CONN, or MQTT_ERR_CONN_LOST when the broker goes away during the write) and sends
   it after the reconnect, so retrying it ourselves would send it twice. For QoS 0 anything but
   SUCCESS/NO_CONN is a rejection. A rejection raises `PublishRejected`: the caller keeps the data
   and retries later;
-- persistent session (MQTT 5, clean_start false, a session expiry): the inbox keeps filling while a
-  worker restarts (invariant 2 and issue 10). A final exit clears the session (expiry 0) so the
-  broker does not keep queues of instances that are gone for good;
+- persistent session: the inbox keeps filling while a worker restarts (invariant 2 and issue 10).
+  MQTT 3.1.1 by default (`clean_session` false): the data path uses no MQTT 5 feature, and paho's
+  3.1.1 packets cost less CPU per message (no Properties object per PUBLISH and PUBACK;
+  docs/measurement.md, "Cheap cuts of the data plane"). The session's life is the broker's
+  `persistent_client_expiration` (ansible/roles/mosquitto). A final exit clears the session so the
+  broker does not keep queues of instances that are gone for good: MQTT 3.1.1 has no session
+  expiry, so the client connects once more with a clean session, which discards the old one
+  (MQTT 5, `mqtt5=True`: DISCONNECT with expiry 0, as before);
 - reconnects with exponential backoff; if the broker lost the session, subscriptions are renewed.
 """
 
@@ -47,7 +53,9 @@ __all__ = [
     "Event",
 ]
 
-SESSION_EXPIRY = 3600  # seconds a broker keeps an absent worker's inbox (crash-restart window)
+SESSION_EXPIRY = 3600  # MQTT 5 only: seconds a broker keeps an absent worker's inbox (crash-restart window)
+DATA_MQTT5 = False  # the data path's protocol: MQTT 3.1.1 (see the rules at the top); the bench's raw part uses it too
+FINAL_CLEAN_TIMEOUT = 2.0  # MQTT 3.1.1 final exit: the clean-session connect that deletes the session
 
 
 class TransportError(Exception):
@@ -87,7 +95,7 @@ Event = Union[Received, PubAck, Connected, Disconnected]
 
 
 class Transport:
-    def __init__(self, client_id: str, broker: BrokerSpec, persistent: bool = True) -> None:
+    def __init__(self, client_id: str, broker: BrokerSpec, persistent: bool = True, mqtt5: bool = DATA_MQTT5) -> None:
         self.broker = broker
         self.client_id = client_id
         self.persistent = persistent
@@ -105,7 +113,7 @@ class Transport:
         self.published = 0
         self.rejected = 0
         self.reconnects = 0
-        self._session = mqttc.Session(persistent=persistent, expiry=SESSION_EXPIRY)
+        self._session = mqttc.Session(mqtt5=mqtt5, persistent=persistent, expiry=SESSION_EXPIRY)
         # max_queued 0: bounded by our flow control instead (flow.OutLink)
         c = mqttc.make_client(broker, client_id, self._session, max_inflight=broker.max_inflight, max_queued=0)
         c.on_connect = self._on_connect
@@ -182,7 +190,7 @@ class Transport:
         while mid in self._pending_sub:
             if time.monotonic() > deadline:
                 raise TransportError(f"no SUBACK for {topic} within {timeout}s")
-            self.client.loop(0.05)
+            mqttc.loop_once(self.client, 0.05)
         if topic not in self._subs:
             raise TransportError(f"subscribe to {topic} refused by the broker")
 
@@ -202,7 +210,7 @@ class Transport:
         """Run the network loop once (owner thread); reconnect with backoff when disconnected."""
         self._check_owner()
         if self._connected or self.client.is_connected():
-            rc = self.client.loop(timeout)
+            rc = mqttc.loop_once(self.client, timeout)  # paho's loop without its wake-up socket pair
             if rc == MQTTErrorCode.MQTT_ERR_SUCCESS:
                 return
             self._lost()
@@ -218,7 +226,7 @@ class Transport:
             self.reconnects += 1
             deadline = time.monotonic() + 2.0
             while not self._connected and time.monotonic() < deadline:
-                self.client.loop(0.05)
+                mqttc.loop_once(self.client, 0.05)
             if self._connected:
                 self._allowed_until = float("inf")
                 self._renew_subscriptions()
@@ -259,12 +267,13 @@ class Transport:
         # it reads (before our code sees it), so a message read now would be gone from the
         # broker without being processed. Left unread, it stays in our persistent session and
         # the next incarnation gets it (found by the chaos runs: records lost at a node restart).
+        held = self._connected  # only a session we hold is ours to clear (fencing: see _clear_session)
         deadline = time.monotonic() + timeout
         while self._connected and self.client.want_write() and time.monotonic() < deadline:
             if self.client.loop_write() != MQTTErrorCode.MQTT_ERR_SUCCESS:
                 break
         props = None
-        if final:
+        if final and self._session.mqtt5:
             props = Properties(PacketTypes.DISCONNECT)
             props.SessionExpiryInterval = 0
         try:
@@ -272,6 +281,24 @@ class Transport:
             self.client.loop_write()  # send the DISCONNECT; reading now could PUBACK a delivery
         except (OSError, ValueError):
             pass
+        if final and held and self._session.persistent and not self._session.mqtt5:
+            self._clear_session()
+
+    def _clear_session(self) -> None:
+        """MQTT 3.1.1 final exit: connect with our client id and a clean session, which makes the
+        broker discard the persistent one (its queue of messages for an instance gone for good),
+        then disconnect. The clean session has no subscription, so nothing is delivered to it:
+        reading its CONNACK cannot take (and PUBACK) a message. Only when we were connected at
+        close: a fenced worker (re-homing, agent.instance.worker) may have a new incarnation
+        elsewhere using this client id and session. Best effort: a broker we cannot reach now
+        keeps the session until its `persistent_client_expiration`."""
+        c = mqttc.make_client(self.broker, self.client_id, mqttc.CLEAN_311)
+        try:
+            mqttc.connect_and_wait(c, self.broker, mqttc.CLEAN_311, FINAL_CLEAN_TIMEOUT, threaded=False)
+            c.disconnect()
+            c.loop_write()  # paho closes the socket once the DISCONNECT is written
+        except (OSError, ValueError) as exc:  # ConnectFailed is an OSError
+            log.warning("final exit: could not clear the MQTT session of %s: %s", self.client_id, exc)
 
     def take_events(self) -> List[Event]:
         out = list(self.events)

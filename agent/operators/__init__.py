@@ -12,8 +12,10 @@ from agent.operators.builtin import (
     Param,
     Publication,
     SinkOperator,
+    passes_records,
     record_map,
 )
 from agent.operators.keyed import EVENT_TIME_PARAMS, KeyedOperator
 
-__all__ = ["EVENT_TIME_PARAMS", "KeyedOperator", "MapOperator", "Operator", "OperatorContext", "Param", "Publication", "SinkOperator", "record_map"]
+__all__ = ["EVENT_TIME_PARAMS", "KeyedOperator", "MapOperator", "Operator", "OperatorContext", "Param", "Publication", "SinkOperator", "passes_records",
+           "record_map"]

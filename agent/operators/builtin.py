@@ -40,6 +40,7 @@ __all__ = [
     "MapOperator",
     "SinkOperator",
     "Publication",
+    "passes_records",
     "record_map",
     "Param",
     "check_params",
@@ -97,20 +98,43 @@ class Operator:
 
 
 class MapOperator(Operator):
-    """Wraps a per-record function; None means 'filtered out' (counted by the worker)."""
+    """Wraps a per-record function; None means 'filtered out' (counted by the worker).
 
-    def __init__(self, fn: Callable[[Any], Any]) -> None:
+    A function marked `@passes_records` promises never to change a record in place;
+    `unchanged` then says whether the last batch came out
+    whole, record for record (checked with `is`), and the worker forwards such a batch as the
+    bytes it arrived in instead of encoding it again (agent.dataplane.envelope.Passed)."""
+
+    def __init__(self, fn: Callable[[Any], Any], passes: Optional[bool] = None) -> None:
         self.fn = fn
+        self.passes_records = bool(getattr(fn, "passes_records", False)) if passes is None else passes
+        self.unchanged = False
 
     def process(self, items: List[Item]) -> List[Item]:
         fn = self.fn
         out: List[Item] = []
         append = out.append
-        for src, seq, rec in items:
+        same = self.passes_records
+        for it in items:
+            rec = it[2]
             res = fn(rec)
-            if res is not None:
-                append((src, seq, res))
+            if res is rec:
+                append(it)
+            elif res is not None:
+                same = False
+                append((it[0], it[1], res))
+        self.unchanged = same and len(out) == len(items)
         return out
+
+
+def passes_records(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a map function that returns its record itself or None (a filter, or the identity),
+    never modified in place: the worker may forward a batch it keeps whole without encoding it
+    again (docs/measurement.md, "Cheap cuts of the data plane"). A marked function that returns
+    anything else (a new record) just loses the shortcut for that batch; one that modifies its
+    record in place breaks the promise (the next hop would see the record as it arrived)."""
+    fn.passes_records = True  # type: ignore[attr-defined]
+    return fn
 
 
 class SinkOperator(Operator):
@@ -151,7 +175,7 @@ def record_map(fn: Callable[[Any, Dict[str, Any]], Any]) -> Callable[[Any, Dict[
 
     def build(ctx: OperatorContext) -> Operator:
         params = ctx.params
-        return MapOperator(lambda rec: fn(rec, params))
+        return MapOperator(lambda rec: fn(rec, params), passes=bool(getattr(fn, "passes_records", False)))
 
     fn.build = build  # type: ignore[attr-defined]
     return fn
@@ -300,6 +324,7 @@ def _valid(rec: Any) -> bool:
         return False
 
 
+@passes_records
 @record_map
 def validate(rec: Any, params: Dict[str, Any]) -> Any:
     """Drop records the DEBS 2015 challenge calls erroneous (zero GPS, zero time/distance, ...)."""
@@ -333,6 +358,7 @@ def in_zone(rec: Any, params: Dict[str, Any]) -> Any:
     return out
 
 
+@passes_records
 def identity(rec: Any) -> Any:
     """The trivial operator of the dataplane benchmark."""
     return rec

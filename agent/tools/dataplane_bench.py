@@ -45,6 +45,7 @@ from agent.instance.spec import InstanceSpec, control_line, parse_control_line
 
 from agent.mqtt.settings import BrokerSpec
 from agent.mqtt import client as mqttc
+from agent.mqtt.transport import DATA_MQTT5
 
 __all__ = ["BenchFailed", "DropWatch", "WorkerProc", "ChainProc", "MemberProc", "LocalRunner", "pipeline_toml", "initial_specs", "measure_raw",
            "measure_raw_2proc", "register_bench", "run_bench"]
@@ -584,21 +585,23 @@ class DropWatch:
 
 
 def _raw_client(name: str, host: str, port: int, topic: Optional[str] = None, timeout: float = 10.0) -> Any:
-    """A connected paho client (MQTT 5, like a worker's), subscribed to `topic` at QoS 1 if given;
-    driven by the caller's own select loop (no network thread)."""
+    """A connected paho client (the MQTT version of a worker's data path, `DATA_MQTT5`),
+    subscribed to `topic` at QoS 1 if given; driven by the caller's own select loop (no network
+    thread)."""
     broker = mqttc.broker_from(host, port, keepalive=60)
+    session = mqttc.Session(mqtt5=DATA_MQTT5)
     # TCP_NODELAY like a worker's (agent.mqtt.client), else each small ack waits; max_inflight 0:
     # no paho-side cap, the bench's window is the only limit
-    c = mqttc.make_client(broker, f"{name}-{os.getpid()}", max_inflight=0)
+    c = mqttc.make_client(broker, f"{name}-{os.getpid()}", session, max_inflight=0)
     ready = threading.Event()
     c.on_connect = lambda cl, u, f, rc, p=None: (cl.subscribe(topic, qos=1) if topic else ready.set())
     c.on_subscribe = lambda *a: ready.set()
-    mqttc.connect(c, broker)
+    mqttc.connect(c, broker, session)
     deadline = time.monotonic() + timeout
     while not ready.is_set():
         if time.monotonic() > deadline:
             raise BenchFailed(f"{name}: not connected/subscribed to {host}:{port} after {timeout}s")
-        c.loop(0.05)
+        mqttc.loop_once(c, 0.05)  # never loop(): its wake-up socket pair costs a send per publish
     return c
 
 
@@ -861,7 +864,7 @@ def run_bench(
     if result is None:
         result = {}
     result.update({"batch_size": batch_size, "record": record, "seconds": seconds, "window": window,
-                   "raw_window": raw_window})
+                   "raw_window": raw_window, "mqtt": "5" if DATA_MQTT5 else "3.1.1"})
     runner = LocalRunner(tmp)
     drops: Optional[DropWatch] = None
     try:
