@@ -82,6 +82,19 @@ def test_the_checker_finds_each_historic_loss_when_it_is_switched_back_on(  # ty
     assert clean.ok, describe(clean)
 
 
+def _copy_leaving_while_the_sinks_acks_wait(cfg: Config) -> World:
+    """op-0 duplicated, records flowing while the sink's acks to the copy wait (so the copy acks
+    nothing upstream), then the copy's forced deletion decided."""
+    w = World(cfg)
+    w.play("plan op-0 duplicate")
+    w.deliver_all()
+    for _ in range(6):
+        w.play("time")
+        w.deliver_all(but=("sink-0->copy",))
+    w.play("plan copy terminate")
+    return w
+
+
 def _repeated_deletion_ack_then_a_lost_session(faults: Iterable[str]) -> Optional[Tuple[str, str]]:
     """The copy's Deletion waits 10 s for source-0 and goes again, so source-0 acks it twice;
     the first ack starts the Drain, which waits for the sink's acks; the second sits in the
@@ -89,13 +102,8 @@ def _repeated_deletion_ack_then_a_lost_session(faults: Iterable[str]) -> Optiona
     incarnation and replays, renumbered, the batches the copy has not acked: new data behind the
     repeated ack. (Before silent links replayed under the batches' own numbers, a silent-link
     replay put data there too: docs/reliability.md, "Found by the testbed runs".)"""
-    w = World(Config(records=8, brokers=1, broker_kinds=("lost",), faults=frozenset(faults)))
-    w.play("plan op-0 duplicate")
-    w.deliver_all()
-    for _ in range(6):  # records flow; the sink's acks to the copy wait
-        w.play("time")
-        w.deliver_all(but=("sink-0->copy",))
-    w.play("plan copy terminate")
+    w = _copy_leaving_while_the_sinks_acks_wait(Config(records=8, brokers=1, broker_kinds=("lost",),
+                                                       faults=frozenset(faults)))
     for _ in range(11):  # source-0 does not hear the Deletion for 10 s: it goes again
         w.play("time")
         w.deliver_all(but=("sink-0->copy", "copy->source-0"))
@@ -122,13 +130,7 @@ def _departing_copy_restarted_after_its_predecessor_removed_it(faults: Iterable[
     both neighbours while the sink's acks to the copy wait (the copy's Drain waits for them, and
     source-0 keeps the copy's inputs unacked); then the copy crashes and restarts, a new
     incarnation in its own deletion, and asks source-0 for replays."""
-    w = World(Config(records=8, crashes=1, faults=frozenset(faults)))
-    w.play("plan op-0 duplicate")
-    w.deliver_all()
-    for _ in range(6):  # records flow; the sink's acks to the copy wait
-        w.play("time")
-        w.deliver_all(but=("sink-0->copy",))
-    w.play("plan copy terminate")
+    w = _copy_leaving_while_the_sinks_acks_wait(Config(records=8, crashes=1, faults=frozenset(faults)))
     for _ in range(3):
         w.play("time")
         w.deliver_all(but=("sink-0->copy",))
