@@ -102,6 +102,11 @@ class MqttSection:
     # The site secret that makes the workers' client ids unguessable (docs/security.md, "Client
     # ids"); the same file on every node of the site.
     client_id_secret_file: Optional[str] = None
+    # Per-node inboxes (docs/security.md, "Who may read an inbox"): the workers read
+    # `inbox/<this node>/<instance>/+`, so the role's ACL can let a node read only its own
+    # instances' records. false = the shared format of before (every node reads every inbox),
+    # for a fleet whose broker still has the ACL of before; the whole site must agree.
+    inbox_per_node: bool = True
 
     def __post_init__(self) -> None:
         if self.password is not None and self.password_file is not None:

@@ -23,7 +23,8 @@ def base(cluster: str) -> str:
 
 def inbox(cluster: str, instance: str, writer: str) -> str:
     """Data batches AND protocol messages to one instance (one FIFO channel per sender), written
-    by node `writer`, the node that hosts the sender instance. The ACL lets a node write only
+    by node `writer`, the node that hosts the sender instance: the shared format, every node may
+    read it (`[mqtt] inbox_per_node = false`; `inbox_at` is the default). The ACL lets a node write only
     `inbox/+/<itself>`, so the receiver reads the writing node here and accepts an envelope only
     if that node hosts the instance the envelope claims as its sender (docs/security.md, "Data
     channels"). One topic per sender node keeps MQTT's order per publisher and topic."""
@@ -31,8 +32,21 @@ def inbox(cluster: str, instance: str, writer: str) -> str:
 
 
 def inbox_all(cluster: str, instance: str) -> str:
-    """The subscription of one instance to its inbox, whichever node writes."""
+    """The subscription of one instance to its inbox (shared format), whichever node writes."""
     return f"{base(cluster)}/inbox/{_check(instance)}/+"
+
+
+def inbox_at(cluster: str, node: str, instance: str, writer: str) -> str:
+    """The same, addressed to the node that hosts `instance` (per-node inboxes, the default:
+    docs/security.md, "Who may read an inbox"). The role's ACL lets node n read only
+    `inbox/n/#` and write only `inbox/+/+/n`, so only the receiver's node reads its records; the
+    sender takes `node` from its binding table (agent.node.hostmap)."""
+    return f"{base(cluster)}/inbox/{_check(node)}/{_check(instance)}/{_check(writer)}"
+
+
+def inbox_all_at(cluster: str, node: str, instance: str) -> str:
+    """The subscription of `instance` on `node` to its per-node inbox, whichever node writes."""
+    return f"{base(cluster)}/inbox/{_check(node)}/{_check(instance)}/+"
 
 
 def inbox_writer(inbox_filter: str, topic: str) -> Optional[str]:
@@ -255,6 +269,8 @@ def parse(cluster: str, topic: str) -> Optional[Parsed]:
         return Parsed("decisions", parts[1])
     if head == "inbox" and n == 3:
         return Parsed("inbox", parts[1], parts[2])
+    if head == "inbox" and n == 4:  # per-node: inbox/<receiving node>/<instance>/<writer>
+        return Parsed("inbox", parts[2], parts[3])
     if head == "spill" and n == 3 and parts[2] in ("chunk", "ack"):
         return Parsed(f"spill_{parts[2]}", parts[1])
     return None

@@ -59,10 +59,16 @@ fi
 "$HERE/build-wheelhouse.sh" "$WHEELHOUSE" >/dev/null
 
 STAGE="$WORK/fog-agent_${VERSION}_${ARCH}"
-install -d "$STAGE/DEBIAN" "$STAGE/opt/fog-agent/wheels" "$STAGE/lib/systemd/system" \
-  "$STAGE/usr/lib/sysusers.d" "$STAGE/usr/share/fog-agent" "$STAGE/usr/share/doc/fog-agent" \
+# The wheels are architecture-independent data: /usr/share (nothing of the package is in /opt;
+# the venvs postinst builds from them are, see docs/operations.md "Lintian").
+install -d "$STAGE/DEBIAN" "$STAGE/usr/share/fog-agent/wheels" "$STAGE/lib/systemd/system" \
+  "$STAGE/usr/lib/sysusers.d" "$STAGE/usr/share/doc/fog-agent" "$STAGE/usr/share/man/man1" \
   "$STAGE/etc/default" "$STAGE/usr/bin"
-install -m 0644 "$WHEELHOUSE"/*.whl "$STAGE/opt/fog-agent/wheels/"
+install -m 0644 "$WHEELHOUSE"/*.whl "$WHEELHOUSE/requirements.lock" "$STAGE/usr/share/fog-agent/wheels/"
+for page in fog-agent.1 fogctl.1; do
+  gzip -9n < "$HERE/deb/$page" > "$STAGE/usr/share/man/man1/$page.gz"
+  chmod 0644 "$STAGE/usr/share/man/man1/$page.gz"
+done
 for unit in "$PROJECT"/systemd/fog-*.service "$PROJECT"/systemd/fog-*.timer; do
   install -m 0644 "$unit" "$STAGE/lib/systemd/system/"
 done
@@ -84,6 +90,10 @@ for script in postinst prerm postrm; do
   chmod 0755 "$STAGE/DEBIAN/$script"
 done
 install -m 0644 "$HERE/deb/conffiles" "$STAGE/DEBIAN/conffiles"
+# dpkg --verify / debsums check the installed files against these (symlinks have none).
+(cd "$STAGE" && find . -path ./DEBIAN -prune -o -type f -printf '%P\0' | LC_ALL=C sort -z | xargs -0 md5sum) \
+  > "$STAGE/DEBIAN/md5sums"
+chmod 0644 "$STAGE/DEBIAN/md5sums"
 SIZE="$(du -sk --exclude=DEBIAN "$STAGE" | cut -f1)"
 sed -e "s/@VERSION@/$VERSION/" -e "s/@ARCH@/$ARCH/" -e "s/@SIZE@/$SIZE/" -e "s|@MAINTAINER@|$MAINTAINER|" \
   "$HERE/deb/control.in" > "$STAGE/DEBIAN/control"

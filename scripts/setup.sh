@@ -36,6 +36,23 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip
+# The agent's runtime dependencies first, the versions and wheels the .deb ships, each checked
+# against its sha256 (packaging/requirements.lock; regenerate with packaging/lock.sh): the project
+# install below then finds them satisfied. psutil and the extras (test, analytics, Ansible tools)
+# are not locked: they never reach a fog node.
+echo "setup: installing the locked runtime dependencies (pip --require-hashes)"
+.venv/bin/python -m pip install -q --require-hashes --no-deps --only-binary=:all: -r packaging/requirements.lock
 echo "setup: installing fog-agent[dev,analytics,systemd,ops,fast] into .venv"
 .venv/bin/python -m pip install -q -e '.[dev,analytics,systemd,ops,fast]'
+
+# The container testbed's Debian root (debootstrap, about 3 minutes and 350 MB, once per machine;
+# cached in ~/.cache/fog-agent/testbed/roots or $FOG_TESTBED_CACHE): built here, so that the
+# suite's testbed test does not spend its time budget on it. Where containers cannot run, or the
+# mirror cannot be reached, one line and setup goes on (the test builds or skips it then).
+if [ "$(id -u)" -eq 0 ] && command -v systemd-nspawn >/dev/null 2>&1 && command -v debootstrap >/dev/null 2>&1; then
+  echo "setup: the testbed's Debian root (built once, then reused)"
+  .venv/bin/python -m agent testbed root || echo "setup: no testbed root now (see above); tests/test_testbed.py builds it when it runs"
+else
+  echo "setup: no testbed root: it needs root, systemd-nspawn and debootstrap"
+fi
 echo "setup: done"

@@ -64,7 +64,7 @@ class InboxTap:
         self.c.on_message = self._msg
         self.c.on_subscribe = lambda *a: self.ready.set()
         self.c.connect(host, port)
-        self.c.subscribe(f"fog/{cluster}/inbox/+/+", qos=1)
+        self.c.subscribe(f"fog/{cluster}/inbox/+/+/+", qos=1)  # LocalRunner: per-node inboxes
         self.c.loop_start()
         assert self.ready.wait(10)
 
@@ -73,7 +73,7 @@ class InboxTap:
             v, sender, epoch, seq, kind, _ = json.loads(m.payload)
         except (ValueError, TypeError):
             return
-        self.seen.append((m.topic.split("/")[3], sender, epoch, seq, kind))  # fog/c/inbox/<dest>/<node>
+        self.seen.append((m.topic.split("/")[4], sender, epoch, seq, kind))  # fog/c/inbox/<node>/<dest>/<writer>
 
     def close(self) -> None:
         self.c.loop_stop()

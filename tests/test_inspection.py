@@ -165,7 +165,7 @@ def test_mosquitto_sub_filters_the_data_out_of_everything(mosquitto) -> None:
     pub.loop_start()
     try:
         time.sleep(0.8)  # mosquitto_sub subscribed
-        sent = {topics.inbox(cluster, "taxi.in_zone.0", "n1"): b"data", topics.spill_chunk(cluster, "n1"): b"chunk",
+        sent = {topics.inbox_at(cluster, "n2", "taxi.in_zone.0", "n1"): b"data", topics.spill_chunk(cluster, "n1"): b"chunk",
                 topics.latency_ping(cluster, "n2", "n1"): b"ping", topics.events(cluster): b"event",
                 topics.agent_state(cluster, "n1"): b"state", topics.latency(cluster, "n1"): b"row"}
         for t, p in sent.items():

@@ -551,9 +551,10 @@ def test_rendered_broker_acl_denies_writes_to_another_nodes_topics(broker: Deplo
         foreign = [topics.agent_state(CLUSTER, "n2"), topics.agent_status(CLUSTER, "n2"),
                    topics.latency(CLUSTER, "n2"), topics.spill(CLUSTER, "n2") + "/chunk",
                    f"fog/{CLUSTER}/agents/n2/rpc/n1", f"fog/{CLUSTER}/agents/n2/peer/n2", f"fog/{CLUSTER}/pipelines/x",
-                   topics.inbox(CLUSTER, "in_zone-3", "n2")]
+                   topics.inbox_at(CLUSTER, "n2", "in_zone-3", "n2"),
+                   topics.inbox(CLUSTER, "in_zone-3", "n1")]  # the shared format of before: per-node is on
         own_or_shared = [topics.agent_state(CLUSTER, "n1"), topics.latency(CLUSTER, "n1"),
-                         topics.inbox(CLUSTER, "in_zone-3", "n1"), topics.events(CLUSTER)]
+                         topics.inbox_at(CLUSTER, "n2", "in_zone-3", "n1"), topics.events(CLUSTER)]
         denied_codes = [n1.publish(t, b"forged") for t in foreign]
         allowed_codes = [n1.publish(t, b"ok") for t in own_or_shared]
         # A positive control last: once it arrived, everything published before it has been routed.

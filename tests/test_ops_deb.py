@@ -68,11 +68,15 @@ def test_deb_contents_lists_units_wheels_and_commands(deb: Path) -> None:
     for unit in ("fog-agent.service", "fog-netem.service", "fog-collector.service",
                  "fog-analytics.service", "fog-analytics.timer"):
         assert f"./lib/systemd/system/{unit}" in names, unit
-    wheels = [n for n in names if n.startswith("./opt/fog-agent/wheels/")]
+    wheels = [n for n in names if n.startswith("./usr/share/fog-agent/wheels/")]
     assert any(f"fog_agent-{__version__}-py3-none-any.whl" in w for w in wheels)
     assert any("paho_mqtt-" in w for w in wheels) and any("prometheus_client-" in w for w in wheels)
     # Only pure wheels: that is what makes Architecture: all true for arm64 and amd64.
     assert all(w.endswith("-none-any.whl") for w in wheels if w.endswith(".whl"))
+    assert "./usr/share/fog-agent/wheels/requirements.lock" in names
+    # Nothing of the package in /opt (lintian's dir-or-file-in-opt): postinst makes the venvs there.
+    assert not [n for n in names if n.startswith("./opt")]
+    assert {"./usr/share/man/man1/fog-agent.1.gz", "./usr/share/man/man1/fogctl.1.gz"} <= names
     assert "./usr/share/fog-agent/agent.toml.example" in names
     assert "./etc/default/fog-agent" in names
     assert "./usr/bin/fog-agent" in names
@@ -170,17 +174,10 @@ def scratch_root(tmp_path: Path) -> Path:
 
 def relabel(deb: Path, version: str, out: Path) -> Path:
     """The same wheels as a package of another version (what an upgrade looks like to dpkg and
-    to postinst, without a second wheel build)."""
-    tree = out / "tree"
-    out.mkdir(parents=True)
-    run("dpkg-deb", "-R", str(deb), str(tree))
-    control = tree / "DEBIAN/control"
-    control.write_text(re.sub(r"^Version: .*$", f"Version: {version}", control.read_text(), flags=re.M))
-    postinst = tree / "DEBIAN/postinst"
-    postinst.write_text(re.sub(r'^DEB_VERSION=.*$', f'DEB_VERSION="{version}"', postinst.read_text(), flags=re.M))
-    new = out / f"fog-agent_{version}_all.deb"
-    run("dpkg-deb", "--root-owner-group", "-Zxz", "--build", str(tree), str(new))
-    return new
+    to postinst, without a second wheel build): the testbed's upgrade command uses the same."""
+    from agent.tools.testbed_upgrade import relabel_deb
+
+    return relabel_deb(deb, version, out)
 
 
 @pytest.mark.skipif(not os.path.exists(SYSTEM_PYTHON), reason="no Debian python3")
@@ -240,3 +237,88 @@ def test_upgrade_keeps_the_running_venv_until_the_switch(deb: Path, tmp_path: Pa
     assert sorted(p.name for p in (base / "venvs").iterdir()) == sorted([new_version, f"{__version__}+t3"])
     run(*dpkg, "--purge", "fog-agent", env=env)
     assert not base.exists()
+
+
+LOCK = ROOT / "packaging" / "requirements.lock"
+
+
+def lock_entries(text: str) -> dict:
+    """{name: (version, marker, [sha256, ...])} of a requirements file in the lock's format."""
+    out = {}
+    for entry in re.sub(r"\\\n\s*", " ", text).splitlines():
+        entry = entry.split("#", 1)[0].strip()
+        if not entry:
+            continue
+        m = re.match(r"^([A-Za-z0-9_.-]+)==(\S+)\s*(?:;\s*(.*?))?\s*((?:--hash=sha256:[0-9a-f]{64}\s*)+)$", entry)
+        assert m, f"not a pinned and hashed requirement: {entry!r}"
+        out[m.group(1).lower().replace("_", "-")] = (m.group(2), m.group(3), re.findall(r"[0-9a-f]{64}", m.group(4)))
+    return out
+
+
+def test_lock_pins_every_pure_runtime_dependency_with_its_hash() -> None:
+    """packaging/requirements.lock is what pyproject.toml asks for: each dependency but psutil
+    (Debian's) pinned to a version its bound allows, with its wheel's sha256, markers kept."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    declared = [Requirement(r) for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]]
+    locked = lock_entries(LOCK.read_text())
+    wanted = {r.name.lower(): r for r in declared if r.name.lower() != "psutil"}
+    assert set(locked) == set(wanted), "run packaging/lock.sh after changing [project] dependencies"
+    for name, req in wanted.items():
+        version, marker, hashes = locked[name]
+        assert req.specifier.contains(version), (name, version, str(req.specifier))
+        assert (marker or None) == (str(req.marker) if req.marker else None), name
+        assert len(hashes) == 1
+
+
+def test_the_package_ships_exactly_the_locked_wheels(deb: Path, tmp_path: Path) -> None:
+    import hashlib
+
+    run("dpkg-deb", "-x", str(deb), str(tmp_path))
+    wheels = tmp_path / "usr/share/fog-agent/wheels"
+    shipped = lock_entries((wheels / "requirements.lock").read_text())
+    project = lock_entries(LOCK.read_text())
+    # The project's lock plus the agent's own wheel, hashed at build time.
+    assert set(shipped) == set(project) | {"fog-agent"}
+    assert all(shipped[n] == project[n] for n in project)
+    for whl in wheels.glob("*.whl"):
+        name = whl.name.split("-")[0].lower().replace("_", "-")
+        assert hashlib.sha256(whl.read_bytes()).hexdigest() in shipped[name][2], whl.name
+
+
+@pytest.mark.skipif(not os.path.exists(SYSTEM_PYTHON), reason="no Debian python3")
+def test_postinst_refuses_a_wheel_that_does_not_match_its_hash(deb: Path, tmp_path: Path) -> None:
+    """A wheel changed after the build (a corrupted mirror, a tampered package) is not installed:
+    pip --require-hashes stops postinst before anything is switched."""
+    tree = tmp_path / "tree"
+    run("dpkg-deb", "-R", str(deb), str(tree))
+    (paho,) = (tree / "usr/share/fog-agent/wheels").glob("paho_mqtt-*.whl")
+    paho.write_bytes(paho.read_bytes() + b"\0")  # still a readable zip: only the hash tells
+    bad = tmp_path / "fog-agent_bad_all.deb"
+    run("dpkg-deb", "--root-owner-group", "-Zxz", "--build", str(tree), str(bad))
+    root = scratch_root(tmp_path)
+    env = dict(os.environ, FOG_AGENT_NODE="pi-09", FOG_AGENT_PYTHON=SYSTEM_PYTHON)
+    env.pop("PYTHONPATH", None)
+    res = subprocess.run(["dpkg", f"--root={root}", "--force-script-chrootless", "--log=/dev/null", "--force-depends",
+                          "-i", str(bad)], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode != 0
+    assert "hash" in (res.stdout + res.stderr).lower(), res.stdout + res.stderr
+    assert not os.path.lexists(root / "opt/fog-agent/venv")
+
+
+# Every tag lintian still reports (errors, warnings, info and pedantic), with why it stays
+# (docs/operations.md, "Lintian").
+LINTIAN_JUSTIFIED = {
+    # info: the units need systemd (Type=notify, the watchdog, the sandboxing); no sysvinit script.
+    "package-supports-alternative-init-but-no-init.d-script",
+}
+
+
+@pytest.mark.skipif(shutil.which("lintian") is None, reason="lintian is not installed (apt-get install lintian)")
+def test_lintian_reports_nothing_unjustified(deb: Path) -> None:
+    res = subprocess.run(["lintian", "--tag-display-limit", "0", "--display-info", "--pedantic", str(deb)],
+                         capture_output=True, text=True, timeout=300)
+    tags = sorted({line.split()[2] for line in res.stdout.splitlines() if re.match(r"^[EWIPX]: ", line)})
+    assert [t for t in tags if t not in LINTIAN_JUSTIFIED] == [], res.stdout

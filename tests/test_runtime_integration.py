@@ -12,7 +12,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import pytest
 
@@ -173,9 +173,14 @@ def test_step_load_scales_out_and_back_exactly_once(tmp_path: Path, mosquitto: A
         from agent.node.rpc import RpcClient
 
         keeper = "step.in_zone.0"
+        def hosts_of(m: Any) -> List[str]:  # its inbox is on the node that hosts it (per-node inboxes)
+            return [n for n, doc in m.states.items() for i in doc.get("instances", []) if i["id"] == keeper]
+
+        assert mon.wait(lambda m: len(hosts_of(m)) == 1, 10), mon.states
+        host = hosts_of(mon)
         with RpcClient(mosquitto.host, mosquitto.port, fleet.cluster) as client:
             for junk in (b"garbage", b"{}", b"\xff\xfe\x00", b'{"sender": "x", "seq": "a"}', b"[1,2,3]"):
-                client.publish(topics.inbox(fleet.cluster, keeper, "n1"), junk)
+                client.publish(topics.inbox_at(fleet.cluster, host[0], keeper, "n1"), junk)
         # the load: in_zone gets ~0.95 * high records/s
         target = math.ceil(0.93 * high / (R * C_IN_ZONE))
         reached_at: Optional[float] = None

@@ -188,7 +188,7 @@ def test_malformed_payloads_are_counted_and_skipped(runner, mosquitto, tmp_path:
     c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="vandal")
     c.connect(mosquitto.host, mosquitto.port)
     c.loop_start()
-    inbox = topics.inbox("bad", "in_zone-0", "local")
+    inbox = topics.inbox_at("bad", "local", "in_zone-0", "local")  # LocalRunner: per-node inboxes
     junk = [b"", b"garbage", b"[1]", b'[1, "x", 0, 1, "d", [[1, 2, 3]]]', b"\xff" * 50, b'{"type": "start"}',
             b'[1, "vandal", 0, 1, "p", {"type": "start", "sender": "vandal", "stage": 2, "succs": [], "preds": []}]']
     for j in junk:
@@ -317,6 +317,42 @@ def test_killed_worker_restarted_with_same_identity_loses_nothing(runner, mosqui
     assert_exactly_once(tmp_path, n)
     state = json.loads((tmp_path / "state" / "validate-0.state.json").read_text())
     assert state["epoch"] == 1
+
+
+def test_records_a_killed_instance_sent_go_to_the_same_sink_after_the_sink_scaled_out(
+        runner, mosquitto, tmp_path: Path) -> None:
+    """docs/design.md invariant 8. in_zone is frozen (its successor's acks wait), then killed:
+    the records it had sent to the sink are recorded there but not acked upstream. Meanwhile the
+    sink scales out (its copy joins in_zone's table when in_zone is back). Restarted in a new
+    epoch, in_zone processes again what validate replays (renumbered): each record it had sent
+    must go to the sink instance that has it, which drops it by id. Routed afresh, round-robin
+    over the two sinks, about half reached the copy, which kept them: recorded twice."""
+    import signal
+
+    n = 6000
+    procs = start_pipeline(runner, mosquitto, tmp_path, taxi_pipeline(1500.0, n), "sinkscale")
+    wait_for(lambda: procs["sink"].stats.get("recorded", 0) > 1000, 20, "records to flow")
+    zone = procs["in_zone"]
+    zone.proc.send_signal(signal.SIGSTOP)  # the sink records what it has; its acks wait for us
+    time.sleep(1.0)
+    zone.proc.send_signal(signal.SIGKILL)
+    zone.proc.wait(timeout=10)
+    procs["sink"].send("scale", action="duplicate", count=1)
+    wait_for(lambda: len(runner.spawned) == 1, 20, "the sink's copy to start")
+    new = runner.restart(zone.instance)
+    sinks = [w for w in runner.workers.values() if w.spec.operator == "sink"]
+
+    def recorded() -> int:
+        return sum(w.stats.get("recorded", 0) for w in sinks)
+
+    wait_for(lambda: procs["source"].stats.get("generated") == n, 30, "the source to finish")
+    want = len(expected_ids(3, "source-0", n))
+    wait_for(lambda: recorded() >= want, 30, "the sinks to record everything (a duplicate counts twice)")
+    assert all(w.stats.get("recorded", 0) > 0 for w in sinks), [w.stats.get("recorded") for w in sinks]
+    pinned = new.stats.get("records_pinned", 0)
+    runner.stop_all()
+    assert_exactly_once(tmp_path, n)
+    assert pinned > 0  # records replayed to it went where they had gone before
 
 
 def test_a_session_taken_over_for_a_while_is_replayed_to_us(runner, mosquitto, tmp_path: Path) -> None:

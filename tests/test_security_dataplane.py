@@ -395,7 +395,7 @@ def test_forged_inbox_messages_on_a_real_broker_stall_nothing_and_leave_no_state
         c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="hostile-node")
         c.connect(mosquitto.host, mosquitto.port)
         c.loop_start()
-        to_sink = topics.inbox(cluster, "sink-0", "local")
+        to_sink = topics.inbox_at(cluster, "local", "sink-0", "local")  # LocalRunner: per-node inboxes
         want = _expected_ids(3, "source-0", n)
         ids = list(range(100))  # the source's next 100 record ids, kept and filtered ones
         assert set(ids) - want and set(ids) & want
@@ -408,7 +408,7 @@ def test_forged_inbox_messages_on_a_real_broker_stall_nothing_and_leave_no_state
         ]
         for p in forged:
             c.publish(to_sink, p, qos=1).wait_for_publish(5)
-        c.publish(topics.inbox(cluster, "in_zone-0", "local"), encode(Envelope("sink-0", 0, 1, Kind.ACK, [0, 10 ** 6])),
+        c.publish(topics.inbox_at(cluster, "local", "in_zone-0", "local"), encode(Envelope("sink-0", 0, 1, Kind.ACK, [0, 10 ** 6])),
                   qos=1).wait_for_publish(5)
         _wait(lambda: procs["sink"].stats.get("refused_seqs") == 1 and procs["sink"].stats.get("held") == 1
               and procs["in_zone"].stats.get("refused_seqs") == 1, 10, "the forgeries to be refused or held")

@@ -12,7 +12,11 @@ hosts the instance the envelope claims as its sender, as its agent's binding tab
   touches any state and cannot take the place of the real batch; an unknown binding holds
   (bounded, apart from other nodes' streams) until the agent's "hosts" line, then refuses;
 - the attack itself against the real TLS broker with the role's config and two real agents
-  (`test_a_node_cannot_write_data_in_the_name_of_another_nodes_instance`).
+  (`test_a_node_cannot_write_data_in_the_name_of_another_nodes_instance`);
+- per-node inboxes (docs/security.md, "Who may read an inbox"): the topics, a worker addressing
+  the bound node, parking what is unbound and following a move, in process; on the TLS broker,
+  a node reading only its own instances' inboxes before and after a drain moves them, every record
+  exactly once.
 """
 
 from __future__ import annotations
@@ -297,6 +301,68 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
         yield s
 
 
+def _fogctl(site, *argv: str) -> Tuple[int, str]:  # type: ignore[no-untyped-def]
+    import contextlib
+    import io
+
+    from agent.cli.fogctl import main as fogctl_main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = fogctl_main(["--broker", f"127.0.0.1:{site.port}", "--cluster", CLUSTER, "--timeout", "10",
+                            "--cafile", str(site.certs / "fog-ca.crt"), "--cert", str(site.certs / "admin.crt"),
+                            "--key", str(site.certs / "admin.key"), *argv])
+    return code, out.getvalue() + err.getvalue()
+
+
+def _instances(watch) -> Dict[str, Tuple[str, Dict]]:  # type: ignore[no-untyped-def]
+    """{instance: (node, stats)} from the retained state records `watch` received."""
+    out: Dict[str, Tuple[str, Dict]] = {}
+    for t, p in watch.topics().items():
+        if t.endswith("/state") and p:
+            doc = json.loads(p)
+            for i in doc.get("instances", []):
+                out[str(i.get("id"))] = (str(doc.get("node")), i.get("stats") or {})
+    return out
+
+
+def _pause_and_settle(watch, src: str, mid: str, sink: str, tag: bytes,  # type: ignore[no-untyped-def]
+                      moved: bool = False) -> None:
+    """Pause the source (rpc as the admin) and wait until every generated record went through
+    (`moved`: the counters restarted with the new incarnations, so until the sink has recorded
+    nothing new for 3 s; the record ids are the verdict)."""
+    from paho.mqtt.packettypes import PacketTypes
+    from paho.mqtt.properties import Properties
+
+    from tls_site import OK_CODES, wait_until
+
+    props = Properties(PacketTypes.PUBLISH)
+    props.CorrelationData = tag
+    assert watch.subscribe(T("replies/admin/+")) == [1]
+    body = {"v": 1, "op": "set", "instance": src, "fields": {"paused": True}}
+    assert watch.publish(T(f"agents/{_instances(watch)[src][0]}/rpc/admin"), json.dumps(body).encode(),
+                         properties=props) in OK_CODES
+    assert watch.wait_for(lambda m: any(getattr(pr, "CorrelationData", None) == tag for _, _, _, pr in m), 10)
+
+    def settled() -> bool:
+        i = _instances(watch)
+        gen = int(i[src][1].get("generated", -1))
+        return gen > 0 and int(i[mid][1].get("records_in", -2)) == gen and \
+            int(i[sink][1].get("records_in", -1)) == int(i[mid][1].get("records_out", -2))
+
+    if moved:
+        last = [-1, time.monotonic()]
+
+        def settled() -> bool:  # noqa: F811
+            n = int(_instances(watch)[sink][1].get("records_in", 0))
+            if n != last[0]:
+                last[:] = [n, time.monotonic()]
+            return time.monotonic() - last[1] >= 3.0
+
+    assert wait_until(settled, 30), _instances(watch)
+    time.sleep(1.0)
+
+
 @pytest.mark.broker
 def test_a_node_cannot_write_data_in_the_name_of_another_nodes_instance(site) -> None:  # type: ignore[no-untyped-def]
     """Two agents (n1, n2) run source -> in_zone -> sink. Node B (the one that does not host
@@ -305,25 +371,10 @@ def test_a_node_cannot_write_data_in_the_name_of_another_nodes_instance(site) ->
     135); on its own topic the sink refuses them (`refused_nodes`). Then the source pauses and
     every record it generated reaches the sink exactly once, none of the forged ones. ~45 s: the
     forgeries wait WRITER_HOLD_TTL (20 s) for a binding before they are refused."""
-    import contextlib
-    import io
-
-    from paho.mqtt.packettypes import PacketTypes
-    from paho.mqtt.properties import Properties
-
-    from agent.cli.fogctl import main as fogctl_main
     from agent.operators.builtin import in_zone, read_sink_ids
     from agent.operators.taxi import TaxiGenerator
     from pipelines import taxi_in_zone
     from tls_site import NOT_AUTHORIZED, OK_CODES, AgentProc, Client, wait_until
-
-    def fogctl(*argv: str) -> Tuple[int, str]:
-        out, err = io.StringIO(), io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = fogctl_main(["--broker", f"127.0.0.1:{site.port}", "--cluster", CLUSTER, "--timeout", "10",
-                                "--cafile", str(site.certs / "fog-ca.crt"), "--cert", str(site.certs / "admin.crt"),
-                                "--key", str(site.certs / "admin.key"), *argv])
-        return code, out.getvalue() + err.getvalue()
 
     agents = {n: AgentProc(site, n) for n in ("n1", "n2")}
     watch = Client(site, "admin")
@@ -332,33 +383,28 @@ def test_a_node_cannot_write_data_in_the_name_of_another_nodes_instance(site) ->
         assert watch.connect() == "connected" and watch.subscribe(T("agents/+/state")) == [1]
 
         def instances() -> Dict[str, Tuple[str, Dict]]:
-            out: Dict[str, Tuple[str, Dict]] = {}
-            for t, p in watch.topics().items():
-                if t.endswith("/state") and p:
-                    doc = json.loads(p)
-                    for i in doc.get("instances", []):
-                        out[str(i.get("id"))] = (str(doc.get("node")), i.get("stats") or {})
-            return out
+            return _instances(watch)
 
         pipe = site.tmp / "snd.toml"
         pipe.write_text(taxi_in_zone("taxi", seed=1, rate=100.0))
         assert wait_until(lambda: len([t for t in watch.topics() if t.endswith("/state")]) == 2, 30)
-        code, out = fogctl("deploy", str(pipe), "--keeper-timeout", "20")
+        code, out = _fogctl(site, "deploy", str(pipe), "--keeper-timeout", "20")
         assert code == 0, out
         sink, mid, src = "taxi.sink.0", "taxi.in_zone.0", "taxi.source.0"
         assert wait_until(lambda: instances().get(sink, ("", {}))[1].get("records_in", 0) > 0, 30), instances()
         a = instances()[mid][0]
         b = "n2" if a == "n1" else "n1"
+        at = instances()[sink][0]  # the sink's node: its inbox is inbox/<at>/<sink>/<writer>
         forger = Client(site, b)
         assert forger.connect() == "connected"
         generated = int(instances()[src][1].get("generated", 0))
         fake = [(src, generated + 50 + i, {"forged": True}) for i in range(100)]
-        on_a = [forger.publish(topics.inbox(CLUSTER, sink, a), encode_data(mid, e, s, fake))
+        on_a = [forger.publish(topics.inbox_at(CLUSTER, at, sink, a), encode_data(mid, e, s, fake))
                 for e in range(3) for s in range(1, 40, 8)]
         assert set(on_a) == {NOT_AUTHORIZED}, on_a  # the broker: b may not write in a's name
-        on_b = [forger.publish(topics.inbox(CLUSTER, sink, b), encode_data(mid, e, s, fake))
+        on_b = [forger.publish(topics.inbox_at(CLUSTER, at, sink, b), encode_data(mid, e, s, fake))
                 for e in range(3) for s in range(1, 40, 8)]
-        on_b.append(forger.publish(topics.inbox(CLUSTER, sink, b),
+        on_b.append(forger.publish(topics.inbox_at(CLUSTER, at, sink, b),
                                    encode(Envelope(mid, 0, 1, Kind.ACK, [0, 10 ** 6]))))
         assert set(on_b) <= set(OK_CODES), on_b
         # all of them wait, apart from in_zone's real stream, for a binding to b that never
@@ -369,24 +415,7 @@ def test_a_node_cannot_write_data_in_the_name_of_another_nodes_instance(site) ->
             (str({k: v for k, v in instances()[sink][1].items() if "refused" in k or "held" in k}),
              agents[instances()[sink][0]].text()[-3000:])
         # 0 records lost: pause the source, let everything drain, compare ids
-        node_of_src = instances()[src][0]
-        props = Properties(PacketTypes.PUBLISH)
-        props.CorrelationData = b"pause-1"
-        assert watch.subscribe(T("replies/admin/+")) == [1]
-        body = {"v": 1, "op": "set", "instance": src, "fields": {"paused": True}}
-        assert watch.publish(T(f"agents/{node_of_src}/rpc/admin"), json.dumps(body).encode(),
-                             properties=props) in OK_CODES
-        assert watch.wait_for(lambda m: any(getattr(pr, "CorrelationData", None) == b"pause-1"
-                                            for _, _, _, pr in m), 10)
-
-        def settled() -> bool:
-            i = instances()
-            gen = int(i[src][1].get("generated", -1))
-            return gen > 0 and int(i[mid][1].get("records_in", -2)) == gen and \
-                int(i[sink][1].get("records_in", -1)) == int(i[mid][1].get("records_out", -2))
-
-        assert wait_until(settled, 30), instances()
-        time.sleep(1.0)
+        _pause_and_settle(watch, src, mid, sink, b"pause-1")
         generated = int(instances()[src][1]["generated"])
         gen = TaxiGenerator(1, src)
         want = {k for k in range(generated) if in_zone(gen.record(), {}) is not None}
@@ -400,5 +429,153 @@ def test_a_node_cannot_write_data_in_the_name_of_another_nodes_instance(site) ->
         watch.close()
         if forger is not None:
             forger.close()
+        for ag in agents.values():
+            ag.stop()
+
+
+# ---- per-node inboxes: only the receiver's node reads (docs/security.md, "Who may read an inbox") --
+
+
+def test_per_node_inbox_topics_name_the_receiving_node_and_only_it() -> None:
+    import paho.mqtt.client as mqtt
+
+    t = topics.inbox_at("c", "n2", "work-0", "n1")
+    assert t == "fog/c/inbox/n2/work-0/n1"
+    assert mqtt.topic_matches_sub(topics.inbox_all_at("c", "n2", "work-0"), t)
+    assert not mqtt.topic_matches_sub(topics.inbox_all_at("c", "n3", "work-0"), t)  # another node's
+    assert not mqtt.topic_matches_sub(topics.inbox_all_at("c", "n2", "work-1"), t)
+    assert topics.inbox_writer(topics.inbox_all_at("c", "n2", "work-0"), t) == "n1"
+    assert topics.inbox_writer(topics.inbox_all_at("c", "n3", "work-0"), t) is None
+    assert topics.parse("c", t) == ("inbox", "work-0", "n1")
+    # the role's per-node lines: n1 writes inbox/+/+/n1, reads inbox/n1/+/+
+    assert mqtt.topic_matches_sub("fog/c/inbox/+/+/n1", t) and not mqtt.topic_matches_sub("fog/c/inbox/n1/+/+", t)
+
+
+def test_a_per_node_worker_sends_to_the_bound_node_parks_what_is_unbound_and_follows_a_move(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """work-0 on n1, per-node inboxes: what it sends goes to the node its table binds the receiver
+    to; before the table names the receiver, its batch waits in order (and nothing it carries is
+    acked upstream); when sink-0 moves to n3, the new incarnation's replay request (written by n3)
+    waits for the binding, then every unacked batch goes again to n3's topic, none to n2."""
+    from agent.dataplane.envelope import decode
+
+    clock = [100.0]
+    w, wire = _worker(tmp_path, "work", clock, node="n1",
+                      extra={"sink_dir": str(tmp_path / "sink"), "check_sender_node": True, "inbox_per_node": True})
+    assert w.core.inbox == "fog/c/inbox/n1/work-0/+"
+    mine = lambda writer: topics.inbox_at("c", "n1", "work-0", writer)  # noqa: E731
+
+    def sent(kind: Kind) -> List[Tuple[str, Envelope]]:
+        return [(t, e) for t, e in ((t, decode(p)) for t, p in wire.sent) if e.kind is kind]
+
+    w.feed(Control({"event": "hosts", "bound": {"source-0": "n1", "work-0": "n1"}}), clock[0])
+    wire.events.append(Received(mine("n1"), encode_data("source-0", 0, 1, _records(0, 4))))
+    _run(w, clock, 0.5)
+    assert w.core.stats["records_in"] == 4 and not wire.sent  # sink-0 unbound: parked, nothing acked upstream
+    assert [len(q) for q in w.core.unrouted.values()] == [1] and not w.core.drained()
+    w.feed(Control({"event": "hosts", "bound": {"source-0": "n1", "work-0": "n1", "sink-0": "n2"}}), clock[0])
+    _run(w, clock, 0.3)
+    data = sent(Kind.DATA)
+    assert [t for t, _ in data] == [topics.inbox_at("c", "n2", "sink-0", "n1")] and not w.core.unrouted
+    # sink-0 (n2) acks it: work-0 acks the source, on the source's node's topic
+    wire.events.append(Received(mine("n2"), encode(Envelope("sink-0", 0, 1, Kind.ACK, [0, 1]))))
+    _run(w, clock, 0.5)
+    assert sent(Kind.ACK) and {t for t, _ in sent(Kind.ACK)} == {topics.inbox_at("c", "n1", "source-0", "n1")}
+    # a batch sent while sink-0 moves: to n2 (in a real broker dropped at delivery: n3 may not read it)
+    wire.events.append(Received(mine("n1"), encode_data("source-0", 0, 2, _records(4, 4))))
+    _run(w, clock, 0.3)
+    assert sent(Kind.DATA)[-1][0] == topics.inbox_at("c", "n2", "sink-0", "n1")
+    # sink-0's new incarnation on n3 asks for a replay before our table knows it moved: held
+    before = len(wire.sent)
+    wire.events.append(Received(mine("n3"), encode(Envelope("sink-0", 5, 1, Kind.ACK, [0, 0]))))
+    _run(w, clock, 0.3)
+    assert len(wire.sent) == before and w.core.hold.count == 1
+    # the binding follows the hosted records (n2 offline, n3 lists it): the replay goes to n3 at once
+    w.feed(Control({"event": "hosts", "bound": {"source-0": "n1", "work-0": "n1", "sink-0": "n3"},
+                    "former": {"sink-0": ["n2"]}}), clock[0])
+    _run(w, clock, 0.3)
+    replayed = sent(Kind.DATA)[2:]
+    assert [t for t, _ in replayed] == [topics.inbox_at("c", "n3", "sink-0", "n1")], replayed
+    assert [r[1] for r in replayed[0][1].body] == [4, 5, 6, 7]  # the unacked batch, its records once
+    assert w.core.stats["held_released"] == 1
+    # an envelope on our inbox at another node (a subscription an earlier incarnation's session
+    # kept) is dropped, never taken for data
+    wire.events.append(Received(topics.inbox_at("c", "n9", "work-0", "n1"), encode_data("source-0", 0, 3, _records(8, 4))))
+    _run(w, clock, 0.3)
+    assert w.core.stats["foreign_inbox"] == 1 and w.core.stats["records_in"] == 8
+    w.feed(Abort("test"), clock[0])
+
+
+@pytest.mark.broker
+def test_a_node_reads_only_its_own_instances_inboxes_and_a_drain_moves_them_exactly_once(site) -> None:  # type: ignore[no-untyped-def]
+    """Per-node inboxes on the role's TLS broker with real agents: n1 alone at deploy time hosts
+    the three keepers; n2 joins; each node's certificate subscribes to every inbox (`inbox/#`,
+    `inbox/+/+/+`). n2 receives nothing while n1 hosts everything (Mosquitto grants the SUBACK and
+    checks read access per message), n1 reads its own instances' traffic (the positive control).
+    `fogctl drain n1` moves every keeper to n2, with the same identity and session: after the move
+    each node still reads only `inbox/<itself>/...`, records keep flowing through the moved
+    instances, and every generated record reaches the sinks exactly once. ~40 s."""
+    from agent.operators.builtin import in_zone, read_sink_ids
+    from agent.operators.taxi import TaxiGenerator
+    from pipelines import taxi_in_zone
+    from tls_site import AgentProc, Client, agent_toml, wait_until
+
+    def agent(node: str) -> AgentProc:  # state dirs of its own: nothing of the module's other test to re-adopt
+        conf = agent_toml(site, node, node)
+        conf.write_text(conf.read_text().replace(f"/state-{node}\"", f"/state-rd-{node}\""))
+        return AgentProc(site, node, conf=conf)
+
+    agents = {"n1": agent("n1")}
+    watch = Client(site, "admin")
+    spies = {n: Client(site, n) for n in ("n1", "n2")}
+    try:
+        assert watch.connect() == "connected" and watch.subscribe(T("agents/+/state")) == [1]
+        assert watch.subscribe(T("agents/+/status")) == [1]
+        # online now (the module's other test left its agents' retained records behind)
+        online = lambda n: watch.topics().get(T(f"agents/{n}/status")) == b"online"  # noqa: E731
+        for spy in spies.values():
+            assert spy.connect() == "connected"
+            assert spy.subscribe(T("inbox/#")) == [1] and spy.subscribe(T("inbox/+/+/+")) == [1]
+        pipe = site.tmp / "rd.toml"
+        pipe.write_text(taxi_in_zone("rd", seed=2, rate=100.0))
+        assert wait_until(lambda: online("n1"), 30)
+        code, out = _fogctl(site, "deploy", str(pipe), "--keeper-timeout", "20")
+        assert code == 0, out
+        src, mid, sink = "rd.source.0", "rd.in_zone.0", "rd.sink.0"
+        assert wait_until(lambda: _instances(watch).get(sink, ("", {}))[1].get("records_in", 0) > 0, 30)
+        agents["n2"] = agent("n2")
+        assert wait_until(lambda: online("n2"), 30)
+
+        def inbox_topics(n: str) -> List[str]:
+            return [t for t, _, _, _ in list(spies[n].received) if "/inbox/" in t]
+
+        assert wait_until(lambda: len(inbox_topics("n1")) > 20, 10)
+        assert inbox_topics("n2") == [], inbox_topics("n2")[:5]  # n1's records: not for n2
+        assert all(t.startswith(T("inbox/n1/")) for t in inbox_topics("n1"))
+        code, out = _fogctl(site, "drain", "n1")
+        assert code == 0, out
+        moved = lambda: all(_instances(watch).get(k, ("",))[0] == "n2" for k in (src, mid, sink))  # noqa: E731
+        assert wait_until(moved, 40), _instances(watch)
+        before = int(_instances(watch)[sink][1].get("records_in", 0))
+        assert wait_until(lambda: int(_instances(watch)[sink][1].get("records_in", 0)) > before + 20, 30)
+        seen1 = len(inbox_topics("n1"))
+        assert wait_until(lambda: len(inbox_topics("n2")) > 20, 10)
+        assert all(t.startswith(T("inbox/n2/")) for t in inbox_topics("n2")), set(inbox_topics("n2"))
+        assert all(t.startswith(T("inbox/n1/")) for t in inbox_topics("n1")), set(inbox_topics("n1"))
+        _pause_and_settle(watch, src, mid, sink, b"pause-rd", moved=True)
+        assert len(inbox_topics("n1")) == seen1  # n1 hosts nothing any more: it reads nothing more
+        generated = int(_instances(watch)[src][1]["generated"])
+        gen = TaxiGenerator(2, src)
+        want = {k for k in range(generated) if in_zone(gen.record(), {}) is not None}
+        got: List[int] = []
+        for n in ("n1", "n2"):  # the sink wrote its ids where it ran: before and after the move
+            ids, dup = read_sink_ids(site.tmp / f"state-rd-{n}")
+            assert dup == 0, n
+            got += sorted(ids.get(src, set()))
+        assert len(got) == len(set(got)) and set(got) == want, (len(want), len(got), sorted(set(got) ^ want)[:5])
+        for ag in agents.values():
+            assert ag.alive() and "Traceback" not in ag.text(), ag.text()[-2000:]
+    finally:
+        for c in (watch, *spies.values()):
+            c.close()
         for ag in agents.values():
             ag.stop()

@@ -7,8 +7,9 @@ admin `admin`, the collector `collector`), client certificates whose CN is the i
 What it shows (docs/security.md, "Topics and who may use them"):
 - the broker alone, with MQTT 5 test clients (QoS 1; 135 = PUBACK "not authorized"): a node writes
   its own records, the shared topics, peer requests, replies and probes that end in its own name,
-  and nothing else (no rpc, no other node's name, no pipelines); it reads no other node's rpc,
-  peer, reply or ack topics; an admin writes rpc and pipelines but no inbox nor agent records; a
+  and nothing else (no rpc, no other node's name, no pipelines, no inbox in the shared format of
+  before); it reads no other node's rpc, peer, reply or ack topics, nor the inboxes of another
+  node's instances (`inbox/<node>/...`, per-node inboxes); an admin writes rpc and pipelines but no inbox nor agent records; a
   CA-signed certificate on no list (CN=intruder) and the broker's own certificate can neither
   publish nor receive anything; a revoked certificate is refused at the handshake; a packet over
   `max_packet_size` closes the connection; a client that takes another identity's client id
@@ -173,7 +174,7 @@ def test_node_writes_own_shared_and_own_name_topics_only(site: Site) -> None:
         own = [T("agents/n1/state"), T("agents/n1/status"), T("agents/n1/hosted"), T("agents/n1/rehomed"),
                T("latency/n1"), T("spill/n1/chunk")]
         shared = [T("locks"), T("locks/x"), T("decisions/taxi.sink.7")]
-        own_name = [T("inbox/taxi.sink.7/n1"), T("agents/n2/peer/n1"), T("replies/admin/n1"), T("replies/n2/n1"), T("latency/n2/ping/n1"),
+        own_name = [T("inbox/n2/taxi.sink.7/n1"), T("inbox/n1/taxi.sink.7/n1"), T("agents/n2/peer/n1"), T("replies/admin/n1"), T("replies/n2/n1"), T("latency/n2/ping/n1"),
                     T("latency/n2/pong/n1")]
         foreign = [T("agents/n2/status"), T("agents/n2/state"), T("agents/n2/hosted"), T("agents/n1/state/x"),
                    T("latency/n2"), T("spill/n2/chunk"), T("spill/n1/ack"),
@@ -182,12 +183,14 @@ def test_node_writes_own_shared_and_own_name_topics_only(site: Site) -> None:
                    # requests, replies and probes that end in another node's name
                    T("agents/n2/peer/n2"), T("agents/n1/peer/n2"), T("replies/admin/n2"), T("replies/n1/n2"),
                    T("latency/n2/ping/n2"), T("latency/n1/pong/n2"),
-                   # data in another node's name, or with no node at all
-                   T("inbox/taxi.sink.7/n2"), T("inbox/taxi.sink.7"), T("inbox/taxi.sink.7/n1/x"),
+                   # data in another node's name, or with no node at all, or in the shared
+                   # format of before (mosquitto_inbox_per_node false)
+                   T("inbox/n2/taxi.sink.7/n2"), T("inbox/n2/taxi.sink.7"), T("inbox/n2/taxi.sink.7/n1/x"),
+                   T("inbox/taxi.sink.7/n1"), T("inbox/taxi.sink.7/n2"),
                    T("pipelines/taxi"), T("pipelines/taxi/x"), "fog/othercluster/events"]
         allowed = {t: n1.publish(t, b"probe") for t in own + shared + own_name}
         denied = {t: n1.publish(t, b"forged", retain=True) for t in foreign}
-        spoofed = {t: n1_claiming_admin.publish(t, b"forged", retain=True) for t in foreign[:3] + foreign[7:9]}
+        spoofed = {t: n1_claiming_admin.publish(t, b"forged", retain=True) for t in foreign[:3] + foreign[7:9] + foreign[17:19]}
         routed(n1, [admin, n2], b"marker")
         assert all(code in OK_CODES for code in allowed.values()), allowed
         assert all(code == NOT_AUTHORIZED for code in denied.values()), denied
@@ -210,9 +213,12 @@ def test_node_reads_no_other_nodes_requests_replies_or_acks(site: Site) -> None:
     try:
         private = {T("agents/n2/rpc/admin"): admin, T("agents/n2/peer/n1"): n1, T("replies/n2/n1"): n1,
                    T("replies/admin/n2"): n2, T("latency/n2/ping/n1"): n1, T("latency/n2/pong/n1"): n1,
-                   T("spill/n2/ack"): coll, T("spill/n2/chunk"): n2}
+                   T("spill/n2/ack"): coll, T("spill/n2/chunk"): n2,
+                   # the inboxes of n2's instances, whoever writes them (n1 itself included)
+                   T("inbox/n2/taxi.sink.0/n2"): n2, T("inbox/n2/taxi.sink.0/n1"): n1}
         # Mosquitto 2.0 grants the SUBACK and checks read access per message: nothing is delivered.
-        for t in [*private, T("agents/n2/#"), T("replies/#"), T("spill/#"), T("events")]:
+        for t in [*private, T("agents/n2/#"), T("replies/#"), T("spill/#"), T("events"), T("inbox/#"), T("inbox/n2/#"),
+                  T("inbox/+/+/+")]:
             n1.subscribe(t)
         for t, writer in private.items():
             assert writer.publish(t, b"private") in OK_CODES, t
@@ -220,10 +226,12 @@ def test_node_reads_no_other_nodes_requests_replies_or_acks(site: Site) -> None:
         assert not {t for t, _, _, _ in n1.received} & set(private), n1.topics()
         # n2 (the addressee) does read them: the refusal above is about n1, not the topics.
         assert n2.subscribe(T("agents/n2/#")) == [1] and n2.subscribe(T("replies/n2/+")) == [1]
-        for t in (T("agents/n2/rpc/admin"), T("agents/n2/peer/n1"), T("replies/n2/n1")):
+        assert n2.subscribe(T("inbox/n2/+/+")) == [1]
+        mine = (T("agents/n2/rpc/admin"), T("agents/n2/peer/n1"), T("replies/n2/n1"), T("inbox/n2/taxi.sink.0/n2"),
+                T("inbox/n2/taxi.sink.0/n1"))
+        for t in mine:
             assert private[t].publish(t, b"to-n2") in OK_CODES
-        assert n2.wait_for(lambda m: {T("agents/n2/rpc/admin"), T("agents/n2/peer/n1"), T("replies/n2/n1")}
-                           <= {t for t, p, _, _ in m if p == b"to-n2"}, 5), n2.topics()
+        assert n2.wait_for(lambda m: set(mine) <= {t for t, p, _, _ in m if p == b"to-n2"}, 5), n2.topics()
     finally:
         for c in (admin, n2, coll, n1):
             c.close()
@@ -238,7 +246,7 @@ def test_admin_sends_requests_and_deploys_but_writes_no_data_or_records(site: Si
         assert admin.publish(T("pipelines/probe"), b"x", retain=True) in OK_CODES
         assert admin.publish(T("pipelines/probe"), b"", retain=True) in OK_CODES  # clear it again
         refused = {t: admin.publish(t, b"forged") for t in
-                   (T("inbox/taxi.sink.0/admin"), T("inbox/taxi.sink.0/n2"), T("agents/n2/state"), T("agents/admin/state"), T("agents/n2/rpc/other"),
+                   (T("inbox/n2/taxi.sink.0/admin"), T("inbox/n2/taxi.sink.0/n2"), T("inbox/taxi.sink.0/n2"), T("agents/n2/state"), T("agents/admin/state"), T("agents/n2/rpc/other"),
                     T("agents/n2/peer/admin"), T("replies/n2/admin"), T("events"), T("locks"),
                     T("latency/admin"), T("spill/n2/ack"), T("decisions/x"))}
         assert all(code == NOT_AUTHORIZED for code in refused.values()), refused
@@ -256,14 +264,14 @@ def test_collector_reads_chunks_and_writes_acks_only(site: Site) -> None:
         assert coll.subscribe(T("spill/+/chunk")) == [1] and coll.subscribe(T("inbox/#")) == [1]
         assert n1.subscribe(T("spill/n1/ack")) == [1]
         assert n1.publish(T("spill/n1/chunk"), b"chunk") in OK_CODES
-        assert n1.publish(T("inbox/x/n1"), b"data") in OK_CODES
+        assert n1.publish(T("inbox/n1/x/n1"), b"data") in OK_CODES
         assert coll.publish(T("spill/n1/ack"), b"ack") in OK_CODES
         refused = {t: coll.publish(t, b"forged") for t in
-                   (T("spill/n1/chunk"), T("inbox/x/n1"), T("inbox/x/collector"), T("agents/n1/rpc/collector"), T("pipelines/x"), T("events"))}
+                   (T("spill/n1/chunk"), T("inbox/n1/x/n1"), T("inbox/n1/x/collector"), T("agents/n1/rpc/collector"), T("pipelines/x"), T("events"))}
         assert all(code == NOT_AUTHORIZED for code in refused.values()), refused
         assert coll.wait_for(lambda m: any(t == T("spill/n1/chunk") for t, _, _, _ in m), 5)
         assert n1.wait_for(lambda m: any(t == T("spill/n1/ack") for t, _, _, _ in m), 5)
-        assert not coll.got(T("inbox/x/n1"))  # no data for the collector
+        assert not coll.got(T("inbox/n1/x/n1"))  # no data for the collector
     finally:
         coll.close()
         n1.close()
@@ -279,14 +287,14 @@ def test_certificates_on_no_list_get_nothing(site: Site, cert: str) -> None:
         assert n1.publish(T("agents/n1/state"), b'{"node": "n1"}', retain=True) in OK_CODES
         for t in ("#", "fog/#", "$SYS/#"):
             x.subscribe(t)
-        attempts = [T("events"), T("inbox/taxi.sink.0/n1"), T("inbox/taxi.sink.0/intruder"), T("locks"), T("decisions/x"), T("pipelines/x"),
+        attempts = [T("events"), T("inbox/n1/taxi.sink.0/n1"), T("inbox/n1/taxi.sink.0/intruder"), T("locks"), T("decisions/x"), T("pipelines/x"),
                     T("agents/n1/rpc/intruder"), T("agents/n1/rpc/localhost"), T("agents/n1/rpc/admin"),
                     T("agents/n1/peer/intruder"), T("agents/n1/peer/localhost"), T("agents/intruder/state"),
                     T("agents/n1/state"), T("replies/admin/intruder"), T("replies/admin/n1"), T("latency/intruder"),
                     T("latency/n1/ping/intruder"), T("spill/n1/ack"), "fog/other/events", "elsewhere"]
         codes = {t: x.publish(t, b"forged") for t in attempts}
         assert all(code == NOT_AUTHORIZED for code in codes.values()), codes
-        for t in (T("events"), T("inbox/taxi.sink.0/n1")):
+        for t in (T("events"), T("inbox/n1/taxi.sink.0/n1")):
             assert n1.publish(t, b"live") in OK_CODES
         assert admin.publish(T("agents/n1/rpc/admin"), b"live") in OK_CODES
         assert admin.subscribe(T("events")) == [1]
@@ -357,19 +365,19 @@ def test_packets_over_the_limit_close_the_connection(site: Site) -> None:
     not reach anyone and costs the sender its connection."""
     n2 = connected(site, "n2")
     try:
-        assert n2.subscribe(T("inbox/big/n1")) == [1]
+        assert n2.subscribe(T("inbox/n2/big/n1")) == [1]
         for size in (200_000, 256 * 1024 + 512, 1_000_000):
             n1 = connected(site, "n1")
             try:
-                assert n1.publish_outcome(T("inbox/big/n1"), b"a" * size) in ("puback 0", "puback 16"), size
+                assert n1.publish_outcome(T("inbox/n2/big/n1"), b"a" * size) in ("puback 0", "puback 16"), size
             finally:
                 n1.close()
         big = connected(site, "n1")
         try:
-            assert big.publish_outcome(T("inbox/big/n1"), b"b" * (2 * 1024 * 1024)) == "disconnected"
+            assert big.publish_outcome(T("inbox/n2/big/n1"), b"b" * (2 * 1024 * 1024)) == "disconnected"
         finally:
             big.close()
-        sizes = lambda: sorted(len(p) for t, p, _, _ in n2.received if t == T("inbox/big/n1"))  # noqa: E731
+        sizes = lambda: sorted(len(p) for t, p, _, _ in n2.received if t == T("inbox/n2/big/n1"))  # noqa: E731
         assert wait_until(lambda: len(sizes()) == 3, 5)
         time.sleep(0.3)
         assert sizes() == [200_000, 256 * 1024 + 512, 1_000_000], sizes()

@@ -118,6 +118,16 @@ def test_pipeline_step_needs_scaling_and_placement_is_read_per_node() -> None:
     assert placement(topo, "tb") == {"in_zone": {"tbt1": 1, "tbt2": 2}, "sink": {}}
 
 
+def test_chaos_sees_an_instance_on_the_dead_node_and_where_it_was_rehomed() -> None:
+    from agent.tools.chaos_testbed import instance_nodes
+
+    topo = {"pipelines": [{"pipeline": "tb", "operators": [
+        {"operator": "in_zone", "instances": [{"id": "a", "node": "tbt2"}, {"id": "b", "node": "tbt3"},
+                                              {"id": "a", "node": "tbt3"}]}]},  # a: dead tbt2's retained state + re-homed
+        {"pipeline": "other", "operators": [{"operator": "x", "instances": [{"id": "c", "node": "tbt2"}]}]}]}
+    assert instance_nodes(topo, "tb") == {"a": {"tbt2", "tbt3"}, "b": {"tbt3"}}
+
+
 def test_parse_show() -> None:
     text = "Type=notify\nStatusText=connected; 0/4 slots used; a=b\nNRestarts=3\n"
     assert parse_show(text) == {"Type": "notify", "StatusText": "connected; 0/4 slots used; a=b", "NRestarts": "3"}
@@ -131,6 +141,82 @@ def test_up_refuses_without_root_in_one_line(monkeypatch: pytest.MonkeyPatch) ->
     out = subprocess.run([sys.executable, "-m", "agent", "testbed", "up", "--nodes", "0"], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 1 and out.stderr.count("\n") == 1 and "--nodes 0" in out.stderr
+
+
+def _fake_debootstrap(argv, what, log, progress, timeout, every=20.0) -> None:  # type: ignore[no-untyped-def]
+    root = Path(argv[-2])
+    for d in ("etc/ssh", "etc/apt/apt.conf.d"):
+        (root / d).mkdir(parents=True, exist_ok=True)
+    (root / "etc/ssh/ssh_host_rsa_key").write_text("shared")
+    _fake_debootstrap.calls.append(argv)  # type: ignore[attr-defined]
+
+
+def test_root_is_built_once_then_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What `make setup` (`fog-agent testbed root`) leaves is what `up` and the suite reuse: a root
+    whose marker names its package list; another list, or no marker (an interrupted build), builds again."""
+    _fake_debootstrap.calls = []  # type: ignore[attr-defined]
+    monkeypatch.setattr(testbed, "_run_logged", _fake_debootstrap)
+    root, built, _ = testbed.ensure_root(tmp_path, "amd64", progress=lambda line: None)
+    assert built and len(_fake_debootstrap.calls) == 1  # type: ignore[attr-defined]
+    assert root == testbed.root_dir(tmp_path, "amd64") and not (tmp_path / "roots" / "bookworm-amd64.tmp").exists()
+    assert (root / testbed.ROOT_MARKER).read_text() == testbed.root_signature("amd64")
+    assert not list((root / "etc/ssh").glob("ssh_host_*"))  # no host key shared by every node
+    again, built_again, seconds = testbed.ensure_root(tmp_path, "amd64", progress=lambda line: None)
+    assert (again, built_again, seconds) == (root, False, 0.0) and len(_fake_debootstrap.calls) == 1  # type: ignore[attr-defined]
+    (root / testbed.ROOT_MARKER).write_text("bookworm amd64 an older list\n")
+    assert testbed.ensure_root(tmp_path, "amd64", progress=lambda line: None)[1] is True
+
+
+def test_debootstrap_progress_is_printed_and_a_failure_is_one_line(tmp_path: Path) -> None:
+    lines: list = []
+    script = "echo 'I: Retrieving Release'; sleep 0.7; echo 'I: Extracting base-files'; sleep 0.7"
+    testbed._run_logged(["sh", "-c", script], "debootstrap", tmp_path / "log", lines.append, timeout=30, every=0.3)
+    assert any("Retrieving Release" in ln or "Extracting base-files" in ln for ln in lines), lines
+    assert all(ln.startswith("debootstrap: ") for ln in lines)
+    with pytest.raises(testbed.TestbedError) as err:
+        testbed._run_logged(["sh", "-c", "echo 'E: no route to the mirror'; exit 1"], "debootstrap",
+                            tmp_path / "log2", lines.append, timeout=30)
+    assert "no route to the mirror" in str(err.value) and str(tmp_path / "log2") in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_arm64_refusal_names_what_is_missing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(testbed, "native_arch", lambda: "amd64")
+    monkeypatch.setattr(testbed, "BINFMT_DIR", tmp_path / "binfmt_misc")
+    monkeypatch.setattr(testbed, "BINFMT_CONF_DIR", tmp_path / "binfmt.d")
+    assert not testbed.needs_emulation("amd64") and testbed.needs_emulation("arm64")
+    why = testbed.emulation_missing("arm64")
+    assert why and "apt-get install qemu-user-static" in why and "\n" not in why
+    (tmp_path / "binfmt.d").mkdir()
+    (tmp_path / "binfmt.d" / "qemu-aarch64.conf").write_text(":qemu-aarch64:M::x:y:/usr/bin/qemu-aarch64-static:F\n")
+    if "binfmt_misc" in Path("/proc/filesystems").read_text():
+        assert testbed.emulation_missing("arm64") is None  # can be registered
+    else:
+        assert "no binfmt_misc" in str(testbed.emulation_missing("arm64"))
+    (tmp_path / "binfmt_misc").mkdir()
+    for entry in ("register", "qemu-aarch64"):  # mounted, and the entry registered by someone else
+        (tmp_path / "binfmt_misc" / entry).write_text("enabled\n")
+    assert testbed.emulation_missing("arm64") is None  # registered already: nothing to do
+    assert testbed.binfmt_setup("arm64", progress=lambda line: None) == testbed.Binfmt()  # and nothing to undo
+
+
+def test_chaos_on_the_testbed_refuses_other_faults_and_a_missing_testbed(tmp_path: Path) -> None:
+    env = dict(os.environ, FOG_TESTBED_CACHE=str(tmp_path))
+    for faults, word in (("kill-worker", "subset of kill-node, partition"), ("kill-node", "no testbed")):
+        out = subprocess.run([sys.executable, "-m", "agent", "chaos", "--testbed", "--faults", faults],
+                             capture_output=True, text=True, timeout=60, env=env)
+        assert out.returncode == 1 and word in out.stderr and out.stderr.count("\n") == 1, out.stderr
+
+
+def test_upgrade_refuses_without_a_testbed_and_relabels_only_debian_versions(tmp_path: Path) -> None:
+    from agent.tools.testbed_upgrade import relabel_deb
+
+    with pytest.raises(testbed.TestbedError, match="Debian version"):
+        relabel_deb(tmp_path / "x.deb", "../evil", tmp_path)
+    env = dict(os.environ, FOG_TESTBED_CACHE=str(tmp_path))
+    out = subprocess.run([sys.executable, "-m", "agent", "testbed", "upgrade", "--deb", str(tmp_path / "x.deb")],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 1 and "no testbed" in out.stderr and out.stderr.count("\n") == 1, out.stderr
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,21 +243,24 @@ class Fleet:
         return testbed.ssh(node, line, run=self.run).stdout
 
 
+def build_deb(dist: Path) -> Path:
+    """The .deb of this checkout. The wheelhouse is kept beside the cached root: build-wheelhouse.sh
+    rebuilds it only when the sources changed, which saves pip's isolated wheel build on a warm run."""
+    build = subprocess.run([str(ROOT / "packaging" / "build-deb.sh"), "--out", str(dist),
+                            "--wheelhouse", str(testbed.cache_dir() / "wheelhouse"),
+                            "--maintainer", "fog-agent tests <tests@example.org>"],
+                           capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stderr[-2000:]
+    return next(dist.glob("fog-agent_*_all.deb"))
+
+
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     if not CAN_BOOT:
         pytest.skip("needs root with systemd-nspawn and debootstrap")
     tmp = tmp_path_factory.mktemp("testbed")
     t0 = time.monotonic()
-    dist = tmp / "dist"
-    # The wheelhouse is kept beside the cached root: build-wheelhouse.sh rebuilds it only when the
-    # sources changed, which saves pip's isolated wheel build on a warm run.
-    build = subprocess.run([str(ROOT / "packaging" / "build-deb.sh"), "--out", str(dist),
-                            "--wheelhouse", str(testbed.cache_dir() / "wheelhouse"),
-                            "--maintainer", "fog-agent tests <tests@example.org>"],
-                           capture_output=True, text=True, timeout=600)
-    assert build.returncode == 0, build.stderr[-2000:]
-    deb = next(dist.glob("fog-agent_*_all.deb"))
+    deb = build_deb(tmp / "dist")
     times = {"build_deb_s": time.monotonic() - t0}
     run = tmp / "run"
     t0 = time.monotonic()

@@ -13,9 +13,9 @@ def register(groups: Any) -> None:
         "chaos", help="run the demo fleet while injecting faults at random (seeded), then verify every record id")
     p.add_argument("--duration", type=float, default=120.0, help="seconds of changing load (default 120)")
     p.add_argument("--seed", type=int, default=1, help="seed of the fault schedule and the data (default 1)")
-    p.add_argument("--faults", default=",".join(DEFAULT_FAULTS),
+    p.add_argument("--faults", default=None,
                    help=f"comma-separated faults to draw from, of {','.join(FAULTS)} "
-                        f"(default {','.join(DEFAULT_FAULTS)}; kill-node turns re-homing on (opt-in), partition cuts a "
+                        f"(default {','.join(DEFAULT_FAULTS)}, with --testbed kill-node,partition; kill-node turns re-homing on (opt-in), partition cuts a "
                         "node off the broker for 3-30 s, kill-broker loses what the broker received since its last autosave)")
     p.add_argument("--rehoming", choices=("auto", "on", "off"), default="auto",
                    help="the agents re-home the instances of a node offline for 6 s (auto: only when kill-node "
@@ -32,11 +32,47 @@ def register(groups: Any) -> None:
                         "(docs/runtime.md, \"Chaining\"); kill-worker then kills a whole chain")
     p.add_argument("--runs", type=int, default=1, help="runs with seeds seed, seed+1, ... (default 1)")
     p.add_argument("--workdir", default=None, help="work directory of the first run (default: a new temporary one)")
+    p.add_argument("--testbed", action="store_true",
+                   help="act on the running container testbed instead of the demo's processes: kill-node powers a "
+                        "container off (and boots it again), partition cuts its veth; the pipeline runs across the "
+                        "containers (fog-agent testbed up + ansible/site.yml first; faults: kill-node,partition)")
+    p.add_argument("--count", type=int, default=2, help="--testbed: number of faults (default 2)")
+    p.add_argument("--rate", type=float, default=300.0, help="--testbed: records/s of the load step (default 300)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON (a list for several runs)")
     p.set_defaults(func=chaos_cmd)
 
 
 def chaos_cmd(args: argparse.Namespace) -> int:
+    if args.testbed:
+        return testbed_chaos_cmd(args)
     from agent.tools import chaos
 
     return chaos.main(args)
+
+
+def testbed_chaos_cmd(args: argparse.Namespace) -> int:
+    import json
+    import sys
+
+    from agent.tools import testbed
+    from agent.tools.chaos import EXIT_LOSS, EXIT_OK, EXIT_SETUP, EXIT_UNRECOVERED
+    from agent.tools.chaos_testbed import FAULTS, run_testbed_chaos
+
+    faults = [f.strip() for f in str(args.faults or ",".join(FAULTS)).split(",") if f.strip()]
+    try:
+        summary = run_testbed_chaos(faults, count=args.count, seed=args.seed, duration=args.duration, rate=args.rate)
+    except testbed.TestbedError as exc:
+        print(f"fog-agent chaos: {exc}", file=sys.stderr)
+        return EXIT_SETUP
+    if args.json:
+        print(json.dumps(summary, indent=1, default=str))
+    else:
+        for f in summary["testbed_faults"]:
+            print(json.dumps(f))
+        print(f"records generated {summary['generated']}, expected {summary['expected']}, received "
+              f"{summary['received']}, lost {summary['lost']}, duplicated {summary['duplicated']}")
+        print("verdict: " + ("OK" if summary["ok"] else "FAILED"))
+    if summary["lost"] or summary["duplicated"]:
+        return EXIT_LOSS
+    return EXIT_OK if summary["ok"] else EXIT_UNRECOVERED
+

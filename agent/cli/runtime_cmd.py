@@ -55,6 +55,15 @@ def register(groups: Any) -> None:
     b.add_argument("--rate", type=float, default=500.0, help="records/s of the load step")
     b.set_defaults(func=bench_rescale_cmd)
 
+    mv = groups.bench.add_parser("move", help="move a node's instances (drain, re-home): seconds to the first "
+                                 "record through each moved instance, per-node inboxes against the shared format")
+    mv.add_argument("--json", action="store_true", help="print the result as JSON")
+    mv.add_argument("--runs", type=int, default=2, help="moves of each kind in each format (alternated)")
+    mv.add_argument("--kinds", default="drain,rehome", help="comma-separated: drain, rehome")
+    mv.add_argument("--rate", type=float, default=200.0, help="records/s of the source")
+    mv.add_argument("--workdir", default=None, help="keep broker, agent logs and sink files here")
+    mv.set_defaults(func=bench_move_cmd)
+
     try:
         bench = importlib.import_module("agent.tools.dataplane_bench")
     except ModuleNotFoundError as exc:
@@ -171,4 +180,27 @@ def bench_rescale_cmd(args: argparse.Namespace) -> int:
                   f"{r['scale_outs']:>3}, decision -> first record: median {d['median']} s, max {d['max']} s "
                   f"(lost {r['lost']}, duplicated {r['duplicated']})")
     ok = all(result[m]["lost"] == 0 and result[m]["duplicated"] == 0 for m in ("warm", "cold"))
+    return 0 if ok else 3
+
+
+def bench_move_cmd(args: argparse.Namespace) -> int:
+    from agent.log import stdout_to_stderr
+    from agent.tools import move_bench
+
+    kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
+    bad = [k for k in kinds if k not in ("drain", "rehome")]
+    if bad or args.runs < 1:
+        print(f"fog-agent bench move: --kinds takes drain and/or rehome (got {args.kinds!r}), --runs >= 1",
+              file=sys.stderr)
+        return 2
+    with stdout_to_stderr() if args.json else contextlib.nullcontext():
+        result = move_bench.bench_move(args.runs, kinds, args.rate, Path(args.workdir) if args.workdir else None)
+    if args.json:
+        json.dump(result, sys.stdout, indent=2, sort_keys=True)
+        print()
+    else:
+        for key, r in sorted(result["summary"].items()):
+            print(f"{key:<18} move -> first record through every moved instance: median {r['all_moved_s_median']} s "
+                  f"(runs {r['all_moved_s']}); lost {r['lost']}, duplicated {r['duplicated']}")
+    ok = all(r["lost"] == 0 and r["duplicated"] == 0 for r in result["summary"].values())
     return 0 if ok else 3

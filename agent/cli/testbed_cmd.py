@@ -7,7 +7,7 @@ import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Dict
 
 
 def register(groups: Any) -> None:
@@ -25,7 +25,15 @@ def register(groups: Any) -> None:
     up.add_argument("--json", action="store_true", help="print the result as JSON")
     up.set_defaults(func=up_cmd)
 
+    root = sub.add_parser("root", help="build the cached Debian root if it is missing (what `make setup` runs), "
+                          "boot nothing")
+    root.add_argument("--arch", choices=("amd64", "arm64"), default="amd64",
+                      help="architecture of the root (arm64: qemu-user-static; 10 to 45 minutes)")
+    root.add_argument("--json", action="store_true", help="print the result as JSON")
+    root.set_defaults(func=root_cmd)
+
     down = sub.add_parser("down", help="stop the containers and remove everything up added to the host")
+    down.add_argument("--arm64", action="store_true", help="the node of `testbed arm64 --keep-up` instead")
     down.add_argument("--json", action="store_true", help="print what was removed as JSON")
     down.set_defaults(func=down_cmd)
 
@@ -49,6 +57,29 @@ def register(groups: Any) -> None:
     pl.add_argument("--during-at", type=float, default=10.0, help="seconds after the deploy to start --during")
     pl.add_argument("--json", action="store_true", help="print the verdict as JSON")
     pl.set_defaults(func=pipeline_cmd)
+
+    upg = sub.add_parser("upgrade", help="while the pipeline runs, apt-get install a newer build of the package on "
+                         "each node in turn; verdict: every record, every node upgraded")
+    upg.add_argument("--deb", type=Path, required=True,
+                     help="the newer package (or, with --as-version, the package to relabel as a newer one)")
+    upg.add_argument("--as-version", default=None, metavar="VERSION",
+                     help="relabel --deb as this later Debian version (same wheels), e.g. 0.2.0+up1")
+    upg.add_argument("--nodes", default=None, help="comma-separated nodes to upgrade, in order (default: all)")
+    upg.add_argument("--duration", type=float, default=90.0, help="seconds of source load (default 90)")
+    upg.add_argument("--rate", type=float, default=300.0, help="records/s of the load step (default 300)")
+    upg.add_argument("--at", type=float, default=15.0, help="seconds after the deploy to start upgrading")
+    upg.add_argument("--json", action="store_true", help="print the verdict as JSON")
+    upg.set_defaults(func=upgrade_cmd)
+
+    arm = sub.add_parser("arm64", help="boot one arm64 node under qemu, install the .deb, run the agent and a "
+                         "short pipeline through it, verify, remove it (a testbed of its own)")
+    arm.add_argument("--deb", type=Path, required=True, help="the package (Architecture: all)")
+    arm.add_argument("--duration", type=float, default=40.0, help="seconds of source load (default 40)")
+    arm.add_argument("--rate", type=float, default=60.0, help="records/s of the load step (default 60)")
+    arm.add_argument("--keep-up", action="store_true", help="leave the node running (remove it with "
+                     "`fog-agent testbed down --arm64`)")
+    arm.add_argument("--json", action="store_true", help="print the verdict as JSON")
+    arm.set_defaults(func=arm64_cmd)
 
     kill = sub.add_parser("kill", help="power cut: SIGKILL a node's container (its disk stays; `start` boots it)")
     kill.add_argument("node")
@@ -90,11 +121,31 @@ def up_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def root_cmd(args: argparse.Namespace) -> int:
+    from agent.tools import testbed
+
+    try:
+        root, built, seconds = testbed.build_root(args.arch)
+    except testbed.TestbedError as exc:
+        print(f"testbed: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"root": str(root), "arch": args.arch, "built": built, "seconds": round(seconds, 1)}))
+    else:
+        print(f"{root}: " + (f"built in {seconds:.0f} s" if built else "cached"))
+    return 0
+
+
 def down_cmd(args: argparse.Namespace) -> int:
     from agent.tools import testbed
 
     try:
-        removed = testbed.down()
+        if args.arm64:
+            from agent.tools.testbed_arm64 import run_dir
+
+            removed = testbed.down(run=run_dir())
+        else:
+            removed = testbed.down()
     except testbed.TestbedError as exc:
         print(f"testbed: {exc}", file=sys.stderr)
         return 1
@@ -160,6 +211,47 @@ def pipeline_cmd(args: argparse.Namespace) -> int:
             print(f"{key:20} {value}")
         print("verdict              " + ("OK: every record exactly once" if summary["ok"] else "FAILED"))
     return 0 if summary["ok"] else 1
+
+
+def _verdict(run: Callable[[], Dict[str, Any]], as_json: bool) -> int:
+    """Run a testbed experiment; print its summary (or JSON) and the verdict; exit 0 only if ok."""
+    from agent.tools import testbed
+
+    try:
+        summary = run()
+    except testbed.TestbedError as exc:
+        print(f"testbed: {exc}", file=sys.stderr)
+        return 1
+    if as_json:
+        print(json.dumps(summary, indent=1, default=str))
+    else:
+        for key, value in summary.items():
+            print(f"{key:20} {value}")
+        print("verdict              " + ("OK" if summary["ok"] else "FAILED"))
+    return 0 if summary["ok"] else 1
+
+
+def upgrade_cmd(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from agent.tools import testbed_upgrade
+
+    def run() -> Dict[str, Any]:
+        with tempfile.TemporaryDirectory(prefix="fog-upgrade-") as tmp:
+            deb = args.deb.resolve()
+            if args.as_version:
+                deb = testbed_upgrade.relabel_deb(deb, args.as_version, Path(tmp))
+            nodes = [n for n in args.nodes.split(",") if n] if args.nodes else None
+            return testbed_upgrade.run_upgrade(deb, nodes, args.duration, args.rate, args.at)
+
+    return _verdict(run, args.json)
+
+
+def arm64_cmd(args: argparse.Namespace) -> int:
+    from agent.tools import testbed_arm64
+
+    return _verdict(lambda: testbed_arm64.arm64_check(args.deb.resolve(), args.duration, args.rate,
+                                                      keep_up=args.keep_up), args.json)
 
 
 def fault_cmd(args: argparse.Namespace) -> int:

@@ -8,6 +8,10 @@
   the one of agent.dataplane.keygroups, shared with the keyed operators' state, so every
   predecessor maps a key to the same instance, and a later state hand-over can move whole groups.
 
+- Pinned (`Outbox.add_to`): records this instance sent before, which must go to the same successor
+  again (docs/design.md invariant 8, agent.dataplane.sticky), wait in that successor's buffer as
+  keyed records do.
+
 The outbox never drops a record: records buffered for a successor that leaves the routing table
 are routed again over the new table (docs/design.md invariant 3: after the route change nothing more
 goes to the leaving instance). Each buffered record carries the process index of the input batch
@@ -74,7 +78,8 @@ class Outbox:
         self.batch_size = batch_size
         self.linger = linger
         # Keyless: one shared buffer (dest chosen at send time) of chunks [items, index, offset]
-        # (one per add: no per-record tuple on the way through). Keyed: one buffer per dest.
+        # (one per add: no per-record tuple on the way through). Keyed, and pinned keyless
+        # records: one buffer per dest.
         self._shared: Deque[List[Any]] = deque()
         self._shared_n = 0
         self._shared_since = 0.0
@@ -104,6 +109,18 @@ class Outbox:
                 buf.append((it, index))
         self.pending += len(items)
 
+    def add_to(self, dest: str, items: Sequence[Item], index: int, now: float) -> None:
+        """Buffer records derived from input `index` for `dest` itself: records sent to it before
+        (docs/design.md invariant 8). If `dest` leaves the table they are routed again (reroute)."""
+        if not items:
+            return
+        buf = self._keyed.get(dest)
+        if buf is None:
+            buf = self._keyed[dest] = []
+            self._keyed_since[dest] = now
+        buf.extend((it, index) for it in items)
+        self.pending += len(items)
+
     def put_back(self, items: Sequence[Item], index: int, now: float) -> None:
         """Buffer again records sent earlier (to a successor that left the table) ahead of the
         rest: everything still buffered was produced after them, so the buffers stay in index
@@ -131,6 +148,7 @@ class Outbox:
         def left(dest: str) -> int:  # credit minus the batches already taken in this call
             return credit(dest) - sent.get(dest, 0)
 
+        self._take_buffers(now, left, force, out, sent)
         if self.router.key is None:
             while self._shared and (
                 self._shared_n >= self.batch_size or force or now - self._shared_since >= self.linger
@@ -159,32 +177,48 @@ class Outbox:
                 sent[dest] = sent.get(dest, 0) + 1
                 self.pending -= n
                 self._shared_n -= n
-        else:
-            for dest in list(self._keyed):
-                if dest not in self.router.succs:
-                    continue  # left the table: reroute() moves these (invariant 3)
-                buf = self._keyed[dest]
-                while buf and (len(buf) >= self.batch_size or force or now - self._keyed_since[dest] >= self.linger):
-                    if left(dest) <= 0:
-                        break
-                    chunk, self._keyed[dest] = buf[: self.batch_size], buf[self.batch_size :]
-                    buf = self._keyed[dest]
-                    out.append((dest, [p[0] for p in chunk], chunk[0][1]))
-                    sent[dest] = sent.get(dest, 0) + 1
-                    self.pending -= len(chunk)
-                if not buf:
-                    del self._keyed[dest]
-                    del self._keyed_since[dest]
         return out
+
+    def _take_buffers(self, now: float, left: Callable[[str], int], force: bool,
+                      out: List[Tuple[str, List[Item], int]], sent: Dict[str, int]) -> None:
+        """Batches from the per-dest buffers (keyed records, pinned keyless ones)."""
+        for dest in list(self._keyed):
+            if dest not in self.router.succs:
+                continue  # left the table: reroute() moves these (invariant 3)
+            buf = self._keyed[dest]
+            while buf and (len(buf) >= self.batch_size or force or now - self._keyed_since[dest] >= self.linger):
+                if left(dest) <= 0:
+                    break
+                chunk, self._keyed[dest] = buf[: self.batch_size], buf[self.batch_size :]
+                buf = self._keyed[dest]
+                out.append((dest, [p[0] for p in chunk], chunk[0][1]))
+                sent[dest] = sent.get(dest, 0) + 1
+                self.pending -= len(chunk)
+            if not buf:
+                del self._keyed[dest]
+                del self._keyed_since[dest]
 
     def reroute(self, now: float) -> int:
         """After a routing-table change: move keyed records to their new destination.
 
-        Returns how many records changed destination. A keyless buffer needs nothing: its
-        destination is chosen at send time from the current table.
+        Returns how many records changed destination. The keyless shared buffer needs nothing:
+        its destination is chosen at send time from the current table; pinned records of a
+        successor that left go back to it, in input order.
         """
-        if self.router.key is None or not self._keyed:
+        if not self._keyed:
             return 0
+        if self.router.key is None:
+            gone = [d for d in self._keyed if d not in self.router.succs]
+            chunks = [[[it], index, 0] for d in gone for it, index in self._keyed[d]]
+            for d in gone:
+                del self._keyed[d], self._keyed_since[d]
+            if chunks:
+                if not self._shared:
+                    self._shared_since = now
+                # stable: the chunks stay in index order (lowest_index reads the first)
+                self._shared = deque(sorted(list(self._shared) + chunks, key=lambda c: c[1]))
+                self._shared_n += len(chunks)
+            return len(chunks)
         moved = 0
         old, self._keyed, self._keyed_since = self._keyed, {}, {}
         self.pending = 0

@@ -14,10 +14,10 @@ trying (so the instance's retry queue keeps the channel order). `Notify` is fire
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 __all__ = ["Command", "Publish", "Handoff", "Notify", "RequestSpawn", "Persist", "PersistSource", "SaveKeyed",
-           "Emit", "CrashPoint", "Exit"]
+           "SaveRoutes", "Emit", "CrashPoint", "Exit"]
 
 
 class Command:
@@ -84,6 +84,16 @@ class SaveKeyed(Command):
     the state object itself, whose `save` writes the files: not yet a value (docs/runtime.md)."""
 
     state: Any
+
+
+@dataclass(frozen=True)
+class SaveRoutes(Command):
+    """Where the records about to be sent go (agent.dataplane.sticky.RouteMemory.take_save):
+    with `snapshot`, replace the routes file with it and empty the routes log; then append `log`
+    to the log. Performed before the publishes that follow it (write-ahead, invariant 8)."""
+
+    snapshot: Optional[str]
+    log: str
 
 
 @dataclass(frozen=True)

@@ -40,8 +40,10 @@ from agent.dataplane.envelope import (
 from agent.dataplane.flow import AckTracker, OutLink
 from agent.dataplane.inbound import ACCEPT, HOLD, REFUSE, HoldBuffer, LogLimiter, numbering_fault, writer_verdict
 from agent.dataplane.routing import Outbox, Router
+from agent.dataplane.sticky import RouteMemory
 from agent.instance.commands import (
     Command, CrashPoint, Emit, Exit, Handoff, Notify, Persist, PersistSource, Publish, RequestSpawn, SaveKeyed,
+    SaveRoutes,
 )
 from agent.instance.driver import ScalingDriver
 from agent.instance.events import (
@@ -57,7 +59,7 @@ from agent.operators.keyed import KeyedOperator, keyed_config_problems
 from agent.protocol.errors import LocalProtocolError
 
 __all__ = ["Instance", "Phase", "EXIT_OK", "EXIT_CRASH", "EXIT_BAD_SPEC", "EXIT_BROKER", "EXIT_DRAIN_TIMEOUT",
-           "FAULT_RETRY_ONLY_WITH_DATA", "FAULT_REPLAY_TO_DEPARTED"]
+           "FAULT_RETRY_ONLY_WITH_DATA", "FAULT_ROUTE_AFRESH", "FAULT_REPLAY_TO_DEPARTED"]
 
 log = logging.getLogger("agent.instance.worker")
 
@@ -102,10 +104,19 @@ HOLD_TTL = 60.0
 WRITER_HOLD_TTL = 20.0
 HOLD_MAX_SENDERS = 64
 HOLD_MAX_BYTES = 8 << 20
+# Marks a destination that is an MQTT topic of the operator's own (a sink's publications), not an
+# instance: instance ids never contain "\0" (topics._check), so the two cannot be confused.
+RAW_TOPIC = "\0"
+# Envelopes kept per destination our binding table does not name yet (per-node inboxes,
+# `_publish_tracked`): a window of data plus acks and protocol messages, many times over.
+UNROUTED_MAX = 1024
 
 # Seeded fault (agent.sim.instance_check, never set elsewhere): refused publishes are retried
 # only when there is data to flush, so a sink's refused ack holds back all its later acks.
 FAULT_RETRY_ONLY_WITH_DATA = "retry_only_with_data"
+# Seeded fault (the same): records sent again are routed afresh, not to where they went before,
+# so after a crash a copy can reach another sink instance, which keeps it (INVARIANT 8).
+FAULT_ROUTE_AFRESH = "route_afresh"
 # Seeded fault (the same): the unacked batches of a successor we removed are replayed to its new
 # incarnation, which is departing and drops them, instead of re-routed (defect A).
 FAULT_REPLAY_TO_DEPARTED = "replay_to_departed"
@@ -157,7 +168,14 @@ class Instance:
         self.stage = pipeline.index(spec.operator)
         self.kind = self.op.kind
         self.ctx = {"instance": spec.instance, "operator": spec.operator, "node": spec.node}
-        self.inbox = topics.inbox_all(spec.cluster, spec.instance)
+        # Per-node inboxes (docs/security.md, "Who may read an inbox"): we read
+        # `inbox/<our node>/<us>/+` and write to the node our binding table says hosts the
+        # receiver; before the table names it, what we send it waits in `unrouted`.
+        self.per_node = bool(spec.extra.get("inbox_per_node"))
+        self.inbox = (topics.inbox_all_at(spec.cluster, spec.node, spec.instance) if self.per_node
+                      else topics.inbox_all(spec.cluster, spec.instance))
+        self.unrouted: Dict[str, Deque[Tuple[bytes, Optional[int]]]] = {}
+        self._inbox_root = f"{topics.base(spec.cluster)}/inbox/"
         # The node in an inbox topic must host the envelope's sender (docs/security.md, "Data
         # channels"): the agent sets this and sends the bindings as the control line "hosts".
         self.check_node = bool(spec.extra.get("check_sender_node"))
@@ -187,15 +205,19 @@ class Instance:
         nxt = pipeline.operators[self.stage + 1] if self.stage + 1 < len(pipeline.operators) else None
         self.router = Router(spec.succs, key=self.op.key, groups=nxt.key_groups if nxt is not None else 128)
         self.outbox = Outbox(self.router, self.op.batch_size, self.op.linger_ms / 1000.0)
+        # INVARIANT 8 (a record sent again goes where it went): keyless forwarding remembers
+        # each record's successor (key groups already send a key to one instance).
+        self.routes = RouteMemory()
+        self.sticky = self.op.key is None and not self.is_sink and FAULT_ROUTE_AFRESH not in self.faults
         self.links: Dict[str, OutLink] = {}
         self.tracker = AckTracker()
         self.queues: Dict[str, Deque[Envelope]] = {}
         self.pending_pub: Dict[int, int] = {}  # mid -> lowest process index it carries
-        # token -> (topic, payload, lowest index, retried): issued, not yet answered by the shell
+        # token -> (destination, payload, lowest index, retried): issued, not yet answered by the shell
         self._unconfirmed: Dict[int, Tuple[str, bytes, Optional[int], bool]] = {}
         self._token = 0
         self.sink_wait: Deque[int] = deque()  # a deferred sink's record() calls not recorded yet
-        self.retry: Deque[Tuple[str, bytes, Optional[int]]] = deque()  # (topic, payload, lowest index)
+        self.retry: Deque[Tuple[str, bytes, Optional[int]]] = deque()  # (destination, payload, lowest index)
         self.ack_due: Dict[str, Tuple[int, int]] = {}  # sender -> (its epoch, data seq)
         self.ack_since: Optional[float] = None
         self.busy_until = 0.0
@@ -329,13 +351,18 @@ class Instance:
         self._begin(ev.wall, False, {}, None)
 
     def _on_restarted(self, ev: Restarted) -> None:
+        if self.sticky:
+            try:
+                self.routes = RouteMemory.load(ev.routes[0], ev.routes[1], self.now)
+            except ValueError as exc:
+                log.warning("%s: records replayed to us are routed afresh", exc, extra=self.ctx)
         self._begin(ev.wall, True, ev.state, ev.source_position)
         if self.keyed is not None and ev.keyed is not None:
             again = self.keyed.restore(ev.keyed)
             if again:  # outputs the successors had not acked: sent again (the sink drops copies)
                 index = self.tracker.produced()
                 self.keyed.outputs = [(index, it) for it in again]
-                self.outbox.add(list(again), index, self.now)
+                self._forward(list(again), index, self.now)
 
     def _begin(self, wall: float, restart: bool, saved: Dict[str, Any],
                source_position: Optional[Dict[str, Any]]) -> None:
@@ -519,6 +546,10 @@ class Instance:
         former = msg.get("former")
         self.hosts_former = ({str(i): [str(n) for n in ns] for i, ns in former.items() if isinstance(ns, list)}
                              if isinstance(former, dict) else {})
+        for dest in [d for d in self.unrouted if d in self.hosts_bound]:
+            parked = self.unrouted.pop(dest)
+            for payload, low in parked:
+                self._publish_tracked(dest, payload, low)
 
     def request_stop(self, now: float) -> None:
         """Agent shutdown: stop producing, drain (bounded), exit; the session is kept."""
@@ -566,6 +597,13 @@ class Instance:
 
     def _on_envelope(self, ev: EnvelopeReceived) -> None:
         writer = topics.inbox_writer(self.inbox, ev.topic)
+        if writer is None and self.per_node and ev.topic.startswith(self._inbox_root):
+            # Our inbox on a node we no longer run on: a subscription our session kept from an
+            # earlier incarnation (a re-home, a hand-over). The role's ACL drops these at delivery;
+            # a broker without it delivers them. Dropped either way; the predecessors replay what
+            # we have not acked to our new topic (they learn our node from the hosted records).
+            self.stats["foreign_inbox"] = self.stats.get("foreign_inbox", 0) + 1
+            return
         if writer is None:
             ingest = getattr(self.operator, "ingest", None)
             if ingest is not None:
@@ -881,7 +919,6 @@ class Instance:
         old = link.unacked()
         if not old:
             return
-        topic = topics.inbox(self.spec.cluster, dest, self.spec.node)
         now = self.now
         for u in old:
             # A chained successor's batches are kept as the Envelope handed over, not as bytes.
@@ -891,7 +928,7 @@ class Instance:
                 if isinstance(u.payload, Envelope):
                     self._hand(dest, env)
                 else:
-                    self._publish_tracked(topic, u.payload, self.tracker.last_index + 1)
+                    self._publish_tracked(dest, u.payload, self.tracker.last_index + 1)
                 continue
             items = env.body
             seq = self.outbound.take(dest)
@@ -902,7 +939,7 @@ class Instance:
                 continue
             payload = encode_data(self.spec.instance, self.epoch, seq, items)
             link.replace(u.seq, seq, payload, now)
-            self._publish_tracked(topic, payload, self.tracker.last_index + 1)
+            self._publish_tracked(dest, payload, self.tracker.last_index + 1)
         self.stats["replayed_batches"] = self.stats.get("replayed_batches", 0) + len(old)
         log.warning("replayed %d unacked batches to %s%s", len(old), dest,
                     "" if renumber else " under their own numbers (silent link)", extra=self.ctx)
@@ -1018,7 +1055,7 @@ class Instance:
         elif self.keyed is not None:
             out = self.keyed.apply(env.sender, items, index)
             if out:
-                self.outbox.add(out, index, now)
+                self._forward(out, index, now)
         else:
             out = self._apply(items)
             self.stats["filtered"] += n - len(out)
@@ -1030,7 +1067,7 @@ class Instance:
                     if body is not None:
                         out = Passed(out, body)
                         self.stats["passed_batches"] = self.stats.get("passed_batches", 0) + 1
-                self.outbox.add(out, index, now)
+                self._forward(out, index, now)
         self.signals.processed(n, self.perf() - t0 + n * self.service_time)
         if self.service_time:
             self.busy_until = max(self.busy_until, now) + n * self.service_time
@@ -1057,7 +1094,7 @@ class Instance:
         else:
             pubs = op.record(items)
         for pub in pubs:
-            self._publish_tracked(pub.topic, pub.payload, index)
+            self._publish_tracked(RAW_TOPIC + pub.topic, pub.payload, index)
         self.stats["records_out"] += len(items)
 
     def _settle_sink(self) -> None:
@@ -1129,7 +1166,7 @@ class Instance:
             self.stats["records_in"] += len(items)
             index = self.tracker.produced()
             self._source_first[index] = items[0][1]
-            self.outbox.add(items, index, now)
+            self._forward(items, index, now)
 
     def _reserve_span(self, now: float, generated: int) -> int:
         """Records to reserve past this poll: RESERVE_SECONDS of the rate measured since the last
@@ -1159,6 +1196,15 @@ class Instance:
         link = self.links.get(dest)
         return self.op.max_inflight_batches if link is None else link.credit
 
+    def _forward(self, items: List[Item], index: int, now: float) -> None:
+        """Buffer the outputs of input `index`: a record sent before goes to the same successor
+        again while it is in our table (INVARIANT 8, agent.dataplane.sticky), the rest as routed."""
+        if self.sticky:
+            items, pinned = self.routes.split(items, self.router.succs)
+            for dest, recs in pinned.items():
+                self.outbox.add_to(dest, recs, index, now)
+        self.outbox.add(items, index, now)
+
     def flush(self, now: float, force: bool = False) -> None:
         if self.outbox.pending == 0:
             return
@@ -1168,6 +1214,12 @@ class Instance:
         batches = self.outbox.take(now, self._credit, force=force or draining)
         if not batches and self.outbox.pending >= self.outbox.batch_size:
             self.stats["credit_stalls"] += 1
+        if batches and self.sticky:
+            # Write-ahead (INVARIANT 8): where these records go is on disk before they go, so a
+            # crash cannot lose the destination of a record its predecessors will replay.
+            for dest, items, _ in batches:
+                self.routes.sent(dest, items, self.tracker.last_index)
+            self._out.append(SaveRoutes(*self.routes.take_save(now)))
         for dest, items, low in batches:
             if dest not in self.router.succs:
                 # Cannot happen (the outbox routes over the current table); counted if it does.
@@ -1184,7 +1236,7 @@ class Instance:
             else:
                 payload = encode_data(self.spec.instance, self.epoch, seq, items)
                 link.sent(seq, payload, len(items), now, low)  # replay buffer: kept until dest acks
-                self._publish_tracked(topics.inbox(self.spec.cluster, dest, self.spec.node), payload, low)
+                self._publish_tracked(dest, payload, low)
             self.stats["batches_out"] += 1
             self.stats["records_out"] += len(items)
 
@@ -1193,22 +1245,50 @@ class Instance:
         Every step, not only when there is data to flush: a sink or a departing copy has none,
         and an ack left here held back every later ack of a sink for good (docs/reliability.md)."""
         while self.retry:
-            topic, payload, low = self.retry.popleft()
-            self._issue(topic, payload, low, True)
+            dest, payload, low = self.retry.popleft()
+            self._issue(dest, payload, low, True)
 
-    def _publish_tracked(self, topic: str, payload: bytes, low: Optional[int]) -> None:
-        """Publish after whatever the client refused earlier (order). With `low`, the inputs from
-        that index on stay unacked upstream until the broker PUBACKs (data we forward); None for
-        our own acks and protocol messages, which carry no input."""
-        if self.retry:
-            self.retry.append((topic, payload, low))
+    def _publish_tracked(self, dest: str, payload: bytes, low: Optional[int]) -> None:
+        """Publish to `dest`'s inbox after whatever the client refused earlier (order). With
+        `low`, the inputs from that index on stay unacked upstream until the broker PUBACKs (data
+        we forward); None for our own acks and protocol messages, which carry no input.
+
+        Per-node inboxes: a destination our binding table does not name yet (a new copy whose
+        node's hosted record has not reached our agent; anything before our first table) waits in
+        `unrouted`, in order, until a "hosts" line names it (`_on_hosts`)."""
+        if self.per_node and not dest.startswith(RAW_TOPIC) and (dest in self.unrouted or dest not in self.hosts_bound):
+            self._park(dest, payload, low)
+        elif self.retry:
+            self.retry.append((dest, payload, low))
         else:
-            self._issue(topic, payload, low, False)
+            self._issue(dest, payload, low, False)
 
-    def _issue(self, topic: str, payload: bytes, low: Optional[int], retried: bool) -> None:
+    def _park(self, dest: str, payload: bytes, low: Optional[int]) -> None:
+        q = self.unrouted.get(dest)
+        if q is None:
+            q = self.unrouted[dest] = deque()
+        if len(q) >= UNROUTED_MAX:
+            # A destination no record ever lists (it died before its node published it): the
+            # oldest goes; what it carried is still in our replay buffer (data) or resent by the
+            # round on silence (protocol), should the destination appear after all.
+            q.popleft()
+            self.stats["unrouted_dropped"] = self.stats.get("unrouted_dropped", 0) + 1
+        q.append((payload, low))
+
+    def _topic(self, dest: str) -> str:
+        if dest.startswith(RAW_TOPIC):
+            return dest[1:]  # a sink operator's own publication (mqtt_sink), not an inbox
+        if self.per_node:
+            return topics.inbox_at(self.spec.cluster, self.hosts_bound[dest], dest, self.spec.node)
+        return topics.inbox(self.spec.cluster, dest, self.spec.node)
+
+    def _issue(self, dest: str, payload: bytes, low: Optional[int], retried: bool) -> None:
+        if self.per_node and not dest.startswith(RAW_TOPIC) and dest not in self.hosts_bound:
+            self._park(dest, payload, low)  # a retry whose binding a newer table no longer has
+            return
         self._token += 1
-        self._unconfirmed[self._token] = (topic, payload, low, retried)
-        self._out.append(Publish(topic, payload, self._token))
+        self._unconfirmed[self._token] = (dest, payload, low, retried)
+        self._out.append(Publish(self._topic(dest), payload, self._token))
 
     def send_envelope(self, dest: str, kind: Kind, body: Any) -> None:
         """Acks and protocol messages: numbered on the same channel as the data (invariant 1)."""
@@ -1216,7 +1296,7 @@ class Instance:
         if dest in self.local:
             self._hand(dest, env)
         else:
-            self._publish_tracked(topics.inbox(self.spec.cluster, dest, self.spec.node), encode(env), None)
+            self._publish_tracked(dest, encode(env), None)
 
     def _hand(self, dest: str, env: Envelope) -> None:
         """An envelope to a co-hosted instance (docs/runtime.md, "Chaining"). Its channel is
@@ -1266,13 +1346,17 @@ class Instance:
             lows.append(min(self.pending_pub.values()))
         lows += [u[2] for u in self._unconfirmed.values() if u[2] is not None]
         lows += [r[2] for r in self.retry if r[2] is not None]
+        lows += [u[1] for q in self.unrouted.values() for u in q if u[1] is not None]
         if self.sink_wait:
             lows.append(self.sink_wait[0])
         return min(lows) if lows else None
 
     def _send_acks(self, now: float) -> None:
         """Ack inputs processed AND forwarded (PUBACKed) or recorded; coalesced for ACK_DELAY."""
-        done = self.tracker.release(self._lowest_pending())
+        low = self._lowest_pending()
+        done = self.tracker.release(low)
+        if self.sticky and not self.retry:  # an ack refused by the client is not on its way yet
+            self.routes.released(self.tracker.last_index if low is None else low - 1, now)
         for sender, pos in done.items():
             if pos > self.ack_due.get(sender, (-1, 0)):
                 self.ack_due[sender] = pos
@@ -1314,6 +1398,7 @@ class Instance:
             and not self.pending_pub
             and not self._unconfirmed
             and not self.retry
+            and not self.unrouted
             and all(link.inflight == 0 for link in self.links.values())
             and self.tracker.waiting() == 0
             and not self.ack_due
@@ -1340,6 +1425,9 @@ class Instance:
             reorder_waiting=self.inbound.waiting_total(),
             gaps=self.inbound.gaps(),
             unpubacked=len(self.pending_pub) + len(self.retry) + len(self._unconfirmed),
+            unrouted=sum(len(q) for q in self.unrouted.values()),
+            routes_remembered=len(self.routes),
+            records_pinned=self.routes.pinned,
             service_time_ms=self.service_time * 1000,
             live_capacity=round(self.live_capacity.value, 2),
             online_service_time_ms=(round(self.live_capacity.service_time * 1000, 4)

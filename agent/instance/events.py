@@ -10,7 +10,7 @@ the wall clock (timestamps and epoch plausibility only).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 __all__ = [
     "Event", "Started", "Restarted", "EnvelopeReceived", "EnvelopeHanded", "PublishAccepted", "PublishRefused",
@@ -40,6 +40,8 @@ class Restarted(Event):
     state: Dict[str, Any] = field(default_factory=dict)
     source_position: Optional[Dict[str, Any]] = None
     keyed: Optional[Dict[str, Any]] = None  # a keyed operator's saved state (KeyedState.load)
+    # what the last `SaveRoutes` commands left: (routes file text, routes log text), None if absent
+    routes: Tuple[Optional[str], Optional[str]] = (None, None)
 
     def __post_init__(self) -> None:
         if not isinstance(self.state, dict):

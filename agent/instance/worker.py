@@ -36,6 +36,7 @@ from agent.config import PipelineConfig, load_pipeline_text
 from agent.files import write_atomic
 from agent.instance.commands import (
     Command, CrashPoint, Emit, Exit, Handoff, Notify, Persist, PersistSource, Publish, RequestSpawn, SaveKeyed,
+    SaveRoutes,
 )
 from agent.instance.core import EXIT_BAD_SPEC, EXIT_BROKER, EXIT_CRASH, EXIT_DRAIN_TIMEOUT, EXIT_OK, Instance
 from agent.instance.keyed_state import KeyedState
@@ -90,6 +91,9 @@ class Worker:
         self.state_path = self.state_dir / f"{spec.instance}.state.json"
         self.source_path = self.sink_dir / f"{spec.instance}.source.json"
         self.keyed_path = self.state_dir / f"{spec.instance}.keyed.json"
+        self.routes_path = self.state_dir / f"{spec.instance}.routes.json"  # agent.dataplane.sticky
+        self.routes_log = self.state_dir / f"{spec.instance}.routes.log"
+        self._routes_fd: Optional[int] = None
         # One process per identity: wait for a previous incarnation (still draining after its
         # agent died) to exit before reading its state or taking over its MQTT session.
         self._identity_lock = hold_identity_lock(
@@ -147,7 +151,8 @@ class Worker:
         if self.spec.restart:
             position = self._load_json(self.source_path) or None
             keyed = KeyedState.load(self.keyed_path) if self.core.keyed is not None else None
-            self.feed(Restarted(self.wall(), self._load_json(self.state_path), position, keyed))
+            routes = (self._load_text(self.routes_path), self._load_text(self.routes_log))
+            self.feed(Restarted(self.wall(), self._load_json(self.state_path), position, keyed, routes))
         else:
             self.feed(Started(self.wall()))
 
@@ -242,6 +247,8 @@ class Worker:
                 write_atomic(self.source_path, json.dumps(c.data))
             elif isinstance(c, SaveKeyed):
                 c.state.save(self.keyed_path)
+            elif isinstance(c, SaveRoutes):
+                self._save_routes(c)
             elif isinstance(c, RequestSpawn):
                 self._emit("spawn", request=c.request, spec=c.spec)
             elif isinstance(c, CrashPoint):
@@ -303,6 +310,28 @@ class Worker:
                 here = -1
             if here < int(source.get("resume_from", 0)):  # a shared sink_dir already has it
                 write_atomic(self.source_path, json.dumps(source))
+
+    def _save_routes(self, c: SaveRoutes) -> None:
+        """Write-ahead of where records go (invariant 8): a new snapshot empties the log; the
+        log is appended to (a torn last line is skipped at load: its batches never went out)."""
+        if c.snapshot is not None:
+            write_atomic(self.routes_path, c.snapshot)
+            if self._routes_fd is not None:
+                os.close(self._routes_fd)
+            self._routes_fd = os.open(self.routes_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_TRUNC, 0o600)
+        if c.log:
+            if self._routes_fd is None:  # kept open: an open and a close per loop turn cost more than the write
+                self._routes_fd = os.open(self.routes_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            view = memoryview(c.log.encode())
+            while view:
+                view = view[os.write(self._routes_fd, view):]
+
+    @staticmethod
+    def _load_text(path: Path) -> Optional[str]:
+        try:
+            return path.read_text()
+        except (OSError, ValueError):
+            return None
 
     @staticmethod
     def _load_json(path: Path) -> Dict[str, Any]:

@@ -911,7 +911,8 @@ class Agent:
                         dropped, admission.ENV_FAULT_INJECTION, extra={"node": self.node})
         return {"node": self.node, "cluster": self.cluster, "broker": self.broker,
                 "state_dir": self.cfg.agent.state_dir, "heartbeat_period": self.cfg.agent.heartbeat_period,
-                "extra": dict(own, fence_reconnect=self.cfg.agent.dead_after > 0, check_sender_node=True)}
+                "extra": dict(own, fence_reconnect=self.cfg.agent.dead_after > 0, check_sender_node=True,
+                              inbox_per_node=self.cfg.mqtt.inbox_per_node)}
 
     def _create_node(self, spec: InstanceSpec, reply: Callable[[Dict[str, Any]], None], cause: str, now: float) -> None:
         if self._stopping_since is not None:
@@ -1519,10 +1520,11 @@ class Agent:
     def _forget(self, instance: str) -> None:
         hosted.forget(self.cfg.agent.state_dir, instance)
         self._delayed_restarts.pop(instance, None)
-        try:
-            (Path(self.cfg.agent.state_dir) / f"{instance}.state.json").unlink()
-        except FileNotFoundError:
-            pass
+        for name in ("state.json", "routes.json", "routes.log"):  # routes: agent.dataplane.sticky
+            try:
+                (Path(self.cfg.agent.state_dir) / f"{instance}.{name}").unlink()
+            except FileNotFoundError:
+                pass
         self._hosted_dirty = True
 
     def _publish_hosted(self) -> None:

@@ -26,7 +26,9 @@ createNode() with an error: the copy never exists).
 
 A move is one event plus the Tick the worker loop performs after it; `time` advances the clock
 by `STEP` and ticks every live instance. The pipeline is source -> op -> sink, and the op goes
-1 -> 2 -> 1: a forced duplication of op-0, then a forced deletion of its copy once active.
+1 -> 2 -> 1: a forced duplication of op-0, then a forced deletion of its copy once active
+(`plans`; they may scale the sink instead: each sink instance keeps its own ids, as the real
+ones keep their own id files).
 
 Checked at every terminal state (after a deterministic settle: every queue delivered, time run
 on until nothing moves): no record sent to a terminated instance that did not also get through
@@ -54,7 +56,7 @@ from typing import Any, Dict, FrozenSet, List, Optional, Set, Tuple
 from agent import topics
 from agent.config import PipelineConfig, load_pipeline_text
 from agent.dataplane.envelope import Item, Kind, MalformedEnvelope, decode
-from agent.instance.commands import Command, Exit, Persist, PersistSource, Publish, RequestSpawn
+from agent.instance.commands import Command, Exit, Persist, PersistSource, Publish, RequestSpawn, SaveRoutes
 from agent.instance.core import Instance
 from agent.instance.events import (
     Control, EnvelopeReceived, Event, PubAcked, PublishAccepted, PublishRefused, Restarted, SessionLost, Spawned,
@@ -82,7 +84,8 @@ BROKER_KINDS = ("restart", "lost", "rollback")
 BROKER = BrokerSpec("127.0.0.1", 1)
 
 # The seeded faults the instance knows (agent.instance.core, agent.instance.driver).
-FAULTS = ("retry_only_with_data", "drain_holds_protocol", "rehome_rounds_from_one", "replay_to_departed")
+FAULTS = ("retry_only_with_data", "drain_holds_protocol", "rehome_rounds_from_one", "route_afresh",
+          "replay_to_departed")
 
 
 def pipeline_text(batch: int = 1, window: int = 4) -> str:
@@ -150,7 +153,8 @@ class MemoryMap:
 
 class MemorySink:
     """Records ids into a durable store (it survives the sink's crashes, as the real id file
-    does); an id seen before is dropped, as the real sink drops it."""
+    does); an id seen before BY THIS SINK INSTANCE is dropped, as the real sink drops it (each
+    sink instance has its own id file: an id recorded by two instances is a duplicate)."""
 
     kind = "sink"
     deferred = False
@@ -265,13 +269,14 @@ class World:
         self.specs: Dict[str, InstanceSpec] = {}
         self.persisted: Dict[str, str] = {}  # instance -> JSON of its last Persist
         self.source_pos: Dict[str, str] = {}
+        self.routes: Dict[str, Tuple[Optional[str], str]] = {}  # instance -> its routes file and log
         self.queues: Dict[Tuple[str, str], Tuple[bytes, ...]] = {}
         self.inboxes: Dict[str, str] = {}  # inbox topic -> instance
         self.spawns: List[Tuple[str, str, str]] = []  # (creator, request, copy) answers still to deliver
         self.exited: Dict[str, bool] = {}  # instance -> final
         self.store: List[Tuple[str, int]] = []
         self.to_terminated: List[Tuple[str, int]] = []  # records in data batches to terminated instances
-        self.seen: Set[Tuple[str, int]] = set()
+        self.seen: Dict[str, Set[Tuple[str, int]]] = {}  # sink instance -> the ids it recorded
         self.budget = {"crash": cfg.crashes, "rehome": cfg.rehomes, "refuse": cfg.refusals, "dup": cfg.dups,
                        "broker": cfg.brokers, "cut": cfg.cuts, "refuse_spawn": cfg.spawn_refusals}
         self.cut: Dict[str, float] = {}  # node cut off the broker -> when the settle heals it
@@ -297,7 +302,7 @@ class World:
         if spec.operator == "source":
             return MemorySource(self.cfg.records)
         if spec.operator == "sink":
-            return MemorySink(self.store, self.seen)
+            return MemorySink(self.store, self.seen.setdefault(spec.instance, set()))
         return MemoryMap()
 
     def _boot(self, spec: InstanceSpec, restart: Optional[str]) -> None:
@@ -311,7 +316,10 @@ class World:
         else:
             state = json.loads(self.persisted.get(iid, "{}")) if restart == "crash" else {}
             pos = json.loads(self.source_pos[iid]) if restart == "crash" and iid in self.source_pos else None
-            self._feed(iid, Restarted(WALL0 + self.now, state, pos))
+            if restart != "crash":
+                self.routes.pop(iid, None)  # its files went with its node
+            routes = self.routes.get(iid, (None, ""))
+            self._feed(iid, Restarted(WALL0 + self.now, state, pos, routes=routes))
 
     def _feed(self, iid: str, event: Event) -> None:
         inst = self.inst[iid]
@@ -341,6 +349,11 @@ class World:
             self.persisted[iid] = json.dumps(cmd.state, sort_keys=True)
         elif isinstance(cmd, PersistSource):
             self.source_pos[iid] = json.dumps(cmd.data, sort_keys=True)
+        elif isinstance(cmd, SaveRoutes):
+            snapshot, log = self.routes.get(iid, (None, ""))
+            if cmd.snapshot is not None:
+                snapshot, log = cmd.snapshot, ""
+            self.routes[iid] = (snapshot, log + cmd.log)
         elif isinstance(cmd, RequestSpawn):
             data = dict(cmd.spec)
             data["broker"] = BROKER

@@ -650,7 +650,7 @@ def exit_status(summary: Dict[str, Any]) -> int:
 
 
 def main(args: Any) -> int:
-    faults = [f.strip() for f in str(args.faults).split(",") if f.strip()]
+    faults = [f.strip() for f in str(args.faults or ",".join(DEFAULT_FAULTS)).split(",") if f.strip()]
     try:
         rehoming = {"on": True, "off": False}.get(str(getattr(args, "rehoming", "auto")))
         cfg = ChaosConfig(duration=float(args.duration), seed=int(args.seed), faults=faults,

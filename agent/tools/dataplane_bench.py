@@ -331,6 +331,12 @@ class WarmProc:
         self.log.close()
 
 
+def _as_agent_sets(spec: InstanceSpec) -> InstanceSpec:
+    """The spec fields an agent sets on every worker that the runner plays too: the writer check
+    and per-node inboxes (docs/security.md, "Data channels", "Who may read an inbox")."""
+    return replace(spec, extra=dict(spec.extra, check_sender_node=True, inbox_per_node=True))
+
+
 class LocalRunner:
     """Plays the agent for a set of workers on this machine (tests, benchmarks).
 
@@ -378,7 +384,7 @@ class LocalRunner:
         spare = self._take_spare()
         if spare is not None:
             self.warm_used += 1
-        spec = replace(spec, extra=dict(spec.extra, check_sender_node=True))
+        spec = _as_agent_sets(spec)
         w = WorkerProc(spec, self.workdir / "logs", self._on_line, warm=spare)
         self._prewarm()
         with self.lock:
@@ -394,7 +400,7 @@ class LocalRunner:
         spare = self._take_spare()
         if spare is not None:
             self.warm_used += 1
-        specs = [replace(s, extra=dict(s.extra, check_sender_node=True)) for s in specs]
+        specs = [_as_agent_sets(s) for s in specs]
         chain = ChainProc(specs, self.workdir / "logs", self._on_line, warm=spare)
         self._prewarm()
         with self.lock:

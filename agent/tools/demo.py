@@ -69,6 +69,7 @@ dead_after = {dead_after}
 [mqtt]
 host = "{host}"
 port = {port}
+inbox_per_node = {inbox_per_node}
 
 [metrics]
 port = 0
@@ -107,6 +108,7 @@ class Fleet:
     # Each node's agent (and so its workers) reaches the broker through a proxy of its own
     # (agent.tools.delayproxy), which can cut the node off: the chaos fault `partition`.
     proxied: bool = False
+    inbox_per_node: bool = True  # [mqtt] inbox_per_node of every agent (docs/security.md)
     procs: Dict[str, subprocess.Popen] = field(default_factory=dict)
     broker: Any = None
     proxies: Any = None  # a ProxyBank when `proxied`
@@ -157,6 +159,7 @@ class Fleet:
             state_period=self.state_period, heartbeat_period=self.heartbeat_period,
             shutdown_timeout=self.shutdown_timeout, dead_after=self.dead_after, host=self.host,
             port=self.proxies.port(node) if self.proxies is not None else self.port,
+            inbox_per_node=str(self.inbox_per_node).lower(),
         ) + (SPILL_TOML.format(spool_dir=self.workdir / f"spool-{node}", landing=self.landing) if self.spill else ""))
         logf = open(self.workdir / f"{node}.log", "a")
         proc = subprocess.Popen(

@@ -52,7 +52,11 @@ NODE_PREFIX = "fog"
 ROOT_MARKER = ".fog-testbed-root"
 STATE_FILE = "state.json"
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
-QEMU_BINFMT = {"arm64": "/proc/sys/fs/binfmt_misc/qemu-aarch64"}
+BINFMT_DIR = Path("/proc/sys/fs/binfmt_misc")
+# arch -> binfmt_misc entry name (qemu-user-static's /usr/lib/binfmt.d/<name>.conf registers it).
+QEMU_BINFMT = {"arm64": "qemu-aarch64"}
+BINFMT_CONF_DIR = Path("/usr/lib/binfmt.d")
+BOOT_TIMEOUT = {"amd64": 120.0, "arm64": 600.0}  # sshd under qemu user emulation starts slowly
 
 
 class TestbedError(RuntimeError):
@@ -233,6 +237,8 @@ class State:
     inventory: Optional[str] = None
     key: Optional[str] = None
     admin_password: Optional[str] = None
+    binfmt_mounted: bool = False  # what up did for a foreign arch (binfmt_setup), undone by down
+    binfmt_registered: Optional[str] = None
 
     def save(self, path: Path) -> None:
         tmp = path.with_suffix(".tmp")
@@ -272,6 +278,34 @@ def _run(argv: Sequence[str], what: str, timeout: float = 600.0, log: Optional[P
     return proc.stdout
 
 
+def _run_logged(argv: Sequence[str], what: str, log: Path, progress: Progress, timeout: float,
+                every: float = 20.0) -> None:
+    """A long step whose output goes to `log`; every `every` s one progress line with its last
+    `I:` line (debootstrap's own steps: retrieving, validating, unpacking, configuring)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+        next_line = started + every
+        try:
+            while proc.poll() is None:
+                time.sleep(0.5)
+                now = time.monotonic()
+                if now > started + timeout:
+                    raise TestbedError(f"{what}: no result after {timeout:.0f} s; its output is in {log}")
+                if now >= next_line:
+                    next_line = now + every
+                    lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.startswith("I: ")]
+                    progress(f"{what}: {now - started:.0f} s, {lines[-1][3:] if lines else 'starting'}")
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    if proc.returncode != 0:
+        tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
+        raise TestbedError(f"{what} failed (exit {proc.returncode}): {tail[0]}; full output in {log}")
+
+
 def preflight(arch: str) -> None:
     """Refuse with one line where the testbed cannot run."""
     if os.geteuid() != 0:
@@ -281,10 +315,80 @@ def preflight(arch: str) -> None:
     if missing:
         raise TestbedError(f"missing {', '.join(missing)}: apt-get install systemd-container debootstrap "
                            "iproute2 openssh-client (scripts/setup.sh installs them)")
-    native = {"x86_64": "amd64", "aarch64": "arm64"}.get(os.uname().machine)
-    if arch != native and not Path(QEMU_BINFMT.get(arch, "/nonexistent")).exists():
-        raise TestbedError(f"--arch {arch} on a {native} host needs qemu-user-static with binfmt_misc "
-                           f"({QEMU_BINFMT.get(arch)} is missing)")
+    if needs_emulation(arch):
+        why = emulation_missing(arch)
+        if why:
+            raise TestbedError(why)
+
+
+def native_arch() -> Optional[str]:
+    return {"x86_64": "amd64", "aarch64": "arm64"}.get(os.uname().machine)
+
+
+def needs_emulation(arch: str) -> bool:
+    return arch != native_arch()
+
+
+def emulation_missing(arch: str) -> Optional[str]:
+    """Why a root of `arch` cannot run here (one line), or None: qemu-user-static's binfmt entry is
+    registered, or can be (its binfmt.d file is installed and the host is Linux with binfmt_misc)."""
+    name = QEMU_BINFMT.get(arch)
+    if name is None:
+        return f"--arch {arch}: no emulation known for it on a {native_arch()} host"
+    if (BINFMT_DIR / name).exists():
+        return None
+    if not (BINFMT_CONF_DIR / f"{name}.conf").is_file():
+        return (f"--arch {arch} on a {native_arch()} host needs qemu user emulation: apt-get install "
+                f"qemu-user-static ({BINFMT_CONF_DIR / (name + '.conf')} is missing)")
+    if "binfmt_misc" not in Path("/proc/filesystems").read_text():
+        return f"--arch {arch}: this kernel has no binfmt_misc, so {name} cannot be registered"
+    return None
+
+
+@dataclass
+class Binfmt:
+    """What `binfmt_setup` changed on the host (and `binfmt_undo` puts back)."""
+    mounted: bool = False
+    registered: Optional[str] = None
+
+
+def binfmt_setup(arch: str, progress: Progress) -> Binfmt:
+    """Make `arch` binaries run here through qemu: mount binfmt_misc if it is not, register
+    qemu-user-static's entry if it is not (its binfmt.d line, written to `register`). Only what
+    was missing is done and returned, so that the undo leaves a host's own setup as it was."""
+    done = Binfmt()
+    if not needs_emulation(arch):
+        return done
+    why = emulation_missing(arch)
+    if why:
+        raise TestbedError(why)
+    name = QEMU_BINFMT[arch]
+    if not (BINFMT_DIR / "register").exists():
+        _run(["mount", "-t", "binfmt_misc", "binfmt_misc", str(BINFMT_DIR)], "mounting binfmt_misc")
+        done.mounted = True
+        progress(f"mounted binfmt_misc on {BINFMT_DIR}")
+    if not (BINFMT_DIR / name).exists():
+        line = next(ln for ln in (BINFMT_CONF_DIR / f"{name}.conf").read_text().splitlines()
+                    if ln.startswith(":"))
+        try:
+            (BINFMT_DIR / "register").write_text(line)
+        except OSError as exc:
+            binfmt_undo(done)
+            raise TestbedError(f"registering {name} with binfmt_misc failed: {exc.strerror}") from exc
+        done.registered = name
+        progress(f"registered {name} with binfmt_misc")
+    return done
+
+
+def binfmt_undo(done: Binfmt) -> List[str]:
+    removed = []
+    if done.registered and (BINFMT_DIR / done.registered).exists():
+        (BINFMT_DIR / done.registered).write_text("-1")
+        removed.append(f"binfmt {done.registered}")
+    if done.mounted and subprocess.run(["mountpoint", "-q", str(BINFMT_DIR)]).returncode == 0:
+        subprocess.run(["umount", str(BINFMT_DIR)], capture_output=True)
+        removed.append(f"mount {BINFMT_DIR}")
+    return removed
 
 
 def _apt_mirror() -> str:
@@ -310,8 +414,10 @@ def ensure_root(cache: Path, arch: str, progress: Progress) -> Tuple[Path, bool,
         shutil.rmtree(tmp)
     tmp.parent.mkdir(parents=True, exist_ok=True)
     mirror = _apt_mirror()
-    progress(f"building the {SUITE} {arch} root with debootstrap from {mirror} (about a minute, ~320 MB) ...")
-    _run(debootstrap_argv(tmp, arch, mirror), "debootstrap", timeout=1800, log=cache / f"debootstrap-{arch}.log")
+    took = "about 3 minutes" if not needs_emulation(arch) else "10 to 45 minutes under qemu"
+    progress(f"building the {SUITE} {arch} root with debootstrap from {mirror} ({took}, ~350 MB) ...")
+    _run_logged(debootstrap_argv(tmp, arch, mirror), "debootstrap", cache / f"debootstrap-{arch}.log", progress,
+                timeout=3600)
     finish_root(tmp, arch)
     if root.exists():
         shutil.rmtree(root)
@@ -361,6 +467,36 @@ def _prepare_machine(node: Node, plan: Plan, lower: Path, mdir: Path, pubkey: st
     os.chmod(ssh / "authorized_keys", 0o600)
     _run(["ssh-keygen", "-q", "-A", "-f", str(merged)], f"SSH host keys for {node.name}")
     return merged
+
+
+def _container_init(nspawn_pid: int, timeout: float = 60.0) -> int:
+    """The container's PID 1 as the host sees it: nspawn's child."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            children = Path(f"/proc/{nspawn_pid}/task/{nspawn_pid}/children").read_text().split()
+        except OSError:
+            children = []
+        if children:
+            return int(children[0])
+        time.sleep(0.2)
+    raise TestbedError(f"nspawn {nspawn_pid}: no container init after {timeout:.0f} s")
+
+
+def address_from_host(nspawn_pid: int, node: Node, plan_prefix_len: int) -> None:
+    """Give the container's host0 its address with the host's own `ip`, inside the container's
+    network namespace: under qemu user emulation systemd-networkd cannot start (netlink: "Protocol
+    not supported", seen on arm64), so an emulated node would never get its network."""
+    init = _container_init(nspawn_pid)
+    deadline = time.monotonic() + 60.0
+    while not subprocess.run(["nsenter", "-t", str(init), "-n", "ip", "link", "show", "host0"],
+                             capture_output=True).returncode == 0:
+        if time.monotonic() > deadline:
+            raise TestbedError(f"{node.name}: no host0 in the container after 60 s")
+        time.sleep(0.2)
+    _run(["nsenter", "-t", str(init), "-n", "ip", "addr", "replace", f"{node.address}/{plan_prefix_len}",
+          "dev", "host0"], f"{node.name}: address of host0")
+    _run(["nsenter", "-t", str(init), "-n", "ip", "link", "set", "host0", "up"], f"{node.name}: host0 up")
 
 
 def _host_key_line(node: Node, merged: Path) -> str:
@@ -415,7 +551,7 @@ def _password() -> str:
 
 
 def up(n: int, arch: str = "amd64", deb: Optional[Path] = None, cache: Optional[Path] = None,
-       progress: Progress = _stderr_progress, boot_timeout: float = 120.0, run: Optional[Path] = None,
+       progress: Progress = _stderr_progress, boot_timeout: Optional[float] = None, run: Optional[Path] = None,
        prefix: str = NODE_PREFIX, bridge: str = BRIDGE, subnet: str = SUBNET) -> UpResult:
     plan = make_plan(n, arch, prefix, bridge, subnet)
     preflight(arch)
@@ -429,14 +565,18 @@ def up(n: int, arch: str = "amd64", deb: Optional[Path] = None, cache: Optional[
     prefix_used = f" {plan.host_address.rsplit('.', 1)[0]}."
     if prefix_used in _run(["ip", "-o", "-4", "addr", "show"], "listing the host's addresses"):
         raise TestbedError(f"the host already has an address in{prefix_used}0/24: pick another subnet")
-    root, built, root_seconds = ensure_root(cache, arch, progress)
-    if not built:
-        progress(f"reusing the cached root {root}")
     run.mkdir(parents=True, exist_ok=True)
     state = State(arch=arch)
     state_path = run / STATE_FILE
     state.save(state_path)
     try:
+        # A foreign arch: qemu through binfmt_misc, before debootstrap's second stage needs it.
+        emulation = binfmt_setup(arch, progress)
+        state.binfmt_mounted, state.binfmt_registered = emulation.mounted, emulation.registered
+        state.save(state_path)
+        root, built, root_seconds = ensure_root(cache, arch, progress)
+        if not built:
+            progress(f"reusing the cached root {root}")
         key = run / "id_ed25519"
         if not key.exists():
             _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "fog-testbed", "-f", str(key)], "ssh-keygen")
@@ -465,9 +605,11 @@ def up(n: int, arch: str = "amd64", deb: Optional[Path] = None, cache: Optional[
             entry["pid"] = proc.pid
             state.save(state_path)
             progress(f"booting {node.name} ({node.address}), nspawn pid {proc.pid}")
+            if needs_emulation(arch):
+                address_from_host(proc.pid, node, plan.prefix_len)
         known_hosts.write_text("".join(lines))
         for node in plan.nodes:
-            wait_ssh(node.address, key, known_hosts, boot_timeout)
+            wait_ssh(node.address, key, known_hosts, boot_timeout or BOOT_TIMEOUT[arch])
             progress(f"{node.name} is up (sshd answers)")
         passwords = {name: _password() for name in [nd.name for nd in plan.nodes] + ["fogctl-admin"]}
         inv_dir = run / "inventory"
@@ -542,10 +684,25 @@ def down(cache: Optional[Path] = None, progress: Progress = _stderr_progress, ti
     if bridge and Path(f"/sys/class/net/{bridge}").exists():
         _run(["ip", "link", "del", bridge], f"deleting bridge {bridge}")
         removed.append(f"bridge {bridge}")
+    if state is not None:
+        removed += binfmt_undo(Binfmt(state.binfmt_mounted, state.binfmt_registered))
     if run.exists():
         shutil.rmtree(run)
         removed.append(f"directory {run}")
     return removed
+
+
+def build_root(arch: str = "amd64", cache: Optional[Path] = None,
+               progress: Progress = _stderr_progress) -> Tuple[Path, bool, float]:
+    """The cached root of `arch` (built if missing) without booting anything: what `make setup`
+    runs so that the suite's testbed test does not debootstrap inside its time budget. A foreign
+    arch's qemu registration is undone afterwards."""
+    preflight(arch)
+    emulation = binfmt_setup(arch, progress)
+    try:
+        return ensure_root(cache or cache_dir(), arch, progress)
+    finally:
+        binfmt_undo(emulation)
 
 
 def load_state(cache: Optional[Path] = None, run: Optional[Path] = None) -> Optional[State]:
@@ -605,7 +762,7 @@ def kill_node(name: str, run: Optional[Path] = None) -> None:
         subprocess.run(["ip", "link", "del", veth], capture_output=True)
 
 
-def start_node(name: str, run: Optional[Path] = None, boot_timeout: float = 120.0) -> int:
+def start_node(name: str, run: Optional[Path] = None, boot_timeout: Optional[float] = None) -> int:
     """Boot a node that was killed (or powered off) again, on the same disk; returns nspawn's pid."""
     run = run or run_dir(cache_dir())
     state = _require_state(run)
@@ -619,7 +776,9 @@ def start_node(name: str, run: Optional[Path] = None, boot_timeout: float = 120.
                                 start_new_session=True)
     entry["pid"] = proc.pid
     state.save(run / STATE_FILE)
-    wait_ssh(node.address, run / "id_ed25519", run / "known_hosts", boot_timeout)
+    if needs_emulation(state.arch):
+        address_from_host(proc.pid, node, PREFIX_LEN)
+    wait_ssh(node.address, run / "id_ed25519", run / "known_hosts", boot_timeout or BOOT_TIMEOUT[state.arch])
     return proc.pid
 
 

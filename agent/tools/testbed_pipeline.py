@@ -18,10 +18,11 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 from agent.config import load_pipeline_text
 from agent.tools import testbed
@@ -47,7 +48,7 @@ function = "agent.operators.taxi:source"
 [operator.params]
 seed = 7
 profile = "steps"
-steps = [[0, 80], [{t1}, {rate}], [{t2}, 80], [{t3}, 0]]
+steps = [[0, {base}], [{t1}, {rate}], [{t2}, {base}], [{t3}, 0]]
 
 [[operator]]
 name = "validate"
@@ -68,15 +69,43 @@ function = "agent.operators.builtin:counting_sink"
 """
 
 
-def pipeline_text(duration: float, rate: float, service_ms: float = 5.0) -> str:
-    """A load step from 80 rec/s to `rate` for the middle of `duration`, then the source stops.
+def pipeline_text(duration: float, rate: float, service_ms: float = 5.0, base: float = 80.0) -> str:
+    """A load step from `base` rec/s to `rate` for the middle of `duration`, then the source stops.
 
     in_zone's capacity (1000 / service_ms rec/s) is below `rate`, so the step must be absorbed by
     scaling out, and the slots of one node (4) are not enough for every instance: the extra
     instances land on other containers."""
     t1, t2 = round(duration * 0.15, 1), round(duration * 0.75, 1)
     return PIPELINE.format(t1=t1, t2=t2, t3=round(duration, 1), rate=rate, service_ms=service_ms,
-                           capacity=round(1000.0 / service_ms, 1))
+                           capacity=round(1000.0 / service_ms, 1), base=base)
+
+
+class _During:
+    """What runs beside the pipeline: a shell command on the host, or a function of this process
+    (a fault schedule, an upgrade) in a thread; `poll()` is None while it runs, then its status."""
+
+    def __init__(self, during: Union[str, Callable[[], int]]) -> None:
+        self.label = during if isinstance(during, str) else getattr(during, "__name__", "function")
+        self.error: Optional[str] = None
+        self._proc: Optional[subprocess.Popen] = None
+        self._status: Optional[int] = None
+        if isinstance(during, str):
+            self._proc = subprocess.Popen(during, shell=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            return
+
+        def body() -> None:
+            try:
+                self._status = int(during())
+            except Exception as exc:  # noqa: BLE001 - reported in the summary, the pipeline still ends
+                self.error = f"{type(exc).__name__}: {exc}"
+                self._status = 1
+        self._thread = threading.Thread(target=body, name="testbed-during", daemon=True)
+        self._thread.start()
+
+    def poll(self) -> Optional[int]:
+        if self._proc is not None:
+            return self._proc.poll()
+        return None if self._thread.is_alive() else self._status
 
 
 def _fogctl(broker: str, password: str, *args: str, timeout: float = 120) -> Dict[str, Any]:
@@ -164,19 +193,21 @@ def _known(run: Optional[Path]) -> Path:
 
 def run_pipeline(duration: float = 60.0, rate: float = 500.0, run: Optional[Path] = None,
                  progress: Callable[[str], None] = lambda line: print(f"testbed: {line}", file=sys.stderr),
-                 settle_timeout: float = 90.0, keep: Optional[Path] = None, during: Optional[str] = None,
-                 during_at: float = 10.0) -> Dict[str, Any]:
+                 settle_timeout: float = 90.0, keep: Optional[Path] = None,
+                 during: Union[str, Callable[[], int], None] = None, during_at: float = 10.0,
+                 service_ms: float = 5.0, base: float = 80.0) -> Dict[str, Any]:
     """Deploy, follow, undeploy, verify; `keep`: a directory that gets the collected files.
 
     `during`: a shell command run on the host `during_at` seconds after the deploy (e.g. a rolling
-    `ansible-playbook` run); the pipeline is not undeployed before it has finished, and its exit
-    status and time window go into the summary."""
+    `ansible-playbook` run), or a function run in a thread then (returning an exit status); the
+    pipeline is not undeployed before it has finished, and its exit status and time window go
+    into the summary."""
     state = testbed.load_state(run=_run_dir(run))
     if state is None or not state.admin_password:
         raise testbed.TestbedError("no testbed with an inventory is up: run `fog-agent testbed up` and Ansible first")
     names = [str(n["name"]) for n in state.nodes]
     broker = f"{state.nodes[0]['address']}:1883"
-    text = pipeline_text(duration, rate)
+    text = pipeline_text(duration, rate, service_ms, base)
     cfg = load_pipeline_text(text, "testbed.toml")
     name = cfg.pipeline.name
     # A sink directory of this run under the agents' state dir (allowed without configuration):
@@ -191,19 +222,22 @@ def run_pipeline(duration: float = 60.0, rate: float = 500.0, run: Optional[Path
         seen: Dict[str, Set[str]] = {}
         max_instances: Dict[str, int] = {}
         last, quiet_since = "", None
-        side: Optional[subprocess.Popen] = None
+        side: Optional[_During] = None
         side_window: Dict[str, Any] = {}
         try:
             while True:
                 time.sleep(3.0)
                 now = time.monotonic() - started
                 if during and side is None and now >= during_at:
-                    side = subprocess.Popen(during, shell=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    side = _During(during)
                     side_window["started_s"] = round(now, 1)
-                    progress(f"t={now:5.0f} s  started: {during}")
-                if side is not None and "exit" not in side_window and side.poll() is not None:
-                    side_window.update(exit=side.returncode, ended_s=round(now, 1))
-                    progress(f"t={now:5.0f} s  finished with exit {side.returncode}: {during}")
+                    progress(f"t={now:5.0f} s  started: {side.label}")
+                status = side.poll() if side is not None and "exit" not in side_window else None
+                if side is not None and status is not None:
+                    side_window.update(exit=status, ended_s=round(now, 1))
+                    if side.error:
+                        side_window["error"] = side.error
+                    progress(f"t={now:5.0f} s  finished with exit {status}: {side.label}")
                 where = placement(_fogctl(broker, state.admin_password, "topology"), name)
                 for op, nodes in where.items():
                     seen.setdefault(op, set()).update(nodes)
@@ -229,7 +263,7 @@ def run_pipeline(duration: float = 60.0, rate: float = 500.0, run: Optional[Path
         if keep is not None:
             shutil.copytree(out, keep, dirs_exist_ok=True)
             (keep / "tb.toml").write_text(text)
-    return {"nodes": names, "sink_dir": sink_dir, "during": dict(side_window, command=during) if during else None, "duration_s": duration, "peak_rate": rate,
+    return {"nodes": names, "sink_dir": sink_dir, "during": dict(side_window, command=side.label if side else str(during)) if during else None, "duration_s": duration, "peak_rate": rate,
             "nodes_per_operator": {op: sorted(n) for op, n in seen.items()}, "max_instances": max_instances,
             "files_per_node": files, "files_on_several_nodes": on_several, "generated": verdict.generated, "expected": verdict.expected,
             "received": verdict.received, "lost": verdict.lost, "duplicated": verdict.duplicated,

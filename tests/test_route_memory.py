@@ -1,0 +1,126 @@
+"""Where each record went (agent.dataplane.sticky) and the outbox's pinned records: a record sent
+again takes the same path (docs/design.md invariant 8). Pure: no broker, no clock."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from agent.dataplane.routing import Outbox, Router
+from agent.dataplane.sticky import MAX_RESTORED, RouteMemory
+
+
+def recs(src: str, *seqs: int):  # type: ignore[no-untyped-def]
+    return [(src, s, {"v": s}) for s in seqs]
+
+
+def test_a_record_sent_before_is_pinned_to_its_successor_while_that_one_is_in_the_table() -> None:
+    mem = RouteMemory()
+    mem.sent("sink-a", recs("src", 1, 2, 3), bound=1)
+    mem.sent("sink-b", recs("src", 4, 5) + recs("other", 1), bound=2)
+    items = recs("src", 2, 5, 9) + recs("other", 1)
+    free, pinned = mem.split(items, ("sink-a", "sink-b"))
+    assert [(it[0], it[1]) for it in free] == [("src", 9)]
+    assert {d: [(it[0], it[1]) for it in r] for d, r in pinned.items()} == {
+        "sink-a": [("src", 2)], "sink-b": [("src", 5), ("other", 1)]}
+    # sink-b left the table (it drained what it had): its records may go anywhere
+    free, pinned = mem.split(items, ("sink-a", "sink-c"))
+    assert [(it[0], it[1]) for it in free] == [("src", 5), ("src", 9), ("other", 1)]
+    assert list(pinned) == ["sink-a"]
+    fresh = recs("src", 10, 11)
+    assert mem.split(fresh, ("sink-a",)) == (fresh, {})  # nothing sent before: the list itself
+
+
+def test_records_are_remembered_until_acked_upstream_then_retain_seconds_persisted_for_grace() -> None:
+    mem = RouteMemory(retain=30.0, grace=5.0)
+    mem.sent("a", recs("src", 1, 2), bound=1)
+    mem.sent("b", recs("src", 3), bound=2)
+    mem.released(0, now=100.0)  # nothing acked yet
+    assert len(mem.snapshot(100.0)) == 2
+    mem.released(1, now=101.0)  # input 1 acked upstream: batch 1 is past its replays soon
+    assert mem.dest_of("src", 1) == "a" and len(mem.snapshot(105.9)) == 2
+    assert mem.snapshot(106.0) == [["b", {"src": [3, 1]}]]  # past the grace: not persisted
+    mem.released(1, now=130.9)
+    assert mem.dest_of("src", 1) == "a"  # still in memory: an upstream crash may send it again
+    mem.released(1, now=131.0)
+    assert mem.dest_of("src", 1) is None and mem.dest_of("src", 3) == "b" and len(mem) == 1
+    mem.released(2, now=131.0)
+    mem.released(2, now=161.0)
+    assert len(mem) == 0 and mem.split(recs("src", 3), ("b",))[1] == {}
+
+
+def test_a_record_sent_again_is_forgotten_only_with_its_last_send() -> None:
+    mem = RouteMemory(retain=10.0)
+    mem.sent("a", recs("src", 1), bound=1)
+    mem.released(1, now=0.0)
+    mem.sent("a", recs("src", 1), bound=2)  # replayed, sent to the same successor again
+    mem.released(1, now=10.0)  # the first send expires
+    assert mem.dest_of("src", 1) == "a"
+
+
+def test_the_memory_survives_a_restart_through_its_files_and_a_damaged_one_is_refused() -> None:
+    mem = RouteMemory()
+    mem.sent("a", recs("src", 1, 2, 3, 7), bound=1)
+    snap, log = mem.take_save(0.0)  # the first save writes a snapshot
+    assert log == "" and json.loads(snap) == [["a", {"src": [1, 3, 3, 1]}]]  # 1-3, then 7 = 4 + 3
+    mem.sent("b", recs("src", 4) + recs("s2", 0), bound=1)
+    snap2, log2 = mem.take_save(0.0)
+    assert snap2 is None and json.loads(log2) == [["b", {"src": [4, 1], "s2": [0, 1]}]]
+    back = RouteMemory.load(snap, log2 + '[["c",{"src":[5', now=50.0)  # a torn last line: skipped
+    assert [back.dest_of("src", s) for s in (1, 2, 3, 4, 5, 7)] == ["a", "a", "a", "b", None, "a"]
+    assert back.dest_of("s2", 0) == "b"
+    back.released(0, now=79.9)
+    assert back.dest_of("src", 1) == "a"  # restored = acked at the restart, kept RETAIN more
+    back.released(0, now=80.0)
+    assert len(back) == 0
+    assert len(RouteMemory.load(None, None, 0.0)) == 0
+    for bad in ('{"a": 1}', '[["a"]]', '[[1, {}]]', '[["a", {"src": [1]}]]', '[["a", {"src": [1, -1]}]]',
+                '[["a", {"src": ["x", 1]}]]', '[["a", {"src": [0, %d]}]]' % (MAX_RESTORED + 1), "[[["):
+        with pytest.raises(ValueError, match="route memory"):
+            RouteMemory.load(bad, "", 0.0)
+    with pytest.raises(ValueError, match="route memory"):  # damaged in the middle: not a torn write
+        RouteMemory.load(snap, "[[[\n" + log2, 0.0)
+
+
+def test_the_log_is_replaced_by_a_snapshot_once_it_outgrows_it() -> None:
+    mem = RouteMemory(grace=5.0)
+    mem.take_save(0.0)
+    sizes, snapshots = 0, 0
+    for k in range(3000):
+        mem.sent("a", recs("src", *range(100 * k, 100 * k + 100, 3)), bound=k + 1)
+        mem.released(k, now=float(k))  # everything but the last batch acked upstream at once
+        snap, log = mem.take_save(float(k))
+        if snap is not None:
+            snapshots += 1
+            # the snapshot holds the batches still needed: unacked, or acked < 5 s ago
+            assert len(json.loads(snap)) == 6
+        sizes += len(log)
+    assert 1 <= snapshots and sizes < 3000 * 200  # the log costs what was sent: ~140 B a batch
+
+
+def test_past_max_remembered_the_oldest_acked_records_go_first_never_unacked_ones() -> None:
+    mem = RouteMemory(retain=1000.0, max_remembered=3)
+    mem.sent("a", recs("src", 1, 2), bound=1)
+    mem.sent("a", recs("src", 3, 4), bound=2)
+    mem.released(0, now=0.0)
+    assert len(mem) == 4  # nothing acked upstream: all needed after a crash
+    mem.released(1, now=0.0)
+    assert len(mem) == 2 and mem.dest_of("src", 3) == "a" and mem.dest_of("src", 1) is None
+
+
+def test_pinned_records_wait_for_their_successor_and_go_back_to_round_robin_when_it_leaves() -> None:
+    router = Router(("a", "b"))
+    box = Outbox(router, batch_size=2, linger=0.0)
+    box.add_to("b", recs("src", 1, 2, 3), index=1, now=0.0)
+    box.add(recs("src", 4), index=2, now=0.0)
+    credit = {"a": 5, "b": 1}
+    out = box.take(0.0, lambda d: credit[d])
+    assert [(d, [it[1] for it in items]) for d, items, _ in out] == [("b", [1, 2]), ("a", [4])]
+    assert box.pending == 1 and box.lowest_index() == 1
+    router.remove("b")
+    assert box.reroute(0.0) == 1  # record 3 is free again: it may go to a
+    assert box.lowest_index() == 1 and box.pending == 1
+    out = box.take(0.0, lambda d: 5, force=True)
+    assert [(d, [it[1] for it in items], low) for d, items, low in out] == [("a", [3], 1)]
+    assert box.pending == 0 and box.lowest_index() is None
