@@ -488,6 +488,45 @@ def test_an_idle_copy_asks_its_creator_for_start_again_and_only_its_creator_answ
     assert copy.core.scaling.core.is_active and copy.core.router.succs == ("sink-0",)  # started at last
 
 
+def test_an_idle_copy_holds_a_rehomed_successors_first_ack_until_its_start(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Chaos seeds 11004, 11009, 11029 (docs/reliability.md, defect A): a re-homed sink, a new
+    incarnation, sends every predecessor of its rebuilt table an empty ack in its new epoch,
+    number 1 on its channel, idle copies included. Refused, it left a hole at 1: every later
+    message of the sink waited behind it, the copy's Drain never saw its acks, and five seconds
+    later the copy became a new incarnation in its own deletion. Held until Start like data, it
+    is delivered then, and the sink's next ack follows it in order."""
+    from agent import topics
+    from agent.dataplane.envelope import Envelope, Kind, decode, encode
+    from agent.mqtt.transport import Received
+
+    clock, copy, copy_wire, creator, keeper_wire = _creator_and_idle_copy(tmp_path)
+    to_copy, to_creator = topics.inbox("c", "work-x", "local"), topics.inbox("c", "work-0", "local")
+    sink_epoch = 7  # the re-homed sink's new epoch
+    copy_wire.events.append(Received(to_copy, encode(Envelope("sink-0", sink_epoch, 1, Kind.ACK, [0, 0]))))
+    clock[0] += 0.5
+    copy.step(clock[0])
+    assert copy.core.stats["refused_senders"] == 0 and copy.core.hold.count == 1
+    clock[0] += 30
+    copy.step(clock[0])  # an idle copy's hold does not expire: its neighbours come with Start
+    assert copy.core.hold.count == 1
+
+    creator.core.scaling.started.append("work-x")  # the creator answers the copy's ping with Start
+    keeper_wire.events.append(Received(to_creator, encode(Envelope("work-x", copy.core.epoch, 1, Kind.ACK, [0, 0]))))
+    creator.step(clock[0])
+    copy_wire.events.extend(Received(to_copy, p) for t, p in keeper_wire.sent if t == to_copy)
+    clock[0] += 0.5
+    copy.step(clock[0])
+    assert copy.core.scaling.core.is_active
+    copy_wire.events.append(Received(to_copy, encode(Envelope("sink-0", sink_epoch, 2, Kind.ACK, [0, 0]))))
+    for _ in range(4):
+        clock[0] += 0.5
+        copy.step(clock[0])
+    assert copy.core.stats["refused_senders"] == 0 and copy.core.hold.count == 0
+    assert copy.core.inbound.gaps() == {}, copy.core.inbound.gaps()
+    assert copy.core.inbound.epoch_of("sink-0") == sink_epoch
+    assert [decode(p).body["type"] for t, p in keeper_wire.sent if t == to_copy] == ["start"]
+
+
 def test_a_creator_adopts_an_idle_copy_of_its_earlier_incarnation_only_after_it_echoed_a_probe(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A node lost in the middle of a duplication round (re-homing): the creator comes back
     elsewhere from rebuilt tables and knows nothing of the round; its copy, on another node,

@@ -59,7 +59,7 @@ from agent.operators.keyed import KeyedOperator, keyed_config_problems
 from agent.protocol.errors import LocalProtocolError
 
 __all__ = ["Instance", "Phase", "EXIT_OK", "EXIT_CRASH", "EXIT_BAD_SPEC", "EXIT_BROKER", "EXIT_DRAIN_TIMEOUT",
-           "FAULT_RETRY_ONLY_WITH_DATA", "FAULT_ROUTE_AFRESH"]
+           "FAULT_RETRY_ONLY_WITH_DATA", "FAULT_ROUTE_AFRESH", "FAULT_REPLAY_TO_DEPARTED"]
 
 log = logging.getLogger("agent.instance.worker")
 
@@ -122,6 +122,9 @@ FAULT_RETRY_ONLY_WITH_DATA = "retry_only_with_data"
 # Seeded fault (the same): records sent again are routed afresh, not to where they went before,
 # so after a crash a copy can reach another sink instance, which keeps it (INVARIANT 8).
 FAULT_ROUTE_AFRESH = "route_afresh"
+# Seeded fault (the same): the unacked batches of a successor we removed are replayed to its new
+# incarnation, which is departing and drops them, instead of re-routed (defect A).
+FAULT_REPLAY_TO_DEPARTED = "replay_to_departed"
 
 
 class Phase(Enum):
@@ -242,9 +245,13 @@ class Instance:
         ops = pipeline.operators
         pred_op = [ops[self.stage - 1].name] if self.stage > 0 else []
         near = pred_op + [spec.operator] + ([ops[self.stage + 1].name] if self.stage + 1 < len(ops) else [])
+        succ_op = [ops[self.stage + 1].name] if self.stage + 1 < len(ops) else []
         self._shapes = {
             Kind.DATA: (tuple(f"{o}-" for o in pred_op), {f"{spec.pipeline}.{o}.0" for o in pred_op}),
             Kind.PROTO: (tuple(f"{o}-" for o in near), {f"{spec.pipeline}.{o}.0" for o in near}),
+            # held only while we are idle (`_admit`): a re-homed successor's first ack in its new
+            # epoch reaches every predecessor of its rebuilt table, idle copies included
+            Kind.ACK: (tuple(f"{o}-" for o in succ_op), {f"{spec.pipeline}.{o}.0" for o in succ_op}),
         }
         self.scaling: Optional[ScalingDriver] = None
 
@@ -668,8 +675,14 @@ class Instance:
             # Data and protocol messages may come from an instance the protocol announces to us
             # only later (a new copy's predecessors before its Start): hold, if the name can be
             # one of a neighbouring operator's. Acks come only from instances we sent data to,
-            # which we know by then: refuse.
+            # which an active instance knows by then: refuse. An idle copy knows no successor
+            # yet, but a re-homed one numbers its first ack (its new epoch) 1 on the channel to
+            # us: refused, every later message of it would wait behind that hole until we became
+            # a new incarnation, possibly in our own deletion (docs/reliability.md, defect A).
+            # So an idle copy holds acks from a successor's name until its Start, like data.
             shape = self._shapes.get(env.kind)
+            if env.kind is Kind.ACK and not self._idle:
+                shape = None
             if shape is not None and (env.sender.startswith(shape[0]) or env.sender in shape[1]):
                 return HOLD, "sender"
             return REFUSE, "sender"
@@ -721,10 +734,15 @@ class Instance:
         if env.epoch > (known if known is not None else 0) and (env.sender in self.links
                                                                 or env.sender in self.router.succs):
             # The successor restarted: it may have lost what it held. The marker first (it drops
-            # what we sent before it: all of that is in the replay), then the replay, in order.
+            # what we sent before it: all of that is in the replay), then the replay, in order;
+            # to a successor we have removed, no replay: its unacked batches go to the current
+            # successors (docs/reliability.md, defect A).
             self._send_replay_marker(env.sender)
             if env.sender in self.links:
-                self._replay_to(env.sender)
+                if env.sender in self.router.succs or FAULT_REPLAY_TO_DEPARTED in self.faults:
+                    self._replay_to(env.sender)
+                else:
+                    self._reroute_departed(env.sender)
         # INVARIANT 1 (FIFO channel): envelopes are delivered in each sender's numbering, once.
         for e in self.inbound.receive(env):
             if e.kind is Kind.ACK:
@@ -836,9 +854,9 @@ class Instance:
                 if held is None:
                     break
                 if not self._sender_allowed(held[0]):
-                    if held[0].kind is not Kind.ACK:
-                        break  # still not announced: keep waiting
-                    self.hold.pop_first(key)  # an ack is never held for itself (see _admit)
+                    if held[0].kind is not Kind.ACK or self._idle:
+                        break  # still not announced: keep waiting (an idle copy: until its Start)
+                    self.hold.pop_first(key)  # an ack is held only until Start (see _admit)
                     self._refuse(held[0], "sender", writer)
                     continue
                 env = decode(held[1], self._decode_records)  # decoded once already: cannot fail
@@ -851,8 +869,8 @@ class Instance:
                     self._accept(env)
                 else:
                     self._refuse(env, why, writer)
-        if self.scaling is not None and not self.scaling.data_enabled:
-            return  # idle: its predecessors are announced with its Start
+        if self._idle:
+            return  # idle: its neighbours are announced with its Start
         for (sender, writer), n in self.hold.expire(now, self._hold_ttl):
             # Not announced by the protocol, or not bound to the node that wrote it, in time.
             unbound = self._waits_for_binding(sender, writer)
@@ -861,6 +879,11 @@ class Instance:
                 log.warning("refused %d envelopes from %s (written by %s): %s within %.0fs", n, sender[:64],
                             writer[:64], f"not bound to node {writer[:64]}" if unbound else "not announced to us",
                             WRITER_HOLD_TTL if unbound else HOLD_TTL, extra=self.ctx)
+
+    @property
+    def _idle(self) -> bool:
+        """A copy not yet started: it knows its neighbours only from its Start."""
+        return self.scaling is not None and not self.scaling.data_enabled
 
     def _waits_for_binding(self, sender: str, writer: str) -> bool:
         """A held stream whose sender our tables know, written by a node it is not bound to."""
@@ -925,6 +948,30 @@ class Instance:
         for dest, link in list(self.links.items()):
             link.restart_numbering()
             self._replay_to(dest)
+
+    def _reroute_departed(self, dest: str) -> None:
+        """A successor we have removed (its deletion round) came back as a new incarnation while
+        it still had batches of ours unacked: it is departing, its successors have removed it
+        too (they refuse its data), so replayed to it they were stranded for good and replayed
+        every few seconds (docs/reliability.md, defect A). They go to our current successors
+        instead, under their input index (nothing is acked upstream before they are acked
+        again). Records the departed copy had already forwarded come twice: the sink drops them
+        by id (INVARIANT 2). Keyless successors only: a keyed copy handed its state over with
+        those records applied, so we replay to it as before (docs/reliability.md)."""
+        link = self.links[dest]
+        if self.router.key is not None or not self.router.succs:
+            self._replay_to(dest)
+            return
+        batches = link.unacked()
+        records = 0
+        for u in reversed(batches):  # put_back prepends: the oldest ends first
+            env = u.payload if isinstance(u.payload, Envelope) else decode(u.payload)
+            self.outbox.put_back(list(env.body), u.low, self.now)
+            records += len(env.body)
+        del self.links[dest]
+        self.stats["departed_rerouted"] = self.stats.get("departed_rerouted", 0) + records
+        log.warning("%s left our table and came back as a new incarnation: %d unacked batches (%d records) "
+                    "re-routed to our successors", dest, len(batches), records, extra=self.ctx)
 
     def _replay_to(self, dest: str, renumber: bool = True) -> None:
         """Send every batch `dest` has not acked again.
