@@ -132,8 +132,10 @@ def test_a_restarted_chained_successor_gets_the_unacked_batches_again_unchanged_
     state = {"epoch": 0, "inbound": {}}
     sh.feed(again, Restarted(WALL0, state), 1.0)  # acks [0, 0] to op in its new epoch, by hand-off
     sh.deliver(1.0)
-    replayed = [e for d, e in sh.log[len(first):] if d == "sink-0" and e.kind is Kind.DATA]
-    assert [e.epoch for e in replayed] == [0, 0] and [e.seq for e in replayed] == [3, 4]
+    handed = [e for d, e in sh.log[len(first):] if d == "sink-0" and e.kind is Kind.DATA]
+    assert [(e.seq, len(e.body)) for e in handed] == [(3, 0), (4, 1), (5, 1)]  # the replay marker, then the replay
+    replayed = handed[1:]
+    assert [e.epoch for e in replayed] == [0, 0]
     assert replayed[0].body == [("src", 1, {"v": 1})]  # the original record, not the changed one
     assert op.stats["replayed_batches"] == 2
 

@@ -88,6 +88,19 @@ def test_the_checker_finds_each_historic_loss_when_it_is_switched_back_on(  # ty
     assert clean.ok, describe(clean)
 
 
+def _copy_leaving_while_the_sinks_acks_wait(cfg: Config) -> World:
+    """op-0 duplicated, records flowing while the sink's acks to the copy wait (so the copy acks
+    nothing upstream), then the copy's forced deletion decided."""
+    w = World(cfg)
+    w.play("plan op-0 duplicate")
+    w.deliver_all()
+    for _ in range(6):
+        w.play("time")
+        w.deliver_all(but=("sink-0->copy",))
+    w.play("plan copy terminate")
+    return w
+
+
 def _repeated_deletion_ack_then_a_lost_session(faults: Iterable[str]) -> Optional[Tuple[str, str]]:
     """The copy's Deletion waits 10 s for source-0 and goes again, so source-0 acks it twice;
     the first ack starts the Drain, which waits for the sink's acks; the second sits in the
@@ -95,13 +108,8 @@ def _repeated_deletion_ack_then_a_lost_session(faults: Iterable[str]) -> Optiona
     incarnation and replays, renumbered, the batches the copy has not acked: new data behind the
     repeated ack. (Before silent links replayed under the batches' own numbers, a silent-link
     replay put data there too: docs/reliability.md, "Found by the testbed runs".)"""
-    w = World(Config(records=8, brokers=1, broker_kinds=("lost",), faults=frozenset(faults)))
-    w.play("plan op-0 duplicate")
-    w.deliver_all()
-    for _ in range(6):  # records flow; the sink's acks to the copy wait
-        w.play("time")
-        w.deliver_all(but=("sink-0->copy",))
-    w.play("plan copy terminate")
+    w = _copy_leaving_while_the_sinks_acks_wait(Config(records=8, brokers=1, broker_kinds=("lost",),
+                                                       faults=frozenset(faults)))
     for _ in range(11):  # source-0 does not hear the Deletion for 10 s: it goes again
         w.play("time")
         w.deliver_all(but=("sink-0->copy", "copy->source-0"))
@@ -121,6 +129,33 @@ def test_the_checker_finds_a_draining_copy_that_holds_a_repeated_ack_on_a_fixed_
     assert bad is not None and bad[0] in {"round_not_ended", "records_not_exactly_once"}, bad
     assert "departing" in bad[1] or bad[0] == "records_not_exactly_once", bad
     assert _repeated_deletion_ack_then_a_lost_session(()) is None
+
+
+def _departing_copy_restarted_after_its_predecessor_removed_it(faults: Iterable[str]) -> Optional[Tuple[str, str]]:
+    """Defect A of session 11's campaign (docs/reliability.md): the copy's Deletion is applied by
+    both neighbours while the sink's acks to the copy wait (the copy's Drain waits for them, and
+    source-0 keeps the copy's inputs unacked); then the copy crashes and restarts, a new
+    incarnation in its own deletion, and asks source-0 for replays."""
+    w = _copy_leaving_while_the_sinks_acks_wait(Config(records=8, crashes=1, faults=frozenset(faults)))
+    for _ in range(3):
+        w.play("time")
+        w.deliver_all(but=("sink-0->copy",))
+    source = w.inst["source-0"]
+    assert w.copy_id not in source.router.succs and source.links[w.copy_id].inflight > 0
+    w.play("crash copy")
+    w.play("restart copy")
+    return finish(w)
+
+
+def test_a_copy_that_becomes_a_new_incarnation_in_its_own_deletion_strands_nothing() -> None:
+    """Seeded fault `replay_to_departed` (seeds 11004-11029's 188-196 lost records each): source-0
+    replayed the departing copy's unacked inputs to its new incarnation, which has no successors
+    left (the sink applied its Deletion): it cannot forward them (here it raises; in the chaos
+    runs they were replayed to it until the end). Re-routed to op-0, every record reaches the
+    sink exactly once."""
+    assert _departing_copy_restarted_after_its_predecessor_removed_it(()) is None
+    with pytest.raises(RuntimeError, match="records to forward but no successors"):
+        _departing_copy_restarted_after_its_predecessor_removed_it({"replay_to_departed"})
 
 
 OPEN = [

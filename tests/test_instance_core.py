@@ -261,7 +261,8 @@ def test_records_replayed_after_a_crash_go_to_the_sink_instance_they_went_to_bef
     restarted = Restarted(WALL0 + 1, json.loads(json.dumps(saved)), routes=(snapshot, log))
     accept_all(again, again.handle(restarted, 1.0), 1.0)
     assert set(again.router.succs) == {"sink-0", "sink-1"}
-    replay = again.handle(EnvelopeReceived(inbox, encode_data("source-0", 0, 2, records)), 1.1)
+    replay = again.handle(EnvelopeReceived(inbox, encode_data("source-0", 0, 2, [])), 1.1)  # its replay marker
+    replay += again.handle(EnvelopeReceived(inbox, encode_data("source-0", 0, 3, records)), 1.1)
     replay += again.handle(Tick(WALL0 + 1.1), 1.1)
     resent = {(it[0], it[1]): t for t, p in accept_all(again, replay, 1.1)
               for it in decode(p).body if decode(p).kind is Kind.DATA}
@@ -298,6 +299,46 @@ def test_the_core_modules_import_nothing_that_does_io() -> None:
                 mods = [node.module]
             for m in mods:
                 assert not any(m == b or m.startswith(b + ".") for b in banned), f"{name} imports {m}"
+
+
+@pytest.mark.parametrize("fault", [False, True])
+def test_batches_unacked_by_a_removed_successor_that_restarts_go_to_the_current_successors(fault: bool) -> None:
+    """Chaos seeds 11004, 11009, 11016, 11027, 11029 (docs/reliability.md, defect A): a copy we
+    had removed (its scale-in) became a new incarnation before it acked our last batch; replayed
+    to it, the batch was stranded (the copy terminated, the sink refused its data) and replayed
+    every few seconds for the rest of the run. It goes to our current successors instead, and
+    nothing is acked upstream before they ack it. With the historic fault, it goes to the copy."""
+    op = make("op")
+    if fault:
+        op.faults = frozenset({"replay_to_departed"})
+    accept_all(op, op.handle(Started(WALL0), 0.0), 0.0)
+    recs = [("src", s, {"v": s}) for s in (1, 2, 3)]
+    cmds = op.handle(EnvelopeReceived(topics.inbox(CLUSTER, "op-0", "n1"), encode_data("source-0", 0, 1, recs)), 0.1)
+    cmds += op.handle(Tick(WALL0), 0.5)
+    first = accept_all(op, cmds, 0.5)
+    to_old, to_new = topics.inbox(CLUSTER, "sink-0", "n1"), topics.inbox(CLUSTER, "sink-1", "n1")
+    assert {t for t, p in first if decode(p).kind is Kind.DATA} == {to_old}
+    op.set_routes(("sink-1",), 0.6)  # sink-0's deletion round: it left our table, unacked
+    restarted = encode(Envelope("sink-0", 1, 1, Kind.ACK, [0, 0]))  # its new incarnation asks for replays
+    cmds = op.handle(EnvelopeReceived(topics.inbox(CLUSTER, "op-0", "n1"), restarted), 0.7)
+    cmds += op.handle(Tick(WALL0 + 1), 1.0)
+    sent = accept_all(op, cmds, 1.0)
+    data = [(t, decode(p)) for t, p in sent if decode(p).kind is Kind.DATA]
+    to_source = [decode(p) for t, p in sent if t == topics.inbox(CLUSTER, "source-0", "n1")]
+    assert not [e for e in to_source if e.kind is Kind.ACK and e.body[1] >= 1]  # nothing acked upstream yet
+    if fault:
+        assert {t for t, _ in data} == {to_old} and "sink-0" in op.links
+        return
+    assert {t for t, e in data if e.body} == {to_new}
+    assert [e.body for t, e in data if t == to_old] == [[]]  # its replay marker, and nothing to replay
+    assert [it[:2] for _, e in data for it in e.body] == [it[:2] for it in recs]
+    assert "sink-0" not in op.links and op.stats["departed_rerouted"] == 3
+    ack = encode(Envelope("sink-1", 0, 1, Kind.ACK, [op.epoch, max(e.seq for t, e in data if t == to_new)]))
+    cmds = op.handle(EnvelopeReceived(topics.inbox(CLUSTER, "op-0", "n1"), ack), 1.1)
+    for t in (2.0, 3.0, 4.0):  # acks upstream are coalesced for a moment
+        cmds += op.handle(Tick(WALL0 + t), t)
+    acks = [decode(p) for t, p in accept_all(op, cmds, 4.0) if t == topics.inbox(CLUSTER, "source-0", "n1")]
+    assert [list(a.body) for a in acks if a.kind is Kind.ACK] == [[0, 1]]
 
 
 def _map_with(fn: Any) -> Instance:

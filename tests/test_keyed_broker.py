@@ -203,8 +203,12 @@ def test_a_windowed_sum_survives_kill_9_of_its_agent(mosquitto, tmp_path: Path) 
     logs = "".join((tmp_path / f"agent-{n}.log").read_text()[-2000:] for n in (1, 2))
     assert coll.conflicts == [], coll.conflicts[:3]
     assert coll.got == want, (sorted(set(want) - set(coll.got))[:5], sorted(set(coll.got) - set(want))[:5], logs)
-    saved = json.loads((state / "keyed.win.0.keyed.json").read_text())
-    assert saved["positions"] and saved["key_groups"] == 128
+    from agent.instance.keyed_state import KeyedState
+
+    saved = KeyedState.load(state / "keyed.win.0.keyed.json")
+    assert saved is not None and saved["key_groups"] == 128
+    floors = [a[0] for a in saved["applied"].values()]
+    assert floors and max(floors) > 0, saved["applied"]  # the source's claims reached the keyed state
 
 
 def test_bench_keyed_runs_all_three_pipelines_and_reports_their_state(tmp_path: Path) -> None:

@@ -183,6 +183,24 @@ def test_a_hole_in_a_senders_numbering_that_stays_open_makes_us_a_new_incarnatio
     assert w.core.stats["gaps_recovered"] == 1  # the hole was forgotten with the old channel positions
 
 
+def _source_sent_two_batches(tmp_path, clock: list, wire: "MemoryWire"):  # type: ignore[no-untyped-def]
+    """The source of `_chain` after it sent its first 8 records to work-0 as batches 1 and 2:
+    (the worker, work-0's inbox, the two data envelopes)."""
+    from agent import topics
+    from agent.dataplane.envelope import Kind, decode
+
+    w = _chain(tmp_path, clock, wire, "source")
+    for i in range(8):
+        w.core.operator.ingest("sensors/x", b'{"v": %d}' % i)
+    clock[0] += 0.1
+    w.step(clock[0])
+    w.step(clock[0])
+    to_work = topics.inbox("c", "work-0", "local")
+    first = [decode(p) for t, p in wire.sent if t == to_work and decode(p).kind is Kind.DATA]
+    assert [e.seq for e in first] == [1, 2]
+    return w, to_work, first
+
+
 def test_batches_a_successor_never_acks_are_replayed_to_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The last batches sent to a successor went missing (nothing comes after them, so it sees
     no hole): after LINK_SILENCE without an ack they are sent again under their own numbers
@@ -197,15 +215,7 @@ def test_batches_a_successor_never_acks_are_replayed_to_it(tmp_path) -> None:  #
     from agent.instance.core import LINK_SILENCE
 
     clock, wire = [100.0], MemoryWire()
-    w = _chain(tmp_path, clock, wire, "source")
-    for i in range(8):
-        w.core.operator.ingest("sensors/x", b'{"v": %d}' % i)
-    clock[0] += 0.1
-    w.step(clock[0])
-    w.step(clock[0])
-    to_work = topics.inbox("c", "work-0", "local")
-    first = [decode(p) for t, p in wire.sent if t == to_work and decode(p).kind.value == "d"]
-    assert [e.seq for e in first] == [1, 2]
+    w, to_work, first = _source_sent_two_batches(tmp_path, clock, wire)
     wire.events.append(Received(topics.inbox("c", "source-0", "local"),
                                 encode(Envelope("work-0", 0, 1, Kind.ACK, [w.core.epoch, 1]))))  # batch 1 only
     sent = len(wire.sent)
@@ -234,6 +244,145 @@ def test_batches_a_successor_never_acks_are_replayed_to_it(tmp_path) -> None:  #
         clock[0] += 0.5
         w.step(clock[0])
     assert len([p for t, p in wire.sent[sent:] if t == to_work]) == 1
+
+
+def _run(worker, clock: list, seconds: float) -> None:  # type: ignore[no-untyped-def]
+    """Step `worker` every 0.25 s of its clock `clock[0]` for `seconds`."""
+    end = clock[0] + seconds
+    while clock[0] < end:
+        clock[0] += 0.25
+        worker.step(clock[0])
+
+
+def test_a_predecessor_sends_a_replay_marker_before_its_replay_to_a_restarted_successor(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A successor in a new epoch (restarted) gets an empty data batch first, then every batch it
+    had not acked, renumbered after it: the marker tells it where the replay starts."""
+    from agent import topics
+    from agent.dataplane.envelope import Envelope, Kind, decode, encode
+    from agent.mqtt.transport import Received
+
+    clock, wire = [100.0], MemoryWire()
+    w, to_work, first = _source_sent_two_batches(tmp_path, clock, wire)
+    assert first[0].floors == {"source-0": 0}  # nothing acked yet: the source claims nothing
+    sent = len(wire.sent)
+    wire.events.append(Received(topics.inbox("c", "source-0", "local"),
+                                encode(Envelope("work-0", 1, 1, Kind.ACK, [0, 0]))))  # work-0, restarted
+    clock[0] += 0.1
+    w.step(clock[0])
+    after = [decode(p) for t, p in wire.sent[sent:] if t == to_work]
+    assert [(e.seq, len(e.body)) for e in after] == [(3, 0), (4, 4), (5, 4)], after  # marker, then the replay
+    assert [e.body for e in after[1:]] == [e.body for e in first]
+
+
+def test_a_source_claims_its_acked_numbers_and_a_stateless_instance_passes_the_claims_on(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The floors of agent.instance.applied: the source's batches carry the first number it has not
+    seen acked end to end (8 once work-0 acked batches 1-2 = records 0-7, taken in one poll: a poll
+    counts once all of it is acked); an instance after it puts the
+    largest claim it received for a source on every batch with records of that source."""
+    from agent import topics
+    from agent.dataplane.envelope import Envelope, Kind, decode, encode, encode_data
+    from agent.mqtt.transport import Received
+    from agent.operators.taxi import sample
+
+    clock, wire = [100.0], MemoryWire()
+    src, to_work, first = _source_sent_two_batches(tmp_path / "a", clock, wire)
+    wire.events.append(Received(topics.inbox("c", "source-0", "local"),
+                                encode(Envelope("work-0", 0, 1, Kind.ACK, [src.core.epoch, 2]))))
+    for i in range(8, 12):
+        src.core.operator.ingest("sensors/x", b'{"v": %d}' % i)
+    _run(src, clock, 0.5)
+    later = [decode(p) for t, p in wire.sent if t == to_work and decode(p).kind is Kind.DATA][2:]
+    assert later and later[0].floors == {"source-0": 8}, later
+
+    wire2 = MemoryWire()
+    work = _chain(tmp_path / "b", clock, wire2, "work")
+    recs = sample(1, 8)
+    inbox = topics.inbox("c", "work-0", "local")
+    wire2.events += [Received(inbox, encode_data("source-0", 0, 1, [("source-0", i, recs[i]) for i in range(4)],
+                                                 {"source-0": 2})),
+                     Received(inbox, encode_data("source-0", 0, 2, [("source-0", i, recs[i]) for i in range(4, 8)],
+                                                 {"source-0": 1}))]  # an older claim, later: still true
+    _run(work, clock, 0.5)
+    out = [decode(p) for t, p in wire2.sent if t == topics.inbox("c", "sink-0", "local")]
+    assert out and all(e.floors == {"source-0": 2} for e in out if e.kind is Kind.DATA), out
+
+
+def test_a_restarted_instance_takes_a_predecessors_records_in_order_after_its_replay_marker(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """kill -9 of `work` after it processed batches 1-2 of the source (what it forwarded may be
+    lost with it), with batches 3-4 still queued for it. Its new incarnation asks for a replay;
+    the source sends a marker and batches 1-4 again. Processing the queued 3-4 first would send
+    records 8-15 ahead of the replayed 0-7, and a keyed operator after it would close its
+    windows without them (seed 25 of the stateful chaos run, docs/reliability.md). So what comes
+    from the source before its marker is dropped: the records leave in the source's order."""
+    import os
+
+    from agent import topics
+    from agent.dataplane.envelope import Kind, decode, encode_data
+    from agent.mqtt.transport import Received
+    from agent.operators.taxi import sample
+
+    clock, wire = [100.0], MemoryWire()
+    inbox = topics.inbox("c", "work-0", "local")
+    recs = sample(1, 16)
+
+    def batch(seq: int, first: int) -> Received:  # records first .. first+3 of the source
+        return Received(inbox, encode_data("source-0", 0, seq, [("source-0", first + i, recs[first + i])
+                                                                 for i in range(4)]))
+
+    def run(worker, seconds: float) -> None:  # type: ignore[no-untyped-def]
+        _run(worker, clock, seconds)
+
+    w = _chain(tmp_path, clock, wire, "work")
+    wire.events += [batch(1, 0), batch(2, 4)]
+    run(w, 2.0)  # processed and forwarded; the channel position is on disk
+    os.close(w._identity_lock)  # kill -9
+    sent = len(wire.sent)
+    wire.events += [batch(3, 8), batch(4, 12)]  # queued for it before the source saw its new epoch
+    again = _chain(tmp_path, clock, wire, "work", restart=True)
+    run(again, 0.5)
+    wire.events.append(Received(inbox, encode_data("source-0", 0, 5, [])))  # the source's marker
+    wire.events += [batch(6 + k, 4 * k) for k in range(4)]  # its replay: batches 1-4, renumbered
+    run(again, 1.0)
+    out = [decode(p) for t, p in wire.sent[sent:] if t == topics.inbox("c", "sink-0", "local")]
+    seqs = [q for e in out if e.kind is Kind.DATA for _, q, _ in e.body]
+    assert seqs == list(range(16)), seqs
+    assert again.core.stats["dropped_before_replay"] == 2
+
+
+def test_a_restarted_instance_asks_again_when_a_predecessors_marker_does_not_come(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The request for a replay was lost (a broker that lost its state): the predecessor keeps
+    sending new data, which the restarted instance drops while it waits for the marker. After
+    REPLAY_WAIT it asks again as a new incarnation instead of dropping for ever."""
+    import os
+
+    from agent import topics
+    from agent.dataplane.envelope import Kind, decode, encode_data
+    from agent.mqtt.transport import Received
+    from agent.operators.taxi import sample
+    from agent.instance.core import REPLAY_WAIT
+
+    clock, wire = [100.0], MemoryWire()
+    inbox = topics.inbox("c", "work-0", "local")
+    recs = sample(1, 8)
+
+    def batch(seq: int, first: int) -> Received:
+        return Received(inbox, encode_data("source-0", 0, seq, [("source-0", first + i, recs[first + i])
+                                                                 for i in range(4)]))
+
+    w = _chain(tmp_path, clock, wire, "work")
+    wire.events.append(batch(1, 0))
+    _run(w, clock, 2.0)
+    os.close(w._identity_lock)
+    again = _chain(tmp_path, clock, wire, "work", restart=True)
+    epoch = again.core.epoch
+    wire.events.append(batch(2, 4))
+    _run(again, clock, REPLAY_WAIT - 2)
+    assert again.core.epoch == epoch and again.core.stats["dropped_before_replay"] == 1
+    sent = len(wire.sent)
+    _run(again, clock, 3)
+    assert again.core.epoch == epoch + 1 and again.core.stats["replays_asked_again"] == 1
+    asks = [decode(p) for t, p in wire.sent[sent:] if t == topics.inbox("c", "source-0", "local")]
+    assert any(e.kind is Kind.ACK and e.epoch == epoch + 1 and list(e.body) == [0, 0] for e in asks), asks
 
 
 def test_an_instance_restarted_after_its_termination_exits_for_good(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -337,6 +486,45 @@ def test_an_idle_copy_asks_its_creator_for_start_again_and_only_its_creator_answ
     copy_wire.events.extend(Received(to_copy, encode(e)) for e in probe + sent)
     copy.step(clock[0])
     assert copy.core.scaling.core.is_active and copy.core.router.succs == ("sink-0",)  # started at last
+
+
+def test_an_idle_copy_holds_a_rehomed_successors_first_ack_until_its_start(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Chaos seeds 11004, 11009, 11029 (docs/reliability.md, defect A): a re-homed sink, a new
+    incarnation, sends every predecessor of its rebuilt table an empty ack in its new epoch,
+    number 1 on its channel, idle copies included. Refused, it left a hole at 1: every later
+    message of the sink waited behind it, the copy's Drain never saw its acks, and five seconds
+    later the copy became a new incarnation in its own deletion. Held until Start like data, it
+    is delivered then, and the sink's next ack follows it in order."""
+    from agent import topics
+    from agent.dataplane.envelope import Envelope, Kind, decode, encode
+    from agent.mqtt.transport import Received
+
+    clock, copy, copy_wire, creator, keeper_wire = _creator_and_idle_copy(tmp_path)
+    to_copy, to_creator = topics.inbox("c", "work-x", "local"), topics.inbox("c", "work-0", "local")
+    sink_epoch = 7  # the re-homed sink's new epoch
+    copy_wire.events.append(Received(to_copy, encode(Envelope("sink-0", sink_epoch, 1, Kind.ACK, [0, 0]))))
+    clock[0] += 0.5
+    copy.step(clock[0])
+    assert copy.core.stats["refused_senders"] == 0 and copy.core.hold.count == 1
+    clock[0] += 30
+    copy.step(clock[0])  # an idle copy's hold does not expire: its neighbours come with Start
+    assert copy.core.hold.count == 1
+
+    creator.core.scaling.started.append("work-x")  # the creator answers the copy's ping with Start
+    keeper_wire.events.append(Received(to_creator, encode(Envelope("work-x", copy.core.epoch, 1, Kind.ACK, [0, 0]))))
+    creator.step(clock[0])
+    copy_wire.events.extend(Received(to_copy, p) for t, p in keeper_wire.sent if t == to_copy)
+    clock[0] += 0.5
+    copy.step(clock[0])
+    assert copy.core.scaling.core.is_active
+    copy_wire.events.append(Received(to_copy, encode(Envelope("sink-0", sink_epoch, 2, Kind.ACK, [0, 0]))))
+    for _ in range(4):
+        clock[0] += 0.5
+        copy.step(clock[0])
+    assert copy.core.stats["refused_senders"] == 0 and copy.core.hold.count == 0
+    assert copy.core.inbound.gaps() == {}, copy.core.inbound.gaps()
+    assert copy.core.inbound.epoch_of("sink-0") == sink_epoch
+    assert [decode(p).body["type"] for t, p in keeper_wire.sent if t == to_copy] == ["start"]
 
 
 def test_a_creator_adopts_an_idle_copy_of_its_earlier_incarnation_only_after_it_echoed_a_probe(tmp_path) -> None:  # type: ignore[no-untyped-def]

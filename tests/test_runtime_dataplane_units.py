@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agent.dataplane.channel import Inbound, Outbound
-from agent.dataplane.envelope import Envelope, Kind, MalformedEnvelope, decode, encode, encode_data
+from agent.dataplane.envelope import Envelope, Kind, MalformedEnvelope, data_body_bytes, decode, encode, encode_data
 from agent.dataplane.flow import AckTracker, OutLink
 from agent.dataplane.routing import Outbox, Router, key_group
 
@@ -26,6 +26,11 @@ def test_envelope_round_trips_every_kind() -> None:
         assert decode(encode(env)) == env
     fast = encode_data("a-0", 1, 9, [("s", 1, {"v": 1})])
     assert decode(fast) == Envelope("a-0", 1, 9, Kind.DATA, [("s", 1, {"v": 1})])
+    items = [("s", 1, {"v": 1}), ("s", 2, {"v": 2})]
+    with_floors = decode(encode_data("a-0", 1, 9, items, {"s": 1}))
+    assert with_floors.floors == {"s": 1} and decode(encode(with_floors)) == with_floors
+    body = data_body_bytes(with_floors)  # what a sink spills: the body alone
+    assert body is not None and body == data_body_bytes(decode(encode_data("a-0", 1, 9, items)))
 
 
 @pytest.mark.parametrize(
@@ -48,6 +53,12 @@ def test_envelope_round_trips_every_kind() -> None:
         b"[1, \"a\", 0, 1, \"d\", [[\"s\", 1]]]",
         b"[1, \"a\", 0, 1, \"p\", [1]]",
         b"[1, \"a\", true, 1, \"a\", 1]",
+        b"[1, \"a\", 0, 1, \"d\", [], {\"s\": -1}]",  # floors: integers >= 0
+        b"[1, \"a\", 0, 1, \"d\", [], {\"s\": true}]",
+        b"[1, \"a\", 0, 1, \"d\", [], {\"\": 1}]",
+        b"[1, \"a\", 0, 1, \"d\", [], [1]]",
+        b"[1, \"a\", 0, 1, \"a\", [0, 1], {\"s\": 1}]",  # only data carries floors
+        b"[1, \"a\", 0, 1, \"d\", [], {" + b",".join(b'"s%d": 1' % i for i in range(65)) + b"}]",
         b"[" * 100000,
     ],
 )

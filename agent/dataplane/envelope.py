@@ -14,7 +14,11 @@ Encoding (JSON, inspectable with mosquitto_sub; measured in `bench dataplane`):
 
     kind "d" (data):  body = [[source_instance, source_seq, record], ...]  (record id end to end)
                       or, when all records are dicts with the same keys (see encode_data),
-                      {"k": [keys], "r": [[source_instance, source_seq, [values]], ...]}
+                      {"k": [keys], "r": [[source_instance, source_seq, [values]], ...]};
+                      optionally a 7th element, the floors {source_instance: n}: every record
+                      of that source numbered below n has been acked end to end (applied by
+                      every operator downstream, or filtered before it; agent.instance.applied).
+                      An empty body is a replay marker (agent.instance.core, `_await_replays`).
     kind "a" (ack):   body = [epoch, seq]: every data envelope the receiver got from the data
                       sender's incarnation `epoch` up to `seq` is processed AND forwarded AND acked
                       by the next hop in turn (cumulative; the flow-control credit comes back with
@@ -81,6 +85,7 @@ class Envelope:
     # The bytes a data envelope was decoded from (a sink may spill the batch as received,
     # without re-encoding it: see `data_body_bytes`); None for envelopes built in memory.
     raw: Optional[bytes] = field(default=None, compare=False, repr=False)
+    floors: Optional[Dict[str, int]] = None  # data only: see the module docstring
 
     def __post_init__(self) -> None:
         if not isinstance(self.sender, str) or not self.sender:
@@ -205,7 +210,12 @@ def _parse(raw: Union[bytes, bytearray, str]) -> Any:
 
 
 def encode(env: Envelope) -> bytes:
+    if env.floors and env.kind is Kind.DATA:
+        return _fast_dumps([VERSION, env.sender, env.epoch, env.seq, env.kind.value, env.body, env.floors])
     return _fast_dumps([VERSION, env.sender, env.epoch, env.seq, env.kind.value, env.body])
+
+
+MAX_FLOORS = 64  # floors one data envelope may carry (hostile input: bounded before use)
 
 
 class Passed(list):  # type: ignore[type-arg]
@@ -224,7 +234,8 @@ class Passed(list):  # type: ignore[type-arg]
         self.body = body
 
 
-def encode_data(sender: str, epoch: int, seq: int, items: List[Item]) -> bytes:
+def encode_data(sender: str, epoch: int, seq: int, items: List[Item],
+                floors: Optional[Dict[str, int]] = None) -> bytes:
     """Fast path for data batches: no Envelope object, items as built by the data path.
 
     When every record is a dict with the same keys in the same order (the taxi schema), the keys
@@ -233,7 +244,10 @@ def encode_data(sender: str, epoch: int, seq: int, items: List[Item]) -> bytes:
     48 -> 21 kB on the wire. Anything else is sent as the plain list of items.
     """
     if type(items) is Passed:
-        return b"".join((_fast_dumps([VERSION, sender, epoch, seq, "d"])[:-1], b",", items.body, b"]"))
+        tail = b"]" if not floors else b"," + _fast_dumps(floors) + b"]"
+        return b"".join((_fast_dumps([VERSION, sender, epoch, seq, "d"])[:-1], b",", items.body, tail))
+    if floors:
+        return _fast_dumps([VERSION, sender, epoch, seq, "d", _compact(items), floors])
     return _fast_dumps([VERSION, sender, epoch, seq, "d", _compact(items)])
 
 
@@ -264,6 +278,9 @@ def decode(raw: Union[bytes, bytearray, str], records: bool = True) -> Envelope:
         msg = _parse(raw)
     except (ValueError, TypeError, RecursionError) as exc:
         raise MalformedEnvelope(f"envelope: not valid JSON ({str(exc)[:80]})") from None
+    floors: Optional[Dict[str, int]] = None
+    if isinstance(msg, list) and len(msg) == 7 and msg[4] == "d":
+        floors = _floors(msg.pop())
     if not isinstance(msg, list) or len(msg) != 6:
         raise MalformedEnvelope(f"envelope: expected a 6-element JSON array, found {_short(msg)}")
     version, sender, epoch, seq, kind, body = msg
@@ -278,7 +295,8 @@ def decode(raw: Union[bytes, bytearray, str], records: bool = True) -> Envelope:
         raise MalformedEnvelope(f"envelope from {sender}: unknown kind {_short(kind)}, expected d, a or p")
     if k is Kind.DATA:
         if type(body) is dict:
-            return Envelope(sender, epoch, seq, k, _expand(sender, body, records), bytes(raw) if isinstance(raw, (bytes, bytearray)) else None)
+            return Envelope(sender, epoch, seq, k, _expand(sender, body, records),
+                            bytes(raw) if isinstance(raw, (bytes, bytearray)) else None, floors)
         if not isinstance(body, list):
             raise MalformedEnvelope(f"data from {sender}: expected a list of records, found {_short(body)}")
         items: List[Item] = []
@@ -291,7 +309,8 @@ def decode(raw: Union[bytes, bytearray, str], records: bool = True) -> Envelope:
             if type(src) is not str or type(rseq) is not int or rseq < 0:
                 raise MalformedEnvelope(f"data from {sender}: expected [source, seq, record], found {_short(it)}")
             append((src, rseq, rec))
-        return Envelope(sender, epoch, seq, k, items, bytes(raw) if isinstance(raw, (bytes, bytearray)) else None)
+        return Envelope(sender, epoch, seq, k, items, bytes(raw) if isinstance(raw, (bytes, bytearray)) else None,
+                        floors)
     elif k is Kind.ACK:
         if type(body) is not list or len(body) != 2 or _bad_int(body[0], 0) or _bad_int(body[1], 0):
             raise MalformedEnvelope(f"ack from {sender}: expected [epoch, seq], found {_short(body)}")
@@ -299,6 +318,15 @@ def decode(raw: Union[bytes, bytearray, str], records: bool = True) -> Envelope:
     elif not isinstance(body, dict):
         raise MalformedEnvelope(f"protocol message from {sender}: expected an object, found {_short(body)}")
     return Envelope(sender, epoch, seq, k, body)
+
+
+def _floors(value: Any) -> Dict[str, int]:
+    """A data envelope's floors, checked: at most MAX_FLOORS, source names to integers >= 0."""
+    if type(value) is not dict or len(value) > MAX_FLOORS or not all(
+            type(k) is str and k and type(v) is int and v >= 0 for k, v in value.items()):
+        raise MalformedEnvelope(f"data envelope: expected floors {{source: integer >= 0}} (at most {MAX_FLOORS}), "
+                                f"found {_short(value)}")
+    return value
 
 
 def _expand(sender: str, body: Dict[str, Any], records: bool = True) -> List[Item]:
@@ -329,12 +357,13 @@ def data_body_bytes(env: Envelope) -> Optional[bytes]:
     """The JSON text of a data envelope's body, sliced out of the bytes it arrived as (no
     re-encoding), or None when the bytes are not exactly what `encode_data` writes."""
     raw = env.raw
-    if raw is None or not raw.endswith(b"]"):
+    tail = b"]" if not env.floors else b"," + _dumps(env.floors).encode() + b"]"
+    if raw is None or not raw.endswith(tail):
         return None
     head = _dumps([VERSION, env.sender, env.epoch, env.seq, "d"])[:-1].encode() + b","
     if not raw.startswith(head):
         return None
-    return raw[len(head):-1]
+    return raw[len(head):-len(tail)]
 
 
 _repr = reprlib.Repr()

@@ -121,6 +121,23 @@ class Outbox:
         buf.extend((it, index) for it in items)
         self.pending += len(items)
 
+    def put_back(self, items: Sequence[Item], index: int, now: float) -> None:
+        """Buffer again records sent earlier (to a successor that left the table) ahead of the
+        rest: everything still buffered was produced after them, so the buffers stay in index
+        order, which the upstream ack position (`lowest_index`, each batch's low) relies on."""
+        if not items:
+            return
+        if self.router.key is None:
+            if not self._shared:
+                self._shared_since = now
+            self._shared.appendleft([list(items), index, 0])
+            self._shared_n += len(items)
+            self.pending += len(items)
+            return
+        self.add(items, index, now)
+        for buf in self._keyed.values():
+            buf.sort(key=lambda p: p[1])
+
     def take(self, now: float, credit: Callable[[str], int], force: bool = False) -> List[Tuple[str, List[Item], int]]:
         """Batches to send now: [(dest, items, lowest index)]. The caller must send them all."""
         out: List[Tuple[str, List[Item], int]] = []

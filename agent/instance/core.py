@@ -35,7 +35,7 @@ from agent import events, topics
 from agent.config import PipelineConfig
 from agent.dataplane.channel import Inbound, Outbound
 from agent.dataplane.envelope import (
-    Envelope, Item, Kind, MalformedEnvelope, Passed, data_body_bytes, decode, encode, encode_data,
+    MAX_FLOORS, Envelope, Item, Kind, MalformedEnvelope, Passed, data_body_bytes, decode, encode, encode_data,
 )
 from agent.dataplane.flow import AckTracker, OutLink
 from agent.dataplane.inbound import ACCEPT, HOLD, REFUSE, HoldBuffer, LogLimiter, numbering_fault, writer_verdict
@@ -59,7 +59,7 @@ from agent.operators.keyed import KeyedOperator, keyed_config_problems
 from agent.protocol.errors import LocalProtocolError
 
 __all__ = ["Instance", "Phase", "EXIT_OK", "EXIT_CRASH", "EXIT_BAD_SPEC", "EXIT_BROKER", "EXIT_DRAIN_TIMEOUT",
-           "FAULT_RETRY_ONLY_WITH_DATA", "FAULT_ROUTE_AFRESH"]
+           "FAULT_RETRY_ONLY_WITH_DATA", "FAULT_ROUTE_AFRESH", "FAULT_REPLAY_TO_DEPARTED"]
 
 log = logging.getLogger("agent.instance.worker")
 
@@ -91,6 +91,10 @@ GAP_TIMEOUT = 5.0
 # their own numbers (what it lost sits at the end of its channel, so it sees no hole). A successor
 # that only was slow (an overloaded chain delays acks for seconds) drops the copies in its channel.
 LINK_SILENCE = 5.0
+# A predecessor whose data we drop while we wait for its replay marker (`_await_replays`) and whose
+# marker has not come this long after the first drop never got our request (lost with a broker's
+# state): we ask again, as a new incarnation. Generous: a loaded predecessor answers late.
+REPLAY_WAIT = 10.0
 LINK_SILENCE_MAX = 600.0  # the wait doubles after each replay that brought no ack (a dead node's
 # instance, re-homing off: its session would otherwise fill with a window of copies every 5 s)
 SILENCE_CHECK = 1.0  # seconds between the two checks above
@@ -103,6 +107,7 @@ HOLD_TTL = 60.0
 # then they are refused (`refused_nodes`): a forgery by another node never gets bound.
 WRITER_HOLD_TTL = 20.0
 HOLD_MAX_SENDERS = 64
+FLOORS_KEPT = 4096  # sources whose floor claims an instance keeps and forwards (agent.instance.applied)
 HOLD_MAX_BYTES = 8 << 20
 # Marks a destination that is an MQTT topic of the operator's own (a sink's publications), not an
 # instance: instance ids never contain "\0" (topics._check), so the two cannot be confused.
@@ -117,6 +122,9 @@ FAULT_RETRY_ONLY_WITH_DATA = "retry_only_with_data"
 # Seeded fault (the same): records sent again are routed afresh, not to where they went before,
 # so after a crash a copy can reach another sink instance, which keeps it (INVARIANT 8).
 FAULT_ROUTE_AFRESH = "route_afresh"
+# Seeded fault (the same): the unacked batches of a successor we removed are replayed to its new
+# incarnation, which is departing and drops them, instead of re-routed (defect A).
+FAULT_REPLAY_TO_DEPARTED = "replay_to_departed"
 
 
 class Phase(Enum):
@@ -237,9 +245,13 @@ class Instance:
         ops = pipeline.operators
         pred_op = [ops[self.stage - 1].name] if self.stage > 0 else []
         near = pred_op + [spec.operator] + ([ops[self.stage + 1].name] if self.stage + 1 < len(ops) else [])
+        succ_op = [ops[self.stage + 1].name] if self.stage + 1 < len(ops) else []
         self._shapes = {
             Kind.DATA: (tuple(f"{o}-" for o in pred_op), {f"{spec.pipeline}.{o}.0" for o in pred_op}),
             Kind.PROTO: (tuple(f"{o}-" for o in near), {f"{spec.pipeline}.{o}.0" for o in near}),
+            # held only while we are idle (`_admit`): a re-homed successor's first ack in its new
+            # epoch reaches every predecessor of its rebuilt table, idle copies included
+            Kind.ACK: (tuple(f"{o}-" for o in succ_op), {f"{spec.pipeline}.{o}.0" for o in succ_op}),
         }
         self.scaling: Optional[ScalingDriver] = None
 
@@ -288,6 +300,13 @@ class Instance:
         self._final = False
         self._last_source_write = -1e9
         self._holes: Dict[str, Tuple[Tuple[int, int], float]] = {}  # sender -> ((epoch, missing seq), since)
+        # A new incarnation of ours: predecessor -> its epoch we knew, for the predecessors whose
+        # data before their replay marker we drop (`_await_replays`, docs/reliability.md).
+        self._awaiting_replay: Dict[str, int] = {}
+        self._dropped_since: Dict[str, float] = {}  # of those: when we first dropped its data
+        # Source -> the largest floor claimed for it in our input (agent.instance.applied): passed
+        # on with the records of that source; a source claims its own.
+        self._floors: Dict[str, int] = {}
         self._next_silence_check = 0.0
         self.first_record_at: Optional[float] = None
         self.activated_at: Optional[float] = None  # wall time of our Start (rescale breakdown)
@@ -386,6 +405,7 @@ class Instance:
         if restart:
             # Tell each predecessor we are a new incarnation (an ack of nothing, numbered in our
             # new epoch): it replays what we had not acknowledged (see _replay_to).
+            self._await_replays(self.scaling.core.preds)
             for pred in sorted(self.scaling.core.preds):
                 self.send_envelope(pred, Kind.ACK, [0, 0])
             self.scaling.resync(now)
@@ -655,8 +675,14 @@ class Instance:
             # Data and protocol messages may come from an instance the protocol announces to us
             # only later (a new copy's predecessors before its Start): hold, if the name can be
             # one of a neighbouring operator's. Acks come only from instances we sent data to,
-            # which we know by then: refuse.
+            # which an active instance knows by then: refuse. An idle copy knows no successor
+            # yet, but a re-homed one numbers its first ack (its new epoch) 1 on the channel to
+            # us: refused, every later message of it would wait behind that hole until we became
+            # a new incarnation, possibly in our own deletion (docs/reliability.md, defect A).
+            # So an idle copy holds acks from a successor's name until its Start, like data.
             shape = self._shapes.get(env.kind)
+            if env.kind is Kind.ACK and not self._idle:
+                shape = None
             if shape is not None and (env.sender.startswith(shape[0]) or env.sender in shape[1]):
                 return HOLD, "sender"
             return REFUSE, "sender"
@@ -705,14 +731,30 @@ class Instance:
     def _accept(self, env: Envelope) -> None:
         before = self.inbound.stats.duplicates + self.inbound.stats.stale_epoch
         known = self.inbound.epoch_of(env.sender)
-        if env.sender in self.links and env.epoch > (known if known is not None else 0):
-            self._replay_to(env.sender)  # the successor restarted: it may have lost what it held
+        if env.epoch > (known if known is not None else 0) and (env.sender in self.links
+                                                                or env.sender in self.router.succs):
+            # The successor restarted: it may have lost what it held. The marker first (it drops
+            # what we sent before it: all of that is in the replay), then the replay, in order;
+            # to a successor we have removed, no replay: its unacked batches go to the current
+            # successors (docs/reliability.md, defect A).
+            self._send_replay_marker(env.sender)
+            if env.sender in self.links:
+                if env.sender in self.router.succs or FAULT_REPLAY_TO_DEPARTED in self.faults:
+                    self._replay_to(env.sender)
+                else:
+                    self._reroute_departed(env.sender)
         # INVARIANT 1 (FIFO channel): envelopes are delivered in each sender's numbering, once.
         for e in self.inbound.receive(env):
             if e.kind is Kind.ACK:
                 self._on_ack(e)
             else:
                 if e.kind is Kind.DATA:
+                    if not e.body:  # a replay marker: its replay follows (`_await_replays`)
+                        self._awaiting_replay.pop(e.sender, None)
+                        self._dropped_since.pop(e.sender, None)
+                        continue
+                    if self._awaiting_replay and self._before_replay(e):
+                        continue  # its replay brings it again, in order
                     self._period_records += len(e.body)
                     self.signals.arrived(len(e.body))
                 q = self.queues.get(e.sender)
@@ -726,6 +768,48 @@ class Instance:
             # (acks are end to end); rare enough to say so once per occurrence.
             log.warning("data batch %d of %s's old epoch %d dropped (now epoch %s)", env.seq, env.sender,
                         env.epoch, self.inbound.epoch_of(env.sender), extra=self.ctx)
+
+    def _await_replays(self, preds: Any) -> None:
+        """We are a new incarnation and ask `preds` for a replay. Data a predecessor sent before
+        it saw our new epoch may still be queued for us: newer records than the ones we lost
+        with our memory. Processed first, they would reach the successors ahead of the replayed
+        older ones (a keyed operator's window then closes without them: seed 25 of the stateful
+        chaos run). Everything such a predecessor sent us and we did not ack is in its replay,
+        which follows its replay marker (an empty data batch, `_send_replay_marker`), so what
+        comes from it before the marker is dropped, and its records reach us in its order.
+        Only predecessors we had a channel with (the others sent us nothing yet, and may not
+        know us yet: they would never send a marker); a newer epoch of the predecessor ends the
+        wait (restarted itself: all it sends is fresh). docs/reliability.md, "Replays in order"."""
+        self._awaiting_replay = {}
+        self._dropped_since = {}
+        for p in preds:
+            pos = self.inbound.position(p)
+            if pos is not None:
+                self._awaiting_replay[p] = pos[0]
+
+    def _before_replay(self, env: Envelope) -> bool:
+        """Drop `env` (data from a predecessor whose replay marker has not come yet)?"""
+        epoch = self._awaiting_replay.get(env.sender)
+        if epoch is None:
+            return False
+        if env.epoch > epoch:
+            del self._awaiting_replay[env.sender]  # a new incarnation of it: fresh data
+            self._dropped_since.pop(env.sender, None)
+            return False
+        self.stats["dropped_before_replay"] = self.stats.get("dropped_before_replay", 0) + 1
+        self._dropped_since.setdefault(env.sender, self.now)
+        return True
+
+    def _send_replay_marker(self, dest: str) -> None:
+        """An empty data batch on the channel to `dest`: what we send after it is our replay and
+        newer data (see `_await_replays`). Outside the replay buffer and the credit window; the
+        receiver never processes nor acks it (cumulative acks cover its number)."""
+        seq = self.outbound.take(dest)
+        if dest in self.local:  # chained: on the same in-memory channel as the replay after it
+            self._hand(dest, Envelope(self.spec.instance, self.epoch, seq, Kind.DATA, []))
+        else:
+            self._publish_tracked(dest, encode_data(self.spec.instance, self.epoch, seq, []), None)
+        self.stats["replay_markers"] = self.stats.get("replay_markers", 0) + 1
 
     def forget_sender(self, sender: str) -> None:
         """Drop every per-sender entry of an instance admitted only provisionally (an unanswered
@@ -770,9 +854,9 @@ class Instance:
                 if held is None:
                     break
                 if not self._sender_allowed(held[0]):
-                    if held[0].kind is not Kind.ACK:
-                        break  # still not announced: keep waiting
-                    self.hold.pop_first(key)  # an ack is never held for itself (see _admit)
+                    if held[0].kind is not Kind.ACK or self._idle:
+                        break  # still not announced: keep waiting (an idle copy: until its Start)
+                    self.hold.pop_first(key)  # an ack is held only until Start (see _admit)
                     self._refuse(held[0], "sender", writer)
                     continue
                 env = decode(held[1], self._decode_records)  # decoded once already: cannot fail
@@ -785,8 +869,8 @@ class Instance:
                     self._accept(env)
                 else:
                     self._refuse(env, why, writer)
-        if self.scaling is not None and not self.scaling.data_enabled:
-            return  # idle: its predecessors are announced with its Start
+        if self._idle:
+            return  # idle: its neighbours are announced with its Start
         for (sender, writer), n in self.hold.expire(now, self._hold_ttl):
             # Not announced by the protocol, or not bound to the node that wrote it, in time.
             unbound = self._waits_for_binding(sender, writer)
@@ -795,6 +879,11 @@ class Instance:
                 log.warning("refused %d envelopes from %s (written by %s): %s within %.0fs", n, sender[:64],
                             writer[:64], f"not bound to node {writer[:64]}" if unbound else "not announced to us",
                             WRITER_HOLD_TTL if unbound else HOLD_TTL, extra=self.ctx)
+
+    @property
+    def _idle(self) -> bool:
+        """A copy not yet started: it knows its neighbours only from its Start."""
+        return self.scaling is not None and not self.scaling.data_enabled
 
     def _waits_for_binding(self, sender: str, writer: str) -> bool:
         """A held stream whose sender our tables know, written by a node it is not bound to."""
@@ -820,6 +909,10 @@ class Instance:
         if stuck:
             self._holes = {}
             self._new_incarnation(f"messages from {', '.join(stuck)} missing for {GAP_TIMEOUT:.0f}s", "gaps_recovered")
+        unanswered = sorted(s for s, t in self._dropped_since.items() if now - t >= REPLAY_WAIT)
+        if unanswered:
+            self._new_incarnation(f"no replay marker from {', '.join(unanswered)} in {REPLAY_WAIT:.0f}s",
+                                  "replays_asked_again")
         if self.scaling is not None:
             self.scaling.ping_if_idle(now)
             self.scaling.expire_probes(now)
@@ -848,12 +941,37 @@ class Instance:
         self.stats[counter] = self.stats.get(counter, 0) + 1
         log.warning("%s: new epoch %d, asking for replays", why, self.epoch, extra=self.ctx)
         if self.scaling is not None:
+            self._await_replays(self.scaling.core.preds)
             for pred in sorted(self.scaling.core.preds):
                 self.send_envelope(pred, Kind.ACK, [0, 0])
             self.scaling.resync(self.now)
         for dest, link in list(self.links.items()):
             link.restart_numbering()
             self._replay_to(dest)
+
+    def _reroute_departed(self, dest: str) -> None:
+        """A successor we have removed (its deletion round) came back as a new incarnation while
+        it still had batches of ours unacked: it is departing, its successors have removed it
+        too (they refuse its data), so replayed to it they were stranded for good and replayed
+        every few seconds (docs/reliability.md, defect A). They go to our current successors
+        instead, under their input index (nothing is acked upstream before they are acked
+        again). Records the departed copy had already forwarded come twice: the sink drops them
+        by id (INVARIANT 2). Keyless successors only: a keyed copy handed its state over with
+        those records applied, so we replay to it as before (docs/reliability.md)."""
+        link = self.links[dest]
+        if self.router.key is not None or not self.router.succs:
+            self._replay_to(dest)
+            return
+        batches = link.unacked()
+        records = 0
+        for u in reversed(batches):  # put_back prepends: the oldest ends first
+            env = u.payload if isinstance(u.payload, Envelope) else decode(u.payload)
+            self.outbox.put_back(list(env.body), u.low, self.now)
+            records += len(env.body)
+        del self.links[dest]
+        self.stats["departed_rerouted"] = self.stats.get("departed_rerouted", 0) + records
+        log.warning("%s left our table and came back as a new incarnation: %d unacked batches (%d records) "
+                    "re-routed to our successors", dest, len(batches), records, extra=self.ctx)
 
     def _replay_to(self, dest: str, renumber: bool = True) -> None:
         """Send every batch `dest` has not acked again.
@@ -888,11 +1006,11 @@ class Instance:
             items = env.body
             seq = self.outbound.take(dest)
             if isinstance(u.payload, Envelope):
-                again = Envelope(self.spec.instance, self.epoch, seq, Kind.DATA, items)
+                again = Envelope(self.spec.instance, self.epoch, seq, Kind.DATA, items, floors=env.floors)
                 link.replace(u.seq, seq, again, now)
                 self._hand(dest, again)
                 continue
-            payload = encode_data(self.spec.instance, self.epoch, seq, items)
+            payload = encode_data(self.spec.instance, self.epoch, seq, items, env.floors)
             link.replace(u.seq, seq, payload, now)
             self._publish_tracked(dest, payload, self.tracker.last_index + 1)
         self.stats["replayed_batches"] = self.stats.get("replayed_batches", 0) + len(old)
@@ -1004,11 +1122,13 @@ class Instance:
         self.stats["records_in"] += n
         self.stats["batches_in"] += 1
         index = self.tracker.processed(env.sender, env.seq, env.epoch)
+        if env.floors:
+            self._note_floors(env.floors)
         t0 = self.perf()
         if self.is_sink:
             self._record(items, index, env)
         elif self.keyed is not None:
-            out = self.keyed.apply(env.sender, items, index)
+            out = self.keyed.apply(env.sender, items, index, env.floors)
             if out:
                 self._forward(out, index, now)
         else:
@@ -1166,6 +1286,9 @@ class Instance:
         if FAULT_RETRY_ONLY_WITH_DATA in self.faults:
             self._publish_retries()
         draining = self.stopping or (self.scaling is not None and self.scaling.draining)
+        # A source's floor before its batches leave the outbox: taken out, they are pending
+        # nowhere until link.sent, and the claim would cover them.
+        own = {self.spec.instance: self.source_resume_seq()} if self.is_source else None
         batches = self.outbox.take(now, self._credit, force=force or draining)
         if not batches and self.outbox.pending >= self.outbox.batch_size:
             self.stats["credit_stalls"] += 1
@@ -1184,16 +1307,45 @@ class Instance:
             if link is None:
                 link = self.links[dest] = OutLink(dest, self.op.max_inflight_batches)
             seq = self.outbound.take(dest)
+            floors = own or self._floors_for(items)
             if dest in self.local:  # chained: no encoding, no broker (docs/runtime.md, "Chaining")
-                env = Envelope(self.spec.instance, self.epoch, seq, Kind.DATA, items)
+                env = Envelope(self.spec.instance, self.epoch, seq, Kind.DATA, items, floors=floors)
                 link.sent(seq, env, len(items), now, low)  # replay buffer: kept until dest acks
                 self._hand(dest, env)
             else:
-                payload = encode_data(self.spec.instance, self.epoch, seq, items)
+                payload = encode_data(self.spec.instance, self.epoch, seq, items, floors)
                 link.sent(seq, payload, len(items), now, low)  # replay buffer: kept until dest acks
                 self._publish_tracked(dest, payload, low)
             self.stats["batches_out"] += 1
             self.stats["records_out"] += len(items)
+
+    def _note_floors(self, floors: Dict[str, int]) -> None:
+        """Keep the largest floor claimed per source (a claim stays true once made, so the order
+        claims arrive in does not matter: agent.instance.applied)."""
+        kept = self._floors
+        for src, f in floors.items():
+            old = kept.get(src)
+            if old is None:
+                if len(kept) >= FLOORS_KEPT:
+                    continue  # only costs the keyed operator a longer list of ranges
+                kept[src] = f
+            elif f > old:
+                kept[src] = f
+
+    def _floors_for(self, items: List[Item]) -> Optional[Dict[str, int]]:
+        """The floors a data batch carries: the ones we received for its records' sources (a
+        source's own, the first number it has not seen acked end to end, is taken in `flush`)."""
+        kept = self._floors
+        if not kept:
+            return None
+        out: Dict[str, int] = {}
+        for src in {it[0] for it in items}:
+            f = kept.get(src)
+            if f is not None:
+                out[src] = f
+                if len(out) >= MAX_FLOORS:
+                    break
+        return out or None
 
     def _publish_retries(self) -> None:
         """Publishes the client refused, in order, before anything newer (`_publish_tracked`).
@@ -1264,7 +1416,8 @@ class Instance:
         what a replay sends (about 10 us per 100 taxi records)."""
         if env.kind is Kind.DATA:
             env = Envelope(env.sender, env.epoch, env.seq, Kind.DATA,
-                           [(s, q, dict(r)) if type(r) is dict else (s, q, r) for s, q, r in env.body])
+                           [(s, q, dict(r)) if type(r) is dict else (s, q, r) for s, q, r in env.body],
+                           floors=env.floors)
             self.stats["handed_out"] += 1
         self._out.append(Handoff(dest, env))
 

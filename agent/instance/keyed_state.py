@@ -4,10 +4,11 @@ reflect, the watermark, the timers and the outputs not yet acked downstream. San
 
 Rules of this file (docs/operators.md, "Keyed state: aggregates and windows per key"):
 - Exactly-once updates. Every record id (source instance, number) travels unchanged through the
-  stateless operators, and on one predecessor's channel the numbers of one source only grow
-  (FIFO channels, in-order processing, in-order replays). So per (predecessor, source) the highest
-  number applied is the input position the state reflects: a record at or below it is a replay,
-  skipped (`duplicates_skipped`), never applied twice.
+  stateless operators. Per source, the set of numbers applied (agent.instance.applied: a floor the
+  source's claims raise, ranges above it) is the input position the state reflects: a record in
+  it is a replay, skipped (`duplicates_skipped`), never applied twice; any other is applied, in
+  whatever order it comes (a restarted predecessor can deliver newer records before replayed
+  older ones: the highest number applied is not enough, docs/reliability.md).
 - Write-ahead outputs. The state, the positions and every output not yet acked by the successors
   are saved together (`save`: one line of what changed appended to a log, or now and then a full
   snapshot written atomically, which starts a new log). The worker acks an input upstream only
@@ -38,13 +39,14 @@ from typing import Any, Dict, List, Optional, Tuple
 from agent.dataplane.envelope import Item
 from agent.dataplane.keygroups import key_group, record_key
 from agent.files import write_atomic
+from agent.instance.applied import Applied
 from agent.operators.keyed import KeyedOperator
 
 __all__ = ["KeyedState", "FORMAT", "hashable_key", "output_source"]
 
 log = logging.getLogger("agent.instance.keyed_state")
 
-FORMAT = 1
+FORMAT = 2  # 1: the highest number applied per (predecessor, source), read by `restore`
 LOG_MIN = 256 << 10  # bytes of log below which no snapshot is rewritten for its sake
 MAX_NOTIFY_LOOPS = 1000  # on_notify calls per key per batch whose notify_at keeps moving forward
 
@@ -72,7 +74,7 @@ class KeyedState:
         self.groups = groups
         self.states: Dict[int, Dict[Any, Any]] = {}  # group -> key -> the operator's state
         self.emitted: Dict[int, Dict[Any, int]] = {}  # group -> key -> outputs so far (ids)
-        self.positions: Dict[str, int] = {}  # "<predecessor> <source>" -> highest number applied
+        self.applied: Dict[str, Applied] = {}  # source instance -> the numbers of it applied
         self.max_time: Optional[float] = None
         self.timers: Dict[Any, float] = {}  # key -> event time its on_notify is due
         self._heap: List[Tuple[float, str, Any]] = []  # (time, key as JSON, key); stale entries skipped
@@ -87,7 +89,7 @@ class KeyedState:
         self._base_bytes = 0
         self._log_bytes = 0
         self._dirty_keys: Dict[Tuple[int, Any], None] = {}  # (group, key) changed since the last save
-        self._dirty_pos: Dict[str, None] = {}
+        self._dirty_pos: Dict[str, None] = {}  # sources whose `applied` changed since the last save
         self._out_new: List[Item] = []  # outputs added since the last save
         self._out_dropped = 0  # outputs pruned from the front since the last save
         self.counts = {"keyed_applied": 0, "duplicates_skipped": 0, "late_dropped": 0, "no_event_time": 0,
@@ -103,22 +105,36 @@ class KeyedState:
 
     # ---- input ------------------------------------------------------------------------------------
 
-    def apply(self, sender: str, items: List[Item], index: int) -> List[Item]:
-        """Apply one input batch from `sender` (processed with input index `index`); the outputs."""
+    def apply(self, sender: str, items: List[Item], index: int,
+              floors: Optional[Dict[str, int]] = None) -> List[Item]:
+        """Apply one input batch from `sender` (processed with input index `index`); the outputs.
+        `floors`: the batch's claims, per source, of a number below which every record was
+        applied already (agent.instance.applied), taken before its records."""
         op = self.op
         timed = op.uses_event_time
         by_key: Dict[Any, List[Any]] = {}
-        positions = self.positions
+        sets = self.applied
+        if floors:
+            for src, floor in floors.items():
+                a = sets.get(src)
+                if a is None:
+                    a = sets[src] = Applied()
+                if a.raise_floor(floor):
+                    self._dirty_pos[src] = None
         applied = 0
         forwarded: List[Item] = []
         forwards = op.forwards
+        last_src, a = None, None
         for src, seq, rec in items:
-            pk = f"{sender} {src}"
-            if seq <= positions.get(pk, -1):
+            if src != last_src:
+                a = sets.get(src)
+                if a is None:
+                    a = sets[src] = Applied()
+                last_src = src
+            if not a.add(seq):  # type: ignore[union-attr]
                 self.counts["duplicates_skipped"] += 1
                 continue
-            positions[pk] = seq
-            self._dirty_pos[pk] = None
+            self._dirty_pos[src] = None
             applied += 1
             if forwards:
                 forwarded.append((src, seq, rec))
@@ -297,7 +313,7 @@ class KeyedState:
     def to_text(self) -> str:
         """The saved form: one JSON document (encoded whole: its cost grows with the state)."""
         return json.dumps({"format": FORMAT, "gen": self._gen, "operator": self.operator, "key_groups": self.groups,
-                           "positions": self.positions, "max_time": self.max_time,
+                           "applied": {s: a.to_json() for s, a in self.applied.items()}, "max_time": self.max_time,
                            "outputs": [it for _, it in self.outputs],
                            "groups": {str(g): self._group_json(g) for g in sorted(set(self.states) | set(self.emitted))}},
                           separators=(",", ":"))
@@ -340,7 +356,7 @@ class KeyedState:
         self.counts["state_saves"] += 1
 
     def _delta(self) -> Dict[str, Any]:
-        d: Dict[str, Any] = {"gen": self._gen, "positions": {k: self.positions[k] for k in self._dirty_pos},
+        d: Dict[str, Any] = {"gen": self._gen, "applied": {k: self.applied[k].to_json() for k in self._dirty_pos},
                              "max_time": self.max_time, "out_add": self._out_new, "out_drop": self._out_dropped}
         if self._json_states:
             keys = []
@@ -354,12 +370,21 @@ class KeyedState:
 
     def restore(self, data: Dict[str, Any]) -> List[Item]:
         """Load a saved state; returns the outputs to send again (the caller re-indexes them)."""
-        if data.get("format") != FORMAT:
+        if data.get("format") not in (1, FORMAT):
             raise ValueError(f"keyed state: expected format {FORMAT}, found {data.get('format')!r}")
         if int(data.get("key_groups", -1)) != self.groups:
             raise ValueError(f"keyed state of {self.operator}: saved with {data.get('key_groups')} key groups, "
                              f"the pipeline says {self.groups} (key_groups is fixed for a deployment)")
-        self.positions = {str(k): int(v) for k, v in (data.get("positions") or {}).items()}
+        self.applied = {str(s): Applied.from_json(a) for s, a in (data.get("applied") or {}).items()}
+        if data.get("positions"):
+            # Format 1 kept the highest number applied per (predecessor, source): read as "every
+            # number up to it applied", the lowest over the predecessors of each source.
+            floors: Dict[str, int] = {}
+            for pk, v in data["positions"].items():
+                src = str(pk).split(" ", 1)[-1]
+                floors[src] = min(floors.get(src, int(v) + 1), int(v) + 1)
+            for src, f in floors.items():
+                self.applied.setdefault(src, Applied()).raise_floor(f)
         mt = data.get("max_time")
         self.max_time = float(mt) if mt is not None else None
         for g, blob in (data.get("groups") or {}).items():
@@ -400,7 +425,10 @@ class KeyedState:
                 break
             if d.get("gen") != gen:
                 continue
-            data["positions"].update(d["positions"])
+            if "applied" in d:
+                data.setdefault("applied", {}).update(d["applied"])
+            if "positions" in d:  # a log line of format 1
+                data.setdefault("positions", {}).update(d["positions"])
             data["max_time"] = d["max_time"]
             data["outputs"] = (data["outputs"] + d["out_add"])[d["out_drop"]:]
             for g, blob in (d.get("groups") or {}).items():
@@ -422,6 +450,7 @@ class KeyedState:
     def stats(self) -> Dict[str, Any]:
         s: Dict[str, Any] = dict(self.counts)
         s.update(keyed_state=True, key_groups_held=len(self.states), keys_held=sum(len(v) for v in self.states.values()),
+                 applied_intervals=sum(a.intervals() for a in self.applied.values()),
                  timers=len(self.timers), watermark=self.watermark, unacked_outputs=len(self.outputs))
         s.update(self.op.stats())
         return s

@@ -315,6 +315,7 @@ class EnvelopeTarget(Target):
             encode_data("src-0", 0, 1, [("src-0", i, r) for i, r in enumerate(recs)]),  # compact form
             encode_data("src-0", 2, 7, [("src-0", 0, 1), ("src-1", 5, "text"), ("s", 9, [1, {"a": 2}])]),
             encode_data("v-1", 0, 3, []),
+            encode_data("v-1", 0, 4, [("src-0", 3, {"a": 1}), ("src-0", 4, {"a": 2})], {"src-0": 3, "src-1": 0}),
             encode(Envelope("v-1", 1, 2, Kind.ACK, [0, 5])),
             encode(Envelope("s1i0", 0, 4, Kind.PROTO, {"type": "duplication", "sender": "s1i0", "stage": 1,
                                                        "round": 2, "new_instances": ["op1-ab"]})),

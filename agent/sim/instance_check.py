@@ -84,7 +84,8 @@ BROKER_KINDS = ("restart", "lost", "rollback")
 BROKER = BrokerSpec("127.0.0.1", 1)
 
 # The seeded faults the instance knows (agent.instance.core, agent.instance.driver).
-FAULTS = ("retry_only_with_data", "drain_holds_protocol", "rehome_rounds_from_one", "route_afresh")
+FAULTS = ("retry_only_with_data", "drain_holds_protocol", "rehome_rounds_from_one", "route_afresh",
+          "replay_to_departed")
 
 
 def pipeline_text(batch: int = 1, window: int = 4) -> str:
