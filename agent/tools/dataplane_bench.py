@@ -39,7 +39,7 @@ from collections import deque
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from agent.instance.spec import InstanceSpec, control_line, parse_control_line
 
@@ -943,6 +943,7 @@ def run_bench(
                 "sink_worker": _rss_mb(procs[0].pid),
                 "python_paho_baseline": _baseline_rss(),
             }
+            part["pipeline"]["count_check"] = count_check(procs[-1], sink)
             runner.stop_all()
         if chain:
             _progress(f"chained pipeline [source -> identity -> sink] in one process ({seconds:g} s)")
@@ -1005,9 +1006,27 @@ def measure_chained(runner: LocalRunner, toml: str, bspec: BrokerSpec, workdir: 
         (heads or members)[0].send("set", paused=True)
         time.sleep(1.5)
         out["rss_mb"] = {"chain": _rss_mb(members[0].pid), "python_paho_baseline": _baseline_rss()}
+        out["count_check"] = count_check((heads or members)[0], sink)
         return out
     finally:
         runner.stop_all()
+
+
+def count_check(source: Any, sink: Any, timeout: float = 10.0) -> Dict[str, Any]:
+    """After the source was paused: its `generated` against the sink's `recorded` once both have
+    settled (two heartbeats in a row equal, or `timeout`). The throughput phases use the null sink
+    (no id bookkeeping, so that they measure the data path alone), so this is a count balance, not
+    the rescale part's per-id check: `missing` > 0 means records lost, < 0 records duplicated, and
+    0 cannot tell a loss from a duplicate that cancel out."""
+    deadline = time.monotonic() + timeout
+    last: Optional[Tuple[int, int]] = None
+    while True:
+        now = (int(source.stats.get("generated", 0)), int(sink.stats.get("recorded", 0)))
+        if (now[0] == now[1] and now == last) or time.monotonic() > deadline:
+            break
+        last = now
+        time.sleep(max(0.1, float(getattr(sink.spec, "heartbeat_period", 1.0))))
+    return {"generated": now[0], "recorded": now[1], "missing": now[0] - now[1]}
 
 
 def measure_rescale(
@@ -1203,6 +1222,7 @@ def _cmd(args: argparse.Namespace) -> int:
         print("messages the broker dropped, per phase: " + ", ".join(f"{k} {v:.0f}" for k, v in res["dropped"].items()))
         rss = res["rss_mb"]
         print(f"RSS idle worker {rss['idle_worker']:.1f} MB (python+paho baseline {rss['python_paho_baseline']:.1f} MB; goal < 40 MB)")
+        print(_fmt_count(res["pipeline"]["count_check"]))
         for name, what in (("chained", "[source -> identity -> sink]"), ("chained_tail", "source -> [identity -> sink]")):
             ch = res.get(name)
             if not ch:
@@ -1212,6 +1232,7 @@ def _cmd(args: argparse.Namespace) -> int:
             print(f"  ratio vs one-process raw {ch['ratio']:.3f}, vs two-process raw "
                   f"{ch['ratio_vs_raw_2proc']:.3f}, vs the unchained pipeline {ch['vs_unchained']:.2f}x; "
                   f"RSS of the chain process {ch['rss_mb']['chain']:.1f} MB (goal < 40 MB)")
+            print("  " + _fmt_count(ch["count_check"]))
         rs = res.get("rescale")
         if rs:
             d = rs["decision_to_first_record_s"]
@@ -1224,7 +1245,14 @@ def _cmd(args: argparse.Namespace) -> int:
                   f"records {rs['records']}, lost {rs['lost']}, duplicated {rs['duplicated']}")
     if res.get("rescale") and (res["rescale"]["lost"] or res["rescale"]["duplicated"]):
         return 1
+    if any(res[k]["count_check"]["missing"] for k in ("pipeline", "chained", "chained_tail") if k in res):
+        return 1
     return 0
+
+
+def _fmt_count(c: Dict[str, Any]) -> str:
+    return (f"count check: source generated {c['generated']}, sink recorded {c['recorded']}, "
+            f"missing {c['missing']} (must be 0)")
 
 
 def register_bench(groups: Any) -> None:
