@@ -125,7 +125,10 @@ def decide(view: Sequence[NodeView], state: SiteState, cfg: SiteConfig, now: flo
                 why = (f"spare {_fmt(s)} < target {cfg.target:.2f} on {len(serving)} nodes before the node emptied"
                        if short else f"not empty after {cfg.timeout:.0f} s")
                 return SiteState(None, state.released, now), [Action(ActionKind.UNDRAIN, p.node, why)]
-            if n is not None and n.online and n.instances == 0:
+            # Released only once its agent says it drains AND hosts nothing: a node that does
+            # not report draining (the order not applied yet, or lost with an agent restart)
+            # still takes new instances, which a power-off would take with it.
+            if n is not None and n.online and n.draining and n.instances == 0:
                 done = SiteState(None, state.released + (p.node,), now)
                 return done, [Action(ActionKind.RELEASE, p.node,
                                      f"drained: hosts no instance; spare {_fmt(s)} on {len(serving)} nodes")]
