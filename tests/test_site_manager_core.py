@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Dict, List
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from agent.node.site_manager import (
     ActionKind, Lease, NodeView, SiteConfig, SiteState, claim, decide, parse_lease, spare,
@@ -35,6 +35,11 @@ def _serving(view: List[NodeView], released) -> List[NodeView]:
 
 @settings(max_examples=150, deadline=None)
 @given(cfg=configs, steps=st.lists(st.tuples(views, st.floats(0.0, 50.0)), min_size=1, max_size=25))
+@example(  # a drain ordered, then a view in which the node does not show it: no release
+    cfg=SiteConfig(target=0.0, min_nodes=1, max_nodes=4, cooldown=0.0, timeout=30.0),
+    steps=[([NodeView("n1", False, False, 0.0, 0.0, 0, 0), NodeView("n2", True, False, 1.0, 0.0, 0, 0),
+             NodeView("n3", True, False, 0.0, 0.0, 0, 0)], 0.0),
+           ([NodeView("n1", False, False, 0.0, 0.0, 0, 0), NodeView("n3", True, False, 1.0, 0.0, 0, 0)], 0.0)])
 def test_invariants_under_arbitrary_views(cfg: SiteConfig, steps) -> None:
     state, now = SiteState(), 0.0
     for view, dt in steps:
