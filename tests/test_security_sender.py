@@ -494,8 +494,10 @@ def test_a_per_node_worker_sends_to_the_bound_node_parks_what_is_unbound_and_fol
                     "former": {"sink-0": ["n2"]}}), clock[0])
     _run(w, clock, 0.3)
     replayed = sent(Kind.DATA)[2:]
-    assert [t for t, _ in replayed] == [topics.inbox_at("c", "n3", "sink-0", "n1")], replayed
-    assert [r[1] for r in replayed[0][1].body] == [4, 5, 6, 7]  # the unacked batch, its records once
+    # the replay marker (an empty batch: what follows is our replay), then the replay, both to n3
+    assert [t for t, _ in replayed] == [topics.inbox_at("c", "n3", "sink-0", "n1")] * 2, replayed
+    assert replayed[0][1].body == []
+    assert [r[1] for r in replayed[1][1].body] == [4, 5, 6, 7]  # the unacked batch, its records once
     assert w.core.stats["held_released"] == 1
     # an envelope on our inbox at another node (a subscription an earlier incarnation's session
     # kept) is dropped, never taken for data
