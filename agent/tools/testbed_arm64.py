@@ -92,7 +92,6 @@ def arm64_check(deb: Path, duration: float = 40.0, rate: float = 60.0, keep_up: 
         progress(f"installing {deb.name} on {NODE} (postinst builds the venv under emulation)")
         sh(f"DEBIAN_FRONTEND=noninteractive apt-get install -y {remote} 2>&1")
         t = _step(timings, "apt_install_s", t)
-        summary["package"] = node_facts(NODE, run)
         summary["venv_python_machine"] = sh("/opt/fog-agent/venv/bin/python -c 'import platform, psutil; "
                                             "print(platform.machine(), psutil.__version__)'").strip()
         put_file(NODE, MOSQUITTO.encode(), "/etc/mosquitto/conf.d/testbed.conf", run)
@@ -112,6 +111,7 @@ def arm64_check(deb: Path, duration: float = 40.0, rate: float = 60.0, keep_up: 
         else:
             raise testbed.TestbedError(f"{NODE}: the agent did not become ready: {status.strip()}")
         summary["agent_status"] = status.split("StatusText=", 1)[-1].strip()
+        summary["package"] = node_facts(NODE, run)  # the installed version and the running unit
         t = _step(timings, "agent_ready_s", t)
         # The pipeline's administrator: the node's broker is anonymous, any password passes.
         state = testbed.load_state(run=run)
