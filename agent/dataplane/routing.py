@@ -151,6 +151,9 @@ class Outbox:
         if self.router.key is not None:
             self._take_buffers(now, left, force, out, sent)
             return out
+        if not self._keyed:  # nothing pinned (the usual case)
+            self._take_shared(now, left, force, out, sent, {})
+            return out
         while True:  # keyless: pinned and shared records leave in input order (`_pinned_fronts`)
             taken = len(out)
             shared = self._shared[0][1] if self._shared else None
@@ -182,8 +185,11 @@ class Outbox:
         while self._shared and (
             self._shared_n >= self.batch_size or force or now - self._shared_since >= self.linger
         ):
-            first = self._shared[0][1]
-            dest = self.router.next_with_credit(lambda d: left(d) if fronts.get(d, first + 1) > first else 0)
+            if fronts:
+                first = self._shared[0][1]
+                dest = self.router.next_with_credit(lambda d: left(d) if fronts.get(d, first + 1) > first else 0)
+            else:
+                dest = self.router.next_with_credit(left)
             if dest is None:
                 break
             n = min(self.batch_size, self._shared_n)
