@@ -1,5 +1,6 @@
 """The keyless outbox keeps each channel in input order when some records are pinned to a successor
-(agent.dataplane.routing, `Outbox._pinned_fronts`). Pure: no broker, no clock.
+(agent.dataplane.routing, `Outbox._pinned_fronts`), alone and inside the sans-IO instance. Pure:
+no broker, no clock.
 
 Why: a restarted source regenerates from its resume position; the records it had sent before are
 pinned to their successor (docs/design.md invariant 8), the newer ones go to the shared buffer.
@@ -15,7 +16,15 @@ from typing import Dict, List, Tuple
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from agent import topics
+from agent.config import load_pipeline_text
+from agent.dataplane.envelope import Kind, decode, encode_data
 from agent.dataplane.routing import Outbox, Router
+from agent.instance.commands import Persist, Publish, SaveRoutes
+from agent.instance.core import Instance
+from agent.instance.events import EnvelopeReceived, PubAcked, PublishAccepted, Restarted, Started, Tick
+from agent.instance.spec import InstanceSpec
+from agent.sim.instance_check import BROKER, CLUSTER, WALL0, MemoryMap, pipeline_text
 
 
 def recs(*seqs: int):  # type: ignore[no-untyped-def]
@@ -63,7 +72,7 @@ inputs = st.tuples(st.lists(st.tuples(st.sampled_from(SUCCS), st.integers(1, 4))
 takes = st.tuples(st.floats(0.0, 0.2), st.dictionaries(st.sampled_from(SUCCS), st.integers(0, 3)), st.booleans())
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.lists(st.tuples(inputs, takes), min_size=1, max_size=25), st.integers(1, 5))
 def test_every_successor_gets_its_records_in_the_order_the_inputs_were_taken(steps, batch_size) -> None:  # type: ignore[no-untyped-def]
     """Any mix of pinned and free records over three successors, any credit, batch size and
@@ -87,7 +96,9 @@ def test_every_successor_gets_its_records_in_the_order_the_inputs_were_taken(ste
         seq += free
         now += dt
         take(credit, force)
-    for _ in range(seq + 1):
+    for _ in range(seq + 1):  # each forced take with credit sends at least one record
+        if not box.pending:
+            break
         take({d: 1 for d in SUCCS}, True)
     every: List[Tuple[int, str]] = sorted((s, d) for d, ss in got.items() for s in ss)
     assert [s for s, _ in every] == list(range(seq)), "lost or doubled"
@@ -102,15 +113,6 @@ def test_a_restarted_instance_forwards_the_records_sent_before_and_the_new_ones_
     sink-0 and was killed; restarted, it gets 0-9 in one batch (a restarted source's first poll
     regenerates from its resume position). 0-5 are pinned to sink-0 by the route memory, 6-9
     are free; sink-0 must get 0-9 in this order (before the fix: 0-3, 6-9, 4-5)."""
-    from agent import topics
-    from agent.config import load_pipeline_text
-    from agent.dataplane.envelope import Kind, decode, encode_data
-    from agent.instance.commands import Persist, Publish, SaveRoutes
-    from agent.instance.core import Instance
-    from agent.instance.events import EnvelopeReceived, PubAcked, PublishAccepted, Restarted, Started, Tick
-    from agent.instance.spec import InstanceSpec
-    from agent.sim.instance_check import BROKER, CLUSTER, WALL0, MemoryMap, pipeline_text
-
     toml = pipeline_text(batch=4, window=16).replace("linger_ms = 0", "linger_ms = 50")
     pipeline = load_pipeline_text(toml, "test pipeline")
     spec = InstanceSpec("op-0", "op", "n1", CLUSTER, "chk", toml, BROKER, succs=("sink-0",), preds=("source-0",),
