@@ -86,6 +86,10 @@ def test_the_memory_survives_a_restart_through_its_files_and_a_damaged_one_is_re
     assert len(RouteMemory.load('[["a", {"src": [0, 1000, 5, 1]}]]', "", 0.0)) == 1001
     with pytest.raises(ValueError, match="more than 2 id ranges"):
         RouteMemory.load('[["a", {"src": [0, 1, 1, 1, 1, 1]}]]', "", 0.0)
+    monkeypatch.setattr(sticky, "MAX_RESTORED", 10)
+    monkeypatch.setattr(sticky, "MAX_RUNS", 2)  # past the cap the newest batches are kept
+    back = RouteMemory.load('[["a", {"src": [0, 1]}], ["b", {"src": [1, 1]}]]', '[["c", {"src": [2, 1]}]]\n', 0.0)
+    assert [back.dest_of("src", s) for s in range(3)] == [None, "b", "c"] and back.runs() == 2
 
 
 def test_the_log_is_replaced_by_a_snapshot_once_it_outgrows_it() -> None:

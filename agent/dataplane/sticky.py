@@ -55,9 +55,10 @@ __all__ = ["RouteMemory", "needed", "RETAIN", "PERSIST_GRACE", "MAX_RUNS", "MAX_
 RETAIN = 30.0  # seconds a record is remembered after its inputs were acked upstream (memory)
 PERSIST_GRACE = 5.0  # of those, persisted (an ack on its way, a source's position written ~1/s)
 # Id ranges remembered; past it the oldest ACKED batches are forgotten early (never unacked
-# ones). ~230 bytes a range (tracemalloc, 100-record batches): ~1 MB. 4,096 batches of 100
-# records cover 409,600 records, 1.6 s at the bench's 250k records/s and the whole RETAIN below
-# 13k records/s; the old cap was 100,000 records (docs/reliability.md, invariant 8's cost).
+# ones). ~370 bytes a batch of one range (tracemalloc, 100-record batches): 1.5 MB. 4,096
+# batches of 100 records cover 409,600 records, 1.6 s at the bench's 250k records/s and the
+# whole RETAIN below 13k records/s; the old cap was 100,000 records in 15 MB (docs/reliability.md,
+# "The route memory's cost").
 MAX_RUNS = 4096
 MAX_RESTORED = 1_000_000  # id ranges the files may bring back (a damaged file is refused)
 LOG_MIN = 256 << 10  # bytes of log below which no snapshot is rewritten for its sake
@@ -330,7 +331,7 @@ class RouteMemory:
         incarnation's input indices mean nothing to us; past MAX_RUNS the newest are kept). A
         torn last log line (a crash in the middle of the write: its batches never went out) is
         skipped; ValueError on anything else that is not what `take_save` wrote."""
-        mem = cls()
+        mem = cls(max_runs=MAX_RUNS)
         batches: List[Any] = []
         if snapshot:
             batches += _parse(snapshot)
@@ -350,6 +351,8 @@ class RouteMemory:
             if total > MAX_RESTORED:
                 raise ValueError(f"route memory: more than {MAX_RESTORED} id ranges")
             mem._add(dest, runs, sum(sum(r[1::2]) for _, r in runs), 0)
+            if mem._runs > mem.max_runs:
+                mem.released(0, now)  # the oldest go first: never more than the cap held at once
         mem.released(0, now)
         mem._unsaved = []
         return mem
