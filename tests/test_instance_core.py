@@ -285,7 +285,7 @@ def test_records_replayed_after_a_crash_go_to_the_sink_instance_they_went_to_bef
 def test_no_route_memory_where_the_next_operator_has_one_instance_at_most() -> None:
     """With the sink bounded to one instance (max_instances = 1, refused at createNode() for any
     copy) a record sent again can only go where it went: op-0 remembers and writes nothing; the
-    source, whose successor `op` may scale, still does (docs/reliability.md, invariant 8's cost)."""
+    source, whose successor `op` may scale, still does (docs/reliability.md, "The route memory's cost")."""
     toml = sink_bounded(1)
     op = make("op", toml=toml)
     cmds = op.handle(Started(WALL0), 0.0)
