@@ -97,6 +97,9 @@ class _Entry:
 
     def text(self) -> str:
         """`doc()` as compact JSON, built directly (json.dumps costs ~3x as much per batch)."""
+        if len(self.runs) == 1 and len(self.runs[0][1]) == 2:  # one source, one run: the common case
+            src, (gap, n) = self.runs[0]
+            return f"[{_quoted(self.dest)},{{{_quoted(src)}:[{gap},{n}]}}]"
         return "[" + _quoted(self.dest) + ",{" + ",".join(
             _quoted(src) + ":[" + ",".join(map(str, runs)) + "]" for src, runs in self.runs) + "}]"
 
