@@ -1,6 +1,8 @@
 """The hand-over of a key group's state from its old owner to a new one, as pure state machines.
-NOT WIRED into the worker or the scaling protocol yet (docs/operators.md, "Keyed state": a keyed
-operator's policy must be "none" until it is).
+NOT WIRED into the worker or the scaling protocol yet (docs/operators.md, "Key groups that move":
+a keyed operator's policy must be "none" until it is). `Member` is one instance in both roles,
+over any number of moves (a group may come back); the predecessors' routing is the explicit
+group -> owner table of agent.dataplane.owners, changed only by Redirects.
 
 Rules of this file: no I/O, no clock. Each role is a class whose methods take one input (a
 message, a record) and return the outputs to perform, in order. Channels between two instances
@@ -30,7 +32,9 @@ g's records are buffered, only at NEW, only until its state arrives.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
+
+from agent.dataplane.owners import GroupTable
 
 __all__ = [
     "HandoverError",
@@ -38,6 +42,7 @@ __all__ = [
     "Eos",
     "StateChunk",
     "Installed",
+    "Offer",
     "Send",
     "Apply",
     "Install",
@@ -45,6 +50,7 @@ __all__ = [
     "Predecessor",
     "OldOwner",
     "NewOwner",
+    "Member",
     "MAX_CHUNK",
     "chunks",
 ]
@@ -63,8 +69,20 @@ class HandoverError(RuntimeError):
 
 @dataclass(frozen=True)
 class Redirect:
+    """From the group's owner to each predecessor: send the group to `new` from now on. `version`
+    is the group's version in the owner table after the move (-1: not checked)."""
+
     group: int
     new: str
+    version: int = -1
+
+
+@dataclass(frozen=True)
+class Offer:
+    """From the old owner to the new one, ahead of the state on the same channel: expect `group`
+    (a termination: the survivor did not decide the move; a copy learns its share with its Start)."""
+
+    group: int
 
 
 @dataclass(frozen=True)
@@ -134,23 +152,37 @@ def chunks(group: int, data: bytes, max_chunk: int = MAX_CHUNK) -> List[StateChu
 
 
 class Predecessor:
-    """An upstream instance: where each group's records go. `route(g)` is the owner to send to."""
+    """An upstream instance: where each group's records go. `route(g)` is the owner to send to.
+    `owners` is a GroupTable (the live form) or a plain dict group -> owner."""
 
-    def __init__(self, name: str, owners: Dict[int, str]) -> None:
+    def __init__(self, name: str, owners: Union[GroupTable, Mapping[int, str]]) -> None:
         self.name = name
-        self.owners = dict(owners)
+        self.table: Optional[GroupTable] = owners if isinstance(owners, GroupTable) else None
+        self._owners: Dict[int, str] = {} if self.table is not None else dict(owners)
+
+    @property
+    def owners(self) -> Dict[int, str]:
+        if self.table is not None:
+            return {g: self.table.owner(g) for g in range(self.table.groups)}
+        return self._owners
 
     def route(self, group: int) -> str:
-        return self.owners[group]
+        return self.table.owner(group) if self.table is not None else self._owners[group]
 
     def on_redirect(self, sender: str, msg: Redirect) -> List[Any]:
         """From the group's current owner: an Eos behind everything of the group sent to it, then
         the group's records go to the new owner."""
-        old = self.owners.get(msg.group)
+        old = self.route(msg.group) if msg.group in self.owners else None
         if old != sender:
             raise HandoverError(f"predecessor {self.name}: Redirect of group {msg.group} from {sender}, "
                                 f"which does not own it (owner: {old})")
-        self.owners[msg.group] = msg.new
+        if self.table is not None:
+            if msg.version >= 0 and msg.version != self.table.version(msg.group) + 1:
+                raise HandoverError(f"predecessor {self.name}: Redirect of group {msg.group} to version "
+                                    f"{msg.version}, after version {self.table.version(msg.group)}")
+            self.table.moved(msg.group, msg.new)
+        else:
+            self._owners[msg.group] = msg.new
         return [Send(old, Eos(msg.group, self.name))]
 
 
@@ -163,15 +195,16 @@ class OldOwner:
         self.max_chunk = max_chunk
         self.moving: Dict[int, Tuple[str, Set[str]]] = {}  # group -> (new owner, preds without Eos yet)
         self.gone: Set[int] = set()
-        self.waiting_install: Set[int] = set()
+        self.waiting_install: Dict[int, int] = {}  # group -> Installed still to come (it may move out twice)
 
-    def start(self, group: int, new: str, preds: Sequence[str]) -> List[Any]:
+    def start(self, group: int, new: str, preds: Sequence[str], version: int = -1) -> List[Any]:
+        """Move `group` to `new`; `version` is its version in the owner table after the move."""
         if group in self.moving or group in self.gone:
             raise HandoverError(f"old owner {self.name}: group {group} is already moving or gone")
         if not preds:
             raise HandoverError(f"old owner {self.name}: moving group {group} needs its predecessors")
         self.moving[group] = (new, set(preds))
-        return [Send(p, Redirect(group, new)) for p in sorted(set(preds))]
+        return [Send(p, Redirect(group, new, version)) for p in sorted(set(preds))]
 
     def on_record(self, sender: str, group: int, record: Any) -> List[Any]:
         if group in self.gone:
@@ -192,7 +225,7 @@ class OldOwner:
             return []
         del self.moving[msg.group]
         self.gone.add(msg.group)
-        self.waiting_install.add(msg.group)
+        self.waiting_install[msg.group] = self.waiting_install.get(msg.group, 0) + 1
         out: List[Any] = [Send(new, c) for c in chunks(msg.group, snapshot(msg.group), self.max_chunk)]
         out.append(Forget(msg.group))
         return out
@@ -200,7 +233,9 @@ class OldOwner:
     def on_installed(self, msg: Installed) -> List[Any]:
         if msg.group not in self.waiting_install:
             raise HandoverError(f"old owner {self.name}: Installed for group {msg.group}, which it did not send")
-        self.waiting_install.discard(msg.group)
+        n = self.waiting_install.pop(msg.group) - 1
+        if n:
+            self.waiting_install[msg.group] = n
         return []
 
 
@@ -253,3 +288,74 @@ class NewOwner:
     def buffered(self, group: int) -> Optional[int]:
         b = self.buffer.get(group)
         return None if b is None else len(b)
+
+
+class Member:
+    """One instance of the keyed operator in both roles, over any number of moves: it owns groups,
+    hands some over (`start`), receives others (`expect` for a copy's share named in its Start,
+    `Offer` from a terminating instance) and may get a group back that it once handed away.
+
+    A record of a group it neither owns nor expects is held (`early`) until the Offer: a
+    predecessor redirected by the old owner can send it before the Offer on the old -> new channel
+    arrives. The live shell bounds that hold like any inbox (docs/security.md)."""
+
+    def __init__(self, name: str, owned: Iterable[int] = (), max_chunk: int = MAX_CHUNK) -> None:
+        self.name = name
+        self.old = OldOwner(name, max_chunk)
+        self.new = NewOwner(name)
+        self.new.owned = set(owned)
+        self.early: Dict[int, List[Tuple[str, Any]]] = {}
+
+    @property
+    def owned(self) -> Set[int]:
+        """Groups whose state is here (including those moving out until their last Eos)."""
+        return self.new.owned
+
+    def busy(self) -> bool:
+        """A move in or out is under way: the instance may not start another change (duplicate,
+        terminate) until it is over."""
+        return bool(self.old.moving or self.old.waiting_install or self.new.expected or self.early)
+
+    def start(self, group: int, new: str, preds: Sequence[str], version: int = -1, offer: bool = True) -> List[Any]:
+        """Hand `group` to `new`. `offer`: announce it on the channel to `new` first (a copy that
+        learnt its share with its Start does not need it)."""
+        if group not in self.new.owned or group in self.old.moving:
+            raise HandoverError(f"member {self.name}: cannot move group {group}: not owned here or already moving")
+        if new == self.name:
+            raise HandoverError(f"member {self.name}: cannot move group {group} to itself")
+        self.old.gone.discard(group)
+        out: List[Any] = [Send(new, Offer(group))] if offer else []
+        return out + self.old.start(group, new, preds, version)
+
+    def expect(self, group: int, old: str) -> None:
+        if group in self.old.moving:
+            raise HandoverError(f"member {self.name}: group {group} is expected while still moving out")
+        self.new.expect(group, old)
+        self.new.buffer[group] = self.early.pop(group, [])
+
+    def on_offer(self, sender: str, msg: Offer) -> List[Any]:
+        self.expect(msg.group, sender)
+        return []
+
+    def on_record(self, sender: str, group: int, record: Any) -> List[Any]:
+        if group in self.old.moving:
+            return self.old.on_record(sender, group, record)
+        if group in self.new.owned or group in self.new.expected:
+            return self.new.on_record(sender, group, record)
+        self.early.setdefault(group, []).append((sender, record))
+        return []
+
+    def on_eos(self, msg: Eos, snapshot: Callable[[int], bytes]) -> List[Any]:
+        out = self.old.on_eos(msg, snapshot)
+        if any(isinstance(o, Forget) for o in out):
+            self.new.owned.discard(msg.group)
+        return out
+
+    def on_chunk(self, sender: str, msg: StateChunk) -> List[Any]:
+        out = self.new.on_chunk(sender, msg)
+        if out:
+            self.old.gone.discard(msg.group)
+        return out
+
+    def on_installed(self, msg: Installed) -> List[Any]:
+        return self.old.on_installed(msg)
