@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from agent.dataplane.keygroups import key_group, owner as dealt_owner
 from agent.dataplane.owners import GroupTable, TableError, absorb_plan, split_share
+from agent.dataplane.routing import Outbox, Router
 from agent.instance.applied import Applied, union
 from agent.instance.keyed_state import KeyedState
 from agent.operators import OperatorContext
@@ -379,3 +380,25 @@ def test_the_union_of_applied_sets_holds_exactly_the_numbers_of_either(a: List[i
     u = union(x, y)
     assert [n for n in range(70) if n in u] == [n for n in range(70) if n in x or n in y]
     assert Applied.from_json(u.to_json()) == u  # well formed: disjoint, non-adjacent, above the floor
+
+
+def test_the_router_follows_the_table_and_a_redirect_moves_only_that_groups_buffered_records() -> None:
+    recs = [("s", i, {"k": KEYS[i % len(KEYS)]}) for i in range(60)]
+    table = GroupTable.dealt(["a", "b"], GROUPS)
+    router = Router(["a", "b"], key="k", groups=GROUPS, table=table)
+    out = Outbox(router, batch_size=1000, linger=10.0)
+    out.add(recs, 1, 0.0)
+    g = key_group("k0", GROUPS)
+    router.add("c")  # the copy joins the successors (duplication round): no group goes to it yet
+    assert out.reroute(0.0) == 0 and out.buffered_for("c") == 0
+    table.moved(g, "c")  # its old owner's Redirect
+    moved = out.reroute(0.0)
+    mine = [r for r in recs if key_group(r[2]["k"], GROUPS) == g]
+    assert moved == len(mine) > 0 and out.buffered_for("c") == len(mine)
+    batches = {dest: items for dest, items, _ in out.take(1.0, lambda d: 10, force=True)}
+    assert batches["c"] == mine  # in their order
+    # Without the table, the copy joining re-deals the groups: most records change owner.
+    plain = Outbox(Router(["a", "b"], key="k", groups=GROUPS), batch_size=1000, linger=10.0)
+    plain.add(recs, 1, 0.0)
+    plain.router.add("c")
+    assert plain.reroute(0.0) > len(mine)
