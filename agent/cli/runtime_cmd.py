@@ -78,6 +78,13 @@ def register(groups: Any) -> None:
             raise
     else:
         keyed_bench.register_bench(groups)
+    try:
+        handover_bench = importlib.import_module("agent.tools.handover_bench")
+    except ModuleNotFoundError as exc:
+        if exc.name != "agent.tools.handover_bench":
+            raise
+    else:
+        handover_bench.register_bench(groups)
 
 
 def _load_cfg(path: Any) -> Any:
