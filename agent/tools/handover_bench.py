@@ -7,7 +7,8 @@ decision (the old owner's `start`: Offer, Redirects), each predecessor's end-of-
 then `after` records of the group to the new owner, the state in chunks of at most MAX_CHUNK bytes
 (base64 in JSON), `take_in` and the buffered records applied at the new owner. Measured: from the
 decision to the last of those records applied at the new owner, per group; the state's bytes and
-the bytes on the wire. The baseline, in the same run and alternated with it: the same round for an
+the bytes on the wire; the CPU time of `hand_out` and `take_in` (this thread's: on a shared
+machine the wall times grow with the load, the CPU times much less). The baseline, in the same run and alternated with it: the same round for an
 empty group (the protocol messages alone). The state is a `keyed_count`'s, filled directly with
 synthetic keys up to the size asked (`KeyedState.hand_out` / `take_in` are the real ones).
 
@@ -131,18 +132,19 @@ def _round(bus: _Bus, size: int, after: int, timeout: float) -> Dict[str, Any]:
     sent_after = {p: 0 for p in PREDS}
     applied_at_new = 0
     state_bytes = 0
-    t_snap = t_install = 0.0
+    t_snap = t_install = c_snap = c_install = 0.0  # wall and this thread's CPU (the machine may be shared)
     wire0 = bus.wire_bytes
 
     def perform(who: str, outs: List[Any]) -> None:
-        nonlocal applied_at_new, t_install
+        nonlocal applied_at_new, t_install, c_install
         for o in outs:
             if isinstance(o, Send):
                 bus.send(who, o.dest, o.message)
             elif isinstance(o, Install):
-                t = time.perf_counter()
+                t, c = time.perf_counter(), time.thread_time()
                 ks[who].take_in(o.group, o.data)
                 t_install += time.perf_counter() - t
+                c_install += time.thread_time() - c
             elif isinstance(o, Apply):
                 items = [(str(s), int(r["n"]), {"k": "k-moving"}) for s, r in o.records]
                 ks[who].apply(who, items, 1)
@@ -152,10 +154,11 @@ def _round(bus: _Bus, size: int, after: int, timeout: float) -> Dict[str, Any]:
                 raise AssertionError(f"unexpected output {o!r}")
 
     def snapshot(group: int) -> bytes:
-        nonlocal state_bytes, t_snap
-        t = time.perf_counter()
+        nonlocal state_bytes, t_snap, c_snap
+        t, c = time.perf_counter(), time.thread_time()
         data = ks["OLD"].hand_out(group)
         t_snap += time.perf_counter() - t
+        c_snap += time.thread_time() - c
         state_bytes = len(data)
         return data
 
@@ -190,6 +193,7 @@ def _round(bus: _Bus, size: int, after: int, timeout: float) -> Dict[str, Any]:
     if g in ks["OLD"].states or held.get("k-moving", [0])[0] != after * len(PREDS):
         raise AssertionError(f"group {g}: still at the old owner, or its records not applied once at the new one")
     return {"ms": total * 1000, "snapshot_ms": t_snap * 1000, "install_ms": t_install * 1000,
+            "snapshot_cpu_ms": c_snap * 1000, "install_cpu_ms": c_install * 1000,
             "state_bytes": state_bytes, "wire_bytes": bus.wire_bytes - wire0,
             "chunks": -(-state_bytes // MAX_CHUNK) or 1, "keys_moved": len(held) - 1}
 
@@ -219,6 +223,8 @@ def run_handover_bench(sizes: Tuple[int, ...] = SIZES, rounds: int = 3, after: i
                 "ms_per_group_median": round(med, 2), "ms_per_group_max": round(max(x["ms"] for x in runs), 2),
                 "snapshot_ms_median": round(statistics.median(x["snapshot_ms"] for x in runs), 2),
                 "install_ms_median": round(statistics.median(x["install_ms"] for x in runs), 2),
+                "snapshot_cpu_ms_median": round(statistics.median(x["snapshot_cpu_ms"] for x in runs), 2),
+                "install_cpu_ms_median": round(statistics.median(x["install_cpu_ms"] for x in runs), 2),
                 "baseline_empty_ms_median": round(bmed, 2), "ratio_vs_empty": round(med / bmed, 2) if bmed else None,
                 "mb_per_s": round(runs[0]["state_bytes"] / 1e6 / (med / 1000), 2) if med else None,
             })
@@ -240,10 +246,11 @@ def _cmd(args: argparse.Namespace) -> int:
     print(f"{res['rounds']} rounds per size, {res['records_after_redirect']} records of the group sent to the new "
           f"owner during each, chunks of {res['max_chunk']} B; baseline: the same round for an empty group")
     print(f"{'state B':>10} {'wire B':>10} {'chunks':>6} {'ms/group':>9} {'max':>8} {'snapshot':>9} {'install':>8} "
-          f"{'empty ms':>9} {'ratio':>6} {'MB/s':>6}")
+          f"{'cpu snap':>8} {'cpu inst':>8} {'empty ms':>9} {'ratio':>6} {'MB/s':>6}")
     for r in res["sizes"]:
         print(f"{r['state_bytes']:>10} {r['wire_bytes']:>10} {r['chunks']:>6} {r['ms_per_group_median']:>9.1f} "
               f"{r['ms_per_group_max']:>8.1f} {r['snapshot_ms_median']:>9.1f} {r['install_ms_median']:>8.1f} "
+              f"{r['snapshot_cpu_ms_median']:>8.1f} {r['install_cpu_ms_median']:>8.1f} "
               f"{r['baseline_empty_ms_median']:>9.1f} {r['ratio_vs_empty']:>6} {r['mb_per_s']:>6}")
     return 0
 
