@@ -296,7 +296,9 @@ class KeyedState:
         self._restore_group(g, json.loads(data))
 
     def _restore_group(self, g: int, blob: Dict[str, Any]) -> None:
-        if "pairs" in blob:
+        if "pairs" in blob and type(self.op).restore is KeyedOperator.restore:
+            states = {k: v for k, v in blob["pairs"]}  # the default restore, without a JSON round trip
+        elif "pairs" in blob:
             states = self.op.restore(json.dumps(blob["pairs"]).encode())
         else:
             states = self.op.restore(base64.b64decode(blob["bytes"]))
@@ -307,8 +309,9 @@ class KeyedState:
         counters = {hashable_key(k): int(n) for k, n in blob.get("emitted") or []}
         if counters:
             self.emitted[g] = counters
-        for key, state in self.states.get(g, {}).items():
-            self._arm(key, state)
+        if type(self.op).notify_at is not KeyedOperator.notify_at:  # the default arms no timer
+            for key, state in self.states.get(g, {}).items():
+                self._arm(key, state)
 
     # ---- hand-over of a key group (agent.instance.handover; docs/operators.md, "Key groups that move")
 
@@ -340,10 +343,8 @@ class KeyedState:
             self.applied[str(src)] = theirs if mine is None else union(mine, theirs)
             self._dirty_pos[str(src)] = None
         self._restore_group(g, blob)
-        for key in self.states.get(g, {}):
-            self._dirty_keys[(g, key)] = None
-        for key in self.emitted.get(g, {}):
-            self._dirty_keys[(g, key)] = None
+        self._dirty_keys.update(dict.fromkeys((g, k) for k in self.states.get(g, {})))
+        self._dirty_keys.update(dict.fromkeys((g, k) for k in self.emitted.get(g, {})))
 
     def to_text(self) -> str:
         """The saved form: one JSON document (encoded whole: its cost grows with the state)."""
