@@ -417,3 +417,30 @@ def test_bench_handover_moves_each_group_through_mosquitto_and_reports_its_bytes
     assert big["chunks"] == 2 and big["wire_bytes"] > big["state_bytes"] * 4 // 3, big  # base64 in chunks
     assert big["keys_moved"] > small["keys_moved"] > 0
     assert all(r["baseline_empty_ms_median"] > 0 and r["ratio_vs_empty"] for r in res["sizes"]), res
+
+
+def test_a_handed_group_leaves_the_saved_state_and_a_taken_one_enters_it_with_its_applied_numbers(tmp_path: Path) -> None:
+    """After hand_out and take_in, the next save (a log line, not a new snapshot) says so: a restart
+    of the old owner does not bring the group back, one of the new owner has it and skips replays."""
+    old, new = KeyedWorld.keyed_state(), KeyedWorld.keyed_state()
+    g = key_group("k1", GROUPS)
+    other = next(k for k in KEYS if key_group(k, GROUPS) != g)
+    old.apply("P", [("src", i, {"k": "k1" if i % 2 else other}) for i in range(10)], 1)
+    new.apply("P", [("src2", 0, {"k": other})], 1)
+    po, pn = tmp_path / "old.keyed.json", tmp_path / "new.keyed.json"
+    old.save(po)
+    new.save(pn)  # the first saves are snapshots; what follows goes to the logs
+    data = old.hand_out(g)
+    old.apply("P", [("src", 10, {"k": other})], 2)  # something to save
+    new.take_in(g, data)
+    new.apply("P", [("src", 11, {"k": "k1"})], 2)
+    old.save(po)
+    new.save(pn)
+    assert po.with_name(po.name + ".log").stat().st_size > 0 and pn.with_name(pn.name + ".log").stat().st_size > 0
+    o2, n2 = KeyedWorld.keyed_state(), KeyedWorld.keyed_state()
+    o2.restore(KeyedState.load(po))
+    n2.restore(KeyedState.load(pn))
+    assert g not in o2.states and "k1" not in str(o2.states)
+    assert n2.states[g]["k1"][0] == 6  # 5 records at the old owner, 1 at the new one
+    assert n2.apply("P", [("src", 3, {"k": "k1"}), ("src", 12, {"k": "k1"})], 3) and n2.states[g]["k1"][0] == 7
+    assert n2.counts["duplicates_skipped"] == 1  # src 3 was applied at the old owner
