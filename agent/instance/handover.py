@@ -172,6 +172,11 @@ class Predecessor:
     def on_redirect(self, sender: str, msg: Redirect) -> List[Any]:
         """From the group's current owner: an Eos behind everything of the group sent to it, then
         the group's records go to the new owner."""
+        if (self.table is not None and 0 <= msg.version <= self.table.version(msg.group)
+                and self.table.owner(msg.group) == msg.new):
+            # Known already (a copy whose table was taken after its creator's Redirect): nothing
+            # of the group went to `sender` from here; the Eos says so.
+            return [Send(sender, Eos(msg.group, self.name))]
         old = self.route(msg.group) if msg.group in self.owners else None
         if old != sender:
             raise HandoverError(f"predecessor {self.name}: Redirect of group {msg.group} from {sender}, "
@@ -196,6 +201,7 @@ class OldOwner:
         self.moving: Dict[int, Tuple[str, Set[str]]] = {}  # group -> (new owner, preds without Eos yet)
         self.gone: Set[int] = set()
         self.waiting_install: Dict[int, int] = {}  # group -> Installed still to come (it may move out twice)
+        self.versions: Dict[int, int] = {}  # group moving -> its version after the move (for late Redirects)
 
     def start(self, group: int, new: str, preds: Sequence[str], version: int = -1) -> List[Any]:
         """Move `group` to `new`; `version` is its version in the owner table after the move."""
@@ -204,7 +210,31 @@ class OldOwner:
         if not preds:
             raise HandoverError(f"old owner {self.name}: moving group {group} needs its predecessors")
         self.moving[group] = (new, set(preds))
+        self.versions[group] = version
         return [Send(p, Redirect(group, new, version)) for p in sorted(set(preds))]
+
+    def add_pred(self, pred: str) -> List[Any]:
+        """A predecessor joined (its creator's duplication round reached this instance before the
+        copy's Start): every group moving out now also waits for its Eos, so a record it routes
+        here from a table copied before the Redirect is still applied here."""
+        out: List[Any] = []
+        for g, (new, left) in sorted(self.moving.items()):
+            if pred not in left:
+                left.add(pred)
+                out.append(Send(pred, Redirect(g, new, self.versions[g])))
+        return out
+
+    def remove_pred(self, pred: str, snapshot: Callable[[int], bytes]) -> List[Any]:
+        """A predecessor left (its deletion reached this instance after every record it sent:
+        docs/design.md invariant 1): no Eos will come from it."""
+        out: List[Any] = []
+        for g in sorted(self.moving):
+            left = self.moving[g][1]
+            if pred in left:
+                left.discard(pred)
+                if not left:
+                    out += self._final(g, snapshot)
+        return out
 
     def on_record(self, sender: str, group: int, record: Any) -> List[Any]:
         if group in self.gone:
@@ -219,15 +249,17 @@ class OldOwner:
         mv = self.moving.get(msg.group)
         if mv is None or msg.sender not in mv[1]:
             raise HandoverError(f"old owner {self.name}: unexpected Eos of group {msg.group} from {msg.sender}")
-        new, left = mv
-        left.discard(msg.sender)
-        if left:
-            return []
-        del self.moving[msg.group]
-        self.gone.add(msg.group)
-        self.waiting_install[msg.group] = self.waiting_install.get(msg.group, 0) + 1
-        out: List[Any] = [Send(new, c) for c in chunks(msg.group, snapshot(msg.group), self.max_chunk)]
-        out.append(Forget(msg.group))
+        mv[1].discard(msg.sender)
+        return [] if mv[1] else self._final(msg.group, snapshot)
+
+    def _final(self, group: int, snapshot: Callable[[int], bytes]) -> List[Any]:
+        """Every predecessor's Eos is in: the state is final, it goes to the new owner."""
+        new = self.moving.pop(group)[0]
+        self.versions.pop(group, None)
+        self.gone.add(group)
+        self.waiting_install[group] = self.waiting_install.get(group, 0) + 1
+        out: List[Any] = [Send(new, c) for c in chunks(group, snapshot(group), self.max_chunk)]
+        out.append(Forget(group))
         return out
 
     def on_installed(self, msg: Installed) -> List[Any]:
@@ -346,9 +378,18 @@ class Member:
         return []
 
     def on_eos(self, msg: Eos, snapshot: Callable[[int], bytes]) -> List[Any]:
-        out = self.old.on_eos(msg, snapshot)
-        if any(isinstance(o, Forget) for o in out):
-            self.new.owned.discard(msg.group)
+        return self._forgot(self.old.on_eos(msg, snapshot))
+
+    def add_pred(self, pred: str) -> List[Any]:
+        return self.old.add_pred(pred)
+
+    def remove_pred(self, pred: str, snapshot: Callable[[int], bytes]) -> List[Any]:
+        return self._forgot(self.old.remove_pred(pred, snapshot))
+
+    def _forgot(self, out: List[Any]) -> List[Any]:
+        for o in out:
+            if isinstance(o, Forget):
+                self.new.owned.discard(o.group)
         return out
 
     def on_chunk(self, sender: str, msg: StateChunk) -> List[Any]:
