@@ -101,7 +101,7 @@ class World:
     """Two predecessors emitting keyed records; 2..4 members of the keyed operator that duplicate
     and terminate while records flow. `truth` is the decisions' table (versions for Redirects)."""
 
-    def __init__(self, per_pred: int, scalings: int, max_chunk: int, pred_changes: int = 0) -> None:
+    def __init__(self, per_pred: int, scalings: int, max_chunk: int, pred_changes: int = 0, reloads: int = 0) -> None:
         names = ["I0", "I1"]
         self.truth = GroupTable.dealt(names, GROUPS)
         self.preds = {p: Predecessor(p, self.truth.copy()) for p in ("P1", "P2")}
@@ -126,6 +126,7 @@ class World:
         self.unstarted: Dict[str, str] = {}  # copy -> its creator
         self.preds_left: Dict[str, None] = {}
         self.known = {n: set(self.preds) for n in names}
+        self.reloads = reloads  # members replaced by their saved form (to_json, JSON text, from_json)
 
     def send(self, src: str, dest: str, msg: Any) -> None:
         assert dest not in self.left, f"{src} sent {msg!r} to {dest}, which left"
@@ -171,6 +172,8 @@ class World:
                                      if e and p not in self.unstarted]
         ev += [("deliver", k) for k, v in sorted(self.chan.items()) if v and k[1] not in self.unstarted]
         ev += [("pred_start", p) for p in sorted(self.unstarted)]
+        if self.reloads:
+            ev += [("reload", n) for n in sorted(self.members) if n not in self.left]
         if self.pred_changes:
             live = sorted(p for p in self.preds if p not in self.preds_left and p not in self.unstarted)
             if len(self.preds) < 5:
@@ -189,7 +192,12 @@ class World:
     def step(self, kind: str, arg: Any) -> None:
         self.log.append(f"{kind} {arg}")
         preds = sorted(self.known[arg]) if isinstance(arg, str) and arg in self.known else []
-        if kind == "pred_duplicate":
+        if kind == "reload":
+            self.reloads -= 1
+            saved = json.loads(json.dumps(self.members[arg].to_json()))
+            self.members[arg] = Member.from_json(saved)
+            assert self.members[arg].to_json() == saved
+        elif kind == "pred_duplicate":
             self.pred_changes -= 1
             copy = f"P{len(self.preds) + 1}"
             self.preds[copy] = Predecessor(copy, self.truth.copy())  # replaced by the table its Start carries
@@ -506,3 +514,26 @@ def test_predecessors_that_duplicate_and_terminate_during_moves_lose_and_reorder
             if line.split()[0] in seen:
                 seen[line.split()[0]] += 1
     assert seen["pred_duplicate"] >= 200 and seen["pred_terminate"] >= 100, seen
+
+
+
+def test_a_member_saved_and_loaded_at_any_point_of_a_move_carries_on_as_if_it_had_not_been() -> None:
+    """`Member.to_json` / `from_json` (what the keyed state's save will carry: moves under way,
+    chunks received, records held): members replaced by their saved form at random steps of
+    random schedules; the outcome is checked as in every other schedule."""
+    reloaded_busy = 0
+    for seed in range(300):
+        rng = random.Random(seed)
+        w = World(per_pred=rng.randint(3, 10), scalings=rng.randint(1, 4), max_chunk=rng.choice([8, 10 ** 6]),
+                  pred_changes=rng.randint(0, 2), reloads=rng.randint(5, 30))
+        orig_step = w.step
+
+        def step(kind: str, arg: Any, w: World = w, orig=orig_step) -> None:
+            nonlocal reloaded_busy
+            reloaded_busy += kind == "reload" and w.members[arg].busy()
+            orig(kind, arg)
+
+        w.step = step  # type: ignore[method-assign]
+        w.run(rng.randrange)
+        w.check()
+    assert reloaded_busy >= 300, reloaded_busy  # saved in the middle of moves, not only between them

@@ -31,6 +31,7 @@ g's records are buffered, only at NEW, only until its state arrives.
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
@@ -400,3 +401,33 @@ class Member:
 
     def on_installed(self, msg: Installed) -> List[Any]:
         return self.old.on_installed(msg)
+
+    # ---- saved with the keyed state (a crash mid-move must find the move where it was) ------------
+
+    def to_json(self) -> Dict[str, Any]:
+        """Everything of the moves under way, as JSON (records must be JSON values, as on the bus)."""
+        o, n = self.old, self.new
+        return {"name": self.name, "max_chunk": o.max_chunk,
+                "moving": [[g, new, sorted(left), o.versions.get(g, -1)] for g, (new, left) in sorted(o.moving.items())],
+                "gone": sorted(o.gone), "waiting_install": [list(x) for x in sorted(o.waiting_install.items())],
+                "owned": sorted(n.owned), "expected": [list(x) for x in sorted(n.expected.items())],
+                "parts": [[g, i, base64.b64encode(b).decode()] for g, p in sorted(n.parts.items()) for i, b in sorted(p.items())],
+                "buffer": [[g, [list(r) for r in recs]] for g, recs in sorted(n.buffer.items())],
+                "early": [[g, [list(r) for r in recs]] for g, recs in sorted(self.early.items())]}
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any]) -> "Member":
+        m = cls(str(d["name"]), (int(g) for g in d["owned"]), int(d["max_chunk"]))
+        o, n = m.old, m.new
+        for g, new, left, version in d["moving"]:
+            o.moving[int(g)] = (str(new), {str(p) for p in left})
+            o.versions[int(g)] = int(version)
+        o.gone = {int(g) for g in d["gone"]}
+        o.waiting_install = {int(g): int(k) for g, k in d["waiting_install"]}
+        n.expected = {int(g): str(old) for g, old in d["expected"]}
+        n.parts = {g: {} for g in n.expected}
+        for g, i, b in d["parts"]:
+            n.parts[int(g)][int(i)] = base64.b64decode(b)
+        n.buffer = {int(g): [(str(s), r) for s, r in recs] for g, recs in d["buffer"]}
+        m.early = {int(g): [(str(s), r) for s, r in recs] for g, recs in d["early"]}
+        return m
