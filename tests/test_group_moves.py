@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -301,6 +301,19 @@ class World:
                 assert mine == sorted(mine), (key, p, applied, self.log)
 
 
+def run_seeded(seeds: int, make: Callable[[random.Random], "World"]) -> List["World"]:
+    """Per seed: a world made from its random source, run to quiescence on it, checked (every seed
+    replays the same run)."""
+    done = []
+    for seed in range(seeds):
+        rng = random.Random(seed)
+        w = make(rng)
+        w.run(rng.randrange)
+        w.check()
+        done.append(w)
+    return done
+
+
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), per_pred=st.integers(4, 14), scalings=st.integers(1, 4), max_chunk=st.sampled_from([8, 64, 10 ** 6]))
 def test_any_interleaving_of_moves_with_data_applies_each_record_once_in_order(data: Any, per_pred: int, scalings: int,
@@ -313,11 +326,9 @@ def test_any_interleaving_of_moves_with_data_applies_each_record_once_in_order(d
 def test_seeded_schedules_cover_duplications_and_terminations_back_to_back() -> None:
     """Many more schedules than hypothesis draws, seeded: every seed replays the same run."""
     kinds = {"duplicate": 0, "terminate": 0, "came_back": 0}
-    for seed in range(400):
-        rng = random.Random(seed)
-        w = World(per_pred=rng.randint(3, 12), scalings=rng.randint(1, 5), max_chunk=rng.choice([8, 10 ** 6]))
-        w.run(rng.randrange)
-        w.check()
+    worlds = run_seeded(400, lambda rng: World(per_pred=rng.randint(3, 12), scalings=rng.randint(1, 5),
+                                               max_chunk=rng.choice([8, 10 ** 6])))
+    for w in worlds:
         for line in w.log:
             kinds[line.split()[0]] = kinds.get(line.split()[0], 0) + 1
         kinds["came_back"] += any(g for g in range(GROUPS) if w.truth.version(g) >= 2)
@@ -409,14 +420,9 @@ class KeyedWorld(World):
 
 
 def test_keyed_counts_survive_moves_and_replays_exactly_once() -> None:
-    moved = 0
-    for seed in range(300):
-        rng = random.Random(seed)
-        w = KeyedWorld(per_pred=rng.randint(3, 10), scalings=rng.randint(1, 4), max_chunk=rng.choice([16, 10 ** 6]),
-                       replays=rng.randint(0, 8))
-        w.run(rng.randrange)
-        w.check()
-        moved += sum(w.truth.version(g) for g in range(GROUPS))
+    worlds = run_seeded(300, lambda rng: KeyedWorld(per_pred=rng.randint(3, 10), scalings=rng.randint(1, 4),
+                                                    max_chunk=rng.choice([16, 10 ** 6]), replays=rng.randint(0, 8)))
+    moved = sum(w.truth.version(g) for w in worlds for g in range(GROUPS))
     assert moved >= 600, moved
 
 
@@ -504,15 +510,11 @@ def test_predecessors_that_duplicate_and_terminate_during_moves_lose_and_reorder
     too, `add_pred`; if its table, taken at Start, already names the new owner it answers the
     Redirect with an Eos at once); a predecessor leaves while one is moving (`remove_pred`)."""
     seen = {"pred_duplicate": 0, "pred_terminate": 0}
-    for seed in range(400):
-        rng = random.Random(seed)
-        w = World(per_pred=rng.randint(2, 8), scalings=rng.randint(1, 4), max_chunk=rng.choice([8, 10 ** 6]),
-                  pred_changes=rng.randint(1, 4))
-        w.run(rng.randrange)
-        w.check()
-        for line in w.log:
-            if line.split()[0] in seen:
-                seen[line.split()[0]] += 1
+    worlds = run_seeded(400, lambda rng: World(per_pred=rng.randint(2, 8), scalings=rng.randint(1, 4),
+                                               max_chunk=rng.choice([8, 10 ** 6]), pred_changes=rng.randint(1, 4)))
+    for line in (line for w in worlds for line in w.log):
+        if line.split()[0] in seen:
+            seen[line.split()[0]] += 1
     assert seen["pred_duplicate"] >= 200 and seen["pred_terminate"] >= 100, seen
 
 
@@ -522,18 +524,19 @@ def test_a_member_saved_and_loaded_at_any_point_of_a_move_carries_on_as_if_it_ha
     chunks received, records held): members replaced by their saved form at random steps of
     random schedules; the outcome is checked as in every other schedule."""
     reloaded_busy = 0
-    for seed in range(300):
-        rng = random.Random(seed)
+
+    def make(rng: random.Random) -> World:
         w = World(per_pred=rng.randint(3, 10), scalings=rng.randint(1, 4), max_chunk=rng.choice([8, 10 ** 6]),
                   pred_changes=rng.randint(0, 2), reloads=rng.randint(5, 30))
-        orig_step = w.step
+        orig = w.step
 
-        def step(kind: str, arg: Any, w: World = w, orig=orig_step) -> None:
+        def step(kind: str, arg: Any) -> None:
             nonlocal reloaded_busy
             reloaded_busy += kind == "reload" and w.members[arg].busy()
             orig(kind, arg)
 
         w.step = step  # type: ignore[method-assign]
-        w.run(rng.randrange)
-        w.check()
+        return w
+
+    run_seeded(300, make)
     assert reloaded_busy >= 300, reloaded_busy  # saved in the middle of moves, not only between them
