@@ -31,8 +31,6 @@ def _restart(proc: "subprocess.Popen[bytes]", conf: Path, port: int, kill: bool)
     return new
 
 
-@pytest.mark.xfail(strict=True, reason="open (session 12, seed 12004): a reconnect that finds its session "
-                   "present does not subscribe again, and the rolled-back session lacks the inbox subscription")
 def test_a_session_rolled_back_to_before_our_subscription_still_delivers_our_inbox(tmp_path: Path) -> None:
     """An earlier process with the same client id (in seed 12004: the copy's first start, on
     another node, whose SUBACK never came during a broker restart) left a persistent session
