@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 
-def taxi_in_zone(name: str, seed: int = 1, rate: float = 50.0) -> str:
-    """source (synthetic taxi records at a constant rate) -> in_zone -> counting sink, no scaling."""
+def taxi_in_zone(name: str, seed: int = 1, rate: float = 50.0, policy: str = "none",
+                 capacity: float = 100.0, period: float = 1.0) -> str:
+    """source (synthetic taxi records at a constant rate) -> in_zone -> counting sink. Only
+    in_zone may scale: by `policy` (none by default), `capacity` records/s per instance, a
+    decision every `period` s."""
+    scaling = ("" if policy == "none" else
+               f'[operator.scaling]\npolicy = "{policy}"\nperiod = {float(period)}\ncapacity = {float(capacity)}\n')
     return f"""
 [pipeline]
 name = "{name}"
@@ -18,7 +23,7 @@ params = {{ seed = {seed}, profile = "constant", rate = {float(rate)} }}
 [[operator]]
 name = "in_zone"
 function = "agent.operators.builtin:in_zone"
-[[operator]]
+{scaling}[[operator]]
 name = "sink"
 kind = "sink"
 function = "agent.operators.builtin:counting_sink"
