@@ -300,10 +300,10 @@ class Instance:
         self._final = False
         self._last_source_write = -1e9
         self._holes: Dict[str, Tuple[Tuple[int, int], float]] = {}  # sender -> ((epoch, missing seq), since)
-        # A new incarnation of ours: predecessor -> its epoch we knew, for the predecessors whose
-        # data before their replay marker we drop (`_await_replays`, docs/reliability.md).
-        self._awaiting_replay: Dict[str, int] = {}
-        self._dropped_since: Dict[str, float] = {}  # of those: when we first dropped its data
+        # A new incarnation of ours: predecessor -> (its epoch we knew, when we first dropped its
+        # data or None), for the predecessors whose data before their replay marker we drop
+        # (`_await_replays`, docs/reliability.md).
+        self._awaiting_replay: Dict[str, Tuple[int, Optional[float]]] = {}
         # Source -> the largest floor claimed for it in our input (agent.instance.applied): passed
         # on with the records of that source; a source claims its own.
         self._floors: Dict[str, int] = {}
@@ -751,7 +751,6 @@ class Instance:
                 if e.kind is Kind.DATA:
                     if not e.body:  # a replay marker: its replay follows (`_await_replays`)
                         self._awaiting_replay.pop(e.sender, None)
-                        self._dropped_since.pop(e.sender, None)
                         continue
                     if self._awaiting_replay and self._before_replay(e):
                         continue  # its replay brings it again, in order
@@ -781,23 +780,23 @@ class Instance:
         know us yet: they would never send a marker); a newer epoch of the predecessor ends the
         wait (restarted itself: all it sends is fresh). docs/reliability.md, "Replays in order"."""
         self._awaiting_replay = {}
-        self._dropped_since = {}
         for p in preds:
             pos = self.inbound.position(p)
             if pos is not None:
-                self._awaiting_replay[p] = pos[0]
+                self._awaiting_replay[p] = (pos[0], None)
 
     def _before_replay(self, env: Envelope) -> bool:
         """Drop `env` (data from a predecessor whose replay marker has not come yet)?"""
-        epoch = self._awaiting_replay.get(env.sender)
-        if epoch is None:
+        awaited = self._awaiting_replay.get(env.sender)
+        if awaited is None:
             return False
+        epoch, since = awaited
         if env.epoch > epoch:
             del self._awaiting_replay[env.sender]  # a new incarnation of it: fresh data
-            self._dropped_since.pop(env.sender, None)
             return False
         self.stats["dropped_before_replay"] = self.stats.get("dropped_before_replay", 0) + 1
-        self._dropped_since.setdefault(env.sender, self.now)
+        if since is None:
+            self._awaiting_replay[env.sender] = (epoch, self.now)
         return True
 
     def _send_replay_marker(self, dest: str) -> None:
@@ -909,7 +908,8 @@ class Instance:
         if stuck:
             self._holes = {}
             self._new_incarnation(f"messages from {', '.join(stuck)} missing for {GAP_TIMEOUT:.0f}s", "gaps_recovered")
-        unanswered = sorted(s for s, t in self._dropped_since.items() if now - t >= REPLAY_WAIT)
+        unanswered = sorted(s for s, (_, t) in self._awaiting_replay.items()
+                            if t is not None and now - t >= REPLAY_WAIT)
         if unanswered:
             self._new_incarnation(f"no replay marker from {', '.join(unanswered)} in {REPLAY_WAIT:.0f}s",
                                   "replays_asked_again")
