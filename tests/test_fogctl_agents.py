@@ -264,24 +264,7 @@ def test_watch_shows_a_real_scale_out_with_its_reason(capsys, mosquitto, tmp_pat
             a.stop()
 
 
-STEER_PIPELINE = """
-[pipeline]
-name = "steer"
-[scaling]
-policy = "none"
-[[operator]]
-name = "source"
-kind = "source"
-function = "agent.operators.taxi:source"
-params = { seed = 3, profile = "constant", rate = 40.0 }
-[[operator]]
-name = "in_zone"
-function = "agent.operators.builtin:in_zone"
-[[operator]]
-name = "sink"
-kind = "sink"
-function = "agent.operators.builtin:counting_sink"
-"""
+STEER_PIPELINE = taxi_in_zone("steer", seed=3, rate=40.0)
 
 
 def test_fogctl_scale_and_drain_on_real_agents_lose_no_record(capsys, mosquitto, tmp_path) -> None:
@@ -356,7 +339,7 @@ def test_fogctl_scale_and_drain_on_real_agents_lose_no_record(capsys, mosquitto,
     assert v.ok, v
 
 
-HANDOVER_PIPELINE = STEER_PIPELINE.replace('name = "steer"', 'name = "hand"').replace("seed = 3", "seed = 5")
+HANDOVER_PIPELINE = taxi_in_zone("hand", seed=5, rate=40.0)
 
 
 def test_fogctl_drain_hands_a_keeper_over_to_another_node(capsys, mosquitto, tmp_path) -> None:
