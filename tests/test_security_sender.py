@@ -507,6 +507,45 @@ def test_a_per_node_worker_sends_to_the_bound_node_parks_what_is_unbound_and_fol
     w.feed(Abort("test"), clock[0])
 
 
+def test_a_per_node_worker_resends_at_once_what_went_to_a_moved_receivers_old_node(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Issue #20's drain stall: sink-0 moves from n2 to n3 (a drain's hand-over) and takes a
+    while to start. Nothing acks work-0's batch meanwhile, so work-0's silent-link replays go to
+    n2's topic, where the broker drops them, and its wait doubles each time (5, then 10 s). When the
+    binding names n3, the unacked batch goes to n3 at once under its own number, not after the
+    next wait of 20 s; and the backoff starts over (a resend lost again is retried after 5 s)."""
+    from agent.dataplane.envelope import decode
+    from agent.instance.core import LINK_SILENCE
+
+    clock = [100.0]
+    w, wire = _worker(tmp_path, "work", clock, node="n1",
+                      extra={"sink_dir": str(tmp_path / "sink"), "check_sender_node": True, "inbox_per_node": True})
+    mine = topics.inbox_at("c", "n1", "work-0", "n1")
+    at = {n: topics.inbox_at("c", n, "sink-0", "n1") for n in ("n2", "n3")}
+
+    def data_to(node: str) -> List[int]:
+        return [e.seq for t, e in ((t, decode(p)) for t, p in wire.sent) if e.kind is Kind.DATA and t == at[node]]
+
+    bound = {"source-0": "n1", "work-0": "n1", "sink-0": "n2"}
+    w.feed(Control({"event": "hosts", "bound": bound}), clock[0])
+    wire.events.append(Received(mine, encode_data("source-0", 0, 1, _records(0, 4))))
+    _run(w, clock, 0.5)
+    assert data_to("n2") == [1]
+    _run(w, clock, 3 * LINK_SILENCE + 1.5)  # replays after 5 s and 10 s more, both to n2 (dropped there)
+    assert data_to("n2") == [1, 1, 1] and not data_to("n3")
+    w.feed(Control({"event": "hosts", "bound": {**bound, "sink-0": "n3"}, "former": {"sink-0": ["n2"]}}), clock[0])
+    _run(w, clock, 0.5)
+    assert data_to("n3") == [1], "the batch sent to the old node is not sent to the new one at once"
+    assert data_to("n2") == [1, 1, 1]
+    _run(w, clock, LINK_SILENCE + 1.5)  # lost again: retried after LINK_SILENCE, not after 20 s
+    assert data_to("n3") == [1, 1]
+    # acked by the moved receiver: nothing more is sent
+    wire.events.append(Received(topics.inbox_at("c", "n1", "work-0", "n3"),
+                                encode(Envelope("sink-0", 0, 1, Kind.ACK, [0, 1]))))
+    _run(w, clock, 3 * LINK_SILENCE)
+    assert data_to("n3") == [1, 1] and w.core.links["sink-0"].inflight == 0
+    w.feed(Abort("test"), clock[0])
+
+
 @pytest.mark.broker
 def test_a_node_reads_only_its_own_instances_inboxes_and_a_drain_moves_them_exactly_once(site) -> None:  # type: ignore[no-untyped-def]
     """Per-node inboxes on the role's TLS broker with real agents: n1 alone at deploy time hosts
