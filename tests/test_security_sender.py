@@ -122,6 +122,47 @@ def test_among_several_new_claimers_the_latest_rehome_wins() -> None:
     assert m2.bound("w") == "b"  # no re-home record: the smallest name (every agent picks the same)
 
 
+def test_a_handover_goes_only_where_the_old_node_says_even_when_a_hostile_node_claims_it() -> None:
+    """Issue #20 item 3: b (hostile, the smallest name) lists keep.0 all along. a hands it over to
+    d: b gets the binding neither while d is not listed yet nor after; without a's statement and
+    with two claimers it stays with a (b can delay a move, not take it)."""
+    m = _map()
+    up = {"a": True, "b": True, "d": True}
+    m.update({}, _hosted(a=["keep.0"], b=["keep.0"]), up)
+    assert m.bound("keep.0") == "a"
+    m.update({}, _hosted(a=[], b=["keep.0"]), up, None, {"a": {"keep.0": "d"}})  # a forgot it, d not in yet
+    assert m.bound("keep.0") == "a" and m.pending("keep.0") == ("b",)
+    m.update({}, _hosted(a=[], b=["keep.0"], d=["keep.0"]), up, None, {"a": {"keep.0": "d"}, "b": {"keep.0": "b"}})
+    assert m.bound("keep.0") == "d" and m.pending("keep.0") == ("b",)
+    m.update({}, _hosted(a=[], b=["keep.0"], d=["keep.0"]), up, None, {"a": {"keep.0": "d"}})
+    assert m.bound("keep.0") == "d"  # and sticky there
+    # without a's word (an agent of before), two claimers: nobody takes it
+    m2 = _map()
+    m2.update({}, _hosted(a=["keep.0"], b=["keep.0"]), up)
+    m2.update({}, _hosted(a=[], b=["keep.0"], d=["keep.0"]), up)
+    assert m2.bound("keep.0") == "a"
+    m2.update({}, _hosted(a=[], d=["keep.0"]), up)  # b gone: one claimer, as before
+    assert m2.bound("keep.0") == "d"
+
+
+def test_a_rehome_goes_where_the_rehomer_says_not_to_a_claimer_with_a_later_record() -> None:
+    """a dies; c (the lowest-named online node: the re-homer) places work-0 on d; h lists it too
+    and writes a re-homed record later than c's. The binding goes to d, as c says; a statement of
+    h's, which is not the re-homer, counts for nothing. Without c's statement the latest re-homed
+    record wins, as before (what is left: docs/security.md)."""
+    rehomed = {"c": {"work-0": 5.0}, "h": {"work-0": 9.0}}
+    m = _map()
+    m.update({}, _hosted(a=["work-0"]), {"a": True, "c": True, "d": True, "h": True})
+    m.update({}, _hosted(a=["work-0"], d=["work-0"], h=["work-0"]), {"a": False, "c": True, "d": True, "h": True},
+             rehomed, {"c": {"work-0": "d"}, "h": {"work-0": "h"}})
+    assert m.bound("work-0") == "d" and m.pending("work-0") == ("a", "h")
+    m2 = _map()
+    m2.update({}, _hosted(a=["work-0"]), {"a": True, "c": True, "d": True, "h": True})
+    m2.update({}, _hosted(a=["work-0"], d=["work-0"], h=["work-0"]), {"a": False, "c": True, "d": True, "h": True},
+              rehomed, {"h": {"work-0": "h"}})
+    assert m2.bound("work-0") == "h"
+
+
 def test_the_table_is_bounded_and_forgets_unlisted_instances_first() -> None:
     m = HostMap("me", max_entries=10)
     m.update({}, _hosted(a=[f"old-{i}" for i in range(10)]), {"a": True})
