@@ -579,10 +579,9 @@ class Instance:
         new node may not read it). Sent again at once, under their own numbers, to the new node
         (the receiver's channel drops what it has), and the silent-link backoff starts over: left
         to `_check_silence`, the resend waited for a backoff that had doubled on every replay into
-        the old topic while the receiver started (issue #20: 5, 10, 20, 40 s; no record through a
-        drained in_zone for over a minute on a loaded machine). After the release of held
-        envelopes: a renumbered replay for the receiver's new epoch (`_accept`) resends them
-        already, and what it sent is newer than the move."""
+        the old topic while the receiver started (docs/reliability.md, "Found by the move bench").
+        Run after the release of held envelopes: a renumbered replay for the receiver's new epoch
+        (`_accept`) resends them already, and what it sent is newer than the move."""
         moved, self._moved = self._moved, {}
         for dest, since in moved.items():
             link = self.links.get(dest)
