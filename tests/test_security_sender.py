@@ -148,8 +148,8 @@ def test_a_handover_goes_only_where_the_old_node_says_even_when_a_hostile_node_c
 def test_a_rehome_goes_where_the_rehomer_says_not_to_a_claimer_with_a_later_record() -> None:
     """a dies; c (the lowest-named online node: the re-homer) places work-0 on d; h lists it too
     and writes a re-homed record later than c's. The binding goes to d, as c says; a statement of
-    h's, which is not the re-homer, counts for nothing. Without c's statement the latest re-homed
-    record wins, as before (what is left: docs/security.md)."""
+    h's, which is not the re-homer, counts for nothing. Without c's statement (not arrived yet)
+    neither claimer gets it; once only d lists it, d does."""
     rehomed = {"c": {"work-0": 5.0}, "h": {"work-0": 9.0}}
     m = _map()
     m.update({}, _hosted(a=["work-0"]), {"a": True, "c": True, "d": True, "h": True})
@@ -160,7 +160,9 @@ def test_a_rehome_goes_where_the_rehomer_says_not_to_a_claimer_with_a_later_reco
     m2.update({}, _hosted(a=["work-0"]), {"a": True, "c": True, "d": True, "h": True})
     m2.update({}, _hosted(a=["work-0"], d=["work-0"], h=["work-0"]), {"a": False, "c": True, "d": True, "h": True},
               rehomed, {"h": {"work-0": "h"}})
-    assert m2.bound("work-0") == "h"
+    assert m2.bound("work-0") == "a"
+    m2.update({}, _hosted(a=["work-0"], d=["work-0"]), {"a": False, "c": True, "d": True, "h": True}, rehomed)
+    assert m2.bound("work-0") == "d"
 
 
 def test_the_table_is_bounded_and_forgets_unlisted_instances_first() -> None:

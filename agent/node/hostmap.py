@@ -23,10 +23,10 @@ The rule, per instance (`HostMap.update`):
   node, `rehome.responsible`). When the bound node stops listing an instance and names where it
   went, the binding goes there and nowhere else (waiting until that node lists it); a hostile
   node listing the instance too gets nothing. Without a statement (an agent of before, a
-  termination) the binding moves only when exactly one online node lists the instance; with
-  several it stays (a hostile node can then delay a move, not take it). A re-home without the
-  re-homer's statement still picks among the claimers (docs/security.md, "What this does not
-  prove").
+  statement not arrived yet) the binding moves only when exactly one online node lists the
+  instance; with several it stays (a hostile node can then delay a move, not take it). An
+  instance with no binding yet still goes to one of its claimers (docs/security.md, "What this
+  does not prove").
 - The other claimers are `pending` (diagnostics: a move in progress, or a node listing an
   instance it does not host). The worker accepts an envelope only from the bound node; one
   from any other node waits (briefly, bounded) for the binding to name it, then is refused.
@@ -121,8 +121,8 @@ class HostMap:
                     new = cur  # listed by nobody any more: keep the last binding
                 elif said is not None and said != cur and (said in others or up(said)):
                     new = said if said in others else cur  # there, once it lists it; nowhere else
-                elif cur is not None and up(cur) and len(others) > 1:
-                    new = cur  # left its online node without a word, several claim it: none of them
+                elif cur is not None and len(others) > 1:
+                    new = cur  # moved without a word from who moved it, several claim it: none of them
                 else:
                     new = max(others, key=lambda n: (rehomed.get(n, {}).get(inst, 0.0), -_rank(n, others)))
             if new is None:
