@@ -642,7 +642,8 @@ def test_a_node_reads_only_its_own_instances_inboxes_and_a_drain_moves_them_exac
         # n1 says where each keeper went, in the state record only n1 may write: the receivers'
         # bindings follow that statement, not whichever node lists the keeper (agent.node.hostmap)
         stated = lambda: json.loads(watch.topics().get(T("agents/n1/state")) or b"{}").get("moved")  # noqa: E731
-        assert wait_until(lambda: stated() == {k: "n2" for k in (src, mid, sink)}, 10), stated()
+        assert wait_until(lambda: stated() == {k: "n2" for k in (src, mid, sink)}, 30), (
+            stated(), [ln for ln in agents["n1"].text().splitlines() if "hand" in ln or "drain" in ln])
         before = int(_instances(watch)[sink][1].get("records_in", 0))
         assert wait_until(lambda: int(_instances(watch)[sink][1].get("records_in", 0)) > before + 20, 30)
         seen1 = len(inbox_topics("n1"))
