@@ -402,13 +402,17 @@ def test_spawned_only_after_ready_local_then_remote(tmp_path: Path, mosquitto: A
         assert wait_until(lambda: sum(1 for e in read_log(fake_log) if e["event"] == "spawned") == 4, 20)
         events = read_log(fake_log)
         ready_at = {e["instance"]: e["t"] for e in events if e["event"] == "ready"}
-        all_replies = [e for e in events if e["event"] == "spawned"]
+        # in the order of the requests (r0..r3), not of the answers: each answer waits for its
+        # worker's "ready", and a local worker can start slower than a remote one under load
+        all_replies = sorted((e for e in events if e["event"] == "spawned"), key=lambda e: e["msg"]["request"])
         replies = [r for r in all_replies if r["msg"]["ok"]]
         refused = [r["msg"] for r in all_replies if not r["msg"]["ok"]]
         # 4 slots: the spawner and 3 children fit, the 4th child is refused with a reason
         assert len(replies) == 3 and len(refused) == 1 and "slot" in refused[0]["error"], all_replies
+        answers = [r["msg"] for r in all_replies]
+        assert refused[0]["request"] == "r3", answers
         nodes = [r["msg"]["node"] for r in replies]
-        assert nodes[0] == "a1" and sorted(nodes) == ["a1", "a2", "a2"]  # local slot first, then remote
+        assert nodes == ["a1", "a2", "a2"], answers  # the local slot to the first request, then remote
         for r in replies:
             new = r["msg"]["instance"]
             assert new in ready_at, f"{new} announced but never ready"
