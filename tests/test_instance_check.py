@@ -8,6 +8,7 @@ from typing import Iterable, Optional, Tuple
 
 import pytest
 
+from agent.protocol.scaling import InstanceState
 from agent.sim.instance_check import Config, World, describe, explore, finish, random_runs
 
 ROUNDS_1212 = (("op-0", "duplicate"), ("copy", "terminate"), ("op-0", "duplicate"))
@@ -158,6 +159,61 @@ def test_a_copy_that_becomes_a_new_incarnation_in_its_own_deletion_strands_nothi
         _departing_copy_restarted_after_its_predecessor_removed_it({"replay_to_departed"})
 
 
+def _copy_rehomed_in_its_deletion(but: str, faults: Iterable[str]) -> Optional[Tuple[str, str]]:
+    """The copy decides its scale-in; everything is delivered but the queue `but` (the copy then
+    waits in DELETING for source-0's ack, or DEPARTING for the sink's acks); its node dies: the
+    copy is re-homed (active, tables rebuilt from the hosted instances), while source-0 has
+    applied its Deletion and acks it to the new incarnation."""
+    w = World(Config(records=4, rehomes=1, rehome_targets=("copy",), plans=ROUNDS_1212[:2], faults=frozenset(faults)))
+    w.play("plan op-0 duplicate")
+    w.deliver_all()
+    for _ in range(3):
+        w.play("time")
+        w.deliver_all()
+    w.play("plan copy terminate")
+    w.deliver_all(but=(but,))
+    assert w.copy_id not in w.inst["source-0"].scaling.core.succs  # source-0 removed it
+    assert w.copy_id in w.inst["sink-0"].scaling.core.preds  # the sink not yet
+    w.play("rehome copy")
+    w.deliver_all()
+    w.play("restart copy")
+    return finish(w)
+
+
+@pytest.mark.parametrize("but", ["source-0->copy", "sink-0->copy"], ids=["deleting", "departing"])
+def test_a_copy_rehomed_in_its_own_deletion_leaves_again(but: str) -> None:
+    """Was `rehomed_departing_copy` (random schedule seed 28, an open defect of session 11): the
+    re-homed copy came back active, with rebuilt tables, after source-0 had applied its Deletion:
+    an active instance nobody routes to. Now the deletion ack of its dead incarnation tells it
+    that it was leaving, and it leaves again. Seeded fault `rehome_stays`: it stays."""
+    assert _copy_rehomed_in_its_deletion(but, ()) is None
+    bad = _copy_rehomed_in_its_deletion(but, {"rehome_stays"})
+    assert bad is not None and bad[0] == "views_disagree", bad
+    rep = random_runs(Config(records=4, rehomes=1, rehome_targets=("copy",), plans=ROUNDS_1212), schedules=1, seed=28)
+    assert rep.ok, describe(rep)
+
+
+def test_a_predecessor_rehomed_while_its_successor_departs_does_not_route_to_it() -> None:
+    """Seed 11029 (280 lost): the copy decided its scale-in, source-0 (here; validate there)
+    acked its Deletion and its node died; the re-homed source-0 rebuilt its successors from the
+    hosted instances, which still listed the departing copy, and sent records to it that nobody
+    processed once it terminated. plan_rehome now leaves departing successors out. (Random
+    schedule seed 47 of this configuration found it too, before the fix.)"""
+    w = World(Config(records=4, rehomes=1, rehome_targets=("source-0",), plans=ROUNDS_1212[:2]))
+    w.play("plan op-0 duplicate")
+    w.deliver_all()
+    for _ in range(3):
+        w.play("time")
+        w.deliver_all()
+    w.play("plan copy terminate")
+    w.deliver_all(but=("sink-0->copy",))  # source-0 acked the Deletion; the copy's Drain waits
+    assert w.inst[w.copy_id].scaling.core.state is InstanceState.DEPARTING
+    w.play("rehome source-0")
+    w.play("restart source-0")
+    assert w.copy_id not in w.inst["source-0"].scaling.core.succs
+    assert finish(w) is None
+
+
 OPEN = [
     # A restarted sink resyncs each predecessor's channel at the first number it sees (its
     # snapshot may lag, docs/reliability.md). When the broker loses what it had queued for the
@@ -166,11 +222,6 @@ OPEN = [
     # cumulative ack drops the lost replays from the predecessor's buffer.
     pytest.param(Config(records=6, crashes=1, crash_targets=("sink-0",), slow=("sink-0",), brokers=1,
                         broker_kinds=("rollback",)), 28, "records_not_exactly_once", id="resync_past_lost_replays"),
-    # A copy re-homed while it was leaving comes back active with rebuilt tables, but its
-    # predecessor has applied its Deletion: an active instance nobody routes to (scaled in only
-    # by its own policy later; never with policy "none" or a pinned count).
-    pytest.param(Config(records=4, rehomes=1, rehome_targets=("copy",), plans=ROUNDS_1212), 28, "views_disagree",
-                 id="rehomed_departing_copy"),
 ]
 
 

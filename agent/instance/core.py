@@ -743,6 +743,8 @@ class Instance:
                     self._replay_to(env.sender)
                 else:
                     self._reroute_departed(env.sender)
+        if env.kind is Kind.ACK and tuple(env.body) == (0, 0) and self.scaling is not None:
+            self.scaling.remind_departed(env.sender)  # a re-homed copy that forgot it left
         # INVARIANT 1 (FIFO channel): envelopes are delivered in each sender's numbering, once.
         for e in self.inbound.receive(env):
             if e.kind is Kind.ACK:
@@ -834,6 +836,8 @@ class Instance:
     def _refuse(self, env: Envelope, why: str, writer: str, note: str = "") -> None:
         """Counted, logged at most once per sender per minute (and 20 lines a minute in all), and
         nothing else: no channel entry, no record id, nothing persisted."""
+        if why == "sender" and env.kind is Kind.ACK and tuple(env.body) == (0, 0) and self.scaling is not None:
+            self.scaling.remind_departed(env.sender)  # a re-homed copy that forgot it left
         key = {"epoch": "refused_epochs", "seq": "refused_seqs", "node": "refused_nodes"}.get(why, "refused_senders")
         self.stats[key] += 1
         if self._refusals.allow((env.sender, writer), self.now):

@@ -1466,6 +1466,22 @@ class Agent:
         else:
             self.supervisor.start_chain(group, now)
 
+    def _departing(self) -> Set[str]:
+        """Instances past the predecessor phase of their deletion (their scaling core says
+        departing or terminated): ours from the workers' last heartbeat, the other online
+        nodes' from their retained states. A re-homed predecessor leaves them out of its
+        successors (agent.node.rehome.plan_rehome)."""
+        gone = ("departing", "terminated")
+        out = {i for i, w in self.supervisor.workers.items() if w.stats.get("state") in gone}
+        for n, doc in self.fleet.items():
+            if n == self.node or not self.online.get(n):
+                continue
+            for i in doc.get("instances", []) or []:
+                stats = i.get("stats") if isinstance(i, dict) else None
+                if isinstance(stats, dict) and stats.get("state") in gone:
+                    out.add(str(i.get("id")))
+        return out
+
     def _listed_elsewhere(self) -> Set[str]:
         """Instance ids that another ONLINE node lists in its retained state."""
         return {str(i.get("id")) for n, doc in self.fleet.items() if n != self.node and self.online.get(n)
@@ -1573,7 +1589,8 @@ class Agent:
             if not rehome.responsible(self.node, online):
                 return
             listed = self._listed_elsewhere() | set(self.supervisor.workers)
-            plan = rehome.plan_rehome(node, self.hosted_by_node, online, listed, int(self.wall()))
+            plan = rehome.plan_rehome(node, self.hosted_by_node, online, listed, int(self.wall()),
+                                      departing=self._departing())
             self._rehomed.add(node)
             if plan:
                 record = self.rehomed_by_node.setdefault(self.node, {})
