@@ -101,16 +101,20 @@ def test_hosted_record_round_trip_and_bad_payloads() -> None:
             decode_hosted(bad)
 
 
-def test_the_agent_reads_departing_instances_from_the_node_states(tmp_path: Path) -> None:
-    """The daemon side of the test above: who is departing comes from the other online nodes'
-    retained states (each instance's scaling state, from its heartbeat) and from our workers."""
+def _agent(tmp_path: Path) -> Any:
     from agent.config import load_agent_config
     from agent.node.daemon import Agent
 
     conf = tmp_path / "a.toml"
     conf.write_text(f'[agent]\nnode = "me"\ncluster = "c"\nstate_dir = "{tmp_path}/state"\ndead_after = 1.0\n'
                     '[mqtt]\nhost = "127.0.0.1"\nport = 1\n')
-    agent = Agent(load_agent_config(conf), warm_worker=False)
+    return Agent(load_agent_config(conf), warm_worker=False)
+
+
+def test_the_agent_reads_departing_instances_from_the_node_states(tmp_path: Path) -> None:
+    """The daemon side of the test above: who is departing comes from the other online nodes'
+    retained states (each instance's scaling state, from its heartbeat) and from our workers."""
+    agent = _agent(tmp_path)
     created: List[Any] = []
     agent._create_node = lambda spec, reply, cause, now: created.append(spec)
     agent.connected, agent.online, agent._offline_since = True, {"n9": False, "n3": True}, {"n9": 0.0}
@@ -121,3 +125,25 @@ def test_the_agent_reads_departing_instances_from_the_node_states(tmp_path: Path
                                        {"id": "sink-c", "stats": {"state": "deleting"}}]}
     agent._maybe_rehome(100.0)
     assert [(s.instance, s.succs) for s in created] == [("p.mid.0", ("p.sink.0", "sink-c"))]
+
+
+def test_a_retry_after_a_failed_rehome_does_not_place_the_others_again(tmp_path: Path) -> None:
+    """Defect B (seed 11019, two incarnations of one copy): a re-home that failed (no free slot)
+    made the next period plan the lost node again, and an instance whose createNode() had gone
+    to another node, not yet listed in that node's state, was placed a second time. Now only the
+    failed one is tried again, and our re-homed record stops claiming it meanwhile (a returning
+    node would otherwise forget an instance that runs nowhere)."""
+    agent = _agent(tmp_path)
+    asked: List[Any] = []
+    agent._create_node = lambda spec, reply, cause, now: asked.append((spec.instance, reply))
+    agent.connected, agent.online, agent._offline_since = True, {"n9": False}, {"n9": 0.0}
+    agent.hosted_by_node = {"n9": [spec("p.mid.0", "mid", True), spec("mid-b", "mid")]}
+    agent._maybe_rehome(100.0)
+    assert [a[0] for a in asked] == ["mid-b", "p.mid.0"]
+    assert set(agent.rehomed_by_node["me"]) == {"mid-b", "p.mid.0"}
+    asked[0][1]({"ok": False, "error": "no node has a free slot"})  # mid-b failed; p.mid.0 on its way
+    assert set(agent.rehomed_by_node["me"]) == {"p.mid.0"}
+    agent._maybe_rehome(101.0)
+    assert [a[0] for a in asked[2:]] == ["mid-b"]
+    agent._maybe_rehome(102.0)
+    assert len(asked) == 3  # nothing failed since: nothing planned again

@@ -201,6 +201,7 @@ class Agent:
         self.rehomed_by_node: Dict[str, Dict[str, float]] = {}  # node -> {instance: when it re-homed it}
         self._offline_since: Dict[str, float] = {}
         self._rehomed: Set[str] = set()
+        self._rehome_claims: Dict[str, float] = {}  # instance -> when we asked for its re-home
         self._hosted_dirty = True
         # Which node hosts which instance (docs/security.md, "Data channels"): sent to every worker
         # as the control line "hosts", which checks the writing node of each inbox message with it.
@@ -1589,6 +1590,14 @@ class Agent:
             if not rehome.responsible(self.node, online):
                 return
             listed = self._listed_elsewhere() | set(self.supervisor.workers)
+            # A re-home already asked for (placed, or its createNode() still on its way) stays out
+            # of the next attempt, which follows a failure of another one: before its node's state
+            # lists it, planned again it would be placed a second time (defect B, seed 11019).
+            # A claim lasts until a node lists it, or for as long as a createNode() may take plus
+            # the state periods its node needs to list it (then its node may be the lost one).
+            ttl = RPC_TIMEOUT + 3 * self.cfg.agent.state_period
+            self._rehome_claims = {i: t for i, t in self._rehome_claims.items() if i not in listed and now - t < ttl}
+            listed |= set(self._rehome_claims)
             plan = rehome.plan_rehome(node, self.hosted_by_node, online, listed, int(self.wall()),
                                       departing=self._departing())
             self._rehomed.add(node)
@@ -1615,9 +1624,20 @@ class Agent:
                 def reply(result: Dict[str, Any], inst: str = spec.instance) -> None:
                     if not result.get("ok"):
                         log.error("re-homing %s failed: %s", inst, result.get("error"), extra={"node": self.node})
-                        self._rehomed.discard(node)  # try again at the next period
+                        self._rehome_failed(node, inst)
 
+                self._rehome_claims[spec.instance] = now
                 self._create_node(spec, reply, cause="rehome", now=now)
+
+    def _rehome_failed(self, node: str, instance: str) -> None:
+        """Try `instance` again at the next period. Until then our re-homed record does not claim
+        it: a returning node would otherwise forget an instance that runs nowhere (`_taken_over`)."""
+        self._rehomed.discard(node)
+        self._rehome_claims.pop(instance, None)
+        record = self.rehomed_by_node.get(self.node, {})
+        if record.pop(instance, None) is not None and self.connected:
+            self._publish(topics.agent_rehomed(self.cluster, self.node),
+                          json.dumps(record, sort_keys=True).encode(), retain=True)
 
     def _drop_stale(self, pipeline: str, now: float) -> None:
         """The record of `pipeline` changed: every instance of it that the record now rules out
