@@ -695,6 +695,53 @@ def test_fencing_spares_an_instance_placed_here_since_the_connect_and_never_rest
     assert started == [] and agent.counters["restarts"] == 0  # fenced: not restarted as a crash
 
 
+def test_when_two_nodes_fence_at_once_the_copy_of_the_latest_rehome_stays(tmp_path: Path) -> None:
+    """Defect B (seed 11019): two copies of one identity ran on n1 and n2 (two placements of one
+    re-home); a broker kill made both agents reconnect, each saw the other list the instance and
+    each stopped its own: the identity ran nowhere. The copy whose spec carries the epoch floor
+    of the latest re-home (the re-homing agent's retained record, one clock) stays on both
+    sides' reading; the other stands down. Without a re-home record, fencing is as before."""
+    from agent.config import load_agent_config
+    from agent.node.daemon import Agent
+    from agent.node.supervisor import Worker
+
+    class Proc:
+        pid = 999_999
+
+        def __init__(self) -> None:
+            self.signals: List[int] = []
+
+        def poll(self) -> Optional[int]:
+            return None
+
+        def send_signal(self, sig: int) -> None:
+            self.signals.append(sig)
+
+    def agent_running(node: str, floors: Dict[str, Optional[int]]) -> Any:
+        conf = tmp_path / f"{node}.toml"
+        conf.write_text(f'[agent]\nnode = "{node}"\ncluster = "c"\nstate_dir = "{tmp_path}/{node}"\n'
+                        '[mqtt]\nhost = "h"\nport = 1\n')
+        agent = Agent(load_agent_config(conf), warm_worker=False)
+        for inst, floor in floors.items():
+            extra = {} if floor is None else {"min_epoch": floor}
+            spec = InstanceSpec(inst, "work", node, "c", "p", PIPELINE, BrokerSpec("h", 1), extra=extra)
+            agent.supervisor.workers[inst] = Worker(spec=spec, proc=Proc(), started_at=5.0)  # type: ignore[arg-type]
+        other = "n2" if node == "n1" else "n1"
+        agent._connected_at, agent._readopted = 10.0, True
+        agent.online = {other: True, "n3": True}
+        agent.fleet = {other: {"instances": [{"id": i} for i in floors]}}
+        # n3 re-homed both: work-a twice (the second placement at 1000), work-b once (at 990)
+        agent.rehomed_by_node = {"n3": {"work-a": 1000.4, "work-b": 990.7}}
+        return agent
+
+    n1 = agent_running("n1", {"work-a": 1000, "work-b": 990, "work-c": None})
+    n2 = agent_running("n2", {"work-a": 995, "work-b": 900, "work-c": None})
+    n1._reconcile(20.0)
+    n2._reconcile(20.0)
+    stopped = {(a.node, i) for a in (n1, n2) for i, w in a.supervisor.workers.items() if w.proc.signals}
+    assert stopped == {("n2", "work-a"), ("n2", "work-b"), ("n1", "work-c"), ("n2", "work-c")}
+
+
 def test_a_keeper_stopped_for_a_drain_moves_with_its_state_or_restarts_here(tmp_path: Path) -> None:
     """The sending half of the drain hand-over (`_on_reaped` -> `_hand_over`): the keeper's spec
     goes to createNode() with restart = true, the keeper flag and the state file it wrote; a

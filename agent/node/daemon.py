@@ -1509,7 +1509,10 @@ class Agent:
         online node now runs was re-homed while we were away (agent.node.rehome). We fence it
         (kill our process, forget it) so that one identity never runs twice; on the first connect
         we then re-adopt the rest."""
-        elsewhere = self._listed_elsewhere() | self._taken_over()
+        # The copy a re-home started is the one that stays: when two online nodes both ran an
+        # instance while the broker was away (both reconnect), both saw the other list it and
+        # both stopped theirs, so the identity ran nowhere (defect B, seed 11019).
+        elsewhere = (self._listed_elsewhere() | self._taken_over()) - self._rehomed_here()
         # Only workers that ran while we were away can have been re-homed. One started since this
         # connect was placed here by a createNode() that saw the fleet as it is (a drain's
         # hand-over, a re-home), while the retained state of the node it comes from may still
@@ -1526,6 +1529,24 @@ class Agent:
         if not self._readopted:
             self._readopted = True
             self._readopt(now)
+
+    def _rehomed_here(self) -> Set[str]:
+        """Our workers started by the latest re-home of their identity: the spec's epoch floor
+        (`min_epoch`, the re-homing agent's wall clock at its plan) is at least the time that
+        agent's retained record gives the re-home. Both numbers come from one clock, so every
+        node reads the same answer: a copy older than the re-home (the node that came back, a
+        second placement of an earlier attempt) has a lower floor and stands down."""
+        latest: Dict[str, float] = {}
+        for node, record in self.rehomed_by_node.items():
+            if node == self.node or self.online.get(node):
+                for inst, when in record.items():
+                    latest[inst] = max(when, latest.get(inst, 0.0))
+        out = set()
+        for inst, w in self.supervisor.workers.items():
+            floor = w.spec.extra.get("min_epoch")
+            if inst in latest and isinstance(floor, int) and floor >= int(latest[inst]):
+                out.add(inst)
+        return out
 
     def _taken_over(self) -> Set[str]:
         """Our hosted instances that another node re-homed after we started hosting them (they
@@ -1589,6 +1610,7 @@ class Agent:
                 continue
             if not rehome.responsible(self.node, online):
                 return
+            wall = self.wall()  # one reading: the specs' floor and our record's time (_rehomed_here)
             listed = self._listed_elsewhere() | set(self.supervisor.workers)
             # A re-home already asked for (placed, or its createNode() still on its way) stays out
             # of the next attempt, which follows a failure of another one: before its node's state
@@ -1598,12 +1620,12 @@ class Agent:
             ttl = RPC_TIMEOUT + 3 * self.cfg.agent.state_period
             self._rehome_claims = {i: t for i, t in self._rehome_claims.items() if i not in listed and now - t < ttl}
             listed |= set(self._rehome_claims)
-            plan = rehome.plan_rehome(node, self.hosted_by_node, online, listed, int(self.wall()),
+            plan = rehome.plan_rehome(node, self.hosted_by_node, online, listed, int(wall),
                                       departing=self._departing())
             self._rehomed.add(node)
             if plan:
                 record = self.rehomed_by_node.setdefault(self.node, {})
-                record.update((str(d["instance"]), self.wall()) for d in plan)
+                record.update((str(d["instance"]), wall) for d in plan)
                 for inst in sorted(record, key=record.get)[:-REHOMED_KEPT]:
                     del record[inst]  # bounded: the oldest entries go first
                 self._publish(topics.agent_rehomed(self.cluster, self.node),
