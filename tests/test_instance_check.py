@@ -35,7 +35,7 @@ def test_random_schedules_with_broker_restarts_cuts_and_refused_spawns_keep_ever
     """The broker restarting (sessions kept; sessions and queues lost), a node cut off the broker
     for up to 12 s, a refused createNode(), on top of the four older faults (`fog-agent simulate
     instance --brokers 1 --cuts 1 --spawn-refusals 1` runs 10,000). The broker losing what it
-    queued while a restarted receiver resyncs is `test_open_defects_the_new_moves_found`."""
+    queued while a restarted receiver resyncs ("rollback") has a test of its own below."""
     cfg = Config(records=4, crashes=1, rehomes=1, refusals=1, dups=1, brokers=1, broker_kinds=("restart", "lost"),
                  cuts=1, spawn_refusals=1, plans=ROUNDS_1212)
     rep = random_runs(cfg, schedules=100, seed=3000)
@@ -214,24 +214,20 @@ def test_a_predecessor_rehomed_while_its_successor_departs_does_not_route_to_it(
     assert finish(w) is None
 
 
-OPEN = [
-    # A restarted sink resyncs each predecessor's channel at the first number it sees (its
-    # snapshot may lag, docs/reliability.md). When the broker loses what it had queued for the
-    # sink (a SIGKILL between autosaves) right after the predecessor replayed to the sink's new
-    # epoch, the first number seen is past the lost replays: the sink acks it, and the
-    # cumulative ack drops the lost replays from the predecessor's buffer.
-    pytest.param(Config(records=6, crashes=1, crash_targets=("sink-0",), slow=("sink-0",), brokers=1,
-                        broker_kinds=("rollback",)), 28, "records_not_exactly_once", id="resync_past_lost_replays"),
-]
+RESYNC = Config(records=6, crashes=1, crash_targets=("sink-0",), slow=("sink-0",), brokers=1, broker_kinds=("rollback",))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="open defects, docs/reliability.md "
-                   "'Checking whole instances'")
-@pytest.mark.parametrize("cfg,seed,kind", OPEN)
-def test_open_defects_the_new_moves_found(cfg: Config, seed: int, kind: str) -> None:
-    """Each schedule shows its defect today. Another violation is an error, not an expected
-    failure; strict, so that the fix turns this test into a failure that asks for the xfail to go."""
-    rep = random_runs(cfg, schedules=1, seed=seed)
-    if not rep.ok and rep.violations[0].kind != kind:
-        raise RuntimeError(f"expected {kind}, found {describe(rep)}")
-    assert rep.ok, describe(rep)
+def test_a_restarted_receiver_takes_no_batch_past_replays_the_broker_lost() -> None:
+    """Was `resync_past_lost_replays` (random schedule seed 28, an open defect of session 11):
+    the sink crashed before persisting op-0's channel and asked for replays; op-0 replayed, and
+    a broker rollback lost the marker and the replay; op-0's next batch was the first number
+    the sink saw, taken there (its snapshot may lag), and its cumulative ack dropped the lost
+    replays from op-0's buffer. Now a predecessor whose channel the snapshot lacks is awaited
+    like the others: its data counts only from a replay marker or from number 1, and without a
+    marker within REPLAY_WAIT the sink asks again. Seeded fault `resync_at_first_seen`: a
+    record lost (7 of the random schedules 0-499 of this mix, 28 and 404 among them; 0 without)."""
+    for seed in (28, 404):
+        rep = random_runs(RESYNC, schedules=1, seed=seed)
+        assert rep.ok, describe(rep)
+        bad = random_runs(dataclasses.replace(RESYNC, faults=frozenset({"resync_at_first_seen"})), schedules=1, seed=seed)
+        assert not bad.ok and bad.violations[0].kind == "records_not_exactly_once", describe(bad)

@@ -59,7 +59,8 @@ from agent.operators.keyed import KeyedOperator, keyed_config_problems
 from agent.protocol.errors import LocalProtocolError
 
 __all__ = ["Instance", "Phase", "EXIT_OK", "EXIT_CRASH", "EXIT_BAD_SPEC", "EXIT_BROKER", "EXIT_DRAIN_TIMEOUT",
-           "FAULT_RETRY_ONLY_WITH_DATA", "FAULT_ROUTE_AFRESH", "FAULT_REPLAY_TO_DEPARTED"]
+           "FAULT_RETRY_ONLY_WITH_DATA", "FAULT_ROUTE_AFRESH", "FAULT_REPLAY_TO_DEPARTED",
+           "FAULT_RESYNC_AT_FIRST_SEEN"]
 
 log = logging.getLogger("agent.instance.worker")
 
@@ -125,6 +126,9 @@ FAULT_ROUTE_AFRESH = "route_afresh"
 # Seeded fault (the same): the unacked batches of a successor we removed are replayed to its new
 # incarnation, which is departing and drops them, instead of re-routed (defect A).
 FAULT_REPLAY_TO_DEPARTED = "replay_to_departed"
+# A restarted receiver takes a predecessor's data at the first number it sees when its snapshot
+# does not hold that channel (session 11's `resync_past_lost_replays`).
+FAULT_RESYNC_AT_FIRST_SEEN = "resync_at_first_seen"
 
 
 class Phase(Enum):
@@ -302,7 +306,7 @@ class Instance:
         self._holes: Dict[str, Tuple[Tuple[int, int], float]] = {}  # sender -> ((epoch, missing seq), since)
         # A new incarnation of ours: predecessor -> its epoch we knew, for the predecessors whose
         # data before their replay marker we drop (`_await_replays`, docs/reliability.md).
-        self._awaiting_replay: Dict[str, int] = {}
+        self._awaiting_replay: Dict[str, Optional[int]] = {}  # pred -> its epoch we know (None: unknown)
         self._dropped_since: Dict[str, float] = {}  # of those: when we first dropped its data
         # Source -> the largest floor claimed for it in our input (agent.instance.applied): passed
         # on with the records of that source; a source claims its own.
@@ -781,20 +785,25 @@ class Instance:
         comes from it before the marker is dropped, and its records reach us in its order.
         Only predecessors we had a channel with (the others sent us nothing yet, and may not
         know us yet: they would never send a marker); a newer epoch of the predecessor ends the
-        wait (restarted itself: all it sends is fresh). docs/reliability.md, "Replays in order"."""
+        wait (restarted itself: all it sends is fresh). docs/reliability.md, "Replays in order".
+        A predecessor whose channel our snapshot does not hold (it lags: we crashed before
+        persisting it) is awaited too: its data is taken only from a marker or from number 1
+        (a channel that starts there has nothing before it). Taken at the first number seen,
+        a batch that followed replays a broker rollback lost was acked, and the cumulative ack
+        dropped the lost replays from the sender's buffer (`resync_past_lost_replays`)."""
         self._awaiting_replay = {}
         self._dropped_since = {}
         for p in preds:
             pos = self.inbound.position(p)
-            if pos is not None:
-                self._awaiting_replay[p] = pos[0]
+            if pos is not None or FAULT_RESYNC_AT_FIRST_SEEN not in self.faults:
+                self._awaiting_replay[p] = pos[0] if pos is not None else None
 
     def _before_replay(self, env: Envelope) -> bool:
         """Drop `env` (data from a predecessor whose replay marker has not come yet)?"""
-        epoch = self._awaiting_replay.get(env.sender)
-        if epoch is None:
+        if env.sender not in self._awaiting_replay:
             return False
-        if env.epoch > epoch:
+        epoch = self._awaiting_replay[env.sender]
+        if env.seq == 1 if epoch is None else env.epoch > epoch:
             del self._awaiting_replay[env.sender]  # a new incarnation of it: fresh data
             self._dropped_since.pop(env.sender, None)
             return False

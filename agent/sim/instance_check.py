@@ -86,7 +86,7 @@ BROKER = BrokerSpec("127.0.0.1", 1)
 
 # The seeded faults the instance knows (agent.instance.core, agent.instance.driver).
 FAULTS = ("retry_only_with_data", "drain_holds_protocol", "rehome_rounds_from_one", "route_afresh",
-          "replay_to_departed", "rehome_stays")
+          "replay_to_departed", "rehome_stays", "resync_at_first_seen")
 
 
 def pipeline_text(batch: int = 1, window: int = 4) -> str:
