@@ -159,12 +159,10 @@ def test_a_copy_that_becomes_a_new_incarnation_in_its_own_deletion_strands_nothi
         _departing_copy_restarted_after_its_predecessor_removed_it({"replay_to_departed"})
 
 
-def _copy_rehomed_in_its_deletion(but: str, faults: Iterable[str]) -> Optional[Tuple[str, str]]:
-    """The copy decides its scale-in; everything is delivered but the queue `but` (the copy then
-    waits in DELETING for source-0's ack, or DEPARTING for the sink's acks); its node dies: the
-    copy is re-homed (active, tables rebuilt from the hosted instances), while source-0 has
-    applied its Deletion and acks it to the new incarnation."""
-    w = World(Config(records=4, rehomes=1, rehome_targets=("copy",), plans=ROUNDS_1212[:2], faults=frozenset(faults)))
+def _copy_deciding_its_scale_in(cfg: Config, but: str) -> World:
+    """op-0 duplicated, records flowing, then the copy's forced deletion decided and everything
+    delivered but the queue `but`."""
+    w = World(cfg)
     w.play("plan op-0 duplicate")
     w.deliver_all()
     for _ in range(3):
@@ -172,6 +170,16 @@ def _copy_rehomed_in_its_deletion(but: str, faults: Iterable[str]) -> Optional[T
         w.deliver_all()
     w.play("plan copy terminate")
     w.deliver_all(but=(but,))
+    return w
+
+
+def _copy_rehomed_in_its_deletion(but: str, faults: Iterable[str]) -> Optional[Tuple[str, str]]:
+    """The copy decides its scale-in; everything is delivered but the queue `but` (the copy then
+    waits in DELETING for source-0's ack, or DEPARTING for the sink's acks); its node dies: the
+    copy is re-homed (active, tables rebuilt from the hosted instances), while source-0 has
+    applied its Deletion and acks it to the new incarnation."""
+    w = _copy_deciding_its_scale_in(Config(records=4, rehomes=1, rehome_targets=("copy",), plans=ROUNDS_1212[:2],
+                                           faults=frozenset(faults)), but)
     assert w.copy_id not in w.inst["source-0"].scaling.core.succs  # source-0 removed it
     assert w.copy_id in w.inst["sink-0"].scaling.core.preds  # the sink not yet
     w.play("rehome copy")
@@ -199,14 +207,9 @@ def test_a_predecessor_rehomed_while_its_successor_departs_does_not_route_to_it(
     hosted instances, which still listed the departing copy, and sent records to it that nobody
     processed once it terminated. plan_rehome now leaves departing successors out. (Random
     schedule seed 47 of this configuration found it too, before the fix.)"""
-    w = World(Config(records=4, rehomes=1, rehome_targets=("source-0",), plans=ROUNDS_1212[:2]))
-    w.play("plan op-0 duplicate")
-    w.deliver_all()
-    for _ in range(3):
-        w.play("time")
-        w.deliver_all()
-    w.play("plan copy terminate")
-    w.deliver_all(but=("sink-0->copy",))  # source-0 acked the Deletion; the copy's Drain waits
+    # source-0 acked the Deletion; the copy's Drain waits for the sink's acks
+    w = _copy_deciding_its_scale_in(Config(records=4, rehomes=1, rehome_targets=("source-0",), plans=ROUNDS_1212[:2]),
+                                    "sink-0->copy")
     assert w.inst[w.copy_id].scaling.core.state is InstanceState.DEPARTING
     w.play("rehome source-0")
     w.play("restart source-0")

@@ -645,6 +645,20 @@ def test_a_handed_over_keeper_keeps_its_identity_state_and_a_higher_epoch(tmp_pa
     assert epoch(dataclasses.replace(spec, extra=big)) == 1_800_000_000
 
 
+class _FakeProc:
+    """A worker process that never exits and records the signals sent to it."""
+    pid = 999_999
+
+    def __init__(self) -> None:
+        self.signals: List[int] = []
+
+    def poll(self) -> Optional[int]:
+        return None
+
+    def send_signal(self, sig: int) -> None:
+        self.signals.append(sig)
+
+
 def test_fencing_spares_an_instance_placed_here_since_the_connect_and_never_restarts_a_fenced_one(
         tmp_path: Path) -> None:
     """Found by the drain hand-over test: an agent that had just connected received a keeper
@@ -665,21 +679,9 @@ def test_fencing_spares_an_instance_placed_here_since_the_connect_and_never_rest
     started: List[str] = []
     agent.supervisor.start = lambda spec, now: started.append(spec.instance)  # type: ignore[assignment]
 
-    class Proc:
-        pid = 999_999
-
-        def __init__(self) -> None:
-            self.signals: List[int] = []
-
-        def poll(self) -> Optional[int]:
-            return None
-
-        def send_signal(self, sig: int) -> None:
-            self.signals.append(sig)
-
     def worker(inst: str, at: float) -> Worker:
         spec = InstanceSpec(inst, "work", "me", "c", "p", PIPELINE, BrokerSpec("h", 1), keeper=True)
-        w = Worker(spec=spec, proc=Proc(), started_at=at)  # type: ignore[arg-type]
+        w = Worker(spec=spec, proc=_FakeProc(), started_at=at)  # type: ignore[arg-type]
         agent.supervisor.workers[inst] = w
         return w
 
@@ -705,18 +707,6 @@ def test_when_two_nodes_fence_at_once_the_copy_of_the_latest_rehome_stays(tmp_pa
     from agent.node.daemon import Agent
     from agent.node.supervisor import Worker
 
-    class Proc:
-        pid = 999_999
-
-        def __init__(self) -> None:
-            self.signals: List[int] = []
-
-        def poll(self) -> Optional[int]:
-            return None
-
-        def send_signal(self, sig: int) -> None:
-            self.signals.append(sig)
-
     def agent_running(node: str, floors: Dict[str, Optional[int]]) -> Any:
         conf = tmp_path / f"{node}.toml"
         conf.write_text(f'[agent]\nnode = "{node}"\ncluster = "c"\nstate_dir = "{tmp_path}/{node}"\n'
@@ -725,7 +715,7 @@ def test_when_two_nodes_fence_at_once_the_copy_of_the_latest_rehome_stays(tmp_pa
         for inst, floor in floors.items():
             extra = {} if floor is None else {"min_epoch": floor}
             spec = InstanceSpec(inst, "work", node, "c", "p", PIPELINE, BrokerSpec("h", 1), extra=extra)
-            agent.supervisor.workers[inst] = Worker(spec=spec, proc=Proc(), started_at=5.0)  # type: ignore[arg-type]
+            agent.supervisor.workers[inst] = Worker(spec=spec, proc=_FakeProc(), started_at=5.0)  # type: ignore[arg-type]
         other = "n2" if node == "n1" else "n1"
         agent._connected_at, agent._readopted = 10.0, True
         agent.online = {other: True, "n3": True}
