@@ -217,19 +217,6 @@ def test_a_predecessor_rehomed_while_its_successor_departs_does_not_route_to_it(
     assert finish(w) is None
 
 
-def test_an_idle_copy_rehomed_with_its_creator_is_adopted() -> None:
-    """op-0 re-homed in the middle of its duplication and its idle copy re-homed too: started
-    active (plan_rehome made every instance active), the copy ran with tables no neighbour
-    knew, and its later Deletion, from a name source-0 does not know, was held, then refused:
-    a round that never ended (77 of 400 schedules of this mix, 20 of seeds 0-99). Re-homed
-    idle (its node's last state said so), it asks its creator for Start and is adopted."""
-    cfg = Config(records=4, rehomes=2, crashes=1, rehome_targets=("op-0", "copy"), slow=("sink-0",),
-                 plans=ROUNDS_1212)
-    for seed in (3, 10):
-        rep = random_runs(cfg, schedules=1, seed=seed)
-        assert rep.ok, describe(rep)
-
-
 RESYNC = Config(records=6, crashes=1, crash_targets=("sink-0",), slow=("sink-0",), brokers=1, broker_kinds=("rollback",))
 
 

@@ -147,27 +147,3 @@ def test_a_retry_after_a_failed_rehome_does_not_place_the_others_again(tmp_path:
     assert [a[0] for a in asked[2:]] == ["mid-b"]
     agent._maybe_rehome(102.0)
     assert len(asked) == 3  # nothing failed since: nothing planned again
-
-
-def test_a_copy_its_node_reported_idle_is_rehomed_idle_to_be_adopted(tmp_path: Path) -> None:
-    """An idle copy (created, never started) lost with its node came back active with rebuilt
-    tables no neighbour knew when its creator had died before its Duplication went out; its
-    later Deletion came from a name nobody knows and was never acked (the checker: 77 of 400
-    schedules with op-0 and its copy re-homed). Re-homed idle, it asks its creator for Start
-    and is adopted. Only a copy with a creator; a keeper is never idle."""
-    idle_copy = spec("mid-b", "mid", creator="p.mid.0")
-    fl = {"n1": [spec("p.source.0", "source", True)], "n2": [spec("p.mid.0", "mid", True), idle_copy],
-          "n3": [spec("p.sink.0", "sink", True)]}
-    plan = plan_rehome("n2", fl, online={"n1", "n3"}, listed_online=set(), min_epoch=1, idle={"mid-b", "p.mid.0"})
-    assert [(s["instance"], s["active"]) for s in plan] == [("mid-b", False), ("p.mid.0", True)]
-    assert plan[0]["extra"]["creator"] == "p.mid.0"
-    assert all(s["active"] for s in plan_rehome("n2", fl, online={"n1", "n3"}, listed_online=set(), min_epoch=1))
-    agent = _agent(tmp_path)
-    created: List[Any] = []
-    agent._create_node = lambda spec, reply, cause, now: created.append(spec)
-    agent.connected, agent.online, agent._offline_since = True, {"n2": False, "n1": True, "n3": True}, {"n2": 0.0}
-    agent.hosted_by_node = fl
-    agent.fleet["n2"] = {"instances": [{"id": "mid-b", "stats": {"state": "idle"}},  # the lost node's last state
-                                       {"id": "p.mid.0", "stats": {"state": "duplicating"}}]}
-    agent._maybe_rehome(100.0)
-    assert [(s.instance, s.active) for s in created] == [("mid-b", False), ("p.mid.0", True)]

@@ -1467,18 +1467,19 @@ class Agent:
         else:
             self.supervisor.start_chain(group, now)
 
-    def _in_state(self, states: Tuple[str, ...], nodes: Set[str]) -> Set[str]:
-        """Instances whose scaling core is in one of `states`: ours from the workers' last
-        heartbeat, those of the other `nodes` from their retained states (a lost node's last
-        one included). For agent.node.rehome.plan_rehome: departing instances stay out of a
-        re-homed predecessor's successors, idle copies are re-homed idle."""
-        out = {i for i, w in self.supervisor.workers.items() if w.stats.get("state") in states}
+    def _departing(self) -> Set[str]:
+        """Instances past the predecessor phase of their deletion (their scaling core says
+        departing or terminated): ours from the workers' last heartbeat, the other online
+        nodes' from their retained states. A re-homed predecessor leaves them out of its
+        successors (agent.node.rehome.plan_rehome)."""
+        gone = ("departing", "terminated")
+        out = {i for i, w in self.supervisor.workers.items() if w.stats.get("state") in gone}
         for n, doc in self.fleet.items():
-            if n == self.node or n not in nodes:
+            if n == self.node or not self.online.get(n):
                 continue
             for i in doc.get("instances", []) or []:
                 stats = i.get("stats") if isinstance(i, dict) else None
-                if isinstance(stats, dict) and stats.get("state") in states:
+                if isinstance(stats, dict) and stats.get("state") in gone:
                     out.add(str(i.get("id")))
         return out
 
@@ -1620,8 +1621,7 @@ class Agent:
             self._rehome_claims = {i: t for i, t in self._rehome_claims.items() if i not in listed and now - t < ttl}
             listed |= set(self._rehome_claims)
             plan = rehome.plan_rehome(node, self.hosted_by_node, online, listed, int(wall),
-                                      departing=self._in_state(("departing", "terminated"), online),
-                                      idle=self._in_state(("idle",), online | {node}))
+                                      departing=self._departing())
             self._rehomed.add(node)
             if plan:
                 record = self.rehomed_by_node.setdefault(self.node, {})

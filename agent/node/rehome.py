@@ -91,7 +91,6 @@ def plan_rehome(
     listed_online: Set[str],
     min_epoch: int,
     departing: Iterable[str] = (),
-    idle: Iterable[str] = (),
 ) -> List[Dict[str, Any]]:
     """The specs to start elsewhere for the instances of `dead` (sorted by instance id).
 
@@ -105,14 +104,8 @@ def plan_rehome(
     An instance still "deleting" stays in: its Deletion, sent again on silence, reaches the new
     incarnation, which applies it. Predecessors are never left out: a departing instance still
     sends its last records and its Deletion to its successors.
-    `idle`: copies whose node's last state said idle (created, never started): re-homed idle,
-    so that they ask their creator for Start and are adopted (probe, echo, Duplication again);
-    started active instead, a copy whose creator died before its Duplication went out ran with
-    rebuilt tables no neighbour knew, and its Deletion, from a sender nobody knows, was never
-    acked (the checker, docs/reliability.md).
     """
     gone = set(departing)
-    waiting = set(idle)
     cache: Dict[str, List[str]] = {}
     members: Dict[Tuple[str, str], Set[str]] = {}
     for node, specs in hosted_by_node.items():
@@ -133,6 +126,5 @@ def plan_rehome(
         succs = sorted(members.get((pipeline, order[i + 1]), set()) - gone) if i + 1 < len(order) else []
         extra = dict(s.get("extra") or {})
         extra["min_epoch"] = max(int(extra.get("min_epoch", 0) or 0), int(min_epoch))
-        active = not (s["instance"] in waiting and extra.get("creator") and not s.get("keeper"))
-        out.append({**s, "succs": succs, "preds": preds, "restart": True, "active": active, "extra": extra})
+        out.append({**s, "succs": succs, "preds": preds, "restart": True, "active": True, "extra": extra})
     return out

@@ -267,7 +267,6 @@ class World:
         self.now = 0.0
         self.inst: Dict[str, Instance] = {}
         self.down: Dict[str, str] = {}  # crashed instance -> "crash" | "rehome"
-        self.idle_down: Set[str] = set()  # down instances that were idle copies (their node's last state)
         self.specs: Dict[str, InstanceSpec] = {}
         self.persisted: Dict[str, str] = {}  # instance -> JSON of its last Persist
         self.source_pos: Dict[str, str] = {}
@@ -481,8 +480,6 @@ class World:
         elif kind in ("crash", "rehome"):
             self.budget[kind] -= 1
             iid = move[1]
-            if self._core(iid).state is InstanceState.IDLE:
-                self.idle_down.add(iid)
             del self.inst[iid]
             self.down[iid] = kind
             self.refuse_next.discard(iid)
@@ -491,8 +488,6 @@ class World:
         elif kind == "restart":
             iid = move[1]
             how = self.down.pop(iid)
-            was_idle = iid in self.idle_down
-            self.idle_down.discard(iid)
             spec = self.specs[iid]
             extra = dict(spec.extra)
             fields: Dict[str, Any] = {"restart": True, "extra": extra}
@@ -501,8 +496,8 @@ class World:
                 # instances of the neighbouring operators, epoch above the dead incarnation's
                 # the wall clock at the re-homing: above any epoch an earlier one gave (one a move)
                 extra["min_epoch"] = REHOME_EPOCH + self.cfg.rehomes - self.budget["rehome"]
-                planned = self._rehome_plan(iid, extra["min_epoch"], was_idle)
-                fields.update(active=planned["active"], preds=tuple(planned["preds"]), succs=tuple(planned["succs"]))
+                planned = self._rehome_plan(iid, extra["min_epoch"])
+                fields.update(active=True, preds=tuple(planned["preds"]), succs=tuple(planned["succs"]))
             self._boot(InstanceSpec(**{**spec.__dict__, **fields}), how)
             if iid in self.inst:
                 self._tick(iid)
@@ -557,7 +552,7 @@ class World:
         """Can the broker deliver to `iid` now (it runs, and its node is not cut off)?"""
         return iid not in self.down and self.node_of(iid) not in self.cut
 
-    def _rehome_plan(self, iid: str, min_epoch: int, was_idle: bool) -> Dict[str, Any]:
+    def _rehome_plan(self, iid: str, min_epoch: int) -> Dict[str, Any]:
         """What agent.node.rehome.plan_rehome gives `iid` when its node is lost: the hosted
         records are the instances running or down (not gone for good), the node states say
         which ones are departing (their scaling core's state)."""
@@ -566,12 +561,10 @@ class World:
             if other in self.inst or other in self.down or other == iid:
                 hosted.setdefault(self.node_of(other) if other != iid else "lost", []).append(
                     {"instance": other, "operator": spec.operator, "pipeline": spec.pipeline,
-                     "pipeline_toml": self.toml, "extra": dict(spec.extra), "keeper": spec.keeper})
+                     "pipeline_toml": self.toml, "extra": {}})
         departing = {other for other in self.inst if self._core(other) is not None
                      and self._core(other).state in (InstanceState.DEPARTING, InstanceState.TERMINATED)}
-        idle = {other for other in self.inst if self._core(other) is not None
-                and self._core(other).state is InstanceState.IDLE} | ({iid} if was_idle else set())
-        plan = plan_rehome("lost", hosted, set(hosted) - {"lost"}, set(), min_epoch, departing=departing, idle=idle)
+        plan = plan_rehome("lost", hosted, set(hosted) - {"lost"}, set(), min_epoch, departing=departing)
         return plan[0]
 
     def _remove_refused(self, copy_id: str) -> None:
