@@ -147,3 +147,8 @@ def test_a_retry_after_a_failed_rehome_does_not_place_the_others_again(tmp_path:
     assert [a[0] for a in asked[2:]] == ["mid-b"]
     agent._maybe_rehome(102.0)
     assert len(asked) == 3  # nothing failed since: nothing planned again
+    # n9 comes back and lists both: the claims end (the next loss of n9 re-homes them again)
+    agent.online, agent._offline_since = {"n9": True}, {}
+    agent.fleet["n9"] = {"instances": [{"id": "p.mid.0"}, {"id": "mid-b"}]}
+    agent._maybe_rehome(103.0)
+    assert agent._rehome_claims == {}

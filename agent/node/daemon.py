@@ -1601,6 +1601,16 @@ class Agent:
     def _maybe_rehome(self, now: float) -> None:
         """Start elsewhere, same identities, the instances of nodes offline for `dead_after`
         seconds, if this agent is the lowest-named online one (agent.node.rehome)."""
+        if self._rehome_claims:
+            # A re-home already asked for (placed, or its createNode() still on its way) stays out
+            # of the next attempt, which follows a failure of another one: before its node's state
+            # lists it, planned again it would be placed a second time (defect B, seed 11019). A
+            # claim lasts until a node lists it (checked every period: that node may be the next
+            # one lost), or for as long as a createNode() may take plus the state periods its node
+            # needs to list it.
+            ttl = RPC_TIMEOUT + 3 * self.cfg.agent.state_period
+            listed = self._listed_elsewhere() | set(self.supervisor.workers)
+            self._rehome_claims = {i: t for i, t in self._rehome_claims.items() if i not in listed and now - t < ttl}
         if (not self.connected or self._stopping_since is not None or not self._offline_since
                 or self.cfg.agent.dead_after <= 0):
             return
@@ -1611,15 +1621,7 @@ class Agent:
             if not rehome.responsible(self.node, online):
                 return
             wall = self.wall()  # one reading: the specs' floor and our record's time (_rehomed_here)
-            listed = self._listed_elsewhere() | set(self.supervisor.workers)
-            # A re-home already asked for (placed, or its createNode() still on its way) stays out
-            # of the next attempt, which follows a failure of another one: before its node's state
-            # lists it, planned again it would be placed a second time (defect B, seed 11019).
-            # A claim lasts until a node lists it, or for as long as a createNode() may take plus
-            # the state periods its node needs to list it (then its node may be the lost one).
-            ttl = RPC_TIMEOUT + 3 * self.cfg.agent.state_period
-            self._rehome_claims = {i: t for i, t in self._rehome_claims.items() if i not in listed and now - t < ttl}
-            listed |= set(self._rehome_claims)
+            listed = self._listed_elsewhere() | set(self.supervisor.workers) | set(self._rehome_claims)
             plan = rehome.plan_rehome(node, self.hosted_by_node, online, listed, int(wall),
                                       departing=self._departing())
             self._rehomed.add(node)
