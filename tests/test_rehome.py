@@ -152,3 +152,22 @@ def test_a_retry_after_a_failed_rehome_does_not_place_the_others_again(tmp_path:
     agent.fleet["n9"] = {"instances": [{"id": "p.mid.0"}, {"id": "mid-b"}]}
     agent._maybe_rehome(103.0)
     assert agent._rehome_claims == {}
+
+
+def test_a_failed_rehome_is_not_placed_again_when_the_returning_node_runs_it(tmp_path: Path) -> None:
+    """The other half of test_rehome_retry (seed 12026): a re-home that fails after the lost node
+    came back is placed again only when no online node runs the instance once the node has been
+    back for a while (its state then shows what it re-adopted); here it re-adopted it."""
+    agent = _agent(tmp_path)
+    asked: List[Any] = []
+    agent._create_node = lambda spec, reply, cause, now: asked.append((spec.instance, reply))
+    agent.connected, agent.online, agent._offline_since = True, {"n9": False}, {"n9": 0.0}
+    agent.hosted_by_node = {"n9": [spec("p.mid.0", "mid", True)]}
+    agent._maybe_rehome(100.0)
+    agent.online, agent._offline_since, agent._online_since = {"n9": True}, {}, {"n9": 105.0}
+    asked[0][1]({"ok": False, "error": "not ready 20.0s after start"})
+    agent._maybe_rehome(106.0)  # back for 1 s: its state may not show what it re-adopted yet
+    assert len(asked) == 1 and "p.mid.0" in agent._rehome_retry
+    agent.fleet["n9"] = {"instances": [{"id": "p.mid.0"}]}  # it did
+    agent._maybe_rehome(130.0)
+    assert len(asked) == 1 and not agent._rehome_retry

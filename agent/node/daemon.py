@@ -202,6 +202,9 @@ class Agent:
         self._offline_since: Dict[str, float] = {}
         self._rehomed: Set[str] = set()
         self._rehome_claims: Dict[str, float] = {}  # instance -> when we asked for its re-home
+        # failed re-homes whose node may come back before the next plan: instance -> (node, spec)
+        self._rehome_retry: Dict[str, Tuple[str, InstanceSpec]] = {}
+        self._online_since: Dict[str, float] = {}  # node -> when we last saw it come online
         self._hosted_dirty = True
         # Which node hosts which instance (docs/security.md, "Data channels"): sent to every worker
         # as the control line "hosts", which checks the writing node of each inbox message with it.
@@ -1066,6 +1069,8 @@ class Agent:
             self._placed = {i: v for i, v in self._placed.items() if v[0] != node}
         elif kind == "status":
             up = msg.payload == b"online"
+            if up and not self.online.get(node):
+                self._online_since[node] = now
             self.online[node] = up
             self._hosts_dirty = True
             if up:
@@ -1622,6 +1627,7 @@ class Agent:
             ttl = RPC_TIMEOUT + 3 * self.cfg.agent.state_period
             listed = self._listed_elsewhere() | set(self.supervisor.workers)
             self._rehome_claims = {i: t for i, t in self._rehome_claims.items() if i not in listed and now - t < ttl}
+        self._retry_failed_rehomes(now)
         if (not self.connected or self._stopping_since is not None or not self._offline_since
                 or self.cfg.agent.dead_after <= 0):
             return
@@ -1656,19 +1662,54 @@ class Agent:
                     log.error("cannot re-home %s: %s", data.get("instance"), exc, extra={"node": self.node})
                     continue
 
-                def reply(result: Dict[str, Any], inst: str = spec.instance) -> None:
-                    if not result.get("ok"):
-                        log.error("re-homing %s failed: %s", inst, result.get("error"), extra={"node": self.node})
-                        self._rehome_failed(node, inst)
+                self._start_rehome(node, spec, now)
 
-                self._rehome_claims[spec.instance] = now
-                self._create_node(spec, reply, cause="rehome", now=now)
+    def _start_rehome(self, node: str, spec: InstanceSpec, now: float) -> None:
+        def reply(result: Dict[str, Any]) -> None:
+            if not result.get("ok"):
+                log.error("re-homing %s failed: %s", spec.instance, result.get("error"), extra={"node": self.node})
+                self._rehome_failed(node, spec)
 
-    def _rehome_failed(self, node: str, instance: str) -> None:
-        """Try `instance` again at the next period. Until then our re-homed record does not claim
-        it: a returning node would otherwise forget an instance that runs nowhere (`_taken_over`)."""
+        self._rehome_claims[spec.instance] = now
+        self._create_node(spec, reply, cause="rehome", now=now)
+
+    def _retry_failed_rehomes(self, now: float) -> None:
+        """A re-home that failed after its node came back (seed 12026): the next plan of that node
+        never comes (it is online), and the node, seeing our re-homed record at its reconnect, may
+        have forgotten the instance: it ran nowhere. Once the node has been back long enough for
+        its state to show what it re-adopted, an instance that no online node runs is re-homed
+        again, under a new epoch floor (`_rehomed_here`). One whose node is offline again is left
+        to that node's next plan."""
+        if not self._rehome_retry or not self.connected or self._stopping_since is not None:
+            return
+        listed = self._listed_elsewhere() | set(self.supervisor.workers) | set(self._rehome_claims)
+        settle = READOPT_SETTLE + 2 * self.cfg.agent.state_period
+        for inst, (node, spec) in sorted(self._rehome_retry.items()):
+            if inst in listed or not self.online.get(node):
+                del self._rehome_retry[inst]  # it runs somewhere, or the node's next plan takes it
+                continue
+            if now - self._online_since.get(node, now) < settle:
+                continue
+            del self._rehome_retry[inst]
+            wall = self.wall()
+            floor = max(int(spec.extra.get("min_epoch", 0) or 0), int(wall))
+            record = self.rehomed_by_node.setdefault(self.node, {})
+            record[inst] = float(floor)
+            self._publish(topics.agent_rehomed(self.cluster, self.node),
+                          json.dumps(record, sort_keys=True).encode(), retain=True)
+            log.warning("re-homing %s again: node %s is back and does not run it", inst, node, extra={"node": self.node})
+            self._start_rehome(node, dataclasses.replace(spec, extra={**spec.extra, "min_epoch": floor}), now)
+
+    def _rehome_failed(self, node: str, spec: InstanceSpec) -> None:
+        """Try the instance again: at the next plan of its node while the node is offline, once
+        the node has been back a while otherwise (`_retry_failed_rehomes`). Until then our
+        re-homed record does not claim it: a returning node would otherwise forget an instance
+        that runs nowhere (`_taken_over`)."""
+        instance = spec.instance
         self._rehomed.discard(node)
         self._rehome_claims.pop(instance, None)
+        if len(self._rehome_retry) < REHOMED_KEPT:
+            self._rehome_retry[instance] = (node, spec)
         record = self.rehomed_by_node.get(self.node, {})
         if record.pop(instance, None) is not None and self.connected:
             self._publish(topics.agent_rehomed(self.cluster, self.node),
