@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from agent.tools.pipeline_text import IN_ZONE, SINK, STEP_SOURCE
+
 __all__ = ["PIPELINE", "live_trace", "run_live", "run_simulated", "compare", "format_rows"]
 
 PIPELINE = """
@@ -30,29 +32,14 @@ name = "pol"
 [scaling]
 policy = "none"
 period = {period}
-[[operator]]
-name = "source"
-kind = "source"
-function = "agent.operators.taxi:source"
-[operator.params]
-seed = {seed}
-profile = "steps"
-steps = {steps}
-[[operator]]
-name = "in_zone"
-function = "agent.operators.builtin:in_zone"
-service_time_ms = {service_ms}
+""" + STEP_SOURCE + IN_ZONE + """service_time_ms = {service_ms}
 [operator.scaling]
 policy = "{policy}"
 period = {period}
 cooldown = {cooldown}
 capacity = {capacity}
 max_instances = {n_max}
-[[operator]]
-name = "sink"
-kind = "sink"
-function = "agent.operators.builtin:counting_sink"
-"""
+""" + SINK
 
 NODES = ("n1", "n2", "n3")
 
