@@ -184,6 +184,9 @@ class Instance:
         self.inbox = (topics.inbox_all_at(spec.cluster, spec.node, spec.instance) if self.per_node
                       else topics.inbox_all(spec.cluster, spec.instance))
         self.unrouted: Dict[str, Deque[Tuple[bytes, Optional[int]]]] = {}
+        # Receivers whose binding moved to another node, and when (`_on_hosts`): what we sent
+        # them before went to the old node's topic, where the broker drops it (`_resend_moved`).
+        self._moved: Dict[str, float] = {}
         self._inbox_root = f"{topics.base(spec.cluster)}/inbox/"
         # The node in an inbox topic must host the envelope's sender (docs/security.md, "Data
         # channels"): the agent sets this and sends the bindings as the control line "hosts".
@@ -471,6 +474,8 @@ class Instance:
             self._save_keyed()
         if self.hold:
             self._release_held(now)
+        if self._moved:
+            self._resend_moved(now)
         if self.is_sink:
             self._settle_sink()
         self.flush(now)
@@ -577,7 +582,11 @@ class Instance:
         if not isinstance(bound, dict):
             log.warning("hosts line without its tables ignored", extra=self.ctx)
             return
-        self.hosts_bound = {str(i): str(n) for i, n in bound.items()}
+        before, self.hosts_bound = self.hosts_bound, {str(i): str(n) for i, n in bound.items()}
+        for dest in self.links:
+            was, now_at = before.get(dest), self.hosts_bound.get(dest)
+            if was is not None and now_at is not None and was != now_at:
+                self._moved[dest] = self.now
         former = msg.get("former")
         self.hosts_former = ({str(i): [str(n) for n in ns] for i, ns in former.items() if isinstance(ns, list)}
                              if isinstance(former, dict) else {})
@@ -585,6 +594,25 @@ class Instance:
             parked = self.unrouted.pop(dest)
             for payload, low in parked:
                 self._publish_tracked(dest, payload, low)
+
+    def _resend_moved(self, now: float) -> None:
+        """A receiver moved to another node (a drain's hand-over, a re-home): every batch we sent
+        it before our table said so went to its old node's topic, where the broker drops it (the
+        new node may not read it). Sent again at once, under their own numbers, to the new node
+        (the receiver's channel drops what it has), and the silent-link backoff starts over: left
+        to `_check_silence`, the resend waited for a backoff that had doubled on every replay into
+        the old topic while the receiver started (docs/reliability.md, "Found by the move bench").
+        Run after the release of held envelopes: a renumbered replay for the receiver's new epoch
+        (`_accept`) resends them already, and what it sent is newer than the move."""
+        moved, self._moved = self._moved, {}
+        for dest, since in moved.items():
+            link = self.links.get(dest)
+            if link is None or dest in self.local:
+                continue
+            link.silent_replays = 0
+            if any(u.sent_at < since for u in link.unacked()):
+                self.stats["moved_resent"] = self.stats.get("moved_resent", 0) + 1
+                self._replay_to(dest, renumber=False, why=f"moved to node {self.hosts_bound.get(dest)}")
 
     def request_stop(self, now: float) -> None:
         """Agent shutdown: stop producing, drain (bounded), exit; the session is kept."""
@@ -1004,7 +1032,7 @@ class Instance:
         log.warning("%s left our table and came back as a new incarnation: %d unacked batches (%d records) "
                     "re-routed to our successors", dest, len(batches), records, extra=self.ctx)
 
-    def _replay_to(self, dest: str, renumber: bool = True) -> None:
+    def _replay_to(self, dest: str, renumber: bool = True, why: str = "silent link") -> None:
         """Send every batch `dest` has not acked again.
 
         renumber=True (a new epoch on either side): renumbered on the current channel. A worker
@@ -1046,7 +1074,7 @@ class Instance:
             self._publish_tracked(dest, payload, self.tracker.last_index + 1)
         self.stats["replayed_batches"] += len(old)
         log.warning("replayed %d unacked batches to %s%s", len(old), dest,
-                    "" if renumber else " under their own numbers (silent link)", extra=self.ctx)
+                    "" if renumber else f" under their own numbers ({why})", extra=self.ctx)
 
     def _on_ack(self, env: Envelope) -> None:
         self.stats["acks_in"] += 1
