@@ -38,12 +38,16 @@ from __future__ import annotations
 
 import statistics
 from functools import lru_cache
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from agent.policy.base import NO_ACTION, HeldScaleIn, Measurements, ScalingAction, share_of_delta
 from agent.policy.model import MstPoint, MstPoints, is_overload_root
 
-__all__ = ["SeasonalPolicy", "learn_profile", "plan_day"]
+__all__ = ["SeasonalPolicy", "learn_profile", "plan_day", "OPERATING_POINT", "from_scaling"]
+
+# The operating point the simulator measures and a live operator with a profile runs (chosen on
+# seeds 100-104 with training days 0-2, not the table's seeds 0-9: docs/measurement.md).
+OPERATING_POINT: Dict[str, Any] = dict(segments=6, margin=0.10, margin_up=0.10, hold=6, min_step=2)
 
 
 def learn_profile(rates: Sequence[float], slot_seconds: int, day_seconds: int) -> List[float]:
@@ -100,9 +104,14 @@ def plan_day(profile: Tuple[float, ...], segments: int) -> Tuple[float, ...]:
 
 
 class SeasonalPolicy(HeldScaleIn):
-    """One object per instance; every instance computes the same operator-level target."""
+    """One object per instance; every instance computes the same operator-level target.
+
+    `clock`: "monotonic" (Measurements.now counts from any origin, `phase` aligns it: the
+    simulator) or "wall" (a live operator: the daemon passes unix time as `now`, so every sibling,
+    on any node, reads the same slot of the day; `phase` = -profile_start)."""
 
     name = "seasonal"
+    clock = "monotonic"
 
     def __init__(self, profile: Optional[Sequence[float]] = None, slot_seconds: float = 60.0, phase: float = 0.0,
                  margin_up: float = 0.05, margin: float = 0.15, horizon_up: int = 12, horizon_down: int = 12,
@@ -233,3 +242,17 @@ class SeasonalPolicy(HeldScaleIn):
         recent = self.needed(max(self.inputs[-self.hold:]) * (1.0 + self.margin_up), m.nd_max_ms)
         target = max(self.min_instances, desired, recent)
         return self.held_scale_in(m, n, target, since, f"plan {planned:.0f}/s fits {target} (< {n})")
+
+
+def from_scaling(scaling: Any) -> SeasonalPolicy:
+    """The policy an operator's `[scaling]` section (agent.config.ScalingSection) selects. With a
+    `profile`: plan mode at OPERATING_POINT on unix time (slot j of the day starts at
+    profile_start + j x profile_slot, modulo the day), scale-out cooldown one decision period.
+    Without: hysteresis on the recent peak (the forecast is flat at the recent maximum)."""
+    if not scaling.profile:
+        return SeasonalPolicy(min_instances=scaling.min_instances, max_instances=scaling.max_instances)
+    pol = SeasonalPolicy(profile=scaling.profile, slot_seconds=scaling.profile_slot, phase=-scaling.profile_start,
+                         cooldown_out=scaling.period, min_instances=scaling.min_instances,
+                         max_instances=scaling.max_instances, **OPERATING_POINT)
+    pol.clock = "wall"
+    return pol
