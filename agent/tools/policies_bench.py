@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["PIPELINE", "SiteParams", "live_trace", "run_live", "run_simulated", "compare", "format_rows",
+__all__ = ["PIPELINE", "SiteParams", "live_trace", "seasonal_profile", "run_live", "run_simulated", "compare", "format_rows",
            "plot_consolidation"]
 
 PIPELINE = """
@@ -59,6 +59,7 @@ period = {period}
 cooldown = {cooldown}
 capacity = {capacity}
 max_instances = {n_max}
+{extra_scaling}
 [[operator]]
 name = "sink"
 kind = "sink"
@@ -142,6 +143,16 @@ def live_trace(seed: int, minutes: float, peak: float) -> List[float]:
     return [x * peak / top for x in raw]
 
 
+def seasonal_profile(seed: int, minutes: float, peak: float) -> List[float]:
+    """The `seasonal` policy's profile for a bench run: the mean input of each second of the
+    compressed day, learned from another seed's two days (training days apart from the test
+    days; same weekday shape, other noise and bursts)."""
+    from agent.policy.seasonal import learn_profile
+
+    train = live_trace(seed + 1000, minutes, peak)
+    return [round(x, 1) for x in learn_profile(train, 1, len(train) // 2)]
+
+
 def _steps(trace: Sequence[float], every: int) -> List[List[float]]:
     out = []
     for t in range(0, len(trace), every):
@@ -172,9 +183,14 @@ def run_live(policy: str, trace: Sequence[float], workdir: Path, seed: int = 0, 
     from agent.tools.demo import Fleet, Monitor
     from agent.tools.verify import verify
 
+    extra_scaling = ""
+    if policy == "seasonal":  # slot j of the profile = second j of each compressed day, from the deploy on
+        extra_scaling = (f"profile = {seasonal_profile(seed, len(trace) / 60.0, max(trace))}\n"
+                         f"profile_slot = 1.0\nprofile_start = {{start}}")
     text = PIPELINE.format(seed=seed, steps=_steps(trace, 2), service_ms=round(1000.0 / capacity, 3), policy=policy,
-                           period=period, cooldown=cooldown, capacity=capacity, n_max=n_max)
-    cfg = load_pipeline_text(text)
+                           period=period, cooldown=cooldown, capacity=capacity, n_max=n_max,
+                           extra_scaling=extra_scaling)
+    cfg = load_pipeline_text(text.replace("{start}", "0.0"))
     workdir.mkdir(parents=True, exist_ok=True)
     extra = consolidate.toml(_write_hook(workdir)) if consolidate is not None else ""
     fleet = Fleet(workdir, nodes=NODES, slots=SLOTS, cluster=f"pol{policy.replace('-', '')}{'c' if extra else ''}",
@@ -189,7 +205,7 @@ def run_live(policy: str, trace: Sequence[float], workdir: Path, seed: int = 0, 
     try:
         if not mon.wait(lambda m: list(m.status.values()).count("online") == len(NODES), 60):
             raise RuntimeError(f"the agents did not come online: {mon.status}")
-        fleet.deploy(text)
+        fleet.deploy(text.replace("{start}", repr(time.time())))
         t0 = time.monotonic()
         while True:
             t = time.monotonic() - t0
@@ -260,8 +276,9 @@ def run_simulated(policy: str, trace: Sequence[float], seed: int = 0, capacity: 
     from agent.sim import policies as sim
 
     matrix = {a: {b: 1.0 for b in NODES[:n_max] if b != a} for a in NODES[:n_max]}
+    profile = tuple(seasonal_profile(seed, len(trace) / 60.0, max(trace))) if policy == "seasonal" else None
     cfg = sim.SimConfig(period=period, spawn_delay=spawn_delay, drain_delay=drain_delay, initial=1,
-                        cooldown=cooldown, platform=sim.Platform(alpha=capacity, beta=1.0, gamma=0.0))
+                        cooldown=cooldown, platform=sim.Platform(alpha=capacity, beta=1.0, gamma=0.0), profile=profile)
     # the simulator's demand uses 60-sample buckets; ours uses `bucket` on both sides: recompute
     r = sim.simulate(policy, list(trace), matrix, seed, cfg)
     from agent.metrics_spec import elasticity_metrics
