@@ -232,3 +232,22 @@ def test_every_runtime_policy_is_accepted_by_the_pipeline_config():
 
         text = LIVE_SEASONAL.format(extra="").replace('"seasonal"', f'"{p}"')
         assert load_pipeline_text(text).scaling_for("in_zone").policy == p
+
+
+def test_patience_rides_out_a_burst_shorter_than_itself():
+    """Plan mode on a flat profile (the plan needs 2 instances): input 280/s (3 instances' worth)
+    for 2 periods is ridden out with patience 3 and answered in the first period with patience 1;
+    3 periods of it are answered in the third period with patience 3."""
+    flat = tuple([150.0] * 24)
+
+    def outs(patience, totals):
+        pol = SeasonalPolicy(profile=flat, segments=2, margin=0.05, margin_up=0.05, hold=3, patience=patience)
+        return [k for k, a in enumerate(_run(pol, totals)) if a[0] is ActionKind.SCALE_OUT]
+
+    burst2 = [150.0] * 4 + [280.0] * 2 + [150.0] * 4
+    burst3 = [150.0] * 4 + [280.0] * 3 + [150.0] * 4
+    assert outs(1, burst2) == [4]
+    assert outs(3, burst2) == []
+    assert outs(3, burst3) == [6]
+    with pytest.raises(ValueError, match="patience"):
+        SeasonalPolicy(patience=0)

@@ -20,8 +20,9 @@ The rule with a profile and `segments` (plan mode, what the simulator runs): `pl
 profile into at most `segments` constant pieces at the profile's maximum over each piece, least
 total first. At each plan boundary the level is sampled and the instances needed for
 level x plan x (1 + margin) are fixed until the next boundary. Every period:
-- scale out to max(that count, needed(last input x (1 + margin_up)), n + 1) when either exceeds n
-  or this operator is the root of the back pressure (Gesscale Algorithm 1);
+- scale out to max(that count, needed(last input x (1 + margin_up)), n + 1) when the count exceeds
+  n (at once), or when the input's count exceeds n or this operator is the root of the back
+  pressure (Gesscale Algorithm 1) for `patience` consecutive periods;
 - scale in to max(that count, needed(recent peak x (1 + margin_up))) after `hold` quiet periods
   without back pressure, by `min_step` or more, `cooldown_in` after the last action.
 
@@ -117,7 +118,7 @@ class SeasonalPolicy(HeldScaleIn):
                  margin_up: float = 0.05, margin: float = 0.15, horizon_up: int = 12, horizon_down: int = 12,
                  level_periods: int = 5, hold: int = 3, min_step: int = 1, cooldown_out: float = 60.0,
                  cooldown_in: float = 240.0, min_instances: int = 1, max_instances: int = 64,
-                 max_points: int = 16, segments: Optional[int] = None) -> None:
+                 max_points: int = 16, segments: Optional[int] = None, patience: int = 1) -> None:
         if profile is not None and (not profile or min(profile) < 0):
             raise ValueError("profile must be a non-empty sequence of rates >= 0")
         if slot_seconds <= 0:
@@ -126,8 +127,8 @@ class SeasonalPolicy(HeldScaleIn):
             raise ValueError("margins and cooldowns must be >= 0")
         if segments is not None and segments < 1:
             raise ValueError(f"segments must be >= 1, found {segments}")
-        if min(horizon_up, horizon_down, level_periods, hold, min_step) < 1:
-            raise ValueError("horizons, level_periods, hold and min_step must be >= 1")
+        if min(horizon_up, horizon_down, level_periods, hold, min_step, patience) < 1:
+            raise ValueError("horizons, level_periods, hold, min_step and patience must be >= 1")
         if not 1 <= min_instances <= max_instances:
             raise ValueError(f"need 1 <= min_instances <= max_instances, found {min_instances}, {max_instances}")
         self.profile = tuple(float(x) for x in profile) if profile is not None else None
@@ -155,6 +156,11 @@ class SeasonalPolicy(HeldScaleIn):
         self.mst = MstPoints(max_points)
         self.low_periods = 0
         self.last_action_at: Optional[float] = None
+        # Plan mode: a reactive scale-out (input above the plan, or the back-pressure root) waits
+        # for `patience` consecutive overloaded periods; a burst shorter than that is ridden out
+        # on back pressure instead of costing two reconfigurations (out, and back after `hold`).
+        self.patience = patience
+        self.over_periods = 0
 
     # ---- model and forecast -------------------------------------------------------------------
 
@@ -229,7 +235,9 @@ class SeasonalPolicy(HeldScaleIn):
             self.desired = self.needed(self.planned * (1.0 + self.margin), m.nd_max_ms)
         planned, desired = self.planned, self.desired
         now_needs = self.needed(x * (1.0 + self.margin_up), m.nd_max_ms)
-        if desired > n or now_needs > n or is_overload_root(m.backpressure, m.upstream_backpressure):
+        over = now_needs > n or is_overload_root(m.backpressure, m.upstream_backpressure)
+        self.over_periods = self.over_periods + 1 if over else 0
+        if desired > n or (over and self.over_periods >= self.patience):
             self.low_periods = 0
             if since < self.cooldown_out or n >= self.max_instances:
                 return NO_ACTION
