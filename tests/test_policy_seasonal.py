@@ -141,33 +141,18 @@ def test_cli_reports_seasonal_with_the_bound_and_draws_the_pareto_plot(tmp_path,
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-LIVE_SEASONAL = """
-[pipeline]
-name = "sea"
-[[operator]]
-name = "source"
-kind = "source"
-function = "agent.operators.taxi:source"
-[[operator]]
-name = "in_zone"
-function = "agent.operators.builtin:in_zone"
-[operator.scaling]
-policy = "seasonal"
-period = 1.0
-capacity = 250.0
-max_instances = 4
-{extra}
-[[operator]]
-name = "sink"
-kind = "sink"
-function = "agent.operators.builtin:counting_sink"
-"""
+def _live_pipeline(extra: str, policy: str = "seasonal") -> str:
+    """The `bench policies` pipeline (source -> in_zone -> sink) with in_zone under `policy`."""
+    from agent.tools.policies_bench import PIPELINE
+
+    return PIPELINE.format(seed=0, steps=[[0.0, 10.0]], service_ms=4.0, policy=policy, period=1.0, cooldown=0.0,
+                           capacity=250.0, n_max=4, extra_scaling=extra)
 
 
 def _scaling(extra: str):
     from agent.config import load_pipeline_text
 
-    return load_pipeline_text(LIVE_SEASONAL.format(extra=extra)).scaling_for("in_zone")
+    return load_pipeline_text(_live_pipeline(extra)).scaling_for("in_zone")
 
 
 def test_a_live_seasonal_operator_plans_its_profile_on_unix_time():
@@ -219,19 +204,16 @@ def test_a_live_profile_is_bounded_and_read_by_seasonal_only():
     with pytest.raises(ConfigError, match="seasonal"):
         from agent.config import load_pipeline_text
 
-        load_pipeline_text(LIVE_SEASONAL.format(extra="profile = [1.0]").replace('"seasonal"', '"threshold"'))
+        load_pipeline_text(_live_pipeline("profile = [1.0]", policy="threshold"))
 
 
 def test_every_runtime_policy_is_accepted_by_the_pipeline_config():
     """RUNTIME_POLICIES is what the worker runs; the config's own list must not lag behind it
     (`seasonal` was registered in the worker but refused by check-config and deploy)."""
-    from agent.config import RUNTIME_POLICIES
+    from agent.config import RUNTIME_POLICIES, load_pipeline_text
 
     for p in RUNTIME_POLICIES:
-        from agent.config import load_pipeline_text
-
-        text = LIVE_SEASONAL.format(extra="").replace('"seasonal"', f'"{p}"')
-        assert load_pipeline_text(text).scaling_for("in_zone").policy == p
+        assert load_pipeline_text(_live_pipeline("", policy=p)).scaling_for("in_zone").policy == p
 
 
 def test_patience_rides_out_a_burst_shorter_than_itself():
