@@ -164,6 +164,9 @@ def test_a_live_seasonal_operator_plans_its_profile_on_unix_time():
 
     sc = _scaling("profile = [100.0, 100.0, 400.0, 400.0]\nprofile_slot = 10.0\nprofile_start = 1000.0")
     assert sc.policy == "seasonal" and sc.profile == (100.0, 100.0, 400.0, 400.0)
+    # the simulator's operating point in periods (60 s / 240 s at its 60 s periods), not seconds
+    pol = LivePolicy("seasonal", sc).policy
+    assert (pol.cooldown_out, pol.cooldown_in, pol.hold) == (1.0, 4.0, 6)
 
     def first(wall):
         live = LivePolicy("seasonal", sc)

@@ -44,11 +44,16 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from agent.policy.base import NO_ACTION, HeldScaleIn, Measurements, ScalingAction, share_of_delta
 from agent.policy.model import MstPoint, MstPoints, is_overload_root
 
-__all__ = ["SeasonalPolicy", "learn_profile", "plan_day", "OPERATING_POINT", "from_scaling"]
+__all__ = ["SeasonalPolicy", "learn_profile", "plan_day", "OPERATING_POINT", "COOLDOWN_IN_PERIODS", "COOLDOWN_OUT_PERIODS",
+           "from_scaling"]
 
 # The operating point the simulator measures and a live operator with a profile runs (chosen on
 # seeds 100-104 with training days 0-2, not the table's seeds 0-9: docs/measurement.md).
 OPERATING_POINT: Dict[str, Any] = dict(segments=6, margin=0.10, margin_up=0.10, hold=6, min_step=2)
+# Cooldowns in decision periods (the simulator's 60 s periods: out 60 s, in 240 s), so that an
+# operator deciding every second keeps the same point instead of a 240-period scale-in cooldown.
+COOLDOWN_OUT_PERIODS = 1.0
+COOLDOWN_IN_PERIODS = 4.0
 
 
 def learn_profile(rates: Sequence[float], slot_seconds: int, day_seconds: int) -> List[float]:
@@ -255,12 +260,13 @@ class SeasonalPolicy(HeldScaleIn):
 def from_scaling(scaling: Any) -> SeasonalPolicy:
     """The policy an operator's `[scaling]` section (agent.config.ScalingSection) selects. With a
     `profile`: plan mode at OPERATING_POINT on unix time (slot j of the day starts at
-    profile_start + j x profile_slot, modulo the day), scale-out cooldown one decision period.
+    profile_start + j x profile_slot, modulo the day), cooldowns of 1 (out) and 4 (in) periods.
     Without: hysteresis on the recent peak (the forecast is flat at the recent maximum)."""
     if not scaling.profile:
         return SeasonalPolicy(min_instances=scaling.min_instances, max_instances=scaling.max_instances)
     pol = SeasonalPolicy(profile=scaling.profile, slot_seconds=scaling.profile_slot, phase=-scaling.profile_start,
-                         cooldown_out=scaling.period, min_instances=scaling.min_instances,
+                         cooldown_out=COOLDOWN_OUT_PERIODS * scaling.period,
+                         cooldown_in=COOLDOWN_IN_PERIODS * scaling.period, min_instances=scaling.min_instances,
                          max_instances=scaling.max_instances, **OPERATING_POINT)
     pol.clock = "wall"
     return pol

@@ -116,8 +116,10 @@ def _seasonal(cfg: SimConfig, n_max: int) -> Policy:
     (agent/policy/seasonal.py), operating point SEASONAL (chosen on seeds 100-104)."""
     from agent.policy.seasonal import SeasonalPolicy
 
-    return SeasonalPolicy(profile=cfg.profile, slot_seconds=cfg.period, cooldown_out=cfg.period,
-                          max_instances=n_max, **SEASONAL)
+    from agent.policy.seasonal import COOLDOWN_IN_PERIODS, COOLDOWN_OUT_PERIODS
+
+    return SeasonalPolicy(profile=cfg.profile, slot_seconds=cfg.period, cooldown_out=COOLDOWN_OUT_PERIODS * cfg.period,
+                          cooldown_in=COOLDOWN_IN_PERIODS * cfg.period, max_instances=n_max, **SEASONAL)
 
 
 def _decentralized(cfg: SimConfig, n_max: int) -> Policy:
