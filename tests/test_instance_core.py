@@ -25,14 +25,19 @@ TOML = pipeline_text()
 PIPELINE = load_pipeline_text(TOML, "test pipeline")
 
 
-def make(operator: str, faults: FrozenSet[str] = frozenset(), **extra: Any) -> Instance:
+def sink_bounded(max_instances: int) -> str:
+    """The test pipeline with [operator.scaling] max_instances on its sink (the last operator)."""
+    return TOML + f'\n[operator.scaling]\npolicy = "none"\nmax_instances = {max_instances}\n'
+
+
+def make(operator: str, faults: FrozenSet[str] = frozenset(), toml: str = TOML, **extra: Any) -> Instance:
     names = ["source", "op", "sink"]
     i = names.index(operator)
-    spec = InstanceSpec(f"{operator}-0", operator, "n1", CLUSTER, "chk", TOML, BROKER,
+    spec = InstanceSpec(f"{operator}-0", operator, "n1", CLUSTER, "chk", toml, BROKER,
                         succs=(f"{names[i + 1]}-0",) if i < 2 else (), preds=(f"{names[i - 1]}-0",) if i else (),
                         keeper=True, state_dir="/nonexistent", heartbeat_period=3600.0, extra=dict(extra))
     op = MemorySink([], set()) if operator == "sink" else MemoryMap()
-    return Instance(spec, PIPELINE, op, faults=faults)
+    return Instance(spec, PIPELINE if toml == TOML else load_pipeline_text(toml, "test pipeline"), op, faults=faults)
 
 
 def accept_all(inst: Instance, cmds: List[Any], now: float, refuse: int = 0) -> List[Tuple[str, bytes]]:
@@ -222,19 +227,22 @@ def test_a_restarted_instance_decides_on_a_whole_period_of_input_not_on_its_repl
     assert copies in (3, 4) and when == 54.0, (when, copies)
 
 
-@pytest.mark.parametrize("fault", [False, True])
-def test_records_replayed_after_a_crash_go_to_the_sink_instance_they_went_to_before(fault: bool) -> None:
+@pytest.mark.parametrize("fault,sink_max", [(False, 64), (True, 64), (False, 2)])
+def test_records_replayed_after_a_crash_go_to_the_sink_instance_they_went_to_before(fault: bool, sink_max: int) -> None:
     """op-0 forwards 4 records to sink-0, its only successor, which records them (its acks are
     still on their way); the sink scales out (sink-1 joins op-0's table); op-0 is killed before
     it acked its input upstream. Restarted from its last Persist, it asks the source for a
     replay and processes the 4 records again. They must go to sink-0 again, which drops them by
     id (docs/design.md invariant 8): routed afresh, round-robin, half went to sink-1, which has
-    never seen them and keeps them (with the seeded fault `route_afresh`, the old behaviour)."""
+    never seen them and keeps them (with the seeded fault `route_afresh`, the old behaviour).
+    Also with the sink bounded to 2 instances: the smallest bound at which the memory is needed
+    (agent.dataplane.sticky.needed)."""
     from agent.protocol.messages import Duplication
 
     faults = frozenset({"route_afresh"}) if fault else frozenset()
+    toml = TOML if sink_max == 64 else sink_bounded(sink_max)
     inbox = topics.inbox(CLUSTER, "op-0", "n1")
-    op = make("op", faults)
+    op = make("op", faults, toml)
     cmds = op.handle(Started(WALL0), 0.0)
     records = [("src", i, {"v": i}) for i in range(4)]
     cmds += op.handle(EnvelopeReceived(inbox, encode_data("source-0", 0, 1, records)), 0.1)
@@ -257,7 +265,7 @@ def test_records_replayed_after_a_crash_go_to_the_sink_instance_they_went_to_bef
             assert cmds.index(c) < min(i for i, x in enumerate(cmds) if isinstance(x, Publish)
                                        and decode(x.payload).kind is Kind.DATA)  # write-ahead
 
-    again = make("op", faults)
+    again = make("op", faults, toml)
     restarted = Restarted(WALL0 + 1, json.loads(json.dumps(saved)), routes=(snapshot, log))
     accept_all(again, again.handle(restarted, 1.0), 1.0)
     assert set(again.router.succs) == {"sink-0", "sink-1"}
@@ -272,6 +280,22 @@ def test_records_replayed_after_a_crash_go_to_the_sink_instance_they_went_to_bef
         assert to_sink1, resent  # the duplicate the fix prevents
         return
     assert to_sink1 == [] and again.routes.pinned == 4
+
+
+def test_no_route_memory_where_the_next_operator_has_one_instance_at_most() -> None:
+    """With the sink bounded to one instance (max_instances = 1, refused at createNode() for any
+    copy) a record sent again can only go where it went: op-0 remembers and writes nothing; the
+    source, whose successor `op` may scale, still does (docs/reliability.md, "The route memory's cost")."""
+    toml = sink_bounded(1)
+    op = make("op", toml=toml)
+    cmds = op.handle(Started(WALL0), 0.0)
+    inbox = topics.inbox(CLUSTER, "op-0", "n1")
+    cmds += op.handle(EnvelopeReceived(inbox, encode_data("source-0", 0, 1, [("src", i, {"v": i}) for i in range(4)])), 0.1)
+    cmds += op.handle(Tick(WALL0 + 0.1), 0.1)
+    sent = accept_all(op, cmds, 0.1)
+    assert sum(len(decode(p).body) for _, p in sent if decode(p).kind is Kind.DATA) == 4
+    assert not any(isinstance(c, SaveRoutes) for c in cmds) and len(op.routes) == 0
+    assert make("source", toml=toml).sticky and make("op", toml=sink_bounded(2)).sticky
 
 
 def test_bad_bytes_on_the_inbox_are_counted_and_skipped() -> None:

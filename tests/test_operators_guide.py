@@ -315,7 +315,6 @@ def test_the_worked_example_runs_on_real_agents(tmp_path: Path, mosquitto: Any) 
 
     from agent.node.rpc import RpcClient
 
-    t0 = time.monotonic()
     cluster = "ops" + uuid.uuid4().hex[:6]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(EXAMPLE)]))
     env.pop("FOG_AGENT_CONFIG", None)
@@ -405,4 +404,3 @@ def test_the_worked_example_runs_on_real_agents(tmp_path: Path, mosquitto: Any) 
     assert len(set(ids)) == len(ids) == 5 and {s for s, _ in ids} == {"sensors.readings.0"}
     assert sorted(q for _, q in ids) == [0, 1, 3, 5, 7]
     assert all(p.returncode == 0 for p in procs)
-    assert time.monotonic() - t0 < 30

@@ -8,7 +8,8 @@ import json
 import pytest
 
 from agent.dataplane.routing import Outbox, Router
-from agent.dataplane.sticky import MAX_RESTORED, RouteMemory
+from agent.dataplane import sticky
+from agent.dataplane.sticky import RouteMemory
 
 
 def recs(src: str, *seqs: int):  # type: ignore[no-untyped-def]
@@ -59,7 +60,7 @@ def test_a_record_sent_again_is_forgotten_only_with_its_last_send() -> None:
     assert mem.dest_of("src", 1) == "a"
 
 
-def test_the_memory_survives_a_restart_through_its_files_and_a_damaged_one_is_refused() -> None:
+def test_the_memory_survives_a_restart_through_its_files_and_a_damaged_one_is_refused(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     mem = RouteMemory()
     mem.sent("a", recs("src", 1, 2, 3, 7), bound=1)
     snap, log = mem.take_save(0.0)  # the first save writes a snapshot
@@ -76,11 +77,19 @@ def test_the_memory_survives_a_restart_through_its_files_and_a_damaged_one_is_re
     assert len(back) == 0
     assert len(RouteMemory.load(None, None, 0.0)) == 0
     for bad in ('{"a": 1}', '[["a"]]', '[[1, {}]]', '[["a", {"src": [1]}]]', '[["a", {"src": [1, -1]}]]',
-                '[["a", {"src": ["x", 1]}]]', '[["a", {"src": [0, %d]}]]' % (MAX_RESTORED + 1), "[[["):
+                '[["a", {"src": ["x", 1]}]]', "[[["):
         with pytest.raises(ValueError, match="route memory"):
             RouteMemory.load(bad, "", 0.0)
     with pytest.raises(ValueError, match="route memory"):  # damaged in the middle: not a torn write
         RouteMemory.load(snap, "[[[\n" + log2, 0.0)
+    monkeypatch.setattr(sticky, "MAX_RESTORED", 2)  # what a file may bring back is bounded (in ranges)
+    assert len(RouteMemory.load('[["a", {"src": [0, 1000, 5, 1]}]]', "", 0.0)) == 1001
+    with pytest.raises(ValueError, match="more than 2 id ranges"):
+        RouteMemory.load('[["a", {"src": [0, 1, 1, 1, 1, 1]}]]', "", 0.0)
+    monkeypatch.setattr(sticky, "MAX_RESTORED", 10)
+    monkeypatch.setattr(sticky, "MAX_RUNS", 2)  # past the cap the newest batches are kept
+    back = RouteMemory.load('[["a", {"src": [0, 1]}], ["b", {"src": [1, 1]}]]', '[["c", {"src": [2, 1]}]]\n', 0.0)
+    assert [back.dest_of("src", s) for s in range(3)] == [None, "b", "c"] and back.runs() == 2
 
 
 def test_the_log_is_replaced_by_a_snapshot_once_it_outgrows_it() -> None:
@@ -99,8 +108,8 @@ def test_the_log_is_replaced_by_a_snapshot_once_it_outgrows_it() -> None:
     assert 1 <= snapshots and sizes < 3000 * 200  # the log costs what was sent: ~140 B a batch
 
 
-def test_past_max_remembered_the_oldest_acked_records_go_first_never_unacked_ones() -> None:
-    mem = RouteMemory(retain=1000.0, max_remembered=3)
+def test_past_max_runs_the_oldest_acked_records_go_first_never_unacked_ones() -> None:
+    mem = RouteMemory(retain=1000.0, max_runs=1)
     mem.sent("a", recs("src", 1, 2), bound=1)
     mem.sent("a", recs("src", 3, 4), bound=2)
     mem.released(0, now=0.0)
@@ -124,3 +133,66 @@ def test_pinned_records_wait_for_their_successor_and_go_back_to_round_robin_when
     out = box.take(0.0, lambda d: 5, force=True)
     assert [(d, [it[1] for it in items], low) for d, items, low in out] == [("a", [3], 1)]
     assert box.pending == 0 and box.lowest_index() is None
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_id_ranges_answer_as_one_entry_per_record_would(seed: int) -> None:
+    """The memory holds id ranges per batch (`_Spans`), split when an id is sent again; checked
+    against the plain model it replaced (record id -> the batch that sent it last, forgotten with
+    that batch) over random sends: new consecutive batches, a filter's sparse ones, replays of
+    older ids in any order, two sources; acks upstream and expiry in between."""
+    import random
+
+    rng = random.Random(seed)
+    mem = RouteMemory(retain=3.0, grace=1.0, max_runs=10**9)
+    owner = {}  # (src, seq) -> batch number: the model
+    batches = []  # [dest, bound, ids, released_at]
+    held = 0  # batches before this one are acked upstream
+    top = {"s": 0, "t": 0}
+    now, bound = 0.0, 0
+    for step in range(400):
+        src = rng.choice("sstt")
+        kind = rng.random()
+        if kind < 0.5:  # new consecutive ids
+            ids = list(range(top[src], top[src] + rng.randint(1, 30)))
+        elif kind < 0.7:  # a filter's output: sparse new ids
+            ids = sorted(rng.sample(range(top[src], top[src] + 40), rng.randint(1, 10)))
+        else:  # a replay: older ids again, maybe shuffled, maybe mixed with the other source
+            if top[src] == 0:
+                continue
+            a = rng.randrange(top[src])
+            ids = list(range(a, min(top[src], a + rng.randint(1, 25))))
+            if rng.random() < 0.5:
+                rng.shuffle(ids)
+        top[src] = max(top[src], max(ids) + 1)
+        items = [(src, i, None) for i in ids]
+        if rng.random() < 0.2 and top["t" if src == "s" else "s"]:
+            other = "t" if src == "s" else "s"
+            extra = rng.randrange(top[other])
+            items.append((other, extra, None))
+        bound += rng.randint(0, 1)
+        dest = rng.choice(("a", "b", "c"))
+        mem.sent(dest, items, bound)
+        batches.append([dest, bound, items, None])
+        for it in items:
+            owner[(it[0], it[1])] = len(batches) - 1
+        now += rng.random() * 0.5
+        upto = bound - rng.randint(0, 2)
+        mem.released(upto, now)
+        while held < len(batches) and batches[held][1] <= upto:
+            batches[held][3] = now
+            held += 1
+        for k, b in enumerate(batches[:held]):  # the model's expiry: RETAIN after the ack
+            if b[3] is not None and now - b[3] >= 3.0:
+                for it in b[2]:
+                    if owner.get((it[0], it[1])) == k:
+                        del owner[(it[0], it[1])]
+                b[3] = None
+                b[2] = []
+        if step % 20 and step != 399:
+            continue
+        for src in "st":
+            for seq in range(top[src] + 2):
+                k = owner.get((src, seq))
+                assert mem.dest_of(src, seq) == (batches[k][0] if k is not None else None), (step, src, seq)
+    assert len(mem) == sum(len(b[2]) for b in batches)

@@ -64,20 +64,15 @@ def register(groups: Any) -> None:
     mv.add_argument("--workdir", default=None, help="keep broker, agent logs and sink files here")
     mv.set_defaults(func=bench_move_cmd)
 
-    try:
-        bench = importlib.import_module("agent.tools.dataplane_bench")
-    except ModuleNotFoundError as exc:
-        if exc.name != "agent.tools.dataplane_bench":
-            raise
-    else:
-        bench.register_bench(groups)
-    try:
-        keyed_bench = importlib.import_module("agent.tools.keyed_bench")
-    except ModuleNotFoundError as exc:
-        if exc.name != "agent.tools.keyed_bench":
-            raise
-    else:
-        keyed_bench.register_bench(groups)
+    # The benchmarks live in agent.tools, which a fog node's package may leave out.
+    for name in ("agent.tools.dataplane_bench", "agent.tools.keyed_bench", "agent.tools.handover_bench"):
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+        else:
+            module.register_bench(groups)
 
 
 def _load_cfg(path: Any) -> Any:

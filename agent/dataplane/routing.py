@@ -7,6 +7,9 @@
   hash modulo instance count (docs/design.md section 8): the mapping key -> group -> instance is
   the one of agent.dataplane.keygroups, shared with the keyed operators' state, so every
   predecessor maps a key to the same instance, and a later state hand-over can move whole groups.
+  With an explicit group -> owner table (`Router.table`, agent.dataplane.owners) a group goes to
+  the owner the table names, whatever the successor set: a copy gets a group only once its old
+  owner's Redirect changed the table (docs/operators.md, "Key groups that move").
 
 - Pinned (`Outbox.add_to`): records this instance sent before, which must go to the same successor
   again (docs/design.md invariant 8, agent.dataplane.sticky), wait in that successor's buffer as
@@ -25,6 +28,7 @@ from typing import Any, Callable, Deque, Dict, Iterable, List, Optional, Sequenc
 
 from agent.dataplane.envelope import Item
 from agent.dataplane.keygroups import DEFAULT_GROUPS, key_group, record_key
+from agent.dataplane.owners import GroupTable
 
 __all__ = ["Router", "Outbox", "key_group", "DEFAULT_GROUPS"]
 
@@ -34,9 +38,13 @@ Pending = Tuple[Item, int]  # (item, process index)
 class Router:
     """The routing table to the next operator (the paper's `succs`)."""
 
-    def __init__(self, succs: Sequence[str] = (), key: Optional[str] = None, groups: int = DEFAULT_GROUPS) -> None:
+    def __init__(self, succs: Sequence[str] = (), key: Optional[str] = None, groups: int = DEFAULT_GROUPS,
+                 table: Optional[GroupTable] = None) -> None:
         self.key = key
         self.groups = groups
+        if table is not None and table.groups != groups:
+            raise ValueError(f"a group table of {table.groups} groups for a routing of {groups}")
+        self.table = table
         self._succs: Tuple[str, ...] = ()
         self.set_succs(succs)
         self._rr = 0
@@ -55,8 +63,11 @@ class Router:
         self.set_succs(s for s in self._succs if s != dest)
 
     def by_key(self, record: Any) -> str:
+        g = key_group(record_key(record, self.key), self.groups)
+        if self.table is not None:
+            return self.table.owner(g)
         # keygroups.owner without its sort: _succs is kept sorted and duplicate-free
-        return self._succs[key_group(record_key(record, self.key), self.groups) % len(self._succs)]
+        return self._succs[g % len(self._succs)]
 
     def next_with_credit(self, credit: Callable[[str], int]) -> Optional[str]:
         n = len(self._succs)

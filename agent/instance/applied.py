@@ -129,3 +129,25 @@ class Applied:
 
     def __repr__(self) -> str:
         return f"Applied({self.to_json()!r})"
+
+
+def union(a: Applied, b: Applied) -> Applied:
+    """The numbers applied in `a` or in `b` (a key group's hand-over: the new owner also counts as
+    applied what the old owner applied, since a replay of it may now reach the new owner; record
+    ids are unique, so a number applied for another group is never sent to it anyway)."""
+    floor = max(a.floor, b.floor)
+    los: List[int] = []
+    his: List[int] = []
+    for lo, hi in sorted(zip(a.los + b.los, a.his + b.his)):
+        if hi < floor:
+            continue
+        if not los and lo <= floor:  # joins the floor
+            floor = max(floor, hi + 1)
+        elif los and lo <= his[-1] + 1:
+            his[-1] = max(his[-1], hi)
+        else:
+            los.append(lo)
+            his.append(hi)
+    out = Applied(floor)
+    out.los, out.his = los, his
+    return out

@@ -40,7 +40,7 @@ from agent.dataplane.envelope import (
 from agent.dataplane.flow import AckTracker, OutLink
 from agent.dataplane.inbound import ACCEPT, HOLD, REFUSE, HoldBuffer, LogLimiter, numbering_fault, writer_verdict
 from agent.dataplane.routing import Outbox, Router
-from agent.dataplane.sticky import RouteMemory
+from agent.dataplane.sticky import RouteMemory, needed
 from agent.instance.commands import (
     Command, CrashPoint, Emit, Exit, Handoff, Notify, Persist, PersistSource, Publish, RequestSpawn, SaveKeyed,
     SaveRoutes,
@@ -210,10 +210,12 @@ class Instance:
         nxt = pipeline.operators[self.stage + 1] if self.stage + 1 < len(pipeline.operators) else None
         self.router = Router(spec.succs, key=self.op.key, groups=nxt.key_groups if nxt is not None else 128)
         self.outbox = Outbox(self.router, self.op.batch_size, self.op.linger_ms / 1000.0)
-        # INVARIANT 8 (a record sent again goes where it went): keyless forwarding remembers
-        # each record's successor (key groups already send a key to one instance).
+        # INVARIANT 8 (a record sent again goes where it went): a forwarding instance remembers
+        # each record's successor where the next operator's instance count can change
+        # (agent.dataplane.sticky.needed).
         self.routes = RouteMemory()
-        self.sticky = self.op.key is None and not self.is_sink and FAULT_ROUTE_AFRESH not in self.faults
+        self.sticky = (not self.is_sink and nxt is not None and FAULT_ROUTE_AFRESH not in self.faults
+                       and needed(self.op.key, pipeline.scaling_for(nxt.name).max_instances))
         self.links: Dict[str, OutLink] = {}
         self.tracker = AckTracker()
         self.queues: Dict[str, Deque[Envelope]] = {}

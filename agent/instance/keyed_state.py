@@ -39,7 +39,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from agent.dataplane.envelope import Item
 from agent.dataplane.keygroups import key_group, record_key
 from agent.files import write_atomic
-from agent.instance.applied import Applied
+from agent.instance.applied import Applied, union
 from agent.operators.keyed import KeyedOperator
 
 __all__ = ["KeyedState", "FORMAT", "hashable_key", "output_source"]
@@ -296,7 +296,9 @@ class KeyedState:
         self._restore_group(g, json.loads(data))
 
     def _restore_group(self, g: int, blob: Dict[str, Any]) -> None:
-        if "pairs" in blob:
+        if "pairs" in blob and type(self.op).restore is KeyedOperator.restore:
+            states = {k: v for k, v in blob["pairs"]}  # the default restore, without a JSON round trip
+        elif "pairs" in blob:
             states = self.op.restore(json.dumps(blob["pairs"]).encode())
         else:
             states = self.op.restore(base64.b64decode(blob["bytes"]))
@@ -307,8 +309,42 @@ class KeyedState:
         counters = {hashable_key(k): int(n) for k, n in blob.get("emitted") or []}
         if counters:
             self.emitted[g] = counters
-        for key, state in self.states.get(g, {}).items():
-            self._arm(key, state)
+        if type(self.op).notify_at is not KeyedOperator.notify_at:  # the default arms no timer
+            for key, state in self.states.get(g, {}).items():
+                self._arm(key, state)
+
+    # ---- hand-over of a key group (agent.instance.handover; docs/operators.md, "Key groups that move")
+
+    def hand_out(self, g: int) -> bytes:
+        """Group `g` for its new owner, then forgotten here (its outputs not acked yet stay: this
+        instance sent them and sends them again if asked). The bytes carry, besides the group's
+        states and output counters, every source's applied numbers: a replay of a record applied
+        here may reach the new owner, which must skip it. Called once the group's state is final
+        (every predecessor's end-of-stream marker applied)."""
+        blob = self._group_json(g)
+        blob["applied"] = {s: a.to_json() for s, a in self.applied.items()}
+        for key in self.states.pop(g, {}):
+            self.timers.pop(key, None)  # its heap entry is skipped as stale
+            self._dirty_keys[(g, key)] = None
+        self.emitted.pop(g, None)  # the counters travel with the group: an id is still never reused
+        return json.dumps(blob, separators=(",", ":")).encode()
+
+    def take_in(self, g: int, data: bytes) -> None:
+        """Install group `g` from `hand_out`'s bytes (untrusted: they came over the bus; size bounded
+        by the hand-over's chunks). The applied numbers merge with this instance's."""
+        if g in self.states or not 0 <= g < self.groups:
+            raise ValueError(f"keyed state of {self.operator}: cannot take in group {g} (held here or out of range)")
+        blob = json.loads(data)
+        if not isinstance(blob, dict) or not isinstance(blob.get("applied", {}), dict):
+            raise ValueError(f"keyed state of {self.operator}: group {g}: not a hand-over")
+        for src, aj in blob.pop("applied", {}).items():
+            theirs = Applied.from_json(aj)
+            mine = self.applied.get(str(src))
+            self.applied[str(src)] = theirs if mine is None else union(mine, theirs)
+            self._dirty_pos[str(src)] = None
+        self._restore_group(g, blob)
+        self._dirty_keys.update(dict.fromkeys((g, k) for k in self.states.get(g, {})))
+        self._dirty_keys.update(dict.fromkeys((g, k) for k in self.emitted.get(g, {})))
 
     def to_text(self) -> str:
         """The saved form: one JSON document (encoded whole: its cost grows with the state)."""

@@ -248,9 +248,11 @@ class Transport:
         self._next_reconnect = 0.0
 
     def _renew_subscriptions(self) -> None:
-        session = any(isinstance(e, Connected) and e.session_present for e in self.events)
-        if session:
-            return
+        """Subscribe again to every topic after each reconnect, even when the broker says it kept
+        our session: a broker that restarted from an older save (SIGKILL between autosaves)
+        presents a session without the subscriptions made since (docs/reliability.md, seed
+        12004). MQTT replaces an identical subscription without interrupting its flow, so on an
+        intact session this costs one SUBSCRIBE and loses nothing."""
         for topic in list(self._subs):
             rc, mid = self.client.subscribe(topic, qos=self.broker.qos)
             if rc == MQTTErrorCode.MQTT_ERR_SUCCESS:

@@ -478,9 +478,7 @@ class Agent:
                 self._restart(spec, now)
         self._start_restarts(now)
         for call in self._calls.expired(now):
-            job: SpawnJob = call.context
-            log.warning("agent %s did not answer a spawn within %.0fs", call.node, RPC_TIMEOUT, extra={"node": self.node})
-            self._try_next(job, now, f"no reply from {call.node}")
+            self._spawn_timed_out(call.context, call.node)
         if self._stopping_since is not None:
             if len(self.supervisor) == 0:
                 raise Halt("all workers stopped", EXIT_OK)
@@ -982,6 +980,19 @@ class Agent:
         log.warning("cannot place %s: %s (tried %s)", job.spec.instance, last_error, job.tried or "none",
                     extra={"node": self.node, "operator": job.spec.operator})
         job.reply({"ok": False, "error": last_error})
+
+    def _spawn_timed_out(self, job: SpawnJob, node: str) -> None:
+        """No answer from `node` within RPC_TIMEOUT. It may still have started the instance (its
+        answer can be held by a partition of ours), so the same identity is never asked of
+        another node (invariant 7): the createNode() fails. If `node` did start it, the copy
+        stays idle and pings its creator, which adopts it (agent.instance.driver, on_idle_ping);
+        otherwise the creator decides again with a new copy."""
+        self.counters["spawn_failed"] += 1
+        log.warning("agent %s did not answer the spawn of %s within %.0fs: not placed elsewhere under "
+                    "the same identity", node, job.spec.instance, RPC_TIMEOUT,
+                    extra={"node": self.node, "operator": job.spec.operator})
+        job.reply({"ok": False, "error": f"no reply from {node} within {RPC_TIMEOUT:.0f}s "
+                   f"(it may still start {job.spec.instance})"})
 
     def _start_local(self, job: SpawnJob, now: float) -> bool:
         if self.free_slots() <= 0 or job.spec.instance in self.supervisor:

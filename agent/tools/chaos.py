@@ -243,6 +243,17 @@ def _active_instances(mon: Monitor) -> Dict[str, Dict[str, Any]]:
     return out
 
 
+def _back_to_size(mon: Monitor, operators: List[str]) -> bool:
+    """Every operator of the pipeline has exactly one instance on an online node, and it is
+    active. An operator with none (a re-home that failed) or one still starting is not back:
+    counting only the operators present called a run with no source settled (seed 12026)."""
+    counts = mon.instances_per_operator()
+    active: Dict[str, int] = {}
+    for inst in _active_instances(mon).values():
+        active[str(inst.get("operator"))] = active.get(str(inst.get("operator")), 0) + 1
+    return all(counts.get(op) == 1 and active.get(op) == 1 for op in operators)
+
+
 def _holding(mon: Monitor) -> List[str]:
     """Instances that still hold records in flight (unacked batches, an outbox, queued input),
     by their last published stats: a run is over when none does, not when the sink is quiet
@@ -554,7 +565,7 @@ def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dic
         last, quiet, settled = -1.0, None, False
         while time.monotonic() < settle:
             tot = mon.totals()["recorded"]
-            back = all(v == 1 for v in mon.instances_per_operator().values())
+            back = _back_to_size(mon, [op.name for op in pipeline.operators])
             quiet = (quiet or time.monotonic()) if tot == last else None
             last = tot
             ends = _lock_and_round_state(mon)

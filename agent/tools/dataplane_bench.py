@@ -860,6 +860,7 @@ def run_bench(
     broker_max_inflight: int = 100,
     result: Optional[Dict[str, Any]] = None,
     chain: bool = False,
+    max_instances: Optional[int] = None,
 ) -> Dict[str, Any]:
     """Every phase on one private broker; raises BenchFailed (with the partial numbers in
     `result` if the caller passed a dict) when the broker dropped a message in any phase."""
@@ -870,7 +871,7 @@ def run_bench(
     if result is None:
         result = {}
     result.update({"batch_size": batch_size, "record": record, "seconds": seconds, "window": window,
-                   "raw_window": raw_window, "mqtt": "5" if DATA_MQTT5 else "3.1.1"})
+                   "raw_window": raw_window, "mqtt": "5" if DATA_MQTT5 else "3.1.1", "max_instances": max_instances})
     runner = LocalRunner(tmp)
     drops: Optional[DropWatch] = None
     try:
@@ -898,7 +899,9 @@ def run_bench(
                 {"name": "sink", "kind": "sink", "function": "agent.operators.builtin:null_sink",
                  "batch_size": batch_size},
             ],
-            scaling={"policy": "none"},
+            # max_instances = 1: no route memory anywhere (agent.dataplane.sticky.needed), so a
+            # run with it against one without gives what invariant 8 costs on the data path
+            scaling={"policy": "none", **({"max_instances": max_instances} if max_instances else {})},
         )
         bspec = BrokerSpec(host=broker.host, port=broker.port)
         specs = initial_specs(toml, bspec, str(tmp / "state"), extra={"sink_dir": str(tmp / "sink")})
@@ -1194,7 +1197,7 @@ def _cmd(args: argparse.Namespace) -> int:
             seconds=args.seconds, batch_size=args.batch_size, record=args.record, window=args.window,
             rescale=args.rescale_cycles, warm=not args.no_warm_worker, raw_window=args.raw_window,
             broker_max_queued=args.broker_max_queued, broker_max_inflight=args.broker_max_inflight, result=res,
-            chain=args.chain,
+            chain=args.chain, max_instances=args.max_instances,
         )
     except BenchFailed as exc:
         res["error"] = str(exc)
@@ -1269,6 +1272,9 @@ def register_bench(groups: Any) -> None:
                    help="rescale part: start each new instance's process cold (no pre-started worker)")
     p.add_argument("--chain", action="store_true",
                    help="also run the pipeline's three keepers chained in one process (docs/runtime.md, \"Chaining\")")
+    p.add_argument("--max-instances", type=int, default=None,
+                   help="[scaling] max_instances of the throughput pipeline (1: its operators keep no route "
+                        "memory, invariant 8; default: unset, i.e. 64)")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout (progress on stderr)")
     # Tests make the private broker drop messages with these (a bench that saw a drop must fail).
     p.add_argument("--broker-max-queued", type=int, default=10000, help=argparse.SUPPRESS)
