@@ -175,7 +175,9 @@ def test_bench_policies_prints_only_json_with_a_live_and_a_simulated_row(tmp_pat
     # at most 5 instances on 3 x 4 slots), and the hook ran for each release it reported.
     assert live["nodes_released"] >= 1 and live["node_minutes"] < 3 * 0.25, live
     hooked = (tmp_path / "threshold-consolidated" / "site-hooks.log").read_text().split("\n")
-    assert sum(1 for x in hooked if x.startswith("release ")) == live["nodes_released"], (hooked, live)
+    # (the hooks' log also holds what ran in the drain after the trace: at least the run's count)
+    assert sum(1 for x in hooked if x.startswith("release ")) >= live["nodes_released"], (hooked, live)
+    assert sum(1 for x in hooked if x.startswith("acquire ")) >= live["nodes_acquired"], (hooked, live)
     assert live["node_minutes"] >= live["node_minutes_packed"] * 0.5 and live["latency_s"] is not None
 
 

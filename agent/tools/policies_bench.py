@@ -102,9 +102,25 @@ class SiteParams:
 
 def _write_hook(workdir: Path) -> Path:
     hook = workdir / "site-hook.sh"
-    hook.write_text('#!/bin/sh\necho "$1 $2" >> "$(dirname "$0")/site-hooks.log"\n')
+    hook.write_text('#!/bin/sh\necho "$1 $2 $(date +%s.%N)" >> "$(dirname "$0")/site-hooks.log"\n')
     hook.chmod(0o755)
     return hook
+
+
+def hook_actions(workdir: Path, wall0: float) -> List[Tuple[float, str, str]]:
+    """(seconds since wall0, action, node) of every hook run, in time order: the power actions
+    themselves (the events topic is not retained: a monitor that subscribes after the fleet
+    started misses a release made before; the hooks' log misses none). Before wall0 counts as 0."""
+    path = workdir / "site-hooks.log"
+    out = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        parts = line.split()
+        if len(parts) == 3 and parts[0] in ("release", "acquire"):
+            try:
+                out.append((max(0.0, float(parts[2]) - wall0), parts[0], parts[1]))
+            except ValueError:
+                continue
+    return sorted(out)
 
 
 def powered_series(times: Sequence[float], actions: Sequence[Tuple[float, str, str]], nodes: int) -> List[int]:
@@ -200,13 +216,13 @@ def run_live(policy: str, trace: Sequence[float], workdir: Path, seed: int = 0, 
     times: List[float] = []
     supply: List[int] = []
     counts: List[Tuple[float, float]] = []  # (generated, recorded) as the instances last reported
-    actions: List[Tuple[float, str, str]] = []  # (time, action, node) of the site manager
+    actions: List[Tuple[float, str, str]] = []  # (time, action, node) of the site manager's events seen
     seen = 0
     try:
         if not mon.wait(lambda m: list(m.status.values()).count("online") == len(NODES), 60):
             raise RuntimeError(f"the agents did not come online: {mon.status}")
         fleet.deploy(text.replace("{start}", repr(time.time())))
-        t0 = time.monotonic()
+        t0, wall0 = time.monotonic(), time.time()
         while True:
             t = time.monotonic() - t0
             if t >= len(trace):
@@ -244,7 +260,8 @@ def run_live(policy: str, trace: Sequence[float], workdir: Path, seed: int = 0, 
     end = float(len(trace))
     m = elasticity_metrics(times, demand, supply, end=end)
     ops = sum(abs(b - a) for a, b in zip(supply, supply[1:]))
-    powered = powered_series(times, actions, len(NODES))
+    power = hook_actions(workdir, wall0)
+    powered = powered_series(times, power, len(NODES))
     # The fewest nodes that could host every instance at each sample (in_zone + source + sink),
     # i.e. perfect consolidation with no delay: the floor for the node-minutes.
     packed = [max(1, math.ceil((s + 2) / SLOTS)) for s in supply]
@@ -259,8 +276,9 @@ def run_live(policy: str, trace: Sequence[float], workdir: Path, seed: int = 0, 
             "records_lost": v.lost, "records_duplicated": v.duplicated, "drain_s": round(drain_s, 1),
             "node_minutes": round(step_minutes(times, powered, end), 3),
             "node_minutes_packed": round(step_minutes(times, packed, end), 3),
-            "nodes_released": sum(1 for a in actions if a[1] == "release"),
-            "nodes_acquired": sum(1 for a in actions if a[1] == "acquire"),
+            # within the trace (an idle fleet after it may release one more)
+            "nodes_released": sum(1 for a in power if a[1] == "release" and a[0] <= end),
+            "nodes_acquired": sum(1 for a in power if a[1] == "acquire" and a[0] <= end),
             "site_actions": [[round(t, 1), a, n] for t, a, n in actions],
             "records_deferred": int(deferred), "deferred_share": round(deferred / offered, 4) if offered else 0.0,
             # Little's law: mean records in flight / mean throughput = mean time in the pipeline
