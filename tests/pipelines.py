@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import json
+from typing import Any
 
-def taxi_in_zone(name: str, seed: int = 1, rate: float = 50.0) -> str:
-    """source (synthetic taxi records at a constant rate) -> in_zone -> counting sink, no scaling."""
+
+def taxi_in_zone(name: str, seed: int = 1, rate: float = 50.0, policy: str = "none",
+                 capacity: float = 100.0, period: float = 1.0, **more: Any) -> str:
+    """source (synthetic taxi records at a constant rate) -> in_zone -> counting sink. Only
+    in_zone may scale: by `policy` (none by default), `capacity` records/s per instance, a
+    decision every `period` s, and the other keys of its [operator.scaling] in `more`
+    (max_instances = 2, ...)."""
+    scaling = ""
+    if policy != "none":
+        table = dict(policy=policy, period=float(period), capacity=float(capacity), **more)
+        scaling = "[operator.scaling]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in table.items())
     return f"""
 [pipeline]
 name = "{name}"
@@ -18,7 +29,7 @@ params = {{ seed = {seed}, profile = "constant", rate = {float(rate)} }}
 [[operator]]
 name = "in_zone"
 function = "agent.operators.builtin:in_zone"
-[[operator]]
+{scaling}[[operator]]
 name = "sink"
 kind = "sink"
 function = "agent.operators.builtin:counting_sink"

@@ -264,24 +264,7 @@ def test_watch_shows_a_real_scale_out_with_its_reason(capsys, mosquitto, tmp_pat
             a.stop()
 
 
-STEER_PIPELINE = """
-[pipeline]
-name = "steer"
-[scaling]
-policy = "none"
-[[operator]]
-name = "source"
-kind = "source"
-function = "agent.operators.taxi:source"
-params = { seed = 3, profile = "constant", rate = 40.0 }
-[[operator]]
-name = "in_zone"
-function = "agent.operators.builtin:in_zone"
-[[operator]]
-name = "sink"
-kind = "sink"
-function = "agent.operators.builtin:counting_sink"
-"""
+STEER_PIPELINE = taxi_in_zone("steer", seed=3, rate=40.0)
 
 
 def test_fogctl_scale_and_drain_on_real_agents_lose_no_record(capsys, mosquitto, tmp_path) -> None:
@@ -334,19 +317,7 @@ def test_fogctl_scale_and_drain_on_real_agents_lose_no_record(capsys, mosquitto,
             reply = client.call(mon.instance_node[src], {"op": "set", "instance": src, "fields": {"paused": True}})
         assert reply["ok"], reply
 
-        def sink_in() -> int:
-            return sum(int((st or {}).get("records_in", 0)) for i, st in mon.instance_stats.items()
-                       if mon.instance_operator.get(i) == "sink")
-
-        last, stable_since = -1, time.monotonic()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            now_in = sink_in()
-            if now_in != last:
-                last, stable_since = now_in, time.monotonic()
-            elif time.monotonic() - stable_since >= 2.0:
-                break
-            time.sleep(0.2)
+        mon.wait_sink_quiet(30)
     finally:
         codes = fleet.stop()
         mon.close()
@@ -356,7 +327,7 @@ def test_fogctl_scale_and_drain_on_real_agents_lose_no_record(capsys, mosquitto,
     assert v.ok, v
 
 
-HANDOVER_PIPELINE = STEER_PIPELINE.replace('name = "steer"', 'name = "hand"').replace("seed = 3", "seed = 5")
+HANDOVER_PIPELINE = taxi_in_zone("hand", seed=5, rate=40.0)
 
 
 def test_fogctl_drain_hands_a_keeper_over_to_another_node(capsys, mosquitto, tmp_path) -> None:
@@ -389,10 +360,6 @@ def test_fogctl_drain_hands_a_keeper_over_to_another_node(capsys, mosquitto, tmp
         return sum(1 for n, doc in m.states.items() if node in (None, n) and m.status.get(n) == "online"
                    for i in doc.get("instances", []) if i["operator"] == "in_zone" and i["status"] == "active")
 
-    def sink_in() -> int:
-        return sum(int((st or {}).get("records_in", 0)) for i, st in mon.instance_stats.items()
-                   if mon.instance_operator.get(i) == "sink")
-
     try:
         assert mon.wait(lambda m: m.status.get("h2") == "online", 30)
         fleet.deploy(HANDOVER_PIPELINE)
@@ -406,7 +373,7 @@ def test_fogctl_drain_hands_a_keeper_over_to_another_node(capsys, mosquitto, tmp
         out = fogctl(capsys, mosquitto, cluster, "scale", "in_zone", "+1")
         assert "accepted" in out
         assert mon.wait(lambda m: in_zone(m, "h2") == 2, 30), mon.states.get("h2")
-        assert mon.wait(lambda m: sink_in() > 40, 20), sink_in()  # records flow through h2
+        assert mon.wait(lambda m: m.sink_records_in() > 40, 20), mon.sink_records_in()  # records flow through h2
 
         doc = fogctl(capsys, mosquitto, cluster, "--json", "drain", "h2")
         assert doc["ok"] and doc["result"]["node"] == "h2", doc
@@ -430,23 +397,15 @@ def test_fogctl_drain_hands_a_keeper_over_to_another_node(capsys, mosquitto, tmp
             state = json.loads((tmp_path / f"state-{node}" / f"{k}.state.json").read_text())
             assert state["epoch"] >= 1, (k, state["epoch"])  # restored from the shipped state, then + 1
         # Records keep flowing through the migrated keepers.
-        before = sink_in()
-        assert mon.wait(lambda m: sink_in() >= before + 40, 20), (before, sink_in())
+        before = mon.sink_records_in()
+        assert mon.wait(lambda m: m.sink_records_in() >= before + 40, 20), (before, mon.sink_records_in())
         assert in_zone(mon) == 1 and mon.instances_per_operator() == {"source": 1, "in_zone": 1, "sink": 1}
         # Stop the source, let the pipeline empty, then stop the agents.
         src = keepers[0]
         with RpcClient(mosquitto.host, mosquitto.port, cluster) as client:
             reply = client.call(moved[src], {"op": "set", "instance": src, "fields": {"paused": True}})
         assert reply["ok"], reply
-        last, stable_since = -1, time.monotonic()
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            now_in = sink_in()
-            if now_in != last:
-                last, stable_since = now_in, time.monotonic()
-            elif time.monotonic() - stable_since >= 2.0:
-                break
-            time.sleep(0.2)
+        mon.wait_sink_quiet(20)
     finally:
         codes = fleet.stop()
         mon.close()

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import pytest
+from pipelines import with_work
 
 from agent.node import nodestate
 
@@ -75,21 +76,7 @@ log("exit")
 sys.exit(0)
 '''
 
-PIPELINE = """
-[pipeline]
-name = "p"
-[[operator]]
-name = "source"
-kind = "source"
-function = "agent.operators.taxi:source"
-[[operator]]
-name = "work"
-function = "agent.operators.builtin:identity"
-[[operator]]
-name = "sink"
-kind = "sink"
-function = "agent.operators.builtin:counting_sink"
-"""
+PIPELINE = with_work("agent.operators.builtin:identity")
 
 
 @pytest.fixture
@@ -578,21 +565,7 @@ def test_a_request_cannot_override_node_local_fields(tmp_path: Path) -> None:
             agent._spec_from(bad, template=None)
 
 
-HANDOVER_PIPELINE = """
-[pipeline]
-name = "p"
-[[operator]]
-name = "source"
-kind = "source"
-function = "agent.operators.taxi:source"
-[[operator]]
-name = "work"
-function = "agent.operators.builtin:in_zone"
-[[operator]]
-name = "sink"
-kind = "sink"
-function = "agent.operators.builtin:counting_sink"
-"""
+HANDOVER_PIPELINE = with_work("agent.operators.builtin:in_zone")
 
 
 def test_a_handed_over_keeper_keeps_its_identity_state_and_a_higher_epoch(tmp_path: Path) -> None:

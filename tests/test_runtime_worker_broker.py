@@ -322,24 +322,41 @@ def test_killed_worker_restarted_with_same_identity_loses_nothing(runner, mosqui
 def test_records_a_killed_instance_sent_go_to_the_same_sink_after_the_sink_scaled_out(
         runner, mosquitto, tmp_path: Path) -> None:
     """docs/design.md invariant 8. in_zone is frozen (its successor's acks wait), then killed:
-    the records it had sent to the sink are recorded there but not acked upstream. Meanwhile the
+    the records it had sent to the sink are recorded there but not acked upstream (the sink is
+    frozen first for a moment, so that there are some: a credit window's worth). Meanwhile the
     sink scales out (its copy joins in_zone's table when in_zone is back). Restarted in a new
     epoch, in_zone processes again what validate replays (renumbered): each record it had sent
     must go to the sink instance that has it, which drops it by id. Routed afresh, round-robin
-    over the two sinks, about half reached the copy, which kept them: recorded twice."""
+    over the two sinks, about half reached the copy, which kept them: recorded twice.
+    The order is forced, else the scenario often did not arise (nothing pinned): the sink's
+    freeze makes records sent but not acked certain (frozen at a random moment, in_zone had
+    usually been acked for all it had sent), and validate is frozen from before the restart
+    until the copy is in in_zone's table (else its replays often came first: one successor)."""
     import signal
 
     n = 6000
     procs = start_pipeline(runner, mosquitto, tmp_path, taxi_pipeline(1500.0, n), "sinkscale")
     wait_for(lambda: procs["sink"].stats.get("recorded", 0) > 1000, 20, "records to flow")
-    zone = procs["in_zone"]
-    zone.proc.send_signal(signal.SIGSTOP)  # the sink records what it has; its acks wait for us
-    time.sleep(1.0)
+    zone, sink = procs["in_zone"], procs["sink"]
+    sink.proc.send_signal(signal.SIGSTOP)  # in_zone's next batches wait unacked (its credit window)
+    time.sleep(0.5)
+    zone.proc.send_signal(signal.SIGSTOP)
+    sink.proc.send_signal(signal.SIGCONT)  # it records those batches; its acks wait for in_zone
+    resumed = time.time()
+    wait_for(lambda: sink.stats.get("at", 0) > resumed + 0.5 and sink.stats.get("queued") == 0, 20,
+             "the sink to record in_zone's last batches")
     zone.proc.send_signal(signal.SIGKILL)
     zone.proc.wait(timeout=10)
-    procs["sink"].send("scale", action="duplicate", count=1)
+    sink.send("scale", action="duplicate", count=1)
     wait_for(lambda: len(runner.spawned) == 1, 20, "the sink's copy to start")
-    new = runner.restart(zone.instance)
+    validate_proc = procs["validate"].proc
+    validate_proc.send_signal(signal.SIGSTOP)  # its replays wait until the copy is in the table
+    try:
+        new = runner.restart(zone.instance)
+        wait_for(lambda: len(new.stats.get("succs") or ()) == 2, 30, "the sink's copy to join in_zone's table")
+        assert new.stats.get("records_in", 0) == 0, new.stats  # nothing processed again yet
+    finally:
+        validate_proc.send_signal(signal.SIGCONT)
     sinks = [w for w in runner.workers.values() if w.spec.operator == "sink"]
 
     def recorded() -> int:
@@ -352,13 +369,7 @@ def test_records_a_killed_instance_sent_go_to_the_same_sink_after_the_sink_scale
     pinned = new.stats.get("records_pinned", 0)
     runner.stop_all()
     assert_exactly_once(tmp_path, n)
-    if pinned == 0:
-        # The scenario did not arise: the sink's copy joined in_zone's table only after in_zone
-        # had processed the replays (one successor then: nothing to pin). Seen in 2 of 3 runs
-        # since the replay marker (docs/reliability.md) made replays come sooner; the test must
-        # order the copy's join before the replays (open, closing note of session 11).
-        pytest.skip("the sink's copy joined after the replays: route memory not exercised")
-    assert pinned > 0  # records replayed to it went where they had gone before
+    assert pinned > 0, new.stats  # records replayed to it went where they had gone before
 
 
 def test_a_session_taken_over_for_a_while_is_replayed_to_us(runner, mosquitto, tmp_path: Path) -> None:

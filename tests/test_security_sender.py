@@ -122,6 +122,49 @@ def test_among_several_new_claimers_the_latest_rehome_wins() -> None:
     assert m2.bound("w") == "b"  # no re-home record: the smallest name (every agent picks the same)
 
 
+def test_a_handover_goes_only_where_the_old_node_says_even_when_a_hostile_node_claims_it() -> None:
+    """Issue #20 item 3: b (hostile, the smallest name) lists keep.0 all along. a hands it over to
+    d: b gets the binding neither while d is not listed yet nor after; without a's statement and
+    with two claimers it stays with a (b can delay a move, not take it)."""
+    m = _map()
+    up = {"a": True, "b": True, "d": True}
+    m.update({}, _hosted(a=["keep.0"], b=["keep.0"]), up)
+    assert m.bound("keep.0") == "a"
+    m.update({}, _hosted(a=[], b=["keep.0"]), up, None, {"a": {"keep.0": "d"}})  # a forgot it, d not in yet
+    assert m.bound("keep.0") == "a" and m.pending("keep.0") == ("b",)
+    m.update({}, _hosted(a=[], b=["keep.0"], d=["keep.0"]), up, None, {"a": {"keep.0": "d"}, "b": {"keep.0": "b"}})
+    assert m.bound("keep.0") == "d" and m.pending("keep.0") == ("b",)
+    m.update({}, _hosted(a=[], b=["keep.0"], d=["keep.0"]), up, None, {"a": {"keep.0": "d"}})
+    assert m.bound("keep.0") == "d"  # and sticky there
+    # without a's word (an agent of before), two claimers: nobody takes it
+    m2 = _map()
+    m2.update({}, _hosted(a=["keep.0"], b=["keep.0"]), up)
+    m2.update({}, _hosted(a=[], b=["keep.0"], d=["keep.0"]), up)
+    assert m2.bound("keep.0") == "a"
+    m2.update({}, _hosted(a=[], d=["keep.0"]), up)  # b gone: one claimer, as before
+    assert m2.bound("keep.0") == "d"
+
+
+def test_a_rehome_goes_where_the_rehomer_says_not_to_a_claimer_with_a_later_record() -> None:
+    """a dies; c (the lowest-named online node: the re-homer) places work-0 on d; h lists it too
+    and writes a re-homed record later than c's. The binding goes to d, as c says; a statement of
+    h's, which is not the re-homer, counts for nothing. Without c's statement (not arrived yet)
+    neither claimer gets it; once only d lists it, d does."""
+    rehomed = {"c": {"work-0": 5.0}, "h": {"work-0": 9.0}}
+    m = _map()
+    m.update({}, _hosted(a=["work-0"]), {"a": True, "c": True, "d": True, "h": True})
+    m.update({}, _hosted(a=["work-0"], d=["work-0"], h=["work-0"]), {"a": False, "c": True, "d": True, "h": True},
+             rehomed, {"c": {"work-0": "d"}, "h": {"work-0": "h"}})
+    assert m.bound("work-0") == "d" and m.pending("work-0") == ("a", "h")
+    m2 = _map()
+    m2.update({}, _hosted(a=["work-0"]), {"a": True, "c": True, "d": True, "h": True})
+    m2.update({}, _hosted(a=["work-0"], d=["work-0"], h=["work-0"]), {"a": False, "c": True, "d": True, "h": True},
+              rehomed, {"h": {"work-0": "h"}})
+    assert m2.bound("work-0") == "a"
+    m2.update({}, _hosted(a=["work-0"], d=["work-0"]), {"a": False, "c": True, "d": True, "h": True}, rehomed)
+    assert m2.bound("work-0") == "d"
+
+
 def test_the_table_is_bounded_and_forgets_unlisted_instances_first() -> None:
     m = HostMap("me", max_entries=10)
     m.update({}, _hosted(a=[f"old-{i}" for i in range(10)]), {"a": True})
@@ -507,6 +550,45 @@ def test_a_per_node_worker_sends_to_the_bound_node_parks_what_is_unbound_and_fol
     w.feed(Abort("test"), clock[0])
 
 
+def test_a_per_node_worker_resends_at_once_what_went_to_a_moved_receivers_old_node(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Issue #20's drain stall: sink-0 moves from n2 to n3 (a drain's hand-over) and takes a
+    while to start. Nothing acks work-0's batch meanwhile, so work-0's silent-link replays go to
+    n2's topic, where the broker drops them, and its wait doubles each time (5, then 10 s). When the
+    binding names n3, the unacked batch goes to n3 at once under its own number, not after the
+    next wait of 20 s; and the backoff starts over (a resend lost again is retried after 5 s)."""
+    from agent.dataplane.envelope import decode
+    from agent.instance.core import LINK_SILENCE
+
+    clock = [100.0]
+    w, wire = _worker(tmp_path, "work", clock, node="n1",
+                      extra={"sink_dir": str(tmp_path / "sink"), "check_sender_node": True, "inbox_per_node": True})
+    mine = topics.inbox_at("c", "n1", "work-0", "n1")
+    at = {n: topics.inbox_at("c", n, "sink-0", "n1") for n in ("n2", "n3")}
+
+    def data_to(node: str) -> List[int]:
+        return [e.seq for t, e in ((t, decode(p)) for t, p in wire.sent) if e.kind is Kind.DATA and t == at[node]]
+
+    bound = {"source-0": "n1", "work-0": "n1", "sink-0": "n2"}
+    w.feed(Control({"event": "hosts", "bound": bound}), clock[0])
+    wire.events.append(Received(mine, encode_data("source-0", 0, 1, _records(0, 4))))
+    _run(w, clock, 0.5)
+    assert data_to("n2") == [1]
+    _run(w, clock, 3 * LINK_SILENCE + 1.5)  # replays after 5 s and 10 s more, both to n2 (dropped there)
+    assert data_to("n2") == [1, 1, 1] and not data_to("n3")
+    w.feed(Control({"event": "hosts", "bound": {**bound, "sink-0": "n3"}, "former": {"sink-0": ["n2"]}}), clock[0])
+    _run(w, clock, 0.5)
+    assert data_to("n3") == [1], "the batch sent to the old node is not sent to the new one at once"
+    assert data_to("n2") == [1, 1, 1]
+    _run(w, clock, LINK_SILENCE + 1.5)  # lost again: retried after LINK_SILENCE, not after 20 s
+    assert data_to("n3") == [1, 1]
+    # acked by the moved receiver: nothing more is sent
+    wire.events.append(Received(topics.inbox_at("c", "n1", "work-0", "n3"),
+                                encode(Envelope("sink-0", 0, 1, Kind.ACK, [0, 1]))))
+    _run(w, clock, 3 * LINK_SILENCE)
+    assert data_to("n3") == [1, 1] and w.core.links["sink-0"].inflight == 0
+    w.feed(Abort("test"), clock[0])
+
+
 @pytest.mark.broker
 def test_a_node_reads_only_its_own_instances_inboxes_and_a_drain_moves_them_exactly_once(site) -> None:  # type: ignore[no-untyped-def]
     """Per-node inboxes on the role's TLS broker with real agents: n1 alone at deploy time hosts
@@ -557,6 +639,11 @@ def test_a_node_reads_only_its_own_instances_inboxes_and_a_drain_moves_them_exac
         assert code == 0, out
         moved = lambda: all(_instances(watch).get(k, ("",))[0] == "n2" for k in (src, mid, sink))  # noqa: E731
         assert wait_until(moved, 40), _instances(watch)
+        # n1 says where each keeper went, in the state record only n1 may write: the receivers'
+        # bindings follow that statement, not whichever node lists the keeper (agent.node.hostmap)
+        stated = lambda: json.loads(watch.topics().get(T("agents/n1/state")) or b"{}").get("moved")  # noqa: E731
+        assert wait_until(lambda: stated() == {k: "n2" for k in (src, mid, sink)}, 30), (
+            stated(), [ln for ln in agents["n1"].text().splitlines() if "hand" in ln or "drain" in ln])
         before = int(_instances(watch)[sink][1].get("records_in", 0))
         assert wait_until(lambda: int(_instances(watch)[sink][1].get("records_in", 0)) > before + 20, 30)
         seen1 = len(inbox_topics("n1"))

@@ -241,26 +241,8 @@ def test_a_peer_drain_is_accepted_from_the_lease_holder_only(mosquitto, tmp_path
         c.disconnect()
 
 
-SCALING_PIPELINE = """
-[pipeline]
-name = "free"
-[[operator]]
-name = "source"
-kind = "source"
-function = "agent.operators.taxi:source"
-params = { seed = 3, profile = "constant", rate = 300.0 }
-[[operator]]
-name = "in_zone"
-function = "agent.operators.builtin:in_zone"
-[operator.scaling]
-policy = "decentralized"
-period = 1.0
-capacity = 100.0
-[[operator]]
-name = "sink"
-kind = "sink"
-function = "agent.operators.builtin:counting_sink"
-"""
+# in_zone at 3x its capacity (the sink does not scale)
+SCALING_PIPELINE = taxi_in_zone("free", seed=3, rate=300.0, policy="decentralized", capacity=100.0)
 
 
 def test_the_fleet_scales_while_no_site_manager_leads(mosquitto, tmp_path) -> None:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 import pytest
+from pipelines import taxi_in_zone
 
 from agent.cli import config_cmd
 from agent.schema import tomllib
@@ -280,29 +281,8 @@ def test_ctrl_c_on_run_is_quiet(mosquitto: Any, tmp_path: Path) -> None:
 
 # ---- every documented metric, scraped from a live agent ---------------------------------------------
 
-METRICS_PIPELINE = """
-[pipeline]
-name = "hot"
-[scaling]
-policy = "none"
-[[operator]]
-name = "source"
-kind = "source"
-function = "agent.operators.taxi:source"
-params = { seed = 2, profile = "constant", rate = 60.0 }
-[[operator]]
-name = "in_zone"
-function = "agent.operators.builtin:in_zone"
-[operator.scaling]
-policy = "decentralized"
-capacity = 20.0
-period = 1.0
-max_instances = 2
-[[operator]]
-name = "sink"
-kind = "sink"
-function = "agent.operators.builtin:counting_sink"
-"""
+# in_zone at 3x its capacity, at most 2 instances
+METRICS_PIPELINE = taxi_in_zone("hot", seed=2, rate=60.0, policy="decentralized", capacity=20.0, max_instances=2)
 
 
 def _documented_metrics() -> List[str]:

@@ -13,7 +13,7 @@
 
 - Pinned (`Outbox.add_to`): records this instance sent before, which must go to the same successor
   again (docs/design.md invariant 8, agent.dataplane.sticky), wait in that successor's buffer as
-  keyed records do.
+  keyed records do, and leave in input order with the shared ones (`Outbox._pinned_fronts`).
 
 The outbox never drops a record: records buffered for a successor that leaves the routing table
 are routed again over the new table (docs/design.md invariant 3: after the route change nothing more
@@ -159,40 +159,88 @@ class Outbox:
         def left(dest: str) -> int:  # credit minus the batches already taken in this call
             return credit(dest) - sent.get(dest, 0)
 
-        self._take_buffers(now, left, force, out, sent)
-        if self.router.key is None:
-            while self._shared and (
-                self._shared_n >= self.batch_size or force or now - self._shared_since >= self.linger
-            ):
+        if self.router.key is not None:
+            self._take_buffers(now, left, force, out, sent)
+            return out
+        if not self._keyed:  # nothing pinned (the usual case)
+            self._take_shared(now, left, force, out, sent, {})
+            return out
+        while True:  # keyless: pinned and shared records leave in input order (`_pinned_fronts`)
+            taken = len(out)
+            shared = self._shared[0][1] if self._shared else None
+            self._take_buffers(now, left, force or shared is not None, out, sent, upto=shared)
+            fronts = self._pinned_fronts()
+            self._take_shared(now, left, force or bool(fronts), out, sent, fronts)
+            if len(out) == taken or not fronts:
+                return out
+
+    def _pinned_fronts(self) -> Dict[str, int]:
+        """Per successor in the table, the lowest input index of a pinned record waiting for it.
+
+        Why: records sent again after a fault (a restarted source regenerating, a predecessor's
+        replay) are pinned, and the newer records of the same inputs go to the shared buffer. If
+        each buffer left whenever it was full, newer records would overtake older ones on one
+        channel, and a keyed window downstream, its watermark moved on, would drop the older
+        ones as late (docs/reliability.md, "Replays in order": an instance forwards in the order
+        it took its inputs). So on each channel records leave in input order: a shared record
+        goes to a successor only after every record pinned to it from a lower or the same input
+        index, a pinned one only after every shared record of a lower index, and while both
+        kinds wait neither waits for a full batch (transient: records are pinned only after a
+        fault)."""
+        return {dest: buf[0][1] for dest, buf in self._keyed.items() if buf and dest in self.router.succs}
+
+    def _take_shared(self, now: float, left: Callable[[str], int], force: bool,
+                     out: List[Tuple[str, List[Item], int]], sent: Dict[str, int], fronts: Dict[str, int]) -> None:
+        """Batches from the keyless shared buffer; to a successor with pinned records (`fronts`),
+        only records of inputs below the first of those."""
+        while self._shared and (
+            self._shared_n >= self.batch_size or force or now - self._shared_since >= self.linger
+        ):
+            if fronts:
+                first = self._shared[0][1]
+                dest = self.router.next_with_credit(lambda d: left(d) if fronts.get(d, first + 1) > first else 0)
+            else:
                 dest = self.router.next_with_credit(left)
-                if dest is None:
-                    break
-                n = min(self.batch_size, self._shared_n)
-                low = self._shared[0][1]
-                batch: List[Item] = []
-                need = n
-                while need:
-                    c = self._shared[0]
-                    items, _, off = c
-                    k = min(need, len(items) - off)
-                    if off == 0 and k == len(items) == need and not batch:
-                        batch = items  # the whole chunk: no copy
-                    else:
-                        batch.extend(items[off:off + k])
-                    need -= k
-                    if off + k == len(items):
-                        self._shared.popleft()
-                    else:
-                        c[2] = off + k
-                out.append((dest, batch, low))
-                sent[dest] = sent.get(dest, 0) + 1
-                self.pending -= n
-                self._shared_n -= n
-        return out
+            if dest is None:
+                break
+            n = min(self.batch_size, self._shared_n)
+            if dest in fronts:
+                n = self._shared_below(fronts[dest], n)
+            low = self._shared[0][1]
+            batch: List[Item] = []
+            need = n
+            while need:
+                c = self._shared[0]
+                items, _, off = c
+                k = min(need, len(items) - off)
+                if off == 0 and k == len(items) == need and not batch:
+                    batch = items  # the whole chunk: no copy
+                else:
+                    batch.extend(items[off:off + k])
+                need -= k
+                if off + k == len(items):
+                    self._shared.popleft()
+                else:
+                    c[2] = off + k
+            out.append((dest, batch, low))
+            sent[dest] = sent.get(dest, 0) + 1
+            self.pending -= n
+            self._shared_n -= n
+
+    def _shared_below(self, below: int, limit: int) -> int:
+        """How many shared records (up to `limit`) come from inputs below index `below`."""
+        n = 0
+        for items, index, off in self._shared:
+            if index >= below or n >= limit:
+                break
+            n += len(items) - off
+        return min(n, limit)
 
     def _take_buffers(self, now: float, left: Callable[[str], int], force: bool,
-                      out: List[Tuple[str, List[Item], int]], sent: Dict[str, int]) -> None:
-        """Batches from the per-dest buffers (keyed records, pinned keyless ones)."""
+                      out: List[Tuple[str, List[Item], int]], sent: Dict[str, int],
+                      upto: Optional[int] = None) -> None:
+        """Batches from the per-dest buffers (keyed records, pinned keyless ones), of records whose
+        input index is at most `upto`."""
         for dest in list(self._keyed):
             if dest not in self.router.succs:
                 continue  # left the table: reroute() moves these (invariant 3)
@@ -200,7 +248,12 @@ class Outbox:
             while buf and (len(buf) >= self.batch_size or force or now - self._keyed_since[dest] >= self.linger):
                 if left(dest) <= 0:
                     break
-                chunk, self._keyed[dest] = buf[: self.batch_size], buf[self.batch_size :]
+                k = min(len(buf), self.batch_size)
+                if upto is not None:
+                    k = next((i for i in range(k) if buf[i][1] > upto), k)
+                    if k == 0:
+                        break
+                chunk, self._keyed[dest] = buf[:k], buf[k:]
                 buf = self._keyed[dest]
                 out.append((dest, [p[0] for p in chunk], chunk[0][1]))
                 sent[dest] = sent.get(dest, 0) + 1

@@ -180,6 +180,9 @@ class Instance:
         self.inbox = (topics.inbox_all_at(spec.cluster, spec.node, spec.instance) if self.per_node
                       else topics.inbox_all(spec.cluster, spec.instance))
         self.unrouted: Dict[str, Deque[Tuple[bytes, Optional[int]]]] = {}
+        # Receivers whose binding moved to another node, and when (`_on_hosts`): what we sent
+        # them before went to the old node's topic, where the broker drops it (`_resend_moved`).
+        self._moved: Dict[str, float] = {}
         self._inbox_root = f"{topics.base(spec.cluster)}/inbox/"
         # The node in an inbox topic must host the envelope's sender (docs/security.md, "Data
         # channels"): the agent sets this and sends the bindings as the control line "hosts".
@@ -282,6 +285,22 @@ class Instance:
             "held_released": 0,  # held until the protocol announced their sender, then admitted
             "handed_out": 0,  # data batches handed in memory to a chained successor (no broker)
             "handed_in": 0,  # data batches handed in memory by a chained predecessor
+            "passed_batches": 0,  # forwarded whole, as the bytes that came (an unchanged operator)
+            "foreign_inbox": 0,  # envelopes on our inbox of a node we no longer run on (dropped)
+            "stale_acks": 0,  # acks for an earlier incarnation of ours
+            "acks_ahead_of_data": 0,  # duplication_acks taken ahead of data queued before them
+            "spool_stalls": 0,  # a sink held back by its full spool
+            "spool_events": 0,  # spool events published
+            "unrouted_dropped": 0,  # envelopes for a destination no binding names, dropped past UNROUTED_MAX
+            # recovery (docs/reliability.md): a new incarnation of ours, by cause
+            "sessions_lost": 0,
+            "gaps_recovered": 0,
+            "replays_asked_again": 0,
+            "replay_markers": 0,  # sent, each ahead of a replay
+            "dropped_before_replay": 0,  # data batches from a predecessor ahead of its replay marker
+            "replayed_batches": 0,  # to a successor: a new incarnation of it, or silent (LINK_SILENCE)
+            "silent_links_replayed": 0,  # of those, the replays to a silent successor
+            "departed_rerouted": 0,  # records re-routed from a successor that left our table
         }
         self._malformed_log = LogLimiter()  # bounded: a flood of invented names costs nothing
         self._malformed_logged: Set[str] = set()  # protocol senders (admitted ones only: bounded)
@@ -302,10 +321,10 @@ class Instance:
         self._final = False
         self._last_source_write = -1e9
         self._holes: Dict[str, Tuple[Tuple[int, int], float]] = {}  # sender -> ((epoch, missing seq), since)
-        # A new incarnation of ours: predecessor -> its epoch we knew, for the predecessors whose
-        # data before their replay marker we drop (`_await_replays`, docs/reliability.md).
-        self._awaiting_replay: Dict[str, int] = {}
-        self._dropped_since: Dict[str, float] = {}  # of those: when we first dropped its data
+        # A new incarnation of ours: predecessor -> (its epoch we knew, when we first dropped its
+        # data or None), for the predecessors whose data before their replay marker we drop
+        # (`_await_replays`, docs/reliability.md).
+        self._awaiting_replay: Dict[str, Tuple[int, Optional[float]]] = {}
         # Source -> the largest floor claimed for it in our input (agent.instance.applied): passed
         # on with the records of that source; a source claims its own.
         self._floors: Dict[str, int] = {}
@@ -451,6 +470,8 @@ class Instance:
             self._save_keyed()
         if self.hold:
             self._release_held(now)
+        if self._moved:
+            self._resend_moved(now)
         if self.is_sink:
             self._settle_sink()
         self.flush(now)
@@ -557,7 +578,11 @@ class Instance:
         if not isinstance(bound, dict):
             log.warning("hosts line without its tables ignored", extra=self.ctx)
             return
-        self.hosts_bound = {str(i): str(n) for i, n in bound.items()}
+        before, self.hosts_bound = self.hosts_bound, {str(i): str(n) for i, n in bound.items()}
+        for dest in self.links:
+            was, now_at = before.get(dest), self.hosts_bound.get(dest)
+            if was is not None and now_at is not None and was != now_at:
+                self._moved[dest] = self.now
         former = msg.get("former")
         self.hosts_former = ({str(i): [str(n) for n in ns] for i, ns in former.items() if isinstance(ns, list)}
                              if isinstance(former, dict) else {})
@@ -565,6 +590,25 @@ class Instance:
             parked = self.unrouted.pop(dest)
             for payload, low in parked:
                 self._publish_tracked(dest, payload, low)
+
+    def _resend_moved(self, now: float) -> None:
+        """A receiver moved to another node (a drain's hand-over, a re-home): every batch we sent
+        it before our table said so went to its old node's topic, where the broker drops it (the
+        new node may not read it). Sent again at once, under their own numbers, to the new node
+        (the receiver's channel drops what it has), and the silent-link backoff starts over: left
+        to `_check_silence`, the resend waited for a backoff that had doubled on every replay into
+        the old topic while the receiver started (docs/reliability.md, "Found by the move bench").
+        Run after the release of held envelopes: a renumbered replay for the receiver's new epoch
+        (`_accept`) resends them already, and what it sent is newer than the move."""
+        moved, self._moved = self._moved, {}
+        for dest, since in moved.items():
+            link = self.links.get(dest)
+            if link is None or dest in self.local:
+                continue
+            link.silent_replays = 0
+            if any(u.sent_at < since for u in link.unacked()):
+                self.stats["moved_resent"] = self.stats.get("moved_resent", 0) + 1
+                self._replay_to(dest, renumber=False, why=f"moved to node {self.hosts_bound.get(dest)}")
 
     def request_stop(self, now: float) -> None:
         """Agent shutdown: stop producing, drain (bounded), exit; the session is kept."""
@@ -617,7 +661,7 @@ class Instance:
             # earlier incarnation (a re-home, a hand-over). The role's ACL drops these at delivery;
             # a broker without it delivers them. Dropped either way; the predecessors replay what
             # we have not acked to our new topic (they learn our node from the hosted records).
-            self.stats["foreign_inbox"] = self.stats.get("foreign_inbox", 0) + 1
+            self.stats["foreign_inbox"] += 1
             return
         if writer is None:
             ingest = getattr(self.operator, "ingest", None)
@@ -753,7 +797,6 @@ class Instance:
                 if e.kind is Kind.DATA:
                     if not e.body:  # a replay marker: its replay follows (`_await_replays`)
                         self._awaiting_replay.pop(e.sender, None)
-                        self._dropped_since.pop(e.sender, None)
                         continue
                     if self._awaiting_replay and self._before_replay(e):
                         continue  # its replay brings it again, in order
@@ -783,23 +826,23 @@ class Instance:
         know us yet: they would never send a marker); a newer epoch of the predecessor ends the
         wait (restarted itself: all it sends is fresh). docs/reliability.md, "Replays in order"."""
         self._awaiting_replay = {}
-        self._dropped_since = {}
         for p in preds:
             pos = self.inbound.position(p)
             if pos is not None:
-                self._awaiting_replay[p] = pos[0]
+                self._awaiting_replay[p] = (pos[0], None)
 
     def _before_replay(self, env: Envelope) -> bool:
         """Drop `env` (data from a predecessor whose replay marker has not come yet)?"""
-        epoch = self._awaiting_replay.get(env.sender)
-        if epoch is None:
+        awaited = self._awaiting_replay.get(env.sender)
+        if awaited is None:
             return False
+        epoch, since = awaited
         if env.epoch > epoch:
             del self._awaiting_replay[env.sender]  # a new incarnation of it: fresh data
-            self._dropped_since.pop(env.sender, None)
             return False
-        self.stats["dropped_before_replay"] = self.stats.get("dropped_before_replay", 0) + 1
-        self._dropped_since.setdefault(env.sender, self.now)
+        self.stats["dropped_before_replay"] += 1
+        if since is None:
+            self._awaiting_replay[env.sender] = (epoch, self.now)
         return True
 
     def _send_replay_marker(self, dest: str) -> None:
@@ -811,7 +854,7 @@ class Instance:
             self._hand(dest, Envelope(self.spec.instance, self.epoch, seq, Kind.DATA, []))
         else:
             self._publish_tracked(dest, encode_data(self.spec.instance, self.epoch, seq, []), None)
-        self.stats["replay_markers"] = self.stats.get("replay_markers", 0) + 1
+        self.stats["replay_markers"] += 1
 
     def forget_sender(self, sender: str) -> None:
         """Drop every per-sender entry of an instance admitted only provisionally (an unanswered
@@ -911,7 +954,8 @@ class Instance:
         if stuck:
             self._holes = {}
             self._new_incarnation(f"messages from {', '.join(stuck)} missing for {GAP_TIMEOUT:.0f}s", "gaps_recovered")
-        unanswered = sorted(s for s, t in self._dropped_since.items() if now - t >= REPLAY_WAIT)
+        unanswered = sorted(s for s, (_, t) in self._awaiting_replay.items()
+                            if t is not None and now - t >= REPLAY_WAIT)
         if unanswered:
             self._new_incarnation(f"no replay marker from {', '.join(unanswered)} in {REPLAY_WAIT:.0f}s",
                                   "replays_asked_again")
@@ -921,7 +965,7 @@ class Instance:
         for dest, link in list(self.links.items()):
             wait = min(LINK_SILENCE * 2 ** link.silent_replays, LINK_SILENCE_MAX)
             if link.inflight and link.oldest_age(now) >= wait and now - link.last_ack_at >= wait:
-                self.stats["silent_links_replayed"] = self.stats.get("silent_links_replayed", 0) + 1
+                self.stats["silent_links_replayed"] += 1
                 link.silent_replays += 1
                 self._replay_to(dest, renumber=False)
 
@@ -940,7 +984,7 @@ class Instance:
         self.outbound = Outbound(self.epoch)
         self.inbound.restore(self.inbound.snapshot(), resync=True)
         self.persist(force=True)
-        self.stats[counter] = self.stats.get(counter, 0) + 1
+        self.stats[counter] += 1
         log.warning("%s: new epoch %d, asking for replays", why, self.epoch, extra=self.ctx)
         if self.scaling is not None:
             self._await_replays(self.scaling.core.preds)
@@ -971,11 +1015,11 @@ class Instance:
             self.outbox.put_back(list(env.body), u.low, self.now)
             records += len(env.body)
         del self.links[dest]
-        self.stats["departed_rerouted"] = self.stats.get("departed_rerouted", 0) + records
+        self.stats["departed_rerouted"] += records
         log.warning("%s left our table and came back as a new incarnation: %d unacked batches (%d records) "
                     "re-routed to our successors", dest, len(batches), records, extra=self.ctx)
 
-    def _replay_to(self, dest: str, renumber: bool = True) -> None:
+    def _replay_to(self, dest: str, renumber: bool = True, why: str = "silent link") -> None:
         """Send every batch `dest` has not acked again.
 
         renumber=True (a new epoch on either side): renumbered on the current channel. A worker
@@ -1015,9 +1059,9 @@ class Instance:
             payload = encode_data(self.spec.instance, self.epoch, seq, items, env.floors)
             link.replace(u.seq, seq, payload, now)
             self._publish_tracked(dest, payload, self.tracker.last_index + 1)
-        self.stats["replayed_batches"] = self.stats.get("replayed_batches", 0) + len(old)
+        self.stats["replayed_batches"] += len(old)
         log.warning("replayed %d unacked batches to %s%s", len(old), dest,
-                    "" if renumber else " under their own numbers (silent link)", extra=self.ctx)
+                    "" if renumber else f" under their own numbers ({why})", extra=self.ctx)
 
     def _on_ack(self, env: Envelope) -> None:
         self.stats["acks_in"] += 1
@@ -1026,7 +1070,7 @@ class Instance:
         if self.scaling is not None and list(env.body) == [0, 0] and self.scaling.on_idle_ping(env.sender):
             return  # an idle copy asks for its Start
         if epoch != self.epoch:
-            self.stats["stale_acks"] = self.stats.get("stale_acks", 0) + 1  # for a dead incarnation
+            self.stats["stale_acks"] += 1  # for a dead incarnation
             return
         if link is not None:
             link.ack(upto, self.now)
@@ -1050,7 +1094,7 @@ class Instance:
         if now < self.busy_until:
             return True  # emulated service time
         if self.sink_wait and not self.operator.writable():
-            self.stats["spool_stalls"] = self.stats.get("spool_stalls", 0) + 1
+            self.stats["spool_stalls"] += 1
             return True  # back pressure: the sink's spool is at its cap, stop reading (acks stop)
         if self.outbox.pending >= self.high_water:
             self.stats["credit_stalls"] += 1
@@ -1110,7 +1154,7 @@ class Instance:
                     continue
                 if env.kind is Kind.PROTO and isinstance(env.body, dict) and env.body.get("type") == "duplication_ack":
                     del q[i]
-                    self.stats["acks_ahead_of_data"] = self.stats.get("acks_ahead_of_data", 0) + 1
+                    self.stats["acks_ahead_of_data"] += 1
                     self._on_protocol(env)
                 break  # the first non-data envelope decides
             if self.scaling.blocked or not self.scaling.duplicating:
@@ -1143,7 +1187,7 @@ class Instance:
                     body = data_body_bytes(env)  # passed on whole and unchanged: forward its bytes
                     if body is not None:
                         out = Passed(out, body)
-                        self.stats["passed_batches"] = self.stats.get("passed_batches", 0) + 1
+                        self.stats["passed_batches"] += 1
                 self._forward(out, index, now)
         self.signals.processed(n, self.perf() - t0 + n * self.service_time)
         if self.service_time:
@@ -1201,7 +1245,7 @@ class Instance:
             log.warning("spool event %s not published: %s", what, exc, extra=self.ctx)
             return
         self.notify(topics.events(self.spec.cluster), e.to_json().encode(), qos=1)
-        self.stats["spool_events"] = self.stats.get("spool_events", 0) + 1
+        self.stats["spool_events"] += 1
 
     def _on_protocol(self, env: Envelope) -> None:
         if self.scaling is None:
@@ -1381,7 +1425,7 @@ class Instance:
             # oldest goes; what it carried is still in our replay buffer (data) or resent by the
             # round on silence (protocol), should the destination appear after all.
             q.popleft()
-            self.stats["unrouted_dropped"] = self.stats.get("unrouted_dropped", 0) + 1
+            self.stats["unrouted_dropped"] += 1
         q.append((payload, low))
 
     def _topic(self, dest: str) -> str:

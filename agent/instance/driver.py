@@ -161,7 +161,18 @@ class ScalingDriver:
         self.rng = random.Random(seed)
         self.next_tick = worker.now + self.period
         self.last_round_end = -1e9
-        self.counts = {"scale_outs": 0, "scale_ins": 0, "spawns": 0, "spawn_failures": 0}
+        self.counts = {
+            "scale_outs": 0, "scale_ins": 0, "spawns": 0, "spawn_failures": 0,
+            "forced": 0,  # of the scale-outs and scale-ins, rounds fogctl scale ordered
+            "partial_periods_skipped": 0,  # periods whose input began midway (measured in part): no decision
+            "rounds_cancelled": 0,  # rounds whose spawn failed (the round goes on with what started)
+            "decision_events": 0, "decision_events_failed": 0,  # published / refused by the event schema
+            "lock_events": 0, "lock_events_failed": 0,  # 2-FGME lock events published / refused (schema)
+            "lock_events_dropped": 0,  # not published: past LOCK_EVENT_BURST
+            "start_requests": 0,  # idle pings: a copy asking its creator for its Start
+            "probes": 0, "adopted": 0,  # orphan copies probed, and adopted (agent.instance.recovery)
+            "protocol_resent": 0,  # protocol messages sent again after silence
+        }
         self._errors_log = LogLimiter()  # once per sender per minute, bounded (probed names are invented)
         self._req = 0
         self.decisions: Deque[Dict[str, Any]] = deque(maxlen=32)  # recent decisions (bench, demo)
@@ -293,7 +304,7 @@ class ScalingDriver:
         while q and now - q[0] > 1.0:
             q.popleft()
         if len(q) >= LOCK_EVENT_BURST:
-            self.counts["lock_events_dropped"] = self.counts.get("lock_events_dropped", 0) + 1
+            self.counts["lock_events_dropped"] += 1
             return
         q.append(now)
         try:
@@ -301,11 +312,11 @@ class ScalingDriver:
                              operator=w.spec.operator, pipeline=w.spec.pipeline,
                              detail={"boundary": t.boundary, "index": t.index, "source": "worker"})
         except ValueError as exc:
-            self.counts["lock_events_failed"] = self.counts.get("lock_events_failed", 0) + 1
+            self.counts["lock_events_failed"] += 1
             log.warning("lock event not published: %s", exc, extra=w.ctx)
             return
         w.notify(topics.events(w.spec.cluster), ev.to_json().encode())
-        self.counts["lock_events"] = self.counts.get("lock_events", 0) + 1
+        self.counts["lock_events"] += 1
 
     # ---- input ---------------------------------------------------------------------------------
 
@@ -395,7 +406,7 @@ class ScalingDriver:
         self._observe(outs)
         kind = "scale_out" if action == "duplicate" else "scale_in"
         self.counts["scale_outs" if kind == "scale_out" else "scale_ins"] += 1
-        self.counts["forced"] = self.counts.get("forced", 0) + 1
+        self.counts["forced"] += 1
         new = [o.instance_id for o in outs if isinstance(o, CreateInstance)]
         self.decisions.append({"at": self.w.wall(), "kind": kind, "forced": True, "new": new})
         self.last_round_end = now
@@ -428,7 +439,7 @@ class ScalingDriver:
             self.skip_decisions -= 1  # this period's load was measured only partly (activation)
             return
         if began:
-            self.counts["partial_periods_skipped"] = self.counts.get("partial_periods_skipped", 0) + 1
+            self.counts["partial_periods_skipped"] += 1
             log.info("input began during this period (%.1f/s measured over part of it): deciding next period",
                      load, extra=self.w.ctx)
             return
@@ -490,7 +501,7 @@ class ScalingDriver:
                 type=kind, detail=self._decision_detail(new),
             )
         except ValueError as exc:
-            self.counts["decision_events_failed"] = self.counts.get("decision_events_failed", 0) + 1
+            self.counts["decision_events_failed"] += 1
             log.warning("decision event not published: %s", exc, extra=w.ctx)
             return
         w.notify(topics.events(w.spec.cluster), ev.to_json().encode())
@@ -499,7 +510,7 @@ class ScalingDriver:
             self._last_history_pub = now
             payload = json.dumps([e.to_dict() for e in self.history], sort_keys=True).encode()
             w.notify(topics.decisions(w.spec.cluster, w.spec.instance), payload, retain=True)
-        self.counts["decision_events"] = self.counts.get("decision_events", 0) + 1
+        self.counts["decision_events"] += 1
 
     def _decision_detail(self, new: List[str]) -> Dict[str, Any]:
         detail: Dict[str, Any] = {"source": "worker"}
@@ -534,7 +545,7 @@ class ScalingDriver:
             return
         self._next_ping = now + min(IDLE_PING * 2 ** self._idle_pings, IDLE_PING_MAX)
         self._idle_pings += 1
-        self.counts["start_requests"] = self.counts.get("start_requests", 0) + 1
+        self.counts["start_requests"] += 1
         log.warning("still idle after creation: asking %s for Start again", self.core.creator, extra=self.w.ctx)
         self.w.send_envelope(self.core.creator, Kind.ACK, [0, 0])
 
@@ -557,7 +568,7 @@ class ScalingDriver:
             return sender in core.new_siblings
         self._probe_seq += 1
         self.probes[sender] = (self._probe_seq, self.w.now)
-        self.counts["probes"] = self.counts.get("probes", 0) + 1
+        self.counts["probes"] += 1
         log.warning("%s is idle and not a copy of this incarnation: probing it", sender, extra=self.w.ctx)
         self.w.send_envelope(sender, Kind.PROTO, {"type": PROBE, "sender": self.core.instance_id, "n": self._probe_seq})
         return True
@@ -597,7 +608,7 @@ class ScalingDriver:
         self.round_created = []
         outs = self.core.adopt(copy_id)
         self._observe(outs)
-        self.counts["adopted"] = self.counts.get("adopted", 0) + 1
+        self.counts["adopted"] += 1
         log.warning("adopting %s, an idle copy of an earlier incarnation: announcing it again", copy_id,
                     extra=self.w.ctx)
         self._queue(outs)
@@ -609,7 +620,7 @@ class ScalingDriver:
 
         msg = Start(self.core.instance_id, self.core.stage, *self.core.routes())
         self.w.send_envelope(copy, Kind.PROTO, msg.to_dict())
-        self.counts["protocol_resent"] = self.counts.get("protocol_resent", 0) + 1
+        self.counts["protocol_resent"] += 1
         log.warning("%s is still idle: sent Start again", copy, extra=self.w.ctx)
 
     def resend_silent(self, now: float) -> None:
@@ -621,7 +632,7 @@ class ScalingDriver:
         for dest, msg in silent_pending(self.core, self._round_clock, now):
             self.w.send_envelope(dest, Kind.PROTO, msg.to_dict())
             self._round_clock[dest] = now
-            self.counts["protocol_resent"] = self.counts.get("protocol_resent", 0) + 1
+            self.counts["protocol_resent"] += 1
             log.warning("no answer from %s for %.0fs in round %d: sent %s again", dest,
                         RESEND_AFTER, self.core.round, msg.type, extra=self.w.ctx)
 
@@ -758,7 +769,7 @@ class ScalingDriver:
         replacement = core.cancel_duplication(created=created)
         self._observe(replacement)
         self.outputs.extendleft(reversed(replacement))
-        self.counts["rounds_cancelled"] = self.counts.get("rounds_cancelled", 0) + 1
+        self.counts["rounds_cancelled"] += 1
         # At max_instances (agent.node.bounds) a loaded instance asks again every period and
         # is refused: the bound working, not a failure, so not a warning each period.
         level = logging.INFO if all(e.startswith("max_instances reached") for e in why.split("; ")) else logging.WARNING

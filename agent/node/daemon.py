@@ -55,7 +55,7 @@ from agent.instance.spec import InstanceSpec, request_spec
 from agent.mqtt.settings import BrokerSpec
 from agent.measure.capacity import capacity_for
 from agent.node import bounds, chains, hosted, nodestate, rehome, rpc
-from agent.node.hostmap import HostMap
+from agent.node.hostmap import MAX_MOVED, HostMap, moved_of
 from agent.control import records
 from agent.node.placement import (
     DEFAULT_POLICY,
@@ -202,6 +202,10 @@ class Agent:
         self._offline_since: Dict[str, float] = {}
         self._rehomed: Set[str] = set()
         self._hosted_dirty = True
+        # Where this node moved instances to (hand-overs, re-homes), newest last: stated in our
+        # retained state record, which only we may write, so that no other node can take their
+        # bindings while they move (agent.node.hostmap, `moved`).
+        self._moved_to: Dict[str, str] = {}
         # Which node hosts which instance (docs/security.md, "Data channels"): sent to every worker
         # as the control line "hosts", which checks the writing node of each inbox message with it.
         self.hostmap = HostMap(self.node)
@@ -573,7 +577,24 @@ class Agent:
             doc["draining"] = True
         if self.pins:
             doc["pins"] = sorted(self.pins.values(), key=lambda p: (p["pipeline"] or "", p["operator"]))
+        moved = self._moved_statements()
+        if moved:
+            doc["moved"] = moved
         return doc
+
+    def _moved_statements(self) -> Dict[str, str]:
+        """Our "moved" statements, without those of instances we moved away that run here again."""
+        return {i: n for i, n in self._moved_to.items() if n == self.node or i not in self.supervisor}
+
+    def _stated_move(self, instance: str, node: Any) -> None:
+        """We moved `instance` to `node` (its createNode() reply): say so in our state record."""
+        if isinstance(node, str):
+            self._moved_to.pop(instance, None)
+            self._moved_to[instance] = node
+            while len(self._moved_to) > MAX_MOVED:
+                del self._moved_to[next(iter(self._moved_to))]
+            self._state_dirty = True
+            self._hosts_dirty = True
 
     def _publish_state(self, now: float) -> None:
         if self.metrics is not None:  # fog_instances, fog_spool_*: on the beat of the retained state
@@ -1059,6 +1080,8 @@ class Agent:
             except (ValueError, TypeError, KeyError) as exc:
                 self._bad("state", node, exc)
                 return
+            if moved_of(doc) != moved_of(self.fleet.get(node)):
+                self._hosts_dirty = True
             self.fleet[node] = doc
             self._reserved.pop(node, None)
             # Published after its replies to us (one connection, in order): it lists their copies.
@@ -1410,6 +1433,7 @@ class Agent:
         def reply(result: Dict[str, Any]) -> None:
             if result.get("ok") and result.get("node") != self.node:
                 log.info("handed over to %s (same identity)", result.get("node"), extra={"instance": inst})
+                self._stated_move(inst, result.get("node"))
                 self._forget(inst)  # hosted.forget + the state file: never re-adopted here
                 self._event("drain", inst, w.spec.operator, w.spec.pipeline, action="handover", ok=True,
                             to=result.get("node"))
@@ -1556,8 +1580,10 @@ class Agent:
         if self._hosts_dirty:
             self._hosts_dirty = False
             claims = {n: [(s["instance"], s["pipeline"]) for s in specs] for n, specs in self.hosted_by_node.items()}
+            moved = {n: moved_of(doc) for n, doc in self.fleet.items() if n != self.node}
+            moved[self.node] = self._moved_statements()
             self.hostmap.update({i: w.spec.pipeline for i, w in workers.items()}, claims, self.online,
-                                self.rehomed_by_node)
+                                self.rehomed_by_node, moved)
         elif all(self._hosts_sent.get(i, (None,))[0] == w.pid for i, w in workers.items()):
             return
         tables: Dict[str, Dict[str, Any]] = {}
@@ -1610,6 +1636,8 @@ class Agent:
                     if not result.get("ok"):
                         log.error("re-homing %s failed: %s", inst, result.get("error"), extra={"node": self.node})
                         self._rehomed.discard(node)  # try again at the next period
+                    else:
+                        self._stated_move(inst, result.get("node"))  # the re-homer says where
 
                 self._create_node(spec, reply, cause="rehome", now=now)
 

@@ -17,6 +17,16 @@ The rule, per instance (`HostMap.update`):
   (a re-home). With no other claimer it stays where it was (a terminated instance's last
   messages still arrive; a node whose agent restarts still has draining workers). So a node
   that merely lists an instance another live node hosts does not get its binding.
+- Who says where an instance went (`moved`, issue #20 item 3): the node that moved it names the
+  new node in its own retained state record (`"moved": {instance: node}`), which only it may
+  write: on a hand-over the old node, on a re-home the re-homing agent (the lowest-named online
+  node, `rehome.responsible`). When the bound node stops listing an instance and names where it
+  went, the binding goes there and nowhere else (waiting until that node lists it); a hostile
+  node listing the instance too gets nothing. Without a statement (an agent of before, a
+  statement not arrived yet) the binding moves only when exactly one online node lists the
+  instance; with several it stays (a hostile node can then delay a move, not take it). An
+  instance with no binding yet still goes to one of its claimers (docs/security.md, "What this
+  does not prove").
 - The other claimers are `pending` (diagnostics: a move in progress, or a node listing an
   instance it does not host). The worker accepts an envelope only from the bound node; one
   from any other node waits (briefly, bounded) for the binding to name it, then is refused.
@@ -34,10 +44,21 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
-__all__ = ["HostMap", "MAX_ENTRIES", "MAX_FORMER"]
+__all__ = ["HostMap", "MAX_ENTRIES", "MAX_FORMER", "MAX_MOVED", "moved_of"]
 
 MAX_ENTRIES = 4096
 MAX_FORMER = 4
+MAX_MOVED = 256  # statements one node keeps in its state record ("moved"), the newest
+
+
+def moved_of(doc: Any) -> Dict[str, str]:
+    """The "moved" statements of a node's state record (bus input): {instance: node}, strings
+    only, at most MAX_MOVED entries; anything else is ignored."""
+    moved = doc.get("moved") if isinstance(doc, dict) else None
+    if not isinstance(moved, dict):
+        return {}
+    out = {i: n for i, n in moved.items() if isinstance(i, str) and isinstance(n, str)}
+    return dict(list(out.items())[:MAX_MOVED])
 
 
 class HostMap:
@@ -57,6 +78,7 @@ class HostMap:
         hosted: Mapping[str, Iterable[Tuple[str, str]]],
         online: Mapping[str, bool],
         rehomed: Optional[Mapping[str, Mapping[str, float]]] = None,
+        moved: Optional[Mapping[str, Mapping[str, str]]] = None,
     ) -> None:
         """Recompute from what the agent knows now.
 
@@ -64,7 +86,9 @@ class HostMap:
         hosted: {node: [(instance, pipeline)]} from every node's retained hosted record (ours too);
         online: {node: up} from the retained status records (this node counts as online);
         rehomed: {node: {instance: when}} from the retained re-homed records, which only breaks a
-        tie between several online claimers of an unbound instance (the latest re-home wins)."""
+        tie between several online claimers of an unbound instance (the latest re-home wins);
+        moved: {node: {instance: node it moved it to}} from the retained state records, each
+        entry stated by the node that moved the instance (see the module docstring)."""
         claims: Dict[str, List[str]] = {}
         pipelines: Dict[str, str] = {}
         for node, entries in hosted.items():
@@ -72,9 +96,12 @@ class HostMap:
                 claims.setdefault(inst, []).append(node)
                 pipelines.setdefault(inst, pipeline)
         rehomed = rehomed or {}
+        moved = moved or {}
 
         def up(n: str) -> bool:
             return n == self.node or bool(online.get(n))
+
+        rehomer = min([n for n in online if up(n)] + [self.node])
 
         pending: Dict[str, Tuple[str, ...]] = {}
         for inst in sorted(set(claims) | set(local)):
@@ -88,8 +115,14 @@ class HostMap:
             else:
                 live = [n for n in nodes if up(n)] or nodes
                 others = [n for n in live if n != cur] or live
+                # who may say where it went: its node while online (a hand-over), else the re-homer
+                said = moved.get(cur if cur is not None and up(cur) else rehomer, {}).get(inst) if cur else None
                 if not others:
                     new = cur  # listed by nobody any more: keep the last binding
+                elif said is not None and said != cur and (said in others or up(said)):
+                    new = said if said in others else cur  # there, once it lists it; nowhere else
+                elif cur is not None and len(others) > 1:
+                    new = cur  # moved without a word from who moved it, several claim it: none of them
                 else:
                     new = max(others, key=lambda n: (rehomed.get(n, {}).get(inst, 0.0), -_rank(n, others)))
             if new is None:

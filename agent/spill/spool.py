@@ -222,14 +222,26 @@ def _dir_bytes(path: Path) -> int:
     return total
 
 
-class _SpoolEvents:
-    """What both spools share: their events (kept in `events`, passed to `on_event`) and the
-    listing of `closed/`. The subclass sets node, events, on_event and closed_dir."""
+class _SpoolBase:
+    """What both spools share: their directories (`open/`, `closed/`), limits and clock, their
+    events (kept in `events`, passed to `on_event`) and the listing of `closed/`."""
 
-    node: str
-    events: List[SpoolEvent]
-    on_event: Optional[Callable[[SpoolEvent], None]]
-    closed_dir: Path
+    def __init__(self, directory: Union[str, Path], node: str, max_bytes: int, rotate_bytes: int,
+                 rotate_seconds: float, clock: Callable[[], float],
+                 on_event: Optional[Callable[[SpoolEvent], None]], compresslevel: int) -> None:
+        if max_bytes <= 0 or rotate_bytes <= 0 or rotate_seconds <= 0:
+            raise ValueError("max_bytes, rotate_bytes and rotate_seconds must be > 0")
+        self.dir = Path(directory)
+        self.node = _check_name(node, "node")
+        self.max_bytes, self.rotate_bytes, self.rotate_seconds = max_bytes, rotate_bytes, rotate_seconds
+        self.clock, self.on_event, self.level = clock, on_event, compresslevel
+        self.open_dir, self.closed_dir = self.dir / "open", self.dir / "closed"
+        self.open_dir.mkdir(parents=True, exist_ok=True)
+        self.closed_dir.mkdir(parents=True, exist_ok=True)
+        self.events: List[SpoolEvent] = []
+        self._full = False
+        self._last_refresh = 0.0
+        self._seq = 0
 
     def closed_files(self) -> List[ClosedFile]:
         """Files ready to ship, oldest first (the daemon's shipper uses `SpoolDirs` instead)."""
@@ -246,7 +258,7 @@ class _SpoolEvents:
                 self.on_event(ev)
 
 
-class Spool(_SpoolEvents):
+class Spool(_SpoolBase):
     """Append-only, rotated, capped spool of JSON records (thread-safe: a sink and a shipper).
 
     Typical use from a sink:
@@ -270,30 +282,15 @@ class Spool(_SpoolEvents):
         sync_bytes: int = 1024 * 1024,
         auto_rotate: bool = True,
     ) -> None:
-        if max_bytes <= 0 or rotate_bytes <= 0 or rotate_seconds <= 0:
-            raise ValueError("max_bytes, rotate_bytes and rotate_seconds must be > 0")
-        self.dir = Path(directory)
-        self.node = _check_name(node, "node")
-        self.max_bytes, self.rotate_bytes, self.rotate_seconds = max_bytes, rotate_bytes, rotate_seconds
-        self.clock = clock
-        self.on_event = on_event
-        self.level = compresslevel
+        super().__init__(directory, node, max_bytes, rotate_bytes, rotate_seconds, clock, on_event, compresslevel)
         self.sync_bytes = sync_bytes
-        self.open_dir = self.dir / "open"
-        self.closed_dir = self.dir / "closed"
-        self.open_dir.mkdir(parents=True, exist_ok=True)
-        self.closed_dir.mkdir(parents=True, exist_ok=True)
         self.auto_rotate = auto_rotate
         self._lock = threading.Lock()  # every write, rotation and byte count happens under it
         self._writable = threading.Condition(self._lock)
         self._open: Dict[str, _OpenFile] = {}
         self._closed_bytes = 0
-        self._full = False
-        self.events: List[SpoolEvent] = []
         self.stats = {"appended": 0, "rejected": 0, "files_closed": 0, "released": 0,
                       "recovered_records": 0, "full_events": 0}
-        self._seq = 0
-        self._last_refresh = 0.0
         self._closed = False  # close() was called: appends raise
         self._recover()
         self._emit(list(self.events))  # recovered files, with what they salvaged
@@ -620,7 +617,7 @@ def _write_all(fd: int, data: bytes) -> None:
         n = os.write(fd, data)
 
 
-class BatchSpool(_SpoolEvents):
+class BatchSpool(_SpoolBase):
     """The spool of a counting sink: a line is in the OS file when `append_line` returns, so the
     caller may record its ids and ack right after, with no thread hand-off and no wait.
 
@@ -676,17 +673,9 @@ class BatchSpool(_SpoolEvents):
         compresslevel: int = 1,
         engine: str = "auto",
     ) -> None:
-        if max_bytes <= 0 or rotate_bytes <= 0 or rotate_seconds <= 0:
-            raise ValueError("max_bytes, rotate_bytes and rotate_seconds must be > 0")
-        self.dir = Path(directory)
-        self.node = _check_name(node, "node")
-        self.max_bytes, self.rotate_bytes, self.rotate_seconds = max_bytes, rotate_bytes, rotate_seconds
-        self.clock, self.on_event, self.level = clock, on_event, compresslevel
+        super().__init__(directory, node, max_bytes, rotate_bytes, rotate_seconds, clock, on_event, compresslevel)
         self.engine = gzip_engine(engine)
         self.before_close = before_close
-        self.open_dir, self.closed_dir = self.dir / "open", self.dir / "closed"
-        self.open_dir.mkdir(parents=True, exist_ok=True)
-        self.closed_dir.mkdir(parents=True, exist_ok=True)
         self._open: Dict[str, _RawFile] = {}
         self._open_bytes = 0  # raw bytes of the files still appended to (owner thread only)
         self._count_lock = threading.Lock()
@@ -696,11 +685,7 @@ class BatchSpool(_SpoolEvents):
         # Raw bytes at which a file is closed by size: rotate_bytes / ratio, at most half the cap
         # (an open file alone must never fill the cap: only closed files can be shipped, released).
         self._limit = max(1, min(rotate_bytes, max_bytes // 2))
-        self._full = False
-        self._last_refresh = 0.0
-        self._seq = 0
         self._stopping = False
-        self.events: List[SpoolEvent] = []
         self.stats = {"appended": 0, "rejected": 0, "files_closed": 0, "recovered_records": 0,
                       "full_events": 0}
         self._todo: Deque[Tuple[Path, int]] = collections.deque()

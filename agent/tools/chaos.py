@@ -54,6 +54,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from agent.config import load_pipeline_text
 from agent.tools.demo import Fleet, Monitor
+from agent.tools.pipeline_text import IN_ZONE, SINK, STEP_SOURCE, VALIDATE
 from agent.tools.verify import Verdict, source_counts, verify, verify_windows
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ EXIT_SETUP = 1
 EXIT_LOSS = 3  # a record was lost or duplicated at the sink
 EXIT_UNRECOVERED = 4  # a fault was not recovered from, or the pipeline did not come back to size
 
-PIPELINE = """\
+PIPELINE = ("""\
 # fog-agent chaos: the demo pipeline (source -> validate -> in_zone -> sink) on a shorter clock.
 [pipeline]
 name = "chaos"
@@ -84,35 +85,14 @@ down = 0.6
 period = 1.0
 capacity = 5000.0
 
-[[operator]]
-name = "source"
-kind = "source"
-function = "agent.operators.taxi:source"
-[operator.params]
-seed = {seed}
-profile = "steps"
-steps = {steps}
-
-[[operator]]
-name = "validate"
-function = "agent.operators.builtin:validate"
-
-[[operator]]
-name = "in_zone"
-function = "agent.operators.builtin:in_zone"
-service_time_ms = 4.0
+""" + STEP_SOURCE + "\n" + VALIDATE + "\n" + IN_ZONE + """service_time_ms = 4.0
 [operator.scaling]
 capacity = 200.0
 period = 1.0
 
-[[operator]]
-name = "sink"
-kind = "sink"
-function = "agent.operators.builtin:counting_sink"
-[operator.scaling]
+""" + SINK + """[operator.scaling]
 policy = "none"
-"""
-
+""")
 
 # `--pipeline stateful`: a keyed event-time window (trips and takings per pickup cell and 10
 # minutes of pickup time) before the sink, checked window by window against a fault-free reference
@@ -121,7 +101,7 @@ policy = "none"
 # in_zone would interleave their outputs, and after a fault a replay arrives minutes of event time
 # behind the rest: late, dropped by design, docs/operators.md "Keyed state"). Pickup times grow
 # along the source, so no record is late; the windows still open when the load ends are not emitted.
-STATEFUL_PIPELINE = """\
+STATEFUL_PIPELINE = ("""\
 # fog-agent chaos --pipeline stateful: source -> validate -> in_zone -> cells (keyed window) -> sink
 [pipeline]
 name = "chaos"
@@ -130,23 +110,7 @@ coordination = "ack"
 [scaling]
 policy = "none"
 
-[[operator]]
-name = "source"
-kind = "source"
-function = "agent.operators.taxi:source"
-[operator.params]
-seed = {seed}
-profile = "steps"
-steps = {steps}
-
-[[operator]]
-name = "validate"
-function = "agent.operators.builtin:validate"
-
-[[operator]]
-name = "in_zone"
-function = "agent.operators.builtin:in_zone"
-key = "pickup_cell"
+""" + STEP_SOURCE + "\n" + VALIDATE + "\n" + IN_ZONE + """key = "pickup_cell"
 
 [[operator]]
 name = "cells"
@@ -158,11 +122,7 @@ lateness_ms = 60000
 agg = "sum"
 field = "total_amount"
 
-[[operator]]
-name = "sink"
-kind = "sink"
-function = "agent.operators.builtin:counting_sink"
-"""
+""" + SINK)
 
 PIPELINES = ("demo", "stateful")
 

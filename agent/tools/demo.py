@@ -378,6 +378,26 @@ class Monitor:
             time.sleep(step)
         return bool(pred(self))
 
+    def sink_records_in(self) -> int:
+        """Records received by the sink instances (every instance ever seen)."""
+        with self._lock:
+            return sum(int((st or {}).get("records_in", 0)) for i, st in self.instance_stats.items()
+                       if self.instance_operator.get(i) == "sink")
+
+    def wait_sink_quiet(self, timeout: float, quiet: float = 2.0) -> bool:
+        """Until the sinks' count has not moved for `quiet` s (the tail of a paused source has
+        arrived: a test then stops the fleet and verifies the sink). False after `timeout` s."""
+        last, since = -1, time.monotonic()
+        deadline = since + timeout
+        while time.monotonic() < deadline:
+            now_in = self.sink_records_in()
+            if now_in != last:
+                last, since = now_in, time.monotonic()
+            elif time.monotonic() - since >= quiet:
+                return True
+            time.sleep(0.2)
+        return False
+
 
 # ---- the demo itself ---------------------------------------------------------------------------
 

@@ -69,7 +69,9 @@ class _Tap:
 
     def _msg(self, c: Any, u: Any, m: Any) -> None:
         try:
-            _, sender, epoch, _, kind, body = json.loads(m.payload)
+            msg = json.loads(m.payload)
+            # a data batch may carry a 7th element, its floors (agent.dataplane.envelope)
+            _, sender, epoch, _, kind, body = msg[:6] if isinstance(msg, list) and len(msg) == 7 else msg
         except (ValueError, TypeError):
             return
         if kind == "a" and (not isinstance(body, list) or len(body) != 2 or not body[1]):
@@ -154,17 +156,23 @@ def move_once(workdir: Path, per_node: bool, kind: str, rate: float = 200.0, dea
                 break
             time.sleep(0.1)
         out["first_downstream_s"] = {k.split(".")[1]: (round(v, 3) if v is not None else None) for k, v in firsts.items()}
+        # The source is paused where it runs now: wait until the state records show every keeper
+        # active on its new node (a fast move beats them; not paused, the source would keep
+        # producing while the fleet stops, and what was in flight would count as lost).
+        mon.wait(lambda m: all(_hosts(m).get(k) not in (None, "m1") for k in KEEPERS), max(5.0, deadline - time.monotonic()))
         out["moved_to"] = {k.split(".")[1]: _hosts(mon).get(k) for k in KEEPERS}
         # where each new incarnation wrote, and what it kept back (diagnostics of a slow or lossy move)
         out["new_topics"] = {k.split(".")[1]: {t.split("/", 3)[3]: n for (s, e), ts in tap.topics.items()
                                                if s == k and e > epochs[k] for t, n in ts.items()} for k in KEEPERS}
         out["kept"] = {k.split(".")[1]: {x: mon.stats_of(k).get(x) for x in
-                                         ("unrouted", "held", "foreign_inbox", "refused_nodes", "unrouted_dropped")}
+                                         ("unrouted", "held", "foreign_inbox", "refused_nodes", "unrouted_dropped",
+                                          "silent_links_replayed", "moved_resent", "replays_asked_again")}
                        for k in KEEPERS}
         src_node = _hosts(mon).get(KEEPERS[0])
-        if src_node:
-            with RpcClient(fleet.host, fleet.port, cluster) as client:
-                client.call(src_node, {"op": "set", "instance": KEEPERS[0], "fields": {"paused": True}}, timeout=10)
+        if not src_node:
+            raise RuntimeError(f"the source's node is unknown after the move: {_hosts(mon)}")
+        with RpcClient(fleet.host, fleet.port, cluster) as client:
+            client.call(src_node, {"op": "set", "instance": KEEPERS[0], "fields": {"paused": True}}, timeout=10)
         # The tail: until every generated record is at the sink (the verdict itself), at most 60 s;
         # a loaded machine can hold a replay back for a while, which is slow, not lost.
         paused = time.monotonic()

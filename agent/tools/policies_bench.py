@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from agent.tools.pipeline_text import IN_ZONE, SINK, STEP_SOURCE
+
 __all__ = ["PIPELINE", "SiteParams", "live_trace", "seasonal_profile", "run_live", "run_simulated", "compare", "format_rows",
            "plot_consolidation"]
 
@@ -41,18 +43,7 @@ name = "pol"
 [scaling]
 policy = "none"
 period = {period}
-[[operator]]
-name = "source"
-kind = "source"
-function = "agent.operators.taxi:source"
-[operator.params]
-seed = {seed}
-profile = "steps"
-steps = {steps}
-[[operator]]
-name = "in_zone"
-function = "agent.operators.builtin:in_zone"
-service_time_ms = {service_ms}
+""" + STEP_SOURCE + IN_ZONE + """service_time_ms = {service_ms}
 [operator.scaling]
 policy = "{policy}"
 period = {period}
@@ -60,16 +51,12 @@ cooldown = {cooldown}
 capacity = {capacity}
 max_instances = {n_max}
 {extra_scaling}
-[[operator]]
-name = "sink"
-kind = "sink"
-function = "agent.operators.builtin:counting_sink"
-"""
+""" + SINK
 
 NODES = ("n1", "n2", "n3")
 SLOTS = 4
 
-# The hooks append "<action> <node>" to a file in the run's directory (nothing is powered off).
+# The hooks append "<action> <node> <unix time>" to a file in the run's directory (nothing is powered off).
 SITE_TOML = """
 [site_manager]
 enabled = true
