@@ -486,7 +486,7 @@ class ScalingDriver:
         draw = self.rng.random()
         if self.live is not None:
             decision = self.live.decide(PeriodInputs(now, load, sig.processed_rate, self.w.live_capacity.value,
-                                                     sig.backpressure, self.core.keeper, draw))
+                                                     sig.backpressure, self.core.keeper, draw, self.w.wall()))
         else:
             decision = self.core.decide(load, draw)
         if decision.scales:
