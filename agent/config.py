@@ -216,11 +216,24 @@ def _with_source(cfg: Any, path: Path) -> Any:
 RUNTIME_POLICIES = ("decentralized", "threshold", "model", "sized", "seasonal", "none")
 
 
+MAX_PROFILE_SLOTS = 10080  # a week of minutes
+
+
+def _profile(v: Any) -> Optional[str]:
+    if len(v) > MAX_PROFILE_SLOTS or not all(math.isfinite(x) and x >= 0 for x in v):
+        return f"expected at most {MAX_PROFILE_SLOTS} finite numbers >= 0 (records/s per slot)"
+    return None
+
+
+def _finite(v: Any) -> Optional[str]:
+    return None if math.isfinite(v) else "expected a finite number"
+
+
 @dataclass(frozen=True)
 class ScalingSection:
     """Parameters of the scaling decision (paper section 3.3 defaults)."""
 
-    policy: Literal["decentralized", "threshold", "model", "sized", "none"] = "decentralized"
+    policy: Literal["decentralized", "threshold", "model", "sized", "seasonal", "none"] = "decentralized"
     target_ratio: float = field(default=0.7, metadata={"check": in_range(0.01, 1.0)})
     up: float = field(default=0.8, metadata={"check": in_range(0.01, 10.0)})
     down: float = field(default=0.6, metadata={"check": in_range(0.0, 10.0)})
@@ -238,8 +251,17 @@ class ScalingSection:
     min_instances: int = field(default=1, metadata={"check": in_range(1, 100000, "an integer")})
     max_instances: int = field(default=64, metadata={"check": in_range(1, 100000, "an integer")})
     cooldown: float = field(default=0.0, metadata={"check": non_negative("seconds")})
+    # `seasonal` only (docs/measurement.md, "A profile for a live seasonal operator"): the
+    # operator's mean input per slot of the day, learned from earlier days; slot j covers the
+    # `profile_slot` seconds from profile_start + j x profile_slot (unix time) on, repeating
+    # every len(profile) slots. Bounded: the section arrives over the bus with a deployment.
+    profile: Tuple[float, ...] = field(default=(), metadata={"check": _profile})
+    profile_slot: float = field(default=60.0, metadata={"check": positive("seconds")})
+    profile_start: float = field(default=0.0, metadata={"check": _finite})
 
     def __post_init__(self) -> None:
+        if self.profile and self.policy != "seasonal":
+            raise ValueError(f'profile is read by policy = "seasonal" only, not {self.policy!r}')
         if self.down >= self.up:
             raise ValueError(f"down ({self.down}) must be lower than up ({self.up})")
         if self.min_instances > self.max_instances:

@@ -8,6 +8,7 @@ from typing import Iterable, Optional, Tuple
 
 import pytest
 
+from agent.protocol.scaling import InstanceState
 from agent.sim.instance_check import Config, World, describe, explore, finish, random_runs
 
 ROUNDS_1212 = (("op-0", "duplicate"), ("copy", "terminate"), ("op-0", "duplicate"))
@@ -34,7 +35,7 @@ def test_random_schedules_with_broker_restarts_cuts_and_refused_spawns_keep_ever
     """The broker restarting (sessions kept; sessions and queues lost), a node cut off the broker
     for up to 12 s, a refused createNode(), on top of the four older faults (`fog-agent simulate
     instance --brokers 1 --cuts 1 --spawn-refusals 1` runs 10,000). The broker losing what it
-    queued while a restarted receiver resyncs is `test_open_defects_the_new_moves_found`."""
+    queued while a restarted receiver resyncs ("rollback") has a test of its own below."""
     cfg = Config(records=4, crashes=1, rehomes=1, refusals=1, dups=1, brokers=1, broker_kinds=("restart", "lost"),
                  cuts=1, spawn_refusals=1, plans=ROUNDS_1212)
     rep = random_runs(cfg, schedules=100, seed=3000)
@@ -158,29 +159,78 @@ def test_a_copy_that_becomes_a_new_incarnation_in_its_own_deletion_strands_nothi
         _departing_copy_restarted_after_its_predecessor_removed_it({"replay_to_departed"})
 
 
-OPEN = [
-    # A restarted sink resyncs each predecessor's channel at the first number it sees (its
-    # snapshot may lag, docs/reliability.md). When the broker loses what it had queued for the
-    # sink (a SIGKILL between autosaves) right after the predecessor replayed to the sink's new
-    # epoch, the first number seen is past the lost replays: the sink acks it, and the
-    # cumulative ack drops the lost replays from the predecessor's buffer.
-    pytest.param(Config(records=6, crashes=1, crash_targets=("sink-0",), slow=("sink-0",), brokers=1,
-                        broker_kinds=("rollback",)), 28, "records_not_exactly_once", id="resync_past_lost_replays"),
-    # A copy re-homed while it was leaving comes back active with rebuilt tables, but its
-    # predecessor has applied its Deletion: an active instance nobody routes to (scaled in only
-    # by its own policy later; never with policy "none" or a pinned count).
-    pytest.param(Config(records=4, rehomes=1, rehome_targets=("copy",), plans=ROUNDS_1212), 28, "views_disagree",
-                 id="rehomed_departing_copy"),
-]
+def _copy_deciding_its_scale_in(cfg: Config, but: str) -> World:
+    """op-0 duplicated, records flowing, then the copy's forced deletion decided and everything
+    delivered but the queue `but`."""
+    w = World(cfg)
+    w.play("plan op-0 duplicate")
+    w.deliver_all()
+    for _ in range(3):
+        w.play("time")
+        w.deliver_all()
+    w.play("plan copy terminate")
+    w.deliver_all(but=(but,))
+    return w
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="open defects, docs/reliability.md "
-                   "'Checking whole instances'")
-@pytest.mark.parametrize("cfg,seed,kind", OPEN)
-def test_open_defects_the_new_moves_found(cfg: Config, seed: int, kind: str) -> None:
-    """Each schedule shows its defect today. Another violation is an error, not an expected
-    failure; strict, so that the fix turns this test into a failure that asks for the xfail to go."""
-    rep = random_runs(cfg, schedules=1, seed=seed)
-    if not rep.ok and rep.violations[0].kind != kind:
-        raise RuntimeError(f"expected {kind}, found {describe(rep)}")
+def _copy_rehomed_in_its_deletion(but: str, faults: Iterable[str]) -> Optional[Tuple[str, str]]:
+    """The copy decides its scale-in; everything is delivered but the queue `but` (the copy then
+    waits in DELETING for source-0's ack, or DEPARTING for the sink's acks); its node dies: the
+    copy is re-homed (active, tables rebuilt from the hosted instances), while source-0 has
+    applied its Deletion and acks it to the new incarnation."""
+    w = _copy_deciding_its_scale_in(Config(records=4, rehomes=1, rehome_targets=("copy",), plans=ROUNDS_1212[:2],
+                                           faults=frozenset(faults)), but)
+    assert w.copy_id not in w.inst["source-0"].scaling.core.succs  # source-0 removed it
+    assert w.copy_id in w.inst["sink-0"].scaling.core.preds  # the sink not yet
+    w.play("rehome copy")
+    w.deliver_all()
+    w.play("restart copy")
+    return finish(w)
+
+
+@pytest.mark.parametrize("but", ["source-0->copy", "sink-0->copy"], ids=["deleting", "departing"])
+def test_a_copy_rehomed_in_its_own_deletion_leaves_again(but: str) -> None:
+    """Was `rehomed_departing_copy` (random schedule seed 28, an open defect of session 11): the
+    re-homed copy came back active, with rebuilt tables, after source-0 had applied its Deletion:
+    an active instance nobody routes to. Now the deletion ack of its dead incarnation tells it
+    that it was leaving, and it leaves again. Seeded fault `rehome_stays`: it stays."""
+    assert _copy_rehomed_in_its_deletion(but, ()) is None
+    bad = _copy_rehomed_in_its_deletion(but, {"rehome_stays"})
+    assert bad is not None and bad[0] == "views_disagree", bad
+    rep = random_runs(Config(records=4, rehomes=1, rehome_targets=("copy",), plans=ROUNDS_1212), schedules=1, seed=28)
     assert rep.ok, describe(rep)
+
+
+def test_a_predecessor_rehomed_while_its_successor_departs_does_not_route_to_it() -> None:
+    """Seed 11029 (280 lost): the copy decided its scale-in, source-0 (here; validate there)
+    acked its Deletion and its node died; the re-homed source-0 rebuilt its successors from the
+    hosted instances, which still listed the departing copy, and sent records to it that nobody
+    processed once it terminated. plan_rehome now leaves departing successors out. (Random
+    schedule seed 47 of this configuration found it too, before the fix.)"""
+    # source-0 acked the Deletion; the copy's Drain waits for the sink's acks
+    w = _copy_deciding_its_scale_in(Config(records=4, rehomes=1, rehome_targets=("source-0",), plans=ROUNDS_1212[:2]),
+                                    "sink-0->copy")
+    assert w.inst[w.copy_id].scaling.core.state is InstanceState.DEPARTING
+    w.play("rehome source-0")
+    w.play("restart source-0")
+    assert w.copy_id not in w.inst["source-0"].scaling.core.succs
+    assert finish(w) is None
+
+
+RESYNC = Config(records=6, crashes=1, crash_targets=("sink-0",), slow=("sink-0",), brokers=1, broker_kinds=("rollback",))
+
+
+def test_a_restarted_receiver_takes_no_batch_past_replays_the_broker_lost() -> None:
+    """Was `resync_past_lost_replays` (random schedule seed 28, an open defect of session 11):
+    the sink crashed before persisting op-0's channel and asked for replays; op-0 replayed, and
+    a broker rollback lost the marker and the replay; op-0's next batch was the first number
+    the sink saw, taken there (its snapshot may lag), and its cumulative ack dropped the lost
+    replays from op-0's buffer. Now a predecessor whose channel the snapshot lacks is awaited
+    like the others: its data counts only from a replay marker or from number 1, and without a
+    marker within REPLAY_WAIT the sink asks again. Seeded fault `resync_at_first_seen`: a
+    record lost (7 of the random schedules 0-499 of this mix, 28 and 404 among them; 0 without)."""
+    for seed in (28, 404):
+        rep = random_runs(RESYNC, schedules=1, seed=seed)
+        assert rep.ok, describe(rep)
+        bad = random_runs(dataclasses.replace(RESYNC, faults=frozenset({"resync_at_first_seen"})), schedules=1, seed=seed)
+        assert not bad.ok and bad.violations[0].kind == "records_not_exactly_once", describe(bad)

@@ -162,14 +162,45 @@ def test_bench_policies_prints_only_json_with_a_live_and_a_simulated_row(tmp_pat
 
     root = Path(__file__).resolve().parents[1]
     r = subprocess.run([sys.executable, "-m", "agent", "bench", "policies", "--json", "--policies", "threshold",
-                        "--minutes", "0.25", "--workdir", str(tmp_path)], capture_output=True, text=True, cwd=root,
-                       timeout=180, env=dict(os.environ, PYTHONPATH=str(root)))
+                        "--minutes", "0.25", "--consolidation", "on", "--workdir", str(tmp_path)],
+                       capture_output=True, text=True, cwd=root, timeout=180, env=dict(os.environ, PYTHONPATH=str(root)))
     assert r.returncode == 0, r.stderr[-2000:]
     rows = json.loads(r.stdout)["rows"]  # the whole of stdout: progress goes to stderr
-    assert [(x["policy"], x["mode"]) for x in rows] == [("threshold", "simulated"), ("threshold", "live")]
+    assert [(x["policy"], x["mode"], x.get("consolidation")) for x in rows] == [
+        ("threshold", "simulated", None), ("threshold", "live", True)]
     live = rows[1]
     assert live["records_lost"] == 0 and live["records_duplicated"] == 0 and live["records_generated"] > 1000, live
     assert live["duration"] == 15.0 and live["cost"] > 0
+    # The site manager of the consolidated run released a node (the fleet runs one pipeline of
+    # at most 5 instances on 3 x 4 slots), and the hook ran for each release it reported.
+    assert live["nodes_released"] >= 1 and live["node_minutes"] < 3 * 0.25, live
+    hooked = (tmp_path / "threshold-consolidated" / "site-hooks.log").read_text().split("\n")
+    # (the hooks' log also holds what ran in the drain after the trace: at least the run's count)
+    assert sum(1 for x in hooked if x.startswith("release ")) >= live["nodes_released"], (hooked, live)
+    assert sum(1 for x in hooked if x.startswith("acquire ")) >= live["nodes_acquired"], (hooked, live)
+    assert live["node_minutes"] >= live["node_minutes_packed"] * 0.5 and live["latency_s"] is not None
+
+
+def test_powered_nodes_and_node_minutes_follow_the_site_actions() -> None:
+    """Node-minutes of a consolidation run: every node powered, less those released and not
+    acquired since; hand-computed on a constructed run of 60 s sampled every 10 s."""
+    from agent.tools.policies_bench import format_consolidation, powered_series, step_minutes
+
+    times = [0.0, 10.0, 20.0, 30.0, 40.0, 50.0]
+    actions = [(5.0, "drain", "n2"), (10.0, "release", "n2"), (20.0, "release", "n3"), (35.0, "acquire", "n2"),
+               (36.0, "undrain", "n2"), (50.0, "acquire", "n3")]
+    powered = powered_series(times, actions, 3)
+    assert powered == [3, 2, 1, 1, 2, 3]
+    # 3 x 10 + 2 x 10 + 1 x 20 + 2 x 10 + 3 x 10 = 120 node-seconds = 2 node-minutes
+    assert step_minutes(times, powered, 60.0) == pytest.approx(2.0)
+    assert step_minutes(times, powered, 45.0) == pytest.approx((30 + 20 + 20 + 2 * 5) / 60.0)
+    row = {"policy": "threshold", "mode": "live", "consolidation": True, "node_minutes": 2.0,
+           "node_minutes_packed": 1.5, "nodes_released": 2, "nodes_acquired": 2, "reconfigurations": 4.0,
+           "cost": 1.25, "accuracy_u": 0.01, "timeshare_u": 0.02, "deferred_share": 0.001, "latency_s": 0.2,
+           "records_lost": 0}
+    table = format_consolidation([dict(row, mode="simulated"), row]).splitlines()
+    assert len(table) == 3  # the simulated row has no nodes: left out
+    assert table[2] == "| threshold | on | 2.00 | 1.50 | 2 / 2 | 4 | 1.25 | 0.010 | 2.0 | 0.10 | 0.20 | 0 |"
 
 
 THRESHOLD_PIPELINE = """

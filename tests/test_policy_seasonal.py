@@ -139,3 +139,100 @@ def test_cli_reports_seasonal_with_the_bound_and_draws_the_pareto_plot(tmp_path,
     bound_at_thr = {b["max_changes"]: b["cost"] for b in doc["bound"]}[int(round(thr["reconfigurations"]))]
     assert bound_at_thr <= thr["cost"]  # threshold's own schedule is one the bound could pick
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _live_pipeline(extra: str, policy: str = "seasonal") -> str:
+    """The `bench policies` pipeline (source -> in_zone -> sink) with in_zone under `policy`."""
+    from agent.tools.policies_bench import PIPELINE
+
+    return PIPELINE.format(seed=0, steps=[[0.0, 10.0]], service_ms=4.0, policy=policy, period=1.0, cooldown=0.0,
+                           capacity=250.0, n_max=4, extra_scaling=extra)
+
+
+def _scaling(extra: str):
+    from agent.config import load_pipeline_text
+
+    return load_pipeline_text(_live_pipeline(extra)).scaling_for("in_zone")
+
+
+def test_a_live_seasonal_operator_plans_its_profile_on_unix_time():
+    """A pipeline's `profile` (slot 10 s, 4 slots: quiet 100/s then busy 400/s, starting at unix
+    time 1000) reaches the live policy: at the same input and the same monotonic time, an instance
+    whose wall clock is in the slot before the busy ones scales out ahead of the load, and one in
+    the first quiet slot does not. Every sibling reads the slot from unix time, so they agree."""
+    from agent.policy.live import LivePolicy, PeriodInputs
+
+    sc = _scaling("profile = [100.0, 100.0, 400.0, 400.0]\nprofile_slot = 10.0\nprofile_start = 1000.0")
+    assert sc.policy == "seasonal" and sc.profile == (100.0, 100.0, 400.0, 400.0)
+    # the simulator's operating point in periods (60 s / 240 s at its 60 s periods), not seconds
+    pol = LivePolicy("seasonal", sc).policy
+    assert (pol.cooldown_out, pol.cooldown_in, pol.hold) == (1.0, 4.0, 6)
+
+    def first(wall):
+        live = LivePolicy("seasonal", sc)
+        return live.decide(PeriodInputs(now=5.0, input_rate=100.0, processed_rate=100.0, capacity=250.0,
+                                        backpressure=0.0, is_keeper=True, draw=0.5, wall=wall)), live.last
+
+    before_busy, why = first(1000.0 + 40 * 1000 + 15.0)  # slot 1 of a later day: slot 2 plans 400/s
+    assert before_busy.scales and why["target"] == 2 and why["action"] == "scale_out", why
+    quiet, why = first(1000.0 + 5.0)  # slot 0: this slot and the next plan 100/s
+    assert not quiet.scales and why["action"] == "none", why
+    # without a profile: hysteresis on the recent input, no step ahead of the load
+    plain = LivePolicy("seasonal", _scaling(""))
+    d = plain.decide(PeriodInputs(5.0, 100.0, 100.0, 250.0, 0.0, True, 0.5, 1000.0 + 15.0))
+    assert not d.scales and plain.policy.plan is None
+
+
+@pytest.mark.parametrize("line, key", [
+    ("profile = [100.0, -1.0]", "profile"),
+    ('profile = [100.0, "x"]', "profile[1]"),
+    ("profile = [100.0, inf]", "profile"),
+    ("profile_slot = 0.0", "profile_slot"),
+    ("profile_start = nan", "profile_start"),
+])
+def test_a_malformed_live_profile_is_one_message_naming_its_key(line, key):
+    from agent.schema import ConfigError
+
+    with pytest.raises(ConfigError, match=r"\[operator\[1\]\.scaling\]\." + key.replace("[", r"\[").replace("]", r"\]")):
+        _scaling(line)
+
+
+def test_a_live_profile_is_bounded_and_read_by_seasonal_only():
+    from agent.config import MAX_PROFILE_SLOTS
+    from agent.schema import ConfigError
+
+    too_long = "profile = [" + ", ".join(["1.0"] * (MAX_PROFILE_SLOTS + 1)) + "]"
+    with pytest.raises(ConfigError, match="at most 10080"):
+        _scaling(too_long)
+    with pytest.raises(ConfigError, match="seasonal"):
+        from agent.config import load_pipeline_text
+
+        load_pipeline_text(_live_pipeline("profile = [1.0]", policy="threshold"))
+
+
+def test_every_runtime_policy_is_accepted_by_the_pipeline_config():
+    """RUNTIME_POLICIES is what the worker runs; the config's own list must not lag behind it
+    (`seasonal` was registered in the worker but refused by check-config and deploy)."""
+    from agent.config import RUNTIME_POLICIES, load_pipeline_text
+
+    for p in RUNTIME_POLICIES:
+        assert load_pipeline_text(_live_pipeline("", policy=p)).scaling_for("in_zone").policy == p
+
+
+def test_patience_rides_out_a_burst_shorter_than_itself():
+    """Plan mode on a flat profile (the plan needs 2 instances): input 280/s (3 instances' worth)
+    for 2 periods is ridden out with patience 3 and answered in the first period with patience 1;
+    3 periods of it are answered in the third period with patience 3."""
+    flat = tuple([150.0] * 24)
+
+    def outs(patience, totals):
+        pol = SeasonalPolicy(profile=flat, segments=2, margin=0.05, margin_up=0.05, hold=3, patience=patience)
+        return [k for k, a in enumerate(_run(pol, totals)) if a[0] is ActionKind.SCALE_OUT]
+
+    burst2 = [150.0] * 4 + [280.0] * 2 + [150.0] * 4
+    burst3 = [150.0] * 4 + [280.0] * 3 + [150.0] * 4
+    assert outs(1, burst2) == [4]
+    assert outs(3, burst2) == []
+    assert outs(3, burst3) == [6]
+    with pytest.raises(ValueError, match="patience"):
+        SeasonalPolicy(patience=0)

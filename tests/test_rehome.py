@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Dict, List
 
 import pytest
@@ -64,6 +65,20 @@ def test_siblings_and_neighbours_of_other_dead_nodes_are_not_in_the_tables() -> 
     assert all(s["preds"] == ["p.source.0"] for s in plan)
 
 
+def test_a_departing_successor_is_left_out_of_a_rehomed_predecessors_table() -> None:
+    """Seed 11029: a copy past the predecessor phase of its deletion (its dead predecessor had
+    acked it) was in the re-homed predecessor's successors, which routed records to it until
+    the end. A departing instance of the previous operator stays a predecessor (it still sends
+    its last records and its Deletion)."""
+    fl = {**fleet(), "n3": [spec("p.sink.0", "sink", True), spec("sink-b", "sink")]}
+    plan = plan_rehome("n2", fl, online={"n1", "n3"}, listed_online=set(), min_epoch=1, departing={"sink-b"})
+    assert plan[1]["instance"] == "p.mid.0" and plan[1]["succs"] == ["p.sink.0"]
+    before = plan_rehome("n2", fl, online={"n1", "n3"}, listed_online=set(), min_epoch=1)
+    assert before[1]["succs"] == ["p.sink.0", "sink-b"]  # what it was: the departing copy included
+    plan = plan_rehome("n3", fl, online={"n1", "n2"}, listed_online=set(), min_epoch=1, departing={"mid-b"})
+    assert plan[0]["instance"] == "p.sink.0" and plan[0]["preds"] == ["mid-a", "mid-b", "p.mid.0"]
+
+
 def test_an_instance_already_listed_by_an_online_node_is_skipped() -> None:
     plan = plan_rehome("n2", fleet(), online={"n1", "n3"}, listed_online={"p.mid.0", "mid-b"}, min_epoch=5)
     assert plan == []
@@ -84,3 +99,75 @@ def test_hosted_record_round_trip_and_bad_payloads() -> None:
     for bad in (b"{}", b"[1]", b'[{"instance": 3}]', b"not json"):
         with pytest.raises(ValueError):
             decode_hosted(bad)
+
+
+def _agent(tmp_path: Path) -> Any:
+    from agent.config import load_agent_config
+    from agent.node.daemon import Agent
+
+    conf = tmp_path / "a.toml"
+    conf.write_text(f'[agent]\nnode = "me"\ncluster = "c"\nstate_dir = "{tmp_path}/state"\ndead_after = 1.0\n'
+                    '[mqtt]\nhost = "127.0.0.1"\nport = 1\n')
+    return Agent(load_agent_config(conf), warm_worker=False)
+
+
+def test_the_agent_reads_departing_instances_from_the_node_states(tmp_path: Path) -> None:
+    """The daemon side of the test above: who is departing comes from the other online nodes'
+    retained states (each instance's scaling state, from its heartbeat) and from our workers."""
+    agent = _agent(tmp_path)
+    created: List[Any] = []
+    agent._create_node = lambda spec, reply, cause, now: created.append(spec)
+    agent.connected, agent.online, agent._offline_since = True, {"n9": False, "n3": True}, {"n9": 0.0}
+    agent.hosted_by_node = {"n9": [spec("p.mid.0", "mid", True)],
+                            "n3": [spec("p.sink.0", "sink", True), spec("sink-b", "sink"), spec("sink-c", "sink")]}
+    agent.fleet["n3"] = {"instances": [{"id": "p.sink.0", "stats": {"state": "active"}},
+                                       {"id": "sink-b", "stats": {"state": "departing"}},
+                                       {"id": "sink-c", "stats": {"state": "deleting"}}]}
+    agent._maybe_rehome(100.0)
+    assert [(s.instance, s.succs) for s in created] == [("p.mid.0", ("p.sink.0", "sink-c"))]
+
+
+def test_a_retry_after_a_failed_rehome_does_not_place_the_others_again(tmp_path: Path) -> None:
+    """Defect B (seed 11019, two incarnations of one copy): a re-home that failed (no free slot)
+    made the next period plan the lost node again, and an instance whose createNode() had gone
+    to another node, not yet listed in that node's state, was placed a second time. Now only the
+    failed one is tried again, and our re-homed record stops claiming it meanwhile (a returning
+    node would otherwise forget an instance that runs nowhere)."""
+    agent = _agent(tmp_path)
+    asked: List[Any] = []
+    agent._create_node = lambda spec, reply, cause, now: asked.append((spec.instance, reply))
+    agent.connected, agent.online, agent._offline_since = True, {"n9": False}, {"n9": 0.0}
+    agent.hosted_by_node = {"n9": [spec("p.mid.0", "mid", True), spec("mid-b", "mid")]}
+    agent._maybe_rehome(100.0)
+    assert [a[0] for a in asked] == ["mid-b", "p.mid.0"]
+    assert set(agent.rehomed_by_node["me"]) == {"mid-b", "p.mid.0"}
+    asked[0][1]({"ok": False, "error": "no node has a free slot"})  # mid-b failed; p.mid.0 on its way
+    assert set(agent.rehomed_by_node["me"]) == {"p.mid.0"}
+    agent._maybe_rehome(101.0)
+    assert [a[0] for a in asked[2:]] == ["mid-b"]
+    agent._maybe_rehome(102.0)
+    assert len(asked) == 3  # nothing failed since: nothing planned again
+    # n9 comes back and lists both: the claims end (the next loss of n9 re-homes them again)
+    agent.online, agent._offline_since = {"n9": True}, {}
+    agent.fleet["n9"] = {"instances": [{"id": "p.mid.0"}, {"id": "mid-b"}]}
+    agent._maybe_rehome(103.0)
+    assert agent._rehome_claims == {}
+
+
+def test_a_failed_rehome_is_not_placed_again_when_the_returning_node_runs_it(tmp_path: Path) -> None:
+    """The other half of test_rehome_retry (seed 12026): a re-home that fails after the lost node
+    came back is placed again only when no online node runs the instance once the node has been
+    back for a while (its state then shows what it re-adopted); here it re-adopted it."""
+    agent = _agent(tmp_path)
+    asked: List[Any] = []
+    agent._create_node = lambda spec, reply, cause, now: asked.append((spec.instance, reply))
+    agent.connected, agent.online, agent._offline_since = True, {"n9": False}, {"n9": 0.0}
+    agent.hosted_by_node = {"n9": [spec("p.mid.0", "mid", True)]}
+    agent._maybe_rehome(100.0)
+    agent.online, agent._offline_since, agent._online_since = {"n9": True}, {}, {"n9": 105.0}
+    asked[0][1]({"ok": False, "error": "not ready 20.0s after start"})
+    agent._maybe_rehome(106.0)  # back for 1 s: its state may not show what it re-adopted yet
+    assert len(asked) == 1 and "p.mid.0" in agent._rehome_retry
+    agent.fleet["n9"] = {"instances": [{"id": "p.mid.0"}]}  # it did
+    agent._maybe_rehome(130.0)
+    assert len(asked) == 1 and not agent._rehome_retry

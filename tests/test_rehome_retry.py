@@ -18,8 +18,6 @@ from pipelines import with_work
 PIPELINE = with_work("agent.operators.builtin:in_zone")
 
 
-@pytest.mark.xfail(strict=True, reason="open (session 12, seed 12026): a failed re-home is tried again only "
-                   "while the dead node is offline; the node, back, has forgotten the instance")
 def test_a_rehome_that_fails_after_the_node_came_back_is_placed_again(tmp_path: Path) -> None:
     """In the run, n1's agent was killed and came back after 14 s (load ~48); n2 had re-homed n1's
     keepers after 6 s. The re-homed source was not ready 20 s after its start, on n2 and then on

@@ -622,6 +622,20 @@ def test_a_handed_over_keeper_keeps_its_identity_state_and_a_higher_epoch(tmp_pa
     assert epoch(dataclasses.replace(spec, extra=big)) == 1_800_000_000
 
 
+class _FakeProc:
+    """A worker process that never exits and records the signals sent to it."""
+    pid = 999_999
+
+    def __init__(self) -> None:
+        self.signals: List[int] = []
+
+    def poll(self) -> Optional[int]:
+        return None
+
+    def send_signal(self, sig: int) -> None:
+        self.signals.append(sig)
+
+
 def test_fencing_spares_an_instance_placed_here_since_the_connect_and_never_restarts_a_fenced_one(
         tmp_path: Path) -> None:
     """Found by the drain hand-over test: an agent that had just connected received a keeper
@@ -642,21 +656,9 @@ def test_fencing_spares_an_instance_placed_here_since_the_connect_and_never_rest
     started: List[str] = []
     agent.supervisor.start = lambda spec, now: started.append(spec.instance)  # type: ignore[assignment]
 
-    class Proc:
-        pid = 999_999
-
-        def __init__(self) -> None:
-            self.signals: List[int] = []
-
-        def poll(self) -> Optional[int]:
-            return None
-
-        def send_signal(self, sig: int) -> None:
-            self.signals.append(sig)
-
     def worker(inst: str, at: float) -> Worker:
         spec = InstanceSpec(inst, "work", "me", "c", "p", PIPELINE, BrokerSpec("h", 1), keeper=True)
-        w = Worker(spec=spec, proc=Proc(), started_at=at)  # type: ignore[arg-type]
+        w = Worker(spec=spec, proc=_FakeProc(), started_at=at)  # type: ignore[arg-type]
         agent.supervisor.workers[inst] = w
         return w
 
@@ -670,6 +672,41 @@ def test_fencing_spares_an_instance_placed_here_since_the_connect_and_never_rest
     del agent.supervisor.workers["p.work.0"]  # what poll() does when it reaps it
     agent._on_reaped(Reaped(old, -9), 21.0)
     assert started == [] and agent.counters["restarts"] == 0  # fenced: not restarted as a crash
+
+
+def test_when_two_nodes_fence_at_once_the_copy_of_the_latest_rehome_stays(tmp_path: Path) -> None:
+    """Defect B (seed 11019): two copies of one identity ran on n1 and n2 (two placements of one
+    re-home); a broker kill made both agents reconnect, each saw the other list the instance and
+    each stopped its own: the identity ran nowhere. The copy whose spec carries the epoch floor
+    of the latest re-home (the re-homing agent's retained record, one clock) stays on both
+    sides' reading; the other stands down. Without a re-home record, fencing is as before."""
+    from agent.config import load_agent_config
+    from agent.node.daemon import Agent
+    from agent.node.supervisor import Worker
+
+    def agent_running(node: str, floors: Dict[str, Optional[int]]) -> Any:
+        conf = tmp_path / f"{node}.toml"
+        conf.write_text(f'[agent]\nnode = "{node}"\ncluster = "c"\nstate_dir = "{tmp_path}/{node}"\n'
+                        '[mqtt]\nhost = "h"\nport = 1\n')
+        agent = Agent(load_agent_config(conf), warm_worker=False)
+        for inst, floor in floors.items():
+            extra = {} if floor is None else {"min_epoch": floor}
+            spec = InstanceSpec(inst, "work", node, "c", "p", PIPELINE, BrokerSpec("h", 1), extra=extra)
+            agent.supervisor.workers[inst] = Worker(spec=spec, proc=_FakeProc(), started_at=5.0)  # type: ignore[arg-type]
+        other = "n2" if node == "n1" else "n1"
+        agent._connected_at, agent._readopted = 10.0, True
+        agent.online = {other: True, "n3": True}
+        agent.fleet = {other: {"instances": [{"id": i} for i in floors]}}
+        # n3 re-homed both: work-a twice (the second placement at 1000), work-b once (at 990)
+        agent.rehomed_by_node = {"n3": {"work-a": 1000.4, "work-b": 990.7}}
+        return agent
+
+    n1 = agent_running("n1", {"work-a": 1000, "work-b": 990, "work-c": None})
+    n2 = agent_running("n2", {"work-a": 995, "work-b": 900, "work-c": None})
+    n1._reconcile(20.0)
+    n2._reconcile(20.0)
+    stopped = {(a.node, i) for a in (n1, n2) for i, w in a.supervisor.workers.items() if w.proc.signals}
+    assert stopped == {("n2", "work-a"), ("n2", "work-b"), ("n1", "work-c"), ("n2", "work-c")}
 
 
 def test_a_keeper_stopped_for_a_drain_moves_with_its_state_or_restarts_here(tmp_path: Path) -> None:

@@ -10,8 +10,9 @@ from typing import Any
 EXIT_OK, EXIT_VIOLATION, EXIT_USAGE = 0, 1, 2
 
 FAULT_HELP = ("seeded fault to switch on (repeatable): retry_only_with_data, drain_holds_protocol, "
-              "rehome_rounds_from_one, replay_to_departed, route_afresh (with --rounds sink-1-2); the checker "
-              "should then report a violation")
+              "rehome_rounds_from_one, replay_to_departed, route_afresh (with --rounds sink-1-2), rehome_stays "
+              "(with --rehome-copy), resync_at_first_seen (with --brokers); the checker should then report a "
+              "violation, in some schedules")
 
 
 def register(groups: Any) -> None:

@@ -85,6 +85,13 @@ def register(groups: Any) -> None:
     bp.add_argument("--cooldown", type=float, default=2.0, help="policy cooldown, s")
     bp.add_argument("--seed", type=int, default=0)
     bp.add_argument("--workdir", default=None, help="keep the runs' logs and sink files here")
+    bp.add_argument("--consolidation", choices=("off", "on", "both"), default="off",
+                    help="live runs without the site manager, with it (every agent a candidate), or both")
+    bp.add_argument("--target", type=float, default=0.3, help="[site_manager] target (spare capacity kept)")
+    bp.add_argument("--min-nodes", type=int, default=1, help="[site_manager] min_nodes")
+    bp.add_argument("--site-cooldown", type=float, default=5.0, help="[site_manager] cooldown, s")
+    bp.add_argument("--plot", default=None, help="PNG: instances and powered nodes over the run, node- and "
+                    "instance-minutes per policy (with --consolidation)")
     bp.add_argument("--json", action="store_true")
     bp.set_defaults(func=cmd_bench_policies)
 
@@ -349,18 +356,25 @@ def cmd_bench_policies(args: argparse.Namespace) -> int:
     import tempfile
     from pathlib import Path
 
-    from agent.tools.policies_bench import compare, format_rows
+    from agent.tools.policies_bench import SiteParams, compare, format_consolidation, format_rows, plot_consolidation
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="fog-bench-policies-"))
 
     def progress(row: Any) -> None:
-        print(json.dumps(row, sort_keys=True), file=sys.stderr, flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k != "series"}, sort_keys=True), file=sys.stderr, flush=True)
 
+    site = SiteParams(target=args.target, min_nodes=args.min_nodes, cooldown=args.site_cooldown)
     rows = compare(policies, work, minutes=args.minutes, peak=args.peak, seed=args.seed, capacity=args.capacity,
-                   period=args.period, cooldown=args.cooldown, progress=progress)
+                   period=args.period, cooldown=args.cooldown, consolidation=args.consolidation, site=site,
+                   progress=progress)
+    if args.plot:
+        plot_consolidation(rows, Path(args.plot))
     if args.json:
         print(json.dumps({"workdir": str(work), "rows": rows}, indent=2, sort_keys=True))
     else:
         print(format_rows(rows))
+        if args.consolidation != "off":
+            print()
+            print(format_consolidation(rows))
     return EXIT_OK if all(r["records_lost"] == 0 for r in rows) else EXIT_ERROR

@@ -59,7 +59,8 @@ from agent.operators.keyed import KeyedOperator, keyed_config_problems
 from agent.protocol.errors import LocalProtocolError
 
 __all__ = ["Instance", "Phase", "EXIT_OK", "EXIT_CRASH", "EXIT_BAD_SPEC", "EXIT_BROKER", "EXIT_DRAIN_TIMEOUT",
-           "FAULT_RETRY_ONLY_WITH_DATA", "FAULT_ROUTE_AFRESH", "FAULT_REPLAY_TO_DEPARTED"]
+           "FAULT_RETRY_ONLY_WITH_DATA", "FAULT_ROUTE_AFRESH", "FAULT_REPLAY_TO_DEPARTED",
+           "FAULT_RESYNC_AT_FIRST_SEEN"]
 
 log = logging.getLogger("agent.instance.worker")
 
@@ -125,6 +126,9 @@ FAULT_ROUTE_AFRESH = "route_afresh"
 # Seeded fault (the same): the unacked batches of a successor we removed are replayed to its new
 # incarnation, which is departing and drops them, instead of re-routed (defect A).
 FAULT_REPLAY_TO_DEPARTED = "replay_to_departed"
+# A restarted receiver takes a predecessor's data at the first number it sees when its snapshot
+# does not hold that channel (session 11's `resync_past_lost_replays`).
+FAULT_RESYNC_AT_FIRST_SEEN = "resync_at_first_seen"
 
 
 class Phase(Enum):
@@ -321,10 +325,10 @@ class Instance:
         self._final = False
         self._last_source_write = -1e9
         self._holes: Dict[str, Tuple[Tuple[int, int], float]] = {}  # sender -> ((epoch, missing seq), since)
-        # A new incarnation of ours: predecessor -> (its epoch we knew, when we first dropped its
-        # data or None), for the predecessors whose data before their replay marker we drop
-        # (`_await_replays`, docs/reliability.md).
-        self._awaiting_replay: Dict[str, Tuple[int, Optional[float]]] = {}
+        # A new incarnation of ours: predecessor -> (its epoch we knew, None when our snapshot
+        # lacks its channel; when we first dropped its data or None), for the predecessors whose
+        # data before their replay marker we drop (`_await_replays`, docs/reliability.md).
+        self._awaiting_replay: Dict[str, Tuple[Optional[int], Optional[float]]] = {}
         # Source -> the largest floor claimed for it in our input (agent.instance.applied): passed
         # on with the records of that source; a source claims its own.
         self._floors: Dict[str, int] = {}
@@ -789,6 +793,8 @@ class Instance:
                     self._replay_to(env.sender)
                 else:
                     self._reroute_departed(env.sender)
+        if env.kind is Kind.ACK and tuple(env.body) == (0, 0) and self.scaling is not None:
+            self.scaling.remind_departed(env.sender)  # a re-homed copy that forgot it left
         # INVARIANT 1 (FIFO channel): envelopes are delivered in each sender's numbering, once.
         for e in self.inbound.receive(env):
             if e.kind is Kind.ACK:
@@ -824,12 +830,17 @@ class Instance:
         comes from it before the marker is dropped, and its records reach us in its order.
         Only predecessors we had a channel with (the others sent us nothing yet, and may not
         know us yet: they would never send a marker); a newer epoch of the predecessor ends the
-        wait (restarted itself: all it sends is fresh). docs/reliability.md, "Replays in order"."""
+        wait (restarted itself: all it sends is fresh). docs/reliability.md, "Replays in order".
+        A predecessor whose channel our snapshot does not hold (it lags: we crashed before
+        persisting it) is awaited too: its data is taken only from a marker or from number 1
+        (a channel that starts there has nothing before it). Taken at the first number seen,
+        a batch that followed replays a broker rollback lost was acked, and the cumulative ack
+        dropped the lost replays from the sender's buffer (`resync_past_lost_replays`)."""
         self._awaiting_replay = {}
         for p in preds:
             pos = self.inbound.position(p)
-            if pos is not None:
-                self._awaiting_replay[p] = (pos[0], None)
+            if pos is not None or FAULT_RESYNC_AT_FIRST_SEEN not in self.faults:
+                self._awaiting_replay[p] = (pos[0] if pos is not None else None, None)
 
     def _before_replay(self, env: Envelope) -> bool:
         """Drop `env` (data from a predecessor whose replay marker has not come yet)?"""
@@ -837,7 +848,7 @@ class Instance:
         if awaited is None:
             return False
         epoch, since = awaited
-        if env.epoch > epoch:
+        if env.seq == 1 if epoch is None else env.epoch > epoch:
             del self._awaiting_replay[env.sender]  # a new incarnation of it: fresh data
             return False
         self.stats["dropped_before_replay"] += 1
@@ -879,6 +890,8 @@ class Instance:
     def _refuse(self, env: Envelope, why: str, writer: str, note: str = "") -> None:
         """Counted, logged at most once per sender per minute (and 20 lines a minute in all), and
         nothing else: no channel entry, no record id, nothing persisted."""
+        if why == "sender" and env.kind is Kind.ACK and tuple(env.body) == (0, 0) and self.scaling is not None:
+            self.scaling.remind_departed(env.sender)  # a re-homed copy that forgot it left
         key = {"epoch": "refused_epochs", "seq": "refused_seqs", "node": "refused_nodes"}.get(why, "refused_senders")
         self.stats[key] += 1
         if self._refusals.allow((env.sender, writer), self.now):

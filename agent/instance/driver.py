@@ -37,13 +37,13 @@ from agent.policy.decentralized import Action, Decision, ScalingParams
 from agent.policy.live import LIVE_POLICIES, LivePolicy, PeriodInputs
 from agent.protocol.errors import LocalProtocolError, ProtocolError
 from agent.protocol.guarded import LockMessage, core_class, message_from_dict
-from agent.protocol.messages import Duplication, Start
+from agent.protocol.messages import DeletionAck, Duplication, Start
 from agent.protocol.scaling import Activate, CreateInstance, Drain, InstanceState, RoutesChanged, Send, Terminate
 
 if TYPE_CHECKING:
     from agent.instance.core import Instance
 
-__all__ = ["ScalingDriver", "FAULT_REHOME_ROUNDS_FROM_ONE", "FAULT_DRAIN_HOLDS_PROTOCOL", "PROBE", "PROBE_ECHO",
+__all__ = ["ScalingDriver", "FAULT_REHOME_ROUNDS_FROM_ONE", "FAULT_DRAIN_HOLDS_PROTOCOL", "FAULT_REHOME_STAYS", "PROBE", "PROBE_ECHO",
            "IDLE_PING", "IDLE_PING_MAX", "MAX_PROBES", "PROBE_TTL"]
 
 log = logging.getLogger("agent.instance.worker")
@@ -66,6 +66,7 @@ PROBE_TTL = 60.0
 # (docs/reliability.md), so that the checker can show it finds it. Never set outside the checker.
 FAULT_REHOME_ROUNDS_FROM_ONE = "rehome_rounds_from_one"  # a re-homed instance numbers rounds from 1
 FAULT_DRAIN_HOLDS_PROTOCOL = "drain_holds_protocol"  # a draining copy holds its protocol queue
+FAULT_REHOME_STAYS = "rehome_stays"  # a re-homed copy ignores the deletion acks of its dead incarnation
 
 
 class ScalingDriver:
@@ -111,8 +112,10 @@ class ScalingDriver:
                 CreateInstance(spec.instance, spec.operator, worker.stage, creator), self.params,
                 incarnation=worker.epoch,
             )
-        if (not (restart and saved.get("scaling")) and spec.extra.get("min_epoch")
-                and FAULT_REHOME_ROUNDS_FROM_ONE not in worker.faults):
+        # Re-homed (agent.node.rehome): started active with rebuilt tables and none of the dead
+        # incarnation's protocol state (see `_left_behind`).
+        self.rehomed = bool(not (restart and saved.get("scaling")) and spec.extra.get("min_epoch"))
+        if self.rehomed and FAULT_REHOME_ROUNDS_FROM_ONE not in worker.faults:
             # Re-homed (agent.node.rehome): the dead incarnation's round numbers went with its
             # state, and each neighbour remembers the last round of ours it applied (RoundMemory):
             # a round numbered from 1 again looks like a repeat, is acked and NOT applied (a
@@ -174,6 +177,7 @@ class ScalingDriver:
             "protocol_resent": 0,  # protocol messages sent again after silence
         }
         self._errors_log = LogLimiter()  # once per sender per minute, bounded (probed names are invented)
+        self._reminded: Dict[str, float] = {}  # departed neighbour -> when we last re-sent its deletion ack
         self._req = 0
         self.decisions: Deque[Dict[str, Any]] = deque(maxlen=32)  # recent decisions (bench, demo)
 
@@ -363,6 +367,7 @@ class ScalingDriver:
             stats["protocol_errors"] += 1
             if self._errors_log.allow(env.sender, self.w.now):
                 log.warning("protocol message from %s rejected: %s", env.sender, exc, extra=self.w.ctx)
+            self._left_behind(env.body)
             return
         if is_lock:
             self.w.mark_state_changed()  # the lock state changed even when nothing is sent
@@ -370,6 +375,40 @@ class ScalingDriver:
         self._queue(outs)
         if self.links is not None and getattr(self.core, "departed", None) and self.core.departed(env.sender):
             self._send_link(self.links.forget(env.sender))
+
+    def _left_behind(self, body: Any) -> None:
+        """A deletion ack our core has no round for, and we were re-homed: the dead incarnation
+        was leaving (its Deletion went out before its node died) and that neighbour has removed
+        us. Our rebuilt tables cannot know it (agent.node.rehome), so without this we stay an
+        active instance some neighbours no longer route to (docs/reliability.md, "A copy
+        re-homed while it was leaving"). We leave again: a deletion round of our own, which
+        the neighbours that removed us already just ack (a Deletion of an instance not in a
+        table is acked, agent.protocol.scaling), and which removes us from the others. A
+        keeper never sends a Deletion, so an ack naming one is not believed."""
+        if (not self.rehomed or self.core.keeper or not isinstance(body, dict) or FAULT_REHOME_STAYS in self.w.faults
+                or body.get("type") != DeletionAck.type or ("terminate", 1) in self.forced
+                or self.core.state not in (InstanceState.ACTIVE, InstanceState.DUPLICATING)):
+            return
+        self.forced.appendleft(("terminate", 1))
+        self.counts["left_behind"] = self.counts.get("left_behind", 0) + 1
+        log.warning("a neighbour acked a deletion of our dead incarnation: leaving again", extra=self.w.ctx)
+
+    def remind_departed(self, sender: str) -> None:
+        """`sender` announces a new incarnation (an empty ack in a new epoch) though it left our
+        tables by its own Deletion (no other round removes an instance, and our round memory
+        holds the last round of it we applied): it may be a copy re-homed in the middle of its
+        deletion that does not know it left. The ack of that round again tells it
+        (`_left_behind`); an instance that knows its rounds rejects it, harmless. At most once
+        per RESEND_AFTER per sender, and only for names our round memory holds (bounded)."""
+        core = self.core
+        rnd = self.memory.applied.get(sender)
+        if (rnd is None or sender in core.succs or sender in core.preds or core.state is InstanceState.IDLE
+                or self.w.now - self._reminded.get(sender, -1e9) < RESEND_AFTER):
+            return
+        self._reminded = {s: t for s, t in self._reminded.items() if self.w.now - t < RESEND_AFTER}
+        self._reminded[sender] = self.w.now
+        self.counts["departed_reminded"] = self.counts.get("departed_reminded", 0) + 1
+        self._queue([Send(sender, DeletionAck.trusted(sender=core.instance_id, stage=core.stage, round=rnd))])
 
     def force(self, action: str, count: int) -> None:
         """A steering request (fogctl scale/drain via the agent): queued, run by `_run_forced`
@@ -447,7 +486,7 @@ class ScalingDriver:
         draw = self.rng.random()
         if self.live is not None:
             decision = self.live.decide(PeriodInputs(now, load, sig.processed_rate, self.w.live_capacity.value,
-                                                     sig.backpressure, self.core.keeper, draw))
+                                                     sig.backpressure, self.core.keeper, draw, self.w.wall()))
         else:
             decision = self.core.decide(load, draw)
         if decision.scales:

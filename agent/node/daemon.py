@@ -201,6 +201,10 @@ class Agent:
         self.rehomed_by_node: Dict[str, Dict[str, float]] = {}  # node -> {instance: when it re-homed it}
         self._offline_since: Dict[str, float] = {}
         self._rehomed: Set[str] = set()
+        self._rehome_claims: Dict[str, float] = {}  # instance -> when we asked for its re-home
+        # failed re-homes whose node may come back before the next plan: instance -> (node, spec)
+        self._rehome_retry: Dict[str, Tuple[str, InstanceSpec]] = {}
+        self._online_since: Dict[str, float] = {}  # node -> when we last saw it come online
         self._hosted_dirty = True
         # Where this node moved instances to (hand-overs, re-homes), newest last: stated in our
         # retained state record, which only we may write, so that no other node can take their
@@ -1088,6 +1092,8 @@ class Agent:
             self._placed = {i: v for i, v in self._placed.items() if v[0] != node}
         elif kind == "status":
             up = msg.payload == b"online"
+            if up and not self.online.get(node):
+                self._online_since[node] = now
             self.online[node] = up
             self._hosts_dirty = True
             if up:
@@ -1501,6 +1507,22 @@ class Agent:
         else:
             self.supervisor.start_chain(group, now)
 
+    def _departing(self) -> Set[str]:
+        """Instances past the predecessor phase of their deletion (their scaling core says
+        departing or terminated): ours from the workers' last heartbeat, the other online
+        nodes' from their retained states. A re-homed predecessor leaves them out of its
+        successors (agent.node.rehome.plan_rehome)."""
+        gone = ("departing", "terminated")
+        out = {i for i, w in self.supervisor.workers.items() if w.stats.get("state") in gone}
+        for n, doc in self.fleet.items():
+            if n == self.node or not self.online.get(n):
+                continue
+            for i in doc.get("instances", []) or []:
+                stats = i.get("stats") if isinstance(i, dict) else None
+                if isinstance(stats, dict) and stats.get("state") in gone:
+                    out.add(str(i.get("id")))
+        return out
+
     def _listed_elsewhere(self) -> Set[str]:
         """Instance ids that another ONLINE node lists in its retained state."""
         return {str(i.get("id")) for n, doc in self.fleet.items() if n != self.node and self.online.get(n)
@@ -1527,7 +1549,10 @@ class Agent:
         online node now runs was re-homed while we were away (agent.node.rehome). We fence it
         (kill our process, forget it) so that one identity never runs twice; on the first connect
         we then re-adopt the rest."""
-        elsewhere = self._listed_elsewhere() | self._taken_over()
+        # The copy a re-home started is the one that stays: when two online nodes both ran an
+        # instance while the broker was away (both reconnect), both saw the other list it and
+        # both stopped theirs, so the identity ran nowhere (defect B, seed 11019).
+        elsewhere = (self._listed_elsewhere() | self._taken_over()) - self._rehomed_here()
         # Only workers that ran while we were away can have been re-homed. One started since this
         # connect was placed here by a createNode() that saw the fleet as it is (a drain's
         # hand-over, a re-home), while the retained state of the node it comes from may still
@@ -1544,6 +1569,24 @@ class Agent:
         if not self._readopted:
             self._readopted = True
             self._readopt(now)
+
+    def _rehomed_here(self) -> Set[str]:
+        """Our workers started by the latest re-home of their identity: the spec's epoch floor
+        (`min_epoch`, the re-homing agent's wall clock at its plan) is at least the time that
+        agent's retained record gives the re-home. Both numbers come from one clock, so every
+        node reads the same answer: a copy older than the re-home (the node that came back, a
+        second placement of an earlier attempt) has a lower floor and stands down."""
+        latest: Dict[str, float] = {}
+        for node, record in self.rehomed_by_node.items():
+            if node == self.node or self.online.get(node):
+                for inst, when in record.items():
+                    latest[inst] = max(when, latest.get(inst, 0.0))
+        out = set()
+        for inst, w in self.supervisor.workers.items():
+            floor = w.spec.extra.get("min_epoch")
+            if inst in latest and isinstance(floor, int) and floor >= int(latest[inst]):
+                out.add(inst)
+        return out
 
     def _taken_over(self) -> Set[str]:
         """Our hosted instances that another node re-homed after we started hosting them (they
@@ -1600,6 +1643,17 @@ class Agent:
     def _maybe_rehome(self, now: float) -> None:
         """Start elsewhere, same identities, the instances of nodes offline for `dead_after`
         seconds, if this agent is the lowest-named online one (agent.node.rehome)."""
+        if self._rehome_claims:
+            # A re-home already asked for (placed, or its createNode() still on its way) stays out
+            # of the next attempt, which follows a failure of another one: before its node's state
+            # lists it, planned again it would be placed a second time (defect B, seed 11019). A
+            # claim lasts until a node lists it (checked every period: that node may be the next
+            # one lost), or for as long as a createNode() may take plus the state periods its node
+            # needs to list it.
+            ttl = RPC_TIMEOUT + 3 * self.cfg.agent.state_period
+            listed = self._listed_elsewhere() | set(self.supervisor.workers)
+            self._rehome_claims = {i: t for i, t in self._rehome_claims.items() if i not in listed and now - t < ttl}
+        self._retry_failed_rehomes(now)
         if (not self.connected or self._stopping_since is not None or not self._offline_since
                 or self.cfg.agent.dead_after <= 0):
             return
@@ -1609,12 +1663,14 @@ class Agent:
                 continue
             if not rehome.responsible(self.node, online):
                 return
-            listed = self._listed_elsewhere() | set(self.supervisor.workers)
-            plan = rehome.plan_rehome(node, self.hosted_by_node, online, listed, int(self.wall()))
+            wall = self.wall()  # one reading: the specs' floor and our record's time (_rehomed_here)
+            listed = self._listed_elsewhere() | set(self.supervisor.workers) | set(self._rehome_claims)
+            plan = rehome.plan_rehome(node, self.hosted_by_node, online, listed, int(wall),
+                                      departing=self._departing())
             self._rehomed.add(node)
             if plan:
                 record = self.rehomed_by_node.setdefault(self.node, {})
-                record.update((str(d["instance"]), self.wall()) for d in plan)
+                record.update((str(d["instance"]), wall) for d in plan)
                 for inst in sorted(record, key=record.get)[:-REHOMED_KEPT]:
                     del record[inst]  # bounded: the oldest entries go first
                 self._publish(topics.agent_rehomed(self.cluster, self.node),
@@ -1632,14 +1688,60 @@ class Agent:
                     log.error("cannot re-home %s: %s", data.get("instance"), exc, extra={"node": self.node})
                     continue
 
-                def reply(result: Dict[str, Any], inst: str = spec.instance) -> None:
-                    if not result.get("ok"):
-                        log.error("re-homing %s failed: %s", inst, result.get("error"), extra={"node": self.node})
-                        self._rehomed.discard(node)  # try again at the next period
-                    else:
-                        self._stated_move(inst, result.get("node"))  # the re-homer says where
+                self._start_rehome(node, spec, now)
 
-                self._create_node(spec, reply, cause="rehome", now=now)
+    def _start_rehome(self, node: str, spec: InstanceSpec, now: float) -> None:
+        def reply(result: Dict[str, Any]) -> None:
+            if not result.get("ok"):
+                log.error("re-homing %s failed: %s", spec.instance, result.get("error"), extra={"node": self.node})
+                self._rehome_failed(node, spec)
+            else:
+                self._stated_move(spec.instance, result.get("node"))  # the re-homer says where
+
+        self._rehome_claims[spec.instance] = now
+        self._create_node(spec, reply, cause="rehome", now=now)
+
+    def _retry_failed_rehomes(self, now: float) -> None:
+        """A re-home that failed after its node came back (seed 12026): the next plan of that node
+        never comes (it is online), and the node, seeing our re-homed record at its reconnect, may
+        have forgotten the instance: it ran nowhere. Once the node has been back long enough for
+        its state to show what it re-adopted, an instance that no online node runs is re-homed
+        again, under a new epoch floor (`_rehomed_here`). One whose node is offline again is left
+        to that node's next plan."""
+        if not self._rehome_retry or not self.connected or self._stopping_since is not None:
+            return
+        listed = self._listed_elsewhere() | set(self.supervisor.workers) | set(self._rehome_claims)
+        settle = READOPT_SETTLE + 2 * self.cfg.agent.state_period
+        for inst, (node, spec) in sorted(self._rehome_retry.items()):
+            if inst in listed or not self.online.get(node):
+                del self._rehome_retry[inst]  # it runs somewhere, or the node's next plan takes it
+                continue
+            if now - self._online_since.get(node, now) < settle:
+                continue
+            del self._rehome_retry[inst]
+            wall = self.wall()
+            floor = max(int(spec.extra.get("min_epoch", 0) or 0), int(wall))
+            record = self.rehomed_by_node.setdefault(self.node, {})
+            record[inst] = float(floor)
+            self._publish(topics.agent_rehomed(self.cluster, self.node),
+                          json.dumps(record, sort_keys=True).encode(), retain=True)
+            log.warning("re-homing %s again: node %s is back and does not run it", inst, node, extra={"node": self.node})
+            self._start_rehome(node, dataclasses.replace(spec, extra={**spec.extra, "min_epoch": floor}), now)
+
+    def _rehome_failed(self, node: str, spec: InstanceSpec) -> None:
+        """Try the instance again: at the next plan of its node while the node is offline, once
+        the node has been back a while otherwise (`_retry_failed_rehomes`). Until then our
+        re-homed record does not claim it: a returning node would otherwise forget an instance
+        that runs nowhere (`_taken_over`)."""
+        instance = spec.instance
+        self._rehomed.discard(node)
+        self._rehome_claims.pop(instance, None)
+        if len(self._rehome_retry) < REHOMED_KEPT:
+            self._rehome_retry[instance] = (node, spec)
+        record = self.rehomed_by_node.get(self.node, {})
+        if record.pop(instance, None) is not None and self.connected:
+            self._publish(topics.agent_rehomed(self.cluster, self.node),
+                          json.dumps(record, sort_keys=True).encode(), retain=True)
 
     def _drop_stale(self, pipeline: str, now: float) -> None:
         """The record of `pipeline` changed: every instance of it that the record now rules out

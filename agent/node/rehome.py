@@ -90,12 +90,22 @@ def plan_rehome(
     online: Set[str],
     listed_online: Set[str],
     min_epoch: int,
+    departing: Iterable[str] = (),
 ) -> List[Dict[str, Any]]:
     """The specs to start elsewhere for the instances of `dead` (sorted by instance id).
 
     `hosted_by_node`: every node's retained hosted record; `online`: the nodes online now;
-    `listed_online`: instance ids an online node lists in its state (already running somewhere).
+    `listed_online`: instance ids an online node lists in its state (already running somewhere);
+    `departing`: instances whose scaling core reports "departing" or "terminated" (their node's
+    state): past the predecessor phase of their deletion, they still run (draining) or are
+    about to leave the hosted records, but no predecessor may route to them any more. They stay
+    out of a re-homed instance's successors: the dead predecessor had acked their Deletion, and
+    its new incarnation would send records nobody processes (seed 11029, docs/reliability.md).
+    An instance still "deleting" stays in: its Deletion, sent again on silence, reaches the new
+    incarnation, which applies it. Predecessors are never left out: a departing instance still
+    sends its last records and its Deletion to its successors.
     """
+    gone = set(departing)
     cache: Dict[str, List[str]] = {}
     members: Dict[Tuple[str, str], Set[str]] = {}
     for node, specs in hosted_by_node.items():
@@ -113,7 +123,7 @@ def plan_rehome(
         i = order.index(str(s["operator"]))
         pipeline = str(s["pipeline"])
         preds = sorted(members.get((pipeline, order[i - 1]), ())) if i > 0 else []
-        succs = sorted(members.get((pipeline, order[i + 1]), ())) if i + 1 < len(order) else []
+        succs = sorted(members.get((pipeline, order[i + 1]), set()) - gone) if i + 1 < len(order) else []
         extra = dict(s.get("extra") or {})
         extra["min_epoch"] = max(int(extra.get("min_epoch", 0) or 0), int(min_epoch))
         out.append({**s, "succs": succs, "preds": preds, "restart": True, "active": True, "extra": extra})

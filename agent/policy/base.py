@@ -245,10 +245,8 @@ def make_policy(name: str, scaling: "object" = None) -> Policy:
         if scaling is None:
             return SizedPolicy()
         return SizedPolicy(min_instances=scaling.min_instances, max_instances=scaling.max_instances)
-    if name == "seasonal":  # no learned profile from a [scaling] section yet: hysteresis on the recent peak
-        from agent.policy.seasonal import SeasonalPolicy
+    if name == "seasonal":  # plan mode with a learned `profile`, else hysteresis on the recent peak
+        from agent.policy.seasonal import SeasonalPolicy, from_scaling
 
-        if scaling is None:
-            return SeasonalPolicy()
-        return SeasonalPolicy(min_instances=scaling.min_instances, max_instances=scaling.max_instances)
+        return SeasonalPolicy() if scaling is None else from_scaling(scaling)
     raise ValueError(f"unknown policy {name!r}: expected one of {', '.join(POLICY_NAMES)}")

@@ -42,6 +42,7 @@ class PeriodInputs:
     backpressure: float
     is_keeper: bool
     draw: float
+    wall: Optional[float] = None  # unix time of `now`: the clock of a policy with clock = "wall"
 
 
 def to_decision(action: ScalingAction) -> Decision:
@@ -92,8 +93,9 @@ class LivePolicy:
 
     def measurements(self, p: PeriodInputs) -> Measurements:
         ctx = self.context or {"n": 1, "rank": None, "nd_max_ms": 0.0, "upstream_backpressure": 0.0}
+        wall = getattr(self.policy, "clock", "monotonic") == "wall" and p.wall is not None
         return Measurements(
-            now=p.now, load=max(0.0, p.input_rate), throughput=max(0.0, p.processed_rate), capacity=p.capacity,
+            now=p.wall if wall else p.now, load=max(0.0, p.input_rate), throughput=max(0.0, p.processed_rate), capacity=p.capacity,
             cpu=None,  # utilisation = processed / live capacity: the busy share, emulated service time included
             backpressure=p.backpressure, upstream_backpressure=ctx["upstream_backpressure"], n_instances=ctx["n"],
             nd_max_ms=ctx["nd_max_ms"], rank=ctx["rank"], is_keeper=p.is_keeper, draw=p.draw,

@@ -20,8 +20,9 @@ The rule with a profile and `segments` (plan mode, what the simulator runs): `pl
 profile into at most `segments` constant pieces at the profile's maximum over each piece, least
 total first. At each plan boundary the level is sampled and the instances needed for
 level x plan x (1 + margin) are fixed until the next boundary. Every period:
-- scale out to max(that count, needed(last input x (1 + margin_up)), n + 1) when either exceeds n
-  or this operator is the root of the back pressure (Gesscale Algorithm 1);
+- scale out to max(that count, needed(last input x (1 + margin_up)), n + 1) when the count exceeds
+  n (at once), or when the input's count exceeds n or this operator is the root of the back
+  pressure (Gesscale Algorithm 1) for `patience` consecutive periods;
 - scale in to max(that count, needed(recent peak x (1 + margin_up))) after `hold` quiet periods
   without back pressure, by `min_step` or more, `cooldown_in` after the last action.
 
@@ -38,12 +39,21 @@ from __future__ import annotations
 
 import statistics
 from functools import lru_cache
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from agent.policy.base import NO_ACTION, HeldScaleIn, Measurements, ScalingAction, share_of_delta
 from agent.policy.model import MstPoint, MstPoints, is_overload_root
 
-__all__ = ["SeasonalPolicy", "learn_profile", "plan_day"]
+__all__ = ["SeasonalPolicy", "learn_profile", "plan_day", "OPERATING_POINT", "COOLDOWN_IN_PERIODS", "COOLDOWN_OUT_PERIODS",
+           "from_scaling"]
+
+# The operating point the simulator measures and a live operator with a profile runs (chosen on
+# seeds 100-104 with training days 0-2, not the table's seeds 0-9: docs/measurement.md).
+OPERATING_POINT: Dict[str, Any] = dict(segments=6, margin=0.10, margin_up=0.10, hold=6, min_step=2)
+# Cooldowns in decision periods (the simulator's 60 s periods: out 60 s, in 240 s), so that an
+# operator deciding every second keeps the same point instead of a 240-period scale-in cooldown.
+COOLDOWN_OUT_PERIODS = 1.0
+COOLDOWN_IN_PERIODS = 4.0
 
 
 def learn_profile(rates: Sequence[float], slot_seconds: int, day_seconds: int) -> List[float]:
@@ -100,15 +110,20 @@ def plan_day(profile: Tuple[float, ...], segments: int) -> Tuple[float, ...]:
 
 
 class SeasonalPolicy(HeldScaleIn):
-    """One object per instance; every instance computes the same operator-level target."""
+    """One object per instance; every instance computes the same operator-level target.
+
+    `clock`: "monotonic" (Measurements.now counts from any origin, `phase` aligns it: the
+    simulator) or "wall" (a live operator: the daemon passes unix time as `now`, so every sibling,
+    on any node, reads the same slot of the day; `phase` = -profile_start)."""
 
     name = "seasonal"
+    clock = "monotonic"
 
     def __init__(self, profile: Optional[Sequence[float]] = None, slot_seconds: float = 60.0, phase: float = 0.0,
                  margin_up: float = 0.05, margin: float = 0.15, horizon_up: int = 12, horizon_down: int = 12,
                  level_periods: int = 5, hold: int = 3, min_step: int = 1, cooldown_out: float = 60.0,
                  cooldown_in: float = 240.0, min_instances: int = 1, max_instances: int = 64,
-                 max_points: int = 16, segments: Optional[int] = None) -> None:
+                 max_points: int = 16, segments: Optional[int] = None, patience: int = 1) -> None:
         if profile is not None and (not profile or min(profile) < 0):
             raise ValueError("profile must be a non-empty sequence of rates >= 0")
         if slot_seconds <= 0:
@@ -117,8 +132,8 @@ class SeasonalPolicy(HeldScaleIn):
             raise ValueError("margins and cooldowns must be >= 0")
         if segments is not None and segments < 1:
             raise ValueError(f"segments must be >= 1, found {segments}")
-        if min(horizon_up, horizon_down, level_periods, hold, min_step) < 1:
-            raise ValueError("horizons, level_periods, hold and min_step must be >= 1")
+        if min(horizon_up, horizon_down, level_periods, hold, min_step, patience) < 1:
+            raise ValueError("horizons, level_periods, hold, min_step and patience must be >= 1")
         if not 1 <= min_instances <= max_instances:
             raise ValueError(f"need 1 <= min_instances <= max_instances, found {min_instances}, {max_instances}")
         self.profile = tuple(float(x) for x in profile) if profile is not None else None
@@ -146,6 +161,11 @@ class SeasonalPolicy(HeldScaleIn):
         self.mst = MstPoints(max_points)
         self.low_periods = 0
         self.last_action_at: Optional[float] = None
+        # Plan mode: a reactive scale-out (input above the plan, or the back-pressure root) waits
+        # for `patience` consecutive overloaded periods; a burst shorter than that is ridden out
+        # on back pressure instead of costing two reconfigurations (out, and back after `hold`).
+        self.patience = patience
+        self.over_periods = 0
 
     # ---- model and forecast -------------------------------------------------------------------
 
@@ -220,7 +240,9 @@ class SeasonalPolicy(HeldScaleIn):
             self.desired = self.needed(self.planned * (1.0 + self.margin), m.nd_max_ms)
         planned, desired = self.planned, self.desired
         now_needs = self.needed(x * (1.0 + self.margin_up), m.nd_max_ms)
-        if desired > n or now_needs > n or is_overload_root(m.backpressure, m.upstream_backpressure):
+        over = now_needs > n or is_overload_root(m.backpressure, m.upstream_backpressure)
+        self.over_periods = self.over_periods + 1 if over else 0
+        if desired > n or (over and self.over_periods >= self.patience):
             self.low_periods = 0
             if since < self.cooldown_out or n >= self.max_instances:
                 return NO_ACTION
@@ -233,3 +255,18 @@ class SeasonalPolicy(HeldScaleIn):
         recent = self.needed(max(self.inputs[-self.hold:]) * (1.0 + self.margin_up), m.nd_max_ms)
         target = max(self.min_instances, desired, recent)
         return self.held_scale_in(m, n, target, since, f"plan {planned:.0f}/s fits {target} (< {n})")
+
+
+def from_scaling(scaling: Any) -> SeasonalPolicy:
+    """The policy an operator's `[scaling]` section (agent.config.ScalingSection) selects. With a
+    `profile`: plan mode at OPERATING_POINT on unix time (slot j of the day starts at
+    profile_start + j x profile_slot, modulo the day), cooldowns of 1 (out) and 4 (in) periods.
+    Without: hysteresis on the recent peak (the forecast is flat at the recent maximum)."""
+    if not scaling.profile:
+        return SeasonalPolicy(min_instances=scaling.min_instances, max_instances=scaling.max_instances)
+    pol = SeasonalPolicy(profile=scaling.profile, slot_seconds=scaling.profile_slot, phase=-scaling.profile_start,
+                         cooldown_out=COOLDOWN_OUT_PERIODS * scaling.period,
+                         cooldown_in=COOLDOWN_IN_PERIODS * scaling.period, min_instances=scaling.min_instances,
+                         max_instances=scaling.max_instances, **OPERATING_POINT)
+    pol.clock = "wall"
+    return pol

@@ -64,6 +64,7 @@ from agent.instance.events import (
 )
 from agent.instance.spec import InstanceSpec
 from agent.mqtt.settings import BrokerSpec
+from agent.node.rehome import plan_rehome
 from agent.protocol.scaling import InstanceState
 from agent.sim.checker import Violation
 
@@ -85,7 +86,7 @@ BROKER = BrokerSpec("127.0.0.1", 1)
 
 # The seeded faults the instance knows (agent.instance.core, agent.instance.driver).
 FAULTS = ("retry_only_with_data", "drain_holds_protocol", "rehome_rounds_from_one", "route_afresh",
-          "replay_to_departed")
+          "replay_to_departed", "rehome_stays", "resync_at_first_seen")
 
 
 def pipeline_text(batch: int = 1, window: int = 4) -> str:
@@ -495,7 +496,8 @@ class World:
                 # instances of the neighbouring operators, epoch above the dead incarnation's
                 # the wall clock at the re-homing: above any epoch an earlier one gave (one a move)
                 extra["min_epoch"] = REHOME_EPOCH + self.cfg.rehomes - self.budget["rehome"]
-                fields.update(active=True, preds=self._hosted(spec.operator, -1), succs=self._hosted(spec.operator, 1))
+                planned = self._rehome_plan(iid, extra["min_epoch"])
+                fields.update(active=True, preds=tuple(planned["preds"]), succs=tuple(planned["succs"]))
             self._boot(InstanceSpec(**{**spec.__dict__, **fields}), how)
             if iid in self.inst:
                 self._tick(iid)
@@ -550,15 +552,20 @@ class World:
         """Can the broker deliver to `iid` now (it runs, and its node is not cut off)?"""
         return iid not in self.down and self.node_of(iid) not in self.cut
 
-    def _hosted(self, operator: str, offset: int) -> Tuple[str, ...]:
-        """The instances of the operator `offset` stages from `operator` that some node hosts
-        (running or down, not gone for good): the re-homing agent's rebuilt tables."""
-        names = [op.name for op in self.pipeline.operators]
-        i = names.index(operator) + offset
-        if not 0 <= i < len(names):
-            return ()
-        return tuple(sorted(iid for iid, spec in self.specs.items() if spec.operator == names[i]
-                            and (iid in self.inst or iid in self.down)))
+    def _rehome_plan(self, iid: str, min_epoch: int) -> Dict[str, Any]:
+        """What agent.node.rehome.plan_rehome gives `iid` when its node is lost: the hosted
+        records are the instances running or down (not gone for good), the node states say
+        which ones are departing (their scaling core's state)."""
+        hosted: Dict[str, List[Dict[str, Any]]] = {}
+        for other, spec in sorted(self.specs.items()):
+            if other in self.inst or other in self.down or other == iid:
+                hosted.setdefault(self.node_of(other) if other != iid else "lost", []).append(
+                    {"instance": other, "operator": spec.operator, "pipeline": spec.pipeline,
+                     "pipeline_toml": self.toml, "extra": {}})
+        departing = {other for other in self.inst if self._core(other) is not None
+                     and self._core(other).state in (InstanceState.DEPARTING, InstanceState.TERMINATED)}
+        plan = plan_rehome("lost", hosted, set(hosted) - {"lost"}, set(), min_epoch, departing=departing)
+        return plan[0]
 
     def _remove_refused(self, copy_id: str) -> None:
         """The agent refused createNode(): the copy never existed. (The model boots a copy at the

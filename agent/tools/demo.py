@@ -105,6 +105,7 @@ class Fleet:
     log_level: str = "info"
     agent_args: Sequence[str] = ()  # extra `fog-agent run` options (e.g. --no-warm-worker)
     spill: bool = False  # [spill] on every agent, shipped by path into `landing`
+    extra_toml: str = ""  # appended to every agent's file (e.g. a [site_manager] section)
     # Each node's agent (and so its workers) reaches the broker through a proxy of its own
     # (agent.tools.delayproxy), which can cut the node off: the chaos fault `partition`.
     proxied: bool = False
@@ -160,7 +161,8 @@ class Fleet:
             shutdown_timeout=self.shutdown_timeout, dead_after=self.dead_after, host=self.host,
             port=self.proxies.port(node) if self.proxies is not None else self.port,
             inbox_per_node=str(self.inbox_per_node).lower(),
-        ) + (SPILL_TOML.format(spool_dir=self.workdir / f"spool-{node}", landing=self.landing) if self.spill else ""))
+        ) + (SPILL_TOML.format(spool_dir=self.workdir / f"spool-{node}", landing=self.landing) if self.spill else "")
+            + self.extra_toml)
         logf = open(self.workdir / f"{node}.log", "a")
         proc = subprocess.Popen(
             [sys.executable, "-m", "agent", "--log-level", self.log_level, "run", "--config", str(conf),
