@@ -310,6 +310,19 @@ class AgentProc:
         self.log.close()
 
 
+def wait_agents_up(agents: List[AgentProc], watcher: "Watcher") -> None:
+    """Until every agent has published its retained state. Waits on that event, not on a fixed
+    time: two agents starting at once took over 15 s at load ~20 (a python start and the
+    imports, shared cores); fails at once when an agent process exits, and after 90 s (a hang)."""
+    nodes = {a.node for a in agents}
+    deadline = time.monotonic() + 90.0
+    while not nodes <= set(watcher.snapshot("state")):
+        dead = [(a.node, a.proc.returncode) for a in agents if a.proc.poll() is not None]
+        assert not dead, f"agent exited before publishing its state: {dead}"
+        assert time.monotonic() < deadline, f"no state from {sorted(nodes - set(watcher.snapshot('state')))} in 90 s"
+        time.sleep(0.1)
+
+
 class Watcher:
     """A test MQTT client collecting retained state/status and events."""
 
@@ -393,7 +406,7 @@ def test_spawned_only_after_ready_local_then_remote(tmp_path: Path, mosquitto: A
     agents = [AgentProc(tmp_path, mosquitto, n, fake_worker, slots=2, cluster=cluster) for n in ("a1", "a2")]
     watcher = Watcher(mosquitto, cluster)
     try:
-        assert wait_until(lambda: len(watcher.snapshot("state")) == 2, 15)
+        wait_agents_up(agents, watcher)
         child = {"operator": "work", "extra": {"fake_log": str(fake_log), "fake": {"ready_delay": 0.6}}}
         spawner = {"instance": "p.work.0", "operator": "work", "pipeline": "p", "pipeline_toml": PIPELINE,
                    "extra": {"fake_log": str(fake_log),
