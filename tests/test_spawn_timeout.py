@@ -7,27 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
-import pytest
-
 from agent.instance.spec import InstanceSpec
 from agent.mqtt.settings import BrokerSpec
 from agent.node import rpc
+from pipelines import with_work
 
-PIPELINE = """
-[pipeline]
-name = "p"
-[[operator]]
-name = "source"
-kind = "source"
-function = "agent.operators.taxi:source"
-[[operator]]
-name = "work"
-function = "agent.operators.builtin:in_zone"
-[[operator]]
-name = "sink"
-kind = "sink"
-function = "agent.operators.builtin:counting_sink"
-"""
+PIPELINE = with_work("agent.operators.builtin:in_zone")
 
 
 def test_a_spawn_that_times_out_is_not_placed_again_under_the_same_identity(tmp_path: Path) -> None:
