@@ -310,6 +310,19 @@ class AgentProc:
         self.log.close()
 
 
+def wait_agents_up(agents: List[AgentProc], watcher: "Watcher") -> None:
+    """Until every agent has published its retained state. Waits on that event, not on a fixed
+    time: two agents starting at once took over 15 s at load ~20 (a python start and the
+    imports, shared cores); fails at once when an agent process exits, and after 90 s (a hang)."""
+    nodes = {a.node for a in agents}
+    deadline = time.monotonic() + 90.0
+    while not nodes <= set(watcher.snapshot("state")):
+        dead = [(a.node, a.proc.returncode) for a in agents if a.proc.poll() is not None]
+        assert not dead, f"agent exited before publishing its state: {dead}"
+        assert time.monotonic() < deadline, f"no state from {sorted(nodes - set(watcher.snapshot('state')))} in 90 s"
+        time.sleep(0.1)
+
+
 class Watcher:
     """A test MQTT client collecting retained state/status and events."""
 
@@ -393,7 +406,7 @@ def test_spawned_only_after_ready_local_then_remote(tmp_path: Path, mosquitto: A
     agents = [AgentProc(tmp_path, mosquitto, n, fake_worker, slots=2, cluster=cluster) for n in ("a1", "a2")]
     watcher = Watcher(mosquitto, cluster)
     try:
-        assert wait_until(lambda: len(watcher.snapshot("state")) == 2, 15)
+        wait_agents_up(agents, watcher)
         child = {"operator": "work", "extra": {"fake_log": str(fake_log), "fake": {"ready_delay": 0.6}}}
         spawner = {"instance": "p.work.0", "operator": "work", "pipeline": "p", "pipeline_toml": PIPELINE,
                    "extra": {"fake_log": str(fake_log),
@@ -402,13 +415,17 @@ def test_spawned_only_after_ready_local_then_remote(tmp_path: Path, mosquitto: A
         assert wait_until(lambda: sum(1 for e in read_log(fake_log) if e["event"] == "spawned") == 4, 20)
         events = read_log(fake_log)
         ready_at = {e["instance"]: e["t"] for e in events if e["event"] == "ready"}
-        all_replies = [e for e in events if e["event"] == "spawned"]
+        # in the order of the requests (r0..r3), not of the answers: each answer waits for its
+        # worker's "ready", and a local worker can start slower than a remote one under load
+        all_replies = sorted((e for e in events if e["event"] == "spawned"), key=lambda e: e["msg"]["request"])
         replies = [r for r in all_replies if r["msg"]["ok"]]
         refused = [r["msg"] for r in all_replies if not r["msg"]["ok"]]
         # 4 slots: the spawner and 3 children fit, the 4th child is refused with a reason
         assert len(replies) == 3 and len(refused) == 1 and "slot" in refused[0]["error"], all_replies
+        answers = [r["msg"] for r in all_replies]
+        assert refused[0]["request"] == "r3", answers
         nodes = [r["msg"]["node"] for r in replies]
-        assert nodes[0] == "a1" and sorted(nodes) == ["a1", "a2", "a2"]  # local slot first, then remote
+        assert nodes == ["a1", "a2", "a2"], answers  # the local slot to the first request, then remote
         for r in replies:
             new = r["msg"]["instance"]
             assert new in ready_at, f"{new} announced but never ready"

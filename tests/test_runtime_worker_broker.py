@@ -528,15 +528,23 @@ def test_copies_of_one_round_are_spawned_at_once(runner, mosquitto, tmp_path: Pa
         ],
         scaling={"policy": "none"},
     )
+    t0 = time.monotonic()
     procs = start_pipeline(runner, mosquitto, tmp_path, toml, "multi")
+    # The copies start in parallel, sharing the cores: on a loaded machine (load 43-62) ~11
+    # processes were still starting 30 s in. So the wait for them is twice what the 3
+    # sequential starts above took each, once per copy (at least 30 s), and the runner's own
+    # bound (20 s, which would fail a slow spawn first) is out of its way.
+    per_start = (time.monotonic() - t0) / 3
+    runner.ready_timeout = 600.0
     work = procs["validate"]
 
     def multi_copy_decision():
         return [d for d in work.stats.get("decisions", []) if d.get("kind") == "scale_out" and len(d["new"]) >= 2]
 
-    wait_for(lambda: multi_copy_decision() and all(i in runner.spawned for i in multi_copy_decision()[0]["new"]),
-             30, "a decision for several copies, all spawned")
+    wait_for(multi_copy_decision, 30, "a decision for several copies")
     new = set(multi_copy_decision()[0]["new"])
+    wait_for(lambda: all(i in runner.spawned for i in new), max(30.0, 2 * len(new) * per_start),
+             f"the {len(new)} copies of one decision to be spawned ({per_start:.1f} s per start before)")
     asked = [t for c, i, t in runner.spawn_requests if i in new]
     answered = [t for c, i, t in runner.spawn_replies if i in new]
     assert len(asked) == len(new) and len(answered) == len(new)

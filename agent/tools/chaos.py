@@ -27,7 +27,9 @@ seeded pause):
   broker fires the node's Will and the clients reconnect on heal with their sessions. With
   re-homing on (`rehoming`, or kill-node among the faults) a partition longer than `dead_after`
   re-homes instances whose originals still run, and on heal the agent fences them before its
-  workers may reconnect (see docs/reliability.md).
+  workers may reconnect (see docs/reliability.md). `partition_until_rehomed` (the tests of
+  that path) keeps the node cut past the drawn time until all its keepers run elsewhere, so
+  that the heal comes after the re-homing however slowly a loaded machine starts the workers.
 
 Recovery time of a fault: from the moment it was injected until every instance that was active
 before it is active again with a heartbeat newer than the end of the fault (or left through a
@@ -167,6 +169,9 @@ class ChaosConfig:
     fgme_damping: bool = False  # the pipeline's [pipeline] fgme_damping (DEVIATION 4 in the lock nodes)
     pipeline: str = "demo"  # or "stateful": a keyed window, verified window by window
     chain: bool = False  # the demo pipeline's [pipeline] chain: keepers in chain processes
+    # partition: stay cut past the drawn time until every keeper of the node is active
+    # elsewhere (at most recovery_timeout more): a heal after the re-homing whatever the load
+    partition_until_rehomed: bool = False
 
     def __post_init__(self) -> None:
         if self.pipeline not in PIPELINES:
@@ -414,20 +419,34 @@ class Nemesis:
     def partition(self, target: Optional[str]) -> Tuple[str, Dict[str, Any]]:
         node = target or self.rng.choice(list(self.cfg.nodes))
         hosted = {i for i, e in _active_instances(self.mon).items() if e["node"] == node}
-        cut = round(self.rng.uniform(*self.cfg.partition), 2)
+        drawn = round(self.rng.uniform(*self.cfg.partition), 2)
         proxy = self.fleet.proxies.proxies[node]
+
+        # keepers only: a copy may leave (a scale-in round) instead of being re-homed
+        keepers = {i for i, e in _active_instances(self.mon).items() if e["node"] == node and e.get("keeper")}
+
+        def elsewhere() -> List[str]:
+            return sorted(i for i, e in _active_instances(self.mon).items() if i in hosted and e["node"] != node)
+
+        # Will (15-20 s) + dead_after + the re-homed workers' start: the last one is slower
+        # the more loaded the machine, so `partition_until_rehomed` waits for it
+        until_rehomed = self.cfg.partition_until_rehomed
         proxy.cut()
-        end, offline_after = time.monotonic() + cut, None
+        start = time.monotonic()
+        end, last, offline_after = start + drawn, start + drawn + self.cfg.recovery_timeout, None
         try:
-            while time.monotonic() < end:  # the broker fires the node's Will after 1.5 keepalives
+            while True:  # the broker fires the node's Will after 1.5 keepalives
+                now = time.monotonic()
                 if offline_after is None and self.mon.status.get(node) == "offline":
-                    offline_after = round(cut - (end - time.monotonic()), 2)
-                time.sleep(min(0.2, max(0.0, end - time.monotonic())))
+                    offline_after = round(now - start, 2)
+                if now >= end and (not until_rehomed or now >= last or keepers <= set(elsewhere())):
+                    break
+                time.sleep(min(0.2, end - now) if now < end else 0.2)
         finally:
             proxy.heal()
-        elsewhere = sorted(i for i, e in _active_instances(self.mon).items() if i in hosted and e["node"] != node)
-        return node, {"cut_s": cut, "offline_after_s": offline_after, "instances": sorted(hosted),
-                      "active_elsewhere_at_heal": elsewhere}
+        healed = round(time.monotonic() - start, 2)
+        return node, {"cut_s": drawn, "healed_after_s": healed, "offline_after_s": offline_after,
+                      "instances": sorted(hosted), "active_elsewhere_at_heal": elsewhere()}
 
 
 def _signal(pid: int, sig: int) -> None:
@@ -474,7 +493,13 @@ def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dic
     try:
         fleet.start()
         mon = Monitor(fleet.host, fleet.port, fleet.cluster)
-        if not mon.wait(lambda m: sum(1 for s in m.status.values() if s == "online") == len(cfg.nodes), 30):
+        # on the event, not a fixed time: 3 agents starting at once took over 30 s at load ~19;
+        # an agent that exits fails the run at once, 120 s only bounds a hang
+        def up_or_dead(m: Monitor) -> bool:
+            online = sum(1 for s in m.status.values() if s == "online") == len(cfg.nodes)
+            return online or any(p.poll() is not None for p in fleet.procs.values())
+
+        if not mon.wait(up_or_dead, 120) or any(p.poll() is not None for p in fleet.procs.values()):
             raise RuntimeError(f"agents did not come online (logs in {workdir})")
         fleet.deploy(text, extra=dict(cfg.deploy_extra))
         t0 = time.monotonic()
