@@ -16,7 +16,11 @@ Measured in one run, on one private Mosquitto (docs/runtime.md, "Numbers"):
   acks), records/s at the sink;
 - ratio = pipeline / raw one process (goal >= 0.5), and against the two-process raw;
 - CPU ms per batch of every process of each part;
-- RSS of one idle worker (goal < 40 MB) next to a bare `python -c "import paho.mqtt.client"`.
+- RSS of one idle worker (goal < 40 MB) next to a bare `python -c "import paho.mqtt.client"`;
+- alternating (`--rounds`, `--slice`): the raws and the pipelines (whole chain, source -> chain
+  of 2, unchained) take turns in short slices, ratio per round to that round's raws and the
+  medians, so that a shared machine's load falls on both sides of a ratio alike
+  (docs/measurement.md, "An honest ratio: alternating slices").
 A phase in which the broker dropped any message (`$SYS/broker/publish/messages/dropped`) fails
 the bench (BenchFailed, exit 1): its numbers would count messages that were never delivered.
 
