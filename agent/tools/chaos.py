@@ -492,14 +492,7 @@ def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dic
     try:
         fleet.start()
         mon = Monitor(fleet.host, fleet.port, fleet.cluster)
-        # on the event, not a fixed time: 3 agents starting at once took over 30 s at load ~19;
-        # an agent that exits fails the run at once, 120 s only bounds a hang
-        def up_or_dead(m: Monitor) -> bool:
-            online = sum(1 for s in m.status.values() if s == "online") == len(cfg.nodes)
-            return online or any(p.poll() is not None for p in fleet.procs.values())
-
-        if not mon.wait(up_or_dead, 120) or any(p.poll() is not None for p in fleet.procs.values()):
-            raise RuntimeError(f"agents did not come online (logs in {workdir})")
+        fleet.wait_online(mon)
         fleet.deploy(text, extra=dict(cfg.deploy_extra))
         t0 = time.monotonic()
         say(f"chaos seed {cfg.seed}: {cfg.duration:.0f}s of load, faults "
