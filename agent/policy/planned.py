@@ -34,7 +34,7 @@ __all__ = ["PlannedPolicy", "plan_instances", "PLANNED_POINT", "MAX_HORIZON", "f
 
 # The operating point the simulator measures and a live operator with a profile runs (chosen on
 # seeds 100-104 with training days 0-2, not the table's seeds 0-9: docs/measurement.md).
-PLANNED_POINT: Dict[str, Any] = dict(margin=0.20, change_cost=20.0, track_level=False, react=False, hold_in=False)
+PLANNED_POINT: Dict[str, Any] = dict(margin=0.18, change_cost=15.0, track_level=False, react=False, hold_in=False)
 # The plan looks at most a day of minutes ahead (the DP is O(horizon x max_instances) per period).
 MAX_HORIZON = 1440
 
