@@ -27,7 +27,7 @@ from functools import lru_cache
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from agent.policy.base import NO_ACTION, Measurements, ScalingAction, share_of_delta
-from agent.policy.model import MstPoint, is_overload_root
+from agent.policy.model import is_overload_root
 from agent.policy.seasonal import COOLDOWN_IN_PERIODS, COOLDOWN_OUT_PERIODS, SeasonalPolicy
 
 __all__ = ["PlannedPolicy", "plan_instances", "PLANNED_POINT", "MAX_HORIZON", "from_scaling"]
@@ -95,16 +95,7 @@ class PlannedPolicy(SeasonalPolicy):
     def decide(self, m: Measurements) -> ScalingAction:
         if self.profile is None:
             return super().decide(m)
-        n = m.n_instances or 1
-        self.mst.record(MstPoint(n, m.nd_max_ms, m.capacity * n))
-        x = max(m.throughput * n, m.load * n)
-        self.inputs.append(x)
-        self.slots.append(self.slot(m.now))
-        self.backpressured.append(m.upstream_backpressure > 0 or m.backpressure > 0)
-        keep = max(self.hold, self.level_periods)
-        del self.inputs[:-keep], self.slots[:-keep], self.backpressured[:-keep]
-        since = m.now - self.last_action_at if self.last_action_at is not None else float("inf")
-
+        n, x, since = self.observe(m)
         lv = self.level() if self.track_level else 1.0
         s, size = self.slots[-1], len(self.profile)
         need = tuple(self.needed(lv * self.profile[(s + j) % size] * (1.0 + self.margin), m.nd_max_ms)

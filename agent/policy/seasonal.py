@@ -198,7 +198,9 @@ class SeasonalPolicy(HeldScaleIn):
 
     # ---- decision -----------------------------------------------------------------------------
 
-    def decide(self, m: Measurements) -> ScalingAction:
+    def observe(self, m: Measurements) -> Tuple[int, float, float]:
+        """Record one period's measurements (MST point, input, slot, back pressure); returns
+        (n, operator input estimate, seconds since the last action)."""
         n = m.n_instances or 1
         self.mst.record(MstPoint(n, m.nd_max_ms, m.capacity * n))
         x = max(m.throughput * n, m.load * n)
@@ -207,8 +209,10 @@ class SeasonalPolicy(HeldScaleIn):
         self.backpressured.append(m.upstream_backpressure > 0 or m.backpressure > 0)
         keep = max(self.hold, self.level_periods)
         del self.inputs[:-keep], self.slots[:-keep], self.backpressured[:-keep]
-        since = m.now - self.last_action_at if self.last_action_at is not None else float("inf")
+        return n, x, (m.now - self.last_action_at if self.last_action_at is not None else float("inf"))
 
+    def decide(self, m: Measurements) -> ScalingAction:
+        n, x, since = self.observe(m)
         if self.plan is not None:
             return self._follow_plan(m, n, x, since)
         near = max(x, self.forecast_peak(1))

@@ -27,6 +27,7 @@ from typing import Dict, List, Mapping, Sequence, Tuple
 
 from agent.sim.policies import Platform, RunResult, SimConfig, _demand, _ideal_mst
 from agent.sim.policies_oracle import cover_plans
+from agent.sim.policies_pareto import under_limits
 
 __all__ = ["plan_bound", "forecast_bound_curve", "forecast_of_test_days", "MARGINS"]
 
@@ -86,10 +87,7 @@ def forecast_bound_curve(threshold_runs: Sequence[RunResult], budgets: Sequence[
     top = max(budgets)
     per_seed = []
     for r in threshold_runs:
-        real = r.demand[::60]
-        minutes = len(real)
-        area = int(r.metrics.accuracy_u * minutes + 1e-9)
-        periods = int(r.metrics.timeshare_u * minutes + 1e-9)
-        forecast = forecast_of_test_days(r.seed, days, train_days, day_sigma)[:minutes]
+        real, area, periods = under_limits(r)
+        forecast = forecast_of_test_days(r.seed, days, train_days, day_sigma)[:len(real)]
         per_seed.append(plan_bound(real, forecast, mst, area, periods, top, SimConfig().initial, margins))
     return [(k, sum(b[k][0] for b in per_seed) / len(per_seed)) for k in budgets]
