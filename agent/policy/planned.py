@@ -28,7 +28,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from agent.policy.base import NO_ACTION, Measurements, ScalingAction, share_of_delta
 from agent.policy.model import is_overload_root
-from agent.policy.seasonal import COOLDOWN_IN_PERIODS, COOLDOWN_OUT_PERIODS, SeasonalPolicy
+from agent.policy import seasonal
+from agent.policy.seasonal import SeasonalPolicy
 
 __all__ = ["PlannedPolicy", "plan_instances", "PLANNED_POINT", "MAX_HORIZON", "from_scaling"]
 
@@ -116,12 +117,7 @@ class PlannedPolicy(SeasonalPolicy):
                 self.last_action_at = m.now
                 return share_of_delta(nxt - n, m, nxt, f"plan steps down to {nxt} (< {n})")
             return NO_ACTION
-        if any(self.backpressured[-self.hold:]):
-            self.low_periods = 0
-            return NO_ACTION
-        recent = self.needed(max(self.inputs[-self.hold:]) * (1.0 + self.margin_up), m.nd_max_ms)
-        target = max(self.min_instances, nxt, recent)
-        return self.held_scale_in(m, n, target, since, f"plan needs {nxt}, recent peak {recent} (< {n})")
+        return self.scale_in_above(m, n, nxt, since, f"plan needs {nxt}")
 
 
 @lru_cache(maxsize=64)
@@ -130,15 +126,7 @@ def _plan_first(start: int, need: Tuple[int, ...], change_cost: float, top: int)
     return plan_instances(start, need, change_cost, top)[0]
 
 
-def from_scaling(scaling: Any) -> PlannedPolicy:
-    """The policy an operator's `[scaling]` section (agent.config.ScalingSection) selects: with a
-    `profile`, PLANNED_POINT on unix time as `seasonal` (agent.policy.seasonal.from_scaling);
-    without one, `seasonal`'s hysteresis on the recent peak."""
-    if not scaling.profile:
-        return PlannedPolicy(min_instances=scaling.min_instances, max_instances=scaling.max_instances)
-    pol = PlannedPolicy(profile=scaling.profile, slot_seconds=scaling.profile_slot, phase=-scaling.profile_start,
-                        cooldown_out=COOLDOWN_OUT_PERIODS * scaling.period,
-                        cooldown_in=COOLDOWN_IN_PERIODS * scaling.period, min_instances=scaling.min_instances,
-                        max_instances=scaling.max_instances, **PLANNED_POINT)
-    pol.clock = "wall"
-    return pol
+def from_scaling(scaling: Any) -> SeasonalPolicy:
+    """The policy an operator's `[scaling]` section selects: with a `profile`, PLANNED_POINT on
+    unix time as `seasonal`; without one, `seasonal`'s hysteresis on the recent peak."""
+    return seasonal.from_scaling(scaling, PlannedPolicy, PLANNED_POINT)
