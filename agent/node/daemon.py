@@ -1507,19 +1507,18 @@ class Agent:
         else:
             self.supervisor.start_chain(group, now)
 
-    def _departing(self) -> Set[str]:
-        """Instances past the predecessor phase of their deletion (their scaling core says
-        departing or terminated): ours from the workers' last heartbeat, the other online
-        nodes' from their retained states. A re-homed predecessor leaves them out of its
-        successors (agent.node.rehome.plan_rehome)."""
-        gone = ("departing", "terminated")
-        out = {i for i, w in self.supervisor.workers.items() if w.stats.get("state") in gone}
+    def _in_state(self, states: Tuple[str, ...], nodes: Set[str]) -> Set[str]:
+        """Instances whose scaling core is in one of `states`: ours from the workers' last
+        heartbeat, those of the other `nodes` from their retained states (a lost node's last one
+        included). For agent.node.rehome.plan_rehome: departing instances stay out of a re-homed
+        predecessor's successors; idle copies are re-homed idle, and their creator told of them."""
+        out = {i for i, w in self.supervisor.workers.items() if w.stats.get("state") in states}
         for n, doc in self.fleet.items():
-            if n == self.node or not self.online.get(n):
+            if n == self.node or n not in nodes:
                 continue
             for i in doc.get("instances", []) or []:
                 stats = i.get("stats") if isinstance(i, dict) else None
-                if isinstance(stats, dict) and stats.get("state") in gone:
+                if isinstance(stats, dict) and stats.get("state") in states:
                     out.add(str(i.get("id")))
         return out
 
@@ -1666,7 +1665,8 @@ class Agent:
             wall = self.wall()  # one reading: the specs' floor and our record's time (_rehomed_here)
             listed = self._listed_elsewhere() | set(self.supervisor.workers) | set(self._rehome_claims)
             plan = rehome.plan_rehome(node, self.hosted_by_node, online, listed, int(wall),
-                                      departing=self._departing())
+                                      departing=self._in_state(("departing", "terminated"), online),
+                                      idle=self._in_state(("idle",), online | {node}))
             self._rehomed.add(node)
             if plan:
                 record = self.rehomed_by_node.setdefault(self.node, {})
