@@ -140,8 +140,9 @@ class ScalingDriver:
         self._idle_pings = 0
         # Re-homed: the idle copies our dead incarnation created (plan_rehome, `idle_copies`),
         # probed at our first tick and adopted on their echo before we may scale in.
+        # Names from other nodes' hosted records: only ones that can be a topic segment.
         self.expected: List[str] = [
-            str(c) for c in (spec.extra.get("idle_copies") or []) if isinstance(c, str)
+            c for c in (spec.extra.get("idle_copies") or []) if isinstance(c, str) and not set(c) & set("/+#\0")
         ][:MAX_PROBES] if self.rehomed and spec.active else []
         # copy -> (number of the probe we sent it, when: unanswered probes expire after PROBE_TTL)
         self.probes: Dict[str, Tuple[int, float]] = {}  # (on_idle_ping)

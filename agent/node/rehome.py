@@ -22,7 +22,8 @@ online node already lists (somebody re-homed it, or the node came back).
 What is lost with the node: the instance's persisted protocol state. A round it was in the middle
 of is not finished (its neighbours' resend on silence reaches the new incarnation, which answers as
 a fresh active instance); a copy it had created but not started is adopted by the new
-incarnation (agent.instance.worker: idle ping, probe, echo, `ScalingCore.adopt`). A sink's id file and
+incarnation (agent.instance.driver: idle ping or `idle_copies`, probe, echo, `ScalingCore.adopt`),
+and a copy lost while idle is re-homed idle (`plan_rehome`). A sink's id file and
 a source's position file live in `sink_dir`: on a real fleet put it on shared storage, or rely on
 the analytics' accounting to drop duplicate ids (docs/reliability.md).
 """

@@ -14,8 +14,9 @@ Broker model (MQTT 3.1.1 / Mosquitto with persistent sessions, QoS 1):
 - `dup`: the head of a queue is delivered twice (a QoS 1 re-send whose PUBACK was lost).
 Faults, each a move with a budget: `crash` (the instance loses its memory, including what it
 took from the broker but had not processed, and restarts from its last `Persist`), `rehome` (the
-same, but its state is gone with its node: restart from nothing above a new epoch floor, active,
-with tables rebuilt from the hosted instances, as agent.node.rehome plans it; op-0 or its copy),
+same, but its state is gone with its node: restart from nothing above a new epoch floor, active
+(idle, a copy that was idle), with tables rebuilt from the hosted instances, as agent.node.rehome
+plans it; op-0 or its copy),
 `refuse` (the instance's next publish is refused by its client), `broker` (the broker restarts:
 sessions and queues kept, the last delivery of each queue possibly repeated; or no session left,
 every queue gone and every client told `SessionLost`; or sessions kept but every queued message
