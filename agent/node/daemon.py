@@ -1678,7 +1678,8 @@ class Agent:
             idle = sorted(str(d["instance"]) for d in plan if not d.get("active"))
             told = sorted(str(d["instance"]) for d in plan if (d.get("extra") or {}).get("idle_copies"))
             log.warning("node %s offline for %.0fs: re-homing %d instances%s%s", node, now - since, len(plan),
-                        f", idle copies {idle}" if idle else "", f", creators told of idle copies {told}" if told else "",
+                        f", idle copies {idle}" if idle else "",
+                        f", creators told of idle copies {told}" if told else "",
                         extra={"node": self.node})
             for data in plan:
                 stale = records.stale_reason(records.spec_generation(data), self.records.get(str(data.get("pipeline"))))
