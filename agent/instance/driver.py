@@ -620,6 +620,8 @@ class ScalingDriver:
         if (sender in core.succs or sender in core.preds or sender in core.new_siblings
                 or sender in self.orphans or core.state is InstanceState.IDLE or core.terminated):
             return sender in core.new_siblings
+        if sender in self.probes and self.w.now - self.probes[sender][1] < IDLE_PING:
+            return True  # our probe is on its way (a new one would void the echo of this one)
         self._probe(sender)
         return True
 
