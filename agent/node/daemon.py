@@ -43,7 +43,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 from agent import events, notify, topics
 from agent.config import AgentConfig, check_tls, load_agent_config, load_pipeline_text, resolve_password
@@ -1507,25 +1507,28 @@ class Agent:
         else:
             self.supervisor.start_chain(group, now)
 
-    def _in_state(self, states: Tuple[str, ...], nodes: Set[str]) -> Set[str]:
+    def _in_state(self, states: Tuple[str, ...], lost: Optional[str] = None) -> Set[str]:
         """Instances whose scaling core is in one of `states`: ours from the workers' last
-        heartbeat, those of the other `nodes` from their retained states (a lost node's last one
-        included). For agent.node.rehome.plan_rehome: departing instances stay out of a re-homed
+        heartbeat, the other online nodes' (and the `lost` node's last one) from their retained
+        states. For agent.node.rehome.plan_rehome: departing instances stay out of a re-homed
         predecessor's successors; idle copies are re-homed idle, and their creator told of them."""
         out = {i for i, w in self.supervisor.workers.items() if w.stats.get("state") in states}
-        for n, doc in self.fleet.items():
-            if n == self.node or n not in nodes:
-                continue
-            for i in doc.get("instances", []) or []:
-                stats = i.get("stats") if isinstance(i, dict) else None
-                if isinstance(stats, dict) and stats.get("state") in states:
-                    out.add(str(i.get("id")))
+        for i in self._entries_elsewhere(lost):
+            stats = i.get("stats")
+            if isinstance(stats, dict) and stats.get("state") in states:
+                out.add(str(i.get("id")))
         return out
 
     def _listed_elsewhere(self) -> Set[str]:
         """Instance ids that another ONLINE node lists in its retained state."""
-        return {str(i.get("id")) for n, doc in self.fleet.items() if n != self.node and self.online.get(n)
-                for i in doc.get("instances", []) or [] if isinstance(i, dict)}
+        return {str(i.get("id")) for i in self._entries_elsewhere()}
+
+    def _entries_elsewhere(self, lost: Optional[str] = None) -> Iterator[Dict[str, Any]]:
+        """The instance entries of every other ONLINE node's retained state (and of the `lost`
+        node's last one)."""
+        for n, doc in self.fleet.items():
+            if n != self.node and (self.online.get(n) or n == lost):
+                yield from (i for i in doc.get("instances", []) or [] if isinstance(i, dict))
 
     def _grant_reconnects(self, now: float) -> None:
         """Let workers that lost their connection reconnect (re-homing on, see
@@ -1665,8 +1668,8 @@ class Agent:
             wall = self.wall()  # one reading: the specs' floor and our record's time (_rehomed_here)
             listed = self._listed_elsewhere() | set(self.supervisor.workers) | set(self._rehome_claims)
             plan = rehome.plan_rehome(node, self.hosted_by_node, online, listed, int(wall),
-                                      departing=self._in_state(("departing", "terminated"), online),
-                                      idle=self._in_state(("idle",), online | {node}))
+                                      departing=self._in_state(("departing", "terminated")),
+                                      idle=self._in_state(("idle",), lost=node))
             self._rehomed.add(node)
             if plan:
                 record = self.rehomed_by_node.setdefault(self.node, {})
