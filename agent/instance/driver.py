@@ -622,6 +622,10 @@ class ScalingDriver:
             return sender in core.new_siblings
         if sender in self.probes and self.w.now - self.probes[sender][1] < IDLE_PING:
             return True  # our probe is on its way (a new one would void the echo of this one)
+        if not self.may_probe(sender):
+            # Not named like a copy of ours: an instance of another operator we have a link
+            # with (a re-homed idle copy asks its predecessors for replays), never ours to start.
+            return False
         self._probe(sender)
         return True
 
