@@ -129,6 +129,9 @@ FAULT_REPLAY_TO_DEPARTED = "replay_to_departed"
 # A restarted receiver takes a predecessor's data at the first number it sees when its snapshot
 # does not hold that channel (session 11's `resync_past_lost_replays`).
 FAULT_RESYNC_AT_FIRST_SEEN = "resync_at_first_seen"
+# The wait for a replay marker starts its clock only at the first data batch it drops, not at a
+# protocol message or a duplicate (seed 9230: the sink never asked again, 4 records lost).
+FAULT_REPLAY_CLOCK_AT_DROP = "replay_clock_at_drop"
 
 
 class Phase(Enum):
@@ -798,6 +801,8 @@ class Instance:
                     self._reroute_departed(env.sender)
         if env.kind is Kind.ACK and tuple(env.body) == (0, 0) and self.scaling is not None:
             self.scaling.remind_departed(env.sender)  # a re-homed copy that forgot it left
+        if env.sender in self._awaiting_replay:
+            self._replay_wait_clock(env)
         # INVARIANT 1 (FIFO channel): envelopes are delivered in each sender's numbering, once.
         for e in self.inbound.receive(env):
             if e.kind is Kind.ACK:
@@ -858,6 +863,20 @@ class Instance:
         if since is None:
             self._awaiting_replay[env.sender] = (epoch, self.now)
         return True
+
+    def _replay_wait_clock(self, env: Envelope) -> None:
+        """Start the clock of the wait for `env.sender`'s replay marker (REPLAY_WAIT) at anything
+        it sends us but its marker: it is alive, so a marker that does not follow was lost. Not
+        only at a dropped data batch: a protocol message may open a channel the snapshot lacked
+        past data and a marker a broker rollback lost, and the replays of that data under their
+        own numbers then die in the channel as duplicates, never reaching `_before_replay`
+        (seed 9230 of the every-move mix, docs/reliability.md, "Replays in order"). A newer
+        epoch of the sender is no evidence: its data ends the wait."""
+        epoch, since = self._awaiting_replay[env.sender]
+        if since is not None or FAULT_REPLAY_CLOCK_AT_DROP in self.faults:
+            return
+        if (env.kind is not Kind.DATA or env.body) and (epoch is None or env.epoch <= epoch):
+            self._awaiting_replay[env.sender] = (epoch, self.now)
 
     def _send_replay_marker(self, dest: str) -> None:
         """An empty data batch on the channel to `dest`: what we send after it is our replay and
