@@ -46,6 +46,7 @@ from agent.instance.commands import (
     SaveRoutes,
 )
 from agent.instance.driver import ScalingDriver
+from agent.instance import groups as keygroup_table
 from agent.instance.events import (
     Abort, Control, EnvelopeHanded, EnvelopeReceived, Event, PubAcked, PublishAccepted, PublishRefused, Restarted,
     SessionLost, Spawned, Started, Tick,
@@ -162,7 +163,8 @@ class Instance:
 
     def __init__(self, spec: InstanceSpec, pipeline: PipelineConfig, operator: Any,
                  faults: FrozenSet[str] = frozenset(), perf: Callable[[], float] = _no_clock,
-                 cpu: Callable[[], float] = _no_clock, local: FrozenSet[str] = frozenset()) -> None:
+                 cpu: Callable[[], float] = _no_clock, local: FrozenSet[str] = frozenset(),
+                 next_keyed: bool = False) -> None:
         self.spec = spec
         self.pipeline = pipeline
         self.op = pipeline.operator(spec.operator)
@@ -215,7 +217,13 @@ class Instance:
             self.keyed = KeyedState(operator, spec.operator, pipeline.operators[self.stage - 1].key,
                                     self.op.key_groups)
         nxt = pipeline.operators[self.stage + 1] if self.stage + 1 < len(pipeline.operators) else None
-        self.router = Router(spec.succs, key=self.op.key, groups=nxt.key_groups if nxt is not None else 128)
+        # `next_keyed` (the shell resolves the next operator's function): its key groups move with
+        # their state, so we route by its group -> owner table (agent.instance.groups), dealt at
+        # deploy; a copy gets its creator's with its Start.
+        self.next_keyed = bool(next_keyed) and nxt is not None and self.op.key is not None
+        key_groups = nxt.key_groups if nxt is not None else 128
+        table = keygroup_table.initial_table(spec.succs, key_groups) if self.next_keyed and spec.active else None
+        self.router = Router(spec.succs, key=self.op.key, groups=key_groups, table=table)
         self.outbox = Outbox(self.router, self.op.batch_size, self.op.linger_ms / 1000.0)
         # INVARIANT 8 (a record sent again goes where it went): a forwarding instance remembers
         # each record's successor where the next operator's instance count can change
@@ -426,6 +434,9 @@ class Instance:
             # The restored tables, not the spec's initial ones: since its creation the instance
             # may have been activated (a copy starts with none) or seen neighbours come and go.
             self.router.set_succs(self.scaling.core.routes()[0])
+            if self.next_keyed:
+                self.router.table = keygroup_table.restored_table(saved, self.router.succs, self.router.groups,
+                                                                  self.ctx)
         self.persist(force=True)
         if restart:
             # Tell each predecessor we are a new incarnation (an ack of nothing, numbered in our
@@ -1544,6 +1555,17 @@ class Instance:
 
     # ---- routes (called by the scaling driver) -----------------------------------------------------
 
+    def start_field(self) -> Optional[Dict[str, Any]]:
+        """The extra field of a Start we send a copy of ours (agent.instance.groups): our table."""
+        return keygroup_table.start_field(self.router.table) if self.next_keyed else None
+
+    def on_start_field(self, field: Any, succs: Tuple[str, ...]) -> None:
+        """Our Start arrived (we are a copy; the Activate that follows sets `succs`): our
+        creator's group table, before any record is routed."""
+        if self.next_keyed:
+            self.router.table = keygroup_table.table_from_start(field, succs, self.router.groups, self.ctx)
+            self.mark_state_changed()
+
     def set_routes(self, succs: Tuple[str, ...], now: float) -> None:
         """INVARIANT 3 (route change before ack): the data path uses `succs` when this returns;
         the scaling driver sends the ack that follows only afterwards (same thread, in order)."""
@@ -1644,6 +1666,8 @@ class Instance:
     def persisted_state(self) -> Dict[str, Any]:
         """What a restart needs: epoch, channel positions, the scaling driver's state."""
         data: Dict[str, Any] = {"epoch": self.epoch, "inbound": self.inbound.snapshot()}
+        if self.router.table is not None:
+            data["group_table"] = self.router.table.to_wire()  # with the routing tables (the core's)
         if self.scaling is not None:
             data.update(self.scaling.persisted())
         return data

@@ -32,6 +32,7 @@ from agent.dataplane.inbound import LogLimiter
 from agent.instance.recovery import (
     RESEND_AFTER, LinkError, ReliableLinks, RoundMemory, decode_outputs, encode_outputs, silent_pending,
 )
+from agent.instance.groups import START_FIELD
 from agent.instance.rounds import RoundLog
 from agent.policy.decentralized import Action, Decision, ScalingParams
 from agent.policy.live import LIVE_POLICIES, LivePolicy, PeriodInputs
@@ -351,6 +352,11 @@ class ScalingDriver:
             self.lock_counts["in"][kind] = self.lock_counts["in"].get(kind, 0) + 1
         else:
             stats["protocol_in"] += 1
+        groups = None
+        if isinstance(env.body, dict) and env.body.get("type") == Start.type and START_FIELD in env.body:
+            body = dict(env.body)  # the key-group table next to the paper's fields: not the core's
+            groups = body.pop(START_FIELD)
+            env = replace(env, body=body)
         try:
             msg = self._from_dict(env.body)
             if msg.sender != env.sender:
@@ -362,6 +368,8 @@ class ScalingDriver:
                 return
             outs = self.core.handle(msg)
             self.memory.applied_now(msg)
+            if isinstance(msg, Start):
+                self.w.on_start_field(groups, self.core.routes()[0])
         except (ProtocolError, ValueError) as exc:
             # Unexpected or invalid: counted, logged once per sender, state unchanged.
             stats["protocol_errors"] += 1
@@ -658,7 +666,7 @@ class ScalingDriver:
         that is active by then rejects it as unexpected and nothing changes."""
 
         msg = Start(self.core.instance_id, self.core.stage, *self.core.routes())
-        self.w.send_envelope(copy, Kind.PROTO, msg.to_dict())
+        self.w.send_envelope(copy, Kind.PROTO, self._with_groups(msg.to_dict()))
         self.counts["protocol_resent"] += 1
         log.warning("%s is still idle: sent Start again", copy, extra=self.w.ctx)
 
@@ -675,6 +683,13 @@ class ScalingDriver:
             log.warning("no answer from %s for %.0fs in round %d: sent %s again", dest,
                         RESEND_AFTER, self.core.round, msg.type, extra=self.w.ctx)
 
+    def _with_groups(self, body: Dict[str, Any]) -> Dict[str, Any]:
+        """A Start's JSON with our key-group table (agent.instance.groups), when we have one."""
+        extra = self.w.start_field()
+        if extra is not None:
+            body[START_FIELD] = extra
+        return body
+
     # ---- outputs, strictly in order --------------------------------------------------------------
 
     def run_outputs(self, now: float) -> None:
@@ -687,6 +702,8 @@ class ScalingDriver:
                 # envelope each; data acks and heartbeats are separate (data plane, control pipe).
                 # 2-FGME lock messages travel the same way but are counted apart, by kind.
                 body = out.message.to_dict()
+                if out.message.type == "start":
+                    body = self._with_groups(body)
                 if self.links is not None:
                     body = self.links.stamp(out.dest, body, now)
                 w.send_envelope(out.dest, Kind.PROTO, body)

@@ -53,6 +53,7 @@ __all__ = [
     "sliding_window",
     "top_k",
     "keyed_config_problems",
+    "is_keyed",
 ]
 
 # The params every keyed operator understands (merge them into your own params_schema).
@@ -350,6 +351,13 @@ sliding_window = SlidingWindow
 top_k = TopK
 
 
+def is_keyed(obj: Any) -> bool:
+    """Is `obj` (an operator class, or one built) a keyed stateful operator? Its predecessors then
+    route by an explicit group -> owner table (agent.dataplane.owners): its groups move only with
+    their state."""
+    return (isinstance(obj, type) and issubclass(obj, KeyedOperator)) or isinstance(obj, KeyedOperator)
+
+
 def keyed_config_problems(cfg: Any, index: int, obj: Any) -> List[str]:
     """Why the pipeline `cfg` cannot run operator number `index`, whose function is `obj`, as a
     keyed operator (empty: it can, or it is not keyed). Said by check-config and by the worker
@@ -358,7 +366,7 @@ def keyed_config_problems(cfg: Any, index: int, obj: Any) -> List[str]:
     Its policy must be "none": the hand-over of key groups between instances is not wired into
     the scaling protocol yet, and a keyed operator that scaled would start the moved groups with
     no state. Its key field is the `key` of the operator before it (that key routes the records)."""
-    if not (isinstance(obj, type) and issubclass(obj, KeyedOperator)) and not isinstance(obj, KeyedOperator):
+    if not is_keyed(obj):
         return []
     op = cfg.operators[index]
     what = f"operator {op.name!r} keeps keyed state ({op.function})"

@@ -1,0 +1,175 @@
+"""The key-group table inside the sans-IO Instance (docs/operators.md, "Key groups that move"):
+an instance routing by key to a keyed operator routes by the group -> owner table, saves it with
+its routing tables, and hands it to a copy of itself with the copy's Start. No broker, no clock."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, List
+
+from agent import topics
+from agent.config import load_pipeline_text
+from agent.dataplane.envelope import Envelope, Kind, decode, encode, encode_data
+from agent.dataplane.keygroups import key_group, owner
+from agent.dataplane.owners import GroupTable
+from agent.instance.commands import Persist, Publish, RequestSpawn
+from agent.instance.core import Instance
+from agent.instance.events import Control, EnvelopeReceived, Restarted, Spawned, Started, Tick
+from agent.instance.spec import InstanceSpec
+from agent.protocol.messages import Duplication, DuplicationAck
+from agent.sim.instance_check import BROKER, CLUSTER, WALL0, MemoryMap
+
+GROUPS = 8
+TOML = "\n".join([
+    '[pipeline]', 'name = "chk"', '', '[scaling]', 'policy = "none"', '',
+    '[[operator]]', 'name = "source"', 'kind = "source"', 'function = "agent.operators.taxi:source"', '',
+    '[[operator]]', 'name = "op"', 'kind = "map"', 'function = "agent.operators.builtin:validate"', 'key = "k"',
+    'batch_size = 1', 'linger_ms = 0', 'max_inflight_batches = 64', '',
+    '[[operator]]', 'name = "cnt"', 'kind = "map"', 'function = "agent.operators.keyed:keyed_count"',
+    f'key_groups = {GROUPS}', '',
+    '[[operator]]', 'name = "sink"', 'kind = "sink"', 'function = "agent.operators.builtin:counting_sink"', '',
+])
+PIPELINE = load_pipeline_text(TOML, "test pipeline")
+SUCCS = ("cnt-a", "cnt-b")
+
+
+def make(instance: str = "op-0", succs: Any = SUCCS, active: bool = True, next_keyed: bool = True,
+         **extra: Any) -> Instance:
+    spec = InstanceSpec(instance, "op", "n1", CLUSTER, "chk", TOML, BROKER, succs=tuple(succs),
+                        preds=("source-0",) if active else (), keeper=active, active=active,
+                        state_dir="/nonexistent", heartbeat_period=3600.0, extra=dict(extra))
+    return Instance(spec, PIPELINE, MemoryMap(), next_keyed=next_keyed)
+
+
+def keys_per_group() -> List[str]:
+    """One key of each group."""
+    found = {}
+    i = 0
+    while len(found) < GROUPS:
+        found.setdefault(key_group(f"k{i}", GROUPS), f"k{i}")
+        i += 1
+    return [found[g] for g in range(GROUPS)]
+
+
+def where(inst: Instance, cmds: List[Any]) -> dict:
+    """key -> the successor its record was published to."""
+    out = {}
+    for c in cmds:
+        if isinstance(c, Publish) and "/inbox/" in c.topic:
+            env = decode(c.payload)
+            if env.kind is Kind.DATA:
+                dest = c.topic.split("/")[-2]
+                for _, _, rec in env.body:
+                    out[rec["k"]] = dest
+    return out
+
+
+def feed(inst: Instance, seq: int, keys: List[str], now: float) -> List[Any]:
+    """One batch from source-0 with a record per key, then a turn of the loop."""
+    body = [("src", seq * 100 + i, {"k": k}) for i, k in enumerate(keys)]
+    cmds = inst.handle(EnvelopeReceived(topics.inbox(CLUSTER, inst.spec.instance, "n1"),
+                                        encode_data("source-0", 0, seq, body)), now)
+    return cmds + inst.handle(Tick(WALL0 + now), now)
+
+
+def proto(sender: str, dest: str, seq: int, body: Any, now: float, inst: Instance) -> List[Any]:
+    env = Envelope(sender, 0, seq, Kind.PROTO, body)
+    cmds = inst.handle(EnvelopeReceived(topics.inbox(CLUSTER, dest, "n1"), encode(env)), now)
+    return cmds + inst.handle(Tick(WALL0 + now), now)
+
+
+def test_a_deployment_that_never_scales_routes_as_the_dealing_of_keygroups_owner() -> None:
+    keys = keys_per_group()
+    with_table, without = make(), make(next_keyed=False)
+    assert with_table.router.table == GroupTable.dealt(SUCCS, GROUPS) and without.router.table is None
+    for inst in (with_table, without):
+        inst.handle(Started(WALL0), 0.0)
+    routed = where(with_table, feed(with_table, 1, keys, 0.1))
+    assert routed == where(without, feed(without, 1, keys, 0.1))
+    assert routed == {k: owner(key_group(k, GROUPS), SUCCS) for k in keys}
+
+
+def test_a_copy_of_the_keyed_operator_gets_no_group_until_its_old_owner_redirects_one() -> None:
+    """Without the table a new successor would take every group dealt to it at once, state
+    and all left behind; with it, the Duplication changes nothing for the routing."""
+    keys = keys_per_group()
+    for next_keyed in (True, False):
+        inst = make(next_keyed=next_keyed)
+        inst.handle(Started(WALL0), 0.0)
+        dup = Duplication("cnt-a", 2, 1, ("cnt-c",)).to_dict()
+        cmds = proto("cnt-a", "op-0", 1, dup, 0.05, inst)
+        acks = [decode(c.payload).body for c in cmds if isinstance(c, Publish) and decode(c.payload).kind is Kind.PROTO]
+        assert [a["type"] for a in acks] == ["duplication_ack"] and "cnt-c" in inst.router.succs
+        routed = where(inst, feed(inst, 1, keys, 0.1))
+        if next_keyed:
+            assert routed == {k: owner(key_group(k, GROUPS), SUCCS) for k in keys}
+        else:
+            assert "cnt-c" in routed.values()  # the dealing over three: groups moved without state
+
+
+def test_the_table_is_saved_with_the_routing_tables_and_restored_after_a_restart() -> None:
+    keys = keys_per_group()
+    inst = make()
+    inst.handle(Started(WALL0), 0.0)
+    inst.router.table.moved(3, "cnt-a")  # as a Redirect would (dealt: group 3 -> cnt-b)
+    inst.mark_state_changed()
+    cmds = inst.handle(Tick(WALL0 + 0.1), 0.1)
+    saved = [c.state for c in cmds if isinstance(c, Persist)][-1]
+    assert saved["group_table"] == inst.router.table.to_wire()
+    again = make()
+    again.handle(Restarted(WALL0 + 1, json.loads(json.dumps(saved))), 1.0)
+    assert again.router.table == inst.router.table and again.router.table.version(3) == 1
+    routed = where(again, feed(again, 1, keys, 1.1))
+    assert routed[keys[3]] == "cnt-a"
+    # saved before tables existed: dealt over the restored successors
+    old = {k: v for k, v in saved.items() if k != "group_table"}
+    third = make()
+    third.handle(Restarted(WALL0 + 1, json.loads(json.dumps(old))), 1.0)
+    assert third.router.table == GroupTable.dealt(SUCCS, GROUPS)
+
+
+def test_a_copy_of_a_predecessor_inherits_its_creators_table_with_its_start() -> None:
+    keys = keys_per_group()
+    inst = make()
+    inst.handle(Started(WALL0), 0.0)
+    inst.router.table.moved(5, "cnt-a")
+    cmds = inst.handle(Control({"event": "scale", "action": "duplicate", "count": 1}), 0.1)
+    cmds += inst.handle(Tick(WALL0 + 0.1), 0.1)
+    req = next(c for c in cmds if isinstance(c, RequestSpawn))
+    copy_id = req.spec["instance"]
+    cmds = inst.handle(Spawned(req.request, True, ""), 0.2)
+    dups = [c for c in cmds if isinstance(c, Publish) and decode(c.payload).kind is Kind.PROTO]
+    assert sorted(c.topic.split("/")[-2] for c in dups) == sorted(("source-0",) + SUCCS)
+    starts: List[Any] = []
+    for i, peer in enumerate(sorted(("source-0",) + SUCCS)):
+        stage = 0 if peer == "source-0" else 2
+        ack = DuplicationAck(peer, stage, inst.scaling.core.round).to_dict()
+        starts += [c for c in proto(peer, "op-0", 1, ack, 0.3 + i / 100, inst)
+                   if isinstance(c, Publish) and c.topic.split("/")[-2] == copy_id]
+    start = decode(starts[-1].payload)
+    assert start.body["type"] == "start" and start.body["groups"]["table"] == inst.router.table.to_wire()
+
+    copy = make(copy_id, succs=(), active=False, creator="op-0")
+    copy.handle(Started(WALL0), 0.0)
+    assert copy.router.table is None
+    body = dict(start.body)
+    copy.handle(EnvelopeReceived(topics.inbox(CLUSTER, copy_id, "n1"),
+                                 encode(Envelope("op-0", 0, start.seq, Kind.PROTO, body))), 0.5)
+    copy.handle(Tick(WALL0 + 0.5), 0.5)
+    assert copy.scaling.data_enabled and copy.router.table == inst.router.table
+    routed = where(copy, feed(copy, 1, keys, 0.6))
+    assert routed[keys[5]] == "cnt-a"  # the moved group, not the dealing's cnt-b
+    saved = copy.persisted_state()
+    assert saved["group_table"] == inst.router.table.to_wire()
+
+
+def test_a_start_with_a_hostile_table_falls_back_to_the_dealing_over_its_successors() -> None:
+    copy = make("op-x", succs=(), active=False, creator="op-0")
+    copy.handle(Started(WALL0), 0.0)
+    body = {"type": "start", "sender": "op-0", "stage": 1, "succs": list(SUCCS), "preds": ["source-0"],
+            "groups": {"table": {"groups": GROUPS, "owners": ["cnt-a"], "o": [7] * GROUPS, "v": [0] * GROUPS}}}
+    copy.handle(EnvelopeReceived(topics.inbox(CLUSTER, "op-x", "n1"),
+                                 encode(Envelope("op-0", 0, 1, Kind.PROTO, body))), 0.1)
+    copy.handle(Tick(WALL0 + 0.1), 0.1)
+    assert copy.scaling.data_enabled and copy.router.table == GroupTable.dealt(SUCCS, GROUPS)
+    assert copy.stats["protocol_errors"] == 0
