@@ -47,6 +47,7 @@ from agent.instance.commands import (
 )
 from agent.instance.driver import ScalingDriver
 from agent.instance import groups as keygroup_table
+from agent.instance import moves as group_moves
 from agent.instance.events import (
     Abort, Control, EnvelopeHanded, EnvelopeReceived, Event, PubAcked, PublishAccepted, PublishRefused, Restarted,
     SessionLost, Spawned, Started, Tick,
@@ -216,6 +217,11 @@ class Instance:
                 raise ValueError("; ".join(problems))
             self.keyed = KeyedState(operator, spec.operator, pipeline.operators[self.stage - 1].key,
                                     self.op.key_groups)
+        # Its key groups and their moves (agent.instance.moves): a deployed instance holds every
+        # group (deploy starts one keeper per operator), a copy none until its Start names its share.
+        self.moves: Optional[group_moves.GroupMoves] = None
+        if self.keyed is not None:
+            self.moves = group_moves.GroupMoves(self, range(self.keyed.groups) if spec.active else ())
         nxt = pipeline.operators[self.stage + 1] if self.stage + 1 < len(pipeline.operators) else None
         # `next_keyed` (the shell resolves the next operator's function): its key groups move with
         # their state, so we route by its group -> owner table (agent.instance.groups), dealt at
@@ -402,6 +408,8 @@ class Instance:
             except ValueError as exc:
                 log.warning("%s: records replayed to us are routed afresh", exc, extra=self.ctx)
         self._begin(ev.wall, True, ev.state, ev.source_position)
+        if self.moves is not None and isinstance(ev.state.get("moves"), dict):
+            self.moves.restore(ev.state["moves"])
         if self.keyed is not None and ev.keyed is not None:
             again = self.keyed.restore(ev.keyed)
             if again:  # outputs the successors had not acked: sent again (the sink drops copies)
@@ -785,9 +793,17 @@ class Instance:
             return tuple(env.body) == (0, 0) and sc.may_probe(s)
         if self.inbound.position(s) is not None or s in self.links:
             return True
+        if (self.moves is not None and isinstance(env.body, dict) and env.body.get("type") in group_moves.HANDOVER_TYPES
+                and self._sibling(s)):
+            return True  # a hand-over between two instances of our operator (agent.instance.moves)
         if sc is None:
             return s in self.spec.preds or s in self.spec.succs
         return sc.knows(s)
+
+    def _sibling(self, name: str) -> bool:
+        """Can `name` be another instance of our operator (ScalingCore._new_id, deploy.keeper_id)?"""
+        return name != self.spec.instance and (name.startswith(f"{self.spec.operator}-")
+                                               or name == f"{self.spec.pipeline}.{self.spec.operator}.0")
 
     def _accept(self, env: Envelope) -> None:
         before = self.inbound.stats.duplicates + self.inbound.stats.stale_epoch
@@ -1198,6 +1214,8 @@ class Instance:
         if self.is_sink:
             self._record(items, index, env)
         elif self.keyed is not None:
+            if self.moves is not None:
+                items = self.moves.admit(env.sender, items, index)  # a group on its way here waits
             out = self.keyed.apply(env.sender, items, index, env.floors)
             if out:
                 self._forward(out, index, now)
@@ -1272,6 +1290,23 @@ class Instance:
         self.stats["spool_events"] += 1
 
     def _on_protocol(self, env: Envelope) -> None:
+        body = env.body
+        if isinstance(body, dict) and body.get("type") in group_moves.HANDOVER_TYPES:
+            self.stats["handover_in"] = self.stats.get("handover_in", 0) + 1
+            self.stats["handover_bytes_in"] = self.stats.get("handover_bytes_in", 0) + group_moves.body_size(body)
+            if body["type"] == "redirect" and self.next_keyed:
+                try:
+                    msg, _ = group_moves.decode(env.sender, body, self.router.groups)
+                    group_moves.on_redirect(self, env.sender, msg)
+                except (group_moves.HandoverError, ValueError) as exc:
+                    self.stats["handover_errors"] = self.stats.get("handover_errors", 0) + 1
+                    if self.log_limited(env.sender):
+                        log.warning("hand-over from %s: %s", env.sender[:64], exc, extra=self.ctx)
+            elif self.moves is not None:
+                self.moves.on_message(env.sender, body)
+            else:
+                self.stats["handover_errors"] = self.stats.get("handover_errors", 0) + 1
+            return
         if self.scaling is None:
             self.stats["protocol_in"] += 1
             self.stats["protocol_errors"] += 1
@@ -1498,6 +1533,10 @@ class Instance:
         if self.keyed is not None and self.keyed.lowest_unsaved() is not None:
             k = self.keyed.lowest_unsaved()
             low = k if low is None else min(low, k)
+        if self.moves is not None:
+            h = self.moves.lowest_held()  # records held for a group on its way: acked once applied and saved
+            if h is not None:
+                low = h if low is None else min(low, h)
         return low
 
     def _save_keyed(self) -> None:
@@ -1507,6 +1546,32 @@ class Instance:
         assert self.keyed is not None
         self.keyed.prune_outputs(self._lowest_forwarding())
         self._out.append(SaveKeyed(self.keyed))
+        if self.moves is not None:
+            self.moves.saved()
+
+    def save_keyed_now(self) -> None:
+        """A hand-over changed the keyed state (a group out or in): saved before what follows."""
+        self._save_keyed()
+        self.mark_state_changed()
+        self.persist(force=True)
+
+    def forward_outputs(self, items: List[Item], index: int) -> None:
+        """Outputs of held records applied once their group was installed (agent.instance.moves)."""
+        self._forward(items, index, self.now)
+
+    def log_limited(self, sender: str) -> bool:
+        """May a warning about `sender` be logged now (bounded per sender and in all)?"""
+        return self._refusals.allow((sender, "handover"), self.now)
+
+    def send_handover(self, dest: str, msg: Any, extra: Optional[Dict[str, Any]] = None) -> None:
+        """A hand-over message (agent.instance.moves) on the numbered channel to `dest`, counted
+        apart from the paper's protocol messages."""
+        body = group_moves.encode(msg)
+        if extra:
+            body.update(extra)
+        self.stats["handover_out"] = self.stats.get("handover_out", 0) + 1
+        self.stats["handover_bytes_out"] = self.stats.get("handover_bytes_out", 0) + group_moves.body_size(body)
+        self.send_envelope(dest, Kind.PROTO, body)
 
     def _lowest_forwarding(self) -> Optional[int]:
         """The lowest input index whose outputs are not all acked by the successors yet.
@@ -1629,6 +1694,8 @@ class Instance:
         s.update(self.operator.stats())
         if self.keyed is not None:
             s.update(self.keyed.stats())
+        if self.moves is not None:
+            s.update(self.moves.stats())
         if self.scaling is not None:
             s.update(self.scaling.stats())
         return s
@@ -1668,6 +1735,8 @@ class Instance:
         data: Dict[str, Any] = {"epoch": self.epoch, "inbound": self.inbound.snapshot()}
         if self.router.table is not None:
             data["group_table"] = self.router.table.to_wire()  # with the routing tables (the core's)
+        if self.moves is not None:
+            data["moves"] = self.moves.dump()
         if self.scaling is not None:
             data.update(self.scaling.persisted())
         return data
