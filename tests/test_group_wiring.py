@@ -5,6 +5,9 @@ its routing tables, and hands it to a copy of itself with the copy's Start. No b
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
+from pathlib import Path
 from typing import Any, List
 
 from agent import topics
@@ -12,7 +15,7 @@ from agent.config import load_pipeline_text
 from agent.dataplane.envelope import Envelope, Kind, decode, encode, encode_data
 from agent.dataplane.keygroups import key_group, owner
 from agent.dataplane.owners import GroupTable
-from agent.instance.commands import Persist, Publish, RequestSpawn
+from agent.instance.commands import Persist, Publish, RequestSpawn, SaveKeyed
 from agent.instance.core import Instance
 from agent.instance.events import (
     Control, EnvelopeReceived, PubAcked, PublishAccepted, Restarted, Spawned, Started, Tick,
@@ -192,11 +195,17 @@ class Net:
         self.chans: dict = {}
         self.out: List[Any] = []  # what reached the sink
         self.mid = 0
+        self.dir = Path(tempfile.mkdtemp(prefix="group-wiring-"))
+
+    def __del__(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
 
     def take(self, name: str, cmds: List[Any]) -> None:
         inst = self.insts[name]
         feedback = []
         for c in cmds:
+            if isinstance(c, SaveKeyed):  # as the shell: the keyed state on disk, then acks may go
+                c.state.save(self.dir / f"{name}.keyed.json")
             if not isinstance(c, Publish):
                 continue
             self.mid += 1
@@ -221,13 +230,15 @@ class Net:
             return False
         src, dest = self.rng.choice(ready)
         payload = self.chans[(src, dest)].pop(0)
-        if src == "sink-0":  # acks from the sink: numbered per receiver
+        if src == "sink-0" and "sink-0" not in self.insts:  # the fake sink's acks: numbered per receiver
             env = decode(payload)
             n = self._sink_seq = getattr(self, "_sink_seq", {})
             n[dest] = n.get(dest, 0) + 1
             payload = encode(Envelope("sink-0", 0, n[dest], Kind.ACK, env.body))
         self.now += 0.001
         inst = self.insts[dest]
+        if inst.exited:
+            return True  # gone: the broker keeps its inbox, nobody reads it
         cmds = inst.handle(EnvelopeReceived(topics.inbox(CLUSTER, dest, "n1"), payload), self.now)
         cmds += inst.handle(Tick(WALL0 + self.now), self.now)
         self.take(dest, cmds)
@@ -235,8 +246,9 @@ class Net:
 
     def tick_all(self) -> None:
         self.now += 0.01
-        for name, inst in self.insts.items():
-            self.take(name, inst.handle(Tick(WALL0 + self.now), self.now))
+        for name, inst in list(self.insts.items()):
+            if not inst.exited:
+                self.take(name, inst.handle(Tick(WALL0 + self.now), self.now))
 
 
 def keyed(name: str, owned: Any) -> Instance:
@@ -325,3 +337,149 @@ def test_a_sibling_may_send_only_hand_over_messages_and_a_stranger_none() -> Non
                 {"type": "offer", "g": GROUPS, "v": 1}, {"type": "eos", "g": "x"}):
         b.moves.on_message("cnt-a", bad)
     assert b.moves.counts["handover_errors"] == 4 and not b.moves.member.busy()
+
+
+# ---- steps 3 and 4: moves driven by the rounds --------------------------------------------------------
+
+KEEPER = "chk.cnt.0"
+
+
+class RecSink:
+    """A sink keeping every record it got (ids and values), duplicates included."""
+
+    kind = "sink"
+    deferred = False
+    reads_records = True
+
+    def __init__(self) -> None:
+        self.got: List[Any] = []
+
+    def record(self, items: List[Any]) -> List[Any]:
+        self.got += items
+        return []
+
+    def settle(self) -> int:
+        return 0
+
+    def writable(self) -> bool:
+        return True
+
+    def take_events(self) -> List[Any]:
+        return []
+
+    def stats(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class Fleet(Net):
+    """Net plus createNode(): a RequestSpawn starts the copy at once and answers "spawned"."""
+
+    def take(self, name: str, cmds: List[Any]) -> None:
+        super().take(name, cmds)
+        for c in cmds:
+            if isinstance(c, RequestSpawn):
+                spec = InstanceSpec.from_dict(c.spec) if hasattr(InstanceSpec, "from_dict") else None
+                if spec is None:
+                    spec = InstanceSpec.from_json(json.dumps(c.spec))
+                self.insts[spec.instance] = inst = build(spec)
+                self.take(spec.instance, inst.handle(Started(WALL0), self.now))
+                self.take(name, self.insts[name].handle(Spawned(c.request, True, ""), self.now))
+
+
+def build(spec: InstanceSpec) -> Instance:
+    from agent.operators.builtin import OperatorContext
+    from agent.operators.keyed import KeyedCount
+
+    if spec.operator == "cnt":
+        return Instance(spec, PIPELINE, KeyedCount(OperatorContext(spec.instance, "cnt", "n1", "map", params={})))
+    if spec.operator == "sink":
+        return Instance(spec, PIPELINE, RecSink())
+    return Instance(spec, PIPELINE, MemoryMap(), next_keyed=True)
+
+
+def fleet(seed: int) -> Fleet:
+    def spec(name: str, op: str, succs: Any, preds: Any) -> InstanceSpec:
+        return InstanceSpec(name, op, "n1", CLUSTER, "chk", TOML, BROKER, succs=succs, preds=preds, keeper=True,
+                            state_dir="/nonexistent", heartbeat_period=3600.0)
+
+    insts = {"op-0": build(spec("op-0", "op", (KEEPER,), ("source-0",))),
+             KEEPER: build(spec(KEEPER, "cnt", ("sink-0",), ("op-0",))),
+             "sink-0": build(spec("sink-0", "sink", (), (KEEPER,)))}
+    f = Fleet(insts, seed)
+    for name in list(insts):
+        f.take(name, insts[name].handle(Started(WALL0), 0.0))
+    return f
+
+
+def settle(f: Fleet, limit: int = 20000) -> None:
+    idle = 0
+    for _ in range(limit):
+        if f.step():
+            idle = 0
+            continue
+        f.tick_all()
+        idle += 1
+        if idle > 30:
+            return
+
+
+def control(f: Fleet, name: str, action: str) -> None:
+    inst = f.insts[name]
+    f.take(name, inst.handle(Control({"event": "scale", "action": action, "count": 1}), f.now))
+
+
+def counts_at_sink(f: Fleet) -> dict:
+    got = f.insts["sink-0"].operator.got
+    ids = [(s, q) for s, q, _ in got]
+    assert len(ids) == len(set(ids)), "an output id twice"
+    out: dict = {}
+    for _, _, rec in got:
+        out.setdefault(rec["key"], []).append(rec["count"])
+    return out
+
+
+def test_a_keyed_operator_scales_out_and_back_in_with_its_groups_moving_exactly_once() -> None:
+    keys = keys_per_group()
+    for seed in range(6):
+        f = fleet(seed)
+        p = f.insts["op-0"]
+        seq = 0
+
+        def batch() -> None:
+            nonlocal seq
+            seq += 1
+            f.take("op-0", feed(p, seq, keys, f.now))
+            for _ in range(f.rng.randrange(6)):
+                f.step()
+
+        for _ in range(3):
+            batch()
+        control(f, KEEPER, "duplicate")
+        for _ in range(6):
+            batch()
+        settle(f)
+        copies = [n for n in f.insts if n.startswith("cnt-")]
+        assert len(copies) == 1, f"seed {seed}: {sorted(f.insts)}"
+        c = f.insts[copies[0]]
+        k = f.insts[KEEPER]
+        assert len(c.moves.member.owned) == GROUPS // 2 and k.moves.member.owned == set(range(GROUPS)) - c.moves.member.owned
+        assert {p.router.table.owner(g) for g in c.moves.member.owned} == {copies[0]}
+        assert set(c.keyed.states) == c.moves.member.owned
+        for _ in range(3):
+            batch()
+        control(f, copies[0], "terminate")
+        for _ in range(4):
+            batch()
+        settle(f)
+        assert c.exited, f"seed {seed}: the copy did not leave"
+        assert k.moves.member.owned == set(range(GROUPS)) and set(p.router.table.instances()) == {KEEPER}
+        assert p.router.succs == (KEEPER,)
+        got = counts_at_sink(f)
+        assert {key: sorted(v) for key, v in got.items()} == {key: list(range(1, seq + 1)) for key in keys}, \
+            f"seed {seed}: each key's count must run 1..{seq} once"
+        assert p.stats["handover_errors"] if "handover_errors" in p.stats else True
+        assert k.moves.counts["handover_errors"] == c.moves.counts["handover_errors"] == 0
+        assert c.stats["handover_in"] >= GROUPS // 2 and k.stats["protocol_out"] > 0

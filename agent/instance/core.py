@@ -230,6 +230,7 @@ class Instance:
         key_groups = nxt.key_groups if nxt is not None else 128
         table = keygroup_table.initial_table(spec.succs, key_groups) if self.next_keyed and spec.active else None
         self.router = Router(spec.succs, key=self.op.key, groups=key_groups, table=table)
+        self._redirects_waiting: List[Tuple[str, Any]] = []  # an idle copy's, until its Start
         self.outbox = Outbox(self.router, self.op.batch_size, self.op.linger_ms / 1000.0)
         # INVARIANT 8 (a record sent again goes where it went): a forwarding instance remembers
         # each record's successor where the next operator's instance count can change
@@ -800,6 +801,17 @@ class Instance:
             return s in self.spec.preds or s in self.spec.succs
         return sc.knows(s)
 
+    def _take_redirect(self, sender: str, msg: Any) -> None:
+        try:
+            group_moves.on_redirect(self, sender, msg)
+        except group_moves.HandoverError as exc:
+            self._handover_error(sender, str(exc))
+
+    def _handover_error(self, sender: str, why: str) -> None:
+        self.stats["handover_errors"] = self.stats.get("handover_errors", 0) + 1
+        if self.log_limited(sender):
+            log.warning("hand-over from %s: %s", sender[:64], why, extra=self.ctx)
+
     def _sibling(self, name: str) -> bool:
         """Can `name` be another instance of our operator (ScalingCore._new_id, deploy.keeper_id)?"""
         return name != self.spec.instance and (name.startswith(f"{self.spec.operator}-")
@@ -1297,11 +1309,14 @@ class Instance:
             if body["type"] == "redirect" and self.next_keyed:
                 try:
                     msg, _ = group_moves.decode(env.sender, body, self.router.groups)
-                    group_moves.on_redirect(self, env.sender, msg)
-                except (group_moves.HandoverError, ValueError) as exc:
-                    self.stats["handover_errors"] = self.stats.get("handover_errors", 0) + 1
-                    if self.log_limited(env.sender):
-                        log.warning("hand-over from %s: %s", env.sender[:64], exc, extra=self.ctx)
+                except ValueError as exc:
+                    self._handover_error(env.sender, str(exc))
+                    return
+                if self.router.table is None:  # an idle copy: its table comes with its Start
+                    if len(self._redirects_waiting) < self.router.groups:
+                        self._redirects_waiting.append((env.sender, msg))
+                    return
+                self._take_redirect(env.sender, msg)
             elif self.moves is not None:
                 self.moves.on_message(env.sender, body)
             else:
@@ -1620,16 +1635,43 @@ class Instance:
 
     # ---- routes (called by the scaling driver) -----------------------------------------------------
 
-    def start_field(self) -> Optional[Dict[str, Any]]:
-        """The extra field of a Start we send a copy of ours (agent.instance.groups): our table."""
-        return keygroup_table.start_field(self.router.table) if self.next_keyed else None
+    def start_field(self, copy: str) -> Optional[Dict[str, Any]]:
+        """The extra field of a Start we send `copy` (agent.instance.groups): our group table, and
+        a keyed instance's share of its groups for the copy (agent.instance.moves)."""
+        out = keygroup_table.start_field(self.router.table) if self.next_keyed else None
+        if self.moves is not None:
+            out = dict(out or {}, share=[list(x) for x in self.moves.share_for(copy)])
+        return out
+
+    def after_start(self, copy: str, preds: Any) -> None:
+        """Our Start to `copy` is on its way: the moves of its share begin (docs/operators.md)."""
+        if self.moves is not None:
+            self.moves.start_share(copy, preds)
 
     def on_start_field(self, field: Any, succs: Tuple[str, ...]) -> None:
         """Our Start arrived (we are a copy; the Activate that follows sets `succs`): our
-        creator's group table, before any record is routed."""
+        creator's group table, or (keyed) the groups it hands us, before any record."""
         if self.next_keyed:
             self.router.table = keygroup_table.table_from_start(field, succs, self.router.groups, self.ctx)
             self.mark_state_changed()
+            waiting, self._redirects_waiting = self._redirects_waiting, []
+            for sender, msg in waiting:  # came before our Start (another channel): taken now
+                self._take_redirect(sender, msg)
+        if self.moves is not None and self.scaling is not None and self.scaling.core.creator:
+            self.moves.take_share(field, self.scaling.core.creator)
+            self.mark_state_changed()
+
+    def on_preds_changed(self, added: Tuple[str, ...], removed: Tuple[str, ...]) -> None:
+        """A predecessor's round reached us (the driver calls this after the core applied it):
+        the groups moving out wait for a new predecessor's Eos too (its table may route them
+        here), and a departed one's Eos is not awaited (its deletion is behind all it sent us)."""
+        if self.moves is None:
+            return
+        for p in added:
+            self.moves.perform(self.moves.member.add_pred(p))
+        for p in removed:
+            self.moves.perform(self.moves.member.remove_pred(p, self.moves.hand_out_now))
+        self.mark_state_changed()
 
     def set_routes(self, succs: Tuple[str, ...], now: float) -> None:
         """INVARIANT 3 (route change before ack): the data path uses `succs` when this returns;

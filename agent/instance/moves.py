@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Set, Tupl
 
 from agent.dataplane.envelope import Item, Kind
 from agent.dataplane.keygroups import key_group, record_key
+from agent.dataplane.owners import split_share
 from agent.instance.handover import (
     MAX_CHUNK, Apply, Eos, Forget, HandoverError, Install, Installed, Member, Offer, Predecessor, Redirect, Send,
     StateChunk,
@@ -149,6 +150,8 @@ class GroupMoves:
         self.member = Member(w.spec.instance, owned)
         self.versions: Dict[int, int] = dict(versions) if versions is not None else {g: 0 for g in self.member.owned}
         self.held = 0  # records in the member's buffers (new.buffer and early)
+        self.shares: Dict[str, List[Tuple[int, int]]] = {}  # copy -> [(group, version)] its Start names
+        self.leaving = False  # decided to terminate: hands every group to the keeper first
         self.unsaved: Set[int] = set()  # input indices whose held records were applied, not saved yet
         self.counts: Dict[str, int] = {"groups_out": 0, "groups_in": 0, "held_records": 0, "hold_dropped": 0,
                                        "handover_errors": 0}
@@ -205,7 +208,7 @@ class GroupMoves:
         try:
             msg, version = decode(sender, body, self.groups)
             if isinstance(msg, Eos):
-                outs = self.member.on_eos(msg, self._hand_out)
+                outs = self.member.on_eos(msg, self.hand_out_now)
             elif isinstance(msg, Offer):
                 outs = self.member.on_offer(sender, msg)
                 self.versions[msg.group] = version
@@ -232,7 +235,55 @@ class GroupMoves:
         self.member.expect(group, old)
         self.versions[group] = version
 
-    def _hand_out(self, group: int) -> bytes:
+    # ---- rounds ---------------------------------------------------------------------------------------
+
+    def share_for(self, copy: str) -> List[Tuple[int, int]]:
+        """The groups our Start hands `copy` (our duplication round is complete), with the version
+        each will have: about half of those we hold and are not moving (`split_share`; the same
+        list if the Start is sent again)."""
+        if copy not in self.shares:
+            m = self.member
+            mine = [g for g in m.owned if g not in m.old.moving]
+            self.shares[copy] = [(g, self.versions.get(g, 0) + 1) for g in split_share(mine)]
+        return self.shares[copy]
+
+    def start_share(self, copy: str, preds: Iterable[str]) -> None:
+        """The Start naming the share is sent: each group's move begins (Redirects to every
+        predecessor; no Offer, the Start said it)."""
+        for g, _ in self.shares.get(copy, ()):
+            if g in self.member.owned and g not in self.member.old.moving:
+                self.start(g, copy, preds, offer=False)
+
+    def take_share(self, field: Any, creator: str) -> None:
+        """Our Start's share (untrusted: bounded by the group count): expected from our creator
+        before any record is applied."""
+        share = field.get("share") if isinstance(field, dict) else None
+        if not isinstance(share, list) or len(share) > self.groups:
+            if share is not None:
+                self._error(creator, "malformed share in our Start")
+            return
+        for pair in share:
+            if (not isinstance(pair, list) or len(pair) != 2 or type(pair[0]) is not int
+                    or not 0 <= pair[0] < self.groups or type(pair[1]) is not int):
+                self._error(creator, "malformed share in our Start")
+                continue
+            try:
+                self.expect(pair[0], creator, pair[1])
+            except HandoverError as exc:
+                self._error(creator, str(exc))
+
+    def hand_rest(self, keeper: str, preds: Iterable[str]) -> None:
+        """Leaving: every group we hold and do not move yet goes to the keeper, which never
+        terminates (a leaver does not know its other siblings; docs/operators.md)."""
+        m = self.member
+        for g in sorted(m.owned):
+            if g not in m.old.moving:
+                self.start(g, keeper, preds, offer=True)
+
+    def ready_to_leave(self) -> bool:
+        return self.leaving and not self.member.owned and not self.member.busy()
+
+    def hand_out_now(self, group: int) -> bytes:
         return self.keyed.hand_out(group)
 
     def perform(self, outs: List[Any], version: int = -1) -> None:
@@ -287,13 +338,16 @@ class GroupMoves:
 
     def dump(self) -> Dict[str, Any]:
         return {"member": self.member.to_json(), "versions": sorted([g, v] for g, v in self.versions.items()),
-                "held": self.held}
+                "held": self.held, "shares": {c: [list(x) for x in sh] for c, sh in self.shares.items()},
+                "leaving": self.leaving}
 
     def restore(self, d: Dict[str, Any]) -> None:
         """What `dump` saved (our own file: trusted as the rest of the instance state)."""
         self.member = Member.from_json(d["member"])
         self.versions = {int(g): int(v) for g, v in d.get("versions") or []}
         self.held = int(d.get("held", 0))
+        self.shares = {str(c): [(int(g), int(v)) for g, v in sh] for c, sh in (d.get("shares") or {}).items()}
+        self.leaving = bool(d.get("leaving"))
 
     def _error(self, sender: str, why: str) -> None:
         self.counts["handover_errors"] += 1
