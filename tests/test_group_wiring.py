@@ -21,7 +21,7 @@ from agent.instance.events import (
     Control, EnvelopeReceived, PubAcked, PublishAccepted, Restarted, Spawned, Started, Tick,
 )
 from agent.instance.spec import InstanceSpec
-from agent.protocol.messages import Duplication, DuplicationAck
+from agent.protocol.messages import DeletionAck, Duplication, DuplicationAck
 from agent.sim.instance_check import BROKER, CLUSTER, WALL0, MemoryMap
 
 GROUPS = 8
@@ -377,9 +377,13 @@ class RecSink:
 class Fleet(Net):
     """Net plus createNode(): a RequestSpawn starts the copy at once and answers "spawned"."""
 
+    src_seq: dict = {}  # source-0 -> instance: the last number used on that channel
+
     def take(self, name: str, cmds: List[Any]) -> None:
         super().take(name, cmds)
         for c in cmds:
+            if isinstance(c, Publish) and c.topic.split("/")[-2] == "source-0":
+                self._source_answers(name, decode(c.payload))
             if isinstance(c, RequestSpawn):
                 spec = InstanceSpec.from_dict(c.spec) if hasattr(InstanceSpec, "from_dict") else None
                 if spec is None:
@@ -387,6 +391,16 @@ class Fleet(Net):
                 self.insts[spec.instance] = inst = build(spec)
                 self.take(spec.instance, inst.handle(Started(WALL0), self.now))
                 self.take(name, self.insts[name].handle(Spawned(c.request, True, ""), self.now))
+
+
+    def _source_answers(self, name: str, env: Envelope) -> None:
+        """source-0 is played by the test: it acks the rounds of its successors' copies."""
+        if env.kind is not Kind.PROTO or env.body.get("type") not in ("duplication", "deletion"):
+            return
+        ack = (DuplicationAck if env.body["type"] == "duplication" else DeletionAck)("source-0", 0, env.body["round"])
+        self.src_seq[name] = self.src_seq.get(name, 0) + 1
+        self.chans.setdefault(("source-0", name), []).append(
+            encode(Envelope("source-0", 0, self.src_seq[name], Kind.PROTO, ack.to_dict())))
 
 
 def build(spec: InstanceSpec) -> Instance:
@@ -483,3 +497,66 @@ def test_a_keyed_operator_scales_out_and_back_in_with_its_groups_moving_exactly_
         assert p.stats["handover_errors"] if "handover_errors" in p.stats else True
         assert k.moves.counts["handover_errors"] == c.moves.counts["handover_errors"] == 0
         assert c.stats["handover_in"] >= GROUPS // 2 and k.stats["protocol_out"] > 0
+
+
+def test_predecessors_that_duplicate_and_terminate_during_the_moves_lose_and_double_nothing() -> None:
+    """Step 4: the creator's Duplication reaches the old owner (add_pred: it waits for the new
+    predecessor's Eos too) and a predecessor's Deletion stands for its Eos (remove_pred)."""
+    keys = keys_per_group()
+    late_joins = 0
+    for seed in range(12):
+        f = fleet(seed)
+        f.src_seq = fed = {}
+        p = f.insts["op-0"]
+        ids = [0]
+
+        def batch(name: str) -> None:
+            inst = f.insts[name]
+            if inst.exited or inst.stopping or not inst.scaling.data_enabled:
+                return
+            fed[name] = fed.get(name, 0) + 1
+            ids[0] += 1
+            body = [("src", ids[0] * 100 + i, {"k": k}) for i, k in enumerate(keys)]
+            cmds = inst.handle(EnvelopeReceived(topics.inbox(CLUSTER, name, "n1"),
+                                                encode_data("source-0", 0, fed[name], body)), f.now)
+            f.take(name, cmds + inst.handle(Tick(WALL0 + f.now), f.now))
+            for _ in range(f.rng.randrange(5)):
+                f.step()
+
+        for _ in range(2):
+            batch("op-0")
+        control(f, KEEPER, "duplicate")
+        control(f, "op-0", "duplicate")  # the predecessor duplicates during the keyed round/moves
+        for _ in range(f.rng.randrange(8)):
+            f.step()
+        for _ in range(12):
+            for name in sorted(n for n in f.insts if n.startswith("op-")):
+                batch(name)
+            for _ in range(f.rng.randrange(60)):
+                f.step()
+        settle(f)
+        preds = sorted(n for n in f.insts if n.startswith("op-") and n != "op-0")
+        copies = [n for n in f.insts if n.startswith("cnt-")]
+        assert len(preds) == 1 and len(copies) == 1, f"seed {seed}: {sorted(f.insts)}"
+        p2 = f.insts[preds[0]]
+        assert p2.router.table == p.router.table, f"seed {seed}: the predecessors disagree on the owners"
+        assert p2.stats["records_in"] > 0
+        late_joins += p2.stats.get("handover_in", 0) > 0  # a Redirect reached the copy: add_pred
+        control(f, copies[0], "terminate")  # the copy hands everything back ...
+        for _ in range(f.rng.randrange(6)):
+            f.step()
+        control(f, preds[0], "terminate")  # ... while the predecessor's copy leaves
+        for _ in range(6):
+            for name in ("op-0", preds[0]):
+                batch(name)
+        settle(f)
+        assert f.insts[copies[0]].exited and p2.exited, f"seed {seed}: a copy did not leave"
+        k = f.insts[KEEPER]
+        assert k.moves.member.owned == set(range(GROUPS)) and not k.moves.member.busy()
+        got = counts_at_sink(f)
+        n = ids[0]
+        assert {key: sorted(v) for key, v in got.items()} == {key: list(range(1, n + 1)) for key in keys}, \
+            f"seed {seed}: each key's count must run 1..{n} once"
+        errors = sum(i.moves.counts["handover_errors"] for i in f.insts.values() if i.moves is not None)
+        assert errors == 0 and sum(i.stats.get("handover_errors", 0) for i in f.insts.values()) == 0
+    assert late_joins >= 2, "the seeds must reach a copy joining during a move"

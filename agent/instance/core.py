@@ -1699,6 +1699,7 @@ class Instance:
             and self.tracker.waiting() == 0
             and not self.ack_due
             and not self.sink_wait
+            and (self.moves is None or not self.moves.member.busy())  # a key group half moved stays
         )
 
 
