@@ -560,3 +560,99 @@ def test_predecessors_that_duplicate_and_terminate_during_the_moves_lose_and_dou
         errors = sum(i.moves.counts["handover_errors"] for i in f.insts.values() if i.moves is not None)
         assert errors == 0 and sum(i.stats.get("handover_errors", 0) for i in f.insts.values()) == 0
     assert late_joins >= 2, "the seeds must reach a copy joining during a move"
+
+
+# ---- step 5: a crash in the middle of a move -------------------------------------------------------
+
+
+class CrashFleet(Fleet):
+    """Fleet whose instances can crash after any prefix of one turn's commands: the rest is lost,
+    the instance restarts from what it wrote (Persist, the keyed files), as the shell does."""
+
+    crash: Any = None  # (name, commands to perform before the crash)
+    crashes = 0
+    arm = False  # crash one owner at its next turn once a move is under way
+
+    def step(self) -> bool:
+        if self.arm:
+            owners = sorted(n for n, i in self.insts.items() if i.moves is not None and not i.exited)
+            if any(self.insts[n].moves.member.busy() for n in owners):
+                self.crash = (self.rng.choice(owners), self.rng.randrange(1, 12))
+                self.arm = False
+        return super().step()
+
+    def take(self, name: str, cmds: List[Any]) -> None:
+        self.persisted = getattr(self, "persisted", {})
+        if self.crash is not None and self.crash[0] == name and cmds:
+            k = min(self.crash[1], len(cmds))
+            self.crash = None
+            for c in cmds[:k]:
+                if isinstance(c, Persist):
+                    self.persisted[name] = json.loads(json.dumps(c.state))
+            super().take(name, cmds[:k])
+            self.restart(name)
+            return
+        for c in cmds:
+            if isinstance(c, Persist):
+                self.persisted[name] = json.loads(json.dumps(c.state))
+        super().take(name, cmds)
+
+    def restart(self, name: str) -> None:
+        from agent.instance.keyed_state import KeyedState
+        from dataclasses import replace
+
+        old = self.insts[name]
+        path = self.dir / f"{name}.keyed.json"
+        keyed = KeyedState.load(path) if path.exists() else None
+        inst = self.insts[name] = build(replace(old.spec, restart=True))
+        self.crashes += 1
+        self.take(name, inst.handle(Restarted(WALL0 + self.now, self.persisted.get(name, {}), None, keyed), self.now))
+
+
+def test_a_crash_of_either_owner_in_the_middle_of_a_move_loses_and_doubles_nothing() -> None:
+    keys = keys_per_group()
+    crashed = 0
+    for seed in range(24):
+        f = CrashFleet(fleet(seed).insts, seed)
+        p = f.insts["op-0"]
+        seq = 0
+
+        def batch() -> None:
+            nonlocal seq
+            seq += 1
+            f.take("op-0", feed(p, seq, keys, f.now))
+            for _ in range(f.rng.randrange(6)):
+                f.step()
+
+        for _ in range(3):
+            batch()
+        control(f, KEEPER, "duplicate")
+        f.arm = True  # mid-move: either owner, after any prefix of one of its turns
+        for i in range(12):
+            batch()
+        for _ in range(3000):  # resends after a silence: time passes
+            if not f.step():
+                f.now += 1.0
+                f.tick_all()
+                if not any(f.chans.values()) and all(
+                        not i.moves.member.busy() and not i.scaling.core.in_round
+                        for i in f.insts.values() if i.moves is not None):
+                    break
+        settle(f)
+        crashed += f.crashes
+        copies = [n for n in f.insts if n.startswith("cnt-")]
+        c, k = f.insts[copies[0]], f.insts[KEEPER]
+        assert not c.moves.member.busy() and not k.moves.member.busy(), f"seed {seed}: a move never ended"
+        assert c.moves.member.owned | k.moves.member.owned == set(range(GROUPS))
+        assert not c.moves.member.owned & k.moves.member.owned
+        assert {p.router.table.owner(g) for g in c.moves.member.owned} <= {copies[0]}
+        got = f.insts["sink-0"].operator.got
+        first: dict = {}
+        for s, q, rec in got:
+            assert first.setdefault((s, q), rec) == rec, f"seed {seed}: one id, two values"
+        counts: dict = {}
+        for rec in first.values():
+            counts.setdefault(rec["key"], []).append(rec["count"])
+        assert {key: sorted(v) for key, v in counts.items()} == {key: list(range(1, seq + 1)) for key in keys}, \
+            f"seed {seed}: each key's count must run 1..{seq} once ({f.crashes} crashes)"
+    assert crashed >= 12

@@ -417,6 +417,8 @@ class Instance:
                 index = self.tracker.produced()
                 self.keyed.outputs = [(index, it) for it in again]
                 self._forward(list(again), index, self.now)
+        if self.moves is not None:
+            self.moves.after_restart()
 
     def _begin(self, wall: float, restart: bool, saved: Dict[str, Any],
                source_position: Optional[Dict[str, Any]]) -> None:
@@ -845,6 +847,13 @@ class Instance:
                         continue
                     if self._awaiting_replay and self._before_replay(e):
                         continue  # its replay brings it again, in order
+                elif (self._awaiting_replay and e.sender in self._awaiting_replay and isinstance(e.body, dict)
+                      and e.body.get("type") == "eos"):
+                    # An Eos ahead of its predecessor's replay marker follows records we drop until
+                    # that replay: taken now, it would overtake them. The move asks again
+                    # (agent.instance.moves, MOVE_RESEND), and the new Eos comes behind the replay.
+                    self.stats["eos_before_replay"] = self.stats.get("eos_before_replay", 0) + 1
+                    continue
                     self._period_records += len(e.body)
                     self.signals.arrived(len(e.body))
                 q = self.queues.get(e.sender)
@@ -1014,6 +1023,8 @@ class Instance:
         if self.scaling is not None:
             self.scaling.ping_if_idle(now)
             self.scaling.expire_probes(now)
+        if self.moves is not None:
+            self.moves.resend_silent(now)
         for dest, link in list(self.links.items()):
             wait = min(LINK_SILENCE * 2 ** link.silent_replays, LINK_SILENCE_MAX)
             if link.inflight and link.oldest_age(now) >= wait and now - link.last_ack_at >= wait:
@@ -1584,6 +1595,9 @@ class Instance:
         body = group_moves.encode(msg)
         if extra:
             body.update(extra)
+        self.send_handover_body(dest, body)
+
+    def send_handover_body(self, dest: str, body: Dict[str, Any]) -> None:
         self.stats["handover_out"] = self.stats.get("handover_out", 0) + 1
         self.stats["handover_bytes_out"] = self.stats.get("handover_bytes_out", 0) + group_moves.body_size(body)
         self.send_envelope(dest, Kind.PROTO, body)

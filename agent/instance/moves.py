@@ -55,6 +55,11 @@ log = logging.getLogger("agent.instance.worker")
 HANDOVER_TYPES = frozenset({"redirect", "eos", "offer", "state_chunk", "installed"})
 MAX_CHUNKS = 256  # chunks of one group's state: 150 MB at MAX_CHUNK (a hostile total is refused)
 HOLD_MAX = 200_000  # records held for groups not installed or not announced yet (honest: a credit window)
+# A move silent this long is asked along again (messages a crash lost: a Redirect or an Eos, the
+# chunks or the Installed): the Redirect to each predecessor whose Eos is missing (one that has
+# taken it answers with its Eos at once), the chunks to a new owner that has not said Installed
+# (one that has installed the group says it again). Both answers are idempotent.
+MOVE_RESEND = 10.0
 _MAX_NAME = 200
 
 
@@ -151,6 +156,10 @@ class GroupMoves:
         self.versions: Dict[int, int] = dict(versions) if versions is not None else {g: 0 for g in self.member.owned}
         self.held = 0  # records in the member's buffers (new.buffer and early)
         self.shares: Dict[str, List[Tuple[int, int]]] = {}  # copy -> [(group, version)] its Start names
+        # group -> (new owner, chunk bodies): handed out, kept until Installed (sent again after
+        # a crash or a silence; the keyed state without the group is saved only after these are)
+        self.outgoing: Dict[int, Tuple[str, List[Dict[str, Any]]]] = {}
+        self.last_heard: Dict[int, float] = {}  # group moving out -> when it last made progress
         self.leaving = False  # decided to terminate: hands every group to the keeper first
         self.unsaved: Set[int] = set()  # input indices whose held records were applied, not saved yet
         self.counts: Dict[str, int] = {"groups_out": 0, "groups_in": 0, "held_records": 0, "hold_dropped": 0,
@@ -173,6 +182,11 @@ class GroupMoves:
             if g in owned and g not in m.old.moving:
                 now.append(it)
                 continue
+            if g not in owned and g not in m.new.expected and self._replayed(it):
+                # a group that left: a predecessor's replay of a record applied here before its
+                # Eos (after our restart, say): a duplicate, never a record to hold
+                self.counts["replays_after_move"] = self.counts.get("replays_after_move", 0) + 1
+                continue
             if g not in owned and self.held >= HOLD_MAX:
                 self.counts["hold_dropped"] += 1
                 self._error(sender, f"hold full ({HOLD_MAX} records): record of group {g} dropped")
@@ -180,6 +194,9 @@ class GroupMoves:
             try:
                 outs = m.on_record(sender, g, (it, index))
             except HandoverError as exc:
+                if self._replayed(it):
+                    self.counts["replays_after_move"] = self.counts.get("replays_after_move", 0) + 1
+                    continue  # applied here before its Eos, replayed by a predecessor since
                 self._error(sender, str(exc))
                 continue
             if outs:
@@ -188,6 +205,10 @@ class GroupMoves:
                 self.held += 1
                 self.counts["held_records"] += 1
         return now
+
+    def _replayed(self, it: Item) -> bool:
+        a = self.keyed.applied.get(it[0])
+        return a is not None and it[1] in a
 
     def lowest_held(self) -> Optional[int]:
         """The lowest input index with records held or applied-not-saved: not acked upstream yet."""
@@ -208,14 +229,33 @@ class GroupMoves:
         try:
             msg, version = decode(sender, body, self.groups)
             if isinstance(msg, Eos):
+                if msg.group in self.member.old.gone and msg.group not in self.member.old.moving:
+                    return  # asked again after a crash: it came twice
                 outs = self.member.on_eos(msg, self.hand_out_now)
+                self.last_heard[msg.group] = self.w.now
+                if not any(isinstance(o, Forget) for o in outs):
+                    # the records before this Eos are saved before the member remembers it: a
+                    # replay of them after a crash is then a duplicate (`_replayed`)
+                    self.w.save_keyed_now()
             elif isinstance(msg, Offer):
                 outs = self.member.on_offer(sender, msg)
                 self.versions[msg.group] = version
             elif isinstance(msg, StateChunk):
+                n = self.member.new
+                if msg.group in n.owned and msg.group not in n.expected:
+                    # sent again (our Installed was lost, or the old owner restarted): say it again
+                    self.w.send_handover(sender, Installed(msg.group))
+                    return
+                if msg.index in n.parts.get(msg.group, {}):
+                    return  # a chunk sent again while the others are on their way
                 outs = self.member.on_chunk(sender, msg)
             elif isinstance(msg, Installed):
+                if msg.group not in self.member.old.waiting_install:
+                    return  # said again for chunks we sent again
                 outs = self.member.on_installed(msg)
+                self.outgoing.pop(msg.group, None)
+                self.last_heard.pop(msg.group, None)
+                self.w.mark_state_changed()
             else:
                 raise HandoverError(f"{type(msg).__name__} of group {msg.group} to a keyed instance")
         except (HandoverError, ValueError) as exc:
@@ -228,6 +268,9 @@ class GroupMoves:
         v = self.versions.get(group, 0) + 1
         self.versions[group] = v
         outs = self.member.start(group, new, sorted(preds), v, offer=offer)
+        self.last_heard[group] = self.w.now
+        self.w.mark_state_changed()
+        self.w.persist(force=True)  # write-ahead: a restart finds the move before any Redirect left
         self.perform(outs, version=v)
 
     def expect(self, group: int, old: str, version: int) -> None:
@@ -280,6 +323,23 @@ class GroupMoves:
             if g not in m.old.moving:
                 self.start(g, keeper, preds, offer=True)
 
+    def resend_silent(self, now: float) -> None:
+        """Moves silent for MOVE_RESEND: the Redirect again to each predecessor whose Eos is
+        missing, the chunks again to a new owner that has not said Installed."""
+        m = self.member
+        for g, (new, left) in sorted(m.old.moving.items()):
+            if now - self.last_heard.get(g, now) >= MOVE_RESEND:
+                self.last_heard[g] = now
+                for p in sorted(left):
+                    self.w.send_handover(p, Redirect(g, new, m.old.versions.get(g, -1)))
+                self.counts["moves_resent"] = self.counts.get("moves_resent", 0) + 1
+        for g, (new, bodies) in sorted(self.outgoing.items()):
+            if now - self.last_heard.get(g, now) >= MOVE_RESEND:
+                self.last_heard[g] = now
+                for body in bodies:
+                    self.w.send_handover_body(new, body)
+                self.counts["moves_resent"] = self.counts.get("moves_resent", 0) + 1
+
     def ready_to_leave(self) -> bool:
         return self.leaving and not self.member.owned and not self.member.busy()
 
@@ -288,8 +348,18 @@ class GroupMoves:
 
     def perform(self, outs: List[Any], version: int = -1) -> None:
         w = self.w
-        if any(isinstance(o, Forget) for o in outs):
-            # hand_out forgot the group: the state without it is saved before its chunks leave
+        forgot = [o.group for o in outs if isinstance(o, Forget)]
+        for g in forgot:
+            chunks = [o for o in outs if isinstance(o, Send) and isinstance(o.message, StateChunk)
+                      and o.message.group == g]
+            self.outgoing[g] = (chunks[0].dest, [encode(o.message) for o in chunks])
+            self.last_heard[g] = w.now
+        if forgot:
+            # The chunks reach the instance state first (Persist), then the keyed state without
+            # the group is saved, then they leave: a crash in between finds them and sends them
+            # again (`restore`), and never finds the group in neither place.
+            w.mark_state_changed()
+            w.persist(force=True)
             w.save_keyed_now()
         for o in outs:
             if isinstance(o, Send):
@@ -337,17 +407,34 @@ class GroupMoves:
     # ---- saved with the instance state -----------------------------------------------------------
 
     def dump(self) -> Dict[str, Any]:
-        return {"member": self.member.to_json(), "versions": sorted([g, v] for g, v in self.versions.items()),
-                "held": self.held, "shares": {c: [list(x) for x in sh] for c, sh in self.shares.items()},
-                "leaving": self.leaving}
+        member = self.member.to_json()
+        # Held records are not saved: their inputs are not acked (`lowest_held`), so the
+        # predecessors replay them to a restarted instance.
+        member["buffer"] = [[g, []] for g, _ in member["buffer"]]
+        member["early"] = []
+        return {"member": member, "versions": sorted([g, v] for g, v in self.versions.items()),
+                "shares": {c: [list(x) for x in sh] for c, sh in self.shares.items()},
+                "leaving": self.leaving, "outgoing": [[g, new, bodies] for g, (new, bodies) in sorted(self.outgoing.items())]}
 
     def restore(self, d: Dict[str, Any]) -> None:
         """What `dump` saved (our own file: trusted as the rest of the instance state)."""
         self.member = Member.from_json(d["member"])
         self.versions = {int(g): int(v) for g, v in d.get("versions") or []}
-        self.held = int(d.get("held", 0))
+        self.held = 0
+        self.outgoing = {int(g): (str(new), list(bodies)) for g, new, bodies in d.get("outgoing") or []}
+        # asked along at the first check after the restart: what the crash lost is sent again
+        self.last_heard = {g: self.w.now - MOVE_RESEND for g in list(self.member.old.moving) + list(self.outgoing)}
         self.shares = {str(c): [(int(g), int(v)) for g, v in sh] for c, sh in (d.get("shares") or {}).items()}
         self.leaving = bool(d.get("leaving"))
+
+    def after_restart(self) -> None:
+        """The keyed state is loaded: a group whose chunks were saved in the instance state but
+        that the keyed file still holds (the crash came between the two writes) is forgotten."""
+        stale = [g for g in self.outgoing if g in self.keyed.states or g in self.keyed.emitted]
+        for g in stale:
+            self.keyed.hand_out(g)
+        if stale:
+            self.w.save_keyed_now()
 
     def _error(self, sender: str, why: str) -> None:
         self.counts["handover_errors"] += 1
