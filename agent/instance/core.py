@@ -847,6 +847,8 @@ class Instance:
                         continue
                     if self._awaiting_replay and self._before_replay(e):
                         continue  # its replay brings it again, in order
+                    self._period_records += len(e.body)
+                    self.signals.arrived(len(e.body))
                 elif (self._awaiting_replay and e.sender in self._awaiting_replay and isinstance(e.body, dict)
                       and e.body.get("type") == "eos"):
                     # An Eos ahead of its predecessor's replay marker follows records we drop until
@@ -854,8 +856,6 @@ class Instance:
                     # (agent.instance.moves, MOVE_RESEND), and the new Eos comes behind the replay.
                     self.stats["eos_before_replay"] = self.stats.get("eos_before_replay", 0) + 1
                     continue
-                    self._period_records += len(e.body)
-                    self.signals.arrived(len(e.body))
                 q = self.queues.get(e.sender)
                 if q is None:
                     q = self.queues[e.sender] = deque()
