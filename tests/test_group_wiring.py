@@ -656,3 +656,27 @@ def test_a_crash_of_either_owner_in_the_middle_of_a_move_loses_and_doubles_nothi
         assert {key: sorted(v) for key, v in counts.items()} == {key: list(range(1, seq + 1)) for key in keys}, \
             f"seed {seed}: each key's count must run 1..{seq} once ({f.crashes} crashes)"
     assert crashed >= 12
+
+
+def test_a_window_of_a_group_installed_after_the_last_batch_is_emitted_if_its_time_has_passed() -> None:
+    """Found by the chaos run with scaling: a leaver's group installed at the keeper after the
+    keeper's last batch armed its windows' timers, and nothing fired them (a timer fired only
+    after a batch): those windows never reached the sink. `fire_due` after the install."""
+    from agent.instance.keyed_state import KeyedState
+    from agent.operators.builtin import OperatorContext
+    from agent.operators.keyed import tumbling_window
+
+    def state() -> KeyedState:
+        ctx = OperatorContext("w", "w", "n", "map", params={"time_field": "t", "size_ms": 1000, "lateness_ms": 0})
+        return KeyedState(tumbling_window.build(ctx) if hasattr(tumbling_window, "build") else tumbling_window(ctx),
+                          "w", "k", GROUPS)
+
+    old, new = state(), state()
+    g = key_group("a", GROUPS)
+    other = next(k for k in keys_per_group() if key_group(k, GROUPS) != g)
+    assert old.apply("p", [("s", 1, {"k": "a", "t": 0.5})], 1) == []  # window [0, 1000) open
+    assert new.apply("p", [("s", 2, {"k": other, "t": 5.0})], 1) == []  # new's watermark: 5000 ms
+    new.take_in(g, old.hand_out(g))
+    out = new.fire_due(2)
+    assert [(r["key"], r["start"], r["count"]) for _, _, r in out] == [("a", 0, 1)]
+    assert new.fire_due(3) == []  # once

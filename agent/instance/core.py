@@ -1675,6 +1675,12 @@ class Instance:
             self.moves.take_share(field, self.scaling.core.creator)
             self.mark_state_changed()
 
+    def groups_moved(self) -> None:
+        """The key groups our last scaling decision moved are installed at their new owners (their
+        held records applied): stamped on that decision (`bench`, docs/operators.md)."""
+        if self.scaling is not None:
+            self.scaling.stamp_moved()
+
     def on_preds_changed(self, added: Tuple[str, ...], removed: Tuple[str, ...]) -> None:
         """A predecessor's round reached us (the driver calls this after the core applied it):
         the groups moving out wait for a new predecessor's Eos too (its table may route them

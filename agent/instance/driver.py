@@ -854,6 +854,14 @@ class ScalingDriver:
             self.outputs.popleft()  # every copy requested at once is done
         self.run_outputs(self.w.now)
 
+    def stamp_moved(self) -> None:
+        """The key groups of our last decision are at their new owners (agent.instance.moves)."""
+        d = self.decisions[-1] if self.decisions else None
+        if d is not None and "moved_at" not in d:
+            d["moved_at"] = self.w.wall()
+            log.info("key groups of the %s decided %.0f ms ago: installed at their new owners", d.get("kind"),
+                     (d["moved_at"] - d["at"]) * 1000, extra=self.w.ctx)
+
     def _stamp_decision(self, key: str) -> None:
         """Wall time of a step of the current scale-out round on its decision record (latest
         spawn reply, round end): `bench dataplane`/`bench rescale` split decision -> first record

@@ -106,10 +106,13 @@ class KeyedState:
     # ---- input ------------------------------------------------------------------------------------
 
     def apply(self, sender: str, items: List[Item], index: int,
-              floors: Optional[Dict[str, int]] = None) -> List[Item]:
+              floors: Optional[Dict[str, int]] = None, judge_late: bool = True) -> List[Item]:
         """Apply one input batch from `sender` (processed with input index `index`); the outputs.
         `floors`: the batch's claims, per source, of a number below which every record was
-        applied already (agent.instance.applied), taken before its records."""
+        applied already (agent.instance.applied), taken before its records. `judge_late=False`:
+        records held while their group moved here (agent.instance.moves), never judged late:
+        our watermark went on with our other groups while they waited, which a record arriving
+        in its sender's order never sees."""
         op = self.op
         timed = op.uses_event_time
         by_key: Dict[Any, List[Any]] = {}
@@ -147,7 +150,7 @@ class KeyedState:
                     self.counts["no_event_time"] += 1
                     continue
                 wm = self.watermark
-                if wm is not None and t < wm:
+                if judge_late and wm is not None and t < wm:
                     self.counts["late_dropped"] += 1
                     continue
                 if self.max_time is None or t > self.max_time:
@@ -258,6 +261,20 @@ class KeyedState:
             self._set(g, key, state)
         for entry in later:
             heapq.heappush(heap, entry)
+
+    def fire_due(self, index: int) -> List[Item]:
+        """The timers the watermark has already passed, fired now (outputs under input `index`):
+        a group taken in (`take_in`) arms its keys' timers, and some may be due here at once; left
+        to the next batch, a group installed after the last one never emits them."""
+        out: List[Item] = []
+        if self.op.uses_event_time:
+            self._fire(out)
+        if out:
+            if self._unsaved is None:
+                self._unsaved = index
+            self.outputs.extend((index, it) for it in out)
+            self._out_new.extend(out)
+        return out
 
     # ---- persistence ------------------------------------------------------------------------------
 

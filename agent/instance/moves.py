@@ -161,6 +161,7 @@ class GroupMoves:
         self.outgoing: Dict[int, Tuple[str, List[Dict[str, Any]]]] = {}
         self.last_heard: Dict[int, float] = {}  # group moving out -> when it last made progress
         self.leaving = False  # decided to terminate: hands every group to the keeper first
+        self.unconfirmed: Set[int] = set()  # groups of the last decision's moves not Installed yet
         self.unsaved: Set[int] = set()  # input indices whose held records were applied, not saved yet
         self.counts: Dict[str, int] = {"groups_out": 0, "groups_in": 0, "held_records": 0, "hold_dropped": 0,
                                        "handover_errors": 0}
@@ -256,6 +257,10 @@ class GroupMoves:
                 self.outgoing.pop(msg.group, None)
                 self.last_heard.pop(msg.group, None)
                 self.w.mark_state_changed()
+                if msg.group in self.unconfirmed:
+                    self.unconfirmed.discard(msg.group)
+                    if not self.unconfirmed:
+                        self.w.groups_moved()  # every group of the decision is processed at its new owner
             else:
                 raise HandoverError(f"{type(msg).__name__} of group {msg.group} to a keyed instance")
         except (HandoverError, ValueError) as exc:
@@ -295,6 +300,7 @@ class GroupMoves:
         predecessor; no Offer, the Start said it)."""
         for g, _ in self.shares.get(copy, ()):
             if g in self.member.owned and g not in self.member.old.moving:
+                self.unconfirmed.add(g)
                 self.start(g, copy, preds, offer=False)
 
     def take_share(self, field: Any, creator: str) -> None:
@@ -321,6 +327,7 @@ class GroupMoves:
         m = self.member
         for g in sorted(m.owned):
             if g not in m.old.moving:
+                self.unconfirmed.add(g)
                 self.start(g, keeper, preds, offer=True)
 
     def resend_silent(self, now: float) -> None:
@@ -381,6 +388,11 @@ class GroupMoves:
             elif isinstance(o, Forget):
                 self.versions.pop(o.group, None)
                 self.counts["groups_out"] += 1
+        if any(isinstance(o, Install) for o in outs):
+            idx = w.tracker.produced()
+            out = self.keyed.fire_due(idx)  # windows of the group our watermark has passed already
+            if out:
+                w.forward_outputs(out, idx)
 
     def _apply(self, a: Apply) -> None:
         """Held records of a group now installed here, in arrival order, under a fresh index (the
@@ -392,7 +404,7 @@ class GroupMoves:
         for sender, (item, index) in list(a.records) + [(None, (None, None))]:
             if sender != last and run:
                 idx = w.tracker.produced()
-                out = self.keyed.apply(last, run, idx)
+                out = self.keyed.apply(last, run, idx, judge_late=False)
                 if out:
                     w.forward_outputs(out, idx)
                 run = []
