@@ -556,7 +556,7 @@ def test_predecessors_that_duplicate_and_terminate_during_the_moves_lose_and_dou
         got = counts_at_sink(f)
         n = ids[0]
         assert {key: sorted(v) for key, v in got.items()} == {key: list(range(1, n + 1)) for key in keys}, \
-            f"seed {seed}: each key's count must run 1..{n} once"
+            f"seed {seed}: each key's count must run 1..{n} once: {[(key, sorted(v)) for key, v in got.items() if sorted(v) != list(range(1, n + 1))]}"
         errors = sum(i.moves.counts["handover_errors"] for i in f.insts.values() if i.moves is not None)
         assert errors == 0 and sum(i.stats.get("handover_errors", 0) for i in f.insts.values()) == 0
     assert late_joins >= 2, "the seeds must reach a copy joining during a move"

@@ -492,6 +492,8 @@ class Instance:
         if self.is_source:
             self._produce(now)
         self._process(now)
+        if self.moves is not None:
+            self.moves.flush()  # the turn's hand-over writes, then its messages (agent.instance.moves)
         if self.keyed is not None and self.keyed.dirty:
             self._save_keyed()
         if self.hold:
@@ -1690,7 +1692,7 @@ class Instance:
         for p in added:
             self.moves.perform(self.moves.member.add_pred(p))
         for p in removed:
-            self.moves.perform(self.moves.member.remove_pred(p, self.moves.hand_out_now))
+            self.moves.perform(self.moves.member.remove_pred(p, self.moves.snapshot))
         self.mark_state_changed()
 
     def set_routes(self, succs: Tuple[str, ...], now: float) -> None:

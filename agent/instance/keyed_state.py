@@ -332,19 +332,27 @@ class KeyedState:
 
     # ---- hand-over of a key group (agent.instance.handover; docs/operators.md, "Key groups that move")
 
-    def hand_out(self, g: int) -> bytes:
+    def hand_out(self, g: int, forget: bool = True) -> bytes:
         """Group `g` for its new owner, then forgotten here (its outputs not acked yet stay: this
         instance sent them and sends them again if asked). The bytes carry, besides the group's
         states and output counters, every source's applied numbers: a replay of a record applied
         here may reach the new owner, which must skip it. Called once the group's state is final
-        (every predecessor's end-of-stream marker applied)."""
+        (every predecessor's end-of-stream marker applied). `forget=False`: the caller forgets it
+        later (`forget_group`), once the bytes are safe elsewhere."""
         blob = self._group_json(g)
         blob["applied"] = {s: a.to_json() for s, a in self.applied.items()}
+        if forget:
+            self.forget_group(g)
+        return json.dumps(blob, separators=(",", ":")).encode()
+
+    def forget_group(self, g: int) -> None:
+        """Group `g` left (its state is in the bytes `hand_out` made): dropped here, and from the
+        files at the next save."""
         for key in self.states.pop(g, {}):
             self.timers.pop(key, None)  # its heap entry is skipped as stale
             self._dirty_keys[(g, key)] = None
-        self.emitted.pop(g, None)  # the counters travel with the group: an id is still never reused
-        return json.dumps(blob, separators=(",", ":")).encode()
+        for key in self.emitted.pop(g, {}):  # the counters travel with the group: an id is never reused
+            self._dirty_keys[(g, key)] = None
 
     def take_in(self, g: int, data: bytes) -> None:
         """Install group `g` from `hand_out`'s bytes (untrusted: they came over the bus; size bounded

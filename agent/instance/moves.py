@@ -162,6 +162,11 @@ class GroupMoves:
         self.last_heard: Dict[int, float] = {}  # group moving out -> when it last made progress
         self.leaving = False  # decided to terminate: hands every group to the keeper first
         self.unconfirmed: Set[int] = set()  # groups of the last decision's moves not Installed yet
+        # What waits for the end of the loop's turn (`flush`): one keyed save and one state write
+        # for all the Eos, chunks and installs of the turn, then the messages they allow.
+        self.flush_due = False
+        self.to_forget: List[int] = []  # handed out: dropped from the keyed state after the write
+        self.deferred: List[Tuple[str, Dict[str, Any]]] = []  # (dest, body): chunks, Installed
         self.unsaved: Set[int] = set()  # input indices whose held records were applied, not saved yet
         self.counts: Dict[str, int] = {"groups_out": 0, "groups_in": 0, "held_records": 0, "hold_dropped": 0,
                                        "handover_errors": 0}
@@ -184,8 +189,10 @@ class GroupMoves:
                 now.append(it)
                 continue
             if g not in owned and g not in m.new.expected and self._replayed(it):
-                # a group that left: a predecessor's replay of a record applied here before its
-                # Eos (after our restart, say): a duplicate, never a record to hold
+                # A group that left: a predecessor's replay of a record applied here before its
+                # Eos (after our restart, say; `flush` saves those records before the Eos is
+                # remembered): a duplicate, never a record to hold. Not every record of a group
+                # that left is one: the group may be on its way back (its Offer still to come).
                 self.counts["replays_after_move"] = self.counts.get("replays_after_move", 0) + 1
                 continue
             if g not in owned and self.held >= HOLD_MAX:
@@ -232,20 +239,21 @@ class GroupMoves:
             if isinstance(msg, Eos):
                 if msg.group in self.member.old.gone and msg.group not in self.member.old.moving:
                     return  # asked again after a crash: it came twice
-                outs = self.member.on_eos(msg, self.hand_out_now)
+                outs = self.member.on_eos(msg, self.snapshot)
                 self.last_heard[msg.group] = self.w.now
-                if not any(isinstance(o, Forget) for o in outs):
-                    # the records before this Eos are saved before the member remembers it: a
-                    # replay of them after a crash is then a duplicate (`_replayed`)
-                    self.w.save_keyed_now()
+                # The records before this Eos are saved before the member's memory of it is
+                # (`flush`): a replay of them after a crash is then a duplicate (`_replayed`).
+                self.flush_due = True
             elif isinstance(msg, Offer):
                 outs = self.member.on_offer(sender, msg)
                 self.versions[msg.group] = version
             elif isinstance(msg, StateChunk):
                 n = self.member.new
-                if msg.group in n.owned and msg.group not in n.expected:
-                    # sent again (our Installed was lost, or the old owner restarted): say it again
-                    self.w.send_handover(sender, Installed(msg.group))
+                if n.expected.get(msg.group) != sender:
+                    # Sent again (our Installed was lost, or the old owner restarted) for a group we
+                    # installed, and may have handed on since: Installed again, so that it stops.
+                    self.deferred.append((sender, encode(Installed(msg.group))))
+                    self.flush_due = True
                     return
                 if msg.index in n.parts.get(msg.group, {}):
                     return  # a chunk sent again while the others are on their way
@@ -270,13 +278,22 @@ class GroupMoves:
 
     def start(self, group: int, new: str, preds: Iterable[str], offer: bool = True) -> None:
         """Hand `group` to `new` (its version rises by one: the Redirects carry it)."""
-        v = self.versions.get(group, 0) + 1
-        self.versions[group] = v
-        outs = self.member.start(group, new, sorted(preds), v, offer=offer)
-        self.last_heard[group] = self.w.now
+        self.start_many([group], new, preds, offer)
+
+    def start_many(self, groups: Iterable[int], new: str, preds: Iterable[str], offer: bool = True) -> None:
+        """Hand `groups` to `new`, each at its next version; one state write for all of them."""
+        started = []
+        for group in groups:
+            v = self.versions.get(group, 0) + 1
+            self.versions[group] = v
+            started.append((self.member.start(group, new, sorted(preds), v, offer=offer), v))
+            self.last_heard[group] = self.w.now
+        if not started:
+            return
         self.w.mark_state_changed()
-        self.w.persist(force=True)  # write-ahead: a restart finds the move before any Redirect left
-        self.perform(outs, version=v)
+        self.w.persist(force=True)  # write-ahead: a restart finds the moves before any Redirect left
+        for outs, v in started:
+            self.perform(outs, version=v)
 
     def expect(self, group: int, old: str, version: int) -> None:
         """A copy's share, named in its Start: `group` comes from `old` (its creator)."""
@@ -298,10 +315,9 @@ class GroupMoves:
     def start_share(self, copy: str, preds: Iterable[str]) -> None:
         """The Start naming the share is sent: each group's move begins (Redirects to every
         predecessor; no Offer, the Start said it)."""
-        for g, _ in self.shares.get(copy, ()):
-            if g in self.member.owned and g not in self.member.old.moving:
-                self.unconfirmed.add(g)
-                self.start(g, copy, preds, offer=False)
+        gs = [g for g, _ in self.shares.get(copy, ()) if g in self.member.owned and g not in self.member.old.moving]
+        self.unconfirmed.update(gs)
+        self.start_many(gs, copy, preds, offer=False)
 
     def take_share(self, field: Any, creator: str) -> None:
         """Our Start's share (untrusted: bounded by the group count): expected from our creator
@@ -325,10 +341,9 @@ class GroupMoves:
         """Leaving: every group we hold and do not move yet goes to the keeper, which never
         terminates (a leaver does not know its other siblings; docs/operators.md)."""
         m = self.member
-        for g in sorted(m.owned):
-            if g not in m.old.moving:
-                self.unconfirmed.add(g)
-                self.start(g, keeper, preds, offer=True)
+        gs = [g for g in sorted(m.owned) if g not in m.old.moving]
+        self.unconfirmed.update(gs)
+        self.start_many(gs, keeper, preds, offer=True)
 
     def resend_silent(self, now: float) -> None:
         """Moves silent for MOVE_RESEND: the Redirect again to each predecessor whose Eos is
@@ -353,6 +368,31 @@ class GroupMoves:
     def hand_out_now(self, group: int) -> bytes:
         return self.keyed.hand_out(group)
 
+    def snapshot(self, group: int) -> bytes:
+        """The group's final state for its new owner; dropped here only after `flush` wrote the
+        chunks to the instance state (a crash in between finds the group in one place at least)."""
+        self.to_forget.append(group)
+        return self.keyed.hand_out(group, forget=False)
+
+    def flush(self) -> None:
+        """End of the loop's turn (Instance._on_tick, after the queues): the keyed state (the
+        records before each Eos, the groups taken in, those handed out still in it), then the
+        instance state (the member: Eos taken, groups gone with their chunks, groups installed),
+        then the messages they allow. One save and one write per turn, whatever the number of
+        groups that moved in it (each had cost two file writes with their fsyncs)."""
+        if not self.flush_due:
+            return
+        self.flush_due = False
+        w = self.w
+        w.save_keyed_now()
+        for g in self.to_forget:
+            if g not in self.member.owned:
+                self.keyed.forget_group(g)
+        self.to_forget = []
+        deferred, self.deferred = self.deferred, []
+        for dest, body in deferred:
+            w.send_handover_body(dest, body)
+
     def perform(self, outs: List[Any], version: int = -1) -> None:
         w = self.w
         forgot = [o.group for o in outs if isinstance(o, Forget)]
@@ -362,27 +402,28 @@ class GroupMoves:
             self.outgoing[g] = (chunks[0].dest, [encode(o.message) for o in chunks])
             self.last_heard[g] = w.now
         if forgot:
-            # The chunks reach the instance state first (Persist), then the keyed state without
-            # the group is saved, then they leave: a crash in between finds them and sends them
-            # again (`restore`), and never finds the group in neither place.
-            w.mark_state_changed()
-            w.persist(force=True)
-            w.save_keyed_now()
+            self.flush_due = True  # chunks and Installed leave after the turn's writes (`flush`)
         for o in outs:
-            if isinstance(o, Send):
+            if isinstance(o, Send) and isinstance(o.message, (StateChunk, Installed)):
+                self.deferred.append((o.dest, encode(o.message)))
+                self.flush_due = True
+            elif isinstance(o, Send):
                 msg = o.message
                 if isinstance(msg, Offer):
                     w.send_handover(o.dest, msg, {"v": version})
                 else:
                     w.send_handover(o.dest, msg)
             elif isinstance(o, Install):
-                try:
-                    self.keyed.take_in(o.group, o.data)
-                except (ValueError, TypeError, KeyError, RecursionError) as exc:
-                    # bytes no hand_out wrote (forged, or a bug): the group starts empty here
-                    self._error(self.member.name, f"state of group {o.group} not installed: {str(exc)[:200]}")
+                if o.group in self.keyed.states or o.group in self.keyed.emitted:
+                    pass  # installed before a crash, the state write of it lost: the saved one stands
+                else:
+                    try:
+                        self.keyed.take_in(o.group, o.data)
+                    except (ValueError, TypeError, KeyError, RecursionError) as exc:
+                        # bytes no hand_out wrote (forged, or a bug): the group starts empty here
+                        self._error(self.member.name, f"state of group {o.group} not installed: {str(exc)[:200]}")
                 self.counts["groups_in"] += 1
-                w.save_keyed_now()
+                self.flush_due = True
             elif isinstance(o, Apply):
                 self._apply(o)
             elif isinstance(o, Forget):
