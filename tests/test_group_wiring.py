@@ -455,23 +455,35 @@ def counts_at_sink(f: Fleet) -> dict:
     return out
 
 
+class Feeder:
+    """op-0's input: a batch of one record per key, then a few seeded steps of the broker."""
+
+    def __init__(self, f: "Fleet", keys: List[str]) -> None:
+        self.f, self.keys, self.seq = f, keys, 0
+
+    def __call__(self) -> None:
+        f = self.f
+        self.seq += 1
+        f.take("op-0", feed(f.insts["op-0"], self.seq, self.keys, f.now))
+        for _ in range(f.rng.randrange(6)):
+            f.step()
+
+
+def duplicate_while_fed(f: "Fleet", keys: List[str]) -> Feeder:
+    """Three batches, then the keeper is told to duplicate; the feeder goes on from there."""
+    batch = Feeder(f, keys)
+    for _ in range(3):
+        batch()
+    control(f, KEEPER, "duplicate")
+    return batch
+
+
 def test_a_keyed_operator_scales_out_and_back_in_with_its_groups_moving_exactly_once() -> None:
     keys = keys_per_group()
     for seed in range(6):
         f = fleet(seed)
         p = f.insts["op-0"]
-        seq = 0
-
-        def batch() -> None:
-            nonlocal seq
-            seq += 1
-            f.take("op-0", feed(p, seq, keys, f.now))
-            for _ in range(f.rng.randrange(6)):
-                f.step()
-
-        for _ in range(3):
-            batch()
-        control(f, KEEPER, "duplicate")
+        batch = duplicate_while_fed(f, keys)
         for _ in range(6):
             batch()
         settle(f)
@@ -492,8 +504,8 @@ def test_a_keyed_operator_scales_out_and_back_in_with_its_groups_moving_exactly_
         assert k.moves.member.owned == set(range(GROUPS)) and set(p.router.table.instances()) == {KEEPER}
         assert p.router.succs == (KEEPER,)
         got = counts_at_sink(f)
-        assert {key: sorted(v) for key, v in got.items()} == {key: list(range(1, seq + 1)) for key in keys}, \
-            f"seed {seed}: each key's count must run 1..{seq} once"
+        assert {key: sorted(v) for key, v in got.items()} == {key: list(range(1, batch.seq + 1)) for key in keys}, \
+            f"seed {seed}: each key's count must run 1..{batch.seq} once"
         assert p.stats["handover_errors"] if "handover_errors" in p.stats else True
         assert k.moves.counts["handover_errors"] == c.moves.counts["handover_errors"] == 0
         assert c.stats["handover_in"] >= GROUPS // 2 and k.stats["protocol_out"] > 0
@@ -615,18 +627,7 @@ def test_a_crash_of_either_owner_in_the_middle_of_a_move_loses_and_doubles_nothi
     for seed in range(24):
         f = CrashFleet(fleet(seed).insts, seed)
         p = f.insts["op-0"]
-        seq = 0
-
-        def batch() -> None:
-            nonlocal seq
-            seq += 1
-            f.take("op-0", feed(p, seq, keys, f.now))
-            for _ in range(f.rng.randrange(6)):
-                f.step()
-
-        for _ in range(3):
-            batch()
-        control(f, KEEPER, "duplicate")
+        batch = duplicate_while_fed(f, keys)
         f.arm = True  # mid-move: either owner, after any prefix of one of its turns
         for i in range(12):
             batch()
@@ -653,8 +654,8 @@ def test_a_crash_of_either_owner_in_the_middle_of_a_move_loses_and_doubles_nothi
         counts: dict = {}
         for rec in first.values():
             counts.setdefault(rec["key"], []).append(rec["count"])
-        assert {key: sorted(v) for key, v in counts.items()} == {key: list(range(1, seq + 1)) for key in keys}, \
-            f"seed {seed}: each key's count must run 1..{seq} once ({f.crashes} crashes)"
+        assert {key: sorted(v) for key, v in counts.items()} == {key: list(range(1, batch.seq + 1)) for key in keys}, \
+            f"seed {seed}: each key's count must run 1..{batch.seq} once ({f.crashes} crashes)"
     assert crashed >= 12
 
 

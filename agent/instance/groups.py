@@ -37,7 +37,8 @@ def initial_table(succs: Sequence[str], groups: int) -> Optional[GroupTable]:
     return GroupTable.dealt(succs, groups) if succs else None
 
 
-def restored_table(saved: Dict[str, Any], succs: Sequence[str], groups: int, ctx: Dict[str, str]) -> Optional[GroupTable]:
+def restored_table(saved: Dict[str, Any], succs: Sequence[str], groups: int,
+                   ctx: Dict[str, str]) -> Optional[GroupTable]:
     """The table a restarted instance saved; without one (saved before tables existed, or an idle
     copy that never got its Start), the dealing over its restored successors."""
     wire = saved.get("group_table")

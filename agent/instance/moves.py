@@ -36,7 +36,7 @@ import json
 import logging
 from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Set, Tuple
 
-from agent.dataplane.envelope import Item, Kind
+from agent.dataplane.envelope import Item
 from agent.dataplane.keygroups import key_group, record_key
 from agent.dataplane.owners import split_share
 from agent.instance.handover import (
@@ -467,7 +467,8 @@ class GroupMoves:
         member["early"] = []
         return {"member": member, "versions": sorted([g, v] for g, v in self.versions.items()),
                 "shares": {c: [list(x) for x in sh] for c, sh in self.shares.items()},
-                "leaving": self.leaving, "outgoing": [[g, new, bodies] for g, (new, bodies) in sorted(self.outgoing.items())]}
+                "leaving": self.leaving,
+                "outgoing": [[g, new, bodies] for g, (new, bodies) in sorted(self.outgoing.items())]}
 
     def restore(self, d: Dict[str, Any]) -> None:
         """What `dump` saved (our own file: trusted as the rest of the instance state)."""
