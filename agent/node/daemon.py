@@ -43,7 +43,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 from agent import events, notify, topics
 from agent.config import AgentConfig, check_tls, load_agent_config, load_pipeline_text, resolve_password
@@ -1515,19 +1515,21 @@ class Agent:
         successors (agent.node.rehome.plan_rehome)."""
         gone = ("departing", "terminated")
         out = {i for i, w in self.supervisor.workers.items() if w.stats.get("state") in gone}
-        for n, doc in self.fleet.items():
-            if n == self.node or not self.online.get(n):
-                continue
-            for i in doc.get("instances", []) or []:
-                stats = i.get("stats") if isinstance(i, dict) else None
-                if isinstance(stats, dict) and stats.get("state") in gone:
-                    out.add(str(i.get("id")))
+        for i in self._entries_elsewhere():
+            stats = i.get("stats")
+            if isinstance(stats, dict) and stats.get("state") in gone:
+                out.add(str(i.get("id")))
         return out
 
     def _listed_elsewhere(self) -> Set[str]:
         """Instance ids that another ONLINE node lists in its retained state."""
-        return {str(i.get("id")) for n, doc in self.fleet.items() if n != self.node and self.online.get(n)
-                for i in doc.get("instances", []) or [] if isinstance(i, dict)}
+        return {str(i.get("id")) for i in self._entries_elsewhere()}
+
+    def _entries_elsewhere(self) -> Iterator[Dict[str, Any]]:
+        """The instance entries of every other ONLINE node's retained state."""
+        for n, doc in self.fleet.items():
+            if n != self.node and self.online.get(n):
+                yield from (i for i in doc.get("instances", []) or [] if isinstance(i, dict))
 
     def _grant_reconnects(self, now: float) -> None:
         """Let workers that lost their connection reconnect (re-homing on, see

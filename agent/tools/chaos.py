@@ -50,6 +50,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
@@ -229,10 +230,8 @@ def _back_to_size(mon: Monitor, operators: List[str]) -> bool:
     active. An operator with none (a re-home that failed) or one still starting is not back:
     counting only the operators present called a run with no source settled (seed 12026)."""
     counts = mon.instances_per_operator()
-    active: Dict[str, int] = {}
-    for inst in _active_instances(mon).values():
-        active[str(inst.get("operator"))] = active.get(str(inst.get("operator")), 0) + 1
-    return all(counts.get(op) == 1 and active.get(op) == 1 for op in operators)
+    active = Counter(str(inst.get("operator")) for inst in _active_instances(mon).values())
+    return all(counts.get(op) == 1 and active[op] == 1 for op in operators)
 
 
 def _holding(mon: Monitor) -> List[str]:
@@ -509,14 +508,7 @@ def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dic
     try:
         fleet.start()
         mon = Monitor(fleet.host, fleet.port, fleet.cluster)
-        # on the event, not a fixed time: 3 agents starting at once took over 30 s at load ~19;
-        # an agent that exits fails the run at once, 120 s only bounds a hang
-        def up_or_dead(m: Monitor) -> bool:
-            online = sum(1 for s in m.status.values() if s == "online") == len(cfg.nodes)
-            return online or any(p.poll() is not None for p in fleet.procs.values())
-
-        if not mon.wait(up_or_dead, 120) or any(p.poll() is not None for p in fleet.procs.values()):
-            raise RuntimeError(f"agents did not come online (logs in {workdir})")
+        fleet.wait_online(mon)
         fleet.deploy(text, extra=dict(cfg.deploy_extra))
         t0 = time.monotonic()
         say(f"chaos seed {cfg.seed}: {cfg.duration:.0f}s of load, faults "
@@ -563,10 +555,11 @@ def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dic
             time.sleep(0.5)
         settle_from = time.monotonic()
         settle = settle_from + cfg.settle_timeout
+        op_names = [op.name for op in pipeline.operators]
         last, quiet, settled = -1.0, None, False
         while time.monotonic() < settle:
             tot = mon.totals()["recorded"]
-            back = _back_to_size(mon, [op.name for op in pipeline.operators])
+            back = _back_to_size(mon, op_names)
             quiet = (quiet or time.monotonic()) if tot == last else None
             last = tot
             ends = _lock_and_round_state(mon)
@@ -583,7 +576,7 @@ def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dic
         tot = mon.totals()
         summary.update(
             final_instances=final,
-            back_to_size=bool(final) and all(final.get(op.name) == 1 for op in pipeline.operators),
+            back_to_size=_back_to_size(mon, op_names),
             duplicates_dropped_at_sink=int(tot["duplicates_dropped"]),
             protocol_messages=int(tot["protocol_out"]),
             restarts=len(mon.agent_events("spawned", "restart")),

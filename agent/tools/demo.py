@@ -145,6 +145,17 @@ class Fleet:
             self.start_agent(node)
         return self
 
+    def wait_online(self, mon: "Monitor", bound: float = 120.0) -> None:
+        """Until every agent says online, on the event rather than a fixed time: 3 agents
+        starting at once took over 30 s at load ~19 (a python start and the imports on shared
+        cores). An agent process that exits fails at once; `bound` only ends a hang."""
+        def up_or_dead(m: "Monitor") -> bool:
+            online = sum(1 for s in m.status.values() if s == "online") == len(self.nodes)
+            return online or any(p.poll() is not None for p in self.procs.values())
+
+        if not mon.wait(up_or_dead, bound) or any(p.poll() is not None for p in self.procs.values()):
+            raise RuntimeError(f"agents did not come online: {mon.status} (logs in {self.workdir})")
+
     @staticmethod
     def agent_env() -> Dict[str, str]:
         """This environment with the project on PYTHONPATH (agents run from a checkout too)."""
@@ -460,8 +471,7 @@ def run_demo(
     try:
         fleet.start()
         monitor = Monitor(fleet.host, fleet.port, fleet.cluster)
-        if not monitor.wait(lambda m: sum(1 for s in m.status.values() if s == "online") == len(fleet.nodes), 30):
-            raise RuntimeError(f"agents did not come online (logs in {workdir})")
+        fleet.wait_online(monitor)
         placed = fleet.deploy(text)
         print(f"deployed {cfg.pipeline.name}: " + ", ".join(f"{d.operator}@{d.node}" for d in placed), file=out)
         if live:

@@ -206,8 +206,7 @@ def run_live(policy: str, trace: Sequence[float], workdir: Path, seed: int = 0, 
     actions: List[Tuple[float, str, str]] = []  # (time, action, node) of the site manager's events seen
     seen = 0
     try:
-        if not mon.wait(lambda m: list(m.status.values()).count("online") == len(NODES), 60):
-            raise RuntimeError(f"the agents did not come online: {mon.status}")
+        fleet.wait_online(mon)
         fleet.deploy(text.replace("{start}", repr(time.time())))
         t0, wall0 = time.monotonic(), time.time()
         while True:
