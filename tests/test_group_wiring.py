@@ -656,6 +656,21 @@ def test_a_crash_of_either_owner_in_the_middle_of_a_move_loses_and_doubles_nothi
             counts.setdefault(rec["key"], []).append(rec["count"])
         assert {key: sorted(v) for key, v in counts.items()} == {key: list(range(1, batch.seq + 1)) for key in keys}, \
             f"seed {seed}: each key's count must run 1..{batch.seq} once ({f.crashes} crashes)"
+        # then the copy leaves: its groups go back to the keeper, which must take them as they are
+        # now (a restarted keeper still had its old state of them in its keyed file: it kept that)
+        control(f, copies[0], "terminate")
+        for _ in range(4):
+            batch()
+        settle(f)
+        assert f.insts[copies[0]].exited and k.moves.member.owned == set(range(GROUPS)), f"seed {seed}"
+        first = {}
+        for s, q, rec in f.insts["sink-0"].operator.got:
+            assert first.setdefault((s, q), rec) == rec, f"seed {seed}: one id, two values (after the leave)"
+        counts = {}
+        for rec in first.values():
+            counts.setdefault(rec["key"], []).append(rec["count"])
+        assert {key: sorted(v) for key, v in counts.items()} == {key: list(range(1, batch.seq + 1)) for key in keys}, \
+            f"seed {seed}: after the copy left, each key's count must run 1..{batch.seq} once"
     assert crashed >= 12
 
 
@@ -681,3 +696,28 @@ def test_a_window_of_a_group_installed_after_the_last_batch_is_emitted_if_its_ti
     out = new.fire_due(2)
     assert [(r["key"], r["start"], r["count"]) for _, _, r in out] == [("a", 0, 1)]
     assert new.fire_due(3) == []  # once
+
+
+def test_a_group_handed_out_is_gone_from_the_keyed_files_counters_included(tmp_path: Path) -> None:
+    """Found by the live run with scaling and a kill -9 of the keeper: the delta log wrote a
+    handed-out key's counter as null, which the loader read as "unchanged", so the restarted
+    keeper still had the group's old counters; when the group came back, the keeper took the
+    counters for a group installed before its crash and kept them without the state (32 groups'
+    later windows never came out)."""
+    from agent.instance.keyed_state import KeyedState
+    from agent.operators.builtin import OperatorContext
+    from agent.operators.keyed import KeyedCount
+
+    ks = KeyedState(KeyedCount(OperatorContext("c", "cnt", "n", "map", params={})), "cnt", "k", GROUPS)
+    keys = keys_per_group()
+    ks.apply("p", [("s", i, {"k": k}) for i, k in enumerate(keys)], 1)
+    path = tmp_path / "c.keyed.json"
+    ks.save(path)  # the snapshot: every group
+    ks.apply("p", [("s", 100, {"k": keys[3]})], 2)
+    ks.save(path)  # a delta line
+    ks.hand_out(3)
+    ks.save(path)  # the delta: group 3's key without state nor counter
+    again = KeyedState(KeyedCount(OperatorContext("c", "cnt", "n", "map", params={})), "cnt", "k", GROUPS)
+    again.restore(KeyedState.load(path))
+    assert 3 not in again.states and 3 not in again.emitted
+    assert set(again.states) == set(range(GROUPS)) - {3}

@@ -503,6 +503,8 @@ class KeyedState:
                     pairs[g].pop(k, None)
                 if n is not None:
                     counters[g][k] = n
+                else:  # no counter any more: its group was handed out (`forget_group`)
+                    counters[g].pop(k, None)
         for g in pairs:
             groups[g] = {"pairs": [[k, v] for k, v in pairs[g].items()],
                          "emitted": [[k, n] for k, n in counters[g].items()]}

@@ -165,6 +165,7 @@ class GroupMoves:
         # What waits for the end of the loop's turn (`flush`): one keyed save and one state write
         # for all the Eos, chunks and installs of the turn, then the messages they allow.
         self.flush_due = False
+        self.restored = False  # the member came from the saved state (`restore`)
         self.to_forget: List[int] = []  # handed out: dropped from the keyed state after the write
         self.deferred: List[Tuple[str, Dict[str, Any]]] = []  # (dest, body): chunks, Installed
         self.unsaved: Set[int] = set()  # input indices whose held records were applied, not saved yet
@@ -475,6 +476,7 @@ class GroupMoves:
         self.member = Member.from_json(d["member"])
         self.versions = {int(g): int(v) for g, v in d.get("versions") or []}
         self.held = 0
+        self.restored = True
         self.outgoing = {int(g): (str(new), list(bodies)) for g, new, bodies in d.get("outgoing") or []}
         # asked along at the first check after the restart: what the crash lost is sent again
         self.last_heard = {g: self.w.now - MOVE_RESEND for g in list(self.member.old.moving) + list(self.outgoing)}
@@ -485,6 +487,8 @@ class GroupMoves:
         """The keyed state is loaded: a group whose chunks were saved in the instance state but
         that the keyed file still holds (the crash came between the two writes) is forgotten."""
         stale = [g for g in self.outgoing if g in self.keyed.states or g in self.keyed.emitted]
+        if self.restored:  # any group the saved member does not hold: left here before the crash
+            stale = sorted(set(stale) | ((set(self.keyed.states) | set(self.keyed.emitted)) - self.member.owned))
         for g in stale:
             self.keyed.hand_out(g)
         if stale:
