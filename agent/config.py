@@ -213,7 +213,7 @@ def _with_source(cfg: Any, path: Path) -> Any:
 
 # What the worker's scaling driver runs: the paper's protocol core decides for "decentralized";
 # the Gesscale policies run through agent.policy.live (docs/measurement.md, "Policies in the daemon").
-RUNTIME_POLICIES = ("decentralized", "threshold", "model", "sized", "seasonal", "none")
+RUNTIME_POLICIES = ("decentralized", "threshold", "model", "sized", "seasonal", "planned", "none")
 
 
 MAX_PROFILE_SLOTS = 10080  # a week of minutes
@@ -233,7 +233,7 @@ def _finite(v: Any) -> Optional[str]:
 class ScalingSection:
     """Parameters of the scaling decision (paper section 3.3 defaults)."""
 
-    policy: Literal["decentralized", "threshold", "model", "sized", "seasonal", "none"] = "decentralized"
+    policy: Literal["decentralized", "threshold", "model", "sized", "seasonal", "planned", "none"] = "decentralized"
     target_ratio: float = field(default=0.7, metadata={"check": in_range(0.01, 1.0)})
     up: float = field(default=0.8, metadata={"check": in_range(0.01, 10.0)})
     down: float = field(default=0.6, metadata={"check": in_range(0.0, 10.0)})
@@ -251,7 +251,7 @@ class ScalingSection:
     min_instances: int = field(default=1, metadata={"check": in_range(1, 100000, "an integer")})
     max_instances: int = field(default=64, metadata={"check": in_range(1, 100000, "an integer")})
     cooldown: float = field(default=0.0, metadata={"check": non_negative("seconds")})
-    # `seasonal` only (docs/measurement.md, "A profile for a live seasonal operator"): the
+    # `seasonal` and `planned` only (docs/measurement.md, "A profile for a live seasonal operator"): the
     # operator's mean input per slot of the day, learned from earlier days; slot j covers the
     # `profile_slot` seconds from profile_start + j x profile_slot (unix time) on, repeating
     # every len(profile) slots. Bounded: the section arrives over the bus with a deployment.
@@ -260,8 +260,8 @@ class ScalingSection:
     profile_start: float = field(default=0.0, metadata={"check": _finite})
 
     def __post_init__(self) -> None:
-        if self.profile and self.policy != "seasonal":
-            raise ValueError(f'profile is read by policy = "seasonal" only, not {self.policy!r}')
+        if self.profile and self.policy not in ("seasonal", "planned"):
+            raise ValueError(f'profile is read by policy = "seasonal" or "planned" only, not {self.policy!r}')
         if self.down >= self.up:
             raise ValueError(f"down ({self.down}) must be lower than up ({self.up})")
         if self.min_instances > self.max_instances:

@@ -8,6 +8,7 @@ from typing import Iterable, Optional, Tuple
 
 import pytest
 
+from agent.instance.events import Control
 from agent.protocol.scaling import InstanceState
 from agent.sim.instance_check import Config, World, describe, explore, finish, random_runs
 
@@ -234,3 +235,62 @@ def test_a_restarted_receiver_takes_no_batch_past_replays_the_broker_lost() -> N
         assert rep.ok, describe(rep)
         bad = random_runs(dataclasses.replace(RESYNC, faults=frozenset({"resync_at_first_seen"})), schedules=1, seed=seed)
         assert not bad.ok and bad.violations[0].kind == "records_not_exactly_once", describe(bad)
+
+
+IDLE_COPY_REHOMED = Config(records=4, rehomes=2, crashes=1, rehome_targets=("op-0", "copy"), slow=("sink-0",),
+                           plans=ROUNDS_1212)
+
+
+def test_an_idle_copy_rehomed_with_its_creator_is_adopted() -> None:
+    """Was open in session 12 (77 of 400 schedules of this mix, seeds 3 and 10 the first): op-0
+    re-homed in the middle of its duplication and its idle copy re-homed too; started active
+    (plan_rehome made every instance active), the copy ran with tables source-0 never applied,
+    and its later Deletion, from a name source-0 did not know, was held, then refused: a round
+    that never ended. Re-homed idle (its node's last state said so), it waits for a Start; op-0
+    adopts it. Seeded fault `rehome_idle_active` (the planner not told which copies are idle)
+    brings the defect back on the same schedules."""
+    for seed in (3, 10):
+        rep = random_runs(IDLE_COPY_REHOMED, schedules=1, seed=seed)
+        assert rep.ok, describe(rep)
+        bad = random_runs(dataclasses.replace(IDLE_COPY_REHOMED, faults=frozenset({"rehome_idle_active"})),
+                          schedules=1, seed=seed)
+        assert [v.kind for v in bad.violations] == ["round_not_ended"], describe(bad)
+
+
+def _creator_rehomed_with_its_idle_copy(first: str, faults: Iterable[str]) -> Optional[Tuple[str, str]]:
+    """A copy (not a keeper) creates a copy of its own; both are lost with their node while the
+    new one is idle (its creator waits for createNode()); both are re-homed (`first` restarts
+    first), and the re-homed creator is asked to scale in at once: chaos seed 11029's second run,
+    where the re-homed creator left 4 s after its re-homing, before its copy's first idle ping,
+    and nobody ever started the copy."""
+    w = World(Config(records=4, rehomes=2, plans=(("op-0", "duplicate"),), faults=frozenset(faults)))
+    w.play("plan op-0 duplicate")
+    w.deliver_all()
+    for _ in range(3):
+        w.play("time")
+        w.deliver_all()
+    creator = w.copy_id
+    assert creator is not None
+    w._feed(creator, Control({"event": "scale", "action": "duplicate", "count": 1}))
+    w._tick(creator)
+    copy = w.copy_id
+    assert copy != creator and w._core(copy).state is InstanceState.IDLE
+    w.apply(("rehome", creator))
+    w.apply(("rehome", copy))
+    order = (creator, copy) if first == "creator" else (copy, creator)
+    for iid in order:
+        w.apply(("restart", iid))
+    assert w.specs[creator].extra["idle_copies"] == [copy] and not w.specs[copy].active
+    w._feed(creator, Control({"event": "scale", "action": "terminate", "count": 1}))
+    w._tick(creator)
+    return finish(w)
+
+
+@pytest.mark.parametrize("first", ["creator", "copy"])
+def test_a_rehomed_creator_adopts_its_idle_copy_before_it_leaves(first: str) -> None:
+    """plan_rehome tells the re-homed creator of its idle copy (`idle_copies`): it probes it at
+    once and adopts it before its scale-in runs. Seeded fault `leave_before_adoption`: it
+    leaves first, and the copy stays idle for ever (in the chaos run, with records routed to it)."""
+    assert _creator_rehomed_with_its_idle_copy(first, ()) is None
+    bad = _creator_rehomed_with_its_idle_copy(first, {"leave_before_adoption"})
+    assert bad is not None and bad[0] == "round_not_ended" and "still idle" in bad[1], bad

@@ -138,6 +138,9 @@ def test_cli_reports_seasonal_with_the_bound_and_draws_the_pareto_plot(tmp_path,
     thr = doc["runs"]["threshold"][0]
     bound_at_thr = {b["max_changes"]: b["cost"] for b in doc["bound"]}[int(round(thr["reconfigurations"]))]
     assert bound_at_thr <= thr["cost"]  # threshold's own schedule is one the bound could pick
+    fore = {b["max_changes"]: b["cost"] for b in doc["forecast_bound"]}
+    assert sorted(fore) == sorted(b["max_changes"] for b in doc["bound"])
+    assert all(fore[b["max_changes"]] >= b["cost"] for b in doc["bound"])  # knowing less never costs less
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

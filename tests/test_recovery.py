@@ -801,3 +801,17 @@ def test_a_fast_source_writes_its_position_about_once_a_second_and_never_generat
     assert reservations <= 4 * 2 + 2, reservations  # ~1 a second (2,000 records each: 60)
     assert written[-1]["reserved"] - generated <= 2 * 30_000  # the catch-up after a crash stays bounded
     assert written[-1]["resume_from"] <= generated
+
+
+def test_an_empty_ack_from_an_instance_of_another_operator_is_never_probed(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A copy re-homed idle (agent.node.rehome) asks its predecessors for replays with an empty
+    ack; a predecessor with a link to it, that left it out of its rebuilt successors, took that
+    for an idle ping of a copy of its own and probed it (chaos, session 13): no echo ever comes
+    (a copy echoes only its creator), and the probe held the predecessor's scale-ins for
+    PROBE_TTL (`ScalingDriver.adoption_pending`). Only names like our copies are probed."""
+    clock, copy, copy_wire, creator, keeper_wire = _creator_and_idle_copy(tmp_path)
+    sc = creator.core.scaling
+    assert sc.on_idle_ping("sink-9") is False
+    assert sc.probes == {} and not sc.adoption_pending
+    assert sc.on_idle_ping("work-y") is True and list(sc.probes) == ["work-y"]  # named like our copies
+    assert sc.on_idle_ping("work-y") is True and sc.counts["probes"] == 1  # its probe is on its way

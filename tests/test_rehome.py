@@ -171,3 +171,47 @@ def test_a_failed_rehome_is_not_placed_again_when_the_returning_node_runs_it(tmp
     agent.fleet["n9"] = {"instances": [{"id": "p.mid.0"}]}  # it did
     agent._maybe_rehome(130.0)
     assert len(asked) == 1 and not agent._rehome_retry
+
+
+def test_an_idle_copy_is_rehomed_idle_out_of_rebuilt_successors_and_its_creator_told() -> None:
+    """op-0 re-homed in the middle of its duplication with its idle copy: started active, the
+    copy ran with tables some neighbours never applied, and its Deletion was never acked (77
+    of 400 checker schedules). Re-homed idle, it waits for a Start; its creator is told of it
+    (`idle_copies`) to adopt it before it may leave, and no re-homed predecessor routes to it
+    before that adoption announces it (chaos seed 11029: a creator that left and a rebuilt table
+    routing to the copy lost 199 records). A keeper is never idle; preds keep idle copies."""
+    fl = {"n1": [spec("p.source.0", "source", True)],
+          "n2": [spec("p.mid.0", "mid", True), spec("mid-b", "mid", creator="p.mid.0"),
+                 spec("mid-c", "mid", creator="mid-x")],
+          "n3": [spec("p.sink.0", "sink", True), spec("sink-b", "sink", creator="p.sink.0")]}
+    idle = {"mid-b", "p.mid.0", "sink-b"}
+    plan = plan_rehome("n2", fl, online={"n1", "n3"}, listed_online=set(), min_epoch=1, idle=idle)
+    by = {s["instance"]: s for s in plan}
+    assert [(i, s["active"]) for i, s in sorted(by.items())] == [("mid-b", False), ("mid-c", True), ("p.mid.0", True)]
+    assert by["p.mid.0"]["extra"]["idle_copies"] == ["mid-b"]
+    assert "idle_copies" not in by["mid-c"]["extra"] and by["mid-b"]["extra"]["creator"] == "p.mid.0"
+    assert by["p.mid.0"]["succs"] == ["p.sink.0"]  # the idle sink-b left out
+    assert by["p.mid.0"]["preds"] == ["p.source.0"]
+    # the sink lost instead: the idle mid-b stays among its preds (it refuses unknown senders)
+    sink = plan_rehome("n3", fl, online={"n1", "n2"}, listed_online=set(), min_epoch=1, idle=idle)
+    assert {s["instance"]: s["preds"] for s in sink}["p.sink.0"] == ["mid-b", "mid-c", "p.mid.0"]
+    # not told which copies are idle: every instance active, as before
+    assert all(s["active"] and "idle_copies" not in s["extra"]
+               for s in plan_rehome("n2", fl, online={"n1", "n3"}, listed_online=set(), min_epoch=1))
+
+
+def test_the_agent_reads_idle_copies_from_the_lost_nodes_last_state(tmp_path: Path) -> None:
+    """The daemon side: which copies were idle comes from the lost node's last retained state
+    (and the online nodes' states, and our workers)."""
+    agent = _agent(tmp_path)
+    created: List[Any] = []
+    agent._create_node = lambda spec, reply, cause, now: created.append(spec)
+    agent.connected, agent.online, agent._offline_since = True, {"n2": False, "n1": True, "n3": True}, {"n2": 0.0}
+    agent.hosted_by_node = {"n1": [spec("p.source.0", "source", True)],
+                            "n2": [spec("p.mid.0", "mid", True), spec("mid-b", "mid", creator="p.mid.0")],
+                            "n3": [spec("p.sink.0", "sink", True)]}
+    agent.fleet["n2"] = {"instances": [{"id": "mid-b", "stats": {"state": "idle"}},  # the lost node's last state
+                                       {"id": "p.mid.0", "stats": {"state": "duplicating"}}]}
+    agent._maybe_rehome(100.0)
+    assert [(s.instance, s.active, s.extra.get("idle_copies")) for s in created] == [
+        ("mid-b", False, None), ("p.mid.0", True, ["mid-b"])]

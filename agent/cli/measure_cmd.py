@@ -265,41 +265,50 @@ def cmd_simulate_policies(args: argparse.Namespace) -> int:
     results = compare(range(args.seeds), names, days=args.days, cfg=cfg, train_days=args.train_days,
                       day_sigma=args.day_sigma)
     took = time.perf_counter() - t0
-    bound = None
+    bound = forecast = None
     if args.pareto or "seasonal" in results:
-        bound = _bound(results, args.pareto)
+        bound, forecast = _bound(results, args.pareto, args.days, args.train_days, args.day_sigma)
     if args.json:
         doc = {"seeds": args.seeds, "days": args.days, "config": {"period": cfg.period, "cooldown": cfg.cooldown,
                                                                     "stop_seconds": cfg.stop_seconds},
                "summary": {p: {k: {"mean": m, "sd": sd} for k, (m, sd) in s.items()} for p, s in summary(results).items()},
                "runs": {p: [dict(r.metrics.as_dict(), seed=r.seed, operations=r.operations) for r in rs]
                         for p, rs in results.items()},
-               "bound": [{"max_changes": k, "cost": c} for k, c in (bound or [])]}
+               "bound": [{"max_changes": k, "cost": c} for k, c in (bound or [])],
+               "forecast_bound": [{"max_changes": k, "cost": c} for k, c in (forecast or [])]}
         print(json.dumps(doc, indent=2))
     else:
         print(format_table(results))
         if bound:
             print("\nclairvoyant bound (under-provisioning <= threshold's), mean cost by reconfiguration budget: "
                   + ", ".join(f"{k}: {c:.1f}" for k, c in bound))
+        if forecast:
+            print("perfect-forecast bound (a plan on the smooth part of each day), mean cost by budget: "
+                  + ", ".join(f"{k}: {c:.1f}" for k, c in forecast))
         print(f"\n({args.seeds} seeds x {len(names)} policies in {took:.1f} s)")
     if args.plot:
         _plot(results, args.plot)
     return EXIT_OK
 
 
-def _bound(results: Any, pareto: Any) -> Any:
+def _bound(results: Any, pareto: Any, days: float, train_days: int, day_sigma: float) -> Any:
     """The clairvoyant bound at the policies' own (rounded) reconfiguration counts and, for the
-    Pareto plot, at a few more budgets; None without a threshold run to take the under limit from."""
+    Pareto plot, at every budget 8..36 with the perfect-forecast bound beside it
+    (agent/sim/policies_forecast_bound.py); (None, None) without a threshold run to take the
+    under limit from."""
+    from agent.sim.policies_forecast_bound import forecast_bound_curve
     from agent.sim.policies_pareto import bound_curve, plot_pareto, points
 
     if "threshold" not in results:
-        return None
+        return None, None
     pts = points(results)
-    budgets = sorted({int(round(v[0])) for v in pts.values()} | ({8, 12, 16, 24, 32} if pareto else set()))
+    budgets = sorted({int(round(v[0])) for v in pts.values()} | (set(range(8, 37)) if pareto else set()))
     bound = bound_curve(results["threshold"], budgets)
+    forecast = None
     if pareto:
-        plot_pareto(pts, bound, pareto, f"{len(results['threshold'])} seeds")
-    return bound
+        forecast = forecast_bound_curve(results["threshold"], budgets, days, train_days, day_sigma)
+        plot_pareto(pts, bound, pareto, f"{len(results['threshold'])} seeds", forecast)
+    return bound, forecast
 
 
 def _plot(results: Any, path: str) -> None:

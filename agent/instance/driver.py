@@ -44,8 +44,9 @@ from agent.protocol.scaling import Activate, CreateInstance, Drain, InstanceStat
 if TYPE_CHECKING:
     from agent.instance.core import Instance
 
-__all__ = ["ScalingDriver", "FAULT_REHOME_ROUNDS_FROM_ONE", "FAULT_DRAIN_HOLDS_PROTOCOL", "FAULT_REHOME_STAYS", "PROBE", "PROBE_ECHO",
-           "IDLE_PING", "IDLE_PING_MAX", "MAX_PROBES", "PROBE_TTL"]
+__all__ = ["ScalingDriver", "FAULT_REHOME_ROUNDS_FROM_ONE", "FAULT_DRAIN_HOLDS_PROTOCOL", "FAULT_REHOME_STAYS",
+           "FAULT_LEAVE_BEFORE_ADOPTION", "PROBE", "PROBE_ECHO", "IDLE_PING", "IDLE_PING_MAX", "MAX_PROBES",
+           "PROBE_TTL"]
 
 log = logging.getLogger("agent.instance.worker")
 
@@ -68,6 +69,7 @@ PROBE_TTL = 60.0
 FAULT_REHOME_ROUNDS_FROM_ONE = "rehome_rounds_from_one"  # a re-homed instance numbers rounds from 1
 FAULT_DRAIN_HOLDS_PROTOCOL = "drain_holds_protocol"  # a draining copy holds its protocol queue
 FAULT_REHOME_STAYS = "rehome_stays"  # a re-homed copy ignores the deletion acks of its dead incarnation
+FAULT_LEAVE_BEFORE_ADOPTION = "leave_before_adoption"  # a creator scales in with an idle copy of its own waiting
 
 
 class ScalingDriver:
@@ -134,8 +136,16 @@ class ScalingDriver:
         self._spawn_errors: List[str] = []
         self.round_created: List[str] = []  # copies of the current round whose create succeeded
         self.started: Deque[str] = deque(maxlen=256)  # copies this instance sent Start (see start_again)
-        self._next_ping = worker.now + IDLE_PING
+        # A copy re-homed idle (agent.node.rehome) asks its creator at once: the creator may be a
+        # new incarnation too, that knows nothing of it.
+        self._next_ping = worker.now + (0.0 if self.rehomed else IDLE_PING)
         self._idle_pings = 0
+        # Re-homed: the idle copies our dead incarnation created (plan_rehome, `idle_copies`),
+        # probed at our first tick and adopted on their echo before we may scale in.
+        # Names from other nodes' hosted records: only ones that can be a topic segment.
+        self.expected: List[str] = [
+            c for c in (spec.extra.get("idle_copies") or []) if isinstance(c, str) and not set(c) & set("/+#\0")
+        ][:MAX_PROBES] if self.rehomed and spec.active else []
         # copy -> (number of the probe we sent it, when: unanswered probes expire after PROBE_TTL)
         self.probes: Dict[str, Tuple[int, float]] = {}  # (on_idle_ping)
         self._probe_seq = 0
@@ -440,6 +450,8 @@ class ScalingDriver:
             if self.core.state is not InstanceState.IDLE and not self.core.in_round:
                 self.forced.clear()  # leaving or gone: nothing more to do
             return
+        if self.forced[0][0] == "terminate" and self.adoption_pending:
+            return  # after the adoption (see adoption_pending)
         action, count = self.forced.popleft()
         decision = Decision(Action.DUPLICATE if action == "duplicate" else Action.TERMINATE, count)
         if self._leave_first(decision):
@@ -505,6 +517,7 @@ class ScalingDriver:
         self._queue(outs)
 
     def maybe_tick(self, now: float) -> None:
+        self._probe_expected()
         if self._moving():
             self._maybe_adopt()
             self.resend_silent(now)
@@ -548,6 +561,8 @@ class ScalingDriver:
                                                      sig.backpressure, self.core.keeper, draw, self.w.wall()))
         else:
             decision = self.core.decide(load, draw)
+        if decision.action is Action.TERMINATE and self.adoption_pending:
+            decision = Decision(Action.NONE, 0)  # after the adoption (see adoption_pending)
         if decision.scales:
             self.log.decided(self.w.now)
         if self._leave_first(decision):
@@ -668,12 +683,43 @@ class ScalingDriver:
         if (sender in core.succs or sender in core.preds or sender in core.new_siblings
                 or sender in self.orphans or core.state is InstanceState.IDLE or core.terminated):
             return sender in core.new_siblings
+        if sender in self.probes and self.w.now - self.probes[sender][1] < IDLE_PING:
+            return True  # our probe is on its way (a new one would void the echo of this one)
+        if not self.may_probe(sender):
+            # Not named like a copy of ours: an instance of another operator we have a link
+            # with (a re-homed idle copy asks its predecessors for replays), never ours to start.
+            return False
+        self._probe(sender)
+        return True
+
+    @property
+    def adoption_pending(self) -> bool:
+        """A copy that may be ours waits for its Start: one plan_rehome told us of not probed
+        yet, a probe waiting for its echo, an echoed copy not adopted yet. We do not scale in
+        meanwhile: left, we would leave an idle copy nobody starts while neighbours route
+        records to it (chaos seed 11029, docs/reliability.md "An idle copy re-homed with its
+        creator"). Only scale-ins wait, at most PROBE_TTL per probe (a probe of an invented
+        name costs a delayed scale-in, never a lost record)."""
+        if FAULT_LEAVE_BEFORE_ADOPTION in self.w.faults:
+            return False
+        return bool(self.expected or self.probes or self.orphans)
+
+    def _probe_expected(self) -> None:
+        """Probe the idle copies our dead incarnation created (plan_rehome's `idle_copies`)
+        without waiting for their idle ping; each is adopted on its echo (`on_probe`)."""
+        if not self.expected or self.core.state is not InstanceState.ACTIVE:
+            return
+        for copy in self.expected:
+            if copy not in self.probes and copy not in self.orphans and self.may_probe(copy):
+                self._probe(copy)
+        self.expected = []
+
+    def _probe(self, sender: str) -> None:
         self._probe_seq += 1
         self.probes[sender] = (self._probe_seq, self.w.now)
         self.counts["probes"] += 1
         log.warning("%s is idle and not a copy of this incarnation: probing it", sender, extra=self.w.ctx)
         self.w.send_envelope(sender, Kind.PROTO, {"type": PROBE, "sender": self.core.instance_id, "n": self._probe_seq})
-        return True
 
     def on_probe(self, env: Envelope) -> None:
         """A creator's probe to a copy, or the copy's echo of it (both outside the paper's cost).

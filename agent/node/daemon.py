@@ -1508,16 +1508,15 @@ class Agent:
         else:
             self.supervisor.start_chain(group, now)
 
-    def _departing(self) -> Set[str]:
-        """Instances past the predecessor phase of their deletion (their scaling core says
-        departing or terminated): ours from the workers' last heartbeat, the other online
-        nodes' from their retained states. A re-homed predecessor leaves them out of its
-        successors (agent.node.rehome.plan_rehome)."""
-        gone = ("departing", "terminated")
-        out = {i for i, w in self.supervisor.workers.items() if w.stats.get("state") in gone}
-        for i in self._entries_elsewhere():
+    def _in_state(self, states: Tuple[str, ...], lost: Optional[str] = None) -> Set[str]:
+        """Instances whose scaling core is in one of `states`: ours from the workers' last
+        heartbeat, the other online nodes' (and the `lost` node's last one) from their retained
+        states. For agent.node.rehome.plan_rehome: departing instances stay out of a re-homed
+        predecessor's successors; idle copies are re-homed idle, and their creator told of them."""
+        out = {i for i, w in self.supervisor.workers.items() if w.stats.get("state") in states}
+        for i in self._entries_elsewhere(lost):
             stats = i.get("stats")
-            if isinstance(stats, dict) and stats.get("state") in gone:
+            if isinstance(stats, dict) and stats.get("state") in states:
                 out.add(str(i.get("id")))
         return out
 
@@ -1525,10 +1524,11 @@ class Agent:
         """Instance ids that another ONLINE node lists in its retained state."""
         return {str(i.get("id")) for i in self._entries_elsewhere()}
 
-    def _entries_elsewhere(self) -> Iterator[Dict[str, Any]]:
-        """The instance entries of every other ONLINE node's retained state."""
+    def _entries_elsewhere(self, lost: Optional[str] = None) -> Iterator[Dict[str, Any]]:
+        """The instance entries of every other ONLINE node's retained state (and of the `lost`
+        node's last one)."""
         for n, doc in self.fleet.items():
-            if n != self.node and self.online.get(n):
+            if n != self.node and (self.online.get(n) or n == lost):
                 yield from (i for i in doc.get("instances", []) or [] if isinstance(i, dict))
 
     def _grant_reconnects(self, now: float) -> None:
@@ -1669,7 +1669,8 @@ class Agent:
             wall = self.wall()  # one reading: the specs' floor and our record's time (_rehomed_here)
             listed = self._listed_elsewhere() | set(self.supervisor.workers) | set(self._rehome_claims)
             plan = rehome.plan_rehome(node, self.hosted_by_node, online, listed, int(wall),
-                                      departing=self._departing())
+                                      departing=self._in_state(("departing", "terminated")),
+                                      idle=self._in_state(("idle",), lost=node))
             self._rehomed.add(node)
             if plan:
                 record = self.rehomed_by_node.setdefault(self.node, {})
@@ -1678,7 +1679,11 @@ class Agent:
                     del record[inst]  # bounded: the oldest entries go first
                 self._publish(topics.agent_rehomed(self.cluster, self.node),
                               json.dumps(record, sort_keys=True).encode(), retain=True)
-            log.warning("node %s offline for %.0fs: re-homing %d instances", node, now - since, len(plan),
+            idle = sorted(str(d["instance"]) for d in plan if not d.get("active"))
+            told = sorted(str(d["instance"]) for d in plan if (d.get("extra") or {}).get("idle_copies"))
+            log.warning("node %s offline for %.0fs: re-homing %d instances%s%s", node, now - since, len(plan),
+                        f", idle copies {idle}" if idle else "",
+                        f", creators told of idle copies {told}" if told else "",
                         extra={"node": self.node})
             for data in plan:
                 stale = records.stale_reason(records.spec_generation(data), self.records.get(str(data.get("pipeline"))))

@@ -22,7 +22,8 @@ online node already lists (somebody re-homed it, or the node came back).
 What is lost with the node: the instance's persisted protocol state. A round it was in the middle
 of is not finished (its neighbours' resend on silence reaches the new incarnation, which answers as
 a fresh active instance); a copy it had created but not started is adopted by the new
-incarnation (agent.instance.worker: idle ping, probe, echo, `ScalingCore.adopt`). A sink's id file and
+incarnation (agent.instance.driver: idle ping or `idle_copies`, probe, echo, `ScalingCore.adopt`),
+and a copy lost while idle is re-homed idle (`plan_rehome`). A sink's id file and
 a source's position file live in `sink_dir`: on a real fleet put it on shared storage, or rely on
 the analytics' accounting to drop duplicate ids (docs/reliability.md).
 """
@@ -40,6 +41,9 @@ __all__ = ["responsible", "plan_rehome", "encode_hosted", "decode_hosted"]
 
 # A hosted record carries each instance's pipeline text: larger than other control payloads.
 HOSTED_MAX_BYTES = 4 * wire.MAX_CONTROL_BYTES
+# At most this many idle copies a re-homed creator is told to probe (agent.instance.driver
+# MAX_PROBES bounds the probes it keeps waiting at once).
+MAX_IDLE_COPIES = 8
 
 
 def decode_rehomed(payload: bytes) -> Dict[str, float]:
@@ -91,6 +95,7 @@ def plan_rehome(
     listed_online: Set[str],
     min_epoch: int,
     departing: Iterable[str] = (),
+    idle: Iterable[str] = (),
 ) -> List[Dict[str, Any]]:
     """The specs to start elsewhere for the instances of `dead` (sorted by instance id).
 
@@ -104,8 +109,24 @@ def plan_rehome(
     An instance still "deleting" stays in: its Deletion, sent again on silence, reaches the new
     incarnation, which applies it. Predecessors are never left out: a departing instance still
     sends its last records and its Deletion to its successors.
+
+    `idle`: instances whose node's last state said idle (a copy created, not started yet; the
+    lost node's last retained state for its own). A copy with a creator is re-homed idle: it
+    waits for a Start, as its dead incarnation did; started active instead, a copy whose
+    creator died before its Duplication reached every neighbour ran with tables some neighbours
+    never applied, and its later Deletion, from a name they did not know, was never acked (the
+    checker: 77 of 400 schedules, docs/reliability.md "An idle copy re-homed with its
+    creator"). Who starts it: its creator, which every re-homed instance is told of by
+    `extra["idle_copies"]` (the idle copies naming it as creator, wherever they run): its new
+    incarnation probes them at once and adopts them (agent.instance.driver) before it may leave,
+    so that it cannot scale in and leave a copy nobody starts (chaos seed 11029's second run).
+    An idle copy stays out of a re-homed instance's successors (nothing may be routed to it
+    before the Duplication of its adoption announces it), never out of its predecessors (a
+    successor refuses records from a sender its tables lack).
     """
     gone = set(departing)
+    waiting = set(idle)
+    copies: Dict[str, List[str]] = {}  # creator -> its idle copies
     cache: Dict[str, List[str]] = {}
     members: Dict[Tuple[str, str], Set[str]] = {}
     for node, specs in hosted_by_node.items():
@@ -113,6 +134,9 @@ def plan_rehome(
             continue
         for s in specs:
             members.setdefault((str(s["pipeline"]), str(s["operator"])), set()).add(str(s["instance"]))
+            creator = _creator(s)
+            if creator and s["instance"] in waiting:
+                copies.setdefault(creator, []).append(str(s["instance"]))
     out: List[Dict[str, Any]] = []
     for s in sorted(hosted_by_node.get(dead, ()), key=lambda x: str(x["instance"])):
         if s["instance"] in listed_online:
@@ -123,8 +147,21 @@ def plan_rehome(
         i = order.index(str(s["operator"]))
         pipeline = str(s["pipeline"])
         preds = sorted(members.get((pipeline, order[i - 1]), ())) if i > 0 else []
-        succs = sorted(members.get((pipeline, order[i + 1]), set()) - gone) if i + 1 < len(order) else []
+        succs = sorted(members.get((pipeline, order[i + 1]), set()) - gone - waiting) if i + 1 < len(order) else []
         extra = dict(s.get("extra") or {})
         extra["min_epoch"] = max(int(extra.get("min_epoch", 0) or 0), int(min_epoch))
-        out.append({**s, "succs": succs, "preds": preds, "restart": True, "active": True, "extra": extra})
+        mine = sorted(c for c in copies.get(str(s["instance"]), ()) if c.startswith(str(s["operator"]) + "-"))
+        if mine:
+            extra["idle_copies"] = mine[:MAX_IDLE_COPIES]
+        else:
+            extra.pop("idle_copies", None)
+        active = not (s["instance"] in waiting and _creator(s) and not s.get("keeper"))
+        out.append({**s, "succs": succs, "preds": preds, "restart": True, "active": active, "extra": extra})
     return out
+
+
+def _creator(spec: Mapping[str, Any]) -> str:
+    """The creator a copy's hosted record names ("" for an instance deployed with the pipeline)."""
+    extra = spec.get("extra")
+    creator = extra.get("creator") if isinstance(extra, dict) else None
+    return creator if isinstance(creator, str) and not spec.get("keeper") else ""

@@ -212,7 +212,7 @@ class DecentralizedPolicy:
         return NO_ACTION
 
 
-POLICY_NAMES = ("decentralized", "threshold", "model", "sized", "seasonal")
+POLICY_NAMES = ("decentralized", "threshold", "model", "sized", "seasonal", "planned")
 
 
 def make_policy(name: str, scaling: "object" = None) -> Policy:
@@ -249,4 +249,8 @@ def make_policy(name: str, scaling: "object" = None) -> Policy:
         from agent.policy.seasonal import SeasonalPolicy, from_scaling
 
         return SeasonalPolicy() if scaling is None else from_scaling(scaling)
+    if name == "planned":  # a day plan in instance space from a learned `profile` (agent/policy/planned.py)
+        from agent.policy import planned
+
+        return planned.PlannedPolicy() if scaling is None else planned.from_scaling(scaling)
     raise ValueError(f"unknown policy {name!r}: expected one of {', '.join(POLICY_NAMES)}")

@@ -28,7 +28,7 @@ from agent.policy.model import is_overload_root
 __all__ = ["LIVE_POLICIES", "LivePolicy", "PeriodInputs", "to_decision", "parse_context"]
 
 # The policies that run through LivePolicy; "decentralized" keeps the protocol core's own decide()
-LIVE_POLICIES = ("threshold", "model", "sized", "seasonal")
+LIVE_POLICIES = ("threshold", "model", "sized", "seasonal", "planned")
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import statistics
 from functools import lru_cache
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Type
 
 from agent.policy.base import NO_ACTION, HeldScaleIn, Measurements, ScalingAction, share_of_delta
 from agent.policy.model import MstPoint, MstPoints, is_overload_root
@@ -198,7 +198,9 @@ class SeasonalPolicy(HeldScaleIn):
 
     # ---- decision -----------------------------------------------------------------------------
 
-    def decide(self, m: Measurements) -> ScalingAction:
+    def observe(self, m: Measurements) -> Tuple[int, float, float]:
+        """Record one period's measurements (MST point, input, slot, back pressure); returns
+        (n, operator input estimate, seconds since the last action)."""
         n = m.n_instances or 1
         self.mst.record(MstPoint(n, m.nd_max_ms, m.capacity * n))
         x = max(m.throughput * n, m.load * n)
@@ -207,8 +209,10 @@ class SeasonalPolicy(HeldScaleIn):
         self.backpressured.append(m.upstream_backpressure > 0 or m.backpressure > 0)
         keep = max(self.hold, self.level_periods)
         del self.inputs[:-keep], self.slots[:-keep], self.backpressured[:-keep]
-        since = m.now - self.last_action_at if self.last_action_at is not None else float("inf")
+        return n, x, (m.now - self.last_action_at if self.last_action_at is not None else float("inf"))
 
+    def decide(self, m: Measurements) -> ScalingAction:
+        n, x, since = self.observe(m)
         if self.plan is not None:
             return self._follow_plan(m, n, x, since)
         near = max(x, self.forecast_peak(1))
@@ -249,24 +253,31 @@ class SeasonalPolicy(HeldScaleIn):
             target = min(self.max_instances, max(n + 1, desired, now_needs))
             self.last_action_at = m.now
             return share_of_delta(target - n, m, target, f"plan {planned:.0f}/s, input {x:.0f}/s need {target} (> {n})")
+        return self.scale_in_above(m, n, desired, since, f"plan {planned:.0f}/s")
+
+    def scale_in_above(self, m: Measurements, n: int, floor: int, since: float, why: str) -> ScalingAction:
+        """The held scale-in of plan mode (and of `planned`): to max(floor, what the recent peak
+        needs), never while any of the last `hold` periods was back-pressured."""
         if any(self.backpressured[-self.hold:]):
             self.low_periods = 0
             return NO_ACTION
         recent = self.needed(max(self.inputs[-self.hold:]) * (1.0 + self.margin_up), m.nd_max_ms)
-        target = max(self.min_instances, desired, recent)
-        return self.held_scale_in(m, n, target, since, f"plan {planned:.0f}/s fits {target} (< {n})")
+        target = max(self.min_instances, floor, recent)
+        return self.held_scale_in(m, n, target, since, f"{why}, recent peak needs {recent}: {target} (< {n})")
 
 
-def from_scaling(scaling: Any) -> SeasonalPolicy:
+def from_scaling(scaling: Any, cls: Type[SeasonalPolicy] = SeasonalPolicy,
+                 point: Optional[Dict[str, Any]] = None) -> SeasonalPolicy:
     """The policy an operator's `[scaling]` section (agent.config.ScalingSection) selects. With a
-    `profile`: plan mode at OPERATING_POINT on unix time (slot j of the day starts at
-    profile_start + j x profile_slot, modulo the day), cooldowns of 1 (out) and 4 (in) periods.
-    Without: hysteresis on the recent peak (the forecast is flat at the recent maximum)."""
+    `profile`: `cls` at `point` (default: plan mode at OPERATING_POINT) on unix time (slot j of
+    the day starts at profile_start + j x profile_slot, modulo the day), cooldowns of 1 (out) and
+    4 (in) periods. Without: hysteresis on the recent peak (the forecast is flat at the recent
+    maximum). `planned` (agent/policy/planned.py) is built here too, with its own point."""
     if not scaling.profile:
-        return SeasonalPolicy(min_instances=scaling.min_instances, max_instances=scaling.max_instances)
-    pol = SeasonalPolicy(profile=scaling.profile, slot_seconds=scaling.profile_slot, phase=-scaling.profile_start,
-                         cooldown_out=COOLDOWN_OUT_PERIODS * scaling.period,
-                         cooldown_in=COOLDOWN_IN_PERIODS * scaling.period, min_instances=scaling.min_instances,
-                         max_instances=scaling.max_instances, **OPERATING_POINT)
+        return cls(min_instances=scaling.min_instances, max_instances=scaling.max_instances)
+    pol = cls(profile=scaling.profile, slot_seconds=scaling.profile_slot, phase=-scaling.profile_start,
+              cooldown_out=COOLDOWN_OUT_PERIODS * scaling.period,
+              cooldown_in=COOLDOWN_IN_PERIODS * scaling.period, min_instances=scaling.min_instances,
+              max_instances=scaling.max_instances, **(OPERATING_POINT if point is None else point))
     pol.clock = "wall"
     return pol

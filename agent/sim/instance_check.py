@@ -14,8 +14,9 @@ Broker model (MQTT 3.1.1 / Mosquitto with persistent sessions, QoS 1):
 - `dup`: the head of a queue is delivered twice (a QoS 1 re-send whose PUBACK was lost).
 Faults, each a move with a budget: `crash` (the instance loses its memory, including what it
 took from the broker but had not processed, and restarts from its last `Persist`), `rehome` (the
-same, but its state is gone with its node: restart from nothing above a new epoch floor, active,
-with tables rebuilt from the hosted instances, as agent.node.rehome plans it; op-0 or its copy),
+same, but its state is gone with its node: restart from nothing above a new epoch floor, active
+(idle, a copy that was idle), with tables rebuilt from the hosted instances, as agent.node.rehome
+plans it; op-0 or its copy),
 `refuse` (the instance's next publish is refused by its client), `broker` (the broker restarts:
 sessions and queues kept, the last delivery of each queue possibly repeated; or no session left,
 every queue gone and every client told `SessionLost`; or sessions kept but every queued message
@@ -86,7 +87,11 @@ BROKER = BrokerSpec("127.0.0.1", 1)
 
 # The seeded faults the instance knows (agent.instance.core, agent.instance.driver).
 FAULTS = ("retry_only_with_data", "drain_holds_protocol", "rehome_rounds_from_one", "route_afresh",
-          "replay_to_departed", "rehome_stays", "resync_at_first_seen")
+          "replay_to_departed", "rehome_stays", "resync_at_first_seen", "leave_before_adoption",
+          "rehome_idle_active")
+# The one seeded fault of the planner's inputs (agent.node.rehome), played by the checker's
+# re-homing move: plan_rehome is not told which copies were idle, and starts them active.
+FAULT_REHOME_IDLE_ACTIVE = "rehome_idle_active"
 
 
 def pipeline_text(batch: int = 1, window: int = 4) -> str:
@@ -267,6 +272,8 @@ class World:
         self.now = 0.0
         self.inst: Dict[str, Instance] = {}
         self.down: Dict[str, str] = {}  # crashed instance -> "crash" | "rehome"
+        # down instance -> its scaling state when it went down (its node's last state report)
+        self.down_state: Dict[str, InstanceState] = {}
         self.specs: Dict[str, InstanceSpec] = {}
         self.persisted: Dict[str, str] = {}  # instance -> JSON of its last Persist
         self.source_pos: Dict[str, str] = {}
@@ -480,6 +487,7 @@ class World:
         elif kind in ("crash", "rehome"):
             self.budget[kind] -= 1
             iid = move[1]
+            self.down_state[iid] = self._core(iid).state
             del self.inst[iid]
             self.down[iid] = kind
             self.refuse_next.discard(iid)
@@ -489,15 +497,19 @@ class World:
             iid = move[1]
             how = self.down.pop(iid)
             spec = self.specs[iid]
+            planned = self._rehome_plan(iid, REHOME_EPOCH + self.cfg.rehomes - self.budget["rehome"]) \
+                if how == "rehome" else {}
+            self.down_state.pop(iid, None)
             extra = dict(spec.extra)
             fields: Dict[str, Any] = {"restart": True, "extra": extra}
             if how == "rehome":
-                # agent.node.rehome.plan_rehome: active, tables rebuilt from every node's hosted
-                # instances of the neighbouring operators, epoch above the dead incarnation's
-                # the wall clock at the re-homing: above any epoch an earlier one gave (one a move)
-                extra["min_epoch"] = REHOME_EPOCH + self.cfg.rehomes - self.budget["rehome"]
-                planned = self._rehome_plan(iid, extra["min_epoch"])
-                fields.update(active=True, preds=tuple(planned["preds"]), succs=tuple(planned["succs"]))
+                # agent.node.rehome.plan_rehome: active (idle, a copy its node last reported
+                # idle), tables rebuilt from every node's hosted instances of the neighbouring
+                # operators, epoch above the dead incarnation's: the wall clock at the
+                # re-homing, above any epoch an earlier one gave (one a move); the idle copies
+                # it created, to adopt
+                fields.update(active=planned["active"], preds=tuple(planned["preds"]),
+                              succs=tuple(planned["succs"]), extra=planned["extra"])
             self._boot(InstanceSpec(**{**spec.__dict__, **fields}), how)
             if iid in self.inst:
                 self._tick(iid)
@@ -555,16 +567,22 @@ class World:
     def _rehome_plan(self, iid: str, min_epoch: int) -> Dict[str, Any]:
         """What agent.node.rehome.plan_rehome gives `iid` when its node is lost: the hosted
         records are the instances running or down (not gone for good), the node states say
-        which ones are departing (their scaling core's state)."""
+        which ones are departing or idle (their scaling core's state; a down instance's when it
+        went down, as its node last reported it). Seeded fault `rehome_idle_active`: the planner
+        is not told which copies are idle (as before session 13: every instance re-homed active)."""
         hosted: Dict[str, List[Dict[str, Any]]] = {}
         for other, spec in sorted(self.specs.items()):
             if other in self.inst or other in self.down or other == iid:
                 hosted.setdefault(self.node_of(other) if other != iid else "lost", []).append(
                     {"instance": other, "operator": spec.operator, "pipeline": spec.pipeline,
-                     "pipeline_toml": self.toml, "extra": {}})
-        departing = {other for other in self.inst if self._core(other) is not None
-                     and self._core(other).state in (InstanceState.DEPARTING, InstanceState.TERMINATED)}
-        plan = plan_rehome("lost", hosted, set(hosted) - {"lost"}, set(), min_epoch, departing=departing)
+                     "pipeline_toml": self.toml, "extra": dict(spec.extra), "keeper": spec.keeper})
+        states = {other: self._core(other).state for other in self.inst if self._core(other) is not None}
+        states.update(self.down_state)
+        departing = {i for i, st in states.items() if st in (InstanceState.DEPARTING, InstanceState.TERMINATED)}
+        idle = {i for i, st in states.items() if st is InstanceState.IDLE}
+        if FAULT_REHOME_IDLE_ACTIVE in self.cfg.faults:
+            idle = set()
+        plan = plan_rehome("lost", hosted, set(hosted) - {"lost"}, set(), min_epoch, departing=departing, idle=idle)
         return plan[0]
 
     def _remove_refused(self, copy_id: str) -> None:

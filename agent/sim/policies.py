@@ -122,6 +122,16 @@ def _seasonal(cfg: SimConfig, n_max: int) -> Policy:
                           cooldown_in=COOLDOWN_IN_PERIODS * cfg.period, max_instances=n_max, **SEASONAL)
 
 
+def _planned(cfg: SimConfig, n_max: int) -> Policy:
+    """A day plan in instance space from the learned profile, each change priced, open loop
+    (agent/policy/planned.py), operating point PLANNED_POINT (chosen on seeds 100-104)."""
+    from agent.policy.planned import PLANNED_POINT, PlannedPolicy
+    from agent.policy.seasonal import COOLDOWN_IN_PERIODS, COOLDOWN_OUT_PERIODS
+
+    return PlannedPolicy(profile=cfg.profile, slot_seconds=cfg.period, cooldown_out=COOLDOWN_OUT_PERIODS * cfg.period,
+                         cooldown_in=COOLDOWN_IN_PERIODS * cfg.period, max_instances=n_max, **PLANNED_POINT)
+
+
 def _decentralized(cfg: SimConfig, n_max: int) -> Policy:
     from agent.policy.base import DecentralizedPolicy
 
@@ -145,6 +155,7 @@ POLICIES: Dict[str, Tuple[Callable[[SimConfig, int], Policy], bool]] = {
     "sized": (_sized, True),
     "sized-few": (_sized_few, True),
     "seasonal": (_seasonal, True),
+    "planned": (_planned, True),
 }
 
 

@@ -14,9 +14,9 @@ under area = sum of max(demand - supply, 0)). Pure function of integers.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
-__all__ = ["min_cost_schedule", "goal_bound", "nowcast_tracking"]
+__all__ = ["min_cost_schedule", "min_cost_by_budget", "cover_plans", "goal_bound", "nowcast_tracking"]
 
 _INF = float("inf")
 
@@ -28,16 +28,23 @@ def min_cost_schedule(demand: Sequence[int], max_changes: int, max_under: int = 
     instance-periods (accuracy_U x T), `under="periods"` counts under-provisioned periods
     (timeshare_U x T). `initial` fixes the first period's supply (a deployment is not a
     reconfiguration); None lets the schedule start anywhere."""
+    return min_cost_by_budget(demand, max_changes, max_under, max_level, initial, min_level, under)[-1]
+
+
+def min_cost_by_budget(demand: Sequence[int], max_changes: int, max_under: int = 0, max_level: Optional[int] = None,
+                       initial: Optional[int] = None, min_level: int = 1, under: str = "area") -> List[float]:
+    """`min_cost_schedule` for every budget 0..max_changes at once (one DP: entry k is the least
+    cost with <= k changes), so that a bound curve costs one DP per seed, not one per budget."""
     if under not in ("area", "periods"):
         raise ValueError(f'under must be "area" or "periods", found {under!r}')
 
     def missing(d: int, s: int) -> int:
         return max(0, d - s) if under == "area" else int(d > s)
 
-    if not demand:
-        return 0.0
     if max_changes < 0 or max_under < 0:
         raise ValueError("max_changes and max_under must be >= 0")
+    if not demand:
+        return [0.0] * (max_changes + 1)
     top = max_level if max_level is not None else max(max(demand), initial or 0, min_level)
     levels = range(min_level, top + 1)
     # best[k][u][s - min_level]: least cost so far ending at level s with k changes, under area u
@@ -70,7 +77,64 @@ def min_cost_schedule(demand: Sequence[int], max_changes: int, max_under: int = 
                     if c < nxt[k][nu][i]:
                         nxt[k][nu][i] = c
         best = nxt
-    return min(min(row) for per_k in best for row in per_k)
+    exact = [min(min(row) for row in per_k) for per_k in best]  # exactly k changes
+    return [min(exact[:k + 1]) for k in range(max_changes + 1)]
+
+
+def cover_plans(demand: Sequence[int], max_changes: int, initial: int, max_level: int,
+                min_level: int = 1) -> List[Optional[List[int]]]:
+    """For every budget k = 0..max_changes, a least-cost supply series that starts at `initial`
+    (period 0 is the deployment, its demand not required), covers `demand` (clipped to
+    [min_level, max_level]) in every later period and changes at most k times; None where no
+    such series exists. The schedule itself, not only its cost: the perfect-forecast bound plans
+    on a forecast and then scores the plan on the real demand.
+
+    Exact DP over the runs of equal demand: an optimal covering series changes only where the
+    demand changes (a rise can move later, a fall earlier, to the run's edge without breaking the
+    cover or costing more), so the states are (run, changes used, level)."""
+    if max_changes < 0 or not min_level <= initial <= max_level:
+        raise ValueError(f"need max_changes >= 0 and {min_level} <= initial <= {max_level}")
+    if not demand:
+        return [[] for _ in range(max_changes + 1)]
+    runs: List[List[int]] = [[initial, 1]]  # [required level, length]; period 0 requires only itself
+    for d in demand[1:]:
+        d = min(max(d, min_level), max_level)
+        if len(runs) > 1 and runs[-1][0] == d:
+            runs[-1][1] += 1
+        else:
+            runs.append([d, 1])
+    levels = list(range(min_level, max_level + 1))
+    # best[k][i]: least cost of runs so far, ending at levels[i] with k changes; back[r][k][i]: the
+    # (k, i) the previous run ended in
+    best = [[_INF] * len(levels) for _ in range(max_changes + 1)]
+    best[0][initial - min_level] = float(initial)
+    back: List[List[List[Tuple[int, int]]]] = [[]]
+    for req, length in runs[1:]:
+        nxt = [[_INF] * len(levels) for _ in range(max_changes + 1)]
+        arg = [[(-1, -1)] * len(levels) for _ in range(max_changes + 1)]
+        for k in range(max_changes + 1):
+            prev = best[k - 1] if k > 0 else None
+            j_min = min(range(len(levels)), key=prev.__getitem__) if prev is not None else -1
+            for i in range(req - min_level, len(levels)):
+                v, a = best[k][i], (k, i)
+                if prev is not None and prev[j_min] < v:
+                    v, a = prev[j_min], (k - 1, j_min)
+                if v < _INF:
+                    nxt[k][i], arg[k][i] = v + levels[i] * length, a
+        best = nxt
+        back.append(arg)
+    out: List[Optional[List[int]]] = []
+    for k in range(max_changes + 1):
+        kk, i = min(((q, j) for q in range(k + 1) for j in range(len(levels))), key=lambda qj: best[qj[0]][qj[1]])
+        if best[kk][i] == _INF:
+            out.append(None)
+            continue
+        series: List[int] = []
+        for r in range(len(runs) - 1, 0, -1):
+            series[:0] = [levels[i]] * runs[r][1]
+            kk, i = back[r][kk][i]
+        out.append([initial] + series)
+    return out
 
 
 def goal_bound(seeds: Sequence[int], reconf_cut: float = 0.5, days: float = 2.0) -> "dict[str, object]":

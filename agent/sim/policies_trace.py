@@ -28,7 +28,7 @@ import math
 import random
 from typing import Dict, List
 
-__all__ = ["DIURNAL", "DAY_SECONDS", "taxi_trace", "fog_testbed_matrix", "NODES"]
+__all__ = ["DIURNAL", "DAY_SECONDS", "taxi_trace", "smooth_trace", "fog_testbed_matrix", "NODES"]
 
 # one real-world day of the trace at the default speed factor 10, in trace seconds
 DAY_SECONDS = 8640
@@ -45,13 +45,32 @@ def _diurnal(hour: float) -> float:
     return DIURNAL[i] * (1 - f) + DIURNAL[(i + 1) % 24] * f
 
 
+def _day_levels(seed: int, days: float, start_hour: float, day_sigma: float) -> List[float]:
+    """Each real-world day's traffic level, exp(N(0, day_sigma)) with mean 1, from its own generator."""
+    day_rnd = random.Random(seed * 7919 + 101)
+    return [math.exp(day_rnd.gauss(0.0, day_sigma) - day_sigma * day_sigma / 2) if day_sigma > 0 else 1.0
+            for _ in range(int(math.ceil(days + start_hour / 24.0)) + 1)]
+
+
+def smooth_trace(seed: int, days: float = 2.0, speed_factor: float = 10.0, peak: float = 2400.0,
+                 start_hour: float = 0.0, day_sigma: float = 0.0) -> List[float]:
+    """The predictable part of `taxi_trace` with the same arguments: peak x day level x diurnal, per
+    second, without the slow noise, the jitter and the bursts (their mean factor is 1 but for the
+    bursts). It is the best a forecast of the day's shape and level can know (the perfect-forecast
+    bound of agent/sim/policies_forecast_bound.py)."""
+    day_level = _day_levels(seed, days, start_hour, day_sigma)
+    out: List[float] = []
+    for s in range(int(days * 86400 / speed_factor)):
+        hour = start_hour + s * speed_factor / 3600.0
+        out.append(peak * day_level[int(hour // 24.0)] * _diurnal(hour))
+    return out
+
+
 def taxi_trace(seed: int, days: float = 2.0, speed_factor: float = 10.0, peak: float = 2400.0,
                start_hour: float = 0.0, day_sigma: float = 0.0) -> List[float]:
     """Records/s for each second of the experiment (days * 86400 / speed_factor samples)."""
     rnd = random.Random(seed)
-    day_rnd = random.Random(seed * 7919 + 101)
-    day_level = [math.exp(day_rnd.gauss(0.0, day_sigma) - day_sigma * day_sigma / 2) if day_sigma > 0 else 1.0
-                 for _ in range(int(math.ceil(days + start_hour / 24.0)) + 1)]
+    day_level = _day_levels(seed, days, start_hour, day_sigma)
     n = int(days * 86400 / speed_factor)
     tau, sigma = 300.0, 0.10
     phi = math.exp(-1.0 / tau)

@@ -187,7 +187,7 @@ def run_live(policy: str, trace: Sequence[float], workdir: Path, seed: int = 0, 
     from agent.tools.verify import verify
 
     extra_scaling = ""
-    if policy == "seasonal":  # slot j of the profile = second j of each compressed day, from the deploy on
+    if policy in ("seasonal", "planned"):  # slot j of the profile = second j of each compressed day, from the deploy on
         extra_scaling = (f"profile = {seasonal_profile(seed, len(trace) / 60.0, max(trace))}\n"
                          f"profile_slot = 1.0\nprofile_start = {{start}}")
     text = PIPELINE.format(seed=seed, steps=_steps(trace, 2), service_ms=round(1000.0 / capacity, 3), policy=policy,
@@ -280,7 +280,7 @@ def run_simulated(policy: str, trace: Sequence[float], seed: int = 0, capacity: 
     from agent.sim import policies as sim
 
     matrix = {a: {b: 1.0 for b in NODES[:n_max] if b != a} for a in NODES[:n_max]}
-    profile = tuple(seasonal_profile(seed, len(trace) / 60.0, max(trace))) if policy == "seasonal" else None
+    profile = tuple(seasonal_profile(seed, len(trace) / 60.0, max(trace))) if policy in ("seasonal", "planned") else None
     cfg = sim.SimConfig(period=period, spawn_delay=spawn_delay, drain_delay=drain_delay, initial=1,
                         cooldown=cooldown, platform=sim.Platform(alpha=capacity, beta=1.0, gamma=0.0), profile=profile)
     # the simulator's demand uses 60-sample buckets; ours uses `bucket` on both sides: recompute

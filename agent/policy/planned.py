@@ -1,0 +1,132 @@
+"""Planned scaling: a day plan in instance space with a price per change (issue 25 item 6).
+
+Rules of this file: pure numbers in, decisions out (as agent/policy/seasonal.py, whose profile,
+slot clock, level and MST model it reuses). No clock but `Measurements.now`, no randomness.
+
+Why: on the taxi trace the clairvoyant bound's advantage is the day's noise, which no forecast
+knows (docs/measurement.md, "The reachable bound"); a causal policy that reacts to that noise pays
+two reconfigurations per excursion (out, and back) and holds a surplus while it waits to scale
+in. This policy does not chase the noise: every period it turns the learned profile of the next
+`horizon` slots (x (1 + margin), x the recent level if `track_level`) into the instance counts
+the calibrated MST model needs, finds the cheapest instance series covering them with each
+change priced `change_cost` instance-slots (`plan_instances`, exact DP: the clairvoyant
+few-changes schedule of agent/sim/policies_oracle.py, priced instead of counted, on the
+forecast) and moves to that plan's next count. The margin, not reactions, covers the noise.
+
+Variants kept as parameters (all tried, docs/measurement.md): `react` also scales out when the
+input itself needs more than n for `patience` periods (or on the back-pressure root); `hold_in`
+scales in only after `hold` quiet periods and never below the recent peak's need, instead of at
+the plan's step down. The operating point (PLANNED_POINT, chosen on seeds 100-104) is open loop:
+no level, no reaction, the plan's steps.
+"""
+
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from agent.policy.base import NO_ACTION, Measurements, ScalingAction, share_of_delta
+from agent.policy.model import is_overload_root
+from agent.policy import seasonal
+from agent.policy.seasonal import SeasonalPolicy
+
+__all__ = ["PlannedPolicy", "plan_instances", "PLANNED_POINT", "MAX_HORIZON", "from_scaling"]
+
+# The operating point the simulator measures and a live operator with a profile runs (chosen on
+# seeds 100-104 with training days 0-2, not the table's seeds 0-9: docs/measurement.md).
+PLANNED_POINT: Dict[str, Any] = dict(margin=0.18, change_cost=15.0, track_level=False, react=False, hold_in=False)
+# The plan looks at most a day of minutes ahead (the DP is O(horizon x max_instances) per period).
+MAX_HORIZON = 1440
+
+
+def plan_instances(start: int, need: Sequence[int], change_cost: float, top: int) -> List[int]:
+    """The instance series s_1..s_H (s_0 = start) with s_j >= min(need_j, top) least in
+    sum(s_j) + change_cost x #changes. Exact backward DP over (slot, count), O(H x top)."""
+    inf = float("inf")
+    levels = range(1, top + 1)
+    need = [min(max(1, x), top) for x in need]
+    h = len(need)
+    if h == 0:
+        return []
+    # value[j][l - 1]: least cost of slots j..H-1 with count l at slot j
+    value = [[inf] * top for _ in range(h + 1)]
+    value[h] = [0.0] * top
+    for j in range(h - 1, -1, -1):
+        nxt = value[j + 1]
+        jump = min(nxt) + change_cost if j + 1 < h else 0.0
+        for l in levels:
+            if l >= need[j]:
+                value[j][l - 1] = l + (min(nxt[l - 1], jump) if j + 1 < h else 0.0)
+    out: List[int] = []
+    cur = start
+    for j in range(h):
+        stay = value[j][cur - 1] if 1 <= cur <= top else inf
+        best_l = min(levels, key=lambda q: value[j][q - 1])
+        cur = cur if stay <= value[j][best_l - 1] + change_cost else best_l
+        out.append(cur)
+    return out
+
+
+class PlannedPolicy(SeasonalPolicy):
+    """One object per instance; every instance computes the same operator-level target.
+    Needs a profile (without one it is `seasonal`'s hysteresis on the recent peak).
+
+    `track_level`: scale the profile by the recent level (else 1: the plan is open loop);
+    `react`: also scale out when the input itself needs more than n for `patience` periods;
+    `hold_in`: scale in only after `hold` quiet periods (else at the plan's step down).
+    `horizon`: slots planned ahead, one day of the profile by default."""
+
+    name = "planned"
+
+    def __init__(self, *args: Any, change_cost: float = 20.0, horizon: Optional[int] = None, track_level: bool = True,
+                 react: bool = True, hold_in: bool = True, **kwargs: Any) -> None:
+        kwargs.pop("segments", None)
+        super().__init__(*args, segments=None, **kwargs)
+        if change_cost < 0 or (horizon is not None and horizon < 1):
+            raise ValueError(f"need change_cost >= 0 and horizon >= 1, found {change_cost}, {horizon}")
+        self.change_cost = change_cost
+        # default: one day of slots (at most MAX_HORIZON)
+        day = len(self.profile) if self.profile is not None else 1
+        self.horizon = min(MAX_HORIZON, horizon if horizon is not None else day)
+        self.track_level = track_level
+        self.react = react
+        self.hold_in = hold_in
+
+    def decide(self, m: Measurements) -> ScalingAction:
+        if self.profile is None:
+            return super().decide(m)
+        n, x, since = self.observe(m)
+        lv = self.level() if self.track_level else 1.0
+        s, size = self.slots[-1], len(self.profile)
+        need = tuple(self.needed(lv * self.profile[(s + j) % size] * (1.0 + self.margin), m.nd_max_ms)
+                     for j in range(1, self.horizon + 1))
+        nxt = _plan_first(n, need, self.change_cost, self.max_instances)
+        now_needs = self.needed(x * (1.0 + self.margin_up), m.nd_max_ms)
+        over = self.react and (now_needs > n or is_overload_root(m.backpressure, m.upstream_backpressure))
+        self.over_periods = self.over_periods + 1 if over else 0
+        if nxt > n or (over and self.over_periods >= self.patience):
+            self.low_periods = 0
+            if since < self.cooldown_out or n >= self.max_instances:
+                return NO_ACTION
+            target = min(self.max_instances, max(n + 1, nxt, now_needs if over else 0))
+            self.last_action_at = m.now
+            return share_of_delta(target - n, m, target, f"plan needs {nxt}, input {x:.0f}/s needs {now_needs} (n {n})")
+        if not self.hold_in:
+            if nxt < n and since >= self.cooldown_out:
+                self.last_action_at = m.now
+                return share_of_delta(nxt - n, m, nxt, f"plan steps down to {nxt} (< {n})")
+            return NO_ACTION
+        return self.scale_in_above(m, n, nxt, since, f"plan needs {nxt}")
+
+
+@lru_cache(maxsize=64)
+def _plan_first(start: int, need: Tuple[int, ...], change_cost: float, top: int) -> int:
+    """The plan's count for the next slot; cached because every sibling plans the same."""
+    return plan_instances(start, need, change_cost, top)[0]
+
+
+def from_scaling(scaling: Any) -> SeasonalPolicy:
+    """The policy an operator's `[scaling]` section selects: with a `profile`, PLANNED_POINT on
+    unix time as `seasonal`; without one, `seasonal`'s hysteresis on the recent peak."""
+    return seasonal.from_scaling(scaling, PlannedPolicy, PLANNED_POINT)
