@@ -140,6 +140,45 @@ def test_a_restarted_chained_successor_gets_the_unacked_batches_again_unchanged_
     assert op.stats["replayed_batches"] == 2
 
 
+def test_a_successor_that_keeps_its_records_is_handed_the_batch_itself_any_other_a_copy() -> None:
+    """The hand-off copies the records only for a successor that may change them in place: one
+    whose operator declares `keeps_records` (a `@passes_records` map, the null sink) gets the
+    replay buffer's own batch; the others still get a copy (the test above)."""
+    store: List[Tuple[str, int]] = []
+    for keeps in (True, False):
+        op, sink, sh = started_pair(store)
+        op.local_keeps = frozenset({"sink-0"}) if keeps else frozenset()
+        inbox = topics.inbox(CLUSTER, "op-0", "n1")
+        sh.feed(op, EnvelopeReceived(inbox, encode_data("source-0", 0, 1, [("src", 1, {"v": 1})])), 0.1)
+        sh.feed(op, Tick(WALL0), 0.1)
+        handed = [e for _, e in sh.handed if e.kind is Kind.DATA]
+        kept = op.links["sink-0"].unacked()[0].payload  # the replay buffer's envelope
+        assert len(handed) == 1 and handed[0].body == kept.body == [("src", 1, {"v": 1})]
+        assert (handed[0].body[0][2] is kept.body[0][2]) is keeps
+
+
+def test_a_chain_tells_each_member_which_chained_successors_keep_their_records(tmp_path: Path) -> None:
+    """`Operator.keeps_records`, read by the chain from its members' operators: the identity
+    (`@passes_records`) and the null sink keep them, a function that may change a record does not."""
+    import io
+
+    from agent.instance.chain import Chain
+    from agent.tools.dataplane_bench import pipeline_toml
+
+    for fn, map_keeps in (("agent.operators.builtin:identity", True), ("agent.operators.builtin:in_zone", False)):
+        toml = pipeline_toml("keeps", [
+            {"name": "source", "kind": "source", "function": "agent.operators.taxi:bench_source", "batch_size": 10},
+            {"name": "map", "function": fn, "batch_size": 10},
+            {"name": "sink", "kind": "sink", "function": "agent.operators.builtin:null_sink", "batch_size": 10},
+        ], scaling={"policy": "none"})
+        specs = initial_specs(toml, BrokerSpec("127.0.0.1", 1), str(tmp_path / fn / "state"), cluster="keeps",
+                              extra={"sink_dir": str(tmp_path / fn / "sink")})
+        chain = Chain(specs, io.StringIO())  # built, not started: no connection
+        keeps = {w.spec.instance: w.core.local_keeps for w in chain.members}
+        assert keeps == {"source-0": frozenset({"sink-0", "map-0"} if map_keeps else {"sink-0"}),
+                         "map-0": frozenset({"sink-0"}), "sink-0": frozenset({"map-0"} if map_keeps else set())}
+
+
 # ---- chain processes on the broker ----------------------------------------------------------------
 
 

@@ -64,11 +64,13 @@ def test_a_message_the_broker_drops_fails_the_bench(tmp_path: Path) -> None:
 
 
 def test_json_stdout_parses_and_reports_both_raws(tmp_path: Path) -> None:
-    p = _bench("--seconds", "0.5", "--rescale-cycles", "0", "--chain", "--json")
+    p = _bench("--seconds", "0.5", "--rescale-cycles", "0", "--chain", "--rounds", "2", "--slice", "1", "--json",
+               timeout=120.0)
     assert p.returncode == 0, p.stderr
     res = json.loads(p.stdout)  # pure JSON: progress went to stderr
     assert "bench dataplane: raw, one process" in p.stderr
-    assert set(res["dropped"]) == {"raw_1proc", "raw_2proc", "raw_1proc_encoding", "pipeline", "chained", "chained_tail"}
+    assert set(res["dropped"]) == {"raw_1proc", "raw_2proc", "raw_1proc_encoding", "pipeline", "chained", "chained_tail",
+                                   "alternating"}
     assert not any(res["dropped"].values())
     pipe = res["pipeline"]["records_per_s"]
     assert pipe > 0
@@ -92,3 +94,21 @@ def test_json_stdout_parses_and_reports_both_raws(tmp_path: Path) -> None:
     for part in (res["pipeline"], ch, tail):
         c = part["count_check"]
         assert c["generated"] == c["recorded"] > 0 and c["missing"] == 0
+
+    # The alternating phase: per round, each pipeline's slice divided by that round's raws (never
+    # another round's), every slice measured between two heartbeats ~1 s apart while its source
+    # ran, and everything it generated recorded before the next slice.
+    alt = res["alternating"]
+    assert len(alt["rounds"]) == 2 and alt["slice_s"] == 1.0
+    for rnd in alt["rounds"]:
+        r1, r2 = rnd["raw_1proc"]["records_per_s"], rnd["raw_2proc"]["records_per_s"]
+        assert rnd["raw_1proc"]["delivered"] == rnd["raw_1proc"]["sent"] > 0 and r2 > 0
+        for name in ("chained", "chained_tail", "pipeline"):
+            sl = rnd[name]
+            assert sl["records_per_s"] > 0 and 0.9 <= sl["elapsed_s"] < 2.5
+            assert sl["ratio"] == pytest.approx(sl["records_per_s"] / r1)
+            assert sl["ratio_vs_raw_2proc"] == pytest.approx(sl["records_per_s"] / r2)
+            assert sl["count_check"]["missing"] == 0 and sl["count_check"]["recorded"] > 0
+    for name in ("chained", "chained_tail", "pipeline"):
+        ratios = sorted(r[name]["ratio"] for r in alt["rounds"])
+        assert alt["median"][name]["ratio"] == pytest.approx(sum(ratios) / 2)

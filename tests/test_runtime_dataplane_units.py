@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agent.dataplane.channel import Inbound, Outbound
-from agent.dataplane.envelope import Envelope, Kind, MalformedEnvelope, data_body_bytes, decode, encode, encode_data
+from agent.dataplane.envelope import Envelope, Kind, MalformedEnvelope, built, data_body_bytes, decode, encode, encode_data
 from agent.dataplane.flow import AckTracker, OutLink
 from agent.dataplane.routing import Outbox, Router, key_group
 
@@ -344,3 +344,17 @@ def test_outbox_chunks_split_across_batches_keep_order_and_lowest_index() -> Non
     assert [it[1] for _, b, _ in out for it in b] == list(range(125))
     assert out[-1][2] == 3 and ob.pending == 0 and ob.lowest_index() is None
     assert [it[1] for it in chunks[3]] == list(range(80, 125))  # inputs left as they were
+
+
+def test_an_envelope_built_for_a_hand_off_is_the_one_the_constructor_gives() -> None:
+    """`built` (a chain's in-memory envelopes, no checks) gives an object equal to `Envelope(...)`
+    in every field, frozen all the same, and one without bytes (`data_body_bytes` None)."""
+    import dataclasses
+
+    body = [("src-0", 1, {"v": 1})]
+    for kind, b, floors in ((Kind.DATA, body, {"src-0": 1}), (Kind.DATA, body, None), (Kind.ACK, [0, 3], None)):
+        a, e = built("op-0", 2, 7, kind, b, floors), Envelope("op-0", 2, 7, kind, b, floors=floors)
+        assert a == e and repr(a) == repr(e) and dataclasses.asdict(a) == dataclasses.asdict(e)
+        assert a.raw is None and data_body_bytes(a) is None and encode(a) == encode(e)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            a.seq = 8  # type: ignore[misc]

@@ -68,3 +68,21 @@ def test_load_operator_resolves_every_form() -> None:
     assert hasattr(load_operator("agent.operators.taxi:source", c), "poll")
     with pytest.raises(ValueError):
         load_operator("agent.operators.builtin:nope", c)
+
+
+def test_the_bench_pool_gives_a_batch_as_one_call_per_record_would() -> None:
+    """`_Pool.many(n)` (the source builds a batch in one call) returns the records `n` calls
+    would, wrapping around the pool, and the source numbers them as before."""
+    from agent.operators.taxi import _Pool
+
+    one, many = _Pool(1, "s", size=7), _Pool(1, "s", size=7)
+    for n in (1, 3, 7, 20, 5):
+        assert [one.pool.index(one()) for _ in range(n)] == [many.pool.index(r) for r in many.many(n)]
+    assert one.i == many.i == 36
+    ctx = OperatorContext(instance="src-0", operator="src", node="n", kind="source",
+                          params={"profile": "constant", "rate": 1000})
+    by_call, by_batch = TaxiSource(ctx, record_factory=lambda p=_Pool(1, "s", size=7): p()), \
+        TaxiSource(ctx, record_factory=_Pool(1, "s", size=7))
+    a, b = by_call._emit(12) + by_call._emit(5), by_batch._emit(12) + by_batch._emit(5)
+    assert [(s, q) for s, q, _ in a] == [(s, q) for s, q, _ in b] == [("src-0", q) for q in range(17)]
+    assert [r for _, _, r in a] == [r for _, _, r in b]

@@ -86,6 +86,11 @@ class Operator:
     """Base: `process` maps input items to output items (ids unchanged)."""
 
     kind = "map"
+    # True: never changes a record it is given in place (a `@passes_records` map, a sink that
+    # reads only ids). A chained predecessor then hands it its batches without copying the
+    # records (agent.instance.core, `_hand`: the copy protects only its replay buffer from a
+    # receiver that writes into them). False unless declared.
+    keeps_records = False
 
     def process(self, items: List[Item]) -> List[Item]:
         return items
@@ -108,6 +113,7 @@ class MapOperator(Operator):
     def __init__(self, fn: Callable[[Any], Any], passes: Optional[bool] = None) -> None:
         self.fn = fn
         self.passes_records = bool(getattr(fn, "passes_records", False)) if passes is None else passes
+        self.keeps_records = self.passes_records
         self.unchanged = False
 
     def process(self, items: List[Item]) -> List[Item]:
@@ -622,6 +628,7 @@ class NullSink(SinkOperator):
     """Counts and forgets (benchmarks: no id bookkeeping, so it measures the data path alone)."""
 
     reads_records = False
+    keeps_records = True
 
     def __init__(self, ctx: OperatorContext) -> None:
         self.recorded = 0

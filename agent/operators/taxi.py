@@ -28,6 +28,7 @@ import csv
 import math
 import random
 import zlib
+from itertools import repeat
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Dict, List, Optional, Tuple
@@ -288,9 +289,11 @@ class TaxiSource:
             return []
         first = self.generated
         self.generated += n
-        make = self.make
-        inst = self.instance
-        return [(inst, first + i, make()) for i in range(n)]
+        many = getattr(self.make, "many", None)
+        # items built by zip in C: one Python call per batch instead of one per record (the
+        # source's generation was 8% of a chain of 3's CPU, sampled; docs/measurement.md)
+        recs = many(n) if many is not None else [self.make() for _ in range(n)]
+        return list(zip(repeat(self.instance, n), range(first, first + n), recs))
 
     def next_due(self, now: float) -> float:
         """When the next record becomes due (for the worker's poll timeout)."""
@@ -456,6 +459,17 @@ class _Pool:
     def __call__(self) -> Dict[str, Any]:
         self.i += 1
         return self.pool[self.i % len(self.pool)]
+
+    def many(self, n: int) -> List[Dict[str, Any]]:
+        """The next `n` records, as `n` calls would return them."""
+        pool, size = self.pool, len(self.pool)
+        out: List[Dict[str, Any]] = []
+        while len(out) < n:
+            start = (self.i + 1) % size
+            take = min(n - len(out), size - start)
+            out += pool[start:start + take]
+            self.i += take
+        return out
 
 
 def _bench_source(ctx: OperatorContext) -> TaxiSource:

@@ -16,7 +16,11 @@ Measured in one run, on one private Mosquitto (docs/runtime.md, "Numbers"):
   acks), records/s at the sink;
 - ratio = pipeline / raw one process (goal >= 0.5), and against the two-process raw;
 - CPU ms per batch of every process of each part;
-- RSS of one idle worker (goal < 40 MB) next to a bare `python -c "import paho.mqtt.client"`.
+- RSS of one idle worker (goal < 40 MB) next to a bare `python -c "import paho.mqtt.client"`;
+- alternating (`--rounds`, `--slice`): the raws and the pipelines (whole chain, source -> chain
+  of 2, unchained) take turns in short slices, ratio per round to that round's raws and the
+  medians, so that a shared machine's load falls on both sides of a ratio alike
+  (docs/measurement.md, "An honest ratio: alternating slices").
 A phase in which the broker dropped any message (`$SYS/broker/publish/messages/dropped`) fails
 the bench (BenchFailed, exit 1): its numbers would count messages that were never delivered.
 
@@ -30,6 +34,7 @@ import argparse
 import json
 import os
 import select
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -141,6 +146,19 @@ class _Watched:
         self.exit_info = None
         self.stats = {}
         self.events = deque(maxlen=1000)
+        # each heartbeat's arrival (monotonic) and a count of them: the alternating slices
+        # measure between two heartbeats instead of two sleeps (`next_beat`)
+        self.beat = threading.Condition()
+        self.beats = 0
+        self.stats_at = 0.0
+
+    def next_beat(self, timeout: float = 5.0) -> Tuple[float, Dict[str, Any]]:
+        """Wait for the next heartbeat; its arrival time and stats."""
+        with self.beat:
+            n = self.beats
+            if not self.beat.wait_for(lambda: self.beats > n, timeout):
+                raise BenchFailed(f"{self.instance}: no heartbeat within {timeout:.0f} s")
+            return self.stats_at, self.stats
 
 
 class _PipedProc:
@@ -186,7 +204,11 @@ class _PipedProc:
             if ev == "ready":
                 view.ready.set()
             elif ev == "heartbeat":
-                view.stats = msg.get("stats", {})
+                with view.beat:
+                    view.stats = msg.get("stats", {})
+                    view.stats_at = time.monotonic()
+                    view.beats += 1
+                    view.beat.notify_all()
             elif ev == "exit":
                 view.exit_info = msg
             view.events.append(msg)
@@ -861,6 +883,8 @@ def run_bench(
     result: Optional[Dict[str, Any]] = None,
     chain: bool = False,
     max_instances: Optional[int] = None,
+    rounds: int = 0,
+    slice_s: float = 2.0,
 ) -> Dict[str, Any]:
     """Every phase on one private broker; raises BenchFailed (with the partial numbers in
     `result` if the caller passed a dict) when the broker dropped a message in any phase."""
@@ -967,6 +991,10 @@ def run_bench(
                 c["ratio"] = c["records_per_s"] / r1p if r1p else 0.0
                 c["ratio_vs_raw_2proc"] = c["records_per_s"] / r2p if r2p else 0.0
                 c["vs_unchained"] = c["records_per_s"] / unchained if unchained else 0.0
+        if rounds:
+            with drops.phase("alternating", result) as part:
+                part["alternating"] = measure_alternating(broker.host, broker.port, toml, bspec, tmp, rounds, slice_s,
+                                                          batch_size, raw_args)
         if rescale:
             _progress(f"rescale, {rescale} step-load cycles")
             with drops.phase("rescale", result) as part:
@@ -990,12 +1018,10 @@ def measure_chained(runner: LocalRunner, toml: str, bspec: BrokerSpec, workdir: 
     specs = initial_specs(toml, bspec, str(workdir / "state"), cluster=f"bench-chain{alone}",
                           extra={"sink_dir": str(workdir / "sink")})
     try:
-        members = runner.start_chain(specs[alone:])
-        heads = [runner.start(s) for s in reversed(specs[:alone])][::-1]  # successors subscribed first
-        sink = members[-1]
+        run = start_pipeline(runner, specs, broker_pid, chained_from=alone)
+        members, heads, sink = run.members, run.heads, run.sink
         time.sleep(1.0)  # warm-up
-        pids = {"chain": members[0].pid, "broker": broker_pid, "bench": os.getpid(),
-                **{h.spec.operator: h.pid for h in heads}}
+        pids = run.pids
         c0, r0, t0 = _cpu_seconds(pids), sink.stats.get("recorded", 0), time.monotonic()
         time.sleep(seconds)
         c1, r1, t1 = _cpu_seconds(pids), sink.stats.get("recorded", 0), time.monotonic()
@@ -1011,6 +1037,111 @@ def measure_chained(runner: LocalRunner, toml: str, bspec: BrokerSpec, workdir: 
         out["rss_mb"] = {"chain": _rss_mb(members[0].pid), "python_paho_baseline": _baseline_rss()}
         out["count_check"] = count_check((heads or members)[0], sink)
         return out
+    finally:
+        runner.stop_all()
+
+
+class Running:
+    """A started bench pipeline: its source, its sink, the chain's members (if any) and the pids
+    whose CPU a phase counts."""
+
+    def __init__(self, heads: List[Any], members: List[Any], pids: Dict[str, int]) -> None:
+        self.heads, self.members, self.pids = heads, members, pids
+        self.source = (heads or members)[0]
+        self.sink = (members or heads)[-1]
+
+
+def start_pipeline(runner: LocalRunner, specs: Sequence[InstanceSpec], broker_pid: int,
+                   chained_from: Optional[int] = None) -> Running:
+    """Start the bench pipeline: every instance a process of its own (`chained_from` None), or
+    the instances from `chained_from` on in one chain process and the ones before it alone."""
+    cut = len(specs) if chained_from is None else chained_from
+    members = runner.start_chain(specs[cut:]) if cut < len(specs) else []
+    heads = [runner.start(s) for s in reversed(specs[:cut])][::-1]  # successors subscribed first
+    pids = {"broker": broker_pid, "bench": os.getpid(),  # bench: the runner's pipe readers, the drop watch
+            **{h.spec.operator: h.pid for h in heads}}
+    if members:
+        pids["chain"] = members[0].pid
+    return Running(heads, members, pids)
+
+
+def measure_slice(run: Running, seconds: float, batch_size: int, warm_up: float = 0.5) -> Dict[str, Any]:
+    """One slice of a pipeline in the alternating phase: resume its (paused) source, let it warm
+    up, count the sink's records between two of its heartbeats `seconds` apart (the arrival times
+    of the heartbeats, not of our sleeps, are the clock), pause the source again and wait until
+    everything it generated was recorded (a count balance, as `count_check`)."""
+    run.source.send("set", paused=False)
+    time.sleep(warm_up)
+    t0, st0 = run.sink.next_beat()
+    c0, r0 = _cpu_seconds(run.pids), int(st0.get("recorded", 0))
+    time.sleep(max(0.0, seconds - 0.5 * float(run.sink.spec.heartbeat_period)))
+    t1, st1 = run.sink.next_beat()
+    c1, r1 = _cpu_seconds(run.pids), int(st1.get("recorded", 0))
+    run.source.send("set", paused=True)
+    batches = max(1.0, (r1 - r0) / batch_size)
+    out = {
+        "records_per_s": (r1 - r0) / max(1e-9, t1 - t0),
+        "elapsed_s": round(t1 - t0, 3),
+        "cpu_share": {k: round((c1[k] - c0[k]) / max(1e-9, t1 - t0), 3) for k in c1},
+        "cpu_ms_per_batch": {k: round(1000 * (c1[k] - c0[k]) / batches, 3) for k in c1 if not k.endswith("_sys")},
+    }
+    out["count_check"] = count_check(run.source, run.sink)
+    if out["count_check"]["missing"]:
+        raise BenchFailed(f"alternating slice: count check {out['count_check']}")
+    return out
+
+
+ALTERNATING = ("chained", "chained_tail", "pipeline")  # the pipelines of a round, in their order
+
+
+def measure_alternating(host: str, port: int, toml: str, bspec: BrokerSpec, tmp: Path, rounds: int,
+                        slice_s: float, batch_size: int, raw_args: Dict[str, Any]) -> Dict[str, Any]:
+    """The raws and the pipelines taking turns in short slices (docs/measurement.md, "An honest
+    ratio: alternating slices"): the whole chain, source -> chain of 2 and the unchained pipeline
+    run at once, each with its source paused but the slice's; each round is raw one process,
+    whole chain, source -> chain of 2, unchained, raw two processes, so that the other jobs of a
+    shared machine fall on a pipeline and the raws it is divided by alike. Per round the ratios of
+    each pipeline to that round's raws; the medians over the rounds."""
+    runner = LocalRunner(tmp / "alternating")
+    try:
+        runs: Dict[str, Running] = {}
+        for name, chained_from in (("chained", 0), ("chained_tail", 1), ("pipeline", None)):
+            specs = initial_specs(toml, bspec, str(tmp / "alternating" / name / "state"), cluster=f"bench-alt-{name}",
+                                  extra={"sink_dir": str(tmp / "alternating" / name / "sink")})
+            runs[name] = start_pipeline(runner, specs, raw_args["broker_pid"], chained_from)
+            runs[name].source.send("set", paused=True)
+        for run in runs.values():
+            count_check(run.source, run.sink)
+        raw_args = {**raw_args, "seconds": slice_s}
+        out_rounds: List[Dict[str, Any]] = []
+        for i in range(rounds):
+            _progress(f"alternating round {i + 1} of {rounds} ({slice_s:g} s slices)")
+            rnd: Dict[str, Any] = {"raw_1proc": measure_raw(host, port, **raw_args)}
+            for name in ALTERNATING:
+                rnd[name] = measure_slice(runs[name], slice_s, batch_size)
+            rnd["raw_2proc"] = measure_raw_2proc(host, port, **raw_args)
+            r1, r2 = rnd["raw_1proc"]["records_per_s"], rnd["raw_2proc"]["records_per_s"]
+            for name in ALTERNATING:
+                rnd[name]["ratio"] = rnd[name]["records_per_s"] / r1 if r1 else 0.0
+                rnd[name]["ratio_vs_raw_2proc"] = rnd[name]["records_per_s"] / r2 if r2 else 0.0
+                # each process on a core of its own: the raw process's CPU per batch over the
+                # busiest process of the pipeline (the load cancels out of a CPU-per-batch figure)
+                cpu = rnd[name]["cpu_ms_per_batch"]
+                busiest = max(v for k, v in cpu.items() if k not in ("broker", "bench", "machine_busy"))
+                rnd[name]["cpu_bound_ratio"] = rnd["raw_1proc"]["cpu_ms_per_batch"]["process"] / busiest if busiest else 0.0
+            out_rounds.append(rnd)
+        med: Dict[str, Any] = {}
+        for name in ALTERNATING:
+            med[name] = {k: statistics.median(r[name][k] for r in out_rounds)
+                         for k in ("ratio", "ratio_vs_raw_2proc", "cpu_bound_ratio", "records_per_s")}
+            med[name]["cpu_ms_per_batch"] = {
+                k: statistics.median(r[name]["cpu_ms_per_batch"][k] for r in out_rounds)
+                for k in out_rounds[0][name]["cpu_ms_per_batch"]}
+        for raw in ("raw_1proc", "raw_2proc"):
+            med[raw] = {"records_per_s": statistics.median(r[raw]["records_per_s"] for r in out_rounds),
+                        "cpu_ms_per_batch": {k: statistics.median(r[raw]["cpu_ms_per_batch"][k] for r in out_rounds)
+                                             for k in out_rounds[0][raw]["cpu_ms_per_batch"]}}
+        return {"rounds": out_rounds, "median": med, "slice_s": slice_s}
     finally:
         runner.stop_all()
 
@@ -1197,7 +1328,7 @@ def _cmd(args: argparse.Namespace) -> int:
             seconds=args.seconds, batch_size=args.batch_size, record=args.record, window=args.window,
             rescale=args.rescale_cycles, warm=not args.no_warm_worker, raw_window=args.raw_window,
             broker_max_queued=args.broker_max_queued, broker_max_inflight=args.broker_max_inflight, result=res,
-            chain=args.chain, max_instances=args.max_instances,
+            chain=args.chain, max_instances=args.max_instances, rounds=args.rounds, slice_s=args.slice,
         )
     except BenchFailed as exc:
         res["error"] = str(exc)
@@ -1236,6 +1367,18 @@ def _cmd(args: argparse.Namespace) -> int:
                   f"{ch['ratio_vs_raw_2proc']:.3f}, vs the unchained pipeline {ch['vs_unchained']:.2f}x; "
                   f"RSS of the chain process {ch['rss_mb']['chain']:.1f} MB (goal < 40 MB)")
             print("  " + _fmt_count(ch["count_check"]))
+        alt = res.get("alternating")
+        if alt:
+            print(f"alternating, {len(alt['rounds'])} rounds of {alt['slice_s']:g} s slices (ratio per round to that "
+                  "round's raws):")
+            for name, what in (("chained", "whole chain"), ("chained_tail", "source -> chain of 2"),
+                               ("pipeline", "unchained")):
+                m = alt["median"][name]
+                per = ", ".join(f"{r[name]['ratio']:.2f}" for r in alt["rounds"])
+                print(f"  {what}: {m['records_per_s']:10.0f} records/s, ratio vs raw 1 proc median {m['ratio']:.3f} "
+                      f"({per}), vs raw 2 proc {m['ratio_vs_raw_2proc']:.3f}, CPU-bound {m['cpu_bound_ratio']:.3f}")
+            print(f"  raw one process {alt['median']['raw_1proc']['records_per_s']:.0f}, two processes "
+                  f"{alt['median']['raw_2proc']['records_per_s']:.0f} records/s (medians)")
         rs = res.get("rescale")
         if rs:
             d = rs["decision_to_first_record_s"]
@@ -1275,6 +1418,10 @@ def register_bench(groups: Any) -> None:
     p.add_argument("--max-instances", type=int, default=None,
                    help="[scaling] max_instances of the throughput pipeline (1: its operators keep no route "
                         "memory, invariant 8; default: unset, i.e. 64)")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="rounds of the alternating phase: raw, whole chain, source -> chain of 2, unchained, raw "
+                        "two processes in slices of --slice s, ratios per round and their medians (0: skip)")
+    p.add_argument("--slice", type=float, default=2.0, help="seconds of each slice of the alternating phase")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout (progress on stderr)")
     # Tests make the private broker drop messages with these (a bench that saw a drop must fail).
     p.add_argument("--broker-max-queued", type=int, default=10000, help=argparse.SUPPRESS)
