@@ -35,3 +35,19 @@ def test_a_keyed_window_under_kill_worker_and_kill_agent_equals_the_fault_free_r
     assert w["received"] == w["expected"]
     assert summary["restarts"] >= 1, summary  # the instance really was restarted
     assert summary["ok"], summary
+
+
+def test_a_keyed_window_scaling_out_and_in_equals_the_fault_free_run(tmp_path: Path) -> None:
+    """`--pipeline stateful-scaling`: the window scales out under the load's peak and back in
+    (the decentralized policy), its key groups moving with their state between its instances
+    (docs/operators.md, "Key groups that move"); one kill -9 of its keeper in the middle. Every
+    window of the fault-free reference is at the sink once, with the same content, and no other."""
+    cfg = ChaosConfig(duration=30.0, seed=1, workdir=tmp_path, pipeline="stateful-scaling",
+                      schedule=[(12.0, "kill-worker", "chaos.cells.0")])
+    summary = run_chaos(cfg, live=False)
+    assert summary["scale_outs"] >= 1 and summary["scale_ins"] >= 1, summary
+    assert summary["settled"], (summary["settle_s"], summary["holding_at_end"])
+    w = summary["windows"]
+    assert w["expected"] > 1000, w
+    assert (w["missing"], w["extra"], w["duplicated"], w["differing"], w["unread"]) == (0, 0, 0, 0, 0), w
+    assert summary["ok"], summary

@@ -8,6 +8,7 @@ from typing import Iterable, Optional, Tuple
 
 import pytest
 
+from agent.dataplane.envelope import Kind, decode
 from agent.instance.events import Control
 from agent.protocol.scaling import InstanceState
 from agent.sim.instance_check import Config, World, describe, explore, finish, random_runs
@@ -235,6 +236,44 @@ def test_a_restarted_receiver_takes_no_batch_past_replays_the_broker_lost() -> N
         assert rep.ok, describe(rep)
         bad = random_runs(dataclasses.replace(RESYNC, faults=frozenset({"resync_at_first_seen"})), schedules=1, seed=seed)
         assert not bad.ok and bad.violations[0].kind == "records_not_exactly_once", describe(bad)
+
+
+def _marker_lost_then_a_protocol_message_first(faults: Iterable[str]) -> Optional[Tuple[str, str]]:
+    """Seed 9230 of the every-move mix, reduced: op-0's batches to the sink wait in the broker
+    (silent-link replays under their own numbers behind them); the sink crashes and restarts
+    without op-0's channel and asks for a replay; op-0 sends its marker and the replay, and a
+    broker rollback loses all of it; op-0's next envelope to the sink is a protocol message
+    (its Duplication), which opens the channel past the lost numbers."""
+    w = World(Config(records=4, crashes=1, crash_targets=("sink-0",), brokers=1, broker_kinds=("rollback",),
+                     plans=(("op-0", "duplicate"),), faults=frozenset(faults)))
+    for _ in range(6):
+        w.play("time")
+        w.deliver_all(but=("op-0->sink-0",))
+    w.play("crash sink-0")
+    w.play("restart sink-0")
+    w.deliver_all(but=("op-0->sink-0",))  # op-0 sees the new epoch: marker and replay queued
+    assert w.inst["sink-0"]._awaiting_replay == {"op-0": (None, None)}
+    w.play("broker rollback")
+    w.play("plan op-0 duplicate")
+    w.deliver_all(but=("op-0->sink-0",))
+    assert [decode(p, False).kind for p in w.queues[("op-0", "sink-0")]] == [Kind.PROTO]
+    return finish(w)
+
+
+def test_a_replay_marker_lost_before_a_protocol_message_is_asked_for_again() -> None:
+    """Was open in session 13 (seed 9230 of the every-move mix, 4 records lost): the protocol
+    message took the channel past the lost data, so op-0's later replays under their own numbers
+    were dropped as duplicates, and the wait's clock (REPLAY_WAIT), started only by a data batch
+    it dropped, never started: the sink never asked again. Now anything op-0 sends but its
+    marker starts the clock, and the sink asks again 10 s later. Seeded fault
+    `replay_clock_at_drop` (the clock started at a dropped data batch only): the 4 records lost."""
+    assert _marker_lost_then_a_protocol_message_first(()) is None
+    bad = _marker_lost_then_a_protocol_message_first({"replay_clock_at_drop"})
+    assert bad is not None and bad[0] == "records_not_exactly_once" and "recorded 0 of 4" in bad[1], bad
+    every_move = Config(records=4, crashes=1, rehomes=2, refusals=1, dups=1, brokers=1, cuts=1, spawn_refusals=1,
+                        rehome_targets=("op-0", "copy"), slow=("sink-0",), plans=ROUNDS_1212)
+    rep = random_runs(every_move, schedules=1, seed=9230)
+    assert rep.ok, describe(rep)
 
 
 IDLE_COPY_REHOMED = Config(records=4, rehomes=2, crashes=1, rehome_targets=("op-0", "copy"), slow=("sink-0",),

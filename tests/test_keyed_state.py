@@ -162,10 +162,13 @@ def _pipeline(policy: str, key: Optional[str]) -> Any:
     return load_pipeline_text(_pipeline_text(policy, key))
 
 
-def test_a_keyed_operator_must_not_scale_and_needs_a_key_before_it() -> None:
+def test_a_keyed_operator_may_scale_and_needs_a_key_before_it() -> None:
+    """Its key groups move with their state (agent.instance.moves): any policy; the key field
+    routing its records is the one thing it cannot do without."""
     assert keyed_config_problems(_pipeline("none", "k"), 1, tumbling_window) == []
-    (line,) = keyed_config_problems(_pipeline("decentralized", "k"), 1, tumbling_window)
-    assert "'win' keeps keyed state" in line and 'policy must be "none", found "decentralized"' in line
+    assert keyed_config_problems(_pipeline("decentralized", "k"), 1, tumbling_window) == []
+    (line,) = keyed_config_problems(_pipeline("decentralized", None), 1, tumbling_window)
+    assert "the operator before it, 'src', must set key" in line
     (line,) = keyed_config_problems(_pipeline("none", None), 1, tumbling_window)
     assert "the operator before it, 'src', must set key" in line
     assert keyed_config_problems(_pipeline("decentralized", None), 1, object()) == []  # not keyed
@@ -179,11 +182,12 @@ def test_check_config_names_the_window_params_and_the_scaling_policy(tmp_path: A
     assert main(["check-config", str(pipe)]) == 1
     err = capsys.readouterr().err
     assert '[operator[1]].params.slide_ms: unknown key' in err  # tumbling: no slide
-    pipe.write_text(_pipeline_text("decentralized", "k"))
+    pipe.write_text(_pipeline_text("decentralized", None))
     assert main(["check-config", str(pipe)]) == 1
     assert 'p.toml: [operator[1]]: operator \'win\' keeps keyed state' in capsys.readouterr().err
-    pipe.write_text(_pipeline_text("none", "k"))
-    assert main(["check-config", str(pipe)]) == 0
+    for policy in ("none", "decentralized"):
+        pipe.write_text(_pipeline_text(policy, "k"))
+        assert main(["check-config", str(pipe)]) == 0
 
 
 # ---- exactly-once: batching, duplicates, crashes ----------------------------------------------------
@@ -455,7 +459,7 @@ def test_a_record_the_operator_fails_on_is_counted_and_the_others_of_its_key_are
     assert Counter(s for s, _, _ in out) == Counter({out[0][0]: 2})
 
 
-def test_a_worker_refuses_a_keyed_operator_that_may_scale_with_one_line(tmp_path: Any) -> None:
+def test_a_worker_refuses_a_keyed_operator_without_its_key_with_one_line(tmp_path: Any) -> None:
     """What a deploy reports (the instance exits before "ready" with this reason): one line."""
     import subprocess
     import sys
@@ -463,12 +467,12 @@ def test_a_worker_refuses_a_keyed_operator_that_may_scale_with_one_line(tmp_path
     from agent.mqtt.settings import BrokerSpec
     from agent.tools.dataplane_bench import initial_specs
 
-    spec = initial_specs(_pipeline_text("decentralized", "k"), BrokerSpec("127.0.0.1", 1), str(tmp_path))[1]
+    spec = initial_specs(_pipeline_text("decentralized", None), BrokerSpec("127.0.0.1", 1), str(tmp_path))[1]
     p = subprocess.run([sys.executable, "-m", "agent.instance.worker"], input=spec.to_json() + "\n",
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2
     last = json.loads(p.stdout.splitlines()[-1])
-    assert last["event"] == "exit" and 'policy must be "none", found "decentralized"' in last["reason"]
+    assert last["event"] == "exit" and "the operator before it, 'src', must set key" in last["reason"]
     assert "\n" not in last["reason"]
 
 
@@ -501,9 +505,11 @@ def test_the_worked_example_of_the_guide_runs_as_printed() -> None:
     assert ks.counts["late_dropped"] == 1 and ks.stats()["keys_held"] == 1  # s2's third minute
 
 
-def test_an_agent_refuses_to_scale_or_drain_away_an_instance_with_keyed_state(tmp_path: Any) -> None:
+def test_an_agent_scales_but_does_not_drain_away_an_instance_with_keyed_state(tmp_path: Any) -> None:
     """fogctl scale and drain reach the agent (`_on_steering`): an instance whose stats say it
-    keeps keyed state is neither copied, terminated nor moved, and the reply says why."""
+    keeps keyed state is copied and terminated through the protocol (its key groups move with
+    their state), but a drain does not move it to another node (its state files stay here), and
+    the reply says why."""
     import subprocess
     import sys
 
@@ -525,10 +531,8 @@ def test_an_agent_refuses_to_scale_or_drain_away_an_instance_with_keyed_state(tm
                         keeper=True, state_dir=str(tmp_path / "state"))
     w = Worker(spec=spec, proc=proc, started_at=1.0, status=WorkerStatus.ACTIVE, stats={"keyed_state": True})
     agent.supervisor.workers["p.win.0"] = w
-    for req in (ScaleRequest(operator="win", delta=1), DrainRequest(node="me")):
-        reply = agent._on_steering(req.to_dict(), 5.0)
-        assert not reply["ok"] and "p.win.0 keeps keyed state" in reply["error"], reply
+    reply = agent._on_steering(DrainRequest(node="me").to_dict(), 5.0)
+    assert not reply["ok"] and "p.win.0 keeps keyed state: its node is fixed" in reply["error"], reply
     assert sent == [] and not agent.draining
-    w.stats = {}  # a stateless instance: the same request goes through
     assert agent._on_steering(ScaleRequest(operator="win", delta=1).to_dict(), 5.0)["ok"]
     assert sent == [("p.win.0", "scale")]

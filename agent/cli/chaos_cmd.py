@@ -24,9 +24,10 @@ def register(groups: Any) -> None:
                    help="the pipeline's coordination: ack (the paper) or fgme (rounds inside 2-FGME locks)")
     p.add_argument("--fgme-damping", action="store_true",
                    help="with --coordination fgme: the lock nodes use DEVIATION 4 (docs/gme.md)")
-    p.add_argument("--pipeline", choices=("demo", "stateful"), default="demo",
+    p.add_argument("--pipeline", choices=("demo", "stateful", "stateful-scaling"), default="demo",
                    help="demo: the demo pipeline, in_zone scaling; stateful: a keyed 10-minute window per pickup cell "
-                        "before the sink, each window compared with a fault-free reference (default demo)")
+                        "before the sink, each window compared with a fault-free reference; stateful-scaling: that "
+                        "window scaling out and in, its key groups moving with their state (default demo)")
     p.add_argument("--chain", action="store_true",
                    help="the demo pipeline with [pipeline] chain = true: its keepers share worker processes "
                         "(docs/runtime.md, \"Chaining\"); kill-worker then kills a whole chain")

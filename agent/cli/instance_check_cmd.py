@@ -12,8 +12,10 @@ EXIT_OK, EXIT_VIOLATION, EXIT_USAGE = 0, 1, 2
 FAULT_HELP = ("seeded fault to switch on (repeatable): retry_only_with_data, drain_holds_protocol, "
               "rehome_rounds_from_one, replay_to_departed, route_afresh (with --rounds sink-1-2), rehome_stays "
               "(with --rehome-copy), resync_at_first_seen (with --brokers), rehome_idle_active (with --rehome-copy "
-              "--rehomes 2 --slow sink-0), leave_before_adoption (a fixed schedule of the tests only: op-0, "
-              "the only creator here, is a keeper); the checker should then report a violation, in some schedules")
+              "--rehomes 2 --slow sink-0), replay_clock_at_drop (every move: --rehome-copy --rehomes 2 --brokers 1 "
+              "--cuts 1 --spawn-refusals 1 --slow sink-0, seed 9230), leave_before_adoption (a fixed schedule of "
+              "the tests only: op-0, the only creator here, is a keeper); the checker should then report a "
+              "violation, in some schedules")
 
 
 def register(groups: Any) -> None:

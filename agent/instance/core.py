@@ -46,6 +46,8 @@ from agent.instance.commands import (
     SaveRoutes,
 )
 from agent.instance.driver import ScalingDriver
+from agent.instance import groups as keygroup_table
+from agent.instance import moves as group_moves
 from agent.instance.events import (
     Abort, Control, EnvelopeHanded, EnvelopeReceived, Event, PubAcked, PublishAccepted, PublishRefused, Restarted,
     SessionLost, Spawned, Started, Tick,
@@ -129,6 +131,9 @@ FAULT_REPLAY_TO_DEPARTED = "replay_to_departed"
 # A restarted receiver takes a predecessor's data at the first number it sees when its snapshot
 # does not hold that channel (session 11's `resync_past_lost_replays`).
 FAULT_RESYNC_AT_FIRST_SEEN = "resync_at_first_seen"
+# The wait for a replay marker starts its clock only at the first data batch it drops, not at a
+# protocol message or a duplicate (seed 9230: the sink never asked again, 4 records lost).
+FAULT_REPLAY_CLOCK_AT_DROP = "replay_clock_at_drop"
 
 
 class Phase(Enum):
@@ -162,7 +167,8 @@ class Instance:
 
     def __init__(self, spec: InstanceSpec, pipeline: PipelineConfig, operator: Any,
                  faults: FrozenSet[str] = frozenset(), perf: Callable[[], float] = _no_clock,
-                 cpu: Callable[[], float] = _no_clock, local: FrozenSet[str] = frozenset()) -> None:
+                 cpu: Callable[[], float] = _no_clock, local: FrozenSet[str] = frozenset(),
+                 next_keyed: bool = False) -> None:
         self.spec = spec
         self.pipeline = pipeline
         self.op = pipeline.operator(spec.operator)
@@ -217,8 +223,20 @@ class Instance:
                 raise ValueError("; ".join(problems))
             self.keyed = KeyedState(operator, spec.operator, pipeline.operators[self.stage - 1].key,
                                     self.op.key_groups)
+        # Its key groups and their moves (agent.instance.moves): a deployed instance holds every
+        # group (deploy starts one keeper per operator), a copy none until its Start names its share.
+        self.moves: Optional[group_moves.GroupMoves] = None
+        if self.keyed is not None:
+            self.moves = group_moves.GroupMoves(self, range(self.keyed.groups) if spec.active else ())
         nxt = pipeline.operators[self.stage + 1] if self.stage + 1 < len(pipeline.operators) else None
-        self.router = Router(spec.succs, key=self.op.key, groups=nxt.key_groups if nxt is not None else 128)
+        # `next_keyed` (the shell resolves the next operator's function): its key groups move with
+        # their state, so we route by its group -> owner table (agent.instance.groups), dealt at
+        # deploy; a copy gets its creator's with its Start.
+        self.next_keyed = bool(next_keyed) and nxt is not None and self.op.key is not None
+        key_groups = nxt.key_groups if nxt is not None else 128
+        table = keygroup_table.initial_table(spec.succs, key_groups) if self.next_keyed and spec.active else None
+        self.router = Router(spec.succs, key=self.op.key, groups=key_groups, table=table)
+        self._redirects_waiting: List[Tuple[str, Any]] = []  # an idle copy's, until its Start
         self.outbox = Outbox(self.router, self.op.batch_size, self.op.linger_ms / 1000.0)
         # INVARIANT 8 (a record sent again goes where it went): a forwarding instance remembers
         # each record's successor where the next operator's instance count can change
@@ -397,12 +415,16 @@ class Instance:
             except ValueError as exc:
                 log.warning("%s: records replayed to us are routed afresh", exc, extra=self.ctx)
         self._begin(ev.wall, True, ev.state, ev.source_position)
+        if self.moves is not None and isinstance(ev.state.get("moves"), dict):
+            self.moves.restore(ev.state["moves"])
         if self.keyed is not None and ev.keyed is not None:
             again = self.keyed.restore(ev.keyed)
             if again:  # outputs the successors had not acked: sent again (the sink drops copies)
                 index = self.tracker.produced()
                 self.keyed.outputs = [(index, it) for it in again]
                 self._forward(list(again), index, self.now)
+        if self.moves is not None:
+            self.moves.after_restart()
 
     def _begin(self, wall: float, restart: bool, saved: Dict[str, Any],
                source_position: Optional[Dict[str, Any]]) -> None:
@@ -429,6 +451,9 @@ class Instance:
             # The restored tables, not the spec's initial ones: since its creation the instance
             # may have been activated (a copy starts with none) or seen neighbours come and go.
             self.router.set_succs(self.scaling.core.routes()[0])
+            if self.next_keyed:
+                self.router.table = keygroup_table.restored_table(saved, self.router.succs, self.router.groups,
+                                                                  self.ctx)
         self.persist(force=True)
         if restart:
             # Tell each predecessor we are a new incarnation (an ack of nothing, numbered in our
@@ -473,6 +498,8 @@ class Instance:
         if self.is_source:
             self._produce(now)
         self._process(now)
+        if self.moves is not None:
+            self.moves.flush()  # the turn's hand-over writes, then its messages (agent.instance.moves)
         if self.keyed is not None and self.keyed.dirty:
             self._save_keyed()
         if self.hold:
@@ -777,9 +804,28 @@ class Instance:
             return tuple(env.body) == (0, 0) and sc.may_probe(s)
         if self.inbound.position(s) is not None or s in self.links:
             return True
+        if (self.moves is not None and isinstance(env.body, dict) and env.body.get("type") in group_moves.HANDOVER_TYPES
+                and self._sibling(s)):
+            return True  # a hand-over between two instances of our operator (agent.instance.moves)
         if sc is None:
             return s in self.spec.preds or s in self.spec.succs
         return sc.knows(s)
+
+    def _take_redirect(self, sender: str, msg: Any) -> None:
+        try:
+            group_moves.on_redirect(self, sender, msg)
+        except group_moves.HandoverError as exc:
+            self._handover_error(sender, str(exc))
+
+    def _handover_error(self, sender: str, why: str) -> None:
+        self.stats["handover_errors"] = self.stats.get("handover_errors", 0) + 1
+        if self.log_limited(sender):
+            log.warning("hand-over from %s: %s", sender[:64], why, extra=self.ctx)
+
+    def _sibling(self, name: str) -> bool:
+        """Can `name` be another instance of our operator (ScalingCore._new_id, deploy.keeper_id)?"""
+        return name != self.spec.instance and (name.startswith(f"{self.spec.operator}-")
+                                               or name == f"{self.spec.pipeline}.{self.spec.operator}.0")
 
     def _accept(self, env: Envelope) -> None:
         before = self.inbound.stats.duplicates + self.inbound.stats.stale_epoch
@@ -798,6 +844,8 @@ class Instance:
                     self._reroute_departed(env.sender)
         if env.kind is Kind.ACK and tuple(env.body) == (0, 0) and self.scaling is not None:
             self.scaling.remind_departed(env.sender)  # a re-homed copy that forgot it left
+        if env.sender in self._awaiting_replay:
+            self._replay_wait_clock(env)
         # INVARIANT 1 (FIFO channel): envelopes are delivered in each sender's numbering, once.
         for e in self.inbound.receive(env):
             if e.kind is Kind.ACK:
@@ -811,6 +859,13 @@ class Instance:
                         continue  # its replay brings it again, in order
                     self._period_records += len(e.body)
                     self.signals.arrived(len(e.body))
+                elif (self._awaiting_replay and e.sender in self._awaiting_replay and isinstance(e.body, dict)
+                      and e.body.get("type") == "eos"):
+                    # An Eos ahead of its predecessor's replay marker follows records we drop until
+                    # that replay: taken now, it would overtake them. The move asks again
+                    # (agent.instance.moves, MOVE_RESEND), and the new Eos comes behind the replay.
+                    self.stats["eos_before_replay"] = self.stats.get("eos_before_replay", 0) + 1
+                    continue
                 q = self.queues.get(e.sender)
                 if q is None:
                     q = self.queues[e.sender] = deque()
@@ -858,6 +913,20 @@ class Instance:
         if since is None:
             self._awaiting_replay[env.sender] = (epoch, self.now)
         return True
+
+    def _replay_wait_clock(self, env: Envelope) -> None:
+        """Start the clock of the wait for `env.sender`'s replay marker (REPLAY_WAIT) at anything
+        it sends us but its marker: it is alive, so a marker that does not follow was lost. Not
+        only at a dropped data batch: a protocol message may open a channel the snapshot lacked
+        past data and a marker a broker rollback lost, and the replays of that data under their
+        own numbers then die in the channel as duplicates, never reaching `_before_replay`
+        (seed 9230 of the every-move mix, docs/reliability.md, "Replays in order"). A newer
+        epoch of the sender is no evidence: its data ends the wait."""
+        epoch, since = self._awaiting_replay[env.sender]
+        if since is not None or FAULT_REPLAY_CLOCK_AT_DROP in self.faults:
+            return
+        if (env.kind is not Kind.DATA or env.body) and (epoch is None or env.epoch <= epoch):
+            self._awaiting_replay[env.sender] = (epoch, self.now)
 
     def _send_replay_marker(self, dest: str) -> None:
         """An empty data batch on the channel to `dest`: what we send after it is our replay and
@@ -978,6 +1047,8 @@ class Instance:
         if self.scaling is not None:
             self.scaling.ping_if_idle(now)
             self.scaling.expire_probes(now)
+        if self.moves is not None:
+            self.moves.resend_silent(now)
         for dest, link in list(self.links.items()):
             wait = min(LINK_SILENCE * 2 ** link.silent_replays, LINK_SILENCE_MAX)
             if link.inflight and link.oldest_age(now) >= wait and now - link.last_ack_at >= wait:
@@ -1190,6 +1261,8 @@ class Instance:
         if self.is_sink:
             self._record(items, index, env)
         elif self.keyed is not None:
+            if self.moves is not None:
+                items = self.moves.admit(env.sender, items, index)  # a group on its way here waits
             out = self.keyed.apply(env.sender, items, index, env.floors)
             if out:
                 self._forward(out, index, now)
@@ -1264,6 +1337,26 @@ class Instance:
         self.stats["spool_events"] += 1
 
     def _on_protocol(self, env: Envelope) -> None:
+        body = env.body
+        if isinstance(body, dict) and body.get("type") in group_moves.HANDOVER_TYPES:
+            self.stats["handover_in"] = self.stats.get("handover_in", 0) + 1
+            self.stats["handover_bytes_in"] = self.stats.get("handover_bytes_in", 0) + group_moves.body_size(body)
+            if body["type"] == "redirect" and self.next_keyed:
+                try:
+                    msg, _ = group_moves.decode(env.sender, body, self.router.groups)
+                except ValueError as exc:
+                    self._handover_error(env.sender, str(exc))
+                    return
+                if self.router.table is None:  # an idle copy: its table comes with its Start
+                    if len(self._redirects_waiting) < self.router.groups:
+                        self._redirects_waiting.append((env.sender, msg))
+                    return
+                self._take_redirect(env.sender, msg)
+            elif self.moves is not None:
+                self.moves.on_message(env.sender, body)
+            else:
+                self.stats["handover_errors"] = self.stats.get("handover_errors", 0) + 1
+            return
         if self.scaling is None:
             self.stats["protocol_in"] += 1
             self.stats["protocol_errors"] += 1
@@ -1491,6 +1584,10 @@ class Instance:
         if self.keyed is not None and self.keyed.lowest_unsaved() is not None:
             k = self.keyed.lowest_unsaved()
             low = k if low is None else min(low, k)
+        if self.moves is not None:
+            h = self.moves.lowest_held()  # records held for a group on its way: acked once applied and saved
+            if h is not None:
+                low = h if low is None else min(low, h)
         return low
 
     def _save_keyed(self) -> None:
@@ -1500,6 +1597,35 @@ class Instance:
         assert self.keyed is not None
         self.keyed.prune_outputs(self._lowest_forwarding())
         self._out.append(SaveKeyed(self.keyed))
+        if self.moves is not None:
+            self.moves.saved()
+
+    def save_keyed_now(self) -> None:
+        """A hand-over changed the keyed state (a group out or in): saved before what follows."""
+        self._save_keyed()
+        self.mark_state_changed()
+        self.persist(force=True)
+
+    def forward_outputs(self, items: List[Item], index: int) -> None:
+        """Outputs of held records applied once their group was installed (agent.instance.moves)."""
+        self._forward(items, index, self.now)
+
+    def log_limited(self, sender: str) -> bool:
+        """May a warning about `sender` be logged now (bounded per sender and in all)?"""
+        return self._refusals.allow((sender, "handover"), self.now)
+
+    def send_handover(self, dest: str, msg: Any, extra: Optional[Dict[str, Any]] = None) -> None:
+        """A hand-over message (agent.instance.moves) on the numbered channel to `dest`, counted
+        apart from the paper's protocol messages."""
+        body = group_moves.encode(msg)
+        if extra:
+            body.update(extra)
+        self.send_handover_body(dest, body)
+
+    def send_handover_body(self, dest: str, body: Dict[str, Any]) -> None:
+        self.stats["handover_out"] = self.stats.get("handover_out", 0) + 1
+        self.stats["handover_bytes_out"] = self.stats.get("handover_bytes_out", 0) + group_moves.body_size(body)
+        self.send_envelope(dest, Kind.PROTO, body)
 
     def _lowest_forwarding(self) -> Optional[int]:
         """The lowest input index whose outputs are not all acked by the successors yet.
@@ -1548,6 +1674,50 @@ class Instance:
 
     # ---- routes (called by the scaling driver) -----------------------------------------------------
 
+    def start_field(self, copy: str) -> Optional[Dict[str, Any]]:
+        """The extra field of a Start we send `copy` (agent.instance.groups): our group table, and
+        a keyed instance's share of its groups for the copy (agent.instance.moves)."""
+        out = keygroup_table.start_field(self.router.table) if self.next_keyed else None
+        if self.moves is not None:
+            out = dict(out or {}, share=[list(x) for x in self.moves.share_for(copy)])
+        return out
+
+    def after_start(self, copy: str, preds: Any) -> None:
+        """Our Start to `copy` is on its way: the moves of its share begin (docs/operators.md)."""
+        if self.moves is not None:
+            self.moves.start_share(copy, preds)
+
+    def on_start_field(self, field: Any, succs: Tuple[str, ...]) -> None:
+        """Our Start arrived (we are a copy; the Activate that follows sets `succs`): our
+        creator's group table, or (keyed) the groups it hands us, before any record."""
+        if self.next_keyed:
+            self.router.table = keygroup_table.table_from_start(field, succs, self.router.groups, self.ctx)
+            self.mark_state_changed()
+            waiting, self._redirects_waiting = self._redirects_waiting, []
+            for sender, msg in waiting:  # came before our Start (another channel): taken now
+                self._take_redirect(sender, msg)
+        if self.moves is not None and self.scaling is not None and self.scaling.core.creator:
+            self.moves.take_share(field, self.scaling.core.creator)
+            self.mark_state_changed()
+
+    def groups_moved(self) -> None:
+        """The key groups our last scaling decision moved are installed at their new owners (their
+        held records applied): stamped on that decision (`bench`, docs/operators.md)."""
+        if self.scaling is not None:
+            self.scaling.stamp_moved()
+
+    def on_preds_changed(self, added: Tuple[str, ...], removed: Tuple[str, ...]) -> None:
+        """A predecessor's round reached us (the driver calls this after the core applied it):
+        the groups moving out wait for a new predecessor's Eos too (its table may route them
+        here), and a departed one's Eos is not awaited (its deletion is behind all it sent us)."""
+        if self.moves is None:
+            return
+        for p in added:
+            self.moves.perform(self.moves.member.add_pred(p))
+        for p in removed:
+            self.moves.perform(self.moves.member.remove_pred(p, self.moves.snapshot))
+        self.mark_state_changed()
+
     def set_routes(self, succs: Tuple[str, ...], now: float) -> None:
         """INVARIANT 3 (route change before ack): the data path uses `succs` when this returns;
         the scaling driver sends the ack that follows only afterwards (same thread, in order)."""
@@ -1574,6 +1744,7 @@ class Instance:
             and self.tracker.waiting() == 0
             and not self.ack_due
             and not self.sink_wait
+            and (self.moves is None or not self.moves.member.busy())  # a key group half moved stays
         )
 
 
@@ -1611,6 +1782,8 @@ class Instance:
         s.update(self.operator.stats())
         if self.keyed is not None:
             s.update(self.keyed.stats())
+        if self.moves is not None:
+            s.update(self.moves.stats())
         if self.scaling is not None:
             s.update(self.scaling.stats())
         return s
@@ -1648,6 +1821,10 @@ class Instance:
     def persisted_state(self) -> Dict[str, Any]:
         """What a restart needs: epoch, channel positions, the scaling driver's state."""
         data: Dict[str, Any] = {"epoch": self.epoch, "inbound": self.inbound.snapshot()}
+        if self.router.table is not None:
+            data["group_table"] = self.router.table.to_wire()  # with the routing tables (the core's)
+        if self.moves is not None:
+            data["moves"] = self.moves.dump()
         if self.scaling is not None:
             data.update(self.scaling.persisted())
         return data

@@ -32,12 +32,13 @@ from agent.dataplane.inbound import LogLimiter
 from agent.instance.recovery import (
     RESEND_AFTER, LinkError, ReliableLinks, RoundMemory, decode_outputs, encode_outputs, silent_pending,
 )
+from agent.instance.groups import START_FIELD
 from agent.instance.rounds import RoundLog
 from agent.policy.decentralized import Action, Decision, ScalingParams
 from agent.policy.live import LIVE_POLICIES, LivePolicy, PeriodInputs
 from agent.protocol.errors import LocalProtocolError, ProtocolError
 from agent.protocol.guarded import LockMessage, core_class, message_from_dict
-from agent.protocol.messages import DeletionAck, Duplication, Start
+from agent.protocol.messages import Deletion, DeletionAck, Duplication, Start
 from agent.protocol.scaling import Activate, CreateInstance, Drain, InstanceState, RoutesChanged, Send, Terminate
 
 if TYPE_CHECKING:
@@ -361,6 +362,11 @@ class ScalingDriver:
             self.lock_counts["in"][kind] = self.lock_counts["in"].get(kind, 0) + 1
         else:
             stats["protocol_in"] += 1
+        groups = None
+        if isinstance(env.body, dict) and env.body.get("type") == Start.type and START_FIELD in env.body:
+            body = dict(env.body)  # the key-group table next to the paper's fields: not the core's
+            groups = body.pop(START_FIELD)
+            env = replace(env, body=body)
         try:
             msg = self._from_dict(env.body)
             if msg.sender != env.sender:
@@ -372,6 +378,12 @@ class ScalingDriver:
                 return
             outs = self.core.handle(msg)
             self.memory.applied_now(msg)
+            if isinstance(msg, Start):
+                self.w.on_start_field(groups, self.core.routes()[0])
+            elif isinstance(msg, Duplication) and msg.stage == self.core.stage - 1:
+                self.w.on_preds_changed(msg.new_instances, ())
+            elif isinstance(msg, Deletion) and msg.stage == self.core.stage - 1:
+                self.w.on_preds_changed((), (msg.sender,))
         except (ProtocolError, ValueError) as exc:
             # Unexpected or invalid: counted, logged once per sender, state unchanged.
             stats["protocol_errors"] += 1
@@ -423,10 +435,6 @@ class ScalingDriver:
     def force(self, action: str, count: int) -> None:
         """A steering request (fogctl scale/drain via the agent): queued, run by `_run_forced`
         through the same protocol as an automatic decision. One duplication round per copy."""
-        if self.w.keyed is not None:  # its key groups would not take their state along (docs/operators.md)
-            log.warning("scale %s refused: %s keeps keyed state, its instance count is fixed", action,
-                        self.w.spec.operator, extra=self.w.ctx)
-            return
         if action == "duplicate":
             self.forced.extend(("duplicate", 1) for _ in range(max(1, int(count))))
         elif action == "terminate":
@@ -436,7 +444,7 @@ class ScalingDriver:
 
     def _run_forced(self, now: float) -> None:
 
-        if not self.forced or self.outputs or self.w.stopping or self.lock_pending:
+        if not self.forced or self.outputs or self.w.stopping or self.lock_pending or self._moving():
             return
         if self.core.state is not InstanceState.ACTIVE:
             if self.core.state is not InstanceState.IDLE and not self.core.in_round:
@@ -446,6 +454,8 @@ class ScalingDriver:
             return  # after the adoption (see adoption_pending)
         action, count = self.forced.popleft()
         decision = Decision(Action.DUPLICATE if action == "duplicate" else Action.TERMINATE, count)
+        if self._leave_first(decision):
+            return
         self.round_created = []
         self.log.decided(self.w.now)
         try:
@@ -463,8 +473,57 @@ class ScalingDriver:
         self.last_round_end = now
         self._queue(outs)
 
+    def _moving(self) -> bool:
+        """A keyed instance with a move under way, or leaving (agent.instance.moves): no other
+        round starts; a leaver's deletion starts once it holds no group (`_leave_when_empty`)."""
+        mv = self.w.moves
+        if mv is None:
+            return False
+        if mv.leaving:
+            self._leave_when_empty()
+            return True
+        return mv.member.busy()
+
+    def _leave_first(self, decision: Decision) -> bool:
+        """A keyed instance decided to terminate: its groups go first (to the keeper, which
+        never leaves); the Deletion round waits until it holds none. True: the round waits."""
+        mv = self.w.moves
+        if mv is None or decision.action is not Action.TERMINATE or self.core.keeper:
+            return False
+        mv.leaving = True
+        keeper = f"{self.w.spec.pipeline}.{self.w.spec.operator}.0"
+        log.info("leaving: handing %d key groups to %s first", len(mv.member.owned), keeper, extra=self.w.ctx)
+        mv.hand_rest(keeper, self.core.preds)
+        self.w.mark_state_changed()
+        self._leave_when_empty()
+        return True
+
+    def _leave_when_empty(self) -> None:
+        mv = self.w.moves
+        assert mv is not None
+        if self.outputs or self.core.state is not InstanceState.ACTIVE or self.lock_pending:
+            return
+        if mv.member.owned and not mv.member.busy():
+            # a group that reached us after we decided (a share in flight): handed on as well
+            mv.hand_rest(f"{self.w.spec.pipeline}.{self.w.spec.operator}.0", self.core.preds)
+        if not mv.ready_to_leave():
+            return
+        mv.leaving = False
+        self.round_created = []
+        outs = self.core.start_deletion()
+        self._observe(outs)
+        self.last_round_end = self.w.now
+        log.info("every key group handed over: leaving", extra=self.w.ctx)
+        self._queue(outs)
+
     def maybe_tick(self, now: float) -> None:
         self._probe_expected()
+        if self._moving():
+            self._maybe_adopt()
+            self.resend_silent(now)
+            if self.links is not None:
+                self._send_link(self.links.due(now))
+            return
         self._run_forced(now)
         self._maybe_adopt()
         self.resend_silent(now)
@@ -506,6 +565,10 @@ class ScalingDriver:
             decision = Decision(Action.NONE, 0)  # after the adoption (see adoption_pending)
         if decision.scales:
             self.log.decided(self.w.now)
+        if self._leave_first(decision):
+            self.counts["scale_ins"] += 1
+            self.decisions.append({"at": self.w.wall(), "kind": "scale_in", "load": round(load, 1), "new": []})
+            return
         outs = self.core.start_round(decision)
         self._observe(outs)
         self._publish_decision(now, load, draw, decision, outs)
@@ -704,7 +767,7 @@ class ScalingDriver:
         that is active by then rejects it as unexpected and nothing changes."""
 
         msg = Start(self.core.instance_id, self.core.stage, *self.core.routes())
-        self.w.send_envelope(copy, Kind.PROTO, msg.to_dict())
+        self.w.send_envelope(copy, Kind.PROTO, self._with_groups(msg.to_dict(), copy))
         self.counts["protocol_resent"] += 1
         log.warning("%s is still idle: sent Start again", copy, extra=self.w.ctx)
 
@@ -721,6 +784,13 @@ class ScalingDriver:
             log.warning("no answer from %s for %.0fs in round %d: sent %s again", dest,
                         RESEND_AFTER, self.core.round, msg.type, extra=self.w.ctx)
 
+    def _with_groups(self, body: Dict[str, Any], copy: str) -> Dict[str, Any]:
+        """A Start's JSON with our key-group table or share (agent.instance.groups), if any."""
+        extra = self.w.start_field(copy)
+        if extra is not None:
+            body[START_FIELD] = extra
+        return body
+
     # ---- outputs, strictly in order --------------------------------------------------------------
 
     def run_outputs(self, now: float) -> None:
@@ -733,12 +803,15 @@ class ScalingDriver:
                 # envelope each; data acks and heartbeats are separate (data plane, control pipe).
                 # 2-FGME lock messages travel the same way but are counted apart, by kind.
                 body = out.message.to_dict()
+                if out.message.type == "start":
+                    body = self._with_groups(body, out.dest)
                 if self.links is not None:
                     body = self.links.stamp(out.dest, body, now)
                 w.send_envelope(out.dest, Kind.PROTO, body)
                 self._round_clock[out.dest] = now
                 if out.message.type == "start":
                     self.started.append(out.dest)
+                    w.after_start(out.dest, self.core.preds)  # a keyed creator's share starts moving
                 inner = getattr(out.message, "inner", None)
                 if inner is None:
                     w.stats["protocol_out"] += 1
@@ -826,6 +899,14 @@ class ScalingDriver:
         while self.outputs and isinstance(self.outputs[0], CreateInstance):
             self.outputs.popleft()  # every copy requested at once is done
         self.run_outputs(self.w.now)
+
+    def stamp_moved(self) -> None:
+        """The key groups of our last decision are at their new owners (agent.instance.moves)."""
+        d = self.decisions[-1] if self.decisions else None
+        if d is not None and "moved_at" not in d:
+            d["moved_at"] = self.w.wall()
+            log.info("key groups of the %s decided %.0f ms ago: installed at their new owners", d.get("kind"),
+                     (d["moved_at"] - d["at"]) * 1000, extra=self.w.ctx)
 
     def _stamp_decision(self, key: str) -> None:
         """Wall time of a step of the current scale-out round on its decision record (latest

@@ -106,10 +106,13 @@ class KeyedState:
     # ---- input ------------------------------------------------------------------------------------
 
     def apply(self, sender: str, items: List[Item], index: int,
-              floors: Optional[Dict[str, int]] = None) -> List[Item]:
+              floors: Optional[Dict[str, int]] = None, judge_late: bool = True) -> List[Item]:
         """Apply one input batch from `sender` (processed with input index `index`); the outputs.
         `floors`: the batch's claims, per source, of a number below which every record was
-        applied already (agent.instance.applied), taken before its records."""
+        applied already (agent.instance.applied), taken before its records. `judge_late=False`:
+        records held while their group moved here (agent.instance.moves), never judged late:
+        our watermark went on with our other groups while they waited, which a record arriving
+        in its sender's order never sees."""
         op = self.op
         timed = op.uses_event_time
         by_key: Dict[Any, List[Any]] = {}
@@ -147,7 +150,7 @@ class KeyedState:
                     self.counts["no_event_time"] += 1
                     continue
                 wm = self.watermark
-                if wm is not None and t < wm:
+                if judge_late and wm is not None and t < wm:
                     self.counts["late_dropped"] += 1
                     continue
                 if self.max_time is None or t > self.max_time:
@@ -259,6 +262,20 @@ class KeyedState:
         for entry in later:
             heapq.heappush(heap, entry)
 
+    def fire_due(self, index: int) -> List[Item]:
+        """The timers the watermark has already passed, fired now (outputs under input `index`):
+        a group taken in (`take_in`) arms its keys' timers, and some may be due here at once; left
+        to the next batch, a group installed after the last one never emits them."""
+        out: List[Item] = []
+        if self.op.uses_event_time:
+            self._fire(out)
+        if out:
+            if self._unsaved is None:
+                self._unsaved = index
+            self.outputs.extend((index, it) for it in out)
+            self._out_new.extend(out)
+        return out
+
     # ---- persistence ------------------------------------------------------------------------------
 
     @property
@@ -315,19 +332,27 @@ class KeyedState:
 
     # ---- hand-over of a key group (agent.instance.handover; docs/operators.md, "Key groups that move")
 
-    def hand_out(self, g: int) -> bytes:
+    def hand_out(self, g: int, forget: bool = True) -> bytes:
         """Group `g` for its new owner, then forgotten here (its outputs not acked yet stay: this
         instance sent them and sends them again if asked). The bytes carry, besides the group's
         states and output counters, every source's applied numbers: a replay of a record applied
         here may reach the new owner, which must skip it. Called once the group's state is final
-        (every predecessor's end-of-stream marker applied)."""
+        (every predecessor's end-of-stream marker applied). `forget=False`: the caller forgets it
+        later (`forget_group`), once the bytes are safe elsewhere."""
         blob = self._group_json(g)
         blob["applied"] = {s: a.to_json() for s, a in self.applied.items()}
+        if forget:
+            self.forget_group(g)
+        return json.dumps(blob, separators=(",", ":")).encode()
+
+    def forget_group(self, g: int) -> None:
+        """Group `g` left (its state is in the bytes `hand_out` made): dropped here, and from the
+        files at the next save."""
         for key in self.states.pop(g, {}):
             self.timers.pop(key, None)  # its heap entry is skipped as stale
             self._dirty_keys[(g, key)] = None
-        self.emitted.pop(g, None)  # the counters travel with the group: an id is still never reused
-        return json.dumps(blob, separators=(",", ":")).encode()
+        for key in self.emitted.pop(g, {}):  # the counters travel with the group: an id is never reused
+            self._dirty_keys[(g, key)] = None
 
     def take_in(self, g: int, data: bytes) -> None:
         """Install group `g` from `hand_out`'s bytes (untrusted: they came over the bus; size bounded
@@ -478,6 +503,8 @@ class KeyedState:
                     pairs[g].pop(k, None)
                 if n is not None:
                     counters[g][k] = n
+                else:  # no counter any more: its group was handed out (`forget_group`)
+                    counters[g].pop(k, None)
         for g in pairs:
             groups[g] = {"pairs": [[k, v] for k, v in pairs[g].items()],
                          "emitted": [[k, n] for k, n in counters[g].items()]}

@@ -49,11 +49,26 @@ from agent.mqtt.client import worker_id
 from agent.mqtt.transport import Connected, Disconnected, PubAck, PublishRejected, Received, Transport, TransportError
 from agent.operators.admission import OperatorRefused, node_allow_list
 from agent.operators.builtin import OperatorContext, load_operator
+from agent.operators.keyed import is_keyed
 
 log = logging.getLogger("agent.instance.worker")
 
 RECONNECT_ASK = 5.0  # a fenced worker asks its agent again this often (see Worker._ask_to_reconnect)
 
+
+
+def _next_is_keyed(pipeline: PipelineConfig, stage: int) -> bool:
+    """Does the operator after ours keep keyed state? Then our key routing follows its group ->
+    owner table (docs/operators.md, "Key groups that move"). Resolved through the node's
+    allow-list, like our own function; a function it refuses makes that operator's workers fail
+    at their start anyway, so it counts as not keyed here."""
+    ops = pipeline.operators
+    if stage + 1 >= len(ops) or ops[stage].key is None:
+        return False
+    try:
+        return is_keyed(node_allow_list().resolve(ops[stage + 1].function))
+    except (ValueError, OperatorRefused):
+        return False
 
 class Worker:
     """The shell: loads, locks, connects, and feeds one `Instance` (`self.core`)."""
@@ -114,7 +129,7 @@ class Worker:
         )
         self.operator: Any = load_operator(op.function, ctx)
         self.core = Instance(spec, self.pipeline, self.operator, perf=time.perf_counter, cpu=time.process_time,
-                             local=local)
+                             local=local, next_keyed=_next_is_keyed(self.pipeline, self.pipeline.index(spec.operator)))
         self.transport = transport or Transport(worker_id(spec.broker, spec.cluster, spec.instance), spec.broker)
         # Re-homing on: after a lost connection, reconnect only when our agent says this identity
         # was not re-homed meanwhile (see _ask_to_reconnect).

@@ -722,12 +722,13 @@ class Agent:
             actions = agent_actions(req, self.node, self._local_instances(), slots=self.fleet_slots())
         except RequestError as exc:
             return Reply(False, {}, str(exc)).to_dict()
-        keyed = [a.instance for a in actions if self._keeps_keyed_state(a.instance)]
+        keyed = [a.instance for a in actions if a.kind is ActionKind.HANDOVER and self._keeps_keyed_state(a.instance)]
         if keyed:
-            # Neither a copy nor a move would take its key groups' state along (docs/operators.md,
-            # "Keyed state"): refused as a whole, before anything is changed.
-            return Reply(False, {}, f"{', '.join(keyed)} keeps keyed state: its instance count and its node are "
-                                    "fixed until key groups can be handed over").to_dict()
+            # A copy or a termination moves its key groups with their state (agent.instance.moves);
+            # a move to another node would leave its state files behind (docs/operators.md, "Key
+            # groups that move"): refused as a whole, before anything is changed.
+            return Reply(False, {}, f"{', '.join(keyed)} keeps keyed state: its node is fixed (its state "
+                                    "files stay where it runs)").to_dict()
         if isinstance(req, DrainRequest):
             self.draining = not req.undo
             self._state_dirty = True

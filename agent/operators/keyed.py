@@ -53,6 +53,7 @@ __all__ = [
     "sliding_window",
     "top_k",
     "keyed_config_problems",
+    "is_keyed",
 ]
 
 # The params every keyed operator understands (merge them into your own params_schema).
@@ -350,15 +351,22 @@ sliding_window = SlidingWindow
 top_k = TopK
 
 
+def is_keyed(obj: Any) -> bool:
+    """Is `obj` (an operator class, or one built) a keyed stateful operator? Its predecessors then
+    route by an explicit group -> owner table (agent.dataplane.owners): its groups move only with
+    their state."""
+    return (isinstance(obj, type) and issubclass(obj, KeyedOperator)) or isinstance(obj, KeyedOperator)
+
+
 def keyed_config_problems(cfg: Any, index: int, obj: Any) -> List[str]:
     """Why the pipeline `cfg` cannot run operator number `index`, whose function is `obj`, as a
     keyed operator (empty: it can, or it is not keyed). Said by check-config and by the worker
     (the deploy then fails with this line), not found out by losing state.
 
-    Its policy must be "none": the hand-over of key groups between instances is not wired into
-    the scaling protocol yet, and a keyed operator that scaled would start the moved groups with
-    no state. Its key field is the `key` of the operator before it (that key routes the records)."""
-    if not (isinstance(obj, type) and issubclass(obj, KeyedOperator)) and not isinstance(obj, KeyedOperator):
+    Any scaling policy: its key groups move with their state when it duplicates or terminates
+    (agent.instance.moves; docs/operators.md, "Key groups that move"). Its key field is the `key`
+    of the operator before it (that key routes the records)."""
+    if not is_keyed(obj):
         return []
     op = cfg.operators[index]
     what = f"operator {op.name!r} keeps keyed state ({op.function})"
@@ -369,8 +377,4 @@ def keyed_config_problems(cfg: Any, index: int, obj: Any) -> List[str]:
         prev = cfg.operators[index - 1].name
         out.append(f'{what}: the operator before it, {prev!r}, must set key = "<field>" (the field its records are '
                    "keyed by)")
-    policy = cfg.scaling_for(op.name).policy
-    if policy != "none":
-        out.append(f'{what}: [operator.scaling] policy must be "none", found "{policy}" (its key groups do not '
-                   "take their state along when instances are added or removed yet; docs/operators.md, \"Keyed state\")")
     return out

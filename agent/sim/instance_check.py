@@ -88,7 +88,7 @@ BROKER = BrokerSpec("127.0.0.1", 1)
 # The seeded faults the instance knows (agent.instance.core, agent.instance.driver).
 FAULTS = ("retry_only_with_data", "drain_holds_protocol", "rehome_rounds_from_one", "route_afresh",
           "replay_to_departed", "rehome_stays", "resync_at_first_seen", "leave_before_adoption",
-          "rehome_idle_active")
+          "rehome_idle_active", "replay_clock_at_drop")
 # The one seeded fault of the planner's inputs (agent.node.rehome), played by the checker's
 # re-homing move: plan_rehome is not told which copies were idle, and starts them active.
 FAULT_REHOME_IDLE_ACTIVE = "rehome_idle_active"

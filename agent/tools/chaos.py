@@ -127,7 +127,23 @@ field = "total_amount"
 
 """ + SINK)
 
-PIPELINES = ("demo", "stateful")
+# `--pipeline stateful-scaling`: the same window scaling out and in under the load (the decentralized
+# policy, a capacity below the peak), its key groups moving with their state (docs/operators.md,
+# "Key groups that move"). in_zone stays one instance (records in source order per cell). The
+# lateness is 10 minutes of pickup time (~1.7 s of this run's clock, which replays ~3 h of pickups
+# in 30 s): records of a group on its way wait at the new owner until its state is installed, while
+# that owner's other groups move its watermark on; with 60 s (~0.17 s here) a wait under load made
+# them late. Each window is emitted once its owner's watermark passes it; the copies are gone
+# before the load ends, so the end is the reference's.
+STATEFUL_SCALING_PIPELINE = STATEFUL_PIPELINE.replace(
+    'lateness_ms = 60000', 'lateness_ms = 600000').replace(
+    'function = "agent.operators.keyed:tumbling_window"\n',
+    'function = "agent.operators.keyed:tumbling_window"\nservice_time_ms = 3.0\n').replace(
+    'field = "total_amount"\n', 'field = "total_amount"\n'
+    '[operator.scaling]\npolicy = "decentralized"\ncapacity = 120.0\nperiod = 1.0\n'
+    'target_ratio = 0.7\nup = 0.8\ndown = 0.6\n')
+
+PIPELINES = ("demo", "stateful", "stateful-scaling")
 
 
 def chaos_pipeline(duration: float, seed: int, coordination: str = "ack", fgme_damping: bool = False,
@@ -138,7 +154,7 @@ def chaos_pipeline(duration: float, seed: int, coordination: str = "ack", fgme_d
     `chain`: the demo pipeline's keepers run chained (docs/runtime.md, "Chaining")."""
     d = float(duration)
     steps = [[0, 100], [round(0.1 * d, 1), 350], [round(0.5 * d, 1), 200], [round(0.75 * d, 1), 60], [d, 0]]
-    text = STATEFUL_PIPELINE if pipeline == "stateful" else PIPELINE
+    text = {"stateful": STATEFUL_PIPELINE, "stateful-scaling": STATEFUL_SCALING_PIPELINE}.get(pipeline, PIPELINE)
     return text.format(seed=seed, steps=json.dumps(steps), coordination=coordination,
                        damping="true" if fgme_damping else "false", chain="true" if chain else "false")
 
@@ -462,7 +478,7 @@ def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dic
     """Run one chaos experiment; returns the summary (the `--json` output)."""
     rng = random.Random(cfg.seed)
     text = chaos_pipeline(cfg.duration, cfg.seed, cfg.coordination, cfg.fgme_damping, cfg.pipeline, cfg.chain)
-    stateful = cfg.pipeline == "stateful"
+    stateful = cfg.pipeline.startswith("stateful")
     pipeline = load_pipeline_text(text, "chaos pipeline")
     profile = pipeline.operators[0].params["steps"]
     workdir = Path(cfg.workdir) if cfg.workdir else Path(tempfile.mkdtemp(prefix="fog-chaos-"))

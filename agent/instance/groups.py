@@ -1,0 +1,75 @@
+"""The key-group table of an instance whose successors keep keyed state: where it comes from,
+what travels with a Start, what is saved (docs/operators.md, "Key groups that move").
+
+Rules of this file: sans-IO, like agent.instance.core (it is part of the `Instance`). Only an
+instance that routes by key to a keyed operator has a table (`Instance.next_keyed`); every other
+one routes as before and sends and reads nothing here.
+
+Where the table comes from:
+- deployed (active in its spec): the dealing of `keygroups.owner` over its initial successors,
+  version 0, so a deployment that never scales routes exactly as before;
+- a copy of a predecessor: its creator's table, carried with its Start (a table dealt over the
+  Start's successors would route the groups moved since to their old owners);
+- a restart: the table saved with the routing tables (`Instance.persisted_state`), written
+  before any Eos that follows a change of it leaves (agent.instance.core).
+
+The Start carries it as an extra field `groups` of the Start's JSON object, next to the paper's
+fields: the protocol core never sees it (the driver takes it off before decoding), so the
+paper's messages and their count are unchanged. `{"table": <GroupTable wire form>}`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, Optional, Sequence
+
+from agent.dataplane.owners import GroupTable, TableError
+
+__all__ = ["START_FIELD", "initial_table", "restored_table", "start_field", "table_from_start"]
+
+log = logging.getLogger("agent.instance.worker")
+
+START_FIELD = "groups"  # the extra field of a Start's JSON object
+
+
+def initial_table(succs: Sequence[str], groups: int) -> Optional[GroupTable]:
+    """A deployed instance's table: the groups dealt over its successors (none yet: no table)."""
+    return GroupTable.dealt(succs, groups) if succs else None
+
+
+def restored_table(saved: Dict[str, Any], succs: Sequence[str], groups: int,
+                   ctx: Dict[str, str]) -> Optional[GroupTable]:
+    """The table a restarted instance saved; without one (saved before tables existed, or an idle
+    copy that never got its Start), the dealing over its restored successors."""
+    wire = saved.get("group_table")
+    if wire is not None:
+        try:
+            table = GroupTable.from_wire(wire, max_groups=groups)
+            if table.groups == groups:
+                return table
+            log.warning("saved group table has %d groups, the pipeline %d: dealt again", table.groups, groups,
+                        extra=ctx)
+        except TableError as exc:
+            log.warning("saved group table unusable (%s): dealt again", exc, extra=ctx)
+    return initial_table(succs, groups)
+
+
+def start_field(table: Optional[GroupTable]) -> Optional[Dict[str, Any]]:
+    """What a Start to a copy of ours carries (None: nothing, the Start stays the paper's)."""
+    return None if table is None else {"table": table.to_wire()}
+
+
+def table_from_start(field: Any, succs: Sequence[str], groups: int, ctx: Dict[str, str]) -> Optional[GroupTable]:
+    """A copy's table from its Start's extra field (untrusted: from the bus, checked by
+    `GroupTable.from_wire`); without a usable one, the dealing over the Start's successors."""
+    wire = field.get("table") if isinstance(field, dict) else None
+    if wire is not None:
+        try:
+            table = GroupTable.from_wire(wire, max_groups=groups)
+            if table.groups == groups:
+                return table
+        except TableError as exc:
+            log.warning("group table of our Start unusable (%s): dealt over our successors", exc, extra=ctx)
+    else:
+        log.warning("our Start carries no group table: dealt over our successors", extra=ctx)
+    return initial_table(succs, groups)

@@ -1,0 +1,506 @@
+"""The hand-over of key groups inside the Instance: the messages of agent.instance.handover as
+envelopes on the data plane, the keyed instance's `Member`, the predecessors' Redirect
+(docs/operators.md, "Key groups that move").
+
+Rules of this file: sans-IO, part of the `Instance` (agent.instance.core), like the scaling
+driver. Everything from the bus is hostile (docs/security.md): a hand-over message is decoded
+by `decode`, which checks every field and bounds every size before anything is built; a message
+the hand-over cannot take in its state is counted (`handover_errors`), logged, skipped.
+
+The messages travel as protocol envelopes (kind "p") on the numbered channels, so each is in
+FIFO order with the data batches of its channel (docs/design.md invariant 1): an Eos from a
+predecessor is behind every record of the group it sent before. They are counted apart from
+the paper's messages (`handover_out`/`handover_in`, and their bytes). Body:
+
+    {"type": "redirect", "g": group, "new": instance, "v": version}     owner -> each predecessor
+    {"type": "eos", "g": group}                                         predecessor -> owner
+    {"type": "offer", "g": group, "v": version}                         leaver -> survivor
+    {"type": "state_chunk", "g": group, "i": index, "n": total, "data": base64}   old -> new owner
+    {"type": "installed", "g": group}                                   new -> old owner
+
+Old and new owner are siblings (instances of the same operator), which the receive path admits
+only for these messages (`Instance._sender_allowed`).
+
+Records the keyed instance cannot apply yet (a group on its way to it, or not announced yet:
+`Member.early`) are held with their input index; that input is not acked upstream until they
+are applied and saved (`lowest_held`), so a predecessor still holds them, and its credit
+window bounds how many wait. A hard bound (`HOLD_MAX`) guards against a sender that ignores
+credit.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import logging
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Set, Tuple
+
+from agent.dataplane.envelope import Item
+from agent.dataplane.keygroups import key_group, record_key
+from agent.dataplane.owners import split_share
+from agent.instance.handover import (
+    MAX_CHUNK, Apply, Eos, Forget, HandoverError, Install, Installed, Member, Offer, Predecessor, Redirect, Send,
+    StateChunk,
+)
+
+if TYPE_CHECKING:
+    from agent.instance.core import Instance
+
+__all__ = ["HANDOVER_TYPES", "MAX_CHUNKS", "HOLD_MAX", "GroupMoves", "HandoverError", "decode", "encode",
+           "on_redirect", "body_size"]
+
+log = logging.getLogger("agent.instance.worker")
+
+HANDOVER_TYPES = frozenset({"redirect", "eos", "offer", "state_chunk", "installed"})
+MAX_CHUNKS = 256  # chunks of one group's state: 150 MB at MAX_CHUNK (a hostile total is refused)
+HOLD_MAX = 200_000  # records held for groups not installed or not announced yet (honest: a credit window)
+# A move silent this long is asked along again (messages a crash lost: a Redirect or an Eos, the
+# chunks or the Installed): the Redirect to each predecessor whose Eos is missing (one that has
+# taken it answers with its Eos at once), the chunks to a new owner that has not said Installed
+# (one that has installed the group says it again). Both answers are idempotent.
+MOVE_RESEND = 10.0
+_MAX_NAME = 200
+
+
+def encode(msg: Any) -> Dict[str, Any]:
+    """A hand-over message as a protocol envelope's body."""
+    if isinstance(msg, Redirect):
+        return {"type": "redirect", "g": msg.group, "new": msg.new, "v": msg.version}
+    if isinstance(msg, Eos):
+        return {"type": "eos", "g": msg.group}
+    if isinstance(msg, Offer):
+        return {"type": "offer", "g": msg.group, "v": getattr(msg, "version", -1)}
+    if isinstance(msg, StateChunk):
+        return {"type": "state_chunk", "g": msg.group, "i": msg.index, "n": msg.total,
+                "data": base64.b64encode(msg.data).decode()}
+    if isinstance(msg, Installed):
+        return {"type": "installed", "g": msg.group}
+    raise TypeError(f"not a hand-over message: {msg!r:.80}")
+
+
+def _int(body: Dict[str, Any], name: str, lo: int, hi: int) -> int:
+    v = body.get(name)
+    if type(v) is not int or not lo <= v < hi:
+        raise ValueError(f"{body.get('type')}: '{name}' must be an integer in {lo}..{hi - 1}")
+    return v
+
+
+def decode(sender: str, body: Any, groups: int) -> Tuple[Any, int]:
+    """(message, version) from an untrusted body; ValueError naming the field otherwise. The
+    version is the Offer's (-1 for the others)."""
+    if not isinstance(body, dict):
+        raise ValueError("hand-over message: expected an object")
+    kind = body.get("type")
+    g = _int(body, "g", 0, groups)
+    if kind == "redirect":
+        new = body.get("new")
+        if not isinstance(new, str) or not 0 < len(new) <= _MAX_NAME:
+            raise ValueError(f"redirect: 'new' must be an instance name of 1..{_MAX_NAME} characters")
+        return Redirect(g, new, _int(body, "v", -1, 2 ** 53)), -1
+    if kind == "eos":
+        return Eos(g, sender), -1
+    if kind == "offer":
+        return Offer(g), _int(body, "v", -1, 2 ** 53)
+    if kind == "state_chunk":
+        n = _int(body, "n", 1, MAX_CHUNKS + 1)
+        i = _int(body, "i", 0, n)
+        data = body.get("data")
+        if not isinstance(data, str) or len(data) > (MAX_CHUNK + 2) // 3 * 4:
+            raise ValueError(f"state_chunk: 'data' must be base64 of at most {MAX_CHUNK} bytes")
+        try:
+            raw = base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError):
+            raise ValueError("state_chunk: 'data' is not base64") from None
+        return StateChunk(g, i, n, raw), -1
+    if kind == "installed":
+        return Installed(g), -1
+    raise ValueError(f"not a hand-over message type: {str(kind)[:40]!r}")
+
+
+def body_size(body: Dict[str, Any]) -> int:
+    """Bytes of a hand-over message's body on the wire (its envelope adds ~40)."""
+    return len(json.dumps(body, separators=(",", ":")))
+
+
+def on_redirect(w: "Instance", sender: str, msg: Redirect) -> None:
+    """A predecessor of the keyed operator: the owner of group g hands it to `msg.new`. Our table
+    changes, g's records still in our outbox go to the new owner (`Outbox.reroute`), the table
+    is on disk (a restart must not route g to the old owner again), and only then the Eos goes
+    to the old owner, behind every batch of g already published to it (FIFO channel)."""
+    table = w.router.table
+    if table is None:
+        raise HandoverError(f"{w.spec.instance}: Redirect of group {msg.group} but no group table here")
+    outs = Predecessor(w.spec.instance, table).on_redirect(sender, msg)
+    moved = w.outbox.reroute(w.now)
+    w.mark_state_changed()
+    w.persist(force=True)
+    for o in outs:
+        w.send_handover(o.dest, o.message)
+    log.info("group %d -> %s (version %d): %d buffered records re-routed, Eos to %s", msg.group, msg.new,
+             table.version(msg.group), moved, sender, extra=w.ctx)
+
+
+class GroupMoves:
+    """The keyed instance's side: its `Member` (which groups it holds, hands out, expects), the
+    version of each group it holds (the Redirects it sends carry the next one), and what it
+    holds back until a group is installed."""
+
+    def __init__(self, w: "Instance", owned: Iterable[int], versions: Optional[Dict[int, int]] = None) -> None:
+        self.w = w
+        assert w.keyed is not None
+        self.keyed = w.keyed
+        self.groups = w.keyed.groups
+        self.key_field = w.keyed.key_field
+        self.member = Member(w.spec.instance, owned)
+        self.versions: Dict[int, int] = dict(versions) if versions is not None else {g: 0 for g in self.member.owned}
+        self.held = 0  # records in the member's buffers (new.buffer and early)
+        self.shares: Dict[str, List[Tuple[int, int]]] = {}  # copy -> [(group, version)] its Start names
+        # group -> (new owner, chunk bodies): handed out, kept until Installed (sent again after
+        # a crash or a silence; the keyed state without the group is saved only after these are)
+        self.outgoing: Dict[int, Tuple[str, List[Dict[str, Any]]]] = {}
+        self.last_heard: Dict[int, float] = {}  # group moving out -> when it last made progress
+        self.leaving = False  # decided to terminate: hands every group to the keeper first
+        self.unconfirmed: Set[int] = set()  # groups of the last decision's moves not Installed yet
+        # What waits for the end of the loop's turn (`flush`): one keyed save and one state write
+        # for all the Eos, chunks and installs of the turn, then the messages they allow.
+        self.flush_due = False
+        self.restored = False  # the member came from the saved state (`restore`)
+        self.to_forget: List[int] = []  # handed out: dropped from the keyed state after the write
+        self.deferred: List[Tuple[str, Dict[str, Any]]] = []  # (dest, body): chunks, Installed
+        self.unsaved: Set[int] = set()  # input indices whose held records were applied, not saved yet
+        self.counts: Dict[str, int] = {"groups_out": 0, "groups_in": 0, "held_records": 0, "hold_dropped": 0,
+                                       "handover_errors": 0}
+
+    # ---- records -------------------------------------------------------------------------------------
+
+    def admit(self, sender: str, items: List[Item], index: int) -> List[Item]:
+        """The records of one input batch to apply now; the others wait in the member (a group on
+        its way here, or not announced yet), with their input index."""
+        m = self.member
+        owned = m.new.owned
+        if not m.busy():
+            groups = [key_group(record_key(it[2], self.key_field), self.groups) for it in items]
+            if all(g in owned for g in groups):
+                return items
+        now: List[Item] = []
+        for it in items:
+            g = key_group(record_key(it[2], self.key_field), self.groups)
+            if g in owned and g not in m.old.moving:
+                now.append(it)
+                continue
+            if g not in owned and g not in m.new.expected and self._replayed(it):
+                # A group that left: a predecessor's replay of a record applied here before its
+                # Eos (after our restart, say; `flush` saves those records before the Eos is
+                # remembered): a duplicate, never a record to hold. Not every record of a group
+                # that left is one: the group may be on its way back (its Offer still to come).
+                self.counts["replays_after_move"] = self.counts.get("replays_after_move", 0) + 1
+                continue
+            if g not in owned and self.held >= HOLD_MAX:
+                self.counts["hold_dropped"] += 1
+                self._error(sender, f"hold full ({HOLD_MAX} records): record of group {g} dropped")
+                continue
+            try:
+                outs = m.on_record(sender, g, (it, index))
+            except HandoverError as exc:
+                if self._replayed(it):
+                    self.counts["replays_after_move"] = self.counts.get("replays_after_move", 0) + 1
+                    continue  # applied here before its Eos, replayed by a predecessor since
+                self._error(sender, str(exc))
+                continue
+            if outs:
+                now.append(it)  # Apply: owned (moving out, still before its Eos)
+            else:
+                self.held += 1
+                self.counts["held_records"] += 1
+        return now
+
+    def _replayed(self, it: Item) -> bool:
+        a = self.keyed.applied.get(it[0])
+        return a is not None and it[1] in a
+
+    def lowest_held(self) -> Optional[int]:
+        """The lowest input index with records held or applied-not-saved: not acked upstream yet."""
+        lows = [i for i in self.unsaved]
+        if self.held:
+            for bufs in (self.member.new.buffer, self.member.early):
+                for recs in bufs.values():
+                    lows += [r[1][1] for r in recs]
+        return min(lows) if lows else None
+
+    def saved(self) -> None:
+        """The keyed state was saved: the held records applied since are on disk."""
+        self.unsaved.clear()
+
+    # ---- messages ------------------------------------------------------------------------------------
+
+    def on_message(self, sender: str, body: Any) -> None:
+        try:
+            msg, version = decode(sender, body, self.groups)
+            if isinstance(msg, Eos):
+                if msg.group in self.member.old.gone and msg.group not in self.member.old.moving:
+                    return  # asked again after a crash: it came twice
+                outs = self.member.on_eos(msg, self.snapshot)
+                self.last_heard[msg.group] = self.w.now
+                # The records before this Eos are saved before the member's memory of it is
+                # (`flush`): a replay of them after a crash is then a duplicate (`_replayed`).
+                self.flush_due = True
+            elif isinstance(msg, Offer):
+                outs = self.member.on_offer(sender, msg)
+                self.versions[msg.group] = version
+            elif isinstance(msg, StateChunk):
+                n = self.member.new
+                if n.expected.get(msg.group) != sender:
+                    # Sent again (our Installed was lost, or the old owner restarted) for a group we
+                    # installed, and may have handed on since: Installed again, so that it stops.
+                    self.deferred.append((sender, encode(Installed(msg.group))))
+                    self.flush_due = True
+                    return
+                if msg.index in n.parts.get(msg.group, {}):
+                    return  # a chunk sent again while the others are on their way
+                outs = self.member.on_chunk(sender, msg)
+            elif isinstance(msg, Installed):
+                if msg.group not in self.member.old.waiting_install:
+                    return  # said again for chunks we sent again
+                outs = self.member.on_installed(msg)
+                self.outgoing.pop(msg.group, None)
+                self.last_heard.pop(msg.group, None)
+                self.w.mark_state_changed()
+                if msg.group in self.unconfirmed:
+                    self.unconfirmed.discard(msg.group)
+                    if not self.unconfirmed:
+                        self.w.groups_moved()  # every group of the decision is processed at its new owner
+            else:
+                raise HandoverError(f"{type(msg).__name__} of group {msg.group} to a keyed instance")
+        except (HandoverError, ValueError) as exc:
+            self._error(sender, str(exc))
+            return
+        self.perform(outs)
+
+    def start(self, group: int, new: str, preds: Iterable[str], offer: bool = True) -> None:
+        """Hand `group` to `new` (its version rises by one: the Redirects carry it)."""
+        self.start_many([group], new, preds, offer)
+
+    def start_many(self, groups: Iterable[int], new: str, preds: Iterable[str], offer: bool = True) -> None:
+        """Hand `groups` to `new`, each at its next version; one state write for all of them."""
+        started = []
+        for group in groups:
+            v = self.versions.get(group, 0) + 1
+            self.versions[group] = v
+            started.append((self.member.start(group, new, sorted(preds), v, offer=offer), v))
+            self.last_heard[group] = self.w.now
+        if not started:
+            return
+        self.w.mark_state_changed()
+        self.w.persist(force=True)  # write-ahead: a restart finds the moves before any Redirect left
+        for outs, v in started:
+            self.perform(outs, version=v)
+
+    def expect(self, group: int, old: str, version: int) -> None:
+        """A copy's share, named in its Start: `group` comes from `old` (its creator)."""
+        self.member.expect(group, old)
+        self.versions[group] = version
+
+    # ---- rounds ---------------------------------------------------------------------------------------
+
+    def share_for(self, copy: str) -> List[Tuple[int, int]]:
+        """The groups our Start hands `copy` (our duplication round is complete), with the version
+        each will have: about half of those we hold and are not moving (`split_share`; the same
+        list if the Start is sent again)."""
+        if copy not in self.shares:
+            m = self.member
+            mine = [g for g in m.owned if g not in m.old.moving]
+            self.shares[copy] = [(g, self.versions.get(g, 0) + 1) for g in split_share(mine)]
+        return self.shares[copy]
+
+    def start_share(self, copy: str, preds: Iterable[str]) -> None:
+        """The Start naming the share is sent: each group's move begins (Redirects to every
+        predecessor; no Offer, the Start said it)."""
+        gs = [g for g, _ in self.shares.get(copy, ()) if g in self.member.owned and g not in self.member.old.moving]
+        self.unconfirmed.update(gs)
+        self.start_many(gs, copy, preds, offer=False)
+
+    def take_share(self, field: Any, creator: str) -> None:
+        """Our Start's share (untrusted: bounded by the group count): expected from our creator
+        before any record is applied."""
+        share = field.get("share") if isinstance(field, dict) else None
+        if not isinstance(share, list) or len(share) > self.groups:
+            if share is not None:
+                self._error(creator, "malformed share in our Start")
+            return
+        for pair in share:
+            if (not isinstance(pair, list) or len(pair) != 2 or type(pair[0]) is not int
+                    or not 0 <= pair[0] < self.groups or type(pair[1]) is not int):
+                self._error(creator, "malformed share in our Start")
+                continue
+            try:
+                self.expect(pair[0], creator, pair[1])
+            except HandoverError as exc:
+                self._error(creator, str(exc))
+
+    def hand_rest(self, keeper: str, preds: Iterable[str]) -> None:
+        """Leaving: every group we hold and do not move yet goes to the keeper, which never
+        terminates (a leaver does not know its other siblings; docs/operators.md)."""
+        m = self.member
+        gs = [g for g in sorted(m.owned) if g not in m.old.moving]
+        self.unconfirmed.update(gs)
+        self.start_many(gs, keeper, preds, offer=True)
+
+    def resend_silent(self, now: float) -> None:
+        """Moves silent for MOVE_RESEND: the Redirect again to each predecessor whose Eos is
+        missing, the chunks again to a new owner that has not said Installed."""
+        m = self.member
+        for g, (new, left) in sorted(m.old.moving.items()):
+            if now - self.last_heard.get(g, now) >= MOVE_RESEND:
+                self.last_heard[g] = now
+                for p in sorted(left):
+                    self.w.send_handover(p, Redirect(g, new, m.old.versions.get(g, -1)))
+                self.counts["moves_resent"] = self.counts.get("moves_resent", 0) + 1
+        for g, (new, bodies) in sorted(self.outgoing.items()):
+            if now - self.last_heard.get(g, now) >= MOVE_RESEND:
+                self.last_heard[g] = now
+                for body in bodies:
+                    self.w.send_handover_body(new, body)
+                self.counts["moves_resent"] = self.counts.get("moves_resent", 0) + 1
+
+    def ready_to_leave(self) -> bool:
+        return self.leaving and not self.member.owned and not self.member.busy()
+
+    def hand_out_now(self, group: int) -> bytes:
+        return self.keyed.hand_out(group)
+
+    def snapshot(self, group: int) -> bytes:
+        """The group's final state for its new owner; dropped here only after `flush` wrote the
+        chunks to the instance state (a crash in between finds the group in one place at least)."""
+        self.to_forget.append(group)
+        return self.keyed.hand_out(group, forget=False)
+
+    def flush(self) -> None:
+        """End of the loop's turn (Instance._on_tick, after the queues): the keyed state (the
+        records before each Eos, the groups taken in, those handed out still in it), then the
+        instance state (the member: Eos taken, groups gone with their chunks, groups installed),
+        then the messages they allow. One save and one write per turn, whatever the number of
+        groups that moved in it (each had cost two file writes with their fsyncs)."""
+        if not self.flush_due:
+            return
+        self.flush_due = False
+        w = self.w
+        w.save_keyed_now()
+        for g in self.to_forget:
+            if g not in self.member.owned:
+                self.keyed.forget_group(g)
+        self.to_forget = []
+        deferred, self.deferred = self.deferred, []
+        for dest, body in deferred:
+            w.send_handover_body(dest, body)
+
+    def perform(self, outs: List[Any], version: int = -1) -> None:
+        w = self.w
+        forgot = [o.group for o in outs if isinstance(o, Forget)]
+        for g in forgot:
+            chunks = [o for o in outs if isinstance(o, Send) and isinstance(o.message, StateChunk)
+                      and o.message.group == g]
+            self.outgoing[g] = (chunks[0].dest, [encode(o.message) for o in chunks])
+            self.last_heard[g] = w.now
+        if forgot:
+            self.flush_due = True  # chunks and Installed leave after the turn's writes (`flush`)
+        for o in outs:
+            if isinstance(o, Send) and isinstance(o.message, (StateChunk, Installed)):
+                self.deferred.append((o.dest, encode(o.message)))
+                self.flush_due = True
+            elif isinstance(o, Send):
+                msg = o.message
+                if isinstance(msg, Offer):
+                    w.send_handover(o.dest, msg, {"v": version})
+                else:
+                    w.send_handover(o.dest, msg)
+            elif isinstance(o, Install):
+                if o.group in self.keyed.states or o.group in self.keyed.emitted:
+                    pass  # installed before a crash, the state write of it lost: the saved one stands
+                else:
+                    try:
+                        self.keyed.take_in(o.group, o.data)
+                    except (ValueError, TypeError, KeyError, RecursionError) as exc:
+                        # bytes no hand_out wrote (forged, or a bug): the group starts empty here
+                        self._error(self.member.name, f"state of group {o.group} not installed: {str(exc)[:200]}")
+                self.counts["groups_in"] += 1
+                self.flush_due = True
+            elif isinstance(o, Apply):
+                self._apply(o)
+            elif isinstance(o, Forget):
+                self.versions.pop(o.group, None)
+                self.counts["groups_out"] += 1
+        if any(isinstance(o, Install) for o in outs):
+            idx = w.tracker.produced()
+            out = self.keyed.fire_due(idx)  # windows of the group our watermark has passed already
+            if out:
+                w.forward_outputs(out, idx)
+
+    def _apply(self, a: Apply) -> None:
+        """Held records of a group now installed here, in arrival order, under a fresh index (the
+        keyed outputs' indices only grow); their inputs are released once the state is saved."""
+        w = self.w
+        self.held -= len(a.records)
+        run: List[Item] = []
+        last: Optional[str] = None
+        for sender, (item, index) in list(a.records) + [(None, (None, None))]:
+            if sender != last and run:
+                idx = w.tracker.produced()
+                out = self.keyed.apply(last, run, idx, judge_late=False)
+                if out:
+                    w.forward_outputs(out, idx)
+                run = []
+            if sender is None:
+                break
+            last = sender
+            run.append(tuple(item))  # type: ignore[arg-type]
+            self.unsaved.add(index)
+        if not self.keyed.dirty:
+            self.unsaved.clear()  # all of them were replays applied before: nothing to save
+
+    # ---- saved with the instance state -----------------------------------------------------------
+
+    def dump(self) -> Dict[str, Any]:
+        member = self.member.to_json()
+        # Held records are not saved: their inputs are not acked (`lowest_held`), so the
+        # predecessors replay them to a restarted instance.
+        member["buffer"] = [[g, []] for g, _ in member["buffer"]]
+        member["early"] = []
+        return {"member": member, "versions": sorted([g, v] for g, v in self.versions.items()),
+                "shares": {c: [list(x) for x in sh] for c, sh in self.shares.items()},
+                "leaving": self.leaving,
+                "outgoing": [[g, new, bodies] for g, (new, bodies) in sorted(self.outgoing.items())]}
+
+    def restore(self, d: Dict[str, Any]) -> None:
+        """What `dump` saved (our own file: trusted as the rest of the instance state)."""
+        self.member = Member.from_json(d["member"])
+        self.versions = {int(g): int(v) for g, v in d.get("versions") or []}
+        self.held = 0
+        self.restored = True
+        self.outgoing = {int(g): (str(new), list(bodies)) for g, new, bodies in d.get("outgoing") or []}
+        # asked along at the first check after the restart: what the crash lost is sent again
+        self.last_heard = {g: self.w.now - MOVE_RESEND for g in list(self.member.old.moving) + list(self.outgoing)}
+        self.shares = {str(c): [(int(g), int(v)) for g, v in sh] for c, sh in (d.get("shares") or {}).items()}
+        self.leaving = bool(d.get("leaving"))
+
+    def after_restart(self) -> None:
+        """The keyed state is loaded: a group whose chunks were saved in the instance state but
+        that the keyed file still holds (the crash came between the two writes) is forgotten."""
+        stale = [g for g in self.outgoing if g in self.keyed.states or g in self.keyed.emitted]
+        if self.restored:  # any group the saved member does not hold: left here before the crash
+            stale = sorted(set(stale) | ((set(self.keyed.states) | set(self.keyed.emitted)) - self.member.owned))
+        for g in stale:
+            self.keyed.hand_out(g)
+        if stale:
+            self.w.save_keyed_now()
+
+    def _error(self, sender: str, why: str) -> None:
+        self.counts["handover_errors"] += 1
+        w = self.w
+        if w.log_limited(sender):
+            log.warning("hand-over from %s: %s", sender[:64], why, extra=w.ctx)
+
+    def stats(self) -> Dict[str, Any]:
+        m = self.member
+        return {"handover": dict(self.counts, owned=len(m.owned), moving=len(m.old.moving),
+                                 expected=len(m.new.expected), held=self.held)}
