@@ -344,7 +344,7 @@ class Monitor:
         with self._lock:
             t = {"generated": 0.0, "recorded": 0.0, "protocol_out": 0.0, "protocol_in": 0.0,
                  "malformed": 0.0, "sends_to_non_successor": 0.0, "credit_stalls": 0.0,
-                 "duplicates_dropped": 0.0}
+                 "duplicates_dropped": 0.0, "handover_out": 0.0, "handover_bytes_out": 0.0}
             for stats in self.instance_stats.values():
                 for k in t:
                     v = stats.get(k)
@@ -509,12 +509,16 @@ def run_demo(
                 break
         summary["scale_outs"] = len(monitor.agent_events("spawned", "spawn"))
         summary["scale_ins"] = len(monitor.agent_events("terminated", "scale_in"))
+        summary["scaling_by_operator"] = scaling_by_operator(monitor.agent_events("spawned", "spawn"),
+                                                             monitor.agent_events("terminated", "scale_in"))
         summary["max_instances"] = max_inst
         summary["final_instances"] = monitor.instances_per_operator()
         tot = monitor.totals()
         summary["protocol_messages"] = int(tot["protocol_out"])
         summary["malformed"] = int(tot["malformed"])
         summary["sends_to_terminated"] = int(tot["sends_to_non_successor"])
+        # key groups of keyed operators moving with their state (docs/operators.md, "Key groups that move")
+        summary["handover"] = {"messages": int(tot["handover_out"]), "bytes": int(tot["handover_bytes_out"])}
         summary["broker_dropped"] = monitor.dropped
         delays = monitor.rescale_delays()
         summary["decision_to_first_record_s"] = _median_max(delays)
@@ -722,9 +726,19 @@ def plot_demo(samples: Sequence[Sample], operators: Sequence[str], path: Path) -
     return path
 
 
+def scaling_by_operator(spawned: List[Dict[str, Any]], terminated: List[Dict[str, Any]]) -> Dict[str, Dict[str, int]]:
+    """{operator: {"outs", "ins"}} for the operators that scaled (from the agents' events)."""
+    out: Dict[str, Dict[str, int]] = {}
+    for evs, what in ((spawned, "outs"), (terminated, "ins")):
+        for e in evs:
+            row = out.setdefault(str(e.get("operator")), {"outs": 0, "ins": 0})
+            row[what] += 1
+    return dict(sorted(out.items()))
+
+
 def print_summary(summary: Dict[str, Any], out: Any) -> None:
     keys = ("records_in", "records_expected", "records_out", "lost", "duplicated", "scale_outs", "scale_ins",
-            "max_instances", "protocol_messages", "decision_to_first_record_s", "broker_dropped", "rss_mb",
+            "scaling_by_operator", "handover", "max_instances", "protocol_messages", "decision_to_first_record_s", "broker_dropped", "rss_mb",
             "duration_s", "plot", "workdir")
     print("summary:", file=out)
     for k in keys:
