@@ -92,47 +92,9 @@ def _add_trips(wins: Dict[str, Dict[str, List[float]]], records: List[Any], size
     return skipped
 
 
-class TopRoutes(KeyedOperator):
-    """Per key and tumbling window of `size_ms`: the `k` routes with most trips (see the module)."""
-
-    params_schema = dict(EVENT_TIME_PARAMS, time_field=Param("string", required=True),
-                         size_ms=Param("integer", required=True, min=1), k=Param("integer", min=1, max=1000),
-                         forward=Param("boolean"))
-
-    def __init__(self, ctx: OperatorContext) -> None:
-        super().__init__(ctx)
-        self.forwards = bool(ctx.params.get("forward", False))
-        self.size = int(ctx.params["size_ms"])
-        self.k = int(ctx.params.get("k", 10))
-        self.skipped = 0
-
-    def on_batch(self, key: Any, records: List[Any], state: Any) -> Tuple[List[Any], Any]:
-        wins: Dict[str, Dict[str, List[float]]] = state if state is not None else {}
-        self.skipped += _add_trips(wins, records, self.size, self.event_time)
-        return [], wins
-
-    def notify_at(self, key: Any, state: Any) -> Optional[float]:
-        return float(min(int(s) for s in state) + self.size) if state else None
-
-    def on_notify(self, key: Any, state: Any, watermark: float) -> Tuple[List[Any], Any]:
-        out = []
-        for s in sorted(int(s) for s in state):
-            if s + self.size > watermark:
-                break
-            out.append(window_row(s, self.size, state.pop(str(s)), self.k))
-        return out, (state or None)
-
-    def stats(self) -> Dict[str, Any]:
-        return {"skipped": self.skipped} if self.skipped else {}
-
-
-top_routes = TopRoutes
-
-
-class RouteCounts(KeyedOperator):
-    """Query 1, stage 1: per route and tumbling window of `size_ms`, the trips and the freshest
-    drop-off, emitted when the watermark closes the window (see the module). Any key works (the
-    state is per window and route under it); keyed by route, the work spreads over the instances."""
+class _RouteWindows(KeyedOperator):
+    """Per key and tumbling window of `size_ms`: {route: [trips, last drop-off]}; a window is
+    handed to `emit` once the watermark passes its end."""
 
     params_schema = dict(EVENT_TIME_PARAMS, time_field=Param("string", required=True),
                          size_ms=Param("integer", required=True, min=1), forward=Param("boolean"))
@@ -143,6 +105,9 @@ class RouteCounts(KeyedOperator):
         self.size = int(ctx.params["size_ms"])
         self.skipped = 0
 
+    def emit(self, start: int, routes: Dict[str, List[float]]) -> List[Any]:
+        raise NotImplementedError
+
     def on_batch(self, key: Any, records: List[Any], state: Any) -> Tuple[List[Any], Any]:
         wins: Dict[str, Dict[str, List[float]]] = state if state is not None else {}
         self.skipped += _add_trips(wins, records, self.size, self.event_time)
@@ -152,17 +117,41 @@ class RouteCounts(KeyedOperator):
         return float(min(int(s) for s in state) + self.size) if state else None
 
     def on_notify(self, key: Any, state: Any, watermark: float) -> Tuple[List[Any], Any]:
-        out = []
+        out: List[Any] = []
         for s in sorted(int(s) for s in state):
             if s + self.size > watermark:
                 break
-            routes = state.pop(str(s))
-            out.extend({"route": r, "start": s, "end": s + self.size, "trips": int(n), "last": int(last)}
-                       for r, (n, last) in sorted(routes.items()))
+            out.extend(self.emit(s, state.pop(str(s))))
         return out, (state or None)
 
     def stats(self) -> Dict[str, Any]:
         return {"skipped": self.skipped} if self.skipped else {}
+
+
+class TopRoutes(_RouteWindows):
+    """Per key and tumbling window of `size_ms`: the `k` routes with most trips (see the module)."""
+
+    params_schema = dict(_RouteWindows.params_schema, k=Param("integer", min=1, max=1000))
+
+    def __init__(self, ctx: OperatorContext) -> None:
+        super().__init__(ctx)
+        self.k = int(ctx.params.get("k", 10))
+
+    def emit(self, start: int, routes: Dict[str, List[float]]) -> List[Any]:
+        return [window_row(start, self.size, routes, self.k)]
+
+
+top_routes = TopRoutes
+
+
+class RouteCounts(_RouteWindows):
+    """Query 1, stage 1: per route and tumbling window of `size_ms`, the trips and the freshest
+    drop-off, emitted when the watermark closes the window (see the module). Any key works (the
+    state is per window and route under it); keyed by route, the work spreads over the instances."""
+
+    def emit(self, start: int, routes: Dict[str, List[float]]) -> List[Any]:
+        return [{"route": r, "start": start, "end": start + self.size, "trips": int(n), "last": int(last)}
+                for r, (n, last) in sorted(routes.items())]
 
 
 route_counts = RouteCounts
@@ -183,9 +172,7 @@ class MergeTopRoutes(KeyedOperator):
     "closed": end of the last window emitted, "wins": {start: [trips forwarded, trips counted,
     {route: [trips, last]}]}}. Windows are emitted in order of their start."""
 
-    params_schema = dict(EVENT_TIME_PARAMS, time_field=Param("string", required=True),
-                         size_ms=Param("integer", required=True, min=1), k=Param("integer", min=1, max=1000),
-                         forward=Param("boolean"), give_up_ms=Param("number", min=0))
+    params_schema = dict(TopRoutes.params_schema, give_up_ms=Param("number", min=0))
 
     def __init__(self, ctx: OperatorContext) -> None:
         super().__init__(ctx)
