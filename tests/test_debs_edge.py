@@ -122,7 +122,10 @@ def two_stages(records: List[Dict[str, Any]], seed: int, scale: bool = True,
             index[0] += 1
             got.extend(b.apply(name, chans[name].pop(0), index[0]))
 
+    moved = [0]
+
     def move(g: int, new: str) -> None:
+        moved[0] += 1
         old = owner[g]
         data = insts[old].hand_out(g)
         insts[new].take_in(g, data)
@@ -165,7 +168,7 @@ def two_stages(records: List[Dict[str, Any]], seed: int, scale: bool = True,
     drain(False)
     windows = [r for s, _, r in got if s.startswith("top_routes#")]
     forwarded = [(s, q) for s, q, _ in got if not s.startswith("top_routes#")]
-    return {"windows": windows, "forwarded": forwarded, "merge": merge, "stage1": insts}
+    return {"windows": windows, "forwarded": forwarded, "merge": merge, "stage1": insts, "moved": moved[0]}
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -178,6 +181,7 @@ def test_two_stages_scaling_out_and_in_equal_the_one_stage_answer(seed: int) -> 
     # the trips reach the sink through both stages, each once, and none of stage 1's counts
     assert sorted(two["forwarded"]) == sorted((r["src"], r["seq"]) for r in recs)
     assert two["merge"].stats() == {}  # nothing late, nothing incomplete, nothing skipped
+    assert sorted(two["stage1"]) == ["rc-0", "rc-2"] and two["moved"] == 64 + 32 + 32  # out, out, in
 
 
 def test_two_stages_equal_the_batch_answer_window_by_window(spark) -> None:
