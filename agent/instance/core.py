@@ -1713,9 +1713,11 @@ class Instance:
         if self.moves is None:
             return
         for p in added:
-            self.moves.perform(self.moves.member.add_pred(p))
+            if group_moves.FAULT_NO_ADD_PRED not in self.faults:
+                self.moves.perform(self.moves.member.add_pred(p))
         for p in removed:
-            self.moves.perform(self.moves.member.remove_pred(p, self.moves.snapshot))
+            if group_moves.FAULT_NO_REMOVE_PRED not in self.faults:
+                self.moves.perform(self.moves.member.remove_pred(p, self.moves.snapshot))
         self.mark_state_changed()
 
     def set_routes(self, succs: Tuple[str, ...], now: float) -> None:
