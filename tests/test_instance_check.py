@@ -411,3 +411,16 @@ def test_the_keyed_checker_finds_each_broken_hand_over_rule(  # type: ignore[no-
     assert faulty.violations[0].kind in kinds, describe(faulty)
     clean = random_runs(cfg, schedules=faulty.schedules, seed=seed)
     assert clean.ok, describe(clean)
+
+
+def test_keyed_hand_overs_inside_2fgme_locks_end_every_round() -> None:
+    """coordination = "fgme": every round takes its neighbours' locks; the Start's key-group field
+    travels the reliable links, the hand-over messages beside them. Schedule 4 of these failed
+    before the fix: a keyed leaver, its groups handed over, started its Deletion with
+    `start_deletion`, outside the locks, while op's copy ran its deletion inside them; the two
+    deletions crossed and the leaver waited for op's copy's ack for ever (`round_not_ended`)."""
+    rep = random_runs(Config(keyed=True, records=8, coordination="fgme"), schedules=40, seed=0)
+    assert rep.ok, describe(rep)
+    assert rep.handover.get("installed", 0) >= 40 * 8, rep.handover
+    rep = random_runs(dataclasses.replace(KEYED, coordination="fgme"), schedules=30, seed=100)
+    assert rep.ok, describe(rep)

@@ -114,15 +114,16 @@ FAULTS = ("retry_only_with_data", "drain_holds_protocol", "rehome_rounds_from_on
 FAULT_REHOME_IDLE_ACTIVE = "rehome_idle_active"
 
 
-def pipeline_text(batch: int = 1, window: int = 4, keyed: bool = False) -> str:
+def pipeline_text(batch: int = 1, window: int = 4, keyed: bool = False, coordination: str = "ack") -> str:
     """source -> op -> sink, no automatic scaling (rounds are the checker's moves); `keyed`:
-    source -> op -> cnt -> sink, op routing by key "k" to the keyed cnt."""
+    source -> op -> cnt -> sink, op routing by key "k" to the keyed cnt; `coordination`: the
+    [scaling] setting ("fgme": every round inside 2-FGME's locks)."""
     ops = [("source", "source", "agent.operators.taxi:source", ""),
            ("op", "map", "agent.operators.builtin:validate", 'key = "k"' if keyed else ""),
            ("sink", "sink", "agent.operators.builtin:counting_sink", "")]
     if keyed:
         ops.insert(2, ("cnt", "map", "agent.operators.keyed:keyed_count", f"key_groups = {KEY_GROUPS}"))
-    lines = ['[pipeline]', 'name = "chk"', '', '[scaling]', 'policy = "none"', '']
+    lines = ['[pipeline]', 'name = "chk"', f'coordination = "{coordination}"', '', '[scaling]', 'policy = "none"', '']
     for name, kind, fn, extra in ops:
         lines += ['[[operator]]', f'name = "{name}"', f'kind = "{kind}"', f'function = "{fn}"',
                   f'batch_size = {batch}', 'linger_ms = 0', f'max_inflight_batches = {window}']
@@ -300,6 +301,7 @@ class Config:
     # each path's order, at the one instance every predecessor's table names; no output id twice.
     keyed: bool = False
     keys: int = 3
+    coordination: str = "ack"  # "fgme": the rounds take 2-FGME's locks (lock messages on the same channels)
 
 
 @dataclass
@@ -333,7 +335,7 @@ class World:
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        self.toml = pipeline_text(keyed=cfg.keyed)
+        self.toml = pipeline_text(keyed=cfg.keyed, coordination=cfg.coordination)
         self.pipeline: PipelineConfig = load_pipeline_text(self.toml, "checker pipeline")
         self.now = 0.0
         self.inst: Dict[str, Instance] = {}
