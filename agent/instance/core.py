@@ -809,7 +809,15 @@ class Instance:
             return True  # a hand-over between two instances of our operator (agent.instance.moves)
         if sc is None:
             return s in self.spec.preds or s in self.spec.succs
-        return sc.knows(s)
+        if sc.knows(s):
+            return True
+        # The Deletion of a neighbour's copy nobody told us of (it learnt of us from a round of
+        # ours, or from its creator, while our own Start or round left it out): answered, or its
+        # deletion waits for our ack for ever. The core takes it as the paper does (idle: not to
+        # add; active: not in our tables) and only acks. docs/reliability.md, "Checking whole instances".
+        shape = self._shapes[Kind.PROTO]
+        return (isinstance(env.body, dict) and env.body.get("type") == "deletion"
+                and (s.startswith(shape[0]) or s in shape[1]))
 
     def _take_redirect(self, sender: str, msg: Any) -> None:
         try:
