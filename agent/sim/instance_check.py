@@ -38,6 +38,14 @@ every record exactly once at the sink, every round ended (no instance in a round
 queued outputs), views agree (each live instance's succs/preds are the live instances of the
 next/previous operator). No instance may raise at any step.
 
+The keyed pipeline (`Config.keyed`): source -> op -> cnt -> sink, cnt a keyed operator
+(`MemoryTrail`: per key the list of records applied) whose key groups move with their state when
+it scales (agent.instance.moves); cnt and op scale at once (KEYED_PLANS). Checked besides
+(`check_keyed`): every group at one instance, the one every predecessor's table names, no move
+under way; each key's state holds each of its records once, each path's records in order; the
+sink got every key's counts 1..n and no output id with two records (docs/operators.md, "Key
+groups that move"). `Config.coordination = "fgme"`: every round inside 2-FGME's locks.
+
 `explore` visits every schedule of up to `depth` moves (states deduplicated), each one settled
 and checked; `random_runs` runs seeded random schedules to the end. Seeded faults of the instance
 (`faults=`) bring back historic losses; the tests show that both searches find each of them.
