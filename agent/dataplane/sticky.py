@@ -76,9 +76,11 @@ def needed(key: Optional[str], successor_max_instances: int) -> bool:
     where it went. Every copy is refused at createNode() by the agent hosting the instance that
     asks for it, and that agent counts the asker (agent.node.bounds: a hard bound). Not for
     key-group routing, which sends a key to one instance per table: its successor is normally a
-    keyed operator, whose count never changes (policy "none", and the agents refuse to scale
-    keyed state). Key routing to a plain operator that scales is a gap (docs/reliability.md,
-    "Not covered yet": a table change between the send and the replay moves a key group)."""
+    keyed operator, whose groups move with their state and their applied record numbers
+    (docs/operators.md, "Key groups that move"), so a record sent again by the current table
+    reaches the one owner that knows whether it was applied. Key routing to a plain operator
+    that scales is a gap (docs/reliability.md, "Not covered yet": a table change between the
+    send and the replay moves a key group)."""
     return key is None and successor_max_instances > 1
 
 
