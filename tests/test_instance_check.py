@@ -445,3 +445,15 @@ def test_neighbouring_operators_scaling_out_and_in_at_once_end_every_round() -> 
     its ack. A Deletion from a name of a neighbouring operator is now admitted and acked."""
     rep = random_runs(Config(records=8, rehomes=0, plans=NEIGHBOURS_121), schedules=60, seed=0)
     assert rep.ok, describe(rep)
+
+
+def test_simulate_instance_keyed_prints_its_verdict_and_refuses_rehomings(capsys) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from agent.cli.main import main
+
+    assert main(["simulate", "instance", "--keyed", "--records", "6", "--schedules", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["ok"] and out["schedules"] == 3 and out["handover"]["installed"] >= 3 * 8, out
+    assert main(["simulate", "instance", "--keyed", "--rehomes", "1"]) == 2
+    assert "--keyed takes --rehomes 0" in capsys.readouterr().err
