@@ -516,7 +516,9 @@ class ScalingDriver:
             return
         mv.leaving = False
         self.round_created = []
-        outs = self.core.start_deletion()
+        # start_round, not start_deletion: with coordination = "fgme" the deletion waits for its
+        # 2-FGME locks like any other round (start_deletion would run it outside them)
+        outs = self.core.start_round(Decision(Action.TERMINATE, 1))
         self._observe(outs)
         self.last_round_end = self.w.now
         log.info("every key group handed over: leaving", extra=self.w.ctx)
