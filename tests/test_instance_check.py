@@ -287,13 +287,17 @@ def test_an_idle_copy_rehomed_with_its_creator_is_adopted() -> None:
     and its later Deletion, from a name source-0 did not know, was held, then refused: a round
     that never ended. Re-homed idle (its node's last state said so), it waits for a Start; op-0
     adopts it. Seeded fault `rehome_idle_active` (the planner not told which copies are idle)
-    brings the defect back on the same schedules."""
-    for seed in (3, 10):
+    brings the defect back. Since a Deletion from a neighbouring operator's name is admitted and
+    acked (session 13, docs/reliability.md "Checking whole instances"), that round ends; the
+    fault shows instead as a sink that keeps the copy the re-homed one left (`views_disagree`:
+    40 of 400 schedules, 15, 20 and 43 the first; seeds 3 and 10 no longer fail)."""
+    for seed in (3, 10, 15, 20):
         rep = random_runs(IDLE_COPY_REHOMED, schedules=1, seed=seed)
         assert rep.ok, describe(rep)
+    for seed in (15, 20):
         bad = random_runs(dataclasses.replace(IDLE_COPY_REHOMED, faults=frozenset({"rehome_idle_active"})),
                           schedules=1, seed=seed)
-        assert [v.kind for v in bad.violations] == ["round_not_ended"], describe(bad)
+        assert [v.kind for v in bad.violations] == ["views_disagree"], describe(bad)
 
 
 def _creator_rehomed_with_its_idle_copy(first: str, faults: Iterable[str]) -> Optional[Tuple[str, str]]:
@@ -333,3 +337,123 @@ def test_a_rehomed_creator_adopts_its_idle_copy_before_it_leaves(first: str) -> 
     assert _creator_rehomed_with_its_idle_copy(first, ()) is None
     bad = _creator_rehomed_with_its_idle_copy(first, {"leave_before_adoption"})
     assert bad is not None and bad[0] == "round_not_ended" and "still idle" in bad[1], bad
+
+
+# ---- keyed hand-overs (docs/operators.md, "Key groups that move": "Checked") ---------------------------
+
+# source -> op -> cnt (keyed, 8 groups) -> sink; cnt 1 -> 2 (a share of its groups moves), op
+# 1 -> 2 during those moves, then both copies leave (the cnt copy hands its groups back to the
+# keeper while op's copy departs): `KEYED_PLANS`. 8 records over 3 keys.
+KEYED = Config(keyed=True, records=8, crashes=1, dups=1, refusals=1)
+KEYED_ROLLBACK = dataclasses.replace(KEYED, brokers=1, broker_kinds=("rollback",))
+
+
+def test_random_schedules_of_keyed_hand_overs_update_each_key_once_and_in_order() -> None:
+    """A crash of any instance at any point (mid-move included: it restarts from its state file
+    and its keyed files), a duplicated delivery, a refused publish, on top of the concurrent
+    rounds: every key's final state holds each of its records once, in each path's order, at
+    the one instance every predecessor's table names; no output id twice (`fog-agent simulate
+    instance --keyed` runs thousands)."""
+    rep = random_runs(KEYED, schedules=150, seed=5000)
+    assert rep.ok, describe(rep)
+    # not vacuous: groups went out to the copy and came back, each with its Redirects, Eos,
+    # state and Installed (8 groups' worth of moves per schedule at the least)
+    assert rep.handover.get("installed", 0) >= 150 * 8 and rep.handover.get("offer", 0) >= 150 * 4, rep.handover
+    assert rep.handover["redirect"] >= rep.handover["installed"] and rep.handover["eos"] >= rep.handover["installed"]
+
+
+def test_the_keyed_checker_finds_a_record_applied_twice_or_lost() -> None:
+    """The terminal check itself: a key's state with a record twice, a record missing, two
+    records in the wrong order on one path, an output id with two records."""
+    w = World(KEYED)
+    assert finish(w) is None
+    cnt = w.inst["chk.cnt.0"].keyed
+    g, states = next((g, st) for g, st in cnt.states.items() if st)
+    key = sorted(states)[0]
+    trail = states[key]
+    for broken, kind in ((trail + trail[-1:], "state_not_exactly_once"), (trail[:-1], "state_not_exactly_once"),
+                         (trail[1::-1] + trail[2:], "key_order")):
+        states[key] = broken
+        assert w.check_terminal()[0] == kind, broken
+    states[key] = trail
+    assert w.check_terminal() is None
+    sink = w.inst["sink-0"].operator
+    rid = w.store[0]
+    sink.record([(rid[0], rid[1], dict(w.values[rid], count=99))])
+    assert w.check_terminal()[0] == "output_id_twice"
+
+
+# Seeded faults of the hand-over (agent.instance.moves, HANDOVER_FAULTS): each found by the
+# keyed checker, and the same schedules pass without it.
+FOUND_KEYED = [
+    # records of a group on its way applied before its state came: the state that comes overwrites them
+    ("held_applied_at_once", KEYED, 0, {"state_not_exactly_once"}),
+    # a predecessor takes the Redirect and says no Eos: the move never ends
+    ("eos_not_sent", KEYED, 0, {"move_not_ended"}),
+    # The three rules random schedules without message loss never needed (the drain of a leaver
+    # waits for its moves, and FIFO channels put an old owner's Redirect ahead of its DuplicationAck
+    # to the predecessor, so a predecessor's copy starts with the new table): each matters once a
+    # broker rollback or a crash loses or delays a message. Found by a search of 200-1500 seeds.
+    # A leaver that starts its Deletion at once, whatever it holds (found by a crash mix).
+    ("leave_with_groups", dataclasses.replace(KEYED, dups=0, refusals=0), 379, {"round_not_ended", "move_not_ended"}),
+    # A move whose Redirect the rollback lost is never asked again.
+    ("no_redirect_resend", KEYED_ROLLBACK, 19, {"move_not_ended"}),
+    # A predecessor's copy that joined during a move is not waited for (its Start came after a
+    # lost Redirect, with the old table).
+    ("no_add_pred", dataclasses.replace(KEYED, crashes=0, dups=0, refusals=0, brokers=1, broker_kinds=("rollback",)),
+     213, {"move_not_ended"}),
+    # A predecessor that left during a move is still waited for.
+    ("no_remove_pred", dataclasses.replace(KEYED, dups=0, refusals=0), 379, {"move_not_ended"}),
+]
+
+
+@pytest.mark.parametrize("fault,cfg,seed,kinds", FOUND_KEYED, ids=[f[0] for f in FOUND_KEYED])
+def test_the_keyed_checker_finds_each_broken_hand_over_rule(  # type: ignore[no-untyped-def]
+        fault, cfg, seed, kinds) -> None:
+    # the mixes with a broker rollback: the schedule found, alone (others of the mix meet the open
+    # race of a re-sent Duplication, docs/reliability.md "Checking whole instances")
+    n = 1 if cfg.brokers or seed else 200
+    faulty = random_runs(dataclasses.replace(cfg, faults=frozenset({fault})), schedules=n, seed=seed)
+    assert not faulty.ok, f"{fault} not found in {n} schedules"
+    assert faulty.violations[0].kind in kinds, describe(faulty)
+    clean = random_runs(cfg, schedules=faulty.schedules, seed=seed)
+    assert clean.ok, describe(clean)
+
+
+def test_keyed_hand_overs_inside_2fgme_locks_end_every_round() -> None:
+    """coordination = "fgme": every round takes its neighbours' locks; the Start's key-group field
+    travels the reliable links, the hand-over messages beside them. Schedule 4 of these failed
+    before the fix: a keyed leaver, its groups handed over, started its Deletion with
+    `start_deletion`, outside the locks, while op's copy ran its deletion inside them; the two
+    deletions crossed and the leaver waited for op's copy's ack for ever (`round_not_ended`)."""
+    rep = random_runs(Config(keyed=True, records=8, coordination="fgme"), schedules=40, seed=0)
+    assert rep.ok, describe(rep)
+    assert rep.handover.get("installed", 0) >= 40 * 8, rep.handover
+    rep = random_runs(dataclasses.replace(KEYED, coordination="fgme"), schedules=30, seed=100)
+    assert rep.ok, describe(rep)
+
+
+NEIGHBOURS_121 = (("op-0", "duplicate"), ("sink-0", "duplicate"), ("copy:op", "terminate"), ("copy:sink", "terminate"))
+
+
+def test_neighbouring_operators_scaling_out_and_in_at_once_end_every_round() -> None:
+    """op and the sink duplicate at once, then both copies leave. Before the fix, 10 of 400
+    fault-free schedules (the first: 23) never ended: op's copy learnt of the sink's copy (from
+    the sink's Duplication) and left; the sink had taken that Deletion before it sent its own
+    copy's Start, which therefore named no op copy, and the copy, idle, held op's copy's Deletion
+    to it as a message of an instance not announced yet, for ever: op's copy departed waiting for
+    its ack. A Deletion from a name of a neighbouring operator is now admitted and acked."""
+    rep = random_runs(Config(records=8, rehomes=0, plans=NEIGHBOURS_121), schedules=60, seed=0)
+    assert rep.ok, describe(rep)
+
+
+def test_simulate_instance_keyed_prints_its_verdict_and_refuses_rehomings(capsys) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from agent.cli.main import main
+
+    assert main(["simulate", "instance", "--keyed", "--records", "6", "--schedules", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["ok"] and out["schedules"] == 3 and out["handover"]["installed"] >= 3 * 8, out
+    assert main(["simulate", "instance", "--keyed", "--rehomes", "1"]) == 2
+    assert "--keyed takes --rehomes 0" in capsys.readouterr().err

@@ -49,12 +49,22 @@ def register(groups: Any) -> None:
     p.add_argument("--rounds", choices=("1-2-1", "1-2-1-2", "sink-1-2"), default="1-2-1-2",
                    help="the forced rounds: op 1 -> 2 -> 1 (-> 2), or the sink 1 -> 2 (each sink "
                    "instance keeps its own ids: a record recorded by both is a duplicate)")
+    p.add_argument("--keyed", action="store_true",
+                   help="the keyed pipeline instead: source -> op -> cnt (keyed, 8 key groups) -> sink, cnt 1 -> 2 "
+                   "while op goes 1 -> 2, then both copies leave (key groups move out and back); checked besides: "
+                   "each key's state holds each of its records once and in order, no output id twice (--rounds "
+                   "and --rehomes do not apply; --keys keys over --records records)")
+    p.add_argument("--keys", type=int, default=3, help="keys of the keyed pipeline's records")
+    p.add_argument("--coordination", choices=("ack", "fgme"), default="ack",
+                   help="the pipeline's coordination: fgme runs every round inside 2-FGME's locks")
     p.add_argument("--fault", action="append", default=[], choices=FAULTS, help=FAULT_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     from agent.sim.instance_check import Config, describe, explore, random_runs
 
     plans: Any = (("op-0", "duplicate"), ("copy", "terminate"))
@@ -62,14 +72,22 @@ def _run(args: argparse.Namespace) -> int:
         plans += (("op-0", "duplicate"),)
     elif args.rounds == "sink-1-2":
         plans = (("sink-0", "duplicate"),)
-    rehomes = args.rehomes if args.rehomes is not None else (0 if args.rounds == "sink-1-2" else 1)
+    rehomes = args.rehomes if args.rehomes is not None else (0 if args.rounds == "sink-1-2" or args.keyed else 1)
+    if args.keyed and rehomes:
+        # a re-homed predecessor deals its group table again over its rebuilt successors, wrong once
+        # groups moved (docs/operators.md, "Key groups that move": not covered yet)
+        print("error: --keyed takes --rehomes 0", file=sys.stderr)
+        return EXIT_USAGE
     if rehomes and args.rounds == "sink-1-2":
         print("error: --rounds sink-1-2 takes --rehomes 0 (see --help)", file=sys.stderr)
         return EXIT_USAGE
     cfg = Config(records=args.records, crashes=args.crashes, rehomes=rehomes, refusals=args.refusals,
                  dups=args.dups, plans=plans, slow=tuple(args.slow), faults=frozenset(args.fault),
                  brokers=args.brokers, cuts=args.cuts, spawn_refusals=args.spawn_refusals,
-                 rehome_targets=("op-0", "copy") if args.rehome_copy else ("op-0",))
+                 rehome_targets=("op-0", "copy") if args.rehome_copy else ("op-0",), keyed=args.keyed, keys=args.keys,
+                 coordination=args.coordination)
+    if args.keyed:
+        cfg = replace(cfg, plans=Config.plans)  # the keyed plans (KEYED_PLANS)
     if args.depth:
         rep = explore(cfg, depth=args.depth)
     else:
@@ -78,7 +96,7 @@ def _run(args: argparse.Namespace) -> int:
         v = rep.violations[0] if rep.violations else None
         print(json.dumps({"ok": rep.ok, "states": rep.states, "terminal_states": rep.terminal_states,
                           "schedules": rep.schedules, "steps": rep.steps, "seconds": round(rep.seconds, 2),
-                          "seed": rep.seed, "violation": None if v is None else
+                          "seed": rep.seed, "handover": rep.handover, "violation": None if v is None else
                           {"kind": v.kind, "detail": v.detail, "trace": list(v.trace)}}, sort_keys=True))
     else:
         print(describe(rep))

@@ -809,7 +809,15 @@ class Instance:
             return True  # a hand-over between two instances of our operator (agent.instance.moves)
         if sc is None:
             return s in self.spec.preds or s in self.spec.succs
-        return sc.knows(s)
+        if sc.knows(s):
+            return True
+        # The Deletion of a neighbour's copy nobody told us of (it learnt of us from a round of
+        # ours, or from its creator, while our own Start or round left it out): answered, or its
+        # deletion waits for our ack for ever. The core takes it as the paper does (idle: not to
+        # add; active: not in our tables) and only acks. docs/reliability.md, "Checking whole instances".
+        shape = self._shapes[Kind.PROTO]
+        return (isinstance(env.body, dict) and env.body.get("type") == "deletion"
+                and (s.startswith(shape[0]) or s in shape[1]))
 
     def _take_redirect(self, sender: str, msg: Any) -> None:
         try:
@@ -1713,9 +1721,11 @@ class Instance:
         if self.moves is None:
             return
         for p in added:
-            self.moves.perform(self.moves.member.add_pred(p))
+            if group_moves.FAULT_NO_ADD_PRED not in self.faults:
+                self.moves.perform(self.moves.member.add_pred(p))
         for p in removed:
-            self.moves.perform(self.moves.member.remove_pred(p, self.moves.snapshot))
+            if group_moves.FAULT_NO_REMOVE_PRED not in self.faults:
+                self.moves.perform(self.moves.member.remove_pred(p, self.moves.snapshot))
         self.mark_state_changed()
 
     def set_routes(self, succs: Tuple[str, ...], now: float) -> None:

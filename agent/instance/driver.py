@@ -454,7 +454,13 @@ class ScalingDriver:
             return  # after the adoption (see adoption_pending)
         action, count = self.forced.popleft()
         decision = Decision(Action.DUPLICATE if action == "duplicate" else Action.TERMINATE, count)
+        at = self.w.wall()
         if self._leave_first(decision):
+            # recorded as the policy's path records it: `stamp_moved` times the leaver's groups
+            # against it (without it a forced scale-in of a keyed instance had no decision)
+            self.counts["scale_ins"] += 1
+            self.counts["forced"] += 1
+            self.decisions.append({"at": at, "kind": "scale_in", "forced": True, "new": []})
             return
         self.round_created = []
         self.log.decided(self.w.now)
@@ -510,7 +516,9 @@ class ScalingDriver:
             return
         mv.leaving = False
         self.round_created = []
-        outs = self.core.start_deletion()
+        # start_round, not start_deletion: with coordination = "fgme" the deletion waits for its
+        # 2-FGME locks like any other round (start_deletion would run it outside them)
+        outs = self.core.start_round(Decision(Action.TERMINATE, 1))
         self._observe(outs)
         self.last_round_end = self.w.now
         log.info("every key group handed over: leaving", extra=self.w.ctx)

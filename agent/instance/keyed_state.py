@@ -22,7 +22,8 @@ Rules of this file (docs/operators.md, "Keyed state: aggregates and windows per 
   their key's state being forgotten (an id is never reused).
 - An operator with `forwards = True` also passes every record it applies on, unchanged and with
   its own id, before its outputs (saved with them, so a crash loses none and the sink drops the
-  copies by id): the demo's trips reach the sink through the DEBS query operator.
+  copies by id): the demo's trips reach the sink through the DEBS query operators. Its
+  `forward(record)` may keep some back (the merge stage of query 1 keeps the counts it consumes).
 """
 
 from __future__ import annotations
@@ -127,6 +128,8 @@ class KeyedState:
         applied = 0
         forwarded: List[Item] = []
         forwards = op.forwards
+        # the operator's filter on what it forwards, if it has one (a method call per record otherwise saved)
+        fwd_filter = op.forward if forwards and type(op).forward is not KeyedOperator.forward else None
         last_src, a = None, None
         for src, seq, rec in items:
             if src != last_src:
@@ -139,7 +142,7 @@ class KeyedState:
                 continue
             self._dirty_pos[src] = None
             applied += 1
-            if forwards:
+            if forwards and (fwd_filter is None or fwd_filter(rec)):
                 forwarded.append((src, seq, rec))
             if timed:
                 try:

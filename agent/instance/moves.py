@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from agent.instance.core import Instance
 
 __all__ = ["HANDOVER_TYPES", "MAX_CHUNKS", "HOLD_MAX", "GroupMoves", "HandoverError", "decode", "encode",
-           "on_redirect", "body_size"]
+           "on_redirect", "body_size", "HANDOVER_FAULTS"]
 
 log = logging.getLogger("agent.instance.worker")
 
@@ -61,6 +61,17 @@ HOLD_MAX = 200_000  # records held for groups not installed or not announced yet
 # (one that has installed the group says it again). Both answers are idempotent.
 MOVE_RESEND = 10.0
 _MAX_NAME = 200
+
+# Seeded faults of the hand-over (agent.sim.instance_check, never set elsewhere; `Instance.faults`),
+# each a rule of docs/operators.md "Key groups that move" broken, which the checker must find:
+FAULT_HELD_AT_ONCE = "held_applied_at_once"  # records of a group on its way here applied before its state
+FAULT_NO_EOS = "eos_not_sent"  # a predecessor takes a Redirect and sends no Eos
+FAULT_LEAVE_WITH_GROUPS = "leave_with_groups"  # a leaver starts its Deletion at once, whatever it holds
+FAULT_NO_ADD_PRED = "no_add_pred"  # a predecessor that joined during a move is not waited for
+FAULT_NO_REMOVE_PRED = "no_remove_pred"  # a predecessor that left during a move is still waited for
+FAULT_NO_REDIRECT_RESEND = "no_redirect_resend"  # a silent move does not ask its predecessors again
+HANDOVER_FAULTS = (FAULT_HELD_AT_ONCE, FAULT_NO_EOS, FAULT_LEAVE_WITH_GROUPS, FAULT_NO_ADD_PRED,
+                   FAULT_NO_REMOVE_PRED, FAULT_NO_REDIRECT_RESEND)
 
 
 def encode(msg: Any) -> Dict[str, Any]:
@@ -136,7 +147,8 @@ def on_redirect(w: "Instance", sender: str, msg: Redirect) -> None:
     w.mark_state_changed()
     w.persist(force=True)
     for o in outs:
-        w.send_handover(o.dest, o.message)
+        if FAULT_NO_EOS not in w.faults:
+            w.send_handover(o.dest, o.message)
     log.info("group %d -> %s (version %d): %d buffered records re-routed, Eos to %s", msg.group, msg.new,
              table.version(msg.group), moved, sender, extra=w.ctx)
 
@@ -188,6 +200,9 @@ class GroupMoves:
             g = key_group(record_key(it[2], self.key_field), self.groups)
             if g in owned and g not in m.old.moving:
                 now.append(it)
+                continue
+            if FAULT_HELD_AT_ONCE in self.w.faults and g in m.new.expected:
+                now.append(it)  # the seeded fault: applied before the group's state is here
                 continue
             if g not in owned and g not in m.new.expected and self._replayed(it):
                 # A group that left: a predecessor's replay of a record applied here before its
@@ -351,7 +366,7 @@ class GroupMoves:
         missing, the chunks again to a new owner that has not said Installed."""
         m = self.member
         for g, (new, left) in sorted(m.old.moving.items()):
-            if now - self.last_heard.get(g, now) >= MOVE_RESEND:
+            if now - self.last_heard.get(g, now) >= MOVE_RESEND and FAULT_NO_REDIRECT_RESEND not in self.w.faults:
                 self.last_heard[g] = now
                 for p in sorted(left):
                     self.w.send_handover(p, Redirect(g, new, m.old.versions.get(g, -1)))
@@ -364,6 +379,8 @@ class GroupMoves:
                 self.counts["moves_resent"] = self.counts.get("moves_resent", 0) + 1
 
     def ready_to_leave(self) -> bool:
+        if FAULT_LEAVE_WITH_GROUPS in self.w.faults:
+            return self.leaving
         return self.leaving and not self.member.owned and not self.member.busy()
 
     def hand_out_now(self, group: int) -> bytes:

@@ -81,6 +81,8 @@ BUILTIN: FrozenSet[str] = frozenset({
     "agent.operators.keyed:sliding_window",
     "agent.operators.keyed:top_k",
     "agent.operators.debs:top_routes",
+    "agent.operators.debs:route_counts",
+    "agent.operators.debs:merge_top_routes",
     "agent.operators.taxi:source",
     "agent.operators.taxi:mqtt_source",
     "agent.operators.taxi:bench_source",

@@ -350,7 +350,7 @@ def cell_of(lat: float, lon: float) -> Optional[Tuple[int, int]]:
 
 @record_map
 def in_zone(rec: Any, params: Dict[str, Any]) -> Any:
-    """Keep trips that start and end inside the grid; annotate them with their cells."""
+    """Keep trips that start and end inside the grid; annotate them with their cells and route."""
     try:
         a = cell_of(rec["pickup_latitude"], rec["pickup_longitude"])
         b = cell_of(rec["dropoff_latitude"], rec["dropoff_longitude"])
@@ -361,6 +361,9 @@ def in_zone(rec: Any, params: Dict[str, Any]) -> Any:
     out = dict(rec)
     out["pickup_cell"] = f"{a[0]}.{a[1]}"
     out["dropoff_cell"] = f"{b[0]}.{b[1]}"
+    # the route, as the DEBS query 1 operators name it: the key its first stage is keyed by
+    # (agent.operators.debs.RouteCounts; one field, since a pipeline's `key` names one field)
+    out["route"] = f"{a[0]}.{a[1]}>{b[0]}.{b[1]}"
     return out
 
 

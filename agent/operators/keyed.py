@@ -117,6 +117,12 @@ class KeyedOperator(Operator):
             return None
         return parse_event_time(record.get(self.time_field), self.time_unit)
 
+    def forward(self, record: Any) -> bool:
+        """With `forwards`: does this applied record go on to the successor? (default: every one).
+        A merge stage that consumes another keyed operator's outputs but passes the trips on says
+        False for the outputs (agent.operators.debs.MergeTopRoutes)."""
+        return True
+
     def on_batch(self, key: Any, records: List[Any], state: Any) -> Tuple[List[Any], Any]:
         raise NotImplementedError
 

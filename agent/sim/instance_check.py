@@ -38,6 +38,14 @@ every record exactly once at the sink, every round ended (no instance in a round
 queued outputs), views agree (each live instance's succs/preds are the live instances of the
 next/previous operator). No instance may raise at any step.
 
+The keyed pipeline (`Config.keyed`): source -> op -> cnt -> sink, cnt a keyed operator
+(`MemoryTrail`: per key the list of records applied) whose key groups move with their state when
+it scales (agent.instance.moves); cnt and op scale at once (KEYED_PLANS). Checked besides
+(`check_keyed`): every group at one instance, the one every predecessor's table names, no move
+under way; each key's state holds each of its records once, each path's records in order; the
+sink got every key's counts 1..n and no output id with two records (docs/operators.md, "Key
+groups that move"). `Config.coordination = "fgme"`: every round inside 2-FGME's locks.
+
 `explore` visits every schedule of up to `depth` moves (states deduplicated), each one settled
 and checked; `random_runs` runs seeded random schedules to the end. Seeded faults of the instance
 (`faults=`) bring back historic losses; the tests show that both searches find each of them.
@@ -50,22 +58,30 @@ import hashlib
 import json
 import pickle
 import random
+import shutil
+import tempfile
 import time
+import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, FrozenSet, List, Optional, Set, Tuple
 
 from agent import topics
 from agent.config import PipelineConfig, load_pipeline_text
 from agent.dataplane.envelope import Item, Kind, MalformedEnvelope, decode
-from agent.instance.commands import Command, Exit, Persist, PersistSource, Publish, RequestSpawn, SaveRoutes
+from agent.instance.commands import Command, Exit, Persist, PersistSource, Publish, RequestSpawn, SaveKeyed, SaveRoutes
 from agent.instance.core import Instance
 from agent.instance.events import (
     Control, EnvelopeReceived, Event, PubAcked, PublishAccepted, PublishRefused, Restarted, SessionLost, Spawned,
     Started, Tick,
 )
+from agent.instance.keyed_state import KeyedState
+from agent.instance.moves import HANDOVER_FAULTS
 from agent.instance.spec import InstanceSpec
 from agent.mqtt.settings import BrokerSpec
 from agent.node.rehome import plan_rehome
+from agent.operators.builtin import OperatorContext
+from agent.operators.keyed import KeyedOperator
 from agent.protocol.scaling import InstanceState
 from agent.sim.checker import Violation
 
@@ -84,24 +100,42 @@ PLACEMENT = {"source-0": "n1", "op-0": "n1", "sink-0": "n2"}
 COPY_NODE = "n2"
 BROKER_KINDS = ("restart", "lost", "rollback")
 BROKER = BrokerSpec("127.0.0.1", 1)
+# The keyed pipeline (`Config.keyed`): source -> op (key "k") -> cnt (keyed, KEY_GROUPS groups) -> sink.
+# The keyed operator's first instance is its keeper, named as the agent names it: a leaver hands
+# its groups to `<pipeline>.<operator>.0` (agent.instance.driver).
+KEEPER = "chk.cnt.0"
+KEY_GROUPS = 8
+PLACEMENT[KEEPER] = "n1"
+# op and cnt both scale, concurrently: cnt 1 -> 2 (its share moves), op 1 -> 2 during those moves
+# (a predecessor joins: `add_pred`), then the cnt copy leaves (its groups go to the keeper) and
+# op's copy too (a predecessor leaves: `remove_pred`); the plans run as soon as their target is
+# active, so each meets the moves of the others at random points.
+KEYED_PLANS = ((KEEPER, "duplicate"), ("op-0", "duplicate"), ("copy:cnt", "terminate"), ("copy:op", "terminate"))
 
 # The seeded faults the instance knows (agent.instance.core, agent.instance.driver).
+# The hand-over's (agent.instance.moves, HANDOVER_FAULTS) need the keyed pipeline (`Config.keyed`).
 FAULTS = ("retry_only_with_data", "drain_holds_protocol", "rehome_rounds_from_one", "route_afresh",
           "replay_to_departed", "rehome_stays", "resync_at_first_seen", "leave_before_adoption",
-          "rehome_idle_active", "replay_clock_at_drop")
+          "rehome_idle_active", "replay_clock_at_drop") + HANDOVER_FAULTS
 # The one seeded fault of the planner's inputs (agent.node.rehome), played by the checker's
 # re-homing move: plan_rehome is not told which copies were idle, and starts them active.
 FAULT_REHOME_IDLE_ACTIVE = "rehome_idle_active"
 
 
-def pipeline_text(batch: int = 1, window: int = 4) -> str:
-    """source -> op -> sink, no automatic scaling (rounds are the checker's moves)."""
-    ops = [("source", "source", "agent.operators.taxi:source"), ("op", "map", "agent.operators.builtin:validate"),
-           ("sink", "sink", "agent.operators.builtin:counting_sink")]
-    lines = ['[pipeline]', 'name = "chk"', '', '[scaling]', 'policy = "none"', '']
-    for name, kind, fn in ops:
+def pipeline_text(batch: int = 1, window: int = 4, keyed: bool = False, coordination: str = "ack") -> str:
+    """source -> op -> sink, no automatic scaling (rounds are the checker's moves); `keyed`:
+    source -> op -> cnt -> sink, op routing by key "k" to the keyed cnt; `coordination`: the
+    [scaling] setting ("fgme": every round inside 2-FGME's locks)."""
+    ops = [("source", "source", "agent.operators.taxi:source", ""),
+           ("op", "map", "agent.operators.builtin:validate", 'key = "k"' if keyed else ""),
+           ("sink", "sink", "agent.operators.builtin:counting_sink", "")]
+    if keyed:
+        ops.insert(2, ("cnt", "map", "agent.operators.keyed:keyed_count", f"key_groups = {KEY_GROUPS}"))
+    lines = ['[pipeline]', 'name = "chk"', f'coordination = "{coordination}"', '', '[scaling]', 'policy = "none"', '']
+    for name, kind, fn, extra in ops:
         lines += ['[[operator]]', f'name = "{name}"', f'kind = "{kind}"', f'function = "{fn}"',
-                  f'batch_size = {batch}', 'linger_ms = 0', f'max_inflight_batches = {window}', '']
+                  f'batch_size = {batch}', 'linger_ms = 0', f'max_inflight_batches = {window}']
+        lines += [extra, ''] if extra else ['']
     return "\n".join(lines)
 
 
@@ -114,9 +148,10 @@ class MemorySource:
 
     kind = "source"
 
-    def __init__(self, total: int, interval: float = 1.0) -> None:
+    def __init__(self, total: int, interval: float = 1.0, keys: int = 0) -> None:
         self.total = total
         self.interval = interval
+        self.keys = keys  # > 0: records {"k": "k<n % keys>", "n": n} for the keyed pipeline
         self.generated = 0
         self.paused = False
         self.due = 0.0
@@ -132,7 +167,8 @@ class MemorySource:
             return []
         self.due = now + self.interval
         self.generated += 1
-        return [("src", self.generated - 1, {"v": self.generated - 1})]
+        n = self.generated - 1
+        return [("src", n, {"k": f"k{n % self.keys}", "n": n} if self.keys else {"v": n})]
 
     def next_due(self, now: float) -> float:
         return max(now, self.due) if self.generated < self.total else now + 3600.0
@@ -145,10 +181,18 @@ class MemorySource:
 
 
 class MemoryMap:
+    """The identity; `via` (the keyed pipeline): each record stamped with the instance that
+    forwarded it, so that the order per key can be checked per path (`World.check_keyed`)."""
+
     kind = "map"
 
+    def __init__(self, via: Optional[str] = None) -> None:
+        self.via = via
+
     def process(self, items: List[Item]) -> List[Item]:
-        return list(items)
+        if self.via is None:
+            return list(items)
+        return [(s, q, dict(r, via=self.via)) for s, q, r in items]
 
     def stats(self) -> Dict[str, Any]:
         return {}
@@ -157,23 +201,47 @@ class MemoryMap:
         pass
 
 
+class MemoryTrail(KeyedOperator):
+    """The keyed operator of the keyed pipeline: per key, the list of (record number, the
+    instance it came through) applied, in order; one output per record, `{"key", "count", "n"}`.
+    The final states show every update and its order (exactly once, per key in each path's
+    order), the outputs every id and value the sink got."""
+
+    def on_batch(self, key: Any, records: List[Any], state: Any) -> Tuple[List[Any], Any]:
+        trail = list(state or [])
+        out = []
+        for rec in records:
+            trail.append([rec["n"], rec.get("via")])
+            out.append({"key": key, "count": len(trail), "n": rec["n"]})
+        return out, trail
+
+
 class MemorySink:
     """Records ids into a durable store (it survives the sink's crashes, as the real id file
     does); an id seen before BY THIS SINK INSTANCE is dropped, as the real sink drops it (each
-    sink instance has its own id file: an id recorded by two instances is a duplicate)."""
+    sink instance has its own id file: an id recorded by two instances is a duplicate).
+    `values` (the keyed pipeline): each id's record, and `conflicts` the ids that came again
+    with another record (an output id given twice)."""
 
     kind = "sink"
     deferred = False
     reads_records = False
 
-    def __init__(self, store: List[Tuple[str, int]], seen: Set[Tuple[str, int]]) -> None:
+    def __init__(self, store: List[Tuple[str, int]], seen: Set[Tuple[str, int]],
+                 values: Optional[Dict[Tuple[str, int], Any]] = None) -> None:
         self.store = store
         self.seen = seen
         self.duplicates = 0
+        self.values = values
+        self.conflicts: List[Tuple[str, int]] = []
+        if values is not None:
+            self.reads_records = True
 
     def record(self, items: List[Item]) -> List[Any]:
         for it in items:
             rid = (it[0], it[1])
+            if self.values is not None and self.values.setdefault(rid, it[2]) != it[2]:
+                self.conflicts.append(rid)
             if rid in self.seen:
                 self.duplicates += 1
             else:
@@ -236,6 +304,12 @@ class Config:
     # Random schedules: deliveries to these inboxes are rare (a slow or cut-off node), so that
     # timers (resend on silence, replay to a silent successor) fire while their messages wait.
     slow: Tuple[str, ...] = ()
+    # The keyed pipeline (source -> op -> cnt -> sink; plans: KEYED_PLANS): `records` records over
+    # `keys` keys; checked besides: every key's final state holds each of its records once, in
+    # each path's order, at the one instance every predecessor's table names; no output id twice.
+    keyed: bool = False
+    keys: int = 3
+    coordination: str = "ack"  # "fgme": the rounds take 2-FGME's locks (lock messages on the same channels)
 
 
 @dataclass
@@ -247,6 +321,8 @@ class Report:
     seconds: float = 0.0
     violations: List[Violation] = field(default_factory=list)
     seed: Optional[int] = None  # the random schedule that found the first violation
+    # the keyed pipeline's hand-over messages delivered, by type, over every schedule (coverage)
+    handover: Dict[str, int] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -267,7 +343,7 @@ class World:
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        self.toml = pipeline_text()
+        self.toml = pipeline_text(keyed=cfg.keyed, coordination=cfg.coordination)
         self.pipeline: PipelineConfig = load_pipeline_text(self.toml, "checker pipeline")
         self.now = 0.0
         self.inst: Dict[str, Instance] = {}
@@ -293,14 +369,24 @@ class World:
         # queue -> its last delivery (a broker restart may deliver it again)
         self.last_delivered: Dict[Tuple[str, str], bytes] = {}
         self.refuse_next: Set[str] = set()
-        self.plans: List[Tuple[str, str]] = list(cfg.plans)
+        self.plans: List[Tuple[str, str]] = list(KEYED_PLANS if cfg.keyed and cfg.plans == Config.plans else cfg.plans)
         self.copy_id: Optional[str] = None
+        self.copies: Dict[str, str] = {}  # operator -> the copy its last duplication created ("copy:<op>")
         self.mid = 0
+        # The keyed pipeline: the sink's record per output id, and the keyed files on a scratch
+        # disk (KeyedState.save writes its snapshot and delta log; a crash restarts from them).
+        self.values: Optional[Dict[Tuple[str, int], Any]] = {} if cfg.keyed else None
+        self.handover: Dict[str, int] = {}  # hand-over messages delivered, by type
+        self.disk: Optional[str] = None
+        if cfg.keyed:
+            self.disk = tempfile.mkdtemp(prefix="instance-check-")
+            weakref.finalize(self, shutil.rmtree, self.disk, True)
         names = [op.name for op in self.pipeline.operators]
+        ids = [KEEPER if cfg.keyed and name == "cnt" else f"{name}-0" for name in names]
         for i, name in enumerate(names):
-            spec = InstanceSpec(f"{name}-0", name, NODE, CLUSTER, "chk", self.toml, BROKER,
-                                succs=(f"{names[i + 1]}-0",) if i + 1 < len(names) else (),
-                                preds=(f"{names[i - 1]}-0",) if i > 0 else (),
+            spec = InstanceSpec(ids[i], name, NODE, CLUSTER, "chk", self.toml, BROKER,
+                                succs=(ids[i + 1],) if i + 1 < len(names) else (),
+                                preds=(ids[i - 1],) if i > 0 else (),
                                 keeper=True, state_dir="/nonexistent", heartbeat_period=3600.0)
             self._boot(spec, None)
 
@@ -308,26 +394,39 @@ class World:
 
     def _operator(self, spec: InstanceSpec) -> Any:
         if spec.operator == "source":
-            return MemorySource(self.cfg.records)
+            return MemorySource(self.cfg.records, keys=self.cfg.keys if self.cfg.keyed else 0)
         if spec.operator == "sink":
-            return MemorySink(self.store, self.seen.setdefault(spec.instance, set()))
-        return MemoryMap()
+            return MemorySink(self.store, self.seen.setdefault(spec.instance, set()), self.values)
+        if spec.operator == "cnt":
+            return MemoryTrail(OperatorContext(spec.instance, "cnt", NODE, "map"))
+        return MemoryMap(spec.instance if self.cfg.keyed else None)
+
+    def _keyed_path(self, iid: str) -> Path:
+        assert self.disk is not None
+        return Path(self.disk) / f"{iid}.keyed.json"
 
     def _boot(self, spec: InstanceSpec, restart: Optional[str]) -> None:
         iid = spec.instance
         self.specs[iid] = spec
         self.inboxes[topics.inbox(CLUSTER, iid, spec.node)] = iid
-        inst = Instance(spec, self.pipeline, self._operator(spec), faults=self.cfg.faults)
+        inst = Instance(spec, self.pipeline, self._operator(spec), faults=self.cfg.faults,
+                        next_keyed=self.cfg.keyed and spec.operator == "op")
         self.inst[iid] = inst
         if restart is None:
             self._feed(iid, Started(WALL0 + self.now))
         else:
             state = json.loads(self.persisted.get(iid, "{}")) if restart == "crash" else {}
             pos = json.loads(self.source_pos[iid]) if restart == "crash" and iid in self.source_pos else None
+            keyed = None
+            if self.disk is not None and spec.operator == "cnt":
+                if restart == "crash":
+                    keyed = KeyedState.load(self._keyed_path(iid))
+                else:
+                    self._keyed_path(iid).unlink(missing_ok=True)
             if restart != "crash":
                 self.routes.pop(iid, None)  # its files went with its node
             routes = self.routes.get(iid, (None, ""))
-            self._feed(iid, Restarted(WALL0 + self.now, state, pos, routes=routes))
+            self._feed(iid, Restarted(WALL0 + self.now, state, pos, keyed=keyed, routes=routes))
 
     def _feed(self, iid: str, event: Event) -> None:
         inst = self.inst[iid]
@@ -357,6 +456,8 @@ class World:
             self.persisted[iid] = json.dumps(cmd.state, sort_keys=True)
         elif isinstance(cmd, PersistSource):
             self.source_pos[iid] = json.dumps(cmd.data, sort_keys=True)
+        elif isinstance(cmd, SaveKeyed):
+            cmd.state.save(self._keyed_path(iid))  # as the worker: then the inputs it reflects are acked
         elif isinstance(cmd, SaveRoutes):
             snapshot, log = self.routes.get(iid, (None, ""))
             if cmd.snapshot is not None:
@@ -367,7 +468,7 @@ class World:
             data["broker"] = BROKER
             data["succs"], data["preds"] = tuple(data["succs"]), tuple(data["preds"])
             spec = InstanceSpec(**data)
-            self.copy_id = spec.instance
+            self.copy_id = self.copies[spec.operator] = spec.instance
             if spec.instance not in self.inst and spec.instance not in self.down:
                 self._boot(spec, None)  # createNode() of an instance that exists answers with it
             self.spawns.append((iid, cmd.request, spec.instance))
@@ -435,15 +536,23 @@ class World:
                 return
             self.apply(ready[0])
 
+    def _resolve(self, target: str) -> Optional[str]:
+        """"copy": the copy the last duplication created; "copy:<operator>": that operator's."""
+        if target == "copy":
+            return self.copy_id
+        if target.startswith("copy:"):
+            return self.copies.get(target[5:])
+        return target
+
     def _targets(self, names: Tuple[str, ...]) -> Tuple[str, ...]:
-        """Instance ids for a fault's targets: "copy" is the copy the last duplication created."""
-        return tuple(i for i in (self.copy_id if t == "copy" else t for t in names) if i is not None)
+        """Instance ids for a fault's targets ("copy", "copy:<operator>": see `_resolve`)."""
+        return tuple(i for i in (self._resolve(t) for t in names) if i is not None)
 
     def _plan_move(self) -> Optional[Tuple[Any, ...]]:
         if not self.plans:
             return None
         target, action = self.plans[0]
-        iid = self.copy_id if target == "copy" else target
+        iid = self._resolve(target)
         core = self._core(iid)
         if core is None or core.state is not InstanceState.ACTIVE or self.inst[iid].scaling.outputs:
             return None
@@ -536,6 +645,11 @@ class World:
             raise ValueError(f"unknown move {move!r}")
 
     def _deliver(self, dest: str, payload: bytes) -> None:
+        if self.cfg.keyed:
+            for kind in _HANDOVER_MARKS:
+                if kind in payload:
+                    name = kind.decode().strip('"')
+                    self.handover[name] = self.handover.get(name, 0) + 1
         if dest in self.exited and self.exited[dest]:
             try:
                 env = decode(payload, False)
@@ -600,6 +714,7 @@ class World:
             del self.last_delivered[key]
         if self.copy_id == copy_id:
             self.copy_id = None
+        self.copies = {op: c for op, c in self.copies.items() if c != copy_id}
 
     def _broker_restart(self, how: str) -> None:
         if how == "restart":
@@ -686,11 +801,17 @@ class World:
 
     def check_terminal(self) -> Optional[Tuple[str, str]]:
         want = {("src", i) for i in range(self.cfg.records)}
-        got = set(self.store)
+        if self.cfg.keyed:
+            bad = self.check_keyed()
+            if bad is not None:
+                return bad
+            got = want  # checked per key, in the states
+        else:
+            got = set(self.store)
         lost = sorted(set(self.to_terminated) - got)
         if lost:
             return ("record_to_terminated", f"records {lost[:8]} went to a terminated instance and nowhere else")
-        if got != want or len(self.store) != len(got):
+        if not self.cfg.keyed and (got != want or len(self.store) != len(got)):
             missing = sorted(want - got)
             return ("records_not_exactly_once", f"missing {missing[:8]}, recorded {len(self.store)} of {len(want)}")
         for iid, inst in sorted(self.inst.items()):
@@ -711,6 +832,64 @@ class World:
                         f"live {sorted(succs)} / {sorted(preds)}")
         return None
 
+    def check_keyed(self) -> Optional[Tuple[str, str]]:
+        """The keyed pipeline's end: every group at one instance (the one every predecessor's
+        table names, no move under way), each key's state holding each of its records exactly
+        once and, per path (the op instance it came through), in source order; the sink got
+        every key's outputs 1..n, no id with two records."""
+        holders: Dict[int, str] = {}
+        trails: Dict[Any, List[Any]] = {}
+        for iid, inst in sorted(self.inst.items()):
+            if inst.moves is None:
+                continue
+            m = inst.moves.member
+            if m.busy() or inst.moves.leaving or inst.moves.held:
+                return ("move_not_ended", f"{iid}: moving {sorted(m.old.moving)}, awaiting Installed "
+                        f"{sorted(m.old.waiting_install)}, expecting {sorted(m.new.expected)}, early {sorted(m.early)}, "
+                        f"leaving {inst.moves.leaving}, held {inst.moves.held}")
+            for g in m.owned:
+                if g in holders:
+                    return ("group_twice", f"group {g} held by {holders[g]} and {iid}")
+                holders[g] = iid
+            stray = (set(inst.keyed.states) | set(inst.keyed.emitted)) - m.owned
+            if stray:
+                return ("group_twice", f"{iid} keeps the state of groups {sorted(stray)} it does not hold")
+            for g, per_key in inst.keyed.states.items():
+                for key, trail in per_key.items():
+                    trails[key] = trail
+        if set(holders) != set(range(KEY_GROUPS)):
+            return ("group_lost", f"groups {sorted(set(range(KEY_GROUPS)) - set(holders))} held by no instance")
+        for iid, inst in sorted(self.inst.items()):
+            table = inst.router.table if inst.next_keyed else None
+            if table is None:
+                continue
+            wrong = {g: table.owner(g) for g in range(KEY_GROUPS) if table.owner(g) != holders[g]}
+            if wrong:
+                return ("tables_disagree", f"{iid} routes groups {wrong} (held by {[holders[g] for g in wrong]})")
+        for key in sorted({f"k{n % self.cfg.keys}" for n in range(self.cfg.records)}):
+            want = [n for n in range(self.cfg.records) if f"k{n % self.cfg.keys}" == key]
+            trail = trails.get(key, [])
+            if sorted(n for n, _ in trail) != want:
+                return ("state_not_exactly_once", f"key {key}: applied {[n for n, _ in trail]}, records {want}")
+            for via in {v for _, v in trail}:
+                path = [n for n, v in trail if v == via]
+                if path != sorted(path):
+                    return ("key_order", f"key {key}: records through {via} applied in the order {path}")
+        assert self.values is not None
+        conflicts = [rid for sink in self.inst.values() if isinstance(sink.operator, MemorySink)
+                     for rid in sink.operator.conflicts]
+        if conflicts:
+            return ("output_id_twice", f"output ids {conflicts[:4]} came with two different records")
+        counts: Dict[Any, List[int]] = {}
+        for rid in self.store:
+            rec = self.values[rid]
+            counts.setdefault(rec["key"], []).append(rec["count"])
+        for key, trail in sorted(trails.items()):
+            if sorted(counts.get(key, [])) != list(range(1, len(trail) + 1)):
+                return ("outputs_not_exactly_once", f"key {key}: counts at the sink {sorted(counts.get(key, []))}, "
+                        f"{len(trail)} records applied")
+        return None
+
     # ---- exploration support ----------------------------------------------------------------------
 
     def fork(self) -> "World":
@@ -720,21 +899,38 @@ class World:
         for inst in self.inst.values():
             memo[id(inst.spec)] = inst.spec
             memo[id(inst.op)] = inst.op
-        return copy.deepcopy(self, memo)
+        other = copy.deepcopy(self, memo)
+        if self.disk is not None:  # its own copy of the keyed files
+            other.disk = tempfile.mkdtemp(prefix="instance-check-")
+            shutil.copytree(self.disk, other.disk, dirs_exist_ok=True)
+            weakref.finalize(other, shutil.rmtree, other.disk, True)
+        return other
+
+    def _disk_digest(self) -> Optional[bytes]:
+        if self.disk is None:
+            return None
+        h = hashlib.blake2b(digest_size=16)
+        for f in sorted(Path(self.disk).iterdir()):
+            h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+        return h.digest()
 
     def fingerprint(self) -> bytes:
         """A digest of the whole state but the shared, never-changing parts (pipeline, specs)."""
         saved = [(i, i.pipeline, i.op, i.spec) for i in self.inst.values()]
-        pipeline, specs = self.pipeline, self.specs
+        pipeline, specs, disk = self.pipeline, self.specs, self.disk
         try:
             for i, *_ in saved:
                 i.pipeline = i.op = i.spec = None  # type: ignore[assignment]
             self.pipeline = self.specs = None  # type: ignore[assignment]
+            self.disk = self._disk_digest()  # type: ignore[assignment]  # the files, not their place
             return hashlib.blake2b(pickle.dumps(self.__dict__, protocol=5), digest_size=16).digest()
         finally:
             for i, p, o, s in saved:
                 i.pipeline, i.op, i.spec = p, o, s
-            self.pipeline, self.specs = pipeline, specs
+            self.pipeline, self.specs, self.disk = pipeline, specs, disk
+
+
+_HANDOVER_MARKS = (b'"redirect"', b'"eos"', b'"offer"', b'"state_chunk"', b'"installed"')
 
 
 def _label(move: Tuple[Any, ...]) -> str:
@@ -826,6 +1022,8 @@ def random_runs(cfg: Config, *, schedules: int, seed: int = 0, max_steps: int = 
                 break
         if bad is None:
             bad = finish(world)
+        for kind, n in world.handover.items():
+            report.handover[kind] = report.handover.get(kind, 0) + n
         report.schedules += 1
         report.terminal_states += 1
         if bad:

@@ -47,6 +47,9 @@ log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_PIPELINE = ROOT / "examples" / "demo-pipeline.toml"
+# the instance stats that say a window's answer may differ from the batch one (agent.instance.keyed_state,
+# agent.operators.debs.MergeTopRoutes): summed over the instances into summary["keyed_late"]
+LATENESS_STATS = ("late_dropped", "incomplete_windows", "late_counts", "late_trips")
 EXIT_OK = 0
 EXIT_LOSS = 3  # a record was lost or duplicated
 EXIT_SETUP = 1  # broker, agents or deploy failed
@@ -344,7 +347,8 @@ class Monitor:
         with self._lock:
             t = {"generated": 0.0, "recorded": 0.0, "protocol_out": 0.0, "protocol_in": 0.0,
                  "malformed": 0.0, "sends_to_non_successor": 0.0, "credit_stalls": 0.0,
-                 "duplicates_dropped": 0.0}
+                 "duplicates_dropped": 0.0, "handover_out": 0.0, "handover_bytes_out": 0.0,
+                 **{k: 0.0 for k in LATENESS_STATS}}
             for stats in self.instance_stats.values():
                 for k in t:
                     v = stats.get(k)
@@ -509,12 +513,18 @@ def run_demo(
                 break
         summary["scale_outs"] = len(monitor.agent_events("spawned", "spawn"))
         summary["scale_ins"] = len(monitor.agent_events("terminated", "scale_in"))
+        summary["scaling_by_operator"] = scaling_by_operator(monitor.agent_events("spawned", "spawn"),
+                                                             monitor.agent_events("terminated", "scale_in"))
         summary["max_instances"] = max_inst
         summary["final_instances"] = monitor.instances_per_operator()
         tot = monitor.totals()
         summary["protocol_messages"] = int(tot["protocol_out"])
         summary["malformed"] = int(tot["malformed"])
         summary["sends_to_terminated"] = int(tot["sends_to_non_successor"])
+        # key groups of keyed operators moving with their state (docs/operators.md, "Key groups that move")
+        summary["handover"] = {"messages": int(tot["handover_out"]), "bytes": int(tot["handover_bytes_out"])}
+        # records keyed operators left out of a window, and windows the DEBS merge closed incomplete
+        summary["keyed_late"] = {k: int(tot[k]) for k in LATENESS_STATS}
         summary["broker_dropped"] = monitor.dropped
         delays = monitor.rescale_delays()
         summary["decision_to_first_record_s"] = _median_max(delays)
@@ -722,9 +732,19 @@ def plot_demo(samples: Sequence[Sample], operators: Sequence[str], path: Path) -
     return path
 
 
+def scaling_by_operator(spawned: List[Dict[str, Any]], terminated: List[Dict[str, Any]]) -> Dict[str, Dict[str, int]]:
+    """{operator: {"outs", "ins"}} for the operators that scaled (from the agents' events)."""
+    out: Dict[str, Dict[str, int]] = {}
+    for evs, what in ((spawned, "outs"), (terminated, "ins")):
+        for e in evs:
+            row = out.setdefault(str(e.get("operator")), {"outs": 0, "ins": 0})
+            row[what] += 1
+    return dict(sorted(out.items()))
+
+
 def print_summary(summary: Dict[str, Any], out: Any) -> None:
     keys = ("records_in", "records_expected", "records_out", "lost", "duplicated", "scale_outs", "scale_ins",
-            "max_instances", "protocol_messages", "decision_to_first_record_s", "broker_dropped", "rss_mb",
+            "scaling_by_operator", "handover", "keyed_late", "max_instances", "protocol_messages", "decision_to_first_record_s", "broker_dropped", "rss_mb",
             "duration_s", "plot", "workdir")
     print("summary:", file=out)
     for k in keys:

@@ -12,7 +12,7 @@ machine the wall times grow with the load, the CPU times much less). The baselin
 empty group (the protocol messages alone). The state is a `keyed_count`'s, filled directly with
 synthetic keys up to the size asked (`KeyedState.hand_out` / `take_in` are the real ones).
 
-NOT the live system: the hand-over is not wired into the worker yet (docs/operators.md). Records
+NOT the live system (`--live` is: agent.tools.handover_live). Records
 of other groups are not flowing during the round; its figures are the hand-over's own cost.
 A tool: runs a private broker on this machine, never imported on a fog node.
 """
@@ -235,6 +235,13 @@ def run_handover_bench(sizes: Tuple[int, ...] = SIZES, rounds: int = 3, after: i
 
 
 def _cmd(args: argparse.Namespace) -> int:
+    if args.live:
+        if args.rounds < 1:
+            print("fog-agent bench handover: --rounds must be >= 1", file=sys.stderr)
+            return 2
+        from agent.tools.handover_live import main_live
+
+        return main_live(args.max_bytes, args.rounds, args.json)
     sizes = tuple(s for s in SIZES if s <= args.max_bytes)
     if not sizes or args.rounds < 1:
         print("fog-agent bench handover: --max-bytes must be >= 1000 and --rounds >= 1", file=sys.stderr)
@@ -260,5 +267,8 @@ def register_bench(groups: Any) -> None:
                                 "(through a private Mosquitto), against an empty group in the same run")
     p.add_argument("--rounds", type=int, default=3, help="hand-overs per state size (each alternated with the baseline)")
     p.add_argument("--max-bytes", type=int, default=SIZES[-1], help="largest group state, bytes (sizes: 1 kB to 10 MB)")
+    p.add_argument("--live", action="store_true",
+                   help="on live instances: a local agent runs a keyed count scaled out and in by force, "
+                        "against its stateless twin (agent.tools.handover_live; --max-bytes: its total state)")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout (progress on stderr)")
     p.set_defaults(func=_cmd)
