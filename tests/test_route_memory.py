@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from agent.dataplane.routing import Outbox, Router
 from agent.dataplane import sticky
@@ -196,3 +198,42 @@ def test_the_id_ranges_answer_as_one_entry_per_record_would(seed: int) -> None:
                 k = owner.get((src, seq))
                 assert mem.dest_of(src, seq) == (batches[k][0] if k is not None else None), (step, src, seq)
     assert len(mem) == sum(len(b[2]) for b in batches)
+
+
+def _runs_of(ids) -> list:  # type: ignore[no-untyped-def]
+    """The plain model of one source's runs: its distinct ids sorted, as [gap, length, ...]."""
+    out: list = []
+    end = 0
+    for s in sorted(set(ids)):
+        if out and s == end:
+            out[-1] += 1
+        else:
+            out += [s - end, 1]
+        end = s + 1
+    return out
+
+
+@given(st.lists(st.tuples(st.sampled_from("stu"), st.integers(0, 60)), min_size=1, max_size=80),
+       st.booleans())
+@settings(max_examples=400, deadline=None)
+def test_the_fast_paths_remember_the_runs_the_plain_model_says(pairs, consecutive) -> None:  # type: ignore[no-untyped-def]
+    """`sent` has fast paths (one source; consecutive ascending ids; consecutive in any order or
+    with duplicates: one run) and a general one (several sources, gaps): for any batch, what is
+    remembered, saved and looked up must be what the plain model says. `consecutive` turns the
+    drawn batch into the common shape (one source, a block of ids) shuffled or not by the draw."""
+    if consecutive:
+        lo = pairs[0][1]
+        pairs = [("s", lo + i) for i in range(len(pairs))]
+        if len(pairs) > 2 and pairs[0][1] % 3 == 0:  # some of them unordered, some with a duplicate
+            pairs = pairs[1:] + pairs[:1] + ([pairs[1]] if pairs[0][1] % 2 else [])
+    mem = RouteMemory()
+    mem.sent("a", [(src, seq, None) for src, seq in pairs], bound=1)
+    want = {}
+    for src, seq in pairs:
+        want.setdefault(src, []).append(seq)
+    snap, _ = mem.take_save(0.0)
+    assert json.loads(snap) == [["a", {src: _runs_of(ids) for src, ids in want.items()}]]
+    assert len(mem) == len(pairs) and mem.runs() == sum(len(_runs_of(ids)) // 2 for ids in want.values())
+    for src in "stu":
+        for seq in range(-1, 130):
+            assert mem.dest_of(src, seq) == ("a" if seq in want.get(src, ()) else None), (src, seq)

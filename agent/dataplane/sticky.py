@@ -45,7 +45,7 @@ import json
 from bisect import bisect_left, bisect_right
 from collections import deque
 from functools import lru_cache
-from operator import itemgetter
+from operator import countOf, itemgetter
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 from agent.dataplane.envelope import Item
@@ -160,15 +160,22 @@ class _Spans:
         owners[i:j] = [owners[k] for k in keep]
 
 
-def _to_runs(seqs: Sequence[int]) -> Tuple[int, ...]:
-    """Ids as [gap, length, ...]: a batch of consecutive ids is two numbers, a sparse one (a
-    filter's output) about two small ones per id."""
+def _to_runs(seqs: List[int]) -> Tuple[int, ...]:
+    """Ids as [gap, length, ...] (sorted, duplicates once): a batch of consecutive ids is two
+    numbers, a sparse one (a filter's output) about two small ones per id. `seqs` is the
+    caller's own list (not copied, not changed)."""
     n = len(seqs)
-    if n and seqs[-1] - seqs[0] == n - 1 and list(seqs) == list(range(seqs[0], seqs[-1] + 1)):
-        return (seqs[0], n)  # consecutive and ascending (the common case: no sort, no loop)
+    if not n:
+        return ()
+    lo = seqs[0]
+    if seqs[-1] - lo == n - 1 and seqs == list(range(lo, lo + n)):
+        return (lo, n)  # consecutive and ascending (the common case: no set, no sort, no loop)
+    ids = sorted(set(seqs))
+    if ids[-1] - ids[0] == len(ids) - 1:
+        return (ids[0], len(ids))  # consecutive in any order, or with duplicates: still one run
     out: List[int] = []
     end = 0
-    for s in sorted(set(seqs)):
+    for s in ids:
         if out and s == end:
             out[-1] += 1
         else:
@@ -223,7 +230,7 @@ class RouteMemory:
         if not items:
             return
         first = items[0][0]
-        if list(map(_src, items)).count(first) == len(items):  # one source (C loops: ~3x all())
+        if countOf(map(_src, items), first) == len(items):  # one source (a C loop, no list)
             runs: Runs = ((first, _to_runs(list(map(_seq, items)))),)
         else:
             per: Dict[str, List[int]] = {}
@@ -242,7 +249,13 @@ class RouteMemory:
                 spans = self._where[src] = _Spans()
             if len(r) == 2:  # one run (the common case)
                 if r[1]:
-                    spans.assign(r[0], r[0] + r[1], entry)
+                    start = r[0]
+                    if spans.starts and start < spans.ends[-1]:
+                        spans.assign(start, start + r[1], entry)
+                    else:  # newer than everything (`assign`'s common case, without the call)
+                        spans.starts.append(start)
+                        spans.ends.append(start + r[1])
+                        spans.owners.append(entry)
                     self._runs += 1
                 continue
             for start, end in _ranges(r):
@@ -289,8 +302,8 @@ class RouteMemory:
             return items, {}
         first = items[0][0]
         spans = self._where.get(first)
-        if list(map(_src, items)).count(first) == len(items) and \
-                (spans is None or min(list(map(_seq, items))) >= spans.ends[-1]):
+        if countOf(map(_src, items), first) == len(items) and \
+                (spans is None or min(map(_seq, items)) >= spans.ends[-1]):
             return items, {}  # all newer than anything sent from that source (the common case)
         pinned: Dict[str, List[Item]] = {}
         free: Optional[List[Item]] = None
