@@ -721,3 +721,47 @@ def test_a_group_handed_out_is_gone_from_the_keyed_files_counters_included(tmp_p
     again.restore(KeyedState.load(path))
     assert 3 not in again.states and 3 not in again.emitted
     assert set(again.states) == set(range(GROUPS)) - {3}
+
+
+def test_a_keeper_that_crashes_while_a_leaver_hands_it_groups_loses_none_of_them() -> None:
+    """Found by `fog-agent chaos --pipeline stateful-scaling` (seed 24): the keeper took a
+    leaver's Offer and acked it in the same turn, and died before its state write; restarted, it
+    did not expect the groups and answered the leaver's chunks, sent again after the silence,
+    with Installed without installing them. The leaver went and the groups' state with it; their
+    records, held for an Offer that never came again, stalled the pipeline. The Offer is written
+    before its ack now, and an unexpected chunk of a newer move than any seen is taken as its Offer."""
+    keys = keys_per_group()
+    crashed = 0
+    for seed in range(24):
+        f = CrashFleet(fleet(seed).insts, seed)
+        batch = duplicate_while_fed(f, keys)
+        for _ in range(6):
+            batch()
+        settle(f)
+        copies = [n for n in f.insts if n.startswith("cnt-")]
+        k = f.insts[KEEPER]
+        assert copies and f.insts[copies[0]].moves.member.owned, f"seed {seed}: the copy got no share"
+        control(f, copies[0], "terminate")
+        # the keeper crashes at one of its next turns, after a seeded prefix of its commands
+        for _ in range(f.rng.randrange(1, 4)):
+            f.step()
+        f.crash = (KEEPER, f.rng.randrange(1, 12))
+        for _ in range(4):
+            batch()
+        for _ in range(3000):  # resends after a silence: time passes
+            if not f.step():
+                f.now += 1.0
+                f.tick_all()
+                k = f.insts[KEEPER]
+                if f.insts[copies[0]].exited and not any(f.chans.values()) and not k.moves.member.busy():
+                    break
+        settle(f)
+        crashed += f.crashes
+        k = f.insts[KEEPER]
+        assert f.insts[copies[0]].exited, f"seed {seed}: the copy never left"
+        assert k.moves.member.owned == set(range(GROUPS)), f"seed {seed}: the keeper holds {sorted(k.moves.member.owned)}"
+        assert k.moves.lowest_held() is None, f"seed {seed}: records held for ever"
+        got = counts_at_sink(f)
+        assert {key: sorted(set(v)) for key, v in got.items()} == {key: list(range(1, batch.seq + 1)) for key in keys}, \
+            f"seed {seed}: each key's count must run 1..{batch.seq} ({f.crashes} crashes)"
+    assert crashed >= 20

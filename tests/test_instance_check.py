@@ -398,10 +398,11 @@ FOUND_KEYED = [
     ("leave_with_groups", dataclasses.replace(KEYED, dups=0, refusals=0), 379, {"round_not_ended", "move_not_ended"}),
     # A move whose Redirect the rollback lost is never asked again.
     ("no_redirect_resend", KEYED_ROLLBACK, 19, {"move_not_ended"}),
-    # A predecessor's copy that joined during a move is not waited for (its Start came after a
-    # lost Redirect, with the old table).
-    ("no_add_pred", dataclasses.replace(KEYED, crashes=0, dups=0, refusals=0, brokers=1, broker_kinds=("rollback",)),
-     213, {"move_not_ended"}),
+    # (`no_add_pred`, a predecessor's copy that joined during a move not waited for, is not in
+    # this list: its schedule 213 failed through another defect, a chunk that came before the
+    # copy's Start told Installed without being installed, fixed since; with that fixed no
+    # schedule of 7,000 in three mixes needs the rule at the instance level. The member's rule
+    # itself is checked in tests/test_group_moves.py, which fails with `add_pred` doing nothing.)
     # A predecessor that left during a move is still waited for.
     ("no_remove_pred", dataclasses.replace(KEYED, dups=0, refusals=0), 379, {"move_not_ended"}),
 ]

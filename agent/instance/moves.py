@@ -99,7 +99,7 @@ def _int(body: Dict[str, Any], name: str, lo: int, hi: int) -> int:
 
 def decode(sender: str, body: Any, groups: int) -> Tuple[Any, int]:
     """(message, version) from an untrusted body; ValueError naming the field otherwise. The
-    version is the Offer's (-1 for the others)."""
+    version is the Offer's or the chunk's move (-1 for the others, and for a chunk without one)."""
     if not isinstance(body, dict):
         raise ValueError("hand-over message: expected an object")
     kind = body.get("type")
@@ -123,7 +123,7 @@ def decode(sender: str, body: Any, groups: int) -> Tuple[Any, int]:
             raw = base64.b64decode(data, validate=True)
         except (binascii.Error, ValueError):
             raise ValueError("state_chunk: 'data' is not base64") from None
-        return StateChunk(g, i, n, raw), -1
+        return StateChunk(g, i, n, raw), (_int(body, "v", -1, 2 ** 53) if "v" in body else -1)
     if kind == "installed":
         return Installed(g), -1
     raise ValueError(f"not a hand-over message type: {str(kind)[:40]!r}")
@@ -166,6 +166,10 @@ class GroupMoves:
         self.key_field = w.keyed.key_field
         self.member = Member(w.spec.instance, owned)
         self.versions: Dict[int, int] = dict(versions) if versions is not None else {g: 0 for g in self.member.owned}
+        # group -> the newest move of it towards us we have seen (Offer, Start share or chunk):
+        # never dropped, so that a chunk sent again for a move we completed long ago is told
+        # Installed, and one of a newer move whose Offer a crash lost is taken as that Offer
+        self.seen: Dict[int, int] = {}
         self.held = 0  # records in the member's buffers (new.buffer and early)
         self.shares: Dict[str, List[Tuple[int, int]]] = {}  # copy -> [(group, version)] its Start names
         # group -> (new owner, chunk bodies): handed out, kept until Installed (sent again after
@@ -263,12 +267,25 @@ class GroupMoves:
             elif isinstance(msg, Offer):
                 outs = self.member.on_offer(sender, msg)
                 self.versions[msg.group] = version
+                self.seen[msg.group] = max(version, self.seen.get(msg.group, -1))
+                # Written before the Offer's ack leaves (`flush` comes before the turn's acks):
+                # acked and then lost in a crash, the leaver would never send it again, and we
+                # would answer its chunks, sent again after the silence, as a group installed.
+                self.flush_due = True
             elif isinstance(msg, StateChunk):
                 n = self.member.new
-                if n.expected.get(msg.group) != sender:
+                g = msg.group
+                if (n.expected.get(g) != sender and version > self.seen.get(g, -1) and g not in n.owned
+                        and g not in n.expected):
+                    # A newer move than any we have seen: its Offer was lost in our crash (taken,
+                    # not yet written): the chunk stands for it.
+                    self.member.on_offer(sender, Offer(g))
+                    self.versions[g] = self.seen[g] = version
+                    self.counts["offers_from_chunks"] = self.counts.get("offers_from_chunks", 0) + 1
+                if n.expected.get(g) != sender:
                     # Sent again (our Installed was lost, or the old owner restarted) for a group we
                     # installed, and may have handed on since: Installed again, so that it stops.
-                    self.deferred.append((sender, encode(Installed(msg.group))))
+                    self.deferred.append((sender, encode(Installed(g))))
                     self.flush_due = True
                     return
                 if msg.index in n.parts.get(msg.group, {}):
@@ -315,6 +332,7 @@ class GroupMoves:
         """A copy's share, named in its Start: `group` comes from `old` (its creator)."""
         self.member.expect(group, old)
         self.versions[group] = version
+        self.seen[group] = max(version, self.seen.get(group, -1))
 
     # ---- rounds ---------------------------------------------------------------------------------------
 
@@ -414,15 +432,21 @@ class GroupMoves:
     def perform(self, outs: List[Any], version: int = -1) -> None:
         w = self.w
         forgot = [o.group for o in outs if isinstance(o, Forget)]
+        # a chunk carries its move's version (read before a Forget below drops it)
+        moved = {g: self.versions.get(g, -1) for g in forgot}
         for g in forgot:
             chunks = [o for o in outs if isinstance(o, Send) and isinstance(o.message, StateChunk)
                       and o.message.group == g]
-            self.outgoing[g] = (chunks[0].dest, [encode(o.message) for o in chunks])
+            self.outgoing[g] = (chunks[0].dest, [dict(encode(o.message), v=moved[g]) for o in chunks])
             self.last_heard[g] = w.now
         if forgot:
             self.flush_due = True  # chunks and Installed leave after the turn's writes (`flush`)
         for o in outs:
-            if isinstance(o, Send) and isinstance(o.message, (StateChunk, Installed)):
+            if isinstance(o, Send) and isinstance(o.message, StateChunk):
+                v = moved.get(o.message.group, self.versions.get(o.message.group, -1))
+                self.deferred.append((o.dest, dict(encode(o.message), v=v)))
+                self.flush_due = True
+            elif isinstance(o, Send) and isinstance(o.message, Installed):
                 self.deferred.append((o.dest, encode(o.message)))
                 self.flush_due = True
             elif isinstance(o, Send):
@@ -484,6 +508,7 @@ class GroupMoves:
         member["buffer"] = [[g, []] for g, _ in member["buffer"]]
         member["early"] = []
         return {"member": member, "versions": sorted([g, v] for g, v in self.versions.items()),
+                "seen": sorted([g, v] for g, v in self.seen.items()),
                 "shares": {c: [list(x) for x in sh] for c, sh in self.shares.items()},
                 "leaving": self.leaving,
                 "outgoing": [[g, new, bodies] for g, (new, bodies) in sorted(self.outgoing.items())]}
@@ -492,6 +517,7 @@ class GroupMoves:
         """What `dump` saved (our own file: trusted as the rest of the instance state)."""
         self.member = Member.from_json(d["member"])
         self.versions = {int(g): int(v) for g, v in d.get("versions") or []}
+        self.seen = {int(g): int(v) for g, v in d.get("seen") or []}
         self.held = 0
         self.restored = True
         self.outgoing = {int(g): (str(new), list(bodies)) for g, new, bodies in d.get("outgoing") or []}
