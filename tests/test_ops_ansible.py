@@ -38,9 +38,24 @@ pytestmark = pytest.mark.skipif(not PLAYBOOK.exists(), reason="ansible-core is n
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port BELOW the kernel's ephemeral range. The broker binds it only after the
+    playbook has run (a minute or more); a port the kernel handed out (bind to 0) could by then
+    be the ephemeral port of another test's client or broker ("Address already in use", seen
+    with three test processes), while one outside that range is taken only by a process that
+    names it."""
+    import random
+
+    lo = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, lo - 12000), lo)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port below {lo}")
 
 
 def ansible_env(tmp: Path) -> Dict[str, str]:
