@@ -53,8 +53,9 @@ CHEAP_JSON_COMMANDS: List[List[str]] = [
     ["bench", "spill", "--json", "--records", "2000", "--reps", "1"],
     ["calibrate", "--json", "--dry-run", "--pipeline", "examples/pipeline.toml", "--operator", "validate",
      "--window", "0.05", "--max-rate", "300", "--node", "n1", "--state-dir", "{tmp}"],
-    # a broker and worker processes for half a second per part (~8 s)
-    pytest.param(["bench", "dataplane", "--json", "--seconds", "0.5", "--rescale-cycles", "0"], marks=pytest.mark.slow),
+    # a broker and worker processes for half a second per part, one round of the alternating phase
+    pytest.param(["bench", "dataplane", "--json", "--seconds", "0.5", "--rescale-cycles", "0", "--rounds", "1",
+                  "--slice", "0.5"], marks=pytest.mark.slow),
 ]
 
 
