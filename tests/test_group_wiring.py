@@ -621,6 +621,17 @@ class CrashFleet(Fleet):
         self.take(name, inst.handle(Restarted(WALL0 + self.now, self.persisted.get(name, {}), None, keyed), self.now))
 
 
+def run_with_resends(f: Fleet, done: Any, limit: int = 3000) -> None:
+    """Deliver; when nothing is on its way, let a second pass (the moves' resends after a
+    silence), until no channel holds anything and `done()`."""
+    for _ in range(limit):
+        if not f.step():
+            f.now += 1.0
+            f.tick_all()
+            if not any(f.chans.values()) and done():
+                return
+
+
 def test_a_crash_of_either_owner_in_the_middle_of_a_move_loses_and_doubles_nothing() -> None:
     keys = keys_per_group()
     crashed = 0
@@ -631,14 +642,8 @@ def test_a_crash_of_either_owner_in_the_middle_of_a_move_loses_and_doubles_nothi
         f.arm = True  # mid-move: either owner, after any prefix of one of its turns
         for i in range(12):
             batch()
-        for _ in range(3000):  # resends after a silence: time passes
-            if not f.step():
-                f.now += 1.0
-                f.tick_all()
-                if not any(f.chans.values()) and all(
-                        not i.moves.member.busy() and not i.scaling.core.in_round
-                        for i in f.insts.values() if i.moves is not None):
-                    break
+        run_with_resends(f, lambda: all(not i.moves.member.busy() and not i.scaling.core.in_round
+                                        for i in f.insts.values() if i.moves is not None))
         settle(f)
         crashed += f.crashes
         copies = [n for n in f.insts if n.startswith("cnt-")]
@@ -748,13 +753,7 @@ def test_a_keeper_that_crashes_while_a_leaver_hands_it_groups_loses_none_of_them
         f.crash = (KEEPER, f.rng.randrange(1, 12))
         for _ in range(4):
             batch()
-        for _ in range(3000):  # resends after a silence: time passes
-            if not f.step():
-                f.now += 1.0
-                f.tick_all()
-                k = f.insts[KEEPER]
-                if f.insts[copies[0]].exited and not any(f.chans.values()) and not k.moves.member.busy():
-                    break
+        run_with_resends(f, lambda: f.insts[copies[0]].exited and not f.insts[KEEPER].moves.member.busy())
         settle(f)
         crashed += f.crashes
         k = f.insts[KEEPER]
