@@ -317,6 +317,13 @@ class Instance:
             "spool_stalls": 0,  # a sink held back by its full spool
             "spool_events": 0,  # spool events published
             "unrouted_dropped": 0,  # envelopes for a destination no binding names, dropped past UNROUTED_MAX
+            # key-group hand-over messages (agent.instance.moves), counted apart from the paper's
+            "handover_in": 0,
+            "handover_out": 0,
+            "handover_bytes_in": 0,
+            "handover_bytes_out": 0,
+            "handover_errors": 0,  # refused at this level (a Redirect malformed, a move to a keyless instance)
+            "eos_before_replay": 0,  # an Eos ahead of its predecessor's replay marker, dropped (asked again)
             # recovery (docs/reliability.md): a new incarnation of ours, by cause
             "sessions_lost": 0,
             "gaps_recovered": 0,
@@ -826,7 +833,7 @@ class Instance:
             self._handover_error(sender, str(exc))
 
     def _handover_error(self, sender: str, why: str) -> None:
-        self.stats["handover_errors"] = self.stats.get("handover_errors", 0) + 1
+        self.stats["handover_errors"] += 1
         if self.log_limited(sender):
             log.warning("hand-over from %s: %s", sender[:64], why, extra=self.ctx)
 
@@ -872,7 +879,7 @@ class Instance:
                     # An Eos ahead of its predecessor's replay marker follows records we drop until
                     # that replay: taken now, it would overtake them. The move asks again
                     # (agent.instance.moves, MOVE_RESEND), and the new Eos comes behind the replay.
-                    self.stats["eos_before_replay"] = self.stats.get("eos_before_replay", 0) + 1
+                    self.stats["eos_before_replay"] += 1
                     continue
                 q = self.queues.get(e.sender)
                 if q is None:
@@ -1347,8 +1354,8 @@ class Instance:
     def _on_protocol(self, env: Envelope) -> None:
         body = env.body
         if isinstance(body, dict) and body.get("type") in group_moves.HANDOVER_TYPES:
-            self.stats["handover_in"] = self.stats.get("handover_in", 0) + 1
-            self.stats["handover_bytes_in"] = self.stats.get("handover_bytes_in", 0) + group_moves.body_size(body)
+            self.stats["handover_in"] += 1
+            self.stats["handover_bytes_in"] += group_moves.body_size(body)
             if body["type"] == "redirect" and self.next_keyed:
                 try:
                     msg, _ = group_moves.decode(env.sender, body, self.router.groups)
@@ -1363,7 +1370,7 @@ class Instance:
             elif self.moves is not None:
                 self.moves.on_message(env.sender, body)
             else:
-                self.stats["handover_errors"] = self.stats.get("handover_errors", 0) + 1
+                self.stats["handover_errors"] += 1
             return
         if self.scaling is None:
             self.stats["protocol_in"] += 1
@@ -1631,8 +1638,8 @@ class Instance:
         self.send_handover_body(dest, body)
 
     def send_handover_body(self, dest: str, body: Dict[str, Any]) -> None:
-        self.stats["handover_out"] = self.stats.get("handover_out", 0) + 1
-        self.stats["handover_bytes_out"] = self.stats.get("handover_bytes_out", 0) + group_moves.body_size(body)
+        self.stats["handover_out"] += 1
+        self.stats["handover_bytes_out"] += group_moves.body_size(body)
         self.send_envelope(dest, Kind.PROTO, body)
 
     def _lowest_forwarding(self) -> Optional[int]:
