@@ -8,11 +8,12 @@ one the Ansible role renders (explicit queue limits), so that a dropped message 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Dict, Iterator, List
 
 import pytest
 
@@ -85,3 +86,61 @@ def spark() -> Iterator["object"]:
     )
     yield session
     session.stop()
+
+
+# ---- the order in which pytest-xdist deals out the test files ----------------------------------
+#
+# `make test` runs `--dist loadfile`: a file goes whole to one process, in the order of the
+# collection (`--no-loadscope-reorder` in pyproject.toml; xdist's own default deals the files
+# with the most tests first, which put the chaos and fleet files, two or three long tests each,
+# last: a 28-minute run spent its last 5 minutes on one process). Longest file first keeps the
+# three processes' sums within a few seconds of each other. The seconds per file come from a
+# recorded run (tests/file_seconds.json, rewritten by `--record-file-seconds`); a file missing
+# from it is dealt first, as if it were the longest: a short one costs nothing there, a long one
+# dealt last would extend the tail (docs/testing.md).
+
+FILE_SECONDS = Path(__file__).resolve().parent / "file_seconds.json"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--record-file-seconds", metavar="PATH", default=None,
+                     help="write the seconds spent per test file (setup + call + teardown) to PATH as JSON")
+
+
+def file_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
+    """In an xdist worker, sort the files longest first (stable: a file's tests keep their order).
+    Every worker sorts the same collection with the same table, so the collections still match."""
+    if not hasattr(config, "workerinput"):
+        return  # one process: the order does not change the wall time; keep the files' order
+    try:
+        seconds: Dict[str, float] = json.loads(FILE_SECONDS.read_text())["seconds"]
+    except (OSError, ValueError, KeyError):
+        seconds = {}
+    unknown = float("inf")
+    items.sort(key=lambda item: -seconds.get(file_of(item.nodeid), unknown))
+
+
+class FileSeconds:
+    """Sums report durations per file in the process that sees every report (xdist's controller)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.seconds: Dict[str, float] = {}
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        f = file_of(report.nodeid)
+        self.seconds[f] = self.seconds.get(f, 0.0) + report.duration
+
+    def pytest_sessionfinish(self) -> None:
+        ordered = dict(sorted(((f, round(s, 1)) for f, s in self.seconds.items()), key=lambda kv: -kv[1]))
+        self.path.write_text(json.dumps({"seconds": ordered}, indent=1) + "\n")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    path = config.getoption("--record-file-seconds")
+    if path and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(FileSeconds(Path(path)), "file-seconds")
