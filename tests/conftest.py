@@ -88,6 +88,28 @@ def spark() -> Iterator["object"]:
     session.stop()
 
 
+@pytest.fixture(scope="session")
+def ops_wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheelhouse of this checkout (packaging/build-wheelhouse.sh), built once per test run
+    for the Ansible and .deb tests, whichever processes run them: it lives in the run's directory,
+    above each xdist worker's own, and the build is serialized by a file lock (the script skips a
+    wheelhouse already built from the same sources). Each test process built its own before:
+    12-25 s each."""
+    import fcntl
+    import subprocess
+
+    run_dir = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        run_dir = run_dir.parent  # pytest-N/, shared by popen-gw0, popen-gw1, ...
+    out = run_dir / "ops-wheelhouse"
+    with open(run_dir / "ops-wheelhouse.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        res = subprocess.run(["bash", str(ROOT / "packaging/build-wheelhouse.sh"), str(out)],
+                             capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    return out
+
+
 # ---- the order in which pytest-xdist deals out the test files ----------------------------------
 #
 # `make test` runs `--dist loadfile`: a file goes whole to one process, in the order of the
