@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Dict, Iterator, List
+from typing import Any, Dict, Iterator, List
 
 import pytest
 
@@ -119,9 +119,14 @@ def ops_wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # three processes' sums within a few seconds of each other. The seconds per file come from a
 # recorded run (tests/file_seconds.json, rewritten by `--record-file-seconds`); a file missing
 # from it is dealt first, as if it were the longest: a short one costs nothing there, a long one
-# dealt last would extend the tail (docs/testing.md).
+# dealt last would extend the tail (README.md, "Tests").
 
 FILE_SECONDS = Path(__file__).resolve().parent / "file_seconds.json"
+
+# The files whose tests use the `spark` fixture go to one process as one unit: the session is a
+# JVM that takes 6-20 s to start on a quiet machine (196 s at load 31), once per process that
+# asks for it. tests/test_fixtures.py checks that this list names every such file.
+SPARK_FILES = frozenset({"tests/test_analytics_spark.py", "tests/test_debs_edge.py", "tests/test_fixtures.py"})
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -131,6 +136,28 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def file_of(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
+
+
+def unit_of(nodeid: str) -> str:
+    """What xdist deals out as one piece: a test file, or the Spark files together."""
+    f = file_of(nodeid)
+    return "spark" if f in SPARK_FILES else f
+
+
+class Dealing:
+    """`--dist loadfile` with the Spark files as one unit (pytest-xdist's own scheduler otherwise)."""
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_xdist_make_scheduler(self, config: pytest.Config, log: Any) -> Any:
+        if config.getvalue("dist") != "loadfile":
+            return None
+        from xdist.scheduler import LoadFileScheduling
+
+        class ByUnit(LoadFileScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                return unit_of(nodeid)
+
+        return ByUnit(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
@@ -143,7 +170,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item
     except (OSError, ValueError, KeyError):
         seconds = {}
     unknown = float("inf")
-    items.sort(key=lambda item: -seconds.get(file_of(item.nodeid), unknown))
+    units: Dict[str, float] = {}
+    for f in {file_of(item.nodeid) for item in items}:
+        units[unit_of(f)] = units.get(unit_of(f), 0.0) + seconds.get(f, unknown)
+    items.sort(key=lambda item: (-units[unit_of(item.nodeid)], unit_of(item.nodeid)))
 
 
 class FileSeconds:
@@ -163,6 +193,8 @@ class FileSeconds:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(Dealing(), "dealing")
     path = config.getoption("--record-file-seconds")
     if path and not hasattr(config, "workerinput"):
         config.pluginmanager.register(FileSeconds(Path(path)), "file-seconds")
