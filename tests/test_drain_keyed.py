@@ -31,7 +31,7 @@ WINDOW = {"time_field": "pickup_datetime", "size_ms": 300_000, "lateness_ms": 60
           "field": "total_amount"}
 
 
-def pipeline(topic: str) -> str:
+def pipeline(topic: str, rate: float = 150.0, n: int = N) -> str:
     """source (500 medallions) -> win (a 5-minute sum per medallion, keyed) -> an MQTT sink."""
     params = ", ".join(f"{k} = {json.dumps(v)}" for k, v in WINDOW.items())
     return f"""
@@ -45,7 +45,7 @@ kind = "source"
 function = "agent.operators.taxi:source"
 key = "medallion"
 batch_size = 20
-params = {{ seed = 4, profile = "constant", rate = 150.0, max_records = {N} }}
+params = {{ seed = 4, profile = "constant", rate = {rate}, max_records = {n} }}
 [[operator]]
 name = "win"
 function = "agent.operators.keyed:tumbling_window"
@@ -59,12 +59,12 @@ params = {{ topic = "{topic}" }}
 """
 
 
-def fault_free() -> Dict[Tuple[str, int], str]:
+def fault_free(n: int = N) -> Dict[Tuple[str, int], str]:
     """The reference: the operator over the source's records in order, in one process."""
     op = tumbling_window.build(OperatorContext("w", "win", "n", "map", params=dict(WINDOW)))
     ks = KeyedState(op, "win", "medallion", 128)
     gen = TaxiGenerator(4, "dk.source.0")
-    out = ks.apply("dk.source.0", [("dk.source.0", i, gen.record()) for i in range(N)], 1)
+    out = ks.apply("dk.source.0", [("dk.source.0", i, gen.record()) for i in range(n)], 1)
     return {(s, q): json.dumps(r, sort_keys=True) for s, q, r in out}
 
 
@@ -145,3 +145,67 @@ def test_drain_moves_a_keyed_keeper_with_its_state_and_the_windows_equal_the_fau
     assert coll.got == want
     print(f"keyed drain test: {time.monotonic() - started:.1f}s, {len(want)} windows, keeper on {node}, "
           f"replayed records skipped there: {stats.get('duplicates_skipped')}, copies at the sink: {coll.copies}")
+
+
+def test_the_site_manager_consolidates_a_fleet_running_a_keyed_pipeline(mosquitto: Any, tmp_path: Path) -> None:
+    """The site manager (docs/site-manager.md) drains the node that hosts the keyed window's
+    keeper, as it drains any node the fleet can do without, and releases it once it is empty:
+    the keeper lands on the other node with its keyed state, and the windows at the sink equal
+    the fault-free run. n1 (3 slots) runs the pipeline before n2 (12 slots, the only site
+    manager candidate) starts: spare capacity without n2 is below the target, without n1 it is
+    not, so n1 is the node to drain (`site_manager.decide`)."""
+    started = time.monotonic()
+    n = 3000
+    want = fault_free(n)
+    cluster = "dks" + uuid.uuid4().hex[:8]
+    topic = f"lab/{cluster}/out"
+    coll = Collector(mosquitto.host, mosquitto.port, topic)
+    fleet = Fleet(tmp_path, nodes=("n1",), slots=3, cluster=cluster, broker_host=mosquitto.host,
+                  broker_port=mosquitto.port, state_period=0.5, heartbeat_period=0.2, shutdown_timeout=8.0)
+    fleet.start()
+    mon = Monitor(mosquitto.host, mosquitto.port, cluster)
+    keeper = "dk.win.0"
+
+    def emitted() -> int:
+        with coll.lock:
+            return len(coll.got)
+
+    def on(m: Any, inst: str) -> list:
+        return [nd for nd, doc in m.states.items() if m.status.get(nd) == "online"
+                for i in doc.get("instances", []) if i["id"] == inst and i["status"] == "active"]
+
+    try:
+        assert mon.wait(lambda m: m.status.get("n1") == "online", 30)
+        fleet.deploy(pipeline(topic, rate=120.0, n=n))
+        assert mon.wait(lambda m: on(m, keeper) == ["n1"], 20), mon.states
+        assert mon.wait(lambda m: emitted() > 20, 20)  # records flow: n1's instances report a load
+        fleet.nodes, fleet.slots = ("n1", "n2"), 12
+        fleet.extra_toml = ("[site_manager]\nenabled = true\ntarget = 0.88\nmin_nodes = 1\nmax_nodes = 2\n"
+                            "cooldown = 1.0\ntimeout = 60.0\nperiod = 0.5\nlease = 4.0\n")
+        fleet.start_agent("n2", dict(os.environ, PYTHONPATH=str(ROOT)))
+
+        def site(m: Any) -> list:
+            return [((e.get("detail") or {}).get("action"), (e.get("detail") or {}).get("node"))
+                    for e in list(m.events) if e.get("type") == "site_action"]
+
+        assert mon.wait(lambda m: ("drain", "n1") in site(m), 30), (site(mon), mon.states)
+        assert emitted() < len(want), emitted()  # mid-stream
+        assert mon.wait(lambda m: ("release", "n1") in site(m), 30), (site(mon), mon.states.get("n1"))
+        assert mon.states["n1"]["instances"] == []
+        assert mon.wait(lambda m: on(m, keeper) == ["n2"], 20), mon.states.get("n2")
+        deadline = time.monotonic() + 60
+        while emitted() < len(want) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)
+        assert site(mon)[:2] == [("drain", "n1"), ("release", "n1")], site(mon)
+        assert keeper in {e["instance"] for e in mon.agent_events("terminated", "handover")}
+    finally:
+        codes = fleet.stop()
+        mon.close()
+        coll.close()
+    assert all(c == 0 for c in codes.values()), codes
+    assert coll.conflicts == [], coll.conflicts[:3]
+    missing, extra = sorted(set(want) - set(coll.got)), sorted(set(coll.got) - set(want))
+    assert not missing and not extra, (len(missing), missing[:3], len(extra), extra[:3])
+    assert coll.got == want
+    print(f"keyed consolidation test: {time.monotonic() - started:.1f}s, {len(want)} windows")

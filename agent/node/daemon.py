@@ -1201,7 +1201,9 @@ class Agent:
         try:
             data = self.staging.take(requester, spec.instance, spec.extra["handover_keyed"])
             statexfer.check_keyed(data, spec.operator)
-            write_atomic(Path(self.cfg.agent.state_dir) / f"{spec.instance}.keyed.handover", data.decode("utf-8"))
+            state_dir = Path(self.cfg.agent.state_dir)
+            state_dir.mkdir(parents=True, exist_ok=True)  # a fresh node's has no worker yet
+            write_atomic(state_dir / f"{spec.instance}.keyed.handover", data.decode("utf-8"))
         except (ValueError, OSError) as exc:
             self._bad(f"keyed state of {spec.instance}", requester, exc)
             return f"keyed state of {spec.instance}: {exc}"
