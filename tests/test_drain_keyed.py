@@ -17,7 +17,7 @@ import pytest
 from agent.instance.keyed_state import KeyedState
 from agent.node.rpc import RpcClient
 from agent.operators.builtin import OperatorContext
-from agent.operators.keyed import tumbling_window
+from agent.operators.keyed import sliding_window, tumbling_window
 from agent.operators.taxi import TaxiGenerator
 from agent.tools.demo import Fleet, Monitor
 from test_fogctl_agents import fogctl
@@ -29,11 +29,19 @@ ROOT = Path(__file__).resolve().parent.parent
 N = 2400
 WINDOW = {"time_field": "pickup_datetime", "size_ms": 300_000, "lateness_ms": 600_000, "agg": "sum",
           "field": "total_amount"}
+# 30-minute windows every minute: ~30 open windows per medallion, a keyed state of ~600 kB when
+# the keeper moves, so that it travels in several chunks (statexfer.CHUNK_BYTES, 128 KiB).
+SLIDING = dict(WINDOW, size_ms=1_800_000, slide_ms=60_000)
 
 
-def pipeline(topic: str, rate: float = 150.0, n: int = N) -> str:
-    """source (500 medallions) -> win (a 5-minute sum per medallion, keyed) -> an MQTT sink."""
-    params = ", ".join(f"{k} = {json.dumps(v)}" for k, v in WINDOW.items())
+def _function(window: Dict[str, Any]) -> Any:
+    return sliding_window if "slide_ms" in window else tumbling_window
+
+
+def pipeline(topic: str, rate: float = 150.0, n: int = N, window: Dict[str, Any] = WINDOW) -> str:
+    """source (500 medallions) -> win (a windowed sum per medallion, keyed) -> an MQTT sink."""
+    params = ", ".join(f"{k} = {json.dumps(v)}" for k, v in window.items())
+    function = "sliding_window" if "slide_ms" in window else "tumbling_window"
     return f"""
 [pipeline]
 name = "dk"
@@ -48,7 +56,7 @@ batch_size = 20
 params = {{ seed = 4, profile = "constant", rate = {rate}, max_records = {n} }}
 [[operator]]
 name = "win"
-function = "agent.operators.keyed:tumbling_window"
+function = "agent.operators.keyed:{function}"
 batch_size = 20
 params = {{ {params} }}
 [[operator]]
@@ -59,9 +67,9 @@ params = {{ topic = "{topic}" }}
 """
 
 
-def fault_free(n: int = N) -> Dict[Tuple[str, int], str]:
+def fault_free(n: int = N, window: Dict[str, Any] = WINDOW) -> Dict[Tuple[str, int], str]:
     """The reference: the operator over the source's records in order, in one process."""
-    op = tumbling_window.build(OperatorContext("w", "win", "n", "map", params=dict(WINDOW)))
+    op = _function(window).build(OperatorContext("w", "win", "n", "map", params=dict(window)))
     ks = KeyedState(op, "win", "medallion", 128)
     gen = TaxiGenerator(4, "dk.source.0")
     out = ks.apply("dk.source.0", [("dk.source.0", i, gen.record()) for i in range(n)], 1)
@@ -74,12 +82,13 @@ def test_drain_moves_a_keyed_keeper_with_its_state_and_the_windows_equal_the_fau
     terminates (its groups back to the keeper), the keeper stops, its agent ships its keyed state
     and starts it on h1 or h3 with the same identity, which installs the state before it starts.
     Then every window of the reference is at the sink, once, with the same sum, and no other.
-    Without the shipped keyed state the new incarnation starts empty: the windows open at the
-    drain lose what came before it (their sums differ) and the medallions' output numbering
-    restarts (ids reused with other content)."""
+    The windows slide (30 min every minute): the state the keeper takes along is ~250-600 kB,
+    several chunks. Without the shipped keyed state the new incarnation starts empty: the
+    windows open at the drain lose what came before it and the medallions' output numbering
+    restarts (ids reused with other content: 60 of them when the worker's install was cut)."""
     started = time.monotonic()
-    want = fault_free()
-    assert len(want) > 1000  # ~40 min of pickups, 5-min windows, ~480 medallions
+    want = fault_free(window=SLIDING)
+    assert len(want) > 10_000  # ~40 min of pickups, 30-min windows every minute, ~480 medallions
     cluster = "dk" + uuid.uuid4().hex[:8]
     topic = f"lab/{cluster}/out"
     coll = Collector(mosquitto.host, mosquitto.port, topic)
@@ -103,7 +112,7 @@ def test_drain_moves_a_keyed_keeper_with_its_state_and_the_windows_equal_the_fau
 
     try:
         assert mon.wait(lambda m: m.status.get("h2") == "online", 30)
-        fleet.deploy(pipeline(topic))
+        fleet.deploy(pipeline(topic, window=SLIDING))
         assert mon.wait(lambda m: bool(hosts(m, keeper)) and hosts(m, keeper)[0][0] == "h2", 20), mon.states
         fleet.nodes = ("h1", "h2", "h3")
         env = dict(os.environ, PYTHONPATH=str(ROOT))
