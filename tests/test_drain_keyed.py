@@ -76,6 +76,45 @@ def fault_free(n: int = N, window: Dict[str, Any] = WINDOW) -> Dict[Tuple[str, i
     return {(s, q): json.dumps(r, sort_keys=True) for s, q, r in out}
 
 
+class Run:
+    """One live run: the sink's collector, a fleet of one agent (`node`) on the test broker, its
+    monitor, and the checks against the reference."""
+
+    def __init__(self, mosquitto: Any, tmp_path: Path, prefix: str, node: str, slots: int) -> None:
+        self.cluster = prefix + uuid.uuid4().hex[:8]
+        self.topic = f"lab/{self.cluster}/out"
+        self.coll = Collector(mosquitto.host, mosquitto.port, self.topic)
+        self.fleet = Fleet(tmp_path, nodes=(node,), slots=slots, cluster=self.cluster, broker_host=mosquitto.host,
+                           broker_port=mosquitto.port, state_period=0.5, heartbeat_period=0.2, shutdown_timeout=8.0)
+        self.fleet.start()
+        self.mon = Monitor(mosquitto.host, mosquitto.port, self.cluster)
+
+    def emitted(self) -> int:
+        with self.coll.lock:
+            return len(self.coll.got)
+
+    def wait_for(self, want: Dict[Tuple[str, int], str], bound: float = 60.0) -> None:
+        """Until every window of the reference came (or `bound`), then a moment for any more."""
+        deadline = time.monotonic() + bound
+        while self.emitted() < len(want) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)  # anything more (a window the reference does not have) arrives now
+
+    def stop(self) -> Dict[str, Any]:
+        codes = self.fleet.stop()
+        self.mon.close()
+        self.coll.close()
+        return codes
+
+    def check(self, want: Dict[Tuple[str, int], str]) -> None:
+        """Every window of the reference once, with its content, and no other."""
+        got = self.coll.got
+        assert self.coll.conflicts == [], self.coll.conflicts[:3]  # an id never carries two windows
+        missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+        assert not missing and not extra, (len(missing), missing[:3], len(extra), extra[:3])
+        assert got == want
+
+
 def test_drain_moves_a_keyed_keeper_with_its_state_and_the_windows_equal_the_fault_free_run(
         capsys: Any, mosquitto: Any, tmp_path: Path) -> None:
     """h2 hosts every keeper and a copy of the keyed window; `fogctl drain h2` mid-stream: the copy
@@ -89,13 +128,8 @@ def test_drain_moves_a_keyed_keeper_with_its_state_and_the_windows_equal_the_fau
     started = time.monotonic()
     want = fault_free(window=SLIDING)
     assert len(want) > 10_000  # ~40 min of pickups, 30-min windows every minute, ~480 medallions
-    cluster = "dk" + uuid.uuid4().hex[:8]
-    topic = f"lab/{cluster}/out"
-    coll = Collector(mosquitto.host, mosquitto.port, topic)
-    fleet = Fleet(tmp_path, nodes=("h2",), slots=4, cluster=cluster, broker_host=mosquitto.host,
-                  broker_port=mosquitto.port, state_period=0.5, heartbeat_period=0.2, shutdown_timeout=8.0)
-    fleet.start()
-    mon = Monitor(mosquitto.host, mosquitto.port, cluster)
+    run = Run(mosquitto, tmp_path, "dk", "h2", slots=4)
+    fleet, mon, cluster = run.fleet, run.mon, run.cluster
     keeper = "dk.win.0"
 
     def hosts(m: Any, inst: str) -> list:
@@ -106,13 +140,9 @@ def test_drain_moves_a_keyed_keeper_with_its_state_and_the_windows_equal_the_fau
         return [i["id"] for n, doc in m.states.items() if node in (None, n) and m.status.get(n) == "online"
                 for i in doc.get("instances", []) if i["operator"] == "win" and i["status"] == "active"]
 
-    def emitted() -> int:
-        with coll.lock:
-            return len(coll.got)
-
     try:
         assert mon.wait(lambda m: m.status.get("h2") == "online", 30)
-        fleet.deploy(pipeline(topic, window=SLIDING))
+        fleet.deploy(pipeline(run.topic, window=SLIDING))
         assert mon.wait(lambda m: bool(hosts(m, keeper)) and hosts(m, keeper)[0][0] == "h2", 20), mon.states
         fleet.nodes = ("h1", "h2", "h3")
         env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -122,17 +152,14 @@ def test_drain_moves_a_keyed_keeper_with_its_state_and_the_windows_equal_the_fau
         assert "accepted" in fogctl(capsys, mosquitto, cluster, "scale", "win", "+1")
         assert mon.wait(lambda m: len(wins(m, "h2")) == 2, 30), mon.states.get("h2")  # the copy: h2 too
         [copy] = [i for i in wins(mon, "h2") if i != keeper]
-        assert emitted() < len(want) // 2, emitted()  # mid-stream
+        assert run.emitted() < len(want) // 2, run.emitted()  # mid-stream
         doc = fogctl(capsys, mosquitto, cluster, "--json", "drain", "h2")
         assert doc["ok"] and {keeper, copy} <= set(doc["result"]["leaving"]), doc
         assert mon.wait(lambda m: m.states.get("h2", {}).get("instances") == [], 30), mon.states.get("h2")
         assert mon.wait(lambda m: any(n != "h2" and i["status"] == "active" for n, i in hosts(m, keeper)), 20)
         [(node, inst)] = hosts(mon, keeper)  # one process per identity, on another node
         assert node in ("h1", "h3") and inst["keeper"] is True, (node, inst)
-        deadline = time.monotonic() + 60
-        while emitted() < len(want) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        time.sleep(0.5)  # anything more (a window the reference does not have) arrives now
+        run.wait_for(want)
         # the copy left by its termination (a scale-in), the keeper by a hand-over, nothing crashed
         assert copy in {e["instance"] for e in mon.agent_events("terminated", "scale_in")}
         assert keeper in {e["instance"] for e in mon.agent_events("terminated", "handover")}
@@ -142,18 +169,13 @@ def test_drain_moves_a_keyed_keeper_with_its_state_and_the_windows_equal_the_fau
             assert client.call(hosts(mon, "dk.source.0")[0][0], {"op": "set", "instance": "dk.source.0",
                                                                     "fields": {"paused": True}})["ok"]
     finally:
-        codes = fleet.stop()
-        mon.close()
-        coll.close()
+        codes = run.stop()
     assert all(c == 0 for c in codes.values()), codes
     left = sorted(p.name for p in (tmp_path / "state-h2").glob(f"{keeper}.*") if p.suffix != ".lock")
     assert left == [], left  # h2 forgot the keeper: no state, keyed state or spec to re-adopt
-    assert coll.conflicts == [], coll.conflicts[:3]  # an id never carries two different windows
-    missing, extra = sorted(set(want) - set(coll.got)), sorted(set(coll.got) - set(want))
-    assert not missing and not extra, (len(missing), missing[:3], len(extra), extra[:3])
-    assert coll.got == want
+    run.check(want)
     print(f"keyed drain test: {time.monotonic() - started:.1f}s, {len(want)} windows, keeper on {node}, "
-          f"replayed records skipped there: {stats.get('duplicates_skipped')}, copies at the sink: {coll.copies}")
+          f"replayed records skipped there: {stats.get('duplicates_skipped')}, copies at the sink: {run.coll.copies}")
 
 
 def test_the_site_manager_consolidates_a_fleet_running_a_keyed_pipeline(mosquitto: Any, tmp_path: Path) -> None:
@@ -166,18 +188,9 @@ def test_the_site_manager_consolidates_a_fleet_running_a_keyed_pipeline(mosquitt
     started = time.monotonic()
     n = 3000
     want = fault_free(n)
-    cluster = "dks" + uuid.uuid4().hex[:8]
-    topic = f"lab/{cluster}/out"
-    coll = Collector(mosquitto.host, mosquitto.port, topic)
-    fleet = Fleet(tmp_path, nodes=("n1",), slots=3, cluster=cluster, broker_host=mosquitto.host,
-                  broker_port=mosquitto.port, state_period=0.5, heartbeat_period=0.2, shutdown_timeout=8.0)
-    fleet.start()
-    mon = Monitor(mosquitto.host, mosquitto.port, cluster)
+    run = Run(mosquitto, tmp_path, "dks", "n1", slots=3)
+    fleet, mon = run.fleet, run.mon
     keeper = "dk.win.0"
-
-    def emitted() -> int:
-        with coll.lock:
-            return len(coll.got)
 
     def on(m: Any, inst: str) -> list:
         return [nd for nd, doc in m.states.items() if m.status.get(nd) == "online"
@@ -185,9 +198,9 @@ def test_the_site_manager_consolidates_a_fleet_running_a_keyed_pipeline(mosquitt
 
     try:
         assert mon.wait(lambda m: m.status.get("n1") == "online", 30)
-        fleet.deploy(pipeline(topic, rate=120.0, n=n))
+        fleet.deploy(pipeline(run.topic, rate=120.0, n=n))
         assert mon.wait(lambda m: on(m, keeper) == ["n1"], 20), mon.states
-        assert mon.wait(lambda m: emitted() > 20, 20)  # records flow: n1's instances report a load
+        assert mon.wait(lambda m: run.emitted() > 20, 20)  # records flow: n1's instances report a load
         fleet.nodes, fleet.slots = ("n1", "n2"), 12
         fleet.extra_toml = ("[site_manager]\nenabled = true\ntarget = 0.88\nmin_nodes = 1\nmax_nodes = 2\n"
                             "cooldown = 1.0\ntimeout = 60.0\nperiod = 0.5\nlease = 4.0\n")
@@ -198,23 +211,15 @@ def test_the_site_manager_consolidates_a_fleet_running_a_keyed_pipeline(mosquitt
                     for e in list(m.events) if e.get("type") == "site_action"]
 
         assert mon.wait(lambda m: ("drain", "n1") in site(m), 30), (site(mon), mon.states)
-        assert emitted() < len(want), emitted()  # mid-stream
+        assert run.emitted() < len(want), run.emitted()  # mid-stream
         assert mon.wait(lambda m: ("release", "n1") in site(m), 30), (site(mon), mon.states.get("n1"))
         assert mon.states["n1"]["instances"] == []
         assert mon.wait(lambda m: on(m, keeper) == ["n2"], 20), mon.states.get("n2")
-        deadline = time.monotonic() + 60
-        while emitted() < len(want) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        time.sleep(0.5)
+        run.wait_for(want)
         assert site(mon)[:2] == [("drain", "n1"), ("release", "n1")], site(mon)
         assert keeper in {e["instance"] for e in mon.agent_events("terminated", "handover")}
     finally:
-        codes = fleet.stop()
-        mon.close()
-        coll.close()
+        codes = run.stop()
     assert all(c == 0 for c in codes.values()), codes
-    assert coll.conflicts == [], coll.conflicts[:3]
-    missing, extra = sorted(set(want) - set(coll.got)), sorted(set(coll.got) - set(want))
-    assert not missing and not extra, (len(missing), missing[:3], len(extra), extra[:3])
-    assert coll.got == want
+    run.check(want)
     print(f"keyed consolidation test: {time.monotonic() - started:.1f}s, {len(want)} windows")
