@@ -44,7 +44,7 @@ def test_a_state_of_megabytes_crosses_in_chunks_the_codec_accepts_and_is_restore
         staging.add("h2", rpc.decode_request(raw), now=0.0)
     got = staging.take("h2", "c-0", manifest.to_json())
     assert got == data
-    doc = check_keyed(got, "c")
+    doc = check_keyed(got, "c", 128)
     restored = KeyedState(keyed_count.build(OperatorContext("c-0", "c", "n", "map", params={})), "c", "k", 128)
     restored.restore(doc)
     assert sum(len(v) for v in restored.states.values()) == 12_001  # the log's key too
@@ -118,15 +118,17 @@ def test_hostile_chunks_are_refused_before_they_are_decoded_or_kept() -> None:
 
 def test_the_shipped_state_is_checked_against_the_spec(tmp_path: Path) -> None:
     data = big_state(tmp_path, 10)
-    assert check_keyed(data, "c")["format"] == 2
+    assert check_keyed(data, "c", 128)["format"] == 2
     with pytest.raises(ValueError, match="operator 'c', the spec's is 'd'"):
-        check_keyed(data, "d")
+        check_keyed(data, "d", 128)
+    with pytest.raises(ValueError, match="with 128 key groups, the pipeline says 64"):
+        check_keyed(data, "c", 64)
     with pytest.raises(ValueError, match="nested deeper"):
-        check_keyed(b"[" * 100 + b"]" * 100, "c")
+        check_keyed(b"[" * 100 + b"]" * 100, "c", 128)
     with pytest.raises(ValueError, match="expected a JSON object"):
-        check_keyed(b"[1]", "c")
+        check_keyed(b"[1]", "c", 128)
     with pytest.raises(ValueError, match="format"):
-        check_keyed(json.dumps({"operator": "c", "format": 9}).encode(), "c")
+        check_keyed(json.dumps({"operator": "c", "format": 9, "key_groups": 128}).encode(), "c", 128)
 
 
 def test_a_state_over_the_bound_is_refused_naming_its_size_and_the_limit() -> None:

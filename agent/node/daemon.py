@@ -1200,11 +1200,12 @@ class Agent:
         refuses the spawn (the requester tries another node or keeps the keeper)."""
         try:
             data = self.staging.take(requester, spec.instance, spec.extra["handover_keyed"])
-            statexfer.check_keyed(data, spec.operator)
+            groups = load_pipeline_text(spec.pipeline_toml, f"pipeline {spec.pipeline}").operator(spec.operator).key_groups
+            statexfer.check_keyed(data, spec.operator, groups)
             state_dir = Path(self.cfg.agent.state_dir)
             state_dir.mkdir(parents=True, exist_ok=True)  # a fresh node's has no worker yet
             write_atomic(state_dir / f"{spec.instance}.keyed.handover", data.decode("utf-8"))
-        except (ValueError, OSError) as exc:
+        except (ValueError, KeyError, OSError) as exc:
             self._bad(f"keyed state of {spec.instance}", requester, exc)
             return f"keyed state of {spec.instance}: {exc}"
         log.info("keyed state of %d bytes received from %s", len(data), requester, extra={"instance": spec.instance})

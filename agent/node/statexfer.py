@@ -183,13 +183,16 @@ class Staging:
             del self._by[key]
 
 
-def check_keyed(data: bytes, operator: str) -> Dict[str, Any]:
+def check_keyed(data: bytes, operator: str, key_groups: int) -> Dict[str, Any]:
     """The shipped keyed snapshot parsed under bounds and checked against the spec: the operator
-    it belongs to, its format (what `KeyedState.restore` reads; the worker checks the rest, the
-    key group count against its pipeline, as at any restart). ValueError saying what is wrong."""
+    it belongs to, its key group count (the pipeline's), its format (what `KeyedState.restore`
+    reads; the worker's restore checks the contents, as at any restart). ValueError saying what
+    is wrong."""
     doc = wire.loads(data, what="keyed state", max_bytes=MAX_STATE_BYTES, max_depth=MAX_STATE_DEPTH, expect=dict)
     if doc.get("operator") != operator:
         raise ValueError(f"keyed state of operator {str(doc.get('operator'))[:80]!r}, the spec's is {operator!r}")
+    if doc.get("key_groups") != key_groups:
+        raise ValueError(f"keyed state with {str(doc.get('key_groups'))[:20]} key groups, the pipeline says {key_groups}")
     if doc.get("format") not in (1, FORMAT) or not isinstance(doc.get("groups", {}), dict):
         raise ValueError(f"keyed state: not a saved keyed state (format 1 or {FORMAT} with a 'groups' object)")
     return doc
