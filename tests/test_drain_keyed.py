@@ -124,7 +124,7 @@ def test_drain_moves_a_keyed_keeper_with_its_state_and_the_windows_equal_the_fau
     The windows slide (30 min every minute): the state the keeper takes along is ~250-600 kB,
     several chunks. Without the shipped keyed state the new incarnation starts empty: the
     windows open at the drain lose what came before it and the medallions' output numbering
-    restarts (ids reused with other content: 60 of them when the worker's install was cut)."""
+    restarts (ids reused with other content, as when the worker's install was cut)."""
     started = time.monotonic()
     want = fault_free(window=SLIDING)
     assert len(want) > 10_000  # ~40 min of pickups, 30-min windows every minute, ~480 medallions
@@ -136,6 +136,11 @@ def test_drain_moves_a_keyed_keeper_with_its_state_and_the_windows_equal_the_fau
         return [(n, i) for n, doc in m.states.items() if m.status.get(n) == "online"
                 for i in doc.get("instances", []) if i["id"] == inst]
 
+    def pause(node: str, paused: bool) -> None:
+        with RpcClient(mosquitto.host, mosquitto.port, cluster) as client:
+            reply = client.call(node, {"op": "set", "instance": "dk.source.0", "fields": {"paused": paused}})
+        assert reply["ok"], reply
+
     def wins(m: Any, node: Any = None) -> list:
         return [i["id"] for n, doc in m.states.items() if node in (None, n) and m.status.get(n) == "online"
                 for i in doc.get("instances", []) if i["operator"] == "win" and i["status"] == "active"]
@@ -144,6 +149,7 @@ def test_drain_moves_a_keyed_keeper_with_its_state_and_the_windows_equal_the_fau
         assert mon.wait(lambda m: m.status.get("h2") == "online", 30)
         fleet.deploy(pipeline(run.topic, window=SLIDING))
         assert mon.wait(lambda m: bool(hosts(m, keeper)) and hosts(m, keeper)[0][0] == "h2", 20), mon.states
+        pause("h2", True)  # held while the fleet grows, so that the drain comes mid-stream at any load
         fleet.nodes = ("h1", "h2", "h3")
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         for node in ("h1", "h3"):
@@ -152,7 +158,10 @@ def test_drain_moves_a_keyed_keeper_with_its_state_and_the_windows_equal_the_fau
         assert "accepted" in fogctl(capsys, mosquitto, cluster, "scale", "win", "+1")
         assert mon.wait(lambda m: len(wins(m, "h2")) == 2, 30), mon.states.get("h2")  # the copy: h2 too
         [copy] = [i for i in wins(mon, "h2") if i != keeper]
-        assert run.emitted() < len(want) // 2, run.emitted()  # mid-stream
+        pause("h2", False)
+        assert mon.wait(lambda m: run.emitted() > len(want) // 10, 30), run.emitted()  # both hold state
+        at_drain = run.emitted()
+        assert at_drain < len(want) // 2, at_drain  # mid-stream
         doc = fogctl(capsys, mosquitto, cluster, "--json", "drain", "h2")
         assert doc["ok"] and {keeper, copy} <= set(doc["result"]["leaving"]), doc
         assert mon.wait(lambda m: m.states.get("h2", {}).get("instances") == [], 30), mon.states.get("h2")
@@ -165,16 +174,14 @@ def test_drain_moves_a_keyed_keeper_with_its_state_and_the_windows_equal_the_fau
         assert keeper in {e["instance"] for e in mon.agent_events("terminated", "handover")}
         assert not mon.agent_events("terminated", "crash")
         stats = mon.instance_stats.get(keeper, {})
-        with RpcClient(mosquitto.host, mosquitto.port, cluster) as client:
-            assert client.call(hosts(mon, "dk.source.0")[0][0], {"op": "set", "instance": "dk.source.0",
-                                                                    "fields": {"paused": True}})["ok"]
+        pause(hosts(mon, "dk.source.0")[0][0], True)
     finally:
         codes = run.stop()
     assert all(c == 0 for c in codes.values()), codes
     left = sorted(p.name for p in (tmp_path / "state-h2").glob(f"{keeper}.*") if p.suffix != ".lock")
     assert left == [], left  # h2 forgot the keeper: no state, keyed state or spec to re-adopt
     run.check(want)
-    print(f"keyed drain test: {time.monotonic() - started:.1f}s, {len(want)} windows, keeper on {node}, "
+    print(f"keyed drain test: {time.monotonic() - started:.1f}s, {len(want)} windows ({at_drain} before the drain), keeper on {node}, "
           f"replayed records skipped there: {stats.get('duplicates_skipped')}, copies at the sink: {run.coll.copies}")
 
 
