@@ -189,7 +189,7 @@ def test_the_site_manager_consolidates_a_fleet_running_a_keyed_pipeline(mosquitt
     """The site manager (docs/site-manager.md) drains the node that hosts the keyed window's
     keeper, as it drains any node the fleet can do without, and releases it once it is empty:
     the keeper lands on the other node with its keyed state, and the windows at the sink equal
-    the fault-free run. n1 (3 slots) runs the pipeline before n2 (12 slots, the only site
+    the fault-free run. n1 (3 slots) runs the pipeline before n2 (24 slots, the only site
     manager candidate) starts: spare capacity without n2 is below the target, without n1 it is
     not, so n1 is the node to drain (`site_manager.decide`)."""
     started = time.monotonic()
@@ -208,8 +208,8 @@ def test_the_site_manager_consolidates_a_fleet_running_a_keyed_pipeline(mosquitt
         fleet.deploy(pipeline(run.topic, rate=120.0, n=n))
         assert mon.wait(lambda m: on(m, keeper) == ["n1"], 20), mon.states
         assert mon.wait(lambda m: run.emitted() > 20, 20)  # records flow: n1's instances report a load
-        fleet.nodes, fleet.slots = ("n1", "n2"), 12
-        fleet.extra_toml = ("[site_manager]\nenabled = true\ntarget = 0.88\nmin_nodes = 1\nmax_nodes = 2\n"
+        fleet.nodes, fleet.slots = ("n1", "n2"), 24
+        fleet.extra_toml = ("[site_manager]\nenabled = true\ntarget = 0.9\nmin_nodes = 1\nmax_nodes = 2\n"
                             "cooldown = 1.0\ntimeout = 60.0\nperiod = 0.5\nlease = 4.0\n")
         fleet.start_agent("n2", dict(os.environ, PYTHONPATH=str(ROOT)))
 

@@ -163,6 +163,26 @@ def test_drain_undone_when_load_rises_before_the_node_empties() -> None:
     assert state.pending is None and state.released == ()
 
 
+def test_a_drain_waits_while_no_node_reports_a_capacity() -> None:
+    """While the drained node's instances move, no instance may report a capacity (the other node
+    is empty: its capacity is the fleet's mean, of nothing): the spare is unknown, not short. The
+    drain waits (it used to be undone, and the instances moved back) and completes once a figure
+    comes; `timeout` still bounds it."""
+    cfg = SiteConfig(target=0.8, cooldown=0.0, timeout=30.0)  # without b: spare 0.7; without a: 0.95
+    view = [NodeView("a", True, False, 100.0, 30.0, 3, 0), NodeView("b", True, False, 600.0, 0.0, 0, 6)]
+    state, acts = decide(view, SiteState(), cfg, 0.0)
+    assert [(a.kind, a.node) for a in acts] == [(ActionKind.DRAIN, "a")]
+    moving = [NodeView("a", True, True, 0.0, 0.0, 2, 0), NodeView("b", True, False, 0.0, 0.0, 1, 5)]
+    state, acts = decide(moving, state, cfg, 1.0)
+    assert acts == [] and state.pending is not None
+    done = [NodeView("a", True, True, 0.0, 0.0, 0, 0), NodeView("b", True, False, 600.0, 30.0, 3, 3)]
+    state, acts = decide(done, state, cfg, 2.0)
+    assert [(a.kind, a.node) for a in acts] == [(ActionKind.RELEASE, "a")]
+    state2, acts = decide(view, SiteState(), cfg, 0.0)
+    state2, acts = decide(moving, state2, cfg, 31.0)  # still no figure after `timeout`: undone
+    assert [(a.kind, a.node) for a in acts] == [(ActionKind.UNDRAIN, "a")]
+
+
 def test_lease_election() -> None:
     assert claim(None, "n1", 0.0)
     held = Lease("n1", until=15.0)

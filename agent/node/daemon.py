@@ -1005,9 +1005,10 @@ class Agent:
                 self._publish_hosted()
             props = rpc.publish_properties(correlation)
             peer_topic = topics.agent_peer(self.cluster, node, self.node)
-            for chunk in job.chunks:  # same topic and QoS as the spawn: they arrive before it
-                self._publish(peer_topic, rpc.encode(chunk))
-            if self._publish(peer_topic, rpc.encode(body), properties=props):
+            # A keyed keeper's state first, on the same topic and QoS: it arrives before the spawn.
+            # A chunk not queued: no spawn (it would be refused for want of its state).
+            if all(self._publish(peer_topic, rpc.encode(chunk)) for chunk in job.chunks) and \
+                    self._publish(peer_topic, rpc.encode(body), properties=props):
                 self._reserved[node] = self._reserved.get(node, 0) + 1
                 return
             self._calls.resolve(correlation)
