@@ -225,6 +225,11 @@ def test_the_site_manager_consolidates_a_fleet_running_a_keyed_pipeline(mosquitt
         run.wait_for(want)
         assert site(mon)[:2] == [("drain", "n1"), ("release", "n1")], site(mon)
         assert keeper in {e["instance"] for e in mon.agent_events("terminated", "handover")}
+        # released only once the keeper ran on n2 (n1 listed it as `handing_over` until then)
+        [ready] = [e["ts"] for e in mon.agent_events("spawned", "handover") if e["instance"] == keeper]
+        [release] = [e["ts"] for e in list(mon.events) if e.get("type") == "site_action"
+                     and (e.get("detail") or {}).get("action") == "release"]
+        assert ready < release, (ready, release)
     finally:
         codes = run.stop()
     assert all(c == 0 for c in codes.values()), codes

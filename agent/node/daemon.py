@@ -199,6 +199,7 @@ class Agent:
         self._delayed_restarts: Dict[str, Tuple[float, InstanceSpec]] = {}  # instance -> (when, spec)
         self._restart_batch: List[InstanceSpec] = []  # restarts of this loop turn (chains start together)
         self._handing_over: Set[str] = set()  # keepers asked to stop on a drain, to start elsewhere
+        self._handovers: Set[str] = set()  # stopped keepers whose start elsewhere is not answered yet
         self.staging = statexfer.Staging()  # keyed states arriving with a hand-over, by (node, instance)
         # node loss (agent.node.rehome): every node's retained hosted record, offline times
         self.hosted_by_node: Dict[str, List[Dict[str, Any]]] = {}
@@ -584,6 +585,11 @@ class Agent:
                     item["pinned"] = True
         if self.draining:  # fogctl status flags the node (docs/fogctl.md, "Payloads")
             doc["draining"] = True
+        if self._handovers:
+            # Keepers stopped here whose start elsewhere is not answered yet: this node is not
+            # empty (the site manager releases it, maybe powers it off, only once it is): a
+            # failed start restarts the keeper here, and a keyed one's state is only here.
+            doc["handing_over"] = sorted(self._handovers)
         if self.pins:
             doc["pins"] = sorted(self.pins.values(), key=lambda p: (p["pipeline"] or "", p["operator"]))
         moved = self._moved_statements()
@@ -1508,6 +1514,8 @@ class Agent:
         spec = dataclasses.replace(w.spec, restart=True, active=True, keeper=keeper, extra=extra)
 
         def reply(result: Dict[str, Any]) -> None:
+            self._handovers.discard(inst)
+            self._state_dirty = True
             if result.get("ok") and result.get("node") != self.node:
                 log.info("handed over to %s (same identity)", result.get("node"), extra={"instance": inst})
                 self._stated_move(inst, result.get("node"))
@@ -1527,6 +1535,7 @@ class Agent:
                  (extra["handover_state"] or {}).get("epoch"),
                  f", keyed state of {len(keyed)} bytes in {len(chunks)} chunks" if keyed is not None else "",
                  extra={"instance": inst})
+        self._handovers.add(inst)
         self._create_node(spec, reply, cause="handover", now=now, chunks=chunks)
 
     def _maybe_restart(self, w: Worker, now: float) -> None:

@@ -193,8 +193,10 @@ def view_of(docs: Mapping[str, Mapping[str, Any]], online: Mapping[str, bool], n
                    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0)
         ts = doc.get("time")
         fresh = isinstance(ts, (int, float)) and not isinstance(ts, bool) and now - ts <= stale_after
+        moving = doc.get("handing_over")  # keepers it stopped whose start elsewhere is unanswered
+        busy = len(_items(doc)) + (len(moving) if isinstance(moving, list) else 0)
         out.append(NodeView(node, bool(online.get(node, False)) and fresh, doc.get("draining") is True,
-                            slots * per, load, len(_items(doc)), _int(doc.get("free_slots"))))
+                            slots * per, load, busy, _int(doc.get("free_slots"))))
     return out
 
 
