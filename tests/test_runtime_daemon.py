@@ -755,7 +755,7 @@ def test_a_keeper_stopped_for_a_drain_moves_with_its_state_or_restarts_here(tmp_
 
     asked: List[Any] = []
     real_create = agent._create_node
-    agent._create_node = lambda s, reply, cause, now: asked.append((s, reply, cause))  # type: ignore[assignment]
+    agent._create_node = lambda s, reply, cause, now, **kw: asked.append((s, reply, cause))  # type: ignore[assignment]
     agent._on_reaped(Reaped(stopped_keeper(), 0), 3.0)
     [(moved, reply, cause)] = asked
     assert cause == "handover" and moved.instance == "p.work.0" and moved.restart and moved.keeper
