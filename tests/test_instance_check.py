@@ -434,6 +434,27 @@ def test_keyed_hand_overs_inside_2fgme_locks_end_every_round() -> None:
     assert rep.ok, describe(rep)
 
 
+def test_a_resent_round_message_reaches_the_copies_a_silent_neighbour_started_without_it() -> None:
+    """Was open in session 13 (17 of 1,000 keyed schedules with a broker restart, seeds
+    200000-200999, all `move_not_ended`). Schedule 4 of the rollback mix: the cnt keeper's
+    Duplication to op-0 is lost (a refused publish, then the rollback); op-0 duplicates, the
+    keeper, in its round, adds op's copy and acks; op-0 starts its copy with the keeper alone as
+    successor (without the loss the keeper's Duplication comes first on that channel); the keeper
+    sent its Duplication again to op-0 only, so op's copy never learnt of cnt's copy, which
+    waited for its Eos for ever. Now the resend also goes to the copies a silent neighbour
+    announced before it acked (`ScalingCore.widen_round`); seeded fault `resend_pending_only`
+    brings the hang back on the same schedule. Schedule 86: both rounds' acks lost, op-0 and the
+    keeper each send their round to the other's idle copy; held there until its Start (which
+    waits for the other round), the two rounds waited for each other for ever (`round_not_ended`)
+    until an idle copy answered a neighbour's Duplication as it answers a Deletion."""
+    for seed in (4, 86):
+        rep = random_runs(KEYED_ROLLBACK, schedules=1, seed=seed)
+        assert rep.ok, describe(rep)
+    bad = random_runs(dataclasses.replace(KEYED_ROLLBACK, faults=frozenset({"resend_pending_only"})),
+                      schedules=1, seed=4)
+    assert not bad.ok and bad.violations[0].kind == "move_not_ended", describe(bad)
+
+
 NEIGHBOURS_121 = (("op-0", "duplicate"), ("sink-0", "duplicate"), ("copy:op", "terminate"), ("copy:sink", "terminate"))
 
 

@@ -17,6 +17,7 @@ API
     outs = core.start_round(decision)                   #   decide now, start the round later
     outs = core.cancel_duplication(created=())          # createNode() failed: withdraw the round
     outs = core.adopt(copy_id)                          # start an orphaned idle copy (re-homing)
+    extra = core.widen_round(neighbour)                 # resend on silence: who else must hear it
 
 `handle` and `tick` return a list of outputs, in the order they must be performed:
 
@@ -202,6 +203,9 @@ class ScalingCore:
         self.round = 0  # number of the last round this instance started
         self.pending: Set[str] = set()  # peers whose ack the current round waits for
         self.new_siblings: Ids = ()  # instances created by the current duplication round
+        # Pending neighbour -> the copies it announced to us (its Duplication) before it acked our
+        # round: it may have started them with tables that lack our round (`widen_round`).
+        self.unsure: Dict[str, Set[str]] = {}
 
     # ---- construction ---------------------------------------------------------------------
 
@@ -297,6 +301,7 @@ class ScalingCore:
         targets = sorted(self.succs) + sorted(self.preds)
         out.extend(Send(t, msg) for t in targets)
         self.pending = set(targets)
+        self.unsure = {}
         self.state = InstanceState.DUPLICATING
         if not self.pending:
             out.extend(self._finish_duplication())
@@ -350,11 +355,32 @@ class ScalingCore:
         if not kept:
             self.state = InstanceState.ACTIVE
             self.pending = set()
+            self.unsure = {}
             self.new_siblings = ()
             return []
         self.new_siblings = kept
         msg = Duplication(self.instance_id, self.stage, self.round, kept)
         return [Send(t, msg) for t in sorted(self.pending)]
+
+    def widen_round(self, dest: str) -> Ids:
+        """The neighbours our round message must reach besides pending `dest`, which the driver
+        sends it to again after a silence: the copies `dest` announced to us before it acked our
+        round. They join the pending set (our round ends once they know it too).
+
+        Why: the paper's correctness sketch (Section 4.3, concurrent rounds) rests on FIFO
+        channels: our round message goes to `dest` before our ack of its Duplication, so `dest`
+        applies our round before its own ends and starts its copies with tables that hold it. A
+        message the broker lost breaks that order: `dest` takes our ack, starts its copies without
+        our round, and gets our round message only when we send it again; `dest` then knows it,
+        its copies never would (a copy of ours named as their neighbour, waiting for them for
+        ever; or us, leaving, still in their tables). Only at a resend: without a loss the order
+        holds and the round costs exactly the paper's messages (docs/design.md, invariant 6).
+        docs/reliability.md, "A Duplication re-sent after a loss"."""
+        if not self.in_round or dest not in self.pending:
+            return ()
+        extra = tuple(sorted(self.unsure.pop(dest, set()) - self.pending - {self.instance_id}))
+        self.pending.update(extra)
+        return extra
 
     def start_deletion(self) -> List[Output]:
         """Algorithm 8: announce our termination (to preds first, in TWO_PHASE mode)."""
@@ -368,6 +394,7 @@ class ScalingCore:
         else:
             targets = sorted(self.preds)
         self.pending = set(targets)
+        self.unsure = {}
         self.state = InstanceState.DELETING
         out: List[Output] = [Send(t, msg) for t in targets]
         if not self.pending:
@@ -397,6 +424,9 @@ class ScalingCore:
         if self.instance_id in new:
             raise RemoteProtocolError(f"{self.instance_id}: duplication from {msg.sender} announces us")
         out: List[Output] = []
+        if self.in_round and msg.sender in self.pending:
+            # It has not acked our round: it may start these copies without it (`widen_round`).
+            self.unsure.setdefault(msg.sender, set()).update(new)
         if self.state is InstanceState.IDLE:
             (self.succs_to_add if side == _SUCC else self.preds_to_add).update(new)
         elif self.state in FORWARDING:
@@ -412,6 +442,8 @@ class ScalingCore:
     def _on_deletion(self, msg: Deletion) -> List[Output]:
         side = self._side(msg)
         out: List[Output] = []
+        for copies in self.unsure.values():
+            copies.discard(msg.sender)  # it leaves: our round is no news to it (and it may be gone)
         if self.state is InstanceState.IDLE:
             (self.succs_to_delete if side == _SUCC else self.preds_to_delete).add(msg.sender)
         else:
@@ -445,11 +477,13 @@ class ScalingCore:
     def _on_duplication_ack(self, msg: DuplicationAck) -> List[Output]:
         self._check_ack(msg, (InstanceState.DUPLICATING,))
         self.pending.discard(msg.sender)
+        self.unsure.pop(msg.sender, None)
         return [] if self.pending else self._finish_duplication()
 
     def _on_deletion_ack(self, msg: DeletionAck) -> List[Output]:
         self._check_ack(msg, (InstanceState.DELETING, InstanceState.DEPARTING))
         self.pending.discard(msg.sender)
+        self.unsure.pop(msg.sender, None)
         return [] if self.pending else self._deletion_acks_complete()
 
     _HANDLERS = {
@@ -467,6 +501,7 @@ class ScalingCore:
         start = Start(self.instance_id, self.stage, *self.routes())
         out: List[Output] = [Send(i, start) for i in self.new_siblings]
         self.new_siblings = ()
+        self.unsure = {}
         self.state = InstanceState.ACTIVE
         return out
 
@@ -478,6 +513,7 @@ class ScalingCore:
             msg = Deletion(self.instance_id, self.stage, self.round)
             targets = sorted(self.succs)
             self.pending = set(targets)
+            self.unsure = {}
             self.state = InstanceState.DEPARTING
             out: List[Output] = [Drain()]
             out.extend(Send(t, msg) for t in targets)
@@ -485,6 +521,7 @@ class ScalingCore:
                 out.extend(self._deletion_acks_complete())
             return out
         self.state = InstanceState.TERMINATED
+        self.unsure = {}
         out = [] if self.deletion_mode is DeletionMode.TWO_PHASE else [Drain()]
         out.append(Terminate(self.instance_id))
         return out
@@ -552,6 +589,7 @@ class ScalingCore:
             "round": self.round,
             "pending": sorted(self.pending),
             "new_siblings": list(self.new_siblings),
+            "unsure": {n: sorted(c) for n, c in sorted(self.unsure.items())},
         }
 
     @classmethod
@@ -571,7 +609,9 @@ class ScalingCore:
             core.round = int(data["round"])
             core.pending = set(data["pending"])
             core.new_siblings = tuple(data["new_siblings"])
-        except (KeyError, TypeError, ValueError) as exc:
+            # absent from snapshots written before session 14: nothing unsure
+            core.unsure = {str(n): {str(c) for c in cs} for n, cs in (data.get("unsure") or {}).items()}
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise LocalProtocolError(f"snapshot: cannot restore ({exc!r})") from None
         return core
 
@@ -582,6 +622,7 @@ class ScalingCore:
         for name in ("succs", "preds", "succs_to_add", "succs_to_delete", "preds_to_add",
                      "preds_to_delete", "pending"):
             setattr(new, name, set(getattr(self, name)))
+        new.unsure = {n: set(c) for n, c in self.unsure.items()}
         return new
 
     def key(self) -> Tuple[Any, ...]:
@@ -591,5 +632,6 @@ class ScalingCore:
             frozenset(self.succs_to_add), frozenset(self.succs_to_delete),
             frozenset(self.preds_to_add), frozenset(self.preds_to_delete),
             self.round, frozenset(self.pending), self.new_siblings,
+            frozenset((n, frozenset(c)) for n, c in self.unsure.items()),
         )
 
