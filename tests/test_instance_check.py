@@ -411,8 +411,7 @@ FOUND_KEYED = [
 @pytest.mark.parametrize("fault,cfg,seed,kinds", FOUND_KEYED, ids=[f[0] for f in FOUND_KEYED])
 def test_the_keyed_checker_finds_each_broken_hand_over_rule(  # type: ignore[no-untyped-def]
         fault, cfg, seed, kinds) -> None:
-    # the mixes with a broker rollback: the schedule found, alone (others of the mix meet the open
-    # race of a re-sent Duplication, docs/reliability.md "Checking whole instances")
+    # the mixes with a broker rollback and the seeded schedules: the schedule found, alone
     n = 1 if cfg.brokers or seed else 200
     faulty = random_runs(dataclasses.replace(cfg, faults=frozenset({fault})), schedules=n, seed=seed)
     assert not faulty.ok, f"{fault} not found in {n} schedules"

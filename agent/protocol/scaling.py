@@ -53,6 +53,9 @@ Deviations from the paper, and why (see docs/scaling.md):
    preds terminate without telling us while we still flush records to it (a sequential del/del
    case the paper does not discuss); the interleaving checker finds that loss.
 4. A duplication creates n >= 1 copies (Algorithm 4 tests n > 1, which never creates one copy).
+5. A round message the driver sends again after a silence also goes to the copies the silent
+   neighbour announced before it acked (`widen_round`): a lost message broke the FIFO order the
+   paper's argument for concurrent rounds needs. No extra message without a loss.
 """
 
 from __future__ import annotations
