@@ -283,6 +283,9 @@ class Instance:
             # epoch reaches every predecessor of its rebuilt table, idle copies included
             Kind.ACK: (tuple(f"{o}-" for o in succ_op), {f"{spec.pipeline}.{o}.0" for o in succ_op}),
         }
+        # a neighbour's Duplication we take unannounced (`_sender_allowed`): previous or next operator
+        both = pred_op + succ_op
+        self._round_shape = (tuple(f"{o}-" for o in both), {f"{spec.pipeline}.{o}.0" for o in both})
         self.scaling: Optional[ScalingDriver] = None
 
         self.stats: Dict[str, int] = {
@@ -825,9 +828,9 @@ class Instance:
         # us, a copy it was told of, after a loss (`ScalingCore.widen_round`): idle, we keep it
         # for our Start (Algorithm 5) and ack; held instead, two such rounds wait for each
         # other's idle copies for ever. docs/reliability.md, "Checking whole instances".
-        shape = self._shapes[Kind.PROTO]
-        return (isinstance(env.body, dict) and env.body.get("type") in ("deletion", "duplication")
-                and (s.startswith(shape[0]) or s in shape[1]))
+        mtype = env.body.get("type") if isinstance(env.body, dict) else None
+        shape = self._shapes[Kind.PROTO] if mtype == "deletion" else self._round_shape
+        return mtype in ("deletion", "duplication") and (s.startswith(shape[0]) or s in shape[1])
 
     def _take_redirect(self, sender: str, msg: Any) -> None:
         try:

@@ -45,8 +45,8 @@ if TYPE_CHECKING:
     from agent.instance.core import Instance
 
 __all__ = ["ScalingDriver", "FAULT_REHOME_ROUNDS_FROM_ONE", "FAULT_DRAIN_HOLDS_PROTOCOL", "FAULT_REHOME_STAYS",
-           "FAULT_LEAVE_BEFORE_ADOPTION", "FAULT_RESEND_PENDING_ONLY", "PROBE", "PROBE_ECHO", "IDLE_PING", "IDLE_PING_MAX", "MAX_PROBES",
-           "PROBE_TTL"]
+           "FAULT_LEAVE_BEFORE_ADOPTION", "FAULT_RESEND_PENDING_ONLY", "PROBE", "PROBE_ECHO", "IDLE_PING",
+           "IDLE_PING_MAX", "MAX_PROBES", "PROBE_TTL"]
 
 log = logging.getLogger("agent.instance.worker")
 
