@@ -326,3 +326,26 @@ def test_a_neighbour_acking_in_order_or_a_copy_leaving_leaves_nothing_unsure():
     assert k0.unsure == {"s0": {"s-1"}}
     k0.handle(DuplicationAck("s0", 3, 1))
     assert k0.state is InstanceState.ACTIVE and k0.unsure == {}
+
+
+def test_a_round_stops_waiting_for_a_pending_neighbour_that_left_only_when_it_would_resend():
+    """A neighbour whose Deletion we applied while it had not acked our round (our Duplication to
+    it lost, our ack of its Deletion not) may be gone: at the resend we stop waiting for it
+    (`release`), so our copy starts; a neighbour that did not leave gets the message again."""
+    s0 = ScalingCore.initial("s0", "s", 2, P, preds=("o0", "o-1"), keeper=True)
+    outs = s0.start_duplication(1)
+    copy = next(o.instance_id for o in outs if isinstance(o, CreateInstance))
+    assert s0.release("o-1") is None and s0.release("o0") is None  # neither left: resend
+    changed, ack = s0.handle(Deletion("o-1", 1, 2))  # o-1's second phase: drained, leaving
+    assert changed.preds == ("o0",) and ack.dest == "o-1" and s0.pending == {"o0", "o-1"}
+    assert s0.release("o0") is None
+    assert s0.release("o-1") == [] and s0.pending == {"o0"}
+    assert ScalingCore.restore(json.loads(json.dumps(s0.snapshot())), P).key() == s0.key()
+    (start,) = s0.handle(DuplicationAck("o0", 1, 1))
+    assert start == Send(copy, Start("s0", 2, (), ("o0",))) and s0.state is InstanceState.ACTIVE
+    assert s0.release("o-1") is None  # no round
+    # the last one pending: releasing it ends the round (a deletion round here: drain, depart)
+    d0 = ScalingCore.initial("d0", "d", 2, P, preds=("o0",), succs=("t0",))
+    d0.start_deletion()
+    d0.handle(Deletion("o0", 1, 3))
+    assert d0.release("o0") == [Drain(), Send("t0", Deletion("d0", 2, 2))] and d0.state is InstanceState.DEPARTING

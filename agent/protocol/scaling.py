@@ -209,6 +209,9 @@ class ScalingCore:
         # Pending neighbour -> the copies it announced to us (its Duplication) before it acked our
         # round: it may have started them with tables that lack our round (`widen_round`).
         self.unsure: Dict[str, Set[str]] = {}
+        # Pending neighbours whose Deletion we applied in this round: they send us nothing more
+        # and may be gone before our round message reaches them (`release`).
+        self.gone: Set[str] = set()
 
     # ---- construction ---------------------------------------------------------------------
 
@@ -305,6 +308,7 @@ class ScalingCore:
         out.extend(Send(t, msg) for t in targets)
         self.pending = set(targets)
         self.unsure = {}
+        self.gone = set()
         self.state = InstanceState.DUPLICATING
         if not self.pending:
             out.extend(self._finish_duplication())
@@ -359,6 +363,7 @@ class ScalingCore:
             self.state = InstanceState.ACTIVE
             self.pending = set()
             self.unsure = {}
+            self.gone = set()
             self.new_siblings = ()
             return []
         self.new_siblings = kept
@@ -385,6 +390,30 @@ class ScalingCore:
         self.pending.update(extra)
         return extra
 
+    def release(self, dest: str) -> Optional[List[Output]]:
+        """Stop waiting for pending `dest` if it left meanwhile (we applied its Deletion in this
+        round): the outputs of the round's end if it was the last one, else []; None if `dest`
+        did not leave (send it the round message again).
+
+        Why: the driver calls this where it would send our round message again after a silence.
+        A neighbour whose Deletion we applied has drained what it sent us (two-phase deletion:
+        its Deletion follows its last record) or stops taking ours, and it is out of our tables,
+        so out of the Start of our copies: our round is no news it needs. Without a loss it acks
+        in time (it acks every round message until it terminates, FIFO puts ours before our
+        ack of its Deletion); after one (our round message lost, our ack delivered past the
+        hole) it may have terminated, and our round would wait for it for ever, our idle copy
+        never started while our neighbours route to it. docs/reliability.md, "A pending
+        neighbour that left"."""
+        if not self.in_round or dest not in self.pending or dest not in self.gone:
+            return None
+        self.pending.discard(dest)
+        self.unsure.pop(dest, None)
+        if self.pending:
+            return []
+        if self.state is InstanceState.DUPLICATING:
+            return self._finish_duplication()
+        return self._deletion_acks_complete()
+
     def start_deletion(self) -> List[Output]:
         """Algorithm 8: announce our termination (to preds first, in TWO_PHASE mode)."""
         self._require_idle_active("start a deletion")
@@ -398,6 +427,7 @@ class ScalingCore:
             targets = sorted(self.preds)
         self.pending = set(targets)
         self.unsure = {}
+        self.gone = set()
         self.state = InstanceState.DELETING
         out: List[Output] = [Send(t, msg) for t in targets]
         if not self.pending:
@@ -447,6 +477,8 @@ class ScalingCore:
         out: List[Output] = []
         for copies in self.unsure.values():
             copies.discard(msg.sender)  # it leaves: our round is no news to it (and it may be gone)
+        if self.in_round and msg.sender in self.pending:
+            self.gone.add(msg.sender)
         if self.state is InstanceState.IDLE:
             (self.succs_to_delete if side == _SUCC else self.preds_to_delete).add(msg.sender)
         else:
@@ -505,6 +537,7 @@ class ScalingCore:
         out: List[Output] = [Send(i, start) for i in self.new_siblings]
         self.new_siblings = ()
         self.unsure = {}
+        self.gone = set()
         self.state = InstanceState.ACTIVE
         return out
 
@@ -517,6 +550,7 @@ class ScalingCore:
             targets = sorted(self.succs)
             self.pending = set(targets)
             self.unsure = {}
+            self.gone = set()
             self.state = InstanceState.DEPARTING
             out: List[Output] = [Drain()]
             out.extend(Send(t, msg) for t in targets)
@@ -525,6 +559,7 @@ class ScalingCore:
             return out
         self.state = InstanceState.TERMINATED
         self.unsure = {}
+        self.gone = set()
         out = [] if self.deletion_mode is DeletionMode.TWO_PHASE else [Drain()]
         out.append(Terminate(self.instance_id))
         return out
@@ -593,6 +628,7 @@ class ScalingCore:
             "pending": sorted(self.pending),
             "new_siblings": list(self.new_siblings),
             "unsure": {n: sorted(c) for n, c in sorted(self.unsure.items())},
+            "gone": sorted(self.gone),
         }
 
     @classmethod
@@ -614,6 +650,7 @@ class ScalingCore:
             core.new_siblings = tuple(data["new_siblings"])
             # absent from snapshots written before session 14: nothing unsure
             core.unsure = {str(n): {str(c) for c in cs} for n, cs in (data.get("unsure") or {}).items()}
+            core.gone = {str(n) for n in data.get("gone") or ()}
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise LocalProtocolError(f"snapshot: cannot restore ({exc!r})") from None
         return core
@@ -623,7 +660,7 @@ class ScalingCore:
         new = object.__new__(type(self))
         new.__dict__.update(self.__dict__)
         for name in ("succs", "preds", "succs_to_add", "succs_to_delete", "preds_to_add",
-                     "preds_to_delete", "pending"):
+                     "preds_to_delete", "pending", "gone"):
             setattr(new, name, set(getattr(self, name)))
         new.unsure = {n: set(c) for n, c in self.unsure.items()}
         return new
@@ -635,6 +672,6 @@ class ScalingCore:
             frozenset(self.succs_to_add), frozenset(self.succs_to_delete),
             frozenset(self.preds_to_add), frozenset(self.preds_to_delete),
             self.round, frozenset(self.pending), self.new_siblings,
-            frozenset((n, frozenset(c)) for n, c in self.unsure.items()),
+            frozenset((n, frozenset(c)) for n, c in self.unsure.items()), frozenset(self.gone),
         )
 
