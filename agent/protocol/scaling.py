@@ -56,6 +56,8 @@ Deviations from the paper, and why (see docs/scaling.md):
 5. A round message the driver sends again after a silence also goes to the copies the silent
    neighbour announced before it acked (`widen_round`): a lost message broke the FIFO order the
    paper's argument for concurrent rounds needs. No extra message without a loss.
+6. At that resend a pending neighbour whose Deletion we applied in the round is not waited for
+   any more (`release`): after a loss it may have left without answering.
 """
 
 from __future__ import annotations
