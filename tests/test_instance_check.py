@@ -394,8 +394,12 @@ FOUND_KEYED = [
     # waits for its moves, and FIFO channels put an old owner's Redirect ahead of its DuplicationAck
     # to the predecessor, so a predecessor's copy starts with the new table): each matters once a
     # broker rollback or a crash loses or delays a message. Found by a search of 200-1500 seeds.
-    # A leaver that starts its Deletion at once, whatever it holds (found by a crash mix).
-    ("leave_with_groups", dataclasses.replace(KEYED, dups=0, refusals=0), 379, {"round_not_ended", "move_not_ended"}),
+    # A leaver that starts its Deletion at once, whatever it holds (found by a crash mix). Its round
+    # then waits for op's copy, which left without answering; since session 14 the round stops
+    # waiting for such a neighbour (`ScalingCore.release`, no violation in 1,200 schedules with
+    # this fault alone), so the schedule is played with that release off (`wait_for_leaver`).
+    ("leave_with_groups", dataclasses.replace(KEYED, dups=0, refusals=0, faults=frozenset({"wait_for_leaver"})), 379,
+     {"round_not_ended", "move_not_ended"}),
     # A move whose Redirect the rollback lost is never asked again.
     ("no_redirect_resend", KEYED_ROLLBACK, 19, {"move_not_ended"}),
     # (`no_add_pred`, a predecessor's copy that joined during a move not waited for, is not in
@@ -413,7 +417,7 @@ def test_the_keyed_checker_finds_each_broken_hand_over_rule(  # type: ignore[no-
         fault, cfg, seed, kinds) -> None:
     # the mixes with a broker rollback and the seeded schedules: the schedule found, alone
     n = 1 if cfg.brokers or seed else 200
-    faulty = random_runs(dataclasses.replace(cfg, faults=frozenset({fault})), schedules=n, seed=seed)
+    faulty = random_runs(dataclasses.replace(cfg, faults=cfg.faults | {fault}), schedules=n, seed=seed)
     assert not faulty.ok, f"{fault} not found in {n} schedules"
     assert faulty.violations[0].kind in kinds, describe(faulty)
     clean = random_runs(cfg, schedules=faulty.schedules, seed=seed)
