@@ -283,6 +283,9 @@ class Instance:
             # epoch reaches every predecessor of its rebuilt table, idle copies included
             Kind.ACK: (tuple(f"{o}-" for o in succ_op), {f"{spec.pipeline}.{o}.0" for o in succ_op}),
         }
+        # a neighbour's Duplication we take unannounced (`_sender_allowed`): previous or next operator
+        both = pred_op + succ_op
+        self._round_shape = (tuple(f"{o}-" for o in both), {f"{spec.pipeline}.{o}.0" for o in both})
         self.scaling: Optional[ScalingDriver] = None
 
         self.stats: Dict[str, int] = {
@@ -821,10 +824,13 @@ class Instance:
         # The Deletion of a neighbour's copy nobody told us of (it learnt of us from a round of
         # ours, or from its creator, while our own Start or round left it out): answered, or its
         # deletion waits for our ack for ever. The core takes it as the paper does (idle: not to
-        # add; active: not in our tables) and only acks. docs/reliability.md, "Checking whole instances".
-        shape = self._shapes[Kind.PROTO]
-        return (isinstance(env.body, dict) and env.body.get("type") == "deletion"
-                and (s.startswith(shape[0]) or s in shape[1]))
+        # add; active: not in our tables) and only acks. Likewise a Duplication a neighbour sends
+        # us, a copy it was told of, after a loss (`ScalingCore.widen_round`): idle, we keep it
+        # for our Start (Algorithm 5) and ack; held instead, two such rounds wait for each
+        # other's idle copies for ever. docs/reliability.md, "Checking whole instances".
+        mtype = env.body.get("type") if isinstance(env.body, dict) else None
+        shape = self._shapes[Kind.PROTO] if mtype == "deletion" else self._round_shape
+        return mtype in ("deletion", "duplication") and (s.startswith(shape[0]) or s in shape[1])
 
     def _take_redirect(self, sender: str, msg: Any) -> None:
         try:
