@@ -1715,6 +1715,11 @@ class Instance:
             self.moves.take_share(field, self.scaling.core.creator)
             self.mark_state_changed()
 
+    def stamp_decision(self, key: str) -> None:
+        """Wall time of a step of our current scale-out on its decision record (agent.instance.driver)."""
+        if self.scaling is not None:
+            self.scaling.stamp_decision(key)
+
     def groups_moved(self) -> None:
         """The key groups our last scaling decision moved are installed at their new owners (their
         held records applied): stamped on that decision (`bench`, docs/operators.md)."""
