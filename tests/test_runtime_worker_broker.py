@@ -508,6 +508,53 @@ def test_duplication_ack_overtakes_queued_data_of_an_overloaded_creator(runner, 
     assert ids.get("source-0", set()) == expected_ids(3, "source-0", n, ops=("validate",))
 
 
+def test_duplication_overtakes_queued_data_at_a_loaded_successor(runner, mosquitto, tmp_path: Path) -> None:
+    """The creator is fast, its successor loaded: the creator's batches queue at the successor in
+    front of the creator's duplication (0.5 s of emulated work per batch, up to a window of 8).
+    The successor handles the duplication ahead of that data (`Instance._duplications_ahead`), so
+    the round ends within a fraction of the queue's drain time (the demo's in_zone ahead of the
+    keyed route_counts: rounds of 3.7-4.7 s before); every record still arrives exactly once."""
+    n = 1500
+    toml = pipeline_toml(
+        "dupahead",
+        [
+            {"name": "source", "kind": "source", "function": "agent.operators.taxi:source", "batch_size": 50,
+             "linger_ms": 10.0, "params": {"seed": 3, "profile": "constant", "rate": 600.0, "max_records": n}},
+            {"name": "validate", "function": "agent.operators.builtin:validate", "batch_size": 50,
+             "linger_ms": 10.0},
+            {"name": "in_zone", "function": "agent.operators.builtin:in_zone", "batch_size": 50,
+             "linger_ms": 10.0, "service_time_ms": 10.0},
+            {"name": "sink", "kind": "sink", "function": "agent.operators.builtin:counting_sink",
+             "batch_size": 50, "linger_ms": 10.0},
+        ],
+        scaling={"policy": "none"},
+    )
+    procs = start_pipeline(runner, mosquitto, tmp_path, toml, "dupahead")
+    work, slow = procs["validate"], procs["in_zone"]
+    wait_for(lambda: slow.stats.get("queued", 0) >= 5, 20, "the successor's input to queue up")
+    queued = slow.stats["queued"]
+    work.send("scale", action="duplicate", count=1)
+    wait_for(lambda: runner.spawned and runner.workers[runner.spawned[0]].stats.get("activated_at"), 20,
+             "the copy's Start")
+    copy = runner.workers[runner.spawned[0]]
+    wait_for(lambda: any(d.get("spawned_at") for d in work.stats.get("decisions", [])), 5, "the creator's stats")
+    decision = [d for d in work.stats["decisions"] if d.get("kind") == "scale_out"][-1]
+    round_s = copy.stats["activated_at"] - decision["spawned_at"]
+    drain_s = (queued - 1) * 50 * 0.010  # what the queue in front of the duplication would have cost
+    assert round_s < min(1.0, drain_s / 2), f"round {round_s:.2f} s with {queued} batches queued ({drain_s:.1f} s)"
+    wait_for(lambda: slow.stats.get("duplications_ahead_of_data", 0) >= 1, 5, "the successor's stats")
+    wait_for(lambda: procs["source"].stats.get("generated") == n, 30, "the source to finish")
+    want = len(expected_ids(3, "source-0", n, ops=("validate", "in_zone")))
+    wait_for(lambda: procs["sink"].stats.get("recorded") == want, 40, "the sink to record everything")
+    assert copy.stats.get("records_in", 0) > 0
+    for p in (work, slow, copy):
+        assert p.stats.get("protocol_errors", 0) == 0 and p.stats.get("sends_to_non_successor", 0) == 0, p.stats
+    runner.stop_all()
+    ids, dup = read_sink_ids(tmp_path / "sink")
+    assert dup == 0
+    assert ids.get("source-0", set()) == expected_ids(3, "source-0", n, ops=("validate", "in_zone"))
+
+
 def test_copies_of_one_round_are_spawned_at_once(runner, mosquitto, tmp_path: Path) -> None:
     """A decision for several copies asks the agent for all of them before any answer (they start
     in parallel); the announcements still wait for every "spawned" (invariant 2), and every record

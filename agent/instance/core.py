@@ -59,6 +59,7 @@ from agent.measure.signals import PeriodSignals, Signals
 from agent.operators.builtin import SinkOperator
 from agent.operators.keyed import KeyedOperator, keyed_config_problems
 from agent.protocol.errors import LocalProtocolError
+from agent.protocol.scaling import FORWARDING
 
 __all__ = ["Instance", "Phase", "EXIT_OK", "EXIT_CRASH", "EXIT_BAD_SPEC", "EXIT_BROKER", "EXIT_DRAIN_TIMEOUT",
            "FAULT_RETRY_ONLY_WITH_DATA", "FAULT_ROUTE_AFRESH", "FAULT_REPLAY_TO_DEPARTED",
@@ -314,6 +315,7 @@ class Instance:
             "foreign_inbox": 0,  # envelopes on our inbox of a node we no longer run on (dropped)
             "stale_acks": 0,  # acks for an earlier incarnation of ours
             "acks_ahead_of_data": 0,  # duplication_acks taken ahead of data queued before them
+            "duplications_ahead_of_data": 0,  # a predecessor's duplication taken ahead of its data
             "spool_stalls": 0,  # a sink held back by its full spool
             "spool_events": 0,  # spool events published
             "unrouted_dropped": 0,  # envelopes for a destination no binding names, dropped past UNROUTED_MAX
@@ -357,6 +359,7 @@ class Instance:
         # lacks its channel; when we first dropped its data or None), for the predecessors whose
         # data before their replay marker we drop (`_await_replays`, docs/reliability.md).
         self._awaiting_replay: Dict[str, Tuple[Optional[int], Optional[float]]] = {}
+        self._dup_behind_data = False  # a predecessor's duplication queued behind its data (`_duplications_ahead`)
         # Source -> the largest floor claimed for it in our input (agent.instance.applied): passed
         # on with the records of that source; a source claims its own.
         self._floors: Dict[str, int] = {}
@@ -885,6 +888,9 @@ class Instance:
                 if q is None:
                     q = self.queues[e.sender] = deque()
                 q.append(e)
+                if (len(q) > 1 and e.kind is Kind.PROTO and isinstance(e.body, dict)
+                        and e.body.get("type") == "duplication"):
+                    self._dup_behind_data = True
         dropped = self.inbound.stats.duplicates + self.inbound.stats.stale_epoch - before
         self.stats["duplicate_envelopes"] += dropped
         if dropped and env.kind is Kind.DATA and env.epoch < (self.inbound.epoch_of(env.sender) or 0):
@@ -1205,10 +1211,12 @@ class Instance:
 
     def _process(self, now: float) -> None:
         """Handle queued envelopes, round-robin over senders, each sender strictly in order
-        (one exception: `_duplication_acks_ahead`). `now` stays the event's: an emulated service
-        time ends this turn's data; the next Tick goes on."""
+        (two exceptions: `_duplication_acks_ahead`, `_duplications_ahead`). `now` stays the
+        event's: an emulated service time ends this turn's data; the next Tick goes on."""
         if self.scaling is not None and self.scaling.duplicating:
             self._duplication_acks_ahead()
+        if self._dup_behind_data:
+            self._duplications_ahead()
         progress = True
         while progress:
             progress = False
@@ -1260,6 +1268,45 @@ class Instance:
                     self._on_protocol(env)
                 break  # the first non-data envelope decides
             if self.scaling.blocked or not self.scaling.duplicating:
+                return
+
+    def _duplications_ahead(self) -> None:
+        """A predecessor's `duplication` (it announces a copy of itself) queued behind that
+        predecessor's DATA batches is handled now instead of after them: the mirror of
+        `_duplication_acks_ahead`, on the successor's side of the same round.
+
+        Why: the creator's round waits for every neighbour's ack, and a successor that is itself
+        loaded (the demo's keyed `route_counts` behind `in_zone`, 4 ms per record) has up to a
+        credit window of the creator's data in front of the duplication: `in_zone`'s round took
+        3.7-4.7 s of the demo's 4.8 s decision -> first record outliers (docs/measurement.md,
+        "decision -> first record in the demo"). Why it is safe: the duplication only adds the
+        copy to our predecessors (the core acks it; no successor of ours changes, no record of
+        the creator is moved or dropped), and a copy sends nothing before its Start, which needs
+        our ack: the creator could as well have sent the duplication before those batches. The
+        overtaken batches are processed right after, in their order. Only DATA is overtaken,
+        never a protocol message (a creator's Eos or Deletion keeps its place: invariant 1), only
+        while we forward (the core updates its tables then) and never while our earlier outputs
+        are being performed."""
+        sc = self.scaling
+        if sc is None or sc.core.state not in FORWARDING:
+            self._dup_behind_data = False
+            return
+        if sc.blocked:
+            return  # asked again next turn
+        self._dup_behind_data = False
+        for q in list(self.queues.values()):
+            if len(q) < 2 or q[0].kind is not Kind.DATA:
+                continue
+            for i, env in enumerate(q):
+                if env.kind is Kind.DATA:
+                    continue
+                if env.kind is Kind.PROTO and isinstance(env.body, dict) and env.body.get("type") == "duplication":
+                    del q[i]
+                    self.stats["duplications_ahead_of_data"] += 1
+                    self._on_protocol(env)
+                break  # the first non-data envelope decides
+            if sc.blocked or sc.core.state not in FORWARDING:
+                self._dup_behind_data = True  # the other queues next turn
                 return
 
     def _process_data(self, env: Envelope, now: float) -> None:
