@@ -555,6 +555,52 @@ def test_duplication_overtakes_queued_data_at_a_loaded_successor(runner, mosquit
     assert ids.get("source-0", set()) == expected_ids(3, "source-0", n, ops=("validate", "in_zone"))
 
 
+def test_an_eos_overtakes_queued_data_without_its_group_at_a_loaded_keyed_creator(runner, mosquitto, tmp_path: Path) -> None:
+    """A keyed creator hands half its groups to its copy while its predecessor's batches queue in
+    front of the predecessor's Eos (25 ms per record, small batches over 128 groups). An Eos
+    whose group no batch ahead carries is handled at once (`Instance._eos_ahead`), so the copy's
+    first group is installed within a fraction of the queue's drain time (the demo's route_counts:
+    0.9-2.6 s waiting for the Eos before); every record still arrives exactly once."""
+    n = 900
+    toml = pipeline_toml(
+        "eosahead",
+        [
+            {"name": "source", "kind": "source", "function": "agent.operators.taxi:source", "batch_size": 8,
+             "linger_ms": 10.0, "params": {"seed": 3, "profile": "constant", "rate": 300.0, "max_records": n}},
+            {"name": "validate", "function": "agent.operators.builtin:validate", "batch_size": 8, "linger_ms": 10.0},
+            {"name": "in_zone", "function": "agent.operators.builtin:in_zone", "batch_size": 8,
+             "linger_ms": 10.0, "key": "route"},
+            {"name": "route_counts", "function": "agent.operators.debs:route_counts", "batch_size": 50,
+             "linger_ms": 10.0, "service_time_ms": 25.0,
+             "params": {"time_field": "dropoff_datetime", "size_ms": 1800000, "lateness_ms": 7200000,
+                        "forward": True}},
+            {"name": "sink", "kind": "sink", "function": "agent.operators.builtin:counting_sink",
+             "batch_size": 50, "linger_ms": 10.0},
+        ],
+        scaling={"policy": "none"},
+    )
+    procs = start_pipeline(runner, mosquitto, tmp_path, toml, "eosahead")
+    keyed = procs["route_counts"]
+    wait_for(lambda: keyed.stats.get("queued", 0) >= 5, 20, "the keyed creator's input to queue up")
+    queued = keyed.stats["queued"]
+    keyed.send("scale", action="duplicate", count=1)
+    wait_for(lambda: runner.spawned and runner.workers[runner.spawned[0]].stats.get("first_installed_at"), 30,
+             "the copy's first group")
+    copy = runner.workers[runner.spawned[0]]
+    handover_s = copy.stats["first_installed_at"] - copy.stats["activated_at"]
+    drain_s = (queued - 1) * 8 * 0.025  # what the batches in front of every Eos would have cost
+    assert handover_s < drain_s / 2, f"first group after {handover_s:.2f} s with {queued} batches queued ({drain_s:.1f} s)"
+    wait_for(lambda: keyed.stats.get("eos_ahead_of_data", 0) >= 1, 5, "the creator's stats")
+    wait_for(lambda: procs["source"].stats.get("generated") == n, 30, "the source to finish")
+    want = len(expected_ids(3, "source-0", n))
+    wait_for(lambda: procs["sink"].stats.get("recorded") == want, 60, "the sink to record everything")
+    assert copy.stats.get("keyed_applied", 0) > 0
+    for p in (keyed, copy):
+        assert p.stats.get("handover_errors", 0) == 0 and p.stats.get("protocol_errors", 0) == 0, p.stats
+    runner.stop_all()
+    assert_exactly_once(tmp_path, n)
+
+
 def test_copies_of_one_round_are_spawned_at_once(runner, mosquitto, tmp_path: Path) -> None:
     """A decision for several copies asks the agent for all of them before any answer (they start
     in parallel); the announcements still wait for every "spawned" (invariant 2), and every record

@@ -316,6 +316,7 @@ class Instance:
             "stale_acks": 0,  # acks for an earlier incarnation of ours
             "acks_ahead_of_data": 0,  # duplication_acks taken ahead of data queued before them
             "duplications_ahead_of_data": 0,  # a predecessor's duplication taken ahead of its data
+            "eos_ahead_of_data": 0,  # a predecessor's Eos taken ahead of its data without the group's records
             "spool_stalls": 0,  # a sink held back by its full spool
             "spool_events": 0,  # spool events published
             "unrouted_dropped": 0,  # envelopes for a destination no binding names, dropped past UNROUTED_MAX
@@ -360,6 +361,7 @@ class Instance:
         # data before their replay marker we drop (`_await_replays`, docs/reliability.md).
         self._awaiting_replay: Dict[str, Tuple[Optional[int], Optional[float]]] = {}
         self._dup_behind_data = False  # a predecessor's duplication queued behind its data (`_duplications_ahead`)
+        self._eos_behind_data = False  # a predecessor's Eos queued behind its data (`_eos_ahead`)
         # Source -> the largest floor claimed for it in our input (agent.instance.applied): passed
         # on with the records of that source; a source claims its own.
         self._floors: Dict[str, int] = {}
@@ -888,9 +890,11 @@ class Instance:
                 if q is None:
                     q = self.queues[e.sender] = deque()
                 q.append(e)
-                if (len(q) > 1 and e.kind is Kind.PROTO and isinstance(e.body, dict)
-                        and e.body.get("type") == "duplication"):
-                    self._dup_behind_data = True
+                if len(q) > 1 and e.kind is Kind.PROTO and isinstance(e.body, dict):
+                    if e.body.get("type") == "duplication":
+                        self._dup_behind_data = True
+                    elif e.body.get("type") == "eos" and self.moves is not None:
+                        self._eos_behind_data = True
         dropped = self.inbound.stats.duplicates + self.inbound.stats.stale_epoch - before
         self.stats["duplicate_envelopes"] += dropped
         if dropped and env.kind is Kind.DATA and env.epoch < (self.inbound.epoch_of(env.sender) or 0):
@@ -1211,12 +1215,14 @@ class Instance:
 
     def _process(self, now: float) -> None:
         """Handle queued envelopes, round-robin over senders, each sender strictly in order
-        (two exceptions: `_duplication_acks_ahead`, `_duplications_ahead`). `now` stays the
-        event's: an emulated service time ends this turn's data; the next Tick goes on."""
+        (three exceptions: `_duplication_acks_ahead`, `_duplications_ahead`, `_eos_ahead`). `now`
+        stays the event's: an emulated service time ends this turn's data; the next Tick goes on."""
         if self.scaling is not None and self.scaling.duplicating:
             self._duplication_acks_ahead()
         if self._dup_behind_data:
             self._duplications_ahead()
+        if self._eos_behind_data:
+            self._eos_ahead()
         progress = True
         while progress:
             progress = False
@@ -1308,6 +1314,52 @@ class Instance:
             if sc.blocked or sc.core.state not in FORWARDING:
                 self._dup_behind_data = True  # the other queues next turn
                 return
+
+    def _eos_ahead(self) -> None:
+        """A predecessor's Eos of group g queued behind that predecessor's DATA batches, none of
+        which holds a record of g, is handled now instead of after them (docs/operators.md, "Key
+        groups that move").
+
+        Why: we hand groups out because we are overloaded, so each predecessor's batches queue
+        here up to its credit window, and every Eos waited for all of them, every predecessor's
+        queue drained round-robin at our service time: 0.9-2.6 s of a keyed copy's hand-over in
+        the demo (docs/measurement.md, "decision -> first record in the demo"). Why it is safe:
+        the Eos says the predecessor sends no more of g to us; every record of g it sent before
+        is either applied here already or in a batch ahead of the Eos, and we only move the Eos
+        when no batch ahead carries one, so g's state is final here exactly as if the batches
+        had been processed (they hold only other groups, still ours or still moving, processed
+        right after in their order). An Eos overtakes DATA and other Eos only (each concerns its
+        own group), never another protocol message (invariant 1), never while our earlier
+        outputs are being performed."""
+        assert self.moves is not None
+        if self.scaling is not None and self.scaling.blocked:
+            return  # asked again next turn
+        self._eos_behind_data = False
+        moves = self.moves
+        for q in list(self.queues.values()):
+            if len(q) < 2 or q[0].kind is not Kind.DATA:
+                continue
+            ahead: Set[int] = set()  # groups of the records in the batches ahead
+            i = 0
+            while i < len(q):
+                env = q[i]
+                if env.kind is Kind.DATA:
+                    ahead |= moves.groups_in(env.body)
+                    i += 1
+                    continue
+                body = env.body
+                if env.kind is not Kind.PROTO or not isinstance(body, dict) or body.get("type") != "eos":
+                    break  # any other protocol message keeps its place, and what follows it
+                g = body.get("g")
+                if type(g) is int and g not in ahead:  # a malformed one keeps its place (decoded there)
+                    del q[i]
+                    self.stats["eos_ahead_of_data"] += 1
+                    self._on_protocol(env)
+                    if self.scaling is not None and self.scaling.blocked:
+                        self._eos_behind_data = True
+                        return
+                    continue
+                i += 1
 
     def _process_data(self, env: Envelope, now: float) -> None:
         items: List[Item] = env.body

@@ -245,6 +245,10 @@ class GroupMoves:
         if records and self.first_applied_at is None:
             self.first_applied_at = self.w.wall()
 
+    def groups_in(self, items: List[Item]) -> Set[int]:
+        """The key groups of these records (`Instance._eos_ahead`: may an Eos pass them?)."""
+        return {key_group(record_key(it[2], self.key_field), self.groups) for it in items}
+
     def _replayed(self, it: Item) -> bool:
         a = self.keyed.applied.get(it[0])
         return a is not None and it[1] in a
