@@ -66,6 +66,7 @@ class Worker:
     # process of its own. Members share `proc`; their control lines carry "member".
     chain: Tuple[str, ...] = ()
     asked_to_stop: bool = False  # `stop` named it (a chain's other members stop with it, unasked)
+    warm: bool = False  # the pre-started process took it (the "spawned" event says so: the demo's spawn times)
 
     @property
     def instance(self) -> str:
@@ -153,8 +154,9 @@ class Supervisor:
     def start(self, spec: InstanceSpec, now: float) -> Worker:
         if spec.instance in self.workers:
             raise ValueError(f"instance {spec.instance!r} already runs here (pid {self.workers[spec.instance].pid})")
+        used = self.warm_used
         proc = self._process()
-        worker = Worker(spec=spec, proc=proc, started_at=now, last_heartbeat=now)
+        worker = Worker(spec=spec, proc=proc, started_at=now, last_heartbeat=now, warm=self.warm_used > used)
         self.workers[spec.instance] = worker
         self._write(worker, spec.to_json() + "\n")
         t = threading.Thread(

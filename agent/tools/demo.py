@@ -377,7 +377,9 @@ class Monitor:
         with self._lock:
             stats = {i: dict(s) for i, s in self.instance_stats.items()}
             ops = dict(self.instance_operator)
-        return rescale_by_operator(stats, ops)
+        warm = {str(e.get("instance")): e["detail"]["warm"] for e in self.agent_events("spawned")
+                if isinstance(e["detail"].get("warm"), bool)}
+        return rescale_by_operator(stats, ops, warm)
 
     def agent_events(self, etype: str, cause: Optional[str] = None) -> List[Dict[str, Any]]:
         with self._lock:
@@ -753,8 +755,8 @@ def print_summary(summary: Dict[str, Any], out: Any) -> None:
     for op, r in (summary.get("rescale_by_operator") or {}).items():
         d = r["decision_to_first_record_s"]
         parts = ", ".join(f"{p} {v}" for p, v in r["parts_median_s"].items())
-        print(f"    {op:<16} decision -> first record median {d['median']} s, max {d['max']} s (n {d['n']}; "
-              f"{'keyed' if r['keyed'] else 'stateless'}, medians: {parts})", file=out)
+        print(f"    {op:<16} decision -> first record median {d['median']} s, max {d['max']} s (n {d['n']}, "
+              f"{r['cold_spawns']} cold spawns; {'keyed' if r['keyed'] else 'stateless'}, medians: {parts})", file=out)
     print("  verdict            " + ("OK: every record exactly once" if summary.get("ok") else "FAILED: loss or duplicates"), file=out)
 
 

@@ -77,10 +77,15 @@ def _median_max(values: List[float]) -> Dict[str, Any]:
     return {"median": round(v[len(v) // 2], 3) if v else None, "max": round(v[-1], 3) if v else None, "n": len(v)}
 
 
-def rescale_by_operator(stats: Dict[str, Dict[str, Any]], operator_of: Dict[str, str]) -> Dict[str, Any]:
+def rescale_by_operator(stats: Dict[str, Dict[str, Any]], operator_of: Dict[str, str],
+                        warm: Optional[Dict[str, bool]] = None) -> Dict[str, Any]:
     """{operator: {"keyed", "decision_to_first_record_s": {median, max, n}, "parts_median_s": {...},
-    "each": [row, ...]}} over every scale-out decision found in `stats` (instance -> its last
-    stats, exited instances included), the operator of each instance from `operator_of`."""
+    "cold_spawns", "each": [row, ...]}} over every scale-out decision found in `stats` (instance ->
+    its last stats, exited instances included), the operator of each instance from `operator_of`;
+    `warm`: instance -> whether the agent's pre-started worker took it (its "spawned" event): a row
+    says "cold" when one of its copies was a cold start (a python start and imports, seconds on a
+    loaded machine)."""
+    warm = warm or {}
     rows: Dict[str, List[Dict[str, Any]]] = {}
     keyed_ops: Dict[str, bool] = {}
     for inst, st in stats.items():
@@ -92,6 +97,7 @@ def rescale_by_operator(stats: Dict[str, Dict[str, Any]], operator_of: Dict[str,
                 continue
             row = split_one(d, [stats.get(str(n), {}) for n in d["new"]], keyed)
             if row is not None:
+                row["cold"] = any(warm.get(str(n)) is False for n in d["new"])
                 rows.setdefault(op, []).append(row)
                 keyed_ops[op] = keyed
     out: Dict[str, Any] = {}
@@ -102,6 +108,7 @@ def rescale_by_operator(stats: Dict[str, Dict[str, Any]], operator_of: Dict[str,
             "keyed": keyed_ops[op],
             "decision_to_first_record_s": _median_max([r["total"] for r in each]),
             "parts_median_s": {p: _median_max([r[p] for r in each if r.get(p) is not None])["median"] for p in parts},
+            "cold_spawns": sum(1 for r in each if r["cold"]),
             "each": each,
         }
     return out
