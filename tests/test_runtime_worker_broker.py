@@ -465,6 +465,16 @@ def test_paused_source_sleeps_instead_of_spinning(runner, mosquitto, tmp_path: P
     assert used < 0.4, f"a paused source used {used:.2f} s of CPU in 2 s"
 
 
+def duplicate_once_queued(runner, queued_at, creator, stamp: str):
+    """Waits for `queued_at`'s input to queue up (5 batches), asks `creator` to duplicate and
+    waits for its copy's stats to carry `stamp`: (the batches queued at the decision, the copy)."""
+    wait_for(lambda: queued_at.stats.get("queued", 0) >= 5, 20, f"{queued_at.spec.operator}'s input to queue up")
+    queued = queued_at.stats["queued"]
+    creator.send("scale", action="duplicate", count=1)
+    wait_for(lambda: runner.spawned and runner.workers[runner.spawned[0]].stats.get(stamp), 30, f"the copy's {stamp}")
+    return queued, runner.workers[runner.spawned[0]]
+
+
 def test_duplication_ack_overtakes_queued_data_of_an_overloaded_creator(runner, mosquitto, tmp_path: Path) -> None:
     """The creator of a copy is overloaded: its predecessor's batches queue in front of the
     predecessor's duplication_ack (0.5 s of emulated work per batch, up to a window of 8). The ack
@@ -485,12 +495,7 @@ def test_duplication_ack_overtakes_queued_data_of_an_overloaded_creator(runner, 
     )
     procs = start_pipeline(runner, mosquitto, tmp_path, toml, "ahead")
     work = procs["validate"]
-    wait_for(lambda: work.stats.get("queued", 0) >= 5, 20, "the creator's input to queue up")
-    queued = work.stats["queued"]
-    work.send("scale", action="duplicate", count=1)
-    wait_for(lambda: runner.spawned and runner.workers[runner.spawned[0]].stats.get("activated_at"), 20,
-             "the copy's Start")
-    copy = runner.workers[runner.spawned[0]]
+    queued, copy = duplicate_once_queued(runner, work, work, "activated_at")
     wait_for(lambda: any(d.get("spawned_at") for d in work.stats.get("decisions", [])), 5, "the creator's stats")
     decision = [d for d in work.stats["decisions"] if d.get("kind") == "scale_out"][-1]
     round_s = copy.stats["activated_at"] - decision["spawned_at"]
@@ -531,12 +536,7 @@ def test_duplication_overtakes_queued_data_at_a_loaded_successor(runner, mosquit
     )
     procs = start_pipeline(runner, mosquitto, tmp_path, toml, "dupahead")
     work, slow = procs["validate"], procs["in_zone"]
-    wait_for(lambda: slow.stats.get("queued", 0) >= 5, 20, "the successor's input to queue up")
-    queued = slow.stats["queued"]
-    work.send("scale", action="duplicate", count=1)
-    wait_for(lambda: runner.spawned and runner.workers[runner.spawned[0]].stats.get("activated_at"), 20,
-             "the copy's Start")
-    copy = runner.workers[runner.spawned[0]]
+    queued, copy = duplicate_once_queued(runner, slow, work, "activated_at")
     wait_for(lambda: any(d.get("spawned_at") for d in work.stats.get("decisions", [])), 5, "the creator's stats")
     decision = [d for d in work.stats["decisions"] if d.get("kind") == "scale_out"][-1]
     round_s = copy.stats["activated_at"] - decision["spawned_at"]
@@ -581,12 +581,7 @@ def test_an_eos_overtakes_queued_data_without_its_group_at_a_loaded_keyed_creato
     )
     procs = start_pipeline(runner, mosquitto, tmp_path, toml, "eosahead")
     keyed = procs["route_counts"]
-    wait_for(lambda: keyed.stats.get("queued", 0) >= 5, 20, "the keyed creator's input to queue up")
-    queued = keyed.stats["queued"]
-    keyed.send("scale", action="duplicate", count=1)
-    wait_for(lambda: runner.spawned and runner.workers[runner.spawned[0]].stats.get("first_installed_at"), 30,
-             "the copy's first group")
-    copy = runner.workers[runner.spawned[0]]
+    queued, copy = duplicate_once_queued(runner, keyed, keyed, "first_installed_at")
     handover_s = copy.stats["first_installed_at"] - copy.stats["activated_at"]
     drain_s = (queued - 1) * 8 * 0.025  # what the batches in front of every Eos would have cost
     assert handover_s < drain_s / 2, f"first group after {handover_s:.2f} s with {queued} batches queued ({drain_s:.1f} s)"

@@ -1259,22 +1259,29 @@ class Instance:
         neighbour's own round must be applied before our Start carries our tables), and never
         while our earlier outputs are still being performed. Deletion acks never move: invariant 1
         needs a deletion_ack handled after every batch its sender sent before it."""
-        assert self.scaling is not None
-        if self.scaling.blocked:
-            return
+        sc = self.scaling
+        assert sc is not None
+        if not sc.blocked:
+            self._ahead_of_data("duplication_ack", "acks_ahead_of_data", lambda: not sc.blocked and sc.duplicating)
+
+    def _ahead_of_data(self, msg_type: str, stat: str, go_on: Callable[[], bool]) -> bool:
+        """In each sender's queue that starts with DATA, the first envelope that is not DATA is
+        handled now if it is a protocol message of `msg_type` (and stays otherwise: it decides
+        for what follows it). Stops when `go_on()` turns false after one: False then."""
         for q in list(self.queues.values()):
             if len(q) < 2 or q[0].kind is not Kind.DATA:
                 continue
             for i, env in enumerate(q):
                 if env.kind is Kind.DATA:
                     continue
-                if env.kind is Kind.PROTO and isinstance(env.body, dict) and env.body.get("type") == "duplication_ack":
+                if env.kind is Kind.PROTO and isinstance(env.body, dict) and env.body.get("type") == msg_type:
                     del q[i]
-                    self.stats["acks_ahead_of_data"] += 1
+                    self.stats[stat] += 1
                     self._on_protocol(env)
                 break  # the first non-data envelope decides
-            if self.scaling.blocked or not self.scaling.duplicating:
-                return
+            if not go_on():
+                return False
+        return True
 
     def _duplications_ahead(self) -> None:
         """A predecessor's `duplication` (it announces a copy of itself) queued behind that
@@ -1299,21 +1306,9 @@ class Instance:
             return
         if sc.blocked:
             return  # asked again next turn
-        self._dup_behind_data = False
-        for q in list(self.queues.values()):
-            if len(q) < 2 or q[0].kind is not Kind.DATA:
-                continue
-            for i, env in enumerate(q):
-                if env.kind is Kind.DATA:
-                    continue
-                if env.kind is Kind.PROTO and isinstance(env.body, dict) and env.body.get("type") == "duplication":
-                    del q[i]
-                    self.stats["duplications_ahead_of_data"] += 1
-                    self._on_protocol(env)
-                break  # the first non-data envelope decides
-            if sc.blocked or sc.core.state not in FORWARDING:
-                self._dup_behind_data = True  # the other queues next turn
-                return
+        self._dup_behind_data = not self._ahead_of_data(
+            "duplication", "duplications_ahead_of_data",
+            lambda: not sc.blocked and sc.core.state in FORWARDING)  # stopped: the other queues next turn
 
     def _eos_ahead(self) -> None:
         """A predecessor's Eos of group g queued behind that predecessor's DATA batches, none of

@@ -377,7 +377,7 @@ class Monitor:
         with self._lock:
             stats = {i: dict(s) for i, s in self.instance_stats.items()}
             ops = dict(self.instance_operator)
-        warm = {str(e.get("instance")): e["detail"]["warm"] for e in self.agent_events("spawned")
+        warm = {str(e.get("instance")): e["detail"].get("warm_age_s") for e in self.agent_events("spawned")
                 if isinstance(e["detail"].get("warm"), bool)}
         return rescale_by_operator(stats, ops, warm)
 

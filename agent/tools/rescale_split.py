@@ -78,13 +78,14 @@ def _median_max(values: List[float]) -> Dict[str, Any]:
 
 
 def rescale_by_operator(stats: Dict[str, Dict[str, Any]], operator_of: Dict[str, str],
-                        warm: Optional[Dict[str, bool]] = None) -> Dict[str, Any]:
+                        warm: Optional[Dict[str, Optional[float]]] = None) -> Dict[str, Any]:
     """{operator: {"keyed", "decision_to_first_record_s": {median, max, n}, "parts_median_s": {...},
     "cold_spawns", "each": [row, ...]}} over every scale-out decision found in `stats` (instance ->
     its last stats, exited instances included), the operator of each instance from `operator_of`;
-    `warm`: instance -> whether the agent's pre-started worker took it (its "spawned" event): a row
-    says "cold" when one of its copies was a cold start (a python start and imports, seconds on a
-    loaded machine)."""
+    `warm`: instance -> how long the agent's pre-started worker had run when it took the instance,
+    None for a cold start (its "spawned" event): a row says "cold" when one of its copies was a
+    cold start (a python start and imports, seconds on a loaded machine) and "warm_age" the
+    youngest pre-started process among them (a young one was still importing)."""
     warm = warm or {}
     rows: Dict[str, List[Dict[str, Any]]] = {}
     keyed_ops: Dict[str, bool] = {}
@@ -97,7 +98,9 @@ def rescale_by_operator(stats: Dict[str, Dict[str, Any]], operator_of: Dict[str,
                 continue
             row = split_one(d, [stats.get(str(n), {}) for n in d["new"]], keyed)
             if row is not None:
-                row["cold"] = any(warm.get(str(n)) is False for n in d["new"])
+                row["cold"] = any(str(n) in warm and warm[str(n)] is None for n in d["new"])
+                ages = [a for a in (warm.get(str(n)) for n in d["new"]) if a is not None]
+                row["warm_age"] = min(ages) if ages else None
                 rows.setdefault(op, []).append(row)
                 keyed_ops[op] = keyed
     out: Dict[str, Any] = {}
