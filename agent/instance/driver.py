@@ -301,7 +301,7 @@ class ScalingDriver:
             self.round_created = []
         elif edge == "end":
             self.last_round_end = self.w.now
-            self._stamp_decision("round_end_at")
+            self.stamp_decision("round_end_at")
         for t in trans:
             self._publish_lock_event(t)
         if trans or edge:
@@ -911,7 +911,7 @@ class ScalingDriver:
             log.warning("unexpected spawned reply %s ignored", msg, extra=self.w.ctx)
             return
         if msg.get("ok"):
-            self._stamp_decision("spawned_at")
+            self.stamp_decision("spawned_at")
             if instance not in self.round_created:
                 self.round_created.append(instance)
         else:
@@ -939,10 +939,10 @@ class ScalingDriver:
             log.info("key groups of the %s decided %.0f ms ago: installed at their new owners", d.get("kind"),
                      (d["moved_at"] - d["at"]) * 1000, extra=self.w.ctx)
 
-    def _stamp_decision(self, key: str) -> None:
+    def stamp_decision(self, key: str) -> None:
         """Wall time of a step of the current scale-out round on its decision record (latest
-        spawn reply, round end): `bench dataplane`/`bench rescale` split decision -> first record
-        into spawn, protocol round and first batch with it."""
+        spawn reply, round end, a keyed creator's first chunks sent): `bench dataplane`/`bench
+        rescale` and `demo` split decision -> first record into its parts with it."""
         d = self.decisions[-1] if self.decisions else None
         if d is not None and d.get("kind") == "scale_out" and (key == "spawned_at" or key not in d):
             d[key] = self.w.wall()  # spawned_at: with several copies, the last reply counts
