@@ -364,6 +364,9 @@ def test_a_copy_starts_knowing_a_neighbour_that_left_after_it_acked_our_duplicat
     changed, ack = s0.handle(Deletion("o1", 1, 2))  # acked, then left: knows the copy
     assert changed.preds == ("o0", "o2") and ack.dest == "o1" and s0.leavers == {"o1": "pred"}
     s0.handle(Deletion("o2", 1, 2))  # pending: left before it could know the copy
+    s0.handle(Duplication("o0", 1, 1, ("o3",)))  # joined during our round, never heard of it
+    s0.handle(Deletion("o3", 1, 2))  # (seed 418: kept, the copy waited for it for ever)
+    assert s0.leavers == {"o1": "pred"}
     assert ScalingCore.restore(json.loads(json.dumps(s0.snapshot())), P).key() == s0.key()
     assert s0.clone().key() == s0.key()
     assert s0.release("o2") == [] and "o2" not in s0.leavers  # at the resend: not waited for

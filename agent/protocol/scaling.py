@@ -218,6 +218,8 @@ class ScalingCore:
         # Pending neighbours whose Deletion we applied in this round: they send us nothing more
         # and may be gone before our round message reaches them (`release`).
         self.gone: Set[str] = set()
+        # Neighbours that acked our current duplication round: they know our copies.
+        self.acked: Set[str] = set()
         # Neighbours (-> side) whose Deletion we applied in our duplication round after they
         # had acked it: they know our copies, which must know them (`_finish_duplication`).
         self.leavers: Dict[str, str] = {}
@@ -319,6 +321,7 @@ class ScalingCore:
         self.unsure = {}
         self.gone = set()
         self.leavers = {}
+        self.acked = set()
         self.state = InstanceState.DUPLICATING
         if not self.pending:
             out.extend(self._finish_duplication())
@@ -375,6 +378,7 @@ class ScalingCore:
             self.unsure = {}
             self.gone = set()
             self.leavers = {}
+            self.acked = set()
             self.new_siblings = ()
             return []
         self.new_siblings = kept
@@ -490,9 +494,11 @@ class ScalingCore:
             copies.discard(msg.sender)  # it leaves: our round is no news to it (and it may be gone)
         if self.in_round and msg.sender in self.pending:
             self.gone.add(msg.sender)
-        elif self.state is InstanceState.DUPLICATING and msg.sender in (self.succs if side == _SUCC else self.preds):
-            # It acked our Duplication before this Deletion (FIFO), so it applied it: it will
-            # send our copies its Deletion and wait for their acks (deviation 7).
+        elif self.state is InstanceState.DUPLICATING and msg.sender in self.acked \
+                and msg.sender in (self.succs if side == _SUCC else self.preds):
+            # It acked our Duplication, so it applied it: it will send our copies its Deletion
+            # and wait for their acks (deviation 7). Not one that joined our tables during the
+            # round (a neighbour's new copy): it may never have heard of ours.
             self.leavers[msg.sender] = side
         if self.state is InstanceState.IDLE:
             (self.succs_to_delete if side == _SUCC else self.preds_to_delete).add(msg.sender)
@@ -527,6 +533,7 @@ class ScalingCore:
     def _on_duplication_ack(self, msg: DuplicationAck) -> List[Output]:
         self._check_ack(msg, (InstanceState.DUPLICATING,))
         self.pending.discard(msg.sender)
+        self.acked.add(msg.sender)
         self.unsure.pop(msg.sender, None)
         return [] if self.pending else self._finish_duplication()
 
@@ -559,6 +566,7 @@ class ScalingCore:
         self.unsure = {}
         self.gone = set()
         self.leavers = {}
+        self.acked = set()
         self.state = InstanceState.ACTIVE
         return out
 
@@ -651,6 +659,7 @@ class ScalingCore:
             "unsure": {n: sorted(c) for n, c in sorted(self.unsure.items())},
             "gone": sorted(self.gone),
             "leavers": dict(sorted(self.leavers.items())),
+            "acked": sorted(self.acked),
         }
 
     @classmethod
@@ -675,6 +684,7 @@ class ScalingCore:
             core.gone = {str(n) for n in data.get("gone") or ()}
             core.leavers = {str(n): str(side) for n, side in (data.get("leavers") or {}).items()
                             if side in (_SUCC, _PRED)}
+            core.acked = {str(n) for n in data.get("acked") or ()}
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise LocalProtocolError(f"snapshot: cannot restore ({exc!r})") from None
         return core
@@ -684,7 +694,7 @@ class ScalingCore:
         new = object.__new__(type(self))
         new.__dict__.update(self.__dict__)
         for name in ("succs", "preds", "succs_to_add", "succs_to_delete", "preds_to_add",
-                     "preds_to_delete", "pending", "gone"):
+                     "preds_to_delete", "pending", "gone", "acked"):
             setattr(new, name, set(getattr(self, name)))
         new.unsure = {n: set(c) for n, c in self.unsure.items()}
         new.leavers = dict(self.leavers)
@@ -698,6 +708,6 @@ class ScalingCore:
             frozenset(self.preds_to_add), frozenset(self.preds_to_delete),
             self.round, frozenset(self.pending), self.new_siblings,
             frozenset((n, frozenset(c)) for n, c in self.unsure.items()), frozenset(self.gone),
-            frozenset(self.leavers.items()),
+            frozenset(self.leavers.items()), frozenset(self.acked),
         )
 
