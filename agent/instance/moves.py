@@ -185,6 +185,9 @@ class GroupMoves:
         self.to_forget: List[int] = []  # handed out: dropped from the keyed state after the write
         self.deferred: List[Tuple[str, Dict[str, Any]]] = []  # (dest, body): chunks, Installed
         self.unsaved: Set[int] = set()  # input indices whose held records were applied, not saved yet
+        # fresh index of held records' outputs -> the lowest input index they came in with: that
+        # input stays unacked until those outputs are acked downstream (`lowest_held`)
+        self.forwarding: Dict[int, int] = {}
         self.counts: Dict[str, int] = {"groups_out": 0, "groups_in": 0, "held_records": 0, "hold_dropped": 0,
                                        "handover_errors": 0}
         # wall times for `fog-agent demo`'s decision -> first record split (docs/measurement.md):
@@ -253,9 +256,22 @@ class GroupMoves:
         a = self.keyed.applied.get(it[0])
         return a is not None and it[1] in a
 
-    def lowest_held(self) -> Optional[int]:
-        """The lowest input index with records held or applied-not-saved: not acked upstream yet."""
-        lows = [i for i in self.unsaved]
+    def lowest_held(self, forwarding: Any = False) -> Optional[int]:
+        """The lowest input index with records held, applied-not-saved, or applied with outputs
+        not acked downstream yet: not acked upstream yet. `forwarding`: the instance's
+        `_lowest_forwarding()` if the caller has it.
+
+        Held records are applied under a fresh index (`_apply`), above the index they came in
+        with; saved, only that fresh index would hold their outputs, and the input they came in
+        with would be acked while those outputs are still on their way. Acks are end to end
+        (agent.instance.applied): the source's floor claim would then pass them and the next
+        keyed operator skip them as replays (docs/reliability.md, "Held records acked before
+        their outputs")."""
+        if self.forwarding:
+            low = self.w._lowest_forwarding() if forwarding is False else forwarding
+            for idx in [i for i in self.forwarding if low is None or i < low]:
+                del self.forwarding[idx]  # every output of it acked
+        lows = [i for i in self.unsaved] + list(self.forwarding.values())
         if self.held:
             for bufs in (self.member.new.buffer, self.member.early):
                 for recs in bufs.values():
@@ -497,11 +513,13 @@ class GroupMoves:
 
     def _apply(self, a: Apply) -> None:
         """Held records of a group now installed here, in arrival order, under a fresh index (the
-        keyed outputs' indices only grow); their inputs are released once the state is saved."""
+        keyed outputs' indices only grow); their inputs are released once the state is saved and
+        the outputs are acked downstream (`lowest_held`)."""
         w = self.w
         self.held -= len(a.records)
         self._applied(a.records)
         run: List[Item] = []
+        low = 0  # the lowest input index of the run
         last: Optional[str] = None
         for sender, (item, index) in list(a.records) + [(None, (None, None))]:
             if sender != last and run:
@@ -509,9 +527,11 @@ class GroupMoves:
                 out = self.keyed.apply(last, run, idx, judge_late=False)
                 if out:
                     w.forward_outputs(out, idx)
+                    self.forwarding[idx] = low
                 run = []
             if sender is None:
                 break
+            low = index if not run else min(low, index)
             last = sender
             run.append(tuple(item))  # type: ignore[arg-type]
             self.unsaved.add(index)
