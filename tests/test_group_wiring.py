@@ -842,3 +842,67 @@ def test_a_keeper_that_crashes_while_a_leaver_hands_it_groups_loses_none_of_them
         assert {key: sorted(set(v)) for key, v in got.items()} == {key: list(range(1, batch.seq + 1)) for key in keys}, \
             f"seed {seed}: each key's count must run 1..{batch.seq} ({f.crashes} crashes)"
     assert crashed >= 20
+
+
+def test_random_schedules_with_one_group_handed_out_per_turn_lose_and_double_nothing(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The instance checker's keyed mix (a crash of any instance at any point, a duplicated
+    delivery, a refused publish) with a hand-out budget of one byte: every group's state leaves
+    in a turn of its own, so crashes fall between the turns of one share's hand-out (300 such
+    schedules and 300 with two crashes ran clean in session 14: `simulate instance --keyed`)."""
+    import agent.instance.moves as moves
+    from agent.sim.instance_check import Config, describe, random_runs
+
+    monkeypatch.setattr(moves, "HAND_OUT_BUDGET", 1)
+    rep = random_runs(Config(keyed=True, records=8, crashes=1, dups=1, refusals=1), schedules=40, seed=7000)
+    assert rep.ok, describe(rep)
+    assert rep.handover.get("installed", 0) >= 40 * 8, rep.handover
+
+
+def test_a_crash_between_the_turns_of_a_hand_out_loses_and_doubles_nothing() -> None:
+    """The keeper crashes in turn 1-5 after the Eos turn of a six-group hand-out (one group per turn), after a
+    prefix of that turn's commands (its keyed save, state write and chunks cut anywhere), and
+    restarts from its files: the groups still queued or sent but not installed are serialized
+    again from the keyed file, the new owner never pieces a group from two serializations, and
+    every key's count at the sink runs 1..n once."""
+    keys = keys_per_group()
+    moving = [0, 1, 2, 3, 4, 5]
+    crashed = 0
+    for turns in range(5):  # the crash's turn hands out the group after `turns` + 1
+        for prefix in (1, 2, 3, 5, 1000):
+            p = make("op-0", succs=("cnt-a", "cnt-b"))
+            p.router.table = GroupTable.dealt(["cnt-a"], GROUPS)
+            a, b = keyed("cnt-a", range(GROUPS)), keyed("cnt-b", ())
+            a.moves.budget = 1
+            a.moves.member.old.max_chunk = 40  # bytes: each group's state in several chunks
+            f = CrashFleet({"op-0": p, "cnt-a": a, "cnt-b": b}, turns)
+            for name, inst in f.insts.items():
+                f.take(name, inst.handle(Started(WALL0), 0.0))
+            f.take("op-0", feed(p, 1, keys, f.now))
+            _settle(f)
+            a._out = []
+            a.moves.start_many(moving, "cnt-b", ["op-0"])
+            f.take("cnt-a", a._out)
+            a._out = []
+            _turn(f, "op-0", ["cnt-a"])
+            _turn(f, "cnt-a", ["op-0"])  # every Eos: one group out, five queued
+            f.take("op-0", feed(p, 2, keys, f.now))
+            for _ in range(turns):
+                _turn(f, "cnt-a", ["op-0"])
+            f.crash = ("cnt-a", prefix)
+            _turn(f, "cnt-a", ["op-0"])
+            crashed += f.crashes
+            run_with_resends(f, lambda: not any(i.moves.member.busy() for n, i in f.insts.items() if n != "op-0"))
+            f.take("op-0", feed(p, 3, keys, f.now))
+            _settle(f)
+            a, b = f.insts["cnt-a"], f.insts["cnt-b"]
+            case = f"after {turns} turns, {prefix} commands"
+            assert b.moves.member.owned == set(moving) and a.moves.member.owned == {6, 7}, case
+            assert set(b.keyed.states) == set(moving) and set(a.keyed.states) == {6, 7}, case
+            first: dict = {}
+            for s, q, rec in f.out:
+                assert first.setdefault((s, q), rec) == rec, f"{case}: one id, two values"
+            counts: dict = {}
+            for rec in first.values():
+                counts.setdefault(rec["key"], []).append(rec["count"])
+            assert {k: sorted(v) for k, v in counts.items()} == {k: [1, 2, 3] for k in keys}, case
+    assert crashed == 25
