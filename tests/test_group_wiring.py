@@ -906,3 +906,38 @@ def test_a_crash_between_the_turns_of_a_hand_out_loses_and_doubles_nothing() -> 
                 counts.setdefault(rec["key"], []).append(rec["count"])
             assert {k: sorted(v) for k, v in counts.items()} == {k: [1, 2, 3] for k in keys}, case
     assert crashed == 25
+
+
+def test_chunks_of_a_group_serialized_again_after_a_restart_are_never_mixed_with_the_first() -> None:
+    """A restarted old owner serializes a group again (the state file names it, not its bytes),
+    after more records of other groups raised its applied numbers: the bytes differ. The new
+    owner got part of the first serialization; it must install the second whole, not chunk 0 of
+    the first with chunk 1 of the second (corrupt: the group would start empty)."""
+    import base64
+
+    from agent.instance.keyed_state import KeyedState
+    from agent.operators.builtin import OperatorContext
+    from agent.operators.keyed import KeyedCount
+
+    keys = keys_per_group()
+    old = KeyedState(KeyedCount(OperatorContext("cnt-a", "cnt", "n1", "map", params={})), "cnt", "k", GROUPS)
+    old.apply("op-0", [("src", 1, {"k": keys[2]})], 1)
+    first = old.hand_out(2, forget=False)
+    old.apply("op-0", [("src", i, {"k": keys[5]}) for i in range(2, 12, 2)], 2)
+    again = old.hand_out(2, forget=False)
+    half = next(i for i, (x, y) in enumerate(zip(first, again)) if x != y) + 1  # chunk 0 differs
+    assert first[:half] != again[:half] and half < len(first) < len(again) <= 2 * half  # two chunks each, which differ
+
+    def chunk(data: bytes, i: int, epoch: int) -> dict:
+        part = data[i * half:(i + 1) * half]
+        return {"type": "state_chunk", "g": 2, "i": i, "n": 2, "data": base64.b64encode(part).decode(), "v": 1, "e": epoch}
+
+    b = keyed("cnt-b", ())
+    b.handle(Started(WALL0), 0.0)
+    b.moves.on_message("cnt-a", {"type": "offer", "g": 2, "v": 1})
+    b.moves.on_message("cnt-a", chunk(first, 0, 0))  # then cnt-a crashed: epoch 1 serializes again
+    b.moves.on_message("cnt-a", chunk(again, 0, 1))
+    b.moves.on_message("cnt-a", chunk(again, 1, 1))
+    assert b.stats["handover_errors"] == 0 and b.moves.counts["chunks_restarted"] == 1
+    assert b.keyed.states[2] == {keys[2]: old.states[2][keys[2]]} and 2 in b.moves.member.owned
+    assert b.keyed.applied["src"].to_json() == old.applied["src"].to_json()  # the second's numbers, whole
