@@ -340,17 +340,17 @@ def _settle(net: Net) -> None:
         net.tick_all()  # lingering batches, coalesced acks
 
 
-def test_a_hand_out_of_many_groups_spans_several_turns_and_other_groups_flow_between() -> None:
-    """Step 5 (docs/operators.md): the state of the groups whose every Eos came in one turn is
-    serialized and sent a budget per turn (here one group), and a record of a group that stays is
-    applied and forwarded in a turn between, while the others still wait to be handed out."""
+def _eos_in_one_turn(net_class: Any, seed: int, moving: List[int], max_chunk: int = 0) -> Any:
+    """op-0 -> cnt-a (every group) and cnt-b (none); a record per group applied; cnt-a hands
+    `moving` to cnt-b one group per turn, and every Eos reaches cnt-a in one turn."""
     keys = keys_per_group()
-    moving, staying = [0, 1, 2, 3, 4, 5], [6, 7]
     p = make("op-0", succs=("cnt-a", "cnt-b"))
     p.router.table = GroupTable.dealt(["cnt-a"], GROUPS)
     a, b = keyed("cnt-a", range(GROUPS)), keyed("cnt-b", ())
     a.moves.budget = 1  # bytes: one group per turn
-    net = Net({"op-0": p, "cnt-a": a, "cnt-b": b}, 0)
+    if max_chunk:
+        a.moves.member.old.max_chunk = max_chunk
+    net = net_class({"op-0": p, "cnt-a": a, "cnt-b": b}, seed)
     for name, inst in net.insts.items():
         net.take(name, inst.handle(Started(WALL0), 0.0))
     net.take("op-0", feed(p, 1, keys, net.now))
@@ -362,6 +362,16 @@ def test_a_hand_out_of_many_groups_spans_several_turns_and_other_groups_flow_bet
     _turn(net, "op-0", ["cnt-a"])  # the Redirects: one Eos per group back to cnt-a
     assert len(net.chans[("op-0", "cnt-a")]) == len(moving)
     _turn(net, "cnt-a", ["op-0"])  # every Eos in one turn: every moving group's state is final
+    return net, p, a, b
+
+
+def test_a_hand_out_of_many_groups_spans_several_turns_and_other_groups_flow_between() -> None:
+    """Step 5 (docs/operators.md): the state of the groups whose every Eos came in one turn is
+    serialized and sent a budget per turn (here one group), and a record of a group that stays is
+    applied and forwarded in a turn between, while the others still wait to be handed out."""
+    keys = keys_per_group()
+    moving, staying = [0, 1, 2, 3, 4, 5], [6, 7]
+    net, p, a, b = _eos_in_one_turn(Net, 0, moving)
     assert a.moves.counts["groups_out"] == len(moving)
     assert len(a.moves.queue) == len(moving) - 1  # one serialized in this turn, the others wait
     chunks = [c for c in net.chans[("cnt-a", "cnt-b")] if b"state_chunk" in c]
@@ -869,22 +879,7 @@ def test_a_crash_between_the_turns_of_a_hand_out_loses_and_doubles_nothing() -> 
     crashed = 0
     for turns in range(5):  # the crash's turn hands out the group after `turns` + 1
         for prefix in (1, 2, 3, 5, 1000):
-            p = make("op-0", succs=("cnt-a", "cnt-b"))
-            p.router.table = GroupTable.dealt(["cnt-a"], GROUPS)
-            a, b = keyed("cnt-a", range(GROUPS)), keyed("cnt-b", ())
-            a.moves.budget = 1
-            a.moves.member.old.max_chunk = 40  # bytes: each group's state in several chunks
-            f = CrashFleet({"op-0": p, "cnt-a": a, "cnt-b": b}, turns)
-            for name, inst in f.insts.items():
-                f.take(name, inst.handle(Started(WALL0), 0.0))
-            f.take("op-0", feed(p, 1, keys, f.now))
-            _settle(f)
-            a._out = []
-            a.moves.start_many(moving, "cnt-b", ["op-0"])
-            f.take("cnt-a", a._out)
-            a._out = []
-            _turn(f, "op-0", ["cnt-a"])
-            _turn(f, "cnt-a", ["op-0"])  # every Eos: one group out, five queued
+            f, p, a, b = _eos_in_one_turn(CrashFleet, turns, moving, max_chunk=40)  # groups in several chunks
             f.take("op-0", feed(p, 2, keys, f.now))
             for _ in range(turns):
                 _turn(f, "cnt-a", ["op-0"])
