@@ -333,6 +333,32 @@ def _turn(net: Net, dest: str, srcs: List[str]) -> None:
     net.take(dest, cmds + inst.handle(Tick(WALL0 + net.now), net.now))
 
 
+def test_a_take_in_of_many_groups_spans_several_turns_and_other_groups_flow_between() -> None:
+    """The new owner's side: six groups' chunks arriving in one turn are taken in a budget per
+    turn (here one chunk); a record of a group installed already is applied in a turn between,
+    one of a group whose chunk still waits is held until it is installed."""
+    keys = keys_per_group()
+    moving = [0, 1, 2, 3, 4, 5]
+    net, p, a, b = _eos_in_one_turn(Net, 0, moving, budget=10 ** 9)  # every chunk sent in one turn
+    b.moves.budget = 1
+    assert sum(b"state_chunk" in c for c in net.chans[("cnt-a", "cnt-b")]) == len(moving)
+    _turn(net, "cnt-b", ["cnt-a"])  # the Offers and every chunk in one turn: one group installed
+    assert len(b.keyed.states) == 1 and len(b.moves.inbox) == len(moving) - 1
+    first, last = sorted(b.keyed.states)[0], moving[-1]
+    net.take("op-0", feed(p, 2, [keys[first], keys[last]], net.now))
+    _turn(net, "op-0", ["cnt-a"])  # op-0 routes both to cnt-b already (the Redirects came before)
+    _turn(net, "cnt-b", ["op-0"])
+    assert b.keyed.states[first][keys[first]][0] == 2 and last not in b.keyed.states and b.moves.held == 1
+    assert len(b.keyed.states) == 2 and len(b.moves.inbox) == len(moving) - 2  # one more group in
+    turns = 2
+    while b.moves.inbox:
+        _turn(net, "cnt-b", [])
+        turns += 1
+    assert turns == len(moving) and b.keyed.states[last][keys[last]][0] == 2 and b.moves.held == 0
+    _settle(net)
+    assert b.moves.member.owned == set(moving) and not a.moves.member.busy() and not b.moves.member.busy()
+
+
 def _settle(net: Net) -> None:
     for _ in range(50):
         while net.step():
@@ -340,14 +366,14 @@ def _settle(net: Net) -> None:
         net.tick_all()  # lingering batches, coalesced acks
 
 
-def _eos_in_one_turn(net_class: Any, seed: int, moving: List[int], max_chunk: int = 0) -> Any:
+def _eos_in_one_turn(net_class: Any, seed: int, moving: List[int], max_chunk: int = 0, budget: int = 1) -> Any:
     """op-0 -> cnt-a (every group) and cnt-b (none); a record per group applied; cnt-a hands
     `moving` to cnt-b one group per turn, and every Eos reaches cnt-a in one turn."""
     keys = keys_per_group()
     p = make("op-0", succs=("cnt-a", "cnt-b"))
     p.router.table = GroupTable.dealt(["cnt-a"], GROUPS)
     a, b = keyed("cnt-a", range(GROUPS)), keyed("cnt-b", ())
-    a.moves.budget = 1  # bytes: one group per turn
+    a.moves.budget = budget  # bytes: 1, one group per turn
     if max_chunk:
         a.moves.member.old.max_chunk = max_chunk
     net = net_class({"op-0": p, "cnt-a": a, "cnt-b": b}, seed)
@@ -933,6 +959,7 @@ def test_chunks_of_a_group_serialized_again_after_a_restart_are_never_mixed_with
     b.moves.on_message("cnt-a", chunk(first, 0, 0))  # then cnt-a crashed: epoch 1 serializes again
     b.moves.on_message("cnt-a", chunk(again, 0, 1))
     b.moves.on_message("cnt-a", chunk(again, 1, 1))
+    b.moves.take_in_turn()  # the turn's share of the chunks received (all three here)
     assert b.stats["handover_errors"] == 0 and b.moves.counts["chunks_restarted"] == 1
     assert b.keyed.states[2] == {keys[2]: old.states[2][keys[2]]} and 2 in b.moves.member.owned
     assert b.keyed.applied["src"].to_json() == old.applied["src"].to_json()  # the second's numbers, whole

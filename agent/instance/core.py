@@ -506,6 +506,7 @@ class Instance:
             self._produce(now)
         self._process(now)
         if self.moves is not None:
+            self.moves.take_in_turn()  # a bounded share of the state chunks received
             self.moves.hand_out_turn()  # a bounded share of the groups whose state is final
             self.moves.flush()  # the turn's hand-over writes, then its messages (agent.instance.moves)
         if self.keyed is not None and self.keyed.dirty:
@@ -539,8 +540,8 @@ class Instance:
             return 0.0
         if self._has_ready_input(now):
             return 0.0
-        if self.moves is not None and self.moves.queue:
-            return 0.0  # groups to hand out, a few per turn
+        if self.moves is not None and (self.moves.queue or self.moves.inbox):
+            return 0.0  # groups to hand out or chunks to take in, a few per turn
         deadlines = [now + MAX_POLL, self._last_heartbeat + self.spec.heartbeat_period]
         d = self.outbox.next_deadline()
         if d is not None and any(self._credit(s) > 0 for s in self.router.succs):

@@ -188,6 +188,9 @@ class GroupMoves:
         # The instance state names the group, not its bytes: a restart makes them again.
         self.outgoing: Dict[int, Tuple[str, int, List[Dict[str, Any]]]] = {}
         self.queue: List[int] = []  # groups of `outgoing` to serialize, in the order their state became final
+        # chunks received, not taken in yet (`take_in_turn`): (sender, body, chunk, version). Not
+        # saved: lost in a crash, they come again after the old owner's silence (MOVE_RESEND)
+        self.inbox: List[Tuple[str, Dict[str, Any], StateChunk, int]] = []
         self.budget = HAND_OUT_BUDGET
         # group -> the epoch of the old owner's serialization whose chunks we are collecting: a
         # restarted old owner serializes again, and chunks of two serializations never mix
@@ -290,29 +293,12 @@ class GroupMoves:
                 # would answer its chunks, sent again after the silence, as a group installed.
                 self.flush_due = True
             elif isinstance(msg, StateChunk):
-                n = self.member.new
-                g = msg.group
-                if (n.expected.get(g) != sender and version > self.seen.get(g, -1) and g not in n.owned
-                        and g not in n.expected):
-                    # A newer move than any we have seen: its Offer was lost in our crash (taken,
-                    # not yet written): the chunk stands for it.
-                    self.member.on_offer(sender, Offer(g))
-                    self.versions[g] = self.seen[g] = version
-                    self.counts["offers_from_chunks"] = self.counts.get("offers_from_chunks", 0) + 1
-                if n.expected.get(g) != sender:
-                    # Sent again (our Installed was lost, or the old owner restarted) for a group we
-                    # installed, and may have handed on since: Installed again, so that it stops.
-                    self.deferred.append((sender, encode(Installed(g))))
-                    self.flush_due = True
-                    return
-                e = _int(body, "e", -1, 2 ** 53) if "e" in body else -1
-                if self.attempts.get(g, e) != e and n.parts.get(g):
-                    n.parts[g] = {}  # a restarted old owner serialized the group again: its chunks only
-                    self.counts["chunks_restarted"] = self.counts.get("chunks_restarted", 0) + 1
-                self.attempts[g] = e
-                if msg.index in n.parts.get(msg.group, {}):
-                    return  # a chunk sent again while the others are on their way
-                outs = self.member.on_chunk(sender, msg)
+                # installed a budget per turn (`take_in_turn`): a leaver's 64 groups arriving
+                # together would stall our other groups' records as a hand-out in one turn did
+                if "e" in body:
+                    _int(body, "e", -1, 2 ** 53)  # checked now: nothing malformed waits
+                self.inbox.append((sender, body, msg, version))
+                return
             elif isinstance(msg, Installed):
                 if msg.group not in self.member.old.waiting_install:
                     return  # said again for chunks we sent again
@@ -333,6 +319,46 @@ class GroupMoves:
             self._error(sender, str(exc))
             return
         self.perform(outs)
+
+    def take_in_turn(self) -> None:
+        """Once per turn of the loop: the chunks received, in their order, up to `budget` bytes
+        (at least one chunk). A group waiting here is still expected: its records are held."""
+        spent = 0
+        while self.inbox and (spent == 0 or spent < self.budget):
+            sender, body, msg, version = self.inbox.pop(0)
+            spent += len(msg.data) + 1
+            try:
+                outs = self._on_chunk(sender, body, msg, version)
+            except (HandoverError, ValueError) as exc:
+                self._error(sender, str(exc))
+                continue
+            self.perform(outs)
+
+    def _on_chunk(self, sender: str, body: Dict[str, Any], msg: StateChunk, version: int) -> List[Any]:
+        """One chunk of a group moving here, in its turn (`take_in_turn`): the outputs to perform."""
+        n = self.member.new
+        g = msg.group
+        if (n.expected.get(g) != sender and version > self.seen.get(g, -1) and g not in n.owned
+                and g not in n.expected):
+            # A newer move than any we have seen: its Offer was lost in our crash (taken,
+            # not yet written): the chunk stands for it.
+            self.member.on_offer(sender, Offer(g))
+            self.versions[g] = self.seen[g] = version
+            self.counts["offers_from_chunks"] = self.counts.get("offers_from_chunks", 0) + 1
+        if n.expected.get(g) != sender:
+            # Sent again (our Installed was lost, or the old owner restarted) for a group we
+            # installed, and may have handed on since: Installed again, so that it stops.
+            self.deferred.append((sender, encode(Installed(g))))
+            self.flush_due = True
+            return []
+        e = _int(body, "e", -1, 2 ** 53) if "e" in body else -1
+        if self.attempts.get(g, e) != e and n.parts.get(g):
+            n.parts[g] = {}  # a restarted old owner serialized the group again: its chunks only
+            self.counts["chunks_restarted"] = self.counts.get("chunks_restarted", 0) + 1
+        self.attempts[g] = e
+        if msg.index in n.parts.get(msg.group, {}):
+            return []  # a chunk sent again while the others are on their way
+        return self.member.on_chunk(sender, msg)
 
     def start(self, group: int, new: str, preds: Iterable[str], offer: bool = True) -> None:
         """Hand `group` to `new` (its version rises by one: the Redirects carry it)."""
