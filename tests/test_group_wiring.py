@@ -366,7 +366,8 @@ def _settle(net: Net) -> None:
         net.tick_all()  # lingering batches, coalesced acks
 
 
-def _eos_in_one_turn(net_class: Any, seed: int, moving: List[int], max_chunk: int = 0, budget: int = 1) -> Any:
+def _eos_in_one_turn(net_class: Any, seed: int, moving: List[int], max_chunk: int = 0, budget: int = 1,
+                     hot: int = -1) -> Any:
     """op-0 -> cnt-a (every group) and cnt-b (none); a record per group applied; cnt-a hands
     `moving` to cnt-b one group per turn, and every Eos reaches cnt-a in one turn."""
     keys = keys_per_group()
@@ -381,6 +382,8 @@ def _eos_in_one_turn(net_class: Any, seed: int, moving: List[int], max_chunk: in
         net.take(name, inst.handle(Started(WALL0), 0.0))
     net.take("op-0", feed(p, 1, keys, net.now))
     _settle(net)
+    if hot >= 0:
+        a.keyed.load[hot] += 10.0  # as ten more records of the group would
     a._out = []
     a.moves.start_many(moving, "cnt-b", ["op-0"])
     net.take("cnt-a", a._out)
@@ -397,11 +400,12 @@ def test_a_hand_out_of_many_groups_spans_several_turns_and_other_groups_flow_bet
     applied and forwarded in a turn between, while the others still wait to be handed out."""
     keys = keys_per_group()
     moving, staying = [0, 1, 2, 3, 4, 5], [6, 7]
-    net, p, a, b = _eos_in_one_turn(Net, 0, moving)
+    net, p, a, b = _eos_in_one_turn(Net, 0, moving, hot=4)
     assert a.moves.counts["groups_out"] == len(moving)
     assert len(a.moves.queue) == len(moving) - 1  # one serialized in this turn, the others wait
     chunks = [c for c in net.chans[("cnt-a", "cnt-b")] if b"state_chunk" in c]
     assert len(chunks) == 1
+    assert decode(chunks[0]).body["g"] == 4  # the group with the most records first: its records wait at cnt-b
     net.take("op-0", feed(p, 2, [keys[g] for g in staying], net.now))
     _turn(net, "cnt-a", ["op-0"])  # records of the groups that stay: applied in the next turn
     assert [a.keyed.states[g][keys[g]][0] for g in staying] == [2, 2]  # (count, sum)

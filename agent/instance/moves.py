@@ -464,6 +464,10 @@ class GroupMoves:
         bytes of state (at least one group), serialized and cut into chunks, which leave after
         the turn's keyed save (`flush`). The other groups' records are processed between turns."""
         spent = 0
+        if len(self.queue) > 1:
+            # the busiest groups first: their records wait at the new owner until their state is there
+            load = self.keyed.load
+            self.queue.sort(key=lambda g: -load.get(g, 0.0))
         while self.queue and (spent == 0 or spent < self.budget):
             g = self.queue.pop(0)
             entry = self.outgoing.get(g)
