@@ -413,7 +413,7 @@ FOUND_KEYED = [
     ("no_remove_pred", dataclasses.replace(KEYED, dups=0, refusals=0), 759, {"move_not_ended"}),
     # Held records' inputs acked once their state is saved, their outputs still unacked: the
     # source's floor claim passes a record not at the sink (the demo's 21 lost trips; schedule
-    # 33 from seed 100000, none in 200 from seed 0).
+    # 33 from seed 100000, 89 from seed 0).
     ("held_acked_at_save", KEYED, 100032, {"acked_before_sink"}),
 ]
 
