@@ -63,7 +63,7 @@ from agent.protocol.scaling import FORWARDING
 
 __all__ = ["Instance", "Phase", "EXIT_OK", "EXIT_CRASH", "EXIT_BAD_SPEC", "EXIT_BROKER", "EXIT_DRAIN_TIMEOUT",
            "FAULT_RETRY_ONLY_WITH_DATA", "FAULT_ROUTE_AFRESH", "FAULT_REPLAY_TO_DEPARTED",
-           "FAULT_RESYNC_AT_FIRST_SEEN"]
+           "FAULT_RESYNC_AT_FIRST_SEEN", "FAULT_ROUTE_PAST_DEPARTED"]
 
 log = logging.getLogger("agent.instance.worker")
 
@@ -126,6 +126,9 @@ FAULT_RETRY_ONLY_WITH_DATA = "retry_only_with_data"
 # Seeded fault (the same): records sent again are routed afresh, not to where they went before,
 # so after a crash a copy can reach another sink instance, which keeps it (INVARIANT 8).
 FAULT_ROUTE_AFRESH = "route_afresh"
+# Seeded fault (the same): a record sent again whose successor left our table is routed afresh
+# (before session 14), so a copy a departed sink instance recorded reaches another (INVARIANT 8).
+FAULT_ROUTE_PAST_DEPARTED = "route_past_departed"
 # Seeded fault (the same): the unacked batches of a successor we removed are replayed to its new
 # incarnation, which is departing and drops them, instead of re-routed (defect A).
 FAULT_REPLAY_TO_DEPARTED = "replay_to_departed"
@@ -328,7 +331,7 @@ class Instance:
             "handover_out": 0,
             "handover_bytes_in": 0,
             "handover_bytes_out": 0,
-            "handover_errors": 0,  # refused at this level (a Redirect malformed, a move to a keyless instance)
+            "handover_errors": 0,  # hand-over messages refused (malformed, impossible in the move's state, no keyed state here)
             "eos_before_replay": 0,  # an Eos ahead of its predecessor's replay marker, dropped (asked again)
             # recovery (docs/reliability.md): a new incarnation of ours, by cause
             "sessions_lost": 0,
@@ -339,6 +342,7 @@ class Instance:
             "replayed_batches": 0,  # to a successor: a new incarnation of it, or silent (LINK_SILENCE)
             "silent_links_replayed": 0,  # of those, the replays to a silent successor
             "departed_rerouted": 0,  # records re-routed from a successor that left our table
+            "resent_past_departed": 0,  # records sent again whose successor left: dropped (INVARIANT 8)
         }
         self._malformed_log = LogLimiter()  # bounded: a flood of invented names costs nothing
         self._malformed_logged: Set[str] = set()  # protocol senders (admitted ones only: bounded)
@@ -514,6 +518,8 @@ class Instance:
             self._produce(now)
         self._process(now)
         if self.moves is not None:
+            self.moves.take_in_turn()  # a bounded share of the state chunks received
+            self.moves.hand_out_turn()  # a bounded share of the groups whose state is final
             self.moves.flush()  # the turn's hand-over writes, then its messages (agent.instance.moves)
         if self.keyed is not None and self.keyed.dirty:
             self._save_keyed()
@@ -546,6 +552,8 @@ class Instance:
             return 0.0
         if self._has_ready_input(now):
             return 0.0
+        if self.moves is not None and (self.moves.queue or self.moves.inbox):
+            return 0.0  # groups to hand out or chunks to take in, a few per turn
         deadlines = [now + MAX_POLL, self._last_heartbeat + self.spec.heartbeat_period]
         d = self.outbox.next_deadline()
         if d is not None and any(self._credit(s) > 0 for s in self.router.succs):
@@ -841,9 +849,10 @@ class Instance:
         try:
             group_moves.on_redirect(self, sender, msg)
         except group_moves.HandoverError as exc:
-            self._handover_error(sender, str(exc))
+            self.handover_error(sender, str(exc))
 
-    def _handover_error(self, sender: str, why: str) -> None:
+    def handover_error(self, sender: str, why: str) -> None:
+        """A hand-over message refused, here or in agent.instance.moves: counted once, in one place."""
         self.stats["handover_errors"] += 1
         if self.log_limited(sender):
             log.warning("hand-over from %s: %s", sender[:64], why, extra=self.ctx)
@@ -1460,7 +1469,7 @@ class Instance:
                 try:
                     msg, _ = group_moves.decode(env.sender, body, self.router.groups)
                 except ValueError as exc:
-                    self._handover_error(env.sender, str(exc))
+                    self.handover_error(env.sender, str(exc))
                     return
                 if self.router.table is None:  # an idle copy: its table comes with its Start
                     if len(self._redirects_waiting) < self.router.groups:
@@ -1470,7 +1479,7 @@ class Instance:
             elif self.moves is not None:
                 self.moves.on_message(env.sender, body)
             else:
-                self.stats["handover_errors"] += 1
+                self.handover_error(env.sender, f"{body['type']} to an instance that is not keyed")
             return
         if self.scaling is None:
             self.stats["protocol_in"] += 1
@@ -1543,11 +1552,18 @@ class Instance:
 
     def _forward(self, items: List[Item], index: int, now: float) -> None:
         """Buffer the outputs of input `index`: a record sent before goes to the same successor
-        again while it is in our table (INVARIANT 8, agent.dataplane.sticky), the rest as routed."""
+        again while it is in our table, nowhere once that successor left (INVARIANT 8,
+        agent.dataplane.sticky), the rest as routed."""
         if self.sticky:
-            items, pinned = self.routes.split(items, self.router.succs)
+            items, pinned, gone = self.routes.split(items, self.router.succs)
             for dest, recs in pinned.items():
                 self.outbox.add_to(dest, recs, index, now)
+            if gone and FAULT_ROUTE_PAST_DEPARTED in self.faults:
+                items = items + gone
+            elif gone:
+                # Their successor left after draining them (INVARIANT 4): they are further
+                # down already, and another instance would take them twice (INVARIANT 8).
+                self.stats["resent_past_departed"] += len(gone)
         self.outbox.add(items, index, now)
 
     def flush(self, now: float, force: bool = False) -> None:
@@ -1695,12 +1711,13 @@ class Instance:
     def _lowest_pending(self) -> Optional[int]:
         """The lowest input index not to be acked upstream yet: its outputs are not all acked by
         the successors, or (keyed state) the state that reflects it is not saved yet."""
-        low = self._lowest_forwarding()
+        low = fwd = self._lowest_forwarding()
         if self.keyed is not None and self.keyed.lowest_unsaved() is not None:
             k = self.keyed.lowest_unsaved()
             low = k if low is None else min(low, k)
         if self.moves is not None:
-            h = self.moves.lowest_held()  # records held for a group on its way: acked once applied and saved
+            # records held for a group on its way: acked once applied, saved and their outputs acked
+            h = self.moves.lowest_held(fwd)
             if h is not None:
                 low = h if low is None else min(low, h)
         return low

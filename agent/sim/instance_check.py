@@ -78,8 +78,8 @@ from agent.operators.builtin import OperatorContext
 from agent.protocol.scaling import InstanceState
 from agent.sim.checker import Violation
 from agent.sim.instance_check_keyed import (
-    KEEPER, KEY_GROUPS, KEYED_PLANS, MemoryTrail, check_keyed, copy_disk, count_handover, disk_digest, keyed_path,
-    new_disk,
+    KEEPER, KEY_GROUPS, KEYED_PLANS, MemoryTrail, check_floor, check_keyed, copy_disk, count_handover, disk_digest,
+    keyed_path, new_disk,
 )
 
 __all__ = ["Config", "Report", "Violation", "World", "explore", "random_runs", "finish", "describe", "pipeline_text",
@@ -104,7 +104,8 @@ PLACEMENT[KEEPER] = "n1"
 # The hand-over's (agent.instance.moves, HANDOVER_FAULTS) need the keyed pipeline (`Config.keyed`).
 FAULTS = ("retry_only_with_data", "drain_holds_protocol", "rehome_rounds_from_one", "route_afresh",
           "replay_to_departed", "rehome_stays", "resync_at_first_seen", "leave_before_adoption",
-          "rehome_idle_active", "replay_clock_at_drop", "resend_pending_only", "wait_for_leaver") + HANDOVER_FAULTS
+          "rehome_idle_active", "replay_clock_at_drop", "resend_pending_only", "wait_for_leaver",
+          "route_past_departed", "start_without_leavers") + HANDOVER_FAULTS
 # The one seeded fault of the planner's inputs (agent.node.rehome), played by the checker's
 # re-homing move: plan_rehome is not told which copies were idle, and starts them active.
 FAULT_REHOME_IDLE_ACTIVE = "rehome_idle_active"
@@ -535,6 +536,14 @@ class World:
         return inst.scaling.core if inst is not None and inst.scaling is not None else None
 
     def apply(self, move: Tuple[Any, ...]) -> None:
+        self._apply(move)
+        if self.cfg.keyed and "source-0" in self.inst:
+            assert self.values is not None
+            bad = check_floor(self.inst["source-0"], self.values)
+            if bad is not None:
+                raise _Stop(*bad)
+
+    def _apply(self, move: Tuple[Any, ...]) -> None:
         kind = move[0]
         if kind == "deliver" or kind == "dup":
             key = move[1]
