@@ -3,13 +3,12 @@ edge's three stages in the unit and live tests (tests/test_debs_areas.py, tests/
 
 Written from the definition (docs/spill.md, agent/analytics/debs.py profitable_areas), not from the
 edge's code: each taxi's trips sorted by (drop-off, pickup), the next pickup of each trip, the
-median with `statistics.median` (for an even count (a + b) / 2, the same double as Spark's
-0.5 * a + 0.5 * b), the ranking by a sort. tests/test_debs_edge.py checks it against Spark.
+median as Spark's `percentile` computes it (for an even count a + 0.5 * (b - a)), the ranking by a
+sort. tests/test_debs_edge.py checks it against Spark.
 """
 
 from __future__ import annotations
 
-import statistics
 from typing import Any, Dict, Iterable, List, Tuple
 
 from agent.operators.keyed import parse_event_time
@@ -50,7 +49,9 @@ def reference_areas(trips: Iterable[Dict[str, Any]], size_ms: int, recent_ms: in
     for (start, cell), vs in values.items():
         n = len(empty.get((start, cell), ()))
         if n:
-            profit = statistics.median(vs)
+            vs = sorted(vs)
+            mid = len(vs) // 2
+            profit = vs[mid] if len(vs) % 2 else vs[mid - 1] + 0.5 * (vs[mid] - vs[mid - 1])
             ranked.setdefault(start, []).append((profit / n, profit, cell, n))
     out = {}
     for start, cells in ranked.items():

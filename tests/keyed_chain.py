@@ -56,12 +56,15 @@ class Chain:
     def feed(self, sender: str, items: List[Any]) -> None:
         self._apply(0, sender, items)
 
-    def pump(self, some: bool = True) -> None:
+    def pump(self, some: bool = True, backlog: int = 3) -> None:
         """Deliver batches off random non-empty channels; `some`: stop at random (half the time
-        before each batch), else until every channel is empty."""
+        before each batch) once no channel holds more than `backlog` batches (a channel's lag stays
+        bounded, as the runtime's credit bounds it), else go on until every channel is empty."""
         while True:
             full = [(k, n) for k, st in enumerate(self.stages) for n, c in st.chans.items() if c]
-            if not full or (some and self.rng.random() < 0.5):
+            if not full:
+                return
+            if some and all(len(self.stages[k].chans[n]) <= backlog for k, n in full) and self.rng.random() < 0.5:
                 return
             k, name = self.rng.choice(full)
             self._apply(k + 1, name, self.stages[k].chans[name].pop(0))

@@ -16,6 +16,7 @@ from agent.instance.keyed_state import KeyedState
 from agent.operators.builtin import OperatorContext, in_zone, validate
 from agent.operators.debs import top_routes
 from agent.operators.taxi import TaxiGenerator
+from keyed_chain import Chain, Stage
 
 pytestmark = pytest.mark.spark
 
@@ -42,12 +43,16 @@ def edge(records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     return [r for _, _, r in ks.apply("in_zone-0", [(r["src"], r["seq"], r) for r in records], 1)]
 
 
-def batch(spark, records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+def frame(spark, records: List[Dict[str, Any]]) -> Any:
+    """The records as the job reads the sink's spill: the trip schema."""
     from agent.analytics.debs import TRIP_SCHEMA_DDL
 
     cols = [c.split()[0] for c in TRIP_SCHEMA_DDL.split(", ")]
-    df = spark.createDataFrame([tuple(r.get(c) for c in cols) for r in records], TRIP_SCHEMA_DDL)
-    return batch_top_routes(prepare_trips(df, "5 minutes"))
+    return spark.createDataFrame([tuple(r.get(c) for c in cols) for r in records], TRIP_SCHEMA_DDL)
+
+
+def batch(spark, records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    return batch_top_routes(prepare_trips(frame(spark, records), "5 minutes"))
 
 
 def test_query_1_at_the_edge_equals_the_batch_answer_window_by_window(spark) -> None:
@@ -82,93 +87,42 @@ def test_a_trip_lost_at_the_edge_is_a_listed_difference(spark) -> None:
 def two_stages(records: List[Dict[str, Any]], seed: int, scale: bool = True,
                give_up_ms: Any = None) -> Dict[str, Any]:
     """Stage 1 (`route_counts`, keyed by route) on 1-3 instances whose key groups move between
-    them as the runtime moves them (hand_out after the group's last record at the old owner,
-    take_in then fire_due at the new one): a copy joins after 1/4 of the input, a second one
-    after 1/2, the first copy leaves after 3/4 (its groups to the survivors). Each instance's
-    outputs (the trips it forwards, then its counts) go on its own FIFO channel; stage 2
-    (`merge_top_routes`, one instance) takes them in a seeded random interleaving of the
-    channels. Returns stage 2's windows, the records it forwarded and its operator."""
-    import random
-
-    from agent.dataplane.keygroups import key_group
+    them as the runtime moves them (tests/keyed_chain.py): a copy joins after 1/4 of the input, a
+    second one after 1/2, the first copy leaves after 3/4 (its groups to the survivors). Stage 2
+    (`merge_top_routes`, one instance) reads stage 1's channels in a seeded random interleaving.
+    Returns stage 2's windows, the records it forwarded and its operator."""
     from agent.operators.debs import merge_top_routes, route_counts
 
-    groups = 128
     p1 = {"time_field": "dropoff_datetime", "size_ms": PARAMS["size_ms"], "lateness_ms": PARAMS["lateness_ms"],
           "forward": True}
     p2 = dict(p1, k=10)
     if give_up_ms is not None:
         p2["give_up_ms"] = give_up_ms
-
-    def stage1(name: str) -> KeyedState:
-        op = route_counts.build(OperatorContext(name, "route_counts", "n", "map", params=dict(p1)))
-        return KeyedState(op, "route_counts", "route", groups)
-
-    merge = merge_top_routes.build(OperatorContext("top_routes-0", "top_routes", "n", "map", params=dict(p2)))
-    b = KeyedState(merge, "top_routes", "all_trips", groups)
-    rng = random.Random(seed)
-    insts = {"rc-0": stage1("rc-0")}
-    owner = {g: "rc-0" for g in range(groups)}
-    chans: Dict[str, List[Any]] = {"rc-0": []}
-    got: List[Any] = []
-    index = [0]
-
-    def drain(some: bool) -> None:
-        # stage 2 reads a random number of batches off random channels (each channel in order)
-        while any(chans.values()):
-            if some and rng.random() < 0.5:
-                return
-            name = rng.choice([n for n, c in chans.items() if c])
-            index[0] += 1
-            got.extend(b.apply(name, chans[name].pop(0), index[0]))
-
-    moved = [0]
-
-    def move(g: int, new: str) -> None:
-        moved[0] += 1
-        old = owner[g]
-        data = insts[old].hand_out(g)
-        insts[new].take_in(g, data)
-        owner[g] = new
-        index[0] += 1
-        out = insts[new].fire_due(index[0])
-        if out:
-            chans[new].append(out)
-
-    def join(name: str, share_of: str) -> None:
-        insts[name], chans[name] = stage1(name), []
-        mine = sorted(g for g, o in owner.items() if o == share_of)
-        for g in mine[::2]:
-            move(g, name)
-
-    def leave(name: str) -> None:
-        rest = sorted(n for n in insts if n != name)
-        for i, g in enumerate(sorted(g for g, o in owner.items() if o == name)):
-            move(g, rest[i % len(rest)])
-        drain(False)  # its channel empties before it goes (the successor acked everything)
-        del insts[name], chans[name]
-
+    chain = Chain([Stage(builder(route_counts, "route_counts", "route", p1), "rc-0"),
+                   Stage(builder(merge_top_routes, "top_routes", "all_trips", p2), "top_routes-0")], seed)
     n = len(records)
     for i in range(0, n, 40):
         if scale and i == (n // 4) // 40 * 40:
-            join("rc-1", "rc-0")
+            chain.join(0, "rc-1", "rc-0")
         if scale and i == (n // 2) // 40 * 40:
-            join("rc-2", "rc-1")
+            chain.join(0, "rc-2", "rc-1")
         if scale and i == (3 * n // 4) // 40 * 40:
-            leave("rc-1")
-        per: Dict[str, List[Any]] = {}
-        for r in records[i:i + 40]:
-            per.setdefault(owner[key_group(r["route"], groups)], []).append((r["src"], r["seq"], r))
-        for name, items in per.items():
-            index[0] += 1
-            out = insts[name].apply("in_zone-0", items, index[0])
-            if out:
-                chans[name].append(out)
-        drain(True)
-    drain(False)
-    windows = [r for s, _, r in got if s.startswith("top_routes#")]
-    forwarded = [(s, q) for s, q, _ in got if not s.startswith("top_routes#")]
-    return {"windows": windows, "forwarded": forwarded, "merge": merge, "stage1": insts, "moved": moved[0]}
+            chain.leave(0, "rc-1")
+        chain.feed("in_zone-0", [(r["src"], r["seq"], r) for r in records[i:i + 40]])
+        chain.pump()
+    chain.pump(some=False)
+    windows = [r for s, _, r in chain.out if s.startswith("top_routes#")]
+    forwarded = [(s, q) for s, q, _ in chain.out if not s.startswith("top_routes#")]
+    return {"windows": windows, "forwarded": forwarded, "merge": chain.stages[1].insts["top_routes-0"].op,
+            "stage1": chain.stages[0].insts, "moved": chain.stages[0].moved}
+
+
+def builder(fn: Any, operator: str, key_field: str, params: Dict[str, Any]) -> Any:
+    """A Stage's factory: instance name -> the operator `fn` with `params` in a KeyedState."""
+    def build(name: str) -> KeyedState:
+        return KeyedState(fn.build(OperatorContext(name, operator, "n", "map", params=dict(params))), operator,
+                          key_field, 128)
+    return build
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -214,6 +168,101 @@ def test_a_count_that_never_comes_is_waited_for_then_a_listed_difference() -> No
     assert two["windows"][2]["trips"] == one[2]["trips"] - 1  # emitted without that trip
     assert [w["start"] for w in two["windows"]] == [w["start"] for w in one]  # the others came out too
     assert [w for k, w in enumerate(two["windows"]) if k != 2] == [w for k, w in enumerate(one) if k != 2]
+
+
+# ---- query 2 in three keyed stages: empty_taxis (keyed by taxi) and cell_profit (keyed by pickup cell)
+# scaling, merge_top_areas one instance --------------------------------------------------------------
+
+N2 = 20000  # ~5.5 h of pickups: the demo's 30-minute windows and lateness, ~6 windows closed at the edge
+Q2 = {"time_field": "dropoff_datetime", "size_ms": 1_800_000, "lateness_ms": 7_200_000, "forward": True}
+Q2_STAGES = (("empty_taxis", "empty_taxis", "medallion", dict(Q2, max_trip_ms=3_600_000)),
+             ("cell_profit", "cell_profit", "pickup_cell", dict(Q2, recent_ms=900_000)),
+             ("top_areas", "merge_top_areas", "all_areas", dict(Q2, max_trip_ms=3_600_000, k=10)))
+
+
+@functools.lru_cache(maxsize=1)
+def trips2() -> List[Dict[str, Any]]:
+    gen = TaxiGenerator(2, "taxi.source.0")
+    out = []
+    for seq in range(N2):
+        rec = in_zone(validate(gen.record(), {}), {})
+        if rec is not None:
+            out.append(dict(rec, src="taxi.source.0", seq=seq))
+    return out
+
+
+def three_stages(records: List[Dict[str, Any]], seed: int, scale: bool = True) -> Dict[str, Any]:
+    """Query 2's stages as the runtime runs them (tests/keyed_chain.py): empty_taxis gets a copy
+    after 1/4 of the input and a second after 1/2, the first copy leaves after 3/4; cell_profit
+    gets a copy after 1/3 which leaves after 2/3. Returns the merge's windows, what it forwarded,
+    its operator and the chain."""
+    from agent.operators import debs_areas
+
+    chain = Chain([Stage(builder(getattr(debs_areas, fn), op, key, params), f"{op}-0")
+                   for op, fn, key, params in Q2_STAGES], seed)
+    n = len(records)
+    at = {(n // 4) // 200 * 200: ("join", 0, "et-1", "empty_taxis-0"), (n // 2) // 200 * 200: ("join", 0, "et-2", "et-1"),
+          (3 * n // 4) // 200 * 200: ("leave", 0, "et-1"), (n // 3) // 200 * 200: ("join", 1, "cp-1", "cell_profit-0"),
+          (2 * n // 3) // 200 * 200: ("leave", 1, "cp-1")}
+    for i in range(0, n, 200):
+        what = at.get(i) if scale else None
+        if what:
+            getattr(chain, what[0])(*what[1:])
+        chain.feed("top_routes-0", [(r["src"], r["seq"], r) for r in records[i:i + 200]])
+        chain.pump()
+    chain.pump(some=False)
+    windows = [r for s, _, r in chain.out if s.startswith("top_areas#")]
+    forwarded = [(s, q) for s, q, _ in chain.out if not s.startswith("top_areas#")]
+    return {"windows": windows, "forwarded": forwarded, "merge": chain.stages[2].insts["top_areas-0"].op,
+            "chain": chain}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_query_2_scaling_out_and_in_equals_the_batch_definition(seed: int) -> None:
+    from debs_reference import reference_areas
+
+    recs = trips2()
+    got = three_stages(recs, seed)
+    ref = reference_areas(recs, Q2["size_ms"])
+    assert len(got["windows"]) >= 5 and sum(len(w["areas"]) for w in got["windows"]) >= 5 * 10
+    for w in got["windows"]:
+        assert w["areas"] == ref.get(w["start"], []), w["start"]
+    assert [w["start"] for w in got["windows"]] == sorted(ref)[:len(got["windows"])]  # none skipped
+    assert sorted(got["forwarded"]) == sorted((r["src"], r["seq"]) for r in recs)  # each trip once, no row
+    assert got["merge"].stats() == {}  # nothing late, incomplete or skipped
+    et, cp = got["chain"].stages[0], got["chain"].stages[1]
+    assert sorted(et.insts) == ["empty_taxis-0", "et-2"] and et.moved == 64 + 32 + 32
+    assert sorted(cp.insts) == ["cell_profit-0"] and cp.moved == 64 + 64
+
+
+def test_query_2_at_the_edge_equals_the_batch_answer_in_spark(spark) -> None:
+    """The three stages scaling (as above) against Spark's profitable_areas over the same trips,
+    window by window; and the plain-Python oracle of the unit tests against Spark on every window."""
+    from agent.analytics.debs_compare import batch_profitable_areas, compare_profitable_areas
+    from debs_reference import reference_areas
+
+    recs = trips2()
+    rows = batch_profitable_areas(prepare_trips(frame(spark, recs), "30 minutes"))
+    got = three_stages(recs, seed=5)["windows"]
+    cmp = compare_profitable_areas(got, rows)
+    assert cmp["differences"] == [] and cmp["equal"] == cmp["windows_edge"] == len(got) >= 5, cmp["differences"][:1]
+    assert cmp["open_at_edge"] >= 2
+    oracle = compare_profitable_areas([{"start": s, "areas": a} for s, a in reference_areas(recs, Q2["size_ms"]).items()],
+                                      rows)
+    assert oracle["differences"] == [] and oracle["equal"] == oracle["windows_batch"] >= 8
+    # a changed input is a listed difference: a trip more in the best cell of the second window
+    w = got[1]
+    best = w["areas"][0][0]
+    extra = dict(next(r for r in recs if r["pickup_cell"] == best), seq=N2 + 1, fare_amount=500.0,
+                 dropoff_datetime=datetime_of(w["end"] - 60_000), pickup_datetime=datetime_of(w["end"] - 120_000))
+    rows2 = batch_profitable_areas(prepare_trips(frame(spark, recs + [extra]), "30 minutes"))
+    assert [d["start"] for d in compare_profitable_areas(got, rows2)["differences"]] == [w["start"]]
+
+
+def datetime_of(ms: int) -> str:
+    from datetime import datetime, timezone
+
+    return datetime.fromtimestamp(ms / 1000, timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def parse(r: Dict[str, Any]) -> float:
