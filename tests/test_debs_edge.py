@@ -275,31 +275,41 @@ def parse(r: Dict[str, Any]) -> float:
 
 def live_pipeline() -> str:
     """examples/demo-pipeline.toml (so the example itself runs) with 5-minute windows, a lateness
-    of an hour and a 20 s load: ~7,000 records, ~2.5 h of drop-offs, ~19 windows closed at the
-    edge. in_zone stays one instance: its copies interleave their outputs by more than an hour of
+    of an hour and a 34 s load: up to 14,000 records, ~4.5 h of drop-offs, ~40 windows of query 1
+    closed at the edge (fewer on a loaded machine: the source slows down with the pipeline). in_zone stays one instance: its copies interleave their outputs by more than an hour of
     drop-off time when it scales at these rates (the demo's lateness is 2 h for that), and a
-    trip late at route_counts makes its window differ; here only route_counts scales."""
+    trip late at route_counts makes its window differ; here only route_counts and empty_taxis
+    scale. Query 2's stages have a lateness of 1.5 h (the copies of route_counts and empty_taxis
+    interleave the trips cell_profit gets by minutes of drop-off time, on top of the source's
+    hour) and count the profit over the last 2 minutes of each window. A window of query 2 closes
+    about 1.5 h + 50 min of drop-off time after its end (its taxis' next trips end up to an hour
+    later): ~25 windows."""
     from pathlib import Path
 
     text = (Path(__file__).resolve().parent.parent / "examples" / "demo-pipeline.toml").read_text()
     subs = [(r'name = "taxi"', 'name = "q1"'), (r"size_ms = 1800000", "size_ms = 300000"),
             (r"lateness_ms = 7200000", "lateness_ms = 3600000"),
-            (r"(?m)^steps = .*$", "steps = [[0, 150], [4, 500], [16, 100], [20, 0]]"), (r"period = 2.0", "period = 1.0"),
+            (r"(?m)^steps = .*$", "steps = [[0, 150], [4, 500], [30, 100], [34, 0]]"), (r"period = 2.0", "period = 1.0"),
             (r'(in_zone")\nservice_time_ms = 4.0\n(key = "route".*\n\[operator.scaling\]\n)', r'\1\n\2policy = "none"\n')]
     for pattern, repl in subs:
         text, n = re.subn(pattern, repl, text)
         assert n >= 1, pattern  # the example changed: adapt this test
-    return text
+    q1, sep, q2 = text.partition('[[operator]]\nname = "empty_taxis"')
+    assert sep and q2.count("lateness_ms = 3600000") == 3 and q2.count("recent_ms = 900000") == 1
+    return q1 + sep + q2.replace("lateness_ms = 3600000", "lateness_ms = 5400000").replace(
+        "recent_ms = 900000", "recent_ms = 120000")
 
 
 @pytest.mark.broker
 @pytest.mark.slow
 def test_live_route_counts_scale_out_and_in_and_every_window_equals_the_batch_answer(tmp_path) -> None:
     """The demo (private broker, three agents, real workers, its pipeline on a shorter load):
-    route_counts scales out (500 records/s > r*C = 140) and back in while its key groups move
-    with their state; every window the edge emitted equals the batch answer over the trips the
-    sink recorded (each route's trips and freshest drop-off per window, ranked as the batch job
-    ranks: `window_row` over all of them, no lateness), and every trip arrived exactly once."""
+    route_counts and empty_taxis scale out (500 records/s > r*C = 140) and back in while their
+    key groups move with their state; every window of query 1 the edge emitted equals the batch
+    answer over the trips the sink recorded (each route's trips and freshest drop-off per window,
+    ranked as the batch job ranks: `window_row` over all of them, no lateness), every window of
+    query 2 equals the batch definition over them (tests/debs_reference.py, checked against Spark
+    above), and every trip arrived exactly once."""
     import json
     import os
     import subprocess
@@ -308,6 +318,7 @@ def test_live_route_counts_scale_out_and_in_and_every_window_equals_the_batch_an
 
     from agent.operators.debs import window_row
     from agent.tools.verify import landed_records
+    from debs_reference import reference_areas
 
     root = Path(__file__).resolve().parent.parent
     pipeline = tmp_path / "q1.toml"
@@ -336,5 +347,15 @@ def test_live_route_counts_scale_out_and_in_and_every_window_equals_the_batch_an
     assert len(windows) >= 5, (len(windows), sorted(ref))  # 1.5-2 h of drop-offs, the last hour still open
     for w in windows:
         assert w == window_row(w["start"], size, ref[w["start"]], 10), (w["start"], summary["keyed_late"])
-    assert summary["keyed_late"] == dict.fromkeys(("late_dropped", "incomplete_windows", "late_counts", "late_trips"), 0)
+    assert summary["keyed_late"] == dict.fromkeys(
+        ("late_dropped", "incomplete_windows", "late_counts", "late_trips", "long_trips"), 0)
     assert sorted(w["start"] for w in windows) == sorted(ref)[:len(windows)]  # no window skipped
+    # query 2: empty_taxis scaled out and in; every window equals the batch definition over the same trips
+    et = summary["scaling_by_operator"].get("empty_taxis", {})
+    assert et.get("outs", 0) >= 1 and et.get("ins", 0) >= 1, summary["scaling_by_operator"]
+    areas = sorted((r for (s, _), r in landed.items() if "top_areas#" in s), key=lambda w: w["start"])
+    assert len(areas) >= 3 and sum(len(w["areas"]) for w in areas) >= 3, (len(trips_), [w["start"] for w in areas])
+    ref2 = reference_areas(trips_, size, 120_000)
+    for w in areas:
+        assert w["areas"] == ref2.get(w["start"], []), w["start"]
+    assert [w["start"] for w in areas] == sorted(ref)[:len(areas)]  # every window with a trip, none skipped
