@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from agent.operators.builtin import OperatorContext, Param
 from agent.operators.debs import parse_cell
@@ -118,6 +118,15 @@ class _TripStage(KeyedOperator):
     def times(self, rec: Any) -> Optional[Tuple[float, float]]:
         return trip_times(rec, str(self.time_field), self.pickup_field, self.time_unit)
 
+    def trips(self, records: List[Any]) -> Iterator[Tuple[Dict[str, Any], float, float]]:
+        """(record, drop-off ms, pickup ms) of the records that are trips; the others counted."""
+        for rec in records:
+            times = self.times(rec)
+            if times is None:
+                self.counts["skipped"] += 1
+            else:
+                yield rec, times[0], times[1]
+
     def start_of(self, t: float) -> int:
         return int(t // self.size * self.size)
 
@@ -141,12 +150,7 @@ class EmptyTaxis(_TripStage):
     def on_batch(self, key: Any, records: List[Any], state: Any) -> Tuple[List[Any], Any]:
         st = state if state is not None else {"w": {}, "done": None}
         done = st["done"]
-        for rec in records:
-            times = self.times(rec)
-            if times is None:
-                self.counts["skipped"] += 1
-                continue
-            d, p = times
+        for rec, d, p in self.trips(records):
             if done is not None and (d < done[0] or (d == done[0] and done[1] is not None and p < done[1])):
                 self.counts["late_trips"] += 1  # would change a decision already sent
                 continue
@@ -207,19 +211,15 @@ class CellProfit(_TripStage):
     def on_batch(self, key: Any, records: List[Any], state: Any) -> Tuple[List[Any], Any]:
         st = state if state is not None else {"w": {}, "closed": None}
         closed = st["closed"]
-        for rec in records:
-            times = self.times(rec)
-            if times is None:
-                self.counts["skipped"] += 1
-                continue
-            s = self.start_of(times[0])
+        for rec, d, _ in self.trips(records):
+            s = self.start_of(d)
             if closed is not None and s + self.size <= closed:
                 self.counts["late_trips"] += 1  # its window's row is out already
                 continue
             acc = st["w"].setdefault(str(s), {}).setdefault(rec["pickup_cell"], [0, []])
             acc[0] += 1
             v = profit_value(rec)
-            if v is not None and times[0] >= s + self.size - self.recent:
+            if v is not None and d >= s + self.size - self.recent:
                 acc[1].append(v)
         return [], (st if st["w"] or closed is not None else None)
 
