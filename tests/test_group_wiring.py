@@ -496,6 +496,12 @@ def test_a_keyed_operator_scales_out_and_back_in_with_its_groups_moving_exactly_
         assert set(c.keyed.states) == c.moves.member.owned
         for _ in range(3):
             batch()
+        settle(f)
+        # the stamps of the demo's decision -> first record split (agent.tools.rescale_split), in
+        # the hand-over's order: Start, the keeper's chunks, installed, first record applied
+        d = [x for x in k.scaling.decisions if x.get("kind") == "scale_out"][-1]
+        assert d["at"] <= c.activated_at <= d["chunks_at"] <= c.moves.first_installed_at <= c.moves.first_applied_at
+        assert c.first_record_at <= c.moves.first_applied_at and k.moves.first_installed_at is None
         control(f, copies[0], "terminate")
         for _ in range(4):
             batch()
@@ -509,6 +515,43 @@ def test_a_keyed_operator_scales_out_and_back_in_with_its_groups_moving_exactly_
         assert p.stats["handover_errors"] == 0
         assert k.moves.counts["handover_errors"] == c.moves.counts["handover_errors"] == 0
         assert c.stats["handover_in"] >= GROUPS // 2 and k.stats["protocol_out"] > 0
+
+
+def test_a_busy_old_owner_takes_an_eos_ahead_of_queued_data_and_each_count_stays_exact() -> None:
+    """The keeper works 20 ms per record (emulated), so op-0's one-record batches queue in front
+    of op-0's Eos; during the move only two keys flow, so the Eos of most groups find no record of
+    theirs ahead and are taken at once (`_eos_ahead`), the others in their place. Each key's count
+    still runs 1..n once, in order, at the sink."""
+    keys = keys_per_group()
+    ahead = 0
+    for seed in range(6):
+        f = fleet(seed)
+        k = f.insts[KEEPER]
+        k.service_time = 0.02
+        full = Feeder(f, keys)
+        for _ in range(3):
+            full()
+        settle(f)  # the keeper's queue empty: what queues from here on is the two keys'
+        control(f, KEEPER, "duplicate")
+        hot = Feeder(f, keys[:2])
+        hot.seq = full.seq
+        for _ in range(6):
+            hot()
+        settle(f)
+        full.seq = hot.seq
+        for _ in range(3):
+            full()
+        settle(f)
+        copies = [n for n in f.insts if n.startswith("cnt-")]
+        assert len(copies) == 1, f"seed {seed}: {sorted(f.insts)}"
+        c = f.insts[copies[0]]
+        assert len(c.moves.member.owned) == GROUPS // 2 and set(c.keyed.states) == c.moves.member.owned
+        got = counts_at_sink(f)
+        want = {key: list(range(1, (12 if key in keys[:2] else 6) + 1)) for key in keys}
+        assert got == want, f"seed {seed}: each key's count must run 1..n once, in order"
+        assert k.moves.counts["handover_errors"] == c.moves.counts["handover_errors"] == 0
+        ahead += k.stats["eos_ahead_of_data"]
+    assert ahead > 0  # the case happened, not only the in-order one
 
 
 def test_predecessors_that_duplicate_and_terminate_during_the_moves_lose_and_double_nothing() -> None:

@@ -24,6 +24,7 @@ from agent.operators.builtin import OperatorContext, check_params
 from agent.operators.keyed import (
     KeyedOperator,
     keyed_config_problems,
+    keyed_count,
     keyed_mean,
     parse_event_time,
     sliding_window,
@@ -505,11 +506,13 @@ def test_the_worked_example_of_the_guide_runs_as_printed() -> None:
     assert ks.counts["late_dropped"] == 1 and ks.stats()["keys_held"] == 1  # s2's third minute
 
 
-def test_an_agent_scales_but_does_not_drain_away_an_instance_with_keyed_state(tmp_path: Any) -> None:
+def test_an_agent_drains_away_an_instance_with_keyed_state_unless_its_state_is_too_large(
+        tmp_path: Any, monkeypatch: Any) -> None:
     """fogctl scale and drain reach the agent (`_on_steering`): an instance whose stats say it
     keeps keyed state is copied and terminated through the protocol (its key groups move with
-    their state), but a drain does not move it to another node (its state files stay here), and
-    the reply says why."""
+    their state), and a drain stops it to move it with its keyed state (agent.node.statexfer),
+    unless that state is larger than a hand-over carries: then nothing is changed and the reply
+    names the size and the limit."""
     import subprocess
     import sys
 
@@ -517,6 +520,7 @@ def test_an_agent_scales_but_does_not_drain_away_an_instance_with_keyed_state(tm
     from agent.control.rpc_schema import DrainRequest, ScaleRequest
     from agent.instance.spec import InstanceSpec
     from agent.mqtt.settings import BrokerSpec
+    from agent.node import statexfer
     from agent.node.daemon import Agent
     from agent.node.supervisor import Worker, WorkerStatus
 
@@ -525,14 +529,26 @@ def test_an_agent_scales_but_does_not_drain_away_an_instance_with_keyed_state(tm
     agent = Agent(load_agent_config(conf), warm_worker=False)
     sent: List[Any] = []
     agent.supervisor.send = lambda inst, event, **kw: sent.append((inst, event)) or True  # type: ignore[assignment]
+    agent.supervisor.stop = lambda inst, now: sent.append((inst, "stop"))  # type: ignore[assignment]
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
     spec = InstanceSpec("p.win.0", "win", "me", "c", "p", _pipeline_text("none", "k"), BrokerSpec("h", 1),
                         keeper=True, state_dir=str(tmp_path / "state"))
     w = Worker(spec=spec, proc=proc, started_at=1.0, status=WorkerStatus.ACTIVE, stats={"keyed_state": True})
     agent.supervisor.workers["p.win.0"] = w
+    ks = KeyedState(keyed_count.build(OperatorContext("p.win.0", "win", "me", "map", params={})), "win", "k", 128)
+    ks.apply("s", [("s", i, {"k": i}) for i in range(50)], 1)
+    (tmp_path / "state").mkdir(exist_ok=True)
+    ks.save(tmp_path / "state" / "p.win.0.keyed.json")
+    size = len(statexfer.snapshot_bytes(tmp_path / "state" / "p.win.0.keyed.json") or b"")
+    monkeypatch.setattr(statexfer, "MAX_STATE_BYTES", size - 1)
     reply = agent._on_steering(DrainRequest(node="me").to_dict(), 5.0)
-    assert not reply["ok"] and "p.win.0 keeps keyed state: its node is fixed" in reply["error"], reply
+    assert not reply["ok"] and reply["error"] == (f"p.win.0 cannot move: its keyed state is {size} bytes, "
+                                                  f"more than the {size - 1} a hand-over carries"), reply
     assert sent == [] and not agent.draining
     assert agent._on_steering(ScaleRequest(operator="win", delta=1).to_dict(), 5.0)["ok"]
     assert sent == [("p.win.0", "scale")]
+    monkeypatch.setattr(statexfer, "MAX_STATE_BYTES", size)
+    reply = agent._on_steering(DrainRequest(node="me").to_dict(), 5.0)
+    assert reply["ok"] and reply["result"]["leaving"] == ["p.win.0"], reply
+    assert sent[-1] == ("p.win.0", "stop") and agent.draining and "p.win.0" in agent._handing_over

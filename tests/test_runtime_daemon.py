@@ -755,7 +755,7 @@ def test_a_keeper_stopped_for_a_drain_moves_with_its_state_or_restarts_here(tmp_
 
     asked: List[Any] = []
     real_create = agent._create_node
-    agent._create_node = lambda s, reply, cause, now: asked.append((s, reply, cause))  # type: ignore[assignment]
+    agent._create_node = lambda s, reply, cause, now, **kw: asked.append((s, reply, cause))  # type: ignore[assignment]
     agent._on_reaped(Reaped(stopped_keeper(), 0), 3.0)
     [(moved, reply, cause)] = asked
     assert cause == "handover" and moved.instance == "p.work.0" and moved.restart and moved.keeper
@@ -778,15 +778,19 @@ def test_supervisor_hands_the_pre_started_worker_to_the_next_instance(tmp_path: 
     assert warm is not None and pid_alive(warm)
     w = loop.sup.start(make_spec("w1", tmp_path), time.monotonic())
     assert w.pid == warm and loop.sup.warm_used == 1  # the idle process became the instance
+    assert w.warm_age is not None and w.warm_age >= 0  # said in its "spawned" event (the demo's spawns)
     assert loop.pump_until(lambda: w.status is WorkerStatus.ACTIVE, 10)
     spare = loop.sup.warm_pid
     assert spare is not None and spare != warm  # and a new spare is ready for the next scale-out
     loop.sup.close_warm()
+    cold = loop.sup.start(make_spec("w2", tmp_path), time.monotonic())
+    assert cold.warm_age is None and cold.pid != spare  # no spare any more: a process of its own
+    loop.sup.stop("w2", time.monotonic())
     assert loop.sup.warm_pid is None and not pid_alive(spare)
     loop.sup.poll(time.monotonic())
     assert loop.sup.warm_pid is None  # not restarted after close_warm (shutdown)
     loop.sup.stop("w1", time.monotonic())
-    assert loop.pump_until(lambda: loop.reaped, 5) and loop.reaped[0].clean
+    assert loop.pump_until(lambda: len(loop.reaped) == 2, 5) and all(r.clean for r in loop.reaped)
 
 
 def test_a_spawn_whose_worker_never_became_ready_is_not_restarted_here(tmp_path: Path) -> None:

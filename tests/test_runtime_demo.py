@@ -144,6 +144,15 @@ def test_short_demo_through_the_cli(tmp_path: Path) -> None:
     assert summary["records_in"] > 1500 and summary["records_out"] > 0.8 * summary["records_in"]
     assert summary["max_instances"]["in_zone"] >= 2  # 400 records/s > r*C = 140: it scaled out
     assert summary["scale_outs"] >= 1 and summary["protocol_messages"] > 0
+    # decision -> first record per operator (agent.tools.rescale_split): its rows add up, and the
+    # overall figure is taken over the same scale-outs
+    r = summary["rescale_by_operator"]["in_zone"]
+    assert r["keyed"] is False and r["decision_to_first_record_s"]["n"] >= 1
+    for row in r["each"]:
+        assert 0 <= row["spawn"] <= row["round"] <= row["total"] and row["first"] >= 0, row
+        assert abs(row["round"] + row["first"] - row["total"]) <= 0.002, row
+    assert summary["decision_to_first_record_s"]["n"] == sum(
+        x["decision_to_first_record_s"]["n"] for x in summary["rescale_by_operator"].values())
     assert summary["duration_s"] < 120
     assert (tmp_path / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "in/s" in proc.stderr  # the live table went to stderr with --json

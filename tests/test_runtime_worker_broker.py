@@ -465,6 +465,16 @@ def test_paused_source_sleeps_instead_of_spinning(runner, mosquitto, tmp_path: P
     assert used < 0.4, f"a paused source used {used:.2f} s of CPU in 2 s"
 
 
+def duplicate_once_queued(runner, queued_at, creator, stamp: str):
+    """Waits for `queued_at`'s input to queue up (5 batches), asks `creator` to duplicate and
+    waits for its copy's stats to carry `stamp`: (the batches queued at the decision, the copy)."""
+    wait_for(lambda: queued_at.stats.get("queued", 0) >= 5, 20, f"{queued_at.spec.operator}'s input to queue up")
+    queued = queued_at.stats["queued"]
+    creator.send("scale", action="duplicate", count=1)
+    wait_for(lambda: runner.spawned and runner.workers[runner.spawned[0]].stats.get(stamp), 30, f"the copy's {stamp}")
+    return queued, runner.workers[runner.spawned[0]]
+
+
 def test_duplication_ack_overtakes_queued_data_of_an_overloaded_creator(runner, mosquitto, tmp_path: Path) -> None:
     """The creator of a copy is overloaded: its predecessor's batches queue in front of the
     predecessor's duplication_ack (0.5 s of emulated work per batch, up to a window of 8). The ack
@@ -485,12 +495,7 @@ def test_duplication_ack_overtakes_queued_data_of_an_overloaded_creator(runner, 
     )
     procs = start_pipeline(runner, mosquitto, tmp_path, toml, "ahead")
     work = procs["validate"]
-    wait_for(lambda: work.stats.get("queued", 0) >= 5, 20, "the creator's input to queue up")
-    queued = work.stats["queued"]
-    work.send("scale", action="duplicate", count=1)
-    wait_for(lambda: runner.spawned and runner.workers[runner.spawned[0]].stats.get("activated_at"), 20,
-             "the copy's Start")
-    copy = runner.workers[runner.spawned[0]]
+    queued, copy = duplicate_once_queued(runner, work, work, "activated_at")
     wait_for(lambda: any(d.get("spawned_at") for d in work.stats.get("decisions", [])), 5, "the creator's stats")
     decision = [d for d in work.stats["decisions"] if d.get("kind") == "scale_out"][-1]
     round_s = copy.stats["activated_at"] - decision["spawned_at"]
@@ -506,6 +511,89 @@ def test_duplication_ack_overtakes_queued_data_of_an_overloaded_creator(runner, 
     ids, dup = read_sink_ids(tmp_path / "sink")
     assert dup == 0
     assert ids.get("source-0", set()) == expected_ids(3, "source-0", n, ops=("validate",))
+
+
+def test_duplication_overtakes_queued_data_at_a_loaded_successor(runner, mosquitto, tmp_path: Path) -> None:
+    """The creator is fast, its successor loaded: the creator's batches queue at the successor in
+    front of the creator's duplication (0.5 s of emulated work per batch, up to a window of 8).
+    The successor handles the duplication ahead of that data (`Instance._duplications_ahead`), so
+    the round ends within a fraction of the queue's drain time (the demo's in_zone ahead of the
+    keyed route_counts: rounds of 3.7-4.7 s before); every record still arrives exactly once."""
+    n = 1500
+    toml = pipeline_toml(
+        "dupahead",
+        [
+            {"name": "source", "kind": "source", "function": "agent.operators.taxi:source", "batch_size": 50,
+             "linger_ms": 10.0, "params": {"seed": 3, "profile": "constant", "rate": 600.0, "max_records": n}},
+            {"name": "validate", "function": "agent.operators.builtin:validate", "batch_size": 50,
+             "linger_ms": 10.0},
+            {"name": "in_zone", "function": "agent.operators.builtin:in_zone", "batch_size": 50,
+             "linger_ms": 10.0, "service_time_ms": 10.0},
+            {"name": "sink", "kind": "sink", "function": "agent.operators.builtin:counting_sink",
+             "batch_size": 50, "linger_ms": 10.0},
+        ],
+        scaling={"policy": "none"},
+    )
+    procs = start_pipeline(runner, mosquitto, tmp_path, toml, "dupahead")
+    work, slow = procs["validate"], procs["in_zone"]
+    queued, copy = duplicate_once_queued(runner, slow, work, "activated_at")
+    wait_for(lambda: any(d.get("spawned_at") for d in work.stats.get("decisions", [])), 5, "the creator's stats")
+    decision = [d for d in work.stats["decisions"] if d.get("kind") == "scale_out"][-1]
+    round_s = copy.stats["activated_at"] - decision["spawned_at"]
+    drain_s = (queued - 1) * 50 * 0.010  # what the queue in front of the duplication would have cost
+    assert round_s < min(1.0, drain_s / 2), f"round {round_s:.2f} s with {queued} batches queued ({drain_s:.1f} s)"
+    wait_for(lambda: slow.stats.get("duplications_ahead_of_data", 0) >= 1, 5, "the successor's stats")
+    wait_for(lambda: procs["source"].stats.get("generated") == n, 30, "the source to finish")
+    want = len(expected_ids(3, "source-0", n, ops=("validate", "in_zone")))
+    wait_for(lambda: procs["sink"].stats.get("recorded") == want, 40, "the sink to record everything")
+    assert copy.stats.get("records_in", 0) > 0
+    for p in (work, slow, copy):
+        assert p.stats.get("protocol_errors", 0) == 0 and p.stats.get("sends_to_non_successor", 0) == 0, p.stats
+    runner.stop_all()
+    ids, dup = read_sink_ids(tmp_path / "sink")
+    assert dup == 0
+    assert ids.get("source-0", set()) == expected_ids(3, "source-0", n, ops=("validate", "in_zone"))
+
+
+def test_an_eos_overtakes_queued_data_without_its_group_at_a_loaded_keyed_creator(runner, mosquitto, tmp_path: Path) -> None:
+    """A keyed creator hands half its groups to its copy while its predecessor's batches queue in
+    front of the predecessor's Eos (25 ms per record, small batches over 128 groups). An Eos
+    whose group no batch ahead carries is handled at once (`Instance._eos_ahead`), so the copy's
+    first group is installed within a fraction of the queue's drain time (the demo's route_counts:
+    0.9-2.6 s waiting for the Eos before); every record still arrives exactly once."""
+    n = 900
+    toml = pipeline_toml(
+        "eosahead",
+        [
+            {"name": "source", "kind": "source", "function": "agent.operators.taxi:source", "batch_size": 8,
+             "linger_ms": 10.0, "params": {"seed": 3, "profile": "constant", "rate": 300.0, "max_records": n}},
+            {"name": "validate", "function": "agent.operators.builtin:validate", "batch_size": 8, "linger_ms": 10.0},
+            {"name": "in_zone", "function": "agent.operators.builtin:in_zone", "batch_size": 8,
+             "linger_ms": 10.0, "key": "route"},
+            {"name": "route_counts", "function": "agent.operators.debs:route_counts", "batch_size": 50,
+             "linger_ms": 10.0, "service_time_ms": 25.0,
+             "params": {"time_field": "dropoff_datetime", "size_ms": 1800000, "lateness_ms": 7200000,
+                        "forward": True}},
+            {"name": "sink", "kind": "sink", "function": "agent.operators.builtin:counting_sink",
+             "batch_size": 50, "linger_ms": 10.0},
+        ],
+        scaling={"policy": "none"},
+    )
+    procs = start_pipeline(runner, mosquitto, tmp_path, toml, "eosahead")
+    keyed = procs["route_counts"]
+    queued, copy = duplicate_once_queued(runner, keyed, keyed, "first_installed_at")
+    handover_s = copy.stats["first_installed_at"] - copy.stats["activated_at"]
+    drain_s = (queued - 1) * 8 * 0.025  # what the batches in front of every Eos would have cost
+    assert handover_s < drain_s / 2, f"first group after {handover_s:.2f} s with {queued} batches queued ({drain_s:.1f} s)"
+    wait_for(lambda: keyed.stats.get("eos_ahead_of_data", 0) >= 1, 5, "the creator's stats")
+    wait_for(lambda: procs["source"].stats.get("generated") == n, 30, "the source to finish")
+    want = len(expected_ids(3, "source-0", n))
+    wait_for(lambda: procs["sink"].stats.get("recorded") == want, 60, "the sink to record everything")
+    assert copy.stats.get("keyed_applied", 0) > 0
+    for p in (keyed, copy):
+        assert p.stats.get("handover_errors", 0) == 0 and p.stats.get("protocol_errors", 0) == 0, p.stats
+    runner.stop_all()
+    assert_exactly_once(tmp_path, n)
 
 
 def test_copies_of_one_round_are_spawned_at_once(runner, mosquitto, tmp_path: Path) -> None:

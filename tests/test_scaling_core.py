@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -274,3 +275,77 @@ def test_adopt_announces_an_existing_copy_without_creating_it_and_starts_it_afte
     core.start_duplication(1)
     with pytest.raises(LocalProtocolError):  # one round at a time, as any round
         core.adopt("b-other")
+
+
+def test_a_round_message_sent_again_also_reaches_the_copies_a_silent_neighbour_started_without_it():
+    """Concurrent duplications of neighbours with the first round message lost (docs/reliability.md,
+    "A Duplication re-sent after a loss"): k0's Duplication to o0 is lost; o0 duplicates, k0 adds
+    o0's copy and acks, o0 starts the copy with tables that lack k0's copy. k0's resend to o0
+    (`widen_round`) must reach the copy too, and k0's copy starts only once the copy knows it."""
+    k0 = ScalingCore.initial("k0", "k", 2, P, succs=("s0",), preds=("o0",), keeper=True)
+    o0 = ScalingCore.initial("o0", "o", 1, P, succs=("k0",), preds=("src",), keeper=True)
+    kout = k0.start_duplication(1)
+    c = next(o.instance_id for o in kout if isinstance(o, CreateInstance))
+    k_dup = next(o.message for o in kout if isinstance(o, Send))  # the one to o0 is lost
+    oout = o0.start_duplication(1)
+    o_copy = next(o.instance_id for o in oout if isinstance(o, CreateInstance))
+    o_dup = next(o.message for o in oout if isinstance(o, Send) and o.dest == "k0")
+    assert k0.widen_round("o0") == ()  # nothing announced yet: the resend goes to o0 alone
+    changed, ack = k0.handle(o_dup)
+    assert changed.preds == tuple(sorted(("o0", o_copy))) and ack.dest == "o0"
+    assert k0.handle(DuplicationAck("s0", 3, 1)) == []
+    assert o0.handle(DuplicationAck("src", 0, 1)) == []
+    (start,) = o0.handle(ack.message)
+    copy = ScalingCore.from_create(CreateInstance(o_copy, "o", 1, "o0"), P)
+    assert copy.handle(start.message) == [Activate(("k0",), ("src",))]  # k0's copy unknown to it
+    snap = ScalingCore.restore(json.loads(json.dumps(k0.snapshot())), P)
+    assert snap.unsure == {"o0": {o_copy}} and snap.key() == k0.key()
+    assert k0.widen_round(o_copy) == () and k0.widen_round("s0") == ()  # not pending: nothing
+    assert k0.widen_round("o0") == (o_copy,) and k0.pending == {"o0", o_copy}
+    assert k0.widen_round("o0") == ()  # once
+    assert o0.handle(k_dup)[-1] == Send("k0", DuplicationAck("o0", 1, 1))
+    changed, ack_copy = copy.handle(k_dup)
+    assert changed.succs == tuple(sorted(("k0", c)))
+    assert k0.handle(DuplicationAck("o0", 1, 1)) == []
+    (kstart,) = k0.handle(ack_copy.message)
+    assert kstart.dest == c and set(kstart.message.preds) == {"o0", o_copy}
+
+
+def test_a_neighbour_acking_in_order_or_a_copy_leaving_leaves_nothing_unsure():
+    """Without a loss the neighbour acks our round (it knew it before its own ended): nothing to
+    widen; a copy that leaves needs no news of our round (and may be gone before a resend)."""
+    k0 = ScalingCore.initial("k0", "k", 2, P, succs=("s0",), preds=("o0",), keeper=True)
+    k0.start_duplication(1)
+    k0.handle(Duplication("o0", 1, 1, ("o-1", "o-2")))
+    assert k0.unsure == {"o0": {"o-1", "o-2"}}
+    k0.handle(Deletion("o-2", 1, 1))
+    assert k0.unsure == {"o0": {"o-1"}}
+    k0.handle(DuplicationAck("o0", 1, 1))
+    assert k0.unsure == {} and k0.widen_round("o0") == ()
+    k0.handle(Duplication("s0", 3, 1, ("s-1",)))  # s0 pending: unsure until it acks or the round ends
+    assert k0.unsure == {"s0": {"s-1"}}
+    k0.handle(DuplicationAck("s0", 3, 1))
+    assert k0.state is InstanceState.ACTIVE and k0.unsure == {}
+
+
+def test_a_round_stops_waiting_for_a_pending_neighbour_that_left_only_when_it_would_resend():
+    """A neighbour whose Deletion we applied while it had not acked our round (our Duplication to
+    it lost, our ack of its Deletion not) may be gone: at the resend we stop waiting for it
+    (`release`), so our copy starts; a neighbour that did not leave gets the message again."""
+    s0 = ScalingCore.initial("s0", "s", 2, P, preds=("o0", "o-1"), keeper=True)
+    outs = s0.start_duplication(1)
+    copy = next(o.instance_id for o in outs if isinstance(o, CreateInstance))
+    assert s0.release("o-1") is None and s0.release("o0") is None  # neither left: resend
+    changed, ack = s0.handle(Deletion("o-1", 1, 2))  # o-1's second phase: drained, leaving
+    assert changed.preds == ("o0",) and ack.dest == "o-1" and s0.pending == {"o0", "o-1"}
+    assert s0.release("o0") is None
+    assert s0.release("o-1") == [] and s0.pending == {"o0"}
+    assert ScalingCore.restore(json.loads(json.dumps(s0.snapshot())), P).key() == s0.key()
+    (start,) = s0.handle(DuplicationAck("o0", 1, 1))
+    assert start == Send(copy, Start("s0", 2, (), ("o0",))) and s0.state is InstanceState.ACTIVE
+    assert s0.release("o-1") is None  # no round
+    # the last one pending: releasing it ends the round (a deletion round here: drain, depart)
+    d0 = ScalingCore.initial("d0", "d", 2, P, preds=("o0",), succs=("t0",))
+    d0.start_deletion()
+    d0.handle(Deletion("o0", 1, 3))
+    assert d0.release("o0") == [Drain(), Send("t0", Deletion("d0", 2, 2))] and d0.state is InstanceState.DEPARTING

@@ -311,10 +311,13 @@ def test_a_departed_neighbours_resent_deletion_is_still_answered(tmp_path) -> No
     assert w.core.hold.count == 0 and w.core.stats["refused_senders"] == 0
 
 
-def test_an_idle_copy_applies_a_held_duplication_after_its_start_and_acks_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_an_idle_copy_keeps_a_neighbours_duplication_for_its_start_and_acks_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A neighbour of the creator may announce its own copy to ours before our Start (it learned
-    of us from the creator's Duplication): held, then applied once the Start names the sender,
-    and acked, so that neighbour's round completes."""
+    of us from the creator's Duplication, or sends its round again after a loss): taken at once
+    as Algorithm 5 takes it in an idle instance (kept for the Start) and acked, so that
+    neighbour's round completes. Held until our Start instead (until session 14), two such rounds
+    could wait for each other's idle copies for ever (docs/reliability.md, "Checking whole
+    instances"); the Start then routes to the announced copy too."""
     from agent.protocol.messages import Duplication, Start
 
     clock = [100.0]
@@ -324,13 +327,15 @@ def test_an_idle_copy_applies_a_held_duplication_after_its_start_and_acks_it(tmp
     dup = Duplication("sink-0", 2, 1, ("sink-z",)).to_dict()
     wire.events.append(Received(inbox, encode(Envelope("sink-0", 0, 1, Kind.PROTO, dup))))
     _run(w, clock, 0.5)
-    assert w.core.hold.count == 1 and not [p for t, p in wire.sent if t == to_sink]
+    acks = [decode(p).body for t, p in wire.sent if t == to_sink and decode(p).kind is Kind.PROTO]
+    assert w.core.hold.count == 0 and [(a["type"], a["round"]) for a in acks] == [("duplication_ack", 1)], acks
+    assert w.core.router.succs == () and w.core.scaling.core.succs_to_add == {"sink-z"}  # idle: no route yet
     start = Start("work-0", 1, ("sink-0",), ("source-0",))
     wire.events.append(Received(inbox, encode(Envelope("work-0", 0, 1, Kind.PROTO, start.to_dict()))))
     _run(w, clock, 0.5)
     assert w.core.hold.count == 0 and w.core.router.succs == ("sink-0", "sink-z")
     acks = [decode(p).body for t, p in wire.sent if t == to_sink and decode(p).kind is Kind.PROTO]
-    assert [(a["type"], a["round"]) for a in acks] == [("duplication_ack", 1)], acks
+    assert [(a["type"], a["round"]) for a in acks] == [("duplication_ack", 1)], acks  # once
 
 
 # ---- real workers on a real broker ------------------------------------------------------------------

@@ -8,7 +8,7 @@ from typing import Dict, List
 from hypothesis import example, given, settings, strategies as st
 
 from agent.node.site_manager import (
-    ActionKind, Lease, NodeView, SiteConfig, SiteState, claim, decide, parse_lease, spare,
+    ActionKind, Lease, NodeView, Pending, SiteConfig, SiteState, claim, decide, parse_lease, spare, view_of,
 )
 
 NAMES = ["n1", "n2", "n3", "n4", "n5"]
@@ -161,6 +161,43 @@ def test_drain_undone_when_load_rises_before_the_node_empties() -> None:
     state, acts = decide(still, state, cfg, 1.0)
     assert [(a.kind, a.node) for a in acts] == [(ActionKind.UNDRAIN, drained)]
     assert state.pending is None and state.released == ()
+
+
+def test_a_drain_waits_while_no_node_reports_a_capacity() -> None:
+    """While the drained node's instances move, no instance may report a capacity (the other node
+    is empty: its capacity is the fleet's mean, of nothing): the spare is unknown, not short. The
+    drain waits (it used to be undone, and the instances moved back) and completes once a figure
+    comes; `timeout` still bounds it."""
+    cfg = SiteConfig(target=0.8, cooldown=0.0, timeout=30.0)  # without b: spare 0.7; without a: 0.95
+    view = [NodeView("a", True, False, 100.0, 30.0, 3, 0), NodeView("b", True, False, 600.0, 0.0, 0, 6)]
+    state, acts = decide(view, SiteState(), cfg, 0.0)
+    assert [(a.kind, a.node) for a in acts] == [(ActionKind.DRAIN, "a")]
+    moving = [NodeView("a", True, True, 0.0, 0.0, 2, 0), NodeView("b", True, False, 0.0, 0.0, 1, 5)]
+    state, acts = decide(moving, state, cfg, 1.0)
+    assert acts == [] and state.pending is not None
+    done = [NodeView("a", True, True, 0.0, 0.0, 0, 0), NodeView("b", True, False, 600.0, 30.0, 3, 3)]
+    state, acts = decide(done, state, cfg, 2.0)
+    assert [(a.kind, a.node) for a in acts] == [(ActionKind.RELEASE, "a")]
+    state2, acts = decide(view, SiteState(), cfg, 0.0)
+    state2, acts = decide(moving, state2, cfg, 31.0)  # still no figure after `timeout`: undone
+    assert [(a.kind, a.node) for a in acts] == [(ActionKind.UNDRAIN, "a")]
+
+
+def test_a_node_still_handing_a_keeper_over_is_not_released() -> None:
+    """A draining agent lists the keepers it stopped whose start elsewhere is not answered yet
+    (`handing_over`): they count as its instances, so the node is not released (maybe powered
+    off) while a failed start would restart the keeper there, or while a keyed one's state is
+    only there (docs/operators.md, "Drain: the keeper moves with its keyed state")."""
+    cfg = SiteConfig(target=0.3, cooldown=0.0)
+    b = {"time": 10.0, "slots": 4, "free_slots": 2, "instances": [{"id": "x", "capacity": 100.0, "load": 10.0}] * 2}
+    a = {"time": 10.0, "slots": 4, "free_slots": 0, "draining": True, "instances": [], "handing_over": ["p.win.0"]}
+    pending = SiteState(pending=Pending(ActionKind.DRAIN, "a", 0.0))
+    view = view_of({"a": a, "b": b}, {"a": True, "b": True}, 10.0, stale_after=5.0)
+    assert {n.node: n.instances for n in view} == {"a": 1, "b": 2}
+    assert decide(view, pending, cfg, 1.0)[1] == []  # waits
+    a.pop("handing_over")
+    view = view_of({"a": a, "b": b}, {"a": True, "b": True}, 10.0, stale_after=5.0)
+    assert [x.kind for x in decide(view, pending, cfg, 1.0)[1]] == [ActionKind.RELEASE]
 
 
 def test_lease_election() -> None:

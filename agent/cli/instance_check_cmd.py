@@ -14,7 +14,9 @@ FAULT_HELP = ("seeded fault to switch on (repeatable): retry_only_with_data, dra
               "(with --rehome-copy), resync_at_first_seen (with --brokers), rehome_idle_active (with --rehome-copy "
               "--rehomes 2 --slow sink-0), replay_clock_at_drop (every move: --rehome-copy --rehomes 2 --brokers 1 "
               "--cuts 1 --spawn-refusals 1 --slow sink-0, seed 9230), leave_before_adoption (a fixed schedule of "
-              "the tests only: op-0, the only creator here, is a keeper); the checker should then report a "
+              "the tests only: op-0, the only creator here, is a keeper), resend_pending_only (--keyed --records 8 "
+              "--brokers 1, seed 200008), wait_for_leaver (a fixed schedule of the tests: op and the sink scaling at "
+              "once); the checker should then report a "
               "violation, in some schedules")
 
 

@@ -59,6 +59,7 @@ from agent.measure.signals import PeriodSignals, Signals
 from agent.operators.builtin import SinkOperator
 from agent.operators.keyed import KeyedOperator, keyed_config_problems
 from agent.protocol.errors import LocalProtocolError
+from agent.protocol.scaling import FORWARDING
 
 __all__ = ["Instance", "Phase", "EXIT_OK", "EXIT_CRASH", "EXIT_BAD_SPEC", "EXIT_BROKER", "EXIT_DRAIN_TIMEOUT",
            "FAULT_RETRY_ONLY_WITH_DATA", "FAULT_ROUTE_AFRESH", "FAULT_REPLAY_TO_DEPARTED",
@@ -283,6 +284,9 @@ class Instance:
             # epoch reaches every predecessor of its rebuilt table, idle copies included
             Kind.ACK: (tuple(f"{o}-" for o in succ_op), {f"{spec.pipeline}.{o}.0" for o in succ_op}),
         }
+        # a neighbour's Duplication we take unannounced (`_sender_allowed`): previous or next operator
+        both = pred_op + succ_op
+        self._round_shape = (tuple(f"{o}-" for o in both), {f"{spec.pipeline}.{o}.0" for o in both})
         self.scaling: Optional[ScalingDriver] = None
 
         self.stats: Dict[str, int] = {
@@ -314,6 +318,8 @@ class Instance:
             "foreign_inbox": 0,  # envelopes on our inbox of a node we no longer run on (dropped)
             "stale_acks": 0,  # acks for an earlier incarnation of ours
             "acks_ahead_of_data": 0,  # duplication_acks taken ahead of data queued before them
+            "duplications_ahead_of_data": 0,  # a predecessor's duplication taken ahead of its data
+            "eos_ahead_of_data": 0,  # a predecessor's Eos taken ahead of its data without the group's records
             "spool_stalls": 0,  # a sink held back by its full spool
             "spool_events": 0,  # spool events published
             "unrouted_dropped": 0,  # envelopes for a destination no binding names, dropped past UNROUTED_MAX
@@ -357,6 +363,8 @@ class Instance:
         # lacks its channel; when we first dropped its data or None), for the predecessors whose
         # data before their replay marker we drop (`_await_replays`, docs/reliability.md).
         self._awaiting_replay: Dict[str, Tuple[Optional[int], Optional[float]]] = {}
+        self._dup_behind_data = False  # a predecessor's duplication queued behind its data (`_duplications_ahead`)
+        self._eos_behind_data = False  # a predecessor's Eos queued behind its data (`_eos_ahead`)
         # Source -> the largest floor claimed for it in our input (agent.instance.applied): passed
         # on with the records of that source; a source claims its own.
         self._floors: Dict[str, int] = {}
@@ -821,10 +829,13 @@ class Instance:
         # The Deletion of a neighbour's copy nobody told us of (it learnt of us from a round of
         # ours, or from its creator, while our own Start or round left it out): answered, or its
         # deletion waits for our ack for ever. The core takes it as the paper does (idle: not to
-        # add; active: not in our tables) and only acks. docs/reliability.md, "Checking whole instances".
-        shape = self._shapes[Kind.PROTO]
-        return (isinstance(env.body, dict) and env.body.get("type") == "deletion"
-                and (s.startswith(shape[0]) or s in shape[1]))
+        # add; active: not in our tables) and only acks. Likewise a Duplication a neighbour sends
+        # us, a copy it was told of, after a loss (`ScalingCore.widen_round`): idle, we keep it
+        # for our Start (Algorithm 5) and ack; held instead, two such rounds wait for each
+        # other's idle copies for ever. docs/reliability.md, "Checking whole instances".
+        mtype = env.body.get("type") if isinstance(env.body, dict) else None
+        shape = self._shapes[Kind.PROTO] if mtype == "deletion" else self._round_shape
+        return mtype in ("deletion", "duplication") and (s.startswith(shape[0]) or s in shape[1])
 
     def _take_redirect(self, sender: str, msg: Any) -> None:
         try:
@@ -885,6 +896,11 @@ class Instance:
                 if q is None:
                     q = self.queues[e.sender] = deque()
                 q.append(e)
+                if len(q) > 1 and e.kind is Kind.PROTO and isinstance(e.body, dict):
+                    if e.body.get("type") == "duplication":
+                        self._dup_behind_data = True
+                    elif e.body.get("type") == "eos" and self.moves is not None:
+                        self._eos_behind_data = True
         dropped = self.inbound.stats.duplicates + self.inbound.stats.stale_epoch - before
         self.stats["duplicate_envelopes"] += dropped
         if dropped and env.kind is Kind.DATA and env.epoch < (self.inbound.epoch_of(env.sender) or 0):
@@ -1205,10 +1221,14 @@ class Instance:
 
     def _process(self, now: float) -> None:
         """Handle queued envelopes, round-robin over senders, each sender strictly in order
-        (one exception: `_duplication_acks_ahead`). `now` stays the event's: an emulated service
-        time ends this turn's data; the next Tick goes on."""
+        (three exceptions: `_duplication_acks_ahead`, `_duplications_ahead`, `_eos_ahead`). `now`
+        stays the event's: an emulated service time ends this turn's data; the next Tick goes on."""
         if self.scaling is not None and self.scaling.duplicating:
             self._duplication_acks_ahead()
+        if self._dup_behind_data:
+            self._duplications_ahead()
+        if self._eos_behind_data:
+            self._eos_ahead()
         progress = True
         while progress:
             progress = False
@@ -1245,22 +1265,102 @@ class Instance:
         neighbour's own round must be applied before our Start carries our tables), and never
         while our earlier outputs are still being performed. Deletion acks never move: invariant 1
         needs a deletion_ack handled after every batch its sender sent before it."""
-        assert self.scaling is not None
-        if self.scaling.blocked:
-            return
+        sc = self.scaling
+        assert sc is not None
+        if not sc.blocked:
+            self._ahead_of_data("duplication_ack", "acks_ahead_of_data", lambda: not sc.blocked and sc.duplicating)
+
+    def _ahead_of_data(self, msg_type: str, stat: str, go_on: Callable[[], bool]) -> bool:
+        """In each sender's queue that starts with DATA, the first envelope that is not DATA is
+        handled now if it is a protocol message of `msg_type` (and stays otherwise: it decides
+        for what follows it). Stops when `go_on()` turns false after one: False then."""
         for q in list(self.queues.values()):
             if len(q) < 2 or q[0].kind is not Kind.DATA:
                 continue
             for i, env in enumerate(q):
                 if env.kind is Kind.DATA:
                     continue
-                if env.kind is Kind.PROTO and isinstance(env.body, dict) and env.body.get("type") == "duplication_ack":
+                if env.kind is Kind.PROTO and isinstance(env.body, dict) and env.body.get("type") == msg_type:
                     del q[i]
-                    self.stats["acks_ahead_of_data"] += 1
+                    self.stats[stat] += 1
                     self._on_protocol(env)
                 break  # the first non-data envelope decides
-            if self.scaling.blocked or not self.scaling.duplicating:
-                return
+            if not go_on():
+                return False
+        return True
+
+    def _duplications_ahead(self) -> None:
+        """A predecessor's `duplication` (it announces a copy of itself) queued behind that
+        predecessor's DATA batches is handled now instead of after them: the mirror of
+        `_duplication_acks_ahead`, on the successor's side of the same round.
+
+        Why: the creator's round waits for every neighbour's ack, and a successor that is itself
+        loaded (the demo's keyed `route_counts` behind `in_zone`, 4 ms per record) has up to a
+        credit window of the creator's data in front of the duplication: `in_zone`'s round took
+        3.7-4.7 s of the demo's 4.8 s decision -> first record outliers (docs/measurement.md,
+        "decision -> first record in the demo"). Why it is safe: the duplication only adds the
+        copy to our predecessors (the core acks it; no successor of ours changes, no record of
+        the creator is moved or dropped), and a copy sends nothing before its Start, which needs
+        our ack: the creator could as well have sent the duplication before those batches. The
+        overtaken batches are processed right after, in their order. Only DATA is overtaken,
+        never a protocol message (a creator's Eos or Deletion keeps its place: invariant 1), only
+        while we forward (the core updates its tables then) and never while our earlier outputs
+        are being performed."""
+        sc = self.scaling
+        if sc is None or sc.core.state not in FORWARDING:
+            self._dup_behind_data = False
+            return
+        if sc.blocked:
+            return  # asked again next turn
+        self._dup_behind_data = not self._ahead_of_data(
+            "duplication", "duplications_ahead_of_data",
+            lambda: not sc.blocked and sc.core.state in FORWARDING)  # stopped: the other queues next turn
+
+    def _eos_ahead(self) -> None:
+        """A predecessor's Eos of group g queued behind that predecessor's DATA batches, none of
+        which holds a record of g, is handled now instead of after them (docs/operators.md, "Key
+        groups that move").
+
+        Why: we hand groups out because we are overloaded, so each predecessor's batches queue
+        here up to its credit window, and every Eos waited for all of them, every predecessor's
+        queue drained round-robin at our service time: 0.9-2.6 s of a keyed copy's hand-over in
+        the demo (docs/measurement.md, "decision -> first record in the demo"). Why it is safe:
+        the Eos says the predecessor sends no more of g to us; every record of g it sent before
+        is either applied here already or in a batch ahead of the Eos, and we only move the Eos
+        when no batch ahead carries one, so g's state is final here exactly as if the batches
+        had been processed (they hold only other groups, still ours or still moving, processed
+        right after in their order). An Eos overtakes DATA and other Eos only (each concerns its
+        own group), never another protocol message (invariant 1), never while our earlier
+        outputs are being performed."""
+        assert self.moves is not None
+        if self.scaling is not None and self.scaling.blocked:
+            return  # asked again next turn
+        self._eos_behind_data = False
+        moves = self.moves
+        for q in list(self.queues.values()):
+            if len(q) < 2 or q[0].kind is not Kind.DATA:
+                continue
+            ahead: Set[int] = set()  # groups of the records in the batches ahead
+            i = 0
+            while i < len(q):
+                env = q[i]
+                if env.kind is Kind.DATA:
+                    ahead |= moves.groups_in(env.body)
+                    i += 1
+                    continue
+                body = env.body
+                if env.kind is not Kind.PROTO or not isinstance(body, dict) or body.get("type") != "eos":
+                    break  # any other protocol message keeps its place, and what follows it
+                g = body.get("g")
+                if type(g) is int and g not in ahead:  # a malformed one keeps its place (decoded there)
+                    del q[i]
+                    self.stats["eos_ahead_of_data"] += 1
+                    self._on_protocol(env)
+                    if self.scaling is not None and self.scaling.blocked:
+                        self._eos_behind_data = True
+                        return
+                    continue
+                i += 1
 
     def _process_data(self, env: Envelope, now: float) -> None:
         items: List[Item] = env.body
@@ -1714,6 +1814,11 @@ class Instance:
         if self.moves is not None and self.scaling is not None and self.scaling.core.creator:
             self.moves.take_share(field, self.scaling.core.creator)
             self.mark_state_changed()
+
+    def stamp_decision(self, key: str) -> None:
+        """Wall time of a step of our current scale-out on its decision record (agent.instance.driver)."""
+        if self.scaling is not None:
+            self.scaling.stamp_decision(key)
 
     def groups_moved(self) -> None:
         """The key groups our last scaling decision moved are installed at their new owners (their

@@ -45,8 +45,9 @@ if TYPE_CHECKING:
     from agent.instance.core import Instance
 
 __all__ = ["ScalingDriver", "FAULT_REHOME_ROUNDS_FROM_ONE", "FAULT_DRAIN_HOLDS_PROTOCOL", "FAULT_REHOME_STAYS",
-           "FAULT_LEAVE_BEFORE_ADOPTION", "PROBE", "PROBE_ECHO", "IDLE_PING", "IDLE_PING_MAX", "MAX_PROBES",
-           "PROBE_TTL"]
+           "FAULT_LEAVE_BEFORE_ADOPTION", "FAULT_RESEND_PENDING_ONLY", "FAULT_WAIT_FOR_LEAVER",
+           "PROBE", "PROBE_ECHO", "IDLE_PING",
+           "IDLE_PING_MAX", "MAX_PROBES", "PROBE_TTL"]
 
 log = logging.getLogger("agent.instance.worker")
 
@@ -70,6 +71,8 @@ FAULT_REHOME_ROUNDS_FROM_ONE = "rehome_rounds_from_one"  # a re-homed instance n
 FAULT_DRAIN_HOLDS_PROTOCOL = "drain_holds_protocol"  # a draining copy holds its protocol queue
 FAULT_REHOME_STAYS = "rehome_stays"  # a re-homed copy ignores the deletion acks of its dead incarnation
 FAULT_LEAVE_BEFORE_ADOPTION = "leave_before_adoption"  # a creator scales in with an idle copy of its own waiting
+FAULT_RESEND_PENDING_ONLY = "resend_pending_only"  # a round message sent again reaches the pending set only
+FAULT_WAIT_FOR_LEAVER = "wait_for_leaver"  # a round waits for the ack of a pending neighbour that left
 
 
 class ScalingDriver:
@@ -298,7 +301,7 @@ class ScalingDriver:
             self.round_created = []
         elif edge == "end":
             self.last_round_end = self.w.now
-            self._stamp_decision("round_end_at")
+            self.stamp_decision("round_end_at")
         for t in trans:
             self._publish_lock_event(t)
         if trans or edge:
@@ -781,14 +784,34 @@ class ScalingDriver:
 
     def resend_silent(self, now: float) -> None:
         """Send the round message again to pending neighbours silent for RESEND_AFTER s (they
-        may have crashed between applying it and acking); never while outputs are queued."""
+        may have crashed between applying it and acking, or the broker lost it); never while
+        outputs are queued. Also, once, to the copies such a neighbour announced before it
+        acked our round (`ScalingCore.widen_round`: it may have started them without it). A
+        neighbour that left meanwhile is not waited for any more (`ScalingCore.release`)."""
 
         if self.outputs or not self.core.in_round or self.links is not None:
             return  # with links, every message is resent until acked (ReliableLinks)
         for dest, msg in silent_pending(self.core, self._round_clock, now):
-            self.w.send_envelope(dest, Kind.PROTO, msg.to_dict())
-            self._round_clock[dest] = now
-            self.counts["protocol_resent"] += 1
+            if self.outputs or not self.core.in_round or dest not in self.core.pending:
+                return  # a release below ended the round, or its outputs wait
+            left = None if FAULT_WAIT_FOR_LEAVER in self.w.faults else self.core.release(dest)
+            if left is not None:
+                self.counts["leavers_released"] = self.counts.get("leavers_released", 0) + 1
+                log.warning("%s left (its Deletion applied) without answering round %d: not waiting for it",
+                            dest, self.core.round, extra=self.w.ctx)
+                self._observe(left)
+                self._queue(left)
+                self.w.mark_state_changed()
+                continue
+            extra = () if FAULT_RESEND_PENDING_ONLY in self.w.faults else self.core.widen_round(dest)
+            if extra:
+                self.w.persist(force=True)  # they are pending now: their acks must find them after a crash
+                log.warning("%s announced %s before it acked our round: sending them our %s too", dest,
+                            ", ".join(extra), msg.type, extra=self.w.ctx)
+            for to in (dest,) + extra:
+                self.w.send_envelope(to, Kind.PROTO, msg.to_dict())
+                self._round_clock[to] = now
+                self.counts["protocol_resent"] += 1
             log.warning("no answer from %s for %.0fs in round %d: sent %s again", dest,
                         RESEND_AFTER, self.core.round, msg.type, extra=self.w.ctx)
 
@@ -888,7 +911,7 @@ class ScalingDriver:
             log.warning("unexpected spawned reply %s ignored", msg, extra=self.w.ctx)
             return
         if msg.get("ok"):
-            self._stamp_decision("spawned_at")
+            self.stamp_decision("spawned_at")
             if instance not in self.round_created:
                 self.round_created.append(instance)
         else:
@@ -916,10 +939,10 @@ class ScalingDriver:
             log.info("key groups of the %s decided %.0f ms ago: installed at their new owners", d.get("kind"),
                      (d["moved_at"] - d["at"]) * 1000, extra=self.w.ctx)
 
-    def _stamp_decision(self, key: str) -> None:
+    def stamp_decision(self, key: str) -> None:
         """Wall time of a step of the current scale-out round on its decision record (latest
-        spawn reply, round end): `bench dataplane`/`bench rescale` split decision -> first record
-        into spawn, protocol round and first batch with it."""
+        spawn reply, round end, a keyed creator's first chunks sent): `bench dataplane`/`bench
+        rescale` and `demo` split decision -> first record into its parts with it."""
         d = self.decisions[-1] if self.decisions else None
         if d is not None and d.get("kind") == "scale_out" and (key == "spawned_at" or key not in d):
             d[key] = self.w.wall()  # spawned_at: with several copies, the last reply counts

@@ -187,6 +187,11 @@ class GroupMoves:
         self.unsaved: Set[int] = set()  # input indices whose held records were applied, not saved yet
         self.counts: Dict[str, int] = {"groups_out": 0, "groups_in": 0, "held_records": 0, "hold_dropped": 0,
                                        "handover_errors": 0}
+        # wall times for `fog-agent demo`'s decision -> first record split (docs/measurement.md):
+        # the first group installed here, the first record applied (a copy's first records are
+        # held until then: the instance's first_record_at says only that they arrived)
+        self.first_installed_at: Optional[float] = None
+        self.first_applied_at: Optional[float] = None
 
     # ---- records -------------------------------------------------------------------------------------
 
@@ -198,6 +203,7 @@ class GroupMoves:
         if not m.busy():
             groups = [key_group(record_key(it[2], self.key_field), self.groups) for it in items]
             if all(g in owned for g in groups):
+                self._applied(items)
                 return items
         now: List[Item] = []
         for it in items:
@@ -232,7 +238,16 @@ class GroupMoves:
             else:
                 self.held += 1
                 self.counts["held_records"] += 1
+        self._applied(now)
         return now
+
+    def _applied(self, records: List[Any]) -> None:
+        if records and self.first_applied_at is None:
+            self.first_applied_at = self.w.wall()
+
+    def groups_in(self, items: List[Item]) -> Set[int]:
+        """The key groups of these records (`Instance._eos_ahead`: may an Eos pass them?)."""
+        return {key_group(record_key(it[2], self.key_field), self.groups) for it in items}
 
     def _replayed(self, it: Item) -> bool:
         a = self.keyed.applied.get(it[0])
@@ -441,6 +456,7 @@ class GroupMoves:
             self.last_heard[g] = w.now
         if forgot:
             self.flush_due = True  # chunks and Installed leave after the turn's writes (`flush`)
+            w.stamp_decision("chunks_at")  # every Eos of a group in: its state leaves (the split's hand-over)
         for o in outs:
             if isinstance(o, Send) and isinstance(o.message, StateChunk):
                 v = moved.get(o.message.group, self.versions.get(o.message.group, -1))
@@ -466,6 +482,8 @@ class GroupMoves:
                         self._error(self.member.name, f"state of group {o.group} not installed: {str(exc)[:200]}")
                 self.counts["groups_in"] += 1
                 self.flush_due = True
+                if self.first_installed_at is None:
+                    self.first_installed_at = w.wall()
             elif isinstance(o, Apply):
                 self._apply(o)
             elif isinstance(o, Forget):
@@ -482,6 +500,7 @@ class GroupMoves:
         keyed outputs' indices only grow); their inputs are released once the state is saved."""
         w = self.w
         self.held -= len(a.records)
+        self._applied(a.records)
         run: List[Item] = []
         last: Optional[str] = None
         for sender, (item, index) in list(a.records) + [(None, (None, None))]:
@@ -546,4 +565,5 @@ class GroupMoves:
     def stats(self) -> Dict[str, Any]:
         m = self.member
         return {"handover": dict(self.counts, owned=len(m.owned), moving=len(m.old.moving),
-                                 expected=len(m.new.expected), held=self.held)}
+                                 expected=len(m.new.expected), held=self.held),
+                "first_installed_at": self.first_installed_at, "first_applied_at": self.first_applied_at}

@@ -16,7 +16,10 @@ core (whose message cost and checked behaviour stay the paper's):
    incarnation's client and never processed.
 3. Resend on silence. An instance in a round that hears nothing from a pending neighbour for
    `RESEND_AFTER` seconds sends that neighbour the round's message again (`round_message`): the
-   neighbour may have crashed after applying the message but before its ack left. The copies are
+   neighbour may have crashed after applying the message but before its ack left, or the broker
+   lost it; then also to the copies that neighbour announced before it acked, which may have
+   started without our round (`ScalingCore.widen_round`); a pending neighbour whose Deletion
+   we applied meanwhile is not waited for any more (`ScalingCore.release`). The copies are
    counted apart (`protocol_resent`); under no fault none is sent.
 
 What stays open: a neighbour that never comes back (its node is gone for good) keeps the round

@@ -310,10 +310,23 @@ class Worker:
         own paths before anything reads them, so the restore is exactly a same-node restart's.
         A state file already here with an epoch at least the shipped one's wins: it is a later
         incarnation on this node (a crash restart after the hand-over); an older one is a leftover
-        of an earlier stay here and must not be restored."""
+        of an earlier stay here and must not be restored.
+
+        A keyed operator's state came in chunks before the spawn; our agent verified it and wrote
+        it to `<instance>.keyed.handover` (agent.node.statexfer). It replaces our keyed snapshot,
+        and its log goes (a leftover log of the same generation would be applied over it), before
+        the state file, so that a crash in between installs nothing twice and loses nothing."""
         state = extra.get("handover_state")
         here_epoch = int(self._load_json(self.state_path).get("epoch", -1))
-        if isinstance(state, dict) and here_epoch < int(state.get("epoch", 0)):
+        staged = self.state_dir / f"{self.spec.instance}.keyed.handover"
+        shipped_wins = isinstance(state, dict) and here_epoch < int(state.get("epoch", 0))
+        if extra.get("handover_keyed") and staged.exists() and (shipped_wins or (state is None and here_epoch < 0)):
+            self.keyed_path.with_name(self.keyed_path.name + ".log").unlink(missing_ok=True)
+            os.replace(staged, self.keyed_path)
+            log.info("hand-over: installed the keyed state shipped before the spawn", extra=self.ctx)
+        else:
+            staged.unlink(missing_ok=True)  # older than what is here
+        if shipped_wins:
             write_atomic(self.state_path, json.dumps(state))
             log.info("hand-over: restoring the state shipped with the spec (epoch %s)", state.get("epoch"),
                      extra=self.ctx)

@@ -54,7 +54,7 @@ from agent.files import write_atomic
 from agent.instance.spec import InstanceSpec, request_spec
 from agent.mqtt.settings import BrokerSpec
 from agent.measure.capacity import capacity_for
-from agent.node import bounds, chains, hosted, nodestate, rehome, rpc
+from agent.node import bounds, chains, hosted, nodestate, rehome, rpc, statexfer
 from agent.node.hostmap import MAX_MOVED, HostMap, moved_of
 from agent.control import records
 from agent.node.placement import (
@@ -112,6 +112,9 @@ class SpawnJob:
     reply: Callable[[Dict[str, Any]], None]
     cause: str  # "spawn" (a worker duplicated itself), "deploy", "rpc"
     tried: List[str] = field(default_factory=list)
+    # A keyed keeper's hand-over: its state's `state_chunk` requests, sent to each node tried
+    # just before the spawn (agent.node.statexfer).
+    chunks: List[Dict[str, Any]] = field(default_factory=list)
 
 
 def worker_env() -> Dict[str, str]:
@@ -196,6 +199,8 @@ class Agent:
         self._delayed_restarts: Dict[str, Tuple[float, InstanceSpec]] = {}  # instance -> (when, spec)
         self._restart_batch: List[InstanceSpec] = []  # restarts of this loop turn (chains start together)
         self._handing_over: Set[str] = set()  # keepers asked to stop on a drain, to start elsewhere
+        self._handovers: Set[str] = set()  # stopped keepers whose start elsewhere is not answered yet
+        self.staging = statexfer.Staging()  # keyed states arriving with a hand-over, by (node, instance)
         # node loss (agent.node.rehome): every node's retained hosted record, offline times
         self.hosted_by_node: Dict[str, List[Dict[str, Any]]] = {}
         self.rehomed_by_node: Dict[str, Dict[str, float]] = {}  # node -> {instance: when it re-homed it}
@@ -487,6 +492,7 @@ class Agent:
         self._start_restarts(now)
         for call in self._calls.expired(now):
             self._spawn_timed_out(call.context, call.node)
+        self.staging.expire(now)
         if self._stopping_since is not None:
             if len(self.supervisor) == 0:
                 raise Halt("all workers stopped", EXIT_OK)
@@ -579,6 +585,11 @@ class Agent:
                     item["pinned"] = True
         if self.draining:  # fogctl status flags the node (docs/fogctl.md, "Payloads")
             doc["draining"] = True
+        if self._handovers:
+            # Keepers stopped here whose start elsewhere is not answered yet: this node is not
+            # empty (the site manager releases it, maybe powers it off, only once it is): a
+            # failed start restarts the keeper here, and a keyed one's state is only here.
+            doc["handing_over"] = sorted(self._handovers)
         if self.pins:
             doc["pins"] = sorted(self.pins.values(), key=lambda p: (p["pipeline"] or "", p["operator"]))
         moved = self._moved_statements()
@@ -722,13 +733,14 @@ class Agent:
             actions = agent_actions(req, self.node, self._local_instances(), slots=self.fleet_slots())
         except RequestError as exc:
             return Reply(False, {}, str(exc)).to_dict()
-        keyed = [a.instance for a in actions if a.kind is ActionKind.HANDOVER and self._keeps_keyed_state(a.instance)]
-        if keyed:
-            # A copy or a termination moves its key groups with their state (agent.instance.moves);
-            # a move to another node would leave its state files behind (docs/operators.md, "Key
-            # groups that move"): refused as a whole, before anything is changed.
-            return Reply(False, {}, f"{', '.join(keyed)} keeps keyed state: its node is fixed (its state "
-                                    "files stay where it runs)").to_dict()
+        for a in actions:
+            if a.kind is ActionKind.HANDOVER and self._keeps_keyed_state(a.instance):
+                # Its keyed state travels with the hand-over (`_hand_over`, agent.node.statexfer)
+                # up to a bound: a larger one is refused as a whole, before anything is changed.
+                data = statexfer.snapshot_bytes(Path(self.cfg.agent.state_dir) / f"{a.instance}.keyed.json")
+                why = statexfer.too_large(len(data or b""))
+                if why:
+                    return Reply(False, {}, f"{a.instance} cannot move: {why}").to_dict()
         if isinstance(req, DrainRequest):
             self.draining = not req.undo
             self._state_dirty = True
@@ -811,7 +823,9 @@ class Agent:
             if self.pins:
                 self._apply_pins()
             self._event("spawned", instance, w.spec.operator, w.spec.pipeline,
-                        cause=job.cause if job else ("restart" if w.spec.restart else "unknown"))
+                        cause=job.cause if job else ("restart" if w.spec.restart else "unknown"),
+                        warm=w.warm_age is not None,
+                        warm_age_s=round(w.warm_age, 2) if w.warm_age is not None else None)
         if job is not None:
             # Invariant 2: the new instance's inbox is subscribed ("ready"), only now is it announced.
             job.reply({"ok": True, "instance": instance, "node": self.node})
@@ -938,7 +952,8 @@ class Agent:
                 "extra": dict(own, fence_reconnect=self.cfg.agent.dead_after > 0, check_sender_node=True,
                               inbox_per_node=self.cfg.mqtt.inbox_per_node)}
 
-    def _create_node(self, spec: InstanceSpec, reply: Callable[[Dict[str, Any]], None], cause: str, now: float) -> None:
+    def _create_node(self, spec: InstanceSpec, reply: Callable[[Dict[str, Any]], None], cause: str, now: float,
+                     chunks: Sequence[Dict[str, Any]] = ()) -> None:
         if self._stopping_since is not None:
             reply({"ok": False, "error": f"agent {self.node} is shutting down"})
             return
@@ -948,7 +963,7 @@ class Agent:
                                    siblings=self._siblings(spec))
         policy = policy_for_operator(self.policy, self._operator_policy(spec)[0])
         ranking = list(policy(request, self.fleet_views()))
-        job = SpawnJob(spec=spec, candidates=ranking, reply=reply, cause=cause)
+        job = SpawnJob(spec=spec, candidates=ranking, reply=reply, cause=cause, chunks=list(chunks))
         self._try_next(job, now, "no node has a free slot")
 
     def _answer_if_hosted(self, instance: str, reply: Callable[[Dict[str, Any]], None], local_only: bool) -> bool:
@@ -997,7 +1012,11 @@ class Agent:
                 # arrives before the request.
                 self._publish_hosted()
             props = rpc.publish_properties(correlation)
-            if self._publish(topics.agent_peer(self.cluster, node, self.node), rpc.encode(body), properties=props):
+            peer_topic = topics.agent_peer(self.cluster, node, self.node)
+            # A keyed keeper's state first, on the same topic and QoS: it arrives before the spawn.
+            # A chunk not queued: no spawn (it would be refused for want of its state).
+            if all(self._publish(peer_topic, rpc.encode(chunk)) for chunk in job.chunks) and \
+                    self._publish(peer_topic, rpc.encode(body), properties=props):
                 self._reserved[node] = self._reserved.get(node, 0) + 1
                 return
             self._calls.resolve(correlation)
@@ -1176,6 +1195,31 @@ class Agent:
             return None
         return f"{requester} hosts no instance of pipeline {pipeline[:80]!r} and it is not deployed"
 
+    def _peer_may_ship(self, requester: str, instance: str) -> Optional[str]:
+        """A node may send us the keyed state of an instance only if it hosts it (its retained
+        hosted record lists it): the draining agent does until the new incarnation is ready."""
+        if any(s.get("instance") == instance for s in self.hosted_by_node.get(requester, [])):
+            return None
+        return f"{requester} does not host {instance[:80]!r}"
+
+    def _stage_keyed(self, spec: InstanceSpec, requester: str) -> Optional[str]:
+        """A hand-over spawn of a keyed keeper: its state, assembled from the chunks `requester`
+        sent before it, verified and checked (statexfer), written where its worker installs it
+        (`Worker._take_handover`) under the instance id `_spec_from` validated. The error text
+        refuses the spawn (the requester tries another node or keeps the keeper)."""
+        try:
+            data = self.staging.take(requester, spec.instance, spec.extra["handover_keyed"])
+            groups = load_pipeline_text(spec.pipeline_toml, f"pipeline {spec.pipeline}").operator(spec.operator).key_groups
+            statexfer.check_keyed(data, spec.operator, groups)
+            state_dir = Path(self.cfg.agent.state_dir)
+            state_dir.mkdir(parents=True, exist_ok=True)  # a fresh node's has no worker yet
+            write_atomic(state_dir / f"{spec.instance}.keyed.handover", data.decode("utf-8"))
+        except (ValueError, KeyError, OSError) as exc:
+            self._bad(f"keyed state of {spec.instance}", requester, exc)
+            return f"keyed state of {spec.instance}: {exc}"
+        log.info("keyed state of %d bytes received from %s", len(data), requester, extra={"instance": spec.instance})
+        return None
+
     def _peer_may_steer(self, requester: str) -> Optional[str]:
         """A node may drain/undrain this one only while it holds the site manager's lease."""
         lease = self.site_lease
@@ -1237,6 +1281,8 @@ class Agent:
         if peer:
             if op in ("drain", "undrain"):
                 why = self._peer_may_steer(requester)
+            elif op == "state_chunk":
+                why = self._peer_may_ship(requester, body["instance"])
             else:
                 why = (f"op {op!r} is not allowed on the peer topic (only {', '.join(rpc.PEER_OPS)})"
                        if op not in rpc.PEER_OPS else self._peer_may_spawn(requester, body))
@@ -1245,7 +1291,15 @@ class Agent:
                 log.warning("refused %s request from node %s: %s", op, requester, why, extra={"node": self.node})
                 reply({"ok": False, "error": f"refused: {why}"})
                 return
-        if op == "ping":
+        if op == "state_chunk":
+            if not peer:
+                reply({"ok": False, "error": "refused: state_chunk is a peer request"})
+                return
+            try:  # never answered: the spawn that follows is (statexfer)
+                self.staging.add(requester, body, now)
+            except ValueError as exc:
+                self._bad("state_chunk", requester, exc)
+        elif op == "ping":
             reply({"ok": True, "node": self.node, "instances": sorted(self.supervisor.workers)})
         elif op == "stop":
             # `forget`: an undeploy (docs/fogctl.md): the stored spec goes before the reply, so
@@ -1287,6 +1341,11 @@ class Agent:
                 return
             if self._answer_if_hosted(spec.instance, reply, local_only=True):
                 return
+            if "handover_keyed" in spec.extra:
+                error = self._stage_keyed(spec, requester)
+                if error:
+                    reply({"ok": False, "error": error})
+                    return
             # A request that reached this node was placed here: start locally or refuse (no
             # forwarding, so that two agents with stale views cannot bounce a request forever).
             job = SpawnJob(spec=spec, candidates=[self.node], reply=reply, cause=str(body.get("cause", "rpc"))[:40])
@@ -1434,10 +1493,31 @@ class Agent:
         if source is not None:
             extra["handover_source"] = source
         keeper = bool(w.stats.get("keeper", w.spec.keeper))
-        spec = dataclasses.replace(w.spec, restart=True, active=True, keeper=keeper, extra=extra)
         local = dataclasses.replace(w.spec, restart=True)
+        # A keyed operator's state (states, output counters, applied numbers, unacked outputs)
+        # goes as it was saved at the worker's exit, in chunks before the spawn (statexfer).
+        chunks: List[Dict[str, Any]] = []
+        try:
+            keyed = statexfer.snapshot_bytes(state_dir / f"{inst}.keyed.json")
+        except (OSError, ValueError) as exc:
+            keyed, why = None, f"its keyed state cannot be read: {exc}"
+        else:
+            why = statexfer.too_large(len(keyed or b""))
+        if why:  # grew past the bound since the drain was accepted, or unreadable: stays here
+            log.error("hand-over refused (%s): restarting it here", why, extra={"instance": inst})
+            self._event("drain", inst, w.spec.operator, w.spec.pipeline, action="handover", ok=False, error=why)
+            self._restart(local, self.clock())
+            return
+        if keyed is not None:
+            transfer = f"{self._boot}-{self._counter}-{int(self.wall() * 1000)}"
+            self._counter += 1
+            manifest, chunks = statexfer.chunk_bodies(inst, transfer, keyed)
+            extra["handover_keyed"] = manifest.to_json()
+        spec = dataclasses.replace(w.spec, restart=True, active=True, keeper=keeper, extra=extra)
 
         def reply(result: Dict[str, Any]) -> None:
+            self._handovers.discard(inst)
+            self._state_dirty = True
             if result.get("ok") and result.get("node") != self.node:
                 log.info("handed over to %s (same identity)", result.get("node"), extra={"instance": inst})
                 self._stated_move(inst, result.get("node"))
@@ -1453,9 +1533,12 @@ class Agent:
                 return  # it runs here already / the agent stops: re-adopted at its restart
             self._restart(local, self.clock())
 
-        log.info("keeper stopped for the drain: starting it elsewhere (epoch above %s)",
-                 (extra["handover_state"] or {}).get("epoch"), extra={"instance": inst})
-        self._create_node(spec, reply, cause="handover", now=now)
+        log.info("keeper stopped for the drain: starting it elsewhere (epoch above %s%s)",
+                 (extra["handover_state"] or {}).get("epoch"),
+                 f", keyed state of {len(keyed)} bytes in {len(chunks)} chunks" if keyed is not None else "",
+                 extra={"instance": inst})
+        self._handovers.add(inst)
+        self._create_node(spec, reply, cause="handover", now=now, chunks=chunks)
 
     def _maybe_restart(self, w: Worker, now: float) -> None:
         """Restart a crashed worker with the same identity: at once for the first MAX_RESTARTS
@@ -1601,7 +1684,8 @@ class Agent:
     def _forget(self, instance: str) -> None:
         hosted.forget(self.cfg.agent.state_dir, instance)
         self._delayed_restarts.pop(instance, None)
-        for name in ("state.json", "routes.json", "routes.log"):  # routes: agent.dataplane.sticky
+        for name in ("state.json", "routes.json", "routes.log",  # routes: agent.dataplane.sticky
+                     "keyed.json", "keyed.json.log", "keyed.handover"):  # keyed: Worker.keyed_path, statexfer
             try:
                 (Path(self.cfg.agent.state_dir) / f"{instance}.{name}").unlink()
             except FileNotFoundError:
@@ -1903,7 +1987,7 @@ class Agent:
         c.loop_stop()
 
 
-HANDOVER_KEYS = ("handover_state", "handover_source")  # spec.extra of a migrated keeper (`_hand_over`)
+HANDOVER_KEYS = ("handover_state", "handover_source", "handover_keyed")  # spec.extra of a migrated keeper (`_hand_over`)
 
 
 def without_handover(spec: InstanceSpec) -> InstanceSpec:

@@ -99,20 +99,27 @@ class SiteDriver:
         if not claim(self.lease, self.node, now):
             self.leading = False
             return []
-        if not self.leading:
+        # The agents accept a steering request only from the holder of the lease they have
+        # received (daemon `_peer_may_steer`): a new leader publishes its record and decides
+        # from the next period on, and every record goes out before the period's requests. A
+        # drain sent with the first record reached its node before it, was refused, and the
+        # manager then waited `timeout` for a drain that never started (found by
+        # test_drain_keyed's consolidation run).
+        first = not self.leading
+        if first:
             log.info("site manager: %s leads (lease %.0f s)", self.node, self.section.lease)
             if self.lease is not None and self.lease.node != self.node:
                 self.state = _adopt(self.lease.state)  # the released nodes of the previous leader
             self.leading = True
-        out: List[Effect] = []
+        effects: List[Effect] = []
         view = view_of(docs, online, now, stale_after=self.stale_after)
         self.last_spare = spare([n for n in view if n.online and not n.draining and n.node not in self.state.released])
-        self.state, actions = decide(view, self.state, self.cfg, now)
-        for a in actions:
-            out.extend(self._effects(a, now))
+        if not first:
+            self.state, actions = decide(view, self.state, self.cfg, now)
+            for a in actions:
+                effects.extend(self._effects(a, now))
         record = Lease(self.node, now + self.section.lease, self.summary())
-        out.append(Publish(topics.site_manager(self.cluster), json.dumps(record.to_dict()).encode(), True))
-        return out
+        return [Publish(topics.site_manager(self.cluster), json.dumps(record.to_dict()).encode(), True)] + effects
 
     def _effects(self, a: Action, now: float) -> List[Effect]:
         self.actions = (self.actions + [dict(a.to_dict(), ts=now)])[-8:]

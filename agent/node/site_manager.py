@@ -120,7 +120,12 @@ def decide(view: Sequence[NodeView], state: SiteState, cfg: SiteConfig, now: flo
         if p.kind is ActionKind.DRAIN:
             # The draining node is out of `serving` already: what serving sustains is what stays.
             s = spare(serving)
-            short = s is None or s < cfg.target or len(serving) < cfg.min_nodes
+            # No capacity figure at all (s is None) while nodes serve is not a shortage: the
+            # moment the drained node's instances stop and start elsewhere, none may report one
+            # (an empty node's capacity is the fleet's mean). Undoing the drain for it sent the
+            # moved instances back and forth (test_drain_keyed's consolidation run): wait,
+            # within `timeout`, for a figure instead.
+            short = (s is None and not serving) or (s is not None and s < cfg.target) or len(serving) < cfg.min_nodes
             if short or now - p.since > cfg.timeout:
                 why = (f"spare {_fmt(s)} < target {cfg.target:.2f} on {len(serving)} nodes before the node emptied"
                        if short else f"not empty after {cfg.timeout:.0f} s")
@@ -128,7 +133,7 @@ def decide(view: Sequence[NodeView], state: SiteState, cfg: SiteConfig, now: flo
             # Released only once its agent says it drains AND hosts nothing: a node that does
             # not report draining (the order not applied yet, or lost with an agent restart)
             # still takes new instances, which a power-off would take with it.
-            if n is not None and n.online and n.draining and n.instances == 0:
+            if s is not None and n is not None and n.online and n.draining and n.instances == 0:
                 done = SiteState(None, state.released + (p.node,), now)
                 return done, [Action(ActionKind.RELEASE, p.node,
                                      f"drained: hosts no instance; spare {_fmt(s)} on {len(serving)} nodes")]
@@ -188,8 +193,10 @@ def view_of(docs: Mapping[str, Mapping[str, Any]], online: Mapping[str, bool], n
                    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0)
         ts = doc.get("time")
         fresh = isinstance(ts, (int, float)) and not isinstance(ts, bool) and now - ts <= stale_after
+        moving = doc.get("handing_over")  # keepers it stopped whose start elsewhere is unanswered
+        busy = len(_items(doc)) + (len(moving) if isinstance(moving, list) else 0)
         out.append(NodeView(node, bool(online.get(node, False)) and fresh, doc.get("draining") is True,
-                            slots * per, load, len(_items(doc)), _int(doc.get("free_slots"))))
+                            slots * per, load, busy, _int(doc.get("free_slots"))))
     return out
 
 

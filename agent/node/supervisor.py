@@ -66,6 +66,9 @@ class Worker:
     # process of its own. Members share `proc`; their control lines carry "member".
     chain: Tuple[str, ...] = ()
     asked_to_stop: bool = False  # `stop` named it (a chain's other members stop with it, unasked)
+    # Seconds the pre-started process had run when it took this instance (None: started for it).
+    # The "spawned" event says it: a young one was still importing (the demo's spawn times).
+    warm_age: Optional[float] = None
 
     @property
     def instance(self) -> str:
@@ -146,6 +149,7 @@ class Supervisor:
         self.warm = warm
         self._warm: Optional[subprocess.Popen] = None
         self._warm_retry_at = 0.0
+        self._warm_since = 0.0
         self.warm_used = 0
 
     # -- starting ------------------------------------------------------------------------------
@@ -153,8 +157,8 @@ class Supervisor:
     def start(self, spec: InstanceSpec, now: float) -> Worker:
         if spec.instance in self.workers:
             raise ValueError(f"instance {spec.instance!r} already runs here (pid {self.workers[spec.instance].pid})")
-        proc = self._process()
-        worker = Worker(spec=spec, proc=proc, started_at=now, last_heartbeat=now)
+        proc, age = self._process(now)
+        worker = Worker(spec=spec, proc=proc, started_at=now, last_heartbeat=now, warm_age=age)
         self.workers[spec.instance] = worker
         self._write(worker, spec.to_json() + "\n")
         t = threading.Thread(
@@ -174,7 +178,7 @@ class Supervisor:
         busy = [i for i in ids if i in self.workers]
         if busy:
             raise ValueError(f"instance {busy[0]!r} already runs here (pid {self.workers[busy[0]].pid})")
-        proc = self._process()
+        proc, _ = self._process(now)
         members = [Worker(spec=s, proc=proc, started_at=now, last_heartbeat=now, chain=ids) for s in specs]
         for w in members:
             self.workers[w.instance] = w
@@ -206,13 +210,13 @@ class Supervisor:
         for i in ids:
             self._emit(("worker_eof", i))
 
-    def _process(self) -> subprocess.Popen:
-        """The pre-started worker process if there is one, else a new one."""
+    def _process(self, now: float) -> Tuple[subprocess.Popen, Optional[float]]:
+        """The pre-started worker process if there is one (and how long it has run), else a new one."""
         proc = self._take_warm()
         if proc is None:
-            return self._popen()
+            return self._popen(), None
         self.warm_used += 1
-        return proc
+        return proc, max(0.0, now - self._warm_since)
 
     def _popen(self) -> subprocess.Popen:
         preexec = _pdeathsig if sys.platform.startswith("linux") else None
@@ -232,6 +236,7 @@ class Supervisor:
             return
         try:
             self._warm = self._popen()
+            self._warm_since = now
         except OSError as exc:
             log.warning("cannot pre-start a worker: %s", exc)
             self._warm_retry_at = now + 5.0

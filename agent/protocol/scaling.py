@@ -17,6 +17,7 @@ API
     outs = core.start_round(decision)                   #   decide now, start the round later
     outs = core.cancel_duplication(created=())          # createNode() failed: withdraw the round
     outs = core.adopt(copy_id)                          # start an orphaned idle copy (re-homing)
+    extra = core.widen_round(neighbour)                 # resend on silence: who else must hear it
 
 `handle` and `tick` return a list of outputs, in the order they must be performed:
 
@@ -52,6 +53,11 @@ Deviations from the paper, and why (see docs/scaling.md):
    preds terminate without telling us while we still flush records to it (a sequential del/del
    case the paper does not discuss); the interleaving checker finds that loss.
 4. A duplication creates n >= 1 copies (Algorithm 4 tests n > 1, which never creates one copy).
+5. A round message the driver sends again after a silence also goes to the copies the silent
+   neighbour announced before it acked (`widen_round`): a lost message broke the FIFO order the
+   paper's argument for concurrent rounds needs. No extra message without a loss.
+6. At that resend a pending neighbour whose Deletion we applied in the round is not waited for
+   any more (`release`): after a loss it may have left without answering.
 """
 
 from __future__ import annotations
@@ -202,6 +208,12 @@ class ScalingCore:
         self.round = 0  # number of the last round this instance started
         self.pending: Set[str] = set()  # peers whose ack the current round waits for
         self.new_siblings: Ids = ()  # instances created by the current duplication round
+        # Pending neighbour -> the copies it announced to us (its Duplication) before it acked our
+        # round: it may have started them with tables that lack our round (`widen_round`).
+        self.unsure: Dict[str, Set[str]] = {}
+        # Pending neighbours whose Deletion we applied in this round: they send us nothing more
+        # and may be gone before our round message reaches them (`release`).
+        self.gone: Set[str] = set()
 
     # ---- construction ---------------------------------------------------------------------
 
@@ -297,6 +309,8 @@ class ScalingCore:
         targets = sorted(self.succs) + sorted(self.preds)
         out.extend(Send(t, msg) for t in targets)
         self.pending = set(targets)
+        self.unsure = {}
+        self.gone = set()
         self.state = InstanceState.DUPLICATING
         if not self.pending:
             out.extend(self._finish_duplication())
@@ -350,11 +364,57 @@ class ScalingCore:
         if not kept:
             self.state = InstanceState.ACTIVE
             self.pending = set()
+            self.unsure = {}
+            self.gone = set()
             self.new_siblings = ()
             return []
         self.new_siblings = kept
         msg = Duplication(self.instance_id, self.stage, self.round, kept)
         return [Send(t, msg) for t in sorted(self.pending)]
+
+    def widen_round(self, dest: str) -> Ids:
+        """The neighbours our round message must reach besides pending `dest`, which the driver
+        sends it to again after a silence: the copies `dest` announced to us before it acked our
+        round. They join the pending set (our round ends once they know it too).
+
+        Why: the paper's correctness sketch (Section 4.3, concurrent rounds) rests on FIFO
+        channels: our round message goes to `dest` before our ack of its Duplication, so `dest`
+        applies our round before its own ends and starts its copies with tables that hold it. A
+        message the broker lost breaks that order: `dest` takes our ack, starts its copies without
+        our round, and gets our round message only when we send it again; `dest` then knows it,
+        its copies never would (a copy of ours named as their neighbour, waiting for them for
+        ever; or us, leaving, still in their tables). Only at a resend: without a loss the order
+        holds and the round costs exactly the paper's messages (docs/design.md, invariant 6).
+        docs/reliability.md, "A Duplication re-sent after a loss"."""
+        if not self.in_round or dest not in self.pending:
+            return ()
+        extra = tuple(sorted(self.unsure.pop(dest, set()) - self.pending - {self.instance_id}))
+        self.pending.update(extra)
+        return extra
+
+    def release(self, dest: str) -> Optional[List[Output]]:
+        """Stop waiting for pending `dest` if it left meanwhile (we applied its Deletion in this
+        round): the outputs of the round's end if it was the last one, else []; None if `dest`
+        did not leave (send it the round message again).
+
+        Why: the driver calls this where it would send our round message again after a silence.
+        A neighbour whose Deletion we applied has drained what it sent us (two-phase deletion:
+        its Deletion follows its last record) or stops taking ours, and it is out of our tables,
+        so out of the Start of our copies: our round is no news it needs. Without a loss it acks
+        in time (it acks every round message until it terminates, FIFO puts ours before our
+        ack of its Deletion); after one (our round message lost, our ack delivered past the
+        hole) it may have terminated, and our round would wait for it for ever, our idle copy
+        never started while our neighbours route to it. docs/reliability.md, "A pending
+        neighbour that left"."""
+        if not self.in_round or dest not in self.pending or dest not in self.gone:
+            return None
+        self.pending.discard(dest)
+        self.unsure.pop(dest, None)
+        if self.pending:
+            return []
+        if self.state is InstanceState.DUPLICATING:
+            return self._finish_duplication()
+        return self._deletion_acks_complete()
 
     def start_deletion(self) -> List[Output]:
         """Algorithm 8: announce our termination (to preds first, in TWO_PHASE mode)."""
@@ -368,6 +428,8 @@ class ScalingCore:
         else:
             targets = sorted(self.preds)
         self.pending = set(targets)
+        self.unsure = {}
+        self.gone = set()
         self.state = InstanceState.DELETING
         out: List[Output] = [Send(t, msg) for t in targets]
         if not self.pending:
@@ -397,6 +459,9 @@ class ScalingCore:
         if self.instance_id in new:
             raise RemoteProtocolError(f"{self.instance_id}: duplication from {msg.sender} announces us")
         out: List[Output] = []
+        if self.in_round and msg.sender in self.pending:
+            # It has not acked our round: it may start these copies without it (`widen_round`).
+            self.unsure.setdefault(msg.sender, set()).update(new)
         if self.state is InstanceState.IDLE:
             (self.succs_to_add if side == _SUCC else self.preds_to_add).update(new)
         elif self.state in FORWARDING:
@@ -412,6 +477,10 @@ class ScalingCore:
     def _on_deletion(self, msg: Deletion) -> List[Output]:
         side = self._side(msg)
         out: List[Output] = []
+        for copies in self.unsure.values():
+            copies.discard(msg.sender)  # it leaves: our round is no news to it (and it may be gone)
+        if self.in_round and msg.sender in self.pending:
+            self.gone.add(msg.sender)
         if self.state is InstanceState.IDLE:
             (self.succs_to_delete if side == _SUCC else self.preds_to_delete).add(msg.sender)
         else:
@@ -445,11 +514,13 @@ class ScalingCore:
     def _on_duplication_ack(self, msg: DuplicationAck) -> List[Output]:
         self._check_ack(msg, (InstanceState.DUPLICATING,))
         self.pending.discard(msg.sender)
+        self.unsure.pop(msg.sender, None)
         return [] if self.pending else self._finish_duplication()
 
     def _on_deletion_ack(self, msg: DeletionAck) -> List[Output]:
         self._check_ack(msg, (InstanceState.DELETING, InstanceState.DEPARTING))
         self.pending.discard(msg.sender)
+        self.unsure.pop(msg.sender, None)
         return [] if self.pending else self._deletion_acks_complete()
 
     _HANDLERS = {
@@ -467,6 +538,8 @@ class ScalingCore:
         start = Start(self.instance_id, self.stage, *self.routes())
         out: List[Output] = [Send(i, start) for i in self.new_siblings]
         self.new_siblings = ()
+        self.unsure = {}
+        self.gone = set()
         self.state = InstanceState.ACTIVE
         return out
 
@@ -478,6 +551,8 @@ class ScalingCore:
             msg = Deletion(self.instance_id, self.stage, self.round)
             targets = sorted(self.succs)
             self.pending = set(targets)
+            self.unsure = {}
+            self.gone = set()
             self.state = InstanceState.DEPARTING
             out: List[Output] = [Drain()]
             out.extend(Send(t, msg) for t in targets)
@@ -485,6 +560,8 @@ class ScalingCore:
                 out.extend(self._deletion_acks_complete())
             return out
         self.state = InstanceState.TERMINATED
+        self.unsure = {}
+        self.gone = set()
         out = [] if self.deletion_mode is DeletionMode.TWO_PHASE else [Drain()]
         out.append(Terminate(self.instance_id))
         return out
@@ -552,6 +629,8 @@ class ScalingCore:
             "round": self.round,
             "pending": sorted(self.pending),
             "new_siblings": list(self.new_siblings),
+            "unsure": {n: sorted(c) for n, c in sorted(self.unsure.items())},
+            "gone": sorted(self.gone),
         }
 
     @classmethod
@@ -571,7 +650,10 @@ class ScalingCore:
             core.round = int(data["round"])
             core.pending = set(data["pending"])
             core.new_siblings = tuple(data["new_siblings"])
-        except (KeyError, TypeError, ValueError) as exc:
+            # absent from snapshots written before session 14: nothing unsure
+            core.unsure = {str(n): {str(c) for c in cs} for n, cs in (data.get("unsure") or {}).items()}
+            core.gone = {str(n) for n in data.get("gone") or ()}
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise LocalProtocolError(f"snapshot: cannot restore ({exc!r})") from None
         return core
 
@@ -580,8 +662,9 @@ class ScalingCore:
         new = object.__new__(type(self))
         new.__dict__.update(self.__dict__)
         for name in ("succs", "preds", "succs_to_add", "succs_to_delete", "preds_to_add",
-                     "preds_to_delete", "pending"):
+                     "preds_to_delete", "pending", "gone"):
             setattr(new, name, set(getattr(self, name)))
+        new.unsure = {n: set(c) for n, c in self.unsure.items()}
         return new
 
     def key(self) -> Tuple[Any, ...]:
@@ -591,5 +674,6 @@ class ScalingCore:
             frozenset(self.succs_to_add), frozenset(self.succs_to_delete),
             frozenset(self.preds_to_add), frozenset(self.preds_to_delete),
             self.round, frozenset(self.pending), self.new_siblings,
+            frozenset((n, frozenset(c)) for n, c in self.unsure.items()), frozenset(self.gone),
         )
 

@@ -38,13 +38,10 @@ every record exactly once at the sink, every round ended (no instance in a round
 queued outputs), views agree (each live instance's succs/preds are the live instances of the
 next/previous operator). No instance may raise at any step.
 
-The keyed pipeline (`Config.keyed`): source -> op -> cnt -> sink, cnt a keyed operator
-(`MemoryTrail`: per key the list of records applied) whose key groups move with their state when
-it scales (agent.instance.moves); cnt and op scale at once (KEYED_PLANS). Checked besides
-(`check_keyed`): every group at one instance, the one every predecessor's table names, no move
-under way; each key's state holds each of its records once, each path's records in order; the
-sink got every key's counts 1..n and no output id with two records (docs/operators.md, "Key
-groups that move"). `Config.coordination = "fgme"`: every round inside 2-FGME's locks.
+The keyed pipeline (`Config.keyed`): source -> op -> cnt -> sink, cnt a keyed operator whose key
+groups move with their state when it scales, cnt and op scaling at once; its operator, plans and
+terminal check are in agent.sim.instance_check_keyed. `Config.coordination = "fgme"`: every round
+inside 2-FGME's locks.
 
 `explore` visits every schedule of up to `depth` moves (states deduplicated), each one settled
 and checked; `random_runs` runs seeded random schedules to the end. Seeded faults of the instance
@@ -58,10 +55,7 @@ import hashlib
 import json
 import pickle
 import random
-import shutil
-import tempfile
 import time
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, FrozenSet, List, Optional, Set, Tuple
@@ -81,9 +75,12 @@ from agent.instance.spec import InstanceSpec
 from agent.mqtt.settings import BrokerSpec
 from agent.node.rehome import plan_rehome
 from agent.operators.builtin import OperatorContext
-from agent.operators.keyed import KeyedOperator
 from agent.protocol.scaling import InstanceState
 from agent.sim.checker import Violation
+from agent.sim.instance_check_keyed import (
+    KEEPER, KEY_GROUPS, KEYED_PLANS, MemoryTrail, check_keyed, copy_disk, count_handover, disk_digest, keyed_path,
+    new_disk,
+)
 
 __all__ = ["Config", "Report", "Violation", "World", "explore", "random_runs", "finish", "describe", "pipeline_text",
            "FAULTS"]
@@ -100,23 +97,14 @@ PLACEMENT = {"source-0": "n1", "op-0": "n1", "sink-0": "n2"}
 COPY_NODE = "n2"
 BROKER_KINDS = ("restart", "lost", "rollback")
 BROKER = BrokerSpec("127.0.0.1", 1)
-# The keyed pipeline (`Config.keyed`): source -> op (key "k") -> cnt (keyed, KEY_GROUPS groups) -> sink.
-# The keyed operator's first instance is its keeper, named as the agent names it: a leaver hands
-# its groups to `<pipeline>.<operator>.0` (agent.instance.driver).
-KEEPER = "chk.cnt.0"
-KEY_GROUPS = 8
+# The keyed pipeline (`Config.keyed`, agent.sim.instance_check_keyed): its keeper on n1 too.
 PLACEMENT[KEEPER] = "n1"
-# op and cnt both scale, concurrently: cnt 1 -> 2 (its share moves), op 1 -> 2 during those moves
-# (a predecessor joins: `add_pred`), then the cnt copy leaves (its groups go to the keeper) and
-# op's copy too (a predecessor leaves: `remove_pred`); the plans run as soon as their target is
-# active, so each meets the moves of the others at random points.
-KEYED_PLANS = ((KEEPER, "duplicate"), ("op-0", "duplicate"), ("copy:cnt", "terminate"), ("copy:op", "terminate"))
 
 # The seeded faults the instance knows (agent.instance.core, agent.instance.driver).
 # The hand-over's (agent.instance.moves, HANDOVER_FAULTS) need the keyed pipeline (`Config.keyed`).
 FAULTS = ("retry_only_with_data", "drain_holds_protocol", "rehome_rounds_from_one", "route_afresh",
           "replay_to_departed", "rehome_stays", "resync_at_first_seen", "leave_before_adoption",
-          "rehome_idle_active", "replay_clock_at_drop") + HANDOVER_FAULTS
+          "rehome_idle_active", "replay_clock_at_drop", "resend_pending_only", "wait_for_leaver") + HANDOVER_FAULTS
 # The one seeded fault of the planner's inputs (agent.node.rehome), played by the checker's
 # re-homing move: plan_rehome is not told which copies were idle, and starts them active.
 FAULT_REHOME_IDLE_ACTIVE = "rehome_idle_active"
@@ -199,21 +187,6 @@ class MemoryMap:
 
     def close(self) -> None:
         pass
-
-
-class MemoryTrail(KeyedOperator):
-    """The keyed operator of the keyed pipeline: per key, the list of (record number, the
-    instance it came through) applied, in order; one output per record, `{"key", "count", "n"}`.
-    The final states show every update and its order (exactly once, per key in each path's
-    order), the outputs every id and value the sink got."""
-
-    def on_batch(self, key: Any, records: List[Any], state: Any) -> Tuple[List[Any], Any]:
-        trail = list(state or [])
-        out = []
-        for rec in records:
-            trail.append([rec["n"], rec.get("via")])
-            out.append({"key": key, "count": len(trail), "n": rec["n"]})
-        return out, trail
 
 
 class MemorySink:
@@ -379,8 +352,7 @@ class World:
         self.handover: Dict[str, int] = {}  # hand-over messages delivered, by type
         self.disk: Optional[str] = None
         if cfg.keyed:
-            self.disk = tempfile.mkdtemp(prefix="instance-check-")
-            weakref.finalize(self, shutil.rmtree, self.disk, True)
+            self.disk = new_disk(self)
         names = [op.name for op in self.pipeline.operators]
         ids = [KEEPER if cfg.keyed and name == "cnt" else f"{name}-0" for name in names]
         for i, name in enumerate(names):
@@ -403,7 +375,7 @@ class World:
 
     def _keyed_path(self, iid: str) -> Path:
         assert self.disk is not None
-        return Path(self.disk) / f"{iid}.keyed.json"
+        return keyed_path(self.disk, iid)
 
     def _boot(self, spec: InstanceSpec, restart: Optional[str]) -> None:
         iid = spec.instance
@@ -646,10 +618,7 @@ class World:
 
     def _deliver(self, dest: str, payload: bytes) -> None:
         if self.cfg.keyed:
-            for kind in _HANDOVER_MARKS:
-                if kind in payload:
-                    name = kind.decode().strip('"')
-                    self.handover[name] = self.handover.get(name, 0) + 1
+            count_handover(self.handover, payload)
         if dest in self.exited and self.exited[dest]:
             try:
                 env = decode(payload, False)
@@ -833,62 +802,11 @@ class World:
         return None
 
     def check_keyed(self) -> Optional[Tuple[str, str]]:
-        """The keyed pipeline's end: every group at one instance (the one every predecessor's
-        table names, no move under way), each key's state holding each of its records exactly
-        once and, per path (the op instance it came through), in source order; the sink got
-        every key's outputs 1..n, no id with two records."""
-        holders: Dict[int, str] = {}
-        trails: Dict[Any, List[Any]] = {}
-        for iid, inst in sorted(self.inst.items()):
-            if inst.moves is None:
-                continue
-            m = inst.moves.member
-            if m.busy() or inst.moves.leaving or inst.moves.held:
-                return ("move_not_ended", f"{iid}: moving {sorted(m.old.moving)}, awaiting Installed "
-                        f"{sorted(m.old.waiting_install)}, expecting {sorted(m.new.expected)}, early {sorted(m.early)}, "
-                        f"leaving {inst.moves.leaving}, held {inst.moves.held}")
-            for g in m.owned:
-                if g in holders:
-                    return ("group_twice", f"group {g} held by {holders[g]} and {iid}")
-                holders[g] = iid
-            stray = (set(inst.keyed.states) | set(inst.keyed.emitted)) - m.owned
-            if stray:
-                return ("group_twice", f"{iid} keeps the state of groups {sorted(stray)} it does not hold")
-            for g, per_key in inst.keyed.states.items():
-                for key, trail in per_key.items():
-                    trails[key] = trail
-        if set(holders) != set(range(KEY_GROUPS)):
-            return ("group_lost", f"groups {sorted(set(range(KEY_GROUPS)) - set(holders))} held by no instance")
-        for iid, inst in sorted(self.inst.items()):
-            table = inst.router.table if inst.next_keyed else None
-            if table is None:
-                continue
-            wrong = {g: table.owner(g) for g in range(KEY_GROUPS) if table.owner(g) != holders[g]}
-            if wrong:
-                return ("tables_disagree", f"{iid} routes groups {wrong} (held by {[holders[g] for g in wrong]})")
-        for key in sorted({f"k{n % self.cfg.keys}" for n in range(self.cfg.records)}):
-            want = [n for n in range(self.cfg.records) if f"k{n % self.cfg.keys}" == key]
-            trail = trails.get(key, [])
-            if sorted(n for n, _ in trail) != want:
-                return ("state_not_exactly_once", f"key {key}: applied {[n for n, _ in trail]}, records {want}")
-            for via in {v for _, v in trail}:
-                path = [n for n, v in trail if v == via]
-                if path != sorted(path):
-                    return ("key_order", f"key {key}: records through {via} applied in the order {path}")
+        """The keyed pipeline's end (agent.sim.instance_check_keyed.check_keyed)."""
         assert self.values is not None
         conflicts = [rid for sink in self.inst.values() if isinstance(sink.operator, MemorySink)
                      for rid in sink.operator.conflicts]
-        if conflicts:
-            return ("output_id_twice", f"output ids {conflicts[:4]} came with two different records")
-        counts: Dict[Any, List[int]] = {}
-        for rid in self.store:
-            rec = self.values[rid]
-            counts.setdefault(rec["key"], []).append(rec["count"])
-        for key, trail in sorted(trails.items()):
-            if sorted(counts.get(key, [])) != list(range(1, len(trail) + 1)):
-                return ("outputs_not_exactly_once", f"key {key}: counts at the sink {sorted(counts.get(key, []))}, "
-                        f"{len(trail)} records applied")
-        return None
+        return check_keyed(self.inst, self.cfg.records, self.cfg.keys, self.store, self.values, conflicts)
 
     # ---- exploration support ----------------------------------------------------------------------
 
@@ -901,18 +819,11 @@ class World:
             memo[id(inst.op)] = inst.op
         other = copy.deepcopy(self, memo)
         if self.disk is not None:  # its own copy of the keyed files
-            other.disk = tempfile.mkdtemp(prefix="instance-check-")
-            shutil.copytree(self.disk, other.disk, dirs_exist_ok=True)
-            weakref.finalize(other, shutil.rmtree, other.disk, True)
+            other.disk = copy_disk(self.disk, other)
         return other
 
     def _disk_digest(self) -> Optional[bytes]:
-        if self.disk is None:
-            return None
-        h = hashlib.blake2b(digest_size=16)
-        for f in sorted(Path(self.disk).iterdir()):
-            h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
-        return h.digest()
+        return None if self.disk is None else disk_digest(self.disk)
 
     def fingerprint(self) -> bytes:
         """A digest of the whole state but the shared, never-changing parts (pipeline, specs)."""
@@ -929,8 +840,6 @@ class World:
                 i.pipeline, i.op, i.spec = p, o, s
             self.pipeline, self.specs, self.disk = pipeline, specs, disk
 
-
-_HANDOVER_MARKS = (b'"redirect"', b'"eos"', b'"offer"', b'"state_chunk"', b'"installed"')
 
 
 def _label(move: Tuple[Any, ...]) -> str:

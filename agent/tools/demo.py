@@ -358,19 +358,9 @@ class Monitor:
 
     def rescale_delays(self) -> List[float]:
         """Seconds from each duplication decision to the first record processed by its new instance
-        (wall clock: both stamps come from workers on this machine)."""
-        with self._lock:
-            stats = {i: dict(s) for i, s in self.instance_stats.items()}
-        delays = []
-        for st in stats.values():
-            for d in st.get("decisions", []) or []:
-                if not isinstance(d, dict) or d.get("kind") != "scale_out":
-                    continue
-                firsts = [stats.get(n, {}).get("first_record_at") for n in d.get("new", [])]
-                firsts = [f for f in firsts if isinstance(f, (int, float))]
-                if firsts and isinstance(d.get("at"), (int, float)):
-                    delays.append(min(firsts) - d["at"])
-        return sorted(delays)
+        (wall clock: both stamps come from workers on this machine); for a keyed copy the first
+        record it applied, not the first that arrived to wait for its group (rescale_split)."""
+        return sorted(row["total"] for r in self.rescale_by_operator().values() for row in r["each"])
 
     def rescale_parts(self) -> Dict[str, Any]:
         """decision -> first record split into spawn, protocol round and first batch (medians)."""
@@ -379,6 +369,17 @@ class Monitor:
         with self._lock:
             stats = {i: dict(s) for i, s in self.instance_stats.items()}
         return rescale_parts(stats)
+
+    def rescale_by_operator(self) -> Dict[str, Any]:
+        """decision -> first record per operator, a keyed operator's split into its parts."""
+        from agent.tools.rescale_split import rescale_by_operator
+
+        with self._lock:
+            stats = {i: dict(s) for i, s in self.instance_stats.items()}
+            ops = dict(self.instance_operator)
+        warm = {str(e.get("instance")): e["detail"].get("warm_age_s") for e in self.agent_events("spawned")
+                if isinstance(e["detail"].get("warm"), bool)}
+        return rescale_by_operator(stats, ops, warm)
 
     def agent_events(self, etype: str, cause: Optional[str] = None) -> List[Dict[str, Any]]:
         with self._lock:
@@ -528,6 +529,8 @@ def run_demo(
         summary["broker_dropped"] = monitor.dropped
         delays = monitor.rescale_delays()
         summary["decision_to_first_record_s"] = _median_max(delays)
+        # per operator, a keyed one's split into round, hand-over and first record (agent.tools.rescale_split)
+        summary["rescale_by_operator"] = monitor.rescale_by_operator()
         summary["rss_mb"] = _rss_mb(fleet, monitor)
     finally:
         if monitor is not None:
@@ -749,6 +752,13 @@ def print_summary(summary: Dict[str, Any], out: Any) -> None:
     print("summary:", file=out)
     for k in keys:
         print(f"  {k:<18} {summary.get(k)}", file=out)
+        if k != "decision_to_first_record_s":
+            continue
+        for op, r in (summary.get("rescale_by_operator") or {}).items():  # docs/measurement.md
+            d = r["decision_to_first_record_s"]
+            parts = ", ".join(f"{p} {v}" for p, v in r["parts_median_s"].items())
+            print(f"    {op:<16} median {d['median']} s, max {d['max']} s (n {d['n']}, {r['cold_spawns']} cold "
+                  f"spawns; {'keyed' if r['keyed'] else 'stateless'}; medians: {parts})", file=out)
     print("  verdict            " + ("OK: every record exactly once" if summary.get("ok") else "FAILED: loss or duplicates"), file=out)
 
 
