@@ -69,6 +69,14 @@ class Chain:
             k, name = self.rng.choice(full)
             self._apply(k + 1, name, self.stages[k].chans[name].pop(0))
 
+    def results(self, operator: str) -> Dict[str, Any]:
+        """Once every channel is delivered: the last stage's outputs ("windows": those whose id is
+        `operator`'s) and the ids of the records it forwarded ("forwarded")."""
+        self.pump(some=False)
+        mine = operator + "#"
+        return {"windows": [r for s, _, r in self.out if s.startswith(mine)],
+                "forwarded": [(s, q) for s, q, _ in self.out if not s.startswith(mine)]}
+
     def move(self, k: int, g: int, new: str) -> None:
         st = self.stages[k]
         data = st.insts[st.owner[g]].hand_out(g)

@@ -110,11 +110,8 @@ def two_stages(records: List[Dict[str, Any]], seed: int, scale: bool = True,
             chain.leave(0, "rc-1")
         chain.feed("in_zone-0", [(r["src"], r["seq"], r) for r in records[i:i + 40]])
         chain.pump()
-    chain.pump(some=False)
-    windows = [r for s, _, r in chain.out if s.startswith("top_routes#")]
-    forwarded = [(s, q) for s, q, _ in chain.out if not s.startswith("top_routes#")]
-    return {"windows": windows, "forwarded": forwarded, "merge": chain.stages[1].insts["top_routes-0"].op,
-            "stage1": chain.stages[0].insts, "moved": chain.stages[0].moved}
+    return dict(chain.results("top_routes"), merge=chain.stages[1].insts["top_routes-0"].op,
+                stage1=chain.stages[0].insts, moved=chain.stages[0].moved)
 
 
 def builder(fn: Any, operator: str, key_field: str, params: Dict[str, Any]) -> Any:
@@ -203,11 +200,7 @@ def three_stages(records: List[Dict[str, Any]], seed: int, scale: bool = True) -
             getattr(chain, what[0])(*what[1:])
         chain.feed("top_routes-0", [(r["src"], r["seq"], r) for r in records[i:i + 200]])
         chain.pump()
-    chain.pump(some=False)
-    windows = [r for s, _, r in chain.out if s.startswith("top_areas#")]
-    forwarded = [(s, q) for s, q, _ in chain.out if not s.startswith("top_areas#")]
-    return {"windows": windows, "forwarded": forwarded, "merge": chain.stages[2].insts["top_areas-0"].op,
-            "chain": chain}
+    return dict(chain.results("top_areas"), merge=chain.stages[2].insts["top_areas-0"].op, chain=chain)
 
 
 @pytest.mark.parametrize("seed", range(3))
