@@ -20,7 +20,7 @@ from agent.dataplane.keygroups import key_group, owner as dealt_owner
 from agent.dataplane.owners import GroupTable, TableError, absorb_plan, split_share
 from agent.dataplane.routing import Outbox, Router
 from agent.instance.applied import Applied, union
-from agent.instance.keyed_state import KeyedState
+from agent.instance.keyed_state import LOAD_HALF_LIFE, KeyedState
 from agent.operators import OperatorContext
 from agent.operators.keyed import keyed_count
 from agent.instance.handover import (
@@ -77,6 +77,51 @@ def test_the_table_travels_as_compact_json_and_hostile_tables_are_refused() -> N
     for obj, msg in bad:
         with pytest.raises(TableError, match=msg):
             GroupTable.from_wire(obj)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(2, 128), st.floats(0.5, 2.5), st.integers(50, 3000), st.integers(0, 2 ** 32 - 1))
+def test_a_copy_takes_half_the_measured_load_of_a_skewed_key_distribution(
+        groups: int, skew: float, records: int, seed: int) -> None:
+    """Step 3 (docs/operators.md): records of Zipf-distributed keys (exponent `skew`) applied by
+    the keyed state, which counts them per group (`KeyedState.load`); the share `split_share`
+    picks from that load carries half of it +- half of the heaviest group's, the creator keeps
+    one group at least."""
+    rng = random.Random(seed)
+    keys = [f"key{i}" for i in range(200)]
+    weights = [1 / (i + 1) ** skew for i in range(len(keys))]
+    ks = KeyedState(keyed_count(OperatorContext("cnt-a", "cnt", "n1", "map", params={})), "cnt", "k", groups)
+    drawn = rng.choices(keys, weights, k=records)
+    for i in range(0, records, 100):
+        ks.apply("src", [("src", j, {"k": k}) for j, k in enumerate(drawn[i:i + 100], i)], i)
+    load = ks.load
+    assert sum(load.values()) == records  # below the half-life: not decayed yet
+    mine = range(groups)
+    share = split_share(mine, load)
+    total, heaviest = sum(load.values()), max(load.values())
+    given_load = sum(load.get(g, 0.0) for g in share)
+    assert abs(given_load - total / 2) <= heaviest / 2 + 1e-6, (given_load, total, heaviest)
+    assert set(share) < set(mine) and share == sorted(share)
+    assert len(split_share(mine)) == groups // 2  # nothing measured: half the groups by count
+
+
+def test_the_load_per_group_halves_every_half_life_of_records() -> None:
+    ks = KeyedState(keyed_count(OperatorContext("cnt-a", "cnt", "n1", "map", params={})), "cnt", "k", GROUPS)
+    hot, cold = "k0", next(k for k in (f"k{i}" for i in range(1, 100)) if key_group(k, GROUPS) != key_group("k0", GROUPS))
+    ks.apply("src", [("src", 0, {"k": cold})], 0)
+    seq = 1
+    for _ in range(LOAD_HALF_LIFE // 100):
+        ks.apply("src", [("src", seq + j, {"k": hot}) for j in range(100)], seq)
+        seq += 100
+    g_hot, g_cold = key_group(hot, GROUPS), key_group(cold, GROUPS)
+    assert (ks.load[g_hot], ks.load[g_cold]) == (LOAD_HALF_LIFE / 2, 0.5)  # halved at the 10,001st record
+    for _ in range(LOAD_HALF_LIFE // 100):
+        ks.apply("src", [("src", seq + j, {"k": hot}) for j in range(100)], seq)
+        seq += 100
+    assert ks.load[g_hot] == (LOAD_HALF_LIFE / 2 + LOAD_HALF_LIFE) / 2
+    assert g_cold not in ks.load  # below one record at a halving: no load any more
+    ks.forget_group(g_hot)
+    assert g_hot not in ks.load
 
 
 def test_a_copy_takes_about_half_its_creators_load_and_a_leaver_spreads_its_groups() -> None:

@@ -154,7 +154,13 @@ def split_share(mine: Iterable[int], load: Optional[Mapping[int, float]] = None)
     """The groups a duplicating creator hands to its copy, out of the groups `mine` whose state it
     holds (not those on their way to it: it cannot hand what it does not have): about half their
     measured load, the creator keeping at least one group (none handed if it has fewer than two).
-    Greedy over the groups, heaviest first, each to the side with less load so far."""
+
+    Heaviest first, each group to the side with fewer groups so far (ties: the creator) unless
+    that would leave the two sides' loads further apart than both the group's own load and their
+    gap before it; then to the side with less load. The gap thus never exceeds the heaviest
+    group's load: the copy's share is half the load +- half of one group's. Groups without load
+    (no record, or long idle) only even out the counts, hence the state moved (with no load
+    measured at all: half the groups by count)."""
     mine = sorted(set(mine))
     if len(mine) < 2:
         return []
@@ -164,12 +170,18 @@ def split_share(mine: Iterable[int], load: Optional[Mapping[int, float]] = None)
     handed: List[int] = []
     kept = 0
     for g in sorted(mine, key=lambda g: (-w[g], g)):
-        if give < keep or (give == keep and kept > len(handed)):
+        to_copy = len(handed) < kept
+        gap = (give + w[g] - keep) if to_copy else (keep + w[g] - give)
+        if abs(gap) > max(w[g], abs(give - keep)):
+            to_copy = give < keep
+        if to_copy:
             handed.append(g)
             give += w[g]
         else:
             kept += 1
             keep += w[g]
+    if not kept:
+        handed.pop()
     return sorted(handed)
 
 

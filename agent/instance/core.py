@@ -328,7 +328,7 @@ class Instance:
             "handover_out": 0,
             "handover_bytes_in": 0,
             "handover_bytes_out": 0,
-            "handover_errors": 0,  # refused at this level (a Redirect malformed, a move to a keyless instance)
+            "handover_errors": 0,  # hand-over messages refused (malformed, impossible in the move's state, no keyed state here)
             "eos_before_replay": 0,  # an Eos ahead of its predecessor's replay marker, dropped (asked again)
             # recovery (docs/reliability.md): a new incarnation of ours, by cause
             "sessions_lost": 0,
@@ -514,6 +514,8 @@ class Instance:
             self._produce(now)
         self._process(now)
         if self.moves is not None:
+            self.moves.take_in_turn()  # a bounded share of the state chunks received
+            self.moves.hand_out_turn()  # a bounded share of the groups whose state is final
             self.moves.flush()  # the turn's hand-over writes, then its messages (agent.instance.moves)
         if self.keyed is not None and self.keyed.dirty:
             self._save_keyed()
@@ -546,6 +548,8 @@ class Instance:
             return 0.0
         if self._has_ready_input(now):
             return 0.0
+        if self.moves is not None and (self.moves.queue or self.moves.inbox):
+            return 0.0  # groups to hand out or chunks to take in, a few per turn
         deadlines = [now + MAX_POLL, self._last_heartbeat + self.spec.heartbeat_period]
         d = self.outbox.next_deadline()
         if d is not None and any(self._credit(s) > 0 for s in self.router.succs):
@@ -841,9 +845,10 @@ class Instance:
         try:
             group_moves.on_redirect(self, sender, msg)
         except group_moves.HandoverError as exc:
-            self._handover_error(sender, str(exc))
+            self.handover_error(sender, str(exc))
 
-    def _handover_error(self, sender: str, why: str) -> None:
+    def handover_error(self, sender: str, why: str) -> None:
+        """A hand-over message refused, here or in agent.instance.moves: counted once, in one place."""
         self.stats["handover_errors"] += 1
         if self.log_limited(sender):
             log.warning("hand-over from %s: %s", sender[:64], why, extra=self.ctx)
@@ -1460,7 +1465,7 @@ class Instance:
                 try:
                     msg, _ = group_moves.decode(env.sender, body, self.router.groups)
                 except ValueError as exc:
-                    self._handover_error(env.sender, str(exc))
+                    self.handover_error(env.sender, str(exc))
                     return
                 if self.router.table is None:  # an idle copy: its table comes with its Start
                     if len(self._redirects_waiting) < self.router.groups:
@@ -1470,7 +1475,7 @@ class Instance:
             elif self.moves is not None:
                 self.moves.on_message(env.sender, body)
             else:
-                self.stats["handover_errors"] += 1
+                self.handover_error(env.sender, f"{body['type']} to an instance that is not keyed")
             return
         if self.scaling is None:
             self.stats["protocol_in"] += 1

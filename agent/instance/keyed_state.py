@@ -35,7 +35,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from agent.dataplane.envelope import Item
 from agent.dataplane.keygroups import key_group, record_key
@@ -43,13 +43,16 @@ from agent.files import write_atomic
 from agent.instance.applied import Applied, union
 from agent.operators.keyed import KeyedOperator
 
-__all__ = ["KeyedState", "FORMAT", "hashable_key", "output_source"]
+__all__ = ["KeyedState", "FORMAT", "LOAD_HALF_LIFE", "hashable_key", "output_source"]
 
 log = logging.getLogger("agent.instance.keyed_state")
 
 FORMAT = 2  # 1: the highest number applied per (predecessor, source), read by `restore`
 LOG_MIN = 256 << 10  # bytes of log below which no snapshot is rewritten for its sake
 MAX_NOTIFY_LOOPS = 1000  # on_notify calls per key per batch whose notify_at keeps moving forward
+# The measured load per key group (`load`: records applied) halves every this many records: a
+# half-life counted in records, not seconds (no clock here), ~30 s at 300 records/s.
+LOAD_HALF_LIFE = 10_000
 
 
 def hashable_key(key: Any) -> Any:
@@ -78,6 +81,11 @@ class KeyedState:
         self.applied: Dict[str, Applied] = {}  # source instance -> the numbers of it applied
         self.max_time: Optional[float] = None
         self.timers: Dict[Any, float] = {}  # key -> event time its on_notify is due
+        # group -> records applied, decayed (LOAD_HALF_LIFE): what a duplication's share balances
+        # (agent.dataplane.owners.split_share); not saved: a restarted instance measures afresh
+        self.load: Dict[int, float] = {}
+        self._load_since_decay = 0
+        self.frozen: Set[int] = set()  # groups handed out, kept until installed elsewhere: no timer fires
         self._heap: List[Tuple[float, str, Any]] = []  # (time, key as JSON, key); stale entries skipped
         self.outputs: List[Tuple[int, Item]] = []  # (input index, item): not yet acked downstream
         self._unsaved: Optional[int] = None  # lowest input index applied since the last save
@@ -171,14 +179,22 @@ class KeyedState:
         out: List[Item] = forwarded
         for key, recs in by_key.items():
             self._call_batch(key, recs, out)
+        self._load_since_decay += applied
+        if self._load_since_decay >= LOAD_HALF_LIFE:
+            self._decay_load()
         if timed:
             self._fire(out)
         self.outputs.extend((index, it) for it in out)
         self._out_new.extend(out)
         return out
 
+    def _decay_load(self) -> None:
+        self._load_since_decay = 0
+        self.load = {g: n / 2 for g, n in self.load.items() if n >= 1.0}  # a group idle for long drops to 0
+
     def _call_batch(self, key: Any, recs: List[Any], out: List[Item]) -> None:
         g = key_group(key, self.groups)
+        self.load[g] = self.load.get(g, 0.0) + len(recs)
         states = self.states.setdefault(g, {})
         state = states.get(key)
         try:
@@ -348,9 +364,19 @@ class KeyedState:
             self.forget_group(g)
         return json.dumps(blob, separators=(",", ":")).encode()
 
+    def freeze_group(self, g: int) -> None:
+        """Group `g` is handed out (its state final, every end-of-stream marker applied) but kept
+        until installed elsewhere: its timers are cancelled (its windows fire at the new owner;
+        their heap entries are skipped as stale). Its keys get no record here any more."""
+        self.frozen.add(g)
+        for key in self.states.get(g, {}):
+            self.timers.pop(key, None)
+
     def forget_group(self, g: int) -> None:
         """Group `g` left (its state is in the bytes `hand_out` made): dropped here, and from the
         files at the next save."""
+        self.frozen.discard(g)
+        self.load.pop(g, None)
         for key in self.states.pop(g, {}):
             self.timers.pop(key, None)  # its heap entry is skipped as stale
             self._dirty_keys[(g, key)] = None

@@ -5,7 +5,8 @@ envelopes on the data plane, the keyed instance's `Member`, the predecessors' Re
 Rules of this file: sans-IO, part of the `Instance` (agent.instance.core), like the scaling
 driver. Everything from the bus is hostile (docs/security.md): a hand-over message is decoded
 by `decode`, which checks every field and bounds every size before anything is built; a message
-the hand-over cannot take in its state is counted (`handover_errors`), logged, skipped.
+the hand-over cannot take in its state is counted (the instance's `handover_errors`, one counter
+for the predecessor's side and the keyed instance's), logged, skipped.
 
 The messages travel as protocol envelopes (kind "p") on the numbered channels, so each is in
 FIFO order with the data batches of its channel (docs/design.md invariant 1): an Eos from a
@@ -15,7 +16,8 @@ the paper's messages (`handover_out`/`handover_in`, and their bytes). Body:
     {"type": "redirect", "g": group, "new": instance, "v": version}     owner -> each predecessor
     {"type": "eos", "g": group}                                         predecessor -> owner
     {"type": "offer", "g": group, "v": version}                         leaver -> survivor
-    {"type": "state_chunk", "g": group, "i": index, "n": total, "data": base64}   old -> new owner
+    {"type": "state_chunk", "g": group, "i": index, "n": total, "data": base64, "v": version,
+     "e": epoch}                                                        old -> new owner
     {"type": "installed", "g": group}                                   new -> old owner
 
 Old and new owner are siblings (instances of the same operator), which the receive path admits
@@ -41,13 +43,13 @@ from agent.dataplane.keygroups import key_group, record_key
 from agent.dataplane.owners import split_share
 from agent.instance.handover import (
     MAX_CHUNK, Apply, Eos, Forget, HandoverError, Install, Installed, Member, Offer, Predecessor, Redirect, Send,
-    StateChunk,
+    StateChunk, chunks,
 )
 
 if TYPE_CHECKING:
     from agent.instance.core import Instance
 
-__all__ = ["HANDOVER_TYPES", "MAX_CHUNKS", "HOLD_MAX", "GroupMoves", "HandoverError", "decode", "encode",
+__all__ = ["HANDOVER_TYPES", "MAX_CHUNKS", "HOLD_MAX", "HAND_OUT_BUDGET", "GroupMoves", "HandoverError", "decode", "encode",
            "on_redirect", "body_size", "HANDOVER_FAULTS"]
 
 log = logging.getLogger("agent.instance.worker")
@@ -60,6 +62,10 @@ HOLD_MAX = 200_000  # records held for groups not installed or not announced yet
 # taken it answers with its Eos at once), the chunks to a new owner that has not said Installed
 # (one that has installed the group says it again). Both answers are idempotent.
 MOVE_RESEND = 10.0
+# Bytes of group state serialized and sent per turn of the loop (at least one group per turn):
+# the groups whose state is final wait in `queue`, so that the other groups' records are
+# processed between (docs/operators.md, "Key groups that move", step 5). ~5 ms of JSON unloaded.
+HAND_OUT_BUDGET = 64_000
 _MAX_NAME = 200
 
 # Seeded faults of the hand-over (agent.sim.instance_check, never set elsewhere; `Instance.faults`),
@@ -130,7 +136,11 @@ def decode(sender: str, body: Any, groups: int) -> Tuple[Any, int]:
 
 
 def body_size(body: Dict[str, Any]) -> int:
-    """Bytes of a hand-over message's body on the wire (its envelope adds ~40)."""
+    """Bytes of a hand-over message's body on the wire (its envelope adds ~40). A chunk's base64
+    needs no escaping: its length is added, not encoded again (a pass over 100s of kB)."""
+    data = body.get("data")
+    if isinstance(data, str) and data.isascii() and data.isprintable() and '"' not in data and "\\" not in data:
+        return len(json.dumps(dict(body, data=""), separators=(",", ":"))) + len(data)
     return len(json.dumps(body, separators=(",", ":")))
 
 
@@ -172,9 +182,19 @@ class GroupMoves:
         self.seen: Dict[int, int] = {}
         self.held = 0  # records in the member's buffers (new.buffer and early)
         self.shares: Dict[str, List[Tuple[int, int]]] = {}  # copy -> [(group, version)] its Start names
-        # group -> (new owner, chunk bodies): handed out, kept until Installed (sent again after
-        # a crash or a silence; the keyed state without the group is saved only after these are)
-        self.outgoing: Dict[int, Tuple[str, List[Dict[str, Any]]]] = {}
+        # group -> (new owner, version, chunk bodies): its state final (every Eos in), kept in
+        # the keyed state (frozen: no timer fires) until Installed; the bodies are made by
+        # `hand_out_turn` (empty until then) and kept in memory only, for a resend after a silence.
+        # The instance state names the group, not its bytes: a restart makes them again.
+        self.outgoing: Dict[int, Tuple[str, int, List[Dict[str, Any]]]] = {}
+        self.queue: List[int] = []  # groups of `outgoing` to serialize, in the order their state became final
+        # chunks received, not taken in yet (`take_in_turn`): (sender, body, chunk, version). Not
+        # saved: lost in a crash, they come again after the old owner's silence (MOVE_RESEND)
+        self.inbox: List[Tuple[str, Dict[str, Any], StateChunk, int]] = []
+        self.budget = HAND_OUT_BUDGET
+        # group -> the epoch of the old owner's serialization whose chunks we are collecting: a
+        # restarted old owner serializes again, and chunks of two serializations never mix
+        self.attempts: Dict[int, int] = {}
         self.last_heard: Dict[int, float] = {}  # group moving out -> when it last made progress
         self.leaving = False  # decided to terminate: hands every group to the keeper first
         self.unconfirmed: Set[int] = set()  # groups of the last decision's moves not Installed yet
@@ -182,11 +202,11 @@ class GroupMoves:
         # for all the Eos, chunks and installs of the turn, then the messages they allow.
         self.flush_due = False
         self.restored = False  # the member came from the saved state (`restore`)
-        self.to_forget: List[int] = []  # handed out: dropped from the keyed state after the write
+        self.to_forget: List[int] = []  # installed at their new owner: dropped from the keyed state after the write
         self.deferred: List[Tuple[str, Dict[str, Any]]] = []  # (dest, body): chunks, Installed
         self.unsaved: Set[int] = set()  # input indices whose held records were applied, not saved yet
-        self.counts: Dict[str, int] = {"groups_out": 0, "groups_in": 0, "held_records": 0, "hold_dropped": 0,
-                                       "handover_errors": 0}
+        # (the errors are the instance's one `handover_errors` counter: `_error`)
+        self.counts: Dict[str, int] = {"groups_out": 0, "groups_in": 0, "held_records": 0, "hold_dropped": 0}
         # wall times for `fog-agent demo`'s decision -> first record split (docs/measurement.md):
         # the first group installed here, the first record applied (a copy's first records are
         # held until then: the instance's first_record_at says only that they arrived)
@@ -288,31 +308,22 @@ class GroupMoves:
                 # would answer its chunks, sent again after the silence, as a group installed.
                 self.flush_due = True
             elif isinstance(msg, StateChunk):
-                n = self.member.new
-                g = msg.group
-                if (n.expected.get(g) != sender and version > self.seen.get(g, -1) and g not in n.owned
-                        and g not in n.expected):
-                    # A newer move than any we have seen: its Offer was lost in our crash (taken,
-                    # not yet written): the chunk stands for it.
-                    self.member.on_offer(sender, Offer(g))
-                    self.versions[g] = self.seen[g] = version
-                    self.counts["offers_from_chunks"] = self.counts.get("offers_from_chunks", 0) + 1
-                if n.expected.get(g) != sender:
-                    # Sent again (our Installed was lost, or the old owner restarted) for a group we
-                    # installed, and may have handed on since: Installed again, so that it stops.
-                    self.deferred.append((sender, encode(Installed(g))))
-                    self.flush_due = True
-                    return
-                if msg.index in n.parts.get(msg.group, {}):
-                    return  # a chunk sent again while the others are on their way
-                outs = self.member.on_chunk(sender, msg)
+                # installed a budget per turn (`take_in_turn`): a leaver's 64 groups arriving
+                # together would stall our other groups' records as a hand-out in one turn did
+                if "e" in body:
+                    _int(body, "e", -1, 2 ** 53)  # checked now: nothing malformed waits
+                self.inbox.append((sender, body, msg, version))
+                return
             elif isinstance(msg, Installed):
                 if msg.group not in self.member.old.waiting_install:
                     return  # said again for chunks we sent again
                 outs = self.member.on_installed(msg)
                 self.outgoing.pop(msg.group, None)
                 self.last_heard.pop(msg.group, None)
-                self.w.mark_state_changed()
+                # dropped from the keyed state only after the instance state without it is written
+                # (`flush`): a crash in between finds the group in the keyed file, not outgoing: stale
+                self.to_forget.append(msg.group)
+                self.flush_due = True
                 if msg.group in self.unconfirmed:
                     self.unconfirmed.discard(msg.group)
                     if not self.unconfirmed:
@@ -323,6 +334,46 @@ class GroupMoves:
             self._error(sender, str(exc))
             return
         self.perform(outs)
+
+    def take_in_turn(self) -> None:
+        """Once per turn of the loop: the chunks received, in their order, up to `budget` bytes
+        (at least one chunk). A group waiting here is still expected: its records are held."""
+        spent = 0
+        while self.inbox and (spent == 0 or spent < self.budget):
+            sender, body, msg, version = self.inbox.pop(0)
+            spent += len(msg.data) + 1
+            try:
+                outs = self._on_chunk(sender, body, msg, version)
+            except (HandoverError, ValueError) as exc:
+                self._error(sender, str(exc))
+                continue
+            self.perform(outs)
+
+    def _on_chunk(self, sender: str, body: Dict[str, Any], msg: StateChunk, version: int) -> List[Any]:
+        """One chunk of a group moving here, in its turn (`take_in_turn`): the outputs to perform."""
+        n = self.member.new
+        g = msg.group
+        if (n.expected.get(g) != sender and version > self.seen.get(g, -1) and g not in n.owned
+                and g not in n.expected):
+            # A newer move than any we have seen: its Offer was lost in our crash (taken,
+            # not yet written): the chunk stands for it.
+            self.member.on_offer(sender, Offer(g))
+            self.versions[g] = self.seen[g] = version
+            self.counts["offers_from_chunks"] = self.counts.get("offers_from_chunks", 0) + 1
+        if n.expected.get(g) != sender:
+            # Sent again (our Installed was lost, or the old owner restarted) for a group we
+            # installed, and may have handed on since: Installed again, so that it stops.
+            self.deferred.append((sender, encode(Installed(g))))
+            self.flush_due = True
+            return []
+        e = _int(body, "e", -1, 2 ** 53) if "e" in body else -1
+        if self.attempts.get(g, e) != e and n.parts.get(g):
+            n.parts[g] = {}  # a restarted old owner serialized the group again: its chunks only
+            self.counts["chunks_restarted"] = self.counts.get("chunks_restarted", 0) + 1
+        self.attempts[g] = e
+        if msg.index in n.parts.get(msg.group, {}):
+            return []  # a chunk sent again while the others are on their way
+        return self.member.on_chunk(sender, msg)
 
     def start(self, group: int, new: str, preds: Iterable[str], offer: bool = True) -> None:
         """Hand `group` to `new` (its version rises by one: the Redirects carry it)."""
@@ -354,11 +405,11 @@ class GroupMoves:
     def share_for(self, copy: str) -> List[Tuple[int, int]]:
         """The groups our Start hands `copy` (our duplication round is complete), with the version
         each will have: about half of those we hold and are not moving (`split_share`; the same
-        list if the Start is sent again)."""
+        list if the Start is sent again), balanced by their measured load (`KeyedState.load`)."""
         if copy not in self.shares:
             m = self.member
             mine = [g for g in m.owned if g not in m.old.moving]
-            self.shares[copy] = [(g, self.versions.get(g, 0) + 1) for g in split_share(mine)]
+            self.shares[copy] = [(g, self.versions.get(g, 0) + 1) for g in split_share(mine, self.keyed.load)]
         return self.shares[copy]
 
     def start_share(self, copy: str, preds: Iterable[str]) -> None:
@@ -404,8 +455,8 @@ class GroupMoves:
                 for p in sorted(left):
                     self.w.send_handover(p, Redirect(g, new, m.old.versions.get(g, -1)))
                 self.counts["moves_resent"] = self.counts.get("moves_resent", 0) + 1
-        for g, (new, bodies) in sorted(self.outgoing.items()):
-            if now - self.last_heard.get(g, now) >= MOVE_RESEND:
+        for g, (new, _, bodies) in sorted(self.outgoing.items()):
+            if bodies and now - self.last_heard.get(g, now) >= MOVE_RESEND:
                 self.last_heard[g] = now
                 for body in bodies:
                     self.w.send_handover_body(new, body)
@@ -416,14 +467,38 @@ class GroupMoves:
             return self.leaving
         return self.leaving and not self.member.owned and not self.member.busy()
 
-    def hand_out_now(self, group: int) -> bytes:
-        return self.keyed.hand_out(group)
-
     def snapshot(self, group: int) -> bytes:
-        """The group's final state for its new owner; dropped here only after `flush` wrote the
-        chunks to the instance state (a crash in between finds the group in one place at least)."""
-        self.to_forget.append(group)
-        return self.keyed.hand_out(group, forget=False)
+        """Every Eos of the group is in: its state is final. Not serialized here (a duplication's
+        64 groups of 80 kB each stalled the loop for a second, session 13): frozen, and queued
+        for `hand_out_turn`; the member's chunk of these empty bytes is dropped (`perform`)."""
+        self.keyed.freeze_group(group)
+        return b""
+
+    def hand_out_turn(self) -> None:
+        """Once per turn of the loop, before `flush`: the next groups of `queue`, up to `budget`
+        bytes of state (at least one group), serialized and cut into chunks, which leave after
+        the turn's keyed save (`flush`). The other groups' records are processed between turns."""
+        spent = 0
+        if len(self.queue) > 1:
+            # the busiest groups first: their records wait at the new owner until their state is there
+            load = self.keyed.load
+            self.queue.sort(key=lambda g: -load.get(g, 0.0))
+        while self.queue and (spent == 0 or spent < self.budget):
+            g = self.queue.pop(0)
+            entry = self.outgoing.get(g)
+            if entry is None or entry[2]:
+                continue  # installed meanwhile (a restart's leftover) or made already
+            new, v, _ = entry
+            data = self.keyed.hand_out(g, forget=False)
+            bodies = [dict(encode(c), v=v, e=self.w.epoch) for c in chunks(g, data, self.member.old.max_chunk)]
+            self.outgoing[g] = (new, v, bodies)
+            self.deferred += [(new, b) for b in bodies]
+            self.last_heard[g] = self.w.now
+            spent += len(data)
+            self.counts["hand_out_turns_groups"] = self.counts.get("hand_out_turns_groups", 0) + 1
+            self.flush_due = True
+        if spent:
+            self.counts["hand_out_turns"] = self.counts.get("hand_out_turns", 0) + 1
 
     def flush(self) -> None:
         """End of the loop's turn (Instance._on_tick, after the queues): the keyed state (the
@@ -437,7 +512,7 @@ class GroupMoves:
         w = self.w
         w.save_keyed_now()
         for g in self.to_forget:
-            if g not in self.member.owned:
+            if g not in self.member.owned and g not in self.outgoing:
                 self.keyed.forget_group(g)
         self.to_forget = []
         deferred, self.deferred = self.deferred, []
@@ -447,21 +522,20 @@ class GroupMoves:
     def perform(self, outs: List[Any], version: int = -1) -> None:
         w = self.w
         forgot = [o.group for o in outs if isinstance(o, Forget)]
-        # a chunk carries its move's version (read before a Forget below drops it)
-        moved = {g: self.versions.get(g, -1) for g in forgot}
         for g in forgot:
-            chunks = [o for o in outs if isinstance(o, Send) and isinstance(o.message, StateChunk)
-                      and o.message.group == g]
-            self.outgoing[g] = (chunks[0].dest, [dict(encode(o.message), v=moved[g]) for o in chunks])
+            # state final (`snapshot`): the chunks come from `hand_out_turn`, with the move's
+            # version (read before the Forget below drops it)
+            dest = next(o.dest for o in outs if isinstance(o, Send) and isinstance(o.message, StateChunk)
+                        and o.message.group == g)
+            self.outgoing[g] = (dest, self.versions.get(g, -1), [])
+            self.queue.append(g)
             self.last_heard[g] = w.now
         if forgot:
-            self.flush_due = True  # chunks and Installed leave after the turn's writes (`flush`)
-            w.stamp_decision("chunks_at")  # every Eos of a group in: its state leaves (the split's hand-over)
+            self.flush_due = True  # the Eos taken are written before anything else (`flush`)
+            w.stamp_decision("chunks_at")  # every Eos of a group in: its state is final (the split's hand-over)
         for o in outs:
             if isinstance(o, Send) and isinstance(o.message, StateChunk):
-                v = moved.get(o.message.group, self.versions.get(o.message.group, -1))
-                self.deferred.append((o.dest, dict(encode(o.message), v=v)))
-                self.flush_due = True
+                continue  # `snapshot`'s empty bytes: the state leaves from `hand_out_turn`
             elif isinstance(o, Send) and isinstance(o.message, Installed):
                 self.deferred.append((o.dest, encode(o.message)))
                 self.flush_due = True
@@ -472,6 +546,9 @@ class GroupMoves:
                 else:
                     w.send_handover(o.dest, msg)
             elif isinstance(o, Install):
+                if o.group in self.keyed.frozen:
+                    # back before the turn's write forgot what we handed out: that is stale
+                    self.keyed.forget_group(o.group)
                 if o.group in self.keyed.states or o.group in self.keyed.emitted:
                     pass  # installed before a crash, the state write of it lost: the saved one stands
                 else:
@@ -530,7 +607,8 @@ class GroupMoves:
                 "seen": sorted([g, v] for g, v in self.seen.items()),
                 "shares": {c: [list(x) for x in sh] for c, sh in self.shares.items()},
                 "leaving": self.leaving,
-                "outgoing": [[g, new, bodies] for g, (new, bodies) in sorted(self.outgoing.items())]}
+                "attempts": sorted([g, e] for g, e in self.attempts.items()),
+                "outgoing": [[g, new, v] for g, (new, v, _) in sorted(self.outgoing.items())]}
 
     def restore(self, d: Dict[str, Any]) -> None:
         """What `dump` saved (our own file: trusted as the rest of the instance state)."""
@@ -539,28 +617,37 @@ class GroupMoves:
         self.seen = {int(g): int(v) for g, v in d.get("seen") or []}
         self.held = 0
         self.restored = True
-        self.outgoing = {int(g): (str(new), list(bodies)) for g, new, bodies in d.get("outgoing") or []}
+        # [group, new owner, version]; before session 14 [group, new owner, chunk bodies]
+        self.outgoing = {}
+        for g, new, x in d.get("outgoing") or []:
+            bodies = list(x) if isinstance(x, list) else []
+            v = int(x) if not isinstance(x, list) else (int(bodies[0].get("v", -1)) if bodies else -1)
+            self.outgoing[int(g)] = (str(new), v, bodies)
+        self.queue = sorted(g for g, (_, _, bodies) in self.outgoing.items() if not bodies)
+        self.attempts = {int(g): int(e) for g, e in d.get("attempts") or []}
         # asked along at the first check after the restart: what the crash lost is sent again
         self.last_heard = {g: self.w.now - MOVE_RESEND for g in list(self.member.old.moving) + list(self.outgoing)}
         self.shares = {str(c): [(int(g), int(v)) for g, v in sh] for c, sh in (d.get("shares") or {}).items()}
         self.leaving = bool(d.get("leaving"))
 
     def after_restart(self) -> None:
-        """The keyed state is loaded: a group whose chunks were saved in the instance state but
-        that the keyed file still holds (the crash came between the two writes) is forgotten."""
-        stale = [g for g in self.outgoing if g in self.keyed.states or g in self.keyed.emitted]
-        if self.restored:  # any group the saved member does not hold: left here before the crash
-            stale = sorted(set(stale) | ((set(self.keyed.states) | set(self.keyed.emitted)) - self.member.owned))
-        for g in stale:
+        """The keyed state is loaded. A group on its way out (`outgoing`) stays in it, frozen, and
+        is serialized again (`queue`); one the saved member does not hold otherwise left here
+        before the crash (installed at its new owner, the keyed file's forgetting of it lost) and
+        is forgotten; so is one of a file before session 14, whose chunks the instance state held."""
+        held = set(self.keyed.states) | set(self.keyed.emitted)
+        stale = {g for g, (_, _, bodies) in self.outgoing.items() if bodies and g in held}
+        if self.restored:
+            stale |= held - self.member.owned - {g for g, (_, _, bodies) in self.outgoing.items() if not bodies}
+        for g in sorted(stale):
             self.keyed.hand_out(g)
+        for g in self.queue:
+            self.keyed.freeze_group(g)
         if stale:
             self.w.save_keyed_now()
 
     def _error(self, sender: str, why: str) -> None:
-        self.counts["handover_errors"] += 1
-        w = self.w
-        if w.log_limited(sender):
-            log.warning("hand-over from %s: %s", sender[:64], why, extra=w.ctx)
+        self.w.handover_error(sender, why)
 
     def stats(self) -> Dict[str, Any]:
         m = self.member
