@@ -1700,12 +1700,13 @@ class Instance:
     def _lowest_pending(self) -> Optional[int]:
         """The lowest input index not to be acked upstream yet: its outputs are not all acked by
         the successors, or (keyed state) the state that reflects it is not saved yet."""
-        low = self._lowest_forwarding()
+        low = fwd = self._lowest_forwarding()
         if self.keyed is not None and self.keyed.lowest_unsaved() is not None:
             k = self.keyed.lowest_unsaved()
             low = k if low is None else min(low, k)
         if self.moves is not None:
-            h = self.moves.lowest_held()  # records held for a group on its way: acked once applied and saved
+            # records held for a group on its way: acked once applied, saved and their outputs acked
+            h = self.moves.lowest_held(fwd)
             if h is not None:
                 low = h if low is None else min(low, h)
         return low

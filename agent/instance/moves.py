@@ -25,7 +25,8 @@ only for these messages (`Instance._sender_allowed`).
 
 Records the keyed instance cannot apply yet (a group on its way to it, or not announced yet:
 `Member.early`) are held with their input index; that input is not acked upstream until they
-are applied and saved (`lowest_held`), so a predecessor still holds them, and its credit
+are applied, saved and their outputs acked downstream (`lowest_held`; acks are end to end,
+agent.instance.applied), so a predecessor still holds them, and its credit
 window bounds how many wait. A hard bound (`HOLD_MAX`) guards against a sender that ignores
 credit.
 """
@@ -74,10 +75,12 @@ FAULT_HELD_AT_ONCE = "held_applied_at_once"  # records of a group on its way her
 FAULT_NO_EOS = "eos_not_sent"  # a predecessor takes a Redirect and sends no Eos
 FAULT_LEAVE_WITH_GROUPS = "leave_with_groups"  # a leaver starts its Deletion at once, whatever it holds
 FAULT_NO_ADD_PRED = "no_add_pred"  # a predecessor that joined during a move is not waited for
+# held records' inputs acked once their state is saved, their outputs still unacked (the demo's 21 lost trips)
+FAULT_HELD_ACKED_AT_SAVE = "held_acked_at_save"
 FAULT_NO_REMOVE_PRED = "no_remove_pred"  # a predecessor that left during a move is still waited for
 FAULT_NO_REDIRECT_RESEND = "no_redirect_resend"  # a silent move does not ask its predecessors again
 HANDOVER_FAULTS = (FAULT_HELD_AT_ONCE, FAULT_NO_EOS, FAULT_LEAVE_WITH_GROUPS, FAULT_NO_ADD_PRED,
-                   FAULT_NO_REMOVE_PRED, FAULT_NO_REDIRECT_RESEND)
+                   FAULT_NO_REMOVE_PRED, FAULT_NO_REDIRECT_RESEND, FAULT_HELD_ACKED_AT_SAVE)
 
 
 def encode(msg: Any) -> Dict[str, Any]:
@@ -205,6 +208,9 @@ class GroupMoves:
         self.to_forget: List[int] = []  # installed at their new owner: dropped from the keyed state after the write
         self.deferred: List[Tuple[str, Dict[str, Any]]] = []  # (dest, body): chunks, Installed
         self.unsaved: Set[int] = set()  # input indices whose held records were applied, not saved yet
+        # fresh index of held records' outputs -> the lowest input index they came in with: that
+        # input stays unacked until those outputs are acked downstream (`lowest_held`)
+        self.forwarding: Dict[int, int] = {}
         # (the errors are the instance's one `handover_errors` counter: `_error`)
         self.counts: Dict[str, int] = {"groups_out": 0, "groups_in": 0, "held_records": 0, "hold_dropped": 0}
         # wall times for `fog-agent demo`'s decision -> first record split (docs/measurement.md):
@@ -273,9 +279,22 @@ class GroupMoves:
         a = self.keyed.applied.get(it[0])
         return a is not None and it[1] in a
 
-    def lowest_held(self) -> Optional[int]:
-        """The lowest input index with records held or applied-not-saved: not acked upstream yet."""
-        lows = [i for i in self.unsaved]
+    def lowest_held(self, forwarding: Any = False) -> Optional[int]:
+        """The lowest input index with records held, applied-not-saved, or applied with outputs
+        not acked downstream yet: not acked upstream yet. `forwarding`: the instance's
+        `_lowest_forwarding()` if the caller has it.
+
+        Held records are applied under a fresh index (`_apply`), above the index they came in
+        with; saved, only that fresh index would hold their outputs, and the input they came in
+        with would be acked while those outputs are still on their way. Acks are end to end
+        (agent.instance.applied): the source's floor claim would then pass them and the next
+        keyed operator skip them as replays (docs/reliability.md, "Held records acked before
+        their outputs")."""
+        if self.forwarding:
+            low = self.w._lowest_forwarding() if forwarding is False else forwarding
+            for idx in [i for i in self.forwarding if low is None or i < low]:
+                del self.forwarding[idx]  # every output of it acked
+        lows = [i for i in self.unsaved] + list(self.forwarding.values())
         if self.held:
             for bufs in (self.member.new.buffer, self.member.early):
                 for recs in bufs.values():
@@ -574,11 +593,13 @@ class GroupMoves:
 
     def _apply(self, a: Apply) -> None:
         """Held records of a group now installed here, in arrival order, under a fresh index (the
-        keyed outputs' indices only grow); their inputs are released once the state is saved."""
+        keyed outputs' indices only grow); their inputs are released once the state is saved and
+        the outputs are acked downstream (`lowest_held`)."""
         w = self.w
         self.held -= len(a.records)
         self._applied(a.records)
         run: List[Item] = []
+        low = 0  # the lowest input index of the run
         last: Optional[str] = None
         for sender, (item, index) in list(a.records) + [(None, (None, None))]:
             if sender != last and run:
@@ -586,9 +607,12 @@ class GroupMoves:
                 out = self.keyed.apply(last, run, idx, judge_late=False)
                 if out:
                     w.forward_outputs(out, idx)
+                    if FAULT_HELD_ACKED_AT_SAVE not in w.faults:
+                        self.forwarding[idx] = low
                 run = []
             if sender is None:
                 break
+            low = index if not run else min(low, index)
             last = sender
             run.append(tuple(item))  # type: ignore[arg-type]
             self.unsaved.add(index)

@@ -78,8 +78,8 @@ from agent.operators.builtin import OperatorContext
 from agent.protocol.scaling import InstanceState
 from agent.sim.checker import Violation
 from agent.sim.instance_check_keyed import (
-    KEEPER, KEY_GROUPS, KEYED_PLANS, MemoryTrail, check_keyed, copy_disk, count_handover, disk_digest, keyed_path,
-    new_disk,
+    KEEPER, KEY_GROUPS, KEYED_PLANS, MemoryTrail, check_floor, check_keyed, copy_disk, count_handover, disk_digest,
+    keyed_path, new_disk,
 )
 
 __all__ = ["Config", "Report", "Violation", "World", "explore", "random_runs", "finish", "describe", "pipeline_text",
@@ -535,6 +535,14 @@ class World:
         return inst.scaling.core if inst is not None and inst.scaling is not None else None
 
     def apply(self, move: Tuple[Any, ...]) -> None:
+        self._apply(move)
+        if self.cfg.keyed and "source-0" in self.inst:
+            assert self.values is not None
+            bad = check_floor(self.inst["source-0"], self.values)
+            if bad is not None:
+                raise _Stop(*bad)
+
+    def _apply(self, move: Tuple[Any, ...]) -> None:
         kind = move[0]
         if kind == "deliver" or kind == "dup":
             key = move[1]

@@ -24,7 +24,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from agent.operators.keyed import KeyedOperator
 
-__all__ = ["KEEPER", "KEY_GROUPS", "KEYED_PLANS", "MemoryTrail", "check_keyed", "count_handover", "new_disk",
+__all__ = ["KEEPER", "KEY_GROUPS", "KEYED_PLANS", "MemoryTrail", "check_floor", "check_keyed", "count_handover", "new_disk",
            "copy_disk", "disk_digest", "keyed_path"]
 
 # source -> op (key "k") -> cnt (keyed, KEY_GROUPS groups) -> sink. The keyed operator's first
@@ -94,6 +94,20 @@ def keyed_path(disk: str, iid: str) -> Path:
 
 
 # ---- the terminal check --------------------------------------------------------------------------
+
+
+def check_floor(source: Any, values: Dict[Tuple[str, int], Any]) -> Optional[Tuple[str, str]]:
+    """After every move: the source's floor claim (agent.instance.applied: every record below it
+    acked end to end) passes no record whose output has not reached the sink. A keyed operator
+    downstream skips every number below the claim as a replay: a claim ahead of a record still
+    on its way loses it there (docs/reliability.md, "Held records acked before their outputs")."""
+    floor = source.source_resume_seq()
+    reached = {v["n"] for v in values.values() if isinstance(v, dict) and isinstance(v.get("n"), int)}
+    ahead = [n for n in range(floor) if n not in reached]
+    if ahead:
+        return ("acked_before_sink", f"the source claims every record below {floor} acked end to end; "
+                f"records {ahead[:8]} have not reached the sink")
+    return None
 
 
 def check_keyed(insts: Dict[str, Any], records: int, keys: int, store: List[Tuple[str, int]],
