@@ -494,6 +494,35 @@ def test_a_round_does_not_wait_for_a_pending_neighbour_that_left() -> None:
     assert not bad.ok and bad.violations[0].kind == "records_not_exactly_once", describe(bad)
 
 
+def test_a_record_sent_again_after_its_sink_instance_left_is_not_recorded_again() -> None:
+    """Found in session 14 (the same mix: "recorded 9 of 8" in 8 of 400 schedules, 31 the
+    first): op's copy sent record 3 to the sink's copy, which recorded and acked it, then left;
+    op's copy, a new incarnation after the broker lost its session, got record 3 again in
+    source-0's renumbered replay and, its sink instance out of the table, routed it afresh to
+    sink-0, which recorded it too. A successor that left drained what it got, so such a record
+    now goes nowhere (`RouteMemory.split`); seeded fault `route_past_departed` routes it."""
+    rep = random_runs(NEIGHBOURS_BROKER, schedules=1, seed=31)
+    assert rep.ok, describe(rep)
+    bad = random_runs(dataclasses.replace(NEIGHBOURS_BROKER, faults=frozenset({"route_past_departed"})),
+                      schedules=1, seed=31)
+    assert not bad.ok and bad.violations[0].kind == "records_not_exactly_once", describe(bad)
+    assert "recorded 9 of 8" in bad.violations[0].detail, describe(bad)
+
+
+def test_a_copy_that_leaves_first_answers_a_neighbour_that_left_after_learning_of_it() -> None:
+    """Found in session 14 (the same mix, seed 271): op's copy acked the sink's Duplication,
+    started, left; the sink applied its Deletion before its own round ended and started its copy
+    without it; that copy left at once (op-0 its only neighbour) before op's copy's Deletion
+    reached it: op's copy departed waiting for its ack for ever. The copy's Start now keeps such
+    a leaver (`ScalingCore.leavers`): it sends it its own Deletion, the leaver acks it and stops
+    waiting at its resend (`release`). Seeded fault `start_without_leavers` starts it without."""
+    rep = random_runs(NEIGHBOURS_BROKER, schedules=1, seed=271)
+    assert rep.ok, describe(rep)
+    bad = random_runs(dataclasses.replace(NEIGHBOURS_BROKER, faults=frozenset({"start_without_leavers"})),
+                      schedules=1, seed=271)
+    assert not bad.ok and bad.violations[0].kind == "round_not_ended", describe(bad)
+
+
 def test_simulate_instance_keyed_prints_its_verdict_and_refuses_rehomings(capsys) -> None:  # type: ignore[no-untyped-def]
     import json
 

@@ -23,16 +23,18 @@ def test_a_record_sent_before_is_pinned_to_its_successor_while_that_one_is_in_th
     mem.sent("sink-a", recs("src", 1, 2, 3), bound=1)
     mem.sent("sink-b", recs("src", 4, 5) + recs("other", 1), bound=2)
     items = recs("src", 2, 5, 9) + recs("other", 1)
-    free, pinned = mem.split(items, ("sink-a", "sink-b"))
-    assert [(it[0], it[1]) for it in free] == [("src", 9)]
+    free, pinned, gone = mem.split(items, ("sink-a", "sink-b"))
+    assert [(it[0], it[1]) for it in free] == [("src", 9)] and gone == []
     assert {d: [(it[0], it[1]) for it in r] for d, r in pinned.items()} == {
         "sink-a": [("src", 2)], "sink-b": [("src", 5), ("other", 1)]}
-    # sink-b left the table (it drained what it had): its records may go anywhere
-    free, pinned = mem.split(items, ("sink-a", "sink-c"))
-    assert [(it[0], it[1]) for it in free] == [("src", 5), ("src", 9), ("other", 1)]
+    # sink-b left the table (it drained what it had, so it recorded them): its records are
+    # returned apart, to go nowhere (another sink instance would record them twice)
+    free, pinned, gone = mem.split(items, ("sink-a", "sink-c"))
+    assert [(it[0], it[1]) for it in free] == [("src", 9)]
+    assert [(it[0], it[1]) for it in gone] == [("src", 5), ("other", 1)]
     assert list(pinned) == ["sink-a"]
     fresh = recs("src", 10, 11)
-    assert mem.split(fresh, ("sink-a",)) == (fresh, {})  # nothing sent before: the list itself
+    assert mem.split(fresh, ("sink-a",)) == (fresh, {}, [])  # nothing sent before: the list itself
 
 
 def test_records_are_remembered_until_acked_upstream_then_retain_seconds_persisted_for_grace() -> None:

@@ -349,3 +349,27 @@ def test_a_round_stops_waiting_for_a_pending_neighbour_that_left_only_when_it_wo
     d0.start_deletion()
     d0.handle(Deletion("o0", 1, 3))
     assert d0.release("o0") == [Drain(), Send("t0", Deletion("d0", 2, 2))] and d0.state is InstanceState.DEPARTING
+
+
+def test_a_copy_starts_knowing_a_neighbour_that_left_after_it_acked_our_duplication():
+    """A neighbour that acked our Duplication knows our copy and will send it its Deletion: when
+    we apply that neighbour's Deletion before our round ends, the copy's Start still names it (so
+    the copy, leaving first, tells it; seed 271 of the neighbours-with-a-broker-fault mix). One
+    whose Deletion came before its ack (pending) never learnt of the copy: left out, as before."""
+    s0 = ScalingCore.initial("s0", "s", 2, P, preds=("o0", "o1", "o2"), succs=("t0",), keeper=True)
+    outs = s0.start_duplication(1)
+    copy = next(o.instance_id for o in outs if isinstance(o, CreateInstance))
+    s0.handle(DuplicationAck("o1", 1, 1))
+    s0.handle(DuplicationAck("t0", 3, 1))
+    changed, ack = s0.handle(Deletion("o1", 1, 2))  # acked, then left: knows the copy
+    assert changed.preds == ("o0", "o2") and ack.dest == "o1" and s0.leavers == {"o1": "pred"}
+    s0.handle(Deletion("o2", 1, 2))  # pending: left before it could know the copy
+    s0.handle(Duplication("o0", 1, 1, ("o3",)))  # joined during our round, never heard of it
+    s0.handle(Deletion("o3", 1, 2))  # (seed 418: kept, the copy waited for it for ever)
+    assert s0.leavers == {"o1": "pred"}
+    assert ScalingCore.restore(json.loads(json.dumps(s0.snapshot())), P).key() == s0.key()
+    assert s0.clone().key() == s0.key()
+    assert s0.release("o2") == [] and "o2" not in s0.leavers  # at the resend: not waited for
+    (start,) = s0.handle(DuplicationAck("o0", 1, 1))
+    assert start == Send(copy, Start("s0", 2, ("t0",), ("o0", "o1"))) and s0.routes() == (("t0",), ("o0",))
+    assert s0.leavers == {}

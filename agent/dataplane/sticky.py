@@ -9,8 +9,11 @@ the second copy of a record the first incarnation had sent to sink A could go to
 keeps it: a duplicate no receiver can see (docs/reliability.md, "Found by the sink-duplicate
 reproduction"). So a forwarding instance remembers, per record id (source instance, number),
 the successor it sent the record to, and sends the record there again while that successor is
-in its table. Only a successor that left (it drained everything it had, so a record it got is
-already further down) frees the record to go anywhere.
+in its table. A successor that left had drained everything it had first (docs/design.md
+invariant 4): a record it got is already further down (at a sink: in that sink's id file), so a
+copy of it sent again goes nowhere (`split` returns it apart, the caller drops it); routed
+afresh it would reach an instance that never saw it (docs/reliability.md, "A record recorded by
+both sink instances").
 
 What is remembered and for how long (the caller says when inputs are acked upstream):
 - from sending until the inputs the record came from are acked upstream (a source: until its
@@ -295,29 +298,36 @@ class RouteMemory:
         entry = spans.find(seq) if spans is not None else None
         return entry.dest if entry is not None else None
 
-    def split(self, items: List[Item], succs: Sequence[str]) -> Tuple[List[Item], Dict[str, List[Item]]]:
-        """(records to route freely, {successor: records sent to it before}). The free list is
-        `items` itself when nothing was sent before (the common case: no copy)."""
+    def split(self, items: List[Item], succs: Sequence[str]
+              ) -> Tuple[List[Item], Dict[str, List[Item]], List[Item]]:
+        """(records to route freely, {successor: records sent to it before}, records sent
+        before to a successor no longer in `succs`). The free list is `items` itself when
+        nothing was sent before (the common case: no copy). The third list went through the
+        successor that left (it drained before it left): sent again, it would be a duplicate."""
         if not self._where or not items:
-            return items, {}
+            return items, {}, []
         first = items[0][0]
         spans = self._where.get(first)
         if countOf(map(_src, items), first) == len(items) and \
                 (spans is None or min(map(_seq, items)) >= spans.ends[-1]):
-            return items, {}  # all newer than anything sent from that source (the common case)
+            return items, {}, []  # all newer than anything sent from that source (the common case)
         pinned: Dict[str, List[Item]] = {}
+        gone: List[Item] = []
         free: Optional[List[Item]] = None
         for i, it in enumerate(items):
             dest = self.dest_of(it[0], it[1])
-            if dest is None or dest not in succs:
+            if dest is None:
                 if free is not None:
                     free.append(it)
                 continue
             if free is None:
                 free = list(items[:i])
-            pinned.setdefault(dest, []).append(it)
-            self.pinned += 1
-        return (items if free is None else free), pinned
+            if dest in succs:
+                pinned.setdefault(dest, []).append(it)
+                self.pinned += 1
+            else:
+                gone.append(it)
+        return (items if free is None else free), pinned, gone
 
     def snapshot(self, now: float) -> List[Any]:
         """What a restart needs: [[successor, {source: runs}], ...] for every batch whose inputs

@@ -63,7 +63,7 @@ from agent.protocol.scaling import FORWARDING
 
 __all__ = ["Instance", "Phase", "EXIT_OK", "EXIT_CRASH", "EXIT_BAD_SPEC", "EXIT_BROKER", "EXIT_DRAIN_TIMEOUT",
            "FAULT_RETRY_ONLY_WITH_DATA", "FAULT_ROUTE_AFRESH", "FAULT_REPLAY_TO_DEPARTED",
-           "FAULT_RESYNC_AT_FIRST_SEEN"]
+           "FAULT_RESYNC_AT_FIRST_SEEN", "FAULT_ROUTE_PAST_DEPARTED"]
 
 log = logging.getLogger("agent.instance.worker")
 
@@ -126,6 +126,9 @@ FAULT_RETRY_ONLY_WITH_DATA = "retry_only_with_data"
 # Seeded fault (the same): records sent again are routed afresh, not to where they went before,
 # so after a crash a copy can reach another sink instance, which keeps it (INVARIANT 8).
 FAULT_ROUTE_AFRESH = "route_afresh"
+# Seeded fault (the same): a record sent again whose successor left our table is routed afresh
+# (before session 14), so a copy a departed sink instance recorded reaches another (INVARIANT 8).
+FAULT_ROUTE_PAST_DEPARTED = "route_past_departed"
 # Seeded fault (the same): the unacked batches of a successor we removed are replayed to its new
 # incarnation, which is departing and drops them, instead of re-routed (defect A).
 FAULT_REPLAY_TO_DEPARTED = "replay_to_departed"
@@ -339,6 +342,7 @@ class Instance:
             "replayed_batches": 0,  # to a successor: a new incarnation of it, or silent (LINK_SILENCE)
             "silent_links_replayed": 0,  # of those, the replays to a silent successor
             "departed_rerouted": 0,  # records re-routed from a successor that left our table
+            "resent_past_departed": 0,  # records sent again whose successor left: dropped (INVARIANT 8)
         }
         self._malformed_log = LogLimiter()  # bounded: a flood of invented names costs nothing
         self._malformed_logged: Set[str] = set()  # protocol senders (admitted ones only: bounded)
@@ -1548,11 +1552,18 @@ class Instance:
 
     def _forward(self, items: List[Item], index: int, now: float) -> None:
         """Buffer the outputs of input `index`: a record sent before goes to the same successor
-        again while it is in our table (INVARIANT 8, agent.dataplane.sticky), the rest as routed."""
+        again while it is in our table, nowhere once that successor left (INVARIANT 8,
+        agent.dataplane.sticky), the rest as routed."""
         if self.sticky:
-            items, pinned = self.routes.split(items, self.router.succs)
+            items, pinned, gone = self.routes.split(items, self.router.succs)
             for dest, recs in pinned.items():
                 self.outbox.add_to(dest, recs, index, now)
+            if gone and FAULT_ROUTE_PAST_DEPARTED in self.faults:
+                items = items + gone
+            elif gone:
+                # Their successor left after draining them (INVARIANT 4): they are further
+                # down already, and another instance would take them twice (INVARIANT 8).
+                self.stats["resent_past_departed"] += len(gone)
         self.outbox.add(items, index, now)
 
     def flush(self, now: float, force: bool = False) -> None:

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ScalingDriver", "FAULT_REHOME_ROUNDS_FROM_ONE", "FAULT_DRAIN_HOLDS_PROTOCOL", "FAULT_REHOME_STAYS",
            "FAULT_LEAVE_BEFORE_ADOPTION", "FAULT_RESEND_PENDING_ONLY", "FAULT_WAIT_FOR_LEAVER",
+           "FAULT_START_WITHOUT_LEAVERS",
            "PROBE", "PROBE_ECHO", "IDLE_PING",
            "IDLE_PING_MAX", "MAX_PROBES", "PROBE_TTL"]
 
@@ -73,6 +74,8 @@ FAULT_REHOME_STAYS = "rehome_stays"  # a re-homed copy ignores the deletion acks
 FAULT_LEAVE_BEFORE_ADOPTION = "leave_before_adoption"  # a creator scales in with an idle copy of its own waiting
 FAULT_RESEND_PENDING_ONLY = "resend_pending_only"  # a round message sent again reaches the pending set only
 FAULT_WAIT_FOR_LEAVER = "wait_for_leaver"  # a round waits for the ack of a pending neighbour that left
+# our copies start without the neighbours that left after they learnt of them (ScalingCore.leavers)
+FAULT_START_WITHOUT_LEAVERS = "start_without_leavers"
 
 
 class ScalingDriver:
@@ -380,6 +383,8 @@ class ScalingDriver:
                 self._queue([Send(env.sender, again)])
                 return
             outs = self.core.handle(msg)
+            if FAULT_START_WITHOUT_LEAVERS in self.w.faults:
+                self.core.leavers.clear()
             self.memory.applied_now(msg)
             if isinstance(msg, Start):
                 self.w.on_start_field(groups, self.core.routes()[0])

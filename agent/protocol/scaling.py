@@ -58,6 +58,10 @@ Deviations from the paper, and why (see docs/scaling.md):
    paper's argument for concurrent rounds needs. No extra message without a loss.
 6. At that resend a pending neighbour whose Deletion we applied in the round is not waited for
    any more (`release`): after a loss it may have left without answering.
+7. A neighbour whose Deletion we apply in our duplication round after it acked the round knows
+   our copies and sends them its Deletion too: the copies' Start keeps it in their tables
+   (`leavers`), so that they cannot leave without telling it (it would wait for their ack for
+   ever). No extra message.
 """
 
 from __future__ import annotations
@@ -214,6 +218,11 @@ class ScalingCore:
         # Pending neighbours whose Deletion we applied in this round: they send us nothing more
         # and may be gone before our round message reaches them (`release`).
         self.gone: Set[str] = set()
+        # Neighbours that acked our current duplication round: they know our copies.
+        self.acked: Set[str] = set()
+        # Neighbours (-> side) whose Deletion we applied in our duplication round after they
+        # had acked it: they know our copies, which must know them (`_finish_duplication`).
+        self.leavers: Dict[str, str] = {}
 
     # ---- construction ---------------------------------------------------------------------
 
@@ -311,6 +320,8 @@ class ScalingCore:
         self.pending = set(targets)
         self.unsure = {}
         self.gone = set()
+        self.leavers = {}
+        self.acked = set()
         self.state = InstanceState.DUPLICATING
         if not self.pending:
             out.extend(self._finish_duplication())
@@ -366,6 +377,8 @@ class ScalingCore:
             self.pending = set()
             self.unsure = {}
             self.gone = set()
+            self.leavers = {}
+            self.acked = set()
             self.new_siblings = ()
             return []
         self.new_siblings = kept
@@ -481,6 +494,12 @@ class ScalingCore:
             copies.discard(msg.sender)  # it leaves: our round is no news to it (and it may be gone)
         if self.in_round and msg.sender in self.pending:
             self.gone.add(msg.sender)
+        elif self.state is InstanceState.DUPLICATING and msg.sender in self.acked \
+                and msg.sender in (self.succs if side == _SUCC else self.preds):
+            # It acked our Duplication, so it applied it: it will send our copies its Deletion
+            # and wait for their acks (deviation 7). Not one that joined our tables during the
+            # round (a neighbour's new copy): it may never have heard of ours.
+            self.leavers[msg.sender] = side
         if self.state is InstanceState.IDLE:
             (self.succs_to_delete if side == _SUCC else self.preds_to_delete).add(msg.sender)
         else:
@@ -514,6 +533,7 @@ class ScalingCore:
     def _on_duplication_ack(self, msg: DuplicationAck) -> List[Output]:
         self._check_ack(msg, (InstanceState.DUPLICATING,))
         self.pending.discard(msg.sender)
+        self.acked.add(msg.sender)
         self.unsure.pop(msg.sender, None)
         return [] if self.pending else self._finish_duplication()
 
@@ -534,12 +554,19 @@ class ScalingCore:
     # ---- round completion (Algorithms 6 and 10) -------------------------------------------
 
     def _finish_duplication(self) -> List[Output]:
-        """All neighbours know the new siblings: activate them with our current tables."""
-        start = Start(self.instance_id, self.stage, *self.routes())
+        """All neighbours know the new siblings: activate them with our current tables, plus
+        the neighbours that left after they learnt of the siblings (`leavers`): those send the
+        siblings their Deletion, and a sibling that left first, not knowing them, would never
+        answer it (docs/reliability.md, "A departing copy waiting for a copy that ended")."""
+        succs = self.succs | {n for n, side in self.leavers.items() if side == _SUCC}
+        preds = self.preds | {n for n, side in self.leavers.items() if side == _PRED}
+        start = Start(self.instance_id, self.stage, tuple(sorted(succs)), tuple(sorted(preds)))
         out: List[Output] = [Send(i, start) for i in self.new_siblings]
         self.new_siblings = ()
         self.unsure = {}
         self.gone = set()
+        self.leavers = {}
+        self.acked = set()
         self.state = InstanceState.ACTIVE
         return out
 
@@ -631,6 +658,8 @@ class ScalingCore:
             "new_siblings": list(self.new_siblings),
             "unsure": {n: sorted(c) for n, c in sorted(self.unsure.items())},
             "gone": sorted(self.gone),
+            "leavers": dict(sorted(self.leavers.items())),
+            "acked": sorted(self.acked),
         }
 
     @classmethod
@@ -653,6 +682,9 @@ class ScalingCore:
             # absent from snapshots written before session 14: nothing unsure
             core.unsure = {str(n): {str(c) for c in cs} for n, cs in (data.get("unsure") or {}).items()}
             core.gone = {str(n) for n in data.get("gone") or ()}
+            core.leavers = {str(n): str(side) for n, side in (data.get("leavers") or {}).items()
+                            if side in (_SUCC, _PRED)}
+            core.acked = {str(n) for n in data.get("acked") or ()}
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise LocalProtocolError(f"snapshot: cannot restore ({exc!r})") from None
         return core
@@ -662,9 +694,10 @@ class ScalingCore:
         new = object.__new__(type(self))
         new.__dict__.update(self.__dict__)
         for name in ("succs", "preds", "succs_to_add", "succs_to_delete", "preds_to_add",
-                     "preds_to_delete", "pending", "gone"):
+                     "preds_to_delete", "pending", "gone", "acked"):
             setattr(new, name, set(getattr(self, name)))
         new.unsure = {n: set(c) for n, c in self.unsure.items()}
+        new.leavers = dict(self.leavers)
         return new
 
     def key(self) -> Tuple[Any, ...]:
@@ -675,5 +708,6 @@ class ScalingCore:
             frozenset(self.preds_to_add), frozenset(self.preds_to_delete),
             self.round, frozenset(self.pending), self.new_siblings,
             frozenset((n, frozenset(c)) for n, c in self.unsure.items()), frozenset(self.gone),
+            frozenset(self.leavers.items()), frozenset(self.acked),
         )
 
