@@ -270,7 +270,13 @@ class Instance:
         # set by the larger window on our channels; a held sender gets room for a window of data
         # twice over, plus its protocol and lock messages.
         self.window = max(pred_window, self.op.max_inflight_batches)
-        self.hold = HoldBuffer(HOLD_MAX_SENDERS, 2 * self.window + 32, HOLD_MAX_BYTES)
+        # A keyed successor moving key groups sends each predecessor a Redirect per group, a new
+        # copy too, before the copy's Start names that successor: room for all of them, or the
+        # ones refused leave a hole and the copy renews its incarnation 5 s later
+        # (docs/reliability.md, "Found by a demo run: a new copy refused its keyed successor's
+        # Redirects"). The byte bound stays the memory bound.
+        self.hold = HoldBuffer(HOLD_MAX_SENDERS, 2 * self.window + 32 + (key_groups if self.next_keyed else 0),
+                               HOLD_MAX_BYTES)
         self._refusals = LogLimiter()
         # Only a name an instance of a neighbouring operator can have is worth holding: keepers
         # are "<pipeline>.<operator>.0" (deploy.keeper_id), every other instance "<operator>-..."
