@@ -38,7 +38,7 @@ from agent.policy.decentralized import Action, Decision, ScalingParams
 from agent.policy.live import LIVE_POLICIES, LivePolicy, PeriodInputs
 from agent.protocol.errors import LocalProtocolError, ProtocolError
 from agent.protocol.guarded import LockMessage, core_class, message_from_dict
-from agent.protocol.messages import Deletion, DeletionAck, Duplication, Start
+from agent.protocol.messages import Deletion, DeletionAck, Duplication, DuplicationAck, Start
 from agent.protocol.scaling import Activate, CreateInstance, Drain, InstanceState, RoutesChanged, Send, Terminate
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ScalingDriver", "FAULT_REHOME_ROUNDS_FROM_ONE", "FAULT_DRAIN_HOLDS_PROTOCOL", "FAULT_REHOME_STAYS",
            "FAULT_LEAVE_BEFORE_ADOPTION", "FAULT_RESEND_PENDING_ONLY", "FAULT_WAIT_FOR_LEAVER",
-           "FAULT_START_WITHOUT_LEAVERS",
+           "FAULT_START_WITHOUT_LEAVERS", "FAULT_ACK_BEHIND_DRAIN",
            "PROBE", "PROBE_ECHO", "IDLE_PING",
            "IDLE_PING_MAX", "MAX_PROBES", "PROBE_TTL"]
 
@@ -76,6 +76,7 @@ FAULT_RESEND_PENDING_ONLY = "resend_pending_only"  # a round message sent again 
 FAULT_WAIT_FOR_LEAVER = "wait_for_leaver"  # a round waits for the ack of a pending neighbour that left
 # our copies start without the neighbours that left after they learnt of them (ScalingCore.leavers)
 FAULT_START_WITHOUT_LEAVERS = "start_without_leavers"
+FAULT_ACK_BEHIND_DRAIN = "ack_behind_drain"  # a draining copy's duplication ack waits behind its Drain
 
 
 class ScalingDriver:
@@ -655,12 +656,27 @@ class ScalingDriver:
 
     def _queue(self, outs: List[Any]) -> None:
         if outs:
-            self.outputs.extend(outs)
+            if self._ahead_of_drain(outs):
+                self.outputs.extendleft(reversed(outs))
+            else:
+                self.outputs.extend(outs)
             self.w.mark_state_changed()
             # Write-ahead (agent.instance.recovery): the core's new state and the outputs still to
             # perform reach the disk before any of them is performed.
             self.w.persist(force=True)
             self.run_outputs(self.w.now)
+
+    def _ahead_of_drain(self, outs: List[Any]) -> bool:
+        """Do `outs` go before our deletion round's Drain, which waits at the head of the queue?
+        Only duplication acks: a departing instance adds no neighbour (docs/scaling.md deviation
+        7), so its ack waits for no route change (invariant 3), and the duplicator's data path
+        does not depend on it. Behind the Drain it could wait for ever: our records to the
+        duplicator's idle copy (in our Start's tables) are acked only once that copy starts,
+        which waits for our ack (docs/reliability.md, "Records lost at an idle sink copy").
+        A deletion ack keeps its place: it promises the leaver nothing of ours follows it."""
+        return (self.draining and bool(self.outputs) and isinstance(self.outputs[0], Drain)
+                and FAULT_ACK_BEHIND_DRAIN not in self.w.faults
+                and all(isinstance(o, Send) and isinstance(o.message, DuplicationAck) for o in outs))
 
     def persisted(self) -> Dict[str, Any]:
         """What a restarted worker needs to finish a round: the core, the outputs not yet
