@@ -523,6 +523,21 @@ def test_a_copy_that_leaves_first_answers_a_neighbour_that_left_after_learning_o
     assert not bad.ok and bad.violations[0].kind == "round_not_ended", describe(bad)
 
 
+def test_a_departing_copy_acks_a_duplication_ahead_of_its_drain() -> None:
+    """Found in session 14 (the same mix, seed 404): the sink's Duplication to op's copy was lost
+    in a broker rollback; its resend reached op's copy after that copy had started (its Start
+    named the sink's idle copy) and, leaving, began its Drain. The ack waited behind the Drain,
+    the Drain for the sink's idle copy to ack op's copy's records, that copy for its Start, the
+    Start for the ack: record 6 lost. A duplication ack now goes ahead of a waiting Drain
+    (`ScalingDriver._ahead_of_drain`); seeded fault `ack_behind_drain` queues it behind."""
+    rep = random_runs(NEIGHBOURS_BROKER, schedules=1, seed=404)
+    assert rep.ok, describe(rep)
+    bad = random_runs(dataclasses.replace(NEIGHBOURS_BROKER, faults=frozenset({"ack_behind_drain"})),
+                      schedules=1, seed=404)
+    assert not bad.ok and bad.violations[0].kind == "records_not_exactly_once", describe(bad)
+    assert "missing [('src', 6)]" in bad.violations[0].detail, describe(bad)
+
+
 def test_simulate_instance_keyed_prints_its_verdict_and_refuses_rehomings(capsys) -> None:  # type: ignore[no-untyped-def]
     import json
 
