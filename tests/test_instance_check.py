@@ -538,6 +538,22 @@ def test_a_departing_copy_acks_a_duplication_ahead_of_its_drain() -> None:
     assert "missing [('src', 6)]" in bad.violations[0].detail, describe(bad)
 
 
+def test_an_idle_copy_answers_a_duplication_behind_an_empty_ack() -> None:
+    """Found in session 14 (the same mix, seed 484): the broker lost every session while op's copy
+    was idle; the sink, a new incarnation, asked its predecessors for replays (an empty ack),
+    op's copy among them, then sent it its Duplication. Op's copy held the ack until its Start
+    and the Duplication behind it; the sink's idle copy held op-0's Duplication (widened to it
+    after the loss) behind op-0's data. Each round waited for the other's idle copy: 5 records
+    lost. An idle copy now takes such an empty ack when a round message waits behind it
+    (`Instance._empty_ack_before_round`); seeded fault `empty_ack_held` holds it."""
+    rep = random_runs(NEIGHBOURS_BROKER, schedules=1, seed=484)
+    assert rep.ok, describe(rep)
+    bad = random_runs(dataclasses.replace(NEIGHBOURS_BROKER, faults=frozenset({"empty_ack_held"})),
+                      schedules=1, seed=484)
+    assert not bad.ok and bad.violations[0].kind == "records_not_exactly_once", describe(bad)
+    assert "recorded 3 of 8" in bad.violations[0].detail, describe(bad)
+
+
 def test_simulate_instance_keyed_prints_its_verdict_and_refuses_rehomings(capsys) -> None:  # type: ignore[no-untyped-def]
     import json
 
