@@ -245,7 +245,8 @@ class ScalingDriver:
     def blocked(self) -> bool:
         """Protocol messages wait while earlier outputs run (the order of effects). Except while
         our deletion round's Drain waits for our input to empty: every predecessor has removed
-        us, so only repeats come now (the second ack of a re-sent Deletion, a counted no-op);
+        us, so only repeats come now (the second ack of a re-sent Deletion, a counted no-op) and
+        successors' rounds (their duplication acks go ahead of the Drain: `_ahead_of_drain`);
         held, one held the data behind it, which the Drain waits for: a departing copy for ever
         (docs/reliability.md)."""
         if FAULT_DRAIN_HOLDS_PROTOCOL in self.w.faults:
@@ -379,9 +380,10 @@ class ScalingDriver:
             if msg.sender != env.sender:
                 raise ValueError(f"message sender {msg.sender} differs from envelope sender {env.sender}")
             self._round_clock[env.sender] = self.w.now
+            ahead = self._ahead_of_drain(msg)
             again = self.memory.replay_ack(msg, self.core.instance_id, self.core.stage)
             if again is not None:  # a round we applied, sent again by a restarted sender
-                self._queue([Send(env.sender, again)])
+                self._queue([Send(env.sender, again)], ahead)
                 return
             outs = self.core.handle(msg)
             if FAULT_START_WITHOUT_LEAVERS in self.w.faults:
@@ -403,7 +405,7 @@ class ScalingDriver:
         if is_lock:
             self.w.mark_state_changed()  # the lock state changed even when nothing is sent
         self._observe(outs)
-        self._queue(outs)
+        self._queue(outs, ahead)
         if self.links is not None and getattr(self.core, "departed", None) and self.core.departed(env.sender):
             self._send_link(self.links.forget(env.sender))
 
@@ -654,9 +656,9 @@ class ScalingDriver:
             detail.update({k: v for k, v in self.live.last.items() if k != "context"})
         return detail
 
-    def _queue(self, outs: List[Any]) -> None:
+    def _queue(self, outs: List[Any], ahead: bool = False) -> None:
         if outs:
-            if self._ahead_of_drain(outs):
+            if ahead and all(isinstance(o, Send) and isinstance(o.message, DuplicationAck) for o in outs):
                 self.outputs.extendleft(reversed(outs))
             else:
                 self.outputs.extend(outs)
@@ -666,17 +668,21 @@ class ScalingDriver:
             self.w.persist(force=True)
             self.run_outputs(self.w.now)
 
-    def _ahead_of_drain(self, outs: List[Any]) -> bool:
-        """Do `outs` go before our deletion round's Drain, which waits at the head of the queue?
-        Only duplication acks: a departing instance adds no neighbour (docs/scaling.md deviation
-        7), so its ack waits for no route change (invariant 3), and the duplicator's data path
-        does not depend on it. Behind the Drain it could wait for ever: our records to the
-        duplicator's idle copy (in our Start's tables) are acked only once that copy starts,
-        which waits for our ack (docs/reliability.md, "Records lost at an idle sink copy").
-        A deletion ack keeps its place: it promises the leaver nothing of ours follows it."""
+    def _ahead_of_drain(self, msg: Any) -> bool:
+        """Does our ack of `msg` go before our deletion round's Drain, which waits at the head of
+        the queue? Only the ack of a Duplication whose copies our tables already name: a
+        departing instance adds no neighbour (docs/scaling.md deviation 7), so its ack waits
+        for no route change (invariant 3), and our second-phase Deletion goes to those copies
+        too. Behind the Drain it could wait for ever: our records to such a copy, idle, are
+        acked only once it starts, which waits for our ack (seed 404). A copy we do not know
+        gets no record of ours, so nothing waits; acked first, though, its creator would start
+        it naming us, and we would leave without telling it: its own Deletion would wait for
+        us for ever (seed 51). docs/reliability.md, "Records lost at an idle sink copy". A
+        deletion ack keeps its place: it promises the leaver that nothing of ours follows it."""
+        core = self.core
         return (self.draining and bool(self.outputs) and isinstance(self.outputs[0], Drain)
-                and FAULT_ACK_BEHIND_DRAIN not in self.w.faults
-                and all(isinstance(o, Send) and isinstance(o.message, DuplicationAck) for o in outs))
+                and FAULT_ACK_BEHIND_DRAIN not in self.w.faults and isinstance(msg, Duplication)
+                and set(msg.new_instances) <= (core.succs if msg.stage == core.stage + 1 else core.preds))
 
     def persisted(self) -> Dict[str, Any]:
         """What a restarted worker needs to finish a round: the core, the outputs not yet
