@@ -16,6 +16,7 @@ from agent.instance.keyed_state import KeyedState
 from agent.operators.builtin import OperatorContext, in_zone, validate
 from agent.operators.debs import top_routes
 from agent.operators.taxi import TaxiGenerator
+from keyed_chain import Chain, Stage
 
 pytestmark = pytest.mark.spark
 
@@ -23,12 +24,12 @@ N = 6000  # ~100 min of drop-off time: 5-minute windows, a lateness of an hour
 PARAMS = {"time_field": "dropoff_datetime", "size_ms": 300_000, "lateness_ms": 3_600_000, "k": 10}
 
 
-@functools.lru_cache(maxsize=1)
-def trips() -> List[Dict[str, Any]]:
+@functools.lru_cache(maxsize=2)
+def trips(seed: int = 1, n: int = N) -> List[Dict[str, Any]]:
     """What the demo's sink spills: the seeded records that pass validate and in_zone."""
-    gen = TaxiGenerator(1, "taxi.source.0")
+    gen = TaxiGenerator(seed, "taxi.source.0")
     out = []
-    for seq in range(N):
+    for seq in range(n):
         rec = in_zone(validate(gen.record(), {}), {})
         if rec is not None:
             out.append(dict(rec, src="taxi.source.0", seq=seq))
@@ -42,12 +43,16 @@ def edge(records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     return [r for _, _, r in ks.apply("in_zone-0", [(r["src"], r["seq"], r) for r in records], 1)]
 
 
-def batch(spark, records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+def frame(spark, records: List[Dict[str, Any]]) -> Any:
+    """The records as the job reads the sink's spill: the trip schema."""
     from agent.analytics.debs import TRIP_SCHEMA_DDL
 
     cols = [c.split()[0] for c in TRIP_SCHEMA_DDL.split(", ")]
-    df = spark.createDataFrame([tuple(r.get(c) for c in cols) for r in records], TRIP_SCHEMA_DDL)
-    return batch_top_routes(prepare_trips(df, "5 minutes"))
+    return spark.createDataFrame([tuple(r.get(c) for c in cols) for r in records], TRIP_SCHEMA_DDL)
+
+
+def batch(spark, records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    return batch_top_routes(prepare_trips(frame(spark, records), "5 minutes"))
 
 
 def test_query_1_at_the_edge_equals_the_batch_answer_window_by_window(spark) -> None:
@@ -82,93 +87,39 @@ def test_a_trip_lost_at_the_edge_is_a_listed_difference(spark) -> None:
 def two_stages(records: List[Dict[str, Any]], seed: int, scale: bool = True,
                give_up_ms: Any = None) -> Dict[str, Any]:
     """Stage 1 (`route_counts`, keyed by route) on 1-3 instances whose key groups move between
-    them as the runtime moves them (hand_out after the group's last record at the old owner,
-    take_in then fire_due at the new one): a copy joins after 1/4 of the input, a second one
-    after 1/2, the first copy leaves after 3/4 (its groups to the survivors). Each instance's
-    outputs (the trips it forwards, then its counts) go on its own FIFO channel; stage 2
-    (`merge_top_routes`, one instance) takes them in a seeded random interleaving of the
-    channels. Returns stage 2's windows, the records it forwarded and its operator."""
-    import random
-
-    from agent.dataplane.keygroups import key_group
+    them as the runtime moves them (tests/keyed_chain.py): a copy joins after 1/4 of the input, a
+    second one after 1/2, the first copy leaves after 3/4 (its groups to the survivors). Stage 2
+    (`merge_top_routes`, one instance) reads stage 1's channels in a seeded random interleaving.
+    Returns stage 2's windows, the records it forwarded and its operator."""
     from agent.operators.debs import merge_top_routes, route_counts
 
-    groups = 128
     p1 = {"time_field": "dropoff_datetime", "size_ms": PARAMS["size_ms"], "lateness_ms": PARAMS["lateness_ms"],
           "forward": True}
     p2 = dict(p1, k=10)
     if give_up_ms is not None:
         p2["give_up_ms"] = give_up_ms
-
-    def stage1(name: str) -> KeyedState:
-        op = route_counts.build(OperatorContext(name, "route_counts", "n", "map", params=dict(p1)))
-        return KeyedState(op, "route_counts", "route", groups)
-
-    merge = merge_top_routes.build(OperatorContext("top_routes-0", "top_routes", "n", "map", params=dict(p2)))
-    b = KeyedState(merge, "top_routes", "all_trips", groups)
-    rng = random.Random(seed)
-    insts = {"rc-0": stage1("rc-0")}
-    owner = {g: "rc-0" for g in range(groups)}
-    chans: Dict[str, List[Any]] = {"rc-0": []}
-    got: List[Any] = []
-    index = [0]
-
-    def drain(some: bool) -> None:
-        # stage 2 reads a random number of batches off random channels (each channel in order)
-        while any(chans.values()):
-            if some and rng.random() < 0.5:
-                return
-            name = rng.choice([n for n, c in chans.items() if c])
-            index[0] += 1
-            got.extend(b.apply(name, chans[name].pop(0), index[0]))
-
-    moved = [0]
-
-    def move(g: int, new: str) -> None:
-        moved[0] += 1
-        old = owner[g]
-        data = insts[old].hand_out(g)
-        insts[new].take_in(g, data)
-        owner[g] = new
-        index[0] += 1
-        out = insts[new].fire_due(index[0])
-        if out:
-            chans[new].append(out)
-
-    def join(name: str, share_of: str) -> None:
-        insts[name], chans[name] = stage1(name), []
-        mine = sorted(g for g, o in owner.items() if o == share_of)
-        for g in mine[::2]:
-            move(g, name)
-
-    def leave(name: str) -> None:
-        rest = sorted(n for n in insts if n != name)
-        for i, g in enumerate(sorted(g for g, o in owner.items() if o == name)):
-            move(g, rest[i % len(rest)])
-        drain(False)  # its channel empties before it goes (the successor acked everything)
-        del insts[name], chans[name]
-
+    chain = Chain([Stage(builder(route_counts, "route_counts", "route", p1), "rc-0"),
+                   Stage(builder(merge_top_routes, "top_routes", "all_trips", p2), "top_routes-0")], seed)
     n = len(records)
     for i in range(0, n, 40):
         if scale and i == (n // 4) // 40 * 40:
-            join("rc-1", "rc-0")
+            chain.join(0, "rc-1", "rc-0")
         if scale and i == (n // 2) // 40 * 40:
-            join("rc-2", "rc-1")
+            chain.join(0, "rc-2", "rc-1")
         if scale and i == (3 * n // 4) // 40 * 40:
-            leave("rc-1")
-        per: Dict[str, List[Any]] = {}
-        for r in records[i:i + 40]:
-            per.setdefault(owner[key_group(r["route"], groups)], []).append((r["src"], r["seq"], r))
-        for name, items in per.items():
-            index[0] += 1
-            out = insts[name].apply("in_zone-0", items, index[0])
-            if out:
-                chans[name].append(out)
-        drain(True)
-    drain(False)
-    windows = [r for s, _, r in got if s.startswith("top_routes#")]
-    forwarded = [(s, q) for s, q, _ in got if not s.startswith("top_routes#")]
-    return {"windows": windows, "forwarded": forwarded, "merge": merge, "stage1": insts, "moved": moved[0]}
+            chain.leave(0, "rc-1")
+        chain.feed("in_zone-0", [(r["src"], r["seq"], r) for r in records[i:i + 40]])
+        chain.pump()
+    return dict(chain.results("top_routes"), merge=chain.stages[1].insts["top_routes-0"].op,
+                stage1=chain.stages[0].insts, moved=chain.stages[0].moved)
+
+
+def builder(fn: Any, operator: str, key_field: str, params: Dict[str, Any]) -> Any:
+    """A Stage's factory: instance name -> the operator `fn` with `params` in a KeyedState."""
+    def build(name: str) -> KeyedState:
+        return KeyedState(fn.build(OperatorContext(name, operator, "n", "map", params=dict(params))), operator,
+                          key_field, 128)
+    return build
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -216,6 +167,82 @@ def test_a_count_that_never_comes_is_waited_for_then_a_listed_difference() -> No
     assert [w for k, w in enumerate(two["windows"]) if k != 2] == [w for k, w in enumerate(one) if k != 2]
 
 
+# ---- query 2 in three keyed stages: empty_taxis (keyed by taxi) and cell_profit (keyed by pickup cell)
+# scaling, merge_top_areas one instance --------------------------------------------------------------
+
+N2 = 20000  # ~5.5 h of pickups: the demo's 30-minute windows and lateness, ~6 windows closed at the edge
+Q2 = {"time_field": "dropoff_datetime", "size_ms": 1_800_000, "lateness_ms": 7_200_000, "forward": True}
+Q2_STAGES = (("empty_taxis", "empty_taxis", "medallion", dict(Q2, max_trip_ms=3_600_000)),
+             ("cell_profit", "cell_profit", "pickup_cell", dict(Q2, recent_ms=900_000)),
+             ("top_areas", "merge_top_areas", "all_areas", dict(Q2, max_trip_ms=3_600_000, k=10)))
+
+
+def trips2() -> List[Dict[str, Any]]:
+    return trips(2, N2)
+
+
+def three_stages(records: List[Dict[str, Any]], seed: int, scale: bool = True) -> Dict[str, Any]:
+    """Query 2's stages as the runtime runs them (tests/keyed_chain.py): empty_taxis gets a copy
+    after 1/4 of the input and a second after 1/2, the first copy leaves after 3/4; cell_profit
+    gets a copy after 1/3 which leaves after 2/3. Returns the merge's windows, what it forwarded,
+    its operator and the chain."""
+    from agent.operators import debs_areas
+
+    chain = Chain([Stage(builder(getattr(debs_areas, fn), op, key, params), f"{op}-0")
+                   for op, fn, key, params in Q2_STAGES], seed)
+    n = len(records)
+    at = {(n // 4) // 200 * 200: ("join", 0, "et-1", "empty_taxis-0"), (n // 2) // 200 * 200: ("join", 0, "et-2", "et-1"),
+          (3 * n // 4) // 200 * 200: ("leave", 0, "et-1"), (n // 3) // 200 * 200: ("join", 1, "cp-1", "cell_profit-0"),
+          (2 * n // 3) // 200 * 200: ("leave", 1, "cp-1")}
+    for i in range(0, n, 200):
+        what = at.get(i) if scale else None
+        if what:
+            getattr(chain, what[0])(*what[1:])
+        chain.feed("top_routes-0", [(r["src"], r["seq"], r) for r in records[i:i + 200]])
+        chain.pump()
+    return dict(chain.results("top_areas"), merge=chain.stages[2].insts["top_areas-0"].op, chain=chain)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_query_2_scaling_out_and_in_equals_the_batch_definition(seed: int) -> None:
+    from debs_reference import reference_areas
+
+    recs = trips2()
+    got = three_stages(recs, seed)
+    ref = reference_areas(recs, Q2["size_ms"])
+    assert len(got["windows"]) >= 5 and sum(len(w["areas"]) for w in got["windows"]) >= 5 * 10
+    for w in got["windows"]:
+        assert w["areas"] == ref.get(w["start"], []), w["start"]
+    assert [w["start"] for w in got["windows"]] == sorted(ref)[:len(got["windows"])]  # none skipped
+    assert sorted(got["forwarded"]) == sorted((r["src"], r["seq"]) for r in recs)  # each trip once, no row
+    assert got["merge"].stats() == {}  # nothing late, incomplete or skipped
+    et, cp = got["chain"].stages[0], got["chain"].stages[1]
+    assert sorted(et.insts) == ["empty_taxis-0", "et-2"] and et.moved == 64 + 32 + 32
+    assert sorted(cp.insts) == ["cell_profit-0"] and cp.moved == 64 + 64
+
+
+def test_query_2_at_the_edge_equals_the_batch_answer_in_spark(spark) -> None:
+    """The three stages scaling (as above) against Spark's profitable_areas over the same trips,
+    window by window; and the plain-Python oracle of the unit tests against Spark on every window."""
+    from agent.analytics.debs_compare import batch_profitable_areas, compare_profitable_areas
+    from debs_reference import reference_areas
+
+    recs = trips2()
+    rows = batch_profitable_areas(prepare_trips(frame(spark, recs), "30 minutes"))
+    got = three_stages(recs, seed=5)["windows"]
+    cmp = compare_profitable_areas(got, rows)
+    assert cmp["differences"] == [] and cmp["equal"] == cmp["windows_edge"] == len(got) >= 5, cmp["differences"][:1]
+    assert cmp["open_at_edge"] >= 2
+    oracle = compare_profitable_areas([{"start": s, "areas": a} for s, a in reference_areas(recs, Q2["size_ms"]).items()],
+                                      rows)
+    assert oracle["differences"] == [] and oracle["equal"] == oracle["windows_batch"] >= 8
+    # a changed answer is a listed difference: the best cell of the second window one cent less profitable
+    w = got[1]
+    rows2 = [dict(r, profitability=r["profitability"] - 0.01) if r["start_ms"] == w["start"] and r["rank"] == 1 else r
+             for r in rows]
+    assert [d["start"] for d in compare_profitable_areas(got, rows2)["differences"]] == [w["start"]]
+
+
 def parse(r: Dict[str, Any]) -> float:
     from agent.operators.keyed import parse_event_time
 
@@ -226,31 +253,44 @@ def parse(r: Dict[str, Any]) -> float:
 
 def live_pipeline() -> str:
     """examples/demo-pipeline.toml (so the example itself runs) with 5-minute windows, a lateness
-    of an hour and a 20 s load: ~7,000 records, ~2.5 h of drop-offs, ~19 windows closed at the
-    edge. in_zone stays one instance: its copies interleave their outputs by more than an hour of
+    of an hour and a 34 s load: 14,000 records, ~4.5 h of drop-offs, ~40 windows of query 1 closed
+    at the edge (query 2's windows close ~2.3 h of drop-off time after their end). The source
+    skips what back pressure held back rather than making it up (no `max_lag_s`): a catch-up burst
+    spreads the stages' copies further apart in drop-off time than the lateness, and a trip
+    dropped as late makes its window differ (seen once in 5 runs with `max_lag_s` 30). in_zone stays one instance: its copies interleave their outputs by more than an hour of
     drop-off time when it scales at these rates (the demo's lateness is 2 h for that), and a
-    trip late at route_counts makes its window differ; here only route_counts scales."""
+    trip late at route_counts makes its window differ; here only route_counts and empty_taxis
+    scale. Query 2's stages have a lateness of 1.5 h (the copies of route_counts and empty_taxis
+    interleave the trips cell_profit gets by minutes of drop-off time, on top of the source's
+    hour) and count the profit over the last 2 minutes of each window. A window of query 2 closes
+    about 1.5 h + 50 min of drop-off time after its end (its taxis' next trips end up to an hour
+    later): ~25 windows."""
     from pathlib import Path
 
     text = (Path(__file__).resolve().parent.parent / "examples" / "demo-pipeline.toml").read_text()
     subs = [(r'name = "taxi"', 'name = "q1"'), (r"size_ms = 1800000", "size_ms = 300000"),
             (r"lateness_ms = 7200000", "lateness_ms = 3600000"),
-            (r"(?m)^steps = .*$", "steps = [[0, 150], [4, 500], [16, 100], [20, 0]]"), (r"period = 2.0", "period = 1.0"),
+            (r"(?m)^steps = .*$", "steps = [[0, 150], [4, 500], [30, 100], [34, 0]]"), (r"period = 2.0", "period = 1.0"),
             (r'(in_zone")\nservice_time_ms = 4.0\n(key = "route".*\n\[operator.scaling\]\n)', r'\1\n\2policy = "none"\n')]
     for pattern, repl in subs:
         text, n = re.subn(pattern, repl, text)
         assert n >= 1, pattern  # the example changed: adapt this test
-    return text
+    q1, sep, q2 = text.partition('[[operator]]\nname = "empty_taxis"')
+    assert sep and q2.count("lateness_ms = 3600000") == 3 and q2.count("recent_ms = 900000") == 1
+    return q1 + sep + q2.replace("lateness_ms = 3600000", "lateness_ms = 5400000").replace(
+        "recent_ms = 900000", "recent_ms = 120000")
 
 
 @pytest.mark.broker
 @pytest.mark.slow
 def test_live_route_counts_scale_out_and_in_and_every_window_equals_the_batch_answer(tmp_path) -> None:
     """The demo (private broker, three agents, real workers, its pipeline on a shorter load):
-    route_counts scales out (500 records/s > r*C = 140) and back in while its key groups move
-    with their state; every window the edge emitted equals the batch answer over the trips the
-    sink recorded (each route's trips and freshest drop-off per window, ranked as the batch job
-    ranks: `window_row` over all of them, no lateness), and every trip arrived exactly once."""
+    route_counts and empty_taxis scale out (500 records/s > r*C = 140) and back in while their
+    key groups move with their state; every window of query 1 the edge emitted equals the batch
+    answer over the trips the sink recorded (each route's trips and freshest drop-off per window,
+    ranked as the batch job ranks: `window_row` over all of them, no lateness), every window of
+    query 2 equals the batch definition over them (tests/debs_reference.py, checked against Spark
+    above), and every trip arrived exactly once."""
     import json
     import os
     import subprocess
@@ -259,6 +299,7 @@ def test_live_route_counts_scale_out_and_in_and_every_window_equals_the_batch_an
 
     from agent.operators.debs import window_row
     from agent.tools.verify import landed_records
+    from debs_reference import reference_areas
 
     root = Path(__file__).resolve().parent.parent
     pipeline = tmp_path / "q1.toml"
@@ -287,5 +328,15 @@ def test_live_route_counts_scale_out_and_in_and_every_window_equals_the_batch_an
     assert len(windows) >= 5, (len(windows), sorted(ref))  # 1.5-2 h of drop-offs, the last hour still open
     for w in windows:
         assert w == window_row(w["start"], size, ref[w["start"]], 10), (w["start"], summary["keyed_late"])
-    assert summary["keyed_late"] == dict.fromkeys(("late_dropped", "incomplete_windows", "late_counts", "late_trips"), 0)
+    assert summary["keyed_late"] == dict.fromkeys(
+        ("late_dropped", "incomplete_windows", "late_counts", "late_trips", "long_trips"), 0)
     assert sorted(w["start"] for w in windows) == sorted(ref)[:len(windows)]  # no window skipped
+    # query 2: empty_taxis scaled out and in; every window equals the batch definition over the same trips
+    et = summary["scaling_by_operator"].get("empty_taxis", {})
+    assert et.get("outs", 0) >= 1 and et.get("ins", 0) >= 1, summary["scaling_by_operator"]
+    areas = sorted((r for (s, _), r in landed.items() if "top_areas#" in s), key=lambda w: w["start"])
+    assert len(areas) >= 3 and sum(len(w["areas"]) for w in areas) >= 3, (len(trips_), [w["start"] for w in areas])
+    ref2 = reference_areas(trips_, size, 120_000)
+    for w in areas:
+        assert w["areas"] == ref2.get(w["start"], []), w["start"]
+    assert [w["start"] for w in areas] == sorted(ref)[:len(areas)]  # every window with a trip, none skipped

@@ -41,3 +41,13 @@ def test_spark_runs_a_query(spark) -> None:
     df = spark.createDataFrame([(1, "a"), (2, "b"), (3, "a")], ["n", "k"])
     rows = {r["k"]: r["s"] for r in df.groupBy("k").agg({"n": "sum"}).withColumnRenamed("sum(n)", "s").collect()}
     assert rows == {"a": 4, "b": 2}
+
+
+def test_every_file_that_uses_spark_is_dealt_with_the_other_spark_files(request: pytest.FixtureRequest) -> None:
+    """conftest.SPARK_FILES go to one test process together (one Spark session per run, not one
+    per process): a new file whose tests take the `spark` fixture must be added there."""
+    from conftest import SPARK_FILES, unit_of
+
+    using = {item.nodeid.split("::", 1)[0] for item in request.session.items if "spark" in getattr(item, "fixturenames", ())}
+    assert using <= SPARK_FILES, sorted(using - SPARK_FILES)
+    assert {unit_of(f) for f in SPARK_FILES} == {"spark"}

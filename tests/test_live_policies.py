@@ -233,14 +233,29 @@ function = "agent.operators.builtin:counting_sink"
 """
 
 
+def wait_still(value: Any, still: float, timeout: float) -> bool:
+    """Until `value()` has not changed for `still` seconds (False after `timeout`)."""
+    deadline = time.monotonic() + timeout
+    last, since = value(), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.25)
+        now = value()
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= still:
+            return True
+    return False
+
+
 @pytest.mark.broker
 @pytest.mark.slow
 def test_live_threshold_policy_scales_out_under_load_and_in_when_it_drops(tmp_path: Path, mosquitto: Any) -> None:
     """Three real agents; in_zone (4 ms per record, live capacity ~250/s) under `threshold`: at
     560 records/s it must reach >= 3 instances (one instance at a time: u > 0.9 adds one), at
     30 records/s return to its keeper, and every record must reach the sink exactly once.
-    About 60 s: the load must hold long enough for two cooldowns up and two down."""
+    About 50 s: the load must hold long enough for two cooldowns up and two down."""
     from agent.config import load_pipeline_text
+    from agent.node.rpc import RpcClient
     from agent.tools.demo import Fleet, Monitor
     from agent.tools.verify import verify
 
@@ -254,7 +269,7 @@ def test_live_threshold_policy_scales_out_under_load_and_in_when_it_drops(tmp_pa
     mon = Monitor(mosquitto.host, mosquitto.port, fleet.cluster)
     try:
         assert mon.wait(lambda m: list(m.status.values()).count("online") == 3, 30)
-        fleet.deploy(text)
+        placed = {d.operator: d for d in fleet.deploy(text)}
         t0 = time.monotonic()
         peak, peak_at = 0, None
         while time.monotonic() - t0 < 28:
@@ -274,10 +289,13 @@ def test_live_threshold_policy_scales_out_under_load_and_in_when_it_drops(tmp_pa
         outs = [e for e in ev if e["type"] == "scale_out"]
         ins = [e for e in ev if e["type"] == "scale_in"]
         assert outs and ins and all((e.get("detail") or {}).get("policy") == "threshold" for e in ev), ev
-        while time.monotonic() - t0 < 56:
-            time.sleep(0.5)
+        # The load ends now (the source paused) rather than at the profile's end (52 s): what
+        # follows the scale-in checks nothing more. Then the sink's count must stand still 3 s.
+        source = placed["source"]
+        with RpcClient(mosquitto.host, mosquitto.port, fleet.cluster) as client:
+            assert client.call(source.node, {"op": "set", "instance": source.instance, "fields": {"paused": True}})["ok"]
         assert mon.wait(lambda m: m.totals()["recorded"] > 0, 5)
-        time.sleep(3.0)  # the tail reaches the sink
+        assert wait_still(lambda: mon.totals()["recorded"], 3.0, 30.0), "the sink still records 30 s after the load"
         print(f"live threshold: peak {peak} in_zone instances at {peak_at:.1f} s, back to 1 at {back_at:.1f} s; "
               f"{len(outs)} scale-out and {len(ins)} scale-in decisions; "
               f"series {[(round(t - mon.series[0][0], 1), c.get('in_zone')) for t, c in mon.series[::8]]}")

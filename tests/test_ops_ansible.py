@@ -151,14 +151,11 @@ class Deployment:
 
 
 @pytest.fixture(scope="module")
-def deployed(tmp_path_factory: pytest.TempPathFactory) -> Deployment:
+def deployed(tmp_path_factory: pytest.TempPathFactory, ops_wheelhouse: Path) -> Deployment:
     check = subprocess.run([SYSTEM_PYTHON, "-c", "import venv, ensurepip, psutil"], capture_output=True)
     assert check.returncode == 0, "the role needs python3-venv and python3-psutil: apt-get install them"
     tmp = tmp_path_factory.mktemp("ansible")
-    wheelhouse = tmp_path_factory.getbasetemp() / "ops-wheelhouse"
-    res = subprocess.run(["bash", str(ROOT / "packaging/build-wheelhouse.sh"), str(wheelhouse)],
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr
+    wheelhouse = ops_wheelhouse
     prefix = tmp / "prefix"
     port = free_port()
     wheel = operator_wheel(tmp / "operator-wheels")

@@ -35,9 +35,8 @@ def run(*cmd: str, **kw) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def deb(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # The wheelhouse lives in the session's base temp dir, shared with the Ansible test.
-    wheelhouse = tmp_path_factory.getbasetemp() / "ops-wheelhouse"
+def deb(tmp_path_factory: pytest.TempPathFactory, ops_wheelhouse: Path) -> Path:
+    wheelhouse = ops_wheelhouse  # built once per test run, shared with the Ansible test (conftest.py)
     out = tmp_path_factory.mktemp("deb")
     res = run("bash", str(BUILD), "--out", str(out), "--wheelhouse", str(wheelhouse), "--maintainer", MAINTAINER)
     path = Path(res.stdout.strip().splitlines()[-1])

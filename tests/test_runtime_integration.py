@@ -215,7 +215,8 @@ def test_step_load_scales_out_and_back_exactly_once(tmp_path: Path, mosquitto: A
 def test_neighbours_scale_together_and_a_slow_sink_slows_producers(tmp_path: Path, mosquitto: Any) -> None:
     """validate and in_zone scale at the same time; then the sink is slowed down 10x for 20 s:
     the source slows down (back pressure), the broker drops nothing, nothing is lost or duplicated,
-    and no record is ever sent to an instance that is no longer a successor."""
+    and no record is ever sent to an instance that is no longer a successor. The load ends (the
+    source is paused) 5 s after the sink is fast again."""
     rate = 300.0
     steps = [[0, rate], [80, 0]]
     text = STEP_PIPELINE.format(name="nb", seed=11, steps=steps, validate_ms=4.0, validate_capacity=200.0, sink_ms=0.8,
@@ -249,11 +250,17 @@ def test_neighbours_scale_together_and_a_slow_sink_slows_producers(tmp_path: Pat
             assert time.monotonic() - t0 < 80.0, "the slow phase must lie inside the load profile"
             time.sleep(20.0 - 16.0)
             assert client.call(sink.node, {"op": "set", "instance": sink.instance, "fields": {"service_time_ms": 0.8}})["ok"]
+            # The backlog drains at full load for 5 s, then the load ends: the source is paused
+            # instead of idling to the profile's end (80 s; it must only outlast the slow phase).
+            time.sleep(5.0)
+            source = placed["source"]
+            assert client.call(source.node, {"op": "set", "instance": source.instance, "fields": {"paused": True}})["ok"]
+            load_end = time.monotonic() - t0
         # 10x slower sink (125 records/s): the source follows it instead of flooding the broker
         assert before >= 0.85 * rate, before
         assert sink_during < 170, sink_during
         assert during < 0.7 * before, (before, during)
-        assert run_until_drained(mon, 80.0, t0), f"pipeline not drained back to keepers: {mon.instances_per_operator()}"
+        assert run_until_drained(mon, load_end, t0), f"pipeline not drained back to keepers: {mon.instances_per_operator()}"
         maxima = {op: max(c.get(op, 0) for _, c in mon.series) for op in ("validate", "in_zone")}
         assert maxima["validate"] >= 2 and maxima["in_zone"] >= 2, maxima
         assert len(mon.agent_events("spawned", "spawn")) >= 2

@@ -53,9 +53,8 @@ CHEAP_JSON_COMMANDS: List[List[str]] = [
     ["bench", "spill", "--json", "--records", "2000", "--reps", "1"],
     ["calibrate", "--json", "--dry-run", "--pipeline", "examples/pipeline.toml", "--operator", "validate",
      "--window", "0.05", "--max-rate", "300", "--node", "n1", "--state-dir", "{tmp}"],
-    # a broker and worker processes for half a second per part, one round of the alternating phase
-    pytest.param(["bench", "dataplane", "--json", "--seconds", "0.5", "--rescale-cycles", "0", "--rounds", "1",
-                  "--slice", "0.5"], marks=pytest.mark.slow),
+    # `bench dataplane --json` (a broker and worker processes, 27 s) is checked the same way, with
+    # its every phase, by test_dataplane_bench.py::test_json_stdout_parses_and_reports_both_raws
 ]
 
 

@@ -150,11 +150,12 @@ def run_job(spark: Any, landing: PathLike, out: PathLike, period: float = 5.0) -
     for name, df in tables.items():
         df.write.mode("overwrite").parquet(str(out / name))
     if records is not None:
-        # query 1's answer as JSON too (at most 10 rows per window): what the edge's answer is
+        # queries 1 and 2 as JSON too (at most 10 rows per window): what the edge's answers are
         # compared with (agent.analytics.debs_compare; the demo's analytics step)
-        from agent.analytics.debs_compare import batch_top_routes
+        from agent.analytics.debs_compare import batch_profitable_areas, batch_top_routes
 
         (out / "top_routes.json").write_text(json.dumps(batch_top_routes(trips), separators=(",", ":")))
+        (out / "profitable_areas.json").write_text(json.dumps(batch_profitable_areas(trips), separators=(",", ":")))
     _write_plans(tables, out / "plans.txt")
     # The report reads the small Parquet tables back (bounded collect()s, see report.py).
     report = write_report(spark, out, Path(landing), elapsed=time.monotonic() - t0)

@@ -46,10 +46,11 @@ from agent.operators.builtin import OperatorContext, Param
 from agent.operators.keyed import EVENT_TIME_PARAMS, KeyedOperator, parse_event_time
 
 __all__ = ["TopRoutes", "top_routes", "route_rank", "RouteCounts", "route_counts", "MergeTopRoutes",
-           "merge_top_routes", "is_route_count"]
+           "merge_top_routes", "is_route_count", "parse_cell"]
 
 
-def _cell(text: Any) -> Optional[Tuple[int, int]]:
+def parse_cell(text: Any) -> Optional[Tuple[int, int]]:
+    """A grid cell as `in_zone` writes it ("x.y") -> (x, y); None for anything else."""
     if not isinstance(text, str):
         return None
     x, _, y = text.partition(".")
@@ -60,7 +61,7 @@ def route_rank(route: str, trips: int, last_ms: float) -> Tuple[Any, ...]:
     """The batch job's order: more trips, then a more recent last drop-off, then the start cell
     (x, y) and the end cell (x, y) as numbers, smaller first."""
     a, _, b = route.partition(">")
-    (ax, ay), (bx, by) = _cell(a) or (0, 0), _cell(b) or (0, 0)
+    (ax, ay), (bx, by) = parse_cell(a) or (0, 0), parse_cell(b) or (0, 0)
     return (-trips, -last_ms, ax, ay, bx, by)
 
 
@@ -77,7 +78,7 @@ def _add_trips(wins: Dict[str, Dict[str, List[float]]], records: List[Any], size
     skipped = 0
     for rec in records:
         a, b = rec.get("pickup_cell"), rec.get("dropoff_cell")
-        if _cell(a) is None or _cell(b) is None:
+        if parse_cell(a) is None or parse_cell(b) is None:
             skipped += 1
             continue
         t = time_of(rec)
@@ -190,7 +191,7 @@ class MergeTopRoutes(KeyedOperator):
         return not is_route_count(record)
 
     def _trip_time(self, rec: Any) -> Optional[float]:
-        if _cell(rec.get("pickup_cell")) is None or _cell(rec.get("dropoff_cell")) is None:
+        if parse_cell(rec.get("pickup_cell")) is None or parse_cell(rec.get("dropoff_cell")) is None:
             return None  # stage 1 skips it too
         return parse_event_time(rec.get(self.time_field), self.time_unit)
 

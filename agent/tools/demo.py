@@ -48,8 +48,8 @@ log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_PIPELINE = ROOT / "examples" / "demo-pipeline.toml"
 # the instance stats that say a window's answer may differ from the batch one (agent.instance.keyed_state,
-# agent.operators.debs.MergeTopRoutes): summed over the instances into summary["keyed_late"]
-LATENESS_STATS = ("late_dropped", "incomplete_windows", "late_counts", "late_trips")
+# agent.operators.debs.MergeTopRoutes, agent.operators.debs_areas): summed over the instances into summary["keyed_late"]
+LATENESS_STATS = ("late_dropped", "incomplete_windows", "late_counts", "late_trips", "long_trips")
 EXIT_OK = 0
 EXIT_LOSS = 3  # a record was lost or duplicated
 EXIT_SETUP = 1  # broker, agents or deploy failed
@@ -834,11 +834,12 @@ def main(args: argparse.Namespace) -> int:
             result = run_analytics(Path(summary["workdir"]), summary)
             if result and not args.json:
                 print("analytics:", json.dumps(result, default=str)[:2000], file=sys.stdout)
-                q1 = result.get("debs_edge_vs_batch")
-                if q1:
-                    print(f"DEBS query 1, edge vs batch: {q1['equal']} of {q1['windows_edge']} windows equal, "
-                          f"{q1['differing']} differ, {q1['open_at_edge']} still open at the edge when the load "
-                          f"ended ({q1['windows_batch']} in batch)", file=sys.stdout)
+                for n, key in ((1, "debs_edge_vs_batch"), (2, "debs_q2_edge_vs_batch")):
+                    q = result.get(key)
+                    if q:
+                        print(f"DEBS query {n}, edge vs batch: {q['equal']} of {q['windows_edge']} windows equal, "
+                              f"{q['differing']} differ, {q['open_at_edge']} still open at the edge when the load "
+                              f"ended ({q['windows_batch']} in batch)", file=sys.stdout)
     if args.json:
         json.dump(summary, sys.stdout, indent=2, sort_keys=True, default=str)
         print()

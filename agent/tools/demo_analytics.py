@@ -55,24 +55,31 @@ def _accounting(report: Path) -> Dict[str, Any]:
     return {}
 
 
-def edge_vs_batch(landing: Path, batch_json: Path) -> Dict[str, Any]:
-    """DEBS query 1 as the edge computed it (the `TopRoutes` windows the sink spilled: ids
-    "<operator>#...", rows with "top") against the batch job's answer, window by window
-    (agent.analytics.debs_compare). Empty when the pipeline has no such operator."""
+def edge_vs_batch(landing: Path, out: Path) -> Dict[str, Dict[str, Any]]:
+    """The DEBS queries as the edge computed them (the windows the sink spilled: ids
+    "<operator>#...", rows with "top" for query 1, with "areas" for query 2) against the batch
+    job's answers in `out` (top_routes.json, profitable_areas.json), window by window
+    (agent.analytics.debs_compare): {"debs_edge_vs_batch": query 1 (its summary key since session
+    13), "debs_q2_edge_vs_batch": query 2}, a query the pipeline does not compute left out."""
     import json
 
-    from agent.analytics.debs_compare import compare_top_routes
+    from agent.analytics.debs_compare import compare_profitable_areas, compare_top_routes
     from agent.tools.verify import landed_records
 
-    edge = [r for (src, _), r in landed_records(landing).items()
-            if "#" in src and isinstance(r, dict) and "top" in r and "start" in r]
-    if not edge or not batch_json.exists():
-        return {}
-    cmp = compare_top_routes(edge, json.loads(batch_json.read_text()))
-    cmp["equal_all"] = not cmp["differences"]
-    cmp["differing"] = len(cmp["differences"])
-    cmp["differences"] = cmp["differences"][:20]  # the first 20 (each with both lists) in the summary
-    return cmp
+    rows = [r for (src, _), r in landed_records(landing).items() if "#" in src and isinstance(r, dict) and "start" in r]
+    res = {}
+    for name, field, batch_json, compare in (
+            ("debs_edge_vs_batch", "top", "top_routes.json", compare_top_routes),
+            ("debs_q2_edge_vs_batch", "areas", "profitable_areas.json", compare_profitable_areas)):
+        edge = [r for r in rows if field in r]
+        if not edge or not (out / batch_json).exists():
+            continue
+        cmp = compare(edge, json.loads((out / batch_json).read_text()))
+        cmp["equal_all"] = not cmp["differences"]
+        cmp["differing"] = len(cmp["differences"])
+        cmp["differences"] = cmp["differences"][:20]  # the first 20 (each with both lists) in the summary
+        res[name] = cmp
+    return res
 
 
 def analyse(workdir: Path, pipeline_path: Path) -> Optional[Dict[str, Any]]:
@@ -91,6 +98,6 @@ def analyse(workdir: Path, pipeline_path: Path) -> Optional[Dict[str, Any]]:
     acc = _accounting(report)
     print(f"analytics report: {report}", file=sys.stderr)  # stdout may be `demo --json`
     return {"report": str(report), "accounting": acc, "expected_ids": expected,
-            "debs_edge_vs_batch": edge_vs_batch(landing, report.parent / "top_routes.json"),
+            **edge_vs_batch(landing, report.parent),
             "landed_files": sum(1 for _ in landing.glob("kind=*/*/*/*.gz")),
             "analytics_s": round(time.monotonic() - t0, 1)}
