@@ -15,7 +15,7 @@ FAULT_HELP = ("seeded fault to switch on (repeatable): retry_only_with_data, dra
               "--rehomes 2 --slow sink-0), replay_clock_at_drop (every move: --rehome-copy --rehomes 2 --brokers 1 "
               "--cuts 1 --spawn-refusals 1 --slow sink-0, seed 9230), leave_before_adoption (a fixed schedule of "
               "the tests only: op-0, the only creator here, is a keeper), resend_pending_only (--keyed --records 8 "
-              "--brokers 1, seed 200008), wait_for_leaver, route_past_departed and start_without_leavers (fixed schedules of the tests: op "
+              "--brokers 1, seed 200008), wait_for_leaver, route_past_departed, start_without_leavers, ack_behind_drain and empty_ack_held (fixed schedules of the tests: op "
               "and the sink scaling at once); the checker should then report a "
               "violation, in some schedules")
 

@@ -173,6 +173,11 @@ class HoldBuffer:
         h = self._held.get(sender)
         return h.items[0][0] if h is not None else None
 
+    def items(self, sender: Hashable) -> List[Any]:
+        """What `sender`'s stream holds, first to last."""
+        h = self._held.get(sender)
+        return [item for item, _ in h.items] if h is not None else []
+
     def pop_first(self, sender: Hashable) -> None:
         h = self._held[sender]
         _, size = h.items.popleft()

@@ -138,6 +138,8 @@ FAULT_RESYNC_AT_FIRST_SEEN = "resync_at_first_seen"
 # The wait for a replay marker starts its clock only at the first data batch it drops, not at a
 # protocol message or a duplicate (seed 9230: the sink never asked again, 4 records lost).
 FAULT_REPLAY_CLOCK_AT_DROP = "replay_clock_at_drop"
+# an idle copy holds an empty ack from a successor's name even with a round message behind it
+FAULT_EMPTY_ACK_HELD = "empty_ack_held"
 
 
 class Phase(Enum):
@@ -775,12 +777,13 @@ class Instance:
 
     # ---- admission (docs/security.md, "Data channels") ------------------------------------------
 
-    def _admit(self, env: Envelope, writer: str) -> Tuple[str, str]:
+    def _admit(self, env: Envelope, writer: str, unannounced_ok: bool = False) -> Tuple[str, str]:
         """ACCEPT, HOLD or REFUSE (with the reason) for one decoded envelope, before it touches
-        any state: its sender must exist for our tables, be hosted by the node `writer` that wrote
-        it (check_node), and its numbers must be ones that sender can have
-        (agent.dataplane.inbound). Cheap on the hot path: dict lookups and a few compares."""
-        if not self._sender_allowed(env):
+        any state: its sender must exist for our tables (unless `unannounced_ok`:
+        `_empty_ack_before_round`), be hosted by the node `writer` that wrote it (check_node), and
+        its numbers must be ones that sender can have (agent.dataplane.inbound). Cheap on the hot
+        path: dict lookups and a few compares."""
+        if not unannounced_ok and not self._sender_allowed(env):
             # Data and protocol messages may come from an instance the protocol announces to us
             # only later (a new copy's predecessors before its Start): hold, if the name can be
             # one of a neighbouring operator's. Acks come only from instances we sent data to,
@@ -1005,6 +1008,23 @@ class Instance:
             self.stats["held_dropped"] += 1
             self._refuse(env, why, writer, " (hold buffer full)")
 
+    def _empty_ack_before_round(self, key: Tuple[str, str], head: Envelope) -> bool:
+        """Idle, is `head` (first of the held stream `key`) an empty ack ([0, 0]: a new
+        incarnation of a successor asking for replays; we sent it nothing) from a name of our
+        successors' operator, with a round message behind it that we take unannounced
+        (`_sender_allowed`)? Then it is taken (a no-op for us) so that the round message gets
+        answered: held until our Start, it kept the Duplication of our creator's neighbour
+        behind it, whose round waited for our ack while our creator's waited for that
+        neighbour's idle copy, which held our creator's Duplication behind its data: two idle
+        copies waiting for each other (docs/reliability.md, "Records lost at an idle sink copy")."""
+        if (not self._idle or head.kind is not Kind.ACK or tuple(head.body) != (0, 0)
+                or FAULT_EMPTY_ACK_HELD in self.faults):
+            return False
+        prefix, names = self._shapes[Kind.ACK]
+        if not (head.sender.startswith(prefix) or head.sender in names):
+            return False
+        return any(h.kind is Kind.PROTO and self._sender_allowed(h) for h, _ in self.hold.items(key)[1:])
+
     def _refuse(self, env: Envelope, why: str, writer: str, note: str = "") -> None:
         """Counted, logged at most once per sender per minute (and 20 lines a minute in all), and
         nothing else: no channel entry, no record id, nothing persisted."""
@@ -1029,14 +1049,17 @@ class Instance:
                 held = self.hold.first(key)
                 if held is None:
                     break
+                unannounced_ok = False
                 if not self._sender_allowed(held[0]):
-                    if held[0].kind is not Kind.ACK or self._idle:
+                    if self._empty_ack_before_round(key, held[0]):
+                        unannounced_ok = True
+                    elif held[0].kind is not Kind.ACK or self._idle:
                         break  # still not announced: keep waiting (an idle copy: until its Start)
                     self.hold.pop_first(key)  # an ack is held only until Start (see _admit)
                     self._refuse(held[0], "sender", writer)
                     continue
                 env = decode(held[1], self._decode_records)  # decoded once already: cannot fail
-                verdict, why = self._admit(env, writer)
+                verdict, why = self._admit(env, writer, unannounced_ok)
                 if verdict == HOLD:
                     break
                 self.hold.pop_first(key)

@@ -38,7 +38,7 @@ from agent.policy.decentralized import Action, Decision, ScalingParams
 from agent.policy.live import LIVE_POLICIES, LivePolicy, PeriodInputs
 from agent.protocol.errors import LocalProtocolError, ProtocolError
 from agent.protocol.guarded import LockMessage, core_class, message_from_dict
-from agent.protocol.messages import Deletion, DeletionAck, Duplication, Start
+from agent.protocol.messages import Deletion, DeletionAck, Duplication, DuplicationAck, Start
 from agent.protocol.scaling import Activate, CreateInstance, Drain, InstanceState, RoutesChanged, Send, Terminate
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ScalingDriver", "FAULT_REHOME_ROUNDS_FROM_ONE", "FAULT_DRAIN_HOLDS_PROTOCOL", "FAULT_REHOME_STAYS",
            "FAULT_LEAVE_BEFORE_ADOPTION", "FAULT_RESEND_PENDING_ONLY", "FAULT_WAIT_FOR_LEAVER",
-           "FAULT_START_WITHOUT_LEAVERS",
+           "FAULT_START_WITHOUT_LEAVERS", "FAULT_ACK_BEHIND_DRAIN",
            "PROBE", "PROBE_ECHO", "IDLE_PING",
            "IDLE_PING_MAX", "MAX_PROBES", "PROBE_TTL"]
 
@@ -76,6 +76,7 @@ FAULT_RESEND_PENDING_ONLY = "resend_pending_only"  # a round message sent again 
 FAULT_WAIT_FOR_LEAVER = "wait_for_leaver"  # a round waits for the ack of a pending neighbour that left
 # our copies start without the neighbours that left after they learnt of them (ScalingCore.leavers)
 FAULT_START_WITHOUT_LEAVERS = "start_without_leavers"
+FAULT_ACK_BEHIND_DRAIN = "ack_behind_drain"  # a draining copy's duplication ack waits behind its Drain
 
 
 class ScalingDriver:
@@ -244,7 +245,8 @@ class ScalingDriver:
     def blocked(self) -> bool:
         """Protocol messages wait while earlier outputs run (the order of effects). Except while
         our deletion round's Drain waits for our input to empty: every predecessor has removed
-        us, so only repeats come now (the second ack of a re-sent Deletion, a counted no-op);
+        us, so only repeats come now (the second ack of a re-sent Deletion, a counted no-op) and
+        successors' rounds (their duplication acks go ahead of the Drain: `_ahead_of_drain`);
         held, one held the data behind it, which the Drain waits for: a departing copy for ever
         (docs/reliability.md)."""
         if FAULT_DRAIN_HOLDS_PROTOCOL in self.w.faults:
@@ -378,9 +380,10 @@ class ScalingDriver:
             if msg.sender != env.sender:
                 raise ValueError(f"message sender {msg.sender} differs from envelope sender {env.sender}")
             self._round_clock[env.sender] = self.w.now
+            ahead = self._ahead_of_drain(msg)
             again = self.memory.replay_ack(msg, self.core.instance_id, self.core.stage)
             if again is not None:  # a round we applied, sent again by a restarted sender
-                self._queue([Send(env.sender, again)])
+                self._queue([Send(env.sender, again)], ahead)
                 return
             outs = self.core.handle(msg)
             if FAULT_START_WITHOUT_LEAVERS in self.w.faults:
@@ -402,7 +405,7 @@ class ScalingDriver:
         if is_lock:
             self.w.mark_state_changed()  # the lock state changed even when nothing is sent
         self._observe(outs)
-        self._queue(outs)
+        self._queue(outs, ahead)
         if self.links is not None and getattr(self.core, "departed", None) and self.core.departed(env.sender):
             self._send_link(self.links.forget(env.sender))
 
@@ -653,14 +656,33 @@ class ScalingDriver:
             detail.update({k: v for k, v in self.live.last.items() if k != "context"})
         return detail
 
-    def _queue(self, outs: List[Any]) -> None:
+    def _queue(self, outs: List[Any], ahead: bool = False) -> None:
         if outs:
-            self.outputs.extend(outs)
+            if ahead and all(isinstance(o, Send) and isinstance(o.message, DuplicationAck) for o in outs):
+                self.outputs.extendleft(reversed(outs))
+            else:
+                self.outputs.extend(outs)
             self.w.mark_state_changed()
             # Write-ahead (agent.instance.recovery): the core's new state and the outputs still to
             # perform reach the disk before any of them is performed.
             self.w.persist(force=True)
             self.run_outputs(self.w.now)
+
+    def _ahead_of_drain(self, msg: Any) -> bool:
+        """Does our ack of `msg` go before our deletion round's Drain, which waits at the head of
+        the queue? Only the ack of a Duplication whose copies our tables already name: a
+        departing instance adds no neighbour (docs/scaling.md deviation 7), so its ack waits
+        for no route change (invariant 3), and our second-phase Deletion goes to those copies
+        too. Behind the Drain it could wait for ever: our records to such a copy, idle, are
+        acked only once it starts, which waits for our ack (seed 404). A copy we do not know
+        gets no record of ours, so nothing waits; acked first, though, its creator would start
+        it naming us, and we would leave without telling it: its own Deletion would wait for
+        us for ever (seed 51). docs/reliability.md, "Records lost at an idle sink copy". A
+        deletion ack keeps its place: it promises the leaver that nothing of ours follows it."""
+        core = self.core
+        return (self.draining and bool(self.outputs) and isinstance(self.outputs[0], Drain)
+                and FAULT_ACK_BEHIND_DRAIN not in self.w.faults and isinstance(msg, Duplication)
+                and set(msg.new_instances) <= (core.succs if msg.stage == core.stage + 1 else core.preds))
 
     def persisted(self) -> Dict[str, Any]:
         """What a restarted worker needs to finish a round: the core, the outputs not yet

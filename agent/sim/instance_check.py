@@ -105,7 +105,8 @@ PLACEMENT[KEEPER] = "n1"
 FAULTS = ("retry_only_with_data", "drain_holds_protocol", "rehome_rounds_from_one", "route_afresh",
           "replay_to_departed", "rehome_stays", "resync_at_first_seen", "leave_before_adoption",
           "rehome_idle_active", "replay_clock_at_drop", "resend_pending_only", "wait_for_leaver",
-          "route_past_departed", "start_without_leavers") + HANDOVER_FAULTS
+          "route_past_departed", "start_without_leavers", "ack_behind_drain",
+          "empty_ack_held") + HANDOVER_FAULTS
 # The one seeded fault of the planner's inputs (agent.node.rehome), played by the checker's
 # re-homing move: plan_rehome is not told which copies were idle, and starts them active.
 FAULT_REHOME_IDLE_ACTIVE = "rehome_idle_active"
