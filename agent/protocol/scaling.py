@@ -318,10 +318,7 @@ class ScalingCore:
         targets = sorted(self.succs) + sorted(self.preds)
         out.extend(Send(t, msg) for t in targets)
         self.pending = set(targets)
-        self.unsure = {}
-        self.gone = set()
-        self.leavers = {}
-        self.acked = set()
+        self._forget_round()
         self.state = InstanceState.DUPLICATING
         if not self.pending:
             out.extend(self._finish_duplication())
@@ -375,10 +372,7 @@ class ScalingCore:
         if not kept:
             self.state = InstanceState.ACTIVE
             self.pending = set()
-            self.unsure = {}
-            self.gone = set()
-            self.leavers = {}
-            self.acked = set()
+            self._forget_round()
             self.new_siblings = ()
             return []
         self.new_siblings = kept
@@ -441,8 +435,7 @@ class ScalingCore:
         else:
             targets = sorted(self.preds)
         self.pending = set(targets)
-        self.unsure = {}
-        self.gone = set()
+        self._forget_round()
         self.state = InstanceState.DELETING
         out: List[Output] = [Send(t, msg) for t in targets]
         if not self.pending:
@@ -553,6 +546,15 @@ class ScalingCore:
 
     # ---- round completion (Algorithms 6 and 10) -------------------------------------------
 
+    def _forget_round(self) -> None:
+        """What a round learnt of its neighbours (`unsure`, `gone`, `acked`, `leavers`) ends with
+        it: a new round, a round's end and termination start from nothing (`leavers` and `acked`
+        are only ever filled in a duplication round)."""
+        self.unsure = {}
+        self.gone = set()
+        self.leavers = {}
+        self.acked = set()
+
     def _finish_duplication(self) -> List[Output]:
         """All neighbours know the new siblings: activate them with our current tables, plus
         the neighbours that left after they learnt of the siblings (`leavers`): those send the
@@ -563,10 +565,7 @@ class ScalingCore:
         start = Start(self.instance_id, self.stage, tuple(sorted(succs)), tuple(sorted(preds)))
         out: List[Output] = [Send(i, start) for i in self.new_siblings]
         self.new_siblings = ()
-        self.unsure = {}
-        self.gone = set()
-        self.leavers = {}
-        self.acked = set()
+        self._forget_round()
         self.state = InstanceState.ACTIVE
         return out
 
@@ -578,8 +577,7 @@ class ScalingCore:
             msg = Deletion(self.instance_id, self.stage, self.round)
             targets = sorted(self.succs)
             self.pending = set(targets)
-            self.unsure = {}
-            self.gone = set()
+            self._forget_round()
             self.state = InstanceState.DEPARTING
             out: List[Output] = [Drain()]
             out.extend(Send(t, msg) for t in targets)
@@ -587,8 +585,7 @@ class ScalingCore:
                 out.extend(self._deletion_acks_complete())
             return out
         self.state = InstanceState.TERMINATED
-        self.unsure = {}
-        self.gone = set()
+        self._forget_round()
         out = [] if self.deletion_mode is DeletionMode.TWO_PHASE else [Drain()]
         out.append(Terminate(self.instance_id))
         return out
