@@ -35,3 +35,52 @@ def test_a_new_leader_publishes_its_lease_before_it_steers_any_node() -> None:
     second = driver.tick(1000.5, docs(1000.5), online)
     assert [type(e) for e in second] == [Publish, Emit, Steer], second
     assert second[2].node == "n1" and second[2].body["op"] == "drain"
+
+
+def test_an_agent_claims_the_role_only_once_the_retained_lease_could_have_arrived(tmp_path) -> None:
+    """The daemon runs the site manager's period only after the broker echoed the sync marker it
+    published after subscribing: the broker sends the retained lease before that echo. (Ticking
+    at connect, before the lease arrived, let an agent take the role from a live leader; CI saw
+    n1 replace an unexpired lease of n9.) No broker: the agent's client records what it sends,
+    the messages are handed in."""
+    from types import SimpleNamespace
+
+    from agent import topics
+    from agent.config import load_agent_config
+    from agent.node.daemon import Agent
+
+    conf = tmp_path / "a.toml"
+    conf.write_text(f'[agent]\nnode = "n1"\ncluster = "c"\nstate_dir = "{tmp_path}"\n[mqtt]\nhost = "h"\nport = 1\n'
+                    "[site_manager]\nenabled = true\nperiod = 0.5\nlease = 4.0\n")
+    agent = Agent(load_agent_config(conf), warm_worker=False)
+    sent: list = []
+
+    class Client:
+        def subscribe(self, subs: Any) -> None:
+            pass
+
+        def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False, properties: Any = None) -> Any:
+            sent.append((topic, payload))
+            return SimpleNamespace(rc=0)
+
+    agent._client = Client()
+    agent._on_connected(False)
+    lease_topic = topics.site_manager("c")
+    marker = [p for t, p in sent if t == topics.replies("c", "n1", "n1")]
+    assert len(marker) == 1, sent
+    agent._periodic(agent.clock())
+    assert not [p for t, p in sent if t == lease_topic], "claimed the role before the retained lease could arrive"
+
+    def deliver(topic: str, payload: bytes, retain: bool) -> None:
+        agent._on_message(SimpleNamespace(topic=topic, payload=payload, retain=retain, properties=None), agent.clock())
+
+    n9 = {"v": 1, "node": "n9", "until": agent.wall() + 300.0}
+    deliver(lease_topic, json.dumps(n9).encode(), True)
+    deliver(topics.replies("c", "n1", "n1"), marker[0], False)
+    agent._periodic(agent.clock())
+    assert not [p for t, p in sent if t == lease_topic], "took an unexpired lease of n9"
+    deliver(lease_topic, b"", True)  # n9 let go
+    agent.site.last_tick -= 1.0  # a period (0.5 s, on the wall clock) has passed
+    agent._periodic(agent.clock())
+    claims = [json.loads(p) for t, p in sent if t == lease_topic]
+    assert [c["node"] for c in claims] == ["n1"], claims

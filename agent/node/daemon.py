@@ -41,6 +41,7 @@ import os
 import queue
 import signal
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
@@ -52,6 +53,7 @@ from agent.control.rpc_schema import ActionKind, DrainRequest, Reply, RequestErr
 from agent.mqtt import client as mqttc
 from agent.files import write_atomic
 from agent.instance.spec import InstanceSpec, request_spec
+from agent.mqtt.requester import SYNC_PREFIX
 from agent.mqtt.settings import BrokerSpec
 from agent.measure.capacity import capacity_for
 from agent.node import bounds, chains, hosted, nodestate, rehome, rpc, statexfer
@@ -90,7 +92,7 @@ MAX_RESTARTS = 3  # immediate restarts of a crashed worker within RESTART_WINDOW
 RESTART_WINDOW = 60.0
 RESTART_BACKOFF_MAX = 30.0  # seconds: the longest wait before restarting a crash-looping worker
 REHOMED_KEPT = 1000  # entries of this node's retained re-homed record
-READOPT_SETTLE = 1.0  # seconds after connecting before re-adopting: the retained states arrive first
+READOPT_SETTLE = 1.0  # seconds after connecting before re-adopting, and not before the sync marker came back
 STATE_MIN_INTERVAL = 0.25  # rate limit of change-triggered state publications
 
 
@@ -256,6 +258,8 @@ class Agent:
         # The site manager (docs/site-manager.md): every agent reads its leader record (a drain on
         # the peer topic is accepted from the leader only); [site_manager] enabled runs a candidate.
         self.site_lease: Optional[Lease] = None
+        self._retained_in = False  # the retained records of this connection's subscriptions are in
+        self._sync_marker = b""  # what marks their end (see _on_connected)
         # A node state older than three state periods is not counted as serving (a killed agent's
         # last state would offer its slots until its Will arrives).
         self.site: Optional[SiteDriver] = (SiteDriver(cfg.site_manager, cfg.agent.node, cfg.agent.cluster,
@@ -319,6 +323,11 @@ class Agent:
         if self.latency_core is not None:
             subs.extend((t, 0) for t in self.latency_core.subscriptions())
         c.subscribe(subs)
+        # The broker sends a subscription's retained messages before it handles our next publish
+        # (one connection, in order): when this marker comes back, the site manager's lease is in.
+        self._retained_in = False
+        self._sync_marker = SYNC_PREFIX + uuid.uuid4().hex.encode()
+        self._publish(topics.replies(self.cluster, self.node, self.node), self._sync_marker, qos=1)
         # State before status: whoever sees "online" (a snapshot ends at a sync marker, not after
         # a pause) then also finds this node's retained state, so `deploy` can place on it.
         self._publish_state(self.clock())
@@ -475,7 +484,8 @@ class Agent:
     def _periodic(self, now: float) -> None:
         for reaped in self.supervisor.poll(now):
             self._on_reaped(reaped, now)
-        if self._reconcile_at is not None and now >= self._reconcile_at and self._stopping_since is None:
+        if (self._reconcile_at is not None and now >= self._reconcile_at and self._retained_in
+                and self._stopping_since is None):
             self._reconcile_at = None
             self._reconcile(now)
         if self._hosted_dirty and self.connected:
@@ -519,7 +529,9 @@ class Agent:
             if due or (self._state_dirty and now - self._last_state >= STATE_MIN_INTERVAL):
                 self._publish_state(now)
                 self._send_policy_contexts()
-        if self.site is not None and self.connected and self._stopping_since is None:
+        if self.site is not None and self.connected and self._retained_in and self._stopping_since is None:
+            # Not before the retained lease is in: an agent that claimed the role in the moment
+            # between its connect and the lease's arrival took it from a live leader.
             self._site_tick()
         if self.spill is not None:
             self.spill.tick(now)
@@ -1089,6 +1101,8 @@ class Agent:
             return
         if kind in ("rpc", "peer") and node == self.node:
             self._on_rpc_request(msg, str(parsed.sender), peer=kind == "peer", now=now)
+        elif kind == "reply" and node == self.node and parsed.sender == self.node:
+            self._retained_in = self._retained_in or msg.payload == self._sync_marker
         elif kind == "reply" and node == self.node:
             self._on_rpc_reply(msg, str(parsed.sender), now)
         elif kind == "state":
