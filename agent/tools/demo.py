@@ -149,15 +149,8 @@ class Fleet:
         return self
 
     def wait_online(self, mon: "Monitor", bound: float = 120.0) -> None:
-        """Until every agent says online, on the event rather than a fixed time: 3 agents
-        starting at once took over 30 s at load ~19 (a python start and the imports on shared
-        cores). An agent process that exits fails at once; `bound` only ends a hang."""
-        def up_or_dead(m: "Monitor") -> bool:
-            online = sum(1 for s in m.status.values() if s == "online") == len(self.nodes)
-            return online or any(p.poll() is not None for p in self.procs.values())
-
-        if not mon.wait(up_or_dead, bound) or any(p.poll() is not None for p in self.procs.values()):
-            raise RuntimeError(f"agents did not come online: {mon.status} (logs in {self.workdir})")
+        """Until every agent of the fleet says online (`wait_online`)."""
+        wait_online(mon, {n: self.procs[n] for n in self.nodes}, bound, f" (logs in {self.workdir})")
 
     @staticmethod
     def agent_env() -> Dict[str, str]:
@@ -223,6 +216,20 @@ class Fleet:
 
 
 # ---- the monitor -------------------------------------------------------------------------------
+
+
+def wait_online(mon: "Monitor", procs: Dict[str, "subprocess.Popen[Any]"], bound: float = 120.0,
+                where: str = "") -> None:
+    """Until the agent of every node in `procs` (node -> its process) says online, on the event
+    rather than a fixed time: 3 agents starting at once took over 30 s at load ~19, and one alone
+    did not log its first line within 30 s at load ~34 (a python start and the imports on shared
+    cores). An agent process that exits fails at once; `bound` only ends a hang."""
+    def up_or_dead(m: "Monitor") -> bool:
+        return (all(m.status.get(n) == "online" for n in procs)
+                or any(p.poll() is not None for p in procs.values()))
+
+    if not mon.wait(up_or_dead, bound) or any(p.poll() is not None for p in procs.values()):
+        raise RuntimeError(f"agents did not come online: {mon.status}{where}")
 
 
 class Monitor:
@@ -851,4 +858,4 @@ def main(args: argparse.Namespace) -> int:
     return EXIT_OK if summary["ok"] else EXIT_LOSS
 
 
-__all__ = ["Fleet", "Monitor", "run_demo"]
+__all__ = ["Fleet", "Monitor", "run_demo", "wait_online"]
