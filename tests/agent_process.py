@@ -12,6 +12,10 @@ import time
 from typing import Any, Callable, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
+# Seconds a test gives an agent to come online, against a hang only (a dead process fails at once
+# where the test can see it): under load ~34 one had not logged its first line after 30 s (a
+# python start and the imports on shared cores).
+ONLINE_BOUND = 120.0
 
 
 class AgentProcess:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Dict
 
 import pytest
-from agent_process import AgentProcess
+from agent_process import ONLINE_BOUND, AgentProcess
 
 import agent.node.daemon  # noqa: E402,F401  (a broken daemon must fail here, not skip)
 
@@ -84,7 +84,7 @@ def test_real_fleet_status_topology_match_agents_own_view(capsys, mosquitto, fle
         doc = fogctl(capsys, mosquitto, cluster, "--json", "status")
         return [n["status"] for n in doc["nodes"]] == ["online"] * 3
 
-    assert wait_for(all_online, 30), "the three agents did not come online"
+    assert wait_for(all_online, ONLINE_BOUND), "the three agents did not come online"
     # `watch` runs while the deploy happens and must show each keeper's start as it happens.
     watch = subprocess.Popen([sys.executable, "-m", "agent.cli.fogctl", "--broker", mosquitto.address,
                               "--cluster", cluster, "--json", "watch", "--filter", "type=spawned",

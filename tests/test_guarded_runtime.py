@@ -31,6 +31,7 @@ import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
 from agent.tools.dataplane_bench import LocalRunner, pipeline_toml
+from agent_process import ONLINE_BOUND
 from tests.test_runtime_worker_broker import (RUNNERS, assert_exactly_once, expected_ids, start_pipeline, wait_for,
                                              wait_source_quiet)
 
@@ -308,7 +309,7 @@ def test_fogctl_locks_on_real_agents_shows_who_requests_and_who_is_in_the_cs(cap
     tap = EventTap(mosquitto.host, mosquitto.port, cluster)
     try:
         assert poll(lambda: [n["status"] for n in fogctl(capsys, mosquitto, cluster, "--json", "status")["nodes"]]
-                    == ["online"] * 3, 30)
+                    == ["online"] * 3, ONLINE_BOUND)
         p = tmp_path / "locks.toml"
         p.write_text(LOCK_PIPELINE)
         fogctl(capsys, mosquitto, cluster, "--json", "deploy", str(p))

@@ -23,6 +23,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from agent.cli.fogctl import main as fogctl_main
+from agent_process import ONLINE_BOUND
 from tls_site import OK_CODES, AgentProc, Client, Site, have_tools, running_site, wait_until
 
 from pipelines import taxi_in_zone  # noqa: E402
@@ -133,9 +134,8 @@ def fleet(site: Site) -> Iterator[Fleet]:
     agents = {n: AgentProc(site, n) for n in NODES}
     f = Fleet(site, agents)
     try:
-        # A bound for a hang only: agents starting under load took over 30 s; a dead one fails at once.
         wait_until(lambda: all(f.latest(T(f"agents/{n}/status")) == b"online" for n in NODES)
-                   or not all(a.alive() for a in agents.values()), 120)
+                   or not all(a.alive() for a in agents.values()), ONLINE_BOUND)
         assert all(f.latest(T(f"agents/{n}/status")) == b"online" for n in NODES), agents["n1"].text()[-2000:]
         pipe = site.tmp / "taxi.toml"
         pipe.write_text(taxi_in_zone("taxi", seed=1, rate=50.0))
