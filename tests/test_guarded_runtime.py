@@ -170,7 +170,7 @@ def test_fgme_neighbours_never_scale_together_and_nothing_is_lost(mosquitto, tmp
     lock their rounds are serialized (and did want to overlap: the later decision was taken
     before the earlier round ended), every record reaches the sink exactly once, nothing is
     sent to a terminated instance or a non-successor, no protocol error."""
-    runner = LocalRunner(tmp_path)
+    runner = LocalRunner(tmp_path, ready_timeout=ONLINE_BOUND)
     RUNNERS[:] = [runner]
     try:
         t0 = time.monotonic()
@@ -218,7 +218,7 @@ def test_same_check_finds_neighbours_in_a_round_together_without_the_lock(mosqui
     """coordination = "ack", the same simultaneous scale-out: the paper's protocol lets both
     neighbours run their rounds at once (it is safe for the data, not exclusive), and the
     interval check of the test above reports it."""
-    runner = LocalRunner(tmp_path)
+    runner = LocalRunner(tmp_path, ready_timeout=ONLINE_BOUND)
     RUNNERS[:] = [runner]
     try:
         r = run_scenario(runner, mosquitto, tmp_path, "ack", scale_in=False)

@@ -507,6 +507,7 @@ def test_the_worker_refuses_a_function_before_importing_or_creating_anything(
 def test_a_real_agent_refuses_spawns_of_code_escaping_paths_and_forged_epochs(
         tmp_path: Path, mosquitto: Any, opsdir: Tuple[Path, Dict[str, str]]) -> None:
     from agent.node.rpc import RpcClient
+    from agent_process import wait_until_answers
 
     pkgs, names = opsdir
     cluster = "sec" + uuid.uuid4().hex[:6]
@@ -525,14 +526,7 @@ def test_a_real_agent_refuses_spawns_of_code_escaping_paths_and_forged_epochs(
                                 stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT))
     try:
         with RpcClient(mosquitto.host, mosquitto.port, cluster) as client:
-            deadline = time.monotonic() + 20
-            while True:  # the agent is up once it answers a ping
-                try:
-                    assert client.call("n1", {"op": "ping"}, timeout=2.0)["ok"]
-                    break
-                except Exception:
-                    if time.monotonic() > deadline or proc.poll() is not None:
-                        raise
+            wait_until_answers(client, "n1", lambda: proc.poll() is None)  # the agent is up
             bad = [spec_body("builtins:exec", "p.work.1"), spec_body(f"{names['evil']}:run", "p.work.2"),
                    spec_body(f"{names['ops']}:system", "p.work.3"),  # allowed module, imported name: the worker refuses
                    spec_body(f"{names['ops']}:double", "p.work.4", sink_dir=f"{state}/../escape"),
