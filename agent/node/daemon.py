@@ -427,7 +427,7 @@ class Agent:
         elif kind == "worker_line":
             self._on_worker_line(ev[1], ev[2], now)
         elif kind == "worker_eof":
-            pass  # the exit is seen by supervisor.poll()
+            self.supervisor.handle_eof(ev[1])  # its lines are handled: poll() may reap it
         elif kind == "mqtt_puback":
             self._last_puback = now
         elif kind == "mqtt_connect":

@@ -15,7 +15,7 @@ Every stamp is wall time taken by a worker on this machine (the demo's agents sh
 
 Parts of one scale-out (with several copies, the earliest copy's stamp counts, as the total):
     round        decision -> copy started, itself made of
-      spawn        decision -> the copy's worker up (pre-started worker or a cold start)
+      spawn        decision -> the copy's worker up (forked by the agent's fork server, or a cold start)
       announce     worker up -> its Start (the Duplication to every neighbour, their acks: a
                    neighbour handles it behind the data its sender queued there before, FIFO)
     handover     copy started -> its first group installed (keyed only), itself made of
@@ -82,10 +82,11 @@ def rescale_by_operator(stats: Dict[str, Dict[str, Any]], operator_of: Dict[str,
     """{operator: {"keyed", "decision_to_first_record_s": {median, max, n}, "parts_median_s": {...},
     "cold_spawns", "each": [row, ...]}} over every scale-out decision found in `stats` (instance ->
     its last stats, exited instances included), the operator of each instance from `operator_of`;
-    `warm`: instance -> how long the agent's pre-started worker had run when it took the instance,
-    None for a cold start (its "spawned" event): a row says "cold" when one of its copies was a
-    cold start (a python start and imports, seconds on a loaded machine) and "warm_age" the
-    youngest pre-started process among them (a young one was still importing)."""
+    `warm`: instance -> seconds since the fork server that forked it had started, None for a cold
+    start (its "spawned" event; docs/runtime.md "Pre-started workers"): a row says "cold" when one
+    of its copies was a cold start (a python start and imports, seconds on a loaded machine) and
+    "warm_age" the smallest age among them (before session 15: the age of the one pre-started
+    spare, and a young one was still importing)."""
     warm = warm or {}
     rows: Dict[str, List[Dict[str, Any]]] = {}
     keyed_ops: Dict[str, bool] = {}
