@@ -837,7 +837,8 @@ class Agent:
             self._event("spawned", instance, w.spec.operator, w.spec.pipeline,
                         cause=job.cause if job else ("restart" if w.spec.restart else "unknown"),
                         warm=w.warm_age is not None,
-                        warm_age_s=round(w.warm_age, 2) if w.warm_age is not None else None)
+                        warm_age_s=round(w.warm_age, 2) if w.warm_age is not None else None,
+                        start_to_ready_s=round(now - w.started_at, 3))
         if job is not None:
             # Invariant 2: the new instance's inbox is subscribed ("ready"), only now is it announced.
             job.reply({"ok": True, "instance": instance, "node": self.node})

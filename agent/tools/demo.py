@@ -377,9 +377,11 @@ class Monitor:
         with self._lock:
             stats = {i: dict(s) for i, s in self.instance_stats.items()}
             ops = dict(self.instance_operator)
-        warm = {str(e.get("instance")): e["detail"].get("warm_age_s") for e in self.agent_events("spawned")
+        spawned = self.agent_events("spawned")
+        warm = {str(e.get("instance")): e["detail"].get("warm_age_s") for e in spawned
                 if isinstance(e["detail"].get("warm"), bool)}
-        return rescale_by_operator(stats, ops, warm)
+        ready = {str(e.get("instance")): e["detail"].get("start_to_ready_s") for e in spawned}
+        return rescale_by_operator(stats, ops, warm, ready)
 
     def agent_events(self, etype: str, cause: Optional[str] = None) -> List[Dict[str, Any]]:
         with self._lock:
