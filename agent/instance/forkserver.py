@@ -194,6 +194,11 @@ class Server:
         return True
 
     def fork(self, fid: int, stdin_fd: int, stdout_fd: int) -> None:
+        for stream in (sys.stdout, sys.stderr):  # nothing of ours written twice, or into the pipe
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
         try:
             pid = os.fork()
         except OSError as exc:

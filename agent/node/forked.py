@@ -23,6 +23,7 @@ import select
 import signal
 import socket
 import subprocess
+import sys
 import time
 from typing import IO, Any, Callable, Dict, Optional, Sequence
 
@@ -34,9 +35,12 @@ LOST_STATUS = -1000  # no status: the server that reaped the process is gone (ne
 PACKET = 4096
 
 
-def supported() -> bool:
-    """Fork, SOCK_SEQPACKET and fd passing: Linux (the fog nodes); elsewhere workers start cold."""
-    return hasattr(os, "fork") and hasattr(socket, "SOCK_SEQPACKET") and hasattr(socket, "send_fds")
+def supported(command: Sequence[str]) -> bool:
+    """Fork, SOCK_SEQPACKET and fd passing (Linux: the fog nodes), and a worker command that a
+    Python interpreter runs (the server is Python: `--worker-command` may name anything);
+    otherwise every worker starts cold."""
+    python = len(command) >= 2 and (command[0] == sys.executable or os.path.basename(command[0]).startswith("python"))
+    return python and hasattr(os, "fork") and hasattr(socket, "SOCK_SEQPACKET") and hasattr(socket, "send_fds")
 
 
 class ForkedProcess:

@@ -159,7 +159,7 @@ class Supervisor:
         # it, so no start pays the interpreter start and the imports (the longest part of
         # "decision -> first record" on a loaded machine), however many come at once
         # (docs/runtime.md, "Pre-started workers"). It is not an instance and holds no slot.
-        self.warm = warm and forked.supported()
+        self.warm = warm and forked.supported(self.command)
         self._server: Optional[ForkServer] = None
         self._warm_retry_at = 0.0
         self._server_closing = False  # close_warm: closed once no worker it forked is left
