@@ -113,8 +113,9 @@ class Reaped:
 def _pdeathsig() -> None:  # pragma: no cover - runs in the child between fork and exec
     # Ctrl-C in the agent's terminal reaches the whole process group: the agent stops its workers
     # itself ("stop", then signals), so a worker ignores SIGINT until it installs its own drain
-    # handler (worker._install_signals); without this, the pre-started worker, still reading its
-    # spec, died of KeyboardInterrupt with a traceback on every Ctrl-C of `fog-agent run`.
+    # handler (worker._install_signals); without this, a worker still reading its spec (then the
+    # pre-started one) died of KeyboardInterrupt with a traceback on every Ctrl-C of `fog-agent
+    # run`. The fork server inherits it too, and its forked workers from it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         import ctypes
