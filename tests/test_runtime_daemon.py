@@ -887,3 +887,17 @@ def test_a_spawn_whose_worker_never_became_ready_is_not_restarted_here(tmp_path:
     assert replies and replies[0]["ok"] is False and "exited before ready" in replies[0]["error"]
     assert started == [] and agent.counters["restarts"] == 0 and not agent._delayed_restarts
     assert spec.instance not in {s.instance for s in hosted.hosted(tmp_path)}
+
+
+@pytest.mark.broker
+def test_bench_spawn_starts_every_worker_of_a_burst_forked_then_cold(tmp_path: Path) -> None:
+    """`fog-agent bench spawn`'s figures are per start, for each mode (no timing is asserted:
+    the numbers are the benchmark's, docs/runtime.md "Pre-started workers")."""
+    from agent.tools.demo import bench_spawn
+
+    out = bench_spawn(burst=2, rounds=1, workdir=tmp_path)
+    for mode in ("forked", "cold"):
+        r = out[mode]
+        assert r["start_to_ready_s"]["n"] == 2 and len(r["each"]) == 2 and all(v > 0 for v in r["each"])
+    assert out["forked"]["forked_starts"] == 2 and out["cold"]["forked_starts"] == 0  # what each mode measured
+    assert set(out["cold_over_forked"]) == {"median", "max"}

@@ -608,9 +608,11 @@ function = "agent.operators.builtin:counting_sink"
 """
 
 
-def start_to_ready(host: str, port: int, workdir: Path, warm: bool, n: int = 5, burst: int = 1) -> List[float]:
+def start_to_ready(host: str, port: int, workdir: Path, warm: bool, n: int = 5, burst: int = 1,
+                   forked: Optional[List[bool]] = None) -> List[float]:
     """Seconds from `Supervisor.start` to the worker's "ready" (inbox subscribed), n rounds of
-    `burst` starts at once (a round of several copies; each start's own figure)."""
+    `burst` starts at once (a round of several copies; each start's own figure); `forked`, if
+    given, gets whether each start was a fork of the fork server."""
     import queue
 
     from agent.node.daemon import worker_env
@@ -635,7 +637,9 @@ def start_to_ready(host: str, port: int, workdir: Path, warm: bool, n: int = 5, 
                                     node="bench", cluster="benchready", pipeline="rb", pipeline_toml=text,
                                     broker=BrokerSpec(host, port), state_dir=str(workdir / "state"),
                                     extra={"sink_dir": str(workdir / "sink")})
-                sup.start(spec, time.monotonic())
+                w = sup.start(spec, time.monotonic())
+                if forked is not None:
+                    forked.append(w.warm_age is not None)
             while len(ready) < burst:
                 ev = q.get(timeout=60)
                 if ev[0] == "worker_line":
@@ -665,8 +669,11 @@ def bench_spawn(burst: int = 3, rounds: int = 5, workdir: Optional[Path] = None)
     out: Dict[str, Any] = {"burst": burst, "rounds": rounds, "workdir": str(base)}
     with start_private_broker(base / "broker") as broker:
         for mode in ("forked", "cold"):
-            values = start_to_ready(broker.host, broker.port, base / mode, warm=mode == "forked", n=rounds, burst=burst)
-            out[mode] = {"start_to_ready_s": _median_max(values), "each": [round(v, 3) for v in values]}
+            kinds: List[bool] = []
+            values = start_to_ready(broker.host, broker.port, base / mode, warm=mode == "forked", n=rounds, burst=burst,
+                                    forked=kinds)
+            out[mode] = {"start_to_ready_s": _median_max(values), "each": [round(v, 3) for v in values],
+                         "forked_starts": sum(kinds)}
     forked_s, cold_s = out["forked"]["start_to_ready_s"], out["cold"]["start_to_ready_s"]
     out["cold_over_forked"] = {k: round(cold_s[k] / forked_s[k], 1) if forked_s[k] else None for k in ("median", "max")}
     return out
