@@ -61,7 +61,7 @@ def test_steps_up_one_period_before_the_busy_slots_and_back_after_them():
     assert changes == [(7, 5), (15, 2)]
     # the risk-priced operating point takes the same two steps, up to the count past which one more
     # instance costs more than the shortfall it saves: P(400 x exp(N(0, 0.12)) > 500) = 3.1 %,
-    # x price 50 = 1.6 > 1, so 6; P(> 600) x 50 = 0.02 < 1
+    # x price 75 = 2.3 > 1, so 6; P(> 600) x 75 = 0.03 < 1
     acts = _run(PlannedPolicy(profile=PROFILE, **PLANNED_POINT), [PROFILE[k] for k in range(24)])
     assert [(k, a[1]) for k, a in enumerate(acts) if a[0] is not ActionKind.NONE] == [(7, 6), (15, 2)]
 
@@ -114,7 +114,7 @@ def test_noise_correction_lowers_the_plan_on_a_quiet_day_and_never_raises_it():
         acts = _run(PlannedPolicy(profile=PROFILE, **point), totals)
         return [(k, a[1]) for k, a in enumerate(acts) if a[0] is not ActionKind.NONE]
 
-    open_loop = dict(PLANNED_POINT, noise_decay=0.0)
+    open_loop = dict(PLANNED_POINT, noise_decay=0.0, day_prior=0.0)
     assert changes(open_loop, 0.6) == [(7, 6), (15, 2)]
     assert changes(PLANNED_POINT, 0.6) == [(7, 5), (15, 2)]
     assert changes(PLANNED_POINT, 1.3) == changes(open_loop, 1.3) == [(7, 6), (15, 2)]
@@ -123,7 +123,7 @@ def test_noise_correction_lowers_the_plan_on_a_quiet_day_and_never_raises_it():
 def test_day_level_lowers_a_quiet_days_plan_slowly_restarts_each_day_and_leaves_a_busy_day_alone():
     """The day-level estimate alone (no decaying correction, prior 4 periods): a day at 0.8 x the
     profile is learnt as exp(8 log 0.8 / (8 + 4)) = 0.86 by the end of slot 7, so the busy slots get
-    5 instances, not the 6 of the profile (P(344 x exp(N(0, 0.12)) > 500) x 50 < 1); the next day,
+    5 instances, not the 6 of the profile (P(344 x exp(N(0, 0.12)) > 500) x 75 < 1); the next day,
     back at the profile, starts again from the prior and gets 6. A day 30 % over the profile gets
     the same 6 as without the estimate (downwards only); `day_band_up` 0 lets it raise the plan (to 7).
     Fails when the sums are not restarted at the day's first slot, or when the sign is flipped."""
