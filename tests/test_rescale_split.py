@@ -30,10 +30,12 @@ OPS = {"p.in_zone.0": "in_zone", "iz-1": "in_zone", "p.route_counts.0": "route_c
 
 
 def test_per_operator_with_the_keyed_copy_split_into_round_handover_and_first_record() -> None:
-    out = rescale_by_operator(_stats(), OPS, warm={"iz-1": 3.5, "rc-1": None})
+    out = rescale_by_operator(_stats(), OPS, warm={"iz-1": 3.5, "rc-1": None}, ready={"iz-1": 0.12})
     assert set(out) == {"in_zone", "route_counts"}
     assert out["in_zone"]["cold_spawns"] == 0 and out["route_counts"]["cold_spawns"] == 1
     assert out["in_zone"]["each"][0]["warm_age"] == 3.5 and out["route_counts"]["each"][0]["warm_age"] is None
+    assert out["in_zone"]["each"][0]["start_to_ready"] == 0.12  # the worker's own part of the spawn
+    assert out["route_counts"]["each"][0]["start_to_ready"] is None
     iz, rc = out["in_zone"], out["route_counts"]
     assert iz["keyed"] is False and rc["keyed"] is True
     assert iz["decision_to_first_record_s"] == {"median": 0.35, "max": 0.35, "n": 1}
@@ -57,5 +59,5 @@ def test_a_copy_that_never_applied_a_record_is_left_out_and_missing_stamps_stay_
     out = rescale_by_operator(st, OPS)
     assert "route_counts" not in out
     assert out["in_zone"]["each"] == [{"total": 0.35, "round": None, "spawn": 0.2, "announce": None, "first": None,
-                                       "cold": False, "warm_age": None}]
+                                       "cold": False, "warm_age": None, "start_to_ready": None}]
     assert split_one({"kind": "scale_out", "new": ["x"]}, [{"first_record_at": AT}], keyed=False) is None

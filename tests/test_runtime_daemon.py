@@ -209,6 +209,8 @@ class Loop:
                     msg = self.sup.handle_line(ev[1], ev[2], time.monotonic())
                     if msg:
                         self.msgs.append(msg)
+                elif ev[0] == "worker_eof":
+                    self.sup.handle_eof(ev[1])
             except queue.Empty:
                 pass
             self.reaped.extend(self.sup.poll(time.monotonic()))
@@ -236,8 +238,10 @@ def test_supervisor_start_ready_heartbeat_stop(tmp_path: Path, fake_worker: List
     assert not pid_alive(r.worker.pid)
 
 
-def test_supervisor_escalates_to_sigterm_then_sigkill(tmp_path: Path, fake_worker: List[str]) -> None:
-    loop = Loop(command=fake_worker, term_after=0.5, kill_after=1.5)
+@pytest.mark.parametrize("forked", [False, True], ids=["cold", "forked"])
+def test_supervisor_escalates_to_sigterm_then_sigkill(tmp_path: Path, fake_worker: List[str], forked: bool) -> None:
+    # forked: the signals go through the fork server, which signals its unreaped child
+    loop = (served_loop if forked else Loop)(command=fake_worker, term_after=0.5, kill_after=1.5)
     deaf = loop.sup.start(make_spec("deaf", tmp_path, ignore_stop=True), time.monotonic())
     stubborn = loop.sup.start(make_spec("stubborn", tmp_path, ignore_stop=True, ignore_term=True), time.monotonic())
     assert loop.pump_until(lambda: deaf.status is WorkerStatus.ACTIVE and stubborn.status is WorkerStatus.ACTIVE, 10)
@@ -251,6 +255,7 @@ def test_supervisor_escalates_to_sigterm_then_sigkill(tmp_path: Path, fake_worke
     assert by["stubborn"].worker.term_sent_at is not None and by["stubborn"].worker.kill_sent_at is not None
     assert 1.4 <= took < 4.0  # the kill came at kill_after, not before, not much later
     assert not by["deaf"].crashed  # asked to stop: not a restart candidate
+    loop.sup.close_warm()
 
 
 def test_supervisor_kills_a_worker_that_stops_heartbeating(tmp_path: Path, fake_worker: List[str]) -> None:
@@ -771,26 +776,81 @@ def test_a_keeper_stopped_for_a_drain_moves_with_its_state_or_restarts_here(tmp_
     assert (state_dir / "p.work.0.state.json").exists() and [s.instance for s in hosted.hosted(state_dir)] == ["p.work.0"]
 
 
-def test_supervisor_hands_the_pre_started_worker_to_the_next_instance(tmp_path: Path, fake_worker: List[str]) -> None:
-    loop = Loop(command=fake_worker, warm=True)
+def parent_pid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def served_loop(**kw: Any) -> Loop:
+    """A supervisor whose fork server has done its imports (it says "ready" first)."""
+    loop = Loop(warm=True, **kw)
     loop.sup.prewarm(time.monotonic())
-    warm = loop.sup.warm_pid
-    assert warm is not None and pid_alive(warm)
-    w = loop.sup.start(make_spec("w1", tmp_path), time.monotonic())
-    assert w.pid == warm and loop.sup.warm_used == 1  # the idle process became the instance
-    assert w.warm_age is not None and w.warm_age >= 0  # said in its "spawned" event (the demo's spawns)
-    assert loop.pump_until(lambda: w.status is WorkerStatus.ACTIVE, 10)
-    spare = loop.sup.warm_pid
-    assert spare is not None and spare != warm  # and a new spare is ready for the next scale-out
+    assert loop.sup.warm_pid is not None and pid_alive(loop.sup.warm_pid)
+    assert loop.pump_until(lambda: loop.sup.warm_ready, 15)
+    return loop
+
+
+def test_every_start_of_a_burst_is_forked_from_the_one_pre_imported_server(tmp_path: Path,
+                                                                             fake_worker: List[str]) -> None:
+    # The demo's slow spawns: a round of three copies took the one pre-started spare, and the
+    # other two got processes that had only begun their imports (8-16 s at load 15-20). Now
+    # every start of the burst is a fork of the server, which stays for the next one.
+    loop = served_loop(command=fake_worker)
+    server = loop.sup.warm_pid
+    burst = [loop.sup.start(make_spec(f"w{i}", tmp_path), time.monotonic()) for i in range(3)]
+    assert [parent_pid(w.pid) for w in burst] == [server] * 3
+    assert all(w.warm_age is not None for w in burst)  # the "spawned" event says warm
+    assert loop.sup.warm_pid == server and loop.sup.warm_used == 3  # never consumed
+    assert loop.pump_until(lambda: all(w.status is WorkerStatus.ACTIVE for w in burst), 10)
+    # The exit statuses come through the server (it reaps its children): a drained worker's 0,
+    # a killed one's -SIGKILL, as Popen's returncode.
+    loop.sup.stop("w0", time.monotonic())
+    loop.sup.kill("w1", time.monotonic(), "test")
+    assert loop.pump_until(lambda: len(loop.reaped) == 2, 10)
+    by = {r.worker.instance: r for r in loop.reaped}
+    assert by["w0"].returncode == 0 and by["w0"].clean
+    assert by["w1"].returncode == -signal.SIGKILL and by["w1"].crashed
+    assert not pid_alive(by["w0"].worker.pid) and not pid_alive(by["w1"].worker.pid)
+    # Shutdown: no more forks, but the server stays while a worker it forked drains (it reports
+    # that worker's exit), and goes with the last one.
     loop.sup.close_warm()
-    cold = loop.sup.start(make_spec("w2", tmp_path), time.monotonic())
-    assert cold.warm_age is None and cold.pid != spare  # no spare any more: a process of its own
-    loop.sup.stop("w2", time.monotonic())
-    assert loop.sup.warm_pid is None and not pid_alive(spare)
+    cold = loop.sup.start(make_spec("w3", tmp_path), time.monotonic())
+    assert cold.warm_age is None and parent_pid(cold.pid) == os.getpid()
+    loop.pump(0.3)
+    assert pid_alive(server)
+    loop.sup.stop_all(time.monotonic())
+    assert loop.pump_until(lambda: len(loop.reaped) == 4, 10) and all(r.clean for r in loop.reaped[2:])
+    assert wait_until(lambda: not pid_alive(server), 5) and loop.sup.warm_pid is None
     loop.sup.poll(time.monotonic())
     assert loop.sup.warm_pid is None  # not restarted after close_warm (shutdown)
+
+
+def test_a_start_never_waits_for_the_servers_imports(tmp_path: Path, fake_worker: List[str]) -> None:
+    loop = Loop(command=fake_worker, warm=True)
+    loop.sup.prewarm(time.monotonic())
+    early = loop.sup.start(make_spec("early", tmp_path), time.monotonic())  # the server is still starting
+    assert early.warm_age is None and parent_pid(early.pid) == os.getpid()  # a cold start, at once
+    assert loop.pump_until(lambda: loop.sup.warm_ready and early.status is WorkerStatus.ACTIVE, 15)
+    later = loop.sup.start(make_spec("later", tmp_path), time.monotonic())
+    assert parent_pid(later.pid) == loop.sup.warm_pid
+    loop.sup.stop_all(time.monotonic())
+    assert loop.pump_until(lambda: len(loop.reaped) == 2, 10) and all(r.clean for r in loop.reaped)
+    loop.sup.close_warm()
+
+
+def test_workers_outlive_a_killed_fork_server_and_still_exit_with_their_own_code(tmp_path: Path,
+                                                                                 fake_worker: List[str]) -> None:
+    loop = served_loop(command=fake_worker)
+    server = loop.sup.warm_pid
+    w = loop.sup.start(make_spec("w1", tmp_path), time.monotonic())
+    assert loop.pump_until(lambda: w.status is WorkerStatus.ACTIVE, 10)
+    os.kill(server, signal.SIGKILL)
+    assert loop.pump_until(lambda: loop.sup.warm_pid != server, 5)  # dropped (a new one after 5 s)
+    loop.pump(0.5)
+    assert pid_alive(w.pid) and not loop.reaped and w.stats.get("hb")  # it runs on, supervised
     loop.sup.stop("w1", time.monotonic())
-    assert loop.pump_until(lambda: len(loop.reaped) == 2, 5) and all(r.clean for r in loop.reaped)
+    assert loop.pump_until(lambda: loop.reaped, 10)
+    assert loop.reaped[0].returncode == 0 and loop.reaped[0].clean  # its "exit" line's code
+    loop.sup.close_warm()
 
 
 def test_a_spawn_whose_worker_never_became_ready_is_not_restarted_here(tmp_path: Path) -> None:
@@ -827,3 +887,17 @@ def test_a_spawn_whose_worker_never_became_ready_is_not_restarted_here(tmp_path:
     assert replies and replies[0]["ok"] is False and "exited before ready" in replies[0]["error"]
     assert started == [] and agent.counters["restarts"] == 0 and not agent._delayed_restarts
     assert spec.instance not in {s.instance for s in hosted.hosted(tmp_path)}
+
+
+@pytest.mark.broker
+def test_bench_spawn_starts_every_worker_of_a_burst_forked_then_cold(tmp_path: Path) -> None:
+    """`fog-agent bench spawn`'s figures are per start, for each mode (no timing is asserted:
+    the numbers are the benchmark's, docs/runtime.md "Pre-started workers")."""
+    from agent.tools.demo import bench_spawn
+
+    out = bench_spawn(burst=2, rounds=1, workdir=tmp_path)
+    for mode in ("forked", "cold"):
+        r = out[mode]
+        assert r["start_to_ready_s"]["n"] == 2 and len(r["each"]) == 2 and all(v > 0 for v in r["each"])
+    assert out["forked"]["forked_starts"] == 2 and out["cold"]["forked_starts"] == 0  # what each mode measured
+    assert set(out["cold_over_forked"]) == {"median", "max"}

@@ -86,3 +86,19 @@ def test_the_bench_pool_gives_a_batch_as_one_call_per_record_would() -> None:
     a, b = by_call._emit(12) + by_call._emit(5), by_batch._emit(12) + by_batch._emit(5)
     assert [(s, q) for s, q, _ in a] == [(s, q) for s, q, _ in b] == [("src-0", q) for q in range(17)]
     assert [r for _, _, r in a] == [r for _, _, r in b]
+
+
+def test_a_paused_source_still_sends_again_what_its_previous_incarnation_may_have_sent() -> None:
+    """Records from `resume_from` to the reserved position are a replay, not new load: a pause
+    after a restart must not hold them back (they would never be sent: lost). New records wait."""
+    src = TaxiSource(ctx({"profile": "constant", "rate": 1000.0}))
+    src.resume(resume_from=100, catch_up_to=160, elapsed=5.0)
+    src.paused = True
+    src.start(10.0)
+    assert src.catching_up
+    first = src.poll(10.0, budget=40)
+    assert [seq for _, seq, _ in first] == list(range(100, 140))  # budget-bound, as unpaused
+    assert [seq for _, seq, _ in src.poll(10.1, budget=40)] == list(range(140, 160))
+    assert not src.catching_up and src.poll(11.0, budget=40) == [] and src.generated == 160  # paused: nothing new
+    src.paused = False
+    assert src.poll(11.1, budget=1000)  # unpaused: the rate again

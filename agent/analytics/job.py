@@ -42,7 +42,8 @@ def build_session(master: Optional[str] = None, app: str = "fog-analytics",
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     b = (SparkSession.builder.appName(app).config("spark.sql.session.timeZone", "UTC")
-         .config("spark.ui.showConsoleProgress", "false"))
+         .config("spark.ui.showConsoleProgress", "false")
+         .config("spark.sql.debug.maxToStringFields", "1000"))  # no warning for the report's wide plans
     if driver_memory:  # only effective when this call starts the JVM (not under spark-submit)
         b = b.config("spark.driver.memory", driver_memory)
     if master:
@@ -54,11 +55,18 @@ def build_session(master: Optional[str] = None, app: str = "fog-analytics",
     return spark
 
 
+# Kinds whose every line names its node (events.make): their date=/node= folders are not read as
+# columns, which would give the frame a second `node` (Spark warns COLUMN_ALREADY_EXISTS).
+NAMES_ITS_NODE = frozenset({"events"})
+
+
 def read_kind(spark: Any, landing: PathLike, kind: str, schema: Optional[str] = None) -> Optional[Any]:
     path = Path(landing) / f"kind={kind}"
     if not path.is_dir() or not any(path.glob("date=*/node=*/*.gz")):
         return None
     reader = spark.read
+    if kind in NAMES_ITS_NODE:
+        reader = reader.option("recursiveFileLookup", "true")
     if schema:
         reader = reader.schema(schema)
     return reader.json(str(path))

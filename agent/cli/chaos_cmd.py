@@ -11,7 +11,16 @@ def register(groups: Any) -> None:
 
     p = groups.root.add_parser(
         "chaos", help="run the demo fleet while injecting faults at random (seeded), then verify every record id")
-    p.add_argument("--duration", type=float, default=120.0, help="seconds of changing load (default 120)")
+    p.add_argument("--duration", type=float, default=120.0,
+                   help="seconds of changing load at least (default 120); the load goes on past it until "
+                        "--min-faults and --min-records are met")
+    p.add_argument("--min-faults", type=int, default=0,
+                   help="inject at least this many faults before the load ends (default 0: those of the duration)")
+    p.add_argument("--min-records", type=int, default=0,
+                   help="end the load only once the source generated this many records (default 0)")
+    p.add_argument("--load-cap", type=float, default=None,
+                   help="seconds of load at most (default 3 x --duration): a run whose conditions are not met "
+                        "by then fails (exit 4) saying what it waited for")
     p.add_argument("--seed", type=int, default=1, help="seed of the fault schedule and the data (default 1)")
     p.add_argument("--faults", default=None,
                    help=f"comma-separated faults to draw from, of {','.join(FAULTS)} "

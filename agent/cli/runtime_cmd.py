@@ -55,6 +55,13 @@ def register(groups: Any) -> None:
     b.add_argument("--rate", type=float, default=500.0, help="records/s of the load step")
     b.set_defaults(func=bench_rescale_cmd)
 
+    sp = groups.bench.add_parser("spawn", help="start -> ready of a burst of workers forked from the agent's "
+                                 "fork server vs started cold (same run)")
+    sp.add_argument("--json", action="store_true", help="print the result as JSON")
+    sp.add_argument("--burst", type=int, default=3, help="workers started at once (default 3)")
+    sp.add_argument("--rounds", type=int, default=5, help="bursts per mode (default 5)")
+    sp.set_defaults(func=bench_spawn_cmd)
+
     mv = groups.bench.add_parser("move", help="move a node's instances (drain, re-home): seconds to the first "
                                  "record through each moved instance, per-node inboxes against the shared format")
     mv.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -176,6 +183,27 @@ def bench_rescale_cmd(args: argparse.Namespace) -> int:
                   f"(lost {r['lost']}, duplicated {r['duplicated']})")
     ok = all(result[m]["lost"] == 0 and result[m]["duplicated"] == 0 for m in ("warm", "cold"))
     return 0 if ok else 3
+
+
+def bench_spawn_cmd(args: argparse.Namespace) -> int:
+    from agent.log import stdout_to_stderr
+    from agent.tools import demo
+
+    if args.burst < 1 or args.rounds < 1:
+        print("fog-agent bench spawn: --burst and --rounds take 1 or more", file=sys.stderr)
+        return 2
+    with stdout_to_stderr() if args.json else contextlib.nullcontext():
+        result = demo.bench_spawn(burst=args.burst, rounds=args.rounds)
+    if args.json:
+        json.dump(result, sys.stdout, indent=2, sort_keys=True)
+        print()
+    else:
+        for mode in ("forked", "cold"):
+            r = result[mode]["start_to_ready_s"]
+            print(f"{mode:<6} bursts of {result['burst']}: start -> ready median {r['median']} s, max {r['max']} s "
+                  f"({r['n']} starts)")
+        print(f"cold / forked: median x{result['cold_over_forked']['median']}, max x{result['cold_over_forked']['max']}")
+    return 0
 
 
 def bench_move_cmd(args: argparse.Namespace) -> int:

@@ -1524,10 +1524,11 @@ class Instance:
 
     def _can_produce(self) -> bool:
         # A paused source has nothing due: without this check its next_due() says "now" and the
-        # loop polls it in a busy spin (measured: ~25k empty loop turns/s, a whole core).
+        # loop polls it in a busy spin (measured: ~25k empty loop turns/s, a whole core). Unless
+        # it still sends again what its previous incarnation may have sent (taxi.TaxiSource.catching_up).
         return (
             not self.stopping
-            and not getattr(self.operator, "paused", False)
+            and (not getattr(self.operator, "paused", False) or getattr(self.operator, "catching_up", False))
             and self.outbox.pending < self.high_water
             and bool(self.router.succs)
             and (self.scaling is None or self.scaling.data_enabled)

@@ -448,13 +448,13 @@ def _install_signals(worker: Worker) -> None:
     signal.signal(signal.SIGINT, handler)
 
 
-def _preimport() -> None:
+def preimport() -> None:
     """Import what building any instance needs (scaling core, policy, recovery, operators)
-    before reading the spec. Why: the agent keeps one pre-started worker waiting for its spec
-    (supervisor.prewarm), so whatever is imported here is off the path decision -> first
-    record of a scale-out (~70 ms idle, 2-4x that on a loaded machine); a cold start pays the
-    same total either way. A module that fails to import here is imported (and reported) later,
-    where it is used."""
+    before reading the spec. Why: the agent's fork server (agent.instance.forkserver) runs this
+    once and forks every worker from the result, so whatever is imported here is off the path
+    decision -> first record of a scale-out (~70 ms idle, 2-4x that on a loaded machine); a cold
+    start pays the same total either way. A module that fails to import here is imported (and
+    reported) later, where it is used."""
     import importlib
 
     for name in ("agent.protocol.scaling", "agent.protocol.guarded", "agent.policy.decentralized",
@@ -470,7 +470,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from agent.log import setup_logging
 
     setup_logging(os.environ.get("FOG_AGENT_LOG_LEVEL"))
-    _preimport()  # a pre-started (warm) worker does this before its spec arrives
+    preimport()  # cached in a worker forked by the fork server, which did it before the fork
     line = sys.stdin.readline()
     try:
         specs = specs_from_line(line)

@@ -427,7 +427,7 @@ class Agent:
         elif kind == "worker_line":
             self._on_worker_line(ev[1], ev[2], now)
         elif kind == "worker_eof":
-            pass  # the exit is seen by supervisor.poll()
+            self.supervisor.handle_eof(ev[1])  # its lines are handled: poll() may reap it
         elif kind == "mqtt_puback":
             self._last_puback = now
         elif kind == "mqtt_connect":
@@ -837,7 +837,8 @@ class Agent:
             self._event("spawned", instance, w.spec.operator, w.spec.pipeline,
                         cause=job.cause if job else ("restart" if w.spec.restart else "unknown"),
                         warm=w.warm_age is not None,
-                        warm_age_s=round(w.warm_age, 2) if w.warm_age is not None else None)
+                        warm_age_s=round(w.warm_age, 2) if w.warm_age is not None else None,
+                        start_to_ready_s=round(now - w.started_at, 3))
         if job is not None:
             # Invariant 2: the new instance's inbox is subscribed ("ready"), only now is it announced.
             job.reply({"ok": True, "instance": instance, "node": self.node})

@@ -24,9 +24,11 @@ import subprocess
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import IO, Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import IO, Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from agent.instance.spec import InstanceSpec, chain_json, control_line, parse_control_line
+from agent.node import forked
+from agent.node.forked import ForkedProcess, ForkServer
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +38,11 @@ WORKER_COMMAND: Tuple[str, ...] = (sys.executable, "-m", "agent.instance.worker"
 WORKER_EXIT_OK = 0
 WORKER_EXIT_BAD_SPEC = 2  # the worker cannot load its spec or pipeline: restarting will not help
 PR_SET_PDEATHSIG = 1
+# A worker that has exited is reaped once the loop has handled the end of its stdout (its last
+# lines, the "exit" line among them, come before it), or this long after its exit was seen
+# (a pipe kept open by something else). Without it, a worker reaped before its "exit" line was
+# read counted as a crash; a forked worker (os._exit, no interpreter teardown) made it common.
+EOF_GRACE = 1.0
 # A gap this long between two polls (the agent loop runs every 0.2 s) means the agent itself was
 # not running: SIGSTOP of the node's processes, a suspended VM, a starved CPU.
 STALL_GAP = 2.0
@@ -47,10 +54,13 @@ class WorkerStatus(enum.Enum):
     TERMINATING = "terminating"  # asked to stop, or announced its exit; draining
 
 
+Process = Union[subprocess.Popen, ForkedProcess]
+
+
 @dataclass
 class Worker:
     spec: InstanceSpec
-    proc: subprocess.Popen
+    proc: Process
     started_at: float
     status: WorkerStatus = WorkerStatus.STARTING
     last_heartbeat: float = 0.0
@@ -66,8 +76,10 @@ class Worker:
     # process of its own. Members share `proc`; their control lines carry "member".
     chain: Tuple[str, ...] = ()
     asked_to_stop: bool = False  # `stop` named it (a chain's other members stop with it, unasked)
-    # Seconds the pre-started process had run when it took this instance (None: started for it).
-    # The "spawned" event says it: a young one was still importing (the demo's spawn times).
+    eof: bool = False  # the loop handled the end of its stdout (`handle_eof`)
+    exited_at: Optional[float] = None  # when `poll` first saw the process gone
+    # Forked by the fork server (agent.node.forked): seconds since that server started; None for
+    # a cold start (an interpreter start and the imports). The "spawned" event says it.
     warm_age: Optional[float] = None
 
     @property
@@ -101,8 +113,9 @@ class Reaped:
 def _pdeathsig() -> None:  # pragma: no cover - runs in the child between fork and exec
     # Ctrl-C in the agent's terminal reaches the whole process group: the agent stops its workers
     # itself ("stop", then signals), so a worker ignores SIGINT until it installs its own drain
-    # handler (worker._install_signals); without this, the pre-started worker, still reading its
-    # spec, died of KeyboardInterrupt with a traceback on every Ctrl-C of `fog-agent run`.
+    # handler (worker._install_signals); without this, a worker still reading its spec (then the
+    # pre-started one) died of KeyboardInterrupt with a traceback on every Ctrl-C of `fog-agent
+    # run`. The fork server inherits it too, and its forked workers from it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         import ctypes
@@ -143,13 +156,15 @@ class Supervisor:
         self.env = env
         self.workers: Dict[str, Worker] = {}
         self._last_poll: Optional[float] = None
-        # One pre-started worker process that has done its imports and waits for its spec on
-        # stdin: a scale-out then skips the interpreter start and imports (the longest part of
-        # "decision -> first record" on a loaded Pi). It is not an instance and holds no slot.
-        self.warm = warm
-        self._warm: Optional[subprocess.Popen] = None
+        # A fork server that has done a worker's imports (agent.node.forked): every start forks
+        # it, so no start pays the interpreter start and the imports (the longest part of
+        # "decision -> first record" on a loaded machine), however many come at once
+        # (docs/runtime.md, "Pre-started workers"). It is not an instance and holds no slot.
+        self.warm = warm and forked.supported(self.command)
+        self._server: Optional[ForkServer] = None
         self._warm_retry_at = 0.0
-        self._warm_since = 0.0
+        self._server_closing = False  # close_warm: closed once no worker it forked is left
+        self._retired: List[ForkServer] = []  # dropped servers still waiting for their children
         self.warm_used = 0
 
     # -- starting ------------------------------------------------------------------------------
@@ -210,13 +225,22 @@ class Supervisor:
         for i in ids:
             self._emit(("worker_eof", i))
 
-    def _process(self, now: float) -> Tuple[subprocess.Popen, Optional[float]]:
-        """The pre-started worker process if there is one (and how long it has run), else a new one."""
-        proc = self._take_warm()
-        if proc is None:
-            return self._popen(), None
-        self.warm_used += 1
-        return proc, max(0.0, now - self._warm_since)
+    def _process(self, now: float) -> Tuple[Process, Optional[float]]:
+        """A process forked by the fork server (and how long the server has run), or a cold start
+        while there is no server ready (the agent's first seconds, or after a lost server)."""
+        server = self._server
+        if server is not None and not self._server_closing:
+            server.pump()
+            if server.ready and not server.lost:
+                try:
+                    proc = server.fork()
+                except OSError as exc:
+                    log.warning("fork server (pid %d) failed, starting cold: %s", server.pid, exc)
+                    self._drop_server(now)
+                else:
+                    self.warm_used += 1
+                    return proc, max(0.0, now - server.started_at)
+        return self._popen(), None
 
     def _popen(self) -> subprocess.Popen:
         preexec = _pdeathsig if sys.platform.startswith("linux") else None
@@ -231,47 +255,51 @@ class Supervisor:
         )
 
     def prewarm(self, now: float) -> None:
-        """Keep one idle worker process ready (if enabled); retried at most every 5 s."""
-        if not self.warm or self._warm is not None or now < self._warm_retry_at:
+        """Keep the fork server running (if enabled); restarted at most every 5 s."""
+        if not self.warm or self._server is not None or now < self._warm_retry_at:
             return
         try:
-            self._warm = self._popen()
-            self._warm_since = now
+            preexec = _pdeathsig if sys.platform.startswith("linux") else None
+            self._server = ForkServer(self.command, self.env, preexec, now)
         except OSError as exc:
-            log.warning("cannot pre-start a worker: %s", exc)
+            log.warning("cannot start the fork server: %s", exc)
             self._warm_retry_at = now + 5.0
 
-    def _take_warm(self) -> Optional[subprocess.Popen]:
-        proc, self._warm = self._warm, None
-        if proc is not None and proc.poll() is None:
-            return proc
-        if proc is not None:
-            self._close_proc(proc)
-        return None
+    def _drop_server(self, now: float) -> None:
+        """Close a failed or exited server; a new one is started 5 s later. The workers it forked
+        run on; their exit codes then come from their "exit" lines (forked.LOST_STATUS)."""
+        server, self._server = self._server, None
+        self._warm_retry_at = max(self._warm_retry_at, now + 5.0)
+        if server is not None:
+            server.pump()
+            busy = server.live_children() > 0
+            server.close(wait=not busy)
+            if busy:
+                self._retired.append(server)  # reaped in poll once its children are gone
 
     def close_warm(self) -> None:
-        """Stop the idle pre-started process (agent shutdown): EOF on its stdin, then SIGTERM."""
-        proc, self._warm = self._warm, None
+        """No more forks (agent shutdown); the server is closed now if no worker it forked is
+        alive, else once the last one has exited (it reports their exits and relays signals)."""
         self._warm_retry_at = float("inf")
-        if proc is None:
-            return
-        try:
-            if proc.stdin is not None:
-                proc.stdin.close()
-        except OSError:
-            pass
-        if proc.poll() is None:
-            proc.terminate()  # it holds no data: no drain to wait for
-        try:
-            proc.wait(timeout=1.0)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        self._close_proc(proc)
+        self._server_closing = True
+        server = self._server
+        if server is not None:
+            server.pump()
+            if server.live_children() == 0:
+                self._server = None
+                server.close()
+
+    @property
+    def warm_ready(self) -> bool:
+        """The fork server has done its imports: the next start is a fork."""
+        if self._server is not None:
+            self._server.pump()
+        return self._server is not None and self._server.ready and not self._server.lost
 
     @property
     def warm_pid(self) -> Optional[int]:
-        return int(self._warm.pid) if self._warm is not None else None
+        """The fork server's pid (None: none running)."""
+        return self._server.pid if self._server is not None else None
 
     def _reader(self, instance: str, stream: Optional[IO[bytes]]) -> None:
         """Reader thread: only forwards lines to the loop (never touches supervisor state)."""
@@ -319,6 +347,12 @@ class Supervisor:
             worker.exit_event = msg
             worker.status = WorkerStatus.TERMINATING
         return msg
+
+    def handle_eof(self, instance: str) -> None:
+        """The loop reached a worker's "worker_eof" event: every line it wrote has been handled."""
+        worker = self.workers.get(instance)
+        if worker is not None:
+            worker.eof = True
 
     def send(self, target: str, event: str, /, **fields: Any) -> bool:
         """One control line to a worker (positional-only: `fields` may carry "instance")."""
@@ -401,14 +435,23 @@ class Supervisor:
                 for name in ("stop_sent_at", "term_sent_at"):
                     if getattr(w, name) is not None:
                         setattr(w, name, getattr(w, name) + gap)
-        if self._warm is not None and self._warm.poll() is not None:
-            log.warning("pre-started worker exited with %s", self._warm.returncode)
-            self._close_proc(self._warm)
-            self._warm = None
-            self._warm_retry_at = now + 5.0
+        server = self._server
+        if server is not None:
+            server.pump()
+            if server.proc.poll() is not None:
+                log.warning("fork server exited with %s", server.proc.returncode)
+                self._drop_server(now)
+            elif self._server_closing and server.live_children() == 0:
+                self.close_warm()
+        self._retired = [s for s in self._retired if s.proc.poll() is None]
         self.prewarm(now)
         for instance, w in list(self.workers.items()):
             rc = w.proc.poll()
+            if rc == forked.LOST_STATUS and w.exit_event is not None and isinstance(w.exit_event.get("code"), int):
+                rc = int(w.exit_event["code"])  # its server is gone with the status: its own word
+            if rc is not None and not w.eof and now - (w.exited_at or now) < EOF_GRACE:
+                w.exited_at = w.exited_at or now  # its last lines may still be on their way (EOF_GRACE)
+                continue
             if rc is not None:
                 del self.workers[instance]
                 self._close(w)
@@ -434,7 +477,7 @@ class Supervisor:
         self._close_proc(w.proc)
 
     @staticmethod
-    def _close_proc(proc: subprocess.Popen) -> None:
+    def _close_proc(proc: Process) -> None:
         for stream in (proc.stdin, proc.stdout):
             try:
                 if stream is not None:

@@ -255,6 +255,14 @@ class TaxiSource:
     def finished(self) -> bool:
         return self.max_records is not None and self.generated >= self.max_records
 
+    @property
+    def catching_up(self) -> bool:
+        """Records a previous incarnation may have sent are still to be sent again (`resume`).
+        A pause does not hold them back: they are not new load, and a source paused before it
+        sent them would never send them, and they would be lost (a chaos run that paused its
+        source right after a restart lost 657; docs/reliability.md, "The chaos command")."""
+        return self.generated < self._catch_up and not self.finished
+
     def rate_now(self, now: float) -> float:
         return self.profile.rate(now - (self._start if self._start is not None else now))
 
@@ -264,10 +272,10 @@ class TaxiSource:
         assert self._last is not None and self._start is not None
         dt = max(0.0, now - self._last)
         self._last = now
+        if self.catching_up:
+            return self._emit(min(budget, self._catch_up - self.generated))
         if self.paused or self.finished:
             return []
-        if self.generated < self._catch_up:
-            return self._emit(min(budget, self._catch_up - self.generated))
         rate = self.profile.rate(now - self._start)
         self._due += rate * dt
         cap = max(rate * self.max_lag, 1.0)

@@ -34,9 +34,10 @@ seeded pause):
 Recovery time of a fault: from the moment it was injected until every instance that was active
 before it is active again with a heartbeat newer than the end of the fault (or left through a
 scale-in), every agent is online, and the sink has recorded new records (when the load is not
-zero). The run ends by letting the load fall to zero: the pipeline must come back to one
-instance per operator ("the right size") and every generated record id must have reached the
-sink exactly once.
+zero). The load ends on conditions, not at a fixed time (`load_lacks`: its duration, its faults,
+enough records; the source is then paused), so that a run means the same on an idle and on a
+loaded machine. Then the pipeline must come back to one instance per operator ("the right
+size") and every generated record id must have reached the sink exactly once.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ from agent.tools.verify import Verdict, source_counts, verify, verify_windows
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FAULTS", "ChaosConfig", "Fault", "chaos_pipeline", "run_chaos", "print_report", "main"]
+__all__ = ["FAULTS", "ChaosConfig", "Fault", "chaos_pipeline", "faults_wanted", "load_lacks", "run_chaos", "print_report",
+           "main"]
 
 FAULTS = ("kill-worker", "kill-agent", "restart-broker", "stall-node", "kill-node", "kill-broker", "partition")
 # the issue's four; kill-node turns re-homing on (opt-in), kill-broker and partition are extra
@@ -147,13 +149,16 @@ PIPELINES = ("demo", "stateful", "stateful-scaling")
 
 
 def chaos_pipeline(duration: float, seed: int, coordination: str = "ack", fgme_damping: bool = False,
-                   pipeline: str = "demo", chain: bool = False) -> str:
+                   pipeline: str = "demo", chain: bool = False, until: Optional[float] = None) -> str:
     """A load that makes in_zone scale out (to ~3 instances) and back within `duration` s;
     `coordination` "fgme" runs every round inside the 2-FGME locks (docs/gme.md). `pipeline`
     "stateful": the same load through a keyed window, nothing scaling (coordination unused).
-    `chain`: the demo pipeline's keepers run chained (docs/runtime.md, "Chaining")."""
+    `chain`: the demo pipeline's keepers run chained (docs/runtime.md, "Chaining"). `until`: the
+    last, low step lasts until then (default `duration`); `run_chaos` passes its load cap and
+    ends the load itself, on conditions, by pausing the source (`_end_load`)."""
     d = float(duration)
-    steps = [[0, 100], [round(0.1 * d, 1), 350], [round(0.5 * d, 1), 200], [round(0.75 * d, 1), 60], [d, 0]]
+    end = max(d, float(until)) if until is not None else d
+    steps = [[0, 100], [round(0.1 * d, 1), 350], [round(0.5 * d, 1), 200], [round(0.75 * d, 1), 60], [end, 0]]
     text = {"stateful": STATEFUL_PIPELINE, "stateful-scaling": STATEFUL_SCALING_PIPELINE}.get(pipeline, PIPELINE)
     return text.format(seed=seed, steps=json.dumps(steps), coordination=coordination,
                        damping="true" if fgme_damping else "false", chain="true" if chain else "false")
@@ -161,7 +166,15 @@ def chaos_pipeline(duration: float, seed: int, coordination: str = "ack", fgme_d
 
 @dataclass
 class ChaosConfig:
-    duration: float = 120.0  # seconds of load; faults are injected during it
+    duration: float = 120.0  # seconds of load at least; faults are injected during it
+    # The load ends on conditions, not at a fixed time (docs/reliability.md, "The chaos command"):
+    # once `duration` has passed, every scheduled fault and at least `min_faults` faults were
+    # injected, and the sources generated at least `min_records` records. A loaded machine takes
+    # longer to get there; past `load_cap` seconds of load (None: 3 x duration) the run ends
+    # anyway and fails, saying what it still waited for (`load_incomplete`).
+    min_faults: int = 0
+    min_records: int = 0
+    load_cap: Optional[float] = None
     seed: int = 1
     faults: Sequence[str] = DEFAULT_FAULTS
     nodes: Sequence[str] = ("n1", "n2", "n3")
@@ -198,6 +211,18 @@ class ChaosConfig:
             raise ValueError(f"faults: expected a non-empty subset of {', '.join(FAULTS)}, found {list(self.faults)}")
         if self.coordination not in ("ack", "fgme"):
             raise ValueError(f"coordination: expected ack or fgme, found {self.coordination!r}")
+        if self.min_faults < 0 or self.min_records < 0:
+            raise ValueError(f"min_faults, min_records: expected counts >= 0, found {self.min_faults}, "
+                             f"{self.min_records}")
+        if self.schedule is not None and self.min_faults > len(self.schedule):
+            raise ValueError(f"min_faults: expected at most the {len(self.schedule)} faults of the schedule, "
+                             f"found {self.min_faults}")
+        if self.load_cap is not None and self.load_cap < self.duration:
+            raise ValueError(f"load_cap: expected seconds >= duration ({self.duration}), found {self.load_cap}")
+
+    @property
+    def load_cap_s(self) -> float:
+        return float(self.load_cap) if self.load_cap is not None else 3.0 * float(self.duration)
 
 
 @dataclass
@@ -329,6 +354,25 @@ class Nemesis:
         if target is not None and target.startswith("@"):  # the node that hosts this instance
             target = str(_active_instances(self.mon)[target[1:]]["node"])
         return getattr(self, kind.replace("-", "_"))(target)
+
+    def wait_for_target(self, kind: str, target: Optional[str]) -> None:
+        """A named target may not exist yet when its time comes: on a loaded machine the keeper
+        restarted by the previous fault is active later and decides its scale-out later (no
+        copy of "~in_zone" at 10 s under load ~30), or the instance of "@<instance>" is still
+        starting. Wait for it, at most `recovery_timeout` (then the fault fails as before): a
+        schedule names what to hit, its times are the earliest."""
+        if target is None or target[:1] not in ("~", "@"):
+            return
+
+        def present() -> bool:
+            active = _active_instances(self.mon)
+            if target.startswith("@"):
+                return target[1:] in active
+            return any(e.get("operator") == target[1:] and not e.get("keeper") for e in active.values())
+
+        deadline = time.monotonic() + self.cfg.recovery_timeout
+        while not present() and time.monotonic() < deadline:
+            time.sleep(0.2)
 
     def kill_worker(self, target: Optional[str]) -> Tuple[str, Dict[str, Any]]:
         for attempt in range(3):
@@ -474,10 +518,60 @@ def _signal(pid: int, sig: int) -> None:
 # ---- the run ------------------------------------------------------------------------------------
 
 
+def faults_wanted(cfg: ChaosConfig, t: float, injected: int, scheduled_left: int) -> bool:
+    """Whether the fault phase goes on at `t` s of load: a schedule until every fault of it was
+    injected (a loaded machine recovers later, so its faults come later, none is dropped);
+    random faults until `duration` - 5 s (the last one still hits the load) and until at least
+    `min_faults` of them were injected. The caller stops at the load cap whatever this says."""
+    if cfg.schedule is not None:
+        return scheduled_left > 0
+    return t < cfg.duration - 5.0 or injected < cfg.min_faults
+
+
+def load_lacks(cfg: ChaosConfig, t: float, injected: int, scheduled_left: int, generated: int) -> List[str]:
+    """What the load still waits for at `t` s before it may end (empty: it ends now). The end is
+    a condition, not a time, so that a run means the same on a fast and on a loaded machine:
+    the same faults hit it and at least as many records went through them."""
+    lacks = []
+    if t < cfg.duration:
+        lacks.append(f"{cfg.duration:.0f} s of load")
+    if scheduled_left:
+        lacks.append(f"{scheduled_left} scheduled fault(s) not injected")
+    if injected < cfg.min_faults:
+        lacks.append(f"{cfg.min_faults} faults ({injected} injected)")
+    if generated < cfg.min_records:
+        lacks.append(f"{cfg.min_records} records generated ({generated})")
+    return lacks
+
+
+def _end_load(fleet: Fleet, mon: Monitor, source: str, timeout: float = 30.0) -> Dict[str, Any]:
+    """The load ends: pause every instance of the source operator through its agent (the "set"
+    request, agent.node.rpc). A source killed after this would come back unpaused; no fault
+    comes after it, and the profile's last step (the load cap) stops it anyway."""
+    deadline = time.monotonic() + timeout
+    errors: List[str] = []
+    while True:
+        targets = {i: str(e["node"]) for i, e in _active_instances(mon).items() if e.get("operator") == source}
+        errors = []
+        for inst, node in sorted(targets.items()):
+            try:
+                reply = mon.call(fleet.host, fleet.port, node,
+                                 {"v": 1, "op": "set", "instance": inst, "fields": {"paused": True}})
+            except Exception as exc:  # noqa: BLE001 - a timeout or a refusal: tried again below
+                reply = {"ok": False, "error": str(exc)}
+            if not reply.get("ok"):
+                errors.append(f"{inst} on {node}: {reply.get('error')}")
+        if targets and not errors or time.monotonic() > deadline:
+            return {"paused": sorted(targets), "pause_errors": errors or ([] if targets else [f"no active {source}"])}
+        time.sleep(1.0)
+
+
 def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dict[str, Any]:
     """Run one chaos experiment; returns the summary (the `--json` output)."""
     rng = random.Random(cfg.seed)
-    text = chaos_pipeline(cfg.duration, cfg.seed, cfg.coordination, cfg.fgme_damping, cfg.pipeline, cfg.chain)
+    cap = cfg.load_cap_s
+    text = chaos_pipeline(cfg.duration, cfg.seed, cfg.coordination, cfg.fgme_damping, cfg.pipeline, cfg.chain,
+                          until=cap)
     stateful = cfg.pipeline.startswith("stateful")
     pipeline = load_pipeline_text(text, "chaos pipeline")
     profile = pipeline.operators[0].params["steps"]
@@ -489,7 +583,8 @@ def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dic
                   dead_after=cfg.dead_after if node_loss else 0.0,  # re-homing only where a node is lost
                   proxied="partition" in kinds, spill=stateful)  # stateful: the windows' contents are spilled
     faults: List[Fault] = []
-    summary: Dict[str, Any] = {"seed": cfg.seed, "duration": cfg.duration, "faults_enabled": list(cfg.faults),
+    summary: Dict[str, Any] = {"seed": cfg.seed, "duration": cfg.duration, "min_faults": cfg.min_faults,
+                               "min_records": cfg.min_records, "load_cap_s": cap, "faults_enabled": list(cfg.faults),
                                "coordination": cfg.coordination, "fgme_damping": cfg.fgme_damping,
                                "workdir": str(workdir)}
     mon: Optional[Monitor] = None
@@ -511,13 +606,15 @@ def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dic
         fleet.wait_online(mon)
         fleet.deploy(text, extra=dict(cfg.deploy_extra))
         t0 = time.monotonic()
-        say(f"chaos seed {cfg.seed}: {cfg.duration:.0f}s of load, faults "
+        say(f"chaos seed {cfg.seed}: {cfg.duration:.0f}s of load at least (at most {cap:.0f}s), faults "
             f"{', '.join(cfg.faults) if cfg.schedule is None else 'on a fixed schedule'}; work dir {workdir}")
         nemesis = Nemesis(fleet, mon, cfg, rng)
         plan = None if cfg.schedule is None else list(cfg.schedule)
         next_at = (plan[0][0] if plan else float("inf")) if plan is not None else cfg.warmup + rng.uniform(*cfg.pause)
-        while time.monotonic() - t0 < cfg.duration - 5.0:
+        while True:
             t = time.monotonic() - t0
+            if t >= cap or not faults_wanted(cfg, t, len(faults), len(plan or ())):
+                break
             if t < next_at:
                 time.sleep(min(0.5, next_at - t))
                 continue
@@ -525,6 +622,7 @@ def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dic
                 _, kind, target = plan.pop(0)
             else:
                 kind, target = rng.choice(list(cfg.faults)), None
+            nemesis.wait_for_target(kind, target)
             before = set(_active_instances(mon))
             recorded = _recorded(fleet.sink_dir)
             injected, start_wall = time.monotonic(), time.time()
@@ -550,9 +648,20 @@ def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dic
                 next_at = plan[0][0] if plan else float("inf")
             else:
                 next_at = t + rng.uniform(*cfg.pause)
-        # the load ends: wait for the sink to go quiet and every operator to be back at one instance
-        while time.monotonic() - t0 < cfg.duration:
+        # the load ends once its conditions hold (or at the cap, and the run fails saying why)
+        while True:
+            t = time.monotonic() - t0
+            lacks = load_lacks(cfg, t, len(faults), len(plan or ()), sum(source_counts(fleet.sink_dir).values()))
+            if not lacks or t >= cap:
+                break
             time.sleep(0.5)
+        summary.update(load_s=round(t, 1), **_end_load(fleet, mon, pipeline.operators[0].name))
+        if lacks:
+            summary["load_incomplete"] = (f"the load reached its cap of {cap:.0f} s still waiting for "
+                                          f"{'; '.join(lacks)}: a machine too loaded for this run, or a fault "
+                                          "that stopped the pipeline")
+            say(f"  {summary['load_incomplete']}")
+        # then wait for the sink to go quiet and every operator to be back at one instance
         settle_from = time.monotonic()
         settle = settle_from + cfg.settle_timeout
         op_names = [op.name for op in pipeline.operators]
@@ -612,6 +721,7 @@ def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dic
         wall_s=round(time.monotonic() - started, 1),
     )
     summary["ok"] = bool(verdict.ok and summary["all_recovered"] and summary.get("back_to_size")
+                         and not summary.get("load_incomplete") and not summary.get("pause_errors")
                          and not summary.get("locks_held_at_end") and not summary.get("in_round_at_end"))
     return summary
 
@@ -627,7 +737,12 @@ def print_report(summary: Dict[str, Any], out: Any = sys.stdout) -> None:
           f"records in {summary.get('records_in')}, expected at the sink {summary.get('records_expected')}, "
           f"out {summary.get('records_out')}, lost {summary.get('lost')}, duplicated {summary.get('duplicated')} "
           f"(duplicates dropped at the sink {summary.get('duplicates_dropped_at_sink')}); "
-          f"final instances {summary.get('final_instances')}; {summary.get('wall_s')} s", file=out)
+          f"final instances {summary.get('final_instances')}; load {summary.get('load_s')} s "
+          f"(at least {summary.get('duration')}), {summary.get('wall_s')} s in all", file=out)
+    if summary.get("load_incomplete"):
+        print(f"LOAD INCOMPLETE: {summary['load_incomplete']}", file=out)
+    if summary.get("pause_errors"):
+        print(f"the source was not paused at the end of the load: {summary['pause_errors']}", file=out)
     if summary.get("coordination") == "fgme":
         print(f"coordination fgme: lock messages {summary.get('lock_messages')}, links {summary.get('link_counts')}; "
               f"locks held at the end {summary.get('locks_held_at_end')}, "
@@ -659,6 +774,9 @@ def main(args: Any) -> int:
     try:
         rehoming = {"on": True, "off": False}.get(str(getattr(args, "rehoming", "auto")))
         cfg = ChaosConfig(duration=float(args.duration), seed=int(args.seed), faults=faults,
+                          min_faults=int(getattr(args, "min_faults", 0) or 0),
+                          min_records=int(getattr(args, "min_records", 0) or 0),
+                          load_cap=getattr(args, "load_cap", None),
                           workdir=Path(args.workdir) if args.workdir else None, rehoming=rehoming,
                           coordination=str(getattr(args, "coordination", "ack")),
                           fgme_damping=bool(getattr(args, "fgme_damping", False)),

@@ -377,9 +377,11 @@ class Monitor:
         with self._lock:
             stats = {i: dict(s) for i, s in self.instance_stats.items()}
             ops = dict(self.instance_operator)
-        warm = {str(e.get("instance")): e["detail"].get("warm_age_s") for e in self.agent_events("spawned")
+        spawned = self.agent_events("spawned")
+        warm = {str(e.get("instance")): e["detail"].get("warm_age_s") for e in spawned
                 if isinstance(e["detail"].get("warm"), bool)}
-        return rescale_by_operator(stats, ops, warm)
+        ready = {str(e.get("instance")): e["detail"].get("start_to_ready_s") for e in spawned}
+        return rescale_by_operator(stats, ops, warm, ready)
 
     def agent_events(self, etype: str, cause: Optional[str] = None) -> List[Dict[str, Any]]:
         with self._lock:
@@ -606,8 +608,11 @@ function = "agent.operators.builtin:counting_sink"
 """
 
 
-def start_to_ready(host: str, port: int, workdir: Path, warm: bool, n: int = 5) -> List[float]:
-    """Seconds from `Supervisor.start` to the worker's "ready" (inbox subscribed), n times."""
+def start_to_ready(host: str, port: int, workdir: Path, warm: bool, n: int = 5, burst: int = 1,
+                   forked: Optional[List[bool]] = None) -> List[float]:
+    """Seconds from `Supervisor.start` to the worker's "ready" (inbox subscribed), n rounds of
+    `burst` starts at once (a round of several copies; each start's own figure); `forked`, if
+    given, gets whether each start was a fork of the fork server."""
     import queue
 
     from agent.node.daemon import worker_env
@@ -618,22 +623,31 @@ def start_to_ready(host: str, port: int, workdir: Path, warm: bool, n: int = 5) 
     q: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
     sup = Supervisor(emit=q.put, warm=warm, env=worker_env())
     sup.prewarm(time.monotonic())
-    time.sleep(1.5)
+    deadline = time.monotonic() + 30
+    while warm and not sup.warm_ready and time.monotonic() < deadline:  # the fork server's imports
+        time.sleep(0.1)
     text = BENCH_PIPELINE.replace("{rate}", "10.0")
     out: List[float] = []
     try:
         for i in range(n):
-            spec = InstanceSpec(instance=f"ready-{'warm' if warm else 'cold'}-{i}", operator="sink", node="bench",
-                                cluster="benchready", pipeline="rb", pipeline_toml=text, broker=BrokerSpec(host, port),
-                                state_dir=str(workdir / "state"), extra={"sink_dir": str(workdir / "sink")})
             t0 = time.monotonic()
-            w = sup.start(spec, t0)
-            while w.status is not WorkerStatus.ACTIVE:
-                ev = q.get(timeout=30)
+            ready: Dict[str, float] = {}
+            for j in range(burst):
+                spec = InstanceSpec(instance=f"ready-{'warm' if warm else 'cold'}-{i}-{j}", operator="sink",
+                                    node="bench", cluster="benchready", pipeline="rb", pipeline_toml=text,
+                                    broker=BrokerSpec(host, port), state_dir=str(workdir / "state"),
+                                    extra={"sink_dir": str(workdir / "sink")})
+                w = sup.start(spec, time.monotonic())
+                if forked is not None:
+                    forked.append(w.warm_age is not None)
+            while len(ready) < burst:
+                ev = q.get(timeout=60)
                 if ev[0] == "worker_line":
-                    sup.handle_line(ev[1], ev[2], time.monotonic())
-            out.append(time.monotonic() - t0)
-            time.sleep(1.0)  # let the next spare finish its imports, as between two scale-outs
+                    msg = sup.handle_line(ev[1], ev[2], time.monotonic())
+                    if msg is not None and msg.get("event") == "ready":
+                        ready[ev[1]] = time.monotonic() - t0
+            out.extend(sorted(ready.values()))
+            time.sleep(1.0)  # as between two scale-outs
     finally:
         sup.stop_all(time.monotonic())
         sup.close_warm()
@@ -641,6 +655,27 @@ def start_to_ready(host: str, port: int, workdir: Path, warm: bool, n: int = 5) 
         while len(sup) and time.monotonic() < deadline:
             sup.poll(time.monotonic())
             time.sleep(0.1)
+    return out
+
+
+def bench_spawn(burst: int = 3, rounds: int = 5, workdir: Optional[Path] = None) -> Dict[str, Any]:
+    """`fog-agent bench spawn`: start -> ready of `burst` workers started at once (a scale-out
+    round of several copies, or several operators scaling in the same second), forked from the
+    agent's fork server against started cold, in the same run (docs/runtime.md, "Pre-started
+    workers"). Each start's own figure; `rounds` bursts per mode, 1 s apart."""
+    from agent.tools.broker import start_private_broker
+
+    base = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="fog-bench-spawn-"))
+    out: Dict[str, Any] = {"burst": burst, "rounds": rounds, "workdir": str(base)}
+    with start_private_broker(base / "broker") as broker:
+        for mode in ("forked", "cold"):
+            kinds: List[bool] = []
+            values = start_to_ready(broker.host, broker.port, base / mode, warm=mode == "forked", n=rounds, burst=burst,
+                                    forked=kinds)
+            out[mode] = {"start_to_ready_s": _median_max(values), "each": [round(v, 3) for v in values],
+                         "forked_starts": sum(kinds)}
+    forked_s, cold_s = out["forked"]["start_to_ready_s"], out["cold"]["start_to_ready_s"]
+    out["cold_over_forked"] = {k: round(cold_s[k] / forked_s[k], 1) if forked_s[k] else None for k in ("median", "max")}
     return out
 
 

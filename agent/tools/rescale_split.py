@@ -15,7 +15,7 @@ Every stamp is wall time taken by a worker on this machine (the demo's agents sh
 
 Parts of one scale-out (with several copies, the earliest copy's stamp counts, as the total):
     round        decision -> copy started, itself made of
-      spawn        decision -> the copy's worker up (pre-started worker or a cold start)
+      spawn        decision -> the copy's worker up (forked by the agent's fork server, or a cold start)
       announce     worker up -> its Start (the Duplication to every neighbour, their acks: a
                    neighbour handles it behind the data its sender queued there before, FIFO)
     handover     copy started -> its first group installed (keyed only), itself made of
@@ -78,15 +78,22 @@ def _median_max(values: List[float]) -> Dict[str, Any]:
 
 
 def rescale_by_operator(stats: Dict[str, Dict[str, Any]], operator_of: Dict[str, str],
-                        warm: Optional[Dict[str, Optional[float]]] = None) -> Dict[str, Any]:
+                        warm: Optional[Dict[str, Optional[float]]] = None,
+                        ready: Optional[Dict[str, Optional[float]]] = None) -> Dict[str, Any]:
     """{operator: {"keyed", "decision_to_first_record_s": {median, max, n}, "parts_median_s": {...},
     "cold_spawns", "each": [row, ...]}} over every scale-out decision found in `stats` (instance ->
     its last stats, exited instances included), the operator of each instance from `operator_of`;
-    `warm`: instance -> how long the agent's pre-started worker had run when it took the instance,
-    None for a cold start (its "spawned" event): a row says "cold" when one of its copies was a
-    cold start (a python start and imports, seconds on a loaded machine) and "warm_age" the
-    youngest pre-started process among them (a young one was still importing)."""
+    `warm`: instance -> seconds since the fork server that forked it had started, None for a cold
+    start (its "spawned" event; docs/runtime.md "Pre-started workers"): a row says "cold" when one
+    of its copies was a cold start (a python start and imports, seconds on a loaded machine) and
+    "warm_age" the smallest age among them (before session 15: the age of the one pre-started
+    spare, and a young one was still importing). `ready`: instance -> seconds from the agent's
+    start of its worker to its "ready" (the "spawned" event's `start_to_ready_s`): a row's
+    "start_to_ready" is its slowest copy's (the round waits for every copy), the part of `spawn`
+    that is the worker's own start; the rest is the spawn request's way through the agents
+    (placement, a peer's request over MQTT) and the answer's."""
     warm = warm or {}
+    ready = ready or {}
     rows: Dict[str, List[Dict[str, Any]]] = {}
     keyed_ops: Dict[str, bool] = {}
     for inst, st in stats.items():
@@ -101,6 +108,8 @@ def rescale_by_operator(stats: Dict[str, Dict[str, Any]], operator_of: Dict[str,
                 row["cold"] = any(str(n) in warm and warm[str(n)] is None for n in d["new"])
                 ages = [a for a in (warm.get(str(n)) for n in d["new"]) if a is not None]
                 row["warm_age"] = min(ages) if ages else None
+                starts = [s for s in (ready.get(str(n)) for n in d["new"]) if s is not None]
+                row["start_to_ready"] = max(starts) if starts else None
                 rows.setdefault(op, []).append(row)
                 keyed_ops[op] = keyed
     out: Dict[str, Any] = {}
