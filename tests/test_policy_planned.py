@@ -61,7 +61,7 @@ def test_steps_up_one_period_before_the_busy_slots_and_back_after_them():
     assert changes == [(7, 5), (15, 2)]
     # the risk-priced operating point takes the same two steps, up to the count past which one more
     # instance costs more than the shortfall it saves: P(400 x exp(N(0, 0.12)) > 500) = 3.1 %,
-    # x price 50 = 1.6 > 1, so 6; P(> 600) x 50 = 0.02 < 1
+    # x price 75 = 2.3 > 1, so 6; P(> 600) x 75 = 0.03 < 1
     acts = _run(PlannedPolicy(profile=PROFILE, **PLANNED_POINT), [PROFILE[k] for k in range(24)])
     assert [(k, a[1]) for k, a in enumerate(acts) if a[0] is not ActionKind.NONE] == [(7, 6), (15, 2)]
 
@@ -114,10 +114,47 @@ def test_noise_correction_lowers_the_plan_on_a_quiet_day_and_never_raises_it():
         acts = _run(PlannedPolicy(profile=PROFILE, **point), totals)
         return [(k, a[1]) for k, a in enumerate(acts) if a[0] is not ActionKind.NONE]
 
-    open_loop = dict(PLANNED_POINT, noise_decay=0.0)
+    open_loop = dict(PLANNED_POINT, noise_decay=0.0, day_prior=0.0)
     assert changes(open_loop, 0.6) == [(7, 6), (15, 2)]
     assert changes(PLANNED_POINT, 0.6) == [(7, 5), (15, 2)]
     assert changes(PLANNED_POINT, 1.3) == changes(open_loop, 1.3) == [(7, 6), (15, 2)]
+
+
+def test_day_level_lowers_a_quiet_days_plan_slowly_restarts_each_day_and_leaves_a_busy_day_alone():
+    """The day-level estimate alone (no decaying correction, prior 4 periods): a day at 0.8 x the
+    profile is learnt as exp(8 log 0.8 / (8 + 4)) = 0.86 by the end of slot 7, so the busy slots get
+    5 instances, not the 6 of the profile (P(344 x exp(N(0, 0.12)) > 500) x 75 < 1); the next day,
+    back at the profile, starts again from the prior and gets 6. A day 30 % over the profile gets
+    the same 6 as without the estimate (downwards only); `day_band_up` 0 lets it raise the plan (to 7).
+    Fails when the sums are not restarted at the day's first slot, or when the sign is flipped."""
+    day = len(PROFILE)
+
+    def changes(point: dict, factors: Sequence[float]) -> List[tuple]:
+        totals = [PROFILE[k % day] * factors[k // day] for k in range(len(factors) * day)]
+        acts = _run(PlannedPolicy(profile=PROFILE, **point), totals)
+        return [(k, a[1]) for k, a in enumerate(acts) if a[0] is not ActionKind.NONE]
+
+    base = dict(PLANNED_POINT, noise_decay=0.0, day_prior=0.0)
+    day_level = dict(base, day_prior=4.0)
+    assert changes(base, (0.8, 1.0)) == [(7, 6), (15, 2), (31, 6), (39, 2)]
+    assert changes(day_level, (0.8, 1.0)) == [(7, 5), (15, 2), (31, 6), (39, 2)]
+    assert changes(day_level, (1.3,)) == changes(base, (1.3,)) == [(7, 6), (15, 2)]
+    assert max(t for _, t in changes(dict(day_level, day_band_up=0.0), (1.3,))) == 7
+
+
+def test_today_sigma_sheds_the_learnt_part_of_the_day_levels_spread():
+    """sigma^2 = noise_sigma^2 - day_sigma^2 x count / (count + day_prior): noise_sigma before the
+    day's first period, falling towards sqrt(noise_sigma^2 - day_sigma^2) as the day is learnt."""
+    pol = PlannedPolicy(profile=PROFILE, **dict(PLANNED_POINT, noise_sigma=0.12, day_sigma=0.06, day_prior=4.0))
+    assert pol.today_sigma() == pytest.approx(0.12)
+    seen = []
+    for k in range(12):
+        pol.day_log_level(60.0 * k + 59.0, PROFILE[k], k)
+        seen.append(pol.today_sigma())
+    assert seen[3] == pytest.approx(math.sqrt(0.12 ** 2 - 0.06 ** 2 * 4 / 8))
+    assert all(a > b > math.sqrt(0.12 ** 2 - 0.06 ** 2) for a, b in zip(seen, seen[1:]))
+    with pytest.raises(ValueError):
+        PlannedPolicy(profile=PROFILE, noise_sigma=0.05, day_sigma=0.06)
 
 
 def test_registered_for_the_simulator_and_the_daemon():

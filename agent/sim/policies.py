@@ -123,8 +123,9 @@ def _seasonal(cfg: SimConfig, n_max: int) -> Policy:
 
 
 def _planned(cfg: SimConfig, n_max: int) -> Policy:
-    """A day plan in instance space from the learned profile, each change priced, open loop
-    (agent/policy/planned.py), operating point PLANNED_POINT (chosen on seeds 100-104)."""
+    """A day plan in instance space from the learned profile, each slot's instances priced by their
+    risk and each change priced (agent/policy/planned.py), operating point PLANNED_POINT (chosen on
+    seeds 100-139)."""
     from agent.policy.planned import PLANNED_POINT, PlannedPolicy
     from agent.policy.seasonal import COOLDOWN_IN_PERIODS, COOLDOWN_OUT_PERIODS
 
