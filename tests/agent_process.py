@@ -12,6 +12,11 @@ import time
 from typing import Any, Callable, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
+# Seconds a test gives an agent to come online or a worker it starts itself to say ready, against a
+# hang only (a dead process fails at once where the test can see it): under load ~34 an agent had
+# not logged its first line after 30 s, and at ~38 most workers of test_runtime_worker_broker were
+# not ready after LocalRunner's default 20 s (a python start and the imports on shared cores).
+ONLINE_BOUND = 120.0
 
 
 class AgentProcess:
@@ -46,7 +51,7 @@ class AgentProcess:
         return int(self.proc.returncode)
 
 
-def wait_until_answers(client: Any, node: str, alive: Callable[[], bool], timeout: float = 20.0) -> None:
+def wait_until_answers(client: Any, node: str, alive: Callable[[], bool], timeout: float = ONLINE_BOUND) -> None:
     """Until agent `node` answers a ping through `client` (an RpcClient); re-raises the last
     failure after `timeout` s, or at once when `alive()` says its process is gone."""
     deadline = time.monotonic() + timeout

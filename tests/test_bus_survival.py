@@ -20,7 +20,7 @@ from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
-from agent_process import AgentProcess
+from agent_process import ONLINE_BOUND, AgentProcess
 
 from agent import identity, topics
 from agent.node import rpc
@@ -362,7 +362,7 @@ def test_the_messages_that_killed_agents_are_survived_by_real_agents(tmp_path: P
     a1 = _AgentProc(tmp_path, mosquitto, "n1", cluster)
     a2: Optional[_AgentProc] = None
     try:
-        assert _wait(lambda: _ping(admin, "n1"), 20), a1.text()
+        assert _wait(lambda: _ping(admin, "n1"), ONLINE_BOUND), a1.text()
         # the retained hostile state of a (fake) neighbour n9, before n2 starts
         admin.publish(topics.agent_state(cluster, "n9"), DEEP, retain=True)
         admin.publish(topics.agent_status(cluster, "n9"), b"online", retain=True)
@@ -376,7 +376,7 @@ def test_the_messages_that_killed_agents_are_survived_by_real_agents(tmp_path: P
         reply = admin.call("n1", {"v": 1, "op": "scale", "operator": "work", "delta": 3_000_000}, timeout=5)
         assert reply["ok"] is False and "more copies than the 1 slots" in reply["error"]
         a2 = _AgentProc(tmp_path, mosquitto, "n2", cluster)
-        assert _wait(lambda: _ping(admin, "n2"), 20), a2.text()
+        assert _wait(lambda: _ping(admin, "n2"), ONLINE_BOUND), a2.text()
         time.sleep(1.0)  # a latency round and a state period with the hostile records in
         assert _ping(admin, "n1") and _ping(admin, "n2")
         assert a1.proc.poll() is None and a2.proc.poll() is None
@@ -412,7 +412,7 @@ def test_a_node_cannot_steer_another_through_its_peer_topic(tmp_path: Path, mosq
     intruder = rpc.RpcClient(mosquitto.host, mosquitto.port, cluster, identity="n3").connect()
     a1 = _AgentProc(tmp_path, mosquitto, "n1", cluster)
     try:
-        assert _wait(lambda: _ping(admin, "n1"), 20), a1.text()
+        assert _wait(lambda: _ping(admin, "n1"), ONLINE_BOUND), a1.text()
         spec = {"instance": "p.sink.0", "operator": "sink", "pipeline": "p", "pipeline_toml": PIPELINE}
         got: Dict[str, Dict[str, Any]] = {}
         for body in ({"op": "ping"}, {"op": "stop", "instance": "p.sink.0"}, {"op": "spawn", "spec": spec}):

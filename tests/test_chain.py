@@ -375,7 +375,7 @@ def test_an_agent_hosts_a_chained_deploy_in_one_process_and_restarts_it_as_one_a
     agent = AgentProcess(conf)
     try:
         with RpcClient(mosquitto.host, mosquitto.port, cluster) as client:
-            wait_until_answers(client, "n1", agent.alive, timeout=30.0)
+            wait_until_answers(client, "n1", agent.alive)
 
             def pids() -> Dict[str, int]:
                 msgs = client.snapshot([topics.agent_state(cluster, "n1")], timeout=5.0)

@@ -25,6 +25,7 @@ from agent.fogctl.client import Connection
 from agent.fogctl.config import FogctlConfig
 from agent.tools.broker import start_private_broker
 from agent.control.records import parse_record
+from agent_process import ONLINE_BOUND
 from test_runtime_daemon import PIPELINE, AgentProc, fake_worker, wait_until  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.broker
@@ -85,7 +86,8 @@ class Fleet:
             code, doc, _ = fogctl(capsys, self.broker, self.cluster, "status")
             return code == 0 and {n["node"]: n["status"] for n in doc["nodes"]} == {n: "online" for n in self.nodes}
 
-        assert wait_until(online, 20), [a.node for a in self.agents]
+        assert wait_until(lambda: online() or any(a.proc.poll() is not None for a in self.agents), ONLINE_BOUND)
+        assert online(), [(a.node, a.proc.poll()) for a in self.agents]
 
     def stop(self) -> None:
         for a in self.agents:
@@ -282,7 +284,7 @@ def test_manual_scale_pins_the_count_until_released(capsys, mosquitto: Any, tmp_
                     for i in o["instances"] if i["phase"] == "active"]
 
         assert wait_until(lambda: [n["status"] for n in fogctl(capsys, mosquitto, cluster, "status")[1]["nodes"]]
-                          == ["online"] * 2, 30)
+                          == ["online"] * 2, ONLINE_BOUND)
         code, doc, err = fogctl(capsys, mosquitto, cluster, "deploy", write(tmp_path, PIN_PIPELINE))
         assert code == 0, err
         assert wait_until(lambda: len(in_zone()) == 1, 20)

@@ -146,7 +146,7 @@ def test_drain_moves_a_keyed_keeper_with_its_state_and_the_windows_equal_the_fau
                 for i in doc.get("instances", []) if i["operator"] == "win" and i["status"] == "active"]
 
     try:
-        assert mon.wait(lambda m: m.status.get("h2") == "online", 30)
+        fleet.wait_online(mon)
         fleet.deploy(pipeline(run.topic, rate=180.0, window=SLIDING))  # returns once the keepers run
         pause("h2", True)  # held while the fleet grows, so that the drain comes mid-stream at any load
         fleet.nodes = ("h1", "h2", "h3")
@@ -154,7 +154,7 @@ def test_drain_moves_a_keyed_keeper_with_its_state_and_the_windows_equal_the_fau
         for node in ("h1", "h3"):
             fleet.start_agent(node, env)
         assert mon.wait(lambda m: bool(hosts(m, keeper)) and hosts(m, keeper)[0][0] == "h2", 20), mon.states
-        assert mon.wait(lambda m: all(m.status.get(n) == "online" and n in m.states for n in ("h1", "h3")), 30)
+        fleet.wait_online(mon)
         assert "accepted" in fogctl(capsys, mosquitto, cluster, "scale", "win", "+1")
         assert mon.wait(lambda m: len(wins(m, "h2")) == 2, 30), mon.states.get("h2")  # the copy: h2 too
         [copy] = [i for i in wins(mon, "h2") if i != keeper]
@@ -204,7 +204,7 @@ def test_the_site_manager_consolidates_a_fleet_running_a_keyed_pipeline(mosquitt
                 for i in doc.get("instances", []) if i["id"] == inst and i["status"] == "active"]
 
     try:
-        assert mon.wait(lambda m: m.status.get("n1") == "online", 30)
+        fleet.wait_online(mon)
         fleet.deploy(pipeline(run.topic, rate=120.0, n=n))
         assert mon.wait(lambda m: on(m, keeper) == ["n1"], 20), mon.states
         assert mon.wait(lambda m: run.emitted() > 20, 20)  # records flow: n1's instances report a load
@@ -212,6 +212,8 @@ def test_the_site_manager_consolidates_a_fleet_running_a_keyed_pipeline(mosquitt
         fleet.extra_toml = ("[site_manager]\nenabled = true\ntarget = 0.9\nmin_nodes = 1\nmax_nodes = 2\n"
                             "cooldown = 1.0\ntimeout = 60.0\nperiod = 0.5\nlease = 4.0\n")
         fleet.start_agent("n2", dict(os.environ, PYTHONPATH=str(ROOT)))
+        fleet.wait_online(mon)  # the drain's bound below starts once n2 runs (not paused meanwhile: an
+        # idle n1 would make n2, empty, the node to drain)
 
         def site(m: Any) -> list:
             return [((e.get("detail") or {}).get("action"), (e.get("detail") or {}).get("node"))

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Dict
 
 import pytest
-from agent_process import AgentProcess
+from agent_process import ONLINE_BOUND, AgentProcess
 
 import agent.node.daemon  # noqa: E402,F401  (a broken daemon must fail here, not skip)
 
@@ -84,7 +84,7 @@ def test_real_fleet_status_topology_match_agents_own_view(capsys, mosquitto, fle
         doc = fogctl(capsys, mosquitto, cluster, "--json", "status")
         return [n["status"] for n in doc["nodes"]] == ["online"] * 3
 
-    assert wait_for(all_online, 30), "the three agents did not come online"
+    assert wait_for(all_online, ONLINE_BOUND), "the three agents did not come online"
     # `watch` runs while the deploy happens and must show each keeper's start as it happens.
     watch = subprocess.Popen([sys.executable, "-m", "agent.cli.fogctl", "--broker", mosquitto.address,
                               "--cluster", cluster, "--json", "watch", "--filter", "type=spawned",
@@ -282,12 +282,12 @@ def test_fogctl_scale_and_drain_on_real_agents_lose_no_record(capsys, mosquitto,
     fleet.start()
     mon = Monitor(mosquitto.host, mosquitto.port, cluster)
     try:
-        assert mon.wait(lambda m: list(m.status.values()).count("online") == 2, 30)
+        fleet.wait_online(mon)
         fleet.deploy(STEER_PIPELINE)
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         fleet.nodes = ("s1", "s2", "s3")
         fleet.start_agent("s2", env)
-        assert mon.wait(lambda m: m.status.get("s2") == "online", 30)
+        fleet.wait_online(mon)
 
         def in_zone(m: Any, node: Any = None) -> int:
             return sum(1 for n, doc in m.states.items() if node in (None, n) and m.status.get(n) == "online"
@@ -361,14 +361,14 @@ def test_fogctl_drain_hands_a_keeper_over_to_another_node(capsys, mosquitto, tmp
                    for i in doc.get("instances", []) if i["operator"] == "in_zone" and i["status"] == "active")
 
     try:
-        assert mon.wait(lambda m: m.status.get("h2") == "online", 30)
+        fleet.wait_online(mon)
         fleet.deploy(HANDOVER_PIPELINE)
         assert mon.wait(lambda m: all(hosts(m, k) and hosts(m, k)[0][0] == "h2" for k in keepers), 20), mon.states
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         fleet.nodes = ("h1", "h2", "h3")
         for node in ("h1", "h3"):
             fleet.start_agent(node, env)
-        assert mon.wait(lambda m: all(m.status.get(n) == "online" and n in m.states for n in ("h1", "h3")), 30)
+        fleet.wait_online(mon)
         # A copy of in_zone: a local free slot comes first, so it also lands on h2.
         out = fogctl(capsys, mosquitto, cluster, "scale", "in_zone", "+1")
         assert "accepted" in out

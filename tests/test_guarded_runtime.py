@@ -31,6 +31,7 @@ import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
 from agent.tools.dataplane_bench import LocalRunner, pipeline_toml
+from agent_process import ONLINE_BOUND
 from tests.test_runtime_worker_broker import (RUNNERS, assert_exactly_once, expected_ids, start_pipeline, wait_for,
                                              wait_source_quiet)
 
@@ -169,7 +170,7 @@ def test_fgme_neighbours_never_scale_together_and_nothing_is_lost(mosquitto, tmp
     lock their rounds are serialized (and did want to overlap: the later decision was taken
     before the earlier round ended), every record reaches the sink exactly once, nothing is
     sent to a terminated instance or a non-successor, no protocol error."""
-    runner = LocalRunner(tmp_path)
+    runner = LocalRunner(tmp_path, ready_timeout=ONLINE_BOUND)
     RUNNERS[:] = [runner]
     try:
         t0 = time.monotonic()
@@ -217,7 +218,7 @@ def test_same_check_finds_neighbours_in_a_round_together_without_the_lock(mosqui
     """coordination = "ack", the same simultaneous scale-out: the paper's protocol lets both
     neighbours run their rounds at once (it is safe for the data, not exclusive), and the
     interval check of the test above reports it."""
-    runner = LocalRunner(tmp_path)
+    runner = LocalRunner(tmp_path, ready_timeout=ONLINE_BOUND)
     RUNNERS[:] = [runner]
     try:
         r = run_scenario(runner, mosquitto, tmp_path, "ack", scale_in=False)
@@ -308,7 +309,7 @@ def test_fogctl_locks_on_real_agents_shows_who_requests_and_who_is_in_the_cs(cap
     tap = EventTap(mosquitto.host, mosquitto.port, cluster)
     try:
         assert poll(lambda: [n["status"] for n in fogctl(capsys, mosquitto, cluster, "--json", "status")["nodes"]]
-                    == ["online"] * 3, 30)
+                    == ["online"] * 3, ONLINE_BOUND)
         p = tmp_path / "locks.toml"
         p.write_text(LOCK_PIPELINE)
         fogctl(capsys, mosquitto, cluster, "--json", "deploy", str(p))

@@ -36,7 +36,7 @@ def test_failed_spawn_cancels_the_round_and_loses_nothing(mosquitto: Any, tmp_pa
     fleet.start()
     mon = Monitor(mosquitto.host, mosquitto.port, cluster)
     try:
-        assert mon.wait(lambda m: m.status.get("c1") == "online", 30)
+        fleet.wait_online(mon)
         fleet.deploy(PIPELINE)
         assert mon.wait(lambda m: m.instances_per_operator() == {"source": 1, "in_zone": 1, "sink": 1}, 30)
         with RpcClient(mosquitto.host, mosquitto.port, cluster) as client:

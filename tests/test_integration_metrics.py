@@ -48,7 +48,7 @@ def scrape(port: int) -> Dict[Any, float]:
 
 
 def test_metrics_endpoint_counters_equal_the_agents_own_counts(mosquitto: Any, tmp_path: Path) -> None:
-    from agent.tools.demo import Monitor
+    from agent.tools.demo import Monitor, wait_online
     from agent.node.deploy import deploy
     from agent.node.rpc import RpcClient
 
@@ -70,7 +70,7 @@ def test_metrics_endpoint_counters_equal_the_agents_own_counts(mosquitto: Any, t
         log.close()
     mon = Monitor(mosquitto.host, mosquitto.port, cluster)
     try:
-        assert mon.wait(lambda m: list(m.status.values()).count("online") == 2, 30)
+        wait_online(mon, procs)
         placed = deploy(PIPELINE, mosquitto.host, mosquitto.port, cluster,
                         extra={"sink_dir": str(tmp_path / "sink")}, timeout=30)
         where = {d.instance: d.node for d in placed}

@@ -25,7 +25,7 @@ from agent.operators.builtin import OperatorContext
 from agent.operators.keyed import tumbling_window
 from agent.operators.taxi import TaxiGenerator
 from agent.tools.dataplane_bench import LocalRunner, initial_specs, pipeline_toml
-from agent_process import wait_until_answers, write_agent_conf
+from agent_process import ONLINE_BOUND, wait_until_answers, write_agent_conf
 
 pytestmark = [pytest.mark.broker, pytest.mark.timeout(240)]
 
@@ -102,7 +102,7 @@ def test_a_windowed_sum_under_kill_9_emits_exactly_the_windows_of_the_fault_free
     assert len(want) > 100  # ~4000 s of event time, 1 min windows, 2 keys
     topic = "lab/keyed/out"
     coll = Collector(mosquitto.host, mosquitto.port, topic)
-    runner = LocalRunner(tmp_path)
+    runner = LocalRunner(tmp_path, ready_timeout=ONLINE_BOUND)
     try:
         specs = initial_specs(pipeline(topic), BrokerSpec(mosquitto.host, mosquitto.port), str(tmp_path / "state"),
                               cluster="keyed", extra={"sink_dir": str(tmp_path / "sink")})

@@ -268,7 +268,7 @@ def test_live_threshold_policy_scales_out_under_load_and_in_when_it_drops(tmp_pa
     fleet.start()
     mon = Monitor(mosquitto.host, mosquitto.port, fleet.cluster)
     try:
-        assert mon.wait(lambda m: list(m.status.values()).count("online") == 3, 30)
+        fleet.wait_online(mon)
         placed = {d.operator: d for d in fleet.deploy(text)}
         t0 = time.monotonic()
         peak, peak_at = 0, None
@@ -351,7 +351,7 @@ def test_a_slowed_instance_s_operator_count_follows_its_live_capacity(tmp_path: 
     mon = Monitor(mosquitto.host, mosquitto.port, fleet.cluster)
     keeper = "fol.in_zone.0"
     try:
-        assert mon.wait(lambda m: m.status.get("n1") == "online", 30)
+        fleet.wait_online(mon)
         fleet.deploy(FOLLOW_PIPELINE)
         assert mon.wait(lambda m: ((m.stats_of(keeper).get("signals") or {}).get("processed_rate") or 0) > 100, 60)
         time.sleep(4.0)

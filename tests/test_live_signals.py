@@ -113,7 +113,7 @@ def test_a_slowed_instance_reports_a_lower_capacity_within_a_few_periods(tmp_pat
     mon = Monitor(mosquitto.host, mosquitto.port, fleet.cluster)
     inst = "slow.in_zone.0"
     try:
-        assert mon.wait(lambda m: m.status.get("n1") == "online", 20)
+        fleet.wait_online(mon)
         fleet.deploy(SLOW_PIPELINE.format(rate=100.0))
 
         def live(m: Monitor) -> Any:

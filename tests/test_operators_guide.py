@@ -314,6 +314,7 @@ def test_the_worked_example_runs_on_real_agents(tmp_path: Path, mosquitto: Any) 
     import paho.mqtt.client as mqtt
 
     from agent.node.rpc import RpcClient
+    from agent_process import wait_until_answers
 
     cluster = "ops" + uuid.uuid4().hex[:6]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(EXAMPLE)]))
@@ -355,14 +356,7 @@ def test_the_worked_example_runs_on_real_agents(tmp_path: Path, mosquitto: Any) 
     try:
         with RpcClient(mosquitto.host, mosquitto.port, cluster) as client:
             for node in ("n1", "n2"):
-                deadline = time.monotonic() + 20
-                while True:
-                    try:
-                        assert client.call(node, {"op": "ping"}, timeout=2.0)["ok"]
-                        break
-                    except Exception:
-                        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-                            raise
+                wait_until_answers(client, node, lambda: all(p.poll() is None for p in procs))
         d = subprocess.run([sys.executable, "-m", "agent", "deploy", str(EXAMPLE / "pipeline.toml"),
                             "--host", mosquitto.host, "--port", str(mosquitto.port), "--cluster", cluster],
                            capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=60)

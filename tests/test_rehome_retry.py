@@ -4,6 +4,7 @@ fed to its handler, its publishes accepted, time passed in."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Tuple
@@ -35,7 +36,7 @@ def test_a_rehome_that_fails_after_the_node_came_back_is_placed_again(tmp_path: 
     agent._publish = lambda *a, **k: True  # type: ignore[assignment]
     placed: List[Tuple[str, Callable[[Dict[str, Any]], None]]] = []
     agent._create_node = lambda spec, reply, cause, now: placed.append((spec.instance, reply))  # type: ignore
-    agent.connected = True
+    agent.connected = agent._retained_in = True  # connected, the retained records in (sync marker)
 
     def message(topic: str, payload: bytes) -> None:
         agent._on_message(SimpleNamespace(topic=topic, payload=payload, retain=False, properties=None), now)
@@ -59,3 +60,64 @@ def test_a_rehome_that_fails_after_the_node_came_back_is_placed_again(tmp_path: 
     for now in (136.0, 140.0, 160.0):
         agent._maybe_rehome(now)
     assert [i for i, _ in placed].count("p.source.0") >= 2, "the source runs nowhere and nobody places it again"
+
+
+def test_a_node_that_came_back_while_we_were_away_is_not_rehomed_at_our_reconnect(tmp_path: Path) -> None:
+    """n3 went offline, then our own connection dropped; n3 came back while we were away. At our
+    reconnect the loop ran before the broker had sent n3's retained "online": n3 still read as
+    offline since before the cut, longer than dead_after, and we re-homed the instances it runs
+    (one identity in two processes). The planner now waits for the echo of the sync marker
+    published after subscribing: the retained statuses come before it. No broker: the client
+    records what the agent sends, the broker's messages are handed in, the clock is ours."""
+    from agent.config import load_agent_config
+    from agent.node.daemon import Agent
+
+    conf = tmp_path / "a.toml"
+    conf.write_text(f'[agent]\nnode = "n1"\ncluster = "c"\nstate_dir = "{tmp_path}"\ndead_after = 6.0\n'
+                    '[mqtt]\nhost = "h"\nport = 1\n')
+    clock = [100.0]
+    agent = Agent(load_agent_config(conf), warm_worker=False, clock=lambda: clock[0])
+    placed: List[str] = []
+    agent._create_node = lambda spec, reply, cause, now: placed.append(spec.instance)  # type: ignore
+    sent: List[Tuple[str, bytes]] = []
+
+    class Client:
+        def subscribe(self, subs: Any) -> None:
+            pass
+
+        def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False,
+                    properties: Any = None) -> Any:
+            sent.append((topic, payload))
+            return SimpleNamespace(rc=0)
+
+    agent._client = Client()
+    marker_topic = topics.replies("c", "n1", "n1")
+
+    def connect(at: float, retained: List[Tuple[str, bytes]]) -> None:
+        """A (re)connect, one loop turn before the retained messages arrive, then them and the
+        echo of this connection's marker, and a loop turn."""
+        clock[0] = at
+        agent._dispatch(("mqtt_connect", True, "Success", True), at)
+        agent._periodic(at)
+        for topic, payload in retained + [(marker_topic, [p for t, p in sent if t == marker_topic][-1])]:
+            message(topic, payload, retain=topic != marker_topic)
+        agent._periodic(at)
+
+    def message(topic: str, payload: bytes, retain: bool = False) -> None:
+        agent._on_message(SimpleNamespace(topic=topic, payload=payload, retain=retain, properties=None), clock[0])
+
+    work = InstanceSpec("p.work.0", "work", "n3", "c", "p", PIPELINE, BrokerSpec("h", 1), keeper=True)
+    hosted = (topics.agent_hosted("c", "n3"), json.dumps([request_spec(work)]).encode())
+    connect(100.0, [(topics.agent_status("c", "n3"), b"online"), hosted])
+    clock[0] = 101.0
+    message(topics.agent_status("c", "n3"), b"offline")  # n3's Will
+    clock[0] = 103.0
+    agent._dispatch(("mqtt_disconnect", "keepalive timeout"), 103.0)  # our cut: n3 is back at 105
+    connect(120.0, [(topics.agent_status("c", "n3"), b"online"), hosted])
+    assert placed == [], "re-homed the instances of a node that is online"
+    # the planner itself works: n3 lost again, for longer than dead_after
+    clock[0] = 121.0
+    message(topics.agent_status("c", "n3"), b"offline")
+    clock[0] = 128.0
+    agent._periodic(128.0)
+    assert placed == ["p.work.0"]

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import pytest
+from agent_process import ONLINE_BOUND
 from pipelines import with_work
 
 from agent.node import nodestate
@@ -360,7 +361,7 @@ def test_agent_status_state_spawn_and_clean_sigterm(tmp_path: Path, mosquitto: A
     agents = [AgentProc(tmp_path, mosquitto, n, fake_worker, slots=2, cluster=cluster) for n in ("n1", "n2")]
     watcher = Watcher(mosquitto, cluster)
     try:
-        assert wait_until(lambda: watcher.snapshot("status") == {"n1": b"online", "n2": b"online"}, 15)
+        assert wait_until(lambda: watcher.snapshot("status") == {"n1": b"online", "n2": b"online"}, ONLINE_BOUND)
         extra = {"fake_log": str(fake_log), "fake": {}}
         placed = deploy(PIPELINE, mosquitto.host, mosquitto.port, cluster, extra=extra, timeout=15)
         assert [d.operator for d in placed] == ["source", "work", "sink"]
@@ -458,7 +459,7 @@ def test_sigkilled_agent_leaves_offline_will_and_no_orphans(tmp_path: Path, mosq
     agent = AgentProc(tmp_path, mosquitto, "k1", fake_worker, slots=2, cluster=cluster)
     watcher = Watcher(mosquitto, cluster)
     try:
-        assert wait_until(lambda: watcher.snapshot("status").get("k1") == b"online", 15)
+        assert wait_until(lambda: watcher.snapshot("status").get("k1") == b"online", ONLINE_BOUND)
         spec = {"instance": "p.work.0", "operator": "work", "pipeline": "p", "pipeline_toml": PIPELINE,
                 "extra": {"fake_log": str(fake_log), "fake": {}}}
         assert watcher.client.call("k1", {"op": "spawn", "spec": spec}, timeout=10)["ok"]

@@ -210,3 +210,39 @@ def test_sigterm_to_the_demo_stops_its_whole_fleet(tmp_path: Path) -> None:
             os.killpg(pgid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+@pytest.mark.broker
+def test_a_monitor_is_built_with_the_retained_states_in(mosquitto: Any) -> None:
+    """Monitor() returns once the echo of its sync marker came back, so every retained state and
+    status is in its view: a check made at once (fewer instances than a bound, nobody offline)
+    must not pass on an empty view. Before, it returned at the CONNACK, before even subscribing."""
+    import uuid
+
+    import paho.mqtt.client as mqtt
+
+    from agent import topics
+
+    cluster = "mon" + uuid.uuid4().hex[:8]
+    nodes = [f"n{i}" for i in range(1, 6)]
+    c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"states-{uuid.uuid4().hex[:6]}",
+                    protocol=mqtt.MQTTv5)
+    c.connect(mosquitto.host, mosquitto.port)
+    c.loop_start()
+    retained = [(topics.agent_state(cluster, n), json.dumps({"node": n, "instances": [
+        {"id": f"p.work.{n}", "operator": "work", "status": "active"}]}).encode()) for n in nodes]
+    retained += [(topics.agent_status(cluster, n), b"online") for n in nodes]
+    try:
+        for topic, payload in retained:
+            c.publish(topic, payload, qos=1, retain=True).wait_for_publish(5)
+        mon = demo.Monitor(mosquitto.host, mosquitto.port, cluster)
+        try:
+            assert mon.instances_per_operator() == {"work": len(nodes)}  # at once: no wait
+            assert mon.status == {n: "online" for n in nodes}
+        finally:
+            mon.close()
+    finally:
+        for topic, _ in retained:
+            c.publish(topic, b"", qos=1, retain=True).wait_for_publish(5)
+        c.loop_stop()
+        c.disconnect()

@@ -165,7 +165,7 @@ def test_step_load_scales_out_and_back_exactly_once(tmp_path: Path, mosquitto: A
     mon = Monitor(mosquitto.host, mosquitto.port, fleet.cluster)
     try:
         dropped_before = broker_dropped(mon)
-        assert mon.wait(lambda m: list(m.status.values()).count("online") == 3, 20)
+        fleet.wait_online(mon)
         fleet.deploy(text)
         t0 = time.monotonic()
         # malformed payloads into the in_zone keeper's inbox, while it works
@@ -229,7 +229,7 @@ def test_neighbours_scale_together_and_a_slow_sink_slows_producers(tmp_path: Pat
     mon = Monitor(mosquitto.host, mosquitto.port, fleet.cluster)
     try:
         dropped_before = broker_dropped(mon)
-        assert mon.wait(lambda m: list(m.status.values()).count("online") == 3, 20)
+        fleet.wait_online(mon)
         placed = {d.operator: d for d in fleet.deploy(text)}
         t0 = time.monotonic()
         assert mon.wait(lambda m: m.instances_per_operator().get("validate", 0) >= 2

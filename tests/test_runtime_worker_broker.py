@@ -16,6 +16,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from agent import topics
 from agent.tools.dataplane_bench import LocalRunner, initial_specs, pipeline_toml
+from agent_process import ONLINE_BOUND
 from agent.operators.builtin import in_zone, read_sink_ids, validate
 from agent.mqtt.settings import BrokerSpec
 from agent.operators.taxi import TaxiGenerator
@@ -102,7 +103,7 @@ class SysWatch:
 
 @pytest.fixture
 def runner(tmp_path: Path):
-    r = LocalRunner(tmp_path)
+    r = LocalRunner(tmp_path, ready_timeout=ONLINE_BOUND)
     RUNNERS[:] = [r]
     yield r
     r.stop_all(timeout=10)

@@ -372,6 +372,7 @@ def test_rehome_from_a_hosted_record_is_admitted_like_a_spawn(tmp_path: Path,
     created: List[InstanceSpec] = []
     agent._create_node = lambda spec, reply, cause, now: created.append(spec)  # type: ignore[assignment]
     agent.connected, agent.online, agent._offline_since = True, {"n9": False}, {"n9": 0.0}
+    agent._retained_in = True  # the retained records are in (the sync marker came back)
     record = [spec_body("agent.operators.builtin:identity", "p.work.0"),
               spec_body("builtins:exec", "p.work.1"),
               spec_body("agent.operators.builtin:identity", "p.work.2", sink_dir="/x/../escape")]
@@ -422,6 +423,7 @@ def test_an_epoch_floor_ahead_of_the_nodes_clock_is_refused_and_never_saved(
     created: List[InstanceSpec] = []
     agent._create_node = lambda spec, reply, cause, now: created.append(spec)  # type: ignore[assignment]
     agent.connected, agent.online, agent._offline_since = True, {"n9": False}, {"n9": 0.0}
+    agent._retained_in = True  # the retained records are in (the sync marker came back)
     agent.hosted_by_node["n9"] = [spec_body(ok, "p.work.0"), spec_body(ok, "p.work.1", min_epoch=2 ** 53)]
     agent._maybe_rehome(100.0)
     assert [(s.instance, s.extra["min_epoch"]) for s in created] == [("p.work.0", int(NOW))]
@@ -505,6 +507,7 @@ def test_the_worker_refuses_a_function_before_importing_or_creating_anything(
 def test_a_real_agent_refuses_spawns_of_code_escaping_paths_and_forged_epochs(
         tmp_path: Path, mosquitto: Any, opsdir: Tuple[Path, Dict[str, str]]) -> None:
     from agent.node.rpc import RpcClient
+    from agent_process import wait_until_answers
 
     pkgs, names = opsdir
     cluster = "sec" + uuid.uuid4().hex[:6]
@@ -523,14 +526,7 @@ def test_a_real_agent_refuses_spawns_of_code_escaping_paths_and_forged_epochs(
                                 stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT))
     try:
         with RpcClient(mosquitto.host, mosquitto.port, cluster) as client:
-            deadline = time.monotonic() + 20
-            while True:  # the agent is up once it answers a ping
-                try:
-                    assert client.call("n1", {"op": "ping"}, timeout=2.0)["ok"]
-                    break
-                except Exception:
-                    if time.monotonic() > deadline or proc.poll() is not None:
-                        raise
+            wait_until_answers(client, "n1", lambda: proc.poll() is None)  # the agent is up
             bad = [spec_body("builtins:exec", "p.work.1"), spec_body(f"{names['evil']}:run", "p.work.2"),
                    spec_body(f"{names['ops']}:system", "p.work.3"),  # allowed module, imported name: the worker refuses
                    spec_body(f"{names['ops']}:double", "p.work.4", sink_dir=f"{state}/../escape"),

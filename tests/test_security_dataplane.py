@@ -378,6 +378,7 @@ def test_forged_inbox_messages_on_a_real_broker_stall_nothing_and_leave_no_state
     from paho.mqtt.enums import CallbackAPIVersion
 
     from agent.tools.dataplane_bench import LocalRunner, initial_specs, pipeline_toml
+    from agent_process import ONLINE_BOUND
     from agent.operators.builtin import read_sink_ids
     from agent.mqtt.settings import BrokerSpec
 
@@ -391,7 +392,7 @@ def test_forged_inbox_messages_on_a_real_broker_stall_nothing_and_leave_no_state
     ], scaling={"policy": "none"})
     specs = initial_specs(toml, BrokerSpec(mosquitto.host, mosquitto.port), str(tmp_path / "state"),
                           cluster=cluster, extra={"sink_dir": str(tmp_path / "sink"), "seed": 11})
-    runner = LocalRunner(tmp_path)
+    runner = LocalRunner(tmp_path, ready_timeout=ONLINE_BOUND)
     try:
         procs: Dict[str, Any] = {}
         for s in reversed(specs[1:]):  # sink, in_zone, validate: the source only after the forgeries

@@ -37,6 +37,7 @@ from agent.dataplane.inbound import ACCEPT, HOLD, REFUSE, writer_verdict
 from agent.instance.events import Abort, Control
 from agent.mqtt.transport import Received
 from agent.node.hostmap import HostMap
+from agent_process import ONLINE_BOUND
 from test_security_dataplane import _records, _run, _worker
 
 # ---- the rule ------------------------------------------------------------------------------------
@@ -621,13 +622,13 @@ def test_a_node_reads_only_its_own_instances_inboxes_and_a_drain_moves_them_exac
             assert spy.subscribe(T("inbox/#")) == [1] and spy.subscribe(T("inbox/+/+/+")) == [1]
         pipe = site.tmp / "rd.toml"
         pipe.write_text(taxi_in_zone("rd", seed=2, rate=100.0))
-        assert wait_until(lambda: online("n1"), 30)
+        assert wait_until(lambda: online("n1"), ONLINE_BOUND)
         code, out = _fogctl(site, "deploy", str(pipe), "--keeper-timeout", "20")
         assert code == 0, out
         src, mid, sink = "rd.source.0", "rd.in_zone.0", "rd.sink.0"
         assert wait_until(lambda: _instances(watch).get(sink, ("", {}))[1].get("records_in", 0) > 0, 30)
         agents["n2"] = agent("n2")
-        assert wait_until(lambda: online("n2"), 30)
+        assert wait_until(lambda: online("n2"), ONLINE_BOUND)
 
         def inbox_topics(n: str) -> List[str]:
             return [t for t, _, _, _ in list(spies[n].received) if "/inbox/" in t]

@@ -39,6 +39,7 @@ from paho.mqtt.properties import Properties
 
 from agent import topics
 from agent.cli.fogctl import main as fogctl_main
+from agent_process import ONLINE_BOUND
 from tls_site import (NOT_AUTHORIZED, OK_CODES, ROOT, AgentProc, Client, Site, agent_toml, have_tools, make_crl,
                       render_role, running_site, wait_until)
 
@@ -506,8 +507,9 @@ def test_fogctl_with_admin_certificate_reads_and_steers_the_fleet(capsys: Any, s
         assert code == 0, err
         return {n["node"]: n for n in json.loads(out)["nodes"]}
 
-    assert wait_until(lambda: all(status().get(n, {}).get("status") == "online" for n in NODES), 30)
-    assert status()["n1"]["status"] == "online"
+    wait_until(lambda: all(status().get(n, {}).get("status") == "online" for n in NODES)
+               or not all(a.alive() for a in agents.values()), ONLINE_BOUND)
+    assert all(status().get(n, {}).get("status") == "online" for n in NODES), status()
 
     # deploy: agents answer fogctl's requests (replies/<client>), workers run with the node's certificate
     pipe = site.tmp / "taxi.toml"

@@ -19,6 +19,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from agent import topics
 from agent.tools.dataplane_bench import LocalRunner, initial_specs, pipeline_toml
+from agent_process import ONLINE_BOUND
 from agent.operators.builtin import _line_ids, read_sink_ids
 from agent.spill.shipper import PathShipper
 from agent.mqtt.settings import BrokerSpec
@@ -66,7 +67,7 @@ def spooled_ids(paths: List[Path]) -> Counter:
 
 @pytest.fixture
 def runner(tmp_path: Path):
-    r = LocalRunner(tmp_path)
+    r = LocalRunner(tmp_path, ready_timeout=ONLINE_BOUND)
     yield r
     r.stop_all(timeout=10)
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 import pytest
+from agent_process import ONLINE_BOUND
 from pipelines import taxi_in_zone
 
 from agent.cli import config_cmd
@@ -358,7 +359,7 @@ def test_every_documented_metric_is_set_by_a_live_agent(tmp_path: Path, capsys: 
         assert wait(lambda s: bool(s), 20), "no /metrics endpoint"
         pipe = tmp_path / "hot.toml"
         pipe.write_text(METRICS_PIPELINE)
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + ONLINE_BOUND
         while fogctl(base + ["status", "--json"]) != 0 or "online" not in capsys.readouterr().out:
             assert time.monotonic() < deadline, "agent not online"
             time.sleep(0.3)

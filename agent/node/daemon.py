@@ -1755,6 +1755,11 @@ class Agent:
             ttl = RPC_TIMEOUT + 3 * self.cfg.agent.state_period
             listed = self._listed_elsewhere() | set(self.supervisor.workers)
             self._rehome_claims = {i: t for i, t in self._rehome_claims.items() if i not in listed and now - t < ttl}
+        if not self._retained_in:
+            # Not on what the last connection left: a node that came back while we were away is
+            # still offline here until its retained status is in (re-homing a live node's
+            # instances runs each identity twice), and so is who else is online.
+            return
         self._retry_failed_rehomes(now)
         if (not self.connected or self._stopping_since is not None or not self._offline_since
                 or self.cfg.agent.dead_after <= 0):

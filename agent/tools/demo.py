@@ -41,6 +41,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 from agent import topics
 from agent.config import load_pipeline_text
 from agent.mqtt import client as mqttc
+from agent.mqtt.requester import SYNC_PREFIX
 from agent.tools.verify import expected_ids, verify
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ LATENESS_STATS = ("late_dropped", "incomplete_windows", "late_counts", "late_tri
 EXIT_OK = 0
 EXIT_LOSS = 3  # a record was lost or duplicated
 EXIT_SETUP = 1  # broker, agents or deploy failed
+SYNC_TIMEOUT = 30.0  # seconds a Monitor waits for the echo of its sync marker (against a hang only)
 
 # ---- the fleet ---------------------------------------------------------------------------------
 
@@ -149,15 +151,8 @@ class Fleet:
         return self
 
     def wait_online(self, mon: "Monitor", bound: float = 120.0) -> None:
-        """Until every agent says online, on the event rather than a fixed time: 3 agents
-        starting at once took over 30 s at load ~19 (a python start and the imports on shared
-        cores). An agent process that exits fails at once; `bound` only ends a hang."""
-        def up_or_dead(m: "Monitor") -> bool:
-            online = sum(1 for s in m.status.values() if s == "online") == len(self.nodes)
-            return online or any(p.poll() is not None for p in self.procs.values())
-
-        if not mon.wait(up_or_dead, bound) or any(p.poll() is not None for p in self.procs.values()):
-            raise RuntimeError(f"agents did not come online: {mon.status} (logs in {self.workdir})")
+        """Until every agent of the fleet says online (`wait_online`)."""
+        wait_online(mon, {n: self.procs[n] for n in self.nodes}, bound, f" (logs in {self.workdir})")
 
     @staticmethod
     def agent_env() -> Dict[str, str]:
@@ -225,10 +220,29 @@ class Fleet:
 # ---- the monitor -------------------------------------------------------------------------------
 
 
+def wait_online(mon: "Monitor", procs: Dict[str, "subprocess.Popen[Any]"], bound: float = 120.0,
+                where: str = "") -> None:
+    """Until the agent of every node in `procs` (node -> its process) says online, on the event
+    rather than a fixed time: 3 agents starting at once took over 30 s at load ~19, and one alone
+    did not log its first line within 30 s at load ~34 (a python start and the imports on shared
+    cores). An agent process that exits fails at once; `bound` only ends a hang."""
+    def up_or_dead(m: "Monitor") -> bool:
+        return (all(m.status.get(n) == "online" for n in procs)
+                or any(p.poll() is not None for p in procs.values()))
+
+    if not mon.wait(up_or_dead, bound) or any(p.poll() is not None for p in procs.values()):
+        raise RuntimeError(f"agents did not come online: {mon.status}{where}")
+
+
 class Monitor:
     """Follows `fog/<cluster>/agents/+/state`, `.../status` and `fog/<cluster>/events`.
 
     paho's network thread only stores into dicts under a lock; readers take consistent copies.
+    Built, it has every retained state and status and is subscribed to the events: the
+    constructor waits for the echo of a sync marker published after subscribing (the broker
+    sends a subscription's retained messages before it routes our next publish). Returning at
+    the CONNACK, a check made at once (nothing running yet: fewer instances than a bound) passed
+    on an empty view, and an event published right after was missed.
     """
 
     def __init__(self, host: str, port: int, cluster: str) -> None:
@@ -245,12 +259,15 @@ class Monitor:
         self.max_queued_dropped = 0.0
         self.dropped: Optional[float] = None
         self._connected = threading.Event()
+        self._synced = threading.Event()
+        self._marker = SYNC_PREFIX + uuid.uuid4().hex.encode()
+        client_id = f"fog-demo-monitor-{uuid.uuid4().hex[:12]}"
+        self._marker_topic = topics.replies(cluster, client_id, client_id)
         # A persistent session (MQTT 5, expiry 10 min): across a broker restart (chaos runs) the
         # events published while the monitor reconnects wait for it instead of being missed.
         broker = mqttc.broker_from(host, port, keepalive=10)
         session = mqttc.Session(persistent=True, expiry=600)
-        c = mqttc.make_client(broker, f"fog-demo-monitor-{uuid.uuid4().hex[:12]}", session,
-                              reconnect_delay=(0.2, 2))
+        c = mqttc.make_client(broker, client_id, session, reconnect_delay=(0.2, 2))
         c.on_connect = self._on_connect
         c.on_message = self._on_message
         self._client = c
@@ -258,6 +275,11 @@ class Monitor:
             mqttc.connect_and_wait(c, broker, session, timeout=10)
         except mqttc.ConnectFailed as exc:
             raise RuntimeError(f"monitor: {exc}") from None
+        if not self._synced.wait(SYNC_TIMEOUT):
+            c.disconnect()
+            c.loop_stop()
+            raise RuntimeError(f"monitor: the broker at {host}:{port} did not echo our sync marker "
+                               f"within {SYNC_TIMEOUT:g}s")
 
     def _on_connect(self, client: Any, userdata: Any, flags: Any, reason: Any, props: Any = None) -> None:
         client.subscribe([
@@ -265,10 +287,16 @@ class Monitor:
             (topics.all_agents_status(self.cluster), 1),
             (topics.events(self.cluster), 1),
             ("$SYS/broker/publish/messages/dropped", 0),
+            (self._marker_topic, 1),
         ])
+        client.publish(self._marker_topic, self._marker, qos=1)  # after the subscriptions (see the class)
         self._connected.set()
 
     def _on_message(self, client: Any, userdata: Any, msg: Any) -> None:
+        if msg.topic == self._marker_topic:
+            if msg.payload == self._marker:
+                self._synced.set()
+            return
         parsed = topics.parse(self.cluster, msg.topic)
         try:
             if msg.topic == "$SYS/broker/publish/messages/dropped":
@@ -886,4 +914,4 @@ def main(args: argparse.Namespace) -> int:
     return EXIT_OK if summary["ok"] else EXIT_LOSS
 
 
-__all__ = ["Fleet", "Monitor", "run_demo"]
+__all__ = ["Fleet", "Monitor", "run_demo", "wait_online"]

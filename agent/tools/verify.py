@@ -11,9 +11,10 @@ from __future__ import annotations
 import importlib
 import json
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from agent.config import PipelineConfig
 from agent.operators.builtin import MapOperator, OperatorContext, load_operator, read_sink_ids
@@ -105,6 +106,25 @@ def verify(cfg: PipelineConfig, sink_dir: Path) -> Verdict:
         unexpected=unexpected,
         lost_sample=tuple(lost[:5]),
     )
+
+
+def verify_settled(cfg: PipelineConfig, sink_dir: Path, timeout: float, quiet: float = 3.0,
+                   step: float = 0.25) -> Verdict:
+    """`verify` once the tail of a paused source has reached the sinks: the first verdict that
+    stayed ok for `quiet` seconds, else the last one after `timeout`. For a run that goes on
+    after the check (agents still up): a fixed pause before `verify` lists the tail as lost when
+    the machine is slow. `quiet` outlasts a source's write of its count (every 2 s, with its
+    heartbeat: a stale count hides records still on their way) and gives a duplicate time to
+    show."""
+    deadline = time.monotonic() + timeout
+    ok_since: Optional[float] = None
+    while True:
+        v = verify(cfg, sink_dir)
+        now = time.monotonic()
+        ok_since = (ok_since or now) if v.ok else None
+        if (ok_since is not None and now - ok_since >= quiet) or now >= deadline:
+            return v
+        time.sleep(step)
 
 
 # ---- keyed (windowed) pipelines: every window against a fault-free reference ---------------------
