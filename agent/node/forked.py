@@ -27,12 +27,13 @@ import sys
 import time
 from typing import IO, Any, Callable, Dict, Optional, Sequence
 
+from agent.instance.forkserver import PACKET  # one bound for both ends of the link
+
 log = logging.getLogger(__name__)
 
 SERVER_MODULE = "agent.instance.forkserver"
 FORK_REPLY_TIMEOUT = 5.0  # a fork is milliseconds; past this the server counts as broken
 LOST_STATUS = -1000  # no status: the server that reaped the process is gone (never a real one)
-PACKET = 4096
 
 
 def supported(command: Sequence[str]) -> bool:
@@ -114,7 +115,6 @@ class ForkServer:
         self.started_at = now
         self.ready = False  # its imports are done: it says so first
         self.lost = False  # the link is closed (the server exited, or we closed it)
-        self.forked = 0
         self._next_id = 0
         self._children: Dict[int, ForkedProcess] = {}  # fork id -> handle, until its exit is reported
         self._pids: Dict[int, int] = {}  # fork id -> pid, from the fork replies
@@ -214,7 +214,6 @@ class ForkServer:
             raise OSError(f"the fork server did not fork ({'no reply' if pid is None else 'fork failed'})")
         child = ForkedProcess(self, fid, pid, open(in_w, "wb"), open(out_r, "rb"))
         self._children[fid] = child
-        self.forked += 1
         return child
 
     def signal(self, child: ForkedProcess, sig: int) -> None:
