@@ -14,11 +14,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agent.policy.base import ActionKind, Measurements, make_policy
-from agent.policy.planned import PLANNED_POINT, PlannedPolicy, plan_instances, plan_series, shortfall_costs
+from agent.policy.planned import (PLANNED_POINT, PlannedPolicy, plan_instances, plan_series, shortfall_costs,
+                                  smooth_profile, smoothing_window)
 
 CAP = 100.0  # records/s per instance (linear platform: MST(n) = 100 n)
 # session 13's open-loop point: a hard cover of the profile x 1.18, each change priced 15
 OPEN_LOOP = dict(margin=0.18, change_cost=15.0, track_level=False, react=False, hold_in=False)
+# the operating point on PROFILE as it is: its edges are what these tests are about (the point's
+# smoothing would spread them over 3 slots; smoothing has its own test)
+POINT = dict(PLANNED_POINT, smooth=0.0)
 
 
 @settings(max_examples=80, deadline=None)
@@ -62,7 +66,7 @@ def test_steps_up_one_period_before_the_busy_slots_and_back_after_them():
     # the risk-priced operating point takes the same two steps, up to the count past which one more
     # instance costs more than the shortfall it saves: P(400 x exp(N(0, 0.12)) > 500) = 3.1 %,
     # x price 75 = 2.3 > 1, so 6; P(> 600) x 75 = 0.03 < 1
-    acts = _run(PlannedPolicy(profile=PROFILE, **PLANNED_POINT), [PROFILE[k] for k in range(24)])
+    acts = _run(PlannedPolicy(profile=PROFILE, **POINT), [PROFILE[k] for k in range(24)])
     assert [(k, a[1]) for k, a in enumerate(acts) if a[0] is not ActionKind.NONE] == [(7, 6), (15, 2)]
 
 
@@ -70,7 +74,7 @@ def test_rides_out_a_burst_the_profile_does_not_forecast():
     """At its operating point (the noise correction only lowers the plan): an hour-long burst at
     +80 % costs no reconfiguration (back pressure absorbs it); with `react` it costs two."""
     totals = [PROFILE[k] * (1.8 if 2 <= k < 5 else 1.0) for k in range(7)]  # slot 7 would step up
-    for point in (OPEN_LOOP, PLANNED_POINT):
+    for point in (OPEN_LOOP, POINT):
         assert all(a[0] is ActionKind.NONE for a in _run(PlannedPolicy(profile=PROFILE, **point), totals))
         reacting = _run(PlannedPolicy(profile=PROFILE, **dict(point, react=True)), totals)
         assert any(a[0] is ActionKind.SCALE_OUT for a in reacting)
@@ -114,10 +118,10 @@ def test_noise_correction_lowers_the_plan_on_a_quiet_day_and_never_raises_it():
         acts = _run(PlannedPolicy(profile=PROFILE, **point), totals)
         return [(k, a[1]) for k, a in enumerate(acts) if a[0] is not ActionKind.NONE]
 
-    open_loop = dict(PLANNED_POINT, noise_decay=0.0, day_prior=0.0)
+    open_loop = dict(POINT, noise_decay=0.0, day_prior=0.0)
     assert changes(open_loop, 0.6) == [(7, 6), (15, 2)]
-    assert changes(PLANNED_POINT, 0.6) == [(7, 5), (15, 2)]
-    assert changes(PLANNED_POINT, 1.3) == changes(open_loop, 1.3) == [(7, 6), (15, 2)]
+    assert changes(POINT, 0.6) == [(7, 5), (15, 2)]
+    assert changes(POINT, 1.3) == changes(open_loop, 1.3) == [(7, 6), (15, 2)]
 
 
 def test_day_level_lowers_a_quiet_days_plan_slowly_restarts_each_day_and_leaves_a_busy_day_alone():
@@ -125,8 +129,7 @@ def test_day_level_lowers_a_quiet_days_plan_slowly_restarts_each_day_and_leaves_
     profile is learnt as exp(8 log 0.8 / (8 + 4)) = 0.86 by the end of slot 7, so the busy slots get
     5 instances, not the 6 of the profile (P(344 x exp(N(0, 0.12)) > 500) x 75 < 1); the next day,
     back at the profile, starts again from the prior and gets 6. A day 30 % over the profile gets
-    the same 6 as without the estimate (downwards only); `day_band_up` 0 lets it raise the plan (to 7).
-    Fails when the sums are not restarted at the day's first slot, or when the sign is flipped."""
+    the same 6 as without the estimate (downwards only). Fails when the sums are not restarted at the day's first slot, or when the sign is flipped."""
     day = len(PROFILE)
 
     def changes(point: dict, factors: Sequence[float]) -> List[tuple]:
@@ -134,27 +137,31 @@ def test_day_level_lowers_a_quiet_days_plan_slowly_restarts_each_day_and_leaves_
         acts = _run(PlannedPolicy(profile=PROFILE, **point), totals)
         return [(k, a[1]) for k, a in enumerate(acts) if a[0] is not ActionKind.NONE]
 
-    base = dict(PLANNED_POINT, noise_decay=0.0, day_prior=0.0)
+    base = dict(POINT, noise_decay=0.0, day_prior=0.0)
     day_level = dict(base, day_prior=4.0)
     assert changes(base, (0.8, 1.0)) == [(7, 6), (15, 2), (31, 6), (39, 2)]
     assert changes(day_level, (0.8, 1.0)) == [(7, 5), (15, 2), (31, 6), (39, 2)]
     assert changes(day_level, (1.3,)) == changes(base, (1.3,)) == [(7, 6), (15, 2)]
-    assert max(t for _, t in changes(dict(day_level, day_band_up=0.0), (1.3,))) == 7
 
 
-def test_today_sigma_sheds_the_learnt_part_of_the_day_levels_spread():
-    """sigma^2 = noise_sigma^2 - day_sigma^2 x count / (count + day_prior): noise_sigma before the
-    day's first period, falling towards sqrt(noise_sigma^2 - day_sigma^2) as the day is learnt."""
-    pol = PlannedPolicy(profile=PROFILE, **dict(PLANNED_POINT, noise_sigma=0.12, day_sigma=0.06, day_prior=4.0))
-    assert pol.today_sigma() == pytest.approx(0.12)
-    seen = []
-    for k in range(12):
-        pol.day_log_level(60.0 * k + 59.0, PROFILE[k], k)
-        seen.append(pol.today_sigma())
-    assert seen[3] == pytest.approx(math.sqrt(0.12 ** 2 - 0.06 ** 2 * 4 / 8))
-    assert all(a > b > math.sqrt(0.12 ** 2 - 0.06 ** 2) for a, b in zip(seen, seen[1:]))
+def test_smoothing_spreads_one_slots_noise_keeps_the_days_total_and_wraps_the_day():
+    """A learned profile with one noisy slot: the centred average over 3 slots spreads it over the
+    slot and its neighbours, slot 0's neighbour before it is the last slot, and the day's total
+    stays. A window from a fraction of the day is the nearest odd slot count."""
+    flat = [100.0] * 24
+    spike = [190.0] + flat[1:]
+    smooth = smooth_profile(spike, 3)
+    assert smooth[0] == smooth[1] == smooth[23] == pytest.approx(130.0)
+    assert smooth[2:23] == tuple(flat[2:23])
+    assert sum(smooth) == pytest.approx(sum(spike))
+    assert smooth_profile(spike, 1) == tuple(spike)
     with pytest.raises(ValueError):
-        PlannedPolicy(profile=PROFILE, noise_sigma=0.05, day_sigma=0.06)
+        smooth_profile(spike, 4)
+    assert [smoothing_window(13 / 144, n) for n in (144, 1440, 24, 4)] == [13, 131, 3, 1]
+    assert smoothing_window(0.0, 144) == 1
+    assert PlannedPolicy(profile=spike, smooth=3 / 24).profile == smooth
+    with pytest.raises(ValueError):
+        PlannedPolicy(profile=spike, smooth=1.0)
 
 
 def test_registered_for_the_simulator_and_the_daemon():
