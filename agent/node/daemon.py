@@ -42,9 +42,10 @@ import queue
 import signal
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 from agent import events, notify, topics
 from agent.config import AgentConfig, check_tls, load_agent_config, load_pipeline_text, resolve_password
@@ -88,6 +89,9 @@ SHUTDOWN_SLACK = 3.0  # seconds beyond shutdown_timeout for reaping, "offline" a
 SESSION_EXPIRY = 3600  # seconds the broker keeps our session (subscriptions, queued requests)
 SESSION = mqttc.Session(persistent=True, expiry=SESSION_EXPIRY)
 RPC_TIMEOUT = 30.0  # seconds to wait for a remote agent to start an instance and see it ready
+# Peer requests held until the retained records are in (`_held_peer`): beyond this many, one is
+# checked at once, as before (bounded memory; a refused requester places elsewhere or retries).
+HELD_PEER_MAX = 256
 MAX_RESTARTS = 3  # immediate restarts of a crashed worker within RESTART_WINDOW; then with backoff
 RESTART_WINDOW = 60.0
 RESTART_BACKOFF_MAX = 30.0  # seconds: the longest wait before restarting a crash-looping worker
@@ -260,6 +264,10 @@ class Agent:
         self.site_lease: Optional[Lease] = None
         self._retained_in = False  # the retained records of this connection's subscriptions are in
         self._sync_marker = b""  # what marks their end (see _on_connected)
+        # Peer requests that arrived before those records: a persistent session hands over what
+        # was queued for us at connect, before the retained records our checks read (the lease, the
+        # hosted records), so they wait for the marker and are then checked in arrival order.
+        self._held_peer: Deque[Tuple[Any, str]] = deque()
         # A node state older than three state periods is not counted as serving (a killed agent's
         # last state would offer its slots until its Will arrives).
         self.site: Optional[SiteDriver] = (SiteDriver(cfg.site_manager, cfg.agent.node, cfg.agent.cluster,
@@ -1101,9 +1109,16 @@ class Agent:
             log.warning("ignoring a retained message on %s (never retained)", topic[:200], extra={"node": self.node})
             return
         if kind in ("rpc", "peer") and node == self.node:
+            if kind == "peer" and not self._retained_in and len(self._held_peer) < HELD_PEER_MAX:
+                self._held_peer.append((msg, str(parsed.sender)))
+                return
             self._on_rpc_request(msg, str(parsed.sender), peer=kind == "peer", now=now)
         elif kind == "reply" and node == self.node and parsed.sender == self.node:
-            self._retained_in = self._retained_in or msg.payload == self._sync_marker
+            if not self._retained_in and msg.payload == self._sync_marker:
+                self._retained_in = True
+                while self._held_peer:
+                    held, sender = self._held_peer.popleft()
+                    self._on_rpc_request(held, sender, peer=True, now=now)
         elif kind == "reply" and node == self.node:
             self._on_rpc_reply(msg, str(parsed.sender), now)
         elif kind == "state":
