@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Tuple
-
-import pytest
 
 from agent import topics
 from agent.instance.spec import InstanceSpec, request_spec
 from agent.mqtt.settings import BrokerSpec
 from pipelines import with_work
+from recording_client import RecordingClient, message as recorded
 
 PIPELINE = with_work("agent.operators.builtin:in_zone")
 
@@ -39,7 +37,7 @@ def test_a_rehome_that_fails_after_the_node_came_back_is_placed_again(tmp_path: 
     agent.connected = agent._retained_in = True  # connected, the retained records in (sync marker)
 
     def message(topic: str, payload: bytes) -> None:
-        agent._on_message(SimpleNamespace(topic=topic, payload=payload, retain=False, properties=None), now)
+        agent._on_message(recorded(topic, payload), now)
 
     source = InstanceSpec("p.source.0", "source", "n1", "c", "p", PIPELINE, BrokerSpec("h", 1), keeper=True,
                           succs=("p.work.0",))
@@ -79,18 +77,7 @@ def test_a_node_that_came_back_while_we_were_away_is_not_rehomed_at_our_reconnec
     agent = Agent(load_agent_config(conf), warm_worker=False, clock=lambda: clock[0])
     placed: List[str] = []
     agent._create_node = lambda spec, reply, cause, now: placed.append(spec.instance)  # type: ignore
-    sent: List[Tuple[str, bytes]] = []
-
-    class Client:
-        def subscribe(self, subs: Any) -> None:
-            pass
-
-        def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False,
-                    properties: Any = None) -> Any:
-            sent.append((topic, payload))
-            return SimpleNamespace(rc=0)
-
-    agent._client = Client()
+    client = agent._client = RecordingClient()
     marker_topic = topics.replies("c", "n1", "n1")
 
     def connect(at: float, retained: List[Tuple[str, bytes]]) -> None:
@@ -99,12 +86,12 @@ def test_a_node_that_came_back_while_we_were_away_is_not_rehomed_at_our_reconnec
         clock[0] = at
         agent._dispatch(("mqtt_connect", True, "Success", True), at)
         agent._periodic(at)
-        for topic, payload in retained + [(marker_topic, [p for t, p in sent if t == marker_topic][-1])]:
+        for topic, payload in retained + [(marker_topic, client.on(marker_topic)[-1])]:
             message(topic, payload, retain=topic != marker_topic)
         agent._periodic(at)
 
     def message(topic: str, payload: bytes, retain: bool = False) -> None:
-        agent._on_message(SimpleNamespace(topic=topic, payload=payload, retain=retain, properties=None), clock[0])
+        agent._on_message(recorded(topic, payload, retain), clock[0])
 
     work = InstanceSpec("p.work.0", "work", "n3", "c", "p", PIPELINE, BrokerSpec("h", 1), keeper=True)
     hosted = (topics.agent_hosted("c", "n3"), json.dumps([request_spec(work)]).encode())

@@ -7,6 +7,7 @@ from typing import Any, Dict
 
 from agent.config import SiteManagerSection
 from agent.node.site_driver import Emit, Publish, SiteDriver, Steer
+from recording_client import RecordingClient, message
 
 
 def docs(now: float) -> Dict[str, Dict[str, Any]]:
@@ -37,52 +38,50 @@ def test_a_new_leader_publishes_its_lease_before_it_steers_any_node() -> None:
     assert second[2].node == "n1" and second[2].body["op"] == "drain"
 
 
+class Connected:
+    """An agent (agent.node.daemon.Agent) connected to no broker (tests/recording_client.py);
+    `marker` is the sync marker it published after subscribing."""
+
+    def __init__(self, tmp_path: Any, extra_toml: str = "") -> None:
+        from agent import topics
+        from agent.config import load_agent_config
+        from agent.node.daemon import Agent
+
+        conf = tmp_path / "a.toml"
+        conf.write_text(f'[agent]\nnode = "n1"\ncluster = "c"\nstate_dir = "{tmp_path}"\n[mqtt]\nhost = "h"\nport = 1\n'
+                        + extra_toml)
+        self.agent = Agent(load_agent_config(conf), warm_worker=False)
+        self.client = self.agent._client = RecordingClient()
+        self.agent._on_connected(False)
+        markers = self.client.on(topics.replies("c", "n1", "n1"))
+        assert len(markers) == 1, self.client.sent
+        self.marker = markers[0]
+        self.on = self.client.on
+
+    def deliver(self, topic: str, payload: bytes, retain: bool = False) -> None:
+        self.agent._on_message(message(topic, payload, retain), self.agent.clock())
+
+
 def test_an_agent_claims_the_role_only_once_the_retained_lease_could_have_arrived(tmp_path) -> None:
     """The daemon runs the site manager's period only after the broker echoed the sync marker it
     published after subscribing: the broker sends the retained lease before that echo. (Ticking
     at connect, before the lease arrived, let an agent take the role from a live leader; CI saw
-    n1 replace an unexpired lease of n9.) No broker: the agent's client records what it sends,
-    the messages are handed in."""
-    from types import SimpleNamespace
-
+    n1 replace an unexpired lease of n9.)"""
     from agent import topics
-    from agent.config import load_agent_config
-    from agent.node.daemon import Agent
 
-    conf = tmp_path / "a.toml"
-    conf.write_text(f'[agent]\nnode = "n1"\ncluster = "c"\nstate_dir = "{tmp_path}"\n[mqtt]\nhost = "h"\nport = 1\n'
-                    "[site_manager]\nenabled = true\nperiod = 0.5\nlease = 4.0\n")
-    agent = Agent(load_agent_config(conf), warm_worker=False)
-    sent: list = []
-
-    class Client:
-        def subscribe(self, subs: Any) -> None:
-            pass
-
-        def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False, properties: Any = None) -> Any:
-            sent.append((topic, payload))
-            return SimpleNamespace(rc=0)
-
-    agent._client = Client()
-    agent._on_connected(False)
-    lease_topic = topics.site_manager("c")
-    marker = [p for t, p in sent if t == topics.replies("c", "n1", "n1")]
-    assert len(marker) == 1, sent
+    c = Connected(tmp_path, "[site_manager]\nenabled = true\nperiod = 0.5\nlease = 4.0\n")
+    agent, lease_topic = c.agent, topics.site_manager("c")
     agent._periodic(agent.clock())
-    assert not [p for t, p in sent if t == lease_topic], "claimed the role before the retained lease could arrive"
-
-    def deliver(topic: str, payload: bytes, retain: bool) -> None:
-        agent._on_message(SimpleNamespace(topic=topic, payload=payload, retain=retain, properties=None), agent.clock())
-
+    assert not c.on(lease_topic), "claimed the role before the retained lease could arrive"
     n9 = {"v": 1, "node": "n9", "until": agent.wall() + 300.0}
-    deliver(lease_topic, json.dumps(n9).encode(), True)
-    deliver(topics.replies("c", "n1", "n1"), marker[0], False)
+    c.deliver(lease_topic, json.dumps(n9).encode(), True)
+    c.deliver(topics.replies("c", "n1", "n1"), c.marker)
     agent._periodic(agent.clock())
-    assert not [p for t, p in sent if t == lease_topic], "took an unexpired lease of n9"
-    deliver(lease_topic, b"", True)  # n9 let go
+    assert not c.on(lease_topic), "took an unexpired lease of n9"
+    c.deliver(lease_topic, b"", True)  # n9 let go
     agent.site.last_tick -= 1.0  # a period (0.5 s, on the wall clock) has passed
     agent._periodic(agent.clock())
-    claims = [json.loads(p) for t, p in sent if t == lease_topic]
+    claims = [json.loads(p) for p in c.on(lease_topic)]
     assert [c["node"] for c in claims] == ["n1"], claims
 
 
@@ -92,40 +91,20 @@ def test_a_drain_queued_while_the_agent_was_away_waits_for_the_retained_lease(tm
     before n9's retained lease is checked once the sync marker is back, against that lease:
     accepted. (Checked at arrival it was refused: "n9 is not the site manager".) A drain from a node
     that holds no lease is still refused."""
-    from types import SimpleNamespace
-
     from agent import topics
-    from agent.config import load_agent_config
     from agent.node import rpc
-    from agent.node.daemon import Agent
 
-    conf = tmp_path / "a.toml"
-    conf.write_text(f'[agent]\nnode = "n1"\ncluster = "c"\nstate_dir = "{tmp_path}"\n[mqtt]\nhost = "h"\nport = 1\n')
-    agent = Agent(load_agent_config(conf), warm_worker=False)
-    sent: list = []
-
-    class Client:
-        def subscribe(self, subs: Any) -> None:
-            pass
-
-        def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False, properties: Any = None) -> Any:
-            sent.append((topic, payload))
-            return SimpleNamespace(rc=0)
-
-    def deliver(topic: str, payload: bytes, retain: bool = False) -> None:
-        agent._on_message(SimpleNamespace(topic=topic, payload=payload, retain=retain, properties=None), agent.clock())
+    c = Connected(tmp_path)
 
     def replies_to(node: str) -> list:
-        return [json.loads(p) for t, p in sent if t == topics.replies("c", node, "n1")]
+        return [json.loads(p) for p in c.on(topics.replies("c", node, "n1"))]
 
-    agent._client = Client()
-    agent._on_connected(True)
-    marker = [p for t, p in sent if t == topics.replies("c", "n1", "n1")]
     drain = rpc.encode({"op": "drain", "node": "n1"})
-    deliver(topics.agent_peer("c", "n1", "n9"), drain)  # queued while n1 was away
-    deliver(topics.agent_peer("c", "n1", "n7"), drain)
-    assert replies_to("n9") == [] and not agent.draining, "checked before the retained lease could arrive"
-    deliver(topics.site_manager("c"), json.dumps({"v": 1, "node": "n9", "until": agent.wall() + 300.0}).encode(), True)
-    deliver(topics.replies("c", "n1", "n1"), marker[0])
-    assert [r["ok"] for r in replies_to("n9")] == [True] and agent.draining, replies_to("n9")
+    c.deliver(topics.agent_peer("c", "n1", "n9"), drain)  # queued while n1 was away
+    c.deliver(topics.agent_peer("c", "n1", "n7"), drain)
+    assert replies_to("n9") == [] and not c.agent.draining, "checked before the retained lease could arrive"
+    lease = {"v": 1, "node": "n9", "until": c.agent.wall() + 300.0}
+    c.deliver(topics.site_manager("c"), json.dumps(lease).encode(), True)
+    c.deliver(topics.replies("c", "n1", "n1"), c.marker)
+    assert [r["ok"] for r in replies_to("n9")] == [True] and c.agent.draining, replies_to("n9")
     assert [r["ok"] for r in replies_to("n7")] == [False] and "not the site manager" in replies_to("n7")[0]["error"]
