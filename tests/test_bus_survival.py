@@ -148,7 +148,7 @@ def agent(tmp_path: Path) -> Any:
                     '[mqtt]\nhost = "127.0.0.1"\nport = 1\n[metrics]\nport = 0\n')
     a = Agent(load_agent_config(conf), warm_worker=False)
     a._client = _Recorder()
-    a.connected = True
+    a.connected = a._retained_in = True  # connected, the retained records in (the sync marker came back)
     yield a
     a.supervisor.close_warm()
 
