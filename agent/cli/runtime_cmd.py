@@ -21,7 +21,7 @@ def register(groups: Any) -> None:
     p.add_argument("--config", "-c", default=None, help="agent.toml (default: $FOG_AGENT_CONFIG or /etc/fog-agent/agent.toml)")
     p.add_argument("--placement", default=None, choices=PLACEMENTS, help="placement policy (default free-slots-then-latency)")
     p.add_argument("--no-warm-worker", action="store_true",
-                   help="do not keep a pre-started worker process for the next scale-out")
+                   help="start every worker cold instead of forking it from the fork server")
     # Tests replace the worker program (a fake speaking the control contract): JSON list of argv.
     p.add_argument("--worker-command", default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=run_cmd)
@@ -50,7 +50,7 @@ def register(groups: Any) -> None:
     m.set_defaults(func=demo_cmd)
 
     b = groups.bench.add_parser("rescale", help="decision -> first record of the new instance through the real "
-                                "daemon, with and without the pre-started worker")
+                                "daemon, workers forked from the fork server and started cold")
     b.add_argument("--json", action="store_true", help="print the result as JSON")
     b.add_argument("--rate", type=float, default=500.0, help="records/s of the load step")
     b.set_defaults(func=bench_rescale_cmd)

@@ -708,8 +708,9 @@ def bench_spawn(burst: int = 3, rounds: int = 5, workdir: Optional[Path] = None)
 
 
 def bench_rescale(rate: float = 500.0, workdir: Optional[Path] = None) -> Dict[str, Any]:
-    """`fog-agent bench rescale`: the same load step through one real agent, with the pre-started
-    worker (default) and without it; decision -> first record of the new instance, and loss."""
+    """`fog-agent bench rescale`: the same load step through one real agent, its workers forked
+    from the fork server (default) and started cold; decision -> first record of the new
+    instance, and loss."""
     base = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="fog-bench-rescale-"))
     text = BENCH_PIPELINE.replace("{rate}", str(float(rate)))
     cfg = load_pipeline_text(text)
