@@ -108,3 +108,32 @@ def test_a_drain_queued_while_the_agent_was_away_waits_for_the_retained_lease(tm
     c.deliver(topics.replies("c", "n1", "n1"), c.marker)
     assert [r["ok"] for r in replies_to("n9")] == [True] and c.agent.draining, replies_to("n9")
     assert [r["ok"] for r in replies_to("n7")] == [False] and "not the site manager" in replies_to("n7")[0]["error"]
+
+
+def test_a_held_request_that_fails_strands_none_behind_it(tmp_path) -> None:
+    """Held peer requests are handled one by one when the sync marker comes back, each as a
+    message of its own: one whose handling fails is counted and logged, and the next is still
+    answered (handled inside the marker's own message, the failure ended the replay and left the
+    rest held with nothing left to release them)."""
+    from agent import topics
+    from agent.node import rpc
+
+    c = Connected(tmp_path)
+    steer = c.agent._peer_may_steer
+    calls = []
+
+    def failing_once(requester: str) -> Any:
+        calls.append(requester)
+        if len(calls) == 1:
+            raise RuntimeError("a failure no handler foresaw")
+        return steer(requester)
+
+    c.agent._peer_may_steer = failing_once  # type: ignore[method-assign]
+    drain = rpc.encode({"op": "drain", "node": "n1"})
+    c.deliver(topics.agent_peer("c", "n1", "n9"), drain)
+    c.deliver(topics.agent_peer("c", "n1", "n9"), drain)
+    lease = {"v": 1, "node": "n9", "until": c.agent.wall() + 300.0}
+    c.deliver(topics.site_manager("c"), json.dumps(lease).encode(), True)
+    c.agent._on_message_safely(message(topics.replies("c", "n1", "n1"), c.marker), c.agent.clock())
+    assert calls == ["n9", "n9"] and c.agent.counters["bad_messages"] == 1
+    assert [json.loads(p)["ok"] for p in c.on(topics.replies("c", "n9", "n1"))] == [True] and c.agent.draining

@@ -267,7 +267,7 @@ class Agent:
         # Peer requests that arrived before those records: a persistent session hands over what
         # was queued for us at connect, before the retained records our checks read (the lease, the
         # hosted records), so they wait for the marker and are then checked in arrival order.
-        self._held_peer: Deque[Tuple[Any, str]] = deque()
+        self._held_peer: Deque[Any] = deque()
         # A node state older than three state periods is not counted as serving (a killed agent's
         # last state would offer its slots until its Will arrives).
         self.site: Optional[SiteDriver] = (SiteDriver(cfg.site_manager, cfg.agent.node, cfg.agent.cluster,
@@ -1110,15 +1110,14 @@ class Agent:
             return
         if kind in ("rpc", "peer") and node == self.node:
             if kind == "peer" and not self._retained_in and len(self._held_peer) < HELD_PEER_MAX:
-                self._held_peer.append((msg, str(parsed.sender)))
+                self._held_peer.append(msg)
                 return
             self._on_rpc_request(msg, str(parsed.sender), peer=kind == "peer", now=now)
         elif kind == "reply" and node == self.node and parsed.sender == self.node:
             if not self._retained_in and msg.payload == self._sync_marker:
                 self._retained_in = True
-                while self._held_peer:
-                    held, sender = self._held_peer.popleft()
-                    self._on_rpc_request(held, sender, peer=True, now=now)
+                while self._held_peer:  # each on its own: one that fails strands none behind it
+                    self._on_message_safely(self._held_peer.popleft(), now)
         elif kind == "reply" and node == self.node:
             self._on_rpc_reply(msg, str(parsed.sender), now)
         elif kind == "state":
