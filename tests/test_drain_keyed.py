@@ -88,6 +88,7 @@ class Run:
                            broker_port=mosquitto.port, state_period=0.5, heartbeat_period=0.2, shutdown_timeout=8.0)
         self.fleet.start()
         self.mon = Monitor(mosquitto.host, mosquitto.port, self.cluster)
+        self.stats: Dict[str, Any] = {}  # the keyed instances' last counters, for a failure's message
 
     def emitted(self) -> int:
         with self.coll.lock:
@@ -102,6 +103,8 @@ class Run:
 
     def stop(self) -> Dict[str, Any]:
         codes = self.fleet.stop()
+        keyed = ("keyed_applied", "duplicates_skipped", "late_dropped", "keys_held")
+        self.stats = {i: {k: st.get(k) for k in keyed} for i, st in self.mon.instance_stats.items() if ".win." in i}
         self.mon.close()
         self.coll.close()
         return codes
@@ -112,7 +115,10 @@ class Run:
         assert self.coll.conflicts == [], self.coll.conflicts[:3]  # an id never carries two windows
         missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
         assert not missing and not extra, (len(missing), missing[:3], len(extra), extra[:3])
-        assert got == want
+        # the windows whose content differs, each with both contents (a whole-dict diff drowns
+        # them: the sink's arrival order is not the reference's)
+        differ = [(k, got[k], want[k]) for k in want if got[k] != want[k]]
+        assert not differ, (len(differ), differ[:5], self.stats)
 
 
 def test_drain_moves_a_keyed_keeper_with_its_state_and_the_windows_equal_the_fault_free_run(
@@ -182,7 +188,8 @@ def test_drain_moves_a_keyed_keeper_with_its_state_and_the_windows_equal_the_fau
     assert left == [], left  # h2 forgot the keeper: no state, keyed state or spec to re-adopt
     run.check(want)
     print(f"keyed drain test: {time.monotonic() - started:.1f}s, {len(want)} windows ({at_drain} before the drain), keeper on {node}, "
-          f"replayed records skipped there: {stats.get('duplicates_skipped')}, copies at the sink: {run.coll.copies}")
+          f"replayed records skipped there: {stats.get('duplicates_skipped')}, copies at the sink: {run.coll.copies}, "
+          f"keyed counters: {run.stats}")
 
 
 def test_the_site_manager_consolidates_a_fleet_running_a_keyed_pipeline(mosquitto: Any, tmp_path: Path) -> None:
