@@ -9,6 +9,7 @@ import json
 import random
 import zlib
 from collections import Counter
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
@@ -506,21 +507,16 @@ def test_the_worked_example_of_the_guide_runs_as_printed() -> None:
     assert ks.counts["late_dropped"] == 1 and ks.stats()["keys_held"] == 1  # s2's third minute
 
 
-def test_an_agent_drains_away_an_instance_with_keyed_state_unless_its_state_is_too_large(
-        tmp_path: Any, monkeypatch: Any) -> None:
-    """fogctl scale and drain reach the agent (`_on_steering`): an instance whose stats say it
-    keeps keyed state is copied and terminated through the protocol (its key groups move with
-    their state), and a drain stops it to move it with its keyed state (agent.node.statexfer),
-    unless that state is larger than a hand-over carries: then nothing is changed and the reply
-    names the size and the limit."""
+def _steered_agent(tmp_path: Any, instances: Dict[str, bool]) -> Tuple[Any, List[Any]]:
+    """An agent (no broker, no workers) hosting `instances` of the keyed operator `win` (id ->
+    keeper?), each with stats that say it keeps keyed state; what it sends its workers (and
+    which it stops) is appended to the list returned."""
     import subprocess
     import sys
 
     from agent.config import load_agent_config
-    from agent.control.rpc_schema import DrainRequest, ScaleRequest
     from agent.instance.spec import InstanceSpec
     from agent.mqtt.settings import BrokerSpec
-    from agent.node import statexfer
     from agent.node.daemon import Agent
     from agent.node.supervisor import Worker, WorkerStatus
 
@@ -532,15 +528,35 @@ def test_an_agent_drains_away_an_instance_with_keyed_state_unless_its_state_is_t
     agent.supervisor.stop = lambda inst, now: sent.append((inst, "stop"))  # type: ignore[assignment]
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
-    spec = InstanceSpec("p.win.0", "win", "me", "c", "p", _pipeline_text("none", "k"), BrokerSpec("h", 1),
-                        keeper=True, state_dir=str(tmp_path / "state"))
-    w = Worker(spec=spec, proc=proc, started_at=1.0, status=WorkerStatus.ACTIVE, stats={"keyed_state": True})
-    agent.supervisor.workers["p.win.0"] = w
-    ks = KeyedState(keyed_count.build(OperatorContext("p.win.0", "win", "me", "map", params={})), "win", "k", 128)
+    for iid, keeper in instances.items():
+        spec = InstanceSpec(iid, "win", "me", "c", "p", _pipeline_text("none", "k"), BrokerSpec("h", 1),
+                            keeper=keeper, state_dir=str(tmp_path / "state"))
+        agent.supervisor.workers[iid] = Worker(spec=spec, proc=proc, started_at=1.0, status=WorkerStatus.ACTIVE,
+                                               stats={"keyed_state": True})
+    return agent, sent
+
+
+def _save_keyed(tmp_path: Any, instance: str) -> Path:
+    ks = KeyedState(keyed_count.build(OperatorContext(instance, "win", "me", "map", params={})), "win", "k", 128)
     ks.apply("s", [("s", i, {"k": i}) for i in range(50)], 1)
     (tmp_path / "state").mkdir(exist_ok=True)
-    ks.save(tmp_path / "state" / "p.win.0.keyed.json")
-    size = len(statexfer.snapshot_bytes(tmp_path / "state" / "p.win.0.keyed.json") or b"")
+    path = tmp_path / "state" / f"{instance}.keyed.json"
+    ks.save(path)
+    return path
+
+
+def test_an_agent_drains_away_an_instance_with_keyed_state_unless_its_state_is_too_large(
+        tmp_path: Any, monkeypatch: Any) -> None:
+    """fogctl scale and drain reach the agent (`_on_steering`): an instance whose stats say it
+    keeps keyed state is copied and terminated through the protocol (its key groups move with
+    their state), and a drain stops it to move it with its keyed state (agent.node.statexfer),
+    unless that state is larger than a hand-over carries: then nothing is changed and the reply
+    names the size and the limit."""
+    from agent.control.rpc_schema import DrainRequest, ScaleRequest
+    from agent.node import statexfer
+
+    agent, sent = _steered_agent(tmp_path, {"p.win.0": True})
+    size = len(statexfer.snapshot_bytes(_save_keyed(tmp_path, "p.win.0")) or b"")
     monkeypatch.setattr(statexfer, "MAX_STATE_BYTES", size - 1)
     reply = agent._on_steering(DrainRequest(node="me").to_dict(), 5.0)
     assert not reply["ok"] and reply["error"] == (f"p.win.0 cannot move: its keyed state is {size} bytes, "
@@ -552,3 +568,34 @@ def test_an_agent_drains_away_an_instance_with_keyed_state_unless_its_state_is_t
     reply = agent._on_steering(DrainRequest(node="me").to_dict(), 5.0)
     assert reply["ok"] and reply["result"]["leaving"] == ["p.win.0"], reply
     assert sent[-1] == ("p.win.0", "stop") and agent.draining and "p.win.0" in agent._handing_over
+
+
+@pytest.mark.parametrize("then", ["copy_left", "wait_over", "undrain"])
+def test_a_drained_keeper_stops_once_the_keyed_copies_on_the_node_have_left(tmp_path: Any, then: str) -> None:
+    """A drain of a node with a keyed keeper and a copy: the copy gets its termination at once
+    (its groups go to the keeper), the keeper is stopped for its hand-over only once the copy has
+    exited, so that it leaves with every group installed and nothing held for one; a copy that
+    has not left after COPIES_FIRST_WAIT does not hold the drain up longer; an undrain meanwhile
+    keeps the keeper."""
+    from agent.control.rpc_schema import DrainRequest
+    from agent.node.daemon import COPIES_FIRST_WAIT
+
+    agent, sent = _steered_agent(tmp_path, {"p.win.0": True, "p.win.1": False})
+    _save_keyed(tmp_path, "p.win.0")
+    reply = agent._on_steering(DrainRequest(node="me").to_dict(), 5.0)
+    assert reply["ok"] and set(reply["result"]["leaving"]) == {"p.win.0", "p.win.1"}, reply
+    assert sent == [("p.win.1", "scale")] and "p.win.0" in agent._handing_over  # the keeper still runs
+    agent._release_keeper(6.0)
+    assert sent == [("p.win.1", "scale")]
+    if then == "copy_left":
+        agent._release_keeper(7.0, left="p.win.1")  # `_on_reaped` of the copy
+    elif then == "wait_over":
+        agent._release_keeper(5.0 + COPIES_FIRST_WAIT)  # `_periodic`
+    else:
+        assert agent._on_steering(DrainRequest(node="me", undo=True).to_dict(), 7.0)["ok"]
+        agent._release_keeper(8.0, left="p.win.1")
+        assert sent == [("p.win.1", "scale")] and "p.win.0" not in agent._handing_over and not agent.draining
+        return
+    assert sent == [("p.win.1", "scale"), ("p.win.0", "stop")]
+    agent._release_keeper(5.0 + 2 * COPIES_FIRST_WAIT)
+    assert len(sent) == 2  # stopped once

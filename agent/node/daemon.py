@@ -89,6 +89,9 @@ SHUTDOWN_SLACK = 3.0  # seconds beyond shutdown_timeout for reaping, "offline" a
 SESSION_EXPIRY = 3600  # seconds the broker keeps our session (subscriptions, queued requests)
 SESSION = mqttc.Session(persistent=True, expiry=SESSION_EXPIRY)
 RPC_TIMEOUT = 30.0  # seconds to wait for a remote agent to start an instance and see it ready
+# The keepers of a drain stop once the keyed copies it terminates have handed their groups on and
+# exited (`_on_steering`), or after this long at most.
+COPIES_FIRST_WAIT = 30.0
 # Peer requests held until the retained records are in (`_held_peer`): beyond this many, one is
 # checked at once, as before (bounded memory; a refused requester places elsewhere or retries).
 HELD_PEER_MAX = 256
@@ -205,6 +208,8 @@ class Agent:
         self._delayed_restarts: Dict[str, Tuple[float, InstanceSpec]] = {}  # instance -> (when, spec)
         self._restart_batch: List[InstanceSpec] = []  # restarts of this loop turn (chains start together)
         self._handing_over: Set[str] = set()  # keepers asked to stop on a drain, to start elsewhere
+        # keepers of a drain not stopped yet -> (the keyed copies still leaving, when to stop anyway)
+        self._copies_first: Dict[str, Tuple[Set[str], float]] = {}
         self._handovers: Set[str] = set()  # stopped keepers whose start elsewhere is not answered yet
         self.staging = statexfer.Staging()  # keyed states arriving with a hand-over, by (node, instance)
         # node loss (agent.node.rehome): every node's retained hosted record, offline times
@@ -492,6 +497,8 @@ class Agent:
     def _periodic(self, now: float) -> None:
         for reaped in self.supervisor.poll(now):
             self._on_reaped(reaped, now)
+        if self._copies_first:
+            self._release_keeper(now)
         if (self._reconcile_at is not None and now >= self._reconcile_at and self._retained_in
                 and self._stopping_since is None):
             self._reconcile_at = None
@@ -764,7 +771,16 @@ class Agent:
         if isinstance(req, DrainRequest):
             self.draining = not req.undo
             self._state_dirty = True
+            if req.undo:  # the keepers not stopped yet stay
+                self._handing_over.difference_update(self._copies_first)
+                self._copies_first.clear()
         sent: List[str] = []
+        # Keyed copies leave first: a keeper stopped while their groups come to it would leave with
+        # those groups on their way and the records held for them unsaved; its new incarnation
+        # would install a group and fire the group's windows by a watermark its other groups had
+        # moved on, before the replays of the held records came. The other keepers (the
+        # predecessors whose end-of-stream markers those moves need) wait too.
+        copies = {a.instance for a in actions if a.kind is ActionKind.TERMINATE and self._keeps_keyed_state(a.instance)}
         for a in actions:
             if a.kind is ActionKind.HANDOVER:
                 # A keeper never terminates: it moves with its identity (see `_hand_over`). It
@@ -773,7 +789,10 @@ class Agent:
                 if a.instance not in self.supervisor:
                     return Reply(False, {"leaving": sent}, f"instance {a.instance} on {self.node} is not running").to_dict()
                 self._handing_over.add(a.instance)
-                self.supervisor.stop(a.instance, now)
+                if copies:
+                    self._copies_first[a.instance] = (set(copies), now + COPIES_FIRST_WAIT)
+                else:
+                    self.supervisor.stop(a.instance, now)
                 sent.append(a.instance)
                 continue
             kind = "duplicate" if a.kind is ActionKind.DUPLICATE else "terminate"
@@ -790,6 +809,20 @@ class Agent:
                             w.spec.pipeline, action=a.kind.value, count=a.count)
         key = "leaving" if isinstance(req, DrainRequest) else "instances"
         return Reply(True, {key: sent, "node": self.node}).to_dict()
+
+    def _release_keeper(self, now: float, left: Optional[str] = None) -> None:
+        """Stop each keeper of a drain that waits for keyed copies (`_on_steering`) once they have
+        all left (`left` just exited) or its wait is over."""
+        for keeper, (copies, until) in list(self._copies_first.items()):
+            copies.discard(left or "")
+            if copies and now < until:
+                continue
+            del self._copies_first[keeper]
+            if copies:
+                log.warning("copies %s still leaving after %.0f s: %s moves now", sorted(copies), COPIES_FIRST_WAIT,
+                            keeper, extra={"node": self.node})
+            if keeper in self.supervisor and keeper in self._handing_over:
+                self.supervisor.stop(keeper, now)
 
     def _new_instance_id(self, operator: str) -> str:
         self._counter += 1
@@ -1474,6 +1507,9 @@ class Agent:
         final = bool((w.exit_event or {}).get("final")) or reaped.returncode == WORKER_EXIT_BAD_SPEC
         handover = w.instance in self._handing_over and not final and self._stopping_since is None
         self._handing_over.discard(w.instance)
+        self._copies_first.pop(w.instance, None)  # a keeper that exited while its copies left
+        if self._copies_first:
+            self._release_keeper(now, left=w.instance)
         fenced = w.instance in self._fenced
         self._fenced.discard(w.instance)
         if handover:
