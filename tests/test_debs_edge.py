@@ -252,35 +252,33 @@ def parse(r: Dict[str, Any]) -> float:
 
 
 def live_pipeline() -> str:
-    """examples/demo-pipeline.toml (so the example itself runs) with 5-minute windows, a lateness
-    of an hour and a 48 s load: 21,000 records, ~6 h of drop-offs, ~60 windows of query 1 closed
-    at the edge (query 2's windows close ~2.3 h of drop-off time after their end). The source
-    skips what back pressure held back rather than making it up (no `max_lag_s`): a catch-up burst
-    spreads the stages' copies further apart in drop-off time than the lateness, and a trip
-    dropped as late makes its window differ (seen once in 5 runs with `max_lag_s` 30). in_zone stays one instance: its copies interleave their outputs by more than an hour of
-    drop-off time when it scales at these rates (the demo's lateness is 2 h for that), and a
-    trip late at route_counts makes its window differ; here only route_counts and empty_taxis
-    scale. Query 2's stages have the demo's lateness of 2 h: the copies of route_counts and
-    empty_taxis interleave the trips they get by minutes of drop-off time, on top of the source's
-    hour, and by more while a moving group's trips wait at its new owner for the group's state
-    (they come out behind other groups' later trips: with 1.5 h, 2 trips were dropped as late in
-    one run of about ten). They count the profit over the last 2 minutes of each window. A window
-    of query 2 closes about 2 h + 50 min of drop-off time after its end (its taxis' next trips
-    end up to an hour later): ~35 windows."""
+    """examples/demo-pipeline.toml (so the example itself runs) with 5-minute windows and a 48 s
+    load: 21,000 records, ~6 h of drop-offs (~7.5 min of drop-off time per second), every window
+    of query 1 but the last 2 h closed at the edge. Every stage keeps the demo's lateness of 2 h:
+    it must cover how far apart in drop-off time the system brings records, which here is mostly
+    a move's wall time (a group's trips wait at its new owner for the group's state, then come
+    out behind the other groups' later trips: docs/operators.md, "The next stage's lateness must
+    cover a move"). With an hour at query 1 (8 s of wall time) one run in a loaded `make test`
+    dropped a trip as late (a window of 299 trips for 300); with 1.5 h at query 2, 2 trips in one
+    run of about ten. The source skips what back pressure held back rather than making it up (no
+    `max_lag_s`): a catch-up burst spreads the stages' copies further apart in drop-off time than
+    the lateness (seen once in 5 runs with `max_lag_s` 30). in_zone stays one instance: its
+    copies interleave their outputs by more than an hour of drop-off time when it scales at these
+    rates; here only route_counts and empty_taxis scale. Query 2 counts the profit over the last
+    2 minutes of each window; a window of query 2 closes about 2 h + 50 min of drop-off time after
+    its end (its taxis' next trips end up to an hour later)."""
     from pathlib import Path
 
     text = (Path(__file__).resolve().parent.parent / "examples" / "demo-pipeline.toml").read_text()
     subs = [(r'name = "taxi"', 'name = "q1"'), (r"size_ms = 1800000", "size_ms = 300000"),
-            (r"lateness_ms = 7200000", "lateness_ms = 3600000"),
             (r"(?m)^steps = .*$", "steps = [[0, 150], [4, 500], [44, 100], [48, 0]]"), (r"period = 2.0", "period = 1.0"),
             (r'(in_zone")\nservice_time_ms = 4.0\n(key = "route".*\n\[operator.scaling\]\n)', r'\1\n\2policy = "none"\n')]
     for pattern, repl in subs:
         text, n = re.subn(pattern, repl, text)
         assert n >= 1, pattern  # the example changed: adapt this test
     q1, sep, q2 = text.partition('[[operator]]\nname = "empty_taxis"')
-    assert sep and q2.count("lateness_ms = 3600000") == 3 and q2.count("recent_ms = 900000") == 1
-    return q1 + sep + q2.replace("lateness_ms = 3600000", "lateness_ms = 7200000").replace(
-        "recent_ms = 900000", "recent_ms = 120000")
+    assert sep and q1.count("lateness_ms = 7200000") >= 2 and q2.count("recent_ms = 900000") == 1
+    return q1 + sep + q2.replace("recent_ms = 900000", "recent_ms = 120000")
 
 
 @pytest.mark.broker
@@ -327,7 +325,7 @@ def test_live_route_counts_scale_out_and_in_and_every_window_equals_the_batch_an
         acc = ref.setdefault(int(t // size * size), {}).setdefault(f"{r['pickup_cell']}>{r['dropoff_cell']}", [0, t])
         acc[0] += 1
         acc[1] = max(acc[1], t)
-    assert len(windows) >= 5, (len(windows), sorted(ref))  # 1.5-2 h of drop-offs, the last hour still open
+    assert len(windows) >= 5, (len(windows), sorted(ref))  # the last 2 h of drop-offs still open
     for w in windows:
         assert w == window_row(w["start"], size, ref[w["start"]], 10), (w["start"], summary["keyed_late"])
     assert summary["keyed_late"] == dict.fromkeys(
