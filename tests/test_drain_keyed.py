@@ -177,9 +177,9 @@ def test_drain_moves_a_keyed_keeper_with_its_state_and_the_windows_equal_the_fau
         assert node in ("h1", "h3") and inst["keeper"] is True, (node, inst)
         run.wait_for(want)
         # the copy left by its termination (a scale-in), the keeper by a hand-over, nothing crashed
-        [left] = [e["ts"] for e in mon.agent_events("terminated", "scale_in") if e["instance"] == copy]
-        [moved] = [e["ts"] for e in mon.agent_events("terminated", "handover") if e["instance"] == keeper]
-        assert left <= moved, (left, moved)  # the keeper stopped once the copy had left (daemon `_on_steering`)
+        [copy_left] = [e["ts"] for e in mon.agent_events("terminated", "scale_in") if e["instance"] == copy]
+        [keeper_left] = [e["ts"] for e in mon.agent_events("terminated", "handover") if e["instance"] == keeper]
+        assert copy_left <= keeper_left, (copy_left, keeper_left)  # the keeper stopped once the copy had left
         assert not mon.agent_events("terminated", "crash")
         stats = mon.instance_stats.get(keeper, {})
         pause(hosts(mon, "dk.source.0")[0][0], True)
