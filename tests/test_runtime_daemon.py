@@ -891,6 +891,38 @@ def test_a_spawn_whose_worker_never_became_ready_is_not_restarted_here(tmp_path:
 
 
 @pytest.mark.broker
+def test_a_worker_that_announced_its_final_exit_and_needed_sigterm_left_by_scale_in(tmp_path: Path) -> None:
+    """A copy that drained, had its departure acked and said so in its "exit" line, then hung in
+    its disconnect (the broker away) until the supervisor's SIGTERM, left by scale-in: its
+    "terminated" event says so (with the signal's code) and it is not restarted. A worker that
+    died without a word is a crash and is restarted."""
+    import signal as _signal
+
+    from agent.config import load_agent_config
+    from agent.node.daemon import Agent
+    from agent.node.supervisor import Reaped, Worker
+
+    conf = tmp_path / "a.toml"
+    conf.write_text(f'[agent]\nnode = "me"\ncluster = "c"\nstate_dir = "{tmp_path}"\n[mqtt]\nhost = "h"\nport = 1\n')
+    agent = Agent(load_agent_config(conf), warm_worker=False)
+    started: List[str] = []
+    agent.supervisor.start = lambda spec, now: started.append(spec.instance)  # type: ignore[assignment]
+    seen: List[Any] = []
+    agent._event = lambda etype, instance, *a, **detail: seen.append((etype, instance, detail))  # type: ignore[assignment]
+
+    def worker(inst: str) -> Worker:
+        spec = InstanceSpec(inst, "work", "me", "c", "p", PIPELINE, BrokerSpec("h", 1), keeper=False)
+        return Worker(spec=spec, proc=_FakeProc(), started_at=1.0)  # type: ignore[arg-type]
+
+    left, died = worker("work-me-1"), worker("work-me-2")
+    left.exit_event, left.stop_sent_at = {"event": "exit", "final": True, "code": 0}, 5.0
+    agent._on_reaped(Reaped(left, -_signal.SIGTERM), 10.0)
+    agent._on_reaped(Reaped(died, -9), 11.0)
+    causes = {inst: d["cause"] for etype, inst, d in seen if etype == "terminated"}
+    assert causes == {"work-me-1": "scale_in", "work-me-2": "crash"}, seen
+    assert started == ["work-me-2"]  # only the crashed one comes back
+
+
 def test_bench_spawn_starts_every_worker_of_a_burst_forked_then_cold(tmp_path: Path) -> None:
     """`fog-agent bench spawn`'s figures are per start, for each mode (no timing is asserted:
     the numbers are the benchmark's, docs/runtime.md "Pre-started workers")."""

@@ -1503,8 +1503,12 @@ class Agent:
             hosted.forget(self.cfg.agent.state_dir, w.instance)
             self._hosted_dirty = True
             self._try_next(job, now, f"worker exited before ready ({reason})")
-        cause = "shutdown" if self._stopping_since is not None else ("scale_in" if reaped.clean else "crash")
-        final = bool((w.exit_event or {}).get("final")) or reaped.returncode == WORKER_EXIT_BAD_SPEC
+        # A worker that announced its final exit had left (drained, its departure acked) even if
+        # it then needed SIGTERM to end its process (a disconnect stuck while the broker was away):
+        # a scale-in, with its code and reason, not a crash.
+        left = bool((w.exit_event or {}).get("final"))
+        cause = "shutdown" if self._stopping_since is not None else ("scale_in" if reaped.clean or left else "crash")
+        final = left or reaped.returncode == WORKER_EXIT_BAD_SPEC
         handover = w.instance in self._handing_over and not final and self._stopping_since is None
         self._handing_over.discard(w.instance)
         self._copies_first.pop(w.instance, None)  # a keeper that exited while its copies left
