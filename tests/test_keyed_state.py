@@ -238,7 +238,6 @@ def test_a_crash_anywhere_then_restore_and_replay_emits_exactly_the_fault_free_o
     redelivery, some acked records again). `log_min` 0 folds the log into a new snapshot at
     almost every other save; 1 MiB never (only the first save and the one after a restore)."""
     import tempfile
-    from pathlib import Path
 
     from agent.instance import keyed_state
 
@@ -333,7 +332,6 @@ def test_each_record_is_applied_exactly_once_in_any_order_with_floors_and_crashe
     them); a crash loses what was not saved, which the predecessors then deliver again. At the
     end every delivered record is in its key's state exactly once."""
     import tempfile
-    from pathlib import Path
 
     from agent.instance import keyed_state
 
@@ -481,7 +479,6 @@ def test_a_worker_refuses_a_keyed_operator_without_its_key_with_one_line(tmp_pat
 def test_the_worked_example_of_the_guide_runs_as_printed() -> None:
     """docs/operators.md, "Worked example: the peak reading per sensor and minute": its code,
     executed as printed, over readings of two sensors (one reading late, one not a number)."""
-    from pathlib import Path
 
     text = (Path(__file__).resolve().parent.parent / "docs" / "operators.md").read_text()
     section = text[text.index("#### Worked example"):]

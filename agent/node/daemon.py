@@ -814,7 +814,8 @@ class Agent:
         """Stop each keeper of a drain that waits for keyed copies (`_on_steering`) once they have
         all left (`left` just exited) or its wait is over."""
         for keeper, (copies, until) in list(self._copies_first.items()):
-            copies.discard(left or "")
+            if left is not None:
+                copies.discard(left)
             if copies and now < until:
                 continue
             del self._copies_first[keeper]
@@ -1506,9 +1507,9 @@ class Agent:
         # A worker that announced its final exit had left (drained, its departure acked) even if
         # it then needed SIGTERM to end its process (a disconnect stuck while the broker was away):
         # a scale-in, with its code and reason, not a crash.
-        left = bool((w.exit_event or {}).get("final"))
-        cause = "shutdown" if self._stopping_since is not None else ("scale_in" if reaped.clean or left else "crash")
-        final = left or reaped.returncode == WORKER_EXIT_BAD_SPEC
+        said_final = bool((w.exit_event or {}).get("final"))
+        cause = "shutdown" if self._stopping_since is not None else ("scale_in" if reaped.clean or said_final else "crash")
+        final = said_final or reaped.returncode == WORKER_EXIT_BAD_SPEC
         handover = w.instance in self._handing_over and not final and self._stopping_since is None
         self._handing_over.discard(w.instance)
         self._copies_first.pop(w.instance, None)  # a keeper that exited while its copies left
