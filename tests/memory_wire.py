@@ -1,6 +1,7 @@
 """The worker's transport in memory, for tests that drive a `Worker` without a broker:
 publications are kept in `sent`, each one PUBACKed at once; `refuse = N` makes the next N
-publishes raise `PublishRejected`, as paho does when its queue is full."""
+publishes raise `PublishRejected`, as paho does when its queue is full; `acked` lists the
+deliveries a manual-ack owner (an `mqtt_source`'s ingest connection) PUBACKed."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ class MemoryWire:
         self.sent: List[Tuple[str, bytes]] = []
         self.connected = True
         self.refuse = 0  # refuse this many publishes (PublishRejected)
+        self.acked: List[Tuple[int, int]] = []  # (mid, qos) PUBACKed by a manual-ack owner
 
     def connect(self, *a: object, **k: object) -> bool:
         return True
@@ -32,6 +34,9 @@ class MemoryWire:
 
     def poll(self, timeout: float) -> None:
         pass
+
+    def ack(self, mid: int, qos: int) -> None:
+        self.acked.append((mid, qos))
 
     def take_events(self) -> list:
         ev, self.events = self.events, []

@@ -357,6 +357,7 @@ def test_the_worked_example_runs_on_real_agents(tmp_path: Path, mosquitto: Any) 
         with RpcClient(mosquitto.host, mosquitto.port, cluster) as client:
             for node in ("n1", "n2"):
                 wait_until_answers(client, node, lambda: all(p.poll() is None for p in procs))
+        started = time.time()
         d = subprocess.run([sys.executable, "-m", "agent", "deploy", str(EXAMPLE / "pipeline.toml"),
                             "--host", mosquitto.host, "--port", str(mosquitto.port), "--cluster", cluster],
                            capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=60)
@@ -396,5 +397,8 @@ def test_the_worked_example_runs_on_real_agents(tmp_path: Path, mosquitto: Any) 
     # ids: the source instance's numbers of the readings it passed on (the dropped ones are filtered,
     # not lost: the worker counts them), each once
     assert len(set(ids)) == len(ids) == 5 and {s for s, _ in ids} == {"sensors.readings.0"}
-    assert sorted(q for _, q in ids) == [0, 1, 3, 5, 7]
+    # numbered from the wall clock in microseconds at the source's start (taxi.MqttIngestSource)
+    base = min(q for _, q in ids)
+    assert base >= int(started * 1e6)
+    assert sorted(q - base for _, q in ids) == [0, 1, 3, 5, 7]
     assert all(p.returncode == 0 for p in procs)

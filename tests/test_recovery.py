@@ -91,7 +91,9 @@ def test_a_source_resumes_at_its_oldest_unacked_poll_not_its_newest(tmp_path) ->
                          extra={"sink_dir": str(tmp_path / "sink")})[0]
     clock = [100.0]
     wire = MemoryWire()
-    w = Worker(spec, out=open(os.devnull, "w"), clock=lambda: clock[0], transport=wire)  # noqa: SIM115
+    # wall 0: the source numbers from the wall clock in microseconds, here from 0
+    w = Worker(spec, out=open(os.devnull, "w"), clock=lambda: clock[0], transport=wire,  # noqa: SIM115
+               wall=lambda: 0.0)
     w.start()
 
     def poll(n: int) -> None:
@@ -140,7 +142,9 @@ def _chain(tmp_path, clock: list, wire: "MemoryWire", operator: str, policy: str
     spec = [s for s in initial_specs(toml, BrokerSpec("127.0.0.1", 1), str(tmp_path / "state"), cluster="c",
                                      extra={"sink_dir": str(tmp_path / "sink")}) if s.operator == operator][0]
     spec = dataclasses.replace(spec, restart=restart)
-    w = Worker(spec, out=open(os.devnull, "w"), clock=lambda: clock[0], transport=wire)  # noqa: SIM115
+    # wall 0: a source numbers from the wall clock in microseconds, here from 0
+    w = Worker(spec, out=open(os.devnull, "w"), clock=lambda: clock[0], transport=wire,  # noqa: SIM115
+               wall=lambda: 0.0)
     w.start()
     return w
 

@@ -28,13 +28,13 @@ whole; a member is never stopped alone. Every line a member writes carries "memb
 from __future__ import annotations
 
 import logging
-import select
 import signal
 import time
 from collections import deque
 from typing import Any, Callable, Deque, Dict, List, Sequence, TextIO, Tuple
 
 from agent.instance.events import EnvelopeHanded
+from agent.mqtt.transport import poll_all
 from agent.instance.spec import InstanceSpec
 from agent.instance.worker import Worker
 
@@ -102,24 +102,7 @@ class Chain:
         """Wait until a member's socket is readable (or writable with data to write), up to
         `timeout`, then run every member's network loop once without waiting."""
         live = [w for w in self.members if w.exit_code is None]
-        socks, writers = [], []
-        for w in live:
-            sock = w.transport.client.socket() if w.transport.connected else None
-            if sock is None:
-                timeout = min(timeout, DISCONNECTED_POLL)
-                continue
-            socks.append(sock)
-            if w.transport.client.want_write():
-                writers.append(sock)
-        if timeout > 0 and (writers or socks):
-            try:
-                select.select(socks, writers, [], timeout)
-            except (OSError, ValueError):
-                pass  # a socket closed under us: the members' loops below notice it
-        elif timeout > 0:
-            time.sleep(timeout)
-        for w in live:
-            w.transport.poll(0.0)
+        poll_all([t for w in live for t in w.transports()], timeout, DISCONNECTED_POLL)
 
     def _timeout(self, now: float) -> float:
         if self.pending or self.control:

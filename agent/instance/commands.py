@@ -14,10 +14,10 @@ trying (so the instance's retry queue keeps the channel order). `Notify` is fire
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
-__all__ = ["Command", "Publish", "Handoff", "Notify", "RequestSpawn", "Persist", "PersistSource", "SaveKeyed",
-           "SaveRoutes", "Emit", "CrashPoint", "Exit"]
+__all__ = ["Command", "Publish", "Handoff", "Notify", "RequestSpawn", "Persist", "PersistSource", "AckIngest",
+           "SaveKeyed", "SaveRoutes", "Emit", "CrashPoint", "Exit"]
 
 
 class Command:
@@ -76,6 +76,15 @@ class PersistSource(Command):
     """Write a source's restart position (and its counters) atomically."""
 
     data: Dict[str, Any]
+
+
+@dataclass(frozen=True)
+class AckIngest(Command):
+    """PUBACK these deliveries of the source's ingest topic ((mid, qos) each): their records are
+    acked by a successor, so the broker may forget them. Until then they stay unacked in the
+    instance's ingest session, and a new incarnation gets them again."""
+
+    tokens: Tuple[Tuple[int, int], ...]
 
 
 @dataclass(frozen=True)

@@ -42,8 +42,8 @@ from agent.dataplane.inbound import ACCEPT, HOLD, REFUSE, HoldBuffer, LogLimiter
 from agent.dataplane.routing import Outbox, Router
 from agent.dataplane.sticky import RouteMemory, needed
 from agent.instance.commands import (
-    Command, CrashPoint, Emit, Exit, Handoff, Notify, Persist, PersistSource, Publish, RequestSpawn, SaveKeyed,
-    SaveRoutes,
+    AckIngest, Command, CrashPoint, Emit, Exit, Handoff, Notify, Persist, PersistSource, Publish, RequestSpawn,
+    SaveKeyed, SaveRoutes,
 )
 from agent.instance.driver import ScalingDriver
 from agent.instance import groups as keygroup_table
@@ -490,7 +490,9 @@ class Instance:
                 self.send_envelope(pred, Kind.ACK, [0, 0])
             self.scaling.resync(now)
         if self.is_source:
-            if restart:
+            if hasattr(self.operator, "number_from"):
+                self._number_source(wall, source_position if restart else None)
+            elif restart:
                 self._resume_source(source_position)
             self.operator.start(now)
         self._period_start = now
@@ -538,6 +540,8 @@ class Instance:
         if self.is_sink:
             self._settle_sink()
         self.flush(now)
+        if self.is_source and hasattr(self.operator, "settled"):
+            self._settle_ingest()
         self.signals.blocked(now, self._backpressured())
         self._send_acks(now)
         if FAULT_RETRY_ONLY_WITH_DATA not in self.faults:
@@ -729,9 +733,7 @@ class Instance:
             self.stats["foreign_inbox"] += 1
             return
         if writer is None:
-            ingest = getattr(self.operator, "ingest", None)
-            if ingest is not None:
-                ingest(ev.topic, ev.payload)
+            self._ingest(ev)
             return
         try:
             env = decode(ev.payload, self._decode_records)
@@ -1521,6 +1523,41 @@ class Instance:
 
 
     # ---- source -----------------------------------------------------------------------------------
+
+    def _ingest(self, ev: EnvelopeReceived) -> None:
+        """A delivery on a source's ingest topic. Its token is kept with the record until a
+        successor acks the record (`_settle_ingest`); a source that cannot tell when (no
+        `settled`) has it acked at once."""
+        ingest = getattr(self.operator, "ingest", None)
+        if ingest is None:
+            return
+        if ev.token is None:
+            ingest(ev.topic, ev.payload)
+        elif hasattr(self.operator, "settled"):
+            ingest(ev.topic, ev.payload, ev.token)
+        else:
+            ingest(ev.topic, ev.payload)
+            self._out.append(AckIngest((ev.token,)))
+
+    def _settle_ingest(self) -> None:
+        """PUBACK the ingest deliveries whose records a successor has acked."""
+        tokens = self.operator.settled(self.source_resume_seq())
+        if tokens:
+            self._out.append(AckIngest(tuple(tokens)))
+
+    def _number_source(self, wall: float, pos: Optional[Dict[str, Any]]) -> None:
+        """A source whose records cannot be generated again numbers each incarnation's records above
+        every number an earlier one can have used: its saved reservation, and the wall clock in
+        microseconds for when that file is gone with its node (taxi.MqttIngestSource)."""
+        floor = int(wall * 1e6)
+        if isinstance(pos, dict):
+            for key in ("generated", "reserved"):
+                try:
+                    floor = max(floor, int(pos.get(key, 0)))
+                except (TypeError, ValueError):
+                    pass
+        self.operator.number_from(floor)
+        log.info("source numbers its records from %d", floor, extra=self.ctx)
 
     def _can_produce(self) -> bool:
         # A paused source has nothing due: without this check its next_due() says "now" and the

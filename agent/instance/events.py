@@ -50,10 +50,13 @@ class Restarted(Event):
 
 @dataclass(frozen=True)
 class EnvelopeReceived(Event):
-    """One MQTT message on one of our subscriptions (the inbox, or a source's ingest topic)."""
+    """One MQTT message on one of our subscriptions (the inbox, or a source's ingest topic).
+    token: (mid, qos) of an ingest delivery the shell must PUBACK once the core says so
+    (`AckIngest`); None when there is nothing to ack."""
 
     topic: str
     payload: bytes
+    token: Optional[Tuple[int, int]] = None
 
 
 @dataclass(frozen=True)

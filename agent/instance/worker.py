@@ -35,8 +35,8 @@ from typing import Any, Callable, Dict, FrozenSet, List, Optional, TextIO
 from agent.config import PipelineConfig, load_pipeline_text
 from agent.files import write_atomic
 from agent.instance.commands import (
-    Command, CrashPoint, Emit, Exit, Handoff, Notify, Persist, PersistSource, Publish, RequestSpawn, SaveKeyed,
-    SaveRoutes,
+    AckIngest, Command, CrashPoint, Emit, Exit, Handoff, Notify, Persist, PersistSource, Publish, RequestSpawn,
+    SaveKeyed, SaveRoutes,
 )
 from agent.instance.core import EXIT_BAD_SPEC, EXIT_BROKER, EXIT_CRASH, EXIT_DRAIN_TIMEOUT, EXIT_OK, Instance
 from agent.instance.keyed_state import KeyedState
@@ -45,8 +45,10 @@ from agent.instance.events import (
     Started, Tick,
 )
 from agent.instance.spec import InstanceSpec, control_line, parse_control_line, specs_from_line
-from agent.mqtt.client import worker_id
-from agent.mqtt.transport import Connected, Disconnected, PubAck, PublishRejected, Received, Transport, TransportError
+from agent.mqtt.client import ingest_id, worker_id
+from agent.mqtt.transport import (
+    Connected, Disconnected, PubAck, PublishRejected, Received, Transport, TransportError, poll_all,
+)
 from agent.operators.admission import OperatorRefused, node_allow_list
 from agent.operators.builtin import OperatorContext, load_operator
 from agent.operators.keyed import is_keyed
@@ -80,6 +82,7 @@ class Worker:
         clock: Callable[[], float] = time.monotonic,
         transport: Optional[Transport] = None,
         wall: Callable[[], float] = time.time,
+        ingest: Optional[Transport] = None,
         local: FrozenSet[str] = frozenset(),
         handoff: Optional[Callable[[str, Any], None]] = None,
         member: bool = False,
@@ -134,6 +137,15 @@ class Worker:
         # Re-homing on: after a lost connection, reconnect only when our agent says this identity
         # was not re-homed meanwhile (see _ask_to_reconnect).
         self.transport.gate_reconnect = bool(spec.extra.get("fence_reconnect"))
+        # A source that reads sensors (taxi.MqttIngestSource) reads them on a connection of its
+        # own with manual acks: a delivery is PUBACKed only once a successor acked its record.
+        # Not on `transport`: deliveries waiting for that ack fill the broker's in-flight window
+        # to the client, and the successors' acks to our inbox would queue behind them for ever.
+        self.ingest: Optional[Transport] = ingest
+        if ingest is None and transport is None and self.core.is_source and hasattr(self.operator, "settled"):
+            self.ingest = Transport(ingest_id(spec.broker, spec.cluster, spec.instance), spec.broker, manual_ack=True)
+        if self.ingest is not None:
+            self.ingest.gate_reconnect = self.transport.gate_reconnect
         self._asked_reconnect_at = -1e9
         self.control: "deque[Dict[str, Any]]" = deque()
         self.exit_code: Optional[int] = None
@@ -159,7 +171,15 @@ class Worker:
         self.transport.subscribe(self.core.inbox)
         topic = getattr(self.operator, "topic", None)
         if self.core.is_source and hasattr(self.operator, "ingest") and topic:
-            self.transport.subscribe(topic)
+            if self.ingest is not None:
+                self.ingest.connect()
+                self.ingest.subscribe(topic)
+            else:
+                self.transport.subscribe(topic)
+
+    def transports(self) -> List[Transport]:
+        """The connections to poll: ours, and a sensor source's ingest connection."""
+        return [self.transport] if self.ingest is None else [self.transport, self.ingest]
 
     def begin(self) -> None:
         """Hand the instance its start (it says "ready"): after `subscribe`."""
@@ -175,7 +195,10 @@ class Worker:
 
     def run(self) -> int:
         while self.exit_code is None:
-            self.transport.poll(self._timeout(self.clock()))
+            if self.ingest is None:
+                self.transport.poll(self._timeout(self.clock()))
+            else:
+                poll_all(self.transports(), self._timeout(self.clock()))
             self.step(self.clock())
         return self.exit_code
 
@@ -199,17 +222,35 @@ class Worker:
                 log.info("reconnected (session kept: %s)", ev.session_present, extra=self.ctx)
                 if not ev.session_present:
                     self.feed(SessionLost(), now)
+        if self.ingest is not None:
+            self._take_ingest(now)
         while self.control and self.exit_code is None:
             msg = self.control.popleft()
             if msg.get("event") == "reconnect":
-                self.transport.allow_reconnect()
+                for t in self.transports():
+                    t.allow_reconnect()
             else:
                 self.feed(Control(msg), now)
         self._ask_to_reconnect(now)
         if self.exit_code is None:
             self.feed(Tick(self.wall()), now)
 
+    def _take_ingest(self, now: float) -> None:
+        """The ingest connection's deliveries, each with its ack token. A lost session loses
+        nothing of ours: what it held unacked was never acked downstream either, and the
+        subscription is renewed on every reconnect (Transport._renew_subscriptions)."""
+        for ev in self.ingest.take_events():  # type: ignore[union-attr]
+            if isinstance(ev, Received):
+                self.counts["mqtt_in"] += 1
+                token = (ev.mid, ev.qos) if ev.qos > 0 else None
+                self.feed(EnvelopeReceived(ev.topic, ev.payload, token), now)
+            elif isinstance(ev, Disconnected):
+                log.warning("ingest connection lost: %s", ev.reason, extra=self.ctx)
+                self._asked_reconnect_at = -1e9
+
     def _timeout(self, now: float) -> float:
+        if self.ingest is not None and self.ingest.events:
+            return 0.0
         if self.transport.events or self.control or self.exit_code is not None or self.abort:
             return 0.0
         return self.core.next_wake(now)
@@ -260,6 +301,10 @@ class Worker:
                     log.warning("event not published: %s", exc, extra=self.ctx)
             elif isinstance(c, PersistSource):
                 write_atomic(self.source_path, json.dumps(c.data))
+            elif isinstance(c, AckIngest):
+                if self.ingest is not None:
+                    for mid, qos in c.tokens:
+                        self.ingest.ack(mid, qos)
             elif isinstance(c, SaveKeyed):
                 c.state.save(self.keyed_path)
             elif isinstance(c, SaveRoutes):
@@ -279,10 +324,11 @@ class Worker:
                 **{k: v for k, v in self.counts.items() if v}}
 
     def _exit(self, c: Exit) -> None:
-        try:
-            self.transport.close(final=c.final)
-        except TransportError:
-            pass
+        for t in self.transports():
+            try:
+                t.close(final=c.final)
+            except TransportError:
+                pass
         self._emit("exit", code=c.code, reason=c.reason, final=c.final)
         self.exit_code = c.code
         self.exit_command = c
@@ -296,7 +342,8 @@ class Worker:
         times in the second before the agent killed us, and the new one stalled: records lost).
         So a worker that lost its connection waits until its agent, connected again, has checked
         the retained re-homing records and either kills it or sends "reconnect"."""
-        if getattr(self.transport, "reconnect_held", False) and now - self._asked_reconnect_at >= RECONNECT_ASK:
+        held = any(getattr(t, "reconnect_held", False) for t in self.transports())
+        if held and now - self._asked_reconnect_at >= RECONNECT_ASK:
             self._asked_reconnect_at = now
             self.counts["reconnect_asks"] += 1
             self._emit("may_reconnect")

@@ -54,6 +54,7 @@ __all__ = [
     "shipper_id",
     "site_secret",
     "worker_id",
+    "ingest_id",
 ]
 
 ID_SUFFIX_HEX = 12  # hex digits of the HMAC appended to a client id (48 bits)
@@ -161,6 +162,13 @@ def worker_id(broker: BrokerSpec, cluster: str, instance: str) -> str:
     return client_id(f"fog-{cluster}-{instance}", site_secret(broker))
 
 
+def ingest_id(broker: BrokerSpec, cluster: str, instance: str) -> str:
+    """The id of an `mqtt_source`'s second connection, the one that reads its sensors' topic. Like
+    the worker's own, the same on every node, so its persistent session (the readings not acked
+    yet, and those published meanwhile) follows the instance when it moves."""
+    return client_id(f"fog-{cluster}-{instance}-ingest", site_secret(broker))
+
+
 # ---- settings -----------------------------------------------------------------------------------------
 
 
@@ -196,15 +204,19 @@ def nodelay(client: Any, userdata: Any = None, sock: Any = None) -> None:
 
 def make_client(broker: BrokerSpec, client_id: str, session: Session = CLEAN, *, will: Optional[Will] = None,
                 max_inflight: Optional[int] = None, max_queued: Optional[int] = None,
-                reconnect_delay: Optional[Tuple[float, float]] = None) -> mqtt.Client:
+                reconnect_delay: Optional[Tuple[float, float]] = None, manual_ack: bool = False) -> mqtt.Client:
     """A paho client with these settings, not connected (`connect`, `connect_and_wait`).
 
     TLS files are loaded here: a bad one raises ssl.SSLError/OSError now (callers that read a
-    config file check them first, agent.config.check_tls, to name the file and key)."""
+    config file check them first, agent.config.check_tls, to name the file and key).
+    manual_ack: paho PUBACKs a delivery only when told (`client.ack`), not when the callback
+    returns (an `mqtt_source`'s readings: acked once they are safe downstream)."""
     if session.mqtt5:
-        c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5)
+        c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5,
+                        manual_ack=manual_ack)
     else:
-        c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=not session.persistent)
+        c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=not session.persistent,
+                        manual_ack=manual_ack)
     if broker.username:
         c.username_pw_set(broker.username, broker.password)
     if broker.ca_file or broker.cert_file:

@@ -26,6 +26,7 @@ Rules of this file (from paho issues #354/#787 and docs/design.md section 6):
 from __future__ import annotations
 
 import logging
+import select
 import threading
 import time
 from collections import deque
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "Transport",
+    "poll_all",
     "TransportError",
     "PublishRejected",
     "Received",
@@ -72,8 +74,12 @@ class PublishRejected(TransportError):
 
 @dataclass(frozen=True)
 class Received:
+    """A delivery. mid and qos matter only on a manual-ack transport: `ack(mid, qos)` PUBACKs it."""
+
     topic: str
     payload: bytes
+    mid: int = 0
+    qos: int = 0
 
 
 @dataclass(frozen=True)
@@ -95,7 +101,8 @@ Event = Union[Received, PubAck, Connected, Disconnected]
 
 
 class Transport:
-    def __init__(self, client_id: str, broker: BrokerSpec, persistent: bool = True, mqtt5: bool = DATA_MQTT5) -> None:
+    def __init__(self, client_id: str, broker: BrokerSpec, persistent: bool = True, mqtt5: bool = DATA_MQTT5,
+                 manual_ack: bool = False) -> None:
         self.broker = broker
         self.client_id = client_id
         self.persistent = persistent
@@ -115,7 +122,8 @@ class Transport:
         self.reconnects = 0
         self._session = mqttc.Session(mqtt5=mqtt5, persistent=persistent, expiry=SESSION_EXPIRY)
         # max_queued 0: bounded by our flow control instead (flow.OutLink)
-        c = mqttc.make_client(broker, client_id, self._session, max_inflight=broker.max_inflight, max_queued=0)
+        c = mqttc.make_client(broker, client_id, self._session, max_inflight=broker.max_inflight, max_queued=0,
+                              manual_ack=manual_ack)
         c.on_connect = self._on_connect
         c.on_disconnect = self._on_disconnect
         c.on_message = self._on_message
@@ -144,7 +152,7 @@ class Transport:
         self._connected = False
 
     def _on_message(self, client: Any, userdata: Any, msg: Any) -> None:
-        self.events.append(Received(msg.topic, msg.payload))
+        self.events.append(Received(msg.topic, msg.payload, msg.mid, msg.qos))
 
     def _on_publish(self, client: Any, userdata: Any, mid: int, rc: Any = None, props: Any = None) -> None:
         self.events.append(PubAck(mid))
@@ -258,6 +266,17 @@ class Transport:
             if rc == MQTTErrorCode.MQTT_ERR_SUCCESS:
                 self._pending_sub[mid] = topic
 
+    def ack(self, mid: int, qos: int) -> None:
+        """PUBACK one delivery (a manual-ack transport). Only on the connection that received it:
+        after a reconnect the broker sends it again itself, and paho refuses acks it cannot send."""
+        self._check_owner()
+        if qos > 0 and self._connected:
+            self.client.ack(mid, qos)
+
+    def socket(self) -> Any:
+        """The connected socket to wait on, or None (disconnected)."""
+        return self.client.socket() if self._connected else None
+
     def pending_out(self) -> int:
         """Messages paho still holds (unsent or waiting for PUBACK)."""
         return len(self.client._out_messages)  # noqa: SLF001 - no public accessor in paho 2.x
@@ -308,3 +327,26 @@ class Transport:
         return out
 
 
+def poll_all(transports: List["Transport"], timeout: float, disconnected_poll: float = 0.05) -> None:
+    """Wait until one of several transports' sockets is readable (or writable with data to write),
+    up to `timeout`, then run each one's network loop once without waiting: one process with
+    more than one connection (a chain's members, an `mqtt_source`'s ingest connection) reacts to
+    each at once instead of sleeping in one while the other has work."""
+    socks, writers = [], []
+    for t in transports:
+        sock = t.socket()
+        if sock is None:
+            timeout = min(timeout, disconnected_poll)
+            continue
+        socks.append(sock)
+        if t.client.want_write():
+            writers.append(sock)
+    if timeout > 0 and (writers or socks):
+        try:
+            select.select(socks, writers, [], timeout)
+        except (OSError, ValueError):
+            pass  # a socket closed under us: the loops below notice it
+    elif timeout > 0:
+        time.sleep(timeout)
+    for t in transports:
+        t.poll(0.0)

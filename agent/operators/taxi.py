@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import bisect
 import csv
+import json
 import math
 import random
 import zlib
+from collections import deque
 from itertools import repeat
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Deque, Dict, List, Optional, Tuple
 
 from agent.dataplane.envelope import Item
 from agent.operators.builtin import OperatorContext, Param
@@ -322,8 +324,25 @@ class TaxiSource:
 class MqttIngestSource:
     """Records from real sensors: the worker subscribes to `params.topic` (a filter) and hands
     each payload here. JSON payloads become records as they are; others become
-    {"topic", "payload"} strings. Sensors cannot be slowed down, so past `max_buffer` records the
-    oldest are dropped, counted (`shed`) and logged by the worker (invariant 5: never silently)."""
+    {"topic", "payload"} strings.
+
+    Readings cannot be asked for again, so two rules keep every one of them (docs/operators.md,
+    "Built-in operators"):
+    - Acked when safe. The worker reads the topic on a connection of its own (a persistent
+      session under the instance's identity, manual acks): a delivery is PUBACKed only once a
+      successor acked the record made from it (`settled`). What is not acked yet stays in the
+      broker's session and goes to whichever incarnation of the instance connects next: after a
+      crash, a drain, a move or the loss of the node. A source that stops leaves its buffer
+      unacked for that reason.
+    - Numbers never reused. Each incarnation numbers its records from `number_from`: above every
+      number an earlier incarnation reserved (its position file), and at least the wall clock in
+      microseconds at its start, which holds when that file is gone with its node (clocks in
+      step, as re-homing assumes, and fewer than a million readings a second). A keyed operator
+      downstream skips a number it has applied as a replay: a source starting again at 0 made
+      it skip every new reading.
+    Past `max_buffer` records (deliveries not acked come no faster than the broker's in-flight
+    window, so only a source fed on its worker's own connection gets there) the oldest are
+    dropped, counted (`shed`) and logged by the worker (invariant 5: never silently)."""
 
     kind = "source"
 
@@ -334,37 +353,56 @@ class MqttIngestSource:
         self.topic = topic
         self.instance = ctx.instance
         self.max_buffer = int(ctx.params.get("max_buffer", 100000))
-        self.buffer: List[Any] = []
+        self.buffer: Deque[Tuple[Any, Any]] = deque()  # (record, the delivery's ack token or None)
         self.generated = 0
         self.shed = 0
         self.max_records: Optional[int] = None
+        self._unsettled: Deque[Tuple[int, Any]] = deque()  # (number, token) polled, not acked downstream
+        self._dropped: List[Any] = []  # tokens of shed deliveries: acked (counted, never kept)
 
     finished = False
 
     def start(self, now: float) -> None:
         pass
 
-    def ingest(self, topic: str, payload: bytes) -> None:
-        import json
+    def number_from(self, first: int) -> None:
+        """Number the next record `first` or above (an incarnation's start: see the class)."""
+        self.generated = max(self.generated, int(first))
 
+    def ingest(self, topic: str, payload: bytes, token: Any = None) -> None:
         try:
             rec = json.loads(payload)
         except ValueError:
             rec = {"topic": topic, "payload": payload.decode("utf-8", "replace")}
-        self.buffer.append(rec)
-        if len(self.buffer) > self.max_buffer:
-            drop = len(self.buffer) - self.max_buffer
-            del self.buffer[:drop]
-            self.shed += drop
+        self.buffer.append((rec, token))
+        while len(self.buffer) > self.max_buffer:
+            _, dropped = self.buffer.popleft()
+            self.shed += 1
+            if dropped is not None:
+                self._dropped.append(dropped)
 
     def poll(self, now: float, budget: int) -> List[Item]:
         n = min(len(self.buffer), max(0, budget))
         if n <= 0:
             return []
-        recs, self.buffer = self.buffer[:n], self.buffer[n:]
         first = self.generated
         self.generated += n
-        return [(self.instance, first + i, r) for i, r in enumerate(recs)]
+        out: List[Item] = []
+        for seq in range(first, first + n):
+            rec, token = self.buffer.popleft()
+            out.append((self.instance, seq, rec))
+            if token is not None:
+                self._unsettled.append((seq, token))
+        return out
+
+    def settled(self, below: int) -> List[Any]:
+        """The tokens of the deliveries now safe to ack: records numbered below `below` (the first
+        number a successor has not acked), and the deliveries shed."""
+        out, self._dropped = self._dropped, []
+        unsettled = self._unsettled
+        while unsettled and unsettled[0][0] < below:
+            out.append(unsettled.popleft()[1])
+        return out
 
     def next_due(self, now: float) -> float:
         return now + (0.0 if self.buffer else 0.05)
@@ -373,7 +411,8 @@ class MqttIngestSource:
         pass
 
     def stats(self) -> Dict[str, Any]:
-        return {"generated": self.generated, "shed": self.shed, "buffered": len(self.buffer)}
+        return {"generated": self.generated, "shed": self.shed, "buffered": len(self.buffer),
+                "unsettled": len(self._unsettled)}
 
 
 class _Factory:

@@ -1,0 +1,158 @@
+"""An `mqtt_source` keeps every reading (agent.operators.taxi.MqttIngestSource): a delivery is
+PUBACKed only once a successor acked its record, what is not acked stays in the instance's ingest
+session for its next incarnation, and no incarnation reuses a number an earlier one used. The
+first tests drive a worker on in-memory wires; the last checks, on a real Mosquitto, the broker
+behaviour the source relies on."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, List, Tuple
+
+import paho.mqtt.client as mqtt
+from memory_wire import MemoryWire
+
+from agent import topics
+from agent.dataplane.envelope import Envelope, Kind, decode, encode
+from agent.instance.events import Abort, Control
+from agent.instance.worker import Worker
+from agent.mqtt.settings import BrokerSpec
+from agent.mqtt.transport import Received, Transport
+from agent.tools.dataplane_bench import initial_specs, pipeline_toml
+
+WALL = 1_700_000_000.0  # the wall clock of the first incarnation
+SINK_INBOX = topics.inbox("c", "sink-0", "local")
+SOURCE_INBOX = topics.inbox("c", "source-0", "local")
+
+
+def _source(tmp_path: Path, clock: List[float], wall: float, restart: bool = False) -> Tuple[Worker, MemoryWire, MemoryWire]:
+    """The source of mqtt_source -> counting_sink on in-memory wires: (worker, its wire, ingest wire)."""
+    toml = pipeline_toml("p", [
+        {"name": "source", "kind": "source", "function": "agent.operators.taxi:mqtt_source",
+         "params": {"topic": "sensors/#"}, "batch_size": 4, "linger_ms": 0},
+        {"name": "sink", "kind": "sink", "function": "agent.operators.builtin:counting_sink"},
+    ], scaling={"policy": "none"})
+    spec = initial_specs(toml, BrokerSpec("127.0.0.1", 1), str(tmp_path / "state"), cluster="c",
+                         extra={"sink_dir": str(tmp_path / "sink")})[0]
+    wire, ingest = MemoryWire(), MemoryWire()
+    w = Worker(dataclasses.replace(spec, restart=restart), out=open(os.devnull, "w"),  # noqa: SIM115
+               clock=lambda: clock[0], transport=wire, wall=lambda: wall + clock[0], ingest=ingest)
+    w.start()
+    return w, wire, ingest
+
+
+def _deliver(w: Worker, ingest: MemoryWire, clock: List[float], first_mid: int, n: int) -> None:
+    ingest.events += [Received("sensors/s1", b'{"v": %d}' % (first_mid + i), first_mid + i, 1) for i in range(n)]
+    clock[0] += 0.1
+    w.step(clock[0])
+    w.step(clock[0])
+
+
+def _numbers(wire: MemoryWire) -> List[int]:
+    return [it[1] for t, p in wire.sent if t == SINK_INBOX for it in decode(p).body if decode(p).kind is Kind.DATA]
+
+
+def test_a_reading_is_acked_to_the_broker_only_once_a_successor_acked_its_record(tmp_path: Path) -> None:
+    clock = [100.0]
+    w, wire, ingest = _source(tmp_path, clock, WALL)
+    _deliver(w, ingest, clock, 1, 4)
+    _deliver(w, ingest, clock, 5, 4)
+    assert len(_numbers(wire)) == 8  # sent on: two batches of 4
+    assert ingest.acked == []  # none acked downstream yet: the broker keeps all 8
+    wire.events.append(Received(SOURCE_INBOX, encode(Envelope("sink-0", 0, 1, Kind.ACK, [w.core.epoch, 1]))))
+    clock[0] += 0.1
+    w.step(clock[0])
+    assert ingest.acked == [(1, 1), (2, 1), (3, 1), (4, 1)]  # the first batch's readings, in order
+    wire.events.append(Received(SOURCE_INBOX, encode(Envelope("sink-0", 0, 2, Kind.ACK, [w.core.epoch, 2]))))
+    clock[0] += 0.1
+    w.step(clock[0])
+    assert ingest.acked == [(m, 1) for m in range(1, 9)]
+
+
+def test_a_new_incarnation_numbers_above_every_number_its_predecessor_used(tmp_path: Path) -> None:
+    """A drained, restarted or re-homed source used to start again at 0, and a keyed operator after
+    it skipped every new reading as a replay of one it had applied. With its position file (a
+    restart, a drain) it numbers above what it reserved; without it (its node lost) above the wall
+    clock in microseconds, which is past every number of an incarnation that started earlier."""
+    clock = [100.0]
+    old, wire, ingest = _source(tmp_path, clock, WALL)
+    _deliver(old, ingest, clock, 1, 8)
+    used = _numbers(wire)
+    assert len(used) == 8 and min(used) >= int((WALL + 100.0) * 1e6)
+    old.feed(Abort("killed"), clock[0])  # gone, its lock released as by its process's death
+    os.close(old._identity_lock)
+    # a restart on the same node, its clock a second later: above the reservation on disk
+    saved = json.loads((tmp_path / "sink" / "source-0.source.json").read_text())
+    new, wire2, ingest2 = _source(tmp_path, clock, WALL + 1.0, restart=True)
+    _deliver(new, ingest2, clock, 1, 4)
+    again = _numbers(wire2)
+    new.feed(Abort("killed"), clock[0])
+    os.close(new._identity_lock)
+    assert len(again) == 4 and min(again) > max(used) and min(again) >= saved["reserved"]
+    # its node lost with the file: a re-homed incarnation, later by the wall clock
+    (tmp_path / "sink" / "source-0.source.json").unlink()
+    lost, wire3, ingest3 = _source(tmp_path, clock, WALL + 2.0, restart=True)
+    _deliver(lost, ingest3, clock, 1, 4)
+    assert min(_numbers(wire3)) > max(again)
+
+
+def test_a_stopping_source_leaves_its_unsent_readings_unacked_for_the_next_incarnation(tmp_path: Path) -> None:
+    clock = [100.0]
+    w, wire, ingest = _source(tmp_path, clock, WALL)
+    _deliver(w, ingest, clock, 1, 4)
+    w.feed(Control({"event": "stop"}), clock[0])
+    ingest.events += [Received("sensors/s1", b'{"v": %d}' % m, m, 1) for m in (5, 6)]
+    for _ in range(5):
+        clock[0] += 0.1
+        w.step(clock[0])
+    assert len(_numbers(wire)) == 4  # the two delivered during the stop are not sent on
+    assert all(mid < 5 for mid, _ in ingest.acked)  # and never acked: the broker sends them again
+
+
+def test_the_broker_sends_unacked_deliveries_again_in_order_to_the_next_connection(mosquitto: Any) -> None:
+    """What the source relies on: with manual acks and a persistent session, deliveries not acked
+    when a connection ends (a crash, a drain, a node lost) go, in their order, to the next
+    connection with the same client id, followed by what was published meanwhile."""
+    broker = BrokerSpec(mosquitto.host, mosquitto.port)
+    cid = f"ingest-test-{os.getpid()}"
+
+    def received(t: Transport, n: int) -> List[Received]:
+        got: List[Received] = []
+        deadline = time.monotonic() + 10
+        while len(got) < n and time.monotonic() < deadline:
+            t.poll(0.05)
+            got += [e for e in t.take_events() if isinstance(e, Received)]
+        return got
+
+    first = Transport(cid, broker, manual_ack=True)
+    first.connect()
+    first.subscribe("ingest-test/#")
+    pub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"{cid}-pub")
+    pub.connect(mosquitto.host, mosquitto.port)
+    pub.loop_start()
+    try:
+        for i in range(10):
+            pub.publish("ingest-test/s1", b"%d" % i, qos=1).wait_for_publish(5)
+        got = received(first, 10)
+        assert [g.payload for g in got] == [b"%d" % i for i in range(10)]
+        for g in got[:4]:
+            first.ack(g.mid, g.qos)
+        first.poll(0.05)
+        first.client.socket().close()  # a crash: no DISCONNECT
+        for i in range(10, 12):
+            pub.publish("ingest-test/s1", b"%d" % i, qos=1).wait_for_publish(5)
+        second = Transport(cid, broker, manual_ack=True)
+        assert second.connect()  # the session was kept
+        again = received(second, 8)
+        assert [g.payload for g in again] == [b"%d" % i for i in range(4, 12)]
+        for g in again:
+            second.ack(g.mid, g.qos)
+        second.poll(0.05)
+        second.close(final=True)
+    finally:
+        pub.loop_stop()
+        pub.disconnect()
