@@ -208,6 +208,28 @@ def test_accounting_finds_missing_duplicated_and_unexpected_ids(spark) -> None:
     assert [(r["src"], r["seq"], r["copies"]) for r in a["duplicates"].collect()] == [("s1", 2, 2)]
 
 
+def test_the_answers_count_a_record_once_when_a_re_homed_sink_landed_it_again(spark) -> None:
+    """A sink's id file is on its node: re-homed after the node was lost, it lands the replays of
+    records that had landed already. The accounting counts the copies; the queries read each id
+    once (ids-less rows stay as they are)."""
+    from agent.analytics import debs
+    from agent.analytics.accounting import accounting, unique_records
+
+    rows = [dict(r, src="src-1", seq=i) for i, r in enumerate(q1_rows())]
+    anonymous = dict(rows[0], src=None, seq=None)
+    landed = frame(spark, rows + rows[:10] + [anonymous, anonymous])
+    once = unique_records(landed)
+    assert once.count() == len(rows) + 2
+
+    def answer(df) -> list:  # type: ignore[no-untyped-def]
+        top = debs.top_routes(debs.prepare_trips(df)).orderBy("window_start", "rank")
+        return [(r["window_start"], r["rank"], r["start_cell"], r["end_cell"], r["trips"]) for r in top.collect()]
+
+    assert answer(once) == answer(frame(spark, rows + [anonymous, anonymous]))
+    (s,) = accounting(landed.where("src IS NOT NULL"), None)["summary"].collect()
+    assert (s["arrived"], s["distinct_ids"], s["duplicate_copies"]) == (len(rows) + 10, len(rows), 10)
+
+
 def test_whole_job_from_spools_to_report(spark, tmp_path: Path) -> None:
     """Spools -> landing zone -> run_job: Parquet tables, report.md with plots, exactly once."""
     from agent.analytics.job import land_spools, run_job

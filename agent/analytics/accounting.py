@@ -14,7 +14,20 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
-__all__ = ["record_keys", "generated_keys", "accounting"]
+__all__ = ["unique_records", "record_keys", "generated_keys", "accounting"]
+
+
+def unique_records(records: Any) -> Any:
+    """One row per record id (src, seq): what the queries read. A sink drops the copies it has
+    seen by id, but its id file is on its node: a sink re-homed after its node was lost, or its
+    disk, lands the replays of records that had already landed from the old node. The landing
+    keeps both files (each landed exactly once) and the accounting counts the copies
+    (`duplicate_copies`); the answers count each record once. Rows without an id are kept as they
+    are (one id-less row must not stand for all of them)."""
+    from pyspark.sql import functions as F
+
+    has_id = F.col("src").isNotNull() & F.col("seq").isNotNull()
+    return records.where(has_id).dropDuplicates(["src", "seq"]).unionByName(records.where(~has_id))
 
 
 def record_keys(df: Any) -> Any:

@@ -127,7 +127,8 @@ def run_job(spark: Any, landing: PathLike, out: PathLike, period: float = 5.0) -
     if records is not None:
         # Parse the JSON once: the DEBS queries and the accounting all read the cached rows
         # (memory and disk: a cluster spills what does not fit, the plan stays the same).
-        records = records.cache()
+        landed = records.cache()
+        records = acc.unique_records(landed)
         trips = debs.prepare_trips(records)
         tables["top_routes"] = debs.top_routes(trips)
         tables["profitable_areas"] = debs.profitable_areas(trips)
@@ -138,7 +139,7 @@ def run_job(spark: Any, landing: PathLike, out: PathLike, period: float = 5.0) -
         )
         # a keyed operator's outputs (ids "<operator>#<key digest>", e.g. the edge's DEBS answers)
         # are not source records: the accounting is about the trips
-        a = acc.accounting(records.where(~F.col("src").contains("#")), generated)
+        a = acc.accounting(landed.where(~F.col("src").contains("#")), generated)
         tables["accounting_summary"] = a["summary"]
         tables["accounting_duplicates"] = a["duplicates"]
         if "missing" in a:
