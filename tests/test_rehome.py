@@ -217,3 +217,59 @@ def test_the_agent_reads_idle_copies_from_the_lost_nodes_last_state(tmp_path: Pa
     agent._maybe_rehome(100.0)
     assert [(s.instance, s.active, s.extra.get("idle_copies")) for s in created] == [
         ("mid-b", False, None), ("p.mid.0", True, ["mid-b"])]
+
+
+def test_a_rehomed_keyed_instance_is_told_the_key_groups_its_dead_incarnation_owned(tmp_path: Path) -> None:
+    """The daemon reads them from the lost node's last retained state (the worker's heartbeat
+    stats, `groups`); an instance it said nothing of is not told any (it holds the dealing)."""
+    agent = _agent(tmp_path)
+    created: List[Any] = []
+    agent._create_node = lambda spec, reply, cause, now: created.append(spec)
+    agent.connected, agent.online, agent._offline_since = True, {"n2": False, "n1": True, "n3": True}, {"n2": 0.0}
+    agent.hosted_by_node = {"n1": [spec("p.source.0", "source", True)],
+                            "n2": [spec("p.mid.0", "mid", True), spec("mid-b", "mid", owned_groups=[[0, 127, 0]])],
+                            "n3": [spec("p.sink.0", "sink", True)]}
+    agent.fleet["n2"] = {"instances": [{"id": "p.mid.0", "stats": {"groups": [[0, 27, 1], [40, 127, 0]]}},
+                                       {"id": "mid-b", "stats": {}}]}
+    agent._maybe_rehome(100.0)
+    assert [(s.instance, s.extra.get("owned_groups")) for s in created] == [
+        ("mid-b", None), ("p.mid.0", [[0, 27, 1], [40, 127, 0]])]
+
+
+def test_a_rehomed_keyed_instance_resumes_the_groups_it_is_told_not_every_group(tmp_path: Path) -> None:
+    """The worker side: re-homed without its state, a keyed copy owned every group (the dealing of a
+    deployed keeper: 'handing 128 key groups' when it left, where its predecessor had 28-32), and
+    it and its siblings refused each other's Redirects for ever. Told its groups, it owns exactly
+    those at their versions, and says so in its heartbeat; an unusable list leaves the dealing."""
+    import dataclasses
+    import os
+
+    from memory_wire import MemoryWire
+
+    from agent.instance.worker import Worker
+    from agent.mqtt.settings import BrokerSpec
+    from agent.tools.dataplane_bench import initial_specs, pipeline_toml
+
+    toml = pipeline_toml("p", [
+        {"name": "src", "kind": "source", "function": "agent.operators.taxi:source", "key": "medallion"},
+        {"name": "win", "function": "agent.operators.keyed:tumbling_window",
+         "params": {"time_field": "dropoff_datetime", "size_ms": 60000}},
+        {"name": "out", "kind": "sink", "function": "agent.operators.builtin:counting_sink"},
+    ], scaling={"policy": "none"})
+    base = [s for s in initial_specs(toml, BrokerSpec("127.0.0.1", 1), str(tmp_path / "state"), cluster="c",
+                                     extra={"sink_dir": str(tmp_path / "sink")}) if s.operator == "win"][0]
+
+    def rehomed(runs: Any, where: str) -> Worker:
+        spec = dataclasses.replace(base, restart=True, state_dir=str(tmp_path / where),
+                                   extra={**base.extra, "owned_groups": runs, "min_epoch": 1_800_000_000})
+        w = Worker(spec, out=open(os.devnull, "w"), clock=lambda: 100.0, transport=MemoryWire())  # noqa: SIM115
+        w.start()
+        return w
+
+    w = rehomed([[0, 27, 3], [96, 99, 0]], "a")
+    assert w.core.moves is not None
+    assert w.core.moves.member.owned == set(range(28)) | set(range(96, 100))
+    assert w.core.moves.versions == {**{g: 3 for g in range(28)}, **{g: 0 for g in range(96, 100)}}
+    assert w.core.snapshot_stats()["groups"] == [[0, 27, 3], [96, 99, 0]]
+    bad = rehomed([[0, 500, 1]], "b")  # out of range: bus input, refused as a whole
+    assert bad.core.moves is not None and bad.core.moves.member.owned == set(range(128))

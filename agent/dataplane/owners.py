@@ -25,7 +25,8 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, 
 
 from agent.dataplane.keygroups import DEFAULT_GROUPS, MAX_GROUPS, owner as dealt_owner
 
-__all__ = ["GroupTable", "TableError", "split_share", "absorb_plan", "MAX_OWNERS", "MAX_NAME"]
+__all__ = ["GroupTable", "TableError", "split_share", "absorb_plan", "MAX_OWNERS", "MAX_NAME", "group_runs",
+           "groups_from_runs"]
 
 MAX_OWNERS = 1024  # distinct owners a table on the wire may name
 MAX_NAME = 200  # characters of an instance name on the wire
@@ -140,6 +141,40 @@ class GroupTable:
         if not all(type(v) is int and 0 <= v < 2 ** 53 for v in ver):
             raise TableError("group table: 'v' must be versions >= 0")
         return cls(groups, {g: (names[idx[g]], ver[g]) for g in range(groups)})
+
+
+# ---- what a keyed instance says it owns -------------------------------------------------------------
+
+
+def group_runs(versions: Mapping[int, int]) -> List[List[int]]:
+    """The groups a keyed instance owns with their versions, as [first, last, version] runs of
+    consecutive groups at one version: a few runs for 128 groups, small enough for the heartbeat
+    stats that reach the node's retained state, where a re-homed incarnation finds them."""
+    runs: List[List[int]] = []
+    for g in sorted(versions):
+        v = versions[g]
+        if runs and runs[-1][1] == g - 1 and runs[-1][2] == v:
+            runs[-1][1] = g
+        else:
+            runs.append([g, g, v])
+    return runs
+
+
+def groups_from_runs(obj: Any, max_groups: int = MAX_GROUPS) -> Dict[int, int]:
+    """group -> version from `group_runs`, out of untrusted JSON (a node's retained state): every
+    run's type and range checked, at most `max_groups` runs; raises TableError."""
+    if not isinstance(obj, list) or len(obj) > max_groups:
+        raise TableError(f"group runs: expected a list of at most {max_groups} [first, last, version]")
+    out: Dict[int, int] = {}
+    for run in obj:
+        if (not isinstance(run, list) or len(run) != 3 or not all(type(x) is int for x in run)
+                or not 0 <= run[0] <= run[1] < max_groups or not 0 <= run[2] < 2 ** 53):
+            raise TableError(f"group runs: {str(run)[:60]} is not [first, last, version] within 0..{max_groups - 1}")
+        for g in range(run[0], run[1] + 1):
+            if g in out:
+                raise TableError(f"group runs: group {g} named twice")
+            out[g] = run[2]
+    return out
 
 
 # ---- plans ------------------------------------------------------------------------------------------

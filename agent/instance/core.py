@@ -39,6 +39,7 @@ from agent.dataplane.envelope import (
 )
 from agent.dataplane.flow import AckTracker, OutLink
 from agent.dataplane.inbound import ACCEPT, HOLD, REFUSE, HoldBuffer, LogLimiter, numbering_fault, writer_verdict
+from agent.dataplane.owners import TableError, groups_from_runs
 from agent.dataplane.routing import Outbox, Router
 from agent.dataplane.sticky import RouteMemory, needed
 from agent.instance.commands import (
@@ -444,6 +445,8 @@ class Instance:
         self._begin(ev.wall, True, ev.state, ev.source_position)
         if self.moves is not None and isinstance(ev.state.get("moves"), dict):
             self.moves.restore(ev.state["moves"])
+        elif self.moves is not None and "owned_groups" in self.spec.extra:
+            self._resume_groups(self.spec.extra["owned_groups"])
         if self.keyed is not None and ev.keyed is not None:
             again = self.keyed.restore(ev.keyed)
             if again:  # outputs the successors had not acked: sent again (the sink drops copies)
@@ -452,6 +455,18 @@ class Instance:
                 self._forward(list(again), index, self.now)
         if self.moves is not None:
             self.moves.after_restart()
+
+    def _resume_groups(self, runs: Any) -> None:
+        """Re-homed without our state: own what our dead incarnation last said it owned."""
+        assert self.moves is not None
+        try:
+            versions = groups_from_runs(runs, self.moves.groups)
+        except TableError as exc:
+            log.warning("re-homed without a usable list of our key groups (%s): we hold the dealing", exc,
+                        extra=self.ctx)
+            return
+        self.moves.resume_groups(versions)
+        log.info("re-homed: resuming our %d key groups", len(versions), extra=self.ctx)
 
     def _begin(self, wall: float, restart: bool, saved: Dict[str, Any],
                source_position: Optional[Dict[str, Any]]) -> None:

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Set, Tupl
 
 from agent.dataplane.envelope import Item
 from agent.dataplane.keygroups import key_group, record_key
-from agent.dataplane.owners import split_share
+from agent.dataplane.owners import group_runs, split_share
 from agent.instance.handover import (
     MAX_CHUNK, Apply, Eos, Forget, HandoverError, Install, Installed, Member, Offer, Predecessor, Redirect, Send,
     StateChunk, chunks,
@@ -670,11 +670,21 @@ class GroupMoves:
         if stale:
             self.w.save_keyed_now()
 
+    def resume_groups(self, versions: Dict[int, int]) -> None:
+        """A re-homed incarnation whose state was lost with its node: it owns the groups, at their
+        versions, that its dead incarnation last said it owned (its node's retained state,
+        agent.node.rehome), not the dealing of a deployed keeper. Taking all of them made it
+        and its siblings refuse each other's Redirects for ever: two owners of every group."""
+        self.member = Member(self.w.spec.instance, versions)
+        self.versions = dict(versions)
+
     def _error(self, sender: str, why: str) -> None:
         self.w.handover_error(sender, why)
 
     def stats(self) -> Dict[str, Any]:
         m = self.member
+        settled = {g: self.versions.get(g, 0) for g in m.owned if g not in m.old.moving}
         return {"handover": dict(self.counts, owned=len(m.owned), moving=len(m.old.moving),
                                  expected=len(m.new.expected), held=self.held),
+                "groups": group_runs(settled),
                 "first_installed_at": self.first_installed_at, "first_applied_at": self.first_applied_at}

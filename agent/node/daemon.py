@@ -1673,6 +1673,17 @@ class Agent:
                 out.add(str(i.get("id")))
         return out
 
+    def _lost_groups(self, lost: str) -> Dict[str, Any]:
+        """The key groups each keyed instance of the `lost` node last said it owned (its retained
+        state): a re-homed incarnation resumes them (agent.node.rehome.plan_rehome)."""
+        doc = self.fleet.get(lost) or {}
+        out: Dict[str, Any] = {}
+        for i in doc.get("instances", []) or []:
+            stats = i.get("stats") if isinstance(i, dict) else None
+            if isinstance(stats, dict) and isinstance(stats.get("groups"), list):
+                out[str(i.get("id"))] = stats["groups"]
+        return out
+
     def _listed_elsewhere(self) -> Set[str]:
         """Instance ids that another ONLINE node lists in its retained state."""
         return {str(i.get("id")) for i in self._entries_elsewhere()}
@@ -1829,7 +1840,8 @@ class Agent:
             listed = self._listed_elsewhere() | set(self.supervisor.workers) | set(self._rehome_claims)
             plan = rehome.plan_rehome(node, self.hosted_by_node, online, listed, int(wall),
                                       departing=self._in_state(("departing", "terminated")),
-                                      idle=self._in_state(("idle",), lost=node))
+                                      idle=self._in_state(("idle",), lost=node),
+                                      groups=self._lost_groups(node))
             self._rehomed.add(node)
             if plan:
                 record = self.rehomed_by_node.setdefault(self.node, {})

@@ -96,6 +96,7 @@ def plan_rehome(
     min_epoch: int,
     departing: Iterable[str] = (),
     idle: Iterable[str] = (),
+    groups: Optional[Mapping[str, Any]] = None,
 ) -> List[Dict[str, Any]]:
     """The specs to start elsewhere for the instances of `dead` (sorted by instance id).
 
@@ -123,6 +124,12 @@ def plan_rehome(
     An idle copy stays out of a re-homed instance's successors (nothing may be routed to it
     before the Duplication of its adoption announces it), never out of its predecessors (a
     successor refuses records from a sender its tables lack).
+
+    `groups`: per keyed instance of `dead`, the key groups (agent.dataplane.owners.group_runs) its
+    node's last retained state said it owned: `extra["owned_groups"]`, which the new incarnation
+    resumes instead of holding every group as a deployed keeper does (two owners of every group:
+    it and its siblings refused each other's Redirects for ever). Not checked here: the worker
+    reads it as bus input (agent.instance.core `_resume_groups`).
     """
     gone = set(departing)
     waiting = set(idle)
@@ -155,6 +162,11 @@ def plan_rehome(
             extra["idle_copies"] = mine[:MAX_IDLE_COPIES]
         else:
             extra.pop("idle_copies", None)
+        owned = (groups or {}).get(str(s["instance"]))
+        if owned is not None:
+            extra["owned_groups"] = owned
+        else:
+            extra.pop("owned_groups", None)
         active = not (s["instance"] in waiting and _creator(s) and not s.get("keeper"))
         out.append({**s, "succs": succs, "preds": preds, "restart": True, "active": active, "extra": extra})
     return out
