@@ -251,7 +251,7 @@ class ScalingSection:
     min_instances: int = field(default=1, metadata={"check": in_range(1, 100000, "an integer")})
     max_instances: int = field(default=64, metadata={"check": in_range(1, 100000, "an integer")})
     cooldown: float = field(default=0.0, metadata={"check": non_negative("seconds")})
-    # `seasonal` and `planned` only (docs/measurement.md, "A profile for a live seasonal operator"): the
+    # `seasonal` and `planned` only (docs/measurement.md, "A profile for a live seasonal or planned operator"): the
     # operator's mean input per slot of the day, learned from earlier days; slot j covers the
     # `profile_slot` seconds from profile_start + j x profile_slot (unix time) on, repeating
     # every len(profile) slots. Bounded: the section arrives over the bus with a deployment.

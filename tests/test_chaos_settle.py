@@ -1,4 +1,4 @@
-"""When `fog-agent chaos` calls a run settled (docs/reliability.md, "Numbers (session 12)"): every
+"""When `fog-agent chaos` calls a run settled (docs/results.md, R2): every
 operator at one active instance. Counting only the operators present called seed 12026 settled
 with no source running. The monitor's retained states are set by hand: no broker needed. And when
 its load ends: on conditions (faults injected, records generated), not at a fixed time."""

@@ -336,7 +336,7 @@ class SilentSinkNet(Net):
 
 
 def test_records_held_for_a_group_on_its_way_are_acked_upstream_only_once_their_outputs_are() -> None:
-    # The demo run that lost 21 trips (docs/reliability.md, "Held records acked before their
+    # The demo run that lost 21 trips (CHANGELOG.md, "Held records acked before their
     # outputs"): the new owner acked the input of records it had held, applied and saved while
     # their outputs were still unacked downstream; the source's floor claim then passed them and
     # the next keyed operator skipped them as replays. Acks are end to end: with a sink that acks
@@ -986,7 +986,7 @@ def test_random_schedules_with_one_group_handed_out_per_turn_lose_and_double_not
     """The instance checker's keyed mix (a crash of any instance at any point, a duplicated
     delivery, a refused publish) with a hand-out budget of one byte: every group's state leaves
     in a turn of its own, so crashes fall between the turns of one share's hand-out (300 such
-    schedules and 300 with two crashes ran clean in session 14: `simulate instance --keyed`)."""
+    schedules and 300 with two crashes ran clean: `simulate instance --keyed`)."""
     import agent.instance.moves as moves
     from agent.sim.instance_check import Config, describe, random_runs
 

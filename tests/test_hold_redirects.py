@@ -1,7 +1,7 @@
 """A new copy of a keyed operator's predecessor holds every Redirect of a move it joined.
 
-Found by a demo run (docs/reliability.md, "Found by a demo run: a new copy refused its keyed
-successor's Redirects"): route_counts' keeper moved 64 of its 128 key groups while in_zone made
+Found by a demo run (CHANGELOG.md, "A new copy refused its keyed successor's
+Redirects"): route_counts' keeper moved 64 of its 128 key groups while in_zone made
 a copy; the keeper, which had acked in_zone's Duplication, sent the copy one Redirect per moving
 group before the copy's Start named it. The copy held 48 (twice its window of 8, plus 32) and
 refused the other 16: a hole in that channel, so 5 s later the copy became a new incarnation

@@ -110,7 +110,8 @@ def _repeated_deletion_ack_then_a_lost_session(faults: Iterable[str]) -> Optiona
     copy's queue. Then the broker comes back without sessions: source-0 becomes a new
     incarnation and replays, renumbered, the batches the copy has not acked: new data behind the
     repeated ack. (Before silent links replayed under the batches' own numbers, a silent-link
-    replay put data there too: docs/reliability.md, "Found by the testbed runs".)"""
+    replay put data there too: CHANGELOG.md, "Duplicates across sink instances under plain
+    overload".)"""
     w = _copy_leaving_while_the_sinks_acks_wait(Config(records=8, brokers=1, broker_kinds=("lost",),
                                                        faults=frozenset(faults)))
     for _ in range(11):  # source-0 does not hear the Deletion for 10 s: it goes again
@@ -135,7 +136,7 @@ def test_the_checker_finds_a_draining_copy_that_holds_a_repeated_ack_on_a_fixed_
 
 
 def _departing_copy_restarted_after_its_predecessor_removed_it(faults: Iterable[str]) -> Optional[Tuple[str, str]]:
-    """Defect A of session 11's campaign (docs/reliability.md): the copy's Deletion is applied by
+    """Defect A of the 42ca187 chaos campaign (CHANGELOG.md): the copy's Deletion is applied by
     both neighbours while the sink's acks to the copy wait (the copy's Drain waits for them, and
     source-0 keeps the copy's inputs unacked); then the copy crashes and restarts, a new
     incarnation in its own deletion, and asks source-0 for replays."""
@@ -192,7 +193,7 @@ def _copy_rehomed_in_its_deletion(but: str, faults: Iterable[str]) -> Optional[T
 
 @pytest.mark.parametrize("but", ["source-0->copy", "sink-0->copy"], ids=["deleting", "departing"])
 def test_a_copy_rehomed_in_its_own_deletion_leaves_again(but: str) -> None:
-    """Was `rehomed_departing_copy` (random schedule seed 28, an open defect of session 11): the
+    """Was `rehomed_departing_copy` (random schedule seed 28, then an open defect): the
     re-homed copy came back active, with rebuilt tables, after source-0 had applied its Deletion:
     an active instance nobody routes to. Now the deletion ack of its dead incarnation tells it
     that it was leaving, and it leaves again. Seeded fault `rehome_stays`: it stays."""
@@ -223,7 +224,7 @@ RESYNC = Config(records=6, crashes=1, crash_targets=("sink-0",), slow=("sink-0",
 
 
 def test_a_restarted_receiver_takes_no_batch_past_replays_the_broker_lost() -> None:
-    """Was `resync_past_lost_replays` (random schedule seed 28, an open defect of session 11):
+    """Was `resync_past_lost_replays` (random schedule seed 28, then an open defect):
     the sink crashed before persisting op-0's channel and asked for replays; op-0 replayed, and
     a broker rollback lost the marker and the replay; op-0's next batch was the first number
     the sink saw, taken there (its snapshot may lag), and its cumulative ack dropped the lost
@@ -261,7 +262,7 @@ def _marker_lost_then_a_protocol_message_first(faults: Iterable[str]) -> Optiona
 
 
 def test_a_replay_marker_lost_before_a_protocol_message_is_asked_for_again() -> None:
-    """Was open in session 13 (seed 9230 of the every-move mix, 4 records lost): the protocol
+    """Was open before the replay-wait clock fix (seed 9230 of the every-move mix, 4 records lost): the protocol
     message took the channel past the lost data, so op-0's later replays under their own numbers
     were dropped as duplicates, and the wait's clock (REPLAY_WAIT), started only by a data batch
     it dropped, never started: the sink never asked again. Now anything op-0 sends but its
@@ -281,14 +282,14 @@ IDLE_COPY_REHOMED = Config(records=4, rehomes=2, crashes=1, rehome_targets=("op-
 
 
 def test_an_idle_copy_rehomed_with_its_creator_is_adopted() -> None:
-    """Was open in session 12 (77 of 400 schedules of this mix, seeds 3 and 10 the first): op-0
+    """Was open before the idle re-home fix (77 of 400 schedules of this mix, seeds 3 and 10 the first): op-0
     re-homed in the middle of its duplication and its idle copy re-homed too; started active
     (plan_rehome made every instance active), the copy ran with tables source-0 never applied,
     and its later Deletion, from a name source-0 did not know, was held, then refused: a round
     that never ended. Re-homed idle (its node's last state said so), it waits for a Start; op-0
     adopts it. Seeded fault `rehome_idle_active` (the planner not told which copies are idle)
     brings the defect back. Since a Deletion from a neighbouring operator's name is admitted and
-    acked (session 13, docs/reliability.md "Checking whole instances"), that round ends; the
+    acked (docs/reliability.md "Checking whole instances"), that round ends; the
     fault shows instead as a sink that keeps the copy the re-homed one left (`views_disagree`:
     40 of 400 schedules, 15, 20 and 43 the first; seeds 3 and 10 no longer fail)."""
     for seed in (3, 10, 15, 20):
@@ -396,7 +397,7 @@ FOUND_KEYED = [
     # to the predecessor, so a predecessor's copy starts with the new table): each matters once a
     # broker rollback or a crash loses or delays a message. Found by a search of 200-1500 seeds.
     # A leaver that starts its Deletion at once, whatever it holds (found by a crash mix). Its round
-    # then waits for op's copy, which left without answering; since session 14 the round stops
+    # then waits for op's copy, which left without answering; since `ScalingCore.release` the round stops
     # waiting for such a neighbour (`ScalingCore.release`, no violation in 1,200 schedules with
     # this fault alone), so the schedule is played with that release off (`wait_for_leaver`).
     # Seed 1239 (379 before the hand-out over several turns changed the schedules).
@@ -444,8 +445,9 @@ def test_keyed_hand_overs_inside_2fgme_locks_end_every_round() -> None:
 
 
 def test_a_resent_round_message_reaches_the_copies_a_silent_neighbour_started_without_it() -> None:
-    """Was open in session 13 (17 of 1,000 keyed schedules with a broker restart, seeds
-    200000-200999, all `move_not_ended`). Schedule 4 of the rollback mix: the cnt keeper's
+    """Was open before resends reached a silent neighbour's copies (17 of 1,000 keyed schedules
+    with a broker restart, seeds 200000-200999, all `move_not_ended`). Schedule 4 of the
+    rollback mix: the cnt keeper's
     Duplication to op-0 is lost (a refused publish, then the rollback); op-0 duplicates, the
     keeper, in its round, adds op's copy and acks; op-0 starts its copy with the keeper alone as
     successor (without the loss the keeper's Duplication comes first on that channel); the keeper
@@ -492,7 +494,7 @@ def _clean_then_broken(seed: int, fault: str, kind: str, detail: str = "") -> No
 
 
 def test_a_round_does_not_wait_for_a_pending_neighbour_that_left() -> None:
-    """Found in session 14 (op and the sink scaling at once with a broker fault: records lost in
+    """Found by the checker (op and the sink scaling at once with a broker fault: records lost in
     3 of 400 schedules, 29 the first): the sink's Duplication to op's copy was lost with a
     rollback; op's copy left (the sink applied its Deletion and acked it, past the hole) without
     ever answering; the sink's duplication waited for it for ever, its idle copy, to which op-0
@@ -502,7 +504,7 @@ def test_a_round_does_not_wait_for_a_pending_neighbour_that_left() -> None:
 
 
 def test_a_record_sent_again_after_its_sink_instance_left_is_not_recorded_again() -> None:
-    """Found in session 14 (the same mix: "recorded 9 of 8" in 8 of 400 schedules, 31 the
+    """Found by the checker (the same mix: "recorded 9 of 8" in 8 of 400 schedules, 31 the
     first): op's copy sent record 3 to the sink's copy, which recorded and acked it, then left;
     op's copy, a new incarnation after the broker lost its session, got record 3 again in
     source-0's renumbered replay and, its sink instance out of the table, routed it afresh to
@@ -512,7 +514,7 @@ def test_a_record_sent_again_after_its_sink_instance_left_is_not_recorded_again(
 
 
 def test_a_copy_that_leaves_first_answers_a_neighbour_that_left_after_learning_of_it() -> None:
-    """Found in session 14 (the same mix, seed 271): op's copy acked the sink's Duplication,
+    """Found by the checker (the same mix, seed 271): op's copy acked the sink's Duplication,
     started, left; the sink applied its Deletion before its own round ended and started its copy
     without it; that copy left at once (op-0 its only neighbour) before op's copy's Deletion
     reached it: op's copy departed waiting for its ack for ever. The copy's Start now keeps such
@@ -522,7 +524,7 @@ def test_a_copy_that_leaves_first_answers_a_neighbour_that_left_after_learning_o
 
 
 def test_a_departing_copy_acks_a_duplication_ahead_of_its_drain() -> None:
-    """Found in session 14 (the same mix, seed 404): the sink's Duplication to op's copy was lost
+    """Found by the checker (the same mix, seed 404): the sink's Duplication to op's copy was lost
     in a broker rollback; its resend reached op's copy after that copy had started (its Start
     named the sink's idle copy) and, leaving, began its Drain. The ack waited behind the Drain,
     the Drain for the sink's idle copy to ack op's copy's records, that copy for its Start, the
@@ -536,7 +538,7 @@ def test_a_departing_copy_acks_a_duplication_ahead_of_its_drain() -> None:
 
 
 def test_an_idle_copy_answers_a_duplication_behind_an_empty_ack() -> None:
-    """Found in session 14 (the same mix, seed 484): the broker lost every session while op's copy
+    """Found by the checker (the same mix, seed 484): the broker lost every session while op's copy
     was idle; the sink, a new incarnation, asked its predecessors for replays (an empty ack),
     op's copy among them, then sent it its Duplication. Op's copy held the ack until its Start
     and the Duplication behind it; the sink's idle copy held op-0's Duplication (widened to it

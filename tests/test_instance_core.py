@@ -285,7 +285,7 @@ def test_records_replayed_after_a_crash_go_to_the_sink_instance_they_went_to_bef
 def test_no_route_memory_where_the_next_operator_has_one_instance_at_most() -> None:
     """With the sink bounded to one instance (max_instances = 1, refused at createNode() for any
     copy) a record sent again can only go where it went: op-0 remembers and writes nothing; the
-    source, whose successor `op` may scale, still does (docs/reliability.md, "The route memory's cost")."""
+    source, whose successor `op` may scale, still does (docs/reliability.md, "Where records went")."""
     toml = sink_bounded(1)
     op = make("op", toml=toml)
     cmds = op.handle(Started(WALL0), 0.0)
@@ -327,7 +327,7 @@ def test_the_core_modules_import_nothing_that_does_io() -> None:
 
 @pytest.mark.parametrize("fault", [False, True])
 def test_batches_unacked_by_a_removed_successor_that_restarts_go_to_the_current_successors(fault: bool) -> None:
-    """Chaos seeds 11004, 11009, 11016, 11027, 11029 (docs/reliability.md, defect A): a copy we
+    """Chaos seeds 11004, 11009, 11016, 11027, 11029 (CHANGELOG.md, defect A): a copy we
     had removed (its scale-in) became a new incarnation before it acked our last batch; replayed
     to it, the batch was stranded (the copy terminated, the sink refused its data) and replayed
     every few seconds for the rest of the run. It goes to our current successors instead, and

@@ -1,6 +1,6 @@
 """The perfect-forecast bound (agent/sim/policies_forecast_bound.py): its covering plans are the
 least-cost ones, its forecast is the generator's smooth part, and knowing less never costs less
-than the clairvoyant bound (docs/measurement.md, "The reachable bound")."""
+than the clairvoyant bound (docs/results.md, M9)."""
 
 from __future__ import annotations
 

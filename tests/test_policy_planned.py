@@ -1,7 +1,7 @@
 """Planned policy (agent/policy/planned.py): the priced instance plan is the cheapest, the policy
 follows the learned day and not the noise, the risk price is the expected shortfall, the noise
 correction only lowers the plan and fades, and the policy is registered for the simulator and the
-daemon (docs/measurement.md, "Session 13" and "Session 14")."""
+daemon (docs/measurement.md, "The policy goal against the bound"; docs/results.md, M9-M10)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from agent.policy.planned import (PLANNED_POINT, PlannedPolicy, plan_instances, 
                                   smooth_profile, smoothing_window)
 
 CAP = 100.0  # records/s per instance (linear platform: MST(n) = 100 n)
-# session 13's open-loop point: a hard cover of the profile x 1.18, each change priced 15
+# the first (open-loop) point: a hard cover of the profile x 1.18, each change priced 15
 OPEN_LOOP = dict(margin=0.18, change_cost=15.0, track_level=False, react=False, hold_in=False)
 # the operating point on PROFILE as it is: its edges are what these tests are about (the point's
 # smoothing would spread them over 3 slots; smoothing has its own test)
@@ -177,8 +177,8 @@ def test_registered_for_the_simulator_and_the_daemon():
 
 def test_halves_the_thresholds_reconfigurations_on_two_clean_days_with_no_more_under_provisioning(monkeypatch):
     """Two noiseless days of the weekday taxi shape (about 10 s): the first teaches the profile.
-    At session 13's open-loop point (session 14's risk-priced point makes 8 changes there, not 7:
-    docs/measurement.md)."""
+    At the first (open-loop) point (the risk-priced point makes 8 changes there, not 7:
+    docs/results.md, M10)."""
     from dataclasses import replace
 
     from agent.policy.seasonal import COOLDOWN_IN_PERIODS, COOLDOWN_OUT_PERIODS, learn_profile

@@ -316,7 +316,7 @@ def test_a_restarted_instance_takes_a_predecessors_records_in_order_after_its_re
     lost with it), with batches 3-4 still queued for it. Its new incarnation asks for a replay;
     the source sends a marker and batches 1-4 again. Processing the queued 3-4 first would send
     records 8-15 ahead of the replayed 0-7, and a keyed operator after it would close its
-    windows without them (seed 25 of the stateful chaos run, docs/reliability.md). So what comes
+    windows without them (seed 25 of the stateful chaos run, CHANGELOG.md). So what comes
     from the source before its marker is dropped: the records leave in the source's order."""
     import os
 
@@ -493,7 +493,7 @@ def test_an_idle_copy_asks_its_creator_for_start_again_and_only_its_creator_answ
 
 
 def test_an_idle_copy_holds_a_rehomed_successors_first_ack_until_its_start(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """Chaos seeds 11004, 11009, 11029 (docs/reliability.md, defect A): a re-homed sink, a new
+    """Chaos seeds 11004, 11009, 11029 (CHANGELOG.md, defect A): a re-homed sink, a new
     incarnation, sends every predecessor of its rebuilt table an empty ack in its new epoch,
     number 1 on its channel, idle copies included. Refused, it left a hole at 1: every later
     message of the sink waited behind it, the copy's Drain never saw its acks, and five seconds
@@ -810,7 +810,7 @@ def test_a_fast_source_writes_its_position_about_once_a_second_and_never_generat
 def test_an_empty_ack_from_an_instance_of_another_operator_is_never_probed(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A copy re-homed idle (agent.node.rehome) asks its predecessors for replays with an empty
     ack; a predecessor with a link to it, that left it out of its rebuilt successors, took that
-    for an idle ping of a copy of its own and probed it (chaos, session 13): no echo ever comes
+    for an idle ping of a copy of its own and probed it (chaos): no echo ever comes
     (a copy echoes only its creator), and the probe held the predecessor's scale-ins for
     PROBE_TTL (`ScalingDriver.adoption_pending`). Only names like our copies are probed."""
     clock, copy, copy_wire, creator, keeper_wire = _creator_and_idle_copy(tmp_path)

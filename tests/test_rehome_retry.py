@@ -1,5 +1,5 @@
-"""Re-homing when the placement fails and the dead node comes back meanwhile: session 12's chaos
-seed 12026 (docs/reliability.md, "Numbers (session 12)"). No broker: the agent's messages are
+"""Re-homing when the placement fails and the dead node comes back meanwhile: the 9cfb017 campaign's chaos
+seed 12026 (docs/results.md, R2). No broker: the agent's messages are
 fed to its handler, its publishes accepted, time passed in."""
 
 from __future__ import annotations

@@ -423,7 +423,7 @@ def test_a_successor_slow_to_ack_processes_each_batch_once(runner, mosquitto, tm
     unacked batches again. They must go under their own numbers, so that validate drops the
     copies in its channel. Renumbered (before), validate processed them a second time, and with
     several sink instances the second copy of a record reached another sink, which kept it (the
-    testbed's duplicates, docs/reliability.md "Found by the testbed runs"). ~15 s: the freeze
+    testbed's duplicates, CHANGELOG.md "Duplicates across sink instances under plain overload"). ~15 s: the freeze
     must outlast LINK_SILENCE."""
     import signal
 

@@ -278,8 +278,8 @@ def test_adopt_announces_an_existing_copy_without_creating_it_and_starts_it_afte
 
 
 def test_a_round_message_sent_again_also_reaches_the_copies_a_silent_neighbour_started_without_it():
-    """Concurrent duplications of neighbours with the first round message lost (docs/reliability.md,
-    "A Duplication re-sent after a loss"): k0's Duplication to o0 is lost; o0 duplicates, k0 adds
+    """Concurrent duplications of neighbours with the first round message lost (CHANGELOG.md,
+    "A Duplication resent after a loss"): k0's Duplication to o0 is lost; o0 duplicates, k0 adds
     o0's copy and acks, o0 starts the copy with tables that lack k0's copy. k0's resend to o0
     (`widen_round`) must reach the copy too, and k0's copy starts only once the copy knows it."""
     k0 = ScalingCore.initial("k0", "k", 2, P, succs=("s0",), preds=("o0",), keeper=True)

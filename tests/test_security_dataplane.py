@@ -315,7 +315,7 @@ def test_an_idle_copy_keeps_a_neighbours_duplication_for_its_start_and_acks_it(t
     """A neighbour of the creator may announce its own copy to ours before our Start (it learned
     of us from the creator's Duplication, or sends its round again after a loss): taken at once
     as Algorithm 5 takes it in an idle instance (kept for the Start) and acked, so that
-    neighbour's round completes. Held until our Start instead (until session 14), two such rounds
+    neighbour's round completes. Held until our Start instead (as it once was), two such rounds
     could wait for each other's idle copies for ever (docs/reliability.md, "Checking whole
     instances"); the Start then routes to the announced copy too."""
     from agent.protocol.messages import Duplication, Start

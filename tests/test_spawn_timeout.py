@@ -1,5 +1,5 @@
-"""createNode() across nodes when the asked node answers late: session 12's chaos seed 12013
-(docs/reliability.md, "Numbers (session 12)"). docs/design.md invariant 7: one identity runs on
+"""createNode() across nodes when the asked node answers late: chaos seed 12013 of the 9cfb017 campaign
+(docs/results.md, R2). docs/design.md invariant 7: one identity runs on
 one node. No broker: the agent's publish is recorded, time is passed in."""
 
 from __future__ import annotations

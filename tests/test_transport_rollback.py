@@ -1,6 +1,6 @@
 """A worker's transport after a broker rollback (Mosquitto SIGKILLed between autosaves) that kept
-its session but not the subscription it made since: session 12's chaos seed 12004
-(docs/reliability.md, "Numbers (session 12)"). Real Mosquitto, restarted on its own port."""
+its session but not the subscription it made since: chaos seed 12004 of the 9cfb017 campaign
+(docs/results.md, R2). Real Mosquitto, restarted on its own port."""
 
 from __future__ import annotations
 

@@ -6,13 +6,13 @@ record travels a second time after a fault: the predecessors replay what a resta
 re-incarnated) instance had not acked, renumbered in its new epoch, and it processes those
 inputs again; a restarted source regenerates from its resume position. Routed afresh, round-robin,
 the second copy of a record the first incarnation had sent to sink A could go to sink B, which
-keeps it: a duplicate no receiver can see (docs/reliability.md, "Found by the sink-duplicate
-reproduction"). So a forwarding instance remembers, per record id (source instance, number),
+keeps it: a duplicate no receiver can see (CHANGELOG.md, "A record recorded by both sink
+instances"). So a forwarding instance remembers, per record id (source instance, number),
 the successor it sent the record to, and sends the record there again while that successor is
 in its table. A successor that left had drained everything it had first (docs/design.md
 invariant 4): a record it got is already further down (at a sink: in that sink's id file), so a
 copy of it sent again goes nowhere (`split` returns it apart, the caller drops it); routed
-afresh it would reach an instance that never saw it (docs/reliability.md, "A record recorded by
+afresh it would reach an instance that never saw it (CHANGELOG.md, "A record recorded by
 both sink instances").
 
 What is remembered and for how long (the caller says when inputs are acked upstream):

@@ -9,7 +9,7 @@ shell: it turns paho callbacks, control lines and its loop's turns into events (
 .events) and performs the commands (agent.instance.commands) in order. The interleaving checker
 (agent.sim.instance_check) drives the same class through a model of the broker.
 
-Why one module of ~1,300 lines: the data path (admission, per-sender queues, processing, flow
+Why one module of ~2,000 lines: the data path (admission, per-sender queues, processing, flow
 control, replay, acks) and the lifecycle share one set of fields that every step reads; split
 by function they would reach into each other's state (docs/runtime.md, "Instance").
 
@@ -128,13 +128,13 @@ FAULT_RETRY_ONLY_WITH_DATA = "retry_only_with_data"
 # so after a crash a copy can reach another sink instance, which keeps it (INVARIANT 8).
 FAULT_ROUTE_AFRESH = "route_afresh"
 # Seeded fault (the same): a record sent again whose successor left our table is routed afresh
-# (before session 14), so a copy a departed sink instance recorded reaches another (INVARIANT 8).
+# (as it once was), so a copy a departed sink instance recorded reaches another (INVARIANT 8).
 FAULT_ROUTE_PAST_DEPARTED = "route_past_departed"
 # Seeded fault (the same): the unacked batches of a successor we removed are replayed to its new
-# incarnation, which is departing and drops them, instead of re-routed (defect A).
+# incarnation, which is departing and drops them, instead of re-routed (CHANGELOG.md, defect A).
 FAULT_REPLAY_TO_DEPARTED = "replay_to_departed"
 # A restarted receiver takes a predecessor's data at the first number it sees when its snapshot
-# does not hold that channel (session 11's `resync_past_lost_replays`).
+# does not hold that channel (the checker's former `resync_past_lost_replays`).
 FAULT_RESYNC_AT_FIRST_SEEN = "resync_at_first_seen"
 # The wait for a replay marker starts its clock only at the first data batch it drops, not at a
 # protocol message or a duplicate (seed 9230: the sink never asked again, 4 records lost).
@@ -276,8 +276,8 @@ class Instance:
         # A keyed successor moving key groups sends each predecessor a Redirect per group, a new
         # copy too, before the copy's Start names that successor: room for all of them, or the
         # ones refused leave a hole and the copy renews its incarnation 5 s later
-        # (docs/reliability.md, "Found by a demo run: a new copy refused its keyed successor's
-        # Redirects"). The byte bound stays the memory bound.
+        # (CHANGELOG.md, "A new copy refused its keyed successor's Redirects"). The byte
+        # bound stays the memory bound.
         self.hold = HoldBuffer(HOLD_MAX_SENDERS, 2 * self.window + 32 + (key_groups if self.next_keyed else 0),
                                HOLD_MAX_BYTES)
         self._refusals = LogLimiter()
@@ -681,7 +681,8 @@ class Instance:
         new node may not read it). Sent again at once, under their own numbers, to the new node
         (the receiver's channel drops what it has), and the silent-link backoff starts over: left
         to `_check_silence`, the resend waited for a backoff that had doubled on every replay into
-        the old topic while the receiver started (docs/reliability.md, "Found by the move bench").
+        the old topic while the receiver started (CHANGELOG.md, "A drain could stall a moved
+        instance for a minute").
         Run after the release of held envelopes: a renumbered replay for the receiver's new epoch
         (`_accept`) resends them already, and what it sent is newer than the move."""
         moved, self._moved = self._moved, {}
@@ -807,7 +808,7 @@ class Instance:
             # which an active instance knows by then: refuse. An idle copy knows no successor
             # yet, but a re-homed one numbers its first ack (its new epoch) 1 on the channel to
             # us: refused, every later message of it would wait behind that hole until we became
-            # a new incarnation, possibly in our own deletion (docs/reliability.md, defect A).
+            # a new incarnation, possibly in our own deletion (CHANGELOG.md, defect A).
             # So an idle copy holds acks from a successor's name until its Start, like data.
             shape = self._shapes.get(env.kind)
             if env.kind is Kind.ACK and not self._idle:
@@ -896,7 +897,7 @@ class Instance:
             # The successor restarted: it may have lost what it held. The marker first (it drops
             # what we sent before it: all of that is in the replay), then the replay, in order;
             # to a successor we have removed, no replay: its unacked batches go to the current
-            # successors (docs/reliability.md, defect A).
+            # successors (CHANGELOG.md, defect A).
             self._send_replay_marker(env.sender)
             if env.sender in self.links:
                 if env.sender in self.router.succs or FAULT_REPLAY_TO_DEPARTED in self.faults:
@@ -1033,7 +1034,7 @@ class Instance:
         answered: held until our Start, it kept the Duplication of our creator's neighbour
         behind it, whose round waited for our ack while our creator's waited for that
         neighbour's idle copy, which held our creator's Duplication behind its data: two idle
-        copies waiting for each other (docs/reliability.md, "Records lost at an idle sink copy")."""
+        copies waiting for each other (CHANGELOG.md, "Records lost at an idle sink copy")."""
         if (not self._idle or head.kind is not Kind.ACK or tuple(head.body) != (0, 0)
                 or FAULT_EMPTY_ACK_HELD in self.faults):
             return False
@@ -1172,7 +1173,7 @@ class Instance:
         """A successor we have removed (its deletion round) came back as a new incarnation while
         it still had batches of ours unacked: it is departing, its successors have removed it
         too (they refuse its data), so replayed to it they were stranded for good and replayed
-        every few seconds (docs/reliability.md, defect A). They go to our current successors
+        every few seconds (CHANGELOG.md, defect A). They go to our current successors
         instead, under their input index (nothing is acked upstream before they are acked
         again). Records the departed copy had already forwarded come twice: the sink drops them
         by id (INVARIANT 2). Keyless successors only: a keyed copy handed its state over with
@@ -1206,7 +1207,7 @@ class Instance:
         successor, the usual reason for the silence) and delivers only the ones really lost.
         Renumbered, a slow successor processed them twice and, round-robin over several sink
         instances, the second copy reached another sink, which cannot drop it
-        (docs/reliability.md, "Found by the testbed runs")."""
+        (CHANGELOG.md, "Duplicates across sink instances under plain overload")."""
         link = self.links[dest]
         old = link.unacked()
         if not old:

@@ -10,7 +10,7 @@ the numbered channels, route changes of the data path, drain, createNode() reque
 Recovery (agent.instance.recovery) lives here too: write-ahead outputs, round memory, resend on
 silence, the idle ping, probe and adoption of an orphaned copy, rounds above a dead incarnation's.
 
-Why ~770 lines in one module: every part (rounds, steering, recovery, probe/adopt, the decision
+Why ~1,000 lines in one module: every part (rounds, steering, recovery, probe/adopt, the decision
 and lock events) reads and changes the same queue of outputs and the same round state; split,
 each part would reach into the others' fields.
 """
@@ -413,8 +413,8 @@ class ScalingDriver:
         """A deletion ack our core has no round for, and we were re-homed: the dead incarnation
         was leaving (its Deletion went out before its node died) and that neighbour has removed
         us. Our rebuilt tables cannot know it (agent.node.rehome), so without this we stay an
-        active instance some neighbours no longer route to (docs/reliability.md, "A copy
-        re-homed while it was leaving"). We leave again: a deletion round of our own, which
+        active instance some neighbours no longer route to (CHANGELOG.md, "A copy re-homed
+        while leaving"). We leave again: a deletion round of our own, which
         the neighbours that removed us already just ack (a Deletion of an instance not in a
         table is acked, agent.protocol.scaling), and which removes us from the others. A
         keeper never sends a Deletion, so an ack naming one is not believed."""
@@ -677,7 +677,7 @@ class ScalingDriver:
         acked only once it starts, which waits for our ack (seed 404). A copy we do not know
         gets no record of ours, so nothing waits; acked first, though, its creator would start
         it naming us, and we would leave without telling it: its own Deletion would wait for
-        us for ever (seed 51). docs/reliability.md, "Records lost at an idle sink copy". A
+        us for ever (seed 51). CHANGELOG.md, "Records lost at an idle sink copy". A
         deletion ack keeps its place: it promises the leaver that nothing of ours follows it."""
         core = self.core
         return (self.draining and bool(self.outputs) and isinstance(self.outputs[0], Drain)
@@ -735,8 +735,8 @@ class ScalingDriver:
         """A copy that may be ours waits for its Start: one plan_rehome told us of not probed
         yet, a probe waiting for its echo, an echoed copy not adopted yet. We do not scale in
         meanwhile: left, we would leave an idle copy nobody starts while neighbours route
-        records to it (chaos seed 11029, docs/reliability.md "An idle copy re-homed with its
-        creator"). Only scale-ins wait, at most PROBE_TTL per probe (a probe of an invented
+        records to it (chaos seed 11029, CHANGELOG.md "An idle copy re-homed together with
+        its creator"). Only scale-ins wait, at most PROBE_TTL per probe (a probe of an invented
         name costs a delayed scale-in, never a lost record)."""
         if FAULT_LEAVE_BEFORE_ADOPTION in self.w.faults:
             return False

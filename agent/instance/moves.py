@@ -288,8 +288,8 @@ class GroupMoves:
         with; saved, only that fresh index would hold their outputs, and the input they came in
         with would be acked while those outputs are still on their way. Acks are end to end
         (agent.instance.applied): the source's floor claim would then pass them and the next
-        keyed operator skip them as replays (docs/reliability.md, "Held records acked before
-        their outputs")."""
+        keyed operator skip them as replays (CHANGELOG.md,
+        "Held records acked before their outputs")."""
         if self.forwarding:
             low = self.w._lowest_forwarding() if forwarding is False else forwarding
             for idx in [i for i in self.forwarding if low is None or i < low]:
@@ -488,7 +488,7 @@ class GroupMoves:
 
     def snapshot(self, group: int) -> bytes:
         """Every Eos of the group is in: its state is final. Not serialized here (a duplication's
-        64 groups of 80 kB each stalled the loop for a second, session 13): frozen, and queued
+        64 groups of 80 kB each stalled the loop for a second): frozen, and queued
         for `hand_out_turn`; the member's chunk of these empty bytes is dropped (`perform`)."""
         self.keyed.freeze_group(group)
         return b""
@@ -641,7 +641,7 @@ class GroupMoves:
         self.seen = {int(g): int(v) for g, v in d.get("seen") or []}
         self.held = 0
         self.restored = True
-        # [group, new owner, version]; before session 14 [group, new owner, chunk bodies]
+        # [group, new owner, version]; in older files [group, new owner, chunk bodies]
         self.outgoing = {}
         for g, new, x in d.get("outgoing") or []:
             bodies = list(x) if isinstance(x, list) else []
@@ -658,7 +658,7 @@ class GroupMoves:
         """The keyed state is loaded. A group on its way out (`outgoing`) stays in it, frozen, and
         is serialized again (`queue`); one the saved member does not hold otherwise left here
         before the crash (installed at its new owner, the keyed file's forgetting of it lost) and
-        is forgotten; so is one of a file before session 14, whose chunks the instance state held."""
+        is forgotten; so is one of an older file, whose chunks the instance state held."""
         held = set(self.keyed.states) | set(self.keyed.emitted)
         stale = {g for g, (_, _, bodies) in self.outgoing.items() if bodies and g in held}
         if self.restored:

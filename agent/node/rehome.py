@@ -116,7 +116,7 @@ def plan_rehome(
     waits for a Start, as its dead incarnation did; started active instead, a copy whose
     creator died before its Duplication reached every neighbour ran with tables some neighbours
     never applied, and its later Deletion, from a name they did not know, was never acked (the
-    checker: 77 of 400 schedules, docs/reliability.md "An idle copy re-homed with its
+    checker: 77 of 400 schedules, CHANGELOG.md "An idle copy re-homed together with its
     creator"). Who starts it: its creator, which every re-homed instance is told of by
     `extra["idle_copies"]` (the idle copies naming it as creator, wherever they run): its new
     incarnation probes them at once and adopts them (agent.instance.driver) before it may leave,

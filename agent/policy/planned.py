@@ -4,7 +4,7 @@ Rules of this file: pure numbers in, decisions out (as agent/policy/seasonal.py,
 slot clock, level and MST model it reuses). No clock but `Measurements.now`, no randomness.
 
 Why: on the taxi trace the clairvoyant bound's advantage is the day's noise, which no forecast
-knows (docs/measurement.md, "The reachable bound"); a causal policy that reacts to that noise pays
+knows (docs/results.md, M9, "The reachable bound"); a causal policy that reacts to that noise pays
 two reconfigurations per excursion (out, and back) and holds a surplus while it waits to scale
 in. This policy does not chase the noise: every period it turns the learned profile of the next
 `horizon` slots (x (1 + margin), x the recent level if `track_level`) into the instance counts
@@ -13,19 +13,19 @@ change priced `change_cost` instance-slots (`plan_instances`, exact DP: the clai
 few-changes schedule of agent/sim/policies_oracle.py, priced instead of counted, on the
 forecast) and moves to that plan's next count. The margin, not reactions, covers the noise.
 
-Two refinements (session 14, docs/measurement.md "Session 14"): `shortfall_price` > 0 replaces the
+Two refinements (docs/measurement.md, "The policy goal against the bound"): `shortfall_price` > 0 replaces the
 hard cover by a risk price: holding l instances in a slot costs l + shortfall_price x the expected
 missing instances when the slot's input is forecast x exp(N(0, noise_sigma)) (`shortfall_costs`),
 so the plan buys an instance where it removes the most expected under-provisioning (what the SPEC
 accuracy_U counts) instead of a fixed margin everywhere; `noise_decay` > 0 multiplies the forecast
 of slot j ahead by exp(dev x noise_decay^j), dev the log-ratio of the last period's input to the
 profile outside a band (`noise_band` below, `noise_band_up` above): the slow noise is an AR(1)
-process, so its best forecast decays to the profile. Session 15 (docs/measurement.md "Session
-15"): `day_prior` > 0 scales today's slots by a shrunk estimate of today's level against the
+process, so its best forecast decays to the profile. The day level (docs/results.md,
+M11): `day_prior` > 0 scales today's slots by a shrunk estimate of today's level against the
 profile (`day_log_level`: the trace draws each day's level anew, and threshold's cost follows it
 while a plan on the profile does not), downwards only; the decaying correction is then taken
-against that level, so a quiet stretch is not counted twice. Session 16 (docs/measurement.md
-"Session 16"): `smooth` > 0 replaces the profile by its moving average over that fraction of a
+against that level, so a quiet stretch is not counted twice. The smoothed profile (docs/results.md,
+M12): `smooth` > 0 replaces the profile by its moving average over that fraction of a
 day (`smooth_profile`): a profile learned from three days carries their noise slot by slot (8 %
 rms against the trace's shape, 6 % smoothed), and the plan would buy instances for it every day.
 
@@ -54,10 +54,10 @@ __all__ = ["PlannedPolicy", "plan_instances", "plan_series", "shortfall_costs", 
 
 # The operating point the simulator measures and a live operator with a profile runs (chosen on
 # seeds 100-139 with training days 0-2, not the table's seeds 0-9: docs/measurement.md).
-# Session 14: the risk-priced plan with the downward noise correction (was margin 0.18, price 15, open loop).
-# Session 15: plus the downward day level (prior 30 periods). Session 16: the profile smoothed over
-# 0.09 of a day (13 of 144 slots), the shortfall price 100 and the change price 9 (docs/measurement.md,
-# "Session 16": chosen on seeds 100-139 and 400-439).
+# The risk-priced plan with the downward noise correction (was margin 0.18, price 15, open loop),
+# plus the downward day level (prior 30 periods), plus the profile smoothed over
+# 0.09 of a day (13 of 144 slots), the shortfall price 100 and the change price 9 (docs/results.md,
+# M10-M12: chosen on seeds 100-139 and 400-439).
 PLANNED_POINT: Dict[str, Any] = dict(margin=0.0, change_cost=9.0, track_level=False, react=False, hold_in=False,
                                      shortfall_price=100.0, noise_sigma=0.12, noise_decay=0.8, noise_band=0.05,
                                      noise_band_up=float("inf"), day_prior=30.0, smooth=0.09)
@@ -136,7 +136,7 @@ def smooth_profile(profile: Sequence[float], window: int) -> Tuple[float, ...]:
     is), the day wrapping round (the slot before the first is the last). Why: a profile learned from
     a few days holds those days' slow noise and bursts slot by slot, and a plan on it provisions for
     that noise again on every later day; the daily shape itself changes over hours. The average keeps
-    the day's total (docs/measurement.md, "Session 16")."""
+    the day's total (docs/results.md, M12)."""
     if window < 1 or window % 2 == 0:
         raise ValueError(f"the smoothing window must be an odd number of slots >= 1, found {window}")
     n, half = len(profile), window // 2
@@ -240,7 +240,7 @@ class PlannedPolicy(SeasonalPolicy):
         """Record this period's input and return the log of today's traffic level against the
         profile: est = sum of today's log-ratios / (count + day_prior), a normal prior at the profile
         worth `day_prior` periods, and only downwards (a busy day is cheaper left to back pressure:
-        docs/measurement.md, "Session 15"); 0 when `day_prior` is 0. The sums restart with each day of
+        docs/results.md, M11); 0 when `day_prior` is 0. The sums restart with each day of
         the profile (slot 0 on the policy's clock): the trace's day level is drawn anew each day, and
         a day's slow noise (5-period correlation) averages out only over tens of periods, so a quiet
         day shows slowly and the prior keeps the first hours at the profile. Each ratio is clipped to

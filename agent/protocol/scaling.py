@@ -392,7 +392,7 @@ class ScalingCore:
         its copies never would (a copy of ours named as their neighbour, waiting for them for
         ever; or us, leaving, still in their tables). Only at a resend: without a loss the order
         holds and the round costs exactly the paper's messages (docs/design.md, invariant 6).
-        docs/reliability.md, "A Duplication re-sent after a loss"."""
+        CHANGELOG.md, "A Duplication resent after a loss"."""
         if not self.in_round or dest not in self.pending:
             return ()
         extra = tuple(sorted(self.unsure.pop(dest, set()) - self.pending - {self.instance_id}))
@@ -411,8 +411,8 @@ class ScalingCore:
         in time (it acks every round message until it terminates, FIFO puts ours before our
         ack of its Deletion); after one (our round message lost, our ack delivered past the
         hole) it may have terminated, and our round would wait for it for ever, our idle copy
-        never started while our neighbours route to it. docs/reliability.md, "A pending
-        neighbour that left"."""
+        never started while our neighbours route to it. CHANGELOG.md,
+        "A round waited for ever for a pending neighbour that left"."""
         if not self.in_round or dest not in self.pending or dest not in self.gone:
             return None
         self.pending.discard(dest)
@@ -559,7 +559,7 @@ class ScalingCore:
         """All neighbours know the new siblings: activate them with our current tables, plus
         the neighbours that left after they learnt of the siblings (`leavers`): those send the
         siblings their Deletion, and a sibling that left first, not knowing them, would never
-        answer it (docs/reliability.md, "A departing copy waiting for a copy that ended")."""
+        answer it (CHANGELOG.md, "A departing copy waited for a copy that ended")."""
         succs = self.succs | {n for n, side in self.leavers.items() if side == _SUCC}
         preds = self.preds | {n for n, side in self.leavers.items() if side == _PRED}
         start = Start(self.instance_id, self.stage, tuple(sorted(succs)), tuple(sorted(preds)))
@@ -676,7 +676,7 @@ class ScalingCore:
             core.round = int(data["round"])
             core.pending = set(data["pending"])
             core.new_siblings = tuple(data["new_siblings"])
-            # absent from snapshots written before session 14: nothing unsure
+            # absent from snapshots written before `unsure` existed: nothing unsure
             core.unsure = {str(n): {str(c) for c in cs} for n, cs in (data.get("unsure") or {}).items()}
             core.gone = {str(n) for n in data.get("gone") or ()}
             core.leavers = {str(n): str(side) for n, side in (data.get("leavers") or {}).items()

@@ -662,7 +662,7 @@ class World:
         records are the instances running or down (not gone for good), the node states say
         which ones are departing or idle (their scaling core's state; a down instance's when it
         went down, as its node last reported it). Seeded fault `rehome_idle_active`: the planner
-        is not told which copies are idle (as before session 13: every instance re-homed active)."""
+        is not told which copies are idle (as before the fix: every instance re-homed active)."""
         hosted: Dict[str, List[Dict[str, Any]]] = {}
         for other, spec in sorted(self.specs.items()):
             if other in self.inst or other in self.down or other == iid:

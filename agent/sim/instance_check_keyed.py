@@ -100,7 +100,7 @@ def check_floor(source: Any, values: Dict[Tuple[str, int], Any]) -> Optional[Tup
     """After every move: the source's floor claim (agent.instance.applied: every record below it
     acked end to end) passes no record whose output has not reached the sink. A keyed operator
     downstream skips every number below the claim as a replay: a claim ahead of a record still
-    on its way loses it there (docs/reliability.md, "Held records acked before their outputs")."""
+    on its way loses it there (CHANGELOG.md, "Held records acked before their outputs")."""
     floor = source.source_resume_seq()
     reached = {v["n"] for v in values.values() if isinstance(v, dict) and isinstance(v.get("n"), int)}
     ahead = [n for n in range(floor) if n not in reached]

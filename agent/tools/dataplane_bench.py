@@ -20,11 +20,11 @@ Measured in one run, on one private Mosquitto (docs/runtime.md, "Numbers"):
 - alternating (`--rounds`, `--slice`): the raws and the pipelines (whole chain, source -> chain
   of 2, unchained) take turns in short slices, ratio per round to that round's raws and the
   medians, so that a shared machine's load falls on both sides of a ratio alike
-  (docs/measurement.md, "An honest ratio: alternating slices").
+  (docs/measurement.md, "Cheap cuts of the data plane, and the data-plane goal").
 A phase in which the broker dropped any message (`$SYS/broker/publish/messages/dropped`) fails
 the bench (BenchFailed, exit 1): its numbers would count messages that were never delivered.
 
-Why ~1,050 lines in one module: the raw baselines, the pipeline run and the rescale cycles share
+Why ~1,450 lines in one module: the raw baselines, the pipeline run and the rescale cycles share
 the LocalRunner, the broker watch and the report; it is a tool, never imported on a fog node.
 """
 
@@ -1096,8 +1096,8 @@ ALTERNATING = ("chained", "chained_tail", "pipeline")  # the pipelines of a roun
 
 def measure_alternating(host: str, port: int, toml: str, bspec: BrokerSpec, tmp: Path, rounds: int,
                         slice_s: float, batch_size: int, raw_args: Dict[str, Any]) -> Dict[str, Any]:
-    """The raws and the pipelines taking turns in short slices (docs/measurement.md, "An honest
-    ratio: alternating slices"): the whole chain, source -> chain of 2 and the unchained pipeline
+    """The raws and the pipelines taking turns in short slices (docs/measurement.md, "Cheap cuts
+    of the data plane, and the data-plane goal"): the whole chain, source -> chain of 2 and the unchained pipeline
     run at once, each with its source paused but the slice's; each round is raw one process,
     whole chain, source -> chain of 2, unchained, raw two processes, so that the other jobs of a
     shared machine fall on a pipeline and the raws it is divided by alike. Per round the ratios of

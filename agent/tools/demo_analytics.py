@@ -59,8 +59,8 @@ def edge_vs_batch(landing: Path, out: Path) -> Dict[str, Dict[str, Any]]:
     """The DEBS queries as the edge computed them (the windows the sink spilled: ids
     "<operator>#...", rows with "top" for query 1, with "areas" for query 2) against the batch
     job's answers in `out` (top_routes.json, profitable_areas.json), window by window
-    (agent.analytics.debs_compare): {"debs_edge_vs_batch": query 1 (its summary key since session
-    13), "debs_q2_edge_vs_batch": query 2}, a query the pipeline does not compute left out."""
+    (agent.analytics.debs_compare): {"debs_edge_vs_batch": query 1,
+    "debs_q2_edge_vs_batch": query 2}, a query the pipeline does not compute left out."""
     import json
 
     from agent.analytics.debs_compare import compare_profitable_areas, compare_top_routes

@@ -86,7 +86,7 @@ def rescale_by_operator(stats: Dict[str, Dict[str, Any]], operator_of: Dict[str,
     `warm`: instance -> seconds since the fork server that forked it had started, None for a cold
     start (its "spawned" event; docs/runtime.md "Pre-started workers"): a row says "cold" when one
     of its copies was a cold start (a python start and imports, seconds on a loaded machine) and
-    "warm_age" the smallest age among them (before session 15: the age of the one pre-started
+    "warm_age" the smallest age among them (before the fork server: the age of the one pre-started
     spare, and a young one was still importing). `ready`: instance -> seconds from the agent's
     start of its worker to its "ready" (the "spawned" event's `start_to_ready_s`): a row's
     "start_to_ready" is its slowest copy's (the round waits for every copy), the part of `spawn`
