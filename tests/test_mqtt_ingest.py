@@ -92,12 +92,16 @@ def test_a_new_incarnation_numbers_above_every_number_its_predecessor_used(tmp_p
     again = _numbers(wire2)
     new.feed(Abort("killed"), clock[0])
     os.close(new._identity_lock)
-    assert len(again) == 4 and min(again) > max(used) and min(again) >= saved["reserved"]
-    # its node lost with the file: a re-homed incarnation, later by the wall clock
-    (tmp_path / "sink" / "source-0.source.json").unlink()
+    # the 8 unacked ones again under their numbers (from the ingest log), then the 4 new ones
+    assert again[:8] == used
+    fresh = again[8:]
+    assert len(fresh) == 4 and min(fresh) > max(used) and min(fresh) >= saved["reserved"]
+    # its node lost with its files: a re-homed incarnation, later by the wall clock
+    for name in ("source-0.source.json", "source-0.ingest.log"):
+        (tmp_path / "sink" / name).unlink()
     lost, wire3, ingest3 = _source(tmp_path, clock, WALL + 2.0, restart=True)
     _deliver(lost, ingest3, clock, 1, 4)
-    assert min(_numbers(wire3)) > max(again)
+    assert len(_numbers(wire3)) == 4 and min(_numbers(wire3)) > max(again)
 
 
 def test_a_stopping_source_leaves_its_unsent_readings_unacked_for_the_next_incarnation(tmp_path: Path) -> None:
@@ -115,8 +119,8 @@ def test_a_stopping_source_leaves_its_unsent_readings_unacked_for_the_next_incar
 
 def test_the_broker_sends_unacked_deliveries_again_in_order_to_the_next_connection(mosquitto: Any) -> None:
     """What the source relies on: with manual acks and a persistent session, deliveries not acked
-    when a connection ends (a crash, a drain, a node lost) go, in their order, to the next
-    connection with the same client id, followed by what was published meanwhile."""
+    when a connection ends (a crash, a drain, a node lost) go, in their order and flagged dup, to
+    the next connection with the same client id, followed by what was published meanwhile."""
     broker = BrokerSpec(mosquitto.host, mosquitto.port)
     cid = f"ingest-test-{os.getpid()}"
 
@@ -149,6 +153,9 @@ def test_the_broker_sends_unacked_deliveries_again_in_order_to_the_next_connecti
         assert second.connect()  # the session was kept
         again = received(second, 8)
         assert [g.payload for g in again] == [b"%d" % i for i in range(4, 12)]
+        # flagged dup: those in flight to the dead connection, not those published meanwhile (the
+        # source tells a redelivery of a logged record from a new reading by this and its digest)
+        assert [g.dup for g in again] == [True] * 6 + [False] * 2
         for g in again:
             second.ack(g.mid, g.qos)
         second.poll(0.05)
@@ -156,3 +163,52 @@ def test_the_broker_sends_unacked_deliveries_again_in_order_to_the_next_connecti
     finally:
         pub.loop_stop()
         pub.disconnect()
+
+
+def _ack_all(w: Worker, wire: MemoryWire, clock: List[float]) -> None:
+    """The sink acks every data batch the source sent it."""
+    seqs = [decode(p).seq for t, p in wire.sent if t == SINK_INBOX and decode(p).kind is Kind.DATA]
+    wire.events.append(Received(SOURCE_INBOX, encode(Envelope("sink-0", 0, 1, Kind.ACK, [w.core.epoch, max(seqs)]))))
+    clock[0] += 0.1
+    w.step(clock[0])
+
+
+def test_after_a_kill_each_reading_keeps_the_one_number_it_had(tmp_path: Path) -> None:
+    """kill -9 with readings sent on but not acked by the successor: they are still unacked at the
+    broker, which sends them again (dup) to the next incarnation. The restarted source sends its
+    logged records again under their numbers (the successor drops what it had by id) and takes the
+    redeliveries as those records, not as new readings under new numbers (counted twice
+    downstream); a new reading gets a new number above them."""
+    clock = [100.0]
+    old, wire, ingest = _source(tmp_path, clock, WALL)
+    _deliver(old, ingest, clock, 1, 4)
+    _deliver(old, ingest, clock, 5, 4)
+    first = _numbers(wire)
+    assert len(first) == 8
+    old.feed(Abort("kill -9"), clock[0])
+    os.close(old._identity_lock)
+    new, wire2, ingest2 = _source(tmp_path, clock, WALL + 1.0, restart=True)
+    ingest2.events += [Received("sensors/s1", b'{"v": %d}' % m, 10 + m, 1, dup=True) for m in range(1, 9)]
+    ingest2.events.append(Received("sensors/s1", b'{"v": 99}', 30, 1))  # published meanwhile
+    for _ in range(3):
+        clock[0] += 0.1
+        new.step(clock[0])
+    again = _numbers(wire2)
+    assert sorted(again[:8]) == first and len(again) == 9 and again[8] > max(first)
+    assert ingest2.acked == []
+    _ack_all(new, wire2, clock)
+    assert sorted(mid for mid, _ in ingest2.acked) == list(range(11, 19)) + [30]
+
+
+def test_a_torn_last_line_of_the_ingest_log_is_skipped(tmp_path: Path) -> None:
+    from agent.instance.ingestlog import IngestLog
+
+    log = IngestLog(tmp_path / "x.ingest.log")
+    log.append([[5, "d5", {"v": 5}], [6, "d6", {"v": 6}]], keep_from=0)
+    log.close()
+    with open(tmp_path / "x.ingest.log", "a") as fh:
+        fh.write('[7,"d7",{"v"')  # a crash mid-write: record 7 never left
+    assert IngestLog(tmp_path / "x.ingest.log").load() == [[5, "d5", {"v": 5}], [6, "d6", {"v": 6}]]
+    again = IngestLog(tmp_path / "x.ingest.log")
+    again.compact(keep_from=6)
+    assert again.load() == [[6, "d6", {"v": 6}]]

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
 __all__ = ["Command", "Publish", "Handoff", "Notify", "RequestSpawn", "Persist", "PersistSource", "AckIngest",
-           "SaveKeyed", "SaveRoutes", "Emit", "CrashPoint", "Exit"]
+           "LogIngest", "SaveKeyed", "SaveRoutes", "Emit", "CrashPoint", "Exit"]
 
 
 class Command:
@@ -85,6 +85,17 @@ class AckIngest(Command):
     instance's ingest session, and a new incarnation gets them again."""
 
     tokens: Tuple[Tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class LogIngest(Command):
+    """Append these [seq, digest, record] entries to the source's ingest log and sync it, before
+    the records leave (they precede their Publish commands): a restarted source sends them again
+    under the same numbers, so a successor that had them drops the copies by id. `keep_from`: the
+    entries below it are acked downstream and may go when the log is compacted."""
+
+    entries: Tuple[Any, ...]
+    keep_from: int
 
 
 @dataclass(frozen=True)

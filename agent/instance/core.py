@@ -43,8 +43,8 @@ from agent.dataplane.owners import TableError, groups_from_runs
 from agent.dataplane.routing import Outbox, Router
 from agent.dataplane.sticky import RouteMemory, needed
 from agent.instance.commands import (
-    AckIngest, Command, CrashPoint, Emit, Exit, Handoff, Notify, Persist, PersistSource, Publish, RequestSpawn,
-    SaveKeyed, SaveRoutes,
+    AckIngest, Command, CrashPoint, Emit, Exit, Handoff, LogIngest, Notify, Persist, PersistSource, Publish,
+    RequestSpawn, SaveKeyed, SaveRoutes,
 )
 from agent.instance.driver import ScalingDriver
 from agent.instance import groups as keygroup_table
@@ -442,7 +442,7 @@ class Instance:
                 self.routes = RouteMemory.load(ev.routes[0], ev.routes[1], self.now)
             except ValueError as exc:
                 log.warning("%s: records replayed to us are routed afresh", exc, extra=self.ctx)
-        self._begin(ev.wall, True, ev.state, ev.source_position)
+        self._begin(ev.wall, True, ev.state, ev.source_position, ev.ingest_log)
         if self.moves is not None and isinstance(ev.state.get("moves"), dict):
             self.moves.restore(ev.state["moves"])
         elif self.moves is not None and "owned_groups" in self.spec.extra:
@@ -469,7 +469,7 @@ class Instance:
         log.info("re-homed: resuming our %d key groups", len(versions), extra=self.ctx)
 
     def _begin(self, wall: float, restart: bool, saved: Dict[str, Any],
-               source_position: Optional[Dict[str, Any]]) -> None:
+               source_position: Optional[Dict[str, Any]], ingest_log: Optional[List[Any]] = None) -> None:
         """Subscribed (the shell says so only after the broker's SUBACK, INVARIANT 2): take our
         epoch, restore what a restart needs, and only then say "ready"."""
         now = self.now
@@ -506,7 +506,7 @@ class Instance:
             self.scaling.resync(now)
         if self.is_source:
             if hasattr(self.operator, "number_from"):
-                self._number_source(wall, source_position if restart else None)
+                self._number_source(wall, source_position if restart else None, ingest_log)
             elif restart:
                 self._resume_source(source_position)
             self.operator.start(now)
@@ -1550,7 +1550,7 @@ class Instance:
         if ev.token is None:
             ingest(ev.topic, ev.payload)
         elif hasattr(self.operator, "settled"):
-            ingest(ev.topic, ev.payload, ev.token)
+            ingest(ev.topic, ev.payload, ev.token, ev.dup)
         else:
             ingest(ev.topic, ev.payload)
             self._out.append(AckIngest((ev.token,)))
@@ -1561,19 +1561,33 @@ class Instance:
         if tokens:
             self._out.append(AckIngest(tuple(tokens)))
 
-    def _number_source(self, wall: float, pos: Optional[Dict[str, Any]]) -> None:
-        """A source whose records cannot be generated again numbers each incarnation's records above
-        every number an earlier one can have used: its saved reservation, and the wall clock in
-        microseconds for when that file is gone with its node (taxi.MqttIngestSource)."""
-        floor = int(wall * 1e6)
+    def _number_source(self, wall: float, pos: Optional[Dict[str, Any]], logged: Optional[List[Any]]) -> None:
+        """A source whose records cannot be generated again (taxi.MqttIngestSource): the logged
+        records its successors had not acked go out again first, under their numbers; new ones are
+        numbered above every number an earlier incarnation can have used: its saved reservation,
+        and the wall clock in microseconds for when that file is gone with its node."""
+        floor, resume_from = int(wall * 1e6), 0
         if isinstance(pos, dict):
             for key in ("generated", "reserved"):
                 try:
                     floor = max(floor, int(pos.get(key, 0)))
                 except (TypeError, ValueError):
                     pass
+            try:
+                resume_from = int(pos.get("resume_from", 0))
+            except (TypeError, ValueError):
+                pass
         self.operator.number_from(floor)
+        if logged and hasattr(self.operator, "replay"):
+            self.operator.replay(logged, resume_from)
         log.info("source numbers its records from %d", floor, extra=self.ctx)
+
+    def _log_ingest(self) -> None:
+        """The records just polled, to the ingest log before they leave (`LogIngest` precedes the
+        flush's Publish commands)."""
+        entries = self.operator.take_log()
+        if entries:
+            self._out.append(LogIngest(tuple(entries), self.source_resume_seq()))
 
     def _can_produce(self) -> bool:
         # A paused source has nothing due: without this check its next_due() says "now" and the
@@ -1604,6 +1618,8 @@ class Instance:
             index = self.tracker.produced()
             self._source_first[index] = items[0][1]
             self._forward(items, index, now)
+            if hasattr(self.operator, "take_log"):
+                self._log_ingest()
 
     def _reserve_span(self, now: float, generated: int) -> int:
         """Records to reserve past this poll: RESERVE_SECONDS of the rate measured since the last

@@ -10,7 +10,7 @@ the wall clock (timestamps and epoch plausibility only).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 __all__ = [
     "Event", "Started", "Restarted", "EnvelopeReceived", "EnvelopeHanded", "PublishAccepted", "PublishRefused",
@@ -42,6 +42,8 @@ class Restarted(Event):
     keyed: Optional[Dict[str, Any]] = None  # a keyed operator's saved state (KeyedState.load)
     # what the last `SaveRoutes` commands left: (routes file text, routes log text), None if absent
     routes: Tuple[Optional[str], Optional[str]] = (None, None)
+    # a sensor source's ingest log (`LogIngest`): [seq, digest, record] entries, oldest first
+    ingest_log: Optional[List[Any]] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.state, dict):
@@ -52,11 +54,12 @@ class Restarted(Event):
 class EnvelopeReceived(Event):
     """One MQTT message on one of our subscriptions (the inbox, or a source's ingest topic).
     token: (mid, qos) of an ingest delivery the shell must PUBACK once the core says so
-    (`AckIngest`); None when there is nothing to ack."""
+    (`AckIngest`); None when there is nothing to ack. dup: the broker sends it again."""
 
     topic: str
     payload: bytes
     token: Optional[Tuple[int, int]] = None
+    dup: bool = False
 
 
 @dataclass(frozen=True)

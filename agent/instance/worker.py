@@ -35,9 +35,10 @@ from typing import Any, Callable, Dict, FrozenSet, List, Optional, TextIO
 from agent.config import PipelineConfig, load_pipeline_text
 from agent.files import write_atomic
 from agent.instance.commands import (
-    AckIngest, Command, CrashPoint, Emit, Exit, Handoff, Notify, Persist, PersistSource, Publish, RequestSpawn,
-    SaveKeyed, SaveRoutes,
+    AckIngest, Command, CrashPoint, Emit, Exit, Handoff, LogIngest, Notify, Persist, PersistSource, Publish,
+    RequestSpawn, SaveKeyed, SaveRoutes,
 )
+from agent.instance.ingestlog import IngestLog
 from agent.instance.core import EXIT_BAD_SPEC, EXIT_BROKER, EXIT_CRASH, EXIT_DRAIN_TIMEOUT, EXIT_OK, Instance
 from agent.instance.keyed_state import KeyedState
 from agent.instance.events import (
@@ -111,6 +112,7 @@ class Worker:
         self.keyed_path = self.state_dir / f"{spec.instance}.keyed.json"
         self.routes_path = self.state_dir / f"{spec.instance}.routes.json"  # agent.dataplane.sticky
         self.routes_log = self.state_dir / f"{spec.instance}.routes.log"
+        self.ingest_log = IngestLog(self.sink_dir / f"{spec.instance}.ingest.log")  # a sensor source's
         self._routes_fd: Optional[int] = None
         # One process per identity: wait for a previous incarnation (still draining after its
         # agent died) to exit before reading its state or taking over its MQTT session.
@@ -187,7 +189,8 @@ class Worker:
             position = self._load_json(self.source_path) or None
             keyed = KeyedState.load(self.keyed_path) if self.core.keyed is not None else None
             routes = (self._load_text(self.routes_path), self._load_text(self.routes_log))
-            self.feed(Restarted(self.wall(), self._load_json(self.state_path), position, keyed, routes))
+            logged = self.ingest_log.load() if hasattr(self.operator, "replay") else None
+            self.feed(Restarted(self.wall(), self._load_json(self.state_path), position, keyed, routes, logged))
         else:
             self.feed(Started(self.wall()))
 
@@ -243,7 +246,7 @@ class Worker:
             if isinstance(ev, Received):
                 self.counts["mqtt_in"] += 1
                 token = (ev.mid, ev.qos) if ev.qos > 0 else None
-                self.feed(EnvelopeReceived(ev.topic, ev.payload, token), now)
+                self.feed(EnvelopeReceived(ev.topic, ev.payload, token, ev.dup), now)
             elif isinstance(ev, Disconnected):
                 log.warning("ingest connection lost: %s", ev.reason, extra=self.ctx)
                 self._asked_reconnect_at = -1e9
@@ -301,6 +304,8 @@ class Worker:
                     log.warning("event not published: %s", exc, extra=self.ctx)
             elif isinstance(c, PersistSource):
                 write_atomic(self.source_path, json.dumps(c.data))
+            elif isinstance(c, LogIngest):
+                self.ingest_log.append(c.entries, c.keep_from)
             elif isinstance(c, AckIngest):
                 if self.ingest is not None:
                     for mid, qos in c.tokens:

@@ -74,12 +74,14 @@ class PublishRejected(TransportError):
 
 @dataclass(frozen=True)
 class Received:
-    """A delivery. mid and qos matter only on a manual-ack transport: `ack(mid, qos)` PUBACKs it."""
+    """A delivery. mid, qos and dup matter only on a manual-ack transport: `ack(mid, qos)` PUBACKs
+    it; dup: the broker sends it again (it was in flight to an earlier connection of the session)."""
 
     topic: str
     payload: bytes
     mid: int = 0
     qos: int = 0
+    dup: bool = False
 
 
 @dataclass(frozen=True)
@@ -152,7 +154,7 @@ class Transport:
         self._connected = False
 
     def _on_message(self, client: Any, userdata: Any, msg: Any) -> None:
-        self.events.append(Received(msg.topic, msg.payload, msg.mid, msg.qos))
+        self.events.append(Received(msg.topic, msg.payload, msg.mid, msg.qos, bool(msg.dup)))
 
     def _on_publish(self, client: Any, userdata: Any, mid: int, rc: Any = None, props: Any = None) -> None:
         self.events.append(PubAck(mid))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import csv
+import hashlib
 import json
 import math
 import random
@@ -326,23 +327,27 @@ class MqttIngestSource:
     each payload here. JSON payloads become records as they are; others become
     {"topic", "payload"} strings.
 
-    Readings cannot be asked for again, so two rules keep every one of them (docs/operators.md,
-    "Built-in operators"):
+    Readings cannot be asked for again, so three rules keep every one of them exactly once
+    (docs/reliability.md, "Sources and sinks"):
+    - Logged before they leave. Each record polled is written, with its number and a digest of
+      its delivery, to the source's ingest log (`take_log`; the worker appends and syncs it before
+      the record is published). A restarted source sends the logged records its successors had not
+      acked again under the same numbers (`replay`): a successor that had them drops the copies.
     - Acked when safe. The worker reads the topic on a connection of its own (a persistent
       session under the instance's identity, manual acks): a delivery is PUBACKed only once a
-      successor acked the record made from it (`settled`). What is not acked yet stays in the
-      broker's session and goes to whichever incarnation of the instance connects next: after a
-      crash, a drain, a move or the loss of the node. A source that stops leaves its buffer
-      unacked for that reason.
-    - Numbers never reused. Each incarnation numbers its records from `number_from`: above every
+      successor acked its record (`settled`). What is not acked stays in the broker's session and
+      goes to the next incarnation, wherever it runs. The broker sends again, flagged dup, what
+      was in flight to the dead connection: one whose digest is in the replayed log is that
+      record, not a new reading (`ingest`); the others are new. A stopping source leaves its
+      buffer unacked for the next incarnation.
+    - Numbers never reused. Each incarnation numbers new records from `number_from`: above every
       number an earlier incarnation reserved (its position file), and at least the wall clock in
       microseconds at its start, which holds when that file is gone with its node (clocks in
       step, as re-homing assumes, and fewer than a million readings a second). A keyed operator
-      downstream skips a number it has applied as a replay: a source starting again at 0 made
-      it skip every new reading.
+      downstream skips a number it has applied as a replay.
     Past `max_buffer` records (deliveries not acked come no faster than the broker's in-flight
-    window, so only a source fed on its worker's own connection gets there) the oldest are
-    dropped, counted (`shed`) and logged by the worker (invariant 5: never silently)."""
+    window, so only a burst gets there) the oldest are dropped, counted (`shed`) and logged by the
+    worker (invariant 5: never silently)."""
 
     kind = "source"
 
@@ -353,12 +358,16 @@ class MqttIngestSource:
         self.topic = topic
         self.instance = ctx.instance
         self.max_buffer = int(ctx.params.get("max_buffer", 100000))
-        self.buffer: Deque[Tuple[Any, Any]] = deque()  # (record, the delivery's ack token or None)
+        # (number or None for a new reading, record, the delivery's ack token or None, digest)
+        self.buffer: Deque[Tuple[Optional[int], Any, Any, str]] = deque()
         self.generated = 0
         self.shed = 0
+        self.resent = 0  # logged records sent again after a restart
         self.max_records: Optional[int] = None
-        self._unsettled: Deque[Tuple[int, Any]] = deque()  # (number, token) polled, not acked downstream
-        self._dropped: List[Any] = []  # tokens of shed deliveries: acked (counted, never kept)
+        self._unsettled: Deque[List[Any]] = deque()  # [number, token or None]: polled, not acked downstream
+        self._dropped: List[Any] = []  # tokens to ack at once (shed, or the redelivery of a settled record)
+        self._log: List[List[Any]] = []  # [number, digest, record] polled since the last take_log
+        self._replayed: Dict[str, Deque[int]] = {}  # digest -> numbers of replayed records awaiting their redelivery
 
     finished = False
 
@@ -366,42 +375,85 @@ class MqttIngestSource:
         pass
 
     def number_from(self, first: int) -> None:
-        """Number the next record `first` or above (an incarnation's start: see the class)."""
+        """Number the next new record `first` or above (an incarnation's start: see the class)."""
         self.generated = max(self.generated, int(first))
 
-    def ingest(self, topic: str, payload: bytes, token: Any = None) -> None:
+    def replay(self, entries: List[Any], resume_from: int) -> None:
+        """A restart: the logged records at or above `resume_from` (not acked downstream when the
+        position was written) go out again first, under their numbers; the log is our own file,
+        only its shape is checked."""
+        for e in entries:
+            if isinstance(e, list) and len(e) == 3 and type(e[0]) is int and isinstance(e[1], str) and e[0] >= resume_from:
+                self.buffer.append((e[0], e[2], None, e[1]))
+                self._replayed.setdefault(e[1], deque()).append(e[0])
+
+    @staticmethod
+    def digest(topic: str, payload: bytes) -> str:
+        return hashlib.blake2b(topic.encode() + b"\0" + payload, digest_size=8).hexdigest()
+
+    def ingest(self, topic: str, payload: bytes, token: Any = None, dup: bool = False) -> None:
+        d = self.digest(topic, payload)
+        if not dup:
+            self._replayed.clear()  # what the broker sends again comes before anything new
+        elif token is not None and self._attach(d, token):
+            return
         try:
             rec = json.loads(payload)
         except ValueError:
             rec = {"topic": topic, "payload": payload.decode("utf-8", "replace")}
-        self.buffer.append((rec, token))
+        self.buffer.append((None, rec, token, d))
         while len(self.buffer) > self.max_buffer:
-            _, dropped = self.buffer.popleft()
+            _, _, dropped_token, _ = self.buffer.popleft()
             self.shed += 1
-            if dropped is not None:
-                self._dropped.append(dropped)
+            if dropped_token is not None:
+                self._dropped.append(dropped_token)
+
+    def _attach(self, digest: str, token: Any) -> bool:
+        """A delivery the broker sends again whose record we replayed from the log: it is acked
+        with that record (or at once, if the record is acked downstream already)."""
+        numbers = self._replayed.get(digest)
+        if not numbers:
+            return False
+        n = numbers.popleft()
+        for entry in self._unsettled:
+            if entry[0] == n and entry[1] is None:
+                entry[1] = token
+                return True
+        if any(b[0] == n for b in self.buffer):  # replayed, not polled yet
+            self.buffer = deque((b[0], b[1], token, b[3]) if b[0] == n else b for b in self.buffer)
+            return True
+        self._dropped.append(token)  # its record is acked downstream already
+        return True
 
     def poll(self, now: float, budget: int) -> List[Item]:
         n = min(len(self.buffer), max(0, budget))
-        if n <= 0:
-            return []
-        first = self.generated
-        self.generated += n
         out: List[Item] = []
-        for seq in range(first, first + n):
-            rec, token = self.buffer.popleft()
+        for _ in range(n):
+            seq, rec, token, d = self.buffer.popleft()
+            if seq is None:
+                seq = self.generated
+                self.generated += 1
+                self._log.append([seq, d, rec])
+            else:
+                self.resent += 1
             out.append((self.instance, seq, rec))
-            if token is not None:
-                self._unsettled.append((seq, token))
+            self._unsettled.append([seq, token])
+        return out
+
+    def take_log(self) -> List[List[Any]]:
+        """The new records polled since the last call, for the ingest log."""
+        out, self._log = self._log, []
         return out
 
     def settled(self, below: int) -> List[Any]:
         """The tokens of the deliveries now safe to ack: records numbered below `below` (the first
-        number a successor has not acked), and the deliveries shed."""
+        number a successor has not acked), and the deliveries to ack at once."""
         out, self._dropped = self._dropped, []
         unsettled = self._unsettled
         while unsettled and unsettled[0][0] < below:
-            out.append(unsettled.popleft()[1])
+            token = unsettled.popleft()[1]
+            if token is not None:
+                out.append(token)
         return out
 
     def next_due(self, now: float) -> float:
@@ -412,7 +464,7 @@ class MqttIngestSource:
 
     def stats(self) -> Dict[str, Any]:
         return {"generated": self.generated, "shed": self.shed, "buffered": len(self.buffer),
-                "unsettled": len(self._unsettled)}
+                "unsettled": len(self._unsettled), "resent": self.resent}
 
 
 class _Factory:
