@@ -59,6 +59,7 @@ from agent.measure.capacity import LiveCapacity
 from agent.measure.signals import PeriodSignals, Signals
 from agent.operators.builtin import SinkOperator
 from agent.operators.keyed import KeyedOperator, keyed_config_problems
+from agent.operators.sources import SourceCaps, source_caps
 from agent.protocol.errors import LocalProtocolError
 from agent.protocol.scaling import FORWARDING
 
@@ -217,6 +218,7 @@ class Instance:
         self.inbound = Inbound()
         self.outbound = Outbound(0)
         self.is_source = self.kind == "source"
+        self.source = source_caps(operator) if self.is_source else SourceCaps()
         self.is_sink = self.kind == "sink" or isinstance(operator, SinkOperator)
         self.service_time = self.op.service_time_ms / 1000.0
         # A sink that reads only record ids gets compact batches without their records rebuilt.
@@ -505,7 +507,7 @@ class Instance:
                 self.send_envelope(pred, Kind.ACK, [0, 0])
             self.scaling.resync(now)
         if self.is_source:
-            if hasattr(self.operator, "number_from"):
+            if self.source.sensor:
                 self._number_source(wall, source_position if restart else None, ingest_log)
             elif restart:
                 self._resume_source(source_position)
@@ -521,14 +523,13 @@ class Instance:
 
     def _resume_source(self, pos: Optional[Dict[str, Any]]) -> None:
         """A restarted source continues from its last written position (see TaxiSource.resume)."""
-        resume = getattr(self.operator, "resume", None)
-        if resume is None or not isinstance(pos, dict) or "resume_from" not in pos:
+        if not self.source.replayable or not isinstance(pos, dict) or "resume_from" not in pos:
             log.warning("source restarted without a usable position: starting over", extra=self.ctx)
             return
         start = int(pos["resume_from"])
         upto = max(int(pos.get("generated", 0)), int(pos.get("reserved", 0)))
         self._source_started_at = float(pos.get("profile_started_at", self.wall()))
-        resume(start, upto, self.wall() - self._source_started_at)
+        self.operator.resume(start, upto, self.wall() - self._source_started_at)
         self._source_reserved = upto
         log.info("source resumes at record %d, regenerating up to %d", start, upto, extra=self.ctx)
 
@@ -555,7 +556,7 @@ class Instance:
         if self.is_sink:
             self._settle_sink()
         self.flush(now)
-        if self.is_source and hasattr(self.operator, "settled"):
+        if self.source.sensor:
             self._settle_ingest()
         self.signals.blocked(now, self._backpressured())
         self._send_acks(now)
@@ -1544,15 +1545,13 @@ class Instance:
         """A delivery on a source's ingest topic. Its token is kept with the record until a
         successor acks the record (`_settle_ingest`); a source that cannot tell when (no
         `settled`) has it acked at once."""
-        ingest = getattr(self.operator, "ingest", None)
-        if ingest is None:
+        if self.source.topic is None:
             return
-        if ev.token is None:
-            ingest(ev.topic, ev.payload)
-        elif hasattr(self.operator, "settled"):
-            ingest(ev.topic, ev.payload, ev.token, ev.dup)
-        else:
-            ingest(ev.topic, ev.payload)
+        if self.source.sensor:
+            self.operator.ingest(ev.topic, ev.payload, ev.token, ev.dup)
+            return
+        self.operator.ingest(ev.topic, ev.payload)
+        if ev.token is not None:
             self._out.append(AckIngest((ev.token,)))
 
     def _settle_ingest(self) -> None:
@@ -1578,7 +1577,7 @@ class Instance:
             except (TypeError, ValueError):
                 pass
         self.operator.number_from(floor)
-        if logged and hasattr(self.operator, "replay"):
+        if logged:
             self.operator.replay(logged, resume_from)
         log.info("source numbers its records from %d", floor, extra=self.ctx)
 
@@ -1618,7 +1617,7 @@ class Instance:
             index = self.tracker.produced()
             self._source_first[index] = items[0][1]
             self._forward(items, index, now)
-            if hasattr(self.operator, "take_log"):
+            if self.source.sensor:
                 self._log_ingest()
 
     def _reserve_span(self, now: float, generated: int) -> int:

@@ -144,7 +144,7 @@ class Worker:
         # Not on `transport`: deliveries waiting for that ack fill the broker's in-flight window
         # to the client, and the successors' acks to our inbox would queue behind them for ever.
         self.ingest: Optional[Transport] = ingest
-        if ingest is None and transport is None and self.core.is_source and hasattr(self.operator, "settled"):
+        if ingest is None and transport is None and self.core.source.sensor:
             self.ingest = Transport(ingest_id(spec.broker, spec.cluster, spec.instance), spec.broker, manual_ack=True)
         if self.ingest is not None:
             self.ingest.gate_reconnect = self.transport.gate_reconnect
@@ -171,8 +171,8 @@ class Worker:
         before it starts any, since a restarted member acks its chained predecessor at once)."""
         self.transport.connect()
         self.transport.subscribe(self.core.inbox)
-        topic = getattr(self.operator, "topic", None)
-        if self.core.is_source and hasattr(self.operator, "ingest") and topic:
+        topic = self.core.source.topic
+        if topic is not None:
             if self.ingest is not None:
                 self.ingest.connect()
                 self.ingest.subscribe(topic)
@@ -189,7 +189,7 @@ class Worker:
             position = self._load_json(self.source_path) or None
             keyed = KeyedState.load(self.keyed_path) if self.core.keyed is not None else None
             routes = (self._load_text(self.routes_path), self._load_text(self.routes_log))
-            logged = self.ingest_log.load() if hasattr(self.operator, "replay") else None
+            logged = self.ingest_log.load() if self.core.source.sensor else None
             self.feed(Restarted(self.wall(), self._load_json(self.state_path), position, keyed, routes, logged))
         else:
             self.feed(Started(self.wall()))
