@@ -240,6 +240,7 @@ class State:
     admin_password: Optional[str] = None
     binfmt_mounted: bool = False  # what up did for a foreign arch (binfmt_setup), undone by down
     binfmt_registered: Optional[str] = None
+    root: Optional[str] = None  # the cached root, the overlays' lower layer (a wiped disk is made on it again)
 
     def save(self, path: Path) -> None:
         tmp = path.with_suffix(".tmp")
@@ -722,6 +723,7 @@ def up(n: int, arch: str = "amd64", deb: Optional[Path] = None, cache: Optional[
         state.binfmt_mounted, state.binfmt_registered = emulation.mounted, emulation.registered
         state.save(state_path)
         root, built, root_seconds = ensure_root(cache, arch, progress)
+        state.root = str(root)
         if not built:
             progress(f"reusing the cached root {root}")
         key = run / "id_ed25519"
@@ -925,8 +927,9 @@ def _require_state(run: Path) -> State:
 @dataclass
 class Cut:
     """What `kill_node` did: how many processes it sent SIGKILL to (the container's; its nspawn
-    only if it did not exit by itself), and how long it took."""
+    only if it did not exit by itself), whether the disk went too, and how long it took."""
     processes: int
+    wiped: bool
     seconds: float
 
 
@@ -934,30 +937,68 @@ def _machine_dir(entry: Dict[str, object]) -> Path:
     return Path(str(entry["mount"])).parent
 
 
-def kill_node(name: str, run: Optional[Path] = None) -> Cut:
+def kill_node(name: str, run: Optional[Path] = None, wipe: bool = False) -> Cut:
     """A power cut: every process of the node's container ends at once and no shutdown runs.
 
     SIGKILL to the container's init takes its whole PID namespace with it, then its nspawn goes
     (`power_cut`); a signal to nspawn alone would leave the container's systemd running. The disk
-    (the overlay's upper layer) stays as it was at the cut and `start_node` boots it again."""
+    (the overlay's upper layer) stays as it was at the cut and `start_node` boots it again. With
+    `wipe` the disk is lost too, as when a Pi's SD card dies: the overlay is unmounted and its
+    upper layer emptied, so the next `start_node` boots a fresh machine from the root image (a
+    node that is already off can be wiped too)."""
     started = time.monotonic()
     run = run or run_dir(cache_dir())
     entry = _node_entry(_require_state(run), name)
     node_dir = f"{_machine_dir(entry)}/"
-    if not (pids_on_disks(node_dir) or nspawns_under(node_dir)):
+    if not wipe and not (pids_on_disks(node_dir) or nspawns_under(node_dir)):
         raise TestbedError(f"{name} is not running")
     ended = power_cut(node_dir)
     veth = f"vb-{name}"
     if Path(f"/sys/class/net/{veth}").exists():  # gone with the container's namespace, normally
         subprocess.run(["ip", "link", "del", veth], capture_output=True)
-    return Cut(processes=ended, seconds=round(time.monotonic() - started, 2))
+    if wipe:
+        _wipe_disk(_machine_dir(entry))
+    return Cut(processes=ended, wiped=wipe, seconds=round(time.monotonic() - started, 2))
 
 
-def start_node(name: str, run: Optional[Path] = None, boot_timeout: Optional[float] = None) -> int:
+def _wipe_disk(machine: Path) -> None:
+    """Unmount the node's overlay and empty its upper and work directories (an overlay's layers
+    must not change while it is mounted): what is left is the root image alone."""
+    if _mounted(machine / "root"):
+        _run(["umount", str(machine / "root")], f"umount {machine / 'root'}")
+    for layer in (machine / "upper", machine / "work"):
+        for child in layer.iterdir() if layer.is_dir() else ():
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
+
+
+def _plan_of(state: State) -> Plan:
+    """The plan a running testbed was made from, as its state records it."""
+    nodes = tuple(Node(str(nd["name"]), str(nd["address"]), state.arch) for nd in state.nodes)
+    return Plan(nodes=nodes, arch=state.arch, bridge=str(state.bridge),
+                host_address=f"{nodes[0].address.rsplit('.', 1)[0]}.1")
+
+
+def _fresh_disk(state: State, node: Node, machine: Path, run: Path) -> None:
+    """Make a wiped node's disk as `up` made it: the root image with the testbed's identity of the
+    node on top (a new machine id and new SSH host keys, whose line in known_hosts is replaced)."""
+    lower = Path(state.root) if state.root else root_dir(cache_dir(), state.arch)
+    merged = _prepare_machine(node, _plan_of(state), lower, machine, (run / "id_ed25519.pub").read_text())
+    known_hosts = run / "known_hosts"
+    kept = [ln for ln in known_hosts.read_text().splitlines(keepends=True) if not ln.startswith(f"{node.address} ")]
+    known_hosts.write_text("".join(kept) + _host_key_line(node, merged))
+
+
+def start_node(name: str, run: Optional[Path] = None, boot_timeout: Optional[float] = None,
+               progress: Progress = lambda line: None) -> int:
     """Boot a node that was killed (or powered off) again on its disk; returns nspawn's pid.
 
     One machine per disk: while any process of the node's previous boot runs (its nspawn, or
-    anything on its disk) it refuses and names them; `kill_node` ends them."""
+    anything on its disk) it refuses and names them; `kill_node` ends them. After a wipe the disk
+    is made again first (`_fresh_disk`): what the testbed itself put there is back, what Ansible
+    installed is not."""
     run = run or run_dir(cache_dir())
     state = _require_state(run)
     entry = _node_entry(state, name)
@@ -967,7 +1008,11 @@ def start_node(name: str, run: Optional[Path] = None, boot_timeout: Optional[flo
         raise TestbedError(f"{name} is running (pids {', '.join(map(str, running))}); one machine per disk: "
                            f"`fog-agent testbed kill {name}` first")
     node = Node(name, str(entry["address"]), state.arch)
-    entry["pid"] = _boot(node, Path(str(entry["mount"])), str(state.bridge), run / "logs" / f"{name}.console")
+    mount = Path(str(entry["mount"]))
+    if not _mounted(mount):
+        _fresh_disk(state, node, machine, run)
+        progress(f"{name}: a fresh disk from the root image (hostname, machine id, SSH host keys, network, key)")
+    entry["pid"] = _boot(node, mount, str(state.bridge), run / "logs" / f"{name}.console")
     state.save(run / STATE_FILE)
     if needs_emulation(state.arch):
         address_from_host(int(entry["pid"]), node, PREFIX_LEN)
