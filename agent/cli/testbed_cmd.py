@@ -268,7 +268,8 @@ def fault_cmd(args: argparse.Namespace) -> int:
         if args.fault == "kill":
             cut = testbed.kill_node(args.node, wipe=args.wipe)
             print(f"{args.node}: power cut, {cut.processes} processes ended in {cut.seconds:.1f} s"
-                  + ("; disk wiped (`start` boots a fresh machine)" if cut.wiped else "; disk kept"))
+                  + (f"; disk wiped in {cut.wipe_seconds:.1f} s (`start` boots a fresh machine)" if cut.wiped
+                     else "; disk kept"))
         elif args.fault == "start":
             pid = testbed.start_node(args.node, progress=lambda line: print(f"testbed: {line}", file=sys.stderr))
             print(f"{args.node}: booted (nspawn pid {pid}), sshd answers")

@@ -927,10 +927,12 @@ def _require_state(run: Path) -> State:
 @dataclass
 class Cut:
     """What `kill_node` did: how many processes it sent SIGKILL to (the container's; its nspawn
-    only if it did not exit by itself), whether the disk went too, and how long it took."""
+    only if it did not exit by itself) and how long until none of them ran; whether the disk went
+    too and how long emptying it took (deleting the files of its upper layer)."""
     processes: int
-    wiped: bool
     seconds: float
+    wiped: bool = False
+    wipe_seconds: float = 0.0
 
 
 def _machine_dir(entry: Dict[str, object]) -> Path:
@@ -952,13 +954,15 @@ def kill_node(name: str, run: Optional[Path] = None, wipe: bool = False) -> Cut:
     node_dir = f"{_machine_dir(entry)}/"
     if not wipe and not (pids_on_disks(node_dir) or nspawns_under(node_dir)):
         raise TestbedError(f"{name} is not running")
-    ended = power_cut(node_dir)
+    cut = Cut(processes=power_cut(node_dir), seconds=round(time.monotonic() - started, 2))
     veth = f"vb-{name}"
     if Path(f"/sys/class/net/{veth}").exists():  # gone with the container's namespace, normally
         subprocess.run(["ip", "link", "del", veth], capture_output=True)
     if wipe:
+        started = time.monotonic()
         _wipe_disk(_machine_dir(entry))
-    return Cut(processes=ended, wiped=wipe, seconds=round(time.monotonic() - started, 2))
+        cut.wiped, cut.wipe_seconds = True, round(time.monotonic() - started, 2)
+    return cut
 
 
 def _wipe_disk(machine: Path) -> None:
@@ -1011,7 +1015,8 @@ def start_node(name: str, run: Optional[Path] = None, boot_timeout: Optional[flo
     mount = Path(str(entry["mount"]))
     if not _mounted(mount):
         _fresh_disk(state, node, machine, run)
-        progress(f"{name}: a fresh disk from the root image (hostname, machine id, SSH host keys, network, key)")
+        progress(f"{name}: a fresh disk from the root image with the testbed's identity of the node; reinstall "
+                 f"the agent: ansible-playbook -i {state.inventory} site.yml --limit {name}")
     entry["pid"] = _boot(node, mount, str(state.bridge), run / "logs" / f"{name}.console")
     state.save(run / STATE_FILE)
     if needs_emulation(state.arch):
