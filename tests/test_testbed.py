@@ -5,8 +5,10 @@ of its own, runs `ansible/site.yml` against them over SSH with the .deb built fr
 runs it again, and checks what a broken testbed, role or package would not give: the agent active
 under systemd in both containers (READY=1 reached, its STATUS= line says connected), a control
 request from one container answered by the agent of the other through the broker, and a second
-run with changed=0. The debootstrapped root is cached (~/.cache/fog-agent/testbed/roots, built
-once); everything else is removed by `down` at the end, which the last test checks.
+run with changed=0. Then the node faults on the second container (partition, power cut, wiped
+disk). The debootstrapped root is cached (~/.cache/fog-agent/testbed/roots, built once);
+everything else is removed by `down`, which the last fleet test runs and checks from the host's
+/proc, mount table and links (the module teardown's `down` then finds nothing).
 
 Skipped only where containers cannot exist: not root, or no systemd-nspawn/debootstrap
 (scripts/setup.sh installs them). Its times are in docs/operations.md ("Testbed").
@@ -22,7 +24,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, Iterator
+from typing import Dict, Iterator, List, Optional, Set
 
 import pytest
 import yaml
@@ -131,6 +133,21 @@ def test_chaos_sees_an_instance_on_the_dead_node_and_where_it_was_rehomed() -> N
 def test_parse_show() -> None:
     text = "Type=notify\nStatusText=connected; 0/4 slots used; a=b\nNRestarts=3\n"
     assert parse_show(text) == {"Type": "notify", "StatusText": "connected; 0/4 slots used; a=b", "NRestarts": "3"}
+
+
+def test_the_disk_under_a_process_root_is_read_from_its_mountinfo() -> None:
+    """How the host finds a container's processes (its init outlives nspawn, in a session of its
+    own): the overlay mounted on "/" in the process's mountinfo names the node's upper directory."""
+    container = ("102 82 0:40 / / rw,relatime shared:1 - overlay overlay rw,lowerdir=/c/roots/bookworm-amd64,"
+                 "upperdir=/r/machines/tbt2/upper,workdir=/r/machines/tbt2/work,uuid=on\n"
+                 "103 102 0:41 / /proc rw,nosuid - proc proc rw\n")
+    assert testbed.root_upperdir(container) == "/r/machines/tbt2/upper"
+    host = ("27 1 254:0 / / rw,relatime - ext4 /dev/vda rw\n"
+            "90 27 0:40 / /r/machines/tbt2/root rw - overlay overlay rw,lowerdir=/c,upperdir=/r/machines/tbt2/upper\n")
+    assert testbed.root_upperdir(host) is None  # the overlay is mounted elsewhere, not under "/"
+    stacked = host + "120 27 0:50 / / rw - overlay overlay rw,lowerdir=/a,upperdir=/b/upper,workdir=/b/work\n"
+    assert testbed.root_upperdir(stacked) == "/b/upper"  # the last mount on "/" is the one seen
+    assert testbed.root_upperdir("") is None
 
 
 def test_up_refuses_without_root_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -345,64 +362,182 @@ def test_a_request_from_one_container_is_answered_by_the_agent_of_the_other(flee
     assert bad.returncode != 0
 
 
-@fleet_only
-@pytest.mark.timeout(120)
-def test_down_removes_everything_up_added(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A one-node testbed of its own (the fleet's is removed in the module teardown, after the tests)."""
-    run = tmp_path / "run"
-    testbed.up(1, "amd64", run=run, prefix="tbd", bridge="fogtbd0", subnet="10.215.0", progress=lambda line: None)
-    state = testbed.load_state(run=run)
-    assert state is not None
-    pid = int(state.nodes[0]["pid"])  # type: ignore[arg-type]
-    mount = str(state.nodes[0]["mount"])
-    assert Path("/sys/class/net/fogtbd0").exists() and Path("/sys/class/net/vb-tbd1").exists()
-    removed = testbed.down(run=run, progress=lambda line: None)
-    assert "bridge fogtbd0" in removed and f"mount {mount}" in removed
-    assert not Path("/sys/class/net/fogtbd0").exists() and not Path("/sys/class/net/vb-tbd1").exists()
-    assert not testbed._is_nspawn(pid)  # gone (or a zombie of this process, with no command line)
-    assert mount not in Path("/proc/self/mounts").read_text()
-    assert not run.exists()
-    # Again, with no state: nothing to remove, and no other testbed's bridge is touched (one named
-    # like the default stands for a developer's testbed that is up meanwhile).
-    monkeypatch.setattr(testbed, "BRIDGE", "fogtbdx")
-    subprocess.run(["ip", "link", "add", "fogtbdx", "type", "bridge"], check=True)
+def _live_pids() -> Iterator[int]:
+    """The host's processes that are not zombies (an exited process waiting for its parent; the
+    PID 1 of some hosts never reaps orphans, and a zombie holds nothing)."""
+    for entry in os.listdir("/proc"):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text() if entry.isdigit() else ""
+        except OSError:
+            continue
+        if stat and stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X"):
+            yield int(entry)
+
+
+def _pid_ns(pid: int) -> Optional[str]:
     try:
-        assert testbed.down(run=run, progress=lambda line: None) == []
-        assert Path("/sys/class/net/fogtbdx").exists()
-    finally:
-        subprocess.run(["ip", "link", "del", "fogtbdx"], check=False)
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return None
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+HOST_PID_NS = _pid_ns(os.getpid())
+
+
+def machine_processes(hostnames: Set[str]) -> Dict[int, str]:
+    """{pid: pid namespace} of the live processes below the host's PID namespace whose root file
+    system says it is one of these machines (/proc/PID/root/etc/hostname): independent of how the
+    testbed itself finds them (the overlay named in their mountinfo)."""
+    found = {}
+    for pid in _live_pids():
+        ns = _pid_ns(pid)
+        if ns is None or ns == HOST_PID_NS:
+            continue
+        try:
+            name = Path(f"/proc/{pid}/root/etc/hostname").read_text().strip()
+        except OSError:
+            continue
+        if name in hostnames:
+            found[pid] = ns
+    return found
+
+
+def machine_inits(hostname: str) -> List[int]:
+    """PID 1 of each PID namespace running this machine: more than one is two boots on one disk."""
+    inits = []
+    for pid in machine_processes({hostname}):
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        nspid = next((ln.split()[1:] for ln in status.splitlines() if ln.startswith("NSpid:")), [])
+        if len(nspid) > 1 and nspid[-1] == "1":
+            inits.append(pid)
+    return inits
+
+
+SEEN_PID_NS: Set[str] = set()  # every container PID namespace the fleet had: none may outlive down
 
 
 @fleet_only
 @pytest.mark.timeout(300)
-def test_partition_and_power_cut_of_a_container(tmp_path: Path) -> None:
-    """The chaos faults on a real node: a cut veth makes it unreachable until healed; a power cut
-    stops it without a shutdown, and it boots again on the disk it had."""
-    run = tmp_path / "run"
-    testbed.up(1, "amd64", run=run, prefix="tbf", bridge="fogtbf0", subnet="10.216.0", progress=lambda line: None)
-    try:
-        def reachable() -> bool:
-            return testbed.ssh("tbf1", "true", run=run, check=False, timeout=30).returncode == 0
+def test_partition_power_cut_and_wipe_of_a_node(fleet: Fleet) -> None:
+    """The chaos faults on tbt2 of the fleet (no fleet of its own: one kill/start cycle, then a
+    kill --wipe/start cycle). A cut veth makes it unreachable until healed. A power cut ends every
+    process of its PID namespace at once (the container's systemd too, which a signal to nspawn's
+    process group missed: it kept running and the next start booted a second one on the same
+    disk); the next start boots exactly one init on the disk it had, with the file synced before
+    the cut; a wipe loses the disk, and start boots the root image with only the testbed's
+    identity on it (the agent the playbook installed is gone)."""
+    node, times = "tbt2", {}
+    state = testbed.load_state(run=fleet.run)
+    assert state is not None
+    upper = Path(str(testbed._node_entry(state, node)["mount"])).parent / "upper"
 
-        testbed.ssh("tbf1", "echo before > /root/mark && sync", run=run)
-        pid1_start = "cut -d' ' -f22 /proc/1/stat"  # the container's init, in host clock ticks
-        started_before = int(testbed.ssh("tbf1", pid1_start, run=run).stdout)
-        testbed.partition("tbf1", cut=True, run=run)
-        assert not reachable()
-        testbed.partition("tbf1", cut=False, run=run)
-        assert reachable()
-        state = testbed.load_state(run=run)
-        assert state is not None
-        old_pid = int(state.nodes[0]["pid"])  # type: ignore[arg-type]
-        testbed.kill_node("tbf1", run=run)
-        assert not testbed._is_nspawn(old_pid) and not reachable()
-        with pytest.raises(testbed.TestbedError):
-            testbed.kill_node("tbf1", run=run)
-        new_pid = testbed.start_node("tbf1", run=run)
-        assert new_pid != old_pid and testbed._is_nspawn(new_pid)
-        assert testbed.ssh("tbf1", "cat /root/mark", run=run).stdout.strip() == "before"
-        assert testbed.ssh("tbf1", "cat /proc/1/comm", run=run).stdout.strip() == "systemd"
-        assert int(testbed.ssh("tbf1", pid1_start, run=run).stdout) > started_before  # a new boot
+    def reachable() -> bool:
+        return testbed.ssh(node, "true", run=fleet.run, check=False, timeout=30).returncode == 0
+
+    testbed.partition(node, cut=True, run=fleet.run)
+    assert not reachable()
+    testbed.partition(node, cut=False, run=fleet.run)
+    assert reachable()
+
+    fleet.sh(node, "echo before > /root/mark && sync")
+    boot_time = "cut -d' ' -f22 /proc/1/stat"  # the container's init, in host clock ticks
+    started_before = int(fleet.sh(node, boot_time))
+    machine_id = fleet.sh(node, "cat /etc/machine-id").strip()
+    inits = machine_inits(node)
+    assert len(inits) == 1, inits
+    old_nspawn = int(testbed._node_entry(state, node)["pid"])  # type: ignore[arg-type]
+    namespace = machine_processes({node})[inits[0]]
+    SEEN_PID_NS.add(namespace)
+    t0 = time.monotonic()
+    cut = testbed.kill_node(node, run=fleet.run)
+    times["kill_s"] = time.monotonic() - t0
+    assert [pid for pid in _live_pids() if _pid_ns(pid) == namespace] == []  # the whole machine, at once
+    assert machine_processes({node}) == {} and not testbed._is_nspawn(old_nspawn)
+    assert not cut.wiped and cut.processes >= 5  # systemd, journald, networkd, logind, sshd, the agent, ...
+    assert not Path(f"/sys/class/net/vb-{node}").exists() and not reachable()
+    with pytest.raises(testbed.TestbedError, match="not running"):
+        testbed.kill_node(node, run=fleet.run)
+
+    t0 = time.monotonic()
+    new_nspawn = testbed.start_node(node, run=fleet.run)
+    times["start_s"] = time.monotonic() - t0
+    assert new_nspawn != old_nspawn and testbed._is_nspawn(new_nspawn)
+    inits = machine_inits(node)
+    assert len(inits) == 1, inits  # one boot on the disk
+    SEEN_PID_NS.add(machine_processes({node})[inits[0]])
+    with pytest.raises(testbed.TestbedError, match="is running"):
+        testbed.start_node(node, run=fleet.run)
+    assert fleet.sh(node, "cat /root/mark").strip() == "before"  # the disk survived the cut
+    assert fleet.sh(node, "cat /proc/1/comm").strip() == "systemd"
+    assert int(fleet.sh(node, boot_time)) > started_before  # a new boot
+
+    fleet.sh(node, "echo gone > /root/lost && sync")
+    t0 = time.monotonic()
+    cut = testbed.kill_node(node, run=fleet.run, wipe=True)
+    times["kill_wipe_s"], times["of_which_cut_s"], times["of_which_wipe_s"] = (
+        time.monotonic() - t0, cut.seconds, cut.wipe_seconds)
+    assert cut.wiped and machine_processes({node}) == {} and list(upper.iterdir()) == []
+    t0 = time.monotonic()
+    testbed.start_node(node, run=fleet.run)
+    times["start_fresh_s"] = time.monotonic() - t0
+    assert len(machine_inits(node)) == 1
+    SEEN_PID_NS.update(machine_processes({node}).values())
+    # A fresh machine: the testbed's identity (reached with the fleet's key, its new host key
+    # checked through known_hosts), nothing of before, no agent until the playbook runs again.
+    assert fleet.sh(node, "hostname").strip() == node
+    assert fleet.sh(node, "cat /etc/machine-id").strip() != machine_id
+    assert fleet.sh(node, "ls /root/mark /root/lost 2>/dev/null || true").strip() == ""
+    assert testbed.ssh(node, "dpkg-query -W fog-agent", run=fleet.run, check=False).returncode != 0
+    print("power cut on the fleet: " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()), file=sys.stderr)
+
+
+@fleet_only
+@pytest.mark.timeout(120)
+def test_down_leaves_no_process_mount_or_link_behind(fleet: Fleet) -> None:
+    """The fleet's `down` (what the module teardown runs; then it has nothing left to do): no
+    nspawn of the run, no live process in any container PID namespace the fleet had or on a
+    machine of the fleet, no mount under the run directory, no bridge and no vb-* link of it.
+    Checked from the host's /proc, mount table and `ip link`, not with the testbed's own finders."""
+    state = testbed.load_state(run=fleet.run)
+    assert state is not None
+    names = {str(nd["name"]) for nd in state.nodes}
+    SEEN_PID_NS.update(machine_processes(names).values())
+    assert SEEN_PID_NS  # the containers were found while they ran
+    t0 = time.monotonic()
+    removed = testbed.down(run=fleet.run, progress=lambda line: None)
+    print(f"down of the fleet: {time.monotonic() - t0:.1f} s", file=sys.stderr)
+    assert f"bridge {BRIDGE}" in removed and all(f"container {n}" in removed for n in names), removed
+    assert all(f"mount {nd['mount']}" in removed for nd in state.nodes), removed
+    assert [pid for pid in _live_pids() if "systemd-nspawn" in _cmdline(pid) and str(fleet.run) in _cmdline(pid)] == []
+    assert [pid for pid in _live_pids() if _pid_ns(pid) in SEEN_PID_NS] == []
+    assert machine_processes(names) == {}
+    assert [line for line in Path("/proc/self/mounts").read_text().splitlines() if str(fleet.run) in line] == []
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
+    assert not re.search(rf"^\d+: ({BRIDGE}|vb-{PREFIX}\d+)[@:]", links, re.M), links
+    assert not fleet.run.exists()
+    assert testbed.down(run=fleet.run, progress=lambda line: None) == []  # the teardown's down: nothing left
+
+
+@fleet_only
+@pytest.mark.timeout(60)
+def test_down_without_a_state_touches_no_other_testbed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no state nothing of this run was made (up saves the state before it adds anything):
+    nothing is removed, and a bridge named like the default (a developer's testbed that is up
+    meanwhile) is not touched."""
+    monkeypatch.setattr(testbed, "BRIDGE", "fogtbdx")
+    subprocess.run(["ip", "link", "add", "fogtbdx", "type", "bridge"], check=True)
+    try:
+        assert testbed.down(run=tmp_path / "run", progress=lambda line: None) == []
+        assert Path("/sys/class/net/fogtbdx").exists()
     finally:
-        testbed.down(run=run, progress=lambda line: None)
-    assert not Path("/sys/class/net/fogtbf0").exists()
+        subprocess.run(["ip", "link", "del", "fogtbdx"], check=False)

@@ -1,4 +1,4 @@
-"""`fog-agent testbed up|down|ssh`: a fleet of systemd-nspawn Debian containers on this machine."""
+"""`fog-agent testbed up|down|ssh|kill|start|...`: a fleet of systemd-nspawn Debian containers on this machine."""
 
 from __future__ import annotations
 
@@ -81,10 +81,15 @@ def register(groups: Any) -> None:
     arm.add_argument("--json", action="store_true", help="print the verdict as JSON")
     arm.set_defaults(func=arm64_cmd)
 
-    kill = sub.add_parser("kill", help="power cut: SIGKILL a node's container (its disk stays; `start` boots it)")
+    kill = sub.add_parser("kill", help="power cut: every process of a node's container ends at once, no shutdown "
+                          "(its disk stays as it was at the cut; `start` boots it)")
     kill.add_argument("node")
+    kill.add_argument("--wipe", action="store_true",
+                      help="lose the disk too (a dead SD card): `start` then boots a fresh machine from the root "
+                      "image; run the playbook for the node again to reinstall the agent")
     kill.set_defaults(func=fault_cmd, fault="kill")
-    start = sub.add_parser("start", help="boot a killed node again on the same disk")
+    start = sub.add_parser("start", help="boot a killed node again on its disk (refused while any process of its "
+                           "previous boot runs: one machine per disk)")
     start.add_argument("node")
     start.set_defaults(func=fault_cmd, fault="start")
     part = sub.add_parser("partition", help="cut a node off the bridge (its veth down) for --seconds, or --heal")
@@ -261,10 +266,12 @@ def fault_cmd(args: argparse.Namespace) -> int:
 
     try:
         if args.fault == "kill":
-            testbed.kill_node(args.node)
-            print(f"{args.node}: killed")
+            cut = testbed.kill_node(args.node, wipe=args.wipe)
+            print(f"{args.node}: power cut, {cut.processes} processes ended in {cut.seconds:.1f} s"
+                  + (f"; disk wiped in {cut.wipe_seconds:.1f} s (`start` boots a fresh machine)" if cut.wiped
+                     else "; disk kept"))
         elif args.fault == "start":
-            pid = testbed.start_node(args.node)
+            pid = testbed.start_node(args.node, progress=lambda line: print(f"testbed: {line}", file=sys.stderr))
             print(f"{args.node}: booted (nspawn pid {pid}), sshd answers")
         elif args.heal:
             testbed.partition(args.node, cut=False)

@@ -57,6 +57,7 @@ BINFMT_DIR = Path("/proc/sys/fs/binfmt_misc")
 QEMU_BINFMT = {"arm64": "qemu-aarch64"}
 BINFMT_CONF_DIR = Path("/usr/lib/binfmt.d")
 BOOT_TIMEOUT = {"amd64": 120.0, "arm64": 600.0}  # sshd under qemu user emulation starts slowly
+NSPAWN_EXIT = 3.0  # s for nspawn to reap its killed init and exit by itself before it gets SIGKILL
 
 
 class TestbedError(RuntimeError):
@@ -239,6 +240,7 @@ class State:
     admin_password: Optional[str] = None
     binfmt_mounted: bool = False  # what up did for a foreign arch (binfmt_setup), undone by down
     binfmt_registered: Optional[str] = None
+    root: Optional[str] = None  # the cached root, the overlays' lower layer (a wiped disk is made on it again)
 
     def save(self, path: Path) -> None:
         tmp = path.with_suffix(".tmp")
@@ -511,6 +513,150 @@ def _is_nspawn(pid: int) -> bool:
         return False
 
 
+# ---------------------------------------------------------------------------------------------
+# A node's processes as the host sees them: what a power cut ends and `down` leaves none of.
+#
+# Why not nspawn's process tree: the container's systemd runs in a session of its own (a signal to
+# nspawn's process group misses it) and outlives nspawn (it is reparented), yet every process of
+# the container runs on the node's disk, and the overlay's upper directory names that disk.
+
+
+def root_upperdir(mountinfo: str) -> Optional[str]:
+    """The overlay upper directory under a process's "/" (its /proc/PID/mountinfo), else None.
+
+    The last line mounted on "/" is the root the process sees; fields after " - " are the file
+    system type, the source and the superblock options (overlay's lowerdir/upperdir/workdir)."""
+    upper = None
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if len(fields) < 5 or fields[4] != "/":
+            continue
+        upper = None
+        tail = line.split(" - ", 1)[1].split() if " - " in line else []
+        if len(tail) >= 3 and tail[0] == "overlay":
+            upper = next((_unescape(o[len("upperdir="):]) for o in tail[2].split(",") if o.startswith("upperdir=")),
+                         None)
+    return upper
+
+
+def _unescape(field: str) -> str:
+    """The kernel writes a space, tab, newline, comma or backslash of a path in /proc's mount
+    tables as an octal escape (\\040)."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def _read(path: str) -> Optional[str]:
+    try:
+        with open(path, "rb") as f:
+            return f.read().decode(errors="replace")
+    except OSError:  # the process ended meanwhile, or /proc hides it
+        return None
+
+
+def _pids() -> List[int]:
+    return [int(e) for e in os.listdir("/proc") if e.isdigit()]
+
+
+def _alive(pid: int) -> bool:
+    """Running (not a zombie: an exited process that only waits for its parent to reap it; where
+    the host's PID 1 does not reap orphans, such a zombie stays, but it holds nothing)."""
+    stat = _read(f"/proc/{pid}/stat")
+    return stat is not None and stat.rsplit(")", 1)[-1].split()[:1] not in (["Z"], ["X"])
+
+
+def _is_ns_init(pid: int) -> bool:
+    """PID 1 of a PID namespace below the host's (NSpid: its pid at each level, innermost last)."""
+    status = _read(f"/proc/{pid}/status") or ""
+    nspid = next((ln.split()[1:] for ln in status.splitlines() if ln.startswith("NSpid:")), [])
+    return len(nspid) > 1 and nspid[-1] == "1"
+
+
+def disks_in_use(prefix: str) -> Dict[int, str]:
+    """{pid: upper directory} of the live processes whose root is an overlay with its upper
+    directory under `prefix` (a node's machine directory, or a run's `machines/`). Processes of
+    this process's mount namespace are skipped: the host's "/" is never a testbed disk."""
+    try:
+        own_mnt = os.readlink("/proc/self/ns/mnt")
+    except OSError:
+        own_mnt = None
+    found = {}
+    for pid in _pids():
+        try:
+            if os.readlink(f"/proc/{pid}/ns/mnt") == own_mnt:
+                continue
+        except OSError:
+            continue
+        upper = root_upperdir(_read(f"/proc/{pid}/mountinfo") or "")
+        if upper is not None and upper.startswith(prefix) and _alive(pid):
+            found[pid] = upper
+    return found
+
+
+def pids_on_disks(prefix: str) -> List[int]:
+    return list(disks_in_use(prefix))
+
+
+def nspawn_directories(prefix: str) -> Dict[int, str]:
+    """{pid: --directory} of the live systemd-nspawn processes booting a directory under `prefix`."""
+    found = {}
+    for pid in _pids():
+        argv = (_read(f"/proc/{pid}/cmdline") or "").split("\0")
+        directory = next((a[len("--directory="):] for a in argv if a.startswith("--directory=")), "")
+        if argv[0].endswith("systemd-nspawn") and directory.startswith(prefix) and _alive(pid):
+            found[pid] = directory
+    return found
+
+
+def nspawns_under(prefix: str) -> List[int]:
+    return list(nspawn_directories(prefix))
+
+
+def _wait_until(done: Callable[[], bool], timeout: float, step: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(step)
+    return True
+
+
+def _sigkill(pids: Iterable[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def power_cut(prefix: str, timeout: float = 15.0) -> int:
+    """End every process on the disks under `prefix` at once, then their nspawn; returns how many.
+
+    SIGKILL to a container's init (PID 1 of its PID namespace) makes the kernel SIGKILL every other
+    process of that namespace: the whole machine stops with no shutdown, like a power cut. Anything
+    else on the disk (a process that entered only its mount namespace) is killed beside it. nspawn
+    then reaps its init and exits by itself (given NSPAWN_EXIT s; then SIGKILL), so no init is left
+    a zombie under a PID 1 that may never reap it."""
+    ended: set = set()
+    deadline = time.monotonic() + timeout
+    while True:
+        on_disk = pids_on_disks(prefix)
+        inits = [pid for pid in on_disk if _is_ns_init(pid)]
+        _sigkill(inits + [pid for pid in on_disk if pid not in inits])
+        ended.update(on_disk)
+        if on_disk:
+            _wait_until(lambda: not pids_on_disks(prefix), max(0.0, deadline - time.monotonic()))
+            _wait_until(lambda: not nspawns_under(prefix), min(NSPAWN_EXIT, max(0.0, deadline - time.monotonic())))
+        spawners = nspawns_under(prefix)
+        _sigkill(spawners)
+        ended.update(spawners)
+        if not on_disk and not spawners:
+            return len(ended)
+        if time.monotonic() > deadline:
+            left = pids_on_disks(prefix) + nspawns_under(prefix)
+            raise TestbedError(f"processes on {prefix} survived SIGKILL for {timeout:.0f} s: {left}")
+        time.sleep(0.05)
+
+
 def wait_ssh(address: str, key: Path, known_hosts: Path, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -556,7 +702,9 @@ def up(n: int, arch: str = "amd64", deb: Optional[Path] = None, cache: Optional[
     plan = make_plan(n, arch, prefix, bridge, subnet)
     preflight(arch)
     cache = cache or cache_dir()
-    run = run or run_dir(cache)
+    # Absolute: the overlays' options and nspawn's --directory name it, and they are how the
+    # node's processes are found later (pids_on_disks, nspawns_under).
+    run = Path(os.path.abspath(run or run_dir(cache)))
     if (run / STATE_FILE).exists():
         raise TestbedError(f"a testbed is already up ({run / STATE_FILE}); run `fog-agent testbed down` first")
     started = time.monotonic()
@@ -575,6 +723,7 @@ def up(n: int, arch: str = "amd64", deb: Optional[Path] = None, cache: Optional[
         state.binfmt_mounted, state.binfmt_registered = emulation.mounted, emulation.registered
         state.save(state_path)
         root, built, root_seconds = ensure_root(cache, arch, progress)
+        state.root = str(root)
         if not built:
             progress(f"reusing the cached root {root}")
         key = run / "id_ed25519"
@@ -598,15 +747,11 @@ def up(n: int, arch: str = "amd64", deb: Optional[Path] = None, cache: Optional[
             state.nodes.append(entry)
             state.save(state_path)
             lines.append(_host_key_line(node, merged))
-            console = open(logs / f"{node.name}.console", "wb")
-            proc = subprocess.Popen(nspawn_argv(node, merged, plan.bridge), stdin=subprocess.DEVNULL,
-                                    stdout=console, stderr=subprocess.STDOUT, start_new_session=True)
-            console.close()
-            entry["pid"] = proc.pid
+            entry["pid"] = _boot(node, merged, plan.bridge, logs / f"{node.name}.console")
             state.save(state_path)
-            progress(f"booting {node.name} ({node.address}), nspawn pid {proc.pid}")
+            progress(f"booting {node.name} ({node.address}), nspawn pid {entry['pid']}")
             if needs_emulation(arch):
-                address_from_host(proc.pid, node, plan.prefix_len)
+                address_from_host(int(entry["pid"]), node, plan.prefix_len)
         known_hosts.write_text("".join(lines))
         for node in plan.nodes:
             wait_ssh(node.address, key, known_hosts, boot_timeout or BOOT_TIMEOUT[arch])
@@ -623,7 +768,10 @@ def up(n: int, arch: str = "amd64", deb: Optional[Path] = None, cache: Optional[
         state.save(state_path)
     except BaseException:
         progress("up failed: removing what it added")
-        down(cache, progress=lambda line: None, run=run)
+        try:
+            down(cache, progress=lambda line: None, run=run)
+        except TestbedError as exc:  # the failure of up is the error to report; this one is a line
+            progress(str(exc))
         raise
     return UpResult(nodes=[{"name": nd.name, "address": nd.address} for nd in plan.nodes], arch=arch,
                     inventory=str(inventory), key=str(key), known_hosts=str(known_hosts),
@@ -631,46 +779,75 @@ def up(n: int, arch: str = "amd64", deb: Optional[Path] = None, cache: Optional[
                     root_seconds=round(root_seconds, 1), seconds=round(time.monotonic() - started, 1))
 
 
-def _stop_nspawn(pid: int, timeout: float) -> None:
-    """SIGTERM makes nspawn ask the container's systemd to power off; SIGKILL what is left."""
-    if not _is_nspawn(pid):
-        return
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and _is_nspawn(pid):
-        time.sleep(0.2)
-    if _is_nspawn(pid):
+def _boot(node: Node, mount: Path, bridge: str, console: Path) -> int:
+    """Start nspawn on the node's disk (its console appended to `console`); returns nspawn's pid."""
+    with open(console, "ab") as out:
+        proc = subprocess.Popen(nspawn_argv(node, mount, bridge), stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    return proc.pid
+
+
+def _mounts_under(prefix: str) -> List[str]:
+    points = [_unescape(line.split()[1]) for line in Path("/proc/self/mounts").read_text().splitlines()]
+    return [point for point in points if point.startswith(prefix)]
+
+
+def _mounted(path: Path) -> bool:
+    return str(path) in _mounts_under(str(path))
+
+
+def _shut_down(machines: str, timeout: float) -> None:
+    """A clean shutdown of every container of the run, all at once: SIGTERM makes nspawn ask the
+    container's systemd to power off; waits up to `timeout` s for all of them."""
+    running = nspawns_under(machines)
+    for pid in running:
         try:
-            os.killpg(pid, signal.SIGKILL)
+            os.kill(pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
+    if running:
+        _wait_until(lambda: not nspawns_under(machines), timeout, step=0.2)
+
+
+def leftovers(run: Path, names: Iterable[str], bridge: Optional[str]) -> List[str]:
+    """What of a testbed is still on the host: processes on its disks, its nspawns, its mounts,
+    the nodes' veths, its bridge. Empty after a complete `down`."""
+    machines = f"{os.path.abspath(run / 'machines')}/"
+    left = [f"process {pid} on a disk of {run}" for pid in pids_on_disks(machines)]
+    left += [f"systemd-nspawn {pid}" for pid in nspawns_under(machines)]
+    left += [f"mount {m}" for m in _mounts_under(machines)]
+    left += [f"link {link}" for link in [f"vb-{n}" for n in names] + ([bridge] if bridge else [])
+             if Path(f"/sys/class/net/{link}").exists()]
+    return left
 
 
 def down(cache: Optional[Path] = None, progress: Progress = _stderr_progress, timeout: float = 30.0,
          run: Optional[Path] = None) -> List[str]:
-    """Remove everything `up` added to the host; returns what was removed. Safe to repeat."""
-    run = run or run_dir(cache or cache_dir())
+    """Remove everything `up` added to the host; returns what was removed. Safe to repeat.
+
+    The containers get a clean shutdown first; whatever still runs on a disk of this run after
+    `timeout` s, or was left there without its nspawn (an init outlives a killed nspawn), is then
+    cut off like a power cut. Then the mounts, veths, bridge and run directory. It ends by
+    checking that nothing of the testbed is left (`leftovers`), and says what is if something is."""
+    run = Path(os.path.abspath(run or run_dir(cache or cache_dir())))
+    machines = f"{run / 'machines'}/"
     state = State.load(run / STATE_FILE)
     removed: List[str] = []
     nodes = state.nodes if state else []
-    pids = [int(nd["pid"]) for nd in nodes if nd.get("pid")]
-    for pid in pids:
-        if _is_nspawn(pid):
-            os.kill(pid, signal.SIGTERM)
-    for nd in nodes:
-        if nd.get("pid"):
-            _stop_nspawn(int(nd["pid"]), timeout)
-            removed.append(f"container {nd['name']}")
-            progress(f"stopped {nd['name']}")
+    in_use = [*disks_in_use(machines).values(), *nspawn_directories(machines).values()]
+    booted = [str(nd["name"]) for nd in nodes
+              if any(path.startswith(f"{Path(str(nd['mount'])).parent}/") for path in in_use)]
+    _shut_down(machines, timeout)
+    cut = power_cut(machines)
+    for name in booted:
+        removed.append(f"container {name}")
+        progress(f"stopped {name}")
+    if cut:
+        removed.append(f"power cut: {cut} processes still running after the shutdown")
     # Mounts: those in the state, and any left under the run directory by an interrupted up.
-    mounts = {str(nd["mount"]) for nd in nodes if nd.get("mount")}
-    mounts |= {line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()
-               if line.split()[1].startswith(str(run / "machines") + "/")}
+    mounts = {str(nd["mount"]) for nd in nodes if nd.get("mount")} | set(_mounts_under(machines))
     for mount in sorted(mounts):
-        if subprocess.run(["mountpoint", "-q", mount]).returncode == 0:
+        if _mounted(Path(mount)):
             _run(["umount", mount], f"umount {mount}")
             removed.append(f"mount {mount}")
     # Only what this run directory's state names: without a state, nothing of this testbed was
@@ -686,6 +863,9 @@ def down(cache: Optional[Path] = None, progress: Progress = _stderr_progress, ti
         removed.append(f"bridge {bridge}")
     if state is not None:
         removed += binfmt_undo(Binfmt(state.binfmt_mounted, state.binfmt_registered))
+    left = leftovers(run, [str(nd["name"]) for nd in nodes], bridge)
+    if left:
+        raise TestbedError(f"down left {', '.join(left)} (the run directory {run} is kept)")
     if run.exists():
         shutil.rmtree(run)
         removed.append(f"directory {run}")
@@ -744,42 +924,105 @@ def _require_state(run: Path) -> State:
     return state
 
 
-def kill_node(name: str, run: Optional[Path] = None) -> None:
-    """A power cut: SIGKILL to the node's nspawn and everything in the container, no shutdown.
-    Its disk (the overlay's upper layer) stays; `start_node` boots it again."""
+@dataclass
+class Cut:
+    """What `kill_node` did: how many processes it sent SIGKILL to (the container's; its nspawn
+    only if it did not exit by itself) and how long until none of them ran; whether the disk went
+    too and how long emptying it took (deleting the files of its upper layer)."""
+    processes: int
+    seconds: float
+    wiped: bool = False
+    wipe_seconds: float = 0.0
+
+
+def _machine_dir(entry: Dict[str, object]) -> Path:
+    return Path(str(entry["mount"])).parent
+
+
+def kill_node(name: str, run: Optional[Path] = None, wipe: bool = False) -> Cut:
+    """A power cut: every process of the node's container ends at once and no shutdown runs.
+
+    SIGKILL to the container's init takes its whole PID namespace with it, then its nspawn goes
+    (`power_cut`); a signal to nspawn alone would leave the container's systemd running. The disk
+    (the overlay's upper layer) stays as it was at the cut and `start_node` boots it again. With
+    `wipe` the disk is lost too, as when a Pi's SD card dies: the overlay is unmounted and its
+    upper layer emptied, so the next `start_node` boots a fresh machine from the root image (a
+    node that is already off can be wiped too)."""
+    started = time.monotonic()
     run = run or run_dir(cache_dir())
-    state = _require_state(run)
-    entry = _node_entry(state, name)
-    pid = int(entry["pid"]) if entry.get("pid") else 0
-    if not pid or not _is_nspawn(pid):
+    entry = _node_entry(_require_state(run), name)
+    node_dir = f"{_machine_dir(entry)}/"
+    if not wipe and not (pids_on_disks(node_dir) or nspawns_under(node_dir)):
         raise TestbedError(f"{name} is not running")
-    os.killpg(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while _is_nspawn(pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    cut = Cut(processes=power_cut(node_dir), seconds=round(time.monotonic() - started, 2))
     veth = f"vb-{name}"
     if Path(f"/sys/class/net/{veth}").exists():  # gone with the container's namespace, normally
         subprocess.run(["ip", "link", "del", veth], capture_output=True)
+    if wipe:
+        started = time.monotonic()
+        _wipe_disk(_machine_dir(entry))
+        cut.wiped, cut.wipe_seconds = True, round(time.monotonic() - started, 2)
+    return cut
 
 
-def start_node(name: str, run: Optional[Path] = None, boot_timeout: Optional[float] = None) -> int:
-    """Boot a node that was killed (or powered off) again, on the same disk; returns nspawn's pid."""
+def _wipe_disk(machine: Path) -> None:
+    """Unmount the node's overlay and empty its upper and work directories (an overlay's layers
+    must not change while it is mounted): what is left is the root image alone."""
+    if _mounted(machine / "root"):
+        _run(["umount", str(machine / "root")], f"umount {machine / 'root'}")
+    for layer in (machine / "upper", machine / "work"):
+        for child in layer.iterdir() if layer.is_dir() else ():
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
+
+
+def _plan_of(state: State) -> Plan:
+    """The plan a running testbed was made from, as its state records it."""
+    nodes = tuple(Node(str(nd["name"]), str(nd["address"]), state.arch) for nd in state.nodes)
+    return Plan(nodes=nodes, arch=state.arch, bridge=str(state.bridge),
+                host_address=f"{nodes[0].address.rsplit('.', 1)[0]}.1")
+
+
+def _fresh_disk(state: State, node: Node, machine: Path, run: Path) -> None:
+    """Make a wiped node's disk as `up` made it: the root image with the testbed's identity of the
+    node on top (a new machine id and new SSH host keys, whose line in known_hosts is replaced)."""
+    lower = Path(state.root) if state.root else root_dir(cache_dir(), state.arch)
+    merged = _prepare_machine(node, _plan_of(state), lower, machine, (run / "id_ed25519.pub").read_text())
+    known_hosts = run / "known_hosts"
+    kept = [ln for ln in known_hosts.read_text().splitlines(keepends=True) if not ln.startswith(f"{node.address} ")]
+    known_hosts.write_text("".join(kept) + _host_key_line(node, merged))
+
+
+def start_node(name: str, run: Optional[Path] = None, boot_timeout: Optional[float] = None,
+               progress: Progress = lambda line: None) -> int:
+    """Boot a node that was killed (or powered off) again on its disk; returns nspawn's pid.
+
+    One machine per disk: while any process of the node's previous boot runs (its nspawn, or
+    anything on its disk) it refuses and names them; `kill_node` ends them. After a wipe the disk
+    is made again first (`_fresh_disk`): what the testbed itself put there is back, what Ansible
+    installed is not."""
     run = run or run_dir(cache_dir())
     state = _require_state(run)
     entry = _node_entry(state, name)
-    if entry.get("pid") and _is_nspawn(int(entry["pid"])):  # type: ignore[arg-type]
-        raise TestbedError(f"{name} is already running")
+    machine = _machine_dir(entry)
+    running = sorted(set(nspawns_under(f"{machine}/") + pids_on_disks(f"{machine}/")))
+    if running:
+        raise TestbedError(f"{name} is running (pids {', '.join(map(str, running))}); one machine per disk: "
+                           f"`fog-agent testbed kill {name}` first")
     node = Node(name, str(entry["address"]), state.arch)
-    with open(run / "logs" / f"{name}.console", "ab") as console:
-        proc = subprocess.Popen(nspawn_argv(node, Path(str(entry["mount"])), str(state.bridge)),
-                                stdin=subprocess.DEVNULL, stdout=console, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    entry["pid"] = proc.pid
+    mount = Path(str(entry["mount"]))
+    if not _mounted(mount):
+        _fresh_disk(state, node, machine, run)
+        progress(f"{name}: a fresh disk from the root image with the testbed's identity of the node; reinstall "
+                 f"the agent: ansible-playbook -i {state.inventory} site.yml --limit {name}")
+    entry["pid"] = _boot(node, mount, str(state.bridge), run / "logs" / f"{name}.console")
     state.save(run / STATE_FILE)
     if needs_emulation(state.arch):
-        address_from_host(proc.pid, node, PREFIX_LEN)
+        address_from_host(int(entry["pid"]), node, PREFIX_LEN)
     wait_ssh(node.address, run / "id_ed25519", run / "known_hosts", boot_timeout or BOOT_TIMEOUT[state.arch])
-    return proc.pid
+    return int(entry["pid"])  # type: ignore[arg-type]
 
 
 def partition(name: str, cut: bool, run: Optional[Path] = None) -> None:
