@@ -23,20 +23,21 @@ run with crashes emits exactly the outputs of a run without. What it adds to the
   (, f)] (a user fold, below);
 - late records to a side output. A record older than the watermark (the largest event time the
   instance has taken minus `lateness_ms`, as for every keyed operator) is counted
-  (`late_records` in the instance's stats) and, with `late = "emit"`, emitted downstream as
-  `{"late": true, "key", "time", "watermark", "record"}` (its time, the watermark it missed, the
-  record as it came) with an id of its key's like any output; the sink records it exactly once.
-  `late_split_sink` below publishes those to a topic of their own.
+  (`late_records` in the instance's stats) and, with `late = "emit"`, goes on downstream as it
+  came, marked with a field `"late": true`, under its own record id (the keyed state's
+  `forwards`: saved with the outputs, so the sink records it exactly once, on whichever instance
+  and in whichever batch it came). `late_split_sink` below publishes those to a topic of their own.
 
 One output per key and window once the watermark reaches its end: `{"key", "start", "end",
 <aggregate name>: value, ...}` (a session ends `gap_ms` after its last record). An aggregate that
 saw no value gives null (sum: 0, count: 0).
 
-How the late records reach the operator (the keyed state drops a late record before any operator
-sees it): `event_time` judges each record against the same watermark, record by record in arrival
-order, as the keyed state does (so the decision does not depend on batching), remembers the late
-ones and returns the watermark for them, which the keyed state takes as on time; `on_batch` then
-sends them to the side output instead of a window. For that it follows the largest event time the
+How the late records reach the side output (the keyed state drops a late record before any
+operator sees it): `forward` (with `late = "emit"`) and `event_time` judge each record against the
+same watermark, record by record in arrival order, as the keyed state does (so the decision does
+not depend on batching); a late one is forwarded marked, and `event_time` returns the watermark
+for it, which the keyed state takes as on time (nothing counted as dropped); `on_batch` then
+leaves it out of every window. For that it follows the largest event time the
 keyed state holds: both see the same records in the same order, and after a crash the operator
 reads it from the saved state (`<state_dir>/<instance>.keyed.json`, the file the worker restores
 from; `saved_max_time`). A record held while its key group moved here (the keyed state does not
@@ -88,6 +89,22 @@ def _number(rec: Any, field: str) -> Optional[float]:
 # ---- checking the params (check-config, and the worker when it builds the operator) --------------
 
 
+class Given:
+    """A value as check-config shows it after "got": arrays and tables as JSON (its default says
+    only "an array"). Equal to the value itself."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return json.dumps(self.value, separators=(", ", ": "))
+
+    def __eq__(self, other: Any) -> bool:
+        return (other.value if isinstance(other, Given) else other) == self.value
+
+    __hash__ = None  # type: ignore[assignment]
+
+
 def _aggregate_problem(spec: Any) -> Optional[str]:
     """What is wrong with one aggregate's spec (None: nothing), as "expected ..."."""
     if not isinstance(spec, list) or not spec or not isinstance(spec[0], str):
@@ -137,7 +154,7 @@ def _check(params: Dict[str, Any]) -> List[Tuple[str, str, Any]]:
                         f"({-(-size // MAX_WINDOWS_PER_RECORD)}: at most {MAX_WINDOWS_PER_RECORD} windows per record)", slide))
     aggs = params.get("aggregates")
     if not aggs:
-        out.append(("aggregates", 'expected a table of at least one name = ["<aggregate>", <args>...]', aggs))
+        out.append(("aggregates", 'expected a table of at least one name = ["<aggregate>", <args>...]', Given(aggs)))
     elif len(aggs) > MAX_AGGREGATES:
         out.append(("aggregates", f"expected at most {MAX_AGGREGATES} aggregates", len(aggs)))
     else:
@@ -148,7 +165,7 @@ def _check(params: Dict[str, Any]) -> List[Tuple[str, str, Any]]:
                 continue
             why = _aggregate_problem(spec)
             if why:
-                out.append((f"aggregates.{name}", why, spec))
+                out.append((f"aggregates.{name}", why, Given(spec) if isinstance(spec, (list, dict)) else spec))
     return out
 
 
@@ -279,12 +296,13 @@ class Window(KeyedOperator):
 
             resolve = node_allow_list().resolve  # the node's allow-list: never what the bus names alone
         self.aggs = [_Agg(name, spec, resolve, self.kind) for name, spec in p["aggregates"].items()]
+        # With late = "emit" the late records go on downstream with their own ids (`forward`).
+        self.forwards = self.emit_late
         # The largest event time taken, as the keyed state's `max_time` (see the module docstring).
         self._max: Optional[float] = saved_max_time(ctx) if ctx.restart else None
-        self._seen: Dict[int, Tuple[Any, float, Optional[float]]] = {}  # id(record) -> (record, time, watermark if late)
-        self._calls = False  # on_batch/on_notify called since the last event_time: a new batch clears _seen
+        self._seen: Dict[int, Tuple[Any, Optional[float], bool]] = {}  # id(record) -> (record, time, late)
+        self._calls = False  # on_batch/on_notify called since the last judgement: a new batch clears _seen
         self.late_records = 0
-        self.late_emitted = 0
         self.fold_errors = 0
 
     @staticmethod
@@ -293,30 +311,51 @@ class Window(KeyedOperator):
 
     # ---- lateness, record by record --------------------------------------------------------------
 
-    def event_time(self, record: Any) -> Optional[float]:
-        t = super().event_time(record)
-        if t is None:
-            return None
+    def _judge(self, record: Any) -> Tuple[Optional[float], bool]:
+        """(event time, late?) of a record the keyed state applies, judged once, in arrival order,
+        against the watermark the keyed state has at that point; a late one is counted."""
         if self._calls:
             self._seen.clear()
             self._calls = False
+        seen = self._seen.get(id(record))
+        if seen is not None and seen[0] is record:
+            return seen[1], seen[2]
+        t = super().event_time(record)
+        if t is None:
+            return None, False  # not kept: the keyed state drops it (no_event_time), no on_batch clears it
+        late = False
         m = self._max
         if m is not None and t < m - self.lateness_ms:
-            wm = m - self.lateness_ms
-            self._seen[id(record)] = (record, t, wm)
-            return wm  # not late for the keyed state: on_batch sends it to the side output
-        if m is None or t > m:
+            late = True
+            self.late_records += 1
+        elif m is None or t > m:
             self._max = t
-        self._seen[id(record)] = (record, t, None)
+        # Kept until the next batch: every record with a time reaches on_batch (the late ones too).
+        self._seen[id(record)] = (record, t, late)
+        return t, late
+
+    def forward(self, record: Any) -> bool:
+        """With late = "emit": the late records go on, marked (called just before `event_time`)."""
+        t, late = self._judge(record)
+        if late:
+            record["late"] = True  # a top-level field of our own copy of the record (docs/operators.md)
+        return late
+
+    def event_time(self, record: Any) -> Optional[float]:
+        t, late = self._judge(record)
+        if late:
+            # The keyed state would count it (late_dropped) and drop it; it went on already (or is
+            # only counted): handed on as on time, and `on_batch` skips it.
+            return self._max - self.lateness_ms  # type: ignore[operator]
         return t
 
-    def _time(self, rec: Any) -> Tuple[float, Optional[float]]:
+    def _time(self, rec: Any) -> Tuple[float, bool]:
         seen = self._seen.get(id(rec))
         if seen is not None and seen[0] is rec:
-            return seen[1], seen[2]
-        t = super().event_time(rec)  # called without event_time first (not by the keyed state)
+            return seen[1], seen[2]  # type: ignore[return-value]
+        t = super().event_time(rec)  # given without event_time first (not by the keyed state): on time
         assert t is not None
-        return t, None
+        return t, False
 
     # ---- the windows -------------------------------------------------------------------------------
 
@@ -330,23 +369,19 @@ class Window(KeyedOperator):
 
     def on_batch(self, key: Any, records: List[Any], state: Any) -> Tuple[List[Any], Any]:
         self._calls = True
-        out: List[Any] = []
+        wins = state
         for rec in records:
-            t, late_wm = self._time(rec)
-            if late_wm is not None:
-                self.late_records += 1
-                if self.emit_late:
-                    self.late_emitted += 1
-                    out.append({"late": True, "key": key, "time": t, "watermark": late_wm, "record": rec})
-                continue
+            t, late = self._time(rec)
+            if late:
+                continue  # counted, and forwarded with late = "emit"
             try:
-                state = self._session_add(state, t, rec) if self.kind == "session" else self._window_add(state, t, rec)
+                wins = self._session_add(wins, t, rec) if self.kind == "session" else self._window_add(wins, t, rec)
             except Exception:  # noqa: BLE001 - the user's fold: the record is skipped (checked before any change)
                 self.fold_errors += 1
-        return out, state
+        return [], wins
 
-    def _window_add(self, state: Any, t: float, rec: Any) -> Any:
-        wins: Dict[str, List[Any]] = state if state is not None else {}
+    def _window_add(self, wins: Any, t: float, rec: Any) -> Any:
+        wins = wins if wins is not None else {}
         new = {}
         for s in self._starts(t):
             k = str(s)
@@ -355,8 +390,8 @@ class Window(KeyedOperator):
         wins.update(new)  # every window computed first: a fold that raises changes none
         return wins
 
-    def _session_add(self, state: Any, t: float, rec: Any) -> Any:
-        sessions: List[List[Any]] = state if state is not None else []
+    def _session_add(self, sessions: Any, t: float, rec: Any) -> Any:
+        sessions = sessions if sessions is not None else []
         lo, hi = t, t + self.gap
         touching = [s for s in sessions if s[0] < hi and lo < s[1]]
         accs = [a.new() for a in self.aggs]
@@ -398,7 +433,7 @@ class Window(KeyedOperator):
         return out, (state or None)
 
     def stats(self) -> Dict[str, Any]:
-        return {"late_records": self.late_records, "late_emitted": self.late_emitted, "fold_errors": self.fold_errors}
+        return {"late_records": self.late_records, "fold_errors": self.fold_errors}
 
 
 window = Window
