@@ -18,7 +18,7 @@ import pytest
 from agent.instance.keyed_state import KeyedState
 from agent.operators.admission import BUILTIN, node_allow_list
 from agent.operators.builtin import OperatorContext, check_params
-from agent.operators.windows import late_split_sink, window
+from agent.operators.windows import late_split_sink, saved_max_time, window
 from agent.testing import KeyedHarness, run_pipeline
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -332,3 +332,20 @@ def test_a_restarted_window_reads_the_largest_event_time_its_keyed_state_restore
     ks2.restore(loaded)
     (late,) = ks2.apply("p", [("src", 1, {"sensor": "b", "t": 50.0, "temp": 2})], 2)
     assert late[2]["late"] is True and ks2.stats()["late_records"] == 1
+
+
+def test_the_window_reads_the_saved_event_time_as_the_keyed_state_loads_it(tmp_path: Path) -> None:
+    """saved_max_time reads the state file itself (agent.instance is a layer above operators):
+    snapshot, log lines of its generation, a torn last line."""
+    ctx = OperatorContext("p.w.0", "w", "n", "map", params=params_of(0), state_dir=tmp_path, restart=True)
+    path = tmp_path / "p.w.0.keyed.json"
+    assert saved_max_time(ctx) is None
+    ks = KeyedState(window.build(ctx), "w", "sensor", 16)
+    for i, (t, newest) in enumerate([(100.0, 100.0), (130.0, 130.0), (129.0, 130.0), (170.0, 170.0)]):
+        ks.apply("p", [("src", i, {"sensor": f"s{i}", "t": t, "temp": 1})], i + 1)
+        ks.save(path)  # a snapshot, then lines of its log
+        loaded = KeyedState.load(path)
+        assert loaded is not None and saved_max_time(ctx) == loaded["max_time"] == newest * 1000
+    with open(path.with_name(path.name + ".log"), "ab") as fh:
+        fh.write(b'{"gen": 1, "max_time": 9')  # torn: ignored by both
+    assert saved_max_time(ctx) == KeyedState.load(path)["max_time"] == 170_000.0  # type: ignore[index]

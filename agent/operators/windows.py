@@ -251,15 +251,31 @@ class _Agg:
 
 
 def saved_max_time(ctx: OperatorContext) -> Optional[float]:
-    """The largest event time in the keyed state a restarted instance restores (the snapshot and
-    log the worker reads, `<state_dir>/<instance>.keyed.json`); None without one."""
-    from agent.instance.keyed_state import KeyedState  # the state's own reader; imported late (it imports us)
-
+    """The largest event time in the keyed state a restarted instance restores: `max_time` of the
+    snapshot `<state_dir>/<instance>.keyed.json` the worker reads, as the lines of its log (of the
+    snapshot's generation, up to the first torn one) leave it; None without one. Read here as
+    `agent.instance.keyed_state.KeyedState.load` reads it (a layer above this one: not imported;
+    tests/test_windows.py checks that the two agree)."""
+    path = Path(ctx.state_dir) / f"{ctx.instance}.keyed.json"
     try:
-        data = KeyedState.load(Path(ctx.state_dir) / f"{ctx.instance}.keyed.json")
+        data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    mt = data.get("max_time") if data else None
+    mt = data.get("max_time") if isinstance(data, dict) else None
+    gen = data.get("gen") if isinstance(data, dict) else None
+    try:
+        lines = path.with_name(path.name + ".log").read_bytes().split(b"\n")
+    except OSError:
+        lines = []
+    for raw in lines:
+        if not raw:
+            continue
+        try:
+            d = json.loads(raw)
+        except ValueError:
+            break  # torn by a power cut: never acked
+        if isinstance(d, dict) and d.get("gen") == gen:
+            mt = d.get("max_time")
     return float(mt) if isinstance(mt, (int, float)) and not isinstance(mt, bool) else None
 
 
