@@ -80,6 +80,7 @@ def test_a_session_ends_a_gap_after_its_last_record_and_sessions_a_record_bridge
     params = {"kind": "session", "gap_ms": 5_000, "time_field": "t", "lateness_ms": 10_000, "late": "emit",
               "aggregates": {"n": ["count"], "s": ["sum", "v"], "hi": ["max", "v"], "m": ["mean", "v"]}}
     h = run_window(params, SESSION, tmp_path)
+    assert [type(x["start"]) for x in h.records() if "start" in x] == [int, int]  # whole ms as integers
     assert h.records() == [
         {"key": "a", "start": 1_000, "end": 8_000, "n": 2, "s": 3, "hi": 2, "m": 1.5},  # fired when t=20 came
         # t=2 of b is older than the watermark (20 s - 10 s): the side output, as it came, marked
@@ -121,14 +122,14 @@ def test_the_split_sink_publishes_the_side_output_to_a_topic_of_its_own() -> Non
 
 # ---- a user fold from the node's allow-list -----------------------------------------------------------
 
-FOLD_MODULE = '''
-def spread(acc, value):
-    return [value, value] if acc is None else [min(acc[0], value), max(acc[1], value)]
+def docs_fold() -> str:
+    """The fold printed in docs/operators.md ("Your own fold"), as printed."""
+    text = (ROOT / "docs" / "operators.md").read_text()
+    section = text[text.index("**Your own fold.**"):]
+    return section[section.index("```python\n") + 10:section.index("\n```", section.index("```python"))]
 
-def _merge(a, b):
-    return [min(a[0], b[0]), max(a[1], b[1])]
 
-spread.merge = _merge
+FOLD_MODULE = docs_fold() + '''
 
 def squares(acc, value):
     return (acc or 0) + value * value
@@ -148,6 +149,7 @@ def fold_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str
 
 
 def test_a_user_fold_on_the_allow_list_aggregates_windows_and_merges_sessions(fold_module: str, tmp_path: Path) -> None:
+    """The docs' fold (spread, with its merge) in session windows; one without merge is refused there."""
     params = {"kind": "session", "gap_ms": 5_000, "time_field": "t", "lateness_ms": 10_000,
               "aggregates": {"spread": ["fold", f"{fold_module}:spread", "v"], "n": ["count"]}}
     assert [x.get("spread") for x in run_window(params, SESSION, tmp_path / "s").records()] == [[1, 2], [4, 16]]

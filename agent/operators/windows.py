@@ -49,7 +49,8 @@ allow-list (agent.operators.admission: an entry point or a public function of a 
 `[operators] modules`), resolved through that list when the operator is built, never imported
 because a pipeline names it. `fold(acc, value) -> acc`: `acc` is None for a window's first value,
 `value` the record's field f (records without it are skipped) or the whole record when no field is
-given; the window's result is the last acc. It must be deterministic and return a small JSON value
+given; the window's result is the last acc. It must be deterministic, return a new acc rather
+than change the one it got (a call that raises must leave it as it was), and return a small JSON value
 (at most MAX_FOLD_BYTES as JSON; a record it raises on, or whose acc is not such a value, is
 skipped for the whole window and counted in `fold_errors`). Session windows merge accumulators:
 there the function needs a `merge(acc1, acc2) -> acc` attribute.
@@ -279,6 +280,12 @@ def saved_max_time(ctx: OperatorContext) -> Optional[float]:
     return float(mt) if isinstance(mt, (int, float)) and not isinstance(mt, bool) else None
 
 
+def _ms(t: float) -> Any:
+    """A time in ms as the output shows it: whole milliseconds as an integer (a session's bounds
+    come from event times, which are floats)."""
+    return int(t) if isinstance(t, float) and t.is_integer() else t
+
+
 # ---- the operator ----------------------------------------------------------------------------------
 
 
@@ -428,7 +435,7 @@ class Window(KeyedOperator):
         return float(min(int(s) for s in state) + self.size)
 
     def _row(self, key: Any, start: float, end: float, accs: List[Any]) -> Dict[str, Any]:
-        row: Dict[str, Any] = {"key": key, "start": start, "end": end}
+        row: Dict[str, Any] = {"key": key, "start": _ms(start), "end": _ms(end)}
         for a, acc in zip(self.aggs, accs):
             row[a.name] = a.result(acc)
         return row
