@@ -22,7 +22,7 @@ LAYERS = [
     ["instance"],
     ["node"],
     ["fogctl", "collector"],
-    ["sim", "analytics"],
+    ["sim", "analytics", "testing"],
     ["tools"],
     ["cli", "__main__"],
 ]

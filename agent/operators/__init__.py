@@ -3,7 +3,8 @@ sources, and the node's allow-list of what may be imported (docs/operators.md).
 
 Import the API from here (`from agent.operators import OperatorContext, Param, record_map`);
 the built-ins are named in pipelines as `agent.operators.builtin:<name>` and
-`agent.operators.taxi:<name>`; the keyed ones `agent.operators.keyed:<name>`."""
+`agent.operators.taxi:<name>`; the keyed ones `agent.operators.keyed:<name>`, and the declarative
+windows `agent.operators.windows:window` (with `late_split_sink`)."""
 
 from agent.operators.builtin import (
     MapOperator,

@@ -7,7 +7,7 @@ code on any node (`function = "builtins:exec"`). So the functions a node may imp
 the node, never by a request:
 
 - the built-in operators (`BUILTIN`: `agent.operators.builtin`, the keyed ones of
-  `agent.operators.keyed`, `agent.operators.debs` and the taxi sources);
+  `agent.operators.keyed`, `agent.operators.windows`, `agent.operators.debs` and the taxi sources);
 - the operators installed packages register in the entry-point group `fog_agent.operators`
   (`name = "module:attr"`): exactly those "module:attr" values;
 - the public functions of the modules the node's own agent.toml lists
@@ -80,6 +80,8 @@ BUILTIN: FrozenSet[str] = frozenset({
     "agent.operators.keyed:tumbling_window",
     "agent.operators.keyed:sliding_window",
     "agent.operators.keyed:top_k",
+    "agent.operators.windows:window",
+    "agent.operators.windows:late_split_sink",
     "agent.operators.debs:top_routes",
     "agent.operators.debs:route_counts",
     "agent.operators.debs:merge_top_routes",
