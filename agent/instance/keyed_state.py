@@ -101,8 +101,8 @@ class KeyedState:
         self._dirty_pos: Dict[str, None] = {}  # sources whose `applied` changed since the last save
         self._out_new: List[Item] = []  # outputs added since the last save
         self._out_dropped = 0  # outputs pruned from the front since the last save
-        self.counts = {"keyed_applied": 0, "duplicates_skipped": 0, "late_dropped": 0, "no_event_time": 0,
-                       "keyed_outputs": 0, "keyed_errors": 0, "state_saves": 0}
+        self.counts = {"keyed_applied": 0, "duplicates_skipped": 0, "late_dropped": 0, "late_sent": 0,
+                       "no_event_time": 0, "keyed_outputs": 0, "keyed_errors": 0, "state_saves": 0}
 
     # ---- the watermark ---------------------------------------------------------------------------
 
@@ -138,6 +138,8 @@ class KeyedState:
         forwards = op.forwards
         # the operator's filter on what it forwards, if it has one (a method call per record otherwise saved)
         fwd_filter = op.forward if forwards and type(op).forward is not KeyedOperator.forward else None
+        # the operator's side output for late records, if it has one
+        on_late = op.on_late if type(op).on_late is not KeyedOperator.on_late else None
         last_src, a = None, None
         for src, seq, rec in items:
             if src != last_src:
@@ -163,6 +165,11 @@ class KeyedState:
                 wm = self.watermark
                 if judge_late and wm is not None and t < wm:
                     self.counts["late_dropped"] += 1
+                    if on_late is not None and not forwards:
+                        side = on_late(rec)
+                        if side is not None:
+                            forwarded.append((src, seq, side))
+                            self.counts["late_sent"] += 1
                     continue
                 if self.max_time is None or t > self.max_time:
                     self.max_time = t

@@ -117,6 +117,12 @@ class KeyedOperator(Operator):
             return None
         return parse_event_time(record.get(self.time_field), self.time_unit)
 
+    def on_late(self, record: Any) -> Optional[Any]:
+        """A record older than the watermark, left out of every window (counted `late_dropped`):
+        what to send on downstream in its place, under its own record id (a side output, saved
+        with the outputs, so the sink gets it once), or None (the default: dropped, counted)."""
+        return None
+
     def forward(self, record: Any) -> bool:
         """With `forwards`: does this applied record go on to the successor? (default: every one).
         A merge stage that consumes another keyed operator's outputs but passes the trips on says

@@ -22,27 +22,16 @@ run with crashes emits exactly the outputs of a run without. What it adds to the
   (the k largest values of f, largest first, k <= MAX_TOP_K) and ["fold", "module:function"
   (, f)] (a user fold, below);
 - late records to a side output. A record older than the watermark (the largest event time the
-  instance has taken minus `lateness_ms`, as for every keyed operator) is counted
-  (`late_records` in the instance's stats) and, with `late = "emit"`, goes on downstream as it
-  came, marked with a field `"late": true`, under its own record id (the keyed state's
-  `forwards`: saved with the outputs, so the sink records it exactly once, on whichever instance
-  and in whichever batch it came). `late_split_sink` below publishes those to a topic of their own.
+  instance has taken minus `lateness_ms`, as for every keyed operator) is left out of every window
+  and counted (`late_dropped` in the instance's stats); with `late = "emit"` it also goes on
+  downstream as it came, marked with a field `"late": true`, under its own record id (the keyed
+  state's `on_late` side output: saved with the outputs, so the sink records it exactly once, on
+  whichever instance and in whichever batch it came; counted `late_sent`). `late_split_sink`
+  below publishes those to a topic of their own.
 
 One output per key and window once the watermark reaches its end: `{"key", "start", "end",
 <aggregate name>: value, ...}` (a session ends `gap_ms` after its last record). An aggregate that
 saw no value gives null (sum: 0, count: 0).
-
-How the late records reach the side output (the keyed state drops a late record before any
-operator sees it): `forward` (with `late = "emit"`) and `event_time` judge each record against the
-same watermark, record by record in arrival order, as the keyed state does (so the decision does
-not depend on batching); a late one is forwarded marked, and `event_time` returns the watermark
-for it, which the keyed state takes as on time (nothing counted as dropped); `on_batch` then
-leaves it out of every window. For that it follows the largest event time the
-keyed state holds: both see the same records in the same order, and after a crash the operator
-reads it from the saved state (`<state_dir>/<instance>.keyed.json`, the file the worker restores
-from; `saved_max_time`). A record held while its key group moved here (the keyed state does not
-judge those late) is judged here all the same: it goes to the side output rather than into a
-window the new owner may have emitted already.
 
 A user fold: `["fold", "mylab.ops:fold", "temp"]` names a function on the node's operator
 allow-list (agent.operators.admission: an entry point or a public function of a module listed in
@@ -60,7 +49,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from agent.operators.builtin import MqttSink, OperatorContext, Param, Publication
@@ -68,7 +56,7 @@ from agent.operators.builtin import check_params as _check_params
 from agent.operators.keyed import EVENT_TIME_PARAMS, KeyedOperator
 from agent.refs import parse_ref
 
-__all__ = ["window", "Window", "late_split_sink", "AGGREGATES", "KINDS", "saved_max_time", "MAX_WINDOWS_PER_RECORD",
+__all__ = ["window", "Window", "late_split_sink", "AGGREGATES", "KINDS", "MAX_WINDOWS_PER_RECORD",
            "MAX_TOP_K", "MAX_AGGREGATES", "MAX_FOLD_BYTES"]
 
 KINDS = ("tumbling", "sliding", "session")
@@ -251,35 +239,6 @@ class _Agg:
         return acc
 
 
-def saved_max_time(ctx: OperatorContext) -> Optional[float]:
-    """The largest event time in the keyed state a restarted instance restores: `max_time` of the
-    snapshot `<state_dir>/<instance>.keyed.json` the worker reads, as the lines of its log (of the
-    snapshot's generation, up to the first torn one) leave it; None without one. Read here as
-    `agent.instance.keyed_state.KeyedState.load` reads it (a layer above this one: not imported;
-    tests/test_windows.py checks that the two agree)."""
-    path = Path(ctx.state_dir) / f"{ctx.instance}.keyed.json"
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    mt = data.get("max_time") if isinstance(data, dict) else None
-    gen = data.get("gen") if isinstance(data, dict) else None
-    try:
-        lines = path.with_name(path.name + ".log").read_bytes().split(b"\n")
-    except OSError:
-        lines = []
-    for raw in lines:
-        if not raw:
-            continue
-        try:
-            d = json.loads(raw)
-        except ValueError:
-            break  # torn by a power cut: never acked
-        if isinstance(d, dict) and d.get("gen") == gen:
-            mt = d.get("max_time")
-    return float(mt) if isinstance(mt, (int, float)) and not isinstance(mt, bool) else None
-
-
 def _ms(t: float) -> Any:
     """A time in ms as the output shows it: whole milliseconds as an integer (a session's bounds
     come from event times, which are floats)."""
@@ -319,66 +278,15 @@ class Window(KeyedOperator):
 
             resolve = node_allow_list().resolve  # the node's allow-list: never what the bus names alone
         self.aggs = [_Agg(name, spec, resolve, self.kind) for name, spec in p["aggregates"].items()]
-        # With late = "emit" the late records go on downstream with their own ids (`forward`).
-        self.forwards = self.emit_late
-        # The largest event time taken, as the keyed state's `max_time` (see the module docstring).
-        self._max: Optional[float] = saved_max_time(ctx) if ctx.restart else None
-        self._seen: Dict[int, Tuple[Any, Optional[float], bool]] = {}  # id(record) -> (record, time, late)
-        self._calls = False  # on_batch/on_notify called since the last judgement: a new batch clears _seen
-        self.late_records = 0
         self.fold_errors = 0
 
     @staticmethod
     def check_params(params: Dict[str, Any]) -> List[Tuple[str, str, Any]]:
         return _check(params)
 
-    # ---- lateness, record by record --------------------------------------------------------------
-
-    def _judge(self, record: Any) -> Tuple[Optional[float], bool]:
-        """(event time, late?) of a record the keyed state applies, judged once, in arrival order,
-        against the watermark the keyed state has at that point; a late one is counted."""
-        if self._calls:
-            self._seen.clear()
-            self._calls = False
-        seen = self._seen.get(id(record))
-        if seen is not None and seen[0] is record:
-            return seen[1], seen[2]
-        t = super().event_time(record)
-        if t is None:
-            return None, False  # not kept: the keyed state drops it (no_event_time), no on_batch clears it
-        late = False
-        m = self._max
-        if m is not None and t < m - self.lateness_ms:
-            late = True
-            self.late_records += 1
-        elif m is None or t > m:
-            self._max = t
-        # Kept until the next batch: every record with a time reaches on_batch (the late ones too).
-        self._seen[id(record)] = (record, t, late)
-        return t, late
-
-    def forward(self, record: Any) -> bool:
-        """With late = "emit": the late records go on, marked (called just before `event_time`)."""
-        t, late = self._judge(record)
-        if late:
-            record["late"] = True  # a top-level field of our own copy of the record (docs/operators.md)
-        return late
-
-    def event_time(self, record: Any) -> Optional[float]:
-        t, late = self._judge(record)
-        if late:
-            # The keyed state would count it (late_dropped) and drop it; it went on already (or is
-            # only counted): handed on as on time, and `on_batch` skips it.
-            return self._max - self.lateness_ms  # type: ignore[operator]
-        return t
-
-    def _time(self, rec: Any) -> Tuple[float, bool]:
-        seen = self._seen.get(id(rec))
-        if seen is not None and seen[0] is rec:
-            return seen[1], seen[2]  # type: ignore[return-value]
-        t = super().event_time(rec)  # given without event_time first (not by the keyed state): on time
-        assert t is not None
-        return t, False
+    def on_late(self, record: Any) -> Optional[Any]:
+        """With late = "emit": the late record goes on, marked (the keyed state's side output)."""
+        return dict(record, late=True) if self.emit_late and isinstance(record, dict) else None
 
     # ---- the windows -------------------------------------------------------------------------------
 
@@ -391,12 +299,10 @@ class Window(KeyedOperator):
         return [a.add(acc, rec) for a, acc in zip(self.aggs, accs)]
 
     def on_batch(self, key: Any, records: List[Any], state: Any) -> Tuple[List[Any], Any]:
-        self._calls = True
         wins = state
         for rec in records:
-            t, late = self._time(rec)
-            if late:
-                continue  # counted, and forwarded with late = "emit"
+            t = self.event_time(rec)
+            assert t is not None  # the keyed state hands on only records with an event time
             try:
                 wins = self._session_add(wins, t, rec) if self.kind == "session" else self._window_add(wins, t, rec)
             except Exception:  # noqa: BLE001 - the user's fold: the record is skipped (checked before any change)
@@ -441,7 +347,6 @@ class Window(KeyedOperator):
         return row
 
     def on_notify(self, key: Any, state: Any, watermark: float) -> Tuple[List[Any], Any]:
-        self._calls = True
         out = []
         if self.kind == "session":
             for s in sorted(state, key=lambda s: (s[1], s[0])):
@@ -456,7 +361,7 @@ class Window(KeyedOperator):
         return out, (state or None)
 
     def stats(self) -> Dict[str, Any]:
-        return {"late_records": self.late_records, "fold_errors": self.fold_errors}
+        return {"fold_errors": self.fold_errors}
 
 
 window = Window
