@@ -25,7 +25,7 @@ def register(groups: Any) -> None:
 
     u = sub.add_parser("up", help="start the broker and the agents, wait until fogctl sees every agent online")
     u.add_argument("--agents", type=int, default=None, help="how many agents, n1..nN (default 3)")
-    u.add_argument("--cluster", default="dev", help="cluster name (default dev)")
+    u.add_argument("--cluster", default=None, help="cluster name (default dev)")
     u.add_argument("--allow", action="append", default=[], metavar="MODULE",
                    help="also allow this operator module on every agent (on your PYTHONPATH); repeatable")
     u.set_defaults(func=up_cmd)

@@ -323,7 +323,7 @@ def agent_env(env: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
     modules, named with --allow)."""
     env = dict(os.environ if env is None else env)
     paths = [str(ROOT)] + ([str(EXAMPLE_OPS)] if (EXAMPLE_OPS / "fog_example_ops").is_dir() else [])
-    paths += [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    paths += [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]  # agents run in DIR/<node>
     env["PYTHONPATH"] = os.pathsep.join(paths)
     env.pop("FOG_AGENT_CONFIG", None)  # each agent is told its file
     return env
@@ -354,7 +354,7 @@ def _validate(agents: int, cluster: str, allow: Sequence[str], directory: Path) 
         raise DevError(f"--dir {str(directory)!r} contains white space, which mosquitto.conf cannot hold: choose another")
 
 
-def up(directory: Path, agents: Optional[int] = None, cluster: str = DEFAULT_CLUSTER, allow: Sequence[str] = (),
+def up(directory: Path, agents: Optional[int] = None, cluster: Optional[str] = None, allow: Sequence[str] = (),
        bound: float = ONLINE_BOUND, say: Any = None) -> Dict[str, Any]:
     """Start (or find running) the dev fleet in `directory`; return what `--json` prints.
 
@@ -366,7 +366,7 @@ def up(directory: Path, agents: Optional[int] = None, cluster: str = DEFAULT_CLU
 
     directory = Path(os.path.abspath(directory))
     n = DEFAULT_AGENTS if agents is None else agents
-    _validate(n, cluster, allow, directory)
+    _validate(n, DEFAULT_CLUSTER if cluster is None else cluster, allow, directory)
     if not os.path.exists(MOSQUITTO):
         raise DevError("mosquitto is not installed: run `make setup` (apt-get install mosquitto)")
     _prepare_dir(directory)
@@ -375,13 +375,15 @@ def up(directory: Path, agents: Optional[int] = None, cluster: str = DEFAULT_CLU
         old = DevFleet.load(directory)
         if old is not None:
             running = {k: v for k, v in old.running().items() if v}
-            if running and len(running) == len(old.nodes) + 1 and agents in (None, len(old.nodes)):
+            same = agents in (None, len(old.nodes)) and cluster in (None, old.cluster)
+            if running and len(running) == len(old.nodes) + 1 and same:
                 return _report(old, "already-up", time.monotonic() - t0)
             if running:
                 what = ", ".join(f"{k} (pid {v})" for k, v in running.items())
-                raise DevError(f"a dev fleet with {len(old.nodes)} agent(s) runs in {directory} ({what}): "
-                               f"stop it first with `fog-agent dev down --dir {directory}`")
+                raise DevError(f"a dev fleet with {len(old.nodes)} agent(s), cluster {old.cluster}, runs in {directory} "
+                               f"({what}): stop it first with `fog-agent dev down --dir {directory}`")
         port = old.port if old is not None and _port_free(old.port) else free_port()
+        cluster = DEFAULT_CLUSTER if cluster is None else cluster
         fleet = DevFleet(directory, port, cluster, tuple(f"n{i}" for i in range(1, n + 1)))
         modules = list(dict.fromkeys(([EXAMPLE_MODULE] if (EXAMPLE_OPS / "fog_example_ops").is_dir() else [])
                                      + list(allow)))
@@ -416,6 +418,11 @@ def up(directory: Path, agents: Optional[int] = None, cluster: str = DEFAULT_CLU
             _wait_online(fleet, procs, started, bound)
         except BaseException:
             _stop(fleet)  # KeyboardInterrupt and SIGTERM (agent.cli.main.Terminated) too
+            for proc in procs.values():  # one interrupted before its pid file was written
+                if proc.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
             raise
     return _report(fleet, "up", time.monotonic() - t0)
 
