@@ -407,6 +407,10 @@ def up(directory: Path, agents: Optional[int] = None, cluster: Optional[str] = N
             except TimeoutError:
                 raise DevError(f"mosquitto did not start on {HOST}:{port}: {_tail(blog) or 'no log'} "
                                f"({blog})") from None
+            if procs["broker"].poll() is not None:  # what answered is another program, on a port taken meanwhile
+                raise DevError(f"mosquitto exited at its start on {HOST}:{port}: {_tail(blog) or 'no log'} ({blog})")
+            if old is not None and old.cluster == cluster:
+                _forget(fleet, [n for n in old.nodes if n not in fleet.nodes])
             env = agent_env()
             for node in fleet.nodes:
                 procs[node] = _spawn([sys.executable, "-m", "agent", "run", "--config", str(fleet.agent_conf(node))],
@@ -425,6 +429,26 @@ def up(directory: Path, agents: Optional[int] = None, cluster: Optional[str] = N
                     proc.wait()
             raise
     return _report(fleet, "up", time.monotonic() - t0)
+
+
+def _forget(fleet: DevFleet, nodes: Sequence[str]) -> None:
+    """Clear the retained records of the nodes an earlier, larger fleet had in this DIR: the
+    persistent broker kept them, and `fogctl status` would list those nodes as offline forever."""
+    if not nodes:
+        return
+    from agent import topics
+    from agent.fogctl.client import Connection, FogctlError
+    from agent.fogctl.config import load_config
+
+    try:
+        with Connection(load_config(path=fleet.fogctl_config, env={})) as conn:
+            for n in nodes:
+                for topic in (topics.agent_state(fleet.cluster, n), topics.agent_status(fleet.cluster, n),
+                              topics.latency(fleet.cluster, n), topics.agent_hosted(fleet.cluster, n),
+                              topics.agent_rehomed(fleet.cluster, n)):
+                    conn.publish(topic, b"", retain=True)
+    except FogctlError as exc:
+        raise DevError(f"cannot clear the records of the former nodes {', '.join(nodes)}: {exc}") from None
 
 
 def _wait_online(fleet: DevFleet, procs: Mapping[str, "subprocess.Popen[bytes]"], started: float,
