@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-k", "--keepalive", type=int, help="MQTT keepalive in seconds")
     g.add_argument("--timeout", type=float, help="seconds to wait for the broker and for replies (default 5)")
     g.add_argument("--config", help="settings file (default $FOGCTL_CONFIG or ~/.config/fogctl.toml)")
+    g.add_argument("--agent-config", dest="agent_config", metavar="AGENT_TOML",
+                   help="take broker, cluster, credentials and TLS files from an agent.toml instead")
     parser.add_argument("--json", action="store_true", help="machine-readable JSON output")
 
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -122,11 +124,15 @@ def main(argv: Optional[Sequence[str]] = None, connect: Optional[Callable[..., A
         # falling back to the defaults would talk to another broker than the one the user chose.
         import os
 
-        named = args.config or os.environ.get("FOGCTL_CONFIG")
+        if args.config and args.agent_config:
+            raise ConfigError("--config", "", "give either --config (a fogctl.toml) or --agent-config "
+                              "(an agent.toml), not both")
+        named = args.agent_config or args.config or os.environ.get("FOGCTL_CONFIG")
         if named and not Path(named).is_file():
-            where = "--config" if args.config else "$FOGCTL_CONFIG"
+            where = "--agent-config" if args.agent_config else "--config" if args.config else "$FOGCTL_CONFIG"
             raise ConfigError(named, "", f"no such settings file (named by {where})")
-        cfg = load_config(_overrides(args), path=Path(args.config) if args.config else None)
+        cfg = load_config(_overrides(args), path=Path(args.config) if args.config else None,
+                          agent_config=Path(args.agent_config) if args.agent_config else None)
         ctx = Context(cfg, connect or Connection)
         return COMMANDS[args.command](args, ctx)
     except BrokerUnreachable as exc:

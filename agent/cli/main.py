@@ -31,6 +31,7 @@ COMMAND_MODULES = (
     "agent.cli.chaos_cmd",     # chaos
     "agent.cli.fuzz_cmd",      # bench fuzz
     "agent.cli.testbed_cmd",   # testbed up/down/ssh
+    "agent.cli.dev_cmd",       # dev up/status/down
 )
 
 LOG_LEVELS = ("debug", "info", "warning", "error")

@@ -1,9 +1,13 @@
-"""fogctl settings: defaults < ~/.config/fogctl.toml < FOGCTL_* environment < command-line options.
+"""fogctl settings: defaults < ~/.config/fogctl.toml (or an agent.toml) < FOGCTL_* environment < options.
 
 Why three layers: an operator's laptop keeps the broker and TLS files in the TOML file once, a CI
 job sets environment variables, and a one-off look at another cluster uses options. The file is
 checked with `agent.schema.load_dataclass`, so a misspelt key is an error that names file and key
 instead of a silent fallback to localhost.
+
+An agent.toml can stand in for the file (`fogctl --agent-config agent.toml`): a node's file (or the
+one a newcomer wrote for a local agent) already names the broker, the cluster and the credentials,
+and copying them into a second file in another format is how the two drift apart.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 from agent.schema import ConfigError, identifier, in_range, load_dataclass, positive, read_toml
 
-__all__ = ["FogctlConfig", "ENV_VARS", "default_config_path", "load_config", "parse_broker"]
+__all__ = ["FogctlConfig", "ENV_VARS", "default_config_path", "from_agent_config", "load_config", "parse_broker"]
 
 
 def _broker_check(v: Any) -> Optional[str]:
@@ -100,6 +104,22 @@ def default_config_path(env: Optional[Mapping[str, str]] = None) -> Path:
     return Path(base) / "fogctl.toml"
 
 
+def from_agent_config(path: Path) -> Dict[str, Any]:
+    """The fogctl settings an agent.toml implies: broker, cluster, user name and password (file),
+    TLS files. Read with the agent's own loader, so a bad file gives the error `fog-agent run`
+    would give; fogctl keeps its own keepalive and timeout (an agent's are tuned for a daemon)."""
+    from agent.config import load_agent_config
+
+    cfg = load_agent_config(path)
+    m = cfg.mqtt
+    host = f"[{m.host}]" if ":" in m.host else m.host
+    out: Dict[str, Any] = {"broker": f"{host}:{m.port}", "cluster": cfg.agent.cluster,
+                           "username": m.username, "password": m.password, "password_file": m.password_file}
+    if m.tls is not None:
+        out.update(cafile=m.tls.ca_file, cert=m.tls.cert_file, key=m.tls.key_file, insecure=m.tls.insecure)
+    return {k: v for k, v in out.items() if v is not None}
+
+
 def _from_env(env: Mapping[str, str]) -> Dict[str, Any]:
     types = {f.name: f.type for f in dataclasses.fields(FogctlConfig)}
     out: Dict[str, Any] = {}
@@ -128,14 +148,20 @@ def load_config(
     overrides: Optional[Mapping[str, Any]] = None,
     env: Optional[Mapping[str, str]] = None,
     path: Optional[Path] = None,
+    agent_config: Optional[Path] = None,
 ) -> FogctlConfig:
-    """Merge the layers; `overrides` are the command-line values (None = not given)."""
+    """Merge the layers; `overrides` are the command-line values (None = not given). With
+    `agent_config`, that agent.toml's broker settings are the file layer instead of fogctl.toml."""
     env = os.environ if env is None else env
-    path = path or default_config_path(env)
     data: Dict[str, Any] = {}
-    if path.exists():
-        data.update(read_toml(path))
-    file_name = str(path)
+    if agent_config is not None:
+        data.update(from_agent_config(agent_config))
+        file_name = str(agent_config)
+    else:
+        path = path or default_config_path(env)
+        if path.exists():
+            data.update(read_toml(path))
+        file_name = str(path)
     cfg = load_dataclass(FogctlConfig, data, file_name)  # file errors name the file
     merged = dataclasses.asdict(cfg)
     env_values = _from_env(env)
