@@ -1,0 +1,212 @@
+"""One validation everywhere (agent.pipeline_check), sans-IO: no broker is started here.
+
+- check-config catches what used to pass it and fail later: an MQTT feedback loop, an
+  `[operators] modules` entry that does not import, a misspelt function (named as such), an
+  operator form the loader cannot build; with --json it prints a JSON object on an error too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import uuid
+from pathlib import Path
+from typing import Any, List, Tuple
+
+import pytest
+
+from agent.cli import config_cmd
+
+ROOT = Path(__file__).resolve().parent.parent
+
+LOOP = """
+[pipeline]
+name = "loop"
+[[operator]]
+name = "readings"
+kind = "source"
+function = "agent.operators.taxi:mqtt_source"
+params = {{ topic = "{filt}" }}
+[[operator]]
+name = "out"
+kind = "sink"
+function = "agent.operators.builtin:mqtt_sink"
+params = {{ topic = "{topic}" }}
+"""
+
+# The measured case: a params typo of a keyed operator (its worker failed with KeyError 'field').
+TYPO = """
+[pipeline]
+name = "typo"
+[[operator]]
+name = "source"
+kind = "source"
+function = "agent.operators.taxi:source"
+[[operator]]
+name = "valid"
+function = "agent.operators.builtin:validate"
+key = "medallion"
+[[operator]]
+name = "fares"
+function = "agent.operators.keyed:keyed_sum"
+params = { feild = "fare_amount" }
+[[operator]]
+name = "sink"
+kind = "sink"
+function = "agent.operators.builtin:counting_sink"
+"""
+
+
+@pytest.fixture(autouse=True)
+def no_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No node agent.toml unless a test gives one (not the machine's /etc/fog-agent/agent.toml)."""
+    monkeypatch.setenv("FOG_AGENT_CONFIG", str(tmp_path / "no-such-agent.toml"))
+
+
+def write(tmp_path: Path, text: str, name: str = "p.toml") -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def check(path: Path, capsys: Any, agent_config: Any = None, as_json: bool = False) -> Tuple[int, List[str], str]:
+    """check-config in this process: (exit status, stderr lines, stdout)."""
+    args = argparse.Namespace(file=str(path), kind=None, json=as_json,
+                              agent_config=str(agent_config) if agent_config else None)
+    rc = config_cmd.run(args)
+    out, err = capsys.readouterr()
+    return rc, [line for line in err.splitlines() if line], out
+
+
+# ---- check-config: what it used to let through ------------------------------------------------------
+
+
+@pytest.mark.parametrize("filt, topic, loops", [
+    ("lab/#", "lab/out", True),
+    ("lab/+", "lab/out", True),
+    ("+/out", "lab/out", True),
+    ("#", "lab/out", True),
+    ("lab/out", "lab/out", True),
+    ("lab/+/#", "lab/a/b/c", True),
+    ("lab/sensors/+/temperature", "lab/temperature/stats", False),
+    ("lab/+", "lab/out/x", False),
+    ("lab/#", "labs/out", False),
+    ("+", "lab/out", False),
+    ("#", "$lab/out", False),  # a leading wildcard never matches a $ topic
+])
+def test_an_mqtt_feedback_loop_is_refused(tmp_path: Path, capsys: Any, filt: str, topic: str, loops: bool) -> None:
+    p = write(tmp_path, LOOP.format(filt=filt, topic=topic))
+    rc, lines, _ = check(p, capsys)
+    if not loops:
+        assert (rc, lines) == (0, []), lines
+        return
+    assert rc == 1 and lines == [
+        f"error: {p}: [operator[1]].params.topic: expected a topic that no mqtt_source of this pipeline reads, but "
+        f'[operator[0]].params.topic "{filt}" matches it: an MQTT feedback loop (every message \'out\' publishes '
+        f"comes back in through 'readings', wrapped again, without end), got \"{topic}\""], lines
+
+
+def test_operators_modules_that_do_not_import_are_refused_with_the_import_error(
+        tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    absent = "chk_absent_" + uuid.uuid4().hex[:8]
+    broken = "chk_broken_" + uuid.uuid4().hex[:8]
+    fine = "chk_fine_" + uuid.uuid4().hex[:8]
+    (tmp_path / f"{broken}.py").write_text("raise RuntimeError('needs a GPIO board')\n")
+    (tmp_path / f"{fine}.py").write_text("def f(rec):\n    return rec\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    conf = write(tmp_path, f'[agent]\nnode = "n"\n[operators]\nmodules = ["{fine}", "{absent}", "{broken}"]\n',
+                 "agent.toml")
+    rc, lines, _ = check(conf, capsys)
+    assert rc == 1 and lines == [
+        f'error: agent.toml: [operators].modules[1]: expected a module this node can import, got "{absent}" '
+        f"(ModuleNotFoundError: No module named '{absent}')",
+        f'error: agent.toml: [operators].modules[2]: expected a module this node can import, got "{broken}" '
+        f"(RuntimeError: needs a GPIO board)"], lines
+    conf.write_text(f'[agent]\nnode = "n"\n[operators]\nmodules = ["{fine}"]\n')
+    assert check(conf, capsys)[:2] == (0, [])
+
+
+def test_a_misspelt_function_is_named_as_such(tmp_path: Path, capsys: Any) -> None:
+    p = write(tmp_path, LOOP.format(filt="lab/in", topic="lab/out").replace("builtin:mqtt_sink", "builtin:mqtt_snk"))
+    rc, [line], _ = check(p, capsys)
+    assert rc == 1 and line.startswith(
+        f'error: {p}: [operator[1]].function: "agent.operators.builtin:mqtt_snk" is not allowed on this node: '
+        "module 'agent.operators.builtin' has no operator 'mqtt_snk'; did you mean 'mqtt_sink'? (allowed: "), line
+
+
+SINK_MODULE = '''
+from agent.operators import Operator, SinkOperator
+
+
+class LineSink(SinkOperator):
+    """A sink named by its class, as docs/operators.md's table allows."""
+
+    def __init__(self, ctx):
+        self.path = ctx.sink_dir / (ctx.instance + ".lines")
+        self.lines = 0
+
+    def record(self, items):
+        self.lines += len(items)
+        return []
+
+
+class Upper(Operator):
+    def process(self, items):
+        return [(s, q, str(r).upper()) for s, q, r in items]
+
+
+class NeedsTwo(SinkOperator):
+    def __init__(self, ctx, other):
+        pass
+'''
+
+
+def test_an_operator_class_named_directly_works_as_the_docs_say(tmp_path: Path, capsys: Any,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from agent.operators.admission import AllowList
+    from agent.operators.builtin import OperatorContext, load_operator
+
+    mod = "chk_classes_" + uuid.uuid4().hex[:8]
+    (tmp_path / f"{mod}.py").write_text(SINK_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    node = write(tmp_path, f'[agent]\nnode = "n"\n[operators]\nmodules = ["{mod}"]\n', "agent.toml")
+    text = (LOOP.format(filt="lab/in", topic="lab/out")
+            .replace("agent.operators.builtin:mqtt_sink", f"{mod}:LineSink").replace('params = { topic = "lab/out" }', ""))
+    p = write(tmp_path, text)
+    assert check(p, capsys, node)[:2] == (0, [])
+    allowed = AllowList.for_node([mod])
+    ctx = OperatorContext("loop.out.0", "out", "n", "sink", sink_dir=tmp_path)
+    sink = load_operator(f"{mod}:LineSink", ctx, allowed)  # it used to call LineSink() and fail
+    assert sink.path == tmp_path / "loop.out.0.lines" and sink.record([("s", 0, {})]) == [] and sink.lines == 1
+    upper = load_operator(f"{mod}:Upper", ctx, allowed)  # the argument-free form still works
+    assert upper.process([("s", 0, "a")]) == [("s", 0, "A")]
+    # what the loader cannot build is refused by check-config, not by a worker after deploy
+    for name, expected in (
+            ("Upper", "expected a SinkOperator class for a sink (Upper is an Operator that is not a sink)"),
+            ("NeedsTwo", "expected an Operator class built as NeedsTwo(ctx) or NeedsTwo() (its constructor "
+                         "requires ctx, other; it may take at most the context)")):
+        p.write_text(text.replace(":LineSink", f":{name}"))
+        rc, lines, _ = check(p, capsys, node)
+        assert rc == 1 and lines == [f'error: {p}: [operator[1]].function: {expected}, got "{mod}:{name}"'], lines
+
+
+def test_check_config_json_prints_an_object_on_an_error_too(tmp_path: Path, capsys: Any) -> None:
+    p = write(tmp_path, TYPO)
+    rc, lines, out = check(p, capsys, as_json=True)
+    doc = json.loads(out)  # stdout was empty on an error
+    assert rc == 1 and doc["ok"] is False and doc["warnings"] == []
+    assert doc["errors"] == [
+        {"file": str(p), "key": "[operator[2]].params.feild",
+         "expected": "unknown key (allowed: field, lateness_ms, time_field, time_unit)", "given": "fare_amount",
+         "message": f'{p}: [operator[2]].params.feild: unknown key (allowed: field, lateness_ms, time_field, '
+                    f'time_unit), got "fare_amount"'},
+        {"file": str(p), "key": "[operator[2]].params.field",
+         "expected": "missing required key (expected a string)", "given": None,
+         "message": f"{p}: [operator[2]].params.field: missing required key (expected a string)"}]
+    assert lines == [f"error: {e['message']}" for e in doc["errors"]]
+    # a file the loader refuses: the same object
+    bad = write(tmp_path, TYPO.replace('name = "typo"', 'name = "ty po"'), "bad.toml")
+    rc, lines, out = check(bad, capsys, as_json=True)
+    [err] = json.loads(out)["errors"]
+    assert rc == 1 and err["file"] == "bad.toml" and err["key"] == "[pipeline].name" and err["given"] == "ty po"
+    assert lines == [f"error: {err['message']}"]
