@@ -3,18 +3,25 @@
 - check-config catches what used to pass it and fail later: an MQTT feedback loop, an
   `[operators] modules` entry that does not import, a misspelt function (named as such), an
   operator form the loader cannot build; with --json it prints a JSON object on an error too.
+- `fog-agent deploy` and `fogctl deploy` run the same checks before they connect to anything and
+  print check-config's lines; nothing is spawned (no connection is even opened).
+- Both deploys end with the same exit status for the same outcome (agent.exitcodes), and
+  docs/fogctl.md prints that table.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import sys
 import uuid
 from pathlib import Path
-from typing import Any, List, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import pytest
 
+from agent import exitcodes
 from agent.cli import config_cmd
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -210,3 +217,163 @@ def test_check_config_json_prints_an_object_on_an_error_too(tmp_path: Path, caps
     [err] = json.loads(out)["errors"]
     assert rc == 1 and err["file"] == "bad.toml" and err["key"] == "[pipeline].name" and err["given"] == "ty po"
     assert lines == [f"error: {err['message']}"]
+
+
+# ---- the two deploys run the same checks, before any connection -----------------------------------
+
+
+class NoBroker:
+    """Stands for every way to reach a broker: records that one was tried, then fails as a
+    refused connection would."""
+
+    tried: List[str] = []
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        from agent.mqtt.requester import BrokerUnreachable
+
+        NoBroker.tried.append(repr(args)[:80])
+        raise BrokerUnreachable("127.0.0.1:1", "connection refused")
+
+
+def fog_agent(argv: List[str]) -> int:
+    """`fog-agent ARGV` in this process (without main's SIGTERM handler)."""
+    from agent.cli.main import build_parser
+
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+def fogctl(argv: List[str], connect: Optional[Callable[..., Any]] = None) -> int:
+    from agent.cli.fogctl import main
+
+    return main(argv, connect=connect or NoBroker)
+
+
+def test_both_deploys_refuse_what_check_config_refuses_and_start_nothing(
+        tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import agent.node.rpc
+
+    monkeypatch.setattr(agent.node.rpc, "RpcClient", NoBroker)
+    NoBroker.tried = []
+    p = write(tmp_path, TYPO)
+    rc, want, _ = check(p, capsys)
+    assert rc == 1 and len(want) == 2 and "[operator[2]].params.feild: unknown key" in want[0], want
+
+    assert fog_agent(["deploy", str(p), "--host", "127.0.0.1", "--port", "1"]) == exitcodes.ERROR
+    out, err = capsys.readouterr()
+    assert err.splitlines() == want and out == ""
+
+    assert fogctl(["--broker", "127.0.0.1:1", "deploy", str(p)]) == exitcodes.ERROR
+    out, err = capsys.readouterr()
+    assert err.splitlines() == [f"fogctl: {line}" for line in want] and out == ""
+    assert fogctl(["--broker", "127.0.0.1:1", "deploy", str(p), "--json"]) == exitcodes.ERROR
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ok"] is False and [f"error: {e['message']}" for e in doc["errors"]] == want
+    assert NoBroker.tried == []  # no connection was attempted: nothing could start
+
+    # a feedback loop, the same way
+    loop = write(tmp_path, LOOP.format(filt="lab/#", topic="lab/out"), "loop.toml")
+    _, want, _ = check(loop, capsys)
+    assert fog_agent(["deploy", str(loop), "--host", "127.0.0.1", "--port", "1"]) == exitcodes.ERROR
+    assert capsys.readouterr().err.splitlines() == want
+    assert fogctl(["--broker", "127.0.0.1:1", "deploy", str(loop)]) == exitcodes.ERROR
+    assert capsys.readouterr().err.splitlines() == [f"fogctl: {line}" for line in want]
+    assert NoBroker.tried == []
+
+
+def test_deploy_checks_against_the_named_node_and_leaves_modules_it_cannot_know_to_the_nodes(
+        tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where no node's agent.toml is, a function of a module no allow-list here names is not
+    imported (the nodes check it at spawn): the deploy goes on to the broker, with a warning.
+    Given the node's agent.toml, a function it refuses is refused as check-config refuses it."""
+    import agent.node.rpc
+    from agent.pipeline_check import check_text
+
+    monkeypatch.setattr(agent.node.rpc, "RpcClient", NoBroker)
+    NoBroker.tried = []
+    mod = "chk_remote_" + uuid.uuid4().hex[:8]
+    p = write(tmp_path, TYPO.replace("agent.operators.keyed:keyed_sum", f"{mod}:total")
+              .replace('params = { feild = "fare_amount" }', ""))
+    assert fog_agent(["deploy", str(p), "--host", "127.0.0.1", "--port", "1"]) == exitcodes.UNREACHABLE
+    assert capsys.readouterr().err.splitlines() == ["error: cannot reach the MQTT broker at 127.0.0.1:1: connection refused"]
+    assert len(NoBroker.tried) == 1  # it went on to the broker
+    _, report = check_text(p.read_text(), str(p), None)
+    assert report.ok and report.warnings == [
+        f'{p}: [operator[2]].function: "{mod}:total" not checked here: module {mod!r} is on no allow-list of this '
+        f"machine (no node agent.toml found at {tmp_path / 'no-such-agent.toml'}); each node checks it when asked "
+        "to start it"]
+    assert mod not in sys.modules  # not imported
+    node = write(tmp_path, '[agent]\nnode = "n"\n', "agent.toml")
+    rc, want, _ = check(p, capsys, node)
+    assert rc == 1 and len(want) == 1 and "is not allowed on this node" in want[0]
+    NoBroker.tried = []
+    assert fogctl(["--broker", "127.0.0.1:1", "deploy", str(p), "--agent-config", str(node)]) == exitcodes.ERROR
+    assert capsys.readouterr().err.splitlines() == [f"fogctl: {line}" for line in want]
+    assert NoBroker.tried == []
+
+
+# ---- one table of exit statuses ---------------------------------------------------------------------
+
+
+def outcomes() -> List[Tuple[str, Callable[[], BaseException], int]]:
+    from agent.mqtt.requester import BrokerUnreachable
+    from agent.node.deploy import DeployRefused, DeployRolledBack, RollbackIncomplete
+
+    return [
+        ("no broker", lambda: BrokerUnreachable("127.0.0.1:1", "connection refused"), exitcodes.UNREACHABLE),
+        ("refused", lambda: DeployRefused("deploy of typo refused: its 4 keeper(s) need 4 free slot(s)"),
+         exitcodes.ERROR),
+        ("rolled back", lambda: DeployRolledBack("deploy of typo failed and was rolled back: ..."),
+         exitcodes.ROLLED_BACK),
+        ("rollback incomplete", lambda: RollbackIncomplete("deploy of typo failed (...); rollback incomplete"),
+         exitcodes.ROLLBACK_INCOMPLETE),
+    ]
+
+
+@pytest.mark.parametrize("case", range(4), ids=[o[0] for o in outcomes()])
+def test_both_deploys_exit_with_the_same_status_for_the_same_outcome(
+        case: int, tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import agent.fogctl.deploy
+    import agent.node.deploy
+
+    _, make, status = outcomes()[case]
+    good = write(tmp_path, TYPO.replace('params = { feild = "fare_amount" }', 'params = { field = "fare_amount" }'))
+
+    def fail(*args: Any, **kwargs: Any) -> Any:
+        raise make()
+
+    class Conn:
+        def __enter__(self) -> "Conn":
+            return self
+
+        def __exit__(self, *exc: Any) -> None:
+            return None
+
+    monkeypatch.setattr(agent.node.deploy, "deploy", fail)  # fog-agent deploy's connection and transaction
+    monkeypatch.setattr(agent.fogctl.deploy, "deploy_over", fail)  # fogctl deploy's transaction
+    assert fog_agent(["deploy", str(good), "--host", "127.0.0.1", "--port", "1"]) == status
+    assert capsys.readouterr().err.splitlines() == [f"error: {make()}"]
+    assert fogctl(["--broker", "127.0.0.1:1", "deploy", str(good)], connect=lambda cfg: Conn()) == status
+    assert capsys.readouterr().err.splitlines() == [f"fogctl: error: {make()}"]
+
+
+def test_a_deploy_to_a_closed_port_exits_unreachable(tmp_path: Path, capsys: Any) -> None:
+    """The real client against a loopback port nobody listens on (no broker needed)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again when the block ends: refused at once
+    good = write(tmp_path, TYPO.replace('params = { feild = "fare_amount" }', 'params = { field = "fare_amount" }'))
+    assert fog_agent(["deploy", str(good), "--host", "127.0.0.1", "--port", str(port)]) == exitcodes.UNREACHABLE
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot reach the MQTT broker at 127.0.0.1:{port}"), err
+    assert fogctl(["--broker", f"127.0.0.1:{port}", "--timeout", "5", "deploy", str(good)],
+                  connect=__import__("agent.fogctl.client", fromlist=["Connection"]).Connection) == exitcodes.UNREACHABLE
+
+
+def test_docs_print_the_exit_status_table() -> None:
+    text = (ROOT / "docs" / "fogctl.md").read_text()
+    section = text[text.index("### Exit statuses"):]
+    rows = re.findall(r"^\| \*\*(\d)\*\* \| (.+?) \|$", section, re.M)
+    assert [(int(code), words) for code, words in rows] == [(c, w) for c, w in exitcodes.TABLE]

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, TextIO, Tuple
 
 from agent import events as ev_mod
-from agent import topics
+from agent import exitcodes, topics
 from agent.fogctl import views
 from agent.fogctl.client import Connection, FogctlError
 from agent.fogctl.config import FogctlConfig
@@ -396,15 +396,22 @@ def cmd_drain(args: argparse.Namespace, ctx: Context) -> int:
 
 def cmd_deploy(args: argparse.Namespace, ctx: Context) -> int:
     """Same as `fog-agent deploy`: publish the TOML retained and start the keepers by placement."""
-    from agent.config import load_pipeline_text
     from agent.fogctl.deploy import deploy_pipeline
+    from agent.pipeline_check import check_text
 
     path = Path(args.file)
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise FogctlError(f"cannot read {path}: {exc.strerror}") from None
-    load_pipeline_text(text, path.name)  # a bad file fails before any connection
+    # check-config's checks, before any connection: a bad file starts nothing (agent.pipeline_check)
+    _, report = check_text(text, args.file, args.agent_config)
+    for problem in report.errors:  # warnings (scaling notes, functions left to the nodes): check-config's
+        print(f"fogctl: error: {problem.message}", file=ctx.err)
+    if not report.ok:
+        if args.json:
+            ctx.emit(args, {"ok": False, "errors": [p.to_json() for p in report.errors]}, "")
+        return exitcodes.ERROR
     with ctx.connect(ctx.cfg) as conn:
         cfg, placed = deploy_pipeline(conn, text, path.name, timeout=args.keeper_timeout)
     name = cfg.pipeline.name
