@@ -7,7 +7,7 @@ code on any node (`function = "builtins:exec"`). So the functions a node may imp
 the node, never by a request:
 
 - the built-in operators (`BUILTIN`: `agent.operators.builtin`, the keyed ones of
-  `agent.operators.keyed`, `agent.operators.debs` and the taxi sources);
+  `agent.operators.keyed`, `agent.operators.debs`, the file sink and the taxi sources);
 - the operators installed packages register in the entry-point group `fog_agent.operators`
   (`name = "module:attr"`): exactly those "module:attr" values;
 - the public functions of the modules the node's own agent.toml lists
@@ -76,6 +76,7 @@ BUILTIN: FrozenSet[str] = frozenset({
     "agent.operators.builtin:counting_sink",
     "agent.operators.builtin:null_sink",
     "agent.operators.builtin:mqtt_sink",
+    "agent.operators.filesink:file_sink",
     "agent.operators.keyed:keyed_count",
     "agent.operators.keyed:keyed_sum",
     "agent.operators.keyed:keyed_mean",
