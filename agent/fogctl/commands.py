@@ -117,8 +117,10 @@ def cmd_watch(args: argparse.Namespace, ctx: Context) -> int:
     """Events from `fog/<cluster>/events`, plus decisions that appear in the agents' states.
 
     A state-derived decision of an instance is shown only until that instance publishes a real
-    decision event during this watch (then its events are the source), so nothing is shown twice
-    once workers publish events. Decisions already in the retained states when the watch starts
+    event of the same type during this watch (then its events are the source), so nothing is
+    shown twice once workers publish events. Per type: every instance publishes a "nothing to do"
+    decision every few seconds, and a scale-in the worker records only in its state (a forced
+    one, a keyed instance leaving after its hand-over) used to be hidden by those. Decisions already in the retained states when the watch starts
     are history, not shown (`fogctl why` shows them).
 
     Only changes by default (`events.changes_something`): every instance publishes a "nothing to
@@ -134,7 +136,7 @@ def cmd_watch(args: argparse.Namespace, ctx: Context) -> int:
         filters.setdefault("instance", []).append(args.instance)
     seen = 0
     known: set = set()  # (instance, ts) of state-derived decisions already shown or history
-    with_events: set = set()  # instances that publish their own decision events
+    with_events: set = set()  # (instance, type) of the decision events instances publish themselves
     cluster = ctx.cfg.cluster
     with ctx.connect(ctx.cfg) as conn:
         live = conn.stream([topics.events(cluster), topics.all_agents_state(cluster)], duration=args.duration,
@@ -150,7 +152,7 @@ def cmd_watch(args: argparse.Namespace, ctx: Context) -> int:
                     if key in known:
                         continue
                     known.add(key)
-                    if not m.retain and e.instance not in with_events:
+                    if not m.retain and (e.instance, e.type) not in with_events:
                         batch.append(e)
             elif not m.retain:
                 try:
@@ -159,7 +161,7 @@ def cmd_watch(args: argparse.Namespace, ctx: Context) -> int:
                     ctx.err.write(f"fogctl: skipped a malformed event on {m.topic}: {str(exc)[:200]}\n")
                     continue
                 if event.reason is not None and event.instance:
-                    with_events.add(event.instance)
+                    with_events.add((event.instance, event.type))
                 batch.append(event)
             for event in batch:
                 if not matches(event, filters) or not (everything or ev_mod.changes_something(event)):
