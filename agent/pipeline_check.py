@@ -18,9 +18,10 @@ What is checked, in order (each problem one `Problem`: file, key, what was expec
 
 The node whose allow-list applies is `NodeConfig.find`: the agent.toml given, else
 $FOG_AGENT_CONFIG or /etc/fog-agent/agent.toml when it exists. A deploy may run where no node's
-agent.toml is (an admin's machine): `lenient=True` then leaves a function of a module no
-allow-list here knows to the nodes (a warning: they check it again at spawn) instead of refusing
-it; check-config, which is asked about one node, refuses it.
+agent.toml is (an admin's machine, which need not have the operator package): `lenient=True`
+then leaves a function of a module no allow-list here knows to the nodes, which check it again at
+spawn (the Report names it among its warnings; the deploys print errors only), instead of
+refusing it; check-config, which is asked about one node, refuses it.
 """
 
 from __future__ import annotations
