@@ -88,7 +88,7 @@ def check(path: Path, capsys: Any, agent_config: Any = None, as_json: bool = Fal
 # ---- check-config: what it used to let through ------------------------------------------------------
 
 
-@pytest.mark.parametrize("filt, topic, loops", [
+LOOP_CASES = [  # (source filter, sink topic, whether the sink's messages come back in)
     ("lab/#", "lab/out", True),
     ("lab/+", "lab/out", True),
     ("+/out", "lab/out", True),
@@ -100,17 +100,20 @@ def check(path: Path, capsys: Any, agent_config: Any = None, as_json: bool = Fal
     ("lab/#", "labs/out", False),
     ("+", "lab/out", False),
     ("#", "$lab/out", False),  # a leading wildcard never matches a $ topic
-])
-def test_an_mqtt_feedback_loop_is_refused(tmp_path: Path, capsys: Any, filt: str, topic: str, loops: bool) -> None:
-    p = write(tmp_path, LOOP.format(filt=filt, topic=topic))
-    rc, lines, _ = check(p, capsys)
-    if not loops:
-        assert (rc, lines) == (0, []), lines
-        return
-    assert rc == 1 and lines == [
-        f"error: {p}: [operator[1]].params.topic: expected a topic that no mqtt_source of this pipeline reads, but "
-        f'[operator[0]].params.topic "{filt}" matches it: an MQTT feedback loop (every message \'out\' publishes '
-        f"comes back in through 'readings', wrapped again, without end), got \"{topic}\""], lines
+]
+
+
+def test_an_mqtt_feedback_loop_is_refused(tmp_path: Path, capsys: Any) -> None:
+    for filt, topic, loops in LOOP_CASES:
+        p = write(tmp_path, LOOP.format(filt=filt, topic=topic))
+        rc, lines, _ = check(p, capsys)
+        if not loops:
+            assert (rc, lines) == (0, []), (filt, topic, lines)
+            continue
+        assert rc == 1 and lines == [
+            f"error: {p}: [operator[1]].params.topic: expected a topic that no mqtt_source of this pipeline reads, "
+            f'but [operator[0]].params.topic "{filt}" matches it: an MQTT feedback loop (every message \'out\' '
+            f"publishes comes back in through 'readings', wrapped again, without end), got \"{topic}\""], lines
 
 
 def test_operators_modules_that_do_not_import_are_refused_with_the_import_error(
@@ -249,42 +252,47 @@ def fogctl(argv: List[str], connect: Optional[Callable[..., Any]] = None) -> int
     return main(argv, connect=connect or NoBroker)
 
 
-def test_both_deploys_refuse_what_check_config_refuses_and_start_nothing(
+def refused_files(tmp_path: Path, capsys: Any) -> List[Tuple[Path, List[str]]]:
+    """(pipeline, check-config's error lines) for the measured cases: a params typo, a loop."""
+    out = []
+    for name, text in (("typo.toml", TYPO), ("loop.toml", LOOP.format(filt="lab/#", topic="lab/out"))):
+        p = write(tmp_path, text, name)
+        rc, want, _ = check(p, capsys)
+        assert rc == 1 and want, want
+        out.append((p, want))
+    assert "[operator[2]].params.feild: unknown key" in out[0][1][0]
+    return out
+
+
+def test_fog_agent_deploy_refuses_what_check_config_refuses_and_starts_nothing(
         tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     import agent.node.rpc
 
     monkeypatch.setattr(agent.node.rpc, "RpcClient", NoBroker)
     NoBroker.tried = []
-    p = write(tmp_path, TYPO)
-    rc, want, _ = check(p, capsys)
-    assert rc == 1 and len(want) == 2 and "[operator[2]].params.feild: unknown key" in want[0], want
-
-    assert fog_agent(["deploy", str(p), "--host", "127.0.0.1", "--port", "1"]) == exitcodes.ERROR
-    out, err = capsys.readouterr()
-    assert err.splitlines() == want and out == ""
-
-    assert fogctl(["--broker", "127.0.0.1:1", "deploy", str(p)]) == exitcodes.ERROR
-    out, err = capsys.readouterr()
-    assert err.splitlines() == [f"fogctl: {line}" for line in want] and out == ""
-    assert fogctl(["--broker", "127.0.0.1:1", "deploy", str(p), "--json"]) == exitcodes.ERROR
-    doc = json.loads(capsys.readouterr().out)
-    assert doc["ok"] is False and [f"error: {e['message']}" for e in doc["errors"]] == want
+    for p, want in refused_files(tmp_path, capsys):
+        assert fog_agent(["deploy", str(p), "--host", "127.0.0.1", "--port", "1"]) == exitcodes.ERROR
+        out, err = capsys.readouterr()
+        assert err.splitlines() == want and out == ""
     assert NoBroker.tried == []  # no connection was attempted: nothing could start
 
-    # a feedback loop, the same way
-    loop = write(tmp_path, LOOP.format(filt="lab/#", topic="lab/out"), "loop.toml")
-    _, want, _ = check(loop, capsys)
-    assert fog_agent(["deploy", str(loop), "--host", "127.0.0.1", "--port", "1"]) == exitcodes.ERROR
-    assert capsys.readouterr().err.splitlines() == want
-    assert fogctl(["--broker", "127.0.0.1:1", "deploy", str(loop)]) == exitcodes.ERROR
-    assert capsys.readouterr().err.splitlines() == [f"fogctl: {line}" for line in want]
-    assert NoBroker.tried == []
+
+def test_fogctl_deploy_refuses_what_check_config_refuses_and_starts_nothing(tmp_path: Path, capsys: Any) -> None:
+    NoBroker.tried = []
+    for p, want in refused_files(tmp_path, capsys):
+        assert fogctl(["--broker", "127.0.0.1:1", "deploy", str(p)]) == exitcodes.ERROR
+        out, err = capsys.readouterr()
+        assert err.splitlines() == [f"fogctl: {line}" for line in want] and out == ""
+        assert fogctl(["--broker", "127.0.0.1:1", "deploy", str(p), "--json"]) == exitcodes.ERROR
+        doc = json.loads(capsys.readouterr().out)
+        assert doc["ok"] is False and [f"error: {e['message']}" for e in doc["errors"]] == want
+    assert NoBroker.tried == []  # no connection was attempted: nothing could start
 
 
 def test_deploy_checks_against_the_named_node_and_leaves_modules_it_cannot_know_to_the_nodes(
         tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where no node's agent.toml is, a function of a module no allow-list here names is not
-    imported (the nodes check it at spawn): the deploy goes on to the broker, with a warning.
+    imported (the nodes check it at spawn): the deploy goes on to the broker (the report notes it).
     Given the node's agent.toml, a function it refuses is refused as check-config refuses it."""
     import agent.node.rpc
     from agent.pipeline_check import check_text
@@ -330,17 +338,12 @@ def outcomes() -> List[Tuple[str, Callable[[], BaseException], int]]:
     ]
 
 
-@pytest.mark.parametrize("case", range(4), ids=[o[0] for o in outcomes()])
 def test_both_deploys_exit_with_the_same_status_for_the_same_outcome(
-        case: int, tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     import agent.fogctl.deploy
     import agent.node.deploy
 
-    _, make, status = outcomes()[case]
     good = write(tmp_path, TYPO.replace('params = { feild = "fare_amount" }', 'params = { field = "fare_amount" }'))
-
-    def fail(*args: Any, **kwargs: Any) -> Any:
-        raise make()
 
     class Conn:
         def __enter__(self) -> "Conn":
@@ -349,12 +352,16 @@ def test_both_deploys_exit_with_the_same_status_for_the_same_outcome(
         def __exit__(self, *exc: Any) -> None:
             return None
 
-    monkeypatch.setattr(agent.node.deploy, "deploy", fail)  # fog-agent deploy's connection and transaction
-    monkeypatch.setattr(agent.fogctl.deploy, "deploy_over", fail)  # fogctl deploy's transaction
-    assert fog_agent(["deploy", str(good), "--host", "127.0.0.1", "--port", "1"]) == status
-    assert capsys.readouterr().err.splitlines() == [f"error: {make()}"]
-    assert fogctl(["--broker", "127.0.0.1:1", "deploy", str(good)], connect=lambda cfg: Conn()) == status
-    assert capsys.readouterr().err.splitlines() == [f"fogctl: error: {make()}"]
+    for what, make, status in outcomes():
+        def fail(*args: Any, make: Callable[[], BaseException] = make, **kwargs: Any) -> Any:
+            raise make()
+
+        monkeypatch.setattr(agent.node.deploy, "deploy", fail)  # fog-agent deploy's connection and transaction
+        monkeypatch.setattr(agent.fogctl.deploy, "deploy_over", fail)  # fogctl deploy's transaction
+        assert fog_agent(["deploy", str(good), "--host", "127.0.0.1", "--port", "1"]) == status, what
+        assert capsys.readouterr().err.splitlines() == [f"error: {make()}"]
+        assert fogctl(["--broker", "127.0.0.1:1", "deploy", str(good)], connect=lambda cfg: Conn()) == status, what
+        assert capsys.readouterr().err.splitlines() == [f"fogctl: error: {make()}"]
 
 
 def test_a_deploy_to_a_closed_port_exits_unreachable(tmp_path: Path, capsys: Any) -> None:
