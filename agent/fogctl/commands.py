@@ -118,10 +118,11 @@ def cmd_watch(args: argparse.Namespace, ctx: Context) -> int:
 
     A state-derived decision of an instance is shown only until that instance publishes a real
     event of the same type during this watch (then its events are the source), so nothing is
-    shown twice once workers publish events. Per type: every instance publishes a "nothing to do"
-    decision every few seconds, and a scale-in the worker records only in its state (a forced
-    one, a keyed instance leaving after its hand-over) used to be hidden by those. Decisions already in the retained states when the watch starts
-    are history, not shown (`fogctl why` shows them).
+    shown twice once workers publish events. Per type, because every instance publishes a
+    "nothing to do" decision every few seconds, which would hide a scale-in the worker records
+    only in its state (a forced one, a keyed instance leaving after its hand-over). Decisions
+    already in the retained states when the watch starts are history, not shown (`fogctl why`
+    shows them).
 
     Only changes by default (`events.changes_something`): every instance publishes a "nothing to
     do" decision every few seconds, which would bury the scaling rounds, spawns, terminations,
