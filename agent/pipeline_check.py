@@ -214,7 +214,8 @@ def form_problem(obj: Any, kind: str) -> str:
         if kind == "sink" and not issubclass(obj, SinkOperator):
             return f"a SinkOperator class for a sink ({obj.__name__} is an Operator that is not a sink)"
         if kind != "sink" and issubclass(obj, SinkOperator):
-            return f'a map (kind = "{kind}"), not the SinkOperator class {obj.__name__}'
+            return (f'an operator of kind "{kind}", not the SinkOperator class {obj.__name__} (a sink is the last '
+                    'operator, kind = "sink")')
         try:
             constructor_takes_ctx(obj)
         except TypeError as exc:

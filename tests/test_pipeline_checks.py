@@ -168,6 +168,13 @@ class Upper(Operator):
 class NeedsTwo(SinkOperator):
     def __init__(self, ctx, other):
         pass
+
+
+class Thing:
+    pass
+
+
+thing = Thing()  # defined here, but neither a function, a factory nor an Operator class
 '''
 
 
@@ -196,6 +203,17 @@ def test_an_operator_class_named_directly_works_as_the_docs_say(tmp_path: Path, 
             ("NeedsTwo", "expected an Operator class built as NeedsTwo(ctx) or NeedsTwo() (its constructor "
                          "requires ctx, other; it may take at most the context)")):
         p.write_text(text.replace(":LineSink", f":{name}"))
+        rc, lines, _ = check(p, capsys, node)
+        assert rc == 1 and lines == [f'error: {p}: [operator[1]].function: {expected}, got "{mod}:{name}"'], lines
+    # as a map: a sink's class is refused there, and so is an object of no form at all
+    three = text.replace('[[operator]]\nname = "out"', f'[[operator]]\nname = "work"\nfunction = "{mod}:NAME"\n'
+                                                        '[[operator]]\nname = "out"')
+    for name, expected in (
+            ("LineSink", 'expected an operator of kind "map", not the SinkOperator class LineSink (a sink is the '
+                         'last operator, kind = "sink")'),
+            ("thing", "expected a function, a factory with build(ctx) or an Operator class (found Thing, which is "
+                      "none of them)")):
+        p.write_text(three.replace("NAME", name))
         rc, lines, _ = check(p, capsys, node)
         assert rc == 1 and lines == [f'error: {p}: [operator[1]].function: {expected}, got "{mod}:{name}"'], lines
 
