@@ -76,3 +76,8 @@ def test_a_scale_in_recorded_only_in_the_state_is_shown_with_its_reason(capsys: 
             state([instance("p.work.1", [{"at": T0 + 5, "kind": "scale_out", "load": 150.0, "new": ["p.work.3"]}])])]
     lines = watch(capsys, msgs)
     assert len(lines) == 1 and "scale_out" in lines[0] and "p=0.500" in lines[0] and "source=state" not in lines[0]
+    # nor a policy scale-out read from the state of an instance that publishes events (its own comes)
+    lines = watch(capsys, [idle("p.work.1", T0),
+                           state([instance("p.work.1", [{"at": T0 + 5, "kind": "scale_out", "load": 150.0,
+                                                         "new": ["p.work.3"]}])])])
+    assert lines == []
