@@ -33,11 +33,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from agent.schema import ConfigError, _show
 
-__all__ = ["MQTT_SINKS", "MQTT_SOURCES", "NodeConfig", "Problem", "Report", "check_pipeline", "check_text", "feedback_loops",
-           "form_problem", "module_problems"]
+__all__ = ["MQTT_SINKS", "MQTT_SOURCES", "NodeConfig", "Problem", "Report", "check_pipeline", "check_text",
+           "feedback_loops", "form_problem", "module_problems"]
 
 MQTT_SOURCES = ("agent.operators.taxi:mqtt_source",)  # params.topic: a topic filter it subscribes to
 MQTT_SINKS = ("agent.operators.builtin:mqtt_sink",)  # params.topic: the topic name it publishes to
+
 
 class _Missing:
     """No value was given (a missing key): distinct from a given None."""
