@@ -37,7 +37,7 @@ class ConfigError(ValueError):
     """
 
     def __init__(self, file: str, key: str, expected: str, got: Any = dataclasses.MISSING):
-        self.file, self.key, self.expected = file, key, expected
+        self.file, self.key, self.expected, self.got = file, key, expected, got
         msg = f"{file}: {key}: {expected}" if key else f"{file}: {expected}"
         if got is not dataclasses.MISSING:
             msg += f", got {_show(got)}"

@@ -186,7 +186,9 @@ def test_user_functions_are_imported_after_the_allow_list_and_their_schema_check
     assert not marker.exists() and evil not in sys.modules
 
     # allowed but not importable: said now, not by a worker after deploy (old check-config passed it)
-    for ref, why in ((f"{mod}:nope", "has no attribute 'nope'"), ("guide_absent_module:f", "No module named"),
+    for ref, why in ((f"{mod}:nope", f"(module '{mod}' has no operator 'nope')"),
+                     (f"{mod}:scael", f"(module '{mod}' has no operator 'scael'; did you mean 'scale'?)"),
+                     ("guide_absent_module:f", "No module named"),
                      (f"{mod}_broken:f", "importing it raised RuntimeError: needs a GPIO board")):
         p = pipeline(tmp_path, work=ref)
         rc, [line] = check(p, capsys, node)

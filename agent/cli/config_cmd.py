@@ -8,13 +8,18 @@ loads there. The effective configuration is printed as TOML (or `--json`) with t
 key names and every default filled in; it loads again as the same configuration (passwords are
 shown as "***").
 
-A pipeline is also checked against THIS node's operator allow-list (docs/security.md, "No code
-from the bus"): built-ins, installed entry points, and the `[operators] modules` of the node's
-agent.toml (`--agent-config`, default $FOG_AGENT_CONFIG or /etc/fog-agent/agent.toml when it
-exists). A function the node would refuse is one error line naming file, key and what is allowed.
-Only when every function is allowed are they imported (a refused module is never imported), and
-each operator's params are checked against the `params_schema` its function declares (the
-built-ins do: agent.operators.builtin.check_params; docs/operators.md, "Declaring params").
+A pipeline is checked by agent.pipeline_check, the checks `fog-agent deploy` and `fogctl deploy`
+run too: against THIS node's operator allow-list (docs/security.md, "No code from the bus"):
+built-ins, installed entry points, and the `[operators] modules` of the node's agent.toml
+(`--agent-config`, default $FOG_AGENT_CONFIG or /etc/fog-agent/agent.toml when it exists). A
+function the node would refuse is one error line naming file, key and what is allowed. Only when
+every function is allowed are they imported (a refused module is never imported), their form
+checked, and each operator's params checked against the `params_schema` its function declares
+(the built-ins do: agent.operators.builtin.check_params; docs/operators.md, "Declaring params");
+then the policies and MQTT feedback loops. An agent file's `[operators] modules` must import.
+
+With `--json`, stdout holds one JSON document either way: the effective configuration, or
+`{"ok": false, "errors": [{file, key, expected, given, message}], "warnings": [...]}`.
 
 Files a configuration names are opened: a pipeline's path params (`params.csv`), an agent's or
 central's `[mqtt].password_file`. A missing `[mqtt.tls]` file is a warning only: packages write
@@ -33,6 +38,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
+from agent import exitcodes
 from agent.schema import ConfigError, read_toml
 
 SECRET_KEYS = {"password"}
@@ -92,7 +98,15 @@ def load(kind: str, path: Path) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Exit 0 (valid; the effective values on stdout) or 1 (one `error:` line per problem on
+    stderr; with --json also `{"ok": false, "errors": [{file, key, expected, given, message}],
+    "warnings": [...]}` on stdout, so a script reads one document either way)."""
+    from agent.pipeline_check import NodeConfig, Problem, Report, check_pipeline, module_problems
+
     path = Path(args.file)
+    report = Report()
+    cfg: Any = None
+    kind: Optional[str] = None
     try:
         kind = args.kind or detect_kind(read_toml(path))
         if kind is None:
@@ -100,33 +114,30 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(path.name, "", f"cannot tell what kind of file this is (a {tells} table); "
                                              f"say it with --kind {{{','.join(KINDS)}}}")
         cfg = load(kind, path)
+        if kind == "pipeline":
+            report = check_pipeline(cfg, args.file, NodeConfig.find(args.agent_config))
+        elif kind in ("agent", "central"):
+            problems, warnings = mqtt_file_problems(cfg.mqtt, args.file)
+            report.errors += problems
+            report.warnings += warnings
+            if kind == "agent":  # every module a worker of this node would import
+                report.errors += module_problems(cfg.operators.modules, args.file)
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    if kind == "pipeline":
-        try:
-            node = _node_config(args.agent_config)
-            refused = refused_functions(cfg, args.file, node, args.agent_config)
-            if not refused:  # import only what the allow-list admits
-                refused = operator_problems(cfg, args.file, node)
-        except ConfigError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
-        refused += [f"{args.file}: {e}" for e in cfg.runtime_policy_errors()]  # deploy refuses these too
-        for line in cfg.scaling_notes():
-            print(f"warning: {args.file}: {line}", file=sys.stderr)
-        for line in refused:
-            print(f"error: {line}", file=sys.stderr)
-        if refused:
-            return 1
-    elif kind in ("agent", "central"):
-        problems, warnings = mqtt_file_problems(cfg.mqtt, args.file)
-        for line in warnings:
-            print(f"warning: {line}", file=sys.stderr)
-        for line in problems:
-            print(f"error: {line}", file=sys.stderr)
-        if problems:
-            return 1
+        report.errors.append(Problem.of(exc))
+    return _print(args, kind, cfg, report)
+
+
+def _print(args: argparse.Namespace, kind: Optional[str], cfg: Any, report: Any) -> int:
+    for line in report.warnings:
+        print(f"warning: {line}", file=sys.stderr)
+    for problem in report.errors:
+        print(f"error: {problem.message}", file=sys.stderr)
+    if not report.ok:
+        if args.json:
+            doc = {"ok": False, "errors": [p.to_json() for p in report.errors], "warnings": report.warnings}
+            json.dump(_json_safe(doc), sys.stdout, indent=2, sort_keys=True, allow_nan=False, default=str)
+            print()
+        return exitcodes.ERROR
     data = _redact(effective(cfg))
     if args.json:
         json.dump(_json_safe(data), sys.stdout, indent=2, sort_keys=True, allow_nan=False)
@@ -134,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"# {args.file}: valid {kind} configuration; effective values:")
         print(to_toml(data), end="")
-    return 0
+    return exitcodes.OK
 
 
 def effective(cfg: Any) -> Dict[str, Any]:
@@ -247,88 +258,26 @@ def to_toml(data: Mapping[str, Any], prefix: str = "") -> str:
     return "\n".join(lines) + "\n" if lines else ""
 
 
-def _node_config(agent_config: Optional[str]) -> Tuple[Path, Any, Any]:
-    """(path, AgentConfig or None, its AllowList): the node's agent.toml that check-config checks
-    a pipeline against (`--agent-config`, else the default one if it exists)."""
-    from agent.config import default_config_path, load_agent_config
-    from agent.operators.admission import AllowList
-
-    path = Path(agent_config) if agent_config else default_config_path()
-    node = load_agent_config(path) if agent_config or path.exists() else None
-    return path, node, AllowList.for_node(node.operators.modules if node is not None else ())
-
-
-def operator_problems(cfg: Any, file: str, node_config: Tuple[Path, Any, Any]) -> List[str]:
-    """One line per operator function that does not import, and per bad param of each operator
-    (its function's `params_schema`). Called only after `refused_functions` found nothing."""
-    from agent.operators.admission import NodeDirs, PathRefused, spec_paths
-    from agent.operators.builtin import check_params
-    from agent.operators.keyed import keyed_config_problems
-
-    path, node, allowed = node_config
-    out: List[str] = []
-    for i, op in enumerate(cfg.operators):
-        where = f"[operator[{i}]]"
-        try:
-            obj = allowed.resolve(op.function)
-        except Exception as exc:  # noqa: BLE001 - the user's module may raise anything on import
-            why = getattr(exc, "why", None) or (str(exc) if isinstance(exc, ValueError)
-                                                else f"importing it raised {type(exc).__name__}: {exc}")
-            out.append(f"{file}: {where}.function: expected an importable operator function, "
-                       f'got "{op.function}" ({why})')
-            continue
-        try:
-            problems = check_params(obj, op.params)
-        except Exception as exc:  # noqa: BLE001 - a user's check_params
-            problems = [("", f"its check_params raised {type(exc).__name__}: {exc}", None)]
-        for key, expected, got in problems:
-            key_ = f"{where}.params.{key}" if key else f"{where}.params"
-            out.append(str(ConfigError(file, key_, expected, *(() if got is None else (got,)))))
-        out += [f"{file}: {where}: {line}" for line in keyed_config_problems(cfg, i, obj)]
-        if node is not None:  # the paths the node's agent would refuse at deploy (admission.py)
-            dirs = NodeDirs.of(node)
-            for what, value in spec_paths({}, op.function, op.params):
-                try:
-                    dirs.check(what, value)
-                except PathRefused as exc:
-                    out.append(f"{file}: {where}.{what}: expected a path inside the node's directories "
-                               f"(agent config {path}): {exc}")
-    return out
-
-
-def mqtt_file_problems(mqtt: Any, file: str) -> Tuple[List[str], List[str]]:
+def mqtt_file_problems(mqtt: Any, file: str) -> Tuple[List[Any], List[str]]:
     """(errors, warnings) about the files an [mqtt] table names: the password file must be
     readable (the agent reads it at `run`); a missing TLS file is a warning (see the module doc)."""
     from agent.config import check_tls
+    from agent.pipeline_check import Problem
 
-    errors: List[str] = []
+    errors: List[Any] = []
     warnings: List[str] = []
     if mqtt.password_file is not None:
         try:
             with open(mqtt.password_file, "rb"):
                 pass
         except OSError as exc:
-            errors.append(str(ConfigError(Path(file).name, "[mqtt].password_file", f"expected a readable file ({exc.strerror})",
-                                          mqtt.password_file)))
+            errors.append(Problem.of(ConfigError(Path(file).name, "[mqtt].password_file",
+                                                 f"expected a readable file ({exc.strerror})", mqtt.password_file)))
     try:
         check_tls(mqtt, file)
     except ConfigError as exc:
-        (warnings if "readable PEM file" in exc.expected else errors).append(str(exc))
+        if "readable PEM file" in exc.expected:
+            warnings.append(str(exc))
+        else:
+            errors.append(Problem.of(exc))
     return errors, warnings
-
-
-def refused_functions(cfg: Any, file: str, node_config: Tuple[Path, Any, Any], agent_config: Optional[str]) -> List[str]:
-    """One line per operator whose function this node's allow-list refuses."""
-    from agent.operators.admission import OperatorRefused
-
-    path, node, allowed = node_config
-    modules: Tuple[str, ...] = node.operators.modules if node is not None else ()
-    out = []
-    for i, op in enumerate(cfg.operators):
-        try:
-            allowed.check(op.function)
-        except OperatorRefused as exc:
-            out.append(f'{file}: [operator[{i}]].function: "{op.function}" is not allowed on this node: '
-                       f"{exc.why} (allowed: {exc.allowed}; node config: {path if modules or agent_config else 'none'})")
-    return out
-

@@ -1,7 +1,8 @@
 """`fogctl`: inspect and steer a fog-agent fleet over MQTT (docs/fogctl.md).
 
-Exit statuses: 0 ok, 1 error (refused, timed out, bad config), 2 usage, 3 broker unreachable;
-deploy also 4 (a keeper failed to start: rolled back) and 5 (rolled back incompletely).
+Exit statuses (agent.exitcodes, shared with `fog-agent deploy`): 0 ok, 1 error (refused, timed
+out, bad config or pipeline), 2 usage, 3 broker unreachable; deploy also 4 (a keeper failed to
+start: rolled back) and 5 (rolled back incompletely).
 Every error is one line on stderr naming what failed and where; no traceback reaches a person.
 Option names mirror mosquitto_sub where it has one (-u/--username, -P/--pw, --cafile, --cert,
 --key, --insecure, -i/--id, -k/--keepalive).
@@ -13,7 +14,7 @@ import argparse
 import sys
 from typing import Any, Callable, Dict, Optional, Sequence
 
-EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+from agent.exitcodes import ERROR as EXIT_ERROR, OK as EXIT_OK, UNREACHABLE as EXIT_UNREACHABLE, USAGE as EXIT_USAGE
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", metavar="PIPELINE.toml")
     p.add_argument("--keeper-timeout", dest="keeper_timeout", type=float, default=30.0,
                    help="seconds to wait for each keeper to be ready")
+    p.add_argument("--agent-config", dest="agent_config", metavar="AGENT_TOML",
+                   help="check the pipeline against this node's [operators] modules, as check-config "
+                        "--agent-config does (default: $FOG_AGENT_CONFIG or /etc/fog-agent/agent.toml if it exists)")
     p = sub.add_parser("undeploy", help="stop a pipeline's instances (sources first); every agent forgets them")
     p.add_argument("pipeline", metavar="PIPELINE|PIPELINE.toml")
     p.add_argument("--force", action="store_true",

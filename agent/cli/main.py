@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from agent import __version__
+from agent.exitcodes import ERROR as EXIT_ERROR, OK as EXIT_OK, USAGE as EXIT_USAGE
 
 # One entry per area; order is the order in `--help`.
 COMMAND_MODULES = (
@@ -35,9 +36,6 @@ COMMAND_MODULES = (
 )
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
-EXIT_OK = 0
-EXIT_ERROR = 1
-EXIT_USAGE = 2
 EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports it
 
 

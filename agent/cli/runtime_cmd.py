@@ -28,7 +28,10 @@ def register(groups: Any) -> None:
 
     d = groups.root.add_parser("deploy", help="publish a pipeline and start its keepers through placement")
     d.add_argument("pipeline", help="pipeline .toml file")
-    d.add_argument("--config", "-c", default=None, help="agent.toml to take the broker and cluster from")
+    d.add_argument("--config", "-c", default=None,
+                   help="agent.toml to take the broker and cluster from, and whose [operators] modules the "
+                        "pipeline is checked against, as check-config --agent-config does (default: "
+                        "$FOG_AGENT_CONFIG or /etc/fog-agent/agent.toml if it exists)")
     d.add_argument("--host", default=None, help="broker host (overrides the config)")
     d.add_argument("--port", type=int, default=None, help="broker port (overrides the config)")
     d.add_argument("--cluster", default=None, help="cluster name (overrides the config)")
@@ -123,16 +126,26 @@ def _parse_extra(items: List[str]) -> Dict[str, Any]:
 
 
 def deploy_cmd(args: argparse.Namespace) -> int:
+    """Check the pipeline as check-config does (agent.pipeline_check, the same lines; nothing is
+    started on a problem), then deploy. Exit statuses: agent.exitcodes, shared with fogctl."""
+    from agent import exitcodes
     from agent.config import resolve_password
+    from agent.mqtt.requester import BrokerUnreachable
     from agent.node.deploy import DeployError, deploy
     from agent.node.rpc import RpcError
+    from agent.pipeline_check import check_text
     from agent.schema import ConfigError
 
     try:  # first, before any broker: a missing file is one line naming it, not an errno
         text = Path(args.pipeline).read_text()
     except OSError as exc:
         print(f"error: cannot read pipeline file {args.pipeline}: {exc.strerror or exc}", file=sys.stderr)
-        return 1
+        return exitcodes.ERROR
+    _, report = check_text(text, args.pipeline, args.config)
+    for problem in report.errors:  # warnings (scaling notes, functions left to the nodes): check-config's
+        print(f"error: {problem.message}", file=sys.stderr)
+    if not report.ok:
+        return exitcodes.ERROR
     host, port, cluster, user, password, tls = "127.0.0.1", 1883, "default", None, None, None
     try:
         if args.config or (args.host is None and args.port is None):
@@ -149,12 +162,18 @@ def deploy_cmd(args: argparse.Namespace) -> int:
         placed = deploy(text, host, port, cluster, extra=_parse_extra(args.extra), policy_name=args.placement,
                         timeout=args.timeout, username=user, password=password, name=Path(args.pipeline).name,
                         tls=tls)
-    except (ConfigError, DeployError, RpcError, ValueError, OSError) as exc:
+    except BrokerUnreachable as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return exitcodes.UNREACHABLE
+    except DeployError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return int(getattr(exc, "status", exitcodes.ERROR))  # 4 rolled back, 5 rollback incomplete
+    except (ConfigError, RpcError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exitcodes.ERROR
     for d in placed:
         print(f"{d.operator:<12} {d.instance:<28} on {d.node}")
-    return 0
+    return exitcodes.OK
 
 
 def demo_cmd(args: argparse.Namespace) -> int:

@@ -404,7 +404,8 @@ def state_decisions(cluster: str, topic: str, payload: bytes) -> List[Any]:
     stats that the agent republishes in its state, so `watch` and `why` can explain a scale-out
     even before workers publish decision events on `fog/<cluster>/events`. These events carry
     load, capacity and ratio but no probability or draw (the state does not record them), and
-    `detail.source = "state"`.
+    `detail.source = "state"`. A forced decision (`fogctl scale`, a drain's scale-in: the worker
+    records no load for it) has no reason; its detail says `cause: "forced"` and the action.
     """
     parsed = topics.parse(cluster, topic)
     if parsed is None or parsed.kind != "state" or not payload:
@@ -434,18 +435,25 @@ def _state_decisions(d: Dict[str, Any], node: Node) -> List[Any]:
     for inst in node.instances:
         stats = stats_by_id.get(inst.id, {})
         for dec in stats.get("decisions") or []:
-            if not isinstance(dec, dict) or not _isnum(dec.get("at")) or not _isnum(dec.get("load")):
+            if not isinstance(dec, dict) or not _isnum(dec.get("at")):
+                continue
+            forced = dec.get("forced") is True
+            if not _isnum(dec.get("load")) and not forced:
                 continue
             kind = dec.get("kind")
             etype = {"scale_out": EventType.SCALE_OUT, "scale_in": EventType.SCALE_IN}.get(kind, EventType.DECISION)
-            cap = _num(dec, "capacity") or _num(stats, "capacity") or inst.capacity or 0.0
-            load = float(dec["load"])
             new = [str(x) for x in dec.get("new") or []]
             action = {"scale_out": "duplicate", "scale_in": "terminate"}.get(str(kind), "none")
-            reason = Reason(load=load, capacity=cap, ratio=load / cap if cap else 0.0,
-                            probability=_num(dec, "probability", "p"), draw=_num(dec, "draw"),
-                            action=action, count=len(new) if new else (1 if action == "terminate" else 0))
+            reason = None
+            if _isnum(dec.get("load")):
+                cap = _num(dec, "capacity") or _num(stats, "capacity") or inst.capacity or 0.0
+                load = float(dec["load"])
+                reason = Reason(load=load, capacity=cap, ratio=load / cap if cap else 0.0,
+                                probability=_num(dec, "probability", "p"), draw=_num(dec, "draw"),
+                                action=action, count=len(new) if new else (1 if action == "terminate" else 0))
             detail: Dict[str, Any] = {"source": "state"}
+            if forced:
+                detail.update(cause="forced", action=action)
             if new:
                 detail["new"] = new
             out.append(Event(ts=float(dec["at"]), node=node.node, type=etype, instance=inst.id,

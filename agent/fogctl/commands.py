@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, TextIO, Tuple
 
 from agent import events as ev_mod
-from agent import topics
+from agent import exitcodes, topics
 from agent.fogctl import views
 from agent.fogctl.client import Connection, FogctlError
 from agent.fogctl.config import FogctlConfig
@@ -116,10 +116,9 @@ def matches(event: ev_mod.Event, filters: Dict[str, List[str]]) -> bool:
 def cmd_watch(args: argparse.Namespace, ctx: Context) -> int:
     """Events from `fog/<cluster>/events`, plus decisions that appear in the agents' states.
 
-    A state-derived decision of an instance is shown only until that instance publishes a real
-    decision event during this watch (then its events are the source), so nothing is shown twice
-    once workers publish events. Decisions already in the retained states when the watch starts
-    are history, not shown (`fogctl why` shows them).
+    A state-derived decision is shown unless the instance's own events are its source
+    (`_from_state`), so nothing is shown twice once workers publish events. Decisions already in
+    the retained states when the watch starts are history, not shown (`fogctl why` shows them).
 
     Only changes by default (`events.changes_something`): every instance publishes a "nothing to
     do" decision every few seconds, which would bury the scaling rounds, spawns, terminations,
@@ -134,7 +133,8 @@ def cmd_watch(args: argparse.Namespace, ctx: Context) -> int:
         filters.setdefault("instance", []).append(args.instance)
     seen = 0
     known: set = set()  # (instance, ts) of state-derived decisions already shown or history
-    with_events: set = set()  # instances that publish their own decision events
+    with_events: set = set()  # (instance, type) of the decision events instances publish themselves
+    publishers: set = set()  # instances that publish decision events
     cluster = ctx.cfg.cluster
     with ctx.connect(ctx.cfg) as conn:
         live = conn.stream([topics.events(cluster), topics.all_agents_state(cluster)], duration=args.duration,
@@ -150,7 +150,7 @@ def cmd_watch(args: argparse.Namespace, ctx: Context) -> int:
                     if key in known:
                         continue
                     known.add(key)
-                    if not m.retain and e.instance not in with_events:
+                    if not m.retain and _from_state(e, with_events, publishers):
                         batch.append(e)
             elif not m.retain:
                 try:
@@ -159,7 +159,8 @@ def cmd_watch(args: argparse.Namespace, ctx: Context) -> int:
                     ctx.err.write(f"fogctl: skipped a malformed event on {m.topic}: {str(exc)[:200]}\n")
                     continue
                 if event.reason is not None and event.instance:
-                    with_events.add(event.instance)
+                    with_events.add((event.instance, event.type))
+                    publishers.add(event.instance)
                 batch.append(event)
             for event in batch:
                 if not matches(event, filters) or not (everything or ev_mod.changes_something(event)):
@@ -170,6 +171,21 @@ def cmd_watch(args: argparse.Namespace, ctx: Context) -> int:
                 if args.count and seen >= args.count:
                     return 0
     return 0
+
+
+def _from_state(event: ev_mod.Event, with_events: set, publishers: set) -> bool:
+    """Whether `watch` shows a decision read from an agent's state. Not when the instance
+    published an event of that type itself (the worker's event, with p and the draw, is the
+    source), nor a policy scale-out of an instance that publishes events (its event comes).
+    Shown: everything of an instance that publishes none, a forced decision (`fogctl scale`, a
+    drain: the worker publishes no event for it) and a scale-in (a keyed instance leaving after
+    its hand-over publishes none either). Every instance publishes a "nothing to do" decision
+    every few seconds, so taking any event as the sign that its events are the source hid those."""
+    if (event.instance, event.type) in with_events:
+        return False
+    if event.instance not in publishers:
+        return True
+    return event.detail.get("cause") == "forced" or event.type is ev_mod.EventType.SCALE_IN
 
 
 def pin_of(states: Dict[str, Any], instance: str) -> Optional[Dict[str, Any]]:
@@ -396,15 +412,22 @@ def cmd_drain(args: argparse.Namespace, ctx: Context) -> int:
 
 def cmd_deploy(args: argparse.Namespace, ctx: Context) -> int:
     """Same as `fog-agent deploy`: publish the TOML retained and start the keepers by placement."""
-    from agent.config import load_pipeline_text
     from agent.fogctl.deploy import deploy_pipeline
+    from agent.pipeline_check import check_text
 
     path = Path(args.file)
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise FogctlError(f"cannot read {path}: {exc.strerror}") from None
-    load_pipeline_text(text, path.name)  # a bad file fails before any connection
+    # check-config's checks, before any connection: a bad file starts nothing (agent.pipeline_check)
+    _, report = check_text(text, args.file, args.agent_config)
+    for problem in report.errors:  # warnings (scaling notes, functions left to the nodes): check-config's
+        print(f"fogctl: error: {problem.message}", file=ctx.err)
+    if not report.ok:
+        if args.json:
+            ctx.emit(args, {"ok": False, "errors": [p.to_json() for p in report.errors]}, "")
+        return exitcodes.ERROR
     with ctx.connect(ctx.cfg) as conn:
         cfg, placed = deploy_pipeline(conn, text, path.name, timeout=args.keeper_timeout)
     name = cfg.pipeline.name

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
 
+from agent import exitcodes
 from agent.fogctl.client import Connection, FogctlError
 from agent.node.deploy import DeployError, deploy_over
 
@@ -19,10 +20,11 @@ __all__ = ["DeployFailed", "deploy_pipeline"]
 
 
 class DeployFailed(FogctlError):
-    """A deploy that did not happen; `status` is fogctl's exit status: 1 refused before anything
-    was started or published, 4 failed and rolled back, 5 failed and the rollback is incomplete."""
+    """A deploy that did not happen; `status` is the exit status (agent.exitcodes, the same for
+    `fog-agent deploy`): 1 refused before anything was started or published, 4 failed and rolled
+    back, 5 failed and the rollback is incomplete."""
 
-    def __init__(self, message: str, status: int = 1) -> None:
+    def __init__(self, message: str, status: int = exitcodes.ERROR) -> None:
         super().__init__(message)
         self.status = status
 
@@ -33,5 +35,5 @@ def deploy_pipeline(conn: Connection, text: str, name: str, timeout: float,
     try:
         cfg, placed = deploy_over(conn, text, name, timeout, policy_name)
     except DeployError as exc:
-        raise DeployFailed(str(exc), getattr(exc, "status", 1)) from None
+        raise DeployFailed(str(exc), getattr(exc, "status", exitcodes.ERROR)) from None
     return cfg, [{"operator": d.operator, "instance": d.instance, "node": d.node} for d in placed]

@@ -26,7 +26,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from agent import topics
+from agent import exitcodes, topics
 from agent.config import PipelineConfig, load_pipeline_text
 from agent.control.records import GENERATION_KEY, new_generation, stamp, tombstone
 from agent.node import chains, nodestate
@@ -109,19 +109,19 @@ def fleet_from_snapshot(states: Dict[str, bytes], statuses: Dict[str, bytes]) ->
 class DeployRefused(DeployError):
     """Refused before anything was started or published (no online agent, no room, a clash)."""
 
-    status = 1
+    status = exitcodes.ERROR
 
 
 class DeployRolledBack(DeployError):
     """A keeper could not start: the started ones were stopped, the record is a tombstone."""
 
-    status = 4
+    status = exitcodes.ROLLED_BACK
 
 
 class RollbackIncomplete(DeployError):
     """A keeper could not start and stopping the started ones failed too (the message names them)."""
 
-    status = 5
+    status = exitcodes.ROLLBACK_INCOMPLETE
 
 
 Call = Callable[[str, Dict[str, Any]], Dict[str, Any]]  # (node, request) -> reply; errors as ok=false

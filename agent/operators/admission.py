@@ -7,7 +7,8 @@ code on any node (`function = "builtins:exec"`). So the functions a node may imp
 the node, never by a request:
 
 - the built-in operators (`BUILTIN`: `agent.operators.builtin`, the keyed ones of
-  `agent.operators.keyed`, `agent.operators.windows`, `agent.operators.debs` and the taxi sources);
+  `agent.operators.keyed`, `agent.operators.windows`, `agent.operators.debs`, the file sink and the
+  taxi sources);
 - the operators installed packages register in the entry-point group `fog_agent.operators`
   (`name = "module:attr"`): exactly those "module:attr" values;
 - the public functions of the modules the node's own agent.toml lists
@@ -32,6 +33,7 @@ that enables fault injection (`FOG_AGENT_FAULT_INJECTION=1`, set by the reliabil
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib
 import os
@@ -60,6 +62,7 @@ __all__ = [
     "node_allow_list",
     "parse_ref",
     "spec_paths",
+    "suggest",
 ]
 
 ENTRY_POINT_GROUP = "fog_agent.operators"
@@ -74,6 +77,7 @@ BUILTIN: FrozenSet[str] = frozenset({
     "agent.operators.builtin:counting_sink",
     "agent.operators.builtin:null_sink",
     "agent.operators.builtin:mqtt_sink",
+    "agent.operators.filesink:file_sink",
     "agent.operators.keyed:keyed_count",
     "agent.operators.keyed:keyed_sum",
     "agent.operators.keyed:keyed_mean",
@@ -170,6 +174,16 @@ class AllowList:
         """Named exactly: a built-in or an installed entry point (not by a configured module)."""
         return ref in BUILTIN or ref in self.entry_points.values()
 
+    def _listed_names(self, module: str) -> List[str]:
+        """The names of `module` allowed by name (built-ins and entry points)."""
+        return [r.partition(":")[2] for r in (*BUILTIN, *self.entry_points.values()) if r.partition(":")[0] == module]
+
+    def knows_module(self, ref: Any) -> bool:
+        """Whether `ref`'s module is one this allow-list names (built in, an entry point's, or
+        configured): a refusal of a name in it is a wrong name, not a module unknown here."""
+        module = str(ref).partition(":")[0]
+        return module in self.modules or bool(self._listed_names(module))
+
     def check(self, ref: Any) -> Tuple[str, str]:
         """("module", "name") if `ref` may be imported here, else OperatorRefused. Looks at the
         name only: never imports anything."""
@@ -183,6 +197,10 @@ class AllowList:
             if name.startswith("_"):
                 raise OperatorRefused(ref, "a name starting with '_' is private", self.describe())
             return module, name
+        listed = self._listed_names(module)
+        if listed:  # a known module, a wrong name (a misspelling, or a function it does not register)
+            raise OperatorRefused(ref, f"module {module!r} has no operator {name!r}{suggest(name, listed)}",
+                                  self.describe())
         raise OperatorRefused(ref, f"module {module!r} is not an operator module of this node", self.describe())
 
     def resolve(self, ref: str) -> Any:
@@ -191,12 +209,23 @@ class AllowList:
         factory whose `build` is), not imported into it from elsewhere."""
         module, name = self.check(ref)
         try:
-            obj = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError) as exc:
+            mod = importlib.import_module(module)
+        except ImportError as exc:
             raise ValueError(f"operator function {ref!r}: cannot import ({exc})") from None
+        try:
+            obj = getattr(mod, name)
+        except AttributeError:
+            own = [n for n, v in vars(mod).items() if not n.startswith("_") and _defined_in(v, module)]
+            raise ValueError(f"module {module!r} has no operator {name!r}{suggest(name, own)}") from None
         if not self._listed(ref) and not _defined_in(obj, module):
             raise OperatorRefused(ref, f"{name!r} is not defined in {module!r}", self.describe())
         return obj
+
+
+def suggest(name: str, names: Iterable[str]) -> str:
+    """'; did you mean X?' for the one of `names` closest to `name` (a misspelling), or ''."""
+    close = difflib.get_close_matches(name, sorted(set(names)), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def _defined_in(obj: Any, module: str) -> bool:

@@ -45,6 +45,7 @@ __all__ = [
     "Param",
     "check_params",
     "load_operator",
+    "constructor_takes_ctx",
     "validate",
     "in_zone",
     "identity",
@@ -280,6 +281,25 @@ def check_params(obj: Any, params: Dict[str, Any]) -> List[Tuple[str, str, Any]]
     return out
 
 
+def constructor_takes_ctx(cls: type) -> bool:
+    """Whether an Operator class named directly is built as `cls(ctx)` (its constructor takes one
+    positional argument, as every sink's does: it needs `ctx.sink_dir`) or `cls()`; TypeError
+    when it needs more. docs/operators.md's table promises both forms; the loader used to call
+    `cls()` only, so a SinkOperator class named directly passed check-config and failed here."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(cls).parameters.values())
+    except (TypeError, ValueError):  # no signature to read (a C type): the argument-free form
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if len(required) > 1 or any(p.kind == p.KEYWORD_ONLY for p in required):
+        names = ", ".join(p.name for p in required)
+        raise TypeError(f"its constructor requires {names}; it may take at most the context")
+    return bool(positional) or any(p.kind == p.VAR_POSITIONAL for p in params)
+
+
 def load_operator(ref: str, ctx: OperatorContext, allowed: Optional["AllowList"] = None) -> Operator:
     """Resolve "package.module:name" through the node's allow-list and build the operator
     instance. `allowed` defaults to this process's (`admission.node_allow_list`: built-ins,
@@ -291,7 +311,7 @@ def load_operator(ref: str, ctx: OperatorContext, allowed: Optional["AllowList"]
     if callable(build):
         op = build(ctx)
     elif isinstance(obj, type) and issubclass(obj, Operator):
-        op = obj()
+        op = obj(ctx) if constructor_takes_ctx(obj) else obj()
     elif callable(obj):
         op = MapOperator(obj)
     else:
