@@ -37,7 +37,9 @@ __all__ = ["MQTT_SINKS", "MQTT_SOURCES", "NodeConfig", "Problem", "Report", "che
            "feedback_loops", "form_problem", "module_problems"]
 
 MQTT_SOURCES = ("agent.operators.taxi:mqtt_source",)  # params.topic: a topic filter it subscribes to
-MQTT_SINKS = ("agent.operators.builtin:mqtt_sink",)  # params.topic: the topic name it publishes to
+# the params naming the topics each publishes to
+MQTT_SINKS = {"agent.operators.builtin:mqtt_sink": ("topic",),
+              "agent.operators.windows:late_split_sink": ("topic", "late_topic")}
 
 
 class _Missing:
@@ -229,29 +231,38 @@ def form_problem(obj: Any, kind: str) -> str:
 
 
 def feedback_loops(cfg: Any, file: str) -> List[Problem]:
-    """One Problem per mqtt_sink whose topic an mqtt_source filter of the same pipeline matches
+    """One Problem per topic an MQTT sink publishes to (`MQTT_SINKS`) that an mqtt_source filter of
+    the same pipeline matches
     (MQTT rules: `+` one level, `#` this level and all below, `$` topics not matched by a leading
     wildcard; paho's `topic_matches_sub`)."""
-    from paho.mqtt.client import topic_matches_sub
-
     sources = [(i, op.params.get("topic")) for i, op in enumerate(cfg.operators)
                if op.function in MQTT_SOURCES and isinstance(op.params.get("topic"), str)]
     out: List[Problem] = []
     for j, op in enumerate(cfg.operators):
-        topic = op.params.get("topic")
-        if op.function not in MQTT_SINKS or not isinstance(topic, str) or not topic:
+        for param in MQTT_SINKS.get(op.function, ()):
+            out += _loops(cfg, file, j, param, sources)
+    return out
+
+
+def _loops(cfg: Any, file: str, j: int, param: str, sources: List[Tuple[int, Any]]) -> List[Problem]:
+    from paho.mqtt.client import topic_matches_sub
+
+    op = cfg.operators[j]
+    topic = op.params.get(param)
+    out: List[Problem] = []
+    if not isinstance(topic, str) or not topic:
+        return out
+    for i, filt in sources:
+        try:
+            loops = topic_matches_sub(filt, topic)
+        except ValueError:  # a malformed filter: its own check says so
             continue
-        for i, filt in sources:
-            try:
-                loops = topic_matches_sub(filt, topic)
-            except ValueError:  # a malformed filter: its own check says so
-                continue
-            if loops:
-                out.append(Problem(
-                    file, f"[operator[{j}]].params.topic",
-                    f"expected a topic that no mqtt_source of this pipeline reads, but [operator[{i}]].params.topic "
-                    f'"{filt}" matches it: an MQTT feedback loop (every message {op.name!r} publishes comes back '
-                    f"in through {cfg.operators[i].name!r}, wrapped again, without end)", topic))
+        if loops:
+            out.append(Problem(
+                file, f"[operator[{j}]].params.{param}",
+                f"expected a topic that no mqtt_source of this pipeline reads, but [operator[{i}]].params.topic "
+                f'"{filt}" matches it: an MQTT feedback loop (every message {op.name!r} publishes comes back '
+                f"in through {cfg.operators[i].name!r}, wrapped again, without end)", topic))
     return out
 
 

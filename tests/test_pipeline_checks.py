@@ -402,3 +402,31 @@ def test_docs_print_the_exit_status_table() -> None:
     section = text[text.index("### Exit statuses"):]
     rows = re.findall(r"^\| \*\*(\d)\*\* \| (.+?) \|$", section, re.M)
     assert [(int(code), words) for code, words in rows] == [(c, w) for c, w in exitcodes.TABLE]
+
+
+def test_a_late_split_sink_loops_through_either_of_its_topics() -> None:
+    from agent.config import load_pipeline_text
+    from agent.pipeline_check import feedback_loops
+
+    text = """
+[pipeline]
+name = "p"
+[[operator]]
+name = "readings"
+kind = "source"
+function = "agent.operators.taxi:mqtt_source"
+params = {{ topic = "lab/#" }}
+key = "sensor"
+[[operator]]
+name = "minute"
+function = "agent.operators.windows:window"
+params = {{ time_field = "t", size_ms = 60000, late = "emit", aggregates = {{ n = ["count"] }} }}
+[[operator]]
+name = "out"
+kind = "sink"
+function = "agent.operators.windows:late_split_sink"
+params = {{ topic = "{topic}", late_topic = "{late}" }}
+"""
+    cfg = load_pipeline_text(text.format(topic="stats/minute", late="lab/late"))
+    assert [p.key for p in feedback_loops(cfg, "p.toml")] == ["[operator[2]].params.late_topic"]
+    assert feedback_loops(load_pipeline_text(text.format(topic="stats/minute", late="stats/late")), "p.toml") == []
