@@ -13,6 +13,26 @@ import pytest
 from agent.tools.gme_bench import BenchConfig, run_bench
 
 
+def test_bench_runs_the_damped_variant_by_default_and_simulate_the_published_one():
+    """`fog-agent bench gme` (and its BenchConfig) default to DEVIATIONS 4 + 5, `--no-damping`
+    gives the published algorithm; `fog-agent simulate gme` reproduces the thesis's message
+    counts, so it stays published unless `--damping`; `fog-agent chaos` runs its fgme pipeline
+    damped unless `--no-fgme-damping` (docs/gme.md, "The default: the damped variant")."""
+    from agent.cli.main import build_parser
+    from agent.sim.gme_sim import GmeSimConfig
+
+    parser = build_parser()
+    assert BenchConfig().damping is True
+    assert parser.parse_args(["bench", "gme"]).damping is True
+    assert parser.parse_args(["bench", "gme", "--damping"]).damping is True
+    assert parser.parse_args(["bench", "gme", "--no-damping"]).damping is False
+    assert GmeSimConfig().damping is False
+    assert parser.parse_args(["simulate", "gme"]).damping is False
+    assert parser.parse_args(["simulate", "gme", "--damping"]).damping is True
+    assert parser.parse_args(["chaos", "--coordination", "fgme"]).fgme_damping is True
+    assert parser.parse_args(["chaos", "--no-fgme-damping"]).fgme_damping is False
+
+
 @pytest.mark.broker
 @pytest.mark.parametrize("alg", ["2fgme", "ra1", "ra2"])
 def test_real_broker_run_is_safe_and_serves_every_request(mosquitto, alg):

@@ -88,7 +88,7 @@ def test_coordination_setting_selects_the_core():
     assert core_class("ack") is ScalingCore
     assert core_class("fgme") is GuardedCore
     assert core_class("fgme", True).damped and not core_class("fgme", False).damped
-    assert GuardedCore.damped is False  # the published line 79 unless [pipeline] fgme_damping = true
+    assert GuardedCore.damped is True  # DEVIATION 4 unless [pipeline] fgme_damping = false
     with pytest.raises(ValueError):
         core_class("token")
 
@@ -224,6 +224,25 @@ def test_damped_snapshot_keeps_the_variant_and_whom_it_authorizes():
     assert node.competitors_authorized and node.authorized_for == frozenset({"s0i0"}), outs
     r = PublishedGuardedCore.restore(json.loads(json.dumps(b.snapshot())), ScalingParams())
     assert r.locks[0].damped and r.locks[0].authorized_for == frozenset({"s0i0"}) and r.key() == b.key()
+
+
+def test_a_lock_dump_written_before_the_damped_variant_existed_restores_published():
+    """The damped flag was persisted from the commit that introduced the damping, so a dump
+    without it is a published node's (its authorized_for was never written): it stays published
+    now that the damped variant is the default, and a dump with the flag keeps its variant."""
+    import json
+
+    from agent.policy.decentralized import ScalingParams
+
+    sysm = build_guarded([1, 2], [])
+    b = sysm.cores["s1i0"]
+    b.start_round(Plan("s1i0", Action.DUPLICATE).decision())
+    assert b.locks[0].damped  # the default
+    snap = json.loads(json.dumps(b.snapshot()))
+    assert GuardedCore.restore(snap, ScalingParams()).locks[0].damped
+    for d in snap["fgme"]["locks"].values():
+        del d["damped"], d["authorized_for"]
+    assert not any(n.damped for n in GuardedCore.restore(snap, ScalingParams()).locks.values())
 
 
 def test_compare_damping_counts_rounds_and_lock_messages_for_both_variants():
