@@ -42,6 +42,7 @@ def test_real_broker_run_is_safe_and_serves_every_request(mosquitto, alg):
     assert r["safety_violations"] == 0
     assert r["unserved_requests"] == 0 and r["cs_entries"] == 12
     assert r["timed_out"] is False and "node_states" not in r
+    assert r["damping"] is (True if alg == "2fgme" else None)  # the default variant; RA1/RA2 have none
     # the timeline accounts for every message sent, by kind
     assert sum(sum(row["sent"].values()) for row in r["timeline"]) == r["messages"]
     if alg == "ra1":

@@ -424,7 +424,7 @@ def run_bench(cfg: BenchConfig) -> Dict[str, Any]:
     msgs = sum(r["sent"] for r in reports)
     report: Dict[str, Any] = {
         "algorithm": cfg.algorithm,
-        "damping": cfg.damping,
+        "damping": cfg.damping if cfg.algorithm == "2fgme" else None,  # RA1/RA2 have no variant
         "nodes": cfg.nodes,
         "entries_per_node": cfg.entries,
         "think_ms": cfg.think_ms,
