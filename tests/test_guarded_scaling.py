@@ -195,13 +195,34 @@ def test_guarded_adoption_runs_inside_the_locks_and_survives_a_restart():
     assert b.lock_state is GmeState.IDLE and not b.in_round
 
 
-def test_damped_lock_nodes_random_schedules_neighbours_never_scale_together():
-    """[pipeline] fgme_damping = true: the same random check as above with DEVIATION 4 in every
-    lock node: no two neighbours in a round, every intent served, nothing lost."""
-    from agent.protocol.guarded import DampedGuardedCore
+def test_published_lock_nodes_random_schedules_neighbours_never_scale_together():
+    """[pipeline] fgme_damping = false: the same random check as above (whose default lock nodes
+    are damped, DEVIATION 4) with the published line 79 in every lock node: no two neighbours in
+    a round, every intent served, nothing lost."""
+    from agent.protocol.guarded import PublishedGuardedCore
 
-    r = random_runs(lambda rng: _random_system(rng, core_cls=DampedGuardedCore), schedules=400, seed=2,
+    r = random_runs(lambda rng: _random_system(rng, core_cls=PublishedGuardedCore), schedules=400, seed=2,
                     extra_rounds=4)
+    assert r.ok, r.violations[0]
+    assert r.rounds_completed > 1000
+
+
+def test_lock_nodes_of_both_variants_in_one_pipeline_never_let_neighbours_scale_together():
+    """A fleet that upgrades to the damped default while running: a restored lock node keeps the
+    variant it was created with (published), instances created since are damped, so one lock can
+    have nodes of both variants. Each node's variant only decides when its own authorization
+    ends, so pairwise exclusion and the liveness argument hold node by node (docs/gme.md); this
+    checks it: instances alternate between the variants by id."""
+    import zlib
+
+    class Mixed(GuardedCore):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            damped = zlib.crc32(self.instance_id.encode()) >> 1 & 1 == 0  # mixes inside an operator too
+            for node in self.locks.values():
+                node.damped = damped
+
+    r = random_runs(lambda rng: _random_system(rng, core_cls=Mixed), schedules=400, seed=4, extra_rounds=4)
     assert r.ok, r.violations[0]
     assert r.rounds_completed > 1000
 
