@@ -31,6 +31,23 @@ def test_bench_runs_the_damped_variant_by_default_and_simulate_the_published_one
     assert parser.parse_args(["simulate", "gme", "--damping"]).damping is True
     assert parser.parse_args(["chaos", "--coordination", "fgme"]).fgme_damping is True
     assert parser.parse_args(["chaos", "--no-fgme-damping"]).fgme_damping is False
+    assert parser.parse_args(["bench", "gme-check"]).damping is False  # the checker starts from the transcription
+
+
+def test_gme_check_cli_checks_the_damped_variant_on_request(capsys):
+    """`bench gme-check --damping` searches DEVIATIONS 4 + 5 (the bench's default variant):
+    another state space than the published one's, and the class attributes are restored."""
+    from agent.cli.main import main
+    from agent.protocol.gme_fgme import FgmeNode
+
+    reports = {}
+    for flag in ([], ["--damping"]):
+        assert main(["bench", "gme-check", "--groups", "2,1", "--requests", "1", "--json", *flag]) == 0
+        reports[bool(flag)] = json.loads(capsys.readouterr().out)
+    assert reports[True]["damping"] is True and reports[False]["damping"] is False
+    assert reports[True]["verdict"] == reports[False]["verdict"] == "ok"
+    assert reports[True]["states"] != reports[False]["states"]
+    assert FgmeNode.damped is False and FgmeNode.yield_once is False
 
 
 @pytest.mark.broker
