@@ -31,7 +31,8 @@ withdrawal broadcast of a competitor that just yielded to someone else (lines 25
 an authorizing node resume (line 83), its resumed Reqs make lower-priority competitors withdraw
 and broadcast Ends again: a branching loop whose factor is ~1 with instant delivery and above 1
 when each node's messages leave through one queue (MQTT). On the broker at 24 nodes it never
-ends. Damped (`damped`; the default where users run the lock, DAMPING_DEFAULT), the authorization ends on an End only from a node it was granted FOR
+ends. Damped (`damped`; the default where users run the lock, DAMPING_DEFAULT), the
+authorization ends on an End only from a node it was granted FOR
 (`authorized_for`: the higher-priority requester of line 20-23, or the waiting requesters acked
 at exit, lines 90-92), on any Ack(renew) / Ack(end) (line 60, unchanged), and never before one of
 them leaves or withdraws: the thesis's prose ("a node stops acknowledging requests from its
