@@ -148,6 +148,37 @@ def test_check_config_cli_ok_and_error(tmp_path: Path) -> None:
     assert bad.stderr.strip() == 'error: agent.toml: [mqtt].port: expected an integer 1-65535, got "abc"'
 
 
+def test_fgme_pipelines_default_to_the_damped_lock(tmp_path: Path) -> None:
+    """coordination = "fgme" without `fgme_damping`: the lock nodes are damped (DEVIATION 4,
+    docs/gme.md "The default: the damped variant") in the file loader, the loader of a pipeline
+    received over the bus, the core class the worker's driver builds from it, check-config's
+    printed effective values and the chaos command's pipeline; `fgme_damping = false` still
+    gives the published line 79. One source of truth: agent.protocol.gme_fgme.DAMPING_DEFAULT."""
+    import json
+
+    from agent.protocol.guarded import core_class
+    from agent.tools.chaos import ChaosConfig, chaos_pipeline
+
+    text = GOOD_PIPELINE.replace("[pipeline]", '[pipeline]\ncoordination = "fgme"')
+    path = write(tmp_path, text, "p.toml")
+    for cfg in (load_pipeline(path), load_pipeline_text(text)):
+        assert cfg.pipeline.fgme_damping is True
+        assert core_class(cfg.pipeline.coordination, cfg.pipeline.fgme_damping).damped is True  # the driver's call
+    shown = run_cli("check-config", "--json", str(path))
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["pipeline"]["fgme_damping"] is True
+    shown = run_cli("check-config", str(path))
+    assert shown.returncode == 0 and "fgme_damping = true" in shown.stdout, shown.stdout
+    assert ChaosConfig(duration=10.0, seed=1).fgme_damping is True
+    assert load_pipeline_text(chaos_pipeline(10.0, 1, "fgme")).pipeline.fgme_damping is True
+    published = text.replace('coordination = "fgme"', 'coordination = "fgme"\nfgme_damping = false')
+    cfg = load_pipeline_text(published)
+    assert cfg.pipeline.fgme_damping is False and core_class("fgme", cfg.pipeline.fgme_damping).damped is False
+    from agent.protocol import gme_fgme
+
+    assert gme_fgme.DAMPING_DEFAULT is True
+
+
 def test_help_commands() -> None:
     assert run_cli("--help").returncode == 0
     fogctl = subprocess.run([sys.executable, "-m", "agent.cli.fogctl", "--help"], capture_output=True, text=True, cwd=ROOT)

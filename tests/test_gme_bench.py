@@ -13,6 +13,43 @@ import pytest
 from agent.tools.gme_bench import BenchConfig, run_bench
 
 
+def test_bench_runs_the_damped_variant_by_default_and_simulate_the_published_one():
+    """`fog-agent bench gme` (and its BenchConfig) default to DEVIATIONS 4 + 5, `--no-damping`
+    gives the published algorithm; `fog-agent simulate gme` reproduces the thesis's message
+    counts, so it stays published unless `--damping`; `fog-agent chaos` runs its fgme pipeline
+    damped unless `--no-fgme-damping` (docs/gme.md, "The default: the damped variant")."""
+    from agent.cli.main import build_parser
+    from agent.sim.gme_sim import GmeSimConfig
+
+    parser = build_parser()
+    assert BenchConfig().damping is True
+    assert parser.parse_args(["bench", "gme"]).damping is True
+    assert parser.parse_args(["bench", "gme", "--damping"]).damping is True
+    assert parser.parse_args(["bench", "gme", "--no-damping"]).damping is False
+    assert GmeSimConfig().damping is False
+    assert parser.parse_args(["simulate", "gme"]).damping is False
+    assert parser.parse_args(["simulate", "gme", "--damping"]).damping is True
+    assert parser.parse_args(["chaos", "--coordination", "fgme"]).fgme_damping is True
+    assert parser.parse_args(["chaos", "--no-fgme-damping"]).fgme_damping is False
+    assert parser.parse_args(["bench", "gme-check"]).damping is False  # the checker starts from the transcription
+
+
+def test_gme_check_cli_checks_the_damped_variant_on_request(capsys):
+    """`bench gme-check --damping` searches DEVIATIONS 4 + 5 (the bench's default variant):
+    another state space than the published one's, and the class attributes are restored."""
+    from agent.cli.main import main
+    from agent.protocol.gme_fgme import FgmeNode
+
+    reports = {}
+    for flag in ([], ["--damping"]):
+        assert main(["bench", "gme-check", "--groups", "2,1", "--requests", "1", "--json", *flag]) == 0
+        reports[bool(flag)] = json.loads(capsys.readouterr().out)
+    assert reports[True]["damping"] is True and reports[False]["damping"] is False
+    assert reports[True]["verdict"] == reports[False]["verdict"] == "ok"
+    assert reports[True]["states"] != reports[False]["states"]
+    assert FgmeNode.damped is False and FgmeNode.yield_once is False
+
+
 @pytest.mark.broker
 @pytest.mark.parametrize("alg", ["2fgme", "ra1", "ra2"])
 def test_real_broker_run_is_safe_and_serves_every_request(mosquitto, alg):
@@ -22,6 +59,7 @@ def test_real_broker_run_is_safe_and_serves_every_request(mosquitto, alg):
     assert r["safety_violations"] == 0
     assert r["unserved_requests"] == 0 and r["cs_entries"] == 12
     assert r["timed_out"] is False and "node_states" not in r
+    assert r["damping"] is (True if alg == "2fgme" else None)  # the default variant; RA1/RA2 have none
     # the timeline accounts for every message sent, by kind
     assert sum(sum(row["sent"].values()) for row in r["timeline"]) == r["messages"]
     if alg == "ra1":

@@ -88,7 +88,7 @@ def test_coordination_setting_selects_the_core():
     assert core_class("ack") is ScalingCore
     assert core_class("fgme") is GuardedCore
     assert core_class("fgme", True).damped and not core_class("fgme", False).damped
-    assert GuardedCore.damped is False  # the published line 79 unless [pipeline] fgme_damping = true
+    assert GuardedCore.damped is True  # DEVIATION 4 unless [pipeline] fgme_damping = false
     with pytest.raises(ValueError):
         core_class("token")
 
@@ -195,13 +195,34 @@ def test_guarded_adoption_runs_inside_the_locks_and_survives_a_restart():
     assert b.lock_state is GmeState.IDLE and not b.in_round
 
 
-def test_damped_lock_nodes_random_schedules_neighbours_never_scale_together():
-    """[pipeline] fgme_damping = true: the same random check as above with DEVIATION 4 in every
-    lock node: no two neighbours in a round, every intent served, nothing lost."""
-    from agent.protocol.guarded import DampedGuardedCore
+def test_published_lock_nodes_random_schedules_neighbours_never_scale_together():
+    """[pipeline] fgme_damping = false: the same random check as above (whose default lock nodes
+    are damped, DEVIATION 4) with the published line 79 in every lock node: no two neighbours in
+    a round, every intent served, nothing lost."""
+    from agent.protocol.guarded import PublishedGuardedCore
 
-    r = random_runs(lambda rng: _random_system(rng, core_cls=DampedGuardedCore), schedules=400, seed=2,
+    r = random_runs(lambda rng: _random_system(rng, core_cls=PublishedGuardedCore), schedules=400, seed=2,
                     extra_rounds=4)
+    assert r.ok, r.violations[0]
+    assert r.rounds_completed > 1000
+
+
+def test_lock_nodes_of_both_variants_in_one_pipeline_never_let_neighbours_scale_together():
+    """A fleet that upgrades to the damped default while running: a restored lock node keeps the
+    variant it was created with (published), instances created since are damped, so one lock can
+    have nodes of both variants. Each node's variant only decides when its own authorization
+    ends, so pairwise exclusion and the liveness argument hold node by node (docs/gme.md); this
+    checks it: instances alternate between the variants by id."""
+    import zlib
+
+    class Mixed(GuardedCore):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            damped = zlib.crc32(self.instance_id.encode()) >> 1 & 1 == 0  # mixes inside an operator too
+            for node in self.locks.values():
+                node.damped = damped
+
+    r = random_runs(lambda rng: _random_system(rng, core_cls=Mixed), schedules=400, seed=4, extra_rounds=4)
     assert r.ok, r.violations[0]
     assert r.rounds_completed > 1000
 
@@ -224,6 +245,25 @@ def test_damped_snapshot_keeps_the_variant_and_whom_it_authorizes():
     assert node.competitors_authorized and node.authorized_for == frozenset({"s0i0"}), outs
     r = PublishedGuardedCore.restore(json.loads(json.dumps(b.snapshot())), ScalingParams())
     assert r.locks[0].damped and r.locks[0].authorized_for == frozenset({"s0i0"}) and r.key() == b.key()
+
+
+def test_a_lock_dump_written_before_the_damped_variant_existed_restores_published():
+    """The damped flag was persisted from the commit that introduced the damping, so a dump
+    without it is a published node's (its authorized_for was never written): it stays published
+    now that the damped variant is the default, and a dump with the flag keeps its variant."""
+    import json
+
+    from agent.policy.decentralized import ScalingParams
+
+    sysm = build_guarded([1, 2], [])
+    b = sysm.cores["s1i0"]
+    b.start_round(Plan("s1i0", Action.DUPLICATE).decision())
+    assert b.locks[0].damped  # the default
+    snap = json.loads(json.dumps(b.snapshot()))
+    assert GuardedCore.restore(snap, ScalingParams()).locks[0].damped
+    for d in snap["fgme"]["locks"].values():
+        del d["damped"], d["authorized_for"]
+    assert not any(n.damped for n in GuardedCore.restore(snap, ScalingParams()).locks.values())
 
 
 def test_compare_damping_counts_rounds_and_lock_messages_for_both_variants():

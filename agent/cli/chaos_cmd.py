@@ -7,6 +7,7 @@ from typing import Any
 
 
 def register(groups: Any) -> None:
+    from agent.protocol.gme_fgme import DAMPING_DEFAULT
     from agent.tools.chaos import DEFAULT_FAULTS, FAULTS
 
     p = groups.root.add_parser(
@@ -31,8 +32,9 @@ def register(groups: Any) -> None:
                         "may be drawn)")
     p.add_argument("--coordination", choices=("ack", "fgme"), default="ack",
                    help="the pipeline's coordination: ack (the paper) or fgme (rounds inside 2-FGME locks)")
-    p.add_argument("--fgme-damping", action="store_true",
-                   help="with --coordination fgme: the lock nodes use DEVIATION 4 (docs/gme.md)")
+    p.add_argument("--fgme-damping", action=argparse.BooleanOptionalAction, default=DAMPING_DEFAULT,
+                   help="with --coordination fgme: the lock nodes use DEVIATION 4 (docs/gme.md; the default, as "
+                        "[pipeline] fgme_damping); --no-fgme-damping: the published algorithm")
     p.add_argument("--pipeline", choices=("demo", "stateful", "stateful-scaling"), default="demo",
                    help="demo: the demo pipeline, in_zone scaling; stateful: a keyed 10-minute window per pickup cell "
                         "before the sink, each window compared with a fault-free reference; stateful-scaling: that "

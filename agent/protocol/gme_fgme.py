@@ -31,7 +31,8 @@ withdrawal broadcast of a competitor that just yielded to someone else (lines 25
 an authorizing node resume (line 83), its resumed Reqs make lower-priority competitors withdraw
 and broadcast Ends again: a branching loop whose factor is ~1 with instant delivery and above 1
 when each node's messages leave through one queue (MQTT). On the broker at 24 nodes it never
-ends. Damped (opt-in, `damped`), the authorization ends on an End only from a node it was granted FOR
+ends. Damped (`damped`; the default where users run the lock, DAMPING_DEFAULT), the
+authorization ends on an End only from a node it was granted FOR
 (`authorized_for`: the higher-priority requester of line 20-23, or the waiting requesters acked
 at exit, lines 90-92), on any Ack(renew) / Ack(end) (line 60, unchanged), and never before one of
 them leaves or withdraws: the thesis's prose ("a node stops acknowledging requests from its
@@ -39,8 +40,8 @@ competitors when one of them either leaves the critical section or postpones its
 read as "one of those it acknowledges". Other Ends still update the clock and drop the sender's
 waiting Req (lines 78, 80-82).
 
-DEVIATION 5 (yield once per request, issue 27; docs/gme.md "48 and 96 nodes"), opt-in
-(`yield_once`; the GME bench's and simulator's `--damping` turn on 4 and 5): a requesting node
+DEVIATION 5 (yield once per request, issue 27; docs/gme.md "48 and 96 nodes"), `yield_once`
+(the GME bench turns on 4 and 5 by default, the simulator with `--damping`): a requesting node
 runs lines 22-31 (start authorizing the other group and withdraw from every other competitor) at
 most once per request. A later higher-priority Req, while it is not
 authorizing, gets the Ack of line 21 (and DEVIATION 2), nothing more: the acknowledgement a
@@ -73,7 +74,18 @@ from agent.protocol.gme_base import (
     register_message,
 )
 
-__all__ = ["Req", "Ack", "End", "FgmeNode", "FAULTS"]
+__all__ = ["Req", "Ack", "End", "FgmeNode", "FAULTS", "DAMPING_DEFAULT"]
+
+# The variant users get wherever they run the lock, the one source of truth for that default
+# (docs/gme.md, "The default: the damped variant"): a pipeline's `[pipeline] fgme_damping`
+# (DEVIATION 4 in the lock nodes; agent.config, agent.protocol.guarded), `fog-agent bench gme`
+# (DEVIATIONS 4 and 5, `--no-damping` for the published lines) and `fog-agent chaos`. Damped,
+# because the published lines 22 and 79 stall behind slow publishers (24 nodes and more on a
+# loaded broker) and the damped variant finished every run. The class attributes
+# `FgmeNode.damped` / `yield_once` below stay the transcription: the checkers and `fog-agent
+# simulate gme` (the thesis's message counts) start from the published algorithm and turn the
+# deviations on explicitly.
+DAMPING_DEFAULT = True
 
 
 @register_message
@@ -115,10 +127,11 @@ class FgmeNode(GmeNode):
     """One 2-FGME node. Competitors are all nodes of the other group(s)."""
 
     algorithm: ClassVar[str] = "2fgme"
-    # DEVIATIONS 4 and 5 are opt-in (`node.damped` / `node.yield_once`, both turned on by the GME
-    # CLI's `--damping`): the published lines 22 and 79 stay the default, the variant the
-    # exhaustive 2+2 x 2 search proved (docs/gme.md). Lock-guarded scaling's `fgme_damping` turns
-    # on DEVIATION 4 only: DEVIATION 5 costs lock messages there (docs/gme.md, "48 and 96 nodes").
+    # DEVIATIONS 4 and 5 are off in the class (`node.damped` / `node.yield_once`): the core is the
+    # transcription, the variant the exhaustive 2+2 x 2 search proved (docs/gme.md), and what the
+    # checkers and the simulator start from. Where users run the lock, DAMPING_DEFAULT (above)
+    # turns them on: `fog-agent bench gme` both, lock-guarded scaling's `fgme_damping` DEVIATION 4
+    # only (DEVIATION 5 costs lock messages there: docs/gme.md, "Damping in lock-guarded scaling").
     damped: ClassVar[bool] = False
     yield_once: ClassVar[bool] = False
 

@@ -57,7 +57,7 @@ from agent.protocol.errors import LocalProtocolError, RemoteProtocolError
 from agent.protocol.gme_base import INF, Entered, GmeMessage, GmeState
 from agent.protocol.gme_base import Send as GmeSend
 from agent.protocol.gme_base import message_from_dict as gme_message_from_dict
-from agent.protocol.gme_fgme import Ack, End, FgmeNode
+from agent.protocol.gme_fgme import DAMPING_DEFAULT, Ack, End, FgmeNode
 from agent.protocol.messages import Message
 from agent.protocol.messages import from_dict as scaling_from_dict
 from agent.protocol.scaling import InstanceState, Output, ScalingCore, Send
@@ -66,7 +66,7 @@ __all__ = ["LockMessage", "MemberFgmeNode", "GuardedCore", "DampedGuardedCore", 
            "COORDINATION_MODES", "core_class", "message_from_dict"]
 
 COORDINATION_MODES = ("ack", "fgme")
-DAMPED_DEFAULT = False
+DAMPED_DEFAULT = DAMPING_DEFAULT  # GuardedCore's lock nodes: DEVIATION 4 (docs/gme.md)
 
 
 @dataclass(frozen=True)
@@ -236,7 +236,8 @@ class MemberFgmeNode(FgmeNode):
 
     @classmethod
     def load(cls, node_id: str, d: Mapping[str, Any], damped: bool = False) -> "MemberFgmeNode":
-        """Inverse of `dump`; `damped` for a dump written before the flag was persisted."""
+        """Inverse of `dump`; `damped` for a dump written before the flag was persisted, i.e.
+        before the damped variant existed (published: its `authorized_for` was never written)."""
         node = cls(node_id, lower=bool(d["lower"]), competitors=d["competitors"], damped=bool(d.get("damped", damped)))
         node.authorized_for = frozenset(str(k) for k in d.get("authorized_for", ()))
         node.state = GmeState(d["state"])
@@ -428,7 +429,9 @@ class GuardedCore(ScalingCore):
             core.adopting = None if g.get("adopting") is None else str(g["adopting"])
             core.holding = tuple(int(b) for b in g["holding"])
             core.guarded_round = bool(g["guarded_round"])
-            core.locks = {int(b): MemberFgmeNode.load(core.instance_id, d, cls.damped) for b, d in g["locks"].items()}
+            # a lock node keeps the variant it was created with; a dump without the flag predates
+            # the damped variant (the flag came with it), so it was published whatever the default
+            core.locks = {int(b): MemberFgmeNode.load(core.instance_id, d, False) for b, d in g["locks"].items()}
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise LocalProtocolError(f"snapshot: cannot restore the lock state ({exc!r})") from None
         return core

@@ -85,7 +85,7 @@ class GmeSimResult:
         p95 = lat[min(len(lat) - 1, int(0.95 * len(lat)))] if lat else 0.0
         return {
             "algorithm": self.config.algorithm,
-            "damping": self.config.damping,
+            "damping": self.config.damping if self.config.algorithm == "2fgme" else None,
             "nodes": self.config.nodes,
             "entries_per_node": self.config.entries,
             "messages": self.messages,

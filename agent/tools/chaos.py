@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from agent.config import load_pipeline_text
+from agent.protocol.gme_fgme import DAMPING_DEFAULT
 from agent.tools.demo import Fleet, Monitor
 from agent.tools.pipeline_text import IN_ZONE, SINK, STEP_SOURCE, VALIDATE
 from agent.tools.verify import Verdict, source_counts, verify, verify_windows
@@ -148,7 +149,7 @@ STATEFUL_SCALING_PIPELINE = STATEFUL_PIPELINE.replace(
 PIPELINES = ("demo", "stateful", "stateful-scaling")
 
 
-def chaos_pipeline(duration: float, seed: int, coordination: str = "ack", fgme_damping: bool = False,
+def chaos_pipeline(duration: float, seed: int, coordination: str = "ack", fgme_damping: bool = DAMPING_DEFAULT,
                    pipeline: str = "demo", chain: bool = False, until: Optional[float] = None) -> str:
     """A load that makes in_zone scale out (to ~3 instances) and back within `duration` s;
     `coordination` "fgme" runs every round inside the 2-FGME locks (docs/gme.md). `pipeline`
@@ -196,7 +197,7 @@ class ChaosConfig:
     deploy_extra: Dict[str, Any] = field(default_factory=dict)  # `fog-agent deploy --set` values
     rehoming: Optional[bool] = None  # the agents' dead_after > 0; None: on iff kill-node may be drawn
     coordination: str = "ack"  # the pipeline's: "ack" (the paper) or "fgme" (rounds inside 2-FGME locks)
-    fgme_damping: bool = False  # the pipeline's [pipeline] fgme_damping (DEVIATION 4 in the lock nodes)
+    fgme_damping: bool = DAMPING_DEFAULT  # the pipeline's [pipeline] fgme_damping (DEVIATION 4 in the lock nodes)
     pipeline: str = "demo"  # or "stateful": a keyed window, verified window by window
     chain: bool = False  # the demo pipeline's [pipeline] chain: keepers in chain processes
     # partition: stay cut past the drawn time until every keeper of the node is active
@@ -779,7 +780,7 @@ def main(args: Any) -> int:
                           load_cap=getattr(args, "load_cap", None),
                           workdir=Path(args.workdir) if args.workdir else None, rehoming=rehoming,
                           coordination=str(getattr(args, "coordination", "ack")),
-                          fgme_damping=bool(getattr(args, "fgme_damping", False)),
+                          fgme_damping=bool(getattr(args, "fgme_damping", DAMPING_DEFAULT)),
                           pipeline=str(getattr(args, "pipeline", "demo")),
                           chain=bool(getattr(args, "chain", False)))
     except ValueError as exc:

@@ -38,6 +38,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from agent.mqtt import client as mqttc
 from agent.protocol.gme_base import Entered, GmeState, Send, message_from_dict
+from agent.protocol.gme_fgme import DAMPING_DEFAULT
 from agent.sim.gme_check import make_nodes
 
 __all__ = ["BenchConfig", "run_bench"]
@@ -58,7 +59,7 @@ class BenchConfig:
     timeout_s: float = 300.0
     procs: int = 1  # processes the nodes are spread over (round robin)
     bucket_s: float = 1.0  # width of the message-rate buckets
-    damping: bool = False  # 2-FGME's DEVIATIONS 4 and 5 (agent/protocol/gme_fgme.py)
+    damping: bool = DAMPING_DEFAULT  # 2-FGME's DEVIATIONS 4 and 5 (agent/protocol/gme_fgme.py)
 
 
 def _client(client_id: str, cfg: BenchConfig) -> Any:
@@ -423,7 +424,7 @@ def run_bench(cfg: BenchConfig) -> Dict[str, Any]:
     msgs = sum(r["sent"] for r in reports)
     report: Dict[str, Any] = {
         "algorithm": cfg.algorithm,
-        "damping": cfg.damping,
+        "damping": cfg.damping if cfg.algorithm == "2fgme" else None,  # RA1/RA2 have no variant
         "nodes": cfg.nodes,
         "entries_per_node": cfg.entries,
         "think_ms": cfg.think_ms,
