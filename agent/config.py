@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
-from agent.protocol.gme_fgme import DAMPING_DEFAULT
 from agent.refs import check_module_name, current_ref, parse_ref
 from agent.schema import (
     ConfigError,
@@ -296,8 +295,9 @@ class PipelineSection:
     coordination: Literal["ack", "fgme"] = "ack"
     # coordination = "fgme" only: the lock nodes use 2-FGME's DEVIATION 4 damping (docs/gme.md,
     # "Damping in lock-guarded scaling"); on unless set to false (the published line 79), the
-    # default of every entry point that runs the lock (agent.protocol.gme_fgme.DAMPING_DEFAULT)
-    fgme_damping: bool = DAMPING_DEFAULT
+    # default of every entry point that runs the lock: agent.protocol.gme_fgme.DAMPING_DEFAULT, a
+    # layer above this module, so written out here (tests/test_config checks that they agree)
+    fgme_damping: bool = True
     # Host consecutive keepers placed on one node in one worker process, batches between them
     # handed over in memory (docs/runtime.md, "Chaining"). Off: one process per instance.
     chain: bool = False

@@ -159,6 +159,10 @@ def test_fgme_pipelines_default_to_the_damped_lock(tmp_path: Path) -> None:
     from agent.protocol.guarded import core_class
     from agent.tools.chaos import ChaosConfig, chaos_pipeline
 
+    from agent.config import PipelineSection
+    from agent.protocol.gme_fgme import DAMPING_DEFAULT
+
+    assert PipelineSection.__dataclass_fields__["fgme_damping"].default is DAMPING_DEFAULT is True
     text = GOOD_PIPELINE.replace("[pipeline]", '[pipeline]\ncoordination = "fgme"')
     path = write(tmp_path, text, "p.toml")
     for cfg in (load_pipeline(path), load_pipeline_text(text)):
