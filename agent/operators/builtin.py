@@ -682,9 +682,14 @@ class MqttSink(SinkOperator):
     def record(self, items: List[Item]) -> List[Publication]:
         if not items:
             return []
-        body = {"ids": [[s, q] for s, q, _ in items], "records": [r for _, _, r in items]}
         self.published += len(items)
-        return [Publication(self.topic, json.dumps(body, separators=(",", ":")).encode())]
+        return [self.publication(self.topic, items)]
+
+    @staticmethod
+    def publication(topic: str, items: List[Item]) -> Publication:
+        """One batch as one message on `topic`: `{"ids": [[src, seq], ...], "records": [...]}`."""
+        body = {"ids": [[s, q] for s, q, _ in items], "records": [r for _, _, r in items]}
+        return Publication(topic, json.dumps(body, separators=(",", ":")).encode())
 
     def stats(self) -> Dict[str, Any]:
         return {"published": self.published}

@@ -388,9 +388,8 @@ class LateSplitSink(MqttSink):
         rest = [it for it in items if not (isinstance(it[2], dict) and it[2].get("late") is True)]
         pubs = super().record(rest)
         if late:
-            body = {"ids": [[s, q] for s, q, _ in late], "records": [r for _, _, r in late]}
             self.published_late += len(late)
-            pubs.append(Publication(self.late_topic, json.dumps(body, separators=(",", ":")).encode()))
+            pubs.append(self.publication(self.late_topic, late))
         return pubs
 
     def stats(self) -> Dict[str, Any]:
