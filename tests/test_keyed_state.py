@@ -596,3 +596,33 @@ def test_a_drained_keeper_stops_once_the_keyed_copies_on_the_node_have_left(tmp_
     assert sent == [("p.win.1", "scale"), ("p.win.0", "stop")]
     agent._release_keeper(5.0 + 2 * COPIES_FIRST_WAIT)
     assert len(sent) == 2  # stopped once
+
+
+def test_a_group_whose_counters_were_lost_numbers_its_outputs_above_its_floor_wherever_it_goes(tmp_path: Path) -> None:
+    """Re-homed without its state, a keyed instance numbered each key's outputs from 1 again: the
+    ids of outputs the sink had recorded from the dead incarnation, dropped there as copies (a
+    chaos run lost every window of the re-homed keys). A floored group numbers a key without a
+    counter above the floor; the floor is saved with the group and moves with it."""
+    from agent.operators.keyed import keyed_count
+
+    def state(name: str) -> KeyedState:
+        return KeyedState(keyed_count.build(OperatorContext(name, "cnt", "me", "map", params={})), "cnt", "k", 8)
+
+    ks = state("p.cnt.1")
+    g = key_group("a", 8)
+    ks.floor_groups([g], 5_000)
+    (out,) = ks.apply("p", [("src", 0, {"k": "a"})], 1)
+    assert out[1] == 5_001
+    other = next(k for k in (f"k{i}" for i in range(1000)) if key_group(k, 8) != g)
+    (plain,) = ks.apply("p", [("src", 1, {"k": other})], 2)
+    assert plain[1] == 1  # a group with its counters numbers from 1 as before
+    ks.save(tmp_path / "k.keyed.json")
+    again = state("p.cnt.1")
+    again.restore(KeyedState.load(tmp_path / "k.keyed.json"))  # type: ignore[arg-type]
+    assert again.floors == {g: 5_000}
+    moved = state("p.cnt.0")
+    moved.take_in(g, again.hand_out(g))
+    fresh = next(k for k in (f"k{i}" for i in range(1000)) if key_group(k, 8) == g)
+    (o,) = moved.apply("p", [("src", 2, {"k": fresh})], 1)
+    assert o[1] == 5_001  # a key of the moved group without a counter: above the floor there too
+    assert moved.floors == {g: 5_000} and again.floors == {}

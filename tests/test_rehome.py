@@ -271,5 +271,8 @@ def test_a_rehomed_keyed_instance_resumes_the_groups_it_is_told_not_every_group(
     assert w.core.moves.member.owned == set(range(28)) | set(range(96, 100))
     assert w.core.moves.versions == {**{g: 3 for g in range(28)}, **{g: 0 for g in range(96, 100)}}
     assert w.core.snapshot_stats()["groups"] == [[0, 27, 3], [96, 99, 0]]
+    # its groups' output counters went with its node: new ids start above any the dead one used
+    floors = w.core.keyed.floors  # type: ignore[union-attr]
+    assert set(floors) == set(range(28)) | set(range(96, 100)) and min(floors.values()) >= int(1_700_000_000 * 1e6)
     bad = rehomed([[0, 500, 1]], "b")  # out of range: bus input, refused as a whole
     assert bad.core.moves is not None and bad.core.moves.member.owned == set(range(128))

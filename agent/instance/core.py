@@ -449,6 +449,12 @@ class Instance:
             self.moves.restore(ev.state["moves"])
         elif self.moves is not None and "owned_groups" in self.spec.extra:
             self._resume_groups(self.spec.extra["owned_groups"])
+        if self.keyed is not None and ev.keyed is None and self.spec.extra.get("min_epoch"):
+            # Re-homed without our keyed state (it went with our node): our groups' output
+            # counters are lost, and numbering their keys' outputs from 1 again would give ids the
+            # sink has recorded (it drops them as copies). Numbered from the wall clock in us.
+            assert self.moves is not None
+            self.keyed.floor_groups(self.moves.member.owned, int(ev.wall * 1e6))
         if self.keyed is not None and ev.keyed is not None:
             again = self.keyed.restore(ev.keyed)
             if again:  # outputs the successors had not acked: sent again (the sink drops copies)

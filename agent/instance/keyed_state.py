@@ -35,7 +35,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 from agent.dataplane.envelope import Item
 from agent.dataplane.keygroups import key_group, record_key
@@ -78,6 +78,9 @@ class KeyedState:
         self.groups = groups
         self.states: Dict[int, Dict[Any, Any]] = {}  # group -> key -> the operator's state
         self.emitted: Dict[int, Dict[Any, int]] = {}  # group -> key -> outputs so far (ids)
+        # group -> the first output number of a key without a counter: a group whose counters were
+        # lost with a node starts above any number its dead owner can have used (`floor_groups`)
+        self.floors: Dict[int, int] = {}
         self.applied: Dict[str, Applied] = {}  # source instance -> the numbers of it applied
         self.max_time: Optional[float] = None
         self.timers: Dict[Any, float] = {}  # key -> event time its on_notify is due
@@ -222,7 +225,9 @@ class KeyedState:
         if not emitted:
             return
         counters = self.emitted.setdefault(g, {})
-        n = counters.get(key, 0)
+        n = counters.get(key)
+        if n is None:
+            n = self.floors.get(g, 0)
         src = self._sources.get(key)
         if src is None:
             src = self._sources[key] = output_source(self.operator, key)
@@ -328,8 +333,12 @@ class KeyedState:
         states = self.states.get(g, {})
         emitted = [[k, n] for k, n in self.emitted.get(g, {}).items()]
         if type(self.op).snapshot is KeyedOperator.snapshot:
-            return {"pairs": [[k, v] for k, v in states.items()], "emitted": emitted}
-        return {"bytes": base64.b64encode(self.op.snapshot(states)).decode(), "emitted": emitted}
+            blob: Dict[str, Any] = {"pairs": [[k, v] for k, v in states.items()], "emitted": emitted}
+        else:
+            blob = {"bytes": base64.b64encode(self.op.snapshot(states)).decode(), "emitted": emitted}
+        if g in self.floors:
+            blob["floor"] = self.floors[g]  # travels and is saved with the group's counters
+        return blob
 
     def group_snapshot(self, g: int) -> bytes:
         """One key group as bytes (what a hand-over moves): its states and output counters."""
@@ -352,6 +361,9 @@ class KeyedState:
         counters = {hashable_key(k): int(n) for k, n in blob.get("emitted") or []}
         if counters:
             self.emitted[g] = counters
+        floor = blob.get("floor")
+        if type(floor) is int and 0 <= floor < 2 ** 53:
+            self.floors[g] = floor
         if type(self.op).notify_at is not KeyedOperator.notify_at:  # the default arms no timer
             for key, state in self.states.get(g, {}).items():
                 self._arm(key, state)
@@ -389,6 +401,8 @@ class KeyedState:
             self._dirty_keys[(g, key)] = None
         for key in self.emitted.pop(g, {}):  # the counters travel with the group: an id is never reused
             self._dirty_keys[(g, key)] = None
+        if self.floors.pop(g, None) is not None:
+            self._full_next = True  # a floor is in the snapshot only
 
     def take_in(self, g: int, data: bytes) -> None:
         """Install group `g` from `hand_out`'s bytes (untrusted: they came over the bus; size bounded
@@ -406,13 +420,16 @@ class KeyedState:
         self._restore_group(g, blob)
         self._dirty_keys.update(dict.fromkeys((g, k) for k in self.states.get(g, {})))
         self._dirty_keys.update(dict.fromkeys((g, k) for k in self.emitted.get(g, {})))
+        if g in self.floors:
+            self._full_next = True  # a floor is in the snapshot only
 
     def to_text(self) -> str:
         """The saved form: one JSON document (encoded whole: its cost grows with the state)."""
         return json.dumps({"format": FORMAT, "gen": self._gen, "operator": self.operator, "key_groups": self.groups,
                            "applied": {s: a.to_json() for s, a in self.applied.items()}, "max_time": self.max_time,
                            "outputs": [it for _, it in self.outputs],
-                           "groups": {str(g): self._group_json(g) for g in sorted(set(self.states) | set(self.emitted))}},
+                           "groups": {str(g): self._group_json(g)
+                                      for g in sorted(set(self.states) | set(self.emitted) | set(self.floors))}},
                           separators=(",", ":"))
 
     def to_json(self) -> Dict[str, Any]:
@@ -464,6 +481,15 @@ class KeyedState:
         else:  # the operator's own snapshot is per group: the changed groups, whole
             d["groups"] = {str(g): self._group_json(g) for g in sorted({g for g, _ in self._dirty_keys})}
         return d
+
+    def floor_groups(self, groups: Iterable[int], first: int) -> None:
+        """Number the outputs of these groups' keys that have no counter from `first` on: their
+        counters were lost with a node (a re-homed instance without its state), and starting
+        again at 1 gave outputs the ids of outputs the sink had recorded, which it dropped as
+        copies. The floors are saved with the groups (a full snapshot next) and move with them."""
+        for g in groups:
+            self.floors[g] = max(self.floors.get(g, 0), int(first))
+        self._full_next = True
 
     def restore(self, data: Dict[str, Any]) -> List[Item]:
         """Load a saved state; returns the outputs to send again (the caller re-indexes them)."""
