@@ -322,6 +322,9 @@ class TaxiSource:
         return {"generated": self.generated, "deferred": int(self.deferred), "finished": self.finished}
 
 
+RECENT_ACKS = 4096  # deliveries acked lately that a sensor source still knows again (above)
+
+
 class MqttIngestSource:
     """Records from real sensors: the worker subscribes to `params.topic` (a filter) and hands
     each payload here. JSON payloads become records as they are; others become
@@ -337,9 +340,10 @@ class MqttIngestSource:
       session under the instance's identity, manual acks): a delivery is PUBACKed only once a
       successor acked its record (`settled`). What is not acked stays in the broker's session and
       goes to the next incarnation, wherever it runs. The broker sends again, flagged dup, what
-      was in flight to the dead connection: one whose digest is in the replayed log is that
-      record, not a new reading (`ingest`); the others are new. A stopping source leaves its
-      buffer unacked for the next incarnation.
+      was unacked when a connection dropped: one this process holds or acked lately, or whose
+      digest is in the replayed log, is that delivery, not a new reading (`_again`); the others
+      were in flight to a dead connection and are new. A stopping source leaves its buffer
+      unacked for the next incarnation.
     - Numbers never reused. Each incarnation numbers new records from `number_from`: above every
       number an earlier incarnation reserved (its position file), and at least the wall clock in
       microseconds at its start, which holds when that file is gone with its node (clocks in
@@ -368,6 +372,11 @@ class MqttIngestSource:
         self._dropped: List[Any] = []  # tokens to ack at once (shed, or the redelivery of a settled record)
         self._log: List[List[Any]] = []  # [number, digest, record] polled since the last take_log
         self._replayed: Dict[str, Deque[int]] = {}  # digest -> numbers of replayed records awaiting their redelivery
+        # Deliveries of this process not acked yet (token -> digest), and the last ones acked: the
+        # broker sends again, flagged dup, what was unacked when a connection dropped (a broker
+        # restart, a partition healed): the same delivery, not a new reading.
+        self._held: Dict[Any, str] = {}
+        self._acked: Deque[Tuple[Any, str]] = deque(maxlen=RECENT_ACKS)
 
     finished = False
 
@@ -395,8 +404,10 @@ class MqttIngestSource:
         d = self.digest(topic, payload)
         if not dup:
             self._replayed.clear()  # what the broker sends again comes before anything new
-        elif token is not None and self._attach(d, token):
+        elif token is not None and self._again(d, token):
             return
+        if token is not None:
+            self._held[token] = d
         try:
             rec = json.loads(payload)
         except ValueError:
@@ -408,12 +419,20 @@ class MqttIngestSource:
             if dropped_token is not None:
                 self._dropped.append(dropped_token)
 
-    def _attach(self, digest: str, token: Any) -> bool:
-        """A delivery the broker sends again whose record we replayed from the log: it is acked
-        with that record (or at once, if the record is acked downstream already)."""
+    def _again(self, digest: str, token: Any) -> bool:
+        """A delivery the broker sends again (dup): one this process holds unacked is acked with
+        its record; one it acked lately is acked again; one whose record was replayed from the log
+        is acked with that record (or at once, if it is acked downstream already). False: a
+        delivery we never had (in flight to a dead connection): a new reading."""
+        if self._held.get(token) == digest:
+            return True
+        if (token, digest) in self._acked:
+            self._dropped.append(token)
+            return True
         numbers = self._replayed.get(digest)
         if not numbers:
             return False
+        self._held[token] = digest
         n = numbers.popleft()
         for entry in self._unsettled:
             if entry[0] == n and entry[1] is None:
@@ -454,6 +473,10 @@ class MqttIngestSource:
             token = unsettled.popleft()[1]
             if token is not None:
                 out.append(token)
+        for token in out:
+            digest = self._held.pop(token, None)
+            if digest is not None:
+                self._acked.append((token, digest))
         return out
 
     def next_due(self, now: float) -> float:
