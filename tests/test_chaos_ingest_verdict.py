@@ -3,7 +3,7 @@ on fixed inputs: every published reading against the window rows at the sink. No
 
 from __future__ import annotations
 
-from agent.tools.chaos_ingest import CLOSER, duplicates_allowed, ingest_verdict
+from agent.tools.chaos_ingest import CLOSER, attribute_twice, duplicates_allowed, ingest_verdict
 
 W = 5000
 # (rid, sensor, t ms): s1 has 2 readings in window 0 and 1 in window 5000; s2 one in window 0
@@ -36,7 +36,7 @@ def test_a_reading_counted_twice_is_named_by_its_rid_and_is_not_a_loss() -> None
     v = ingest_verdict(PUBLISHED, [_row("s1", 0, 3, 7.0)] + EXACT[1:], W)
     assert (v.exact, v.different, v.readings_counted_twice, v.readings_lost, v.missing) == (2, 1, 1, 0, 0)
     assert not v.ok and v.at_least_once
-    assert "rid 3" in v.samples[0]
+    assert "rid 3" in v.samples[0] and v.twice_rids == (3,)
     # a window emitted twice, a window nobody published in, one lost and another counted twice
     v = ingest_verdict(PUBLISHED, EXACT + [EXACT[1], _row("s9", 0, 1, 1.0), ], W)
     assert (v.exact, v.extra) == (3, 2) and not v.at_least_once
@@ -55,3 +55,11 @@ def test_duplicates_are_allowed_only_after_the_source_ended_without_a_drain() ->
                {"kind": "kill-node", "target": "n1", "t": 20.0, "detail": {"instances": src}},
                {"kind": "kill-broker", "target": "broker", "t": 30.0, "detail": {}}]
     assert len(duplicates_allowed(crashed, src)) == 3
+    # each reading counted twice is owed to the first fault after its publication: rid 3
+    # (published at 4.999 s) to the broker's restart at 4.9995 s, rid 4 (at 5 s) to the kill -9 of the
+    # source at 8 s; only the latter allows it
+    faults = [{"kind": "restart-broker", "target": "broker", "t": 4.9995, "detail": {}},
+              {"kind": "kill-worker", "target": "chaos.source.0", "t": 8.0, "detail": {}}]
+    owed = attribute_twice([3, 4], 0, {r: t for r, _, t in PUBLISHED}, faults, 0.0, src, slack_s=0.0)
+    assert (owed["allowed"], owed["not_allowed"]) == (1, 1)
+    assert owed["by_fault"] == {"restart-broker broker at 4.9995 s": [3], "kill-worker chaos.source.0 at 8.0 s": [4]}

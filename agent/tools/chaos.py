@@ -612,15 +612,18 @@ def _ingest_verdict(summary: Dict[str, Any], publisher: Any, fleet: Fleet, fault
     """Every published reading against the windows at the sink (chaos_ingest.ingest_verdict);
     readings counted twice count as duplicates only when no fault of the run allows them (the
     source's incarnation ended without a drain: chaos_ingest.duplicates_allowed)."""
-    from agent.tools.chaos_ingest import duplicates_allowed, emitted_windows, ingest_verdict
+    from agent.tools.chaos_ingest import attribute_twice, duplicates_allowed, emitted_windows, ingest_verdict
 
     rows, ids = emitted_windows(fleet.sink_dir, fleet.landing)
     v = ingest_verdict(publisher.readings, rows)
     sources = [i for i in (summary.get("ingest_stats") or {}) if ".source." in i] or ["chaos.source.0"]
-    allowed = duplicates_allowed([asdict(f) for f in faults], sources)
+    fault_dicts = [asdict(f) for f in faults]
+    owed = attribute_twice(v.twice_rids, v.readings_counted_twice - len(v.twice_rids),
+                           {rid: t for rid, _, t in publisher.readings}, fault_dicts, summary["t0_wall"], sources)
     summary["windows"] = dict(asdict(v), exact_ok=v.ok, at_least_once=v.at_least_once, **ids)
-    summary["duplicates_allowed_by"] = allowed
-    twice = 0 if allowed and v.at_least_once else v.readings_counted_twice
+    summary["duplicates_allowed_by"] = duplicates_allowed(fault_dicts, sources)
+    summary["counted_twice_by_fault"] = owed
+    twice = owed["not_allowed"] if v.at_least_once else v.readings_counted_twice
     return Verdict(generated=v.published, expected=v.windows_expected, received=v.windows_emitted,
                    lost=v.readings_lost + v.mixed, duplicated=twice + ids["dup_ids"],
                    unexpected=v.extra + ids["unread"])
@@ -677,6 +680,7 @@ def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dic
             publisher = Publisher(fleet.host, fleet.port, cfg.seed, cfg.ingest_rate, cfg.ingest_sensors)
             publisher.start()
         t0 = time.monotonic()
+        summary["t0_wall"] = time.time()  # the faults' t is seconds after this (mqtt-ingest's attribution)
         say(f"chaos seed {cfg.seed}: {cfg.duration:.0f}s of load at least (at most {cap:.0f}s), faults "
             f"{', '.join(cfg.faults) if cfg.schedule is None else 'on a fixed schedule'}; work dir {workdir}")
         nemesis = Nemesis(fleet, mon, cfg, rng)
@@ -841,10 +845,13 @@ def print_report(summary: Dict[str, Any], out: Any = sys.stdout) -> None:
               "(raise settle_timeout)", file=out)
     w = summary.get("windows")
     if w and "windows_expected" in w:  # mqtt-ingest: every published reading against the windows
+        owed = summary.get("counted_twice_by_fault") or {}
         print(f"readings: {w['published']} published ({summary.get('readings_acked_by_broker')} acked by the broker), "
               f"{w['readings_lost']} lost, {w['readings_counted_twice']} counted twice"
-              + (f" (allowed: the source's incarnation ended without a drain: {'; '.join(summary['duplicates_allowed_by'])})"
-                 if w['readings_counted_twice'] and summary.get('duplicates_allowed_by') else ""), file=out)
+              + (f" ({owed.get('allowed')} allowed: in flight when the source's incarnation ended without a "
+                 f"drain; {owed.get('not_allowed')} not)" if w['readings_counted_twice'] else ""), file=out)
+        for fault, rids in sorted((owed.get("by_fault") or {}).items()):
+            print(f"  counted twice, in flight at {fault}: rids {rids}", file=out)
         print(f"windows: {w['windows_expected']} expected from the published readings, {w['windows_emitted']} at the "
               f"sink: exact {w['exact']}, missing {w['missing']}, extra {w['extra']}, different {w['different']} "
               f"(of which same count, other sum {w['mixed']}); ids recorded twice {w['dup_ids']}, "

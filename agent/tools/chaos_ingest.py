@@ -20,8 +20,8 @@ The contract it checks (docs/operators.md, the `mqtt_source` paragraph): exactly
 drain (kill-agent: the workers drain), a broker restart and a stall; at least once for the
 readings in flight when the source's incarnation ends without a drain (kill-worker of the source,
 kill-node or a re-homing partition of its node, kill-broker, which also loses what reached the
-broker since its last autosave). `duplicates_allowed` says which faults of a run allow readings
-counted twice.
+broker since its last autosave). `attribute_twice` owes each reading counted twice to the fault
+it was in flight at, and says whether that fault allows it (`duplicates_allowed`: which do).
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 __all__ = ["INGEST_PIPELINE", "INGEST_TOPIC", "CLOSER", "WINDOW_MS", "LATENESS_MS", "Publisher", "IngestVerdict",
-           "ingest_verdict", "expected_window_count", "emitted_windows", "duplicates_allowed"]
+           "ingest_verdict", "expected_window_count", "emitted_windows", "duplicates_allowed",
+           "attribute_twice"]
 
 INGEST_TOPIC = "chaos-sensors"  # readings go to chaos-sensors/<sensor>
 CLOSER = "CLOSER"  # the sensor of the closing reading (not checked)
@@ -227,6 +228,7 @@ class IngestVerdict:
     readings_counted_twice: int  # readings counted more than once (windows with more than published)
     mixed: int = 0  # windows with the published count but another sum: one lost, another counted twice
     samples: Tuple[str, ...] = ()  # up to 8 differences, one line each
+    twice_rids: Tuple[int, ...] = ()  # the readings counted twice that a window names (one extra in it)
 
     @property
     def ok(self) -> bool:
@@ -268,6 +270,8 @@ def ingest_verdict(published: Iterable[Reading], emitted: Iterable[Dict[str, Any
     exact = missing = extra = different = lost = twice = mixed = 0
     samples: List[str] = []
 
+    named: List[int] = []
+
     def note(line: str) -> None:
         if len(samples) < 8:
             samples.append(line)
@@ -296,7 +300,11 @@ def ingest_verdict(published: Iterable[Reading], emitted: Iterable[Dict[str, Any
         if count > exp[0]:
             twice += count - exp[0]
             excess = total - exp[1]
-            who = f" (rid {int(excess)})" if count - exp[0] == 1 and int(excess) in rids else ""
+            who = ""
+            if count - exp[0] == 1 and excess == int(excess) and int(excess) in rids \
+                    and rids[int(excess)][1] == key[0]:
+                named.append(int(excess))
+                who = f" (rid {int(excess)})"
             note(f"twice {key[0]} window {key[1]}: count {count}, published {exp[0]}; sum {total:g}, "
                  f"published {exp[1]}{who}")
         elif count < exp[0]:
@@ -308,7 +316,8 @@ def ingest_verdict(published: Iterable[Reading], emitted: Iterable[Dict[str, Any
             note(f"other {key[0]} window {key[1]}: count {count} as published, sum {total:g}, published {exp[1]}")
     return IngestVerdict(published=n, windows_expected=len(want), windows_emitted=rows, exact=exact,
                          missing=missing, extra=extra, different=different, readings_lost=lost,
-                         readings_counted_twice=twice, mixed=mixed, samples=tuple(samples))
+                         readings_counted_twice=twice, mixed=mixed, samples=tuple(samples),
+                         twice_rids=tuple(sorted(named)))
 
 
 def expected_window_count(published: Iterable[Reading], window_ms: int = WINDOW_MS) -> int:
@@ -333,6 +342,17 @@ def emitted_windows(sink_dir: Path, landing: Path) -> Tuple[List[Dict[str, Any]]
     return rows, {"ids": len(ids), "dup_ids": dup, "unread": len(ids - set(contents))}
 
 
+def _allows_duplicates(f: Dict[str, Any], src: set) -> bool:
+    kind, target = f.get("kind"), str(f.get("target"))
+    hosted = set((f.get("detail") or {}).get("instances") or ())
+    return kind == "kill-broker" or (kind == "kill-worker" and target in src) or (
+        kind in ("kill-node", "partition") and bool(hosted & src))
+
+
+def _fault_line(f: Dict[str, Any]) -> str:
+    return f"{f.get('kind')} {f.get('target')} at {f.get('t')} s"
+
+
 def duplicates_allowed(faults: Sequence[Dict[str, Any]], source_instances: Sequence[str]) -> List[str]:
     """The faults of a run after which readings may be counted twice (docs/operators.md: at least
     once for the readings in flight when a source's incarnation ends without a drain): a kill -9
@@ -340,11 +360,39 @@ def duplicates_allowed(faults: Sequence[Dict[str, Any]], source_instances: Seque
     incarnation ends without a drain, or is fenced once re-homed), and kill-broker (the broker
     forgets acks received since its last autosave). One line per fault, empty: exactly once."""
     src = set(source_instances)
-    out = []
-    for f in faults:
-        kind, target = f.get("kind"), str(f.get("target"))
-        hosted = set((f.get("detail") or {}).get("instances") or ())
-        if kind == "kill-broker" or (kind == "kill-worker" and target in src) or (
-                kind in ("kill-node", "partition") and hosted & src):
-            out.append(f"{kind} {target} at {f.get('t')} s")
-    return out
+    return [_fault_line(f) for f in faults if _allows_duplicates(f, src)]
+
+
+def attribute_twice(twice_rids: Sequence[int], unnamed: int, published_ms: Dict[int, int],
+                    faults: Sequence[Dict[str, Any]], t0_wall: float, source_instances: Sequence[str],
+                    slack_s: float = 1.0) -> Dict[str, Any]:
+    """Which fault each reading counted twice is owed to, and whether that fault allows it. A
+    reading delivered twice was in flight when a fault hit: published before it (`slack_s` for
+    the clocks' rounding) and owed to the first fault injected from then on (fault times `t` are
+    seconds after `t0_wall`; `published_ms` the readings' event times, the publisher's wall clock).
+    Readings no window names (`unnamed`: two extra in one window) are allowed if any fault is.
+    Returns {"allowed", "not_allowed", "by_fault": {fault: [rids]}, "unattributed": [rids]}."""
+    src = set(source_instances)
+    ordered = sorted(faults, key=lambda f: float(f.get("t", 0)))
+    by_fault: Dict[str, List[int]] = {}
+    unattributed: List[int] = []
+    allowed = not_allowed = 0
+    for rid in twice_rids:
+        p = published_ms.get(rid)
+        owner = None if p is None else next(
+            (f for f in ordered if t0_wall + float(f.get("t", 0)) + slack_s >= p / 1000.0), None)
+        if owner is None:
+            unattributed.append(rid)
+            not_allowed += 1
+            continue
+        by_fault.setdefault(_fault_line(owner), []).append(rid)
+        if _allows_duplicates(owner, src):
+            allowed += 1
+        else:
+            not_allowed += 1
+    if unnamed:
+        if any(_allows_duplicates(f, src) for f in faults):
+            allowed += unnamed
+        else:
+            not_allowed += unnamed
+    return {"allowed": allowed, "not_allowed": not_allowed, "by_fault": by_fault, "unattributed": unattributed}
