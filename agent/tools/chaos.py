@@ -614,7 +614,9 @@ def _ingest_verdict(summary: Dict[str, Any], publisher: Any, fleet: Fleet, fault
     source's incarnation ended without a drain: chaos_ingest.duplicates_allowed)."""
     from agent.tools.chaos_ingest import attribute_twice, duplicates_allowed, emitted_windows, ingest_verdict
 
-    rows, ids = emitted_windows(fleet.sink_dir, fleet.landing)
+    # every reading published, kept with the run's logs for a post-mortem: [rid, sensor, t ms] a line
+    (fleet.workdir / "readings.jsonl").write_text("".join(json.dumps(list(r)) + "\n" for r in publisher.readings))
+    rows, ids = emitted_windows(fleet.sink_dir, fleet.landing, sorted(fleet.workdir.glob("spool-*")))
     v = ingest_verdict(publisher.readings, rows)
     sources = [i for i in (summary.get("ingest_stats") or {}) if ".source." in i] or ["chaos.source.0"]
     fault_dicts = [asdict(f) for f in faults]
@@ -855,7 +857,7 @@ def print_report(summary: Dict[str, Any], out: Any = sys.stdout) -> None:
         print(f"windows: {w['windows_expected']} expected from the published readings, {w['windows_emitted']} at the "
               f"sink: exact {w['exact']}, missing {w['missing']}, extra {w['extra']}, different {w['different']} "
               f"(of which same count, other sum {w['mixed']}); ids recorded twice {w['dup_ids']}, "
-              f"content not landed {w['unread']}", file=out)
+              f"content read from an unshipped spool file {w.get('from_spool')}, found nowhere {w['unread']}", file=out)
         for line in w.get("samples") or ():
             print(f"  {line}", file=out)
         if summary.get("publisher_unacked"):

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 __all__ = ["INGEST_PIPELINE", "INGEST_TOPIC", "CLOSER", "WINDOW_MS", "LATENESS_MS", "Publisher", "IngestVerdict",
-           "ingest_verdict", "expected_window_count", "emitted_windows", "duplicates_allowed",
+           "ingest_verdict", "expected_window_count", "emitted_windows", "spooled_records", "duplicates_allowed",
            "attribute_twice"]
 
 INGEST_TOPIC = "chaos-sensors"  # readings go to chaos-sensors/<sensor>
@@ -328,18 +328,40 @@ def expected_window_count(published: Iterable[Reading], window_ms: int = WINDOW_
 # ---- reading the sink ----------------------------------------------------------------------------
 
 
-def emitted_windows(sink_dir: Path, landing: Path) -> Tuple[List[Dict[str, Any]], Dict[str, int]]:
+def spooled_records(spool_dirs: Iterable[Path]) -> Dict[Tuple[str, int], Any]:
+    """What sinks spilled into spool files never shipped: a sink killed with its node (kill-node)
+    leaves its open file in that node's spool, and the node's restarted agent does not ship it (the
+    sink runs elsewhere by then). Same lines as the landed files (agent.tools.verify.landed_records)."""
+    out: Dict[Tuple[str, int], Any] = {}
+    for d in spool_dirs:
+        for path in sorted(Path(d).glob("*/*/*.jsonl")):
+            for line in path.read_bytes().splitlines():
+                try:
+                    v = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(v, dict) and "k" in v and "r" in v:
+                    for src, q, values in v["r"]:
+                        out[(str(src), int(q))] = dict(zip(v["k"], values))
+    return out
+
+
+def emitted_windows(sink_dir: Path, landing: Path,
+                    spool_dirs: Iterable[Path] = ()) -> Tuple[List[Dict[str, Any]], Dict[str, int]]:
     """The window rows at the sink: ids from the sinks' id files (each once), contents from what
-    the sinks spilled and their shippers landed. Also: ids recorded by more than one sink instance
-    (`dup_ids`) and ids whose content was not landed (`unread`)."""
+    the sinks spilled and their shippers landed, else from spool files left unshipped
+    (`spooled_records`). Also: ids recorded by more than one sink instance (`dup_ids`), ids whose
+    content came from a spool file (`from_spool`) and ids whose content was found nowhere (`unread`)."""
     from agent.operators.builtin import read_sink_ids
     from agent.tools.verify import landed_records
 
     received, dup = read_sink_ids(sink_dir)
     ids = {(s, q) for s, qs in received.items() for q in qs}
     contents = landed_records(landing)
+    spooled = {i: r for i, r in spooled_records(spool_dirs).items() if i in ids and i not in contents}
+    contents.update(spooled)
     rows = [contents[i] for i in sorted(ids) if i in contents]
-    return rows, {"ids": len(ids), "dup_ids": dup, "unread": len(ids - set(contents))}
+    return rows, {"ids": len(ids), "dup_ids": dup, "from_spool": len(spooled), "unread": len(ids - set(contents))}
 
 
 def _allows_duplicates(f: Dict[str, Any], src: set) -> bool:
