@@ -49,12 +49,15 @@ def test_duplicates_are_allowed_only_after_the_source_ended_without_a_drain() ->
     drained = [{"kind": "kill-agent", "target": "n1", "t": 9.0, "detail": {"instances": src}},
                {"kind": "restart-broker", "target": "broker", "t": 20.0, "detail": {}},
                {"kind": "kill-worker", "target": "chaos.windows.0", "t": 30.0, "detail": {}},
-               {"kind": "partition", "target": "n2", "t": 40.0, "detail": {"instances": ["chaos.sink.0"]}}]
+               {"kind": "partition", "target": "n1", "t": 40.0,  # healed before a re-homing
+                "detail": {"instances": src, "active_elsewhere_at_heal": []}}]
     assert duplicates_allowed(drained, src) == []
     crashed = [{"kind": "kill-worker", "target": "chaos.source.0", "t": 9.0, "detail": {}},
                {"kind": "kill-node", "target": "n1", "t": 20.0, "detail": {"instances": src}},
-               {"kind": "kill-broker", "target": "broker", "t": 30.0, "detail": {}}]
-    assert len(duplicates_allowed(crashed, src)) == 3
+               {"kind": "kill-broker", "target": "broker", "t": 30.0, "detail": {}},
+               {"kind": "partition", "target": "n2", "t": 40.0,  # re-homed, the original fenced
+                "detail": {"instances": src, "active_elsewhere_at_heal": src}}]
+    assert len(duplicates_allowed(crashed, src)) == 4
     # each reading counted twice is owed to the first fault after its publication: rid 3
     # (published at 4.999 s) to the broker's restart at 4.9995 s, rid 4 (at 5 s) to the kill -9 of the
     # source at 8 s; only the latter allows it

@@ -19,8 +19,8 @@ the sink (the closing reading's own window stays open and is not checked).
 The contract it checks (docs/operators.md, the `mqtt_source` paragraph): exactly once through a
 drain (kill-agent: the workers drain), a broker restart and a stall; at least once for the
 readings in flight when the source's incarnation ends without a drain (kill-worker of the source,
-kill-node or a re-homing partition of its node, kill-broker, which also loses what reached the
-broker since its last autosave). `attribute_twice` owes each reading counted twice to the fault
+kill-node or a partition of its node long enough for a re-homing; kill-broker, which also loses
+what reached the broker since its last autosave). `attribute_twice` owes each reading counted twice to the fault
 it was in flight at, and says whether that fault allows it (`duplicates_allowed`: which do).
 """
 
@@ -365,10 +365,15 @@ def emitted_windows(sink_dir: Path, landing: Path,
 
 
 def _allows_duplicates(f: Dict[str, Any], src: set) -> bool:
+    """A partition ends the source's incarnation only when it was re-homed meanwhile (its original
+    is fenced at the heal); healed before, the same incarnation reconnects and must lose and
+    duplicate nothing (seed 32: 5 readings counted twice after two such partitions)."""
     kind, target = f.get("kind"), str(f.get("target"))
-    hosted = set((f.get("detail") or {}).get("instances") or ())
+    detail = f.get("detail") or {}
+    hosted = set(detail.get("instances") or ())
     return kind == "kill-broker" or (kind == "kill-worker" and target in src) or (
-        kind in ("kill-node", "partition") and bool(hosted & src))
+        kind == "kill-node" and bool(hosted & src)) or (
+        kind == "partition" and bool(set(detail.get("active_elsewhere_at_heal") or ()) & src))
 
 
 def _fault_line(f: Dict[str, Any]) -> str:
@@ -378,9 +383,10 @@ def _fault_line(f: Dict[str, Any]) -> str:
 def duplicates_allowed(faults: Sequence[Dict[str, Any]], source_instances: Sequence[str]) -> List[str]:
     """The faults of a run after which readings may be counted twice (docs/operators.md: at least
     once for the readings in flight when a source's incarnation ends without a drain): a kill -9
-    of the source's worker, the loss or a cut of the node hosting it (kill-node, partition: its
-    incarnation ends without a drain, or is fenced once re-homed), and kill-broker (the broker
-    forgets acks received since its last autosave). One line per fault, empty: exactly once."""
+    of the source's worker, the loss of the node hosting it (kill-node), a cut of it long enough
+    for the source to be re-homed (partition: the original is fenced at the heal), and kill-broker
+    (the broker forgets acks received since its last autosave). One line per fault, empty: exactly
+    once."""
     src = set(source_instances)
     return [_fault_line(f) for f in faults if _allows_duplicates(f, src)]
 
@@ -393,10 +399,12 @@ def attribute_twice(twice_rids: Sequence[int], unnamed: int, published_ms: Dict[
     the clocks' rounding) and owed to the first fault injected from then on (fault times `t` are
     seconds after `t0_wall`; `published_ms` the readings' event times, the publisher's wall clock).
     Readings no window names (`unnamed`: two extra in one window) are allowed if any fault is.
-    Returns {"allowed", "not_allowed", "by_fault": {fault: [rids]}, "unattributed": [rids]}."""
+    Returns {"allowed", "not_allowed", "by_fault": {fault: [rids]}, "fault_allows": {fault: bool},
+    "unattributed": [rids]}."""
     src = set(source_instances)
     ordered = sorted(faults, key=lambda f: float(f.get("t", 0)))
     by_fault: Dict[str, List[int]] = {}
+    verdicts: Dict[str, bool] = {}  # fault -> whether it allows its readings counted twice
     unattributed: List[int] = []
     allowed = not_allowed = 0
     for rid in twice_rids:
@@ -408,7 +416,8 @@ def attribute_twice(twice_rids: Sequence[int], unnamed: int, published_ms: Dict[
             not_allowed += 1
             continue
         by_fault.setdefault(_fault_line(owner), []).append(rid)
-        if _allows_duplicates(owner, src):
+        verdicts[_fault_line(owner)] = _allows_duplicates(owner, src)
+        if verdicts[_fault_line(owner)]:
             allowed += 1
         else:
             not_allowed += 1
@@ -417,4 +426,5 @@ def attribute_twice(twice_rids: Sequence[int], unnamed: int, published_ms: Dict[
             allowed += unnamed
         else:
             not_allowed += unnamed
-    return {"allowed": allowed, "not_allowed": not_allowed, "by_fault": by_fault, "unattributed": unattributed}
+    return {"allowed": allowed, "not_allowed": not_allowed, "by_fault": by_fault, "fault_allows": verdicts,
+            "unattributed": unattributed}
