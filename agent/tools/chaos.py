@@ -849,15 +849,16 @@ def print_report(summary: Dict[str, Any], out: Any = sys.stdout) -> None:
     if w and "windows_expected" in w:  # mqtt-ingest: every published reading against the windows
         owed = summary.get("counted_twice_by_fault") or {}
         print(f"readings: {w['published']} published ({summary.get('readings_acked_by_broker')} acked by the "
-              f"broker), "
-              f"{w['readings_lost']} lost, {w['readings_counted_twice']} counted twice"
+              f"broker), {w['readings_lost']} lost, {w['readings_counted_twice']} counted twice"
               + (f" ({owed.get('allowed')} allowed: in flight when the source's incarnation ended without a "
                  f"drain; {owed.get('not_allowed')} not)" if w['readings_counted_twice'] else ""), file=out)
         for fault, rids in sorted((owed.get("by_fault") or {}).items()):
             ok = (owed.get("fault_allows") or {}).get(fault)
-            print(f"  counted twice, in flight at {fault} ({'allowed' if ok else 'NOT allowed'}): rids {rids}", file=out)
+            print(f"  counted twice, in flight at {fault} ({'allowed' if ok else 'NOT allowed'}): rids {rids}",
+                  file=out)
         print(f"windows: {w['windows_expected']} expected from the published readings, "
-              f"{w['windows_emitted']} at the sink: exact {w['exact']}, missing {w['missing']}, extra {w['extra']}, different {w['different']} "
+              f"{w['windows_emitted']} at the sink: exact {w['exact']}, missing {w['missing']}, extra {w['extra']}, "
+              f"different {w['different']} "
               f"(of which same count, other sum {w['mixed']}); ids recorded twice {w['dup_ids']}, "
               f"content read from an unshipped spool file {w.get('from_spool')}, found nowhere {w['unread']}",
               file=out)
