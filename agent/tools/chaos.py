@@ -609,9 +609,9 @@ def _ingest_stats(mon: Monitor) -> Dict[str, Any]:
 
 
 def _ingest_verdict(summary: Dict[str, Any], publisher: Any, fleet: Fleet, faults: List["Fault"]) -> Verdict:
-    """Every published reading against the windows at the sink (chaos_ingest.ingest_verdict);
-    readings counted twice count as duplicates only when no fault of the run allows them (the
-    source's incarnation ended without a drain: chaos_ingest.duplicates_allowed)."""
+    """Every published reading against the windows at the sink (chaos_ingest.ingest_verdict); a
+    reading counted twice counts as a duplicate unless the fault it was in flight at allows it
+    (the source's incarnation ended without a drain: chaos_ingest.attribute_twice)."""
     from agent.tools.chaos_ingest import attribute_twice, duplicates_allowed, emitted_windows, ingest_verdict
 
     # every reading published, kept with the run's logs for a post-mortem: [rid, sensor, t ms] a line
@@ -625,7 +625,7 @@ def _ingest_verdict(summary: Dict[str, Any], publisher: Any, fleet: Fleet, fault
     summary["windows"] = dict(asdict(v), exact_ok=v.ok, at_least_once=v.at_least_once, **ids)
     summary["duplicates_allowed_by"] = duplicates_allowed(fault_dicts, sources)
     summary["counted_twice_by_fault"] = owed
-    twice = owed["not_allowed"] if v.at_least_once else v.readings_counted_twice
+    twice = owed["not_allowed"]  # a loss elsewhere in the run fails it anyway (lost)
     return Verdict(generated=v.published, expected=v.windows_expected, received=v.windows_emitted,
                    lost=v.readings_lost + v.mixed, duplicated=twice + ids["dup_ids"],
                    unexpected=v.extra + ids["unread"])
