@@ -35,10 +35,12 @@ def register(groups: Any) -> None:
     p.add_argument("--fgme-damping", action=argparse.BooleanOptionalAction, default=DAMPING_DEFAULT,
                    help="with --coordination fgme: the lock nodes use DEVIATION 4 (docs/gme.md; the default, as "
                         "[pipeline] fgme_damping); --no-fgme-damping: the published algorithm")
-    p.add_argument("--pipeline", choices=("demo", "stateful", "stateful-scaling"), default="demo",
+    p.add_argument("--pipeline", choices=("demo", "stateful", "stateful-scaling", "mqtt-ingest"), default="demo",
                    help="demo: the demo pipeline, in_zone scaling; stateful: a keyed 10-minute window per pickup cell "
                         "before the sink, each window compared with a fault-free reference; stateful-scaling: that "
-                        "window scaling out and in, its key groups moving with their state (default demo)")
+                        "window scaling out and in, its key groups moving with their state; mqtt-ingest: readings "
+                        "published by the chaos process itself (QoS 1) through mqtt_source and a keyed 5-second "
+                        "window per sensor, every published reading checked against the windows (default demo)")
     p.add_argument("--chain", action="store_true",
                    help="the demo pipeline with [pipeline] chain = true: its keepers share worker processes "
                         "(docs/runtime.md, \"Chaining\"); kill-worker then kills a whole chain")

@@ -146,7 +146,9 @@ STATEFUL_SCALING_PIPELINE = STATEFUL_PIPELINE.replace(
     '[operator.scaling]\npolicy = "decentralized"\ncapacity = 120.0\nperiod = 1.0\n'
     'target_ratio = 0.7\nup = 0.8\ndown = 0.6\n')
 
-PIPELINES = ("demo", "stateful", "stateful-scaling")
+# `--pipeline mqtt-ingest`: readings of an outside publisher through mqtt_source and a keyed window,
+# each reading checked against the windows (agent.tools.chaos_ingest).
+PIPELINES = ("demo", "stateful", "stateful-scaling", "mqtt-ingest")
 
 
 def chaos_pipeline(duration: float, seed: int, coordination: str = "ack", fgme_damping: bool = DAMPING_DEFAULT,
@@ -157,6 +159,10 @@ def chaos_pipeline(duration: float, seed: int, coordination: str = "ack", fgme_d
     `chain`: the demo pipeline's keepers run chained (docs/runtime.md, "Chaining"). `until`: the
     last, low step lasts until then (default `duration`); `run_chaos` passes its load cap and
     ends the load itself, on conditions, by pausing the source (`_end_load`)."""
+    if pipeline == "mqtt-ingest":
+        from agent.tools.chaos_ingest import INGEST_PIPELINE
+
+        return INGEST_PIPELINE  # no profile: the load is the publisher's (run_chaos)
     d = float(duration)
     end = max(d, float(until)) if until is not None else d
     steps = [[0, 100], [round(0.1 * d, 1), 350], [round(0.5 * d, 1), 200], [round(0.75 * d, 1), 60], [end, 0]]
@@ -200,6 +206,8 @@ class ChaosConfig:
     fgme_damping: bool = DAMPING_DEFAULT  # the pipeline's [pipeline] fgme_damping (DEVIATION 4 in the lock nodes)
     pipeline: str = "demo"  # or "stateful": a keyed window, verified window by window
     chain: bool = False  # the demo pipeline's [pipeline] chain: keepers in chain processes
+    ingest_rate: float = 50.0  # mqtt-ingest: readings a second from the outside publisher
+    ingest_sensors: int = 10  # mqtt-ingest: sensors they come from (the window's keys)
     # partition: stay cut past the drawn time until every keeper of the node is active
     # elsewhere (at most recovery_timeout more): a heal after the re-homing whatever the load
     partition_until_rehomed: bool = False
@@ -567,6 +575,63 @@ def _end_load(fleet: Fleet, mon: Monitor, source: str, timeout: float = 30.0) ->
         time.sleep(1.0)
 
 
+def _end_ingest(publisher: Any, timeout: float = 60.0) -> Dict[str, Any]:
+    """mqtt-ingest: the load ends: the publisher stops, waits for the broker's PUBACK of every
+    reading (paho sends again what a broker restart left unacked), then publishes the closing
+    reading that makes the window emit every window of the run (agent.tools.chaos_ingest)."""
+    publisher.stop()
+    acked = publisher.wait_acked(timeout)
+    closer_t = publisher.close_windows()
+    closer_acked = publisher.wait_acked(timeout)
+    out: Dict[str, Any] = {"readings_published": publisher.published, "readings_acked_by_broker": publisher.acked,
+                           "publisher_disconnects": publisher.disconnects, "closer_t_ms": closer_t}
+    if not (acked and closer_acked):
+        out["publisher_unacked"] = publisher.unacked()[:20]
+    return out
+
+
+def _window_ids(sink_dir: Path) -> int:
+    from agent.operators.builtin import read_sink_ids
+
+    received, _ = read_sink_ids(sink_dir)
+    return sum(len(v) for v in received.values())
+
+
+def _ingest_stats(mon: Monitor) -> Dict[str, Any]:
+    """The last stats of every source and window instance seen: what the source numbered, shed
+    and still held; what the window applied, skipped as replays and dropped as late."""
+    keep = ("generated", "shed", "buffered", "unsettled", "keyed_applied", "duplicates_skipped", "late_dropped",
+            "no_event_time", "records_in", "records_out")
+    with mon._lock:
+        ops = dict(mon.instance_operator)
+        stats = {i: dict(s) for i, s in mon.instance_stats.items()}
+    return {i: {k: st.get(k) for k in keep if k in st} for i, st in sorted(stats.items())
+            if ops.get(i) in ("source", "windows")}
+
+
+def _ingest_verdict(summary: Dict[str, Any], publisher: Any, fleet: Fleet, faults: List["Fault"]) -> Verdict:
+    """Every published reading against the windows at the sink (chaos_ingest.ingest_verdict); a
+    reading counted twice counts as a duplicate unless the fault it was in flight at allows it
+    (the source's incarnation ended without a drain: chaos_ingest.attribute_twice)."""
+    from agent.tools.chaos_ingest import attribute_twice, duplicates_allowed, emitted_windows, ingest_verdict
+
+    # every reading published, kept with the run's logs for a post-mortem: [rid, sensor, t ms] a line
+    (fleet.workdir / "readings.jsonl").write_text("".join(json.dumps(list(r)) + "\n" for r in publisher.readings))
+    rows, ids = emitted_windows(fleet.sink_dir, fleet.landing, sorted(fleet.workdir.glob("spool-*")))
+    v = ingest_verdict(publisher.readings, rows)
+    sources = [i for i in (summary.get("ingest_stats") or {}) if ".source." in i] or ["chaos.source.0"]
+    fault_dicts = [asdict(f) for f in faults]
+    owed = attribute_twice(v.twice_rids, v.readings_counted_twice - len(v.twice_rids),
+                           {rid: t for rid, _, t in publisher.readings}, fault_dicts, summary["t0_wall"], sources)
+    summary["windows"] = dict(asdict(v), exact_ok=v.ok, at_least_once=v.at_least_once, **ids)
+    summary["duplicates_allowed_by"] = duplicates_allowed(fault_dicts, sources)
+    summary["counted_twice_by_fault"] = owed
+    twice = owed["not_allowed"]  # a loss elsewhere in the run fails it anyway (lost)
+    return Verdict(generated=v.published, expected=v.windows_expected, received=v.windows_emitted,
+                   lost=v.readings_lost + v.mixed, duplicated=twice + ids["dup_ids"],
+                   unexpected=v.extra + ids["unread"])
+
+
 def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dict[str, Any]:
     """Run one chaos experiment; returns the summary (the `--json` output)."""
     rng = random.Random(cfg.seed)
@@ -574,21 +639,27 @@ def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dic
     text = chaos_pipeline(cfg.duration, cfg.seed, cfg.coordination, cfg.fgme_damping, cfg.pipeline, cfg.chain,
                           until=cap)
     stateful = cfg.pipeline.startswith("stateful")
+    ingest = cfg.pipeline == "mqtt-ingest"
     pipeline = load_pipeline_text(text, "chaos pipeline")
-    profile = pipeline.operators[0].params["steps"]
+    # mqtt-ingest: the publisher's steady rate while it runs (it stops when the load ends)
+    profile = [[0, cfg.ingest_rate]] if ingest else pipeline.operators[0].params["steps"]
     workdir = Path(cfg.workdir) if cfg.workdir else Path(tempfile.mkdtemp(prefix="fog-chaos-"))
     started = time.monotonic()
     kinds = set(cfg.faults) if cfg.schedule is None else {k for _, k, _ in cfg.schedule}
     node_loss = "kill-node" in kinds if cfg.rehoming is None else cfg.rehoming
     fleet = Fleet(workdir, nodes=tuple(cfg.nodes), cluster="chaos", log_level=cfg.log_level, shutdown_timeout=10.0,
                   dead_after=cfg.dead_after if node_loss else 0.0,  # re-homing only where a node is lost
-                  proxied="partition" in kinds, spill=stateful)  # stateful: the windows' contents are spilled
+                  proxied="partition" in kinds, spill=stateful or ingest)  # the windows' contents are spilled
     faults: List[Fault] = []
     summary: Dict[str, Any] = {"seed": cfg.seed, "duration": cfg.duration, "min_faults": cfg.min_faults,
                                "min_records": cfg.min_records, "load_cap_s": cap, "faults_enabled": list(cfg.faults),
                                "coordination": cfg.coordination, "fgme_damping": cfg.fgme_damping,
                                "workdir": str(workdir)}
     mon: Optional[Monitor] = None
+    publisher: Any = None  # mqtt-ingest: the outside sensors (agent.tools.chaos_ingest.Publisher)
+
+    def generated() -> int:
+        return publisher.published if publisher is not None else sum(source_counts(fleet.sink_dir).values())
 
     def say(line: str) -> None:
         if live:
@@ -606,7 +677,13 @@ def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dic
         mon = Monitor(fleet.host, fleet.port, fleet.cluster)
         fleet.wait_online(mon)
         fleet.deploy(text, extra=dict(cfg.deploy_extra))
+        if ingest:  # deploy returned: the source's subscription is made, nothing published is missed
+            from agent.tools.chaos_ingest import Publisher
+
+            publisher = Publisher(fleet.host, fleet.port, cfg.seed, cfg.ingest_rate, cfg.ingest_sensors)
+            publisher.start()
         t0 = time.monotonic()
+        summary["t0_wall"] = time.time()  # the faults' t is seconds after this (mqtt-ingest's attribution)
         say(f"chaos seed {cfg.seed}: {cfg.duration:.0f}s of load at least (at most {cap:.0f}s), faults "
             f"{', '.join(cfg.faults) if cfg.schedule is None else 'on a fixed schedule'}; work dir {workdir}")
         nemesis = Nemesis(fleet, mon, cfg, rng)
@@ -652,11 +729,14 @@ def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dic
         # the load ends once its conditions hold (or at the cap, and the run fails saying why)
         while True:
             t = time.monotonic() - t0
-            lacks = load_lacks(cfg, t, len(faults), len(plan or ()), sum(source_counts(fleet.sink_dir).values()))
+            lacks = load_lacks(cfg, t, len(faults), len(plan or ()), generated())
             if not lacks or t >= cap:
                 break
             time.sleep(0.5)
-        summary.update(load_s=round(t, 1), **_end_load(fleet, mon, pipeline.operators[0].name))
+        if publisher is not None:
+            summary.update(load_s=round(t, 1), **_end_ingest(publisher))
+        else:
+            summary.update(load_s=round(t, 1), **_end_load(fleet, mon, pipeline.operators[0].name))
         if lacks:
             summary["load_incomplete"] = (f"the load reached its cap of {cap:.0f} s still waiting for "
                                           f"{'; '.join(lacks)}: a machine too loaded for this run, or a fault "
@@ -673,6 +753,14 @@ def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dic
             quiet = (quiet or time.monotonic()) if tot == last else None
             last = tot
             ends = _lock_and_round_state(mon)
+            if publisher is not None and quiet is not None and time.monotonic() - quiet < 10.0:
+                # the closing reading's windows: quiet for 3 s is not enough until they are all in
+                # (or 10 s of quiet: a window that never comes is the verdict's to report)
+                from agent.tools.chaos_ingest import expected_window_count
+
+                if _window_ids(fleet.sink_dir) < expected_window_count(publisher.readings):
+                    time.sleep(1.0)
+                    continue
             if (back and quiet is not None and time.monotonic() - quiet >= 3.0 and not _holding(mon)
                     and not ends["locks_held_at_end"] and not ends["in_round_at_end"]):
                 settled = True
@@ -694,11 +782,17 @@ def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dic
             scale_ins=len(mon.agent_events("terminated", "scale_in")),
             **_lock_and_round_state(mon),
         )
+        if ingest:
+            summary["ingest_stats"] = _ingest_stats(mon)
     finally:
+        if publisher is not None:
+            publisher.close()
         if mon is not None:
             mon.close()
         summary["agent_exit_codes"] = fleet.stop()
-    if stateful:
+    if ingest:
+        verdict = _ingest_verdict(summary, publisher, fleet, faults)
+    elif stateful:
         wv = verify_windows(pipeline, fleet.sink_dir, fleet.landing)
         summary["windows"] = asdict(wv)
         verdict = Verdict(generated=sum(source_counts(fleet.sink_dir).values()), expected=wv.expected,
@@ -753,7 +847,27 @@ def print_report(summary: Dict[str, Any], out: Any = sys.stdout) -> None:
               "instance still held records in flight; records counted lost may only have been late "
               "(raise settle_timeout)", file=out)
     w = summary.get("windows")
-    if w:
+    if w and "windows_expected" in w:  # mqtt-ingest: every published reading against the windows
+        owed = summary.get("counted_twice_by_fault") or {}
+        print(f"readings: {w['published']} published ({summary.get('readings_acked_by_broker')} acked by the "
+              f"broker), {w['readings_lost']} lost, {w['readings_counted_twice']} counted twice"
+              + (f" ({owed.get('allowed')} allowed: in flight when the source's incarnation ended without a "
+                 f"drain; {owed.get('not_allowed')} not)" if w['readings_counted_twice'] else ""), file=out)
+        for fault, rids in sorted((owed.get("by_fault") or {}).items()):
+            ok = (owed.get("fault_allows") or {}).get(fault)
+            print(f"  counted twice, in flight at {fault} ({'allowed' if ok else 'NOT allowed'}): rids {rids}",
+                  file=out)
+        print(f"windows: {w['windows_expected']} expected from the published readings, "
+              f"{w['windows_emitted']} at the sink: exact {w['exact']}, missing {w['missing']}, extra {w['extra']}, "
+              f"different {w['different']} "
+              f"(of which same count, other sum {w['mixed']}); ids recorded twice {w['dup_ids']}, "
+              f"content read from an unshipped spool file {w.get('from_spool')}, found nowhere {w['unread']}",
+              file=out)
+        for line in w.get("samples") or ():
+            print(f"  {line}", file=out)
+        if summary.get("publisher_unacked"):
+            print(f"readings never acked by the broker: {summary['publisher_unacked']}", file=out)
+    elif w:
         print(f"windows: {w['expected']} in the fault-free reference, {w['received']} at the sink, missing "
               f"{w['missing']}, extra {w['extra']}, twice {w['duplicated']}, other content {w['differing']}, "
               f"content not landed {w['unread']}", file=out)
