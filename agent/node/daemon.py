@@ -939,6 +939,12 @@ class Agent:
         inside this node's directories), else ValueError, logged with `requester` (default: the
         template's worker, who asked), and nothing is started or saved.
         """
+        try:
+            admission.check_spec_types(data)  # a wrong type is a refusal, not an exception further down
+        except ValueError as exc:
+            self.counters["refused_specs"] = self.counters.get("refused_specs", 0) + 1
+            log.warning("refused spec from %s: %s", requester or "unknown requester", exc, extra={"node": self.node})
+            raise
         base: Dict[str, Any] = dataclasses.asdict(without_handover(template)) if template is not None else {}
         base.pop("instance", None)  # a sibling never inherits its requester's identity
         base.update({k: v for k, v in data.items() if k in {f.name for f in dataclasses.fields(InstanceSpec)}})
