@@ -72,8 +72,8 @@ from agent.node.placement import (
 from agent.operators import admission
 from agent.policy.live import LIVE_POLICIES
 from agent.spill.local import AgentSpill
-from agent.node.site_driver import Emit, Hook, Publish, SiteDriver, Steer, run_hook
-from agent.node.site_manager import Lease, parse_lease
+from agent.node.site_driver import Emit, Hook, Publish, SiteDriver, Steer, lease_of, run_hook
+from agent.node.site_manager import Lease, accept_lease, lease_bound
 from agent.node.supervisor import WORKER_COMMAND, WORKER_EXIT_BAD_SPEC, Reaped, Supervisor, Worker, WorkerStatus
 
 log = logging.getLogger(__name__)
@@ -1216,13 +1216,19 @@ class Agent:
                 self.deployed.discard(node)
             self._drop_stale(node, now)
         elif kind == "site_manager":
-            try:
-                d = json.loads(msg.payload) if msg.payload and len(msg.payload) <= 16384 else None
-            except ValueError:
-                d = None
-            self.site_lease = parse_lease(d)
+            # Any node may write the record: `accept_lease` bounds its `until` by this node's clock
+            # and lets no other node take a lease that runs (docs/site-manager.md, "Election").
+            wall = self.wall()
             if self.site is not None:
-                self.site.on_lease(msg.payload)
+                refused = self.site.on_lease(msg.payload, wall)
+                self.site_lease = self.site.lease
+            else:
+                sm = self.cfg.site_manager
+                self.site_lease, refused = accept_lease(self.site_lease, lease_of(msg.payload), wall,
+                                                        lease_bound(sm.lease, sm.period))
+            if refused:
+                self.counters["site_lease_refused"] = self.counters.get("site_lease_refused", 0) + 1
+                log.warning("site manager record refused: %s", refused, extra={"node": self.node})
         elif kind == "latency":
             self.latency[node] = nodestate.parse_latency(msg.payload)
         elif kind in ("ping", "pong") and node == self.node and self.latency_core is not None:

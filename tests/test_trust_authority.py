@@ -1,0 +1,123 @@
+"""Trust from authority (docs/security.md, "What a compromised node can still do"): a node with a
+stolen key on the allow-list (here n3) against the rules that decide whom the agents believe.
+Sans-IO: the agents are driven without a broker (tests/recording_client.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict, List
+
+from agent import topics
+from agent.config import SiteManagerSection, load_agent_config
+from agent.node import rpc
+from agent.node.site_driver import Hook, Publish, SiteDriver
+from agent.node.site_manager import Lease
+from recording_client import RecordingClient, message
+
+
+def _agent(tmp_path: Path, node: str = "n1", extra_toml: str = "") -> Any:
+    from agent.node.daemon import Agent
+
+    conf = tmp_path / f"{node}.toml"
+    conf.write_text(f'[agent]\nnode = "{node}"\ncluster = "c"\nstate_dir = "{tmp_path}/state-{node}"\n'
+                    f'[mqtt]\nhost = "h"\nport = 1\n' + extra_toml)
+    agent = Agent(load_agent_config(conf), warm_worker=False)
+    agent._client = RecordingClient()
+    agent._retained_in = True  # the sync marker is back: peer requests are handled at once
+    return agent
+
+
+def _deliver(agent: Any, topic: str, payload: Any, retain: bool = False) -> None:
+    raw = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    agent._on_message(message(topic, raw, retain), agent.clock())
+
+
+def _replies(agent: Any, to: str) -> List[Dict[str, Any]]:
+    return [json.loads(p) for p in agent._client.on(topics.replies("c", to, agent.node))]
+
+
+def _drain_from(agent: Any, sender: str) -> Dict[str, Any]:
+    _deliver(agent, topics.agent_peer("c", agent.node, sender), rpc.encode({"op": "drain", "node": agent.node}))
+    return _replies(agent, sender)[-1]
+
+
+# ---- 2. the site manager's lease ------------------------------------------------------------------
+
+
+def test_a_forged_lease_far_ahead_is_refused_and_its_writer_cannot_drain(tmp_path: Path) -> None:
+    """n3 writes {node: n3, until: now + 1e9} and drains n1 and n2 over the peer topic: both were
+    `ok`. Now each reader refuses a lease further ahead of its own clock than its own lease plus
+    three periods (at least 60 s), logs and counts it, and a drain is taken only from the holder
+    of a lease the reader accepted."""
+    for node in ("n1", "n2"):
+        agent = _agent(tmp_path, node)
+        _deliver(agent, topics.site_manager("c"), {"v": 1, "node": "n3", "until": agent.wall() + 1e9}, True)
+        assert agent.counters["site_lease_refused"] == 1
+        r = _drain_from(agent, "n3")
+        assert r["ok"] is False and "not the site manager" in r["error"], r
+        assert not agent.draining
+
+
+def test_no_node_takes_a_running_lease_nor_frees_it_by_clearing_the_record(tmp_path: Path) -> None:
+    """A leader n2 holds a running lease; n3 writes its own record (plausible `until`), or clears
+    the record to claim it after: the reader keeps n2's lease until it runs out by its own clock,
+    and only n2 may drain it."""
+    agent = _agent(tmp_path)
+    now = agent.wall()
+    _deliver(agent, topics.site_manager("c"), {"v": 1, "node": "n2", "until": now + 15.0}, True)
+    _deliver(agent, topics.site_manager("c"), {"v": 1, "node": "n3", "until": now + 15.0}, True)
+    assert _drain_from(agent, "n3")["ok"] is False
+    _deliver(agent, topics.site_manager("c"), b"", True)
+    _deliver(agent, topics.site_manager("c"), {"v": 1, "node": "n3", "until": now + 15.0}, True)
+    assert _drain_from(agent, "n3")["ok"] is False and not agent.draining
+    assert agent.counters["site_lease_refused"] == 3
+    assert _drain_from(agent, "n2")["ok"] is True and agent.draining
+
+
+def test_accept_lease_rule() -> None:
+    from agent.node.site_manager import accept_lease, lease_bound
+
+    bound = lease_bound(15.0, 5.0)
+    assert bound == 60.0 and lease_bound(100.0, 10.0) == 130.0
+    a, b = Lease("a", 115.0), Lease("b", 115.0)
+    assert accept_lease(None, a, 100.0, bound) == (a, None)
+    assert accept_lease(None, Lease("a", 161.0), 100.0, bound)[0] is None
+    assert accept_lease(a, Lease("a", 161.0), 100.0, bound)[0] == a  # too far: the held one stays
+    assert accept_lease(a, b, 100.0, bound)[0] == a  # a runs: b cannot take it
+    assert accept_lease(a, b, 115.0, bound) == (b, None)  # a ran out: b may
+    assert accept_lease(a, Lease("a", 99.0), 100.0, bound) == (Lease("a", 99.0), None)  # a lets go
+    assert accept_lease(a, None, 100.0, bound)[0] == a and accept_lease(a, None, 116.0, bound) == (None, None)
+
+
+def test_a_forged_lease_does_not_keep_a_candidate_from_the_role(tmp_path: Path) -> None:
+    section = SiteManagerSection(enabled=True, period=5.0, lease=15.0)
+    driver = SiteDriver(section, "n2", "c", stale_after=30.0)
+    refused = driver.on_lease(json.dumps({"v": 1, "node": "n3", "until": 1000.0 + 1e9}).encode(), 1000.0)
+    assert refused and "ahead" in refused
+    out = driver.tick(1000.0, {"n2": {"time": 1000.0, "slots": 2, "instances": []}}, {"n2": True})
+    assert [type(e) for e in out] == [Publish] and json.loads(out[0].payload)["node"] == "n2"
+
+
+def test_a_forged_released_list_never_reaches_the_power_hook(tmp_path: Path) -> None:
+    """n3 leaves a record whose `released` list names argv for the acquire hook ("--force", a
+    path, a name no node has) and lets it run out; the next leader n2 inherits the list and, spare
+    below target, acquires: the hook gets only a node name this agent knows from an ACL-proven
+    topic level (here none of those), never a payload's string."""
+    section = SiteManagerSection(enabled=True, target=0.5, period=5.0, lease=15.0, cooldown=0.0,
+                                 acquire_hook=("/usr/local/sbin/fog-node-power", "on"),
+                                 release_hook=("/usr/local/sbin/fog-node-power", "off"))
+    driver = SiteDriver(section, "n2", "c", stale_after=30.0)
+    forged = {"v": 1, "node": "n3", "until": 990.0,
+              "state": {"released": ["--force", "/etc/passwd", "n9", "n1"]}}
+    driver.on_lease(json.dumps(forged).encode(), 1000.0)
+    busy = [{"id": f"p.op{i}.0", "operator": f"op{i}", "capacity": 100.0, "load": 95.0} for i in range(2)]
+    hooks: List[Any] = []
+    for i in range(4):
+        now = 1000.0 + 5.0 * i
+        docs = {"n2": {"time": now, "slots": 2, "free_slots": 0, "instances": busy},
+                "n1": {"time": now, "slots": 2, "free_slots": 0, "instances": busy}}
+        hooks += [e for e in driver.tick(now, docs, {"n1": False, "n2": True}) if isinstance(e, Hook)]
+    args = [h.argv[-1] for h in hooks]
+    assert "--force" not in args and "/etc/passwd" not in args and "n9" not in args, args
+    assert args == ["n1"], args  # n1: a node this agent knows (its state topic), released by the record
