@@ -121,3 +121,103 @@ def test_a_forged_released_list_never_reaches_the_power_hook(tmp_path: Path) -> 
     args = [h.argv[-1] for h in hooks]
     assert "--force" not in args and "/etc/passwd" not in args and "n9" not in args, args
     assert args == ["n1"], args  # n1: a node this agent knows (its state topic), released by the record
+
+
+# ---- 3. confused deputy: peer spawns run what an admin deployed -----------------------------------
+
+SAFE = """
+[pipeline]
+name = "taxi"
+[[operator]]
+name = "source"
+kind = "source"
+function = "agent.operators.taxi:source"
+[[operator]]
+name = "sink"
+kind = "sink"
+function = "agent.operators.builtin:counting_sink"
+"""
+
+
+def _spy(topic: str, name: str = "spy", first: str = "source") -> str:
+    """n3's pipeline: read n2's admin requests, hand them on where n3 reads."""
+    return f"""
+[pipeline]
+name = "{name}"
+[[operator]]
+name = "{first}"
+kind = "source"
+function = "agent.operators.taxi:mqtt_source"
+params = {{ topic = "{topic}" }}
+[[operator]]
+name = "sink"
+kind = "sink"
+function = "agent.operators.builtin:mqtt_sink"
+params = {{ topic = "fog/c/events" }}
+"""
+
+
+def _spawn_spec(pipeline: str, text: str, operator: str = "source", instance: str = "x-1") -> Dict[str, Any]:
+    return {"instance": instance, "operator": operator, "pipeline": pipeline, "pipeline_toml": text,
+            "succs": [], "preds": [], "keeper": False, "active": True, "restart": False, "extra": {}}
+
+
+def _n2_knowing_n3_and_a_deploy(tmp_path: Path) -> Any:
+    from agent.control.records import stamp
+
+    agent = _agent(tmp_path, "n2")
+    started: List[Any] = []
+    agent._try_next = lambda job, now, why: started.append(job.spec)  # type: ignore[method-assign]
+    agent.started = started
+    _deliver(agent, topics.pipeline("c", "taxi"), stamp(SAFE, "g1").encode(), True)
+    hosted = [dict(_spawn_spec("spy", _spy("fog/c/agents/n2/rpc/+")), node="n3", cluster="c")]
+    _deliver(agent, topics.agent_hosted("c", "n3"), hosted, True)
+    _deliver(agent, topics.agent_status("c", "n3"), b"online", True)
+    return agent
+
+
+def _peer_spawn(agent: Any, sender: str, spec: Dict[str, Any]) -> Dict[str, Any]:
+    _deliver(agent, topics.agent_peer("c", agent.node, sender), rpc.encode({"op": "spawn", "spec": spec}))
+    return _replies(agent, sender)[-1] if _replies(agent, sender) else {}
+
+
+def test_a_peer_spawn_of_a_pipeline_only_the_requester_hosts_is_refused(tmp_path: Path) -> None:
+    """n3 lists its own pipeline (mqtt_source on n2's rpc topic -> mqtt_sink on events) in its
+    hosted record and asks n2 to run it: accepted before (the requester "hosts" it), so n3 read
+    the admins' requests to n2. Only a pipeline an admin deployed is accepted now."""
+    agent = _n2_knowing_n3_and_a_deploy(tmp_path)
+    r = _peer_spawn(agent, "n3", _spawn_spec("spy", _spy("fog/c/agents/n2/rpc/+")))
+    assert r.get("ok") is False and "not deployed" in r["error"], r
+    assert agent.started == [] and agent.counters["peer_refused"] == 1
+
+
+def test_a_peer_spawn_runs_the_admins_text_never_the_requesters(tmp_path: Path) -> None:
+    """n3 names the deployed pipeline `taxi` but sends its own text for it (its operator
+    `source` an mqtt_source on a topic of its choosing): refused, nothing started (it started
+    with n3's text before). A spec without a text gets the admin's."""
+    agent = _n2_knowing_n3_and_a_deploy(tmp_path)
+    r = _peer_spawn(agent, "n3", _spawn_spec("taxi", _spy("lab/in", name="taxi"), instance="source-x"))
+    assert r.get("ok") is False and "not the one an admin deployed" in r["error"], r
+    assert agent.started == []
+    without = {k: v for k, v in _spawn_spec("taxi", "", instance="source-y").items() if k != "pipeline_toml"}
+    _peer_spawn(agent, "n3", without)
+    assert [s.pipeline_toml for s in agent.started] == [SAFE], [s.pipeline_toml for s in agent.started]
+
+
+def test_mqtt_operators_on_the_fleets_own_topics_are_refused_at_admission(tmp_path: Path) -> None:
+    """Even an admin's spawn: an mqtt_source or mqtt_sink whose topic reaches fog/..., agents/...,
+    $SYS or starts with a wildcard is refused, naming the param; a site topic passes."""
+    agent = _n2_knowing_n3_and_a_deploy(tmp_path)
+    for topic in ("fog/c/agents/n2/rpc/+", "agents/n2/rpc/+", "$SYS/#", "#", "+/c/events"):
+        _deliver(agent, topics.agent_rpc("c", "n2", "adm"),
+                 rpc.encode({"op": "spawn", "spec": _spawn_spec("spy", _spy(topic, name="spy"))}))
+        r = _replies(agent, "adm")[-1]
+        assert r["ok"] is False and "params.topic" in r["error"], (topic, r)
+    sink_only = _spy("lab/in").replace("fog/c/events", "fog/c/agents/n2/state")
+    _deliver(agent, topics.agent_rpc("c", "n2", "adm"),
+             rpc.encode({"op": "spawn", "spec": _spawn_spec("spy", sink_only, operator="sink", instance="sink-1")}))
+    assert _replies(agent, "adm")[-1]["ok"] is False and agent.started == []
+    _deliver(agent, topics.agent_rpc("c", "n2", "adm"),
+             rpc.encode({"op": "spawn", "spec": _spawn_spec("lab", _spy("lab/sensors/+", name="lab").replace(
+                 "fog/c/events", "lab/out"))}))
+    assert [s.pipeline for s in agent.started] == ["lab"]

@@ -258,6 +258,9 @@ class Agent:
         # The retained pipeline records (deployed with a generation, or a tombstone): an instance
         # they rule out is stopped and forgotten (records.stale_reason, docs/fogctl.md).
         self.records: Dict[str, records.PipelineRecord] = {}
+        # The text of each pipeline an admin deployed (its record): what a peer spawn or a re-home
+        # starts, whatever text the requester's spec or a node's hosted record carries.
+        self.deployed_text: Dict[str, str] = {}
         self._undeploying: Set[str] = set()  # stopped for an undeploy: forgotten, never restarted
         # fogctl scale pins: "<pipeline>/<operator>" -> {pipeline, operator, until (wall) or None}
         self.pins: Dict[str, Dict[str, Any]] = _load_pins(Path(cfg.agent.state_dir))
@@ -987,6 +990,7 @@ class Agent:
             if not isinstance(spec.extra, dict):
                 raise ValueError("extra must be an object")
             self.allowed.check(op.function)
+            admission.check_mqtt_topics(op.function, op.params)
             admission.check_spec_paths(self.node_dirs, spec.extra, op.function, op.params)
             admission.check_epochs(spec.extra, self.wall(), stored=requester == admission.FROM_STATE_DIR)
         except ValueError as exc:
@@ -1210,10 +1214,13 @@ class Agent:
                 self.records.pop(node, None)
             else:
                 self.records[node] = record
-            if record is not None and record.state == "deployed":
+            text = records.deployed_text(msg.payload) if record is not None else None
+            if record is not None and record.state == "deployed" and text is not None:
                 self.deployed.add(node)
+                self.deployed_text[node] = text
             else:
                 self.deployed.discard(node)
+                self.deployed_text.pop(node, None)
             self._drop_stale(node, now)
         elif kind == "site_manager":
             # Any node may write the record: `accept_lease` bounds its `until` by this node's clock
@@ -1247,10 +1254,12 @@ class Agent:
     def _peer_may_spawn(self, requester: str, body: Dict[str, Any]) -> Optional[str]:
         """Why a spawn from node `requester` on our peer topic is refused, or None to accept it.
 
-        docs/security.md: only for a pipeline the requester hosts (its retained hosted record
-        lists an instance of it), one an admin deployed (retained pipelines/<name>), or an
-        instance the requester re-homes (its retained re-homed record names it, and a node's
-        hosted record listed it in that pipeline)."""
+        docs/security.md: only for a pipeline an admin deployed (its retained pipelines/<name>
+        record, the generation the spec names if any), and a spec that carries a text carries
+        that record's text; the spawn then runs the record's text, never the requester's
+        (`_on_rpc_request`). What the requester hosts proves nothing: it
+        writes its own hosted record (a node listing a pipeline of its own making in it once had
+        another node run an mqtt_source on that node's rpc topic for it)."""
         spec = body.get("spec")
         pipeline = spec.get("pipeline") if isinstance(spec, dict) else None
         if not isinstance(pipeline, str) or not pipeline:
@@ -1258,17 +1267,12 @@ class Agent:
         stale = records.stale_reason(records.spec_generation(spec), self.records.get(pipeline))
         if stale:
             return f"pipeline {pipeline[:80]!r}: {stale}"
-        if pipeline in self.deployed:
-            return None
-        if any(s.get("pipeline") == pipeline for s in self.hosted_by_node.get(requester, [])):
-            return None
-        inst = spec.get("instance") if isinstance(spec, dict) else None
-        if isinstance(inst, str) and inst in self.rehomed_by_node.get(requester, {}) and any(
-            s.get("instance") == inst and s.get("pipeline") == pipeline
-            for n, specs in self.hosted_by_node.items() if n != requester for s in specs
-        ):
-            return None
-        return f"{requester} hosts no instance of pipeline {pipeline[:80]!r} and it is not deployed"
+        text = self.deployed_text.get(pipeline) if pipeline in self.deployed else None
+        if text is None:
+            return f"pipeline {pipeline[:80]!r} is not deployed (no admin's record of it)"
+        if spec.get("pipeline_toml") not in (None, text):
+            return f"the text of pipeline {pipeline[:80]!r} is not the one an admin deployed"
+        return None
 
     def _peer_may_ship(self, requester: str, instance: str) -> Optional[str]:
         """A node may send us the keyed state of an instance only if it hosts it (its retained
@@ -1408,8 +1412,11 @@ class Agent:
             if "chain" in body:
                 self._spawn_chain(body, requester, peer, reply, now)
                 return
+            data = body["spec"]
+            if peer:  # the admin's text of the pipeline (_peer_may_spawn), never the requester's
+                data = dict(data, pipeline_toml=self.deployed_text[str(data.get("pipeline"))])
             try:
-                spec = self._spec_from(body["spec"], template=None,
+                spec = self._spec_from(data, template=None,
                                        requester=f"{'node' if peer else 'admin'} {requester}")
             except (TypeError, ValueError) as exc:
                 reply({"ok": False, "error": f"invalid spec: {exc}"})
@@ -1873,6 +1880,9 @@ class Agent:
                 if stale:  # an undeployed pipeline does not come back through a dead node's record
                     log.info("not re-homing %s: %s", data.get("instance"), stale, extra={"node": self.node})
                     continue
+                text = self.deployed_text.get(str(data.get("pipeline")))
+                if text is not None:  # the admin's text, not the one the dead node's record carries
+                    data = dict(data, pipeline_toml=text)
                 try:  # the hosted record is bus input: admitted like a spawn request
                     spec = self._spec_from(data, template=None, requester=f"the hosted record of {node}")
                 except (TypeError, ValueError) as exc:

@@ -342,3 +342,40 @@ def check_spec_types(data: Any) -> None:
         raise ValueError(f"spec field 'heartbeat_period' must be a number, not {type(hb).__name__}")
     if "broker" in data and data["broker"] is not None and not isinstance(data["broker"], Mapping):
         raise ValueError(f"spec field 'broker' must be an object, not {type(data['broker']).__name__}")
+
+
+# The built-in operators that open MQTT topics of their own, and the params naming them. A
+# pipeline is text any deployer (or, before peer spawns ran the admin's text only, any node) could
+# write: an mqtt_source on `fog/<c>/agents/<node>/rpc/+` started on that node read what admins
+# ask it, under that node's identity, and an mqtt_sink on `fog/<c>/events` handed it on.
+MQTT_TOPIC_PARAMS = {
+    "agent.operators.taxi:mqtt_source": "topic",
+    "agent.operators.builtin:mqtt_sink": "topic",
+}
+# First topic levels that belong to the fleet (its own topic space, the legacy relative form) or
+# the broker: an operator's topic may not reach them.
+RESERVED_TOPIC_ROOTS = ("fog", "agents")
+
+
+def topic_refusal(topic: Any) -> Optional[str]:
+    """Why an operator may not use the topic (name or filter) `topic`, or None. Refused: a first
+    level that is the fleet's (`fog`, `agents`), the broker's (`$...`, e.g. `$SYS`), or a wildcard
+    (`+`, `#`: a filter that matches the fleet's topics too); not a string; empty."""
+    if not isinstance(topic, str) or not topic:
+        return "not a topic"
+    first = topic.split("/", 1)[0]
+    if first in ("+", "#") or first.startswith("$") or first.lower() in RESERVED_TOPIC_ROOTS:
+        return (f"{topic[:80]!r} reaches the fleet's own topics ({', '.join(r + '/...' for r in RESERVED_TOPIC_ROOTS)}, "
+                f"$SYS, or a filter starting with a wildcard)")
+    return None
+
+
+def check_mqtt_topics(function: str, params: Mapping[str, Any]) -> None:
+    """Refuse (ValueError naming the param) an MQTT operator whose topic reaches the fleet's own
+    topic space or the broker's (`topic_refusal`)."""
+    key = MQTT_TOPIC_PARAMS.get(function)
+    if key is None:
+        return
+    why = topic_refusal(params.get(key) if isinstance(params, Mapping) else None)
+    if why:
+        raise ValueError(f"{function} params.{key}: {why}")
