@@ -221,3 +221,87 @@ def test_mqtt_operators_on_the_fleets_own_topics_are_refused_at_admission(tmp_pa
              rpc.encode({"op": "spawn", "spec": _spawn_spec("lab", _spy("lab/sensors/+", name="lab").replace(
                  "fog/c/events", "lab/out"))}))
     assert [s.pipeline for s in agent.started] == ["lab"]
+
+
+# ---- 4. bindings and epochs -----------------------------------------------------------------------
+
+
+def test_a_fresh_agent_does_not_bind_an_instance_to_a_claimer_with_a_later_rehomed_entry() -> None:
+    """r hosts w; h lists it too and writes a re-homed entry later than anybody's. An agent that
+    just started bound w to h (the latest re-homed entry won); now a claim binds nothing while
+    another claims too, and a statement of another node (here the one that moved it) decides."""
+    from agent.node.hostmap import HostMap
+
+    m = HostMap("me")
+    hosted = {"r": [("w", "p")], "h": [("w", "p")]}
+    m.update({}, hosted, {"r": True, "h": True}, {"h": {"w": 9e9}})
+    assert m.bound("w") != "h"
+    assert m.bound("w") is None and m.pending("w") == ("h", "r")
+    m.update({}, hosted, {"r": True, "h": True, "a": True}, {"h": {"w": 9e9}}, {"a": {"w": "r"}, "h": {"w": "h"}})
+    assert m.bound("w") == "r"
+
+
+def test_a_binding_taken_without_a_word_goes_where_the_rehomer_says_once_it_does() -> None:
+    """a hosts w and dies; h, the only online node listing w, gets the binding without a
+    statement (a claim); the re-homer c then places w on d and says so: the binding goes to d
+    (it stayed with h before: h still listed it and was online), and while it was h's it was
+    marked unproven for the workers."""
+    from agent.node.hostmap import HostMap
+
+    m = HostMap("me")
+    up = {"a": True, "c": True, "d": True, "h": True}
+    m.update({}, {"a": [("w", "p")]}, up)
+    down = dict(up, a=False)
+    m.update({}, {"a": [("w", "p")], "h": [("w", "p")]}, down)
+    assert m.bound("w") == "h" and m.table("p").get("unproven") == ["w"]
+    m.update({}, {"a": [("w", "p")], "h": [("w", "p")], "d": [("w", "p")]}, down, None, {"c": {"w": "d"}})
+    assert m.bound("w") == "d" and "unproven" not in m.table("p")
+
+
+def test_an_epoch_past_the_receivers_clock_is_refused_whatever_the_known_one() -> None:
+    """A forged epoch of the wall clock + 500 s passed (both bounds had to be exceeded: 1000 above
+    the known one and 600 s past the clock), was persisted, and the real sender was "old" for
+    good once the forger stopped."""
+    from agent.dataplane.inbound import MAX_CLOCK_AHEAD, numbering_fault
+
+    wall = 1_795_000_000.0
+    real = (int(wall) - 30, 40, False)  # the real sender, re-homed 30 s ago
+    assert numbering_fault(real, False, int(wall + 500), 1, wall, 8) == "epoch"
+    assert numbering_fault(None, False, int(wall + 500), 1, wall, 8) == "epoch"
+    assert MAX_CLOCK_AHEAD <= 60
+    assert numbering_fault(real, False, int(wall + MAX_CLOCK_AHEAD), 1, wall, 8) is None
+    assert numbering_fault(real, False, real[0] + 1, 1, wall, 8) is None  # a restart
+    # a receiver whose clock is behind the sender's (booted without a real-time clock): restarts
+    assert numbering_fault(real, False, real[0] + 3, 1, wall - 3600, 8) is None
+
+
+def test_a_sender_bound_without_proof_does_not_set_its_epoch(tmp_path: Path) -> None:
+    """The sink's agent bound work-0 to h without a statement (h the only online claimer); h
+    writes in work-0's name with a new epoch. Taken, that epoch was persisted and work-0's real
+    batches (node n1, its binding back) were dropped as old for good. Now it waits, unproven, is
+    refused, and the real stream goes on."""
+    from agent.instance.core import WRITER_HOLD_TTL
+    from test_security_dataplane import _records, _run
+    from test_security_sender import _sink
+    from agent.dataplane.envelope import encode_data
+    from agent.instance.events import Control
+    from agent.mqtt.transport import Received
+
+    clock = [100.0]
+    w, wire = _sink(tmp_path, clock)
+    real, forged_by = topics.inbox("c", "sink-0", "n1"), topics.inbox("c", "sink-0", "h")
+    w.feed(Control({"event": "hosts", "bound": {"work-0": "n1", "sink-0": "n2"}}), clock[0])
+    wire.events.append(Received(real, encode_data("work-0", 0, 1, _records(0, 4))))
+    _run(w, clock, 0.3)
+    assert w.core.stats["records_in"] == 4
+    w.feed(Control({"event": "hosts", "bound": {"work-0": "h", "sink-0": "n2"}, "unproven": ["work-0"]}), clock[0])
+    wire.events.append(Received(forged_by, encode_data("work-0", 5, 1, _records(100, 4))))
+    _run(w, clock, 0.3)
+    assert w.core.inbound.position("work-0")[0] == 0 and w.core.stats["records_in"] == 4
+    w.feed(Control({"event": "hosts", "bound": {"work-0": "n1", "sink-0": "n2"}}), clock[0])  # h withdrew
+    wire.events.append(Received(real, encode_data("work-0", 0, 2, _records(4, 4))))
+    _run(w, clock, WRITER_HOLD_TTL + 1.0, step=0.5)
+    assert w.core.stats["records_in"] == 8 and w.core.inbound.position("work-0")[0] == 0
+    assert w.core.stats["refused_nodes"] == 1
+    state = json.loads((tmp_path / "state" / "sink-0.state.json").read_text())
+    assert '"epoch": 5' not in json.dumps(state)
