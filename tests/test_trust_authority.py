@@ -252,10 +252,15 @@ def test_a_binding_taken_without_a_word_goes_where_the_rehomer_says_once_it_does
     up = {"a": True, "c": True, "d": True, "h": True}
     m.update({}, {"a": [("w", "p")]}, up)
     down = dict(up, a=False)
-    m.update({}, {"a": [("w", "p")], "h": [("w", "p")]}, down)
+    m.update({}, {"a": [("w", "p")], "h": [("w", "p")]}, down, {"h": {"w": 9e9}})  # its own entry: a claim
     assert m.bound("w") == "h" and m.table("p").get("unproven") == ["w"]
     m.update({}, {"a": [("w", "p")], "h": [("w", "p")], "d": [("w", "p")]}, down, None, {"c": {"w": "d"}})
     assert m.bound("w") == "d" and "unproven" not in m.table("p")
+    # a re-home whose re-homer restarted and forgot where: its retained re-homed record proves it
+    m2 = HostMap("me")
+    m2.update({}, {"a": [("w", "p")]}, up)
+    m2.update({}, {"a": [("w", "p")], "d": [("w", "p")]}, down, {"c": {"w": 5.0}})
+    assert m2.bound("w") == "d" and "unproven" not in m2.table("p")
 
 
 def test_an_epoch_past_the_receivers_clock_is_refused_whatever_the_known_one() -> None:

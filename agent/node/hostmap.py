@@ -89,9 +89,10 @@ class HostMap:
         local: {instance: pipeline} running (or starting) under this agent;
         hosted: {node: [(instance, pipeline)]} from every node's retained hosted record (ours too);
         online: {node: up} from the retained status records (this node counts as online);
-        rehomed: {node: {instance: when}} from the retained re-homed records: ignored (a node
-        writes its own, so an entry is a claim, not a proof; it once broke the tie between several
-        claimers of an unbound instance, and a hostile node with a later entry won);
+        rehomed: {node: {instance: when}} from the retained re-homed records: a node's own entry is
+        a claim, never a proof (it once broke the tie between several claimers of an unbound
+        instance, and a hostile node with a later entry won); another node's entry proves that the
+        instance was re-homed, for a binding to the one online claimer;
         moved: {node: {instance: node it moved it to}} from the retained state records, each
         entry stated by the node that moved the instance (see the module docstring)."""
         claims: Dict[str, List[str]] = {}
@@ -147,14 +148,18 @@ class HostMap:
                     new = cur  # moved without a word from who moved it, several claim it: none of them
                 else:
                     # One claimer and no word from who moved it (not arrived yet; an agent that
-                    # restarted and forgot): bound, but unproven until a statement says so.
-                    new, proven = others[0], False
+                    # restarted and forgot): bound, but unproven until a statement says so, unless
+                    # another node's re-homed record names the instance (a re-home whose re-homer
+                    # restarted and forgot where: its retained record still says it re-homed it).
+                    new, proven = others[0], _rehomed_by_another(inst, others[0], rehomed)
             else:
                 # No binding yet (this agent just started, or never saw the instance): a claim
                 # proves nothing, so several claimers bind only the one a statement names.
                 live = [n for n in nodes if up(n)] or nodes
                 if len(live) == 1:
-                    new, proven = live[0], len(nodes) == 1  # contested by an offline lister: unproven
+                    # contested by an offline lister: unproven, unless another node's re-homed
+                    # record says the instance was re-homed (the re-homer's own, retained, record)
+                    new, proven = live[0], len(nodes) == 1 or _rehomed_by_another(inst, live[0], rehomed)
                 else:
                     named = {n for n in live if _vouched(inst, n, moved, rehomer)}
                     new, proven = (named.pop(), True) if len(named) == 1 else (None, True)
@@ -216,6 +221,10 @@ class HostMap:
         former = {i: f for i in bound if (f := self.former_offline(i))}
         unproven = sorted(i for i in bound if i in self._unproven)
         return {"bound": bound, "former": former, **({"unproven": unproven} if unproven else {})}
+
+
+def _rehomed_by_another(inst: str, node: str, rehomed: Mapping[str, Mapping[str, float]]) -> bool:
+    return any(inst in entries for who, entries in rehomed.items() if who != node)
 
 
 def _vouched(inst: str, node: str, moved: Mapping[str, Mapping[str, str]], rehomer: str) -> bool:
