@@ -225,7 +225,7 @@ def test_retained_requests_replies_and_probes_are_ignored(agent: Any) -> None:
     assert agent.counters["rpc_requests"] == 0
 
 
-def test_the_peer_topic_takes_only_spawns_of_pipelines_the_requester_hosts_or_an_admin_deployed(
+def test_the_peer_topic_takes_only_spawns_of_pipelines_an_admin_deployed(
         agent: Any, caplog: Any) -> None:
     peer = topics.agent_peer("c", "me", "n2")
     spec = {"instance": "p.sink.0", "operator": "sink", "pipeline": "p", "pipeline_toml": PIPELINE}
@@ -241,19 +241,20 @@ def test_the_peer_topic_takes_only_spawns_of_pipelines_the_requester_hosts_or_an
     assert all(not b["ok"] and b["error"].startswith("refused") for _, b, _ in replies)
     assert agent.counters["peer_refused"] == 5 and not agent.draining and len(agent.supervisor) == 0
     assert sum("from node n2" in r.getMessage() for r in caplog.records) == 5  # the requester, named
-    # once n2's retained hosted record lists an instance of p, its spawn is considered (no free
-    # slot here, so it is refused for that reason, not by the peer rule)
+    # n2's retained hosted record listing an instance of p proves nothing (n2 writes it itself):
+    # its spawn is refused by the peer rule all the same
     agent.free_slots = lambda: 0  # a full node: what it answers then is the slot refusal
     hosted = json.dumps([dict(spec, instance="p.source.0", operator="source")]).encode()
     agent._on_message_safely(_msg(topics.agent_hosted("c", "n2"), hosted, retain=True), 0.0)
     agent._client.published.clear()
     agent._on_message_safely(_msg(peer, json.dumps({"op": "spawn", "spec": spec}).encode()), 0.0)
     ((_, body, _),) = _replies(agent)
-    assert body == {"ok": False, "error": "no free slot on me"} and agent.counters["peer_refused"] == 5
+    assert not body["ok"] and body["error"].startswith("refused") and agent.counters["peer_refused"] == 6
     # a deployed pipeline: any node may ask (n3 hosts nothing)
-    agent._on_message_safely(_msg(topics.pipeline("c", "q"), b"[pipeline]", retain=True), 0.0)
+    q_text = PIPELINE.replace('"p"', '"q"')
+    agent._on_message_safely(_msg(topics.pipeline("c", "q"), q_text.encode(), retain=True), 0.0)
     agent._client.published.clear()
-    spec_q = dict(spec, pipeline="q", instance="q.sink.0")
+    spec_q = dict(spec, pipeline="q", instance="q.sink.0", pipeline_toml=q_text)
     agent._on_message_safely(_msg(topics.agent_peer("c", "me", "n3"),
                                   json.dumps({"op": "spawn", "spec": spec_q}).encode()), 0.0)
     assert _replies(agent)[0][1] == {"ok": False, "error": "no free slot on me"}
@@ -405,8 +406,8 @@ def test_the_messages_that_killed_agents_are_survived_by_real_agents(tmp_path: P
 
 @pytest.mark.broker
 def test_a_node_cannot_steer_another_through_its_peer_topic(tmp_path: Path, mosquitto: Any) -> None:
-    """On the peer topic a real agent answers `stop`, `ping` and a spawn of a pipeline the
-    requester does not host with a refusal on replies/<requester>/<me>, and starts nothing."""
+    """On the peer topic a real agent answers `stop`, `ping` and a spawn of a pipeline no admin
+    deployed with a refusal on replies/<requester>/<me>, and starts nothing."""
     cluster = f"peer{os.getpid()}"
     admin = rpc.RpcClient(mosquitto.host, mosquitto.port, cluster, identity="adm").connect()
     intruder = rpc.RpcClient(mosquitto.host, mosquitto.port, cluster, identity="n3").connect()

@@ -457,3 +457,23 @@ class _DaemonForgetsOnRefusal(fuzz.DaemonTarget):
 def test_the_daemon_target_reports_state_changed_on_refusal() -> None:
     stats = fuzz.run_target(_DaemonForgetsOnRefusal(), 300, seed=2)
     assert stats.crashes > 0 and {f.kind for f in stats.failures} == {"state_changed_on_error"}
+
+
+@pytest.mark.parametrize("field, value", [
+    ("extra", 1),  # found by the daemon target: AttributeError, and the requester got no reply
+    ("extra", [1]), ("extra", "x"), ("succs", 1), ("preds", [1]), ("keeper", "yes"), ("instance", 5),
+    ("pipeline_toml", ["x"]), ("heartbeat_period", "1"), ("broker", 3),
+])
+def test_a_spawn_with_a_field_of_the_wrong_type_is_refused_with_a_reply(field: str, value: Any) -> None:
+    target = fuzz.DaemonTarget()
+    target.prepare(0)
+    agent = target.agent
+    spec = dict(fuzz._bus_corpus_spec(), **{field: value})
+    topic = "fog/c/agents/me/rpc/adm"
+    msg = type("M", (), {"topic": topic, "payload": json.dumps({"op": "spawn", "spec": spec}).encode(),
+                         "retain": False, "properties": None})()
+    agent._on_message(msg, 1.0)  # no exception
+    replies = [json.loads(p) for t, p in agent._client.published if t == "fog/c/replies/adm/me"]
+    assert len(replies) == 1 and replies[0]["ok"] is False, replies
+    assert field in replies[0]["error"], replies[0]
+    target._dir.cleanup()

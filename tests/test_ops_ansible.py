@@ -271,6 +271,39 @@ def test_example_inventory_has_the_three_groups(tmp_path: Path) -> None:
         assert data[group]["hosts"], group
 
 
+def test_the_client_id_secret_is_generated_once_on_the_control_node_and_the_same_for_every_node(tmp_path: Path) -> None:
+    """docs/security.md, "Client ids": with fog_agent_mqtt_client_id_secret empty (the default),
+    the role's own task generates the site secret into a 0600 file next to the inventory, gives
+    every node the same one, reads it again on the next run, and agent.toml names the file."""
+    import yaml
+
+    tasks = yaml.safe_load((ANSIBLE_DIR / "roles/fog_agent/tasks/configure.yml").read_text())
+    choose = next(t for t in tasks if t["name"] == "Choose the client id secret")
+    defaults = yaml.safe_load((ANSIBLE_DIR / "roles/fog_agent/defaults/main.yml").read_text())
+    inv = tmp_path / "site"
+    inv.mkdir()
+    (inv / "hosts.yml").write_text(json.dumps({"all": {"hosts": {h: {"ansible_connection": "local"}
+                                                                  for h in ("pi1", "pi2", "pi3")}}}))
+    keys = ("fog_agent_mqtt_client_id_secret", "fog_agent_mqtt_client_id_secret_file",
+            "fog_agent_mqtt_client_id_secret_generate", "fog_agent_config_dir")
+    template = ANSIBLE_DIR / "roles/fog_agent/templates/agent.toml.j2"
+    line = next(ln for ln in template.read_text().splitlines() if "client_id_secret" in ln and ln.startswith("{% if"))
+    render = line + ' yes {% else %} no {% endif %}'
+    play = [{"hosts": "all", "gather_facts": False, "vars": {k: defaults[k] for k in keys},
+             "tasks": [choose, {"name": "Show", "ansible.builtin.debug": {
+                 "msg": "{{ fog_agent_client_id_secret_value }} " + render}}]}]
+    (tmp_path / "play.yml").write_text(json.dumps(play))
+    seen = []
+    for _ in range(2):
+        res = run([str(PLAYBOOK), "-i", str(inv / "hosts.yml"), str(tmp_path / "play.yml")], ansible_env(tmp_path),
+                  cwd=tmp_path)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        seen += re.findall(r'"msg": "([A-Za-z0-9]+) +(yes|no) *"', res.stdout)
+    secret = (inv / "client-id.secret").read_text().strip()
+    assert len(secret) == 32 and oct((inv / "client-id.secret").stat().st_mode & 0o777) == "0o600"
+    assert seen == [(secret, "yes")] * 6, seen  # three nodes, two runs: one secret
+
+
 def test_roles_follow_the_node_exporter_layout() -> None:
     for role in ("mosquitto", "fog_agent", "fog_netem", "fog_central"):
         base = ANSIBLE_DIR / "roles" / role

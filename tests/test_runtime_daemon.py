@@ -336,6 +336,13 @@ class Watcher:
         self.client = rpc.RpcClient(broker.host, broker.port, cluster).connect()
         self.cluster = cluster
 
+    def deployed(self, name: str, text: str) -> None:
+        """The pipeline record an admin's deploy leaves: a peer spawn (a createNode placed on
+        another node) is accepted for a deployed pipeline only (docs/security.md)."""
+        from agent import topics
+
+        self.client.publish(topics.pipeline(self.cluster, name), text.encode(), qos=1, retain=True)
+
     def snapshot(self, kind: str) -> Dict[str, Any]:
         from agent import topics
 
@@ -417,6 +424,7 @@ def test_spawned_only_after_ready_local_then_remote(tmp_path: Path, mosquitto: A
         spawner = {"instance": "p.work.0", "operator": "work", "pipeline": "p", "pipeline_toml": PIPELINE,
                    "extra": {"fake_log": str(fake_log),
                              "fake": {"spawn": [{"after": 0.1, "spec": child}] * 4}}}
+        watcher.deployed("p", PIPELINE)  # its copies go to a2 too
         assert watcher.client.call("a1", {"op": "spawn", "spec": spawner}, timeout=10)["ok"]
         assert wait_until(lambda: sum(1 for e in read_log(fake_log) if e["event"] == "spawned") == 4, 20)
         events = read_log(fake_log)
@@ -537,6 +545,7 @@ def test_placement_prefers_the_lower_latency_node_once_measured(tmp_path: Path, 
         child = {"operator": "work", "preds": ["p.work.0"], "extra": {"fake_log": str(fake_log), "fake": {}}}
         spawner = {"instance": "p.work.0", "operator": "work", "pipeline": "p", "pipeline_toml": PIPELINE,
                    "extra": {"fake_log": str(fake_log), "fake": {"spawn": [{"after": 0.5, "spec": child}]}}}
+        watcher.deployed("p", PIPELINE)  # its copy goes to another node
         assert watcher.client.call("b1", {"op": "spawn", "spec": spawner}, timeout=10)["ok"]
         assert wait_until(lambda: any(e["event"] == "spawned" for e in read_log(fake_log)), 20)
         reply = next(e["msg"] for e in read_log(fake_log) if e["event"] == "spawned")

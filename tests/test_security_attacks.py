@@ -318,3 +318,63 @@ def test_scale_with_a_huge_delta_is_bounded_by_the_free_slots(fleet: Fleet) -> N
     if reply.get("ok"):
         assert len(in_zone) <= 1 + (SLOTS * len(NODES) - 3), in_zone  # the keepers hold 3 slots
     fleet.assert_survived("scale +3,000,000")
+
+
+# ---- trust from authority: what a stolen node key (n3) gets from the others ----------------------
+
+
+def test_a_forged_site_manager_lease_lets_n3_drain_no_node(fleet: Fleet) -> None:
+    """n3 writes the retained leader record {node: n3, until: now + 1e9} (the ACL lets every node
+    write it) and asks n1 and n2 to drain over their peer topics: both answered `ok` before.
+    Now each agent refuses a lease that far past its own clock, and the drains with it."""
+    n3 = connected(fleet.site, "n3")
+    try:
+        assert n3.subscribe(T("replies/n3/+")) == [1]
+        lease = {"v": 1, "node": "n3", "until": time.time() + 1e9, "state": {"released": ["--force"]}}
+        assert n3.publish(T("site_manager"), json.dumps(lease).encode(), retain=True) in OK_CODES
+        time.sleep(1.0)  # the retained record reaches both agents before the requests (one connection, in order)
+        for node in NODES:
+            reply = fleet.request(n3, T(f"agents/{node}/peer/n3"), {"v": 1, "op": "drain", "node": node},
+                                  T(f"replies/n3/{node}"), timeout=15)
+            assert reply is not None and reply.get("ok") is False, (node, reply)
+            assert "not the site manager" in reply["error"], reply
+            assert fleet.state(node).get("draining") is not True
+        fleet.assert_survived("forged site manager lease")
+    finally:
+        n3.publish(T("site_manager"), b"", retain=True)
+        n3.close()
+
+
+def test_n3_cannot_have_n2_run_a_pipeline_only_n3_lists(fleet: Fleet) -> None:
+    """The confused deputy: n3 lists, in its own hosted record, a pipeline of its making
+    (mqtt_source on n2's rpc topic -> mqtt_sink on events) and asks n2 to spawn it over the peer
+    topic: accepted before (n3 "hosts" it), and n3 read the admins' requests to n2 on events. Now
+    n2 runs only pipelines an admin deployed, and refuses MQTT topics in the fleet's space anyway."""
+    spy = ("[pipeline]\nname = \"spy\"\n[[operator]]\nname = \"tap\"\nkind = \"source\"\n"
+           "function = \"agent.operators.taxi:mqtt_source\"\n"
+           f"params = {{ topic = \"fog/{CLUSTER}/agents/n2/rpc/+\" }}\n"
+           "[[operator]]\nname = \"out\"\nkind = \"sink\"\nfunction = \"agent.operators.builtin:mqtt_sink\"\n"
+           f"params = {{ topic = \"fog/{CLUSTER}/events\" }}\n")
+    spec = {"instance": f"spy.tap.{uuid.uuid4().hex[:6]}", "operator": "tap", "pipeline": "spy",
+            "pipeline_toml": spy, "node": "n3", "cluster": CLUSTER, "succs": [], "preds": [], "keeper": True,
+            "active": True, "restart": False, "extra": {}}
+    n3 = connected(fleet.site, "n3")
+    try:
+        assert n3.subscribe(T("replies/n3/+")) == [1]
+        assert n3.publish(T("agents/n3/hosted"), json.dumps([spec]).encode(), retain=True) in OK_CODES
+        time.sleep(1.0)
+        reply = fleet.request(n3, T("agents/n2/peer/n3"), {"v": 1, "op": "spawn", "spec": spec},
+                              T("replies/n3/n2"), timeout=15)
+        assert reply is not None and reply.get("ok") is False and "not deployed" in reply["error"], reply
+        time.sleep(1.0)  # a worker it started would show in the state within state_period
+        assert spec["instance"] not in fleet.instances(), fleet.instances()
+        # the admin's own spawn of it is refused too: its topics reach the fleet's
+        reply = fleet.request(fleet.admin, T("agents/n2/rpc/admin"), {"v": 1, "op": "spawn", "spec": spec},
+                              T("replies/admin/n2"), timeout=15)
+        assert reply is not None and reply.get("ok") is False and "params.topic" in reply["error"], reply
+        fleet.assert_survived("confused deputy")
+    finally:
+        n3.publish(T("agents/n3/hosted"), b"", retain=True)
+        fleet.request(fleet.admin, T("agents/n2/rpc/admin"), {"v": 1, "op": "stop", "instance": spec["instance"]},
+                      T("replies/admin/n2"), timeout=3)
+        n3.close()

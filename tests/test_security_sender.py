@@ -114,13 +114,23 @@ def test_a_terminated_instance_keeps_its_binding_for_its_last_messages() -> None
     assert m.bound("work-3") == "a"
 
 
-def test_among_several_new_claimers_the_latest_rehome_wins() -> None:
+def test_among_several_new_claimers_only_one_a_statement_names_is_bound() -> None:
+    """An agent with no binding yet (it just started) and several online claimers: a claim proves
+    nothing (a node writes its own hosted and re-homed records: c's later re-homed entry once won
+    the binding), so none is bound until another node's statement names one (or the re-homer's,
+    which may name itself); their envelopes wait meanwhile. One claimer alone is bound."""
     m = _map()
     m.update({}, _hosted(b=["w"], c=["w"]), {"b": True, "c": True}, {"c": {"w": 5.0}, "b": {"w": 2.0}})
+    assert m.bound("w") is None and m.pending("w") == ("b", "c")
+    m.update({}, _hosted(b=["w"], c=["w"]), {"b": True, "c": True}, None, {"c": {"w": "c"}})
+    assert m.bound("w") is None  # c vouching for itself: nothing (c is not the re-homer, b is)
+    m.update({}, _hosted(b=["w"], c=["w"]), {"b": True, "c": True}, None, {"a": {"w": "c"}, "c": {"w": "c"}})
     assert m.bound("w") == "c" and m.pending("w") == ("b",)
     m2 = _map()
     m2.update({}, _hosted(c=["w"], b=["w"]), {"b": True, "c": True})
-    assert m2.bound("w") == "b"  # no re-home record: the smallest name (every agent picks the same)
+    assert m2.bound("w") is None  # no statement: no binding (no longer the smallest name)
+    m2.update({}, _hosted(c=["w"]), {"b": True, "c": True})
+    assert m2.bound("w") == "c"
 
 
 def test_a_handover_goes_only_where_the_old_node_says_even_when_a_hostile_node_claims_it() -> None:
@@ -129,6 +139,7 @@ def test_a_handover_goes_only_where_the_old_node_says_even_when_a_hostile_node_c
     with two claimers it stays with a (b can delay a move, not take it)."""
     m = _map()
     up = {"a": True, "b": True, "d": True}
+    m.update({}, _hosted(a=["keep.0"]), up)  # deployed on a; b lists it from then on
     m.update({}, _hosted(a=["keep.0"], b=["keep.0"]), up)
     assert m.bound("keep.0") == "a"
     m.update({}, _hosted(a=[], b=["keep.0"]), up, None, {"a": {"keep.0": "d"}})  # a forgot it, d not in yet
@@ -139,6 +150,7 @@ def test_a_handover_goes_only_where_the_old_node_says_even_when_a_hostile_node_c
     assert m.bound("keep.0") == "d"  # and sticky there
     # without a's word (an agent of before), two claimers: nobody takes it
     m2 = _map()
+    m2.update({}, _hosted(a=["keep.0"]), up)
     m2.update({}, _hosted(a=["keep.0"], b=["keep.0"]), up)
     m2.update({}, _hosted(a=[], b=["keep.0"], d=["keep.0"]), up)
     assert m2.bound("keep.0") == "a"

@@ -73,12 +73,14 @@ def test_an_agent_claims_the_role_only_once_the_retained_lease_could_have_arrive
     agent, lease_topic = c.agent, topics.site_manager("c")
     agent._periodic(agent.clock())
     assert not c.on(lease_topic), "claimed the role before the retained lease could arrive"
-    n9 = {"v": 1, "node": "n9", "until": agent.wall() + 300.0}
+    n9 = {"v": 1, "node": "n9", "until": agent.wall() + 30.0}
     c.deliver(lease_topic, json.dumps(n9).encode(), True)
     c.deliver(topics.replies("c", "n1", "n1"), c.marker)
     agent._periodic(agent.clock())
     assert not c.on(lease_topic), "took an unexpired lease of n9"
-    c.deliver(lease_topic, b"", True)  # n9 let go
+    # n9 lets go: its own record, run out. (A cleared record no longer frees a running lease: any
+    # node may clear it, and then claim at once; site_manager.accept_lease.)
+    c.deliver(lease_topic, json.dumps(dict(n9, until=agent.wall() - 1.0)).encode(), True)
     agent.site.last_tick -= 1.0  # a period (0.5 s, on the wall clock) has passed
     agent._periodic(agent.clock())
     claims = [json.loads(p) for p in c.on(lease_topic)]
@@ -103,7 +105,7 @@ def test_a_drain_queued_while_the_agent_was_away_waits_for_the_retained_lease(tm
     c.deliver(topics.agent_peer("c", "n1", "n9"), drain)  # queued while n1 was away
     c.deliver(topics.agent_peer("c", "n1", "n7"), drain)
     assert replies_to("n9") == [] and not c.agent.draining, "checked before the retained lease could arrive"
-    lease = {"v": 1, "node": "n9", "until": c.agent.wall() + 300.0}
+    lease = {"v": 1, "node": "n9", "until": c.agent.wall() + 30.0}
     c.deliver(topics.site_manager("c"), json.dumps(lease).encode(), True)
     c.deliver(topics.replies("c", "n1", "n1"), c.marker)
     assert [r["ok"] for r in replies_to("n9")] == [True] and c.agent.draining, replies_to("n9")
@@ -132,7 +134,7 @@ def test_a_held_request_that_fails_strands_none_behind_it(tmp_path) -> None:
     drain = rpc.encode({"op": "drain", "node": "n1"})
     c.deliver(topics.agent_peer("c", "n1", "n9"), drain)
     c.deliver(topics.agent_peer("c", "n1", "n9"), drain)
-    lease = {"v": 1, "node": "n9", "until": c.agent.wall() + 300.0}
+    lease = {"v": 1, "node": "n9", "until": c.agent.wall() + 30.0}
     c.deliver(topics.site_manager("c"), json.dumps(lease).encode(), True)
     c.agent._on_message_safely(message(topics.replies("c", "n1", "n1"), c.marker), c.agent.clock())
     assert calls == ["n9", "n9"] and c.agent.counters["bad_messages"] == 1

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import signal
 import stat
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -251,8 +252,8 @@ SCALING_PIPELINE = taxi_in_zone("free", seed=3, rate=300.0, policy="decentralize
 
 def test_the_fleet_scales_while_no_site_manager_leads(mosquitto, tmp_path) -> None:
     """docs/site-manager.md: the manager proposes and orders, it never blocks the protocol. Two
-    agents with the site manager enabled, and the role held by a node that is not there (a
-    retained lease of n9, unexpired for the whole test), so that none of them leads: a pipeline
+    agents with the site manager enabled, and the role held by a node that is not one of them (n9
+    renews its retained lease for the whole test), so that none of them leads: a pipeline
     at 3x its operator's capacity still scales out, nobody drains or releases, and every record
     reaches the sink exactly once."""
     import paho.mqtt.client as mqtt
@@ -272,8 +273,20 @@ def test_the_fleet_scales_while_no_site_manager_leads(mosquitto, tmp_path) -> No
     c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"n9-{uuid.uuid4().hex[:6]}", protocol=mqtt.MQTTv5)
     c.connect(mosquitto.host, mosquitto.port)
     c.loop_start()
-    c.publish(topics.site_manager(cluster), json.dumps({"v": 1, "node": "n9", "until": time.time() + 300}), qos=1,
+    # n9 renews its lease as a leader does (every 5 s, 30 s ahead): a lease far ahead of the
+    # agents' clocks would be refused (docs/site-manager.md, "Election")
+    renewing = threading.Event()
+
+    def renew() -> None:
+        while not renewing.is_set():
+            c.publish(topics.site_manager(cluster), json.dumps({"v": 1, "node": "n9", "until": time.time() + 30}),
+                      qos=1, retain=True).wait_for_publish(5)
+            renewing.wait(5.0)
+
+    c.publish(topics.site_manager(cluster), json.dumps({"v": 1, "node": "n9", "until": time.time() + 30}), qos=1,
               retain=True).wait_for_publish(5)
+    renewer = threading.Thread(target=renew, daemon=True)
+    renewer.start()
     mon = Monitor(mosquitto.host, mosquitto.port, cluster)
     record = LeaderRecord(mosquitto, cluster)
     agents: Dict[str, Agent] = {}
@@ -298,6 +311,8 @@ def test_the_fleet_scales_while_no_site_manager_leads(mosquitto, tmp_path) -> No
             a.stop()
         mon.close()
         record.close()
+        renewing.set()
+        renewer.join(10)
         c.publish(topics.site_manager(cluster), b"", retain=True).wait_for_publish(5)
         c.loop_stop()
         c.disconnect()

@@ -61,6 +61,20 @@ def parse_record(payload: bytes) -> Optional[PipelineRecord]:
     return PipelineRecord("deployed", m.group(1) if m is not None else None)
 
 
+def deployed_text(payload: bytes) -> Optional[str]:
+    """The pipeline text an admin deployed, as the deployer put it in the keepers' specs (the
+    record without its generation line); None for a tombstone, an empty or a non-UTF-8 record."""
+    record = parse_record(payload)
+    if record is None or record.state != "deployed":
+        return None
+    try:
+        text = payload.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    first, sep, rest = text.partition("\n")
+    return rest if sep and _GENERATION_LINE.match(first) else text
+
+
 def spec_generation(spec: Any) -> Optional[str]:
     """The generation an InstanceSpec (or its request dict) belongs to, None before generations."""
     extra = spec.get("extra") if isinstance(spec, dict) else getattr(spec, "extra", None)

@@ -14,8 +14,12 @@ only when what it claims is something a real sender can send:
   channel tables; everything else is refused.
 - **epoch** (`numbering_fault`): a sender's epoch grows by one per restart or new incarnation,
   or jumps to the wall clock when it is re-homed or handed over without its state (`min_epoch`).
-  An epoch more than `MAX_EPOCH_STEP` above the known one AND more than `MAX_CLOCK_AHEAD` s
-  above our wall clock is refused, never persisted.
+  So a new epoch more than `MAX_CLOCK_AHEAD` s past our wall clock is refused, never persisted;
+  only when our clock is behind the sender's known epoch (a Pi booted without a real-time clock)
+  may it be up to `MAX_EPOCH_STEP` above the known one instead. (Both bounds had to be exceeded
+  before: a forged epoch of the wall clock + 500 s passed, was persisted, and the real sender's
+  batches were "old" for good once the forger stopped.) A sender whose binding the agent took
+  without proof starts no new epoch at all (`Instance._admit`, hostmap "unproven").
 - **seq**: a sender has at most a flow-control window of data batches unacknowledged, plus a
   few acks and protocol messages, so an honest envelope is never far beyond the next expected
   number; a jump past that (`seq_ahead`) is refused. After a restart from a lagging snapshot
@@ -51,8 +55,10 @@ ACCEPT, HOLD, REFUSE = "accept", "hold", "refuse"
 MAX_EPOCH_STEP = 1000
 # Re-homing and hand-over without state start at `min_epoch` = the re-homing agent's wall clock
 # in seconds (agent.node.rehome, daemon `_hand_over`), plus one per later restart. Another
-# node's clock may run ahead of ours: NTP keeps fog nodes within a second; 10 minutes of margin.
-MAX_CLOCK_AHEAD = 600.0
+# node's clock may run ahead of ours: NTP keeps fog nodes within a second; a minute of margin
+# (also for a burst of restarts right after a re-home). Whatever a forger sets within it, the
+# real sender's next re-home or hand-over is above it a minute later.
+MAX_CLOCK_AHEAD = 60.0
 # Envelopes one sender sends to one destination in one epoch: 1000 a second for 30 years stays
 # below this; 2**53 (the hostile test) does not.
 MAX_SEQ = 2 ** 40
@@ -97,7 +103,7 @@ def numbering_fault(
             return None
         new_epoch = epoch > known
     if new_epoch:
-        if epoch > known + MAX_EPOCH_STEP and epoch > wall + MAX_CLOCK_AHEAD:
+        if epoch > wall + MAX_CLOCK_AHEAD and (known <= wall or epoch > known + MAX_EPOCH_STEP):
             return "epoch"
         next_seq = 1  # a new incarnation numbers from 1 (channel.Inbound.receive)
         if position is None and resync:

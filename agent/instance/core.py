@@ -210,6 +210,9 @@ class Instance:
         self.check_node = bool(spec.extra.get("check_sender_node"))
         self.hosts_bound: Dict[str, str] = {}
         self.hosts_former: Dict[str, List[str]] = {}
+        # Senders whose binding the agent took without a statement from who moved them
+        # (agent.node.hostmap "unproven"): no new epoch of theirs is taken (nor persisted) until proven.
+        self.hosts_unproven: Set[str] = set()
         self.phase = Phase.NEW
         self.now = 0.0
         self._wall_offset = 0.0
@@ -677,6 +680,8 @@ class Instance:
         former = msg.get("former")
         self.hosts_former = ({str(i): [str(n) for n in ns] for i, ns in former.items() if isinstance(ns, list)}
                              if isinstance(former, dict) else {})
+        unproven = msg.get("unproven")
+        self.hosts_unproven = {str(i) for i in unproven} if isinstance(unproven, list) else set()
         for dest in [d for d in self.unrouted if d in self.hosts_bound]:
             parked = self.unrouted.pop(dest)
             for payload, low in parked:
@@ -826,6 +831,8 @@ class Instance:
         if self.check_node and writer_verdict(self.hosts_bound.get(env.sender), self.hosts_former.get(env.sender, ()),
                                               writer) != ACCEPT:
             return HOLD, "node"
+        if self.check_node and env.sender in self.hosts_unproven and self._new_epoch(env):
+            return HOLD, "node"  # a binding nobody vouched for does not set the sender's epoch
         fault = numbering_fault(self.inbound.position(env.sender), self.inbound.resync_unknown,
                                 env.epoch, env.seq, self.wall(), self.window)
         if fault is not None:
@@ -1109,9 +1116,14 @@ class Instance:
         """A copy not yet started: it knows its neighbours only from its Start."""
         return self.scaling is not None and not self.scaling.data_enabled
 
+    def _new_epoch(self, env: Envelope) -> bool:
+        position = self.inbound.position(env.sender)
+        return position is None or env.epoch > position[0]
+
     def _waits_for_binding(self, sender: str, writer: str) -> bool:
-        """A held stream whose sender our tables know, written by a node it is not bound to."""
-        return (self.check_node and self.hosts_bound.get(sender) != writer
+        """A held stream whose sender our tables know, written by a node it is not bound to (or
+        bound without proof)."""
+        return (self.check_node and (self.hosts_bound.get(sender) != writer or sender in self.hosts_unproven)
                 and writer not in self.hosts_former.get(sender, ())
                 and self._sender_allowed(Envelope(sender, 0, 1, Kind.PROTO, {})))
 

@@ -72,8 +72,8 @@ from agent.node.placement import (
 from agent.operators import admission
 from agent.policy.live import LIVE_POLICIES
 from agent.spill.local import AgentSpill
-from agent.node.site_driver import Emit, Hook, Publish, SiteDriver, Steer, run_hook
-from agent.node.site_manager import Lease, parse_lease
+from agent.node.site_driver import Emit, Hook, Publish, SiteDriver, Steer, lease_of, run_hook
+from agent.node.site_manager import Lease, accept_lease, lease_bound
 from agent.node.supervisor import WORKER_COMMAND, WORKER_EXIT_BAD_SPEC, Reaped, Supervisor, Worker, WorkerStatus
 
 log = logging.getLogger(__name__)
@@ -258,6 +258,9 @@ class Agent:
         # The retained pipeline records (deployed with a generation, or a tombstone): an instance
         # they rule out is stopped and forgotten (records.stale_reason, docs/fogctl.md).
         self.records: Dict[str, records.PipelineRecord] = {}
+        # The text of each pipeline an admin deployed (its record): what a peer spawn or a re-home
+        # starts, whatever text the requester's spec or a node's hosted record carries.
+        self.deployed_text: Dict[str, str] = {}
         self._undeploying: Set[str] = set()  # stopped for an undeploy: forgotten, never restarted
         # fogctl scale pins: "<pipeline>/<operator>" -> {pipeline, operator, until (wall) or None}
         self.pins: Dict[str, Dict[str, Any]] = _load_pins(Path(cfg.agent.state_dir))
@@ -939,6 +942,12 @@ class Agent:
         inside this node's directories), else ValueError, logged with `requester` (default: the
         template's worker, who asked), and nothing is started or saved.
         """
+        try:
+            admission.check_spec_types(data)  # a wrong type is a refusal, not an exception further down
+        except ValueError as exc:
+            self.counters["refused_specs"] = self.counters.get("refused_specs", 0) + 1
+            log.warning("refused spec from %s: %s", requester or "unknown requester", exc, extra={"node": self.node})
+            raise
         base: Dict[str, Any] = dataclasses.asdict(without_handover(template)) if template is not None else {}
         base.pop("instance", None)  # a sibling never inherits its requester's identity
         base.update({k: v for k, v in data.items() if k in {f.name for f in dataclasses.fields(InstanceSpec)}})
@@ -981,6 +990,7 @@ class Agent:
             if not isinstance(spec.extra, dict):
                 raise ValueError("extra must be an object")
             self.allowed.check(op.function)
+            admission.check_mqtt_topics(op.function, op.params)
             admission.check_spec_paths(self.node_dirs, spec.extra, op.function, op.params)
             admission.check_epochs(spec.extra, self.wall(), stored=requester == admission.FROM_STATE_DIR)
         except ValueError as exc:
@@ -1204,19 +1214,28 @@ class Agent:
                 self.records.pop(node, None)
             else:
                 self.records[node] = record
-            if record is not None and record.state == "deployed":
+            text = records.deployed_text(msg.payload) if record is not None else None
+            if record is not None and record.state == "deployed" and text is not None:
                 self.deployed.add(node)
+                self.deployed_text[node] = text
             else:
                 self.deployed.discard(node)
+                self.deployed_text.pop(node, None)
             self._drop_stale(node, now)
         elif kind == "site_manager":
-            try:
-                d = json.loads(msg.payload) if msg.payload and len(msg.payload) <= 16384 else None
-            except ValueError:
-                d = None
-            self.site_lease = parse_lease(d)
+            # Any node may write the record: `accept_lease` bounds its `until` by this node's clock
+            # and lets no other node take a lease that runs (docs/site-manager.md, "Election").
+            wall = self.wall()
             if self.site is not None:
-                self.site.on_lease(msg.payload)
+                refused = self.site.on_lease(msg.payload, wall)
+                self.site_lease = self.site.lease
+            else:
+                sm = self.cfg.site_manager
+                self.site_lease, refused = accept_lease(self.site_lease, lease_of(msg.payload), wall,
+                                                        lease_bound(sm.lease, sm.period))
+            if refused:
+                self.counters["site_lease_refused"] = self.counters.get("site_lease_refused", 0) + 1
+                log.warning("site manager record refused: %s", refused, extra={"node": self.node})
         elif kind == "latency":
             self.latency[node] = nodestate.parse_latency(msg.payload)
         elif kind in ("ping", "pong") and node == self.node and self.latency_core is not None:
@@ -1235,10 +1254,12 @@ class Agent:
     def _peer_may_spawn(self, requester: str, body: Dict[str, Any]) -> Optional[str]:
         """Why a spawn from node `requester` on our peer topic is refused, or None to accept it.
 
-        docs/security.md: only for a pipeline the requester hosts (its retained hosted record
-        lists an instance of it), one an admin deployed (retained pipelines/<name>), or an
-        instance the requester re-homes (its retained re-homed record names it, and a node's
-        hosted record listed it in that pipeline)."""
+        docs/security.md: only for a pipeline an admin deployed (its retained pipelines/<name>
+        record, the generation the spec names if any), and a spec that carries a text carries
+        that record's text; the spawn then runs the record's text, never the requester's
+        (`_on_rpc_request`). What the requester hosts proves nothing: it
+        writes its own hosted record (a node listing a pipeline of its own making in it once had
+        another node run an mqtt_source on that node's rpc topic for it)."""
         spec = body.get("spec")
         pipeline = spec.get("pipeline") if isinstance(spec, dict) else None
         if not isinstance(pipeline, str) or not pipeline:
@@ -1246,17 +1267,12 @@ class Agent:
         stale = records.stale_reason(records.spec_generation(spec), self.records.get(pipeline))
         if stale:
             return f"pipeline {pipeline[:80]!r}: {stale}"
-        if pipeline in self.deployed:
-            return None
-        if any(s.get("pipeline") == pipeline for s in self.hosted_by_node.get(requester, [])):
-            return None
-        inst = spec.get("instance") if isinstance(spec, dict) else None
-        if isinstance(inst, str) and inst in self.rehomed_by_node.get(requester, {}) and any(
-            s.get("instance") == inst and s.get("pipeline") == pipeline
-            for n, specs in self.hosted_by_node.items() if n != requester for s in specs
-        ):
-            return None
-        return f"{requester} hosts no instance of pipeline {pipeline[:80]!r} and it is not deployed"
+        text = self.deployed_text.get(pipeline) if pipeline in self.deployed else None
+        if text is None:
+            return f"pipeline {pipeline[:80]!r} is not deployed (no admin's record of it)"
+        if spec.get("pipeline_toml") not in (None, text):
+            return f"the text of pipeline {pipeline[:80]!r} is not the one an admin deployed"
+        return None
 
     def _peer_may_ship(self, requester: str, instance: str) -> Optional[str]:
         """A node may send us the keyed state of an instance only if it hosts it (its retained
@@ -1396,8 +1412,11 @@ class Agent:
             if "chain" in body:
                 self._spawn_chain(body, requester, peer, reply, now)
                 return
+            data = body["spec"]
+            if peer:  # the admin's text of the pipeline (_peer_may_spawn), never the requester's
+                data = dict(data, pipeline_toml=self.deployed_text[str(data.get("pipeline"))])
             try:
-                spec = self._spec_from(body["spec"], template=None,
+                spec = self._spec_from(data, template=None,
                                        requester=f"{'node' if peer else 'admin'} {requester}")
             except (TypeError, ValueError) as exc:
                 reply({"ok": False, "error": f"invalid spec: {exc}"})
@@ -1861,6 +1880,9 @@ class Agent:
                 if stale:  # an undeployed pipeline does not come back through a dead node's record
                     log.info("not re-homing %s: %s", data.get("instance"), stale, extra={"node": self.node})
                     continue
+                text = self.deployed_text.get(str(data.get("pipeline")))
+                if text is not None:  # the admin's text, not the one the dead node's record carries
+                    data = dict(data, pipeline_toml=text)
                 try:  # the hosted record is bus input: admitted like a spawn request
                     spec = self._spec_from(data, template=None, requester=f"the hosted record of {node}")
                 except (TypeError, ValueError) as exc:

@@ -71,6 +71,10 @@ class HostMap:
         self._former: Dict[str, List[str]] = {}  # instance -> nodes it was bound to before, newest first
         self._online: Dict[str, bool] = {}
         self._listed: Set[str] = set()
+        # Bindings taken without a statement from who moved the instance (one claimer, no word):
+        # a statement naming another listing node moves them, and the workers do not let their
+        # sender start a new epoch until the binding is proven (the table's "unproven").
+        self._unproven: Set[str] = set()
 
     def update(
         self,
@@ -85,8 +89,10 @@ class HostMap:
         local: {instance: pipeline} running (or starting) under this agent;
         hosted: {node: [(instance, pipeline)]} from every node's retained hosted record (ours too);
         online: {node: up} from the retained status records (this node counts as online);
-        rehomed: {node: {instance: when}} from the retained re-homed records, which only breaks a
-        tie between several online claimers of an unbound instance (the latest re-home wins);
+        rehomed: {node: {instance: when}} from the retained re-homed records: a node's own entry is
+        a claim, never a proof (it once broke the tie between several claimers of an unbound
+        instance, and a hostile node with a later entry won); another node's entry proves that the
+        instance was re-homed, for a binding to the one online claimer;
         moved: {node: {instance: node it moved it to}} from the retained state records, each
         entry stated by the node that moved the instance (see the module docstring)."""
         claims: Dict[str, List[str]] = {}
@@ -108,24 +114,57 @@ class HostMap:
             nodes = sorted(set(claims.get(inst, ())))
             pipeline = local.get(inst) or pipelines.get(inst, "")
             cur = self._bound.get(inst, (None, ""))[0]
+            proven = inst not in self._unproven
+            override = None
+            if inst not in local and cur is not None and not proven:
+                # The word came after the move (the re-homer states once the new node answered),
+                # from the node it was bound to before, the re-homer, or else any other node.
+                said = self._said(inst, moved, rehomer)
+                named = [n for n in nodes if _vouched(inst, n, moved, rehomer)]
+                if said == cur or (said is None and cur in named):
+                    proven = True
+                elif said is not None and said in nodes:
+                    override = said
+                elif said is None and len(named) == 1:
+                    override = named[0]
             if inst in local:
                 new: Optional[str] = self.node
+                proven = True
+            elif override is not None:
+                new, proven = override, True  # taken without a word; who moved it says where now
             elif cur is not None and cur in nodes and (up(cur) or not any(up(n) for n in nodes)):
                 new = cur  # still listed, and online (or nobody online lists it)
-            else:
+            elif cur is not None:
                 live = [n for n in nodes if up(n)] or nodes
                 others = [n for n in live if n != cur] or live
                 # who may say where it went: its node while online (a hand-over), else the re-homer
-                said = moved.get(cur if cur is not None and up(cur) else rehomer, {}).get(inst) if cur else None
+                said = moved.get(cur if up(cur) else rehomer, {}).get(inst)
                 if not others:
                     new = cur  # listed by nobody any more: keep the last binding
                 elif said is not None and said != cur and (said in others or up(said)):
                     new = said if said in others else cur  # there, once it lists it; nowhere else
-                elif cur is not None and len(others) > 1:
+                    proven = proven if new == cur else True
+                elif len(others) > 1:
                     new = cur  # moved without a word from who moved it, several claim it: none of them
                 else:
-                    new = max(others, key=lambda n: (rehomed.get(n, {}).get(inst, 0.0), -_rank(n, others)))
+                    # One claimer and no word from who moved it (not arrived yet; an agent that
+                    # restarted and forgot): bound, but unproven until a statement says so, unless
+                    # another node's re-homed record names the instance (a re-home whose re-homer
+                    # restarted and forgot where: its retained record still says it re-homed it).
+                    new, proven = others[0], _rehomed_by_another(inst, others[0], rehomed)
+            else:
+                # No binding yet (this agent just started, or never saw the instance): a claim
+                # proves nothing, so several claimers bind only the one a statement names.
+                live = [n for n in nodes if up(n)] or nodes
+                if len(live) == 1:
+                    # contested by an offline lister: unproven, unless another node's re-homed
+                    # record says the instance was re-homed (the re-homer's own, retained, record)
+                    new, proven = live[0], len(nodes) == 1 or _rehomed_by_another(inst, live[0], rehomed)
+                else:
+                    named = {n for n in live if _vouched(inst, n, moved, rehomer)}
+                    new, proven = (named.pop(), True) if len(named) == 1 else (None, True)
             if new is None:
+                pending[inst] = tuple(nodes)
                 continue
             if cur is not None and cur != new:
                 self._former[inst] = [cur] + [n for n in self._former.get(inst, []) if n not in (cur, new)][:MAX_FORMER - 1]
@@ -134,6 +173,7 @@ class HostMap:
             if self._bound.get(inst, (None, ""))[0] != new:
                 self._bound.pop(inst, None)
             self._bound[inst] = (new, pipeline)
+            (self._unproven.discard if proven else self._unproven.add)(inst)
             rest = tuple(n for n in nodes if n != new)
             if rest:
                 pending[inst] = rest
@@ -148,6 +188,19 @@ class HostMap:
             while len(self._bound) > self.max_entries:
                 self._bound.popitem(last=False)
             self._former = {i: ns for i, ns in self._former.items() if i in self._bound}
+        self._unproven &= set(self._bound)
+
+    def _said(self, inst: str, moved: Mapping[str, Mapping[str, str]], rehomer: str) -> Optional[str]:
+        """Where the node `inst` was bound to before, else the re-homer, says it moved `inst`."""
+        for who in (*self._former.get(inst, [])[:1], rehomer):
+            said = moved.get(who, {}).get(inst)
+            if said is not None:
+                return said
+        return None
+
+    def proven(self, instance: str) -> bool:
+        """Is the binding of `instance` proven (see `_unproven`)? True when it has none."""
+        return instance not in self._unproven
 
     def bound(self, instance: str) -> Optional[str]:
         entry = self._bound.get(instance)
@@ -166,8 +219,15 @@ class HostMap:
         that pipeline (and those whose pipeline is unknown)."""
         bound = {i: n for i, (n, p) in self._bound.items() if p in (pipeline, "")}
         former = {i: f for i in bound if (f := self.former_offline(i))}
-        return {"bound": bound, "former": former}
+        unproven = sorted(i for i in bound if i in self._unproven)
+        return {"bound": bound, "former": former, **({"unproven": unproven} if unproven else {})}
 
 
-def _rank(node: str, nodes: List[str]) -> int:
-    return sorted(nodes).index(node)
+def _rehomed_by_another(inst: str, node: str, rehomed: Mapping[str, Mapping[str, float]]) -> bool:
+    return any(inst in entries for who, entries in rehomed.items() if who != node)
+
+
+def _vouched(inst: str, node: str, moved: Mapping[str, Mapping[str, str]], rehomer: str) -> bool:
+    """Does a node's own statement say `inst` moved to `node`? Only another node's, or the
+    re-homer's (it may re-home onto itself): a node cannot vouch for its own claim."""
+    return any(m.get(inst) == node and (who != node or who == rehomer) for who, m in moved.items())

@@ -13,14 +13,16 @@ import json
 import logging
 import subprocess
 import threading
+import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from agent import topics
 from agent.config import SiteManagerSection
 from agent.control.rpc_schema import DrainRequest
 from agent.node.site_manager import (
-    Action, ActionKind, Lease, SiteConfig, SiteState, claim, decide, parse_lease, spare, view_of,
+    Action, ActionKind, Lease, SiteConfig, SiteState, accept_lease, claim, decide, hook_node, lease_bound,
+    parse_lease, spare, view_of,
 )
 
 log = logging.getLogger("fog.site")
@@ -70,25 +72,24 @@ class SiteDriver:
         self.cfg = SiteConfig(target=section.target, min_nodes=section.min_nodes, max_nodes=section.max_nodes,
                               cooldown=section.cooldown, timeout=section.timeout)
         self.state = SiteState()
-        self.lease: Optional[Lease] = None  # the retained record as last received
+        self.lease: Optional[Lease] = None  # the lease this agent holds valid (`accept_lease`)
+        self.max_ahead = lease_bound(section.lease, section.period)
         self.leading = False
         self.last_tick = float("-inf")
         self.last_spare: Optional[float] = None
         self.actions: List[Dict[str, Any]] = []  # the last few, for the leader record
 
-    def on_lease(self, payload: bytes) -> None:
-        """The retained record changed (empty payload: cleared). Malformed: the role is free."""
-        d: Any = None
-        if payload and len(payload) <= MAX_LEASE_BYTES:
-            try:
-                d = json.loads(payload)
-            except ValueError:
-                d = None
-        self.lease = parse_lease(d)
+    def on_lease(self, payload: bytes, now: Optional[float] = None) -> Optional[str]:
+        """The retained record changed (empty payload: cleared). What it says is a claim by any
+        node: `accept_lease` decides whether it replaces the lease this agent holds valid. Returns
+        why it was refused (None: accepted); the daemon counts and logs it."""
+        self.lease, refused = accept_lease(self.lease, lease_of(payload), time.time() if now is None else now,
+                                           self.max_ahead)
         if self.lease is not None and self.lease.node != self.node and self.leading:
             # Another agent's record is the one the broker kept: it leads, this one stops.
             log.info("site manager: %s took the lead", self.lease.node)
             self.leading = False
+        return refused
 
     def tick(self, now: float, docs: Mapping[str, Mapping[str, Any]], online: Mapping[str, bool]) -> List[Effect]:
         """One period: renew or claim the lease, and decide when leading. `now`: unix seconds
@@ -109,7 +110,8 @@ class SiteDriver:
         if first:
             log.info("site manager: %s leads (lease %.0f s)", self.node, self.section.lease)
             if self.lease is not None and self.lease.node != self.node:
-                self.state = _adopt(self.lease.state)  # the released nodes of the previous leader
+                # the released nodes of the previous leader: only names of nodes this agent knows
+                self.state = _adopt(self.lease.state, docs.keys())
             self.leading = True
         effects: List[Effect] = []
         view = view_of(docs, online, now, stale_after=self.stale_after)
@@ -117,20 +119,25 @@ class SiteDriver:
         if not first:
             self.state, actions = decide(view, self.state, self.cfg, now)
             for a in actions:
-                effects.extend(self._effects(a, now))
+                effects.extend(self._effects(a, now, docs.keys()))
         record = Lease(self.node, now + self.section.lease, self.summary())
         return [Publish(topics.site_manager(self.cluster), json.dumps(record.to_dict()).encode(), True)] + effects
 
-    def _effects(self, a: Action, now: float) -> List[Effect]:
+    def _effects(self, a: Action, now: float, known: Iterable[str] = ()) -> List[Effect]:
         self.actions = (self.actions + [dict(a.to_dict(), ts=now)])[-8:]
         log.info("site manager: %s %s: %s", a.kind.value, a.node, a.reason)
         out: List[Effect] = [Emit(a.to_dict())]
         if a.kind in (ActionKind.DRAIN, ActionKind.UNDRAIN):
             out.append(Steer(a.node, DrainRequest(a.node, undo=a.kind is ActionKind.UNDRAIN).to_dict()))
-        elif a.kind is ActionKind.RELEASE and self.section.release_hook:
-            out.append(Hook(tuple(self.section.release_hook) + (a.node,)))
-        elif a.kind is ActionKind.ACQUIRE and self.section.acquire_hook:
-            out.append(Hook(tuple(self.section.acquire_hook) + (a.node,)))
+        elif a.kind in (ActionKind.RELEASE, ActionKind.ACQUIRE):
+            hook = self.section.release_hook if a.kind is ActionKind.RELEASE else self.section.acquire_hook
+            # The hook's only argument is a node name this agent knows from an ACL-proven topic
+            # level (its state record), never a string from a payload (an adopted record's list).
+            name = hook_node(a.node, known)
+            if hook and name is not None:
+                out.append(Hook(tuple(hook) + (name,)))
+            elif hook:
+                log.warning("site manager: no %s hook for %.80r: not a node this agent knows", a.kind.value, a.node)
         return out
 
     def summary(self) -> Dict[str, Any]:
@@ -144,10 +151,24 @@ class SiteDriver:
         }
 
 
-def _adopt(state: Mapping[str, Any]) -> SiteState:
+def lease_of(payload: bytes) -> Optional[Lease]:
+    """The lease a retained payload states (None: empty, oversized or malformed)."""
+    d: Any = None
+    if payload and len(payload) <= MAX_LEASE_BYTES:
+        try:
+            d = json.loads(payload)
+        except ValueError:
+            d = None
+    return parse_lease(d)
+
+
+def _adopt(state: Mapping[str, Any], known: Iterable[str]) -> SiteState:
+    """The released list a new leader inherits from the record: only names of nodes in `known`
+    (the node names this agent read from topic levels), as this agent's own strings, at most 64."""
     released = state.get("released") if isinstance(state, Mapping) else None
-    names = tuple(str(n)[:200] for n in released if isinstance(n, str) and n) if isinstance(released, list) else ()
-    return SiteState(released=tuple(dict.fromkeys(names)))
+    listed = [n for n in released[:1024] if isinstance(n, str)] if isinstance(released, list) else []
+    names = [k for n in listed for k in (hook_node(n, known),) if k is not None]
+    return SiteState(released=tuple(dict.fromkeys(names))[:64])
 
 
 def run_hook(argv: Sequence[str], node: str) -> threading.Thread:

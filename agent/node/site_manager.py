@@ -14,13 +14,14 @@ leader election from the retained leader record. The driver in the daemon does t
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 __all__ = [
     "SiteConfig", "NodeView", "ActionKind", "Action", "Pending", "SiteState", "spare", "decide",
-    "spare_without", "view_of", "Lease", "claim", "parse_lease",
+    "spare_without", "view_of", "Lease", "claim", "parse_lease", "accept_lease", "lease_bound", "hook_node",
 ]
 
 
@@ -244,3 +245,55 @@ def claim(current: Optional[Lease], me: str, now: float) -> bool:
     orders the retained messages of one topic) and the one whose record is not retained stops
     at its next tick: leadership is decided by the record the broker kept."""
     return current is None or current.node == me or now >= current.until
+
+
+# How far ahead of a reader's own clock a lease's `until` may be. A real leader writes its clock
+# plus its `lease`; the rest covers clock skew between NTP-synchronised nodes and a candidate whose
+# section differs. A forged `until = now + 1e9` would otherwise hold the role for ever.
+MIN_LEASE_AHEAD = 60.0
+
+
+def lease_bound(lease: float, period: float) -> float:
+    """Seconds past its own clock a reader accepts a lease's `until`: its own lease plus three
+    periods, at least MIN_LEASE_AHEAD."""
+    return max(float(lease) + 3.0 * float(period), MIN_LEASE_AHEAD)
+
+
+def accept_lease(current: Optional[Lease], new: Optional[Lease], now: float,
+                 max_ahead: float) -> Tuple[Optional[Lease], Optional[str]]:
+    """The lease a reader holds as valid after the record `new` arrived (None: absent or
+    malformed), and why `new` was refused (None: accepted).
+
+    Everything on the record's topic is hostile: any node identity may write it. So a reader
+    - refuses a lease whose `until` is more than `max_ahead` seconds past its own clock;
+    - takes a new holder only once the lease it holds ran out by its own clock (a node cannot
+      take the role from a leader whose lease is running), or from the holder itself (renewal);
+    - keeps the lease it holds when the record is cleared or malformed while that lease runs (a
+      clear would otherwise free the role for a forger's claim at once); it runs out by itself.
+    """
+    held = current is not None and now < current.until
+    if new is None:
+        if held:
+            assert current is not None
+            return current, f"record cleared or malformed while {current.node}'s lease runs"
+        return None, None
+    if new.until > now + max_ahead:
+        return (current if held else None), (
+            f"lease of {new.node[:40]!r} until {new.until:.0f} is {new.until - now:.0f} s ahead of this "
+            f"node's clock (at most {max_ahead:.0f} s)")
+    if held and current is not None and new.node != current.node:
+        return current, f"{new.node[:40]!r} claims the lease {current.node} holds until {current.until:.0f}"
+    return new, None
+
+
+_HOOK_NODE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+
+
+def hook_node(name: str, known: Iterable[str]) -> Optional[str]:
+    """The node name a power hook may be given: one of `known` (node names this agent read from
+    topic levels that only that node may write: the ACL proves them), plain (letters, digits,
+    `_ . -`, not starting with `-`), and the known string itself, never a payload's. None: no hook."""
+    for k in known:
+        if k == name and _HOOK_NODE.fullmatch(k):
+            return k
+    return None

@@ -340,3 +340,73 @@ def check_epochs(extra: Mapping[str, Any], now: float, stored: bool = False) -> 
     handover = extra.get("handover_state")
     if isinstance(handover, Mapping):
         _epoch_floor("extra.handover_state.epoch", handover.get("epoch"), now, not stored)
+
+
+# The types a spec's fields must have when they arrive (a request from the bus, a stored spec):
+# checked before anything reads them, so a wrong type is a refusal naming the field, never an
+# exception deeper down (`extra = 1` once raised AttributeError and left the requester unanswered).
+_STR_FIELDS = ("instance", "operator", "node", "cluster", "pipeline", "pipeline_toml", "state_dir")
+_BOOL_FIELDS = ("keeper", "active", "restart")
+_LIST_FIELDS = ("succs", "preds")
+
+
+def check_spec_types(data: Any) -> None:
+    """Refuse (ValueError naming the field) a spec request whose fields have the wrong types:
+    an object; the text fields strings; keeper/active/restart booleans; succs/preds lists of
+    strings; extra an object; heartbeat_period a number; broker an object. Absent fields are
+    left to the template and the node's own values."""
+    if not isinstance(data, Mapping):
+        raise ValueError(f"a spec must be an object, not {type(data).__name__}")
+    for k in _STR_FIELDS:
+        if k in data and data[k] is not None and not isinstance(data[k], str):
+            raise ValueError(f"spec field {k!r} must be a string, not {type(data[k]).__name__}")
+    for k in _BOOL_FIELDS:
+        if k in data and not isinstance(data[k], bool):
+            raise ValueError(f"spec field {k!r} must be true or false, not {type(data[k]).__name__}")
+    for k in _LIST_FIELDS:
+        if k in data and (not isinstance(data[k], (list, tuple)) or not all(isinstance(x, str) for x in data[k])):
+            raise ValueError(f"spec field {k!r} must be a list of instance names")
+    if "extra" in data and data["extra"] is not None and not isinstance(data["extra"], Mapping):
+        raise ValueError(f"spec field 'extra' must be an object, not {type(data['extra']).__name__}")
+    hb = data.get("heartbeat_period")
+    if hb is not None and (isinstance(hb, bool) or not isinstance(hb, (int, float))):
+        raise ValueError(f"spec field 'heartbeat_period' must be a number, not {type(hb).__name__}")
+    if "broker" in data and data["broker"] is not None and not isinstance(data["broker"], Mapping):
+        raise ValueError(f"spec field 'broker' must be an object, not {type(data['broker']).__name__}")
+
+
+# The built-in operators that open MQTT topics of their own, and the params naming them. A
+# pipeline is text any deployer (or, before peer spawns ran the admin's text only, any node) could
+# write: an mqtt_source on `fog/<c>/agents/<node>/rpc/+` started on that node read what admins
+# ask it, under that node's identity, and an mqtt_sink on `fog/<c>/events` handed it on.
+MQTT_TOPIC_PARAMS = {
+    "agent.operators.taxi:mqtt_source": "topic",
+    "agent.operators.builtin:mqtt_sink": "topic",
+}
+# First topic levels that belong to the fleet (its own topic space, the legacy relative form) or
+# the broker: an operator's topic may not reach them.
+RESERVED_TOPIC_ROOTS = ("fog", "agents")
+
+
+def topic_refusal(topic: Any) -> Optional[str]:
+    """Why an operator may not use the topic (name or filter) `topic`, or None. Refused: a first
+    level that is the fleet's (`fog`, `agents`), the broker's (`$...`, e.g. `$SYS`), or a wildcard
+    (`+`, `#`: a filter that matches the fleet's topics too); not a string; empty."""
+    if not isinstance(topic, str) or not topic:
+        return "not a topic"
+    first = topic.split("/", 1)[0]
+    if first in ("+", "#") or first.startswith("$") or first.lower() in RESERVED_TOPIC_ROOTS:
+        return (f"{topic[:80]!r} reaches the fleet's own topics ({', '.join(r + '/...' for r in RESERVED_TOPIC_ROOTS)}, "
+                f"$SYS, or a filter starting with a wildcard)")
+    return None
+
+
+def check_mqtt_topics(function: str, params: Mapping[str, Any]) -> None:
+    """Refuse (ValueError naming the param) an MQTT operator whose topic reaches the fleet's own
+    topic space or the broker's (`topic_refusal`)."""
+    key = MQTT_TOPIC_PARAMS.get(function)
+    if key is None:
+        return
+    why = topic_refusal(params.get(key) if isinstance(params, Mapping) else None)
+    if why:
+        raise ValueError(f"{function} params.{key}: {why}")

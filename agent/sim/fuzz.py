@@ -1218,6 +1218,11 @@ class DaemonTarget(Target):
         agent.supervisor.start = None  # type: ignore[assignment]  # ... and prove it: calling it is a crash
         agent.connected = True
         agent._client = self._Recorder()
+        # Connected, its retained records in (the sync marker came back): peer requests are handled
+        # at once, not held. Held, they were answered by a later input that echoed the marker,
+        # which the reply check then blamed on that input (found at 100k inputs: "reply_misdirected").
+        agent._retained_in = True
+        agent._sync_marker = b"fog-sync-fuzz"
         spec = _bus_corpus_spec()
         self.corpus = _rpc_request_corpus() + [_state_doc("n2", 1), [spec], {"taxi.in_zone.0": 1.7e9},
                                                {"node": "n2", "rtt_ms": {"me": 1.0}}]
@@ -1243,6 +1248,8 @@ type("M", (), {"topic": topic, "payload": raw, "retain": True, "properties": Non
         a.latency, a.deployed, a.draining = copy.deepcopy(latency), set(deployed), False
         a._offline_since.clear()
         a._reserved.clear()
+        a._held_peer.clear()
+        a._retained_in = True
         a.counters = dict(self.base_counters)
         a._client.published.clear()
 

@@ -1,0 +1,312 @@
+"""Trust from authority (docs/security.md, "What a compromised node can still do"): a node with a
+stolen key on the allow-list (here n3) against the rules that decide whom the agents believe.
+Sans-IO: the agents are driven without a broker (tests/recording_client.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict, List
+
+from agent import topics
+from agent.config import SiteManagerSection, load_agent_config
+from agent.node import rpc
+from agent.node.site_driver import Hook, Publish, SiteDriver
+from agent.node.site_manager import Lease
+from recording_client import RecordingClient, message
+
+
+def _agent(tmp_path: Path, node: str = "n1", extra_toml: str = "") -> Any:
+    from agent.node.daemon import Agent
+
+    conf = tmp_path / f"{node}.toml"
+    conf.write_text(f'[agent]\nnode = "{node}"\ncluster = "c"\nstate_dir = "{tmp_path}/state-{node}"\n'
+                    f'[mqtt]\nhost = "h"\nport = 1\n' + extra_toml)
+    agent = Agent(load_agent_config(conf), warm_worker=False)
+    agent._client = RecordingClient()
+    agent._retained_in = True  # the sync marker is back: peer requests are handled at once
+    return agent
+
+
+def _deliver(agent: Any, topic: str, payload: Any, retain: bool = False) -> None:
+    raw = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    agent._on_message(message(topic, raw, retain), agent.clock())
+
+
+def _replies(agent: Any, to: str) -> List[Dict[str, Any]]:
+    return [json.loads(p) for p in agent._client.on(topics.replies("c", to, agent.node))]
+
+
+def _drain_from(agent: Any, sender: str) -> Dict[str, Any]:
+    _deliver(agent, topics.agent_peer("c", agent.node, sender), rpc.encode({"op": "drain", "node": agent.node}))
+    return _replies(agent, sender)[-1]
+
+
+# ---- 2. the site manager's lease ------------------------------------------------------------------
+
+
+def test_a_forged_lease_far_ahead_is_refused_and_its_writer_cannot_drain(tmp_path: Path) -> None:
+    """n3 writes {node: n3, until: now + 1e9} and drains n1 and n2 over the peer topic: both were
+    `ok`. Now each reader refuses a lease further ahead of its own clock than its own lease plus
+    three periods (at least 60 s), logs and counts it, and a drain is taken only from the holder
+    of a lease the reader accepted."""
+    for node in ("n1", "n2"):
+        agent = _agent(tmp_path, node)
+        _deliver(agent, topics.site_manager("c"), {"v": 1, "node": "n3", "until": agent.wall() + 1e9}, True)
+        assert agent.counters["site_lease_refused"] == 1
+        r = _drain_from(agent, "n3")
+        assert r["ok"] is False and "not the site manager" in r["error"], r
+        assert not agent.draining
+
+
+def test_no_node_takes_a_running_lease_nor_frees_it_by_clearing_the_record(tmp_path: Path) -> None:
+    """A leader n2 holds a running lease; n3 writes its own record (plausible `until`), or clears
+    the record to claim it after: the reader keeps n2's lease until it runs out by its own clock,
+    and only n2 may drain it."""
+    agent = _agent(tmp_path)
+    now = agent.wall()
+    _deliver(agent, topics.site_manager("c"), {"v": 1, "node": "n2", "until": now + 15.0}, True)
+    _deliver(agent, topics.site_manager("c"), {"v": 1, "node": "n3", "until": now + 15.0}, True)
+    assert _drain_from(agent, "n3")["ok"] is False
+    _deliver(agent, topics.site_manager("c"), b"", True)
+    _deliver(agent, topics.site_manager("c"), {"v": 1, "node": "n3", "until": now + 15.0}, True)
+    assert _drain_from(agent, "n3")["ok"] is False and not agent.draining
+    assert agent.counters["site_lease_refused"] == 3
+    assert _drain_from(agent, "n2")["ok"] is True and agent.draining
+
+
+def test_accept_lease_rule() -> None:
+    from agent.node.site_manager import accept_lease, lease_bound
+
+    bound = lease_bound(15.0, 5.0)
+    assert bound == 60.0 and lease_bound(100.0, 10.0) == 130.0
+    a, b = Lease("a", 115.0), Lease("b", 115.0)
+    assert accept_lease(None, a, 100.0, bound) == (a, None)
+    assert accept_lease(None, Lease("a", 161.0), 100.0, bound)[0] is None
+    assert accept_lease(a, Lease("a", 161.0), 100.0, bound)[0] == a  # too far: the held one stays
+    assert accept_lease(a, b, 100.0, bound)[0] == a  # a runs: b cannot take it
+    assert accept_lease(a, b, 115.0, bound) == (b, None)  # a ran out: b may
+    assert accept_lease(a, Lease("a", 99.0), 100.0, bound) == (Lease("a", 99.0), None)  # a lets go
+    assert accept_lease(a, None, 100.0, bound)[0] == a and accept_lease(a, None, 116.0, bound) == (None, None)
+
+
+def test_a_forged_lease_does_not_keep_a_candidate_from_the_role(tmp_path: Path) -> None:
+    section = SiteManagerSection(enabled=True, period=5.0, lease=15.0)
+    driver = SiteDriver(section, "n2", "c", stale_after=30.0)
+    refused = driver.on_lease(json.dumps({"v": 1, "node": "n3", "until": 1000.0 + 1e9}).encode(), 1000.0)
+    assert refused and "ahead" in refused
+    out = driver.tick(1000.0, {"n2": {"time": 1000.0, "slots": 2, "instances": []}}, {"n2": True})
+    assert [type(e) for e in out] == [Publish] and json.loads(out[0].payload)["node"] == "n2"
+
+
+def test_a_forged_released_list_never_reaches_the_power_hook(tmp_path: Path) -> None:
+    """n3 leaves a record whose `released` list names argv for the acquire hook ("--force", a
+    path, a name no node has) and lets it run out; the next leader n2 inherits the list and, spare
+    below target, acquires: the hook gets only a node name this agent knows from an ACL-proven
+    topic level (here none of those), never a payload's string."""
+    section = SiteManagerSection(enabled=True, target=0.5, period=5.0, lease=15.0, cooldown=0.0,
+                                 acquire_hook=("/usr/local/sbin/fog-node-power", "on"),
+                                 release_hook=("/usr/local/sbin/fog-node-power", "off"))
+    driver = SiteDriver(section, "n2", "c", stale_after=30.0)
+    forged = {"v": 1, "node": "n3", "until": 990.0,
+              "state": {"released": ["--force", "/etc/passwd", "n9", "n1"]}}
+    driver.on_lease(json.dumps(forged).encode(), 1000.0)
+    busy = [{"id": f"p.op{i}.0", "operator": f"op{i}", "capacity": 100.0, "load": 95.0} for i in range(2)]
+    hooks: List[Any] = []
+    for i in range(4):
+        now = 1000.0 + 5.0 * i
+        docs = {"n2": {"time": now, "slots": 2, "free_slots": 0, "instances": busy},
+                "n1": {"time": now, "slots": 2, "free_slots": 0, "instances": busy}}
+        hooks += [e for e in driver.tick(now, docs, {"n1": False, "n2": True}) if isinstance(e, Hook)]
+    args = [h.argv[-1] for h in hooks]
+    assert "--force" not in args and "/etc/passwd" not in args and "n9" not in args, args
+    assert args == ["n1"], args  # n1: a node this agent knows (its state topic), released by the record
+
+
+# ---- 3. confused deputy: peer spawns run what an admin deployed -----------------------------------
+
+SAFE = """
+[pipeline]
+name = "taxi"
+[[operator]]
+name = "source"
+kind = "source"
+function = "agent.operators.taxi:source"
+[[operator]]
+name = "sink"
+kind = "sink"
+function = "agent.operators.builtin:counting_sink"
+"""
+
+
+def _spy(topic: str, name: str = "spy", first: str = "source") -> str:
+    """n3's pipeline: read n2's admin requests, hand them on where n3 reads."""
+    return f"""
+[pipeline]
+name = "{name}"
+[[operator]]
+name = "{first}"
+kind = "source"
+function = "agent.operators.taxi:mqtt_source"
+params = {{ topic = "{topic}" }}
+[[operator]]
+name = "sink"
+kind = "sink"
+function = "agent.operators.builtin:mqtt_sink"
+params = {{ topic = "fog/c/events" }}
+"""
+
+
+def _spawn_spec(pipeline: str, text: str, operator: str = "source", instance: str = "x-1") -> Dict[str, Any]:
+    return {"instance": instance, "operator": operator, "pipeline": pipeline, "pipeline_toml": text,
+            "succs": [], "preds": [], "keeper": False, "active": True, "restart": False, "extra": {}}
+
+
+def _n2_knowing_n3_and_a_deploy(tmp_path: Path) -> Any:
+    from agent.control.records import stamp
+
+    agent = _agent(tmp_path, "n2")
+    started: List[Any] = []
+    agent._try_next = lambda job, now, why: started.append(job.spec)  # type: ignore[method-assign]
+    agent.started = started
+    _deliver(agent, topics.pipeline("c", "taxi"), stamp(SAFE, "g1").encode(), True)
+    hosted = [dict(_spawn_spec("spy", _spy("fog/c/agents/n2/rpc/+")), node="n3", cluster="c")]
+    _deliver(agent, topics.agent_hosted("c", "n3"), hosted, True)
+    _deliver(agent, topics.agent_status("c", "n3"), b"online", True)
+    return agent
+
+
+def _peer_spawn(agent: Any, sender: str, spec: Dict[str, Any]) -> Dict[str, Any]:
+    _deliver(agent, topics.agent_peer("c", agent.node, sender), rpc.encode({"op": "spawn", "spec": spec}))
+    return _replies(agent, sender)[-1] if _replies(agent, sender) else {}
+
+
+def test_a_peer_spawn_of_a_pipeline_only_the_requester_hosts_is_refused(tmp_path: Path) -> None:
+    """n3 lists its own pipeline (mqtt_source on n2's rpc topic -> mqtt_sink on events) in its
+    hosted record and asks n2 to run it: accepted before (the requester "hosts" it), so n3 read
+    the admins' requests to n2. Only a pipeline an admin deployed is accepted now."""
+    agent = _n2_knowing_n3_and_a_deploy(tmp_path)
+    r = _peer_spawn(agent, "n3", _spawn_spec("spy", _spy("fog/c/agents/n2/rpc/+")))
+    assert r.get("ok") is False and "not deployed" in r["error"], r
+    assert agent.started == [] and agent.counters["peer_refused"] == 1
+
+
+def test_a_peer_spawn_runs_the_admins_text_never_the_requesters(tmp_path: Path) -> None:
+    """n3 names the deployed pipeline `taxi` but sends its own text for it (its operator
+    `source` an mqtt_source on a topic of its choosing): refused, nothing started (it started
+    with n3's text before). A spec without a text gets the admin's."""
+    agent = _n2_knowing_n3_and_a_deploy(tmp_path)
+    r = _peer_spawn(agent, "n3", _spawn_spec("taxi", _spy("lab/in", name="taxi"), instance="source-x"))
+    assert r.get("ok") is False and "not the one an admin deployed" in r["error"], r
+    assert agent.started == []
+    without = {k: v for k, v in _spawn_spec("taxi", "", instance="source-y").items() if k != "pipeline_toml"}
+    _peer_spawn(agent, "n3", without)
+    assert [s.pipeline_toml for s in agent.started] == [SAFE], [s.pipeline_toml for s in agent.started]
+
+
+def test_mqtt_operators_on_the_fleets_own_topics_are_refused_at_admission(tmp_path: Path) -> None:
+    """Even an admin's spawn: an mqtt_source or mqtt_sink whose topic reaches fog/..., agents/...,
+    $SYS or starts with a wildcard is refused, naming the param; a site topic passes."""
+    agent = _n2_knowing_n3_and_a_deploy(tmp_path)
+    for topic in ("fog/c/agents/n2/rpc/+", "agents/n2/rpc/+", "$SYS/#", "#", "+/c/events"):
+        _deliver(agent, topics.agent_rpc("c", "n2", "adm"),
+                 rpc.encode({"op": "spawn", "spec": _spawn_spec("spy", _spy(topic, name="spy"))}))
+        r = _replies(agent, "adm")[-1]
+        assert r["ok"] is False and "params.topic" in r["error"], (topic, r)
+    sink_only = _spy("lab/in").replace("fog/c/events", "fog/c/agents/n2/state")
+    _deliver(agent, topics.agent_rpc("c", "n2", "adm"),
+             rpc.encode({"op": "spawn", "spec": _spawn_spec("spy", sink_only, operator="sink", instance="sink-1")}))
+    assert _replies(agent, "adm")[-1]["ok"] is False and agent.started == []
+    _deliver(agent, topics.agent_rpc("c", "n2", "adm"),
+             rpc.encode({"op": "spawn", "spec": _spawn_spec("lab", _spy("lab/sensors/+", name="lab").replace(
+                 "fog/c/events", "lab/out"))}))
+    assert [s.pipeline for s in agent.started] == ["lab"]
+
+
+# ---- 4. bindings and epochs -----------------------------------------------------------------------
+
+
+def test_a_fresh_agent_does_not_bind_an_instance_to_a_claimer_with_a_later_rehomed_entry() -> None:
+    """r hosts w; h lists it too and writes a re-homed entry later than anybody's. An agent that
+    just started bound w to h (the latest re-homed entry won); now a claim binds nothing while
+    another claims too, and a statement of another node (here the one that moved it) decides."""
+    from agent.node.hostmap import HostMap
+
+    m = HostMap("me")
+    hosted = {"r": [("w", "p")], "h": [("w", "p")]}
+    m.update({}, hosted, {"r": True, "h": True}, {"h": {"w": 9e9}})
+    assert m.bound("w") != "h"
+    assert m.bound("w") is None and m.pending("w") == ("h", "r")
+    m.update({}, hosted, {"r": True, "h": True, "a": True}, {"h": {"w": 9e9}}, {"a": {"w": "r"}, "h": {"w": "h"}})
+    assert m.bound("w") == "r"
+
+
+def test_a_binding_taken_without_a_word_goes_where_the_rehomer_says_once_it_does() -> None:
+    """a hosts w and dies; h, the only online node listing w, gets the binding without a
+    statement (a claim); the re-homer c then places w on d and says so: the binding goes to d
+    (it stayed with h before: h still listed it and was online), and while it was h's it was
+    marked unproven for the workers."""
+    from agent.node.hostmap import HostMap
+
+    m = HostMap("me")
+    up = {"a": True, "c": True, "d": True, "h": True}
+    m.update({}, {"a": [("w", "p")]}, up)
+    down = dict(up, a=False)
+    m.update({}, {"a": [("w", "p")], "h": [("w", "p")]}, down, {"h": {"w": 9e9}})  # its own entry: a claim
+    assert m.bound("w") == "h" and m.table("p").get("unproven") == ["w"]
+    m.update({}, {"a": [("w", "p")], "h": [("w", "p")], "d": [("w", "p")]}, down, None, {"c": {"w": "d"}})
+    assert m.bound("w") == "d" and "unproven" not in m.table("p")
+    # a re-home whose re-homer restarted and forgot where: its retained re-homed record proves it
+    m2 = HostMap("me")
+    m2.update({}, {"a": [("w", "p")]}, up)
+    m2.update({}, {"a": [("w", "p")], "d": [("w", "p")]}, down, {"c": {"w": 5.0}})
+    assert m2.bound("w") == "d" and "unproven" not in m2.table("p")
+
+
+def test_an_epoch_past_the_receivers_clock_is_refused_whatever_the_known_one() -> None:
+    """A forged epoch of the wall clock + 500 s passed (both bounds had to be exceeded: 1000 above
+    the known one and 600 s past the clock), was persisted, and the real sender was "old" for
+    good once the forger stopped."""
+    from agent.dataplane.inbound import MAX_CLOCK_AHEAD, numbering_fault
+
+    wall = 1_795_000_000.0
+    real = (int(wall) - 30, 40, False)  # the real sender, re-homed 30 s ago
+    assert numbering_fault(real, False, int(wall + 500), 1, wall, 8) == "epoch"
+    assert numbering_fault(None, False, int(wall + 500), 1, wall, 8) == "epoch"
+    assert MAX_CLOCK_AHEAD <= 60
+    assert numbering_fault(real, False, int(wall + MAX_CLOCK_AHEAD), 1, wall, 8) is None
+    assert numbering_fault(real, False, real[0] + 1, 1, wall, 8) is None  # a restart
+    # a receiver whose clock is behind the sender's (booted without a real-time clock): restarts
+    assert numbering_fault(real, False, real[0] + 3, 1, wall - 3600, 8) is None
+
+
+def test_a_sender_bound_without_proof_does_not_set_its_epoch(tmp_path: Path) -> None:
+    """The sink's agent bound work-0 to h without a statement (h the only online claimer); h
+    writes in work-0's name with a new epoch. Taken, that epoch was persisted and work-0's real
+    batches (node n1, its binding back) were dropped as old for good. Now it waits, unproven, is
+    refused, and the real stream goes on."""
+    from agent.instance.core import WRITER_HOLD_TTL
+    from test_security_dataplane import _records, _run
+    from test_security_sender import _sink
+    from agent.dataplane.envelope import encode_data
+    from agent.instance.events import Control
+    from agent.mqtt.transport import Received
+
+    clock = [100.0]
+    w, wire = _sink(tmp_path, clock)
+    real, forged_by = topics.inbox("c", "sink-0", "n1"), topics.inbox("c", "sink-0", "h")
+    w.feed(Control({"event": "hosts", "bound": {"work-0": "n1", "sink-0": "n2"}}), clock[0])
+    wire.events.append(Received(real, encode_data("work-0", 0, 1, _records(0, 4))))
+    _run(w, clock, 0.3)
+    assert w.core.stats["records_in"] == 4
+    w.feed(Control({"event": "hosts", "bound": {"work-0": "h", "sink-0": "n2"}, "unproven": ["work-0"]}), clock[0])
+    wire.events.append(Received(forged_by, encode_data("work-0", 5, 1, _records(100, 4))))
+    _run(w, clock, 0.3)
+    assert w.core.inbound.position("work-0")[0] == 0 and w.core.stats["records_in"] == 4
+    w.feed(Control({"event": "hosts", "bound": {"work-0": "n1", "sink-0": "n2"}}), clock[0])  # h withdrew
+    wire.events.append(Received(real, encode_data("work-0", 0, 2, _records(4, 4))))
+    _run(w, clock, WRITER_HOLD_TTL + 1.0, step=0.5)
+    assert w.core.stats["records_in"] == 8 and w.core.inbound.position("work-0")[0] == 0
+    assert w.core.stats["refused_nodes"] == 1
+    state = json.loads((tmp_path / "state" / "sink-0.state.json").read_text())
+    assert '"epoch": 5' not in json.dumps(state)
