@@ -8,7 +8,7 @@ PYTHON=${PYTHON:-python3}
 
 APT_PACKAGES=(mosquitto mosquitto-clients libsystemd-dev pkg-config iproute2 systemd
               openjdk-17-jre-headless python3-venv python3-psutil python3-systemd openssl gcc libc6-dev
-              systemd-container debootstrap openssh-client)
+              systemd-container debootstrap openssh-client lintian)
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
