@@ -199,10 +199,50 @@ def test_install_into_scratch_root_runs_fog_agent_then_purges(deb: Path, tmp_pat
         out = run(str(venv / "bin/python"), "-c", code, env=dict(env, JOURNAL_STREAM="8:1234"), cwd=str(tmp_path))
         assert out.stdout.strip() == "JournalHandler"
 
-    run(*dpkg, "--purge", "fog-agent", env=env)
+    # What the fog_agent role writes beside postinst's agent.toml (every file of its configure
+    # tasks under the config dir, read from the role), its drop-in and package copy, the agent's
+    # state, and a file of another role (fog_netem) that the package must leave alone.
+    written = role_written_files(root)
+    for path in written:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("x\n")
+    other_role = root / "etc/fog-agent/latency.toml"
+    other_role.write_text("[nodes]\n")
+
+    # remove keeps the configuration (Debian policy), takes the venvs.
+    run(*dpkg, "--remove", "fog-agent", env=env)
     assert not (root / "opt/fog-agent").exists()
+    assert conf.exists() and all(p.exists() for p in written), [p for p in written if not p.exists()]
+
+    run(*dpkg, "--purge", "fog-agent", env=env)
     assert not conf.exists()
+    assert [p for p in written if os.path.lexists(p)] == []
+    for gone in ("etc/fog-agent/tls", "etc/fog-agent/pipelines", "var/lib/fog-agent", "var/cache/fog-agent",
+                 "etc/systemd/system/fog-agent.service.d"):
+        assert not (root / gone).exists(), gone
+    assert other_role.read_text() == "[nodes]\n"
     assert not wants.exists() and not os.path.lexists(wants)
+
+
+def role_written_files(root: Path) -> list:
+    """The files the fog_agent role writes for the agent (tasks/configure.yml's `dest:` lines under
+    the config and unit dirs, each loop item), the package copy of tasks/install.yml, and files
+    under the state dir, mapped into `root`: what a purge must remove."""
+    tasks = (ROOT / "ansible/roles/fog_agent/tasks/configure.yml").read_text()
+    dests = re.findall(r'^\s+dest: "\{\{ (fog_agent_config_dir|fog_agent_unit_dir) \}\}/([^"]+)"', tasks, re.M)
+    items = re.findall(r"dest: (\w[\w.]*), mode:", tasks)  # the TLS loop's file names
+    base = {"fog_agent_config_dir": root / "etc/fog-agent", "fog_agent_unit_dir": root / "etc/systemd/system"}
+    out = []
+    for var, rel in dests:
+        if rel == "fog-agent.service":
+            continue  # the wheelhouse method's unit copy; with the package, dpkg owns the unit
+        rel = rel.replace("{{ item.name }}", "taxi").replace("{{ item.dest }}", "{item}")
+        out += [base[var] / rel.format(item=i) for i in items] if "{item}" in rel else [base[var] / rel]
+    assert {p.name for p in out} >= {"agent.toml", "mqtt-password", "client-id.secret", "client.key", "taxi.toml",
+                                     "sink-dirs.conf"}, out
+    out += [root / "var/cache/fog-agent" / f"fog-agent_{__version__}_all.deb",
+            root / "var/lib/fog-agent/spool/chunk-1.jsonl.gz", root / "var/lib/fog-agent/node.key"]
+    return out
 
 
 def scratch_root(tmp_path: Path) -> Path:
