@@ -475,6 +475,8 @@ def test_agent_role_restarts_once_per_change_and_reloads_a_log_level() -> None:
     names = [t["name"] for t in main]
     flush = next(i for i, t in enumerate(main) if t.get("ansible.builtin.meta") == "flush_handlers")
     assert flush == names.index("Ensure the agent service is enabled and running") - 1, names
+    # a restart of an earlier play (before this config was rendered) does not stand in for a reload
+    assert main[0]["ansible.builtin.set_fact"] == {"fog_agent_restarted": False}
 
     handlers = yaml.safe_load((role / "handlers/main.yml").read_text())
     assert [h["name"] for h in handlers] == ["Restart fog-agent", "Note that fog-agent restarted", "Reload fog-agent"]
