@@ -503,6 +503,26 @@ def test_agent_role_restarts_once_per_change_and_reloads_a_log_level() -> None:
     assert others and all(t["notify"] == "Restart fog-agent" for t in others)
 
 
+def test_agent_role_installs_the_version_it_is_given() -> None:
+    """docs/operations.md, "Version-driven install" (static; the behaviour with dpkg and apt is
+    scripts/check-role-versions.sh): fog_agent_deb_dir + fog_agent_version name the package, a
+    lower version is allowed (rollback), and a host that already has the version is left alone
+    (the package tasks are gated by the installed version, not by the copy on the host)."""
+    import yaml
+
+    role = ANSIBLE_DIR / "roles/fog_agent"
+    defaults = yaml.safe_load((role / "defaults/main.yml").read_text())
+    assert defaults["fog_agent_deb_dir"] == ""
+    assert "fog_agent_deb_dir ~ '/fog-agent_' ~ fog_agent_version ~ '_all.deb'" in defaults["fog_agent_deb_src"]
+    tasks = {t["name"]: t for t in yaml.safe_load((role / "tasks/install.yml").read_text())}
+    assert tasks["Read the version of the installed package"]["check_mode"] is False
+    assert tasks["Install the package"]["ansible.builtin.apt"]["allow_downgrade"] is True
+    for name in ("Copy the package to the host", "Install the package", "Reinstall the package when it changed"):
+        assert "fog_agent_deb_wanted | bool" in tasks[name]["when"], name
+    preflight = (role / "tasks/preflight.yml").read_text()
+    assert "fog_agent_version | regex_escape" in preflight  # 0.2.0+up1: '+' is not a regex operator
+
+
 # ---- the rendered broker, for real --------------------------------------------------------------
 
 
