@@ -4,9 +4,10 @@
 # Usage: packaging/build-deb.sh [--out DIR] [--wheelhouse DIR] [--arch all|arm64|amd64|armhf]
 #                               [--maintainer "Name <address>"]
 #
-# The Maintainer (control file and changelog trailer) is --maintainer, else "$DEBFULLNAME
-# <$DEBEMAIL>", else a placeholder that says to set it (with a warning): a package for your
-# fleet should name whoever answers for it.
+# The Maintainer (control file and changelog trailer) is --maintainer, else taken from the
+# environment as Debian's own tools (dch, debchange) take it: "$DEBFULLNAME <$DEBEMAIL>", or
+# DEBEMAIL alone when it already reads "Name <address>". Without either the build stops (exit 2):
+# a package for your fleet names whoever answers for it, and a placeholder is what lintian flags.
 #
 # Why the venv is built by postinst rather than shipped: a venv holds absolute paths and
 # interpreter-specific files, and building an arm64 venv on an amd64 machine is not possible
@@ -22,21 +23,26 @@ OUT="$PROJECT/dist"
 WHEELHOUSE=""
 ARCH=all
 MAINTAINER=""
-if [ -n "${DEBEMAIL:-}" ]; then MAINTAINER="${DEBFULLNAME:-fog-agent packager} <$DEBEMAIL>"; fi
+case "${DEBEMAIL:-}" in
+  "") ;;
+  *"<"*">") MAINTAINER="$DEBEMAIL" ;;
+  *) [ -n "${DEBFULLNAME:-}" ] && MAINTAINER="$DEBFULLNAME <$DEBEMAIL>" ;;
+esac
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUT="$2"; shift 2 ;;
     --wheelhouse) WHEELHOUSE="$2"; shift 2 ;;
     --arch) ARCH="$2"; shift 2 ;;
     --maintainer) MAINTAINER="$2"; shift 2 ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *) echo "build-deb: unknown argument $1" >&2; exit 2 ;;
   esac
 done
 case "$ARCH" in all|arm64|amd64|armhf) ;; *) echo "build-deb: unsupported --arch $ARCH" >&2; exit 2 ;; esac
 if [ -z "$MAINTAINER" ]; then
-  MAINTAINER="Unset Maintainer <set-DEBEMAIL-or-pass-maintainer@invalid>"
-  echo "build-deb: warning: no --maintainer and no DEBEMAIL: using the placeholder $MAINTAINER" >&2
+  echo "build-deb: who maintains this package? export DEBFULLNAME=\"Your Name\" DEBEMAIL=you@example.org" \
+       "(as for dch), or pass --maintainer \"Name <address>\"" >&2
+  exit 2
 fi
 case "$MAINTAINER" in *" <"*@*">") ;; *) echo "build-deb: --maintainer must look like 'Name <address>'" >&2; exit 2 ;; esac
 

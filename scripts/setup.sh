@@ -6,9 +6,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 
+# lintian: tests/test_ops_deb.py checks the package with it (it ran only where someone had
+# installed it). qemu-user-static: `fog-agent testbed arm64`, the arm64 benchmark (not in the suite;
+# docs/operations.md, "arm64"); where systemd is PID 1 its package registers qemu's binfmt_misc entries.
 APT_PACKAGES=(mosquitto mosquitto-clients libsystemd-dev pkg-config iproute2 systemd
               openjdk-17-jre-headless python3-venv python3-psutil python3-systemd openssl gcc libc6-dev
-              systemd-container debootstrap openssh-client)
+              systemd-container debootstrap openssh-client lintian qemu-user-static)
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")

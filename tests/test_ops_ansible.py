@@ -495,6 +495,67 @@ def test_fog_node_play_rolls_in_batches() -> None:
     assert "serial" not in plays["Configure the MQTT brokers"]
 
 
+def test_agent_role_restarts_once_per_change_and_reloads_a_log_level() -> None:
+    """docs/operations.md, "One restart per change" (static, milliseconds; the behaviour was run
+    against a stand-in systemctl, see there): the notified handlers run before the service is
+    ensured started (a fresh node starts once), a restart suppresses a reload of the same run, the
+    package install leaves the upgrade's restart to the handler (postinst would try-restart too),
+    and agent.toml notifies the reload only when its `level` line is all that changed."""
+    import yaml
+
+    role = ANSIBLE_DIR / "roles/fog_agent"
+    main = yaml.safe_load((role / "tasks/main.yml").read_text())
+    names = [t["name"] for t in main]
+    flush = next(i for i, t in enumerate(main) if t.get("ansible.builtin.meta") == "flush_handlers")
+    assert flush == names.index("Ensure the agent service is enabled and running") - 1, names
+    # a restart of an earlier play (before this config was rendered) does not stand in for a reload
+    assert main[0]["ansible.builtin.set_fact"] == {"fog_agent_restarted": False}
+
+    handlers = yaml.safe_load((role / "handlers/main.yml").read_text())
+    assert [h["name"] for h in handlers] == ["Restart fog-agent", "Note that fog-agent restarted", "Reload fog-agent"]
+    assert handlers[1]["listen"] == "Restart fog-agent" and handlers[1]["ansible.builtin.set_fact"]
+    assert handlers[2]["ansible.builtin.systemd_service"]["state"] == "reloaded"
+    assert "not (fog_agent_restarted | default(false) | bool)" in handlers[2]["when"]
+
+    installs = [t for t in yaml.safe_load((role / "tasks/install.yml").read_text())
+                if "deb" in t.get("ansible.builtin.apt", {}) or "dpkg" in t.get("ansible.builtin.command", {}).get("argv", [])]
+    assert len(installs) == 2 and all(t["environment"] == {"FOG_AGENT_POSTINST_RESTART": "no"} for t in installs)
+    postinst = (ROOT / "packaging/deb/postinst").read_text()
+    assert '"${FOG_AGENT_POSTINST_RESTART:-yes}" = no' in postinst
+
+    configure = {t["name"]: t for t in yaml.safe_load((role / "tasks/configure.yml").read_text())}
+    render = configure["Render the agent configuration"]
+    assert render["notify"] == "{{ (fog_agent_config_reload_only | bool) | ternary('Reload fog-agent', 'Restart fog-agent') }}"
+    assert render["vars"]["fog_agent_config_level_line"] == "(?m)^level = .*$"
+    # `level` is the one key of that name in the template, and it is [log]'s (what SIGHUP applies).
+    template = (role / "templates/agent.toml.j2").read_text()
+    assert re.findall(r"^\[[^\]]+\]$|^level = ", template, re.M).count("level = ") == 1
+    assert re.search(r"^\[log\]\nlevel = ", template, re.M)
+    # every other configuration task that notifies restarts
+    others = [t for n, t in configure.items() if "notify" in t and n != "Render the agent configuration"]
+    assert others and all(t["notify"] == "Restart fog-agent" for t in others)
+
+
+def test_agent_role_installs_the_version_it_is_given() -> None:
+    """docs/operations.md, "Version-driven install" (static; the behaviour with dpkg and apt is
+    scripts/check-role-versions.sh): fog_agent_deb_dir + fog_agent_version name the package, a
+    lower version is allowed (rollback), and a host that already has the version is left alone
+    (the package tasks are gated by the installed version, not by the copy on the host)."""
+    import yaml
+
+    role = ANSIBLE_DIR / "roles/fog_agent"
+    defaults = yaml.safe_load((role / "defaults/main.yml").read_text())
+    assert defaults["fog_agent_deb_dir"] == ""
+    assert "fog_agent_deb_dir ~ '/fog-agent_' ~ fog_agent_version ~ '_all.deb'" in defaults["fog_agent_deb_src"]
+    tasks = {t["name"]: t for t in yaml.safe_load((role / "tasks/install.yml").read_text())}
+    assert tasks["Read the version of the installed package"]["check_mode"] is False
+    assert tasks["Install the package"]["ansible.builtin.apt"]["allow_downgrade"] is True
+    for name in ("Copy the package to the host", "Install the package", "Reinstall the package when it changed"):
+        assert "fog_agent_deb_wanted | bool" in tasks[name]["when"], name
+    preflight = (role / "tasks/preflight.yml").read_text()
+    assert "fog_agent_version | regex_escape" in preflight  # 0.2.0+up1: '+' is not a regex operator
+
+
 # ---- the rendered broker, for real --------------------------------------------------------------
 
 

@@ -23,7 +23,38 @@ from agent import __version__
 ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / "packaging" / "build-deb.sh"
 SYSTEM_PYTHON = "/usr/bin/python3"
-MAINTAINER = "Jane Doe <jane@lab.example.org>"
+DOCS = ROOT / "docs" / "operations.md"
+
+
+def documented_build() -> tuple:
+    """The build as docs/operations.md ("Debian package") shows it: the `export DEBFULLNAME=...
+    DEBEMAIL=...` line and the `packaging/build-deb.sh --out dist` line of its first sh block.
+    Returns (the exported variables, the command's arguments after the script)."""
+    import shlex
+
+    text = DOCS.read_text()
+    section = text[text.index("\n## Debian package"):]
+    block = section[section.index("```sh\n") + 6:]
+    block = block[:block.index("```")]
+    env, args = {}, None
+    for line in block.splitlines():
+        words = shlex.split(line, comments=True)
+        if words[:1] == ["export"]:
+            env.update(w.split("=", 1) for w in words[1:])
+        elif words[:1] == ["packaging/build-deb.sh"]:
+            args = words[1:]
+    assert set(env) == {"DEBFULLNAME", "DEBEMAIL"} and args == ["--out", "dist"], block
+    return env, args
+
+
+MAINTAINER_ENV, _ = documented_build()
+MAINTAINER = f"{MAINTAINER_ENV['DEBFULLNAME']} <{MAINTAINER_ENV['DEBEMAIL']}>"
+
+
+def build_env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("DEBFULLNAME", "DEBEMAIL")}
+    env.update(extra)
+    return env
 
 pytestmark = pytest.mark.skipif(shutil.which("dpkg-deb") is None, reason="dpkg-deb is not installed")
 
@@ -38,7 +69,10 @@ def run(*cmd: str, **kw) -> subprocess.CompletedProcess:
 def deb(tmp_path_factory: pytest.TempPathFactory, ops_wheelhouse: Path) -> Path:
     wheelhouse = ops_wheelhouse  # built once per test run, shared with the Ansible test (conftest.py)
     out = tmp_path_factory.mktemp("deb")
-    res = run("bash", str(BUILD), "--out", str(out), "--wheelhouse", str(wheelhouse), "--maintainer", MAINTAINER)
+    # The documented command (its environment, `--out` to a temporary directory) and the wheelhouse
+    # this run already built: what lintian checks below is what the docs tell you to build.
+    env, _ = documented_build()
+    res = run("bash", str(BUILD), "--out", str(out), "--wheelhouse", str(wheelhouse), env=build_env(**env))
     path = Path(res.stdout.strip().splitlines()[-1])
     assert path.is_file() and path.name == f"fog-agent_{__version__}_all.deb"
     return path
@@ -96,8 +130,18 @@ def test_deb_changelog_names_this_version_and_the_maintainer(deb: Path, tmp_path
 
 def test_build_refuses_a_malformed_maintainer(tmp_path: Path) -> None:
     res = subprocess.run(["bash", str(BUILD), "--out", str(tmp_path), "--maintainer", "nobody"],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=60, env=build_env())
     assert res.returncode == 2 and "Name <address>" in res.stderr
+
+
+def test_build_refuses_to_guess_a_maintainer(tmp_path: Path) -> None:
+    """No placeholder any more: without DEBEMAIL (or --maintainer) the build stops before it
+    builds anything and says what to export; DEBEMAIL alone counts only as 'Name <address>'."""
+    for extra in ({}, {"DEBEMAIL": "jane@lab.example.org"}, {"DEBFULLNAME": "Jane Doe"}):
+        res = subprocess.run(["bash", str(BUILD), "--out", str(tmp_path)], capture_output=True, text=True,
+                             timeout=60, env=build_env(**extra))
+        assert res.returncode == 2 and "DEBEMAIL" in res.stderr, (extra, res.stderr)
+    assert not list(tmp_path.iterdir())
 
 
 def test_deb_units_match_the_repository(deb: Path, tmp_path: Path) -> None:
@@ -155,10 +199,50 @@ def test_install_into_scratch_root_runs_fog_agent_then_purges(deb: Path, tmp_pat
         out = run(str(venv / "bin/python"), "-c", code, env=dict(env, JOURNAL_STREAM="8:1234"), cwd=str(tmp_path))
         assert out.stdout.strip() == "JournalHandler"
 
-    run(*dpkg, "--purge", "fog-agent", env=env)
+    # What the fog_agent role writes beside postinst's agent.toml (every file of its configure
+    # tasks under the config dir, read from the role), its drop-in and package copy, the agent's
+    # state, and a file of another role (fog_netem) that the package must leave alone.
+    written = role_written_files(root)
+    for path in written:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("x\n")
+    other_role = root / "etc/fog-agent/latency.toml"
+    other_role.write_text("[nodes]\n")
+
+    # remove keeps the configuration (Debian policy), takes the venvs.
+    run(*dpkg, "--remove", "fog-agent", env=env)
     assert not (root / "opt/fog-agent").exists()
+    assert conf.exists() and all(p.exists() for p in written), [p for p in written if not p.exists()]
+
+    run(*dpkg, "--purge", "fog-agent", env=env)
     assert not conf.exists()
+    assert [p for p in written if os.path.lexists(p)] == []
+    for gone in ("etc/fog-agent/tls", "etc/fog-agent/pipelines", "var/lib/fog-agent", "var/cache/fog-agent",
+                 "etc/systemd/system/fog-agent.service.d"):
+        assert not (root / gone).exists(), gone
+    assert other_role.read_text() == "[nodes]\n"
     assert not wants.exists() and not os.path.lexists(wants)
+
+
+def role_written_files(root: Path) -> list:
+    """The files the fog_agent role writes for the agent (tasks/configure.yml's `dest:` lines under
+    the config and unit dirs, each loop item), the package copy of tasks/install.yml, and files
+    under the state dir, mapped into `root`: what a purge must remove."""
+    tasks = (ROOT / "ansible/roles/fog_agent/tasks/configure.yml").read_text()
+    dests = re.findall(r'^\s+dest: "\{\{ (fog_agent_config_dir|fog_agent_unit_dir) \}\}/([^"]+)"', tasks, re.M)
+    items = re.findall(r"dest: (\w[\w.]*), mode:", tasks)  # the TLS loop's file names
+    base = {"fog_agent_config_dir": root / "etc/fog-agent", "fog_agent_unit_dir": root / "etc/systemd/system"}
+    out = []
+    for var, rel in dests:
+        if rel == "fog-agent.service":
+            continue  # the wheelhouse method's unit copy; with the package, dpkg owns the unit
+        rel = rel.replace("{{ item.name }}", "taxi").replace("{{ item.dest }}", "{item}")
+        out += [base[var] / rel.format(item=i) for i in items] if "{item}" in rel else [base[var] / rel]
+    assert {p.name for p in out} >= {"agent.toml", "mqtt-password", "client-id.secret", "client.key", "taxi.toml",
+                                     "sink-dirs.conf"}, out
+    out += [root / "var/cache/fog-agent" / f"fog-agent_{__version__}_all.deb",
+            root / "var/lib/fog-agent/spool/chunk-1.jsonl.gz", root / "var/lib/fog-agent/node.key"]
+    return out
 
 
 def scratch_root(tmp_path: Path) -> Path:
@@ -317,7 +401,10 @@ LINTIAN_JUSTIFIED = {
 
 @pytest.mark.skipif(shutil.which("lintian") is None, reason="lintian is not installed (apt-get install lintian)")
 def test_lintian_reports_nothing_unjustified(deb: Path) -> None:
+    """The package of the documented command (the `deb` fixture): with the placeholder maintainer
+    the build used to write, lintian said bogus-mail-host (control) and bogus-mail-host-in-debian-changelog."""
     res = subprocess.run(["lintian", "--tag-display-limit", "0", "--display-info", "--pedantic", str(deb)],
                          capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr  # exit 1 on an error tag, 2 when lintian itself failed
     tags = sorted({line.split()[2] for line in res.stdout.splitlines() if re.match(r"^[EWIPX]: ", line)})
     assert [t for t in tags if t not in LINTIAN_JUSTIFIED] == [], res.stdout

@@ -163,19 +163,23 @@ def test_agent_unit_survives_oom_and_keeps_restarting() -> None:
     assert one["OOMPolicy"] == "continue"
     assert u["Unit"]["StartLimitIntervalSec"] == ["0"]
     assert "StartLimitBurst" not in u["Unit"]
-    assert one["Restart"] == "on-failure" and int(one["RestartSec"]) >= 5
+    # Short (a crash stalls the node's routes until the agent is back), but not a busy loop.
+    assert one["Restart"] == "on-failure" and 1 <= int(one["RestartSec"]) <= 5
     assert one["ExecReload"] == "/bin/kill -HUP $MAINPID"
 
 
 def test_restart_steps_need_a_newer_systemd_than_bookworms(unit_root: Path, tmp_path: Path) -> None:
     """Why the unit has no RestartSteps=/RestartMaxDelaySec=: systemd < 254 (Debian bookworm has
-    252) does not know them and `verify` says so. Skipped where systemd is newer."""
+    252) does not know them and `verify` says so; where systemd is newer, the drop-in of
+    docs/operations.md ("Restarts") verifies cleanly instead."""
     version = int(re.search(r"systemd (\d+)", subprocess.run([ANALYZE, "--version"], capture_output=True,
                                                              text=True).stdout).group(1))
-    if version >= 254:
-        pytest.skip(f"systemd {version} knows RestartSteps=")
+    text = (ROOT / "systemd/fog-agent.service").read_text()
+    line = re.search(r"^RestartSec=.*\n", text, re.M).group(0)
     unit = tmp_path / "fog-steps.service"
-    unit.write_text((ROOT / "systemd/fog-agent.service").read_text().replace(
-        "RestartSec=10\n", "RestartSec=10\nRestartSteps=5\nRestartMaxDelaySec=300\n"))
+    unit.write_text(text.replace(line, line + "RestartSteps=5\nRestartMaxDelaySec=5min\n"))
     res = verify(unit_root, unit)
-    assert "RestartSteps" in res.stderr, res.stderr
+    if version >= 254:
+        assert res.returncode == 0 and not res.stdout + res.stderr, res.stdout + res.stderr
+    else:
+        assert "RestartSteps" in res.stderr, res.stderr
