@@ -1560,9 +1560,9 @@ class Instance:
     # ---- source -----------------------------------------------------------------------------------
 
     def _ingest(self, ev: EnvelopeReceived) -> None:
-        """A delivery on a source's ingest topic. Its token is kept with the record until a
-        successor acks the record (`_settle_ingest`); a source that cannot tell when (no
-        `settled`) has it acked at once."""
+        """A delivery on a source's ingest topic. A sensor source keeps its token with the record
+        until a successor acks the record (`_settle_ingest`); any other source has it acked at
+        once (agent.operators.sources)."""
         if self.source.topic is None:
             return
         if self.source.sensor:
