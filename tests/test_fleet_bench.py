@@ -40,6 +40,13 @@ def test_fanout_and_attribution():
     assert fb.publisher("c", topics.latency_pong("c", "n1", "n3"), b"{}") == ("pong", "n3")
     assert fb.publisher("c", topics.events("c"), b'{"node": "n4"}') == ("events", "n4")
     assert fb.receivers("c", topics.events("c"), NODES) == []  # agents do not read the events
+    every = [topics.agent_state("c", "n1"), topics.agent_status("c", "n2"), topics.agent_hosted("c", "n3"),
+             topics.agent_rehomed("c", "n4"), topics.latency("c", "n1"), topics.pipeline("c", "p"),
+             topics.site_manager("c"), topics.agent_rpc("c", "n2", "admin"), topics.agent_peer("c", "n3", "n1"),
+             topics.replies("c", "n1", "n2"), ping, topics.latency_pong("c", "n1", "n3"),
+             topics.latency_pong("c", "n9", "n3"), topics.events("c"), topics.spill_chunk("c", "n1")]
+    for t in every:  # the shortcut by topic kind is what paho's matcher says of the daemon's filters
+        assert fb.receivers("c", t, NODES) == fb.receivers("c", t, NODES, exact=True), t
 
 
 def test_window_and_quadratic_model():
