@@ -344,8 +344,11 @@ def _fogctl(port: int, *args: str, timeout: float = 120.0) -> Tuple[float, int, 
 
 
 def run_fleet(n: int, seconds: float = 60.0, settle: float = 15.0, workdir: Optional[Path] = None,
-              deploy: bool = True, online_bound: float = 300.0, log: Any = None) -> Dict[str, Any]:
-    """Start a broker and `n` agents, measure one idle window, time fogctl; stop everything."""
+              deploy: bool = True, online_bound: float = 300.0, log: Any = None,
+              with_pipeline: bool = False) -> Dict[str, Any]:
+    """Start a broker and `n` agents, measure one idle window, time fogctl; stop everything.
+    with_pipeline: the small pipeline is deployed (timed) before the window and undeployed
+    after it, so the window measures the fleet with its two instances running."""
     import psutil
 
     from agent.tools.broker import start_private_broker
@@ -386,6 +389,15 @@ def run_fleet(n: int, seconds: float = 60.0, settle: float = 15.0, workdir: Opti
         if dead or len(counter.online_at) < n:
             raise RuntimeError(f"agents not online: {len(counter.online_at)}/{n}, dead {dead} (logs in {wd})")
         time.sleep(settle)
+        pipe = wd / "fleetbench.toml"
+        pipe.write_text(PIPELINE_TOML)
+        result["with_pipeline"] = with_pipeline
+        if with_pipeline and deploy:
+            dt, rc, out = _fogctl(broker.port, "deploy", str(pipe))
+            result["deploy_s"], result["deploy_rc"] = dt, rc
+            if rc != 0:
+                result["deploy_out"] = out[-400:]
+            time.sleep(settle)
         ps = {nd: psutil.Process(p.pid) for nd, p in procs.items()}
         bp = psutil.Process(broker.pid)
         load0 = os.getloadavg()
@@ -449,13 +461,12 @@ def run_fleet(n: int, seconds: float = 60.0, settle: float = 15.0, workdir: Opti
         result["fogctl_status_rc"] = [r[1] for r in runs]
         result["fogctl_status_rows"] = rows
         if deploy:
-            pipe = wd / "fleetbench.toml"
-            pipe.write_text(PIPELINE_TOML)
-            dt, rc, out = _fogctl(broker.port, "deploy", str(pipe))
-            result["deploy_s"], result["deploy_rc"] = dt, rc
-            if rc != 0:
-                result["deploy_out"] = out[-400:]
-            time.sleep(3.0)
+            if not with_pipeline:
+                dt, rc, out = _fogctl(broker.port, "deploy", str(pipe))
+                result["deploy_s"], result["deploy_rc"] = dt, rc
+                if rc != 0:
+                    result["deploy_out"] = out[-400:]
+                time.sleep(3.0)
             dt, rc, out = _fogctl(broker.port, "undeploy", "fleetbench")
             result["undeploy_s"], result["undeploy_rc"] = dt, rc
             if rc != 0:
@@ -589,6 +600,7 @@ def main_cmd(args: argparse.Namespace) -> int:
         return 2
     for n in ns:
         runs.append(run_fleet(n, seconds=args.seconds, settle=args.settle, deploy=not args.no_deploy,
+                              with_pipeline=args.with_pipeline,
                               workdir=Path(args.workdir) / f"n{n}" if args.workdir else None))
     runs.sort(key=lambda r: r["nodes"])
     rep = report(runs)
@@ -620,6 +632,8 @@ def register_bench(groups: Any) -> None:
     p.add_argument("--seconds", type=float, default=60.0, help="measured window once the fleet is online (default 60)")
     p.add_argument("--settle", type=float, default=15.0, help="seconds after the last agent is online (default 15)")
     p.add_argument("--no-deploy", action="store_true", help="skip the fogctl deploy / undeploy timing")
+    p.add_argument("--with-pipeline", action="store_true",
+                   help="measure the window with the small pipeline deployed (5 records/s source -> sink)")
     p.add_argument("--workdir", default=None, help="keep configs and logs here (default: a temp dir, removed)")
     p.add_argument("--json", action="store_true", help="the runs, the model and the extrapolation as JSON")
     p.add_argument("--plot", default=None, help="PNG of per-node cost vs N")
