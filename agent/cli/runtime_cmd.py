@@ -75,7 +75,8 @@ def register(groups: Any) -> None:
     mv.set_defaults(func=bench_move_cmd)
 
     # The benchmarks live in agent.tools, which a fog node's package may leave out.
-    for name in ("agent.tools.dataplane_bench", "agent.tools.keyed_bench", "agent.tools.handover_bench"):
+    for name in ("agent.tools.dataplane_bench", "agent.tools.keyed_bench", "agent.tools.handover_bench",
+                 "agent.tools.fleet_bench"):
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:
