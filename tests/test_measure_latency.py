@@ -239,3 +239,23 @@ def test_proxy_cut_holds_every_byte_and_new_connection_until_heal():
             b.close()
     finally:
         echo.stop()
+
+
+def test_the_row_is_published_at_most_once_a_period_however_many_pongs_change_it():
+    """Every pong changes the row; publishing on each change sent it about 0.08 N times a second
+    from each of N agents to all of them (docs/scale.md). Now: when it changed, once a period."""
+    a = LatencyCore("a", "c", period=5.0)
+    peers = [f"n{i}" for i in range(20)]
+    a.set_neighbours(peers)
+    published = []
+    t = 100.0
+    for _ in range(3):  # three rounds, every neighbour answering each
+        pings = dict(a.poll(t))
+        for peer in peers:
+            a.on_message(pong_topic("c", "a", peer), pings[ping_topic("c", peer, "a")], t + 0.01)
+            if a.publish_due(t + 0.01):
+                published.append(t)
+                a.retained(t)
+        t += 5.0
+    assert published == [100.0, 105.0, 110.0]
+    assert not a.publish_due(t)  # nothing changed since

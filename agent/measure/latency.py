@@ -12,7 +12,7 @@ API for the daemon (sans-IO core: the daemon owns the MQTT client and the clock)
     every loop turn:
         for topic, payload in core.poll(now): publish(topic, payload, qos=0)     # pings due
         on a message: for topic, payload in core.on_message(topic, payload, now): publish(...)
-        when core.dirty: publish(*core.retained(now), retain=True)
+        if core.publish_due(now): publish(*core.retained(wall), retain=True)
     direct echo (optional, config latency.echo_port): EchoServer(port).start() on every agent and
         core.record(peer, tcp_rtt(host, port), via="echo") from a worker thread or the loop.
 
@@ -151,6 +151,7 @@ class LatencyCore:
         self._outstanding: Dict[int, Probe] = {}
         self.lost = 0
         self.dirty = False
+        self._published_at: Optional[float] = None
 
     def subscriptions(self) -> List[str]:
         return [topics.latency_pings(self.cluster, self.node), topics.latency_pongs(self.cluster, self.node)]
@@ -227,6 +228,17 @@ class LatencyCore:
     def record(self, peer: str, rtt_ms: float, via: str = "echo") -> None:
         self.row.add(peer, rtt_ms, via)
         self.dirty = True
+
+    def publish_due(self, now: float) -> bool:
+        """Whether to publish the retained row now: it changed, and a period has passed since it
+        was last published (True also records `now` as that time). Every pong changes the row,
+        and publishing on every change sent it about 0.08 N times a second from each of N agents
+        to all N (N^3 bytes a second at the broker; docs/scale.md): once a period is the rate
+        its readers (placement, fogctl) can use."""
+        if not self.dirty or (self._published_at is not None and now - self._published_at < self.period):
+            return False
+        self._published_at = now
+        return True
 
     def rtt(self, peer: str) -> Optional[float]:
         return self.row.value.get(peer)
@@ -412,7 +424,7 @@ class MqttLatencyAgent:
                 except queue.Empty:
                     break
                 self._handle(topic, payload, at)
-            if self.core.dirty:
+            if self.core.publish_due(self.clock()):
                 self._publish(*self.core.retained(time.time()), retain=True)
 
     def _handle(self, topic: str, payload: bytes, at: float) -> None:

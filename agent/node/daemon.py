@@ -539,7 +539,7 @@ class Agent:
             core.set_neighbours(n for n in self.fleet if n != self.node and self.online.get(n, False))
             for topic, payload in core.poll(self.clock()):  # a ping's send time: after the work above
                 self._publish(topic, payload, qos=0)
-            if core.dirty:
+            if core.publish_due(self.clock()):
                 topic, payload = core.retained(self.wall())
                 self._publish(topic, payload, retain=True)
         if self.connected:
