@@ -65,6 +65,21 @@ def test_plan_refuses_bad_requests_with_one_line(kwargs: Dict[str, object], word
     assert word in str(err.value) and "\n" not in str(err.value)
 
 
+def test_the_during_commands_output_is_kept_in_the_given_log(tmp_path: Path) -> None:
+    """`testbed pipeline --during CMD`: what CMD prints (a rolling playbook's failure) is kept, not
+    sent to /dev/null."""
+    import time
+
+    from agent.tools.testbed_pipeline import _During
+
+    side = _During("echo upgraded; echo failed >&2; exit 3", tmp_path / "during.log")
+    deadline = time.monotonic() + 10
+    while side.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert side.poll() == 3
+    assert (tmp_path / "during.log").read_text().splitlines() == ["upgraded", "failed"]
+
+
 def test_mirror_is_read_from_one_line_and_deb822_sources() -> None:
     deb822 = ("Types: deb\nURIs: http://deb.debian.org/debian-security\nSuites: bookworm-security\n\n"
               "Types: deb\nURIs: http://mirror.example/debian\nSuites: bookworm\n")

@@ -84,13 +84,19 @@ class _During:
     """What runs beside the pipeline: a shell command on the host, or a function of this process
     (a fault schedule, an upgrade) in a thread; `poll()` is None while it runs, then its status."""
 
-    def __init__(self, during: Union[str, Callable[[], int]]) -> None:
+    def __init__(self, during: Union[str, Callable[[], int]], log: Optional[Path] = None) -> None:
         self.label = during if isinstance(during, str) else getattr(during, "__name__", "function")
         self.error: Optional[str] = None
+        self.log = log
         self._proc: Optional[subprocess.Popen] = None
         self._status: Optional[int] = None
         if isinstance(during, str):
-            self._proc = subprocess.Popen(during, shell=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            if log is None:
+                self._proc = subprocess.Popen(during, shell=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                return
+            # its output is kept in the run's directory: a rolling playbook that failed is read there
+            with open(log, "ab") as out:
+                self._proc = subprocess.Popen(during, shell=True, stdout=out, stderr=subprocess.STDOUT)
             return
 
         def body() -> None:
@@ -229,8 +235,10 @@ def run_pipeline(duration: float = 60.0, rate: float = 500.0, run: Optional[Path
                 time.sleep(3.0)
                 now = time.monotonic() - started
                 if during and side is None and now >= during_at:
-                    side = _During(during)
+                    side = _During(during, _run_dir(run) / f"during-{time.strftime('%Y%m%dT%H%M%S')}.log")
                     side_window["started_s"] = round(now, 1)
+                    if isinstance(during, str):
+                        side_window["log"] = str(side.log)
                     progress(f"t={now:5.0f} s  started: {side.label}")
                 status = side.poll() if side is not None and "exit" not in side_window else None
                 if side is not None and status is not None:
