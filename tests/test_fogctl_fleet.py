@@ -367,7 +367,8 @@ def test_latency_shows_what_the_real_latency_measurers_published(capsys, mosquit
         a._publish = record
         agents.append(a.start())
     try:
-        assert wait_for_rows(agents, names, timeout=15)
+        # the rows are published when they changed, once a period: wait for the complete ones
+        assert wait_for_published_rows(published, names, timeout=15)
     finally:
         for a in agents:
             a.stop()
@@ -385,10 +386,10 @@ def test_latency_shows_what_the_real_latency_measurers_published(capsys, mosquit
     assert "measured RTT (ms)" in out and "configured emulated delay (ms)" in out
 
 
-def wait_for_rows(agents, names, timeout: float) -> bool:
+def wait_for_published_rows(published: dict, names, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if all(set(a.core.row.value) >= {p for p in names if p != a.core.node} for a in agents):
+        if all(published[n] and set(published[n][-1]["rtt_ms"]) >= {p for p in names if p != n} for n in names):
             return True
         time.sleep(0.1)
     return False

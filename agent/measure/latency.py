@@ -416,15 +416,16 @@ class MqttLatencyAgent:
             try:
                 topic, payload, at = self.inbox.get(timeout=0.01)
             except queue.Empty:
-                continue
-            self._handle(topic, payload, at)
-            while True:
-                try:
-                    topic, payload, at = self.inbox.get_nowait()
-                except queue.Empty:
-                    break
+                pass
+            else:
                 self._handle(topic, payload, at)
-            if self.core.publish_due(self.clock()):
+                while True:
+                    try:
+                        topic, payload, at = self.inbox.get_nowait()
+                    except queue.Empty:
+                        break
+                    self._handle(topic, payload, at)
+            if self.core.publish_due(self.clock()):  # a change waiting for its period goes out without new messages
                 self._publish(*self.core.retained(time.time()), retain=True)
 
     def _handle(self, topic: str, payload: bytes, at: float) -> None:
