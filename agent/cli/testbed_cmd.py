@@ -29,6 +29,8 @@ def register(groups: Any) -> None:
                           "boot nothing")
     root.add_argument("--arch", choices=("amd64", "arm64"), default="amd64",
                       help="architecture of the root (arm64: qemu-user-static; 10 to 45 minutes)")
+    root.add_argument("--suite", choices=("bookworm", "trixie"), default="bookworm",
+                      help="Debian release of the root (Debian 12 bookworm, the Pi's; 13 trixie)")
     root.add_argument("--json", action="store_true", help="print the result as JSON")
     root.set_defaults(func=root_cmd)
 
@@ -130,12 +132,12 @@ def root_cmd(args: argparse.Namespace) -> int:
     from agent.tools import testbed
 
     try:
-        root, built, seconds = testbed.build_root(args.arch)
+        root, built, seconds = testbed.build_root(args.arch, suite=args.suite)
     except testbed.TestbedError as exc:
         print(f"testbed: {exc}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps({"root": str(root), "arch": args.arch, "built": built, "seconds": round(seconds, 1)}))
+        print(json.dumps({"root": str(root), "arch": args.arch, "suite": args.suite, "built": built, "seconds": round(seconds, 1)}))
     else:
         print(f"{root}: " + (f"built in {seconds:.0f} s" if built else "cached"))
     return 0
