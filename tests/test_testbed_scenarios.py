@@ -19,7 +19,8 @@ def test_recap_and_gate_lines_are_parsed() -> None:
     recap = sc.parse_recap(RECAP)
     assert recap == {"tbs1": {"ok": 40, "changed": 18, "unreachable": 0, "failed": 0},
                      "tbs2": {"ok": 23, "changed": 0, "unreachable": 0, "failed": 1}}
-    out = 'ok: [tbs1] => {"changed": false, "stdout": "tbs1: online, 0 instance(s) of before running again (4.2 s)"}'
+    line = "tbs1: online, 0 instance(s) of before running again (4.2 s)"
+    out = f'ok: [tbs1] => {{"changed": false, "stdout": "{line}", "stdout_lines": ["{line}"]}}'
     assert sc.gate_seconds(out) == [4.2] and sc.gate_seconds("nothing") == []
 
 

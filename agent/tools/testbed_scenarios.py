@@ -38,7 +38,8 @@ STEPS = ("up", "converge", "idempotence", "verify", "down")
 PREFIX, BRIDGE, SUBNET = "tbs", "fogtbs0", "10.215.0"
 ANSIBLE_DIR = Path(__file__).resolve().parents[2] / "ansible"
 _RECAP = re.compile(r"^(\S+)\s*:\s*ok=(\d+)\s+changed=(\d+)\s+unreachable=(\d+)\s+failed=(\d+)", re.M)
-_GATE = re.compile(r"(\S+): online, (\d+) instance\(s\) of before running again \(([\d.]+) s\)")
+# `"stdout": "..."` only: -v prints the line again in stdout_lines.
+_GATE = re.compile(r'"stdout": "(\S+): online, (\d+) instance\(s\) of before running again \(([\d.]+) s\)')
 
 Progress = Callable[[str], None]
 
