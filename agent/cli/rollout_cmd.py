@@ -60,8 +60,13 @@ def _cmd(args: argparse.Namespace) -> int:
     except (ValueError, KeyError, TypeError) as exc:
         print(f"rollout-gate: --snapshot: expected the JSON of `rollout-gate snapshot` ({exc})", file=sys.stderr)
         return ERROR
+    # A state counts only if published after this command started, not after the snapshot: the
+    # old process can still publish while it drains (its instances listed, status online), after
+    # the snapshot; the role runs this after systemd's restart returned, when the old process is
+    # gone. The price: up to one state period of the agent's (5 s by default) waiting for a state.
+    since = max(at, time.time())
     started = time.monotonic()
-    result = gate.wait(read, args.node, before, at, args.timeout, period=args.period)
+    result = gate.wait(read, args.node, before, since, args.timeout, period=args.period)
     took = time.monotonic() - started
     if result.ready:
         print(f"{result.reason} ({took:.1f} s)")

@@ -49,7 +49,8 @@ def hosted_before(doc: Optional[Doc], node: str) -> List[str]:
 
 def verdict(doc: Optional[Doc], node: str, before: Sequence[str], restarted_at: float) -> Verdict:
     """Ready when `node` is online, not draining, has published a state since `restarted_at`
-    (a retained record from before the restart says nothing about the new process), and every
+    (a record of the old process, retained or published while it drained, says nothing about the
+    new one; the caller passes a time when the old process is known gone), and every
     instance of `before` is listed by an online node again: re-adopted by this one, or re-homed
     by the drain to another (both mean it runs; which node is the placement's business)."""
     row = _node(doc, node)
