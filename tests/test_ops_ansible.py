@@ -536,6 +536,43 @@ def test_agent_role_restarts_once_per_change_and_reloads_a_log_level() -> None:
     assert others and all(t["notify"] == "Restart fog-agent" for t in others)
 
 
+def test_agent_role_gates_the_next_batch_on_the_restarted_node() -> None:
+    """docs/operations.md, "Health gate between batches" (static, milliseconds): the snapshot of
+    what the node hosts is taken before the handlers can restart the agent, the wait comes after
+    the service is ensured running, runs only after a restart this run made, passes the role's
+    timeout and the snapshot, and may fail (no failed_when) so that max_fail_percentage stops the
+    rollout; neither task runs in check mode. The verdict itself: tests/test_rollout_gate.py."""
+    import yaml
+
+    role = ANSIBLE_DIR / "roles/fog_agent"
+    main = yaml.safe_load((role / "tasks/main.yml").read_text())
+    names = [t["name"] for t in main]
+    snap_i = names.index("Note what the agent hosts before a restart")
+    wait_i = names.index("Wait until the restarted agent is online with its instances back")
+    flush = next(i for i, t in enumerate(main) if t.get("ansible.builtin.meta") == "flush_handlers")
+    assert snap_i < flush < names.index("Ensure the agent service is enabled and running") < wait_i, names
+    snap, wait = main[snap_i], main[wait_i]
+    assert snap["ansible.builtin.command"]["argv"][1:3] == ["rollout-gate", "snapshot"]
+    assert snap["failed_when"] is False and snap["changed_when"] is False
+    assert snap["register"] == "fog_agent_gate_snapshot"
+    argv = wait["ansible.builtin.command"]["argv"]
+    assert argv[1:3] == ["rollout-gate", "wait"]
+    assert argv[argv.index("--timeout") + 1] == "{{ fog_agent_health_gate_timeout }}"
+    assert "fog_agent_gate_snapshot.stdout" in argv[argv.index("--snapshot") + 1]
+    assert argv[argv.index("--node") + 1] == "{{ fog_agent_node }}"
+    assert "failed_when" not in wait and wait["changed_when"] is False
+    assert "fog_agent_restarted | default(false) | bool" in wait["when"]
+    for task in (snap, wait):
+        assert "not ansible_check_mode" in task["when"] and "fog_agent_health_gate | bool" in task["when"]
+    defaults = yaml.safe_load((role / "defaults/main.yml").read_text())
+    assert defaults["fog_agent_health_gate"] is True and defaults["fog_agent_health_gate_timeout"] == 300
+    specs = yaml.safe_load((role / "meta/argument_specs.yml").read_text())["argument_specs"]["main"]["options"]
+    assert specs["fog_agent_health_gate_timeout"]["type"] == "int"
+    # the gate is only a gate if a failed node stops the rollout
+    plays = {p["name"]: p for p in yaml.safe_load((ANSIBLE_DIR / "site.yml").read_text())}
+    assert "default(0)" in plays["Configure the fog nodes"]["max_fail_percentage"]
+
+
 def test_agent_role_installs_the_version_it_is_given() -> None:
     """docs/operations.md, "Version-driven install" (static; the behaviour with dpkg and apt is
     scripts/check-role-versions.sh): fog_agent_deb_dir + fog_agent_version name the package, a

@@ -33,6 +33,7 @@ COMMAND_MODULES = (
     "agent.cli.fuzz_cmd",      # bench fuzz
     "agent.cli.testbed_cmd",   # testbed up/down/ssh
     "agent.cli.dev_cmd",       # dev up/status/down
+    "agent.cli.rollout_cmd",   # rollout-gate (the fog_agent role's health gate)
 )
 
 LOG_LEVELS = ("debug", "info", "warning", "error")

@@ -29,6 +29,8 @@ def register(groups: Any) -> None:
                           "boot nothing")
     root.add_argument("--arch", choices=("amd64", "arm64"), default="amd64",
                       help="architecture of the root (arm64: qemu-user-static; 10 to 45 minutes)")
+    root.add_argument("--suite", choices=("bookworm", "trixie"), default="bookworm",
+                      help="Debian release of the root (Debian 12 bookworm, the Pi's; 13 trixie)")
     root.add_argument("--json", action="store_true", help="print the result as JSON")
     root.set_defaults(func=root_cmd)
 
@@ -70,6 +72,15 @@ def register(groups: Any) -> None:
     upg.add_argument("--at", type=float, default=15.0, help="seconds after the deploy to start upgrading")
     upg.add_argument("--json", action="store_true", help="print the verdict as JSON")
     upg.set_defaults(func=upgrade_cmd)
+
+    sc = sub.add_parser("scenarios", help="per Debian release: boot a small testbed, run site.yml (converge), "
+                        "again (idempotence: changed=0), verify the agents, tear down; a pass/fail table")
+    sc.add_argument("--deb", type=Path, required=True, help="the package the role installs (build-deb.sh --out)")
+    sc.add_argument("--distros", default="bookworm,trixie",
+                    help="comma-separated Debian releases (default bookworm,trixie; roots built once if missing)")
+    sc.add_argument("--nodes", type=int, default=2, help="nodes per testbed (default 2: a broker node and one more)")
+    sc.add_argument("--json", action="store_true", help="print the report as JSON")
+    sc.set_defaults(func=scenarios_cmd)
 
     arm = sub.add_parser("arm64", help="boot one arm64 node under qemu, install the .deb, run the agent and a "
                          "short pipeline through it, verify, remove it (a testbed of its own)")
@@ -130,12 +141,12 @@ def root_cmd(args: argparse.Namespace) -> int:
     from agent.tools import testbed
 
     try:
-        root, built, seconds = testbed.build_root(args.arch)
+        root, built, seconds = testbed.build_root(args.arch, suite=args.suite)
     except testbed.TestbedError as exc:
         print(f"testbed: {exc}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps({"root": str(root), "arch": args.arch, "built": built, "seconds": round(seconds, 1)}))
+        print(json.dumps({"root": str(root), "arch": args.arch, "suite": args.suite, "built": built, "seconds": round(seconds, 1)}))
     else:
         print(f"{root}: " + (f"built in {seconds:.0f} s" if built else "cached"))
     return 0
@@ -250,6 +261,20 @@ def upgrade_cmd(args: argparse.Namespace) -> int:
             return testbed_upgrade.run_upgrade(deb, nodes, args.duration, args.rate, args.at)
 
     return _verdict(run, args.json)
+
+
+def scenarios_cmd(args: argparse.Namespace) -> int:
+    from agent.tools import testbed, testbed_scenarios
+
+    try:
+        report = testbed_scenarios.run_scenarios(
+            args.deb.resolve(), [d for d in args.distros.split(",") if d], nodes=args.nodes,
+            progress=lambda line: print(f"testbed: {line}", file=sys.stderr, flush=True))
+    except testbed.TestbedError as exc:
+        print(f"testbed: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(report.to_dict(), indent=1) if args.json else testbed_scenarios.table(report))
+    return 0 if report.ok else 1
 
 
 def arm64_cmd(args: argparse.Namespace) -> int:

@@ -35,6 +35,8 @@ from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 SUITE = "bookworm"
+# The Debian releases a root can be built of (`testbed scenarios` runs the role on each).
+SUITES = ("bookworm", "trixie")
 # Everything the nodes need is in the root: the containers have no route to a package mirror.
 # systemd/dbus/sshd: a booted machine reached like a Pi; python3-*: the .deb's Depends and
 # Ansible's modules (apt needs python3-apt); mosquitto: the broker role; sudo: `become`.
@@ -115,17 +117,17 @@ def cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "fog-agent" / "testbed"
 
 
-def root_dir(cache: Path, arch: str) -> Path:
-    return cache / "roots" / f"{SUITE}-{arch}"
+def root_dir(cache: Path, arch: str, suite: str = SUITE) -> Path:
+    return cache / "roots" / f"{suite}-{arch}"
 
 
 def run_dir(cache: Path) -> Path:
     return cache / "run"
 
 
-def root_signature(arch: str) -> str:
+def root_signature(arch: str, suite: str = SUITE) -> str:
     """What a cached root was built from: a root of another package list is rebuilt."""
-    return f"{SUITE} {arch} {' '.join(sorted(ROOT_PACKAGES))}\n"
+    return f"{suite} {arch} {' '.join(sorted(ROOT_PACKAGES))}\n"
 
 
 def mirror_from_sources(texts: Iterable[str]) -> Optional[str]:
@@ -142,9 +144,11 @@ def mirror_from_sources(texts: Iterable[str]) -> Optional[str]:
     return None
 
 
-def debootstrap_argv(root: Path, arch: str, mirror: str) -> List[str]:
+def debootstrap_argv(root: Path, arch: str, mirror: str, suite: str = SUITE) -> List[str]:
+    if suite not in SUITES:
+        raise TestbedError(f"--suite {suite}: expected one of {', '.join(SUITES)}")
     return ["debootstrap", "--variant=minbase", f"--arch={arch}", f"--include={','.join(ROOT_PACKAGES)}",
-            SUITE, str(root), mirror]
+            suite, str(root), mirror]
 
 
 def nspawn_argv(node: Node, machine_root: Path, bridge: str) -> List[str]:
@@ -404,11 +408,11 @@ def _apt_mirror() -> str:
     return mirror_from_sources(texts) or DEFAULT_MIRROR
 
 
-def ensure_root(cache: Path, arch: str, progress: Progress) -> Tuple[Path, bool, float]:
+def ensure_root(cache: Path, arch: str, progress: Progress, suite: str = SUITE) -> Tuple[Path, bool, float]:
     """The cached root for arch, built by debootstrap if missing. Returns (root, built, seconds)."""
-    root = root_dir(cache, arch)
+    root = root_dir(cache, arch, suite)
     marker = root / ROOT_MARKER
-    if marker.is_file() and marker.read_text() == root_signature(arch):
+    if marker.is_file() and marker.read_text() == root_signature(arch, suite):
         return root, False, 0.0
     started = time.monotonic()
     tmp = root.with_name(root.name + ".tmp")
@@ -417,17 +421,17 @@ def ensure_root(cache: Path, arch: str, progress: Progress) -> Tuple[Path, bool,
     tmp.parent.mkdir(parents=True, exist_ok=True)
     mirror = _apt_mirror()
     took = "about 3 minutes" if not needs_emulation(arch) else "10 to 45 minutes under qemu"
-    progress(f"building the {SUITE} {arch} root with debootstrap from {mirror} ({took}, ~350 MB) ...")
-    _run_logged(debootstrap_argv(tmp, arch, mirror), "debootstrap", cache / f"debootstrap-{arch}.log", progress,
+    progress(f"building the {suite} {arch} root with debootstrap from {mirror} ({took}, ~350 MB) ...")
+    _run_logged(debootstrap_argv(tmp, arch, mirror, suite), "debootstrap", cache / f"debootstrap-{suite}-{arch}.log" if suite != SUITE else cache / f"debootstrap-{arch}.log", progress,
                 timeout=3600)
-    finish_root(tmp, arch)
+    finish_root(tmp, arch, suite)
     if root.exists():
         shutil.rmtree(root)
     os.rename(tmp, root)
     return root, True, time.monotonic() - started
 
 
-def finish_root(tmp: Path, arch: str) -> None:
+def finish_root(tmp: Path, arch: str, suite: str = SUITE) -> None:
     """What every node shares beyond debootstrap's packages; the marker last (a complete root)."""
     # Per-node identities are made at `up`: no shared machine id or SSH host key in the root.
     (tmp / "etc" / "machine-id").write_text("")
@@ -446,7 +450,7 @@ def finish_root(tmp: Path, arch: str) -> None:
     (tmp / "etc" / "apt" / "apt.conf.d" / "99fog-testbed-offline").write_text(
         'Acquire::Languages "none";\nAPT::Get::Update::SourceListWarnings "false";\n')
     (tmp / "etc" / "apt" / "sources.list").write_text("")
-    (tmp / ROOT_MARKER).write_text(root_signature(arch))
+    (tmp / ROOT_MARKER).write_text(root_signature(arch, suite))
 
 
 def _prepare_machine(node: Node, plan: Plan, lower: Path, mdir: Path, pubkey: str) -> Path:
@@ -698,7 +702,7 @@ def _password() -> str:
 
 def up(n: int, arch: str = "amd64", deb: Optional[Path] = None, cache: Optional[Path] = None,
        progress: Progress = _stderr_progress, boot_timeout: Optional[float] = None, run: Optional[Path] = None,
-       prefix: str = NODE_PREFIX, bridge: str = BRIDGE, subnet: str = SUBNET) -> UpResult:
+       prefix: str = NODE_PREFIX, bridge: str = BRIDGE, subnet: str = SUBNET, suite: str = SUITE) -> UpResult:
     plan = make_plan(n, arch, prefix, bridge, subnet)
     preflight(arch)
     cache = cache or cache_dir()
@@ -722,7 +726,7 @@ def up(n: int, arch: str = "amd64", deb: Optional[Path] = None, cache: Optional[
         emulation = binfmt_setup(arch, progress)
         state.binfmt_mounted, state.binfmt_registered = emulation.mounted, emulation.registered
         state.save(state_path)
-        root, built, root_seconds = ensure_root(cache, arch, progress)
+        root, built, root_seconds = ensure_root(cache, arch, progress, suite)
         state.root = str(root)
         if not built:
             progress(f"reusing the cached root {root}")
@@ -873,14 +877,14 @@ def down(cache: Optional[Path] = None, progress: Progress = _stderr_progress, ti
 
 
 def build_root(arch: str = "amd64", cache: Optional[Path] = None,
-               progress: Progress = _stderr_progress) -> Tuple[Path, bool, float]:
+               progress: Progress = _stderr_progress, suite: str = SUITE) -> Tuple[Path, bool, float]:
     """The cached root of `arch` (built if missing) without booting anything: what `make setup`
     runs so that the suite's testbed test does not debootstrap inside its time budget. A foreign
     arch's qemu registration is undone afterwards."""
     preflight(arch)
     emulation = binfmt_setup(arch, progress)
     try:
-        return ensure_root(cache or cache_dir(), arch, progress)
+        return ensure_root(cache or cache_dir(), arch, progress, suite)
     finally:
         binfmt_undo(emulation)
 
