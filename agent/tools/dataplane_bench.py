@@ -379,6 +379,7 @@ class LocalRunner:
         self.warm_used = 0
         self.workers: Dict[str, Any] = {}  # instance -> WorkerProc, or MemberProc of a chain
         self.lock = threading.Lock()
+        self._hosts_order = threading.Lock()  # send_hosts: tables sent in the order taken
         self.spawned: List[str] = []
         self.exited: List[str] = []
         self.ready_timeout = ready_timeout
@@ -437,12 +438,17 @@ class LocalRunner:
         return members
 
     def send_hosts(self) -> None:
-        """Every worker gets the bindings of every instance (the agent's "hosts" line)."""
-        with self.lock:
-            table = {"bound": dict(self.hosts)}
-            ws = list(self.workers.values())
-        for w in ws:
-            w.send("hosts", **table)
+        """Every worker gets the bindings of every instance (the agent's "hosts" line). One line
+        replaces a worker's whole table, so the tables go out in the order they were taken: two
+        spawns answered at once (a duplication of two copies) could otherwise send the older
+        table last, and a worker never learnt one copy's binding (it refused the copy's request
+        for its Start, and the copy stayed idle)."""
+        with self._hosts_order:
+            with self.lock:
+                table = {"bound": dict(self.hosts)}
+                ws = list(self.workers.values())
+            for w in ws:
+                w.send("hosts", **table)
 
     def _on_line(self, w: Any, msg: Dict[str, Any]) -> None:
         if msg["event"] == "spawn":
