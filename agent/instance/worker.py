@@ -112,7 +112,6 @@ class Worker:
         self.keyed_path = self.state_dir / f"{spec.instance}.keyed.json"
         self.routes_path = self.state_dir / f"{spec.instance}.routes.json"  # agent.dataplane.sticky
         self.routes_log = self.state_dir / f"{spec.instance}.routes.log"
-        self.ingest_log = IngestLog(self.sink_dir / f"{spec.instance}.ingest.log")  # a sensor source's
         self._routes_fd: Optional[int] = None
         # One process per identity: wait for a previous incarnation (still draining after its
         # agent died) to exit before reading its state or taking over its MQTT session.
@@ -144,6 +143,9 @@ class Worker:
         # Not on `transport`: deliveries waiting for that ack fill the broker's in-flight window
         # to the client, and the successors' acks to our inbox would queue behind them for ever.
         self.ingest: Optional[Transport] = ingest
+        # ... and logs what it numbers (agent.instance.ingestlog); no other worker opens the file
+        self.ingest_log = (IngestLog(self.sink_dir / f"{spec.instance}.ingest.log")
+                           if self.core.source.sensor else None)
         if ingest is None and transport is None and self.core.source.sensor:
             self.ingest = Transport(ingest_id(spec.broker, spec.cluster, spec.instance), spec.broker, manual_ack=True)
         if self.ingest is not None:
@@ -189,7 +191,7 @@ class Worker:
             position = self._load_json(self.source_path) or None
             keyed = KeyedState.load(self.keyed_path) if self.core.keyed is not None else None
             routes = (self._load_text(self.routes_path), self._load_text(self.routes_log))
-            logged = self.ingest_log.load() if self.core.source.sensor else None
+            logged = self.ingest_log.load() if self.ingest_log is not None else None
             self.feed(Restarted(self.wall(), self._load_json(self.state_path), position, keyed, routes, logged))
         else:
             self.feed(Started(self.wall()))
@@ -305,6 +307,8 @@ class Worker:
             elif isinstance(c, PersistSource):
                 write_atomic(self.source_path, json.dumps(c.data))
             elif isinstance(c, LogIngest):
+                if self.ingest_log is None:  # only a sensor source's core asks for it
+                    raise TypeError(f"{c!r} from an instance that is not a sensor source")
                 self.ingest_log.append(c.entries, c.keep_from)
             elif isinstance(c, AckIngest):
                 if self.ingest is not None:
