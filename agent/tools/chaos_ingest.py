@@ -331,18 +331,13 @@ def expected_window_count(published: Iterable[Reading], window_ms: int = WINDOW_
 def spooled_records(spool_dirs: Iterable[Path]) -> Dict[Tuple[str, int], Any]:
     """What sinks spilled into spool files never shipped: a sink killed with its node (kill-node)
     leaves its open file in that node's spool, and the node's restarted agent does not ship it (the
-    sink runs elsewhere by then). Same lines as the landed files (agent.tools.verify.landed_records)."""
+    sink runs elsewhere by then). Same lines as the landed files (agent.tools.verify.add_spilled)."""
+    from agent.tools.verify import add_spilled
+
     out: Dict[Tuple[str, int], Any] = {}
     for d in spool_dirs:
         for path in sorted(Path(d).glob("*/*/*.jsonl")):
-            for line in path.read_bytes().splitlines():
-                try:
-                    v = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(v, dict) and "k" in v and "r" in v:
-                    for src, q, values in v["r"]:
-                        out[(str(src), int(q))] = dict(zip(v["k"], values))
+            add_spilled(path.read_bytes().splitlines(), out)
     return out
 
 

@@ -14,7 +14,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 from agent.config import PipelineConfig
 from agent.operators.builtin import MapOperator, OperatorContext, load_operator, read_sink_ids
@@ -210,20 +210,27 @@ def landed_records(landing: Path) -> Dict[Tuple[str, int], Any]:
         kind = path.parts[-4][len("kind="):]
         if kind not in ("batches", "records"):
             continue
-        for line in gzip.decompress(path.read_bytes()).splitlines():
-            try:
-                v = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(v, dict) and "k" in v and "r" in v:
-                for s, q, values in v["r"]:
-                    out[(str(s), int(q))] = dict(zip(v["k"], values))
-                continue
-            for r in v if isinstance(v, list) else [v]:
-                if isinstance(r, dict) and "src" in r and "seq" in r:
-                    key = (str(r.pop("src")), int(r.pop("seq")))
-                    out[key] = r["value"] if set(r) == {"value"} else r
+        add_spilled(gzip.decompress(path.read_bytes()).splitlines(), out)
     return out
+
+
+def add_spilled(lines: Iterable[bytes], out: Dict[Tuple[str, int], Any]) -> None:
+    """The records of a sink's spilled lines into `out`, by record id: a batch line
+    `{"k": keys, "r": [[src, seq, values], ...]}`, or records with "src" and "seq" (one, or an
+    array of them, per line). Lines that do not parse, and lines of other kinds, are skipped."""
+    for line in lines:
+        try:
+            v = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(v, dict) and "k" in v and "r" in v:
+            for s, q, values in v["r"]:
+                out[(str(s), int(q))] = dict(zip(v["k"], values))
+            continue
+        for r in v if isinstance(v, list) else [v]:
+            if isinstance(r, dict) and "src" in r and "seq" in r:
+                key = (str(r.pop("src")), int(r.pop("seq")))
+                out[key] = r["value"] if set(r) == {"value"} else r
 
 
 def verify_windows(cfg: PipelineConfig, sink_dir: Path, landing: Path) -> WindowVerdict:
