@@ -65,6 +65,10 @@ class AgentSection:
     # default) never re-homes: experimental, chaos runs still lose records in flight on the
     # dead node (docs/reliability.md); without it the dead node's routes wait, losing nothing.
     dead_after: float = field(default=0.0, metadata={"check": non_negative("seconds")})
+    # A keyed instance's saved state is copied to a standby agent on another node, and its inputs
+    # are acked upstream only once the standby holds them (agent.node.replicas): a re-home after
+    # the node is lost for good starts from that copy. Off: the state lives on its node only.
+    keyed_standby: bool = True
     # Directories besides state_dir (and the spool dir) where a spec's `extra.sink_dir` may point,
     # e.g. shared storage for the sinks' id files (docs/security.md: paths in requests).
     sink_dirs: Tuple[str, ...] = field(default=(), metadata={"check": _absolute_paths})

@@ -235,6 +235,9 @@ class Instance:
                 raise ValueError("; ".join(problems))
             self.keyed = KeyedState(operator, spec.operator, pipeline.operators[self.stage - 1].key,
                                     self.op.key_groups)
+            # The agent keeps a standby copy of the saved state on another node (agent.node.replicas):
+            # inputs are acked upstream only once it holds the save that reflects them.
+            self.keyed.replicated_acks = spec.extra.get("replicate") is True
         # Its key groups and their moves (agent.instance.moves): a deployed instance holds every
         # group (deploy starts one keeper per operator), a copy none until its Start names its share.
         self.moves: Optional[group_moves.GroupMoves] = None
@@ -460,6 +463,7 @@ class Instance:
             self.keyed.floor_groups(self.moves.member.owned, int(ev.wall * 1e6))
         if self.keyed is not None and ev.keyed is not None:
             again = self.keyed.restore(ev.keyed)
+            self.keyed.hold_until_replicated()
             if again:  # outputs the successors had not acked: sent again (the sink drops copies)
                 index = self.tracker.produced()
                 self.keyed.outputs = [(index, it) for it in again]
@@ -662,6 +666,11 @@ class Instance:
                     log.warning("malformed policy context ignored: %.200r", msg["context"], extra=self.ctx)
         elif event == "hosts":
             self._on_hosts(msg)
+        elif event == "replicated":
+            if self.keyed is not None and isinstance(msg.get("gen"), int) and isinstance(msg.get("log"), int):
+                self.keyed.replicated(msg["gen"], msg["log"])
+                if self.moves is not None:
+                    self.moves.replicated((msg["gen"], msg["log"]))
         else:
             log.warning("unknown control event %r ignored", event, extra=self.ctx)
 

@@ -92,6 +92,11 @@ class KeyedState:
         self._heap: List[Tuple[float, str, Any]] = []  # (time, key as JSON, key); stale entries skipped
         self.outputs: List[Tuple[int, Item]] = []  # (input index, item): not yet acked downstream
         self._unsaved: Optional[int] = None  # lowest input index applied since the last save
+        # Replication off the node (agent.node.replicas): with `replicated_acks`, a save is not
+        # enough to ack its inputs upstream; they wait until the standby holds that save:
+        # (generation, log length after the save, lowest input index it covered), oldest first.
+        self.replicated_acks = False
+        self._unreplicated: List[Tuple[int, int, int]] = []
         self._sources: Dict[Any, str] = {}  # key -> output_source(operator, key) (a digest per output is costly)
         self._key_text: Dict[Any, str] = {}  # key -> its JSON text (timers' tie-break)
         # Saving (see `save`): a full snapshot now and then, else one appended line of what changed.
@@ -314,8 +319,28 @@ class KeyedState:
         return self._unsaved is not None
 
     def lowest_unsaved(self) -> Optional[int]:
-        """The lowest input index applied but not saved yet: not to be acked upstream."""
+        """The lowest input index applied but not saved yet (or, with `replicated_acks`, saved
+        but not yet held by the standby): not to be acked upstream."""
+        if self._unreplicated:
+            first = self._unreplicated[0][2]
+            return first if self._unsaved is None else min(first, self._unsaved)
         return self._unsaved
+
+    def saved_token(self) -> Tuple[int, int]:
+        """What the files hold after the last save: (generation, bytes of its log). Tokens grow
+        with every save, so "the standby holds token T" covers every save up to T."""
+        return self._gen, self._log_bytes
+
+    def replicated(self, gen: int, log_bytes: int) -> None:
+        """The standby holds the saves up to (gen, log_bytes): their inputs may be acked."""
+        while self._unreplicated and self._unreplicated[0][:2] <= (gen, log_bytes):
+            self._unreplicated.pop(0)
+
+    def hold_until_replicated(self) -> None:
+        """A restored state that the standby may not hold (a crash between a save and its
+        replication): every input waits until the next save (a full snapshot) is replicated."""
+        if self.replicated_acks and self._unsaved is None:
+            self._unsaved = 0
 
     def prune_outputs(self, lowest_pending: Optional[int]) -> None:
         """Forget the outputs every successor acked: those of inputs below `lowest_pending` (the
@@ -466,6 +491,8 @@ class KeyedState:
         self._dirty_pos.clear()
         self._out_new = []
         self._out_dropped = 0
+        if self.replicated_acks and self._unsaved is not None:
+            self._unreplicated.append((self._gen, self._log_bytes, self._unsaved))
         self._unsaved = None
         self.counts["state_saves"] += 1
 

@@ -207,6 +207,8 @@ class GroupMoves:
         self.restored = False  # the member came from the saved state (`restore`)
         self.to_forget: List[int] = []  # installed at their new owner: dropped from the keyed state after the write
         self.deferred: List[Tuple[str, Dict[str, Any]]] = []  # (dest, body): chunks, Installed
+        # with a standby copy: (save token, the turn's deferred messages), until the standby holds it
+        self.after_copy: List[Tuple[Tuple[int, int], List[Tuple[str, Dict[str, Any]]]]] = []
         self.unsaved: Set[int] = set()  # input indices whose held records were applied, not saved yet
         # fresh index of held records' outputs -> the lowest input index they came in with: that
         # input stays unacked until those outputs are acked downstream (`lowest_held`)
@@ -535,8 +537,19 @@ class GroupMoves:
                 self.keyed.forget_group(g)
         self.to_forget = []
         deferred, self.deferred = self.deferred, []
+        if self.keyed.replicated_acks and deferred:
+            # An Installed says the group is safe here: only once the standby holds the save
+            # that installed it (agent.node.replicas), or losing this node would lose the group.
+            self.after_copy.append((self.keyed.saved_token(), deferred))
+            return
         for dest, body in deferred:
             w.send_handover_body(dest, body)
+
+    def replicated(self, token: Tuple[int, int]) -> None:
+        """The standby holds the saves up to `token`: the messages that waited for them go."""
+        while self.after_copy and self.after_copy[0][0] <= token:
+            for dest, body in self.after_copy.pop(0)[1]:
+                self.w.send_handover_body(dest, body)
 
     def perform(self, outs: List[Any], version: int = -1) -> None:
         w = self.w

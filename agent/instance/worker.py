@@ -18,6 +18,7 @@ Extra control lines this worker understands besides the contract's "stop" and "s
     {"event": "set", "paused": true}             pause / resume a source
     {"event": "set", "pinned": true}             fogctl scale pinned the count: no automatic decision
     {"event": "reconnect"}                       the agent lets a fenced worker reconnect
+    {"event": "replicated", "gen": g, "log": n}  the standby holds the keyed saves up to (g, n)
 """
 
 from __future__ import annotations
@@ -316,6 +317,9 @@ class Worker:
                         self.ingest.ack(mid, qos)
             elif isinstance(c, SaveKeyed):
                 c.state.save(self.keyed_path)
+                if c.state.replicated_acks:  # the agent ships it to the standby (agent.node.replicas)
+                    gen, log_bytes = c.state.saved_token()
+                    self._emit("keyed_saved", gen=gen, log=log_bytes)
             elif isinstance(c, SaveRoutes):
                 self._save_routes(c)
             elif isinstance(c, RequestSpawn):

@@ -57,7 +57,7 @@ from agent.instance.spec import InstanceSpec, request_spec
 from agent.mqtt.requester import SYNC_PREFIX
 from agent.mqtt.settings import BrokerSpec
 from agent.measure.capacity import capacity_for
-from agent.node import bounds, chains, hosted, nodestate, rehome, rpc, statexfer
+from agent.node import bounds, chains, hosted, nodestate, rehome, replicas, rpc, statexfer
 from agent.node.hostmap import MAX_MOVED, HostMap, moved_of
 from agent.control import records
 from agent.node.placement import (
@@ -212,6 +212,8 @@ class Agent:
         self._copies_first: Dict[str, Tuple[Set[str], float]] = {}
         self._handovers: Set[str] = set()  # stopped keepers whose start elsewhere is not answered yet
         self.staging = statexfer.Staging()  # keyed states arriving with a hand-over, by (node, instance)
+        # keyed states copied to a standby node, both roles (agent.node.replicas)
+        self.replication = replicas.Replication(self.node, Path(self.cfg.agent.state_dir))
         # node loss (agent.node.rehome): every node's retained hosted record, offline times
         self.hosted_by_node: Dict[str, List[Dict[str, Any]]] = {}
         self.rehomed_by_node: Dict[str, Dict[str, float]] = {}  # node -> {instance: when it re-homed it}
@@ -520,6 +522,8 @@ class Agent:
         self._start_restarts(now)
         for call in self._calls.expired(now):
             self._spawn_timed_out(call.context, call.node)
+        if self.replication.shippers:
+            self._replicate(now)
         self.staging.expire(now)
         if self._stopping_since is not None:
             if len(self.supervisor) == 0:
@@ -856,6 +860,11 @@ class Agent:
             self._reconnect_asks.setdefault(instance, now)
             if self.connected:
                 self._publish_state(now)
+        elif event == "keyed_saved":
+            gen, size = msg.get("gen"), msg.get("log")
+            if isinstance(gen, int) and isinstance(size, int):
+                self.replication.saved(str(msg.get("member") or instance), gen, size)
+                self._replicate(now)
         elif event == "round_cancelled":
             w = self.supervisor.get(instance)
             if w is not None:
@@ -1015,7 +1024,7 @@ class Agent:
         return {"node": self.node, "cluster": self.cluster, "broker": self.broker,
                 "state_dir": self.cfg.agent.state_dir, "heartbeat_period": self.cfg.agent.heartbeat_period,
                 "extra": dict(own, fence_reconnect=self.cfg.agent.dead_after > 0, check_sender_node=True,
-                              inbox_per_node=self.cfg.mqtt.inbox_per_node)}
+                              inbox_per_node=self.cfg.mqtt.inbox_per_node, replicate=self.cfg.agent.keyed_standby)}
 
     def _create_node(self, spec: InstanceSpec, reply: Callable[[Dict[str, Any]], None], cause: str, now: float,
                      chunks: Sequence[Dict[str, Any]] = ()) -> None:
@@ -1028,6 +1037,10 @@ class Agent:
                                    siblings=self._siblings(spec))
         policy = policy_for_operator(self.policy, self._operator_policy(spec)[0])
         ranking = list(policy(request, self.fleet_views()))
+        standby = spec.extra.get("standby")
+        if cause == "rehome" and standby in ranking:  # where its keyed state's copy is (agent.node.replicas)
+            ranking.remove(standby)
+            ranking.insert(0, standby)
         job = SpawnJob(spec=spec, candidates=ranking, reply=reply, cause=cause, chunks=list(chunks))
         self._try_next(job, now, "no node has a free slot")
 
@@ -1110,6 +1123,7 @@ class Agent:
         job.spec = spec_with_capacity(job.spec, self.cfg.agent.state_dir, self.node)
         if self.spill is not None:
             job.spec = self.spill.with_spill(job.spec)
+        self._install_replica(job.spec)
         try:
             self.supervisor.start(job.spec, now)
         except (OSError, ValueError) as exc:
@@ -1206,6 +1220,7 @@ class Agent:
             try:
                 self.hosted_by_node[node] = rehome.decode_hosted(msg.payload)
                 self._hosts_dirty = True
+                self.replication.drop_unlisted(node, (str(s["instance"]) for s in self.hosted_by_node[node]))
             except ValueError as exc:
                 self._bad("hosted record", node, exc)
         elif kind == "pipeline":
@@ -1360,7 +1375,7 @@ class Agent:
         if peer:
             if op in ("drain", "undrain"):
                 why = self._peer_may_steer(requester)
-            elif op == "state_chunk":
+            elif op in ("state_chunk", "replica"):
                 why = self._peer_may_ship(requester, body["instance"])
             else:
                 why = (f"op {op!r} is not allowed on the peer topic (only {', '.join(rpc.PEER_OPS)})"
@@ -1370,7 +1385,17 @@ class Agent:
                 log.warning("refused %s request from node %s: %s", op, requester, why, extra={"node": self.node})
                 reply({"ok": False, "error": f"refused: {why}"})
                 return
-        if op == "state_chunk":
+        if op == "replica":
+            if not peer:
+                reply({"ok": False, "error": "refused: replica is a peer request"})
+                return
+            answer = self.replication.store.apply(requester, body)
+            if answer is not None:
+                if not answer.get("ok"):
+                    log.info("replica of %s from %s: %s", str(body.get("instance"))[:80], requester,
+                             answer.get("error"), extra={"node": self.node})
+                reply(answer)
+        elif op == "state_chunk":
             if not peer:
                 reply({"ok": False, "error": "refused: state_chunk is a peer request"})
                 return
@@ -1484,6 +1509,14 @@ class Agent:
         """A reply on `replies/<me>/<replier>`: it answers a call only if it comes from the node
         the call went to (the topic proves the replier) with the call's correlation."""
         correlation = (rpc.correlation_of(msg) or b"").decode(errors="replace")
+        if self.replication.owns(correlation):
+            try:
+                result = rpc.decode_reply(msg.payload)
+            except ValueError as exc:
+                self._bad("reply", replier, exc)
+                result = {"ok": False, "error": str(exc)}
+            self.replication.on_reply(correlation, replier, result, now, self._publish_replica, self._tell_replicated)
+            return
         pending = self._calls.calls.get(correlation)
         if pending is None or pending.node != replier:
             return  # late reply after a timeout (the job moved on), or not from the node we asked
@@ -1521,6 +1554,7 @@ class Agent:
             # identity would run on two nodes (their clients take the session from each other and
             # both consume its inbox: docs/design.md invariant 7).
             hosted.forget(self.cfg.agent.state_dir, w.instance)
+            self.replication.forget(w.instance)
             self._hosted_dirty = True
             self._try_next(job, now, f"worker exited before ready ({reason})")
         # A worker that announced its final exit had left (drained, its departure acked) even if
@@ -1540,6 +1574,7 @@ class Agent:
             cause = "handover"
         if final:
             hosted.forget(self.cfg.agent.state_dir, w.instance)  # gone for good: never re-adopt
+            self.replication.forget(w.instance)  # and its standby copy goes with our next record
             self._hosted_dirty = True
         undeployed = w.instance in self._undeploying
         self._undeploying.discard(w.instance)
@@ -1783,6 +1818,7 @@ class Agent:
 
     def _forget(self, instance: str) -> None:
         hosted.forget(self.cfg.agent.state_dir, instance)
+        self.replication.forget(instance)
         self._delayed_restarts.pop(instance, None)
         for name in ("state.json", "routes.json", "routes.log",  # routes: agent.dataplane.sticky
                      "keyed.json", "keyed.json.log", "keyed.handover"):  # keyed: Worker.keyed_path, statexfer
@@ -1792,8 +1828,47 @@ class Agent:
                 pass
         self._hosted_dirty = True
 
+    def _replicate(self, now: float) -> None:
+        """Copy the keyed saves of our workers to their standbys (agent.node.replicas): to online
+        nodes that are not draining."""
+        eligible = [n for n, up in self.online.items() if up and not (self.fleet.get(n) or {}).get("draining")]
+        if self.replication.tick(now, eligible if self.connected else [], self._publish_replica, self._tell_replicated):
+            self._hosted_dirty = True  # the hosted record names each standby
+
+    def _publish_replica(self, standby: str, body: Dict[str, Any], correlation: Optional[str]) -> bool:
+        if self._hosted_dirty:  # the standby accepts a copy only of what our hosted record lists: first
+            self._publish_hosted()
+        props = rpc.publish_properties(correlation) if correlation is not None else None
+        return self._publish(topics.agent_peer(self.cluster, standby, self.node), rpc.encode(body), properties=props)
+
+    def _tell_replicated(self, instance: str, gen: int, size: int) -> None:
+        self.supervisor.send(instance, "replicated", gen=gen, log=size)
+
+    def _with_standby(self, spec: Dict[str, Any]) -> Dict[str, Any]:
+        standby = self.replication.standby_of(str(spec.get("instance")))
+        extra = {k: v for k, v in (spec.get("extra") or {}).items() if k != "standby"}
+        if standby is not None:
+            extra["standby"] = standby
+        return dict(spec, extra=extra)
+
+    def _install_replica(self, spec: InstanceSpec) -> None:
+        """A re-home placed a keyed instance on its standby (us): our copy of its state becomes
+        its state, restored as after a crash. A drain hand-over brings its own state instead."""
+        if not (spec.restart and spec.extra.get("min_epoch") and spec.extra.get("standby") == self.node
+                and not spec.extra.get("handover_keyed")):
+            return
+        try:
+            groups = load_pipeline_text(spec.pipeline_toml, f"pipeline {spec.pipeline}").operator(spec.operator).key_groups
+            what = self.replication.store.install(spec.instance, Path(self.cfg.agent.state_dir), spec.operator, groups)
+        except (ValueError, KeyError) as exc:
+            log.error("standby copy of the keyed state not installed: %s", exc, extra={"instance": spec.instance})
+            return
+        if what is not None:
+            self.counters["replicas_installed"] = self.counters.get("replicas_installed", 0) + 1
+            log.warning("re-homed with the standby copy of its keyed state: %s", what, extra={"instance": spec.instance})
+
     def _publish_hosted(self) -> None:
-        specs = [request_spec(s) for s in hosted.hosted(self.cfg.agent.state_dir)]
+        specs = [self._with_standby(request_spec(s)) for s in hosted.hosted(self.cfg.agent.state_dir)]
         self.hosted_by_node[self.node] = specs
         self._hosts_dirty = True
         if self._publish(topics.agent_hosted(self.cluster, self.node), rehome.encode_hosted(specs), retain=True):

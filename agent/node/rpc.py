@@ -20,6 +20,7 @@ Request body (JSON): {"op": "spawn", "spec": {InstanceSpec}} | {"op": "stop", "i
                      | {"op": "ping"} | scale / drain / undrain / pin (agent.control.rpc_schema)
                      | {"op": "state_chunk", "instance": id, "index": i, "manifest": {...},
                        "data": base64} (peer only, never answered: agent.node.statexfer)
+                     | {"op": "replica", "instance": id, "gen": g, ...} (peer only: agent.node.replicas)
 Reply body (JSON):   {"ok": true, "instance": id, "node": node} | {"ok": false, "error": "..."}
 """
 
@@ -33,11 +34,12 @@ from agent import wire
 from agent.mqtt.settings import BrokerSpec
 from agent.mqtt.requester import RequestFailed, Requester, request_properties
 
-OPS = ("spawn", "stop", "set", "ping", "scale", "drain", "undrain", "pin", "state_chunk")
+OPS = ("spawn", "stop", "set", "ping", "scale", "drain", "undrain", "pin", "state_chunk", "replica")
 # What a node may ask another node on its peer topic: createNode()'s spawn (also the carrier
 # of a keeper's hand-over and of a re-home, which are spawns of an existing identity), and the
-# chunks of a keyed keeper's state sent just before its hand-over's spawn (agent.node.statexfer).
-PEER_OPS = ("spawn", "state_chunk")
+# chunks of a keyed keeper's state sent just before its hand-over's spawn (agent.node.statexfer),
+# and the saved keyed state its host copies to a standby (agent.node.replicas).
+PEER_OPS = ("spawn", "state_chunk", "replica")
 # Keys of a worker's control line itself (agent.node.supervisor): a "set" field may not
 # replace them (`control_line(event, **fields)` takes the event under that name).
 CONTROL_KEYS = frozenset({"event"})
@@ -58,7 +60,7 @@ def decode_request(payload: bytes) -> Dict[str, Any]:
         raise ValueError(f"request without a known 'op' (expected one of {OPS})")
     if body["op"] == "spawn" and not isinstance(body.get("spec"), dict):
         raise ValueError("spawn request without a 'spec' object")
-    if body["op"] in ("stop", "set", "state_chunk") and not isinstance(body.get("instance"), str):
+    if body["op"] in ("stop", "set", "state_chunk", "replica") and not isinstance(body.get("instance"), str):
         raise ValueError(f"{body['op']} request without an 'instance' string")
     if body["op"] == "set":
         fields = body.get("fields")

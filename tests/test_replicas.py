@@ -1,0 +1,191 @@
+"""The standby copy of a keyed instance's state (agent.node.replicas), sans-IO: the host's shipper,
+the standby's store over a lossy channel, and the acks the worker holds until the copy has them.
+Files in tmp_path only; no broker."""
+
+from __future__ import annotations
+
+import base64
+import json
+import random
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from agent.instance.keyed_state import KeyedState
+from agent.node.replicas import (PART_BYTES, Replication, ReplicaStore, Shipper, choose_standby, read_saved)
+from agent.operators import OperatorContext
+from agent.operators.keyed import keyed_count
+
+
+def _state(groups: int = 16) -> KeyedState:
+    ks = KeyedState(keyed_count(OperatorContext("cnt-a", "cnt", "n1", "map", params={})), "cnt", "k", groups)
+    ks.replicated_acks = True
+    return ks
+
+
+def test_the_standby_is_the_next_node_after_the_host_and_stays_while_eligible() -> None:
+    assert choose_standby("b", ["a", "b", "c", "d"], None) == "c"
+    assert choose_standby("d", ["a", "b", "d"], None) == "a"  # wraps around
+    assert choose_standby("b", ["a", "b", "c"], "a") == "a"  # kept: a new one costs a snapshot
+    assert choose_standby("b", ["b", "c"], "a") == "c"  # gone: the next one
+    assert choose_standby("b", ["b"], "a") is None  # alone: no copy
+
+
+def test_inputs_are_acked_only_once_the_standby_holds_their_save(tmp_path: Path) -> None:
+    ks, path = _state(), tmp_path / "i.keyed.json"
+    ks.apply("src", [("src", j, {"k": f"k{j % 5}"}) for j in range(10)], 0)
+    assert ks.lowest_unsaved() == 0
+    ks.save(path)
+    assert ks.lowest_unsaved() == 0  # saved, not copied: held
+    first = ks.saved_token()
+    ks.apply("src", [("src", j, {"k": "k1"}) for j in range(10, 20)], 1)
+    ks.save(path)
+    second = ks.saved_token()
+    assert first < second
+    ks.replicated(*first)
+    assert ks.lowest_unsaved() == 1  # the first save's input may go, not the second's
+    ks.replicated(*second)
+    assert ks.lowest_unsaved() is None
+    off = _state()  # without a standby: the save alone releases them, as before
+    off.replicated_acks = False
+    off.apply("src", [("src", 0, {"k": "a"})], 0)
+    off.save(tmp_path / "j.keyed.json")
+    assert off.lowest_unsaved() is None
+
+
+def test_a_restored_state_holds_every_input_until_its_first_save_is_copied(tmp_path: Path) -> None:
+    ks, path = _state(), tmp_path / "i.keyed.json"
+    ks.apply("src", [("src", j, {"k": "a"}) for j in range(5)], 0)
+    ks.save(path)
+    again = _state()
+    again.restore(KeyedState.load(path) or {})
+    again.hold_until_replicated()
+    assert again.dirty and again.lowest_unsaved() == 0
+    again.save(path)
+    assert again.lowest_unsaved() == 0
+    again.replicated(*again.saved_token())
+    assert again.lowest_unsaved() is None
+
+
+def _pump(sh: Shipper, store: ReplicaStore, path: Path, host: str, rng: random.Random, now: float,
+          loss: float) -> Optional[Tuple[int, int]]:
+    """One request and its reply between the shipper and the store; each message may be lost."""
+    saved = read_saved(path)
+    if saved is None:
+        return None
+    bodies = sh.requests(saved, now)
+    reply = None
+    for body in bodies:
+        if rng.random() < loss:
+            continue
+        reply = store.apply(host, json.loads(json.dumps(body)))  # as on the wire
+    if not bodies:
+        return None
+    if reply is None or rng.random() < loss:
+        sh.timed_out(now + 1e6)  # never answered
+        return None
+    return sh.answered(reply)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10_000), loss=st.sampled_from([0.0, 0.2, 0.5]))
+def test_over_a_lossy_channel_the_copy_is_the_state_the_acks_claim(tmp_path_factory: Any, seed: int, loss: float) -> None:
+    """Random batches and saves (logs and snapshots), a channel that loses requests and replies,
+    a standby that changes: whenever the shipper tells the worker a token, the standby's copy
+    loads to exactly the state of that save; at the end, once the channel is quiet, to the last."""
+    rng = random.Random(seed)
+    d = tmp_path_factory.mktemp("r")
+    path = d / "host" / "i.keyed.json"
+    path.parent.mkdir()
+    stores = {n: ReplicaStore(d / n / "replicas") for n in ("s1", "s2")}
+    ks, sh = _state(), Shipper("i")
+    sh.set_standby("s1")
+    at_save: Dict[Tuple[int, int], Dict[str, Any]] = {}
+    n = 0
+    for step in range(30):
+        for _ in range(rng.randint(1, 3)):
+            ks.apply("src", [("src", j, {"k": f"k{rng.randint(0, 40)}"}) for j in range(n, n + 7)], step)
+            n += 7
+        if rng.random() < 0.2:
+            ks._full_next = True  # a snapshot now and then, as the log grows
+        ks.save(path)
+        at_save[ks.saved_token()] = KeyedState.load(path) or {}
+        if rng.random() < 0.1:
+            sh.set_standby("s2" if sh.standby == "s1" else "s1")
+        token = _pump(sh, stores[str(sh.standby)], path, "host", rng, float(step), loss)
+        if token is not None:
+            copy = KeyedState.load(stores[str(sh.standby)].root / "i.keyed.json")
+            assert copy == at_save[max(t for t in at_save if t <= token)], (token, step)
+            ks.replicated(*token)
+    for _ in range(20):  # the channel quiet: the standby catches up with the last save
+        _pump(sh, stores[str(sh.standby)], path, "host", rng, 1e9, 0.0)
+    assert sh.held == ks.saved_token()
+    assert KeyedState.load(stores[str(sh.standby)].root / "i.keyed.json") == KeyedState.load(path)
+    ks.replicated(*sh.held)
+    assert ks.lowest_unsaved() is None
+
+
+def test_the_standby_refuses_what_its_host_did_not_send_in_order(tmp_path: Path) -> None:
+    store = ReplicaStore(tmp_path / "replicas")
+    snap = b'{"format":2,"gen":3,"operator":"cnt","key_groups":16,"groups":{}}'
+    import hashlib
+
+    part = {"op": "replica", "instance": "cnt-a", "gen": 3, "part": 0, "parts": 1, "size": len(snap),
+            "sha256": hashlib.sha256(snap).hexdigest(), "data": base64.b64encode(snap).decode()}
+    assert store.apply("n1", part) == {"ok": True, "instance": "cnt-a", "gen": 3, "log": 0}
+    line = base64.b64encode(b'{"gen":3,"applied":{}}\n').decode()
+    append = {"op": "replica", "instance": "cnt-a", "gen": 3, "offset": 0, "data": line}
+    assert store.apply("n2", append)["ok"] is False  # another node's copy: only its host writes it
+    assert store.apply("n1", dict(append, offset=5))["ok"] is False  # not where the copy ends
+    assert store.apply("n1", dict(append, gen=4))["ok"] is False  # another generation: snapshot first
+    assert store.apply("n1", append)["ok"] is True
+    assert store.apply("n1", append)["ok"] is False  # the same range again: already held
+    for bad in (dict(part, instance="../etc/x"), dict(part, sha256="0" * 64), dict(part, size=10 ** 9),
+                dict(part, data="!!"), dict(append, data=base64.b64encode(b"x" * (PART_BYTES + 1)).decode()),
+                dict(part, gen=True), dict(part, parts=2)):
+        assert store.apply("n1", bad)["ok"] is False, bad
+    assert not list(tmp_path.glob("etc*")) and store.instances() == {"cnt-a": "n1"}
+    installed = tmp_path / "state"
+    with pytest.raises(ValueError):  # another operator's state: not installed, and the copy goes
+        store.install("cnt-a", installed, "other", 16)
+    assert store.instances() == {}
+
+
+def test_a_rehome_on_the_standby_installs_its_copy_as_the_instances_state(tmp_path: Path) -> None:
+    host, standby = tmp_path / "host", tmp_path / "standby"
+    host.mkdir()
+    ks = _state()
+    ks.apply("src", [("src", j, {"k": f"k{j % 9}"}) for j in range(50)], 0)
+    ks.save(host / "cnt-a.keyed.json")
+    ks.apply("src", [("src", j, {"k": "k1"}) for j in range(50, 60)], 1)
+    ks.save(host / "cnt-a.keyed.json")
+    sent: List[Tuple[str, Dict[str, Any]]] = []
+    told: List[Tuple[str, int, int]] = []
+    rep = Replication("host", host)
+    store = ReplicaStore(standby / "replicas")
+    rep.saved("cnt-a", *ks.saved_token())
+
+    def publish(node: str, body: Dict[str, Any], correlation: Optional[str]) -> bool:
+        sent.append((node, body))
+        answer = store.apply("host", body)
+        if correlation is not None:
+            assert answer is not None
+            rep.on_reply(correlation, node, answer, 0.0, publish, lambda *a: told.append(a))
+        return True
+
+    assert rep.tick(0.0, ["host", "standby"], publish, lambda *a: told.append(a)) is True  # a standby chosen
+    assert rep.standby_of("cnt-a") == "standby"
+    assert told[-1] == ("cnt-a", *ks.saved_token())  # snapshot, then the log: all of it held
+    assert [b.get("offset", "snap") for _, b in sent] == ["snap", 0]
+    what = store.install("cnt-a", standby / "state", "cnt", 16)
+    assert what is not None and "from host" in what
+    assert KeyedState.load(standby / "state" / "cnt-a.keyed.json") == KeyedState.load(host / "cnt-a.keyed.json")
+    assert store.instances() == {}  # the copy became the state
+    alone = Replication("solo", host)  # no other node: acked on the save alone, counted
+    alone.saved("cnt-a", *ks.saved_token())
+    got: List[Any] = []
+    alone.tick(0.0, ["solo"], publish, lambda *a: got.append(a))
+    assert got == [("cnt-a", *ks.saved_token())] and alone.counts["replica_local_only"] == 1
