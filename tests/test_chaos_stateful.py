@@ -17,16 +17,20 @@ from agent.tools.chaos import ChaosConfig, run_chaos
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
 
-def test_a_keyed_window_under_kill_worker_and_kill_agent_equals_the_fault_free_run(tmp_path: Path) -> None:
+def test_a_keyed_window_under_kill_worker_kill_agent_and_node_loss_equals_the_fault_free_run(tmp_path: Path) -> None:
     """1. kill -9 of the window's instance: restarted from its saved state and input position,
     its saved outputs sent again (the sink drops the copies by id); 2. kill -9 of its agent: the
-    workers drain, the restarted agent re-adopts them. Then every window of the reference is at the
-    sink once, with the same content, and no other."""
-    cfg = ChaosConfig(duration=30.0, seed=3, workdir=tmp_path, pipeline="stateful",
-                      schedule=[(7.0, "kill-worker", "chaos.cells.0"), (15.0, "kill-agent", "@chaos.cells.0")])
+    workers drain, the restarted agent re-adopts them; 3. the window's node lost (every process
+    killed at once, away past dead_after): the window is re-homed on its standby, which holds a
+    copy of its saved state (agent.node.replicas); without it, about half the windows went missing.
+    Then every window of the reference is at the sink once, with the same content, and no other."""
+    cfg = ChaosConfig(duration=30.0, seed=3, workdir=tmp_path, pipeline="stateful", rehoming=True,
+                      schedule=[(7.0, "kill-worker", "chaos.cells.0"), (15.0, "kill-agent", "@chaos.cells.0"),
+                                (22.0, "kill-node", "@chaos.cells.0")])
     summary = run_chaos(cfg, live=False)
     assert [(f["kind"], f["recovery_s"] is not None) for f in summary["faults"]] == [
-        ("kill-worker", True), ("kill-agent", True)], summary["faults"]
+        ("kill-worker", True), ("kill-agent", True), ("kill-node", True)], summary["faults"]
+    assert "chaos.cells.0" in summary["faults"][2]["detail"]["instances"]  # the window's node
     assert summary["faults"][0]["target"] == "chaos.cells.0"
     assert summary["settled"], (summary["settle_s"], summary["holding_at_end"])
     w = summary["windows"]

@@ -271,3 +271,35 @@ def test_sink_at_the_cap_keeps_the_batch_unacked_and_writes_no_ids(tmp_path: Pat
     assert ids_file.read_text().splitlines() == [f"source-0 {i}" for i in range(first)]
     assert any(e.get("event") == "spool_resumed" for e in s.take_events())
     s.close()
+
+
+def test_the_agent_ships_the_spool_a_sink_left_open_when_it_no_longer_runs_here(tmp_path: Path) -> None:
+    """A node that lost power while its sink's file was open, and came back after the sink was
+    re-homed: nobody else holds those records (acked upstream once written), so the agent closes
+    the file for its shipper. Never the spool of a sink that runs here or whose instance lock a
+    live process holds (a worker starting or still draining)."""
+    import fcntl
+    import types
+
+    from agent.spill.local import AgentSpill
+
+    root, locks = tmp_path / "spool", tmp_path / "state"
+    locks.mkdir()
+    for inst in ("gone", "here", "busy"):
+        s = BatchSpool(root / inst, "n1", rotate_bytes=1 << 20)
+        for i in range(20):
+            s.append_line("records", line(i))  # abandoned open: the power cut
+    spill = types.SimpleNamespace(spool_dir=str(root), max_bytes=1 << 30, rotate_bytes=1 << 20,
+                                  rotate_seconds=60.0, ship="none", ship_path="")
+    agent = AgentSpill(types.SimpleNamespace(spill=spill, agent=types.SimpleNamespace(node="n1", cluster="c")))
+    held = os.open(str(locks / "busy.lock"), os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    try:
+        assert agent.salvage_orphans({"here"}, locks) == 1
+    finally:
+        os.close(held)
+    assert closed_ids(root / "gone") == list(range(20)) and not list((root / "gone" / "open").iterdir())
+    for inst in ("here", "busy"):  # left to their workers
+        assert list((root / inst / "open").iterdir()) and not list((root / inst / "closed").iterdir())
+    assert agent.salvage_orphans({"here"}, locks) == 1  # the lock released: "busy" now
+    agent.close()

@@ -100,6 +100,8 @@ RESTART_WINDOW = 60.0
 RESTART_BACKOFF_MAX = 30.0  # seconds: the longest wait before restarting a crash-looping worker
 REHOMED_KEPT = 1000  # entries of this node's retained re-homed record
 READOPT_SETTLE = 1.0  # seconds after connecting before re-adopting, and not before the sync marker came back
+# The spools of sinks that no longer run here are salvaged for shipping this often (AgentSpill.salvage_orphans).
+SALVAGE_PERIOD = 10.0
 STATE_MIN_INTERVAL = 0.25  # rate limit of change-triggered state publications
 
 
@@ -212,6 +214,7 @@ class Agent:
         self._copies_first: Dict[str, Tuple[Set[str], float]] = {}
         self._handovers: Set[str] = set()  # stopped keepers whose start elsewhere is not answered yet
         self.staging = statexfer.Staging()  # keyed states arriving with a hand-over, by (node, instance)
+        self._salvaged_at = -1e9  # AgentSpill.salvage_orphans, every SALVAGE_PERIOD
         # keyed states copied to a standby node, both roles (agent.node.replicas)
         self.replication = replicas.Replication(self.node, Path(self.cfg.agent.state_dir))
         # node loss (agent.node.rehome): every node's retained hosted record, offline times
@@ -557,6 +560,9 @@ class Agent:
             self._site_tick()
         if self.spill is not None:
             self.spill.tick(now)
+            if now - self._salvaged_at >= SALVAGE_PERIOD:
+                self._salvaged_at = now
+                self.spill.salvage_orphans(set(self.supervisor.workers), Path(self.cfg.agent.state_dir))
         self._notify(now)
 
     # -- systemd -------------------------------------------------------------------------------

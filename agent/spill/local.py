@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional
 
-from agent.spill.spool import Spool, SpoolDirs
+from agent.spill.spool import BatchSpool, Spool, SpoolDirs
 
 __all__ = ["AgentSpill", "AGENT_SPOOL"]
 
@@ -104,6 +104,43 @@ class AgentSpill:
         if now - self._last_tick >= 1.0:
             self._last_tick = now
             self.spool.tick()
+
+    def salvage_orphans(self, running: Any, lock_dir: Path) -> int:
+        """Close the files left open in the spools of sinks that no longer run here (the node lost
+        power and came back while the sink was re-homed elsewhere; a sink that left for good), so
+        that the shipper ships them: their records were acked upstream once written there, and
+        nobody else holds them. The landing and the analytics count each record id once, so what
+        the sink's new incarnation also wrote is not counted twice. A spool whose instance lock is
+        held (a worker starting or still draining) is left to that worker. Returns the spools
+        salvaged."""
+        import fcntl
+        import os
+
+        done = 0
+        for d in sorted(self.root.iterdir()) if self.root.is_dir() else ():
+            if d.name == AGENT_SPOOL or d.name in running or not d.is_dir():
+                continue
+            opened = d / "open"
+            if not opened.is_dir() or not any(opened.iterdir()):
+                continue
+            fd = os.open(str(lock_dir / f"{d.name}.lock"), os.O_CREAT | os.O_RDWR, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            try:
+                spool = BatchSpool(d, self.node, max_bytes=self.settings["max_bytes"],
+                                   rotate_bytes=self.settings["rotate_bytes"],
+                                   rotate_seconds=self.settings["rotate_seconds"])
+                spool.close()  # its start-up salvaged the open files; close() waits for their compression
+                done += 1
+                log.info("spool of %s salvaged: its open files closed for shipping", d.name, extra={"node": self.node})
+            except (OSError, ValueError) as exc:
+                log.warning("spool of %s not salvaged: %s", d.name, exc, extra={"node": self.node})
+            finally:
+                os.close(fd)  # releases the lock
+        return done
 
     def _ship_loop(self) -> None:
         while not self._stop.is_set():
