@@ -61,10 +61,11 @@ class AgentSection:
     heartbeat_period: float = field(default=1.0, metadata={"check": positive("seconds")})
     shutdown_timeout: float = field(default=10.0, metadata={"check": positive("seconds")})
     # A node offline this long is gone: the lowest-named online agent starts its instances
-    # elsewhere with the same identity (agent.node.rehome). Longer than a reboot. 0 (the
-    # default) never re-homes: experimental, chaos runs still lose records in flight on the
-    # dead node (docs/reliability.md); without it the dead node's routes wait, losing nothing.
-    dead_after: float = field(default=0.0, metadata={"check": non_negative("seconds")})
+    # elsewhere with the same identity (agent.node.rehome), keyed ones on the standby that holds
+    # a copy of their state (`keyed_standby`). Longer than a reboot (a Pi boots and its agent is
+    # online again well within it: docs/reliability.md). 0 never re-homes: the dead node's
+    # routes wait for it, losing nothing while it comes back.
+    dead_after: float = field(default=60.0, metadata={"check": non_negative("seconds")})
     # A keyed instance's saved state is copied to a standby agent on another node, and its inputs
     # are acked upstream only once the standby holds them (agent.node.replicas): a re-home after
     # the node is lost for good starts from that copy. Off: the state lives on its node only.

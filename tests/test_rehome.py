@@ -276,3 +276,22 @@ def test_a_rehomed_keyed_instance_resumes_the_groups_it_is_told_not_every_group(
     assert set(floors) == set(range(28)) | set(range(96, 100)) and min(floors.values()) >= int(1_700_000_000 * 1e6)
     bad = rehomed([[0, 500, 1]], "b")  # out of range: bus input, refused as a whole
     assert bad.core.moves is not None and bad.core.moves.member.owned == set(range(128))
+
+
+def test_fogctl_why_says_who_rehomed_an_instance_and_when() -> None:
+    """The agents' retained re-homed records (instance -> time, per re-homing node): `why` names
+    the latest re-home of the instance; a malformed record (bus input) is skipped, not fatal."""
+    import types
+
+    from agent.fogctl.commands import rehomed_of
+
+    def m(payload: bytes) -> Any:
+        return types.SimpleNamespace(payload=payload)
+
+    snap = {"fog/c/agents/n2/rehomed": m(b'{"cells.0": 100.0, "sink.0": 50}'),
+            "fog/c/agents/n3/rehomed": m(b'{"cells.0": 180.5}'),
+            "fog/c/agents/n4/rehomed": m(b'["not", "a", "record"]'),
+            "fog/c/agents/n5/rehomed": m(b'{"cells.0": true}')}
+    assert rehomed_of(snap, "cells.0") == {"by": "n3", "at": 180.5}
+    assert rehomed_of(snap, "sink.0") == {"by": "n2", "at": 50.0}
+    assert rehomed_of(snap, "other") is None

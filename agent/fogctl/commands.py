@@ -223,6 +223,7 @@ def cmd_why(args: argparse.Namespace, ctx: Context) -> int:
                 raise FogctlError(f"the decision history on {topic} is malformed: {exc}") from None
         states = conn.snapshot([topics.all_agents_state(ctx.cfg.cluster)])
         pinned = pin_of(states, args.instance)
+        rehomed = rehomed_of(conn.snapshot([topics.all_agents_rehomed(ctx.cfg.cluster)]), args.instance)
         if not history:  # no retained history: the decisions the agents' states carry
             from agent.control.fleet import state_decisions
 
@@ -237,7 +238,8 @@ def cmd_why(args: argparse.Namespace, ctx: Context) -> int:
                 if e.instance == args.instance and e.reason is not None:
                     history.append(e)
     history = [e for e in history if e.instance in (None, args.instance)][-args.last:]
-    doc = {"instance": args.instance, "decisions": [e.to_dict() for e in history], "pinned": pinned}
+    doc = {"instance": args.instance, "decisions": [e.to_dict() for e in history], "pinned": pinned,
+           "rehomed": rehomed}
     text = "\n".join(views.event_line(e) for e in history) if history else \
         f"no decisions recorded for {args.instance} on {topic} (use --wait SECONDS to listen)"
     if pinned is not None:
@@ -245,8 +247,30 @@ def cmd_why(args: argparse.Namespace, ctx: Context) -> int:
                  if pinned["until"] is not None else "until released")
         text = (f"pinned: {pinned['operator']}'s instance count was set by fogctl scale, {until} "
                 f"(fogctl scale --release {pinned['operator']}): the policy makes no automatic decision\n" + text)
+    if rehomed is not None:
+        at = time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(rehomed["at"]))
+        text = (f"re-homed by {rehomed['by']} at {at}: its node stayed offline past [agent] dead_after; it runs on with "
+                f"its identity (a keyed instance on its standby, from the copy of its state)\n" + text)
     ctx.emit(args, doc, text)
     return 0
+
+
+def rehomed_of(snap: Dict[str, Any], instance: str) -> Optional[Dict[str, Any]]:
+    """The latest re-home of `instance` in the agents' retained re-homed records ({"by", "at"}),
+    or None. A malformed record is skipped: it is bus input."""
+    from agent import wire
+
+    best: Optional[Dict[str, Any]] = None
+    for topic, msg in snap.items():
+        parsed = topics.parse_any(topic)
+        try:
+            at = wire.loads(msg.payload or b"{}", what="re-homed record", expect=dict).get(instance)
+        except ValueError:
+            continue
+        if parsed is not None and isinstance(at, (int, float)) and not isinstance(at, bool) \
+                and (best is None or at > best["at"]):
+            best = {"by": parsed.node, "at": float(at)}
+    return best
 
 
 def site_view(record: Optional[Dict[str, Any]], now: float) -> Tuple[Dict[str, Any], str]:
