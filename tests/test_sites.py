@@ -406,3 +406,43 @@ def test_an_uplink_cut_queues_both_ways_and_every_record_lands_once(world: World
         admin.close()
         for c in (counter, link, rpc_at_site):
             c.close()
+
+
+def test_fogctl_talks_to_a_site_broker_named_in_its_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture) -> None:
+    from agent.cli import fogctl
+    from agent.fogctl.client import BrokerUnreachable
+    from agent.fogctl.config import for_site, load_config
+    from agent.schema import ConfigError
+
+    conf = tmp_path / "fogctl.toml"
+    conf.write_text('broker = "central.lan:8883"\ncluster = "geo"\ncafile = "/ca.crt"\n'
+                    '[sites]\nnorth = "10.43.0.10:8883"\n')
+    cfg = load_config(path=conf, env={})
+    north = for_site(cfg, "north")
+    assert (north.broker, north.cluster, north.cafile) == ("10.43.0.10:8883", "geo", "/ca.crt")
+    with pytest.raises(ConfigError, match="known: north"):
+        for_site(cfg, "south")
+    bad = tmp_path / "bad.toml"
+    for value in ('"10.43.0.10:99999"', "8883"):
+        bad.write_text(f"[sites]\nnorth = {value}\n")
+        with pytest.raises(ConfigError, match=r"bad.toml: sites: site north: expected \"host:port\""):
+            load_config(path=bad, env={})
+    bad.write_text('[sites]\n"a/b" = "h:1"\n')
+    with pytest.raises(ConfigError, match="site 'a/b': expected a name"):
+        load_config(path=bad, env={})
+
+    for var in ("FOGCTL_CONFIG", "FOGCTL_BROKER"):
+        monkeypatch.delenv(var, raising=False)
+    asked: List[str] = []
+
+    def connect(c: Any) -> Any:
+        asked.append(c.broker)
+        raise BrokerUnreachable(c.broker, "test")
+    assert fogctl.main(["--config", str(conf), "--site", "north", "status"], connect=connect) == 3
+    assert fogctl.main(["--config", str(conf), "status"], connect=connect) == 3
+    assert asked == ["10.43.0.10:8883", "central.lan:8883"]
+    assert fogctl.main(["--config", str(conf), "--site", "south", "status"], connect=connect) != 0
+    assert fogctl.main(["--config", str(conf), "--site", "north", "--broker", "x:1", "status"], connect=connect) != 0
+    err = capsys.readouterr().err
+    assert "no site 'south'" in err and "not both" in err and len(asked) == 2
