@@ -11,12 +11,9 @@ queues its spill for the centre.
 from __future__ import annotations
 
 import collections
-import getpass
 import json
-import math
 import shutil
 import subprocess
-import threading
 import time
 import uuid
 from dataclasses import dataclass
