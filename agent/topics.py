@@ -133,6 +133,12 @@ def site_manager(cluster: str) -> str:
     return f"{base(cluster)}/site_manager"
 
 
+def site_manager_of(cluster: str, site: str) -> str:
+    """The site manager's record of site `site` on the central broker, where every site's bridge
+    delivers its own (agent.sites): one per site, so that two sites do not overwrite each other."""
+    return f"{base(cluster)}/sites/{_check(site)}/site_manager"
+
+
 def spill(cluster: str, node: str) -> str:
     return f"{base(cluster)}/spill/{_check(node)}"
 
@@ -261,6 +267,8 @@ def parse(cluster: str, topic: str) -> Optional[Parsed]:
         return Parsed("events")
     if head == "site_manager" and n == 1:
         return Parsed("site_manager")
+    if head == "sites" and n == 3 and parts[2] == "site_manager":  # at the centre: node = the site
+        return Parsed("site_manager", parts[1])
     if head == "locks":
         return Parsed("locks", "/".join(parts[1:]) or None)
     if head == "pipelines" and n == 2:

@@ -201,6 +201,21 @@ def test_a_set_naming_the_control_lines_own_key_never_reaches_the_worker(agent: 
     assert sent == [(("i", "set"), {"service_time_ms": 5.0})]
 
 
+def test_a_redelivered_request_is_applied_once(agent: Any) -> None:
+    """QoS 1 may deliver a request twice (a site's bridge that resumes its session after the
+    uplink broke): the same correlation and payload from the same admin is applied and answered
+    once (docs/scale.md, "Sites")."""
+    sent: List[Any] = []
+    agent.supervisor.send = lambda *a, **k: sent.append((a, k)) or True  # type: ignore[method-assign]
+    ok = json.dumps({"op": "set", "instance": "i", "fields": {"service_time_ms": 5.0}}).encode()
+    for _ in range(2):
+        agent._on_message_safely(_msg(topics.agent_rpc("c", "me", "adm"), ok), 0.0)
+    assert sent == [(("i", "set"), {"service_time_ms": 5.0})] and len(_replies(agent)) == 1
+    assert agent.counters["rpc_repeats"] == 1
+    agent._on_message_safely(_msg(topics.agent_rpc("c", "me", "other-admin"), ok), 0.0)
+    assert len(sent) == 2  # another requester's request with the same correlation is its own
+
+
 def test_a_forced_scale_out_is_bounded_by_the_slots_of_the_fleet(agent: Any) -> None:
     body = {"v": 1, "op": "scale", "operator": "work", "delta": 3_000_000, "pipeline": "p"}
     agent._on_message_safely(_msg(topics.agent_rpc("c", "me", "adm"), json.dumps(body).encode()), 0.0)

@@ -25,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--broker", help="host:port of the MQTT broker (default 127.0.0.1:1883)")
     g.add_argument("--host", help="broker host (mosquitto_sub -h); overrides the host of --broker")
     g.add_argument("-p", "--port", type=int, help="broker port (mosquitto_sub -p)")
+    g.add_argument("--site", help="talk to this site's broker, from the settings' [sites] table")
     g.add_argument("--cluster", help="cluster name (topic prefix fog/<cluster>), default 'default'")
     g.add_argument("-u", "--username", help="MQTT user name")
     g.add_argument("-P", "--pw", dest="password", help="MQTT password (prefer --pw-file)")
@@ -137,6 +138,12 @@ def main(argv: Optional[Sequence[str]] = None, connect: Optional[Callable[..., A
             raise ConfigError(named, "", f"no such settings file (named by {where})")
         cfg = load_config(_overrides(args), path=Path(args.config) if args.config else None,
                           agent_config=Path(args.agent_config) if args.agent_config else None)
+        if args.site is not None:
+            from agent.fogctl.config import for_site
+
+            if args.broker or args.host or args.port:
+                raise ConfigError("--site", "", "give either --site or --broker/--host/--port, not both")
+            cfg = for_site(cfg, args.site)
         ctx = Context(cfg, connect or Connection)
         return COMMANDS[args.command](args, ctx)
     except BrokerUnreachable as exc:

@@ -20,7 +20,8 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 from agent.schema import ConfigError, identifier, in_range, load_dataclass, positive, read_toml
 
-__all__ = ["FogctlConfig", "ENV_VARS", "default_config_path", "from_agent_config", "load_config", "parse_broker"]
+__all__ = ["FogctlConfig", "ENV_VARS", "default_config_path", "for_site", "from_agent_config", "load_config",
+           "parse_broker"]
 
 
 def _broker_check(v: Any) -> Optional[str]:
@@ -28,6 +29,15 @@ def _broker_check(v: Any) -> Optional[str]:
         parse_broker(v)
     except ValueError:
         return 'expected "host:port" (port 1-65535)'
+    return None
+
+
+def _sites_check(v: Any) -> Optional[str]:
+    for name, broker in v.items():
+        if identifier(name) is not None:
+            return f"site {name!r}: expected a name of letters, digits, '-', '_' or '.'"
+        if not isinstance(broker, str) or _broker_check(broker) is not None:
+            return f'site {name}: expected "host:port" (port 1-65535)'
     return None
 
 
@@ -45,6 +55,9 @@ class FogctlConfig:
     timeout: float = field(default=5.0, metadata={"check": positive("seconds")})
     keepalive: int = field(default=30, metadata={"check": in_range(5, 65535, "an integer")})
     client_id: Optional[str] = None
+    # Each site's own broker (docs/scale.md, "Sites"): `fogctl --site NAME` talks to it instead
+    # of `broker`, with the same cluster, credentials and TLS files.
+    sites: Dict[str, Any] = field(default_factory=dict, metadata={"check": _sites_check})
 
     @property
     def address(self) -> Tuple[str, int]:
@@ -73,6 +86,15 @@ ENV_VARS: Dict[str, str] = {
     "FOGCTL_TIMEOUT": "timeout",
     "FOGCTL_KEEPALIVE": "keepalive",
 }
+
+
+def for_site(cfg: FogctlConfig, site: str) -> FogctlConfig:
+    """`cfg` with the broker of `site` from its `[sites]` table; ConfigError naming the known
+    sites if there is none of that name."""
+    if site not in cfg.sites:
+        known = ", ".join(sorted(cfg.sites)) or "none"
+        raise ConfigError("--site", "", f"no site {site!r} in the settings' [sites] table (known: {known})")
+    return dataclasses.replace(cfg, broker=cfg.sites[site])
 
 
 def parse_broker(text: str) -> Tuple[str, int]:

@@ -75,11 +75,16 @@ class Message:
         return wire.loads(self.payload, what=self.topic)
 
 
-def request_properties(correlation: bytes) -> Properties:
-    """A request's or a reply's properties: Correlation Data only (the reply topic follows from
-    the request topic, docs/security.md)."""
+def request_properties(correlation: bytes, expiry: Optional[float] = None) -> Properties:
+    """A request's or a reply's properties: Correlation Data (the reply topic follows from the
+    request topic, docs/security.md) and, for a request, a Message Expiry Interval of `expiry`
+    seconds (rounded up): a request that waits in a broker's queue longer than its requester
+    waits for the reply (a site whose uplink is down, docs/scale.md "Sites") is dropped there
+    instead of being applied after the requester gave up."""
     props = Properties(PacketTypes.PUBLISH)
     props.CorrelationData = correlation
+    if expiry is not None:
+        props.MessageExpiryInterval = max(1, int(-(-float(expiry) // 1)))
     return props
 
 
@@ -321,16 +326,19 @@ class Requester:
         corr = uuid.uuid4().hex.encode()
         target = topics.parse(self.cluster, topic)
         replier = target.node if target is not None and target.kind in ("rpc", "peer") else None
-        props = request_properties(corr)
+        wait = self.timeout if timeout is None else timeout
+        props = request_properties(corr, expiry=wait)
         props.ContentType = "application/json"
         self.publish(topic, json.dumps(body, sort_keys=True).encode(), qos=1, properties=props)
-        wait = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + wait
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RequestTimeout(f"no reply on {topic} within {wait:g}s to {body.get('op')} "
-                                     "(is the agent online and up to date?)")
+                                     "(is the agent online and up to date? behind a site uplink "
+                                     "that is down the request is dropped, and one that waits in "
+                                     "a broker's queue expires after this timeout: it will not "
+                                     "be applied later)")
             try:
                 m = self._replies.get(timeout=left)
             except queue.Empty:

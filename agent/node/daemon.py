@@ -206,6 +206,7 @@ class Agent:
         # createNode() bookkeeping
         self._awaiting_ready: Dict[str, SpawnJob] = {}  # instance id -> job, local start
         self._calls = rpc.PendingCalls()  # remote starts
+        self._seen_requests = rpc.SeenRequests()  # admin requests handled: a redelivery is not applied again
         self._restarts: Dict[str, List[float]] = {}
         self._delayed_restarts: Dict[str, Tuple[float, InstanceSpec]] = {}  # instance -> (when, spec)
         self._restart_batch: List[InstanceSpec] = []  # restarts of this loop turn (chains start together)
@@ -257,7 +258,7 @@ class Agent:
         self._ready_notified = False
         self._started = clock()
         self.counters: Dict[str, int] = {"spawned_local": 0, "spawned_remote": 0, "spawn_failed": 0,
-                                         "rpc_requests": 0, "restarts": 0, "bad_messages": 0,
+                                         "rpc_requests": 0, "rpc_repeats": 0, "restarts": 0, "bad_messages": 0,
                                          "peer_refused": 0, "retained_ignored": 0}
         self.deployed: Set[str] = set()  # pipelines an admin deployed (retained pipelines/<name>)
         # The retained pipeline records (deployed with a generation, or a tombstone): an instance
@@ -1367,6 +1368,13 @@ class Agent:
         correlation = rpc.correlation_of(msg)
         reply_to = topics.replies(self.cluster, requester, self.node)
         where = "peer" if peer else "rpc"
+        if not peer and not self._seen_requests.first(requester, correlation, bytes(msg.payload), now):
+            # The same request again (a QoS 1 redelivery, e.g. over a site's bridge after its
+            # uplink broke): it was handled once and its reply sent; never apply it twice.
+            self.counters["rpc_repeats"] += 1
+            log.info("ignoring a repeated request from %s (same correlation data)", requester,
+                     extra={"node": self.node})
+            return
 
         def reply(result: Dict[str, Any]) -> None:
             self._publish(reply_to, rpc.encode(result), properties=rpc.reply_properties(correlation or b""))

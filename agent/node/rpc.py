@@ -26,9 +26,10 @@ Reply body (JSON):   {"ok": true, "instance": id, "node": node} | {"ok": false, 
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from agent import wire
 from agent.mqtt.settings import BrokerSpec
@@ -112,6 +113,40 @@ class PendingCalls:
 
     def __len__(self) -> int:
         return len(self.calls)
+
+
+class SeenRequests:
+    """The requests recently handled, per requester: one that arrives again with the same
+    correlation and the same payload is a redelivery (QoS 1 is at least once: a bridge that
+    resumes its session after its uplink broke, before its PUBACK passed, gets the request a
+    second time, docs/scale.md "Sites") and must not be applied twice. The payload is part of the
+    key so that a requester that reuses a correlation for another request is not mistaken for a
+    redelivery. Pure: time is an argument.
+
+    Bounded by `capacity` (the oldest entry goes first) and by `ttl` seconds, longer than any
+    requester waits (a request's Message Expiry is its requester's timeout)."""
+
+    def __init__(self, capacity: int = 1024, ttl: float = 600.0) -> None:
+        self.capacity, self.ttl = capacity, ttl
+        self._seen: Dict[Tuple[str, bytes, bytes], float] = {}
+
+    def first(self, requester: str, correlation: Optional[bytes], payload: bytes, now: float) -> bool:
+        """True the first time (requester, correlation, payload) is seen within `ttl`, False
+        after. A request without correlation data cannot be told apart from another: True."""
+        if not correlation:
+            return True
+        key = (requester, bytes(correlation), hashlib.sha256(payload).digest())
+        seen = self._seen.get(key)
+        if seen is not None and now - seen <= self.ttl:
+            return False
+        self._seen.pop(key, None)
+        self._seen[key] = now
+        while len(self._seen) > self.capacity:
+            del self._seen[next(iter(self._seen))]
+        return True
+
+    def __len__(self) -> int:
+        return len(self._seen)
 
 
 def publish_properties(correlation: str) -> Any:
