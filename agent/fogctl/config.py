@@ -45,6 +45,9 @@ class FogctlConfig:
     timeout: float = field(default=5.0, metadata={"check": positive("seconds")})
     keepalive: int = field(default=30, metadata={"check": in_range(5, 65535, "an integer")})
     client_id: Optional[str] = None
+    # The admin's Ed25519 private key (PEM): `fogctl deploy` signs the pipeline with it, and agents
+    # with [security] admin_keys run only signed pipelines (docs/security.md, "Signed pipeline specs").
+    sign_key: Optional[str] = None
 
     @property
     def address(self) -> Tuple[str, int]:
@@ -72,6 +75,7 @@ ENV_VARS: Dict[str, str] = {
     "FOGCTL_INSECURE": "insecure",
     "FOGCTL_TIMEOUT": "timeout",
     "FOGCTL_KEEPALIVE": "keepalive",
+    "FOGCTL_SIGN_KEY": "sign_key",
 }
 
 
