@@ -131,6 +131,22 @@ def test_mqtt_operators_only_on_the_signed_allow_list() -> None:
     with pytest.raises(ValueError, match="fleet's own topics"):  # the reserved roots stay refused
         admission.check_mqtt_topics(src, {"topic": "fog/c/events"}, ("#",), required=True)
     admission.check_mqtt_topics("agent.operators.builtin:in_zone", {}, (), required=True)  # not an MQTT operator
+    split = "agent.operators.windows:late_split_sink"  # two topics, both checked
+    admission.check_mqtt_topics(split, {"topic": "lab/out", "late_topic": "lab/late"}, ("lab/out", "lab/late"))
+    with pytest.raises(ValueError, match="params.late_topic"):
+        admission.check_mqtt_topics(split, {"topic": "lab/out", "late_topic": "plant/x"}, ("lab/out",))
+    with pytest.raises(ValueError, match="params.late_topic: .*fleet's own"):
+        admission.check_mqtt_topics(split, {"topic": "lab/out", "late_topic": "fog/c/events"})
+
+
+def test_the_examples_mqtt_pipeline_names_its_topics() -> None:
+    """examples/windows-pipeline.toml runs on a node that requires signed specs: every MQTT
+    operator's topics are on its allow-list."""
+    from agent.config import load_pipeline
+
+    cfg = load_pipeline(Path(__file__).resolve().parent.parent / "examples/windows-pipeline.toml")
+    for op in cfg.operators:
+        admission.check_mqtt_topics(op.function, op.params, cfg.pipeline.mqtt_topics, required=True)
 
 
 # ---- an agent that requires signatures -------------------------------------------------------------

@@ -382,9 +382,10 @@ def check_spec_types(data: Any) -> None:
 # pipeline is text any deployer (or, before peer spawns ran the admin's text only, any node) could
 # write: an mqtt_source on `fog/<c>/agents/<node>/rpc/+` started on that node read what admins
 # ask it, under that node's identity, and an mqtt_sink on `fog/<c>/events` handed it on.
-MQTT_TOPIC_PARAMS = {
-    "agent.operators.taxi:mqtt_source": "topic",
-    "agent.operators.builtin:mqtt_sink": "topic",
+MQTT_TOPIC_PARAMS: Dict[str, Tuple[str, ...]] = {
+    "agent.operators.taxi:mqtt_source": ("topic",),
+    "agent.operators.builtin:mqtt_sink": ("topic",),
+    "agent.operators.windows:late_split_sink": ("topic", "late_topic"),
 }
 # First topic levels that belong to the fleet (its own topic space, the legacy relative form) or
 # the broker: an operator's topic may not reach them.
@@ -439,19 +440,19 @@ def check_mqtt_topics(function: str, params: Mapping[str, Any], allowed: Iterabl
     (`[pipeline] mqtt_topics`, `allowed`) does not cover. `required` (a node that requires signed
     specs): an MQTT operator of a pipeline without an allow-list is refused too, so that the topics
     such an operator reads or writes with this node's identity are the ones an admin signed."""
-    key = MQTT_TOPIC_PARAMS.get(function)
-    if key is None:
-        return
-    topic = params.get(key) if isinstance(params, Mapping) else None
-    why = topic_refusal(topic)
-    if why:
-        raise ValueError(f"{function} params.{key}: {why}")
     allowed = tuple(allowed)
-    if not allowed and not required:
-        return
-    if not allowed:
-        raise ValueError(f"{function} params.{key}: {str(topic)[:80]!r}: the pipeline names no [pipeline] mqtt_topics "
-                         "(this node runs MQTT operators only on topics the pipeline's signer allowed)")
-    if filter_problem(topic) or not any(filter_covers(a, str(topic)) for a in allowed):
-        raise ValueError(f"{function} params.{key}: {str(topic)[:80]!r} is not on the pipeline's [pipeline] "
-                         f"mqtt_topics ({', '.join(repr(a[:80]) for a in allowed[:8])})")
+    for key in MQTT_TOPIC_PARAMS.get(function, ()):
+        topic = params.get(key) if isinstance(params, Mapping) else None
+        if topic is None and key != "topic":
+            continue  # an optional topic (late_split_sink's late_topic) left out
+        why = topic_refusal(topic)
+        if why:
+            raise ValueError(f"{function} params.{key}: {why}")
+        if not allowed and not required:
+            continue
+        if not allowed:
+            raise ValueError(f"{function} params.{key}: {str(topic)[:80]!r}: the pipeline names no [pipeline] "
+                             "mqtt_topics (this node runs MQTT operators only on topics the pipeline's signer allowed)")
+        if filter_problem(topic) or not any(filter_covers(a, str(topic)) for a in allowed):
+            raise ValueError(f"{function} params.{key}: {str(topic)[:80]!r} is not on the pipeline's [pipeline] "
+                             f"mqtt_topics ({', '.join(repr(a[:80]) for a in allowed[:8])})")
