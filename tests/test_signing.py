@@ -322,3 +322,24 @@ def test_fogctl_keygen_writes_a_pair_and_never_overwrites(tmp_path: Path) -> Non
         assert fogctl_main(["keygen", str(tmp_path / "admin.key")]) == 1
     assert "not overwritten" in err.getvalue()
     assert signing.load_signer(tmp_path / "admin.key").key == signer.key
+
+
+def test_check_config_says_what_the_nodes_topic_rules_refuse(tmp_path: Path, keys: Any) -> None:
+    """`check-config` (and so every deploy, before it connects) names an MQTT operator whose topic
+    is off its pipeline's allow-list, and, for a node that requires signatures, one whose pipeline
+    names none."""
+    from agent.pipeline_check import check_text
+
+    pub, _, _ = keys
+    node = tmp_path / "agent.toml"
+    node.write_text(f'[agent]\nnode = "n1"\nstate_dir = "{tmp_path}/s"\n[security]\nadmin_keys = ["{pub}"]\n')
+    off = TEXT.replace('params = { topic = "lab/out" }', 'params = { topic = "plant/out" }')
+    _, report = check_text(off, "p.toml", None)
+    assert [p.message for p in report.errors] == [
+        "p.toml: agent.operators.builtin:mqtt_sink params.topic: 'plant/out' is not on the pipeline's [pipeline] "
+        "mqtt_topics ('lab/sensors/+', 'lab/out')"], report.errors
+    unlisted = TEXT.replace('mqtt_topics = ["lab/sensors/+", "lab/out"]\n', "")
+    assert check_text(unlisted, "p.toml", None)[1].ok  # no node that requires signatures named
+    _, report = check_text(unlisted, "p.toml", str(node))
+    assert len(report.errors) == 2 and all("names no [pipeline] mqtt_topics" in p.message for p in report.errors)
+    assert check_text(TEXT, "p.toml", str(node))[1].ok
