@@ -343,3 +343,25 @@ def test_check_config_says_what_the_nodes_topic_rules_refuse(tmp_path: Path, key
     _, report = check_text(unlisted, "p.toml", str(node))
     assert len(report.errors) == 2 and all("names no [pipeline] mqtt_topics" in p.message for p in report.errors)
     assert check_text(TEXT, "p.toml", str(node))[1].ok
+
+
+def test_both_deploy_commands_refuse_a_bad_signing_key_before_any_broker(tmp_path: Path, keys: Any) -> None:
+    """A key that is not an Ed25519 PEM private key (here the public half) is one line, exit 1,
+    and nothing is connected to: the broker port named is closed."""
+    import contextlib
+    import io
+
+    from agent.cli.fogctl import main as fogctl_main
+    from agent.cli.main import main as agent_main
+
+    pub, _, _ = keys
+    pipe = tmp_path / "p.toml"
+    pipe.write_text(TEXT)
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        code = fogctl_main(["--broker", "127.0.0.1:9", "--sign-key", str(pub), "deploy", str(pipe)])
+    assert code == 1 and f"sign_key {pub}: not an unencrypted PEM private key" in err.getvalue(), err.getvalue()
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        code = agent_main(["deploy", str(pipe), "--host", "127.0.0.1", "--port", "9", "--sign-key", str(pub)])
+    assert code == 1 and f"--sign-key {pub}: not an unencrypted PEM private key" in err.getvalue(), err.getvalue()
