@@ -48,6 +48,16 @@ def _absolute_paths(v: Any) -> Optional[str]:
     return f"expected absolute paths ({bad[0]!r} is not)" if bad else None
 
 
+def _topic_filters(v: Any) -> Optional[str]:
+    from agent.operators.admission import filter_problem
+
+    for t in v:
+        why = filter_problem(t)
+        if why:
+            return f"expected MQTT topic names or filters ({t!r}: {why})"
+    return None
+
+
 # ---- agent.toml ---------------------------------------------------------------------------------
 
 
@@ -189,6 +199,18 @@ class SiteManagerSection:
 
 
 @dataclass(frozen=True)
+class SecuritySection:
+    """Who may say which pipelines this node runs (docs/security.md, "Signed pipeline specs").
+
+    `admin_keys`: absolute paths of the admins' Ed25519 public keys (PEM). Set (the Ansible role
+    always sets one): every spec this node runs, spawns, re-homes or re-adopts must carry a valid
+    signature of one of them, and MQTT operators must be on their pipeline's `mqtt_topics`. Empty:
+    signatures are not required (a fleet without admin keys)."""
+
+    admin_keys: Tuple[str, ...] = field(default=(), metadata={"check": _absolute_paths})
+
+
+@dataclass(frozen=True)
 class AgentConfig:
     agent: AgentSection
     operators: OperatorsSection = OperatorsSection()
@@ -198,6 +220,7 @@ class AgentConfig:
     spill: SpillSection = SpillSection()
     latency: LatencySection = LatencySection()
     site_manager: SiteManagerSection = SiteManagerSection()
+    security: SecuritySection = SecuritySection()
     source: str = field(default="<memory>", init=False, compare=False)
 
 
@@ -306,6 +329,10 @@ class PipelineSection:
     # Host consecutive keepers placed on one node in one worker process, batches between them
     # handed over in memory (docs/runtime.md, "Chaining"). Off: one process per instance.
     chain: bool = False
+    # The MQTT topics (names or filters) this pipeline's mqtt_source / mqtt_sink operators may use:
+    # part of the text an admin signs, checked on every node before such an operator starts
+    # (agent.operators.admission.check_mqtt_topics; required on a node that requires signatures).
+    mqtt_topics: Tuple[str, ...] = field(default=(), metadata={"check": _topic_filters})
 
 
 @dataclass(frozen=True)

@@ -139,7 +139,29 @@ def check_pipeline(cfg: Any, file: str, node: NodeConfig, lenient: bool = False)
         report.errors += _operator_problems(cfg, file, node, skip=unknown)
     report.errors += [Problem(file, "", e) for e in cfg.runtime_policy_errors()]
     report.errors += feedback_loops(cfg, file)
+    report.errors += _topic_problems(cfg, file, node)
     return report
+
+
+def _topic_problems(cfg: Any, file: str, node: NodeConfig) -> List[Problem]:
+    """MQTT operators on the fleet's topics, or off the pipeline's `[pipeline] mqtt_topics`
+    (required when the node's agent.toml requires signed pipelines): what each node's admission
+    refuses (docs/security.md, "Signed pipeline specs"), said before anything is deployed."""
+    from agent.operators.admission import MQTT_TOPIC_PARAMS, check_mqtt_topics, topic_refusal
+
+    required = bool(node.config is not None and node.config.security.admin_keys)
+    out: List[Problem] = []
+    for i, op in enumerate(cfg.operators):
+        keys = MQTT_TOPIC_PARAMS.get(op.function, ())
+        # a topic that is no topic or reaches the fleet's own is the params check's to say
+        usable = {k: op.params[k] for k in keys if isinstance(op.params.get(k), str) and not topic_refusal(op.params[k])}
+        if not keys or "topic" not in usable:
+            continue
+        try:
+            check_mqtt_topics(op.function, usable, cfg.pipeline.mqtt_topics, required=required)
+        except ValueError as exc:
+            out.append(Problem(file, f"[operator[{i}]].params", "MQTT topics this node admits", text=f"{file}: {exc}"))
+    return out
 
 
 def _refused(cfg: Any, file: str, node: NodeConfig, lenient: bool) -> Tuple[List[Problem], set]:

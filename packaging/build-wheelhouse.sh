@@ -9,8 +9,8 @@
 # requirements.lock of its own: those lines plus the agent's wheel with its hash, which the .deb's
 # postinst installs with `pip install --require-hashes --no-deps`.
 # Only pure-Python dependencies are bundled (paho-mqtt, prometheus-client, tomli for Python < 3.11):
-# psutil, the one compiled dependency, comes from Debian (python3-psutil, a Depends of the .deb) and
-# reaches the venv through --system-site-packages. That keeps the wheelhouse, and the .deb, the same
+# psutil and cryptography, the compiled dependencies, come from Debian (python3-psutil and
+# python3-cryptography, Depends of the .deb) and reach the venv through --system-site-packages. That keeps the wheelhouse, and the .deb, the same
 # for arm64, armhf and amd64. Tooling: pip only (from the project venv or the system).
 # Idempotent: if OUTDIR already holds the wheel built from the same sources, nothing is rebuilt.
 set -euo pipefail

@@ -10,7 +10,7 @@ PYTHON=${PYTHON:-python3}
 # installed it). qemu-user-static: `fog-agent testbed arm64`, the arm64 benchmark (not in the suite;
 # docs/operations.md, "arm64"); where systemd is PID 1 its package registers qemu's binfmt_misc entries.
 APT_PACKAGES=(mosquitto mosquitto-clients libsystemd-dev pkg-config iproute2 systemd
-              openjdk-17-jre-headless python3-venv python3-psutil python3-systemd openssl gcc libc6-dev
+              openjdk-17-jre-headless python3-venv python3-psutil python3-cryptography python3-systemd openssl gcc libc6-dev
               systemd-container debootstrap openssh-client lintian qemu-user-static)
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do

@@ -61,10 +61,10 @@ def test_fogctl_toml_env_file_and_agent_toml_name_the_same_broker(tmp_path: Path
     nodes = ("n1", "n2")
     for n in nodes:
         _write(d / n / "agent.toml", devfleet.agent_toml(n, "dev", 41234, d))
-    _write(d / "fogctl.toml", devfleet.fogctl_toml(41234, "dev"))
+    _write(d / "fogctl.toml", devfleet.fogctl_toml(41234, "dev", d))
     env = _exports(devfleet.env_text(d, 41234, nodes))
     assert env == {"FOGCTL_CONFIG": str(d / "fogctl.toml"), "FOG_AGENT_CONFIG": str(d / "n1" / "agent.toml"),
-                   "FOG_DEV_DIR": str(d), "FOG_DEV_PORT": "41234"}
+                   "FOG_DEV_DIR": str(d), "FOG_DEV_PORT": "41234", "FOG_AGENT_SIGN_KEY": str(d / "admin-sign.key")}
     # fogctl with no flags, after `. DIR/env`
     by_env = load_config(env=env)
     assert (by_env.broker, by_env.cluster, by_env.cafile) == ("127.0.0.1:41234", "dev", None)
@@ -77,6 +77,9 @@ def test_fogctl_toml_env_file_and_agent_toml_name_the_same_broker(tmp_path: Path
     assert (deploy_cfg.mqtt.port, deploy_cfg.agent.cluster) == (41234, "dev")
     # `dev status` / `dev down` find the directory
     assert devfleet.default_dir(env) == d
+    # the agents require the fleet's admin key, fogctl and `fog-agent deploy` sign with its private half
+    assert deploy_cfg.security.admin_keys == (str(d / "admin-sign.key.pub"),)
+    assert by_env.sign_key == env["FOG_AGENT_SIGN_KEY"] == str(d / "admin-sign.key")
 
 
 def test_broker_conf_keeps_every_file_under_dir_and_stays_the_user(tmp_path: Path) -> None:

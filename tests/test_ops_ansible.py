@@ -304,6 +304,59 @@ def test_the_client_id_secret_is_generated_once_on_the_control_node_and_the_same
     assert seen == [(secret, "yes")] * 6, seen  # three nodes, two runs: one secret
 
 
+def test_the_admin_signing_key_is_generated_once_on_the_control_node_and_only_its_public_half_copied(
+        tmp_path: Path) -> None:
+    """docs/security.md, "Signed pipeline specs": the role's own tasks generate one Ed25519 pair
+    next to the inventory (private 0600) once for the site, copy only the public half to each node,
+    and agent.toml names the copy in [security] admin_keys."""
+    import yaml
+
+    from agent import signing
+
+    tasks = yaml.safe_load((ANSIBLE_DIR / "roles/fog_agent/tasks/configure.yml").read_text())
+    names = ("Generate the admin signing key on the control node", "Derive the admin public key on the control node",
+             "Copy the admin public key")
+    picked = [{k: v for k, v in t.items() if k != "notify"} for t in tasks if t["name"] in names]
+    assert [t["name"] for t in picked] == list(names)
+    defaults = yaml.safe_load((ANSIBLE_DIR / "roles/fog_agent/defaults/main.yml").read_text())
+    keys = ("fog_agent_signed_specs", "fog_agent_admin_private_key_file", "fog_agent_admin_public_key_src",
+            "fog_agent_admin_key_generate")
+    inv = tmp_path / "site"
+    inv.mkdir()
+    local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
+    (inv / "hosts.yml").write_text(json.dumps({"all": {"hosts": {h: local for h in ("pi1", "pi2")}}}))
+    template = (ANSIBLE_DIR / "roles/fog_agent/templates/agent.toml.j2").read_text()
+    security = template[template.index("{% if fog_agent_signed_specs"):]
+    security = security[:security.index("{% endif %}") + len("{% endif %}")]
+    play = [{"hosts": "all", "gather_facts": False,
+             "vars": dict({k: defaults[k] for k in keys}, fog_agent_group="root",
+                          fog_agent_config_dir=str(tmp_path) + "/etc-{{ inventory_hostname }}"),
+             "tasks": [{"name": "Create the configuration directory",
+                        "ansible.builtin.file": {"path": "{{ fog_agent_config_dir }}", "state": "directory"}},
+                       *picked,
+                       {"name": "Render", "ansible.builtin.copy": {"content": security,
+                                                                    "dest": "{{ fog_agent_config_dir }}/security.toml"}}]}]
+    (tmp_path / "play.yml").write_text(json.dumps(play))
+    private = inv / "admin-sign.key"
+    res = run([str(PLAYBOOK), "-i", str(inv / "hosts.yml"), str(tmp_path / "play.yml")], ansible_env(tmp_path),
+              cwd=tmp_path)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert oct(private.stat().st_mode & 0o777) == "0o600"
+    # once for the site (run_once), and kept by every later run (creates: the files)
+    assert all(t.get("run_once") is True for t in picked[:2])
+    assert [t["ansible.builtin.shell"]["creates"] for t in picked[:1]] == ["{{ fog_agent_admin_private_key_file }}"]
+    assert picked[1]["ansible.builtin.command"]["creates"] == "{{ fog_agent_admin_public_key_src }}"
+    signer = signing.load_signer(private)
+    for host in ("pi1", "pi2"):
+        node = tmp_path / f"etc-{host}"
+        assert not any(b"PRIVATE" in f.read_bytes() for f in node.iterdir()), list(node.iterdir())
+        assert set(signing.load_verifier([node / "admin-sign.pub"]).keys) == {signer.key}
+        from agent.schema import tomllib
+
+        assert tomllib.loads((node / "security.toml").read_text())["security"]["admin_keys"] == [
+            str(node / "admin-sign.pub")]
+
+
 def test_roles_follow_the_node_exporter_layout() -> None:
     for role in ("mosquitto", "fog_agent", "fog_netem", "fog_central"):
         base = ANSIBLE_DIR / "roles" / role

@@ -89,6 +89,7 @@ def test_deb_info(deb: Path) -> None:
     # Journal fields and priorities by default (agent.log picks agent.journal when it can import it).
     assert "python3-systemd" in fields["Depends"].split(", ")
     assert "python3-psutil (>= 5.9)" in fields["Depends"]
+    assert "python3-cryptography (>= 38)" in fields["Depends"]  # agent.signing: Debian's, compiled
     assert fields["Maintainer"] == MAINTAINER
     assert "bookworm" in info and "bullseye" in info  # the supported platforms, and the one that is not
     for script in ("postinst", "prerm", "postrm", "conffiles"):
@@ -339,15 +340,15 @@ def lock_entries(text: str) -> dict:
 
 
 def test_lock_pins_every_pure_runtime_dependency_with_its_hash() -> None:
-    """packaging/requirements.lock is what pyproject.toml asks for: each dependency but psutil
-    (Debian's) pinned to a version its bound allows, with its wheel's sha256, markers kept."""
+    """packaging/requirements.lock is what pyproject.toml asks for: each dependency but psutil and
+    cryptography (Debian's) pinned to a version its bound allows, with its wheel's sha256, markers kept."""
     import tomllib
 
     from packaging.requirements import Requirement
 
     declared = [Requirement(r) for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]]
     locked = lock_entries(LOCK.read_text())
-    wanted = {r.name.lower(): r for r in declared if r.name.lower() != "psutil"}
+    wanted = {r.name.lower(): r for r in declared if r.name.lower() not in ("psutil", "cryptography")}
     assert set(locked) == set(wanted), "run packaging/lock.sh after changing [project] dependencies"
     for name, req in wanted.items():
         version, marker, hashes = locked[name]

@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--insecure", action="store_true", default=None, help="do not check the server host name (TLS)")
     g.add_argument("-i", "--id", dest="client_id", help="MQTT client id (default fogctl-<random>)")
     g.add_argument("-k", "--keepalive", type=int, help="MQTT keepalive in seconds")
+    g.add_argument("--sign-key", dest="sign_key", metavar="PRIVATE_KEY",
+                   help="the admin's Ed25519 private key (PEM): deploy signs the pipeline with it")
     g.add_argument("--timeout", type=float, help="seconds to wait for the broker and for replies (default 5)")
     g.add_argument("--config", help="settings file (default $FOGCTL_CONFIG or ~/.config/fogctl.toml)")
     g.add_argument("--agent-config", dest="agent_config", metavar="AGENT_TOML",
@@ -82,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--agent-config", dest="agent_config", metavar="AGENT_TOML",
                    help="check the pipeline against this node's [operators] modules, as check-config "
                         "--agent-config does (default: $FOG_AGENT_CONFIG or /etc/fog-agent/agent.toml if it exists)")
+    p = sub.add_parser("keygen", help="write a new admin key pair for signing pipelines (PRIVATE, PRIVATE.pub)")
+    p.add_argument("private", metavar="PRIVATE_KEY", help="where to write the private key (never overwritten)")
     p = sub.add_parser("undeploy", help="stop a pipeline's instances (sources first); every agent forgets them")
     p.add_argument("pipeline", metavar="PIPELINE|PIPELINE.toml")
     p.add_argument("--force", action="store_true",
@@ -99,7 +103,7 @@ def _overrides(args: argparse.Namespace) -> Dict[str, Any]:
         host, port = parse_broker(broker) if broker else ("127.0.0.1", 1883)
         broker = f"{args.host or host}:{args.port or port}"
     keys = ("cluster", "username", "password", "password_file", "cafile", "cert", "key", "insecure",
-            "client_id", "keepalive", "timeout")
+            "client_id", "keepalive", "timeout", "sign_key")
     out = {k: getattr(args, k) for k in keys}
     out["broker"] = broker
     return out

@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Dict, List
@@ -40,6 +41,10 @@ def register(groups: Any) -> None:
     d.add_argument("--placement", default="free-slots-then-latency", choices=PLACEMENTS,
                    help="placement policy for the keepers")
     d.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for each keeper")
+    d.add_argument("--sign-key", dest="sign_key", default=os.environ.get("FOG_AGENT_SIGN_KEY") or None,
+                   metavar="PRIVATE_KEY",
+                   help="the admin's Ed25519 private key (PEM) to sign the pipeline with; agents with "
+                        "[security] admin_keys run only signed pipelines (default $FOG_AGENT_SIGN_KEY)")
     d.set_defaults(func=deploy_cmd)
 
     m = groups.root.add_parser("demo", help="three agents on a private broker scale a taxi pipeline live")
@@ -148,6 +153,15 @@ def deploy_cmd(args: argparse.Namespace) -> int:
     if not report.ok:
         return exitcodes.ERROR
     host, port, cluster, user, password, tls = "127.0.0.1", 1883, "default", None, None, None
+    signer = None
+    if args.sign_key:  # before any broker: a bad key file starts nothing
+        from agent.signing import load_signer
+
+        try:
+            signer = load_signer(args.sign_key)
+        except ValueError as exc:
+            print(f"error: --sign-key {args.sign_key}: {exc}", file=sys.stderr)
+            return exitcodes.ERROR
     try:
         if args.config or (args.host is None and args.port is None):
             try:
@@ -162,7 +176,7 @@ def deploy_cmd(args: argparse.Namespace) -> int:
         cluster = args.cluster or cluster
         placed = deploy(text, host, port, cluster, extra=_parse_extra(args.extra), policy_name=args.placement,
                         timeout=args.timeout, username=user, password=password, name=Path(args.pipeline).name,
-                        tls=tls)
+                        tls=tls, signer=signer)
     except BrokerUnreachable as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exitcodes.UNREACHABLE

@@ -27,6 +27,8 @@ class PipelineRecord:
 
     state: str
     generation: Optional[str] = None
+    # The admin's signature line of a deployed record (agent.signing), None when unsigned.
+    signature: Optional[Any] = None
 
 
 def new_generation(wall: Optional[float] = None) -> str:
@@ -34,10 +36,12 @@ def new_generation(wall: Optional[float] = None) -> str:
     return f"{int((time.time() if wall is None else wall) * 1000):x}-{secrets.token_hex(3)}"
 
 
-def stamp(text: str, generation: str) -> str:
-    """The record of a deploy: the TOML text with a first comment line naming its generation
-    (a comment, so every reader that loads the TOML reads the same pipeline)."""
-    return f"# fog-generation: {generation}\n{text}"
+def stamp(text: str, generation: str, signature: Optional[Any] = None) -> str:
+    """The record of a deploy: the TOML text with a first comment line naming its generation and,
+    when the deployer signs (agent.signing.Signature), a second one carrying the admin's signature
+    (comments, so every reader that loads the TOML reads the same pipeline)."""
+    signed = f"{signature.line()}\n" if signature is not None else ""
+    return f"# fog-generation: {generation}\n{signed}{text}"
 
 
 def tombstone(name: str, generation: Optional[str]) -> bytes:
@@ -58,7 +62,13 @@ def parse_record(payload: bytes) -> Optional[PipelineRecord]:
         gen = m.group(1) if m is not None else None
         return PipelineRecord("undeployed", None if gen == "-" else gen)
     m = _GENERATION_LINE.match(first)
-    return PipelineRecord("deployed", m.group(1) if m is not None else None)
+    if m is None:
+        return PipelineRecord("deployed")
+    from agent.signing import Signature
+
+    second = payload[:600].split(b"\n", 2)
+    sig = Signature.from_line(second[1].decode("utf-8", "replace")) if len(second) > 2 else None
+    return PipelineRecord("deployed", m.group(1), sig)
 
 
 def deployed_text(payload: bytes) -> Optional[str]:
@@ -72,7 +82,11 @@ def deployed_text(payload: bytes) -> Optional[str]:
     except UnicodeDecodeError:
         return None
     first, sep, rest = text.partition("\n")
-    return rest if sep and _GENERATION_LINE.match(first) else text
+    if not (sep and _GENERATION_LINE.match(first)):
+        return text
+    if record.signature is not None:  # the signature line is the record's, not the pipeline's
+        rest = rest.partition("\n")[2]
+    return rest
 
 
 def spec_generation(spec: Any) -> Optional[str]:

@@ -452,8 +452,16 @@ def cmd_deploy(args: argparse.Namespace, ctx: Context) -> int:
         if args.json:
             ctx.emit(args, {"ok": False, "errors": [p.to_json() for p in report.errors]}, "")
         return exitcodes.ERROR
+    signer = None
+    if ctx.cfg.sign_key:  # before any connection: a bad key file starts nothing
+        from agent.signing import load_signer
+
+        try:
+            signer = load_signer(ctx.cfg.sign_key)
+        except ValueError as exc:
+            raise FogctlError(f"sign_key {ctx.cfg.sign_key}: {exc}") from None
     with ctx.connect(ctx.cfg) as conn:
-        cfg, placed = deploy_pipeline(conn, text, path.name, timeout=args.keeper_timeout)
+        cfg, placed = deploy_pipeline(conn, text, path.name, timeout=args.keeper_timeout, signer=signer)
     name = cfg.pipeline.name
     doc = {"ok": True, "pipeline": name, "topic": topics.pipeline(ctx.cfg.cluster, name), "keepers": placed}
     text_out = f"deployed {name} ({' -> '.join(op.name for op in cfg.operators)}): " + \
@@ -510,8 +518,26 @@ def cmd_undeploy(args: argparse.Namespace, ctx: Context) -> int:
     return 0
 
 
+def cmd_keygen(args: argparse.Namespace, ctx: Context) -> int:
+    """A new admin key pair: PRIVATE (mode 0600) for `--sign-key`, PRIVATE.pub for the nodes'
+    [security] admin_keys (the Ansible role's fog_agent_admin_public_key_src). No broker."""
+    from agent.signing import generate_keypair
+
+    private = Path(args.private)
+    public = private.with_name(private.name + ".pub")
+    try:
+        kid = generate_keypair(private, public)
+    except FileExistsError:
+        raise FogctlError(f"{private} exists: not overwritten (an admin key is not replaced by accident)") from None
+    except OSError as exc:
+        raise FogctlError(f"cannot write {private}: {exc.strerror}") from None
+    ctx.emit(args, {"ok": True, "private": str(private), "public": str(public), "key": kid},
+             f"admin key {kid}: private {private}, public {public}")
+    return 0
+
+
 COMMANDS = {
     "status": cmd_status, "topology": cmd_topology, "latency": cmd_latency, "locks": cmd_locks,
     "pipelines": cmd_pipelines, "watch": cmd_watch, "why": cmd_why, "scale": cmd_scale,
-    "drain": cmd_drain, "deploy": cmd_deploy, "undeploy": cmd_undeploy, "site": cmd_site,
+    "drain": cmd_drain, "deploy": cmd_deploy, "undeploy": cmd_undeploy, "site": cmd_site, "keygen": cmd_keygen,
 }

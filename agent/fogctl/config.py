@@ -58,6 +58,9 @@ class FogctlConfig:
     # Each site's own broker (docs/scale.md, "Sites"): `fogctl --site NAME` talks to it instead
     # of `broker`, with the same cluster, credentials and TLS files.
     sites: Dict[str, Any] = field(default_factory=dict, metadata={"check": _sites_check})
+    # The admin's Ed25519 private key (PEM): `fogctl deploy` signs the pipeline with it, and agents
+    # with [security] admin_keys run only signed pipelines (docs/security.md, "Signed pipeline specs").
+    sign_key: Optional[str] = None
 
     @property
     def address(self) -> Tuple[str, int]:
@@ -85,6 +88,7 @@ ENV_VARS: Dict[str, str] = {
     "FOGCTL_INSECURE": "insecure",
     "FOGCTL_TIMEOUT": "timeout",
     "FOGCTL_KEEPALIVE": "keepalive",
+    "FOGCTL_SIGN_KEY": "sign_key",
 }
 
 

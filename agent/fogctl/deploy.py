@@ -30,10 +30,11 @@ class DeployFailed(FogctlError):
 
 
 def deploy_pipeline(conn: Connection, text: str, name: str, timeout: float,
-                    policy_name: Optional[str] = None) -> Tuple[Any, List[Dict[str, str]]]:
-    """Publish the TOML retained and start its keepers; returns (PipelineConfig, placed keepers)."""
+                    policy_name: Optional[str] = None, signer: Any = None) -> Tuple[Any, List[Dict[str, str]]]:
+    """Publish the TOML retained (signed by `signer`, an agent.signing.Signer, when given) and
+    start its keepers; returns (PipelineConfig, placed keepers)."""
     try:
-        cfg, placed = deploy_over(conn, text, name, timeout, policy_name)
+        cfg, placed = deploy_over(conn, text, name, timeout, policy_name, signer=signer)
     except DeployError as exc:
         raise DeployFailed(str(exc), getattr(exc, "status", exitcodes.ERROR)) from None
     return cfg, [{"operator": d.operator, "instance": d.instance, "node": d.node} for d in placed]

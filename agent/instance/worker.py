@@ -51,7 +51,7 @@ from agent.mqtt.client import ingest_id, worker_id
 from agent.mqtt.transport import (
     Connected, Disconnected, PubAck, PublishRejected, Received, Transport, TransportError, poll_all,
 )
-from agent.operators.admission import OperatorRefused, node_allow_list
+from agent.operators.admission import OperatorRefused, check_mqtt_topics, node_allow_list
 from agent.operators.builtin import OperatorContext, load_operator
 from agent.operators.keyed import is_keyed
 
@@ -103,6 +103,8 @@ class Worker:
         # function; refuse it again here, from the node's own allow-list, before anything is
         # created or imported.
         node_allow_list().check(op.function)
+        # and an MQTT operator only on the topics its pipeline's (signed) allow-list names
+        check_mqtt_topics(op.function, op.params, self.pipeline.pipeline.mqtt_topics)
         self.ctx = {"instance": spec.instance, "operator": spec.operator, "node": spec.node}
         self.state_dir = Path(spec.state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)

@@ -47,8 +47,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
-from agent import events, notify, topics
+from agent import events, notify, signing, topics
 from agent.config import AgentConfig, check_tls, load_agent_config, load_pipeline_text, resolve_password
+from agent.schema import ConfigError
 from agent.control.fleet import Instance, Phase
 from agent.control.rpc_schema import ActionKind, DrainRequest, Reply, RequestError, agent_actions, parse_request
 from agent.mqtt import client as mqttc
@@ -165,6 +166,9 @@ class Agent:
         # What a spec may name here (docs/security.md, "No code from the bus"): fixed at start.
         self.allowed = admission.AllowList.for_node(cfg.operators.modules)
         self.node_dirs = admission.NodeDirs.of(cfg)
+        # Who may say which pipelines run here (docs/security.md, "Signed pipeline specs"):
+        # the admins' public keys, fixed at start; none configured, signatures are not required.
+        self.trust = signing.SpecTrust(self._admin_keys(cfg))
         timeout = cfg.agent.shutdown_timeout
         self.supervisor = Supervisor(
             emit=self._events.put,
@@ -997,16 +1001,23 @@ class Agent:
         try:
             if not isinstance(spec.pipeline_toml, str) or not isinstance(spec.operator, str):
                 raise ValueError("pipeline_toml and operator must be strings")
+            if not isinstance(spec.extra, dict):
+                raise ValueError("extra must be an object")
+            unsigned = self.trust.check(str(spec.pipeline), records.spec_generation(spec), spec.pipeline_toml,
+                                        spec.extra.get(signing.SIGNATURE_KEY))
+            if unsigned:  # before the text is parsed: an unsigned text is not ours to read
+                self.counters["refused_signatures"] = self.counters.get("refused_signatures", 0) + 1
+                raise ValueError(f"not signed by an admin: {unsigned}")
             try:
-                op = load_pipeline_text(spec.pipeline_toml, f"pipeline {spec.pipeline}").operator(spec.operator)
+                pipeline = load_pipeline_text(spec.pipeline_toml, f"pipeline {spec.pipeline}")
+                op = pipeline.operator(spec.operator)
             except KeyError:
                 raise ValueError(f"operator {spec.operator!r} is not in pipeline {spec.pipeline!r}") from None
             except RecursionError:
                 raise ValueError("pipeline text nested too deeply") from None
-            if not isinstance(spec.extra, dict):
-                raise ValueError("extra must be an object")
             self.allowed.check(op.function)
-            admission.check_mqtt_topics(op.function, op.params)
+            admission.check_mqtt_topics(op.function, op.params, pipeline.pipeline.mqtt_topics,
+                                        required=self.trust.required)
             admission.check_spec_paths(self.node_dirs, spec.extra, op.function, op.params)
             admission.check_epochs(spec.extra, self.wall(), stored=requester == admission.FROM_STATE_DIR)
         except ValueError as exc:
@@ -1014,6 +1025,18 @@ class Agent:
             log.warning("refused spec of instance %s from %s: %s", spec.instance, requester, exc,
                         extra={"node": self.node})
             raise
+
+    @staticmethod
+    def _admin_keys(cfg: AgentConfig) -> Optional[signing.Verifier]:
+        """The verifier of `[security] admin_keys`, None when none is configured; a key file that
+        is not an Ed25519 public key is a ConfigError naming the file and key (exit 78)."""
+        if not cfg.security.admin_keys:
+            return None
+        try:
+            return signing.load_verifier(cfg.security.admin_keys)
+        except ValueError as exc:
+            raise ConfigError(Path(cfg.source).name, "[security].admin_keys",
+                              f"expected Ed25519 public key PEM files ({exc})") from None
 
     def _node_local(self, extra: Dict[str, Any]) -> Dict[str, Any]:
         """The spec fields that are always this agent's, whatever the spec came with (a request
@@ -1232,11 +1255,17 @@ class Agent:
                 self._bad("hosted record", node, exc)
         elif kind == "pipeline":
             record = records.parse_record(msg.payload)
+            text = records.deployed_text(msg.payload) if record is not None else None
+            if record is not None and record.state == "deployed" and text is not None:
+                unsigned = self.trust.check(node, record.generation, text, record.signature)
+                if unsigned:  # kept as if never written: neither deployed nor a newer generation
+                    self.counters["refused_signatures"] = self.counters.get("refused_signatures", 0) + 1
+                    log.warning("pipeline record %s refused: %s", node, unsigned, extra={"node": self.node})
+                    return
             if record is None:
                 self.records.pop(node, None)
             else:
                 self.records[node] = record
-            text = records.deployed_text(msg.payload) if record is not None else None
             if record is not None and record.state == "deployed" and text is not None:
                 self.deployed.add(node)
                 self.deployed_text[node] = text

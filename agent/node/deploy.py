@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from agent import exitcodes, topics
 from agent.config import PipelineConfig, load_pipeline_text
 from agent.control.records import GENERATION_KEY, new_generation, stamp, tombstone
+from agent.signing import SIGNATURE_KEY, Signer
 from agent.node import chains, nodestate
 from agent.node import rpc
 from agent.node.placement import DEFAULT_POLICY, NodeView, PlacementRequest, get_policy
@@ -152,10 +153,12 @@ def _take_slot(views: Sequence[NodeView], node: str, instance: str) -> List[Node
 
 def run_deploy(cfg: PipelineConfig, text: str, specs: Sequence[InstanceSpec], fleet: Sequence[NodeView],
                policy: Any, call: Call, publish: Publish, cluster: str,
-               generation: Optional[str] = None, where: str = "") -> List[Deployed]:
+               generation: Optional[str] = None, where: str = "", signer: Optional[Signer] = None) -> List[Deployed]:
     """The transaction, over any client (`call`, `publish`): check, publish, start every keeper
     sink first, or roll back. Raises DeployRefused / DeployRolledBack / RollbackIncomplete with a
-    one-line message that says which."""
+    one-line message that says which. `signer`: the admin's key (agent.signing); the record and
+    every keeper's spec then carry its signature over the text, name and generation, which agents
+    that require signatures check before they run any instance of it."""
     name = cfg.pipeline.name
     if not any(v.online for v in fleet):
         raise DeployRefused(f"no agent of cluster {cluster!r} is online" + (f" at {where}" if where else ""))
@@ -167,9 +170,13 @@ def run_deploy(cfg: PipelineConfig, text: str, specs: Sequence[InstanceSpec], fl
     if problem:
         raise DeployRefused(f"deploy of {name} refused: {problem}; nothing was started or published")
     gen = generation or new_generation()
-    specs = [dataclasses.replace(s, extra=dict(s.extra, **{GENERATION_KEY: gen})) for s in specs]
+    signature = signer.sign(name, gen, text) if signer is not None else None
+    stamps: Dict[str, Any] = {GENERATION_KEY: gen}
+    if signature is not None:
+        stamps[SIGNATURE_KEY] = signature.to_extra()
+    specs = [dataclasses.replace(s, extra=dict(s.extra, **stamps)) for s in specs]
     topic = topics.pipeline(cluster, name)
-    publish(topic, stamp(text, gen).encode("utf-8"))
+    publish(topic, stamp(text, gen, signature).encode("utf-8"))
     placed: List[Deployed] = []
     views = list(fleet)
     # chain = true: groups of consecutive keepers, sink first, each on one node (docs/runtime.md,
@@ -216,6 +223,7 @@ def deploy(
     password: Optional[str] = None,
     name: str = "pipeline.toml",
     tls: Any = None,
+    signer: Optional[Signer] = None,
 ) -> List[Deployed]:
     """`fog-agent deploy`: `deploy_over` a connection of its own; returns where each keeper runs.
 
@@ -226,11 +234,12 @@ def deploy(
         tls_args = {"ca_file": tls.ca_file, "cert_file": tls.cert_file, "key_file": tls.key_file,
                     "tls_insecure": bool(tls.insecure)}
     with rpc.RpcClient(host, port, cluster, username=username, password=password, **tls_args) as client:
-        return deploy_over(client, text, name, timeout, policy_name, extra)[1]
+        return deploy_over(client, text, name, timeout, policy_name, extra, signer=signer)[1]
 
 
 def deploy_over(conn: Requester, text: str, name: str, timeout: float, policy_name: Optional[str] = None,
-                extra: Optional[Dict[str, Any]] = None) -> Tuple[PipelineConfig, List[Deployed]]:
+                extra: Optional[Dict[str, Any]] = None,
+                signer: Optional[Signer] = None) -> Tuple[PipelineConfig, List[Deployed]]:
     """The one deploy path, over a connected Requester (`fog-agent deploy`'s RpcClient, fogctl's
     Connection): parse and check the TOML, one snapshot of the agents' retained states and
     statuses, then `run_deploy`. Returns (PipelineConfig, placed keepers); raises ConfigError
@@ -255,7 +264,7 @@ def deploy_over(conn: Requester, text: str, name: str, timeout: float, policy_na
 
     placed = run_deploy(cfg, text, specs, fleet, get_policy(policy_name or DEFAULT_POLICY), call,
                         lambda topic, payload: conn.publish(topic, payload, qos=1, retain=True), cluster,
-                        where=conn.address)
+                        where=conn.address, signer=signer)
     return cfg, placed
 
 

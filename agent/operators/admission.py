@@ -57,8 +57,11 @@ __all__ = [
     "PathRefused",
     "check_epochs",
     "check_module_name",
+    "check_mqtt_topics",
     "check_spec_paths",
     "fault_injection_enabled",
+    "filter_covers",
+    "filter_problem",
     "node_allow_list",
     "parse_ref",
     "spec_paths",
@@ -379,9 +382,10 @@ def check_spec_types(data: Any) -> None:
 # pipeline is text any deployer (or, before peer spawns ran the admin's text only, any node) could
 # write: an mqtt_source on `fog/<c>/agents/<node>/rpc/+` started on that node read what admins
 # ask it, under that node's identity, and an mqtt_sink on `fog/<c>/events` handed it on.
-MQTT_TOPIC_PARAMS = {
-    "agent.operators.taxi:mqtt_source": "topic",
-    "agent.operators.builtin:mqtt_sink": "topic",
+MQTT_TOPIC_PARAMS: Dict[str, Tuple[str, ...]] = {
+    "agent.operators.taxi:mqtt_source": ("topic",),
+    "agent.operators.builtin:mqtt_sink": ("topic",),
+    "agent.operators.windows:late_split_sink": ("topic", "late_topic"),
 }
 # First topic levels that belong to the fleet (its own topic space, the legacy relative form) or
 # the broker: an operator's topic may not reach them.
@@ -401,12 +405,54 @@ def topic_refusal(topic: Any) -> Optional[str]:
     return None
 
 
-def check_mqtt_topics(function: str, params: Mapping[str, Any]) -> None:
+def filter_problem(topic: Any) -> Optional[str]:
+    """Why `topic` is not a valid MQTT topic name or filter, or None (`#` only as the last level,
+    wildcards only as whole levels, at most 256 characters, no NUL)."""
+    if not isinstance(topic, str) or not topic or len(topic) > 256 or "\0" in topic:
+        return "not a topic of 1-256 characters"
+    levels = topic.split("/")
+    for i, level in enumerate(levels):
+        if ("#" in level and (level != "#" or i != len(levels) - 1)) or ("+" in level and level != "+"):
+            return "a wildcard must be a whole level, and # the last one"
+    return None
+
+
+def filter_covers(allowed: str, topic: str) -> bool:
+    """True when every topic `topic` (a name or a filter) can match is matched by `allowed`:
+    level by level, `#` covers the rest, `+` covers one level (not a `#`), a name only itself."""
+    a, t = allowed.split("/"), topic.split("/")
+    for i, level in enumerate(a):
+        if level == "#":
+            return True
+        if i >= len(t) or t[i] == "#":
+            return False
+        if level != "+" and level != t[i]:
+            return False
+        if level == "+" and t[i] == "#":
+            return False
+    return len(a) == len(t)
+
+
+def check_mqtt_topics(function: str, params: Mapping[str, Any], allowed: Iterable[str] = (),
+                      required: bool = False) -> None:
     """Refuse (ValueError naming the param) an MQTT operator whose topic reaches the fleet's own
-    topic space or the broker's (`topic_refusal`)."""
-    key = MQTT_TOPIC_PARAMS.get(function)
-    if key is None:
-        return
-    why = topic_refusal(params.get(key) if isinstance(params, Mapping) else None)
-    if why:
-        raise ValueError(f"{function} params.{key}: {why}")
+    topic space or the broker's (`topic_refusal`), or that its pipeline's signed allow-list
+    (`[pipeline] mqtt_topics`, `allowed`) does not cover. `required` (a node that requires signed
+    specs): an MQTT operator of a pipeline without an allow-list is refused too, so that the topics
+    such an operator reads or writes with this node's identity are the ones an admin signed."""
+    allowed = tuple(allowed)
+    for key in MQTT_TOPIC_PARAMS.get(function, ()):
+        topic = params.get(key) if isinstance(params, Mapping) else None
+        if topic is None and key != "topic":
+            continue  # an optional topic (late_split_sink's late_topic) left out
+        why = topic_refusal(topic)
+        if why:
+            raise ValueError(f"{function} params.{key}: {why}")
+        if not allowed and not required:
+            continue
+        if not allowed:
+            raise ValueError(f"{function} params.{key}: {str(topic)[:80]!r}: the pipeline names no [pipeline] "
+                             "mqtt_topics (this node runs MQTT operators only on topics the pipeline's signer allowed)")
+        if filter_problem(topic) or not any(filter_covers(a, str(topic)) for a in allowed):
+            raise ValueError(f"{function} params.{key}: {str(topic)[:80]!r} is not on the pipeline's [pipeline] "
+                             f"mqtt_topics ({', '.join(repr(a[:80]) for a in allowed[:8])})")

@@ -115,6 +115,9 @@ class Fleet:
     # (agent.tools.delayproxy), which can cut the node off: the chaos fault `partition`.
     proxied: bool = False
     inbox_per_node: bool = True  # [mqtt] inbox_per_node of every agent (docs/security.md)
+    # A throwaway admin key in the work dir: every agent requires signed specs, deploy signs
+    # (docs/security.md, "Signed pipeline specs"), so the path runs wherever the demo does.
+    signed: bool = False
     procs: Dict[str, subprocess.Popen] = field(default_factory=dict)
     broker: Any = None
     proxies: Any = None  # a ProxyBank when `proxied`
@@ -126,6 +129,10 @@ class Fleet:
     @property
     def landing(self) -> Path:
         return self.workdir / "landing"
+
+    @property
+    def admin_key(self) -> Path:
+        return self.workdir / "admin-sign.key"
 
     @property
     def host(self) -> str:
@@ -140,6 +147,10 @@ class Fleet:
 
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.sink_dir.mkdir(parents=True, exist_ok=True)
+        if self.signed and not self.admin_key.exists():
+            from agent.signing import generate_keypair
+
+            generate_keypair(self.admin_key, self.admin_key.with_name(self.admin_key.name + ".pub"))
         if self.broker_host is None:
             self.broker = start_private_broker(self.workdir / "broker", max_queued=self.max_queued)
         if self.proxied:
@@ -171,6 +182,7 @@ class Fleet:
             port=self.proxies.port(node) if self.proxies is not None else self.port,
             inbox_per_node=str(self.inbox_per_node).lower(),
         ) + (SPILL_TOML.format(spool_dir=self.workdir / f"spool-{node}", landing=self.landing) if self.spill else "")
+            + (f'[security]\nadmin_keys = ["{self.admin_key}.pub"]\n' if self.signed else "")
             + self.extra_toml)
         logf = open(self.workdir / f"{node}.log", "a")
         proc = subprocess.Popen(
@@ -187,7 +199,12 @@ class Fleet:
 
         merged = {"sink_dir": str(self.sink_dir)}
         merged.update(extra or {})
-        return deploy(text, self.host, self.port, self.cluster, extra=merged, timeout=timeout)
+        signer = None
+        if self.signed:
+            from agent.signing import load_signer
+
+            signer = load_signer(self.admin_key)
+        return deploy(text, self.host, self.port, self.cluster, extra=merged, timeout=timeout, signer=signer)
 
     def stop(self, timeout: Optional[float] = None) -> Dict[str, Optional[int]]:
         """SIGTERM every agent, wait up to the documented bound, kill what is left; exit codes."""
@@ -498,7 +515,7 @@ def run_demo(
     profile_end = _profile_end(cfg.operators[0].params) or (duration or 120.0)
     workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="fog-demo-"))
     started = time.monotonic()
-    fleet = Fleet(workdir, log_level="warning", spill=True)
+    fleet = Fleet(workdir, log_level="warning", spill=True, signed=True)
     samples: List[Sample] = []
     monitor: Optional[Monitor] = None
     summary: Dict[str, Any] = {"workdir": str(workdir), "pipeline": cfg.pipeline.name,

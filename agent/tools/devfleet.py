@@ -11,6 +11,8 @@ broker again in a file of its own. `dev up` writes every file under one director
     DIR/broker/                mosquitto.conf, mosquitto.log, mosquitto.db, mosquitto.pid
     DIR/<node>/                agent.toml, agent.log, agent.pid, state/ (the agent's state_dir)
     DIR/sink/                  a sink directory every agent admits (`--set sink_dir=DIR/sink`)
+    DIR/admin-sign.key(.pub)   the fleet's throwaway admin key: agents run only pipelines it signed,
+                               fogctl and `fog-agent deploy` sign with it (fogctl.toml, env)
 
 Unlike `fog-agent demo` (agent.tools.demo.Fleet), whose processes end with the command, these run
 detached (a session of their own, stdin closed, output in their log), so the user deploys,
@@ -49,6 +51,7 @@ ROOT = Path(__file__).resolve().parents[2]  # the checkout (or site-packages whe
 EXAMPLE_OPS = ROOT / "examples" / "operators"  # fog_example_ops, the operators of examples/operators/pipeline.toml
 EXAMPLE_MODULE = "fog_example_ops.ops"
 HOST = "127.0.0.1"
+ADMIN_KEY = "admin-sign.key"  # the dev fleet's throwaway admin key (and .pub) in DIR
 DEFAULT_AGENTS = 3
 MAX_AGENTS = 32
 DEFAULT_CLUSTER = "dev"
@@ -96,6 +99,10 @@ port = {port}
 
 [metrics]
 port = 0
+
+# Pipelines signed by the fleet's throwaway admin key only (DIR/admin-sign.key; docs/security.md)
+[security]
+admin_keys = [{_q(str(directory / ADMIN_KEY) + ".pub")}]
 """
 
 
@@ -110,11 +117,12 @@ def broker_conf(directory: Path, port: int, user: str) -> str:
                               max_queued=10000, max_inflight=100)
 
 
-def fogctl_toml(port: int, cluster: str) -> str:
+def fogctl_toml(port: int, cluster: str, directory: Path) -> str:
     return f"""\
 # fogctl's settings for the fleet of `fog-agent dev up`: fogctl --config THIS_FILE status
 broker = {_q(f"{HOST}:{port}")}
 cluster = {_q(cluster)}
+sign_key = {_q(str(directory / ADMIN_KEY))}
 """
 
 
@@ -126,7 +134,8 @@ def env_text(directory: Path, port: int, nodes: Sequence[str]) -> str:
             f"export FOGCTL_CONFIG={_sh(str(directory / 'fogctl.toml'))}\n"
             f"export FOG_AGENT_CONFIG={_sh(str(directory / nodes[0] / 'agent.toml'))}\n"
             f"export FOG_DEV_DIR={_sh(str(directory))}\n"
-            f"export FOG_DEV_PORT={port}\n")
+            f"export FOG_DEV_PORT={port}\n"
+            f"export FOG_AGENT_SIGN_KEY={_sh(str(directory / ADMIN_KEY))}\n")
 
 
 def _sh(text: str) -> str:
@@ -393,7 +402,11 @@ def up(directory: Path, agents: Optional[int] = None, cluster: Optional[str] = N
         for node in fleet.nodes:
             (directory / node / "state").mkdir(parents=True, exist_ok=True)
             fleet.agent_conf(node).write_text(agent_toml(node, cluster, port, directory, modules))
-        fleet.fogctl_config.write_text(fogctl_toml(port, cluster))
+        if not (directory / ADMIN_KEY).exists():  # the fleet's throwaway admin key, kept across `up`s
+            from agent.signing import generate_keypair
+
+            generate_keypair(directory / ADMIN_KEY, directory / (ADMIN_KEY + ".pub"))
+        fleet.fogctl_config.write_text(fogctl_toml(port, cluster, directory))
         fleet.env_file.write_text(env_text(directory, port, fleet.nodes))
         fleet.save()  # before any process: an interrupted `up` leaves what `down` needs
         started = time.time()

@@ -44,6 +44,8 @@ ROOT_PACKAGES: Tuple[str, ...] = (
     "systemd", "systemd-sysv", "dbus", "iproute2", "openssh-server", "sudo", "adduser",
     "python3", "python3-venv", "python3-setuptools", "python3-psutil", "python3-systemd",
     "python3-apt", "mosquitto", "mosquitto-clients",
+    # agent.signing; debootstrap resolves no virtual package, so the cffi backend is named too
+    "python3-cryptography", "python3-cffi-backend",
 )
 ARCHES = ("amd64", "arm64")
 BRIDGE = "fogtb0"
