@@ -1,6 +1,8 @@
-"""Writing a file that a crash must never leave half written (specs, worker state, capacity
-records, pins): write a sibling `<name>.tmp`, then rename it over the file, which POSIX makes
-atomic, so a reader (or the next start after a crash) sees the old file or the new one."""
+"""Writing files a crash must never leave half written. `write_atomic` (specs, worker state,
+capacity records, pins): write a sibling `<name>.tmp`, then rename it over the file, which POSIX
+makes atomic, so a reader (or the next start after a crash) sees the old file or the new one.
+`append` (logs of changes): one O_APPEND write of whole lines, so a kill -9 leaves them whole or
+absent and a power cut at worst a torn last line, which the readers of such logs ignore."""
 
 from __future__ import annotations
 
@@ -12,3 +14,13 @@ def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def append(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)

@@ -39,7 +39,7 @@ from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 from agent.dataplane.envelope import Item
 from agent.dataplane.keygroups import key_group, record_key
-from agent.files import write_atomic
+from agent.files import append, write_atomic
 from agent.instance.applied import Applied, union
 from agent.operators.keyed import KeyedOperator
 
@@ -479,13 +479,7 @@ class KeyedState:
             self._base_bytes, self._log_bytes, self._full_next = len(text), 0, False
         else:
             line = (json.dumps(self._delta(), separators=(",", ":")) + "\n").encode()
-            fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-            try:
-                view = memoryview(line)
-                while view:
-                    view = view[os.write(fd, view):]
-            finally:
-                os.close(fd)
+            append(log_path, line)
             self._log_bytes += len(line)
         self._dirty_keys.clear()
         self._dirty_pos.clear()

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from agent.files import write_atomic
+from agent.files import append, write_atomic
 from agent.node.statexfer import check_keyed
 
 __all__ = ["PART_BYTES", "MAX_SNAPSHOT_BYTES", "REPLY_TIMEOUT", "Replication", "Shipper", "ReplicaStore",
@@ -232,13 +232,7 @@ class ReplicaStore:
             raise ValueError(f"not at {gen}/{offset} for {host}: a snapshot first")
         if offset + len(data) > MAX_LOG_BYTES:
             raise ValueError(f"log past {MAX_LOG_BYTES} bytes: a snapshot first")
-        fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-        finally:
-            os.close(fd)
+        append(log, data)
         write_atomic(meta_path, json.dumps({"host": host, "gen": gen, "log": offset + len(data)}))
         self.counts["replica_appends"] += 1
         return {"ok": True, "instance": inst, "gen": gen, "log": offset + len(data)}
