@@ -49,7 +49,7 @@ def _absolute_paths(v: Any) -> Optional[str]:
 
 
 def _topic_filters(v: Any) -> Optional[str]:
-    from agent.operators.admission import filter_problem
+    from agent.topics import filter_problem
 
     for t in v:
         why = filter_problem(t)

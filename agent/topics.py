@@ -6,7 +6,7 @@ daemon build topics only through these functions so that the two never drift apa
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 ROOT = "fog"
 
@@ -291,3 +291,15 @@ def parse_any(topic: str) -> Optional[Parsed]:
     if len(parts) < 3 or parts[0] != ROOT or not parts[1] or parts[1] in ("+", "#"):
         return None
     return parse(parts[1], topic)
+
+
+def filter_problem(topic: Any) -> Optional[str]:
+    """Why `topic` is not a valid MQTT topic name or filter, or None (`#` only as the last level,
+    wildcards only as whole levels, at most 256 characters, no NUL)."""
+    if not isinstance(topic, str) or not topic or len(topic) > 256 or "\0" in topic:
+        return "not a topic of 1-256 characters"
+    levels = topic.split("/")
+    for i, level in enumerate(levels):
+        if ("#" in level and (level != "#" or i != len(levels) - 1)) or ("+" in level and level != "+"):
+            return "a wildcard must be a whole level, and # the last one"
+    return None

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, Iterable, List, Mapping, Optional, Tuple
 
 from agent.refs import MAX_REF, check_module_name, parse_ref
+from agent.topics import filter_problem
 
 
 __all__ = [
@@ -402,18 +403,6 @@ def topic_refusal(topic: Any) -> Optional[str]:
     if first in ("+", "#") or first.startswith("$") or first.lower() in RESERVED_TOPIC_ROOTS:
         return (f"{topic[:80]!r} reaches the fleet's own topics ({', '.join(r + '/...' for r in RESERVED_TOPIC_ROOTS)}, "
                 f"$SYS, or a filter starting with a wildcard)")
-    return None
-
-
-def filter_problem(topic: Any) -> Optional[str]:
-    """Why `topic` is not a valid MQTT topic name or filter, or None (`#` only as the last level,
-    wildcards only as whole levels, at most 256 characters, no NUL)."""
-    if not isinstance(topic, str) or not topic or len(topic) > 256 or "\0" in topic:
-        return "not a topic of 1-256 characters"
-    levels = topic.split("/")
-    for i, level in enumerate(levels):
-        if ("#" in level and (level != "#" or i != len(levels) - 1)) or ("+" in level and level != "+"):
-            return "a wildcard must be a whole level, and # the last one"
     return None
 
 
