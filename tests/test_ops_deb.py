@@ -258,7 +258,7 @@ def scratch_root(tmp_path: Path) -> Path:
 def relabel(deb: Path, version: str, out: Path) -> Path:
     """The same wheels as a package of another version (what an upgrade looks like to dpkg and
     to postinst, without a second wheel build): the testbed's upgrade command uses the same."""
-    from agent.tools.testbed_upgrade import relabel_deb
+    from foglab.tools.testbed_upgrade import relabel_deb
 
     return relabel_deb(deb, version, out)
 

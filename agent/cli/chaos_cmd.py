@@ -8,7 +8,7 @@ from typing import Any
 
 def register(groups: Any) -> None:
     from agent.protocol.gme_fgme import DAMPING_DEFAULT
-    from agent.tools.chaos import DEFAULT_FAULTS, FAULTS
+    from foglab.tools.chaos import DEFAULT_FAULTS, FAULTS
 
     p = groups.root.add_parser(
         "chaos", help="run the demo fleet while injecting faults at random (seeded), then verify every record id")
@@ -59,7 +59,7 @@ def register(groups: Any) -> None:
 def chaos_cmd(args: argparse.Namespace) -> int:
     if args.testbed:
         return testbed_chaos_cmd(args)
-    from agent.tools import chaos
+    from foglab.tools import chaos
 
     return chaos.main(args)
 
@@ -68,9 +68,9 @@ def testbed_chaos_cmd(args: argparse.Namespace) -> int:
     import json
     import sys
 
-    from agent.tools import testbed
-    from agent.tools.chaos import EXIT_LOSS, EXIT_OK, EXIT_SETUP, EXIT_UNRECOVERED
-    from agent.tools.chaos_testbed import FAULTS, run_testbed_chaos
+    from foglab.tools import testbed
+    from foglab.tools.chaos import EXIT_LOSS, EXIT_OK, EXIT_SETUP, EXIT_UNRECOVERED
+    from foglab.tools.chaos_testbed import FAULTS, run_testbed_chaos
 
     faults = [f.strip() for f in str(args.faults or ",".join(FAULTS)).split(",") if f.strip()]
     try:

@@ -1,6 +1,6 @@
 """`fog-agent dev up|status|down`: a local dev fleet (private broker, N agents) that outlives the command.
 
-The work is in agent/tools/devfleet.py; this module only parses and prints. `--json` prints one
+The work is in lab/foglab/tools/devfleet.py; this module only parses and prints. `--json` prints one
 JSON document alone on stdout; without it, what a person reads (the next commands to type) goes
 to stdout and progress to stderr.
 """
@@ -45,7 +45,7 @@ def _usage(parser: argparse.ArgumentParser) -> int:
 
 
 def _dir(args: argparse.Namespace) -> Path:
-    from agent.tools.devfleet import default_dir
+    from foglab.tools.devfleet import default_dir
 
     return Path(args.dir) if args.dir else default_dir()
 
@@ -61,7 +61,7 @@ def _fail(exc: Exception) -> int:
 
 
 def up_cmd(args: argparse.Namespace) -> int:
-    from agent.tools import devfleet
+    from foglab.tools import devfleet
 
     def say(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
@@ -82,7 +82,7 @@ def up_cmd(args: argparse.Namespace) -> int:
 
 
 def status_cmd(args: argparse.Namespace) -> int:
-    from agent.tools import devfleet
+    from foglab.tools import devfleet
 
     try:
         doc = devfleet.status(_dir(args))
@@ -103,7 +103,7 @@ def status_cmd(args: argparse.Namespace) -> int:
 
 
 def down_cmd(args: argparse.Namespace) -> int:
-    from agent.tools import devfleet
+    from foglab.tools import devfleet
 
     try:
         doc = devfleet.down(_dir(args), purge=args.purge)

@@ -28,7 +28,7 @@ def register(groups: Any) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from agent.sim.fuzz import TARGETS, TargetStats, run_all
+    from foglab.sim.fuzz import TARGETS, TargetStats, run_all
 
     targets = tuple(args.target or TARGETS)
     unknown = sorted(set(targets) - set(TARGETS))
@@ -59,6 +59,6 @@ def run_bench(args: argparse.Namespace) -> int:
               f"   ({total:.1f} s, seed {args.seed})")
         for r in results:
             for f in r.failures:
-                print(f"\n{f.kind} in {f.target} input #{f.index} (replay: agent.sim.fuzz.replay({f.target!r}, "
+                print(f"\n{f.kind} in {f.target} input #{f.index} (replay: foglab.sim.fuzz.replay({f.target!r}, "
                       f"{args.seed}, {f.index})): {f.error}\n  input: {f.input}\n{f.trace}")
     return 0 if crashes == 0 else 1

@@ -54,7 +54,7 @@ def register(groups: Any) -> None:
     c.add_argument("--digest-slots-log2", type=int, default=None, metavar="K",
                    help="with --hash-states: one table of 2^K 12-byte slots, sized once (for runs that fill the memory)")
     c.add_argument("--fast", action="store_true",
-                   help="the same search compiled (agent/sim/gme_fast.c, needs cc): ~10x faster, 8-byte fingerprints, no trace")
+                   help="the same search compiled (lab/foglab/sim/gme_fast.c, needs cc): ~10x faster, 8-byte fingerprints, no trace")
     c.add_argument("--table-bits", type=int, default=27, metavar="K",
                    help="with --fast: 2^K 8-byte slots for the visited set (27 = 1 GB, ~120 M states)")
     c.add_argument("--sweep", default=None, metavar="DIR",
@@ -109,7 +109,7 @@ def _print(report: Dict[str, Any], as_json: bool) -> None:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    from agent.sim.gme_sim import GmeSimConfig, plot, simulate
+    from foglab.sim.gme_sim import GmeSimConfig, plot, simulate
 
     cfg = GmeSimConfig(
         algorithm=args.algorithm, nodes=args.nodes, entries=args.entries,
@@ -129,8 +129,8 @@ def run_bench(args: argparse.Namespace) -> int:
     import socket
     import tempfile
 
-    from agent.tools.broker import BrokerError, start_private_broker
-    from agent.tools.gme_bench import BenchConfig, run_bench as bench
+    from foglab.tools.broker import BrokerError, start_private_broker
+    from foglab.tools.gme_bench import BenchConfig, run_bench as bench
 
     broker = None
     tmp = None
@@ -194,7 +194,7 @@ def _run_check(args: argparse.Namespace) -> int:
     import resource
     import time
 
-    from agent.sim.gme_check import exhaustive_check
+    from foglab.sim.gme_check import exhaustive_check
 
     sizes = tuple(int(x) for x in args.groups.split(","))
     t0, w0 = time.process_time(), time.monotonic()
@@ -206,7 +206,7 @@ def _run_check(args: argparse.Namespace) -> int:
               f"{time.process_time() - t0:.0f} s CPU, peak RSS {rss:.0f} MB", file=sys.stderr, flush=True)
 
     if args.fast:
-        from agent.sim.gme_fast import fast_check
+        from foglab.sim.gme_fast import fast_check
 
         try:
             r = fast_check(

@@ -1,4 +1,4 @@
-"""`fog-agent simulate instance`: the interleaving checker of whole instances (agent.sim.instance_check)."""
+"""`fog-agent simulate instance`: the interleaving checker of whole instances (foglab.sim.instance_check)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ FAULT_HELP = ("seeded fault to switch on (repeatable): retry_only_with_data, dra
 
 
 def register(groups: Any) -> None:
-    from agent.sim.instance_check import FAULTS
+    from foglab.sim.instance_check import FAULTS
 
     p = groups.simulate.add_parser(
         "instance", help="check whole instances (source -> op 1->2->1 -> sink) over a broker model",
@@ -67,7 +67,7 @@ def register(groups: Any) -> None:
 def _run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from agent.sim.instance_check import Config, describe, explore, random_runs
+    from foglab.sim.instance_check import Config, describe, explore, random_runs
 
     plans: Any = (("op-0", "duplicate"), ("copy", "terminate"))
     if args.rounds == "1-2-1-2":

@@ -253,7 +253,7 @@ def cmd_netem_clear(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate_policies(args: argparse.Namespace) -> int:
-    from agent.sim.policies import POLICIES, SimConfig, compare, format_table, summary
+    from foglab.sim.policies import POLICIES, SimConfig, compare, format_table, summary
 
     names = [p.strip() for p in args.policies.split(",")] if args.policies else list(POLICIES)
     unknown = [p for p in names if p not in POLICIES]
@@ -294,10 +294,10 @@ def cmd_simulate_policies(args: argparse.Namespace) -> int:
 def _bound(results: Any, pareto: Any, days: float, train_days: int, day_sigma: float) -> Any:
     """The clairvoyant bound at the policies' own (rounded) reconfiguration counts and, for the
     Pareto plot, at every budget 8..36 with the perfect-forecast bound beside it
-    (agent/sim/policies_forecast_bound.py); (None, None) without a threshold run to take the
+    (lab/foglab/sim/policies_forecast_bound.py); (None, None) without a threshold run to take the
     under limit from."""
-    from agent.sim.policies_forecast_bound import forecast_bound_curve
-    from agent.sim.policies_pareto import bound_curve, plot_pareto, points
+    from foglab.sim.policies_forecast_bound import forecast_bound_curve
+    from foglab.sim.policies_pareto import bound_curve, plot_pareto, points
 
     if "threshold" not in results:
         return None, None
@@ -336,7 +336,7 @@ def _plot(results: Any, path: str) -> None:
 def cmd_bench_latency(args: argparse.Namespace) -> int:
     import statistics
 
-    from agent.tools.delayproxy import DelayProxy
+    from foglab.tools.delayproxy import DelayProxy
     from agent.measure.latency import EchoServer, tcp_rtt
 
     rtts = [float(x) for x in args.rtt.split(",") if x.strip()]
@@ -365,7 +365,7 @@ def cmd_bench_policies(args: argparse.Namespace) -> int:
     import tempfile
     from pathlib import Path
 
-    from agent.tools.policies_bench import SiteParams, compare, format_consolidation, format_rows, plot_consolidation
+    from foglab.tools.policies_bench import SiteParams, compare, format_consolidation, format_rows, plot_consolidation
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="fog-bench-policies-"))

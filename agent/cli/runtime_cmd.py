@@ -74,9 +74,9 @@ def register(groups: Any) -> None:
     mv.add_argument("--workdir", default=None, help="keep broker, agent logs and sink files here")
     mv.set_defaults(func=bench_move_cmd)
 
-    # The benchmarks live in agent.tools, which a fog node's package may leave out.
-    for name in ("agent.tools.dataplane_bench", "agent.tools.keyed_bench", "agent.tools.handover_bench",
-                 "agent.tools.fleet_bench"):
+    # The benchmarks live in foglab.tools, which a fog node's package may leave out.
+    for name in ("foglab.tools.dataplane_bench", "foglab.tools.keyed_bench", "foglab.tools.handover_bench",
+                 "foglab.tools.fleet_bench"):
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:
@@ -178,13 +178,13 @@ def deploy_cmd(args: argparse.Namespace) -> int:
 
 
 def demo_cmd(args: argparse.Namespace) -> int:
-    from agent.tools import demo
+    from foglab.tools import demo
 
     return demo.main(args)
 
 
 def bench_rescale_cmd(args: argparse.Namespace) -> int:
-    from agent.tools import demo
+    from foglab.tools import demo
 
     from agent.log import stdout_to_stderr
 
@@ -207,7 +207,7 @@ def bench_rescale_cmd(args: argparse.Namespace) -> int:
 
 def bench_spawn_cmd(args: argparse.Namespace) -> int:
     from agent.log import stdout_to_stderr
-    from agent.tools import demo
+    from foglab.tools import demo
 
     if args.burst < 1 or args.rounds < 1:
         print("fog-agent bench spawn: --burst and --rounds take 1 or more", file=sys.stderr)
@@ -228,7 +228,7 @@ def bench_spawn_cmd(args: argparse.Namespace) -> int:
 
 def bench_move_cmd(args: argparse.Namespace) -> int:
     from agent.log import stdout_to_stderr
-    from agent.tools import move_bench
+    from foglab.tools import move_bench
 
     kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
     bad = [k for k in kinds if k not in ("drain", "rehome")]

@@ -61,7 +61,7 @@ def register(groups: Any) -> None:
 
 
 def _config(args: argparse.Namespace) -> Any:
-    from agent.sim.scaling_sim import SimConfig
+    from foglab.sim.scaling_sim import SimConfig
 
     return SimConfig(
         seed=args.seed, steps=args.steps, operators=args.operators, instances=args.instances,
@@ -72,7 +72,7 @@ def _config(args: argparse.Namespace) -> Any:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from agent.sim.scaling_sim import simulate
+    from foglab.sim.scaling_sim import simulate
 
     try:
         cfg = _config(args)
@@ -91,7 +91,7 @@ def _simulate(args: argparse.Namespace) -> int:
                             round(res.throughput_pct[i], 6), res.messages[i], res.stale_routes[i],
                             res.op0_load[i], res.op0_instances[i]])
     if args.plot:
-        from agent.sim.plot import plot_run
+        from foglab.sim.plot import plot_run
 
         plot_run(res, args.plot)
     if args.json:
@@ -107,7 +107,7 @@ def _simulate(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     """CPU seconds (process time, robust to a shared machine) per run; the work is dominated by
     protocol messages, so messages/s is the figure that transfers between load profiles."""
-    from agent.sim.scaling_sim import SimConfig, simulate
+    from foglab.sim.scaling_sim import SimConfig, simulate
 
     print(f"{'instances':>10} {'pipelines x 5 x 14':>19} {'steps':>6} {'cpu_s':>8} {'wall_s':>8} "
           f"{'steps/s':>9} {'messages':>10} {'msgs/cpu_s':>11}")

@@ -248,7 +248,7 @@ def _make_payloads(n: int, batch: int, inbox_sender: str) -> List[bytes]:
 
 def _sink_worker_run(payloads: List[bytes], work: Path, spill: bool, batch: int) -> Tuple[float, Dict[str, Any]]:
     from agent import topics
-    from agent.tools.dataplane_bench import initial_specs, pipeline_toml
+    from foglab.tools.dataplane_bench import initial_specs, pipeline_toml
     from agent.mqtt.settings import BrokerSpec
     from agent.mqtt.transport import Received
     from agent.instance.events import Abort

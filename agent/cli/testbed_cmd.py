@@ -118,7 +118,7 @@ def register(groups: Any) -> None:
 
 
 def up_cmd(args: argparse.Namespace) -> int:
-    from agent.tools import testbed
+    from foglab.tools import testbed
 
     try:
         result = testbed.up(args.nodes, args.arch, deb=args.deb)
@@ -138,7 +138,7 @@ def up_cmd(args: argparse.Namespace) -> int:
 
 
 def root_cmd(args: argparse.Namespace) -> int:
-    from agent.tools import testbed
+    from foglab.tools import testbed
 
     try:
         root, built, seconds = testbed.build_root(args.arch, suite=args.suite)
@@ -153,11 +153,11 @@ def root_cmd(args: argparse.Namespace) -> int:
 
 
 def down_cmd(args: argparse.Namespace) -> int:
-    from agent.tools import testbed
+    from foglab.tools import testbed
 
     try:
         if args.arm64:
-            from agent.tools.testbed_arm64 import run_dir
+            from foglab.tools.testbed_arm64 import run_dir
 
             removed = testbed.down(run=run_dir())
         else:
@@ -173,7 +173,7 @@ def down_cmd(args: argparse.Namespace) -> int:
 
 
 def ssh_cmd(args: argparse.Namespace) -> int:
-    from agent.tools import testbed
+    from foglab.tools import testbed
 
     try:
         proc = testbed.ssh(args.node, " ".join(args.cmd), check=False, timeout=3600)
@@ -186,7 +186,7 @@ def ssh_cmd(args: argparse.Namespace) -> int:
 
 
 def systemd_cmd(args: argparse.Namespace) -> int:
-    from agent.tools import testbed, testbed_systemd
+    from foglab.tools import testbed, testbed_systemd
 
     def sh(line: str) -> "tuple[int, str]":
         proc = testbed.ssh(args.node, line, check=False)
@@ -212,7 +212,7 @@ def systemd_cmd(args: argparse.Namespace) -> int:
 
 
 def pipeline_cmd(args: argparse.Namespace) -> int:
-    from agent.tools import testbed, testbed_pipeline
+    from foglab.tools import testbed, testbed_pipeline
 
     try:
         summary = testbed_pipeline.run_pipeline(args.duration, args.rate, keep=args.keep, during=args.during,
@@ -231,7 +231,7 @@ def pipeline_cmd(args: argparse.Namespace) -> int:
 
 def _verdict(run: Callable[[], Dict[str, Any]], as_json: bool) -> int:
     """Run a testbed experiment; print its summary (or JSON) and the verdict; exit 0 only if ok."""
-    from agent.tools import testbed
+    from foglab.tools import testbed
 
     try:
         summary = run()
@@ -250,7 +250,7 @@ def _verdict(run: Callable[[], Dict[str, Any]], as_json: bool) -> int:
 def upgrade_cmd(args: argparse.Namespace) -> int:
     import tempfile
 
-    from agent.tools import testbed_upgrade
+    from foglab.tools import testbed_upgrade
 
     def run() -> Dict[str, Any]:
         with tempfile.TemporaryDirectory(prefix="fog-upgrade-") as tmp:
@@ -264,7 +264,7 @@ def upgrade_cmd(args: argparse.Namespace) -> int:
 
 
 def scenarios_cmd(args: argparse.Namespace) -> int:
-    from agent.tools import testbed, testbed_scenarios
+    from foglab.tools import testbed, testbed_scenarios
 
     try:
         report = testbed_scenarios.run_scenarios(
@@ -278,7 +278,7 @@ def scenarios_cmd(args: argparse.Namespace) -> int:
 
 
 def arm64_cmd(args: argparse.Namespace) -> int:
-    from agent.tools import testbed_arm64
+    from foglab.tools import testbed_arm64
 
     return _verdict(lambda: testbed_arm64.arm64_check(args.deb.resolve(), args.duration, args.rate,
                                                       keep_up=args.keep_up), args.json)
@@ -287,7 +287,7 @@ def arm64_cmd(args: argparse.Namespace) -> int:
 def fault_cmd(args: argparse.Namespace) -> int:
     import time
 
-    from agent.tools import testbed
+    from foglab.tools import testbed
 
     try:
         if args.fault == "kill":
