@@ -382,7 +382,7 @@ def test_worker_logs_protocol_messages_it_cannot_handle_once_per_sender(caplog: 
 
 def test_bus_targets_are_registered_and_run_through_the_cli(capsys: Any) -> None:
     """Every parser of bus input has a target, and `fog-agent bench fuzz --each N` runs N each."""
-    from agent.cli.fuzz_cmd import run_bench
+    from foglab.cli.fuzz_cmd import run_bench
 
     assert set(fuzz.BUS_TARGETS) <= set(fuzz.TARGETS)
     assert {"rpc_request", "rpc_reply", "node_state", "hosted", "rehomed", "latency_record",
