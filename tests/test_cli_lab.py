@@ -85,3 +85,17 @@ def test_a_broken_lab_install_is_not_taken_for_a_missing_one(tmp_path: Path, mon
     with pytest.raises(ModuleNotFoundError) as exc:
         cli.build_parser()
     assert exc.value.name == "foglab_dependency_that_is_not_installed"
+
+
+def test_the_lab_distribution_goes_with_this_agent_version() -> None:
+    """The lab drives the agent's internals: lab/pyproject.toml names this version and pins it."""
+    from agent import __version__
+    from agent.schema import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    lab = tomllib.loads((root / "lab" / "pyproject.toml").read_text())
+    assert lab["project"]["name"] == "fog-agent-lab" and lab["project"]["version"] == __version__
+    assert f"fog-agent=={__version__}" in lab["project"]["dependencies"]
+    assert lab["tool"]["setuptools"]["packages"]["find"]["include"] == ["foglab*"]
+    node = tomllib.loads((root / "pyproject.toml").read_text())
+    assert node["tool"]["setuptools"]["packages"]["find"]["include"] == ["agent*"]
