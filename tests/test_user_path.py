@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 import pytest
-from agent_process import ONLINE_BOUND
+from agent_process import CHECKOUT_PATH, ONLINE_BOUND
 from pipelines import taxi_in_zone
 
 from agent.cli import config_cmd
@@ -36,7 +36,7 @@ EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.toml"))
 
 def fog_agent(*args: str, timeout: float = 60, env: Dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([PY, "-m", "agent", *args], capture_output=True, text=True, cwd=ROOT, timeout=timeout,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT), **(env or {})))
+                          env=dict(os.environ, PYTHONPATH=CHECKOUT_PATH, **(env or {})))
 
 
 # ---- --json: only JSON on stdout ------------------------------------------------------------------
@@ -447,7 +447,7 @@ def test_design_citations_point_at_the_design_document() -> None:
     sections = {int(m) for m in re.findall(r"^## (\d+)\. ", design, re.M)}
     invariants = {int(m) for m in re.findall(r"^(\d+)\. \*\*", design.split("## 4.")[1].split("\n## ")[0], re.M)}
     assert sections == set(range(1, 9)) and invariants == set(range(1, 9))
-    files = [p for d in ("agent", "tests", "ansible", "scripts") for p in (ROOT / d).rglob("*")
+    files = [p for d in ("agent", "lab", "tests", "ansible", "scripts") for p in (ROOT / d).rglob("*")
              if p.suffix in (".py", ".j2", ".yml", ".sh", ".md") and p.name != "test_user_path.py"]
     files += list((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
     cited = 0
