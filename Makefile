@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml scripts/setup.sh
+$(STAMP): pyproject.toml lab/pyproject.toml scripts/setup.sh
 	PYTHON=$(PYTHON) bash scripts/setup.sh
 	touch $(STAMP)
 

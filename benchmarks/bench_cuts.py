@@ -41,9 +41,9 @@ from typing import Any, Callable, Dict, List, Tuple
 import paho.mqtt.client as mqtt
 
 from agent.mqtt import client as mqttc
-from agent.tools.broker import start_private_broker
+from foglab.tools.broker import start_private_broker
 from agent.dataplane.envelope import Envelope, Kind, encode
-from agent.tools.dataplane_bench import _payloads
+from foglab.tools.dataplane_bench import _payloads
 
 VARIANTS: List[Tuple[str, bool, bool, bool]] = [  # name, mqtt5, own loop, buffered reads
     ("mqtt5", True, False, False),

@@ -22,7 +22,7 @@ cp -a "$CACHED" "$WORK/root"
 PYTHONPATH="$HERE" "$VENV/bin/python" - "$DEB" "$WORK" "$BASE" <<'PY'
 import shutil, sys
 from pathlib import Path
-from agent.tools.testbed_upgrade import relabel_deb
+from foglab.tools.testbed_upgrade import relabel_deb
 deb, work, base = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 for v in (f"{base}+a", f"{base}+b"):
     shutil.copy(relabel_deb(deb, v, work / f"relabel-{v}"), work / "debs")

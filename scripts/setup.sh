@@ -45,8 +45,10 @@ fi
 # are not locked: they never reach a fog node.
 echo "setup: installing the locked runtime dependencies (pip --require-hashes)"
 .venv/bin/python -m pip install -q --require-hashes --no-deps --only-binary=:all: -r packaging/requirements.lock
-echo "setup: installing fog-agent[dev,analytics,systemd,ops,fast] into .venv"
-.venv/bin/python -m pip install -q -e '.[dev,analytics,systemd,ops,fast]'
+# The lab (lab/: simulators, checkers, benchmarks, demo, chaos, testbed; never on a node) is a
+# distribution of its own; both editable, in one resolution.
+echo "setup: installing fog-agent[dev,analytics,systemd,ops,fast] and fog-agent-lab (lab/) into .venv"
+.venv/bin/python -m pip install -q -e '.[dev,analytics,systemd,ops,fast]' -e ./lab
 
 # The container testbed's Debian root (debootstrap, about 3 minutes and 350 MB, once per machine;
 # cached in ~/.cache/fog-agent/testbed/roots or $FOG_TESTBED_CACHE): built here, so that the

@@ -12,6 +12,9 @@ import time
 from typing import Any, Callable, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
+# This checkout's two distributions, fog-agent (ROOT) and fog-agent-lab (ROOT/lab), first on the path
+# of a subprocess: a test runs the code it checks out, not whatever copy the venv has installed.
+CHECKOUT_PATH = os.pathsep.join([str(ROOT), str(ROOT / "lab")])
 # Seconds a test gives an agent to come online or a worker it starts itself to say ready, against a
 # hang only (a dead process fails at once where the test can see it): under load ~34 an agent had
 # not logged its first line after 30 s, and at ~38 most workers of test_runtime_worker_broker were

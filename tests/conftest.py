@@ -17,7 +17,14 @@ from typing import Any, Dict, Iterator, List
 
 import pytest
 
-from agent.tools.broker import (
+# Keep spawned workers and CLI subprocesses on this checkout's code and venv: the agent (ROOT, on
+# sys.path as `python -m pytest`'s working directory) and the lab (ROOT/lab, the fog-agent-lab
+# distribution), whichever copies the venv has installed.
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(1, str(ROOT / "lab"))
+os.environ.setdefault("PYTHONPATH", os.pathsep.join([str(ROOT), str(ROOT / "lab")]))
+
+from foglab.tools.broker import (
     MOSQUITTO,
     BrokerError,
     PrivateBroker,
@@ -26,11 +33,8 @@ from agent.tools.broker import (
     wait_port,
 )
 
-# Keep spawned workers and CLI subprocesses on this checkout's code and venv.
-ROOT = Path(__file__).resolve().parent.parent
-os.environ.setdefault("PYTHONPATH", str(ROOT))
 
-# One broker configuration for tests, the demo and the benchmarks (agent/tools/broker.py).
+# One broker configuration for tests, the demo and the benchmarks (lab/foglab/tools/broker.py).
 Broker = PrivateBroker
 __all__ = ["MOSQUITTO", "Broker", "free_port", "wait_port", "start_broker", "stop_broker"]
 

@@ -23,8 +23,8 @@ from agent.instance.core import Instance
 from agent.instance.events import EnvelopeHanded, EnvelopeReceived, PubAcked, PublishAccepted, Restarted, Started, Tick
 from agent.instance.spec import InstanceSpec
 from agent.mqtt.settings import BrokerSpec
-from agent.sim.instance_check import BROKER, CLUSTER, WALL0, MemoryMap, MemorySink, pipeline_text
-from agent.tools.dataplane_bench import initial_specs
+from foglab.sim.instance_check import BROKER, CLUSTER, WALL0, MemoryMap, MemorySink, pipeline_text
+from foglab.tools.dataplane_bench import initial_specs
 
 from test_runtime_worker_broker import (
     assert_exactly_once, expected_ids, step_load_pipeline, taxi_pipeline, wait_for, wait_source_quiet,
@@ -163,7 +163,7 @@ def test_a_chain_tells_each_member_which_chained_successors_keep_their_records(t
     import io
 
     from agent.instance.chain import Chain
-    from agent.tools.dataplane_bench import pipeline_toml
+    from foglab.tools.dataplane_bench import pipeline_toml
 
     for fn, map_keeps in (("agent.operators.builtin:identity", True), ("agent.operators.builtin:in_zone", False)):
         toml = pipeline_toml("keeps", [

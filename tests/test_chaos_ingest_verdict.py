@@ -1,9 +1,9 @@
-"""The verdict of `fog-agent chaos --pipeline mqtt-ingest` (agent.tools.chaos_ingest.ingest_verdict)
+"""The verdict of `fog-agent chaos --pipeline mqtt-ingest` (foglab.tools.chaos_ingest.ingest_verdict)
 on fixed inputs: every published reading against the window rows at the sink. No broker, no fleet."""
 
 from __future__ import annotations
 
-from agent.tools.chaos_ingest import CLOSER, attribute_twice, duplicates_allowed, ingest_verdict
+from foglab.tools.chaos_ingest import CLOSER, attribute_twice, duplicates_allowed, ingest_verdict
 
 W = 5000
 # (rid, sensor, t ms): s1 has 2 readings in window 0 and 1 in window 5000; s2 one in window 0

@@ -11,8 +11,8 @@ from typing import Any, Dict, List
 
 import pytest
 
-from agent.tools.chaos import ChaosConfig, _back_to_size, chaos_pipeline, faults_wanted, load_lacks
-from agent.tools.demo import Monitor
+from foglab.tools.chaos import ChaosConfig, _back_to_size, chaos_pipeline, faults_wanted, load_lacks
+from foglab.tools.demo import Monitor
 
 OPS = ["source", "validate", "sink"]
 

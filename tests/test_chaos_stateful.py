@@ -1,7 +1,7 @@
 """`fog-agent chaos --pipeline stateful` on real processes: a keyed 10-minute window per pickup cell
-(agent.tools.chaos.STATEFUL_PIPELINE) under kill -9 of its instance and of the agent hosting it,
+(foglab.tools.chaos.STATEFUL_PIPELINE) under kill -9 of its instance and of the agent hosting it,
 verified window by window against the fault-free reference regenerated from the seeded source
-(agent.tools.verify.verify_windows). Nothing is mocked.
+(foglab.tools.verify.verify_windows). Nothing is mocked.
 
 About 60-90 s on the shared 2-core machine: a fleet's start and deploy (~25 s), 30 s of load, the
 settle and the clean stop that ships the spilled windows."""
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.tools.chaos import ChaosConfig, run_chaos
+from foglab.tools.chaos import ChaosConfig, run_chaos
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 

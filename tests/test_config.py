@@ -157,7 +157,7 @@ def test_fgme_pipelines_default_to_the_damped_lock(tmp_path: Path) -> None:
     import json
 
     from agent.protocol.guarded import core_class
-    from agent.tools.chaos import ChaosConfig, chaos_pipeline
+    from foglab.tools.chaos import ChaosConfig, chaos_pipeline
 
     from agent.config import PipelineSection
     from agent.protocol.gme_fgme import DAMPING_DEFAULT

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.tools.broker import start_private_broker
-from agent.tools.dataplane_bench import DropWatch, measure_raw, measure_raw_2proc
+from foglab.tools.broker import start_private_broker
+from foglab.tools.dataplane_bench import DropWatch, measure_raw, measure_raw_2proc
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -10,6 +10,7 @@ from typing import Any, Dict, List
 
 import pytest
 
+from agent_process import CHECKOUT_PATH
 from agent.analytics.debs import prepare_trips
 from agent.analytics.debs_compare import batch_top_routes, compare_top_routes
 from agent.instance.keyed_state import KeyedState
@@ -298,7 +299,7 @@ def test_live_route_counts_scale_out_and_in_and_every_window_equals_the_batch_an
     from pathlib import Path
 
     from agent.operators.debs import window_row
-    from agent.tools.verify import landed_records
+    from foglab.tools.verify import landed_records
     from debs_reference import reference_areas
 
     root = Path(__file__).resolve().parent.parent
@@ -307,7 +308,7 @@ def test_live_route_counts_scale_out_and_in_and_every_window_equals_the_batch_an
     proc = subprocess.run(
         [sys.executable, "-m", "agent", "demo", "--pipeline", str(pipeline), "--json", "--no-analytics", "--quiet",
          "--workdir", str(tmp_path / "run"), "--plot", str(tmp_path / "demo.png")],
-        capture_output=True, text=True, timeout=240, env=dict(os.environ, PYTHONPATH=str(root)), cwd=str(root))
+        capture_output=True, text=True, timeout=240, env=dict(os.environ, PYTHONPATH=CHECKOUT_PATH), cwd=str(root))
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout)
     assert summary["ok"] is True and summary["lost"] == 0 and summary["duplicated"] == 0

@@ -23,7 +23,7 @@ from agent import topics
 from agent.cli.fogctl import main
 from agent.fogctl.client import Connection
 from agent.fogctl.config import FogctlConfig
-from agent.tools.broker import start_private_broker
+from foglab.tools.broker import start_private_broker
 from agent.control.records import parse_record
 from agent_process import ONLINE_BOUND
 from test_runtime_daemon import PIPELINE, AgentProc, fake_worker, wait_until  # noqa: F401  (fixture)

@@ -1,4 +1,4 @@
-"""`fog-agent dev up|status|down` (agent/tools/devfleet.py) and `fogctl --agent-config`.
+"""`fog-agent dev up|status|down` (lab/foglab/tools/devfleet.py) and `fogctl --agent-config`.
 
 The generated files are checked with the loaders of the commands that read them (the agent's,
 fogctl's, `fog-agent deploy`'s), without starting anything; one live test runs the CLI as a user
@@ -18,9 +18,10 @@ from typing import Any, Dict, List
 
 import pytest
 
+from agent_process import CHECKOUT_PATH
 from agent.config import default_config_path, load_agent_config
 from agent.fogctl.config import from_agent_config, load_config
-from agent.tools import devfleet
+from foglab.tools import devfleet
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -142,7 +143,7 @@ def test_up_and_purge_refuse_a_directory_that_is_not_a_dev_fleets(tmp_path: Path
 
 
 def _dev(*argv: str) -> Dict[str, Any]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=CHECKOUT_PATH)
     r = subprocess.run([sys.executable, "-m", "agent", "dev", *argv, "--json"], capture_output=True, text=True,
                        env=env, cwd=str(ROOT), timeout=devfleet.ONLINE_BOUND + 60)
     assert r.returncode == 0, r.stderr

@@ -19,7 +19,7 @@ from agent.node.rpc import RpcClient
 from agent.operators.builtin import OperatorContext
 from agent.operators.keyed import sliding_window, tumbling_window
 from agent.operators.taxi import TaxiGenerator
-from agent.tools.demo import Fleet, Monitor
+from foglab.tools.demo import Fleet, Monitor
 from test_fogctl_agents import fogctl
 from test_keyed_broker import Collector
 

@@ -1,4 +1,4 @@
-"""The sans-IO half of `fog-agent bench fleet` (agent/tools/fleet_bench.py): attribution of a
+"""The sans-IO half of `fog-agent bench fleet` (lab/foglab/tools/fleet_bench.py): attribution of a
 publication, the broker's fan-out from the daemon's subscriptions, and the N -> 1,000 model.
 The bench itself is a command (docs/scale.md), not a test: a fleet run takes minutes."""
 
@@ -6,7 +6,7 @@ import inspect
 import re
 
 from agent import topics
-from agent.tools import fleet_bench as fb
+from foglab.tools import fleet_bench as fb
 
 NODES = ["n1", "n2", "n3", "n4"]
 

@@ -272,8 +272,8 @@ def test_fogctl_scale_and_drain_on_real_agents_lose_no_record(capsys, mosquitto,
     else scales), `fogctl drain s2` empties s2 through the protocol's scale-in, and every record
     generated reaches the sink exactly once (the demo's verifier)."""
     from agent.config import load_pipeline_text
-    from agent.tools.demo import Fleet, Monitor
-    from agent.tools.verify import verify
+    from foglab.tools.demo import Fleet, Monitor
+    from foglab.tools.verify import verify
 
     cluster = "s" + uuid.uuid4().hex[:8]
     # s1 and s3 hold the three keepers (4 slots): the copies need s2, which hosts no keeper.
@@ -339,8 +339,8 @@ def test_fogctl_drain_hands_a_keeper_over_to_another_node(capsys, mosquitto, tmp
     one instance per operator. Without the state shipped in the spec the new incarnation would
     start at epoch 0 (asserted >= 1 below) and its predecessors would not replay to it."""
     from agent.config import load_pipeline_text
-    from agent.tools.demo import Fleet, Monitor
-    from agent.tools.verify import verify
+    from foglab.tools.demo import Fleet, Monitor
+    from foglab.tools.verify import verify
     from agent.node.rpc import RpcClient
 
     started = time.monotonic()

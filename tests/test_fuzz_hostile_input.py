@@ -2,7 +2,7 @@
 bytes or any message from any sender without crashing, and a rejected message leaves the state
 unchanged (docs/hostile-input.md).
 
-Three kinds of tests: the seeded fuzzer (`agent.sim.fuzz`) on every target with a small budget
+Three kinds of tests: the seeded fuzzer (`foglab.sim.fuzz`) on every target with a small budget
 (the 100,000-input run is `fog-agent bench fuzz`); tests that show the fuzzer can fail (injected
 faults are reported); regression tests for each defect the fuzzer found, each failing without its
 fix. Hypothesis adds unseeded-shape coverage of the decoders and the channel.
@@ -27,7 +27,7 @@ from agent.protocol.messages import from_dict, from_json
 from agent.protocol.scaling import ScalingCore
 from agent.dataplane.channel import Inbound
 from agent.dataplane.envelope import Envelope, Kind, MalformedEnvelope, decode, encode
-from agent.sim import fuzz
+from foglab.sim import fuzz
 
 BUDGET = 1200  # inputs per target here: ~1 s each on a loaded 2-core machine
 
@@ -240,7 +240,7 @@ def test_ra2_rejects_bad_vectors_itself_and_strangers_state_unchanged(msg: Any) 
 
 
 def _guarded_pair() -> Any:
-    from agent.sim.guarded_check import build_guarded
+    from foglab.sim.guarded_check import build_guarded
 
     return build_guarded((2, 2)).cores
 
@@ -382,7 +382,7 @@ def test_worker_logs_protocol_messages_it_cannot_handle_once_per_sender(caplog: 
 
 def test_bus_targets_are_registered_and_run_through_the_cli(capsys: Any) -> None:
     """Every parser of bus input has a target, and `fog-agent bench fuzz --each N` runs N each."""
-    from agent.cli.fuzz_cmd import run_bench
+    from foglab.cli.fuzz_cmd import run_bench
 
     assert set(fuzz.BUS_TARGETS) <= set(fuzz.TARGETS)
     assert {"rpc_request", "rpc_reply", "node_state", "hosted", "rehomed", "latency_record",

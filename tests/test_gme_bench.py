@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from agent.tools.gme_bench import BenchConfig, run_bench
+from foglab.tools.gme_bench import BenchConfig, run_bench
 
 
 def test_bench_runs_the_damped_variant_by_default_and_simulate_the_published_one():
@@ -19,7 +19,7 @@ def test_bench_runs_the_damped_variant_by_default_and_simulate_the_published_one
     counts, so it stays published unless `--damping`; `fog-agent chaos` runs its fgme pipeline
     damped unless `--no-fgme-damping` (docs/gme.md, "The default: the damped variant")."""
     from agent.cli.main import build_parser
-    from agent.sim.gme_sim import GmeSimConfig
+    from foglab.sim.gme_sim import GmeSimConfig
 
     parser = build_parser()
     assert BenchConfig().damping is True
@@ -156,8 +156,8 @@ def test_bench_clients_turn_nagle_off(mosquitto):
     which 2-FGME's churn feeds itself, docs/gme.md). The bench's clients must set TCP_NODELAY."""
     import threading
 
-    from agent.tools.gme_bench import _Node
-    from agent.sim.gme_check import make_nodes
+    from foglab.tools.gme_bench import _Node
+    from foglab.sim.gme_check import make_nodes
 
     cfg = BenchConfig(nodes=2, host=mosquitto.host, port=mosquitto.port)
     node = _Node(make_nodes("2fgme", (1, 1))[0], cfg, "fog/gme-bench/nagle", threading.Event())

@@ -1,10 +1,10 @@
-"""Safety and liveness of 2-FGME, RA1 and RA2 over every / many delivery orders (agent.sim.gme_check)."""
+"""Safety and liveness of 2-FGME, RA1 and RA2 over every / many delivery orders (foglab.sim.gme_check)."""
 
 from __future__ import annotations
 
 import pytest
 
-from agent.sim.gme_check import exhaustive_check, random_check
+from foglab.sim.gme_check import exhaustive_check, random_check
 
 ALGS = ("2fgme", "ra1", "ra2")
 
@@ -37,7 +37,7 @@ def _naive_reachable(alg, sizes, requests):
     import copy
 
     from agent.protocol.gme_base import GmeState, Send
-    from agent.sim.gme_check import make_nodes
+    from foglab.sim.gme_check import make_nodes
 
     def key(nodes, left, chans):
         busy = tuple(sorted((c, q) for c, q in chans.items() if q))
@@ -153,7 +153,7 @@ def test_dead_variable_merging_refuses_a_live_variable_left_out(monkeypatch):
     its next Req carries) merges states that behave differently: the class check must say so."""
     from agent.protocol.gme_base import GmeState
     from agent.protocol.gme_fgme import FgmeNode
-    from agent.sim.gme_check import ReductionUnsound
+    from foglab.sim.gme_check import ReductionUnsound
 
     right = FgmeNode.live_snapshot
 
@@ -190,7 +190,7 @@ def test_acyclicity_guard_rejects_a_protocol_that_can_loop(monkeypatch):
     (an answer to every message) must make the checker refuse, not report 'ok'."""
     from dataclasses import dataclass
 
-    import agent.sim.gme_check as gc
+    import foglab.sim.gme_check as gc
     from agent.protocol.gme_base import GmeMessage, GmeNode, Send
 
     @dataclass(frozen=True)
@@ -301,7 +301,7 @@ def test_cli_bench_gme_check(capsys):
 
 
 def test_exhaustive_reports_a_raising_core_as_a_protocol_error(monkeypatch):
-    import agent.sim.gme_check as gc
+    import foglab.sim.gme_check as gc
     from agent.protocol.gme_fgme import FgmeNode
 
     class Brittle(FgmeNode):

@@ -1,4 +1,4 @@
-"""The compiled exhaustive search (agent.sim.gme_fast) against the Python one (agent.sim.gme_check).
+"""The compiled exhaustive search (foglab.sim.gme_fast) against the Python one (foglab.sim.gme_check).
 
 The compiled loop is only trusted because it visits exactly what the Python search visits: same
 states, transitions, terminal states and full expansions, in every mode, and the same first
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from agent.sim.gme_check import exhaustive_check
-from agent.sim.gme_fast import fast_check
+from foglab.sim.gme_check import exhaustive_check
+from foglab.sim.gme_fast import fast_check
 
 COUNTS = lambda r: (r.states, r.transitions, r.schedules, r.full_expansions)  # noqa: E731
 
@@ -51,7 +51,7 @@ def test_the_compiled_search_stops_at_the_same_first_violation(fault, sizes, req
 
 
 def test_the_compiled_search_reports_a_raising_core_and_a_full_table(monkeypatch):
-    import agent.sim.gme_check as gc
+    import foglab.sim.gme_check as gc
     from agent.protocol.gme_fgme import FgmeNode
 
     with pytest.raises(RuntimeError, match="digest table full"):
@@ -70,7 +70,7 @@ def test_the_compiled_search_keeps_the_reduction_checks(monkeypatch):
     """The soundness checks run in Python on every local transition the C loop asks for."""
     from agent.protocol.gme_base import GmeState
     from agent.protocol.gme_fgme import FgmeNode
-    from agent.sim.gme_check import ReductionUnsound
+    from foglab.sim.gme_check import ReductionUnsound
 
     right = FgmeNode.live_snapshot
 
@@ -164,7 +164,7 @@ def test_the_sweep_finds_the_seeded_faults(tmp_path, fault, sizes, requests):
 
 def test_the_sweep_refuses_a_measure_that_goes_back_and_a_full_memory(tmp_path, monkeypatch):
     """Forgetting is only sound if no step lowers the measure: checked on every successor."""
-    import agent.sim.gme_fast as gf
+    import foglab.sim.gme_fast as gf
 
     with pytest.raises(RuntimeError, match="digest table full"):
         fast_check("2fgme", (2, 2), 1, sweep_dir=str(tmp_path), memory_gb=2e-4)
@@ -177,8 +177,8 @@ def test_the_sweep_refuses_a_measure_that_goes_back_and_a_full_memory(tmp_path, 
 def test_the_sweep_refuses_a_counter_that_is_not_a_function_of_the_class(tmp_path, monkeypatch):
     """An idle node with no request left forgets its epoch (merged): counting the epoch there
     would put one class at two measures (explored twice, counted twice). Refused."""
-    import agent.sim.gme_fast as gf
-    from agent.sim.gme_check import ReductionUnsound
+    import foglab.sim.gme_fast as gf
+    from foglab.sim.gme_check import ReductionUnsound
 
     monkeypatch.setattr(gf, "_node_counter", lambda ls, sid, left: ls.progress[sid])
     with pytest.raises(ReductionUnsound, match="one progress measure"):

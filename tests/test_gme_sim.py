@@ -8,8 +8,8 @@ import random
 import pytest
 
 from agent.protocol.gme_base import GmeState, Send
-from agent.sim.gme_check import make_nodes
-from agent.sim.gme_sim import GmeSimConfig, simulate
+from foglab.sim.gme_check import make_nodes
+from foglab.sim.gme_sim import GmeSimConfig, simulate
 
 
 def messages(alg: str, nodes: int, entries: int, seeds=(0, 1, 2)) -> float:
@@ -165,7 +165,7 @@ def test_deviation_4_exhaustively_safe_and_live_on_the_suite_sizes(damped, sizes
     """The damping changes which states are reachable, so the checker runs again on it (every
     delivery order; the dead-variable classes and the acyclicity measure checked on every local
     step). The 2+2 x 2 proof in docs/gme.md covers the published variant only."""
-    from agent.sim.gme_check import exhaustive_check
+    from foglab.sim.gme_check import exhaustive_check
 
     r = exhaustive_check("2fgme", sizes, requests, symmetry=True, merge_dead=True)
     assert r.ok, (r.first_failure, r.trace[-30:])
@@ -173,7 +173,7 @@ def test_deviation_4_exhaustively_safe_and_live_on_the_suite_sizes(damped, sizes
 
 
 def test_deviation_4_random_schedules_and_the_seeded_fault(damped):
-    from agent.sim.gme_check import exhaustive_check, random_check
+    from foglab.sim.gme_check import exhaustive_check, random_check
 
     for sizes, requests, n in (((2, 2), 2, 500), ((6, 6), 2, 5), ((6, 6), 1, 300)):
         r = random_check("2fgme", sizes, requests, schedules=n, seed=11)
@@ -284,7 +284,7 @@ def test_deviations_4_and_5_exhaustively_safe_and_live_with_two_requests(damped5
     liveness). Not vacuous: DEVIATION 5 decides local steps in each of these spaces. 196k-3.5M
     states, 1-9 s CPU each."""
     from agent.protocol.gme_fgme import FgmeNode
-    from agent.sim.gme_fast import fast_check
+    from foglab.sim.gme_fast import fast_check
 
     fired = []
     rule = FgmeNode._yields_again
@@ -303,7 +303,7 @@ def test_deviations_4_and_5_exhaustively_safe_and_live_with_two_requests(damped5
 def test_deviation_5_dead_variable_merging_is_a_bisimulation(damped5):
     """live_snapshot drops `yielded` outside REQUESTING: the merge check computes the steps of
     every merged state too and must find each one equal to its class's."""
-    from agent.sim.gme_check import exhaustive_check
+    from foglab.sim.gme_check import exhaustive_check
 
     for sizes, requests in (((2, 1), 2), ((2, 2), 1), ((3, 1), 1)):
         r = exhaustive_check("2fgme", sizes, requests, symmetry=True, merge_dead=True, check_merges=True)
@@ -313,7 +313,7 @@ def test_deviation_5_dead_variable_merging_is_a_bisimulation(damped5):
 def test_deviations_4_and_5_random_schedules(damped5):
     """The random checker (safety in every state, every request served) on DEVIATIONS 4 + 5, the
     sizes of the DEVIATION 4 test above."""
-    from agent.sim.gme_check import random_check
+    from foglab.sim.gme_check import random_check
 
     for sizes, requests, n in (((2, 2), 2, 500), ((6, 6), 2, 5), ((6, 6), 1, 300)):
         r = random_check("2fgme", sizes, requests, schedules=n, seed=11)

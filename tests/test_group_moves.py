@@ -512,7 +512,7 @@ def test_bench_handover_moves_each_group_through_mosquitto_and_reports_its_bytes
     """`fog-agent bench handover` (short: two sizes, one round): each round checks by itself that
     the group left the old owner and that the records sent during the move were applied once at
     the new one. Times are the benchmark's to report, not asserted here."""
-    from agent.tools.handover_bench import run_handover_bench
+    from foglab.tools.handover_bench import run_handover_bench
 
     res = run_handover_bench(sizes=(1_000, 700_000), rounds=1, workdir=str(tmp_path))
     small, big = res["sizes"]

@@ -24,7 +24,7 @@ from agent.instance.events import (
 )
 from agent.instance.spec import InstanceSpec
 from agent.protocol.messages import DeletionAck, Duplication, DuplicationAck
-from agent.sim.instance_check import BROKER, CLUSTER, WALL0, MemoryMap
+from foglab.sim.instance_check import BROKER, CLUSTER, WALL0, MemoryMap
 
 GROUPS = 8
 TOML = "\n".join([
@@ -655,7 +655,7 @@ def test_a_keyed_operator_scales_out_and_back_in_with_its_groups_moving_exactly_
         for _ in range(3):
             batch()
         settle(f)
-        # the stamps of the demo's decision -> first record split (agent.tools.rescale_split), in
+        # the stamps of the demo's decision -> first record split (foglab.tools.rescale_split), in
         # the hand-over's order: Start, the keeper's chunks, installed, first record applied
         d = [x for x in k.scaling.decisions if x.get("kind") == "scale_out"][-1]
         assert d["at"] <= c.activated_at <= d["chunks_at"] <= c.moves.first_installed_at <= c.moves.first_applied_at
@@ -988,7 +988,7 @@ def test_random_schedules_with_one_group_handed_out_per_turn_lose_and_double_not
     in a turn of its own, so crashes fall between the turns of one share's hand-out (300 such
     schedules and 300 with two crashes ran clean: `simulate instance --keyed`)."""
     import agent.instance.moves as moves
-    from agent.sim.instance_check import Config, describe, random_runs
+    from foglab.sim.instance_check import Config, describe, random_runs
 
     monkeypatch.setattr(moves, "HAND_OUT_BUDGET", 1)
     rep = random_runs(Config(keyed=True, records=8, crashes=1, dups=1, refusals=1), schedules=40, seed=7000)

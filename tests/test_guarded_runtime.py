@@ -30,7 +30,7 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
-from agent.tools.dataplane_bench import LocalRunner, pipeline_toml
+from foglab.tools.dataplane_bench import LocalRunner, pipeline_toml
 from agent_process import ONLINE_BOUND
 from tests.test_runtime_worker_broker import (RUNNERS, assert_exactly_once, expected_ids, start_pipeline, wait_for,
                                              wait_source_quiet)

@@ -1,8 +1,8 @@
 """Lock-guarded scaling (coordination = "fgme"): neighbours never scale together, nothing lost.
 
-The checker is the scaling checker (`agent.sim.checker`: no stale route, no message to a
+The checker is the scaling checker (`foglab.sim.checker`: no stale route, no message to a
 terminated instance, no operator lost, consistent views at quiescence) plus the guarded checks
-(`agent.sim.guarded_check`: no instances of stages s and s+1 in a round at once; at quiescence
+(`foglab.sim.guarded_check`: no instances of stages s and s+1 in a round at once; at quiescence
 no intent left unserved and no lock held).
 """
 
@@ -16,8 +16,8 @@ from agent.policy.decentralized import Action
 from agent.protocol.gme_base import GmeState
 from agent.protocol.guarded import GuardedCore, LockMessage, core_class
 from agent.protocol.scaling import ScalingCore
-from agent.sim.checker import Plan, explore, random_runs
-from agent.sim.guarded_check import build_guarded
+from foglab.sim.checker import Plan, explore, random_runs
+from foglab.sim.guarded_check import build_guarded
 
 
 def _random_system(rng: random.Random, core_cls=GuardedCore):
@@ -94,7 +94,7 @@ def test_coordination_setting_selects_the_core():
 
 
 def test_guarded_scaling_simulation_loses_nothing():
-    from agent.sim.scaling_sim import SimConfig, simulate
+    from foglab.sim.scaling_sim import SimConfig, simulate
 
     r = simulate(SimConfig(seed=3, steps=120), core_cls=GuardedCore)
     assert r.lost_records == 0 and r.protocol_errors == 0 and r.messages_to_terminated == 0
@@ -267,7 +267,7 @@ def test_a_lock_dump_written_before_the_damped_variant_existed_restores_publishe
 
 
 def test_compare_damping_counts_rounds_and_lock_messages_for_both_variants():
-    from agent.sim.guarded_check import compare_damping
+    from foglab.sim.guarded_check import compare_damping
 
     rows = compare_damping(10, seed=3, sim_seeds=(3,), sim_steps=60)
     assert [r["damped"] for r in rows] == [False, True, False, True]

@@ -1,4 +1,4 @@
-"""`fog-agent bench handover --live` (agent.tools.handover_live): a real agent and its workers on a
+"""`fog-agent bench handover --live` (foglab.tools.handover_live): a real agent and its workers on a
 private Mosquitto run the keyed count, forced to scale out and in; the figures come from the
 instances' stats, their log and the sink's stamped outputs. The smallest size only (~15-20 s on
 the shared 2-core machine; the table in docs/operators.md comes from the command)."""
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.tools.handover_live import LiveParams, check_outputs, run_live_bench
+from foglab.tools.handover_live import LiveParams, check_outputs, run_live_bench
 
 pytestmark = [pytest.mark.broker]
 

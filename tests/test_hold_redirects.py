@@ -18,7 +18,7 @@ from agent.dataplane.envelope import Envelope, Kind, encode
 from agent.instance.core import Instance
 from agent.instance.events import EnvelopeReceived, Started, Tick
 from agent.instance.spec import InstanceSpec
-from agent.sim.instance_check import BROKER, CLUSTER, WALL0, MemoryMap
+from foglab.sim.instance_check import BROKER, CLUSTER, WALL0, MemoryMap
 
 GROUPS = 128  # the default; the keeper hands out half of them in a duplication
 TOML = "\n".join([

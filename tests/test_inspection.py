@@ -3,7 +3,7 @@
 `fog/#`, and the latency matrix measures the network, not the agents' loops.
 
 Real parts: the session broker (conftest `mosquitto`, `set_tcp_nodelay true`), `mosquitto_sub`,
-real agents (`python -m agent run`) and the userspace delay proxy (agent/tools/delayproxy.py).
+real agents (`python -m agent run`) and the userspace delay proxy (lab/foglab/tools/delayproxy.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from agent.cli.fogctl import main
 from agent.fogctl import views
 from agent.control.fleet import Fleet
 from agent.fogctl.testing import FakeAgent, FakeInstance
-from agent.tools.delayproxy import DelayProxy, ProxyBank
+from foglab.tools.delayproxy import DelayProxy, ProxyBank
 from agent.measure.latency import BROKER, LatencyCore, MqttLatencyAgent, Probe, ping_topic, pong_topic, received_at
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,4 +1,4 @@
-"""The instance checker (agent.sim.instance_check): whole `Instance`s over a broker model, and
+"""The instance checker (foglab.sim.instance_check): whole `Instance`s over a broker model, and
 proof that it finds the three historic losses when they are switched back on."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from agent.dataplane.envelope import Kind, decode
 from agent.instance.events import Control
 from agent.protocol.scaling import InstanceState
-from agent.sim.instance_check import Config, World, describe, explore, finish, random_runs
+from foglab.sim.instance_check import Config, World, describe, explore, finish, random_runs
 
 ROUNDS_1212 = (("op-0", "duplicate"), ("copy", "terminate"), ("op-0", "duplicate"))
 SINK_12 = (("sink-0", "duplicate"),)

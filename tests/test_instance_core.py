@@ -15,7 +15,7 @@ from agent.instance.events import (
     Abort, Control, EnvelopeReceived, PubAcked, PublishAccepted, PublishRefused, Restarted, Started, Tick,
 )
 from agent.protocol.errors import LocalProtocolError
-from agent.sim.instance_check import BROKER, CLUSTER, WALL0, MemoryMap, MemorySink, pipeline_text
+from foglab.sim.instance_check import BROKER, CLUSTER, WALL0, MemoryMap, MemorySink, pipeline_text
 from agent import topics
 from agent.config import load_pipeline_text
 from agent.dataplane.envelope import Envelope, Kind, decode, encode, encode_data
@@ -310,7 +310,7 @@ def test_bad_bytes_on_the_inbox_are_counted_and_skipped() -> None:
 
 def test_the_core_modules_import_nothing_that_does_io() -> None:
     """No sockets, no clock, no subprocess, no MQTT client, no daemon code (docs/runtime.md)."""
-    banned = ("agent.mqtt", "agent.node", "agent.tools", "subprocess", "socket", "time", "threading", "os",
+    banned = ("agent.mqtt", "agent.node", "foglab.tools", "subprocess", "socket", "time", "threading", "os",
               "paho", "agent.instance.worker", "agent.files")
     root = Path(__file__).resolve().parents[1] / "agent" / "instance"
     for name in ("core.py", "driver.py", "events.py", "commands.py", "recovery.py", "rounds.py"):

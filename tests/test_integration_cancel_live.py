@@ -26,8 +26,8 @@ PIPELINE = taxi_in_zone("full", seed=4, rate=40.0)
 
 def test_failed_spawn_cancels_the_round_and_loses_nothing(mosquitto: Any, tmp_path: Any) -> None:
     from agent.config import load_pipeline_text
-    from agent.tools.demo import Fleet, Monitor
-    from agent.tools.verify import verify
+    from foglab.tools.demo import Fleet, Monitor
+    from foglab.tools.verify import verify
     from agent.node.rpc import RpcClient
 
     cluster = "c" + uuid.uuid4().hex[:8]

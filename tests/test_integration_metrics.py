@@ -48,7 +48,7 @@ def scrape(port: int) -> Dict[Any, float]:
 
 
 def test_metrics_endpoint_counters_equal_the_agents_own_counts(mosquitto: Any, tmp_path: Path) -> None:
-    from agent.tools.demo import Monitor, wait_online
+    from foglab.tools.demo import Monitor, wait_online
     from agent.node.deploy import deploy
     from agent.node.rpc import RpcClient
 

@@ -24,7 +24,7 @@ from agent.mqtt.settings import BrokerSpec
 from agent.operators.builtin import OperatorContext
 from agent.operators.keyed import tumbling_window
 from agent.operators.taxi import TaxiGenerator
-from agent.tools.dataplane_bench import LocalRunner, initial_specs, pipeline_toml
+from foglab.tools.dataplane_bench import LocalRunner, initial_specs, pipeline_toml
 from agent_process import ONLINE_BOUND, wait_until_answers, write_agent_conf
 
 pytestmark = [pytest.mark.broker, pytest.mark.timeout(240)]
@@ -215,7 +215,7 @@ def test_bench_keyed_runs_all_three_pipelines_and_reports_their_state(tmp_path: 
     """`fog-agent bench keyed` (short): each pipeline moved records; the keyed ones held one state
     per key and saved it. Rates are the benchmark's to report, not asserted here. ~25 s here: nine
     worker processes start (three pipelines), each a few seconds on this shared machine."""
-    from agent.tools.keyed_bench import run_keyed_bench
+    from foglab.tools.keyed_bench import run_keyed_bench
 
     res = run_keyed_bench(seconds=1.0, keys=20, workdir=str(tmp_path))
     assert all(res[k]["records_per_s"] > 0 for k in ("stateless_map", "keyed_count", "keyed_window")), res

@@ -465,7 +465,7 @@ def test_a_worker_refuses_a_keyed_operator_without_its_key_with_one_line(tmp_pat
     import sys
 
     from agent.mqtt.settings import BrokerSpec
-    from agent.tools.dataplane_bench import initial_specs
+    from foglab.tools.dataplane_bench import initial_specs
 
     spec = initial_specs(_pipeline_text("decentralized", None), BrokerSpec("127.0.0.1", 1), str(tmp_path))[1]
     p = subprocess.run([sys.executable, "-m", "agent.instance.worker"], input=spec.to_json() + "\n",

@@ -1,12 +1,14 @@
 """The package layout of docs/runtime.md ("Layout"): no module imports a package of a higher layer,
 not even inside a function (a hidden upward dependency is how a fog node ends up importing a tool
-or fogctl importing the daemon)."""
+or fogctl importing the daemon), and the node's package imports the lab (`foglab`, not in its
+wheel or .deb) in one place only: the CLI hook that finds the lab's commands."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,8 +24,7 @@ LAYERS = [
     ["instance"],
     ["node"],
     ["fogctl", "collector"],
-    ["sim", "analytics", "testing"],
-    ["tools"],
+    ["analytics", "testing"],
     ["cli", "__main__"],
 ]
 RANK = {part: i for i, layer in enumerate(LAYERS) for part in layer}
@@ -56,3 +57,54 @@ def test_no_module_imports_a_higher_layer() -> None:
                 if target is not None and me is not None and target != me and RANK.get(target, -1) > RANK[me]:
                     upward.append(f"{path.relative_to(ROOT)}:{node.lineno} {me} -> {target}")
     assert upward == []
+
+
+# The one import of the lab allowed in `agent`: (file, function) of agent.cli.main's hook.
+LAB_HOOK = ("agent/cli/main.py", "_lab_cli")
+LAB_NAME = re.compile(r"^foglab(\.|$)")
+
+
+def lab_imports(rel: str, source: str) -> List[Tuple[str, int, str]]:
+    """(file, line, function) of every import of `foglab` in `source`, outside LAB_HOOK: import
+    statements at any depth, and a module name given as a string (importlib.import_module,
+    __import__), which would dodge the statement check."""
+    found: List[Tuple[str, int, str]] = []
+
+    def visit(node: ast.AST, func: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else func
+            names: List[str] = []
+            if isinstance(child, ast.Import):
+                names = [a.name for a in child.names]
+            elif isinstance(child, ast.ImportFrom) and child.level == 0 and child.module:
+                names = [child.module]
+            elif isinstance(child, ast.Call):
+                names = [a.value for a in child.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+            if any(LAB_NAME.match(n) for n in names) and (rel, func) != LAB_HOOK:
+                found.append((rel, child.lineno, func))
+            visit(child, inner)
+
+    visit(ast.parse(source), "<module>")
+    return found
+
+
+def test_the_node_package_imports_the_lab_only_in_the_cli_hook() -> None:
+    found: List[Tuple[str, int, str]] = []
+    for path in sorted((ROOT / "agent").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        found += lab_imports(rel, path.read_text())
+    assert found == [], "the node's package must run without the lab: only agent.cli.main._lab_cli imports foglab"
+    hook = (ROOT / LAB_HOOK[0]).read_text()
+    assert lab_imports("elsewhere.py", hook) != [], "the CLI hook no longer imports foglab.cli"
+
+
+def test_the_lab_check_sees_every_way_of_importing_the_lab() -> None:
+    source = ("import foglab.tools.demo\n"
+              "def f():\n    from foglab.sim import checker\n"
+              "def g():\n    import importlib\n    return importlib.import_module('foglab.cli')\n"
+              "def _lab_cli():\n    import foglab.cli\n"
+              "import foglabs, agent.tools\n")
+    assert [(line, func) for _, line, func in lab_imports("agent/node/x.py", source)] == [
+        (1, "<module>"), (3, "f"), (6, "g"), (8, "_lab_cli")]
+    assert [(line, func) for _, line, func in lab_imports(LAB_HOOK[0], source)] == [
+        (1, "<module>"), (3, "f"), (6, "g")]

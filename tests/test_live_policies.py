@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from agent_process import CHECKOUT_PATH
 from agent.node.placement import (
     NodeView,
     PlacementRequest,
@@ -135,7 +136,7 @@ def test_a_copy_goes_where_the_operator_s_nd_max_stays_smallest() -> None:
 def test_bench_policies_simulated_side_uses_the_live_demand_and_trace() -> None:
     """The simulated row of `bench policies` on the same compressed trace: the trace peaks at the
     asked rate, demand is the smallest n with n x C >= the bucket mean, and the metrics are finite."""
-    from agent.tools.policies_bench import _demand_series, _steps, live_trace, run_simulated
+    from foglab.tools.policies_bench import _demand_series, _steps, live_trace, run_simulated
 
     tr = live_trace(0, 1.0, 650.0)
     assert len(tr) == 60 and max(tr) == pytest.approx(650.0)
@@ -163,7 +164,7 @@ def test_bench_policies_prints_only_json_with_a_live_and_a_simulated_row(tmp_pat
     root = Path(__file__).resolve().parents[1]
     r = subprocess.run([sys.executable, "-m", "agent", "bench", "policies", "--json", "--policies", "threshold",
                         "--minutes", "0.25", "--consolidation", "on", "--workdir", str(tmp_path)],
-                       capture_output=True, text=True, cwd=root, timeout=180, env=dict(os.environ, PYTHONPATH=str(root)))
+                       capture_output=True, text=True, cwd=root, timeout=180, env=dict(os.environ, PYTHONPATH=CHECKOUT_PATH))
     assert r.returncode == 0, r.stderr[-2000:]
     rows = json.loads(r.stdout)["rows"]  # the whole of stdout: progress goes to stderr
     assert [(x["policy"], x["mode"], x.get("consolidation")) for x in rows] == [
@@ -184,7 +185,7 @@ def test_bench_policies_prints_only_json_with_a_live_and_a_simulated_row(tmp_pat
 def test_powered_nodes_and_node_minutes_follow_the_site_actions() -> None:
     """Node-minutes of a consolidation run: every node powered, less those released and not
     acquired since; hand-computed on a constructed run of 60 s sampled every 10 s."""
-    from agent.tools.policies_bench import format_consolidation, powered_series, step_minutes
+    from foglab.tools.policies_bench import format_consolidation, powered_series, step_minutes
 
     times = [0.0, 10.0, 20.0, 30.0, 40.0, 50.0]
     actions = [(5.0, "drain", "n2"), (10.0, "release", "n2"), (20.0, "release", "n3"), (35.0, "acquire", "n2"),
@@ -256,8 +257,8 @@ def test_live_threshold_policy_scales_out_under_load_and_in_when_it_drops(tmp_pa
     About 50 s: the load must hold long enough for two cooldowns up and two down."""
     from agent.config import load_pipeline_text
     from agent.node.rpc import RpcClient
-    from agent.tools.demo import Fleet, Monitor
-    from agent.tools.verify import verify
+    from foglab.tools.demo import Fleet, Monitor
+    from foglab.tools.verify import verify
 
     steps = [[0, 40], [3, 560], [28, 30], [52, 0]]
     text = THRESHOLD_PIPELINE.format(steps=steps)
@@ -343,7 +344,7 @@ def test_a_slowed_instance_s_operator_count_follows_its_live_capacity(tmp_path: 
     (utilisation 0.3: one instance is right). Made 8 ms per record by a control message, its live
     capacity falls to the clamp (125/s), its utilisation passes 0.9 and the operator gets a second
     instance; with the configured capacity alone (500/s) it would never have scaled."""
-    from agent.tools.demo import Fleet, Monitor
+    from foglab.tools.demo import Fleet, Monitor
 
     fleet = Fleet(tmp_path, nodes=("n1",), slots=4, cluster="livefol", broker_host=mosquitto.host,
                   broker_port=mosquitto.port, shutdown_timeout=8.0)

@@ -105,7 +105,7 @@ def test_a_slowed_instance_reports_a_lower_capacity_within_a_few_periods(tmp_pat
     """Real agent and workers: in_zone runs at 2 ms per record (capacity 500/s); a control message
     makes it 6 ms. Its published capacity must fall to about a third (166/s) within a few 1 s
     periods, and its signals must show the rates it works at."""
-    from agent.tools.demo import Fleet, Monitor
+    from foglab.tools.demo import Fleet, Monitor
 
     fleet = Fleet(tmp_path, nodes=("n1",), slots=4, cluster="livesig", broker_host=mosquitto.host,
                   broker_port=mosquitto.port, shutdown_timeout=8.0)

@@ -16,7 +16,7 @@ import pytest
 
 from agent import topics
 from agent.node.placement import rank_nodes_for_scale_out
-from agent.tools.delayproxy import DelayProxy, ProxyBank, pair_proxies
+from foglab.tools.delayproxy import DelayProxy, ProxyBank, pair_proxies
 from agent.measure.latency import (
     BROKER,
     EchoServer,

@@ -22,7 +22,7 @@ import pytest
 
 from agent.mqtt.settings import BrokerSpec
 from agent.mqtt import client as mqttc
-from agent.tools.broker import free_port
+from foglab.tools.broker import free_port
 from tls_site import AgentProc, Client, Site, have_tools, running_site, wait_until
 
 pytestmark = pytest.mark.broker

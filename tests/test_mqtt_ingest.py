@@ -22,7 +22,7 @@ from agent.instance.events import Abort, Control
 from agent.instance.worker import Worker
 from agent.mqtt.settings import BrokerSpec
 from agent.mqtt.transport import Received, Transport
-from agent.tools.dataplane_bench import initial_specs, pipeline_toml
+from foglab.tools.dataplane_bench import initial_specs, pipeline_toml
 
 WALL = 1_700_000_000.0  # the wall clock of the first incarnation
 SINK_INBOX = topics.inbox("c", "sink-0", "local")

@@ -118,6 +118,17 @@ def test_deb_contents_lists_units_wheels_and_commands(deb: Path) -> None:
     assert "/opt/fog-agent/venv/bin/fog-agent" in listing  # the symlink target
 
 
+def test_the_node_wheel_holds_the_agent_package_and_no_lab(deb: Path, tmp_path: Path) -> None:
+    """The lab (lab/, fog-agent-lab: simulators, benchmarks, demo, chaos, testbed) never reaches a node."""
+    import zipfile
+
+    run("dpkg-deb", "-x", str(deb), str(tmp_path))
+    (wheel,) = (tmp_path / "usr/share/fog-agent/wheels").glob("fog_agent-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {n.split("/")[0] for n in names} == {"agent", f"fog_agent-{__version__}.dist-info"}
+    assert [n for n in names if n.startswith(("agent/tools/", "agent/sim/")) or "foglab" in n] == []
+
+
 def test_deb_changelog_names_this_version_and_the_maintainer(deb: Path, tmp_path: Path) -> None:
     import gzip
 
@@ -182,6 +193,10 @@ def test_install_into_scratch_root_runs_fog_agent_then_purges(deb: Path, tmp_pat
     where = run(str(venv / "bin/python"), "-c", "import agent; print(agent.__file__)", env=env,
                 cwd=str(tmp_path)).stdout
     assert where.startswith(str(venv))
+    # The node's package has no lab: a lab command says what to install instead of running.
+    demo = subprocess.run([str(venv / "bin/python"), str(script), "demo"], capture_output=True, text=True, env=env,
+                          cwd=str(tmp_path), timeout=60)
+    assert demo.returncode == 2 and "install fog-agent-lab" in demo.stderr, demo.stderr
 
     # postinst wrote a config for this node that the installed agent accepts.
     conf = root / "etc/fog-agent/agent.toml"
@@ -259,7 +274,7 @@ def scratch_root(tmp_path: Path) -> Path:
 def relabel(deb: Path, version: str, out: Path) -> Path:
     """The same wheels as a package of another version (what an upgrade looks like to dpkg and
     to postinst, without a second wheel build): the testbed's upgrade command uses the same."""
-    from agent.tools.testbed_upgrade import relabel_deb
+    from foglab.tools.testbed_upgrade import relabel_deb
 
     return relabel_deb(deb, version, out)
 

@@ -24,7 +24,7 @@ from agent.instance.commands import Persist, Publish, SaveRoutes
 from agent.instance.core import Instance
 from agent.instance.events import EnvelopeReceived, PubAcked, PublishAccepted, Restarted, Started, Tick
 from agent.instance.spec import InstanceSpec
-from agent.sim.instance_check import BROKER, CLUSTER, WALL0, MemoryMap, pipeline_text
+from foglab.sim.instance_check import BROKER, CLUSTER, WALL0, MemoryMap, pipeline_text
 
 
 def recs(*seqs: int):  # type: ignore[no-untyped-def]

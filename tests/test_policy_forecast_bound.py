@@ -1,4 +1,4 @@
-"""The perfect-forecast bound (agent/sim/policies_forecast_bound.py): its covering plans are the
+"""The perfect-forecast bound (lab/foglab/sim/policies_forecast_bound.py): its covering plans are the
 least-cost ones, its forecast is the generator's smooth part, and knowing less never costs less
 than the clairvoyant bound (docs/results.md, M9)."""
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.sim.policies_oracle import cover_plans
+from foglab.sim.policies_oracle import cover_plans
 
 
 @settings(max_examples=80, deadline=None)
@@ -42,7 +42,7 @@ def test_cover_plans_hand_computed():
 def test_smooth_trace_is_the_trace_without_noise_and_bursts_with_the_same_day_levels():
     """Scaling a day's level scales the trace and its smooth part alike, second by second: the
     smooth part draws the same day levels, and the noise and bursts do not depend on them."""
-    from agent.sim.policies_trace import DAY_SECONDS, _diurnal, smooth_trace, taxi_trace
+    from foglab.sim.policies_trace import DAY_SECONDS, _diurnal, smooth_trace, taxi_trace
 
     flat, levelled = smooth_trace(3, days=2, day_sigma=0.0), smooth_trace(3, days=2, day_sigma=0.3)
     assert flat[:100] == pytest.approx([2400.0 * _diurnal(s * 10 / 3600.0) for s in range(100)])
@@ -59,14 +59,14 @@ def test_smooth_trace_is_the_trace_without_noise_and_bursts_with_the_same_day_le
 @pytest.fixture(scope="module")
 def small_runs():
     """Threshold on one seed's half test day after one training day (about a second)."""
-    from agent.sim.policies import compare
+    from foglab.sim.policies import compare
 
     return compare([0], ["threshold"], days=0.5, train_days=1, day_sigma=0.05)["threshold"]
 
 
 def test_perfect_forecast_bound_is_never_below_the_clairvoyant_bound(small_runs):
-    from agent.sim.policies_forecast_bound import forecast_bound_curve
-    from agent.sim.policies_pareto import bound_curve
+    from foglab.sim.policies_forecast_bound import forecast_bound_curve
+    from foglab.sim.policies_pareto import bound_curve
 
     budgets = list(range(0, 13))
     clair = dict(bound_curve(small_runs, budgets))

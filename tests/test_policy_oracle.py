@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agent.metrics_spec import accuracy, cost_instance_minutes, reconfigurations, timeshare
-from agent.sim.policies_oracle import min_cost_schedule
+from foglab.sim.policies_oracle import min_cost_schedule
 
 
 def test_hand_computed_cases():
@@ -51,7 +51,7 @@ def test_under_periods_counts_minutes_not_instances():
 
 
 def test_nowcast_tracking_trades_margin_for_under_provisioning():
-    from agent.sim.policies_oracle import nowcast_tracking
+    from foglab.sim.policies_oracle import nowcast_tracking
 
     tight = nowcast_tracking([0], margin=0.0, days=0.5)
     wide = nowcast_tracking([0], margin=0.15, days=0.5)

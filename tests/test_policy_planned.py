@@ -167,7 +167,7 @@ def test_smoothing_spreads_one_slots_noise_keeps_the_days_total_and_wraps_the_da
 def test_registered_for_the_simulator_and_the_daemon():
     from agent.config import RUNTIME_POLICIES, ScalingSection
     from agent.policy.live import LIVE_POLICIES
-    from agent.sim.policies import POLICIES
+    from foglab.sim.policies import POLICIES
 
     assert isinstance(make_policy("planned"), PlannedPolicy)
     assert "planned" in RUNTIME_POLICIES and "planned" in LIVE_POLICIES and "planned" in POLICIES
@@ -182,14 +182,14 @@ def test_halves_the_thresholds_reconfigurations_on_two_clean_days_with_no_more_u
     from dataclasses import replace
 
     from agent.policy.seasonal import COOLDOWN_IN_PERIODS, COOLDOWN_OUT_PERIODS, learn_profile
-    from agent.sim.policies import POLICIES, SimConfig, simulate
+    from foglab.sim.policies import POLICIES, SimConfig, simulate
 
     def open_loop(cfg: SimConfig, n_max: int) -> PlannedPolicy:
         return PlannedPolicy(profile=cfg.profile, slot_seconds=cfg.period, cooldown_out=COOLDOWN_OUT_PERIODS * cfg.period,
                              cooldown_in=COOLDOWN_IN_PERIODS * cfg.period, max_instances=n_max, **OPEN_LOOP)
 
     monkeypatch.setitem(POLICIES, "planned-open", (open_loop, True))
-    from agent.sim.policies_trace import DAY_SECONDS, _diurnal, fog_testbed_matrix
+    from foglab.sim.policies_trace import DAY_SECONDS, _diurnal, fog_testbed_matrix
 
     trace = [2000.0 * _diurnal(s * 10 / 3600.0) for s in range(2 * DAY_SECONDS)]
     cfg = replace(SimConfig(), profile=tuple(learn_profile(trace[:DAY_SECONDS], 60, DAY_SECONDS)))

@@ -90,7 +90,7 @@ def test_steps_up_ahead_of_the_daily_ramp_in_one_reconfiguration():
 def test_registered_for_the_simulator_and_the_daemon():
     from agent.config import RUNTIME_POLICIES
     from agent.policy.live import LIVE_POLICIES
-    from agent.sim.policies import POLICIES
+    from foglab.sim.policies import POLICIES
 
     assert isinstance(make_policy("seasonal"), SeasonalPolicy)
     assert "seasonal" in RUNTIME_POLICIES and "seasonal" in LIVE_POLICIES and "seasonal" in POLICIES
@@ -102,8 +102,8 @@ def clean_days():
     only teaches the profile, the second is measured."""
     from dataclasses import replace
 
-    from agent.sim.policies import SimConfig, simulate
-    from agent.sim.policies_trace import DAY_SECONDS, _diurnal, fog_testbed_matrix
+    from foglab.sim.policies import SimConfig, simulate
+    from foglab.sim.policies_trace import DAY_SECONDS, _diurnal, fog_testbed_matrix
 
     trace = [2000.0 * _diurnal(s * 10 / 3600.0) for s in range(2 * DAY_SECONDS)]
     cfg = replace(SimConfig(), profile=tuple(learn_profile(trace[:DAY_SECONDS], 60, DAY_SECONDS)))
@@ -146,7 +146,7 @@ def test_cli_reports_seasonal_with_the_bound_and_draws_the_pareto_plot(tmp_path,
 
 def _live_pipeline(extra: str, policy: str = "seasonal") -> str:
     """The `bench policies` pipeline (source -> in_zone -> sink) with in_zone under `policy`."""
-    from agent.tools.policies_bench import PIPELINE
+    from foglab.tools.policies_bench import PIPELINE
 
     return PIPELINE.format(seed=0, steps=[[0.0, 10.0]], service_ms=4.0, policy=policy, period=1.0, cooldown=0.0,
                            capacity=250.0, n_max=4, extra_scaling=extra)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from agent.metrics_spec import cost_instance_minutes, reconfigurations
-from agent.sim.policies import POLICIES, Platform, SimConfig, format_table, simulate
-from agent.sim.policies_trace import NODES, taxi_trace, fog_testbed_matrix
+from foglab.sim.policies import POLICIES, Platform, SimConfig, format_table, simulate
+from foglab.sim.policies_trace import NODES, taxi_trace, fog_testbed_matrix
 
 
 @pytest.fixture(scope="module")

@@ -76,7 +76,7 @@ def test_a_source_resumes_at_its_oldest_unacked_poll_not_its_newest(tmp_path) ->
     import os
 
     from agent import topics
-    from agent.tools.dataplane_bench import initial_specs, pipeline_toml
+    from foglab.tools.dataplane_bench import initial_specs, pipeline_toml
     from agent.dataplane.envelope import Envelope, Kind, encode
     from agent.mqtt.settings import BrokerSpec
     from agent.mqtt.transport import Received
@@ -129,7 +129,7 @@ def _chain(tmp_path, clock: list, wire: "MemoryWire", operator: str, policy: str
     import dataclasses
     import os
 
-    from agent.tools.dataplane_bench import initial_specs, pipeline_toml
+    from foglab.tools.dataplane_bench import initial_specs, pipeline_toml
     from agent.mqtt.settings import BrokerSpec
     from agent.instance.worker import Worker
 
@@ -418,7 +418,7 @@ def _creator_and_idle_copy(tmp_path):  # type: ignore[no-untyped-def]
     import dataclasses
     import os
 
-    from agent.tools.dataplane_bench import initial_specs, pipeline_toml
+    from foglab.tools.dataplane_bench import initial_specs, pipeline_toml
     from agent.mqtt.settings import BrokerSpec
     from agent.instance.worker import Worker
 
@@ -768,7 +768,7 @@ def test_a_fast_source_writes_its_position_about_once_a_second_and_never_generat
     from agent.instance.worker import Worker
     from agent.mqtt.settings import BrokerSpec
     from agent.mqtt.transport import Received
-    from agent.tools.dataplane_bench import initial_specs, pipeline_toml
+    from foglab.tools.dataplane_bench import initial_specs, pipeline_toml
 
     written: list = []
 

@@ -248,7 +248,7 @@ def test_a_rehomed_keyed_instance_resumes_the_groups_it_is_told_not_every_group(
 
     from agent.instance.worker import Worker
     from agent.mqtt.settings import BrokerSpec
-    from agent.tools.dataplane_bench import initial_specs, pipeline_toml
+    from foglab.tools.dataplane_bench import initial_specs, pipeline_toml
 
     toml = pipeline_toml("p", [
         {"name": "src", "kind": "source", "function": "agent.operators.taxi:source", "key": "medallion"},

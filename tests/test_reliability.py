@@ -1,5 +1,5 @@
 """Issue 10's fault paths on real processes: a private Mosquitto with persistence, three real agents,
-real workers, the chaos pipeline under a changing load (`agent.tools.chaos`).
+real workers, the chaos pipeline under a changing load (`foglab.tools.chaos`).
 
 Each test injects faults on a fixed schedule (deterministic targets: the in_zone keeper, an in_zone
 copy, the broker, the node hosting the in_zone keeper, the agent hosting the source) or seeded
@@ -16,7 +16,7 @@ from typing import Any, Dict
 
 import pytest
 
-from agent.tools.chaos import ChaosConfig, run_chaos
+from foglab.tools.chaos import ChaosConfig, run_chaos
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 

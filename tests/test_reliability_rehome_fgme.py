@@ -1,5 +1,5 @@
 """The chaos fault paths of docs/reliability.md that need a node lost for good (re-homing) or
-2-FGME locks, on real processes (`agent.tools.chaos`). A file apart from test_reliability.py only
+2-FGME locks, on real processes (`foglab.tools.chaos`). A file apart from test_reliability.py only
 so that the test processes share the slow chaos runs evenly; the same accounting decides.
 """
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.tools.chaos import ChaosConfig, run_chaos
+from foglab.tools.chaos import ChaosConfig, run_chaos
 from test_reliability import assert_nothing_lost
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]

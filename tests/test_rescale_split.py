@@ -1,4 +1,4 @@
-"""The demo's decision -> first record per operator (agent.tools.rescale_split): a keyed copy is
+"""The demo's decision -> first record per operator (foglab.tools.rescale_split): a keyed copy is
 timed to its first APPLIED record and split into round, hand-over and first record; the parts
 add up to the total; a stateless copy has no hand-over. The stamps themselves are checked in
 order on a real keyed scale-out in tests/test_group_wiring.py."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent.tools.rescale_split import rescale_by_operator, split_one
+from foglab.tools.rescale_split import rescale_by_operator, split_one
 
 AT = 1_800_000_000.0
 

@@ -1,11 +1,11 @@
-"""The health gate's verdict and wait loop (agent.tools.rollout_gate), sans IO: fogctl status
+"""The health gate's verdict and wait loop (agent.fogctl.rollout_gate), sans IO: fogctl status
 --json documents in, a verdict out; a fake clock, no broker, milliseconds."""
 
 from __future__ import annotations
 
 from typing import List, Optional
 
-from agent.tools import rollout_gate as gate
+from agent.fogctl import rollout_gate as gate
 
 T0 = 1_000.0
 

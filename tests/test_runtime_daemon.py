@@ -520,7 +520,7 @@ def test_placement_prefers_the_lower_latency_node_once_measured(tmp_path: Path, 
     """b1 is full; b3 has more free slots but sits behind an 80 ms link: the new sibling of an
     instance on b1 goes to b2 (measured RTT to b1 is lower), not to the roomier b3."""
     from agent import topics
-    from agent.tools.delayproxy import DelayProxy
+    from foglab.tools.delayproxy import DelayProxy
 
     cluster = "t5"
     fake_log = tmp_path / "fake.log"
@@ -935,7 +935,7 @@ def test_a_worker_that_announced_its_final_exit_and_needed_sigterm_left_by_scale
 def test_bench_spawn_starts_every_worker_of_a_burst_forked_then_cold(tmp_path: Path) -> None:
     """`fog-agent bench spawn`'s figures are per start, for each mode (no timing is asserted:
     the numbers are the benchmark's, docs/runtime.md "Pre-started workers")."""
-    from agent.tools.demo import bench_spawn
+    from foglab.tools.demo import bench_spawn
 
     out = bench_spawn(burst=2, rounds=1, workdir=tmp_path)
     for mode in ("forked", "cold"):

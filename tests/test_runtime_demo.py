@@ -14,9 +14,10 @@ from typing import Any, Dict
 
 import pytest
 
+from agent_process import CHECKOUT_PATH
 from agent.config import load_pipeline_text
-from agent.tools import demo
-from agent.tools.verify import verify
+from foglab.tools import demo
+from foglab.tools.verify import verify
 from agent.operators.taxi import TaxiGenerator
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -129,7 +130,7 @@ def test_demo_exit_status_follows_the_verdict(monkeypatch: pytest.MonkeyPatch, t
 def test_short_demo_through_the_cli(tmp_path: Path) -> None:
     pipeline = tmp_path / "mini.toml"
     pipeline.write_text(PIPELINE)
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=CHECKOUT_PATH)
     proc = subprocess.run(
         [sys.executable, "-m", "agent", "demo", "--pipeline", str(pipeline), "--json", "--no-analytics",
          "--workdir", str(tmp_path / "run"), "--plot", str(tmp_path / "demo.png")],
@@ -144,7 +145,7 @@ def test_short_demo_through_the_cli(tmp_path: Path) -> None:
     assert summary["records_in"] > 1500 and summary["records_out"] > 0.8 * summary["records_in"]
     assert summary["max_instances"]["in_zone"] >= 2  # 400 records/s > r*C = 140: it scaled out
     assert summary["scale_outs"] >= 1 and summary["protocol_messages"] > 0
-    # decision -> first record per operator (agent.tools.rescale_split): its rows add up, and the
+    # decision -> first record per operator (foglab.tools.rescale_split): its rows add up, and the
     # overall figure is taken over the same scale-outs
     r = summary["rescale_by_operator"]["in_zone"]
     assert r["keyed"] is False and r["decision_to_first_record_s"]["n"] >= 1
@@ -169,7 +170,7 @@ def test_sigterm_to_the_demo_stops_its_whole_fleet(tmp_path: Path) -> None:
 
     pipeline = tmp_path / "mini.toml"
     pipeline.write_text(PIPELINE)
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=CHECKOUT_PATH)
     proc = subprocess.Popen(
         [sys.executable, "-m", "agent", "demo", "--pipeline", str(pipeline), "--json", "--no-analytics",
          "--duration", "60", "--workdir", str(tmp_path / "run")],

@@ -1,6 +1,6 @@
 """Issue 5's "Must hold" on the real broker: three agents, real workers, live scaling, every id once.
 
-Each test runs a fleet of `fog-agent run` processes (agent.tools.demo.Fleet) on the session's
+Each test runs a fleet of `fog-agent run` processes (foglab.tools.demo.Fleet) on the session's
 Mosquitto, deploys a taxi pipeline with a step load profile, and checks with the exactly-once
 verifier (seeded sources regenerated, filters applied, compared with the counting sinks' id
 files). Periods are 1 s and loads small, so that the whole file stays around three minutes.
@@ -18,8 +18,8 @@ import pytest
 
 from agent import topics
 from agent.config import load_pipeline_text
-from agent.tools.demo import Fleet, Monitor
-from agent.tools.verify import verify
+from foglab.tools.demo import Fleet, Monitor
+from foglab.tools.verify import verify
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 

@@ -15,7 +15,7 @@ import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
 from agent import topics
-from agent.tools.dataplane_bench import LocalRunner, initial_specs, pipeline_toml
+from foglab.tools.dataplane_bench import LocalRunner, initial_specs, pipeline_toml
 from agent_process import ONLINE_BOUND
 from agent.operators.builtin import in_zone, read_sink_ids, validate
 from agent.mqtt.settings import BrokerSpec
@@ -652,7 +652,7 @@ def test_a_fenced_transport_reconnects_only_when_allowed(mosquitto) -> None:
     """Re-homing on: a worker's transport that lost its connection (here a partition through a
     proxy, longer than the 1 s keepalive) does not reconnect on its own, so it cannot take its
     MQTT session from an incarnation started elsewhere meanwhile; once allowed, it does."""
-    from agent.tools.delayproxy import DelayProxy
+    from foglab.tools.delayproxy import DelayProxy
     from agent.mqtt.settings import BrokerSpec
     from agent.mqtt.transport import Disconnected, Transport
 

@@ -8,7 +8,7 @@ import pytest
 
 from agent.policy.decentralized import Action
 from agent.protocol.scaling import DeletionMode, InstanceState, ScalingCore
-from agent.sim.checker import Plan, build_pipeline, explore, random_runs
+from foglab.sim.checker import Plan, build_pipeline, explore, random_runs
 
 D, T = Action.DUPLICATE, Action.TERMINATE
 

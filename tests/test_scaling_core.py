@@ -20,7 +20,7 @@ from agent.protocol.scaling import (
     Send,
     Terminate,
 )
-from agent.sim.checker import Plan, build_pipeline
+from foglab.sim.checker import Plan, build_pipeline
 
 P = ScalingParams()
 

@@ -10,7 +10,7 @@ import pytest
 
 from agent.cli.main import main
 from agent.protocol.scaling import ScalingCore
-from agent.sim.scaling_sim import SimConfig, simulate
+from foglab.sim.scaling_sim import SimConfig, simulate
 
 REQUIRED = {"steps", "operators", "final_instances", "messages_total", "accuracy_mean",
             "ideal_throughput_pct_mean", "lost_records", "stale_route_deliveries",

@@ -129,7 +129,7 @@ def test_the_log_limiter_writes_once_per_sender_per_minute_and_a_bounded_number_
 
 def _worker(tmp_path: Path, operator: str, clock: List[float], **changes: Any):  # type: ignore[no-untyped-def]
     """One worker of source -> work -> sink (decentralized scaling core, policy none)."""
-    from agent.tools.dataplane_bench import initial_specs, pipeline_toml
+    from foglab.tools.dataplane_bench import initial_specs, pipeline_toml
     from agent.mqtt.settings import BrokerSpec
     from agent.instance.worker import Worker
 
@@ -377,7 +377,7 @@ def test_forged_inbox_messages_on_a_real_broker_stall_nothing_and_leave_no_state
     import paho.mqtt.client as mqtt
     from paho.mqtt.enums import CallbackAPIVersion
 
-    from agent.tools.dataplane_bench import LocalRunner, initial_specs, pipeline_toml
+    from foglab.tools.dataplane_bench import LocalRunner, initial_specs, pipeline_toml
     from agent_process import ONLINE_BOUND
     from agent.operators.builtin import read_sink_ids
     from agent.mqtt.settings import BrokerSpec

@@ -4,7 +4,7 @@ Low load: the leader drains the least useful node through the existing hand-over
 hosts nothing, runs the release hook (a script that appends the node's name to a file). More
 load (a second pipeline): spare capacity falls below the target, the acquire hook runs for the
 released node and the node is undrained. Every record of the first pipeline reaches the sink
-exactly once (agent.tools.verify). Then the leader is killed: another agent takes the role once
+exactly once (foglab.tools.verify). Then the leader is killed: another agent takes the role once
 the lease ran out, and the fleet keeps scaling meanwhile (the protocol never waits for it).
 
 About 60 s: three agents, two pipelines and a lease expiry; it is the only end-to-end run of
@@ -83,8 +83,8 @@ def _lines(path: Path) -> List[str]:
 def test_site_manager_consolidates_acquires_and_fails_over(capsys, mosquitto, tmp_path) -> None:
     from agent.config import load_pipeline_text
     from agent.node.deploy import deploy
-    from agent.tools.demo import Monitor, wait_online
-    from agent.tools.verify import verify_settled
+    from foglab.tools.demo import Monitor, wait_online
+    from foglab.tools.verify import verify_settled
 
     started = time.monotonic()
     cluster = "m" + uuid.uuid4().hex[:8]
@@ -198,7 +198,7 @@ def test_a_peer_drain_is_accepted_from_the_lease_holder_only(mosquitto, tmp_path
     import paho.mqtt.client as mqtt
 
     from agent.node import rpc
-    from agent.tools.demo import Monitor, wait_online
+    from foglab.tools.demo import Monitor, wait_online
 
     cluster = "p" + uuid.uuid4().hex[:8]
     (tmp_path / "sinks").mkdir()
@@ -261,8 +261,8 @@ def test_the_fleet_scales_while_no_site_manager_leads(mosquitto, tmp_path) -> No
     from agent.config import load_pipeline_text
     from agent.node.deploy import deploy
     from agent.node.rpc import RpcClient
-    from agent.tools.demo import Monitor, wait_online
-    from agent.tools.verify import verify, verify_settled
+    from foglab.tools.demo import Monitor, wait_online
+    from foglab.tools.verify import verify, verify_settled
 
     cluster = "f" + uuid.uuid4().hex[:8]
     hook = tmp_path / "hook.sh"

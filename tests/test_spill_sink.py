@@ -18,7 +18,7 @@ import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
 from agent import topics
-from agent.tools.dataplane_bench import LocalRunner, initial_specs, pipeline_toml
+from foglab.tools.dataplane_bench import LocalRunner, initial_specs, pipeline_toml
 from agent_process import ONLINE_BOUND
 from agent.operators.builtin import _line_ids, read_sink_ids
 from agent.spill.shipper import PathShipper

@@ -1,4 +1,4 @@
-"""The testbed (agent/tools/testbed.py): its plan without root, then a real two-container fleet.
+"""The testbed (lab/foglab/tools/testbed.py): its plan without root, then a real two-container fleet.
 
 The smoke test boots two Debian bookworm containers (systemd-nspawn, systemd as PID 1) on a bridge
 of its own, runs `ansible/site.yml` against them over SSH with the .deb built from this checkout,
@@ -29,8 +29,8 @@ from typing import Dict, Iterator, List, Optional, Set
 import pytest
 import yaml
 
-from agent.tools import testbed
-from agent.tools.testbed_systemd import parse_show
+from foglab.tools import testbed
+from foglab.tools.testbed_systemd import parse_show
 
 ROOT = Path(__file__).resolve().parents[1]
 ANSIBLE_DIR = ROOT / "ansible"
@@ -70,7 +70,7 @@ def test_the_during_commands_output_is_kept_in_the_given_log(tmp_path: Path) -> 
     sent to /dev/null."""
     import time
 
-    from agent.tools.testbed_pipeline import _During
+    from foglab.tools.testbed_pipeline import _During
 
     side = _During("echo upgraded; echo failed >&2; exit 3", tmp_path / "during.log")
     deadline = time.monotonic() + 10
@@ -121,7 +121,7 @@ def test_inventory_lists_the_fleet_and_the_deb(tmp_path: Path) -> None:
 
 def test_pipeline_step_needs_scaling_and_placement_is_read_per_node() -> None:
     from agent.config import load_pipeline_text
-    from agent.tools.testbed_pipeline import pipeline_text, placement
+    from foglab.tools.testbed_pipeline import pipeline_text, placement
 
     cfg = load_pipeline_text(pipeline_text(60.0, 500.0), "tb.toml")
     src, in_zone = cfg.operators[0], cfg.operators[2]
@@ -136,7 +136,7 @@ def test_pipeline_step_needs_scaling_and_placement_is_read_per_node() -> None:
 
 
 def test_chaos_sees_an_instance_on_the_dead_node_and_where_it_was_rehomed() -> None:
-    from agent.tools.chaos_testbed import instance_nodes
+    from foglab.tools.chaos_testbed import instance_nodes
 
     topo = {"pipelines": [{"pipeline": "tb", "operators": [
         {"operator": "in_zone", "instances": [{"id": "a", "node": "tbt2"}, {"id": "b", "node": "tbt3"},
@@ -241,7 +241,7 @@ def test_chaos_on_the_testbed_refuses_other_faults_and_a_missing_testbed(tmp_pat
 
 
 def test_upgrade_refuses_without_a_testbed_and_relabels_only_debian_versions(tmp_path: Path) -> None:
-    from agent.tools.testbed_upgrade import relabel_deb
+    from foglab.tools.testbed_upgrade import relabel_deb
 
     with pytest.raises(testbed.TestbedError, match="Debian version"):
         relabel_deb(tmp_path / "x.deb", "../evil", tmp_path)

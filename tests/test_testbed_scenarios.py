@@ -1,4 +1,4 @@
-"""`fog-agent testbed scenarios`, its pure parts (agent.tools.testbed_scenarios): the PLAY RECAP's
+"""`fog-agent testbed scenarios`, its pure parts (foglab.tools.testbed_scenarios): the PLAY RECAP's
 parse, each step's verdict and the table, without containers (milliseconds). The run itself is a
 command (docs/operations.md, "Scenarios per Debian release")."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from agent.tools import testbed, testbed_scenarios as sc
+from foglab.tools import testbed, testbed_scenarios as sc
 
 RECAP = """
 PLAY RECAP *********************************************************************

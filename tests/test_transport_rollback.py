@@ -12,7 +12,7 @@ from typing import List
 import pytest
 
 from agent.mqtt.settings import BrokerSpec
-from agent.tools.broker import MOSQUITTO, wait_port
+from foglab.tools.broker import MOSQUITTO, wait_port
 from conftest import start_broker
 
 pytestmark = [pytest.mark.broker, pytest.mark.timeout(60)]

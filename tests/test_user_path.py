@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 import pytest
-from agent_process import ONLINE_BOUND
+from agent_process import CHECKOUT_PATH, ONLINE_BOUND
 from pipelines import taxi_in_zone
 
 from agent.cli import config_cmd
@@ -36,7 +36,7 @@ EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.toml"))
 
 def fog_agent(*args: str, timeout: float = 60, env: Dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([PY, "-m", "agent", *args], capture_output=True, text=True, cwd=ROOT, timeout=timeout,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT), **(env or {})))
+                          env=dict(os.environ, PYTHONPATH=CHECKOUT_PATH, **(env or {})))
 
 
 # ---- --json: only JSON on stdout ------------------------------------------------------------------
@@ -87,7 +87,7 @@ def test_demo_json_stdout_is_the_summary_alone(monkeypatch: pytest.MonkeyPatch, 
     """The demo's code path under --json: whatever the run and the analytics hooks write to stdout,
     by `print` (the analytics hook printed "analytics report: <path>") or straight to file
     descriptor 1 (a JVM, a child process), lands on stderr; stdout is the summary."""
-    from agent.tools import demo
+    from foglab.tools import demo
 
     def noisy_run(*a: Any, **k: Any) -> Dict[str, Any]:
         print("a library prints")
@@ -99,7 +99,7 @@ def test_demo_json_stdout_is_the_summary_alone(monkeypatch: pytest.MonkeyPatch, 
         os.write(1, b"spark writes to fd 1\n")
         return {"report": "r.md"}
 
-    from agent.tools import demo_analytics
+    from foglab.tools import demo_analytics
 
     monkeypatch.setattr(demo, "run_demo", noisy_run)
     monkeypatch.setattr(demo_analytics, "analyse", noisy_analyse)
@@ -313,7 +313,7 @@ def test_every_documented_metric_is_set_by_a_live_agent(tmp_path: Path, capsys: 
     from prometheus_client.parser import text_string_to_metric_families
 
     from agent.cli.fogctl import main as fogctl
-    from agent.tools.broker import free_port, start_private_broker
+    from foglab.tools.broker import free_port, start_private_broker
 
     broker = start_private_broker(tmp_path / "broker")
     port = free_port()
@@ -447,7 +447,7 @@ def test_design_citations_point_at_the_design_document() -> None:
     sections = {int(m) for m in re.findall(r"^## (\d+)\. ", design, re.M)}
     invariants = {int(m) for m in re.findall(r"^(\d+)\. \*\*", design.split("## 4.")[1].split("\n## ")[0], re.M)}
     assert sections == set(range(1, 9)) and invariants == set(range(1, 9))
-    files = [p for d in ("agent", "tests", "ansible", "scripts") for p in (ROOT / d).rglob("*")
+    files = [p for d in ("agent", "lab", "tests", "ansible", "scripts") for p in (ROOT / d).rglob("*")
              if p.suffix in (".py", ".j2", ".yml", ".sh", ".md") and p.name != "test_user_path.py"]
     files += list((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
     cited = 0
@@ -463,7 +463,7 @@ def test_design_citations_point_at_the_design_document() -> None:
 @pytest.mark.parametrize("failure", ["setup", "loss", "interrupt"])
 def test_a_failed_demo_says_where_its_work_directory_is(failure: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                         capfd: pytest.CaptureFixture) -> None:
-    from agent.tools import demo
+    from foglab.tools import demo
 
     work = tmp_path / "work"
 

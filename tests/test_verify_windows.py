@@ -1,4 +1,4 @@
-"""The stateful chaos verdict (agent.tools.verify.verify_windows): the keyed window's outputs at the
+"""The stateful chaos verdict (foglab.tools.verify.verify_windows): the keyed window's outputs at the
 sink against the fault-free reference regenerated from the seeded source. Here the "sink" is
 written by hand from that reference, so that each kind of difference is known to be caught."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 from agent.config import load_pipeline_text
-from agent.tools.chaos import chaos_pipeline
-from agent.tools.verify import expected_outputs, verify_windows
+from foglab.tools.chaos import chaos_pipeline
+from foglab.tools.verify import expected_outputs, verify_windows
 
 N = 1500
 

@@ -28,7 +28,7 @@ import jinja2
 import paho.mqtt.client as mqtt
 import yaml
 
-from agent.tools.broker import MOSQUITTO, free_port, wait_port
+from foglab.tools.broker import MOSQUITTO, free_port, wait_port
 from agent_process import AgentProcess
 from tls_certs import OPENSSL, make_ca, make_cert
 

@@ -1,4 +1,4 @@
-"""The `fog-agent` command: daemon, tools, simulators and benchmarks as subcommands.
+"""The `fog-agent` command: the node's commands, and the lab's where the lab is installed.
 
 Each area of the project owns one module in `agent.cli` with a `register(groups)` function that
 adds its subcommands; this file only wires them together, so that areas never edit each other's
@@ -6,6 +6,12 @@ command code. A subcommand handler takes the parsed namespace and returns the ex
 Modules are imported lazily-by-listing: a module missing from a partial install (for example the
 analytics commands on a Pi without PySpark) must still register; it imports heavy libraries inside
 its handler, not at module level.
+
+The lab (simulators, checkers, benchmarks, demo, chaos, testbed: the `fog-agent-lab`
+distribution in lab/, package `foglab`) is not in the node's wheel or .deb. `_lab_cli` is the one
+place the `agent` package imports it (tests/test_layout.py holds every other module to that):
+where it is installed, `foglab.cli.register` adds its commands to the same groups; where it is
+not, `simulate`, `bench` and the lab's top-level commands each say how to install it.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import importlib
 import signal
 import sys
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Callable, Optional, Sequence
 
 from agent import __version__
@@ -23,18 +30,19 @@ from agent.exitcodes import ERROR as EXIT_ERROR, OK as EXIT_OK, USAGE as EXIT_US
 # One entry per area; order is the order in `--help`.
 COMMAND_MODULES = (
     "agent.cli.config_cmd",    # check-config
-    "agent.cli.runtime_cmd",   # run, deploy, demo, bench dataplane
-    "agent.cli.scaling_cmd",   # simulate scaling, bench sim
-    "agent.cli.gme_cmd",       # simulate gme, bench gme
-    "agent.cli.instance_check_cmd",  # simulate instance
-    "agent.cli.measure_cmd",   # calibrate, netem, simulate policies
+    "agent.cli.runtime_cmd",   # run, deploy
+    "agent.cli.measure_cmd",   # calibrate, netem
     "agent.cli.spill_cmd",     # collector, analytics
-    "agent.cli.chaos_cmd",     # chaos
-    "agent.cli.fuzz_cmd",      # bench fuzz
-    "agent.cli.testbed_cmd",   # testbed up/down/ssh
-    "agent.cli.dev_cmd",       # dev up/status/down
     "agent.cli.rollout_cmd",   # rollout-gate (the fog_agent role's health gate)
 )
+
+# The lab's command package, and its top-level commands (the others are under `simulate` and
+# `bench`), named here so that a node without the lab still answers `fog-agent demo` with what to
+# install (tests/test_cli_lab.py checks the list against what foglab.cli registers).
+LAB_CLI = "foglab.cli"
+LAB_COMMANDS = ("demo", "chaos", "testbed", "dev")
+LAB_MISSING = ("this command is in the lab, which is not installed here: install fog-agent-lab "
+               "(pip install ./lab from a fog-agent checkout; `make setup` installs both)")
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports it
@@ -56,11 +64,12 @@ def _raise_terminated(signum: int, frame: object) -> None:
 
 @dataclass
 class Groups:
-    """The subparser collections an area may add commands to."""
+    """The subparser collections an area may add commands to. `simulate` and `bench` hold lab
+    commands only: None where the lab is not installed."""
 
     root: "argparse._SubParsersAction"
-    simulate: "argparse._SubParsersAction"
-    bench: "argparse._SubParsersAction"
+    simulate: "Optional[argparse._SubParsersAction]"
+    bench: "Optional[argparse._SubParsersAction]"
 
 
 Handler = Callable[[argparse.Namespace], int]
@@ -78,15 +87,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="debug, info, warning or error (default: info, or $FOG_AGENT_LOG_LEVEL)",
     )
     root = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sim = root.add_parser("simulate", help="run a simulator (scaling, gme, policies)")
-    bench = root.add_parser("bench", help="run a benchmark that prints figures")
-    groups = Groups(
-        root=root,
-        simulate=sim.add_subparsers(dest="simulation", metavar="SIMULATION"),
-        bench=bench.add_subparsers(dest="benchmark", metavar="BENCHMARK"),
-    )
-    for parent in (sim, bench):
-        parent.set_defaults(func=lambda args, p=parent: _usage(p))
+    lab = _lab_cli()
+    missing = "" if lab is not None else " (fog-agent-lab: not installed)"
+    sim = root.add_parser("simulate", help="run a simulator (scaling, gme, policies)" + missing, add_help=lab is not None)
+    bench = root.add_parser("bench", help="run a benchmark that prints figures" + missing, add_help=lab is not None)
+    if lab is None:
+        # Whatever follows the command, these answer with LAB_MISSING (main() lets them have it).
+        stubs = [sim, bench] + [root.add_parser(name, help="a lab command" + missing, add_help=False)
+                                for name in LAB_COMMANDS]
+        for stub in stubs:
+            stub.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+            stub.set_defaults(func=_lab_missing)
+        groups = Groups(root=root, simulate=None, bench=None)
+    else:
+        groups = Groups(
+            root=root,
+            simulate=sim.add_subparsers(dest="simulation", metavar="SIMULATION"),
+            bench=bench.add_subparsers(dest="benchmark", metavar="BENCHMARK"),
+        )
+        for parent in (sim, bench):
+            parent.set_defaults(func=lambda args, p=parent: _usage(p))
     for name in COMMAND_MODULES:
         try:
             module = importlib.import_module(name)
@@ -95,7 +115,28 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue
         module.register(groups)
+    if lab is not None:
+        lab.register(groups)
     return parser
+
+
+def _lab_cli() -> Optional[ModuleType]:
+    """`foglab.cli`, or None where fog-agent-lab is not installed (a node's .deb).
+
+    Why here and nowhere else: the node's package must run without the lab, so no other module
+    of `agent` imports `foglab` (tests/test_layout.py); this hook only finds the lab's commands."""
+    try:
+        import foglab.cli
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("foglab", LAB_CLI):  # a broken lab install: do not hide it
+            raise
+        return None
+    return foglab.cli
+
+
+def _lab_missing(args: argparse.Namespace) -> int:
+    print(f"fog-agent {args.command}: {LAB_MISSING}", file=sys.stderr)
+    return EXIT_USAGE
 
 
 def _usage(parser: argparse.ArgumentParser) -> int:
@@ -107,7 +148,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from agent.log import setup_logging
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and getattr(args, "func", None) is not _lab_missing:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")  # as parse_args: exit 2
     setup_logging(args.log_level)
     func: Optional[Handler] = getattr(args, "func", None)
     if func is None:

@@ -3,7 +3,7 @@
 `snapshot` (before the role's handlers may restart the agent) prints what the node hosts now and
 the time; `wait --snapshot JSON` (after a restart the role made) returns once the node is online
 again with those instances running, or fails after `--timeout` naming the node and what is
-missing (agent.tools.rollout_gate). Both read the broker's retained records as the node itself,
+missing (agent.fogctl.rollout_gate). Both read the broker's retained records as the node itself,
 with `fogctl --agent-config`.
 """
 
@@ -47,7 +47,7 @@ def _fogctl(given: str | None) -> str:
 
 
 def _cmd(args: argparse.Namespace) -> int:
-    from agent.tools import rollout_gate as gate
+    from agent.fogctl import rollout_gate as gate
 
     read = gate.fogctl_reader(_fogctl(args.fogctl), args.agent_config)
     if args.step == "snapshot":

@@ -7,7 +7,7 @@ every event, the wall time with `Started`/`Restarted`/`Tick`), no global random,
 from agent.mqtt, agent.node or subprocess. The worker process (agent.instance.worker) is the
 shell: it turns paho callbacks, control lines and its loop's turns into events (agent.instance
 .events) and performs the commands (agent.instance.commands) in order. The interleaving checker
-(agent.sim.instance_check) drives the same class through a model of the broker.
+(foglab.sim.instance_check) drives the same class through a model of the broker.
 
 Why one module of ~2,000 lines: the data path (admission, per-sender queues, processing, flow
 control, replay, acks) and the lifecycle share one set of fields that every step reads; split
@@ -122,7 +122,7 @@ RAW_TOPIC = "\0"
 # `_publish_tracked`): a window of data plus acks and protocol messages, many times over.
 UNROUTED_MAX = 1024
 
-# Seeded fault (agent.sim.instance_check, never set elsewhere): refused publishes are retried
+# Seeded fault (foglab.sim.instance_check, never set elsewhere): refused publishes are retried
 # only when there is data to flush, so a sink's refused ack holds back all its later acks.
 FAULT_RETRY_ONLY_WITH_DATA = "retry_only_with_data"
 # Seeded fault (the same): records sent again are routed afresh, not to where they went before,

@@ -66,7 +66,7 @@ PROBE, PROBE_ECHO = "probe", "probe_echo"  # see ScalingDriver.on_probe
 MAX_PROBES = 8
 PROBE_TTL = 60.0
 
-# Seeded faults (agent.sim.instance_check): each brings back a loss the chaos campaigns found
+# Seeded faults (foglab.sim.instance_check): each brings back a loss the chaos campaigns found
 # (docs/reliability.md), so that the checker can show it finds it. Never set outside the checker.
 FAULT_REHOME_ROUNDS_FROM_ONE = "rehome_rounds_from_one"  # a re-homed instance numbers rounds from 1
 FAULT_DRAIN_HOLDS_PROTOCOL = "drain_holds_protocol"  # a draining copy holds its protocol queue

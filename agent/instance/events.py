@@ -2,7 +2,7 @@
 
 Rules of this file: frozen dataclasses under one base class, checked in the constructor; no I/O.
 The worker process (agent.instance.worker) turns paho callbacks, control lines from its agent and
-its timers into these; the interleaving checker (agent.sim.instance_check) makes them up.
+its timers into these; the interleaving checker (foglab.sim.instance_check) makes them up.
 Time is not an event field: `handle(event, now)` carries the monotonic clock, and `Tick.wall`
 the wall clock (timestamps and epoch plausibility only).
 """

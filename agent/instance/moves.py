@@ -69,7 +69,7 @@ MOVE_RESEND = 10.0
 HAND_OUT_BUDGET = 64_000
 _MAX_NAME = 200
 
-# Seeded faults of the hand-over (agent.sim.instance_check, never set elsewhere; `Instance.faults`),
+# Seeded faults of the hand-over (foglab.sim.instance_check, never set elsewhere; `Instance.faults`),
 # each a rule of docs/operators.md "Key groups that move" broken, which the checker must find:
 FAULT_HELD_AT_ONCE = "held_applied_at_once"  # records of a group on its way here applied before its state
 FAULT_NO_EOS = "eos_not_sent"  # a predecessor takes a Redirect and sends no Eos

@@ -62,7 +62,7 @@ __all__ = [
 
 NETEM_MISSING_LINE = ("netem: this kernel has no sch_netem qdisc (\"Specified qdisc kind is unknown\"); "
                       "load the module (modprobe sch_netem) or use the userspace delay proxy "
-                      "(agent.tools.delayproxy)")
+                      "(foglab.tools.delayproxy)")
 
 Runner = Callable[[Sequence[str]], Tuple[int, str, str]]
 

@@ -3,7 +3,7 @@ the protocol core's `Decision` out.
 
 Why a module of its own: the worker owns the clocks and the measurements, the daemon owns the fleet
 view (siblings, latencies, the predecessors' back pressure), and the policy objects are the very ones
-`fog-agent simulate policies` drives (agent/sim/policies.py). `LivePolicy` is the seam: pure, fed
+`fog-agent simulate policies` drives (lab/foglab/sim/policies.py). `LivePolicy` is the seam: pure, fed
 once per decision period with `PeriodInputs` (what the worker measured plus the latest context the
 daemon sent), it builds the same `Measurements` the simulator builds, asks the policy, and maps the
 resulting `ScalingAction` onto the decentralized protocol's vocabulary:

@@ -10,7 +10,7 @@ in. This policy does not chase the noise: every period it turns the learned prof
 `horizon` slots (x (1 + margin), x the recent level if `track_level`) into the instance counts
 the calibrated MST model needs, finds the cheapest instance series covering them with each
 change priced `change_cost` instance-slots (`plan_instances`, exact DP: the clairvoyant
-few-changes schedule of agent/sim/policies_oracle.py, priced instead of counted, on the
+few-changes schedule of lab/foglab/sim/policies_oracle.py, priced instead of counted, on the
 forecast) and moves to that plan's next count. The margin, not reactions, covers the noise.
 
 Two refinements (docs/measurement.md, "The policy goal against the bound"): `shortfall_price` > 0 replaces the

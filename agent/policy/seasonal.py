@@ -80,7 +80,7 @@ def plan_day(profile: Tuple[float, ...], segments: int) -> Tuple[float, ...]:
     """The cheapest piecewise-constant cover of the day's profile with at most `segments` pieces:
     each slot gets the maximum of the profile over its piece, and the sum over the day is least.
 
-    It is the clairvoyant few-changes schedule (agent/sim/policies_oracle.py) computed on the
+    It is the clairvoyant few-changes schedule (lab/foglab/sim/policies_oracle.py) computed on the
     learned profile instead of the future, in rate space (an instance count is about proportional
     to the rate). Exact DP, O(segments x slots^2); cached because every sibling builds the same."""
     s = len(profile)

@@ -14,7 +14,7 @@ acknowledgement already received for it becomes invalid (`acks_rcvd` / `acks_to_
 
 System model (thesis 5.2.1): reliable FIFO channels, nodes do not crash, groups are fixed.
 
-DEVIATION (found by our checker, `agent.sim.gme_check`): in the literal pseudo-code
+DEVIATION (found by our checker, `foglab.sim.gme_check`): in the literal pseudo-code
 `acks_to_ign` is a *set*, but a node can withdraw and resend its request to the same competitor
 several times (lines 25-38 / 43-50, then 63 / 83) before the answers arrive, so several
 acknowledgements to ignore can be in flight from one node, and a set counts only one of them.

@@ -38,7 +38,7 @@ CS. So:
   send nothing else first (a node in the CS only queues Reqs, lines 20 and 42).
 
 So at every boundary the set of nodes y waits for always contains every node that may be in the
-CS of the other group, which is what 2-FGME's safety argument needs; `agent.sim.guarded_check`
+CS of the other group, which is what 2-FGME's safety argument needs; `foglab.sim.guarded_check`
 checks the resulting property (no two neighbouring operators in a round at once, no lost
 records, every intent served) over random and exhaustive schedules.
 

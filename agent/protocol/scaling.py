@@ -1,7 +1,7 @@
 """Per-instance state machine of the decentralized scaling protocol (Belkhiria & Tedeschi).
 
 Rules of this file: everything that changes an instance's routing tables or its scaling state
-lives here; no I/O, no clock, no global random. A driver (the simulator in `agent.sim`, the
+lives here; no I/O, no clock, no global random. A driver (the simulator in `foglab.sim`, the
 worker process, `agent.instance.worker`) feeds the core and performs what it returns.
 
 API
