@@ -1,10 +1,10 @@
 """A site's uplink cut: what the site broker's bridge queues, what it drops past its bounds, and
 how long it takes to drain after the link returns (docs/scale.md, "Sites").
 
-Two private Mosquittos on loopback (agent/tools/broker.py's configuration): a site broker with
+Two private Mosquittos on loopback (lab/foglab/tools/broker.py's configuration): a site broker with
 the bridge `agent.sites.render_bridge` renders (plain TCP: the TLS of the role's stanza is
 exercised by tests/test_sites.py) and a central broker, with a TCP proxy between them
-(agent/tools/delayproxy.py) that is stopped to cut the uplink and started again on the same port
+(lab/foglab/tools/delayproxy.py) that is stopped to cut the uplink and started again on the same port
 to heal it. While the link is down a site client publishes `--messages` QoS 1 messages of
 `--payload` bytes on the site's events topic (one of the topics that leave the site), each with
 its id; a central subscriber with a persistent session counts them by id. Reported: the site
@@ -39,8 +39,8 @@ from paho.mqtt.packettypes import PacketTypes
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from agent import sites, topics  # noqa: E402
-from agent.tools.broker import BROKER_CONF, MOSQUITTO, free_port, wait_port  # noqa: E402
-from agent.tools.delayproxy import DelayProxy  # noqa: E402
+from foglab.tools.broker import BROKER_CONF, MOSQUITTO, free_port, wait_port  # noqa: E402
+from foglab.tools.delayproxy import DelayProxy  # noqa: E402
 
 CLUSTER, SITE, NODE, BRIDGE = "bench", "north", "n1", "bridge-north"
 

@@ -3,7 +3,7 @@ it, and a real bridge between two Mosquitto brokers rendered by the role (TLS, t
 identity, the centre's ACL): what crosses, what does not, and a 10 s uplink cut.
 
 The cut is made by a TCP proxy between the site broker's bridge and the central broker
-(agent/tools/delayproxy.py), stopped and started again on the same port: both brokers stay up,
+(lab/foglab/tools/delayproxy.py), stopped and started again on the same port: both brokers stay up,
 as when a site's radio link drops, so the centre queues steering for the site while the site
 queues its spill for the centre.
 """
@@ -31,8 +31,8 @@ from agent.mqtt.requester import RequestTimeout
 from agent.node.rpc import RpcClient, SeenRequests
 from agent.spill.shipper import MqttShipper, Outgoing, decode_chunk
 from agent.spill.spool import Spool, read_records
-from agent.tools.broker import MOSQUITTO, free_port, wait_port
-from agent.tools.delayproxy import DelayProxy
+from foglab.tools.broker import MOSQUITTO, free_port, wait_port
+from foglab.tools.delayproxy import DelayProxy
 from tls_certs import make_ca, make_cert
 from tls_site import OK_CODES, NOT_AUTHORIZED, Client, render_role, wait_until
 
