@@ -295,3 +295,30 @@ def test_fogctl_why_says_who_rehomed_an_instance_and_when() -> None:
     assert rehomed_of(snap, "cells.0") == {"by": "n3", "at": 180.5}
     assert rehomed_of(snap, "sink.0") == {"by": "n2", "at": 50.0}
     assert rehomed_of(snap, "other") is None
+
+
+def test_a_rehomed_predecessor_of_keyed_instances_gets_its_group_table_from_their_reports() -> None:
+    """Its saved table went with its node; the dealing over its successors named owners the groups
+    had left, and it refused their Redirects for ever ("which does not own it"). The plan hands it
+    its successors' reports; the table takes each group's owner at the highest version, and a
+    group no one reports (in the middle of a move) makes no table: the dealing, logged."""
+    from agent.dataplane.owners import TableError, table_from_reports
+    from agent.instance.groups import restored_table
+
+    hosted = {"n1": [spec("p.source.0", "source", True), spec("p.mid.0", "mid", True)],
+              "n2": [spec("mid-b", "mid")]}
+    reports = {"p.mid.0": [[0, 63, 2]], "mid-b": [[64, 127, 1], [0, 3, 1]]}
+    (src,) = [d for d in plan_rehome("n1", hosted, {"n2"}, set(), 0, groups=reports) if d["operator"] == "source"]
+    assert src["extra"]["succ_groups"] == reports
+    table = table_from_reports(src["extra"]["succ_groups"], 128)
+    assert [table.owner(g) for g in (0, 3, 4, 63, 64, 127)] == ["p.mid.0"] * 4 + ["mid-b"] * 2
+    assert table.version(0) == 2 and table.version(64) == 1
+    assert restored_table({}, ["p.mid.0", "mid-b"], 128, {}, reports) == table
+    partial = {"p.mid.0": [[0, 63, 2]], "mid-b": [[70, 127, 1]]}  # 64-69 moving: no table from it
+    with pytest.raises(TableError):
+        table_from_reports(partial, 128)
+    dealt = restored_table({}, ["p.mid.0", "mid-b"], 128, {}, partial)
+    assert dealt is not None and dealt.version(0) == 0
+    for bad in ({"x": [[0, 500, 1]]}, {"x": "runs"}, [], {}):  # bus input: refused, never a crash
+        with pytest.raises(TableError):
+            table_from_reports(bad, 128)

@@ -26,7 +26,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, 
 from agent.dataplane.keygroups import DEFAULT_GROUPS, MAX_GROUPS, owner as dealt_owner
 
 __all__ = ["GroupTable", "TableError", "split_share", "absorb_plan", "MAX_OWNERS", "MAX_NAME", "group_runs",
-           "groups_from_runs"]
+           "groups_from_runs", "table_from_reports"]
 
 MAX_OWNERS = 1024  # distinct owners a table on the wire may name
 MAX_NAME = 200  # characters of an instance name on the wire
@@ -236,3 +236,25 @@ def absorb_plan(table: GroupTable, leaver: str, survivors: Sequence[str],
         plan[g] = to
         held[to] += w[g]
     return plan
+
+
+def table_from_reports(reports: Any, groups: int) -> GroupTable:
+    """A table from what the owners last said they own (`{instance: group_runs}`, untrusted: the
+    nodes' retained states): each group's owner is the instance reporting it at the highest
+    version. A predecessor re-homed without its saved table starts from it, where the dealing
+    named owners the groups had left (their Redirects then refused for ever: "which does not own
+    it"). Raises TableError unless every group is reported: a group in the middle of a move is
+    reported by neither side, and guessing its owner is the conflict this avoids."""
+    if not isinstance(reports, dict) or not 1 <= len(reports) <= MAX_OWNERS:
+        raise TableError(f"owner reports: expected an object of 1..{MAX_OWNERS} instances")
+    best: Dict[int, Tuple[str, int]] = {}
+    for inst, runs in sorted(reports.items()):
+        if not isinstance(inst, str) or not 0 < len(inst) <= MAX_NAME:
+            raise TableError("owner reports: an instance name is not a string of 1..MAX_NAME characters")
+        for g, v in groups_from_runs(runs, groups).items():
+            if g not in best or v > best[g][1]:
+                best[g] = (inst, v)
+    missing = [g for g in range(groups) if g not in best]
+    if missing:
+        raise TableError(f"owner reports: {len(missing)} groups reported by no instance (e.g. {missing[0]})")
+    return GroupTable(groups, best)

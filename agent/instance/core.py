@@ -510,7 +510,7 @@ class Instance:
             self.router.set_succs(self.scaling.core.routes()[0])
             if self.next_keyed:
                 self.router.table = keygroup_table.restored_table(saved, self.router.succs, self.router.groups,
-                                                                  self.ctx)
+                                                                  self.ctx, self.spec.extra.get("succ_groups"))
         self.persist(force=True)
         if restart:
             # Tell each predecessor we are a new incarnation (an ack of nothing, numbered in our

@@ -11,7 +11,9 @@ Where the table comes from:
 - a copy of a predecessor: its creator's table, carried with its Start (a table dealt over the
   Start's successors would route the groups moved since to their old owners);
 - a restart: the table saved with the routing tables (`Instance.persisted_state`), written
-  before any Eos that follows a change of it leaves (agent.instance.core).
+  before any Eos that follows a change of it leaves (agent.instance.core);
+- a re-home whose node took the saved table: the groups its successors last reported owning
+  (`extra["succ_groups"]`, agent.node.rehome).
 
 The Start carries it as an extra field `groups` of the Start's JSON object, next to the paper's
 fields: the protocol core never sees it (the driver takes it off before decoding), so the
@@ -23,7 +25,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Dict, Optional, Sequence
 
-from agent.dataplane.owners import GroupTable, TableError
+from agent.dataplane.owners import GroupTable, TableError, table_from_reports
 
 __all__ = ["START_FIELD", "initial_table", "restored_table", "start_field", "table_from_start"]
 
@@ -38,10 +40,17 @@ def initial_table(succs: Sequence[str], groups: int) -> Optional[GroupTable]:
 
 
 def restored_table(saved: Dict[str, Any], succs: Sequence[str], groups: int,
-                   ctx: Dict[str, str]) -> Optional[GroupTable]:
-    """The table a restarted instance saved; without one (saved before tables existed, or an idle
-    copy that never got its Start), the dealing over its restored successors."""
+                   ctx: Dict[str, str], reports: Any = None) -> Optional[GroupTable]:
+    """The table a restarted instance saved; without one, the table of what its successors last
+    reported owning (`reports`: a re-home after its node, and its saved table, were lost:
+    agent.node.rehome), else (saved before tables existed, an idle copy that never got its Start,
+    reports that do not cover every group) the dealing over its restored successors."""
     wire = saved.get("group_table")
+    if wire is None and reports is not None:
+        try:
+            return table_from_reports(reports, groups)
+        except TableError as exc:
+            log.warning("the successors' reported groups make no table (%s): dealt again", exc, extra=ctx)
     if wire is not None:
         try:
             table = GroupTable.from_wire(wire, max_groups=groups)

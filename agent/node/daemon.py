@@ -1771,12 +1771,14 @@ class Agent:
         return out
 
     def _lost_groups(self, lost: str) -> Dict[str, Any]:
-        """The key groups each keyed instance of the `lost` node last said it owned (its retained
-        state): a re-homed incarnation resumes them (agent.node.rehome.plan_rehome)."""
-        doc = self.fleet.get(lost) or {}
-        out: Dict[str, Any] = {}
-        for i in doc.get("instances", []) or []:
-            stats = i.get("stats") if isinstance(i, dict) else None
+        """The key groups each keyed instance last said it owned: ours from their heartbeats, the
+        online nodes' and the `lost` node's from their retained states. A re-homed keyed
+        incarnation resumes its own; a re-homed predecessor builds its group table from its
+        successors' (agent.node.rehome.plan_rehome)."""
+        out: Dict[str, Any] = {i: w.stats["groups"] for i, w in self.supervisor.workers.items()
+                               if isinstance(w.stats.get("groups"), list)}
+        for i in self._entries_elsewhere(lost):
+            stats = i.get("stats")
             if isinstance(stats, dict) and isinstance(stats.get("groups"), list):
                 out[str(i.get("id"))] = stats["groups"]
         return out

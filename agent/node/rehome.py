@@ -125,11 +125,14 @@ def plan_rehome(
     before the Duplication of its adoption announces it), never out of its predecessors (a
     successor refuses records from a sender its tables lack).
 
-    `groups`: per keyed instance of `dead`, the key groups (agent.dataplane.owners.group_runs) its
-    node's last retained state said it owned: `extra["owned_groups"]`, which the new incarnation
-    resumes instead of holding every group as a deployed keeper does (two owners of every group:
-    it and its siblings refused each other's Redirects for ever). Not checked here: the worker
-    reads it as bus input (agent.instance.core `_resume_groups`).
+    `groups`: per keyed instance (of `dead` and of the online nodes), the key groups
+    (agent.dataplane.owners.group_runs) its node's last retained state said it owned:
+    `extra["owned_groups"]`, which a re-homed keyed incarnation resumes instead of holding every
+    group as a deployed keeper does (two owners of every group: it and its siblings refused each
+    other's Redirects for ever), and `extra["succ_groups"]`, its successors' reports, from which a
+    re-homed predecessor of keyed instances builds its group table (its saved one went with its
+    node; the dealing named owners the groups had left). Not checked here: the worker reads both as
+    bus input (agent.instance.core `_resume_groups`, agent.instance.groups `restored_table`).
     """
     gone = set(departing)
     waiting = set(idle)
@@ -167,6 +170,11 @@ def plan_rehome(
             extra["owned_groups"] = owned
         else:
             extra.pop("owned_groups", None)
+        reported = {i: (groups or {})[i] for i in succs if i in (groups or {})}
+        if reported:  # a predecessor of keyed instances: its group table from what they own
+            extra["succ_groups"] = reported
+        else:
+            extra.pop("succ_groups", None)
         active = not (s["instance"] in waiting and _creator(s) and not s.get("keeper"))
         out.append({**s, "succs": succs, "preds": preds, "restart": True, "active": active, "extra": extra})
     return out
