@@ -6,9 +6,23 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Iterable
 
 
 def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def write_atomic_parts(path: Path, parts: Iterable[str]) -> int:
+    """`write_atomic` of the text `"".join(parts)`, written piece by piece (a large document is
+    never whole in memory); returns its length in characters."""
+    tmp = path.with_name(path.name + ".tmp")
+    n = 0
+    with open(tmp, "w") as fh:
+        for part in parts:
+            fh.write(part)
+            n += len(part)
+    os.replace(tmp, path)
+    return n

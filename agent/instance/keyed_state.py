@@ -35,11 +35,11 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 from agent.dataplane.envelope import Item
 from agent.dataplane.keygroups import key_group, record_key
-from agent.files import write_atomic
+from agent.files import write_atomic_parts
 from agent.instance.applied import Applied, union
 from agent.operators.keyed import KeyedOperator
 
@@ -53,6 +53,7 @@ MAX_NOTIFY_LOOPS = 1000  # on_notify calls per key per batch whose notify_at kee
 # The measured load per key group (`load`: records applied) halves every this many records: a
 # half-life counted in records, not seconds (no clock here), ~30 s at 300 records/s.
 LOAD_HALF_LIFE = 10_000
+_dumps = json.JSONEncoder(separators=(",", ":")).encode  # json.dumps(obj, separators=(",", ":"))
 
 
 def hashable_key(key: Any) -> Any:
@@ -424,13 +425,28 @@ class KeyedState:
             self._full_next = True  # a floor is in the snapshot only
 
     def to_text(self) -> str:
-        """The saved form: one JSON document (encoded whole: its cost grows with the state)."""
-        return json.dumps({"format": FORMAT, "gen": self._gen, "operator": self.operator, "key_groups": self.groups,
-                           "applied": {s: a.to_json() for s, a in self.applied.items()}, "max_time": self.max_time,
-                           "outputs": [it for _, it in self.outputs],
-                           "groups": {str(g): self._group_json(g)
-                                      for g in sorted(set(self.states) | set(self.emitted) | set(self.floors))}},
-                          separators=(",", ":"))
+        """The saved form: one JSON document (its cost grows with the state)."""
+        return "".join(self.text_parts())
+
+    def text_parts(self) -> Iterator[str]:
+        """`to_text()` in pieces, character for character what json.dumps writes for the whole
+        document: each output and each group encoded alone. `save` writes them one by one, so a
+        snapshot holds one piece at a time: encoding the whole document at once took 4-5 times
+        its size in transient memory (the encoder's list of small strings, then the text), which
+        set the peak resident memory of the demo's keyed workers (docs/results.md, O20)."""
+        head = _dumps({"format": FORMAT, "gen": self._gen, "operator": self.operator, "key_groups": self.groups,
+                       "applied": {s: a.to_json() for s, a in self.applied.items()}, "max_time": self.max_time})
+        yield head[:-1] + ',"outputs":['
+        sep = ""
+        for _, it in self.outputs:
+            yield sep + _dumps(it)
+            sep = ","
+        yield '],"groups":{'
+        sep = ""
+        for g in sorted(set(self.states) | set(self.emitted) | set(self.floors)):
+            yield f'{sep}"{g}":' + _dumps(self._group_json(g))
+            sep = ","
+        yield "}}"
 
     def to_json(self) -> Dict[str, Any]:
         return dict(json.loads(self.to_text()))
@@ -447,11 +463,10 @@ class KeyedState:
         log_path = path.with_name(path.name + ".log")
         if self._full_next or self._log_bytes > max(LOG_MIN, self._base_bytes):
             self._gen += 1
-            text = self.to_text()
-            write_atomic(path, text)
+            size = write_atomic_parts(path, self.text_parts())
             with open(log_path, "w"):
                 pass  # lines of the previous generation: folded into the snapshot (ignored if left)
-            self._base_bytes, self._log_bytes, self._full_next = len(text), 0, False
+            self._base_bytes, self._log_bytes, self._full_next = size, 0, False
         else:
             line = (json.dumps(self._delta(), separators=(",", ":")) + "\n").encode()
             fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
