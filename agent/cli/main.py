@@ -36,6 +36,12 @@ COMMAND_MODULES = (
     "agent.cli.rollout_cmd",   # rollout-gate (the fog_agent role's health gate)
 )
 
+# `fog-agent run`, the daemon, gets a parser with `run` alone: it runs for days on a node whose
+# memory is budgeted (every process under 40 MB, docs/runtime.md "Memory"), and importing every
+# area's commands (simulators, benchmarks, lab tools, for their choices lists) kept about 10 MB of
+# modules it never uses resident in it for its whole life.
+DAEMON = ("run", "agent.cli.runtime_cmd", "register_run")
+
 LOG_LEVELS = ("debug", "info", "warning", "error")
 EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports it
 
@@ -66,7 +72,22 @@ class Groups:
 Handler = Callable[[argparse.Namespace], int]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _command_of(argv: Sequence[str]) -> Optional[str]:
+    """The subcommand `argv` names, if only `--log-level` comes before it; else None."""
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--log-level":
+            i += 2
+        elif arg.startswith("--log-level="):
+            i += 1
+        else:
+            return None if arg.startswith("-") else arg
+    return None
+
+
+def build_parser(daemon: bool = False) -> argparse.ArgumentParser:
+    """The whole command line, or with `daemon` the `run` command alone (see `DAEMON`)."""
     parser = argparse.ArgumentParser(
         prog="fog-agent",
         description="Fog node agent: hosts operator instances that scale themselves "
@@ -87,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for parent in (sim, bench):
         parent.set_defaults(func=lambda args, p=parent: _usage(p))
+    if daemon:
+        getattr(importlib.import_module(DAEMON[1]), DAEMON[2])(groups)
+        return parser
     for name in COMMAND_MODULES:
         try:
             module = importlib.import_module(name)
@@ -106,7 +130,8 @@ def _usage(parser: argparse.ArgumentParser) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from agent.log import setup_logging
 
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(daemon=_command_of(argv) == DAEMON[0])
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
     func: Optional[Handler] = getattr(args, "func", None)
