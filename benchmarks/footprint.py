@@ -153,7 +153,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     proc = subprocess.Popen(command, stdout=subprocess.PIPE)
     peaks: Dict[int, Dict[str, float]] = {}  # pid -> largest sample of each figure
     kinds: Dict[int, str] = {}
-    cmds: Dict[int, List[str]] = {}
     out_chunks: List[bytes] = []
     import threading
 
@@ -161,17 +160,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     reader.start()
     while True:
         done = proc.poll() is not None
-        for pid, ppid in tree(proc.pid).items():
-            if pid not in cmds or not cmds[pid]:
-                cmds[pid] = cmdline(pid)
-            if pid not in cmds or ppid not in cmds:
-                cmds.setdefault(ppid, cmdline(ppid))
-            k = kinds.get(pid) or kind(pid, ppid, cmds, proc.pid)
-            if k == "worker" or k.startswith("worker:"):
+        members = tree(proc.pid)
+        cmds = {pid: cmdline(pid) for pid in set(members) | set(members.values())}  # fresh: a child execs
+        for pid, ppid in members.items():
+            k = kind(pid, ppid, cmds, proc.pid)
+            if k == "worker":
                 ops = operators_of(pid)
-                if ops:
-                    k = "worker:" + "+".join(ops)
-            kinds[pid] = k if k != "worker" or pid not in kinds else kinds[pid]
+                before = kinds.get(pid, "")
+                k = "worker:" + "+".join(ops) if ops else (before if before.startswith("worker") else k)
+            if kinds.get(pid, k).split(":")[0] != k.split(":")[0]:
+                peaks.pop(pid, None)  # the pid is another program now (exec, or reused)
+            kinds[pid] = k
             m = memory(pid)
             if m is None:
                 continue
