@@ -163,6 +163,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         members = tree(proc.pid)
         cmds = {pid: cmdline(pid) for pid in set(members) | set(members.values())}  # fresh: a child execs
         for pid, ppid in members.items():
+            if not cmds.get(pid):
+                continue  # exiting (a zombie has no command line): keep what it was
             k = kind(pid, ppid, cmds, proc.pid)
             if k == "worker":
                 ops = operators_of(pid)
