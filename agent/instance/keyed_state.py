@@ -54,6 +54,7 @@ MAX_NOTIFY_LOOPS = 1000  # on_notify calls per key per batch whose notify_at kee
 # half-life counted in records, not seconds (no clock here), ~30 s at 300 records/s.
 LOAD_HALF_LIFE = 10_000
 _dumps = json.JSONEncoder(separators=(",", ":")).encode  # json.dumps(obj, separators=(",", ":"))
+PIECE_OUTPUTS = 64  # outputs encoded together in a snapshot (`text_parts`)
 
 
 def hashable_key(key: Any) -> Any:
@@ -430,17 +431,17 @@ class KeyedState:
 
     def text_parts(self) -> Iterator[str]:
         """`to_text()` in pieces, character for character what json.dumps writes for the whole
-        document: each output and each group encoded alone. `save` writes them one by one, so a
+        document: the outputs PIECE_OUTPUTS at a time, each group alone. `save` writes them one by one, so a
         snapshot holds one piece at a time: encoding the whole document at once took 4-5 times
         its size in transient memory (the encoder's list of small strings, then the text), which
         set the peak resident memory of the demo's keyed workers (docs/results.md, O20)."""
         head = _dumps({"format": FORMAT, "gen": self._gen, "operator": self.operator, "key_groups": self.groups,
                        "applied": {s: a.to_json() for s, a in self.applied.items()}, "max_time": self.max_time})
         yield head[:-1] + ',"outputs":['
-        sep = ""
-        for _, it in self.outputs:
-            yield sep + _dumps(it)
-            sep = ","
+        outs = self.outputs
+        for i in range(0, len(outs), PIECE_OUTPUTS):
+            text = _dumps([it for _, it in outs[i:i + PIECE_OUTPUTS]])
+            yield ("," if i else "") + text[1:-1]
         yield '],"groups":{'
         sep = ""
         for g in sorted(set(self.states) | set(self.emitted) | set(self.floors)):
