@@ -428,6 +428,8 @@ def test_a_snapshot_is_the_stdlib_json_of_the_state_and_is_written_without_holdi
     # outputs not acked yet are saved with the state: many of them make a large snapshot
     ks.outputs += [(i, ["src", i, {"k": f"k{i % 40}", "pad": "x" * 200, "v": None, "f": 0.1 * i, "u": "\u00e9"}])
                    for i in range(2, 6000)]
+    # after a keyed stage every key of it is an output source: thousands of applied sets
+    ks.applied.update({f"up#{i:016x}": Applied.from_json([i, [i + 2, i + 3]]) for i in range(3000)})
     doc = {"format": 2, "gen": ks._gen, "operator": ks.operator, "key_groups": ks.groups,
            "applied": {s: a.to_json() for s, a in ks.applied.items()}, "max_time": ks.max_time,
            "outputs": [it for _, it in ks.outputs],

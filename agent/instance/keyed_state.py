@@ -34,6 +34,7 @@ import heapq
 import json
 import logging
 import os
+from itertools import islice
 from pathlib import Path
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
@@ -55,6 +56,7 @@ MAX_NOTIFY_LOOPS = 1000  # on_notify calls per key per batch whose notify_at kee
 LOAD_HALF_LIFE = 10_000
 _dumps = json.JSONEncoder(separators=(",", ":")).encode  # json.dumps(obj, separators=(",", ":"))
 PIECE_OUTPUTS = 64  # outputs encoded together in a snapshot (`text_parts`)
+PIECE_SOURCES = 256  # sources' applied numbers encoded together in a snapshot
 
 
 def hashable_key(key: Any) -> Any:
@@ -431,13 +433,22 @@ class KeyedState:
 
     def text_parts(self) -> Iterator[str]:
         """`to_text()` in pieces, character for character what json.dumps writes for the whole
-        document: the outputs PIECE_OUTPUTS at a time, each group alone. `save` writes them one by one, so a
+        document: the applied numbers PIECE_SOURCES sources at a time, the outputs PIECE_OUTPUTS at a
+        time, each group alone. `save` writes them one by one, so a
         snapshot holds one piece at a time: encoding the whole document at once took 4-5 times
         its size in transient memory (the encoder's list of small strings, then the text), which
         set the peak resident memory of the demo's keyed workers (docs/results.md, O20)."""
-        head = _dumps({"format": FORMAT, "gen": self._gen, "operator": self.operator, "key_groups": self.groups,
-                       "applied": {s: a.to_json() for s, a in self.applied.items()}, "max_time": self.max_time})
-        yield head[:-1] + ',"outputs":['
+        head = _dumps({"format": FORMAT, "gen": self._gen, "operator": self.operator, "key_groups": self.groups})
+        yield head[:-1] + ',"applied":{'
+        sources = iter(self.applied.items())  # one per output source upstream: thousands after a keyed stage
+        sep = ""
+        while True:
+            piece = {s: a.to_json() for s, a in islice(sources, PIECE_SOURCES)}
+            if not piece:
+                break
+            yield sep + _dumps(piece)[1:-1]
+            sep = ","
+        yield '},"max_time":' + _dumps(self.max_time) + ',"outputs":['
         outs = self.outputs
         for i in range(0, len(outs), PIECE_OUTPUTS):
             text = _dumps([it for _, it in outs[i:i + PIECE_OUTPUTS]])
