@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Iterable
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -24,3 +25,16 @@ def append(path: Path, data: bytes) -> None:
             view = view[os.write(fd, view):]
     finally:
         os.close(fd)
+
+
+def write_atomic_parts(path: Path, parts: Iterable[str]) -> int:
+    """`write_atomic` of the text `"".join(parts)`, written piece by piece (a large document is
+    never whole in memory); returns its length in characters."""
+    tmp = path.with_name(path.name + ".tmp")
+    n = 0
+    with open(tmp, "w") as fh:
+        for part in parts:
+            fh.write(part)
+            n += len(part)
+    os.replace(tmp, path)
+    return n

@@ -420,6 +420,41 @@ def test_the_log_folds_into_a_snapshot_and_both_restore_the_same_state(tmp_path:
     assert KeyedState.load(path) == json.loads(path.read_text())
 
 
+def test_a_snapshot_is_the_stdlib_json_of_the_state_and_is_written_without_holding_it_whole(tmp_path: Any) -> None:
+    import tracemalloc
+
+    ks = state_of(tumbling_window, time_field="t", size_ms=5000)
+    ks.apply("p", stream(300, 7, keys=40), 1)
+    # outputs not acked yet are saved with the state: many of them make a large snapshot
+    ks.outputs += [(i, ["src", i, {"k": f"k{i % 40}", "pad": "x" * 200, "v": None, "f": 0.1 * i, "u": "\u00e9"}])
+                   for i in range(2, 6000)]
+    # after a keyed stage every key of it is an output source: thousands of applied sets
+    ks.applied.update({f"up#{i:016x}": Applied.from_json([i, [i + 2, i + 3]]) for i in range(3000)})
+    doc = {"format": 2, "gen": ks._gen, "operator": ks.operator, "key_groups": ks.groups,
+           "applied": {s: a.to_json() for s, a in ks.applied.items()}, "max_time": ks.max_time,
+           "outputs": [it for _, it in ks.outputs],
+           "groups": {str(g): ks._group_json(g) for g in sorted(set(ks.states) | set(ks.emitted) | set(ks.floors))}}
+    whole = json.dumps(doc, separators=(",", ":"))
+    assert ks.to_text() == whole  # character for character what encoding it whole writes
+    path = tmp_path / "w-0.keyed.json"
+    ks._full_next = True
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        ks.save(path)
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    text = path.read_text()
+    assert len(text) > 1_000_000 and json.loads(text)["gen"] == ks._gen
+    assert json.loads(text) == json.loads(ks.to_text())
+    assert peak < len(text) / 4, (peak, len(text))  # whole, it took 4-5 times the text
+    again = state_of(tumbling_window, time_field="t", size_ms=5000)
+    again.restore(KeyedState.load(path))
+    assert (again.states, again.emitted, again.applied, again.max_time) == (ks.states, ks.emitted, ks.applied, ks.max_time)
+
+
 def test_a_key_group_round_trips_through_snapshot_and_restore() -> None:
     ks = state_of(tumbling_window, time_field="t", size_ms=5000)
     ks.apply("p", stream(30, 2), 1)

@@ -43,6 +43,11 @@ LAB_CLI = "foglab.cli"
 LAB_COMMANDS = ("demo", "chaos", "testbed", "dev")
 LAB_MISSING = ("this command is in the lab, which is not installed here: install fog-agent-lab "
                "(pip install ./lab from a fog-agent checkout; `make setup` installs both)")
+# `fog-agent run`, the daemon, gets a parser with `run` alone: it runs for days on a node whose
+# memory is budgeted (every process under 40 MB, docs/runtime.md "Memory"), and importing every
+# area's commands (simulators, benchmarks, lab tools, for their choices lists) kept about 10 MB of
+# modules it never uses resident in it for its whole life.
+DAEMON = ("run", "agent.cli.runtime_cmd", "register_run")
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports it
@@ -75,7 +80,22 @@ class Groups:
 Handler = Callable[[argparse.Namespace], int]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _command_of(argv: Sequence[str]) -> Optional[str]:
+    """The subcommand `argv` names, if only `--log-level` comes before it; else None."""
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--log-level":
+            i += 2
+        elif arg.startswith("--log-level="):
+            i += 1
+        else:
+            return None if arg.startswith("-") else arg
+    return None
+
+
+def build_parser(daemon: bool = False) -> argparse.ArgumentParser:
+    """The whole command line, or with `daemon` the `run` command alone (see `DAEMON`)."""
     parser = argparse.ArgumentParser(
         prog="fog-agent",
         description="Fog node agent: hosts operator instances that scale themselves "
@@ -87,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="debug, info, warning or error (default: info, or $FOG_AGENT_LOG_LEVEL)",
     )
     root = parser.add_subparsers(dest="command", metavar="COMMAND")
+    if daemon:
+        groups = Groups(root=root, simulate=None, bench=None)
+        getattr(importlib.import_module(DAEMON[1]), DAEMON[2])(groups)
+        return parser
     lab = _lab_cli()
     missing = "" if lab is not None else " (fog-agent-lab: not installed)"
     sim = root.add_parser("simulate", help="run a simulator (scaling, gme, policies)" + missing, add_help=lab is not None)
@@ -147,7 +171,8 @@ def _usage(parser: argparse.ArgumentParser) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from agent.log import setup_logging
 
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(daemon=_command_of(argv) == DAEMON[0])
     args, unknown = parser.parse_known_args(argv)
     if unknown and getattr(args, "func", None) is not _lab_missing:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")  # as parse_args: exit 2

@@ -16,6 +16,12 @@ PLACEMENTS = ("free-slots-then-latency", "spread", "local-only", "nd-max")
 
 
 def register(groups: Any) -> None:
+    register_run(groups)
+    _register_tools(groups)
+
+
+def register_run(groups: Any) -> None:
+    """`run` alone: what the daemon's parser needs (agent.cli.main, `DAEMON`)."""
     p = groups.root.add_parser("run", help="run the per-node agent daemon (hosts operator instances)")
     p.add_argument("--config", "-c", default=None, help="agent.toml (default: $FOG_AGENT_CONFIG or /etc/fog-agent/agent.toml)")
     p.add_argument("--placement", default=None, choices=PLACEMENTS, help="placement policy (default free-slots-then-latency)")
@@ -25,6 +31,8 @@ def register(groups: Any) -> None:
     p.add_argument("--worker-command", default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=run_cmd)
 
+
+def _register_tools(groups: Any) -> None:
     d = groups.root.add_parser("deploy", help="publish a pipeline and start its keepers through placement")
     d.add_argument("pipeline", help="pipeline .toml file")
     d.add_argument("--config", "-c", default=None,

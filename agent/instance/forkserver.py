@@ -34,6 +34,7 @@ the agent, and the server must outlive the workers' drain to report their exits.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import logging
@@ -243,6 +244,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         _preload(module)
     except Exception:  # the children import it again and report the error in their own way
         log.exception("fork server: cannot preload %s", module)
+    # What the children inherit stays shared: a child's collector would otherwise write into
+    # the header of every object it inherited on its first full collection, copying each page
+    # (copy-on-write) into the child. Frozen objects are never examined; they live as long as
+    # the process anyway (modules, their functions and constants).
+    gc.collect()
+    gc.freeze()
     return Server(link, module, script, child_argv).serve()
 
 

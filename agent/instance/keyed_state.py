@@ -34,12 +34,13 @@ import heapq
 import json
 import logging
 import os
+from itertools import islice
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 from agent.dataplane.envelope import Item
 from agent.dataplane.keygroups import key_group, record_key
-from agent.files import append, write_atomic
+from agent.files import append, write_atomic_parts
 from agent.instance.applied import Applied, union
 from agent.operators.keyed import KeyedOperator
 
@@ -53,6 +54,9 @@ MAX_NOTIFY_LOOPS = 1000  # on_notify calls per key per batch whose notify_at kee
 # The measured load per key group (`load`: records applied) halves every this many records: a
 # half-life counted in records, not seconds (no clock here), ~30 s at 300 records/s.
 LOAD_HALF_LIFE = 10_000
+_dumps = json.JSONEncoder(separators=(",", ":")).encode  # json.dumps(obj, separators=(",", ":"))
+PIECE_OUTPUTS = 64  # outputs encoded together in a snapshot (`text_parts`)
+PIECE_SOURCES = 256  # sources' applied numbers encoded together in a snapshot
 
 
 def hashable_key(key: Any) -> Any:
@@ -449,13 +453,37 @@ class KeyedState:
             self._full_next = True  # a floor is in the snapshot only
 
     def to_text(self) -> str:
-        """The saved form: one JSON document (encoded whole: its cost grows with the state)."""
-        return json.dumps({"format": FORMAT, "gen": self._gen, "operator": self.operator, "key_groups": self.groups,
-                           "applied": {s: a.to_json() for s, a in self.applied.items()}, "max_time": self.max_time,
-                           "outputs": [it for _, it in self.outputs],
-                           "groups": {str(g): self._group_json(g)
-                                      for g in sorted(set(self.states) | set(self.emitted) | set(self.floors))}},
-                          separators=(",", ":"))
+        """The saved form: one JSON document (its cost grows with the state)."""
+        return "".join(self.text_parts())
+
+    def text_parts(self) -> Iterator[str]:
+        """`to_text()` in pieces, character for character what json.dumps writes for the whole
+        document: the applied numbers PIECE_SOURCES sources at a time, the outputs PIECE_OUTPUTS at a
+        time, each group alone. `save` writes them one by one, so a
+        snapshot holds one piece at a time: encoding the whole document at once took 4-5 times
+        its size in transient memory (the encoder's list of small strings, then the text), which
+        set the peak resident memory of the demo's keyed workers (docs/results.md, O20)."""
+        head = _dumps({"format": FORMAT, "gen": self._gen, "operator": self.operator, "key_groups": self.groups})
+        yield head[:-1] + ',"applied":{'
+        sources = iter(self.applied.items())  # one per output source upstream: thousands after a keyed stage
+        sep = ""
+        while True:
+            piece = {s: a.to_json() for s, a in islice(sources, PIECE_SOURCES)}
+            if not piece:
+                break
+            yield sep + _dumps(piece)[1:-1]
+            sep = ","
+        yield '},"max_time":' + _dumps(self.max_time) + ',"outputs":['
+        outs = self.outputs
+        for i in range(0, len(outs), PIECE_OUTPUTS):
+            text = _dumps([it for _, it in outs[i:i + PIECE_OUTPUTS]])
+            yield ("," if i else "") + text[1:-1]
+        yield '],"groups":{'
+        sep = ""
+        for g in sorted(set(self.states) | set(self.emitted) | set(self.floors)):
+            yield f'{sep}"{g}":' + _dumps(self._group_json(g))
+            sep = ","
+        yield "}}"
 
     def to_json(self) -> Dict[str, Any]:
         return dict(json.loads(self.to_text()))
@@ -472,11 +500,10 @@ class KeyedState:
         log_path = path.with_name(path.name + ".log")
         if self._full_next or self._log_bytes > max(LOG_MIN, self._base_bytes):
             self._gen += 1
-            text = self.to_text()
-            write_atomic(path, text)
+            size = write_atomic_parts(path, self.text_parts())
             with open(log_path, "w"):
                 pass  # lines of the previous generation: folded into the snapshot (ignored if left)
-            self._base_bytes, self._log_bytes, self._full_next = len(text), 0, False
+            self._base_bytes, self._log_bytes, self._full_next = size, 0, False
         else:
             line = (json.dumps(self._delta(), separators=(",", ":")) + "\n").encode()
             append(log_path, line)

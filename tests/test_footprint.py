@@ -1,0 +1,73 @@
+"""What the long-lived processes import (docs/runtime.md, "Memory"): every process under 40 MB
+RSS rests on the daemon and the workers not holding modules they never use. A worker is forked
+from the fork server with the worker's imports done and frozen for the collector; the daemon's
+command line registers `run` alone. Libraries a feature needs where it is used (cryptography,
+to verify a spec) are not named here: only what these processes must never hold."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import List, Set
+
+from agent.cli.main import DAEMON, _command_of
+from agent.node.forked import ForkServer
+
+ROOT = Path(__file__).resolve().parents[1]
+# Libraries of the tools, the analytics and the tests: never in a node's daemon or worker.
+NEVER = {"psutil", "pyspark", "pyarrow", "pandas", "numpy", "matplotlib", "hypothesis", "pytest", "jsonschema",
+         "foglab"}
+NEVER_AGENT = ("agent.tools", "agent.sim", "agent.analytics", "agent.testing", "agent.fogctl", "agent.collector")
+
+
+def _foreign(modules: Set[str], also: tuple = ()) -> List[str]:
+    return sorted(m for m in modules if m.split(".")[0] in NEVER or m.startswith(NEVER_AGENT + also))
+
+
+def test_the_daemon_command_is_found_behind_the_global_options() -> None:
+    assert DAEMON[0] == "run"
+    assert _command_of(["run", "--config", "x"]) == "run"
+    assert _command_of(["--log-level", "debug", "run"]) == "run"
+    assert _command_of(["--log-level=debug", "run"]) == "run"
+    assert _command_of(["bench", "run"]) == "bench"
+    assert _command_of(["--help", "run"]) is None and _command_of(["--version"]) is None and _command_of([]) is None
+
+
+def test_the_daemon_imports_no_tool_simulator_or_other_command() -> None:
+    code = ("import json, sys\nfrom agent.cli.main import main\n"
+            "rc = main(['--log-level', 'error', 'run', '--config', '/nonexistent/agent.toml'])\n"
+            "print(json.dumps({'rc': rc, 'modules': sorted(sys.modules)}))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=str(ROOT))
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    mods = set(report["modules"])
+    assert report["rc"] == 78 and "agent.node.daemon" in mods  # run_cmd ran, then refused the config
+    commands = sorted(m for m in mods if m.startswith("agent.cli.") and m not in ("agent.cli.main", "agent.cli.runtime_cmd"))
+    assert commands == [] and _foreign(mods) == []
+
+
+def test_a_forked_worker_holds_the_workers_imports_frozen_and_nothing_it_never_uses() -> None:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+    server = ForkServer([sys.executable, "-m", "footprint_probe"], env, None, time.monotonic())
+    try:
+        deadline = time.monotonic() + 30
+        while not server.ready and not server.lost and time.monotonic() < deadline:
+            server.wait_readable(0.5)
+            server.pump()
+        child = server.fork()
+        assert child.stdin is not None and child.stdout is not None
+        child.stdin.close()
+        line = child.stdout.readline()
+        assert child.wait(10) == 0
+    finally:
+        server.close()
+    report = json.loads(line)
+    mods = set(report["modules"])
+    assert {"agent.instance.worker", "agent.instance.core", "paho.mqtt.client"} <= mods  # preloaded
+    # the preloaded objects are frozen: the child's collector never touches (copies) their pages
+    assert report["frozen"] > 10_000
+    assert _foreign(mods, ("agent.node", "agent.cli")) == []
