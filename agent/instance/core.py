@@ -1254,11 +1254,12 @@ class Instance:
             items = env.body
             seq = self.outbound.take(dest)
             if isinstance(u.payload, Envelope):
-                again = Envelope(self.spec.instance, self.epoch, seq, Kind.DATA, items, floors=env.floors)
+                again = Envelope(self.spec.instance, self.epoch, seq, Kind.DATA, items, floors=env.floors,
+                                 watermark=env.watermark)
                 link.replace(u.seq, seq, again, now)
                 self._hand(dest, again)
                 continue
-            payload = encode_data(self.spec.instance, self.epoch, seq, items, env.floors)
+            payload = encode_data(self.spec.instance, self.epoch, seq, items, env.floors, env.watermark)
             link.replace(u.seq, seq, payload, now)
             self._publish_tracked(dest, payload, self.tracker.last_index + 1)
         self.stats["replayed_batches"] += len(old)
@@ -1829,7 +1830,8 @@ class Instance:
         if env.kind is Kind.DATA:
             if dest not in self.local_keeps:
                 env = built(env.sender, env.epoch, env.seq, Kind.DATA,
-                            [(s, q, dict(r)) if type(r) is dict else (s, q, r) for s, q, r in env.body], env.floors)
+                            [(s, q, dict(r)) if type(r) is dict else (s, q, r) for s, q, r in env.body], env.floors,
+                            env.watermark)
             self.stats["handed_out"] += 1
         self._out.append(Handoff(dest, env))
 
