@@ -8,8 +8,10 @@ on what it received:
 
 - A **source** watermark is the largest event time the source emitted minus its bounded disorder
   (`SourceMarks`). A record older than it is late at the source already. A source that emitted
-  nothing for `idle_after` seconds is **idle**: its mark says so and receivers leave it out of
-  their minimum until it emits again (Flink's idleness).
+  nothing for `idle_after` seconds is **idle**: its mark says so, with the largest event time it
+  emitted (it waited long enough for its stragglers); receivers leave it out of their minimum
+  until it emits again or, when every input is idle, go on to the largest of them (Flink's
+  idleness; a record that comes after it may then be late).
 - A mark travels on a data batch and applies AFTER that batch's records: "no record I send you
   after this batch is older than this, except records late at their source".
 - A receiver keeps, per input channel (one sending instance, whatever its epoch), the LARGEST mark
@@ -104,12 +106,17 @@ class SourceMarks:
 
     def mark(self, now: float) -> Optional[Mark]:
         """The mark to send now: None before the first record (receivers wait for it) unless the
-        source has been silent `idle_after` since it started (then idle, so it holds nothing)."""
+        source has been silent `idle_after` since it started (then idle, so it holds nothing).
+        Idle, the mark is the largest event time emitted: `idle_after` without a record is taken
+        as "no straggler is coming", so windows up to it can close (a record older than it that
+        still comes is late downstream)."""
         since = self.last_record_at if self.last_record_at is not None else self.started_at
         idle = self.idle_after is not None and since is not None and now - since >= self.idle_after
         if self.max_time is None:
             return Mark(-MAX_MARK_MS, True) if idle else None
-        return Mark(self.max_time - self.disorder_ms, idle)
+        if idle:
+            return Mark(self.max_time, True)
+        return Mark(self.max_time - self.disorder_ms)
 
 
 class _Input:
