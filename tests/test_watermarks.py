@@ -462,3 +462,61 @@ def test_passing_on_what_was_received_judges_a_replayed_record_late() -> None:
     bad = _run(sources, 0, steps, unsafe=True)
     assert bad.judged[("S0", 1)] is True and bad.on_time[("S0", 1)]
     _check(_run(sources, 0, steps))
+
+
+# ---- the configuration and the instance ------------------------------------------------------------
+
+def _timed_pipeline(extra_source: str = "", extra_op: str = "") -> str:
+    from agent.sim.instance_check import pipeline_text
+    text = pipeline_text(keyed=True, event_time=True)
+    return text.replace('time_unit = "ms"', 'time_unit = "ms"' + extra_source, 1) + extra_op
+
+
+def test_the_watermark_table_is_checked_and_belongs_to_the_source() -> None:
+    from agent.config import load_pipeline_text
+    from agent.schema import ConfigError
+    cfg = load_pipeline_text(_timed_pipeline("\ndisorder_ms = 5000\nidle_after = 30"), "p.toml")
+    wm = cfg.operators[0].watermark
+    assert (wm.time_field, wm.time_unit, wm.disorder_ms, wm.idle_after) == ("n", "ms", 5000.0, 30.0)
+    assert all(op.watermark is None for op in cfg.operators[1:])
+    with pytest.raises(ConfigError, match=r"p.toml: \[operator\[0\].watermark\].disorder_ms: expected milliseconds"):
+        load_pipeline_text(_timed_pipeline('\ndisorder_ms = "5s"'), "p.toml")
+    with pytest.raises(ConfigError, match=r"idle_after: expected seconds > 0, got 0"):
+        load_pipeline_text(_timed_pipeline("\nidle_after = 0"), "p.toml")
+    with pytest.raises((ConfigError, ValueError), match="belongs to the source"):
+        load_pipeline_text(_timed_pipeline(extra_op='\n[operator.watermark]\ntime_field = "n"\n'), "p.toml")
+
+
+def test_a_mark_alone_moves_a_keyed_instance_and_is_no_replay_marker() -> None:
+    """cnt takes a batch of op-0 with a mark, then a mark alone (an empty data batch with a
+    watermark: a replay marker has none): its watermark follows, and a record older than it is
+    late."""
+    from agent.config import load_pipeline_text
+    from agent.instance.core import Instance
+    from agent.instance.events import EnvelopeReceived, Started, Tick
+    from agent.instance.spec import InstanceSpec
+    from agent.sim.instance_check import BROKER, CLUSTER, WALL0
+    from agent.sim.instance_check_keyed import MemoryTrail
+    from agent.operators.builtin import OperatorContext
+    from agent import topics
+    text = _timed_pipeline()
+    spec = InstanceSpec("chk.cnt.0", "cnt", "n1", CLUSTER, "chk", text, BROKER, succs=("sink-0",), preds=("op-0",),
+                        keeper=True, state_dir="/nonexistent", heartbeat_period=3600.0)
+    late: List[int] = []
+    op = MemoryTrail(OperatorContext("chk.cnt.0", "cnt", "n1", "map", {"time_field": "n", "time_unit": "ms"}), late)
+    inst = Instance(spec, load_pipeline_text(text, "p"), op)
+    inst.handle(Started(WALL0), 0.0)
+    topic = topics.inbox(CLUSTER, "chk.cnt.0", "n1")
+
+    def take(seq: int, items: Any, mark: Optional[Mark], now: float) -> None:
+        inst.handle(EnvelopeReceived(topic, encode_data("op-0", 0, seq, items, None, mark)), now)
+        inst.handle(Tick(WALL0 + now), now)
+
+    take(1, [("src", 0, {"k": "k0", "n": 0}), ("src", 5, {"k": "k1", "n": 5})], Mark(4), 0.1)
+    assert inst.keyed.watermark == 4.0 and inst.keyed.flowing
+    take(2, [], Mark(6), 0.2)  # a mark alone: not a replay marker, not processed as records
+    assert inst.keyed.watermark == 6.0
+    take(3, [("src", 3, {"k": "k0", "n": 3}), ("src", 7, {"k": "k0", "n": 7})], None, 0.3)
+    assert late == [3] and inst.keyed.counts["late_dropped"] == 1
+    assert inst.keyed.watermark == 6.0  # a record never raises a flowing watermark
+    assert inst.stats["records_in"] == 4
