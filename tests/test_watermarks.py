@@ -467,7 +467,7 @@ def test_passing_on_what_was_received_judges_a_replayed_record_late() -> None:
 # ---- the configuration and the instance ------------------------------------------------------------
 
 def _timed_pipeline(extra_source: str = "", extra_op: str = "") -> str:
-    from agent.sim.instance_check import pipeline_text
+    from foglab.sim.instance_check import pipeline_text
     text = pipeline_text(keyed=True, event_time=True)
     return text.replace('time_unit = "ms"', 'time_unit = "ms"' + extra_source, 1) + extra_op
 
@@ -495,8 +495,8 @@ def test_a_mark_alone_moves_a_keyed_instance_and_is_no_replay_marker() -> None:
     from agent.instance.core import Instance
     from agent.instance.events import EnvelopeReceived, Started, Tick
     from agent.instance.spec import InstanceSpec
-    from agent.sim.instance_check import BROKER, CLUSTER, WALL0
-    from agent.sim.instance_check_keyed import MemoryTrail
+    from foglab.sim.instance_check import BROKER, CLUSTER, WALL0
+    from foglab.sim.instance_check_keyed import MemoryTrail
     from agent.operators.builtin import OperatorContext
     from agent import topics
     text = _timed_pipeline()
@@ -531,7 +531,7 @@ def test_a_source_marks_only_what_its_successor_acked_and_goes_idle() -> None:
     from agent.instance.core import Instance
     from agent.instance.events import EnvelopeReceived, PubAcked, PublishAccepted, Started, Tick
     from agent.instance.spec import InstanceSpec
-    from agent.sim.instance_check import BROKER, CLUSTER, WALL0, MemorySource
+    from foglab.sim.instance_check import BROKER, CLUSTER, WALL0, MemorySource
     from agent import topics
     from agent.dataplane.envelope import Envelope, encode
     text = _timed_pipeline("\nidle_after = 5")

@@ -291,7 +291,7 @@ class Config:
     # record number `n` as its event time (ms, no disorder: every record is on time at the
     # source), and cnt fires and judges lateness by the least mark over its inputs (lateness 0).
     # A record judged late is counted and not applied: the terminal check then says
-    # `judged_late` (agent.sim.instance_check_keyed.check_keyed).
+    # `judged_late` (foglab.sim.instance_check_keyed.check_keyed).
     event_time: bool = False
     coordination: str = "ack"  # "fgme": the rounds take 2-FGME's locks (lock messages on the same channels)
 
