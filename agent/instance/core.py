@@ -1543,8 +1543,10 @@ class Instance:
 
     def _out_mark(self, now: float) -> Optional[Mark]:
         """The mark this instance may pass on now: the least over its inputs of what acked
-        inputs carried (a source: what its acked polls made), less a keyed operator's own
-        lateness (its windows close that much later, and their outputs must not be late)."""
+        inputs carried (a source: what its acked polls made), less the own lateness of a keyed
+        operator that fires by the watermark (its windows close that much later, and their
+        outputs must not be late); one that keeps its own watermark (the DEBS merges) passes
+        the marks on as they are."""
         marks = self.marks
         assert marks is not None
         if self.source_marks is not None:
@@ -1554,7 +1556,7 @@ class Instance:
                 marks.note("", self.tracker.last_index, m)  # a change without records: idleness
         marks.release(self._lowest_pending())
         out = marks.current() if FAULT_MARKS_UNACKED in self.faults else marks.forwardable()
-        if out is not None and self.keyed is not None and self.keyed.op.lateness_ms:
+        if out is not None and self.keyed is not None and self.keyed.op.uses_event_time and self.keyed.op.lateness_ms:
             out = Mark(max(-MAX_MARK_MS, out.value - self.keyed.op.lateness_ms), out.idle)
         return out
 
