@@ -297,6 +297,20 @@ class ScalingSection:
 
 
 @dataclass(frozen=True)
+class WatermarkSection:
+    """`[operator.watermark]` of the source: its records' event time and how far out of order its
+    own data comes. With it, watermarks flow with the batches through every stage and keyed
+    operators fire and judge lateness by them (agent.dataplane.watermarks; docs/operators.md,
+    "Watermarks that flow"); without it each keyed instance keeps its own watermark."""
+
+    time_field: str = field(metadata={"check": lambda v: None if v else "expected a field name"})
+    time_unit: Literal["s", "ms"] = "s"
+    disorder_ms: float = field(default=0.0, metadata={"check": in_range(0.0, 2.0 ** 53, "milliseconds")})
+    # no record for this long: the source is idle and stops holding watermarks back
+    idle_after: Optional[float] = field(default=None, metadata={"check": positive("seconds")})
+
+
+@dataclass(frozen=True)
 class OperatorSection:
     name: str = field(metadata={"check": identifier})
     function: str = field(metadata={"check": _module_function})
@@ -312,6 +326,7 @@ class OperatorSection:
     max_inflight_batches: int = field(default=8, metadata={"check": in_range(1, 10000, "an integer")})
     scaling: Optional[ScalingSection] = None
     params: Dict[str, Any] = field(default_factory=dict)
+    watermark: Optional[WatermarkSection] = None  # a source only
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "function", current_ref(self.function))
@@ -353,6 +368,9 @@ class PipelineConfig:
             raise ValueError('the first operator must have kind = "source"')
         if self.operators[-1].kind != "sink":
             raise ValueError('the last operator must have kind = "sink"')
+        for op in self.operators[1:]:
+            if op.watermark is not None:
+                raise ValueError(f"operator {op.name!r}: [operator.watermark] belongs to the source (the first operator)")
 
     def runtime_policy_errors(self) -> List[str]:
         """Operators whose policy the agent cannot run (every policy the config accepts runs today;

@@ -431,6 +431,35 @@ def test_the_keyed_checker_finds_each_broken_hand_over_rule(  # type: ignore[no-
     assert clean.ok, describe(clean)
 
 
+# ---- watermarks that flow (agent.dataplane.watermarks; docs/operators.md, "Watermarks that flow") ----
+
+# The keyed mix with event time: the record number is its time (ms), no disorder, lateness 0, so
+# every record is on time at the source and any record cnt judges late is a violation.
+KEYED_TIMED = dataclasses.replace(KEYED, event_time=True)
+
+
+def test_no_record_on_time_at_the_source_is_judged_late_through_moves_copies_and_crashes() -> None:
+    """Two paths (op and its copy) interleave at cnt, groups move both ways, any instance
+    crashes once: cnt, firing on the least mark over its inputs, judges no record late, and
+    the last record's mark reaches the keeper (`marks_stuck` otherwise)."""
+    rep = random_runs(KEYED_TIMED, schedules=80, seed=3700)
+    assert rep.ok, describe(rep)
+    assert rep.handover.get("installed", 0) >= 80 * 8, rep.handover
+
+
+@pytest.mark.parametrize("fault,seed", [
+    # the rule before marks flowed: cnt's own largest event time, so a record that took the other
+    # path (or waited for its group's move) is late
+    ("marks_own_max", 11),
+    # an instance passes on the marks it received, not only what its acked inputs carried
+    ("marks_unacked", 3),
+])
+def test_the_checker_finds_each_broken_watermark_rule(fault: str, seed: int) -> None:
+    faulty = random_runs(dataclasses.replace(KEYED_TIMED, faults=frozenset({fault})), schedules=1, seed=seed)
+    assert not faulty.ok and faulty.violations[0].kind == "judged_late", describe(faulty)
+    assert random_runs(KEYED_TIMED, schedules=1, seed=seed).ok
+
+
 def test_keyed_hand_overs_inside_2fgme_locks_end_every_round() -> None:
     """coordination = "fgme": every round takes its neighbours' locks; the Start's key-group field
     travels the reliable links, the hand-over messages beside them. Schedule 4 of these failed

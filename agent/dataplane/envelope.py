@@ -17,7 +17,9 @@ Encoding (JSON, inspectable with mosquitto_sub; measured in `bench dataplane`):
                       {"k": [keys], "r": [[source_instance, source_seq, [values]], ...]};
                       optionally a 7th element, the floors {source_instance: n}: every record
                       of that source numbered below n has been acked end to end (applied by
-                      every operator downstream, or filtered before it; agent.instance.applied).
+                      every operator downstream, or filtered before it; agent.instance.applied);
+                      optionally an 8th, the sender's watermark `[ms, idle]` after this batch's
+                      records (the 7th is then the floors or {}; agent.dataplane.watermarks).
                       An empty body is a replay marker (agent.instance.core, `_await_replays`).
     kind "a" (ack):   body = [epoch, seq]: every data envelope the receiver got from the data
                       sender's incarnation `epoch` up to `seq` is processed AND forwarded AND acked
@@ -38,6 +40,8 @@ import reprlib
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, List, Optional, Tuple, Union
+
+from agent.dataplane.watermarks import Mark, mark_json, parse_mark
 
 __all__ = [
     "VERSION",
@@ -87,6 +91,7 @@ class Envelope:
     # without re-encoding it: see `data_body_bytes`); None for envelopes built in memory.
     raw: Optional[bytes] = field(default=None, compare=False, repr=False)
     floors: Optional[Dict[str, int]] = None  # data only: see the module docstring
+    watermark: Optional[Mark] = None  # data only: the sender's mark after these records
 
     def __post_init__(self) -> None:
         if not isinstance(self.sender, str) or not self.sender:
@@ -101,13 +106,14 @@ class Envelope:
 
 
 def built(sender: str, epoch: int, seq: int, kind: Kind, body: Any,
-          floors: Optional[Dict[str, int]] = None) -> Envelope:
+          floors: Optional[Dict[str, int]] = None, watermark: Optional[Mark] = None) -> Envelope:
     """An envelope the instance builds itself for a chained hand-off (its own id, epoch and
     next number: valid by construction): the same object `Envelope(...)` gives, without the
     checks and the frozen dataclass's per-field `object.__setattr__` (7 of them), which were
     ~7% of a chain's CPU (sampled; docs/measurement.md). Never for anything decoded."""
     env = object.__new__(Envelope)
-    env.__dict__.update(sender=sender, epoch=epoch, seq=seq, kind=kind, body=body, raw=None, floors=floors)
+    env.__dict__.update(sender=sender, epoch=epoch, seq=seq, kind=kind, body=body, raw=None, floors=floors,
+                        watermark=watermark)
     return env
 
 
@@ -222,6 +228,9 @@ def _parse(raw: Union[bytes, bytearray, str]) -> Any:
 
 
 def encode(env: Envelope) -> bytes:
+    if env.kind is Kind.DATA and env.watermark is not None:
+        return _fast_dumps([VERSION, env.sender, env.epoch, env.seq, env.kind.value, env.body, env.floors or {},
+                            mark_json(env.watermark)])
     if env.floors and env.kind is Kind.DATA:
         return _fast_dumps([VERSION, env.sender, env.epoch, env.seq, env.kind.value, env.body, env.floors])
     return _fast_dumps([VERSION, env.sender, env.epoch, env.seq, env.kind.value, env.body])
@@ -247,7 +256,7 @@ class Passed(list):  # type: ignore[type-arg]
 
 
 def encode_data(sender: str, epoch: int, seq: int, items: List[Item],
-                floors: Optional[Dict[str, int]] = None) -> bytes:
+                floors: Optional[Dict[str, int]] = None, watermark: Optional[Mark] = None) -> bytes:
     """Fast path for data batches: no Envelope object, items as built by the data path.
 
     When every record is a dict with the same keys in the same order (the taxi schema), the keys
@@ -256,11 +265,20 @@ def encode_data(sender: str, epoch: int, seq: int, items: List[Item],
     48 -> 21 kB on the wire. Anything else is sent as the plain list of items.
     """
     if type(items) is Passed:
-        tail = b"]" if not floors else b"," + _fast_dumps(floors) + b"]"
-        return b"".join((_fast_dumps([VERSION, sender, epoch, seq, "d"])[:-1], b",", items.body, tail))
+        return b"".join((_fast_dumps([VERSION, sender, epoch, seq, "d"])[:-1], b",", items.body,
+                         _tail(floors, watermark, _fast_dumps)))
+    if watermark is not None:
+        return _fast_dumps([VERSION, sender, epoch, seq, "d", _compact(items), floors or {}, mark_json(watermark)])
     if floors:
         return _fast_dumps([VERSION, sender, epoch, seq, "d", _compact(items), floors])
     return _fast_dumps([VERSION, sender, epoch, seq, "d", _compact(items)])
+
+
+def _tail(floors: Optional[Dict[str, int]], watermark: Optional[Mark], dumps: Any) -> bytes:
+    """What follows a data body: the floors and the watermark, when there are any."""
+    if watermark is not None:
+        return b"," + dumps(floors or {}) + b"," + dumps(mark_json(watermark)) + b"]"
+    return b"]" if not floors else b"," + dumps(floors) + b"]"
 
 
 def _compact(items: List[Item]) -> Any:
@@ -291,8 +309,14 @@ def decode(raw: Union[bytes, bytearray, str], records: bool = True) -> Envelope:
     except (ValueError, TypeError, RecursionError) as exc:
         raise MalformedEnvelope(f"envelope: not valid JSON ({str(exc)[:80]})") from None
     floors: Optional[Dict[str, int]] = None
+    watermark: Optional[Mark] = None
+    if isinstance(msg, list) and len(msg) == 8 and msg[4] == "d":
+        try:
+            watermark = parse_mark(msg.pop())
+        except ValueError as exc:
+            raise MalformedEnvelope(f"data envelope: {exc}") from None
     if isinstance(msg, list) and len(msg) == 7 and msg[4] == "d":
-        floors = _floors(msg.pop())
+        floors = _floors(msg.pop()) or None
     if not isinstance(msg, list) or len(msg) != 6:
         raise MalformedEnvelope(f"envelope: expected a 6-element JSON array, found {_short(msg)}")
     version, sender, epoch, seq, kind, body = msg
@@ -308,7 +332,7 @@ def decode(raw: Union[bytes, bytearray, str], records: bool = True) -> Envelope:
     if k is Kind.DATA:
         if type(body) is dict:
             return Envelope(sender, epoch, seq, k, _expand(sender, body, records),
-                            bytes(raw) if isinstance(raw, (bytes, bytearray)) else None, floors)
+                            bytes(raw) if isinstance(raw, (bytes, bytearray)) else None, floors, watermark)
         if not isinstance(body, list):
             raise MalformedEnvelope(f"data from {sender}: expected a list of records, found {_short(body)}")
         items: List[Item] = []
@@ -322,7 +346,7 @@ def decode(raw: Union[bytes, bytearray, str], records: bool = True) -> Envelope:
                 raise MalformedEnvelope(f"data from {sender}: expected [source, seq, record], found {_short(it)}")
             append((src, rseq, rec))
         return Envelope(sender, epoch, seq, k, items, bytes(raw) if isinstance(raw, (bytes, bytearray)) else None,
-                        floors)
+                        floors, watermark)
     elif k is Kind.ACK:
         if type(body) is not list or len(body) != 2 or _bad_int(body[0], 0) or _bad_int(body[1], 0):
             raise MalformedEnvelope(f"ack from {sender}: expected [epoch, seq], found {_short(body)}")
@@ -371,7 +395,7 @@ def data_body_bytes(env: Envelope) -> Optional[bytes]:
     raw = env.raw
     if raw is None:  # built in memory (a chained hand-off): checked first, it is the common case there
         return None
-    tail = b"]" if not env.floors else b"," + _dumps(env.floors).encode() + b"]"
+    tail = _tail(env.floors, env.watermark, lambda v: _dumps(v).encode())
     if not raw.endswith(tail):
         return None
     head = _dumps([VERSION, env.sender, env.epoch, env.seq, "d"])[:-1].encode() + b","

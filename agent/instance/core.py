@@ -42,6 +42,7 @@ from agent.dataplane.inbound import ACCEPT, HOLD, REFUSE, HoldBuffer, LogLimiter
 from agent.dataplane.owners import TableError, groups_from_runs
 from agent.dataplane.routing import Outbox, Router
 from agent.dataplane.sticky import RouteMemory, needed
+from agent.dataplane.watermarks import MAX_MARK_MS, Mark, SourceMarks, WatermarkTable
 from agent.instance.commands import (
     AckIngest, Command, CrashPoint, Emit, Exit, Handoff, LogIngest, Notify, Persist, PersistSource, Publish,
     RequestSpawn, SaveKeyed, SaveRoutes,
@@ -58,7 +59,7 @@ from agent.instance.spec import InstanceSpec
 from agent.measure.capacity import LiveCapacity
 from agent.measure.signals import PeriodSignals, Signals
 from agent.operators.builtin import SinkOperator
-from agent.operators.keyed import KeyedOperator, keyed_config_problems
+from agent.operators.keyed import KeyedOperator, keyed_config_problems, parse_event_time
 from agent.operators.sources import SourceCaps, source_caps
 from agent.protocol.errors import LocalProtocolError
 from agent.protocol.scaling import FORWARDING
@@ -121,6 +122,12 @@ RAW_TOPIC = "\0"
 # Envelopes kept per destination our binding table does not name yet (per-node inboxes,
 # `_publish_tracked`): a window of data plus acks and protocol messages, many times over.
 UNROUTED_MAX = 1024
+# A successor that got no batch carrying our current watermark for this long gets it alone, in an
+# empty data batch (agent.dataplane.watermarks): one whose key groups get no records still moves on.
+MARK_PERIOD = 0.2
+# ... and one we never sent data (a new copy, idle until its Start, holds what it gets: a few
+# marks only in its hold buffer, HOLD_TTL / MARK_PERIOD_UNLINKED of them) this often.
+MARK_PERIOD_UNLINKED = 5.0
 
 # Seeded fault (foglab.sim.instance_check, never set elsewhere): refused publishes are retried
 # only when there is data to flush, so a sink's refused ack holds back all its later acks.
@@ -142,6 +149,11 @@ FAULT_RESYNC_AT_FIRST_SEEN = "resync_at_first_seen"
 FAULT_REPLAY_CLOCK_AT_DROP = "replay_clock_at_drop"
 # an idle copy holds an empty ack from a successor's name even with a round message behind it
 FAULT_EMPTY_ACK_HELD = "empty_ack_held"
+# Seeded faults of the watermarks (agent.dataplane.watermarks): an instance passes on the marks
+# it received, acked inputs or not ("marks_unacked"); a keyed instance keeps its own watermark,
+# the largest event time it took ("marks_own_max": the rule before marks flowed).
+FAULT_MARKS_UNACKED = "marks_unacked"
+FAULT_MARKS_OWN_MAX = "marks_own_max"
 
 
 class Phase(Enum):
@@ -238,6 +250,18 @@ class Instance:
             # The agent keeps a standby copy of the saved state on another node (agent.node.replicas):
             # inputs are acked upstream only once it holds the save that reflects them.
             self.keyed.replicated_acks = spec.extra.get("replicate") is True
+        # Watermarks that flow with the batches (agent.dataplane.watermarks; docs/operators.md,
+        # "Watermarks that flow"): on when the source has [operator.watermark]. Per predecessor
+        # the largest mark it sent; a source notes its own under "" per poll. Only what acked
+        # inputs carried is passed on, so nothing this instance may process again is behind it.
+        self.wm_conf = getattr(pipeline.operators[0], "watermark", None)
+        self.marks: Optional[WatermarkTable] = WatermarkTable() if self.wm_conf is not None and not self.is_sink else None
+        self.source_marks: Optional[SourceMarks] = None
+        if self.marks is not None and self.is_source:
+            self.source_marks = SourceMarks(self.wm_conf.disorder_ms, self.wm_conf.idle_after)
+        if self.marks is not None and self.keyed is not None and FAULT_MARKS_OWN_MAX not in self.faults:
+            self.keyed.flowing = True
+        self._marks_sent: Dict[str, Tuple[Mark, float]] = {}  # successor -> (last mark sent it, when)
         # Its key groups and their moves (agent.instance.moves): a deployed instance holds every
         # group (deploy starts one keeper per operator), a copy none until its Start names its share.
         self.moves: Optional[group_moves.GroupMoves] = None
@@ -360,6 +384,8 @@ class Instance:
             "silent_links_replayed": 0,  # of those, the replays to a silent successor
             "departed_rerouted": 0,  # records re-routed from a successor that left our table
             "resent_past_departed": 0,  # records sent again whose successor left: dropped (INVARIANT 8)
+            "marks_sent": 0,  # watermarks sent alone (agent.dataplane.watermarks)
+            "late_at_source": 0,  # source records older than its own watermark when polled
         }
         self._malformed_log = LogLimiter()  # bounded: a flood of invented names costs nothing
         self._malformed_logged: Set[str] = set()  # protocol senders (admitted ones only: bounded)
@@ -569,6 +595,8 @@ class Instance:
         if self.is_sink:
             self._settle_sink()
         self.flush(now)
+        if self.marks is not None:
+            self._send_marks(now, self._out_mark(now))
         if self.source.sensor:
             self._settle_ingest()
         self.signals.blocked(now, self._backpressured())
@@ -922,6 +950,7 @@ class Instance:
             # to a successor we have removed, no replay: its unacked batches go to the current
             # successors (CHANGELOG.md, defect A).
             self._send_replay_marker(env.sender)
+            self._marks_sent.pop(env.sender, None)  # it lost the marks it had from us: sent again
             if env.sender in self.links:
                 if env.sender in self.router.succs or FAULT_REPLAY_TO_DEPARTED in self.faults:
                     self._replay_to(env.sender)
@@ -937,7 +966,7 @@ class Instance:
                 self._on_ack(e)
             else:
                 if e.kind is Kind.DATA:
-                    if not e.body:  # a replay marker: its replay follows (`_await_replays`)
+                    if not e.body and e.watermark is None:  # a replay marker: its replay follows (`_await_replays`)
                         self._awaiting_replay.pop(e.sender, None)
                         continue
                     if self._awaiting_replay and self._before_replay(e):
@@ -1254,11 +1283,12 @@ class Instance:
             items = env.body
             seq = self.outbound.take(dest)
             if isinstance(u.payload, Envelope):
-                again = Envelope(self.spec.instance, self.epoch, seq, Kind.DATA, items, floors=env.floors)
+                again = Envelope(self.spec.instance, self.epoch, seq, Kind.DATA, items, floors=env.floors,
+                                 watermark=env.watermark)
                 link.replace(u.seq, seq, again, now)
                 self._hand(dest, again)
                 continue
-            payload = encode_data(self.spec.instance, self.epoch, seq, items, env.floors)
+            payload = encode_data(self.spec.instance, self.epoch, seq, items, env.floors, env.watermark)
             link.replace(u.seq, seq, payload, now)
             self._publish_tracked(dest, payload, self.tracker.last_index + 1)
         self.stats["replayed_batches"] += len(old)
@@ -1449,6 +1479,10 @@ class Instance:
     def _process_data(self, env: Envelope, now: float) -> None:
         items: List[Item] = env.body
         n = len(items)
+        if not n:  # a watermark alone: after every earlier batch of its sender, never acked itself
+            if self.marks is not None and env.watermark is not None:
+                self._take_mark(env.sender, self.tracker.last_index, env.watermark, now)
+            return
         if self.first_record_at is None:
             self.first_record_at = self.wall()  # wall clock: compared across processes (bench)
         self.stats["records_in"] += n
@@ -1465,6 +1499,8 @@ class Instance:
             out = self.keyed.apply(env.sender, items, index, env.floors)
             if out:
                 self._forward(out, index, now)
+            if self.marks is not None and env.watermark is not None:
+                self._take_mark(env.sender, index, env.watermark, now)
         else:
             out = self._apply(items)
             self.stats["filtered"] += n - len(out)
@@ -1477,9 +1513,70 @@ class Instance:
                         out = Passed(out, body)
                         self.stats["passed_batches"] += 1
                 self._forward(out, index, now)
+            if self.marks is not None and env.watermark is not None:
+                self.marks.note(env.sender, index, env.watermark)
         self.signals.processed(n, self.perf() - t0 + n * self.service_time)
         if self.service_time:
             self.busy_until = max(self.busy_until, now) + n * self.service_time
+
+    def _take_mark(self, sender: str, index: int, mark: Mark, now: float) -> None:
+        """`sender`'s mark after the batch processed as input `index` (its records judged first);
+        a keyed instance's watermark follows the least over its inputs and its due timers fire."""
+        assert self.marks is not None
+        self.marks.note(sender, index, mark)
+        if self.keyed is not None and self.keyed.flowing:
+            self._take_mark_changed(now, index)
+
+    def _take_mark_changed(self, now: float, index: Optional[int] = None) -> None:
+        """The least mark over the inputs may have risen: a keyed instance follows it and fires
+        what came due (outputs under input `index`, else the latest)."""
+        assert self.marks is not None and self.keyed is not None
+        if index is None:
+            index = self.tracker.last_index
+        cur = self.marks.current()
+        if cur is None or (self.keyed.max_time is not None and cur.value <= self.keyed.max_time):
+            return
+        self.keyed.max_time = cur.value
+        out = self.keyed.fire_due(index)
+        if out:
+            self._forward(out, index, now)
+
+    def _out_mark(self, now: float) -> Optional[Mark]:
+        """The mark this instance may pass on now: the least over its inputs of what acked
+        inputs carried (a source: what its acked polls made), less the own lateness of a keyed
+        operator that fires by the watermark (its windows close that much later, and their
+        outputs must not be late); one that keeps its own watermark (the DEBS merges) passes
+        the marks on as they are."""
+        marks = self.marks
+        assert marks is not None
+        if self.source_marks is not None:
+            m = self.source_marks.mark(now)
+            ch = marks.inputs.get("")
+            if m is not None and (ch is None or ch.noted != m.value or ch.noted_idle != m.idle):
+                marks.note("", self.tracker.last_index, m)  # a change without records: idleness
+        marks.release(self._lowest_pending())
+        out = marks.current() if FAULT_MARKS_UNACKED in self.faults else marks.forwardable()
+        if out is not None and self.keyed is not None and self.keyed.op.uses_event_time and self.keyed.op.lateness_ms:
+            out = Mark(max(-MAX_MARK_MS, out.value - self.keyed.op.lateness_ms), out.idle)
+        return out
+
+    def _send_marks(self, now: float, mark: Optional[Mark]) -> None:
+        """`mark` alone to every successor that has not had it for MARK_PERIOD: outside the
+        replay buffer and the credit window (the next one carries it again), never acked."""
+        if mark is None:
+            return
+        for dest in self.router.succs:
+            last = self._marks_sent.get(dest)
+            period = MARK_PERIOD if dest in self.links else MARK_PERIOD_UNLINKED
+            if last is not None and (last[0] == mark or now - last[1] < period):
+                continue
+            seq = self.outbound.take(dest)
+            if dest in self.local:
+                self._hand(dest, built(self.spec.instance, self.epoch, seq, Kind.DATA, [], None, mark))
+            else:
+                self._publish_tracked(dest, encode_data(self.spec.instance, self.epoch, seq, [], None, mark), None)
+            self._marks_sent[dest] = (mark, now)
+            self.stats["marks_sent"] += 1
 
     def _apply(self, items: List[Item]) -> List[Item]:
         try:
@@ -1643,9 +1740,25 @@ class Instance:
             self.stats["records_in"] += len(items)
             index = self.tracker.produced()
             self._source_first[index] = items[0][1]
+            if self.source_marks is not None:
+                self._observe(items, index, now)
             self._forward(items, index, now)
             if self.source.sensor:
                 self._log_ingest()
+
+    def _observe(self, items: List[Item], index: int, now: float) -> None:
+        """The source's records' event times, into its watermark (noted at this poll's index)."""
+        sm, conf = self.source_marks, self.wm_conf
+        assert sm is not None and conf is not None and self.marks is not None
+        late = sm.late
+        for _, _, rec in items:
+            t = parse_event_time(rec.get(conf.time_field), conf.time_unit) if type(rec) is dict else None
+            if t is not None:
+                sm.observe(t, now)
+        self.stats["late_at_source"] += sm.late - late
+        m = sm.mark(now)
+        if m is not None:
+            self.marks.note("", index, m)
 
     def _reserve_span(self, now: float, generated: int) -> int:
         """Records to reserve past this poll: RESERVE_SECONDS of the rate measured since the last
@@ -1700,6 +1813,7 @@ class Instance:
         # A source's floor before its batches leave the outbox: taken out, they are pending
         # nowhere until link.sent, and the claim would cover them.
         own = {self.spec.instance: self.source_resume_seq()} if self.is_source else None
+        mark = self._out_mark(now) if self.marks is not None else None
         batches = self.outbox.take(now, self._credit, force=force or draining)
         if not batches and self.outbox.pending >= self.outbox.batch_size:
             self.stats["credit_stalls"] += 1
@@ -1719,12 +1833,14 @@ class Instance:
                 link = self.links[dest] = OutLink(dest, self.op.max_inflight_batches)
             seq = self.outbound.take(dest)
             floors = own or self._floors_for(items)
+            if mark is not None:
+                self._marks_sent[dest] = (mark, now)
             if dest in self.local:  # chained: no encoding, no broker (docs/runtime.md, "Chaining")
-                env = built(self.spec.instance, self.epoch, seq, Kind.DATA, items, floors)
+                env = built(self.spec.instance, self.epoch, seq, Kind.DATA, items, floors, mark)
                 link.sent(seq, env, len(items), now, low)  # replay buffer: kept until dest acks
                 self._hand(dest, env)
             else:
-                payload = encode_data(self.spec.instance, self.epoch, seq, items, floors)
+                payload = encode_data(self.spec.instance, self.epoch, seq, items, floors, mark)
                 link.sent(seq, payload, len(items), now, low)  # replay buffer: kept until dest acks
                 self._publish_tracked(dest, payload, low)
             self.stats["batches_out"] += 1
@@ -1829,7 +1945,8 @@ class Instance:
         if env.kind is Kind.DATA:
             if dest not in self.local_keeps:
                 env = built(env.sender, env.epoch, env.seq, Kind.DATA,
-                            [(s, q, dict(r)) if type(r) is dict else (s, q, r) for s, q, r in env.body], env.floors)
+                            [(s, q, dict(r)) if type(r) is dict else (s, q, r) for s, q, r in env.body], env.floors,
+                            env.watermark)
             self.stats["handed_out"] += 1
         self._out.append(Handoff(dest, env))
 
@@ -1971,7 +2088,13 @@ class Instance:
     def on_preds_changed(self, added: Tuple[str, ...], removed: Tuple[str, ...]) -> None:
         """A predecessor's round reached us (the driver calls this after the core applied it):
         the groups moving out wait for a new predecessor's Eos too (its table may route them
-        here), and a departed one's Eos is not awaited (its deletion is behind all it sent us)."""
+        here), and a departed one's Eos is not awaited (its deletion is behind all it sent us).
+        A departed one's watermark no longer holds ours back (its deletion is behind its data)."""
+        if self.marks is not None:
+            for p in removed:
+                self.marks.remove_input(p)
+            if self.keyed is not None and self.keyed.flowing and removed:
+                self._take_mark_changed(self.now)
         if self.moves is None:
             return
         for p in added:

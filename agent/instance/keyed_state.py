@@ -87,6 +87,9 @@ class KeyedState:
         self.floors: Dict[int, int] = {}
         self.applied: Dict[str, Applied] = {}  # source instance -> the numbers of it applied
         self.max_time: Optional[float] = None
+        # Watermarks that flow (agent.dataplane.watermarks): `max_time` is then the least mark over
+        # the inputs, set by the instance, never raised by a record (saved and restored as before).
+        self.flowing = False
         self.timers: Dict[Any, float] = {}  # key -> event time its on_notify is due
         # group -> records applied, decayed (LOAD_HALF_LIFE): what a duplication's share balances
         # (agent.dataplane.owners.split_share); not saved: a restarted instance measures afresh
@@ -120,6 +123,8 @@ class KeyedState:
 
     @property
     def watermark(self) -> Optional[float]:
+        """`max_time - lateness_ms`: the largest event time taken, or (flowing) the least mark
+        over the inputs; None before either."""
         if self.max_time is None:
             return None
         return self.max_time - self.op.lateness_ms
@@ -183,7 +188,7 @@ class KeyedState:
                             forwarded.append((src, seq, side))
                             self.counts["late_sent"] += 1
                     continue
-                if self.max_time is None or t > self.max_time:
+                if not self.flowing and (self.max_time is None or t > self.max_time):
                     self.max_time = t
             key = hashable_key(record_key(rec, self.key_field))
             lst = by_key.get(key)

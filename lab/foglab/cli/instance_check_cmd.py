@@ -16,7 +16,8 @@ FAULT_HELP = ("seeded fault to switch on (repeatable): retry_only_with_data, dra
               "--cuts 1 --spawn-refusals 1 --slow sink-0, seed 9230), leave_before_adoption (a fixed schedule of "
               "the tests only: op-0, the only creator here, is a keeper), resend_pending_only (--keyed --records 8 "
               "--brokers 1, seed 200008), wait_for_leaver, route_past_departed, start_without_leavers, ack_behind_drain and empty_ack_held (fixed schedules of the tests: op "
-              "and the sink scaling at once); the checker should then report a "
+              "and the sink scaling at once), marks_unacked and marks_own_max (--keyed --event-time --records 8 "
+              "--crashes 1 --dups 1 --refusals 1); the checker should then report a "
               "violation, in some schedules")
 
 
@@ -57,6 +58,9 @@ def register(groups: Any) -> None:
                    "each key's state holds each of its records once and in order, no output id twice (--rounds "
                    "and --rehomes do not apply; --keys keys over --records records)")
     p.add_argument("--keys", type=int, default=3, help="keys of the keyed pipeline's records")
+    p.add_argument("--event-time", action="store_true",
+                   help="with --keyed: watermarks that flow from the source (the record number as event time, "
+                   "no disorder); checked besides: no record judged late, the last mark reaches the keeper")
     p.add_argument("--coordination", choices=("ack", "fgme"), default="ack",
                    help="the pipeline's coordination: fgme runs every round inside 2-FGME's locks")
     p.add_argument("--fault", action="append", default=[], choices=FAULTS, help=FAULT_HELP)
@@ -80,6 +84,9 @@ def _run(args: argparse.Namespace) -> int:
         # groups moved (docs/operators.md, "Key groups that move": not covered yet)
         print("error: --keyed takes --rehomes 0", file=sys.stderr)
         return EXIT_USAGE
+    if args.event_time and not args.keyed:
+        print("error: --event-time needs --keyed", file=sys.stderr)
+        return EXIT_USAGE
     if rehomes and args.rounds == "sink-1-2":
         print("error: --rounds sink-1-2 takes --rehomes 0 (see --help)", file=sys.stderr)
         return EXIT_USAGE
@@ -87,7 +94,7 @@ def _run(args: argparse.Namespace) -> int:
                  dups=args.dups, plans=plans, slow=tuple(args.slow), faults=frozenset(args.fault),
                  brokers=args.brokers, cuts=args.cuts, spawn_refusals=args.spawn_refusals,
                  rehome_targets=("op-0", "copy") if args.rehome_copy else ("op-0",), keyed=args.keyed, keys=args.keys,
-                 coordination=args.coordination)
+                 coordination=args.coordination, event_time=args.event_time)
     if args.keyed:
         cfg = replace(cfg, plans=Config.plans)  # the keyed plans (KEYED_PLANS)
     if args.depth:

@@ -106,17 +106,20 @@ FAULTS = ("retry_only_with_data", "drain_holds_protocol", "rehome_rounds_from_on
           "replay_to_departed", "rehome_stays", "resync_at_first_seen", "leave_before_adoption",
           "rehome_idle_active", "replay_clock_at_drop", "resend_pending_only", "wait_for_leaver",
           "route_past_departed", "start_without_leavers", "ack_behind_drain",
-          "empty_ack_held") + HANDOVER_FAULTS
+          "empty_ack_held", "marks_unacked", "marks_own_max") + HANDOVER_FAULTS
 # The one seeded fault of the planner's inputs (agent.node.rehome), played by the checker's
 # re-homing move: plan_rehome is not told which copies were idle, and starts them active.
 FAULT_REHOME_IDLE_ACTIVE = "rehome_idle_active"
 
 
-def pipeline_text(batch: int = 1, window: int = 4, keyed: bool = False, coordination: str = "ack") -> str:
+def pipeline_text(batch: int = 1, window: int = 4, keyed: bool = False, coordination: str = "ack",
+                  event_time: bool = False) -> str:
     """source -> op -> sink, no automatic scaling (rounds are the checker's moves); `keyed`:
     source -> op -> cnt -> sink, op routing by key "k" to the keyed cnt; `coordination`: the
-    [scaling] setting ("fgme": every round inside 2-FGME's locks)."""
-    ops = [("source", "source", "agent.operators.taxi:source", ""),
+    [scaling] setting ("fgme": every round inside 2-FGME's locks); `event_time`: watermarks
+    that flow, from the record number `n` as event time in ms (`Config.event_time`)."""
+    wm = '[operator.watermark]\ntime_field = "n"\ntime_unit = "ms"' if event_time else ""
+    ops = [("source", "source", "agent.operators.taxi:source", wm),
            ("op", "map", "agent.operators.builtin:validate", 'key = "k"' if keyed else ""),
            ("sink", "sink", "agent.operators.builtin:counting_sink", "")]
     if keyed:
@@ -284,6 +287,12 @@ class Config:
     # each path's order, at the one instance every predecessor's table names; no output id twice.
     keyed: bool = False
     keys: int = 3
+    # The keyed pipeline with watermarks that flow: the source's [operator.watermark] reads the
+    # record number `n` as its event time (ms, no disorder: every record is on time at the
+    # source), and cnt fires and judges lateness by the least mark over its inputs (lateness 0).
+    # A record judged late is counted and not applied: the terminal check then says
+    # `judged_late` (foglab.sim.instance_check_keyed.check_keyed).
+    event_time: bool = False
     coordination: str = "ack"  # "fgme": the rounds take 2-FGME's locks (lock messages on the same channels)
 
 
@@ -318,7 +327,7 @@ class World:
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        self.toml = pipeline_text(keyed=cfg.keyed, coordination=cfg.coordination)
+        self.toml = pipeline_text(keyed=cfg.keyed, coordination=cfg.coordination, event_time=cfg.event_time)
         self.pipeline: PipelineConfig = load_pipeline_text(self.toml, "checker pipeline")
         self.now = 0.0
         self.inst: Dict[str, Instance] = {}
@@ -334,6 +343,7 @@ class World:
         self.spawns: List[Tuple[str, str, str]] = []  # (creator, request, copy) answers still to deliver
         self.exited: Dict[str, bool] = {}  # instance -> final
         self.store: List[Tuple[str, int]] = []
+        self.late: List[int] = []  # records cnt judged late (`Config.event_time`), by number
         self.to_terminated: List[Tuple[str, int]] = []  # records in data batches to terminated instances
         self.seen: Dict[str, Set[Tuple[str, int]]] = {}  # sink instance -> the ids it recorded
         self.budget = {"crash": cfg.crashes, "rehome": cfg.rehomes, "refuse": cfg.refusals, "dup": cfg.dups,
@@ -372,7 +382,8 @@ class World:
         if spec.operator == "sink":
             return MemorySink(self.store, self.seen.setdefault(spec.instance, set()), self.values)
         if spec.operator == "cnt":
-            return MemoryTrail(OperatorContext(spec.instance, "cnt", NODE, "map"))
+            params = {"time_field": "n", "time_unit": "ms"} if self.cfg.event_time else {}
+            return MemoryTrail(OperatorContext(spec.instance, "cnt", NODE, "map", params), self.late)
         return MemoryMap(spec.instance if self.cfg.keyed else None)
 
     def _keyed_path(self, iid: str) -> Path:
@@ -538,6 +549,9 @@ class World:
 
     def apply(self, move: Tuple[Any, ...]) -> None:
         self._apply(move)
+        if self.late:  # `Config.event_time`: every record is on time at the source
+            raise _Stop("judged_late", f"records {sorted(set(self.late))[:8]} judged late at cnt, "
+                        "all on time at the source")
         if self.cfg.keyed and "source-0" in self.inst:
             assert self.values is not None
             bad = check_floor(self.inst["source-0"], self.values)
@@ -812,7 +826,16 @@ class World:
         return None
 
     def check_keyed(self) -> Optional[Tuple[str, str]]:
-        """The keyed pipeline's end (foglab.sim.instance_check_keyed.check_keyed)."""
+        """The keyed pipeline's end (foglab.sim.instance_check_keyed.check_keyed); with
+        `event_time`, first: no record judged late (each was on time at the source)."""
+        if self.late:
+            return ("judged_late", f"records {sorted(set(self.late))[:8]} judged late at cnt, all on time at the source")
+        if self.cfg.event_time:
+            # not vacuous: the last record's mark got through to the keeper (the settle's ticks)
+            keeper = self.inst.get(KEEPER)
+            wm = keeper.keyed.max_time if keeper is not None and keeper.keyed is not None else None
+            if wm != float(self.cfg.records - 1):
+                return ("marks_stuck", f"{KEEPER}'s watermark is {wm}, the last record's time {self.cfg.records - 1}")
         assert self.values is not None
         conflicts = [rid for sink in self.inst.values() if isinstance(sink.operator, MemorySink)
                      for rid in sink.operator.conflicts]

@@ -45,7 +45,16 @@ class MemoryTrail(KeyedOperator):
     """The keyed operator of the keyed pipeline: per key, the list of (record number, the
     instance it came through) applied, in order; one output per record, `{"key", "count", "n"}`.
     The final states show every update and its order (exactly once, per key in each path's
-    order), the outputs every id and value the sink got."""
+    order), the outputs every id and value the sink got. With event time (`time_field` "n"),
+    the numbers of the records judged late go to `late`."""
+
+    def __init__(self, ctx: Any, late: Optional[List[int]] = None) -> None:
+        super().__init__(ctx)
+        self.late = late if late is not None else []
+
+    def on_late(self, record: Any) -> Optional[Any]:
+        self.late.append(record.get("n") if isinstance(record, dict) else -1)
+        return None
 
     def on_batch(self, key: Any, records: List[Any], state: Any) -> Tuple[List[Any], Any]:
         trail = list(state or [])
