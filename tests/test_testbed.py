@@ -145,6 +145,15 @@ def test_chaos_sees_an_instance_on_the_dead_node_and_where_it_was_rehomed() -> N
     assert instance_nodes(topo, "tb") == {"a": {"tbt2", "tbt3"}, "b": {"tbt3"}}
 
 
+def test_a_kill_node_stays_off_past_the_fleets_own_dead_after() -> None:
+    """With the role's default dead_after (60 s) a fixed 40 s off would never re-home anything."""
+    from foglab.tools.chaos_testbed import kill_node_down
+
+    assert kill_node_down(None, "60.0") == 85.0
+    assert kill_node_down(None, "15.0") == 40.0 and kill_node_down(None, "") == 40.0
+    assert kill_node_down(30.0, "60.0") == 30.0  # given: as given
+
+
 def test_parse_show() -> None:
     text = "Type=notify\nStatusText=connected; 0/4 slots used; a=b\nNRestarts=3\n"
     assert parse_show(text) == {"Type": "notify", "StatusText": "connected; 0/4 slots used; a=b", "NRestarts": "3"}

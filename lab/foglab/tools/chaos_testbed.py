@@ -135,23 +135,37 @@ class TestbedNemesis:
         return 0
 
 
+def kill_node_down(down: Optional[float], dead_after: str) -> float:
+    """How long a kill-node keeps a container off: `down` if given, else the agents' `dead_after`
+    (as agent.toml says it) plus 25 s for the detection and the re-home, and at least 40 s."""
+    if down is not None:
+        return float(down)
+    try:
+        dead = float(dead_after)
+    except ValueError:
+        dead = 0.0
+    return max(40.0, dead + 25.0)
+
+
 def run_testbed_chaos(faults: Sequence[str] = FAULTS, count: int = 2, seed: int = 1, duration: float = 150.0,
-                      rate: float = 300.0, down: float = 40.0, cut: Sequence[float] = (20.0, 40.0),
+                      rate: float = 300.0, down: Optional[float] = None, cut: Sequence[float] = (20.0, 40.0),
                       pause: Sequence[float] = (5.0, 10.0), at: float = 40.0, run: Optional[Path] = None,
                       progress: Any = testbed._stderr_progress) -> Dict[str, Any]:
     """`count` faults drawn from `faults` (seeded), the first `at` s after the deploy (once the load
     step has made in_zone scale out across containers); a kill-node keeps the container off for
-    `down` s (longer than the agents' dead_after, so its instances are re-homed), a partition
-    lasts a drawn time in `cut` (long cuts pass the MQTT keepalive: the broker fires the Will)."""
+    `down` s (default: the agents' dead_after plus 25 s, at least 40 s, so that its instances are
+    re-homed with the fleet's own setting), a partition lasts a drawn time in `cut` (long cuts
+    pass the MQTT keepalive: the broker fires the Will)."""
     bad = [f for f in faults if f not in FAULTS]
     if bad or not faults:
         raise testbed.TestbedError(f"--faults: on the testbed expected a subset of {', '.join(FAULTS)}, found {list(faults)}")
-    nemesis = TestbedNemesis(faults, count, seed, down, cut, pause, run, progress)
+    nemesis = TestbedNemesis(faults, count, seed, 0.0, cut, pause, run, progress)
     dead_after = testbed.ssh(nemesis.targets[0], "sed -n 's/^dead_after = //p' /etc/fog-agent/agent.toml",
                              run=run, check=False).stdout.strip()
+    nemesis.down = kill_node_down(down, dead_after)
     if "kill-node" in faults and float(dead_after or 0) <= 0:
         progress("chaos: the agents have dead_after = 0: a dead node's instances are not re-homed "
-                 "(run site.yml with -e fog_agent_dead_after=10)")
+                 "(run site.yml with -e fog_agent_dead_after=15)")
     summary = run_pipeline(duration, rate, run=run, progress=progress, during=nemesis.schedule, during_at=at)
     summary.update(testbed_faults=nemesis.records, dead_after=dead_after, seed=seed,
                    faults_injected=len(nemesis.records))
