@@ -39,6 +39,7 @@ from agent.instance.commands import (
     AckIngest, Command, CrashPoint, Emit, Exit, Handoff, LogIngest, Notify, Persist, PersistSource, Publish,
     RequestSpawn, SaveKeyed, SaveRoutes,
 )
+from agent.instance import deployfiles
 from agent.instance.ingestlog import IngestLog
 from agent.instance.core import EXIT_BAD_SPEC, EXIT_BROKER, EXIT_CRASH, EXIT_DRAIN_TIMEOUT, EXIT_OK, Instance
 from agent.instance.keyed_state import KeyedState
@@ -121,6 +122,8 @@ class Worker:
         self._identity_lock = hold_identity_lock(
             self.state_dir / f"{spec.instance}.lock", float(spec.extra.get("drain_timeout", 10.0)) + 5.0
         )
+        # Files a namesake of an earlier deploy left here are not ours (agent.instance.deployfiles).
+        deployfiles.claim_spec(spec)
         if spec.restart:
             self._take_handover(spec.extra)
         ctx = OperatorContext(

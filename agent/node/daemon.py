@@ -54,6 +54,7 @@ from agent.control.fleet import Instance, Phase
 from agent.control.rpc_schema import ActionKind, DrainRequest, Reply, RequestError, agent_actions, parse_request
 from agent.mqtt import client as mqttc
 from agent.files import write_atomic
+from agent.instance import deployfiles
 from agent.instance.spec import InstanceSpec, request_spec
 from agent.mqtt.requester import SYNC_PREFIX
 from agent.mqtt.settings import BrokerSpec
@@ -1153,6 +1154,7 @@ class Agent:
         job.spec = spec_with_capacity(job.spec, self.cfg.agent.state_dir, self.node)
         if self.spill is not None:
             job.spec = self.spill.with_spill(job.spec)
+        deployfiles.claim_spec(job.spec)  # before the standby copy is installed among its files
         self._install_replica(job.spec)
         try:
             self.supervisor.start(job.spec, now)
@@ -1865,12 +1867,7 @@ class Agent:
         hosted.forget(self.cfg.agent.state_dir, instance)
         self.replication.forget(instance)
         self._delayed_restarts.pop(instance, None)
-        for name in ("state.json", "routes.json", "routes.log",  # routes: agent.dataplane.sticky
-                     "keyed.json", "keyed.json.log", "keyed.handover"):  # keyed: Worker.keyed_path, statexfer
-            try:
-                (Path(self.cfg.agent.state_dir) / f"{instance}.{name}").unlink()
-            except FileNotFoundError:
-                pass
+        deployfiles.forget(instance, Path(self.cfg.agent.state_dir))
         self._hosted_dirty = True
 
     def _replicate(self, now: float) -> None:
