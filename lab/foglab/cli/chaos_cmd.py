@@ -25,7 +25,7 @@ def register(groups: Any) -> None:
     p.add_argument("--seed", type=int, default=1, help="seed of the fault schedule and the data (default 1)")
     p.add_argument("--faults", default=None,
                    help=f"comma-separated faults to draw from, of {','.join(FAULTS)} "
-                        f"(default {','.join(DEFAULT_FAULTS)}, with --testbed kill-node,partition; kill-node turns re-homing on (opt-in), partition cuts a "
+                        f"(default {','.join(DEFAULT_FAULTS)}, with --testbed kill-node,partition, and lose-node if asked for; kill-node turns re-homing on (opt-in), partition cuts a "
                         "node off the broker for 3-30 s, kill-broker loses what the broker received since its last autosave)")
     p.add_argument("--rehoming", choices=("auto", "on", "off"), default="auto",
                    help="the agents re-home the instances of a node offline for 6 s (auto: only when kill-node "
@@ -49,7 +49,8 @@ def register(groups: Any) -> None:
     p.add_argument("--testbed", action="store_true",
                    help="act on the running container testbed instead of the demo's processes: kill-node powers a "
                         "container off (and boots it again), partition cuts its veth; the pipeline runs across the "
-                        "containers (fog-agent testbed up + ansible/site.yml first; faults: kill-node,partition)")
+                        "containers (fog-agent testbed up + ansible/site.yml first; faults: kill-node,partition,lose-node: "
+                        "lose-node also wipes its disk and has the role install a replacement)")
     p.add_argument("--count", type=int, default=2, help="--testbed: number of faults (default 2)")
     p.add_argument("--rate", type=float, default=300.0, help="--testbed: records/s of the load step (default 300)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON (a list for several runs)")

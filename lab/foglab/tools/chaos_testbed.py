@@ -10,7 +10,11 @@ here the same faults hit the testbed's containers while the taxi pipeline runs a
   survivors re-home its instances), then the container boots again and its agent starts under
   systemd (enabled unit), re-adopting or fencing what it had;
 - `partition`: the host side of the node's veth goes down for a drawn number of seconds (cut from
-  the broker and every other node while everything in it keeps running), then up.
+  the broker and every other node while everything in it keeps running), then up;
+- `lose-node` (drawn only when asked for): a power cut that also loses the disk (an SD card that
+  died: `testbed kill --wipe`); once the survivors re-homed its instances, a replacement boots
+  on a fresh disk under the same name and the role installs it (`site.yml --limit NODE`), as an
+  operator would bring in a new Pi.
 
 Never the broker's node (the first): losing the site broker is a different fault. Each fault
 records when it was injected, what the node hosted, when its instances were seen on other nodes
@@ -27,8 +31,10 @@ from typing import Any, Dict, List, Optional, Sequence, Set
 
 from foglab.tools import testbed
 from foglab.tools.testbed_pipeline import _fogctl, run_pipeline
+from foglab.tools.testbed_scenarios import _ansible
 
-FAULTS = ("kill-node", "partition")
+FAULTS = ("kill-node", "partition")  # the default draw
+ALL_FAULTS = FAULTS + ("lose-node",)
 
 
 def instance_nodes(topology: Dict[str, Any], pipeline: str) -> Dict[str, Set[str]]:
@@ -72,6 +78,8 @@ class TestbedNemesis:
         self.faults, self.count, self.down, self.cut, self.pause = list(faults), count, down, cut, pause
         self.records: List[Dict[str, Any]] = []
         self.started = 0.0
+        self.inventory = str(state.inventory or "")
+        self.extra_vars: List[str] = []  # what the fleet was installed with, for a replacement node
 
     def _wait(self, what: str, pred: Any, timeout: float) -> Optional[float]:
         t0 = time.monotonic()
@@ -85,10 +93,10 @@ class TestbedNemesis:
         self.progress(f"chaos: {what}: not within {timeout:.0f} s")
         return None
 
-    def kill_node(self, node: str) -> Dict[str, Any]:
+    def kill_node(self, node: str, wipe: bool = False) -> Dict[str, Any]:
         hosted = _hosted(self.broker, self.password, "tb", node)
         killed = time.monotonic()
-        testbed.kill_node(node, run=self.run)
+        testbed.kill_node(node, run=self.run, wipe=wipe)
         # Each of its instances seen on another node (same identity) or gone (scaled in): the
         # survivors re-homed them after dead_after.
         def rehomed() -> bool:
@@ -100,9 +108,19 @@ class TestbedNemesis:
         boot0 = time.monotonic()
         testbed.start_node(node, run=self.run)
         booted_s = round(time.monotonic() - boot0, 1)
+        detail: Dict[str, Any] = {}
+        if wipe:  # a blank disk: the role installs the replacement
+            log = Path(self.inventory).parent.parent / "logs" / f"reinstall-{node}.log"
+            proc = _ansible(self.inventory, log, 900.0, ["--limit", node, *self.extra_vars])
+            detail = {"reinstall_s": round(time.monotonic() - boot0 - booted_s, 1), "reinstall_exit": proc.returncode}
+            if proc.returncode != 0:
+                self.progress(f"chaos: reinstalling {node} failed (exit {proc.returncode}): see {log}")
         back_s = self._wait(f"{node} back online", lambda: _online(self.broker, self.password, node), 300.0)
         return {"hosted": hosted, "down_s": down_s, "rehomed_after_s": rehomed_s, "ssh_after_boot_s": booted_s,
-                "online_after_boot_s": (round(booted_s + back_s, 1) if back_s is not None else None)}
+                **detail, "online_after_boot_s": (round(time.monotonic() - boot0, 1) if back_s is not None else None)}
+
+    def lose_node(self, node: str) -> Dict[str, Any]:
+        return self.kill_node(node, wipe=True)
 
     def partition(self, node: str) -> Dict[str, Any]:
         hosted = _hosted(self.broker, self.password, "tb", node)
@@ -156,14 +174,16 @@ def run_testbed_chaos(faults: Sequence[str] = FAULTS, count: int = 2, seed: int 
     `down` s (default: the agents' dead_after plus 25 s, at least 40 s, so that its instances are
     re-homed with the fleet's own setting), a partition lasts a drawn time in `cut` (long cuts
     pass the MQTT keepalive: the broker fires the Will)."""
-    bad = [f for f in faults if f not in FAULTS]
+    bad = [f for f in faults if f not in ALL_FAULTS]
     if bad or not faults:
-        raise testbed.TestbedError(f"--faults: on the testbed expected a subset of {', '.join(FAULTS)}, found {list(faults)}")
+        raise testbed.TestbedError(f"--faults: on the testbed expected a subset of {', '.join(ALL_FAULTS)}, "
+                                   f"found {list(faults)}")
     nemesis = TestbedNemesis(faults, count, seed, 0.0, cut, pause, run, progress)
     dead_after = testbed.ssh(nemesis.targets[0], "sed -n 's/^dead_after = //p' /etc/fog-agent/agent.toml",
                              run=run, check=False).stdout.strip()
     nemesis.down = kill_node_down(down, dead_after)
-    if "kill-node" in faults and float(dead_after or 0) <= 0:
+    nemesis.extra_vars = ["-e", f"fog_agent_dead_after={dead_after}"] if dead_after else []
+    if {"kill-node", "lose-node"} & set(faults) and float(dead_after or 0) <= 0:
         progress("chaos: the agents have dead_after = 0: a dead node's instances are not re-homed "
                  "(run site.yml with -e fog_agent_dead_after=15)")
     summary = run_pipeline(duration, rate, run=run, progress=progress, during=nemesis.schedule, during_at=at)

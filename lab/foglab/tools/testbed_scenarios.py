@@ -143,7 +143,7 @@ def table(report: Report) -> str:
 # The run (root, containers, ansible-playbook).
 
 
-def _ansible(inventory: str, log: Path, timeout: float) -> subprocess.CompletedProcess:
+def _ansible(inventory: str, log: Path, timeout: float, args: Sequence[str] = ()) -> subprocess.CompletedProcess:
     bin_dir = Path(sys.executable).parent
     playbook = str(bin_dir / "ansible-playbook") if (bin_dir / "ansible-playbook").exists() else (
         shutil.which("ansible-playbook") or "ansible-playbook")
@@ -151,7 +151,7 @@ def _ansible(inventory: str, log: Path, timeout: float) -> subprocess.CompletedP
     env = dict(os.environ, ANSIBLE_CONFIG=str(ANSIBLE_DIR / "ansible.cfg"), ANSIBLE_NOCOLOR="1",
                ANSIBLE_LOCAL_TEMP=str(tmp), ANSIBLE_GATHERING="explicit", ANSIBLE_STDOUT_CALLBACK="default")
     # -v: the health gate's wait prints how long it waited (gate_seconds reads it back).
-    proc = subprocess.run([playbook, "-v", "-i", inventory, "site.yml"], cwd=str(ANSIBLE_DIR), env=env,
+    proc = subprocess.run([playbook, "-v", "-i", inventory, "site.yml", *args], cwd=str(ANSIBLE_DIR), env=env,
                           capture_output=True, text=True, timeout=timeout)
     log.write_text(proc.stdout + proc.stderr)
     return proc
