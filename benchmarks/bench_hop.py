@@ -370,16 +370,19 @@ def measure(batch_sizes: List[int], batches: int, rounds: int, window: int,
     st = Stages()
     for bs in batch_sizes:
         plain, staged, ours, theirs = [], [], [], []
-        for _ in range(rounds):  # the variants alternate, so that load falls on all alike
+        for i in range(rounds):  # the variants alternate, so that load falls on all alike
             plain.append(run_once(bs, batches * bs, window, None))
             instrument(st)
             try:
                 staged.append(run_once(bs, batches * bs, window, st))
             finally:
                 st.undo()
-            if against:
+            if against:  # which checkout goes first alternates too
+                if i % 2:
+                    theirs.append(_child(against, bs, batches, window))
                 ours.append(_child(None, bs, batches, window))
-                theirs.append(_child(against, bs, batches, window))
+                if not i % 2:
+                    theirs.append(_child(against, bs, batches, window))
         res["runs"][str(bs)] = {"plain": plain, "staged": staged}
         if against:
             res["runs"][str(bs)].update(ours=ours, theirs=theirs)
