@@ -169,7 +169,8 @@ def _fast_parse(raw: Union[bytes, bytearray]) -> Any:
     strict UTF-8, no BOM), on which both agree; long digit runs (a possible >64-bit integer)
     and inputs with enough brackets to nest past the stdlib path's depth guard go to the stdlib
     path; anything orjson rejects goes there too and gets the stdlib's verdict."""
-    if _long_number(raw):
+    digits = raw.translate(_DIGITS_AS_0)
+    if digits.find(_LONG_RUN) >= 0 and _long_number(raw, digits):
         return _NO
     try:
         msg = _orjson.loads(raw)
@@ -180,12 +181,14 @@ def _fast_parse(raw: Union[bytes, bytearray]) -> Any:
     return msg
 
 
-def _long_number(raw: Union[bytes, bytearray]) -> bool:
+def _long_number(raw: Union[bytes, bytearray], digits: Optional[bytes] = None) -> bool:
     """Can `raw` hold a number with a run of 19+ digits? True for every such run bordered as a
     number's digits can be (`_BEFORE_NUMBER_DIGITS`, `_AFTER_NUMBER_DIGITS`, or the text's
     ends); False only when every long run has a neighbour no number's digit can have, i.e. it is
-    inside a string (or the text is not JSON, which orjson refuses and the stdlib judges)."""
-    digits = raw.translate(_DIGITS_AS_0)
+    inside a string (or the text is not JSON, which orjson refuses and the stdlib judges).
+    `digits`: `raw.translate(_DIGITS_AS_0)`, if the caller has it."""
+    if digits is None:
+        digits = raw.translate(_DIGITS_AS_0)
     i = digits.find(_LONG_RUN)
     while i >= 0:  # i starts a maximal run: the search resumes past the end of the last one
         end = digits.find(b" ", i)
