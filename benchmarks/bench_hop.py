@@ -23,11 +23,12 @@ Two passes per batch size, each in `--rounds` rounds (the median is reported):
   a call; the staged total is given next to the plain one.
 
 Stages (each the real function the data path runs):
-    paho: publish       Client.publish: the PUBLISH packet built and written to the socket
-    paho: read          Client.loop_read: packets read and parsed (PUBLISH in, PUBACK in), the
-                        on_message/on_publish callbacks (Transport: one event object each)
-    paho: write         Client.loop_write: what paho queued (PUBACKs of deliveries)
-    paho: select/misc   loop_once's select and loop_misc (keepalive)
+    paho: publish (build)  Client.publish: the PUBLISH packet built and queued
+    paho: write (send)     Client.loop_write: packets written to the socket (a PUBLISH at once
+                           from `publish`, PUBACKs of deliveries from the loop)
+    paho: read             Client.loop_read: packets read and parsed (PUBLISH in, PUBACK in),
+                           the on_message/on_publish callbacks (Transport: one event object each)
+    paho: select/misc      loop_once's select and loop_misc (keepalive)
     decode: parse       envelope._parse (orjson, with the hostile-input guards)
     decode: records     envelope._expand (the compact body back into items; dicts unless the
                         receiver reads only ids)
