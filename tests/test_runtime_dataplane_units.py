@@ -327,6 +327,50 @@ def test_fast_codec_takes_long_digit_runs_in_strings_and_never_in_numbers() -> N
         assert env._long_number(raw) and env._fast_parse(raw) is env._NO and repr(env._parse(raw)) == repr(json.loads(raw))
 
 
+class _Written(str):
+    """A number as written in the JSON text (not a string)."""
+
+
+_BORDER = "0123456789ABCDEFe.,:[]{}-+ \"\\"
+_DIGIT_RUNS = st.one_of(st.text(alphabet=_BORDER, max_size=40),
+                        st.from_regex(r"\A[0-9A-Fe.,:\[\]{}+\- \"]{0,4}[0-9]{19,25}[0-9A-Fe.,:\[\]{}+\- \"]{0,4}\Z"))
+_LONG_NUMBERS = st.one_of(st.integers(-10 ** 40, 10 ** 40), st.floats(allow_nan=False, allow_infinity=False),
+                          st.from_regex(r"\A-?[1-9][0-9]{15,30}(\.[0-9]{1,30})?([eE][-+]?[0-9]{1,25})?\Z").map(_Written))
+
+
+@settings(max_examples=400, deadline=None, derandomize=True)
+@given(st.recursive(st.one_of(_DIGIT_RUNS, _LONG_NUMBERS, st.booleans()),
+                    lambda inner: st.one_of(st.lists(inner, max_size=5),
+                                            st.dictionaries(_DIGIT_RUNS, inner, max_size=4)), max_leaves=20),
+       st.sampled_from(["", " ", "\n", "\t "]), st.integers(0, 10 ** 6))
+def test_fast_codec_parses_digit_runs_in_numbers_and_strings_like_the_stdlib(value, ws: str, cut: int) -> None:
+    """Long digit runs anywhere (numbers of 16-31 digits written out, integers past 64 bits,
+    runs of 19-25 digits in strings beside every character that can border a number), spaced or
+    not, whole or cut short: `_parse` gives the stdlib path's value or its refusal."""
+    pytest.importorskip("orjson")
+    from agent.dataplane.envelope import _parse
+
+    def text(v):
+        if isinstance(v, _Written):
+            return str(v)
+        if isinstance(v, list):
+            return "[" + ws + ("," + ws).join(text(x) for x in v) + ws + "]"
+        if isinstance(v, dict):
+            return "{" + ",".join(json.dumps(k) + ws + ":" + ws + text(x) for k, x in v.items()) + "}"
+        return json.dumps(v)
+
+    raw = text(value).encode()
+    raw = raw[:cut % (len(raw) + 1)] if cut % 7 == 0 else raw
+
+    def run(f):
+        try:
+            return "ok", repr(f(raw))
+        except (ValueError, RecursionError) as exc:
+            return "error", type(exc).__name__
+
+    assert run(_parse) == run(_stdlib_parse)
+
+
 @pytest.mark.parametrize("value", [
     [1, "a", 0, 1, "d", {"k": ["x", "y"], "r": [["s", 1, [1.5e-07, "é"]]]}], [float("nan"), float("inf")],
     [2 ** 70], [{1: 2}], [None, True], [[[[1]]]], {"t": (1, 2)},
