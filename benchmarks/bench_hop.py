@@ -61,6 +61,7 @@ import argparse
 import io
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -348,6 +349,10 @@ def run_once(batch_size: int, records: int, window: int, stages: Optional[Stages
         out["stage_calls_per_batch"] = {f"{r}|{s}": c / nb for (r, s), c in stages.calls.items()}
     for w in workers.values():
         os.close(w._identity_lock)  # noqa: SLF001
+        w.transport.client._sock.close()  # noqa: SLF001
+    for conn in broker.conns:
+        conn["sock"].close()
+    shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
