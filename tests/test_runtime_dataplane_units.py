@@ -283,12 +283,84 @@ def _stdlib_parse(raw: bytes):
     b'[123456789012345678901234567890]', b'[9223372036854775807]', b'["\\ud800"]', b'["\\ud83d\\ude00"]',
     b'"\xed\xa0\x80"', b'\xef\xbb\xbf[1]', b'[1,]', b'{"a":1,"a":2}', b'[-0.0, 0, 1E5]', b'["a\\u0000b"]',
     b'[' * 450 + b']' * 450, b'[' * 850 + b']' * 850, b'[' * 1100 + b']' * 1100, b'[' + b'[1],' * 600 + b'1]',
+    # 19+ digits in a row: in a number (any place its digits can be) or in a string
+    b'123456789012345678901234', b' 123456789012345678901234 ', b'[-123456789012345678901234]',
+    b'{"a":123456789012345678901234}', b'[1,\t123456789012345678901234\n]', b'[1.1234567890123456789012345]',
+    b'[1e1234567890123456789012345]', b'[1E+1234567890123456789012345]', b'[1e-0000000000000000000001]',
+    b'[123456789012345678901234.5]', b'[123456789012345678901234e1]', b'{"a":[18446744073709551616]}',
+    b'["B2ED69FD2553690263419906438F1BDA", 18446744073709551616]', b'["1234567890123456789012"]',
+    b'["x1234567890123456789012y"]', b'["a,1234567890123456789012]"]', b'["e1234567890123456789012e"]',
+    b'["1234567890123456789012", 1]', b'[1234567890123456789012"]', b'["a"1234567890123456789012]',
+    b'[0123456789012345678901234]', b'[1234567890123456789012345678901234567890123456789012345678901234567890]',
 ])
 def test_fast_codec_parses_exactly_like_the_stdlib(raw: bytes) -> None:
     """With orjson installed, `_parse` takes its fast path only where the result (or the
     refusal) is the stdlib path's: same value, same exception type."""
     pytest.importorskip("orjson")
     from agent.dataplane.envelope import _parse
+
+    def run(f):
+        try:
+            return "ok", repr(f(raw))
+        except (ValueError, RecursionError) as exc:
+            return "error", type(exc).__name__
+
+    assert run(_parse) == run(_stdlib_parse)
+
+
+def test_fast_codec_takes_long_digit_runs_in_strings_and_never_in_numbers() -> None:
+    """A run of 19+ digits sends a parse to the stdlib only where it can be a number: hex ids
+    of taxi records hold such runs (one batch in four did before, O25), integers past 64 bits
+    are still parsed exactly."""
+    pytest.importorskip("orjson")
+    import agent.dataplane.envelope as env
+    from agent.operators.taxi import TaxiGenerator
+
+    gen = TaxiGenerator(1, "source-0")
+    batches = [encode_data("source-0", 0, b + 1, [("source-0", 100 * b + k, gen.record()) for k in range(100)])
+               for b in range(40)]
+    assert any(raw.translate(env._DIGITS_AS_0).find(env._LONG_RUN) >= 0 for raw in batches)  # the case exists
+    assert not any(env._long_number(raw) for raw in batches)
+    assert all(env._fast_parse(raw) is not env._NO and env._parse(raw) == _stdlib_parse(raw) for raw in batches)
+    big = 2 ** 64 + 1
+    for raw in (json.dumps([big]).encode(), json.dumps({"a": -big}).encode(), json.dumps(["9" * 30, big]).encode()):
+        assert env._long_number(raw) and env._fast_parse(raw) is env._NO and repr(env._parse(raw)) == repr(json.loads(raw))
+
+
+class _Written(str):
+    """A number as written in the JSON text (not a string)."""
+
+
+_BORDER = "0123456789ABCDEFe.,:[]{}-+ \"\\"
+_DIGIT_RUNS = st.one_of(st.text(alphabet=_BORDER, max_size=40),
+                        st.from_regex(r"\A[0-9A-Fe.,:\[\]{}+\- \"]{0,4}[0-9]{19,25}[0-9A-Fe.,:\[\]{}+\- \"]{0,4}\Z"))
+_LONG_NUMBERS = st.one_of(st.integers(-10 ** 40, 10 ** 40), st.floats(allow_nan=False, allow_infinity=False),
+                          st.from_regex(r"\A-?[1-9][0-9]{15,30}(\.[0-9]{1,30})?([eE][-+]?[0-9]{1,25})?\Z").map(_Written))
+
+
+@settings(max_examples=400, deadline=None, derandomize=True)
+@given(st.recursive(st.one_of(_DIGIT_RUNS, _LONG_NUMBERS, st.booleans()),
+                    lambda inner: st.one_of(st.lists(inner, max_size=5),
+                                            st.dictionaries(_DIGIT_RUNS, inner, max_size=4)), max_leaves=20),
+       st.sampled_from(["", " ", "\n", "\t "]), st.integers(0, 10 ** 6))
+def test_fast_codec_parses_digit_runs_in_numbers_and_strings_like_the_stdlib(value, ws: str, cut: int) -> None:
+    """Long digit runs anywhere (numbers of 16-31 digits written out, integers past 64 bits,
+    runs of 19-25 digits in strings beside every character that can border a number), spaced or
+    not, whole or cut short: `_parse` gives the stdlib path's value or its refusal."""
+    pytest.importorskip("orjson")
+    from agent.dataplane.envelope import _parse
+
+    def text(v):
+        if isinstance(v, _Written):
+            return str(v)
+        if isinstance(v, list):
+            return "[" + ws + ("," + ws).join(text(x) for x in v) + ws + "]"
+        if isinstance(v, dict):
+            return "{" + ",".join(json.dumps(k) + ws + ":" + ws + text(x) for k, x in v.items()) + "}"
+        return json.dumps(v)
+
+    raw = text(value).encode()
+    raw = raw[:cut % (len(raw) + 1)] if cut % 7 == 0 else raw
 
     def run(f):
         try:
