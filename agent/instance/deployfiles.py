@@ -73,7 +73,7 @@ def claim(instance: str, generation: str, state_dir: Path, sink_dir: Path,
         spool = Path(spill_dir) / instance if spill_dir is not None else None
         if spool is not None and spool.is_dir():
             spool.rename(spool.with_name(f"{instance}~{put_away}"))  # still shipped (SpoolDirs reads every */closed)
-        log.warning("files of %s from an earlier deploy of its pipeline (generation %s) put away: this is "
+        log.info("files of %s from an earlier deploy of its pipeline (generation %s) put away: this is "
                     "deploy %s", instance, put_away, generation, extra={"instance": instance})
     write_atomic(stamp, generation + "\n")
     return put_away
