@@ -12,22 +12,9 @@ from typing import Any, Dict
 from agent.instance import deployfiles
 from agent.instance.spec import InstanceSpec
 from agent.mqtt.settings import BrokerSpec
+from pipelines import with_work
 
-PIPELINE = """
-[pipeline]
-name = "p"
-[[operator]]
-name = "source"
-kind = "source"
-function = "agent.operators.taxi:source"
-[[operator]]
-name = "work"
-function = "agent.operators.builtin:identity"
-[[operator]]
-name = "sink"
-kind = "sink"
-function = "agent.operators.builtin:counting_sink"
-"""
+PIPELINE = with_work("agent.operators.builtin:identity")
 
 TERMINATED = {"epoch": 3, "inbound": {}, "scaling": {
     "instance_id": "work-0a1b2c3d4e5f", "operator": "work", "stage": 1, "keeper": False, "creator": "p.work.0",
