@@ -26,6 +26,14 @@ def test_hosted_before_is_the_nodes_own_instances_and_nothing_for_a_fresh_node()
     assert gate.hosted_before(d, "n3") == [] and gate.hosted_before(None, "n1") == []
 
 
+def test_a_replacement_of_a_lost_node_does_not_wait_for_what_the_dead_one_listed() -> None:
+    """`chaos --testbed --faults lose-node`: the role installing a new disk under the name of a
+    node lost after its instance had been re-homed onto it waited 300 s for that instance, which
+    had ended since, and failed the reinstall."""
+    d = doc(node("n1", instances=["a.0"]), node("n2", status="offline", instances=["in_zone-51369e1d426a"]))
+    assert gate.hosted_before(d, "n2") == []
+
+
 def test_ready_only_when_online_fresh_not_draining_and_every_instance_runs_again() -> None:
     before = ["a.0", "b.0"]
     assert not gate.verdict(None, "n1", before, T0).ready

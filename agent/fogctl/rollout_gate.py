@@ -40,9 +40,11 @@ def _node(doc: Optional[Doc], node: str) -> Optional[Doc]:
 
 def hosted_before(doc: Optional[Doc], node: str) -> List[str]:
     """The instances `node` hosted in a `fogctl status --json` document read before the restart
-    (none when the node was not there yet: a fresh node has nothing to get back)."""
+    (none when the node was not there yet: a fresh node has nothing to get back; none when it was
+    offline: a replacement of a lost node, whose instances the survivors re-home or the protocol
+    ends, is not to wait for what its dead predecessor's record lists)."""
     row = _node(doc, node)
-    if row is None:
+    if row is None or row.get("status") != "online":
         return []
     return sorted(str(i) for i in row.get("instances") or [])
 
