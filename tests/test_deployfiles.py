@@ -62,6 +62,11 @@ def test_a_namesakes_files_from_another_deploy_are_put_away_and_its_spool_still_
         ["p.sink.0~18f0a-aaaaaa"]
 
 
+def test_the_agent_may_claim_before_the_worker_made_the_state_directory(tmp_path: Path) -> None:
+    assert deployfiles.claim("p.sink.0", "18f0a-aaaaaa", tmp_path / "new" / "state", tmp_path / "sink") is None
+    assert (tmp_path / "new" / "state" / "p.sink.0.generation").read_text() == "18f0a-aaaaaa\n"
+
+
 def test_the_same_deploy_and_unstamped_files_are_kept(tmp_path: Path) -> None:
     dirs = make_dirs(tmp_path)
     leave(dirs, "p.sink.0", "18f0a-aaaaaa")

@@ -75,6 +75,7 @@ def claim(instance: str, generation: str, state_dir: Path, sink_dir: Path,
             spool.rename(spool.with_name(f"{instance}~{put_away}"))  # still shipped (SpoolDirs reads every */closed)
         log.info("files of %s from an earlier deploy of its pipeline (generation %s) put away: this is "
                     "deploy %s", instance, put_away, generation, extra={"instance": instance})
+    stamp.parent.mkdir(parents=True, exist_ok=True)  # the agent claims before the worker makes it
     write_atomic(stamp, generation + "\n")
     return put_away
 
