@@ -114,6 +114,27 @@ def test_a_terminated_instance_keeps_its_binding_for_its_last_messages() -> None
     assert m.bound("work-3") == "a"
 
 
+def test_a_namesake_of_another_deploy_starts_over_but_not_while_the_old_deploy_lists_it() -> None:
+    """Copy ids repeat across deploys of a pipeline name. `testbed pipeline --rate 800` twice on
+    one fleet: a validate copy ran here in the first deploy and on b in the second; its binding
+    history made b's claim a move without a word (unproven), so the new copy's first epoch was
+    held and refused ("not bound to node b within 20s") and the pipeline stalled."""
+    up = {"me": True, "b": True, "c": True}
+    m = _map()
+    m.update({"validate-x": "p"}, {"me": [("validate-x", "p", "g1")]}, up)
+    assert m.bound("validate-x") == "me"
+    m.update({}, {"me": []}, up)  # undeployed
+    # c still lists it under the old deploy (late, or hostile): nothing starts over
+    m.update({}, {"b": [("validate-x", "p", "g2")], "c": [("validate-x", "p", "g1")]}, up)
+    assert m.bound("validate-x") == "me"
+    # every claimer lists it under the new deploy: a new instance, bound to its one claimer, proven
+    m.update({}, {"b": [("validate-x", "p", "g2")]}, up)
+    assert m.bound("validate-x") == "b" and m.proven("validate-x")
+    # within one deploy the usual rules: another claimer does not take it
+    m.update({}, {"b": [("validate-x", "p", "g2")], "c": [("validate-x", "p", "g2")]}, up)
+    assert m.bound("validate-x") == "b" and m.pending("validate-x") == ("c",)
+
+
 def test_among_several_new_claimers_only_one_a_statement_names_is_bound() -> None:
     """An agent with no binding yet (it just started) and several online claimers: a claim proves
     nothing (a node writes its own hosted and re-homed records: c's later re-homed entry once won

@@ -45,7 +45,7 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Deque, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
 
 from agent import events, notify, signing, topics
 from agent.config import AgentConfig, check_tls, load_agent_config, load_pipeline_text, resolve_password
@@ -1926,7 +1926,8 @@ class Agent:
             self._hosts_dirty = True
         if self._hosts_dirty:
             self._hosts_dirty = False
-            claims = {n: [(s["instance"], s["pipeline"]) for s in specs] for n, specs in self.hosted_by_node.items()}
+            claims = {n: [(s["instance"], s["pipeline"], _generation_of(s)) for s in specs]
+                      for n, specs in self.hosted_by_node.items()}
             moved = {n: moved_of(doc) for n, doc in self.fleet.items() if n != self.node}
             moved[self.node] = self._moved_statements()
             self.hostmap.update({i: w.spec.pipeline for i, w in workers.items()}, claims, self.online,
@@ -2278,6 +2279,13 @@ def _load_pins(state_dir: Path) -> Dict[str, Dict[str, Any]]:
 def _save_pins(state_dir: Path, pins: Dict[str, Dict[str, Any]]) -> None:
     state_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(state_dir / PINS_FILE, json.dumps(pins, sort_keys=True))
+
+
+def _generation_of(spec: Mapping[str, Any]) -> str:
+    """The deploy generation a hosted record's spec names (bus input: "" unless a string)."""
+    extra = spec.get("extra")
+    gen = extra.get("generation") if isinstance(extra, dict) else None
+    return gen[:64] if isinstance(gen, str) else ""
 
 
 def _read_json(path: Path) -> Optional[Dict[str, Any]]:

@@ -36,6 +36,15 @@ The rule, per instance (`HostMap.update`):
   incarnation. Accepted as before the node check (the channel drops what a newer epoch made
   stale); refused, they would come back only through replays.
 
+- A binding belongs to one deploy of the instance's pipeline. Instance ids repeat across deploys
+  of a pipeline under the same name, and so would a namesake's binding history: a validate copy
+  that ran here in one deploy and on another node in the next was bound there *unproven* (moved
+  without a word), so the new copy's first epoch was held and refused, and the pipeline stalled
+  (`fog-agent testbed pipeline --rate 800` twice on one fleet). When every claimer lists the
+  instance under another deploy generation than the one it was bound in (the hosted records
+  carry it), the instance starts over as one this agent never saw; never while a claimer still
+  lists it under the old deploy.
+
 Bounded: at most `max_entries` instances, those no record lists any more forgotten first.
 """
 
@@ -75,11 +84,12 @@ class HostMap:
         # a statement naming another listing node moves them, and the workers do not let their
         # sender start a new epoch until the binding is proven (the table's "unproven").
         self._unproven: Set[str] = set()
+        self._generation: Dict[str, str] = {}  # instance -> the deploy its binding was made in
 
     def update(
         self,
         local: Mapping[str, str],
-        hosted: Mapping[str, Iterable[Tuple[str, str]]],
+        hosted: Mapping[str, Iterable[Tuple[str, ...]]],
         online: Mapping[str, bool],
         rehomed: Optional[Mapping[str, Mapping[str, float]]] = None,
         moved: Optional[Mapping[str, Mapping[str, str]]] = None,
@@ -87,7 +97,8 @@ class HostMap:
         """Recompute from what the agent knows now.
 
         local: {instance: pipeline} running (or starting) under this agent;
-        hosted: {node: [(instance, pipeline)]} from every node's retained hosted record (ours too);
+        hosted: {node: [(instance, pipeline[, deploy generation])]} from every node's retained
+        hosted record (ours too);
         online: {node: up} from the retained status records (this node counts as online);
         rehomed: {node: {instance: when}} from the retained re-homed records: a node's own entry is
         a claim, never a proof (it once broke the tie between several claimers of an unbound
@@ -97,10 +108,13 @@ class HostMap:
         entry stated by the node that moved the instance (see the module docstring)."""
         claims: Dict[str, List[str]] = {}
         pipelines: Dict[str, str] = {}
+        generations: Dict[str, Dict[str, str]] = {}  # instance -> {node: the deploy it lists it under}
         for node, entries in hosted.items():
-            for inst, pipeline in entries:
+            for inst, pipeline, *rest in entries:
                 claims.setdefault(inst, []).append(node)
                 pipelines.setdefault(inst, pipeline)
+                if rest and rest[0]:
+                    generations.setdefault(inst, {})[node] = str(rest[0])
         rehomed = rehomed or {}
         moved = moved or {}
 
@@ -113,6 +127,10 @@ class HostMap:
         for inst in sorted(set(claims) | set(local)):
             nodes = sorted(set(claims.get(inst, ())))
             pipeline = local.get(inst) or pipelines.get(inst, "")
+            listed_under = generations.get(inst, {})
+            was = self._generation.get(inst)
+            if was and nodes and len(listed_under) == len(nodes) and was not in listed_under.values():
+                self._start_over(inst)  # a namesake of another deploy
             cur = self._bound.get(inst, (None, ""))[0]
             proven = inst not in self._unproven
             override = None
@@ -173,6 +191,8 @@ class HostMap:
             if self._bound.get(inst, (None, ""))[0] != new:
                 self._bound.pop(inst, None)
             self._bound[inst] = (new, pipeline)
+            if listed_under.get(new):
+                self._generation[inst] = listed_under[new]
             (self._unproven.discard if proven else self._unproven.add)(inst)
             rest = tuple(n for n in nodes if n != new)
             if rest:
@@ -189,6 +209,13 @@ class HostMap:
                 self._bound.popitem(last=False)
             self._former = {i: ns for i, ns in self._former.items() if i in self._bound}
         self._unproven &= set(self._bound)
+        self._generation = {i: g for i, g in self._generation.items() if i in self._bound}
+
+    def _start_over(self, inst: str) -> None:
+        self._bound.pop(inst, None)
+        self._former.pop(inst, None)
+        self._unproven.discard(inst)
+        self._generation.pop(inst, None)
 
     def _said(self, inst: str, moved: Mapping[str, Mapping[str, str]], rehomer: str) -> Optional[str]:
         """Where the node `inst` was bound to before, else the re-homer, says it moved `inst`."""
