@@ -1187,122 +1187,157 @@ class Agent:
         log.warning("ignoring %s from %s: %s", what, sender or "?", str(exc)[:200], extra={"node": self.node})
 
     def _on_message(self, msg: Any, now: float) -> None:
+        """Route one message by its topic's kind (`topics.parse`) to the handler of that kind.
+
+        A table rather than one chain of branches: each kind of record has one handler, which can
+        be read, tested and changed alone; a topic of no kind this agent reads is ignored."""
         topic: str = msg.topic
         parsed = topics.parse(self.cluster, topic)
         if parsed is None:
             return
-        kind, node = parsed.kind, parsed.node
-        if getattr(msg, "retain", False) and kind in topics.NOT_RETAINED:
+        if getattr(msg, "retain", False) and parsed.kind in topics.NOT_RETAINED:
             # Requests, replies and probes are never retained: a retained one is a forgery or a
             # leftover, and acting on it would repeat it at every reconnect.
             self.counters["retained_ignored"] += 1
             log.warning("ignoring a retained message on %s (never retained)", topic[:200], extra={"node": self.node})
             return
-        if kind in ("rpc", "peer") and node == self.node:
-            if kind == "peer" and not self._retained_in and len(self._held_peer) < HELD_PEER_MAX:
-                self._held_peer.append(msg)
-                return
-            self._on_rpc_request(msg, str(parsed.sender), peer=kind == "peer", now=now)
-        elif kind == "reply" and node == self.node and parsed.sender == self.node:
-            if not self._retained_in and msg.payload == self._sync_marker:
-                self._retained_in = True
-                while self._held_peer:  # each on its own: one that fails strands none behind it
-                    self._on_message_safely(self._held_peer.popleft(), now)
-        elif kind == "reply" and node == self.node:
-            self._on_rpc_reply(msg, str(parsed.sender), now)
-        elif kind == "state":
-            if node == self.node or not msg.payload:
-                if not msg.payload:
-                    self.fleet.pop(node, None)
-                return
-            try:
-                doc = nodestate.parse_node_state(msg.payload)
-                if doc["node"] != node:
-                    raise ValueError(f"state on {node}'s topic names node {str(doc['node'])[:40]!r}")
-                nodestate.node_view(doc)  # what placement will read of it must be readable
-            except (ValueError, TypeError, KeyError) as exc:
-                self._bad("state", node, exc)
-                return
-            if moved_of(doc) != moved_of(self.fleet.get(node)):
-                self._hosts_dirty = True
-            self.fleet[node] = doc
-            self._reserved.pop(node, None)
-            # Published after its replies to us (one connection, in order): it lists their copies.
-            self._placed = {i: v for i, v in self._placed.items() if v[0] != node}
-        elif kind == "status":
-            up = msg.payload == b"online"
-            if up and not self.online.get(node):
-                self._online_since[node] = now
-            self.online[node] = up
-            self._hosts_dirty = True
-            if up:
-                self._offline_since.pop(node, None)
-                self._rehomed.discard(node)
-            elif node != self.node:
-                self._offline_since.setdefault(node, now)
-        elif kind == "rehomed":
-            try:
-                self.rehomed_by_node[node] = rehome.decode_rehomed(msg.payload)
-                self._hosts_dirty = True
-            except ValueError as exc:
-                self._bad("re-homed record", node, exc)
-        elif kind == "hosted":
-            if node == self.node:
-                return
-            try:
-                self.hosted_by_node[node] = rehome.decode_hosted(msg.payload)
-                self._hosts_dirty = True
-                self.replication.drop_unlisted(node, (str(s["instance"]) for s in self.hosted_by_node[node]))
-            except ValueError as exc:
-                self._bad("hosted record", node, exc)
-        elif kind == "pipeline":
-            record = records.parse_record(msg.payload)
-            text = records.deployed_text(msg.payload) if record is not None else None
-            if record is not None and record.state == "deployed" and text is not None:
-                unsigned = self.trust.check(node, record.generation, text, record.signature)
-                if unsigned:  # kept as if never written: neither deployed nor a newer generation
-                    self.counters["refused_signatures"] = self.counters.get("refused_signatures", 0) + 1
-                    log.warning("pipeline record %s refused: %s", node, unsigned, extra={"node": self.node})
-                    return
-            if record is None:
-                self.records.pop(node, None)
-            else:
-                self.records[node] = record
-            if record is not None and record.state == "deployed" and text is not None:
-                self.deployed.add(node)
-                self.deployed_text[node] = text
-            else:
-                self.deployed.discard(node)
-                self.deployed_text.pop(node, None)
-            self._drop_stale(node, now)
-        elif kind == "site_manager":
-            # Any node may write the record: `accept_lease` bounds its `until` by this node's clock
-            # and lets no other node take a lease that runs (docs/site-manager.md, "Election").
-            wall = self.wall()
-            if self.site is not None:
-                refused = self.site.on_lease(msg.payload, wall)
-                self.site_lease = self.site.lease
-            else:
-                sm = self.cfg.site_manager
-                self.site_lease, refused = accept_lease(self.site_lease, lease_of(msg.payload), wall,
-                                                        lease_bound(sm.lease, sm.period))
-            if refused:
-                self.counters["site_lease_refused"] = self.counters.get("site_lease_refused", 0) + 1
-                log.warning("site manager record refused: %s", refused, extra={"node": self.node})
-        elif kind == "latency":
-            self.latency[node] = nodestate.parse_latency(msg.payload)
-        elif kind in ("ping", "pong") and node == self.node and self.latency_core is not None:
-            try:
-                from agent.measure.latency import received_at
+        handler = self._HANDLERS.get(parsed.kind)
+        if handler is not None:
+            handler(self, msg, parsed, now)
 
-                # timed at receipt on paho's thread, not when this loop reads it (docs/measurement.md)
-                t = self.clock()
-                out = self.latency_core.on_message(topic, msg.payload, t, received=received_at(msg, t, self.clock))
-            except ValueError as exc:
-                self._bad(f"latency {kind}", parsed.sender, exc)
+    def _on_request_topic(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
+        if parsed.node != self.node:
+            return
+        if parsed.kind == "peer" and not self._retained_in and len(self._held_peer) < HELD_PEER_MAX:
+            self._held_peer.append(msg)
+            return
+        self._on_rpc_request(msg, str(parsed.sender), peer=parsed.kind == "peer", now=now)
+
+    def _on_reply_topic(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
+        if parsed.node != self.node:
+            return
+        if parsed.sender != self.node:
+            self._on_rpc_reply(msg, str(parsed.sender), now)
+        elif not self._retained_in and msg.payload == self._sync_marker:
+            self._retained_in = True
+            while self._held_peer:  # each on its own: one that fails strands none behind it
+                self._on_message_safely(self._held_peer.popleft(), now)
+
+    def _on_state_record(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
+        node = str(parsed.node)
+        if node == self.node or not msg.payload:
+            if not msg.payload:
+                self.fleet.pop(node, None)
+            return
+        try:
+            doc = nodestate.parse_node_state(msg.payload)
+            if doc["node"] != node:
+                raise ValueError(f"state on {node}'s topic names node {str(doc['node'])[:40]!r}")
+            nodestate.node_view(doc)  # what placement will read of it must be readable
+        except (ValueError, TypeError, KeyError) as exc:
+            self._bad("state", node, exc)
+            return
+        if moved_of(doc) != moved_of(self.fleet.get(node)):
+            self._hosts_dirty = True
+        self.fleet[node] = doc
+        self._reserved.pop(node, None)
+        # Published after its replies to us (one connection, in order): it lists their copies.
+        self._placed = {i: v for i, v in self._placed.items() if v[0] != node}
+
+    def _on_status(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
+        node = str(parsed.node)
+        up = msg.payload == b"online"
+        if up and not self.online.get(node):
+            self._online_since[node] = now
+        self.online[node] = up
+        self._hosts_dirty = True
+        if up:
+            self._offline_since.pop(node, None)
+            self._rehomed.discard(node)
+        elif node != self.node:
+            self._offline_since.setdefault(node, now)
+
+    def _on_rehomed_record(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
+        node = str(parsed.node)
+        try:
+            self.rehomed_by_node[node] = rehome.decode_rehomed(msg.payload)
+            self._hosts_dirty = True
+        except ValueError as exc:
+            self._bad("re-homed record", node, exc)
+
+    def _on_hosted_record(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
+        node = str(parsed.node)
+        if node == self.node:
+            return
+        try:
+            self.hosted_by_node[node] = rehome.decode_hosted(msg.payload)
+            self._hosts_dirty = True
+            self.replication.drop_unlisted(node, (str(s["instance"]) for s in self.hosted_by_node[node]))
+        except ValueError as exc:
+            self._bad("hosted record", node, exc)
+
+    def _on_pipeline_record(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
+        name = str(parsed.node)
+        record = records.parse_record(msg.payload)
+        text = records.deployed_text(msg.payload) if record is not None else None
+        if record is not None and record.state == "deployed" and text is not None:
+            unsigned = self.trust.check(name, record.generation, text, record.signature)
+            if unsigned:  # kept as if never written: neither deployed nor a newer generation
+                self.counters["refused_signatures"] = self.counters.get("refused_signatures", 0) + 1
+                log.warning("pipeline record %s refused: %s", name, unsigned, extra={"node": self.node})
                 return
-            for out_topic, payload in out:
-                self._publish(out_topic, payload, qos=0)
+        if record is None:
+            self.records.pop(name, None)
+        else:
+            self.records[name] = record
+        if record is not None and record.state == "deployed" and text is not None:
+            self.deployed.add(name)
+            self.deployed_text[name] = text
+        else:
+            self.deployed.discard(name)
+            self.deployed_text.pop(name, None)
+        self._drop_stale(name, now)
+
+    def _on_site_manager_record(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
+        # Any node may write the record: `accept_lease` bounds its `until` by this node's clock
+        # and lets no other node take a lease that runs (docs/site-manager.md, "Election").
+        wall = self.wall()
+        if self.site is not None:
+            refused = self.site.on_lease(msg.payload, wall)
+            self.site_lease = self.site.lease
+        else:
+            sm = self.cfg.site_manager
+            self.site_lease, refused = accept_lease(self.site_lease, lease_of(msg.payload), wall,
+                                                    lease_bound(sm.lease, sm.period))
+        if refused:
+            self.counters["site_lease_refused"] = self.counters.get("site_lease_refused", 0) + 1
+            log.warning("site manager record refused: %s", refused, extra={"node": self.node})
+
+    def _on_latency_row(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
+        self.latency[str(parsed.node)] = nodestate.parse_latency(msg.payload)
+
+    def _on_probe(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
+        if parsed.node != self.node or self.latency_core is None:
+            return
+        try:
+            from agent.measure.latency import received_at
+
+            # timed at receipt on paho's thread, not when this loop reads it (docs/measurement.md)
+            t = self.clock()
+            out = self.latency_core.on_message(msg.topic, msg.payload, t, received=received_at(msg, t, self.clock))
+        except ValueError as exc:
+            self._bad(f"latency {parsed.kind}", parsed.sender, exc)
+            return
+        for out_topic, payload in out:
+            self._publish(out_topic, payload, qos=0)
+
+    _HANDLERS: Dict[str, Callable[["Agent", Any, topics.Parsed, float], None]] = {
+        "rpc": _on_request_topic, "peer": _on_request_topic, "reply": _on_reply_topic,
+        "state": _on_state_record, "status": _on_status, "rehomed": _on_rehomed_record,
+        "hosted": _on_hosted_record, "pipeline": _on_pipeline_record,
+        "site_manager": _on_site_manager_record, "latency": _on_latency_row,
+        "ping": _on_probe, "pong": _on_probe,
+    }
 
     def _peer_may_spawn(self, requester: str, body: Dict[str, Any]) -> Optional[str]:
         """Why a spawn from node `requester` on our peer topic is refused, or None to accept it.
