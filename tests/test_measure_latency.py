@@ -241,21 +241,68 @@ def test_proxy_cut_holds_every_byte_and_new_connection_until_heal():
         echo.stop()
 
 
-def test_the_row_is_published_at_most_once_a_period_however_many_pongs_change_it():
-    """Every pong changes the row; publishing on each change sent it about 0.08 N times a second
-    from each of N agents to all of them (docs/scale.md). Now: when it changed, once a period."""
+def _round(core, t, rtt_ms):
+    """One probing round of `core` at `t`, every pinged peer answering after rtt_ms[peer] (10 ms
+    if not given); returns the peers pinged and the times the row was due for publication."""
+    pings = core.poll(t)
+    pinged, published = [], []
+    for topic, payload in pings:
+        peer = topic.split("/")[3]
+        pinged.append(peer)
+        if peer == core.node:  # the self-ping: its echo is the ping itself
+            core.on_message(topic, payload, t + 0.002)
+        else:
+            core.on_message(pong_topic("c", core.node, peer), payload, t + rtt_ms.get(peer, 10.0) / 1000.0)
+        if core.publish_due(t + 0.5):
+            published.append(t)
+            core.retained(t)
+    return pinged, published
+
+
+def test_a_round_pings_the_near_peers_and_the_others_in_turn():
+    """Pinging every node every period cost each of N nodes 2N probes a period (N^2 at the
+    broker, docs/scale.md): a round pings itself, the near peers and 8 others in turn, and in
+    ceil(others / 8) rounds every pair has been measured once."""
+    a = LatencyCore("a", "c", period=5.0)
+    peers = [f"n{i:02d}" for i in range(20)]
+    a.set_neighbours(peers + ["a"], near=["n03", "n17", "stranger"])
+    assert a.near == ("n03", "n17")  # only online peers are near
+    seen = set()
+    for r in range(3):
+        pinged, _ = _round(a, 100.0 + 5 * r, {})
+        assert pinged[:3] == ["a", "n03", "n17"] and len(pinged) == 3 + 8
+        seen.update(pinged[3:])
+    assert seen == set(peers) - {"n03", "n17"}
+    assert set(a.row.value) == set(peers) | {BROKER}  # out of the rotation, a value is kept
+    a.set_neighbours(peers[:5])
+    assert set(a.row.value) == set(peers[:5]) | {BROKER}  # a node that left is forgotten
+    few = LatencyCore("b", "c", period=5.0)
+    few.set_neighbours(["x", "y"])
+    assert few.targets() == ("b", "x", "y")
+
+
+def test_the_row_is_published_on_news_at_most_once_a_period_else_every_refresh():
+    """Each publication costs the broker N deliveries of O(N) bytes: the row goes out when a peer
+    came or an RTT moved by more than a fifth, at most once a period, and otherwise once every
+    6 periods, however many pongs changed it a little."""
     a = LatencyCore("a", "c", period=5.0)
     peers = [f"n{i}" for i in range(20)]
-    a.set_neighbours(peers)
+    a.set_neighbours(peers, near=["n0"])
     published = []
     t = 100.0
-    for _ in range(3):  # three rounds, every neighbour answering each
-        pings = dict(a.poll(t))
-        for peer in peers:
-            a.on_message(pong_topic("c", "a", peer), pings[ping_topic("c", peer, "a")], t + 0.01)
-            if a.publish_due(t + 0.01):
-                published.append(t)
-                a.retained(t)
+    for _ in range(12):  # 3 rounds bring new peers into the row, then 9 steady ones
+        published += _round(a, t, {})[1]
         t += 5.0
-    assert published == [100.0, 105.0, 110.0]
-    assert not a.publish_due(t)  # nothing changed since
+    # a round's first pong publishes (new peers); the peers that came later in the round go out
+    # with the next round; from the fourth round on nothing is news: the 30 s refresh only
+    assert published == [100.0, 105.0, 110.0, 115.0, 145.0]
+    published = []
+    for r in range(3):  # n0 (near) is now 5 times as far: news, but once a period
+        published += _round(a, t, {"n0": 50.0})[1]
+        t += 5.0
+    assert published and published[0] == 160.0
+    assert len(published) == len(set(published))
+    assert json.loads(a.retained(t)[1])["rtt_ms"]["n0"] > 12.0
+    assert set(json.loads(a.retained(t)[1])) == {"node", "ts", "rtt_ms", "broker_rtt_ms", "lost", "period"}
+    a.dirty = False
+    assert not a.publish_due(t + 100)  # nothing changed since

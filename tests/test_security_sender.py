@@ -73,6 +73,16 @@ def test_a_binding_is_the_listing_node_and_a_local_instance_is_ours() -> None:
     assert m.table("other") == {"bound": {}, "former": {}}
 
 
+def test_the_near_nodes_are_those_bound_to_instances_of_our_pipelines() -> None:
+    """The latency probes' near peers (docs/scale.md): where our pipelines' other instances run,
+    not every node of the fleet."""
+    m = _map()
+    m.update({"sink-0": "p"}, {"a": [("work-0", "p")], "b": [("other-0", "q")], "c": [("src-0", "p")],
+                               "me": [("sink-0", "p")]}, {"a": True, "b": True, "c": True})
+    assert m.nodes_of({"p"}) == {"a", "c", "me"}
+    assert m.nodes_of({"q"}) == {"b"} and m.nodes_of(set()) == set()
+
+
 def test_a_node_that_lists_a_live_nodes_instance_does_not_get_its_binding() -> None:
     m = _map()
     up = {"a": True, "b": True}

@@ -45,19 +45,21 @@ class Context:
         self.out.flush()
 
 
-def fleet_filters(cluster: str) -> List[str]:
+def fleet_filters(cluster: str, latency: bool = False) -> List[str]:
+    """The retained records of a fleet snapshot. The latency rows only for the view that shows
+    them: they are O(N) bytes each, so a snapshot of N nodes with them downloads O(N^2)."""
     return [topics.all_agents_state(cluster), topics.all_agents_status(cluster),
-            topics.all_latency(cluster), topics.all_pipelines(cluster)]
+            *([topics.all_latency(cluster)] if latency else []), topics.all_pipelines(cluster)]
 
 
-def fleet_snapshot(conn: Connection, cluster: str) -> Fleet:
-    msgs = conn.snapshot(fleet_filters(cluster))
+def fleet_snapshot(conn: Connection, cluster: str, latency: bool = False) -> Fleet:
+    msgs = conn.snapshot(fleet_filters(cluster, latency))
     return Fleet.from_messages(cluster, {t: m.payload for t, m in msgs.items()})
 
 
-def _with_fleet(ctx: Context) -> Fleet:
+def _with_fleet(ctx: Context, latency: bool = False) -> Fleet:
     with ctx.connect(ctx.cfg) as conn:
-        return fleet_snapshot(conn, ctx.cfg.cluster)
+        return fleet_snapshot(conn, ctx.cfg.cluster, latency)
 
 
 # ---- read-only commands -------------------------------------------------------------------------
@@ -76,7 +78,7 @@ def cmd_topology(args: argparse.Namespace, ctx: Context) -> int:
 
 
 def cmd_latency(args: argparse.Namespace, ctx: Context) -> int:
-    doc, text = views.latency(_with_fleet(ctx))
+    doc, text = views.latency(_with_fleet(ctx, latency=True))
     ctx.emit(args, doc, text)
     return 0
 

@@ -61,6 +61,10 @@ __all__ = [
 ]
 
 BROKER = "broker"  # the pseudo-peer of a self-ping
+PROBES = 8  # peers pinged per round beside the near ones (`LatencyCore.targets`)
+REFRESH_PERIODS = 6  # an unchanged row is published again every 6 periods (30 s by default)
+CHANGE = 0.2  # an RTT that moved by more than this fraction of its published value is news...
+CHANGE_FLOOR_MS = 1.0  # ...and by more than this: sub-millisecond jitter on a LAN is not
 
 
 def ping_topic(cluster: str, target: str, sender: str) -> str:
@@ -138,33 +142,59 @@ class LatencyCore:
     """Sans-IO latency measurement of one agent (see module doc for the daemon's loop)."""
 
     def __init__(self, node: str, cluster: str, period: float = 5.0, smoothing: float = 0.3,
-                 timeout: Optional[float] = None, emulated: Optional[Mapping[str, float]] = None) -> None:
+                 timeout: Optional[float] = None, emulated: Optional[Mapping[str, float]] = None,
+                 probes: int = PROBES, refresh: Optional[float] = None) -> None:
         self.node = node
         self.cluster = cluster
         self.period = period
         self.timeout = timeout if timeout is not None else max(period, 2.0)
         self.row = SmoothedRow(smoothing)
         self.neighbours: Tuple[str, ...] = ()
+        self.near: Tuple[str, ...] = ()
+        self.probes = max(0, int(probes))
+        self.refresh = refresh if refresh is not None else REFRESH_PERIODS * period
         self.emulated = dict(emulated or {})
         self._next_round: Optional[float] = None
+        self._rotation = 0
         self._nonce = 0
         self._outstanding: Dict[int, Probe] = {}
         self.lost = 0
         self.dirty = False
         self._published_at: Optional[float] = None
+        self._published: Dict[str, float] = {}
 
     def subscriptions(self) -> List[str]:
         return [topics.latency_pings(self.cluster, self.node), topics.latency_pongs(self.cluster, self.node)]
 
-    def set_neighbours(self, peers: Iterable[str]) -> None:
+    def set_neighbours(self, peers: Iterable[str], near: Iterable[str] = ()) -> None:
+        """`peers`: every online node; `near`: those of them that host a neighbour of a local
+        instance (where placement and the model read this node's RTTs most). A peer that left
+        is forgotten; one only out of this round's rotation keeps its last value."""
         new = tuple(sorted(set(peers) - {self.node}))
         for gone in set(self.neighbours) - set(new):
             self.row.forget(gone)
             self.dirty = True
         self.neighbours = new
+        self.near = tuple(p for p in sorted(set(near)) if p in set(new))
+
+    def targets(self) -> Tuple[str, ...]:
+        """Whom the next round pings: itself (the broker's RTT), every near peer, and `probes`
+        of the others in turn, so each pair is measured every N / `probes` rounds.
+
+        Pinging every node every period cost each of N nodes 2N probes a period, N^2 at the
+        broker (docs/scale.md, "The costs that grow faster than N"); this is 2 (1 + near +
+        probes) a period whatever N."""
+        near = set(self.near)
+        others = [p for p in self.neighbours if p not in near]
+        if len(others) <= self.probes:
+            turn = others
+        else:
+            start = self._rotation % len(others)
+            turn = (others[start:] + others[:start])[:self.probes]
+        return (self.node,) + self.near + tuple(turn)
 
     def poll(self, now: float) -> List[Tuple[str, bytes]]:
-        """Pings due now (one round per period: the broker itself and every neighbour)."""
+        """Pings due now (one round per period, to `targets()`)."""
         for nonce, p in list(self._outstanding.items()):
             if now - p.sent_at > self.timeout:
                 del self._outstanding[nonce]
@@ -173,11 +203,12 @@ class LatencyCore:
             return []
         self._next_round = now + self.period
         out = []
-        for target in (self.node,) + self.neighbours:
+        for target in self.targets():
             self._nonce += 1
             p = Probe(self.node, target, self._nonce, now)
             self._outstanding[p.nonce] = p
             out.append((ping_topic(self.cluster, target, self.node), p.encode()))
+        self._rotation += self.probes
         return out
 
     def next_due(self) -> Optional[float]:
@@ -230,30 +261,42 @@ class LatencyCore:
         self.dirty = True
 
     def publish_due(self, now: float) -> bool:
-        """Whether to publish the retained row now: it changed, and a period has passed since it
-        was last published (True also records `now` as that time). Every pong changes the row,
-        and publishing on every change sent it about 0.08 N times a second from each of N agents
-        to all N (N^3 bytes a second at the broker; docs/scale.md): once a period is the rate
-        its readers (placement, fogctl) can use."""
+        """Whether to publish the retained row now (True also records `now` as that time).
+
+        Every node reads every row, so each publication costs the broker N deliveries of O(N)
+        bytes (docs/scale.md). Every pong changes the smoothed row a little; publishing each change
+        sent it about 0.08 N times a second. Now at most once a period, and only when a peer
+        came or went or an RTT moved by more than `CHANGE` (and `CHANGE_FLOOR_MS`), else once every
+        `refresh` seconds: a steady fleet publishes a row per node every 30 s, and placement
+        still sees a link that got slower within a period."""
         if not self.dirty or (self._published_at is not None and now - self._published_at < self.period):
+            return False
+        if self._published_at is not None and now - self._published_at < self.refresh and not self._moved():
             return False
         self._published_at = now
         return True
+
+    def _moved(self) -> bool:
+        if set(self.row.value) != set(self._published):
+            return True
+        return any(abs(v - self._published[p]) > max(CHANGE * self._published[p], CHANGE_FLOOR_MS)
+                   for p, v in self.row.value.items())
 
     def rtt(self, peer: str) -> Optional[float]:
         return self.row.value.get(peer)
 
     def retained(self, now: float) -> Tuple[str, bytes]:
-        """The retained document (read by fogctl and agent.node.nodestate: key "rtt_ms")."""
+        """The retained document (read by fogctl and agent.node.nodestate: key "rtt_ms").
+
+        Only what its readers use: every node receives every row, so each byte a peer costs is
+        paid N^2 times (the last sample, sample counts and paths stay in `self.row`)."""
         self.dirty = False
+        self._published = dict(self.row.value)
         doc: Dict[str, Any] = {
             "node": self.node,
             "ts": now,
             "rtt_ms": {p: round(v, 3) for p, v in sorted(self.row.value.items()) if p != BROKER},
             "broker_rtt_ms": round(self.row.value[BROKER], 3) if BROKER in self.row.value else None,
-            "last_ms": {p: round(v, 3) for p, v in sorted(self.row.last.items())},
-            "samples": dict(sorted(self.row.samples.items())),
-            "via": dict(sorted(self.row.via.items())),
             "lost": self.lost,
             "period": self.period,
         }

@@ -240,6 +240,7 @@ class Agent:
         # Which node hosts which instance (docs/security.md, "Data channels"): sent to every worker
         # as the control line "hosts", which checks the writing node of each inbox message with it.
         self.hostmap = HostMap(self.node)
+        self._near: Set[str] = set()  # nodes hosting instances of our pipelines (`_sync_hosts`)
         self._hosts_dirty = True
         self._hosts_sent: Dict[str, Tuple[int, Dict[str, Any]]] = {}  # instance -> (pid, table sent)
         self._hosts_local: Set[str] = set()
@@ -549,7 +550,7 @@ class Agent:
             raise Halt(f"no broker at {self.broker.host}:{self.broker.port} after {self.connect_timeout}s{last}", EXIT_UNAVAILABLE)
         if self.connected and self.latency_core is not None:
             core = self.latency_core
-            core.set_neighbours(n for n in self.fleet if n != self.node and self.online.get(n, False))
+            core.set_neighbours((n for n in self.fleet if n != self.node and self.online.get(n, False)), near=self._near)
             for topic, payload in core.poll(self.clock()):  # a ping's send time: after the work above
                 self._publish(topic, payload, qos=0)
             if core.publish_due(self.clock()):
@@ -1967,6 +1968,7 @@ class Agent:
             moved[self.node] = self._moved_statements()
             self.hostmap.update({i: w.spec.pipeline for i, w in workers.items()}, claims, self.online,
                                 self.rehomed_by_node, moved)
+            self._near = self.hostmap.nodes_of({w.spec.pipeline for w in workers.values()})
         elif all(self._hosts_sent.get(i, (None,))[0] == w.pid for i, w in workers.items()):
             return
         tables: Dict[str, Dict[str, Any]] = {}

@@ -240,6 +240,11 @@ class HostMap:
         """The nodes `instance` was bound to before that are offline now."""
         return [n for n in self._former.get(instance, ()) if not self._online.get(n, False)]
 
+    def nodes_of(self, pipelines: Set[str]) -> Set[str]:
+        """The nodes bound to an instance of one of `pipelines`: where the neighbours of this
+        node's instances run (its near peers for the latency probes)."""
+        return {n for n, p in self._bound.values() if p in pipelines}
+
     def table(self, pipeline: str) -> Dict[str, Dict[str, Any]]:
         """What a worker of `pipeline` needs (the control line "hosts"): {"bound": {instance:
         node}, "former": {instance: [offline nodes it was bound to before]}} for the instances of
