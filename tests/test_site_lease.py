@@ -128,3 +128,37 @@ def test_leader_cost_per_message() -> None:
         rx = (time.perf_counter() - t0) / reps
         assert board.current(up, NOW) == Lease("n1", NOW + 15.0, {"released": [], "actions": []})
         print(f"site lease: {n} claimers: leader {per * 1e6:.1f} us per check, {rx * 1e6:.1f} us per record received")
+
+
+def test_fogctl_site_shows_the_leader_the_agents_derive() -> None:
+    """`fogctl site` reads every node's claim and status and shows what an agent that just
+    started follows: the leader's own record; a record in another node's name is no claim; a
+    holder gone offline, or two running claims, lead nobody."""
+    from agent.fogctl.commands import site_record, site_view
+    from recording_client import message
+
+    def snap(*items: tuple) -> Dict[str, object]:
+        return {t: message(t, p, True) for t, p in items}
+
+    def status(n: str, s: bytes) -> tuple:
+        return (topics.agent_status("c", n), s)
+
+    def claim(writer: str, node: str, until: float) -> tuple:
+        return (topics.site_manager("c", writer), rec(node, until, target=0.3))
+
+    up = [status("n1", b"online"), status("n2", b"online"), status("n3", b"online")]
+    assert site_record(snap(*up), "c", NOW) is None
+    doc, text = site_view(site_record(snap(*up, claim("n1", "n1", NOW + 10)), "c", NOW), NOW)
+    assert doc["leader"] == "n1" and not doc["expired"] and doc["target"] == 0.3, doc
+    assert site_record(snap(*up, claim("n3", "n1", NOW + 10)), "c", NOW) is None  # forged: no claim
+    assert site_record(snap(*up, claim("n3", "n3", NOW + 1e9)), "c", NOW) is None  # far ahead: no claim
+    doc, text = site_view(site_record(snap(*up, claim("n1", "n1", NOW + 10), claim("n3", "n3", NOW + 12)),
+                                      "c", NOW), NOW)
+    assert doc["leader"] is None and doc["expired"] and "claims of n1, n3" in text, text
+    doc, text = site_view(site_record(snap(*up[1:], status("n1", b"offline"), claim("n1", "n1", NOW + 10)),
+                                      "c", NOW), NOW)
+    assert doc["leader"] is None and doc["last_leader"] == "n1" and "offline" in text, text
+    doc, _ = site_view(site_record(snap(*up, claim("n1", "n1", NOW - 1)), "c", NOW), NOW)
+    assert doc["leader"] == "n1" and doc["expired"], doc
+    bad = snap(*up, (topics.site_manager("c", "n1"), b"{not json"), ("fog/c/agents/n2/site_manager", b"\xff"))
+    assert site_record(bad, "c", NOW) is None
