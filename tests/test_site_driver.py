@@ -142,3 +142,27 @@ def test_a_held_request_that_fails_strands_none_behind_it(tmp_path) -> None:
     c.agent._on_message_safely(message(topics.replies("c", "n1", "n1"), c.marker), c.agent.clock())
     assert calls == ["n9", "n9"] and c.agent.counters["bad_messages"] == 1
     assert [json.loads(p)["ok"] for p in c.on(topics.replies("c", "n9", "n1"))] == [True] and c.agent.draining
+
+
+def test_a_leader_that_lost_its_connection_or_restarted_clears_its_claim_for_the_new_leader() -> None:
+    """Its Will said offline, which voided its lease for every reader, and n1 took the role
+    (a kill -9 closes the socket: the Will comes at once). Back online, its running record would
+    stand beside n1's (a reader that starts then follows neither), and a leader that kept
+    leading would be a second one: it stops, clears its record, and follows n1."""
+    section = SiteManagerSection(enabled=True, period=0.5, lease=4.0)
+    up = {"n1": True, "n2": True}
+    n1 = json.dumps({"v": 1, "node": "n1", "until": 1010.0}).encode()
+    driver = SiteDriver(section, "n2", "c", stale_after=5.0)
+    own = driver.tick(1000.0, docs(1000.0), up)[0]
+    assert driver.leading and driver.on_reconnect() == [Publish(own.topic, b"", True)] and not driver.leading
+    driver.on_claim("n2", own.payload, 1001.0)  # its retained record comes back first
+    driver.on_claim("n1", n1, 1001.0)
+    assert driver.tick(1001.0, docs(1001.0), up) == [Publish(own.topic, b"", True)]
+    assert driver.tick(1002.0, docs(1002.0), up) == [] and driver.lease is not None and driver.lease.node == "n1"
+    restarted = SiteDriver(section, "n2", "c", stale_after=5.0)  # a new process: its last term's record
+    restarted.on_claim("n2", own.payload, 1001.0)
+    restarted.on_claim("n1", n1, 1001.0)
+    assert restarted.tick(1001.0, docs(1001.0), up) == [Publish(own.topic, b"", True)] and not restarted.leading
+    alone = SiteDriver(section, "n2", "c", stale_after=5.0)  # nobody else claimed: it goes on
+    alone.on_claim("n2", own.payload, 1001.0)
+    assert json.loads(alone.tick(1001.0, docs(1001.0), up)[0].payload)["node"] == "n2"

@@ -352,6 +352,9 @@ class Agent:
         if self.latency_core is not None:
             subs.extend((t, 0) for t in self.latency_core.subscriptions())
         c.subscribe(subs)
+        if self.site is not None:  # a leader whose connection was lost leads no more (its Will voided its lease)
+            for eff in self.site.on_reconnect():
+                self._publish(eff.topic, eff.payload, retain=eff.retain)
         # The broker sends a subscription's retained messages before it handles our next publish
         # (one connection, in order): when this marker comes back, the site manager's lease is in.
         self._retained_in = False

@@ -95,6 +95,18 @@ class SiteDriver:
             return None
         return self.board.own if held == self.node else self.board.claims.get(held)
 
+    def on_reconnect(self) -> List[Publish]:
+        """The agent's connection was lost and is back. Its Will said offline meanwhile, which
+        voided its lease for every reader, and another node may lead now: a leader stops and
+        clears its record, and claims again at a tick only if the role is still free (two
+        leaders, each followed by the readers that saw it first, otherwise)."""
+        if not self.leading and self.board.own is None:
+            return []
+        log.info("site manager: %s stops leading (its connection was lost)", self.node)
+        self.leading = False
+        self.board.withdraw()
+        return [Publish(topics.site_manager(self.cluster, self.node), b"", True)]
+
     def on_claim(self, writer: str, payload: bytes, now: Optional[float] = None) -> Optional[str]:
         """A record on node `writer`'s own claim topic (empty: cleared). Returns why it was refused
         (None: kept); the daemon counts and logs it."""
@@ -117,11 +129,15 @@ class SiteDriver:
             return [Publish(own_topic, b"", True)]
         current = self.board.current(online, now)
         if current is not None and current.node != self.node or current is None and others:
-            # Another node leads, or several claim (none leads until one remains): no claim.
-            if self.leading:
+            # Another node leads, or several claim (none leads until one remains): no claim, and
+            # a record of this node's own that still runs (a term before a restart) is cleared,
+            # or it would stand beside the leader's for the readers that start meanwhile.
+            was = self.leading
+            if was:
                 log.info("site manager: %s stops leading (%s)", self.node,
                          current.node if current is not None else "claims of " + ", ".join(sorted(others)[:4]))
                 self.leading = False
+            if was or self.node in self.board.claims or self.board.own is not None:
                 self.board.withdraw()
                 return [Publish(own_topic, b"", True)]
             return []
