@@ -5,7 +5,7 @@ Why a function and not a hand-written list in the Ansible role: what leaves a si
 boundary (docs/security.md). The data plane (inboxes), the protocol between nodes (peer requests,
 locks, latency probes, hosted records) and everything an intruder on the uplink could use to
 steer a site must stay on the site broker; only the spill, the events, each node's status and
-state records and the site manager's record go out, and only the spill acks and the steering of
+state records and its site-manager claim go out, and only the spill acks and the steering of
 the listed administrators come in. One pure function names them, `tests/test_sites.py` holds the
 role's template to it and sends real messages through a real bridge to check each line.
 
@@ -14,10 +14,10 @@ Sans-IO: no file, socket or clock here. Topic names come from `agent.topics` onl
 Topics keyed by a node keep their name at the centre: node names are fleet-wide identities (the
 CN of the node's certificate, one CA per fleet), so `spill/<node>/chunk` and
 `agents/<node>/status` of two sites never collide, and the central collector reads every site's
-spill with its one subscription. Topics that are one per site (the site manager's retained
-record) are renamed under `sites/<site>/` at the centre, where two sites would otherwise
-overwrite each other. The events of every site arrive on the centre's one `events` topic: each
-event names its node.
+spill with its one subscription. The site managers' claims are renamed under `sites/<site>/` at
+the centre: kept under `agents/<node>/`, a site's claims would take part in the election of the
+centre's own nodes, which read `agents/+/site_manager` (one site manager per broker). The events
+of every site arrive on the centre's one `events` topic: each event names its node.
 """
 
 from __future__ import annotations
@@ -75,10 +75,10 @@ def crossings(cluster: str, site: str, nodes: Sequence[str], admins: Sequence[st
     by the administrators `admins` from the centre. Everything else stays on the site broker.
 
     Out (site -> centre): each node's spill chunks (the central collector lands them), its retained
-    status (online/offline, the Last Will) and state record (what `fogctl status` shows), the
-    cluster's events, the site manager's record (renamed `sites/<site>/site_manager`), and each
-    node's replies to each administrator. In (centre -> site): the collector's spill acks to each
-    node, and each administrator's control requests to each node (`fogctl` at the centre).
+    status (online/offline, the Last Will), state record (what `fogctl status` shows) and site
+    manager claim (renamed `sites/<site>/agents/<node>/site_manager`), the cluster's events, and
+    each node's replies to each administrator. In (centre -> site): the collector's spill acks to
+    each node, and each administrator's control requests to each node (`fogctl` at the centre).
     Raises ValueError on a name that cannot be a topic segment."""
     topics._check(site)
     ns = _names("nodes", nodes)
@@ -93,12 +93,12 @@ def crossings(cluster: str, site: str, nodes: Sequence[str], admins: Sequence[st
         out.append(Crossing(topics.spill_ack(c, n), topics.spill_ack(c, n), IN, 1, "the collector's acks"))
         out.append(Crossing(topics.agent_status(c, n), topics.agent_status(c, n), OUT, 1, "online/offline (retained)"))
         out.append(Crossing(topics.agent_state(c, n), topics.agent_state(c, n), OUT, 1, "state record (retained)"))
+        out.append(Crossing(topics.site_manager(c, n), topics.site_manager_of(c, site, n), OUT, 1,
+                            "site manager claim (retained), renamed under the site"))
         for a in adm:
             out.append(Crossing(topics.agent_rpc(c, n, a), topics.agent_rpc(c, n, a), IN, 1, f"steering by {a}"))
             out.append(Crossing(topics.replies(c, a, n), topics.replies(c, a, n), OUT, 1, f"replies to {a}"))
     out.append(Crossing(topics.events(c), topics.events(c), OUT, 1, "scaling and lock events"))
-    out.append(Crossing(topics.site_manager(c), topics.site_manager_of(c, site), OUT, 1,
-                        "the site manager's record (retained), renamed per site"))
     return out
 
 

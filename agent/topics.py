@@ -128,15 +128,23 @@ def locks(cluster: str) -> str:
     return f"{base(cluster)}/locks"
 
 
-def site_manager(cluster: str) -> str:
-    """The site manager's retained leader record (docs/site-manager.md, "Election")."""
-    return f"{base(cluster)}/site_manager"
+def site_manager(cluster: str, node: str) -> str:
+    """Node `node`'s retained site-manager claim (its lease while it leads): one record per node,
+    on a topic only that node may write (the role's ACL), so the broker proves who wrote it and
+    every reader derives the leader from the claims (docs/site-manager.md, "Election")."""
+    return f"{base(cluster)}/agents/{_check(node)}/site_manager"
 
 
-def site_manager_of(cluster: str, site: str) -> str:
-    """The site manager's record of site `site` on the central broker, where every site's bridge
-    delivers its own (agent.sites): one per site, so that two sites do not overwrite each other."""
-    return f"{base(cluster)}/sites/{_check(site)}/site_manager"
+def all_site_managers(cluster: str) -> str:
+    """The subscription to every node's site-manager claim."""
+    return f"{base(cluster)}/agents/+/site_manager"
+
+
+def site_manager_of(cluster: str, site: str, node: str) -> str:
+    """Node `node`'s site-manager claim on the central broker, where its site's bridge delivers
+    it (agent.sites): under `sites/<site>/`, so that the claims of a site never take part in the
+    election of the centre's own nodes, which read `agents/+/site_manager`."""
+    return f"{base(cluster)}/sites/{_check(site)}/agents/{_check(node)}/site_manager"
 
 
 def spill(cluster: str, node: str) -> str:
@@ -223,17 +231,18 @@ def all_decisions(cluster: str) -> str:
 # of them is never legitimate (docs/security.md, "Retained messages are ignored").
 NOT_RETAINED = frozenset({"rpc", "peer", "reply", "ping", "pong", "events", "locks", "inbox"})
 
-_AGENT_RECORDS = frozenset({"state", "status", "hosted", "rehomed"})
+_AGENT_RECORDS = frozenset({"state", "status", "hosted", "rehomed", "site_manager"})
 
 
 class Parsed(NamedTuple):
     """The parts of a topic of one cluster.
 
-    kind: state | status | hosted | rehomed | rpc | peer | reply | latency | ping | pong |
-          events | locks | site_manager | pipeline | decisions | inbox | spill_chunk | spill_ack
+    kind: state | status | hosted | rehomed | site_manager | rpc | peer | reply | latency | ping | pong |
+          events | locks | pipeline | decisions | inbox | spill_chunk | spill_ack
     node: the node (or requester of a reply, instance of inbox/decisions, pipeline name) the
           topic is about, i.e. its owner; sender: the identity in the last level of a request,
-          reply, probe or inbox topic (who wrote it, as the ACL proves), else None.
+          reply, probe or inbox topic (who wrote it, as the ACL proves), the site of a
+          site-manager claim at the centre (`sites/<site>/agents/<node>/site_manager`), else None.
     """
 
     kind: str
@@ -265,10 +274,9 @@ def parse(cluster: str, topic: str) -> Optional[Parsed]:
         return Parsed(parts[2], parts[1], parts[3])
     if head == "events" and n == 1:
         return Parsed("events")
-    if head == "site_manager" and n == 1:
-        return Parsed("site_manager")
-    if head == "sites" and n == 3 and parts[2] == "site_manager":  # at the centre: node = the site
-        return Parsed("site_manager", parts[1])
+    if head == "sites" and n == 5 and parts[2] == "agents" and parts[4] == "site_manager":
+        # at the centre: node = the claiming node, sender = its site
+        return Parsed("site_manager", parts[3], parts[1])
     if head == "locks":
         return Parsed("locks", "/".join(parts[1:]) or None)
     if head == "pipelines" and n == 2:

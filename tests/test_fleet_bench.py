@@ -23,7 +23,7 @@ def test_agent_filters_are_the_daemons_subscriptions():
         "replies_inbox": topics.replies_inbox("c", "n1"), "all_agents_state": topics.all_agents_state("c"),
         "all_agents_status": topics.all_agents_status("c"), "all_latency": topics.all_latency("c"),
         "all_agents_hosted": topics.all_agents_hosted("c"), "all_agents_rehomed": topics.all_agents_rehomed("c"),
-        "all_pipelines": topics.all_pipelines("c"), "site_manager": topics.site_manager("c"),
+        "all_pipelines": topics.all_pipelines("c"), "all_site_managers": topics.all_site_managers("c"),
     }
     assert called == set(ours)
     filters = fb.agent_filters("c", "n1")
@@ -42,7 +42,7 @@ def test_fanout_and_attribution():
     assert fb.receivers("c", topics.events("c"), NODES) == []  # agents do not read the events
     every = [topics.agent_state("c", "n1"), topics.agent_status("c", "n2"), topics.agent_hosted("c", "n3"),
              topics.agent_rehomed("c", "n4"), topics.latency("c", "n1"), topics.pipeline("c", "p"),
-             topics.site_manager("c"), topics.agent_rpc("c", "n2", "admin"), topics.agent_peer("c", "n3", "n1"),
+             topics.site_manager("c", "n2"), topics.agent_rpc("c", "n2", "admin"), topics.agent_peer("c", "n3", "n1"),
              topics.replies("c", "n1", "n2"), ping, topics.latency_pong("c", "n1", "n3"),
              topics.latency_pong("c", "n9", "n3"), topics.events("c"), topics.spill_chunk("c", "n1")]
     for t in every:  # the shortcut by topic kind is what paho's matcher says of the daemon's filters

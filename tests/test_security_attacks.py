@@ -24,7 +24,7 @@ from paho.mqtt.properties import Properties
 
 from agent.cli.fogctl import main as fogctl_main
 from agent_process import ONLINE_BOUND
-from tls_site import OK_CODES, AgentProc, Client, Site, have_tools, running_site, wait_until
+from tls_site import NOT_AUTHORIZED, OK_CODES, AgentProc, Client, Site, have_tools, running_site, wait_until
 
 from pipelines import taxi_in_zone  # noqa: E402
 
@@ -324,14 +324,18 @@ def test_scale_with_a_huge_delta_is_bounded_by_the_free_slots(fleet: Fleet) -> N
 
 
 def test_a_forged_site_manager_lease_lets_n3_drain_no_node(fleet: Fleet) -> None:
-    """n3 writes the retained leader record {node: n3, until: now + 1e9} (the ACL lets every node
-    write it) and asks n1 and n2 to drain over their peer topics: both answered `ok` before.
-    Now each agent refuses a lease that far past its own clock, and the drains with it."""
+    """n3 wrote the shared retained leader record {node: n3, until: now + 1e9} (the ACL let every
+    node write it) and asked n1 and n2 to drain over their peer topics: both answered `ok` before.
+    Now each node writes only its own claim: the shared record and n1's claim topic are refused by
+    the broker, and the agents refuse n3's own claim that far past their clocks, or in n1's name,
+    and the drains with it."""
     n3 = connected(fleet.site, "n3")
     try:
         assert n3.subscribe(T("replies/n3/+")) == [1]
         lease = {"v": 1, "node": "n3", "until": time.time() + 1e9, "state": {"released": ["--force"]}}
-        assert n3.publish(T("site_manager"), json.dumps(lease).encode(), retain=True) in OK_CODES
+        for t in (T("site_manager"), T("agents/n1/site_manager")):
+            assert n3.publish(t, json.dumps(lease).encode(), retain=True) == NOT_AUTHORIZED, t
+        assert n3.publish(T("agents/n3/site_manager"), json.dumps(lease).encode(), retain=True) in OK_CODES
         time.sleep(1.0)  # the retained record reaches both agents before the requests (one connection, in order)
         for node in NODES:
             reply = fleet.request(n3, T(f"agents/{node}/peer/n3"), {"v": 1, "op": "drain", "node": node},
@@ -341,7 +345,7 @@ def test_a_forged_site_manager_lease_lets_n3_drain_no_node(fleet: Fleet) -> None
             assert fleet.state(node).get("draining") is not True
         fleet.assert_survived("forged site manager lease")
     finally:
-        n3.publish(T("site_manager"), b"", retain=True)
+        n3.publish(T("agents/n3/site_manager"), b"", retain=True)
         n3.close()
 
 

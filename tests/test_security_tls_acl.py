@@ -209,6 +209,31 @@ def test_node_writes_own_shared_and_own_name_topics_only(site: Site) -> None:
             c.close()
 
 
+def test_a_node_writes_its_own_site_manager_claim_only(site: Site) -> None:
+    """The site manager's lease is single-writer (docs/site-manager.md, "Election"): n1 writes
+    its claim on agents/n1/site_manager, which the other node and the admin read; it may not write
+    n2's claim (renew, clear or overwrite n2's lease), nor the shared record every node could
+    write before, nor a site's claims at the centre."""
+    n1, n2, admin = connected(site, "n1"), connected(site, "n2"), connected(site, ADMIN)
+    try:
+        for r in (n2, admin):
+            assert r.subscribe(T("agents/+/site_manager")) == [1] and r.subscribe(T("events")) == [1]
+        claim = json.dumps({"v": 1, "node": "n1", "until": time.time() + 15}).encode()
+        assert n1.publish(T("agents/n1/site_manager"), claim, retain=True) in OK_CODES
+        for t in (T("agents/n2/site_manager"), T("site_manager"), T("sites/north/agents/n2/site_manager")):
+            assert n1.publish(t, b"", retain=True) == NOT_AUTHORIZED, t
+            assert n1.publish(t, json.dumps({"v": 1, "node": "n1", "until": time.time() + 15}).encode(),
+                              retain=True) == NOT_AUTHORIZED, t
+        routed(n1, [n2, admin], b"claims-marker")
+        for r in (n2, admin):
+            got = [(t, p) for t, p, _, _ in list(r.received) if t.endswith("/site_manager")]
+            assert got == [(T("agents/n1/site_manager"), claim)], (r.client_id, got)
+        assert n1.publish(T("agents/n1/site_manager"), b"", retain=True) in OK_CODES  # no retained leftover
+    finally:
+        for c in (n1, n2, admin):
+            c.close()
+
+
 def test_node_reads_no_other_nodes_requests_replies_or_acks(site: Site) -> None:
     admin, n2, coll, n1 = (connected(site, c) for c in (ADMIN, "n2", COLLECTOR, "n1"))
     try:

@@ -32,7 +32,8 @@ def test_a_new_leader_publishes_its_lease_before_it_steers_any_node() -> None:
     assert [type(e) for e in first] == [Publish], first
     record = json.loads(first[0].payload)
     assert record["node"] == "n2" and record["until"] == 1004.0 and first[0].retain
-    driver.on_lease(first[0].payload)  # the broker's retained copy comes back
+    assert first[0].topic == "fog/c/agents/n2/site_manager"
+    driver.on_claim("n2", first[0].payload, 1000.0)  # the broker's retained copy comes back
     second = driver.tick(1000.5, docs(1000.5), online)
     assert [type(e) for e in second] == [Publish, Emit, Steer], second
     assert second[2].node == "n1" and second[2].body["op"] == "drain"
@@ -70,17 +71,17 @@ def test_an_agent_claims_the_role_only_once_the_retained_lease_could_have_arrive
     from agent import topics
 
     c = Connected(tmp_path, "[site_manager]\nenabled = true\nperiod = 0.5\nlease = 4.0\n")
-    agent, lease_topic = c.agent, topics.site_manager("c")
+    agent, lease_topic = c.agent, topics.site_manager("c", "n1")
     agent._periodic(agent.clock())
     assert not c.on(lease_topic), "claimed the role before the retained lease could arrive"
     n9 = {"v": 1, "node": "n9", "until": agent.wall() + 30.0}
-    c.deliver(lease_topic, json.dumps(n9).encode(), True)
+    c.deliver(topics.agent_status("c", "n9"), b"online", True)
+    c.deliver(topics.site_manager("c", "n9"), json.dumps(n9).encode(), True)
     c.deliver(topics.replies("c", "n1", "n1"), c.marker)
     agent._periodic(agent.clock())
     assert not c.on(lease_topic), "took an unexpired lease of n9"
-    # n9 lets go: its own record, run out. (A cleared record no longer frees a running lease: any
-    # node may clear it, and then claim at once; site_manager.accept_lease.)
-    c.deliver(lease_topic, json.dumps(dict(n9, until=agent.wall() - 1.0)).encode(), True)
+    # n9 lets go: its own record, run out (only n9 can write it: the ACL)
+    c.deliver(topics.site_manager("c", "n9"), json.dumps(dict(n9, until=agent.wall() - 1.0)).encode(), True)
     agent.site.last_tick -= 1.0  # a period (0.5 s, on the wall clock) has passed
     agent._periodic(agent.clock())
     claims = [json.loads(p) for p in c.on(lease_topic)]
@@ -106,7 +107,8 @@ def test_a_drain_queued_while_the_agent_was_away_waits_for_the_retained_lease(tm
     c.deliver(topics.agent_peer("c", "n1", "n7"), drain)
     assert replies_to("n9") == [] and not c.agent.draining, "checked before the retained lease could arrive"
     lease = {"v": 1, "node": "n9", "until": c.agent.wall() + 30.0}
-    c.deliver(topics.site_manager("c"), json.dumps(lease).encode(), True)
+    c.deliver(topics.agent_status("c", "n9"), b"online", True)
+    c.deliver(topics.site_manager("c", "n9"), json.dumps(lease).encode(), True)
     c.deliver(topics.replies("c", "n1", "n1"), c.marker)
     assert [r["ok"] for r in replies_to("n9")] == [True] and c.agent.draining, replies_to("n9")
     assert [r["ok"] for r in replies_to("n7")] == [False] and "not the site manager" in replies_to("n7")[0]["error"]
@@ -135,7 +137,32 @@ def test_a_held_request_that_fails_strands_none_behind_it(tmp_path) -> None:
     c.deliver(topics.agent_peer("c", "n1", "n9"), drain)
     c.deliver(topics.agent_peer("c", "n1", "n9"), drain)
     lease = {"v": 1, "node": "n9", "until": c.agent.wall() + 30.0}
-    c.deliver(topics.site_manager("c"), json.dumps(lease).encode(), True)
+    c.deliver(topics.agent_status("c", "n9"), b"online", True)
+    c.deliver(topics.site_manager("c", "n9"), json.dumps(lease).encode(), True)
     c.agent._on_message_safely(message(topics.replies("c", "n1", "n1"), c.marker), c.agent.clock())
     assert calls == ["n9", "n9"] and c.agent.counters["bad_messages"] == 1
     assert [json.loads(p)["ok"] for p in c.on(topics.replies("c", "n9", "n1"))] == [True] and c.agent.draining
+
+
+def test_a_leader_that_lost_its_connection_or_restarted_clears_its_claim_for_the_new_leader() -> None:
+    """Its Will said offline, which voided its lease for every reader, and n1 took the role
+    (a kill -9 closes the socket: the Will comes at once). Back online, its running record would
+    stand beside n1's (a reader that starts then follows neither), and a leader that kept
+    leading would be a second one: it stops, clears its record, and follows n1."""
+    section = SiteManagerSection(enabled=True, period=0.5, lease=4.0)
+    up = {"n1": True, "n2": True}
+    n1 = json.dumps({"v": 1, "node": "n1", "until": 1010.0}).encode()
+    driver = SiteDriver(section, "n2", "c", stale_after=5.0)
+    own = driver.tick(1000.0, docs(1000.0), up)[0]
+    assert driver.leading and driver.on_reconnect() == [Publish(own.topic, b"", True)] and not driver.leading
+    driver.on_claim("n2", own.payload, 1001.0)  # its retained record comes back first
+    driver.on_claim("n1", n1, 1001.0)
+    assert driver.tick(1001.0, docs(1001.0), up) == [Publish(own.topic, b"", True)]
+    assert driver.tick(1002.0, docs(1002.0), up) == [] and driver.lease is not None and driver.lease.node == "n1"
+    restarted = SiteDriver(section, "n2", "c", stale_after=5.0)  # a new process: its last term's record
+    restarted.on_claim("n2", own.payload, 1001.0)
+    restarted.on_claim("n1", n1, 1001.0)
+    assert restarted.tick(1001.0, docs(1001.0), up) == [Publish(own.topic, b"", True)] and not restarted.leading
+    alone = SiteDriver(section, "n2", "c", stale_after=5.0)  # nobody else claimed: it goes on
+    alone.on_claim("n2", own.payload, 1001.0)
+    assert json.loads(alone.tick(1001.0, docs(1001.0), up)[0].payload)["node"] == "n2"

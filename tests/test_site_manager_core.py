@@ -8,7 +8,7 @@ from typing import Dict, List
 from hypothesis import example, given, settings, strategies as st
 
 from agent.node.site_manager import (
-    ActionKind, Lease, NodeView, Pending, SiteConfig, SiteState, claim, decide, parse_lease, spare, view_of,
+    ActionKind, Lease, NodeView, Pending, SiteConfig, SiteState, decide, leader, parse_lease, spare, view_of,
 )
 
 NAMES = ["n1", "n2", "n3", "n4", "n5"]
@@ -201,11 +201,12 @@ def test_a_node_still_handing_a_keeper_over_is_not_released() -> None:
 
 
 def test_lease_election() -> None:
-    assert claim(None, "n1", 0.0)
     held = Lease("n1", until=15.0)
-    assert claim(held, "n1", 10.0)  # renews its own
-    assert not claim(held, "n2", 10.0)  # a second one waits
-    assert claim(held, "n2", 15.0)  # and takes over once the lease ran out
+    up = {"n1": True, "n2": True}
+    assert leader({}, up, 0.0, 60.0) is None  # the role is free
+    assert leader({"n1": held}, up, 10.0, 60.0) == held
+    assert leader({"n1": held, "n2": Lease("n2", 20.0)}, up, 10.0, 60.0, held="n1") == held  # a second one waits
+    assert leader({"n1": held, "n2": Lease("n2", 20.0)}, up, 15.0, 60.0, held="n1") == Lease("n2", 20.0)  # ran out
     assert parse_lease(held.to_dict()) == held
     for bad in (None, [], {"node": "", "until": 1}, {"node": "a", "until": True},
                 {"node": "a", "until": float("nan")}, {"node": 3, "until": 1.0}):

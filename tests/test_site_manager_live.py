@@ -54,22 +54,37 @@ class Agent(AgentProcess):
 
 
 class LeaderRecord:
-    """The retained leader record as a watcher sees it (its own MQTT client)."""
+    """The nodes' site-manager claims as a watcher sees them (its own MQTT client): `get` is the
+    running claim of a node whose status says online, else the latest claim."""
 
     def __init__(self, broker: Any, cluster: str) -> None:
         import paho.mqtt.client as mqtt
 
-        self.payload: bytes = b""
+        self.cluster = cluster
+        self.claims: Dict[str, bytes] = {}
+        self.online: Dict[str, bool] = {}
         c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"site-watch-{uuid.uuid4().hex[:8]}",
                         protocol=mqtt.MQTTv5)
-        c.on_connect = lambda cl, *a: cl.subscribe(topics.site_manager(cluster), qos=1)
-        c.on_message = lambda cl, ud, msg: setattr(self, "payload", msg.payload)
+        c.on_connect = lambda cl, *a: cl.subscribe([(topics.all_agents_status(cluster), 1),
+                                                    (topics.all_site_managers(cluster), 1)])
+        c.on_message = lambda cl, ud, msg: self._on(msg.topic, msg.payload)
         c.connect(broker.host, broker.port)
         c.loop_start()
         self.client = c
 
+    def _on(self, topic: str, payload: bytes) -> None:
+        p = topics.parse(self.cluster, topic)
+        if p is not None and p.kind == "status":
+            self.online[str(p.node)] = payload == b"online"
+        elif p is not None and p.kind == "site_manager":
+            self.claims[str(p.node)] = payload
+
     def get(self) -> Dict[str, Any]:
-        return json.loads(self.payload) if self.payload else {}
+        docs = [json.loads(p) for p in list(self.claims.values()) if p]
+        now = time.time()
+        live = [d for d in docs if d["until"] > now and self.online.get(d["node"])]
+        pick = live or docs
+        return max(pick, key=lambda d: d["until"]) if pick else {}
 
     def close(self) -> None:
         self.client.loop_stop()
@@ -154,16 +169,13 @@ def test_site_manager_consolidates_acquires_and_fails_over(capsys, mosquitto, tm
         assert reply["ok"], reply
         v = verify_settled(load_pipeline_text(low), sink, 60)  # the tail, however slow the machine
 
-        # Kill the leader: another agent takes over after the lease; the fleet keeps running.
+        # Kill the leader: another agent takes over once the dead one's lease is void (its Will
+        # says offline) or has run out; the fleet keeps running.
         leader = record.get()["node"]
         agents[leader].proc.send_signal(signal.SIGKILL)
         agents[leader].proc.wait()
         killed_at = time.monotonic()
         last = record.get()  # the dead leader's last lease
-
-        # Nobody leads until the lease runs out (the dead one's record stays retained).
-        assert mon.wait(lambda m: m.status.get(leader) == "offline", 30), mon.status
-        assert record.get()["node"] == leader
 
         def new_leader(m: Any) -> Any:
             d = record.get()
@@ -173,10 +185,10 @@ def test_site_manager_consolidates_acquires_and_fails_over(capsys, mosquitto, tm
         seen_at = time.time()
         got = record.get()
         took = time.monotonic() - killed_at
-        # The second one waited for the lease: its record came after the dead leader's ran out
-        # (one clock). Not "LEASE after the kill": a leader slowed by load renews late, and its
-        # last lease then ends sooner after the kill.
-        assert last["node"] == leader and seen_at >= last["until"], (last, seen_at)
+        # The second one waited for the dead one's lease to be void: its claim came after the
+        # Will (status offline) or after the lease ran out (one clock).
+        assert last["node"] == leader and (mon.status.get(leader) == "offline" or seen_at >= last["until"]), \
+            (last, seen_at, mon.status.get(leader))
         assert got["until"] > time.time()
     finally:
         for a in agents.values():
@@ -222,7 +234,8 @@ def test_a_peer_drain_is_accepted_from_the_lease_holder_only(mosquitto, tmp_path
         return replies.get(timeout=10)
 
     def lease(until: float) -> None:
-        c.publish(topics.site_manager(cluster), json.dumps({"v": 1, "node": "n9", "until": until}), qos=1,
+        c.publish(topics.agent_status(cluster, "n9"), b"online", qos=1, retain=True).wait_for_publish(5)
+        c.publish(topics.site_manager(cluster, "n9"), json.dumps({"v": 1, "node": "n9", "until": until}), qos=1,
                   retain=True).wait_for_publish(5)
         time.sleep(0.5)
 
@@ -241,7 +254,8 @@ def test_a_peer_drain_is_accepted_from_the_lease_holder_only(mosquitto, tmp_path
     finally:
         agent.stop()
         mon.close()
-        c.publish(topics.site_manager(cluster), b"", retain=True)
+        for t in (topics.site_manager(cluster, "n9"), topics.agent_status(cluster, "n9")):
+            c.publish(t, b"", retain=True).wait_for_publish(5)
         c.loop_stop()
         c.disconnect()
 
@@ -279,11 +293,12 @@ def test_the_fleet_scales_while_no_site_manager_leads(mosquitto, tmp_path) -> No
 
     def renew() -> None:
         while not renewing.is_set():
-            c.publish(topics.site_manager(cluster), json.dumps({"v": 1, "node": "n9", "until": time.time() + 30}),
+            c.publish(topics.site_manager(cluster, "n9"), json.dumps({"v": 1, "node": "n9", "until": time.time() + 30}),
                       qos=1, retain=True).wait_for_publish(5)
             renewing.wait(5.0)
 
-    c.publish(topics.site_manager(cluster), json.dumps({"v": 1, "node": "n9", "until": time.time() + 30}), qos=1,
+    c.publish(topics.agent_status(cluster, "n9"), b"online", qos=1, retain=True).wait_for_publish(5)
+    c.publish(topics.site_manager(cluster, "n9"), json.dumps({"v": 1, "node": "n9", "until": time.time() + 30}), qos=1,
               retain=True).wait_for_publish(5)
     renewer = threading.Thread(target=renew, daemon=True)
     renewer.start()
@@ -313,7 +328,8 @@ def test_the_fleet_scales_while_no_site_manager_leads(mosquitto, tmp_path) -> No
         record.close()
         renewing.set()
         renewer.join(10)
-        c.publish(topics.site_manager(cluster), b"", retain=True).wait_for_publish(5)
+        for t in (topics.site_manager(cluster, "n9"), topics.agent_status(cluster, "n9")):
+            c.publish(t, b"", retain=True).wait_for_publish(5)
         c.loop_stop()
         c.disconnect()
     v = verify(load_pipeline_text(SCALING_PIPELINE), sink)

@@ -53,20 +53,20 @@ SPY = "spy"  # a test observer that may read everything (its ACL block is added 
 def test_the_map_is_exactly_what_leaves_and_enters_a_site() -> None:
     got = {(x.local, x.remote, x.direction, x.qos) for x in sites.crossings(C, SITE, NODES, [ADMIN])}
     b = f"fog/{C}"
-    want = {(f"{b}/events", f"{b}/events", "out", 1),
-            (f"{b}/site_manager", f"{b}/sites/{SITE}/site_manager", "out", 1)}
+    want = {(f"{b}/events", f"{b}/events", "out", 1)}
     for n in NODES:
         want |= {(f"{b}/spill/{n}/chunk", f"{b}/spill/{n}/chunk", "out", 1),
                  (f"{b}/spill/{n}/ack", f"{b}/spill/{n}/ack", "in", 1),
                  (f"{b}/agents/{n}/status", f"{b}/agents/{n}/status", "out", 1),
                  (f"{b}/agents/{n}/state", f"{b}/agents/{n}/state", "out", 1),
+                 (f"{b}/agents/{n}/site_manager", f"{b}/sites/{SITE}/agents/{n}/site_manager", "out", 1),
                  (f"{b}/agents/{n}/rpc/{ADMIN}", f"{b}/agents/{n}/rpc/{ADMIN}", "in", 1),
                  (f"{b}/replies/{ADMIN}/{n}", f"{b}/replies/{ADMIN}/{n}", "out", 1)}
     assert got == want
     kinds = {topics.parse(C, x.local).kind for x in sites.crossings(C, SITE, NODES, [ADMIN])}
     assert kinds == {"spill_chunk", "spill_ack", "status", "state", "rpc", "reply", "events", "site_manager"}
-    # The centre's name of the site manager's record parses, naming the site.
-    assert topics.parse(C, f"{b}/sites/{SITE}/site_manager") == topics.Parsed("site_manager", SITE)
+    # The centre's name of a node's site-manager claim parses, naming the node and its site.
+    assert topics.parse(C, f"{b}/sites/{SITE}/agents/n1/site_manager") == topics.Parsed("site_manager", "n1", SITE)
     # Without administrators nothing comes in but the spill acks.
     assert {x.local for x in sites.crossings(C, SITE, NODES) if x.direction == "in"} == {
         f"{b}/spill/{n}/ack" for n in NODES}
@@ -246,14 +246,16 @@ def test_exactly_the_mapped_topics_cross_each_in_its_direction(world: World) -> 
     try:
         out_ok = {f"{b}/spill/n1/chunk": f"{b}/spill/n1/chunk", f"{b}/agents/n1/status": f"{b}/agents/n1/status",
                   f"{b}/agents/n1/state": f"{b}/agents/n1/state", f"{b}/replies/{ADMIN}/n1": f"{b}/replies/{ADMIN}/n1",
-                  f"{b}/events": f"{b}/events", f"{b}/site_manager": f"{b}/sites/{SITE}/site_manager"}
+                  f"{b}/events": f"{b}/events",
+                  f"{b}/agents/n1/site_manager": f"{b}/sites/{SITE}/agents/n1/site_manager"}
         # The data plane, the protocol between nodes and the node-private records: all allowed to
         # n1 by the site's ACL, none may leave the site.
         stay = [f"{b}/inbox/n2/op-1/n1", f"{b}/agents/n2/peer/n1", f"{b}/replies/n2/n1", f"{b}/locks",
                 f"{b}/latency/n1", f"{b}/latency/n2/ping/n1", f"{b}/latency/n2/pong/n1",
                 f"{b}/agents/n1/hosted", f"{b}/agents/n1/rehomed", f"{b}/decisions/op-1"]
         for t in stay + list(out_ok):
-            assert n1.publish(t, b"from-site " + t.encode(), retain=t.endswith(("status", "state"))) in OK_CODES, t
+            assert n1.publish(t, b"from-site " + t.encode(), retain=t.endswith(("status", "state", "site_manager"))) \
+                in OK_CODES, t
         in_ok = [f"{b}/agents/n1/rpc/{ADMIN}", f"{b}/spill/n1/ack"]
         assert admin.publish(in_ok[0], b"steer") in OK_CODES
         assert collector.publish(in_ok[1], b"ack") in OK_CODES
@@ -284,10 +286,12 @@ def test_exactly_the_mapped_topics_cross_each_in_its_direction(world: World) -> 
         as_bridge = client(world.centre, BRIDGE, client_id=f"probe-{uuid.uuid4().hex[:6]}")
         assert as_bridge.publish(f"{b}/agents/{OTHER_SITE_NODE}/status", b"forged") == NOT_AUTHORIZED
         assert as_bridge.publish(f"{b}/inbox/n2/op-1/n1", b"x") == NOT_AUTHORIZED
-        assert as_bridge.publish(f"{b}/site_manager", b"x") == NOT_AUTHORIZED
+        for t in (f"{b}/site_manager", f"{b}/agents/n1/site_manager", f"{b}/sites/south/agents/n1/site_manager",
+                  f"{b}/sites/{SITE}/agents/{OTHER_SITE_NODE}/site_manager"):
+            assert as_bridge.publish(t, b"x") == NOT_AUTHORIZED, t
         assert as_bridge.publish(f"{b}/agents/n1/status", b"ok") in OK_CODES
         as_bridge.close()
-        for t in (f"{b}/agents/n1/status", f"{b}/agents/n1/state"):  # no retained leftovers for the next test
+        for t in (f"{b}/agents/n1/status", f"{b}/agents/n1/state", f"{b}/agents/n1/site_manager"):  # no leftovers
             n1.publish(t, b"", retain=True)
         admin.publish(keep[2], b"", retain=True)
     finally:

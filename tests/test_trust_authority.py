@@ -45,58 +45,90 @@ def _drain_from(agent: Any, sender: str) -> Dict[str, Any]:
 # ---- 2. the site manager's lease ------------------------------------------------------------------
 
 
+def _claim(agent: Any, writer: str, node: str, until: float, **state: Any) -> None:
+    """A record on `writer`'s own claim topic (the ACL lets only `writer` write it)."""
+    _deliver(agent, topics.site_manager("c", writer), {"v": 1, "node": node, "until": until, "state": state}, True)
+
+
 def test_a_forged_lease_far_ahead_is_refused_and_its_writer_cannot_drain(tmp_path: Path) -> None:
     """n3 writes {node: n3, until: now + 1e9} and drains n1 and n2 over the peer topic: both were
     `ok`. Now each reader refuses a lease further ahead of its own clock than its own lease plus
-    three periods (at least 60 s), logs and counts it, and a drain is taken only from the holder
-    of a lease the reader accepted."""
+    three periods (at least 60 s), logs and counts it, and a drain is taken only from the leader
+    the reader derives from the claims."""
     for node in ("n1", "n2"):
         agent = _agent(tmp_path, node)
-        _deliver(agent, topics.site_manager("c"), {"v": 1, "node": "n3", "until": agent.wall() + 1e9}, True)
+        _deliver(agent, topics.agent_status("c", "n3"), b"online", True)
+        _claim(agent, "n3", "n3", agent.wall() + 1e9)
         assert agent.counters["site_lease_refused"] == 1
         r = _drain_from(agent, "n3")
         assert r["ok"] is False and "not the site manager" in r["error"], r
         assert not agent.draining
 
 
-def test_no_node_takes_a_running_lease_nor_frees_it_by_clearing_the_record(tmp_path: Path) -> None:
-    """A leader n2 holds a running lease; n3 writes its own record (plausible `until`), or clears
-    the record to claim it after: the reader keeps n2's lease until it runs out by its own clock,
-    and only n2 may drain it."""
+def test_a_claim_in_another_nodes_name_or_beside_a_running_lease_takes_nothing(tmp_path: Path) -> None:
+    """A leader n2 holds a running lease. n3 writes, on its own topic, a record in n2's name
+    (refused: a record counts only on its holder's topic), then its own plausible claim: the
+    reader keeps following n2, and only n2 may drain it. n3 cannot clear or renew n2's record (the
+    ACL: tests/test_security_tls_acl.py)."""
     agent = _agent(tmp_path)
     now = agent.wall()
-    _deliver(agent, topics.site_manager("c"), {"v": 1, "node": "n2", "until": now + 15.0}, True)
-    _deliver(agent, topics.site_manager("c"), {"v": 1, "node": "n3", "until": now + 15.0}, True)
-    assert _drain_from(agent, "n3")["ok"] is False
-    _deliver(agent, topics.site_manager("c"), b"", True)
-    _deliver(agent, topics.site_manager("c"), {"v": 1, "node": "n3", "until": now + 15.0}, True)
+    for n in ("n2", "n3"):
+        _deliver(agent, topics.agent_status("c", n), b"online", True)
+    _claim(agent, "n2", "n2", now + 15.0)
+    assert _drain_from(agent, "n2")["ok"] is True and agent.draining  # the reader follows n2 now
+    agent.draining = False
+    _claim(agent, "n3", "n2", now + 15.0, released=["n1"])
+    assert agent.counters["site_lease_refused"] == 1
+    _claim(agent, "n3", "n3", now + 15.0)
     assert _drain_from(agent, "n3")["ok"] is False and not agent.draining
-    assert agent.counters["site_lease_refused"] == 3
     assert _drain_from(agent, "n2")["ok"] is True and agent.draining
 
 
-def test_accept_lease_rule() -> None:
-    from agent.node.site_manager import accept_lease, lease_bound
-
-    bound = lease_bound(15.0, 5.0)
-    assert bound == 60.0 and lease_bound(100.0, 10.0) == 130.0
-    a, b = Lease("a", 115.0), Lease("b", 115.0)
-    assert accept_lease(None, a, 100.0, bound) == (a, None)
-    assert accept_lease(None, Lease("a", 161.0), 100.0, bound)[0] is None
-    assert accept_lease(a, Lease("a", 161.0), 100.0, bound)[0] == a  # too far: the held one stays
-    assert accept_lease(a, b, 100.0, bound)[0] == a  # a runs: b cannot take it
-    assert accept_lease(a, b, 115.0, bound) == (b, None)  # a ran out: b may
-    assert accept_lease(a, Lease("a", 99.0), 100.0, bound) == (Lease("a", 99.0), None)  # a lets go
-    assert accept_lease(a, None, 100.0, bound)[0] == a and accept_lease(a, None, 116.0, bound) == (None, None)
+def test_a_leader_gone_offline_holds_nothing(tmp_path: Path) -> None:
+    """The lease of a node whose retained status says offline is void (its Will; a revoked
+    certificate cannot connect again): its drain is refused although its `until` runs, and the
+    next claim is the lease. (The record alone decided before: a lease outlived its holder's
+    certificate.)"""
+    agent = _agent(tmp_path)
+    now = agent.wall()
+    _deliver(agent, topics.agent_status("c", "n3"), b"online", True)
+    _claim(agent, "n3", "n3", now + 15.0)
+    _deliver(agent, topics.agent_status("c", "n3"), b"offline", True)
+    r = _drain_from(agent, "n3")
+    assert r["ok"] is False and "not the site manager" in r["error"], r
+    _deliver(agent, topics.agent_status("c", "n2"), b"online", True)
+    _claim(agent, "n2", "n2", now + 15.0)
+    assert _drain_from(agent, "n2")["ok"] is True and agent.draining
 
 
 def test_a_forged_lease_does_not_keep_a_candidate_from_the_role(tmp_path: Path) -> None:
     section = SiteManagerSection(enabled=True, period=5.0, lease=15.0)
     driver = SiteDriver(section, "n2", "c", stale_after=30.0)
-    refused = driver.on_lease(json.dumps({"v": 1, "node": "n3", "until": 1000.0 + 1e9}).encode(), 1000.0)
+    refused = driver.on_claim("n3", json.dumps({"v": 1, "node": "n3", "until": 1000.0 + 1e9}).encode(), 1000.0)
     assert refused and "ahead" in refused
-    out = driver.tick(1000.0, {"n2": {"time": 1000.0, "slots": 2, "instances": []}}, {"n2": True})
+    out = driver.tick(1000.0, {"n2": {"time": 1000.0, "slots": 2, "instances": []}}, {"n2": True, "n3": True})
     assert [type(e) for e in out] == [Publish] and json.loads(out[0].payload)["node"] == "n2"
+
+
+def test_a_claim_beside_a_running_lease_does_not_make_the_leader_yield() -> None:
+    """Two candidates that claim at once: the larger name yields within two periods and clears
+    its record. n3 claiming (any name) beside a leader past that window: the leader keeps the
+    role and decides on."""
+    section = SiteManagerSection(enabled=True, period=5.0, lease=15.0)
+    docs = {"n2": {"time": 1000.0, "slots": 2, "instances": []}}
+    up = {"n1": True, "n2": True, "n3": True}
+    raced = SiteDriver(section, "n2", "c", stale_after=30.0)
+    assert json.loads(raced.tick(1000.0, docs, up)[0].payload)["node"] == "n2"
+    raced.on_claim("n1", json.dumps({"v": 1, "node": "n1", "until": 1015.0}).encode(), 1000.0)
+    out = raced.tick(1005.0, docs, up)
+    assert out == [Publish("fog/c/agents/n2/site_manager", b"", True)] and not raced.leading
+    assert raced.tick(1010.0, docs, up) == [] and raced.lease == Lease("n1", 1015.0)
+    held = SiteDriver(section, "n2", "c", stale_after=30.0)
+    for t in (1000.0, 1005.0, 1010.0):
+        held.tick(t, docs, up)
+    held.on_claim("n1", json.dumps({"v": 1, "node": "n1", "until": 1025.0}).encode(), 1011.0)
+    out = held.tick(1015.0, docs, up)
+    assert held.leading and json.loads(out[0].payload)["node"] == "n2"
 
 
 def test_a_forged_released_list_never_reaches_the_power_hook(tmp_path: Path) -> None:
@@ -108,9 +140,10 @@ def test_a_forged_released_list_never_reaches_the_power_hook(tmp_path: Path) -> 
                                  acquire_hook=("/usr/local/sbin/fog-node-power", "on"),
                                  release_hook=("/usr/local/sbin/fog-node-power", "off"))
     driver = SiteDriver(section, "n2", "c", stale_after=30.0)
-    forged = {"v": 1, "node": "n3", "until": 990.0,
+    forged = {"v": 1, "node": "n3", "until": 1004.0,
               "state": {"released": ["--force", "/etc/passwd", "n9", "n1"]}}
-    driver.on_lease(json.dumps(forged).encode(), 1000.0)
+    driver.on_claim("n3", json.dumps(forged).encode(), 1000.0)
+    assert driver.board.current({"n3": True}, 1000.0) is not None  # n2 followed n3 while it led
     busy = [{"id": f"p.op{i}.0", "operator": f"op{i}", "capacity": 100.0, "load": 95.0} for i in range(2)]
     hooks: List[Any] = []
     for i in range(4):
@@ -121,6 +154,29 @@ def test_a_forged_released_list_never_reaches_the_power_hook(tmp_path: Path) -> 
     args = [h.argv[-1] for h in hooks]
     assert "--force" not in args and "/etc/passwd" not in args and "n9" not in args, args
     assert args == ["n1"], args  # n1: a node this agent knows (its state topic), released by the record
+
+
+def test_a_released_list_comes_only_from_a_leaders_own_record(tmp_path: Path) -> None:
+    """n3 writes a record naming the leader n1, with a `released` list naming n4, on its own topic
+    (refused), and a claim of its own that n2 never follows (n1's lease runs, then n3 is offline
+    too). n1 goes away; the next leader n2 inherits the list of n1's own record (empty), not n3's:
+    no acquire hook for n4 (a later leader adopted a forged list before)."""
+    section = SiteManagerSection(enabled=True, target=0.5, period=5.0, lease=15.0, cooldown=0.0,
+                                 acquire_hook=("/usr/local/sbin/fog-node-power", "on"))
+    driver = SiteDriver(section, "n2", "c", stale_after=30.0)
+    up = {"n1": True, "n2": True, "n3": True, "n4": False}
+    driver.on_claim("n1", json.dumps({"v": 1, "node": "n1", "until": 1014.0, "state": {"released": []}}).encode(), 1000.0)
+    assert driver.tick(1000.0, {}, up) == [] and driver.lease is not None and driver.lease.node == "n1"
+    assert driver.on_claim("n3", json.dumps({"v": 1, "node": "n1", "until": 1014.0,
+                                             "state": {"released": ["n4"]}}).encode(), 1001.0)
+    driver.on_claim("n3", json.dumps({"v": 1, "node": "n3", "until": 1030.0, "state": {"released": ["n4"]}}).encode(), 1001.0)
+    busy = [{"id": f"p.op{i}.0", "operator": f"op{i}", "capacity": 100.0, "load": 95.0} for i in range(2)]
+    hooks: List[Any] = []
+    for i in range(1, 5):
+        now = 1010.0 + 5.0 * i
+        docs = {n: {"time": now, "slots": 2, "free_slots": 0, "instances": busy} for n in ("n2", "n4")}
+        hooks += [e for e in driver.tick(now, docs, dict(up, n1=False, n3=False)) if isinstance(e, Hook)]
+    assert driver.leading and driver.state.released == () and hooks == [], (driver.state, hooks)
 
 
 # ---- 3. confused deputy: peer spawns run what an admin deployed -----------------------------------

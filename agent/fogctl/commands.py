@@ -12,14 +12,14 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, TextIO, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, TextIO, Tuple
 
 from agent import events as ev_mod
 from agent import exitcodes, topics
 from agent.fogctl import views
 from agent.fogctl.client import Connection, FogctlError
 from agent.fogctl.config import FogctlConfig
-from agent.node.site_manager import parse_lease
+from agent.node.site_manager import claim_problem, lease_bound, lease_of, leader, valid_claims
 from agent.control.fleet import Fleet, Phase
 from agent.control.rpc_schema import (DrainRequest, PinRequest, Reply, RequestError, ScaleRequest, check_drain,
                                      check_scale, parse_duration)
@@ -276,18 +276,25 @@ def rehomed_of(snap: Dict[str, Any], instance: str) -> Optional[Dict[str, Any]]:
 
 
 def site_view(record: Optional[Dict[str, Any]], now: float) -> Tuple[Dict[str, Any], str]:
-    """The site manager's leader record as (json doc, text): leader, lease, target, spare,
-    pending action, released nodes, and the reasons of its last actions."""
+    """The site manager's record as (json doc, text): leader, lease, target, spare, pending
+    action, released nodes, and the reasons of its last actions. `record["void"]`, when set, says
+    why nobody leads although the record's lease has not run out (its holder is offline, or
+    several claims stand)."""
     if record is None:
-        return {"leader": None}, "no site manager (no leader record: [site_manager] enabled on no agent)"
+        return {"leader": None}, "no site manager (no claim: [site_manager] enabled on no agent)"
     st = record.get("state") if isinstance(record.get("state"), dict) else {}
     left = float(record["until"]) - now
-    doc = {"leader": record["node"], "lease_left_s": round(left, 3), "expired": left < 0,
+    void = record.get("void")
+    doc = {"leader": None if void else record["node"], "lease_left_s": round(left, 3), "expired": left < 0 or bool(void),
            "target": st.get("target"), "spare": st.get("spare"), "min_nodes": st.get("min_nodes"),
            "max_nodes": st.get("max_nodes"), "pending": st.get("pending"),
            "released": st.get("released") or [], "actions": st.get("actions") or []}
+    if void:
+        doc["last_leader"], doc["void"] = record["node"], void
     pend = doc["pending"]
-    lines = [f"leader    {doc['leader']}" + (" (lease expired: none leads)" if left < 0 else f" (lease {left:.1f} s)"),
+    head = (f"leader    -  (last {record['node']}: {void}: none leads)" if void else
+            f"leader    {record['node']}" + (" (lease expired: none leads)" if left < 0 else f" (lease {left:.1f} s)"))
+    lines = [head,
              f"target    {doc['target']}   spare {doc['spare']}   nodes {doc['min_nodes']}-{doc['max_nodes']}",
              "pending   " + (f"{pend.get('action')} {pend.get('node')}" if isinstance(pend, dict) else "-"),
              "released  " + (", ".join(map(str, doc["released"])) or "-")]
@@ -299,20 +306,46 @@ def site_view(record: Optional[Dict[str, Any]], now: float) -> Tuple[Dict[str, A
     return doc, "\n".join(lines)
 
 
+# fogctl does not read the agents' [site_manager] sections: it bounds `until` as agents with the
+# default lease and period do (a claim further ahead is shown as no claim).
+SITE_LEASE_AHEAD = lease_bound(15.0, 5.0)
+
+
+def site_record(claims_and_statuses: Mapping[str, Any], cluster: str, now: float) -> Optional[Dict[str, Any]]:
+    """The record `fogctl site` shows, derived from the nodes' claims as an agent that just
+    started derives the leader (`site_manager.leader`): the leader's own record; else, with
+    the reason none leads, the latest of the claims (several running claims, or a holder gone
+    offline); None without any claim. Malformed and refused records are skipped (bus input)."""
+    claims: Dict[str, Any] = {}
+    online: Dict[str, bool] = {}
+    for topic, msg in claims_and_statuses.items():
+        parsed = topics.parse(cluster, topic)
+        if parsed is None or parsed.sender is not None or parsed.node is None:
+            continue
+        if parsed.kind == "status":
+            online[parsed.node] = msg.payload == b"online"
+        elif parsed.kind == "site_manager":
+            lease = lease_of(msg.payload or b"")
+            if lease is not None and claim_problem(parsed.node, lease, now, SITE_LEASE_AHEAD) is None:
+                claims[parsed.node] = lease
+    if not claims:
+        return None
+    lead = leader(claims, online, now, SITE_LEASE_AHEAD)
+    if lead is not None:
+        return {"node": lead.node, "until": lead.until, "state": lead.state}
+    last = max(claims.values(), key=lambda c: (c.until, c.node))
+    valid = sorted(valid_claims(claims, online, now, SITE_LEASE_AHEAD))
+    void = (f"claims of {', '.join(valid[:4])}" if len(valid) > 1 else
+            "its holder is offline" if now < last.until else None)
+    return {"node": last.node, "until": last.until, "state": last.state, **({"void": void} if void else {})}
+
+
 def cmd_site(args: argparse.Namespace, ctx: Context) -> int:
-    topic = topics.site_manager(ctx.cfg.cluster)
+    c = ctx.cfg.cluster
     with ctx.connect(ctx.cfg) as conn:
-        snap = conn.snapshot([topic])
-    record = None
-    if topic in snap and snap[topic].payload:
-        try:
-            raw = json.loads(snap[topic].payload)
-        except ValueError:
-            raw = None
-        lease = parse_lease(raw)
-        if lease is not None:
-            record = {"node": lease.node, "until": lease.until, "state": lease.state}
-    doc, text = site_view(record, ctx.clock())
+        snap = conn.snapshot([topics.all_site_managers(c), topics.all_agents_status(c)])
+    now = ctx.clock()
+    doc, text = site_view(site_record(snap, c, now), now)
     ctx.emit(args, doc, text)
     return 0
 

@@ -74,8 +74,8 @@ from agent.node.placement import (
 from agent.operators import admission
 from agent.policy.live import LIVE_POLICIES
 from agent.spill.local import AgentSpill
-from agent.node.site_driver import Emit, Hook, Publish, SiteDriver, Steer, lease_of, run_hook
-from agent.node.site_manager import Lease, accept_lease, lease_bound
+from agent.node.site_driver import Emit, Hook, Publish, SiteDriver, Steer, run_hook
+from agent.node.site_manager import LeaseBoard, lease_bound
 from agent.node.supervisor import WORKER_COMMAND, WORKER_EXIT_BAD_SPEC, Reaped, Supervisor, Worker, WorkerStatus
 
 log = logging.getLogger(__name__)
@@ -279,9 +279,11 @@ class Agent:
         self._pinned_sent: Dict[str, bool] = {}  # instance -> the pinned flag its worker was sent
         self._client: Any = None
         self.draining = False  # fogctl drain: refuse new instances (free_slots() = 0)
-        # The site manager (docs/site-manager.md): every agent reads its leader record (a drain on
-        # the peer topic is accepted from the leader only); [site_manager] enabled runs a candidate.
-        self.site_lease: Optional[Lease] = None
+        # The site manager (docs/site-manager.md): every agent reads the nodes' claims, each on its
+        # own topic, and derives the leader (a drain on the peer topic is accepted from the leader
+        # only); [site_manager] enabled runs a candidate, which shares this board.
+        sm = cfg.site_manager
+        self.site_leases = LeaseBoard(cfg.agent.node, lease_bound(sm.lease, sm.period))
         self._retained_in = False  # the retained records of this connection's subscriptions are in
         self._sync_marker = b""  # what marks their end (see _on_connected)
         # Peer requests that arrived before those records: a persistent session hands over what
@@ -291,7 +293,7 @@ class Agent:
         # A node state older than three state periods is not counted as serving (a killed agent's
         # last state would offer its slots until its Will arrives).
         self.site: Optional[SiteDriver] = (SiteDriver(cfg.site_manager, cfg.agent.node, cfg.agent.cluster,
-                                                      stale_after=3 * cfg.agent.state_period)
+                                                      stale_after=3 * cfg.agent.state_period, board=self.site_leases)
                                            if cfg.site_manager.enabled else None)
         self.metrics: Any = None  # agent.measure.metrics, when [metrics].port != 0
         self.stats_bridge: Any = None
@@ -346,11 +348,14 @@ class Agent:
             (topics.all_agents_hosted(self.cluster), 1),
             (topics.all_agents_rehomed(self.cluster), 1),
             (topics.all_pipelines(self.cluster), 1),
-            (topics.site_manager(self.cluster), 1),
+            (topics.all_site_managers(self.cluster), 1),  # after the statuses: a claim counts only if online
         ]
         if self.latency_core is not None:
             subs.extend((t, 0) for t in self.latency_core.subscriptions())
         c.subscribe(subs)
+        if self.site is not None:  # a leader whose connection was lost leads no more (its Will voided its lease)
+            for eff in self.site.on_reconnect():
+                self._publish(eff.topic, eff.payload, retain=eff.retain)
         # The broker sends a subscription's retained messages before it handles our next publish
         # (one connection, in order): when this marker comes back, the site manager's lease is in.
         self._retained_in = False
@@ -1300,19 +1305,14 @@ class Agent:
         self._drop_stale(name, now)
 
     def _on_site_manager_record(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
-        # Any node may write the record: `accept_lease` bounds its `until` by this node's clock
-        # and lets no other node take a lease that runs (docs/site-manager.md, "Election").
-        wall = self.wall()
-        if self.site is not None:
-            refused = self.site.on_lease(msg.payload, wall)
-            self.site_lease = self.site.lease
-        else:
-            sm = self.cfg.site_manager
-            self.site_lease, refused = accept_lease(self.site_lease, lease_of(msg.payload), wall,
-                                                    lease_bound(sm.lease, sm.period))
+        if parsed.sender is not None:
+            return
+        # Only `node` may write this topic (the ACL): the record is node's claim, refused if it
+        # names another node or runs too far past this node's clock (docs/site-manager.md).
+        refused = self.site_leases.on_record(str(parsed.node), msg.payload, self.wall())
         if refused:
             self.counters["site_lease_refused"] = self.counters.get("site_lease_refused", 0) + 1
-            log.warning("site manager record refused: %s", refused, extra={"node": self.node})
+            log.warning("site manager claim refused: %s", refused, extra={"node": self.node})
 
     def _on_latency_row(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
         self.latency[str(parsed.node)] = nodestate.parse_latency(msg.payload)
@@ -1389,10 +1389,14 @@ class Agent:
         return None
 
     def _peer_may_steer(self, requester: str) -> Optional[str]:
-        """A node may drain/undrain this one only while it holds the site manager's lease."""
-        lease = self.site_lease
-        if lease is None or lease.node != requester or self.wall() >= lease.until:
-            return f"{requester} is not the site manager"
+        """A node may drain/undrain this one only while it is the site manager this agent derives
+        from the claims (`site_manager.leader`: its own claim, running, its holder online)."""
+        now = self.wall()
+        lease = self.site_leases.current(self.online, now)
+        if lease is None or lease.node != requester:
+            contested = sorted(self.site_leases.valid(self.online, now)) if lease is None else []
+            why = f" (claims of {', '.join(contested[:4])}: none leads until one remains)" if len(contested) > 1 else ""
+            return f"{requester} is not the site manager{why}"
         return None
 
     def _site_tick(self) -> None:
@@ -1400,7 +1404,7 @@ class Agent:
         assert self.site is not None
         docs = {n: d for n, d in self.fleet.items() if n != self.node}
         docs[self.node] = self.state_doc()
-        online = {n: self.online.get(n, False) for n in docs}
+        online = dict(self.online)  # every node's status: the election's claims too, not only the states'
         online[self.node] = True
         now = self.wall()
         for eff in self.site.tick(now, docs, online):

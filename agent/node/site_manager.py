@@ -7,12 +7,13 @@ and undrain it once its agent is back online. It proposes and orders through the
 fogctl sends (DrainRequest); the decentralized protocol never waits for it.
 
 Sans-IO: `decide(view, state, cfg, now)` is a pure function of the fleet view (the agents'
-retained states), the manager's own state and the time passed in; `claim(...)` decides the
-leader election from the retained leader record. The driver in the daemon does the I/O.
+retained states), the manager's own state and the time passed in; `leader(...)` derives the
+site manager from the nodes' claims, each on its own topic. The driver in the daemon does the I/O.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass, field, replace
@@ -21,7 +22,8 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 __all__ = [
     "SiteConfig", "NodeView", "ActionKind", "Action", "Pending", "SiteState", "spare", "decide",
-    "spare_without", "view_of", "Lease", "claim", "parse_lease", "accept_lease", "lease_bound", "hook_node",
+    "spare_without", "view_of", "Lease", "parse_lease", "lease_of", "lease_bound", "claim_problem", "valid_claims",
+    "leader", "LeaseBoard", "hook_node",
 ]
 
 
@@ -211,22 +213,34 @@ def _int(v: Any) -> int:
 
 
 # ---- election ------------------------------------------------------------------------------------
+#
+# One record per node, on `agents/<node>/site_manager`, which the role's ACL lets only that node
+# write (docs/security.md): the broker proves who wrote a claim, so no signature is needed and no
+# node can renew, clear or overwrite another node's lease. Every reader derives the leader from
+# the claims it holds (`leader`); a claim counts only while its holder's retained status says
+# online, so a lease dies with its holder's connection (a revoked certificate cannot connect
+# again, and its Will says offline).
 
 
 @dataclass(frozen=True)
 class Lease:
-    """The retained leader record on topics.site_manager(cluster)."""
+    """A node's claim to the role, on its own topic: while valid (see `valid_claims`), its lease.
+    Its `state` (pending action, released nodes, last actions) is what `fogctl site` shows and
+    what the next leader inherits its released list from."""
 
     node: str
-    until: float  # unix seconds: the leader renews before, the others wait until after
-    state: Dict[str, Any] = field(default_factory=dict)  # what fogctl site shows
+    until: float  # unix seconds: the leader renews before; the claim is void after
+    state: Dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> Dict[str, Any]:
         return {"v": 1, "node": self.node, "until": self.until, "state": self.state}
 
 
+MAX_LEASE_BYTES = 16 * 1024  # a record is a few hundred bytes; more is refused unread
+
+
 def parse_lease(d: Any) -> Optional[Lease]:
-    """The record, or None if absent or malformed (then the role is free)."""
+    """The record, or None if absent or malformed."""
     if not isinstance(d, Mapping):
         return None
     node, until = d.get("node"), d.get("until")
@@ -238,13 +252,15 @@ def parse_lease(d: Any) -> Optional[Lease]:
     return Lease(node[:200], float(until), dict(st) if isinstance(st, Mapping) else {})
 
 
-def claim(current: Optional[Lease], me: str, now: float) -> bool:
-    """May `me` publish its own lease now? Yes if the role is free, expired, or already its own.
-
-    Two agents may both claim an expired lease at once; each then sees the other's record (MQTT
-    orders the retained messages of one topic) and the one whose record is not retained stops
-    at its next tick: leadership is decided by the record the broker kept."""
-    return current is None or current.node == me or now >= current.until
+def lease_of(payload: bytes) -> Optional[Lease]:
+    """The lease a retained payload states (None: empty, oversized or malformed). Never raises."""
+    d: Any = None
+    if payload and len(payload) <= MAX_LEASE_BYTES:
+        try:
+            d = json.loads(payload)
+        except (ValueError, RecursionError):
+            d = None
+    return parse_lease(d)
 
 
 # How far ahead of a reader's own clock a lease's `until` may be. A real leader writes its clock
@@ -259,31 +275,115 @@ def lease_bound(lease: float, period: float) -> float:
     return max(float(lease) + 3.0 * float(period), MIN_LEASE_AHEAD)
 
 
-def accept_lease(current: Optional[Lease], new: Optional[Lease], now: float,
-                 max_ahead: float) -> Tuple[Optional[Lease], Optional[str]]:
-    """The lease a reader holds as valid after the record `new` arrived (None: absent or
-    malformed), and why `new` was refused (None: accepted).
+def claim_problem(writer: str, lease: Optional[Lease], now: float, max_ahead: float) -> Optional[str]:
+    """Why the record `lease` on node `writer`'s own topic is refused (None: kept as its claim;
+    an absent record is no claim and no problem either). The topic names the writer, as the ACL
+    proves: a record naming another node is a forgery, one far past the reader's clock would
+    hold the role for ever."""
+    if lease is None:
+        return None
+    if lease.node != writer:
+        return f"record on {writer[:40]}'s topic names node {lease.node[:40]!r}"
+    if lease.until > now + max_ahead:
+        return (f"lease of {writer[:40]} until {lease.until:.0f} is {lease.until - now:.0f} s ahead of this "
+                f"node's clock (at most {max_ahead:.0f} s)")
+    return None
 
-    Everything on the record's topic is hostile: any node identity may write it. So a reader
-    - refuses a lease whose `until` is more than `max_ahead` seconds past its own clock;
-    - takes a new holder only once the lease it holds ran out by its own clock (a node cannot
-      take the role from a leader whose lease is running), or from the holder itself (renewal);
-    - keeps the lease it holds when the record is cleared or malformed while that lease runs (a
-      clear would otherwise free the role for a forger's claim at once); it runs out by itself.
-    """
-    held = current is not None and now < current.until
-    if new is None:
-        if held:
-            assert current is not None
-            return current, f"record cleared or malformed while {current.node}'s lease runs"
-        return None, None
-    if new.until > now + max_ahead:
-        return (current if held else None), (
-            f"lease of {new.node[:40]!r} until {new.until:.0f} is {new.until - now:.0f} s ahead of this "
-            f"node's clock (at most {max_ahead:.0f} s)")
-    if held and current is not None and new.node != current.node:
-        return current, f"{new.node[:40]!r} claims the lease {current.node} holds until {current.until:.0f}"
-    return new, None
+
+def valid_claims(claims: Mapping[str, Optional[Lease]], online: Mapping[str, bool], now: float,
+                 max_ahead: float) -> Dict[str, Lease]:
+    """The claims that are leases now: keyed by the node whose topic carried them, naming that
+    node, running (`now < until`), at most `max_ahead` past `now`, and of a node whose retained
+    status says online (a holder gone offline, a revoked certificate included, holds nothing)."""
+    return {w: c for w, c in claims.items()
+            if c is not None and c.node == w and now < c.until <= now + max_ahead and online.get(w) is True}
+
+
+def leader(claims: Mapping[str, Optional[Lease]], online: Mapping[str, bool], now: float, max_ahead: float,
+           held: Optional[str] = None) -> Optional[Lease]:
+    """The site manager as one reader sees it: its lease, or None (nobody leads).
+
+    `claims`: node -> the last record on that node's own topic. `held`: the leader this reader
+    followed so far. Pure, and only valid claims count (`valid_claims`):
+    - the leader a reader follows stays while its claim is valid: a newer claim beside it, by a
+      node that does not yield, takes nothing (election stability; no node takes a running lease);
+    - otherwise the one valid claim; with several (two candidates that claimed at once, or a
+      node that claims beside the leader), none until one remains: picking one by a rule the
+      claimer controls (a name, a time it writes) would hand the role to a forger, and the
+      honest loser of a race withdraws within a period (SiteDriver)."""
+    valid = valid_claims(claims, online, now, max_ahead)
+    if held is not None and held in valid:
+        return valid[held]
+    if len(valid) == 1:
+        return next(iter(valid.values()))
+    return None
+
+
+MAX_CLAIMS = 4096  # distinct claimers a reader keeps (the ACL bounds them by the node list)
+
+
+class LeaseBoard:
+    """One reader's claims and the leader it follows (sans-IO state; `leader` decides).
+
+    Fed with every record on `agents/+/site_manager` (`on_record`); `current` says who leads for
+    this reader now. A candidate that leads puts its own lease here (`lead`), since it knows its
+    record before the broker echoes it back."""
+
+    def __init__(self, me: str, max_ahead: float, max_claims: int = MAX_CLAIMS) -> None:
+        self.me = me
+        self.max_ahead = max_ahead
+        self.max_claims = max_claims
+        self.claims: Dict[str, Lease] = {}
+        self.held: Optional[str] = None  # the leader this reader follows
+        self.previous: Optional[str] = None  # the last other node it followed (whose released list a new leader inherits)
+        self.own: Optional[Lease] = None  # this node's lease while it leads
+
+    def on_record(self, writer: str, payload: bytes, now: float) -> Optional[str]:
+        """A record on `writer`'s own topic (empty: cleared, the writer withdrew). Returns why it
+        was refused (None: kept); a refused record also voids the writer's previous claim (the
+        broker replaced it)."""
+        lease = lease_of(payload)
+        problem = "malformed record" if payload and lease is None else claim_problem(writer, lease, now, self.max_ahead)
+        if lease is None or problem:
+            self.claims.pop(writer, None)
+            return problem
+        if writer not in self.claims and len(self.claims) >= self.max_claims:
+            return f"more than {self.max_claims} claimers: {writer[:40]}'s claim not kept"
+        self.claims[writer] = lease
+        return None
+
+    def valid(self, online: Mapping[str, bool], now: float) -> Dict[str, Lease]:
+        claims, up = self._inputs(online)
+        return valid_claims(claims, up, now, self.max_ahead)
+
+    def current(self, online: Mapping[str, bool], now: float) -> Optional[Lease]:
+        """The leader now (`leader` on this reader's claims and `held`), which it then follows."""
+        claims, up = self._inputs(online)
+        got = leader(claims, up, now, self.max_ahead, self.held)
+        self.held = got.node if got is not None else None
+        if got is not None and got.node != self.me:
+            self.previous = got.node
+        return got
+
+    def lead(self, lease: Lease) -> None:
+        """This node leads with `lease` (its own record, published now)."""
+        self.own = lease
+        self.held = self.me
+
+    def withdraw(self) -> None:
+        """This node stopped leading (its record is cleared)."""
+        self.own = None
+        self.claims.pop(self.me, None)
+        if self.held == self.me:
+            self.held = None
+
+    def _inputs(self, online: Mapping[str, bool]) -> Tuple[Dict[str, Optional[Lease]], Dict[str, bool]]:
+        claims: Dict[str, Optional[Lease]] = dict(self.claims)
+        if self.own is not None:
+            claims[self.me] = self.own
+        up = dict(online)
+        up[self.me] = True  # this reader runs: its own claim is not void for a status it has not seen yet
+        return claims, up
 
 
 _HOOK_NODE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")

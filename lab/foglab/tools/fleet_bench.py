@@ -93,7 +93,7 @@ AGENT_FILTERS = (
     "agents/+/hosted",
     "agents/+/rehomed",
     "pipelines/+",
-    "site_manager",
+    "agents/+/site_manager",
     "latency/{n}/ping/+",
     "latency/{n}/pong/+",
 )
