@@ -246,6 +246,10 @@ def _spool_cap(run: Path, node: str) -> int:
     return int(out.split("=")[1]) if "=" in out else 0
 
 
+def _utc(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
 def run_uplink_cut(cut_seconds: float = 300.0, site: Optional[str] = None, cut_at: float = 40.0, after: float = 60.0,
                    rate: float = 200.0, land_timeout: float = 600.0, run: Optional[Path] = None,
                    sample_every: float = 15.0,
@@ -273,7 +277,9 @@ def run_uplink_cut(cut_seconds: float = 300.0, site: Optional[str] = None, cut_a
     duration = cut_at + cut_seconds + after
     stamp = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
     sink_dirs = {s.name: f"{testbed_pipeline.STATE_DIR}/testbed-runs/{stamp}-{s.name}" for s in layout.sites}
-    pipelines = {s.name: f"tb{s.name}" for s in layout.sites}
+    # A pipeline name of this run per site: the sources are seeded, so a previous run's records at
+    # the centre would otherwise have the same ids and count as duplicates.
+    pipelines = {s.name: f"tb{s.name}x{stamp[-6:]}" for s in layout.sites}
     brokers = {s.name: f"{address[s.broker]}:1883" for s in layout.sites}
     cap = _spool_cap(run, cut.broker)
     if not _reaches(run, cut.broker, central_address, CENTRAL_PORT):
@@ -359,8 +365,12 @@ def run_uplink_cut(cut_seconds: float = 300.0, site: Optional[str] = None, cut_a
             break
         previous = len(ledger)
         time.sleep(10.0)
-    files = _landed_files(run, layout.central)
-    ledger = file_entries(_ledger(run, layout.central), files)
+    # This run's files only: the landing zone keeps earlier runs' files (all landed before this
+    # run started: each run waits for its own landing).
+    ledger_all = _ledger(run, layout.central)
+    since = {str(e.get("file_id")) for e in ledger_all if float(e.get("landed_at", 0.0)) >= started}
+    files = [(fid, ids) for fid, ids in _landed_files(run, layout.central) if fid in since]
+    ledger = file_entries(ledger_all, files)
     counts: "Counter[Tuple[str, int]]" = Counter()
     for _, ids in files:
         counts.update(ids)
@@ -393,7 +403,9 @@ def run_uplink_cut(cut_seconds: float = 300.0, site: Optional[str] = None, cut_a
             "cut_at_s": round(t_cut - started, 1), "duration_s": duration, "rate": rate,
             "backlog_landed_after_heal_s": None if backlog is None else round(backlog, 1),
             "all_landed_after_heal_s": None if last is None else round(last - t_heal, 1),
-            "spool_cap_bytes": cap, "spool_files_left": files_left,
+            "started_utc": _utc(started), "cut_utc": _utc(t_cut), "healed_utc": _utc(t_heal),
+            "recorded_at_cut": timeline["recorded_at_cut"], "recorded_at_heal": timeline["recorded_at_heal"],
+            "files_landed": len(files), "spool_cap_bytes": cap, "spool_files_left": files_left,
             "landing": {k: asdict(v) for k, v in landing.items()}, "sites": per_site,
             "samples": timeline["samples"], "checks": [asdict(c) for c in checks],
             "ok": all(c.ok for c in checks), "seconds": round(time.time() - started, 1), "kept": str(keep)}
