@@ -115,6 +115,8 @@ def register(groups: Any) -> None:
     group.add_argument("--heal", action="store_true", help="heal a cut node")
     part.add_argument("--uplink", action="store_true",
                       help="only a site broker's link to the centre (`up --sites`): its site keeps its broker")
+    part.add_argument("--silent", action="store_true",
+                      help="with --uplink: unplug the link instead of taking it down (no carrier loss: packets vanish)")
     part.set_defaults(func=fault_cmd, fault="partition")
 
     cut = sub.add_parser("uplink-cut", help="sites testbed: a pipeline on each site, one site's uplink cut for "
@@ -127,6 +129,8 @@ def register(groups: Any) -> None:
     cut.add_argument("--rate", type=float, default=200.0, help="records/s of each site's load step (default 200)")
     cut.add_argument("--land-timeout", type=float, default=600.0,
                      help="seconds to wait for the spill to land after the pipelines ended (default 600)")
+    cut.add_argument("--silent", action="store_true",
+                     help="a silent cut: the uplink stays up but packets vanish (see `partition --silent`)")
     cut.add_argument("--json", action="store_true", help="print the summary as JSON")
     cut.set_defaults(func=uplink_cut_cmd)
 
@@ -327,16 +331,16 @@ def fault_cmd(args: argparse.Namespace) -> int:
             pid = testbed.start_node(args.node, progress=lambda line: print(f"testbed: {line}", file=sys.stderr))
             print(f"{args.node}: booted (nspawn pid {pid}), sshd answers")
         elif args.heal:
-            testbed.partition(args.node, cut=False, uplink=args.uplink)
+            testbed.partition(args.node, cut=False, uplink=args.uplink, silent=args.silent)
             print(f"{args.node}: healed")
         else:
-            testbed.partition(args.node, cut=True, uplink=args.uplink)
+            testbed.partition(args.node, cut=True, uplink=args.uplink, silent=args.silent)
             print(f"{args.node}: {'uplink ' if args.uplink else ''}cut off")
             if args.seconds is not None:
                 try:
                     time.sleep(args.seconds)
                 finally:
-                    testbed.partition(args.node, cut=False, uplink=args.uplink)
+                    testbed.partition(args.node, cut=False, uplink=args.uplink, silent=args.silent)
                 print(f"{args.node}: healed after {args.seconds:g} s")
     except testbed.TestbedError as exc:
         print(f"testbed: {exc}", file=sys.stderr)
@@ -349,7 +353,8 @@ def uplink_cut_cmd(args: argparse.Namespace) -> int:
 
     try:
         summary = testbed_uplink.run_uplink_cut(cut_seconds=args.cut_seconds, site=args.site, cut_at=args.cut_at,
-                                                after=args.after, rate=args.rate, land_timeout=args.land_timeout)
+                                                after=args.after, rate=args.rate, land_timeout=args.land_timeout,
+                                                silent=args.silent)
     except (testbed.TestbedError, ValueError) as exc:
         print(f"testbed: {exc}", file=sys.stderr)
         return 1

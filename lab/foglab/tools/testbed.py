@@ -1103,16 +1103,27 @@ def start_node(name: str, run: Optional[Path] = None, boot_timeout: Optional[flo
     return int(entry["pid"])  # type: ignore[arg-type]
 
 
-def partition(name: str, cut: bool, run: Optional[Path] = None, uplink: bool = False) -> None:
+def partition(name: str, cut: bool, run: Optional[Path] = None, uplink: bool = False, silent: bool = False) -> None:
     """Cut the node off the bridge (every other node, the broker, the host) or heal it: the host
     side of its veth goes down or up; the container sees its link drop, nothing is restarted.
 
     `uplink`: only a site broker's link to the centre (`vu-<name>`, testbed_sites): its site's
-    nodes still reach it on the site's bridge, the centre does not."""
+    nodes still reach it on the site's bridge, the centre does not. `silent` (uplink only): the
+    link stays up but is unplugged from the uplink bridge, so packets vanish with no carrier loss
+    and no reset, as when a radio link drops beyond the site's own interface (a connect then
+    waits for its SYN timeout instead of failing at once)."""
     run = run or run_dir(cache_dir())
-    entry = _node_entry(_require_state(run), name)
+    state = _require_state(run)
+    entry = _node_entry(state, name)
     if uplink and not entry.get("uplink_address"):
         raise TestbedError(f"{name} has no uplink (only a site broker of `testbed up --sites` has one)")
+    if silent and not uplink:
+        raise TestbedError("a silent cut is for an uplink only: add --uplink")
     link = f"vu-{name}" if uplink else f"vb-{name}"
     what = f"{name}'s uplink" if uplink else name
+    if silent:
+        argv = ["ip", "link", "set", link, "nomaster"] if cut else ["ip", "link", "set", link, "master",
+                                                                    str(state.uplink_bridge)]
+        _run(argv, f"{'cutting' if cut else 'healing'} {what} (silent)")
+        return
     _run(["ip", "link", "set", link, "down" if cut else "up"], f"{'cutting' if cut else 'healing'} {what}")

@@ -167,7 +167,8 @@ def table(summary: Dict[str, Any]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     out = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
     out.append("")
-    out.append(f"cut {summary['cut_seconds']:g} s of {summary['cut_site']}'s uplink; backlog landed "
+    out.append(f"cut {summary['cut_seconds']:g} s of {summary['cut_site']}'s uplink "
+               f"({summary.get('cut_kind', 'link down')}); backlog landed "
                f"{summary['backlog_landed_after_heal_s']} s after the heal; all landed "
                f"{summary['all_landed_after_heal_s']} s after the heal")
     for c in summary["checks"]:
@@ -252,7 +253,7 @@ def _utc(t: float) -> str:
 
 def run_uplink_cut(cut_seconds: float = 300.0, site: Optional[str] = None, cut_at: float = 40.0, after: float = 60.0,
                    rate: float = 200.0, land_timeout: float = 600.0, run: Optional[Path] = None,
-                   sample_every: float = 15.0,
+                   sample_every: float = 15.0, silent: bool = False,
                    progress: Callable[[str], None] = lambda line: print(f"uplink-cut: {line}", flush=True,
                                                                         file=__import__("sys").stderr)) -> Dict[str, Any]:
     """Run the pipelines, cut `site`'s uplink from `cut_at` for `cut_seconds`, heal, wait for the
@@ -307,7 +308,7 @@ def run_uplink_cut(cut_seconds: float = 300.0, site: Optional[str] = None, cut_a
     def schedule() -> int:
         """The cut: what `during` of the cut site's pipeline runs, `cut_at` s after its deploy."""
         before = {s.name: _recorded(run, s, sink_dirs[s.name]) for s in layout.sites}
-        testbed.partition(cut.broker, cut=True, run=run, uplink=True)
+        testbed.partition(cut.broker, cut=True, run=run, uplink=True, silent=silent)
         t_cut = time.time()
         timeline.update(cut_at=t_cut, recorded_at_cut=before)
         progress(f"cut {cut.name}'s uplink ({cut.broker} -> {layout.central}) for {cut_seconds:g} s")
@@ -319,7 +320,7 @@ def run_uplink_cut(cut_seconds: float = 300.0, site: Optional[str] = None, cut_a
                 sample(t_cut)
                 time.sleep(max(0.0, min(sample_every, cut_seconds - (time.time() - t_cut))))
         finally:
-            testbed.partition(cut.broker, cut=False, run=run, uplink=True)
+            testbed.partition(cut.broker, cut=False, run=run, uplink=True, silent=silent)
         t_heal = time.time()
         timeline.update(healed_at=t_heal,
                         recorded_at_heal={s.name: _recorded(run, s, sink_dirs[s.name]) for s in layout.sites})
@@ -399,7 +400,7 @@ def run_uplink_cut(cut_seconds: float = 300.0, site: Optional[str] = None, cut_a
                      bool(timeline.get("broker_reached_centre_during_cut")),
                      bool(timeline.get("nodes_reached_broker_during_cut")),
                      max(d["spool_peak_bytes"] for d in per_site.values()), cap, files_left)
-    return {"cut_site": cut.name, "cut_broker": cut.broker, "cut_seconds": round(t_heal - t_cut, 1),
+    return {"cut_site": cut.name, "cut_broker": cut.broker, "cut_kind": "silent" if silent else "link down", "cut_seconds": round(t_heal - t_cut, 1),
             "cut_at_s": round(t_cut - started, 1), "duration_s": duration, "rate": rate,
             "backlog_landed_after_heal_s": None if backlog is None else round(backlog, 1),
             "all_landed_after_heal_s": None if last is None else round(last - t_heal, 1),
