@@ -26,6 +26,7 @@ from __future__ import annotations
 import io
 import json
 import subprocess
+import sys
 import tarfile
 import tempfile
 import threading
@@ -254,10 +255,10 @@ def _utc(t: float) -> str:
 def run_uplink_cut(cut_seconds: float = 300.0, site: Optional[str] = None, cut_at: float = 40.0, after: float = 60.0,
                    rate: float = 200.0, land_timeout: float = 600.0, run: Optional[Path] = None,
                    sample_every: float = 15.0, silent: bool = False,
-                   progress: Callable[[str], None] = lambda line: print(f"uplink-cut: {line}", flush=True,
-                                                                        file=__import__("sys").stderr)) -> Dict[str, Any]:
+                   progress: Optional[Callable[[str], None]] = None) -> Dict[str, Any]:
     """Run the pipelines, cut `site`'s uplink from `cut_at` for `cut_seconds`, heal, wait for the
     spill to land, count every record at the centre; returns the summary with `checks` and `ok`."""
+    progress = progress or (lambda line: print(f"uplink-cut: {line}", file=sys.stderr, flush=True))
     if cut_seconds <= 0 or cut_at < 0 or after < 0 or rate <= 0:
         raise ValueError("--cut-seconds and --rate must be positive, --cut-at and --after not negative")
     run = run or testbed.run_dir(testbed.cache_dir())
