@@ -17,7 +17,11 @@ def register(groups: Any) -> None:
     p.set_defaults(func=lambda args: (p.print_help(sys.stderr), 2)[1])
 
     up = sub.add_parser("up", help="build or reuse the cached root, boot N containers, write the inventory")
-    up.add_argument("--nodes", type=int, default=2, help="number of containers (default 2)")
+    up.add_argument("--nodes", type=int, default=2, help="number of containers (default 2); with --sites, per site")
+    up.add_argument("--sites", type=int, default=None,
+                    help="boot S sites of --nodes nodes (the first of each runs the site broker) and a central "
+                         "node (central broker and collector) on a bridge of its own, reached by each site "
+                         "broker through an uplink that `partition --uplink` cuts alone")
     up.add_argument("--arch", choices=("amd64", "arm64"), default="amd64",
                     help="architecture of the root (arm64 needs qemu-user-static and binfmt_misc)")
     up.add_argument("--deb", type=Path, default=None,
@@ -109,7 +113,26 @@ def register(groups: Any) -> None:
     group.add_argument("--seconds", type=float, help="cut, wait, heal")
     group.add_argument("--cut", action="store_true", help="cut and return")
     group.add_argument("--heal", action="store_true", help="heal a cut node")
+    part.add_argument("--uplink", action="store_true",
+                      help="only a site broker's link to the centre (`up --sites`): its site keeps its broker")
+    part.add_argument("--silent", action="store_true",
+                      help="with --uplink: unplug the link instead of taking it down (no carrier loss: packets vanish)")
     part.set_defaults(func=fault_cmd, fault="partition")
+
+    cut = sub.add_parser("uplink-cut", help="sites testbed: a pipeline on each site, one site's uplink cut for "
+                         "--cut-seconds, healed; verdict: every record of every site landed once at the centre")
+    cut.add_argument("--cut-seconds", type=float, default=300.0, help="length of the cut (default 300)")
+    cut.add_argument("--site", default=None, help="the site whose uplink is cut (default: the first)")
+    cut.add_argument("--cut-at", type=float, default=40.0, help="seconds after the deploy to cut (default 40)")
+    cut.add_argument("--after", type=float, default=60.0,
+                     help="seconds the sources keep running after the heal (default 60)")
+    cut.add_argument("--rate", type=float, default=200.0, help="records/s of each site's load step (default 200)")
+    cut.add_argument("--land-timeout", type=float, default=600.0,
+                     help="seconds to wait for the spill to land after the pipelines ended (default 600)")
+    cut.add_argument("--silent", action="store_true",
+                     help="a silent cut: the uplink stays up but packets vanish (see `partition --silent`)")
+    cut.add_argument("--json", action="store_true", help="print the summary as JSON")
+    cut.set_defaults(func=uplink_cut_cmd)
 
     ssh = sub.add_parser("ssh", help="run a command on a node (as root, with the fleet's key)")
     ssh.add_argument("node", help="node name, e.g. fog1")
@@ -121,7 +144,16 @@ def up_cmd(args: argparse.Namespace) -> int:
     from foglab.tools import testbed
 
     try:
-        result = testbed.up(args.nodes, args.arch, deb=args.deb)
+        if args.sites is not None:
+            from foglab.tools import testbed_sites
+
+            result, layout = testbed_sites.up_sites(args.sites, args.nodes, deb=args.deb, arch=args.arch)
+            if not args.json:
+                for site in layout.sites:
+                    print(f"{site.name}: {', '.join(site.nodes)} (broker {site.broker}, bridge identity {site.identity})")
+                print(f"central: {layout.central}")
+        else:
+            result = testbed.up(args.nodes, args.arch, deb=args.deb)
     except testbed.TestbedError as exc:
         print(f"testbed: {exc}", file=sys.stderr)
         return 1
@@ -299,18 +331,35 @@ def fault_cmd(args: argparse.Namespace) -> int:
             pid = testbed.start_node(args.node, progress=lambda line: print(f"testbed: {line}", file=sys.stderr))
             print(f"{args.node}: booted (nspawn pid {pid}), sshd answers")
         elif args.heal:
-            testbed.partition(args.node, cut=False)
+            testbed.partition(args.node, cut=False, uplink=args.uplink, silent=args.silent)
             print(f"{args.node}: healed")
         else:
-            testbed.partition(args.node, cut=True)
-            print(f"{args.node}: cut off")
+            testbed.partition(args.node, cut=True, uplink=args.uplink, silent=args.silent)
+            print(f"{args.node}: {'uplink ' if args.uplink else ''}cut off")
             if args.seconds is not None:
                 try:
                     time.sleep(args.seconds)
                 finally:
-                    testbed.partition(args.node, cut=False)
+                    testbed.partition(args.node, cut=False, uplink=args.uplink, silent=args.silent)
                 print(f"{args.node}: healed after {args.seconds:g} s")
     except testbed.TestbedError as exc:
         print(f"testbed: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def uplink_cut_cmd(args: argparse.Namespace) -> int:
+    from foglab.tools import testbed, testbed_uplink
+
+    try:
+        summary = testbed_uplink.run_uplink_cut(cut_seconds=args.cut_seconds, site=args.site, cut_at=args.cut_at,
+                                                after=args.after, rate=args.rate, land_timeout=args.land_timeout,
+                                                silent=args.silent)
+    except (testbed.TestbedError, ValueError) as exc:
+        print(f"testbed: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(summary, indent=1, default=str))
+    else:
+        print(testbed_uplink.table(summary))
+    return 0 if summary["ok"] else 1

@@ -74,9 +74,15 @@ class TestbedError(RuntimeError):
 
 @dataclass(frozen=True)
 class Node:
+    """One container. `bridge`: the host bridge its `host0` is plugged into (None: the plan's).
+    `uplink_address`: a site broker's address on the plan's uplink bridge, through a second link
+    (`uplink0` inside, `vu-<name>` on the host), so that the link to the centre can be cut alone
+    (docs/operations.md, "Sites on the testbed")."""
     name: str
     address: str
     arch: str
+    bridge: Optional[str] = None
+    uplink_address: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,12 @@ class Plan:
     bridge: str = BRIDGE
     host_address: str = f"{SUBNET}.1"
     prefix_len: int = PREFIX_LEN
+    # A second bridge (sites: the centre and the site brokers' uplinks); None: one bridge only.
+    uplink_bridge: Optional[str] = None
+    uplink_host_address: Optional[str] = None
+
+    def bridge_of(self, node: Node) -> str:
+        return node.bridge or self.bridge
 
     @property
     def broker(self) -> Node:
@@ -157,10 +169,24 @@ def nspawn_argv(node: Node, machine_root: Path, bridge: str) -> List[str]:
     """Boot the node with systemd as PID 1 on its own network namespace, plugged into the bridge.
 
     --register=no --keep-unit: the host has no system bus and systemd is not its PID 1, so nspawn
-    must neither ask machined to register the machine nor create a scope unit."""
+    must neither ask machined to register the machine nor create a scope unit. A node with an
+    uplink gets a second veth pair (`uplink_link(node)` on the host, `uplink0` inside), which
+    `up` plugs into the uplink bridge."""
+    extra = [f"--network-veth-extra={uplink_link(node)}:uplink0"] if node.uplink_address else []
     return ["systemd-nspawn", "--quiet", "--register=no", "--keep-unit", "--boot",
             f"--machine={node.name}", f"--directory={machine_root}", f"--network-bridge={bridge}",
-            "--console=pipe", "--resolv-conf=off", "--timezone=off", "--link-journal=no"]
+            *extra, "--console=pipe", "--resolv-conf=off", "--timezone=off", "--link-journal=no"]
+
+
+def uplink_link(node: Node) -> str:
+    """The host side of a site broker's uplink veth: what `partition --uplink` takes down."""
+    return f"vu-{node.name}"
+
+
+def uplink_network_unit(node: Node, plan: Plan) -> str:
+    """systemd-networkd's file for a site broker's second link, on the uplink bridge."""
+    return (f"[Match]\nName=uplink0\n\n[Network]\nAddress={node.uplink_address}/{plan.prefix_len}\n"
+            "LinkLocalAddressing=no\nIPv6AcceptRA=no\n")
 
 
 def network_unit(node: Node, plan: Plan) -> str:
@@ -171,6 +197,8 @@ def network_unit(node: Node, plan: Plan) -> str:
 
 def hosts_file(plan: Plan) -> str:
     lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback", f"{plan.host_address}\ttestbed-host"]
+    if plan.uplink_host_address:
+        lines.append(f"{plan.uplink_host_address}\ttestbed-host-uplink")
     lines += [f"{n.address}\t{n.name}" for n in plan.nodes]
     return "\n".join(lines) + "\n"
 
@@ -243,6 +271,7 @@ class State:
     nodes: List[Dict[str, object]] = field(default_factory=list)  # name, address, pid, mount
     inventory: Optional[str] = None
     key: Optional[str] = None
+    uplink_bridge: Optional[str] = None  # sites: the centre's bridge (the nodes' entries name theirs)
     admin_password: Optional[str] = None
     binfmt_mounted: bool = False  # what up did for a foreign arch (binfmt_setup), undone by down
     binfmt_registered: Optional[str] = None
@@ -469,6 +498,8 @@ def _prepare_machine(node: Node, plan: Plan, lower: Path, mdir: Path, pubkey: st
     (etc / "hosts").write_text(hosts_file(plan))
     (etc / "systemd" / "network").mkdir(parents=True, exist_ok=True)
     (etc / "systemd" / "network" / "10-testbed.network").write_text(network_unit(node, plan))
+    if node.uplink_address:
+        (etc / "systemd" / "network" / "11-uplink.network").write_text(uplink_network_unit(node, plan))
     ssh = merged / "root" / ".ssh"
     ssh.mkdir(mode=0o700, parents=True, exist_ok=True)
     (ssh / "authorized_keys").write_text(pubkey)
@@ -704,8 +735,12 @@ def _password() -> str:
 
 def up(n: int, arch: str = "amd64", deb: Optional[Path] = None, cache: Optional[Path] = None,
        progress: Progress = _stderr_progress, boot_timeout: Optional[float] = None, run: Optional[Path] = None,
-       prefix: str = NODE_PREFIX, bridge: str = BRIDGE, subnet: str = SUBNET, suite: str = SUITE) -> UpResult:
-    plan = make_plan(n, arch, prefix, bridge, subnet)
+       prefix: str = NODE_PREFIX, bridge: str = BRIDGE, subnet: str = SUBNET, suite: str = SUITE,
+       plan: Optional[Plan] = None, inventory_writer: Optional[Callable[..., str]] = None) -> UpResult:
+    """Boot the fleet of `make_plan(n, ...)`, or of `plan` (sites: testbed_sites.make_sites_plan),
+    and write its inventory with `inventory_writer` (same arguments as `inventory_yaml`)."""
+    plan = plan or make_plan(n, arch, prefix, bridge, subnet)
+    inventory_writer = inventory_writer or inventory_yaml
     preflight(arch)
     cache = cache or cache_dir()
     # Absolute: the overlays' options and nspawn's --directory name it, and they are how the
@@ -714,11 +749,16 @@ def up(n: int, arch: str = "amd64", deb: Optional[Path] = None, cache: Optional[
     if (run / STATE_FILE).exists():
         raise TestbedError(f"a testbed is already up ({run / STATE_FILE}); run `fog-agent testbed down` first")
     started = time.monotonic()
-    if Path(f"/sys/class/net/{plan.bridge}").exists():
-        raise TestbedError(f"the host already has an interface {plan.bridge}: run `fog-agent testbed down` first")
-    prefix_used = f" {plan.host_address.rsplit('.', 1)[0]}."
-    if prefix_used in _run(["ip", "-o", "-4", "addr", "show"], "listing the host's addresses"):
-        raise TestbedError(f"the host already has an address in{prefix_used}0/24: pick another subnet")
+    bridges = [(plan.bridge, plan.host_address)]
+    if plan.uplink_bridge and plan.uplink_host_address:
+        bridges.append((plan.uplink_bridge, plan.uplink_host_address))
+    addresses = _run(["ip", "-o", "-4", "addr", "show"], "listing the host's addresses")
+    for name, address in bridges:
+        if Path(f"/sys/class/net/{name}").exists():
+            raise TestbedError(f"the host already has an interface {name}: run `fog-agent testbed down` first")
+        prefix_used = f" {address.rsplit('.', 1)[0]}."
+        if prefix_used in addresses:
+            raise TestbedError(f"the host already has an address in{prefix_used}0/24: pick another subnet")
     run.mkdir(parents=True, exist_ok=True)
     state = State(arch=arch)
     state_path = run / STATE_FILE
@@ -737,11 +777,15 @@ def up(n: int, arch: str = "amd64", deb: Optional[Path] = None, cache: Optional[
             _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "fog-testbed", "-f", str(key)], "ssh-keygen")
         state.key = str(key)
         pubkey = (run / "id_ed25519.pub").read_text()
-        _run(["ip", "link", "add", plan.bridge, "type", "bridge"], f"creating bridge {plan.bridge}")
-        state.bridge = plan.bridge
-        state.save(state_path)
-        _run(["ip", "addr", "add", f"{plan.host_address}/{plan.prefix_len}", "dev", plan.bridge], "bridge address")
-        _run(["ip", "link", "set", plan.bridge, "up"], "bridge up")
+        for i, (name, address) in enumerate(bridges):
+            _run(["ip", "link", "add", name, "type", "bridge"], f"creating bridge {name}")
+            if i == 0:
+                state.bridge = name
+            else:
+                state.uplink_bridge = name
+            state.save(state_path)
+            _run(["ip", "addr", "add", f"{address}/{plan.prefix_len}", "dev", name], "bridge address")
+            _run(["ip", "link", "set", name, "up"], "bridge up")
         known_hosts = run / "known_hosts"
         lines = []
         logs = run / "logs"
@@ -750,10 +794,15 @@ def up(n: int, arch: str = "amd64", deb: Optional[Path] = None, cache: Optional[
             mdir = run / "machines" / node.name
             merged = _prepare_machine(node, plan, root, mdir, pubkey)
             entry: Dict[str, object] = {"name": node.name, "address": node.address, "mount": str(merged), "pid": None}
+            if node.bridge:
+                entry["bridge"] = node.bridge
+            if node.uplink_address:
+                entry["uplink_address"] = node.uplink_address
             state.nodes.append(entry)
             state.save(state_path)
             lines.append(_host_key_line(node, merged))
-            entry["pid"] = _boot(node, merged, plan.bridge, logs / f"{node.name}.console")
+            entry["pid"] = _boot(node, merged, plan.bridge_of(node), logs / f"{node.name}.console",
+                                 plan.uplink_bridge)
             state.save(state_path)
             progress(f"booting {node.name} ({node.address}), nspawn pid {entry['pid']}")
             if needs_emulation(arch):
@@ -766,8 +815,8 @@ def up(n: int, arch: str = "amd64", deb: Optional[Path] = None, cache: Optional[
         inv_dir = run / "inventory"
         inv_dir.mkdir(exist_ok=True)
         inventory = inv_dir / "hosts.yml"
-        inventory.write_text(inventory_yaml(plan, key, known_hosts, passwords,
-                                            deb.resolve() if deb is not None else None))
+        inventory.write_text(inventory_writer(plan, key, known_hosts, passwords,
+                                              deb.resolve() if deb is not None else None))
         os.chmod(inventory, 0o600)
         state.inventory = str(inventory)
         state.admin_password = passwords["fogctl-admin"]
@@ -785,11 +834,20 @@ def up(n: int, arch: str = "amd64", deb: Optional[Path] = None, cache: Optional[
                     root_seconds=round(root_seconds, 1), seconds=round(time.monotonic() - started, 1))
 
 
-def _boot(node: Node, mount: Path, bridge: str, console: Path) -> int:
-    """Start nspawn on the node's disk (its console appended to `console`); returns nspawn's pid."""
+def _boot(node: Node, mount: Path, bridge: str, console: Path, uplink_bridge: Optional[str] = None) -> int:
+    """Start nspawn on the node's disk (its console appended to `console`); returns nspawn's pid.
+    A node with an uplink gets its second veth plugged into `uplink_bridge` once nspawn made it."""
     with open(console, "ab") as out:
         proc = subprocess.Popen(nspawn_argv(node, mount, bridge), stdin=subprocess.DEVNULL, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
+    if node.uplink_address:
+        if not uplink_bridge:
+            raise TestbedError(f"{node.name} has an uplink but the testbed has no uplink bridge")
+        link = uplink_link(node)
+        if not _wait_until(lambda: Path(f"/sys/class/net/{link}").exists(), 60.0, step=0.1):
+            raise TestbedError(f"{node.name}: nspawn made no {link} within 60 s")
+        _run(["ip", "link", "set", link, "master", uplink_bridge], f"plugging {link} into {uplink_bridge}")
+        _run(["ip", "link", "set", link, "up"], f"{link} up")
     return proc.pid
 
 
@@ -815,15 +873,15 @@ def _shut_down(machines: str, timeout: float) -> None:
         _wait_until(lambda: not nspawns_under(machines), timeout, step=0.2)
 
 
-def leftovers(run: Path, names: Iterable[str], bridge: Optional[str]) -> List[str]:
+def leftovers(run: Path, names: Iterable[str], bridge: Optional[str], uplink_bridge: Optional[str] = None) -> List[str]:
     """What of a testbed is still on the host: processes on its disks, its nspawns, its mounts,
     the nodes' veths, its bridge. Empty after a complete `down`."""
     machines = f"{os.path.abspath(run / 'machines')}/"
     left = [f"process {pid} on a disk of {run}" for pid in pids_on_disks(machines)]
     left += [f"systemd-nspawn {pid}" for pid in nspawns_under(machines)]
     left += [f"mount {m}" for m in _mounts_under(machines)]
-    left += [f"link {link}" for link in [f"vb-{n}" for n in names] + ([bridge] if bridge else [])
-             if Path(f"/sys/class/net/{link}").exists()]
+    left += [f"link {link}" for link in [f"vb-{n}" for n in names] + [f"vu-{n}" for n in names]
+             + [b for b in (bridge, uplink_bridge) if b] if Path(f"/sys/class/net/{link}").exists()]
     return left
 
 
@@ -859,17 +917,19 @@ def down(cache: Optional[Path] = None, progress: Progress = _stderr_progress, ti
     # Only what this run directory's state names: without a state, nothing of this testbed was
     # made (up saves the state before it adds anything), and another testbed's bridge is not ours.
     bridge = state.bridge if state else None
+    uplink_bridge = state.uplink_bridge if state else None
     for nd in nodes:
-        veth = f"vb-{nd['name']}"
-        if Path(f"/sys/class/net/{veth}").exists():
-            subprocess.run(["ip", "link", "del", veth], capture_output=True)
-            removed.append(f"veth {veth}")
-    if bridge and Path(f"/sys/class/net/{bridge}").exists():
-        _run(["ip", "link", "del", bridge], f"deleting bridge {bridge}")
-        removed.append(f"bridge {bridge}")
+        for veth in (f"vb-{nd['name']}", f"vu-{nd['name']}"):
+            if Path(f"/sys/class/net/{veth}").exists():
+                subprocess.run(["ip", "link", "del", veth], capture_output=True)
+                removed.append(f"veth {veth}")
+    for b in (bridge, uplink_bridge):
+        if b and Path(f"/sys/class/net/{b}").exists():
+            _run(["ip", "link", "del", b], f"deleting bridge {b}")
+            removed.append(f"bridge {b}")
     if state is not None:
         removed += binfmt_undo(Binfmt(state.binfmt_mounted, state.binfmt_registered))
-    left = leftovers(run, [str(nd["name"]) for nd in nodes], bridge)
+    left = leftovers(run, [str(nd["name"]) for nd in nodes], bridge, uplink_bridge)
     if left:
         raise TestbedError(f"down left {', '.join(left)} (the run directory {run} is kept)")
     if run.exists():
@@ -984,11 +1044,22 @@ def _wipe_disk(machine: Path) -> None:
                 child.unlink()
 
 
+def _node_of(state: State, entry: Dict[str, object]) -> Node:
+    bridge, uplink = entry.get("bridge"), entry.get("uplink_address")
+    return Node(str(entry["name"]), str(entry["address"]), state.arch, str(bridge) if bridge else None,
+                str(uplink) if uplink else None)
+
+
 def _plan_of(state: State) -> Plan:
     """The plan a running testbed was made from, as its state records it."""
-    nodes = tuple(Node(str(nd["name"]), str(nd["address"]), state.arch) for nd in state.nodes)
+    nodes = tuple(_node_of(state, nd) for nd in state.nodes)
+    uplink_host = None
+    if state.uplink_bridge:
+        first = next((n for n in nodes if n.uplink_address), None)
+        uplink_host = f"{first.uplink_address.rsplit('.', 1)[0]}.1" if first and first.uplink_address else None
     return Plan(nodes=nodes, arch=state.arch, bridge=str(state.bridge),
-                host_address=f"{nodes[0].address.rsplit('.', 1)[0]}.1")
+                host_address=f"{nodes[0].address.rsplit('.', 1)[0]}.1", uplink_bridge=state.uplink_bridge,
+                uplink_host_address=uplink_host)
 
 
 def _fresh_disk(state: State, node: Node, machine: Path, run: Path) -> None:
@@ -1017,13 +1088,14 @@ def start_node(name: str, run: Optional[Path] = None, boot_timeout: Optional[flo
     if running:
         raise TestbedError(f"{name} is running (pids {', '.join(map(str, running))}); one machine per disk: "
                            f"`fog-agent testbed kill {name}` first")
-    node = Node(name, str(entry["address"]), state.arch)
+    node = _node_of(state, entry)
     mount = Path(str(entry["mount"]))
     if not _mounted(mount):
         _fresh_disk(state, node, machine, run)
         progress(f"{name}: a fresh disk from the root image with the testbed's identity of the node; reinstall "
                  f"the agent: ansible-playbook -i {state.inventory} site.yml --limit {name}")
-    entry["pid"] = _boot(node, mount, str(state.bridge), run / "logs" / f"{name}.console")
+    entry["pid"] = _boot(node, mount, str(node.bridge or state.bridge), run / "logs" / f"{name}.console",
+                         state.uplink_bridge)
     state.save(run / STATE_FILE)
     if needs_emulation(state.arch):
         address_from_host(int(entry["pid"]), node, PREFIX_LEN)
@@ -1031,9 +1103,27 @@ def start_node(name: str, run: Optional[Path] = None, boot_timeout: Optional[flo
     return int(entry["pid"])  # type: ignore[arg-type]
 
 
-def partition(name: str, cut: bool, run: Optional[Path] = None) -> None:
+def partition(name: str, cut: bool, run: Optional[Path] = None, uplink: bool = False, silent: bool = False) -> None:
     """Cut the node off the bridge (every other node, the broker, the host) or heal it: the host
-    side of its veth goes down or up; the container sees its link drop, nothing is restarted."""
+    side of its veth goes down or up; the container sees its link drop, nothing is restarted.
+
+    `uplink`: only a site broker's link to the centre (`vu-<name>`, testbed_sites): its site's
+    nodes still reach it on the site's bridge, the centre does not. `silent` (uplink only): the
+    link stays up but is unplugged from the uplink bridge, so packets vanish with no carrier loss
+    and no reset, as when a radio link drops beyond the site's own interface (a connect then
+    waits for its SYN timeout instead of failing at once)."""
     run = run or run_dir(cache_dir())
-    _node_entry(_require_state(run), name)
-    _run(["ip", "link", "set", f"vb-{name}", "down" if cut else "up"], f"{'cutting' if cut else 'healing'} {name}")
+    state = _require_state(run)
+    entry = _node_entry(state, name)
+    if uplink and not entry.get("uplink_address"):
+        raise TestbedError(f"{name} has no uplink (only a site broker of `testbed up --sites` has one)")
+    if silent and not uplink:
+        raise TestbedError("a silent cut is for an uplink only: add --uplink")
+    link = f"vu-{name}" if uplink else f"vb-{name}"
+    what = f"{name}'s uplink" if uplink else name
+    if silent:
+        argv = ["ip", "link", "set", link, "nomaster"] if cut else ["ip", "link", "set", link, "master",
+                                                                    str(state.uplink_bridge)]
+        _run(argv, f"{'cutting' if cut else 'healing'} {what} (silent)")
+        return
+    _run(["ip", "link", "set", link, "down" if cut else "up"], f"{'cutting' if cut else 'healing'} {what}")

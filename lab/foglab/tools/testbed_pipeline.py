@@ -34,7 +34,7 @@ STATE_DIR = "/var/lib/fog-agent"
 
 PIPELINE = """
 [pipeline]
-name = "tb"
+name = "{name}"
 coordination = "ack"
 
 [scaling]
@@ -70,7 +70,8 @@ function = "agent.operators.builtin:counting_sink"
 """
 
 
-def pipeline_text(duration: float, rate: float, service_ms: float = 5.0, base: float = 80.0) -> str:
+def pipeline_text(duration: float, rate: float, service_ms: float = 5.0, base: float = 80.0,
+                  name: str = "tb") -> str:
     """A load step from `base` rec/s to `rate` for the middle of `duration`, then the source stops.
 
     in_zone's capacity (1000 / service_ms rec/s) is below `rate`, so the step must be absorbed by
@@ -78,7 +79,7 @@ def pipeline_text(duration: float, rate: float, service_ms: float = 5.0, base: f
     instances land on other containers."""
     t1, t2 = round(duration * 0.15, 1), round(duration * 0.75, 1)
     return PIPELINE.format(t1=t1, t2=t2, t3=round(duration, 1), rate=rate, service_ms=service_ms,
-                           capacity=round(1000.0 / service_ms, 1), base=base)
+                           capacity=round(1000.0 / service_ms, 1), base=base, name=name)
 
 
 class _During:
@@ -202,8 +203,13 @@ def run_pipeline(duration: float = 60.0, rate: float = 500.0, run: Optional[Path
                  progress: Callable[[str], None] = lambda line: print(f"testbed: {line}", file=sys.stderr),
                  settle_timeout: float = 90.0, keep: Optional[Path] = None,
                  during: Union[str, Callable[[], int], None] = None, during_at: float = 10.0,
-                 service_ms: float = 5.0, base: float = 80.0) -> Dict[str, Any]:
+                 service_ms: float = 5.0, base: float = 80.0, broker: Optional[str] = None,
+                 names: Optional[List[str]] = None, name: str = "tb", sink_dir: Optional[str] = None) -> Dict[str, Any]:
     """Deploy, follow, undeploy, verify; `keep`: a directory that gets the collected files.
+
+    `broker` ("host:port"), `names`, `name`, `sink_dir`: one site of a sites testbed (its broker,
+    its nodes, a pipeline name of its own so that record ids differ between sites, and where its
+    sinks write); default: the first node's broker, every node, "tb", a fresh directory.
 
     `during`: a shell command run on the host `during_at` seconds after the deploy (e.g. a rolling
     `ansible-playbook` run), or a function run in a thread then (returning an exit status); the
@@ -212,14 +218,14 @@ def run_pipeline(duration: float = 60.0, rate: float = 500.0, run: Optional[Path
     state = testbed.load_state(run=_run_dir(run))
     if state is None or not state.admin_password:
         raise testbed.TestbedError("no testbed with an inventory is up: run `fog-agent testbed up` and Ansible first")
-    names = [str(n["name"]) for n in state.nodes]
-    broker = f"{state.nodes[0]['address']}:1883"
-    text = pipeline_text(duration, rate, service_ms, base)
+    names = names or [str(n["name"]) for n in state.nodes]
+    broker = broker or f"{state.nodes[0]['address']}:1883"
+    text = pipeline_text(duration, rate, service_ms, base, name)
     cfg = load_pipeline_text(text, "testbed.toml")
     name = cfg.pipeline.name
     # A sink directory of this run under the agents' state dir (allowed without configuration):
     # instance ids repeat across runs, so a previous run's files would count twice.
-    sink_dir = f"{STATE_DIR}/testbed-runs/{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    sink_dir = sink_dir or f"{STATE_DIR}/testbed-runs/{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
     with tempfile.TemporaryDirectory(prefix="fog-testbed-") as tmp:
         started = time.monotonic()
         host, port = broker.rsplit(":", 1)
@@ -228,7 +234,7 @@ def run_pipeline(duration: float = 60.0, rate: float = 500.0, run: Optional[Path
         key = Path(state.inventory).parent / "admin-sign.key" if state.inventory else None
         signer = load_signer(key) if key is not None and key.exists() else None
         placed = deploy(text, host, int(port), "testbed", extra={"sink_dir": sink_dir}, username="fogctl-admin",
-                        password=state.admin_password, name="tb.toml", timeout=60.0, signer=signer)
+                        password=state.admin_password, name=f"{name}.toml", timeout=60.0, signer=signer)
         progress(f"deployed {name} (sink_dir {sink_dir}): " + ", ".join(f"{d.instance}@{d.node}" for d in placed))
         seen: Dict[str, Set[str]] = {}
         max_instances: Dict[str, int] = {}
