@@ -208,17 +208,13 @@ def _q(value: object) -> str:
     return json.dumps(value)
 
 
-def inventory_yaml(plan: Plan, key: Path, known_hosts: Path, passwords: Dict[str, str],
-                   deb: Optional[Path]) -> str:
-    """The fleet for `ansible-playbook -i <this> ansible/site.yml`.
-
-    The first node is the site broker and also a fog node; the central group is empty (the
-    collector needs PySpark and a JRE, not in the root). The broker's plain listener on the
-    bridge with one password per identity: the ACL is the role's, the identity is the user name."""
+def inventory_head(writer: str, key: Path, known_hosts: Path) -> List[str]:
+    """The first lines of every testbed inventory: how Ansible reaches the containers (the
+    testbed's own key and known-hosts file, root, the root's Python) and the cluster's name."""
     ssh_args = f"-o UserKnownHostsFile={known_hosts} -o StrictHostKeyChecking=yes -o IdentitiesOnly=yes"
-    out = [
+    return [
         "---",
-        "# Written by `fog-agent testbed up`; removed by `fog-agent testbed down`.",
+        f"# Written by {writer}; removed by `fog-agent testbed down`.",
         "all:",
         "  vars:",
         "    ansible_user: root",
@@ -226,6 +222,18 @@ def inventory_yaml(plan: Plan, key: Path, known_hosts: Path, passwords: Dict[str
         f"    ansible_ssh_common_args: {_q(ssh_args)}",
         "    ansible_python_interpreter: /usr/bin/python3",
         "    fog_cluster: testbed",
+    ]
+
+
+def inventory_yaml(plan: Plan, key: Path, known_hosts: Path, passwords: Dict[str, str],
+                   deb: Optional[Path]) -> str:
+    """The fleet for `ansible-playbook -i <this> ansible/site.yml`.
+
+    The first node is the site broker and also a fog node; the central group is empty (the
+    collector needs PySpark and a JRE, not in the root). The broker's plain listener on the
+    bridge with one password per identity: the ACL is the role's, the identity is the user name."""
+    out = [
+        *inventory_head("`fog-agent testbed up`", key, known_hosts),
         f"    fog_broker_host: {_q(plan.broker.address)}",
         # mosquitto role: packages are in the root; a password listener on the bridge.
         "    mosquitto_cluster: testbed",

@@ -131,17 +131,8 @@ def sites_inventory_yaml(layout: Layout, pki: Pki, plan: Plan, key: Path, known_
     only the TLS listener (bridges and the collector by certificate). Spill is on: the sinks'
     records travel node -> site broker -> bridge -> central broker -> collector."""
     central = _node(plan, layout.central)
-    ssh_args = f"-o UserKnownHostsFile={known_hosts} -o StrictHostKeyChecking=yes -o IdentitiesOnly=yes"
     out = [
-        "---",
-        "# Written by `fog-agent testbed up --sites`; removed by `fog-agent testbed down`.",
-        "all:",
-        "  vars:",
-        "    ansible_user: root",
-        f"    ansible_ssh_private_key_file: {_q(str(key))}",
-        f"    ansible_ssh_common_args: {_q(ssh_args)}",
-        "    ansible_python_interpreter: /usr/bin/python3",
-        "    fog_cluster: testbed",
+        *testbed.inventory_head("`fog-agent testbed up --sites`", key, known_hosts),
         "    mosquitto_cluster: testbed",
         "    mosquitto_install_packages: false",
         f"    mosquitto_admin_identities: [{ADMIN}]",
