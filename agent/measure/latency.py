@@ -170,12 +170,12 @@ class LatencyCore:
         """`peers`: every online node; `near`: those of them that host a neighbour of a local
         instance (where placement and the model read this node's RTTs most). A peer that left
         is forgotten; one only out of this round's rotation keeps its last value."""
-        new = tuple(sorted(set(peers) - {self.node}))
-        for gone in set(self.neighbours) - set(new):
+        known = set(peers) - {self.node}
+        for gone in set(self.neighbours) - known:
             self.row.forget(gone)
             self.dirty = True
-        self.neighbours = new
-        self.near = tuple(p for p in sorted(set(near)) if p in set(new))
+        self.neighbours = tuple(sorted(known))
+        self.near = tuple(sorted(known.intersection(near)))
 
     def targets(self) -> Tuple[str, ...]:
         """Whom the next round pings: itself (the broker's RTT), every near peer, and `probes`
