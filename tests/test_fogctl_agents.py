@@ -155,10 +155,12 @@ def test_metrics_bridge_exports_the_real_workers_counts(mosquitto, fleet) -> Non
         insts = [i for d in docs.values() for i in d.get("instances", [])]
         return {i["id"]: i for i in insts}
 
-    def flowing() -> Any:  # records reached every non-source instance
+    def flowing() -> Any:
+        """Records reached every non-source instance, and every instance (a source copy too) has
+        sent its first heartbeat: before it, its state carries no stats to compare with."""
         s = states()
-        return s if s and all((i.get("stats") or {}).get("records_in", 0) > 0
-                              for i in s.values() if i["operator"] != "source") else None
+        return s if s and all("records_in" in (i.get("stats") or {}) for i in s.values()) and all(
+            i["stats"]["records_in"] > 0 for i in s.values() if i["operator"] != "source") else None
 
     insts = wait_for(flowing, 20)
     assert insts, "no records reached in_zone and sink"
