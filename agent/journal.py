@@ -21,9 +21,11 @@ import os
 import sys
 from typing import Any, Callable, Dict, Optional
 
-from agent.log import CONTEXT_FIELDS
 
-__all__ = ["JournalHandler", "journal_fields", "PRIORITIES"]
+__all__ = ["CONTEXT_FIELDS", "JournalHandler", "journal_fields", "PRIORITIES"]
+
+# The `extra=` keys every module may pass; `agent.log`'s formatters print the same ones.
+CONTEXT_FIELDS = ("node", "operator", "instance")
 
 # syslog(3) priorities, as journald expects them in PRIORITY=.
 PRIORITIES = {

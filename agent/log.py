@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Iterator, Optional
 
-CONTEXT_FIELDS = ("node", "operator", "instance")
+from agent.journal import CONTEXT_FIELDS, JournalHandler
 
 
 class KeyValueFormatter(logging.Formatter):
@@ -68,9 +68,7 @@ def setup_logging(level: Optional[str] = None, fmt: str = "auto") -> None:
     level = (level or os.environ.get("FOG_AGENT_LOG_LEVEL") or "info").upper()
     handler: logging.Handler
     if fmt == "journal" or (fmt == "auto" and os.environ.get("JOURNAL_STREAM") and _journal_available()):
-        from agent.journal import JournalHandler  # systemd extra
-
-        handler = JournalHandler()
+        handler = JournalHandler()  # needs the systemd extra: _journal_available
     else:
         handler = StderrHandler()
         human = fmt == "human" or (fmt == "auto" and sys.stderr.isatty())
@@ -87,7 +85,6 @@ def setup_logging(level: Optional[str] = None, fmt: str = "auto") -> None:
 
 def _journal_available() -> bool:
     try:
-        import agent.journal  # noqa: F401
         import systemd.journal  # noqa: F401
     except ImportError:
         return False
