@@ -7,14 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agent.node.placement import farthest, nd_max, rank_nodes_for_scale_out, sibling_rank
-from agent.policy.base import (
-    ActionKind,
-    DecentralizedPolicy,
-    Measurements,
-    ScalingAction,
-    make_policy,
-    share_of_delta,
-)
+from agent.policy.base import ActionKind, Measurements, ScalingAction, share_of_delta
+from agent.policy.registry import DecentralizedPolicy, make_policy
 from agent.policy.threshold import ThresholdPolicy
 
 

@@ -13,7 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.policy.base import ActionKind, Measurements, make_policy
+from agent.policy.base import ActionKind, Measurements
+from agent.policy.registry import make_policy
 from agent.policy.planned import (PLANNED_POINT, PlannedPolicy, plan_instances, plan_series, shortfall_costs,
                                   smooth_profile, smoothing_window)
 

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.policy.base import ActionKind, Measurements, make_policy
+from agent.policy.base import ActionKind, Measurements
+from agent.policy.registry import make_policy
 from agent.policy.seasonal import SeasonalPolicy, learn_profile, plan_day
 
 CAP = 100.0  # records/s per instance (linear platform: MST(n) = 100 n)

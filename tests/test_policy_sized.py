@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.policy.base import ActionKind, Measurements, make_policy
+from agent.policy.base import ActionKind, Measurements
+from agent.policy.registry import make_policy
 from agent.policy.sized import SizedPolicy
 
 CAP = 100.0  # records/s per instance (linear platform in these unit tests: MST(n) = 100 n)

@@ -49,9 +49,6 @@ __all__ = [
     "NO_ACTION",
     "share_of_delta",
     "HeldScaleIn",
-    "DecentralizedPolicy",
-    "make_policy",
-    "POLICY_NAMES",
 ]
 
 
@@ -181,76 +178,3 @@ class HeldScaleIn:
         self.low_periods = 0
         self.last_action_at = m.now
         return share_of_delta(target - n, m, target, reason)
-
-
-class DecentralizedPolicy:
-    """Adapter: the paper's probabilistic policy (agent.policy.decentralized) behind `decide()`.
-
-    It is per-instance by construction (it never needs n); the load it compares with C is the
-    records/s this instance received.
-    """
-
-    name = "decentralized"
-
-    def __init__(self, params: "object" = None) -> None:
-        from agent.policy.decentralized import ScalingParams
-
-        self.params = params if params is not None else ScalingParams()
-
-    def decide(self, m: Measurements) -> ScalingAction:
-        from agent.policy.decentralized import Action, ScalingParams, decide
-
-        params = self.params
-        if params.capacity != m.capacity:  # the capacity follows calibration / throttling
-            params = ScalingParams(m.capacity, params.target_ratio, params.up, params.down,
-                                   params.use_r_secure, params.max_copies)
-        d = decide(params, m.load, m.is_keeper, m.draw)
-        if d.action is Action.DUPLICATE:
-            return ScalingAction(ActionKind.SCALE_OUT, d.count, None, f"p={d.factor:.3f}")
-        if d.action is Action.TERMINATE:
-            return ScalingAction(ActionKind.SCALE_IN, 1, None, f"q={d.factor:.3f}")
-        return NO_ACTION
-
-
-POLICY_NAMES = ("decentralized", "threshold", "model", "sized", "seasonal", "planned")
-
-
-def make_policy(name: str, scaling: "object" = None) -> Policy:
-    """Build the policy an operator's `[scaling]` section (agent.config.ScalingSection) selects."""
-    if name == "decentralized":
-        from agent.policy.decentralized import ScalingParams
-
-        if scaling is None:
-            return DecentralizedPolicy()
-        cap = scaling.capacity if isinstance(scaling.capacity, (int, float)) else 500.0
-        return DecentralizedPolicy(ScalingParams(float(cap), scaling.target_ratio, scaling.up,
-                                                 scaling.down, scaling.r_secure))
-    if name == "threshold":
-        from agent.policy.threshold import ThresholdPolicy
-
-        if scaling is None:
-            return ThresholdPolicy()
-        return ThresholdPolicy(cooldown=scaling.cooldown, min_instances=scaling.min_instances,
-                               max_instances=scaling.max_instances)
-    if name == "model":
-        from agent.policy.model import ModelPolicy
-
-        if scaling is None:
-            return ModelPolicy()
-        return ModelPolicy(cooldown=scaling.cooldown, min_instances=scaling.min_instances,
-                           max_instances=scaling.max_instances)
-    if name == "sized":
-        from agent.policy.sized import SizedPolicy
-
-        if scaling is None:
-            return SizedPolicy()
-        return SizedPolicy(min_instances=scaling.min_instances, max_instances=scaling.max_instances)
-    if name == "seasonal":  # plan mode with a learned `profile`, else hysteresis on the recent peak
-        from agent.policy.seasonal import SeasonalPolicy, from_scaling
-
-        return SeasonalPolicy() if scaling is None else from_scaling(scaling)
-    if name == "planned":  # a day plan in instance space from a learned `profile` (agent/policy/planned.py)
-        from agent.policy import planned
-
-        return planned.PlannedPolicy() if scaling is None else planned.from_scaling(scaling)
-    raise ValueError(f"unknown policy {name!r}: expected one of {', '.join(POLICY_NAMES)}")

@@ -21,7 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional
 
-from agent.policy.base import ActionKind, Measurements, Policy, ScalingAction, make_policy
+from agent.policy.base import ActionKind, Measurements, Policy, ScalingAction
+from agent.policy.registry import make_policy
 from agent.policy.decentralized import NO_DECISION, Action, Decision
 from agent.policy.model import is_overload_root
 

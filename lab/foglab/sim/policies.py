@@ -134,7 +134,7 @@ def _planned(cfg: SimConfig, n_max: int) -> Policy:
 
 
 def _decentralized(cfg: SimConfig, n_max: int) -> Policy:
-    from agent.policy.base import DecentralizedPolicy
+    from agent.policy.registry import DecentralizedPolicy
 
     return DecentralizedPolicy()
 
