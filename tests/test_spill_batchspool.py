@@ -16,7 +16,8 @@ import pytest
 
 from agent.dataplane.envelope import Item
 from agent.operators.builtin import CountingSink, OperatorContext, _line_ids
-from agent.spill.spool import BatchSpool, SpoolEvent, file_id, gzip_engine, parse_name, read_records
+from agent.spill.batchspool import BatchSpool, gzip_engine
+from agent.spill.spool import SpoolEvent, file_id, parse_name, read_records
 
 ENGINES = ["zlib"] + (["isal"] if gzip_engine() == "isal" else [])
 

@@ -426,7 +426,7 @@ class CountingSink(SinkOperator):
     and reports ids that appear in more than one file as duplicated.
 
     Spill (docs/spill.md): the new records of each batch go to this instance's spool
-    (`spool.BatchSpool`) as ONE line: the batch's compact body exactly as it arrived
+    (`batchspool.BatchSpool`) as ONE line: the batch's compact body exactly as it arrived
     (`{"k": keys, "r": [[src, seq, values]]}`, kind "batches", no re-encoding) when no record of
     it was a duplicate, else the new records re-encoded (same form; kind "records" with src/seq
     inside for non-dict records). Order per batch, all in this thread, in `record_batch`: spool
@@ -468,7 +468,7 @@ class CountingSink(SinkOperator):
         return self.spool is not None  # spilling re-encodes the new records of a batch with duplicates
 
     def _open_spool(self, ctx: OperatorContext) -> None:
-        from agent.spill.spool import BatchSpool
+        from agent.spill.batchspool import BatchSpool
 
         spill = ctx.spill
         d = Path(spill["dir"]) / ctx.instance  # one spool per instance (siblings inherit `extra`)

@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional
 
-from agent.spill.spool import BatchSpool, Spool, SpoolDirs
+from agent.spill.batchspool import BatchSpool
+from agent.spill.spool import Spool, SpoolDirs
 
 __all__ = ["AgentSpill", "AGENT_SPOOL"]
 

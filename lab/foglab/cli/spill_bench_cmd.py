@@ -202,7 +202,7 @@ def _sink_worker_run(payloads: List[bytes], work: Path, spill: bool, batch: int)
 
 
 def cmd_bench_spill(args: argparse.Namespace) -> int:
-    from agent.spill.spool import gzip_engine
+    from agent.spill.batchspool import gzip_engine
 
     payloads = _make_payloads(args.records, args.batch, "source-0")
     rates: Dict[str, List[float]] = {"off": [], "on": []}
