@@ -11,7 +11,8 @@ from typing import Dict
 import pytest
 
 from agent.collector.service import Collector
-from agent.spill.shipper import MqttShipper, Outgoing
+from agent.spill.shipper import MqttShipper
+from agent.spill.shipping import Outgoing
 from agent.spill.spool import Spool, file_id, read_records
 
 pytestmark = pytest.mark.broker

@@ -17,7 +17,7 @@ import pytest
 
 from agent.collector.core import CollectorCore
 from agent.spill.landing import CorruptFile, LandingZone
-from agent.spill.shipper import (
+from agent.spill.shipping import (
     Ack,
     FileMeta,
     ShipperCore,

@@ -34,7 +34,8 @@ import yaml
 
 from agent.collector.service import Collector
 from agent.config import TlsSection, load_agent_config
-from agent.spill.shipper import MqttShipper, ShipperCore, meta_for
+from agent.spill.shipper import MqttShipper
+from agent.spill.shipping import ShipperCore, meta_for
 from agent.mqtt.settings import BrokerSpec
 from agent.spill.local import AgentSpill
 from agent.spill.spool import Spool, file_id

@@ -10,6 +10,8 @@ import re
 from pathlib import Path
 from typing import List, Optional, Tuple
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # Bottom up, as docs/runtime.md lists them; entries of one inner list share a layer.
@@ -207,3 +209,43 @@ def test_the_cycle_finder_sees_a_cycle_made_by_a_function_local_import(tmp_path:
     (pkg / "b.py").write_text("def f():\n    from agent.x import a\n")
     (pkg / "c.py").write_text("from . import a\n")
     assert cycles(import_graph(tmp_path / "agent")) == [frozenset({"agent.x.a", "agent.x.b"})]
+
+
+def _external_imports(module: str) -> set:
+    path = ROOT.joinpath(*module.split("."))
+    path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module.split(".")[0])
+    return found - {"agent"}
+
+
+NETWORK = {"paho", "socket", "ssl", "select", "subprocess"}
+# The sans-IO cores and what they may not reach, through any chain of agent modules: the pure
+# packages touch no clock, file, thread or random at all; the spill's wire format and the
+# collector's core verify files on disk but open no connection.
+SANS_IO = {
+    "agent.protocol": NETWORK | {"os", "time", "threading", "random"},
+    "agent.dataplane": NETWORK | {"os", "time", "threading", "random"},
+    "agent.policy": NETWORK | {"os", "time", "threading", "random"},
+    "agent.spill.shipping": NETWORK,
+    "agent.collector.core": NETWORK,
+}
+
+
+@pytest.mark.parametrize("package", sorted(SANS_IO))
+def test_a_sans_io_core_reaches_no_io_through_its_imports(package: str) -> None:
+    graph = import_graph()
+    todo = [m for m in graph if m == package or m.startswith(package + ".")]
+    assert todo, package
+    seen: set = set()
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo += graph[m]
+    reached = {m: sorted(_external_imports(m) & SANS_IO[package]) for m in sorted(seen)}
+    assert {m: b for m, b in reached.items() if b} == {}

@@ -29,7 +29,8 @@ from agent.collector.service import Collector
 from agent.config import TlsSection
 from agent.mqtt.requester import RequestTimeout
 from agent.node.rpc import RpcClient, SeenRequests
-from agent.spill.shipper import MqttShipper, Outgoing, decode_chunk
+from agent.spill.shipper import MqttShipper
+from agent.spill.shipping import Outgoing, decode_chunk
 from agent.spill.spool import Spool, read_records
 from foglab.tools.broker import MOSQUITTO, free_port, wait_port
 from foglab.tools.delayproxy import DelayProxy

@@ -197,7 +197,7 @@ def run(landing: PathLike, out: PathLike, master: Optional[str] = "local[*]", pe
 def land_spools(spool_dirs: Iterable[PathLike], landing: PathLike) -> int:
     """Land every closed file of the given spool directories (the demo's "shared path" shipping)."""
     from agent.spill.landing import LandingZone
-    from agent.spill.shipper import meta_for
+    from agent.spill.shipping import meta_for
     from agent.spill.spool import ClosedFile, parse_name
 
     zone = LandingZone(landing)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
 from agent.spill.landing import CorruptFile, LandResult
-from agent.spill.shipper import Ack, ChunkHeader, FileMeta, ack_topic, decode_chunk
+from agent.spill.shipping import Ack, ChunkHeader, FileMeta, ack_topic, decode_chunk
 
 __all__ = ["CollectorCore", "Reply"]
 

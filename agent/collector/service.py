@@ -27,7 +27,7 @@ from agent.collector.core import CollectorCore
 from agent.spill.landing import LandingZone
 from agent.config import TlsSection
 from agent.mqtt import client as mqttc
-from agent.spill.shipper import chunk_subscription
+from agent.spill.shipping import chunk_subscription
 
 __all__ = ["BatchScheduler", "Collector"]
 
