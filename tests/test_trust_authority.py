@@ -312,11 +312,45 @@ def test_a_binding_taken_without_a_word_goes_where_the_rehomer_says_once_it_does
     assert m.bound("w") == "h" and m.table("p").get("unproven") == ["w"]
     m.update({}, {"a": [("w", "p")], "h": [("w", "p")], "d": [("w", "p")]}, down, None, {"c": {"w": "d"}})
     assert m.bound("w") == "d" and "unproven" not in m.table("p")
-    # a re-home whose re-homer restarted and forgot where: its retained re-homed record proves it
+    # a re-home: the re-homer's statement proves it (kept over its restart: the daemon test below)
     m2 = HostMap("me")
     m2.update({}, {"a": [("w", "p")]}, up)
-    m2.update({}, {"a": [("w", "p")], "d": [("w", "p")]}, down, {"c": {"w": 5.0}})
+    m2.update({}, {"a": [("w", "p")], "d": [("w", "p")]}, down, {"c": {"w": 5.0}}, {"c": {"w": "d"}})
     assert m2.bound("w") == "d" and "unproven" not in m2.table("p")
+
+
+def test_the_only_claimer_of_a_dead_nodes_instance_stays_unproven_beside_an_earlier_rehomed_entry() -> None:
+    """c re-homed w onto a once (its retained re-homed record still names w); a dies and h, the
+    only online node listing w, claims it before c re-homes it again. h got a proven binding
+    (another node's re-homed entry), sticky: c's statement that w went to d moved nothing, and h
+    read and wrote w's channel. Now only a statement naming h would prove it: h is unproven,
+    and the binding goes to d once c says so; a fresh agent binds h unproven too."""
+    from agent.node.hostmap import HostMap
+
+    up = {"a": True, "c": True, "d": True, "h": True}
+    down = dict(up, a=False)
+    earlier = {"c": {"w": 5.0}}  # c re-homed w onto a, long ago
+    m = HostMap("me")
+    m.update({}, {"a": [("w", "p")]}, up, earlier, {"c": {"w": "a"}})
+    assert m.bound("w") == "a" and m.proven("w")
+    m.update({}, {"a": [("w", "p")], "h": [("w", "p")]}, down, earlier, {"c": {"w": "a"}})
+    assert m.bound("w") == "h" and not m.proven("w")
+    m.update({}, {"a": [("w", "p")], "h": [("w", "p")], "d": [("w", "p")]}, down, earlier, {"c": {"w": "d"}})
+    assert m.bound("w") == "d" and m.proven("w") and m.pending("w") == ("a", "h")
+    fresh = HostMap("me")
+    fresh.update({}, {"a": [("w", "p")], "h": [("w", "p")]}, down, earlier)
+    assert fresh.bound("w") == "h" and not fresh.proven("w")
+
+
+def test_the_rehomers_statements_are_kept_over_its_restart(tmp_path: Path) -> None:
+    """A re-homer that restarted forgot where it had moved instances: the one claimer it placed
+    an instance on was proven only by its re-homed record, which proves nothing now. Its
+    statements live in its state directory and come back with it."""
+    a = _agent(tmp_path, "c")
+    a._stated_move("w", "d")
+    again = _agent(tmp_path, "c")
+    assert again._moved_statements() == {"w": "d"}
+    assert again.state_doc().get("moved") == {"w": "d"}
 
 
 def test_an_epoch_past_the_receivers_clock_is_refused_whatever_the_known_one() -> None:

@@ -235,8 +235,10 @@ class Agent:
         self._hosted_dirty = True
         # Where this node moved instances to (hand-overs, re-homes), newest last: stated in our
         # retained state record, which only we may write, so that no other node can take their
-        # bindings while they move (agent.node.hostmap, `moved`).
-        self._moved_to: Dict[str, str] = {}
+        # bindings while they move (agent.node.hostmap, `moved`). Kept in the state directory: a
+        # statement is the only proof of a re-homed binding, and a re-homer that restarted and
+        # forgot it would leave its instance's new node unproven (no new epoch) for good.
+        self._moved_to: Dict[str, str] = _load_moved(Path(cfg.agent.state_dir))
         # Which node hosts which instance (docs/security.md, "Data channels"): sent to every worker
         # as the control line "hosts", which checks the writing node of each inbox message with it.
         self.hostmap = HostMap(self.node)
@@ -660,6 +662,10 @@ class Agent:
             self._moved_to[instance] = node
             while len(self._moved_to) > MAX_MOVED:
                 del self._moved_to[next(iter(self._moved_to))]
+            try:
+                _save_moved(Path(self.cfg.agent.state_dir), self._moved_to)
+            except OSError as exc:
+                log.warning("moved statements not saved: %s", exc, extra={"node": self.node})
             self._state_dirty = True
             self._hosts_dirty = True
 
@@ -2320,6 +2326,22 @@ def _load_pins(state_dir: Path) -> Dict[str, Dict[str, Any]]:
 def _save_pins(state_dir: Path, pins: Dict[str, Dict[str, Any]]) -> None:
     state_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(state_dir / PINS_FILE, json.dumps(pins, sort_keys=True))
+
+
+MOVED_FILE = "moved.json"
+
+
+def _load_moved(state_dir: Path) -> Dict[str, str]:
+    """This node's "moved" statements, kept over an agent restart (oldest first); an unreadable
+    file: none."""
+    listed = (_read_json(state_dir / MOVED_FILE) or {}).get("moved")
+    pairs = [e for e in listed if isinstance(e, list) and len(e) == 2] if isinstance(listed, list) else []
+    return dict([(i, n) for i, n in pairs if isinstance(i, str) and isinstance(n, str)][-MAX_MOVED:])
+
+
+def _save_moved(state_dir: Path, moved: Dict[str, str]) -> None:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(state_dir / MOVED_FILE, json.dumps({"moved": [[i, n] for i, n in moved.items()]}))
 
 
 def _generation_of(spec: Mapping[str, Any]) -> str:

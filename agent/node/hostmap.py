@@ -100,10 +100,12 @@ class HostMap:
         hosted: {node: [(instance, pipeline[, deploy generation])]} from every node's retained
         hosted record (ours too);
         online: {node: up} from the retained status records (this node counts as online);
-        rehomed: {node: {instance: when}} from the retained re-homed records: a node's own entry is
-        a claim, never a proof (it once broke the tie between several claimers of an unbound
-        instance, and a hostile node with a later entry won); another node's entry proves that the
-        instance was re-homed, for a binding to the one online claimer;
+        rehomed: {node: {instance: when}} from the retained re-homed records: no proof of a
+        binding at all. A node's own entry is a claim (it once broke the tie between several
+        claimers of an unbound instance, and a hostile node with a later entry won); another
+        node's entry says the instance was re-homed once, not where to (it once proved the only
+        online claimer of a dead node's instance, whatever re-home it came from): only a `moved`
+        statement naming the claimer proves it;
         moved: {node: {instance: node it moved it to}} from the retained state records, each
         entry stated by the node that moved the instance (see the module docstring)."""
         claims: Dict[str, List[str]] = {}
@@ -115,7 +117,7 @@ class HostMap:
                 pipelines.setdefault(inst, pipeline)
                 if rest and rest[0]:
                     generations.setdefault(inst, {})[node] = str(rest[0])
-        rehomed = rehomed or {}
+        del rehomed  # accepted for the callers; proves nothing (see above)
         moved = moved or {}
 
         def up(n: str) -> bool:
@@ -165,19 +167,19 @@ class HostMap:
                 elif len(others) > 1:
                     new = cur  # moved without a word from who moved it, several claim it: none of them
                 else:
-                    # One claimer and no word from who moved it (not arrived yet; an agent that
-                    # restarted and forgot): bound, but unproven until a statement says so, unless
-                    # another node's re-homed record names the instance (a re-home whose re-homer
-                    # restarted and forgot where: its retained record still says it re-homed it).
-                    new, proven = others[0], _rehomed_by_another(inst, others[0], rehomed)
+                    # One claimer and no word from who moved it (not arrived yet): bound, but
+                    # unproven until a statement names it. Another node's re-homed record proves
+                    # nothing here: it says the instance was re-homed once, not where to, and an
+                    # earlier re-home's entry made the only online claimer of a dead node's
+                    # instance its proven holder (docs/security.md, "Data channels", What is left (2)).
+                    new, proven = others[0], _vouched(inst, others[0], moved, rehomer)
             else:
                 # No binding yet (this agent just started, or never saw the instance): a claim
                 # proves nothing, so several claimers bind only the one a statement names.
                 live = [n for n in nodes if up(n)] or nodes
                 if len(live) == 1:
-                    # contested by an offline lister: unproven, unless another node's re-homed
-                    # record says the instance was re-homed (the re-homer's own, retained, record)
-                    new, proven = live[0], len(nodes) == 1 or _rehomed_by_another(inst, live[0], rehomed)
+                    # contested by an offline lister: unproven, unless a statement names it
+                    new, proven = live[0], len(nodes) == 1 or _vouched(inst, live[0], moved, rehomer)
                 else:
                     named = {n for n in live if _vouched(inst, n, moved, rehomer)}
                     new, proven = (named.pop(), True) if len(named) == 1 else (None, True)
@@ -253,10 +255,6 @@ class HostMap:
         former = {i: f for i in bound if (f := self.former_offline(i))}
         unproven = sorted(i for i in bound if i in self._unproven)
         return {"bound": bound, "former": former, **({"unproven": unproven} if unproven else {})}
-
-
-def _rehomed_by_another(inst: str, node: str, rehomed: Mapping[str, Mapping[str, float]]) -> bool:
-    return any(inst in entries for who, entries in rehomed.items() if who != node)
 
 
 def _vouched(inst: str, node: str, moved: Mapping[str, Mapping[str, str]], rehomer: str) -> bool:
