@@ -86,10 +86,60 @@ def test_the_leader_held_stays_and_a_claim_beside_it_takes_nothing() -> None:
     assert board.current(UP, NOW + 2.0) == n3
 
 
+def said(node: str, follows: Optional[str]) -> bytes:
+    """The statement a node that does not lead writes on its own claim topic: whom it follows."""
+    return json.dumps({"v": 1, "node": node, "until": 0, "follows": follows}).encode()
+
+
+def test_a_fresh_reader_follows_the_claim_most_other_nodes_follow() -> None:
+    """n2 leads and n4 follows it; n3 (a stolen key) claims beside n2. n1 has just started: it
+    followed none of two running claims (and refused n2's drains) until n3 stopped. Each other
+    node's own record is one vote (a claim: for itself; a statement: whom it follows): n2 has
+    two of three, n1 follows n2. n3 alone never has a majority: its lie about whom it follows
+    is no vote beside its own claim (one record), and in three nodes (n1, n2, n3) the votes tie:
+    none leads for n1 until n3 stops."""
+    up = dict(UP, n4=True)
+    n2, n3 = Lease("n2", NOW + 15.0), Lease("n3", NOW + 15.0)
+    claims: Dict[str, Optional[Lease]] = {"n2": n2, "n3": n3}
+    assert leader(claims, up, NOW, AHEAD, follows={"n4": "n2"}, me="n1") == n2
+    assert leader(claims, up, NOW, AHEAD, follows={"n4": None}, me="n1") is None
+    assert leader(claims, UP, NOW, AHEAD, follows={"n1": None}, me="n1") is None  # three nodes
+    assert leader(claims, up, NOW, AHEAD, follows={"n4": "n3"}, me="n1") == n3  # an honest node's vote
+    assert leader(claims, dict(up, n4=False), NOW, AHEAD, follows={"n4": "n2"}, me="n1") is None  # offline: no vote
+    assert leader(claims, up, NOW, AHEAD, follows={"n1": "n3", "n4": "n2"}, me="n1") == n2  # the reader's own: none
+    board = LeaseBoard("n1", AHEAD)
+    board.on_record("n2", rec("n2", NOW + 15.0), NOW)
+    board.on_record("n3", rec("n3", NOW + 15.0), NOW)
+    assert board.on_record("n3", said("n3", "n3"), NOW) is None  # n3 states instead: its claim is gone
+    board.on_record("n3", rec("n3", NOW + 15.0), NOW)
+    assert board.current(up, NOW) is None
+    assert board.on_record("n4", said("n4", "n2"), NOW) is None
+    assert board.current(up, NOW) == n2 and board.held == "n2"
+    assert "names node" in str(board.on_record("n4", said("n2", "n3"), NOW))  # in another's name: refused
+    assert board.current(up, NOW) == n2  # followed now: held while its claim runs
+
+
+def test_a_reader_states_whom_it_follows_when_that_changes_and_a_leader_never() -> None:
+    board = LeaseBoard("n1", AHEAD)
+    assert json.loads(board.statement(UP, NOW) or b"") == {"v": 1, "node": "n1", "until": 0, "follows": None}
+    assert board.statement(UP, NOW) is None
+    board.on_record("n2", rec("n2", NOW + 15.0), NOW)
+    assert json.loads(board.statement(UP, NOW) or b"")["follows"] == "n2"
+    board.on_record("n1", said("n1", "n2"), NOW)  # the echo
+    assert board.statement(UP, NOW) is None and board.claims.keys() == {"n2"}
+    board.lead(Lease("n1", NOW + 15.0))
+    assert board.statement(UP, NOW) is None  # its claim says it
+    board.withdraw()  # its record is cleared: it states again
+    assert json.loads(board.statement(UP, NOW) or b"")["follows"] == "n2"
+    from agent.node.site_manager import lease_of
+    assert lease_of(said("n4", "n2")) is None  # a statement is no claim
+
+
 def test_malformed_records_are_refused_and_counted_never_raise() -> None:
     board = LeaseBoard("n1", AHEAD)
     for bad in (b"{", b"[]", b'{"node": "n3"}', b'{"node": "n3", "until": NaN}', b"\xff\xfe",
-                b"[" * 100_000, b'{"node": "n3", "until": 1, "x": "' + b"a" * 20_000 + b'"}'):
+                b"[" * 100_000, b'{"node": "n3", "until": 1, "x": "' + b"a" * 20_000 + b'"}',
+                b'{"node": "n3", "follows": 7}', b'{"node": 3, "follows": "n2"}', b'{"node": "n3", "follows": ""}'):
         assert board.on_record("n3", bad, NOW) == "malformed record"
     assert board.on_record("n3", b"", NOW) is None  # cleared: no claim, nothing to refuse
     small = LeaseBoard("n1", AHEAD, max_claims=2)
@@ -162,3 +212,21 @@ def test_fogctl_site_shows_the_leader_the_agents_derive() -> None:
     assert doc["leader"] == "n1" and doc["expired"], doc
     bad = snap(*up, (topics.site_manager("c", "n1"), b"{not json"), ("fog/c/agents/n2/site_manager", b"\xff"))
     assert site_record(bad, "c", NOW) is None
+
+
+def test_fogctl_site_counts_whom_the_nodes_follow() -> None:
+    """Two running claims, n2's and n3's, and n4 says it follows n2: `fogctl site` shows n2 as the
+    leader, as an agent that just started derives it; a statement alone is no claim."""
+    from agent.fogctl.commands import site_record, site_view
+    from recording_client import message
+
+    up = {topics.agent_status("c", n): message(topics.agent_status("c", n), b"online", True)
+          for n in ("n1", "n2", "n3", "n4")}
+    recs = {topics.site_manager("c", "n2"): rec("n2", NOW + 10, target=0.3),
+            topics.site_manager("c", "n3"): rec("n3", NOW + 12),
+            topics.site_manager("c", "n4"): said("n4", "n2")}
+    snap = dict(up, **{t: message(t, p, True) for t, p in recs.items()})
+    doc, _ = site_view(site_record(snap, "c", NOW), NOW)
+    assert doc["leader"] == "n2" and doc["target"] == 0.3, doc
+    only = dict(up, **{topics.site_manager("c", "n4"): message(topics.site_manager("c", "n4"), said("n4", "n2"), True)})
+    assert site_record(only, "c", NOW) is None

@@ -45,6 +45,13 @@ def _drain_from(agent: Any, sender: str) -> Dict[str, Any]:
 # ---- 2. the site manager's lease ------------------------------------------------------------------
 
 
+def _records_in(agent: Any) -> None:
+    """The sync marker comes back: the retained records of the agent's subscriptions are in."""
+    agent._sync_marker = b"sync-marker"
+    _deliver(agent, topics.replies("c", agent.node, agent.node), b"sync-marker")
+    assert agent._retained_in
+
+
 def _claim(agent: Any, writer: str, node: str, until: float, **state: Any) -> None:
     """A record on `writer`'s own claim topic (the ACL lets only `writer` write it)."""
     _deliver(agent, topics.site_manager("c", writer), {"v": 1, "node": node, "until": until, "state": state}, True)
@@ -99,6 +106,34 @@ def test_a_leader_gone_offline_holds_nothing(tmp_path: Path) -> None:
     _deliver(agent, topics.agent_status("c", "n2"), b"online", True)
     _claim(agent, "n2", "n2", now + 15.0)
     assert _drain_from(agent, "n2")["ok"] is True and agent.draining
+
+
+def test_a_claim_beside_the_leaders_does_not_keep_a_restarted_agent_from_its_drains(tmp_path: Path) -> None:
+    """n2 leads, n4 follows it; n3 claims beside n2. n1 just restarted: it saw two running claims
+    and refused n2's drains ("none leads until one remains") until n3 stopped. Now n4's statement
+    of whom it follows (on its own claim topic) is a vote: n1 follows n2, says so on its own
+    topic, and refuses n3's drain. In three nodes (no n4) the votes tie: n1 follows none."""
+    agent = _agent(tmp_path)
+    agent._retained_in = False  # the retained records of its subscriptions come in
+    now = agent.wall()
+    for n in ("n2", "n3", "n4"):
+        _deliver(agent, topics.agent_status("c", n), b"online", True)
+    _claim(agent, "n3", "n3", now + 15.0)
+    _claim(agent, "n2", "n2", now + 15.0)
+    _deliver(agent, topics.site_manager("c", "n4"), {"v": 1, "node": "n4", "until": 0, "follows": "n2"}, True)
+    _records_in(agent)
+    assert _drain_from(agent, "n3")["ok"] is False and not agent.draining
+    assert _drain_from(agent, "n2")["ok"] is True and agent.draining
+    stated = [json.loads(p) for p in agent._client.on(topics.site_manager("c", "n1")) if p]
+    assert stated and stated[-1] == {"v": 1, "node": "n1", "until": 0, "follows": "n2"}
+    three = _agent(tmp_path, "n5")
+    three._retained_in = False
+    for n in ("n2", "n3"):
+        _deliver(three, topics.agent_status("c", n), b"online", True)
+    _claim(three, "n2", "n2", now + 15.0)
+    _claim(three, "n3", "n3", now + 15.0)
+    _records_in(three)
+    assert _drain_from(three, "n2")["ok"] is False and not three.draining
 
 
 def test_a_forged_lease_does_not_keep_a_candidate_from_the_role(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from agent import exitcodes, topics
 from agent.fogctl import views
 from agent.fogctl.client import Connection, FogctlError
 from agent.fogctl.config import FogctlConfig
-from agent.node.site_manager import claim_problem, lease_bound, lease_of, leader, valid_claims
+from agent.node.site_manager import claim_problem, follows_of, lease_bound, lease_of, leader, valid_claims
 from agent.control.fleet import Fleet, Phase
 from agent.control.rpc_schema import (DrainRequest, PinRequest, Reply, RequestError, ScaleRequest, check_drain,
                                      check_scale, parse_duration)
@@ -313,10 +313,12 @@ SITE_LEASE_AHEAD = lease_bound(15.0, 5.0)
 
 def site_record(claims_and_statuses: Mapping[str, Any], cluster: str, now: float) -> Optional[Dict[str, Any]]:
     """The record `fogctl site` shows, derived from the nodes' claims as an agent that just
-    started derives the leader (`site_manager.leader`): the leader's own record; else, with
-    the reason none leads, the latest of the claims (several running claims, or a holder gone
-    offline); None without any claim. Malformed and refused records are skipped (bus input)."""
+    started derives the leader (`site_manager.leader`, with the nodes' statements of whom they
+    follow): the leader's own record; else, with the reason none leads, the latest of the claims
+    (several running claims, or a holder gone offline); None without any claim. Malformed and
+    refused records are skipped (bus input)."""
     claims: Dict[str, Any] = {}
+    follows: Dict[str, Optional[str]] = {}
     online: Dict[str, bool] = {}
     for topic, msg in claims_and_statuses.items():
         parsed = topics.parse(cluster, topic)
@@ -326,11 +328,14 @@ def site_record(claims_and_statuses: Mapping[str, Any], cluster: str, now: float
             online[parsed.node] = msg.payload == b"online"
         elif parsed.kind == "site_manager":
             lease = lease_of(msg.payload or b"")
+            stated = follows_of(msg.payload or b"")
             if lease is not None and claim_problem(parsed.node, lease, now, SITE_LEASE_AHEAD) is None:
                 claims[parsed.node] = lease
+            elif stated is not None and stated.node == parsed.node:
+                follows[parsed.node] = stated.follows
     if not claims:
         return None
-    lead = leader(claims, online, now, SITE_LEASE_AHEAD)
+    lead = leader(claims, online, now, SITE_LEASE_AHEAD, follows=follows)
     if lead is not None:
         return {"node": lead.node, "until": lead.until, "state": lead.state}
     last = max(claims.values(), key=lambda c: (c.until, c.node))

@@ -1232,6 +1232,7 @@ class Agent:
             self._on_rpc_reply(msg, str(parsed.sender), now)
         elif not self._retained_in and msg.payload == self._sync_marker:
             self._retained_in = True
+            self._state_whom_we_follow()  # from every claim and statement, not the first one read
             while self._held_peer:  # each on its own: one that fails strands none behind it
                 self._on_message_safely(self._held_peer.popleft(), now)
 
@@ -1319,6 +1320,19 @@ class Agent:
         if refused:
             self.counters["site_lease_refused"] = self.counters.get("site_lease_refused", 0) + 1
             log.warning("site manager claim refused: %s", refused, extra={"node": self.node})
+        self._state_whom_we_follow()
+
+    def _state_whom_we_follow(self) -> None:
+        """Say on our own claim topic which leader we follow, when that changed: a reader that
+        follows nobody yet takes the claim most nodes follow, so one forged claim beside the
+        leader's does not keep it from the leader (site_manager.followed). Every record on the
+        claim topics comes here, the leader's renewals too, so a follower states its leader
+        within a period of the records being in."""
+        if not self._retained_in:
+            return
+        payload = self.site_leases.statement(self.online, self.wall())
+        if payload is not None:
+            self._publish(topics.site_manager(self.cluster, self.node), payload, retain=True)
 
     def _on_latency_row(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
         self.latency[str(parsed.node)] = nodestate.parse_latency(msg.payload)

@@ -22,8 +22,8 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 __all__ = [
     "SiteConfig", "NodeView", "ActionKind", "Action", "Pending", "SiteState", "spare", "decide",
-    "spare_without", "view_of", "Lease", "parse_lease", "lease_of", "lease_bound", "claim_problem", "valid_claims",
-    "leader", "LeaseBoard", "hook_node",
+    "spare_without", "view_of", "Lease", "Follows", "parse_lease", "lease_of", "follows_of", "lease_bound",
+    "claim_problem", "valid_claims", "followed", "leader", "LeaseBoard", "hook_node",
 ]
 
 
@@ -219,7 +219,9 @@ def _int(v: Any) -> int:
 # node can renew, clear or overwrite another node's lease. Every reader derives the leader from
 # the claims it holds (`leader`); a claim counts only while its holder's retained status says
 # online, so a lease dies with its holder's connection (a revoked certificate cannot connect
-# again, and its Will says offline).
+# again, and its Will says offline). A node that does not lead states on the same record whom it
+# follows (`Follows`): one record, one vote, which a reader that follows nobody yet counts when
+# several claims run (`followed`).
 
 
 @dataclass(frozen=True)
@@ -252,15 +254,45 @@ def parse_lease(d: Any) -> Optional[Lease]:
     return Lease(node[:200], float(until), dict(st) if isinstance(st, Mapping) else {})
 
 
+@dataclass(frozen=True)
+class Follows:
+    """A node's statement, on its own claim topic, of the leader it follows (None: nobody), written
+    whenever that changes by a node that does not lead. Its `until` of 0 makes it an expired claim
+    for a reader that does not know statements."""
+
+    node: str
+    follows: Optional[str]
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"v": 1, "node": self.node, "until": 0, "follows": self.follows}
+
+
+def _decoded(payload: bytes) -> Any:
+    if not payload or len(payload) > MAX_LEASE_BYTES:
+        return None
+    try:
+        return json.loads(payload)
+    except (ValueError, RecursionError):
+        return None
+
+
 def lease_of(payload: bytes) -> Optional[Lease]:
-    """The lease a retained payload states (None: empty, oversized or malformed). Never raises."""
-    d: Any = None
-    if payload and len(payload) <= MAX_LEASE_BYTES:
-        try:
-            d = json.loads(payload)
-        except (ValueError, RecursionError):
-            d = None
-    return parse_lease(d)
+    """The lease a retained payload states (None: empty, oversized, malformed, or a statement of
+    whom its writer follows). Never raises."""
+    d = _decoded(payload)
+    return None if isinstance(d, Mapping) and "follows" in d else parse_lease(d)
+
+
+def follows_of(payload: bytes) -> Optional[Follows]:
+    """The statement a retained payload makes (None: none, or malformed: a name that is no plain
+    string of at most 200 characters). Never raises."""
+    d = _decoded(payload)
+    if not isinstance(d, Mapping) or "follows" not in d:
+        return None
+    node, name = d.get("node"), d.get("follows")
+    if not isinstance(node, str) or not node or not (name is None or isinstance(name, str) and 0 < len(name) <= 200):
+        return None
+    return Follows(node[:200], name)
 
 
 # How far ahead of a reader's own clock a lease's `until` may be. A real leader writes its clock
@@ -299,27 +331,60 @@ def valid_claims(claims: Mapping[str, Optional[Lease]], online: Mapping[str, boo
             if c is not None and c.node == w and now < c.until <= now + max_ahead and online.get(w) is True}
 
 
+def followed(valid: Mapping[str, Lease], follows: Mapping[str, Optional[str]], online: Mapping[str, bool],
+             me: Optional[str] = None) -> Optional[str]:
+    """The valid claim a strict majority of the votes for valid claims names, or None.
+
+    One vote per online node other than the reader `me`, each from the one record only that node
+    may write: a holder of a valid claim votes for itself (its record is its claim), any other
+    node for the leader its statement names (`follows`). Why a node with a stolen key cannot
+    lead by this: it has one vote, and every other valid claim has at least its holder's, so
+    one vote is never a strict majority while another claim runs; lying about whom it follows
+    only adds a vote to an honest claim. Why an honest leader is found: each node that follows
+    it adds a vote, so one follower beside the leader outvotes the forger's claim."""
+    votes: Dict[str, int] = {}
+    for voter in set(valid) | set(follows):
+        if voter == me or online.get(voter) is not True:
+            continue
+        choice = voter if voter in valid else follows.get(voter)
+        if choice is not None and choice in valid:
+            votes[choice] = votes.get(choice, 0) + 1
+    total = sum(votes.values())
+    for name, n in votes.items():
+        if 2 * n > total:
+            return name
+    return None
+
+
 def leader(claims: Mapping[str, Optional[Lease]], online: Mapping[str, bool], now: float, max_ahead: float,
-           held: Optional[str] = None) -> Optional[Lease]:
+           held: Optional[str] = None, follows: Optional[Mapping[str, Optional[str]]] = None,
+           me: Optional[str] = None) -> Optional[Lease]:
     """The site manager as one reader sees it: its lease, or None (nobody leads).
 
     `claims`: node -> the last record on that node's own topic. `held`: the leader this reader
-    followed so far. Pure, and only valid claims count (`valid_claims`):
+    followed so far. `follows`: node -> whom its own record says it follows; `me`: the reader
+    (its own vote does not count). Pure, and only valid claims count (`valid_claims`):
     - the leader a reader follows stays while its claim is valid: a newer claim beside it, by a
       node that does not yield, takes nothing (election stability; no node takes a running lease);
     - otherwise the one valid claim; with several (two candidates that claimed at once, or a
-      node that claims beside the leader), none until one remains: picking one by a rule the
-      claimer controls (a name, a time it writes) would hand the role to a forger, and the
-      honest loser of a race withdraws within a period (SiteDriver)."""
+      node that claims beside the leader), the one a strict majority of the other online nodes'
+      votes names (`followed`), else none until one remains: picking one by a rule the claimer
+      controls (a name, a time it writes) would hand the role to a forger, and the honest loser
+      of a race withdraws within a period (SiteDriver)."""
     valid = valid_claims(claims, online, now, max_ahead)
     if held is not None and held in valid:
         return valid[held]
     if len(valid) == 1:
         return next(iter(valid.values()))
+    if len(valid) > 1 and follows:
+        name = followed(valid, follows, online, me)
+        if name is not None:
+            return valid[name]
     return None
 
 
 MAX_CLAIMS = 4096  # distinct claimers a reader keeps (the ACL bounds them by the node list)
+_UNSTATED = object()  # this node wrote no statement on its record since it last led or started
 
 
 class LeaseBoard:
@@ -334,6 +399,8 @@ class LeaseBoard:
         self.max_ahead = max_ahead
         self.max_claims = max_claims
         self.claims: Dict[str, Lease] = {}
+        self.follows: Dict[str, Optional[str]] = {}  # node -> whom its own record says it follows
+        self.stated: Any = _UNSTATED  # whom this node's own statement names, as last published
         self.held: Optional[str] = None  # the leader this reader follows
         self.previous: Optional[str] = None  # the last other node it followed (whose released list a new leader inherits)
         self.own: Optional[Lease] = None  # this node's lease while it leads
@@ -342,6 +409,16 @@ class LeaseBoard:
         """A record on `writer`'s own topic (empty: cleared, the writer withdrew). Returns why it
         was refused (None: kept); a refused record also voids the writer's previous claim (the
         broker replaced it)."""
+        self.follows.pop(writer, None)
+        stated = follows_of(payload)
+        if stated is not None:
+            self.claims.pop(writer, None)
+            if stated.node != writer:
+                return f"statement on {writer[:40]}'s topic names node {stated.node[:40]!r}"
+            if len(self.follows) >= self.max_claims:
+                return f"more than {self.max_claims} statements: {writer[:40]}'s not kept"
+            self.follows[writer] = stated.follows
+            return None
         lease = lease_of(payload)
         problem = "malformed record" if payload and lease is None else claim_problem(writer, lease, now, self.max_ahead)
         if lease is None or problem:
@@ -359,21 +436,38 @@ class LeaseBoard:
     def current(self, online: Mapping[str, bool], now: float) -> Optional[Lease]:
         """The leader now (`leader` on this reader's claims and `held`), which it then follows."""
         claims, up = self._inputs(online)
-        got = leader(claims, up, now, self.max_ahead, self.held)
+        got = leader(claims, up, now, self.max_ahead, self.held, self.follows, self.me)
         self.held = got.node if got is not None else None
         if got is not None and got.node != self.me:
             self.previous = got.node
         return got
 
+    def statement(self, online: Mapping[str, bool], now: float) -> Optional[bytes]:
+        """The record this node writes on its own claim topic to say whom it follows now, when
+        that changed since it last said so (None: nothing to write; a leader's claim is its
+        statement). Called once the retained records are in: a reader that followed the first
+        claim it read would follow a forger's."""
+        if self.own is not None:
+            return None
+        got = self.current(online, now)
+        name = got.node if got is not None else None
+        if name == self.me or name == self.stated:
+            return None
+        self.stated = name
+        return json.dumps(Follows(self.me, name).to_dict()).encode()
+
     def lead(self, lease: Lease) -> None:
-        """This node leads with `lease` (its own record, published now)."""
+        """This node leads with `lease` (its own record, published now: it replaces the
+        statement)."""
         self.own = lease
         self.held = self.me
+        self.stated = _UNSTATED
 
     def withdraw(self) -> None:
-        """This node stopped leading (its record is cleared)."""
+        """This node stopped leading (its record is cleared: the next statement is written)."""
         self.own = None
         self.claims.pop(self.me, None)
+        self.stated = _UNSTATED
         if self.held == self.me:
             self.held = None
 
