@@ -349,6 +349,41 @@ def test_a_forged_site_manager_lease_lets_n3_drain_no_node(fleet: Fleet) -> None
         n3.close()
 
 
+def test_each_agent_states_whom_it_follows_and_n3_cannot_vote_in_another_nodes_name(fleet: Fleet) -> None:
+    """The votes a reader that follows nobody yet counts (docs/site-manager.md, "Whom a node
+    follows") are the nodes' own claim records: each real agent writes whom it follows on its own
+    topic, live, and the broker refuses n3 a statement on n1's topic, so a stolen key casts one
+    vote. (n3's claim here is the only one: the role is free, and any node may lead by design.)"""
+    watch = connected(fleet.site, ADMIN)
+    n3 = connected(fleet.site, "n3")
+
+    def follows(node: str) -> Any:
+        with watch.lock:
+            got = [p for t, p, _, _ in watch.received if t == T(f"agents/{node}/site_manager") and p]
+        try:
+            return json.loads(got[-1]).get("follows", "-") if got else "-"
+        except ValueError:
+            return "-"
+
+    try:
+        assert watch.subscribe(T("agents/+/site_manager")) == [1]
+        assert wait_until(lambda: all(follows(n) is None for n in NODES), 10), {n: follows(n) for n in NODES}
+        vote = {"v": 1, "node": "n1", "until": 0, "follows": "n3"}
+        assert n3.publish(T("agents/n1/site_manager"), json.dumps(vote).encode(), retain=True) == NOT_AUTHORIZED
+        assert n3.publish(T("agents/n3/status"), b"online", retain=True) in OK_CODES  # a claim counts while online
+        claim = {"v": 1, "node": "n3", "until": time.time() + 15.0, "state": {}}
+        assert n3.publish(T("agents/n3/site_manager"), json.dumps(claim).encode(), retain=True) in OK_CODES
+        assert wait_until(lambda: all(follows(n) == "n3" for n in NODES), 10), {n: follows(n) for n in NODES}
+        assert n3.publish(T("agents/n3/site_manager"), b"", retain=True) in OK_CODES
+        assert wait_until(lambda: all(follows(n) is None for n in NODES), 10), {n: follows(n) for n in NODES}
+        fleet.assert_survived("statements of whom the agents follow")
+    finally:
+        n3.publish(T("agents/n3/site_manager"), b"", retain=True)
+        n3.publish(T("agents/n3/status"), b"offline", retain=True)
+        n3.close()
+        watch.close()
+
+
 def test_n3_cannot_have_n2_run_a_pipeline_only_n3_lists(fleet: Fleet) -> None:
     """The confused deputy: n3 lists, in its own hosted record, a pipeline of its making
     (mqtt_source on n2's rpc topic -> mqtt_sink on events) and asks n2 to spawn it over the peer
