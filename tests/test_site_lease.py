@@ -131,6 +131,8 @@ def test_a_reader_states_whom_it_follows_when_that_changes_and_a_leader_never() 
     assert board.statement(UP, NOW) is None  # its claim says it
     board.withdraw()  # its record is cleared: it states again
     assert json.loads(board.statement(UP, NOW) or b"")["follows"] == "n2"
+    board.restate()  # a new connection
+    assert json.loads(board.statement(UP, NOW) or b"")["follows"] == "n2"
     from agent.node.site_manager import lease_of
     assert lease_of(said("n4", "n2")) is None  # a statement is no claim
 

@@ -1232,7 +1232,8 @@ class Agent:
             self._on_rpc_reply(msg, str(parsed.sender), now)
         elif not self._retained_in and msg.payload == self._sync_marker:
             self._retained_in = True
-            self._state_whom_we_follow()  # from every claim and statement, not the first one read
+            self.site_leases.restate()  # once per connection, from every claim and statement
+            self._state_whom_we_follow()
             while self._held_peer:  # each on its own: one that fails strands none behind it
                 self._on_message_safely(self._held_peer.popleft(), now)
 

@@ -456,6 +456,11 @@ class LeaseBoard:
         self.stated = name
         return json.dumps(Follows(self.me, name).to_dict()).encode()
 
+    def restate(self) -> None:
+        """Write the statement again at the next `statement` (a new connection: the broker may
+        have lost its retained records)."""
+        self.stated = _UNSTATED
+
     def lead(self, lease: Lease) -> None:
         """This node leads with `lease` (its own record, published now: it replaces the
         statement)."""
