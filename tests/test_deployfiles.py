@@ -99,7 +99,7 @@ def spec(dirs: Dict[str, Path], instance: str, operator: str, generation: str, *
 
 
 def worker(s: InstanceSpec) -> Any:
-    from agent.instance.worker import Worker
+    from agent.instance.shell import Worker
     from memory_wire import MemoryWire
 
     return Worker(s, out=open(os.devnull, "w"), transport=MemoryWire())  # type: ignore[arg-type]

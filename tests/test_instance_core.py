@@ -311,7 +311,7 @@ def test_bad_bytes_on_the_inbox_are_counted_and_skipped() -> None:
 def test_the_core_modules_import_nothing_that_does_io() -> None:
     """No sockets, no clock, no subprocess, no MQTT client, no daemon code (docs/runtime.md)."""
     banned = ("agent.mqtt", "agent.node", "foglab.tools", "subprocess", "socket", "time", "threading", "os",
-              "paho", "agent.instance.worker", "agent.files")
+              "paho", "agent.instance.worker", "agent.instance.shell", "agent.files")
     root = Path(__file__).resolve().parents[1] / "agent" / "instance"
     for name in ("core.py", "driver.py", "events.py", "commands.py", "recovery.py", "rounds.py"):
         tree = ast.parse((root / name).read_text())

@@ -191,7 +191,6 @@ def cycles(graph: dict) -> List[frozenset]:
 # Cycles that exist now and are to be taken apart (issue: core, shell and lab); none may be added.
 KNOWN_CYCLES = {
     frozenset({"agent.instance.core", "agent.instance.driver", "agent.instance.moves"}),
-    frozenset({"agent.instance.chain", "agent.instance.worker"}),
 }
 
 

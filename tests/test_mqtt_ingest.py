@@ -19,7 +19,7 @@ from memory_wire import MemoryWire
 from agent import topics
 from agent.dataplane.envelope import Envelope, Kind, decode, encode
 from agent.instance.events import Abort, Control
-from agent.instance.worker import Worker
+from agent.instance.shell import Worker
 from agent.mqtt.settings import BrokerSpec
 from agent.mqtt.transport import Received, Transport
 from foglab.tools.dataplane_bench import initial_specs, pipeline_toml

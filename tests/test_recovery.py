@@ -80,7 +80,7 @@ def test_a_source_resumes_at_its_oldest_unacked_poll_not_its_newest(tmp_path) ->
     from agent.dataplane.envelope import Envelope, Kind, encode
     from agent.mqtt.settings import BrokerSpec
     from agent.mqtt.transport import Received
-    from agent.instance.worker import Worker
+    from agent.instance.shell import Worker
 
     toml = pipeline_toml("p", [
         {"name": "source", "kind": "source", "function": "agent.operators.taxi:mqtt_source",
@@ -131,7 +131,7 @@ def _chain(tmp_path, clock: list, wire: "MemoryWire", operator: str, policy: str
 
     from foglab.tools.dataplane_bench import initial_specs, pipeline_toml
     from agent.mqtt.settings import BrokerSpec
-    from agent.instance.worker import Worker
+    from agent.instance.shell import Worker
 
     toml = pipeline_toml("p", [
         {"name": "source", "kind": "source", "function": "agent.operators.taxi:mqtt_source",
@@ -420,7 +420,7 @@ def _creator_and_idle_copy(tmp_path):  # type: ignore[no-untyped-def]
 
     from foglab.tools.dataplane_bench import initial_specs, pipeline_toml
     from agent.mqtt.settings import BrokerSpec
-    from agent.instance.worker import Worker
+    from agent.instance.shell import Worker
 
     toml = pipeline_toml("p", [
         {"name": "source", "kind": "source", "function": "agent.operators.taxi:mqtt_source",
@@ -666,7 +666,7 @@ def _active_copy(tmp_path, clock: list, restart: bool = False, extra: Optional[d
     import dataclasses
     import os
 
-    from agent.instance.worker import Worker
+    from agent.instance.shell import Worker
 
     _, _, _, keeper, _ = _creator_and_idle_copy(tmp_path)
     spec = dataclasses.replace(keeper.spec, instance="work-y", keeper=False, active=True, preds=("source-0",),
@@ -764,8 +764,8 @@ def test_a_fast_source_writes_its_position_about_once_a_second_and_never_generat
 
     from agent import files, topics
     from agent.dataplane.envelope import Envelope, Kind, decode, encode
-    from agent.instance import worker as worker_mod
-    from agent.instance.worker import Worker
+    from agent.instance import shell as worker_mod
+    from agent.instance.shell import Worker
     from agent.mqtt.settings import BrokerSpec
     from agent.mqtt.transport import Received
     from foglab.tools.dataplane_bench import initial_specs, pipeline_toml

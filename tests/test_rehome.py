@@ -246,7 +246,7 @@ def test_a_rehomed_keyed_instance_resumes_the_groups_it_is_told_not_every_group(
 
     from memory_wire import MemoryWire
 
-    from agent.instance.worker import Worker
+    from agent.instance.shell import Worker
     from agent.mqtt.settings import BrokerSpec
     from foglab.tools.dataplane_bench import initial_specs, pipeline_toml
 

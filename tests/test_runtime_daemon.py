@@ -608,7 +608,7 @@ def test_a_handed_over_keeper_keeps_its_identity_state_and_a_higher_epoch(tmp_pa
     from agent.config import load_agent_config
     from agent.node.daemon import Agent, without_handover
     from agent.instance.spec import request_spec
-    from agent.instance.worker import Worker
+    from agent.instance.shell import Worker
     from memory_wire import MemoryWire
 
     conf = tmp_path / "a.toml"

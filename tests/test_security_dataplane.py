@@ -131,7 +131,7 @@ def _worker(tmp_path: Path, operator: str, clock: List[float], **changes: Any): 
     """One worker of source -> work -> sink (decentralized scaling core, policy none)."""
     from foglab.tools.dataplane_bench import initial_specs, pipeline_toml
     from agent.mqtt.settings import BrokerSpec
-    from agent.instance.worker import Worker
+    from agent.instance.shell import Worker
 
     toml = pipeline_toml("p", [
         {"name": "source", "kind": "source", "function": "agent.operators.taxi:mqtt_source",

@@ -165,7 +165,7 @@ def test_the_worker_installs_the_shipped_keyed_state_unless_a_later_incarnation_
     import os
 
     from agent.instance.spec import InstanceSpec
-    from agent.instance.worker import Worker
+    from agent.instance.shell import Worker
     from agent.mqtt.settings import BrokerSpec
     from memory_wire import MemoryWire
 

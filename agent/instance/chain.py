@@ -36,7 +36,7 @@ from typing import Any, Callable, Deque, Dict, List, Sequence, TextIO, Tuple
 from agent.instance.events import EnvelopeHanded
 from agent.mqtt.transport import poll_all
 from agent.instance.spec import InstanceSpec
-from agent.instance.worker import Worker
+from agent.instance.shell import Worker
 
 log = logging.getLogger("agent.instance.chain")
 

@@ -1859,7 +1859,7 @@ class Agent:
 
     def _grant_reconnects(self, now: float) -> None:
         """Let workers that lost their connection reconnect (re-homing on, see
-        worker.Worker._ask_to_reconnect), once a PUBACK newer than the ask came back and no
+        shell.Worker._ask_to_reconnect), once a PUBACK newer than the ask came back and no
         reconcile is pending. Why that is enough: if our connection survived the worker's
         outage, the broker never fired our Will and nobody re-homed our instances; if it did
         not, we reconnected, and `_reconcile` (1 s later, with the retained re-homing records in)

@@ -160,7 +160,7 @@ def _sink_worker_run(payloads: List[bytes], work: Path, spill: bool, batch: int)
     from agent.mqtt.settings import BrokerSpec
     from agent.mqtt.transport import Received
     from agent.instance.events import Abort
-    from agent.instance.worker import Worker
+    from agent.instance.shell import Worker
 
     run = work / f"run-{time.monotonic_ns()}"
     toml = pipeline_toml("bench", [
