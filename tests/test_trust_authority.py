@@ -435,3 +435,71 @@ def test_a_sender_bound_without_proof_does_not_set_its_epoch(tmp_path: Path) -> 
     assert w.core.stats["refused_nodes"] == 1
     state = json.loads((tmp_path / "state" / "sink-0.state.json").read_text())
     assert '"epoch": 5' not in json.dumps(state)
+
+
+# ---- what an agent keeps over its restart ---------------------------------------------------------
+
+
+def test_a_restarted_agent_keeps_a_never_moved_instance_bound_to_its_node_beside_a_claimer() -> None:
+    """r hosts w (never moved: no statement names anybody); h lists it too. An agent that
+    restarted saw two equal claimers and bound w to nobody for as long as h listed it (w's
+    envelopes waited, then were refused: a stall). Its proven bindings now come back with it."""
+    from agent.node.hostmap import HostMap
+
+    before = HostMap("me")
+    before.update({}, {"r": [("w", "p", "g1")]}, {"r": True})
+    assert before.bound("w") == "r"
+    saved = json.loads(json.dumps(before.saved()))  # through the file
+    hosted = {"r": [("w", "p", "g1")], "h": [("w", "p", "g1")]}
+    fresh = HostMap("me")
+    fresh.update({}, hosted, {"r": True, "h": True})
+    assert fresh.bound("w") is None  # a brand-new agent: still no binding (docs/security.md)
+    again = HostMap("me")
+    assert again.restore(saved) == 1
+    again.update({}, hosted, {"r": True, "h": True})
+    assert again.bound("w") == "r" and again.proven("w") and again.pending("w") == ("h",)
+    # the instance moved while the agent was away: who moved it says where, as for a running agent
+    again.update({}, {"h": [("w", "p", "g1")], "d": [("w", "p", "g1")]}, {"r": True, "h": True, "d": True},
+                 None, {"r": {"w": "d"}})
+    assert again.bound("w") == "d"
+
+
+def test_only_proven_bindings_to_other_nodes_are_kept() -> None:
+    from agent.node.hostmap import HostMap
+
+    m = HostMap("me")
+    up = {"a": True, "h": True}
+    m.update({"mine": "p"}, {"a": [("w", "p"), ("v", "p")]}, up)
+    m.update({"mine": "p"}, {"a": [("v", "p")], "h": [("w", "p")]}, up)  # w: one claimer, no word
+    assert m.bound("w") == "h" and not m.proven("w")
+    assert m.saved() == {"v": 1, "bound": [["v", "a", "p", ""]]}
+    for bad in (None, [], {"v": 2, "bound": [["x", "a", "p", ""]]}, {"v": 1, "bound": [["x", "me", "p", ""], ["y"], [1, 2, 3, 4]]}):
+        assert HostMap("me").restore(bad) == 0
+
+
+def test_the_agent_keeps_its_bindings_and_the_leader_it_follows_in_its_state_dir(tmp_path: Path) -> None:
+    """n1 follows n2 in a fleet of three and knows w runs on r. It restarts; n3 then claims the
+    site manager beside n2 and lists w. Before, the restarted n1 followed nobody (n2 and n3
+    tied: n2's drains refused) and bound w to nobody; now it follows n2 and keeps w on r."""
+    agent = _agent(tmp_path)
+    agent._retained_in = False
+    now = agent.wall()
+    for n in ("n2", "n3", "r"):
+        _deliver(agent, topics.agent_status("c", n), b"online", True)
+    _claim(agent, "n2", "n2", now + 15.0)
+    _records_in(agent)
+    assert agent.site_leases.held == "n2"
+    agent.hostmap.update({}, {"r": [("w", "p", "g1")]}, agent.online)
+    agent._save_bindings()
+
+    again = _agent(tmp_path)
+    again._retained_in = False
+    for n in ("n2", "n3", "r"):
+        _deliver(again, topics.agent_status("c", n), b"online", True)
+    _claim(again, "n3", "n3", now + 15.0)
+    _claim(again, "n2", "n2", now + 15.0)
+    _records_in(again)
+    assert _drain_from(again, "n3")["ok"] is False and not again.draining
+    again.hostmap.update({}, {"r": [("w", "p", "g1")], "n3": [("w", "p", "g1")]}, again.online)
+    assert again.hostmap.bound("w") == "r"
+    assert _drain_from(again, "n2")["ok"] is True and again.draining

@@ -242,6 +242,9 @@ class Agent:
         # Which node hosts which instance (docs/security.md, "Data channels"): sent to every worker
         # as the control line "hosts", which checks the writing node of each inbox message with it.
         self.hostmap = HostMap(self.node)
+        self._bindings_saved = self.hostmap.saved()
+        if self.hostmap.restore(_read_json(Path(cfg.agent.state_dir) / BINDINGS_FILE)):
+            self._bindings_saved = self.hostmap.saved()
         self._near: Set[str] = set()  # nodes hosting instances of our pipelines (`_sync_hosts`)
         self._hosts_dirty = True
         self._hosts_sent: Dict[str, Tuple[int, Dict[str, Any]]] = {}  # instance -> (pid, table sent)
@@ -286,6 +289,11 @@ class Agent:
         # only); [site_manager] enabled runs a candidate, which shares this board.
         sm = cfg.site_manager
         self.site_leases = LeaseBoard(cfg.agent.node, lease_bound(sm.lease, sm.period))
+        # The leader we followed before a restart, kept while its claim stays valid: a restarted
+        # reader that followed nobody tied between the leader and a claim beside it in a fleet of 3.
+        followed = (_read_json(Path(cfg.agent.state_dir) / FOLLOWED_FILE) or {}).get("follows")
+        if isinstance(followed, str) and followed and followed != self.node and len(followed) <= 256:
+            self.site_leases.held = self.site_leases.previous = followed
         self._retained_in = False  # the retained records of this connection's subscriptions are in
         self._sync_marker = b""  # what marks their end (see _on_connected)
         # Peer requests that arrived before those records: a persistent session hands over what
@@ -1334,6 +1342,12 @@ class Agent:
         payload = self.site_leases.statement(self.online, self.wall())
         if payload is not None:
             self._publish(topics.site_manager(self.cluster, self.node), payload, retain=True)
+            try:
+                Path(self.cfg.agent.state_dir).mkdir(parents=True, exist_ok=True)
+                write_atomic(Path(self.cfg.agent.state_dir) / FOLLOWED_FILE,
+                             json.dumps({"follows": self.site_leases.stated}))
+            except OSError as exc:
+                log.warning("the leader followed not saved: %s", exc, extra={"node": self.node})
 
     def _on_latency_row(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
         self.latency[str(parsed.node)] = nodestate.parse_latency(msg.payload)
@@ -1994,6 +2008,7 @@ class Agent:
             self.hostmap.update({i: w.spec.pipeline for i, w in workers.items()}, claims, self.online,
                                 self.rehomed_by_node, moved)
             self._near = self.hostmap.nodes_of({w.spec.pipeline for w in workers.values()})
+            self._save_bindings()
         elif all(self._hosts_sent.get(i, (None,))[0] == w.pid for i, w in workers.items()):
             return
         tables: Dict[str, Dict[str, Any]] = {}
@@ -2006,6 +2021,19 @@ class Agent:
                 self._hosts_sent[inst] = (w.pid, table)
         for inst in [i for i in self._hosts_sent if i not in workers]:
             del self._hosts_sent[inst]
+
+    def _save_bindings(self) -> None:
+        """Keep the proven bindings over a restart (agent.node.hostmap, `saved`), when they changed."""
+        saved = self.hostmap.saved()
+        if saved == self._bindings_saved:
+            return
+        try:
+            Path(self.cfg.agent.state_dir).mkdir(parents=True, exist_ok=True)
+            write_atomic(Path(self.cfg.agent.state_dir) / BINDINGS_FILE, json.dumps(saved))
+        except OSError as exc:
+            log.warning("bindings not saved: %s", exc, extra={"node": self.node})
+            return
+        self._bindings_saved = saved
 
     def _maybe_rehome(self, now: float) -> None:
         """Start elsewhere, same identities, the instances of nodes offline for `dead_after`
@@ -2344,6 +2372,8 @@ def _save_pins(state_dir: Path, pins: Dict[str, Dict[str, Any]]) -> None:
 
 
 MOVED_FILE = "moved.json"
+BINDINGS_FILE = "bindings.json"  # agent.node.hostmap's proven bindings, kept over a restart
+FOLLOWED_FILE = "followed.json"  # the site manager this node follows (LeaseBoard.held), kept over a restart
 
 
 def _load_moved(state_dir: Path) -> Dict[str, str]:

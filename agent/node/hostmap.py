@@ -45,6 +45,13 @@ The rule, per instance (`HostMap.update`):
   carry it), the instance starts over as one this agent never saw; never while a claimer still
   lists it under the old deploy.
 
+- A binding outlives the agent's restart (`saved` / `restore`, the daemon keeps it in its state
+  directory): the proven bindings to other nodes come back as the bindings the rule starts from.
+  Without them an agent that restarted saw every claimer of a never-moved instance as equal, and
+  a node that listed an instance it does not host (a stolen node key) kept it bound to nobody at
+  that agent for as long as it listed it. A brand-new agent (or one whose disk was lost) still
+  starts with none (docs/security.md, "What a compromised node can still do").
+
 Bounded: at most `max_entries` instances, those no record lists any more forgotten first.
 """
 
@@ -53,11 +60,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
-__all__ = ["HostMap", "MAX_ENTRIES", "MAX_FORMER", "MAX_MOVED", "moved_of"]
+__all__ = ["HostMap", "MAX_ENTRIES", "MAX_FORMER", "MAX_MOVED", "MAX_NAME", "moved_of"]
 
 MAX_ENTRIES = 4096
 MAX_FORMER = 4
 MAX_MOVED = 256  # statements one node keeps in its state record ("moved"), the newest
+MAX_NAME = 256  # an instance, node, pipeline or generation name in a saved binding
 
 
 def moved_of(doc: Any) -> Dict[str, str]:
@@ -212,6 +220,32 @@ class HostMap:
             self._former = {i: ns for i, ns in self._former.items() if i in self._bound}
         self._unproven &= set(self._bound)
         self._generation = {i: g for i, g in self._generation.items() if i in self._bound}
+
+    def saved(self) -> Dict[str, Any]:
+        """What the agent keeps over its restart: the proven bindings to other nodes, oldest
+        first. Not our own instances (bound here while they run here; after a restart the agent
+        starts them again or another node took them, which the rule then follows), not unproven
+        ones (nothing an unproven sender gained is kept)."""
+        return {"v": 1, "bound": [[i, n, p, self._generation.get(i, "")] for i, (n, p) in self._bound.items()
+                                  if n != self.node and i not in self._unproven]}
+
+    def restore(self, doc: Any) -> int:
+        """Start from the bindings `saved` returned before the restart (the agent's own file; a
+        malformed entry is skipped). Returns how many were taken."""
+        entries = doc.get("bound") if isinstance(doc, dict) and doc.get("v") == 1 else None
+        if not isinstance(entries, list):
+            return 0
+        taken = 0
+        for e in entries[-self.max_entries:]:
+            if (isinstance(e, list) and len(e) == 4 and all(isinstance(x, str) and len(x) <= MAX_NAME for x in e)
+                    and e[0] and e[1] and e[1] != self.node):
+                inst, node, pipeline, generation = e
+                self._bound.pop(inst, None)
+                self._bound[inst] = (node, pipeline)
+                if generation:
+                    self._generation[inst] = generation
+                taken += 1
+        return taken
 
     def _start_over(self, inst: str) -> None:
         self._bound.pop(inst, None)
