@@ -48,6 +48,11 @@ def _absolute_paths(v: Any) -> Optional[str]:
     return f"expected absolute paths ({bad[0]!r} is not)" if bad else None
 
 
+def node_slots_problem(v: Any) -> Optional[str]:
+    bad = [k for k, n in v.items() if isinstance(n, bool) or not isinstance(n, int) or n < 0]
+    return f"expected a table of node name = slots (a whole number >= 0; {bad[0]!r} is not)" if bad else None
+
+
 def _topic_filters(v: Any) -> Optional[str]:
     from agent.topics import filter_problem
 
@@ -200,7 +205,8 @@ class SiteManagerSection:
 
 @dataclass(frozen=True)
 class SecuritySection:
-    """Who may say which pipelines this node runs (docs/security.md, "Signed pipeline specs").
+    """Who may say which pipelines this node runs (docs/security.md, "Signed pipeline specs"),
+    and how many slots each node may offer (`node_slots`).
 
     `admin_keys`: absolute paths of the admins' Ed25519 public keys (PEM). Set (the Ansible role
     always sets one): every spec this node runs, spawns, re-homes or re-adopts must carry a valid
@@ -208,6 +214,10 @@ class SecuritySection:
     signatures are not required (a fleet without admin keys)."""
 
     admin_keys: Tuple[str, ...] = field(default=(), metadata={"check": _absolute_paths})
+    # The slots the admin gave each node (the role writes every inventory host's
+    # fog_agent_slots): a node's state may offer no more, so a node that lies about its free slots
+    # does not draw every placement to itself. A node not listed is taken at its word; empty: all.
+    node_slots: Dict[str, Any] = field(default_factory=dict, metadata={"check": node_slots_problem})
 
 
 @dataclass(frozen=True)

@@ -357,6 +357,36 @@ def test_the_admin_signing_key_is_generated_once_on_the_control_node_and_only_it
             str(node / "admin-sign.pub")]
 
 
+def test_every_agent_gets_the_slots_the_inventory_gives_each_node(tmp_path: Path) -> None:
+    """docs/security.md: [security] node_slots lists every host of the fog_nodes group with its own
+    fog_agent_slots (a node's state may offer no more), with or without signed specs; the rendered
+    file is one valid agent.toml (a second [security] header would not load)."""
+    import yaml
+
+    from agent.config import load_agent_config
+
+    defaults = yaml.safe_load((ANSIBLE_DIR / "roles/fog_agent/defaults/main.yml").read_text())
+    inv = tmp_path / "site"
+    inv.mkdir()
+    local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
+    hosts = {"pi1": local, "pi2": dict(local, fog_agent_slots=2), "pi3": dict(local, fog_agent_node="pi-three")}
+    (inv / "hosts.yml").write_text(json.dumps({"all": {"children": {"fog_nodes": {"hosts": hosts}}}}))
+    template = ANSIBLE_DIR / "roles/fog_agent/templates/agent.toml.j2"
+    play = [{"hosts": "pi1", "gather_facts": False,
+             "vars": dict(defaults, fog_agent_config_dir=str(tmp_path), fog_agent_signed_specs="{{ signed }}"),
+             "tasks": [{"name": "Render", "ansible.builtin.copy": {
+                 "content": "{{ lookup('ansible.builtin.template', '" + str(template) + "') }}",
+                 "dest": str(tmp_path) + "/agent-{{ signed }}.toml"}}]}]
+    (tmp_path / "play.yml").write_text(json.dumps(play))
+    for signed in ("true", "false"):
+        res = run([str(PLAYBOOK), "-i", str(inv / "hosts.yml"), str(tmp_path / "play.yml"), "-e", f"signed={signed}"],
+                  ansible_env(tmp_path), cwd=tmp_path)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        cfg = load_agent_config(tmp_path / f"agent-{signed}.toml")
+        assert cfg.security.node_slots == {"pi1": 4, "pi2": 2, "pi-three": 4}, signed
+        assert bool(cfg.security.admin_keys) is (signed == "true")
+
+
 def test_roles_follow_the_node_exporter_layout() -> None:
     for role in ("mosquitto", "fog_agent", "fog_netem", "fog_central"):
         base = ANSIBLE_DIR / "roles" / role

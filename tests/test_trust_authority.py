@@ -503,3 +503,84 @@ def test_the_agent_keeps_its_bindings_and_the_leader_it_follows_in_its_state_dir
     again.hostmap.update({}, {"r": [("w", "p", "g1")], "n3": [("w", "p", "g1")]}, again.online)
     assert again.hostmap.bound("w") == "r"
     assert _drain_from(again, "n2")["ok"] is True and again.draining
+
+
+def test_a_peer_spawn_of_an_instance_running_on_another_online_node_is_refused(tmp_path: Path) -> None:
+    """n3 asks n2 to start `source-0` of the deployed pipeline, which runs on r (online, listing
+    it): a clone, the same identity on two nodes (it started before). r itself may move it (a
+    hand-over), and once r is offline a re-home may start it; a new identity (a copy) starts."""
+    agent = _n2_knowing_n3_and_a_deploy(tmp_path)
+    _deliver(agent, topics.agent_status("c", "r"), b"online", True)
+    _deliver(agent, topics.agent_hosted("c", "r"), [dict(_spawn_spec("taxi", SAFE, instance="source-0"),
+                                                         node="r", cluster="c")], True)
+    agent._sync_hosts()
+    assert agent.hostmap.bound("source-0") == "r"
+    r = _peer_spawn(agent, "n3", _spawn_spec("taxi", SAFE, instance="source-0"))
+    assert r.get("ok") is False and "runs on r (online)" in r["error"], r
+    assert agent.started == []
+    _peer_spawn(agent, "n3", _spawn_spec("taxi", SAFE, instance="source-0.1"))
+    _peer_spawn(agent, "r", _spawn_spec("taxi", SAFE, instance="source-0"))
+    assert [s.instance for s in agent.started] == ["source-0.1", "source-0"]
+    _deliver(agent, topics.agent_status("c", "r"), b"offline", True)
+    _peer_spawn(agent, "n3", _spawn_spec("taxi", SAFE, instance="source-0"))
+    assert [s.instance for s in agent.started][-1] == "source-0"
+
+
+# ---- placement bounded by what the admin gave each node ------------------------------------------
+
+
+def _liar_state(node: str = "n3") -> Dict[str, Any]:
+    return {"version": 1, "node": node, "time": 1.0, "cpu": 0.0, "memory": 0.0, "slots": 1000,
+            "free_slots": 1000, "instances": [{"id": "x-1"}]}
+
+
+def test_a_node_claiming_more_free_slots_than_the_admin_gave_it_is_not_every_placements_first_choice(
+        tmp_path: Path) -> None:
+    """n3 says it has 1,000 free slots: every createNode() (and a deploy's keepers) went to it
+    first. With [security] node_slots each agent takes at most what the admin gave it, less the
+    instances it lists: n3 (2 slots, 1 listed) offers 1, n2 (4, none) 4, so n2 ranks first."""
+    agent = _agent(tmp_path, "n1", '[security]\nnode_slots = { n2 = 4, n3 = 2 }\n')
+    for node, doc in (("n3", _liar_state()), ("n2", dict(_liar_state("n2"), slots=4, free_slots=4, instances=[]))):
+        _deliver(agent, topics.agent_state("c", node), doc, True)
+        _deliver(agent, topics.agent_status("c", node), b"online", True)
+    views = {v.node: v for v in agent.fleet_views()}
+    assert (views["n3"].slots, views["n3"].free_slots) == (2, 1) and views["n2"].free_slots == 4
+    assert agent.fleet_slots() == 2 + 4 + agent.cfg.agent.slots
+    unbounded = _agent(tmp_path, "n4")
+    for node, doc in (("n3", _liar_state()),):
+        _deliver(unbounded, topics.agent_state("c", node), doc, True)
+        _deliver(unbounded, topics.agent_status("c", node), b"online", True)
+    assert {v.node: v.free_slots for v in unbounded.fleet_views()}["n3"] == 1000  # not listed: its word
+
+
+def test_a_deploy_offers_a_node_no_more_than_its_slots_in_the_table() -> None:
+    from agent.node.deploy import fleet_from_snapshot
+
+    states = {topics.agent_state("c", "n3"): json.dumps(_liar_state()).encode()}
+    statuses = {topics.agent_status("c", "n3"): b"online"}
+    assert [v.free_slots for v in fleet_from_snapshot(states, statuses)] == [1000]
+    assert [(v.slots, v.free_slots) for v in fleet_from_snapshot(states, statuses, {"n3": 1})] == [(1, 0)]
+
+
+def test_node_slots_must_be_whole_numbers(tmp_path: Path) -> None:
+    import pytest
+
+    from agent.schema import ConfigError
+
+    for bad in ('{ n2 = -1 }', '{ n2 = "4" }', '{ n2 = true }', '[4]'):
+        conf = tmp_path / "bad.toml"
+        conf.write_text(f'[agent]\nnode = "n1"\n[security]\nnode_slots = {bad}\n')
+        with pytest.raises(ConfigError) as err:
+            load_agent_config(conf)
+        assert "bad.toml" in str(err.value) and "node_slots" in str(err.value), str(err.value)
+
+
+def test_fogctl_deploys_with_the_node_slots_of_its_settings_or_of_an_agent_toml(tmp_path: Path) -> None:
+    from agent.fogctl.config import load_config
+
+    conf = tmp_path / "n1.toml"
+    conf.write_text('[agent]\nnode = "n1"\n[security]\nnode_slots = { n3 = 2 }\n')
+    assert load_config(agent_config=conf, env={}).node_slots == {"n3": 2}
+    own = tmp_path / "fogctl.toml"
+    own.write_text('node_slots = { n3 = 1 }\n')
+    assert load_config(env={}, path=own).node_slots == {"n3": 1}

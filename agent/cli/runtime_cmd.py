@@ -117,6 +117,7 @@ def deploy_cmd(args: argparse.Namespace) -> int:
     if not report.ok:
         return exitcodes.ERROR
     host, port, cluster, user, password, tls = "127.0.0.1", 1883, "default", None, None, None
+    node_slots = None
     signer = None
     if args.sign_key:  # before any broker: a bad key file starts nothing
         from agent.signing import load_signer
@@ -132,6 +133,7 @@ def deploy_cmd(args: argparse.Namespace) -> int:
                 cfg = _load_cfg(args.config)
                 host, port, cluster = cfg.mqtt.host, cfg.mqtt.port, cfg.agent.cluster
                 user, password, tls = cfg.mqtt.username, resolve_password(cfg.mqtt), cfg.mqtt.tls
+                node_slots = cfg.security.node_slots
             except ConfigError:
                 if args.config:
                     raise
@@ -140,7 +142,7 @@ def deploy_cmd(args: argparse.Namespace) -> int:
         cluster = args.cluster or cluster
         placed = deploy(text, host, port, cluster, extra=_parse_extra(args.extra), policy_name=args.placement,
                         timeout=args.timeout, username=user, password=password, name=Path(args.pipeline).name,
-                        tls=tls, signer=signer)
+                        tls=tls, signer=signer, node_slots=node_slots)
     except BrokerUnreachable as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exitcodes.UNREACHABLE

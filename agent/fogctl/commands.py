@@ -501,7 +501,8 @@ def cmd_deploy(args: argparse.Namespace, ctx: Context) -> int:
         except ValueError as exc:
             raise FogctlError(f"sign_key {ctx.cfg.sign_key}: {exc}") from None
     with ctx.connect(ctx.cfg) as conn:
-        cfg, placed = deploy_pipeline(conn, text, path.name, timeout=args.keeper_timeout, signer=signer)
+        cfg, placed = deploy_pipeline(conn, text, path.name, timeout=args.keeper_timeout, signer=signer,
+                                      node_slots=ctx.cfg.node_slots)
     name = cfg.pipeline.name
     doc = {"ok": True, "pipeline": name, "topic": topics.pipeline(ctx.cfg.cluster, name), "keepers": placed}
     text_out = f"deployed {name} ({' -> '.join(op.name for op in cfg.operators)}): " + \

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Tuple
 
+from agent.config import node_slots_problem as _node_slots
 from agent.schema import ConfigError, identifier, in_range, load_dataclass, positive, read_toml
 
 __all__ = ["FogctlConfig", "ENV_VARS", "default_config_path", "for_site", "from_agent_config", "load_config",
@@ -61,6 +62,9 @@ class FogctlConfig:
     # The admin's Ed25519 private key (PEM): `fogctl deploy` signs the pipeline with it, and agents
     # with [security] admin_keys run only signed pipelines (docs/security.md, "Signed pipeline specs").
     sign_key: Optional[str] = None
+    # The slots the admin gave each node (as [security] node_slots of agent.toml): a deploy
+    # offers no node more, whatever its state says.
+    node_slots: Dict[str, Any] = field(default_factory=dict, metadata={"check": _node_slots})
 
     @property
     def address(self) -> Tuple[str, int]:
@@ -143,6 +147,8 @@ def from_agent_config(path: Path) -> Dict[str, Any]:
                            "username": m.username, "password": m.password, "password_file": m.password_file}
     if m.tls is not None:
         out.update(cafile=m.tls.ca_file, cert=m.tls.cert_file, key=m.tls.key_file, insecure=m.tls.insecure)
+    if cfg.security.node_slots:
+        out["node_slots"] = dict(cfg.security.node_slots)
     return {k: v for k, v in out.items() if v is not None}
 
 

@@ -30,11 +30,12 @@ class DeployFailed(FogctlError):
 
 
 def deploy_pipeline(conn: Connection, text: str, name: str, timeout: float,
-                    policy_name: Optional[str] = None, signer: Any = None) -> Tuple[Any, List[Dict[str, str]]]:
+                    policy_name: Optional[str] = None, signer: Any = None,
+                    node_slots: Optional[Dict[str, int]] = None) -> Tuple[Any, List[Dict[str, str]]]:
     """Publish the TOML retained (signed by `signer`, an agent.signing.Signer, when given) and
     start its keepers; returns (PipelineConfig, placed keepers)."""
     try:
-        cfg, placed = deploy_over(conn, text, name, timeout, policy_name, signer=signer)
+        cfg, placed = deploy_over(conn, text, name, timeout, policy_name, signer=signer, node_slots=node_slots)
     except DeployError as exc:
         raise DeployFailed(str(exc), getattr(exc, "status", exitcodes.ERROR)) from None
     return cfg, [{"operator": d.operator, "instance": d.instance, "node": d.node} for d in placed]

@@ -757,7 +757,8 @@ class Agent:
         for node, doc in sorted(self.fleet.items()):
             if node == self.node:
                 continue
-            view = nodestate.node_view(doc, online=self.online.get(node, True), latency_ms=self.latency.get(node, {}))
+            view = nodestate.node_view(doc, online=self.online.get(node, True), latency_ms=self.latency.get(node, {}),
+                                       max_slots=self.cfg.security.node_slots.get(node))
             free = max(0, view.free_slots - self._reserved.get(node, 0))
             views.append(dataclasses.replace(view, free_slots=free))
         return views
@@ -1396,7 +1397,23 @@ class Agent:
             return f"pipeline {pipeline[:80]!r} is not deployed (no admin's record of it)"
         if spec.get("pipeline_toml") not in (None, text):
             return f"the text of pipeline {pipeline[:80]!r} is not the one an admin deployed"
-        return None
+        return self._clone_problem(requester, spec.get("instance"))
+
+    def _clone_problem(self, requester: str, instance: Any) -> Optional[str]:
+        """A peer spawn of an instance that runs on another online node, asked by a node other
+        than that one: a clone (one identity on two nodes), refused. Only the node an instance is
+        bound to moves it while it is online (a hand-over); a re-home starts it elsewhere once its
+        node is offline; a scale-out's copy has a new identity. The binding is the proven one of
+        the host map, and its node must still list the instance (a binding nobody lists any more
+        is a leftover)."""
+        if not isinstance(instance, str):
+            return None
+        node = self.hostmap.bound(instance)
+        if (node is None or node in (requester, self.node) or not self.online.get(node)
+                or not self.hostmap.proven(instance)
+                or not any(s.get("instance") == instance for s in self.hosted_by_node.get(node, []))):
+            return None
+        return f"instance {instance[:80]!r} runs on {node} (online): only {node} may move it"
 
     def _peer_may_ship(self, requester: str, instance: str) -> Optional[str]:
         """A node may send us the keyed state of an instance only if it hosts it (its retained

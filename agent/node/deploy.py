@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from agent import exitcodes, topics
 from agent.config import PipelineConfig, load_pipeline_text
@@ -85,8 +85,10 @@ def keeper_specs(
     return specs
 
 
-def fleet_from_snapshot(states: Dict[str, bytes], statuses: Dict[str, bytes]) -> List[NodeView]:
-    """Placement views from retained state/status payloads keyed by topic."""
+def fleet_from_snapshot(states: Dict[str, bytes], statuses: Dict[str, bytes],
+                        node_slots: Optional[Mapping[str, int]] = None) -> List[NodeView]:
+    """Placement views from retained state/status payloads keyed by topic; `node_slots`: the
+    slots the admin gave each node, which its state may not exceed (`nodestate.node_view`)."""
     online = {}
     for t, p in statuses.items():
         parsed = topics.parse_any(t)
@@ -101,7 +103,8 @@ def fleet_from_snapshot(states: Dict[str, bytes], statuses: Dict[str, bytes]) ->
             doc = nodestate.parse_node_state(payload)
             if parsed is None or parsed.kind != "state" or doc["node"] != parsed.node:
                 raise ValueError(f"state names node {str(doc['node'])[:40]!r}")
-            views.append(nodestate.node_view(doc, online=online.get(doc["node"], False)))
+            views.append(nodestate.node_view(doc, online=online.get(doc["node"], False),
+                                             max_slots=(node_slots or {}).get(doc["node"])))
         except (ValueError, TypeError) as exc:  # a hostile neighbour's state: skipped, in one line
             log.warning("ignoring %s: %s", topic[:200], exc)
     return views
@@ -224,6 +227,7 @@ def deploy(
     name: str = "pipeline.toml",
     tls: Any = None,
     signer: Optional[Signer] = None,
+    node_slots: Optional[Mapping[str, int]] = None,
 ) -> List[Deployed]:
     """`fog-agent deploy`: `deploy_over` a connection of its own; returns where each keeper runs.
 
@@ -234,12 +238,13 @@ def deploy(
         tls_args = {"ca_file": tls.ca_file, "cert_file": tls.cert_file, "key_file": tls.key_file,
                     "tls_insecure": bool(tls.insecure)}
     with rpc.RpcClient(host, port, cluster, username=username, password=password, **tls_args) as client:
-        return deploy_over(client, text, name, timeout, policy_name, extra, signer=signer)[1]
+        return deploy_over(client, text, name, timeout, policy_name, extra, signer=signer, node_slots=node_slots)[1]
 
 
 def deploy_over(conn: Requester, text: str, name: str, timeout: float, policy_name: Optional[str] = None,
                 extra: Optional[Dict[str, Any]] = None,
-                signer: Optional[Signer] = None) -> Tuple[PipelineConfig, List[Deployed]]:
+                signer: Optional[Signer] = None,
+                node_slots: Optional[Mapping[str, int]] = None) -> Tuple[PipelineConfig, List[Deployed]]:
     """The one deploy path, over a connected Requester (`fog-agent deploy`'s RpcClient, fogctl's
     Connection): parse and check the TOML, one snapshot of the agents' retained states and
     statuses, then `run_deploy`. Returns (PipelineConfig, placed keepers); raises ConfigError
@@ -254,7 +259,7 @@ def deploy_over(conn: Requester, text: str, name: str, timeout: float, policy_na
     kinds = {t: topics.parse(cluster, t) for t in msgs}
     states = {t: m.payload for t, m in msgs.items() if kinds[t] is not None and kinds[t].kind == "state"}
     statuses = {t: m.payload for t, m in msgs.items() if kinds[t] is not None and kinds[t].kind == "status"}
-    fleet = fleet_from_snapshot(states, statuses)
+    fleet = fleet_from_snapshot(states, statuses, node_slots)
 
     def call(node: str, body: Dict[str, Any]) -> Dict[str, Any]:
         try:

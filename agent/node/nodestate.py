@@ -104,13 +104,21 @@ def parse_node_state(payload: bytes) -> Dict[str, Any]:
     return doc
 
 
-def node_view(doc: Mapping[str, Any], online: bool = True, latency_ms: Optional[Mapping[str, float]] = None) -> NodeView:
-    """The placement view of a parsed state document."""
+def node_view(doc: Mapping[str, Any], online: bool = True, latency_ms: Optional[Mapping[str, float]] = None,
+              max_slots: Optional[int] = None) -> NodeView:
+    """The placement view of a parsed state document (bus input, the node's own word). With
+    `max_slots` (what the admin gave that node, `[security] node_slots`) it offers at most that
+    many slots less the instances it lists: a node that claims more free slots than it has would
+    otherwise be every placement's first choice."""
     ids: List[str] = [str(i.get("id")) for i in doc.get("instances", []) if isinstance(i, dict)]
+    slots, free = int(doc["slots"]), int(doc["free_slots"])
+    if max_slots is not None:
+        slots = min(slots, max_slots)
+        free = max(0, min(free, slots - len(ids)))
     return NodeView(
         node=str(doc["node"]),
-        slots=int(doc["slots"]),
-        free_slots=int(doc["free_slots"]),
+        slots=slots,
+        free_slots=free,
         online=online,
         latency_ms=dict(latency_ms or {}),
         instances=tuple(ids),
