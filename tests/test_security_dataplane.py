@@ -111,6 +111,16 @@ def test_the_hold_buffer_is_bounded_by_senders_envelopes_and_bytes() -> None:
     assert h.expire(61.0, 60.0) == [("b", 1)] and not h and h.size == 0
 
 
+def test_the_hold_buffer_orders_a_senders_stream_stably_and_keeps_its_bounds() -> None:
+    h = HoldBuffer(max_senders=2, max_per_sender=8, max_bytes=100)
+    for seq, tag in ((2, "a"), (3, "a"), (1, "a"), (2, "b"), (1, "b")):
+        assert h.add("s", (seq, tag), 10, 0.0)
+    h.order("s", lambda item: item[0])
+    assert h.items("s") == [(1, "a"), (1, "b"), (2, "a"), (2, "b"), (3, "a")]  # equal keys: arrival order
+    assert h.count == 5 and h.size == 50
+    h.order("absent", lambda item: item)  # nothing held: nothing to do
+
+
 def test_the_log_limiter_writes_once_per_sender_per_minute_and_a_bounded_number_in_all() -> None:
     lim = LogLimiter(period=60.0, burst=3, max_keys=4)
     assert lim.allow("a", 0.0) and not lim.allow("a", 59.0) and lim.allow("a", 60.0)

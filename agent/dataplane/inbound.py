@@ -184,6 +184,12 @@ class HoldBuffer:
         h = self._held.get(sender)
         return [item for item, _ in h.items] if h is not None else []
 
+    def order(self, sender: Hashable, key: Callable[[Any], Any]) -> None:
+        """Sort what `sender`'s stream holds by `key` (stable: equal keys keep arrival order)."""
+        h = self._held.get(sender)
+        if h is not None and len(h.items) > 1:
+            h.items = deque(sorted(h.items, key=lambda pair: key(pair[0])))
+
     def pop_first(self, sender: Hashable) -> None:
         h = self._held[sender]
         _, size = h.items.popleft()

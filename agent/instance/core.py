@@ -1111,10 +1111,15 @@ class Instance:
 
     def _release_held(self, now: float) -> None:
         """Senders the protocol has announced since their envelopes were held: admit those
-        envelopes now, in arrival order (the channel then puts them in the sender's order). The
-        rest wait, up to HOLD_TTL (an idle copy: until its Start)."""
+        envelopes now, in the sender's order (epoch, then number). Not in arrival order: a
+        channel that resyncs (a sender unknown after a restart or a new incarnation) starts at
+        the first number it sees, and the ones below it are dropped as seen; held in arrival order
+        2 before 1 (1 lost by the broker and sent again), record 1 was dropped, came back only
+        through a later replay, and went out behind record 7 of its key. The rest wait, up to
+        HOLD_TTL (an idle copy: until its Start)."""
         for key in self.hold.senders():
             writer = key[1]
+            self.hold.order(key, lambda held: (held[0].epoch, held[0].seq))
             while True:
                 held = self.hold.first(key)
                 if held is None:
