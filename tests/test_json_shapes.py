@@ -241,6 +241,21 @@ def test_deploy_undeploy_and_keygen_fit_their_schemas(capsys: pytest.CaptureFixt
     assert code == 1 and valid("deploy", doc)["ok"] is False
     valid("error", doc)
     assert [p["message"] for p in doc["errors"]] == [line[len("fogctl: error: "):] for line in err.splitlines()]
+    # fog-agent deploy --json prints the same documents
+    from agent.cli.main import main as fog_agent
+
+    monkeypatch.delenv("FOG_AGENT_SIGN_KEY", raising=False)
+    base = ["deploy", "--host", mosquitto.host, "--port", str(mosquitto.port), "--cluster", cluster, "--json"]
+    assert fog_agent(base + [str(f)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [k["operator"] for k in valid("deploy", doc)["keepers"]] == ["source", "validate", "in_zone", "sink"]
+    assert doc["topic"] == topics.pipeline(cluster, "taxi")
+    code, doc, err = run(capsys, mosquitto, cluster, "undeploy", "taxi")
+    assert code == 0, err
+    assert fog_agent(base + [str(bad)]) == 1
+    out, err = capsys.readouterr()
+    doc = valid("error", json.loads(out))
+    assert [p["message"] for p in doc["errors"]] == [line[len("error: "):] for line in err.splitlines()]
     code, doc, err = run(capsys, mosquitto, cluster, "keygen", str(tmp_path / "admin.key"))
     assert code == 0, err
     valid("keygen", doc)

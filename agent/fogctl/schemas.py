@@ -118,8 +118,8 @@ PROBLEM = _obj({
 ERROR = {
     "$schema": DIALECT,
     "title": "error",
-    "description": "a check that failed: what `fog-agent check-config --json` and `fogctl deploy --json` print "
-                   "on stdout with exit status 1 (the same lines go to stderr)",
+    "description": "a check that failed: what `fog-agent check-config --json` and `fogctl deploy --json` "
+                   "(`fog-agent deploy --json`) print on stdout with exit status 1 (the same lines go to stderr)",
     **_obj({"ok": {"const": False}, "errors": dict(_list(PROBLEM), minItems=1),
             "warnings": _list(S, "check-config only")}, optional=("warnings",)),
 }
@@ -217,7 +217,7 @@ _SHAPES: Dict[str, Dict[str, Any]] = {
     }, optional=("remaining",)),
     "deploy": {"oneOf": [
         _obj({"ok": {"const": True}, "pipeline": S, "topic": S,
-              "keepers": _list(KEEPER, "sink first")}, description="deployed"),
+              "keepers": _list(KEEPER, "in pipeline order")}, description="deployed"),
         {k: v for k, v in ERROR.items() if k not in ("$schema", "title")},
     ]},
     "undeploy": _obj({
@@ -228,6 +228,7 @@ _SHAPES: Dict[str, Dict[str, Any]] = {
 }
 
 _TITLES = {name: f"fogctl {name} --json" for name in _SHAPES}
+_TITLES["deploy"] = "fogctl deploy --json, fog-agent deploy --json"
 
 # check-config --json: the effective configuration (the file's tables, every default filled in),
 # told apart by its tables as the command tells the file's kind; or the error shape.
