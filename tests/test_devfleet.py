@@ -139,6 +139,30 @@ def test_up_and_purge_refuse_a_directory_that_is_not_a_dev_fleets(tmp_path: Path
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
 
 
+# ---- the README's quickstart, before any fleet ------------------------------------------------------
+
+
+def test_the_example_pipeline_passes_deploys_checks_with_the_env_files_settings(tmp_path: Path) -> None:
+    """What `fog-agent deploy` checks first, after `. DIR/env`: the functions the agent.toml allows
+    must import with the env file's PYTHONPATH (the agents'), and MQTT topics must be listed in
+    `[pipeline] mqtt_topics` since the dev agents run signed pipelines only. Before either, the
+    README's quickstart stopped at its deploy with four error lines."""
+    d = tmp_path / "dev"
+    conf = _write(d / "n1" / "agent.toml",
+                  devfleet.agent_toml("n1", "dev", 41234, d, [devfleet.EXAMPLE_MODULE]))
+    agents = devfleet.agent_env({"PYTHONPATH": ""})
+    env = _exports(devfleet.env_text(d, 41234, ("n1",), agents["PYTHONPATH"]))
+    assert env["FOG_AGENT_CONFIG"] == str(conf)
+    assert env["PYTHONPATH"].split(os.pathsep)[:2] == [str(ROOT), str(devfleet.EXAMPLE_OPS)]
+    assert "admin_keys" in conf.read_text()  # signed pipelines only: mqtt_topics is required
+    base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FOG_AGENT_CONFIG")}
+    env["PYTHONPATH"] += os.pathsep + CHECKOUT_PATH  # the checkout's lab, as the venv has it
+    for pipeline in (ROOT / "examples" / "operators" / "pipeline.toml",):
+        r = subprocess.run([sys.executable, "-m", "agent", "check-config", str(pipeline)], capture_output=True,
+                           text=True, env=dict(base, **env), cwd=str(tmp_path), timeout=60)
+        assert r.returncode == 0, r.stderr
+
+
 # ---- live: up, fogctl status, down ----------------------------------------------------------------
 
 
