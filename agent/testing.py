@@ -99,11 +99,28 @@ class _Instance:
         self.batches = 0
 
 
+def allow_list(allowed: Any) -> Any:
+    """`allowed` as the harness takes it: None (this process's allow-list, as a worker's: the
+    built-ins and installed entry points), an `AllowList`, or the names of your own operator
+    modules, as agent.toml's `[operators] modules` lists them (the built-ins stay allowed)."""
+    if allowed is None or not isinstance(allowed, (list, tuple)):
+        return allowed
+    from agent.operators.admission import AllowList
+    from agent.refs import check_module_name
+
+    for m in allowed:
+        problem = check_module_name(m)
+        if problem is not None:
+            raise ValueError(f"allowed: {m!r}: {problem}")
+    return AllowList.for_node(allowed)
+
+
 class KeyedHarness:
     """One keyed operator over one or more instances, driven through the real keyed state.
 
     `function`: a "module:name" resolved through `allowed` (default: this process's allow-list,
-    as a worker does), or the operator object itself. `key_field`: the `key` of the operator before
+    as a worker does; a list of module names allows those too, as `[operators] modules` does on a
+    node), or the operator object itself. `key_field`: the `key` of the operator before
     it. Records are fed in batches of `batch_size` (per instance, in arrival order); each instance
     saves its state every `save_every` batches (the worker: once per turn of its loop)."""
 
@@ -116,7 +133,7 @@ class KeyedHarness:
         self.pipeline = pipeline
         self.state_dir = Path(state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        self.batch_size, self.save_every, self.allowed = batch_size, save_every, allowed
+        self.batch_size, self.save_every, self.allowed = batch_size, save_every, allow_list(allowed)
         self.downstream = list(downstream)  # stateless operators after the keyed one, then the sink
         self.sink = Sink()
         self._index = 0
@@ -298,6 +315,7 @@ def run_pipeline(pipeline: Any, records: Records, *, state_dir: Union[str, Path]
     else:
         cfg = load_pipeline_text(pipeline)
     ops = cfg.operators
+    allowed = allow_list(allowed)
     built: List[Any] = []
     for o in ops[1:-1]:
         ctx = OperatorContext(instance=f"{cfg.pipeline.name}.{o.name}.0", operator=o.name, node="harness", kind=o.kind,

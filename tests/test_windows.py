@@ -321,6 +321,30 @@ def test_run_pipeline_runs_the_example_file_with_a_crash_and_a_scale_out(tmp_pat
     assert sorted(map(json.dumps, disturbed.records())) == sorted(map(json.dumps, plain))
 
 
+def test_the_harness_allows_your_own_modules_named_as_operators_modules_names_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pipeline with a map of your own: refused as on a node that does not list its module,
+    run with `allowed=["<module>"]`; a name [operators] modules would refuse is refused here too."""
+    from agent.operators.admission import OperatorRefused
+
+    (tmp_path / "harness_own_ops.py").write_text("def hot(rec):\n    return rec if rec['temp'] > 19 else None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("FOG_AGENT_OPERATOR_MODULES", raising=False)
+    node_allow_list.cache_clear()
+    text = EXAMPLE.read_text().replace('key = "sensor"', 'key = "sensor"\n\n[[operator]]\nname = "hot"\n'
+                                       'function = "harness_own_ops:hot"\nkey = "sensor"', 1)
+    assert "harness_own_ops:hot" in text
+    t0 = 1_764_000_000
+    readings = [{"sensor": "s1", "t": t0 + 1, "temp": 20.0}, {"sensor": "s1", "t": t0 + 2, "temp": 18.0}]
+    with pytest.raises(OperatorRefused, match="not an operator module of this node"):
+        run_pipeline(text, readings, state_dir=tmp_path / "refused")
+    h = run_pipeline(text, readings, state_dir=tmp_path / "allowed", allowed=["harness_own_ops"])
+    assert [(r["key"], r["readings"], r["max_temp"]) for r in h.records()] == [("s1", 1, 20.0)]
+    with pytest.raises(ValueError, match="standard library"):
+        run_pipeline(text, readings, state_dir=tmp_path / "os", allowed=["os"])
+    sys.modules.pop("harness_own_ops", None)
+
+
 def test_a_restarted_window_reads_the_largest_event_time_its_keyed_state_restores(tmp_path: Path) -> None:
     """The side output depends on it: after a crash the first late record must still be late."""
     ctx = OperatorContext("p.w.0", "w", "n", "map", params=params_of(0), state_dir=tmp_path)

@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("pipeline", metavar="PIPELINE|PIPELINE.toml")
     p.add_argument("--force", action="store_true",
                    help="also without a description (lost by the broker): stop what the agents' states list")
+    p = sub.add_parser("schema", help="the JSON Schema of a command's --json output (docs/fogctl.md, \"JSON output\")")
+    p.add_argument("name", nargs="?", metavar="COMMAND",
+                   help="a command (status, ..., check-config) or `error`; default: all, by name")
     for choice in sub.choices.values():  # `fogctl status --json` works as well as `fogctl --json status`
         choice.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="JSON output")
     return parser

@@ -51,6 +51,8 @@ def _register_tools(groups: Any) -> None:
                    metavar="PRIVATE_KEY",
                    help="the admin's Ed25519 private key (PEM) to sign the pipeline with; agents with "
                         "[security] admin_keys run only signed pipelines (default $FOG_AGENT_SIGN_KEY)")
+    d.add_argument("--json", action="store_true",
+                   help="print the result as fogctl deploy --json does (docs/fogctl.md, \"JSON output\")")
     d.set_defaults(func=deploy_cmd)
 
 
@@ -111,10 +113,12 @@ def deploy_cmd(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"error: cannot read pipeline file {args.pipeline}: {exc.strerror or exc}", file=sys.stderr)
         return exitcodes.ERROR
-    _, report = check_text(text, args.pipeline, args.config)
+    checked, report = check_text(text, args.pipeline, args.config)
     for problem in report.errors:  # warnings (scaling notes, functions left to the nodes): check-config's
         print(f"error: {problem.message}", file=sys.stderr)
     if not report.ok:
+        if args.json:  # the error shape, as fogctl deploy --json and check-config --json print it
+            print(json.dumps({"ok": False, "errors": [p.to_json() for p in report.errors]}, indent=2, sort_keys=True))
         return exitcodes.ERROR
     host, port, cluster, user, password, tls = "127.0.0.1", 1883, "default", None, None, None
     node_slots = None
@@ -152,6 +156,14 @@ def deploy_cmd(args: argparse.Namespace) -> int:
     except (ConfigError, RpcError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exitcodes.ERROR
+    if args.json:  # fogctl deploy --json's document (agent.fogctl.schemas, "deploy")
+        from agent import topics
+
+        name = checked.pipeline.name
+        print(json.dumps({"ok": True, "pipeline": name, "topic": topics.pipeline(cluster, name),
+                          "keepers": [{"operator": d.operator, "instance": d.instance, "node": d.node} for d in placed]},
+                         indent=2, sort_keys=True))
+        return exitcodes.OK
     for d in placed:
         print(f"{d.operator:<12} {d.instance:<28} on {d.node}")
     return exitcodes.OK

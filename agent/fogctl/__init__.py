@@ -9,5 +9,6 @@ Modules, one job each:
   rpc_schema  the steering request/response JSON the agents implement
   commands    the command handlers (I/O lives here and in client only)
   testing     a fake fleet publisher and rpc responder for tests and demos
+  schemas     the JSON Schema of every command's --json output (docs/fogctl.md, "JSON output")
   rollout_gate  the health gate of a rolling change (`fog-agent rollout-gate`, run on the node)
 """

@@ -577,8 +577,26 @@ def cmd_keygen(args: argparse.Namespace, ctx: Context) -> int:
     return 0
 
 
+def cmd_schema(args: argparse.Namespace, ctx: Context) -> int:
+    """The JSON Schema of a command's `--json` output (agent.fogctl.schemas), or all of them by
+    name. No broker; always JSON, with or without --json."""
+    from agent.fogctl.schemas import SCHEMAS, schema
+
+    if args.name is None:
+        doc: Any = SCHEMAS
+    else:
+        try:
+            doc = schema(args.name)
+        except KeyError as exc:
+            raise RequestError(exc.args[0]) from None
+    ctx.out.write(json.dumps(doc, indent=2) + "\n")
+    ctx.out.flush()
+    return 0
+
+
 COMMANDS = {
     "status": cmd_status, "topology": cmd_topology, "latency": cmd_latency, "locks": cmd_locks,
     "pipelines": cmd_pipelines, "watch": cmd_watch, "why": cmd_why, "scale": cmd_scale,
     "drain": cmd_drain, "deploy": cmd_deploy, "undeploy": cmd_undeploy, "site": cmd_site, "keygen": cmd_keygen,
+    "schema": cmd_schema,
 }

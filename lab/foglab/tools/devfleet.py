@@ -127,16 +127,20 @@ sign_key = {_q(str(directory / ADMIN_KEY))}
 """
 
 
-def env_text(directory: Path, port: int, nodes: Sequence[str]) -> str:
+def env_text(directory: Path, port: int, nodes: Sequence[str], pythonpath: str = "") -> str:
     """Shell lines that point both CLIs at the fleet: fogctl reads $FOGCTL_CONFIG, `fog-agent
     deploy` takes broker and cluster from $FOG_AGENT_CONFIG (any agent.toml of the fleet), `dev
-    status|down` find DIR in $FOG_DEV_DIR, and mosquitto_pub/sub take -p "$FOG_DEV_PORT"."""
+    status|down` find DIR in $FOG_DEV_DIR, and mosquitto_pub/sub take -p "$FOG_DEV_PORT".
+    `pythonpath`: the agents' PYTHONPATH (`agent_env`), so that `fog-agent check-config` and
+    `deploy`, which import the functions the agent.toml allows, find the modules the agents run
+    (fog_example_ops from examples/operators, the user's --allow modules)."""
+    path = f"export PYTHONPATH={_sh(pythonpath)}\n" if pythonpath else ""
     return (f"# . {directory / 'env'}   (sh, bash, zsh): point fogctl and fog-agent at the dev fleet\n"
             f"export FOGCTL_CONFIG={_sh(str(directory / 'fogctl.toml'))}\n"
             f"export FOG_AGENT_CONFIG={_sh(str(directory / nodes[0] / 'agent.toml'))}\n"
             f"export FOG_DEV_DIR={_sh(str(directory))}\n"
             f"export FOG_DEV_PORT={port}\n"
-            f"export FOG_AGENT_SIGN_KEY={_sh(str(directory / ADMIN_KEY))}\n")
+            f"export FOG_AGENT_SIGN_KEY={_sh(str(directory / ADMIN_KEY))}\n" + path)
 
 
 def _sh(text: str) -> str:
@@ -408,7 +412,7 @@ def up(directory: Path, agents: Optional[int] = None, cluster: Optional[str] = N
 
             generate_keypair(directory / ADMIN_KEY, directory / (ADMIN_KEY + ".pub"))
         fleet.fogctl_config.write_text(fogctl_toml(port, cluster, directory))
-        fleet.env_file.write_text(env_text(directory, port, fleet.nodes))
+        fleet.env_file.write_text(env_text(directory, port, fleet.nodes, agent_env()["PYTHONPATH"]))
         fleet.save()  # before any process: an interrupted `up` leaves what `down` needs
         started = time.time()
         procs: Dict[str, "subprocess.Popen[bytes]"] = {}
@@ -512,12 +516,14 @@ def next_steps(report: Mapping[str, Any], default: bool) -> str:
     d = report["dir"]
     opt = "" if default else f" --dir {_sh(d)}"
     return "\n".join([
-        f"  . {_sh(d + '/env')}      # sets FOGCTL_CONFIG, FOG_AGENT_CONFIG, FOG_DEV_DIR, FOG_DEV_PORT",
+        f"  . {_sh(d + '/env')}      # sets FOGCTL_CONFIG, FOG_AGENT_CONFIG, FOG_AGENT_SIGN_KEY, FOG_DEV_DIR, "
+        "FOG_DEV_PORT, PYTHONPATH",
         "  fogctl status",
         "  fog-agent deploy examples/operators/pipeline.toml",
         "or without the environment:",
         f"  fogctl --config {_sh(report['fogctl_config'])} status",
-        f"  fog-agent deploy PIPELINE.toml --host {HOST} --port {report['port']} --cluster {report['cluster']}",
+        f"  fog-agent deploy PIPELINE.toml --host {HOST} --port {report['port']} --cluster {report['cluster']} "
+        f"--sign-key {_sh(d + '/' + ADMIN_KEY)}",
         f"  mosquitto_sub -h {HOST} -p {report['port']} -v -t '#'",
         f"stop: fog-agent dev down{opt}   (logs stay; --purge also removes {d})",
     ])
