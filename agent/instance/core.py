@@ -1958,7 +1958,7 @@ class Instance:
     def _lowest_pending(self) -> Optional[int]:
         """The lowest input index not to be acked upstream yet: its outputs are not all acked by
         the successors, or (keyed state) the state that reflects it is not saved yet."""
-        low = fwd = self._lowest_forwarding()
+        low = fwd = self.lowest_forwarding()
         if self.keyed is not None and self.keyed.lowest_unsaved() is not None:
             k = self.keyed.lowest_unsaved()
             low = k if low is None else min(low, k)
@@ -1974,7 +1974,7 @@ class Instance:
         (agent.instance.keyed_state) by the shell; only after it are the inputs it reflects acked
         upstream (`lowest_unsaved` holds them until then)."""
         assert self.keyed is not None
-        self.keyed.prune_outputs(self._lowest_forwarding())
+        self.keyed.prune_outputs(self.lowest_forwarding())
         self._out.append(SaveKeyed(self.keyed))
         if self.moves is not None:
             self.moves.saved()
@@ -2006,7 +2006,7 @@ class Instance:
         self.stats["handover_bytes_out"] += group_moves.body_size(body)
         self.send_envelope(dest, Kind.PROTO, body)
 
-    def _lowest_forwarding(self) -> Optional[int]:
+    def lowest_forwarding(self) -> Optional[int]:
         """The lowest input index whose outputs are not all acked by the successors yet.
 
         An input is acked upstream only when every record derived from it has been processed

@@ -23,7 +23,7 @@ import random
 import zlib
 from collections import deque
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Tuple
+from typing import Any, Deque, Dict, List, Optional, Tuple
 
 from agent import events, topics
 from agent.config import RUNTIME_POLICIES
@@ -40,9 +40,7 @@ from agent.protocol.errors import LocalProtocolError, ProtocolError
 from agent.protocol.guarded import LockMessage, core_class, message_from_dict
 from agent.protocol.messages import Deletion, DeletionAck, Duplication, DuplicationAck, Start
 from agent.protocol.scaling import Activate, CreateInstance, Drain, InstanceState, RoutesChanged, Send, Terminate
-
-if TYPE_CHECKING:
-    from agent.instance.core import Instance
+from agent.instance.port import InstancePort
 
 __all__ = ["ScalingDriver", "FAULT_REHOME_ROUNDS_FROM_ONE", "FAULT_DRAIN_HOLDS_PROTOCOL", "FAULT_REHOME_STAYS",
            "FAULT_LEAVE_BEFORE_ADOPTION", "FAULT_RESEND_PENDING_ONLY", "FAULT_WAIT_FOR_LEAVER",
@@ -84,7 +82,7 @@ class ScalingDriver:
     tick, and performs its outputs strictly in order (see the core's ORDERING CONTRACT)
     through the instance it belongs to."""
 
-    def __init__(self, instance: "Instance", saved: Dict[str, Any], restart: bool) -> None:
+    def __init__(self, instance: InstancePort, saved: Dict[str, Any], restart: bool) -> None:
         self.w = worker = instance
         spec = worker.spec
         sc = worker.pipeline.scaling_for(spec.operator)

@@ -37,7 +37,7 @@ import base64
 import binascii
 import json
 import logging
-from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 from agent.dataplane.envelope import Item
 from agent.dataplane.keygroups import key_group, record_key
@@ -46,9 +46,7 @@ from agent.instance.handover import (
     MAX_CHUNK, Apply, Eos, Forget, HandoverError, Install, Installed, Member, Offer, Predecessor, Redirect, Send,
     StateChunk, chunks,
 )
-
-if TYPE_CHECKING:
-    from agent.instance.core import Instance
+from agent.instance.port import InstancePort
 
 __all__ = ["HANDOVER_TYPES", "MAX_CHUNKS", "HOLD_MAX", "HAND_OUT_BUDGET", "GroupMoves", "HandoverError", "decode", "encode",
            "on_redirect", "body_size", "HANDOVER_FAULTS"]
@@ -147,7 +145,7 @@ def body_size(body: Dict[str, Any]) -> int:
     return len(json.dumps(body, separators=(",", ":")))
 
 
-def on_redirect(w: "Instance", sender: str, msg: Redirect) -> None:
+def on_redirect(w: InstancePort, sender: str, msg: Redirect) -> None:
     """A predecessor of the keyed operator: the owner of group g hands it to `msg.new`. Our table
     changes, g's records still in our outbox go to the new owner (`Outbox.reroute`), the table
     is on disk (a restart must not route g to the old owner again), and only then the Eos goes
@@ -171,7 +169,7 @@ class GroupMoves:
     version of each group it holds (the Redirects it sends carry the next one), and what it
     holds back until a group is installed."""
 
-    def __init__(self, w: "Instance", owned: Iterable[int], versions: Optional[Dict[int, int]] = None) -> None:
+    def __init__(self, w: InstancePort, owned: Iterable[int], versions: Optional[Dict[int, int]] = None) -> None:
         self.w = w
         assert w.keyed is not None
         self.keyed = w.keyed
@@ -284,7 +282,7 @@ class GroupMoves:
     def lowest_held(self, forwarding: Any = False) -> Optional[int]:
         """The lowest input index with records held, applied-not-saved, or applied with outputs
         not acked downstream yet: not acked upstream yet. `forwarding`: the instance's
-        `_lowest_forwarding()` if the caller has it.
+        `lowest_forwarding()` if the caller has it.
 
         Held records are applied under a fresh index (`_apply`), above the index they came in
         with; saved, only that fresh index would hold their outputs, and the input they came in
@@ -293,7 +291,7 @@ class GroupMoves:
         keyed operator skip them as replays (CHANGELOG.md,
         "Held records acked before their outputs")."""
         if self.forwarding:
-            low = self.w._lowest_forwarding() if forwarding is False else forwarding
+            low = self.w.lowest_forwarding() if forwarding is False else forwarding
             for idx in [i for i in self.forwarding if low is None or i < low]:
                 del self.forwarding[idx]  # every output of it acked
         lows = [i for i in self.unsaved] + list(self.forwarding.values())

@@ -1,0 +1,83 @@
+"""What the scaling driver and the group moves may ask of their instance: the seam between
+`agent.instance.core.Instance` and its two parts (agent.instance.driver, agent.instance.moves).
+
+Why a Protocol instead of the class: the parts are driven by the instance and call back into it
+(the instance's clock, its channels, its persistence), so they need its type; importing the class
+made core -> driver -> core a cycle that only a type-only import hid. Typed against this port, a
+part imports nothing of the instance, and the list below is every member a part may use: a member
+a part starts to use must be named here, which keeps the back-references visible and countable
+(the way to a part with no back-reference at all: `handle(event, now) -> [command]`).
+
+Rules of this file: types only; it imports nothing from agent.instance.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, FrozenSet, List, Optional, Protocol, Tuple
+
+__all__ = ["InstancePort"]
+
+
+class InstancePort(Protocol):
+    # identity, configuration, seeded faults of the checkers
+    spec: Any  # agent.instance.spec.InstanceSpec
+    pipeline: Any  # agent.config.PipelineConfig
+    stage: int
+    ctx: Dict[str, Any]
+    faults: FrozenSet[str]
+    is_source: bool
+    epoch: int
+    stopping: bool
+    stats: Dict[str, int]
+
+    # the instance's clock: the last time it was handed (sans-IO), and the wall clock derived from it
+    now: float
+
+    def wall(self) -> float: ...
+
+    # the data plane the parts route through or read
+    router: Any  # agent.dataplane.routing.Router
+    outbox: Any  # agent.dataplane.routing.Outbox
+    links: Dict[str, Any]  # successor -> agent.dataplane.flow.OutLink
+    tracker: Any  # agent.dataplane.flow.AckTracker
+    keyed: Any  # Optional[agent.instance.keyed_state.KeyedState]
+    moves: Any  # Optional[agent.instance.moves.GroupMoves]
+    live_capacity: Any  # agent.measure.capacity.LiveCapacity
+
+    # what the parts ask the instance to do
+    def send_envelope(self, dest: str, kind: Any, body: Any) -> None: ...
+
+    def send_handover(self, dest: str, msg: Any, extra: Optional[Dict[str, Any]] = None) -> None: ...
+
+    def send_handover_body(self, dest: str, body: Dict[str, Any]) -> None: ...
+
+    def forward_outputs(self, items: List[Any], index: int) -> None: ...
+
+    def forget_sender(self, sender: str) -> None: ...
+
+    def persist(self, force: bool = False) -> None: ...
+
+    def save_keyed_now(self) -> None: ...
+
+    def mark_state_changed(self) -> None: ...
+
+    def emit(self, event: str, **fields: Any) -> None: ...
+
+    def stamp_decision(self, key: str) -> None: ...
+
+    def handover_error(self, sender: str, why: str) -> None: ...
+
+    def groups_moved(self) -> None: ...
+
+    def lowest_forwarding(self) -> Optional[int]: ...
+
+    # the scaling round's hooks into the instance
+    def on_preds_changed(self, added: Tuple[str, ...], removed: Tuple[str, ...]) -> None: ...
+
+    def start_field(self, copy: str) -> Optional[Dict[str, Any]]: ...
+
+    def on_start_field(self, field: Any, succs: Tuple[str, ...]) -> None: ...
+
+    def take_signals(self, now: float) -> Any: ...
+
+    def measure_load(self, now: float) -> float: ...
