@@ -66,7 +66,14 @@ def _with_fleet(ctx: Context, latency: bool = False) -> Fleet:
 
 
 def cmd_status(args: argparse.Namespace, ctx: Context) -> int:
-    doc, text = views.status(_with_fleet(ctx), ctx.clock())
+    """views.status; at the central broker grouped by site (agent.fogctl.fleet_sites)."""
+    from agent.fogctl import fleet_sites
+
+    with ctx.connect(ctx.cfg) as conn:
+        fleet = fleet_snapshot(conn, ctx.cfg.cluster)
+        member = fleet_sites.read_membership(conn, ctx.cfg.cluster)
+    doc, text = fleet_sites.status(fleet, member, fleet_sites.known_sites(ctx.cfg), ctx.clock(),
+                                    site_record)
     ctx.emit(args, doc, text)
     return 0
 
