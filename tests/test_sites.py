@@ -119,6 +119,35 @@ def test_the_role_renders_the_map_on_the_site_broker_and_in_the_centres_acl(tmp_
         assert f"topic write fog/{C}/spill/{n}/ack" in blocks[COLLECTOR]
 
 
+def test_the_role_refuses_a_site_administrator_who_is_not_an_administrator_of_the_centre(tmp_path: Path) -> None:
+    """At the centre only an identity with an admin block may steer a site's nodes and read their
+    records (fogctl status there): the role's preflight refuses a bridge that lists another."""
+    import os
+    import sys
+
+    playbook = Path(sys.executable).parent / "ansible-playbook"
+    if not playbook.exists():
+        pytest.skip("ansible-core is not installed in the venv")
+    ansible = Path(__file__).resolve().parent.parent / "ansible"
+    play = tmp_path / "preflight.yml"
+    play.write_text("- hosts: localhost\n  connection: local\n  gather_facts: false\n  tasks:\n"
+                    "    - ansible.builtin.include_role:\n        name: mosquitto\n        tasks_from: preflight\n")
+    env = dict(os.environ, ANSIBLE_CONFIG=str(ansible / "ansible.cfg"), ANSIBLE_ROLES_PATH=str(ansible / "roles"),
+               ANSIBLE_LOCAL_TEMP=str(tmp_path / "t"), ANSIBLE_HOME=str(tmp_path / "h"), ANSIBLE_NOCOLOR="1")
+
+    def preflight(site_admins: List[str]) -> subprocess.CompletedProcess:
+        extra = {"mosquitto_tls_ca_src": "ca", "mosquitto_tls_cert_src": "crt", "mosquitto_tls_key_src": "key",
+                 "mosquitto_admin_identities": [ADMIN], "mosquitto_node_identities": [],
+                 "mosquitto_site_bridges": [{"site": SITE, "identity": BRIDGE, "nodes": NODES, "admins": site_admins}]}
+        return subprocess.run([str(playbook), "-i", "localhost,", str(play), "-e", json.dumps(extra)], cwd=str(ansible),
+                              env=env, capture_output=True, text=True, timeout=120)
+    ok = preflight([ADMIN])
+    assert ok.returncode == 0, ok.stdout[-2000:]
+    refused = preflight([ADMIN, OTHER_ADMIN])
+    assert refused.returncode != 0
+    assert f"site {SITE} lists administrators {OTHER_ADMIN} that are not in mosquitto_admin_identities" in refused.stdout
+
+
 def test_a_redelivered_request_is_seen_once_within_its_ttl() -> None:
     seen = SeenRequests(capacity=3, ttl=10.0)
     ping = b'{"op": "ping"}'
