@@ -545,6 +545,23 @@ def test_fogctl_at_the_centre_shows_every_sites_nodes_with_their_site(
         text = capsys.readouterr().out
         assert f"site {SITE}: 2 nodes (2 online), site manager n1" in text, text
         assert "site south: no node seen at the centre" in text and "stay in the sites" in text
+        # fogctl site: each bridged site's manager, from its renamed records (none at the centre itself).
+        assert fogctl.main(["--config", str(conf), "site", "--json"]) == 0
+        site_doc = json.loads(capsys.readouterr().out)
+        assert site_doc["leader"] is None and site_doc["sites"][SITE]["leader"] == "n1", site_doc
+        assert site_doc["sites"][SITE]["target"] == 2
+        assert fogctl.main(["--config", str(conf), "site"]) == 0
+        assert f"site {SITE} (from the records its bridge renames at the centre)\nleader    n1 (lease" in \
+            capsys.readouterr().out
+
+        # On the site broker, as a node's identity (fogctl --agent-config on a node), which may not
+        # read sites/+/...: the plain view, no site known, nothing refused.
+        assert fogctl.main(["--broker", f"127.0.0.1:{world.site.port}", "--cluster", C, "--cafile",
+                            str(world.certs / "fog-ca.crt"), "--cert", str(world.certs / "n1.crt"),
+                            "--key", str(world.certs / "n1.key"), "status", "--json"]) == 0
+        at_site = json.loads(capsys.readouterr().out)
+        assert {d["node"] for d in at_site["nodes"]} >= set(NODES) and "sites" not in at_site
+        assert not shows_the_site(at_site)
 
         # The assertion tells a right program from a wrong one: the same view from what the
         # centre holds under the sites' local names only (no renamed claim records) does not

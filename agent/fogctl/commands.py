@@ -353,11 +353,15 @@ def site_record(claims_and_statuses: Mapping[str, Any], cluster: str, now: float
 
 
 def cmd_site(args: argparse.Namespace, ctx: Context) -> int:
+    from agent.fogctl import fleet_sites
+
     c = ctx.cfg.cluster
     with ctx.connect(ctx.cfg) as conn:
         snap = conn.snapshot([topics.all_site_managers(c), topics.all_agents_status(c)])
+        member = fleet_sites.read_membership(conn, c)  # at the central broker: each bridged site's too
     now = ctx.clock()
     doc, text = site_view(site_record(snap, c, now), now)
+    doc, text = fleet_sites.site(doc, text, member, snap, c, now, site_record, site_view)
     ctx.emit(args, doc, text)
     return 0
 

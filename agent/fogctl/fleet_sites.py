@@ -30,12 +30,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from agent import topics
-from agent.control.fleet import Fleet
+from agent.control.fleet import Fleet, parse_status
 from agent.fogctl import views
 from agent.fogctl.render import fmt_age
 
 __all__ = ["Membership", "STAY_IN_SITES", "STALE_AFTER_S", "known_sites", "membership", "read_membership",
-           "status"]
+           "site", "site_records", "status"]
 
 # What a site's bridge does not carry to the centre (agent.sites.crossings), as in docs/scale.md.
 STAY_IN_SITES = ("latency rows", "hosted records", "re-homed records", "decision histories",
@@ -90,18 +90,22 @@ def membership(snapshot: Mapping[str, Any], cluster: str) -> Membership:
 
 
 def read_membership(conn: Any, cluster: str) -> Membership:
-    """One snapshot of the claim records on an open fogctl connection. A broker whose ACL predates
-    the sites (it refuses `sites/+/...`) has no bridged site: an empty membership."""
+    """The claim records on an open fogctl connection: the renamed ones, and when there are some
+    (a central broker) the ones under the nodes' own names. An identity that may not read
+    `sites/+/...` gets nothing there (Mosquitto 2.0 grants the subscription and delivers
+    nothing); a broker that refuses the subscription outright has, for fogctl, no bridged site."""
     from agent.mqtt.requester import RequestFailed, RequestTimeout
 
     try:
-        snap = conn.snapshot([topics.all_sites_site_managers(cluster), topics.all_site_managers(cluster)])
+        snap = conn.snapshot([topics.all_sites_site_managers(cluster)])
     except RequestTimeout:
         raise
-    except RequestFailed as exc:
+    except RequestFailed as exc:  # e.g. fogctl as a node's identity (--agent-config): no bridged site for it
         if "refused the subscription" not in str(exc):
             raise
         return Membership()
+    if snap:  # a central broker: which nodes are connected here, not through a bridge
+        snap.update(conn.snapshot([topics.all_site_managers(cluster)]))
     return membership(snap, cluster)
 
 
@@ -112,16 +116,49 @@ def known_sites(cfg: Any) -> List[str]:
     return [] if cfg.broker in table.values() else sorted(table)
 
 
+def site_records(m: Membership, site: str, cluster: str, status_of: Callable[[str], Optional[str]]) -> Dict[str, Any]:
+    """The records an agent of `site` reads on its own broker, rebuilt from the centre's: each
+    node's claim record under its own name, and its status ("online"/"offline" from `status_of`,
+    None: no status), as `commands.site_record` takes them."""
+    records: Dict[str, Any] = {}
+    for n, payload in m.claims.get(site, {}).items():
+        records[topics.site_manager(cluster, n)] = types.SimpleNamespace(payload=payload)
+        st = status_of(n)
+        if st in ("online", "offline"):
+            records[topics.agent_status(cluster, n)] = types.SimpleNamespace(payload=str(st).encode())
+    return records
+
+
 def _site_manager(m: Membership, site: str, fleet: Fleet, now: float, site_record: SiteRecord) -> Optional[Dict[str, Any]]:
     """The site manager an agent of `site` would derive, from the site's renamed records and its
     nodes' statuses at the centre (`site_record`: fogctl site's derivation, commands.site_record)."""
-    records: Dict[str, Any] = {}
-    for n, payload in m.claims.get(site, {}).items():
-        records[topics.site_manager(fleet.cluster, n)] = types.SimpleNamespace(payload=payload)
+    def status_of(n: str) -> Optional[str]:
         node = fleet.node(n)
-        if node is not None and node.status != "unknown":
-            records[topics.agent_status(fleet.cluster, n)] = types.SimpleNamespace(payload=node.status.encode())
-    return site_record(records, fleet.cluster, now)
+        return None if node is None else node.status
+    return site_record(site_records(m, site, fleet.cluster, status_of), fleet.cluster, now)
+
+
+def site(doc: Dict[str, Any], text: str, m: Membership, statuses: Mapping[str, Any], cluster: str, now: float,
+         site_record: SiteRecord, site_view: Callable[[Optional[Dict[str, Any]], float], Tuple[Dict[str, Any], str]]
+         ) -> Tuple[Dict[str, Any], str]:
+    """`fogctl site` at the central broker: the view of this broker's own claims (`doc`, `text`),
+    then one per bridged site, derived from its renamed records and its nodes' statuses here.
+    `statuses`: the snapshot of `agents/+/status` (topic -> message). Unchanged without sites.
+    JSON: `doc` plus `sites` (site -> the same document as fogctl site's, for that site)."""
+    if not m.sites:
+        return doc, text
+    online: Dict[str, str] = {}
+    for topic, msg in statuses.items():
+        parsed = topics.parse(cluster, topic)
+        if parsed is not None and parsed.kind == "status" and parsed.node is not None:
+            online[parsed.node] = parse_status(getattr(msg, "payload", b"") or b"")
+    parts = [("on the central broker itself: " if m.here else "on the central broker itself: no claim; ") + text]
+    by_site: Dict[str, Any] = {}
+    for name in m.sites:
+        sdoc, stext = site_view(site_record(site_records(m, name, cluster, online.get), cluster, now), now)
+        by_site[name] = sdoc
+        parts.append(f"site {name} (from the records its bridge renames at the centre)\n{stext}")
+    return dict(doc, sites=by_site), "\n\n".join(parts)
 
 
 def _section(fleet: Fleet, names: Sequence[str], now: float) -> Tuple[Dict[str, Any], str]:
