@@ -508,7 +508,9 @@ def test_fogctl_at_the_centre_shows_every_sites_nodes_with_their_site(
     from agent import events as ev_mod
     from agent.cli import fogctl
     from agent.control.fleet import Fleet
-    from agent.fogctl import fleet_sites
+    from jsonschema import Draft202012Validator
+
+    from agent.fogctl import fleet_sites, schemas
     from agent.fogctl.commands import fleet_filters, site_record
 
     b = f"fog/{C}"
@@ -537,6 +539,7 @@ def test_fogctl_at_the_centre_shows_every_sites_nodes_with_their_site(
         assert fogctl.main(["--config", str(conf), "status", "--json"]) == 0
         doc = json.loads(capsys.readouterr().out)
         assert shows_the_site(doc), doc
+        Draft202012Validator(schemas.schema("status")).validate(doc)  # the documented shape, sites included
         south = [s for s in doc["sites"] if s["site"] == "south"]
         assert south == [{"site": "south", "nodes": [], "online": 0, "site_manager": None, "newest_state_s": None,
                           "stale": False, "in_settings": True}]
@@ -550,6 +553,7 @@ def test_fogctl_at_the_centre_shows_every_sites_nodes_with_their_site(
         site_doc = json.loads(capsys.readouterr().out)
         assert site_doc["leader"] is None and site_doc["sites"][SITE]["leader"] == "n1", site_doc
         assert site_doc["sites"][SITE]["target"] == 2
+        Draft202012Validator(schemas.schema("site")).validate(site_doc)
         assert fogctl.main(["--config", str(conf), "site"]) == 0
         assert f"site {SITE} (from the records its bridge renames at the centre)\nleader    n1 (lease" in \
             capsys.readouterr().out
