@@ -558,6 +558,12 @@ def test_fogctl_at_the_centre_shows_every_sites_nodes_with_their_site(
         assert f"site {SITE} (from the records its bridge renames at the centre)\nleader    n1 (lease" in \
             capsys.readouterr().out
 
+        # fogctl why at the centre: the decision histories and re-homed records stay in the site,
+        # so it has nothing but the states and says so; it does not fail.
+        assert fogctl.main(["--config", str(conf), "why", "op-1", "--json"]) == 0
+        why = json.loads(capsys.readouterr().out)
+        assert why["decisions"] == [] and why["rehomed"] is None and why["pinned"] is None
+
         # On the site broker, as a node's identity (fogctl --agent-config on a node), which may not
         # read sites/+/...: the plain view, no site known, nothing refused.
         assert fogctl.main(["--broker", f"127.0.0.1:{world.site.port}", "--cluster", C, "--cafile",
