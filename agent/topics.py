@@ -147,6 +147,13 @@ def site_manager_of(cluster: str, site: str, node: str) -> str:
     return f"{base(cluster)}/sites/{_check(site)}/agents/{_check(node)}/site_manager"
 
 
+def all_sites_site_managers(cluster: str) -> str:
+    """The subscription, at the central broker, to the site-manager claims of every bridged
+    site's nodes (`site_manager_of`): the topic names the site, so a reader learns from it which
+    site each node is in (fogctl's fleet-wide view, agent.fogctl.fleet_sites)."""
+    return f"{base(cluster)}/sites/+/agents/+/site_manager"
+
+
 def spill(cluster: str, node: str) -> str:
     return f"{base(cluster)}/spill/{_check(node)}"
 

@@ -119,6 +119,35 @@ def test_the_role_renders_the_map_on_the_site_broker_and_in_the_centres_acl(tmp_
         assert f"topic write fog/{C}/spill/{n}/ack" in blocks[COLLECTOR]
 
 
+def test_the_role_refuses_a_site_administrator_who_is_not_an_administrator_of_the_centre(tmp_path: Path) -> None:
+    """At the centre only an identity with an admin block may steer a site's nodes and read their
+    records (fogctl status there): the role's preflight refuses a bridge that lists another."""
+    import os
+    import sys
+
+    playbook = Path(sys.executable).parent / "ansible-playbook"
+    if not playbook.exists():
+        pytest.skip("ansible-core is not installed in the venv")
+    ansible = Path(__file__).resolve().parent.parent / "ansible"
+    play = tmp_path / "preflight.yml"
+    play.write_text("- hosts: localhost\n  connection: local\n  gather_facts: false\n  tasks:\n"
+                    "    - ansible.builtin.include_role:\n        name: mosquitto\n        tasks_from: preflight\n")
+    env = dict(os.environ, ANSIBLE_CONFIG=str(ansible / "ansible.cfg"), ANSIBLE_ROLES_PATH=str(ansible / "roles"),
+               ANSIBLE_LOCAL_TEMP=str(tmp_path / "t"), ANSIBLE_HOME=str(tmp_path / "h"), ANSIBLE_NOCOLOR="1")
+
+    def preflight(site_admins: List[str]) -> subprocess.CompletedProcess:
+        extra = {"mosquitto_tls_ca_src": "ca", "mosquitto_tls_cert_src": "crt", "mosquitto_tls_key_src": "key",
+                 "mosquitto_admin_identities": [ADMIN], "mosquitto_node_identities": [],
+                 "mosquitto_site_bridges": [{"site": SITE, "identity": BRIDGE, "nodes": NODES, "admins": site_admins}]}
+        return subprocess.run([str(playbook), "-i", "localhost,", str(play), "-e", json.dumps(extra)], cwd=str(ansible),
+                              env=env, capture_output=True, text=True, timeout=120)
+    ok = preflight([ADMIN])
+    assert ok.returncode == 0, ok.stdout[-2000:]
+    refused = preflight([ADMIN, OTHER_ADMIN])
+    assert refused.returncode != 0
+    assert f"site {SITE} lists administrators {OTHER_ADMIN} that are not in mosquitto_admin_identities" in refused.stdout
+
+
 def test_a_redelivered_request_is_seen_once_within_its_ttl() -> None:
     seen = SeenRequests(capacity=3, ttl=10.0)
     ping = b'{"op": "ping"}'
@@ -448,3 +477,179 @@ def test_fogctl_talks_to_a_site_broker_named_in_its_settings(tmp_path: Path, mon
     assert fogctl.main(["--config", str(conf), "--site", "north", "--broker", "x:1", "status"], connect=connect) != 0
     err = capsys.readouterr().err
     assert "no site 'south'" in err and "not both" in err and len(asked) == 2
+
+
+# ---- fogctl at the centre: the fleet-wide view -------------------------------------------------
+
+
+def node_state(node: str, ts: float) -> bytes:
+    return json.dumps({"v": 1, "node": node, "ts": ts, "cpu": 12.5, "memory": 40.0, "temperature": None,
+                       "slots": 4, "free_slots": 4, "capacity": 500.0, "instances": []}).encode()
+
+
+def shows_the_site(doc: Dict[str, Any]) -> bool:
+    """What `fogctl status --json` at the centre must show of site north: both nodes, online, with
+    their machine figures, each in site north as its bridge proved it, and n1 as its site manager."""
+    nodes = {d["node"]: d for d in doc.get("nodes", [])}
+    north = [s for s in doc.get("sites", []) if s["site"] == SITE]
+    return (set(NODES) <= set(nodes)
+            and all(nodes[n]["status"] == "online" and nodes[n]["cpu"] == 12.5 for n in NODES)
+            and all(nodes[n].get("site") == SITE and nodes[n].get("site_from") == "bridge" for n in NODES)
+            and len(north) == 1 and north[0]["nodes"] == NODES and north[0]["site_manager"] == "n1")
+
+
+def test_fogctl_at_the_centre_shows_every_sites_nodes_with_their_site(
+        world: World, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """`fogctl status` against the central broker, as an administrator of the centre (its ACL as
+    the role renders it): the nodes of site north, published on the site broker only, appear with
+    their site, which fogctl reads from the claim records the site's bridge renames at the centre."""
+    import threading
+
+    from agent import events as ev_mod
+    from agent.cli import fogctl
+    from agent.control.fleet import Fleet
+    from jsonschema import Draft202012Validator
+
+    from agent.fogctl import fleet_sites, schemas
+    from agent.fogctl.commands import fleet_filters, site_record
+
+    b = f"fog/{C}"
+    for var in ("FOGCTL_CONFIG", "FOGCTL_BROKER", "FOGCTL_CLUSTER"):
+        monkeypatch.delenv(var, raising=False)
+    conf = tmp_path / "fogctl.toml"
+    conf.write_text(f'broker = "127.0.0.1:{world.centre.port}"\ncluster = "{C}"\ntimeout = 10.0\n'
+                    f'cafile = "{world.certs}/fog-ca.crt"\ncert = "{world.certs}/{ADMIN}.crt"\n'
+                    f'key = "{world.certs}/{ADMIN}.key"\n'
+                    f'[sites]\n{SITE} = "127.0.0.1:{world.site.port}"\nsouth = "10.0.0.9:8883"\n')
+    nodes = {n: client(world.site, n) for n in NODES}
+    at_centre = spy(world.centre, f"{b}/#")
+    now = time.time()
+    try:
+        # What each agent writes on its site broker: status, state, and its record on its claim
+        # topic (n1 leads the site manager, n2 states that it follows n1).
+        records = {"n1": json.dumps({"v": 1, "node": "n1", "until": now + 60, "state": {"target": 2}}).encode(),
+                   "n2": json.dumps({"v": 1, "node": "n2", "until": 0, "follows": "n1"}).encode()}
+        for n, c in nodes.items():
+            for t, p in ((topics.agent_status(C, n), b"online"), (topics.agent_state(C, n), node_state(n, now)),
+                         (topics.site_manager(C, n), records[n])):
+                assert c.publish(t, p, retain=True) in OK_CODES, t
+        renamed = {topics.site_manager_of(C, SITE, n) for n in NODES}
+        assert at_centre.wait_for(lambda r: renamed <= {t for t, _, _, _ in r}, 10)
+
+        assert fogctl.main(["--config", str(conf), "status", "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert shows_the_site(doc), doc
+        Draft202012Validator(schemas.schema("status")).validate(doc)  # the documented shape, sites included
+        south = [s for s in doc["sites"] if s["site"] == "south"]
+        assert south == [{"site": "south", "nodes": [], "online": 0, "site_manager": None, "newest_state_s": None,
+                          "stale": False, "in_settings": True}]
+        assert "latency rows" in doc["stay_in_sites"] and "decision histories" in doc["stay_in_sites"]
+        assert fogctl.main(["--config", str(conf), "status"]) == 0
+        text = capsys.readouterr().out
+        assert f"site {SITE}: 2 nodes (2 online), site manager n1" in text, text
+        assert "site south: no node seen at the centre" in text and "stay in the sites" in text
+        # fogctl site: each bridged site's manager, from its renamed records (none at the centre itself).
+        assert fogctl.main(["--config", str(conf), "site", "--json"]) == 0
+        site_doc = json.loads(capsys.readouterr().out)
+        assert site_doc["leader"] is None and site_doc["sites"][SITE]["leader"] == "n1", site_doc
+        assert site_doc["sites"][SITE]["target"] == 2
+        Draft202012Validator(schemas.schema("site")).validate(site_doc)
+        assert fogctl.main(["--config", str(conf), "site"]) == 0
+        assert f"site {SITE} (from the records its bridge renames at the centre)\nleader    n1 (lease" in \
+            capsys.readouterr().out
+
+        # fogctl why at the centre: the decision histories and re-homed records stay in the site,
+        # so it has nothing but the states and says so; it does not fail.
+        assert fogctl.main(["--config", str(conf), "why", "op-1", "--json"]) == 0
+        why = json.loads(capsys.readouterr().out)
+        assert why["decisions"] == [] and why["rehomed"] is None and why["pinned"] is None
+
+        # On the site broker, as a node's identity (fogctl --agent-config on a node), which may not
+        # read sites/+/...: the plain view, no site known, nothing refused.
+        assert fogctl.main(["--broker", f"127.0.0.1:{world.site.port}", "--cluster", C, "--cafile",
+                            str(world.certs / "fog-ca.crt"), "--cert", str(world.certs / "n1.crt"),
+                            "--key", str(world.certs / "n1.key"), "status", "--json"]) == 0
+        at_site = json.loads(capsys.readouterr().out)
+        assert {d["node"] for d in at_site["nodes"]} >= set(NODES) and "sites" not in at_site
+        assert not shows_the_site(at_site)
+
+        # The assertion tells a right program from a wrong one: the same view from what the
+        # centre holds under the sites' local names only (no renamed claim records) does not
+        # know the nodes' site, nor does the view the site broker holds.
+        with at_centre.lock:
+            centre = {t: p for t, p, ret, _ in at_centre.received if ret or t.endswith(("status", "state", "site_manager"))}
+        local_only = {t: p for t, p in centre.items() if not t.startswith(f"{b}/sites/")}
+        fleet = Fleet.from_messages(C, {t: p for t, p in centre.items() if topics.parse(C, t).kind in ("state", "status")})
+        assert set(NODES) <= {n.node for n in fleet.nodes}
+        wrong, _ = fleet_sites.status(fleet, fleet_sites.membership(local_only, C), [], now, site_record)
+        assert not shows_the_site(wrong)
+        right, _ = fleet_sites.status(fleet, fleet_sites.membership(centre, C), [], now, site_record)
+        assert shows_the_site(right)
+        # A site that went quiet (its uplink cut: the centre keeps the last records, "online"
+        # included) is flagged by the age of its newest state.
+        later, later_text = fleet_sites.status(fleet, fleet_sites.membership(centre, C), [], now + 60, site_record)
+        assert [s["stale"] for s in later["sites"]] == [True] and "its uplink may be down" in later_text
+        assert fleet_filters(C) == [f"{b}/agents/+/state", f"{b}/agents/+/status", f"{b}/pipelines/+"]
+
+        # `fogctl watch` at the centre: a site's events cross on the one events topic.
+        event = ev_mod.decision(ts=now, node="n2", instance="op-1", operator="op", load=90.0, capacity=50.0,
+                                probability=0.8, draw=0.1, action="duplicate", count=1, type="scale_out")
+        got: Dict[str, Any] = {}
+        watcher = threading.Thread(target=lambda: got.update(rc=fogctl.main(
+            ["--config", str(conf), "--json", "watch", "--count", "1", "--duration", "20"])))
+        watcher.start()
+        deadline = time.monotonic() + 20
+        while watcher.is_alive() and time.monotonic() < deadline:  # until the watch has subscribed and seen one
+            nodes["n2"].publish(topics.events(C), event.to_json().encode())
+            watcher.join(0.5)
+        watcher.join(5)
+        assert got.get("rc") == 0
+        seen = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
+        assert seen and seen[0]["node"] == "n2" and seen[0]["type"] == "scale_out"
+    finally:
+        for n, c in nodes.items():
+            for t in (topics.agent_status(C, n), topics.agent_state(C, n), topics.site_manager(C, n)):
+                c.publish(t, b"", retain=True)
+            c.close()
+        at_centre.close()
+
+
+def test_a_real_agent_of_the_site_appears_at_the_centre_in_its_site(world: World, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture) -> None:
+    """A real agent (`fog-agent run`, no site manager configured) on the site broker: its record on
+    its claim topic, which every agent writes once connected, crosses renamed, so fogctl at the
+    centre names its site; stopped, it shows offline there (its status crossed too)."""
+    import types
+
+    from agent.cli import fogctl
+    from agent_process import ONLINE_BOUND, AgentProcess
+    from tls_site import agent_toml
+
+    for var in ("FOGCTL_CONFIG", "FOGCTL_BROKER", "FOGCTL_CLUSTER"):
+        monkeypatch.delenv(var, raising=False)
+    where = types.SimpleNamespace(tmp=tmp_path, cluster=C, port=world.site.port, certs=world.certs)
+    agent = AgentProcess(agent_toml(where, "n2", "n2"), log_path=tmp_path / "n2.log")  # type: ignore[arg-type]
+    argv = ["--broker", f"127.0.0.1:{world.centre.port}", "--cluster", C, "--timeout", "10",
+            "--cafile", str(world.certs / "fog-ca.crt"), "--cert", str(world.certs / f"{ADMIN}.crt"),
+            "--key", str(world.certs / f"{ADMIN}.key"), "status", "--json"]
+
+    def n2_at_centre() -> Dict[str, Any]:
+        assert fogctl.main(argv) == 0
+        doc = json.loads(capsys.readouterr().out)
+        return next((d for d in doc["nodes"] if d["node"] == "n2"), {})
+    try:
+        assert wait_until(lambda: n2_at_centre().get("status") == "online" and n2_at_centre().get("site") == SITE
+                          or not agent.alive(), ONLINE_BOUND), agent.text()[-2000:]
+        got = n2_at_centre()
+        assert got["site"] == SITE and got["site_from"] == "bridge" and got["slots"] == 3, got
+        assert agent.stop() == 0
+        assert wait_until(lambda: n2_at_centre().get("status") == "offline", 20)
+        assert n2_at_centre()["site"] == SITE
+    finally:
+        if agent.alive():
+            agent.stop()
+        n2 = client(world.site, "n2")
+        for t in (topics.agent_status(C, "n2"), topics.agent_state(C, "n2"), topics.site_manager(C, "n2")):
+            n2.publish(t, b"", retain=True)
+        n2.close()

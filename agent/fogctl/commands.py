@@ -66,7 +66,14 @@ def _with_fleet(ctx: Context, latency: bool = False) -> Fleet:
 
 
 def cmd_status(args: argparse.Namespace, ctx: Context) -> int:
-    doc, text = views.status(_with_fleet(ctx), ctx.clock())
+    """views.status; at the central broker grouped by site (agent.fogctl.fleet_sites)."""
+    from agent.fogctl import fleet_sites
+
+    with ctx.connect(ctx.cfg) as conn:
+        fleet = fleet_snapshot(conn, ctx.cfg.cluster)
+        member = fleet_sites.read_membership(conn, ctx.cfg.cluster)
+    doc, text = fleet_sites.status(fleet, member, fleet_sites.known_sites(ctx.cfg), ctx.clock(),
+                                    site_record)
     ctx.emit(args, doc, text)
     return 0
 
@@ -346,11 +353,15 @@ def site_record(claims_and_statuses: Mapping[str, Any], cluster: str, now: float
 
 
 def cmd_site(args: argparse.Namespace, ctx: Context) -> int:
+    from agent.fogctl import fleet_sites
+
     c = ctx.cfg.cluster
     with ctx.connect(ctx.cfg) as conn:
         snap = conn.snapshot([topics.all_site_managers(c), topics.all_agents_status(c)])
+        member = fleet_sites.read_membership(conn, c)  # at the central broker: each bridged site's too
     now = ctx.clock()
     doc, text = site_view(site_record(snap, c, now), now)
+    doc, text = fleet_sites.site(doc, text, member, snap, c, now, site_record, site_view)
     ctx.emit(args, doc, text)
     return 0
 

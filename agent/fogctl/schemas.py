@@ -21,6 +21,8 @@ import json
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
+from agent.fogctl.fleet_sites import STALE_AFTER_S
+
 __all__ = ["SCHEMAS", "ERROR", "DIALECT", "schema", "markdown"]
 
 DIALECT = "https://json-schema.org/draft/2020-12/schema"
@@ -127,6 +129,21 @@ ERROR = {
 KEEPER = _obj({"operator": S, "instance": S, "node": S})
 STOPPED = _obj({"instance": S, "node": S})
 
+SITE_CLAIM: Dict[str, Any] = {
+    "leader": _null(S, "null: none leads (void, or the lease expired)"),
+    "lease_left_s": _d(NUM, "negative once expired"), "expired": BOOL,
+    "target": _null(NUM, "the spare-capacity fraction kept"), "spare": _null(NUM), "min_nodes": _null(INT),
+    "max_nodes": _null(INT),
+    "pending": _null(_open("{action, node, since}: the action under way")),
+    "released": _list(S, "nodes released to the pool"),
+    "actions": _list(_open("{action, node, reason, ts}"), "its last actions, oldest first"),
+    "last_leader": _d(S, "with void: the node of the latest claim"),
+    "void": _d(S, "why none leads although a lease runs"),
+}
+SITES_AT_CENTRE = _map({"oneOf": [_obj({"leader": {"const": None}}, description="no claim"),
+                                  _obj(SITE_CLAIM, optional=("last_leader", "void"), description="a claim")]},
+                       "at the central broker: each bridged site's site manager, by site (a document as above)")
+
 # ---- one schema per command -----------------------------------------------------------------------
 
 _SHAPES: Dict[str, Dict[str, Any]] = {
@@ -142,10 +159,22 @@ _SHAPES: Dict[str, Dict[str, Any]] = {
             "instances": _list(S, "instance ids"), "pins": _list(NODE_PIN, "the pins this agent holds"),
             "ts": _null(NUM, "when the agent published its state (unix seconds)"),
             "last_seen_s": _null(NUM, "seconds since ts"), "error": _null(S, "why its state could not be read"),
-        }), "one per node, by name"),
+            "site": _null(S, "at the central broker: the node's site; null: not known"),
+            "site_from": _null({"enum": ["bridge", "this broker"]},
+                               "at the central broker: its site's bridge delivered its record, or it is connected "
+                               "to the central broker itself; null: neither"),
+        }, optional=("site", "site_from")), "one per node, by name"),
         "pins": _list(_obj({"operator": S, "pipeline": _null(S), "until": _null(NUM, "the latest end; null: until released"),
                             "nodes": _list(S, "the agents that hold it")}), "fogctl scale pins, once per operator"),
-    }),
+        "sites": _list(_obj({
+            "site": S, "nodes": _list(S, "its nodes seen at the centre"), "online": INT,
+            "site_manager": _null(S, "the leader its agents would derive; null: none"),
+            "newest_state_s": _null(NUM, "age of its newest node state"),
+            "stale": _d(BOOL, f"no node state for over {STALE_AFTER_S:g} s: its uplink may be down"),
+            "in_settings": _d(BOOL, "named in fogctl's [sites] table"),
+        }), "at the central broker (or with a [sites] table): one per site"),
+        "stay_in_sites": _list(S, "with sites: what does not cross to the centre"),
+    }, optional=("sites", "stay_in_sites")),
     "topology": _obj({
         "cluster": CLUSTER,
         "pipelines": _list(_obj({
@@ -175,18 +204,9 @@ _SHAPES: Dict[str, Dict[str, Any]] = {
         })),
     }),
     "site": {"oneOf": [
-        _obj({"leader": {"const": None}}, description="no claim: no agent runs the site manager"),
-        _obj({
-            "leader": _null(S, "null: none leads (void, or the lease expired)"),
-            "lease_left_s": _d(NUM, "negative once expired"), "expired": BOOL,
-            "target": _null(NUM, "the spare-capacity fraction kept"), "spare": _null(NUM), "min_nodes": _null(INT),
-            "max_nodes": _null(INT),
-            "pending": _null(_open("{action, node, since}: the action under way")),
-            "released": _list(S, "nodes released to the pool"),
-            "actions": _list(_open("{action, node, reason, ts}"), "its last actions, oldest first"),
-            "last_leader": _d(S, "with void: the node of the latest claim"),
-            "void": _d(S, "why none leads although a lease runs"),
-        }, optional=("last_leader", "void"), description="a claim"),
+        _obj({"leader": {"const": None}, "sites": SITES_AT_CENTRE}, optional=("sites",),
+             description="no claim: no agent runs the site manager"),
+        _obj(dict(SITE_CLAIM, sites=SITES_AT_CENTRE), optional=("last_leader", "void", "sites"), description="a claim"),
     ]},
     "watch": dict(EVENT, description="one event per line (JSON Lines), complete"),
     "why": _obj({
