@@ -34,6 +34,7 @@ COMMAND_MODULES = (
     "agent.cli.measure_cmd",   # calibrate, netem
     "agent.cli.spill_cmd",     # collector, analytics
     "agent.cli.rollout_cmd",   # rollout-gate (the fog_agent role's health gate)
+    "agent.cli.schema_cmd",    # schema (the JSON Schemas of every --json output)
 )
 
 # The lab's command package, and its top-level commands (the others are under `simulate` and

@@ -344,15 +344,18 @@ def _section(name: str, s: Dict[str, Any]) -> str:
                 parts.append(f"One of: {what} (an object with the tables of its kind: {kinds}).")
             elif alt.get("title") == "error" or alt.get("properties", {}).get("errors"):
                 parts.append("Or the error shape (`error`, below).")
+            elif alt.get("type") == "array" and alt.get("items") in s["oneOf"]:
+                parts.append(f"One of: {what}: an array of the objects above.")
             else:
                 parts.append(f"One of: {what}:\n\n{_table(alt)}")
         return "\n".join(head) + "\n" + "\n\n".join(parts) + "\n"
     return "\n".join(head) + "\n" + _table(s) + "\n"
 
 
-def markdown() -> str:
-    """The section of docs/fogctl.md that lists every command's shape (tests compare the two)."""
-    out = [_section(name, s) for name, s in SCHEMAS.items()]
+def markdown(shapes: Optional[Dict[str, Dict[str, Any]]] = None) -> str:
+    """The section of docs/fogctl.md that lists every command's shape (tests compare the two); with
+    `shapes`, the same tables for those schemas (`fog-agent`'s, agent/cli/schemas.py)."""
+    out = [_section(name, s) for name, s in (SCHEMAS if shapes is None else shapes).items()]
     return "\n".join(out)
 
 
