@@ -10,7 +10,7 @@ agent.cli do, and imports its heavy libraries inside its handlers.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import Any, Dict
 
 # One entry per area; order is the order in `--help`, after the node's commands.
 COMMAND_MODULES = (
@@ -30,3 +30,11 @@ def register(groups: Any) -> None:
     """Add every lab command to `groups` (agent.cli.main.Groups)."""
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(groups)
+
+
+def json_schemas() -> Dict[str, Any]:
+    """The JSON Schemas of the lab commands' `--json` output, by command (foglab.cli.schemas);
+    `fog-agent schema` lists them with the node's."""
+    from foglab.cli.schemas import SCHEMAS
+
+    return SCHEMAS
