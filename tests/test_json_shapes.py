@@ -222,6 +222,19 @@ def test_steering_commands_fit_their_schemas(capsys: pytest.CaptureFixture, mosq
     valid("drain", doc)
 
 
+def _wait_until_gone(capsys: pytest.CaptureFixture, broker: Any, cluster: str, prefix: str) -> None:
+    """Until no agent's retained state lists an instance named `prefix`...: undeploy returns on the
+    agents' replies, their states follow a moment later, and a deploy right after reads those."""
+    deadline = time.monotonic() + 10.0
+    while True:
+        code, doc, err = run(capsys, broker, cluster, "status")
+        assert code == 0, err
+        if not any(i.startswith(prefix) for n in doc["nodes"] for i in n["instances"]):
+            return
+        assert time.monotonic() < deadline, f"{prefix}* still listed after undeploy: {doc['nodes']}"
+        time.sleep(0.05)
+
+
 @pytest.mark.broker
 def test_deploy_undeploy_and_keygen_fit_their_schemas(capsys: pytest.CaptureFixture, mosquitto: Any, fleet: Any,
                                                       tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -246,6 +259,7 @@ def test_deploy_undeploy_and_keygen_fit_their_schemas(capsys: pytest.CaptureFixt
 
     monkeypatch.delenv("FOG_AGENT_SIGN_KEY", raising=False)
     base = ["deploy", "--host", mosquitto.host, "--port", str(mosquitto.port), "--cluster", cluster, "--json"]
+    _wait_until_gone(capsys, mosquitto, cluster, "taxi.")
     assert fog_agent(base + [str(f)]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert [k["operator"] for k in valid("deploy", doc)["keepers"]] == ["source", "validate", "in_zone", "sink"]
