@@ -24,19 +24,20 @@ __all__ = ["SCHEMAS"]
 MEDIAN_MAX = _obj({"median": _null(NUM, "seconds; null: no value"), "max": _null(NUM), "n": INT},
                   description="seconds, over n values")
 RATIO = _obj({"median": _null(NUM), "max": _null(NUM)})
+LOST_ID = dict(_list({"type": ["string", "integer"]}, "[source instance, record number]"), minItems=2, maxItems=2)
 VERDICT_COUNTS = {  # the record-id accounting of agent.testing / foglab.tools.verify
     "records_in": _d(INT, "records the source generated"), "records_expected": INT,
     "records_out": _d(INT, "records the sink recorded"), "lost": INT,
     "duplicated": _d(INT, "duplicated and unexpected ids"),
-    "lost_sample": _list(_list({}), "a few lost ids, [source, seq]"),
+    "lost_sample": _list(LOST_ID, "the first five lost ids"),
 }
 PIPELINE_VERDICT = {
     "generated": INT, "expected": INT, "received": INT, "lost": INT, "duplicated": INT, "unexpected": INT,
-    "lost_sample": _list(_list({}), "a few lost ids"), "ok": _d(BOOL, "every record exactly once"),
+    "lost_sample": _list(LOST_ID, "the first five lost ids"), "ok": _d(BOOL, "every record exactly once"),
 }
 DEV_NODE = {"node": S, "pid": _null(INT, "null: not running"), "config": _d(S, "its agent.toml"), "log": S}
 DEV_REPORT = {
-    "state": {"enum": ["up", "already up"]}, "seconds": _d(NUM, "to bring it up"), "dir": S,
+    "state": {"enum": ["up", "already-up"]}, "seconds": _d(NUM, "to bring it up"), "dir": S,
     "broker": _d(S, "host:port"), "port": INT, "cluster": S, "broker_pid": _null(INT),
     "fogctl_config": S, "env_file": _d(S, "DIR/env, for `. DIR/env`"),
     "nodes": _list(_obj(DEV_NODE), "n1..nN"),
@@ -121,7 +122,7 @@ _SHAPES: Dict[str, Dict[str, Any]] = {
         "states": INT, "transitions": INT, "terminal_states": INT, "full_expansions": INT, "local_states": INT,
         "safety_violations": INT, "deadlocks": INT, "protocol_errors": INT,
         "cpu_s": NUM, "wall_s": NUM, "peak_rss_mb": NUM,
-        "first_failure": _null(S), "trace": _list({}, "the last 40 moves to the first failure"),
+        "first_failure": _null(S, "what failed first"), "trace": _list(S, "the last 40 moves to the first failure"),
     }),
     "simulate instance": _obj({
         "ok": BOOL, "states": INT, "terminal_states": INT, "schedules": INT, "steps": INT, "seconds": NUM,
@@ -158,8 +159,12 @@ _SHAPES: Dict[str, Dict[str, Any]] = {
     }),
     "bench policies": _obj({
         "workdir": S,
-        "rows": _list(_open("a policy's live run next to its simulation: records_lost, instance-minutes, SPEC "
-                            "metrics, ... (foglab.tools.policies_bench)"), "one per policy (and consolidation)"),
+        "rows": _list(_obj({
+            "policy": S, "mode": {"enum": ["simulated", "live"]},
+            "instance_ops": _d(INT, "instances started and stopped"), "records_lost": _d(INT, "exit 1 when not 0"),
+        }, closed=False, description="the SPEC metrics (agent/metrics_spec.py) and, live: consolidation, decisions, "
+                                     "records_*, node_minutes, site_actions, latency_s, series, ..."),
+            "per policy: the simulation on the same trace, then its live run(s)"),
     }),
     "bench rescale": _obj({
         "rate": NUM, "workdir": S,
@@ -250,14 +255,15 @@ _SHAPES: Dict[str, Dict[str, Any]] = {
         "root_built": BOOL, "root_seconds": NUM, "seconds": NUM,
     }),
     "testbed root": _obj({"root": S, "arch": {"enum": ["amd64", "arm64"]}, "suite": S, "built": BOOL, "seconds": NUM}),
-    "testbed down": _obj({"removed": _list({}, "what up had added to the host")}),
+    "testbed down": _obj({"removed": _list(S, "what up had added to the host")}),
     "testbed systemd": _list(_obj({"name": S, "ok": BOOL, "detail": _open("what the check saw")}),
                              "one per check, in order"),
     "testbed pipeline": _obj({
         "nodes": _list(S), "sink_dir": S, "during": _null(_open("--during: the command, when it ran, its exit")),
         "duration_s": NUM, "peak_rate": NUM, "nodes_per_operator": _map(_list(S), "operator -> nodes seen hosting it"),
         "max_instances": _open("operator -> most instances at once"), "files_per_node": _open("node -> sink files"),
-        "files_on_several_nodes": {}, **PIPELINE_VERDICT, "seconds": NUM,
+        "files_on_several_nodes": _map(_list(S), "sink file -> the nodes it was found on (must be empty)"),
+        **PIPELINE_VERDICT, "seconds": NUM,
     }),
     "testbed upgrade": _obj({
         "ok": _d(BOOL, "every record exactly once and every node upgraded"), "new_version": S,
@@ -274,9 +280,14 @@ _SHAPES: Dict[str, Dict[str, Any]] = {
         "cut_at_s": NUM, "duration_s": NUM, "rate": NUM, "backlog_landed_after_heal_s": _null(NUM),
         "all_landed_after_heal_s": _null(NUM), "started_utc": S, "cut_utc": S, "healed_utc": S,
         "recorded_at_cut": _open("site -> records"), "recorded_at_heal": _open("site -> records"),
-        "files_landed": INT, "spool_cap_bytes": INT, "spool_files_left": {},
-        "landing": _open("site -> expected, landed, ..."), "sites": _open("site -> its figures and pipeline verdict"),
-        "samples": _list({}), "checks": _list(_obj({"name": S, "ok": BOOL}, closed=False)), "ok": BOOL,
+        "files_landed": INT, "spool_cap_bytes": INT, "spool_files_left": _d(INT, "files still in the spools after landing"),
+        "landing": _map(_obj({"expected": INT, "landed": _d(INT, "distinct expected ids landed"), "lost": INT,
+                               "duplicated": INT, "unexpected": INT,
+                               "lost_sample": _list(LOST_ID, "the first lost ids")}),
+                         "site -> its records at the centre"),
+        "sites": _open("site -> its figures and pipeline verdict"), "samples": _list(_open("one per sample")),
+        "checks": _list(_obj({"name": S, "ok": BOOL, "detail": S}), "the verdict's checks"),
+        "ok": _d(BOOL, "every check"),
         "seconds": NUM, "kept": S,
     }),
 }
