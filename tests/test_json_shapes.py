@@ -37,10 +37,16 @@ SEEN: Dict[str, List[Any]] = {}
 
 def valid(name: str, doc: Any) -> Any:
     """Assert `doc` fits schema `name` (every error listed), remember it, return it."""
-    validator = Draft202012Validator(schemas.schema(name))
+    return fits(schemas.schema(name), name, doc, SEEN)
+
+
+def fits(schema: Dict[str, Any], name: str, doc: Any, seen: Dict[str, List[Any]]) -> Any:
+    """Assert `doc` fits `schema` (every error listed), remember it in `seen` under `name`, return
+    it (tests/test_fog_agent_json_shapes.py checks fog-agent's schemas with it too)."""
+    validator = Draft202012Validator(schema)
     errors = sorted(validator.iter_errors(doc), key=lambda e: list(e.absolute_path))
     assert not errors, f"{name}: " + "; ".join(f"{list(e.absolute_path)}: {e.message}" for e in errors)
-    SEEN.setdefault(name, []).append(copy.deepcopy(doc))
+    seen.setdefault(name, []).append(copy.deepcopy(doc))
     return doc
 
 
