@@ -9,7 +9,7 @@ shell: it turns paho callbacks, control lines and its loop's turns into events (
 .events) and performs the commands (agent.instance.commands) in order. The interleaving checker
 (foglab.sim.instance_check) drives the same class through a model of the broker.
 
-Why one module of ~2,000 lines: the data path (admission, per-sender queues, processing, flow
+Why one large module: the data path (admission, per-sender queues, processing, flow
 control, replay, acks) and the lifecycle share one set of fields that every step reads; split
 by function they would reach into each other's state (docs/runtime.md, "Instance").
 

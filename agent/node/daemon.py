@@ -25,7 +25,7 @@ What it does:
   shutdown_timeout/2, SIGKILL after shutdown_timeout, then "offline" and exit. Bound: the process
   exits within shutdown_timeout + SHUTDOWN_SLACK seconds of the signal.
 
-Why ~2,150 lines in one module: every handler here reads and writes the state that the one loop
+Why one large module: every handler here reads and writes the state that the one loop
 owns (the workers, the fleet view, the pending calls, the records and pins); the decisions that
 need no such state are already pure modules beside it (placement, rehome, hostmap, bounds,
 site_manager, hosted, nodestate). Splitting the handlers across files would pass that state around
