@@ -337,3 +337,49 @@ def test_the_log_sent_is_the_whole_lines_of_the_snapshots_generation(tmp_path: P
     with open_saved(path) as saved:  # the next turn: the newer save, from a snapshot
         sh.held = None
         assert [b["gen"] for b in sh.requests(saved, 0.0)] == [8]
+
+
+def test_the_daemon_sends_the_next_part_on_the_brokers_puback(tmp_path: Path) -> None:
+    """The agent's side: its publish gives the part's message id, and the PUBACK event releases
+    the next part; nothing else is needed for a snapshot of many parts to go out whole."""
+    from types import SimpleNamespace
+
+    from agent import topics
+    from agent.config import load_agent_config
+    from agent.node.daemon import Agent
+
+    conf = tmp_path / "n1.toml"
+    conf.write_text(f'[agent]\nnode = "n1"\ncluster = "c"\nstate_dir = "{tmp_path}/state"\n[mqtt]\nhost = "h"\nport = 1\n')
+    agent = Agent(load_agent_config(conf), warm_worker=False)
+    sent: List[Tuple[str, bytes, int]] = []
+
+    class Client:
+        def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False, properties: Any = None) -> Any:
+            sent.append((topic, payload, len(sent) + 1))
+            return SimpleNamespace(rc=0, mid=len(sent))
+
+    agent._client = Client()
+    agent.connected = True
+    agent.online["n2"] = True
+    host = _big_save(tmp_path / "state", 5 * PART_BYTES, 0)
+    agent.replication.saved("cnt-a", 1, 0)
+    now = agent.clock()
+    agent._replicate(now)
+    peer = topics.agent_peer("c", "n2", "n1")
+
+    def parts() -> List[Tuple[int, int]]:
+        return [(json.loads(p)["part"], mid) for t, p, mid in sent if t == peer]
+
+    assert [p for p, _ in parts()] == list(range(WINDOW))
+    agent._replicate(now + 1)
+    assert len(parts()) == WINDOW  # nothing more before an ack
+    n = -(-host.stat().st_size // PART_BYTES)
+    while len(parts()) < n:
+        agent._dispatch(("mqtt_puback", parts()[len(parts()) - WINDOW][1]), now + 1)
+    agent._dispatch(("mqtt_puback", parts()[-2][1]), now + 1)
+    agent._dispatch(("mqtt_puback", parts()[-1][1]), now + 1)
+    store = ReplicaStore(tmp_path / "standby")
+    answers = [store.apply("n1", json.loads(p)) for t, p, _ in sent if t == peer]
+    assert [p for p, _ in parts()] == list(range(n)) and n > WINDOW
+    assert answers[-1] == {"ok": True, "instance": "cnt-a", "gen": 1, "log": 0}
+    assert (store.root / "cnt-a.keyed.json").read_bytes() == host.read_bytes()
