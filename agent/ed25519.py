@@ -2,8 +2,8 @@
 (agent.signing: an agent verifies the admin's signature of every pipeline spec it runs).
 
 Why not the `cryptography` package: importing it (its Rust extension and the modules around it)
-costs an agent's process about 6 MB resident, a sixth of the 40 MB budget (docs/runtime.md,
-"Memory"), for one call per spec. Python's `hashlib` and `ssl` (paho imports ssl) already map
+cost an agent's process 9.7 MB resident after its other imports, a quarter of the 40 MB budget
+(docs/runtime.md, "Memory"; docs/results.md, O28), for one call per spec. Python's `hashlib` and `ssl` (paho imports ssl) already map
 OpenSSL's libcrypto, which has verified Ed25519 since 1.1.1: `ctypes` reaches it for about
 0.4 MB. Signing and key generation stay with `cryptography` on the admin's side (fogctl), which
 an agent never imports for this.

@@ -16,7 +16,7 @@ topic proves its writer (docs/security.md, "Data channels").
 Two libraries: signing and key generation (`Signer`, `generate_keypair`, `load_signer`: the
 admin's side, fogctl and deploy) use the `cryptography` package; verification (`Verifier`,
 `load_verifier`: every agent) uses the libcrypto the interpreter already loads (agent.ed25519), so
-an agent's process never imports `cryptography` (about 6 MB resident: docs/runtime.md, "Memory").
+an agent's process never imports `cryptography` (9.7 MB resident: docs/runtime.md, "Memory").
 
 Sans-IO apart from the key files (`generate_keypair`, `load_signer`, `load_verifier`): the
 statement, the signature's wire forms and the replay rule (`SpecTrust`) take their inputs.
@@ -131,8 +131,8 @@ class Signer:
 class Verifier:
     """The admin public keys a node trusts (`[security] admin_keys`): any one may sign. Keys are
     the 32 raw bytes of each Ed25519 public key; verification goes through the libcrypto the
-    interpreter already loads (agent.ed25519), not the `cryptography` package (6 MB an agent's
-    process does not hold for it: docs/runtime.md, "Memory")."""
+    interpreter already loads (agent.ed25519), not the `cryptography` package (9.7 MB an
+    agent's process does not hold for it: docs/runtime.md, "Memory")."""
 
     def __init__(self, public_keys: Iterable[bytes]) -> None:
         self.keys: Dict[str, bytes] = {}

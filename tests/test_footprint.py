@@ -53,7 +53,7 @@ def test_the_daemon_imports_no_tool_simulator_or_other_command() -> None:
 
 def test_the_daemon_verifies_a_signed_spec_without_importing_cryptography(tmp_path: Path) -> None:
     """The demo and the Ansible role make every agent require signed specs: verifying one goes
-    through the interpreter's own libcrypto (agent.ed25519), and `cryptography` (about 6 MB
+    through the interpreter's own libcrypto (agent.ed25519), and `cryptography` (9.7 MB
     resident) stays out of the daemon's process; signing stays on the admin's side."""
     from agent import signing
 
