@@ -13,6 +13,11 @@ signed: the fields the protocol sets per incarnation (instance id, node, neighbo
 which the agent bounds itself (agent.operators.admission). The data path is not signed: a batch's
 topic proves its writer (docs/security.md, "Data channels").
 
+Two libraries: signing and key generation (`Signer`, `generate_keypair`, `load_signer`: the
+admin's side, fogctl and deploy) use the `cryptography` package; verification (`Verifier`,
+`load_verifier`: every agent) uses the libcrypto the interpreter already loads (agent.ed25519), so
+an agent's process never imports `cryptography` (9.7 MB resident: docs/runtime.md, "Memory").
+
 Sans-IO apart from the key files (`generate_keypair`, `load_signer`, `load_verifier`): the
 statement, the signature's wire forms and the replay rule (`SpecTrust`) take their inputs.
 """
@@ -124,28 +129,33 @@ class Signer:
 
 
 class Verifier:
-    """The admin public keys a node trusts (`[security] admin_keys`): any one may sign."""
+    """The admin public keys a node trusts (`[security] admin_keys`): any one may sign. Keys are
+    the 32 raw bytes of each Ed25519 public key; verification goes through the libcrypto the
+    interpreter already loads (agent.ed25519), not the `cryptography` package (9.7 MB an
+    agent's process does not hold for it: docs/runtime.md, "Memory")."""
 
-    def __init__(self, public_keys: Iterable[Any]) -> None:
-        from cryptography.hazmat.primitives import serialization
-
-        self.keys: Dict[str, Any] = {}
-        for k in public_keys:
-            raw = k.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-            self.keys[key_id(raw)] = k
+    def __init__(self, public_keys: Iterable[bytes]) -> None:
+        self.keys: Dict[str, bytes] = {}
+        for raw in public_keys:
+            raw = bytes(raw)
+            if len(raw) != 32:
+                raise ValueError(f"an Ed25519 public key is 32 bytes, not {len(raw)}")
+            self.keys[key_id(raw)] = raw
 
     def verify(self, pipeline: str, generation: Optional[str], text: str, sig: Signature) -> None:
         """Raise ValueError unless `sig` is a trusted key's signature over this statement."""
-        from cryptography.exceptions import InvalidSignature
+        from agent import ed25519
 
         pub = self.keys.get(sig.key)
         if pub is None:
             raise ValueError(f"signed by key {sig.key}, which is not an admin key of this node")
         try:
-            pub.verify(sig.sig, statement(pipeline, generation, sig.issued_at, text))
-        except InvalidSignature:
+            valid = ed25519.verify(pub, sig.sig, statement(pipeline, generation, sig.issued_at, text))
+        except ed25519.Unavailable as exc:
+            raise ValueError(f"the signature of key {sig.key} cannot be checked: {exc}") from None
+        if not valid:
             raise ValueError(f"the signature of key {sig.key} does not match the pipeline's text, name and "
-                             "generation (forged or altered)") from None
+                             "generation (forged or altered)")
 
 
 class SpecTrust:
@@ -225,20 +235,19 @@ def load_signer(path: Union[str, Path]) -> Signer:
 
 
 def load_verifier(paths: Iterable[Union[str, Path]]) -> Verifier:
-    """The admin public key files; ValueError naming the first one that is not an Ed25519 PEM
-    public key."""
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+    """The admin public key files (PEM, as `generate_keypair` and `openssl pkey -pubout` write
+    them); ValueError naming the first one that is not an Ed25519 PEM public key. Parsed here
+    (agent.ed25519), without the `cryptography` package."""
+    from agent import ed25519
 
     keys = []
     for p in paths:
         try:
-            key = serialization.load_pem_public_key(Path(p).read_bytes())
+            data = Path(p).read_bytes()
         except OSError as exc:
             raise ValueError(f"{p}: cannot read it ({exc.strerror})") from None
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"{p}: not a PEM public key ({exc})") from None
-        if not isinstance(key, Ed25519PublicKey):
-            raise ValueError(f"{p}: not an Ed25519 key ({type(key).__name__})")
-        keys.append(key)
+        try:
+            keys.append(ed25519.raw_public_key_from_pem(data))
+        except ValueError as exc:
+            raise ValueError(f"{p}: {exc}") from None
     return Verifier(keys)

@@ -6,7 +6,7 @@ batches of `--batch` records over `--keys` keys and saves after each batch, as a
 
     save     KeyedState.save (the snapshot now and then, else one log line)
     standby  the save, then what the host agent and the standby agent do for it: read the files
-             (`read_saved`), build the request (`Shipper.requests`), encode it as on the wire,
+             (`open_saved`), build the request (`Shipper.requests`), encode it as on the wire,
              decode and append it (`ReplicaStore.apply`), and take the reply (`Shipper.answered`)
 
 Per variant: the median CPU per save and per record; for `standby`, the bytes on the wire per
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 from agent.instance.keyed_state import KeyedState
-from agent.node.replicas import ReplicaStore, Shipper, read_saved
+from agent.node.replicas import ReplicaStore, Shipper, open_saved
 from agent.operators import OperatorContext
 from agent.operators.keyed import tumbling_window
 
@@ -52,10 +52,12 @@ def _run(variant: str, root: Path, saves: int, batch: int, keys: int, start: int
         n += batch
         ks.save(path)
         if variant == "standby":
-            saved = read_saved(path)
+            saved = open_saved(path)
             assert saved is not None
             reply = None
-            for body in sh.requests(saved, float(i)):
+            with saved:
+                bodies = sh.requests(saved, float(i))
+            for body in bodies:
                 payload = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
                 wire += len(payload)
                 reply = store.apply("host", json.loads(payload))

@@ -1,8 +1,9 @@
 """What the long-lived processes import (docs/runtime.md, "Memory"): every process under 40 MB
 RSS rests on the daemon and the workers not holding modules they never use. A worker is forked
 from the fork server with the worker's imports done and frozen for the collector; the daemon's
-command line registers `run` alone. Libraries a feature needs where it is used (cryptography,
-to verify a spec) are not named here: only what these processes must never hold."""
+command line registers `run` alone. Libraries a feature needs where it is used are not named
+here: only what these processes must never hold (and `cryptography`, which an agent no longer
+needs to verify a signed spec)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,31 @@ def test_the_daemon_imports_no_tool_simulator_or_other_command() -> None:
     assert report["rc"] == 78 and "agent.node.daemon" in mods  # run_cmd ran, then refused the config
     commands = sorted(m for m in mods if m.startswith("agent.cli.") and m not in ("agent.cli.main", "agent.cli.runtime_cmd"))
     assert commands == [] and _foreign(mods) == []
+
+
+def test_the_daemon_verifies_a_signed_spec_without_importing_cryptography(tmp_path: Path) -> None:
+    """The demo and the Ansible role make every agent require signed specs: verifying one goes
+    through the interpreter's own libcrypto (agent.ed25519), and `cryptography` (9.7 MB
+    resident) stays out of the daemon's process; signing stays on the admin's side."""
+    from agent import signing
+
+    signing.generate_keypair(tmp_path / "admin.key", tmp_path / "admin.pub")
+    sig = signing.load_signer(tmp_path / "admin.key").sign("lab", "g1", "[pipeline]\n", issued_at=5)
+    code = ("import json, sys\nfrom agent.cli.main import main\n"
+            "rc = main(['--log-level', 'error', 'run', '--config', '/nonexistent/agent.toml'])\n"
+            "from agent import signing\n"
+            f"trust = signing.SpecTrust(signing.load_verifier([{str(tmp_path / 'admin.pub')!r}]))\n"
+            f"ok = trust.check('lab', 'g1', '[pipeline]\\n', {sig.to_extra()!r})\n"
+            f"forged = trust.check('lab', 'g1', '[pipeline]\\nx = 1\\n', {sig.to_extra()!r})\n"
+            "print(json.dumps({'rc': rc, 'ok': ok, 'forged': forged, 'modules': sorted(sys.modules)}))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=str(ROOT))
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["rc"] == 78 and report["ok"] is None and "forged or altered" in report["forged"]
+    mods = set(report["modules"])
+    assert "agent.node.daemon" in mods
+    assert sorted(m for m in mods if m.split(".")[0] in ("cryptography", "_cffi_backend", "cffi")) == []
+    assert "agent.ed25519" in mods
 
 
 def test_a_forked_worker_holds_the_workers_imports_frozen_and_nothing_it_never_uses() -> None:

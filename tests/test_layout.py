@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Bottom up, as docs/runtime.md lists them; entries of one inner list share a layer.
 LAYERS = [
     ["wire", "topics", "schema", "files", "refs", "journal", "log", "identity", "metrics_spec", "notify",
-     "events", "config", "central_config", "exitcodes", "sites", "signing", "__init__"],
+     "events", "config", "central_config", "exitcodes", "sites", "signing", "ed25519", "__init__"],
     ["protocol", "policy"],
     ["dataplane", "control", "mqtt"],
     ["spill"],

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agent.instance.keyed_state import KeyedState
-from agent.node.replicas import (PART_BYTES, Replication, ReplicaStore, Shipper, choose_standby, read_saved)
+from agent.node.replicas import (PART_BYTES, WINDOW, Replication, ReplicaStore, Shipper, choose_standby, open_saved)
 from agent.operators import OperatorContext
 from agent.operators.keyed import keyed_count
 
@@ -73,10 +73,11 @@ def test_a_restored_state_holds_every_input_until_its_first_save_is_copied(tmp_p
 def _pump(sh: Shipper, store: ReplicaStore, path: Path, host: str, rng: random.Random, now: float,
           loss: float) -> Optional[Tuple[int, int]]:
     """One request and its reply between the shipper and the store; each message may be lost."""
-    saved = read_saved(path)
+    saved = open_saved(path)
     if saved is None:
         return None
-    bodies = sh.requests(saved, now)
+    with saved:
+        bodies = list(sh.requests(saved, now))
     reply = None
     for body in bodies:
         if rng.random() < loss:
@@ -189,3 +190,196 @@ def test_a_rehome_on_the_standby_installs_its_copy_as_the_instances_state(tmp_pa
     got: List[Any] = []
     alone.tick(0.0, ["solo"], publish, lambda *a: got.append(a))
     assert got == [("cnt-a", *ks.saved_token())] and alone.counts["replica_local_only"] == 1
+
+
+def _big_save(d: Path, snapshot_bytes: int, log_bytes: int, gen: int = 1) -> Path:
+    """A keyed instance's files of about these sizes (the store copies bytes; only the snapshot's
+    first bytes and each log line's generation are read on the host)."""
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / "cnt-a.keyed.json"
+    path.write_bytes(b'{"format":2,"gen":%d,"pad":"' % gen + b"s" * snapshot_bytes + b'"}')
+    line = b'{"gen":%d,"applied":{},"pad":"' % gen + b"l" * 5000 + b'"}\n'
+    path.with_name(path.name + ".log").write_bytes(line * max(0, log_bytes // len(line)))
+    return path
+
+
+def _copy_peak(tmp_path: Path, snapshot_bytes: int, log_bytes: int) -> int:
+    """The traced peak of the host's replication and the standby's store copying one save whole
+    (snapshot, then the log), the requests encoded and decoded as on the wire."""
+    import tracemalloc
+
+    from agent.node import rpc
+
+    host = _big_save(tmp_path / f"host{snapshot_bytes}", snapshot_bytes, log_bytes)
+    store = ReplicaStore(tmp_path / f"standby{snapshot_bytes}" / "replicas")
+    rep, told = Replication("host", host.parent), []
+    log_size = host.with_name(host.name + ".log").stat().st_size
+    rep.saved("cnt-a", 1, log_size)
+
+    replies: List[Tuple[str, str, Dict[str, Any]]] = []
+
+    def publish(node: str, body: Dict[str, Any], correlation: Optional[str]) -> bool:
+        answer = store.apply("host", rpc.decode_request(rpc.encode(body)))
+        if correlation is not None:
+            replies.append((correlation, node, answer or {}))  # it comes back later, as from the broker
+        return True
+
+    tracemalloc.start()
+    try:
+        rep.tick(0.0, ["host", "standby"], publish, lambda *a: told.append(a))
+        while replies:
+            rep.on_reply(*replies.pop(0), 0.0, publish, lambda *a: told.append(a))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert told[-1] == ("cnt-a", 1, log_size)  # all of it held, in order
+    for a, b in ((host, store.root / "cnt-a.keyed.json"), (host.with_name(host.name + ".log"),
+                                                          store.root / "cnt-a.keyed.json.log")):
+        assert a.read_bytes() == b.read_bytes()
+    return peak
+
+
+def test_a_copy_holds_a_few_parts_in_memory_whatever_the_states_size(tmp_path: Path) -> None:
+    """Host and standby read, encode, stage and hash a snapshot a part at a time and the log a
+    range at a time: the peak does not grow with the state (it was several times the state)."""
+    small = _copy_peak(tmp_path, 256 << 10, 256 << 10)
+    large = _copy_peak(tmp_path, 6 << 20, 3 << 20)
+    assert large < 2 * PART_BYTES * 4 + (256 << 10), (small, large)  # a few parts' worth, not 9 MB
+    assert large < small + (128 << 10), (small, large)
+
+
+def test_snapshot_parts_wait_for_the_brokers_ack_at_most_window_at_a_time(tmp_path: Path) -> None:
+    host = _big_save(tmp_path / "host", 5 * PART_BYTES + 100, 0)
+    store = ReplicaStore(tmp_path / "standby" / "replicas")
+    rep, told, sent = Replication("host", host.parent), [], []
+    rep.saved("cnt-a", 1, 0)
+
+    def publish(node: str, body: Dict[str, Any], correlation: Optional[str]) -> int:
+        sent.append((body["part"], correlation))
+        answer = store.apply("host", json.loads(json.dumps(body)))
+        if correlation is not None:
+            rep.on_reply(correlation, node, answer or {}, 1.0, publish, lambda *a: told.append(a))
+        return 100 + len(sent)  # the message id the broker acks later
+
+    tell = lambda *a: told.append(a)  # noqa: E731
+    rep.tick(0.0, ["host", "standby"], publish, tell)
+    assert [p for p, _ in sent] == list(range(WINDOW))  # then nothing until an ack
+    rep.tick(0.1, ["host", "standby"], publish, tell)
+    assert len(sent) == WINDOW and rep.waits_for(101) and not rep.waits_for(99)
+    rep.published(99, 0.2, publish)  # another publication's ack: nothing moves
+    assert len(sent) == WINDOW
+    rep.published(101, 0.2, publish)
+    assert [p for p, _ in sent] == list(range(WINDOW + 1))
+    while len(sent) < 6:
+        rep.published(100 + len(sent) - WINDOW + 1, 0.3, publish)
+    assert [p for p, _ in sent] == [0, 1, 2, 3, 4, 5]
+    assert [c is not None for _, c in sent] == [False] * 5 + [True]  # the last one asks for the reply
+    assert told == [("cnt-a", 1, 0)] and store.root.joinpath("cnt-a.keyed.json").read_bytes() == host.read_bytes()
+    # acks that never come (a lost connection): the copy times out and starts again from part 0
+    rep.saved("cnt-a", 2, 0)
+    _big_save(tmp_path / "host", 3 * PART_BYTES, 0, gen=2)
+    sent.clear()
+    rep.tick(10.0, ["host", "standby"], publish, tell)
+    assert [p for p, _ in sent] == [0, 1]
+    rep.tick(10.0 + 16, ["host", "standby"], publish, tell)
+    assert rep.counts["replica_timeouts"] == 1 and [p for p, _ in sent] == [0, 1, 0, 1]
+
+
+def test_the_standby_stages_a_snapshot_on_disk_in_any_order_of_its_parts(tmp_path: Path) -> None:
+    import hashlib
+
+    snap = b'{"format":2,"gen":4,"pad":"' + bytes(range(97, 123)) * 20000 + b'"}'
+    parts = -(-len(snap) // PART_BYTES)
+    bodies = [{"op": "replica", "instance": "cnt-a", "gen": 4, "part": i, "parts": parts, "size": len(snap),
+               "sha256": hashlib.sha256(snap).hexdigest(),
+               "data": base64.b64encode(snap[i * PART_BYTES:(i + 1) * PART_BYTES]).decode()} for i in range(parts)]
+    store = ReplicaStore(tmp_path / "replicas")
+    other = dict(bodies[1], sha256="1" * 64)  # a part of another snapshot: staging starts again
+    assert store.apply("n1", other) is None
+    for body in [bodies[2], bodies[0], bodies[2]] + bodies[3:] + [bodies[1]]:  # out of order, one twice
+        answer = store.apply("n1", body)
+    assert answer == {"ok": True, "instance": "cnt-a", "gen": 4, "log": 0}
+    assert (tmp_path / "replicas" / "cnt-a.keyed.json").read_bytes() == snap
+    assert not (tmp_path / "replicas" / "cnt-a.keyed.json.part").exists()
+    short = dict(bodies[0], data=base64.b64encode(snap[:100]).decode())  # not its share of the size
+    assert store.apply("n1", short)["ok"] is False
+    wrong = [dict(b, sha256="2" * 64) for b in bodies]  # the parts, under another digest: refused whole
+    answers = [store.apply("n1", b) for b in wrong]
+    assert answers[-1]["ok"] is False and "sha256" in answers[-1]["error"]
+    assert (tmp_path / "replicas" / "cnt-a.keyed.json").read_bytes() == snap  # the copy held stays
+    store.apply("n1", bodies[0])
+    store.forget("cnt-a")
+    assert list((tmp_path / "replicas").iterdir()) == []
+
+
+def test_the_log_sent_is_the_whole_lines_of_the_snapshots_generation(tmp_path: Path) -> None:
+    path = tmp_path / "i.keyed.json"
+    path.write_bytes(b'{"format":2,"gen":7,"x":1}')
+    lines = [b'{"gen":7,"a":%d}\n' % i for i in range(3)]
+    log = path.with_name(path.name + ".log")
+    log.write_bytes(b"".join(lines) + b'{"gen":7,"torn"')  # a torn last line is not sent
+    whole = b"".join(lines)
+    with open_saved(path) as saved:
+        assert saved.gen == 7 and saved.size == path.stat().st_size
+        assert saved.log_range(0, PART_BYTES) == whole
+        assert saved.log_range(5, 10) == whole[5:15] and saved.log_range(len(whole), 10) == b""
+    log.write_bytes(b'{"gen":6,"old":1}\n' + b"".join(lines))  # the previous generation's lines left
+    with open_saved(path) as saved:
+        assert saved.log_range(0, PART_BYTES) == b""
+    log.write_bytes(b"".join(lines))
+    sh = Shipper("i", standby="s", held=(7, 0), wanted=(7, len(whole)))
+    saved = open_saved(path)
+    assert saved is not None
+    path.with_name("new").write_bytes(b'{"format":2,"gen":8,"x":1}')
+    path.with_name("new").replace(path)  # a newer snapshot after ours was opened: the log may be its
+    with saved:
+        assert len(sh.requests(saved, 0.0)) == 0 and sh.inflight is None
+    with open_saved(path) as saved:  # the next turn: the newer save, from a snapshot
+        sh.held = None
+        assert [b["gen"] for b in sh.requests(saved, 0.0)] == [8]
+
+
+def test_the_daemon_sends_the_next_part_on_the_brokers_puback(tmp_path: Path) -> None:
+    """The agent's side: its publish gives the part's message id, and the PUBACK event releases
+    the next part; nothing else is needed for a snapshot of many parts to go out whole."""
+    from types import SimpleNamespace
+
+    from agent import topics
+    from agent.config import load_agent_config
+    from agent.node.daemon import Agent
+
+    conf = tmp_path / "n1.toml"
+    conf.write_text(f'[agent]\nnode = "n1"\ncluster = "c"\nstate_dir = "{tmp_path}/state"\n[mqtt]\nhost = "h"\nport = 1\n')
+    agent = Agent(load_agent_config(conf), warm_worker=False)
+    sent: List[Tuple[str, bytes, int]] = []
+
+    class Client:
+        def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False, properties: Any = None) -> Any:
+            sent.append((topic, payload, len(sent) + 1))
+            return SimpleNamespace(rc=0, mid=len(sent))
+
+    agent._client = Client()
+    agent.connected = True
+    agent.online["n2"] = True
+    host = _big_save(tmp_path / "state", 5 * PART_BYTES, 0)
+    agent.replication.saved("cnt-a", 1, 0)
+    now = agent.clock()
+    agent._replicate(now)
+    peer = topics.agent_peer("c", "n2", "n1")
+
+    def parts() -> List[Tuple[int, int]]:
+        return [(json.loads(p)["part"], mid) for t, p, mid in sent if t == peer]
+
+    assert [p for p, _ in parts()] == list(range(WINDOW))
+    agent._replicate(now + 1)
+    assert len(parts()) == WINDOW  # nothing more before an ack
+    n = -(-host.stat().st_size // PART_BYTES)
+    while len(parts()) < n:
+        agent._dispatch(("mqtt_puback", parts()[len(parts()) - WINDOW][1]), now + 1)
+    agent._dispatch(("mqtt_puback", parts()[-2][1]), now + 1)
+    agent._dispatch(("mqtt_puback", parts()[-1][1]), now + 1)
+    store = ReplicaStore(tmp_path / "standby")
+    answers = [store.apply("n1", json.loads(p)) for t, p, _ in sent if t == peer]
+    assert [p for p, _ in parts()] == list(range(n)) and n > WINDOW
+    assert answers[-1] == {"ok": True, "instance": "cnt-a", "gen": 1, "log": 0}
+    assert (store.root / "cnt-a.keyed.json").read_bytes() == host.read_bytes()

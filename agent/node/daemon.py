@@ -473,6 +473,8 @@ class Agent:
             self.supervisor.handle_eof(ev[1])  # its lines are handled: poll() may reap it
         elif kind == "mqtt_puback":
             self._last_puback = now
+            if self.replication.waits_for(ev[1]):
+                self.replication.published(ev[1], now, self._publish_replica)
         elif kind == "mqtt_connect":
             if ev[1]:
                 self._paho_error = None
@@ -1969,11 +1971,20 @@ class Agent:
         if self.replication.tick(now, eligible if self.connected else [], self._publish_replica, self._tell_replicated):
             self._hosted_dirty = True  # the hosted record names each standby
 
-    def _publish_replica(self, standby: str, body: Dict[str, Any], correlation: Optional[str]) -> bool:
+    def _publish_replica(self, standby: str, body: Dict[str, Any], correlation: Optional[str]) -> Any:
+        """False when not queued, else the message id: the next part of a snapshot waits for its
+        PUBACK (replicas.Replication.published), so paho holds a few parts, not the snapshot."""
         if self._hosted_dirty:  # the standby accepts a copy only of what our hosted record lists: first
             self._publish_hosted()
+        if self._client is None:
+            return False
         props = rpc.publish_properties(correlation) if correlation is not None else None
-        return self._publish(topics.agent_peer(self.cluster, standby, self.node), rpc.encode(body), properties=props)
+        info = self._client.publish(topics.agent_peer(self.cluster, standby, self.node), rpc.encode(body), qos=1,
+                                    properties=props)
+        if info.rc != 0:
+            log.warning("publish to %s not queued (rc=%s)", standby, info.rc, extra={"node": self.node})
+            return False
+        return getattr(info, "mid", 0) or True
 
     def _tell_replicated(self, instance: str, gen: int, size: int) -> None:
         self.supervisor.send(instance, "replicated", gen=gen, log=size)

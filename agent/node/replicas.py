@@ -12,6 +12,11 @@ How:
 - The host agent ships what its worker saved: the snapshot in parts, then the log as byte ranges
   appended in order (`Shipper`: one request in flight per instance; a reply says what the standby
   holds, a token (generation, log bytes) that the worker compares with its saves).
+- Neither side holds a whole state in memory: the host reads the snapshot a part at a time from
+  its open file (`Saved`, `Requests`) and publishes the next part when the broker has acked one
+  (WINDOW unacked at most), and scans the log a line at a time for the range it sends; the
+  standby writes each part where it goes in a staging file and hashes it in CHUNK pieces. A copy's
+  peak is a few parts (about 1 MB), whatever the state's size.
 - The standby agent (`ReplicaStore`) keeps `replicas/<instance>.keyed.json` and its log, written
   only by the node that hosts the instance (the daemon checks the hosted record, the topic proves
   the sender) and only at the exact offset it holds (anything else asks for a snapshot again).
@@ -28,7 +33,7 @@ the host's loss, with the standby running).
 
 Everything a standby receives is bus input: sizes are bounded before decoding, the instance id is
 checked against a strict pattern before it names a file, the snapshot's SHA-256 is verified.
-Sans-IO except `read_saved` and `ReplicaStore` (files).
+Sans-IO except `open_saved`, `Saved`, `Requests` and `ReplicaStore` (files).
 """
 
 from __future__ import annotations
@@ -42,18 +47,24 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, Optional, Set, Tuple
 
 from agent.files import append, write_atomic
 from agent.node.statexfer import check_keyed
 
-__all__ = ["PART_BYTES", "MAX_SNAPSHOT_BYTES", "REPLY_TIMEOUT", "Replication", "Shipper", "ReplicaStore",
-           "choose_standby", "read_saved"]
+__all__ = ["PART_BYTES", "MAX_SNAPSHOT_BYTES", "REPLY_TIMEOUT", "WINDOW", "Replication", "Requests", "Saved",
+           "Shipper", "ReplicaStore", "choose_standby", "open_saved"]
 
 log = logging.getLogger("agent.node.replicas")
 
 # Raw bytes per request: in base64 plus the header, ~171 KiB, under wire.MAX_CONTROL_BYTES (256 KiB).
 PART_BYTES = 128 * 1024
+# Snapshot parts published and not yet acked by the broker, per instance: what a copy holds in
+# memory on the host is this many parts, whatever the snapshot's size (paho keeps a QoS 1
+# message until its PUBACK).
+WINDOW = 2
+# Bytes read at a time to hash a snapshot (host and standby) or to scan a log.
+CHUNK = 64 * 1024
 # The largest snapshot a standby keeps (as statexfer.MAX_STATE_BYTES for a hand-over).
 MAX_SNAPSHOT_BYTES = 16 << 20
 # The largest log a standby keeps before the host must send a snapshot (the host's log is folded
@@ -80,31 +91,151 @@ def choose_standby(me: str, eligible: Iterable[str], current: Optional[str]) -> 
     return (after or nodes or [None])[0]
 
 
-def read_saved(path: Path) -> Optional[Tuple[int, bytes, bytes]]:
-    """What a keyed instance's files hold now: (generation, snapshot, log), the log cut to the
-    whole lines of that generation. The worker may be saving meanwhile: a snapshot read before a
-    newer one replaced it keeps its own lines only (each starts with its generation), so what is
-    returned is always one consistent save, never newer than the files. None: nothing saved."""
+class Saved:
+    """A keyed instance's saved files, open, never read whole: the snapshot's generation, size and
+    open file (a newer save replaces the path with a new file, never this one), read a piece at a
+    time. `close` it (or use `with`)."""
+
+    def __init__(self, path: Path, gen: int, fd: int, size: int, inode: int) -> None:
+        self.path, self.gen, self.fd, self.size, self._inode = path, gen, fd, size, inode
+
+    def __enter__(self) -> "Saved":
+        return self
+
+    def __exit__(self, *_exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def current(self) -> bool:
+        """The path still names this snapshot: no newer one replaced it (the worker truncates the
+        log only after replacing the snapshot)."""
+        try:
+            return os.stat(self.path).st_ino == self._inode
+        except OSError:
+            return False
+
+    def digest(self) -> str:
+        """The snapshot's SHA-256, read CHUNK bytes at a time."""
+        h, at = hashlib.sha256(), 0
+        while at < self.size:
+            piece = os.pread(self.fd, min(CHUNK, self.size - at), at)
+            if not piece:
+                raise ValueError(f"{self.path}: shorter than its {self.size} bytes")
+            h.update(piece)
+            at += len(piece)
+        return h.hexdigest()
+
+    def log_range(self, start: int, limit: int) -> bytes:
+        """At most `limit` bytes of the log from `start`, cut to the whole lines of this generation
+        (a line of another one, or a torn last line, ends them). The log is read from its start a
+        line (or CHUNK bytes of a longer one) at a time, up to the line that reaches `start + limit`:
+        what is held is `limit` bytes and a line's piece, whatever the log's size."""
+        prefix = b'{"gen":%d,' % self.gen
+        try:
+            fh = open(self.path.with_name(self.path.name + ".log"), "rb")
+        except FileNotFoundError:
+            return b""
+        with fh:
+            end = pos = 0  # the end of this generation's whole lines read; the bytes read
+            got = bytearray()  # the bytes from `start` read so far, at most `limit`
+            line_start = True
+            while end < start + limit:
+                piece = fh.readline(CHUNK)  # a line, or CHUNK bytes of a longer one
+                if not piece or (line_start and not piece.startswith(prefix)):
+                    break
+                if pos + len(piece) > start and len(got) < limit:
+                    skip = max(0, start - pos)
+                    got += piece[skip:skip + limit - len(got)]
+                pos += len(piece)
+                line_start = piece.endswith(b"\n")
+                if line_start:
+                    end = pos
+        return bytes(got[:max(0, min(end, start + limit) - start)])
+
+
+def _file_digest(path: Path, size: int) -> Optional[str]:
+    """The SHA-256 of a file read CHUNK bytes at a time, None unless it is `size` bytes long."""
+    h, n = hashlib.sha256(), 0
+    with open(path, "rb") as fh:
+        while True:
+            piece = fh.read(CHUNK)
+            if not piece:
+                break
+            h.update(piece)
+            n += len(piece)
+    return h.hexdigest() if n == size else None
+
+
+def open_saved(path: Path) -> Optional[Saved]:
+    """What a keyed instance's files hold now (`Saved`: its snapshot open, its generation read
+    from the snapshot's first bytes), None when nothing is saved. The worker may be saving
+    meanwhile: a snapshot replaced after it was opened stays the one read (each log line starts
+    with its generation, so only that generation's lines go with it), so what is sent is always
+    one consistent save, never newer than the files."""
     try:
-        snapshot = path.read_bytes()
+        fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         return None
-    m = _SNAP_GEN.match(snapshot[:64])
-    if m is None:
-        raise ValueError(f"{path}: not a keyed snapshot")
-    gen = int(m.group(1))
     try:
-        log = path.with_name(path.name + ".log").read_bytes()
-    except FileNotFoundError:
-        log = b""
-    prefix = b'{"gen":%d,' % gen
-    end = 0
-    while end < len(log):
-        nl = log.find(b"\n", end)
-        if nl < 0 or not log.startswith(prefix, end):
-            break
-        end = nl + 1
-    return gen, snapshot, log[:end]
+        m = _SNAP_GEN.match(os.pread(fd, 64, 0))
+        if m is None:
+            raise ValueError(f"{path}: not a keyed snapshot")
+        st = os.fstat(fd)
+        return Saved(path, int(m.group(1)), fd, st.st_size, st.st_ino)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+class Requests:
+    """The requests that bring a standby up to one save, made one at a time (an iterator with
+    `len`, what is left): one log range, or a snapshot's parts, each read from the snapshot's
+    open file when its turn comes (a copy of the file's descriptor: `close` it, or exhaust it)."""
+
+    def __init__(self, bodies: Iterable[Dict[str, Any]] = (), *, instance: str = "", saved: Optional[Saved] = None,
+                 digest: str = "") -> None:
+        self._bodies = list(bodies)
+        self._fd, self._part, self._parts = -1, 0, 0
+        if saved is not None:
+            self._instance, self._gen, self._size, self._digest = instance, saved.gen, saved.size, digest
+            self._parts = max(1, -(-saved.size // PART_BYTES))
+            self._fd = os.dup(saved.fd)
+
+    def __len__(self) -> int:
+        return len(self._bodies) + self._parts - self._part
+
+    def __iter__(self) -> "Requests":
+        return self
+
+    def __next__(self) -> Dict[str, Any]:
+        if self._bodies:
+            return self._bodies.pop(0)
+        if self._part >= self._parts:
+            self.close()
+            raise StopIteration
+        i = self._part
+        data = os.pread(self._fd, PART_BYTES, i * PART_BYTES) if self._size else b""
+        if len(data) != min(PART_BYTES, self._size - i * PART_BYTES):
+            self.close()
+            raise OSError(f"snapshot of {self._instance}: part {i} short ({len(data)} bytes)")
+        self._part += 1
+        if self._part >= self._parts:
+            self.close()
+        return {"op": "replica", "instance": self._instance, "gen": self._gen, "part": i, "parts": self._parts,
+                "size": self._size, "sha256": self._digest, "data": base64.b64encode(data).decode()}
+
+    def close(self) -> None:
+        self._part = self._parts
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __del__(self) -> None:
+        self.close()
 
 
 @dataclass
@@ -119,47 +250,61 @@ class Shipper:
     deadline: float = 0.0
     given_up: Token = (-1, -1)  # a save that could not be copied (too large): acked on its own
     retry_at: float = 0.0  # after a refusal: not asked again before this
+    # The requests of `inflight` not published yet, and the message ids of those the broker has
+    # not acked (Replication: at most WINDOW of them at a time)
+    outgoing: Optional[Requests] = field(default=None, repr=False)
+    correlation: str = ""
+    unacked: Set[int] = field(default_factory=set)
+
+    def _reset(self) -> None:
+        self.inflight = None
+        self.unacked = set()
+        if self.outgoing is not None:
+            self.outgoing.close()
+            self.outgoing = None
 
     def set_standby(self, node: Optional[str]) -> bool:
         """True when the standby changed (it gets a snapshot first)."""
         if node == self.standby:
             return False
-        self.standby, self.held, self.inflight = node, None, None
+        self.standby, self.held = node, None
+        self._reset()
         return True
 
     def due(self, now: float) -> bool:
         return (self.inflight is None and now >= self.retry_at and self.standby is not None and self.wanted != self.given_up
                 and (self.held is None or self.held < self.wanted))
 
-    def requests(self, saved: Tuple[int, bytes, bytes], now: float) -> List[Dict[str, Any]]:
-        """The requests that bring the standby up to `saved` (read_saved), or [] when it holds it.
-        A snapshot goes in parts (answered after the last); then the log, one range a request."""
-        gen, snapshot, log = saved
+    def requests(self, saved: Saved, now: float) -> Requests:
+        """The requests that bring the standby up to `saved` (open_saved), none when it holds it.
+        A snapshot goes in parts (answered after the last), each read when it is taken; then the
+        log, one range a request. Empty too when the files changed while the log was read (a
+        newer snapshot: asked again at the next turn)."""
+        gen = saved.gen
         if self.inflight is not None or self.standby is None:
-            return []
+            return Requests()
         if self.held is not None and self.held[0] == gen:
             start = self.held[1]
-            if start >= len(log):
+            data = saved.log_range(start, PART_BYTES)
+            if not saved.current():
+                return Requests()  # a newer snapshot: the log may be another generation's now
+            if not data:
                 self.held = (gen, start)
-                return []
-            data = log[start:start + PART_BYTES]
+                return Requests()
             self.inflight, self.deadline = (gen, start + len(data)), now + REPLY_TIMEOUT
-            return [{"op": "replica", "instance": self.instance, "gen": gen, "offset": start,
-                     "data": base64.b64encode(data).decode()}]
-        if len(snapshot) > MAX_SNAPSHOT_BYTES:
-            raise ValueError(f"keyed state of {len(snapshot)} bytes: more than the {MAX_SNAPSHOT_BYTES} a standby keeps")
-        digest = hashlib.sha256(snapshot).hexdigest()
-        parts = max(1, -(-len(snapshot) // PART_BYTES))
+            return Requests([{"op": "replica", "instance": self.instance, "gen": gen, "offset": start,
+                              "data": base64.b64encode(data).decode()}])
+        if saved.size > MAX_SNAPSHOT_BYTES:
+            raise ValueError(f"keyed state of {saved.size} bytes: more than the {MAX_SNAPSHOT_BYTES} a standby keeps")
+        out = Requests(instance=self.instance, saved=saved, digest=saved.digest())
         self.inflight, self.deadline = (gen, 0), now + REPLY_TIMEOUT
-        return [{"op": "replica", "instance": self.instance, "gen": gen, "part": i, "parts": parts,
-                 "size": len(snapshot), "sha256": digest,
-                 "data": base64.b64encode(snapshot[i * PART_BYTES:(i + 1) * PART_BYTES]).decode()}
-                for i in range(parts)]
+        return out
 
     def answered(self, result: Dict[str, Any], now: float = 0.0) -> Optional[Token]:
         """The standby's reply: the token it holds now (tell the worker), or None (a snapshot
         next, not before RETRY_AFTER: a refusal answered at once would be a storm)."""
-        target, self.inflight = self.inflight, None
+        target = self.inflight
+        self._reset()
         gen, log = result.get("gen"), result.get("log")
         if result.get("ok") is True and target is not None and (gen, log) == target:
             self.held = target
@@ -169,7 +314,8 @@ class Shipper:
 
     def timed_out(self, now: float) -> bool:
         if self.inflight is not None and now >= self.deadline:
-            self.inflight, self.held = None, None
+            self._reset()
+            self.held = None
             return True
         return False
 
@@ -180,12 +326,14 @@ class _Staged:
     gen: int
     size: int
     sha256: str
-    parts: Dict[int, bytes] = field(default_factory=dict)
+    parts: Set[int] = field(default_factory=set)  # written to the staging file at part * PART_BYTES
 
 
 class ReplicaStore:
     """The standby's copies, under `root` (`<state_dir>/replicas`): per instance its snapshot,
-    its log and `<instance>.replica.json` ({"host", "gen", "log"}: who may write it, what it holds)."""
+    its log and `<instance>.replica.json` ({"host", "gen", "log"}: who may write it, what it holds).
+    A snapshot being received is staged in `<instance>.keyed.json.part`, each part written where
+    it goes, so what a copy holds in memory is one part, whatever the snapshot's size."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -195,6 +343,9 @@ class ReplicaStore:
     def _paths(self, instance: str) -> Tuple[Path, Path, Path]:
         base = self.root / f"{instance}.keyed.json"
         return base, base.with_name(base.name + ".log"), self.root / f"{instance}.replica.json"
+
+    def _staging(self, instance: str) -> Path:
+        return self.root / f"{instance}.keyed.json.part"
 
     def meta(self, instance: str) -> Optional[Dict[str, Any]]:
         try:
@@ -243,19 +394,32 @@ class ReplicaStore:
                 and 0 <= part < parts and 0 <= size <= MAX_SNAPSHOT_BYTES and parts == max(1, -(-size // PART_BYTES))
                 and isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest)):
             raise ValueError("snapshot part: bad part, parts, size or sha256")
+        if len(data) != min(PART_BYTES, size - part * PART_BYTES):
+            raise ValueError(f"snapshot part {part} of {len(data)} bytes: not its share of {size}")
+        snap, log, meta_path = self._paths(inst)
+        staging = self._staging(inst)
+        self.root.mkdir(parents=True, exist_ok=True)
         st = self._staged.get(inst)
         if st is None or (st.host, st.gen, st.size, st.sha256) != (host, gen, size, digest):
             st = self._staged[inst] = _Staged(host, gen, size, digest)  # one snapshot at a time each
-        st.parts[part] = data
+            staging.unlink(missing_ok=True)
+        fd = os.open(staging, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            view = memoryview(data)
+            at = part * PART_BYTES
+            while view:
+                n = os.pwrite(fd, view, at)
+                view, at = view[n:], at + n
+        finally:
+            os.close(fd)
+        st.parts.add(part)
         if len(st.parts) < parts:
             return None
         del self._staged[inst]
-        whole = b"".join(st.parts[i] for i in range(parts))
-        if len(whole) != size or hashlib.sha256(whole).hexdigest() != digest:
+        if _file_digest(staging, size) != digest:
+            staging.unlink(missing_ok=True)
             raise ValueError("snapshot does not match its size and sha256")
-        snap, log, meta_path = self._paths(inst)
-        self.root.mkdir(parents=True, exist_ok=True)
-        write_atomic(snap, whole.decode("utf-8"))
+        os.replace(staging, snap)
         log.write_bytes(b"")
         write_atomic(meta_path, json.dumps({"host": host, "gen": gen, "log": 0}))
         self.counts["replica_snapshots"] += 1
@@ -292,7 +456,7 @@ class ReplicaStore:
     def forget(self, instance: str) -> None:
         self._staged.pop(instance, None)
         if _INSTANCE.fullmatch(instance):
-            for p in self._paths(instance):
+            for p in (*self._paths(instance), self._staging(instance)):
                 p.unlink(missing_ok=True)
 
     def instances(self) -> Dict[str, str]:
@@ -310,7 +474,11 @@ class Replication:
     """The daemon's side of replication, for both roles: the host's shippers (one per keyed
     instance it runs) and the standby's store. The daemon passes in what this needs from it (the
     time, the eligible standbys, how to publish and how to tell a worker), so the sequence of
-    saves, requests and replies is the whole of its behaviour."""
+    saves, requests and replies is the whole of its behaviour.
+
+    `publish(standby, body, correlation or None)` returns False when the request was not queued,
+    True when it is out of the host's hands, or the message id to wait for: then the next part of
+    a snapshot goes when the broker acks one (`published`), at most WINDOW of them unacked."""
 
     def __init__(self, node: str, state_dir: Path) -> None:
         self.node = node
@@ -318,6 +486,7 @@ class Replication:
         self.store = ReplicaStore(state_dir / "replicas")
         self.shippers: Dict[str, Shipper] = {}
         self._calls: Dict[str, str] = {}  # correlation -> instance
+        self._mids: Dict[int, str] = {}  # message id of a part not acked yet -> instance
         self._counter = 0
         self.counts = {"replica_requests": 0, "replica_timeouts": 0, "replica_local_only": 0,
                        "replica_resyncs": 0, "replica_errors": 0}
@@ -329,12 +498,16 @@ class Replication:
 
     def forget(self, instance: str) -> None:
         """The instance left this node (scale-in, hand-over, undeploy): its shipper goes."""
-        self.shippers.pop(instance, None)
+        sh = self.shippers.pop(instance, None)
+        if sh is not None:
+            sh._reset()
         self._drop_calls(instance)
 
     def _drop_calls(self, instance: str) -> None:
         for c in [c for c, i in self._calls.items() if i == instance]:
             del self._calls[c]
+        for m in [m for m, i in self._mids.items() if i == instance]:
+            del self._mids[m]
 
     def standby_of(self, instance: str) -> Optional[str]:
         sh = self.shippers.get(instance)
@@ -343,14 +516,20 @@ class Replication:
     def owns(self, correlation: str) -> bool:
         return correlation in self._calls
 
+    def waits_for(self, mid: int) -> bool:
+        """A part of a snapshot waits for this message id's PUBACK (`published`)."""
+        return mid in self._mids
+
     def tick(self, now: float, eligible: Iterable[str], publish: Any, tell: Any) -> bool:
         """Choose standbys, expire requests, send what is due. `publish(standby, body,
-        correlation or None) -> bool`; `tell(instance, gen, log)` answers a worker. True when a
-        standby changed (the hosted record names it)."""
+        correlation or None)` (see the class); `tell(instance, gen, log)` answers a worker. True
+        when a standby changed (the hosted record names it)."""
         nodes = sorted(set(eligible) - {self.node})
         changed = False
         for inst, sh in self.shippers.items():
-            changed |= sh.set_standby(choose_standby(self.node, nodes, sh.standby))
+            if sh.set_standby(choose_standby(self.node, nodes, sh.standby)):
+                changed = True
+                self._drop_calls(inst)
             if sh.timed_out(now):
                 self.counts["replica_timeouts"] += 1
                 self._drop_calls(inst)
@@ -360,36 +539,76 @@ class Replication:
                     self.counts["replica_local_only"] += 1
                     tell(inst, *sh.wanted)
                 continue
-            if sh.due(now):
+            if sh.outgoing is not None:
+                self._pump(sh, now, publish)
+            elif sh.due(now):
                 self._send(sh, now, publish, tell)
         return changed
 
+    def published(self, mid: int, now: float, publish: Any) -> None:
+        """The broker acked message `mid`: a part of a snapshot is out, the next one may go."""
+        inst = self._mids.pop(mid, None)
+        sh = self.shippers.get(inst) if inst is not None else None
+        if sh is not None and mid in sh.unacked:
+            sh.unacked.discard(mid)
+            self._pump(sh, now, publish)
+
     def _send(self, sh: Shipper, now: float, publish: Any, tell: Any) -> None:
         try:
-            saved = read_saved(self.state_dir / f"{sh.instance}.keyed.json")
-            bodies = sh.requests(saved, now) if saved is not None else []
+            saved = open_saved(self.state_dir / f"{sh.instance}.keyed.json")
+            if saved is None:
+                return
+            with saved:
+                bodies = sh.requests(saved, now)
         except (OSError, ValueError) as exc:
             # Too large or unreadable: acked on the save alone rather than never (a stall).
-            self.counts["replica_errors"] += 1
-            if self.counts["replica_errors"] <= 5 or self.counts["replica_errors"] % 1000 == 0:
-                log.warning("keyed state not copied to %s, acked on its save alone: %s", sh.standby, exc,
-                            extra={"instance": sh.instance})
-            sh.given_up = sh.wanted
-            tell(sh.instance, *sh.wanted)
+            self._give_up(sh, exc, tell)
             return
-        if not bodies:
+        if not len(bodies):
             return
         self._counter += 1
-        correlation = f"replica-{self.node}-{self._counter}-{now:.6f}"
-        self._calls[correlation] = sh.instance
+        sh.correlation = f"replica-{self.node}-{self._counter}-{now:.6f}"
+        self._calls[sh.correlation] = sh.instance
         self.counts["replica_requests"] += 1
-        for i, body in enumerate(bodies):
-            last = i == len(bodies) - 1
-            if not publish(sh.standby, body, correlation if last else None):
-                self._calls.pop(correlation, None)
-                sh.inflight = None  # not queued: sent again from the start at the next turn
+        sh.outgoing, sh.unacked = bodies, set()
+        self._pump(sh, now, publish)
+
+    def _give_up(self, sh: Shipper, exc: Exception, tell: Any) -> None:
+        self.counts["replica_errors"] += 1
+        if self.counts["replica_errors"] <= 5 or self.counts["replica_errors"] % 1000 == 0:
+            log.warning("keyed state not copied to %s, acked on its save alone: %s", sh.standby, exc,
+                        extra={"instance": sh.instance})
+        sh.given_up = sh.wanted
+        tell(sh.instance, *sh.wanted)
+
+    def _pump(self, sh: Shipper, now: float, publish: Any) -> None:
+        """Publish the next requests of `sh.outgoing` while fewer than WINDOW wait for a PUBACK;
+        the last one carries the correlation its reply answers."""
+        while sh.outgoing is not None and len(sh.unacked) < WINDOW:
+            try:
+                body = next(sh.outgoing, None)
+            except OSError as exc:  # the snapshot could not be read: from a snapshot again, later
+                log.warning("keyed state not copied to %s: %s", sh.standby, exc, extra={"instance": sh.instance})
+                self._calls.pop(sh.correlation, None)
+                sh._reset()
+                sh.held, sh.retry_at = None, now + RETRY_AFTER
+                return
+            if body is None:
+                sh.outgoing = None
+                return
+            last = len(sh.outgoing) == 0
+            handle = publish(sh.standby, body, sh.correlation if last else None)
+            if not handle:
+                self._calls.pop(sh.correlation, None)
+                sh._reset()  # not queued: sent again from the start at the next turn
                 sh.held = None
                 return
+            sh.deadline = now + REPLY_TIMEOUT  # the reply is due after the last part
+            if last:
+                sh.outgoing = None
+            if handle is not True:
+                sh.unacked.add(int(handle))
+                self._mids[int(handle)] = sh.instance
 
     def on_reply(self, correlation: str, replier: str, result: Dict[str, Any], now: float,
                  publish: Any, tell: Any) -> None:
