@@ -322,3 +322,82 @@ def test_a_rehomed_predecessor_of_keyed_instances_gets_its_group_table_from_thei
     for bad in ({"x": [[0, 500, 1]]}, {"x": "runs"}, [], {}):  # bus input: refused, never a crash
         with pytest.raises(TableError):
             table_from_reports(bad, 128)
+
+
+# ---- keyed operators: groups in the middle of a move when a node is lost ---------------------------
+
+KEYED_PIPE = "\n".join([
+    '[pipeline]', 'name = "p"', '', '[scaling]', 'policy = "none"', '',
+    '[[operator]]', 'name = "source"', 'kind = "source"', 'function = "agent.operators.taxi:source"', '',
+    '[[operator]]', 'name = "op"', 'kind = "map"', 'function = "agent.operators.builtin:validate"', 'key = "k"', '',
+    '[[operator]]', 'name = "cnt"', 'kind = "map"', 'function = "agent.operators.keyed:keyed_count"',
+    'key_groups = 8', '',
+    '[[operator]]', 'name = "sink"', 'kind = "sink"', 'function = "agent.operators.builtin:counting_sink"', '',
+])
+
+
+def keyed_spec(instance: str, operator: str, keeper: bool = False, **extra: Any) -> Dict[str, Any]:
+    return {**spec(instance, operator, keeper, **extra), "pipeline_toml": KEYED_PIPE}
+
+
+def keyed_instance(name: str, owned: Dict[int, int], restart: bool = False, **extra: Any) -> Any:
+    """A sans-IO instance of the keyed count `cnt` owning `owned` (group -> version), started."""
+    from agent.config import load_pipeline_text
+    from agent.instance.core import Instance
+    from agent.instance.events import Restarted, Started
+    from agent.instance.handover import Member
+    from agent.instance.spec import InstanceSpec
+    from agent.operators.builtin import OperatorContext
+    from agent.operators.keyed import KeyedCount
+    from foglab.sim.instance_check import BROKER, CLUSTER, WALL0
+
+    s = InstanceSpec(name, "cnt", "n2", CLUSTER, "p", KEYED_PIPE, BROKER, succs=("p.sink.0",), preds=("p.op.0",),
+                     keeper=name == "p.cnt.0", state_dir="/nonexistent", heartbeat_period=3600.0,
+                     restart=restart, extra=dict(extra))
+    inst = Instance(s, load_pipeline_text(KEYED_PIPE, "test"),
+                    KeyedCount(OperatorContext(name, "cnt", "n2", "map", params={})))
+    if restart:
+        inst.handle(Restarted(WALL0, {}), 0.0)
+        return inst
+    inst.moves.member = Member(name, owned)
+    inst.moves.versions = dict(owned)
+    inst.handle(Started(WALL0), 0.0)
+    return inst
+
+
+def test_a_group_moving_off_a_live_leaver_stays_in_the_table_of_a_predecessor_rehomed_meanwhile() -> None:
+    """chaos --pipeline stateful-scaling, seed 1, kill-node of the window's node: two copies on n2
+    were leaving, each handing its 32 groups to the keeper on n1, when n1 (the keeper and the
+    predecessor in_zone) was lost; their Redirects never reached in_zone. A group moving out was
+    reported by no instance (the leaver counted only its settled groups, the keeper had not taken
+    the Offer), so the re-homed in_zone dealt its table again and refused the leavers' Redirects
+    sent again after the silence for ever ("which does not own it"): 442 windows missing. The
+    leaver reports such a group at its version before the move: the table names the leaver, the
+    Redirect sent again is taken and its Eos goes back, and the re-homed keeper resumes only
+    its own groups (the leaver's come with their state, its chunk standing for the lost Offer)."""
+    from agent.dataplane.owners import groups_from_runs
+    from agent.instance.groups import restored_table
+    from agent.instance.handover import Eos, Predecessor, Redirect, Send
+
+    keeper = keyed_instance("p.cnt.0", {g: 0 for g in range(4)})
+    leaver = keyed_instance("cnt-b", {g: 1 for g in range(4, 8)})
+    leaver.moves.hand_rest("p.cnt.0", ["p.op.0"])  # leaving: Redirects to p.op.0, lost with n1
+    assert set(leaver.moves.member.old.moving) == {4, 5, 6, 7}
+    reports = {"p.cnt.0": keeper.snapshot_stats()["groups"], "cnt-b": leaver.snapshot_stats()["groups"]}
+    assert reports["cnt-b"] == [[4, 7, 1]]  # still its own, at the version before the move
+    hosted = {"n1": [keyed_spec("p.source.0", "source", True), keyed_spec("p.op.0", "op", True),
+                     keyed_spec("p.cnt.0", "cnt", True), keyed_spec("p.sink.0", "sink", True)],
+              "n2": [keyed_spec("cnt-b", "cnt", creator="p.cnt.0")]}
+    plan = {d["instance"]: d for d in plan_rehome("n1", hosted, {"n2"}, {"cnt-b"}, 0, groups=reports)}
+    op = plan["p.op.0"]
+    assert op["succs"] == ["cnt-b", "p.cnt.0"]
+    table = restored_table({}, op["succs"], 8, {}, op["extra"].get("succ_groups"))
+    assert table is not None
+    assert [(table.owner(g), table.version(g)) for g in range(8)] == [("p.cnt.0", 0)] * 4 + [("cnt-b", 1)] * 4
+    pred = Predecessor("p.op.0", table)
+    for g, (new, _) in sorted(leaver.moves.member.old.moving.items()):  # sent again after MOVE_RESEND
+        v = leaver.moves.member.old.versions[g]
+        assert pred.on_redirect("cnt-b", Redirect(g, new, v)) == [Send("cnt-b", Eos(g, "p.op.0"))]
+        assert (table.owner(g), table.version(g)) == ("p.cnt.0", 2)
+    assert groups_from_runs(plan["p.cnt.0"]["extra"]["owned_groups"], 8) == {g: 0 for g in range(4)}
+

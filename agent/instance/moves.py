@@ -694,9 +694,25 @@ class GroupMoves:
     def _error(self, sender: str, why: str) -> None:
         self.w.handover_error(sender, why)
 
+    def reported_groups(self) -> Dict[int, int]:
+        """What the heartbeat says we own (`groups`), which a re-home reads (agent.node.rehome):
+        every group whose state is here, at the version a predecessor's table gives it. A group
+        moving out is still ours at the version before the move (`versions` holds the move's)
+        until its last Eos: a predecessor that has not taken our Redirect routes it to us, and a
+        predecessor re-homed with a table from these reports takes our Redirect sent again after
+        the silence. Left out, a group in the middle of a move was reported by no instance, the
+        re-homed predecessor dealt its table again and refused the movers' Redirects for ever
+        ("which does not own it")."""
+        m = self.member
+        out = {g: self.versions.get(g, 0) for g in m.owned if g not in m.old.moving}
+        for g in m.old.moving:
+            if g in m.owned:
+                out[g] = max(0, max(self.versions.get(g, 0), m.old.versions.get(g, -1)) - 1)
+        return out
+
     def stats(self) -> Dict[str, Any]:
         m = self.member
-        settled = {g: self.versions.get(g, 0) for g in m.owned if g not in m.old.moving}
+        settled = self.reported_groups()
         return {"handover": dict(self.counts, owned=len(m.owned), moving=len(m.old.moving),
                                  expected=len(m.new.expected), held=self.held),
                 "groups": group_runs(settled),
