@@ -401,3 +401,23 @@ def test_a_group_moving_off_a_live_leaver_stays_in_the_table_of_a_predecessor_re
         assert (table.owner(g), table.version(g)) == ("p.cnt.0", 2)
     assert groups_from_runs(plan["p.cnt.0"]["extra"]["owned_groups"], 8) == {g: 0 for g in range(4)}
 
+
+def test_a_keyed_copy_its_lost_node_never_listed_is_rehomed_owning_no_group() -> None:
+    """Same run: the keeper had created a copy on n1 a moment before n1 was lost, before n1's state
+    listed it. Re-homed with no group list, it held the dealing (every group: "handing 128 key
+    groups" when it left) next to the keeper and the leavers, and they refused each other's
+    Redirects ("group 0 is already owned or expected"). A copy of a keyed operator with no
+    report owns no group; a copy of a plain operator is not told any."""
+    hosted = {"n1": [keyed_spec("p.op.0", "op", True), keyed_spec("p.cnt.0", "cnt", True),
+                     keyed_spec("cnt-c", "cnt", creator="p.cnt.0"), keyed_spec("op-b", "op", creator="p.op.0")],
+              "n2": [keyed_spec("p.source.0", "source", True), keyed_spec("p.sink.0", "sink", True)]}
+    plan = {d["instance"]: d for d in plan_rehome("n1", hosted, {"n2"}, set(), 0,
+                                                  groups={"p.cnt.0": [[0, 7, 0]]})}
+    assert plan["cnt-c"]["extra"]["owned_groups"] == []
+    assert "owned_groups" not in plan["op-b"]["extra"] and "owned_groups" not in plan["p.op.0"]["extra"]
+    copy = keyed_instance("cnt-c", {}, restart=True, owned_groups=plan["cnt-c"]["extra"]["owned_groups"],
+                          min_epoch=1_800_000_000)
+    assert copy.moves.member.owned == set() and copy.snapshot_stats()["groups"] == []
+    # with no report of any instance of the operator, nothing is known: as before, no list
+    bare = {d["instance"]: d for d in plan_rehome("n1", hosted, {"n2"}, set(), 0)}
+    assert "owned_groups" not in bare["cnt-c"]["extra"]

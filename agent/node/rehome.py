@@ -132,7 +132,10 @@ def plan_rehome(
     other's Redirects for ever), and `extra["succ_groups"]`, its successors' reports, from which a
     re-homed predecessor of keyed instances builds its group table (its saved one went with its
     node; the dealing named owners the groups had left). Not checked here: the worker reads both as
-    bus input (agent.instance.core `_resume_groups`, agent.instance.groups `restored_table`).
+    bus input (agent.instance.core `_resume_groups`, agent.instance.groups `restored_table`). A
+    group moving out is reported by its old owner at its version before the move until the move's
+    last Eos (agent.instance.moves `reported_groups`). A copy of a keyed operator that its node's
+    last state did not list (created just before the loss) is told it owns no group.
     """
     gone = set(departing)
     waiting = set(idle)
@@ -166,6 +169,13 @@ def plan_rehome(
         else:
             extra.pop("idle_copies", None)
         owned = (groups or {}).get(str(s["instance"]))
+        if owned is None and _creator(s) and any(i in (groups or {}) for i in members.get(
+                (pipeline, str(s["operator"])), ())):
+            # A copy of a keyed operator that its node's last state did not list (created just
+            # before the loss): no group was installed there as far as anyone reported, so it owns
+            # none. The dealing made it a second owner of every group ("handing 128 key groups"),
+            # and it and its siblings refused each other's Redirects for ever.
+            owned = []
         if owned is not None:
             extra["owned_groups"] = owned
         else:
