@@ -421,3 +421,51 @@ def test_a_keyed_copy_its_lost_node_never_listed_is_rehomed_owning_no_group() ->
     # with no report of any instance of the operator, nothing is known: as before, no list
     bare = {d["instance"]: d for d in plan_rehome("n1", hosted, {"n2"}, set(), 0)}
     assert "owned_groups" not in bare["cnt-c"]["extra"]
+
+
+def test_a_group_handed_out_by_a_live_leaver_goes_to_its_new_owner_in_a_rehomed_predecessors_table() -> None:
+    """chaos --pipeline stateful-scaling, seed 3, kill-node of the window's node: in_zone had taken
+    a leaver's Redirect of group 17 (its table: the keeper, version 3) and the leaver every Eos, so
+    the leaver had sent the group's state, when the keeper's node (with in_zone) was lost. The
+    leaver no longer owned the group, the keeper had not installed it: no report named it, the
+    re-homed in_zone dealt its table again and refused every mover's Redirect ("which does not
+    own it"). The leaver reports what it handed out and is not installed yet (`handed`); the
+    re-homed predecessor's table names the new owner at the move's version, and the re-homed
+    keeper takes the chunks sent again after the silence as the Offer its dead incarnation got."""
+    from agent.dataplane.owners import TableError, table_from_reports
+    from agent.instance.groups import restored_table
+    from agent.instance.moves import encode
+    from agent.instance.handover import Eos
+
+    keeper = keyed_instance("p.cnt.0", {g: 0 for g in range(4)})
+    leaver = keyed_instance("cnt-b", {g: 2 for g in range(4, 8)})
+    leaver.moves.hand_rest("p.cnt.0", ["p.op.0"])
+    leaver.moves.on_message("p.op.0", encode(Eos(5, "p.op.0")))  # in_zone took group 5's Redirect
+    leaver.moves.hand_out_turn()
+    leaver.moves.flush()
+    stats = leaver.snapshot_stats()
+    assert stats["groups"] == [[4, 4, 2], [6, 7, 2]] and stats["handed"] == [[5, "p.cnt.0", 3]]
+    reports = {"p.cnt.0": keeper.snapshot_stats()["groups"], "cnt-b": stats["groups"]}
+    with pytest.raises(TableError):  # group 5: reported by no instance
+        table_from_reports(reports, 8)
+    hosted = {"n1": [keyed_spec("p.source.0", "source", True), keyed_spec("p.op.0", "op", True),
+                     keyed_spec("p.cnt.0", "cnt", True), keyed_spec("p.sink.0", "sink", True)],
+              "n2": [keyed_spec("cnt-b", "cnt", creator="p.cnt.0")]}
+    plan = {d["instance"]: d for d in plan_rehome("n1", hosted, {"n2"}, {"cnt-b"}, 0, groups=reports,
+                                                  handed={"cnt-b": stats["handed"], "x": [[5, 7]], "y": "bad"})}
+    op = plan["p.op.0"]
+    table = restored_table({}, op["succs"], 8, {}, op["extra"].get("succ_groups"))
+    assert table is not None
+    assert [(table.owner(g), table.version(g)) for g in range(8)] == (
+        [("p.cnt.0", 0)] * 4 + [("cnt-b", 2), ("p.cnt.0", 3), ("cnt-b", 2), ("cnt-b", 2)])
+    assert plan["p.cnt.0"]["extra"]["owned_groups"] == [[0, 3, 0]]  # not group 5: its state is not there
+    # the re-homed keeper: group 5's chunks, sent again by the leaver, install it
+    again = keyed_instance("p.cnt.0", {}, restart=True, owned_groups=plan["p.cnt.0"]["extra"]["owned_groups"],
+                           min_epoch=1_800_000_000)
+    (_, _, bodies) = leaver.moves.outgoing[5]
+    assert bodies
+    for body in bodies:
+        again.moves.on_message("cnt-b", body)
+    again.moves.take_in_turn()
+    assert again.moves.member.owned == {0, 1, 2, 3, 5} and again.moves.versions[5] == 3
+    assert again.stats["handover_errors"] == 0

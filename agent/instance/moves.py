@@ -716,4 +716,7 @@ class GroupMoves:
         return {"handover": dict(self.counts, owned=len(m.owned), moving=len(m.old.moving),
                                  expected=len(m.new.expected), held=self.held),
                 "groups": group_runs(settled),
+                # groups handed out (every Eos in: a predecessor's table names the new owner), not
+                # Installed yet: [group, new owner, the move's version] (agent.node.rehome)
+                "handed": [[g, new, v] for g, (new, v, _) in sorted(self.outgoing.items())],
                 "first_installed_at": self.first_installed_at, "first_applied_at": self.first_applied_at}

@@ -1846,6 +1846,18 @@ class Agent:
                 out[str(i.get("id"))] = stats["groups"]
         return out
 
+    def _lost_handed(self, lost: str) -> Dict[str, Any]:
+        """The groups each keyed instance last said it had handed out, not installed yet (its
+        heartbeat's `handed`), read as `_lost_groups`: a re-homed predecessor's table names their
+        new owners (agent.node.rehome.plan_rehome)."""
+        out: Dict[str, Any] = {i: w.stats["handed"] for i, w in self.supervisor.workers.items()
+                               if isinstance(w.stats.get("handed"), list) and w.stats["handed"]}
+        for i in self._entries_elsewhere(lost):
+            stats = i.get("stats")
+            if isinstance(stats, dict) and isinstance(stats.get("handed"), list) and stats["handed"]:
+                out[str(i.get("id"))] = stats["handed"]
+        return out
+
     def _listed_elsewhere(self) -> Set[str]:
         """Instance ids that another ONLINE node lists in its retained state."""
         return {str(i.get("id")) for i in self._entries_elsewhere()}
@@ -2040,7 +2052,7 @@ class Agent:
             plan = rehome.plan_rehome(node, self.hosted_by_node, online, listed, int(wall),
                                       departing=self._in_state(("departing", "terminated")),
                                       idle=self._in_state(("idle",), lost=node),
-                                      groups=self._lost_groups(node))
+                                      groups=self._lost_groups(node), handed=self._lost_handed(node))
             self._rehomed.add(node)
             if plan:
                 record = self.rehomed_by_node.setdefault(self.node, {})

@@ -35,6 +35,8 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, 
 
 from agent import wire
 from agent.config import load_pipeline_text
+from agent.dataplane.keygroups import MAX_GROUPS
+from agent.dataplane.owners import MAX_NAME, TableError, group_runs, groups_from_runs
 
 __all__ = ["responsible", "plan_rehome", "encode_hosted", "decode_hosted"]
 
@@ -97,6 +99,7 @@ def plan_rehome(
     departing: Iterable[str] = (),
     idle: Iterable[str] = (),
     groups: Optional[Mapping[str, Any]] = None,
+    handed: Optional[Mapping[str, Any]] = None,
 ) -> List[Dict[str, Any]]:
     """The specs to start elsewhere for the instances of `dead` (sorted by instance id).
 
@@ -136,6 +139,11 @@ def plan_rehome(
     group moving out is reported by its old owner at its version before the move until the move's
     last Eos (agent.instance.moves `reported_groups`). A copy of a keyed operator that its node's
     last state did not list (created just before the loss) is told it owns no group.
+
+    `handed`: per keyed instance, the groups it last said it had handed out and not seen
+    installed yet ([group, new owner, version]: every predecessor's Eos was in, so their tables
+    named the new owner). Reported by neither side otherwise; the successors' reports a
+    re-homed predecessor gets name the new owner for them (`_with_handed`).
     """
     gone = set(departing)
     waiting = set(idle)
@@ -180,13 +188,40 @@ def plan_rehome(
             extra["owned_groups"] = owned
         else:
             extra.pop("owned_groups", None)
-        reported = {i: (groups or {})[i] for i in succs if i in (groups or {})}
+        reports = _with_handed(groups, handed)
+        reported = {i: reports[i] for i in succs if i in reports}
         if reported:  # a predecessor of keyed instances: its group table from what they own
             extra["succ_groups"] = reported
         else:
             extra.pop("succ_groups", None)
         active = not (s["instance"] in waiting and _creator(s) and not s.get("keeper"))
         out.append({**s, "succs": succs, "preds": preds, "restart": True, "active": active, "extra": extra})
+    return out
+
+
+def _with_handed(groups: Optional[Mapping[str, Any]], handed: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
+    """The owners' reports (`groups`) with each group an old owner handed out (`handed`, bus
+    input: malformed entries skipped) added to its new owner's, at the move's version, unless
+    that owner reports it at that version or a newer one already."""
+    out = dict(groups or {})
+    adds: Dict[str, Dict[int, int]] = {}
+    for entries in (handed or {}).values():
+        if not isinstance(entries, list):
+            continue
+        for e in entries[:MAX_GROUPS]:
+            if (isinstance(e, list) and len(e) == 3 and type(e[0]) is int and 0 <= e[0] < MAX_GROUPS
+                    and isinstance(e[1], str) and 0 < len(e[1]) <= MAX_NAME and type(e[2]) is int and 0 <= e[2] < 2 ** 53):
+                d = adds.setdefault(e[1], {})
+                d[e[0]] = max(d.get(e[0], -1), e[2])
+    for new, add in sorted(adds.items()):
+        try:
+            mine = groups_from_runs(out.get(new, []))
+        except TableError:
+            continue  # the worker refuses that report as a whole anyway
+        for g, v in add.items():
+            if mine.get(g, -1) < v:
+                mine[g] = v
+        out[new] = group_runs(mine)
     return out
 
 
