@@ -469,3 +469,44 @@ def test_a_group_handed_out_by_a_live_leaver_goes_to_its_new_owner_in_a_rehomed_
     again.moves.take_in_turn()
     assert again.moves.member.owned == {0, 1, 2, 3, 5} and again.moves.versions[5] == 3
     assert again.stats["handover_errors"] == 0
+
+
+def test_a_rehomed_old_owner_starts_again_the_moves_a_live_new_owner_waits_for() -> None:
+    """The keeper's node is lost while its copy on another node waits for its share (the Start
+    named the groups, the keeper's Redirects and state had not all gone): the keeper's re-homed
+    incarnation resumed the groups as its own and no longer knew it was moving them, and the copy
+    held their records and waited for their state for ever (never settled). A keyed instance
+    reports the groups on their way to it (`expecting`); the plan gives the re-homed old owner
+    those groups at the version before the move and the moves to start again, and a group a live
+    sibling reports at a newer version (moved on since the lost node's last state) is not its."""
+    from agent.dataplane.owners import table_from_reports
+    from agent.instance.handover import Eos, Predecessor, Redirect, Send
+
+    copy = keyed_instance("cnt-b", {8 - 1: 1})
+    for g in range(4, 7):
+        copy.moves.expect(g, "p.cnt.0", 1)
+    stats = copy.snapshot_stats()
+    assert stats["expecting"] == [[4, "p.cnt.0", 1], [5, "p.cnt.0", 1], [6, "p.cnt.0", 1]]
+    reports = {"p.cnt.0": [[0, 7, 0]], "cnt-b": stats["groups"]}  # the keeper's last state: group 7 not moved yet
+    hosted = {"n1": [keyed_spec("p.source.0", "source", True), keyed_spec("p.op.0", "op", True),
+                     keyed_spec("p.cnt.0", "cnt", True), keyed_spec("p.sink.0", "sink", True)],
+              "n2": [keyed_spec("cnt-b", "cnt", creator="p.cnt.0")]}
+    plan = {d["instance"]: d for d in plan_rehome(
+        "n1", hosted, {"n2"}, {"cnt-b"}, 0, groups=reports,
+        expecting={"cnt-b": stats["expecting"] + [[9, 1, 1], "bad"], "p.cnt.0": [[0, "cnt-b", 1]]})}
+    extra = plan["p.cnt.0"]["extra"]
+    assert extra["owned_groups"] == [[0, 6, 0]]  # 7 is cnt-b's (version 1); 4-6 the keeper's until they move
+    assert extra["moves_out"] == [[4, "cnt-b", 1], [5, "cnt-b", 1], [6, "cnt-b", 1]]
+    keeper = keyed_instance("p.cnt.0", {}, restart=True, **extra)
+    m = keeper.moves.member
+    assert m.owned == set(range(7)) and {g: new for g, (new, _) in m.old.moving.items()} == {
+        4: "cnt-b", 5: "cnt-b", 6: "cnt-b"}
+    assert {g: m.old.versions[g] for g in m.old.moving} == {4: 1, 5: 1, 6: 1}
+    # the re-homed predecessor's table names the keeper at version 0: it takes the Redirects
+    table = table_from_reports(plan["p.op.0"]["extra"]["succ_groups"], 8)
+    pred = Predecessor("p.op.0", table)
+    for g in (4, 5, 6):
+        assert pred.on_redirect("p.cnt.0", Redirect(g, "cnt-b", 1)) == [Send("p.cnt.0", Eos(g, "p.op.0"))]
+    # a copy that is not expecting anything from the keeper: no move starts again
+    assert "moves_out" not in {d["instance"]: d for d in plan_rehome(
+        "n1", hosted, {"n2"}, {"cnt-b"}, 0, groups=reports)}["p.cnt.0"]["extra"]

@@ -100,6 +100,7 @@ def plan_rehome(
     idle: Iterable[str] = (),
     groups: Optional[Mapping[str, Any]] = None,
     handed: Optional[Mapping[str, Any]] = None,
+    expecting: Optional[Mapping[str, Any]] = None,
 ) -> List[Dict[str, Any]]:
     """The specs to start elsewhere for the instances of `dead` (sorted by instance id).
 
@@ -144,6 +145,12 @@ def plan_rehome(
     installed yet ([group, new owner, version]: every predecessor's Eos was in, so their tables
     named the new owner). Reported by neither side otherwise; the successors' reports a
     re-homed predecessor gets name the new owner for them (`_with_handed`).
+
+    `expecting`: per keyed instance, the groups on their way to it ([group, old owner,
+    version]). A re-homed keyed instance resumes its groups without those a live sibling
+    reports at a newer version (moved on since its node's last state), and with those a live
+    sibling expects from it, whose moves it starts again (`extra["moves_out"]`: its dead
+    incarnation's memory of them went with its node, and the new owner waited for ever).
     """
     gone = set(departing)
     waiting = set(idle)
@@ -158,6 +165,8 @@ def plan_rehome(
             creator = _creator(s)
             if creator and s["instance"] in waiting:
                 copies.setdefault(creator, []).append(str(s["instance"]))
+    alive = {str(s["instance"]) for node, specs in hosted_by_node.items() if node != dead and node in online
+             for s in specs}
     out: List[Dict[str, Any]] = []
     for s in sorted(hosted_by_node.get(dead, ()), key=lambda x: str(x["instance"])):
         if s["instance"] in listed_online:
@@ -184,8 +193,12 @@ def plan_rehome(
             # none. The dealing made it a second owner of every group ("handing 128 key groups"),
             # and it and its siblings refused each other's Redirects for ever.
             owned = []
+        extra.pop("moves_out", None)
         if owned is not None:
+            owned, moves_out = _resume_plan(str(s["instance"]), owned, groups, expecting, alive)
             extra["owned_groups"] = owned
+            if moves_out:
+                extra["moves_out"] = moves_out
         else:
             extra.pop("owned_groups", None)
         reports = _with_handed(groups, handed)
@@ -223,6 +236,37 @@ def _with_handed(groups: Optional[Mapping[str, Any]], handed: Optional[Mapping[s
                 mine[g] = v
         out[new] = group_runs(mine)
     return out
+
+
+def _resume_plan(inst: str, runs: Any, groups: Optional[Mapping[str, Any]], expecting: Optional[Mapping[str, Any]],
+                 alive: Set[str]) -> Tuple[Any, List[List[Any]]]:
+    """The groups a re-homed keyed instance resumes (runs) and the moves it starts again: its
+    last report less what a live sibling reports at a newer version, plus each group a live
+    sibling expects from it (at the version before that move). Bus input: a report that does
+    not parse is passed on as it is (the worker refuses it as a whole)."""
+    try:
+        mine = groups_from_runs(runs)
+    except TableError:
+        return runs, []
+    for other in sorted(alive - {inst}):
+        try:
+            theirs = groups_from_runs((groups or {}).get(other, []))
+        except TableError:
+            continue
+        for g, v in theirs.items():
+            if g in mine and v > mine[g]:
+                del mine[g]
+    moves: List[List[Any]] = []
+    for new in sorted(alive - {inst}):
+        entries = (expecting or {}).get(new)
+        if not isinstance(entries, list):
+            continue
+        for e in entries[:MAX_GROUPS]:
+            if (isinstance(e, list) and len(e) == 3 and type(e[0]) is int and 0 <= e[0] < MAX_GROUPS
+                    and e[1] == inst and type(e[2]) is int and 1 <= e[2] < 2 ** 53):
+                mine[e[0]] = e[2] - 1
+                moves.append([e[0], new, e[2]])
+    return group_runs(mine), sorted(moves)
 
 
 def _creator(spec: Mapping[str, Any]) -> str:
