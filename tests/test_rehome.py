@@ -510,3 +510,31 @@ def test_a_rehomed_old_owner_starts_again_the_moves_a_live_new_owner_waits_for()
     # a copy that is not expecting anything from the keeper: no move starts again
     assert "moves_out" not in {d["instance"]: d for d in plan_rehome(
         "n1", hosted, {"n2"}, {"cnt-b"}, 0, groups=reports)}["p.cnt.0"]["extra"]
+
+
+def test_groups_no_instance_reports_are_the_lost_keepers_when_nothing_else_there_may_hold_them() -> None:
+    """chaos --pipeline stateful-scaling, seed 1 again: a leaver handed its 16 groups to the keeper
+    and left a second before the keeper's node was lost; the node's last state still showed the
+    keeper without them, and the leaver was gone: "16 groups reported by no instance", the
+    re-homed in_zone dealt its table again and every Redirect was refused. A live instance's
+    report is fresh, so such groups moved onto the lost node after its last state; when its
+    keeper is the only instance there that may hold them (the others reported, or are copies
+    that said nothing), they are the keeper's, at version 0 on both sides. An instance of the
+    lost node that said nothing and is not a copy may hold them: then nothing is guessed."""
+    from agent.dataplane.owners import table_from_reports
+
+    hosted = {"n1": [keyed_spec("p.op.0", "op", True), keyed_spec("p.cnt.0", "cnt", True),
+                     keyed_spec("cnt-c", "cnt", creator="p.cnt.0")],
+              "n2": [keyed_spec("p.source.0", "source", True), keyed_spec("p.sink.0", "sink", True),
+                     keyed_spec("cnt-b", "cnt", creator="p.cnt.0")]}
+    reports = {"p.cnt.0": [[0, 3, 1]], "cnt-b": [[6, 7, 2]]}  # 4 and 5: installed at the keeper since
+    plan = {d["instance"]: d for d in plan_rehome("n1", hosted, {"n2"}, {"cnt-b"}, 0, groups=reports)}
+    assert plan["p.cnt.0"]["extra"]["owned_groups"] == [[0, 3, 1], [4, 5, 0]]
+    assert plan["cnt-c"]["extra"]["owned_groups"] == []
+    table = table_from_reports(plan["p.op.0"]["extra"]["succ_groups"], 8)
+    assert [(table.owner(g), table.version(g)) for g in range(8)] == (
+        [("p.cnt.0", 1)] * 4 + [("p.cnt.0", 0)] * 2 + [("cnt-b", 2)] * 2)
+    # the copy on the lost node is no copy (no creator) and said nothing: the groups may be its
+    hosted["n1"][2] = keyed_spec("cnt-c", "cnt")
+    plan = {d["instance"]: d for d in plan_rehome("n1", hosted, {"n2"}, {"cnt-b"}, 0, groups=reports)}
+    assert plan["p.cnt.0"]["extra"]["owned_groups"] == [[0, 3, 1]]

@@ -167,6 +167,12 @@ def plan_rehome(
                 copies.setdefault(creator, []).append(str(s["instance"]))
     alive = {str(s["instance"]) for node, specs in hosted_by_node.items() if node != dead and node in online
              for s in specs}
+    # What the owners reported, with the groups handed out under their new owners, and the
+    # groups nobody reports given to the lost node's keeper (`_unreported_to_keepers`)
+    reports = _with_handed(groups, handed)
+    fill = _unreported_to_keepers(hosted_by_node.get(dead, ()), members, reports)
+    owned_reports = _added(groups, fill)
+    reports = _added(reports, fill)
     out: List[Dict[str, Any]] = []
     for s in sorted(hosted_by_node.get(dead, ()), key=lambda x: str(x["instance"])):
         if s["instance"] in listed_online:
@@ -185,8 +191,8 @@ def plan_rehome(
             extra["idle_copies"] = mine[:MAX_IDLE_COPIES]
         else:
             extra.pop("idle_copies", None)
-        owned = (groups or {}).get(str(s["instance"]))
-        if owned is None and _creator(s) and any(i in (groups or {}) for i in members.get(
+        owned = owned_reports.get(str(s["instance"]))
+        if owned is None and _creator(s) and any(i in owned_reports for i in members.get(
                 (pipeline, str(s["operator"])), ())):
             # A copy of a keyed operator that its node's last state did not list (created just
             # before the loss): no group was installed there as far as anyone reported, so it owns
@@ -201,7 +207,6 @@ def plan_rehome(
                 extra["moves_out"] = moves_out
         else:
             extra.pop("owned_groups", None)
-        reports = _with_handed(groups, handed)
         reported = {i: reports[i] for i in succs if i in reports}
         if reported:  # a predecessor of keyed instances: its group table from what they own
             extra["succ_groups"] = reported
@@ -235,6 +240,68 @@ def _with_handed(groups: Optional[Mapping[str, Any]], handed: Optional[Mapping[s
             if mine.get(g, -1) < v:
                 mine[g] = v
         out[new] = group_runs(mine)
+    return out
+
+
+def _key_groups(toml_text: str, operator: str) -> Optional[int]:
+    try:
+        ops = {op.name: op for op in load_pipeline_text(toml_text, "hosted record").operators}
+    except Exception:  # noqa: BLE001 - a record we cannot read is skipped, never fatal
+        return None
+    op = ops.get(operator)
+    return int(op.key_groups) if op is not None else None
+
+
+def _unreported_to_keepers(lost: Sequence[Mapping[str, Any]], members: Mapping[Tuple[str, str], Set[str]],
+                           reports: Mapping[str, Any]) -> Dict[str, Dict[int, int]]:
+    """The key groups no instance of a keyed operator reports, for the operator's keeper when it
+    was on the lost node: {keeper: {group: 0}}. A live instance's report is fresh, and a group
+    on its way between live instances is reported by one side (`reported_groups`, `handed`);
+    the lost node's last state is up to a state period old, so a group missing from every report
+    moved onto the lost node after it (a leaver's group installed at the keeper, the leaver gone
+    since: the keeper's Installed leaves only once its standby holds the group, so the standby
+    copy has it). Leavers hand their groups to the keeper, which never terminates; only when
+    every other instance of the operator on the lost node reported (or is a copy that said
+    nothing, which owns no group: `plan_rehome`) can the keeper be the one holding them. Version 0:
+    the re-homed keeper and the re-homed predecessors take it alike, and nobody else holds the
+    group. Without it the re-homed predecessor dealt its whole table again (chaos
+    --pipeline stateful-scaling, seed 1: "16 groups reported by no instance")."""
+    out: Dict[str, Dict[int, int]] = {}
+    for s in lost:
+        if not s.get("keeper"):
+            continue
+        inst, key = str(s["instance"]), (str(s["pipeline"]), str(s["operator"]))
+        names = members.get(key, set())
+        if not any(i in reports for i in names):
+            continue  # not a keyed operator, or nothing reported: nothing known
+        if any(str(o["instance"]) not in reports and not _creator(o) for o in lost
+               if (str(o["pipeline"]), str(o["operator"])) == key and o is not s):
+            continue  # another instance of the lost node said nothing: the groups may be its
+        n = _key_groups(str(s["pipeline_toml"]), str(s["operator"]))
+        if n is None:
+            continue
+        seen: Set[int] = set()
+        for i in names:
+            try:
+                seen |= set(groups_from_runs(reports.get(i, []), n))
+            except TableError:
+                seen = set(range(n))  # a report we cannot read: guess nothing
+                break
+        missing = set(range(n)) - seen
+        if missing:
+            out[inst] = {g: 0 for g in missing}
+    return out
+
+
+def _added(reports: Optional[Mapping[str, Any]], fill: Mapping[str, Mapping[int, int]]) -> Dict[str, Any]:
+    out = dict(reports or {})
+    for inst, add in fill.items():
+        try:
+            mine = groups_from_runs(out.get(inst, []))
+        except TableError:
+            continue
+        mine.update(add)
+        out[inst] = group_runs(mine)
     return out
 
 
