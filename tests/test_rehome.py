@@ -538,3 +538,26 @@ def test_groups_no_instance_reports_are_the_lost_keepers_when_nothing_else_there
     hosted["n1"][2] = keyed_spec("cnt-c", "cnt")
     plan = {d["instance"]: d for d in plan_rehome("n1", hosted, {"n2"}, {"cnt-b"}, 0, groups=reports)}
     assert plan["p.cnt.0"]["extra"]["owned_groups"] == [[0, 3, 1]]
+
+
+def test_a_group_the_lost_keeper_was_moving_on_has_one_version_in_its_list_and_its_predecessors_table() -> None:
+    """chaos --pipeline stateful-scaling, seed 1: the lost keeper's last state lacked group 19 (it
+    came from a leaver since) and a live copy was waiting for it (version 3). The keeper resumed it
+    at version 2 and sent its Redirect again at 3, while its re-homed predecessor, given the group
+    as an unreported one at version 0, refused it ("Redirect of group 19 to version 3, after
+    version 0") and the copy never left. Both now take what the keeper resumes."""
+    from agent.dataplane.owners import table_from_reports
+    from agent.instance.handover import Eos, Predecessor, Redirect, Send
+
+    hosted = {"n1": [keyed_spec("p.op.0", "op", True), keyed_spec("p.cnt.0", "cnt", True)],
+              "n2": [keyed_spec("p.source.0", "source", True), keyed_spec("p.sink.0", "sink", True),
+                     keyed_spec("cnt-b", "cnt", creator="p.cnt.0")]}
+    plan = {d["instance"]: d for d in plan_rehome(
+        "n1", hosted, {"n2"}, {"cnt-b"}, 0, groups={"p.cnt.0": [[0, 3, 0]], "cnt-b": [[6, 7, 1]]},
+        expecting={"cnt-b": [[4, "p.cnt.0", 3], [5, "p.cnt.0", 3]]})}
+    assert plan["p.cnt.0"]["extra"]["owned_groups"] == [[0, 3, 0], [4, 5, 2]]
+    assert plan["p.cnt.0"]["extra"]["moves_out"] == [[4, "cnt-b", 3], [5, "cnt-b", 3]]
+    table = table_from_reports(plan["p.op.0"]["extra"]["succ_groups"], 8)
+    assert [table.version(g) for g in range(8)] == [0, 0, 0, 0, 2, 2, 1, 1]
+    pred = Predecessor("p.op.0", table)
+    assert pred.on_redirect("p.cnt.0", Redirect(4, "cnt-b", 3)) == [Send("p.cnt.0", Eos(4, "p.op.0"))]

@@ -167,11 +167,28 @@ def plan_rehome(
                 copies.setdefault(creator, []).append(str(s["instance"]))
     alive = {str(s["instance"]) for node, specs in hosted_by_node.items() if node != dead and node in online
              for s in specs}
-    # What the owners reported, with the groups handed out under their new owners, and the
-    # groups nobody reports given to the lost node's keeper (`_unreported_to_keepers`)
-    reports = _with_handed(groups, handed)
-    fill = _unreported_to_keepers(hosted_by_node.get(dead, ()), members, reports)
-    owned_reports = _added(groups, fill)
+    # The groups each keyed instance of the lost node resumes and the moves it starts again
+    # (`_resume_plan`); what its re-homed predecessors are told it owns is the same.
+    lost = [s for s in hosted_by_node.get(dead, ()) if s["instance"] not in listed_online]
+    owned_reports: Dict[str, Any] = dict(groups or {})
+    moves_out: Dict[str, List[List[Any]]] = {}
+    for s in lost:
+        inst = str(s["instance"])
+        runs = owned_reports.get(inst)
+        if runs is None and _creator(s) and any(i in owned_reports for i in members.get(
+                (str(s["pipeline"]), str(s["operator"])), ())):
+            # A copy of a keyed operator that its node's last state did not list (created just
+            # before the loss): no group was installed there as far as anyone reported, so it owns
+            # none. The dealing made it a second owner of every group ("handing 128 key groups"),
+            # and it and its siblings refused each other's Redirects for ever.
+            runs = []
+        if runs is not None:
+            owned_reports[inst], moves_out[inst] = _resume_plan(inst, runs, groups, expecting, alive)
+    # with the groups handed out under their new owners, and the groups nobody reports given to
+    # the lost node's keeper (`_unreported_to_keepers`)
+    reports = _with_handed(owned_reports, handed)
+    fill = _unreported_to_keepers(lost, members, reports)
+    owned_reports = _added(owned_reports, fill)
     reports = _added(reports, fill)
     out: List[Dict[str, Any]] = []
     for s in sorted(hosted_by_node.get(dead, ()), key=lambda x: str(x["instance"])):
@@ -192,19 +209,11 @@ def plan_rehome(
         else:
             extra.pop("idle_copies", None)
         owned = owned_reports.get(str(s["instance"]))
-        if owned is None and _creator(s) and any(i in owned_reports for i in members.get(
-                (pipeline, str(s["operator"])), ())):
-            # A copy of a keyed operator that its node's last state did not list (created just
-            # before the loss): no group was installed there as far as anyone reported, so it owns
-            # none. The dealing made it a second owner of every group ("handing 128 key groups"),
-            # and it and its siblings refused each other's Redirects for ever.
-            owned = []
         extra.pop("moves_out", None)
         if owned is not None:
-            owned, moves_out = _resume_plan(str(s["instance"]), owned, groups, expecting, alive)
             extra["owned_groups"] = owned
-            if moves_out:
-                extra["moves_out"] = moves_out
+            if moves_out.get(str(s["instance"])):
+                extra["moves_out"] = moves_out[str(s["instance"])]
         else:
             extra.pop("owned_groups", None)
         reported = {i: reports[i] for i in succs if i in reports}
