@@ -322,3 +322,242 @@ def test_a_rehomed_predecessor_of_keyed_instances_gets_its_group_table_from_thei
     for bad in ({"x": [[0, 500, 1]]}, {"x": "runs"}, [], {}):  # bus input: refused, never a crash
         with pytest.raises(TableError):
             table_from_reports(bad, 128)
+
+
+# ---- keyed operators: groups in the middle of a move when a node is lost ---------------------------
+
+KEYED_PIPE = "\n".join([
+    '[pipeline]', 'name = "p"', '', '[scaling]', 'policy = "none"', '',
+    '[[operator]]', 'name = "source"', 'kind = "source"', 'function = "agent.operators.taxi:source"', '',
+    '[[operator]]', 'name = "op"', 'kind = "map"', 'function = "agent.operators.builtin:validate"', 'key = "k"', '',
+    '[[operator]]', 'name = "cnt"', 'kind = "map"', 'function = "agent.operators.keyed:keyed_count"',
+    'key_groups = 8', '',
+    '[[operator]]', 'name = "sink"', 'kind = "sink"', 'function = "agent.operators.builtin:counting_sink"', '',
+])
+
+
+def keyed_spec(instance: str, operator: str, keeper: bool = False, **extra: Any) -> Dict[str, Any]:
+    return {**spec(instance, operator, keeper, **extra), "pipeline_toml": KEYED_PIPE}
+
+
+def keyed_instance(name: str, owned: Dict[int, int], restart: bool = False, **extra: Any) -> Any:
+    """A sans-IO instance of the keyed count `cnt` owning `owned` (group -> version), started."""
+    from agent.config import load_pipeline_text
+    from agent.instance.core import Instance
+    from agent.instance.events import Restarted, Started
+    from agent.instance.handover import Member
+    from agent.instance.spec import InstanceSpec
+    from agent.operators.builtin import OperatorContext
+    from agent.operators.keyed import KeyedCount
+    from foglab.sim.instance_check import BROKER, CLUSTER, WALL0
+
+    s = InstanceSpec(name, "cnt", "n2", CLUSTER, "p", KEYED_PIPE, BROKER, succs=("p.sink.0",), preds=("p.op.0",),
+                     keeper=name == "p.cnt.0", state_dir="/nonexistent", heartbeat_period=3600.0,
+                     restart=restart, extra=dict(extra))
+    inst = Instance(s, load_pipeline_text(KEYED_PIPE, "test"),
+                    KeyedCount(OperatorContext(name, "cnt", "n2", "map", params={})))
+    if restart:
+        inst.handle(Restarted(WALL0, {}), 0.0)
+        return inst
+    inst.moves.member = Member(name, owned)
+    inst.moves.versions = dict(owned)
+    inst.handle(Started(WALL0), 0.0)
+    return inst
+
+
+def test_a_group_moving_off_a_live_leaver_stays_in_the_table_of_a_predecessor_rehomed_meanwhile() -> None:
+    """chaos --pipeline stateful-scaling, seed 1, kill-node of the window's node: two copies on n2
+    were leaving, each handing its 32 groups to the keeper on n1, when n1 (the keeper and the
+    predecessor in_zone) was lost; their Redirects never reached in_zone. A group moving out was
+    reported by no instance (the leaver counted only its settled groups, the keeper had not taken
+    the Offer), so the re-homed in_zone dealt its table again and refused the leavers' Redirects
+    sent again after the silence for ever ("which does not own it"): 442 windows missing. The
+    leaver reports such a group at its version before the move: the table names the leaver, the
+    Redirect sent again is taken and its Eos goes back, and the re-homed keeper resumes only
+    its own groups (the leaver's come with their state, its chunk standing for the lost Offer)."""
+    from agent.dataplane.owners import groups_from_runs
+    from agent.instance.groups import restored_table
+    from agent.instance.handover import Eos, Predecessor, Redirect, Send
+
+    keeper = keyed_instance("p.cnt.0", {g: 0 for g in range(4)})
+    leaver = keyed_instance("cnt-b", {g: 1 for g in range(4, 8)})
+    leaver.moves.hand_rest("p.cnt.0", ["p.op.0"])  # leaving: Redirects to p.op.0, lost with n1
+    assert set(leaver.moves.member.old.moving) == {4, 5, 6, 7}
+    reports = {"p.cnt.0": keeper.snapshot_stats()["groups"], "cnt-b": leaver.snapshot_stats()["groups"]}
+    assert reports["cnt-b"] == [[4, 7, 1]]  # still its own, at the version before the move
+    hosted = {"n1": [keyed_spec("p.source.0", "source", True), keyed_spec("p.op.0", "op", True),
+                     keyed_spec("p.cnt.0", "cnt", True), keyed_spec("p.sink.0", "sink", True)],
+              "n2": [keyed_spec("cnt-b", "cnt", creator="p.cnt.0")]}
+    plan = {d["instance"]: d for d in plan_rehome("n1", hosted, {"n2"}, {"cnt-b"}, 0, groups=reports)}
+    op = plan["p.op.0"]
+    assert op["succs"] == ["cnt-b", "p.cnt.0"]
+    table = restored_table({}, op["succs"], 8, {}, op["extra"].get("succ_groups"))
+    assert table is not None
+    assert [(table.owner(g), table.version(g)) for g in range(8)] == [("p.cnt.0", 0)] * 4 + [("cnt-b", 1)] * 4
+    pred = Predecessor("p.op.0", table)
+    for g, (new, _) in sorted(leaver.moves.member.old.moving.items()):  # sent again after MOVE_RESEND
+        v = leaver.moves.member.old.versions[g]
+        assert pred.on_redirect("cnt-b", Redirect(g, new, v)) == [Send("cnt-b", Eos(g, "p.op.0"))]
+        assert (table.owner(g), table.version(g)) == ("p.cnt.0", 2)
+    assert groups_from_runs(plan["p.cnt.0"]["extra"]["owned_groups"], 8) == {g: 0 for g in range(4)}
+
+
+def test_a_keyed_copy_its_lost_node_never_listed_is_rehomed_owning_no_group() -> None:
+    """Same run: the keeper had created a copy on n1 a moment before n1 was lost, before n1's state
+    listed it. Re-homed with no group list, it held the dealing (every group: "handing 128 key
+    groups" when it left) next to the keeper and the leavers, and they refused each other's
+    Redirects ("group 0 is already owned or expected"). A copy of a keyed operator with no
+    report owns no group; a copy of a plain operator is not told any."""
+    hosted = {"n1": [keyed_spec("p.op.0", "op", True), keyed_spec("p.cnt.0", "cnt", True),
+                     keyed_spec("cnt-c", "cnt", creator="p.cnt.0"), keyed_spec("op-b", "op", creator="p.op.0")],
+              "n2": [keyed_spec("p.source.0", "source", True), keyed_spec("p.sink.0", "sink", True)]}
+    plan = {d["instance"]: d for d in plan_rehome("n1", hosted, {"n2"}, set(), 0,
+                                                  groups={"p.cnt.0": [[0, 7, 0]]})}
+    assert plan["cnt-c"]["extra"]["owned_groups"] == []
+    assert "owned_groups" not in plan["op-b"]["extra"] and "owned_groups" not in plan["p.op.0"]["extra"]
+    copy = keyed_instance("cnt-c", {}, restart=True, owned_groups=plan["cnt-c"]["extra"]["owned_groups"],
+                          min_epoch=1_800_000_000)
+    assert copy.moves.member.owned == set() and copy.snapshot_stats()["groups"] == []
+    # with no report of any instance of the operator, nothing is known: as before, no list
+    bare = {d["instance"]: d for d in plan_rehome("n1", hosted, {"n2"}, set(), 0)}
+    assert "owned_groups" not in bare["cnt-c"]["extra"]
+
+
+def test_a_group_handed_out_by_a_live_leaver_goes_to_its_new_owner_in_a_rehomed_predecessors_table() -> None:
+    """chaos --pipeline stateful-scaling, seed 3, kill-node of the window's node: in_zone had taken
+    a leaver's Redirect of group 17 (its table: the keeper, version 3) and the leaver every Eos, so
+    the leaver had sent the group's state, when the keeper's node (with in_zone) was lost. The
+    leaver no longer owned the group, the keeper had not installed it: no report named it, the
+    re-homed in_zone dealt its table again and refused every mover's Redirect ("which does not
+    own it"). The leaver reports what it handed out and is not installed yet (`handed`); the
+    re-homed predecessor's table names the new owner at the move's version, and the re-homed
+    keeper takes the chunks sent again after the silence as the Offer its dead incarnation got."""
+    from agent.dataplane.owners import TableError, table_from_reports
+    from agent.instance.groups import restored_table
+    from agent.instance.moves import encode
+    from agent.instance.handover import Eos
+
+    keeper = keyed_instance("p.cnt.0", {g: 0 for g in range(4)})
+    leaver = keyed_instance("cnt-b", {g: 2 for g in range(4, 8)})
+    leaver.moves.hand_rest("p.cnt.0", ["p.op.0"])
+    leaver.moves.on_message("p.op.0", encode(Eos(5, "p.op.0")))  # in_zone took group 5's Redirect
+    leaver.moves.hand_out_turn()
+    leaver.moves.flush()
+    stats = leaver.snapshot_stats()
+    assert stats["groups"] == [[4, 4, 2], [6, 7, 2]] and stats["handed"] == [[5, "p.cnt.0", 3]]
+    reports = {"p.cnt.0": keeper.snapshot_stats()["groups"], "cnt-b": stats["groups"]}
+    with pytest.raises(TableError):  # group 5: reported by no instance
+        table_from_reports(reports, 8)
+    hosted = {"n1": [keyed_spec("p.source.0", "source", True), keyed_spec("p.op.0", "op", True),
+                     keyed_spec("p.cnt.0", "cnt", True), keyed_spec("p.sink.0", "sink", True)],
+              "n2": [keyed_spec("cnt-b", "cnt", creator="p.cnt.0")]}
+    plan = {d["instance"]: d for d in plan_rehome("n1", hosted, {"n2"}, {"cnt-b"}, 0, groups=reports,
+                                                  handed={"cnt-b": stats["handed"], "x": [[5, 7]], "y": "bad"})}
+    op = plan["p.op.0"]
+    table = restored_table({}, op["succs"], 8, {}, op["extra"].get("succ_groups"))
+    assert table is not None
+    assert [(table.owner(g), table.version(g)) for g in range(8)] == (
+        [("p.cnt.0", 0)] * 4 + [("cnt-b", 2), ("p.cnt.0", 3), ("cnt-b", 2), ("cnt-b", 2)])
+    assert plan["p.cnt.0"]["extra"]["owned_groups"] == [[0, 3, 0]]  # not group 5: its state is not there
+    # the re-homed keeper: group 5's chunks, sent again by the leaver, install it
+    again = keyed_instance("p.cnt.0", {}, restart=True, owned_groups=plan["p.cnt.0"]["extra"]["owned_groups"],
+                           min_epoch=1_800_000_000)
+    (_, _, bodies) = leaver.moves.outgoing[5]
+    assert bodies
+    for body in bodies:
+        again.moves.on_message("cnt-b", body)
+    again.moves.take_in_turn()
+    assert again.moves.member.owned == {0, 1, 2, 3, 5} and again.moves.versions[5] == 3
+    assert again.stats["handover_errors"] == 0
+
+
+def test_a_rehomed_old_owner_starts_again_the_moves_a_live_new_owner_waits_for() -> None:
+    """The keeper's node is lost while its copy on another node waits for its share (the Start
+    named the groups, the keeper's Redirects and state had not all gone): the keeper's re-homed
+    incarnation resumed the groups as its own and no longer knew it was moving them, and the copy
+    held their records and waited for their state for ever (never settled). A keyed instance
+    reports the groups on their way to it (`expecting`); the plan gives the re-homed old owner
+    those groups at the version before the move and the moves to start again, and a group a live
+    sibling reports at a newer version (moved on since the lost node's last state) is not its."""
+    from agent.dataplane.owners import table_from_reports
+    from agent.instance.handover import Eos, Predecessor, Redirect, Send
+
+    copy = keyed_instance("cnt-b", {8 - 1: 1})
+    for g in range(4, 7):
+        copy.moves.expect(g, "p.cnt.0", 1)
+    stats = copy.snapshot_stats()
+    assert stats["expecting"] == [[4, "p.cnt.0", 1], [5, "p.cnt.0", 1], [6, "p.cnt.0", 1]]
+    reports = {"p.cnt.0": [[0, 7, 0]], "cnt-b": stats["groups"]}  # the keeper's last state: group 7 not moved yet
+    hosted = {"n1": [keyed_spec("p.source.0", "source", True), keyed_spec("p.op.0", "op", True),
+                     keyed_spec("p.cnt.0", "cnt", True), keyed_spec("p.sink.0", "sink", True)],
+              "n2": [keyed_spec("cnt-b", "cnt", creator="p.cnt.0")]}
+    plan = {d["instance"]: d for d in plan_rehome(
+        "n1", hosted, {"n2"}, {"cnt-b"}, 0, groups=reports,
+        expecting={"cnt-b": stats["expecting"] + [[9, 1, 1], "bad"], "p.cnt.0": [[0, "cnt-b", 1]]})}
+    extra = plan["p.cnt.0"]["extra"]
+    assert extra["owned_groups"] == [[0, 6, 0]]  # 7 is cnt-b's (version 1); 4-6 the keeper's until they move
+    assert extra["moves_out"] == [[4, "cnt-b", 1], [5, "cnt-b", 1], [6, "cnt-b", 1]]
+    keeper = keyed_instance("p.cnt.0", {}, restart=True, **extra)
+    m = keeper.moves.member
+    assert m.owned == set(range(7)) and {g: new for g, (new, _) in m.old.moving.items()} == {
+        4: "cnt-b", 5: "cnt-b", 6: "cnt-b"}
+    assert {g: m.old.versions[g] for g in m.old.moving} == {4: 1, 5: 1, 6: 1}
+    # the re-homed predecessor's table names the keeper at version 0: it takes the Redirects
+    table = table_from_reports(plan["p.op.0"]["extra"]["succ_groups"], 8)
+    pred = Predecessor("p.op.0", table)
+    for g in (4, 5, 6):
+        assert pred.on_redirect("p.cnt.0", Redirect(g, "cnt-b", 1)) == [Send("p.cnt.0", Eos(g, "p.op.0"))]
+    # a copy that is not expecting anything from the keeper: no move starts again
+    assert "moves_out" not in {d["instance"]: d for d in plan_rehome(
+        "n1", hosted, {"n2"}, {"cnt-b"}, 0, groups=reports)}["p.cnt.0"]["extra"]
+
+
+def test_groups_no_instance_reports_are_the_lost_keepers_when_nothing_else_there_may_hold_them() -> None:
+    """chaos --pipeline stateful-scaling, seed 1 again: a leaver handed its 16 groups to the keeper
+    and left a second before the keeper's node was lost; the node's last state still showed the
+    keeper without them, and the leaver was gone: "16 groups reported by no instance", the
+    re-homed in_zone dealt its table again and every Redirect was refused. A live instance's
+    report is fresh, so such groups moved onto the lost node after its last state; when its
+    keeper is the only instance there that may hold them (the others reported, or are copies
+    that said nothing), they are the keeper's, at version 0 on both sides. An instance of the
+    lost node that said nothing and is not a copy may hold them: then nothing is guessed."""
+    from agent.dataplane.owners import table_from_reports
+
+    hosted = {"n1": [keyed_spec("p.op.0", "op", True), keyed_spec("p.cnt.0", "cnt", True),
+                     keyed_spec("cnt-c", "cnt", creator="p.cnt.0")],
+              "n2": [keyed_spec("p.source.0", "source", True), keyed_spec("p.sink.0", "sink", True),
+                     keyed_spec("cnt-b", "cnt", creator="p.cnt.0")]}
+    reports = {"p.cnt.0": [[0, 3, 1]], "cnt-b": [[6, 7, 2]]}  # 4 and 5: installed at the keeper since
+    plan = {d["instance"]: d for d in plan_rehome("n1", hosted, {"n2"}, {"cnt-b"}, 0, groups=reports)}
+    assert plan["p.cnt.0"]["extra"]["owned_groups"] == [[0, 3, 1], [4, 5, 0]]
+    assert plan["cnt-c"]["extra"]["owned_groups"] == []
+    table = table_from_reports(plan["p.op.0"]["extra"]["succ_groups"], 8)
+    assert [(table.owner(g), table.version(g)) for g in range(8)] == (
+        [("p.cnt.0", 1)] * 4 + [("p.cnt.0", 0)] * 2 + [("cnt-b", 2)] * 2)
+    # the copy on the lost node is no copy (no creator) and said nothing: the groups may be its
+    hosted["n1"][2] = keyed_spec("cnt-c", "cnt")
+    plan = {d["instance"]: d for d in plan_rehome("n1", hosted, {"n2"}, {"cnt-b"}, 0, groups=reports)}
+    assert plan["p.cnt.0"]["extra"]["owned_groups"] == [[0, 3, 1]]
+
+
+def test_a_group_the_lost_keeper_was_moving_on_has_one_version_in_its_list_and_its_predecessors_table() -> None:
+    """chaos --pipeline stateful-scaling, seed 1: the lost keeper's last state lacked group 19 (it
+    came from a leaver since) and a live copy was waiting for it (version 3). The keeper resumed it
+    at version 2 and sent its Redirect again at 3, while its re-homed predecessor, given the group
+    as an unreported one at version 0, refused it ("Redirect of group 19 to version 3, after
+    version 0") and the copy never left. Both now take what the keeper resumes."""
+    from agent.dataplane.owners import table_from_reports
+    from agent.instance.handover import Eos, Predecessor, Redirect, Send
+
+    hosted = {"n1": [keyed_spec("p.op.0", "op", True), keyed_spec("p.cnt.0", "cnt", True)],
+              "n2": [keyed_spec("p.source.0", "source", True), keyed_spec("p.sink.0", "sink", True),
+                     keyed_spec("cnt-b", "cnt", creator="p.cnt.0")]}
+    plan = {d["instance"]: d for d in plan_rehome(
+        "n1", hosted, {"n2"}, {"cnt-b"}, 0, groups={"p.cnt.0": [[0, 3, 0]], "cnt-b": [[6, 7, 1]]},
+        expecting={"cnt-b": [[4, "p.cnt.0", 3], [5, "p.cnt.0", 3]]})}
+    assert plan["p.cnt.0"]["extra"]["owned_groups"] == [[0, 3, 0], [4, 5, 2]]
+    assert plan["p.cnt.0"]["extra"]["moves_out"] == [[4, "cnt-b", 3], [5, "cnt-b", 3]]
+    table = table_from_reports(plan["p.op.0"]["extra"]["succ_groups"], 8)
+    assert [table.version(g) for g in range(8)] == [0, 0, 0, 0, 2, 2, 1, 1]
+    pred = Predecessor("p.op.0", table)
+    assert pred.on_redirect("p.cnt.0", Redirect(4, "cnt-b", 3)) == [Send("p.cnt.0", Eos(4, "p.op.0"))]

@@ -584,3 +584,27 @@ def test_fogctl_deploys_with_the_node_slots_of_its_settings_or_of_an_agent_toml(
     own = tmp_path / "fogctl.toml"
     own.write_text('node_slots = { n3 = 1 }\n')
     assert load_config(env={}, path=own).node_slots == {"n3": 1}
+
+
+def test_a_node_back_after_its_instances_were_rehomed_binds_them_where_the_rehomer_of_its_absence_says() -> None:
+    """chaos --pipeline stateful-scaling, seed 1: n1 (in_zone's node) was lost, n2 (the lowest
+    online node then) re-homed in_zone onto itself and said so. n1 came back: its fresh agent
+    bound in_zone to n1 from its own stale record, then, once it forgot in_zone, to n2, unproven
+    for good: n2 was no longer the lowest online node, so its statement no longer counted, and
+    the copies n1 then started held and refused in_zone's envelopes ("not bound to node n2
+    within 20s"): 466 windows missing. The lowest online node besides the instance's old node
+    (the one that re-homed it) vouches; a statement of any other node still does not."""
+    from agent.node.hostmap import HostMap
+
+    up = {"n1": True, "n2": True, "n3": True}
+    m = HostMap("n1")
+    m.update({}, {"n1": [("in_zone", "p")]}, {})  # n1's own stale record, nothing else known yet
+    assert m.bound("in_zone") == "n1"
+    m.update({}, {"n1": [("in_zone", "p")], "n2": [("in_zone", "p")]}, up, None, {"n2": {"in_zone": "n2"}})
+    m.update({}, {"n1": [], "n2": [("in_zone", "p")]}, up, None, {"n2": {"in_zone": "n2"}})
+    assert m.bound("in_zone") == "n2" and m.proven("in_zone") and "unproven" not in m.table("p")
+    # n3 is not the lowest online node besides n1: its word proves nothing
+    h = HostMap("n1")
+    h.update({}, {"n1": [("in_zone", "p")]}, {})
+    h.update({}, {"n1": [], "n3": [("in_zone", "p")]}, up, None, {"n3": {"in_zone": "n3"}})
+    assert h.bound("in_zone") == "n3" and not h.proven("in_zone")

@@ -496,6 +496,11 @@ class Instance:
                 self._forward(list(again), index, self.now)
         if self.moves is not None:
             self.moves.after_restart()
+            if "moves_out" in self.spec.extra and "owned_groups" in self.spec.extra and not ev.state.get("moves"):
+                n = self.moves.resume_moves(self.spec.extra["moves_out"], self.scaling.core.preds)
+                if n:
+                    log.info("re-homed: the moves of %d key groups a live new owner waits for start again", n,
+                             extra=self.ctx)
 
     def _resume_groups(self, runs: Any) -> None:
         """Re-homed without our state: own what our dead incarnation last said it owned."""

@@ -689,13 +689,65 @@ class GroupMoves:
         self.member = Member(self.w.spec.instance, versions)
         self.versions = dict(versions)
 
+    def resume_moves(self, entries: Any, preds: Iterable[str]) -> int:
+        """A re-homed incarnation whose state was lost with its node: the moves its dead
+        incarnation had started (or finished handing out) and a live new owner still waits for
+        (`extra["moves_out"]`, agent.node.rehome: [group, new owner, the move's version]) start
+        again: Redirects to every predecessor (one that took the first already answers with its
+        Eos at once), then the group's state, as any move. Without it the new owner held the
+        group's records and waited for its state for ever. Bus input: an entry that does not fit
+        (not a group we own at the version before the move, already moving, ourselves) is
+        skipped. The number of groups whose move started again."""
+        if not isinstance(entries, list):
+            return 0
+        m = self.member
+        by_new: Dict[str, List[int]] = {}
+        for e in entries[:self.groups]:
+            if not (isinstance(e, list) and len(e) == 3 and type(e[0]) is int and isinstance(e[1], str)
+                    and type(e[2]) is int):
+                continue
+            g, new, v = e
+            if (g in m.owned and g not in m.old.moving and new != m.name and 0 < len(new) <= _MAX_NAME
+                    and self.versions.get(g, 0) + 1 == v):
+                by_new.setdefault(new, []).append(g)
+        preds = sorted(preds)
+        if not preds:
+            return 0
+        n = 0
+        for new, gs in sorted(by_new.items()):
+            self.start_many(sorted(set(gs)), new, preds, offer=False)
+            n += len(set(gs))
+        return n
+
     def _error(self, sender: str, why: str) -> None:
         self.w.handover_error(sender, why)
 
+    def reported_groups(self) -> Dict[int, int]:
+        """What the heartbeat says we own (`groups`), which a re-home reads (agent.node.rehome):
+        every group whose state is here, at the version a predecessor's table gives it. A group
+        moving out is still ours at the version before the move (`versions` holds the move's)
+        until its last Eos: a predecessor that has not taken our Redirect routes it to us, and a
+        predecessor re-homed with a table from these reports takes our Redirect sent again after
+        the silence. Left out, a group in the middle of a move was reported by no instance, the
+        re-homed predecessor dealt its table again and refused the movers' Redirects for ever
+        ("which does not own it")."""
+        m = self.member
+        out = {g: self.versions.get(g, 0) for g in m.owned if g not in m.old.moving}
+        for g in m.old.moving:
+            if g in m.owned:
+                out[g] = max(0, max(self.versions.get(g, 0), m.old.versions.get(g, -1)) - 1)
+        return out
+
     def stats(self) -> Dict[str, Any]:
         m = self.member
-        settled = {g: self.versions.get(g, 0) for g in m.owned if g not in m.old.moving}
+        settled = self.reported_groups()
         return {"handover": dict(self.counts, owned=len(m.owned), moving=len(m.old.moving),
                                  expected=len(m.new.expected), held=self.held),
                 "groups": group_runs(settled),
+                # groups handed out (every Eos in: a predecessor's table names the new owner), not
+                # Installed yet: [group, new owner, the move's version] (agent.node.rehome)
+                "handed": [[g, new, v] for g, (new, v, _) in sorted(self.outgoing.items())],
+                # groups on their way here: [group, old owner, the move's version] (agent.node.rehome:
+                # a re-homed old owner that no longer knows it was moving one starts the move again)
+                "expecting": [[g, old, self.versions.get(g, -1)] for g, old in sorted(m.new.expected.items())],
                 "first_installed_at": self.first_installed_at, "first_applied_at": self.first_applied_at}

@@ -1879,6 +1879,19 @@ class Agent:
                 out[str(i.get("id"))] = stats["groups"]
         return out
 
+    def _lost_moves(self, lost: str, key: str) -> Dict[str, Any]:
+        """The moves each keyed instance last said it was part of, read as `_lost_groups`: `handed`
+        (handed out, not installed yet: a re-homed predecessor's table names their new owners)
+        or `expecting` (on their way to it: a re-homed old owner starts them again), for
+        agent.node.rehome.plan_rehome."""
+        out: Dict[str, Any] = {i: w.stats[key] for i, w in self.supervisor.workers.items()
+                               if isinstance(w.stats.get(key), list) and w.stats[key]}
+        for i in self._entries_elsewhere(lost):
+            stats = i.get("stats")
+            if isinstance(stats, dict) and isinstance(stats.get(key), list) and stats[key]:
+                out[str(i.get("id"))] = stats[key]
+        return out
+
     def _listed_elsewhere(self) -> Set[str]:
         """Instance ids that another ONLINE node lists in its retained state."""
         return {str(i.get("id")) for i in self._entries_elsewhere()}
@@ -2096,7 +2109,8 @@ class Agent:
             plan = rehome.plan_rehome(node, self.hosted_by_node, online, listed, int(wall),
                                       departing=self._in_state(("departing", "terminated")),
                                       idle=self._in_state(("idle",), lost=node),
-                                      groups=self._lost_groups(node))
+                                      groups=self._lost_groups(node), handed=self._lost_moves(node, "handed"),
+                                      expecting=self._lost_moves(node, "expecting"))
             self._rehomed.add(node)
             if plan:
                 record = self.rehomed_by_node.setdefault(self.node, {})

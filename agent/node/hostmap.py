@@ -133,6 +133,12 @@ class HostMap:
 
         rehomer = min([n for n in online if up(n)] + [self.node])
 
+        def rehomer_without(node: str) -> str:
+            # who re-homed an instance of `node` while `node` was offline: the lowest online node
+            # other than it (`rehome.responsible`), as long as the others stayed as they are
+            rest = [n for n in {*online, self.node} if n != node and up(n)]
+            return min(rest) if rest else rehomer
+
         pending: Dict[str, Tuple[str, ...]] = {}
         for inst in sorted(set(claims) | set(local)):
             nodes = sorted(set(claims.get(inst, ())))
@@ -180,7 +186,15 @@ class HostMap:
                     # nothing here: it says the instance was re-homed once, not where to, and an
                     # earlier re-home's entry made the only online claimer of a dead node's
                     # instance its proven holder (docs/security.md, "Data channels", What is left (2)).
-                    new, proven = others[0], _vouched(inst, others[0], moved, rehomer)
+                    # The re-homer is the lowest online node: once the instance's old node is
+                    # back online that is often the old node itself, and the node that re-homed
+                    # it in its absence would no longer vouch for where it put it (a node that
+                    # came back bound it to itself from its own stale record first, then to the
+                    # re-homed copy unproven for good, and its new workers refused that copy's
+                    # envelopes: chaos --pipeline stateful-scaling, seed 1). So the lowest online
+                    # node besides the old one vouches too: it re-homed it.
+                    new, proven = others[0], (_vouched(inst, others[0], moved, rehomer)
+                                              or _vouched(inst, others[0], moved, rehomer_without(cur)))
             else:
                 # No binding yet (this agent just started, or never saw the instance): a claim
                 # proves nothing, so several claimers bind only the one a statement names.

@@ -35,6 +35,8 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, 
 
 from agent import wire
 from agent.config import load_pipeline_text
+from agent.dataplane.keygroups import MAX_GROUPS
+from agent.dataplane.owners import MAX_NAME, TableError, group_runs, groups_from_runs
 
 __all__ = ["responsible", "plan_rehome", "encode_hosted", "decode_hosted"]
 
@@ -97,6 +99,8 @@ def plan_rehome(
     departing: Iterable[str] = (),
     idle: Iterable[str] = (),
     groups: Optional[Mapping[str, Any]] = None,
+    handed: Optional[Mapping[str, Any]] = None,
+    expecting: Optional[Mapping[str, Any]] = None,
 ) -> List[Dict[str, Any]]:
     """The specs to start elsewhere for the instances of `dead` (sorted by instance id).
 
@@ -132,7 +136,21 @@ def plan_rehome(
     other's Redirects for ever), and `extra["succ_groups"]`, its successors' reports, from which a
     re-homed predecessor of keyed instances builds its group table (its saved one went with its
     node; the dealing named owners the groups had left). Not checked here: the worker reads both as
-    bus input (agent.instance.core `_resume_groups`, agent.instance.groups `restored_table`).
+    bus input (agent.instance.core `_resume_groups`, agent.instance.groups `restored_table`). A
+    group moving out is reported by its old owner at its version before the move until the move's
+    last Eos (agent.instance.moves `reported_groups`). A copy of a keyed operator that its node's
+    last state did not list (created just before the loss) is told it owns no group.
+
+    `handed`: per keyed instance, the groups it last said it had handed out and not seen
+    installed yet ([group, new owner, version]: every predecessor's Eos was in, so their tables
+    named the new owner). Reported by neither side otherwise; the successors' reports a
+    re-homed predecessor gets name the new owner for them (`_with_handed`).
+
+    `expecting`: per keyed instance, the groups on their way to it ([group, old owner,
+    version]). A re-homed keyed instance resumes its groups without those a live sibling
+    reports at a newer version (moved on since its node's last state), and with those a live
+    sibling expects from it, whose moves it starts again (`extra["moves_out"]`: its dead
+    incarnation's memory of them went with its node, and the new owner waited for ever).
     """
     gone = set(departing)
     waiting = set(idle)
@@ -147,6 +165,31 @@ def plan_rehome(
             creator = _creator(s)
             if creator and s["instance"] in waiting:
                 copies.setdefault(creator, []).append(str(s["instance"]))
+    alive = {str(s["instance"]) for node, specs in hosted_by_node.items() if node != dead and node in online
+             for s in specs}
+    # The groups each keyed instance of the lost node resumes and the moves it starts again
+    # (`_resume_plan`); what its re-homed predecessors are told it owns is the same.
+    lost = [s for s in hosted_by_node.get(dead, ()) if s["instance"] not in listed_online]
+    owned_reports: Dict[str, Any] = dict(groups or {})
+    moves_out: Dict[str, List[List[Any]]] = {}
+    for s in lost:
+        inst = str(s["instance"])
+        runs = owned_reports.get(inst)
+        if runs is None and _creator(s) and any(i in owned_reports for i in members.get(
+                (str(s["pipeline"]), str(s["operator"])), ())):
+            # A copy of a keyed operator that its node's last state did not list (created just
+            # before the loss): no group was installed there as far as anyone reported, so it owns
+            # none. The dealing made it a second owner of every group ("handing 128 key groups"),
+            # and it and its siblings refused each other's Redirects for ever.
+            runs = []
+        if runs is not None:
+            owned_reports[inst], moves_out[inst] = _resume_plan(inst, runs, groups, expecting, alive)
+    # with the groups handed out under their new owners, and the groups nobody reports given to
+    # the lost node's keeper (`_unreported_to_keepers`)
+    reports = _with_handed(owned_reports, handed)
+    fill = _unreported_to_keepers(lost, members, reports)
+    owned_reports = _added(owned_reports, fill)
+    reports = _added(reports, fill)
     out: List[Dict[str, Any]] = []
     for s in sorted(hosted_by_node.get(dead, ()), key=lambda x: str(x["instance"])):
         if s["instance"] in listed_online:
@@ -165,12 +208,15 @@ def plan_rehome(
             extra["idle_copies"] = mine[:MAX_IDLE_COPIES]
         else:
             extra.pop("idle_copies", None)
-        owned = (groups or {}).get(str(s["instance"]))
+        owned = owned_reports.get(str(s["instance"]))
+        extra.pop("moves_out", None)
         if owned is not None:
             extra["owned_groups"] = owned
+            if moves_out.get(str(s["instance"])):
+                extra["moves_out"] = moves_out[str(s["instance"])]
         else:
             extra.pop("owned_groups", None)
-        reported = {i: (groups or {})[i] for i in succs if i in (groups or {})}
+        reported = {i: reports[i] for i in succs if i in reports}
         if reported:  # a predecessor of keyed instances: its group table from what they own
             extra["succ_groups"] = reported
         else:
@@ -178,6 +224,125 @@ def plan_rehome(
         active = not (s["instance"] in waiting and _creator(s) and not s.get("keeper"))
         out.append({**s, "succs": succs, "preds": preds, "restart": True, "active": active, "extra": extra})
     return out
+
+
+def _with_handed(groups: Optional[Mapping[str, Any]], handed: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
+    """The owners' reports (`groups`) with each group an old owner handed out (`handed`, bus
+    input: malformed entries skipped) added to its new owner's, at the move's version, unless
+    that owner reports it at that version or a newer one already."""
+    out = dict(groups or {})
+    adds: Dict[str, Dict[int, int]] = {}
+    for entries in (handed or {}).values():
+        if not isinstance(entries, list):
+            continue
+        for e in entries[:MAX_GROUPS]:
+            if (isinstance(e, list) and len(e) == 3 and type(e[0]) is int and 0 <= e[0] < MAX_GROUPS
+                    and isinstance(e[1], str) and 0 < len(e[1]) <= MAX_NAME and type(e[2]) is int and 0 <= e[2] < 2 ** 53):
+                d = adds.setdefault(e[1], {})
+                d[e[0]] = max(d.get(e[0], -1), e[2])
+    for new, add in sorted(adds.items()):
+        try:
+            mine = groups_from_runs(out.get(new, []))
+        except TableError:
+            continue  # the worker refuses that report as a whole anyway
+        for g, v in add.items():
+            if mine.get(g, -1) < v:
+                mine[g] = v
+        out[new] = group_runs(mine)
+    return out
+
+
+def _key_groups(toml_text: str, operator: str) -> Optional[int]:
+    try:
+        ops = {op.name: op for op in load_pipeline_text(toml_text, "hosted record").operators}
+    except Exception:  # noqa: BLE001 - a record we cannot read is skipped, never fatal
+        return None
+    op = ops.get(operator)
+    return int(op.key_groups) if op is not None else None
+
+
+def _unreported_to_keepers(lost: Sequence[Mapping[str, Any]], members: Mapping[Tuple[str, str], Set[str]],
+                           reports: Mapping[str, Any]) -> Dict[str, Dict[int, int]]:
+    """The key groups no instance of a keyed operator reports, for the operator's keeper when it
+    was on the lost node: {keeper: {group: 0}}. A live instance's report is fresh, and a group
+    on its way between live instances is reported by one side (`reported_groups`, `handed`);
+    the lost node's last state is up to a state period old, so a group missing from every report
+    moved onto the lost node after it (a leaver's group installed at the keeper, the leaver gone
+    since: the keeper's Installed leaves only once its standby holds the group, so the standby
+    copy has it). Leavers hand their groups to the keeper, which never terminates; only when
+    every other instance of the operator on the lost node reported (or is a copy that said
+    nothing, which owns no group: `plan_rehome`) can the keeper be the one holding them. Version 0:
+    the re-homed keeper and the re-homed predecessors take it alike, and nobody else holds the
+    group. Without it the re-homed predecessor dealt its whole table again (chaos
+    --pipeline stateful-scaling, seed 1: "16 groups reported by no instance")."""
+    out: Dict[str, Dict[int, int]] = {}
+    for s in lost:
+        if not s.get("keeper"):
+            continue
+        inst, key = str(s["instance"]), (str(s["pipeline"]), str(s["operator"]))
+        names = members.get(key, set())
+        if not any(i in reports for i in names):
+            continue  # not a keyed operator, or nothing reported: nothing known
+        if any(str(o["instance"]) not in reports and not _creator(o) for o in lost
+               if (str(o["pipeline"]), str(o["operator"])) == key and o is not s):
+            continue  # another instance of the lost node said nothing: the groups may be its
+        n = _key_groups(str(s["pipeline_toml"]), str(s["operator"]))
+        if n is None:
+            continue
+        seen: Set[int] = set()
+        for i in names:
+            try:
+                seen |= set(groups_from_runs(reports.get(i, []), n))
+            except TableError:
+                seen = set(range(n))  # a report we cannot read: guess nothing
+                break
+        missing = set(range(n)) - seen
+        if missing:
+            out[inst] = {g: 0 for g in missing}
+    return out
+
+
+def _added(reports: Optional[Mapping[str, Any]], fill: Mapping[str, Mapping[int, int]]) -> Dict[str, Any]:
+    out = dict(reports or {})
+    for inst, add in fill.items():
+        try:
+            mine = groups_from_runs(out.get(inst, []))
+        except TableError:
+            continue
+        mine.update(add)
+        out[inst] = group_runs(mine)
+    return out
+
+
+def _resume_plan(inst: str, runs: Any, groups: Optional[Mapping[str, Any]], expecting: Optional[Mapping[str, Any]],
+                 alive: Set[str]) -> Tuple[Any, List[List[Any]]]:
+    """The groups a re-homed keyed instance resumes (runs) and the moves it starts again: its
+    last report less what a live sibling reports at a newer version, plus each group a live
+    sibling expects from it (at the version before that move). Bus input: a report that does
+    not parse is passed on as it is (the worker refuses it as a whole)."""
+    try:
+        mine = groups_from_runs(runs)
+    except TableError:
+        return runs, []
+    for other in sorted(alive - {inst}):
+        try:
+            theirs = groups_from_runs((groups or {}).get(other, []))
+        except TableError:
+            continue
+        for g, v in theirs.items():
+            if g in mine and v > mine[g]:
+                del mine[g]
+    moves: List[List[Any]] = []
+    for new in sorted(alive - {inst}):
+        entries = (expecting or {}).get(new)
+        if not isinstance(entries, list):
+            continue
+        for e in entries[:MAX_GROUPS]:
+            if (isinstance(e, list) and len(e) == 3 and type(e[0]) is int and 0 <= e[0] < MAX_GROUPS
+                    and e[1] == inst and type(e[2]) is int and 1 <= e[2] < 2 ** 53):
+                mine[e[0]] = e[2] - 1
+                moves.append([e[0], new, e[2]])
+    return group_runs(mine), sorted(moves)
 
 
 def _creator(spec: Mapping[str, Any]) -> str:
