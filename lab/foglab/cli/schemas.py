@@ -24,6 +24,7 @@ __all__ = ["SCHEMAS"]
 MEDIAN_MAX = _obj({"median": _null(NUM, "seconds; null: no value"), "max": _null(NUM), "n": INT},
                   description="seconds, over n values")
 RATIO = _obj({"median": _null(NUM), "max": _null(NUM)})
+DROPPED = _null(INT, "messages the broker dropped in the run; null: its $SYS counter was not read")
 LOST_ID = dict(_list({"type": ["string", "integer"]}, "[source instance, record number]"), minItems=2, maxItems=2)
 VERDICT_COUNTS = {  # the record-id accounting of agent.testing / foglab.tools.verify
     "records_in": _d(INT, "records the source generated"), "records_expected": INT,
@@ -108,7 +109,7 @@ _SHAPES: Dict[str, Dict[str, Any]] = {
         simulated_ms=NUM, sent_per_s=_list(INT, "messages sent per simulated second"),
         send_wait_ms_max=_list(NUM, "per node"))),
     "bench gme": _obj(dict(
-        GME_COMMON, think_ms=NUM, cs_ms=NUM, procs=INT, broker_dropped=INT, peak_rss_mb=NUM, wall_s=NUM,
+        GME_COMMON, think_ms=NUM, cs_ms=NUM, procs=INT, broker_dropped=DROPPED, peak_rss_mb=NUM, wall_s=NUM,
         timed_out=_d(BOOL, "--timeout ended the run (exit 3)"), errors=_list(S),
         timeline=_list(_open("{t_s, sent, inbox_max, delay_ms_mean}"), "per second"),
         node_states=_list(_open("a node's state"), "with timed_out: every node's state")),
@@ -237,7 +238,7 @@ _SHAPES: Dict[str, Dict[str, Any]] = {
         "protocol_messages": INT, "malformed": INT, "sends_to_terminated": INT,
         "handover": _obj({"messages": INT, "bytes": INT}, description="key groups that moved"),
         "keyed_late": _map(INT, "records keyed operators judged late, windows closed incomplete"),
-        "broker_dropped": INT, "decision_to_first_record_s": MEDIAN_MAX,
+        "broker_dropped": DROPPED, "decision_to_first_record_s": MEDIAN_MAX,
         "rescale_by_operator": _open("operator -> its rescale split (round, hand-over, first record)"),
         "rss_mb": _obj({"agent_max": _null(NUM), "worker_min": _null(NUM), "worker_max": _null(NUM)}),
         "agent_exit_codes": _open("node -> exit status"), **VERDICT_COUNTS,
