@@ -45,7 +45,7 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Deque, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Deque, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 from agent import events, notify, signing, topics
 from agent.config import AgentConfig, check_tls, load_agent_config, load_pipeline_text, resolve_password
@@ -242,9 +242,8 @@ class Agent:
         # Which node hosts which instance (docs/security.md, "Data channels"): sent to every worker
         # as the control line "hosts", which checks the writing node of each inbox message with it.
         self.hostmap = HostMap(self.node)
+        self.hostmap.restore(_read_json(Path(cfg.agent.state_dir) / BINDINGS_FILE))
         self._bindings_saved = self.hostmap.saved()
-        if self.hostmap.restore(_read_json(Path(cfg.agent.state_dir) / BINDINGS_FILE)):
-            self._bindings_saved = self.hostmap.saved()
         self._near: Set[str] = set()  # nodes hosting instances of our pipelines (`_sync_hosts`)
         self._hosts_dirty = True
         self._hosts_sent: Dict[str, Tuple[int, Dict[str, Any]]] = {}  # instance -> (pid, table sent)
@@ -332,7 +331,10 @@ class Agent:
         mqttc.connect(c, self.broker, SESSION, blocking=False)
         return c
 
-    def _publish(self, topic: str, payload: bytes, retain: bool = False, qos: int = 1, properties: Any = None) -> bool:
+    def _publish(self, topic: str, payload: bytes, retain: bool = False, qos: int = 1,
+                 properties: Any = None) -> Union[bool, int]:
+        """False when not queued, else the message id (true: paho's ids start at 1), whose PUBACK
+        some callers wait for (replicas.Replication.published)."""
         if self._client is None:
             return False
         info = self._client.publish(topic, payload, qos=qos, retain=retain, properties=properties)
@@ -340,7 +342,7 @@ class Agent:
             # paho does not raise on a full queue (docs/design.md section 6): say so, never drop silently.
             log.warning("publish to %s not queued (rc=%s)", topic, info.rc, extra={"node": self.node})
             return False
-        return True
+        return getattr(info, "mid", 0) or True
 
     def _on_connected(self, session_present: bool) -> None:
         if self._ever_connected and self.metrics is not None:
@@ -672,12 +674,21 @@ class Agent:
             self._moved_to[instance] = node
             while len(self._moved_to) > MAX_MOVED:
                 del self._moved_to[next(iter(self._moved_to))]
-            try:
-                _save_moved(Path(self.cfg.agent.state_dir), self._moved_to)
-            except OSError as exc:
-                log.warning("moved statements not saved: %s", exc, extra={"node": self.node})
+            self._keep(MOVED_FILE, {"moved": [[i, n] for i, n in self._moved_to.items()]}, "moved statements")
             self._state_dirty = True
             self._hosts_dirty = True
+
+    def _keep(self, name: str, doc: Any, what: str) -> bool:
+        """Write `doc` as `<state_dir>/<name>` (atomically) for the next start; False, logged, when
+        the disk refused it."""
+        state_dir = Path(self.cfg.agent.state_dir)
+        try:
+            state_dir.mkdir(parents=True, exist_ok=True)
+            write_atomic(state_dir / name, json.dumps(doc))
+        except OSError as exc:
+            log.warning("%s not saved: %s", what, exc, extra={"node": self.node})
+            return False
+        return True
 
     def _publish_state(self, now: float) -> None:
         if self.metrics is not None:  # fog_instances, fog_spool_*: on the beat of the retained state
@@ -1345,12 +1356,7 @@ class Agent:
         payload = self.site_leases.statement(self.online, self.wall())
         if payload is not None:
             self._publish(topics.site_manager(self.cluster, self.node), payload, retain=True)
-            try:
-                Path(self.cfg.agent.state_dir).mkdir(parents=True, exist_ok=True)
-                write_atomic(Path(self.cfg.agent.state_dir) / FOLLOWED_FILE,
-                             json.dumps({"follows": self.site_leases.stated}))
-            except OSError as exc:
-                log.warning("the leader followed not saved: %s", exc, extra={"node": self.node})
+            self._keep(FOLLOWED_FILE, {"follows": self.site_leases.stated}, "the leader followed")
 
     def _on_latency_row(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
         self.latency[str(parsed.node)] = nodestate.parse_latency(msg.payload)
@@ -1989,15 +1995,8 @@ class Agent:
         PUBACK (replicas.Replication.published), so paho holds a few parts, not the snapshot."""
         if self._hosted_dirty:  # the standby accepts a copy only of what our hosted record lists: first
             self._publish_hosted()
-        if self._client is None:
-            return False
         props = rpc.publish_properties(correlation) if correlation is not None else None
-        info = self._client.publish(topics.agent_peer(self.cluster, standby, self.node), rpc.encode(body), qos=1,
-                                    properties=props)
-        if info.rc != 0:
-            log.warning("publish to %s not queued (rc=%s)", standby, info.rc, extra={"node": self.node})
-            return False
-        return getattr(info, "mid", 0) or True
+        return self._publish(topics.agent_peer(self.cluster, standby, self.node), rpc.encode(body), properties=props)
 
     def _tell_replicated(self, instance: str, gen: int, size: int) -> None:
         self.supervisor.send(instance, "replicated", gen=gen, log=size)
@@ -2066,15 +2065,8 @@ class Agent:
     def _save_bindings(self) -> None:
         """Keep the proven bindings over a restart (agent.node.hostmap, `saved`), when they changed."""
         saved = self.hostmap.saved()
-        if saved == self._bindings_saved:
-            return
-        try:
-            Path(self.cfg.agent.state_dir).mkdir(parents=True, exist_ok=True)
-            write_atomic(Path(self.cfg.agent.state_dir) / BINDINGS_FILE, json.dumps(saved))
-        except OSError as exc:
-            log.warning("bindings not saved: %s", exc, extra={"node": self.node})
-            return
-        self._bindings_saved = saved
+        if saved != self._bindings_saved and self._keep(BINDINGS_FILE, saved, "bindings"):
+            self._bindings_saved = saved
 
     def _maybe_rehome(self, now: float) -> None:
         """Start elsewhere, same identities, the instances of nodes offline for `dead_after`
@@ -2424,11 +2416,6 @@ def _load_moved(state_dir: Path) -> Dict[str, str]:
     listed = (_read_json(state_dir / MOVED_FILE) or {}).get("moved")
     pairs = [e for e in listed if isinstance(e, list) and len(e) == 2] if isinstance(listed, list) else []
     return dict([(i, n) for i, n in pairs if isinstance(i, str) and isinstance(n, str)][-MAX_MOVED:])
-
-
-def _save_moved(state_dir: Path, moved: Dict[str, str]) -> None:
-    state_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(state_dir / MOVED_FILE, json.dumps({"moved": [[i, n] for i, n in moved.items()]}))
 
 
 def _generation_of(spec: Mapping[str, Any]) -> str:
