@@ -230,7 +230,6 @@ def _with_handed(groups: Optional[Mapping[str, Any]], handed: Optional[Mapping[s
     """The owners' reports (`groups`) with each group an old owner handed out (`handed`, bus
     input: malformed entries skipped) added to its new owner's, at the move's version, unless
     that owner reports it at that version or a newer one already."""
-    out = dict(groups or {})
     adds: Dict[str, Dict[int, int]] = {}
     for entries in (handed or {}).values():
         if not isinstance(entries, list):
@@ -240,16 +239,7 @@ def _with_handed(groups: Optional[Mapping[str, Any]], handed: Optional[Mapping[s
                     and isinstance(e[1], str) and 0 < len(e[1]) <= MAX_NAME and type(e[2]) is int and 0 <= e[2] < 2 ** 53):
                 d = adds.setdefault(e[1], {})
                 d[e[0]] = max(d.get(e[0], -1), e[2])
-    for new, add in sorted(adds.items()):
-        try:
-            mine = groups_from_runs(out.get(new, []))
-        except TableError:
-            continue  # the worker refuses that report as a whole anyway
-        for g, v in add.items():
-            if mine.get(g, -1) < v:
-                mine[g] = v
-        out[new] = group_runs(mine)
-    return out
+    return _added(groups, adds)
 
 
 def _key_groups(toml_text: str, operator: str) -> Optional[int]:
@@ -302,14 +292,19 @@ def _unreported_to_keepers(lost: Sequence[Mapping[str, Any]], members: Mapping[T
     return out
 
 
-def _added(reports: Optional[Mapping[str, Any]], fill: Mapping[str, Mapping[int, int]]) -> Dict[str, Any]:
+def _added(reports: Optional[Mapping[str, Any]], adds: Mapping[str, Mapping[int, int]]) -> Dict[str, Any]:
+    """`reports` with each instance's `adds` ({group: version}) in its runs, where its report
+    does not name the group at that version or a newer one (a report that does not parse is left
+    as it is: the worker refuses it as a whole anyway)."""
     out = dict(reports or {})
-    for inst, add in fill.items():
+    for inst, add in sorted(adds.items()):
         try:
             mine = groups_from_runs(out.get(inst, []))
         except TableError:
             continue
-        mine.update(add)
+        for g, v in add.items():
+            if mine.get(g, -1) < v:
+                mine[g] = v
         out[inst] = group_runs(mine)
     return out
 
