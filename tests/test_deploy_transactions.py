@@ -151,6 +151,7 @@ def test_undeployed_stays_gone_over_agent_and_broker_restarts_and_force_stops_or
         broker = fleet.broker = start_private_broker(tmp_path / "broker", port=broker.port, persistence=False)
         fleet.start(capsys)
         assert wait_until(lambda: sum(len(v) for v in running(capsys, broker, cluster).values()) == 3, 10)
+        assert listed(capsys, broker, cluster, 3)  # undeploy reads the retained states, which may lag the workers
 
         code, doc, err = fogctl(capsys, broker, cluster, "undeploy", "p")
         assert code == 1 and "no description" in err and "undeploy --force p" in err, err
