@@ -164,7 +164,8 @@ def damped5(monkeypatch):
 def test_deviation_4_exhaustively_safe_and_live_on_the_suite_sizes(damped, sizes, requests):
     """The damping changes which states are reachable, so the checker runs again on it (every
     delivery order; the dead-variable classes and the acyclicity measure checked on every local
-    step). The 2+2 x 2 proof in docs/gme.md covers the published variant only."""
+    step). The 2+2 x 2 verdicts (docs/gme.md, "Checker: what is proven, and what is not") run
+    outside the suite; these are the suite's sizes."""
     from foglab.sim.gme_check import exhaustive_check
 
     r = exhaustive_check("2fgme", sizes, requests, symmetry=True, merge_dead=True)
