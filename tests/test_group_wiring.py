@@ -346,7 +346,7 @@ def test_records_held_for_a_group_on_its_way_are_acked_upstream_only_once_their_
         net, p, a, b = moved_run(seed, [1, 3, 6], net_cls=SilentSinkNet)
         held += b.moves.counts["held_records"] > 0
         assert b.moves.member.owned == {1, 3, 6}, f"seed {seed}: the move finished"
-        acked = {dest: link.acked_upto for dest, link in p.links.items()}
+        acked = {dest: link.acked_upto for dest, link in p.outputs.links.items()}
         assert set(acked.values()) == {0}, f"seed {seed}: acked upstream, its outputs not acked: {acked}"
         if b.moves.counts["held_records"]:
             assert b.moves.lowest_held() is not None, f"seed {seed}: held records' inputs released"

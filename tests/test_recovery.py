@@ -216,7 +216,7 @@ def test_batches_a_successor_never_acks_are_replayed_to_it(tmp_path) -> None:  #
     from agent.dataplane.envelope import Envelope, Kind, decode, encode
     from agent.mqtt.transport import Received
     from agent.dataplane.channel import Inbound
-    from agent.instance.core import LINK_SILENCE
+    from agent.instance.outputs import LINK_SILENCE
 
     clock, wire = [100.0], MemoryWire()
     w, to_work, first = _source_sent_two_batches(tmp_path, clock, wire)
@@ -657,7 +657,7 @@ def test_a_refused_ack_of_a_sink_is_published_later_and_later_acks_follow(tmp_pa
     wire.events += [batch(s) for s in range(3, 9)]
     run(1.0)
     assert acked() == 8, f"the sink acked only up to {acked()} of 8 batches"
-    assert not w.core.retry
+    assert not w.core.outputs.retry
 
 
 def _active_copy(tmp_path, clock: list, restart: bool = False, extra: Optional[dict] = None):  # type: ignore[no-untyped-def]

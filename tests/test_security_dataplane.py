@@ -231,7 +231,7 @@ def test_thirty_thousand_acks_from_invented_senders_leave_no_trace(tmp_path) -> 
     assert w.core._refusals.suppressed + 20 >= w.core.stats["refused_senders"] - 1  # noqa: SLF001 - few log lines
     _run(w, clock, PROBE_TTL + 2.0, step=0.5)
     assert w.core.inbound.senders() == 1 and set(w.core.queues) <= {"source-0"}  # unanswered probes forgotten
-    assert len(w.core.outbound._next) <= 2  # noqa: SLF001 - sink-0, source-0
+    assert len(w.core.outputs.outbound._next) <= 2  # noqa: SLF001 - sink-0, source-0
     assert len(state.read_text()) <= size + 50, state.read_text()
     assert "ghost" not in state.read_text() and "work-0000" not in state.read_text()
 
@@ -242,7 +242,7 @@ def test_a_forged_ack_beyond_what_was_sent_cannot_release_the_replay_buffer(tmp_
     inbox = topics.inbox("c", "work-0", "local")
     wire.events.append(Received(inbox, encode_data("source-0", 0, 1, _records(0, 4))))
     _run(w, clock, 0.5)
-    link = w.core.links["sink-0"]
+    link = w.core.outputs.links["sink-0"]
     assert link.inflight == 1
     wire.events.append(Received(inbox, encode(Envelope("sink-0", 0, 1, Kind.ACK, [w.core.epoch, 10 ** 6]))))
     _run(w, clock, 0.2)
@@ -295,7 +295,7 @@ def test_data_claimed_by_a_known_sender_that_is_no_predecessor_is_never_processe
     wire.events.append(Received(inbox, encode(Envelope("sink-0", 0, 1, Kind.ACK, [w.core.epoch, 1]))))
     wire.events.append(Received(inbox, encode_data("sink-0", 0, 2, _records(100, 4))))
     _run(w, clock, 0.5)
-    assert w.core.links["sink-0"].inflight == 0  # its ack is fine
+    assert w.core.outputs.links["sink-0"].inflight == 0  # its ack is fine
     assert w.core.stats["records_in"] == 4 and w.core.hold.count == 0 and w.core.stats["refused_senders"] == 1
     _run(w, clock, HOLD_TTL + 1.0, step=0.5)
     assert w.core.stats["records_in"] == 4 and w.core.stats["refused_senders"] == 1

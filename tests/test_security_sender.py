@@ -558,11 +558,11 @@ def test_a_per_node_worker_sends_to_the_bound_node_parks_what_is_unbound_and_fol
     wire.events.append(Received(mine("n1"), encode_data("source-0", 0, 1, _records(0, 4))))
     _run(w, clock, 0.5)
     assert w.core.stats["records_in"] == 4 and not wire.sent  # sink-0 unbound: parked, nothing acked upstream
-    assert [len(q) for q in w.core.unrouted.values()] == [1] and not w.core.drained()
+    assert [len(q) for q in w.core.outputs.unrouted.values()] == [1] and not w.core.drained()
     w.feed(Control({"event": "hosts", "bound": {"source-0": "n1", "work-0": "n1", "sink-0": "n2"}}), clock[0])
     _run(w, clock, 0.3)
     data = sent(Kind.DATA)
-    assert [t for t, _ in data] == [topics.inbox_at("c", "n2", "sink-0", "n1")] and not w.core.unrouted
+    assert [t for t, _ in data] == [topics.inbox_at("c", "n2", "sink-0", "n1")] and not w.core.outputs.unrouted
     # sink-0 (n2) acks it: work-0 acks the source, on the source's node's topic
     wire.events.append(Received(mine("n2"), encode(Envelope("sink-0", 0, 1, Kind.ACK, [0, 1]))))
     _run(w, clock, 0.5)
@@ -601,7 +601,7 @@ def test_a_per_node_worker_resends_at_once_what_went_to_a_moved_receivers_old_no
     binding names n3, the unacked batch goes to n3 at once under its own number, not after the
     next wait of 20 s; and the backoff starts over (a resend lost again is retried after 5 s)."""
     from agent.dataplane.envelope import decode
-    from agent.instance.core import LINK_SILENCE
+    from agent.instance.outputs import LINK_SILENCE
 
     clock = [100.0]
     w, wire = _worker(tmp_path, "work", clock, node="n1",
@@ -629,7 +629,7 @@ def test_a_per_node_worker_resends_at_once_what_went_to_a_moved_receivers_old_no
     wire.events.append(Received(topics.inbox_at("c", "n1", "work-0", "n3"),
                                 encode(Envelope("sink-0", 0, 1, Kind.ACK, [0, 1]))))
     _run(w, clock, 3 * LINK_SILENCE)
-    assert data_to("n3") == [1, 1] and w.core.links["sink-0"].inflight == 0
+    assert data_to("n3") == [1, 1] and w.core.outputs.links["sink-0"].inflight == 0
     w.feed(Abort("test"), clock[0])
 
 
