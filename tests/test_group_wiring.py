@@ -477,9 +477,9 @@ def test_a_sibling_may_send_only_hand_over_messages_and_a_stranger_none() -> Non
     body = {"type": "offer", "g": 2, "v": 1}
     for sender, expect in (("cnt-a", True), ("sink-9", False), ("op-7", False)):
         env = Envelope(sender, 0, 1, Kind.PROTO, body)
-        assert b._sender_allowed(env) is expect, sender
+        assert b.admission.sender_allowed(env, b.scaling) is expect, sender
     dup = Duplication("cnt-a", 2, 1, ("cnt-c",)).to_dict()
-    assert not b._sender_allowed(Envelope("cnt-z", 0, 1, Kind.PROTO, dup))
+    assert not b.admission.sender_allowed(Envelope("cnt-z", 0, 1, Kind.PROTO, dup), b.scaling)
     # hostile bodies: counted, the member unchanged
     for bad in ({"type": "state_chunk", "g": 2, "i": 0, "n": 10 ** 6, "data": ""},
                 {"type": "state_chunk", "g": 2, "i": 0, "n": 1, "data": "!!"},

@@ -34,9 +34,9 @@ from typing import Any, Callable, Deque, Dict, FrozenSet, List, Optional, Set, T
 from agent import events, topics
 from agent.config import PipelineConfig
 from agent.dataplane.channel import Inbound
-from agent.dataplane.envelope import Envelope, Item, Kind, MalformedEnvelope, Passed, data_body_bytes, decode, encode
+from agent.dataplane.envelope import Envelope, Item, Kind, MalformedEnvelope, Passed, data_body_bytes, decode
 from agent.dataplane.flow import AckTracker
-from agent.dataplane.inbound import ACCEPT, HOLD, REFUSE, HoldBuffer, LogLimiter, numbering_fault, writer_verdict
+from agent.dataplane.inbound import LogLimiter
 from agent.dataplane.owners import TableError, groups_from_runs
 from agent.dataplane.routing import Outbox, Router
 from agent.dataplane.sticky import RouteMemory, needed
@@ -51,6 +51,7 @@ from agent.instance.events import (
     Abort, Control, EnvelopeHanded, EnvelopeReceived, Event, PubAcked, PublishAccepted, PublishRefused, Restarted,
     SessionLost, Spawned, Started, Tick,
 )
+from agent.instance.admission import Admission
 from agent.instance.hosts import Hosts
 from agent.instance.keyed_state import KeyedState
 from agent.instance.outputs import ACK_DELAY, RAW_TOPIC, Outputs
@@ -96,16 +97,6 @@ GAP_TIMEOUT = 5.0
 # state): we ask again, as a new incarnation. Generous: a loaded predecessor answers late.
 REPLAY_WAIT = 10.0
 SILENCE_CHECK = 1.0  # seconds between the two checks above
-# Envelopes of senders not known yet (agent.dataplane.inbound.HoldBuffer) wait this long for the
-# protocol to announce them (a new copy's Start, resent after IDLE_PING..IDLE_PING_MAX), then they
-# are refused. An idle copy holds until its Start: until then it cannot know its predecessors.
-HOLD_TTL = 60.0
-# Envelopes of a known sender written by a node it is not bound to (yet) wait this long for the
-# agent's "hosts" line to bind it there (a new host's record normally follows within a second),
-# then they are refused (`refused_nodes`): a forgery by another node never gets bound.
-WRITER_HOLD_TTL = 20.0
-HOLD_MAX_SENDERS = 64
-HOLD_MAX_BYTES = 8 << 20
 
 # Seeded fault (foglab.sim.instance_check, never set elsewhere): refused publishes are retried
 # only when there is data to flush, so a sink's refused ack holds back all its later acks.
@@ -119,8 +110,6 @@ FAULT_RESYNC_AT_FIRST_SEEN = "resync_at_first_seen"
 # The wait for a replay marker starts its clock only at the first data batch it drops, not at a
 # protocol message or a duplicate (seed 9230: the sink never asked again, 4 records lost).
 FAULT_REPLAY_CLOCK_AT_DROP = "replay_clock_at_drop"
-# an idle copy holds an empty ack from a successor's name even with a round message behind it
-FAULT_EMPTY_ACK_HELD = "empty_ack_held"
 # Seeded faults of the watermarks (agent.dataplane.watermarks): an instance passes on the marks
 # it received, acked inputs or not ("marks_unacked"); a keyed instance keeps its own watermark,
 # the largest event time it took ("marks_own_max": the rule before marks flowed).
@@ -182,9 +171,6 @@ class Instance:
         self.inbox = (topics.inbox_all_at(spec.cluster, spec.node, spec.instance) if per_node
                       else topics.inbox_all(spec.cluster, spec.instance))
         self._inbox_root = f"{topics.base(spec.cluster)}/inbox/" if per_node else None
-        # The node in an inbox topic must host the envelope's sender (docs/security.md, "Data
-        # channels"): the agent sets this and sends the bindings as the control line "hosts".
-        self.check_node = bool(spec.extra.get("check_sender_node"))
         self.hosts = Hosts()
         self.phase = Phase.NEW
         self.now = 0.0
@@ -244,36 +230,6 @@ class Instance:
         # Acks go out every half of the predecessors' window (their operator's setting): the
         # sender still has the other half of its credit while the ack travels (docs/runtime.md).
         pred_window = pipeline.operators[self.stage - 1].max_inflight_batches if self.stage > 0 else 8
-        # Admission (agent.dataplane.inbound): how far ahead an honest sender's numbers can run is
-        # set by the larger window on our channels; a held sender gets room for a window of data
-        # twice over, plus its protocol and lock messages.
-        self.window = max(pred_window, self.op.max_inflight_batches)
-        # A keyed successor moving key groups sends each predecessor a Redirect per group, a new
-        # copy too, before the copy's Start names that successor: room for all of them, or the
-        # ones refused leave a hole and the copy renews its incarnation 5 s later
-        # (CHANGELOG.md, "A new copy refused its keyed successor's Redirects"). The byte
-        # bound stays the memory bound.
-        self.hold = HoldBuffer(HOLD_MAX_SENDERS, 2 * self.window + 32 + (key_groups if self.next_keyed else 0),
-                               HOLD_MAX_BYTES)
-        self._refusals = LogLimiter()
-        # Only a name an instance of a neighbouring operator can have is worth holding: keepers
-        # are "<pipeline>.<operator>.0" (deploy.keeper_id), every other instance "<operator>-..."
-        # (ScalingCore._new_id, the agent's createNode, the bench). Invented names are refused
-        # at once, so they cannot fill the hold buffer that a new copy's predecessors need.
-        ops = pipeline.operators
-        pred_op = [ops[self.stage - 1].name] if self.stage > 0 else []
-        near = pred_op + [spec.operator] + ([ops[self.stage + 1].name] if self.stage + 1 < len(ops) else [])
-        succ_op = [ops[self.stage + 1].name] if self.stage + 1 < len(ops) else []
-        self._shapes = {
-            Kind.DATA: (tuple(f"{o}-" for o in pred_op), {f"{spec.pipeline}.{o}.0" for o in pred_op}),
-            Kind.PROTO: (tuple(f"{o}-" for o in near), {f"{spec.pipeline}.{o}.0" for o in near}),
-            # held only while we are idle (`_admit`): a re-homed successor's first ack in its new
-            # epoch reaches every predecessor of its rebuilt table, idle copies included
-            Kind.ACK: (tuple(f"{o}-" for o in succ_op), {f"{spec.pipeline}.{o}.0" for o in succ_op}),
-        }
-        # a neighbour's Duplication we take unannounced (`_sender_allowed`): previous or next operator
-        both = pred_op + succ_op
-        self._round_shape = (tuple(f"{o}-" for o in both), {f"{spec.pipeline}.{o}.0" for o in both})
         self.scaling: Optional[ScalingDriver] = None
 
         self.stats: Dict[str, int] = {
@@ -340,6 +296,17 @@ class Instance:
                                self.hosts, self.stats, self.ctx, window=self.op.max_inflight_batches,
                                ack_every=max(1, pred_window // 2), per_node=per_node, local=self.local,
                                sticky=sticky, faults=self.faults)
+        # What we let in (agent.instance.admission): how far ahead an honest sender's numbers can
+        # run is set by the larger window on our channels; the node in an inbox topic must host the
+        # envelope's sender when the agent says so (docs/security.md, "Data channels").
+        ops = pipeline.operators
+        self.admission = Admission(
+            spec.instance, spec.operator, spec.pipeline, [ops[self.stage - 1].name] if self.stage > 0 else [],
+            [nxt.name] if nxt is not None else [], spec.preds, spec.succs,
+            window=max(pred_window, self.op.max_inflight_batches), hold_extra=key_groups if self.next_keyed else 0,
+            check_node=bool(spec.extra.get("check_sender_node")), keyed=self.moves is not None, hosts=self.hosts,
+            inbound=self.inbound, links=self.outputs.links, router=self.router, stats=self.stats, ctx=self.ctx,
+            faults=self.faults)
         self._malformed_log = LogLimiter()  # bounded: a flood of invented names costs nothing
         self._malformed_logged: Set[str] = set()  # protocol senders (admitted ones only: bounded)
         self._period_records = 0
@@ -542,8 +509,8 @@ class Instance:
             self.moves.flush()  # the turn's hand-over writes, then its messages (agent.instance.moves)
         if self.keyed is not None and self.keyed.dirty:
             self._save_keyed()
-        if self.hold:
-            self._release_held(now)
+        if self.admission.hold:
+            self.admission.release(now, self.scaling, self.epoch, self.wall(), self._decode_records, self._accept)
         if self.outputs.moved:
             self._out += self.outputs.resend_moved(now)
         if self.is_sink:
@@ -648,7 +615,7 @@ class Instance:
 
     def _on_hosts(self, msg: Dict[str, Any]) -> None:
         """The agent's instance -> node bindings (agent.node.hostmap): replaces ours; what they
-        now bind is released from the hold buffer at the next Tick (`_release_held`)."""
+        now bind is released from the hold buffer at the next Tick (`Admission.release`)."""
         before = self.hosts.update(msg, self.ctx)
         if before is not None:
             self._out += self.outputs.on_hosts(before, self.now)
@@ -718,17 +685,8 @@ class Instance:
             if self._malformed_log.allow(who, self.now):
                 log.warning("malformed payload on inbox from %s skipped: %s", who, exc, extra=self.ctx)
             return
-        if (env.sender, writer) in self.hold:
-            # behind what it already holds: the order of (sender, writing node) is kept
-            self._hold(env, ev.payload, writer, "node" if self._waits_for_binding(env.sender, writer) else "sender")
-            return
-        verdict, why = self._admit(env, writer)
-        if verdict == ACCEPT:
+        if self.admission.screen(env, ev.payload, writer, self.scaling, self.epoch, self.wall(), self.now):
             self._accept(env)
-        elif verdict == HOLD:
-            self._hold(env, ev.payload, writer, why)
-        else:
-            self._refuse(env, why, writer)
 
     def _on_handed(self, ev: EnvelopeHanded) -> None:
         """A chained predecessor's envelope (docs/runtime.md, "Chaining"): as `_on_envelope`
@@ -740,97 +698,10 @@ class Instance:
         writer = self.spec.node
         if env.kind is Kind.DATA:
             self.stats["handed_in"] += 1
-        if (env.sender, writer) in self.hold:
-            self._hold(env, encode(env), writer, "node" if self._waits_for_binding(env.sender, writer) else "sender")
-            return
-        verdict, why = self._admit(env, writer)
-        if verdict == ACCEPT:
+        if self.admission.screen(env, None, writer, self.scaling, self.epoch, self.wall(), self.now):
             self._accept(env)
-        elif verdict == HOLD:
-            self._hold(env, encode(env), writer, why)  # rare: held as bytes like a broker's message
-        else:
-            self._refuse(env, why, writer)
 
     # ---- admission (docs/security.md, "Data channels") ------------------------------------------
-
-    def _admit(self, env: Envelope, writer: str, unannounced_ok: bool = False) -> Tuple[str, str]:
-        """ACCEPT, HOLD or REFUSE (with the reason) for one decoded envelope, before it touches
-        any state: its sender must exist for our tables (unless `unannounced_ok`:
-        `_empty_ack_before_round`), be hosted by the node `writer` that wrote it (check_node), and
-        its numbers must be ones that sender can have (agent.dataplane.inbound). Cheap on the hot
-        path: dict lookups and a few compares."""
-        if not unannounced_ok and not self._sender_allowed(env):
-            # Data and protocol messages may come from an instance the protocol announces to us
-            # only later (a new copy's predecessors before its Start): hold, if the name can be
-            # one of a neighbouring operator's. Acks come only from instances we sent data to,
-            # which an active instance knows by then: refuse. An idle copy knows no successor
-            # yet, but a re-homed one numbers its first ack (its new epoch) 1 on the channel to
-            # us: refused, every later message of it would wait behind that hole until we became
-            # a new incarnation, possibly in our own deletion (CHANGELOG.md, defect A).
-            # So an idle copy holds acks from a successor's name until its Start, like data.
-            shape = self._shapes.get(env.kind)
-            if env.kind is Kind.ACK and not self._idle:
-                shape = None
-            if shape is not None and (env.sender.startswith(shape[0]) or env.sender in shape[1]):
-                return HOLD, "sender"
-            return REFUSE, "sender"
-        if self.check_node and writer_verdict(self.hosts.bound.get(env.sender), self.hosts.former.get(env.sender, ()),
-                                              writer) != ACCEPT:
-            return HOLD, "node"
-        if self.check_node and env.sender in self.hosts.unproven and self._new_epoch(env):
-            return HOLD, "node"  # a binding nobody vouched for does not set the sender's epoch
-        fault = numbering_fault(self.inbound.position(env.sender), self.inbound.resync_unknown,
-                                env.epoch, env.seq, self.wall(), self.window)
-        if fault is not None:
-            return REFUSE, fault
-        if env.kind is Kind.ACK and env.body[0] == self.epoch and env.body[1] > 0:
-            link = self.outputs.links.get(env.sender)
-            if link is None or not link.plausible_ack(env.body[1]):
-                return REFUSE, "seq"  # acks (in our epoch) what we never sent it
-        return ACCEPT, ""
-
-    def _sender_allowed(self, env: Envelope) -> bool:
-        """Does our view of the pipeline say `env.sender` may send us an envelope of this kind?
-
-        Data: a predecessor (the core's table, or one announced to an idle copy). Acks: an
-        instance we sent data to (a link, a successor), a copy of ours pinging for its Start, or a
-        copy we may have to adopt (`ScalingDriver.may_probe`). Protocol and lock messages: any
-        instance our tables, our rounds or our persisted channels know."""
-        s = env.sender
-        sc = self.scaling
-        kind = env.kind
-        if kind is Kind.DATA:
-            if sc is None:
-                return s in self.spec.preds
-            return s in sc.core.preds or s in sc.core.preds_to_add
-        if kind is Kind.ACK:
-            if s in self.outputs.links or s in self.router.succs:
-                return True
-            if sc is None:
-                return False
-            core = sc.core
-            if s in core.succs or s in core.new_siblings or s in sc.started or s in sc.probes or s in sc.orphans:
-                return True
-            return tuple(env.body) == (0, 0) and sc.may_probe(s)
-        if self.inbound.position(s) is not None or s in self.outputs.links:
-            return True
-        if (self.moves is not None and isinstance(env.body, dict) and env.body.get("type") in group_moves.HANDOVER_TYPES
-                and self._sibling(s)):
-            return True  # a hand-over between two instances of our operator (agent.instance.moves)
-        if sc is None:
-            return s in self.spec.preds or s in self.spec.succs
-        if sc.knows(s):
-            return True
-        # The Deletion of a neighbour's copy nobody told us of (it learnt of us from a round of
-        # ours, or from its creator, while our own Start or round left it out): answered, or its
-        # deletion waits for our ack for ever. The core takes it as the paper does (idle: not to
-        # add; active: not in our tables) and only acks. Likewise a Duplication a neighbour sends
-        # us, a copy it was told of, after a loss (`ScalingCore.widen_round`): idle, we keep it
-        # for our Start (Algorithm 5) and ack; held instead, two such rounds wait for each
-        # other's idle copies for ever. docs/reliability.md, "Checking whole instances".
-        mtype = env.body.get("type") if isinstance(env.body, dict) else None
-        shape = self._shapes[Kind.PROTO] if mtype == "deletion" else self._round_shape
-        return mtype in ("deletion", "duplication") and (s.startswith(shape[0]) or s in shape[1])
 
     def _take_redirect(self, sender: str, msg: Any) -> None:
         try:
@@ -843,11 +714,6 @@ class Instance:
         self.stats["handover_errors"] += 1
         if self.log_limited(sender):
             log.warning("hand-over from %s: %s", sender[:64], why, extra=self.ctx)
-
-    def _sibling(self, name: str) -> bool:
-        """Can `name` be another instance of our operator (ScalingCore._new_id, deploy.keeper_id)?"""
-        return name != self.spec.instance and (name.startswith(f"{self.spec.operator}-")
-                                               or name == f"{self.spec.pipeline}.{self.spec.operator}.0")
 
     def _accept(self, env: Envelope) -> None:
         before = self.inbound.stats.duplicates + self.inbound.stats.stale_epoch
@@ -957,110 +823,6 @@ class Instance:
         self.outputs.outbound.forget(sender)
         self._holes.pop(sender, None)
         self.mark_state_changed()
-
-    def _hold(self, env: Envelope, payload: bytes, writer: str, why: str) -> None:
-        # Kept: the bytes (decoded again on release, so memory is what the byte bound says) and
-        # a header without records (what `_sender_allowed` looks at while it waits), per (sender,
-        # writing node): one ordered stream each.
-        head = Envelope(env.sender, env.epoch, env.seq, env.kind, [] if env.kind is Kind.DATA else env.body)
-        if not self.hold.add((env.sender, writer), (head, bytes(payload)), len(payload) + 200, self.now):
-            self.stats["held_dropped"] += 1
-            self._refuse(env, why, writer, " (hold buffer full)")
-
-    def _empty_ack_before_round(self, key: Tuple[str, str], head: Envelope) -> bool:
-        """Idle, is `head` (first of the held stream `key`) an empty ack ([0, 0]: a new
-        incarnation of a successor asking for replays; we sent it nothing) from a name of our
-        successors' operator, with a round message behind it that we take unannounced
-        (`_sender_allowed`)? Then it is taken (a no-op for us) so that the round message gets
-        answered: held until our Start, it kept the Duplication of our creator's neighbour
-        behind it, whose round waited for our ack while our creator's waited for that
-        neighbour's idle copy, which held our creator's Duplication behind its data: two idle
-        copies waiting for each other (CHANGELOG.md, "Records lost at an idle sink copy")."""
-        if (not self._idle or head.kind is not Kind.ACK or tuple(head.body) != (0, 0)
-                or FAULT_EMPTY_ACK_HELD in self.faults):
-            return False
-        prefix, names = self._shapes[Kind.ACK]
-        if not (head.sender.startswith(prefix) or head.sender in names):
-            return False
-        return any(h.kind is Kind.PROTO and self._sender_allowed(h) for h, _ in self.hold.items(key)[1:])
-
-    def _refuse(self, env: Envelope, why: str, writer: str, note: str = "") -> None:
-        """Counted, logged at most once per sender per minute (and 20 lines a minute in all), and
-        nothing else: no channel entry, no record id, nothing persisted."""
-        if why == "sender" and env.kind is Kind.ACK and tuple(env.body) == (0, 0) and self.scaling is not None:
-            self.scaling.remind_departed(env.sender)  # a re-homed copy that forgot it left
-        key = {"epoch": "refused_epochs", "seq": "refused_seqs", "node": "refused_nodes"}.get(why, "refused_senders")
-        self.stats[key] += 1
-        if self._refusals.allow((env.sender, writer), self.now):
-            more = self._refusals.take_suppressed()
-            what = f"not bound to node {writer[:64]}" if why == "node" else f"{why} not plausible"
-            log.warning("refused %s envelope %d/%d from %s (written by %s) on our inbox: %s%s%s",
-                        env.kind.name.lower(), env.epoch, env.seq, env.sender[:64], writer[:64], what, note,
-                        f" ({more} more refusals not logged)" if more else "", extra=self.ctx)
-
-    def _release_held(self, now: float) -> None:
-        """Senders the protocol has announced since their envelopes were held: admit those
-        envelopes now, in the sender's order (epoch, then number). Not in arrival order: a
-        channel that resyncs (a sender unknown after a restart or a new incarnation) starts at
-        the first number it sees, and the ones below it are dropped as seen; held in arrival order
-        2 before 1 (1 lost by the broker and sent again), record 1 was dropped, came back only
-        through a later replay, and went out behind record 7 of its key. The rest wait, up to
-        HOLD_TTL (an idle copy: until its Start)."""
-        for key in self.hold.senders():
-            writer = key[1]
-            self.hold.order(key, lambda held: (held[0].epoch, held[0].seq))
-            while True:
-                held = self.hold.first(key)
-                if held is None:
-                    break
-                unannounced_ok = False
-                if not self._sender_allowed(held[0]):
-                    if self._empty_ack_before_round(key, held[0]):
-                        unannounced_ok = True
-                    elif held[0].kind is not Kind.ACK or self._idle:
-                        break  # still not announced: keep waiting (an idle copy: until its Start)
-                    self.hold.pop_first(key)  # an ack is held only until Start (see _admit)
-                    self._refuse(held[0], "sender", writer)
-                    continue
-                env = decode(held[1], self._decode_records)  # decoded once already: cannot fail
-                verdict, why = self._admit(env, writer, unannounced_ok)
-                if verdict == HOLD:
-                    break
-                self.hold.pop_first(key)
-                if verdict == ACCEPT:
-                    self.stats["held_released"] += 1
-                    self._accept(env)
-                else:
-                    self._refuse(env, why, writer)
-        if self._idle:
-            return  # idle: its neighbours are announced with its Start
-        for (sender, writer), n in self.hold.expire(now, self._hold_ttl):
-            # Not announced by the protocol, or not bound to the node that wrote it, in time.
-            unbound = self._waits_for_binding(sender, writer)
-            self.stats["refused_nodes" if unbound else "refused_senders"] += n
-            if self._refusals.allow((sender, writer), now):
-                log.warning("refused %d envelopes from %s (written by %s): %s within %.0fs", n, sender[:64],
-                            writer[:64], f"not bound to node {writer[:64]}" if unbound else "not announced to us",
-                            WRITER_HOLD_TTL if unbound else HOLD_TTL, extra=self.ctx)
-
-    @property
-    def _idle(self) -> bool:
-        """A copy not yet started: it knows its neighbours only from its Start."""
-        return self.scaling is not None and not self.scaling.data_enabled
-
-    def _new_epoch(self, env: Envelope) -> bool:
-        position = self.inbound.position(env.sender)
-        return position is None or env.epoch > position[0]
-
-    def _waits_for_binding(self, sender: str, writer: str) -> bool:
-        """A held stream whose sender our tables know, written by a node it is not bound to (or
-        bound without proof)."""
-        return (self.check_node and (self.hosts.bound.get(sender) != writer or sender in self.hosts.unproven)
-                and writer not in self.hosts.former.get(sender, ())
-                and self._sender_allowed(Envelope(sender, 0, 1, Kind.PROTO, {})))
-
-    def _hold_ttl(self, key: Tuple[str, str]) -> float:
-        return WRITER_HOLD_TTL if self._waits_for_binding(*key) else HOLD_TTL
 
     def _check_silence(self, now: float) -> None:
         """Messages that will never come (they were lost, or taken by another process with our
@@ -1638,7 +1400,7 @@ class Instance:
 
     def log_limited(self, sender: str) -> bool:
         """May a warning about `sender` be logged now (bounded per sender and in all)?"""
-        return self._refusals.allow((sender, "handover"), self.now)
+        return self.admission.refusals.allow((sender, "handover"), self.now)
 
     def send_handover(self, dest: str, msg: Any, extra: Optional[Dict[str, Any]] = None) -> None:
         """A hand-over message (agent.instance.moves) on the numbered channel to `dest`, counted
@@ -1759,7 +1521,7 @@ class Instance:
             queued=sum(len(q) for q in self.queues.values()),
             gaps_skipped=self.inbound.gaps_skipped,
             inbound_senders=self.inbound.senders(),
-            held=self.hold.count,
+            held=self.admission.hold.count,
             reorder_waiting=self.inbound.waiting_total(),
             gaps=self.inbound.gaps(),
             unpubacked=self.outputs.unpubacked(),
