@@ -41,9 +41,7 @@ from agent.dataplane.owners import TableError, groups_from_runs
 from agent.dataplane.routing import Outbox, Router
 from agent.dataplane.sticky import RouteMemory, needed
 from agent.dataplane.watermarks import MAX_MARK_MS, Mark, SourceMarks, WatermarkTable
-from agent.instance.commands import (
-    AckIngest, Command, CrashPoint, Emit, Exit, LogIngest, Notify, Persist, PersistSource, RequestSpawn, SaveKeyed,
-)
+from agent.instance.commands import Command, CrashPoint, Emit, Exit, Notify, Persist, PersistSource, RequestSpawn, SaveKeyed
 from agent.instance.driver import ScalingDriver
 from agent.instance import groups as keygroup_table
 from agent.instance import moves as group_moves
@@ -55,12 +53,12 @@ from agent.instance.admission import Admission
 from agent.instance.hosts import Hosts
 from agent.instance.keyed_state import KeyedState
 from agent.instance.outputs import ACK_DELAY, RAW_TOPIC, Outputs
+from agent.instance.source import Source
 from agent.instance.spec import InstanceSpec
 from agent.measure.capacity import LiveCapacity
 from agent.measure.signals import PeriodSignals, Signals
 from agent.operators.builtin import SinkOperator
 from agent.operators.keyed import KeyedOperator, keyed_config_problems, parse_event_time
-from agent.operators.sources import SourceCaps, source_caps
 from agent.protocol.errors import LocalProtocolError
 from agent.protocol.scaling import FORWARDING
 
@@ -77,16 +75,6 @@ EXIT_BROKER = 3  # could not connect/subscribe at start
 EXIT_DRAIN_TIMEOUT = 4  # stop requested, but successors did not ack everything in time
 
 MAX_POLL = 0.05  # longest wait the instance asks for (the shell sees control lines within this)
-# A source reserves on disk the records it may generate before writing its position again
-# (`_produce`): at least SOURCE_RESERVE, else RESERVE_SECONDS of its measured rate (at most
-# SOURCE_RESERVE_MAX), so that it writes source.json about once a second whatever its rate. A
-# fixed 2,000 records meant 25 writes a second at 50k records/s, each blocking the source 2-4 ms
-# on a loaded disk (docs/measurement.md, "Cheap cuts of the data plane"). The price: a restarted
-# source regenerates up to its reservation at once, i.e. up to a second of records sooner than
-# its rate profile would have (docs/runtime.md).
-SOURCE_RESERVE = 2000
-RESERVE_SECONDS = 1.0
-SOURCE_RESERVE_MAX = 500_000
 SINK_SETTLE_POLL = 0.05  # a sink whose spool is at its cap checks this often whether shipping freed it
 STATE_PERIOD = 1.0  # persist the channel snapshot at most this often (a rename costs ~5 ms here)
 # A hole in a sender's numbering this old will not close by itself: the broker lost those
@@ -179,7 +167,8 @@ class Instance:
         self.epoch = 0
         self.inbound = Inbound()
         self.is_source = self.kind == "source"
-        self.source = source_caps(operator) if self.is_source else SourceCaps()
+        # A source's numbering and pacing (agent.instance.source); every capability off for the others.
+        self.source = Source(spec.instance, operator if self.is_source else None, self.ctx)
         self.is_sink = self.kind == "sink" or isinstance(operator, SinkOperator)
         self.service_time = self.op.service_time_ms / 1000.0
         # A sink that reads only record ids gets compact batches without their records rebuilt.
@@ -323,7 +312,6 @@ class Instance:
         self._last_state_write = -1e9
         self._last_heartbeat = 0.0
         self._final = False
-        self._last_source_write = -1e9
         self._holes: Dict[str, Tuple[Tuple[int, int], float]] = {}  # sender -> ((epoch, missing seq), since)
         # A new incarnation of ours: predecessor -> (its epoch we knew, None when our snapshot
         # lacks its channel; when we first dropped its data or None), for the predecessors whose
@@ -336,10 +324,6 @@ class Instance:
         self.activated_at: Optional[float] = None  # wall time of our Start (rescale breakdown)
         self._terminate_reason = ""
         self._period_start = 0.0
-        self._source_first: Dict[int, int] = {}  # source: poll index -> its first record seq
-        self._source_reserved = 0  # source: records it may generate before writing its position
-        self._reserved_at: Optional[Tuple[float, int]] = None  # source: (when, generated) at the last reservation
-        self._source_started_at = 0.0  # source: wall time its rate profile started
 
     # ---- the one entry point ------------------------------------------------------------------------
 
@@ -447,7 +431,7 @@ class Instance:
         self.outputs.renumber(self.epoch)
         self._next_silence_check = now + SILENCE_CHECK
         self._period_start = now
-        self._source_started_at = wall
+        self.source.started_at = wall
         self.signals = PeriodSignals(now, self.cpu())
         self.scaling = ScalingDriver(self, saved, restart)
         self.live_capacity = LiveCapacity(self.scaling.params.capacity)
@@ -468,9 +452,9 @@ class Instance:
             self.scaling.resync(now)
         if self.is_source:
             if self.source.sensor:
-                self._number_source(wall, source_position if restart else None, ingest_log)
+                self.source.number(wall, source_position if restart else None, ingest_log)
             elif restart:
-                self._resume_source(source_position)
+                self.source.resume(source_position, self.wall())
             self.operator.start(now)
         self._period_start = now
         self.emit("ready")
@@ -480,18 +464,6 @@ class Instance:
             self._exit = (EXIT_OK, "restarted after its termination: gone for good", True)
         elif self.scaling.outputs:
             self.scaling.run_outputs(now)  # a restarted round: perform what was still queued
-
-    def _resume_source(self, pos: Optional[Dict[str, Any]]) -> None:
-        """A restarted source continues from its last written position (see TaxiSource.resume)."""
-        if not self.source.replayable or not isinstance(pos, dict) or "resume_from" not in pos:
-            log.warning("source restarted without a usable position: starting over", extra=self.ctx)
-            return
-        start = int(pos["resume_from"])
-        upto = max(int(pos.get("generated", 0)), int(pos.get("reserved", 0)))
-        self._source_started_at = float(pos.get("profile_started_at", self.wall()))
-        self.operator.resume(start, upto, self.wall() - self._source_started_at)
-        self._source_reserved = upto
-        log.info("source resumes at record %d, regenerating up to %d", start, upto, extra=self.ctx)
 
     # ---- one loop turn ---------------------------------------------------------------------------------
 
@@ -519,7 +491,7 @@ class Instance:
         if self.marks is not None:
             self._out += self.outputs.send_mark(now, self._out_mark(now))
         if self.source.sensor:
-            self._settle_ingest()
+            self._out += self.source.settle(self._lowest_pending)
         self.signals.blocked(now, self._backpressured())
         self._send_acks(now)
         if FAULT_RETRY_ONLY_WITH_DATA not in self.faults:
@@ -674,7 +646,7 @@ class Instance:
             self.stats["foreign_inbox"] += 1
             return
         if writer is None:
-            self._ingest(ev)
+            self._out += self.source.ingest(ev)
             return
         try:
             env = decode(ev.payload, self._decode_records)
@@ -1223,60 +1195,12 @@ class Instance:
 
     # ---- source -----------------------------------------------------------------------------------
 
-    def _ingest(self, ev: EnvelopeReceived) -> None:
-        """A delivery on a source's ingest topic. A sensor source keeps its token with the record
-        until a successor acks the record (`_settle_ingest`); any other source has it acked at
-        once (agent.operators.sources)."""
-        if self.source.topic is None:
-            return
-        if self.source.sensor:
-            self.operator.ingest(ev.topic, ev.payload, ev.token, ev.dup)
-            return
-        self.operator.ingest(ev.topic, ev.payload)
-        if ev.token is not None:
-            self._out.append(AckIngest((ev.token,)))
-
-    def _settle_ingest(self) -> None:
-        """PUBACK the ingest deliveries whose records a successor has acked."""
-        tokens = self.operator.settled(self.source_resume_seq())
-        if tokens:
-            self._out.append(AckIngest(tuple(tokens)))
-
-    def _number_source(self, wall: float, pos: Optional[Dict[str, Any]], logged: Optional[List[Any]]) -> None:
-        """A source whose records cannot be generated again (taxi.MqttIngestSource): the logged
-        records its successors had not acked go out again first, under their numbers; new ones are
-        numbered above every number an earlier incarnation can have used: its saved reservation,
-        and the wall clock in microseconds for when that file is gone with its node."""
-        floor, resume_from = int(wall * 1e6), 0
-        if isinstance(pos, dict):
-            for key in ("generated", "reserved"):
-                try:
-                    floor = max(floor, int(pos.get(key, 0)))
-                except (TypeError, ValueError):
-                    pass
-            try:
-                resume_from = int(pos.get("resume_from", 0))
-            except (TypeError, ValueError):
-                pass
-        self.operator.number_from(floor)
-        if logged:
-            self.operator.replay(logged, resume_from)
-        log.info("source numbers its records from %d", floor, extra=self.ctx)
-
-    def _log_ingest(self) -> None:
-        """The records just polled, to the ingest log before they leave (`LogIngest` precedes the
-        flush's Publish commands)."""
-        entries = self.operator.take_log()
-        if entries:
-            self._out.append(LogIngest(tuple(entries), self.source_resume_seq()))
-
     def _can_produce(self) -> bool:
-        # A paused source has nothing due: without this check its next_due() says "now" and the
-        # loop polls it in a busy spin (measured: ~25k empty loop turns/s, a whole core). Unless
-        # it still sends again what its previous incarnation may have sent (taxi.TaxiSource.catching_up).
+        """A source may poll: not stopping, room in the outbox, successors to send to, data
+        enabled (an idle copy: not before its Start), and the operator not paused."""
         return (
             not self.stopping
-            and (not getattr(self.operator, "paused", False) or getattr(self.operator, "catching_up", False))
+            and self.source.can_produce()
             and self.outbox.pending < self.high_water
             and bool(self.router.succs)
             and (self.scaling is None or self.scaling.data_enabled)
@@ -1286,23 +1210,19 @@ class Instance:
         if not self._can_produce():
             return
         budget = self.high_water - self.outbox.pending
-        generated = int(getattr(self.operator, "generated", 0))
-        if generated + budget > self._source_reserved:
-            # Reserve ahead on disk before generating past the last reservation: a restarted
-            # source regenerates up to it, so it never reports fewer records than were sent.
-            self._source_reserved = generated + budget + self._reserve_span(now, generated)
-            self._write_source_stats()
+        if self.source.reserve(now, budget):
+            self._write_source_stats()  # the reservation on disk before the records it covers
         items = self.operator.poll(now, budget)
         if items:
             self._period_records += len(items)
             self.stats["records_in"] += len(items)
             index = self.tracker.produced()
-            self._source_first[index] = items[0][1]
+            self.source.polled(index, items[0][1])
             if self.source_marks is not None:
                 self._observe(items, index, now)
             self.outputs.forward(items, index, now)
             if self.source.sensor:
-                self._log_ingest()
+                self._out += self.source.take_log(self._lowest_pending)
 
     def _observe(self, items: List[Item], index: int, now: float) -> None:
         """The source's records' event times, into its watermark (noted at this poll's index)."""
@@ -1318,27 +1238,9 @@ class Instance:
         if m is not None:
             self.marks.note("", index, m)
 
-    def _reserve_span(self, now: float, generated: int) -> int:
-        """Records to reserve past this poll: RESERVE_SECONDS of the rate measured since the last
-        reservation, within [SOURCE_RESERVE, SOURCE_RESERVE_MAX]."""
-        last, self._reserved_at = self._reserved_at, (now, generated)
-        if last is None or now <= last[0]:
-            return SOURCE_RESERVE
-        rate = (generated - last[1]) / (now - last[0])
-        return int(min(SOURCE_RESERVE_MAX, max(SOURCE_RESERVE, rate * RESERVE_SECONDS)))
-
     def source_resume_seq(self) -> int:
-        """The first record seq that a restarted source must generate again: the first of the
-        oldest poll whose records are not all acked by a successor yet (buffered, unPUBACKed, or
-        in a replay buffer). Everything below it has been processed and forwarded downstream, so
-        regenerating from here (the generator is deterministic) loses nothing; records above it
-        that already got through arrive twice and the sink drops them by id."""
-        low = self._lowest_pending()
-        for index in [i for i in self._source_first if low is None or i < low]:
-            del self._source_first[index]  # fully acked: forget
-        if low is None or not self._source_first:
-            return int(getattr(self.operator, "generated", 0))
-        return self._source_first[min(self._source_first)]
+        """The first record seq a restarted source must generate again (agent.instance.source)."""
+        return self.source.resume_seq(self._lowest_pending)
 
     # ---- output -----------------------------------------------------------------------------------
 
@@ -1549,8 +1451,7 @@ class Instance:
     def _heartbeat(self, now: float) -> None:
         self._last_heartbeat = now
         self.emit("heartbeat", stats=self.snapshot_stats())
-        if self.is_source and now - self._last_source_write >= 2.0:  # a rename costs ~5-20 ms here
-            self._last_source_write = now
+        if self.is_source and self.source.write_due(now):
             self._write_source_stats()
 
     def take_signals(self, now: float) -> Signals:
@@ -1572,9 +1473,7 @@ class Instance:
     def _write_source_stats(self) -> None:
         if not self.is_source:
             return
-        data = {"instance": self.spec.instance, **self.operator.stats(), "resume_from": self.source_resume_seq(),
-                "reserved": self._source_reserved, "profile_started_at": self._source_started_at}
-        self._out.append(PersistSource(data))
+        self._out.append(PersistSource(self.source.position(self._lowest_pending)))
 
     def persisted_state(self) -> Dict[str, Any]:
         """What a restart needs: epoch, channel positions, the scaling driver's state."""
