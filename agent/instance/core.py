@@ -9,9 +9,11 @@ shell: it turns paho callbacks, control lines and its loop's turns into events (
 .events) and performs the commands (agent.instance.commands) in order. The interleaving checker
 (foglab.sim.instance_check) drives the same class through a model of the broker.
 
-Why one large module: the data path (admission, per-sender queues, processing, flow
-control, replay, acks) and the lifecycle share one set of fields that every step reads; split
-by function they would reach into each other's state (docs/runtime.md, "Instance").
+The parts this module routes to own their state and hold no reference to the instance:
+agent.instance.outputs (links, numbering, publishes, acks upstream), agent.instance.admission
+(admission and the hold buffer), agent.instance.source (a source's numbering and pacing). What
+stays here: the lifecycle, the per-sender queues and their order, processing, watermarks, the
+silence checks, persistence (docs/runtime.md, "Instance").
 
 Lifecycle (`Phase`, the table `_ACCEPTS`): NEW -(Started | Restarted)-> RUNNING -(stop,
 eof, or Terminate from the protocol)-> STOPPING -(drained, or drain timeout, or Abort)-> EXITED.
