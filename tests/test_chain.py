@@ -107,7 +107,7 @@ def test_a_chained_link_hands_batches_in_memory_with_credit_and_end_to_end_acks(
         sh.deliver(0.2 + t * 0.01 + 0.006)
         sh.feed(op, Tick(WALL0), 0.2 + t * 0.01 + 0.007)
     assert sorted(store) == [("src", s) for s in range(1, 11)]  # each record once
-    assert op.links["sink-0"].inflight == 0 and op.stats["handed_out"] == 10 and sink.stats["handed_in"] == 10
+    assert op.outputs.links["sink-0"].inflight == 0 and op.stats["handed_out"] == 10 and sink.stats["handed_in"] == 10
     acks = [decode(p) for t, p in sh.broker if t == topics.inbox(CLUSTER, "source-0", "n1")]
     assert acks and list(acks[-1].body) == [0, 10]  # end to end: acked once the sink recorded it
     assert [e.kind for d, e in sh.log if d == "op-0"] and all(e.kind is Kind.ACK for d, e in sh.log if d == "op-0")
@@ -147,12 +147,12 @@ def test_a_successor_that_keeps_its_records_is_handed_the_batch_itself_any_other
     store: List[Tuple[str, int]] = []
     for keeps in (True, False):
         op, sink, sh = started_pair(store)
-        op.local_keeps = frozenset({"sink-0"}) if keeps else frozenset()
+        op.outputs.local_keeps = frozenset({"sink-0"}) if keeps else frozenset()
         inbox = topics.inbox(CLUSTER, "op-0", "n1")
         sh.feed(op, EnvelopeReceived(inbox, encode_data("source-0", 0, 1, [("src", 1, {"v": 1})])), 0.1)
         sh.feed(op, Tick(WALL0), 0.1)
         handed = [e for _, e in sh.handed if e.kind is Kind.DATA]
-        kept = op.links["sink-0"].unacked()[0].payload  # the replay buffer's envelope
+        kept = op.outputs.links["sink-0"].unacked()[0].payload  # the replay buffer's envelope
         assert len(handed) == 1 and handed[0].body == kept.body == [("src", 1, {"v": 1})]
         assert (handed[0].body[0][2] is kept.body[0][2]) is keeps
 
@@ -174,7 +174,7 @@ def test_a_chain_tells_each_member_which_chained_successors_keep_their_records(t
         specs = initial_specs(toml, BrokerSpec("127.0.0.1", 1), str(tmp_path / fn / "state"), cluster="keeps",
                               extra={"sink_dir": str(tmp_path / fn / "sink")})
         chain = Chain(specs, io.StringIO())  # built, not started: no connection
-        keeps = {w.spec.instance: w.core.local_keeps for w in chain.members}
+        keeps = {w.spec.instance: w.core.outputs.local_keeps for w in chain.members}
         assert keeps == {"source-0": frozenset({"sink-0", "map-0"} if map_keeps else {"sink-0"}),
                          "map-0": frozenset({"sink-0"}), "sink-0": frozenset({"map-0"} if map_keeps else set())}
 

@@ -346,7 +346,7 @@ def test_records_held_for_a_group_on_its_way_are_acked_upstream_only_once_their_
         net, p, a, b = moved_run(seed, [1, 3, 6], net_cls=SilentSinkNet)
         held += b.moves.counts["held_records"] > 0
         assert b.moves.member.owned == {1, 3, 6}, f"seed {seed}: the move finished"
-        acked = {dest: link.acked_upto for dest, link in p.links.items()}
+        acked = {dest: link.acked_upto for dest, link in p.outputs.links.items()}
         assert set(acked.values()) == {0}, f"seed {seed}: acked upstream, its outputs not acked: {acked}"
         if b.moves.counts["held_records"]:
             assert b.moves.lowest_held() is not None, f"seed {seed}: held records' inputs released"
@@ -477,9 +477,9 @@ def test_a_sibling_may_send_only_hand_over_messages_and_a_stranger_none() -> Non
     body = {"type": "offer", "g": 2, "v": 1}
     for sender, expect in (("cnt-a", True), ("sink-9", False), ("op-7", False)):
         env = Envelope(sender, 0, 1, Kind.PROTO, body)
-        assert b._sender_allowed(env) is expect, sender
+        assert b.admission.sender_allowed(env, b.scaling) is expect, sender
     dup = Duplication("cnt-a", 2, 1, ("cnt-c",)).to_dict()
-    assert not b._sender_allowed(Envelope("cnt-z", 0, 1, Kind.PROTO, dup))
+    assert not b.admission.sender_allowed(Envelope("cnt-z", 0, 1, Kind.PROTO, dup), b.scaling)
     # hostile bodies: counted, the member unchanged
     for bad in ({"type": "state_chunk", "g": 2, "i": 0, "n": 10 ** 6, "data": ""},
                 {"type": "state_chunk", "g": 2, "i": 0, "n": 1, "data": "!!"},

@@ -47,20 +47,20 @@ def deliver(inst: Instance, env: Envelope, now: float) -> List[Any]:
 
 def test_an_idle_copy_holds_a_redirect_per_moving_group_of_its_keyed_successor() -> None:
     inst = idle_copy()
-    assert inst.window == 8  # the defaults the demo ran with
+    assert inst.admission.window == 8  # the defaults the demo ran with
     moving = range(1, GROUPS, 2)  # the keeper's half: 64 groups
     for seq, g in enumerate(moving, start=1):
         body = {"type": "redirect", "g": g, "new": "cnt-c", "v": 1}
         deliver(inst, Envelope("chk.cnt.0", 0, seq, Kind.PROTO, body), 0.01 * seq)
     assert inst.stats["held_dropped"] == 0 and inst.stats["refused_senders"] == 0
-    assert inst.hold.count == len(moving)
+    assert inst.admission.hold.count == len(moving)
 
 
 def test_the_hold_stays_bounded_per_sender_past_a_full_move() -> None:
     """The allowance is the successor's group count, not unbounded: an invented flood in a
     plausible name is still refused past it (and the byte bound holds whatever the count)."""
     inst = idle_copy()
-    limit = inst.hold.max_per_sender
+    limit = inst.admission.hold.max_per_sender
     for seq in range(1, limit + 11):
         deliver(inst, Envelope("chk.cnt.0", 0, seq, Kind.PROTO, {"type": "eos", "g": seq % GROUPS}), 0.001 * seq)
-    assert inst.hold.count == limit and inst.stats["held_dropped"] == 10
+    assert inst.admission.hold.count == limit and inst.stats["held_dropped"] == 10

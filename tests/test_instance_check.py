@@ -145,7 +145,7 @@ def _departing_copy_restarted_after_its_predecessor_removed_it(faults: Iterable[
         w.play("time")
         w.deliver_all(but=("sink-0->copy",))
     source = w.inst["source-0"]
-    assert w.copy_id not in source.router.succs and source.links[w.copy_id].inflight > 0
+    assert w.copy_id not in source.router.succs and source.outputs.links[w.copy_id].inflight > 0
     w.play("crash copy")
     w.play("restart copy")
     return finish(w)

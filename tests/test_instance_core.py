@@ -10,7 +10,8 @@ from typing import Any, FrozenSet, List, Tuple
 import pytest
 
 from agent.instance.commands import Emit, Exit, Persist, Publish, RequestSpawn, SaveRoutes
-from agent.instance.core import ACK_DELAY, Instance, Phase
+from agent.instance.core import Instance, Phase
+from agent.instance.outputs import ACK_DELAY
 from agent.instance.events import (
     Abort, Control, EnvelopeReceived, PubAcked, PublishAccepted, PublishRefused, Restarted, Started, Tick,
 )
@@ -103,21 +104,19 @@ def test_every_phase_accepts_exactly_the_events_of_its_table() -> None:
 def test_a_refused_ack_is_retried_on_the_next_tick_even_with_no_data_to_flush(fault: bool) -> None:
     """A sink has no data to forward: its refused ack must not wait for data (or it holds back
     every later ack for good, docs/reliability.md). With the historic fault switched on, it does."""
-    sink = make("sink")
-    if fault:
-        sink.faults = frozenset({"retry_only_with_data"})
+    sink = make("sink", faults=frozenset({"retry_only_with_data"}) if fault else frozenset())
     accept_all(sink, sink.handle(Started(WALL0), 0.0), 0.0)
     batch = encode_data("op-0", 0, 1, [("src", 0, None)])
     cmds = sink.handle(EnvelopeReceived(topics.inbox(CLUSTER, "sink-0", "n1"), batch), 0.1) + sink.handle(Tick(WALL0), 0.1)
     cmds += sink.handle(Tick(WALL0), 0.1 + ACK_DELAY)  # one batch, less than half a window: acked after ACK_DELAY
     assert accept_all(sink, cmds, 0.1, refuse=1) == []  # the ack was refused
-    assert sink.retry and sink.stats["publish_rejected"] == 1
+    assert sink.outputs.retry and sink.stats["publish_rejected"] == 1
     sent = accept_all(sink, sink.handle(Tick(WALL0 + 1), 1.0), 1.0)
     acks = [decode(p) for t, p in sent if t == topics.inbox(CLUSTER, "op-0", "n1")]
     if fault:
-        assert acks == [] and sink.retry
+        assert acks == [] and sink.outputs.retry
         return
-    assert [list(a.body) for a in acks] == [[0, 1]] and not sink.retry
+    assert [list(a.body) for a in acks] == [[0, 1]] and not sink.outputs.retry
 
 
 def test_publishes_after_a_refused_one_keep_their_order() -> None:
@@ -279,7 +278,7 @@ def test_records_replayed_after_a_crash_go_to_the_sink_instance_they_went_to_bef
     if fault:
         assert to_sink1, resent  # the duplicate the fix prevents
         return
-    assert to_sink1 == [] and again.routes.pinned == 4
+    assert to_sink1 == [] and again.outputs.routes.pinned == 4
 
 
 def test_no_route_memory_where_the_next_operator_has_one_instance_at_most() -> None:
@@ -294,8 +293,8 @@ def test_no_route_memory_where_the_next_operator_has_one_instance_at_most() -> N
     cmds += op.handle(Tick(WALL0 + 0.1), 0.1)
     sent = accept_all(op, cmds, 0.1)
     assert sum(len(decode(p).body) for _, p in sent if decode(p).kind is Kind.DATA) == 4
-    assert not any(isinstance(c, SaveRoutes) for c in cmds) and len(op.routes) == 0
-    assert make("source", toml=toml).sticky and make("op", toml=sink_bounded(2)).sticky
+    assert not any(isinstance(c, SaveRoutes) for c in cmds) and len(op.outputs.routes) == 0
+    assert make("source", toml=toml).outputs.sticky and make("op", toml=sink_bounded(2)).outputs.sticky
 
 
 def test_bad_bytes_on_the_inbox_are_counted_and_skipped() -> None:
@@ -332,9 +331,7 @@ def test_batches_unacked_by_a_removed_successor_that_restarts_go_to_the_current_
     to it, the batch was stranded (the copy terminated, the sink refused its data) and replayed
     every few seconds for the rest of the run. It goes to our current successors instead, and
     nothing is acked upstream before they ack it. With the historic fault, it goes to the copy."""
-    op = make("op")
-    if fault:
-        op.faults = frozenset({"replay_to_departed"})
+    op = make("op", faults=frozenset({"replay_to_departed"}) if fault else frozenset())
     accept_all(op, op.handle(Started(WALL0), 0.0), 0.0)
     recs = [("src", s, {"v": s}) for s in (1, 2, 3)]
     cmds = op.handle(EnvelopeReceived(topics.inbox(CLUSTER, "op-0", "n1"), encode_data("source-0", 0, 1, recs)), 0.1)
@@ -351,12 +348,12 @@ def test_batches_unacked_by_a_removed_successor_that_restarts_go_to_the_current_
     to_source = [decode(p) for t, p in sent if t == topics.inbox(CLUSTER, "source-0", "n1")]
     assert not [e for e in to_source if e.kind is Kind.ACK and e.body[1] >= 1]  # nothing acked upstream yet
     if fault:
-        assert {t for t, _ in data} == {to_old} and "sink-0" in op.links
+        assert {t for t, _ in data} == {to_old} and "sink-0" in op.outputs.links
         return
     assert {t for t, e in data if e.body} == {to_new}
     assert [e.body for t, e in data if t == to_old] == [[]]  # its replay marker, and nothing to replay
     assert [it[:2] for _, e in data for it in e.body] == [it[:2] for it in recs]
-    assert "sink-0" not in op.links and op.stats["departed_rerouted"] == 3
+    assert "sink-0" not in op.outputs.links and op.stats["departed_rerouted"] == 3
     ack = encode(Envelope("sink-1", 0, 1, Kind.ACK, [op.epoch, max(e.seq for t, e in data if t == to_new)]))
     cmds = op.handle(EnvelopeReceived(topics.inbox(CLUSTER, "op-0", "n1"), ack), 1.1)
     for t in (2.0, 3.0, 4.0):  # acks upstream are coalesced for a moment

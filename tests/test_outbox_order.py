@@ -152,5 +152,5 @@ def test_a_restarted_instance_forwards_the_records_sent_before_and_the_new_ones_
         cmds += again.handle(Tick(WALL0 + t), t)
         sent += run(again, cmds, t)
         cmds = []
-    assert again.routes.pinned == 6
+    assert again.outputs.routes.pinned == 6
     assert sent == list(range(10))

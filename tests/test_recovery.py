@@ -216,7 +216,7 @@ def test_batches_a_successor_never_acks_are_replayed_to_it(tmp_path) -> None:  #
     from agent.dataplane.envelope import Envelope, Kind, decode, encode
     from agent.mqtt.transport import Received
     from agent.dataplane.channel import Inbound
-    from agent.instance.core import LINK_SILENCE
+    from agent.instance.outputs import LINK_SILENCE
 
     clock, wire = [100.0], MemoryWire()
     w, to_work, first = _source_sent_two_batches(tmp_path, clock, wire)
@@ -509,10 +509,10 @@ def test_an_idle_copy_holds_a_rehomed_successors_first_ack_until_its_start(tmp_p
     copy_wire.events.append(Received(to_copy, encode(Envelope("sink-0", sink_epoch, 1, Kind.ACK, [0, 0]))))
     clock[0] += 0.5
     copy.step(clock[0])
-    assert copy.core.stats["refused_senders"] == 0 and copy.core.hold.count == 1
+    assert copy.core.stats["refused_senders"] == 0 and copy.core.admission.hold.count == 1
     clock[0] += 30
     copy.step(clock[0])  # an idle copy's hold does not expire: its neighbours come with Start
-    assert copy.core.hold.count == 1
+    assert copy.core.admission.hold.count == 1
 
     creator.core.scaling.started.append("work-x")  # the creator answers the copy's ping with Start
     keeper_wire.events.append(Received(to_creator, encode(Envelope("work-x", copy.core.epoch, 1, Kind.ACK, [0, 0]))))
@@ -525,7 +525,7 @@ def test_an_idle_copy_holds_a_rehomed_successors_first_ack_until_its_start(tmp_p
     for _ in range(4):
         clock[0] += 0.5
         copy.step(clock[0])
-    assert copy.core.stats["refused_senders"] == 0 and copy.core.hold.count == 0
+    assert copy.core.stats["refused_senders"] == 0 and copy.core.admission.hold.count == 0
     assert copy.core.inbound.gaps() == {}, copy.core.inbound.gaps()
     assert copy.core.inbound.epoch_of("sink-0") == sink_epoch
     assert [decode(p).body["type"] for t, p in keeper_wire.sent if t == to_copy] == ["start"]
@@ -657,7 +657,7 @@ def test_a_refused_ack_of_a_sink_is_published_later_and_later_acks_follow(tmp_pa
     wire.events += [batch(s) for s in range(3, 9)]
     run(1.0)
     assert acked() == 8, f"the sink acked only up to {acked()} of 8 batches"
-    assert not w.core.retry
+    assert not w.core.outputs.retry
 
 
 def _active_copy(tmp_path, clock: list, restart: bool = False, extra: Optional[dict] = None):  # type: ignore[no-untyped-def]

@@ -427,7 +427,7 @@ def test_a_successor_slow_to_ack_processes_each_batch_once(runner, mosquitto, tm
     must outlast LINK_SILENCE."""
     import signal
 
-    from agent.instance.core import LINK_SILENCE
+    from agent.instance.outputs import LINK_SILENCE
 
     n = 3000
     procs = start_pipeline(runner, mosquitto, tmp_path, taxi_pipeline(1000.0, n), "slowack")

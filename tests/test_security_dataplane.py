@@ -173,7 +173,7 @@ def _records(first: int, n: int) -> list:
 
 def test_a_sink_refuses_forged_epochs_numbers_and_senders_and_keeps_recording_real_batches(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from agent.operators.builtin import read_sink_ids
-    from agent.instance.core import HOLD_TTL
+    from agent.instance.admission import HOLD_TTL
 
     clock = [100.0]
     w, wire = _worker(tmp_path, "sink", clock)
@@ -190,7 +190,7 @@ def test_a_sink_refuses_forged_epochs_numbers_and_senders_and_keeps_recording_re
     _run(w, clock, 1.0)
     assert w.core.stats["refused_epochs"] == 1 and w.core.stats["refused_seqs"] == 1
     assert w.core.stats["refused_senders"] == 1  # no operator's instance has that name: refused at once
-    assert w.core.hold.count == 1 and ("work-f00d", "local") in w.core.hold  # might be announced yet: held, bounded
+    assert w.core.admission.hold.count == 1 and ("work-f00d", "local") in w.core.admission.hold  # might be announced yet: held, bounded
     assert w.core.operator.stats()["recorded"] == 0
     saved = json.loads(state.read_text())
     assert saved["inbound"] == {} and "9007199254740992" not in state.read_text()
@@ -203,7 +203,7 @@ def test_a_sink_refuses_forged_epochs_numbers_and_senders_and_keeps_recording_re
     saved = json.loads(state.read_text())
     assert saved["inbound"] == {"work-0": [0, 3]}
     _run(w, clock, HOLD_TTL + 1.0, step=0.5)
-    assert w.core.hold.count == 0 and w.core.stats["refused_senders"] == 2  # never announced: refused
+    assert w.core.admission.hold.count == 0 and w.core.stats["refused_senders"] == 2  # never announced: refused
     assert w.core.operator.stats()["duplicates_dropped"] == 0 and w.core.operator.stats()["recorded"] == 8
     w.core.operator.close()
     ids, dup = read_sink_ids(tmp_path / "sink")
@@ -228,10 +228,10 @@ def test_thirty_thousand_acks_from_invented_senders_leave_no_trace(tmp_path) -> 
 
     assert w.core.stats["refused_senders"] == 30_000 + 100 - MAX_PROBES
     assert w.core.inbound.senders() <= 1 + MAX_PROBES and len(w.core.queues) <= 1 + MAX_PROBES
-    assert w.core._refusals.suppressed + 20 >= w.core.stats["refused_senders"] - 1  # noqa: SLF001 - few log lines
+    assert w.core.admission.refusals.suppressed + 20 >= w.core.stats["refused_senders"] - 1  # noqa: SLF001 - few log lines
     _run(w, clock, PROBE_TTL + 2.0, step=0.5)
     assert w.core.inbound.senders() == 1 and set(w.core.queues) <= {"source-0"}  # unanswered probes forgotten
-    assert len(w.core.outbound._next) <= 2  # noqa: SLF001 - sink-0, source-0
+    assert len(w.core.outputs.outbound._next) <= 2  # noqa: SLF001 - sink-0, source-0
     assert len(state.read_text()) <= size + 50, state.read_text()
     assert "ghost" not in state.read_text() and "work-0000" not in state.read_text()
 
@@ -242,7 +242,7 @@ def test_a_forged_ack_beyond_what_was_sent_cannot_release_the_replay_buffer(tmp_
     inbox = topics.inbox("c", "work-0", "local")
     wire.events.append(Received(inbox, encode_data("source-0", 0, 1, _records(0, 4))))
     _run(w, clock, 0.5)
-    link = w.core.links["sink-0"]
+    link = w.core.outputs.links["sink-0"]
     assert link.inflight == 1
     wire.events.append(Received(inbox, encode(Envelope("sink-0", 0, 1, Kind.ACK, [w.core.epoch, 10 ** 6]))))
     _run(w, clock, 0.2)
@@ -268,13 +268,13 @@ def test_an_idle_copy_holds_its_predecessors_batches_until_its_start_then_proces
     wire.events.append(Received(inbox, encode_data("ghost-2", 0, 1, _records(0, 4))))
     wire.events.append(Received(inbox, encode_data("source-zz", 0, 1, _records(0, 4))))
     _run(w, clock, 0.5)
-    assert w.core.hold.count == 3 and w.core.inbound.senders() == 0 and w.core.stats["records_in"] == 0
+    assert w.core.admission.hold.count == 3 and w.core.inbound.senders() == 0 and w.core.stats["records_in"] == 0
     assert w.core.stats["refused_senders"] == 1  # ghost-2: no neighbour's instance has that name
     start = Start("work-0", 1, ("sink-0",), ("source-0",))
     wire.events.append(Received(inbox, encode(Envelope("work-0", 0, 1, Kind.PROTO, start.to_dict()))))
     _run(w, clock, 0.5)
     assert w.core.scaling.core.is_active
-    assert w.core.stats["records_in"] == 8 and w.core.hold.count == 1 and ("source-zz", "local") in w.core.hold
+    assert w.core.stats["records_in"] == 8 and w.core.admission.hold.count == 1 and ("source-zz", "local") in w.core.admission.hold
     assert w.core.stats["held_released"] == 2
     out = [decode(p) for t, p in wire.sent if t == topics.inbox("c", "sink-0", "local")]
     assert sum(len(e.body) for e in out if e.kind is Kind.DATA) == 8
@@ -285,7 +285,7 @@ def test_data_claimed_by_a_known_sender_that_is_no_predecessor_is_never_processe
     """The successor's name is known (it acks us), but a data batch under that name is not one
     a real successor can send (nor one a predecessor's instance can be named): refused at once;
     its records never reach the operator."""
-    from agent.instance.core import HOLD_TTL
+    from agent.instance.admission import HOLD_TTL
 
     clock = [100.0]
     w, wire = _worker(tmp_path, "work", clock)
@@ -295,8 +295,8 @@ def test_data_claimed_by_a_known_sender_that_is_no_predecessor_is_never_processe
     wire.events.append(Received(inbox, encode(Envelope("sink-0", 0, 1, Kind.ACK, [w.core.epoch, 1]))))
     wire.events.append(Received(inbox, encode_data("sink-0", 0, 2, _records(100, 4))))
     _run(w, clock, 0.5)
-    assert w.core.links["sink-0"].inflight == 0  # its ack is fine
-    assert w.core.stats["records_in"] == 4 and w.core.hold.count == 0 and w.core.stats["refused_senders"] == 1
+    assert w.core.outputs.links["sink-0"].inflight == 0  # its ack is fine
+    assert w.core.stats["records_in"] == 4 and w.core.admission.hold.count == 0 and w.core.stats["refused_senders"] == 1
     _run(w, clock, HOLD_TTL + 1.0, step=0.5)
     assert w.core.stats["records_in"] == 4 and w.core.stats["refused_senders"] == 1
 
@@ -318,7 +318,7 @@ def test_a_departed_neighbours_resent_deletion_is_still_answered(tmp_path) -> No
     _run(w, clock, 0.5)
     acks = [decode(p).body for t, p in wire.sent if t == to_source and decode(p).kind is Kind.PROTO]
     assert [a["type"] for a in acks] == ["deletion_ack", "deletion_ack"], acks
-    assert w.core.hold.count == 0 and w.core.stats["refused_senders"] == 0
+    assert w.core.admission.hold.count == 0 and w.core.stats["refused_senders"] == 0
 
 
 def test_an_idle_copy_keeps_a_neighbours_duplication_for_its_start_and_acks_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -338,12 +338,12 @@ def test_an_idle_copy_keeps_a_neighbours_duplication_for_its_start_and_acks_it(t
     wire.events.append(Received(inbox, encode(Envelope("sink-0", 0, 1, Kind.PROTO, dup))))
     _run(w, clock, 0.5)
     acks = [decode(p).body for t, p in wire.sent if t == to_sink and decode(p).kind is Kind.PROTO]
-    assert w.core.hold.count == 0 and [(a["type"], a["round"]) for a in acks] == [("duplication_ack", 1)], acks
+    assert w.core.admission.hold.count == 0 and [(a["type"], a["round"]) for a in acks] == [("duplication_ack", 1)], acks
     assert w.core.router.succs == () and w.core.scaling.core.succs_to_add == {"sink-z"}  # idle: no route yet
     start = Start("work-0", 1, ("sink-0",), ("source-0",))
     wire.events.append(Received(inbox, encode(Envelope("work-0", 0, 1, Kind.PROTO, start.to_dict()))))
     _run(w, clock, 0.5)
-    assert w.core.hold.count == 0 and w.core.router.succs == ("sink-0", "sink-z")
+    assert w.core.admission.hold.count == 0 and w.core.router.succs == ("sink-0", "sink-z")
     acks = [decode(p).body for t, p in wire.sent if t == to_sink and decode(p).kind is Kind.PROTO]
     assert [(a["type"], a["round"]) for a in acks] == [("duplication_ack", 1)], acks  # once
 

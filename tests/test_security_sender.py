@@ -287,7 +287,7 @@ def _sink(tmp_path: Path, clock: List[float]):  # type: ignore[no-untyped-def]
 
 
 def test_a_batch_written_by_a_node_that_does_not_host_its_sender_is_refused_and_replaces_nothing(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from agent.instance.core import WRITER_HOLD_TTL
+    from agent.instance.admission import WRITER_HOLD_TTL
     from agent.operators.builtin import read_sink_ids
 
     clock = [100.0]
@@ -300,13 +300,13 @@ def test_a_batch_written_by_a_node_that_does_not_host_its_sender_is_refused_and_
     wire.events.append(Received(forged_by, encode_data("work-0", 2 ** 53, 1, fake)))
     _run(w, clock, 0.3)
     assert w.core.stats["records_in"] == 0 and w.core.inbound.senders() == 0  # waiting, apart, no trace
-    assert w.core.hold.count == 2 and ("work-0", "n3") in w.core.hold
+    assert w.core.admission.hold.count == 2 and ("work-0", "n3") in w.core.admission.hold
     real_records = [("source-0", 1000 + i, r) for i, (_, _, r) in enumerate(_records(0, 4))]
     wire.events.append(Received(real, encode_data("work-0", 0, 1, real_records)))
     _run(w, clock, 0.3)
     assert w.core.stats["records_in"] == 4 and w.core.stats["duplicate_envelopes"] == 0  # not behind them
     _run(w, clock, WRITER_HOLD_TTL + 1.0, step=0.5)
-    assert w.core.stats["refused_nodes"] == 2 and w.core.hold.count == 0 and w.core.stats["records_in"] == 4
+    assert w.core.stats["refused_nodes"] == 2 and w.core.admission.hold.count == 0 and w.core.stats["records_in"] == 4
     state = json.loads((tmp_path / "state" / "sink-0.state.json").read_text())
     assert state["inbound"] and json.dumps(state["inbound"]).count("work-0") == 1  # the real channel only
     assert w.core.inbound.position("work-0")[0] == 0  # epoch 2**53 never reached the channel
@@ -320,7 +320,7 @@ def test_a_batch_written_by_a_node_that_does_not_host_its_sender_is_refused_and_
 
 
 def test_an_unknown_binding_holds_apart_from_other_nodes_streams_until_the_agent_says(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from agent.instance.core import HOLD_TTL, WRITER_HOLD_TTL
+    from agent.instance.admission import HOLD_TTL, WRITER_HOLD_TTL
 
     clock = [100.0]
     w, wire = _sink(tmp_path, clock)
@@ -330,25 +330,25 @@ def test_an_unknown_binding_holds_apart_from_other_nodes_streams_until_the_agent
     for seq in (1, 2):
         wire.events.append(Received(real, encode_data("work-0", 0, seq, _records(4 * (seq - 1), 4))))
     _run(w, clock, 0.3)
-    assert w.core.hold.count == 3 and w.core.stats["records_in"] == 0 and w.core.inbound.senders() == 0
-    assert ("work-0", "n1") in w.core.hold and ("work-0", "n3") in w.core.hold
+    assert w.core.admission.hold.count == 3 and w.core.stats["records_in"] == 0 and w.core.inbound.senders() == 0
+    assert ("work-0", "n1") in w.core.admission.hold and ("work-0", "n3") in w.core.admission.hold
     w.feed(Control({"event": "hosts", "bound": {"work-0": "n1"}}), clock[0])
     _run(w, clock, 0.3)
     # the real ones, in their order; the forgery still waits apart (n3 might be bound next)
     assert w.core.stats["records_in"] == 8 and w.core.stats["held_released"] == 2
-    assert w.core.hold.count == 1 and ("work-0", "n3") in w.core.hold
+    assert w.core.admission.hold.count == 1 and ("work-0", "n3") in w.core.admission.hold
     wire.events.append(Received(real, encode_data("work-0", 0, 3, _records(8, 4))))  # not behind it
     _run(w, clock, 0.3)
     assert w.core.stats["records_in"] == 12
     _run(w, clock, WRITER_HOLD_TTL + 1.0, step=0.5)
-    assert w.core.hold.count == 0 and w.core.stats["refused_nodes"] == 1 and w.core.stats["records_in"] == 12
+    assert w.core.admission.hold.count == 0 and w.core.stats["refused_nodes"] == 1 and w.core.stats["records_in"] == 12
     # a move: work-0's next incarnation writes from n3 before n3's record reaches our agent
     wire.events.append(Received(other, encode_data("work-0", 1, 1, _records(12, 4))))
     _run(w, clock, 0.3)
-    assert w.core.hold.count == 1 and w.core.stats["records_in"] == 12
+    assert w.core.admission.hold.count == 1 and w.core.stats["records_in"] == 12
     w.feed(Control({"event": "hosts", "bound": {"work-0": "n3"}}), clock[0])
     _run(w, clock, 0.3)
-    assert w.core.hold.count == 0 and w.core.stats["records_in"] == 16 and w.core.stats["held_released"] == 3
+    assert w.core.admission.hold.count == 0 and w.core.stats["records_in"] == 16 and w.core.stats["held_released"] == 3
     # and from now on n1, online, is the stranger
     wire.events.append(Received(real, encode_data("work-0", 1, 2, _records(16, 4))))
     _run(w, clock, WRITER_HOLD_TTL + 1.0, step=0.5)
@@ -357,7 +357,7 @@ def test_an_unknown_binding_holds_apart_from_other_nodes_streams_until_the_agent
     w.feed(Control({"event": "hosts", "bound": {"work-0": "n3"}, "former": {"work-0": ["n1"]}}), clock[0])
     wire.events.append(Received(real, encode_data("work-0", 0, 4, _records(20, 4))))
     _run(w, clock, 0.3)
-    assert w.core.hold.count == 0 and w.core.stats["refused_nodes"] == 2 and w.core.stats["duplicate_envelopes"] == 1
+    assert w.core.admission.hold.count == 0 and w.core.stats["refused_nodes"] == 2 and w.core.stats["duplicate_envelopes"] == 1
     assert HOLD_TTL > WRITER_HOLD_TTL
 
 
@@ -558,11 +558,11 @@ def test_a_per_node_worker_sends_to_the_bound_node_parks_what_is_unbound_and_fol
     wire.events.append(Received(mine("n1"), encode_data("source-0", 0, 1, _records(0, 4))))
     _run(w, clock, 0.5)
     assert w.core.stats["records_in"] == 4 and not wire.sent  # sink-0 unbound: parked, nothing acked upstream
-    assert [len(q) for q in w.core.unrouted.values()] == [1] and not w.core.drained()
+    assert [len(q) for q in w.core.outputs.unrouted.values()] == [1] and not w.core.drained()
     w.feed(Control({"event": "hosts", "bound": {"source-0": "n1", "work-0": "n1", "sink-0": "n2"}}), clock[0])
     _run(w, clock, 0.3)
     data = sent(Kind.DATA)
-    assert [t for t, _ in data] == [topics.inbox_at("c", "n2", "sink-0", "n1")] and not w.core.unrouted
+    assert [t for t, _ in data] == [topics.inbox_at("c", "n2", "sink-0", "n1")] and not w.core.outputs.unrouted
     # sink-0 (n2) acks it: work-0 acks the source, on the source's node's topic
     wire.events.append(Received(mine("n2"), encode(Envelope("sink-0", 0, 1, Kind.ACK, [0, 1]))))
     _run(w, clock, 0.5)
@@ -575,7 +575,7 @@ def test_a_per_node_worker_sends_to_the_bound_node_parks_what_is_unbound_and_fol
     before = len(wire.sent)
     wire.events.append(Received(mine("n3"), encode(Envelope("sink-0", 5, 1, Kind.ACK, [0, 0]))))
     _run(w, clock, 0.3)
-    assert len(wire.sent) == before and w.core.hold.count == 1
+    assert len(wire.sent) == before and w.core.admission.hold.count == 1
     # the binding follows the hosted records (n2 offline, n3 lists it): the replay goes to n3 at once
     w.feed(Control({"event": "hosts", "bound": {"source-0": "n1", "work-0": "n1", "sink-0": "n3"},
                     "former": {"sink-0": ["n2"]}}), clock[0])
@@ -601,7 +601,7 @@ def test_a_per_node_worker_resends_at_once_what_went_to_a_moved_receivers_old_no
     binding names n3, the unacked batch goes to n3 at once under its own number, not after the
     next wait of 20 s; and the backoff starts over (a resend lost again is retried after 5 s)."""
     from agent.dataplane.envelope import decode
-    from agent.instance.core import LINK_SILENCE
+    from agent.instance.outputs import LINK_SILENCE
 
     clock = [100.0]
     w, wire = _worker(tmp_path, "work", clock, node="n1",
@@ -629,7 +629,7 @@ def test_a_per_node_worker_resends_at_once_what_went_to_a_moved_receivers_old_no
     wire.events.append(Received(topics.inbox_at("c", "n1", "work-0", "n3"),
                                 encode(Envelope("sink-0", 0, 1, Kind.ACK, [0, 1]))))
     _run(w, clock, 3 * LINK_SILENCE)
-    assert data_to("n3") == [1, 1] and w.core.links["sink-0"].inflight == 0
+    assert data_to("n3") == [1, 1] and w.core.outputs.links["sink-0"].inflight == 0
     w.feed(Abort("test"), clock[0])
 
 

@@ -410,7 +410,7 @@ def test_a_sender_bound_without_proof_does_not_set_its_epoch(tmp_path: Path) -> 
     writes in work-0's name with a new epoch. Taken, that epoch was persisted and work-0's real
     batches (node n1, its binding back) were dropped as old for good. Now it waits, unproven, is
     refused, and the real stream goes on."""
-    from agent.instance.core import WRITER_HOLD_TTL
+    from agent.instance.admission import WRITER_HOLD_TTL
     from test_security_dataplane import _records, _run
     from test_security_sender import _sink
     from agent.dataplane.envelope import encode_data

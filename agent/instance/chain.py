@@ -66,7 +66,7 @@ class Chain:
         self.by_id: Dict[str, Worker] = {w.spec.instance: w for w in self.members}
         keeps = frozenset(w.spec.instance for w in self.members if getattr(w.core.operator, "keeps_records", False))
         for w in self.members:
-            w.core.local_keeps = keeps - {w.spec.instance}
+            w.core.outputs.local_keeps = keeps - {w.spec.instance}
         self.stop_event = ""  # "stop" or "eof" once the chain stops (upstream first)
         self.stats: Dict[str, int] = {"handed_after_exit": 0, "unknown_member_lines": 0}
 

@@ -9,9 +9,11 @@ shell: it turns paho callbacks, control lines and its loop's turns into events (
 .events) and performs the commands (agent.instance.commands) in order. The interleaving checker
 (foglab.sim.instance_check) drives the same class through a model of the broker.
 
-Why one large module: the data path (admission, per-sender queues, processing, flow
-control, replay, acks) and the lifecycle share one set of fields that every step reads; split
-by function they would reach into each other's state (docs/runtime.md, "Instance").
+The parts this module routes to own their state and hold no reference to the instance:
+agent.instance.outputs (links, numbering, publishes, acks upstream), agent.instance.admission
+(admission and the hold buffer), agent.instance.source (a source's numbering and pacing). What
+stays here: the lifecycle, the per-sender queues and their order, processing, watermarks, the
+silence checks, persistence (docs/runtime.md, "Instance").
 
 Lifecycle (`Phase`, the table `_ACCEPTS`): NEW -(Started | Restarted)-> RUNNING -(stop,
 eof, or Terminate from the protocol)-> STOPPING -(drained, or drain timeout, or Abort)-> EXITED.
@@ -33,20 +35,15 @@ from typing import Any, Callable, Deque, Dict, FrozenSet, List, Optional, Set, T
 
 from agent import events, topics
 from agent.config import PipelineConfig
-from agent.dataplane.channel import Inbound, Outbound
-from agent.dataplane.envelope import (
-    MAX_FLOORS, Envelope, Item, Kind, MalformedEnvelope, Passed, built, data_body_bytes, decode, encode, encode_data,
-)
-from agent.dataplane.flow import AckTracker, OutLink
-from agent.dataplane.inbound import ACCEPT, HOLD, REFUSE, HoldBuffer, LogLimiter, numbering_fault, writer_verdict
+from agent.dataplane.channel import Inbound
+from agent.dataplane.envelope import Envelope, Item, Kind, MalformedEnvelope, Passed, data_body_bytes, decode
+from agent.dataplane.flow import AckTracker
+from agent.dataplane.inbound import LogLimiter
 from agent.dataplane.owners import TableError, groups_from_runs
 from agent.dataplane.routing import Outbox, Router
 from agent.dataplane.sticky import RouteMemory, needed
 from agent.dataplane.watermarks import MAX_MARK_MS, Mark, SourceMarks, WatermarkTable
-from agent.instance.commands import (
-    AckIngest, Command, CrashPoint, Emit, Exit, Handoff, LogIngest, Notify, Persist, PersistSource, Publish,
-    RequestSpawn, SaveKeyed, SaveRoutes,
-)
+from agent.instance.commands import Command, CrashPoint, Emit, Exit, Notify, Persist, PersistSource, RequestSpawn, SaveKeyed
 from agent.instance.driver import ScalingDriver
 from agent.instance import groups as keygroup_table
 from agent.instance import moves as group_moves
@@ -54,19 +51,21 @@ from agent.instance.events import (
     Abort, Control, EnvelopeHanded, EnvelopeReceived, Event, PubAcked, PublishAccepted, PublishRefused, Restarted,
     SessionLost, Spawned, Started, Tick,
 )
+from agent.instance.admission import Admission
+from agent.instance.hosts import Hosts
 from agent.instance.keyed_state import KeyedState
+from agent.instance.outputs import ACK_DELAY, RAW_TOPIC, Outputs
+from agent.instance.source import Source
 from agent.instance.spec import InstanceSpec
 from agent.measure.capacity import LiveCapacity
 from agent.measure.signals import PeriodSignals, Signals
 from agent.operators.builtin import SinkOperator
 from agent.operators.keyed import KeyedOperator, keyed_config_problems, parse_event_time
-from agent.operators.sources import SourceCaps, source_caps
 from agent.protocol.errors import LocalProtocolError
 from agent.protocol.scaling import FORWARDING
 
 __all__ = ["Instance", "Phase", "EXIT_OK", "EXIT_CRASH", "EXIT_BAD_SPEC", "EXIT_BROKER", "EXIT_DRAIN_TIMEOUT",
-           "FAULT_RETRY_ONLY_WITH_DATA", "FAULT_ROUTE_AFRESH", "FAULT_REPLAY_TO_DEPARTED",
-           "FAULT_RESYNC_AT_FIRST_SEEN", "FAULT_ROUTE_PAST_DEPARTED"]
+           "FAULT_RETRY_ONLY_WITH_DATA", "FAULT_ROUTE_AFRESH", "FAULT_RESYNC_AT_FIRST_SEEN"]
 
 log = logging.getLogger("agent.instance.worker")
 
@@ -78,56 +77,16 @@ EXIT_BROKER = 3  # could not connect/subscribe at start
 EXIT_DRAIN_TIMEOUT = 4  # stop requested, but successors did not ack everything in time
 
 MAX_POLL = 0.05  # longest wait the instance asks for (the shell sees control lines within this)
-ACK_DELAY = 0.005  # coalesce upstream acks for at most this long
-# A source reserves on disk the records it may generate before writing its position again
-# (`_produce`): at least SOURCE_RESERVE, else RESERVE_SECONDS of its measured rate (at most
-# SOURCE_RESERVE_MAX), so that it writes source.json about once a second whatever its rate. A
-# fixed 2,000 records meant 25 writes a second at 50k records/s, each blocking the source 2-4 ms
-# on a loaded disk (docs/measurement.md, "Cheap cuts of the data plane"). The price: a restarted
-# source regenerates up to its reservation at once, i.e. up to a second of records sooner than
-# its rate profile would have (docs/runtime.md).
-SOURCE_RESERVE = 2000
-RESERVE_SECONDS = 1.0
-SOURCE_RESERVE_MAX = 500_000
 SINK_SETTLE_POLL = 0.05  # a sink whose spool is at its cap checks this often whether shipping freed it
 STATE_PERIOD = 1.0  # persist the channel snapshot at most this often (a rename costs ~5 ms here)
 # A hole in a sender's numbering this old will not close by itself: the broker lost those
 # messages, or another connection with our client id took them (a fenced copy after a partition).
 GAP_TIMEOUT = 5.0
-# Batches to a successor unacked this long, with no ack from it meanwhile: send them again under
-# their own numbers (what it lost sits at the end of its channel, so it sees no hole). A successor
-# that only was slow (an overloaded chain delays acks for seconds) drops the copies in its channel.
-LINK_SILENCE = 5.0
 # A predecessor whose data we drop while we wait for its replay marker (`_await_replays`) and whose
 # marker has not come this long after the first drop never got our request (lost with a broker's
 # state): we ask again, as a new incarnation. Generous: a loaded predecessor answers late.
 REPLAY_WAIT = 10.0
-LINK_SILENCE_MAX = 600.0  # the wait doubles after each replay that brought no ack (a dead node's
-# instance, re-homing off: its session would otherwise fill with a window of copies every 5 s)
 SILENCE_CHECK = 1.0  # seconds between the two checks above
-# Envelopes of senders not known yet (agent.dataplane.inbound.HoldBuffer) wait this long for the
-# protocol to announce them (a new copy's Start, resent after IDLE_PING..IDLE_PING_MAX), then they
-# are refused. An idle copy holds until its Start: until then it cannot know its predecessors.
-HOLD_TTL = 60.0
-# Envelopes of a known sender written by a node it is not bound to (yet) wait this long for the
-# agent's "hosts" line to bind it there (a new host's record normally follows within a second),
-# then they are refused (`refused_nodes`): a forgery by another node never gets bound.
-WRITER_HOLD_TTL = 20.0
-HOLD_MAX_SENDERS = 64
-FLOORS_KEPT = 4096  # sources whose floor claims an instance keeps and forwards (agent.instance.applied)
-HOLD_MAX_BYTES = 8 << 20
-# Marks a destination that is an MQTT topic of the operator's own (a sink's publications), not an
-# instance: instance ids never contain "\0" (topics._check), so the two cannot be confused.
-RAW_TOPIC = "\0"
-# Envelopes kept per destination our binding table does not name yet (per-node inboxes,
-# `_publish_tracked`): a window of data plus acks and protocol messages, many times over.
-UNROUTED_MAX = 1024
-# A successor that got no batch carrying our current watermark for this long gets it alone, in an
-# empty data batch (agent.dataplane.watermarks): one whose key groups get no records still moves on.
-MARK_PERIOD = 0.2
-# ... and one we never sent data (a new copy, idle until its Start, holds what it gets: a few
-# marks only in its hold buffer, HOLD_TTL / MARK_PERIOD_UNLINKED of them) this often.
-MARK_PERIOD_UNLINKED = 5.0
 
 # Seeded fault (foglab.sim.instance_check, never set elsewhere): refused publishes are retried
 # only when there is data to flush, so a sink's refused ack holds back all its later acks.
@@ -135,20 +94,12 @@ FAULT_RETRY_ONLY_WITH_DATA = "retry_only_with_data"
 # Seeded fault (the same): records sent again are routed afresh, not to where they went before,
 # so after a crash a copy can reach another sink instance, which keeps it (INVARIANT 8).
 FAULT_ROUTE_AFRESH = "route_afresh"
-# Seeded fault (the same): a record sent again whose successor left our table is routed afresh
-# (as it once was), so a copy a departed sink instance recorded reaches another (INVARIANT 8).
-FAULT_ROUTE_PAST_DEPARTED = "route_past_departed"
-# Seeded fault (the same): the unacked batches of a successor we removed are replayed to its new
-# incarnation, which is departing and drops them, instead of re-routed (CHANGELOG.md, defect A).
-FAULT_REPLAY_TO_DEPARTED = "replay_to_departed"
 # A restarted receiver takes a predecessor's data at the first number it sees when its snapshot
 # does not hold that channel (the checker's former `resync_past_lost_replays`).
 FAULT_RESYNC_AT_FIRST_SEEN = "resync_at_first_seen"
 # The wait for a replay marker starts its clock only at the first data batch it drops, not at a
 # protocol message or a duplicate (seed 9230: the sink never asked again, 4 records lost).
 FAULT_REPLAY_CLOCK_AT_DROP = "replay_clock_at_drop"
-# an idle copy holds an empty ack from a successor's name even with a round message behind it
-FAULT_EMPTY_ACK_HELD = "empty_ack_held"
 # Seeded faults of the watermarks (agent.dataplane.watermarks): an instance passes on the marks
 # it received, acked inputs or not ("marks_unacked"); a keyed instance keeps its own watermark,
 # the largest event time it took ("marks_own_max": the rule before marks flowed).
@@ -197,9 +148,6 @@ class Instance:
         # Co-hosted instances: fixed for the life of the process (the chain never changes its
         # members), so every envelope to one of them goes in memory, never some over MQTT.
         self.local = frozenset(local) - {spec.instance}
-        # co-hosted successors whose operator never changes a record in place (the chain sets it:
-        # `Operator.keeps_records`): handed their batches without a copy of the records (`_hand`)
-        self.local_keeps: FrozenSet[str] = frozenset()
         # CPU-time and interval clocks for the live signals only (docs/measurement.md); the
         # shell passes time.perf_counter and time.process_time, the checker nothing.
         self.perf, self.cpu = perf, cpu
@@ -208,32 +156,21 @@ class Instance:
         self.ctx = {"instance": spec.instance, "operator": spec.operator, "node": spec.node}
         # Per-node inboxes (docs/security.md, "Who may read an inbox"): we read
         # `inbox/<our node>/<us>/+` and write to the node our binding table says hosts the
-        # receiver; before the table names it, what we send it waits in `unrouted`.
-        self.per_node = bool(spec.extra.get("inbox_per_node"))
-        self.inbox = (topics.inbox_all_at(spec.cluster, spec.node, spec.instance) if self.per_node
+        # receiver; before the table names it, what we send it waits (agent.instance.outputs).
+        per_node = bool(spec.extra.get("inbox_per_node"))
+        self.inbox = (topics.inbox_all_at(spec.cluster, spec.node, spec.instance) if per_node
                       else topics.inbox_all(spec.cluster, spec.instance))
-        self.unrouted: Dict[str, Deque[Tuple[bytes, Optional[int]]]] = {}
-        # Receivers whose binding moved to another node, and when (`_on_hosts`): what we sent
-        # them before went to the old node's topic, where the broker drops it (`_resend_moved`).
-        self._moved: Dict[str, float] = {}
-        self._inbox_root = f"{topics.base(spec.cluster)}/inbox/"
-        # The node in an inbox topic must host the envelope's sender (docs/security.md, "Data
-        # channels"): the agent sets this and sends the bindings as the control line "hosts".
-        self.check_node = bool(spec.extra.get("check_sender_node"))
-        self.hosts_bound: Dict[str, str] = {}
-        self.hosts_former: Dict[str, List[str]] = {}
-        # Senders whose binding the agent took without a statement from who moved them
-        # (agent.node.hostmap "unproven"): no new epoch of theirs is taken (nor persisted) until proven.
-        self.hosts_unproven: Set[str] = set()
+        self._inbox_root = f"{topics.base(spec.cluster)}/inbox/" if per_node else None
+        self.hosts = Hosts()
         self.phase = Phase.NEW
         self.now = 0.0
         self._wall_offset = 0.0
         self._out: List[Command] = []
         self.epoch = 0
         self.inbound = Inbound()
-        self.outbound = Outbound(0)
         self.is_source = self.kind == "source"
-        self.source = source_caps(operator) if self.is_source else SourceCaps()
+        # A source's numbering and pacing (agent.instance.source); every capability off for the others.
+        self.source = Source(spec.instance, operator if self.is_source else None, self.ctx)
         self.is_sink = self.kind == "sink" or isinstance(operator, SinkOperator)
         self.service_time = self.op.service_time_ms / 1000.0
         # A sink that reads only record ids gets compact batches without their records rebuilt.
@@ -261,7 +198,6 @@ class Instance:
             self.source_marks = SourceMarks(self.wm_conf.disorder_ms, self.wm_conf.idle_after)
         if self.marks is not None and self.keyed is not None and FAULT_MARKS_OWN_MAX not in self.faults:
             self.keyed.flowing = True
-        self._marks_sent: Dict[str, Tuple[Mark, float]] = {}  # successor -> (last mark sent it, when)
         # Its key groups and their moves (agent.instance.moves): a deployed instance holds every
         # group (deploy starts one keeper per operator), a copy none until its Start names its share.
         self.moves: Optional[group_moves.GroupMoves] = None
@@ -277,60 +213,14 @@ class Instance:
         self.router = Router(spec.succs, key=self.op.key, groups=key_groups, table=table)
         self._redirects_waiting: List[Tuple[str, Any]] = []  # an idle copy's, until its Start
         self.outbox = Outbox(self.router, self.op.batch_size, self.op.linger_ms / 1000.0)
-        # INVARIANT 8 (a record sent again goes where it went): a forwarding instance remembers
-        # each record's successor where the next operator's instance count can change
-        # (agent.dataplane.sticky.needed).
-        self.routes = RouteMemory()
-        self.sticky = (not self.is_sink and nxt is not None and FAULT_ROUTE_AFRESH not in self.faults
-                       and needed(self.op.key, pipeline.scaling_for(nxt.name).max_instances))
-        self.links: Dict[str, OutLink] = {}
         self.tracker = AckTracker()
         self.queues: Dict[str, Deque[Envelope]] = {}
-        self.pending_pub: Dict[int, int] = {}  # mid -> lowest process index it carries
-        # token -> (destination, payload, lowest index, retried): issued, not yet answered by the shell
-        self._unconfirmed: Dict[int, Tuple[str, bytes, Optional[int], bool]] = {}
-        self._token = 0
         self.sink_wait: Deque[int] = deque()  # a deferred sink's record() calls not recorded yet
-        self.retry: Deque[Tuple[str, bytes, Optional[int]]] = deque()  # (destination, payload, lowest index)
-        self.ack_due: Dict[str, Tuple[int, int]] = {}  # sender -> (its epoch, data seq)
-        self.ack_since: Optional[float] = None
         self.busy_until = 0.0
         self.high_water = 2 * self.op.batch_size
-        self._unacked_batches = 0
         # Acks go out every half of the predecessors' window (their operator's setting): the
         # sender still has the other half of its credit while the ack travels (docs/runtime.md).
         pred_window = pipeline.operators[self.stage - 1].max_inflight_batches if self.stage > 0 else 8
-        self.ack_every = max(1, pred_window // 2)
-        # Admission (agent.dataplane.inbound): how far ahead an honest sender's numbers can run is
-        # set by the larger window on our channels; a held sender gets room for a window of data
-        # twice over, plus its protocol and lock messages.
-        self.window = max(pred_window, self.op.max_inflight_batches)
-        # A keyed successor moving key groups sends each predecessor a Redirect per group, a new
-        # copy too, before the copy's Start names that successor: room for all of them, or the
-        # ones refused leave a hole and the copy renews its incarnation 5 s later
-        # (CHANGELOG.md, "A new copy refused its keyed successor's Redirects"). The byte
-        # bound stays the memory bound.
-        self.hold = HoldBuffer(HOLD_MAX_SENDERS, 2 * self.window + 32 + (key_groups if self.next_keyed else 0),
-                               HOLD_MAX_BYTES)
-        self._refusals = LogLimiter()
-        # Only a name an instance of a neighbouring operator can have is worth holding: keepers
-        # are "<pipeline>.<operator>.0" (deploy.keeper_id), every other instance "<operator>-..."
-        # (ScalingCore._new_id, the agent's createNode, the bench). Invented names are refused
-        # at once, so they cannot fill the hold buffer that a new copy's predecessors need.
-        ops = pipeline.operators
-        pred_op = [ops[self.stage - 1].name] if self.stage > 0 else []
-        near = pred_op + [spec.operator] + ([ops[self.stage + 1].name] if self.stage + 1 < len(ops) else [])
-        succ_op = [ops[self.stage + 1].name] if self.stage + 1 < len(ops) else []
-        self._shapes = {
-            Kind.DATA: (tuple(f"{o}-" for o in pred_op), {f"{spec.pipeline}.{o}.0" for o in pred_op}),
-            Kind.PROTO: (tuple(f"{o}-" for o in near), {f"{spec.pipeline}.{o}.0" for o in near}),
-            # held only while we are idle (`_admit`): a re-homed successor's first ack in its new
-            # epoch reaches every predecessor of its rebuilt table, idle copies included
-            Kind.ACK: (tuple(f"{o}-" for o in succ_op), {f"{spec.pipeline}.{o}.0" for o in succ_op}),
-        }
-        # a neighbour's Duplication we take unannounced (`_sender_allowed`): previous or next operator
-        both = pred_op + succ_op
-        self._round_shape = (tuple(f"{o}-" for o in both), {f"{spec.pipeline}.{o}.0" for o in both})
         self.scaling: Optional[ScalingDriver] = None
 
         self.stats: Dict[str, int] = {
@@ -387,6 +277,27 @@ class Instance:
             "marks_sent": 0,  # watermarks sent alone (agent.dataplane.watermarks)
             "late_at_source": 0,  # source records older than its own watermark when polled
         }
+        # What we send (agent.instance.outputs): links, numbering, tracked publishes, acks upstream.
+        # INVARIANT 8 (a record sent again goes where it went): a forwarding instance remembers
+        # each record's successor where the next operator's instance count can change
+        # (agent.dataplane.sticky.needed).
+        sticky = (not self.is_sink and nxt is not None and FAULT_ROUTE_AFRESH not in self.faults
+                  and needed(self.op.key, pipeline.scaling_for(nxt.name).max_instances))
+        self.outputs = Outputs(spec.instance, spec.cluster, spec.node, self.router, self.outbox, self.tracker,
+                               self.hosts, self.stats, self.ctx, window=self.op.max_inflight_batches,
+                               ack_every=max(1, pred_window // 2), per_node=per_node, local=self.local,
+                               sticky=sticky, faults=self.faults)
+        # What we let in (agent.instance.admission): how far ahead an honest sender's numbers can
+        # run is set by the larger window on our channels; the node in an inbox topic must host the
+        # envelope's sender when the agent says so (docs/security.md, "Data channels").
+        ops = pipeline.operators
+        self.admission = Admission(
+            spec.instance, spec.operator, spec.pipeline, [ops[self.stage - 1].name] if self.stage > 0 else [],
+            [nxt.name] if nxt is not None else [], spec.preds, spec.succs,
+            window=max(pred_window, self.op.max_inflight_batches), hold_extra=key_groups if self.next_keyed else 0,
+            check_node=bool(spec.extra.get("check_sender_node")), keyed=self.moves is not None, hosts=self.hosts,
+            inbound=self.inbound, links=self.outputs.links, router=self.router, stats=self.stats, ctx=self.ctx,
+            faults=self.faults)
         self._malformed_log = LogLimiter()  # bounded: a flood of invented names costs nothing
         self._malformed_logged: Set[str] = set()  # protocol senders (admitted ones only: bounded)
         self._period_records = 0
@@ -402,9 +313,7 @@ class Instance:
         self._state_dirty = True
         self._last_state_write = -1e9
         self._last_heartbeat = 0.0
-        self._sent_to_removed: Set[str] = set()
         self._final = False
-        self._last_source_write = -1e9
         self._holes: Dict[str, Tuple[Tuple[int, int], float]] = {}  # sender -> ((epoch, missing seq), since)
         # A new incarnation of ours: predecessor -> (its epoch we knew, None when our snapshot
         # lacks its channel; when we first dropped its data or None), for the predecessors whose
@@ -412,18 +321,11 @@ class Instance:
         self._awaiting_replay: Dict[str, Tuple[Optional[int], Optional[float]]] = {}
         self._dup_behind_data = False  # a predecessor's duplication queued behind its data (`_duplications_ahead`)
         self._eos_behind_data = False  # a predecessor's Eos queued behind its data (`_eos_ahead`)
-        # Source -> the largest floor claimed for it in our input (agent.instance.applied): passed
-        # on with the records of that source; a source claims its own.
-        self._floors: Dict[str, int] = {}
         self._next_silence_check = 0.0
         self.first_record_at: Optional[float] = None
         self.activated_at: Optional[float] = None  # wall time of our Start (rescale breakdown)
         self._terminate_reason = ""
         self._period_start = 0.0
-        self._source_first: Dict[int, int] = {}  # source: poll index -> its first record seq
-        self._source_reserved = 0  # source: records it may generate before writing its position
-        self._reserved_at: Optional[Tuple[float, int]] = None  # source: (when, generated) at the last reservation
-        self._source_started_at = 0.0  # source: wall time its rate profile started
 
     # ---- the one entry point ------------------------------------------------------------------------
 
@@ -471,9 +373,9 @@ class Instance:
         self._begin(ev.wall, False, {}, None)
 
     def _on_restarted(self, ev: Restarted) -> None:
-        if self.sticky:
+        if self.outputs.sticky:
             try:
-                self.routes = RouteMemory.load(ev.routes[0], ev.routes[1], self.now)
+                self.outputs.routes = RouteMemory.load(ev.routes[0], ev.routes[1], self.now)
             except ValueError as exc:
                 log.warning("%s: records replayed to us are routed afresh", exc, extra=self.ctx)
         self._begin(ev.wall, True, ev.state, ev.source_position, ev.ingest_log)
@@ -493,7 +395,7 @@ class Instance:
             if again:  # outputs the successors had not acked: sent again (the sink drops copies)
                 index = self.tracker.produced()
                 self.keyed.outputs = [(index, it) for it in again]
-                self._forward(list(again), index, self.now)
+                self.outputs.forward(list(again), index, self.now)
         if self.moves is not None:
             self.moves.after_restart()
             if "moves_out" in self.spec.extra and "owned_groups" in self.spec.extra and not ev.state.get("moves"):
@@ -528,10 +430,10 @@ class Instance:
         self.epoch = max(self.epoch, int(self.spec.extra.get("min_epoch", 0) or 0))
         if restart:
             self.inbound.restore(saved.get("inbound") or {}, resync=True)
-        self.outbound = Outbound(self.epoch)
+        self.outputs.renumber(self.epoch)
         self._next_silence_check = now + SILENCE_CHECK
         self._period_start = now
-        self._source_started_at = wall
+        self.source.started_at = wall
         self.signals = PeriodSignals(now, self.cpu())
         self.scaling = ScalingDriver(self, saved, restart)
         self.live_capacity = LiveCapacity(self.scaling.params.capacity)
@@ -545,16 +447,16 @@ class Instance:
         self.persist(force=True)
         if restart:
             # Tell each predecessor we are a new incarnation (an ack of nothing, numbered in our
-            # new epoch): it replays what we had not acknowledged (see _replay_to).
+            # new epoch): it replays what we had not acknowledged (agent.instance.outputs, `successor_restarted`).
             self._await_replays(self.scaling.core.preds)
             for pred in sorted(self.scaling.core.preds):
                 self.send_envelope(pred, Kind.ACK, [0, 0])
             self.scaling.resync(now)
         if self.is_source:
             if self.source.sensor:
-                self._number_source(wall, source_position if restart else None, ingest_log)
+                self.source.number(wall, source_position if restart else None, ingest_log)
             elif restart:
-                self._resume_source(source_position)
+                self.source.resume(source_position, self.wall())
             self.operator.start(now)
         self._period_start = now
         self.emit("ready")
@@ -564,18 +466,6 @@ class Instance:
             self._exit = (EXIT_OK, "restarted after its termination: gone for good", True)
         elif self.scaling.outputs:
             self.scaling.run_outputs(now)  # a restarted round: perform what was still queued
-
-    def _resume_source(self, pos: Optional[Dict[str, Any]]) -> None:
-        """A restarted source continues from its last written position (see TaxiSource.resume)."""
-        if not self.source.replayable or not isinstance(pos, dict) or "resume_from" not in pos:
-            log.warning("source restarted without a usable position: starting over", extra=self.ctx)
-            return
-        start = int(pos["resume_from"])
-        upto = max(int(pos.get("generated", 0)), int(pos.get("reserved", 0)))
-        self._source_started_at = float(pos.get("profile_started_at", self.wall()))
-        self.operator.resume(start, upto, self.wall() - self._source_started_at)
-        self._source_reserved = upto
-        log.info("source resumes at record %d, regenerating up to %d", start, upto, extra=self.ctx)
 
     # ---- one loop turn ---------------------------------------------------------------------------------
 
@@ -593,21 +483,21 @@ class Instance:
             self.moves.flush()  # the turn's hand-over writes, then its messages (agent.instance.moves)
         if self.keyed is not None and self.keyed.dirty:
             self._save_keyed()
-        if self.hold:
-            self._release_held(now)
-        if self._moved:
-            self._resend_moved(now)
+        if self.admission.hold:
+            self.admission.release(now, self.scaling, self.epoch, self.wall(), self._decode_records, self._accept)
+        if self.outputs.moved:
+            self._out += self.outputs.resend_moved(now)
         if self.is_sink:
             self._settle_sink()
         self.flush(now)
         if self.marks is not None:
-            self._send_marks(now, self._out_mark(now))
+            self._out += self.outputs.send_mark(now, self._out_mark(now))
         if self.source.sensor:
-            self._settle_ingest()
+            self._out += self.source.settle(self._lowest_pending)
         self.signals.blocked(now, self._backpressured())
         self._send_acks(now)
         if FAULT_RETRY_ONLY_WITH_DATA not in self.faults:
-            self._publish_retries()
+            self._out += self.outputs.publish_retries()
         if self.scaling is not None:
             self.scaling.maybe_tick(now)
         if now - self._last_heartbeat >= self.spec.heartbeat_period:
@@ -630,12 +520,12 @@ class Instance:
             return 0.0  # groups to hand out or chunks to take in, a few per turn
         deadlines = [now + MAX_POLL, self._last_heartbeat + self.spec.heartbeat_period]
         d = self.outbox.next_deadline()
-        if d is not None and any(self._credit(s) > 0 for s in self.router.succs):
+        if d is not None and any(self.outputs.credit(s) > 0 for s in self.router.succs):
             deadlines.append(d)  # without credit only an ack (socket readable) can help: no spin
         if self.busy_until > now:
             deadlines.append(self.busy_until)
-        if self.ack_since is not None:
-            deadlines.append(self.ack_since + ACK_DELAY)
+        if self.outputs.ack_since is not None:
+            deadlines.append(self.outputs.ack_since + ACK_DELAY)
         if self.sink_wait:
             deadlines.append(now + SINK_SETTLE_POLL)  # the shipper (another process) cannot wake us
         if self.is_source and self._can_produce():
@@ -645,23 +535,13 @@ class Instance:
     # ---- publish feedback, session, spawn ----------------------------------------------------------
 
     def _on_publish_accepted(self, ev: PublishAccepted) -> None:
-        item = self._unconfirmed.pop(ev.token, None)
-        if item is not None and item[2] is not None:
-            self.pending_pub[ev.mid] = item[2]
+        self.outputs.on_accepted(ev.token, ev.mid)
 
     def _on_publish_refused(self, ev: PublishRefused) -> None:
-        item = self._unconfirmed.pop(ev.token, None)
-        if item is None:
-            return
-        if not item[3]:
-            self.stats["publish_rejected"] += 1
-            log.warning("%s; will retry", ev.reason or "publish refused", extra=self.ctx)
-        # Refusals come in token order and every later publish of the same list is refused too
-        # (commands.py), so appending keeps the channel order.
-        self.retry.append(item[:3])
+        self.outputs.on_refused(ev.token, ev.reason)
 
     def _on_puback(self, ev: PubAcked) -> None:
-        self.pending_pub.pop(ev.mid, None)
+        self.outputs.on_puback(ev.mid)
 
     def _on_session_lost(self, ev: SessionLost) -> None:
         self._new_incarnation("the broker lost our session", "sessions_lost")
@@ -709,45 +589,10 @@ class Instance:
 
     def _on_hosts(self, msg: Dict[str, Any]) -> None:
         """The agent's instance -> node bindings (agent.node.hostmap): replaces ours; what they
-        now bind is released from the hold buffer at the next Tick (`_release_held`)."""
-        bound = msg.get("bound")
-        if not isinstance(bound, dict):
-            log.warning("hosts line without its tables ignored", extra=self.ctx)
-            return
-        before, self.hosts_bound = self.hosts_bound, {str(i): str(n) for i, n in bound.items()}
-        for dest in self.links:
-            was, now_at = before.get(dest), self.hosts_bound.get(dest)
-            if was is not None and now_at is not None and was != now_at:
-                self._moved[dest] = self.now
-        former = msg.get("former")
-        self.hosts_former = ({str(i): [str(n) for n in ns] for i, ns in former.items() if isinstance(ns, list)}
-                             if isinstance(former, dict) else {})
-        unproven = msg.get("unproven")
-        self.hosts_unproven = {str(i) for i in unproven} if isinstance(unproven, list) else set()
-        for dest in [d for d in self.unrouted if d in self.hosts_bound]:
-            parked = self.unrouted.pop(dest)
-            for payload, low in parked:
-                self._publish_tracked(dest, payload, low)
-
-    def _resend_moved(self, now: float) -> None:
-        """A receiver moved to another node (a drain's hand-over, a re-home): every batch we sent
-        it before our table said so went to its old node's topic, where the broker drops it (the
-        new node may not read it). Sent again at once, under their own numbers, to the new node
-        (the receiver's channel drops what it has), and the silent-link backoff starts over: left
-        to `_check_silence`, the resend waited for a backoff that had doubled on every replay into
-        the old topic while the receiver started (CHANGELOG.md, "A drain could stall a moved
-        instance for a minute").
-        Run after the release of held envelopes: a renumbered replay for the receiver's new epoch
-        (`_accept`) resends them already, and what it sent is newer than the move."""
-        moved, self._moved = self._moved, {}
-        for dest, since in moved.items():
-            link = self.links.get(dest)
-            if link is None or dest in self.local:
-                continue
-            link.silent_replays = 0
-            if any(u.sent_at < since for u in link.unacked()):
-                self.stats["moved_resent"] = self.stats.get("moved_resent", 0) + 1
-                self._replay_to(dest, renumber=False, why=f"moved to node {self.hosts_bound.get(dest)}")
+        now bind is released from the hold buffer at the next Tick (`Admission.release`)."""
+        before = self.hosts.update(msg, self.ctx)
+        if before is not None:
+            self._out += self.outputs.on_hosts(before, self.now)
 
     def request_stop(self, now: float) -> None:
         """Agent shutdown: stop producing, drain (bounded), exit; the session is kept."""
@@ -795,7 +640,7 @@ class Instance:
 
     def _on_envelope(self, ev: EnvelopeReceived) -> None:
         writer = topics.inbox_writer(self.inbox, ev.topic)
-        if writer is None and self.per_node and ev.topic.startswith(self._inbox_root):
+        if writer is None and self._inbox_root is not None and ev.topic.startswith(self._inbox_root):
             # Our inbox on a node we no longer run on: a subscription our session kept from an
             # earlier incarnation (a re-home, a hand-over). The role's ACL drops these at delivery;
             # a broker without it delivers them. Dropped either way; the predecessors replay what
@@ -803,7 +648,7 @@ class Instance:
             self.stats["foreign_inbox"] += 1
             return
         if writer is None:
-            self._ingest(ev)
+            self._out += self.source.ingest(ev)
             return
         try:
             env = decode(ev.payload, self._decode_records)
@@ -814,17 +659,8 @@ class Instance:
             if self._malformed_log.allow(who, self.now):
                 log.warning("malformed payload on inbox from %s skipped: %s", who, exc, extra=self.ctx)
             return
-        if (env.sender, writer) in self.hold:
-            # behind what it already holds: the order of (sender, writing node) is kept
-            self._hold(env, ev.payload, writer, "node" if self._waits_for_binding(env.sender, writer) else "sender")
-            return
-        verdict, why = self._admit(env, writer)
-        if verdict == ACCEPT:
+        if self.admission.screen(env, ev.payload, writer, self.scaling, self.epoch, self.wall(), self.now):
             self._accept(env)
-        elif verdict == HOLD:
-            self._hold(env, ev.payload, writer, why)
-        else:
-            self._refuse(env, why, writer)
 
     def _on_handed(self, ev: EnvelopeHanded) -> None:
         """A chained predecessor's envelope (docs/runtime.md, "Chaining"): as `_on_envelope`
@@ -836,97 +672,10 @@ class Instance:
         writer = self.spec.node
         if env.kind is Kind.DATA:
             self.stats["handed_in"] += 1
-        if (env.sender, writer) in self.hold:
-            self._hold(env, encode(env), writer, "node" if self._waits_for_binding(env.sender, writer) else "sender")
-            return
-        verdict, why = self._admit(env, writer)
-        if verdict == ACCEPT:
+        if self.admission.screen(env, None, writer, self.scaling, self.epoch, self.wall(), self.now):
             self._accept(env)
-        elif verdict == HOLD:
-            self._hold(env, encode(env), writer, why)  # rare: held as bytes like a broker's message
-        else:
-            self._refuse(env, why, writer)
 
     # ---- admission (docs/security.md, "Data channels") ------------------------------------------
-
-    def _admit(self, env: Envelope, writer: str, unannounced_ok: bool = False) -> Tuple[str, str]:
-        """ACCEPT, HOLD or REFUSE (with the reason) for one decoded envelope, before it touches
-        any state: its sender must exist for our tables (unless `unannounced_ok`:
-        `_empty_ack_before_round`), be hosted by the node `writer` that wrote it (check_node), and
-        its numbers must be ones that sender can have (agent.dataplane.inbound). Cheap on the hot
-        path: dict lookups and a few compares."""
-        if not unannounced_ok and not self._sender_allowed(env):
-            # Data and protocol messages may come from an instance the protocol announces to us
-            # only later (a new copy's predecessors before its Start): hold, if the name can be
-            # one of a neighbouring operator's. Acks come only from instances we sent data to,
-            # which an active instance knows by then: refuse. An idle copy knows no successor
-            # yet, but a re-homed one numbers its first ack (its new epoch) 1 on the channel to
-            # us: refused, every later message of it would wait behind that hole until we became
-            # a new incarnation, possibly in our own deletion (CHANGELOG.md, defect A).
-            # So an idle copy holds acks from a successor's name until its Start, like data.
-            shape = self._shapes.get(env.kind)
-            if env.kind is Kind.ACK and not self._idle:
-                shape = None
-            if shape is not None and (env.sender.startswith(shape[0]) or env.sender in shape[1]):
-                return HOLD, "sender"
-            return REFUSE, "sender"
-        if self.check_node and writer_verdict(self.hosts_bound.get(env.sender), self.hosts_former.get(env.sender, ()),
-                                              writer) != ACCEPT:
-            return HOLD, "node"
-        if self.check_node and env.sender in self.hosts_unproven and self._new_epoch(env):
-            return HOLD, "node"  # a binding nobody vouched for does not set the sender's epoch
-        fault = numbering_fault(self.inbound.position(env.sender), self.inbound.resync_unknown,
-                                env.epoch, env.seq, self.wall(), self.window)
-        if fault is not None:
-            return REFUSE, fault
-        if env.kind is Kind.ACK and env.body[0] == self.epoch and env.body[1] > 0:
-            link = self.links.get(env.sender)
-            if link is None or not link.plausible_ack(env.body[1]):
-                return REFUSE, "seq"  # acks (in our epoch) what we never sent it
-        return ACCEPT, ""
-
-    def _sender_allowed(self, env: Envelope) -> bool:
-        """Does our view of the pipeline say `env.sender` may send us an envelope of this kind?
-
-        Data: a predecessor (the core's table, or one announced to an idle copy). Acks: an
-        instance we sent data to (a link, a successor), a copy of ours pinging for its Start, or a
-        copy we may have to adopt (`ScalingDriver.may_probe`). Protocol and lock messages: any
-        instance our tables, our rounds or our persisted channels know."""
-        s = env.sender
-        sc = self.scaling
-        kind = env.kind
-        if kind is Kind.DATA:
-            if sc is None:
-                return s in self.spec.preds
-            return s in sc.core.preds or s in sc.core.preds_to_add
-        if kind is Kind.ACK:
-            if s in self.links or s in self.router.succs:
-                return True
-            if sc is None:
-                return False
-            core = sc.core
-            if s in core.succs or s in core.new_siblings or s in sc.started or s in sc.probes or s in sc.orphans:
-                return True
-            return tuple(env.body) == (0, 0) and sc.may_probe(s)
-        if self.inbound.position(s) is not None or s in self.links:
-            return True
-        if (self.moves is not None and isinstance(env.body, dict) and env.body.get("type") in group_moves.HANDOVER_TYPES
-                and self._sibling(s)):
-            return True  # a hand-over between two instances of our operator (agent.instance.moves)
-        if sc is None:
-            return s in self.spec.preds or s in self.spec.succs
-        if sc.knows(s):
-            return True
-        # The Deletion of a neighbour's copy nobody told us of (it learnt of us from a round of
-        # ours, or from its creator, while our own Start or round left it out): answered, or its
-        # deletion waits for our ack for ever. The core takes it as the paper does (idle: not to
-        # add; active: not in our tables) and only acks. Likewise a Duplication a neighbour sends
-        # us, a copy it was told of, after a loss (`ScalingCore.widen_round`): idle, we keep it
-        # for our Start (Algorithm 5) and ack; held instead, two such rounds wait for each
-        # other's idle copies for ever. docs/reliability.md, "Checking whole instances".
-        mtype = env.body.get("type") if isinstance(env.body, dict) else None
-        shape = self._shapes[Kind.PROTO] if mtype == "deletion" else self._round_shape
-        return mtype in ("deletion", "duplication") and (s.startswith(shape[0]) or s in shape[1])
 
     def _take_redirect(self, sender: str, msg: Any) -> None:
         try:
@@ -940,27 +689,13 @@ class Instance:
         if self.log_limited(sender):
             log.warning("hand-over from %s: %s", sender[:64], why, extra=self.ctx)
 
-    def _sibling(self, name: str) -> bool:
-        """Can `name` be another instance of our operator (ScalingCore._new_id, deploy.keeper_id)?"""
-        return name != self.spec.instance and (name.startswith(f"{self.spec.operator}-")
-                                               or name == f"{self.spec.pipeline}.{self.spec.operator}.0")
-
     def _accept(self, env: Envelope) -> None:
         before = self.inbound.stats.duplicates + self.inbound.stats.stale_epoch
         known = self.inbound.epoch_of(env.sender)
-        if env.epoch > (known if known is not None else 0) and (env.sender in self.links
+        if env.epoch > (known if known is not None else 0) and (env.sender in self.outputs.links
                                                                 or env.sender in self.router.succs):
-            # The successor restarted: it may have lost what it held. The marker first (it drops
-            # what we sent before it: all of that is in the replay), then the replay, in order;
-            # to a successor we have removed, no replay: its unacked batches go to the current
-            # successors (CHANGELOG.md, defect A).
-            self._send_replay_marker(env.sender)
-            self._marks_sent.pop(env.sender, None)  # it lost the marks it had from us: sent again
-            if env.sender in self.links:
-                if env.sender in self.router.succs or FAULT_REPLAY_TO_DEPARTED in self.faults:
-                    self._replay_to(env.sender)
-                else:
-                    self._reroute_departed(env.sender)
+            # The successor restarted: it may have lost what it held (agent.instance.outputs).
+            self._out += self.outputs.successor_restarted(env.sender, self.now)
         if env.kind is Kind.ACK and tuple(env.body) == (0, 0) and self.scaling is not None:
             self.scaling.remind_departed(env.sender)  # a re-homed copy that forgot it left
         if env.sender in self._awaiting_replay:
@@ -1008,7 +743,7 @@ class Instance:
         with our memory. Processed first, they would reach the successors ahead of the replayed
         older ones (a keyed operator's window then closes without them: seed 25 of the stateful
         chaos run). Everything such a predecessor sent us and we did not ack is in its replay,
-        which follows its replay marker (an empty data batch, `_send_replay_marker`), so what
+        which follows its replay marker (an empty data batch, agent.instance.outputs), so what
         comes from it before the marker is dropped, and its records reach us in its order.
         Only predecessors we had a channel with (the others sent us nothing yet, and may not
         know us yet: they would never send a marker); a newer epoch of the predecessor ends the
@@ -1052,17 +787,6 @@ class Instance:
         if (env.kind is not Kind.DATA or env.body) and (epoch is None or env.epoch <= epoch):
             self._awaiting_replay[env.sender] = (epoch, self.now)
 
-    def _send_replay_marker(self, dest: str) -> None:
-        """An empty data batch on the channel to `dest`: what we send after it is our replay and
-        newer data (see `_await_replays`). Outside the replay buffer and the credit window; the
-        receiver never processes nor acks it (cumulative acks cover its number)."""
-        seq = self.outbound.take(dest)
-        if dest in self.local:  # chained: on the same in-memory channel as the replay after it
-            self._hand(dest, Envelope(self.spec.instance, self.epoch, seq, Kind.DATA, []))
-        else:
-            self._publish_tracked(dest, encode_data(self.spec.instance, self.epoch, seq, []), None)
-        self.stats["replay_markers"] += 1
-
     def forget_sender(self, sender: str) -> None:
         """Drop every per-sender entry of an instance admitted only provisionally (an unanswered
         probe): channel position, numbering, an empty queue."""
@@ -1070,113 +794,9 @@ class Instance:
             return  # something of it still waits to be handled: keep it
         self.queues.pop(sender, None)
         self.inbound.forget(sender)
-        self.outbound.forget(sender)
+        self.outputs.outbound.forget(sender)
         self._holes.pop(sender, None)
         self.mark_state_changed()
-
-    def _hold(self, env: Envelope, payload: bytes, writer: str, why: str) -> None:
-        # Kept: the bytes (decoded again on release, so memory is what the byte bound says) and
-        # a header without records (what `_sender_allowed` looks at while it waits), per (sender,
-        # writing node): one ordered stream each.
-        head = Envelope(env.sender, env.epoch, env.seq, env.kind, [] if env.kind is Kind.DATA else env.body)
-        if not self.hold.add((env.sender, writer), (head, bytes(payload)), len(payload) + 200, self.now):
-            self.stats["held_dropped"] += 1
-            self._refuse(env, why, writer, " (hold buffer full)")
-
-    def _empty_ack_before_round(self, key: Tuple[str, str], head: Envelope) -> bool:
-        """Idle, is `head` (first of the held stream `key`) an empty ack ([0, 0]: a new
-        incarnation of a successor asking for replays; we sent it nothing) from a name of our
-        successors' operator, with a round message behind it that we take unannounced
-        (`_sender_allowed`)? Then it is taken (a no-op for us) so that the round message gets
-        answered: held until our Start, it kept the Duplication of our creator's neighbour
-        behind it, whose round waited for our ack while our creator's waited for that
-        neighbour's idle copy, which held our creator's Duplication behind its data: two idle
-        copies waiting for each other (CHANGELOG.md, "Records lost at an idle sink copy")."""
-        if (not self._idle or head.kind is not Kind.ACK or tuple(head.body) != (0, 0)
-                or FAULT_EMPTY_ACK_HELD in self.faults):
-            return False
-        prefix, names = self._shapes[Kind.ACK]
-        if not (head.sender.startswith(prefix) or head.sender in names):
-            return False
-        return any(h.kind is Kind.PROTO and self._sender_allowed(h) for h, _ in self.hold.items(key)[1:])
-
-    def _refuse(self, env: Envelope, why: str, writer: str, note: str = "") -> None:
-        """Counted, logged at most once per sender per minute (and 20 lines a minute in all), and
-        nothing else: no channel entry, no record id, nothing persisted."""
-        if why == "sender" and env.kind is Kind.ACK and tuple(env.body) == (0, 0) and self.scaling is not None:
-            self.scaling.remind_departed(env.sender)  # a re-homed copy that forgot it left
-        key = {"epoch": "refused_epochs", "seq": "refused_seqs", "node": "refused_nodes"}.get(why, "refused_senders")
-        self.stats[key] += 1
-        if self._refusals.allow((env.sender, writer), self.now):
-            more = self._refusals.take_suppressed()
-            what = f"not bound to node {writer[:64]}" if why == "node" else f"{why} not plausible"
-            log.warning("refused %s envelope %d/%d from %s (written by %s) on our inbox: %s%s%s",
-                        env.kind.name.lower(), env.epoch, env.seq, env.sender[:64], writer[:64], what, note,
-                        f" ({more} more refusals not logged)" if more else "", extra=self.ctx)
-
-    def _release_held(self, now: float) -> None:
-        """Senders the protocol has announced since their envelopes were held: admit those
-        envelopes now, in the sender's order (epoch, then number). Not in arrival order: a
-        channel that resyncs (a sender unknown after a restart or a new incarnation) starts at
-        the first number it sees, and the ones below it are dropped as seen; held in arrival order
-        2 before 1 (1 lost by the broker and sent again), record 1 was dropped, came back only
-        through a later replay, and went out behind record 7 of its key. The rest wait, up to
-        HOLD_TTL (an idle copy: until its Start)."""
-        for key in self.hold.senders():
-            writer = key[1]
-            self.hold.order(key, lambda held: (held[0].epoch, held[0].seq))
-            while True:
-                held = self.hold.first(key)
-                if held is None:
-                    break
-                unannounced_ok = False
-                if not self._sender_allowed(held[0]):
-                    if self._empty_ack_before_round(key, held[0]):
-                        unannounced_ok = True
-                    elif held[0].kind is not Kind.ACK or self._idle:
-                        break  # still not announced: keep waiting (an idle copy: until its Start)
-                    self.hold.pop_first(key)  # an ack is held only until Start (see _admit)
-                    self._refuse(held[0], "sender", writer)
-                    continue
-                env = decode(held[1], self._decode_records)  # decoded once already: cannot fail
-                verdict, why = self._admit(env, writer, unannounced_ok)
-                if verdict == HOLD:
-                    break
-                self.hold.pop_first(key)
-                if verdict == ACCEPT:
-                    self.stats["held_released"] += 1
-                    self._accept(env)
-                else:
-                    self._refuse(env, why, writer)
-        if self._idle:
-            return  # idle: its neighbours are announced with its Start
-        for (sender, writer), n in self.hold.expire(now, self._hold_ttl):
-            # Not announced by the protocol, or not bound to the node that wrote it, in time.
-            unbound = self._waits_for_binding(sender, writer)
-            self.stats["refused_nodes" if unbound else "refused_senders"] += n
-            if self._refusals.allow((sender, writer), now):
-                log.warning("refused %d envelopes from %s (written by %s): %s within %.0fs", n, sender[:64],
-                            writer[:64], f"not bound to node {writer[:64]}" if unbound else "not announced to us",
-                            WRITER_HOLD_TTL if unbound else HOLD_TTL, extra=self.ctx)
-
-    @property
-    def _idle(self) -> bool:
-        """A copy not yet started: it knows its neighbours only from its Start."""
-        return self.scaling is not None and not self.scaling.data_enabled
-
-    def _new_epoch(self, env: Envelope) -> bool:
-        position = self.inbound.position(env.sender)
-        return position is None or env.epoch > position[0]
-
-    def _waits_for_binding(self, sender: str, writer: str) -> bool:
-        """A held stream whose sender our tables know, written by a node it is not bound to (or
-        bound without proof)."""
-        return (self.check_node and (self.hosts_bound.get(sender) != writer or sender in self.hosts_unproven)
-                and writer not in self.hosts_former.get(sender, ())
-                and self._sender_allowed(Envelope(sender, 0, 1, Kind.PROTO, {})))
-
-    def _hold_ttl(self, key: Tuple[str, str]) -> float:
-        return WRITER_HOLD_TTL if self._waits_for_binding(*key) else HOLD_TTL
 
     def _check_silence(self, now: float) -> None:
         """Messages that will never come (they were lost, or taken by another process with our
@@ -1203,12 +823,7 @@ class Instance:
             self.scaling.expire_probes(now)
         if self.moves is not None:
             self.moves.resend_silent(now)
-        for dest, link in list(self.links.items()):
-            wait = min(LINK_SILENCE * 2 ** link.silent_replays, LINK_SILENCE_MAX)
-            if link.inflight and link.oldest_age(now) >= wait and now - link.last_ack_at >= wait:
-                self.stats["silent_links_replayed"] += 1
-                link.silent_replays += 1
-                self._replay_to(dest, renumber=False)
+        self._out += self.outputs.replay_silent(now)
 
     def _new_incarnation(self, why: str, counter: str) -> None:
         """The broker came back without our session (it restarted without its persistence, or
@@ -1222,7 +837,7 @@ class Instance:
         messages lost on the way are sent again by the round's resend on silence
         (agent.instance.recovery)."""
         self.epoch += 1
-        self.outbound = Outbound(self.epoch)
+        self.outputs.renumber(self.epoch)
         self.inbound.restore(self.inbound.snapshot(), resync=True)
         self.persist(force=True)
         self.stats[counter] += 1
@@ -1232,92 +847,17 @@ class Instance:
             for pred in sorted(self.scaling.core.preds):
                 self.send_envelope(pred, Kind.ACK, [0, 0])
             self.scaling.resync(self.now)
-        for dest, link in list(self.links.items()):
-            link.restart_numbering()
-            self._replay_to(dest)
-
-    def _reroute_departed(self, dest: str) -> None:
-        """A successor we have removed (its deletion round) came back as a new incarnation while
-        it still had batches of ours unacked: it is departing, its successors have removed it
-        too (they refuse its data), so replayed to it they were stranded for good and replayed
-        every few seconds (CHANGELOG.md, defect A). They go to our current successors
-        instead, under their input index (nothing is acked upstream before they are acked
-        again). Records the departed copy had already forwarded come twice: the sink drops them
-        by id (INVARIANT 2). Keyless successors only: a keyed copy handed its state over with
-        those records applied, so we replay to it as before (docs/reliability.md)."""
-        link = self.links[dest]
-        if self.router.key is not None or not self.router.succs:
-            self._replay_to(dest)
-            return
-        batches = link.unacked()
-        records = 0
-        for u in reversed(batches):  # put_back prepends: the oldest ends first
-            env = u.payload if isinstance(u.payload, Envelope) else decode(u.payload)
-            self.outbox.put_back(list(env.body), u.low, self.now)
-            records += len(env.body)
-        del self.links[dest]
-        self.stats["departed_rerouted"] += records
-        log.warning("%s left our table and came back as a new incarnation: %d unacked batches (%d records) "
-                    "re-routed to our successors", dest, len(batches), records, extra=self.ctx)
-
-    def _replay_to(self, dest: str, renumber: bool = True, why: str = "silent link") -> None:
-        """Send every batch `dest` has not acked again.
-
-        renumber=True (a new epoch on either side): renumbered on the current channel. A worker
-        restarted with the same identity has lost the batches it had taken from the broker but
-        not yet forwarded; we still hold them (replay buffer). Records it had already forwarded
-        come twice: the sink drops duplicate record ids, but only when the copy reaches the same
-        sink instance.
-
-        renumber=False (a silent link, same incarnations): each batch goes again under its first
-        number and epoch, so the receiver's channel drops the ones it already has (a slow
-        successor, the usual reason for the silence) and delivers only the ones really lost.
-        Renumbered, a slow successor processed them twice and, round-robin over several sink
-        instances, the second copy reached another sink, which cannot drop it
-        (CHANGELOG.md, "Duplicates across sink instances under plain overload")."""
-        link = self.links[dest]
-        old = link.unacked()
-        if not old:
-            return
-        now = self.now
-        for u in old:
-            # A chained successor's batches are kept as the Envelope handed over, not as bytes.
-            env = u.payload if isinstance(u.payload, Envelope) else decode(u.payload)
-            if not renumber and env.epoch == self.epoch:
-                link.resent(u.seq, now)
-                if isinstance(u.payload, Envelope):
-                    self._hand(dest, env)
-                else:
-                    self._publish_tracked(dest, u.payload, self.tracker.last_index + 1)
-                continue
-            items = env.body
-            seq = self.outbound.take(dest)
-            if isinstance(u.payload, Envelope):
-                again = Envelope(self.spec.instance, self.epoch, seq, Kind.DATA, items, floors=env.floors,
-                                 watermark=env.watermark)
-                link.replace(u.seq, seq, again, now)
-                self._hand(dest, again)
-                continue
-            payload = encode_data(self.spec.instance, self.epoch, seq, items, env.floors, env.watermark)
-            link.replace(u.seq, seq, payload, now)
-            self._publish_tracked(dest, payload, self.tracker.last_index + 1)
-        self.stats["replayed_batches"] += len(old)
-        log.warning("replayed %d unacked batches to %s%s", len(old), dest,
-                    "" if renumber else f" under their own numbers ({why})", extra=self.ctx)
+        self._out += self.outputs.replay_all(self.now)
 
     def _on_ack(self, env: Envelope) -> None:
         self.stats["acks_in"] += 1
-        link = self.links.get(env.sender)
         epoch, upto = env.body
         if self.scaling is not None and list(env.body) == [0, 0] and self.scaling.on_idle_ping(env.sender):
             return  # an idle copy asks for its Start
         if epoch != self.epoch:
             self.stats["stale_acks"] += 1  # for a dead incarnation
             return
-        if link is not None:
-            link.ack(upto, self.now)
-            if link.inflight == 0 and env.sender not in self.router.succs:
-                del self.links[env.sender]  # a departed successor acked everything we sent it
+        self.outputs.on_ack(env.sender, upto, self.now)
 
     def _has_ready_input(self, now: float) -> bool:
         if not any(self.queues.values()):
@@ -1499,7 +1039,7 @@ class Instance:
         self.stats["batches_in"] += 1
         index = self.tracker.processed(env.sender, env.seq, env.epoch)
         if env.floors:
-            self._note_floors(env.floors)
+            self.outputs.note_floors(env.floors)
         t0 = self.perf()
         if self.is_sink:
             self._record(items, index, env)
@@ -1508,7 +1048,7 @@ class Instance:
                 items = self.moves.admit(env.sender, items, index)  # a group on its way here waits
             out = self.keyed.apply(env.sender, items, index, env.floors)
             if out:
-                self._forward(out, index, now)
+                self.outputs.forward(out, index, now)
             if self.marks is not None and env.watermark is not None:
                 self._take_mark(env.sender, index, env.watermark, now)
         else:
@@ -1522,7 +1062,7 @@ class Instance:
                     if body is not None:
                         out = Passed(out, body)
                         self.stats["passed_batches"] += 1
-                self._forward(out, index, now)
+                self.outputs.forward(out, index, now)
             if self.marks is not None and env.watermark is not None:
                 self.marks.note(env.sender, index, env.watermark)
         self.signals.processed(n, self.perf() - t0 + n * self.service_time)
@@ -1549,7 +1089,7 @@ class Instance:
         self.keyed.max_time = cur.value
         out = self.keyed.fire_due(index)
         if out:
-            self._forward(out, index, now)
+            self.outputs.forward(out, index, now)
 
     def _out_mark(self, now: float) -> Optional[Mark]:
         """The mark this instance may pass on now: the least over its inputs of what acked
@@ -1569,24 +1109,6 @@ class Instance:
         if out is not None and self.keyed is not None and self.keyed.op.uses_event_time and self.keyed.op.lateness_ms:
             out = Mark(max(-MAX_MARK_MS, out.value - self.keyed.op.lateness_ms), out.idle)
         return out
-
-    def _send_marks(self, now: float, mark: Optional[Mark]) -> None:
-        """`mark` alone to every successor that has not had it for MARK_PERIOD: outside the
-        replay buffer and the credit window (the next one carries it again), never acked."""
-        if mark is None:
-            return
-        for dest in self.router.succs:
-            last = self._marks_sent.get(dest)
-            period = MARK_PERIOD if dest in self.links else MARK_PERIOD_UNLINKED
-            if last is not None and (last[0] == mark or now - last[1] < period):
-                continue
-            seq = self.outbound.take(dest)
-            if dest in self.local:
-                self._hand(dest, built(self.spec.instance, self.epoch, seq, Kind.DATA, [], None, mark))
-            else:
-                self._publish_tracked(dest, encode_data(self.spec.instance, self.epoch, seq, [], None, mark), None)
-            self._marks_sent[dest] = (mark, now)
-            self.stats["marks_sent"] += 1
 
     def _apply(self, items: List[Item]) -> List[Item]:
         try:
@@ -1610,7 +1132,7 @@ class Instance:
         else:
             pubs = op.record(items)
         for pub in pubs:
-            self._publish_tracked(RAW_TOPIC + pub.topic, pub.payload, index)
+            self._out += self.outputs.publish(RAW_TOPIC + pub.topic, pub.payload, index)
         self.stats["records_out"] += len(items)
 
     def _settle_sink(self) -> None:
@@ -1675,60 +1197,12 @@ class Instance:
 
     # ---- source -----------------------------------------------------------------------------------
 
-    def _ingest(self, ev: EnvelopeReceived) -> None:
-        """A delivery on a source's ingest topic. A sensor source keeps its token with the record
-        until a successor acks the record (`_settle_ingest`); any other source has it acked at
-        once (agent.operators.sources)."""
-        if self.source.topic is None:
-            return
-        if self.source.sensor:
-            self.operator.ingest(ev.topic, ev.payload, ev.token, ev.dup)
-            return
-        self.operator.ingest(ev.topic, ev.payload)
-        if ev.token is not None:
-            self._out.append(AckIngest((ev.token,)))
-
-    def _settle_ingest(self) -> None:
-        """PUBACK the ingest deliveries whose records a successor has acked."""
-        tokens = self.operator.settled(self.source_resume_seq())
-        if tokens:
-            self._out.append(AckIngest(tuple(tokens)))
-
-    def _number_source(self, wall: float, pos: Optional[Dict[str, Any]], logged: Optional[List[Any]]) -> None:
-        """A source whose records cannot be generated again (taxi.MqttIngestSource): the logged
-        records its successors had not acked go out again first, under their numbers; new ones are
-        numbered above every number an earlier incarnation can have used: its saved reservation,
-        and the wall clock in microseconds for when that file is gone with its node."""
-        floor, resume_from = int(wall * 1e6), 0
-        if isinstance(pos, dict):
-            for key in ("generated", "reserved"):
-                try:
-                    floor = max(floor, int(pos.get(key, 0)))
-                except (TypeError, ValueError):
-                    pass
-            try:
-                resume_from = int(pos.get("resume_from", 0))
-            except (TypeError, ValueError):
-                pass
-        self.operator.number_from(floor)
-        if logged:
-            self.operator.replay(logged, resume_from)
-        log.info("source numbers its records from %d", floor, extra=self.ctx)
-
-    def _log_ingest(self) -> None:
-        """The records just polled, to the ingest log before they leave (`LogIngest` precedes the
-        flush's Publish commands)."""
-        entries = self.operator.take_log()
-        if entries:
-            self._out.append(LogIngest(tuple(entries), self.source_resume_seq()))
-
     def _can_produce(self) -> bool:
-        # A paused source has nothing due: without this check its next_due() says "now" and the
-        # loop polls it in a busy spin (measured: ~25k empty loop turns/s, a whole core). Unless
-        # it still sends again what its previous incarnation may have sent (taxi.TaxiSource.catching_up).
+        """A source may poll: not stopping, room in the outbox, successors to send to, data
+        enabled (an idle copy: not before its Start), and the operator not paused."""
         return (
             not self.stopping
-            and (not getattr(self.operator, "paused", False) or getattr(self.operator, "catching_up", False))
+            and self.source.can_produce()
             and self.outbox.pending < self.high_water
             and bool(self.router.succs)
             and (self.scaling is None or self.scaling.data_enabled)
@@ -1738,23 +1212,19 @@ class Instance:
         if not self._can_produce():
             return
         budget = self.high_water - self.outbox.pending
-        generated = int(getattr(self.operator, "generated", 0))
-        if generated + budget > self._source_reserved:
-            # Reserve ahead on disk before generating past the last reservation: a restarted
-            # source regenerates up to it, so it never reports fewer records than were sent.
-            self._source_reserved = generated + budget + self._reserve_span(now, generated)
-            self._write_source_stats()
+        if self.source.reserve(now, budget):
+            self._write_source_stats()  # the reservation on disk before the records it covers
         items = self.operator.poll(now, budget)
         if items:
             self._period_records += len(items)
             self.stats["records_in"] += len(items)
             index = self.tracker.produced()
-            self._source_first[index] = items[0][1]
+            self.source.polled(index, items[0][1])
             if self.source_marks is not None:
                 self._observe(items, index, now)
-            self._forward(items, index, now)
+            self.outputs.forward(items, index, now)
             if self.source.sensor:
-                self._log_ingest()
+                self._out += self.source.take_log(self._lowest_pending)
 
     def _observe(self, items: List[Item], index: int, now: float) -> None:
         """The source's records' event times, into its watermark (noted at this poll's index)."""
@@ -1770,195 +1240,33 @@ class Instance:
         if m is not None:
             self.marks.note("", index, m)
 
-    def _reserve_span(self, now: float, generated: int) -> int:
-        """Records to reserve past this poll: RESERVE_SECONDS of the rate measured since the last
-        reservation, within [SOURCE_RESERVE, SOURCE_RESERVE_MAX]."""
-        last, self._reserved_at = self._reserved_at, (now, generated)
-        if last is None or now <= last[0]:
-            return SOURCE_RESERVE
-        rate = (generated - last[1]) / (now - last[0])
-        return int(min(SOURCE_RESERVE_MAX, max(SOURCE_RESERVE, rate * RESERVE_SECONDS)))
-
     def source_resume_seq(self) -> int:
-        """The first record seq that a restarted source must generate again: the first of the
-        oldest poll whose records are not all acked by a successor yet (buffered, unPUBACKed, or
-        in a replay buffer). Everything below it has been processed and forwarded downstream, so
-        regenerating from here (the generator is deterministic) loses nothing; records above it
-        that already got through arrive twice and the sink drops them by id."""
-        low = self._lowest_pending()
-        for index in [i for i in self._source_first if low is None or i < low]:
-            del self._source_first[index]  # fully acked: forget
-        if low is None or not self._source_first:
-            return int(getattr(self.operator, "generated", 0))
-        return self._source_first[min(self._source_first)]
+        """The first record seq a restarted source must generate again (agent.instance.source)."""
+        return self.source.resume_seq(self._lowest_pending)
 
     # ---- output -----------------------------------------------------------------------------------
 
-    def _credit(self, dest: str) -> int:
-        link = self.links.get(dest)
-        return self.op.max_inflight_batches if link is None else link.credit
-
-    def _forward(self, items: List[Item], index: int, now: float) -> None:
-        """Buffer the outputs of input `index`: a record sent before goes to the same successor
-        again while it is in our table, nowhere once that successor left (INVARIANT 8,
-        agent.dataplane.sticky), the rest as routed."""
-        if self.sticky:
-            items, pinned, gone = self.routes.split(items, self.router.succs)
-            for dest, recs in pinned.items():
-                self.outbox.add_to(dest, recs, index, now)
-            if gone and FAULT_ROUTE_PAST_DEPARTED in self.faults:
-                items = items + gone
-            elif gone:
-                # Their successor left after draining them (INVARIANT 4): they are further
-                # down already, and another instance would take them twice (INVARIANT 8).
-                self.stats["resent_past_departed"] += len(gone)
-        self.outbox.add(items, index, now)
-
     def flush(self, now: float, force: bool = False) -> None:
+        """The outbox's ready batches onto their links (agent.instance.outputs); all of them when
+        forced or draining."""
         if self.outbox.pending == 0:
             return
         if FAULT_RETRY_ONLY_WITH_DATA in self.faults:
-            self._publish_retries()
+            self._out += self.outputs.publish_retries()
         draining = self.stopping or (self.scaling is not None and self.scaling.draining)
         # A source's floor before its batches leave the outbox: taken out, they are pending
         # nowhere until link.sent, and the claim would cover them.
         own = {self.spec.instance: self.source_resume_seq()} if self.is_source else None
         mark = self._out_mark(now) if self.marks is not None else None
-        batches = self.outbox.take(now, self._credit, force=force or draining)
-        if not batches and self.outbox.pending >= self.outbox.batch_size:
-            self.stats["credit_stalls"] += 1
-        if batches and self.sticky:
-            # Write-ahead (INVARIANT 8): where these records go is on disk before they go, so a
-            # crash cannot lose the destination of a record its predecessors will replay.
-            for dest, items, _ in batches:
-                self.routes.sent(dest, items, self.tracker.last_index)
-            self._out.append(SaveRoutes(*self.routes.take_save(now)))
-        for dest, items, low in batches:
-            if dest not in self.router.succs:
-                # Cannot happen (the outbox routes over the current table); counted if it does.
-                self.stats["sends_to_non_successor"] += 1
-                log.error("BUG: batch routed to %s which is not a successor", dest, extra=self.ctx)
-            link = self.links.get(dest)
-            if link is None:
-                link = self.links[dest] = OutLink(dest, self.op.max_inflight_batches)
-            seq = self.outbound.take(dest)
-            floors = own or self._floors_for(items)
-            if mark is not None:
-                self._marks_sent[dest] = (mark, now)
-            if dest in self.local:  # chained: no encoding, no broker (docs/runtime.md, "Chaining")
-                env = built(self.spec.instance, self.epoch, seq, Kind.DATA, items, floors, mark)
-                link.sent(seq, env, len(items), now, low)  # replay buffer: kept until dest acks
-                self._hand(dest, env)
-            else:
-                payload = encode_data(self.spec.instance, self.epoch, seq, items, floors, mark)
-                link.sent(seq, payload, len(items), now, low)  # replay buffer: kept until dest acks
-                self._publish_tracked(dest, payload, low)
-            self.stats["batches_out"] += 1
-            self.stats["records_out"] += len(items)
-
-    def _note_floors(self, floors: Dict[str, int]) -> None:
-        """Keep the largest floor claimed per source (a claim stays true once made, so the order
-        claims arrive in does not matter: agent.instance.applied)."""
-        kept = self._floors
-        for src, f in floors.items():
-            old = kept.get(src)
-            if old is None:
-                if len(kept) >= FLOORS_KEPT:
-                    continue  # only costs the keyed operator a longer list of ranges
-                kept[src] = f
-            elif f > old:
-                kept[src] = f
-
-    def _floors_for(self, items: List[Item]) -> Optional[Dict[str, int]]:
-        """The floors a data batch carries: the ones we received for its records' sources (a
-        source's own, the first number it has not seen acked end to end, is taken in `flush`)."""
-        kept = self._floors
-        if not kept:
-            return None
-        out: Dict[str, int] = {}
-        for src in {it[0] for it in items}:
-            f = kept.get(src)
-            if f is not None:
-                out[src] = f
-                if len(out) >= MAX_FLOORS:
-                    break
-        return out or None
-
-    def _publish_retries(self) -> None:
-        """Publishes the client refused, in order, before anything newer (`_publish_tracked`).
-        Every step, not only when there is data to flush: a sink or a departing copy has none,
-        and an ack left here held back every later ack of a sink for good (docs/reliability.md)."""
-        while self.retry:
-            dest, payload, low = self.retry.popleft()
-            self._issue(dest, payload, low, True)
-
-    def _publish_tracked(self, dest: str, payload: bytes, low: Optional[int]) -> None:
-        """Publish to `dest`'s inbox after whatever the client refused earlier (order). With
-        `low`, the inputs from that index on stay unacked upstream until the broker PUBACKs (data
-        we forward); None for our own acks and protocol messages, which carry no input.
-
-        Per-node inboxes: a destination our binding table does not name yet (a new copy whose
-        node's hosted record has not reached our agent; anything before our first table) waits in
-        `unrouted`, in order, until a "hosts" line names it (`_on_hosts`)."""
-        if self.per_node and not dest.startswith(RAW_TOPIC) and (dest in self.unrouted or dest not in self.hosts_bound):
-            self._park(dest, payload, low)
-        elif self.retry:
-            self.retry.append((dest, payload, low))
-        else:
-            self._issue(dest, payload, low, False)
-
-    def _park(self, dest: str, payload: bytes, low: Optional[int]) -> None:
-        q = self.unrouted.get(dest)
-        if q is None:
-            q = self.unrouted[dest] = deque()
-        if len(q) >= UNROUTED_MAX:
-            # A destination no record ever lists (it died before its node published it): the
-            # oldest goes; what it carried is still in our replay buffer (data) or resent by the
-            # round on silence (protocol), should the destination appear after all.
-            q.popleft()
-            self.stats["unrouted_dropped"] += 1
-        q.append((payload, low))
-
-    def _topic(self, dest: str) -> str:
-        if dest.startswith(RAW_TOPIC):
-            return dest[1:]  # a sink operator's own publication (mqtt_sink), not an inbox
-        if self.per_node:
-            return topics.inbox_at(self.spec.cluster, self.hosts_bound[dest], dest, self.spec.node)
-        return topics.inbox(self.spec.cluster, dest, self.spec.node)
-
-    def _issue(self, dest: str, payload: bytes, low: Optional[int], retried: bool) -> None:
-        if self.per_node and not dest.startswith(RAW_TOPIC) and dest not in self.hosts_bound:
-            self._park(dest, payload, low)  # a retry whose binding a newer table no longer has
-            return
-        self._token += 1
-        self._unconfirmed[self._token] = (dest, payload, low, retried)
-        self._out.append(Publish(self._topic(dest), payload, self._token))
+        self._out += self.outputs.flush(now, force or draining, own, mark)
 
     def send_envelope(self, dest: str, kind: Kind, body: Any) -> None:
         """Acks and protocol messages: numbered on the same channel as the data (invariant 1)."""
-        if dest in self.local:
-            self._hand(dest, built(self.spec.instance, self.epoch, self.outbound.take(dest), kind, body))
-        else:
-            env = Envelope(self.spec.instance, self.epoch, self.outbound.take(dest), kind, body)
-            self._publish_tracked(dest, encode(env), None)
+        self._out += self.outputs.send_envelope(dest, kind, body)
 
-    def _hand(self, dest: str, env: Envelope) -> None:
-        """An envelope to a co-hosted instance (docs/runtime.md, "Chaining"). Its channel is
-        numbered like any other (INVARIANT 1 holds as is), and a data batch stays in our replay
-        buffer until `dest` acks it (flow control, acks and replay as over MQTT). Nothing is
-        tracked as a publish: the hand-off cannot be refused, and what the broker's PUBACK
-        guards (a message in flight that a crash could lose) does not exist in one process, which
-        dies as a whole. The records of a data batch are handed as shallow copies: our replay
-        buffer keeps the originals, so a successor that changes a record in place cannot change
-        what a replay sends (about 10 us per 100 taxi records; 13% of a chain of 3's CPU, sampled).
-        A successor in `local_keeps` promised never to change a record in place: no copy."""
-        if env.kind is Kind.DATA:
-            if dest not in self.local_keeps:
-                env = built(env.sender, env.epoch, env.seq, Kind.DATA,
-                            [(s, q, dict(r)) if type(r) is dict else (s, q, r) for s, q, r in env.body], env.floors,
-                            env.watermark)
-            self.stats["handed_out"] += 1
-        self._out.append(Handoff(dest, env))
+    def sent_to(self, dest: str) -> bool:
+        """Have we a link to `dest` (data sent to it, not all acked or it is still a successor)?"""
+        return dest in self.outputs.links
 
     def _lowest_pending(self) -> Optional[int]:
         """The lowest input index not to be acked upstream yet: its outputs are not all acked by
@@ -1992,11 +1300,11 @@ class Instance:
 
     def forward_outputs(self, items: List[Item], index: int) -> None:
         """Outputs of held records applied once their group was installed (agent.instance.moves)."""
-        self._forward(items, index, self.now)
+        self.outputs.forward(items, index, self.now)
 
     def log_limited(self, sender: str) -> bool:
         """May a warning about `sender` be logged now (bounded per sender and in all)?"""
-        return self._refusals.allow((sender, "handover"), self.now)
+        return self.admission.refusals.allow((sender, "handover"), self.now)
 
     def send_handover(self, dest: str, msg: Any, extra: Optional[Dict[str, Any]] = None) -> None:
         """A hand-over message (agent.instance.moves) on the numbered channel to `dest`, counted
@@ -2012,49 +1320,13 @@ class Instance:
         self.send_envelope(dest, Kind.PROTO, body)
 
     def lowest_forwarding(self) -> Optional[int]:
-        """The lowest input index whose outputs are not all acked by the successors yet.
-
-        An input is acked upstream only when every record derived from it has been processed
-        and forwarded by the NEXT instance too (its data ack), not merely PUBACKed by the broker:
-        paho PUBACKs a delivery on receipt, so a batch in the broker is not safe once its
-        receiver has taken it. If the receiver and we both restart (a whole node restarting),
-        only an upstream replay buffer (or the source's resume position) still holds it."""
-        lows = [lo for lo in (link.lowest_input() for link in self.links.values()) if lo is not None]
-        lo = self.outbox.lowest_index()
-        if lo is not None:
-            lows.append(lo)
-        if self.pending_pub:
-            lows.append(min(self.pending_pub.values()))
-        lows += [u[2] for u in self._unconfirmed.values() if u[2] is not None]
-        lows += [r[2] for r in self.retry if r[2] is not None]
-        lows += [u[1] for q in self.unrouted.values() for u in q if u[1] is not None]
-        if self.sink_wait:
-            lows.append(self.sink_wait[0])
-        return min(lows) if lows else None
+        """The lowest input index whose outputs are not all acked by the successors yet, nor
+        recorded by a deferred sink (agent.instance.outputs)."""
+        return self.outputs.lowest_forwarding(self.sink_wait[0] if self.sink_wait else None)
 
     def _send_acks(self, now: float) -> None:
-        """Ack inputs processed AND forwarded (PUBACKed) or recorded; coalesced for ACK_DELAY."""
-        low = self._lowest_pending()
-        done = self.tracker.release(low)
-        if self.sticky and not self.retry:  # an ack refused by the client is not on its way yet
-            self.routes.released(self.tracker.last_index if low is None else low - 1, now)
-        for sender, pos in done.items():
-            if pos > self.ack_due.get(sender, (-1, 0)):
-                self.ack_due[sender] = pos
-        self._unacked_batches += self.tracker.last_released
-        if not self.ack_due:
-            return
-        if self.ack_since is None:
-            self.ack_since = now
-        # One ack per `ack_every` batches (half the predecessor's window) or after
-        # ACK_DELAY: credit comes back in time while acks cost a fraction of a message per batch.
-        if self._unacked_batches >= self.ack_every or now - self.ack_since >= ACK_DELAY or self.stopping:
-            for sender, (epoch, seq) in sorted(self.ack_due.items()):
-                self.send_envelope(sender, Kind.ACK, [epoch, seq])
-                self.stats["acks_sent"] += 1
-            self.ack_due.clear()
-            self.ack_since = None
-            self._unacked_batches = 0
+        """Ack inputs processed AND forwarded (PUBACKed) or recorded; coalesced (agent.instance.outputs)."""
+        self._out += self.outputs.send_acks(now, self._lowest_pending(), self.stopping)
 
     # ---- routes (called by the scaling driver) -----------------------------------------------------
 
@@ -2121,8 +1393,6 @@ class Instance:
         old = set(self.router.succs)
         self.router.set_succs(succs)
         moved = self.outbox.reroute(now)
-        for gone in old - set(succs):
-            self._sent_to_removed.add(gone)
         log.info(
             "routes: succs %s -> %s (%d buffered records re-routed)", sorted(old), sorted(succs), moved, extra=self.ctx
         )
@@ -2133,13 +1403,8 @@ class Instance:
         return (
             not any(e.kind is Kind.DATA for q in self.queues.values() for e in q)
             and self.outbox.pending == 0
-            and not self.pending_pub
-            and not self._unconfirmed
-            and not self.retry
-            and not self.unrouted
-            and all(link.inflight == 0 for link in self.links.values())
+            and self.outputs.settled()
             and self.tracker.waiting() == 0
-            and not self.ack_due
             and not self.sink_wait
             and (self.moves is None or not self.moves.member.busy())  # a key group half moved stays
         )
@@ -2155,18 +1420,18 @@ class Instance:
             operator=self.spec.operator,
             load=round(self._last_load, 1),
             succs=list(self.router.succs),
-            inflight={d: link.inflight for d, link in self.links.items()},
+            inflight={d: link.inflight for d, link in self.outputs.links.items()},
             outbox=self.outbox.pending,
             queued=sum(len(q) for q in self.queues.values()),
             gaps_skipped=self.inbound.gaps_skipped,
             inbound_senders=self.inbound.senders(),
-            held=self.hold.count,
+            held=self.admission.hold.count,
             reorder_waiting=self.inbound.waiting_total(),
             gaps=self.inbound.gaps(),
-            unpubacked=len(self.pending_pub) + len(self.retry) + len(self._unconfirmed),
-            unrouted=sum(len(q) for q in self.unrouted.values()),
-            routes_remembered=len(self.routes),
-            records_pinned=self.routes.pinned,
+            unpubacked=self.outputs.unpubacked(),
+            unrouted=sum(len(q) for q in self.outputs.unrouted.values()),
+            routes_remembered=len(self.outputs.routes),
+            records_pinned=self.outputs.routes.pinned,
             service_time_ms=self.service_time * 1000,
             live_capacity=round(self.live_capacity.value, 2),
             online_service_time_ms=(round(self.live_capacity.service_time * 1000, 4)
@@ -2188,8 +1453,7 @@ class Instance:
     def _heartbeat(self, now: float) -> None:
         self._last_heartbeat = now
         self.emit("heartbeat", stats=self.snapshot_stats())
-        if self.is_source and now - self._last_source_write >= 2.0:  # a rename costs ~5-20 ms here
-            self._last_source_write = now
+        if self.is_source and self.source.write_due(now):
             self._write_source_stats()
 
     def take_signals(self, now: float) -> Signals:
@@ -2211,9 +1475,7 @@ class Instance:
     def _write_source_stats(self) -> None:
         if not self.is_source:
             return
-        data = {"instance": self.spec.instance, **self.operator.stats(), "resume_from": self.source_resume_seq(),
-                "reserved": self._source_reserved, "profile_started_at": self._source_started_at}
-        self._out.append(PersistSource(data))
+        self._out.append(PersistSource(self.source.position(self._lowest_pending)))
 
     def persisted_state(self) -> Dict[str, Any]:
         """What a restart needs: epoch, channel positions, the scaling driver's state."""

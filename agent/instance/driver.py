@@ -285,7 +285,7 @@ class ScalingDriver:
             if now - at < PROBE_TTL:
                 continue
             del self.probes[copy]
-            if not self.knows(copy) and copy not in self.w.links and copy not in self.w.router.succs:
+            if not self.knows(copy) and not self.w.sent_to(copy) and copy not in self.w.router.succs:
                 self.w.forget_sender(copy)
 
     @property

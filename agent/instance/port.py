@@ -38,11 +38,12 @@ class InstancePort(Protocol):
     # the data plane the parts route through or read
     router: Any  # agent.dataplane.routing.Router
     outbox: Any  # agent.dataplane.routing.Outbox
-    links: Dict[str, Any]  # successor -> agent.dataplane.flow.OutLink
     tracker: Any  # agent.dataplane.flow.AckTracker
     keyed: Any  # Optional[agent.instance.keyed_state.KeyedState]
     moves: Any  # Optional[agent.instance.moves.GroupMoves]
     live_capacity: Any  # agent.measure.capacity.LiveCapacity
+
+    def sent_to(self, dest: str) -> bool: ...
 
     # what the parts ask the instance to do
     def send_envelope(self, dest: str, kind: Any, body: Any) -> None: ...
