@@ -584,17 +584,17 @@ def test_a_request_cannot_override_node_local_fields(tmp_path: Path) -> None:
     hostile = {"instance": "p.work.7", "operator": "work", "pipeline": "p", "pipeline_toml": PIPELINE,
                "node": "elsewhere", "cluster": "other", "state_dir": "/etc", "heartbeat_period": 99.0,
                "broker": {"host": "evil", "port": 1}, "succs": ["p.sink.0"], "keeper": True}
-    spec = agent._spec_from(hostile, template=None)
+    spec = agent.gate.spec_from(agent.wall(), hostile, template=None)
     assert (spec.node, spec.cluster, spec.state_dir, spec.heartbeat_period) == ("me", "c", str(tmp_path), 0.3)
     assert (spec.broker.host, spec.broker.port) == ("10.0.0.1", 1884)
     assert spec.instance == "p.work.7" and spec.succs == ("p.sink.0",)
     # a worker's request without an id gets a fresh one, never its requester's identity
-    template = agent._spec_from(hostile, template=None)
-    child = agent._spec_from({"operator": "work"}, template=template)
+    template = agent.gate.spec_from(agent.wall(), hostile, template=None)
+    child = agent.gate.spec_from(agent.wall(), {"operator": "work"}, template=template)
     assert child.instance != template.instance and not child.keeper and child.pipeline == "p"
     for bad in ({"operator": "work", "instance": "a/b"}, {"instance": "x"}):
         with pytest.raises(ValueError):
-            agent._spec_from(bad, template=None)
+            agent.gate.spec_from(agent.wall(), bad, template=None)
 
 
 HANDOVER_PIPELINE = with_work("agent.operators.builtin:in_zone")
@@ -606,7 +606,8 @@ def test_a_handed_over_keeper_keeps_its_identity_state_and_a_higher_epoch(tmp_pa
     state (epoch + 1) unless a newer incarnation's file is already there; copies and the hosted
     record never inherit the shipped state. No broker needed: the worker is only constructed."""
     from agent.config import load_agent_config
-    from agent.node.daemon import Agent, without_handover
+    from agent.node.daemon import Agent
+    from agent.node.gate import without_handover
     from agent.instance.spec import request_spec
     from agent.instance.shell import Worker
     from memory_wire import MemoryWire
@@ -622,10 +623,10 @@ def test_a_handed_over_keeper_keeps_its_identity_state_and_a_higher_epoch(tmp_pa
                        extra={"sink_dir": str(tmp_path / "sink"), "handover_state": shipped})
     body = request_spec(old)
     assert "broker" not in body and "pw" not in json.dumps(body)  # no broker password travels
-    spec = agent._spec_from(body, template=None)
+    spec = agent.gate.spec_from(agent.wall(), body, template=None)
     assert (spec.instance, spec.keeper, spec.restart, spec.node) == ("p.work.0", True, True, "me")
     assert spec.extra["handover_state"] == shipped
-    child = agent._spec_from({"operator": "work"}, template=spec)
+    child = agent.gate.spec_from(agent.wall(), {"operator": "work"}, template=spec)
     assert "handover_state" not in child.extra and not child.restart and not child.keeper
     assert "handover_state" not in without_handover(spec).extra and without_handover(spec).extra["sink_dir"]
 

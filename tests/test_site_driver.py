@@ -20,7 +20,7 @@ def docs(now: float) -> Dict[str, Dict[str, Any]]:
 
 def test_a_new_leader_publishes_its_lease_before_it_steers_any_node() -> None:
     """The agents accept a drain only from the holder of the lease they have received (daemon
-    `_peer_may_steer`): a new leader's first period publishes its record and orders nothing; from
+    `Gate.peer_may_steer`): a new leader's first period publishes its record and orders nothing; from
     the next period on the record still goes out before the period's requests. (The drain used
     to leave with the first record and arrive first: refused, and the manager then waited its
     whole `timeout` for a drain that never started.)"""
@@ -125,16 +125,16 @@ def test_a_held_request_that_fails_strands_none_behind_it(tmp_path) -> None:
     from agent.node import rpc
 
     c = Connected(tmp_path)
-    steer = c.agent._peer_may_steer
+    steer = c.agent.gate.peer_may_steer
     calls = []
 
-    def failing_once(requester: str) -> Any:
+    def failing_once(now: float, requester: str, facts: Any) -> Any:
         calls.append(requester)
         if len(calls) == 1:
             raise RuntimeError("a failure no handler foresaw")
-        return steer(requester)
+        return steer(now, requester, facts)
 
-    c.agent._peer_may_steer = failing_once  # type: ignore[method-assign]
+    c.agent.gate.peer_may_steer = failing_once  # type: ignore[method-assign]
     drain = rpc.encode({"op": "drain", "node": "n1"})
     c.deliver(topics.agent_peer("c", "n1", "n9"), drain)
     c.deliver(topics.agent_peer("c", "n1", "n9"), drain)

@@ -59,7 +59,8 @@ from agent.instance.spec import InstanceSpec, request_spec
 from agent.mqtt.requester import SYNC_PREFIX
 from agent.mqtt.settings import BrokerSpec
 from agent.measure.capacity import capacity_for
-from agent.node import bounds, chains, hosted, nodestate, rehome, replicas, rpc, statexfer
+from agent.node import chains, hosted, nodestate, rehome, replicas, rpc, statexfer
+from agent.node.gate import Gate, NodeLocal, PeerFacts, without_handover
 from agent.node.hostmap import MAX_MOVED, HostMap, moved_of
 from agent.control import records
 from agent.node.placement import (
@@ -165,11 +166,10 @@ class Agent:
         self.connect_timeout = connect_timeout
         self._events: "queue.SimpleQueue[Tuple[Any, ...]]" = queue.SimpleQueue()
         # What a spec may name here (docs/security.md, "No code from the bus"): fixed at start.
-        self.allowed = admission.AllowList.for_node(cfg.operators.modules)
-        self.node_dirs = admission.NodeDirs.of(cfg)
+        allowed = admission.AllowList.for_node(cfg.operators.modules)
         # Who may say which pipelines run here (docs/security.md, "Signed pipeline specs"):
         # the admins' public keys, fixed at start; none configured, signatures are not required.
-        self.trust = signing.SpecTrust(self._admin_keys(cfg))
+        trust = signing.SpecTrust(self._admin_keys(cfg))
         timeout = cfg.agent.shutdown_timeout
         self.supervisor = Supervisor(
             emit=self._events.put,
@@ -179,7 +179,7 @@ class Agent:
             term_after=timeout / 2,
             kill_after=timeout,
             command=worker_command,
-            env=dict(env if env is not None else worker_env(), **self.allowed.env()),
+            env=dict(env if env is not None else worker_env(), **allowed.env()),
         )
         self.broker = BrokerSpec(
             host=cfg.mqtt.host,
@@ -206,7 +206,7 @@ class Agent:
         self.latency: Dict[str, Dict[str, float]] = {}
         self._reserved: Dict[str, int] = {}  # remote slots we asked for since their last state
         # copies started on another node since its last state: counted for max_instances (bounds)
-        self._placed: Dict[str, Tuple[str, bounds.Known]] = {}  # instance -> (node, known)
+        self._placed: Dict[str, Tuple[str, Tuple[str, str, str]]] = {}  # instance -> (node, known)
         self.latency_core = _latency_core(cfg)  # RTT to the other agents (issue 6), if installed
         # createNode() bookkeeping
         self._awaiting_ready: Dict[str, SpawnJob] = {}  # instance id -> job, local start
@@ -270,6 +270,11 @@ class Agent:
         self.counters: Dict[str, int] = {"spawned_local": 0, "spawned_remote": 0, "spawn_failed": 0,
                                          "rpc_requests": 0, "rpc_repeats": 0, "restarts": 0, "bad_messages": 0,
                                          "peer_refused": 0, "retained_ignored": 0}
+        # Who may ask for what (agent.node.gate): the admission of specs and of peer requests.
+        self.gate = Gate(NodeLocal(self.node, self.cluster, self.broker, cfg.agent.state_dir,
+                                   cfg.agent.heartbeat_period, cfg.agent.dead_after > 0, cfg.mqtt.inbox_per_node,
+                                   cfg.agent.keyed_standby),
+                         allowed, admission.NodeDirs.of(cfg), trust, self.counters, self._boot)
         self.deployed: Set[str] = set()  # pipelines an admin deployed (retained pipelines/<name>)
         # The retained pipeline records (deployed with a generation, or a tombstone): an instance
         # they rule out is stopped and forgotten (records.stale_reason, docs/fogctl.md).
@@ -878,10 +883,6 @@ class Agent:
             if keeper in self.supervisor and keeper in self._handing_over:
                 self.supervisor.stop(keeper, now)
 
-    def _new_instance_id(self, operator: str) -> str:
-        self._counter += 1
-        return f"{operator}-{self.node}-{self._boot}-{self._counter}"
-
     # -- createNode() --------------------------------------------------------------------------
 
     def _on_worker_line(self, instance: str, line: str, now: float) -> None:
@@ -951,115 +952,17 @@ class Agent:
             fields = {k: v for k, v in result.items() if k in ("ok", "instance", "node", "error")}
             self.supervisor.send(requester, "spawned", request=req_id, **fields)
 
-        if w is None or not isinstance(msg.get("spec"), dict):
-            reply({"ok": False, "error": "spawn without a spec object"})
-            return
-        stale = records.stale_reason(records.spec_generation(w.spec), self.records.get(w.spec.pipeline))
-        if stale or requester in self._undeploying:
-            reply({"ok": False, "error": f"refused: {stale or 'it is being undeployed'}"})
-            return
-        try:
-            spec = self._spec_from(msg["spec"], template=w.spec)
-        except (TypeError, ValueError) as exc:
-            reply({"ok": False, "error": f"invalid spec: {exc}"})
-            return
-        why = self._max_instances_refusal(spec)
-        if why:
-            # The creator cancels this copy (docs/scaling.md, deviation 8); not an error here.
-            self.counters["spawn_refused_max"] = self.counters.get("spawn_refused_max", 0) + 1
-            log.info("refused copy %s of %s: %s", spec.instance, requester, why,
-                     extra={"node": self.node, "operator": spec.operator})
-            reply({"ok": False, "error": why})
-            return
-        self._create_node(spec, reply, cause="spawn", now=now)
-
-    def _max_instances_refusal(self, spec: InstanceSpec) -> Optional[str]:
-        """Why a worker's copy would take its operator past [scaling] max_instances (None: it
-        would not). Every instance this agent knows of counts, whatever its phase, plus the
-        copies it is placing elsewhere (agent.node.bounds: hard on one agent, as fresh as
-        the retained states across agents)."""
-        limit = load_pipeline_text(spec.pipeline_toml, f"pipeline {spec.pipeline}").scaling_for(spec.operator).max_instances
-        local = [(w.instance, w.spec.pipeline, w.spec.operator) for w in self.supervisor.workers.values()]
+        local = [(x.instance, x.spec.pipeline, x.spec.operator) for x in self.supervisor.workers.values()]
         placing = [(c.context.spec.instance, c.context.spec.pipeline, c.context.spec.operator)
                    for c in self._calls.calls.values() if isinstance(c.context, SpawnJob)]
         placing += [known for _, known in self._placed.values()]
-        existing = bounds.operator_instances(spec.pipeline, spec.operator, self.node, local, self.fleet,
-                                             self.online, placing)
-        return bounds.refusal(spec.operator, spec.instance, limit, existing)
-
-    def _spec_from(self, data: Dict[str, Any], template: Optional[InstanceSpec],
-                   requester: Optional[str] = None) -> InstanceSpec:
-        """A full spec for an instance to start here: the request's fields over the template's.
-
-        The node-local fields (node, broker, state_dir, heartbeat period, spool) are always this
-        agent's: a request from another node must not make us connect elsewhere or write to its
-        paths. The spec must pass `_admit` (its function on this node's allow-list, its paths
-        inside this node's directories), else ValueError, logged with `requester` (default: the
-        template's worker, who asked), and nothing is started or saved.
-        """
-        try:
-            admission.check_spec_types(data)  # a wrong type is a refusal, not an exception further down
-        except ValueError as exc:
-            self.counters["refused_specs"] = self.counters.get("refused_specs", 0) + 1
-            log.warning("refused spec from %s: %s", requester or "unknown requester", exc, extra={"node": self.node})
-            raise
-        base: Dict[str, Any] = dataclasses.asdict(without_handover(template)) if template is not None else {}
-        base.pop("instance", None)  # a sibling never inherits its requester's identity
-        base.update({k: v for k, v in data.items() if k in {f.name for f in dataclasses.fields(InstanceSpec)}})
-        if template is not None and "keeper" not in data:
-            base["keeper"] = False
-        if template is not None and "restart" not in data:
-            base["restart"] = False
-        if not base.get("instance"):
-            if not base.get("operator"):
-                raise ValueError("spec without an operator")
-            base["instance"] = self._new_instance_id(base["operator"])
-        topics._check(str(base["instance"]))
-        base.update(self._node_local(base.get("extra") or {}))
-        base["succs"] = tuple(base.get("succs", ()))
-        base["preds"] = tuple(base.get("preds", ()))
-        missing = [k for k in ("operator", "pipeline", "pipeline_toml") if not base.get(k)]
-        if missing:
-            raise ValueError(f"spec without {', '.join(missing)}")
-        spec = chains.without_chain(InstanceSpec(**base))  # chained only by a chain request (_spawn_chain)
-        if requester is None:
-            requester = f"worker {template.instance}" if template is not None else "unknown requester"
-        self._admit(spec, requester)
-        return spec
-
-    def _admit(self, spec: InstanceSpec, requester: str) -> None:
-        """Refuse (ValueError, counted, one log line naming the requester) a spec whose operator
-        function is not on this node's allow-list, that names a path outside this node's
-        directories, or whose epoch floor is ahead of this node's clock (agent.operators.admission;
-        a spec from this node's state dir, `admission.FROM_STATE_DIR`, is not held to the clock).
-        Reads the names only: never imports the function."""
-        try:
-            if not isinstance(spec.pipeline_toml, str) or not isinstance(spec.operator, str):
-                raise ValueError("pipeline_toml and operator must be strings")
-            if not isinstance(spec.extra, dict):
-                raise ValueError("extra must be an object")
-            unsigned = self.trust.check(str(spec.pipeline), records.spec_generation(spec), spec.pipeline_toml,
-                                        spec.extra.get(signing.SIGNATURE_KEY))
-            if unsigned:  # before the text is parsed: an unsigned text is not ours to read
-                self.counters["refused_signatures"] = self.counters.get("refused_signatures", 0) + 1
-                raise ValueError(f"not signed by an admin: {unsigned}")
-            try:
-                pipeline = load_pipeline_text(spec.pipeline_toml, f"pipeline {spec.pipeline}")
-                op = pipeline.operator(spec.operator)
-            except KeyError:
-                raise ValueError(f"operator {spec.operator!r} is not in pipeline {spec.pipeline!r}") from None
-            except RecursionError:
-                raise ValueError("pipeline text nested too deeply") from None
-            self.allowed.check(op.function)
-            admission.check_mqtt_topics(op.function, op.params, pipeline.pipeline.mqtt_topics,
-                                        required=self.trust.required)
-            admission.check_spec_paths(self.node_dirs, spec.extra, op.function, op.params)
-            admission.check_epochs(spec.extra, self.wall(), stored=requester == admission.FROM_STATE_DIR)
-        except ValueError as exc:
-            self.counters["refused_specs"] = self.counters.get("refused_specs", 0) + 1
-            log.warning("refused spec of instance %s from %s: %s", spec.instance, requester, exc,
-                        extra={"node": self.node})
-            raise
+        spec = self.gate.worker_copy(self.wall(), w.spec if w is not None else None, msg,
+                                     self.records.get(w.spec.pipeline) if w is not None else None,
+                                     requester in self._undeploying, local, placing, self.fleet, self.online)
+        if isinstance(spec, str):
+            reply({"ok": False, "error": spec})
+            return
+        self._create_node(spec, reply, cause="spawn", now=now)
 
     @staticmethod
     def _admin_keys(cfg: AgentConfig) -> Optional[signing.Verifier]:
@@ -1072,24 +975,6 @@ class Agent:
         except ValueError as exc:
             raise ConfigError(Path(cfg.source).name, "[security].admin_keys",
                               f"expected Ed25519 public key PEM files ({exc})") from None
-
-    def _node_local(self, extra: Dict[str, Any]) -> Dict[str, Any]:
-        """The spec fields that are always this agent's, whatever the spec came with (a request
-        from another node, a stored spec): where to connect, where to write, how often to beat,
-        and, re-homing on, that a worker which lost its connection waits for our word before it
-        reconnects (_grant_reconnects). The spool settings are the node's own too: dropped here,
-        set again by `AgentSpill.with_spill` when this node spills. The fault-injection hook
-        `crash_at` is dropped unless this node enables fault injection (admission.ENV_FAULT_INJECTION):
-        from a request it would let anyone crash a worker at will."""
-        own = {k: v for k, v in extra.items() if k != "spill"}  # the spool: AgentSpill.with_spill, or none
-        if "crash_at" in own and not admission.fault_injection_enabled():
-            dropped = own.pop("crash_at")
-            log.warning("dropped extra.crash_at %.100r: fault injection is off on this node (%s)",
-                        dropped, admission.ENV_FAULT_INJECTION, extra={"node": self.node})
-        return {"node": self.node, "cluster": self.cluster, "broker": self.broker,
-                "state_dir": self.cfg.agent.state_dir, "heartbeat_period": self.cfg.agent.heartbeat_period,
-                "extra": dict(own, fence_reconnect=self.cfg.agent.dead_after > 0, check_sender_node=True,
-                              inbox_per_node=self.cfg.mqtt.inbox_per_node, replicate=self.cfg.agent.keyed_standby)}
 
     def _create_node(self, spec: InstanceSpec, reply: Callable[[Dict[str, Any]], None], cause: str, now: float,
                      chunks: Sequence[Dict[str, Any]] = ()) -> None:
@@ -1317,7 +1202,7 @@ class Agent:
         record = records.parse_record(msg.payload)
         text = records.deployed_text(msg.payload) if record is not None else None
         if record is not None and record.state == "deployed" and text is not None:
-            unsigned = self.trust.check(name, record.generation, text, record.signature)
+            unsigned = self.gate.trust.check(name, record.generation, text, record.signature)
             if unsigned:  # kept as if never written: neither deployed nor a newer generation
                 self.counters["refused_signatures"] = self.counters.get("refused_signatures", 0) + 1
                 log.warning("pipeline record %s refused: %s", name, unsigned, extra={"node": self.node})
@@ -1384,56 +1269,10 @@ class Agent:
         "ping": _on_probe, "pong": _on_probe,
     }
 
-    def _peer_may_spawn(self, requester: str, body: Dict[str, Any]) -> Optional[str]:
-        """Why a spawn from node `requester` on our peer topic is refused, or None to accept it.
-
-        docs/security.md: only for a pipeline an admin deployed (its retained pipelines/<name>
-        record, the generation the spec names if any), and a spec that carries a text carries
-        that record's text; the spawn then runs the record's text, never the requester's
-        (`_on_rpc_request`). What the requester hosts proves nothing: it
-        writes its own hosted record (a node listing a pipeline of its own making in it once had
-        another node run an mqtt_source on that node's rpc topic for it)."""
-        spec = body.get("spec")
-        pipeline = spec.get("pipeline") if isinstance(spec, dict) else None
-        if not isinstance(pipeline, str) or not pipeline:
-            return "spawn without a pipeline"
-        stale = records.stale_reason(records.spec_generation(spec), self.records.get(pipeline))
-        if stale:
-            return f"pipeline {pipeline[:80]!r}: {stale}"
-        text = self.deployed_text.get(pipeline) if pipeline in self.deployed else None
-        if text is None:
-            return f"pipeline {pipeline[:80]!r} is not deployed (no admin's record of it)"
-        if spec.get("pipeline_toml") not in (None, text):
-            return f"the text of pipeline {pipeline[:80]!r} is not the one an admin deployed"
-        return self._clone_problem(requester, spec.get("instance"))
-
-    def _clone_problem(self, requester: str, instance: Any) -> Optional[str]:
-        """A peer spawn of an instance that runs on another online node, asked by a node other
-        than that one: a clone (one identity on two nodes), refused. Only the node an instance is
-        bound to moves it while it is online (a hand-over); a re-home starts it elsewhere once its
-        node is offline; a scale-out's copy has a new identity. The binding is the proven one of
-        the host map, and its node must still list the instance (a binding nobody lists any more
-        is a leftover)."""
-        if not isinstance(instance, str):
-            return None
-        node = self.hostmap.bound(instance)
-        if (node is None or node in (requester, self.node) or not self.online.get(node)
-                or not self.hostmap.proven(instance)
-                or not any(s.get("instance") == instance for s in self.hosted_by_node.get(node, []))):
-            return None
-        return f"instance {instance[:80]!r} runs on {node} (online): only {node} may move it"
-
-    def _peer_may_ship(self, requester: str, instance: str) -> Optional[str]:
-        """A node may send us the keyed state of an instance only if it hosts it (its retained
-        hosted record lists it): the draining agent does until the new incarnation is ready."""
-        if any(s.get("instance") == instance for s in self.hosted_by_node.get(requester, [])):
-            return None
-        return f"{requester} does not host {instance[:80]!r}"
-
     def _stage_keyed(self, spec: InstanceSpec, requester: str) -> Optional[str]:
         """A hand-over spawn of a keyed keeper: its state, assembled from the chunks `requester`
         sent before it, verified and checked (statexfer), written where its worker installs it
-        (`Worker._take_handover`) under the instance id `_spec_from` validated. The error text
+        (`Worker._take_handover`) under the instance id `Gate.spec_from` validated. The error text
         refuses the spawn (the requester tries another node or keeps the keeper)."""
         try:
             data = self.staging.take(requester, spec.instance, spec.extra["handover_keyed"])
@@ -1448,16 +1287,10 @@ class Agent:
         log.info("keyed state of %d bytes received from %s", len(data), requester, extra={"instance": spec.instance})
         return None
 
-    def _peer_may_steer(self, requester: str) -> Optional[str]:
-        """A node may drain/undrain this one only while it is the site manager this agent derives
-        from the claims (`site_manager.leader`: its own claim, running, its holder online)."""
-        now = self.wall()
-        lease = self.site_leases.current(self.online, now)
-        if lease is None or lease.node != requester:
-            contested = sorted(self.site_leases.valid(self.online, now)) if lease is None else []
-            why = f" (claims of {', '.join(contested[:4])}: none leads until one remains)" if len(contested) > 1 else ""
-            return f"{requester} is not the site manager{why}"
-        return None
+    def _peer_facts(self) -> PeerFacts:
+        """What the peer checks read of our fleet view (agent.node.gate)."""
+        return PeerFacts(self.online, self.hosted_by_node, self.records, self.deployed, self.deployed_text,
+                         self.hostmap, self.site_leases)
 
     def _site_tick(self) -> None:
         """Run the site manager's period (agent.node.site_driver) and carry out its effects."""
@@ -1518,13 +1351,7 @@ class Agent:
             return
         op = body["op"]
         if peer:
-            if op in ("drain", "undrain"):
-                why = self._peer_may_steer(requester)
-            elif op in ("state_chunk", "replica"):
-                why = self._peer_may_ship(requester, body["instance"])
-            else:
-                why = (f"op {op!r} is not allowed on the peer topic (only {', '.join(rpc.PEER_OPS)})"
-                       if op not in rpc.PEER_OPS else self._peer_may_spawn(requester, body))
+            why = self.gate.peer_refusal(self.wall(), op, requester, body, self._peer_facts())
             if why is not None:
                 self.counters["peer_refused"] += 1
                 log.warning("refused %s request from node %s: %s", op, requester, why, extra={"node": self.node})
@@ -1583,10 +1410,10 @@ class Agent:
                 self._spawn_chain(body, requester, peer, reply, now)
                 return
             data = body["spec"]
-            if peer:  # the admin's text of the pipeline (_peer_may_spawn), never the requester's
+            if peer:  # the admin's text of the pipeline (Gate.peer_may_spawn), never the requester's
                 data = dict(data, pipeline_toml=self.deployed_text[str(data.get("pipeline"))])
             try:
-                spec = self._spec_from(data, template=None,
+                spec = self.gate.spec_from(self.wall(), data, template=None,
                                        requester=f"{'node' if peer else 'admin'} {requester}")
             except (TypeError, ValueError) as exc:
                 reply({"ok": False, "error": f"invalid spec: {exc}"})
@@ -1616,7 +1443,7 @@ class Agent:
             reply({"ok": False, "error": "invalid chain: expected a list of spec objects"})
             return
         try:
-            specs = [self._spec_from(m, template=None, requester=f"admin {requester}")
+            specs = [self.gate.spec_from(self.wall(), m, template=None, requester=f"admin {requester}")
                      for m in members[:chains.MAX_CHAIN + 1]]
         except (TypeError, ValueError) as exc:
             reply({"ok": False, "error": f"invalid spec: {exc}"})
@@ -2126,7 +1953,7 @@ class Agent:
                 if text is not None:  # the admin's text, not the one the dead node's record carries
                     data = dict(data, pipeline_toml=text)
                 try:  # the hosted record is bus input: admitted like a spawn request
-                    spec = self._spec_from(data, template=None, requester=f"the hosted record of {node}")
+                    spec = self.gate.spec_from(self.wall(), data, template=None, requester=f"the hosted record of {node}")
                 except (TypeError, ValueError) as exc:
                     log.error("cannot re-home %s: %s", data.get("instance"), exc, extra={"node": self.node})
                     continue
@@ -2268,9 +2095,9 @@ class Agent:
                 log.warning("not re-adopted: %s (stored spec forgotten)", stale, extra={"instance": spec.instance})
                 self._forget(spec.instance)
                 continue
-            spec = dataclasses.replace(spec, restart=True, **self._node_local(spec.extra))
+            spec = dataclasses.replace(spec, restart=True, **self.gate.node_local(spec.extra))
             try:  # a file in the state dir is no more trusted than the request that wrote it
-                self._admit(spec, "the state dir")
+                self.gate.admit(self.wall(), spec, "the state dir")
             except ValueError:
                 hosted.set_aside(self.cfg.agent.state_dir, spec.instance)
                 self._hosted_dirty = True
@@ -2336,19 +2163,6 @@ class Agent:
                 pass
         c.disconnect()
         c.loop_stop()
-
-
-HANDOVER_KEYS = ("handover_state", "handover_source", "handover_keyed")  # spec.extra of a migrated keeper (`_hand_over`)
-
-
-def without_handover(spec: InstanceSpec) -> InstanceSpec:
-    """`spec` without the state a hand-over shipped in its extra. Why: that state is a snapshot
-    of one moment; once the new incarnation has written its own state file it is stale. It must
-    not reach the hosted record (a re-home would restore it) nor a copy's spec (copies inherit
-    their creator's extra)."""
-    if not any(k in spec.extra for k in HANDOVER_KEYS):
-        return spec
-    return dataclasses.replace(spec, extra={k: v for k, v in spec.extra.items() if k not in HANDOVER_KEYS})
 
 
 def spec_with_capacity(spec: InstanceSpec, state_dir: Any, node: str) -> InstanceSpec:
