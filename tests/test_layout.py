@@ -260,6 +260,7 @@ SANS_IO = {
     # file checks), but open no connection, start no thread or process and draw no random number;
     # the clock is an argument.
     "agent.node.gate": NODE_CORE,
+    "agent.node.pins": NETWORK | {"os", "time", "threading", "random"},
 }
 
 

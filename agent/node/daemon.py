@@ -61,6 +61,7 @@ from agent.mqtt.settings import BrokerSpec
 from agent.measure.capacity import capacity_for
 from agent.node import chains, hosted, nodestate, rehome, replicas, rpc, statexfer
 from agent.node.gate import Gate, NodeLocal, PeerFacts, without_handover
+from agent.node.pins import Pins
 from agent.node.hostmap import MAX_MOVED, HostMap, moved_of
 from agent.control import records
 from agent.node.placement import (
@@ -283,9 +284,8 @@ class Agent:
         # starts, whatever text the requester's spec or a node's hosted record carries.
         self.deployed_text: Dict[str, str] = {}
         self._undeploying: Set[str] = set()  # stopped for an undeploy: forgotten, never restarted
-        # fogctl scale pins: "<pipeline>/<operator>" -> {pipeline, operator, until (wall) or None}
-        self.pins: Dict[str, Dict[str, Any]] = _load_pins(Path(cfg.agent.state_dir))
-        self._pinned_sent: Dict[str, bool] = {}  # instance -> the pinned flag its worker was sent
+        # fogctl scale pins (agent.node.pins), kept in the state directory
+        self.pins = Pins(_load_pins(Path(cfg.agent.state_dir)))
         self._client: Any = None
         self.draining = False  # fogctl drain: refuse new instances (free_slots() = 0)
         # The site manager (docs/site-manager.md): every agent reads the nodes' claims, each on its
@@ -652,7 +652,7 @@ class Agent:
                 gen = records.spec_generation(w.spec)
                 if gen:
                     item["generation"] = gen
-                if self._pinned_sent.get(w.instance):
+                if self.pins.flagged(w.instance):
                     item["pinned"] = True
         if self.draining:  # fogctl status flags the node (docs/fogctl.md, "Payloads")
             doc["draining"] = True
@@ -662,7 +662,7 @@ class Agent:
             # failed start restarts the keeper here, and a keyed one's state is only here.
             doc["handing_over"] = sorted(self._handovers)
         if self.pins:
-            doc["pins"] = sorted(self.pins.values(), key=lambda p: (p["pipeline"] or "", p["operator"]))
+            doc["pins"] = self.pins.listed()
         moved = self._moved_statements()
         if moved:
             doc["moved"] = moved
@@ -1550,7 +1550,7 @@ class Agent:
             self._hosted_dirty = True
         undeployed = w.instance in self._undeploying
         self._undeploying.discard(w.instance)
-        self._pinned_sent.pop(w.instance, None)
+        self.pins.forget(w.instance)
         if undeployed:
             cause = "undeploy"
             self._forget(w.instance)  # again: the state file it wrote while draining
@@ -2038,46 +2038,33 @@ class Agent:
             req = parse_request(body)
         except RequestError as exc:
             return Reply(False, {}, str(exc)).to_dict()
-        key = f"{req.pipeline or ''}/{req.operator}"
         if req.release:  # every pin of the operator (of that pipeline, when it names one)
-            for k, p in list(self.pins.items()):
-                if p["operator"] == req.operator and req.pipeline in (None, p["pipeline"]):
-                    del self.pins[k]
+            key = self.pins.release(req.pipeline, req.operator)
         else:
-            until = None if req.seconds is None else round(self.wall() + req.seconds, 3)
-            self.pins[key] = {"pipeline": req.pipeline, "operator": req.operator, "until": until}
-        _save_pins(Path(self.cfg.agent.state_dir), self.pins)
+            key = self.pins.pin(self.wall(), req.pipeline, req.operator, req.seconds)
+        _save_pins(Path(self.cfg.agent.state_dir), self.pins.pins)
         pinned = self._apply_pins()
         log.info("%s %s: local instances %s", "released" if req.release else "pinned", key, pinned,
                  extra={"node": self.node})
-        return Reply(True, {"pinned": not req.release, "until": self.pins.get(key, {}).get("until"),
+        return Reply(True, {"pinned": not req.release, "until": self.pins.until(key),
                             "instances": pinned, "node": self.node}).to_dict()
-
-    def _pin_of(self, spec: InstanceSpec) -> Optional[Dict[str, Any]]:
-        return next((p for p in self.pins.values() if p["operator"] == spec.operator
-                     and p["pipeline"] in (None, spec.pipeline)), None)
 
     def _apply_pins(self) -> List[str]:
         """Send each worker whose pinned flag changed a `set pinned` control line; the pinned ones."""
-        pinned = []
-        for inst, w in self.supervisor.workers.items():
-            want = self._pin_of(w.spec) is not None
-            if want:
-                pinned.append(inst)
-            if self._pinned_sent.get(inst, False) != want and w.status is WorkerStatus.ACTIVE:
-                if self.supervisor.send(inst, "set", pinned=want):
-                    self._pinned_sent[inst] = want
+        pinned, send = self.pins.apply((inst, w.spec.pipeline, w.spec.operator, w.status is WorkerStatus.ACTIVE)
+                                       for inst, w in self.supervisor.workers.items())
+        for inst, want in send:
+            if self.supervisor.send(inst, "set", pinned=want):
+                self.pins.delivered(inst, want)
         self._state_dirty = True
-        return sorted(pinned)
+        return pinned
 
     def _expire_pins(self) -> None:
-        wall = self.wall()
-        expired = [k for k, p in self.pins.items() if p["until"] is not None and p["until"] <= wall]
+        expired = self.pins.expire(self.wall())
         for k in expired:
             log.info("pin of %s expired", k, extra={"node": self.node})
-            del self.pins[k]
         if expired:
-            _save_pins(Path(self.cfg.agent.state_dir), self.pins)
+            _save_pins(Path(self.cfg.agent.state_dir), self.pins.pins)
             self._apply_pins()
 
     def _readopt(self, now: float) -> None:
