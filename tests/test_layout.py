@@ -261,6 +261,7 @@ SANS_IO = {
     # the clock is an argument.
     "agent.node.gate": NODE_CORE,
     "agent.node.pins": NETWORK | {"os", "time", "threading", "random"},
+    "agent.node.restarts": NODE_CORE,
 }
 
 

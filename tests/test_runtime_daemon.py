@@ -896,7 +896,7 @@ def test_a_spawn_whose_worker_never_became_ready_is_not_restarted_here(tmp_path:
     w.killed_for = "not ready 20.0s after start"
     agent._on_reaped(Reaped(w, -9), 25.0)
     assert replies and replies[0]["ok"] is False and "exited before ready" in replies[0]["error"]
-    assert started == [] and agent.counters["restarts"] == 0 and not agent._delayed_restarts
+    assert started == [] and agent.counters["restarts"] == 0 and not agent.restarts.delayed
     assert spec.instance not in {s.instance for s in hosted.hosted(tmp_path)}
 
 

@@ -62,6 +62,7 @@ from agent.measure.capacity import capacity_for
 from agent.node import chains, hosted, nodestate, rehome, replicas, rpc, statexfer
 from agent.node.gate import Gate, NodeLocal, PeerFacts, without_handover
 from agent.node.pins import Pins
+from agent.node.restarts import RESTART_WINDOW, Restarts
 from agent.node.hostmap import MAX_MOVED, HostMap, moved_of
 from agent.control import records
 from agent.node.placement import (
@@ -99,9 +100,6 @@ COPIES_FIRST_WAIT = 30.0
 # Peer requests held until the retained records are in (`_held_peer`): beyond this many, one is
 # checked at once, as before (bounded memory; a refused requester places elsewhere or retries).
 HELD_PEER_MAX = 256
-MAX_RESTARTS = 3  # immediate restarts of a crashed worker within RESTART_WINDOW; then with backoff
-RESTART_WINDOW = 60.0
-RESTART_BACKOFF_MAX = 30.0  # seconds: the longest wait before restarting a crash-looping worker
 REHOMED_KEPT = 1000  # entries of this node's retained re-homed record
 READOPT_SETTLE = 1.0  # seconds after connecting before re-adopting, and not before the sync marker came back
 # The spools of sinks that no longer run here are salvaged for shipping this often (AgentSpill.salvage_orphans).
@@ -213,9 +211,7 @@ class Agent:
         self._awaiting_ready: Dict[str, SpawnJob] = {}  # instance id -> job, local start
         self._calls = rpc.PendingCalls()  # remote starts
         self._seen_requests = rpc.SeenRequests()  # admin requests handled: a redelivery is not applied again
-        self._restarts: Dict[str, List[float]] = {}
-        self._delayed_restarts: Dict[str, Tuple[float, InstanceSpec]] = {}  # instance -> (when, spec)
-        self._restart_batch: List[InstanceSpec] = []  # restarts of this loop turn (chains start together)
+        self.restarts = Restarts()  # crashed workers to start again here, and their backoff
         self._handing_over: Set[str] = set()  # keepers asked to stop on a drain, to start elsewhere
         # keepers of a drain not stopped yet -> (the keyed copies still leaving, when to stop anyway)
         self._copies_first: Dict[str, Tuple[Set[str], float]] = {}
@@ -549,9 +545,8 @@ class Agent:
         self._grant_reconnects(now)
         if self.pins:
             self._expire_pins()
-        for inst, (when, spec) in list(self._delayed_restarts.items()):
-            if now >= when and self._stopping_since is None:
-                del self._delayed_restarts[inst]
+        if self._stopping_since is None:
+            for spec in self.restarts.due(now):
                 self._restart(spec, now)
         self._start_restarts(now)
         for call in self._calls.expired(now):
@@ -1637,28 +1632,19 @@ class Agent:
         self._create_node(spec, reply, cause="handover", now=now, chunks=chunks)
 
     def _maybe_restart(self, w: Worker, now: float) -> None:
-        """Restart a crashed worker with the same identity: at once for the first MAX_RESTARTS
-        crashes within RESTART_WINDOW, then with a doubling delay (at most RESTART_BACKOFF_MAX).
-        Never give up: the instance is in its neighbours' routing tables until the protocol
-        removes it, so without it their records towards it wait (nothing is lost, but it stalls)."""
-        history = [t for t in self._restarts.get(w.instance, []) if now - t < RESTART_WINDOW]
-        history.append(now)
-        self._restarts[w.instance] = history
-        spec = dataclasses.replace(w.spec, restart=True)
-        excess = len(history) - MAX_RESTARTS
-        if excess > 0:
-            delay = min(RESTART_BACKOFF_MAX, 2.0 ** excess)
-            log.error("worker crashed %d times in %.0fs: restarting in %.0fs", len(history), RESTART_WINDOW, delay,
+        """Restart a crashed worker with the same identity, at once or after its backoff
+        (agent.node.restarts)."""
+        spec, crashes, delay = self.restarts.on_crash(w.spec, now)
+        if delay:
+            log.error("worker crashed %d times in %.0fs: restarting in %.0fs", crashes, RESTART_WINDOW, delay,
                       extra={"instance": w.instance})
-            self._delayed_restarts[w.instance] = (now + delay, spec)
             return
         self._restart(spec, now)
 
     def _restart(self, spec: InstanceSpec, now: float) -> None:
-        """Queued for the end of this loop turn (`_start_restarts`): the members of a chain die
-        together, are reaped in one poll, and start again together as one process."""
-        if chains.chain_of(spec):
-            self._restart_batch.append(spec)
+        """A chain's member waits for the end of this loop turn (`_start_restarts`): the members
+        of a chain die together, are reaped in one poll, and start again together as one process."""
+        if self.restarts.hold(spec):
             return
         try:
             self.supervisor.start(spec, now)
@@ -1668,9 +1654,8 @@ class Agent:
             log.error("cannot restart worker: %s", exc, extra={"instance": spec.instance})
 
     def _start_restarts(self, now: float) -> None:
-        """The chain members whose restart was queued this turn, one process per chain."""
-        batch, self._restart_batch = self._restart_batch, []
-        for group in chains.group_chains(batch):
+        """The chain members whose restart was held this turn, one process per chain."""
+        for group in self.restarts.take():
             try:
                 self._start_group(group, now)
                 self.counters["restarts"] += len(group)
@@ -1806,7 +1791,7 @@ class Agent:
     def _forget(self, instance: str) -> None:
         hosted.forget(self.cfg.agent.state_dir, instance)
         self.replication.forget(instance)
-        self._delayed_restarts.pop(instance, None)
+        self.restarts.forget(instance)
         deployfiles.forget(instance, Path(self.cfg.agent.state_dir))
         self._hosted_dirty = True
 
