@@ -262,6 +262,7 @@ SANS_IO = {
     "agent.node.gate": NODE_CORE,
     "agent.node.pins": NETWORK | {"os", "time", "threading", "random"},
     "agent.node.restarts": NODE_CORE,
+    "agent.node.rehoming": NETWORK | {"os", "time", "threading", "random"},
 }
 
 

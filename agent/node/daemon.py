@@ -45,7 +45,7 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Deque, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 from agent import events, notify, signing, topics
 from agent.config import AgentConfig, check_tls, load_agent_config, load_pipeline_text, resolve_password
@@ -63,6 +63,8 @@ from agent.node import chains, hosted, nodestate, rehome, replicas, rpc, statexf
 from agent.node.gate import Gate, NodeLocal, PeerFacts, without_handover
 from agent.node.pins import Pins
 from agent.node.restarts import RESTART_WINDOW, Restarts
+from agent.node import rehoming
+from agent.node.rehoming import Rehoming
 from agent.node.hostmap import MAX_MOVED, HostMap, moved_of
 from agent.control import records
 from agent.node.placement import (
@@ -100,7 +102,6 @@ COPIES_FIRST_WAIT = 30.0
 # Peer requests held until the retained records are in (`_held_peer`): beyond this many, one is
 # checked at once, as before (bounded memory; a refused requester places elsewhere or retries).
 HELD_PEER_MAX = 256
-REHOMED_KEPT = 1000  # entries of this node's retained re-homed record
 READOPT_SETTLE = 1.0  # seconds after connecting before re-adopting, and not before the sync marker came back
 # The spools of sinks that no longer run here are salvaged for shipping this often (AgentSpill.salvage_orphans).
 SALVAGE_PERIOD = 10.0
@@ -223,12 +224,7 @@ class Agent:
         # node loss (agent.node.rehome): every node's retained hosted record, offline times
         self.hosted_by_node: Dict[str, List[Dict[str, Any]]] = {}
         self.rehomed_by_node: Dict[str, Dict[str, float]] = {}  # node -> {instance: when it re-homed it}
-        self._offline_since: Dict[str, float] = {}
-        self._rehomed: Set[str] = set()
-        self._rehome_claims: Dict[str, float] = {}  # instance -> when we asked for its re-home
-        # failed re-homes whose node may come back before the next plan: instance -> (node, spec)
-        self._rehome_retry: Dict[str, Tuple[str, InstanceSpec]] = {}
-        self._online_since: Dict[str, float] = {}  # node -> when we last saw it come online
+        self.rehoming = Rehoming(self.node)  # offline times, planned nodes, claims, retries
         self._hosted_dirty = True
         # Where this node moved instances to (hand-overs, re-homes), newest last: stated in our
         # retained state record, which only we may write, so that no other node can take their
@@ -1163,15 +1159,9 @@ class Agent:
     def _on_status(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
         node = str(parsed.node)
         up = msg.payload == b"online"
-        if up and not self.online.get(node):
-            self._online_since[node] = now
+        self.rehoming.on_status(node, up, bool(self.online.get(node)), now)
         self.online[node] = up
         self._hosts_dirty = True
-        if up:
-            self._offline_since.pop(node, None)
-            self._rehomed.discard(node)
-        elif node != self.node:
-            self._offline_since.setdefault(node, now)
 
     def _on_rehomed_record(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
         node = str(parsed.node)
@@ -1672,54 +1662,9 @@ class Agent:
         else:
             self.supervisor.start_chain(group, now)
 
-    def _in_state(self, states: Tuple[str, ...], lost: Optional[str] = None) -> Set[str]:
-        """Instances whose scaling core is in one of `states`: ours from the workers' last
-        heartbeat, the other online nodes' (and the `lost` node's last one) from their retained
-        states. For agent.node.rehome.plan_rehome: departing instances stay out of a re-homed
-        predecessor's successors; idle copies are re-homed idle, and their creator told of them."""
-        out = {i for i, w in self.supervisor.workers.items() if w.stats.get("state") in states}
-        for i in self._entries_elsewhere(lost):
-            stats = i.get("stats")
-            if isinstance(stats, dict) and stats.get("state") in states:
-                out.add(str(i.get("id")))
-        return out
-
-    def _lost_groups(self, lost: str) -> Dict[str, Any]:
-        """The key groups each keyed instance last said it owned: ours from their heartbeats, the
-        online nodes' and the `lost` node's from their retained states. A re-homed keyed
-        incarnation resumes its own; a re-homed predecessor builds its group table from its
-        successors' (agent.node.rehome.plan_rehome)."""
-        out: Dict[str, Any] = {i: w.stats["groups"] for i, w in self.supervisor.workers.items()
-                               if isinstance(w.stats.get("groups"), list)}
-        for i in self._entries_elsewhere(lost):
-            stats = i.get("stats")
-            if isinstance(stats, dict) and isinstance(stats.get("groups"), list):
-                out[str(i.get("id"))] = stats["groups"]
-        return out
-
-    def _lost_moves(self, lost: str, key: str) -> Dict[str, Any]:
-        """The moves each keyed instance last said it was part of, read as `_lost_groups`: `handed`
-        (handed out, not installed yet: a re-homed predecessor's table names their new owners)
-        or `expecting` (on their way to it: a re-homed old owner starts them again), for
-        agent.node.rehome.plan_rehome."""
-        out: Dict[str, Any] = {i: w.stats[key] for i, w in self.supervisor.workers.items()
-                               if isinstance(w.stats.get(key), list) and w.stats[key]}
-        for i in self._entries_elsewhere(lost):
-            stats = i.get("stats")
-            if isinstance(stats, dict) and isinstance(stats.get(key), list) and stats[key]:
-                out[str(i.get("id"))] = stats[key]
-        return out
-
     def _listed_elsewhere(self) -> Set[str]:
         """Instance ids that another ONLINE node lists in its retained state."""
-        return {str(i.get("id")) for i in self._entries_elsewhere()}
-
-    def _entries_elsewhere(self, lost: Optional[str] = None) -> Iterator[Dict[str, Any]]:
-        """The instance entries of every other ONLINE node's retained state (and of the `lost`
-        node's last one)."""
-        for n, doc in self.fleet.items():
-            if n != self.node and (self.online.get(n) or n == lost):
-                yield from (i for i in doc.get("instances", []) or [] if isinstance(i, dict))
+        return rehoming.listed_elsewhere(self.node, self.fleet, self.online)
 
     def _grant_reconnects(self, now: float) -> None:
         """Let workers that lost their connection reconnect (re-homing on, see
@@ -1745,7 +1690,11 @@ class Agent:
         # The copy a re-home started is the one that stays: when two online nodes both ran an
         # instance while the broker was away (both reconnect), both saw the other list it and
         # both stopped theirs, so the identity ran nowhere (defect B, seed 11019).
-        elsewhere = (self._listed_elsewhere() | self._taken_over()) - self._rehomed_here()
+        others = [i for n, record in self.rehomed_by_node.items() if n != self.node for i in record]
+        since = {i: hosted.since(self.cfg.agent.state_dir, i) for i in others}
+        floors = {i: w.spec.extra.get("min_epoch") for i, w in self.supervisor.workers.items()}
+        elsewhere = ((self._listed_elsewhere() | rehoming.taken_over(self.node, self.rehomed_by_node, since))
+                     - rehoming.rehomed_here(self.node, floors, self.rehomed_by_node, self.online))
         # Only workers that ran while we were away can have been re-homed. One started since this
         # connect was placed here by a createNode() that saw the fleet as it is (a drain's
         # hand-over, a re-home), while the retained state of the node it comes from may still
@@ -1762,31 +1711,6 @@ class Agent:
         if not self._readopted:
             self._readopted = True
             self._readopt(now)
-
-    def _rehomed_here(self) -> Set[str]:
-        """Our workers started by the latest re-home of their identity: the spec's epoch floor
-        (`min_epoch`, the re-homing agent's wall clock at its plan) is at least the time that
-        agent's retained record gives the re-home. Both numbers come from one clock, so every
-        node reads the same answer: a copy older than the re-home (the node that came back, a
-        second placement of an earlier attempt) has a lower floor and stands down."""
-        latest: Dict[str, float] = {}
-        for node, record in self.rehomed_by_node.items():
-            if node == self.node or self.online.get(node):
-                for inst, when in record.items():
-                    latest[inst] = max(when, latest.get(inst, 0.0))
-        out = set()
-        for inst, w in self.supervisor.workers.items():
-            floor = w.spec.extra.get("min_epoch")
-            if inst in latest and isinstance(floor, int) and floor >= int(latest[inst]):
-                out.add(inst)
-        return out
-
-    def _taken_over(self) -> Set[str]:
-        """Our hosted instances that another node re-homed after we started hosting them (they
-        may have terminated there since: re-adopting them would resurrect a departed instance)."""
-        state_dir = self.cfg.agent.state_dir
-        return {inst for node, record in self.rehomed_by_node.items() if node != self.node
-                for inst, when in record.items() if when > hosted.since(state_dir, inst) > 0}
 
     def _forget(self, instance: str) -> None:
         hosted.forget(self.cfg.agent.state_dir, instance)
@@ -1882,45 +1806,37 @@ class Agent:
 
     def _maybe_rehome(self, now: float) -> None:
         """Start elsewhere, same identities, the instances of nodes offline for `dead_after`
-        seconds, if this agent is the lowest-named online one (agent.node.rehome)."""
-        if self._rehome_claims:
-            # A re-home already asked for (placed, or its createNode() still on its way) stays out
-            # of the next attempt, which follows a failure of another one: before its node's state
-            # lists it, planned again it would be placed a second time (defect B, seed 11019). A
-            # claim lasts until a node lists it (checked every period: that node may be the next
-            # one lost), or for as long as a createNode() may take plus the state periods its node
-            # needs to list it.
+        seconds, if this agent is the lowest-named online one (agent.node.rehome, rehoming)."""
+        if self.rehoming.claims:
             ttl = RPC_TIMEOUT + 3 * self.cfg.agent.state_period
-            listed = self._listed_elsewhere() | set(self.supervisor.workers)
-            self._rehome_claims = {i: t for i, t in self._rehome_claims.items() if i not in listed and now - t < ttl}
+            self.rehoming.drop_claims(now, ttl, self._listed_elsewhere() | set(self.supervisor.workers))
         if not self._retained_in:
             # Not on what the last connection left: a node that came back while we were away is
             # still offline here until its retained status is in (re-homing a live node's
             # instances runs each identity twice), and so is who else is online.
             return
         self._retry_failed_rehomes(now)
-        if (not self.connected or self._stopping_since is not None or not self._offline_since
+        if (not self.connected or self._stopping_since is not None or not self.rehoming.offline_since
                 or self.cfg.agent.dead_after <= 0):
             return
         online = {n for n, up in self.online.items() if up} | {self.node}
-        for node, since in sorted(self._offline_since.items()):
-            if node in self._rehomed or now - since < self.cfg.agent.dead_after:
-                continue
+        for node, since in self.rehoming.lost(now, self.cfg.agent.dead_after):
             if not rehome.responsible(self.node, online):
                 return
-            wall = self.wall()  # one reading: the specs' floor and our record's time (_rehomed_here)
-            listed = self._listed_elsewhere() | set(self.supervisor.workers) | set(self._rehome_claims)
+            wall = self.wall()  # one reading: the specs' floor and our record's time (rehoming.rehomed_here)
+            listed = self._listed_elsewhere() | set(self.supervisor.workers) | set(self.rehoming.claims)
+            local = {i: w.stats for i, w in self.supervisor.workers.items()}
+            fleet = (self.node, local, self.fleet, self.online)
             plan = rehome.plan_rehome(node, self.hosted_by_node, online, listed, int(wall),
-                                      departing=self._in_state(("departing", "terminated")),
-                                      idle=self._in_state(("idle",), lost=node),
-                                      groups=self._lost_groups(node), handed=self._lost_moves(node, "handed"),
-                                      expecting=self._lost_moves(node, "expecting"))
-            self._rehomed.add(node)
+                                      departing=rehoming.in_state(*fleet, ("departing", "terminated")),
+                                      idle=rehoming.in_state(*fleet, ("idle",), lost=node),
+                                      groups=rehoming.lost_groups(*fleet, node),
+                                      handed=rehoming.lost_moves(*fleet, node, "handed"),
+                                      expecting=rehoming.lost_moves(*fleet, node, "expecting"))
+            self.rehoming.planned(node)
             if plan:
-                record = self.rehomed_by_node.setdefault(self.node, {})
-                record.update((str(d["instance"]), wall) for d in plan)
-                for inst in sorted(record, key=record.get)[:-REHOMED_KEPT]:
-                    del record[inst]  # bounded: the oldest entries go first
+                record = rehoming.with_plan(self.rehomed_by_node.setdefault(self.node, {}),
+                                            [str(d["instance"]) for d in plan], wall)
                 self._publish(topics.agent_rehomed(self.cluster, self.node),
                               json.dumps(record, sort_keys=True).encode(), retain=True)
             idle = sorted(str(d["instance"]) for d in plan if not d.get("active"))
@@ -1938,7 +1854,8 @@ class Agent:
                 if text is not None:  # the admin's text, not the one the dead node's record carries
                     data = dict(data, pipeline_toml=text)
                 try:  # the hosted record is bus input: admitted like a spawn request
-                    spec = self.gate.spec_from(self.wall(), data, template=None, requester=f"the hosted record of {node}")
+                    spec = self.gate.spec_from(self.wall(), data, template=None,
+                                               requester=f"the hosted record of {node}")
                 except (TypeError, ValueError) as exc:
                     log.error("cannot re-home %s: %s", data.get("instance"), exc, extra={"node": self.node})
                     continue
@@ -1953,48 +1870,35 @@ class Agent:
             else:
                 self._stated_move(spec.instance, result.get("node"))  # the re-homer says where
 
-        self._rehome_claims[spec.instance] = now
+        self.rehoming.claim(spec.instance, now)
         self._create_node(spec, reply, cause="rehome", now=now)
 
     def _retry_failed_rehomes(self, now: float) -> None:
-        """A re-home that failed after its node came back (seed 12026): the next plan of that node
-        never comes (it is online), and the node, seeing our re-homed record at its reconnect, may
-        have forgotten the instance: it ran nowhere. Once the node has been back long enough for
-        its state to show what it re-adopted, an instance that no online node runs is re-homed
-        again, under a new epoch floor (`_rehomed_here`). One whose node is offline again is left
-        to that node's next plan."""
-        if not self._rehome_retry or not self.connected or self._stopping_since is not None:
+        """A re-home that failed after its node came back: the next plan of that node never comes
+        (it is online), and the node, seeing our re-homed record at its reconnect, may have
+        forgotten the instance: it ran nowhere. Once the node has been back long enough for its
+        state to show what it re-adopted, an instance that no online node runs is re-homed again,
+        under a new epoch floor (rehoming.rehomed_here)."""
+        if not self.rehoming.retry or not self.connected or self._stopping_since is not None:
             return
-        listed = self._listed_elsewhere() | set(self.supervisor.workers) | set(self._rehome_claims)
+        listed = self._listed_elsewhere() | set(self.supervisor.workers) | set(self.rehoming.claims)
         settle = READOPT_SETTLE + 2 * self.cfg.agent.state_period
-        for inst, (node, spec) in sorted(self._rehome_retry.items()):
-            if inst in listed or not self.online.get(node):
-                del self._rehome_retry[inst]  # it runs somewhere, or the node's next plan takes it
-                continue
-            if now - self._online_since.get(node, now) < settle:
-                continue
-            del self._rehome_retry[inst]
+        for node, spec in self.rehoming.retries(now, listed, self.online, settle):
             wall = self.wall()
             floor = max(int(spec.extra.get("min_epoch", 0) or 0), int(wall))
             record = self.rehomed_by_node.setdefault(self.node, {})
-            record[inst] = float(floor)
+            record[spec.instance] = float(floor)
             self._publish(topics.agent_rehomed(self.cluster, self.node),
                           json.dumps(record, sort_keys=True).encode(), retain=True)
-            log.warning("re-homing %s again: node %s is back and does not run it", inst, node, extra={"node": self.node})
+            log.warning("re-homing %s again: node %s is back and does not run it", spec.instance, node,
+                        extra={"node": self.node})
             self._start_rehome(node, dataclasses.replace(spec, extra={**spec.extra, "min_epoch": floor}), now)
 
     def _rehome_failed(self, node: str, spec: InstanceSpec) -> None:
-        """Try the instance again: at the next plan of its node while the node is offline, once
-        the node has been back a while otherwise (`_retry_failed_rehomes`). Until then our
-        re-homed record does not claim it: a returning node would otherwise forget an instance
-        that runs nowhere (`_taken_over`)."""
-        instance = spec.instance
-        self._rehomed.discard(node)
-        self._rehome_claims.pop(instance, None)
-        if len(self._rehome_retry) < REHOMED_KEPT:
-            self._rehome_retry[instance] = (node, spec)
+        """Try the instance again later (rehoming.Rehoming.failed); our re-homed record no longer
+        claims it."""
         record = self.rehomed_by_node.get(self.node, {})
-        if record.pop(instance, None) is not None and self.connected:
+        if self.rehoming.failed(node, spec, record) and self.connected:
             self._publish(topics.agent_rehomed(self.cluster, self.node),
                           json.dumps(record, sort_keys=True).encode(), retain=True)
 

@@ -1239,14 +1239,14 @@ type("M", (), {"topic": topic, "payload": raw, "retain": True, "properties": Non
     def _knowledge(self) -> Any:
         a = self.agent
         return fingerprint((a.fleet, a.online, a.hosted_by_node, a.rehomed_by_node, a.latency, a.deployed,
-                            a.draining, a._offline_since, a._reserved, sorted(a._calls.calls)))
+                            a.draining, a.rehoming.offline_since, a._reserved, sorted(a._calls.calls)))
 
     def _restore(self) -> None:
         a, (fleet, online, hosted, rehomed, latency, deployed) = self.agent, self._saved
         a.fleet, a.online, a.hosted_by_node, a.rehomed_by_node = copy.deepcopy(fleet), dict(online), \
             copy.deepcopy(hosted), copy.deepcopy(rehomed)
         a.latency, a.deployed, a.draining = copy.deepcopy(latency), set(deployed), False
-        a._offline_since.clear()
+        a.rehoming.offline_since.clear()
         a._reserved.clear()
         a._held_peer.clear()
         a._retained_in = True
