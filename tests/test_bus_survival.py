@@ -158,9 +158,9 @@ def _replies(agent: Any) -> List[Tuple[str, Dict[str, Any], Any]]:
 
 
 def _fingerprint(agent: Any) -> Any:
-    return (json.dumps(agent.fleet, sort_keys=True), json.dumps(agent.hosted_by_node, sort_keys=True),
-            json.dumps(agent.rehomed_by_node, sort_keys=True), dict(agent.online), json.dumps(agent.latency),
-            sorted(agent.supervisor.workers), sorted(agent.deployed), agent.draining)
+    return (json.dumps(agent.view.fleet, sort_keys=True), json.dumps(agent.view.hosted_by_node, sort_keys=True),
+            json.dumps(agent.view.rehomed_by_node, sort_keys=True), dict(agent.view.online), json.dumps(agent.view.latency),
+            sorted(agent.supervisor.workers), sorted(agent.view.deployed), agent.draining)
 
 
 def test_a_reply_goes_to_the_requesters_namespace_not_the_response_topic_it_names(agent: Any) -> None:
@@ -311,7 +311,7 @@ def test_hostile_neighbour_records_are_counted_and_leave_the_state_unchanged(age
     assert agent.counters["bad_messages"] == len(hostile)
     assert _fingerprint(agent) == before and agent._client.published == []
     agent._on_message_safely(_msg(topics.latency("c", "n2"), DEEP, retain=True), 0.0)  # lenient: unmeasured
-    assert agent.latency["n2"] == {}
+    assert agent.view.latency["n2"] == {}
 
 
 def test_an_unforeseen_failure_in_a_handler_is_one_log_line_not_the_end_of_the_loop(

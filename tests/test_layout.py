@@ -263,6 +263,7 @@ SANS_IO = {
     "agent.node.pins": NETWORK | {"os", "time", "threading", "random"},
     "agent.node.restarts": NODE_CORE,
     "agent.node.rehoming": NETWORK | {"os", "time", "threading", "random"},
+    "agent.node.fleetview": NODE_CORE,
 }
 
 

@@ -41,7 +41,7 @@ def test_a_rehome_that_fails_after_the_node_came_back_is_placed_again(tmp_path: 
 
     source = InstanceSpec("p.source.0", "source", "n1", "c", "p", PIPELINE, BrokerSpec("h", 1), keeper=True,
                           succs=("p.work.0",))
-    agent.hosted_by_node["n1"] = [request_spec(source)]
+    agent.view.hosted_by_node["n1"] = [request_spec(source)]
     now = 100.0
     for node in ("n1", "n3"):
         message(topics.agent_status("c", node), b"online")

@@ -360,7 +360,7 @@ def test_the_daemon_sends_the_next_part_on_the_brokers_puback(tmp_path: Path) ->
 
     agent._client = Client()
     agent.connected = True
-    agent.online["n2"] = True
+    agent.view.online["n2"] = True
     host = _big_save(tmp_path / "state", 5 * PART_BYTES, 0)
     agent.replication.saved("cnt-a", 1, 0)
     now = agent.clock()

@@ -693,8 +693,8 @@ def test_fencing_spares_an_instance_placed_here_since_the_connect_and_never_rest
 
     old, new = worker("p.work.0", 5.0), worker("p.sink.0", 15.0)
     agent._connected_at, agent._readopted = 10.0, True
-    agent.online = {"n2": True}
-    agent.fleet = {"n2": {"instances": [{"id": "p.work.0"}, {"id": "p.sink.0"}]}}  # n2 lists both
+    agent.view.online = {"n2": True}
+    agent.view.fleet = {"n2": {"instances": [{"id": "p.work.0"}, {"id": "p.sink.0"}]}}  # n2 lists both
     agent._reconcile(20.0)
     assert old.proc.signals == [_signal.SIGKILL] and old.killed_for == "re-homed elsewhere"
     assert new.proc.signals == [] and new.killed_for is None  # placed here after the connect
@@ -724,10 +724,10 @@ def test_when_two_nodes_fence_at_once_the_copy_of_the_latest_rehome_stays(tmp_pa
             agent.supervisor.workers[inst] = Worker(spec=spec, proc=_FakeProc(), started_at=5.0)  # type: ignore[arg-type]
         other = "n2" if node == "n1" else "n1"
         agent._connected_at, agent._readopted = 10.0, True
-        agent.online = {other: True, "n3": True}
-        agent.fleet = {other: {"instances": [{"id": i} for i in floors]}}
+        agent.view.online = {other: True, "n3": True}
+        agent.view.fleet = {other: {"instances": [{"id": i} for i in floors]}}
         # n3 re-homed both: work-a twice (the second placement at 1000), work-b once (at 990)
-        agent.rehomed_by_node = {"n3": {"work-a": 1000.4, "work-b": 990.7}}
+        agent.view.rehomed_by_node = {"n3": {"work-a": 1000.4, "work-b": 990.7}}
         return agent
 
     n1 = agent_running("n1", {"work-a": 1000, "work-b": 990, "work-c": None})

@@ -489,7 +489,7 @@ def test_the_agent_keeps_its_bindings_and_the_leader_it_follows_in_its_state_dir
     _claim(agent, "n2", "n2", now + 15.0)
     _records_in(agent)
     assert agent.site_leases.held == "n2"
-    agent.hostmap.update({}, {"r": [("w", "p", "g1")]}, agent.online)
+    agent.hostmap.update({}, {"r": [("w", "p", "g1")]}, agent.view.online)
     agent._save_bindings()
 
     again = _agent(tmp_path)
@@ -500,7 +500,7 @@ def test_the_agent_keeps_its_bindings_and_the_leader_it_follows_in_its_state_dir
     _claim(again, "n2", "n2", now + 15.0)
     _records_in(again)
     assert _drain_from(again, "n3")["ok"] is False and not again.draining
-    again.hostmap.update({}, {"r": [("w", "p", "g1")], "n3": [("w", "p", "g1")]}, again.online)
+    again.hostmap.update({}, {"r": [("w", "p", "g1")], "n3": [("w", "p", "g1")]}, again.view.online)
     assert again.hostmap.bound("w") == "r"
     assert _drain_from(again, "n2")["ok"] is True and again.draining
 

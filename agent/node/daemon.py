@@ -65,6 +65,7 @@ from agent.node.pins import Pins
 from agent.node.restarts import RESTART_WINDOW, Restarts
 from agent.node import rehoming
 from agent.node.rehoming import Rehoming
+from agent.node.fleetview import FleetView
 from agent.node.hostmap import MAX_MOVED, HostMap, moved_of
 from agent.control import records
 from agent.node.placement import (
@@ -199,14 +200,8 @@ class Agent:
         self.client_id = mqttc.agent_id(self.broker, self.cluster, self.node)  # docs/security.md, "Client ids"
         self._connect_log = mqttc.FailureLog(self.broker.host, self.broker.port, log, extra={"node": self.node})
         self._paho_error: Optional[str] = None  # paho's last error log line (a TLS alert, ...)
-        # fleet knowledge, from retained topics
-        self.fleet: Dict[str, Dict[str, Any]] = {}
+        self.view = FleetView(self.node)  # what the retained records say (agent.node.fleetview)
         self._context_cache: Dict[Tuple[str, str], Tuple[str, Optional[str]]] = {}
-        self.online: Dict[str, bool] = {}
-        self.latency: Dict[str, Dict[str, float]] = {}
-        self._reserved: Dict[str, int] = {}  # remote slots we asked for since their last state
-        # copies started on another node since its last state: counted for max_instances (bounds)
-        self._placed: Dict[str, Tuple[str, Tuple[str, str, str]]] = {}  # instance -> (node, known)
         self.latency_core = _latency_core(cfg)  # RTT to the other agents (issue 6), if installed
         # createNode() bookkeeping
         self._awaiting_ready: Dict[str, SpawnJob] = {}  # instance id -> job, local start
@@ -221,9 +216,6 @@ class Agent:
         self._salvaged_at = -1e9  # AgentSpill.salvage_orphans, every SALVAGE_PERIOD
         # keyed states copied to a standby node, both roles (agent.node.replicas)
         self.replication = replicas.Replication(self.node, Path(self.cfg.agent.state_dir))
-        # node loss (agent.node.rehome): every node's retained hosted record, offline times
-        self.hosted_by_node: Dict[str, List[Dict[str, Any]]] = {}
-        self.rehomed_by_node: Dict[str, Dict[str, float]] = {}  # node -> {instance: when it re-homed it}
         self.rehoming = Rehoming(self.node)  # offline times, planned nodes, claims, retries
         self._hosted_dirty = True
         # Where this node moved instances to (hand-overs, re-homes), newest last: stated in our
@@ -268,13 +260,6 @@ class Agent:
                                    cfg.agent.heartbeat_period, cfg.agent.dead_after > 0, cfg.mqtt.inbox_per_node,
                                    cfg.agent.keyed_standby),
                          allowed, admission.NodeDirs.of(cfg), trust, self.counters, self._boot)
-        self.deployed: Set[str] = set()  # pipelines an admin deployed (retained pipelines/<name>)
-        # The retained pipeline records (deployed with a generation, or a tombstone): an instance
-        # they rule out is stopped and forgotten (records.stale_reason, docs/fogctl.md).
-        self.records: Dict[str, records.PipelineRecord] = {}
-        # The text of each pipeline an admin deployed (its record): what a peer spawn or a re-home
-        # starts, whatever text the requester's spec or a node's hosted record carries.
-        self.deployed_text: Dict[str, str] = {}
         self._undeploying: Set[str] = set()  # stopped for an undeploy: forgotten, never restarted
         # fogctl scale pins (agent.node.pins), kept in the state directory
         self.pins = Pins(_load_pins(Path(cfg.agent.state_dir)))
@@ -565,7 +550,7 @@ class Agent:
             raise Halt(f"no broker at {self.broker.host}:{self.broker.port} after {self.connect_timeout}s{last}", EXIT_UNAVAILABLE)
         if self.connected and self.latency_core is not None:
             core = self.latency_core
-            core.set_neighbours((n for n in self.fleet if n != self.node and self.online.get(n, False)), near=self._near)
+            core.set_neighbours((n for n in self.view.fleet if n != self.node and self.view.online.get(n, False)), near=self._near)
             for topic, payload in core.poll(self.clock()):  # a ping's send time: after the work above
                 self._publish(topic, payload, qos=0)
             if core.publish_due(self.clock()):
@@ -690,7 +675,7 @@ class Agent:
         if self.metrics is not None:  # fog_instances, fog_spool_*: on the beat of the retained state
             self.metrics.observe_node(self.supervisor.workers.values(), self.spill)
         doc = self.state_doc()
-        self.fleet[self.node] = doc
+        self.view.fleet[self.node] = doc
         if self._publish(topics.agent_state(self.cluster, self.node), nodestate.encode_state(doc), retain=True):
             self._last_state = now
             self._state_dirty = False
@@ -700,27 +685,21 @@ class Agent:
         predecessors' back pressure) on the beat of the retained state, from the same fleet view
         placement reads (`placement.instance_context`; docs/measurement.md, "Policies in the
         daemon"). A "decentralized" instance needs none: the paper's policy is per instance."""
-        docs = {n: d for n, d in self.fleet.items() if n == self.node or self.online.get(n, True)}
+        docs = {n: d for n, d in self.view.fleet.items() if n == self.node or self.view.online.get(n, True)}
         for w in list(self.supervisor.workers.values()):
             if w.status is not WorkerStatus.ACTIVE:
                 continue
             need = self._policy_needs(w.spec)
             if need is None:
                 continue
-            ctx = instance_context(docs, self.latency, w.spec.pipeline, w.spec.operator, need, w.instance)
+            ctx = instance_context(docs, self.view.latency, w.spec.pipeline, w.spec.operator, need, w.instance)
             self.supervisor.send(w.instance, "set", context=ctx)
 
     def _siblings(self, spec: InstanceSpec) -> Tuple[str, ...]:
         """Ids of the operator's other instances (this pipeline) in our view: ND_max placement."""
         out = [w.instance for w in self.supervisor.workers.values()
                if w.spec.pipeline == spec.pipeline and w.spec.operator == spec.operator and w.instance != spec.instance]
-        for node, doc in self.fleet.items():
-            if node == self.node or not self.online.get(node, True):
-                continue
-            out.extend(str(i.get("id")) for i in doc.get("instances", []) or []
-                       if isinstance(i, dict) and i.get("operator") == spec.operator
-                       and i.get("pipeline", spec.pipeline) == spec.pipeline and i.get("id") != spec.instance)
-        return tuple(out)
+        return tuple(out + self.view.siblings(spec.pipeline, spec.operator, spec.instance))
 
     def _policy_needs(self, spec: InstanceSpec) -> Optional[str]:
         """For an instance of a Gesscale policy, its predecessor operator's name ("" for none);
@@ -759,18 +738,10 @@ class Agent:
     # -- fleet view and placement --------------------------------------------------------------
 
     def fleet_views(self) -> List[NodeView]:
-        views = [NodeView(
-            node=self.node, slots=self.cfg.agent.slots, free_slots=self.free_slots(), online=True,
-            latency_ms=self.latency.get(self.node, {}), instances=tuple(self.supervisor.workers),
-        )]
-        for node, doc in sorted(self.fleet.items()):
-            if node == self.node:
-                continue
-            view = nodestate.node_view(doc, online=self.online.get(node, True), latency_ms=self.latency.get(node, {}),
-                                       max_slots=self.cfg.security.node_slots.get(node))
-            free = max(0, view.free_slots - self._reserved.get(node, 0))
-            views.append(dataclasses.replace(view, free_slots=free))
-        return views
+        return self.view.views(NodeView(node=self.node, slots=self.cfg.agent.slots, free_slots=self.free_slots(),
+                                        online=True, latency_ms=self.view.latency.get(self.node, {}),
+                                        instances=tuple(self.supervisor.workers)),
+                               self.cfg.security.node_slots)
 
     def fleet_slots(self) -> int:
         """All slots of the online fleet as this agent sees it: the bound of a forced scale-out."""
@@ -946,10 +917,10 @@ class Agent:
         local = [(x.instance, x.spec.pipeline, x.spec.operator) for x in self.supervisor.workers.values()]
         placing = [(c.context.spec.instance, c.context.spec.pipeline, c.context.spec.operator)
                    for c in self._calls.calls.values() if isinstance(c.context, SpawnJob)]
-        placing += [known for _, known in self._placed.values()]
+        placing += self.view.placed_copies()
         spec = self.gate.worker_copy(self.wall(), w.spec if w is not None else None, msg,
-                                     self.records.get(w.spec.pipeline) if w is not None else None,
-                                     requester in self._undeploying, local, placing, self.fleet, self.online)
+                                     self.view.records.get(w.spec.pipeline) if w is not None else None,
+                                     requester in self._undeploying, local, placing, self.view.fleet, self.view.online)
         if isinstance(spec, str):
             reply({"ok": False, "error": spec})
             return
@@ -1002,12 +973,10 @@ class Agent:
             return True
         if local_only:
             return False
-        for node, doc in self.fleet.items():
-            if node != self.node and self.online.get(node) and any(
-                isinstance(i, dict) and i.get("id") == instance for i in doc.get("instances", []) or []
-            ):
-                reply({"ok": True, "instance": instance, "node": node})
-                return True
+        node = self.view.runs_on(instance)
+        if node is not None:
+            reply({"ok": True, "instance": instance, "node": node})
+            return True
         return False
 
     def _try_next(self, job: SpawnJob, now: float, last_error: str) -> None:
@@ -1036,7 +1005,7 @@ class Agent:
             # A chunk not queued: no spawn (it would be refused for want of its state).
             if all(self._publish(peer_topic, rpc.encode(chunk)) for chunk in job.chunks) and \
                     self._publish(peer_topic, rpc.encode(body), properties=props):
-                self._reserved[node] = self._reserved.get(node, 0) + 1
+                self.view.reserve(node)
                 return
             self._calls.resolve(correlation)
             last_error = f"request to {node} not queued"
@@ -1136,72 +1105,44 @@ class Agent:
                 self._on_message_safely(self._held_peer.popleft(), now)
 
     def _on_state_record(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
-        node = str(parsed.node)
-        if node == self.node or not msg.payload:
-            if not msg.payload:
-                self.fleet.pop(node, None)
-            return
         try:
-            doc = nodestate.parse_node_state(msg.payload)
-            if doc["node"] != node:
-                raise ValueError(f"state on {node}'s topic names node {str(doc['node'])[:40]!r}")
-            nodestate.node_view(doc)  # what placement will read of it must be readable
+            if self.view.on_state(str(parsed.node), msg.payload):
+                self._hosts_dirty = True
         except (ValueError, TypeError, KeyError) as exc:
-            self._bad("state", node, exc)
-            return
-        if moved_of(doc) != moved_of(self.fleet.get(node)):
-            self._hosts_dirty = True
-        self.fleet[node] = doc
-        self._reserved.pop(node, None)
-        # Published after its replies to us (one connection, in order): it lists their copies.
-        self._placed = {i: v for i, v in self._placed.items() if v[0] != node}
+            self._bad("state", str(parsed.node), exc)
 
     def _on_status(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
         node = str(parsed.node)
         up = msg.payload == b"online"
-        self.rehoming.on_status(node, up, bool(self.online.get(node)), now)
-        self.online[node] = up
+        self.rehoming.on_status(node, up, bool(self.view.online.get(node)), now)
+        self.view.on_status(node, up)
         self._hosts_dirty = True
 
     def _on_rehomed_record(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
-        node = str(parsed.node)
         try:
-            self.rehomed_by_node[node] = rehome.decode_rehomed(msg.payload)
+            self.view.on_rehomed(str(parsed.node), msg.payload)
             self._hosts_dirty = True
         except ValueError as exc:
-            self._bad("re-homed record", node, exc)
+            self._bad("re-homed record", str(parsed.node), exc)
 
     def _on_hosted_record(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
         node = str(parsed.node)
         if node == self.node:
             return
         try:
-            self.hosted_by_node[node] = rehome.decode_hosted(msg.payload)
+            listed = self.view.on_hosted(node, msg.payload)
             self._hosts_dirty = True
-            self.replication.drop_unlisted(node, (str(s["instance"]) for s in self.hosted_by_node[node]))
+            self.replication.drop_unlisted(node, listed)
         except ValueError as exc:
             self._bad("hosted record", node, exc)
 
     def _on_pipeline_record(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
         name = str(parsed.node)
-        record = records.parse_record(msg.payload)
-        text = records.deployed_text(msg.payload) if record is not None else None
-        if record is not None and record.state == "deployed" and text is not None:
-            unsigned = self.gate.trust.check(name, record.generation, text, record.signature)
-            if unsigned:  # kept as if never written: neither deployed nor a newer generation
-                self.counters["refused_signatures"] = self.counters.get("refused_signatures", 0) + 1
-                log.warning("pipeline record %s refused: %s", name, unsigned, extra={"node": self.node})
-                return
-        if record is None:
-            self.records.pop(name, None)
-        else:
-            self.records[name] = record
-        if record is not None and record.state == "deployed" and text is not None:
-            self.deployed.add(name)
-            self.deployed_text[name] = text
-        else:
-            self.deployed.discard(name)
-            self.deployed_text.pop(name, None)
+        unsigned = self.view.on_pipeline(name, msg.payload, self.gate.trust)
+        if unsigned:  # kept as if never written: neither deployed nor a newer generation
+            self.counters["refused_signatures"] = self.counters.get("refused_signatures", 0) + 1
+            log.warning("pipeline record %s refused: %s", name, unsigned, extra={"node": self.node})
+            return
         self._drop_stale(name, now)
 
     def _on_site_manager_record(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
@@ -1223,13 +1164,13 @@ class Agent:
         within a period of the records being in."""
         if not self._retained_in:
             return
-        payload = self.site_leases.statement(self.online, self.wall())
+        payload = self.site_leases.statement(self.view.online, self.wall())
         if payload is not None:
             self._publish(topics.site_manager(self.cluster, self.node), payload, retain=True)
             self._keep(FOLLOWED_FILE, {"follows": self.site_leases.stated}, "the leader followed")
 
     def _on_latency_row(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
-        self.latency[str(parsed.node)] = nodestate.parse_latency(msg.payload)
+        self.view.on_latency(str(parsed.node), msg.payload)
 
     def _on_probe(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
         if parsed.node != self.node or self.latency_core is None:
@@ -1274,15 +1215,15 @@ class Agent:
 
     def _peer_facts(self) -> PeerFacts:
         """What the peer checks read of our fleet view (agent.node.gate)."""
-        return PeerFacts(self.online, self.hosted_by_node, self.records, self.deployed, self.deployed_text,
+        return PeerFacts(self.view.online, self.view.hosted_by_node, self.view.records, self.view.deployed, self.view.deployed_text,
                          self.hostmap, self.site_leases)
 
     def _site_tick(self) -> None:
         """Run the site manager's period (agent.node.site_driver) and carry out its effects."""
         assert self.site is not None
-        docs = {n: d for n, d in self.fleet.items() if n != self.node}
+        docs = {n: d for n, d in self.view.fleet.items() if n != self.node}
         docs[self.node] = self.state_doc()
-        online = dict(self.online)  # every node's status: the election's claims too, not only the states'
+        online = dict(self.view.online)  # every node's status: the election's claims too, not only the states'
         online[self.node] = True
         now = self.wall()
         for eff in self.site.tick(now, docs, online):
@@ -1396,7 +1337,7 @@ class Agent:
                 return
             data = body["spec"]
             if peer:  # the admin's text of the pipeline (Gate.peer_may_spawn), never the requester's
-                data = dict(data, pipeline_toml=self.deployed_text[str(data.get("pipeline"))])
+                data = dict(data, pipeline_toml=self.view.deployed_text[str(data.get("pipeline"))])
             try:
                 spec = self.gate.spec_from(self.wall(), data, template=None,
                                        requester=f"{'node' if peer else 'admin'} {requester}")
@@ -1487,7 +1428,7 @@ class Agent:
             return
         if result["ok"]:
             self.counters["spawned_remote"] += 1
-            self._placed[job.spec.instance] = (call.node, (job.spec.instance, job.spec.pipeline, job.spec.operator))
+            self.view.place(call.node, (job.spec.instance, job.spec.pipeline, job.spec.operator))
             job.reply(result)
         else:
             self._try_next(job, now, f"{call.node}: {result.get('error')}")
@@ -1664,7 +1605,7 @@ class Agent:
 
     def _listed_elsewhere(self) -> Set[str]:
         """Instance ids that another ONLINE node lists in its retained state."""
-        return rehoming.listed_elsewhere(self.node, self.fleet, self.online)
+        return rehoming.listed_elsewhere(self.node, self.view.fleet, self.view.online)
 
     def _grant_reconnects(self, now: float) -> None:
         """Let workers that lost their connection reconnect (re-homing on, see
@@ -1690,11 +1631,11 @@ class Agent:
         # The copy a re-home started is the one that stays: when two online nodes both ran an
         # instance while the broker was away (both reconnect), both saw the other list it and
         # both stopped theirs, so the identity ran nowhere (defect B, seed 11019).
-        others = [i for n, record in self.rehomed_by_node.items() if n != self.node for i in record]
+        others = [i for n, record in self.view.rehomed_by_node.items() if n != self.node for i in record]
         since = {i: hosted.since(self.cfg.agent.state_dir, i) for i in others}
         floors = {i: w.spec.extra.get("min_epoch") for i, w in self.supervisor.workers.items()}
-        elsewhere = ((self._listed_elsewhere() | rehoming.taken_over(self.node, self.rehomed_by_node, since))
-                     - rehoming.rehomed_here(self.node, floors, self.rehomed_by_node, self.online))
+        elsewhere = ((self._listed_elsewhere() | rehoming.taken_over(self.node, self.view.rehomed_by_node, since))
+                     - rehoming.rehomed_here(self.node, floors, self.view.rehomed_by_node, self.view.online))
         # Only workers that ran while we were away can have been re-homed. One started since this
         # connect was placed here by a createNode() that saw the fleet as it is (a drain's
         # hand-over, a re-home), while the retained state of the node it comes from may still
@@ -1722,7 +1663,7 @@ class Agent:
     def _replicate(self, now: float) -> None:
         """Copy the keyed saves of our workers to their standbys (agent.node.replicas): to online
         nodes that are not draining."""
-        eligible = [n for n, up in self.online.items() if up and not (self.fleet.get(n) or {}).get("draining")]
+        eligible = self.view.eligible_standbys()
         if self.replication.tick(now, eligible if self.connected else [], self._publish_replica, self._tell_replicated):
             self._hosted_dirty = True  # the hosted record names each standby
 
@@ -1762,7 +1703,7 @@ class Agent:
 
     def _publish_hosted(self) -> None:
         specs = [self._with_standby(request_spec(s)) for s in hosted.hosted(self.cfg.agent.state_dir)]
-        self.hosted_by_node[self.node] = specs
+        self.view.hosted_by_node[self.node] = specs
         self._hosts_dirty = True
         if self._publish(topics.agent_hosted(self.cluster, self.node), rehome.encode_hosted(specs), retain=True):
             self._hosted_dirty = False
@@ -1778,11 +1719,11 @@ class Agent:
         if self._hosts_dirty:
             self._hosts_dirty = False
             claims = {n: [(s["instance"], s["pipeline"], _generation_of(s)) for s in specs]
-                      for n, specs in self.hosted_by_node.items()}
-            moved = {n: moved_of(doc) for n, doc in self.fleet.items() if n != self.node}
+                      for n, specs in self.view.hosted_by_node.items()}
+            moved = {n: moved_of(doc) for n, doc in self.view.fleet.items() if n != self.node}
             moved[self.node] = self._moved_statements()
-            self.hostmap.update({i: w.spec.pipeline for i, w in workers.items()}, claims, self.online,
-                                self.rehomed_by_node, moved)
+            self.hostmap.update({i: w.spec.pipeline for i, w in workers.items()}, claims, self.view.online,
+                                self.view.rehomed_by_node, moved)
             self._near = self.hostmap.nodes_of({w.spec.pipeline for w in workers.values()})
             self._save_bindings()
         elif all(self._hosts_sent.get(i, (None,))[0] == w.pid for i, w in workers.items()):
@@ -1819,15 +1760,15 @@ class Agent:
         if (not self.connected or self._stopping_since is not None or not self.rehoming.offline_since
                 or self.cfg.agent.dead_after <= 0):
             return
-        online = {n for n, up in self.online.items() if up} | {self.node}
+        online = {n for n, up in self.view.online.items() if up} | {self.node}
         for node, since in self.rehoming.lost(now, self.cfg.agent.dead_after):
             if not rehome.responsible(self.node, online):
                 return
             wall = self.wall()  # one reading: the specs' floor and our record's time (rehoming.rehomed_here)
             listed = self._listed_elsewhere() | set(self.supervisor.workers) | set(self.rehoming.claims)
             local = {i: w.stats for i, w in self.supervisor.workers.items()}
-            fleet = (self.node, local, self.fleet, self.online)
-            plan = rehome.plan_rehome(node, self.hosted_by_node, online, listed, int(wall),
+            fleet = (self.node, local, self.view.fleet, self.view.online)
+            plan = rehome.plan_rehome(node, self.view.hosted_by_node, online, listed, int(wall),
                                       departing=rehoming.in_state(*fleet, ("departing", "terminated")),
                                       idle=rehoming.in_state(*fleet, ("idle",), lost=node),
                                       groups=rehoming.lost_groups(*fleet, node),
@@ -1835,7 +1776,7 @@ class Agent:
                                       expecting=rehoming.lost_moves(*fleet, node, "expecting"))
             self.rehoming.planned(node)
             if plan:
-                record = rehoming.with_plan(self.rehomed_by_node.setdefault(self.node, {}),
+                record = rehoming.with_plan(self.view.rehomed_by_node.setdefault(self.node, {}),
                                             [str(d["instance"]) for d in plan], wall)
                 self._publish(topics.agent_rehomed(self.cluster, self.node),
                               json.dumps(record, sort_keys=True).encode(), retain=True)
@@ -1846,11 +1787,11 @@ class Agent:
                         f", creators told of idle copies {told}" if told else "",
                         extra={"node": self.node})
             for data in plan:
-                stale = records.stale_reason(records.spec_generation(data), self.records.get(str(data.get("pipeline"))))
+                stale = records.stale_reason(records.spec_generation(data), self.view.records.get(str(data.get("pipeline"))))
                 if stale:  # an undeployed pipeline does not come back through a dead node's record
                     log.info("not re-homing %s: %s", data.get("instance"), stale, extra={"node": self.node})
                     continue
-                text = self.deployed_text.get(str(data.get("pipeline")))
+                text = self.view.deployed_text.get(str(data.get("pipeline")))
                 if text is not None:  # the admin's text, not the one the dead node's record carries
                     data = dict(data, pipeline_toml=text)
                 try:  # the hosted record is bus input: admitted like a spawn request
@@ -1883,10 +1824,10 @@ class Agent:
             return
         listed = self._listed_elsewhere() | set(self.supervisor.workers) | set(self.rehoming.claims)
         settle = READOPT_SETTLE + 2 * self.cfg.agent.state_period
-        for node, spec in self.rehoming.retries(now, listed, self.online, settle):
+        for node, spec in self.rehoming.retries(now, listed, self.view.online, settle):
             wall = self.wall()
             floor = max(int(spec.extra.get("min_epoch", 0) or 0), int(wall))
-            record = self.rehomed_by_node.setdefault(self.node, {})
+            record = self.view.rehomed_by_node.setdefault(self.node, {})
             record[spec.instance] = float(floor)
             self._publish(topics.agent_rehomed(self.cluster, self.node),
                           json.dumps(record, sort_keys=True).encode(), retain=True)
@@ -1897,7 +1838,7 @@ class Agent:
     def _rehome_failed(self, node: str, spec: InstanceSpec) -> None:
         """Try the instance again later (rehoming.Rehoming.failed); our re-homed record no longer
         claims it."""
-        record = self.rehomed_by_node.get(self.node, {})
+        record = self.view.rehomed_by_node.get(self.node, {})
         if self.rehoming.failed(node, spec, record) and self.connected:
             self._publish(topics.agent_rehomed(self.cluster, self.node),
                           json.dumps(record, sort_keys=True).encode(), retain=True)
@@ -1906,7 +1847,7 @@ class Agent:
         """The record of `pipeline` changed: every instance of it that the record now rules out
         (a tombstone, another deploy's generation: records.stale_reason) is forgotten and, if it
         runs, stopped. This is how an agent that was away during an undeploy learns it."""
-        record = self.records.get(pipeline)
+        record = self.view.records.get(pipeline)
         for spec in hosted.hosted(self.cfg.agent.state_dir):
             why = spec.pipeline == pipeline and records.stale_reason(records.spec_generation(spec), record)
             if why and spec.instance not in self.supervisor:
@@ -1966,7 +1907,7 @@ class Agent:
         for spec in self._to_readopt:
             if spec.instance in self.supervisor or spec.instance not in present:
                 continue
-            stale = records.stale_reason(records.spec_generation(spec), self.records.get(spec.pipeline))
+            stale = records.stale_reason(records.spec_generation(spec), self.view.records.get(spec.pipeline))
             if stale:
                 log.warning("not re-adopted: %s (stored spec forgotten)", stale, extra={"instance": spec.instance})
                 self._forget(spec.instance)
