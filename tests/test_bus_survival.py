@@ -160,7 +160,7 @@ def _replies(agent: Any) -> List[Tuple[str, Dict[str, Any], Any]]:
 def _fingerprint(agent: Any) -> Any:
     return (json.dumps(agent.view.fleet, sort_keys=True), json.dumps(agent.view.hosted_by_node, sort_keys=True),
             json.dumps(agent.view.rehomed_by_node, sort_keys=True), dict(agent.view.online), json.dumps(agent.view.latency),
-            sorted(agent.supervisor.workers), sorted(agent.view.deployed), agent.draining)
+            sorted(agent.supervisor.workers), sorted(agent.view.deployed), agent.drain.draining)
 
 
 def test_a_reply_goes_to_the_requesters_namespace_not_the_response_topic_it_names(agent: Any) -> None:
@@ -254,7 +254,7 @@ def test_the_peer_topic_takes_only_spawns_of_pipelines_an_admin_deployed(
     replies = _replies(agent)
     assert len(replies) == 5 and all(t == topics.replies("c", "n2", "me") for t, _, _ in replies)
     assert all(not b["ok"] and b["error"].startswith("refused") for _, b, _ in replies)
-    assert agent.counters["peer_refused"] == 5 and not agent.draining and len(agent.supervisor) == 0
+    assert agent.counters["peer_refused"] == 5 and not agent.drain.draining and len(agent.supervisor) == 0
     assert sum("from node n2" in r.getMessage() for r in caplog.records) == 5  # the requester, named
     # n2's retained hosted record listing an instance of p proves nothing (n2 writes it itself):
     # its spawn is refused by the peer rule all the same

@@ -264,6 +264,7 @@ SANS_IO = {
     "agent.node.restarts": NODE_CORE,
     "agent.node.rehoming": NETWORK | {"os", "time", "threading", "random"},
     "agent.node.fleetview": NODE_CORE,
+    "agent.node.drain": NETWORK | {"os", "time", "threading", "random"},
 }
 
 

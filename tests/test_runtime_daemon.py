@@ -754,7 +754,7 @@ def test_a_keeper_stopped_for_a_drain_moves_with_its_state_or_restarts_here(tmp_
     agent = Agent(load_agent_config(conf), warm_worker=False)
     started: List[InstanceSpec] = []
     agent.supervisor.start = lambda spec, now: started.append(spec)  # type: ignore[assignment]
-    agent.draining = True
+    agent.drain.draining = True
     state_dir = tmp_path / "state"
     spec = InstanceSpec("p.work.0", "work", "me", "c", "p", PIPELINE, BrokerSpec("h", 1), keeper=True,
                         state_dir=str(state_dir), extra={"sink_dir": str(tmp_path / "sink")})
@@ -766,7 +766,7 @@ def test_a_keeper_stopped_for_a_drain_moves_with_its_state_or_restarts_here(tmp_
         proc.wait()
         w = Worker(spec=spec, proc=proc, started_at=1.0, stop_sent_at=2.0,
                    exit_event={"event": "exit", "code": 0, "final": False})
-        agent._handing_over.add("p.work.0")
+        agent.drain.handing_over.add("p.work.0")
         return w
 
     asked: List[Any] = []

@@ -107,12 +107,12 @@ def test_a_drain_queued_while_the_agent_was_away_waits_for_the_retained_lease(tm
     drain = rpc.encode({"op": "drain", "node": "n1"})
     c.deliver(topics.agent_peer("c", "n1", "n9"), drain)  # queued while n1 was away
     c.deliver(topics.agent_peer("c", "n1", "n7"), drain)
-    assert replies_to("n9") == [] and not c.agent.draining, "checked before the retained lease could arrive"
+    assert replies_to("n9") == [] and not c.agent.drain.draining, "checked before the retained lease could arrive"
     lease = {"v": 1, "node": "n9", "until": c.agent.wall() + 30.0}
     c.deliver(topics.agent_status("c", "n9"), b"online", True)
     c.deliver(topics.site_manager("c", "n9"), json.dumps(lease).encode(), True)
     c.deliver(topics.replies("c", "n1", "n1"), c.marker)
-    assert [r["ok"] for r in replies_to("n9")] == [True] and c.agent.draining, replies_to("n9")
+    assert [r["ok"] for r in replies_to("n9")] == [True] and c.agent.drain.draining, replies_to("n9")
     assert [r["ok"] for r in replies_to("n7")] == [False] and "not the site manager" in replies_to("n7")[0]["error"]
 
 
@@ -143,7 +143,7 @@ def test_a_held_request_that_fails_strands_none_behind_it(tmp_path) -> None:
     c.deliver(topics.site_manager("c", "n9"), json.dumps(lease).encode(), True)
     c.agent._on_message_safely(message(topics.replies("c", "n1", "n1"), c.marker), c.agent.clock())
     assert calls == ["n9", "n9"] and c.agent.counters["bad_messages"] == 1
-    assert [json.loads(p)["ok"] for p in c.on(topics.replies("c", "n9", "n1"))] == [True] and c.agent.draining
+    assert [json.loads(p)["ok"] for p in c.on(topics.replies("c", "n9", "n1"))] == [True] and c.agent.drain.draining
 
 
 def test_a_leader_that_lost_its_connection_or_restarted_clears_its_claim_for_the_new_leader() -> None:

@@ -66,6 +66,7 @@ from agent.node.restarts import RESTART_WINDOW, Restarts
 from agent.node import rehoming
 from agent.node.rehoming import Rehoming
 from agent.node.fleetview import FleetView
+from agent.node.drain import COPIES_FIRST_WAIT, Drain
 from agent.node.hostmap import MAX_MOVED, HostMap, moved_of
 from agent.control import records
 from agent.node.placement import (
@@ -97,9 +98,6 @@ SHUTDOWN_SLACK = 3.0  # seconds beyond shutdown_timeout for reaping, "offline" a
 SESSION_EXPIRY = 3600  # seconds the broker keeps our session (subscriptions, queued requests)
 SESSION = mqttc.Session(persistent=True, expiry=SESSION_EXPIRY)
 RPC_TIMEOUT = 30.0  # seconds to wait for a remote agent to start an instance and see it ready
-# The keepers of a drain stop once the keyed copies it terminates have handed their groups on and
-# exited (`_on_steering`), or after this long at most.
-COPIES_FIRST_WAIT = 30.0
 # Peer requests held until the retained records are in (`_held_peer`): beyond this many, one is
 # checked at once, as before (bounded memory; a refused requester places elsewhere or retries).
 HELD_PEER_MAX = 256
@@ -208,10 +206,7 @@ class Agent:
         self._calls = rpc.PendingCalls()  # remote starts
         self._seen_requests = rpc.SeenRequests()  # admin requests handled: a redelivery is not applied again
         self.restarts = Restarts()  # crashed workers to start again here, and their backoff
-        self._handing_over: Set[str] = set()  # keepers asked to stop on a drain, to start elsewhere
-        # keepers of a drain not stopped yet -> (the keyed copies still leaving, when to stop anyway)
-        self._copies_first: Dict[str, Tuple[Set[str], float]] = {}
-        self._handovers: Set[str] = set()  # stopped keepers whose start elsewhere is not answered yet
+        self.drain = Drain()  # fogctl drain: no new instances, keepers moving (agent.node.drain)
         self.staging = statexfer.Staging()  # keyed states arriving with a hand-over, by (node, instance)
         self._salvaged_at = -1e9  # AgentSpill.salvage_orphans, every SALVAGE_PERIOD
         # keyed states copied to a standby node, both roles (agent.node.replicas)
@@ -264,7 +259,6 @@ class Agent:
         # fogctl scale pins (agent.node.pins), kept in the state directory
         self.pins = Pins(_load_pins(Path(cfg.agent.state_dir)))
         self._client: Any = None
-        self.draining = False  # fogctl drain: refuse new instances (free_slots() = 0)
         # The site manager (docs/site-manager.md): every agent reads the nodes' claims, each on its
         # own topic, and derives the leader (a drain on the peer topic is accepted from the leader
         # only); [site_manager] enabled runs a candidate, which shares this board.
@@ -513,7 +507,7 @@ class Agent:
     def _periodic(self, now: float) -> None:
         for reaped in self.supervisor.poll(now):
             self._on_reaped(reaped, now)
-        if self._copies_first:
+        if self.drain.copies_first:
             self._release_keeper(now)
         if (self._reconcile_at is not None and now >= self._reconcile_at and self._retained_in
                 and self._stopping_since is None):
@@ -630,13 +624,13 @@ class Agent:
                     item["generation"] = gen
                 if self.pins.flagged(w.instance):
                     item["pinned"] = True
-        if self.draining:  # fogctl status flags the node (docs/fogctl.md, "Payloads")
+        if self.drain.draining:  # fogctl status flags the node (docs/fogctl.md, "Payloads")
             doc["draining"] = True
-        if self._handovers:
+        if self.drain.moving:
             # Keepers stopped here whose start elsewhere is not answered yet: this node is not
             # empty (the site manager releases it, maybe powers it off, only once it is): a
             # failed start restarts the keeper here, and a keyed one's state is only here.
-            doc["handing_over"] = sorted(self._handovers)
+            doc["handing_over"] = sorted(self.drain.moving)
         if self.pins:
             doc["pins"] = self.pins.listed()
         moved = self._moved_statements()
@@ -748,7 +742,7 @@ class Agent:
         return sum(max(0, v.slots) for v in self.fleet_views() if v.online)
 
     def free_slots(self) -> int:
-        if self.draining:
+        if self.drain.draining:
             return 0  # `fogctl drain`: no new instance until `undrain`
         return max(0, self.cfg.agent.slots - len(self.supervisor))
 
@@ -789,17 +783,10 @@ class Agent:
                 if why:
                     return Reply(False, {}, f"{a.instance} cannot move: {why}").to_dict()
         if isinstance(req, DrainRequest):
-            self.draining = not req.undo
+            self.drain.set(not req.undo)  # an undrain: the keepers not stopped yet stay
             self._state_dirty = True
-            if req.undo:  # the keepers not stopped yet stay
-                self._handing_over.difference_update(self._copies_first)
-                self._copies_first.clear()
         sent: List[str] = []
-        # Keyed copies leave first: a keeper stopped while their groups come to it would leave with
-        # those groups on their way and the records held for them unsaved; its new incarnation
-        # would install a group and fire the group's windows by a watermark its other groups had
-        # moved on, before the replays of the held records came. The other keepers (the
-        # predecessors whose end-of-stream markers those moves need) wait too.
+        # Keyed copies leave first, the keepers wait for them (agent.node.drain).
         copies = {a.instance for a in actions if a.kind is ActionKind.TERMINATE and self._keeps_keyed_state(a.instance)}
         for a in actions:
             if a.kind is ActionKind.HANDOVER:
@@ -808,10 +795,7 @@ class Agent:
                 # happens when it has exited.
                 if a.instance not in self.supervisor:
                     return Reply(False, {"leaving": sent}, f"instance {a.instance} on {self.node} is not running").to_dict()
-                self._handing_over.add(a.instance)
-                if copies:
-                    self._copies_first[a.instance] = (set(copies), now + COPIES_FIRST_WAIT)
-                else:
+                if self.drain.hand_over(a.instance, copies, now):
                     self.supervisor.stop(a.instance, now)
                 sent.append(a.instance)
                 continue
@@ -833,16 +817,11 @@ class Agent:
     def _release_keeper(self, now: float, left: Optional[str] = None) -> None:
         """Stop each keeper of a drain that waits for keyed copies (`_on_steering`) once they have
         all left (`left` just exited) or its wait is over."""
-        for keeper, (copies, until) in list(self._copies_first.items()):
-            if left is not None:
-                copies.discard(left)
-            if copies and now < until:
-                continue
-            del self._copies_first[keeper]
+        for keeper, copies in self.drain.release(now, left):
             if copies:
                 log.warning("copies %s still leaving after %.0f s: %s moves now", sorted(copies), COPIES_FIRST_WAIT,
                             keeper, extra={"node": self.node})
-            if keeper in self.supervisor and keeper in self._handing_over:
+            if keeper in self.supervisor and self.drain.stops(keeper):
                 self.supervisor.stop(keeper, now)
 
     # -- createNode() --------------------------------------------------------------------------
@@ -1461,10 +1440,8 @@ class Agent:
         said_final = bool((w.exit_event or {}).get("final"))
         cause = "shutdown" if self._stopping_since is not None else ("scale_in" if reaped.clean or said_final else "crash")
         final = said_final or reaped.returncode == WORKER_EXIT_BAD_SPEC
-        handover = w.instance in self._handing_over and not final and self._stopping_since is None
-        self._handing_over.discard(w.instance)
-        self._copies_first.pop(w.instance, None)  # a keeper that exited while its copies left
-        if self._copies_first:
+        handover = self.drain.exited(w.instance) and not final and self._stopping_since is None
+        if self.drain.copies_first:
             self._release_keeper(now, left=w.instance)
         fenced = w.instance in self._fenced
         self._fenced.discard(w.instance)
@@ -1538,7 +1515,7 @@ class Agent:
         spec = dataclasses.replace(w.spec, restart=True, active=True, keeper=keeper, extra=extra)
 
         def reply(result: Dict[str, Any]) -> None:
-            self._handovers.discard(inst)
+            self.drain.moving.discard(inst)
             self._state_dirty = True
             if result.get("ok") and result.get("node") != self.node:
                 log.info("handed over to %s (same identity)", result.get("node"), extra={"instance": inst})
@@ -1559,7 +1536,7 @@ class Agent:
                  (extra["handover_state"] or {}).get("epoch"),
                  f", keyed state of {len(keyed)} bytes in {len(chunks)} chunks" if keyed is not None else "",
                  extra={"instance": inst})
-        self._handovers.add(inst)
+        self.drain.moving.add(inst)
         self._create_node(spec, reply, cause="handover", now=now, chunks=chunks)
 
     def _maybe_restart(self, w: Worker, now: float) -> None:

@@ -1239,13 +1239,13 @@ type("M", (), {"topic": topic, "payload": raw, "retain": True, "properties": Non
     def _knowledge(self) -> Any:
         a = self.agent
         return fingerprint((a.view.fleet, a.view.online, a.view.hosted_by_node, a.view.rehomed_by_node, a.view.latency, a.view.deployed,
-                            a.draining, a.rehoming.offline_since, a.view.reserved, sorted(a._calls.calls)))
+                            a.drain.draining, a.rehoming.offline_since, a.view.reserved, sorted(a._calls.calls)))
 
     def _restore(self) -> None:
         a, (fleet, online, hosted, rehomed, latency, deployed) = self.agent, self._saved
         a.view.fleet, a.view.online, a.view.hosted_by_node, a.view.rehomed_by_node = copy.deepcopy(fleet), dict(online), \
             copy.deepcopy(hosted), copy.deepcopy(rehomed)
-        a.view.latency, a.view.deployed, a.draining = copy.deepcopy(latency), set(deployed), False
+        a.view.latency, a.view.deployed, a.drain.draining = copy.deepcopy(latency), set(deployed), False
         a.rehoming.offline_since.clear()
         a.view.reserved.clear()
         a._held_peer.clear()
