@@ -25,11 +25,13 @@ What it does:
   shutdown_timeout/2, SIGKILL after shutdown_timeout, then "offline" and exit. Bound: the process
   exits within shutdown_timeout + SHUTDOWN_SLACK seconds of the signal.
 
-Why one large module: every handler here reads and writes the state that the one loop
-owns (the workers, the fleet view, the pending calls, the records and pins); the decisions that
-need no such state are already pure modules beside it (placement, rehome, hostmap, bounds,
-site_manager, hosted, nodestate). Splitting the handlers across files would pass that state around
-without making any of it testable on its own.
+The shell and its cores: this module is the shell (the loop, the MQTT session, the workers'
+processes, the files, the log lines and events); the decisions that hold state of their own are
+sans-IO parts beside it, each given what it reads and the time as arguments, none holding a
+reference to the Agent: who may ask for what (agent.node.gate), the fleet view from the retained
+records (fleetview), the pins (pins), crash restarts and their backoff (restarts), re-homing's
+decisions (rehoming, with rehome's plan of one lost node), the drain (drain); and the stateless
+ones: placement, bounds, hostmap, site_manager, hosted, nodestate.
 """
 
 from __future__ import annotations
