@@ -15,7 +15,7 @@ the end of that turn, they start again together as one process.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 from agent.instance.spec import InstanceSpec
 from agent.node import chains
