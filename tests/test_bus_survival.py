@@ -20,6 +20,7 @@ from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
+from agent.node.loopevents import MqttMessage
 from agent_process import ONLINE_BOUND, AgentProcess
 
 from agent import identity, topics
@@ -323,11 +324,11 @@ def test_an_unforeseen_failure_in_a_handler_is_one_log_line_not_the_end_of_the_l
 
     monkeypatch.setattr(nodestate, "parse_latency", boom)
     caplog.set_level(logging.WARNING)
-    agent._dispatch(("mqtt_message", _msg(topics.latency("c", "n7"), b"{}", retain=True)), 0.0)
+    agent._dispatch(MqttMessage(_msg(topics.latency("c", "n7"), b"{}", retain=True)), 0.0)
     assert agent.counters["bad_messages"] == 1
     (line,) = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
     assert topics.latency("c", "n7") in line and "from n7" in line and "RuntimeError" in line
-    agent._dispatch(("mqtt_message", _msg(topics.agent_rpc("c", "me", "adm"), b'{"op": "ping"}')), 0.0)
+    agent._dispatch(MqttMessage(_msg(topics.agent_rpc("c", "me", "adm"), b'{"op": "ping"}')), 0.0)
     assert _replies(agent)[0][1]["ok"]  # the next message is handled
 
 

@@ -265,6 +265,7 @@ SANS_IO = {
     "agent.node.rehoming": NETWORK | {"os", "time", "threading", "random"},
     "agent.node.fleetview": NODE_CORE,
     "agent.node.drain": NETWORK | {"os", "time", "threading", "random"},
+    "agent.node.loopevents": NETWORK | {"os", "time", "threading", "random"},
 }
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import pytest
+from agent.node.loopevents import WorkerEof, WorkerLine
 from agent_process import ONLINE_BOUND
 from pipelines import with_work
 
@@ -206,12 +207,12 @@ class Loop:
         while time.monotonic() < deadline:
             try:
                 ev = self.q.get(timeout=0.05)
-                if ev[0] == "worker_line":
-                    msg = self.sup.handle_line(ev[1], ev[2], time.monotonic())
+                if isinstance(ev, WorkerLine):
+                    msg = self.sup.handle_line(ev.instance, ev.line, time.monotonic())
                     if msg:
                         self.msgs.append(msg)
-                elif ev[0] == "worker_eof":
-                    self.sup.handle_eof(ev[1])
+                elif isinstance(ev, WorkerEof):
+                    self.sup.handle_eof(ev.instance)
             except queue.Empty:
                 pass
             self.reaped.extend(self.sup.poll(time.monotonic()))

@@ -3,7 +3,9 @@
 Rules of this file (gunicorn's arbiter habit): ONE thread owns all state and does all publishing,
 the main loop. Everything else only enqueues into `self._events` (a `queue.SimpleQueue`, whose
 `put` is reentrant and therefore safe from a signal handler): paho's network thread (connect,
-message), one stdout reader thread per worker, and the signal handlers. The loop wakes at least
+message), one stdout reader thread per worker, and the signal handlers; each enqueues a typed
+event (agent.node.loopevents), which the loop hands to its handler through one table (`_LOOP`);
+a message goes on by its topic's kind through another (`_HANDLERS`). The loop wakes at least
 every `TICK` seconds to reap workers, expire calls and publish state.
 
 What it does:
@@ -69,6 +71,7 @@ from agent.node import rehoming
 from agent.node.rehoming import Rehoming
 from agent.node.fleetview import FleetView
 from agent.node.drain import COPIES_FIRST_WAIT, Drain
+from agent.node import loopevents
 from agent.node.hostmap import MAX_MOVED, HostMap, moved_of
 from agent.control import records
 from agent.node.placement import (
@@ -165,7 +168,7 @@ class Agent:
         self.wall = wall
         self.sample_machine = sample_machine
         self.connect_timeout = connect_timeout
-        self._events: "queue.SimpleQueue[Tuple[Any, ...]]" = queue.SimpleQueue()
+        self._events: "queue.SimpleQueue[loopevents.LoopEvent]" = queue.SimpleQueue()
         # What a spec may name here (docs/security.md, "No code from the bus"): fixed at start.
         allowed = admission.AllowList.for_node(cfg.operators.modules)
         # Who may say which pipelines run here (docs/security.md, "Signed pipeline specs"):
@@ -296,16 +299,17 @@ class Agent:
                               will=mqttc.Will(topics.agent_status(self.cluster, self.node), b"offline"))
         # Callbacks only enqueue (the loop owns the state).
         c.on_connect = lambda cl, ud, flags, reason, props=None: self._events.put(
-            ("mqtt_connect", not reason.is_failure, str(reason), bool(getattr(flags, "session_present", False)))
+            loopevents.Connected(not reason.is_failure, str(reason), bool(getattr(flags, "session_present", False)))
         )
-        c.on_disconnect = lambda cl, ud, flags, reason, props=None: self._events.put(("mqtt_disconnect", str(reason)))
-        # A failed (re)connect that paho retries by itself -> "mqtt_connect_fail"; paho reports a
+        c.on_disconnect = lambda cl, ud, flags, reason, props=None: self._events.put(
+            loopevents.Disconnected(str(reason)))
+        # A failed (re)connect that paho retries by itself -> ConnectFailed; paho reports a
         # lost connection without its cause (a TLS alert from the broker rejecting our
         # certificate reads as "Unspecified error"): the cause is in its error log line.
-        mqttc.FailureLog.watch(c, lambda why: self._events.put(("mqtt_connect_fail", why)),
-                               lambda why: self._events.put(("mqtt_error", why)))
-        c.on_message = lambda cl, ud, msg: self._events.put(("mqtt_message", msg))
-        c.on_publish = lambda cl, ud, mid, reason=None, props=None: self._events.put(("mqtt_puback", mid))
+        mqttc.FailureLog.watch(c, lambda why: self._events.put(loopevents.ConnectFailed(why)),
+                               lambda why: self._events.put(loopevents.PahoError(why)))
+        c.on_message = lambda cl, ud, msg: self._events.put(loopevents.MqttMessage(msg))
+        c.on_publish = lambda cl, ud, mid, reason=None, props=None: self._events.put(loopevents.Puback(mid))
         mqttc.connect(c, self.broker, SESSION, blocking=False)
         return c
 
@@ -367,14 +371,14 @@ class Agent:
 
     def request_stop(self, signum: int = signal.SIGTERM) -> None:
         """Ask the loop to shut down (safe from a signal handler or another thread)."""
-        self._events.put(("signal", signum))
+        self._events.put(loopevents.Signalled(signum))
 
     def install_signal_handlers(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda signum, frame: self._events.put(("signal", signum)))
+            signal.signal(sig, lambda signum, frame: self._events.put(loopevents.Signalled(signum)))
         # SIGHUP (systemctl reload) re-reads what can change in place; its default action would
         # kill the daemon without a drain (docs/operations.md, "Reload").
-        signal.signal(signal.SIGHUP, lambda signum, frame: self._events.put(("reload", signum)))
+        signal.signal(signal.SIGHUP, lambda signum, frame: self._events.put(loopevents.Reload(signum)))
 
     def _start_metrics(self) -> None:
         """`[metrics].port` != 0: serve /metrics (prometheus_client multiprocess mode, files under
@@ -429,12 +433,12 @@ class Agent:
 
     def _step(self) -> None:
         try:
-            ev = self._events.get(timeout=TICK)
+            event: Optional[loopevents.LoopEvent] = self._events.get(timeout=TICK)
         except queue.Empty:
-            ev = None
+            event = None
         now = self.clock()
-        if ev is not None:
-            self._dispatch(ev, now)
+        if event is not None:
+            self._dispatch(event, now)
             # drain what else is queued before the periodic work (bounded, to stay responsive)
             for _ in range(200):
                 try:
@@ -443,41 +447,59 @@ class Agent:
                     break
         self._periodic(self.clock())
 
-    def _dispatch(self, ev: Tuple[Any, ...], now: float) -> None:
-        kind = ev[0]
-        if kind == "mqtt_message":
-            self._on_message_safely(ev[1], now)
-        elif kind == "worker_line":
-            self._on_worker_line(ev[1], ev[2], now)
-        elif kind == "worker_eof":
-            self.supervisor.handle_eof(ev[1])  # its lines are handled: poll() may reap it
-        elif kind == "mqtt_puback":
-            self._last_puback = now
-            if self.replication.waits_for(ev[1]):
-                self.replication.published(ev[1], now, self._publish_replica)
-        elif kind == "mqtt_connect":
-            if ev[1]:
-                self._paho_error = None
-                self._connect_log.connected()
-                self._on_connected(ev[3])
-            else:
-                self._connection_problem(f"the broker refused the connection: {ev[2]}")
-        elif kind == "mqtt_connect_fail":
-            self._connection_problem(ev[1])
-        elif kind == "mqtt_error":
-            self._paho_error = ev[1]  # already mqttc.paho_error()'d by FailureLog.watch
-        elif kind == "mqtt_disconnect":
-            reason = self._paho_error or ev[1]  # the cause rather than "Unspecified error"
+    def _dispatch(self, event: loopevents.LoopEvent, now: float) -> None:
+        """Hand one event of the queue to the handler of its type (`_LOOP`)."""
+        self._LOOP[type(event)](self, event, now)
+
+    def _on_mqtt_message(self, event: loopevents.MqttMessage, now: float) -> None:
+        self._on_message_safely(event.msg, now)
+
+    def _on_worker_line_event(self, event: loopevents.WorkerLine, now: float) -> None:
+        self._on_worker_line(event.instance, event.line, now)
+
+    def _on_worker_eof(self, event: loopevents.WorkerEof, now: float) -> None:
+        self.supervisor.handle_eof(event.instance)  # its lines are handled: poll() may reap it
+
+    def _on_puback(self, event: loopevents.Puback, now: float) -> None:
+        self._last_puback = now
+        if self.replication.waits_for(event.mid):
+            self.replication.published(event.mid, now, self._publish_replica)
+
+    def _on_connack(self, event: loopevents.Connected, now: float) -> None:
+        if event.ok:
             self._paho_error = None
-            if self.connected:
-                self.connected = False
-                log.warning("disconnected from broker: %s", reason, extra={"node": self.node})
-            else:
-                self._connection_problem(f"connection closed before CONNACK: {reason}")
-        elif kind == "signal":
-            self._begin_shutdown(now, f"signal {signal.Signals(ev[1]).name}")
-        elif kind == "reload":
-            self._reload()
+            self._connect_log.connected()
+            self._on_connected(event.session_present)
+        else:
+            self._connection_problem(f"the broker refused the connection: {event.reason}")
+
+    def _on_connect_failed(self, event: loopevents.ConnectFailed, now: float) -> None:
+        self._connection_problem(event.why)
+
+    def _on_paho_error(self, event: loopevents.PahoError, now: float) -> None:
+        self._paho_error = event.why  # already mqttc.paho_error()'d by FailureLog.watch
+
+    def _on_disconnected(self, event: loopevents.Disconnected, now: float) -> None:
+        reason = self._paho_error or event.reason  # the cause rather than "Unspecified error"
+        self._paho_error = None
+        if self.connected:
+            self.connected = False
+            log.warning("disconnected from broker: %s", reason, extra={"node": self.node})
+        else:
+            self._connection_problem(f"connection closed before CONNACK: {reason}")
+
+    def _on_signal(self, event: loopevents.Signalled, now: float) -> None:
+        self._begin_shutdown(now, f"signal {signal.Signals(event.signum).name}")
+
+    def _on_reload(self, event: loopevents.Reload, now: float) -> None:
+        self._reload()
+
+    _LOOP: Dict[type, Callable[["Agent", Any, float], None]] = {
+        loopevents.MqttMessage: _on_mqtt_message, loopevents.WorkerLine: _on_worker_line_event,
+        loopevents.WorkerEof: _on_worker_eof, loopevents.Puback: _on_puback, loopevents.Connected: _on_connack,
+        loopevents.ConnectFailed: _on_connect_failed, loopevents.PahoError: _on_paho_error,
+        loopevents.Disconnected: _on_disconnected, loopevents.Signalled: _on_signal, loopevents.Reload: _on_reload,
+    }
 
     def _reload(self) -> None:
         """SIGHUP: re-read the config file and apply its [log] level, the one setting that changes
