@@ -266,6 +266,7 @@ SANS_IO = {
     "agent.node.fleetview": NODE_CORE,
     "agent.node.drain": NETWORK | {"os", "time", "threading", "random"},
     "agent.node.loopevents": NETWORK | {"os", "time", "threading", "random"},
+    "agent.node.hostsync": NETWORK | {"os", "time", "threading", "random"},
 }
 
 

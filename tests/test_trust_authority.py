@@ -384,7 +384,7 @@ def test_the_rehomers_statements_are_kept_over_its_restart(tmp_path: Path) -> No
     a = _agent(tmp_path, "c")
     a._stated_move("w", "d")
     again = _agent(tmp_path, "c")
-    assert again._moved_statements() == {"w": "d"}
+    assert again.hosts.moved_statements(again.supervisor) == {"w": "d"}
     assert again.state_doc().get("moved") == {"w": "d"}
 
 
@@ -489,7 +489,7 @@ def test_the_agent_keeps_its_bindings_and_the_leader_it_follows_in_its_state_dir
     _claim(agent, "n2", "n2", now + 15.0)
     _records_in(agent)
     assert agent.site_leases.held == "n2"
-    agent.hostmap.update({}, {"r": [("w", "p", "g1")]}, agent.view.online)
+    agent.hosts.hostmap.update({}, {"r": [("w", "p", "g1")]}, agent.view.online)
     agent._save_bindings()
 
     again = _agent(tmp_path)
@@ -500,8 +500,8 @@ def test_the_agent_keeps_its_bindings_and_the_leader_it_follows_in_its_state_dir
     _claim(again, "n2", "n2", now + 15.0)
     _records_in(again)
     assert _drain_from(again, "n3")["ok"] is False and not again.drain.draining
-    again.hostmap.update({}, {"r": [("w", "p", "g1")], "n3": [("w", "p", "g1")]}, again.view.online)
-    assert again.hostmap.bound("w") == "r"
+    again.hosts.hostmap.update({}, {"r": [("w", "p", "g1")], "n3": [("w", "p", "g1")]}, again.view.online)
+    assert again.hosts.hostmap.bound("w") == "r"
     assert _drain_from(again, "n2")["ok"] is True and again.drain.draining
 
 
@@ -514,7 +514,7 @@ def test_a_peer_spawn_of_an_instance_running_on_another_online_node_is_refused(t
     _deliver(agent, topics.agent_hosted("c", "r"), [dict(_spawn_spec("taxi", SAFE, instance="source-0"),
                                                          node="r", cluster="c")], True)
     agent._sync_hosts()
-    assert agent.hostmap.bound("source-0") == "r"
+    assert agent.hosts.hostmap.bound("source-0") == "r"
     r = _peer_spawn(agent, "n3", _spawn_spec("taxi", SAFE, instance="source-0"))
     assert r.get("ok") is False and "runs on r (online)" in r["error"], r
     assert agent.started == []

@@ -32,8 +32,9 @@ processes, the files, the log lines and events); the decisions that hold state o
 sans-IO parts beside it, each given what it reads and the time as arguments, none holding a
 reference to the Agent: who may ask for what (agent.node.gate), the fleet view from the retained
 records (fleetview), the pins (pins), crash restarts and their backoff (restarts), re-homing's
-decisions (rehoming, with rehome's plan of one lost node), the drain (drain); and the stateless
-ones: placement, bounds, hostmap, site_manager, hosted, nodestate.
+decisions (rehoming, with rehome's plan of one lost node), the drain (drain), the host tables
+sent to the workers and our "moved" statements (hostsync); and the stateless ones: placement,
+bounds, hostmap, site_manager, hosted, nodestate.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ from agent.node.rehoming import Rehoming
 from agent.node.fleetview import FleetView
 from agent.node.drain import COPIES_FIRST_WAIT, Drain
 from agent.node import loopevents
-from agent.node.hostmap import MAX_MOVED, HostMap, moved_of
+from agent.node.hostmap import MAX_MOVED
+from agent.node.hostsync import HostSync
 from agent.control import records
 from agent.node.placement import (
     DEFAULT_POLICY,
@@ -218,21 +220,11 @@ class Agent:
         self.replication = replicas.Replication(self.node, Path(self.cfg.agent.state_dir))
         self.rehoming = Rehoming(self.node)  # offline times, planned nodes, claims, retries
         self._hosted_dirty = True
-        # Where this node moved instances to (hand-overs, re-homes), newest last: stated in our
-        # retained state record, which only we may write, so that no other node can take their
-        # bindings while they move (agent.node.hostmap, `moved`). Kept in the state directory: a
-        # statement is the only proof of a re-homed binding, and a re-homer that restarted and
-        # forgot it would leave its instance's new node unproven (no new epoch) for good.
-        self._moved_to: Dict[str, str] = _load_moved(Path(cfg.agent.state_dir))
-        # Which node hosts which instance (docs/security.md, "Data channels"): sent to every worker
-        # as the control line "hosts", which checks the writing node of each inbox message with it.
-        self.hostmap = HostMap(self.node)
-        self.hostmap.restore(_read_json(Path(cfg.agent.state_dir) / BINDINGS_FILE))
-        self._bindings_saved = self.hostmap.saved()
-        self._near: Set[str] = set()  # nodes hosting instances of our pipelines (`_sync_hosts`)
-        self._hosts_dirty = True
-        self._hosts_sent: Dict[str, Tuple[int, Dict[str, Any]]] = {}  # instance -> (pid, table sent)
-        self._hosts_local: Set[str] = set()
+        # Which node hosts which instance (docs/security.md, "Data channels"), sent to every worker
+        # as the control line "hosts", and where this node moved instances to (agent.node.hostsync),
+        # both kept in the state directory.
+        self.hosts = HostSync(self.node, _load_moved(Path(cfg.agent.state_dir)),
+                              _read_json(Path(cfg.agent.state_dir) / BINDINGS_FILE))
         self._reconcile_at: Optional[float] = None
         self._reconnect_asks: Dict[str, float] = {}  # worker -> when it asked to reconnect (fencing)
         self._last_puback = -1e9
@@ -568,7 +560,7 @@ class Agent:
             raise Halt(f"no broker at {self.broker.host}:{self.broker.port} after {self.connect_timeout}s{last}", EXIT_UNAVAILABLE)
         if self.connected and self.latency_core is not None:
             core = self.latency_core
-            core.set_neighbours((n for n in self.view.fleet if n != self.node and self.view.online.get(n, False)), near=self._near)
+            core.set_neighbours((n for n in self.view.fleet if n != self.node and self.view.online.get(n, False)), near=self.hosts.near)
             for topic, payload in core.poll(self.clock()):  # a ping's send time: after the work above
                 self._publish(topic, payload, qos=0)
             if core.publish_due(self.clock()):
@@ -657,25 +649,16 @@ class Agent:
             doc["handing_over"] = sorted(self.drain.moving)
         if self.pins:
             doc["pins"] = self.pins.listed()
-        moved = self._moved_statements()
+        moved = self.hosts.moved_statements(self.supervisor)
         if moved:
             doc["moved"] = moved
         return doc
 
-    def _moved_statements(self) -> Dict[str, str]:
-        """Our "moved" statements, without those of instances we moved away that run here again."""
-        return {i: n for i, n in self._moved_to.items() if n == self.node or i not in self.supervisor}
-
     def _stated_move(self, instance: str, node: Any) -> None:
         """We moved `instance` to `node` (its createNode() reply): say so in our state record."""
-        if isinstance(node, str):
-            self._moved_to.pop(instance, None)
-            self._moved_to[instance] = node
-            while len(self._moved_to) > MAX_MOVED:
-                del self._moved_to[next(iter(self._moved_to))]
-            self._keep(MOVED_FILE, {"moved": [[i, n] for i, n in self._moved_to.items()]}, "moved statements")
+        if self.hosts.stated_move(instance, node):
+            self._keep(MOVED_FILE, {"moved": [[i, n] for i, n in self.hosts.moved_to.items()]}, "moved statements")
             self._state_dirty = True
-            self._hosts_dirty = True
 
     def _keep(self, name: str, doc: Any, what: str) -> bool:
         """Write `doc` as `<state_dir>/<name>` (atomically) for the next start; False, logged, when
@@ -1110,7 +1093,7 @@ class Agent:
     def _on_state_record(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
         try:
             if self.view.on_state(str(parsed.node), msg.payload):
-                self._hosts_dirty = True
+                self.hosts.dirty = True
         except (ValueError, TypeError, KeyError) as exc:
             self._bad("state", str(parsed.node), exc)
 
@@ -1119,12 +1102,12 @@ class Agent:
         up = msg.payload == b"online"
         self.rehoming.on_status(node, up, bool(self.view.online.get(node)), now)
         self.view.on_status(node, up)
-        self._hosts_dirty = True
+        self.hosts.dirty = True
 
     def _on_rehomed_record(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
         try:
             self.view.on_rehomed(str(parsed.node), msg.payload)
-            self._hosts_dirty = True
+            self.hosts.dirty = True
         except ValueError as exc:
             self._bad("re-homed record", str(parsed.node), exc)
 
@@ -1134,7 +1117,7 @@ class Agent:
             return
         try:
             listed = self.view.on_hosted(node, msg.payload)
-            self._hosts_dirty = True
+            self.hosts.dirty = True
             self.replication.drop_unlisted(node, listed)
         except ValueError as exc:
             self._bad("hosted record", node, exc)
@@ -1219,7 +1202,7 @@ class Agent:
     def _peer_facts(self) -> PeerFacts:
         """What the peer checks read of our fleet view (agent.node.gate)."""
         return PeerFacts(self.view.online, self.view.hosted_by_node, self.view.records, self.view.deployed, self.view.deployed_text,
-                         self.hostmap, self.site_leases)
+                         self.hosts.hostmap, self.site_leases)
 
     def _site_tick(self) -> None:
         """Run the site manager's period (agent.node.site_driver) and carry out its effects."""
@@ -1705,46 +1688,26 @@ class Agent:
     def _publish_hosted(self) -> None:
         specs = [self._with_standby(request_spec(s)) for s in hosted.hosted(self.cfg.agent.state_dir)]
         self.view.hosted_by_node[self.node] = specs
-        self._hosts_dirty = True
+        self.hosts.dirty = True
         if self._publish(topics.agent_hosted(self.cluster, self.node), rehome.encode_hosted(specs), retain=True):
             self._hosted_dirty = False
 
     def _sync_hosts(self) -> None:
-        """Recompute the instance -> node bindings (agent.node.hostmap) when a record, a status or
-        our own set of workers changed, and send each worker the table of its pipeline when it
-        differs from what that process got last (a restarted worker is a new process)."""
-        workers = self.supervisor.workers
-        if set(workers) != self._hosts_local:
-            self._hosts_local = set(workers)
-            self._hosts_dirty = True
-        if self._hosts_dirty:
-            self._hosts_dirty = False
-            claims = {n: [(s["instance"], s["pipeline"], _generation_of(s)) for s in specs]
-                      for n, specs in self.view.hosted_by_node.items()}
-            moved = {n: moved_of(doc) for n, doc in self.view.fleet.items() if n != self.node}
-            moved[self.node] = self._moved_statements()
-            self.hostmap.update({i: w.spec.pipeline for i, w in workers.items()}, claims, self.view.online,
-                                self.view.rehomed_by_node, moved)
-            self._near = self.hostmap.nodes_of({w.spec.pipeline for w in workers.values()})
+        """Send each worker the host table of its pipeline when it changed (agent.node.hostsync)."""
+        workers = {i: (w.spec.pipeline, w.pid) for i, w in self.supervisor.workers.items()}
+        v = self.view
+        recomputed, send = self.hosts.sync(workers, v.hosted_by_node, v.fleet, v.online, v.rehomed_by_node)
+        if recomputed:
             self._save_bindings()
-        elif all(self._hosts_sent.get(i, (None,))[0] == w.pid for i, w in workers.items()):
-            return
-        tables: Dict[str, Dict[str, Any]] = {}
-        for inst, w in workers.items():
-            table = tables.get(w.spec.pipeline)
-            if table is None:
-                table = tables[w.spec.pipeline] = self.hostmap.table(w.spec.pipeline)
-            sent = self._hosts_sent.get(inst)
-            if (sent is None or sent[0] != w.pid or sent[1] != table) and self.supervisor.send(inst, "hosts", **table):
-                self._hosts_sent[inst] = (w.pid, table)
-        for inst in [i for i in self._hosts_sent if i not in workers]:
-            del self._hosts_sent[inst]
+        for inst, pid, table in send:
+            if self.supervisor.send(inst, "hosts", **table):
+                self.hosts.delivered(inst, pid, table)
 
     def _save_bindings(self) -> None:
         """Keep the proven bindings over a restart (agent.node.hostmap, `saved`), when they changed."""
-        saved = self.hostmap.saved()
-        if saved != self._bindings_saved and self._keep(BINDINGS_FILE, saved, "bindings"):
-            self._bindings_saved = saved
+        saved = self.hosts.bindings_to_keep()
+        if saved is not None and self._keep(BINDINGS_FILE, saved, "bindings"):
+            self.hosts.kept(saved)
 
     def _maybe_rehome(self, now: float) -> None:
         """Start elsewhere, same identities, the instances of nodes offline for `dead_after`
@@ -2048,13 +2011,6 @@ def _load_moved(state_dir: Path) -> Dict[str, str]:
     listed = (_read_json(state_dir / MOVED_FILE) or {}).get("moved")
     pairs = [e for e in listed if isinstance(e, list) and len(e) == 2] if isinstance(listed, list) else []
     return dict([(i, n) for i, n in pairs if isinstance(i, str) and isinstance(n, str)][-MAX_MOVED:])
-
-
-def _generation_of(spec: Mapping[str, Any]) -> str:
-    """The deploy generation a hosted record's spec names (bus input: "" unless a string)."""
-    extra = spec.get("extra")
-    gen = extra.get("generation") if isinstance(extra, dict) else None
-    return gen[:64] if isinstance(gen, str) else ""
 
 
 def _read_json(path: Path) -> Optional[Dict[str, Any]]:
