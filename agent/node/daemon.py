@@ -1201,8 +1201,9 @@ class Agent:
 
     def _peer_facts(self) -> PeerFacts:
         """What the peer checks read of our fleet view (agent.node.gate)."""
-        return PeerFacts(self.view.online, self.view.hosted_by_node, self.view.records, self.view.deployed, self.view.deployed_text,
-                         self.hosts.hostmap, self.site_leases)
+        v = self.view
+        return PeerFacts(v.online, v.hosted_by_node, v.records, v.deployed, v.deployed_text, self.hosts.hostmap,
+                         self.site_leases)
 
     def _site_tick(self) -> None:
         """Run the site manager's period (agent.node.site_driver) and carry out its effects."""
@@ -1751,7 +1752,8 @@ class Agent:
                         f", creators told of idle copies {told}" if told else "",
                         extra={"node": self.node})
             for data in plan:
-                stale = records.stale_reason(records.spec_generation(data), self.view.records.get(str(data.get("pipeline"))))
+                stale = records.stale_reason(records.spec_generation(data),
+                                             self.view.records.get(str(data.get("pipeline"))))
                 if stale:  # an undeployed pipeline does not come back through a dead node's record
                     log.info("not re-homing %s: %s", data.get("instance"), stale, extra={"node": self.node})
                     continue
