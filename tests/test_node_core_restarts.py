@@ -8,7 +8,7 @@ from typing import List
 from agent.instance.spec import InstanceSpec
 from agent.mqtt.settings import BrokerSpec
 from agent.node import chains
-from agent.node.restarts import MAX_RESTARTS, RESTART_BACKOFF_MAX, RESTART_WINDOW, Restarts
+from agent.node.restarts import MAX_RESTARTS, RESTART_BACKOFF_MAX, RESTART_WINDOW, Exit, Restarts, exit_of
 
 
 def spec(instance: str) -> InstanceSpec:
@@ -57,3 +57,36 @@ def test_the_members_of_a_chain_are_held_and_start_together_upstream_first() -> 
     assert r.take() == []
     assert r.hold(b)
     assert [[s.instance for s in g] for g in r.take()] == [["p.b.0"]] and chains.chain_of(b) != ()
+
+
+def end(**facts: bool) -> Exit:
+    base = dict(clean=False, crashed=False, said_final=False, bad_spec=False, stopping=False, handing_over=False,
+                fenced=False, undeployed=False, chained=False, asked_to_stop=False, placing=False)
+    return exit_of(**dict(base, **facts))
+
+
+def test_a_crash_restarts_here_unless_the_agent_stops_it_was_fenced_undeployed_or_still_placed() -> None:
+    assert end(crashed=True) == Exit("crash", final=False, handover=False, restart=True)
+    assert end(crashed=True, stopping=True) == Exit("shutdown", False, False, False)
+    assert end(crashed=True, fenced=True) == Exit("crash", False, False, False)  # another node runs it
+    assert end(crashed=True, undeployed=True) == Exit("undeploy", False, False, False)
+    assert end(crashed=True, placing=True) == Exit("crash", False, False, False)  # its spawn goes elsewhere
+
+
+def test_a_clean_or_announced_final_exit_is_a_scale_in_and_a_bad_spec_is_gone_for_good() -> None:
+    assert end(clean=True) == Exit("scale_in", False, False, False)
+    assert end(said_final=True) == Exit("scale_in", True, False, False)  # even if it needed SIGTERM
+    assert end(bad_spec=True) == Exit("crash", final=True, handover=False, restart=False)
+
+
+def test_a_keeper_stopped_by_a_drain_moves_unless_it_left_for_good_or_the_agent_stops() -> None:
+    assert end(clean=True, handing_over=True) == Exit("handover", False, True, False)
+    assert end(crashed=True, handing_over=True) == Exit("handover", False, True, False)  # moves, not restarted
+    assert end(said_final=True, handing_over=True) == Exit("scale_in", True, False, False)
+    assert end(clean=True, handing_over=True, stopping=True) == Exit("shutdown", False, False, False)
+
+
+def test_a_chain_member_stopped_with_its_chain_starts_again_one_asked_to_stop_does_not() -> None:
+    assert end(clean=True, chained=True) == Exit("scale_in", False, False, True)
+    assert end(clean=True, chained=True, asked_to_stop=True) == Exit("scale_in", False, False, False)
+    assert end(chained=True, said_final=True) == Exit("scale_in", True, False, False)

@@ -67,7 +67,7 @@ from agent.measure.capacity import capacity_for
 from agent.node import chains, hosted, nodestate, rehome, replicas, rpc, statexfer
 from agent.node.gate import Gate, NodeLocal, PeerFacts, without_handover
 from agent.node.pins import Pins
-from agent.node.restarts import RESTART_WINDOW, Restarts
+from agent.node.restarts import RESTART_WINDOW, Restarts, exit_of
 from agent.node import rehoming
 from agent.node.rehoming import Rehoming
 from agent.node.fleetview import FleetView
@@ -1442,38 +1442,29 @@ class Agent:
             self.replication.forget(w.instance)
             self._hosted_dirty = True
             self._try_next(job, now, f"worker exited before ready ({reason})")
-        # A worker that announced its final exit had left (drained, its departure acked) even if
-        # it then needed SIGTERM to end its process (a disconnect stuck while the broker was away):
-        # a scale-in, with its code and reason, not a crash.
-        said_final = bool((w.exit_event or {}).get("final"))
-        cause = "shutdown" if self._stopping_since is not None else ("scale_in" if reaped.clean or said_final else "crash")
-        final = said_final or reaped.returncode == WORKER_EXIT_BAD_SPEC
-        handover = self.drain.exited(w.instance) and not final and self._stopping_since is None
+        handing_over = self.drain.exited(w.instance)
         if self.drain.copies_first:
             self._release_keeper(now, left=w.instance)
         fenced = w.instance in self._fenced
         self._fenced.discard(w.instance)
-        if handover:
-            cause = "handover"
-        if final:
-            hosted.forget(self.cfg.agent.state_dir, w.instance)  # gone for good: never re-adopt
-            self.replication.forget(w.instance)  # and its standby copy goes with our next record
-            self._hosted_dirty = True
         undeployed = w.instance in self._undeploying
         self._undeploying.discard(w.instance)
         self.pins.forget(w.instance)
+        end = exit_of(clean=reaped.clean, crashed=reaped.crashed, said_final=bool((w.exit_event or {}).get("final")),
+                      bad_spec=reaped.returncode == WORKER_EXIT_BAD_SPEC, stopping=self._stopping_since is not None,
+                      handing_over=handing_over, fenced=fenced, undeployed=undeployed, chained=bool(w.chain),
+                      asked_to_stop=w.asked_to_stop, placing=job is not None)
+        if end.final:
+            hosted.forget(self.cfg.agent.state_dir, w.instance)  # gone for good: never re-adopt
+            self.replication.forget(w.instance)  # and its standby copy goes with our next record
+            self._hosted_dirty = True
         if undeployed:
-            cause = "undeploy"
             self._forget(w.instance)  # again: the state file it wrote while draining
-        self._event("terminated", w.instance, w.spec.operator, w.spec.pipeline, cause=cause,
+        self._event("terminated", w.instance, w.spec.operator, w.spec.pipeline, cause=end.cause,
                     code=reaped.returncode, reason=str(reason), clean=reaped.clean, stats=w.stats)
-        # A chain member that stopped only because another member was asked to (a chain stops as
-        # a whole: agent.instance.chain) is still in its neighbours' tables: started again.
-        collateral = bool(w.chain) and not w.asked_to_stop and not final
-        if handover:
+        if end.handover:
             self._hand_over(w, now)
-        elif (reaped.crashed or collateral) and self._stopping_since is None and not fenced and not undeployed \
-                and job is None:
+        elif end.restart:
             self._maybe_restart(w, now)
 
     def _hand_over(self, w: Worker, now: float) -> None:

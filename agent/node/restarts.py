@@ -15,6 +15,7 @@ the end of that turn, they start again together as one process.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
 from agent.instance.spec import InstanceSpec
@@ -23,6 +24,43 @@ from agent.node import chains
 MAX_RESTARTS = 3  # immediate restarts of a crashed worker within RESTART_WINDOW; then with backoff
 RESTART_WINDOW = 60.0
 RESTART_BACKOFF_MAX = 30.0  # seconds: the longest wait before restarting a crash-looping worker
+
+
+@dataclass(frozen=True)
+class Exit:
+    """What a worker's exit means here: the cause its "terminated" event names, whether the
+    instance is gone for good (`final`: never re-adopted), whether it moves to another node
+    (`handover`), whether it starts again here (`restart`: through `Restarts.on_crash`)."""
+
+    cause: str  # "shutdown", "scale_in", "crash", "handover" or "undeploy"
+    final: bool
+    handover: bool
+    restart: bool
+
+
+def exit_of(*, clean: bool, crashed: bool, said_final: bool, bad_spec: bool, stopping: bool,
+            handing_over: bool, fenced: bool, undeployed: bool, chained: bool, asked_to_stop: bool,
+            placing: bool) -> Exit:
+    """Decide on one worker's exit. `said_final`: it announced its final exit (drained, its
+    departure acked), a scale-in even if its process then needed SIGTERM (a disconnect stuck
+    while the broker was away); `bad_spec`: it exited with the bad-spec status; `stopping`: the
+    agent shuts down; `handing_over`: a keeper stopped by a drain to move; `fenced`: killed because
+    another node runs it; `undeployed`: stopped for an undeploy; `chained`, `asked_to_stop`: a
+    chain member that stopped only because another member was asked to (a chain stops as a whole)
+    is still in its neighbours' tables and starts again; `placing`: a spawn still waited for it to
+    be ready, and is answered elsewhere (the next candidate, or a failure the requester places
+    again), so it never comes back here as a crash, or one identity would run on two nodes."""
+    final = said_final or bad_spec
+    handover = handing_over and not final and not stopping
+    cause = "shutdown" if stopping else ("scale_in" if clean or said_final else "crash")
+    if handover:
+        cause = "handover"
+    if undeployed:
+        cause = "undeploy"
+    collateral = chained and not asked_to_stop and not final
+    restart = (not handover and (crashed or collateral) and not stopping and not fenced and not undeployed
+               and not placing)
+    return Exit(cause, final, handover, restart)
 
 
 class Restarts:
@@ -74,4 +112,4 @@ class Restarts:
         self.delayed.pop(instance, None)
 
 
-__all__ = ["MAX_RESTARTS", "RESTART_BACKOFF_MAX", "RESTART_WINDOW", "Restarts"]
+__all__ = ["Exit", "MAX_RESTARTS", "RESTART_BACKOFF_MAX", "RESTART_WINDOW", "Restarts", "exit_of"]
