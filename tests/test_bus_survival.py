@@ -20,6 +20,7 @@ from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
+from agent.node.loopevents import MqttMessage
 from agent_process import ONLINE_BOUND, AgentProcess
 
 from agent import identity, topics
@@ -158,9 +159,9 @@ def _replies(agent: Any) -> List[Tuple[str, Dict[str, Any], Any]]:
 
 
 def _fingerprint(agent: Any) -> Any:
-    return (json.dumps(agent.fleet, sort_keys=True), json.dumps(agent.hosted_by_node, sort_keys=True),
-            json.dumps(agent.rehomed_by_node, sort_keys=True), dict(agent.online), json.dumps(agent.latency),
-            sorted(agent.supervisor.workers), sorted(agent.deployed), agent.draining)
+    return (json.dumps(agent.view.fleet, sort_keys=True), json.dumps(agent.view.hosted_by_node, sort_keys=True),
+            json.dumps(agent.view.rehomed_by_node, sort_keys=True), dict(agent.view.online), json.dumps(agent.view.latency),
+            sorted(agent.supervisor.workers), sorted(agent.view.deployed), agent.drain.draining)
 
 
 def test_a_reply_goes_to_the_requesters_namespace_not_the_response_topic_it_names(agent: Any) -> None:
@@ -254,7 +255,7 @@ def test_the_peer_topic_takes_only_spawns_of_pipelines_an_admin_deployed(
     replies = _replies(agent)
     assert len(replies) == 5 and all(t == topics.replies("c", "n2", "me") for t, _, _ in replies)
     assert all(not b["ok"] and b["error"].startswith("refused") for _, b, _ in replies)
-    assert agent.counters["peer_refused"] == 5 and not agent.draining and len(agent.supervisor) == 0
+    assert agent.counters["peer_refused"] == 5 and not agent.drain.draining and len(agent.supervisor) == 0
     assert sum("from node n2" in r.getMessage() for r in caplog.records) == 5  # the requester, named
     # n2's retained hosted record listing an instance of p proves nothing (n2 writes it itself):
     # its spawn is refused by the peer rule all the same
@@ -311,7 +312,7 @@ def test_hostile_neighbour_records_are_counted_and_leave_the_state_unchanged(age
     assert agent.counters["bad_messages"] == len(hostile)
     assert _fingerprint(agent) == before and agent._client.published == []
     agent._on_message_safely(_msg(topics.latency("c", "n2"), DEEP, retain=True), 0.0)  # lenient: unmeasured
-    assert agent.latency["n2"] == {}
+    assert agent.view.latency["n2"] == {}
 
 
 def test_an_unforeseen_failure_in_a_handler_is_one_log_line_not_the_end_of_the_loop(
@@ -323,11 +324,11 @@ def test_an_unforeseen_failure_in_a_handler_is_one_log_line_not_the_end_of_the_l
 
     monkeypatch.setattr(nodestate, "parse_latency", boom)
     caplog.set_level(logging.WARNING)
-    agent._dispatch(("mqtt_message", _msg(topics.latency("c", "n7"), b"{}", retain=True)), 0.0)
+    agent._dispatch(MqttMessage(_msg(topics.latency("c", "n7"), b"{}", retain=True)), 0.0)
     assert agent.counters["bad_messages"] == 1
     (line,) = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
     assert topics.latency("c", "n7") in line and "from n7" in line and "RuntimeError" in line
-    agent._dispatch(("mqtt_message", _msg(topics.agent_rpc("c", "me", "adm"), b'{"op": "ping"}')), 0.0)
+    agent._dispatch(MqttMessage(_msg(topics.agent_rpc("c", "me", "adm"), b'{"op": "ping"}')), 0.0)
     assert _replies(agent)[0][1]["ok"]  # the next message is handled
 
 

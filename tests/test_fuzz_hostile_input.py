@@ -448,7 +448,7 @@ class _DaemonForgetsOnRefusal(fuzz.DaemonTarget):
         agent, original = self.agent, self.agent._bad
 
         def bad(what: str, sender: Any, exc: Any) -> None:
-            agent.fleet.pop("n2", None)
+            agent.view.fleet.pop("n2", None)
             original(what, sender, exc)
 
         agent._bad = bad

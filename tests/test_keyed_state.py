@@ -593,13 +593,13 @@ def test_an_agent_drains_away_an_instance_with_keyed_state_unless_its_state_is_t
     reply = agent._on_steering(DrainRequest(node="me").to_dict(), 5.0)
     assert not reply["ok"] and reply["error"] == (f"p.win.0 cannot move: its keyed state is {size} bytes, "
                                                   f"more than the {size - 1} a hand-over carries"), reply
-    assert sent == [] and not agent.draining
+    assert sent == [] and not agent.drain.draining
     assert agent._on_steering(ScaleRequest(operator="win", delta=1).to_dict(), 5.0)["ok"]
     assert sent == [("p.win.0", "scale")]
     monkeypatch.setattr(statexfer, "MAX_STATE_BYTES", size)
     reply = agent._on_steering(DrainRequest(node="me").to_dict(), 5.0)
     assert reply["ok"] and reply["result"]["leaving"] == ["p.win.0"], reply
-    assert sent[-1] == ("p.win.0", "stop") and agent.draining and "p.win.0" in agent._handing_over
+    assert sent[-1] == ("p.win.0", "stop") and agent.drain.draining and "p.win.0" in agent.drain.handing_over
 
 
 @pytest.mark.parametrize("then", ["copy_left", "wait_over", "undrain"])
@@ -610,13 +610,13 @@ def test_a_drained_keeper_stops_once_the_keyed_copies_on_the_node_have_left(tmp_
     has not left after COPIES_FIRST_WAIT does not hold the drain up longer; an undrain meanwhile
     keeps the keeper."""
     from agent.control.rpc_schema import DrainRequest
-    from agent.node.daemon import COPIES_FIRST_WAIT
+    from agent.node.drain import COPIES_FIRST_WAIT
 
     agent, sent = _steered_agent(tmp_path, {"p.win.0": True, "p.win.1": False})
     _save_keyed(tmp_path, "p.win.0")
     reply = agent._on_steering(DrainRequest(node="me").to_dict(), 5.0)
     assert reply["ok"] and set(reply["result"]["leaving"]) == {"p.win.0", "p.win.1"}, reply
-    assert sent == [("p.win.1", "scale")] and "p.win.0" in agent._handing_over  # the keeper still runs
+    assert sent == [("p.win.1", "scale")] and "p.win.0" in agent.drain.handing_over  # the keeper still runs
     agent._release_keeper(6.0)
     assert sent == [("p.win.1", "scale")]
     if then == "copy_left":
@@ -626,7 +626,7 @@ def test_a_drained_keeper_stops_once_the_keyed_copies_on_the_node_have_left(tmp_
     else:
         assert agent._on_steering(DrainRequest(node="me", undo=True).to_dict(), 7.0)["ok"]
         agent._release_keeper(8.0, left="p.win.1")
-        assert sent == [("p.win.1", "scale")] and "p.win.0" not in agent._handing_over and not agent.draining
+        assert sent == [("p.win.1", "scale")] and "p.win.0" not in agent.drain.handing_over and not agent.drain.draining
         return
     assert sent == [("p.win.1", "scale"), ("p.win.0", "stop")]
     agent._release_keeper(5.0 + 2 * COPIES_FIRST_WAIT)

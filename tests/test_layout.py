@@ -245,6 +245,7 @@ def _external_imports(module: str) -> set:
 
 
 NETWORK = {"paho", "socket", "ssl", "select", "subprocess"}
+NODE_CORE = {"paho", "socket", "select", "subprocess", "threading", "random"}
 # The sans-IO cores and what they may not reach, through any chain of agent modules: the pure
 # packages touch no clock, file, thread or random at all; the spill's wire format and the
 # collector's core verify files on disk but open no connection.
@@ -254,6 +255,18 @@ SANS_IO = {
     "agent.policy": NETWORK | {"os", "time", "threading", "random"},
     "agent.spill.shipping": NETWORK,
     "agent.collector.core": NETWORK,
+    # The node daemon's decisions (agent.node.gate, ...): they read pipeline texts and spec paths
+    # through agent.config and agent.operators.admission (which import os, ssl and time for their
+    # file checks), but open no connection, start no thread or process and draw no random number;
+    # the clock is an argument.
+    "agent.node.gate": NODE_CORE,
+    "agent.node.pins": NETWORK | {"os", "time", "threading", "random"},
+    "agent.node.restarts": NODE_CORE,
+    "agent.node.rehoming": NETWORK | {"os", "time", "threading", "random"},
+    "agent.node.fleetview": NODE_CORE,
+    "agent.node.drain": NETWORK | {"os", "time", "threading", "random"},
+    "agent.node.loopevents": NETWORK | {"os", "time", "threading", "random"},
+    "agent.node.hostsync": NETWORK | {"os", "time", "threading", "random"},
 }
 
 

@@ -127,11 +127,11 @@ def test_the_agent_refuses_copies_past_max_instances(tmp_path: Path) -> None:
     assert agent.counters["spawn_refused_max"] == 3
     # Another node's copy counts too: after a scale-in here, the slot it took is not free.
     del agent.supervisor.workers["hot.in_zone.a"]
-    agent.fleet = {"n2": {"node": "n2", "instances": [{"id": "hot.in_zone.z", "operator": "in_zone",
+    agent.view.fleet = {"n2": {"node": "n2", "instances": [{"id": "hot.in_zone.z", "operator": "in_zone",
                                                         "pipeline": "hot", "status": "active"}]}}
     _spawn(agent, "hot.in_zone.0", "hot.in_zone.e", "r9")
     assert started == ["hot.in_zone.a"] and not replies[-1][1]["ok"]
-    agent.fleet = {}
+    agent.view.fleet = {}
     _spawn(agent, "hot.in_zone.0", "hot.in_zone.f", "r10")  # below the bound again: created
     assert started == ["hot.in_zone.a", "hot.in_zone.f"]
 
@@ -145,7 +145,7 @@ def test_a_copy_placed_on_another_node_counts_until_that_node_publishes_its_stat
     from agent import topics
     from agent.node import nodestate
 
-    agent._placed["hot.in_zone.r"] = ("n2", ("hot.in_zone.r", "hot", "in_zone"))
+    agent.view.placed["hot.in_zone.r"] = ("n2", ("hot.in_zone.r", "hot", "in_zone"))
     _spawn(agent, "hot.in_zone.0", "hot.in_zone.a", "r0")
     assert started == [] and "max_instances" in replies[-1][1]["error"]
 
@@ -158,7 +158,7 @@ def test_a_copy_placed_on_another_node_counts_until_that_node_publishes_its_stat
                                           retain=True), 2.0)
 
     state("hot.in_zone.r")  # now in n2's state: counted from there, once
-    assert agent._placed == {}
+    assert agent.view.placed == {}
     _spawn(agent, "hot.in_zone.0", "hot.in_zone.b", "r1")
     assert started == [] and "has 2 instances" in replies[-1][1]["error"]
     state()  # it left n2: room again

@@ -119,10 +119,10 @@ def test_the_agent_reads_departing_instances_from_the_node_states(tmp_path: Path
     agent = _agent(tmp_path)
     created: List[Any] = []
     agent._create_node = lambda spec, reply, cause, now: created.append(spec)
-    agent.connected, agent.online, agent._offline_since = True, {"n9": False, "n3": True}, {"n9": 0.0}
-    agent.hosted_by_node = {"n9": [spec("p.mid.0", "mid", True)],
+    agent.connected, agent.view.online, agent.rehoming.offline_since = True, {"n9": False, "n3": True}, {"n9": 0.0}
+    agent.view.hosted_by_node = {"n9": [spec("p.mid.0", "mid", True)],
                             "n3": [spec("p.sink.0", "sink", True), spec("sink-b", "sink"), spec("sink-c", "sink")]}
-    agent.fleet["n3"] = {"instances": [{"id": "p.sink.0", "stats": {"state": "active"}},
+    agent.view.fleet["n3"] = {"instances": [{"id": "p.sink.0", "stats": {"state": "active"}},
                                        {"id": "sink-b", "stats": {"state": "departing"}},
                                        {"id": "sink-c", "stats": {"state": "deleting"}}]}
     agent._maybe_rehome(100.0)
@@ -138,22 +138,22 @@ def test_a_retry_after_a_failed_rehome_does_not_place_the_others_again(tmp_path:
     agent = _agent(tmp_path)
     asked: List[Any] = []
     agent._create_node = lambda spec, reply, cause, now: asked.append((spec.instance, reply))
-    agent.connected, agent.online, agent._offline_since = True, {"n9": False}, {"n9": 0.0}
-    agent.hosted_by_node = {"n9": [spec("p.mid.0", "mid", True), spec("mid-b", "mid")]}
+    agent.connected, agent.view.online, agent.rehoming.offline_since = True, {"n9": False}, {"n9": 0.0}
+    agent.view.hosted_by_node = {"n9": [spec("p.mid.0", "mid", True), spec("mid-b", "mid")]}
     agent._maybe_rehome(100.0)
     assert [a[0] for a in asked] == ["mid-b", "p.mid.0"]
-    assert set(agent.rehomed_by_node["me"]) == {"mid-b", "p.mid.0"}
+    assert set(agent.view.rehomed_by_node["me"]) == {"mid-b", "p.mid.0"}
     asked[0][1]({"ok": False, "error": "no node has a free slot"})  # mid-b failed; p.mid.0 on its way
-    assert set(agent.rehomed_by_node["me"]) == {"p.mid.0"}
+    assert set(agent.view.rehomed_by_node["me"]) == {"p.mid.0"}
     agent._maybe_rehome(101.0)
     assert [a[0] for a in asked[2:]] == ["mid-b"]
     agent._maybe_rehome(102.0)
     assert len(asked) == 3  # nothing failed since: nothing planned again
     # n9 comes back and lists both: the claims end (the next loss of n9 re-homes them again)
-    agent.online, agent._offline_since = {"n9": True}, {}
-    agent.fleet["n9"] = {"instances": [{"id": "p.mid.0"}, {"id": "mid-b"}]}
+    agent.view.online, agent.rehoming.offline_since = {"n9": True}, {}
+    agent.view.fleet["n9"] = {"instances": [{"id": "p.mid.0"}, {"id": "mid-b"}]}
     agent._maybe_rehome(103.0)
-    assert agent._rehome_claims == {}
+    assert agent.rehoming.claims == {}
 
 
 def test_a_failed_rehome_is_not_placed_again_when_the_returning_node_runs_it(tmp_path: Path) -> None:
@@ -163,16 +163,16 @@ def test_a_failed_rehome_is_not_placed_again_when_the_returning_node_runs_it(tmp
     agent = _agent(tmp_path)
     asked: List[Any] = []
     agent._create_node = lambda spec, reply, cause, now: asked.append((spec.instance, reply))
-    agent.connected, agent.online, agent._offline_since = True, {"n9": False}, {"n9": 0.0}
-    agent.hosted_by_node = {"n9": [spec("p.mid.0", "mid", True)]}
+    agent.connected, agent.view.online, agent.rehoming.offline_since = True, {"n9": False}, {"n9": 0.0}
+    agent.view.hosted_by_node = {"n9": [spec("p.mid.0", "mid", True)]}
     agent._maybe_rehome(100.0)
-    agent.online, agent._offline_since, agent._online_since = {"n9": True}, {}, {"n9": 105.0}
+    agent.view.online, agent.rehoming.offline_since, agent.rehoming.online_since = {"n9": True}, {}, {"n9": 105.0}
     asked[0][1]({"ok": False, "error": "not ready 20.0s after start"})
     agent._maybe_rehome(106.0)  # back for 1 s: its state may not show what it re-adopted yet
-    assert len(asked) == 1 and "p.mid.0" in agent._rehome_retry
-    agent.fleet["n9"] = {"instances": [{"id": "p.mid.0"}]}  # it did
+    assert len(asked) == 1 and "p.mid.0" in agent.rehoming.retry
+    agent.view.fleet["n9"] = {"instances": [{"id": "p.mid.0"}]}  # it did
     agent._maybe_rehome(130.0)
-    assert len(asked) == 1 and not agent._rehome_retry
+    assert len(asked) == 1 and not agent.rehoming.retry
 
 
 def test_an_idle_copy_is_rehomed_idle_out_of_rebuilt_successors_and_its_creator_told() -> None:
@@ -208,11 +208,11 @@ def test_the_agent_reads_idle_copies_from_the_lost_nodes_last_state(tmp_path: Pa
     agent = _agent(tmp_path)
     created: List[Any] = []
     agent._create_node = lambda spec, reply, cause, now: created.append(spec)
-    agent.connected, agent.online, agent._offline_since = True, {"n2": False, "n1": True, "n3": True}, {"n2": 0.0}
-    agent.hosted_by_node = {"n1": [spec("p.source.0", "source", True)],
+    agent.connected, agent.view.online, agent.rehoming.offline_since = True, {"n2": False, "n1": True, "n3": True}, {"n2": 0.0}
+    agent.view.hosted_by_node = {"n1": [spec("p.source.0", "source", True)],
                             "n2": [spec("p.mid.0", "mid", True), spec("mid-b", "mid", creator="p.mid.0")],
                             "n3": [spec("p.sink.0", "sink", True)]}
-    agent.fleet["n2"] = {"instances": [{"id": "mid-b", "stats": {"state": "idle"}},  # the lost node's last state
+    agent.view.fleet["n2"] = {"instances": [{"id": "mid-b", "stats": {"state": "idle"}},  # the lost node's last state
                                        {"id": "p.mid.0", "stats": {"state": "duplicating"}}]}
     agent._maybe_rehome(100.0)
     assert [(s.instance, s.active, s.extra.get("idle_copies")) for s in created] == [
@@ -225,11 +225,11 @@ def test_a_rehomed_keyed_instance_is_told_the_key_groups_its_dead_incarnation_ow
     agent = _agent(tmp_path)
     created: List[Any] = []
     agent._create_node = lambda spec, reply, cause, now: created.append(spec)
-    agent.connected, agent.online, agent._offline_since = True, {"n2": False, "n1": True, "n3": True}, {"n2": 0.0}
-    agent.hosted_by_node = {"n1": [spec("p.source.0", "source", True)],
+    agent.connected, agent.view.online, agent.rehoming.offline_since = True, {"n2": False, "n1": True, "n3": True}, {"n2": 0.0}
+    agent.view.hosted_by_node = {"n1": [spec("p.source.0", "source", True)],
                             "n2": [spec("p.mid.0", "mid", True), spec("mid-b", "mid", owned_groups=[[0, 127, 0]])],
                             "n3": [spec("p.sink.0", "sink", True)]}
-    agent.fleet["n2"] = {"instances": [{"id": "p.mid.0", "stats": {"groups": [[0, 27, 1], [40, 127, 0]]}},
+    agent.view.fleet["n2"] = {"instances": [{"id": "p.mid.0", "stats": {"groups": [[0, 27, 1], [40, 127, 0]]}},
                                        {"id": "mid-b", "stats": {}}]}
     agent._maybe_rehome(100.0)
     assert [(s.instance, s.extra.get("owned_groups")) for s in created] == [

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Tuple
 
+from agent.node.loopevents import Connected, Disconnected
 from agent import topics
 from agent.instance.spec import InstanceSpec, request_spec
 from agent.mqtt.settings import BrokerSpec
@@ -41,7 +42,7 @@ def test_a_rehome_that_fails_after_the_node_came_back_is_placed_again(tmp_path: 
 
     source = InstanceSpec("p.source.0", "source", "n1", "c", "p", PIPELINE, BrokerSpec("h", 1), keeper=True,
                           succs=("p.work.0",))
-    agent.hosted_by_node["n1"] = [request_spec(source)]
+    agent.view.hosted_by_node["n1"] = [request_spec(source)]
     now = 100.0
     for node in ("n1", "n3"):
         message(topics.agent_status("c", node), b"online")
@@ -84,7 +85,7 @@ def test_a_node_that_came_back_while_we_were_away_is_not_rehomed_at_our_reconnec
         """A (re)connect, one loop turn before the retained messages arrive, then them and the
         echo of this connection's marker, and a loop turn."""
         clock[0] = at
-        agent._dispatch(("mqtt_connect", True, "Success", True), at)
+        agent._dispatch(Connected(True, "Success", True), at)
         agent._periodic(at)
         for topic, payload in retained + [(marker_topic, client.on(marker_topic)[-1])]:
             message(topic, payload, retain=topic != marker_topic)
@@ -99,7 +100,7 @@ def test_a_node_that_came_back_while_we_were_away_is_not_rehomed_at_our_reconnec
     clock[0] = 101.0
     message(topics.agent_status("c", "n3"), b"offline")  # n3's Will
     clock[0] = 103.0
-    agent._dispatch(("mqtt_disconnect", "keepalive timeout"), 103.0)  # our cut: n3 is back at 105
+    agent._dispatch(Disconnected("keepalive timeout"), 103.0)  # our cut: n3 is back at 105
     connect(120.0, [(topics.agent_status("c", "n3"), b"online"), hosted])
     assert placed == [], "re-homed the instances of a node that is online"
     # the planner itself works: n3 lost again, for longer than dead_after

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from agent.node.loopevents import Puback
 from agent.instance.keyed_state import KeyedState
 from agent.node.replicas import (PART_BYTES, WINDOW, Replication, ReplicaStore, Shipper, choose_standby, open_saved)
 from agent.operators import OperatorContext
@@ -360,7 +361,7 @@ def test_the_daemon_sends_the_next_part_on_the_brokers_puback(tmp_path: Path) ->
 
     agent._client = Client()
     agent.connected = True
-    agent.online["n2"] = True
+    agent.view.online["n2"] = True
     host = _big_save(tmp_path / "state", 5 * PART_BYTES, 0)
     agent.replication.saved("cnt-a", 1, 0)
     now = agent.clock()
@@ -375,9 +376,9 @@ def test_the_daemon_sends_the_next_part_on_the_brokers_puback(tmp_path: Path) ->
     assert len(parts()) == WINDOW  # nothing more before an ack
     n = -(-host.stat().st_size // PART_BYTES)
     while len(parts()) < n:
-        agent._dispatch(("mqtt_puback", parts()[len(parts()) - WINDOW][1]), now + 1)
-    agent._dispatch(("mqtt_puback", parts()[-2][1]), now + 1)
-    agent._dispatch(("mqtt_puback", parts()[-1][1]), now + 1)
+        agent._dispatch(Puback(parts()[len(parts()) - WINDOW][1]), now + 1)
+    agent._dispatch(Puback(parts()[-2][1]), now + 1)
+    agent._dispatch(Puback(parts()[-1][1]), now + 1)
     store = ReplicaStore(tmp_path / "standby")
     answers = [store.apply("n1", json.loads(p)) for t, p, _ in sent if t == peer]
     assert [p for p, _ in parts()] == list(range(n)) and n > WINDOW

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import pytest
+from agent.node.loopevents import WorkerEof, WorkerLine
 from agent_process import ONLINE_BOUND
 from pipelines import with_work
 
@@ -206,12 +207,12 @@ class Loop:
         while time.monotonic() < deadline:
             try:
                 ev = self.q.get(timeout=0.05)
-                if ev[0] == "worker_line":
-                    msg = self.sup.handle_line(ev[1], ev[2], time.monotonic())
+                if isinstance(ev, WorkerLine):
+                    msg = self.sup.handle_line(ev.instance, ev.line, time.monotonic())
                     if msg:
                         self.msgs.append(msg)
-                elif ev[0] == "worker_eof":
-                    self.sup.handle_eof(ev[1])
+                elif isinstance(ev, WorkerEof):
+                    self.sup.handle_eof(ev.instance)
             except queue.Empty:
                 pass
             self.reaped.extend(self.sup.poll(time.monotonic()))
@@ -584,17 +585,17 @@ def test_a_request_cannot_override_node_local_fields(tmp_path: Path) -> None:
     hostile = {"instance": "p.work.7", "operator": "work", "pipeline": "p", "pipeline_toml": PIPELINE,
                "node": "elsewhere", "cluster": "other", "state_dir": "/etc", "heartbeat_period": 99.0,
                "broker": {"host": "evil", "port": 1}, "succs": ["p.sink.0"], "keeper": True}
-    spec = agent._spec_from(hostile, template=None)
+    spec = agent.gate.spec_from(agent.wall(), hostile, template=None)
     assert (spec.node, spec.cluster, spec.state_dir, spec.heartbeat_period) == ("me", "c", str(tmp_path), 0.3)
     assert (spec.broker.host, spec.broker.port) == ("10.0.0.1", 1884)
     assert spec.instance == "p.work.7" and spec.succs == ("p.sink.0",)
     # a worker's request without an id gets a fresh one, never its requester's identity
-    template = agent._spec_from(hostile, template=None)
-    child = agent._spec_from({"operator": "work"}, template=template)
+    template = agent.gate.spec_from(agent.wall(), hostile, template=None)
+    child = agent.gate.spec_from(agent.wall(), {"operator": "work"}, template=template)
     assert child.instance != template.instance and not child.keeper and child.pipeline == "p"
     for bad in ({"operator": "work", "instance": "a/b"}, {"instance": "x"}):
         with pytest.raises(ValueError):
-            agent._spec_from(bad, template=None)
+            agent.gate.spec_from(agent.wall(), bad, template=None)
 
 
 HANDOVER_PIPELINE = with_work("agent.operators.builtin:in_zone")
@@ -606,7 +607,8 @@ def test_a_handed_over_keeper_keeps_its_identity_state_and_a_higher_epoch(tmp_pa
     state (epoch + 1) unless a newer incarnation's file is already there; copies and the hosted
     record never inherit the shipped state. No broker needed: the worker is only constructed."""
     from agent.config import load_agent_config
-    from agent.node.daemon import Agent, without_handover
+    from agent.node.daemon import Agent
+    from agent.node.gate import without_handover
     from agent.instance.spec import request_spec
     from agent.instance.shell import Worker
     from memory_wire import MemoryWire
@@ -622,10 +624,10 @@ def test_a_handed_over_keeper_keeps_its_identity_state_and_a_higher_epoch(tmp_pa
                        extra={"sink_dir": str(tmp_path / "sink"), "handover_state": shipped})
     body = request_spec(old)
     assert "broker" not in body and "pw" not in json.dumps(body)  # no broker password travels
-    spec = agent._spec_from(body, template=None)
+    spec = agent.gate.spec_from(agent.wall(), body, template=None)
     assert (spec.instance, spec.keeper, spec.restart, spec.node) == ("p.work.0", True, True, "me")
     assert spec.extra["handover_state"] == shipped
-    child = agent._spec_from({"operator": "work"}, template=spec)
+    child = agent.gate.spec_from(agent.wall(), {"operator": "work"}, template=spec)
     assert "handover_state" not in child.extra and not child.restart and not child.keeper
     assert "handover_state" not in without_handover(spec).extra and without_handover(spec).extra["sink_dir"]
 
@@ -692,8 +694,8 @@ def test_fencing_spares_an_instance_placed_here_since_the_connect_and_never_rest
 
     old, new = worker("p.work.0", 5.0), worker("p.sink.0", 15.0)
     agent._connected_at, agent._readopted = 10.0, True
-    agent.online = {"n2": True}
-    agent.fleet = {"n2": {"instances": [{"id": "p.work.0"}, {"id": "p.sink.0"}]}}  # n2 lists both
+    agent.view.online = {"n2": True}
+    agent.view.fleet = {"n2": {"instances": [{"id": "p.work.0"}, {"id": "p.sink.0"}]}}  # n2 lists both
     agent._reconcile(20.0)
     assert old.proc.signals == [_signal.SIGKILL] and old.killed_for == "re-homed elsewhere"
     assert new.proc.signals == [] and new.killed_for is None  # placed here after the connect
@@ -723,10 +725,10 @@ def test_when_two_nodes_fence_at_once_the_copy_of_the_latest_rehome_stays(tmp_pa
             agent.supervisor.workers[inst] = Worker(spec=spec, proc=_FakeProc(), started_at=5.0)  # type: ignore[arg-type]
         other = "n2" if node == "n1" else "n1"
         agent._connected_at, agent._readopted = 10.0, True
-        agent.online = {other: True, "n3": True}
-        agent.fleet = {other: {"instances": [{"id": i} for i in floors]}}
+        agent.view.online = {other: True, "n3": True}
+        agent.view.fleet = {other: {"instances": [{"id": i} for i in floors]}}
         # n3 re-homed both: work-a twice (the second placement at 1000), work-b once (at 990)
-        agent.rehomed_by_node = {"n3": {"work-a": 1000.4, "work-b": 990.7}}
+        agent.view.rehomed_by_node = {"n3": {"work-a": 1000.4, "work-b": 990.7}}
         return agent
 
     n1 = agent_running("n1", {"work-a": 1000, "work-b": 990, "work-c": None})
@@ -753,7 +755,7 @@ def test_a_keeper_stopped_for_a_drain_moves_with_its_state_or_restarts_here(tmp_
     agent = Agent(load_agent_config(conf), warm_worker=False)
     started: List[InstanceSpec] = []
     agent.supervisor.start = lambda spec, now: started.append(spec)  # type: ignore[assignment]
-    agent.draining = True
+    agent.drain.draining = True
     state_dir = tmp_path / "state"
     spec = InstanceSpec("p.work.0", "work", "me", "c", "p", PIPELINE, BrokerSpec("h", 1), keeper=True,
                         state_dir=str(state_dir), extra={"sink_dir": str(tmp_path / "sink")})
@@ -765,7 +767,7 @@ def test_a_keeper_stopped_for_a_drain_moves_with_its_state_or_restarts_here(tmp_
         proc.wait()
         w = Worker(spec=spec, proc=proc, started_at=1.0, stop_sent_at=2.0,
                    exit_event={"event": "exit", "code": 0, "final": False})
-        agent._handing_over.add("p.work.0")
+        agent.drain.handing_over.add("p.work.0")
         return w
 
     asked: List[Any] = []
@@ -895,7 +897,7 @@ def test_a_spawn_whose_worker_never_became_ready_is_not_restarted_here(tmp_path:
     w.killed_for = "not ready 20.0s after start"
     agent._on_reaped(Reaped(w, -9), 25.0)
     assert replies and replies[0]["ok"] is False and "exited before ready" in replies[0]["error"]
-    assert started == [] and agent.counters["restarts"] == 0 and not agent._delayed_restarts
+    assert started == [] and agent.counters["restarts"] == 0 and not agent.restarts.delayed
     assert spec.instance not in {s.instance for s in hosted.hosted(tmp_path)}
 
 

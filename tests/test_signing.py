@@ -205,7 +205,7 @@ def test_an_agent_with_admin_keys_runs_only_signed_specs_from_an_admin_or_a_node
     assert [s.instance for s in agent.started] == ["lab.source.1"]
     # a node's peer spawn of the deployed pipeline: the record is signed, the spec must be too
     _deliver(agent, topics.pipeline("c", "lab"), records.stamp(TEXT, "g1", sig).encode(), True)
-    assert "lab" in agent.deployed
+    assert "lab" in agent.view.deployed
     r = _spawn(agent, _spec(TEXT, None, "lab.source.2"), "n3", peer=True)
     assert r["ok"] is False and "carries no admin signature" in r["error"], r
     assert _spawn(agent, _spec(TEXT, sig, "lab.source.3"), "n3", peer=True) == {}
@@ -219,16 +219,16 @@ def test_an_unsigned_forged_or_older_record_deploys_nothing(tmp_path: Path, keys
     for payload in (records.stamp(TEXT, "g1").encode(), records.stamp(TEXT, "g1", node.sign("lab", "g1", TEXT)).encode(),
                     TEXT.encode()):
         _deliver(agent, topics.pipeline("c", "lab"), payload, True)
-        assert "lab" not in agent.deployed and "lab" not in agent.records
+        assert "lab" not in agent.view.deployed and "lab" not in agent.view.records
     assert agent.counters["refused_signatures"] == 3
     _deliver(agent, topics.pipeline("c", "lab"),
              records.stamp(TEXT, "g2", admin.sign("lab", "g2", TEXT, issued_at=2000)).encode(), True)
-    assert "lab" in agent.deployed and agent.records["lab"].generation == "g2"
+    assert "lab" in agent.view.deployed and agent.view.records["lab"].generation == "g2"
     _deliver(agent, topics.pipeline("c", "lab"),
              records.stamp(TEXT, "g1", admin.sign("lab", "g1", TEXT, issued_at=1000)).encode(), True)
-    assert agent.records["lab"].generation == "g2" and agent.counters["refused_signatures"] == 4
+    assert agent.view.records["lab"].generation == "g2" and agent.counters["refused_signatures"] == 4
     _deliver(agent, topics.pipeline("c", "lab"), records.tombstone("lab", "g2"), True)  # an undeploy stops
-    assert "lab" not in agent.deployed
+    assert "lab" not in agent.view.deployed
 
 
 def test_mqtt_operators_need_the_signed_allow_list_on_a_signing_node(tmp_path: Path, keys: Any) -> None:

@@ -69,7 +69,7 @@ def test_a_forged_lease_far_ahead_is_refused_and_its_writer_cannot_drain(tmp_pat
         assert agent.counters["site_lease_refused"] == 1
         r = _drain_from(agent, "n3")
         assert r["ok"] is False and "not the site manager" in r["error"], r
-        assert not agent.draining
+        assert not agent.drain.draining
 
 
 def test_a_claim_in_another_nodes_name_or_beside_a_running_lease_takes_nothing(tmp_path: Path) -> None:
@@ -82,13 +82,13 @@ def test_a_claim_in_another_nodes_name_or_beside_a_running_lease_takes_nothing(t
     for n in ("n2", "n3"):
         _deliver(agent, topics.agent_status("c", n), b"online", True)
     _claim(agent, "n2", "n2", now + 15.0)
-    assert _drain_from(agent, "n2")["ok"] is True and agent.draining  # the reader follows n2 now
-    agent.draining = False
+    assert _drain_from(agent, "n2")["ok"] is True and agent.drain.draining  # the reader follows n2 now
+    agent.drain.draining = False
     _claim(agent, "n3", "n2", now + 15.0, released=["n1"])
     assert agent.counters["site_lease_refused"] == 1
     _claim(agent, "n3", "n3", now + 15.0)
-    assert _drain_from(agent, "n3")["ok"] is False and not agent.draining
-    assert _drain_from(agent, "n2")["ok"] is True and agent.draining
+    assert _drain_from(agent, "n3")["ok"] is False and not agent.drain.draining
+    assert _drain_from(agent, "n2")["ok"] is True and agent.drain.draining
 
 
 def test_a_leader_gone_offline_holds_nothing(tmp_path: Path) -> None:
@@ -105,7 +105,7 @@ def test_a_leader_gone_offline_holds_nothing(tmp_path: Path) -> None:
     assert r["ok"] is False and "not the site manager" in r["error"], r
     _deliver(agent, topics.agent_status("c", "n2"), b"online", True)
     _claim(agent, "n2", "n2", now + 15.0)
-    assert _drain_from(agent, "n2")["ok"] is True and agent.draining
+    assert _drain_from(agent, "n2")["ok"] is True and agent.drain.draining
 
 
 def test_a_claim_beside_the_leaders_does_not_keep_a_restarted_agent_from_its_drains(tmp_path: Path) -> None:
@@ -122,8 +122,8 @@ def test_a_claim_beside_the_leaders_does_not_keep_a_restarted_agent_from_its_dra
     _claim(agent, "n2", "n2", now + 15.0)
     _deliver(agent, topics.site_manager("c", "n4"), {"v": 1, "node": "n4", "until": 0, "follows": "n2"}, True)
     _records_in(agent)
-    assert _drain_from(agent, "n3")["ok"] is False and not agent.draining
-    assert _drain_from(agent, "n2")["ok"] is True and agent.draining
+    assert _drain_from(agent, "n3")["ok"] is False and not agent.drain.draining
+    assert _drain_from(agent, "n2")["ok"] is True and agent.drain.draining
     stated = [json.loads(p) for p in agent._client.on(topics.site_manager("c", "n1")) if p]
     assert stated and stated[-1] == {"v": 1, "node": "n1", "until": 0, "follows": "n2"}
     three = _agent(tmp_path, "n5")
@@ -133,7 +133,7 @@ def test_a_claim_beside_the_leaders_does_not_keep_a_restarted_agent_from_its_dra
     _claim(three, "n2", "n2", now + 15.0)
     _claim(three, "n3", "n3", now + 15.0)
     _records_in(three)
-    assert _drain_from(three, "n2")["ok"] is False and not three.draining
+    assert _drain_from(three, "n2")["ok"] is False and not three.drain.draining
 
 
 def test_a_forged_lease_does_not_keep_a_candidate_from_the_role(tmp_path: Path) -> None:
@@ -384,7 +384,7 @@ def test_the_rehomers_statements_are_kept_over_its_restart(tmp_path: Path) -> No
     a = _agent(tmp_path, "c")
     a._stated_move("w", "d")
     again = _agent(tmp_path, "c")
-    assert again._moved_statements() == {"w": "d"}
+    assert again.hosts.moved_statements(again.supervisor) == {"w": "d"}
     assert again.state_doc().get("moved") == {"w": "d"}
 
 
@@ -489,7 +489,7 @@ def test_the_agent_keeps_its_bindings_and_the_leader_it_follows_in_its_state_dir
     _claim(agent, "n2", "n2", now + 15.0)
     _records_in(agent)
     assert agent.site_leases.held == "n2"
-    agent.hostmap.update({}, {"r": [("w", "p", "g1")]}, agent.online)
+    agent.hosts.hostmap.update({}, {"r": [("w", "p", "g1")]}, agent.view.online)
     agent._save_bindings()
 
     again = _agent(tmp_path)
@@ -499,10 +499,10 @@ def test_the_agent_keeps_its_bindings_and_the_leader_it_follows_in_its_state_dir
     _claim(again, "n3", "n3", now + 15.0)
     _claim(again, "n2", "n2", now + 15.0)
     _records_in(again)
-    assert _drain_from(again, "n3")["ok"] is False and not again.draining
-    again.hostmap.update({}, {"r": [("w", "p", "g1")], "n3": [("w", "p", "g1")]}, again.online)
-    assert again.hostmap.bound("w") == "r"
-    assert _drain_from(again, "n2")["ok"] is True and again.draining
+    assert _drain_from(again, "n3")["ok"] is False and not again.drain.draining
+    again.hosts.hostmap.update({}, {"r": [("w", "p", "g1")], "n3": [("w", "p", "g1")]}, again.view.online)
+    assert again.hosts.hostmap.bound("w") == "r"
+    assert _drain_from(again, "n2")["ok"] is True and again.drain.draining
 
 
 def test_a_peer_spawn_of_an_instance_running_on_another_online_node_is_refused(tmp_path: Path) -> None:
@@ -514,7 +514,7 @@ def test_a_peer_spawn_of_an_instance_running_on_another_online_node_is_refused(t
     _deliver(agent, topics.agent_hosted("c", "r"), [dict(_spawn_spec("taxi", SAFE, instance="source-0"),
                                                          node="r", cluster="c")], True)
     agent._sync_hosts()
-    assert agent.hostmap.bound("source-0") == "r"
+    assert agent.hosts.hostmap.bound("source-0") == "r"
     r = _peer_spawn(agent, "n3", _spawn_spec("taxi", SAFE, instance="source-0"))
     assert r.get("ok") is False and "runs on r (online)" in r["error"], r
     assert agent.started == []

@@ -50,7 +50,7 @@ class InstanceSpec:
 
     A spec that arrives from the bus or the state dir is input to check, not to trust: the agent
     replaces its node-local fields and admits its operator function and paths
-    (`Agent._spec_from`, agent.operators.admission) before any worker sees it.
+    (`Gate.spec_from`, agent.operators.admission) before any worker sees it.
     """
 
     instance: str
@@ -107,7 +107,7 @@ def request_spec(spec: InstanceSpec) -> Dict[str, Any]:
     """The spec as sent in an MQTT `spawn` request: everything but the broker settings.
 
     The agent that starts the instance always puts its OWN broker settings into the spec
-    (`Agent._spec_from`), so the requester's are useless there, and they hold its credentials
+    (`Gate.spec_from`), so the requester's are useless there, and they hold its credentials
     (password, certificate paths): never publish them where other nodes can read them.
     """
     data = json.loads(spec.to_json())

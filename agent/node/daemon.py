@@ -3,7 +3,9 @@
 Rules of this file (gunicorn's arbiter habit): ONE thread owns all state and does all publishing,
 the main loop. Everything else only enqueues into `self._events` (a `queue.SimpleQueue`, whose
 `put` is reentrant and therefore safe from a signal handler): paho's network thread (connect,
-message), one stdout reader thread per worker, and the signal handlers. The loop wakes at least
+message), one stdout reader thread per worker, and the signal handlers; each enqueues a typed
+event (agent.node.loopevents), which the loop hands to its handler through one table (`_LOOP`);
+a message goes on by its topic's kind through another (`_HANDLERS`). The loop wakes at least
 every `TICK` seconds to reap workers, expire calls and publish state.
 
 What it does:
@@ -25,11 +27,14 @@ What it does:
   shutdown_timeout/2, SIGKILL after shutdown_timeout, then "offline" and exit. Bound: the process
   exits within shutdown_timeout + SHUTDOWN_SLACK seconds of the signal.
 
-Why one large module: every handler here reads and writes the state that the one loop
-owns (the workers, the fleet view, the pending calls, the records and pins); the decisions that
-need no such state are already pure modules beside it (placement, rehome, hostmap, bounds,
-site_manager, hosted, nodestate). Splitting the handlers across files would pass that state around
-without making any of it testable on its own.
+The shell and its cores: this module is the shell (the loop, the MQTT session, the workers'
+processes, the files, the log lines and events); the decisions that hold state of their own are
+sans-IO parts beside it, each given what it reads and the time as arguments, none holding a
+reference to the Agent: who may ask for what (agent.node.gate), the fleet view from the retained
+records (fleetview), the pins (pins), crash restarts and their backoff (restarts), re-homing's
+decisions (rehoming, with rehome's plan of one lost node), the drain (drain), the host tables
+sent to the workers and our "moved" statements (hostsync); and the stateless ones: placement,
+bounds, hostmap, site_manager, hosted, nodestate.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Deque, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 from agent import events, notify, signing, topics
 from agent.config import AgentConfig, check_tls, load_agent_config, load_pipeline_text, resolve_password
@@ -59,8 +64,17 @@ from agent.instance.spec import InstanceSpec, request_spec
 from agent.mqtt.requester import SYNC_PREFIX
 from agent.mqtt.settings import BrokerSpec
 from agent.measure.capacity import capacity_for
-from agent.node import bounds, chains, hosted, nodestate, rehome, replicas, rpc, statexfer
-from agent.node.hostmap import MAX_MOVED, HostMap, moved_of
+from agent.node import chains, hosted, nodestate, rehome, replicas, rpc, statexfer
+from agent.node.gate import Gate, NodeLocal, PeerFacts, without_handover
+from agent.node.pins import Pins
+from agent.node.restarts import RESTART_WINDOW, Restarts, exit_of
+from agent.node import rehoming
+from agent.node.rehoming import Rehoming
+from agent.node.fleetview import FleetView
+from agent.node.drain import COPIES_FIRST_WAIT, Drain
+from agent.node import loopevents
+from agent.node.hostmap import MAX_MOVED
+from agent.node.hostsync import HostSync
 from agent.control import records
 from agent.node.placement import (
     DEFAULT_POLICY,
@@ -91,16 +105,9 @@ SHUTDOWN_SLACK = 3.0  # seconds beyond shutdown_timeout for reaping, "offline" a
 SESSION_EXPIRY = 3600  # seconds the broker keeps our session (subscriptions, queued requests)
 SESSION = mqttc.Session(persistent=True, expiry=SESSION_EXPIRY)
 RPC_TIMEOUT = 30.0  # seconds to wait for a remote agent to start an instance and see it ready
-# The keepers of a drain stop once the keyed copies it terminates have handed their groups on and
-# exited (`_on_steering`), or after this long at most.
-COPIES_FIRST_WAIT = 30.0
 # Peer requests held until the retained records are in (`_held_peer`): beyond this many, one is
 # checked at once, as before (bounded memory; a refused requester places elsewhere or retries).
 HELD_PEER_MAX = 256
-MAX_RESTARTS = 3  # immediate restarts of a crashed worker within RESTART_WINDOW; then with backoff
-RESTART_WINDOW = 60.0
-RESTART_BACKOFF_MAX = 30.0  # seconds: the longest wait before restarting a crash-looping worker
-REHOMED_KEPT = 1000  # entries of this node's retained re-homed record
 READOPT_SETTLE = 1.0  # seconds after connecting before re-adopting, and not before the sync marker came back
 # The spools of sinks that no longer run here are salvaged for shipping this often (AgentSpill.salvage_orphans).
 SALVAGE_PERIOD = 10.0
@@ -163,13 +170,12 @@ class Agent:
         self.wall = wall
         self.sample_machine = sample_machine
         self.connect_timeout = connect_timeout
-        self._events: "queue.SimpleQueue[Tuple[Any, ...]]" = queue.SimpleQueue()
+        self._events: "queue.SimpleQueue[loopevents.LoopEvent]" = queue.SimpleQueue()
         # What a spec may name here (docs/security.md, "No code from the bus"): fixed at start.
-        self.allowed = admission.AllowList.for_node(cfg.operators.modules)
-        self.node_dirs = admission.NodeDirs.of(cfg)
+        allowed = admission.AllowList.for_node(cfg.operators.modules)
         # Who may say which pipelines run here (docs/security.md, "Signed pipeline specs"):
         # the admins' public keys, fixed at start; none configured, signatures are not required.
-        self.trust = signing.SpecTrust(self._admin_keys(cfg))
+        trust = signing.SpecTrust(self._admin_keys(cfg))
         timeout = cfg.agent.shutdown_timeout
         self.supervisor = Supervisor(
             emit=self._events.put,
@@ -179,7 +185,7 @@ class Agent:
             term_after=timeout / 2,
             kill_after=timeout,
             command=worker_command,
-            env=dict(env if env is not None else worker_env(), **self.allowed.env()),
+            env=dict(env if env is not None else worker_env(), **allowed.env()),
         )
         self.broker = BrokerSpec(
             host=cfg.mqtt.host,
@@ -199,55 +205,26 @@ class Agent:
         self.client_id = mqttc.agent_id(self.broker, self.cluster, self.node)  # docs/security.md, "Client ids"
         self._connect_log = mqttc.FailureLog(self.broker.host, self.broker.port, log, extra={"node": self.node})
         self._paho_error: Optional[str] = None  # paho's last error log line (a TLS alert, ...)
-        # fleet knowledge, from retained topics
-        self.fleet: Dict[str, Dict[str, Any]] = {}
+        self.view = FleetView(self.node)  # what the retained records say (agent.node.fleetview)
         self._context_cache: Dict[Tuple[str, str], Tuple[str, Optional[str]]] = {}
-        self.online: Dict[str, bool] = {}
-        self.latency: Dict[str, Dict[str, float]] = {}
-        self._reserved: Dict[str, int] = {}  # remote slots we asked for since their last state
-        # copies started on another node since its last state: counted for max_instances (bounds)
-        self._placed: Dict[str, Tuple[str, bounds.Known]] = {}  # instance -> (node, known)
         self.latency_core = _latency_core(cfg)  # RTT to the other agents (issue 6), if installed
         # createNode() bookkeeping
         self._awaiting_ready: Dict[str, SpawnJob] = {}  # instance id -> job, local start
         self._calls = rpc.PendingCalls()  # remote starts
         self._seen_requests = rpc.SeenRequests()  # admin requests handled: a redelivery is not applied again
-        self._restarts: Dict[str, List[float]] = {}
-        self._delayed_restarts: Dict[str, Tuple[float, InstanceSpec]] = {}  # instance -> (when, spec)
-        self._restart_batch: List[InstanceSpec] = []  # restarts of this loop turn (chains start together)
-        self._handing_over: Set[str] = set()  # keepers asked to stop on a drain, to start elsewhere
-        # keepers of a drain not stopped yet -> (the keyed copies still leaving, when to stop anyway)
-        self._copies_first: Dict[str, Tuple[Set[str], float]] = {}
-        self._handovers: Set[str] = set()  # stopped keepers whose start elsewhere is not answered yet
+        self.restarts = Restarts()  # crashed workers to start again here, and their backoff
+        self.drain = Drain()  # fogctl drain: no new instances, keepers moving (agent.node.drain)
         self.staging = statexfer.Staging()  # keyed states arriving with a hand-over, by (node, instance)
         self._salvaged_at = -1e9  # AgentSpill.salvage_orphans, every SALVAGE_PERIOD
         # keyed states copied to a standby node, both roles (agent.node.replicas)
         self.replication = replicas.Replication(self.node, Path(self.cfg.agent.state_dir))
-        # node loss (agent.node.rehome): every node's retained hosted record, offline times
-        self.hosted_by_node: Dict[str, List[Dict[str, Any]]] = {}
-        self.rehomed_by_node: Dict[str, Dict[str, float]] = {}  # node -> {instance: when it re-homed it}
-        self._offline_since: Dict[str, float] = {}
-        self._rehomed: Set[str] = set()
-        self._rehome_claims: Dict[str, float] = {}  # instance -> when we asked for its re-home
-        # failed re-homes whose node may come back before the next plan: instance -> (node, spec)
-        self._rehome_retry: Dict[str, Tuple[str, InstanceSpec]] = {}
-        self._online_since: Dict[str, float] = {}  # node -> when we last saw it come online
+        self.rehoming = Rehoming(self.node)  # offline times, planned nodes, claims, retries
         self._hosted_dirty = True
-        # Where this node moved instances to (hand-overs, re-homes), newest last: stated in our
-        # retained state record, which only we may write, so that no other node can take their
-        # bindings while they move (agent.node.hostmap, `moved`). Kept in the state directory: a
-        # statement is the only proof of a re-homed binding, and a re-homer that restarted and
-        # forgot it would leave its instance's new node unproven (no new epoch) for good.
-        self._moved_to: Dict[str, str] = _load_moved(Path(cfg.agent.state_dir))
-        # Which node hosts which instance (docs/security.md, "Data channels"): sent to every worker
-        # as the control line "hosts", which checks the writing node of each inbox message with it.
-        self.hostmap = HostMap(self.node)
-        self.hostmap.restore(_read_json(Path(cfg.agent.state_dir) / BINDINGS_FILE))
-        self._bindings_saved = self.hostmap.saved()
-        self._near: Set[str] = set()  # nodes hosting instances of our pipelines (`_sync_hosts`)
-        self._hosts_dirty = True
-        self._hosts_sent: Dict[str, Tuple[int, Dict[str, Any]]] = {}  # instance -> (pid, table sent)
-        self._hosts_local: Set[str] = set()
+        # Which node hosts which instance (docs/security.md, "Data channels"), sent to every worker
+        # as the control line "hosts", and where this node moved instances to (agent.node.hostsync),
+        # both kept in the state directory.
+        self.hosts = HostSync(self.node, _load_moved(Path(cfg.agent.state_dir)),
+                              _read_json(Path(cfg.agent.state_dir) / BINDINGS_FILE))
         self._reconcile_at: Optional[float] = None
         self._reconnect_asks: Dict[str, float] = {}  # worker -> when it asked to reconnect (fencing)
         self._last_puback = -1e9
@@ -270,19 +247,15 @@ class Agent:
         self.counters: Dict[str, int] = {"spawned_local": 0, "spawned_remote": 0, "spawn_failed": 0,
                                          "rpc_requests": 0, "rpc_repeats": 0, "restarts": 0, "bad_messages": 0,
                                          "peer_refused": 0, "retained_ignored": 0}
-        self.deployed: Set[str] = set()  # pipelines an admin deployed (retained pipelines/<name>)
-        # The retained pipeline records (deployed with a generation, or a tombstone): an instance
-        # they rule out is stopped and forgotten (records.stale_reason, docs/fogctl.md).
-        self.records: Dict[str, records.PipelineRecord] = {}
-        # The text of each pipeline an admin deployed (its record): what a peer spawn or a re-home
-        # starts, whatever text the requester's spec or a node's hosted record carries.
-        self.deployed_text: Dict[str, str] = {}
+        # Who may ask for what (agent.node.gate): the admission of specs and of peer requests.
+        self.gate = Gate(NodeLocal(self.node, self.cluster, self.broker, cfg.agent.state_dir,
+                                   cfg.agent.heartbeat_period, cfg.agent.dead_after > 0, cfg.mqtt.inbox_per_node,
+                                   cfg.agent.keyed_standby),
+                         allowed, admission.NodeDirs.of(cfg), trust, self.counters, self._boot)
         self._undeploying: Set[str] = set()  # stopped for an undeploy: forgotten, never restarted
-        # fogctl scale pins: "<pipeline>/<operator>" -> {pipeline, operator, until (wall) or None}
-        self.pins: Dict[str, Dict[str, Any]] = _load_pins(Path(cfg.agent.state_dir))
-        self._pinned_sent: Dict[str, bool] = {}  # instance -> the pinned flag its worker was sent
+        # fogctl scale pins (agent.node.pins), kept in the state directory
+        self.pins = Pins(_load_pins(Path(cfg.agent.state_dir)))
         self._client: Any = None
-        self.draining = False  # fogctl drain: refuse new instances (free_slots() = 0)
         # The site manager (docs/site-manager.md): every agent reads the nodes' claims, each on its
         # own topic, and derives the leader (a drain on the peer topic is accepted from the leader
         # only); [site_manager] enabled runs a candidate, which shares this board.
@@ -318,16 +291,17 @@ class Agent:
                               will=mqttc.Will(topics.agent_status(self.cluster, self.node), b"offline"))
         # Callbacks only enqueue (the loop owns the state).
         c.on_connect = lambda cl, ud, flags, reason, props=None: self._events.put(
-            ("mqtt_connect", not reason.is_failure, str(reason), bool(getattr(flags, "session_present", False)))
+            loopevents.Connected(not reason.is_failure, str(reason), bool(getattr(flags, "session_present", False)))
         )
-        c.on_disconnect = lambda cl, ud, flags, reason, props=None: self._events.put(("mqtt_disconnect", str(reason)))
-        # A failed (re)connect that paho retries by itself -> "mqtt_connect_fail"; paho reports a
+        c.on_disconnect = lambda cl, ud, flags, reason, props=None: self._events.put(
+            loopevents.Disconnected(str(reason)))
+        # A failed (re)connect that paho retries by itself -> ConnectFailed; paho reports a
         # lost connection without its cause (a TLS alert from the broker rejecting our
         # certificate reads as "Unspecified error"): the cause is in its error log line.
-        mqttc.FailureLog.watch(c, lambda why: self._events.put(("mqtt_connect_fail", why)),
-                               lambda why: self._events.put(("mqtt_error", why)))
-        c.on_message = lambda cl, ud, msg: self._events.put(("mqtt_message", msg))
-        c.on_publish = lambda cl, ud, mid, reason=None, props=None: self._events.put(("mqtt_puback", mid))
+        mqttc.FailureLog.watch(c, lambda why: self._events.put(loopevents.ConnectFailed(why)),
+                               lambda why: self._events.put(loopevents.PahoError(why)))
+        c.on_message = lambda cl, ud, msg: self._events.put(loopevents.MqttMessage(msg))
+        c.on_publish = lambda cl, ud, mid, reason=None, props=None: self._events.put(loopevents.Puback(mid))
         mqttc.connect(c, self.broker, SESSION, blocking=False)
         return c
 
@@ -389,14 +363,14 @@ class Agent:
 
     def request_stop(self, signum: int = signal.SIGTERM) -> None:
         """Ask the loop to shut down (safe from a signal handler or another thread)."""
-        self._events.put(("signal", signum))
+        self._events.put(loopevents.Signalled(signum))
 
     def install_signal_handlers(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda signum, frame: self._events.put(("signal", signum)))
+            signal.signal(sig, lambda signum, frame: self._events.put(loopevents.Signalled(signum)))
         # SIGHUP (systemctl reload) re-reads what can change in place; its default action would
         # kill the daemon without a drain (docs/operations.md, "Reload").
-        signal.signal(signal.SIGHUP, lambda signum, frame: self._events.put(("reload", signum)))
+        signal.signal(signal.SIGHUP, lambda signum, frame: self._events.put(loopevents.Reload(signum)))
 
     def _start_metrics(self) -> None:
         """`[metrics].port` != 0: serve /metrics (prometheus_client multiprocess mode, files under
@@ -451,12 +425,12 @@ class Agent:
 
     def _step(self) -> None:
         try:
-            ev = self._events.get(timeout=TICK)
+            event: Optional[loopevents.LoopEvent] = self._events.get(timeout=TICK)
         except queue.Empty:
-            ev = None
+            event = None
         now = self.clock()
-        if ev is not None:
-            self._dispatch(ev, now)
+        if event is not None:
+            self._dispatch(event, now)
             # drain what else is queued before the periodic work (bounded, to stay responsive)
             for _ in range(200):
                 try:
@@ -465,41 +439,59 @@ class Agent:
                     break
         self._periodic(self.clock())
 
-    def _dispatch(self, ev: Tuple[Any, ...], now: float) -> None:
-        kind = ev[0]
-        if kind == "mqtt_message":
-            self._on_message_safely(ev[1], now)
-        elif kind == "worker_line":
-            self._on_worker_line(ev[1], ev[2], now)
-        elif kind == "worker_eof":
-            self.supervisor.handle_eof(ev[1])  # its lines are handled: poll() may reap it
-        elif kind == "mqtt_puback":
-            self._last_puback = now
-            if self.replication.waits_for(ev[1]):
-                self.replication.published(ev[1], now, self._publish_replica)
-        elif kind == "mqtt_connect":
-            if ev[1]:
-                self._paho_error = None
-                self._connect_log.connected()
-                self._on_connected(ev[3])
-            else:
-                self._connection_problem(f"the broker refused the connection: {ev[2]}")
-        elif kind == "mqtt_connect_fail":
-            self._connection_problem(ev[1])
-        elif kind == "mqtt_error":
-            self._paho_error = ev[1]  # already mqttc.paho_error()'d by FailureLog.watch
-        elif kind == "mqtt_disconnect":
-            reason = self._paho_error or ev[1]  # the cause rather than "Unspecified error"
+    def _dispatch(self, event: loopevents.LoopEvent, now: float) -> None:
+        """Hand one event of the queue to the handler of its type (`_LOOP`)."""
+        self._LOOP[type(event)](self, event, now)
+
+    def _on_mqtt_message(self, event: loopevents.MqttMessage, now: float) -> None:
+        self._on_message_safely(event.msg, now)
+
+    def _on_worker_line_event(self, event: loopevents.WorkerLine, now: float) -> None:
+        self._on_worker_line(event.instance, event.line, now)
+
+    def _on_worker_eof(self, event: loopevents.WorkerEof, now: float) -> None:
+        self.supervisor.handle_eof(event.instance)  # its lines are handled: poll() may reap it
+
+    def _on_puback(self, event: loopevents.Puback, now: float) -> None:
+        self._last_puback = now
+        if self.replication.waits_for(event.mid):
+            self.replication.published(event.mid, now, self._publish_replica)
+
+    def _on_connack(self, event: loopevents.Connected, now: float) -> None:
+        if event.ok:
             self._paho_error = None
-            if self.connected:
-                self.connected = False
-                log.warning("disconnected from broker: %s", reason, extra={"node": self.node})
-            else:
-                self._connection_problem(f"connection closed before CONNACK: {reason}")
-        elif kind == "signal":
-            self._begin_shutdown(now, f"signal {signal.Signals(ev[1]).name}")
-        elif kind == "reload":
-            self._reload()
+            self._connect_log.connected()
+            self._on_connected(event.session_present)
+        else:
+            self._connection_problem(f"the broker refused the connection: {event.reason}")
+
+    def _on_connect_failed(self, event: loopevents.ConnectFailed, now: float) -> None:
+        self._connection_problem(event.why)
+
+    def _on_paho_error(self, event: loopevents.PahoError, now: float) -> None:
+        self._paho_error = event.why  # already mqttc.paho_error()'d by FailureLog.watch
+
+    def _on_disconnected(self, event: loopevents.Disconnected, now: float) -> None:
+        reason = self._paho_error or event.reason  # the cause rather than "Unspecified error"
+        self._paho_error = None
+        if self.connected:
+            self.connected = False
+            log.warning("disconnected from broker: %s", reason, extra={"node": self.node})
+        else:
+            self._connection_problem(f"connection closed before CONNACK: {reason}")
+
+    def _on_signal(self, event: loopevents.Signalled, now: float) -> None:
+        self._begin_shutdown(now, f"signal {signal.Signals(event.signum).name}")
+
+    def _on_reload(self, event: loopevents.Reload, now: float) -> None:
+        self._reload()
+
+    _LOOP: Dict[type, Callable[["Agent", Any, float], None]] = {
+        loopevents.MqttMessage: _on_mqtt_message, loopevents.WorkerLine: _on_worker_line_event,
+        loopevents.WorkerEof: _on_worker_eof, loopevents.Puback: _on_puback, loopevents.Connected: _on_connack,
+        loopevents.ConnectFailed: _on_connect_failed, loopevents.PahoError: _on_paho_error,
+        loopevents.Disconnected: _on_disconnected, loopevents.Signalled: _on_signal, loopevents.Reload: _on_reload,
+    }
 
     def _reload(self) -> None:
         """SIGHUP: re-read the config file and apply its [log] level, the one setting that changes
@@ -531,7 +523,7 @@ class Agent:
     def _periodic(self, now: float) -> None:
         for reaped in self.supervisor.poll(now):
             self._on_reaped(reaped, now)
-        if self._copies_first:
+        if self.drain.copies_first:
             self._release_keeper(now)
         if (self._reconcile_at is not None and now >= self._reconcile_at and self._retained_in
                 and self._stopping_since is None):
@@ -544,9 +536,8 @@ class Agent:
         self._grant_reconnects(now)
         if self.pins:
             self._expire_pins()
-        for inst, (when, spec) in list(self._delayed_restarts.items()):
-            if now >= when and self._stopping_since is None:
-                del self._delayed_restarts[inst]
+        if self._stopping_since is None:
+            for spec in self.restarts.due(now):
                 self._restart(spec, now)
         self._start_restarts(now)
         for call in self._calls.expired(now):
@@ -569,7 +560,7 @@ class Agent:
             raise Halt(f"no broker at {self.broker.host}:{self.broker.port} after {self.connect_timeout}s{last}", EXIT_UNAVAILABLE)
         if self.connected and self.latency_core is not None:
             core = self.latency_core
-            core.set_neighbours((n for n in self.fleet if n != self.node and self.online.get(n, False)), near=self._near)
+            core.set_neighbours((n for n in self.view.fleet if n != self.node and self.view.online.get(n, False)), near=self.hosts.near)
             for topic, payload in core.poll(self.clock()):  # a ping's send time: after the work above
                 self._publish(topic, payload, qos=0)
             if core.publish_due(self.clock()):
@@ -647,36 +638,27 @@ class Agent:
                 gen = records.spec_generation(w.spec)
                 if gen:
                     item["generation"] = gen
-                if self._pinned_sent.get(w.instance):
+                if self.pins.flagged(w.instance):
                     item["pinned"] = True
-        if self.draining:  # fogctl status flags the node (docs/fogctl.md, "Payloads")
+        if self.drain.draining:  # fogctl status flags the node (docs/fogctl.md, "Payloads")
             doc["draining"] = True
-        if self._handovers:
+        if self.drain.moving:
             # Keepers stopped here whose start elsewhere is not answered yet: this node is not
             # empty (the site manager releases it, maybe powers it off, only once it is): a
             # failed start restarts the keeper here, and a keyed one's state is only here.
-            doc["handing_over"] = sorted(self._handovers)
+            doc["handing_over"] = sorted(self.drain.moving)
         if self.pins:
-            doc["pins"] = sorted(self.pins.values(), key=lambda p: (p["pipeline"] or "", p["operator"]))
-        moved = self._moved_statements()
+            doc["pins"] = self.pins.listed()
+        moved = self.hosts.moved_statements(self.supervisor)
         if moved:
             doc["moved"] = moved
         return doc
 
-    def _moved_statements(self) -> Dict[str, str]:
-        """Our "moved" statements, without those of instances we moved away that run here again."""
-        return {i: n for i, n in self._moved_to.items() if n == self.node or i not in self.supervisor}
-
     def _stated_move(self, instance: str, node: Any) -> None:
         """We moved `instance` to `node` (its createNode() reply): say so in our state record."""
-        if isinstance(node, str):
-            self._moved_to.pop(instance, None)
-            self._moved_to[instance] = node
-            while len(self._moved_to) > MAX_MOVED:
-                del self._moved_to[next(iter(self._moved_to))]
-            self._keep(MOVED_FILE, {"moved": [[i, n] for i, n in self._moved_to.items()]}, "moved statements")
+        if self.hosts.stated_move(instance, node):
+            self._keep(MOVED_FILE, {"moved": [[i, n] for i, n in self.hosts.moved_to.items()]}, "moved statements")
             self._state_dirty = True
-            self._hosts_dirty = True
 
     def _keep(self, name: str, doc: Any, what: str) -> bool:
         """Write `doc` as `<state_dir>/<name>` (atomically) for the next start; False, logged, when
@@ -694,7 +676,7 @@ class Agent:
         if self.metrics is not None:  # fog_instances, fog_spool_*: on the beat of the retained state
             self.metrics.observe_node(self.supervisor.workers.values(), self.spill)
         doc = self.state_doc()
-        self.fleet[self.node] = doc
+        self.view.fleet[self.node] = doc
         if self._publish(topics.agent_state(self.cluster, self.node), nodestate.encode_state(doc), retain=True):
             self._last_state = now
             self._state_dirty = False
@@ -704,27 +686,21 @@ class Agent:
         predecessors' back pressure) on the beat of the retained state, from the same fleet view
         placement reads (`placement.instance_context`; docs/measurement.md, "Policies in the
         daemon"). A "decentralized" instance needs none: the paper's policy is per instance."""
-        docs = {n: d for n, d in self.fleet.items() if n == self.node or self.online.get(n, True)}
+        docs = {n: d for n, d in self.view.fleet.items() if n == self.node or self.view.online.get(n, True)}
         for w in list(self.supervisor.workers.values()):
             if w.status is not WorkerStatus.ACTIVE:
                 continue
             need = self._policy_needs(w.spec)
             if need is None:
                 continue
-            ctx = instance_context(docs, self.latency, w.spec.pipeline, w.spec.operator, need, w.instance)
+            ctx = instance_context(docs, self.view.latency, w.spec.pipeline, w.spec.operator, need, w.instance)
             self.supervisor.send(w.instance, "set", context=ctx)
 
     def _siblings(self, spec: InstanceSpec) -> Tuple[str, ...]:
         """Ids of the operator's other instances (this pipeline) in our view: ND_max placement."""
         out = [w.instance for w in self.supervisor.workers.values()
                if w.spec.pipeline == spec.pipeline and w.spec.operator == spec.operator and w.instance != spec.instance]
-        for node, doc in self.fleet.items():
-            if node == self.node or not self.online.get(node, True):
-                continue
-            out.extend(str(i.get("id")) for i in doc.get("instances", []) or []
-                       if isinstance(i, dict) and i.get("operator") == spec.operator
-                       and i.get("pipeline", spec.pipeline) == spec.pipeline and i.get("id") != spec.instance)
-        return tuple(out)
+        return tuple(out + self.view.siblings(spec.pipeline, spec.operator, spec.instance))
 
     def _policy_needs(self, spec: InstanceSpec) -> Optional[str]:
         """For an instance of a Gesscale policy, its predecessor operator's name ("" for none);
@@ -763,25 +739,17 @@ class Agent:
     # -- fleet view and placement --------------------------------------------------------------
 
     def fleet_views(self) -> List[NodeView]:
-        views = [NodeView(
-            node=self.node, slots=self.cfg.agent.slots, free_slots=self.free_slots(), online=True,
-            latency_ms=self.latency.get(self.node, {}), instances=tuple(self.supervisor.workers),
-        )]
-        for node, doc in sorted(self.fleet.items()):
-            if node == self.node:
-                continue
-            view = nodestate.node_view(doc, online=self.online.get(node, True), latency_ms=self.latency.get(node, {}),
-                                       max_slots=self.cfg.security.node_slots.get(node))
-            free = max(0, view.free_slots - self._reserved.get(node, 0))
-            views.append(dataclasses.replace(view, free_slots=free))
-        return views
+        return self.view.views(NodeView(node=self.node, slots=self.cfg.agent.slots, free_slots=self.free_slots(),
+                                        online=True, latency_ms=self.view.latency.get(self.node, {}),
+                                        instances=tuple(self.supervisor.workers)),
+                               self.cfg.security.node_slots)
 
     def fleet_slots(self) -> int:
         """All slots of the online fleet as this agent sees it: the bound of a forced scale-out."""
         return sum(max(0, v.slots) for v in self.fleet_views() if v.online)
 
     def free_slots(self) -> int:
-        if self.draining:
+        if self.drain.draining:
             return 0  # `fogctl drain`: no new instance until `undrain`
         return max(0, self.cfg.agent.slots - len(self.supervisor))
 
@@ -822,17 +790,10 @@ class Agent:
                 if why:
                     return Reply(False, {}, f"{a.instance} cannot move: {why}").to_dict()
         if isinstance(req, DrainRequest):
-            self.draining = not req.undo
+            self.drain.set(not req.undo)  # an undrain: the keepers not stopped yet stay
             self._state_dirty = True
-            if req.undo:  # the keepers not stopped yet stay
-                self._handing_over.difference_update(self._copies_first)
-                self._copies_first.clear()
         sent: List[str] = []
-        # Keyed copies leave first: a keeper stopped while their groups come to it would leave with
-        # those groups on their way and the records held for them unsaved; its new incarnation
-        # would install a group and fire the group's windows by a watermark its other groups had
-        # moved on, before the replays of the held records came. The other keepers (the
-        # predecessors whose end-of-stream markers those moves need) wait too.
+        # Keyed copies leave first, the keepers wait for them (agent.node.drain).
         copies = {a.instance for a in actions if a.kind is ActionKind.TERMINATE and self._keeps_keyed_state(a.instance)}
         for a in actions:
             if a.kind is ActionKind.HANDOVER:
@@ -841,10 +802,7 @@ class Agent:
                 # happens when it has exited.
                 if a.instance not in self.supervisor:
                     return Reply(False, {"leaving": sent}, f"instance {a.instance} on {self.node} is not running").to_dict()
-                self._handing_over.add(a.instance)
-                if copies:
-                    self._copies_first[a.instance] = (set(copies), now + COPIES_FIRST_WAIT)
-                else:
+                if self.drain.hand_over(a.instance, copies, now):
                     self.supervisor.stop(a.instance, now)
                 sent.append(a.instance)
                 continue
@@ -866,21 +824,12 @@ class Agent:
     def _release_keeper(self, now: float, left: Optional[str] = None) -> None:
         """Stop each keeper of a drain that waits for keyed copies (`_on_steering`) once they have
         all left (`left` just exited) or its wait is over."""
-        for keeper, (copies, until) in list(self._copies_first.items()):
-            if left is not None:
-                copies.discard(left)
-            if copies and now < until:
-                continue
-            del self._copies_first[keeper]
+        for keeper, copies in self.drain.release(now, left):
             if copies:
                 log.warning("copies %s still leaving after %.0f s: %s moves now", sorted(copies), COPIES_FIRST_WAIT,
                             keeper, extra={"node": self.node})
-            if keeper in self.supervisor and keeper in self._handing_over:
+            if keeper in self.supervisor and self.drain.stops(keeper):
                 self.supervisor.stop(keeper, now)
-
-    def _new_instance_id(self, operator: str) -> str:
-        self._counter += 1
-        return f"{operator}-{self.node}-{self._boot}-{self._counter}"
 
     # -- createNode() --------------------------------------------------------------------------
 
@@ -951,115 +900,17 @@ class Agent:
             fields = {k: v for k, v in result.items() if k in ("ok", "instance", "node", "error")}
             self.supervisor.send(requester, "spawned", request=req_id, **fields)
 
-        if w is None or not isinstance(msg.get("spec"), dict):
-            reply({"ok": False, "error": "spawn without a spec object"})
-            return
-        stale = records.stale_reason(records.spec_generation(w.spec), self.records.get(w.spec.pipeline))
-        if stale or requester in self._undeploying:
-            reply({"ok": False, "error": f"refused: {stale or 'it is being undeployed'}"})
-            return
-        try:
-            spec = self._spec_from(msg["spec"], template=w.spec)
-        except (TypeError, ValueError) as exc:
-            reply({"ok": False, "error": f"invalid spec: {exc}"})
-            return
-        why = self._max_instances_refusal(spec)
-        if why:
-            # The creator cancels this copy (docs/scaling.md, deviation 8); not an error here.
-            self.counters["spawn_refused_max"] = self.counters.get("spawn_refused_max", 0) + 1
-            log.info("refused copy %s of %s: %s", spec.instance, requester, why,
-                     extra={"node": self.node, "operator": spec.operator})
-            reply({"ok": False, "error": why})
-            return
-        self._create_node(spec, reply, cause="spawn", now=now)
-
-    def _max_instances_refusal(self, spec: InstanceSpec) -> Optional[str]:
-        """Why a worker's copy would take its operator past [scaling] max_instances (None: it
-        would not). Every instance this agent knows of counts, whatever its phase, plus the
-        copies it is placing elsewhere (agent.node.bounds: hard on one agent, as fresh as
-        the retained states across agents)."""
-        limit = load_pipeline_text(spec.pipeline_toml, f"pipeline {spec.pipeline}").scaling_for(spec.operator).max_instances
-        local = [(w.instance, w.spec.pipeline, w.spec.operator) for w in self.supervisor.workers.values()]
+        local = [(x.instance, x.spec.pipeline, x.spec.operator) for x in self.supervisor.workers.values()]
         placing = [(c.context.spec.instance, c.context.spec.pipeline, c.context.spec.operator)
                    for c in self._calls.calls.values() if isinstance(c.context, SpawnJob)]
-        placing += [known for _, known in self._placed.values()]
-        existing = bounds.operator_instances(spec.pipeline, spec.operator, self.node, local, self.fleet,
-                                             self.online, placing)
-        return bounds.refusal(spec.operator, spec.instance, limit, existing)
-
-    def _spec_from(self, data: Dict[str, Any], template: Optional[InstanceSpec],
-                   requester: Optional[str] = None) -> InstanceSpec:
-        """A full spec for an instance to start here: the request's fields over the template's.
-
-        The node-local fields (node, broker, state_dir, heartbeat period, spool) are always this
-        agent's: a request from another node must not make us connect elsewhere or write to its
-        paths. The spec must pass `_admit` (its function on this node's allow-list, its paths
-        inside this node's directories), else ValueError, logged with `requester` (default: the
-        template's worker, who asked), and nothing is started or saved.
-        """
-        try:
-            admission.check_spec_types(data)  # a wrong type is a refusal, not an exception further down
-        except ValueError as exc:
-            self.counters["refused_specs"] = self.counters.get("refused_specs", 0) + 1
-            log.warning("refused spec from %s: %s", requester or "unknown requester", exc, extra={"node": self.node})
-            raise
-        base: Dict[str, Any] = dataclasses.asdict(without_handover(template)) if template is not None else {}
-        base.pop("instance", None)  # a sibling never inherits its requester's identity
-        base.update({k: v for k, v in data.items() if k in {f.name for f in dataclasses.fields(InstanceSpec)}})
-        if template is not None and "keeper" not in data:
-            base["keeper"] = False
-        if template is not None and "restart" not in data:
-            base["restart"] = False
-        if not base.get("instance"):
-            if not base.get("operator"):
-                raise ValueError("spec without an operator")
-            base["instance"] = self._new_instance_id(base["operator"])
-        topics._check(str(base["instance"]))
-        base.update(self._node_local(base.get("extra") or {}))
-        base["succs"] = tuple(base.get("succs", ()))
-        base["preds"] = tuple(base.get("preds", ()))
-        missing = [k for k in ("operator", "pipeline", "pipeline_toml") if not base.get(k)]
-        if missing:
-            raise ValueError(f"spec without {', '.join(missing)}")
-        spec = chains.without_chain(InstanceSpec(**base))  # chained only by a chain request (_spawn_chain)
-        if requester is None:
-            requester = f"worker {template.instance}" if template is not None else "unknown requester"
-        self._admit(spec, requester)
-        return spec
-
-    def _admit(self, spec: InstanceSpec, requester: str) -> None:
-        """Refuse (ValueError, counted, one log line naming the requester) a spec whose operator
-        function is not on this node's allow-list, that names a path outside this node's
-        directories, or whose epoch floor is ahead of this node's clock (agent.operators.admission;
-        a spec from this node's state dir, `admission.FROM_STATE_DIR`, is not held to the clock).
-        Reads the names only: never imports the function."""
-        try:
-            if not isinstance(spec.pipeline_toml, str) or not isinstance(spec.operator, str):
-                raise ValueError("pipeline_toml and operator must be strings")
-            if not isinstance(spec.extra, dict):
-                raise ValueError("extra must be an object")
-            unsigned = self.trust.check(str(spec.pipeline), records.spec_generation(spec), spec.pipeline_toml,
-                                        spec.extra.get(signing.SIGNATURE_KEY))
-            if unsigned:  # before the text is parsed: an unsigned text is not ours to read
-                self.counters["refused_signatures"] = self.counters.get("refused_signatures", 0) + 1
-                raise ValueError(f"not signed by an admin: {unsigned}")
-            try:
-                pipeline = load_pipeline_text(spec.pipeline_toml, f"pipeline {spec.pipeline}")
-                op = pipeline.operator(spec.operator)
-            except KeyError:
-                raise ValueError(f"operator {spec.operator!r} is not in pipeline {spec.pipeline!r}") from None
-            except RecursionError:
-                raise ValueError("pipeline text nested too deeply") from None
-            self.allowed.check(op.function)
-            admission.check_mqtt_topics(op.function, op.params, pipeline.pipeline.mqtt_topics,
-                                        required=self.trust.required)
-            admission.check_spec_paths(self.node_dirs, spec.extra, op.function, op.params)
-            admission.check_epochs(spec.extra, self.wall(), stored=requester == admission.FROM_STATE_DIR)
-        except ValueError as exc:
-            self.counters["refused_specs"] = self.counters.get("refused_specs", 0) + 1
-            log.warning("refused spec of instance %s from %s: %s", spec.instance, requester, exc,
-                        extra={"node": self.node})
-            raise
+        placing += self.view.placed_copies()
+        spec = self.gate.worker_copy(self.wall(), w.spec if w is not None else None, msg,
+                                     self.view.records.get(w.spec.pipeline) if w is not None else None,
+                                     requester in self._undeploying, local, placing, self.view.fleet, self.view.online)
+        if isinstance(spec, str):
+            reply({"ok": False, "error": spec})
+            return
+        self._create_node(spec, reply, cause="spawn", now=now)
 
     @staticmethod
     def _admin_keys(cfg: AgentConfig) -> Optional[signing.Verifier]:
@@ -1072,24 +923,6 @@ class Agent:
         except ValueError as exc:
             raise ConfigError(Path(cfg.source).name, "[security].admin_keys",
                               f"expected Ed25519 public key PEM files ({exc})") from None
-
-    def _node_local(self, extra: Dict[str, Any]) -> Dict[str, Any]:
-        """The spec fields that are always this agent's, whatever the spec came with (a request
-        from another node, a stored spec): where to connect, where to write, how often to beat,
-        and, re-homing on, that a worker which lost its connection waits for our word before it
-        reconnects (_grant_reconnects). The spool settings are the node's own too: dropped here,
-        set again by `AgentSpill.with_spill` when this node spills. The fault-injection hook
-        `crash_at` is dropped unless this node enables fault injection (admission.ENV_FAULT_INJECTION):
-        from a request it would let anyone crash a worker at will."""
-        own = {k: v for k, v in extra.items() if k != "spill"}  # the spool: AgentSpill.with_spill, or none
-        if "crash_at" in own and not admission.fault_injection_enabled():
-            dropped = own.pop("crash_at")
-            log.warning("dropped extra.crash_at %.100r: fault injection is off on this node (%s)",
-                        dropped, admission.ENV_FAULT_INJECTION, extra={"node": self.node})
-        return {"node": self.node, "cluster": self.cluster, "broker": self.broker,
-                "state_dir": self.cfg.agent.state_dir, "heartbeat_period": self.cfg.agent.heartbeat_period,
-                "extra": dict(own, fence_reconnect=self.cfg.agent.dead_after > 0, check_sender_node=True,
-                              inbox_per_node=self.cfg.mqtt.inbox_per_node, replicate=self.cfg.agent.keyed_standby)}
 
     def _create_node(self, spec: InstanceSpec, reply: Callable[[Dict[str, Any]], None], cause: str, now: float,
                      chunks: Sequence[Dict[str, Any]] = ()) -> None:
@@ -1126,12 +959,10 @@ class Agent:
             return True
         if local_only:
             return False
-        for node, doc in self.fleet.items():
-            if node != self.node and self.online.get(node) and any(
-                isinstance(i, dict) and i.get("id") == instance for i in doc.get("instances", []) or []
-            ):
-                reply({"ok": True, "instance": instance, "node": node})
-                return True
+        node = self.view.runs_on(instance)
+        if node is not None:
+            reply({"ok": True, "instance": instance, "node": node})
+            return True
         return False
 
     def _try_next(self, job: SpawnJob, now: float, last_error: str) -> None:
@@ -1160,7 +991,7 @@ class Agent:
             # A chunk not queued: no spawn (it would be refused for want of its state).
             if all(self._publish(peer_topic, rpc.encode(chunk)) for chunk in job.chunks) and \
                     self._publish(peer_topic, rpc.encode(body), properties=props):
-                self._reserved[node] = self._reserved.get(node, 0) + 1
+                self.view.reserve(node)
                 return
             self._calls.resolve(correlation)
             last_error = f"request to {node} not queued"
@@ -1260,78 +1091,44 @@ class Agent:
                 self._on_message_safely(self._held_peer.popleft(), now)
 
     def _on_state_record(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
-        node = str(parsed.node)
-        if node == self.node or not msg.payload:
-            if not msg.payload:
-                self.fleet.pop(node, None)
-            return
         try:
-            doc = nodestate.parse_node_state(msg.payload)
-            if doc["node"] != node:
-                raise ValueError(f"state on {node}'s topic names node {str(doc['node'])[:40]!r}")
-            nodestate.node_view(doc)  # what placement will read of it must be readable
+            if self.view.on_state(str(parsed.node), msg.payload):
+                self.hosts.dirty = True
         except (ValueError, TypeError, KeyError) as exc:
-            self._bad("state", node, exc)
-            return
-        if moved_of(doc) != moved_of(self.fleet.get(node)):
-            self._hosts_dirty = True
-        self.fleet[node] = doc
-        self._reserved.pop(node, None)
-        # Published after its replies to us (one connection, in order): it lists their copies.
-        self._placed = {i: v for i, v in self._placed.items() if v[0] != node}
+            self._bad("state", str(parsed.node), exc)
 
     def _on_status(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
         node = str(parsed.node)
         up = msg.payload == b"online"
-        if up and not self.online.get(node):
-            self._online_since[node] = now
-        self.online[node] = up
-        self._hosts_dirty = True
-        if up:
-            self._offline_since.pop(node, None)
-            self._rehomed.discard(node)
-        elif node != self.node:
-            self._offline_since.setdefault(node, now)
+        self.rehoming.on_status(node, up, bool(self.view.online.get(node)), now)
+        self.view.on_status(node, up)
+        self.hosts.dirty = True
 
     def _on_rehomed_record(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
-        node = str(parsed.node)
         try:
-            self.rehomed_by_node[node] = rehome.decode_rehomed(msg.payload)
-            self._hosts_dirty = True
+            self.view.on_rehomed(str(parsed.node), msg.payload)
+            self.hosts.dirty = True
         except ValueError as exc:
-            self._bad("re-homed record", node, exc)
+            self._bad("re-homed record", str(parsed.node), exc)
 
     def _on_hosted_record(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
         node = str(parsed.node)
         if node == self.node:
             return
         try:
-            self.hosted_by_node[node] = rehome.decode_hosted(msg.payload)
-            self._hosts_dirty = True
-            self.replication.drop_unlisted(node, (str(s["instance"]) for s in self.hosted_by_node[node]))
+            listed = self.view.on_hosted(node, msg.payload)
+            self.hosts.dirty = True
+            self.replication.drop_unlisted(node, listed)
         except ValueError as exc:
             self._bad("hosted record", node, exc)
 
     def _on_pipeline_record(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
         name = str(parsed.node)
-        record = records.parse_record(msg.payload)
-        text = records.deployed_text(msg.payload) if record is not None else None
-        if record is not None and record.state == "deployed" and text is not None:
-            unsigned = self.trust.check(name, record.generation, text, record.signature)
-            if unsigned:  # kept as if never written: neither deployed nor a newer generation
-                self.counters["refused_signatures"] = self.counters.get("refused_signatures", 0) + 1
-                log.warning("pipeline record %s refused: %s", name, unsigned, extra={"node": self.node})
-                return
-        if record is None:
-            self.records.pop(name, None)
-        else:
-            self.records[name] = record
-        if record is not None and record.state == "deployed" and text is not None:
-            self.deployed.add(name)
-            self.deployed_text[name] = text
-        else:
-            self.deployed.discard(name)
-            self.deployed_text.pop(name, None)
+        unsigned = self.view.on_pipeline(name, msg.payload, self.gate.trust)
+        if unsigned:  # kept as if never written: neither deployed nor a newer generation
+            self.counters["refused_signatures"] = self.counters.get("refused_signatures", 0) + 1
+            log.warning("pipeline record %s refused: %s", name, unsigned, extra={"node": self.node})
+            return
         self._drop_stale(name, now)
 
     def _on_site_manager_record(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
@@ -1353,13 +1150,13 @@ class Agent:
         within a period of the records being in."""
         if not self._retained_in:
             return
-        payload = self.site_leases.statement(self.online, self.wall())
+        payload = self.site_leases.statement(self.view.online, self.wall())
         if payload is not None:
             self._publish(topics.site_manager(self.cluster, self.node), payload, retain=True)
             self._keep(FOLLOWED_FILE, {"follows": self.site_leases.stated}, "the leader followed")
 
     def _on_latency_row(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
-        self.latency[str(parsed.node)] = nodestate.parse_latency(msg.payload)
+        self.view.on_latency(str(parsed.node), msg.payload)
 
     def _on_probe(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
         if parsed.node != self.node or self.latency_core is None:
@@ -1384,56 +1181,10 @@ class Agent:
         "ping": _on_probe, "pong": _on_probe,
     }
 
-    def _peer_may_spawn(self, requester: str, body: Dict[str, Any]) -> Optional[str]:
-        """Why a spawn from node `requester` on our peer topic is refused, or None to accept it.
-
-        docs/security.md: only for a pipeline an admin deployed (its retained pipelines/<name>
-        record, the generation the spec names if any), and a spec that carries a text carries
-        that record's text; the spawn then runs the record's text, never the requester's
-        (`_on_rpc_request`). What the requester hosts proves nothing: it
-        writes its own hosted record (a node listing a pipeline of its own making in it once had
-        another node run an mqtt_source on that node's rpc topic for it)."""
-        spec = body.get("spec")
-        pipeline = spec.get("pipeline") if isinstance(spec, dict) else None
-        if not isinstance(pipeline, str) or not pipeline:
-            return "spawn without a pipeline"
-        stale = records.stale_reason(records.spec_generation(spec), self.records.get(pipeline))
-        if stale:
-            return f"pipeline {pipeline[:80]!r}: {stale}"
-        text = self.deployed_text.get(pipeline) if pipeline in self.deployed else None
-        if text is None:
-            return f"pipeline {pipeline[:80]!r} is not deployed (no admin's record of it)"
-        if spec.get("pipeline_toml") not in (None, text):
-            return f"the text of pipeline {pipeline[:80]!r} is not the one an admin deployed"
-        return self._clone_problem(requester, spec.get("instance"))
-
-    def _clone_problem(self, requester: str, instance: Any) -> Optional[str]:
-        """A peer spawn of an instance that runs on another online node, asked by a node other
-        than that one: a clone (one identity on two nodes), refused. Only the node an instance is
-        bound to moves it while it is online (a hand-over); a re-home starts it elsewhere once its
-        node is offline; a scale-out's copy has a new identity. The binding is the proven one of
-        the host map, and its node must still list the instance (a binding nobody lists any more
-        is a leftover)."""
-        if not isinstance(instance, str):
-            return None
-        node = self.hostmap.bound(instance)
-        if (node is None or node in (requester, self.node) or not self.online.get(node)
-                or not self.hostmap.proven(instance)
-                or not any(s.get("instance") == instance for s in self.hosted_by_node.get(node, []))):
-            return None
-        return f"instance {instance[:80]!r} runs on {node} (online): only {node} may move it"
-
-    def _peer_may_ship(self, requester: str, instance: str) -> Optional[str]:
-        """A node may send us the keyed state of an instance only if it hosts it (its retained
-        hosted record lists it): the draining agent does until the new incarnation is ready."""
-        if any(s.get("instance") == instance for s in self.hosted_by_node.get(requester, [])):
-            return None
-        return f"{requester} does not host {instance[:80]!r}"
-
     def _stage_keyed(self, spec: InstanceSpec, requester: str) -> Optional[str]:
         """A hand-over spawn of a keyed keeper: its state, assembled from the chunks `requester`
         sent before it, verified and checked (statexfer), written where its worker installs it
-        (`Worker._take_handover`) under the instance id `_spec_from` validated. The error text
+        (`Worker._take_handover`) under the instance id `Gate.spec_from` validated. The error text
         refuses the spawn (the requester tries another node or keeps the keeper)."""
         try:
             data = self.staging.take(requester, spec.instance, spec.extra["handover_keyed"])
@@ -1448,23 +1199,18 @@ class Agent:
         log.info("keyed state of %d bytes received from %s", len(data), requester, extra={"instance": spec.instance})
         return None
 
-    def _peer_may_steer(self, requester: str) -> Optional[str]:
-        """A node may drain/undrain this one only while it is the site manager this agent derives
-        from the claims (`site_manager.leader`: its own claim, running, its holder online)."""
-        now = self.wall()
-        lease = self.site_leases.current(self.online, now)
-        if lease is None or lease.node != requester:
-            contested = sorted(self.site_leases.valid(self.online, now)) if lease is None else []
-            why = f" (claims of {', '.join(contested[:4])}: none leads until one remains)" if len(contested) > 1 else ""
-            return f"{requester} is not the site manager{why}"
-        return None
+    def _peer_facts(self) -> PeerFacts:
+        """What the peer checks read of our fleet view (agent.node.gate)."""
+        v = self.view
+        return PeerFacts(v.online, v.hosted_by_node, v.records, v.deployed, v.deployed_text, self.hosts.hostmap,
+                         self.site_leases)
 
     def _site_tick(self) -> None:
         """Run the site manager's period (agent.node.site_driver) and carry out its effects."""
         assert self.site is not None
-        docs = {n: d for n, d in self.fleet.items() if n != self.node}
+        docs = {n: d for n, d in self.view.fleet.items() if n != self.node}
         docs[self.node] = self.state_doc()
-        online = dict(self.online)  # every node's status: the election's claims too, not only the states'
+        online = dict(self.view.online)  # every node's status: the election's claims too, not only the states'
         online[self.node] = True
         now = self.wall()
         for eff in self.site.tick(now, docs, online):
@@ -1518,13 +1264,7 @@ class Agent:
             return
         op = body["op"]
         if peer:
-            if op in ("drain", "undrain"):
-                why = self._peer_may_steer(requester)
-            elif op in ("state_chunk", "replica"):
-                why = self._peer_may_ship(requester, body["instance"])
-            else:
-                why = (f"op {op!r} is not allowed on the peer topic (only {', '.join(rpc.PEER_OPS)})"
-                       if op not in rpc.PEER_OPS else self._peer_may_spawn(requester, body))
+            why = self.gate.peer_refusal(self.wall(), op, requester, body, self._peer_facts())
             if why is not None:
                 self.counters["peer_refused"] += 1
                 log.warning("refused %s request from node %s: %s", op, requester, why, extra={"node": self.node})
@@ -1583,10 +1323,10 @@ class Agent:
                 self._spawn_chain(body, requester, peer, reply, now)
                 return
             data = body["spec"]
-            if peer:  # the admin's text of the pipeline (_peer_may_spawn), never the requester's
-                data = dict(data, pipeline_toml=self.deployed_text[str(data.get("pipeline"))])
+            if peer:  # the admin's text of the pipeline (Gate.peer_may_spawn), never the requester's
+                data = dict(data, pipeline_toml=self.view.deployed_text[str(data.get("pipeline"))])
             try:
-                spec = self._spec_from(data, template=None,
+                spec = self.gate.spec_from(self.wall(), data, template=None,
                                        requester=f"{'node' if peer else 'admin'} {requester}")
             except (TypeError, ValueError) as exc:
                 reply({"ok": False, "error": f"invalid spec: {exc}"})
@@ -1616,7 +1356,7 @@ class Agent:
             reply({"ok": False, "error": "invalid chain: expected a list of spec objects"})
             return
         try:
-            specs = [self._spec_from(m, template=None, requester=f"admin {requester}")
+            specs = [self.gate.spec_from(self.wall(), m, template=None, requester=f"admin {requester}")
                      for m in members[:chains.MAX_CHAIN + 1]]
         except (TypeError, ValueError) as exc:
             reply({"ok": False, "error": f"invalid spec: {exc}"})
@@ -1675,7 +1415,7 @@ class Agent:
             return
         if result["ok"]:
             self.counters["spawned_remote"] += 1
-            self._placed[job.spec.instance] = (call.node, (job.spec.instance, job.spec.pipeline, job.spec.operator))
+            self.view.place(call.node, (job.spec.instance, job.spec.pipeline, job.spec.operator))
             job.reply(result)
         else:
             self._try_next(job, now, f"{call.node}: {result.get('error')}")
@@ -1702,40 +1442,29 @@ class Agent:
             self.replication.forget(w.instance)
             self._hosted_dirty = True
             self._try_next(job, now, f"worker exited before ready ({reason})")
-        # A worker that announced its final exit had left (drained, its departure acked) even if
-        # it then needed SIGTERM to end its process (a disconnect stuck while the broker was away):
-        # a scale-in, with its code and reason, not a crash.
-        said_final = bool((w.exit_event or {}).get("final"))
-        cause = "shutdown" if self._stopping_since is not None else ("scale_in" if reaped.clean or said_final else "crash")
-        final = said_final or reaped.returncode == WORKER_EXIT_BAD_SPEC
-        handover = w.instance in self._handing_over and not final and self._stopping_since is None
-        self._handing_over.discard(w.instance)
-        self._copies_first.pop(w.instance, None)  # a keeper that exited while its copies left
-        if self._copies_first:
+        handing_over = self.drain.exited(w.instance)
+        if self.drain.copies_first:
             self._release_keeper(now, left=w.instance)
         fenced = w.instance in self._fenced
         self._fenced.discard(w.instance)
-        if handover:
-            cause = "handover"
-        if final:
+        undeployed = w.instance in self._undeploying
+        self._undeploying.discard(w.instance)
+        self.pins.forget(w.instance)
+        end = exit_of(clean=reaped.clean, crashed=reaped.crashed, said_final=bool((w.exit_event or {}).get("final")),
+                      bad_spec=reaped.returncode == WORKER_EXIT_BAD_SPEC, stopping=self._stopping_since is not None,
+                      handing_over=handing_over, fenced=fenced, undeployed=undeployed, chained=bool(w.chain),
+                      asked_to_stop=w.asked_to_stop, placing=job is not None)
+        if end.final:
             hosted.forget(self.cfg.agent.state_dir, w.instance)  # gone for good: never re-adopt
             self.replication.forget(w.instance)  # and its standby copy goes with our next record
             self._hosted_dirty = True
-        undeployed = w.instance in self._undeploying
-        self._undeploying.discard(w.instance)
-        self._pinned_sent.pop(w.instance, None)
         if undeployed:
-            cause = "undeploy"
             self._forget(w.instance)  # again: the state file it wrote while draining
-        self._event("terminated", w.instance, w.spec.operator, w.spec.pipeline, cause=cause,
+        self._event("terminated", w.instance, w.spec.operator, w.spec.pipeline, cause=end.cause,
                     code=reaped.returncode, reason=str(reason), clean=reaped.clean, stats=w.stats)
-        # A chain member that stopped only because another member was asked to (a chain stops as
-        # a whole: agent.instance.chain) is still in its neighbours' tables: started again.
-        collateral = bool(w.chain) and not w.asked_to_stop and not final
-        if handover:
+        if end.handover:
             self._hand_over(w, now)
-        elif (reaped.crashed or collateral) and self._stopping_since is None and not fenced and not undeployed \
-                and job is None:
+        elif end.restart:
             self._maybe_restart(w, now)
 
     def _hand_over(self, w: Worker, now: float) -> None:
@@ -1785,7 +1514,7 @@ class Agent:
         spec = dataclasses.replace(w.spec, restart=True, active=True, keeper=keeper, extra=extra)
 
         def reply(result: Dict[str, Any]) -> None:
-            self._handovers.discard(inst)
+            self.drain.moving.discard(inst)
             self._state_dirty = True
             if result.get("ok") and result.get("node") != self.node:
                 log.info("handed over to %s (same identity)", result.get("node"), extra={"instance": inst})
@@ -1806,32 +1535,23 @@ class Agent:
                  (extra["handover_state"] or {}).get("epoch"),
                  f", keyed state of {len(keyed)} bytes in {len(chunks)} chunks" if keyed is not None else "",
                  extra={"instance": inst})
-        self._handovers.add(inst)
+        self.drain.moving.add(inst)
         self._create_node(spec, reply, cause="handover", now=now, chunks=chunks)
 
     def _maybe_restart(self, w: Worker, now: float) -> None:
-        """Restart a crashed worker with the same identity: at once for the first MAX_RESTARTS
-        crashes within RESTART_WINDOW, then with a doubling delay (at most RESTART_BACKOFF_MAX).
-        Never give up: the instance is in its neighbours' routing tables until the protocol
-        removes it, so without it their records towards it wait (nothing is lost, but it stalls)."""
-        history = [t for t in self._restarts.get(w.instance, []) if now - t < RESTART_WINDOW]
-        history.append(now)
-        self._restarts[w.instance] = history
-        spec = dataclasses.replace(w.spec, restart=True)
-        excess = len(history) - MAX_RESTARTS
-        if excess > 0:
-            delay = min(RESTART_BACKOFF_MAX, 2.0 ** excess)
-            log.error("worker crashed %d times in %.0fs: restarting in %.0fs", len(history), RESTART_WINDOW, delay,
+        """Restart a crashed worker with the same identity, at once or after its backoff
+        (agent.node.restarts)."""
+        spec, crashes, delay = self.restarts.on_crash(w.spec, now)
+        if delay:
+            log.error("worker crashed %d times in %.0fs: restarting in %.0fs", crashes, RESTART_WINDOW, delay,
                       extra={"instance": w.instance})
-            self._delayed_restarts[w.instance] = (now + delay, spec)
             return
         self._restart(spec, now)
 
     def _restart(self, spec: InstanceSpec, now: float) -> None:
-        """Queued for the end of this loop turn (`_start_restarts`): the members of a chain die
-        together, are reaped in one poll, and start again together as one process."""
-        if chains.chain_of(spec):
-            self._restart_batch.append(spec)
+        """A chain's member waits for the end of this loop turn (`_start_restarts`): the members
+        of a chain die together, are reaped in one poll, and start again together as one process."""
+        if self.restarts.hold(spec):
             return
         try:
             self.supervisor.start(spec, now)
@@ -1841,9 +1561,8 @@ class Agent:
             log.error("cannot restart worker: %s", exc, extra={"instance": spec.instance})
 
     def _start_restarts(self, now: float) -> None:
-        """The chain members whose restart was queued this turn, one process per chain."""
-        batch, self._restart_batch = self._restart_batch, []
-        for group in chains.group_chains(batch):
+        """The chain members whose restart was held this turn, one process per chain."""
+        for group in self.restarts.take():
             try:
                 self._start_group(group, now)
                 self.counters["restarts"] += len(group)
@@ -1860,54 +1579,9 @@ class Agent:
         else:
             self.supervisor.start_chain(group, now)
 
-    def _in_state(self, states: Tuple[str, ...], lost: Optional[str] = None) -> Set[str]:
-        """Instances whose scaling core is in one of `states`: ours from the workers' last
-        heartbeat, the other online nodes' (and the `lost` node's last one) from their retained
-        states. For agent.node.rehome.plan_rehome: departing instances stay out of a re-homed
-        predecessor's successors; idle copies are re-homed idle, and their creator told of them."""
-        out = {i for i, w in self.supervisor.workers.items() if w.stats.get("state") in states}
-        for i in self._entries_elsewhere(lost):
-            stats = i.get("stats")
-            if isinstance(stats, dict) and stats.get("state") in states:
-                out.add(str(i.get("id")))
-        return out
-
-    def _lost_groups(self, lost: str) -> Dict[str, Any]:
-        """The key groups each keyed instance last said it owned: ours from their heartbeats, the
-        online nodes' and the `lost` node's from their retained states. A re-homed keyed
-        incarnation resumes its own; a re-homed predecessor builds its group table from its
-        successors' (agent.node.rehome.plan_rehome)."""
-        out: Dict[str, Any] = {i: w.stats["groups"] for i, w in self.supervisor.workers.items()
-                               if isinstance(w.stats.get("groups"), list)}
-        for i in self._entries_elsewhere(lost):
-            stats = i.get("stats")
-            if isinstance(stats, dict) and isinstance(stats.get("groups"), list):
-                out[str(i.get("id"))] = stats["groups"]
-        return out
-
-    def _lost_moves(self, lost: str, key: str) -> Dict[str, Any]:
-        """The moves each keyed instance last said it was part of, read as `_lost_groups`: `handed`
-        (handed out, not installed yet: a re-homed predecessor's table names their new owners)
-        or `expecting` (on their way to it: a re-homed old owner starts them again), for
-        agent.node.rehome.plan_rehome."""
-        out: Dict[str, Any] = {i: w.stats[key] for i, w in self.supervisor.workers.items()
-                               if isinstance(w.stats.get(key), list) and w.stats[key]}
-        for i in self._entries_elsewhere(lost):
-            stats = i.get("stats")
-            if isinstance(stats, dict) and isinstance(stats.get(key), list) and stats[key]:
-                out[str(i.get("id"))] = stats[key]
-        return out
-
     def _listed_elsewhere(self) -> Set[str]:
         """Instance ids that another ONLINE node lists in its retained state."""
-        return {str(i.get("id")) for i in self._entries_elsewhere()}
-
-    def _entries_elsewhere(self, lost: Optional[str] = None) -> Iterator[Dict[str, Any]]:
-        """The instance entries of every other ONLINE node's retained state (and of the `lost`
-        node's last one)."""
-        for n, doc in self.fleet.items():
-            if n != self.node and (self.online.get(n) or n == lost):
-                yield from (i for i in doc.get("instances", []) or [] if isinstance(i, dict))
+        return rehoming.listed_elsewhere(self.node, self.view.fleet, self.view.online)
 
     def _grant_reconnects(self, now: float) -> None:
         """Let workers that lost their connection reconnect (re-homing on, see
@@ -1933,7 +1607,11 @@ class Agent:
         # The copy a re-home started is the one that stays: when two online nodes both ran an
         # instance while the broker was away (both reconnect), both saw the other list it and
         # both stopped theirs, so the identity ran nowhere (defect B, seed 11019).
-        elsewhere = (self._listed_elsewhere() | self._taken_over()) - self._rehomed_here()
+        others = [i for n, record in self.view.rehomed_by_node.items() if n != self.node for i in record]
+        since = {i: hosted.since(self.cfg.agent.state_dir, i) for i in others}
+        floors = {i: w.spec.extra.get("min_epoch") for i, w in self.supervisor.workers.items()}
+        elsewhere = ((self._listed_elsewhere() | rehoming.taken_over(self.node, self.view.rehomed_by_node, since))
+                     - rehoming.rehomed_here(self.node, floors, self.view.rehomed_by_node, self.view.online))
         # Only workers that ran while we were away can have been re-homed. One started since this
         # connect was placed here by a createNode() that saw the fleet as it is (a drain's
         # hand-over, a re-home), while the retained state of the node it comes from may still
@@ -1951,42 +1629,17 @@ class Agent:
             self._readopted = True
             self._readopt(now)
 
-    def _rehomed_here(self) -> Set[str]:
-        """Our workers started by the latest re-home of their identity: the spec's epoch floor
-        (`min_epoch`, the re-homing agent's wall clock at its plan) is at least the time that
-        agent's retained record gives the re-home. Both numbers come from one clock, so every
-        node reads the same answer: a copy older than the re-home (the node that came back, a
-        second placement of an earlier attempt) has a lower floor and stands down."""
-        latest: Dict[str, float] = {}
-        for node, record in self.rehomed_by_node.items():
-            if node == self.node or self.online.get(node):
-                for inst, when in record.items():
-                    latest[inst] = max(when, latest.get(inst, 0.0))
-        out = set()
-        for inst, w in self.supervisor.workers.items():
-            floor = w.spec.extra.get("min_epoch")
-            if inst in latest and isinstance(floor, int) and floor >= int(latest[inst]):
-                out.add(inst)
-        return out
-
-    def _taken_over(self) -> Set[str]:
-        """Our hosted instances that another node re-homed after we started hosting them (they
-        may have terminated there since: re-adopting them would resurrect a departed instance)."""
-        state_dir = self.cfg.agent.state_dir
-        return {inst for node, record in self.rehomed_by_node.items() if node != self.node
-                for inst, when in record.items() if when > hosted.since(state_dir, inst) > 0}
-
     def _forget(self, instance: str) -> None:
         hosted.forget(self.cfg.agent.state_dir, instance)
         self.replication.forget(instance)
-        self._delayed_restarts.pop(instance, None)
+        self.restarts.forget(instance)
         deployfiles.forget(instance, Path(self.cfg.agent.state_dir))
         self._hosted_dirty = True
 
     def _replicate(self, now: float) -> None:
         """Copy the keyed saves of our workers to their standbys (agent.node.replicas): to online
         nodes that are not draining."""
-        eligible = [n for n, up in self.online.items() if up and not (self.fleet.get(n) or {}).get("draining")]
+        eligible = self.view.eligible_standbys()
         if self.replication.tick(now, eligible if self.connected else [], self._publish_replica, self._tell_replicated):
             self._hosted_dirty = True  # the hosted record names each standby
 
@@ -2026,89 +1679,61 @@ class Agent:
 
     def _publish_hosted(self) -> None:
         specs = [self._with_standby(request_spec(s)) for s in hosted.hosted(self.cfg.agent.state_dir)]
-        self.hosted_by_node[self.node] = specs
-        self._hosts_dirty = True
+        self.view.hosted_by_node[self.node] = specs
+        self.hosts.dirty = True
         if self._publish(topics.agent_hosted(self.cluster, self.node), rehome.encode_hosted(specs), retain=True):
             self._hosted_dirty = False
 
     def _sync_hosts(self) -> None:
-        """Recompute the instance -> node bindings (agent.node.hostmap) when a record, a status or
-        our own set of workers changed, and send each worker the table of its pipeline when it
-        differs from what that process got last (a restarted worker is a new process)."""
-        workers = self.supervisor.workers
-        if set(workers) != self._hosts_local:
-            self._hosts_local = set(workers)
-            self._hosts_dirty = True
-        if self._hosts_dirty:
-            self._hosts_dirty = False
-            claims = {n: [(s["instance"], s["pipeline"], _generation_of(s)) for s in specs]
-                      for n, specs in self.hosted_by_node.items()}
-            moved = {n: moved_of(doc) for n, doc in self.fleet.items() if n != self.node}
-            moved[self.node] = self._moved_statements()
-            self.hostmap.update({i: w.spec.pipeline for i, w in workers.items()}, claims, self.online,
-                                self.rehomed_by_node, moved)
-            self._near = self.hostmap.nodes_of({w.spec.pipeline for w in workers.values()})
+        """Send each worker the host table of its pipeline when it changed (agent.node.hostsync)."""
+        workers = {i: (w.spec.pipeline, w.pid) for i, w in self.supervisor.workers.items()}
+        v = self.view
+        recomputed, send = self.hosts.sync(workers, v.hosted_by_node, v.fleet, v.online, v.rehomed_by_node)
+        if recomputed:
             self._save_bindings()
-        elif all(self._hosts_sent.get(i, (None,))[0] == w.pid for i, w in workers.items()):
-            return
-        tables: Dict[str, Dict[str, Any]] = {}
-        for inst, w in workers.items():
-            table = tables.get(w.spec.pipeline)
-            if table is None:
-                table = tables[w.spec.pipeline] = self.hostmap.table(w.spec.pipeline)
-            sent = self._hosts_sent.get(inst)
-            if (sent is None or sent[0] != w.pid or sent[1] != table) and self.supervisor.send(inst, "hosts", **table):
-                self._hosts_sent[inst] = (w.pid, table)
-        for inst in [i for i in self._hosts_sent if i not in workers]:
-            del self._hosts_sent[inst]
+        for inst, pid, table in send:
+            if self.supervisor.send(inst, "hosts", **table):
+                self.hosts.delivered(inst, pid, table)
 
     def _save_bindings(self) -> None:
         """Keep the proven bindings over a restart (agent.node.hostmap, `saved`), when they changed."""
-        saved = self.hostmap.saved()
-        if saved != self._bindings_saved and self._keep(BINDINGS_FILE, saved, "bindings"):
-            self._bindings_saved = saved
+        saved = self.hosts.bindings_to_keep()
+        if saved is not None and self._keep(BINDINGS_FILE, saved, "bindings"):
+            self.hosts.kept(saved)
 
     def _maybe_rehome(self, now: float) -> None:
         """Start elsewhere, same identities, the instances of nodes offline for `dead_after`
-        seconds, if this agent is the lowest-named online one (agent.node.rehome)."""
-        if self._rehome_claims:
-            # A re-home already asked for (placed, or its createNode() still on its way) stays out
-            # of the next attempt, which follows a failure of another one: before its node's state
-            # lists it, planned again it would be placed a second time (defect B, seed 11019). A
-            # claim lasts until a node lists it (checked every period: that node may be the next
-            # one lost), or for as long as a createNode() may take plus the state periods its node
-            # needs to list it.
+        seconds, if this agent is the lowest-named online one (agent.node.rehome, rehoming)."""
+        if self.rehoming.claims:
             ttl = RPC_TIMEOUT + 3 * self.cfg.agent.state_period
-            listed = self._listed_elsewhere() | set(self.supervisor.workers)
-            self._rehome_claims = {i: t for i, t in self._rehome_claims.items() if i not in listed and now - t < ttl}
+            self.rehoming.drop_claims(now, ttl, self._listed_elsewhere() | set(self.supervisor.workers))
         if not self._retained_in:
             # Not on what the last connection left: a node that came back while we were away is
             # still offline here until its retained status is in (re-homing a live node's
             # instances runs each identity twice), and so is who else is online.
             return
         self._retry_failed_rehomes(now)
-        if (not self.connected or self._stopping_since is not None or not self._offline_since
+        if (not self.connected or self._stopping_since is not None or not self.rehoming.offline_since
                 or self.cfg.agent.dead_after <= 0):
             return
-        online = {n for n, up in self.online.items() if up} | {self.node}
-        for node, since in sorted(self._offline_since.items()):
-            if node in self._rehomed or now - since < self.cfg.agent.dead_after:
-                continue
+        online = {n for n, up in self.view.online.items() if up} | {self.node}
+        for node, since in self.rehoming.lost(now, self.cfg.agent.dead_after):
             if not rehome.responsible(self.node, online):
                 return
-            wall = self.wall()  # one reading: the specs' floor and our record's time (_rehomed_here)
-            listed = self._listed_elsewhere() | set(self.supervisor.workers) | set(self._rehome_claims)
-            plan = rehome.plan_rehome(node, self.hosted_by_node, online, listed, int(wall),
-                                      departing=self._in_state(("departing", "terminated")),
-                                      idle=self._in_state(("idle",), lost=node),
-                                      groups=self._lost_groups(node), handed=self._lost_moves(node, "handed"),
-                                      expecting=self._lost_moves(node, "expecting"))
-            self._rehomed.add(node)
+            wall = self.wall()  # one reading: the specs' floor and our record's time (rehoming.rehomed_here)
+            listed = self._listed_elsewhere() | set(self.supervisor.workers) | set(self.rehoming.claims)
+            local = {i: w.stats for i, w in self.supervisor.workers.items()}
+            fleet = (self.node, local, self.view.fleet, self.view.online)
+            plan = rehome.plan_rehome(node, self.view.hosted_by_node, online, listed, int(wall),
+                                      departing=rehoming.in_state(*fleet, ("departing", "terminated")),
+                                      idle=rehoming.in_state(*fleet, ("idle",), lost=node),
+                                      groups=rehoming.lost_groups(*fleet, node),
+                                      handed=rehoming.lost_moves(*fleet, node, "handed"),
+                                      expecting=rehoming.lost_moves(*fleet, node, "expecting"))
+            self.rehoming.planned(node)
             if plan:
-                record = self.rehomed_by_node.setdefault(self.node, {})
-                record.update((str(d["instance"]), wall) for d in plan)
-                for inst in sorted(record, key=record.get)[:-REHOMED_KEPT]:
-                    del record[inst]  # bounded: the oldest entries go first
+                record = rehoming.with_plan(self.view.rehomed_by_node.setdefault(self.node, {}),
+                                            [str(d["instance"]) for d in plan], wall)
                 self._publish(topics.agent_rehomed(self.cluster, self.node),
                               json.dumps(record, sort_keys=True).encode(), retain=True)
             idle = sorted(str(d["instance"]) for d in plan if not d.get("active"))
@@ -2118,15 +1743,17 @@ class Agent:
                         f", creators told of idle copies {told}" if told else "",
                         extra={"node": self.node})
             for data in plan:
-                stale = records.stale_reason(records.spec_generation(data), self.records.get(str(data.get("pipeline"))))
+                stale = records.stale_reason(records.spec_generation(data),
+                                             self.view.records.get(str(data.get("pipeline"))))
                 if stale:  # an undeployed pipeline does not come back through a dead node's record
                     log.info("not re-homing %s: %s", data.get("instance"), stale, extra={"node": self.node})
                     continue
-                text = self.deployed_text.get(str(data.get("pipeline")))
+                text = self.view.deployed_text.get(str(data.get("pipeline")))
                 if text is not None:  # the admin's text, not the one the dead node's record carries
                     data = dict(data, pipeline_toml=text)
                 try:  # the hosted record is bus input: admitted like a spawn request
-                    spec = self._spec_from(data, template=None, requester=f"the hosted record of {node}")
+                    spec = self.gate.spec_from(self.wall(), data, template=None,
+                                               requester=f"the hosted record of {node}")
                 except (TypeError, ValueError) as exc:
                     log.error("cannot re-home %s: %s", data.get("instance"), exc, extra={"node": self.node})
                     continue
@@ -2141,48 +1768,35 @@ class Agent:
             else:
                 self._stated_move(spec.instance, result.get("node"))  # the re-homer says where
 
-        self._rehome_claims[spec.instance] = now
+        self.rehoming.claim(spec.instance, now)
         self._create_node(spec, reply, cause="rehome", now=now)
 
     def _retry_failed_rehomes(self, now: float) -> None:
-        """A re-home that failed after its node came back (seed 12026): the next plan of that node
-        never comes (it is online), and the node, seeing our re-homed record at its reconnect, may
-        have forgotten the instance: it ran nowhere. Once the node has been back long enough for
-        its state to show what it re-adopted, an instance that no online node runs is re-homed
-        again, under a new epoch floor (`_rehomed_here`). One whose node is offline again is left
-        to that node's next plan."""
-        if not self._rehome_retry or not self.connected or self._stopping_since is not None:
+        """A re-home that failed after its node came back: the next plan of that node never comes
+        (it is online), and the node, seeing our re-homed record at its reconnect, may have
+        forgotten the instance: it ran nowhere. Once the node has been back long enough for its
+        state to show what it re-adopted, an instance that no online node runs is re-homed again,
+        under a new epoch floor (rehoming.rehomed_here)."""
+        if not self.rehoming.retry or not self.connected or self._stopping_since is not None:
             return
-        listed = self._listed_elsewhere() | set(self.supervisor.workers) | set(self._rehome_claims)
+        listed = self._listed_elsewhere() | set(self.supervisor.workers) | set(self.rehoming.claims)
         settle = READOPT_SETTLE + 2 * self.cfg.agent.state_period
-        for inst, (node, spec) in sorted(self._rehome_retry.items()):
-            if inst in listed or not self.online.get(node):
-                del self._rehome_retry[inst]  # it runs somewhere, or the node's next plan takes it
-                continue
-            if now - self._online_since.get(node, now) < settle:
-                continue
-            del self._rehome_retry[inst]
+        for node, spec in self.rehoming.retries(now, listed, self.view.online, settle):
             wall = self.wall()
             floor = max(int(spec.extra.get("min_epoch", 0) or 0), int(wall))
-            record = self.rehomed_by_node.setdefault(self.node, {})
-            record[inst] = float(floor)
+            record = self.view.rehomed_by_node.setdefault(self.node, {})
+            record[spec.instance] = float(floor)
             self._publish(topics.agent_rehomed(self.cluster, self.node),
                           json.dumps(record, sort_keys=True).encode(), retain=True)
-            log.warning("re-homing %s again: node %s is back and does not run it", inst, node, extra={"node": self.node})
+            log.warning("re-homing %s again: node %s is back and does not run it", spec.instance, node,
+                        extra={"node": self.node})
             self._start_rehome(node, dataclasses.replace(spec, extra={**spec.extra, "min_epoch": floor}), now)
 
     def _rehome_failed(self, node: str, spec: InstanceSpec) -> None:
-        """Try the instance again: at the next plan of its node while the node is offline, once
-        the node has been back a while otherwise (`_retry_failed_rehomes`). Until then our
-        re-homed record does not claim it: a returning node would otherwise forget an instance
-        that runs nowhere (`_taken_over`)."""
-        instance = spec.instance
-        self._rehomed.discard(node)
-        self._rehome_claims.pop(instance, None)
-        if len(self._rehome_retry) < REHOMED_KEPT:
-            self._rehome_retry[instance] = (node, spec)
-        record = self.rehomed_by_node.get(self.node, {})
-        if record.pop(instance, None) is not None and self.connected:
+        """Try the instance again later (rehoming.Rehoming.failed); our re-homed record no longer
+        claims it."""
+        record = self.view.rehomed_by_node.get(self.node, {})
+        if self.rehoming.failed(node, spec, record) and self.connected:
             self._publish(topics.agent_rehomed(self.cluster, self.node),
                           json.dumps(record, sort_keys=True).encode(), retain=True)
 
@@ -2190,7 +1804,7 @@ class Agent:
         """The record of `pipeline` changed: every instance of it that the record now rules out
         (a tombstone, another deploy's generation: records.stale_reason) is forgotten and, if it
         runs, stopped. This is how an agent that was away during an undeploy learns it."""
-        record = self.records.get(pipeline)
+        record = self.view.records.get(pipeline)
         for spec in hosted.hosted(self.cfg.agent.state_dir):
             why = spec.pipeline == pipeline and records.stale_reason(records.spec_generation(spec), record)
             if why and spec.instance not in self.supervisor:
@@ -2211,46 +1825,33 @@ class Agent:
             req = parse_request(body)
         except RequestError as exc:
             return Reply(False, {}, str(exc)).to_dict()
-        key = f"{req.pipeline or ''}/{req.operator}"
         if req.release:  # every pin of the operator (of that pipeline, when it names one)
-            for k, p in list(self.pins.items()):
-                if p["operator"] == req.operator and req.pipeline in (None, p["pipeline"]):
-                    del self.pins[k]
+            key = self.pins.release(req.pipeline, req.operator)
         else:
-            until = None if req.seconds is None else round(self.wall() + req.seconds, 3)
-            self.pins[key] = {"pipeline": req.pipeline, "operator": req.operator, "until": until}
-        _save_pins(Path(self.cfg.agent.state_dir), self.pins)
+            key = self.pins.pin(self.wall(), req.pipeline, req.operator, req.seconds)
+        _save_pins(Path(self.cfg.agent.state_dir), self.pins.pins)
         pinned = self._apply_pins()
         log.info("%s %s: local instances %s", "released" if req.release else "pinned", key, pinned,
                  extra={"node": self.node})
-        return Reply(True, {"pinned": not req.release, "until": self.pins.get(key, {}).get("until"),
+        return Reply(True, {"pinned": not req.release, "until": self.pins.until(key),
                             "instances": pinned, "node": self.node}).to_dict()
-
-    def _pin_of(self, spec: InstanceSpec) -> Optional[Dict[str, Any]]:
-        return next((p for p in self.pins.values() if p["operator"] == spec.operator
-                     and p["pipeline"] in (None, spec.pipeline)), None)
 
     def _apply_pins(self) -> List[str]:
         """Send each worker whose pinned flag changed a `set pinned` control line; the pinned ones."""
-        pinned = []
-        for inst, w in self.supervisor.workers.items():
-            want = self._pin_of(w.spec) is not None
-            if want:
-                pinned.append(inst)
-            if self._pinned_sent.get(inst, False) != want and w.status is WorkerStatus.ACTIVE:
-                if self.supervisor.send(inst, "set", pinned=want):
-                    self._pinned_sent[inst] = want
+        pinned, send = self.pins.apply((inst, w.spec.pipeline, w.spec.operator, w.status is WorkerStatus.ACTIVE)
+                                       for inst, w in self.supervisor.workers.items())
+        for inst, want in send:
+            if self.supervisor.send(inst, "set", pinned=want):
+                self.pins.delivered(inst, want)
         self._state_dirty = True
-        return sorted(pinned)
+        return pinned
 
     def _expire_pins(self) -> None:
-        wall = self.wall()
-        expired = [k for k, p in self.pins.items() if p["until"] is not None and p["until"] <= wall]
+        expired = self.pins.expire(self.wall())
         for k in expired:
             log.info("pin of %s expired", k, extra={"node": self.node})
-            del self.pins[k]
         if expired:
-            _save_pins(Path(self.cfg.agent.state_dir), self.pins)
+            _save_pins(Path(self.cfg.agent.state_dir), self.pins.pins)
             self._apply_pins()
 
     def _readopt(self, now: float) -> None:
@@ -2263,14 +1864,14 @@ class Agent:
         for spec in self._to_readopt:
             if spec.instance in self.supervisor or spec.instance not in present:
                 continue
-            stale = records.stale_reason(records.spec_generation(spec), self.records.get(spec.pipeline))
+            stale = records.stale_reason(records.spec_generation(spec), self.view.records.get(spec.pipeline))
             if stale:
                 log.warning("not re-adopted: %s (stored spec forgotten)", stale, extra={"instance": spec.instance})
                 self._forget(spec.instance)
                 continue
-            spec = dataclasses.replace(spec, restart=True, **self._node_local(spec.extra))
+            spec = dataclasses.replace(spec, restart=True, **self.gate.node_local(spec.extra))
             try:  # a file in the state dir is no more trusted than the request that wrote it
-                self._admit(spec, "the state dir")
+                self.gate.admit(self.wall(), spec, "the state dir")
             except ValueError:
                 hosted.set_aside(self.cfg.agent.state_dir, spec.instance)
                 self._hosted_dirty = True
@@ -2338,19 +1939,6 @@ class Agent:
         c.loop_stop()
 
 
-HANDOVER_KEYS = ("handover_state", "handover_source", "handover_keyed")  # spec.extra of a migrated keeper (`_hand_over`)
-
-
-def without_handover(spec: InstanceSpec) -> InstanceSpec:
-    """`spec` without the state a hand-over shipped in its extra. Why: that state is a snapshot
-    of one moment; once the new incarnation has written its own state file it is stale. It must
-    not reach the hosted record (a re-home would restore it) nor a copy's spec (copies inherit
-    their creator's extra)."""
-    if not any(k in spec.extra for k in HANDOVER_KEYS):
-        return spec
-    return dataclasses.replace(spec, extra={k: v for k, v in spec.extra.items() if k not in HANDOVER_KEYS})
-
-
 def spec_with_capacity(spec: InstanceSpec, state_dir: Any, node: str) -> InstanceSpec:
     """For `capacity = "calibrate"`: put THIS node's calibrated capacity into the spec's extra.
 
@@ -2416,13 +2004,6 @@ def _load_moved(state_dir: Path) -> Dict[str, str]:
     listed = (_read_json(state_dir / MOVED_FILE) or {}).get("moved")
     pairs = [e for e in listed if isinstance(e, list) and len(e) == 2] if isinstance(listed, list) else []
     return dict([(i, n) for i, n in pairs if isinstance(i, str) and isinstance(n, str)][-MAX_MOVED:])
-
-
-def _generation_of(spec: Mapping[str, Any]) -> str:
-    """The deploy generation a hosted record's spec names (bus input: "" unless a string)."""
-    extra = spec.get("extra")
-    gen = extra.get("generation") if isinstance(extra, dict) else None
-    return gen[:64] if isinstance(gen, str) else ""
 
 
 def _read_json(path: Path) -> Optional[Dict[str, Any]]:

@@ -36,11 +36,7 @@ from agent.mqtt.settings import BrokerSpec
 from agent.mqtt.requester import RequestFailed, Requester, request_properties
 
 OPS = ("spawn", "stop", "set", "ping", "scale", "drain", "undrain", "pin", "state_chunk", "replica")
-# What a node may ask another node on its peer topic: createNode()'s spawn (also the carrier
-# of a keeper's hand-over and of a re-home, which are spawns of an existing identity), and the
-# chunks of a keyed keeper's state sent just before its hand-over's spawn (agent.node.statexfer),
-# and the saved keyed state its host copies to a standby (agent.node.replicas).
-PEER_OPS = ("spawn", "state_chunk", "replica")
+# What a node may ask another on its peer topic: agent.node.gate.PEER_OPS.
 # Keys of a worker's control line itself (agent.node.supervisor): a "set" field may not
 # replace them (`control_line(event, **fields)` takes the event under that name).
 CONTROL_KEYS = frozenset({"event"})
@@ -203,7 +199,6 @@ __all__ = [
     "CONTROL_KEYS",
     "Call",
     "OPS",
-    "PEER_OPS",
     "PendingCalls",
     "RpcClient",
     "RpcError",

@@ -142,7 +142,7 @@ class SiteDriver:
                 return [Publish(own_topic, b"", True)]
             return []
         # The agents accept a steering request only from the holder of the lease they derive
-        # (daemon `_peer_may_steer`): a new leader publishes its record and decides from the
+        # (`Gate.peer_may_steer`, agent.node.gate): a new leader publishes its record and decides from the
         # next period on, and every record goes out before the period's requests. A drain sent
         # with the first record reached its node before it, was refused, and the manager then
         # waited `timeout` for a drain that never started (found by test_drain_keyed's

@@ -29,6 +29,7 @@ from typing import IO, Any, Callable, Dict, List, Optional, Sequence, Tuple, Uni
 from agent.instance.spec import InstanceSpec, chain_json, control_line, parse_control_line
 from agent.node import forked
 from agent.node.forked import ForkedProcess, ForkServer
+from agent.node.loopevents import LoopEvent, WorkerEof, WorkerLine
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +127,7 @@ def _pdeathsig() -> None:  # pragma: no cover - runs in the child between fork a
         pass
 
 
-EventSink = Callable[[Tuple[Any, ...]], None]
+EventSink = Callable[[LoopEvent], None]
 
 
 class Supervisor:
@@ -219,11 +220,11 @@ class Supervisor:
                         member = named
                 except (ValueError, AttributeError):
                     pass
-                self._emit(("worker_line", member, text))
+                self._emit(WorkerLine(member, text))
         except (OSError, ValueError):
             pass
         for i in ids:
-            self._emit(("worker_eof", i))
+            self._emit(WorkerEof(i))
 
     def _process(self, now: float) -> Tuple[Process, Optional[float]]:
         """A process forked by the fork server (and how long the server has run), or a cold start
@@ -307,10 +308,10 @@ class Supervisor:
             return
         try:
             for raw in iter(stream.readline, b""):
-                self._emit(("worker_line", instance, raw.decode("utf-8", errors="replace")))
+                self._emit(WorkerLine(instance, raw.decode("utf-8", errors="replace")))
         except (OSError, ValueError):
             pass
-        self._emit(("worker_eof", instance))
+        self._emit(WorkerEof(instance))
 
     # -- control channel -----------------------------------------------------------------------
 
@@ -349,7 +350,7 @@ class Supervisor:
         return msg
 
     def handle_eof(self, instance: str) -> None:
-        """The loop reached a worker's "worker_eof" event: every line it wrote has been handled."""
+        """The loop reached a worker's WorkerEof event: every line it wrote has been handled."""
         worker = self.workers.get(instance)
         if worker is not None:
             worker.eof = True

@@ -280,7 +280,7 @@ class NodeDirs:
 
 def spec_paths(extra: Mapping[str, Any], function: str, params: Mapping[str, Any]) -> List[Tuple[str, Any]]:
     """Every path a spec carries that a worker would open: (what, path). `extra.spill` is the
-    node's own by then (`Agent._node_local` drops a request's), checked all the same."""
+    node's own by then (`Gate.node_local` drops a request's), checked all the same."""
     found: List[Tuple[str, Any]] = []
     if extra.get("sink_dir") is not None:
         found.append(("extra.sink_dir", extra["sink_dir"]))

@@ -76,7 +76,7 @@ class AgentSpill:
     def with_spill(self, spec: Any) -> Any:
         """The spec a local worker starts with: the node's spool settings in `extra["spill"]`
         (node-local, like state_dir: always this agent's, whatever the spec carried; a request's
-        own spill settings are dropped where it enters, `Agent._node_local`)."""
+        own spill settings are dropped where it enters, `Gate.node_local`)."""
         extra = dict(spec.extra)
         extra["spill"] = dict(self.settings)
         return dataclasses.replace(spec, extra=extra)

@@ -1238,16 +1238,16 @@ type("M", (), {"topic": topic, "payload": raw, "retain": True, "properties": Non
 
     def _knowledge(self) -> Any:
         a = self.agent
-        return fingerprint((a.fleet, a.online, a.hosted_by_node, a.rehomed_by_node, a.latency, a.deployed,
-                            a.draining, a._offline_since, a._reserved, sorted(a._calls.calls)))
+        return fingerprint((a.view.fleet, a.view.online, a.view.hosted_by_node, a.view.rehomed_by_node, a.view.latency, a.view.deployed,
+                            a.drain.draining, a.rehoming.offline_since, a.view.reserved, sorted(a._calls.calls)))
 
     def _restore(self) -> None:
         a, (fleet, online, hosted, rehomed, latency, deployed) = self.agent, self._saved
-        a.fleet, a.online, a.hosted_by_node, a.rehomed_by_node = copy.deepcopy(fleet), dict(online), \
+        a.view.fleet, a.view.online, a.view.hosted_by_node, a.view.rehomed_by_node = copy.deepcopy(fleet), dict(online), \
             copy.deepcopy(hosted), copy.deepcopy(rehomed)
-        a.latency, a.deployed, a.draining = copy.deepcopy(latency), set(deployed), False
-        a._offline_since.clear()
-        a._reserved.clear()
+        a.view.latency, a.view.deployed, a.drain.draining = copy.deepcopy(latency), set(deployed), False
+        a.rehoming.offline_since.clear()
+        a.view.reserved.clear()
         a._held_peer.clear()
         a._retained_in = True
         a.counters = dict(self.base_counters)
@@ -1257,8 +1257,8 @@ type("M", (), {"topic": topic, "payload": raw, "retain": True, "properties": Non
         t = topics_mod()
         a = self.agent
         if not hasattr(self, "_saved"):
-            self._saved = (copy.deepcopy(a.fleet), dict(a.online), copy.deepcopy(a.hosted_by_node),
-                           copy.deepcopy(a.rehomed_by_node), copy.deepcopy(a.latency), set(a.deployed))
+            self._saved = (copy.deepcopy(a.view.fleet), dict(a.view.online), copy.deepcopy(a.view.hosted_by_node),
+                           copy.deepcopy(a.view.rehomed_by_node), copy.deepcopy(a.view.latency), set(a.view.deployed))
         self._restore()
         sender = rng.choice(("adm", "n2", "n3", "me"))
         build = rng.choice((

@@ -664,6 +664,7 @@ def start_to_ready(host: str, port: int, workdir: Path, warm: bool, n: int = 5, 
     from agent.node.daemon import worker_env
     from agent.instance.spec import InstanceSpec
     from agent.mqtt.settings import BrokerSpec
+    from agent.node.loopevents import WorkerLine
     from agent.node.supervisor import Supervisor, WorkerStatus
 
     q: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
@@ -688,10 +689,10 @@ def start_to_ready(host: str, port: int, workdir: Path, warm: bool, n: int = 5, 
                     forked.append(w.warm_age is not None)
             while len(ready) < burst:
                 ev = q.get(timeout=60)
-                if ev[0] == "worker_line":
-                    msg = sup.handle_line(ev[1], ev[2], time.monotonic())
+                if isinstance(ev, WorkerLine):
+                    msg = sup.handle_line(ev.instance, ev.line, time.monotonic())
                     if msg is not None and msg.get("event") == "ready":
-                        ready[ev[1]] = time.monotonic() - t0
+                        ready[ev.instance] = time.monotonic() - t0
             out.extend(sorted(ready.values()))
             time.sleep(1.0)  # as between two scale-outs
     finally:
