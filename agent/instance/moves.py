@@ -207,6 +207,11 @@ class GroupMoves:
         self.deferred: List[Tuple[str, Dict[str, Any]]] = []  # (dest, body): chunks, Installed
         # with a standby copy: (save token, the turn's deferred messages), until the standby holds it
         self.after_copy: List[Tuple[Tuple[int, int], List[Tuple[str, Dict[str, Any]]]]] = []
+        # groups installed here whose Installed has not left yet (it waits for the standby copy of
+        # the save that installed them): group -> (old owner, the move's version). Until it leaves,
+        # the old owner still holds the state and this node's loss loses our install of it, so the
+        # heartbeat reports them as on their way here (`stats`), not as ours (agent.node.rehome)
+        self.installing: Dict[int, Tuple[str, int]] = {}
         self.unsaved: Set[int] = set()  # input indices whose held records were applied, not saved yet
         # fresh index of held records' outputs -> the lowest input index they came in with: that
         # input stays unacked until those outputs are acked downstream (`lowest_held`)
@@ -541,13 +546,20 @@ class GroupMoves:
             self.after_copy.append((self.keyed.saved_token(), deferred))
             return
         for dest, body in deferred:
-            w.send_handover_body(dest, body)
+            self._send_deferred(dest, body)
 
     def replicated(self, token: Tuple[int, int]) -> None:
         """The standby holds the saves up to `token`: the messages that waited for them go."""
         while self.after_copy and self.after_copy[0][0] <= token:
             for dest, body in self.after_copy.pop(0)[1]:
-                self.w.send_handover_body(dest, body)
+                self._send_deferred(dest, body)
+
+    def _send_deferred(self, dest: str, body: Dict[str, Any]) -> None:
+        """A message that waited for the turn's save (and its standby copy) leaves; an Installed
+        makes its group ours in the heartbeat from now on (`installing`)."""
+        if body.get("type") == "installed":
+            self.installing.pop(body.get("g"), None)  # type: ignore[arg-type]
+        self.w.send_handover_body(dest, body)
 
     def perform(self, outs: List[Any], version: int = -1) -> None:
         w = self.w
@@ -568,6 +580,7 @@ class GroupMoves:
                 continue  # `snapshot`'s empty bytes: the state leaves from `hand_out_turn`
             elif isinstance(o, Send) and isinstance(o.message, Installed):
                 self.deferred.append((o.dest, encode(o.message)))
+                self.installing[o.message.group] = (o.dest, self.versions.get(o.message.group, -1))
                 self.flush_due = True
             elif isinstance(o, Send):
                 msg = o.message
@@ -740,14 +753,23 @@ class GroupMoves:
 
     def stats(self) -> Dict[str, Any]:
         m = self.member
-        settled = self.reported_groups()
+        # A group installed here whose Installed waits for the standby copy is not ours yet as far
+        # as a re-home goes: lost with this node, the copy lacks it while the old owner still
+        # holds its state. Reported as on its way here, a re-homed old owner resumes it and sends
+        # it again; reported as ours, our re-homed incarnation resumed it empty and answered the
+        # old owner's chunks with Installed, or handed it back over the old owner's older state.
+        settled = {g: v for g, v in self.reported_groups().items() if g not in self.installing}
+        on_way = dict(m.new.expected)
+        on_way.update((g, old) for g, (old, _) in self.installing.items())
         return {"handover": dict(self.counts, owned=len(m.owned), moving=len(m.old.moving),
                                  expected=len(m.new.expected), held=self.held),
                 "groups": group_runs(settled),
                 # groups handed out (every Eos in: a predecessor's table names the new owner), not
                 # Installed yet: [group, new owner, the move's version] (agent.node.rehome)
                 "handed": [[g, new, v] for g, (new, v, _) in sorted(self.outgoing.items())],
-                # groups on their way here: [group, old owner, the move's version] (agent.node.rehome:
-                # a re-homed old owner that no longer knows it was moving one starts the move again)
-                "expecting": [[g, old, self.versions.get(g, -1)] for g, old in sorted(m.new.expected.items())],
+                # groups on their way here, or installed with their Installed waiting for the standby
+                # copy: [group, old owner, the move's version] (agent.node.rehome: a re-homed old
+                # owner that no longer knows it was moving one starts the move again)
+                "expecting": [[g, old, self.installing[g][1] if g in self.installing else self.versions.get(g, -1)]
+                              for g, old in sorted(on_way.items())],
                 "first_installed_at": self.first_installed_at, "first_applied_at": self.first_applied_at}
