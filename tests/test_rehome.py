@@ -524,8 +524,8 @@ def test_a_group_installed_at_a_lost_copy_before_its_standby_held_it_goes_again_
     way (`expecting`), and a lost old owner resumes it and sends it again to its lost new owner,
     which installs it from the chunks."""
     from agent.dataplane.keygroups import key_group
-    from agent.dataplane.owners import groups_from_runs
-    from agent.instance.handover import Eos
+    from agent.dataplane.owners import groups_from_runs, table_from_reports
+    from agent.instance.handover import Eos, Predecessor, Redirect, Send
     from agent.instance.moves import encode
 
     g = key_group("a", 8)
@@ -559,6 +559,11 @@ def test_a_group_installed_at_a_lost_copy_before_its_standby_held_it_goes_again_
     k_extra = plan["p.cnt.0"]["extra"]
     assert k_extra["moves_out"] == [[g, "cnt-b", 1]]
     assert groups_from_runs(k_extra["owned_groups"]) == {x: 0 for x in range(8)}
+    # the re-homed predecessor routes the group to the copy and answers the keeper's Redirect at once
+    table = table_from_reports(plan["p.op.0"]["extra"]["succ_groups"], 8)
+    assert (table.owner(g), table.version(g)) == ("cnt-b", 1)
+    pred = Predecessor("p.op.0", table)
+    assert pred.on_redirect("p.cnt.0", Redirect(g, "cnt-b", 1)) == [Send("p.cnt.0", Eos(g, "p.op.0"))]
     # the re-homed keeper (its standby copy) sends the group again; the re-homed copy installs it
     keeper2 = keyed_instance("p.cnt.0", {}, restart=True, keyed=keeper.keyed.to_json(), **k_extra)
     copy2 = keyed_instance("cnt-b", {}, restart=True, **plan["cnt-b"]["extra"])
