@@ -340,9 +340,11 @@ def keyed_spec(instance: str, operator: str, keeper: bool = False, **extra: Any)
     return {**spec(instance, operator, keeper, **extra), "pipeline_toml": KEYED_PIPE}
 
 
-def keyed_instance(name: str, owned: Dict[int, int], restart: bool = False, keyed: Any = None, **extra: Any) -> Any:
+def keyed_instance(name: str, owned: Dict[int, int], restart: bool = False, keyed: Any = None,
+                   state: Any = None, **extra: Any) -> Any:
     """A sans-IO instance of the keyed count `cnt` owning `owned` (group -> version), started;
-    `restart`: restarted with the saved keyed state `keyed` (a re-home: its standby copy)."""
+    `restart`: restarted with the saved keyed state `keyed` (a re-home: its standby copy) and
+    the saved instance state `state` (a crash restart: its own files)."""
     from agent.config import load_pipeline_text
     from agent.instance.core import Instance
     from agent.instance.events import Restarted, Started
@@ -358,7 +360,7 @@ def keyed_instance(name: str, owned: Dict[int, int], restart: bool = False, keye
     inst = Instance(s, load_pipeline_text(KEYED_PIPE, "test"),
                     KeyedCount(OperatorContext(name, "cnt", "n2", "map", params={})))
     if restart:
-        inst.handle(Restarted(WALL0, {}, keyed=keyed), 0.0)
+        inst.handle(Restarted(WALL0, dict(state or {}), keyed=keyed), 0.0)
         return inst
     inst.moves.member = Member(name, owned)
     inst.moves.versions = dict(owned)
@@ -580,6 +582,46 @@ def test_a_group_installed_at_a_lost_copy_before_its_standby_held_it_goes_again_
     # once the standby holds the save that installed it, the Installed leaves: the group is ours
     copy.moves.replicated(copy.moves.after_copy[-1][0])
     assert copy.snapshot_stats()["groups"] == [[g, g, 1]] and copy.snapshot_stats()["expecting"] == []
+
+
+def test_a_leaver_says_installed_again_so_an_old_owner_whose_installed_was_lost_stops_waiting() -> None:
+    """A copy installed a group and its Installed waited, in memory, for the standby copy of that
+    save; the worker ended first (its agent killed: a drain) and restarted from its own files, then
+    handed the group on and left. The old owner's chunks sent again after the silence reached
+    nobody: it waited for that Installed for ever and never scaled in (not settled, two cells
+    instances at the end). The groups installed are saved with the instance state and a leaver
+    says Installed again for each; the old owner takes an Installed only from its move's new owner."""
+    from agent.dataplane.envelope import Kind, decode
+    from agent.dataplane.keygroups import key_group
+    from agent.instance.commands import Publish
+    from agent.instance.handover import Eos, Installed
+    from agent.instance.moves import encode
+
+    g = key_group("a", 8)
+    keeper = keyed_instance("p.cnt.0", {x: 0 for x in range(8)})
+    copy = keyed_instance("cnt-b", {}, replicate=True)
+    keeper.moves.start(g, "cnt-b", ["p.op.0"])
+    keeper.moves.on_message("p.op.0", encode(Eos(g, "p.op.0")))
+    keeper.moves.hand_out_turn()
+    keeper.moves.flush()
+    for body in keeper.moves.outgoing[g][2]:
+        copy.moves.on_message("p.cnt.0", body)
+    copy.moves.take_in_turn()
+    copy.moves.flush()
+    assert copy.moves.after_copy  # the Installed waits for the standby copy: then the worker ends
+    again = keyed_instance("cnt-b", {}, restart=True, keyed=copy.keyed.to_json(), state=copy.persisted_state(),
+                           replicate=True)
+    assert g in again.moves.member.owned and g in keeper.moves.member.old.waiting_install
+    # an Installed from another instance than the move's new owner does not end the wait
+    keeper.moves.on_message("cnt-c", encode(Installed(g)))
+    assert g in keeper.moves.member.old.waiting_install
+    again._out.clear()
+    assert again.moves.installed_again() == 1  # leaving: every group it installed, said again
+    sent = [decode(c.payload) for c in again._out if isinstance(c, Publish)]
+    bodies = [e.body for e in sent if e.kind is Kind.PROTO]
+    assert bodies == [encode(Installed(g))]
+    keeper.moves.on_message("cnt-b", bodies[0])
+    assert g not in keeper.moves.member.old.waiting_install and not keeper.moves.member.busy()
 
 
 def test_groups_no_instance_reports_are_the_lost_keepers_when_nothing_else_there_may_hold_them() -> None:

@@ -212,6 +212,12 @@ class GroupMoves:
         # the old owner still holds the state and this node's loss loses our install of it, so the
         # heartbeat reports them as on their way here (`stats`), not as ours (agent.node.rehome)
         self.installing: Dict[int, Tuple[str, int]] = {}
+        # every group installed here -> its old owner, saved: a leaver says Installed again for each
+        # (`installed_again`). Its first Installed can be lost (kept in memory until the standby
+        # copy holds the save, when a drain ends the worker; or in a broker that lost our session)
+        # and once we have left, the old owner's chunks sent again after the silence reach nobody:
+        # it would wait for that Installed for ever, busy, and never scale in
+        self.installed_from: Dict[int, str] = {}
         self.unsaved: Set[int] = set()  # input indices whose held records were applied, not saved yet
         # fresh index of held records' outputs -> the lowest input index they came in with: that
         # input stays unacked until those outputs are acked downstream (`lowest_held`)
@@ -339,8 +345,10 @@ class GroupMoves:
                 self.inbox.append((sender, body, msg, version))
                 return
             elif isinstance(msg, Installed):
-                if msg.group not in self.member.old.waiting_install:
-                    return  # said again for chunks we sent again
+                if msg.group not in self.member.old.waiting_install or self.outgoing.get(msg.group, ("",))[0] != sender:
+                    # said again for chunks we sent again, or by a leaver for a move of the group
+                    # that is over (`installed_again`): only the new owner of our move confirms it
+                    return
                 outs = self.member.on_installed(msg)
                 self.outgoing.pop(msg.group, None)
                 self.last_heard.pop(msg.group, None)
@@ -581,6 +589,7 @@ class GroupMoves:
             elif isinstance(o, Send) and isinstance(o.message, Installed):
                 self.deferred.append((o.dest, encode(o.message)))
                 self.installing[o.message.group] = (o.dest, self.versions.get(o.message.group, -1))
+                self.installed_from[o.message.group] = o.dest
                 self.flush_due = True
             elif isinstance(o, Send):
                 msg = o.message
@@ -656,7 +665,8 @@ class GroupMoves:
                 "shares": {c: [list(x) for x in sh] for c, sh in self.shares.items()},
                 "leaving": self.leaving,
                 "attempts": sorted([g, e] for g, e in self.attempts.items()),
-                "outgoing": [[g, new, v] for g, (new, v, _) in sorted(self.outgoing.items())]}
+                "outgoing": [[g, new, v] for g, (new, v, _) in sorted(self.outgoing.items())],
+                "installed_from": sorted([g, old] for g, old in self.installed_from.items())}
 
     def restore(self, d: Dict[str, Any]) -> None:
         """What `dump` saved (our own file: trusted as the rest of the instance state)."""
@@ -677,6 +687,18 @@ class GroupMoves:
         self.last_heard = {g: self.w.now - MOVE_RESEND for g in list(self.member.old.moving) + list(self.outgoing)}
         self.shares = {str(c): [(int(g), int(v)) for g, v in sh] for c, sh in (d.get("shares") or {}).items()}
         self.leaving = bool(d.get("leaving"))
+        self.installed_from = {int(g): str(old) for g, old in d.get("installed_from") or []}
+
+    def installed_again(self) -> int:
+        """Leaving (every group handed on and installed at its new owner): Installed again to the
+        old owner of each group we installed, which drops it unless it still waits for that move
+        (an Installed lost on its way). Our new owners hold the groups now: nothing waits for a
+        copy. The number sent."""
+        sent = sorted(self.installed_from.items())
+        for g, old in sent:
+            self.w.send_handover(old, Installed(g))
+        self.installed_from = {}
+        return len(sent)
 
     def after_restart(self) -> None:
         """The keyed state is loaded. A group on its way out (`outgoing`) stays in it, frozen, and
