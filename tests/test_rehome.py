@@ -340,8 +340,11 @@ def keyed_spec(instance: str, operator: str, keeper: bool = False, **extra: Any)
     return {**spec(instance, operator, keeper, **extra), "pipeline_toml": KEYED_PIPE}
 
 
-def keyed_instance(name: str, owned: Dict[int, int], restart: bool = False, **extra: Any) -> Any:
-    """A sans-IO instance of the keyed count `cnt` owning `owned` (group -> version), started."""
+def keyed_instance(name: str, owned: Dict[int, int], restart: bool = False, keyed: Any = None,
+                   state: Any = None, **extra: Any) -> Any:
+    """A sans-IO instance of the keyed count `cnt` owning `owned` (group -> version), started;
+    `restart`: restarted with the saved keyed state `keyed` (a re-home: its standby copy) and
+    the saved instance state `state` (a crash restart: its own files)."""
     from agent.config import load_pipeline_text
     from agent.instance.core import Instance
     from agent.instance.events import Restarted, Started
@@ -357,7 +360,7 @@ def keyed_instance(name: str, owned: Dict[int, int], restart: bool = False, **ex
     inst = Instance(s, load_pipeline_text(KEYED_PIPE, "test"),
                     KeyedCount(OperatorContext(name, "cnt", "n2", "map", params={})))
     if restart:
-        inst.handle(Restarted(WALL0, {}), 0.0)
+        inst.handle(Restarted(WALL0, dict(state or {}), keyed=keyed), 0.0)
         return inst
     inst.moves.member = Member(name, owned)
     inst.moves.versions = dict(owned)
@@ -510,6 +513,115 @@ def test_a_rehomed_old_owner_starts_again_the_moves_a_live_new_owner_waits_for()
     # a copy that is not expecting anything from the keeper: no move starts again
     assert "moves_out" not in {d["instance"]: d for d in plan_rehome(
         "n1", hosted, {"n2"}, {"cnt-b"}, 0, groups=reports)}["p.cnt.0"]["extra"]
+
+
+def test_a_group_installed_at_a_lost_copy_before_its_standby_held_it_goes_again_from_its_lost_old_owner() -> None:
+    """chaos --pipeline stateful-scaling, seed 72 (kill-node of the keeper's node): the keeper
+    handed groups to a copy on its own node and the copy installed them, but the node was lost
+    before the copy's standby held the save that installed them (its Installed waits for that).
+    The copy's heartbeat had said it owned them, so its re-homed incarnation resumed them empty
+    while the keeper's standby copy still held their state; the copy handed them back later and
+    the keeper kept its older state over them: the records applied in between were lost (windows
+    missing or with fewer records). A group whose Installed has not left is reported as on its
+    way (`expecting`), and a lost old owner resumes it and sends it again to its lost new owner,
+    which installs it from the chunks."""
+    from agent.dataplane.keygroups import key_group
+    from agent.dataplane.owners import groups_from_runs, table_from_reports
+    from agent.instance.handover import Eos, Predecessor, Redirect, Send
+    from agent.instance.moves import encode
+
+    g = key_group("a", 8)
+    keeper = keyed_instance("p.cnt.0", {x: 0 for x in range(8)}, replicate=True)
+    keeper.keyed.apply("p.source.0", [("p.source.0", 0, {"k": "a"}), ("p.source.0", 1, {"k": "a"})], 1)
+    copy = keyed_instance("cnt-b", {}, replicate=True)
+    keeper.moves.start(g, "cnt-b", ["p.op.0"])
+    keeper.moves.on_message("p.op.0", encode(Eos(g, "p.op.0")))
+    keeper.moves.hand_out_turn()
+    keeper.moves.flush()
+    keeper.moves.replicated((10 ** 9, 0))  # the keeper's standby holds it: its chunks leave
+    (_, v, bodies) = keeper.moves.outgoing[g]
+    assert bodies and v == 1
+    for body in bodies:
+        copy.moves.on_message("p.cnt.0", body)
+    copy.moves.take_in_turn()
+    copy.moves.flush()  # installed; its Installed waits for the copy's standby
+    assert g in copy.moves.member.owned and copy.moves.after_copy
+    stats, kstats = copy.snapshot_stats(), keeper.snapshot_stats()
+    assert stats["groups"] == [] and stats["expecting"] == [[g, "p.cnt.0", 1]]
+    assert kstats["handed"] == [[g, "cnt-b", 1]]
+    # both on n1, lost: the keeper resumes the group (its standby copy holds it until the
+    # Installed) and starts its move again; the copy is not given it
+    hosted = {"n1": [keyed_spec("p.op.0", "op", True), keyed_spec("p.cnt.0", "cnt", True),
+                     keyed_spec("cnt-b", "cnt", creator="p.cnt.0")],
+              "n2": [keyed_spec("p.source.0", "source", True), keyed_spec("p.sink.0", "sink", True)]}
+    plan = {d["instance"]: d for d in plan_rehome(
+        "n1", hosted, {"n2"}, set(), 0, groups={"p.cnt.0": kstats["groups"], "cnt-b": stats["groups"]},
+        handed={"p.cnt.0": kstats["handed"]}, expecting={"cnt-b": stats["expecting"]})}
+    assert plan["cnt-b"]["extra"]["owned_groups"] == []
+    k_extra = plan["p.cnt.0"]["extra"]
+    assert k_extra["moves_out"] == [[g, "cnt-b", 1]]
+    assert groups_from_runs(k_extra["owned_groups"]) == {x: 0 for x in range(8)}
+    # the re-homed predecessor routes the group to the copy and answers the keeper's Redirect at once
+    table = table_from_reports(plan["p.op.0"]["extra"]["succ_groups"], 8)
+    assert (table.owner(g), table.version(g)) == ("cnt-b", 1)
+    pred = Predecessor("p.op.0", table)
+    assert pred.on_redirect("p.cnt.0", Redirect(g, "cnt-b", 1)) == [Send("p.cnt.0", Eos(g, "p.op.0"))]
+    # the re-homed keeper (its standby copy) sends the group again; the re-homed copy installs it
+    keeper2 = keyed_instance("p.cnt.0", {}, restart=True, keyed=keeper.keyed.to_json(), **k_extra)
+    copy2 = keyed_instance("cnt-b", {}, restart=True, **plan["cnt-b"]["extra"])
+    assert keeper2.moves.member.old.moving == {g: ("cnt-b", {"p.op.0"})}
+    keeper2.moves.on_message("p.op.0", encode(Eos(g, "p.op.0")))
+    keeper2.moves.hand_out_turn()
+    keeper2.moves.flush()
+    (_, _, again) = keeper2.moves.outgoing[g]
+    for body in again:
+        copy2.moves.on_message("p.cnt.0", body)
+    copy2.moves.take_in_turn()
+    assert g in copy2.moves.member.owned and copy2.stats["handover_errors"] == 0
+    assert copy2.keyed.states[g] == keeper.keyed.states[g] and copy2.keyed.states[g]
+    # once the standby holds the save that installed it, the Installed leaves: the group is ours
+    copy.moves.replicated(copy.moves.after_copy[-1][0])
+    assert copy.snapshot_stats()["groups"] == [[g, g, 1]] and copy.snapshot_stats()["expecting"] == []
+
+
+def test_a_leaver_says_installed_again_so_an_old_owner_whose_installed_was_lost_stops_waiting() -> None:
+    """A copy installed a group and its Installed waited, in memory, for the standby copy of that
+    save; the worker ended first (its agent killed: a drain) and restarted from its own files, then
+    handed the group on and left. The old owner's chunks sent again after the silence reached
+    nobody: it waited for that Installed for ever and never scaled in (not settled, two cells
+    instances at the end). The groups installed are saved with the instance state and a leaver
+    says Installed again for each; the old owner takes an Installed only from its move's new owner."""
+    from agent.dataplane.envelope import Kind, decode
+    from agent.dataplane.keygroups import key_group
+    from agent.instance.commands import Publish
+    from agent.instance.handover import Eos, Installed
+    from agent.instance.moves import encode
+
+    g = key_group("a", 8)
+    keeper = keyed_instance("p.cnt.0", {x: 0 for x in range(8)})
+    copy = keyed_instance("cnt-b", {}, replicate=True)
+    keeper.moves.start(g, "cnt-b", ["p.op.0"])
+    keeper.moves.on_message("p.op.0", encode(Eos(g, "p.op.0")))
+    keeper.moves.hand_out_turn()
+    keeper.moves.flush()
+    for body in keeper.moves.outgoing[g][2]:
+        copy.moves.on_message("p.cnt.0", body)
+    copy.moves.take_in_turn()
+    copy.moves.flush()
+    assert copy.moves.after_copy  # the Installed waits for the standby copy: then the worker ends
+    again = keyed_instance("cnt-b", {}, restart=True, keyed=copy.keyed.to_json(), state=copy.persisted_state(),
+                           replicate=True)
+    assert g in again.moves.member.owned and g in keeper.moves.member.old.waiting_install
+    # an Installed from another instance than the move's new owner does not end the wait
+    keeper.moves.on_message("cnt-c", encode(Installed(g)))
+    assert g in keeper.moves.member.old.waiting_install
+    again._out.clear()
+    assert again.moves.installed_again() == 1  # leaving: every group it installed, said again
+    sent = [decode(c.payload) for c in again._out if isinstance(c, Publish)]
+    bodies = [e.body for e in sent if e.kind is Kind.PROTO]
+    assert bodies == [encode(Installed(g))]
+    keeper.moves.on_message("cnt-b", bodies[0])
+    assert g not in keeper.moves.member.old.waiting_install and not keeper.moves.member.busy()
 
 
 def test_groups_no_instance_reports_are_the_lost_keepers_when_nothing_else_there_may_hold_them() -> None:

@@ -401,7 +401,7 @@ class Instance:
             if "moves_out" in self.spec.extra and "owned_groups" in self.spec.extra and not ev.state.get("moves"):
                 n = self.moves.resume_moves(self.spec.extra["moves_out"], self.scaling.core.preds)
                 if n:
-                    log.info("re-homed: the moves of %d key groups a live new owner waits for start again", n,
+                    log.info("re-homed: the moves of %d key groups their new owners wait for start again", n,
                              extra=self.ctx)
 
     def _resume_groups(self, runs: Any) -> None:

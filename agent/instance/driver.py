@@ -524,6 +524,7 @@ class ScalingDriver:
         if not mv.ready_to_leave():
             return
         mv.leaving = False
+        mv.installed_again()
         self.round_created = []
         # start_round, not start_deletion: with coordination = "fgme" the deletion waits for its
         # 2-FGME locks like any other round (start_deletion would run it outside them)

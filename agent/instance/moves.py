@@ -207,6 +207,17 @@ class GroupMoves:
         self.deferred: List[Tuple[str, Dict[str, Any]]] = []  # (dest, body): chunks, Installed
         # with a standby copy: (save token, the turn's deferred messages), until the standby holds it
         self.after_copy: List[Tuple[Tuple[int, int], List[Tuple[str, Dict[str, Any]]]]] = []
+        # groups installed here whose Installed has not left yet (it waits for the standby copy of
+        # the save that installed them): group -> (old owner, the move's version). Until it leaves,
+        # the old owner still holds the state and this node's loss loses our install of it, so the
+        # heartbeat reports them as on their way here (`stats`), not as ours (agent.node.rehome)
+        self.installing: Dict[int, Tuple[str, int]] = {}
+        # every group installed here -> its old owner, saved: a leaver says Installed again for each
+        # (`installed_again`). Its first Installed can be lost (kept in memory until the standby
+        # copy holds the save, when a drain ends the worker; or in a broker that lost our session)
+        # and once we have left, the old owner's chunks sent again after the silence reach nobody:
+        # it would wait for that Installed for ever, busy, and never scale in
+        self.installed_from: Dict[int, str] = {}
         self.unsaved: Set[int] = set()  # input indices whose held records were applied, not saved yet
         # fresh index of held records' outputs -> the lowest input index they came in with: that
         # input stays unacked until those outputs are acked downstream (`lowest_held`)
@@ -334,8 +345,10 @@ class GroupMoves:
                 self.inbox.append((sender, body, msg, version))
                 return
             elif isinstance(msg, Installed):
-                if msg.group not in self.member.old.waiting_install:
-                    return  # said again for chunks we sent again
+                if msg.group not in self.member.old.waiting_install or self.outgoing.get(msg.group, ("",))[0] != sender:
+                    # said again for chunks we sent again, or by a leaver for a move of the group
+                    # that is over (`installed_again`): only the new owner of our move confirms it
+                    return
                 outs = self.member.on_installed(msg)
                 self.outgoing.pop(msg.group, None)
                 self.last_heard.pop(msg.group, None)
@@ -541,13 +554,20 @@ class GroupMoves:
             self.after_copy.append((self.keyed.saved_token(), deferred))
             return
         for dest, body in deferred:
-            w.send_handover_body(dest, body)
+            self._send_deferred(dest, body)
 
     def replicated(self, token: Tuple[int, int]) -> None:
         """The standby holds the saves up to `token`: the messages that waited for them go."""
         while self.after_copy and self.after_copy[0][0] <= token:
             for dest, body in self.after_copy.pop(0)[1]:
-                self.w.send_handover_body(dest, body)
+                self._send_deferred(dest, body)
+
+    def _send_deferred(self, dest: str, body: Dict[str, Any]) -> None:
+        """A message that waited for the turn's save (and its standby copy) leaves; an Installed
+        makes its group ours in the heartbeat from now on (`installing`)."""
+        if body.get("type") == "installed":
+            self.installing.pop(body.get("g"), None)  # type: ignore[arg-type]
+        self.w.send_handover_body(dest, body)
 
     def perform(self, outs: List[Any], version: int = -1) -> None:
         w = self.w
@@ -568,6 +588,8 @@ class GroupMoves:
                 continue  # `snapshot`'s empty bytes: the state leaves from `hand_out_turn`
             elif isinstance(o, Send) and isinstance(o.message, Installed):
                 self.deferred.append((o.dest, encode(o.message)))
+                self.installing[o.message.group] = (o.dest, self.versions.get(o.message.group, -1))
+                self.installed_from[o.message.group] = o.dest
                 self.flush_due = True
             elif isinstance(o, Send):
                 msg = o.message
@@ -643,7 +665,8 @@ class GroupMoves:
                 "shares": {c: [list(x) for x in sh] for c, sh in self.shares.items()},
                 "leaving": self.leaving,
                 "attempts": sorted([g, e] for g, e in self.attempts.items()),
-                "outgoing": [[g, new, v] for g, (new, v, _) in sorted(self.outgoing.items())]}
+                "outgoing": [[g, new, v] for g, (new, v, _) in sorted(self.outgoing.items())],
+                "installed_from": sorted([g, old] for g, old in self.installed_from.items())}
 
     def restore(self, d: Dict[str, Any]) -> None:
         """What `dump` saved (our own file: trusted as the rest of the instance state)."""
@@ -664,6 +687,18 @@ class GroupMoves:
         self.last_heard = {g: self.w.now - MOVE_RESEND for g in list(self.member.old.moving) + list(self.outgoing)}
         self.shares = {str(c): [(int(g), int(v)) for g, v in sh] for c, sh in (d.get("shares") or {}).items()}
         self.leaving = bool(d.get("leaving"))
+        self.installed_from = {int(g): str(old) for g, old in d.get("installed_from") or []}
+
+    def installed_again(self) -> int:
+        """Leaving (every group handed on and installed at its new owner): Installed again to the
+        old owner of each group we installed, which drops it unless it still waits for that move
+        (an Installed lost on its way). Our new owners hold the groups now: nothing waits for a
+        copy. The number sent."""
+        sent = sorted(self.installed_from.items())
+        for g, old in sent:
+            self.w.send_handover(old, Installed(g))
+        self.installed_from = {}
+        return len(sent)
 
     def after_restart(self) -> None:
         """The keyed state is loaded. A group on its way out (`outgoing`) stays in it, frozen, and
@@ -740,14 +775,23 @@ class GroupMoves:
 
     def stats(self) -> Dict[str, Any]:
         m = self.member
-        settled = self.reported_groups()
+        # A group installed here whose Installed waits for the standby copy is not ours yet as far
+        # as a re-home goes: lost with this node, the copy lacks it while the old owner still
+        # holds its state. Reported as on its way here, a re-homed old owner resumes it and sends
+        # it again; reported as ours, our re-homed incarnation resumed it empty and answered the
+        # old owner's chunks with Installed, or handed it back over the old owner's older state.
+        settled = {g: v for g, v in self.reported_groups().items() if g not in self.installing}
+        on_way = dict(m.new.expected)
+        on_way.update((g, old) for g, (old, _) in self.installing.items())
         return {"handover": dict(self.counts, owned=len(m.owned), moving=len(m.old.moving),
                                  expected=len(m.new.expected), held=self.held),
                 "groups": group_runs(settled),
                 # groups handed out (every Eos in: a predecessor's table names the new owner), not
                 # Installed yet: [group, new owner, the move's version] (agent.node.rehome)
                 "handed": [[g, new, v] for g, (new, v, _) in sorted(self.outgoing.items())],
-                # groups on their way here: [group, old owner, the move's version] (agent.node.rehome:
-                # a re-homed old owner that no longer knows it was moving one starts the move again)
-                "expecting": [[g, old, self.versions.get(g, -1)] for g, old in sorted(m.new.expected.items())],
+                # groups on their way here, or installed with their Installed waiting for the standby
+                # copy: [group, old owner, the move's version] (agent.node.rehome: a re-homed old
+                # owner that no longer knows it was moving one starts the move again)
+                "expecting": [[g, old, self.installing[g][1] if g in self.installing else self.versions.get(g, -1)]
+                              for g, old in sorted(on_way.items())],
                 "first_installed_at": self.first_installed_at, "first_applied_at": self.first_applied_at}

@@ -170,6 +170,9 @@ def plan_rehome(
     # The groups each keyed instance of the lost node resumes and the moves it starts again
     # (`_resume_plan`); what its re-homed predecessors are told it owns is the same.
     lost = [s for s in hosted_by_node.get(dead, ()) if s["instance"] not in listed_online]
+    # who may wait for a group from a lost instance: a live sibling, or one lost with it (a move
+    # with both ends on the lost node: the new owner's report says what its standby copy lacks)
+    waiting_for = alive | {str(s["instance"]) for s in lost}
     owned_reports: Dict[str, Any] = dict(groups or {})
     moves_out: Dict[str, List[List[Any]]] = {}
     for s in lost:
@@ -183,7 +186,7 @@ def plan_rehome(
             # and it and its siblings refused each other's Redirects for ever.
             runs = []
         if runs is not None:
-            owned_reports[inst], moves_out[inst] = _resume_plan(inst, runs, groups, expecting, alive)
+            owned_reports[inst], moves_out[inst] = _resume_plan(inst, runs, groups, expecting, alive, waiting_for)
     # with the groups handed out under their new owners, and the groups nobody reports given to
     # the lost node's keeper (`_unreported_to_keepers`)
     reports = _with_handed(owned_reports, handed)
@@ -310,11 +313,15 @@ def _added(reports: Optional[Mapping[str, Any]], adds: Mapping[str, Mapping[int,
 
 
 def _resume_plan(inst: str, runs: Any, groups: Optional[Mapping[str, Any]], expecting: Optional[Mapping[str, Any]],
-                 alive: Set[str]) -> Tuple[Any, List[List[Any]]]:
+                 alive: Set[str], waiting_for: Optional[Set[str]] = None) -> Tuple[Any, List[List[Any]]]:
     """The groups a re-homed keyed instance resumes (runs) and the moves it starts again: its
-    last report less what a live sibling reports at a newer version, plus each group a live
-    sibling expects from it (at the version before that move). Bus input: a report that does
-    not parse is passed on as it is (the worker refuses it as a whole)."""
+    last report less what a live sibling reports at a newer version, plus each group a sibling
+    expects from it (`waiting_for`: live ones and those lost with it; default the live ones), at
+    the version before that move. A sibling lost with it expects a group whose state its standby
+    copy does not hold (still on its way, or installed with its Installed waiting for the copy:
+    agent.instance.moves `stats`), while our standby copy still holds it (we forget a group we
+    handed out only at its Installed): we resume it and send it again, as to a live one. Bus
+    input: a report that does not parse is passed on as it is (the worker refuses it as a whole)."""
     try:
         mine = groups_from_runs(runs)
     except TableError:
@@ -328,7 +335,7 @@ def _resume_plan(inst: str, runs: Any, groups: Optional[Mapping[str, Any]], expe
             if g in mine and v > mine[g]:
                 del mine[g]
     moves: List[List[Any]] = []
-    for new in sorted(alive - {inst}):
+    for new in sorted((alive if waiting_for is None else waiting_for) - {inst}):
         entries = (expecting or {}).get(new)
         if not isinstance(entries, list):
             continue
