@@ -561,3 +561,69 @@ def test_a_group_the_lost_keeper_was_moving_on_has_one_version_in_its_list_and_i
     assert [table.version(g) for g in range(8)] == [0, 0, 0, 0, 2, 2, 1, 1]
     pred = Predecessor("p.op.0", table)
     assert pred.on_redirect("p.cnt.0", Redirect(4, "cnt-b", 3)) == [Send("p.cnt.0", Eos(4, "p.op.0"))]
+
+
+def test_a_move_both_ends_on_the_lost_node_completed_after_its_last_state_follows_the_standby_copies() -> None:
+    """chaos --pipeline stateful-scaling, seed 4, kill-node of the window's node: the keeper
+    created a copy on its own node and handed it its share; the node was lost before its state
+    listed the copy. The copy was re-homed owning no group ("resuming our 0 key groups") although
+    its standby copy held the groups it had installed, and the keeper resumed them from its older
+    report while its own copy had forgotten them: their windows started over (76-80 missing).
+    The standby copies say which groups each instance owns as of the save they hold (an
+    Installed leaves only once that save is copied): the newer word wins, group by group."""
+    hosted = {"n1": [keyed_spec("p.op.0", "op", True), keyed_spec("p.cnt.0", "cnt", True, standby="n2"),
+                     keyed_spec("cnt-c", "cnt", creator="p.cnt.0", standby="n2")],
+              "n2": [keyed_spec("p.source.0", "source", True), keyed_spec("p.sink.0", "sink", True)]}
+    last_state = {"p.cnt.0": [[0, 7, 0]]}  # n1's last retained state: before the copy took groups 4-7
+    for keeper_copy in ([[0, 3, 0]], [[0, 7, 0]]):  # the keeper's copy after the move, or one save behind
+        plan = {d["instance"]: d for d in plan_rehome(
+            "n1", hosted, {"n2"}, set(), 0, groups=last_state,
+            standby_groups={"p.cnt.0": keeper_copy, "cnt-c": [[4, 7, 1]]})}
+        assert plan["cnt-c"]["extra"]["owned_groups"] == [[4, 7, 1]], keeper_copy
+        assert plan["p.cnt.0"]["extra"]["owned_groups"] == [[0, 3, 0]], keeper_copy
+        assert plan["p.op.0"]["extra"]["succ_groups"] == {"p.cnt.0": [[0, 3, 0]], "cnt-c": [[4, 7, 1]]}
+    # a copy older than the node's last state changes nothing: the report's newer versions stay
+    plan = {d["instance"]: d for d in plan_rehome(
+        "n1", hosted, {"n2"}, set(), 0, groups={"p.cnt.0": [[0, 3, 0], [4, 7, 2]], "cnt-c": []},
+        standby_groups={"p.cnt.0": [[0, 3, 0]], "cnt-c": [[4, 7, 1]]})}
+    assert plan["p.cnt.0"]["extra"]["owned_groups"] == [[0, 3, 0], [4, 7, 2]]
+    assert plan["cnt-c"]["extra"]["owned_groups"] == []
+
+
+def test_a_rehomed_keyed_instance_forgets_the_groups_of_its_standby_copy_it_is_not_given(tmp_path: Path) -> None:
+    """The worker side: re-homed with its standby copy, the old owner of a move whose new owner
+    holds the groups at a newer version is not given them (plan above), but its copy may still
+    hold their state (saved before it handed them out): kept, their timers fired their windows
+    there a second time, with older contents. They are forgotten; its own groups stay."""
+    from agent.instance.keyed_state import KeyedState
+
+    old = keyed_instance("p.cnt.0", {g: 0 for g in range(8)})
+    assert old.keyed is not None
+    old.keyed.apply("p.op.0", [("p.source.0", j, {"k": f"k{j}"}) for j in range(64)], 0)
+    held = set(old.keyed.states)
+    assert held & set(range(4)) and held - set(range(4))  # keys in both halves
+    old.keyed.save(tmp_path / "c.keyed.json")
+    again = _restarted_keyed("p.cnt.0", KeyedState.load(tmp_path / "c.keyed.json"), owned_groups=[[0, 3, 0]],
+                             min_epoch=1_800_000_000)
+    assert again.moves.member.owned == set(range(4))
+    assert set(again.keyed.states) == held & set(range(4))
+    assert again.snapshot_stats()["groups"] == [[0, 3, 0]]
+
+
+def _restarted_keyed(name: str, keyed: Any, **extra: Any) -> Any:
+    """A sans-IO keyed count `cnt` restarted with a saved keyed state (a re-home's standby copy)."""
+    from agent.config import load_pipeline_text
+    from agent.instance.core import Instance
+    from agent.instance.events import Restarted
+    from agent.instance.spec import InstanceSpec
+    from agent.operators.builtin import OperatorContext
+    from agent.operators.keyed import KeyedCount
+    from foglab.sim.instance_check import BROKER, CLUSTER, WALL0
+
+    s = InstanceSpec(name, "cnt", "n2", CLUSTER, "p", KEYED_PIPE, BROKER, succs=("p.sink.0",), preds=("p.op.0",),
+                     keeper=name == "p.cnt.0", state_dir="/nonexistent", heartbeat_period=3600.0,
+                     restart=True, extra=dict(extra))
+    inst = Instance(s, load_pipeline_text(KEYED_PIPE, "test"),
+                    KeyedCount(OperatorContext(name, "cnt", "n2", "map", params={})))
+    inst.handle(Restarted(WALL0, {}, keyed=keyed), 0.0)
+    return inst

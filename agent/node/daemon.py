@@ -661,6 +661,9 @@ class Agent:
         moved = self._moved_statements()
         if moved:
             doc["moved"] = moved
+        copies = self.replication.store.owned()
+        if copies:  # the groups our standby copies say their instances own (agent.node.rehome)
+            doc["standby_groups"] = copies
         return doc
 
     def _moved_statements(self) -> Dict[str, str]:
@@ -1534,7 +1537,10 @@ class Agent:
             if not peer:
                 reply({"ok": False, "error": "refused: replica is a peer request"})
                 return
+            before = self.replication.store.owned().get(str(body.get("instance")))
             answer = self.replication.store.apply(requester, body)
+            if self.replication.store.owned().get(str(body.get("instance"))) != before:
+                self._state_dirty = True  # a re-home of the host reads them from our state
             if answer is not None:
                 if not answer.get("ok"):
                     log.info("replica of %s from %s: %s", str(body.get("instance"))[:80], requester,
@@ -1898,6 +1904,24 @@ class Agent:
                 out[str(i.get("id"))] = stats[key]
         return out
 
+    def _standby_groups(self, lost: str) -> Dict[str, Any]:
+        """The key groups the standby copy of each keyed instance of `lost` says it owns: from the
+        standby its hosted record names (our own store, or that node's retained state), for
+        agent.node.rehome.plan_rehome."""
+        out: Dict[str, Any] = {}
+        for s in self.hosted_by_node.get(lost, ()):
+            standby = (s.get("extra") or {}).get("standby")
+            if standby == self.node:
+                copies: Any = self.replication.store.owned()
+            elif isinstance(standby, str) and self.online.get(standby):
+                copies = self.fleet.get(standby, {}).get("standby_groups")
+            else:
+                continue
+            runs = copies.get(str(s["instance"])) if isinstance(copies, dict) else None
+            if isinstance(runs, list):
+                out[str(s["instance"])] = runs
+        return out
+
     def _listed_elsewhere(self) -> Set[str]:
         """Instance ids that another ONLINE node lists in its retained state."""
         return {str(i.get("id")) for i in self._entries_elsewhere()}
@@ -2102,7 +2126,8 @@ class Agent:
                                       departing=self._in_state(("departing", "terminated")),
                                       idle=self._in_state(("idle",), lost=node),
                                       groups=self._lost_groups(node), handed=self._lost_moves(node, "handed"),
-                                      expecting=self._lost_moves(node, "expecting"))
+                                      expecting=self._lost_moves(node, "expecting"),
+                                      standby_groups=self._standby_groups(node))
             self._rehomed.add(node)
             if plan:
                 record = self.rehomed_by_node.setdefault(self.node, {})

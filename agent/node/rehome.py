@@ -101,6 +101,7 @@ def plan_rehome(
     groups: Optional[Mapping[str, Any]] = None,
     handed: Optional[Mapping[str, Any]] = None,
     expecting: Optional[Mapping[str, Any]] = None,
+    standby_groups: Optional[Mapping[str, Any]] = None,
 ) -> List[Dict[str, Any]]:
     """The specs to start elsewhere for the instances of `dead` (sorted by instance id).
 
@@ -151,6 +152,16 @@ def plan_rehome(
     reports at a newer version (moved on since its node's last state), and with those a live
     sibling expects from it, whose moves it starts again (`extra["moves_out"]`: its dead
     incarnation's memory of them went with its node, and the new owner waited for ever).
+
+    `standby_groups`: per keyed instance of `dead`, the groups its standby copy says it owns (the
+    ownership saved with its keyed state, agent.node.replicas `ReplicaStore.owned`). A group is
+    confirmed Installed to its old owner only once the save that installed it is copied, so a
+    copy is the durable word on what moved in, while the node's last state may predate the move
+    (a copy created and handed its share just before the loss, not listed at all). Each lost
+    instance resumes its report and its copy's groups together, each group at the newer version
+    of the two; a group another instance (live, or lost with a newer copy) holds at a newer
+    version is not its: the old owner of a move both of whose ends were on the lost node gives
+    up a group its copy has forgotten, and the new owner takes it with its state.
     """
     gone = set(departing)
     waiting = set(idle)
@@ -172,18 +183,24 @@ def plan_rehome(
     lost = [s for s in hosted_by_node.get(dead, ()) if s["instance"] not in listed_online]
     owned_reports: Dict[str, Any] = dict(groups or {})
     moves_out: Dict[str, List[List[Any]]] = {}
+    resumed: Dict[str, Any] = {}
     for s in lost:
         inst = str(s["instance"])
-        runs = owned_reports.get(inst)
+        runs = _newest(owned_reports.get(inst), (standby_groups or {}).get(inst))
         if runs is None and _creator(s) and any(i in owned_reports for i in members.get(
                 (str(s["pipeline"]), str(s["operator"])), ())):
-            # A copy of a keyed operator that its node's last state did not list (created just
-            # before the loss): no group was installed there as far as anyone reported, so it owns
-            # none. The dealing made it a second owner of every group ("handing 128 key groups"),
-            # and it and its siblings refused each other's Redirects for ever.
+            # A copy of a keyed operator that neither its node's last state nor a standby copy
+            # lists (created just before the loss): no group was installed there as far as anyone
+            # reported, so it owns none. The dealing made it a second owner of every group
+            # ("handing 128 key groups"), and it and its siblings refused each other's Redirects
+            # for ever.
             runs = []
         if runs is not None:
-            owned_reports[inst], moves_out[inst] = _resume_plan(inst, runs, groups, expecting, alive)
+            resumed[inst] = runs
+    rivals = {**dict(groups or {}), **resumed}  # live reports, and the lost instances' newest word
+    for inst, runs in resumed.items():
+        owned_reports[inst], moves_out[inst] = _resume_plan(inst, runs, rivals, expecting, alive,
+                                                            set(resumed))
     # with the groups handed out under their new owners, and the groups nobody reports given to
     # the lost node's keeper (`_unreported_to_keepers`)
     reports = _with_handed(owned_reports, handed)
@@ -309,17 +326,33 @@ def _added(reports: Optional[Mapping[str, Any]], adds: Mapping[str, Mapping[int,
     return out
 
 
+def _newest(report: Any, copy: Any) -> Any:
+    """A lost instance's report and its standby copy's groups together, each group at the newer
+    version of the two; None when neither names any; a report that does not parse as it is (the
+    worker refuses it), a copy's that does not parse ignored."""
+    if copy is None:
+        return report
+    try:
+        theirs = groups_from_runs(copy)
+    except TableError:
+        return report
+    if report is None:
+        return group_runs(theirs)
+    return _added({"i": report}, {"i": theirs})["i"]
+
+
 def _resume_plan(inst: str, runs: Any, groups: Optional[Mapping[str, Any]], expecting: Optional[Mapping[str, Any]],
-                 alive: Set[str]) -> Tuple[Any, List[List[Any]]]:
+                 alive: Set[str], lost: Set[str] = frozenset()) -> Tuple[Any, List[List[Any]]]:
     """The groups a re-homed keyed instance resumes (runs) and the moves it starts again: its
-    last report less what a live sibling reports at a newer version, plus each group a live
-    sibling expects from it (at the version before that move). Bus input: a report that does
-    not parse is passed on as it is (the worker refuses it as a whole)."""
+    last report less what a live sibling (or another instance of the `lost` node, from its
+    newest word) reports at a newer version, plus each group a live sibling expects from it (at
+    the version before that move). Bus input: a report that does not parse is passed on as it
+    is (the worker refuses it as a whole)."""
     try:
         mine = groups_from_runs(runs)
     except TableError:
         return runs, []
-    for other in sorted(alive - {inst}):
+    for other in sorted((alive | lost) - {inst}):
         try:
             theirs = groups_from_runs((groups or {}).get(other, []))
         except TableError:
