@@ -627,3 +627,42 @@ def _restarted_keyed(name: str, keyed: Any, **extra: Any) -> Any:
                     KeyedCount(OperatorContext(name, "cnt", "n2", "map", params={})))
     inst.handle(Restarted(WALL0, {}, keyed=keyed), 0.0)
     return inst
+
+
+def test_a_rehome_goes_to_the_standby_holding_its_copy_even_with_its_slots_taken(tmp_path: Path) -> None:
+    """chaos --pipeline stateful-scaling, seed 73: two keyed copies lost with n3 had their
+    standby copies on n1, which had a free slot for one: the other was placed on n2 and resumed
+    its 32 key groups empty (2,144 windows missing, 2,015 under new ids). The standby comes
+    first in a re-home's ranking also when placement skips it for want of a slot, and starts
+    the instance beyond its slots when it holds its copy (not while it drains)."""
+    import json as _json
+
+    from agent.instance.spec import InstanceSpec
+    from agent.node.daemon import SpawnJob
+    from foglab.sim.instance_check import BROKER
+
+    agent = _agent(tmp_path)
+    root = agent.replication.store.root
+    root.mkdir(parents=True)
+    (root / "cnt-c.keyed.json").write_text("{}")
+    (root / "cnt-c.replica.json").write_text(_json.dumps({"host": "n3", "gen": 1, "log": 0}))
+
+    def job(instance: str, standby: str, cause: str = "rehome") -> Any:
+        spec = InstanceSpec(instance, "cnt", "me", "c", "p", KEYED_PIPE, BROKER, restart=True,
+                            extra={"standby": standby, "min_epoch": 1_800_000_000})
+        return SpawnJob(spec=spec, candidates=[], reply=lambda _r: None, cause=cause)
+
+    assert agent._rehome_with_copy(job("cnt-c", "me"))
+    assert not agent._rehome_with_copy(job("cnt-d", "me"))  # no copy here
+    assert not agent._rehome_with_copy(job("cnt-c", "n2"))  # its copy is said to be elsewhere
+    assert not agent._rehome_with_copy(job("cnt-c", "me", cause="spawn"))
+    agent.draining = True
+    assert not agent._rehome_with_copy(job("cnt-c", "me"))
+    agent.draining = False
+    # first in the ranking, with no free slot in the fleet views (placement skips it)
+    tried: List[Any] = []
+    agent._try_next = lambda j, now, err: tried.append(list(j.candidates))  # type: ignore[method-assign]
+    agent.online["n2"] = True
+    agent._create_node(job("cnt-c", "n2").spec, lambda _r: None, cause="rehome", now=0.0)
+    agent._create_node(job("cnt-c", "n2").spec, lambda _r: None, cause="spawn", now=0.0)
+    assert tried[0][0] == "n2" and "n2" not in tried[1]

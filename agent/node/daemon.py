@@ -1106,11 +1106,22 @@ class Agent:
         policy = policy_for_operator(self.policy, self._operator_policy(spec)[0])
         ranking = list(policy(request, self.fleet_views()))
         standby = spec.extra.get("standby")
-        if cause == "rehome" and standby in ranking:  # where its keyed state's copy is (agent.node.replicas)
-            ranking.remove(standby)
+        if cause == "rehome" and isinstance(standby, str) and (standby == self.node or self.online.get(standby)):
+            # where its keyed state's copy is (agent.node.replicas): first, also when its slots are
+            # taken (it starts there beyond them, `_start_local`)
+            if standby in ranking:
+                ranking.remove(standby)
             ranking.insert(0, standby)
         job = SpawnJob(spec=spec, candidates=ranking, reply=reply, cause=cause, chunks=list(chunks))
         self._try_next(job, now, "no node has a free slot")
+
+    def _rehome_with_copy(self, job: SpawnJob) -> bool:
+        """A re-home of a keyed instance whose standby copy we hold starts here even with every
+        slot taken: elsewhere it would resume its key groups empty (their windows lost, others
+        sent again under new ids), while the slot it takes beyond ours is given back at its
+        scale-in. Not while we drain (we are being emptied)."""
+        return (job.cause == "rehome" and not self.draining and job.spec.extra.get("standby") == self.node
+                and self.replication.store.meta(job.spec.instance) is not None)
 
     def _answer_if_hosted(self, instance: str, reply: Callable[[Dict[str, Any]], None], local_only: bool) -> bool:
         """createNode() asked again for an instance that exists (its creator crashed mid-round
@@ -1186,7 +1197,7 @@ class Agent:
                    f"(it may still start {job.spec.instance})"})
 
     def _start_local(self, job: SpawnJob, now: float) -> bool:
-        if self.free_slots() <= 0 or job.spec.instance in self.supervisor:
+        if (self.free_slots() <= 0 and not self._rehome_with_copy(job)) or job.spec.instance in self.supervisor:
             return False
         job.spec = spec_with_capacity(job.spec, self.cfg.agent.state_dir, self.node)
         if self.spill is not None:
