@@ -645,7 +645,7 @@ def test_a_rehome_goes_to_the_standby_holding_its_copy_even_with_its_slots_taken
     root = agent.replication.store.root
     root.mkdir(parents=True)
     (root / "cnt-c.keyed.json").write_text("{}")
-    (root / "cnt-c.replica.json").write_text(_json.dumps({"host": "n3", "gen": 1, "log": 0}))
+    (root / "cnt-c.replica.json").write_text(_json.dumps({"host": "n3", "gen": 1, "log": 0, "owned": [[0, 3, 1]]}))
 
     def job(instance: str, standby: str, cause: str = "rehome") -> Any:
         spec = InstanceSpec(instance, "cnt", "me", "c", "p", KEYED_PIPE, BROKER, restart=True,
@@ -666,3 +666,42 @@ def test_a_rehome_goes_to_the_standby_holding_its_copy_even_with_its_slots_taken
     agent._create_node(job("cnt-c", "n2").spec, lambda _r: None, cause="rehome", now=0.0)
     agent._create_node(job("cnt-c", "n2").spec, lambda _r: None, cause="spawn", now=0.0)
     assert tried[0][0] == "n2" and "n2" not in tried[1]
+
+
+def test_a_standby_lists_what_its_copies_of_an_offline_host_own_and_the_rehome_reads_it(tmp_path: Path) -> None:
+    """The daemon side of the standby copies' word: a standby lists in its retained state what
+    the copies it holds of an offline host say they own (`standby_groups`; not while the host is
+    online: nobody needs it then), publishing its state again when the host goes offline; the
+    re-homing agent reads it from the standby each lost instance's hosted record names (its own
+    store when that is itself)."""
+    import json as _json
+
+    import paho.mqtt.client as mqtt
+
+    from agent import topics
+
+    agent = _agent(tmp_path)
+    root = agent.replication.store.root
+    root.mkdir(parents=True)
+    (root / "cnt-c.keyed.json").write_text("{}")
+    (root / "cnt-c.replica.json").write_text(_json.dumps({"host": "n3", "gen": 1, "log": 0, "owned": [[0, 3, 1]]}))
+
+    def status(node: str, payload: bytes) -> None:
+        topic = topics.agent_status("c", node)
+        msg = mqtt.MQTTMessage(topic=topic.encode())
+        msg.payload = payload
+        agent._on_status(msg, topics.parse("c", topic), 0.0)
+
+    status("n3", b"online")
+    assert "standby_groups" not in agent.state_doc()
+    agent._state_dirty = False
+    status("n3", b"offline")
+    assert agent._state_dirty  # published again at once
+    assert agent.state_doc()["standby_groups"] == {"cnt-c": [[0, 3, 1]]}
+    agent.hosted_by_node["n3"] = [keyed_spec("cnt-c", "cnt", creator="p.cnt.0", standby="me"),
+                                  keyed_spec("cnt-d", "cnt", creator="p.cnt.0", standby="n2"),
+                                  keyed_spec("cnt-e", "cnt", creator="p.cnt.0", standby="n4")]
+    agent.online.update(n2=True, n4=False)
+    agent.fleet["n2"] = {"standby_groups": {"cnt-d": [[4, 7, 2]], "cnt-x": [[0, 0, 0]]}}
+    agent.fleet["n4"] = {"standby_groups": {"cnt-e": [[0, 0, 9]]}}  # offline: not read
+    assert agent._standby_groups("n3") == {"cnt-c": [[0, 3, 1]], "cnt-d": [[4, 7, 2]]}

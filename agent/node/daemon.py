@@ -661,8 +661,8 @@ class Agent:
         moved = self._moved_statements()
         if moved:
             doc["moved"] = moved
-        copies = self.replication.store.owned()
-        if copies:  # the groups our standby copies say their instances own (agent.node.rehome)
+        copies = self.replication.store.owned(n for n, up in self.online.items() if not up and n != self.node)
+        if copies:  # what our standby copies of offline hosts say they own: their re-home reads it
             doc["standby_groups"] = copies
         return doc
 
@@ -1299,6 +1299,8 @@ class Agent:
         up = msg.payload == b"online"
         if up and not self.online.get(node):
             self._online_since[node] = now
+        if self.online.get(node) != up and node in self.replication.store.hosts():
+            self._state_dirty = True  # our state lists what our copies of an offline host own
         self.online[node] = up
         self._hosts_dirty = True
         if up:
@@ -1548,10 +1550,7 @@ class Agent:
             if not peer:
                 reply({"ok": False, "error": "refused: replica is a peer request"})
                 return
-            before = self.replication.store.owned().get(str(body.get("instance")))
             answer = self.replication.store.apply(requester, body)
-            if self.replication.store.owned().get(str(body.get("instance"))) != before:
-                self._state_dirty = True  # a re-home of the host reads them from our state
             if answer is not None:
                 if not answer.get("ok"):
                     log.info("replica of %s from %s: %s", str(body.get("instance"))[:80], requester,
@@ -1923,7 +1922,7 @@ class Agent:
         for s in self.hosted_by_node.get(lost, ()):
             standby = (s.get("extra") or {}).get("standby")
             if standby == self.node:
-                copies: Any = self.replication.store.owned()
+                copies: Any = self.replication.store.owned([lost])
             elif isinstance(standby, str) and self.online.get(standby):
                 copies = self.fleet.get(standby, {}).get("standby_groups")
             else:

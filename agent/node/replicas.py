@@ -373,7 +373,8 @@ class ReplicaStore:
     def __init__(self, root: Path) -> None:
         self.root = root
         self._staged: Dict[str, _Staged] = {}  # instance -> the snapshot being assembled (one each)
-        self._owned: Optional[Dict[str, list]] = None  # instance -> its copy's owned groups (`owned`)
+        # instance -> (its host, the groups its copy says it owns): `owned`
+        self._owned: Optional[Dict[str, Tuple[str, list]]] = None
         self.counts = {"replica_snapshots": 0, "replica_appends": 0, "replica_refused": 0}
 
     def _paths(self, instance: str) -> Tuple[Path, Path, Path]:
@@ -472,21 +473,27 @@ class ReplicaStore:
         write_atomic(self._paths(inst)[2], json.dumps(meta))
         if self._owned is not None:
             if isinstance(owned, list):
-                self._owned[inst] = owned
+                self._owned[inst] = (str(meta["host"]), owned)
             else:
                 self._owned.pop(inst, None)
 
-    def owned(self) -> Dict[str, list]:
-        """instance -> the key groups its copy says it owns (group runs), for the copies whose
-        saves name them: in this node's retained state, where a re-home of the copies' host reads
-        them (agent.node.rehome, `standby_groups`). Read from the files once, then kept."""
+    def owned(self, hosts: Iterable[str]) -> Dict[str, list]:
+        """instance -> the key groups its copy says it owns (group runs), for the copies of
+        `hosts` whose saves name them: in this node's retained state while their host is offline,
+        where its re-home reads them (agent.node.rehome, `standby_groups`). Read from the files
+        once, then kept."""
         if self._owned is None:
             self._owned = {}
-            for inst in self.instances():
+            for inst, host in self.instances().items():
                 runs = (self.meta(inst) or {}).get("owned")
                 if isinstance(runs, list):
-                    self._owned[inst] = runs
-        return dict(self._owned)
+                    self._owned[inst] = (host, runs)
+        wanted = set(hosts)
+        return {i: runs for i, (host, runs) in self._owned.items() if host in wanted}
+
+    def hosts(self) -> Set[str]:
+        """The nodes whose copies are held here."""
+        return set(self.instances().values())
 
     def install(self, instance: str, state_dir: Path, operator: str, key_groups: int) -> Optional[str]:
         """Make the copy of `instance` its state in `state_dir` (a re-home placed it here): what a
