@@ -705,3 +705,23 @@ def test_a_standby_lists_what_its_copies_of_an_offline_host_own_and_the_rehome_r
     agent.fleet["n2"] = {"standby_groups": {"cnt-d": [[4, 7, 2]], "cnt-x": [[0, 0, 0]]}}
     agent.fleet["n4"] = {"standby_groups": {"cnt-e": [[0, 0, 9]]}}  # offline: not read
     assert agent._standby_groups("n3") == {"cnt-c": [[0, 3, 1]], "cnt-d": [[4, 7, 2]]}
+
+
+def test_a_copy_idle_in_the_lost_nodes_last_state_whose_standby_copy_owns_groups_is_rehomed_active() -> None:
+    """R16's schedule, seeds 6 and 7: the keeper's copy was idle in n1's last state and had
+    started and taken 8 groups since (its standby copy said so); re-homed idle with them, it was
+    left out of the re-homed in_zone's successors, which found "8 groups reported by no
+    instance" and dealt its table again. It started: it is re-homed active, a successor."""
+    hosted = {"n1": [keyed_spec("p.op.0", "op", True), keyed_spec("p.cnt.0", "cnt", True, standby="n2"),
+                     keyed_spec("cnt-c", "cnt", creator="p.cnt.0", standby="n2")],
+              "n2": [keyed_spec("p.source.0", "source", True), keyed_spec("p.sink.0", "sink", True)]}
+    plan = {d["instance"]: d for d in plan_rehome(
+        "n1", hosted, {"n2"}, set(), 0, idle={"cnt-c"}, groups={"p.cnt.0": [[0, 7, 0]]},
+        standby_groups={"p.cnt.0": [[0, 3, 0]], "cnt-c": [[4, 7, 1]]})}
+    assert plan["cnt-c"]["active"] and plan["cnt-c"]["extra"]["owned_groups"] == [[4, 7, 1]]
+    assert "cnt-c" in plan["p.op.0"]["succs"]
+    assert plan["p.op.0"]["extra"]["succ_groups"] == {"p.cnt.0": [[0, 3, 0]], "cnt-c": [[4, 7, 1]]}
+    idle = {d["instance"]: d for d in plan_rehome(  # a copy that owns nothing stays idle
+        "n1", hosted, {"n2"}, set(), 0, idle={"cnt-c"}, groups={"p.cnt.0": [[0, 7, 0]]},
+        standby_groups={"cnt-c": []})}
+    assert not idle["cnt-c"]["active"] and "cnt-c" not in idle["p.op.0"]["succs"]

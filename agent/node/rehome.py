@@ -164,7 +164,10 @@ def plan_rehome(
     up a group its copy has forgotten, and the new owner takes it with its state.
     """
     gone = set(departing)
-    waiting = set(idle)
+    # A copy its node last said was idle, whose standby copy says it owns groups, started since:
+    # re-homed idle it stayed out of its predecessors' successors with groups nobody else holds.
+    started = {str(i) for i, runs in (standby_groups or {}).items() if isinstance(runs, list) and runs}
+    waiting = set(idle) - started
     copies: Dict[str, List[str]] = {}  # creator -> its idle copies
     cache: Dict[str, List[str]] = {}
     members: Dict[Tuple[str, str], Set[str]] = {}
