@@ -673,3 +673,167 @@ def test_a_group_the_lost_keeper_was_moving_on_has_one_version_in_its_list_and_i
     assert [table.version(g) for g in range(8)] == [0, 0, 0, 0, 2, 2, 1, 1]
     pred = Predecessor("p.op.0", table)
     assert pred.on_redirect("p.cnt.0", Redirect(4, "cnt-b", 3)) == [Send("p.cnt.0", Eos(4, "p.op.0"))]
+
+
+def test_a_move_both_ends_on_the_lost_node_completed_after_its_last_state_follows_the_standby_copies() -> None:
+    """chaos --pipeline stateful-scaling, seed 4, kill-node of the window's node: the keeper
+    created a copy on its own node and handed it its share; the node was lost before its state
+    listed the copy. The copy was re-homed owning no group ("resuming our 0 key groups") although
+    its standby copy held the groups it had installed, and the keeper resumed them from its older
+    report while its own copy had forgotten them: their windows started over (76-80 missing).
+    The standby copies say which groups each instance owns as of the save they hold (an
+    Installed leaves only once that save is copied): the newer word wins, group by group."""
+    hosted = {"n1": [keyed_spec("p.op.0", "op", True), keyed_spec("p.cnt.0", "cnt", True, standby="n2"),
+                     keyed_spec("cnt-c", "cnt", creator="p.cnt.0", standby="n2")],
+              "n2": [keyed_spec("p.source.0", "source", True), keyed_spec("p.sink.0", "sink", True)]}
+    last_state = {"p.cnt.0": [[0, 7, 0]]}  # n1's last retained state: before the copy took groups 4-7
+    for keeper_copy in ([[0, 3, 0]], [[0, 7, 0]]):  # the keeper's copy after the move, or one save behind
+        plan = {d["instance"]: d for d in plan_rehome(
+            "n1", hosted, {"n2"}, set(), 0, groups=last_state,
+            standby_groups={"p.cnt.0": keeper_copy, "cnt-c": [[4, 7, 1]]})}
+        assert plan["cnt-c"]["extra"]["owned_groups"] == [[4, 7, 1]], keeper_copy
+        assert plan["p.cnt.0"]["extra"]["owned_groups"] == [[0, 3, 0]], keeper_copy
+        assert plan["p.op.0"]["extra"]["succ_groups"] == {"p.cnt.0": [[0, 3, 0]], "cnt-c": [[4, 7, 1]]}
+    # a copy older than the node's last state changes nothing: the report's newer versions stay
+    plan = {d["instance"]: d for d in plan_rehome(
+        "n1", hosted, {"n2"}, set(), 0, groups={"p.cnt.0": [[0, 3, 0], [4, 7, 2]], "cnt-c": []},
+        standby_groups={"p.cnt.0": [[0, 3, 0]], "cnt-c": [[4, 7, 1]]})}
+    assert plan["p.cnt.0"]["extra"]["owned_groups"] == [[0, 3, 0], [4, 7, 2]]
+    assert plan["cnt-c"]["extra"]["owned_groups"] == []
+
+
+def test_a_rehomed_keyed_instance_forgets_the_groups_of_its_standby_copy_it_is_not_given(tmp_path: Path) -> None:
+    """The worker side: re-homed with its standby copy, the old owner of a move whose new owner
+    holds the groups at a newer version is not given them (plan above), but its copy may still
+    hold their state (saved before it handed them out): kept, their timers fired their windows
+    there a second time, with older contents. They are forgotten; its own groups stay."""
+    from agent.instance.keyed_state import KeyedState
+
+    old = keyed_instance("p.cnt.0", {g: 0 for g in range(8)})
+    assert old.keyed is not None
+    old.keyed.apply("p.op.0", [("p.source.0", j, {"k": f"k{j}"}) for j in range(64)], 0)
+    held = set(old.keyed.states)
+    assert held & set(range(4)) and held - set(range(4))  # keys in both halves
+    old.keyed.save(tmp_path / "c.keyed.json")
+    again = _restarted_keyed("p.cnt.0", KeyedState.load(tmp_path / "c.keyed.json"), owned_groups=[[0, 3, 0]],
+                             min_epoch=1_800_000_000)
+    assert again.moves.member.owned == set(range(4))
+    assert set(again.keyed.states) == held & set(range(4))
+    assert again.snapshot_stats()["groups"] == [[0, 3, 0]]
+
+
+def _restarted_keyed(name: str, keyed: Any, **extra: Any) -> Any:
+    """A sans-IO keyed count `cnt` restarted with a saved keyed state (a re-home's standby copy)."""
+    from agent.config import load_pipeline_text
+    from agent.instance.core import Instance
+    from agent.instance.events import Restarted
+    from agent.instance.spec import InstanceSpec
+    from agent.operators.builtin import OperatorContext
+    from agent.operators.keyed import KeyedCount
+    from foglab.sim.instance_check import BROKER, CLUSTER, WALL0
+
+    s = InstanceSpec(name, "cnt", "n2", CLUSTER, "p", KEYED_PIPE, BROKER, succs=("p.sink.0",), preds=("p.op.0",),
+                     keeper=name == "p.cnt.0", state_dir="/nonexistent", heartbeat_period=3600.0,
+                     restart=True, extra=dict(extra))
+    inst = Instance(s, load_pipeline_text(KEYED_PIPE, "test"),
+                    KeyedCount(OperatorContext(name, "cnt", "n2", "map", params={})))
+    inst.handle(Restarted(WALL0, {}, keyed=keyed), 0.0)
+    return inst
+
+
+def test_a_rehome_goes_to_the_standby_holding_its_copy_even_with_its_slots_taken(tmp_path: Path) -> None:
+    """chaos --pipeline stateful-scaling, seed 73: two keyed copies lost with n3 had their
+    standby copies on n1, which had a free slot for one: the other was placed on n2 and resumed
+    its 32 key groups empty (2,144 windows missing, 2,015 under new ids). The standby comes
+    first in a re-home's ranking also when placement skips it for want of a slot, and starts
+    the instance beyond its slots when it holds its copy (not while it drains)."""
+    import json as _json
+
+    from agent.instance.spec import InstanceSpec
+    from agent.node.daemon import SpawnJob
+    from foglab.sim.instance_check import BROKER
+
+    agent = _agent(tmp_path)
+    root = agent.replication.store.root
+    root.mkdir(parents=True)
+    (root / "cnt-c.keyed.json").write_text("{}")
+    (root / "cnt-c.replica.json").write_text(_json.dumps({"host": "n3", "gen": 1, "log": 0, "owned": [[0, 3, 1]]}))
+
+    def job(instance: str, standby: str, cause: str = "rehome") -> Any:
+        spec = InstanceSpec(instance, "cnt", "me", "c", "p", KEYED_PIPE, BROKER, restart=True,
+                            extra={"standby": standby, "min_epoch": 1_800_000_000})
+        return SpawnJob(spec=spec, candidates=[], reply=lambda _r: None, cause=cause)
+
+    assert agent._rehome_with_copy(job("cnt-c", "me"))
+    assert not agent._rehome_with_copy(job("cnt-d", "me"))  # no copy here
+    assert not agent._rehome_with_copy(job("cnt-c", "n2"))  # its copy is said to be elsewhere
+    assert not agent._rehome_with_copy(job("cnt-c", "me", cause="spawn"))
+    agent.drain.draining = True
+    assert not agent._rehome_with_copy(job("cnt-c", "me"))
+    agent.drain.draining = False
+    # first in the ranking, with no free slot in the fleet views (placement skips it)
+    tried: List[Any] = []
+    agent._try_next = lambda j, now, err: tried.append(list(j.candidates))  # type: ignore[method-assign]
+    agent.view.online["n2"] = True
+    agent._create_node(job("cnt-c", "n2").spec, lambda _r: None, cause="rehome", now=0.0)
+    agent._create_node(job("cnt-c", "n2").spec, lambda _r: None, cause="spawn", now=0.0)
+    assert tried[0][0] == "n2" and "n2" not in tried[1]
+
+
+def test_a_standby_lists_what_its_copies_of_an_offline_host_own_and_the_rehome_reads_it(tmp_path: Path) -> None:
+    """The daemon side of the standby copies' word: a standby lists in its retained state what
+    the copies it holds of an offline host say they own (`standby_groups`; not while the host is
+    online: nobody needs it then), publishing its state again when the host goes offline; the
+    re-homing agent reads it from the standby each lost instance's hosted record names (its own
+    store when that is itself)."""
+    import json as _json
+
+    import paho.mqtt.client as mqtt
+
+    from agent import topics
+
+    agent = _agent(tmp_path)
+    root = agent.replication.store.root
+    root.mkdir(parents=True)
+    (root / "cnt-c.keyed.json").write_text("{}")
+    (root / "cnt-c.replica.json").write_text(_json.dumps({"host": "n3", "gen": 1, "log": 0, "owned": [[0, 3, 1]]}))
+
+    def status(node: str, payload: bytes) -> None:
+        topic = topics.agent_status("c", node)
+        msg = mqtt.MQTTMessage(topic=topic.encode())
+        msg.payload = payload
+        agent._on_status(msg, topics.parse("c", topic), 0.0)
+
+    status("n3", b"online")
+    assert "standby_groups" not in agent.state_doc()
+    agent._state_dirty = False
+    status("n3", b"offline")
+    assert agent._state_dirty  # published again at once
+    assert agent.state_doc()["standby_groups"] == {"cnt-c": [[0, 3, 1]]}
+    agent.view.hosted_by_node["n3"] = [keyed_spec("cnt-c", "cnt", creator="p.cnt.0", standby="me"),
+                                       keyed_spec("cnt-d", "cnt", creator="p.cnt.0", standby="n2"),
+                                       keyed_spec("cnt-e", "cnt", creator="p.cnt.0", standby="n4")]
+    agent.view.online.update(n2=True, n4=False)
+    agent.view.fleet["n2"] = {"standby_groups": {"cnt-d": [[4, 7, 2]], "cnt-x": [[0, 0, 0]]}}
+    agent.view.fleet["n4"] = {"standby_groups": {"cnt-e": [[0, 0, 9]]}}  # offline: not read
+    assert agent._standby_groups("n3") == {"cnt-c": [[0, 3, 1]], "cnt-d": [[4, 7, 2]]}
+
+
+def test_a_copy_idle_in_the_lost_nodes_last_state_whose_standby_copy_owns_groups_is_rehomed_active() -> None:
+    """R16's schedule, seeds 6 and 7: the keeper's copy was idle in n1's last state and had
+    started and taken 8 groups since (its standby copy said so); re-homed idle with them, it was
+    left out of the re-homed in_zone's successors, which found "8 groups reported by no
+    instance" and dealt its table again. It started: it is re-homed active, a successor."""
+    hosted = {"n1": [keyed_spec("p.op.0", "op", True), keyed_spec("p.cnt.0", "cnt", True, standby="n2"),
+                     keyed_spec("cnt-c", "cnt", creator="p.cnt.0", standby="n2")],
+              "n2": [keyed_spec("p.source.0", "source", True), keyed_spec("p.sink.0", "sink", True)]}
+    plan = {d["instance"]: d for d in plan_rehome(
+        "n1", hosted, {"n2"}, set(), 0, idle={"cnt-c"}, groups={"p.cnt.0": [[0, 7, 0]]},
+        standby_groups={"p.cnt.0": [[0, 3, 0]], "cnt-c": [[4, 7, 1]]})}
+    assert plan["cnt-c"]["active"] and plan["cnt-c"]["extra"]["owned_groups"] == [[4, 7, 1]]
+    assert "cnt-c" in plan["p.op.0"]["succs"]
+    assert plan["p.op.0"]["extra"]["succ_groups"] == {"p.cnt.0": [[0, 3, 0]], "cnt-c": [[4, 7, 1]]}
+    idle = {d["instance"]: d for d in plan_rehome(  # a copy that owns nothing stays idle
+        "n1", hosted, {"n2"}, set(), 0, idle={"cnt-c"}, groups={"p.cnt.0": [[0, 7, 0]]},
+        standby_groups={"cnt-c": []})}
+    assert not idle["cnt-c"]["active"] and "cnt-c" not in idle["p.op.0"]["succs"]

@@ -384,3 +384,46 @@ def test_the_daemon_sends_the_next_part_on_the_brokers_puback(tmp_path: Path) ->
     assert [p for p, _ in parts()] == list(range(n)) and n > WINDOW
     assert answers[-1] == {"ok": True, "instance": "cnt-a", "gen": 1, "log": 0}
     assert (store.root / "cnt-a.keyed.json").read_bytes() == host.read_bytes()
+
+
+def test_the_standby_says_which_key_groups_each_copy_owns_as_of_the_save_it_holds(tmp_path: Path) -> None:
+    """The groups a keyed instance owns go with each save (the snapshot's head, a log line when
+    they change) and the standby reads them from what it holds (`ReplicaStore.owned`, per host):
+    a re-home of a node lost before its retained state showed a move takes a copy's groups from
+    there (agent.node.rehome, `standby_groups`). Without them a copy that had taken its share was
+    re-homed owning none and its groups' windows started over at their old owner."""
+    path = tmp_path / "host" / "i.keyed.json"
+    path.parent.mkdir()
+    store, ks, sh = ReplicaStore(tmp_path / "s" / "replicas"), _state(), Shipper("i")
+    sh.set_standby("s")
+    rng = random.Random(0)
+
+    def copy_now() -> None:
+        ks.replicated(*_pump(sh, store, path, "host", rng, 0.0, 0.0))  # type: ignore[misc]
+
+    ks.owned = {g: 0 for g in range(16)}
+    ks.apply("src", [("src", j, {"k": f"k{j}"}) for j in range(8)], 0)
+    ks.save(path)  # the first save: a snapshot
+    copy_now()
+    assert store.owned({"host"}) == {"i": [[0, 15, 0]]}
+    ks.owned = {g: 0 for g in range(8)}  # groups 8-15 handed out
+    ks.apply("src", [("src", 8, {"k": "k0"})], 1)
+    ks.save(path)  # a log line
+    copy_now()
+    assert store.owned({"host"}) == {"i": [[0, 7, 0]]}
+    ks.apply("src", [("src", 9, {"k": "k1"})], 2)
+    ks.save(path)  # a line without a change of ownership keeps it
+    ks.owned = {**{g: 0 for g in range(8)}, 12: 3}  # group 12 back at version 3
+    ks.save(path)
+    copy_now()
+    assert store.owned({"host"}) == {"i": [[0, 7, 0], [12, 12, 3]]}
+    assert ReplicaStore(store.root).owned({"host"}) == {"i": [[0, 7, 0], [12, 12, 3]]}  # read back from its files
+    assert (KeyedState.load(path) or {})["owned"] == [[0, 7, 0], [12, 12, 3]]
+    ks._full_next = True
+    ks.owned = {g: 1 for g in range(4)}
+    ks.save(path)  # a new snapshot says it in its head
+    copy_now()
+    assert store.owned({"host"}) == {"i": [[0, 3, 1]]}
+    assert store.owned({"other"}) == {} and store.hosts() == {"host"}  # only the copies of the hosts asked
+    store.forget("i")
+    assert store.owned({"host"}) == {}

@@ -40,6 +40,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 from agent.dataplane.envelope import Item
 from agent.dataplane.keygroups import key_group, record_key
+from agent.dataplane.owners import group_runs
 from agent.files import append, write_atomic_parts
 from agent.instance.applied import Applied, union
 from agent.operators.keyed import KeyedOperator
@@ -116,6 +117,13 @@ class KeyedState:
         self._dirty_pos: Dict[str, None] = {}  # sources whose `applied` changed since the last save
         self._out_new: List[Item] = []  # outputs added since the last save
         self._out_dropped = 0  # outputs pruned from the front since the last save
+        # The key groups this instance owns, at their versions (agent.instance.moves
+        # `reported_groups`, set before each save), saved with the state: its standby copy then says
+        # which groups it holds, which a re-home of a node lost before its retained state listed a
+        # move reads (agent.node.replicas `ReplicaStore.owned`, agent.node.rehome). None: not keyed
+        # by moves (nothing written).
+        self.owned: Optional[Dict[int, int]] = None
+        self._owned_saved: Optional[Dict[int, int]] = None  # what the files say (a log line when it changes)
         self.counts = {"keyed_applied": 0, "duplicates_skipped": 0, "late_dropped": 0, "late_sent": 0,
                        "no_event_time": 0, "keyed_outputs": 0, "keyed_errors": 0, "state_saves": 0}
 
@@ -468,7 +476,10 @@ class KeyedState:
         snapshot holds one piece at a time: encoding the whole document at once took 4-5 times
         its size in transient memory (the encoder's list of small strings, then the text), which
         set the peak resident memory of the demo's keyed workers (docs/results.md, O20)."""
-        head = _dumps({"format": FORMAT, "gen": self._gen, "operator": self.operator, "key_groups": self.groups})
+        top: Dict[str, Any] = {"format": FORMAT, "gen": self._gen, "operator": self.operator, "key_groups": self.groups}
+        if self.owned is not None:
+            top["owned"] = group_runs(self.owned)
+        head = _dumps(top)
         yield head[:-1] + ',"applied":{'
         sources = iter(self.applied.items())  # one per output source upstream: thousands after a keyed stage
         sep = ""
@@ -509,6 +520,7 @@ class KeyedState:
             with open(log_path, "w"):
                 pass  # lines of the previous generation: folded into the snapshot (ignored if left)
             self._base_bytes, self._log_bytes, self._full_next = size, 0, False
+            self._owned_saved = dict(self.owned) if self.owned is not None else None
         else:
             line = (json.dumps(self._delta(), separators=(",", ":")) + "\n").encode()
             append(log_path, line)
@@ -523,8 +535,14 @@ class KeyedState:
         self.counts["state_saves"] += 1
 
     def _delta(self) -> Dict[str, Any]:
-        d: Dict[str, Any] = {"gen": self._gen, "applied": {k: self.applied[k].to_json() for k in self._dirty_pos},
-                             "max_time": self.max_time, "out_add": self._out_new, "out_drop": self._out_dropped}
+        d: Dict[str, Any] = {"gen": self._gen}
+        if self.owned is not None and self.owned != self._owned_saved:
+            # second, right after the generation: a standby reads it from the line's start
+            # (agent.node.replicas `owned_in_log`) without parsing the rest
+            d["owned"] = group_runs(self.owned)
+            self._owned_saved = dict(self.owned)
+        d.update({"applied": {k: self.applied[k].to_json() for k in self._dirty_pos},
+                  "max_time": self.max_time, "out_add": self._out_new, "out_drop": self._out_dropped})
         if self._json_states:
             keys = []
             for g, k in self._dirty_keys:
@@ -603,6 +621,8 @@ class KeyedState:
                 continue
             if "applied" in d:
                 data.setdefault("applied", {}).update(d["applied"])
+            if "owned" in d:
+                data["owned"] = d["owned"]
             if "positions" in d:  # a log line of format 1
                 data.setdefault("positions", {}).update(d["positions"])
             data["max_time"] = d["max_time"]

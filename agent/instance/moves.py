@@ -203,6 +203,7 @@ class GroupMoves:
         # for all the Eos, chunks and installs of the turn, then the messages they allow.
         self.flush_due = False
         self.restored = False  # the member came from the saved state (`restore`)
+        self.resumed = False  # the member came from a re-home's plan (`resume_groups`)
         self.to_forget: List[int] = []  # installed at their new owner: dropped from the keyed state after the write
         self.deferred: List[Tuple[str, Dict[str, Any]]] = []  # (dest, body): chunks, Installed
         # with a standby copy: (save token, the turn's deferred messages), until the standby holds it
@@ -313,8 +314,12 @@ class GroupMoves:
         return min(lows) if lows else None
 
     def saved(self) -> None:
-        """The keyed state was saved: the held records applied since are on disk."""
+        """The keyed state is being saved (its SaveKeyed is out): the held records applied since
+        are on disk, and the groups we own go with it (`KeyedState.owned`, what a standby copy
+        says we hold: agent.node.rehome reads it when our node is lost before its retained state
+        shows a move)."""
         self.unsaved.clear()
+        self.keyed.owned = self.reported_groups()
 
     # ---- messages ------------------------------------------------------------------------------------
 
@@ -707,7 +712,10 @@ class GroupMoves:
         is forgotten; so is one of an older file, whose chunks the instance state held."""
         held = set(self.keyed.states) | set(self.keyed.emitted)
         stale = {g for g, (_, _, bodies) in self.outgoing.items() if bodies and g in held}
-        if self.restored:
+        if self.restored or self.resumed:
+            # Resumed (re-homed with a standby copy): a group the copy holds that the re-home did
+            # not give us moved on to an owner that holds it at a newer version; kept, its
+            # timers fired its windows here a second time, with older contents.
             stale |= held - self.member.owned - {g for g, (_, _, bodies) in self.outgoing.items() if not bodies}
         for g in sorted(stale):
             self.keyed.hand_out(g)
@@ -723,6 +731,7 @@ class GroupMoves:
         and its siblings refuse each other's Redirects for ever: two owners of every group."""
         self.member = Member(self.w.spec.instance, versions)
         self.versions = dict(versions)
+        self.resumed = True
 
     def resume_moves(self, entries: Any, preds: Iterable[str]) -> int:
         """A re-homed incarnation whose state was lost with its node: the moves its dead

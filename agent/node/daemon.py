@@ -652,6 +652,9 @@ class Agent:
         moved = self.hosts.moved_statements(self.supervisor)
         if moved:
             doc["moved"] = moved
+        copies = self.replication.store.owned(n for n, up in self.view.online.items() if not up and n != self.node)
+        if copies:  # what our standby copies of offline hosts say they own: their re-home reads it
+            doc["standby_groups"] = copies
         return doc
 
     def _stated_move(self, instance: str, node: Any) -> None:
@@ -936,11 +939,22 @@ class Agent:
         policy = policy_for_operator(self.policy, self._operator_policy(spec)[0])
         ranking = list(policy(request, self.fleet_views()))
         standby = spec.extra.get("standby")
-        if cause == "rehome" and standby in ranking:  # where its keyed state's copy is (agent.node.replicas)
-            ranking.remove(standby)
+        if cause == "rehome" and isinstance(standby, str) and (standby == self.node or self.view.online.get(standby)):
+            # where its keyed state's copy is (agent.node.replicas): first, also when its slots are
+            # taken (it starts there beyond them, `_start_local`)
+            if standby in ranking:
+                ranking.remove(standby)
             ranking.insert(0, standby)
         job = SpawnJob(spec=spec, candidates=ranking, reply=reply, cause=cause, chunks=list(chunks))
         self._try_next(job, now, "no node has a free slot")
+
+    def _rehome_with_copy(self, job: SpawnJob) -> bool:
+        """A re-home of a keyed instance whose standby copy we hold starts here even with every
+        slot taken: elsewhere it would resume its key groups empty (their windows lost, others
+        sent again under new ids), while the slot it takes beyond ours is given back at its
+        scale-in. Not while we drain (we are being emptied)."""
+        return (job.cause == "rehome" and not self.drain.draining and job.spec.extra.get("standby") == self.node
+                and self.replication.store.meta(job.spec.instance) is not None)
 
     def _answer_if_hosted(self, instance: str, reply: Callable[[Dict[str, Any]], None], local_only: bool) -> bool:
         """createNode() asked again for an instance that exists (its creator crashed mid-round
@@ -1014,7 +1028,7 @@ class Agent:
                    f"(it may still start {job.spec.instance})"})
 
     def _start_local(self, job: SpawnJob, now: float) -> bool:
-        if self.free_slots() <= 0 or job.spec.instance in self.supervisor:
+        if (self.free_slots() <= 0 and not self._rehome_with_copy(job)) or job.spec.instance in self.supervisor:
             return False
         job.spec = spec_with_capacity(job.spec, self.cfg.agent.state_dir, self.node)
         if self.spill is not None:
@@ -1100,6 +1114,8 @@ class Agent:
     def _on_status(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
         node = str(parsed.node)
         up = msg.payload == b"online"
+        if self.view.online.get(node) != up and node in self.replication.store.hosts():
+            self._state_dirty = True  # our state lists what our copies of an offline host own
         self.rehoming.on_status(node, up, bool(self.view.online.get(node)), now)
         self.view.on_status(node, up)
         self.hosts.dirty = True
@@ -1579,6 +1595,24 @@ class Agent:
         else:
             self.supervisor.start_chain(group, now)
 
+    def _standby_groups(self, lost: str) -> Dict[str, Any]:
+        """The key groups the standby copy of each keyed instance of `lost` says it owns: from the
+        standby its hosted record names (our own store, or that node's retained state), for
+        agent.node.rehome.plan_rehome."""
+        out: Dict[str, Any] = {}
+        for s in self.view.hosted_by_node.get(lost, ()):
+            standby = (s.get("extra") or {}).get("standby")
+            if standby == self.node:
+                copies: Any = self.replication.store.owned([lost])
+            elif isinstance(standby, str) and self.view.online.get(standby):
+                copies = self.view.fleet.get(standby, {}).get("standby_groups")
+            else:
+                continue
+            runs = copies.get(str(s["instance"])) if isinstance(copies, dict) else None
+            if isinstance(runs, list):
+                out[str(s["instance"])] = runs
+        return out
+
     def _listed_elsewhere(self) -> Set[str]:
         """Instance ids that another ONLINE node lists in its retained state."""
         return rehoming.listed_elsewhere(self.node, self.view.fleet, self.view.online)
@@ -1729,7 +1763,8 @@ class Agent:
                                       idle=rehoming.in_state(*fleet, ("idle",), lost=node),
                                       groups=rehoming.lost_groups(*fleet, node),
                                       handed=rehoming.lost_moves(*fleet, node, "handed"),
-                                      expecting=rehoming.lost_moves(*fleet, node, "expecting"))
+                                      expecting=rehoming.lost_moves(*fleet, node, "expecting"),
+                                      standby_groups=self._standby_groups(node))
             self.rehoming.planned(node)
             if plan:
                 record = rehoming.with_plan(self.view.rehomed_by_node.setdefault(self.node, {}),

@@ -101,6 +101,7 @@ def plan_rehome(
     groups: Optional[Mapping[str, Any]] = None,
     handed: Optional[Mapping[str, Any]] = None,
     expecting: Optional[Mapping[str, Any]] = None,
+    standby_groups: Optional[Mapping[str, Any]] = None,
 ) -> List[Dict[str, Any]]:
     """The specs to start elsewhere for the instances of `dead` (sorted by instance id).
 
@@ -151,9 +152,22 @@ def plan_rehome(
     reports at a newer version (moved on since its node's last state), and with those a live
     sibling expects from it, whose moves it starts again (`extra["moves_out"]`: its dead
     incarnation's memory of them went with its node, and the new owner waited for ever).
+
+    `standby_groups`: per keyed instance of `dead`, the groups its standby copy says it owns (the
+    ownership saved with its keyed state, agent.node.replicas `ReplicaStore.owned`). A group is
+    confirmed Installed to its old owner only once the save that installed it is copied, so a
+    copy is the durable word on what moved in, while the node's last state may predate the move
+    (a copy created and handed its share just before the loss, not listed at all). Each lost
+    instance resumes its report and its copy's groups together, each group at the newer version
+    of the two; a group another instance (live, or lost with a newer copy) holds at a newer
+    version is not its: the old owner of a move both of whose ends were on the lost node gives
+    up a group its copy has forgotten, and the new owner takes it with its state.
     """
     gone = set(departing)
-    waiting = set(idle)
+    # A copy its node last said was idle, whose standby copy says it owns groups, started since:
+    # re-homed idle it stayed out of its predecessors' successors with groups nobody else holds.
+    started = {str(i) for i, runs in (standby_groups or {}).items() if isinstance(runs, list) and runs}
+    waiting = set(idle) - started
     copies: Dict[str, List[str]] = {}  # creator -> its idle copies
     cache: Dict[str, List[str]] = {}
     members: Dict[Tuple[str, str], Set[str]] = {}
@@ -175,18 +189,24 @@ def plan_rehome(
     waiting_for = alive | {str(s["instance"]) for s in lost}
     owned_reports: Dict[str, Any] = dict(groups or {})
     moves_out: Dict[str, List[List[Any]]] = {}
+    resumed: Dict[str, Any] = {}
     for s in lost:
         inst = str(s["instance"])
-        runs = owned_reports.get(inst)
+        runs = _newest(owned_reports.get(inst), (standby_groups or {}).get(inst))
         if runs is None and _creator(s) and any(i in owned_reports for i in members.get(
                 (str(s["pipeline"]), str(s["operator"])), ())):
-            # A copy of a keyed operator that its node's last state did not list (created just
-            # before the loss): no group was installed there as far as anyone reported, so it owns
-            # none. The dealing made it a second owner of every group ("handing 128 key groups"),
-            # and it and its siblings refused each other's Redirects for ever.
+            # A copy of a keyed operator that neither its node's last state nor a standby copy
+            # lists (created just before the loss): no group was installed there as far as anyone
+            # reported, so it owns none. The dealing made it a second owner of every group
+            # ("handing 128 key groups"), and it and its siblings refused each other's Redirects
+            # for ever.
             runs = []
         if runs is not None:
-            owned_reports[inst], moves_out[inst] = _resume_plan(inst, runs, groups, expecting, alive, waiting_for)
+            resumed[inst] = runs
+    rivals = {**dict(groups or {}), **resumed}  # live reports, and the lost instances' newest word
+    for inst, runs in resumed.items():
+        owned_reports[inst], moves_out[inst] = _resume_plan(inst, runs, rivals, expecting, alive,
+                                                            set(resumed), waiting_for)
     # with the groups handed out under their new owners, and the groups nobody reports given to
     # the lost node's keeper (`_unreported_to_keepers`)
     reports = _with_handed(owned_reports, handed)
@@ -312,21 +332,40 @@ def _added(reports: Optional[Mapping[str, Any]], adds: Mapping[str, Mapping[int,
     return out
 
 
+def _newest(report: Any, copy: Any) -> Any:
+    """A lost instance's report and its standby copy's groups together, each group at the newer
+    version of the two; None when neither names any; a report that does not parse as it is (the
+    worker refuses it), a copy's that does not parse ignored."""
+    if copy is None:
+        return report
+    try:
+        theirs = groups_from_runs(copy)
+    except TableError:
+        return report
+    if report is None:
+        return group_runs(theirs)
+    return _added({"i": report}, {"i": theirs})["i"]
+
+
 def _resume_plan(inst: str, runs: Any, groups: Optional[Mapping[str, Any]], expecting: Optional[Mapping[str, Any]],
-                 alive: Set[str], waiting_for: Optional[Set[str]] = None) -> Tuple[Any, List[List[Any]]]:
+                 alive: Set[str], lost: Set[str] = frozenset(),
+                 waiting_for: Optional[Set[str]] = None) -> Tuple[Any, List[List[Any]]]:
     """The groups a re-homed keyed instance resumes (runs) and the moves it starts again: its
-    last report less what a live sibling reports at a newer version, plus each group a sibling
-    expects from it (`waiting_for`: live ones and those lost with it; default the live ones), at
-    the version before that move. A sibling lost with it expects a group whose state its standby
-    copy does not hold (still on its way, or installed with its Installed waiting for the copy:
+    last report less what a live sibling (or another instance of the `lost` node, from its
+    newest word) reports at a newer version, plus each group a sibling expects from it
+    (`waiting_for`: live ones and those lost with it; default the live ones), at the version
+    before that move. A sibling lost with it expects a group whose state its standby copy does
+    not hold (still on its way, or installed with its Installed waiting for the copy:
     agent.instance.moves `stats`), while our standby copy still holds it (we forget a group we
-    handed out only at its Installed): we resume it and send it again, as to a live one. Bus
-    input: a report that does not parse is passed on as it is (the worker refuses it as a whole)."""
+    handed out only at its Installed): we resume it and send it again, as to a live one; not
+    when that sibling's newest word (its standby copy) already owns the group at that move's
+    version. Bus input: a report that does not parse is passed on as it is (the worker refuses
+    it as a whole)."""
     try:
         mine = groups_from_runs(runs)
     except TableError:
         return runs, []
-    for other in sorted(alive - {inst}):
+    for other in sorted((alive | lost) - {inst}):
         try:
             theirs = groups_from_runs((groups or {}).get(other, []))
         except TableError:
@@ -339,9 +378,14 @@ def _resume_plan(inst: str, runs: Any, groups: Optional[Mapping[str, Any]], expe
         entries = (expecting or {}).get(new)
         if not isinstance(entries, list):
             continue
+        try:
+            held = groups_from_runs((groups or {}).get(new, [])) if new in lost else {}
+        except TableError:
+            held = {}
         for e in entries[:MAX_GROUPS]:
             if (isinstance(e, list) and len(e) == 3 and type(e[0]) is int and 0 <= e[0] < MAX_GROUPS
-                    and e[1] == inst and type(e[2]) is int and 1 <= e[2] < 2 ** 53):
+                    and e[1] == inst and type(e[2]) is int and 1 <= e[2] < 2 ** 53
+                    and held.get(e[0], 0) < e[2]):
                 mine[e[0]] = e[2] - 1
                 moves.append([e[0], new, e[2]])
     return group_runs(mine), sorted(moves)

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterable, Optional, Set, Tuple
 
+from agent.dataplane.owners import TableError, groups_from_runs
 from agent.files import append, write_atomic
 from agent.node.statexfer import check_keyed
 
@@ -79,6 +80,40 @@ RETRY_AFTER = 1.0
 Token = Tuple[int, int]  # (generation, log bytes): what a copy holds
 _INSTANCE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 _SNAP_GEN = re.compile(rb'^\{"format":\d+,"gen":(\d+),')
+# The owned key groups a save carries (agent.instance.keyed_state `owned`): in the snapshot's head,
+# before its "applied" object, and second in a log line whose ownership changed. Followed by a
+# comma: a line cut inside the list does not match.
+_SNAP_OWNED = re.compile(rb'^\{"format":\d+,"gen":\d+,"operator":"(?:[^"\\]|\\.)*","key_groups":\d+,"owned":(\[[0-9,\[\]]*\]),')
+_LOG_OWNED = re.compile(rb'^\{"gen":(\d+),"owned":(\[[0-9,\[\]]*\]),', re.M)
+# Bytes of a snapshot's head read for its owned groups (a few runs for 128 groups; a head longer
+# than this says nothing, as a save without the field).
+HEAD_BYTES = 64 * 1024
+
+
+def owned_runs(text: bytes) -> Optional[list]:
+    """Group runs (agent.dataplane.owners.group_runs) out of copied bytes: checked, else None."""
+    try:
+        runs = json.loads(text)
+        groups_from_runs(runs)
+    except (ValueError, TableError):
+        return None
+    return runs
+
+
+def owned_in_head(head: bytes) -> Optional[list]:
+    """The owned groups a snapshot's head names, or None (a save without them)."""
+    m = _SNAP_OWNED.match(head)
+    return owned_runs(m.group(1)) if m else None
+
+
+def owned_in_log(data: bytes, gen: int) -> Optional[list]:
+    """The owned groups the last line of generation `gen` that names them in appended log bytes
+    says, or None when no line does."""
+    found = None
+    for m in _LOG_OWNED.finditer(data):
+        if int(m.group(1)) == gen:
+            found = m.group(2)
+    return owned_runs(found) if found is not None else None
 
 
 def choose_standby(me: str, eligible: Iterable[str], current: Optional[str]) -> Optional[str]:
@@ -338,6 +373,8 @@ class ReplicaStore:
     def __init__(self, root: Path) -> None:
         self.root = root
         self._staged: Dict[str, _Staged] = {}  # instance -> the snapshot being assembled (one each)
+        # instance -> (its host, the groups its copy says it owns): `owned`
+        self._owned: Optional[Dict[str, Tuple[str, list]]] = None
         self.counts = {"replica_snapshots": 0, "replica_appends": 0, "replica_refused": 0}
 
     def _paths(self, instance: str) -> Tuple[Path, Path, Path]:
@@ -372,7 +409,7 @@ class ReplicaStore:
         data = base64.b64decode(str(body.get("data", "")), validate=True)
         if len(data) > PART_BYTES:
             raise ValueError(f"a part of {len(data)} bytes (at most {PART_BYTES})")
-        snap, log, meta_path = self._paths(inst)
+        snap, log, _ = self._paths(inst)
         if "part" in body:
             return self._part(host, inst, gen, body, data)
         offset = body.get("offset")
@@ -384,7 +421,10 @@ class ReplicaStore:
         if offset + len(data) > MAX_LOG_BYTES:
             raise ValueError(f"log past {MAX_LOG_BYTES} bytes: a snapshot first")
         append(log, data)
-        write_atomic(meta_path, json.dumps({"host": host, "gen": gen, "log": offset + len(data)}))
+        owned = owned_in_log(data, gen)
+        if owned is None:
+            owned = meta.get("owned")
+        self._set_meta(inst, {"host": host, "gen": gen, "log": offset + len(data)}, owned)
         self.counts["replica_appends"] += 1
         return {"ok": True, "instance": inst, "gen": gen, "log": offset + len(data)}
 
@@ -396,7 +436,7 @@ class ReplicaStore:
             raise ValueError("snapshot part: bad part, parts, size or sha256")
         if len(data) != min(PART_BYTES, size - part * PART_BYTES):
             raise ValueError(f"snapshot part {part} of {len(data)} bytes: not its share of {size}")
-        snap, log, meta_path = self._paths(inst)
+        snap, log, _ = self._paths(inst)
         staging = self._staging(inst)
         self.root.mkdir(parents=True, exist_ok=True)
         st = self._staged.get(inst)
@@ -421,9 +461,39 @@ class ReplicaStore:
             raise ValueError("snapshot does not match its size and sha256")
         os.replace(staging, snap)
         log.write_bytes(b"")
-        write_atomic(meta_path, json.dumps({"host": host, "gen": gen, "log": 0}))
+        with open(snap, "rb") as fh:
+            owned = owned_in_head(fh.read(HEAD_BYTES))
+        self._set_meta(inst, {"host": host, "gen": gen, "log": 0}, owned)
         self.counts["replica_snapshots"] += 1
         return {"ok": True, "instance": inst, "gen": gen, "log": 0}
+
+    def _set_meta(self, inst: str, meta: Dict[str, Any], owned: Any) -> None:
+        if isinstance(owned, list):
+            meta["owned"] = owned
+        write_atomic(self._paths(inst)[2], json.dumps(meta))
+        if self._owned is not None:
+            if isinstance(owned, list):
+                self._owned[inst] = (str(meta["host"]), owned)
+            else:
+                self._owned.pop(inst, None)
+
+    def owned(self, hosts: Iterable[str]) -> Dict[str, list]:
+        """instance -> the key groups its copy says it owns (group runs), for the copies of
+        `hosts` whose saves name them: in this node's retained state while their host is offline,
+        where its re-home reads them (agent.node.rehome, `standby_groups`). Read from the files
+        once, then kept."""
+        if self._owned is None:
+            self._owned = {}
+            for inst, host in self.instances().items():
+                runs = (self.meta(inst) or {}).get("owned")
+                if isinstance(runs, list):
+                    self._owned[inst] = (host, runs)
+        wanted = set(hosts)
+        return {i: runs for i, (host, runs) in self._owned.items() if host in wanted}
+
+    def hosts(self) -> Set[str]:
+        """The nodes whose copies are held here."""
+        return set(self.instances().values())
 
     def install(self, instance: str, state_dir: Path, operator: str, key_groups: int) -> Optional[str]:
         """Make the copy of `instance` its state in `state_dir` (a re-home placed it here): what a
@@ -455,6 +525,8 @@ class ReplicaStore:
 
     def forget(self, instance: str) -> None:
         self._staged.pop(instance, None)
+        if self._owned is not None:
+            self._owned.pop(instance, None)
         if _INSTANCE.fullmatch(instance):
             for p in (*self._paths(instance), self._staging(instance)):
                 p.unlink(missing_ok=True)
