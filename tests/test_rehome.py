@@ -584,6 +584,28 @@ def test_a_group_installed_at_a_lost_copy_before_its_standby_held_it_goes_again_
     assert copy.snapshot_stats()["groups"] == [[g, g, 1]] and copy.snapshot_stats()["expecting"] == []
 
 
+def test_a_group_a_lost_copys_standby_holds_is_not_sent_again_from_its_lost_old_owner() -> None:
+    """The case next to the one above: the copy's standby copy did hold the save that installed
+    the group (its `owned` says so), but the node was lost before a heartbeat said more than
+    `expecting`. The copy's newest word owns the group at the move's version: it resumes it with
+    its state, and the keeper, whose report still names the move, neither resumes the group nor
+    sends it again (two owners of one group, each with its windows)."""
+    hosted = {"n1": [keyed_spec("p.op.0", "op", True), keyed_spec("p.cnt.0", "cnt", True, standby="n2"),
+                     keyed_spec("cnt-b", "cnt", creator="p.cnt.0", standby="n2")],
+              "n2": [keyed_spec("p.source.0", "source", True), keyed_spec("p.sink.0", "sink", True)]}
+    g = 3
+    keeper_groups = [[x, x, 0] for x in range(8)]
+    plan = {d["instance"]: d for d in plan_rehome(
+        "n1", hosted, {"n2"}, set(), 0, groups={"p.cnt.0": keeper_groups, "cnt-b": []},
+        handed={"p.cnt.0": [[g, "cnt-b", 1]]}, expecting={"cnt-b": [[g, "p.cnt.0", 1]]},
+        standby_groups={"cnt-b": [[g, g, 1]]})}
+    from agent.dataplane.owners import groups_from_runs
+    assert groups_from_runs(plan["cnt-b"]["extra"]["owned_groups"]) == {g: 1}
+    k_extra = plan["p.cnt.0"]["extra"]
+    assert k_extra.get("moves_out", []) == []
+    assert g not in groups_from_runs(k_extra["owned_groups"])
+
+
 def test_a_leaver_says_installed_again_so_an_old_owner_whose_installed_was_lost_stops_waiting() -> None:
     """A copy installed a group and its Installed waited, in memory, for the standby copy of that
     save; the worker ended first (its agent killed: a drain) and restarted from its own files, then
