@@ -171,6 +171,12 @@ class ScalingDriver:
         # in which input begins (again) was measured over only part of it (see maybe_tick).
         self.had_input = False
         self.forced: Deque[Tuple[str, int]] = deque()  # steering requests (fogctl), in order
+        # Re-homed: the round our dead incarnation had decided and was waiting to start under
+        # its locks (plan_rehome, `lock_intent`): that decision went with its files, and a
+        # fogctl scale it had accepted would otherwise never run.
+        intent = spec.extra.get("lock_intent") if self.rehomed and spec.active else None
+        if intent in ("duplicate", "terminate"):
+            self.forced.append((str(intent), 1))
         self.pinned = False  # fogctl scale pinned this operator's count: forced rounds only
         self.history: List[Any] = []  # last decision events (retained for `fogctl why`)
         self._last_none_event = -1e9

@@ -1729,7 +1729,8 @@ class Agent:
                                       idle=rehoming.in_state(*fleet, ("idle",), lost=node),
                                       groups=rehoming.lost_groups(*fleet, node),
                                       handed=rehoming.lost_moves(*fleet, node, "handed"),
-                                      expecting=rehoming.lost_moves(*fleet, node, "expecting"))
+                                      expecting=rehoming.lost_moves(*fleet, node, "expecting"),
+                                      intents=rehoming.lost_intents(*fleet, node))
             self.rehoming.planned(node)
             if plan:
                 record = rehoming.with_plan(self.view.rehomed_by_node.setdefault(self.node, {}),

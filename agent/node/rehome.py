@@ -101,6 +101,7 @@ def plan_rehome(
     groups: Optional[Mapping[str, Any]] = None,
     handed: Optional[Mapping[str, Any]] = None,
     expecting: Optional[Mapping[str, Any]] = None,
+    intents: Optional[Mapping[str, str]] = None,
 ) -> List[Dict[str, Any]]:
     """The specs to start elsewhere for the instances of `dead` (sorted by instance id).
 
@@ -151,6 +152,14 @@ def plan_rehome(
     reports at a newer version (moved on since its node's last state), and with those a live
     sibling expects from it, whose moves it starts again (`extra["moves_out"]`: its dead
     incarnation's memory of them went with its node, and the new owner waited for ever).
+
+    `intents`: per lock-guarded instance (`coordination = "fgme"`), the round ("duplicate" or
+    "terminate") its node's last state said it had decided and was waiting to start (an intent
+    waits for its 2-FGME locks; a decision of the "ack" core starts at once). The intent is in
+    the instance's files only, so a re-homed incarnation never ran it: a `fogctl scale` the
+    instance had accepted was lost with its node (the checker: a planned duplication never
+    started, CHANGELOG.md). An active re-homed instance gets it as `extra["lock_intent"]` and
+    runs it as a forced round (agent.instance.driver).
     """
     gone = set(departing)
     waiting = set(idle)
@@ -225,6 +234,11 @@ def plan_rehome(
         else:
             extra.pop("succ_groups", None)
         active = not (s["instance"] in waiting and _creator(s) and not s.get("keeper"))
+        intent = (intents or {}).get(str(s["instance"]))
+        if active and intent in ("duplicate", "terminate"):
+            extra["lock_intent"] = intent
+        else:
+            extra.pop("lock_intent", None)
         out.append({**s, "succs": succs, "preds": preds, "restart": True, "active": active, "extra": extra})
     return out
 
