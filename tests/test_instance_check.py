@@ -486,6 +486,21 @@ def test_keyed_hand_overs_inside_2fgme_locks_end_every_round() -> None:
     assert rep.ok, describe(rep)
 
 
+def test_rounds_inside_2fgme_locks_end_with_op_re_homed() -> None:
+    """coordination = "fgme" with every fault of the plain mix (a crash, op-0 re-homed, a
+    refused publish, a duplicated delivery), op 1 -> 2 -> 1 -> 2. A round waits for its locks
+    between its decision and its start, so a re-home can fall in between. The re-homed
+    incarnation must run the round its dead incarnation decided (its node's last state reports
+    it, agent.node.rehome `lock_intent`: schedule 0 here), and its lock requests must reach its
+    neighbours: its links' generation starts at its epoch floor, above the dead incarnation's,
+    or the neighbours drop its messages as repeats of the dead one's (schedule 7). Either way
+    a planned round never starts (`round_not_ended`)."""
+    cfg = Config(records=4, crashes=1, rehomes=1, refusals=1, dups=1, plans=ROUNDS_1212, coordination="fgme")
+    rep = random_runs(cfg, schedules=100, seed=0)
+    assert rep.ok, describe(rep)
+    assert rep.schedules == 100
+
+
 def test_a_resent_round_message_reaches_the_copies_a_silent_neighbour_started_without_it() -> None:
     """Was open before resends reached a silent neighbour's copies (17 of 1,000 keyed schedules
     with a broker restart, seeds 200000-200999, all `move_not_ended`). Schedule 4 of the

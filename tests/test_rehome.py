@@ -219,6 +219,31 @@ def test_the_agent_reads_idle_copies_from_the_lost_nodes_last_state(tmp_path: Pa
         ("mid-b", False, None), ("p.mid.0", True, ["mid-b"])]
 
 
+def test_a_rehomed_instance_is_told_the_round_it_waited_to_start_under_its_locks(tmp_path: Path) -> None:
+    """coordination = "fgme": a decided round waits for its 2-FGME locks, and the decision is in
+    the instance's files only. The lost node's last state reports it (`lock.intent`); the
+    re-homed incarnation gets it as `lock_intent` and runs it. Not an adoption (`adopting`: the
+    idle copy is adopted from `idle_copies`), not for a copy re-homed idle."""
+    agent = _agent(tmp_path)
+    created: List[Any] = []
+    agent._create_node = lambda spec, reply, cause, now: created.append(spec)
+    agent.connected, agent.view.online, agent.rehoming.offline_since = True, {"n2": False, "n1": True, "n3": True}, {"n2": 0.0}
+    agent.view.hosted_by_node = {"n1": [spec("p.source.0", "source", True)],
+                                 "n2": [spec("p.mid.0", "mid", True), spec("mid-b", "mid", creator="p.mid.0"),
+                                        spec("mid-c", "mid", creator="p.mid.0")],
+                                 "n3": [spec("p.sink.0", "sink", True)]}
+    agent.view.fleet["n2"] = {"instances": [
+        {"id": "p.mid.0", "stats": {"state": "active", "lock": {"intent": "duplicate", "adopting": None}}},
+        {"id": "mid-b", "stats": {"state": "active", "lock": {"intent": "terminate", "adopting": "x"}}},
+        {"id": "mid-c", "stats": {"state": "idle", "lock": {"intent": "terminate", "adopting": None}}}]}
+    agent._maybe_rehome(100.0)
+    assert sorted((s.instance, s.extra.get("lock_intent")) for s in created) == [
+        ("mid-b", None), ("mid-c", None), ("p.mid.0", "duplicate")]
+    # the planner drops an intent its spec carried from an earlier re-home when none is reported
+    fl = {"n2": [spec("p.mid.0", "mid", True, lock_intent="terminate")], "n1": [spec("p.source.0", "source", True)]}
+    assert "lock_intent" not in plan_rehome("n2", fl, online={"n1"}, listed_online=set(), min_epoch=1)[0]["extra"]
+
+
 def test_a_rehomed_keyed_instance_is_told_the_key_groups_its_dead_incarnation_owned(tmp_path: Path) -> None:
     """The daemon reads them from the lost node's last retained state (the worker's heartbeat
     stats, `groups`); an instance it said nothing of is not told any (it holds the dealing)."""

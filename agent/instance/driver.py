@@ -171,6 +171,12 @@ class ScalingDriver:
         # in which input begins (again) was measured over only part of it (see maybe_tick).
         self.had_input = False
         self.forced: Deque[Tuple[str, int]] = deque()  # steering requests (fogctl), in order
+        # Re-homed: the round our dead incarnation had decided and was waiting to start under
+        # its locks (plan_rehome, `lock_intent`): that decision went with its files, and a
+        # fogctl scale it had accepted would otherwise never run.
+        intent = spec.extra.get("lock_intent") if self.rehomed and spec.active else None
+        if intent in ("duplicate", "terminate"):
+            self.forced.append((str(intent), 1))
         self.pinned = False  # fogctl scale pinned this operator's count: forced rounds only
         self.history: List[Any] = []  # last decision events (retained for `fogctl why`)
         self._last_none_event = -1e9
@@ -204,9 +210,14 @@ class ScalingDriver:
                 return ReliableLinks.load(w.spec.instance, saved["links"], w.now)
             except ValueError as exc:
                 log.warning("%s: starting new channels", exc, extra=w.ctx)
-        # a new generation: above any earlier one of this identity (seconds, as min_epoch)
-        lost = bool(restart or w.spec.extra.get("min_epoch"))
-        return ReliableLinks(w.spec.instance, int(w.wall()), lost_state=lost)
+        # A new generation: above any earlier one of this identity (seconds, as min_epoch). A
+        # re-homed incarnation also starts at its epoch floor at least: its own clock alone may
+        # give the generation its dead incarnation had (a re-home within the second of that
+        # start, or a node clock behind), and the peers then drop its messages as repeats or
+        # stale ones, its lock requests among them (a round that never starts).
+        floor = int(w.spec.extra.get("min_epoch", 0) or 0)
+        lost = bool(restart or floor)
+        return ReliableLinks(w.spec.instance, max(int(w.wall()), floor), lost_state=lost)
 
     def _send_link(self, pairs: List[Tuple[str, Dict[str, Any]]]) -> None:
         """Link acks and resends (agent.instance.recovery.ReliableLinks). The state is written

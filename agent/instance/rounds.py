@@ -124,8 +124,12 @@ class RoundLog:
                     "boundary": name, "index": b, "group": self.operator, "state": st.value,
                     "competitors": len(node.competitors), "entries": node.entries,
                 })
+            # `intent` with `adopting` None is a round decided and not started yet: a re-home
+            # gives it to the new incarnation (agent.node.rehome, `lock_intent`); an adoption is
+            # redone from `idle_copies` instead
             out["lock"] = {"state": core.lock_state.value, "boundaries": bounds,
-                           "intent": core.intent.action.value if core.intent is not None else None}
+                           "intent": core.intent.action.value if core.intent is not None else None,
+                           "adopting": getattr(core, "adopting", None)}
             if self.lock_waits:
                 w = sorted(self.lock_waits)
                 out["lock_wait_s"] = {"n": len(w), "median": round(w[len(w) // 2], 4), "max": round(w[-1], 4)}

@@ -1764,7 +1764,8 @@ class Agent:
                                       groups=rehoming.lost_groups(*fleet, node),
                                       handed=rehoming.lost_moves(*fleet, node, "handed"),
                                       expecting=rehoming.lost_moves(*fleet, node, "expecting"),
-                                      standby_groups=self._standby_groups(node))
+                                      standby_groups=self._standby_groups(node),
+                                      intents=rehoming.lost_intents(*fleet, node))
             self.rehoming.planned(node)
             if plan:
                 record = rehoming.with_plan(self.view.rehomed_by_node.setdefault(self.node, {}),

@@ -102,6 +102,7 @@ def plan_rehome(
     handed: Optional[Mapping[str, Any]] = None,
     expecting: Optional[Mapping[str, Any]] = None,
     standby_groups: Optional[Mapping[str, Any]] = None,
+    intents: Optional[Mapping[str, str]] = None,
 ) -> List[Dict[str, Any]]:
     """The specs to start elsewhere for the instances of `dead` (sorted by instance id).
 
@@ -162,6 +163,14 @@ def plan_rehome(
     of the two; a group another instance (live, or lost with a newer copy) holds at a newer
     version is not its: the old owner of a move both of whose ends were on the lost node gives
     up a group its copy has forgotten, and the new owner takes it with its state.
+
+    `intents`: per lock-guarded instance (`coordination = "fgme"`), the round ("duplicate" or
+    "terminate") its node's last state said it had decided and was waiting to start (an intent
+    waits for its 2-FGME locks; a decision of the "ack" core starts at once). The intent is in
+    the instance's files only, so a re-homed incarnation never ran it: a `fogctl scale` the
+    instance had accepted was lost with its node (the checker: a planned duplication never
+    started, CHANGELOG.md). An active re-homed instance gets it as `extra["lock_intent"]` and
+    runs it as a forced round (agent.instance.driver).
     """
     gone = set(departing)
     # A copy its node last said was idle, whose standby copy says it owns groups, started since:
@@ -245,6 +254,11 @@ def plan_rehome(
         else:
             extra.pop("succ_groups", None)
         active = not (s["instance"] in waiting and _creator(s) and not s.get("keeper"))
+        intent = (intents or {}).get(str(s["instance"]))
+        if active and intent in ("duplicate", "terminate"):
+            extra["lock_intent"] = intent
+        else:
+            extra.pop("lock_intent", None)
         out.append({**s, "succs": succs, "preds": preds, "restart": True, "active": active, "extra": extra})
     return out
 

@@ -78,6 +78,23 @@ def lost_moves(me: str, local: Mapping[str, Stats], fleet: Mapping[str, Mapping[
     return out
 
 
+def lost_intents(me: str, local: Mapping[str, Stats], fleet: Mapping[str, Mapping[str, Any]],
+                 online: Mapping[str, bool], lost: str) -> Dict[str, str]:
+    """The round each lock-guarded instance last said it had decided and was waiting to start
+    (its heartbeat's `lock.intent`, not an adoption), read as `lost_groups`, for
+    agent.node.rehome.plan_rehome: the decision lived only in the lost incarnation's files."""
+    entries = [{"id": i, "stats": stats} for i, stats in local.items()]
+    entries += list(entries_elsewhere(me, fleet, online, lost))
+    out: Dict[str, str] = {}
+    for i in entries:
+        stats = i.get("stats")
+        lock = stats.get("lock") if isinstance(stats, dict) else None
+        if (isinstance(lock, dict) and lock.get("intent") in ("duplicate", "terminate")
+                and lock.get("adopting") is None):
+            out[str(i.get("id"))] = str(lock["intent"])
+    return out
+
+
 def rehomed_here(me: str, floors: Mapping[str, Any], rehomed_by_node: Mapping[str, Mapping[str, float]],
                  online: Mapping[str, bool]) -> Set[str]:
     """Our workers (`floors`: {instance: its spec's `min_epoch`}) started by the latest re-home of

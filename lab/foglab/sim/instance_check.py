@@ -334,6 +334,8 @@ class World:
         self.down: Dict[str, str] = {}  # crashed instance -> "crash" | "rehome"
         # down instance -> its scaling state when it went down (its node's last state report)
         self.down_state: Dict[str, InstanceState] = {}
+        # down instance -> the round it was waiting to start under its locks when it went down
+        self.down_intent: Dict[str, Optional[str]] = {}
         self.specs: Dict[str, InstanceSpec] = {}
         self.persisted: Dict[str, str] = {}  # instance -> JSON of its last Persist
         self.source_pos: Dict[str, str] = {}
@@ -593,6 +595,7 @@ class World:
             self.budget[kind] -= 1
             iid = move[1]
             self.down_state[iid] = self._core(iid).state
+            self.down_intent[iid] = _intent(self._core(iid))
             del self.inst[iid]
             self.down[iid] = kind
             self.refuse_next.discard(iid)
@@ -605,6 +608,7 @@ class World:
             planned = self._rehome_plan(iid, REHOME_EPOCH + self.cfg.rehomes - self.budget["rehome"]) \
                 if how == "rehome" else {}
             self.down_state.pop(iid, None)
+            self.down_intent.pop(iid, None)
             extra = dict(spec.extra)
             fields: Dict[str, Any] = {"restart": True, "extra": extra}
             if how == "rehome":
@@ -689,7 +693,13 @@ class World:
         idle = {i for i, st in states.items() if st is InstanceState.IDLE}
         if FAULT_REHOME_IDLE_ACTIVE in self.cfg.faults:
             idle = set()
-        plan = plan_rehome("lost", hosted, set(hosted) - {"lost"}, set(), min_epoch, departing=departing, idle=idle)
+        # the round each lock-guarded instance had decided and was waiting to start (its
+        # heartbeat's lock intent, agent.node.rehoming.lost_intents; a down one's when it went down)
+        intents = {other: _intent(self._core(other)) for other in self.inst}
+        intents.update(self.down_intent)
+        intents = {i: a for i, a in intents.items() if a is not None}
+        plan = plan_rehome("lost", hosted, set(hosted) - {"lost"}, set(), min_epoch, departing=departing, idle=idle,
+                           intents=intents)
         return plan[0]
 
     def _remove_refused(self, copy_id: str) -> None:
@@ -873,6 +883,15 @@ class World:
                 i.pipeline, i.op, i.spec = p, o, s
             self.pipeline, self.specs, self.disk = pipeline, specs, disk
 
+
+
+def _intent(core: Any) -> Optional[str]:
+    """What an instance's heartbeat reports as its lock intent (agent.instance.rounds `lock`):
+    the round decided and waiting for its locks, not an adoption (redone from idle copies)."""
+    intent = getattr(core, "intent", None)
+    if intent is None or getattr(core, "adopting", None) is not None:
+        return None
+    return str(intent.action.value)
 
 
 def _label(move: Tuple[Any, ...]) -> str:
