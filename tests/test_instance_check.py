@@ -501,6 +501,24 @@ def test_rounds_inside_2fgme_locks_end_with_op_re_homed() -> None:
     assert rep.schedules == 100
 
 
+def test_a_lost_session_under_2fgme_locks_replays_every_unacked_batch() -> None:
+    """coordination = "fgme" with a crash, a cut and a broker that loses its sessions (schedule 1
+    here): the source, holding 4 unacked batches to op-0 in its old epoch, becomes a new
+    incarnation; its first message in the new epoch is a link sync on the channel the round
+    messages share with data, so its replay takes numbers 2-5, which its old batches 2-4 still
+    held. Renumbered one by one, each replayed batch overwrote the next in the replay buffer:
+    op-0, a new incarnation too, dropped the copies ahead of its replay marker, the replay
+    after the marker held only the last record, and records 0-2 were lost
+    (`records_not_exactly_once`)."""
+    cfg = Config(records=4, crashes=1, rehomes=0, refusals=1, dups=1, brokers=1, cuts=1, plans=ROUNDS_1212,
+                 coordination="fgme")
+    rep = random_runs(cfg, schedules=1, seed=1)
+    assert rep.ok, describe(rep)
+    rep = random_runs(cfg, schedules=60, seed=0)
+    assert rep.ok, describe(rep)
+    assert rep.schedules == 60
+
+
 def test_a_resent_round_message_reaches_the_copies_a_silent_neighbour_started_without_it() -> None:
     """Was open before resends reached a silent neighbour's copies (17 of 1,000 keyed schedules
     with a broker restart, seeds 200000-200999, all `move_not_ended`). Schedule 4 of the

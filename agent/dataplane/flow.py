@@ -96,9 +96,20 @@ class OutLink:
 
     def replace(self, old_seq: int, new_seq: int, payload: Any, now: float) -> None:
         """A batch was sent again under a new number (replay after the successor restarted)."""
-        u = self._unacked.pop(old_seq)
-        self._unacked[new_seq] = Unacked(new_seq, payload, u.records, now, u.low)
-        self.highest_sent = max(self.highest_sent, new_seq)
+        self.renumber({old_seq: (new_seq, payload)}, now)
+
+    def renumber(self, moves: Dict[int, Tuple[int, Any]], now: float) -> None:
+        """Batches sent again under new numbers (a replay after either side restarted), old seq
+        -> (new seq, payload), all at once and in their order: a new number may be one a batch
+        not yet renumbered still holds (our new epoch numbers from 1 again, and a message sent
+        on the channel before the replay shifts the replay onto the old epoch's numbers), and
+        renumbered one by one, each batch overwrote the next in the buffer."""
+        entries = [Unacked(moves[u.seq][0], moves[u.seq][1], u.records, now, u.low) if u.seq in moves else u
+                   for u in self._unacked.values()]
+        if len({u.seq for u in entries}) != len(entries):
+            raise RuntimeError(f"flow control to {self.dest}: renumbering onto a number still held")
+        self._unacked = OrderedDict((u.seq, u) for u in entries)
+        self.highest_sent = max([self.highest_sent] + [new for new, _ in moves.values()])
 
     def resent(self, seq: int, now: float) -> None:
         """A batch was sent again under its own number (a silent link: the receiver's channel

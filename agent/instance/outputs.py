@@ -418,6 +418,7 @@ class Outputs:
         old = link.unacked()
         if not old:
             return
+        moves: Dict[int, Tuple[int, Any]] = {}  # renumbered all at once (OutLink.renumber)
         for u in old:
             # A chained successor's batches are kept as the Envelope handed over, not as bytes.
             env = u.payload if isinstance(u.payload, Envelope) else decode(u.payload)
@@ -433,12 +434,13 @@ class Outputs:
             if isinstance(u.payload, Envelope):
                 again = Envelope(self.me, self.epoch, seq, Kind.DATA, items, floors=env.floors,
                                  watermark=env.watermark)
-                link.replace(u.seq, seq, again, now)
+                moves[u.seq] = (seq, again)
                 self._hand(out, dest, again)
                 continue
             payload = encode_data(self.me, self.epoch, seq, items, env.floors, env.watermark)
-            link.replace(u.seq, seq, payload, now)
+            moves[u.seq] = (seq, payload)
             self._publish_tracked(out, dest, payload, self.tracker.last_index + 1)
+        link.renumber(moves, now)
         self.stats["replayed_batches"] += len(old)
         log.warning("replayed %d unacked batches to %s%s", len(old), dest,
                     "" if renumber else f" under their own numbers ({why})", extra=self.ctx)
