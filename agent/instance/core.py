@@ -22,8 +22,9 @@ An event the table does not list for the current phase raises `LocalProtocolErro
 phase: the shell broke the contract (a Tick before Started, anything but publish feedback
 after Exit). Bad input from the bus is never an error here: it is counted, logged, skipped.
 
-The order of work in one loop turn is the `Tick` handler's; the shell delivers every transport
-event and control line first, then one Tick (exactly the old worker loop's step).
+The order of work in one loop turn is the table `Instance._TURN` (read top-down); the shell
+delivers every transport event and control line first, then one Tick (exactly the old worker
+loop's step).
 """
 
 from __future__ import annotations
@@ -467,44 +468,112 @@ class Instance:
     # ---- one loop turn ---------------------------------------------------------------------------------
 
     def _on_tick(self, ev: Tick) -> None:
+        """One loop turn: the steps of `_TURN`, in its order."""
         now = self.now
         self._wall_offset = ev.wall - now
+        for _name, step in self._TURN:
+            step(self, now)
+
+    # The steps of a turn, each skipped when it has nothing to do (read top-down: the order is the
+    # table's). Protocol work first (queued round outputs), then new data (a source's poll) and the
+    # queues; what that made is saved, sent and acked before the periodic work (the round's
+    # period, heartbeat, silence checks, persistence) and, last, whether a stop has drained.
+
+    def _turn_round_outputs(self, now: float) -> None:
         if self.scaling is not None:
             self.scaling.run_outputs(now)
+
+    def _turn_produce(self, now: float) -> None:
         if self.is_source:
             self._produce(now)
+
+    def _turn_process(self, now: float) -> None:
         self._process(now)
+
+    def _turn_moves(self, now: float) -> None:
         if self.moves is not None:
             self.moves.take_in_turn()  # a bounded share of the state chunks received
             self.moves.hand_out_turn()  # a bounded share of the groups whose state is final
             self.moves.flush()  # the turn's hand-over writes, then its messages (agent.instance.moves)
+
+    def _turn_save_keyed(self, now: float) -> None:
         if self.keyed is not None and self.keyed.dirty:
             self._save_keyed()
+
+    def _turn_release_held(self, now: float) -> None:
         if self.admission.hold:
             self.admission.release(now, self.scaling, self.epoch, self.wall(), self._decode_records, self._accept)
+
+    def _turn_resend_moved(self, now: float) -> None:
         if self.outputs.moved:
             self._out += self.outputs.resend_moved(now)
+
+    def _turn_settle_sink(self, now: float) -> None:
         if self.is_sink:
             self._settle_sink()
+
+    def _turn_flush(self, now: float) -> None:
         self.flush(now)
+
+    def _turn_send_mark(self, now: float) -> None:
         if self.marks is not None:
             self._out += self.outputs.send_mark(now, self.marks.out_mark(now, self._lowest_pending()))
+
+    def _turn_settle_source(self, now: float) -> None:
         if self.source.sensor:
             self._out += self.source.settle(self._lowest_pending)
+
+    def _turn_blocked(self, now: float) -> None:
         self.signals.blocked(now, self._backpressured())
+
+    def _turn_acks(self, now: float) -> None:
         self._send_acks(now)
+
+    def _turn_publish_retries(self, now: float) -> None:
         if FAULT_RETRY_ONLY_WITH_DATA not in self.faults:
             self._out += self.outputs.publish_retries()
+
+    def _turn_round_tick(self, now: float) -> None:
         if self.scaling is not None:
             self.scaling.maybe_tick(now)
+
+    def _turn_heartbeat(self, now: float) -> None:
         if now - self._last_heartbeat >= self.spec.heartbeat_period:
             self._heartbeat(now)
+
+    def _turn_silence(self, now: float) -> None:
         if now >= self._next_silence_check:
             self._check_silence(now)
+
+    def _turn_persist(self, now: float) -> None:
         if self._state_dirty or self.inbound.changed:
             self.persist()
+
+    def _turn_stopped(self, now: float) -> None:
         if self.stopping:
             self._check_stopped(now)
+
+    _TURN: Tuple[Tuple[str, Callable[["Instance", float], None]], ...] = (
+        ("round outputs", _turn_round_outputs),  # a round's queued messages (agent.instance.driver)
+        ("produce", _turn_produce),  # a source's poll
+        ("process", _turn_process),  # the per-sender queues
+        ("moves", _turn_moves),  # key-group hand-overs (agent.instance.moves)
+        ("save keyed", _turn_save_keyed),
+        ("release held", _turn_release_held),  # the hold buffer (agent.instance.admission)
+        ("resend moved", _turn_resend_moved),  # to receivers on a new node (agent.instance.outputs)
+        ("settle sink", _turn_settle_sink),
+        ("flush", _turn_flush),  # the outbox's ready batches
+        ("send mark", _turn_send_mark),  # a watermark alone (agent.instance.marks)
+        ("settle source", _turn_settle_source),
+        ("blocked", _turn_blocked),  # the live signals' backpressure
+        ("acks", _turn_acks),  # upstream
+        ("publish retries", _turn_publish_retries),
+        ("round tick", _turn_round_tick),  # the scaling driver's period
+        ("heartbeat", _turn_heartbeat),
+        ("silence", _turn_silence),  # holes and missing replays
+        ("persist", _turn_persist),
+        ("stopped", _turn_stopped),  # a stop that has drained exits
+    )
 
     def next_wake(self, now: float) -> float:
         """Seconds until the instance has something to do without a new message (the shell's
