@@ -11,9 +11,10 @@ shell: it turns paho callbacks, control lines and its loop's turns into events (
 
 The parts this module routes to own their state and hold no reference to the instance:
 agent.instance.outputs (links, numbering, publishes, acks upstream), agent.instance.admission
-(admission and the hold buffer), agent.instance.source (a source's numbering and pacing). What
-stays here: the lifecycle, the per-sender queues and their order, processing, watermarks, the
-silence checks, persistence (docs/runtime.md, "Instance").
+(admission and the hold buffer), agent.instance.source (a source's numbering and pacing),
+agent.instance.marks (the watermarks taken in and passed on). What stays here: the lifecycle, the
+per-sender queues and their order, processing, the silence checks, persistence (docs/runtime.md,
+"Instance").
 
 Lifecycle (`Phase`, the table `_ACCEPTS`): NEW -(Started | Restarted)-> RUNNING -(stop,
 eof, or Terminate from the protocol)-> STOPPING -(drained, or drain timeout, or Abort)-> EXITED.
@@ -21,8 +22,9 @@ An event the table does not list for the current phase raises `LocalProtocolErro
 phase: the shell broke the contract (a Tick before Started, anything but publish feedback
 after Exit). Bad input from the bus is never an error here: it is counted, logged, skipped.
 
-The order of work in one loop turn is the `Tick` handler's; the shell delivers every transport
-event and control line first, then one Tick (exactly the old worker loop's step).
+The order of work in one loop turn is the table `Instance._TURN` (read top-down); the shell
+delivers every transport event and control line first, then one Tick (exactly the old worker
+loop's step).
 """
 
 from __future__ import annotations
@@ -42,7 +44,6 @@ from agent.dataplane.inbound import LogLimiter
 from agent.dataplane.owners import TableError, groups_from_runs
 from agent.dataplane.routing import Outbox, Router
 from agent.dataplane.sticky import RouteMemory, needed
-from agent.dataplane.watermarks import MAX_MARK_MS, Mark, SourceMarks, WatermarkTable
 from agent.instance.commands import Command, CrashPoint, Emit, Exit, Notify, Persist, PersistSource, RequestSpawn, SaveKeyed
 from agent.instance.driver import ScalingDriver
 from agent.instance import groups as keygroup_table
@@ -54,13 +55,14 @@ from agent.instance.events import (
 from agent.instance.admission import Admission
 from agent.instance.hosts import Hosts
 from agent.instance.keyed_state import KeyedState
+from agent.instance.marks import FAULT_MARKS_OWN_MAX, Marks
 from agent.instance.outputs import ACK_DELAY, RAW_TOPIC, Outputs
 from agent.instance.source import Source
 from agent.instance.spec import InstanceSpec
 from agent.measure.capacity import LiveCapacity
 from agent.measure.signals import PeriodSignals, Signals
 from agent.operators.builtin import SinkOperator
-from agent.operators.keyed import KeyedOperator, keyed_config_problems, parse_event_time
+from agent.operators.keyed import KeyedOperator, keyed_config_problems
 from agent.protocol.errors import LocalProtocolError
 from agent.protocol.scaling import FORWARDING
 
@@ -100,11 +102,7 @@ FAULT_RESYNC_AT_FIRST_SEEN = "resync_at_first_seen"
 # The wait for a replay marker starts its clock only at the first data batch it drops, not at a
 # protocol message or a duplicate (seed 9230: the sink never asked again, 4 records lost).
 FAULT_REPLAY_CLOCK_AT_DROP = "replay_clock_at_drop"
-# Seeded faults of the watermarks (agent.dataplane.watermarks): an instance passes on the marks
-# it received, acked inputs or not ("marks_unacked"); a keyed instance keeps its own watermark,
-# the largest event time it took ("marks_own_max": the rule before marks flowed).
-FAULT_MARKS_UNACKED = "marks_unacked"
-FAULT_MARKS_OWN_MAX = "marks_own_max"
+# The seeded faults of the watermarks are agent.instance.marks's (FAULT_MARKS_UNACKED, FAULT_MARKS_OWN_MAX).
 
 
 class Phase(Enum):
@@ -187,17 +185,6 @@ class Instance:
             # The agent keeps a standby copy of the saved state on another node (agent.node.replicas):
             # inputs are acked upstream only once it holds the save that reflects them.
             self.keyed.replicated_acks = spec.extra.get("replicate") is True
-        # Watermarks that flow with the batches (agent.dataplane.watermarks; docs/operators.md,
-        # "Watermarks that flow"): on when the source has [operator.watermark]. Per predecessor
-        # the largest mark it sent; a source notes its own under "" per poll. Only what acked
-        # inputs carried is passed on, so nothing this instance may process again is behind it.
-        self.wm_conf = getattr(pipeline.operators[0], "watermark", None)
-        self.marks: Optional[WatermarkTable] = WatermarkTable() if self.wm_conf is not None and not self.is_sink else None
-        self.source_marks: Optional[SourceMarks] = None
-        if self.marks is not None and self.is_source:
-            self.source_marks = SourceMarks(self.wm_conf.disorder_ms, self.wm_conf.idle_after)
-        if self.marks is not None and self.keyed is not None and FAULT_MARKS_OWN_MAX not in self.faults:
-            self.keyed.flowing = True
         # Its key groups and their moves (agent.instance.moves): a deployed instance holds every
         # group (deploy starts one keeper per operator), a copy none until its Start names its share.
         self.moves: Optional[group_moves.GroupMoves] = None
@@ -298,6 +285,17 @@ class Instance:
             check_node=bool(spec.extra.get("check_sender_node")), keyed=self.moves is not None, hosts=self.hosts,
             inbound=self.inbound, links=self.outputs.links, router=self.router, stats=self.stats, ctx=self.ctx,
             faults=self.faults)
+        # Watermarks that flow with the batches (agent.instance.marks; docs/operators.md,
+        # "Watermarks that flow"): on when the source has [operator.watermark], never at a sink.
+        # A keyed instance then fires by the least mark over its inputs (unless the seeded fault
+        # keeps its own largest event time).
+        wm_conf = getattr(pipeline.operators[0], "watermark", None)
+        self.marks: Optional[Marks] = None
+        if wm_conf is not None and not self.is_sink:
+            self.marks = Marks(wm_conf, self.is_source, self.keyed, self.tracker, self.outputs, self.stats,
+                               self.faults)
+            if self.keyed is not None and FAULT_MARKS_OWN_MAX not in self.faults:
+                self.keyed.flowing = True
         self._malformed_log = LogLimiter()  # bounded: a flood of invented names costs nothing
         self._malformed_logged: Set[str] = set()  # protocol senders (admitted ones only: bounded)
         self._period_records = 0
@@ -470,44 +468,112 @@ class Instance:
     # ---- one loop turn ---------------------------------------------------------------------------------
 
     def _on_tick(self, ev: Tick) -> None:
+        """One loop turn: the steps of `_TURN`, in its order."""
         now = self.now
         self._wall_offset = ev.wall - now
+        for _name, step in self._TURN:
+            step(self, now)
+
+    # The steps of a turn, each skipped when it has nothing to do (read top-down: the order is the
+    # table's). Protocol work first (queued round outputs), then new data (a source's poll) and the
+    # queues; what that made is saved, sent and acked before the periodic work (the round's
+    # period, heartbeat, silence checks, persistence) and, last, whether a stop has drained.
+
+    def _turn_round_outputs(self, now: float) -> None:
         if self.scaling is not None:
             self.scaling.run_outputs(now)
+
+    def _turn_produce(self, now: float) -> None:
         if self.is_source:
             self._produce(now)
+
+    def _turn_process(self, now: float) -> None:
         self._process(now)
+
+    def _turn_moves(self, now: float) -> None:
         if self.moves is not None:
             self.moves.take_in_turn()  # a bounded share of the state chunks received
             self.moves.hand_out_turn()  # a bounded share of the groups whose state is final
             self.moves.flush()  # the turn's hand-over writes, then its messages (agent.instance.moves)
+
+    def _turn_save_keyed(self, now: float) -> None:
         if self.keyed is not None and self.keyed.dirty:
             self._save_keyed()
+
+    def _turn_release_held(self, now: float) -> None:
         if self.admission.hold:
             self.admission.release(now, self.scaling, self.epoch, self.wall(), self._decode_records, self._accept)
+
+    def _turn_resend_moved(self, now: float) -> None:
         if self.outputs.moved:
             self._out += self.outputs.resend_moved(now)
+
+    def _turn_settle_sink(self, now: float) -> None:
         if self.is_sink:
             self._settle_sink()
+
+    def _turn_flush(self, now: float) -> None:
         self.flush(now)
+
+    def _turn_send_mark(self, now: float) -> None:
         if self.marks is not None:
-            self._out += self.outputs.send_mark(now, self._out_mark(now))
+            self._out += self.outputs.send_mark(now, self.marks.out_mark(now, self._lowest_pending()))
+
+    def _turn_settle_source(self, now: float) -> None:
         if self.source.sensor:
             self._out += self.source.settle(self._lowest_pending)
+
+    def _turn_blocked(self, now: float) -> None:
         self.signals.blocked(now, self._backpressured())
+
+    def _turn_acks(self, now: float) -> None:
         self._send_acks(now)
+
+    def _turn_publish_retries(self, now: float) -> None:
         if FAULT_RETRY_ONLY_WITH_DATA not in self.faults:
             self._out += self.outputs.publish_retries()
+
+    def _turn_round_tick(self, now: float) -> None:
         if self.scaling is not None:
             self.scaling.maybe_tick(now)
+
+    def _turn_heartbeat(self, now: float) -> None:
         if now - self._last_heartbeat >= self.spec.heartbeat_period:
             self._heartbeat(now)
+
+    def _turn_silence(self, now: float) -> None:
         if now >= self._next_silence_check:
             self._check_silence(now)
+
+    def _turn_persist(self, now: float) -> None:
         if self._state_dirty or self.inbound.changed:
             self.persist()
+
+    def _turn_stopped(self, now: float) -> None:
         if self.stopping:
             self._check_stopped(now)
+
+    _TURN: Tuple[Tuple[str, Callable[["Instance", float], None]], ...] = (
+        ("round outputs", _turn_round_outputs),  # a round's queued messages (agent.instance.driver)
+        ("produce", _turn_produce),  # a source's poll
+        ("process", _turn_process),  # the per-sender queues
+        ("moves", _turn_moves),  # key-group hand-overs (agent.instance.moves)
+        ("save keyed", _turn_save_keyed),
+        ("release held", _turn_release_held),  # the hold buffer (agent.instance.admission)
+        ("resend moved", _turn_resend_moved),  # to receivers on a new node (agent.instance.outputs)
+        ("settle sink", _turn_settle_sink),
+        ("flush", _turn_flush),  # the outbox's ready batches
+        ("send mark", _turn_send_mark),  # a watermark alone (agent.instance.marks)
+        ("settle source", _turn_settle_source),
+        ("blocked", _turn_blocked),  # the live signals' backpressure
+        ("acks", _turn_acks),  # upstream
+        ("publish retries", _turn_publish_retries),
+        ("round tick", _turn_round_tick),  # the scaling driver's period
+        ("heartbeat", _turn_heartbeat),
+        ("silence", _turn_silence),  # holes and missing replays
+        ("persist", _turn_persist),
+        ("stopped", _turn_stopped),  # a stop that has drained exits
+    )
 
     def next_wake(self, now: float) -> float:
         """Seconds until the instance has something to do without a new message (the shell's
@@ -1031,7 +1097,7 @@ class Instance:
         n = len(items)
         if not n:  # a watermark alone: after every earlier batch of its sender, never acked itself
             if self.marks is not None and env.watermark is not None:
-                self._take_mark(env.sender, self.tracker.last_index, env.watermark, now)
+                self.marks.take(env.sender, self.tracker.last_index, env.watermark, now)
             return
         if self.first_record_at is None:
             self.first_record_at = self.wall()  # wall clock: compared across processes (bench)
@@ -1050,7 +1116,7 @@ class Instance:
             if out:
                 self.outputs.forward(out, index, now)
             if self.marks is not None and env.watermark is not None:
-                self._take_mark(env.sender, index, env.watermark, now)
+                self.marks.take(env.sender, index, env.watermark, now)
         else:
             out = self._apply(items)
             self.stats["filtered"] += n - len(out)
@@ -1068,47 +1134,6 @@ class Instance:
         self.signals.processed(n, self.perf() - t0 + n * self.service_time)
         if self.service_time:
             self.busy_until = max(self.busy_until, now) + n * self.service_time
-
-    def _take_mark(self, sender: str, index: int, mark: Mark, now: float) -> None:
-        """`sender`'s mark after the batch processed as input `index` (its records judged first);
-        a keyed instance's watermark follows the least over its inputs and its due timers fire."""
-        assert self.marks is not None
-        self.marks.note(sender, index, mark)
-        if self.keyed is not None and self.keyed.flowing:
-            self._take_mark_changed(now, index)
-
-    def _take_mark_changed(self, now: float, index: Optional[int] = None) -> None:
-        """The least mark over the inputs may have risen: a keyed instance follows it and fires
-        what came due (outputs under input `index`, else the latest)."""
-        assert self.marks is not None and self.keyed is not None
-        if index is None:
-            index = self.tracker.last_index
-        cur = self.marks.current()
-        if cur is None or (self.keyed.max_time is not None and cur.value <= self.keyed.max_time):
-            return
-        self.keyed.max_time = cur.value
-        out = self.keyed.fire_due(index)
-        if out:
-            self.outputs.forward(out, index, now)
-
-    def _out_mark(self, now: float) -> Optional[Mark]:
-        """The mark this instance may pass on now: the least over its inputs of what acked
-        inputs carried (a source: what its acked polls made), less the own lateness of a keyed
-        operator that fires by the watermark (its windows close that much later, and their
-        outputs must not be late); one that keeps its own watermark (the DEBS merges) passes
-        the marks on as they are."""
-        marks = self.marks
-        assert marks is not None
-        if self.source_marks is not None:
-            m = self.source_marks.mark(now)
-            ch = marks.inputs.get("")
-            if m is not None and (ch is None or ch.noted != m.value or ch.noted_idle != m.idle):
-                marks.note("", self.tracker.last_index, m)  # a change without records: idleness
-        marks.release(self._lowest_pending())
-        out = marks.current() if FAULT_MARKS_UNACKED in self.faults else marks.forwardable()
-        if out is not None and self.keyed is not None and self.keyed.op.uses_event_time and self.keyed.op.lateness_ms:
-            out = Mark(max(-MAX_MARK_MS, out.value - self.keyed.op.lateness_ms), out.idle)
-        return out
 
     def _apply(self, items: List[Item]) -> List[Item]:
         try:
@@ -1220,25 +1245,11 @@ class Instance:
             self.stats["records_in"] += len(items)
             index = self.tracker.produced()
             self.source.polled(index, items[0][1])
-            if self.source_marks is not None:
-                self._observe(items, index, now)
+            if self.marks is not None and self.marks.source is not None:
+                self.marks.observe(items, index, now)
             self.outputs.forward(items, index, now)
             if self.source.sensor:
                 self._out += self.source.take_log(self._lowest_pending)
-
-    def _observe(self, items: List[Item], index: int, now: float) -> None:
-        """The source's records' event times, into its watermark (noted at this poll's index)."""
-        sm, conf = self.source_marks, self.wm_conf
-        assert sm is not None and conf is not None and self.marks is not None
-        late = sm.late
-        for _, _, rec in items:
-            t = parse_event_time(rec.get(conf.time_field), conf.time_unit) if type(rec) is dict else None
-            if t is not None:
-                sm.observe(t, now)
-        self.stats["late_at_source"] += sm.late - late
-        m = sm.mark(now)
-        if m is not None:
-            self.marks.note("", index, m)
 
     def source_resume_seq(self) -> int:
         """The first record seq a restarted source must generate again (agent.instance.source)."""
@@ -1257,7 +1268,7 @@ class Instance:
         # A source's floor before its batches leave the outbox: taken out, they are pending
         # nowhere until link.sent, and the claim would cover them.
         own = {self.spec.instance: self.source_resume_seq()} if self.is_source else None
-        mark = self._out_mark(now) if self.marks is not None else None
+        mark = self.marks.out_mark(now, self._lowest_pending()) if self.marks is not None else None
         self._out += self.outputs.flush(now, force or draining, own, mark)
 
     def send_envelope(self, dest: str, kind: Kind, body: Any) -> None:
@@ -1373,10 +1384,7 @@ class Instance:
         here), and a departed one's Eos is not awaited (its deletion is behind all it sent us).
         A departed one's watermark no longer holds ours back (its deletion is behind its data)."""
         if self.marks is not None:
-            for p in removed:
-                self.marks.remove_input(p)
-            if self.keyed is not None and self.keyed.flowing and removed:
-                self._take_mark_changed(self.now)
+            self.marks.preds_removed(removed, self.now)
         if self.moves is None:
             return
         for p in added:
