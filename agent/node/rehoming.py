@@ -35,63 +35,56 @@ def listed_elsewhere(me: str, fleet: Mapping[str, Mapping[str, Any]], online: Ma
     return {str(i.get("id")) for i in entries_elsewhere(me, fleet, online)}
 
 
-def in_state(me: str, local: Mapping[str, Stats], fleet: Mapping[str, Mapping[str, Any]], online: Mapping[str, bool],
-             states: Tuple[str, ...], lost: Optional[str] = None) -> Set[str]:
-    """Instances whose scaling core is in one of `states`: ours from the workers' last
-    heartbeat, the other online nodes' (and the `lost` node's last one) from their retained
-    states. For agent.node.rehome.plan_rehome: departing instances stay out of a re-homed
-    predecessor's successors; idle copies are re-homed idle, and their creator told of them."""
-    out = {i for i, stats in local.items() if stats.get("state") in states}
+def _reported(me: str, local: Mapping[str, Stats], fleet: Mapping[str, Mapping[str, Any]],
+              online: Mapping[str, bool], lost: Optional[str]) -> Iterator[Tuple[str, Stats]]:
+    """(instance, stats) as last reported: ours from the workers' heartbeats, then the other
+    online nodes' (and the `lost` node's last one) from their retained states, whose entries
+    without a stats object are skipped (bus input)."""
+    yield from local.items()
     for i in entries_elsewhere(me, fleet, online, lost):
         stats = i.get("stats")
-        if isinstance(stats, dict) and stats.get("state") in states:
-            out.add(str(i.get("id")))
-    return out
+        if isinstance(stats, dict):
+            yield str(i.get("id")), stats
+
+
+def in_state(me: str, local: Mapping[str, Stats], fleet: Mapping[str, Mapping[str, Any]], online: Mapping[str, bool],
+             states: Tuple[str, ...], lost: Optional[str] = None) -> Set[str]:
+    """Instances whose scaling core is in one of `states` (`_reported`). For
+    agent.node.rehome.plan_rehome: departing instances stay out of a re-homed predecessor's
+    successors; idle copies are re-homed idle, and their creator told of them."""
+    return {i for i, stats in _reported(me, local, fleet, online, lost) if stats.get("state") in states}
 
 
 def lost_groups(me: str, local: Mapping[str, Stats], fleet: Mapping[str, Mapping[str, Any]],
                 online: Mapping[str, bool], lost: str) -> Dict[str, Any]:
-    """The key groups each keyed instance last said it owned: ours from their heartbeats, the
-    online nodes' and the `lost` node's from their retained states. A re-homed keyed
+    """The key groups each keyed instance last said it owned (`_reported`). A re-homed keyed
     incarnation resumes its own; a re-homed predecessor builds its group table from its
     successors' (agent.node.rehome.plan_rehome)."""
-    out: Dict[str, Any] = {i: stats["groups"] for i, stats in local.items() if isinstance(stats.get("groups"), list)}
-    for i in entries_elsewhere(me, fleet, online, lost):
-        stats = i.get("stats")
-        if isinstance(stats, dict) and isinstance(stats.get("groups"), list):
-            out[str(i.get("id"))] = stats["groups"]
-    return out
+    return {i: stats["groups"] for i, stats in _reported(me, local, fleet, online, lost)
+            if isinstance(stats.get("groups"), list)}
 
 
 def lost_moves(me: str, local: Mapping[str, Stats], fleet: Mapping[str, Mapping[str, Any]],
                online: Mapping[str, bool], lost: str, key: str) -> Dict[str, Any]:
-    """The moves each keyed instance last said it was part of, read as `lost_groups`: `handed`
-    (handed out, not installed yet: a re-homed predecessor's table names their new owners)
-    or `expecting` (on their way to it: a re-homed old owner starts them again), for
+    """The moves each keyed instance last said it was part of (`_reported`): `handed` (handed
+    out, not installed yet: a re-homed predecessor's table names their new owners) or
+    `expecting` (on their way to it: a re-homed old owner starts them again), for
     agent.node.rehome.plan_rehome."""
-    out: Dict[str, Any] = {i: stats[key] for i, stats in local.items()
-                           if isinstance(stats.get(key), list) and stats[key]}
-    for i in entries_elsewhere(me, fleet, online, lost):
-        stats = i.get("stats")
-        if isinstance(stats, dict) and isinstance(stats.get(key), list) and stats[key]:
-            out[str(i.get("id"))] = stats[key]
-    return out
+    return {i: stats[key] for i, stats in _reported(me, local, fleet, online, lost)
+            if isinstance(stats.get(key), list) and stats[key]}
 
 
 def lost_intents(me: str, local: Mapping[str, Stats], fleet: Mapping[str, Mapping[str, Any]],
                  online: Mapping[str, bool], lost: str) -> Dict[str, str]:
     """The round each lock-guarded instance last said it had decided and was waiting to start
-    (its heartbeat's `lock.intent`, not an adoption), read as `lost_groups`, for
+    (its heartbeat's `lock.intent`, not an adoption; `_reported`), for
     agent.node.rehome.plan_rehome: the decision lived only in the lost incarnation's files."""
-    entries = [{"id": i, "stats": stats} for i, stats in local.items()]
-    entries += list(entries_elsewhere(me, fleet, online, lost))
     out: Dict[str, str] = {}
-    for i in entries:
-        stats = i.get("stats")
-        lock = stats.get("lock") if isinstance(stats, dict) else None
+    for i, stats in _reported(me, local, fleet, online, lost):
+        lock = stats.get("lock")
         if (isinstance(lock, dict) and lock.get("intent") in ("duplicate", "terminate")
                 and lock.get("adopting") is None):
-            out[str(i.get("id"))] = str(lock["intent"])
+            out[i] = str(lock["intent"])
     return out
 
 
