@@ -89,7 +89,7 @@ def test_an_ack_above_what_was_sent_is_not_plausible() -> None:
     for seq in (1, 2, 4):
         link.sent(seq, b"x", 1, 0.0)
     assert link.plausible_ack(4) and not link.plausible_ack(5)
-    link.replace(1, 9, b"x", 0.0)
+    link.renumber({1: (9, b"x")}, 0.0)
     assert link.plausible_ack(9)
     link.restart_numbering()
     assert not link.plausible_ack(1)

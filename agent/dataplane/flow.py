@@ -94,10 +94,6 @@ class OutLink:
         self.acked_upto = 0
         self.highest_sent = 0
 
-    def replace(self, old_seq: int, new_seq: int, payload: Any, now: float) -> None:
-        """A batch was sent again under a new number (replay after the successor restarted)."""
-        self.renumber({old_seq: (new_seq, payload)}, now)
-
     def renumber(self, moves: Dict[int, Tuple[int, Any]], now: float) -> None:
         """Batches sent again under new numbers (a replay after either side restarted), old seq
         -> (new seq, payload), all at once and in their order: a new number may be one a batch
