@@ -873,7 +873,8 @@ def test_a_spawn_whose_worker_never_became_ready_is_not_restarted_here(tmp_path:
     chaos run). The failed incarnation is forgotten here and the spawn goes on elsewhere."""
     from agent.config import load_agent_config
     from agent.node import hosted
-    from agent.node.daemon import Agent, SpawnJob
+    from agent.node import spawns
+    from agent.node.daemon import Agent
     from agent.node.supervisor import Reaped, Worker
 
     conf = tmp_path / "a.toml"
@@ -884,8 +885,8 @@ def test_a_spawn_whose_worker_never_became_ready_is_not_restarted_here(tmp_path:
     spec = InstanceSpec("p.work.0", "work", "me", "c", "p", PIPELINE, BrokerSpec("h", 1), keeper=True)
     hosted.remember(tmp_path, spec)
     replies: List[Dict[str, Any]] = []
-    agent._awaiting_ready[spec.instance] = SpawnJob(spec, candidates=[], reply=replies.append, cause="deploy",
-                                                   tried=["me"])
+    (start,) = agent.spawns.handle(spawns.SpawnRequest(spec, replies.append, "deploy", "adm"), 1.0)
+    assert agent.spawns.handle(spawns.LocalStart(start.job, None), 1.0) == []  # started, not ready yet
 
     class Proc:
         pid = 999_998
