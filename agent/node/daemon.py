@@ -113,6 +113,10 @@ READOPT_SETTLE = 1.0  # seconds after connecting before re-adopting, and not bef
 # The spools of sinks that no longer run here are salvaged for shipping this often (AgentSpill.salvage_orphans).
 SALVAGE_PERIOD = 10.0
 STATE_MIN_INTERVAL = 0.25  # rate limit of change-triggered state publications
+# What only a node asks of another on its peer topic (its standby copies, a hand-over's state).
+PEER_ONLY_OPS = frozenset({"replica", "state_chunk"})
+
+Respond = Callable[[Dict[str, Any]], None]  # sends the reply to one request
 
 
 class Halt(BaseException):
@@ -1218,8 +1222,9 @@ class Agent:
 
     def _on_rpc_request(self, msg: Any, requester: str, peer: bool, now: float) -> None:
         """A request on `agents/<me>/rpc/<admin>` (control) or `agents/<me>/peer/<node>` (the
-        protocol's spawns). The reply goes to `replies/<requester>/<me>`, computed from the
-        topic; a Response Topic in the request is ignored (docs/security.md)."""
+        protocol's spawns), handed to the handler of its op (`_OPS`). The reply goes to
+        `replies/<requester>/<me>`, computed from the topic; a Response Topic in the request is
+        ignored (docs/security.md)."""
         self.counters["rpc_requests"] += 1
         correlation = rpc.correlation_of(msg)
         reply_to = topics.replies(self.cluster, requester, self.node)
@@ -1249,69 +1254,81 @@ class Agent:
                 log.warning("refused %s request from node %s: %s", op, requester, why, extra={"node": self.node})
                 reply({"ok": False, "error": f"refused: {why}"})
                 return
-        if op == "replica":
-            if not peer:
-                reply({"ok": False, "error": "refused: replica is a peer request"})
-                return
-            answer = self.replication.store.apply(requester, body)
-            if answer is not None:
-                if not answer.get("ok"):
-                    log.info("replica of %s from %s: %s", str(body.get("instance"))[:80], requester,
-                             answer.get("error"), extra={"node": self.node})
-                reply(answer)
-        elif op == "state_chunk":
-            if not peer:
-                reply({"ok": False, "error": "refused: state_chunk is a peer request"})
-                return
-            try:  # never answered: the spawn that follows is (statexfer)
-                self.staging.add(requester, body, now)
-            except ValueError as exc:
-                self._bad("state_chunk", requester, exc)
-        elif op == "ping":
-            reply({"ok": True, "node": self.node, "instances": sorted(self.supervisor.workers)})
-        elif op == "stop":
-            # `forget`: an undeploy (docs/fogctl.md): the stored spec goes before the reply, so
-            # that no restart of this agent brings the instance back, whatever the broker keeps.
-            inst, forget = body["instance"], body.get("forget") is True
-            stored = forget and any(s.instance == inst for s in hosted.hosted(self.cfg.agent.state_dir))
-            if forget and (inst in self.supervisor or stored):
-                self._undeploying.add(inst)
-                self._forget(inst)
-            if inst in self.supervisor:
-                self.supervisor.stop(inst, now)
-                reply({"ok": True, "instance": inst, "node": self.node})
-            elif stored:
-                reply({"ok": True, "instance": inst, "node": self.node, "forgotten": True})
-            else:
-                reply({"ok": False, "error": f"no instance {inst[:80]!r} on {self.node}"})
-        elif op == "pin":
-            reply(self._on_pin(body))
-        elif op == "set":
-            inst = body["instance"]
-            if self.supervisor.send(inst, "set", **body["fields"]):
-                reply({"ok": True, "instance": inst, "node": self.node})
-            else:
-                reply({"ok": False, "error": f"no running instance {inst[:80]!r} on {self.node}"})
-        elif op in ("scale", "drain", "undrain"):
-            reply(self._on_steering(body, now))
-        elif op == "spawn":
-            if self._stopping_since is not None:
-                reply({"ok": False, "error": f"agent {self.node} is shutting down"})
-                return
-            if "chain" in body:
-                self._spawn_chain(body, requester, peer, reply, now)
-                return
-            data = body["spec"]
-            if peer:  # the admin's text of the pipeline (Gate.peer_may_spawn), never the requester's
-                data = dict(data, pipeline_toml=self.view.deployed_text[str(data.get("pipeline"))])
-            try:
-                spec = self.gate.spec_from(self.wall(), data, template=None,
+        elif op in PEER_ONLY_OPS:
+            reply({"ok": False, "error": f"refused: {op} is a peer request"})
+            return
+        self._OPS[op](self, body, requester, peer, reply, now)
+
+    def _op_replica(self, body: Dict[str, Any], requester: str, peer: bool, reply: Respond, now: float) -> None:
+        answer = self.replication.store.apply(requester, body)
+        if answer is not None:
+            if not answer.get("ok"):
+                log.info("replica of %s from %s: %s", str(body.get("instance"))[:80], requester,
+                         answer.get("error"), extra={"node": self.node})
+            reply(answer)
+
+    def _op_state_chunk(self, body: Dict[str, Any], requester: str, peer: bool, reply: Respond, now: float) -> None:
+        try:  # never answered: the spawn that follows is (statexfer)
+            self.staging.add(requester, body, now)
+        except ValueError as exc:
+            self._bad("state_chunk", requester, exc)
+
+    def _op_ping(self, body: Dict[str, Any], requester: str, peer: bool, reply: Respond, now: float) -> None:
+        reply({"ok": True, "node": self.node, "instances": sorted(self.supervisor.workers)})
+
+    def _op_stop(self, body: Dict[str, Any], requester: str, peer: bool, reply: Respond, now: float) -> None:
+        # `forget`: an undeploy (docs/fogctl.md): the stored spec goes before the reply, so
+        # that no restart of this agent brings the instance back, whatever the broker keeps.
+        inst, forget = body["instance"], body.get("forget") is True
+        stored = forget and any(s.instance == inst for s in hosted.hosted(self.cfg.agent.state_dir))
+        if forget and (inst in self.supervisor or stored):
+            self._undeploying.add(inst)
+            self._forget(inst)
+        if inst in self.supervisor:
+            self.supervisor.stop(inst, now)
+            reply({"ok": True, "instance": inst, "node": self.node})
+        elif stored:
+            reply({"ok": True, "instance": inst, "node": self.node, "forgotten": True})
+        else:
+            reply({"ok": False, "error": f"no instance {inst[:80]!r} on {self.node}"})
+
+    def _op_pin(self, body: Dict[str, Any], requester: str, peer: bool, reply: Respond, now: float) -> None:
+        reply(self._on_pin(body))
+
+    def _op_set(self, body: Dict[str, Any], requester: str, peer: bool, reply: Respond, now: float) -> None:
+        inst = body["instance"]
+        if self.supervisor.send(inst, "set", **body["fields"]):
+            reply({"ok": True, "instance": inst, "node": self.node})
+        else:
+            reply({"ok": False, "error": f"no running instance {inst[:80]!r} on {self.node}"})
+
+    def _op_steer(self, body: Dict[str, Any], requester: str, peer: bool, reply: Respond, now: float) -> None:
+        reply(self._on_steering(body, now))
+
+    def _op_spawn(self, body: Dict[str, Any], requester: str, peer: bool, reply: Respond, now: float) -> None:
+        if self._stopping_since is not None:
+            reply({"ok": False, "error": f"agent {self.node} is shutting down"})
+            return
+        if "chain" in body:
+            self._spawn_chain(body, requester, peer, reply, now)
+            return
+        data = body["spec"]
+        if peer:  # the admin's text of the pipeline (Gate.peer_may_spawn), never the requester's
+            data = dict(data, pipeline_toml=self.view.deployed_text[str(data.get("pipeline"))])
+        try:
+            spec = self.gate.spec_from(self.wall(), data, template=None,
                                        requester=f"{'node' if peer else 'admin'} {requester}")
-            except (TypeError, ValueError) as exc:
-                reply({"ok": False, "error": f"invalid spec: {exc}"})
-                return
-            self._spawn(spawns.SpawnRequest(spec, reply, str(body.get("cause", "rpc"))[:40], requester,
-                                            self._status_here(spec.instance)), now)
+        except (TypeError, ValueError) as exc:
+            reply({"ok": False, "error": f"invalid spec: {exc}"})
+            return
+        self._spawn(spawns.SpawnRequest(spec, reply, str(body.get("cause", "rpc"))[:40], requester,
+                                        self._status_here(spec.instance)), now)
+
+    _OPS: Dict[str, Callable[["Agent", Dict[str, Any], str, bool, Respond, float], None]] = {
+        "replica": _op_replica, "state_chunk": _op_state_chunk, "ping": _op_ping, "stop": _op_stop,
+        "pin": _op_pin, "set": _op_set, "scale": _op_steer, "drain": _op_steer, "undrain": _op_steer,
+        "spawn": _op_spawn,
+    }
 
     def _spawn_chain(self, body: Dict[str, Any], requester: str, peer: bool,
                      reply: Callable[[Dict[str, Any]], None], now: float) -> None:
