@@ -51,7 +51,7 @@ import time
 import uuid
 from collections import deque
 from pathlib import Path
-from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 from agent import events, notify, signing, topics
 from agent.config import AgentConfig, check_tls, load_agent_config, load_pipeline_text, resolve_password
@@ -227,7 +227,6 @@ class Agent:
         self.connected = False
         self._ever_connected = False
         self._stopping_since: Optional[float] = None
-        self._stop_signal: Optional[int] = None
         self._state_dirty = True
         self._last_state = -1e9
         self._last_watchdog = -1e9
