@@ -277,17 +277,19 @@ def test_the_peer_topic_takes_only_spawns_of_pipelines_an_admin_deployed(
 
 
 def test_a_reply_counts_only_from_the_node_the_call_went_to(agent: Any) -> None:
-    from agent.node.daemon import SpawnJob
+    from agent.instance.spec import InstanceSpec
+    from agent.mqtt.settings import BrokerSpec
+    from agent.node import spawns
 
     got: List[Dict[str, Any]] = []
-    spec = SimpleNamespace(instance="i", pipeline="p", operator="work")  # what a placed copy records
-    job = SpawnJob(spec=spec, candidates=[], reply=got.append, cause="spawn")  # type: ignore[arg-type]
-    agent._calls.add("corr-1", "n2", 0.0, 30.0, context=job)
+    spec = InstanceSpec("i", "sink", "me", "c", "p", PIPELINE, BrokerSpec("h", 1))
+    agent._spawn(spawns.CreateNode(spec, got.append, "spawn", ("n2",), {}), 0.0)
+    (corr,) = agent.spawns.calls  # asked of n2
     ok = json.dumps({"ok": True, "instance": "i", "node": "n2"}).encode()
-    agent._on_message_safely(_msg(topics.replies("c", "me", "n3"), ok, correlation=b"corr-1"), 0.0)
-    assert got == [] and len(agent._calls) == 1  # n3 guessed the correlation: ignored
-    agent._on_message_safely(_msg(topics.replies("c", "me", "n2"), ok, correlation=b"corr-1"), 0.0)
-    assert got == [{"ok": True, "instance": "i", "node": "n2"}] and len(agent._calls) == 0
+    agent._on_message_safely(_msg(topics.replies("c", "me", "n3"), ok, correlation=corr.encode()), 0.0)
+    assert got == [] and len(agent.spawns.calls) == 1  # n3 guessed the correlation: ignored
+    agent._on_message_safely(_msg(topics.replies("c", "me", "n2"), ok, correlation=corr.encode()), 0.0)
+    assert got == [{"ok": True, "instance": "i", "node": "n2"}] and len(agent.spawns.calls) == 0
 
 
 def test_hostile_neighbour_records_are_counted_and_leave_the_state_unchanged(agent: Any) -> None:

@@ -267,6 +267,7 @@ SANS_IO = {
     "agent.node.drain": NETWORK | {"os", "time", "threading", "random"},
     "agent.node.loopevents": NETWORK | {"os", "time", "threading", "random"},
     "agent.node.hostsync": NETWORK | {"os", "time", "threading", "random"},
+    "agent.node.spawns": NETWORK | {"os", "time", "threading", "random"},
 }
 
 

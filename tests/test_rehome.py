@@ -797,7 +797,7 @@ def test_a_rehome_goes_to_the_standby_holding_its_copy_even_with_its_slots_taken
     import json as _json
 
     from agent.instance.spec import InstanceSpec
-    from agent.node.daemon import SpawnJob
+    from agent.node import spawns
     from foglab.sim.instance_check import BROKER
 
     agent = _agent(tmp_path)
@@ -806,24 +806,24 @@ def test_a_rehome_goes_to_the_standby_holding_its_copy_even_with_its_slots_taken
     (root / "cnt-c.keyed.json").write_text("{}")
     (root / "cnt-c.replica.json").write_text(_json.dumps({"host": "n3", "gen": 1, "log": 0, "owned": [[0, 3, 1]]}))
 
-    def job(instance: str, standby: str, cause: str = "rehome") -> Any:
-        spec = InstanceSpec(instance, "cnt", "me", "c", "p", KEYED_PIPE, BROKER, restart=True,
+    def job(instance: str, standby: str) -> Any:
+        return InstanceSpec(instance, "cnt", "me", "c", "p", KEYED_PIPE, BROKER, restart=True,
                             extra={"standby": standby, "min_epoch": 1_800_000_000})
-        return SpawnJob(spec=spec, candidates=[], reply=lambda _r: None, cause=cause)
 
-    assert agent._rehome_with_copy(job("cnt-c", "me"))
-    assert not agent._rehome_with_copy(job("cnt-d", "me"))  # no copy here
-    assert not agent._rehome_with_copy(job("cnt-c", "n2"))  # its copy is said to be elsewhere
-    assert not agent._rehome_with_copy(job("cnt-c", "me", cause="spawn"))
+    assert agent._rehome_with_copy(job("cnt-c", "me"), "rehome")
+    assert not agent._rehome_with_copy(job("cnt-d", "me"), "rehome")  # no copy here
+    assert not agent._rehome_with_copy(job("cnt-c", "n2"), "rehome")  # its copy is said to be elsewhere
+    assert not agent._rehome_with_copy(job("cnt-c", "me"), "spawn")
     agent.drain.draining = True
-    assert not agent._rehome_with_copy(job("cnt-c", "me"))
+    assert not agent._rehome_with_copy(job("cnt-c", "me"), "rehome")
     agent.drain.draining = False
     # first in the ranking, with no free slot in the fleet views (placement skips it)
     tried: List[Any] = []
-    agent._try_next = lambda j, now, err: tried.append(list(j.candidates))  # type: ignore[method-assign]
+    agent._spawn = lambda e, now: tried.append(  # type: ignore[method-assign]
+        spawns.candidates(e.ranking, e.spec, e.cause, agent.node, e.online))
     agent.view.online["n2"] = True
-    agent._create_node(job("cnt-c", "n2").spec, lambda _r: None, cause="rehome", now=0.0)
-    agent._create_node(job("cnt-c", "n2").spec, lambda _r: None, cause="spawn", now=0.0)
+    agent._create_node(job("cnt-c", "n2"), lambda _r: None, cause="rehome", now=0.0)
+    agent._create_node(job("cnt-c", "n2"), lambda _r: None, cause="spawn", now=0.0)
     assert tried[0][0] == "n2" and "n2" not in tried[1]
 
 

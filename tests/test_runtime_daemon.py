@@ -166,14 +166,7 @@ def test_latency_reader_is_lenient() -> None:
     assert nodestate.parse_latency(b"garbage") == {}
 
 
-def test_pending_calls_expire_and_ignore_late_replies() -> None:
-    calls = rpc.PendingCalls()
-    calls.add("a", "n2", now=0.0, timeout=1.0, context="A")
-    calls.add("b", "n3", now=0.5, timeout=1.0, context="B")
-    assert [c.context for c in calls.expired(1.0)] == ["A"]
-    assert calls.resolve("a") is None  # late reply to an expired call
-    assert calls.resolve("b").context == "B"
-    assert len(calls) == 0
+def test_a_request_names_a_known_op_and_a_spawn_carries_its_spec() -> None:
     with pytest.raises(ValueError):
         rpc.decode_request(b'{"op": "spawn"}')
     assert rpc.decode_request(b'{"op": "ping"}') == {"op": "ping"}
@@ -873,7 +866,8 @@ def test_a_spawn_whose_worker_never_became_ready_is_not_restarted_here(tmp_path:
     chaos run). The failed incarnation is forgotten here and the spawn goes on elsewhere."""
     from agent.config import load_agent_config
     from agent.node import hosted
-    from agent.node.daemon import Agent, SpawnJob
+    from agent.node import spawns
+    from agent.node.daemon import Agent
     from agent.node.supervisor import Reaped, Worker
 
     conf = tmp_path / "a.toml"
@@ -884,8 +878,8 @@ def test_a_spawn_whose_worker_never_became_ready_is_not_restarted_here(tmp_path:
     spec = InstanceSpec("p.work.0", "work", "me", "c", "p", PIPELINE, BrokerSpec("h", 1), keeper=True)
     hosted.remember(tmp_path, spec)
     replies: List[Dict[str, Any]] = []
-    agent._awaiting_ready[spec.instance] = SpawnJob(spec, candidates=[], reply=replies.append, cause="deploy",
-                                                   tried=["me"])
+    (start,) = agent.spawns.handle(spawns.SpawnRequest(spec, replies.append, "deploy", "adm"), 1.0)
+    assert agent.spawns.handle(spawns.LocalStart(start.job, None), 1.0) == []  # started, not ready yet
 
     class Proc:
         pid = 999_998

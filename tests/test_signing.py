@@ -162,7 +162,7 @@ def _agent(tmp_path: Path, pub: Path, node: str = "n2") -> Any:
     agent._client = RecordingClient()
     agent._retained_in = True
     started: List[Any] = []
-    agent._try_next = lambda job, now, why: started.append(job.spec)  # type: ignore[method-assign]
+    agent.supervisor.start = lambda spec, now: started.append(spec)  # type: ignore[method-assign]
     agent.started = started
     return agent
 

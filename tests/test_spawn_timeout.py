@@ -24,7 +24,8 @@ def test_a_spawn_that_times_out_is_not_placed_again_under_the_same_identity(tmp_
     A request that timed out may have been served: placing the same identity elsewhere needs the
     first node to be known not to run it."""
     from agent.config import load_agent_config
-    from agent.node.daemon import RPC_TIMEOUT, Agent, SpawnJob
+    from agent.node import spawns
+    from agent.node.daemon import RPC_TIMEOUT, Agent
 
     conf = tmp_path / "a.toml"
     conf.write_text(f'[agent]\nnode = "n1"\ncluster = "c"\nstate_dir = "{tmp_path}"\n[mqtt]\nhost = "h"\nport = 1\n')
@@ -41,8 +42,7 @@ def test_a_spawn_that_times_out_is_not_placed_again_under_the_same_identity(tmp_
     spec = InstanceSpec("work-c458fdf7d48d", "work", "n1", "c", "p", PIPELINE, BrokerSpec("h", 1),
                         preds=("p.source.0",), succs=("p.sink.0",))
     replies: List[Dict[str, Any]] = []
-    job = SpawnJob(spec=spec, candidates=["n2", "n3"], reply=replies.append, cause="spawn")
-    agent._try_next(job, 100.0, "no node has a free slot")
+    agent._spawn(spawns.CreateNode(spec, replies.append, "spawn", ("n2", "n3"), {}), 100.0)
     assert [t.split("/peer/")[0].rsplit("/", 1)[-1] for t, _ in sent] == ["n2"]  # asked n2 first
 
     agent._periodic(100.0 + RPC_TIMEOUT + 1.0)  # n2's answer has not come (it is on its way)

@@ -258,7 +258,7 @@ def _n2_knowing_n3_and_a_deploy(tmp_path: Path) -> Any:
 
     agent = _agent(tmp_path, "n2")
     started: List[Any] = []
-    agent._try_next = lambda job, now, why: started.append(job.spec)  # type: ignore[method-assign]
+    agent.supervisor.start = lambda spec, now: started.append(spec)  # type: ignore[method-assign]
     agent.started = started
     _deliver(agent, topics.pipeline("c", "taxi"), stamp(SAFE, "g1").encode(), True)
     hosted = [dict(_spawn_spec("spy", _spy("fog/c/agents/n2/rpc/+")), node="n3", cluster="c")]

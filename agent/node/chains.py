@@ -12,13 +12,13 @@ Nothing here does I/O; the daemon and deploy call these.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from agent.config import load_pipeline_text
 from agent.instance.spec import InstanceSpec
 from agent.node.placement import NodeView, PlacementRequest
 
-__all__ = ["CHAIN_KEY", "MAX_CHAIN", "ChainReply", "chain_of", "chain_problem", "group_chains", "plan_chains",
+__all__ = ["CHAIN_KEY", "MAX_CHAIN", "chain_of", "chain_problem", "group_chains", "plan_chains",
            "with_chain", "without_chain"]
 
 CHAIN_KEY = "chain"
@@ -91,32 +91,6 @@ def group_chains(specs: Sequence[InstanceSpec]) -> List[List[InstanceSpec]]:
         members = [got[i] for i in chain if i in got]
         out.append(with_chain(members))
     return out
-
-
-class ChainReply:
-    """One reply for a chain request: ok once every member is ready, the first failure otherwise
-    (later answers are ignored). `member(id)` is the reply of that member's spawn job."""
-
-    def __init__(self, ids: Sequence[str], node: str, reply: Callable[[Dict[str, Any]], None]) -> None:
-        self.ids = list(ids)
-        self.node = node
-        self._reply = reply
-        self._ready: Dict[str, bool] = {}
-        self.done = False
-
-    def member(self, instance: str) -> Callable[[Dict[str, Any]], None]:
-        def answer(result: Dict[str, Any]) -> None:
-            if self.done:
-                return
-            if not result.get("ok"):
-                self.done = True
-                self._reply({"ok": False, "error": f"chain member {instance}: {result.get('error')}"})
-                return
-            self._ready[instance] = True
-            if all(self._ready.get(i) for i in self.ids):
-                self.done = True
-                self._reply({"ok": True, "instance": self.ids[-1], "node": self.node, "members": self.ids})
-        return answer
 
 
 def plan_chains(specs: Sequence[InstanceSpec], views: Sequence[NodeView],

@@ -33,7 +33,9 @@ sans-IO parts beside it, each given what it reads and the time as arguments, non
 reference to the Agent: who may ask for what (agent.node.gate), the fleet view from the retained
 records (fleetview), the pins (pins), crash restarts and their backoff (restarts), re-homing's
 decisions (rehoming, with rehome's plan of one lost node), the drain (drain), the host tables
-sent to the workers and our "moved" statements (hostsync); and the stateless ones: placement,
+sent to the workers and our "moved" statements (hostsync), createNode()'s walk over the
+candidates and who hears of it when (spawns: typed events in, commands out, `_spawn` carries them
+out); and the stateless ones: placement,
 bounds, hostmap, site_manager, hosted, nodestate.
 """
 
@@ -48,9 +50,8 @@ import signal
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 from agent import events, notify, signing, topics
 from agent.config import AgentConfig, check_tls, load_agent_config, load_pipeline_text, resolve_password
@@ -64,10 +65,11 @@ from agent.instance.spec import InstanceSpec, request_spec
 from agent.mqtt.requester import SYNC_PREFIX
 from agent.mqtt.settings import BrokerSpec
 from agent.measure.capacity import capacity_for
-from agent.node import chains, hosted, nodestate, rehome, replicas, rpc, statexfer
+from agent.node import chains, hosted, nodestate, rehome, replicas, rpc, spawns, statexfer
 from agent.node.gate import Gate, NodeLocal, PeerFacts, without_handover
 from agent.node.pins import Pins
 from agent.node.restarts import RESTART_WINDOW, Restarts, exit_of
+from agent.node.spawns import RPC_TIMEOUT
 from agent.node import rehoming
 from agent.node.rehoming import Rehoming
 from agent.node.fleetview import FleetView
@@ -104,7 +106,6 @@ TICK = 0.2  # seconds: the loop's longest sleep
 SHUTDOWN_SLACK = 3.0  # seconds beyond shutdown_timeout for reaping, "offline" and disconnect
 SESSION_EXPIRY = 3600  # seconds the broker keeps our session (subscriptions, queued requests)
 SESSION = mqttc.Session(persistent=True, expiry=SESSION_EXPIRY)
-RPC_TIMEOUT = 30.0  # seconds to wait for a remote agent to start an instance and see it ready
 # Peer requests held until the retained records are in (`_held_peer`): beyond this many, one is
 # checked at once, as before (bounded memory; a refused requester places elsewhere or retries).
 HELD_PEER_MAX = 256
@@ -112,6 +113,10 @@ READOPT_SETTLE = 1.0  # seconds after connecting before re-adopting, and not bef
 # The spools of sinks that no longer run here are salvaged for shipping this often (AgentSpill.salvage_orphans).
 SALVAGE_PERIOD = 10.0
 STATE_MIN_INTERVAL = 0.25  # rate limit of change-triggered state publications
+# What only a node asks of another on its peer topic (its standby copies, a hand-over's state).
+PEER_ONLY_OPS = frozenset({"replica", "state_chunk"})
+
+Respond = Callable[[Dict[str, Any]], None]  # sends the reply to one request
 
 
 class Halt(BaseException):
@@ -121,20 +126,6 @@ class Halt(BaseException):
         super().__init__(reason)
         self.reason = reason
         self.status = status
-
-
-@dataclass
-class SpawnJob:
-    """One createNode() in progress: who asked, the spec, and the nodes still to try."""
-
-    spec: InstanceSpec
-    candidates: List[str]
-    reply: Callable[[Dict[str, Any]], None]
-    cause: str  # "spawn" (a worker duplicated itself), "deploy", "rpc"
-    tried: List[str] = field(default_factory=list)
-    # A keyed keeper's hand-over: its state's `state_chunk` requests, sent to each node tried
-    # just before the spawn (agent.node.statexfer).
-    chunks: List[Dict[str, Any]] = field(default_factory=list)
 
 
 def worker_env() -> Dict[str, str]:
@@ -208,9 +199,6 @@ class Agent:
         self.view = FleetView(self.node)  # what the retained records say (agent.node.fleetview)
         self._context_cache: Dict[Tuple[str, str], Tuple[str, Optional[str]]] = {}
         self.latency_core = _latency_core(cfg)  # RTT to the other agents (issue 6), if installed
-        # createNode() bookkeeping
-        self._awaiting_ready: Dict[str, SpawnJob] = {}  # instance id -> job, local start
-        self._calls = rpc.PendingCalls()  # remote starts
         self._seen_requests = rpc.SeenRequests()  # admin requests handled: a redelivery is not applied again
         self.restarts = Restarts()  # crashed workers to start again here, and their backoff
         self.drain = Drain()  # fogctl drain: no new instances, keepers moving (agent.node.drain)
@@ -234,11 +222,11 @@ class Agent:
         self._readopted = False
         self._counter = 0
         self._boot = format(int(wall()) % (36 ** 5), "x")
+        self.spawns = spawns.Spawns(self.node, f"{self.client_id}-{self._boot}")  # createNode() (agent.node.spawns)
         # loop state
         self.connected = False
         self._ever_connected = False
         self._stopping_since: Optional[float] = None
-        self._stop_signal: Optional[int] = None
         self._state_dirty = True
         self._last_state = -1e9
         self._last_watchdog = -1e9
@@ -540,8 +528,8 @@ class Agent:
             for spec in self.restarts.due(now):
                 self._restart(spec, now)
         self._start_restarts(now)
-        for call in self._calls.expired(now):
-            self._spawn_timed_out(call.context, call.node)
+        if self.spawns.calls:
+            self._spawn(spawns.Expire(), now)
         if self.replication.shippers:
             self._replicate(now)
         self.staging.expire(now)
@@ -874,7 +862,7 @@ class Agent:
 
     def _on_ready(self, instance: str, now: float) -> None:
         self._state_dirty = True
-        job = self._awaiting_ready.pop(instance, None)
+        cause = self.spawns.cause_of(instance)
         w = self.supervisor.get(instance)
         if w is not None and instance not in self._undeploying:
             # From now on the instance may be announced: an agent restart must bring it back.
@@ -887,13 +875,12 @@ class Agent:
             if self.pins:
                 self._apply_pins()
             self._event("spawned", instance, w.spec.operator, w.spec.pipeline,
-                        cause=job.cause if job else ("restart" if w.spec.restart else "unknown"),
+                        cause=cause or ("restart" if w.spec.restart else "unknown"),
                         warm=w.warm_age is not None,
                         warm_age_s=round(w.warm_age, 2) if w.warm_age is not None else None,
                         start_to_ready_s=round(now - w.started_at, 3))
-        if job is not None:
-            # Invariant 2: the new instance's inbox is subscribed ("ready"), only now is it announced.
-            job.reply({"ok": True, "instance": instance, "node": self.node})
+        # Invariant 2: the new instance's inbox is subscribed ("ready"), only now is it announced.
+        self._spawn(spawns.Ready(instance), now)
 
     def _on_worker_spawn(self, requester: str, msg: Dict[str, Any], now: float) -> None:
         req_id = msg.get("request")
@@ -904,9 +891,7 @@ class Agent:
             self.supervisor.send(requester, "spawned", request=req_id, **fields)
 
         local = [(x.instance, x.spec.pipeline, x.spec.operator) for x in self.supervisor.workers.values()]
-        placing = [(c.context.spec.instance, c.context.spec.pipeline, c.context.spec.operator)
-                   for c in self._calls.calls.values() if isinstance(c.context, SpawnJob)]
-        placing += self.view.placed_copies()
+        placing = self.spawns.placing() + list(self.view.placed_copies())
         spec = self.gate.worker_copy(self.wall(), w.spec if w is not None else None, msg,
                                      self.view.records.get(w.spec.pipeline) if w is not None else None,
                                      requester in self._undeploying, local, placing, self.view.fleet, self.view.online)
@@ -932,118 +917,99 @@ class Agent:
         if self._stopping_since is not None:
             reply({"ok": False, "error": f"agent {self.node} is shutting down"})
             return
-        if self._answer_if_hosted(spec.instance, reply, local_only=False):
-            return
         request = PlacementRequest(operator=spec.operator, local=self.node, neighbours=spec.succs + spec.preds,
                                    siblings=self._siblings(spec))
         policy = policy_for_operator(self.policy, self._operator_policy(spec)[0])
-        ranking = list(policy(request, self.fleet_views()))
-        standby = spec.extra.get("standby")
-        if cause == "rehome" and isinstance(standby, str) and (standby == self.node or self.view.online.get(standby)):
-            # where its keyed state's copy is (agent.node.replicas): first, also when its slots are
-            # taken (it starts there beyond them, `_start_local`)
-            if standby in ranking:
-                ranking.remove(standby)
-            ranking.insert(0, standby)
-        job = SpawnJob(spec=spec, candidates=ranking, reply=reply, cause=cause, chunks=list(chunks))
-        self._try_next(job, now, "no node has a free slot")
+        ranking = tuple(policy(request, self.fleet_views()))
+        self._spawn(spawns.CreateNode(spec, reply, cause, ranking, self.view.online, self._status_here(spec.instance),
+                                      self.view.runs_on(spec.instance), tuple(chunks)), now)
 
-    def _rehome_with_copy(self, job: SpawnJob) -> bool:
-        """A re-home of a keyed instance whose standby copy we hold starts here even with every
-        slot taken: elsewhere it would resume its key groups empty (their windows lost, others
-        sent again under new ids), while the slot it takes beyond ours is given back at its
-        scale-in. Not while we drain (we are being emptied)."""
-        return (job.cause == "rehome" and not self.drain.draining and job.spec.extra.get("standby") == self.node
-                and self.replication.store.meta(job.spec.instance) is not None)
-
-    def _answer_if_hosted(self, instance: str, reply: Callable[[Dict[str, Any]], None], local_only: bool) -> bool:
-        """createNode() asked again for an instance that exists (its creator crashed mid-round
-        and performs its queued outputs again, agent.instance.recovery): answer with the existing
-        instance (when it is ready) instead of starting a second process with one identity."""
+    def _status_here(self, instance: str) -> Optional[str]:
         w = self.supervisor.get(instance)
-        if w is not None:
-            job = self._awaiting_ready.get(instance)
-            if job is not None:  # still starting: answer both requesters when it is ready
-                first = job.reply
-                job.reply = lambda result: (first(result), reply(result))
-            elif w.status is WorkerStatus.ACTIVE:
-                reply({"ok": True, "instance": instance, "node": self.node})
-            else:
-                reply({"ok": False, "error": f"instance {instance} is {w.status.value} on {self.node}"})
-            return True
-        if local_only:
-            return False
-        node = self.view.runs_on(instance)
-        if node is not None:
-            reply({"ok": True, "instance": instance, "node": node})
-            return True
-        return False
+        return w.status.value if w is not None else None
 
-    def _try_next(self, job: SpawnJob, now: float, last_error: str) -> None:
-        while job.candidates:
-            node = job.candidates.pop(0)
-            job.tried.append(node)
-            if node == self.node:
-                if self._start_local(job, now):
-                    return
-                last_error = f"no free slot on {self.node}" if self.free_slots() <= 0 else f"{self.node} could not start the worker"
-                continue
-            if not self.connected:
-                last_error = "not connected to the broker"
-                continue
-            correlation = f"{self.client_id}-{self._boot}-{self._counter}-{len(self._calls)}-{now:.6f}"
-            self._calls.add(correlation, node, now, RPC_TIMEOUT, context=job)
-            body = {"op": "spawn", "spec": request_spec(job.spec), "cause": job.cause, "from": self.node}
-            if self._hosted_dirty:
-                # The receiver accepts a peer spawn only for a pipeline our retained hosted record
-                # lists (docs/security.md): publish it first, on the same connection, so that it
-                # arrives before the request.
-                self._publish_hosted()
-            props = rpc.publish_properties(correlation)
-            peer_topic = topics.agent_peer(self.cluster, node, self.node)
-            # A keyed keeper's state first, on the same topic and QoS: it arrives before the spawn.
-            # A chunk not queued: no spawn (it would be refused for want of its state).
-            if all(self._publish(peer_topic, rpc.encode(chunk)) for chunk in job.chunks) and \
-                    self._publish(peer_topic, rpc.encode(body), properties=props):
-                self.view.reserve(node)
-                return
-            self._calls.resolve(correlation)
-            last_error = f"request to {node} not queued"
+    def _spawn(self, event: spawns.SpawnEvent, now: float) -> None:
+        """Hand `event` to the createNode() core (agent.node.spawns) and carry out its commands in
+        order; the outcome of a local start, a staging or a peer request goes back to it."""
+        todo = [event]
+        while todo:
+            for cmd in self.spawns.handle(todo.pop(0), now):
+                outcome = self._SPAWN_COMMANDS[type(cmd)](self, cmd, now)
+                if outcome is not None:
+                    todo.append(outcome)
+
+    def _rehome_with_copy(self, spec: InstanceSpec, cause: str) -> bool:
+        """spawns.starts_beyond_slots, on our drain and the standby copies we hold."""
+        return spawns.starts_beyond_slots(spec, cause, self.node, self.drain.draining,
+                                          self.replication.store.meta(spec.instance) is not None)
+
+    def _start_local(self, cmd: spawns.StartLocal, now: float) -> spawns.LocalStart:
+        spec = cmd.spec
+        if (self.free_slots() <= 0 and not self._rehome_with_copy(spec, cmd.cause)) or spec.instance in self.supervisor:
+            return spawns.LocalStart(cmd.job, self._no_local_start())
+        spec = spec_with_capacity(spec, self.cfg.agent.state_dir, self.node)
+        if self.spill is not None:
+            spec = self.spill.with_spill(spec)
+        deployfiles.claim_spec(spec)  # before the standby copy is installed among its files
+        self._install_replica(spec)
+        try:
+            self.supervisor.start(spec, now)
+        except (OSError, ValueError) as exc:
+            log.error("cannot start worker: %s", exc, extra={"instance": spec.instance})
+            return spawns.LocalStart(cmd.job, self._no_local_start())
+        self.counters["spawned_local"] += 1
+        self._state_dirty = True
+        return spawns.LocalStart(cmd.job, None)
+
+    def _no_local_start(self) -> str:
+        return f"no free slot on {self.node}" if self.free_slots() <= 0 else f"{self.node} could not start the worker"
+
+    def _ask_peer(self, cmd: spawns.AskPeer, now: float) -> spawns.Asked:
+        if not self.connected:
+            return spawns.Asked(cmd.job, "not connected to the broker")
+        if self._hosted_dirty:
+            # The receiver accepts a peer spawn only for a pipeline our retained hosted record
+            # lists (docs/security.md): publish it first, on the same connection, so that it
+            # arrives before the request.
+            self._publish_hosted()
+        peer_topic = topics.agent_peer(self.cluster, cmd.node, self.node)
+        # A keyed keeper's state first, on the same topic and QoS: it arrives before the spawn.
+        # A chunk not queued: no spawn (it would be refused for want of its state).
+        if all(self._publish(peer_topic, rpc.encode(dict(chunk))) for chunk in cmd.chunks) and \
+                self._publish(peer_topic, rpc.encode(dict(cmd.body)), properties=rpc.publish_properties(cmd.correlation)):
+            self.view.reserve(cmd.node)
+            return spawns.Asked(cmd.job, None)
+        return spawns.Asked(cmd.job, f"request to {cmd.node} not queued")
+
+    def _stage_command(self, cmd: spawns.StageKeyed, now: float) -> spawns.Staged:
+        return spawns.Staged(cmd.job, self._stage_keyed(cmd.spec, cmd.requester))
+
+    def _answer(self, cmd: spawns.Answer, now: float) -> None:
+        cmd.reply(dict(cmd.result))
+
+    def _placed(self, cmd: spawns.Placed, now: float) -> None:
+        self.counters["spawned_remote"] += 1
+        self.view.place(cmd.node, (cmd.spec.instance, cmd.spec.pipeline, cmd.spec.operator))
+
+    def _spawn_failed(self, cmd: spawns.Failed, now: float) -> None:
         self.counters["spawn_failed"] += 1
-        log.warning("cannot place %s: %s (tried %s)", job.spec.instance, last_error, job.tried or "none",
-                    extra={"node": self.node, "operator": job.spec.operator})
-        job.reply({"ok": False, "error": last_error})
+        log.warning("cannot place %s: %s (tried %s)", cmd.spec.instance, cmd.error, list(cmd.tried) or "none",
+                    extra={"node": self.node, "operator": cmd.spec.operator})
 
-    def _spawn_timed_out(self, job: SpawnJob, node: str) -> None:
-        """No answer from `node` within RPC_TIMEOUT. It may still have started the instance (its
-        answer can be held by a partition of ours), so the same identity is never asked of
-        another node (invariant 7): the createNode() fails. If `node` did start it, the copy
-        stays idle and pings its creator, which adopts it (agent.instance.driver, on_idle_ping);
-        otherwise the creator decides again with a new copy."""
+    def _spawn_timed_out(self, cmd: spawns.TimedOut, now: float) -> None:
         self.counters["spawn_failed"] += 1
         log.warning("agent %s did not answer the spawn of %s within %.0fs: not placed elsewhere under "
-                    "the same identity", node, job.spec.instance, RPC_TIMEOUT,
-                    extra={"node": self.node, "operator": job.spec.operator})
-        job.reply({"ok": False, "error": f"no reply from {node} within {RPC_TIMEOUT:.0f}s "
-                   f"(it may still start {job.spec.instance})"})
+                    "the same identity", cmd.node, cmd.spec.instance, RPC_TIMEOUT,
+                    extra={"node": self.node, "operator": cmd.spec.operator})
 
-    def _start_local(self, job: SpawnJob, now: float) -> bool:
-        if (self.free_slots() <= 0 and not self._rehome_with_copy(job)) or job.spec.instance in self.supervisor:
-            return False
-        job.spec = spec_with_capacity(job.spec, self.cfg.agent.state_dir, self.node)
-        if self.spill is not None:
-            job.spec = self.spill.with_spill(job.spec)
-        deployfiles.claim_spec(job.spec)  # before the standby copy is installed among its files
-        self._install_replica(job.spec)
-        try:
-            self.supervisor.start(job.spec, now)
-        except (OSError, ValueError) as exc:
-            log.error("cannot start worker: %s", exc, extra={"instance": job.spec.instance})
-            return False
-        self.counters["spawned_local"] += 1
-        self._awaiting_ready[job.spec.instance] = job
-        self._state_dirty = True
-        return True
+    def _bad_reply(self, cmd: spawns.BadReply, now: float) -> None:
+        self._bad("reply", cmd.replier, cmd.error)
+
+    _SPAWN_COMMANDS: Dict[type, Callable[["Agent", Any, float], Optional[spawns.SpawnEvent]]] = {
+        spawns.StartLocal: _start_local, spawns.AskPeer: _ask_peer, spawns.StageKeyed: _stage_command,
+        spawns.Answer: _answer, spawns.Placed: _placed, spawns.Failed: _spawn_failed,
+        spawns.TimedOut: _spawn_timed_out, spawns.BadReply: _bad_reply,
+    }
 
     # -- messages ------------------------------------------------------------------------------
 
@@ -1255,8 +1221,9 @@ class Agent:
 
     def _on_rpc_request(self, msg: Any, requester: str, peer: bool, now: float) -> None:
         """A request on `agents/<me>/rpc/<admin>` (control) or `agents/<me>/peer/<node>` (the
-        protocol's spawns). The reply goes to `replies/<requester>/<me>`, computed from the
-        topic; a Response Topic in the request is ignored (docs/security.md)."""
+        protocol's spawns), handed to the handler of its op (`_OPS`). The reply goes to
+        `replies/<requester>/<me>`, computed from the topic; a Response Topic in the request is
+        ignored (docs/security.md)."""
         self.counters["rpc_requests"] += 1
         correlation = rpc.correlation_of(msg)
         reply_to = topics.replies(self.cluster, requester, self.node)
@@ -1286,78 +1253,81 @@ class Agent:
                 log.warning("refused %s request from node %s: %s", op, requester, why, extra={"node": self.node})
                 reply({"ok": False, "error": f"refused: {why}"})
                 return
-        if op == "replica":
-            if not peer:
-                reply({"ok": False, "error": "refused: replica is a peer request"})
-                return
-            answer = self.replication.store.apply(requester, body)
-            if answer is not None:
-                if not answer.get("ok"):
-                    log.info("replica of %s from %s: %s", str(body.get("instance"))[:80], requester,
-                             answer.get("error"), extra={"node": self.node})
-                reply(answer)
-        elif op == "state_chunk":
-            if not peer:
-                reply({"ok": False, "error": "refused: state_chunk is a peer request"})
-                return
-            try:  # never answered: the spawn that follows is (statexfer)
-                self.staging.add(requester, body, now)
-            except ValueError as exc:
-                self._bad("state_chunk", requester, exc)
-        elif op == "ping":
-            reply({"ok": True, "node": self.node, "instances": sorted(self.supervisor.workers)})
-        elif op == "stop":
-            # `forget`: an undeploy (docs/fogctl.md): the stored spec goes before the reply, so
-            # that no restart of this agent brings the instance back, whatever the broker keeps.
-            inst, forget = body["instance"], body.get("forget") is True
-            stored = forget and any(s.instance == inst for s in hosted.hosted(self.cfg.agent.state_dir))
-            if forget and (inst in self.supervisor or stored):
-                self._undeploying.add(inst)
-                self._forget(inst)
-            if inst in self.supervisor:
-                self.supervisor.stop(inst, now)
-                reply({"ok": True, "instance": inst, "node": self.node})
-            elif stored:
-                reply({"ok": True, "instance": inst, "node": self.node, "forgotten": True})
-            else:
-                reply({"ok": False, "error": f"no instance {inst[:80]!r} on {self.node}"})
-        elif op == "pin":
-            reply(self._on_pin(body))
-        elif op == "set":
-            inst = body["instance"]
-            if self.supervisor.send(inst, "set", **body["fields"]):
-                reply({"ok": True, "instance": inst, "node": self.node})
-            else:
-                reply({"ok": False, "error": f"no running instance {inst[:80]!r} on {self.node}"})
-        elif op in ("scale", "drain", "undrain"):
-            reply(self._on_steering(body, now))
-        elif op == "spawn":
-            if self._stopping_since is not None:
-                reply({"ok": False, "error": f"agent {self.node} is shutting down"})
-                return
-            if "chain" in body:
-                self._spawn_chain(body, requester, peer, reply, now)
-                return
-            data = body["spec"]
-            if peer:  # the admin's text of the pipeline (Gate.peer_may_spawn), never the requester's
-                data = dict(data, pipeline_toml=self.view.deployed_text[str(data.get("pipeline"))])
-            try:
-                spec = self.gate.spec_from(self.wall(), data, template=None,
+        elif op in PEER_ONLY_OPS:
+            reply({"ok": False, "error": f"refused: {op} is a peer request"})
+            return
+        self._OPS[op](self, body, requester, peer, reply, now)
+
+    def _op_replica(self, body: Dict[str, Any], requester: str, peer: bool, reply: Respond, now: float) -> None:
+        answer = self.replication.store.apply(requester, body)
+        if answer is not None:
+            if not answer.get("ok"):
+                log.info("replica of %s from %s: %s", str(body.get("instance"))[:80], requester,
+                         answer.get("error"), extra={"node": self.node})
+            reply(answer)
+
+    def _op_state_chunk(self, body: Dict[str, Any], requester: str, peer: bool, reply: Respond, now: float) -> None:
+        try:  # never answered: the spawn that follows is (statexfer)
+            self.staging.add(requester, body, now)
+        except ValueError as exc:
+            self._bad("state_chunk", requester, exc)
+
+    def _op_ping(self, body: Dict[str, Any], requester: str, peer: bool, reply: Respond, now: float) -> None:
+        reply({"ok": True, "node": self.node, "instances": sorted(self.supervisor.workers)})
+
+    def _op_stop(self, body: Dict[str, Any], requester: str, peer: bool, reply: Respond, now: float) -> None:
+        # `forget`: an undeploy (docs/fogctl.md): the stored spec goes before the reply, so
+        # that no restart of this agent brings the instance back, whatever the broker keeps.
+        inst, forget = body["instance"], body.get("forget") is True
+        stored = forget and any(s.instance == inst for s in hosted.hosted(self.cfg.agent.state_dir))
+        if forget and (inst in self.supervisor or stored):
+            self._undeploying.add(inst)
+            self._forget(inst)
+        if inst in self.supervisor:
+            self.supervisor.stop(inst, now)
+            reply({"ok": True, "instance": inst, "node": self.node})
+        elif stored:
+            reply({"ok": True, "instance": inst, "node": self.node, "forgotten": True})
+        else:
+            reply({"ok": False, "error": f"no instance {inst[:80]!r} on {self.node}"})
+
+    def _op_pin(self, body: Dict[str, Any], requester: str, peer: bool, reply: Respond, now: float) -> None:
+        reply(self._on_pin(body))
+
+    def _op_set(self, body: Dict[str, Any], requester: str, peer: bool, reply: Respond, now: float) -> None:
+        inst = body["instance"]
+        if self.supervisor.send(inst, "set", **body["fields"]):
+            reply({"ok": True, "instance": inst, "node": self.node})
+        else:
+            reply({"ok": False, "error": f"no running instance {inst[:80]!r} on {self.node}"})
+
+    def _op_steer(self, body: Dict[str, Any], requester: str, peer: bool, reply: Respond, now: float) -> None:
+        reply(self._on_steering(body, now))
+
+    def _op_spawn(self, body: Dict[str, Any], requester: str, peer: bool, reply: Respond, now: float) -> None:
+        if self._stopping_since is not None:
+            reply({"ok": False, "error": f"agent {self.node} is shutting down"})
+            return
+        if "chain" in body:
+            self._spawn_chain(body, requester, peer, reply, now)
+            return
+        data = body["spec"]
+        if peer:  # the admin's text of the pipeline (Gate.peer_may_spawn), never the requester's
+            data = dict(data, pipeline_toml=self.view.deployed_text[str(data.get("pipeline"))])
+        try:
+            spec = self.gate.spec_from(self.wall(), data, template=None,
                                        requester=f"{'node' if peer else 'admin'} {requester}")
-            except (TypeError, ValueError) as exc:
-                reply({"ok": False, "error": f"invalid spec: {exc}"})
-                return
-            if self._answer_if_hosted(spec.instance, reply, local_only=True):
-                return
-            if "handover_keyed" in spec.extra:
-                error = self._stage_keyed(spec, requester)
-                if error:
-                    reply({"ok": False, "error": error})
-                    return
-            # A request that reached this node was placed here: start locally or refuse (no
-            # forwarding, so that two agents with stale views cannot bounce a request forever).
-            job = SpawnJob(spec=spec, candidates=[self.node], reply=reply, cause=str(body.get("cause", "rpc"))[:40])
-            self._try_next(job, now, f"no free slot on {self.node}")
+        except (TypeError, ValueError) as exc:
+            reply({"ok": False, "error": f"invalid spec: {exc}"})
+            return
+        self._spawn(spawns.SpawnRequest(spec, reply, str(body.get("cause", "rpc"))[:40], requester,
+                                        self._status_here(spec.instance)), now)
+
+    _OPS: Dict[str, Callable[["Agent", Dict[str, Any], str, bool, Respond, float], None]] = {
+        "replica": _op_replica, "state_chunk": _op_state_chunk, "ping": _op_ping, "stop": _op_stop,
+        "pin": _op_pin, "set": _op_set, "scale": _op_steer, "drain": _op_steer, "undrain": _op_steer,
+        "spawn": _op_spawn,
+    }
 
     def _spawn_chain(self, body: Dict[str, Any], requester: str, peer: bool,
                      reply: Callable[[Dict[str, Any]], None], now: float) -> None:
@@ -1398,13 +1368,9 @@ class Agent:
             log.error("cannot start chain: %s", exc, extra={"instance": specs[0].instance})
             reply({"ok": False, "error": f"{self.node} could not start the chain"})
             return
-        join = chains.ChainReply([s.instance for s in specs], self.node, reply)
-        cause = str(body.get("cause", "rpc"))[:40]
-        for s in specs:
-            self.counters["spawned_local"] += 1
-            self._awaiting_ready[s.instance] = SpawnJob(spec=s, candidates=[], reply=join.member(s.instance),
-                                                        cause=cause)
+        self.counters["spawned_local"] += len(specs)
         self._state_dirty = True
+        self._spawn(spawns.ChainStarted(specs, reply, str(body.get("cause", "rpc"))[:40]), now)
 
     def _on_rpc_reply(self, msg: Any, replier: str, now: float) -> None:
         """A reply on `replies/<me>/<replier>`: it answers a call only if it comes from the node
@@ -1418,23 +1384,11 @@ class Agent:
                 result = {"ok": False, "error": str(exc)}
             self.replication.on_reply(correlation, replier, result, now, self._publish_replica, self._tell_replicated)
             return
-        pending = self._calls.calls.get(correlation)
-        if pending is None or pending.node != replier:
-            return  # late reply after a timeout (the job moved on), or not from the node we asked
-        call = self._calls.resolve(correlation)
-        job: SpawnJob = call.context
         try:
-            result = rpc.decode_reply(msg.payload)
+            event = spawns.PeerReply(correlation, replier, rpc.decode_reply(msg.payload))
         except ValueError as exc:
-            self._bad("reply", replier, exc)
-            self._try_next(job, now, f"bad reply from {call.node}: {exc}")
-            return
-        if result["ok"]:
-            self.counters["spawned_remote"] += 1
-            self.view.place(call.node, (job.spec.instance, job.spec.pipeline, job.spec.operator))
-            job.reply(result)
-        else:
-            self._try_next(job, now, f"{call.node}: {result.get('error')}")
+            event = spawns.PeerReply(correlation, replier, bad=str(exc))
+        self._spawn(event, now)
 
     # -- worker exits --------------------------------------------------------------------------
 
@@ -1446,10 +1400,10 @@ class Agent:
             from agent.measure import metrics
 
             metrics.process_exited(w.pid)
-        job = self._awaiting_ready.pop(w.instance, None)
+        placing = self.spawns.cause_of(w.instance) is not None
         reason = (w.exit_event or {}).get("reason") or w.killed_for or f"exit status {reaped.returncode}"
         log.info("worker pid %d exited with %d (%s)", w.pid, reaped.returncode, reason, extra={"instance": w.instance})
-        if job is not None:
+        if placing:
             # The spawn that started it is answered elsewhere (the next candidate, or a failure the
             # requester places again): this incarnation must not come back here as a crash, or one
             # identity would run on two nodes (their clients take the session from each other and
@@ -1457,7 +1411,7 @@ class Agent:
             hosted.forget(self.cfg.agent.state_dir, w.instance)
             self.replication.forget(w.instance)
             self._hosted_dirty = True
-            self._try_next(job, now, f"worker exited before ready ({reason})")
+            self._spawn(spawns.Exited(w.instance, str(reason)), now)
         handing_over = self.drain.exited(w.instance)
         if self.drain.copies_first:
             self._release_keeper(now, left=w.instance)
@@ -1469,7 +1423,7 @@ class Agent:
         end = exit_of(clean=reaped.clean, crashed=reaped.crashed, said_final=bool((w.exit_event or {}).get("final")),
                       bad_spec=reaped.returncode == WORKER_EXIT_BAD_SPEC, stopping=self._stopping_since is not None,
                       handing_over=handing_over, fenced=fenced, undeployed=undeployed, chained=bool(w.chain),
-                      asked_to_stop=w.asked_to_stop, placing=job is not None)
+                      asked_to_stop=w.asked_to_stop, placing=placing)
         if end.final:
             hosted.forget(self.cfg.agent.state_dir, w.instance)  # gone for good: never re-adopt
             self.replication.forget(w.instance)  # and its standby copy goes with our next record
@@ -1940,9 +1894,7 @@ class Agent:
             notify.stopping(f"stopping {len(self.supervisor)} workers")
         except ImportError:  # pragma: no cover
             pass
-        for job in list(self._awaiting_ready.values()):
-            job.reply({"ok": False, "error": f"agent {self.node} is shutting down"})
-        self._awaiting_ready.clear()
+        self._spawn(spawns.Shutdown(), now)
         self.supervisor.stop_all(now)
         self.supervisor.close_warm()
 

@@ -7,9 +7,9 @@ hand-over, a re-home) to `agents/<node>/peer/<requester>`, and the reply to
 broker's ACL proved who wrote it); the MQTT 5 Response Topic is ignored, so no request can aim a
 reply at somebody else's topic. Correlation Data is echoed, and a requester matches replies by it.
 
-Rules of this file: the codec and `PendingCalls` are pure (time is passed in); only
+Rules of this file: the codec and `SeenRequests` are pure (time is passed in); only
 `RpcClient` does I/O (agent.mqtt.requester's blocking client, shared with fogctl, for
-`fog-agent deploy` and tools; the daemon drives `PendingCalls` from its own event loop and never
+`fog-agent deploy` and tools; the daemon keeps its own calls in agent.node.spawns and never
 blocks on a call). Bodies are parsed with
 agent.wire (bounded size and depth) and refused with a ValueError saying why.
 
@@ -28,8 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from agent import wire
 from agent.mqtt.settings import BrokerSpec
@@ -74,41 +73,6 @@ def decode_reply(payload: bytes) -> Dict[str, Any]:
     if not isinstance(body.get("ok"), bool):
         raise ValueError("reply without a boolean 'ok'")
     return body
-
-
-@dataclass
-class Call:
-    """One outstanding call: what it was for (opaque `context`) and when to give up."""
-
-    correlation: str
-    node: str
-    deadline: float
-    context: Any = None
-
-
-@dataclass
-class PendingCalls:
-    """Outstanding calls by correlation id; the event loop feeds replies and the time."""
-
-    calls: Dict[str, Call] = field(default_factory=dict)
-
-    def add(self, correlation: str, node: str, now: float, timeout: float, context: Any = None) -> Call:
-        call = Call(correlation, node, now + timeout, context)
-        self.calls[correlation] = call
-        return call
-
-    def resolve(self, correlation: str) -> Optional[Call]:
-        """The call a reply answers, or None for a late or foreign reply (ignored)."""
-        return self.calls.pop(correlation, None)
-
-    def expired(self, now: float) -> List[Call]:
-        gone = [c for c in self.calls.values() if c.deadline <= now]
-        for c in gone:
-            del self.calls[c.correlation]
-        return gone
-
-    def __len__(self) -> int:
-        return len(self.calls)
 
 
 class SeenRequests:
@@ -197,9 +161,7 @@ class RpcClient(Requester):
 
 __all__ = [
     "CONTROL_KEYS",
-    "Call",
     "OPS",
-    "PendingCalls",
     "RpcClient",
     "RpcError",
     "decode_reply",

@@ -1239,7 +1239,7 @@ type("M", (), {"topic": topic, "payload": raw, "retain": True, "properties": Non
     def _knowledge(self) -> Any:
         a = self.agent
         return fingerprint((a.view.fleet, a.view.online, a.view.hosted_by_node, a.view.rehomed_by_node, a.view.latency, a.view.deployed,
-                            a.drain.draining, a.rehoming.offline_since, a.view.reserved, sorted(a._calls.calls)))
+                            a.drain.draining, a.rehoming.offline_since, a.view.reserved, sorted(a.spawns.calls)))
 
     def _restore(self) -> None:
         a, (fleet, online, hosted, rehomed, latency, deployed) = self.agent, self._saved
