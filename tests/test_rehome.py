@@ -109,7 +109,7 @@ def _agent(tmp_path: Path) -> Any:
     conf.write_text(f'[agent]\nnode = "me"\ncluster = "c"\nstate_dir = "{tmp_path}/state"\ndead_after = 1.0\n'
                     '[mqtt]\nhost = "127.0.0.1"\nport = 1\n')
     agent = Agent(load_agent_config(conf), warm_worker=False)
-    agent._retained_in = True  # the retained records are in (daemon._on_connected's sync marker)
+    agent.bus.retained_in = True  # the retained records are in (daemon._on_connected's sync marker)
     return agent
 
 

@@ -38,7 +38,7 @@ def test_a_spawn_that_times_out_is_not_placed_again_under_the_same_identity(tmp_
         return True
 
     agent._publish = publish  # type: ignore[assignment]
-    agent.connected = True
+    agent.bus.connected = True
     spec = InstanceSpec("work-c458fdf7d48d", "work", "n1", "c", "p", PIPELINE, BrokerSpec("h", 1),
                         preds=("p.source.0",), succs=("p.sink.0",))
     replies: List[Dict[str, Any]] = []

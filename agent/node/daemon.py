@@ -48,7 +48,6 @@ import os
 import queue
 import signal
 import time
-import uuid
 from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple, Union
@@ -62,7 +61,6 @@ from agent.mqtt import client as mqttc
 from agent.files import write_atomic
 from agent.instance import deployfiles
 from agent.instance.spec import InstanceSpec, request_spec
-from agent.mqtt.requester import SYNC_PREFIX
 from agent.mqtt.settings import BrokerSpec
 from agent.measure.capacity import capacity_for
 from agent.node import chains, hosted, nodestate, rehome, replicas, rpc, spawns, statexfer
@@ -73,6 +71,7 @@ from agent.node.spawns import RPC_TIMEOUT
 from agent.node import rehoming
 from agent.node.rehoming import Rehoming
 from agent.node.fleetview import FleetView
+from agent.node.bus import AgentBus
 from agent.node.drain import COPIES_FIRST_WAIT, Drain
 from agent.node import loopevents
 from agent.node.hostmap import MAX_MOVED
@@ -104,8 +103,6 @@ EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: never reached the broker within connect
 
 TICK = 0.2  # seconds: the loop's longest sleep
 SHUTDOWN_SLACK = 3.0  # seconds beyond shutdown_timeout for reaping, "offline" and disconnect
-SESSION_EXPIRY = 3600  # seconds the broker keeps our session (subscriptions, queued requests)
-SESSION = mqttc.Session(persistent=True, expiry=SESSION_EXPIRY)
 # Peer requests held until the retained records are in (`_held_peer`): beyond this many, one is
 # checked at once, as before (bounded memory; a refused requester places elsewhere or retries).
 HELD_PEER_MAX = 256
@@ -160,7 +157,6 @@ class Agent:
         self.clock = clock
         self.wall = wall
         self.sample_machine = sample_machine
-        self.connect_timeout = connect_timeout
         self._events: "queue.SimpleQueue[loopevents.LoopEvent]" = queue.SimpleQueue()
         # What a spec may name here (docs/security.md, "No code from the bus"): fixed at start.
         allowed = admission.AllowList.for_node(cfg.operators.modules)
@@ -178,7 +174,7 @@ class Agent:
             command=worker_command,
             env=dict(env if env is not None else worker_env(), **allowed.env()),
         )
-        self.broker = BrokerSpec(
+        broker = BrokerSpec(
             host=cfg.mqtt.host,
             port=cfg.mqtt.port,
             keepalive=cfg.mqtt.keepalive,
@@ -193,9 +189,9 @@ class Agent:
             id_secret_file=cfg.mqtt.client_id_secret_file,
         )
         check_tls(cfg.mqtt)  # a bad CA/cert/key file: ConfigError now (exit 78), not in paho's thread
-        self.client_id = mqttc.agent_id(self.broker, self.cluster, self.node)  # docs/security.md, "Client ids"
-        self._connect_log = mqttc.FailureLog(self.broker.host, self.broker.port, log, extra={"node": self.node})
-        self._paho_error: Optional[str] = None  # paho's last error log line (a TLS alert, ...)
+        # docs/security.md, "Client ids"
+        self.bus = AgentBus(broker, mqttc.agent_id(broker, self.cluster, self.node), self.cluster, self.node,
+                            self._events.put, connect_timeout, clock())
         self.view = FleetView(self.node)  # what the retained records say (agent.node.fleetview)
         self._context_cache: Dict[Tuple[str, str], Tuple[str, Optional[str]]] = {}
         self.latency_core = _latency_core(cfg)  # RTT to the other agents (issue 6), if installed
@@ -215,35 +211,30 @@ class Agent:
                               _read_json(Path(cfg.agent.state_dir) / BINDINGS_FILE))
         self._reconcile_at: Optional[float] = None
         self._reconnect_asks: Dict[str, float] = {}  # worker -> when it asked to reconnect (fencing)
-        self._last_puback = -1e9
         self._to_readopt: List[InstanceSpec] = []  # hosted when this agent started (see run)
         self._connected_at = 0.0  # clock() of the last connect: workers started before it may be fenced
         self._fenced: Set[str] = set()  # killed because another node runs them: never restarted here
         self._readopted = False
         self._counter = 0
         self._boot = format(int(wall()) % (36 ** 5), "x")
-        self.spawns = spawns.Spawns(self.node, f"{self.client_id}-{self._boot}")  # createNode() (agent.node.spawns)
+        self.spawns = spawns.Spawns(self.node, f"{self.bus.client_id}-{self._boot}")  # createNode() (agent.node.spawns)
         # loop state
-        self.connected = False
-        self._ever_connected = False
         self._stopping_since: Optional[float] = None
         self._state_dirty = True
         self._last_state = -1e9
         self._last_watchdog = -1e9
         self._ready_notified = False
-        self._started = clock()
         self.counters: Dict[str, int] = {"spawned_local": 0, "spawned_remote": 0, "spawn_failed": 0,
                                          "rpc_requests": 0, "rpc_repeats": 0, "restarts": 0, "bad_messages": 0,
                                          "peer_refused": 0, "retained_ignored": 0}
         # Who may ask for what (agent.node.gate): the admission of specs and of peer requests.
-        self.gate = Gate(NodeLocal(self.node, self.cluster, self.broker, cfg.agent.state_dir,
+        self.gate = Gate(NodeLocal(self.node, self.cluster, broker, cfg.agent.state_dir,
                                    cfg.agent.heartbeat_period, cfg.agent.dead_after > 0, cfg.mqtt.inbox_per_node,
                                    cfg.agent.keyed_standby),
                          allowed, admission.NodeDirs.of(cfg), trust, self.counters, self._boot)
         self._undeploying: Set[str] = set()  # stopped for an undeploy: forgotten, never restarted
         # fogctl scale pins (agent.node.pins), kept in the state directory
         self.pins = Pins(_load_pins(Path(cfg.agent.state_dir)))
-        self._client: Any = None
         # The site manager (docs/site-manager.md): every agent reads the nodes' claims, each on its
         # own topic, and derives the leader (a drain on the peer topic is accepted from the leader
         # only); [site_manager] enabled runs a candidate, which shares this board.
@@ -254,8 +245,6 @@ class Agent:
         followed = (_read_json(Path(cfg.agent.state_dir) / FOLLOWED_FILE) or {}).get("follows")
         if isinstance(followed, str) and followed and followed != self.node and len(followed) <= 256:
             self.site_leases.held = self.site_leases.previous = followed
-        self._retained_in = False  # the retained records of this connection's subscriptions are in
-        self._sync_marker = b""  # what marks their end (see _on_connected)
         # Peer requests that arrived before those records: a persistent session hands over what
         # was queued for us at connect, before the retained records our checks read (the lease, the
         # hosted records), so they wait for the marker and are then checked in arrival order.
@@ -268,83 +257,39 @@ class Agent:
         self.metrics: Any = None  # agent.measure.metrics, when [metrics].port != 0
         self.stats_bridge: Any = None
         # [spill]: the sink workers' spool settings, this agent's metrics/events spool, shipping
-        self.spill: Optional[AgentSpill] = AgentSpill.maybe(cfg, self.broker)
+        self.spill: Optional[AgentSpill] = AgentSpill.maybe(cfg, broker)
         self.metrics_server: Any = None
 
-    # -- MQTT ----------------------------------------------------------------------------------
+    # -- MQTT (agent.node.bus) -----------------------------------------------------------------
 
-    def _make_client(self) -> Any:
-        c = mqttc.make_client(self.broker, self.client_id, SESSION, max_inflight=self.broker.max_inflight,
-                              reconnect_delay=(1, 10),
-                              will=mqttc.Will(topics.agent_status(self.cluster, self.node), b"offline"))
-        # Callbacks only enqueue (the loop owns the state).
-        c.on_connect = lambda cl, ud, flags, reason, props=None: self._events.put(
-            loopevents.Connected(not reason.is_failure, str(reason), bool(getattr(flags, "session_present", False)))
-        )
-        c.on_disconnect = lambda cl, ud, flags, reason, props=None: self._events.put(
-            loopevents.Disconnected(str(reason)))
-        # A failed (re)connect that paho retries by itself -> ConnectFailed; paho reports a
-        # lost connection without its cause (a TLS alert from the broker rejecting our
-        # certificate reads as "Unspecified error"): the cause is in its error log line.
-        mqttc.FailureLog.watch(c, lambda why: self._events.put(loopevents.ConnectFailed(why)),
-                               lambda why: self._events.put(loopevents.PahoError(why)))
-        c.on_message = lambda cl, ud, msg: self._events.put(loopevents.MqttMessage(msg))
-        c.on_publish = lambda cl, ud, mid, reason=None, props=None: self._events.put(loopevents.Puback(mid))
-        mqttc.connect(c, self.broker, SESSION, blocking=False)
-        return c
+    @property
+    def connected(self) -> bool:
+        return self.bus.connected
+
+    @property
+    def _retained_in(self) -> bool:
+        return self.bus.retained_in
 
     def _publish(self, topic: str, payload: bytes, retain: bool = False, qos: int = 1,
                  properties: Any = None) -> Union[bool, int]:
-        """False when not queued, else the message id (true: paho's ids start at 1), whose PUBACK
-        some callers wait for (replicas.Replication.published)."""
-        if self._client is None:
-            return False
-        info = self._client.publish(topic, payload, qos=qos, retain=retain, properties=properties)
-        if info.rc != 0:
-            # paho does not raise on a full queue (docs/design.md section 6): say so, never drop silently.
-            log.warning("publish to %s not queued (rc=%s)", topic, info.rc, extra={"node": self.node})
-            return False
-        return getattr(info, "mid", 0) or True
+        return self.bus.publish(topic, payload, retain=retain, qos=qos, properties=properties)
 
     def _on_connected(self, session_present: bool) -> None:
-        if self._ever_connected and self.metrics is not None:
-            self.metrics.reconnect("agent")  # fog_mqtt_reconnects_total{client="agent"}
-        self.connected = True
-        self._ever_connected = True
-        c = self._client  # TCP_NODELAY is set on its socket (agent.mqtt.client.nodelay)
-        subs = [
-            (topics.agent_rpc_inbox(self.cluster, self.node), 1),
-            (topics.agent_peer_inbox(self.cluster, self.node), 1),
-            (topics.replies_inbox(self.cluster, self.node), 1),
-            (topics.all_agents_state(self.cluster), 1),
-            (topics.all_agents_status(self.cluster), 1),
-            (topics.all_latency(self.cluster), 1),
-            (topics.all_agents_hosted(self.cluster), 1),
-            (topics.all_agents_rehomed(self.cluster), 1),
-            (topics.all_pipelines(self.cluster), 1),
-            (topics.all_site_managers(self.cluster), 1),  # after the statuses: a claim counts only if online
-        ]
-        if self.latency_core is not None:
-            subs.extend((t, 0) for t in self.latency_core.subscriptions())
-        c.subscribe(subs)
+        self.bus.subscribe(self.latency_core.subscriptions() if self.latency_core is not None else ())
         if self.site is not None:  # a leader whose connection was lost leads no more (its Will voided its lease)
             for eff in self.site.on_reconnect():
                 self._publish(eff.topic, eff.payload, retain=eff.retain)
-        # The broker sends a subscription's retained messages before it handles our next publish
-        # (one connection, in order): when this marker comes back, the site manager's lease is in.
-        self._retained_in = False
-        self._sync_marker = SYNC_PREFIX + uuid.uuid4().hex.encode()
-        self._publish(topics.replies(self.cluster, self.node, self.node), self._sync_marker, qos=1)
+        self.bus.mark()  # when it comes back, the site manager's lease is in
         # State before status: whoever sees "online" (a snapshot ends at a sync marker, not after
         # a pause) then also finds this node's retained state, so `deploy` can place on it.
         self._publish_state(self.clock())
-        self._publish(topics.agent_status(self.cluster, self.node), b"online", retain=True)
+        self.bus.online()
         self._state_dirty = True
         self._hosted_dirty = True
         # Re-adopt (first connect) and fence (every connect) once the retained states are in.
         self._reconcile_at = self.clock() + READOPT_SETTLE
         self._connected_at = self.clock()
-        log.info("connected to %s:%d (session present: %s)", self.broker.host, self.broker.port,
+        log.info("connected to %s:%d (session present: %s)", self.bus.broker.host, self.bus.broker.port,
                  session_present, extra={"node": self.node})
 
     # -- the loop ------------------------------------------------------------------------------
@@ -390,8 +335,7 @@ class Agent:
         # are re-adopted (an instance this agent starts and stops before the first reconcile
         # must not come back).
         self._to_readopt = hosted.hosted(self.cfg.agent.state_dir)
-        self._client = self._make_client()
-        self._client.loop_start()
+        self.bus.start()
         status = EXIT_OK
         try:
             while True:
@@ -406,7 +350,7 @@ class Agent:
         finally:
             if self.spill is not None:
                 self.spill.close()  # workers are stopped: close, ship what is closed, stop shipping
-            self._close_mqtt()
+            self.bus.close(self._last_state_doc)
             if self.metrics_server is not None:
                 self.metrics_server.close()
         return status
@@ -441,32 +385,19 @@ class Agent:
         self.supervisor.handle_eof(event.instance)  # its lines are handled: poll() may reap it
 
     def _on_puback(self, event: loopevents.Puback, now: float) -> None:
-        self._last_puback = now
+        self.bus.last_puback = now
         if self.replication.waits_for(event.mid):
             self.replication.published(event.mid, now, self._publish_replica)
 
     def _on_connack(self, event: loopevents.Connected, now: float) -> None:
-        if event.ok:
-            self._paho_error = None
-            self._connect_log.connected()
+        again = self.bus.ever_connected
+        if self.bus.connack(event):
+            if again and self.metrics is not None:
+                self.metrics.reconnect("agent")  # fog_mqtt_reconnects_total{client="agent"}
             self._on_connected(event.session_present)
-        else:
-            self._connection_problem(f"the broker refused the connection: {event.reason}")
 
-    def _on_connect_failed(self, event: loopevents.ConnectFailed, now: float) -> None:
-        self._connection_problem(event.why)
-
-    def _on_paho_error(self, event: loopevents.PahoError, now: float) -> None:
-        self._paho_error = event.why  # already mqttc.paho_error()'d by FailureLog.watch
-
-    def _on_disconnected(self, event: loopevents.Disconnected, now: float) -> None:
-        reason = self._paho_error or event.reason  # the cause rather than "Unspecified error"
-        self._paho_error = None
-        if self.connected:
-            self.connected = False
-            log.warning("disconnected from broker: %s", reason, extra={"node": self.node})
-        else:
-            self._connection_problem(f"connection closed before CONNACK: {reason}")
+    def _on_connection_trouble(self, event: Any, now: float) -> None:
+        self.bus.trouble(event)
 
     def _on_signal(self, event: loopevents.Signalled, now: float) -> None:
         self._begin_shutdown(now, f"signal {signal.Signals(event.signum).name}")
@@ -477,8 +408,8 @@ class Agent:
     _LOOP: Dict[type, Callable[["Agent", Any, float], None]] = {
         loopevents.MqttMessage: _on_mqtt_message, loopevents.WorkerLine: _on_worker_line_event,
         loopevents.WorkerEof: _on_worker_eof, loopevents.Puback: _on_puback, loopevents.Connected: _on_connack,
-        loopevents.ConnectFailed: _on_connect_failed, loopevents.PahoError: _on_paho_error,
-        loopevents.Disconnected: _on_disconnected, loopevents.Signalled: _on_signal, loopevents.Reload: _on_reload,
+        loopevents.ConnectFailed: _on_connection_trouble, loopevents.PahoError: _on_connection_trouble,
+        loopevents.Disconnected: _on_connection_trouble, loopevents.Signalled: _on_signal, loopevents.Reload: _on_reload,
     }
 
     def _reload(self) -> None:
@@ -501,12 +432,6 @@ class Agent:
             logging.getLogger().setLevel(getattr(logging, new.log.level.upper(), logging.INFO))
         if self._ready_notified:
             notify.ready(self._status_line())
-
-    def _connection_problem(self, reason: str) -> None:
-        """A failed connect attempt: paho retries; each distinct reason is logged once (no
-        traceback, no line per retry), the last one is kept for the exit message of
-        `connect_timeout`."""
-        self._connect_log.failed(reason)
 
     def _periodic(self, now: float) -> None:
         for reaped in self.supervisor.poll(now):
@@ -539,13 +464,9 @@ class Agent:
             if now - self._stopping_since > self.cfg.agent.shutdown_timeout + SHUTDOWN_SLACK / 2:
                 self._emergency_stop()
                 raise Halt("shutdown timeout: remaining workers killed", EXIT_OK)
-        if (
-            self.connect_timeout is not None
-            and not self._ever_connected
-            and now - self._started > self.connect_timeout
-        ):
-            last = f" ({self._connect_log.last})" if self._connect_log.last else ""
-            raise Halt(f"no broker at {self.broker.host}:{self.broker.port} after {self.connect_timeout}s{last}", EXIT_UNAVAILABLE)
+        gave_up = self.bus.gave_up(now)
+        if gave_up:
+            raise Halt(gave_up, EXIT_UNAVAILABLE)
         if self.connected and self.latency_core is not None:
             core = self.latency_core
             core.set_neighbours((n for n in self.view.fleet if n != self.node and self.view.online.get(n, False)), near=self.hosts.near)
@@ -1063,8 +984,7 @@ class Agent:
             return
         if parsed.sender != self.node:
             self._on_rpc_reply(msg, str(parsed.sender), now)
-        elif not self._retained_in and msg.payload == self._sync_marker:
-            self._retained_in = True
+        elif self.bus.marked(msg.payload):
             self.site_leases.restate()  # once per connection, from every claim and statement
             self._state_whom_we_follow()
             while self._held_peer:  # each on its own: one that fails strands none behind it
@@ -1202,7 +1122,7 @@ class Agent:
                 if eff.node == self.node:
                     self._on_steering(eff.body, self.clock())
                 else:
-                    corr = f"{self.client_id}-site-{now:.6f}"
+                    corr = f"{self.bus.client_id}-site-{now:.6f}"
                     self._publish(topics.agent_peer(self.cluster, eff.node, self.node), rpc.encode(eff.body),
                                   properties=rpc.publish_properties(corr))
             elif isinstance(eff, Hook):
@@ -1583,7 +1503,7 @@ class Agent:
         for inst, asked in list(self._reconnect_asks.items()):
             if inst not in self.supervisor or inst in self._fenced:
                 del self._reconnect_asks[inst]
-            elif self._last_puback > asked:
+            elif self.bus.last_puback > asked:
                 del self._reconnect_asks[inst]
                 self.supervisor.send(inst, "reconnect")
 
@@ -1911,20 +1831,10 @@ class Agent:
                 pass
         self.supervisor.poll(now)
 
-    def _close_mqtt(self) -> None:
-        c = self._client
-        if c is None:
-            return
-        if self.connected:
-            doc = nodestate.build_node_state(self.node, self.cfg.agent.slots, [], self.sample_machine(()), self.wall())
-            self._publish(topics.agent_state(self.cluster, self.node), nodestate.encode_state(doc), retain=True)
-            info = c.publish(topics.agent_status(self.cluster, self.node), b"offline", qos=1, retain=True)
-            try:
-                info.wait_for_publish(timeout=1.0)
-            except (RuntimeError, ValueError):
-                pass
-        c.disconnect()
-        c.loop_stop()
+    def _last_state_doc(self) -> bytes:
+        """The state of a node that hosts nothing, retained as we leave."""
+        doc = nodestate.build_node_state(self.node, self.cfg.agent.slots, [], self.sample_machine(()), self.wall())
+        return nodestate.encode_state(doc)
 
 
 def spec_with_capacity(spec: InstanceSpec, state_dir: Any, node: str) -> InstanceSpec:
