@@ -55,7 +55,6 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Tu
 from agent import events, notify, signing, topics
 from agent.config import AgentConfig, check_tls, load_agent_config, load_pipeline_text, resolve_password
 from agent.schema import ConfigError
-from agent.control.fleet import Instance, Phase
 from agent.control.rpc_schema import ActionKind, DrainRequest, Reply, RequestError, agent_actions, parse_request
 from agent.mqtt import client as mqttc
 from agent.files import write_atomic
@@ -72,6 +71,7 @@ from agent.node import rehoming
 from agent.node.rehoming import Rehoming
 from agent.node.fleetview import FleetView
 from agent.node.bus import AgentBus
+from agent.node.report import Report
 from agent.node.drain import COPIES_FIRST_WAIT, Drain
 from agent.node import loopevents
 from agent.node.hostmap import MAX_MOVED
@@ -109,7 +109,6 @@ HELD_PEER_MAX = 256
 READOPT_SETTLE = 1.0  # seconds after connecting before re-adopting, and not before the sync marker came back
 # The spools of sinks that no longer run here are salvaged for shipping this often (AgentSpill.salvage_orphans).
 SALVAGE_PERIOD = 10.0
-STATE_MIN_INTERVAL = 0.25  # rate limit of change-triggered state publications
 # What only a node asks of another on its peer topic (its standby copies, a hand-over's state).
 PEER_ONLY_OPS = frozenset({"replica", "state_chunk"})
 
@@ -156,7 +155,6 @@ class Agent:
         self.policy = policy
         self.clock = clock
         self.wall = wall
-        self.sample_machine = sample_machine
         self._events: "queue.SimpleQueue[loopevents.LoopEvent]" = queue.SimpleQueue()
         # What a spec may name here (docs/security.md, "No code from the bus"): fixed at start.
         allowed = admission.AllowList.for_node(cfg.operators.modules)
@@ -174,6 +172,7 @@ class Agent:
             command=worker_command,
             env=dict(env if env is not None else worker_env(), **allowed.env()),
         )
+        self.report = Report(cfg, self.supervisor, sample_machine, wall)  # node state, counters, systemd, metrics
         broker = BrokerSpec(
             host=cfg.mqtt.host,
             port=cfg.mqtt.port,
@@ -221,17 +220,11 @@ class Agent:
         # loop state
         self._stopping_since: Optional[float] = None
         self._state_dirty = True
-        self._last_state = -1e9
-        self._last_watchdog = -1e9
-        self._ready_notified = False
-        self.counters: Dict[str, int] = {"spawned_local": 0, "spawned_remote": 0, "spawn_failed": 0,
-                                         "rpc_requests": 0, "rpc_repeats": 0, "restarts": 0, "bad_messages": 0,
-                                         "peer_refused": 0, "retained_ignored": 0}
         # Who may ask for what (agent.node.gate): the admission of specs and of peer requests.
         self.gate = Gate(NodeLocal(self.node, self.cluster, broker, cfg.agent.state_dir,
                                    cfg.agent.heartbeat_period, cfg.agent.dead_after > 0, cfg.mqtt.inbox_per_node,
                                    cfg.agent.keyed_standby),
-                         allowed, admission.NodeDirs.of(cfg), trust, self.counters, self._boot)
+                         allowed, admission.NodeDirs.of(cfg), trust, self.report.counters, self._boot)
         self._undeploying: Set[str] = set()  # stopped for an undeploy: forgotten, never restarted
         # fogctl scale pins (agent.node.pins), kept in the state directory
         self.pins = Pins(_load_pins(Path(cfg.agent.state_dir)))
@@ -254,11 +247,8 @@ class Agent:
         self.site: Optional[SiteDriver] = (SiteDriver(cfg.site_manager, cfg.agent.node, cfg.agent.cluster,
                                                       stale_after=3 * cfg.agent.state_period, board=self.site_leases)
                                            if cfg.site_manager.enabled else None)
-        self.metrics: Any = None  # agent.measure.metrics, when [metrics].port != 0
-        self.stats_bridge: Any = None
         # [spill]: the sink workers' spool settings, this agent's metrics/events spool, shipping
         self.spill: Optional[AgentSpill] = AgentSpill.maybe(cfg, broker)
-        self.metrics_server: Any = None
 
     # -- MQTT (agent.node.bus) -----------------------------------------------------------------
 
@@ -305,32 +295,8 @@ class Agent:
         # kill the daemon without a drain (docs/operations.md, "Reload").
         signal.signal(signal.SIGHUP, lambda signum, frame: self._events.put(loopevents.Reload(signum)))
 
-    def _start_metrics(self) -> None:
-        """`[metrics].port` != 0: serve /metrics (prometheus_client multiprocess mode, files under
-        the state dir) and export the workers' heartbeat counters through StatsBridge, so the
-        endpoint's counters are exactly what the workers count, with no metrics code in their
-        data path. Port 0 (the default and the tests') leaves everything off."""
-        if self.cfg.metrics.port == 0:
-            return
-        from agent.measure import metrics
-
-        metrics.enable_multiprocess(Path(self.cfg.agent.state_dir) / "metrics")
-        self.metrics = metrics.Metrics()
-        self.stats_bridge = metrics.StatsBridge(self.metrics)
-        try:
-            self.metrics_server = metrics.serve(self.cfg.metrics.port, self.cfg.metrics.address)
-        except OSError as exc:  # a busy port must not stop the node from working
-            log.error("metrics endpoint on %s:%d not started: %s", self.cfg.metrics.address,
-                      self.cfg.metrics.port, exc, extra={"node": self.node})
-            return
-        log.info("metrics on %s", self.metrics_server.url if self.metrics_server else "-", extra={"node": self.node})
-
-    def _observe_stats(self, w: Any) -> None:
-        if self.stats_bridge is not None and isinstance(w.stats, dict):
-            self.stats_bridge.observe(w.spec.pipeline, w.spec.operator, w.instance, w.stats)
-
     def run(self) -> int:
-        self._start_metrics()
+        self.report.start_metrics()
         # What the previous incarnation hosted, read before this one starts anything: only these
         # are re-adopted (an instance this agent starts and stops before the first reconcile
         # must not come back).
@@ -350,9 +316,8 @@ class Agent:
         finally:
             if self.spill is not None:
                 self.spill.close()  # workers are stopped: close, ship what is closed, stop shipping
-            self.bus.close(self._last_state_doc)
-            if self.metrics_server is not None:
-                self.metrics_server.close()
+            self.bus.close(self.report.empty_state)
+            self.report.close()
         return status
 
     def _step(self) -> None:
@@ -392,8 +357,8 @@ class Agent:
     def _on_connack(self, event: loopevents.Connected, now: float) -> None:
         again = self.bus.ever_connected
         if self.bus.connack(event):
-            if again and self.metrics is not None:
-                self.metrics.reconnect("agent")  # fog_mqtt_reconnects_total{client="agent"}
+            if again:
+                self.report.reconnected()
             self._on_connected(event.session_present)
 
     def _on_connection_trouble(self, event: Any, now: float) -> None:
@@ -415,7 +380,7 @@ class Agent:
     def _reload(self) -> None:
         """SIGHUP: re-read the config file and apply its [log] level, the one setting that changes
         safely in place; anything else needs a restart (drain, rejoin), which the log line says."""
-        if self._ready_notified:
+        if self.report.ready_notified:
             notify.reloading()
         try:
 
@@ -430,8 +395,8 @@ class Agent:
                         f"; changed [{'], ['.join(other)}] need a restart (systemctl restart fog-agent)"
                         if other else "", extra={"node": self.node})
             logging.getLogger().setLevel(getattr(logging, new.log.level.upper(), logging.INFO))
-        if self._ready_notified:
-            notify.ready(self._status_line())
+        if self.report.ready_notified:
+            notify.ready(self.report.status_line(self.connected))
 
     def _periodic(self, now: float) -> None:
         for reaped in self.supervisor.poll(now):
@@ -476,8 +441,7 @@ class Agent:
                 topic, payload = core.retained(self.wall())
                 self._publish(topic, payload, retain=True)
         if self.connected:
-            due = now - self._last_state >= self.cfg.agent.state_period
-            if due or (self._state_dirty and now - self._last_state >= STATE_MIN_INTERVAL):
+            if self.report.due(now, self._state_dirty):
                 self._publish_state(now)
                 self._send_policy_contexts()
         if self.site is not None and self.connected and self._retained_in and self._stopping_since is None:
@@ -489,82 +453,18 @@ class Agent:
             if now - self._salvaged_at >= SALVAGE_PERIOD:
                 self._salvaged_at = now
                 self.spill.salvage_orphans(set(self.supervisor.workers), Path(self.cfg.agent.state_dir))
-        self._notify(now)
-
-    # -- systemd -------------------------------------------------------------------------------
-
-    def _notify(self, now: float) -> None:
-        if not notify.enabled():
-            return
-        if not self._ready_notified and self.connected and self._stopping_since is None:
-            starting = [w for w in self.supervisor.workers.values() if w.status is WorkerStatus.STARTING]
-            if not starting:
-                notify.ready(self._status_line())
-                self._ready_notified = True
-        period = notify.watchdog_period()
-        if period is not None and now - self._last_watchdog >= period:
-            if self.supervisor.healthy(now) and self._stopping_since is None:
-                notify.watchdog()
-                notify.status(self._status_line())
-                self._last_watchdog = now
-
-    def _status_line(self) -> str:
-        ops: Dict[str, int] = {}
-        for w in self.supervisor.workers.values():
-            ops[w.spec.operator] = ops.get(w.spec.operator, 0) + 1
-        detail = ", ".join(f"{k}={v}" for k, v in sorted(ops.items())) or "none"
-        conn = "connected" if self.connected else "disconnected"
-        return f"{conn}; {len(self.supervisor)}/{self.cfg.agent.slots} slots used; instances: {detail}"
+        self.report.notify(now, self.connected, self._stopping_since is not None)
 
     # -- state ---------------------------------------------------------------------------------
 
-    def instance_infos(self) -> List[nodestate.InstanceInfo]:
-        out = []
-        for w in self.supervisor.workers.values():
-            stats = w.stats
-            status = w.status.value
-            # The protocol core's state, when the worker reports it (deleting/departing = leaving).
-            if status == "active" and stats.get("state") in ("deleting", "departing", "terminated"):
-                status = "terminating"
-            out.append(nodestate.InstanceInfo(
-                id=w.instance, operator=w.spec.operator, keeper=bool(stats.get("keeper", w.spec.keeper)),
-                status=status, load=_num(stats.get("load")), capacity=_num(stats.get("capacity")),
-                pid=w.pid, stats=stats,
-            ))
-        return out
+    @property
+    def counters(self) -> Dict[str, int]:
+        return self.report.counters
 
     def state_doc(self) -> Dict[str, Any]:
-        doc = nodestate.build_node_state(
-            self.node, self.cfg.agent.slots, self.instance_infos(), self.sample_machine(self.supervisor.pids()), self.wall()
-        )
-        # A draining node offers no slot to anybody: the other agents' placement (and fogctl's
-        # checks) read this number, and would otherwise ask it for instances it refuses.
-        doc["free_slots"] = min(int(doc["free_slots"]), self.free_slots())
-        for item in doc.get("instances", []):  # which deploy an instance belongs to (fogctl undeploy --force)
-            w = self.supervisor.get(str(item.get("id")))
-            if w is not None:
-                item["pipeline"] = w.spec.pipeline
-                gen = records.spec_generation(w.spec)
-                if gen:
-                    item["generation"] = gen
-                if self.pins.flagged(w.instance):
-                    item["pinned"] = True
-        if self.drain.draining:  # fogctl status flags the node (docs/fogctl.md, "Payloads")
-            doc["draining"] = True
-        if self.drain.moving:
-            # Keepers stopped here whose start elsewhere is not answered yet: this node is not
-            # empty (the site manager releases it, maybe powers it off, only once it is): a
-            # failed start restarts the keeper here, and a keyed one's state is only here.
-            doc["handing_over"] = sorted(self.drain.moving)
-        if self.pins:
-            doc["pins"] = self.pins.listed()
-        moved = self.hosts.moved_statements(self.supervisor)
-        if moved:
-            doc["moved"] = moved
         copies = self.replication.store.owned(n for n, up in self.view.online.items() if not up and n != self.node)
-        if copies:  # what our standby copies of offline hosts say they own: their re-home reads it
-            doc["standby_groups"] = copies
-        return doc
+        return self.report.state_doc(self.free_slots(), self.pins, self.drain,
+                                     self.hosts.moved_statements(self.supervisor), copies)
 
     def _stated_move(self, instance: str, node: Any) -> None:
         """We moved `instance` to `node` (its createNode() reply): say so in our state record."""
@@ -585,12 +485,11 @@ class Agent:
         return True
 
     def _publish_state(self, now: float) -> None:
-        if self.metrics is not None:  # fog_instances, fog_spool_*: on the beat of the retained state
-            self.metrics.observe_node(self.supervisor.workers.values(), self.spill)
+        self.report.observe_node(self.spill)
         doc = self.state_doc()
         self.view.fleet[self.node] = doc
         if self._publish(topics.agent_state(self.cluster, self.node), nodestate.encode_state(doc), retain=True):
-            self._last_state = now
+            self.report.last_state = now
             self._state_dirty = False
 
     def _send_policy_contexts(self) -> None:
@@ -667,18 +566,6 @@ class Agent:
 
     # -- fogctl steering (agent/control/rpc_schema.py) ---------------------------------------
 
-    def _local_instances(self) -> List[Any]:
-        out = []
-        for info in self.instance_infos():
-            w = self.supervisor.get(info.id)
-            phase = {"active": Phase.ACTIVE, "terminating": Phase.TERMINATING}.get(info.status, Phase.STARTING)
-            if phase is Phase.ACTIVE and info.stats.get("state") == "idle":
-                phase = Phase.STARTING  # created, not yet started by its creator
-            out.append(Instance(id=info.id, operator=info.operator, node=self.node,
-                                pipeline=w.spec.pipeline if w is not None else None,
-                                keeper=info.keeper, phase=phase, load=info.load, capacity=info.capacity))
-        return out
-
     def _keeps_keyed_state(self, instance: str) -> bool:
         """The instance said so in its stats (agent.instance.keyed_state)."""
         w = self.supervisor.get(instance)
@@ -690,7 +577,7 @@ class Agent:
         protocol as an automatic decision (ScalingCore.start_round with a forced decision)."""
         try:
             req = parse_request(body)
-            actions = agent_actions(req, self.node, self._local_instances(), slots=self.fleet_slots())
+            actions = agent_actions(req, self.node, self.report.local_instances(), slots=self.fleet_slots())
         except RequestError as exc:
             return Reply(False, {}, str(exc)).to_dict()
         for a in actions:
@@ -753,7 +640,7 @@ class Agent:
         if event == "heartbeat":
             w = self.supervisor.get(instance)
             if w is not None:
-                self._observe_stats(w)
+                self.report.observe(w)
                 if self.spill is not None:
                     self.spill.on_heartbeat(w.spec, w.stats, self.wall())
         elif event == "ready":
@@ -1315,11 +1202,7 @@ class Agent:
     def _on_reaped(self, reaped: Reaped, now: float) -> None:
         w = reaped.worker
         self._state_dirty = True
-        self._observe_stats(w)
-        if self.metrics is not None:
-            from agent.measure import metrics
-
-            metrics.process_exited(w.pid)
+        self.report.exited(w)
         placing = self.spawns.cause_of(w.instance) is not None
         reason = (w.exit_event or {}).get("reason") or w.killed_for or f"exit status {reaped.returncode}"
         log.info("worker pid %d exited with %d (%s)", w.pid, reaped.returncode, reason, extra={"instance": w.instance})
@@ -1831,12 +1714,6 @@ class Agent:
                 pass
         self.supervisor.poll(now)
 
-    def _last_state_doc(self) -> bytes:
-        """The state of a node that hosts nothing, retained as we leave."""
-        doc = nodestate.build_node_state(self.node, self.cfg.agent.slots, [], self.sample_machine(()), self.wall())
-        return nodestate.encode_state(doc)
-
-
 def spec_with_capacity(spec: InstanceSpec, state_dir: Any, node: str) -> InstanceSpec:
     """For `capacity = "calibrate"`: put THIS node's calibrated capacity into the spec's extra.
 
@@ -1911,10 +1788,6 @@ def _read_json(path: Path) -> Optional[Dict[str, Any]]:
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
-
-
-def _num(v: Any) -> Optional[float]:
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
 def run_agent(cfg: AgentConfig, policy_name: str = DEFAULT_POLICY, worker_command: Optional[Sequence[str]] = None,

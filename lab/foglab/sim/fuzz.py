@@ -1250,7 +1250,8 @@ type("M", (), {"topic": topic, "payload": raw, "retain": True, "properties": Non
         a.view.reserved.clear()
         a._held_peer.clear()
         a.bus.retained_in = True
-        a.counters = dict(self.base_counters)
+        a.counters.clear()
+        a.counters.update(self.base_counters)
         a.bus.client.published.clear()
 
     def one(self, rng: random.Random) -> bool:
