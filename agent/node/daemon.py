@@ -48,20 +48,17 @@ import os
 import queue
 import signal
 import time
-from collections import deque
 from pathlib import Path
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 from agent import events, notify, signing, topics
 from agent.config import AgentConfig, check_tls, load_agent_config, load_pipeline_text, resolve_password
 from agent.schema import ConfigError
-from agent.control.rpc_schema import ActionKind, DrainRequest, Reply, RequestError, agent_actions, parse_request
 from agent.mqtt import client as mqttc
 from agent.files import write_atomic
 from agent.instance import deployfiles
 from agent.instance.spec import InstanceSpec, request_spec
 from agent.mqtt.settings import BrokerSpec
-from agent.measure.capacity import capacity_for
 from agent.node import chains, hosted, nodestate, rehome, replicas, rpc, spawns, statexfer
 from agent.node.gate import Gate, NodeLocal, PeerFacts, without_handover
 from agent.node.pins import Pins
@@ -72,6 +69,7 @@ from agent.node.rehoming import Rehoming
 from agent.node.fleetview import FleetView
 from agent.node.bus import AgentBus
 from agent.node.report import Report
+from agent.node.requests import NodeCalls, Requests, load_pins, spec_with_capacity
 from agent.node.drain import COPIES_FIRST_WAIT, Drain
 from agent.node import loopevents
 from agent.node.hostmap import MAX_MOVED
@@ -103,18 +101,9 @@ EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: never reached the broker within connect
 
 TICK = 0.2  # seconds: the loop's longest sleep
 SHUTDOWN_SLACK = 3.0  # seconds beyond shutdown_timeout for reaping, "offline" and disconnect
-# Peer requests held until the retained records are in (`_held_peer`): beyond this many, one is
-# checked at once, as before (bounded memory; a refused requester places elsewhere or retries).
-HELD_PEER_MAX = 256
 READOPT_SETTLE = 1.0  # seconds after connecting before re-adopting, and not before the sync marker came back
 # The spools of sinks that no longer run here are salvaged for shipping this often (AgentSpill.salvage_orphans).
 SALVAGE_PERIOD = 10.0
-# What only a node asks of another on its peer topic (its standby copies, a hand-over's state).
-PEER_ONLY_OPS = frozenset({"replica", "state_chunk"})
-
-Respond = Callable[[Dict[str, Any]], None]  # sends the reply to one request
-
-
 class Halt(BaseException):
     """Leave the main loop with an exit status (gunicorn's HaltServer)."""
 
@@ -194,7 +183,6 @@ class Agent:
         self.view = FleetView(self.node)  # what the retained records say (agent.node.fleetview)
         self._context_cache: Dict[Tuple[str, str], Tuple[str, Optional[str]]] = {}
         self.latency_core = _latency_core(cfg)  # RTT to the other agents (issue 6), if installed
-        self._seen_requests = rpc.SeenRequests()  # admin requests handled: a redelivery is not applied again
         self.restarts = Restarts()  # crashed workers to start again here, and their backoff
         self.drain = Drain()  # fogctl drain: no new instances, keepers moving (agent.node.drain)
         self.staging = statexfer.Staging()  # keyed states arriving with a hand-over, by (node, instance)
@@ -227,7 +215,7 @@ class Agent:
                          allowed, admission.NodeDirs.of(cfg), trust, self.report.counters, self._boot)
         self._undeploying: Set[str] = set()  # stopped for an undeploy: forgotten, never restarted
         # fogctl scale pins (agent.node.pins), kept in the state directory
-        self.pins = Pins(_load_pins(Path(cfg.agent.state_dir)))
+        self.pins = Pins(load_pins(Path(cfg.agent.state_dir)))
         # The site manager (docs/site-manager.md): every agent reads the nodes' claims, each on its
         # own topic, and derives the leader (a drain on the peer topic is accepted from the leader
         # only); [site_manager] enabled runs a candidate, which shares this board.
@@ -238,10 +226,6 @@ class Agent:
         followed = (_read_json(Path(cfg.agent.state_dir) / FOLLOWED_FILE) or {}).get("follows")
         if isinstance(followed, str) and followed and followed != self.node and len(followed) <= 256:
             self.site_leases.held = self.site_leases.previous = followed
-        # Peer requests that arrived before those records: a persistent session hands over what
-        # was queued for us at connect, before the retained records our checks read (the lease, the
-        # hosted records), so they wait for the marker and are then checked in arrival order.
-        self._held_peer: Deque[Any] = deque()
         # A node state older than three state periods is not counted as serving (a killed agent's
         # last state would offer its slots until its Will arrives).
         self.site: Optional[SiteDriver] = (SiteDriver(cfg.site_manager, cfg.agent.node, cfg.agent.cluster,
@@ -249,6 +233,16 @@ class Agent:
                                            if cfg.site_manager.enabled else None)
         # [spill]: the sink workers' spool settings, this agent's metrics/events spool, shipping
         self.spill: Optional[AgentSpill] = AgentSpill.maybe(cfg, broker)
+        # The requests on our rpc and peer topics (agent.node.requests). Late-bound calls: the
+        # fuzzer and the tests replace some of these methods on a built agent.
+        calls = NodeCalls(spawn=lambda e, now: self._spawn(e, now), undeploy=self._undeploy,
+                          event=lambda *a, **kw: self._event(*a, **kw), changed=self._changed,
+                          free_slots=lambda: self.free_slots(), fleet_slots=self.fleet_slots,
+                          stopping=lambda: self._stopping_since is not None, peer_facts=self._peer_facts,
+                          publish=lambda *a, **kw: self._publish(*a, **kw), bad=lambda *a: self._bad(*a))
+        self.requests = Requests(self.node, self.cluster, cfg.agent.state_dir, wall, self.supervisor, self.gate,
+                                 self.view, self.pins, self.drain, self.replication.store, self.staging, self.spill,
+                                 self.report.counters, self.report.local_instances, calls)
 
     # -- MQTT (agent.node.bus) -----------------------------------------------------------------
 
@@ -413,7 +407,7 @@ class Agent:
         self._maybe_rehome(now)
         self._grant_reconnects(now)
         if self.pins:
-            self._expire_pins()
+            self.requests.expire_pins()
         if self._stopping_since is None:
             for spec in self.restarts.due(now):
                 self._restart(spec, now)
@@ -564,64 +558,8 @@ class Agent:
             return 0  # `fogctl drain`: no new instance until `undrain`
         return max(0, self.cfg.agent.slots - len(self.supervisor))
 
-    # -- fogctl steering (agent/control/rpc_schema.py) ---------------------------------------
-
-    def _keeps_keyed_state(self, instance: str) -> bool:
-        """The instance said so in its stats (agent.instance.keyed_state)."""
-        w = self.supervisor.get(instance)
-        return w is not None and bool(w.stats.get("keyed_state"))
-
-    def _on_steering(self, body: Dict[str, Any], now: float) -> Dict[str, Any]:
-        """A fogctl scale/drain request: check it against our own instances (`agent_actions`) and
-        hand each action to its worker as a control line; the worker runs it through the SAME
-        protocol as an automatic decision (ScalingCore.start_round with a forced decision)."""
-        try:
-            req = parse_request(body)
-            actions = agent_actions(req, self.node, self.report.local_instances(), slots=self.fleet_slots())
-        except RequestError as exc:
-            return Reply(False, {}, str(exc)).to_dict()
-        for a in actions:
-            if a.kind is ActionKind.HANDOVER and self._keeps_keyed_state(a.instance):
-                # Its keyed state travels with the hand-over (`_hand_over`, agent.node.statexfer)
-                # up to a bound: a larger one is refused as a whole, before anything is changed.
-                data = statexfer.snapshot_bytes(Path(self.cfg.agent.state_dir) / f"{a.instance}.keyed.json")
-                why = statexfer.too_large(len(data or b""))
-                if why:
-                    return Reply(False, {}, f"{a.instance} cannot move: {why}").to_dict()
-        if isinstance(req, DrainRequest):
-            self.drain.set(not req.undo)  # an undrain: the keepers not stopped yet stay
-            self._state_dirty = True
-        sent: List[str] = []
-        # Keyed copies leave first, the keepers wait for them (agent.node.drain).
-        copies = {a.instance for a in actions if a.kind is ActionKind.TERMINATE and self._keeps_keyed_state(a.instance)}
-        for a in actions:
-            if a.kind is ActionKind.HANDOVER:
-                # A keeper never terminates: it moves with its identity (see `_hand_over`). It
-                # stops here first (drains, keeps its session, writes its state); the rest
-                # happens when it has exited.
-                if a.instance not in self.supervisor:
-                    return Reply(False, {"leaving": sent}, f"instance {a.instance} on {self.node} is not running").to_dict()
-                if self.drain.hand_over(a.instance, copies, now):
-                    self.supervisor.stop(a.instance, now)
-                sent.append(a.instance)
-                continue
-            kind = "duplicate" if a.kind is ActionKind.DUPLICATE else "terminate"
-            if self.supervisor.send(a.instance, "scale", action=kind, count=a.count):
-                sent.append(a.instance)
-            else:
-                return Reply(False, {"instances": sent}, f"instance {a.instance} on {self.node} is not reachable").to_dict()
-        log.info("steering %s: %s", body.get("op"), [(a.kind.value, a.instance, a.count) for a in actions],
-                 extra={"node": self.node})
-        for a in actions:
-            w = self.supervisor.get(a.instance)
-            if w is not None:
-                self._event("drain" if isinstance(req, DrainRequest) else "steer", a.instance, w.spec.operator,
-                            w.spec.pipeline, action=a.kind.value, count=a.count)
-        key = "leaving" if isinstance(req, DrainRequest) else "instances"
-        return Reply(True, {key: sent, "node": self.node}).to_dict()
-
     def _release_keeper(self, now: float, left: Optional[str] = None) -> None:
-        """Stop each keeper of a drain that waits for keyed copies (`_on_steering`) once they have
+        """Stop each keeper of a drain that waits for keyed copies (`Requests.steer`) once they have
         all left (`left` just exited) or its wait is over."""
         for keeper, copies in self.drain.release(now, left):
             if copies:
@@ -681,7 +619,7 @@ class Agent:
                 # hosts it (the binding of its envelopes) before anybody is told it exists.
                 self._publish_hosted()
             if self.pins:
-                self._apply_pins()
+                self.requests.apply_pins()
             self._event("spawned", instance, w.spec.operator, w.spec.pipeline,
                         cause=cause or ("restart" if w.spec.restart else "unknown"),
                         warm=w.warm_age is not None,
@@ -861,10 +799,9 @@ class Agent:
     def _on_request_topic(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
         if parsed.node != self.node:
             return
-        if parsed.kind == "peer" and not self._retained_in and len(self._held_peer) < HELD_PEER_MAX:
-            self._held_peer.append(msg)
+        if parsed.kind == "peer" and not self._retained_in and self.requests.hold(msg):
             return
-        self._on_rpc_request(msg, str(parsed.sender), peer=parsed.kind == "peer", now=now)
+        self.requests.on_request(msg, str(parsed.sender), peer=parsed.kind == "peer", now=now)
 
     def _on_reply_topic(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
         if parsed.node != self.node:
@@ -874,8 +811,8 @@ class Agent:
         elif self.bus.marked(msg.payload):
             self.site_leases.restate()  # once per connection, from every claim and statement
             self._state_whom_we_follow()
-            while self._held_peer:  # each on its own: one that fails strands none behind it
-                self._on_message_safely(self._held_peer.popleft(), now)
+            while self.requests.held:  # each on its own: one that fails strands none behind it
+                self._on_message_safely(self.requests.held.popleft(), now)
 
     def _on_state_record(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
         try:
@@ -1007,7 +944,7 @@ class Agent:
                 self._publish(eff.topic, eff.payload, retain=eff.retain)
             elif isinstance(eff, Steer):
                 if eff.node == self.node:
-                    self._on_steering(eff.body, self.clock())
+                    self.requests.steer(eff.body, self.clock())
                 else:
                     corr = f"{self.bus.client_id}-site-{now:.6f}"
                     self._publish(topics.agent_peer(self.cluster, eff.node, self.node), rpc.encode(eff.body),
@@ -1025,159 +962,6 @@ class Agent:
             log.error("site event not published: %s", exc, extra={"node": self.node})
             return
         self._publish(topics.events(self.cluster), ev.to_json().encode(), qos=1)
-
-    def _on_rpc_request(self, msg: Any, requester: str, peer: bool, now: float) -> None:
-        """A request on `agents/<me>/rpc/<admin>` (control) or `agents/<me>/peer/<node>` (the
-        protocol's spawns), handed to the handler of its op (`_OPS`). The reply goes to
-        `replies/<requester>/<me>`, computed from the topic; a Response Topic in the request is
-        ignored (docs/security.md)."""
-        self.counters["rpc_requests"] += 1
-        correlation = rpc.correlation_of(msg)
-        reply_to = topics.replies(self.cluster, requester, self.node)
-        where = "peer" if peer else "rpc"
-        if not peer and not self._seen_requests.first(requester, correlation, bytes(msg.payload), now):
-            # The same request again (a QoS 1 redelivery, e.g. over a site's bridge after its
-            # uplink broke): it was handled once and its reply sent; never apply it twice.
-            self.counters["rpc_repeats"] += 1
-            log.info("ignoring a repeated request from %s (same correlation data)", requester,
-                     extra={"node": self.node})
-            return
-
-        def reply(result: Dict[str, Any]) -> None:
-            self._publish(reply_to, rpc.encode(result), properties=rpc.reply_properties(correlation or b""))
-
-        try:
-            body = rpc.decode_request(msg.payload)
-        except ValueError as exc:
-            self._bad(f"{where} request", requester, exc)
-            reply({"ok": False, "error": str(exc)})
-            return
-        op = body["op"]
-        if peer:
-            why = self.gate.peer_refusal(self.wall(), op, requester, body, self._peer_facts())
-            if why is not None:
-                self.counters["peer_refused"] += 1
-                log.warning("refused %s request from node %s: %s", op, requester, why, extra={"node": self.node})
-                reply({"ok": False, "error": f"refused: {why}"})
-                return
-        elif op in PEER_ONLY_OPS:
-            reply({"ok": False, "error": f"refused: {op} is a peer request"})
-            return
-        self._OPS[op](self, body, requester, peer, reply, now)
-
-    def _op_replica(self, body: Dict[str, Any], requester: str, peer: bool, reply: Respond, now: float) -> None:
-        answer = self.replication.store.apply(requester, body)
-        if answer is not None:
-            if not answer.get("ok"):
-                log.info("replica of %s from %s: %s", str(body.get("instance"))[:80], requester,
-                         answer.get("error"), extra={"node": self.node})
-            reply(answer)
-
-    def _op_state_chunk(self, body: Dict[str, Any], requester: str, peer: bool, reply: Respond, now: float) -> None:
-        try:  # never answered: the spawn that follows is (statexfer)
-            self.staging.add(requester, body, now)
-        except ValueError as exc:
-            self._bad("state_chunk", requester, exc)
-
-    def _op_ping(self, body: Dict[str, Any], requester: str, peer: bool, reply: Respond, now: float) -> None:
-        reply({"ok": True, "node": self.node, "instances": sorted(self.supervisor.workers)})
-
-    def _op_stop(self, body: Dict[str, Any], requester: str, peer: bool, reply: Respond, now: float) -> None:
-        # `forget`: an undeploy (docs/fogctl.md): the stored spec goes before the reply, so
-        # that no restart of this agent brings the instance back, whatever the broker keeps.
-        inst, forget = body["instance"], body.get("forget") is True
-        stored = forget and any(s.instance == inst for s in hosted.hosted(self.cfg.agent.state_dir))
-        if forget and (inst in self.supervisor or stored):
-            self._undeploying.add(inst)
-            self._forget(inst)
-        if inst in self.supervisor:
-            self.supervisor.stop(inst, now)
-            reply({"ok": True, "instance": inst, "node": self.node})
-        elif stored:
-            reply({"ok": True, "instance": inst, "node": self.node, "forgotten": True})
-        else:
-            reply({"ok": False, "error": f"no instance {inst[:80]!r} on {self.node}"})
-
-    def _op_pin(self, body: Dict[str, Any], requester: str, peer: bool, reply: Respond, now: float) -> None:
-        reply(self._on_pin(body))
-
-    def _op_set(self, body: Dict[str, Any], requester: str, peer: bool, reply: Respond, now: float) -> None:
-        inst = body["instance"]
-        if self.supervisor.send(inst, "set", **body["fields"]):
-            reply({"ok": True, "instance": inst, "node": self.node})
-        else:
-            reply({"ok": False, "error": f"no running instance {inst[:80]!r} on {self.node}"})
-
-    def _op_steer(self, body: Dict[str, Any], requester: str, peer: bool, reply: Respond, now: float) -> None:
-        reply(self._on_steering(body, now))
-
-    def _op_spawn(self, body: Dict[str, Any], requester: str, peer: bool, reply: Respond, now: float) -> None:
-        if self._stopping_since is not None:
-            reply({"ok": False, "error": f"agent {self.node} is shutting down"})
-            return
-        if "chain" in body:
-            self._spawn_chain(body, requester, peer, reply, now)
-            return
-        data = body["spec"]
-        if peer:  # the admin's text of the pipeline (Gate.peer_may_spawn), never the requester's
-            data = dict(data, pipeline_toml=self.view.deployed_text[str(data.get("pipeline"))])
-        try:
-            spec = self.gate.spec_from(self.wall(), data, template=None,
-                                       requester=f"{'node' if peer else 'admin'} {requester}")
-        except (TypeError, ValueError) as exc:
-            reply({"ok": False, "error": f"invalid spec: {exc}"})
-            return
-        self._spawn(spawns.SpawnRequest(spec, reply, str(body.get("cause", "rpc"))[:40], requester,
-                                        self._status_here(spec.instance)), now)
-
-    _OPS: Dict[str, Callable[["Agent", Dict[str, Any], str, bool, Respond, float], None]] = {
-        "replica": _op_replica, "state_chunk": _op_state_chunk, "ping": _op_ping, "stop": _op_stop,
-        "pin": _op_pin, "set": _op_set, "scale": _op_steer, "drain": _op_steer, "undrain": _op_steer,
-        "spawn": _op_spawn,
-    }
-
-    def _spawn_chain(self, body: Dict[str, Any], requester: str, peer: bool,
-                     reply: Callable[[Dict[str, Any]], None], now: float) -> None:
-        """A deploy's chain request (docs/runtime.md, "Chaining"): consecutive keepers in one
-        process here, or a refusal (the deployer then places them one by one). The reply waits
-        until every member said "ready" (invariant 2 per member)."""
-        members = body.get("chain")
-        if peer:
-            reply({"ok": False, "error": "refused: a chain is started only by a deploy"})
-            return
-        if not isinstance(members, list) or not all(isinstance(m, dict) for m in members):
-            reply({"ok": False, "error": "invalid chain: expected a list of spec objects"})
-            return
-        try:
-            specs = [self.gate.spec_from(self.wall(), m, template=None, requester=f"admin {requester}")
-                     for m in members[:chains.MAX_CHAIN + 1]]
-        except (TypeError, ValueError) as exc:
-            reply({"ok": False, "error": f"invalid spec: {exc}"})
-            return
-        problem = chains.chain_problem(specs)
-        if problem:
-            reply({"ok": False, "error": f"invalid chain: {problem}"})
-            return
-        here = [s.instance for s in specs if s.instance in self.supervisor]
-        if here:
-            reply({"ok": False, "error": f"instance {here[0]} already runs on {self.node}"})
-            return
-        if self.free_slots() < len(specs):
-            reply({"ok": False, "error": f"no {len(specs)} free slots on {self.node} for a chain"})
-            return
-        specs = [spec_with_capacity(s, self.cfg.agent.state_dir, self.node) for s in specs]
-        if self.spill is not None:
-            specs = [self.spill.with_spill(s) for s in specs]
-        specs = chains.with_chain(specs)
-        try:
-            self.supervisor.start_chain(specs, now)
-        except (OSError, ValueError) as exc:
-            log.error("cannot start chain: %s", exc, extra={"instance": specs[0].instance})
-            reply({"ok": False, "error": f"{self.node} could not start the chain"})
-            return
-        self.counters["spawned_local"] += len(specs)
-        self._state_dirty = True
-        self._spawn(spawns.ChainStarted(specs, reply, str(body.get("cause", "rpc"))[:40]), now)
 
     def _on_rpc_reply(self, msg: Any, replier: str, now: float) -> None:
         """A reply on `replies/<me>/<replier>`: it answers a call only if it comes from the node
@@ -1420,6 +1204,14 @@ class Agent:
             self._readopted = True
             self._readopt(now)
 
+    def _changed(self) -> None:
+        self._state_dirty = True
+
+    def _undeploy(self, instance: str) -> None:
+        """Stopped for an undeploy: forgotten, never restarted."""
+        self._undeploying.add(instance)
+        self._forget(instance)
+
     def _forget(self, instance: str) -> None:
         hosted.forget(self.cfg.agent.state_dir, instance)
         self.replication.forget(instance)
@@ -1607,45 +1399,8 @@ class Agent:
             why = w.spec.pipeline == pipeline and records.stale_reason(records.spec_generation(w.spec), record)
             if why and inst not in self._undeploying:
                 log.warning("stopping: %s", why, extra={"instance": inst})
-                self._undeploying.add(inst)
-                self._forget(inst)
+                self._undeploy(inst)
                 self.supervisor.stop(inst, now)
-
-    # -- pins (fogctl scale: the policy makes no automatic decision for a pinned operator) -------
-
-    def _on_pin(self, body: Dict[str, Any]) -> Dict[str, Any]:
-        try:
-            req = parse_request(body)
-        except RequestError as exc:
-            return Reply(False, {}, str(exc)).to_dict()
-        if req.release:  # every pin of the operator (of that pipeline, when it names one)
-            key = self.pins.release(req.pipeline, req.operator)
-        else:
-            key = self.pins.pin(self.wall(), req.pipeline, req.operator, req.seconds)
-        _save_pins(Path(self.cfg.agent.state_dir), self.pins.pins)
-        pinned = self._apply_pins()
-        log.info("%s %s: local instances %s", "released" if req.release else "pinned", key, pinned,
-                 extra={"node": self.node})
-        return Reply(True, {"pinned": not req.release, "until": self.pins.until(key),
-                            "instances": pinned, "node": self.node}).to_dict()
-
-    def _apply_pins(self) -> List[str]:
-        """Send each worker whose pinned flag changed a `set pinned` control line; the pinned ones."""
-        pinned, send = self.pins.apply((inst, w.spec.pipeline, w.spec.operator, w.status is WorkerStatus.ACTIVE)
-                                       for inst, w in self.supervisor.workers.items())
-        for inst, want in send:
-            if self.supervisor.send(inst, "set", pinned=want):
-                self.pins.delivered(inst, want)
-        self._state_dirty = True
-        return pinned
-
-    def _expire_pins(self) -> None:
-        expired = self.pins.expire(self.wall())
-        for k in expired:
-            log.info("pin of %s expired", k, extra={"node": self.node})
-        if expired:
-            _save_pins(Path(self.cfg.agent.state_dir), self.pins.pins)
-            self._apply_pins()
 
     def _readopt(self, now: float) -> None:
         """Restart, with the same identity, every instance this node hosted when its agent last
@@ -1714,31 +1469,6 @@ class Agent:
                 pass
         self.supervisor.poll(now)
 
-def spec_with_capacity(spec: InstanceSpec, state_dir: Any, node: str) -> InstanceSpec:
-    """For `capacity = "calibrate"`: put THIS node's calibrated capacity into the spec's extra.
-
-    Why here: a copy inherits its creator's extra, but may start on another node whose Pi is
-    slower or throttled; the agent that starts the worker knows its own calibration
-    (`capacity.capacity_for`). A numeric capacity in the pipeline is left alone. Without a
-    calibration the worker keeps its fallback and the agent says how to fix it.
-    """
-    try:
-        cfg = load_pipeline_text(spec.pipeline_toml)
-        sc = cfg.scaling_for(spec.operator)
-    except Exception:  # the worker reports an unloadable pipeline itself (EXIT_BAD_SPEC)
-        return spec
-    if sc.capacity != "calibrate":
-        return spec
-    try:
-        cap = capacity_for(state_dir, node, spec.operator, None)
-    except ValueError as exc:
-        log.warning("%s", exc, extra={"node": node, "operator": spec.operator})
-        return spec
-    extra = dict(spec.extra)
-    extra["capacity"] = cap
-    return dataclasses.replace(spec, extra=extra)
-
-
 def _latency_core(cfg: AgentConfig) -> Any:
     """The latency measurement core of issue 6 when installed (placement works without it)."""
     try:
@@ -1746,26 +1476,6 @@ def _latency_core(cfg: AgentConfig) -> Any:
     except ImportError:
         return None
     return LatencyCore(cfg.agent.node, cfg.agent.cluster, period=cfg.latency.period, smoothing=cfg.latency.smoothing)
-
-
-PINS_FILE = "pins.json"
-
-
-def _load_pins(state_dir: Path) -> Dict[str, Dict[str, Any]]:
-    """The pins this node was given (kept over an agent restart); an unreadable file: none."""
-    doc = _read_json(state_dir / PINS_FILE)
-    out: Dict[str, Dict[str, Any]] = {}
-    for key, p in (doc or {}).items():
-        if isinstance(p, dict) and isinstance(p.get("operator"), str) and (
-                p.get("until") is None or isinstance(p.get("until"), (int, float))):
-            out[str(key)] = {"pipeline": p.get("pipeline") if isinstance(p.get("pipeline"), str) else None,
-                             "operator": p["operator"], "until": p.get("until")}
-    return out
-
-
-def _save_pins(state_dir: Path, pins: Dict[str, Dict[str, Any]]) -> None:
-    state_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(state_dir / PINS_FILE, json.dumps(pins, sort_keys=True))
 
 
 MOVED_FILE = "moved.json"

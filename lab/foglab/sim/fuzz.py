@@ -1248,7 +1248,7 @@ type("M", (), {"topic": topic, "payload": raw, "retain": True, "properties": Non
         a.view.latency, a.view.deployed, a.drain.draining = copy.deepcopy(latency), set(deployed), False
         a.rehoming.offline_since.clear()
         a.view.reserved.clear()
-        a._held_peer.clear()
+        a.requests.held.clear()
         a.bus.retained_in = True
         a.counters.clear()
         a.counters.update(self.base_counters)
