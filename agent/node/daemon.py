@@ -59,7 +59,7 @@ from agent.files import write_atomic
 from agent.instance import deployfiles
 from agent.instance.spec import InstanceSpec, request_spec
 from agent.mqtt.settings import BrokerSpec
-from agent.node import chains, hosted, nodestate, rehome, replicas, rpc, spawns, statexfer
+from agent.node import chains, handover, hosted, nodestate, rehome, replicas, rpc, spawns, statexfer
 from agent.node.gate import Gate, NodeLocal, PeerFacts, without_handover
 from agent.node.pins import Pins
 from agent.node.restarts import RESTART_WINDOW, Restarts, exit_of
@@ -72,6 +72,7 @@ from agent.node.report import Report
 from agent.node.requests import NodeCalls, Requests, load_pins, spec_with_capacity
 from agent.node.drain import COPIES_FIRST_WAIT, Drain
 from agent.node import loopevents
+from agent.node.handover import read_json
 from agent.node.hostmap import MAX_MOVED
 from agent.node.hostsync import HostSync
 from agent.control import records
@@ -195,7 +196,7 @@ class Agent:
         # as the control line "hosts", and where this node moved instances to (agent.node.hostsync),
         # both kept in the state directory.
         self.hosts = HostSync(self.node, _load_moved(Path(cfg.agent.state_dir)),
-                              _read_json(Path(cfg.agent.state_dir) / BINDINGS_FILE))
+                              read_json(Path(cfg.agent.state_dir) / BINDINGS_FILE))
         self._reconcile_at: Optional[float] = None
         self._reconnect_asks: Dict[str, float] = {}  # worker -> when it asked to reconnect (fencing)
         self._to_readopt: List[InstanceSpec] = []  # hosted when this agent started (see run)
@@ -223,7 +224,7 @@ class Agent:
         self.site_leases = LeaseBoard(cfg.agent.node, lease_bound(sm.lease, sm.period))
         # The leader we followed before a restart, kept while its claim stays valid: a restarted
         # reader that followed nobody tied between the leader and a claim beside it in a fleet of 3.
-        followed = (_read_json(Path(cfg.agent.state_dir) / FOLLOWED_FILE) or {}).get("follows")
+        followed = (read_json(Path(cfg.agent.state_dir) / FOLLOWED_FILE) or {}).get("follows")
         if isinstance(followed, str) and followed and followed != self.node and len(followed) <= 256:
             self.site_leases.held = self.site_leases.previous = followed
         # A node state older than three state periods is not counted as serving (a killed agent's
@@ -1025,55 +1026,24 @@ class Agent:
             self._maybe_restart(w, now)
 
     def _hand_over(self, w: Worker, now: float) -> None:
-        """Start a keeper that stopped for a drain again ELSEWHERE, with the same identity.
-
-        Why a same-identity migration rather than duplicate-then-terminate: a keeper never
-        terminates, and its identity is what its neighbours' tables, its inbox session and its
-        channel positions are keyed by. So it moves like a crash restart on another node: the
-        spec gets `restart = true` and the state file it just wrote (plus a source's position),
-        the new incarnation takes epoch + 1 and the broker session of its inbox, and its
-        predecessors replay what it had not acked (duplicates are dropped by sequence and, at
-        the sink, by record id). Placement skips this node (draining: 0 free slots). Once the
-        new incarnation is ready this node forgets the instance, so an agent restart here never
-        re-adopts it; if no node can take it, it restarts here so that nothing stalls.
-        """
+        """Start a keeper that stopped for a drain again ELSEWHERE, with the same identity
+        (agent.node.handover says why and how)."""
         inst = w.instance
-        state_dir = Path(self.cfg.agent.state_dir)
-        extra = dict(w.spec.extra)
-        extra["handover_state"] = _read_json(state_dir / f"{inst}.state.json")
-        if extra["handover_state"] is None:  # never written: start above any epoch it used, as a re-home does
-            extra["min_epoch"] = max(int(extra.get("min_epoch", 0) or 0), int(self.wall()))
-        sink_dir = Path(str(extra.get("sink_dir") or state_dir))
-        source = _read_json(sink_dir / f"{inst}.source.json")
-        if source is not None:
-            extra["handover_source"] = source
-        keeper = bool(w.stats.get("keeper", w.spec.keeper))
-        local = dataclasses.replace(w.spec, restart=True)
-        # A keyed operator's state (states, output counters, applied numbers, unacked outputs)
-        # goes as it was saved at the worker's exit, in chunks before the spawn (statexfer).
-        chunks: List[Dict[str, Any]] = []
-        try:
-            keyed = statexfer.snapshot_bytes(state_dir / f"{inst}.keyed.json")
-        except (OSError, ValueError) as exc:
-            keyed, why = None, f"its keyed state cannot be read: {exc}"
-        else:
-            why = statexfer.too_large(len(keyed or b""))
-        if why:  # grew past the bound since the drain was accepted, or unreadable: stays here
-            log.error("hand-over refused (%s): restarting it here", why, extra={"instance": inst})
-            self._event("drain", inst, w.spec.operator, w.spec.pipeline, action="handover", ok=False, error=why)
-            self._restart(local, self.clock())
+        transfer = f"{self._boot}-{self._counter}-{int(self.wall() * 1000)}"
+        self._counter += 1
+        move = handover.prepare(w.spec, w.stats, Path(self.cfg.agent.state_dir), self.wall(), transfer)
+        if move.refused:
+            log.error("hand-over refused (%s): restarting it here", move.refused, extra={"instance": inst})
+            self._event("drain", inst, w.spec.operator, w.spec.pipeline, action="handover", ok=False,
+                        error=move.refused)
+            self._restart(move.local, self.clock())
             return
-        if keyed is not None:
-            transfer = f"{self._boot}-{self._counter}-{int(self.wall() * 1000)}"
-            self._counter += 1
-            manifest, chunks = statexfer.chunk_bodies(inst, transfer, keyed)
-            extra["handover_keyed"] = manifest.to_json()
-        spec = dataclasses.replace(w.spec, restart=True, active=True, keeper=keeper, extra=extra)
 
         def reply(result: Dict[str, Any]) -> None:
             self.drain.moving.discard(inst)
             self._state_dirty = True
-            if result.get("ok") and result.get("node") != self.node:
+            then = handover.outcome(result, self.node, self._stopping_since is not None)
+            if then == handover.MOVED:
                 log.info("handed over to %s (same identity)", result.get("node"), extra={"instance": inst})
                 self._stated_move(inst, result.get("node"))
                 self._forget(inst)  # hosted.forget + the state file: never re-adopted here
@@ -1084,16 +1054,15 @@ class Agent:
             log.error("hand-over failed (%s): restarting it here", error, extra={"instance": inst})
             self._event("drain", inst, w.spec.operator, w.spec.pipeline, action="handover", ok=False,
                         error=str(error))
-            if result.get("ok") or self._stopping_since is not None:
-                return  # it runs here already / the agent stops: re-adopted at its restart
-            self._restart(local, self.clock())
+            if then == handover.RESTART:
+                self._restart(move.local, self.clock())
 
         log.info("keeper stopped for the drain: starting it elsewhere (epoch above %s%s)",
-                 (extra["handover_state"] or {}).get("epoch"),
-                 f", keyed state of {len(keyed)} bytes in {len(chunks)} chunks" if keyed is not None else "",
+                 (move.spec.extra["handover_state"] or {}).get("epoch"),
+                 f", keyed state of {move.keyed} bytes in {len(move.chunks)} chunks" if move.keyed is not None else "",
                  extra={"instance": inst})
         self.drain.moving.add(inst)
-        self._create_node(spec, reply, cause="handover", now=now, chunks=chunks)
+        self._create_node(move.spec, reply, cause="handover", now=now, chunks=move.chunks)
 
     def _maybe_restart(self, w: Worker, now: float) -> None:
         """Restart a crashed worker with the same identity, at once or after its backoff
@@ -1486,18 +1455,9 @@ FOLLOWED_FILE = "followed.json"  # the site manager this node follows (LeaseBoar
 def _load_moved(state_dir: Path) -> Dict[str, str]:
     """This node's "moved" statements, kept over an agent restart (oldest first); an unreadable
     file: none."""
-    listed = (_read_json(state_dir / MOVED_FILE) or {}).get("moved")
+    listed = (read_json(state_dir / MOVED_FILE) or {}).get("moved")
     pairs = [e for e in listed if isinstance(e, list) and len(e) == 2] if isinstance(listed, list) else []
     return dict([(i, n) for i, n in pairs if isinstance(i, str) and isinstance(n, str)][-MAX_MOVED:])
-
-
-def _read_json(path: Path) -> Optional[Dict[str, Any]]:
-    """A small JSON object file (a worker's state or a source's position), or None."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def run_agent(cfg: AgentConfig, policy_name: str = DEFAULT_POLICY, worker_command: Optional[Sequence[str]] = None,
