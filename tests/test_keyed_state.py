@@ -579,7 +579,7 @@ def _save_keyed(tmp_path: Any, instance: str) -> Path:
 
 def test_an_agent_drains_away_an_instance_with_keyed_state_unless_its_state_is_too_large(
         tmp_path: Any, monkeypatch: Any) -> None:
-    """fogctl scale and drain reach the agent (`_on_steering`): an instance whose stats say it
+    """fogctl scale and drain reach the agent (`Requests.steer`): an instance whose stats say it
     keeps keyed state is copied and terminated through the protocol (its key groups move with
     their state), and a drain stops it to move it with its keyed state (agent.node.statexfer),
     unless that state is larger than a hand-over carries: then nothing is changed and the reply

@@ -9,26 +9,31 @@ a message goes on by its topic's kind through another (`_HANDLERS`). The loop wa
 every `TICK` seconds to reap workers, expire calls and publish state.
 
 What it does:
-- MQTT 5 session: stable client id `fog-agent-<cluster>-<node>`, clean_start=False with a session
+- MQTT 5 session (agent.node.bus, the one client): stable client id `fog-agent-<cluster>-<node>`, clean_start=False with a session
   expiry, so requests sent while it reconnects wait in the broker; retained status "online" with
   a Last Will "offline" (retained), so the fleet learns of a dead agent without polling.
-- Node state: retained JSON (`agent.node.nodestate`) every `state_period`, and soon after
+- Node state: retained JSON (`agent.node.nodestate`, read by agent.node.report with the
+  counters, systemd's status and the metrics endpoint) every `state_period`, and soon after
   every change of its instances.
 - createNode(): a worker's "spawn" line, a "spawn" on our peer topic from another agent, or one
   on our rpc topic from `fog-agent deploy`. Placement (`agent.node.placement`) ranks the
   nodes; a local slot starts a worker here, a remote one becomes a peer request to that agent.
 - Bus input (docs/security.md): control requests only on `agents/<me>/rpc/<admin>`, the
   protocol's spawns only on `agents/<me>/peer/<node>` and only for a pipeline that node hosts,
-  re-homes or an admin deployed; replies only to `replies/<requester>/<me>`; every payload
-  bounded before parsing (agent.wire); no message ends the loop (`_on_message_safely`). Either way the answer ("spawned", or the
+  re-homes or an admin deployed, each op answered by agent.node.requests; replies only to
+  `replies/<requester>/<me>`; every payload bounded before parsing (agent.wire); no message ends
+  the loop (`_on_message_safely`). Either way the answer ("spawned", or the
   rpc reply) is sent only after the new worker said "ready", i.e. after it subscribed to its inbox
   (docs/design.md invariant 2: subscribe before announce).
 - Shutdown on SIGTERM/SIGINT: "stop" to every worker (they drain, invariant 4), SIGTERM after
   shutdown_timeout/2, SIGKILL after shutdown_timeout, then "offline" and exit. Bound: the process
   exits within shutdown_timeout + SHUTDOWN_SLACK seconds of the signal.
 
-The shell and its cores: this module is the shell (the loop, the MQTT session, the workers'
-processes, the files, the log lines and events); the decisions that hold state of their own are
+The shell and its parts: this module is the shell (the loop, the workers' processes, the files,
+the log lines and events). Beside it, parts that do IO but no deciding of the loop's, each given
+the parts it reads and a few calls, none a reference to the Agent: the MQTT session (bus), what
+the node says of itself (report), the requests of the rpc and peer topics (requests), a drain's
+hand-over (handover). The decisions that hold state of their own are
 sans-IO parts beside it, each given what it reads and the time as arguments, none holding a
 reference to the Agent: who may ask for what (agent.node.gate), the fleet view from the retained
 records (fleetview), the pins (pins), crash restarts and their backoff (restarts), re-homing's
@@ -257,6 +262,7 @@ class Agent:
 
     def _publish(self, topic: str, payload: bytes, retain: bool = False, qos: int = 1,
                  properties: Any = None) -> Union[bool, int]:
+        """The bus's publish, by the name the re-homing code and the tests call (and replace)."""
         return self.bus.publish(topic, payload, retain=retain, qos=qos, properties=properties)
 
     def _on_connected(self, session_present: bool) -> None:
