@@ -1,12 +1,16 @@
 """createNode() across nodes when the asked node answers late: chaos seed 12013 of the 9cfb017 campaign
 (docs/results.md, R2). docs/design.md invariant 7: one identity runs on
-one node. No broker: the agent's publish is recorded, time is passed in."""
+one node. No broker: the agent's publish is recorded, time is passed in; except where paho's own
+queue is the point (a spawn taken while the connection is down), with a real Mosquitto."""
 
 from __future__ import annotations
 
+import time
+import uuid
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
+from agent import topics
 from agent.instance.spec import InstanceSpec
 from agent.mqtt.settings import BrokerSpec
 from agent.node import rpc
@@ -50,3 +54,68 @@ def test_a_spawn_that_times_out_is_not_placed_again_under_the_same_identity(tmp_
     assert not any(b["spec"]["instance"] == spec.instance for _, b in again), (
         f"the same identity asked of another node while n2 may run it: {[t for t, _ in again]}")
     assert [r["ok"] for r in replies] == [False], replies  # the creator hears of it and decides again
+
+
+def test_a_spawn_paho_took_while_the_connection_was_down_is_asked_of_no_other_node(tmp_path: Path, mosquitto: Any) -> None:
+    """Chaos seed 78 (docs/results.md, R21): n1's agent placed the copies of a duplication round
+    while the broker was being killed, before its loop had heard of the lost connection. paho
+    answered each spawn request with MQTT_ERR_NO_CONN and kept it, to send at the reconnect; the
+    agent took that for "not queued" and asked the next node for the same identity. At the
+    reconnect paho sent both: five copies ran on n2 and on n3 at once, each pair took the session
+    from each other, both nodes then stopped theirs, and the copies' key groups went with them
+    (167 windows missing). A request paho took is on its way: the agent waits for its answer."""
+    from agent.config import load_agent_config
+    from agent.mqtt import client as mqttc
+    from agent.node.daemon import SESSION, Agent, SpawnJob
+
+    cluster = f"c{uuid.uuid4().hex[:8]}"
+    conf = tmp_path / "a.toml"
+    conf.write_text(f'[agent]\nnode = "n1"\ncluster = "{cluster}"\nstate_dir = "{tmp_path}"\n'
+                    f'[mqtt]\nhost = "{mosquitto.host}"\nport = {mosquitto.port}\n')
+    agent = Agent(load_agent_config(conf), warm_worker=False)
+    # the agent's own client while its broker is away: paho answers a publish with NO_CONN
+    agent._client = mqttc.make_client(agent.broker, agent.client_id, SESSION)
+    agent.connected = True  # its loop has not heard of the loss yet
+
+    asked: List[str] = []
+    watcher = mqttc.make_client(agent.broker, f"watch-{cluster}")
+    watcher.on_message = lambda c, u, m: asked.append(m.topic.split("/agents/")[1].split("/")[0]) if (
+        rpc.decode_request(m.payload).get("op") == "spawn") else None
+    mqttc.connect_and_wait(watcher, agent.broker)
+    watcher.subscribe(f"{topics.base(cluster)}/agents/+/peer/n1", qos=1)
+    try:
+        spec = InstanceSpec("work-5eedf43f0646", "work", "n1", cluster, "p", PIPELINE, agent.broker,
+                            preds=("p.source.0",), succs=("p.sink.0",))
+        replies: List[Dict[str, Any]] = []
+        job = SpawnJob(spec=spec, candidates=["n2", "n3"], reply=replies.append, cause="spawn")
+        agent._try_next(job, 100.0, "no node has a free slot")
+        assert replies == [], replies  # not failed: n2's answer is awaited
+        assert job.tried == ["n2"], job.tried
+
+        time.sleep(0.3)  # the watcher's subscription is in place
+        mqttc.connect_and_wait(agent._client, agent.broker, SESSION)  # the broker is back
+        deadline = time.monotonic() + 5.0
+        while not asked and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # a second request would follow the first at once
+        assert asked == ["n2"], f"spawn of one identity delivered to {asked}"
+    finally:
+        for c in (agent._client, watcher):
+            c.loop_stop()
+            c.disconnect()
+
+
+def test_publish_taken_follows_paho_which_keeps_a_qos1_message_while_disconnected() -> None:
+    """The rule `mqttc.publish_taken` states, against paho itself: a QoS 1 publish on a client
+    that is not connected answers NO_CONN and is kept (sent at the reconnect); one past the
+    client's queue limit is refused."""
+    import paho.mqtt.client as mqtt
+
+    from agent.mqtt import client as mqttc
+
+    c = mqttc.make_client(BrokerSpec("localhost", 1), "taken", max_queued=1)
+    first = c.publish("t/a", b"x", qos=1)
+    assert first.rc == mqtt.MQTT_ERR_NO_CONN and mqttc.publish_taken(first.rc, 1)
+    second = c.publish("t/b", b"y", qos=1)
+    assert second.rc == mqtt.MQTT_ERR_QUEUE_SIZE and not mqttc.publish_taken(second.rc, 1)
+    assert not mqttc.publish_taken(mqtt.MQTT_ERR_PROTOCOL, 0) and mqttc.publish_taken(mqtt.MQTT_ERR_NO_CONN, 0)
