@@ -119,3 +119,44 @@ def test_publish_taken_follows_paho_which_keeps_a_qos1_message_while_disconnecte
     second = c.publish("t/b", b"y", qos=1)
     assert second.rc == mqtt.MQTT_ERR_QUEUE_SIZE and not mqttc.publish_taken(second.rc, 1)
     assert not mqttc.publish_taken(mqtt.MQTT_ERR_PROTOCOL, 0) and mqttc.publish_taken(mqtt.MQTT_ERR_NO_CONN, 0)
+
+
+def test_a_copy_started_here_first_and_placed_elsewhere_is_bound_to_where_it_runs(tmp_path: Path) -> None:
+    """Chaos seed 79 (docs/results.md, R21): n1 was cut off the broker while its creator's copies
+    were placed. One started on n1, could not reach the broker and exited before ready; the agent
+    asked n2, which started it once the cut healed. While the copy ran on n1, n1's host map bound
+    it to n1; a binding moves to another node unproven unless the node it was bound to says where
+    it went, so n1's workers refused every envelope of the copy on n2 (722 windows missing). The
+    agent now states the move when the next node answers (its "moved" statement, as a hand-over)."""
+    from types import SimpleNamespace
+
+    from agent.config import load_agent_config
+    from agent.node.daemon import Agent, SpawnJob
+
+    conf = tmp_path / "a.toml"
+    conf.write_text(f'[agent]\nnode = "n1"\ncluster = "c"\nstate_dir = "{tmp_path}"\n[mqtt]\nhost = "h"\nport = 1\n')
+    agent = Agent(load_agent_config(conf), warm_worker=False)
+    agent._publish = lambda *a, **k: True  # type: ignore[assignment]
+    agent.connected = True
+    inst = "work-0855bf9f6cd0"
+    online = {"n1": True, "n2": True}
+    agent.hosts.sync({inst: ("p", 4242)}, {}, {}, online, {})  # its worker starting here: bound to n1
+    assert agent.hosts.hostmap.bound(inst) == "n1"
+
+    spec = InstanceSpec(inst, "work", "n1", "c", "p", PIPELINE, BrokerSpec("h", 1),
+                        preds=("p.source.0",), succs=("p.sink.0",))
+    replies: List[Dict[str, Any]] = []
+    # the local start exited before ready (`_on_reaped`): the job goes on to n2
+    job = SpawnJob(spec=spec, candidates=["n2"], reply=replies.append, cause="spawn", tried=["n1"])
+    agent._try_next(job, 100.0, "worker exited before ready (exit status 3)")
+    [correlation] = list(agent._calls.calls)
+    answer = SimpleNamespace(payload=rpc.encode({"ok": True, "instance": inst, "node": "n2"}),
+                             properties=SimpleNamespace(CorrelationData=correlation.encode()))
+    agent._on_rpc_reply(answer, "n2", 101.0)
+    assert [r["ok"] for r in replies] == [True]
+
+    n2_lists = {"n2": [{"instance": inst, "pipeline": "p"}]}  # n2's hosted record, once it is ready
+    agent.hosts.sync({}, n2_lists, {}, online, {})
+    hm = agent.hosts.hostmap
+    assert (hm.bound(inst), hm.proven(inst)) == ("n2", True), (
+        f"bound to {hm.bound(inst)}, proven {hm.proven(inst)}: n1's workers refuse the copy's envelopes")

@@ -1436,6 +1436,12 @@ class Agent:
         if result["ok"]:
             self.counters["spawned_remote"] += 1
             self.view.place(call.node, (job.spec.instance, job.spec.pipeline, job.spec.operator))
+            if self.node in job.tried:
+                # Started here first, it exited before ready (`_on_reaped`): while it ran here our
+                # host map bound it to us, and a binding moves to another node unproven unless the
+                # node it was bound to says where it went; our workers then refused every envelope
+                # of the copy that runs there (chaos seed 79, docs/results.md R21).
+                self._stated_move(job.spec.instance, call.node)
             job.reply(result)
         else:
             self._try_next(job, now, f"{call.node}: {result.get('error')}")
