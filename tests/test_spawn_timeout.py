@@ -5,6 +5,7 @@ queue is the point (a spawn taken while the connection is down), with a real Mos
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -78,11 +79,14 @@ def test_a_spawn_paho_took_while_the_connection_was_down_is_asked_of_no_other_no
     agent.connected = True  # its loop has not heard of the loss yet
 
     asked: List[str] = []
+    subscribed = threading.Event()
     watcher = mqttc.make_client(agent.broker, f"watch-{cluster}")
     watcher.on_message = lambda c, u, m: asked.append(m.topic.split("/agents/")[1].split("/")[0]) if (
         rpc.decode_request(m.payload).get("op") == "spawn") else None
+    watcher.on_subscribe = lambda *a: subscribed.set()
     mqttc.connect_and_wait(watcher, agent.broker)
     watcher.subscribe(f"{topics.base(cluster)}/agents/+/peer/n1", qos=1)
+    assert subscribed.wait(10.0)
     try:
         spec = InstanceSpec("work-5eedf43f0646", "work", "n1", cluster, "p", PIPELINE, agent.broker,
                             preds=("p.source.0",), succs=("p.sink.0",))
@@ -92,12 +96,11 @@ def test_a_spawn_paho_took_while_the_connection_was_down_is_asked_of_no_other_no
         assert replies == [], replies  # not failed: n2's answer is awaited
         assert job.tried == ["n2"], job.tried
 
-        time.sleep(0.3)  # the watcher's subscription is in place
         mqttc.connect_and_wait(agent._client, agent.broker, SESSION)  # the broker is back
         deadline = time.monotonic() + 5.0
         while not asked and time.monotonic() < deadline:
             time.sleep(0.05)
-        time.sleep(0.5)  # a second request would follow the first at once
+        time.sleep(1.0)  # a second request would follow the first at once
         assert asked == ["n2"], f"spawn of one identity delivered to {asked}"
     finally:
         for c in (agent._client, watcher):

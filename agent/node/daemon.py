@@ -310,9 +310,7 @@ class Agent:
         """False when not queued, else the message id (true: paho's ids start at 1), whose PUBACK
         some callers wait for (replicas.Replication.published). Queued includes a message paho
         took while the connection is down (`mqttc.publish_taken`): it goes out at the reconnect,
-        so a spawn request "not queued" then and asked of the next node started the same
-        identity on both (invariant 7; CHANGELOG.md, "A spawn asked of two nodes while the
-        broker was away")."""
+        so a spawn request must not be asked of another node as well (invariant 7)."""
         if self._client is None:
             return False
         info = self._client.publish(topic, payload, qos=qos, retain=retain, properties=properties)
