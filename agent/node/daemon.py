@@ -296,11 +296,13 @@ class Agent:
     def _publish(self, topic: str, payload: bytes, retain: bool = False, qos: int = 1,
                  properties: Any = None) -> Union[bool, int]:
         """False when not queued, else the message id (true: paho's ids start at 1), whose PUBACK
-        some callers wait for (replicas.Replication.published)."""
+        some callers wait for (replicas.Replication.published). Queued includes a message paho
+        took while the connection is down (`mqttc.publish_taken`): it goes out at the reconnect,
+        so a spawn request must not be asked of another node as well (invariant 7)."""
         if self._client is None:
             return False
         info = self._client.publish(topic, payload, qos=qos, retain=retain, properties=properties)
-        if info.rc != 0:
+        if not mqttc.publish_taken(info.rc, qos):
             # paho does not raise on a full queue (docs/design.md section 6): say so, never drop silently.
             log.warning("publish to %s not queued (rc=%s)", topic, info.rc, extra={"node": self.node})
             return False
@@ -990,6 +992,8 @@ class Agent:
     def _placed(self, cmd: spawns.Placed, now: float) -> None:
         self.counters["spawned_remote"] += 1
         self.view.place(cmd.node, (cmd.spec.instance, cmd.spec.pipeline, cmd.spec.operator))
+        if cmd.left_here:  # our host map bound it to us while it ran here (docs/results.md, R21)
+            self._stated_move(cmd.spec.instance, cmd.node)
 
     def _spawn_failed(self, cmd: spawns.Failed, now: float) -> None:
         self.counters["spawn_failed"] += 1
