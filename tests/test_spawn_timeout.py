@@ -1,12 +1,17 @@
 """createNode() across nodes when the asked node answers late: chaos seed 12013 of the 9cfb017 campaign
 (docs/results.md, R2). docs/design.md invariant 7: one identity runs on
-one node. No broker: the agent's publish is recorded, time is passed in."""
+one node. No broker: the agent's publish is recorded, time is passed in; except where paho's own
+queue is the point (a spawn taken while the connection is down), with a real Mosquitto."""
 
 from __future__ import annotations
 
+import threading
+import time
+import uuid
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
+from agent import topics
 from agent.instance.spec import InstanceSpec
 from agent.mqtt.settings import BrokerSpec
 from agent.node import rpc
@@ -50,3 +55,116 @@ def test_a_spawn_that_times_out_is_not_placed_again_under_the_same_identity(tmp_
     assert not any(b["spec"]["instance"] == spec.instance for _, b in again), (
         f"the same identity asked of another node while n2 may run it: {[t for t, _ in again]}")
     assert [r["ok"] for r in replies] == [False], replies  # the creator hears of it and decides again
+
+
+def test_a_spawn_paho_took_while_the_connection_was_down_is_asked_of_no_other_node(tmp_path: Path, mosquitto: Any) -> None:
+    """Chaos seed 78 (docs/results.md, R21): n1's agent placed the copies of a duplication round
+    while the broker was being killed, before its loop had heard of the lost connection. paho
+    answered each spawn request with MQTT_ERR_NO_CONN and kept it, to send at the reconnect; the
+    agent took that for "not queued" and asked the next node for the same identity. At the
+    reconnect paho sent both: five copies ran on n2 and on n3 at once, each pair took the session
+    from each other, both nodes then stopped theirs, and the copies' key groups went with them
+    (167 windows missing). A request paho took is on its way: the agent waits for its answer."""
+    from agent.config import load_agent_config
+    from agent.mqtt import client as mqttc
+    from agent.node import spawns
+    from agent.node.bus import SESSION
+    from agent.node.daemon import Agent
+
+    cluster = f"c{uuid.uuid4().hex[:8]}"
+    conf = tmp_path / "a.toml"
+    conf.write_text(f'[agent]\nnode = "n1"\ncluster = "{cluster}"\nstate_dir = "{tmp_path}"\n'
+                    f'[mqtt]\nhost = "{mosquitto.host}"\nport = {mosquitto.port}\n')
+    agent = Agent(load_agent_config(conf), warm_worker=False)
+    # the agent's own client while its broker is away: paho answers a publish with NO_CONN
+    agent.bus.client = mqttc.make_client(agent.bus.broker, agent.bus.client_id, SESSION)
+    agent.bus.connected = True  # its loop has not heard of the loss yet
+
+    asked: List[str] = []
+    subscribed = threading.Event()
+    watcher = mqttc.make_client(agent.bus.broker, f"watch-{cluster}")
+    watcher.on_message = lambda c, u, m: asked.append(m.topic.split("/agents/")[1].split("/")[0]) if (
+        rpc.decode_request(m.payload).get("op") == "spawn") else None
+    watcher.on_subscribe = lambda *a: subscribed.set()
+    mqttc.connect_and_wait(watcher, agent.bus.broker)
+    watcher.subscribe(f"{topics.base(cluster)}/agents/+/peer/n1", qos=1)
+    assert subscribed.wait(10.0)
+    try:
+        spec = InstanceSpec("work-5eedf43f0646", "work", "n1", cluster, "p", PIPELINE, agent.bus.broker,
+                            preds=("p.source.0",), succs=("p.sink.0",))
+        replies: List[Dict[str, Any]] = []
+        agent._spawn(spawns.CreateNode(spec, replies.append, "spawn", ("n2", "n3"), {"n2": True, "n3": True}), 100.0)
+        assert replies == [], replies  # not failed: n2's answer is awaited
+        assert [c.node for c in agent.spawns.calls.values()] == ["n2"], agent.spawns.calls
+
+        mqttc.connect_and_wait(agent.bus.client, agent.bus.broker, SESSION)  # the broker is back
+        deadline = time.monotonic() + 5.0
+        while not asked and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)  # a second request would follow the first at once
+        assert asked == ["n2"], f"spawn of one identity delivered to {asked}"
+    finally:
+        for c in (agent.bus.client, watcher):
+            c.loop_stop()
+            c.disconnect()
+
+
+def test_publish_taken_follows_paho_which_keeps_a_qos1_message_while_disconnected() -> None:
+    """The rule `mqttc.publish_taken` states, against paho itself: a QoS 1 publish on a client
+    that is not connected answers NO_CONN and is kept (sent at the reconnect); one past the
+    client's queue limit is refused."""
+    import paho.mqtt.client as mqtt
+
+    from agent.mqtt import client as mqttc
+
+    c = mqttc.make_client(BrokerSpec("localhost", 1), "taken", max_queued=1)
+    first = c.publish("t/a", b"x", qos=1)
+    assert first.rc == mqtt.MQTT_ERR_NO_CONN and mqttc.publish_taken(first.rc, 1)
+    second = c.publish("t/b", b"y", qos=1)
+    assert second.rc == mqtt.MQTT_ERR_QUEUE_SIZE and not mqttc.publish_taken(second.rc, 1)
+    assert not mqttc.publish_taken(mqtt.MQTT_ERR_PROTOCOL, 0) and mqttc.publish_taken(mqtt.MQTT_ERR_NO_CONN, 0)
+
+
+def test_a_copy_started_here_first_and_placed_elsewhere_is_bound_to_where_it_runs(tmp_path: Path) -> None:
+    """Chaos seed 79 (docs/results.md, R21): n1 was cut off the broker while its creator's copies
+    were placed. One started on n1, could not reach the broker and exited before ready; the agent
+    asked n2, which started it once the cut healed. While the copy ran on n1, n1's host map bound
+    it to n1; a binding moves to another node unproven unless the node it was bound to says where
+    it went, so n1's workers refused every envelope of the copy on n2 (722 windows missing). The
+    agent now states the move when the next node answers (its "moved" statement, as a hand-over)."""
+    from types import SimpleNamespace
+
+    from agent.config import load_agent_config
+    from agent.node import spawns
+    from agent.node.daemon import Agent
+
+    conf = tmp_path / "a.toml"
+    conf.write_text(f'[agent]\nnode = "n1"\ncluster = "c"\nstate_dir = "{tmp_path}"\n[mqtt]\nhost = "h"\nport = 1\n')
+    agent = Agent(load_agent_config(conf), warm_worker=False)
+    agent._publish = lambda *a, **k: True  # type: ignore[assignment]
+    agent.bus.connected = True
+    inst = "work-0855bf9f6cd0"
+    online = {"n1": True, "n2": True}
+    agent.hosts.sync({inst: ("p", 4242)}, {}, {}, online, {})  # its worker starting here: bound to n1
+    assert agent.hosts.hostmap.bound(inst) == "n1"
+
+    spec = InstanceSpec(inst, "work", "n1", "c", "p", PIPELINE, BrokerSpec("h", 1),
+                        preds=("p.source.0",), succs=("p.sink.0",))
+    replies: List[Dict[str, Any]] = []
+    started: List[str] = []
+    agent.supervisor.start = lambda s, now: started.append(s.instance)  # type: ignore[method-assign]
+    agent._spawn(spawns.CreateNode(spec, replies.append, "spawn", ("n1", "n2"), online), 100.0)
+    assert started == [inst]
+    # the local start exited before ready (`_on_reaped`): the job goes on to n2
+    agent._spawn(spawns.Exited(inst, "worker exited before ready (exit status 3)"), 100.5)
+    [correlation] = list(agent.spawns.calls)
+    answer = SimpleNamespace(payload=rpc.encode({"ok": True, "instance": inst, "node": "n2"}),
+                             properties=SimpleNamespace(CorrelationData=correlation.encode()))
+    agent._on_rpc_reply(answer, "n2", 101.0)
+    assert [r["ok"] for r in replies] == [True]
+
+    n2_lists = {"n2": [{"instance": inst, "pipeline": "p"}]}  # n2's hosted record, once it is ready
+    agent.hosts.sync({}, n2_lists, {}, online, {})
+    hm = agent.hosts.hostmap
+    assert (hm.bound(inst), hm.proven(inst)) == ("n2", True), (
+        f"bound to {hm.bound(inst)}, proven {hm.proven(inst)}: n1's workers refuse the copy's envelopes")

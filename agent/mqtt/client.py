@@ -51,6 +51,7 @@ __all__ = [
     "node_secret",
     "nodelay",
     "paho_error",
+    "publish_taken",
     "shipper_id",
     "site_secret",
     "worker_id",
@@ -255,6 +256,19 @@ def connect(client: mqtt.Client, broker: BrokerSpec, session: Session = CLEAN, b
         client.connect(broker.host, broker.port, **args)
     except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
         raise ConnectFailed(broker.host, broker.port, connect_error(exc)) from None
+
+
+def publish_taken(rc: int, qos: int) -> bool:
+    """Did paho take a message `publish` was handed (it sends it now or after the reconnect)?
+
+    For QoS > 0 only MQTT_ERR_QUEUE_SIZE means it did not: once taken, paho keeps the message
+    whatever its first socket write returned (MQTT_ERR_NO_CONN while the connection is down,
+    MQTT_ERR_CONN_LOST when the broker goes away during the write) and sends it after the
+    reconnect. A caller that takes NO_CONN for "not sent" and sends again, or sends elsewhere,
+    has it delivered twice. For QoS 0 anything but SUCCESS/NO_CONN is a rejection."""
+    if rc == mqtt.MQTT_ERR_QUEUE_SIZE:
+        return False
+    return qos > 0 or rc in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN)
 
 
 def loop_once(client: mqtt.Client, timeout: float) -> int:

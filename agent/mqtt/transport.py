@@ -209,8 +209,7 @@ class Transport:
         self._check_owner()
         q = self.broker.qos if qos is None else qos
         info = self.client.publish(topic, payload, qos=q, retain=retain)
-        if info.rc == MQTTErrorCode.MQTT_ERR_QUEUE_SIZE or (  # see the rules at the top
-                q == 0 and info.rc not in (MQTTErrorCode.MQTT_ERR_SUCCESS, MQTTErrorCode.MQTT_ERR_NO_CONN)):
+        if not mqttc.publish_taken(info.rc, q):  # see the rules at the top
             self.rejected += 1
             raise PublishRejected(topic, info.rc)
         self.published += 1

@@ -87,11 +87,13 @@ class AgentBus:
     def publish(self, topic: str, payload: bytes, retain: bool = False, qos: int = 1,
                 properties: Any = None) -> Union[bool, int]:
         """False when not queued, else the message id (true: paho's ids start at 1), whose PUBACK
-        some callers wait for (replicas.Replication.published)."""
+        some callers wait for (replicas.Replication.published). Queued includes a message paho
+        took while the connection is down (`mqttc.publish_taken`): it goes out at the reconnect,
+        so a spawn request must not be asked of another node as well (invariant 7)."""
         if self.client is None:
             return False
         info = self.client.publish(topic, payload, qos=qos, retain=retain, properties=properties)
-        if info.rc != 0:
+        if not mqttc.publish_taken(info.rc, qos):
             # paho does not raise on a full queue (docs/design.md section 6): say so, never drop silently.
             log.warning("publish to %s not queued (rc=%s)", topic, info.rc, extra={"node": self.node})
             return False
