@@ -148,14 +148,14 @@ def agent(tmp_path: Path) -> Any:
     conf.write_text(f'[agent]\nnode = "me"\ncluster = "c"\nslots = 2\nstate_dir = "{tmp_path}/state"\n'
                     '[mqtt]\nhost = "127.0.0.1"\nport = 1\n[metrics]\nport = 0\n')
     a = Agent(load_agent_config(conf), warm_worker=False)
-    a._client = _Recorder()
-    a.connected = a._retained_in = True  # connected, the retained records in (the sync marker came back)
+    a.bus.client = _Recorder()
+    a.bus.connected = a.bus.retained_in = True  # connected, the retained records in (the sync marker came back)
     yield a
     a.supervisor.close_warm()
 
 
 def _replies(agent: Any) -> List[Tuple[str, Dict[str, Any], Any]]:
-    return [(t, json.loads(p), props) for t, p, _, props in agent._client.published if "/replies/" in t]
+    return [(t, json.loads(p), props) for t, p, _, props in agent.bus.client.published if "/replies/" in t]
 
 
 def _fingerprint(agent: Any) -> Any:
@@ -171,7 +171,7 @@ def test_a_reply_goes_to_the_requesters_namespace_not_the_response_topic_it_name
     ((topic, body, props),) = _replies(agent)
     assert topic == topics.replies("c", "adm", "me") and body["ok"] and body["node"] == "me"
     assert props.CorrelationData == b"c-1"  # echoed: the requester matches by it
-    assert all(t != victim for t, *_ in agent._client.published)
+    assert all(t != victim for t, *_ in agent.bus.client.published)
 
 
 @pytest.mark.parametrize("payload, error", [
@@ -227,7 +227,7 @@ def test_a_forced_scale_out_is_bounded_by_the_slots_of_the_fleet(agent: Any) -> 
     agent._on_message_safely(_msg(topics.agent_state("c", "n2"), json.dumps(n2).encode(), retain=True), 0.0)
     agent._on_message_safely(_msg(topics.agent_status("c", "n2"), b"online", retain=True), 0.0)
     for delta, error in ((7, "more copies than the 6 slots"), (6, "no active instance of 'work'")):
-        agent._client.published.clear()
+        agent.bus.client.published.clear()
         body["delta"] = delta
         agent._on_message_safely(_msg(topics.agent_rpc("c", "me", "adm"), json.dumps(body).encode()), 0.0)
         assert error in _replies(agent)[0][1]["error"]
@@ -237,7 +237,7 @@ def test_retained_requests_replies_and_probes_are_ignored(agent: Any) -> None:
     for topic in (topics.agent_rpc("c", "me", "adm"), topics.agent_peer("c", "me", "n2"),
                   topics.replies("c", "me", "n2"), topics.latency_ping("c", "me", "n2"), topics.events("c")):
         agent._on_message_safely(_msg(topic, b'{"op": "stop", "instance": "x"}', retain=True), 0.0)
-    assert agent.counters["retained_ignored"] == 5 and agent._client.published == []
+    assert agent.counters["retained_ignored"] == 5 and agent.bus.client.published == []
     assert agent.counters["rpc_requests"] == 0
 
 
@@ -262,14 +262,14 @@ def test_the_peer_topic_takes_only_spawns_of_pipelines_an_admin_deployed(
     agent.free_slots = lambda: 0  # a full node: what it answers then is the slot refusal
     hosted = json.dumps([dict(spec, instance="p.source.0", operator="source")]).encode()
     agent._on_message_safely(_msg(topics.agent_hosted("c", "n2"), hosted, retain=True), 0.0)
-    agent._client.published.clear()
+    agent.bus.client.published.clear()
     agent._on_message_safely(_msg(peer, json.dumps({"op": "spawn", "spec": spec}).encode()), 0.0)
     ((_, body, _),) = _replies(agent)
     assert not body["ok"] and body["error"].startswith("refused") and agent.counters["peer_refused"] == 6
     # a deployed pipeline: any node may ask (n3 hosts nothing)
     q_text = PIPELINE.replace('"p"', '"q"')
     agent._on_message_safely(_msg(topics.pipeline("c", "q"), q_text.encode(), retain=True), 0.0)
-    agent._client.published.clear()
+    agent.bus.client.published.clear()
     spec_q = dict(spec, pipeline="q", instance="q.sink.0", pipeline_toml=q_text)
     agent._on_message_safely(_msg(topics.agent_peer("c", "me", "n3"),
                                   json.dumps({"op": "spawn", "spec": spec_q}).encode()), 0.0)
@@ -312,7 +312,7 @@ def test_hostile_neighbour_records_are_counted_and_leave_the_state_unchanged(age
     for topic, payload in hostile:
         agent._on_message_safely(_msg(topic, payload, retain=topics.parse("c", topic).kind not in ("ping", "pong")), 0.0)
     assert agent.counters["bad_messages"] == len(hostile)
-    assert _fingerprint(agent) == before and agent._client.published == []
+    assert _fingerprint(agent) == before and agent.bus.client.published == []
     agent._on_message_safely(_msg(topics.latency("c", "n2"), DEEP, retain=True), 0.0)  # lenient: unmeasured
     assert agent.view.latency["n2"] == {}
 

@@ -350,7 +350,7 @@ def test_records_generations_and_durations_pure() -> None:
 def test_pins_are_kept_in_the_state_dir(tmp_path: Path) -> None:
     """An agent restart keeps the pins (they are applied to the re-adopted instances); a damaged
     file or a damaged entry is no pin, never an error."""
-    from agent.node.daemon import PINS_FILE, _load_pins, _save_pins
+    from agent.node.requests import PINS_FILE, load_pins as _load_pins, save_pins as _save_pins
 
     pins = {"taxi/in_zone": {"pipeline": "taxi", "operator": "in_zone", "until": None},
             "/sink": {"pipeline": None, "operator": "sink", "until": 1800000000.5}}

@@ -473,7 +473,7 @@ def test_a_spawn_with_a_field_of_the_wrong_type_is_refused_with_a_reply(field: s
     msg = type("M", (), {"topic": topic, "payload": json.dumps({"op": "spawn", "spec": spec}).encode(),
                          "retain": False, "properties": None})()
     agent._on_message(msg, 1.0)  # no exception
-    replies = [json.loads(p) for t, p in agent._client.published if t == "fog/c/replies/adm/me"]
+    replies = [json.loads(p) for t, p in agent.bus.client.published if t == "fog/c/replies/adm/me"]
     assert len(replies) == 1 and replies[0]["ok"] is False, replies
     assert field in replies[0]["error"], replies[0]
     target._dir.cleanup()

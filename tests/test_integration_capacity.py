@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from agent.measure.capacity import CapacityRecord, CapacityStore
-from agent.node.daemon import spec_with_capacity
+from agent.node.requests import spec_with_capacity
 from agent.instance.spec import InstanceSpec
 from agent.mqtt.settings import BrokerSpec
 

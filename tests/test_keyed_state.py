@@ -579,7 +579,7 @@ def _save_keyed(tmp_path: Any, instance: str) -> Path:
 
 def test_an_agent_drains_away_an_instance_with_keyed_state_unless_its_state_is_too_large(
         tmp_path: Any, monkeypatch: Any) -> None:
-    """fogctl scale and drain reach the agent (`_on_steering`): an instance whose stats say it
+    """fogctl scale and drain reach the agent (`Requests.steer`): an instance whose stats say it
     keeps keyed state is copied and terminated through the protocol (its key groups move with
     their state), and a drain stops it to move it with its keyed state (agent.node.statexfer),
     unless that state is larger than a hand-over carries: then nothing is changed and the reply
@@ -590,14 +590,14 @@ def test_an_agent_drains_away_an_instance_with_keyed_state_unless_its_state_is_t
     agent, sent = _steered_agent(tmp_path, {"p.win.0": True})
     size = len(statexfer.snapshot_bytes(_save_keyed(tmp_path, "p.win.0")) or b"")
     monkeypatch.setattr(statexfer, "MAX_STATE_BYTES", size - 1)
-    reply = agent._on_steering(DrainRequest(node="me").to_dict(), 5.0)
+    reply = agent.requests.steer(DrainRequest(node="me").to_dict(), 5.0)
     assert not reply["ok"] and reply["error"] == (f"p.win.0 cannot move: its keyed state is {size} bytes, "
                                                   f"more than the {size - 1} a hand-over carries"), reply
     assert sent == [] and not agent.drain.draining
-    assert agent._on_steering(ScaleRequest(operator="win", delta=1).to_dict(), 5.0)["ok"]
+    assert agent.requests.steer(ScaleRequest(operator="win", delta=1).to_dict(), 5.0)["ok"]
     assert sent == [("p.win.0", "scale")]
     monkeypatch.setattr(statexfer, "MAX_STATE_BYTES", size)
-    reply = agent._on_steering(DrainRequest(node="me").to_dict(), 5.0)
+    reply = agent.requests.steer(DrainRequest(node="me").to_dict(), 5.0)
     assert reply["ok"] and reply["result"]["leaving"] == ["p.win.0"], reply
     assert sent[-1] == ("p.win.0", "stop") and agent.drain.draining and "p.win.0" in agent.drain.handing_over
 
@@ -614,7 +614,7 @@ def test_a_drained_keeper_stops_once_the_keyed_copies_on_the_node_have_left(tmp_
 
     agent, sent = _steered_agent(tmp_path, {"p.win.0": True, "p.win.1": False})
     _save_keyed(tmp_path, "p.win.0")
-    reply = agent._on_steering(DrainRequest(node="me").to_dict(), 5.0)
+    reply = agent.requests.steer(DrainRequest(node="me").to_dict(), 5.0)
     assert reply["ok"] and set(reply["result"]["leaving"]) == {"p.win.0", "p.win.1"}, reply
     assert sent == [("p.win.1", "scale")] and "p.win.0" in agent.drain.handing_over  # the keeper still runs
     agent._release_keeper(6.0)
@@ -624,7 +624,7 @@ def test_a_drained_keeper_stops_once_the_keyed_copies_on_the_node_have_left(tmp_
     elif then == "wait_over":
         agent._release_keeper(5.0 + COPIES_FIRST_WAIT)  # `_periodic`
     else:
-        assert agent._on_steering(DrainRequest(node="me", undo=True).to_dict(), 7.0)["ok"]
+        assert agent.requests.steer(DrainRequest(node="me", undo=True).to_dict(), 7.0)["ok"]
         agent._release_keeper(8.0, left="p.win.1")
         assert sent == [("p.win.1", "scale")] and "p.win.0" not in agent.drain.handing_over and not agent.drain.draining
         return

@@ -209,7 +209,7 @@ def test_an_unknown_event_or_an_outcome_of_no_command_is_refused() -> None:
 
 def test_the_daemon_has_a_handler_for_every_request_op() -> None:
     from agent.node import rpc
-    from agent.node.daemon import PEER_ONLY_OPS, Agent
     from agent.node.gate import PEER_OPS
+    from agent.node.requests import PEER_ONLY_OPS, Requests
 
-    assert set(Agent._OPS) == set(rpc.OPS) and PEER_ONLY_OPS < set(PEER_OPS)
+    assert set(Requests.OPS) == set(rpc.OPS) and PEER_ONLY_OPS < set(PEER_OPS)

@@ -109,7 +109,7 @@ def _agent(tmp_path: Path) -> Any:
     conf.write_text(f'[agent]\nnode = "me"\ncluster = "c"\nstate_dir = "{tmp_path}/state"\ndead_after = 1.0\n'
                     '[mqtt]\nhost = "127.0.0.1"\nport = 1\n')
     agent = Agent(load_agent_config(conf), warm_worker=False)
-    agent._retained_in = True  # the retained records are in (daemon._on_connected's sync marker)
+    agent.bus.retained_in = True  # the retained records are in (daemon._on_connected's sync marker)
     return agent
 
 
@@ -119,7 +119,7 @@ def test_the_agent_reads_departing_instances_from_the_node_states(tmp_path: Path
     agent = _agent(tmp_path)
     created: List[Any] = []
     agent._create_node = lambda spec, reply, cause, now: created.append(spec)
-    agent.connected, agent.view.online, agent.rehoming.offline_since = True, {"n9": False, "n3": True}, {"n9": 0.0}
+    agent.bus.connected, agent.view.online, agent.rehoming.offline_since = True, {"n9": False, "n3": True}, {"n9": 0.0}
     agent.view.hosted_by_node = {"n9": [spec("p.mid.0", "mid", True)],
                             "n3": [spec("p.sink.0", "sink", True), spec("sink-b", "sink"), spec("sink-c", "sink")]}
     agent.view.fleet["n3"] = {"instances": [{"id": "p.sink.0", "stats": {"state": "active"}},
@@ -138,7 +138,7 @@ def test_a_retry_after_a_failed_rehome_does_not_place_the_others_again(tmp_path:
     agent = _agent(tmp_path)
     asked: List[Any] = []
     agent._create_node = lambda spec, reply, cause, now: asked.append((spec.instance, reply))
-    agent.connected, agent.view.online, agent.rehoming.offline_since = True, {"n9": False}, {"n9": 0.0}
+    agent.bus.connected, agent.view.online, agent.rehoming.offline_since = True, {"n9": False}, {"n9": 0.0}
     agent.view.hosted_by_node = {"n9": [spec("p.mid.0", "mid", True), spec("mid-b", "mid")]}
     agent._maybe_rehome(100.0)
     assert [a[0] for a in asked] == ["mid-b", "p.mid.0"]
@@ -163,7 +163,7 @@ def test_a_failed_rehome_is_not_placed_again_when_the_returning_node_runs_it(tmp
     agent = _agent(tmp_path)
     asked: List[Any] = []
     agent._create_node = lambda spec, reply, cause, now: asked.append((spec.instance, reply))
-    agent.connected, agent.view.online, agent.rehoming.offline_since = True, {"n9": False}, {"n9": 0.0}
+    agent.bus.connected, agent.view.online, agent.rehoming.offline_since = True, {"n9": False}, {"n9": 0.0}
     agent.view.hosted_by_node = {"n9": [spec("p.mid.0", "mid", True)]}
     agent._maybe_rehome(100.0)
     agent.view.online, agent.rehoming.offline_since, agent.rehoming.online_since = {"n9": True}, {}, {"n9": 105.0}
@@ -208,7 +208,7 @@ def test_the_agent_reads_idle_copies_from_the_lost_nodes_last_state(tmp_path: Pa
     agent = _agent(tmp_path)
     created: List[Any] = []
     agent._create_node = lambda spec, reply, cause, now: created.append(spec)
-    agent.connected, agent.view.online, agent.rehoming.offline_since = True, {"n2": False, "n1": True, "n3": True}, {"n2": 0.0}
+    agent.bus.connected, agent.view.online, agent.rehoming.offline_since = True, {"n2": False, "n1": True, "n3": True}, {"n2": 0.0}
     agent.view.hosted_by_node = {"n1": [spec("p.source.0", "source", True)],
                             "n2": [spec("p.mid.0", "mid", True), spec("mid-b", "mid", creator="p.mid.0")],
                             "n3": [spec("p.sink.0", "sink", True)]}
@@ -227,7 +227,7 @@ def test_a_rehomed_instance_is_told_the_round_it_waited_to_start_under_its_locks
     agent = _agent(tmp_path)
     created: List[Any] = []
     agent._create_node = lambda spec, reply, cause, now: created.append(spec)
-    agent.connected, agent.view.online, agent.rehoming.offline_since = True, {"n2": False, "n1": True, "n3": True}, {"n2": 0.0}
+    agent.bus.connected, agent.view.online, agent.rehoming.offline_since = True, {"n2": False, "n1": True, "n3": True}, {"n2": 0.0}
     agent.view.hosted_by_node = {"n1": [spec("p.source.0", "source", True)],
                                  "n2": [spec("p.mid.0", "mid", True), spec("mid-b", "mid", creator="p.mid.0"),
                                         spec("mid-c", "mid", creator="p.mid.0")],
@@ -250,7 +250,7 @@ def test_a_rehomed_keyed_instance_is_told_the_key_groups_its_dead_incarnation_ow
     agent = _agent(tmp_path)
     created: List[Any] = []
     agent._create_node = lambda spec, reply, cause, now: created.append(spec)
-    agent.connected, agent.view.online, agent.rehoming.offline_since = True, {"n2": False, "n1": True, "n3": True}, {"n2": 0.0}
+    agent.bus.connected, agent.view.online, agent.rehoming.offline_since = True, {"n2": False, "n1": True, "n3": True}, {"n2": 0.0}
     agent.view.hosted_by_node = {"n1": [spec("p.source.0", "source", True)],
                             "n2": [spec("p.mid.0", "mid", True), spec("mid-b", "mid", owned_groups=[[0, 127, 0]])],
                             "n3": [spec("p.sink.0", "sink", True)]}

@@ -359,8 +359,8 @@ def test_the_daemon_sends_the_next_part_on_the_brokers_puback(tmp_path: Path) ->
             sent.append((topic, payload, len(sent) + 1))
             return SimpleNamespace(rc=0, mid=len(sent))
 
-    agent._client = Client()
-    agent.connected = True
+    agent.bus.client = Client()
+    agent.bus.connected = True
     agent.view.online["n2"] = True
     host = _big_save(tmp_path / "state", 5 * PART_BYTES, 0)
     agent.replication.saved("cnt-a", 1, 0)

@@ -378,8 +378,8 @@ def test_rehome_from_a_hosted_record_is_admitted_like_a_spawn(tmp_path: Path,
     agent = agent_for(tmp_path)
     created: List[InstanceSpec] = []
     agent._create_node = lambda spec, reply, cause, now: created.append(spec)  # type: ignore[assignment]
-    agent.connected, agent.view.online, agent.rehoming.offline_since = True, {"n9": False}, {"n9": 0.0}
-    agent._retained_in = True  # the retained records are in (the sync marker came back)
+    agent.bus.connected, agent.view.online, agent.rehoming.offline_since = True, {"n9": False}, {"n9": 0.0}
+    agent.bus.retained_in = True  # the retained records are in (the sync marker came back)
     record = [spec_body("agent.operators.builtin:identity", "p.work.0"),
               spec_body("builtins:exec", "p.work.1"),
               spec_body("agent.operators.builtin:identity", "p.work.2", sink_dir="/x/../escape")]
@@ -429,8 +429,8 @@ def test_an_epoch_floor_ahead_of_the_nodes_clock_is_refused_and_never_saved(
     # a re-home from a dead node's retained hosted record: the plan keeps the record's larger floor
     created: List[InstanceSpec] = []
     agent._create_node = lambda spec, reply, cause, now: created.append(spec)  # type: ignore[assignment]
-    agent.connected, agent.view.online, agent.rehoming.offline_since = True, {"n9": False}, {"n9": 0.0}
-    agent._retained_in = True  # the retained records are in (the sync marker came back)
+    agent.bus.connected, agent.view.online, agent.rehoming.offline_since = True, {"n9": False}, {"n9": 0.0}
+    agent.bus.retained_in = True  # the retained records are in (the sync marker came back)
     agent.view.hosted_by_node["n9"] = [spec_body(ok, "p.work.0"), spec_body(ok, "p.work.1", min_epoch=2 ** 53)]
     agent._maybe_rehome(100.0)
     assert [(s.instance, s.extra["min_epoch"]) for s in created] == [("p.work.0", int(NOW))]

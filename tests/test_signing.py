@@ -159,8 +159,8 @@ def _agent(tmp_path: Path, pub: Path, node: str = "n2") -> Any:
     conf.write_text(f'[agent]\nnode = "{node}"\ncluster = "c"\nstate_dir = "{tmp_path}/state-{node}"\n'
                     f'[mqtt]\nhost = "h"\nport = 1\n[security]\nadmin_keys = ["{pub}"]\n')
     agent = Agent(load_agent_config(conf), warm_worker=False)
-    agent._client = RecordingClient()
-    agent._retained_in = True
+    agent.bus.client = RecordingClient()
+    agent.bus.retained_in = True
     started: List[Any] = []
     agent.supervisor.start = lambda spec, now: started.append(spec)  # type: ignore[method-assign]
     agent.started = started
@@ -175,9 +175,9 @@ def _deliver(agent: Any, topic: str, payload: Any, retain: bool = False) -> None
 def _spawn(agent: Any, spec: Dict[str, Any], sender: str, peer: bool) -> Dict[str, Any]:
     """The reply to a spawn, {} when none came (a spawn taken is answered once its worker runs)."""
     topic = topics.agent_peer("c", agent.node, sender) if peer else topics.agent_rpc("c", agent.node, sender)
-    before = len(agent._client.on(topics.replies("c", sender, agent.node)))
+    before = len(agent.bus.client.on(topics.replies("c", sender, agent.node)))
     _deliver(agent, topic, rpc.encode({"op": "spawn", "spec": spec}))
-    got = [json.loads(p) for p in agent._client.on(topics.replies("c", sender, agent.node))]
+    got = [json.loads(p) for p in agent.bus.client.on(topics.replies("c", sender, agent.node))]
     return got[-1] if len(got) > before else {}
 
 

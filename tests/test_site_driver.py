@@ -46,14 +46,15 @@ class Connected:
     def __init__(self, tmp_path: Any, extra_toml: str = "") -> None:
         from agent import topics
         from agent.config import load_agent_config
+        from agent.node import loopevents
         from agent.node.daemon import Agent
 
         conf = tmp_path / "a.toml"
         conf.write_text(f'[agent]\nnode = "n1"\ncluster = "c"\nstate_dir = "{tmp_path}"\n[mqtt]\nhost = "h"\nport = 1\n'
                         + extra_toml)
         self.agent = Agent(load_agent_config(conf), warm_worker=False)
-        self.client = self.agent._client = RecordingClient()
-        self.agent._on_connected(False)
+        self.client = self.agent.bus.client = RecordingClient()
+        self.agent._on_connack(loopevents.Connected(True, "Success", False), 0.0)  # as paho's CONNACK
         markers = self.client.on(topics.replies("c", "n1", "n1"))
         assert len(markers) == 1, self.client.sent
         self.marker = markers[0]

@@ -43,7 +43,7 @@ def test_a_spawn_that_times_out_is_not_placed_again_under_the_same_identity(tmp_
         return True
 
     agent._publish = publish  # type: ignore[assignment]
-    agent.connected = True
+    agent.bus.connected = True
     spec = InstanceSpec("work-c458fdf7d48d", "work", "n1", "c", "p", PIPELINE, BrokerSpec("h", 1),
                         preds=("p.source.0",), succs=("p.sink.0",))
     replies: List[Dict[str, Any]] = []
@@ -68,7 +68,8 @@ def test_a_spawn_paho_took_while_the_connection_was_down_is_asked_of_no_other_no
     from agent.config import load_agent_config
     from agent.mqtt import client as mqttc
     from agent.node import spawns
-    from agent.node.daemon import SESSION, Agent
+    from agent.node.bus import SESSION
+    from agent.node.daemon import Agent
 
     cluster = f"c{uuid.uuid4().hex[:8]}"
     conf = tmp_path / "a.toml"
@@ -76,34 +77,34 @@ def test_a_spawn_paho_took_while_the_connection_was_down_is_asked_of_no_other_no
                     f'[mqtt]\nhost = "{mosquitto.host}"\nport = {mosquitto.port}\n')
     agent = Agent(load_agent_config(conf), warm_worker=False)
     # the agent's own client while its broker is away: paho answers a publish with NO_CONN
-    agent._client = mqttc.make_client(agent.broker, agent.client_id, SESSION)
-    agent.connected = True  # its loop has not heard of the loss yet
+    agent.bus.client = mqttc.make_client(agent.bus.broker, agent.bus.client_id, SESSION)
+    agent.bus.connected = True  # its loop has not heard of the loss yet
 
     asked: List[str] = []
     subscribed = threading.Event()
-    watcher = mqttc.make_client(agent.broker, f"watch-{cluster}")
+    watcher = mqttc.make_client(agent.bus.broker, f"watch-{cluster}")
     watcher.on_message = lambda c, u, m: asked.append(m.topic.split("/agents/")[1].split("/")[0]) if (
         rpc.decode_request(m.payload).get("op") == "spawn") else None
     watcher.on_subscribe = lambda *a: subscribed.set()
-    mqttc.connect_and_wait(watcher, agent.broker)
+    mqttc.connect_and_wait(watcher, agent.bus.broker)
     watcher.subscribe(f"{topics.base(cluster)}/agents/+/peer/n1", qos=1)
     assert subscribed.wait(10.0)
     try:
-        spec = InstanceSpec("work-5eedf43f0646", "work", "n1", cluster, "p", PIPELINE, agent.broker,
+        spec = InstanceSpec("work-5eedf43f0646", "work", "n1", cluster, "p", PIPELINE, agent.bus.broker,
                             preds=("p.source.0",), succs=("p.sink.0",))
         replies: List[Dict[str, Any]] = []
         agent._spawn(spawns.CreateNode(spec, replies.append, "spawn", ("n2", "n3"), {"n2": True, "n3": True}), 100.0)
         assert replies == [], replies  # not failed: n2's answer is awaited
         assert [c.node for c in agent.spawns.calls.values()] == ["n2"], agent.spawns.calls
 
-        mqttc.connect_and_wait(agent._client, agent.broker, SESSION)  # the broker is back
+        mqttc.connect_and_wait(agent.bus.client, agent.bus.broker, SESSION)  # the broker is back
         deadline = time.monotonic() + 5.0
         while not asked and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(1.0)  # a second request would follow the first at once
         assert asked == ["n2"], f"spawn of one identity delivered to {asked}"
     finally:
-        for c in (agent._client, watcher):
+        for c in (agent.bus.client, watcher):
             c.loop_stop()
             c.disconnect()
 
@@ -141,7 +142,7 @@ def test_a_copy_started_here_first_and_placed_elsewhere_is_bound_to_where_it_run
     conf.write_text(f'[agent]\nnode = "n1"\ncluster = "c"\nstate_dir = "{tmp_path}"\n[mqtt]\nhost = "h"\nport = 1\n')
     agent = Agent(load_agent_config(conf), warm_worker=False)
     agent._publish = lambda *a, **k: True  # type: ignore[assignment]
-    agent.connected = True
+    agent.bus.connected = True
     inst = "work-0855bf9f6cd0"
     online = {"n1": True, "n2": True}
     agent.hosts.sync({inst: ("p", 4242)}, {}, {}, online, {})  # its worker starting here: bound to n1

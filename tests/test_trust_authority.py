@@ -23,8 +23,8 @@ def _agent(tmp_path: Path, node: str = "n1", extra_toml: str = "") -> Any:
     conf.write_text(f'[agent]\nnode = "{node}"\ncluster = "c"\nstate_dir = "{tmp_path}/state-{node}"\n'
                     f'[mqtt]\nhost = "h"\nport = 1\n' + extra_toml)
     agent = Agent(load_agent_config(conf), warm_worker=False)
-    agent._client = RecordingClient()
-    agent._retained_in = True  # the sync marker is back: peer requests are handled at once
+    agent.bus.client = RecordingClient()
+    agent.bus.retained_in = True  # the sync marker is back: peer requests are handled at once
     return agent
 
 
@@ -34,7 +34,7 @@ def _deliver(agent: Any, topic: str, payload: Any, retain: bool = False) -> None
 
 
 def _replies(agent: Any, to: str) -> List[Dict[str, Any]]:
-    return [json.loads(p) for p in agent._client.on(topics.replies("c", to, agent.node))]
+    return [json.loads(p) for p in agent.bus.client.on(topics.replies("c", to, agent.node))]
 
 
 def _drain_from(agent: Any, sender: str) -> Dict[str, Any]:
@@ -47,9 +47,9 @@ def _drain_from(agent: Any, sender: str) -> Dict[str, Any]:
 
 def _records_in(agent: Any) -> None:
     """The sync marker comes back: the retained records of the agent's subscriptions are in."""
-    agent._sync_marker = b"sync-marker"
+    agent.bus.marker = b"sync-marker"
     _deliver(agent, topics.replies("c", agent.node, agent.node), b"sync-marker")
-    assert agent._retained_in
+    assert agent.bus.retained_in
 
 
 def _claim(agent: Any, writer: str, node: str, until: float, **state: Any) -> None:
@@ -114,7 +114,7 @@ def test_a_claim_beside_the_leaders_does_not_keep_a_restarted_agent_from_its_dra
     of whom it follows (on its own claim topic) is a vote: n1 follows n2, says so on its own
     topic, and refuses n3's drain. In three nodes (no n4) the votes tie: n1 follows none."""
     agent = _agent(tmp_path)
-    agent._retained_in = False  # the retained records of its subscriptions come in
+    agent.bus.retained_in = False  # the retained records of its subscriptions come in
     now = agent.wall()
     for n in ("n2", "n3", "n4"):
         _deliver(agent, topics.agent_status("c", n), b"online", True)
@@ -124,10 +124,10 @@ def test_a_claim_beside_the_leaders_does_not_keep_a_restarted_agent_from_its_dra
     _records_in(agent)
     assert _drain_from(agent, "n3")["ok"] is False and not agent.drain.draining
     assert _drain_from(agent, "n2")["ok"] is True and agent.drain.draining
-    stated = [json.loads(p) for p in agent._client.on(topics.site_manager("c", "n1")) if p]
+    stated = [json.loads(p) for p in agent.bus.client.on(topics.site_manager("c", "n1")) if p]
     assert stated and stated[-1] == {"v": 1, "node": "n1", "until": 0, "follows": "n2"}
     three = _agent(tmp_path, "n5")
-    three._retained_in = False
+    three.bus.retained_in = False
     for n in ("n2", "n3"):
         _deliver(three, topics.agent_status("c", n), b"online", True)
     _claim(three, "n2", "n2", now + 15.0)
@@ -482,7 +482,7 @@ def test_the_agent_keeps_its_bindings_and_the_leader_it_follows_in_its_state_dir
     site manager beside n2 and lists w. Before, the restarted n1 followed nobody (n2 and n3
     tied: n2's drains refused) and bound w to nobody; now it follows n2 and keeps w on r."""
     agent = _agent(tmp_path)
-    agent._retained_in = False
+    agent.bus.retained_in = False
     now = agent.wall()
     for n in ("n2", "n3", "r"):
         _deliver(agent, topics.agent_status("c", n), b"online", True)
@@ -493,7 +493,7 @@ def test_the_agent_keeps_its_bindings_and_the_leader_it_follows_in_its_state_dir
     agent._save_bindings()
 
     again = _agent(tmp_path)
-    again._retained_in = False
+    again.bus.retained_in = False
     for n in ("n2", "n3", "r"):
         _deliver(again, topics.agent_status("c", n), b"online", True)
     _claim(again, "n3", "n3", now + 15.0)

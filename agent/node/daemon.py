@@ -9,26 +9,31 @@ a message goes on by its topic's kind through another (`_HANDLERS`). The loop wa
 every `TICK` seconds to reap workers, expire calls and publish state.
 
 What it does:
-- MQTT 5 session: stable client id `fog-agent-<cluster>-<node>`, clean_start=False with a session
+- MQTT 5 session (agent.node.bus, the one client): stable client id `fog-agent-<cluster>-<node>`, clean_start=False with a session
   expiry, so requests sent while it reconnects wait in the broker; retained status "online" with
   a Last Will "offline" (retained), so the fleet learns of a dead agent without polling.
-- Node state: retained JSON (`agent.node.nodestate`) every `state_period`, and soon after
+- Node state: retained JSON (`agent.node.nodestate`, read by agent.node.report with the
+  counters, systemd's status and the metrics endpoint) every `state_period`, and soon after
   every change of its instances.
 - createNode(): a worker's "spawn" line, a "spawn" on our peer topic from another agent, or one
   on our rpc topic from `fog-agent deploy`. Placement (`agent.node.placement`) ranks the
   nodes; a local slot starts a worker here, a remote one becomes a peer request to that agent.
 - Bus input (docs/security.md): control requests only on `agents/<me>/rpc/<admin>`, the
   protocol's spawns only on `agents/<me>/peer/<node>` and only for a pipeline that node hosts,
-  re-homes or an admin deployed; replies only to `replies/<requester>/<me>`; every payload
-  bounded before parsing (agent.wire); no message ends the loop (`_on_message_safely`). Either way the answer ("spawned", or the
+  re-homes or an admin deployed, each op answered by agent.node.requests; replies only to
+  `replies/<requester>/<me>`; every payload bounded before parsing (agent.wire); no message ends
+  the loop (`_on_message_safely`). Either way the answer ("spawned", or the
   rpc reply) is sent only after the new worker said "ready", i.e. after it subscribed to its inbox
   (docs/design.md invariant 2: subscribe before announce).
 - Shutdown on SIGTERM/SIGINT: "stop" to every worker (they drain, invariant 4), SIGTERM after
   shutdown_timeout/2, SIGKILL after shutdown_timeout, then "offline" and exit. Bound: the process
   exits within shutdown_timeout + SHUTDOWN_SLACK seconds of the signal.
 
-The shell and its cores: this module is the shell (the loop, the MQTT session, the workers'
-processes, the files, the log lines and events); the decisions that hold state of their own are
+The shell and its parts: this module is the shell (the loop, the workers' processes, the files,
+the log lines and events). Beside it, parts that do IO but no deciding of the loop's, each given
+the parts it reads and a few calls, none a reference to the Agent: the MQTT session (bus), what
+the node says of itself (report), the requests of the rpc and peer topics (requests), a drain's
+hand-over (handover). The decisions that hold state of their own are
 sans-IO parts beside it, each given what it reads and the time as arguments, none holding a
 reference to the Agent: who may ask for what (agent.node.gate), the fleet view from the retained
 records (fleetview), the pins (pins), crash restarts and their backoff (restarts), re-homing's
@@ -48,24 +53,18 @@ import os
 import queue
 import signal
 import time
-import uuid
-from collections import deque
 from pathlib import Path
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 from agent import events, notify, signing, topics
 from agent.config import AgentConfig, check_tls, load_agent_config, load_pipeline_text, resolve_password
 from agent.schema import ConfigError
-from agent.control.fleet import Instance, Phase
-from agent.control.rpc_schema import ActionKind, DrainRequest, Reply, RequestError, agent_actions, parse_request
 from agent.mqtt import client as mqttc
 from agent.files import write_atomic
 from agent.instance import deployfiles
 from agent.instance.spec import InstanceSpec, request_spec
-from agent.mqtt.requester import SYNC_PREFIX
 from agent.mqtt.settings import BrokerSpec
-from agent.measure.capacity import capacity_for
-from agent.node import chains, hosted, nodestate, rehome, replicas, rpc, spawns, statexfer
+from agent.node import chains, handover, hosted, nodestate, rehome, replicas, rpc, spawns, statexfer
 from agent.node.gate import Gate, NodeLocal, PeerFacts, without_handover
 from agent.node.pins import Pins
 from agent.node.restarts import RESTART_WINDOW, Restarts, exit_of
@@ -73,8 +72,12 @@ from agent.node.spawns import RPC_TIMEOUT
 from agent.node import rehoming
 from agent.node.rehoming import Rehoming
 from agent.node.fleetview import FleetView
+from agent.node.bus import AgentBus
+from agent.node.report import Report
+from agent.node.requests import NodeCalls, Requests, load_pins, spec_with_capacity
 from agent.node.drain import COPIES_FIRST_WAIT, Drain
 from agent.node import loopevents
+from agent.node.handover import read_json
 from agent.node.hostmap import MAX_MOVED
 from agent.node.hostsync import HostSync
 from agent.control import records
@@ -104,21 +107,9 @@ EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: never reached the broker within connect
 
 TICK = 0.2  # seconds: the loop's longest sleep
 SHUTDOWN_SLACK = 3.0  # seconds beyond shutdown_timeout for reaping, "offline" and disconnect
-SESSION_EXPIRY = 3600  # seconds the broker keeps our session (subscriptions, queued requests)
-SESSION = mqttc.Session(persistent=True, expiry=SESSION_EXPIRY)
-# Peer requests held until the retained records are in (`_held_peer`): beyond this many, one is
-# checked at once, as before (bounded memory; a refused requester places elsewhere or retries).
-HELD_PEER_MAX = 256
 READOPT_SETTLE = 1.0  # seconds after connecting before re-adopting, and not before the sync marker came back
 # The spools of sinks that no longer run here are salvaged for shipping this often (AgentSpill.salvage_orphans).
 SALVAGE_PERIOD = 10.0
-STATE_MIN_INTERVAL = 0.25  # rate limit of change-triggered state publications
-# What only a node asks of another on its peer topic (its standby copies, a hand-over's state).
-PEER_ONLY_OPS = frozenset({"replica", "state_chunk"})
-
-Respond = Callable[[Dict[str, Any]], None]  # sends the reply to one request
-
-
 class Halt(BaseException):
     """Leave the main loop with an exit status (gunicorn's HaltServer)."""
 
@@ -159,8 +150,6 @@ class Agent:
         self.policy = policy
         self.clock = clock
         self.wall = wall
-        self.sample_machine = sample_machine
-        self.connect_timeout = connect_timeout
         self._events: "queue.SimpleQueue[loopevents.LoopEvent]" = queue.SimpleQueue()
         # What a spec may name here (docs/security.md, "No code from the bus"): fixed at start.
         allowed = admission.AllowList.for_node(cfg.operators.modules)
@@ -178,7 +167,8 @@ class Agent:
             command=worker_command,
             env=dict(env if env is not None else worker_env(), **allowed.env()),
         )
-        self.broker = BrokerSpec(
+        self.report = Report(cfg, self.supervisor, sample_machine, wall)  # node state, counters, systemd, metrics
+        broker = BrokerSpec(
             host=cfg.mqtt.host,
             port=cfg.mqtt.port,
             keepalive=cfg.mqtt.keepalive,
@@ -193,13 +183,12 @@ class Agent:
             id_secret_file=cfg.mqtt.client_id_secret_file,
         )
         check_tls(cfg.mqtt)  # a bad CA/cert/key file: ConfigError now (exit 78), not in paho's thread
-        self.client_id = mqttc.agent_id(self.broker, self.cluster, self.node)  # docs/security.md, "Client ids"
-        self._connect_log = mqttc.FailureLog(self.broker.host, self.broker.port, log, extra={"node": self.node})
-        self._paho_error: Optional[str] = None  # paho's last error log line (a TLS alert, ...)
+        # docs/security.md, "Client ids"
+        self.bus = AgentBus(broker, mqttc.agent_id(broker, self.cluster, self.node), self.cluster, self.node,
+                            self._events.put, connect_timeout, clock())
         self.view = FleetView(self.node)  # what the retained records say (agent.node.fleetview)
         self._context_cache: Dict[Tuple[str, str], Tuple[str, Optional[str]]] = {}
         self.latency_core = _latency_core(cfg)  # RTT to the other agents (issue 6), if installed
-        self._seen_requests = rpc.SeenRequests()  # admin requests handled: a redelivery is not applied again
         self.restarts = Restarts()  # crashed workers to start again here, and their backoff
         self.drain = Drain()  # fogctl drain: no new instances, keepers moving (agent.node.drain)
         self.staging = statexfer.Staging()  # keyed states arriving with a hand-over, by (node, instance)
@@ -212,38 +201,27 @@ class Agent:
         # as the control line "hosts", and where this node moved instances to (agent.node.hostsync),
         # both kept in the state directory.
         self.hosts = HostSync(self.node, _load_moved(Path(cfg.agent.state_dir)),
-                              _read_json(Path(cfg.agent.state_dir) / BINDINGS_FILE))
+                              read_json(Path(cfg.agent.state_dir) / BINDINGS_FILE))
         self._reconcile_at: Optional[float] = None
         self._reconnect_asks: Dict[str, float] = {}  # worker -> when it asked to reconnect (fencing)
-        self._last_puback = -1e9
         self._to_readopt: List[InstanceSpec] = []  # hosted when this agent started (see run)
         self._connected_at = 0.0  # clock() of the last connect: workers started before it may be fenced
         self._fenced: Set[str] = set()  # killed because another node runs them: never restarted here
         self._readopted = False
         self._counter = 0
         self._boot = format(int(wall()) % (36 ** 5), "x")
-        self.spawns = spawns.Spawns(self.node, f"{self.client_id}-{self._boot}")  # createNode() (agent.node.spawns)
+        self.spawns = spawns.Spawns(self.node, f"{self.bus.client_id}-{self._boot}")  # createNode() (agent.node.spawns)
         # loop state
-        self.connected = False
-        self._ever_connected = False
         self._stopping_since: Optional[float] = None
         self._state_dirty = True
-        self._last_state = -1e9
-        self._last_watchdog = -1e9
-        self._ready_notified = False
-        self._started = clock()
-        self.counters: Dict[str, int] = {"spawned_local": 0, "spawned_remote": 0, "spawn_failed": 0,
-                                         "rpc_requests": 0, "rpc_repeats": 0, "restarts": 0, "bad_messages": 0,
-                                         "peer_refused": 0, "retained_ignored": 0}
         # Who may ask for what (agent.node.gate): the admission of specs and of peer requests.
-        self.gate = Gate(NodeLocal(self.node, self.cluster, self.broker, cfg.agent.state_dir,
+        self.gate = Gate(NodeLocal(self.node, self.cluster, broker, cfg.agent.state_dir,
                                    cfg.agent.heartbeat_period, cfg.agent.dead_after > 0, cfg.mqtt.inbox_per_node,
                                    cfg.agent.keyed_standby),
-                         allowed, admission.NodeDirs.of(cfg), trust, self.counters, self._boot)
+                         allowed, admission.NodeDirs.of(cfg), trust, self.report.counters, self._boot)
         self._undeploying: Set[str] = set()  # stopped for an undeploy: forgotten, never restarted
         # fogctl scale pins (agent.node.pins), kept in the state directory
-        self.pins = Pins(_load_pins(Path(cfg.agent.state_dir)))
-        self._client: Any = None
+        self.pins = Pins(load_pins(Path(cfg.agent.state_dir)))
         # The site manager (docs/site-manager.md): every agent reads the nodes' claims, each on its
         # own topic, and derives the leader (a drain on the peer topic is accepted from the leader
         # only); [site_manager] enabled runs a candidate, which shares this board.
@@ -251,102 +229,58 @@ class Agent:
         self.site_leases = LeaseBoard(cfg.agent.node, lease_bound(sm.lease, sm.period))
         # The leader we followed before a restart, kept while its claim stays valid: a restarted
         # reader that followed nobody tied between the leader and a claim beside it in a fleet of 3.
-        followed = (_read_json(Path(cfg.agent.state_dir) / FOLLOWED_FILE) or {}).get("follows")
+        followed = (read_json(Path(cfg.agent.state_dir) / FOLLOWED_FILE) or {}).get("follows")
         if isinstance(followed, str) and followed and followed != self.node and len(followed) <= 256:
             self.site_leases.held = self.site_leases.previous = followed
-        self._retained_in = False  # the retained records of this connection's subscriptions are in
-        self._sync_marker = b""  # what marks their end (see _on_connected)
-        # Peer requests that arrived before those records: a persistent session hands over what
-        # was queued for us at connect, before the retained records our checks read (the lease, the
-        # hosted records), so they wait for the marker and are then checked in arrival order.
-        self._held_peer: Deque[Any] = deque()
         # A node state older than three state periods is not counted as serving (a killed agent's
         # last state would offer its slots until its Will arrives).
         self.site: Optional[SiteDriver] = (SiteDriver(cfg.site_manager, cfg.agent.node, cfg.agent.cluster,
                                                       stale_after=3 * cfg.agent.state_period, board=self.site_leases)
                                            if cfg.site_manager.enabled else None)
-        self.metrics: Any = None  # agent.measure.metrics, when [metrics].port != 0
-        self.stats_bridge: Any = None
         # [spill]: the sink workers' spool settings, this agent's metrics/events spool, shipping
-        self.spill: Optional[AgentSpill] = AgentSpill.maybe(cfg, self.broker)
-        self.metrics_server: Any = None
+        self.spill: Optional[AgentSpill] = AgentSpill.maybe(cfg, broker)
+        # The requests on our rpc and peer topics (agent.node.requests). Late-bound calls: the
+        # fuzzer and the tests replace some of these methods on a built agent.
+        calls = NodeCalls(spawn=lambda e, now: self._spawn(e, now), undeploy=self._undeploy,
+                          event=lambda *a, **kw: self._event(*a, **kw), changed=self._changed,
+                          free_slots=lambda: self.free_slots(), fleet_slots=self.fleet_slots,
+                          stopping=lambda: self._stopping_since is not None, peer_facts=self._peer_facts,
+                          publish=lambda *a, **kw: self._publish(*a, **kw), bad=lambda *a: self._bad(*a))
+        self.requests = Requests(self.node, self.cluster, cfg.agent.state_dir, wall, self.supervisor, self.gate,
+                                 self.view, self.pins, self.drain, self.replication.store, self.staging, self.spill,
+                                 self.report.counters, self.report.local_instances, calls)
 
-    # -- MQTT ----------------------------------------------------------------------------------
+    # -- MQTT (agent.node.bus) -----------------------------------------------------------------
 
-    def _make_client(self) -> Any:
-        c = mqttc.make_client(self.broker, self.client_id, SESSION, max_inflight=self.broker.max_inflight,
-                              reconnect_delay=(1, 10),
-                              will=mqttc.Will(topics.agent_status(self.cluster, self.node), b"offline"))
-        # Callbacks only enqueue (the loop owns the state).
-        c.on_connect = lambda cl, ud, flags, reason, props=None: self._events.put(
-            loopevents.Connected(not reason.is_failure, str(reason), bool(getattr(flags, "session_present", False)))
-        )
-        c.on_disconnect = lambda cl, ud, flags, reason, props=None: self._events.put(
-            loopevents.Disconnected(str(reason)))
-        # A failed (re)connect that paho retries by itself -> ConnectFailed; paho reports a
-        # lost connection without its cause (a TLS alert from the broker rejecting our
-        # certificate reads as "Unspecified error"): the cause is in its error log line.
-        mqttc.FailureLog.watch(c, lambda why: self._events.put(loopevents.ConnectFailed(why)),
-                               lambda why: self._events.put(loopevents.PahoError(why)))
-        c.on_message = lambda cl, ud, msg: self._events.put(loopevents.MqttMessage(msg))
-        c.on_publish = lambda cl, ud, mid, reason=None, props=None: self._events.put(loopevents.Puback(mid))
-        mqttc.connect(c, self.broker, SESSION, blocking=False)
-        return c
+    @property
+    def connected(self) -> bool:
+        return self.bus.connected
+
+    @property
+    def _retained_in(self) -> bool:
+        return self.bus.retained_in
 
     def _publish(self, topic: str, payload: bytes, retain: bool = False, qos: int = 1,
                  properties: Any = None) -> Union[bool, int]:
-        """False when not queued, else the message id (true: paho's ids start at 1), whose PUBACK
-        some callers wait for (replicas.Replication.published). Queued includes a message paho
-        took while the connection is down (`mqttc.publish_taken`): it goes out at the reconnect,
-        so a spawn request must not be asked of another node as well (invariant 7)."""
-        if self._client is None:
-            return False
-        info = self._client.publish(topic, payload, qos=qos, retain=retain, properties=properties)
-        if not mqttc.publish_taken(info.rc, qos):
-            # paho does not raise on a full queue (docs/design.md section 6): say so, never drop silently.
-            log.warning("publish to %s not queued (rc=%s)", topic, info.rc, extra={"node": self.node})
-            return False
-        return getattr(info, "mid", 0) or True
+        """The bus's publish, by the name the re-homing code and the tests call (and replace)."""
+        return self.bus.publish(topic, payload, retain=retain, qos=qos, properties=properties)
 
     def _on_connected(self, session_present: bool) -> None:
-        if self._ever_connected and self.metrics is not None:
-            self.metrics.reconnect("agent")  # fog_mqtt_reconnects_total{client="agent"}
-        self.connected = True
-        self._ever_connected = True
-        c = self._client  # TCP_NODELAY is set on its socket (agent.mqtt.client.nodelay)
-        subs = [
-            (topics.agent_rpc_inbox(self.cluster, self.node), 1),
-            (topics.agent_peer_inbox(self.cluster, self.node), 1),
-            (topics.replies_inbox(self.cluster, self.node), 1),
-            (topics.all_agents_state(self.cluster), 1),
-            (topics.all_agents_status(self.cluster), 1),
-            (topics.all_latency(self.cluster), 1),
-            (topics.all_agents_hosted(self.cluster), 1),
-            (topics.all_agents_rehomed(self.cluster), 1),
-            (topics.all_pipelines(self.cluster), 1),
-            (topics.all_site_managers(self.cluster), 1),  # after the statuses: a claim counts only if online
-        ]
-        if self.latency_core is not None:
-            subs.extend((t, 0) for t in self.latency_core.subscriptions())
-        c.subscribe(subs)
+        self.bus.subscribe(self.latency_core.subscriptions() if self.latency_core is not None else ())
         if self.site is not None:  # a leader whose connection was lost leads no more (its Will voided its lease)
             for eff in self.site.on_reconnect():
                 self._publish(eff.topic, eff.payload, retain=eff.retain)
-        # The broker sends a subscription's retained messages before it handles our next publish
-        # (one connection, in order): when this marker comes back, the site manager's lease is in.
-        self._retained_in = False
-        self._sync_marker = SYNC_PREFIX + uuid.uuid4().hex.encode()
-        self._publish(topics.replies(self.cluster, self.node, self.node), self._sync_marker, qos=1)
+        self.bus.mark()  # when it comes back, the site manager's lease is in
         # State before status: whoever sees "online" (a snapshot ends at a sync marker, not after
         # a pause) then also finds this node's retained state, so `deploy` can place on it.
         self._publish_state(self.clock())
-        self._publish(topics.agent_status(self.cluster, self.node), b"online", retain=True)
+        self.bus.online()
         self._state_dirty = True
         self._hosted_dirty = True
         # Re-adopt (first connect) and fence (every connect) once the retained states are in.
         self._reconcile_at = self.clock() + READOPT_SETTLE
         self._connected_at = self.clock()
-        log.info("connected to %s:%d (session present: %s)", self.broker.host, self.broker.port,
+        log.info("connected to %s:%d (session present: %s)", self.bus.broker.host, self.bus.broker.port,
                  session_present, extra={"node": self.node})
 
     # -- the loop ------------------------------------------------------------------------------
@@ -362,38 +296,13 @@ class Agent:
         # kill the daemon without a drain (docs/operations.md, "Reload").
         signal.signal(signal.SIGHUP, lambda signum, frame: self._events.put(loopevents.Reload(signum)))
 
-    def _start_metrics(self) -> None:
-        """`[metrics].port` != 0: serve /metrics (prometheus_client multiprocess mode, files under
-        the state dir) and export the workers' heartbeat counters through StatsBridge, so the
-        endpoint's counters are exactly what the workers count, with no metrics code in their
-        data path. Port 0 (the default and the tests') leaves everything off."""
-        if self.cfg.metrics.port == 0:
-            return
-        from agent.measure import metrics
-
-        metrics.enable_multiprocess(Path(self.cfg.agent.state_dir) / "metrics")
-        self.metrics = metrics.Metrics()
-        self.stats_bridge = metrics.StatsBridge(self.metrics)
-        try:
-            self.metrics_server = metrics.serve(self.cfg.metrics.port, self.cfg.metrics.address)
-        except OSError as exc:  # a busy port must not stop the node from working
-            log.error("metrics endpoint on %s:%d not started: %s", self.cfg.metrics.address,
-                      self.cfg.metrics.port, exc, extra={"node": self.node})
-            return
-        log.info("metrics on %s", self.metrics_server.url if self.metrics_server else "-", extra={"node": self.node})
-
-    def _observe_stats(self, w: Any) -> None:
-        if self.stats_bridge is not None and isinstance(w.stats, dict):
-            self.stats_bridge.observe(w.spec.pipeline, w.spec.operator, w.instance, w.stats)
-
     def run(self) -> int:
-        self._start_metrics()
+        self.report.start_metrics()
         # What the previous incarnation hosted, read before this one starts anything: only these
         # are re-adopted (an instance this agent starts and stops before the first reconcile
         # must not come back).
         self._to_readopt = hosted.hosted(self.cfg.agent.state_dir)
-        self._client = self._make_client()
-        self._client.loop_start()
+        self.bus.start()
         status = EXIT_OK
         try:
             while True:
@@ -408,9 +317,8 @@ class Agent:
         finally:
             if self.spill is not None:
                 self.spill.close()  # workers are stopped: close, ship what is closed, stop shipping
-            self._close_mqtt()
-            if self.metrics_server is not None:
-                self.metrics_server.close()
+            self.bus.close(self.report.empty_state)
+            self.report.close()
         return status
 
     def _step(self) -> None:
@@ -443,32 +351,19 @@ class Agent:
         self.supervisor.handle_eof(event.instance)  # its lines are handled: poll() may reap it
 
     def _on_puback(self, event: loopevents.Puback, now: float) -> None:
-        self._last_puback = now
+        self.bus.last_puback = now
         if self.replication.waits_for(event.mid):
             self.replication.published(event.mid, now, self._publish_replica)
 
     def _on_connack(self, event: loopevents.Connected, now: float) -> None:
-        if event.ok:
-            self._paho_error = None
-            self._connect_log.connected()
+        again = self.bus.ever_connected
+        if self.bus.connack(event):
+            if again:
+                self.report.reconnected()
             self._on_connected(event.session_present)
-        else:
-            self._connection_problem(f"the broker refused the connection: {event.reason}")
 
-    def _on_connect_failed(self, event: loopevents.ConnectFailed, now: float) -> None:
-        self._connection_problem(event.why)
-
-    def _on_paho_error(self, event: loopevents.PahoError, now: float) -> None:
-        self._paho_error = event.why  # already mqttc.paho_error()'d by FailureLog.watch
-
-    def _on_disconnected(self, event: loopevents.Disconnected, now: float) -> None:
-        reason = self._paho_error or event.reason  # the cause rather than "Unspecified error"
-        self._paho_error = None
-        if self.connected:
-            self.connected = False
-            log.warning("disconnected from broker: %s", reason, extra={"node": self.node})
-        else:
-            self._connection_problem(f"connection closed before CONNACK: {reason}")
+    def _on_connection_trouble(self, event: Any, now: float) -> None:
+        self.bus.trouble(event)
 
     def _on_signal(self, event: loopevents.Signalled, now: float) -> None:
         self._begin_shutdown(now, f"signal {signal.Signals(event.signum).name}")
@@ -479,14 +374,14 @@ class Agent:
     _LOOP: Dict[type, Callable[["Agent", Any, float], None]] = {
         loopevents.MqttMessage: _on_mqtt_message, loopevents.WorkerLine: _on_worker_line_event,
         loopevents.WorkerEof: _on_worker_eof, loopevents.Puback: _on_puback, loopevents.Connected: _on_connack,
-        loopevents.ConnectFailed: _on_connect_failed, loopevents.PahoError: _on_paho_error,
-        loopevents.Disconnected: _on_disconnected, loopevents.Signalled: _on_signal, loopevents.Reload: _on_reload,
+        loopevents.ConnectFailed: _on_connection_trouble, loopevents.PahoError: _on_connection_trouble,
+        loopevents.Disconnected: _on_connection_trouble, loopevents.Signalled: _on_signal, loopevents.Reload: _on_reload,
     }
 
     def _reload(self) -> None:
         """SIGHUP: re-read the config file and apply its [log] level, the one setting that changes
         safely in place; anything else needs a restart (drain, rejoin), which the log line says."""
-        if self._ready_notified:
+        if self.report.ready_notified:
             notify.reloading()
         try:
 
@@ -501,14 +396,8 @@ class Agent:
                         f"; changed [{'], ['.join(other)}] need a restart (systemctl restart fog-agent)"
                         if other else "", extra={"node": self.node})
             logging.getLogger().setLevel(getattr(logging, new.log.level.upper(), logging.INFO))
-        if self._ready_notified:
-            notify.ready(self._status_line())
-
-    def _connection_problem(self, reason: str) -> None:
-        """A failed connect attempt: paho retries; each distinct reason is logged once (no
-        traceback, no line per retry), the last one is kept for the exit message of
-        `connect_timeout`."""
-        self._connect_log.failed(reason)
+        if self.report.ready_notified:
+            notify.ready(self.report.status_line(self.connected))
 
     def _periodic(self, now: float) -> None:
         for reaped in self.supervisor.poll(now):
@@ -525,7 +414,7 @@ class Agent:
         self._maybe_rehome(now)
         self._grant_reconnects(now)
         if self.pins:
-            self._expire_pins()
+            self.requests.expire_pins()
         if self._stopping_since is None:
             for spec in self.restarts.due(now):
                 self._restart(spec, now)
@@ -541,13 +430,9 @@ class Agent:
             if now - self._stopping_since > self.cfg.agent.shutdown_timeout + SHUTDOWN_SLACK / 2:
                 self._emergency_stop()
                 raise Halt("shutdown timeout: remaining workers killed", EXIT_OK)
-        if (
-            self.connect_timeout is not None
-            and not self._ever_connected
-            and now - self._started > self.connect_timeout
-        ):
-            last = f" ({self._connect_log.last})" if self._connect_log.last else ""
-            raise Halt(f"no broker at {self.broker.host}:{self.broker.port} after {self.connect_timeout}s{last}", EXIT_UNAVAILABLE)
+        gave_up = self.bus.gave_up(now)
+        if gave_up:
+            raise Halt(gave_up, EXIT_UNAVAILABLE)
         if self.connected and self.latency_core is not None:
             core = self.latency_core
             core.set_neighbours((n for n in self.view.fleet if n != self.node and self.view.online.get(n, False)), near=self.hosts.near)
@@ -557,8 +442,7 @@ class Agent:
                 topic, payload = core.retained(self.wall())
                 self._publish(topic, payload, retain=True)
         if self.connected:
-            due = now - self._last_state >= self.cfg.agent.state_period
-            if due or (self._state_dirty and now - self._last_state >= STATE_MIN_INTERVAL):
+            if self.report.due(now, self._state_dirty):
                 self._publish_state(now)
                 self._send_policy_contexts()
         if self.site is not None and self.connected and self._retained_in and self._stopping_since is None:
@@ -570,82 +454,18 @@ class Agent:
             if now - self._salvaged_at >= SALVAGE_PERIOD:
                 self._salvaged_at = now
                 self.spill.salvage_orphans(set(self.supervisor.workers), Path(self.cfg.agent.state_dir))
-        self._notify(now)
-
-    # -- systemd -------------------------------------------------------------------------------
-
-    def _notify(self, now: float) -> None:
-        if not notify.enabled():
-            return
-        if not self._ready_notified and self.connected and self._stopping_since is None:
-            starting = [w for w in self.supervisor.workers.values() if w.status is WorkerStatus.STARTING]
-            if not starting:
-                notify.ready(self._status_line())
-                self._ready_notified = True
-        period = notify.watchdog_period()
-        if period is not None and now - self._last_watchdog >= period:
-            if self.supervisor.healthy(now) and self._stopping_since is None:
-                notify.watchdog()
-                notify.status(self._status_line())
-                self._last_watchdog = now
-
-    def _status_line(self) -> str:
-        ops: Dict[str, int] = {}
-        for w in self.supervisor.workers.values():
-            ops[w.spec.operator] = ops.get(w.spec.operator, 0) + 1
-        detail = ", ".join(f"{k}={v}" for k, v in sorted(ops.items())) or "none"
-        conn = "connected" if self.connected else "disconnected"
-        return f"{conn}; {len(self.supervisor)}/{self.cfg.agent.slots} slots used; instances: {detail}"
+        self.report.notify(now, self.connected, self._stopping_since is not None)
 
     # -- state ---------------------------------------------------------------------------------
 
-    def instance_infos(self) -> List[nodestate.InstanceInfo]:
-        out = []
-        for w in self.supervisor.workers.values():
-            stats = w.stats
-            status = w.status.value
-            # The protocol core's state, when the worker reports it (deleting/departing = leaving).
-            if status == "active" and stats.get("state") in ("deleting", "departing", "terminated"):
-                status = "terminating"
-            out.append(nodestate.InstanceInfo(
-                id=w.instance, operator=w.spec.operator, keeper=bool(stats.get("keeper", w.spec.keeper)),
-                status=status, load=_num(stats.get("load")), capacity=_num(stats.get("capacity")),
-                pid=w.pid, stats=stats,
-            ))
-        return out
+    @property
+    def counters(self) -> Dict[str, int]:
+        return self.report.counters
 
     def state_doc(self) -> Dict[str, Any]:
-        doc = nodestate.build_node_state(
-            self.node, self.cfg.agent.slots, self.instance_infos(), self.sample_machine(self.supervisor.pids()), self.wall()
-        )
-        # A draining node offers no slot to anybody: the other agents' placement (and fogctl's
-        # checks) read this number, and would otherwise ask it for instances it refuses.
-        doc["free_slots"] = min(int(doc["free_slots"]), self.free_slots())
-        for item in doc.get("instances", []):  # which deploy an instance belongs to (fogctl undeploy --force)
-            w = self.supervisor.get(str(item.get("id")))
-            if w is not None:
-                item["pipeline"] = w.spec.pipeline
-                gen = records.spec_generation(w.spec)
-                if gen:
-                    item["generation"] = gen
-                if self.pins.flagged(w.instance):
-                    item["pinned"] = True
-        if self.drain.draining:  # fogctl status flags the node (docs/fogctl.md, "Payloads")
-            doc["draining"] = True
-        if self.drain.moving:
-            # Keepers stopped here whose start elsewhere is not answered yet: this node is not
-            # empty (the site manager releases it, maybe powers it off, only once it is): a
-            # failed start restarts the keeper here, and a keyed one's state is only here.
-            doc["handing_over"] = sorted(self.drain.moving)
-        if self.pins:
-            doc["pins"] = self.pins.listed()
-        moved = self.hosts.moved_statements(self.supervisor)
-        if moved:
-            doc["moved"] = moved
         copies = self.replication.store.owned(n for n, up in self.view.online.items() if not up and n != self.node)
-        if copies:  # what our standby copies of offline hosts say they own: their re-home reads it
-            doc["standby_groups"] = copies
-        return doc
+        return self.report.state_doc(self.free_slots(), self.pins, self.drain,
+                                     self.hosts.moved_statements(self.supervisor), copies)
 
     def _stated_move(self, instance: str, node: Any) -> None:
         """We moved `instance` to `node` (its createNode() reply): say so in our state record."""
@@ -666,12 +486,11 @@ class Agent:
         return True
 
     def _publish_state(self, now: float) -> None:
-        if self.metrics is not None:  # fog_instances, fog_spool_*: on the beat of the retained state
-            self.metrics.observe_node(self.supervisor.workers.values(), self.spill)
+        self.report.observe_node(self.spill)
         doc = self.state_doc()
         self.view.fleet[self.node] = doc
         if self._publish(topics.agent_state(self.cluster, self.node), nodestate.encode_state(doc), retain=True):
-            self._last_state = now
+            self.report.last_state = now
             self._state_dirty = False
 
     def _send_policy_contexts(self) -> None:
@@ -746,76 +565,8 @@ class Agent:
             return 0  # `fogctl drain`: no new instance until `undrain`
         return max(0, self.cfg.agent.slots - len(self.supervisor))
 
-    # -- fogctl steering (agent/control/rpc_schema.py) ---------------------------------------
-
-    def _local_instances(self) -> List[Any]:
-        out = []
-        for info in self.instance_infos():
-            w = self.supervisor.get(info.id)
-            phase = {"active": Phase.ACTIVE, "terminating": Phase.TERMINATING}.get(info.status, Phase.STARTING)
-            if phase is Phase.ACTIVE and info.stats.get("state") == "idle":
-                phase = Phase.STARTING  # created, not yet started by its creator
-            out.append(Instance(id=info.id, operator=info.operator, node=self.node,
-                                pipeline=w.spec.pipeline if w is not None else None,
-                                keeper=info.keeper, phase=phase, load=info.load, capacity=info.capacity))
-        return out
-
-    def _keeps_keyed_state(self, instance: str) -> bool:
-        """The instance said so in its stats (agent.instance.keyed_state)."""
-        w = self.supervisor.get(instance)
-        return w is not None and bool(w.stats.get("keyed_state"))
-
-    def _on_steering(self, body: Dict[str, Any], now: float) -> Dict[str, Any]:
-        """A fogctl scale/drain request: check it against our own instances (`agent_actions`) and
-        hand each action to its worker as a control line; the worker runs it through the SAME
-        protocol as an automatic decision (ScalingCore.start_round with a forced decision)."""
-        try:
-            req = parse_request(body)
-            actions = agent_actions(req, self.node, self._local_instances(), slots=self.fleet_slots())
-        except RequestError as exc:
-            return Reply(False, {}, str(exc)).to_dict()
-        for a in actions:
-            if a.kind is ActionKind.HANDOVER and self._keeps_keyed_state(a.instance):
-                # Its keyed state travels with the hand-over (`_hand_over`, agent.node.statexfer)
-                # up to a bound: a larger one is refused as a whole, before anything is changed.
-                data = statexfer.snapshot_bytes(Path(self.cfg.agent.state_dir) / f"{a.instance}.keyed.json")
-                why = statexfer.too_large(len(data or b""))
-                if why:
-                    return Reply(False, {}, f"{a.instance} cannot move: {why}").to_dict()
-        if isinstance(req, DrainRequest):
-            self.drain.set(not req.undo)  # an undrain: the keepers not stopped yet stay
-            self._state_dirty = True
-        sent: List[str] = []
-        # Keyed copies leave first, the keepers wait for them (agent.node.drain).
-        copies = {a.instance for a in actions if a.kind is ActionKind.TERMINATE and self._keeps_keyed_state(a.instance)}
-        for a in actions:
-            if a.kind is ActionKind.HANDOVER:
-                # A keeper never terminates: it moves with its identity (see `_hand_over`). It
-                # stops here first (drains, keeps its session, writes its state); the rest
-                # happens when it has exited.
-                if a.instance not in self.supervisor:
-                    return Reply(False, {"leaving": sent}, f"instance {a.instance} on {self.node} is not running").to_dict()
-                if self.drain.hand_over(a.instance, copies, now):
-                    self.supervisor.stop(a.instance, now)
-                sent.append(a.instance)
-                continue
-            kind = "duplicate" if a.kind is ActionKind.DUPLICATE else "terminate"
-            if self.supervisor.send(a.instance, "scale", action=kind, count=a.count):
-                sent.append(a.instance)
-            else:
-                return Reply(False, {"instances": sent}, f"instance {a.instance} on {self.node} is not reachable").to_dict()
-        log.info("steering %s: %s", body.get("op"), [(a.kind.value, a.instance, a.count) for a in actions],
-                 extra={"node": self.node})
-        for a in actions:
-            w = self.supervisor.get(a.instance)
-            if w is not None:
-                self._event("drain" if isinstance(req, DrainRequest) else "steer", a.instance, w.spec.operator,
-                            w.spec.pipeline, action=a.kind.value, count=a.count)
-        key = "leaving" if isinstance(req, DrainRequest) else "instances"
-        return Reply(True, {key: sent, "node": self.node}).to_dict()
-
     def _release_keeper(self, now: float, left: Optional[str] = None) -> None:
-        """Stop each keeper of a drain that waits for keyed copies (`_on_steering`) once they have
+        """Stop each keeper of a drain that waits for keyed copies (`Requests.steer`) once they have
         all left (`left` just exited) or its wait is over."""
         for keeper, copies in self.drain.release(now, left):
             if copies:
@@ -834,7 +585,7 @@ class Agent:
         if event == "heartbeat":
             w = self.supervisor.get(instance)
             if w is not None:
-                self._observe_stats(w)
+                self.report.observe(w)
                 if self.spill is not None:
                     self.spill.on_heartbeat(w.spec, w.stats, self.wall())
         elif event == "ready":
@@ -875,7 +626,7 @@ class Agent:
                 # hosts it (the binding of its envelopes) before anybody is told it exists.
                 self._publish_hosted()
             if self.pins:
-                self._apply_pins()
+                self.requests.apply_pins()
             self._event("spawned", instance, w.spec.operator, w.spec.pipeline,
                         cause=cause or ("restart" if w.spec.restart else "unknown"),
                         warm=w.warm_age is not None,
@@ -1057,22 +808,20 @@ class Agent:
     def _on_request_topic(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
         if parsed.node != self.node:
             return
-        if parsed.kind == "peer" and not self._retained_in and len(self._held_peer) < HELD_PEER_MAX:
-            self._held_peer.append(msg)
+        if parsed.kind == "peer" and not self._retained_in and self.requests.hold(msg):
             return
-        self._on_rpc_request(msg, str(parsed.sender), peer=parsed.kind == "peer", now=now)
+        self.requests.on_request(msg, str(parsed.sender), peer=parsed.kind == "peer", now=now)
 
     def _on_reply_topic(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
         if parsed.node != self.node:
             return
         if parsed.sender != self.node:
             self._on_rpc_reply(msg, str(parsed.sender), now)
-        elif not self._retained_in and msg.payload == self._sync_marker:
-            self._retained_in = True
+        elif self.bus.marked(msg.payload):
             self.site_leases.restate()  # once per connection, from every claim and statement
             self._state_whom_we_follow()
-            while self._held_peer:  # each on its own: one that fails strands none behind it
-                self._on_message_safely(self._held_peer.popleft(), now)
+            while self.requests.held:  # each on its own: one that fails strands none behind it
+                self._on_message_safely(self.requests.held.popleft(), now)
 
     def _on_state_record(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
         try:
@@ -1204,9 +953,9 @@ class Agent:
                 self._publish(eff.topic, eff.payload, retain=eff.retain)
             elif isinstance(eff, Steer):
                 if eff.node == self.node:
-                    self._on_steering(eff.body, self.clock())
+                    self.requests.steer(eff.body, self.clock())
                 else:
-                    corr = f"{self.client_id}-site-{now:.6f}"
+                    corr = f"{self.bus.client_id}-site-{now:.6f}"
                     self._publish(topics.agent_peer(self.cluster, eff.node, self.node), rpc.encode(eff.body),
                                   properties=rpc.publish_properties(corr))
             elif isinstance(eff, Hook):
@@ -1222,159 +971,6 @@ class Agent:
             log.error("site event not published: %s", exc, extra={"node": self.node})
             return
         self._publish(topics.events(self.cluster), ev.to_json().encode(), qos=1)
-
-    def _on_rpc_request(self, msg: Any, requester: str, peer: bool, now: float) -> None:
-        """A request on `agents/<me>/rpc/<admin>` (control) or `agents/<me>/peer/<node>` (the
-        protocol's spawns), handed to the handler of its op (`_OPS`). The reply goes to
-        `replies/<requester>/<me>`, computed from the topic; a Response Topic in the request is
-        ignored (docs/security.md)."""
-        self.counters["rpc_requests"] += 1
-        correlation = rpc.correlation_of(msg)
-        reply_to = topics.replies(self.cluster, requester, self.node)
-        where = "peer" if peer else "rpc"
-        if not peer and not self._seen_requests.first(requester, correlation, bytes(msg.payload), now):
-            # The same request again (a QoS 1 redelivery, e.g. over a site's bridge after its
-            # uplink broke): it was handled once and its reply sent; never apply it twice.
-            self.counters["rpc_repeats"] += 1
-            log.info("ignoring a repeated request from %s (same correlation data)", requester,
-                     extra={"node": self.node})
-            return
-
-        def reply(result: Dict[str, Any]) -> None:
-            self._publish(reply_to, rpc.encode(result), properties=rpc.reply_properties(correlation or b""))
-
-        try:
-            body = rpc.decode_request(msg.payload)
-        except ValueError as exc:
-            self._bad(f"{where} request", requester, exc)
-            reply({"ok": False, "error": str(exc)})
-            return
-        op = body["op"]
-        if peer:
-            why = self.gate.peer_refusal(self.wall(), op, requester, body, self._peer_facts())
-            if why is not None:
-                self.counters["peer_refused"] += 1
-                log.warning("refused %s request from node %s: %s", op, requester, why, extra={"node": self.node})
-                reply({"ok": False, "error": f"refused: {why}"})
-                return
-        elif op in PEER_ONLY_OPS:
-            reply({"ok": False, "error": f"refused: {op} is a peer request"})
-            return
-        self._OPS[op](self, body, requester, peer, reply, now)
-
-    def _op_replica(self, body: Dict[str, Any], requester: str, peer: bool, reply: Respond, now: float) -> None:
-        answer = self.replication.store.apply(requester, body)
-        if answer is not None:
-            if not answer.get("ok"):
-                log.info("replica of %s from %s: %s", str(body.get("instance"))[:80], requester,
-                         answer.get("error"), extra={"node": self.node})
-            reply(answer)
-
-    def _op_state_chunk(self, body: Dict[str, Any], requester: str, peer: bool, reply: Respond, now: float) -> None:
-        try:  # never answered: the spawn that follows is (statexfer)
-            self.staging.add(requester, body, now)
-        except ValueError as exc:
-            self._bad("state_chunk", requester, exc)
-
-    def _op_ping(self, body: Dict[str, Any], requester: str, peer: bool, reply: Respond, now: float) -> None:
-        reply({"ok": True, "node": self.node, "instances": sorted(self.supervisor.workers)})
-
-    def _op_stop(self, body: Dict[str, Any], requester: str, peer: bool, reply: Respond, now: float) -> None:
-        # `forget`: an undeploy (docs/fogctl.md): the stored spec goes before the reply, so
-        # that no restart of this agent brings the instance back, whatever the broker keeps.
-        inst, forget = body["instance"], body.get("forget") is True
-        stored = forget and any(s.instance == inst for s in hosted.hosted(self.cfg.agent.state_dir))
-        if forget and (inst in self.supervisor or stored):
-            self._undeploying.add(inst)
-            self._forget(inst)
-        if inst in self.supervisor:
-            self.supervisor.stop(inst, now)
-            reply({"ok": True, "instance": inst, "node": self.node})
-        elif stored:
-            reply({"ok": True, "instance": inst, "node": self.node, "forgotten": True})
-        else:
-            reply({"ok": False, "error": f"no instance {inst[:80]!r} on {self.node}"})
-
-    def _op_pin(self, body: Dict[str, Any], requester: str, peer: bool, reply: Respond, now: float) -> None:
-        reply(self._on_pin(body))
-
-    def _op_set(self, body: Dict[str, Any], requester: str, peer: bool, reply: Respond, now: float) -> None:
-        inst = body["instance"]
-        if self.supervisor.send(inst, "set", **body["fields"]):
-            reply({"ok": True, "instance": inst, "node": self.node})
-        else:
-            reply({"ok": False, "error": f"no running instance {inst[:80]!r} on {self.node}"})
-
-    def _op_steer(self, body: Dict[str, Any], requester: str, peer: bool, reply: Respond, now: float) -> None:
-        reply(self._on_steering(body, now))
-
-    def _op_spawn(self, body: Dict[str, Any], requester: str, peer: bool, reply: Respond, now: float) -> None:
-        if self._stopping_since is not None:
-            reply({"ok": False, "error": f"agent {self.node} is shutting down"})
-            return
-        if "chain" in body:
-            self._spawn_chain(body, requester, peer, reply, now)
-            return
-        data = body["spec"]
-        if peer:  # the admin's text of the pipeline (Gate.peer_may_spawn), never the requester's
-            data = dict(data, pipeline_toml=self.view.deployed_text[str(data.get("pipeline"))])
-        try:
-            spec = self.gate.spec_from(self.wall(), data, template=None,
-                                       requester=f"{'node' if peer else 'admin'} {requester}")
-        except (TypeError, ValueError) as exc:
-            reply({"ok": False, "error": f"invalid spec: {exc}"})
-            return
-        self._spawn(spawns.SpawnRequest(spec, reply, str(body.get("cause", "rpc"))[:40], requester,
-                                        self._status_here(spec.instance)), now)
-
-    _OPS: Dict[str, Callable[["Agent", Dict[str, Any], str, bool, Respond, float], None]] = {
-        "replica": _op_replica, "state_chunk": _op_state_chunk, "ping": _op_ping, "stop": _op_stop,
-        "pin": _op_pin, "set": _op_set, "scale": _op_steer, "drain": _op_steer, "undrain": _op_steer,
-        "spawn": _op_spawn,
-    }
-
-    def _spawn_chain(self, body: Dict[str, Any], requester: str, peer: bool,
-                     reply: Callable[[Dict[str, Any]], None], now: float) -> None:
-        """A deploy's chain request (docs/runtime.md, "Chaining"): consecutive keepers in one
-        process here, or a refusal (the deployer then places them one by one). The reply waits
-        until every member said "ready" (invariant 2 per member)."""
-        members = body.get("chain")
-        if peer:
-            reply({"ok": False, "error": "refused: a chain is started only by a deploy"})
-            return
-        if not isinstance(members, list) or not all(isinstance(m, dict) for m in members):
-            reply({"ok": False, "error": "invalid chain: expected a list of spec objects"})
-            return
-        try:
-            specs = [self.gate.spec_from(self.wall(), m, template=None, requester=f"admin {requester}")
-                     for m in members[:chains.MAX_CHAIN + 1]]
-        except (TypeError, ValueError) as exc:
-            reply({"ok": False, "error": f"invalid spec: {exc}"})
-            return
-        problem = chains.chain_problem(specs)
-        if problem:
-            reply({"ok": False, "error": f"invalid chain: {problem}"})
-            return
-        here = [s.instance for s in specs if s.instance in self.supervisor]
-        if here:
-            reply({"ok": False, "error": f"instance {here[0]} already runs on {self.node}"})
-            return
-        if self.free_slots() < len(specs):
-            reply({"ok": False, "error": f"no {len(specs)} free slots on {self.node} for a chain"})
-            return
-        specs = [spec_with_capacity(s, self.cfg.agent.state_dir, self.node) for s in specs]
-        if self.spill is not None:
-            specs = [self.spill.with_spill(s) for s in specs]
-        specs = chains.with_chain(specs)
-        try:
-            self.supervisor.start_chain(specs, now)
-        except (OSError, ValueError) as exc:
-            log.error("cannot start chain: %s", exc, extra={"instance": specs[0].instance})
-            reply({"ok": False, "error": f"{self.node} could not start the chain"})
-            return
-        self.counters["spawned_local"] += len(specs)
-        self._state_dirty = True
-        self._spawn(spawns.ChainStarted(specs, reply, str(body.get("cause", "rpc"))[:40]), now)
 
     def _on_rpc_reply(self, msg: Any, replier: str, now: float) -> None:
         """A reply on `replies/<me>/<replier>`: it answers a call only if it comes from the node
@@ -1399,11 +995,7 @@ class Agent:
     def _on_reaped(self, reaped: Reaped, now: float) -> None:
         w = reaped.worker
         self._state_dirty = True
-        self._observe_stats(w)
-        if self.metrics is not None:
-            from agent.measure import metrics
-
-            metrics.process_exited(w.pid)
+        self.report.exited(w)
         placing = self.spawns.cause_of(w.instance) is not None
         reason = (w.exit_event or {}).get("reason") or w.killed_for or f"exit status {reaped.returncode}"
         log.info("worker pid %d exited with %d (%s)", w.pid, reaped.returncode, reason, extra={"instance": w.instance})
@@ -1442,55 +1034,24 @@ class Agent:
             self._maybe_restart(w, now)
 
     def _hand_over(self, w: Worker, now: float) -> None:
-        """Start a keeper that stopped for a drain again ELSEWHERE, with the same identity.
-
-        Why a same-identity migration rather than duplicate-then-terminate: a keeper never
-        terminates, and its identity is what its neighbours' tables, its inbox session and its
-        channel positions are keyed by. So it moves like a crash restart on another node: the
-        spec gets `restart = true` and the state file it just wrote (plus a source's position),
-        the new incarnation takes epoch + 1 and the broker session of its inbox, and its
-        predecessors replay what it had not acked (duplicates are dropped by sequence and, at
-        the sink, by record id). Placement skips this node (draining: 0 free slots). Once the
-        new incarnation is ready this node forgets the instance, so an agent restart here never
-        re-adopts it; if no node can take it, it restarts here so that nothing stalls.
-        """
+        """Start a keeper that stopped for a drain again ELSEWHERE, with the same identity
+        (agent.node.handover says why and how)."""
         inst = w.instance
-        state_dir = Path(self.cfg.agent.state_dir)
-        extra = dict(w.spec.extra)
-        extra["handover_state"] = _read_json(state_dir / f"{inst}.state.json")
-        if extra["handover_state"] is None:  # never written: start above any epoch it used, as a re-home does
-            extra["min_epoch"] = max(int(extra.get("min_epoch", 0) or 0), int(self.wall()))
-        sink_dir = Path(str(extra.get("sink_dir") or state_dir))
-        source = _read_json(sink_dir / f"{inst}.source.json")
-        if source is not None:
-            extra["handover_source"] = source
-        keeper = bool(w.stats.get("keeper", w.spec.keeper))
-        local = dataclasses.replace(w.spec, restart=True)
-        # A keyed operator's state (states, output counters, applied numbers, unacked outputs)
-        # goes as it was saved at the worker's exit, in chunks before the spawn (statexfer).
-        chunks: List[Dict[str, Any]] = []
-        try:
-            keyed = statexfer.snapshot_bytes(state_dir / f"{inst}.keyed.json")
-        except (OSError, ValueError) as exc:
-            keyed, why = None, f"its keyed state cannot be read: {exc}"
-        else:
-            why = statexfer.too_large(len(keyed or b""))
-        if why:  # grew past the bound since the drain was accepted, or unreadable: stays here
-            log.error("hand-over refused (%s): restarting it here", why, extra={"instance": inst})
-            self._event("drain", inst, w.spec.operator, w.spec.pipeline, action="handover", ok=False, error=why)
-            self._restart(local, self.clock())
+        transfer = f"{self._boot}-{self._counter}-{int(self.wall() * 1000)}"
+        self._counter += 1
+        move = handover.prepare(w.spec, w.stats, Path(self.cfg.agent.state_dir), self.wall(), transfer)
+        if move.refused:
+            log.error("hand-over refused (%s): restarting it here", move.refused, extra={"instance": inst})
+            self._event("drain", inst, w.spec.operator, w.spec.pipeline, action="handover", ok=False,
+                        error=move.refused)
+            self._restart(move.local, self.clock())
             return
-        if keyed is not None:
-            transfer = f"{self._boot}-{self._counter}-{int(self.wall() * 1000)}"
-            self._counter += 1
-            manifest, chunks = statexfer.chunk_bodies(inst, transfer, keyed)
-            extra["handover_keyed"] = manifest.to_json()
-        spec = dataclasses.replace(w.spec, restart=True, active=True, keeper=keeper, extra=extra)
 
         def reply(result: Dict[str, Any]) -> None:
             self.drain.moving.discard(inst)
             self._state_dirty = True
-            if result.get("ok") and result.get("node") != self.node:
+            then = handover.outcome(result, self.node, self._stopping_since is not None)
+            if then == handover.MOVED:
                 log.info("handed over to %s (same identity)", result.get("node"), extra={"instance": inst})
                 self._stated_move(inst, result.get("node"))
                 self._forget(inst)  # hosted.forget + the state file: never re-adopted here
@@ -1501,16 +1062,15 @@ class Agent:
             log.error("hand-over failed (%s): restarting it here", error, extra={"instance": inst})
             self._event("drain", inst, w.spec.operator, w.spec.pipeline, action="handover", ok=False,
                         error=str(error))
-            if result.get("ok") or self._stopping_since is not None:
-                return  # it runs here already / the agent stops: re-adopted at its restart
-            self._restart(local, self.clock())
+            if then == handover.RESTART:
+                self._restart(move.local, self.clock())
 
         log.info("keeper stopped for the drain: starting it elsewhere (epoch above %s%s)",
-                 (extra["handover_state"] or {}).get("epoch"),
-                 f", keyed state of {len(keyed)} bytes in {len(chunks)} chunks" if keyed is not None else "",
+                 (move.spec.extra["handover_state"] or {}).get("epoch"),
+                 f", keyed state of {move.keyed} bytes in {len(move.chunks)} chunks" if move.keyed is not None else "",
                  extra={"instance": inst})
         self.drain.moving.add(inst)
-        self._create_node(spec, reply, cause="handover", now=now, chunks=chunks)
+        self._create_node(move.spec, reply, cause="handover", now=now, chunks=move.chunks)
 
     def _maybe_restart(self, w: Worker, now: float) -> None:
         """Restart a crashed worker with the same identity, at once or after its backoff
@@ -1587,7 +1147,7 @@ class Agent:
         for inst, asked in list(self._reconnect_asks.items()):
             if inst not in self.supervisor or inst in self._fenced:
                 del self._reconnect_asks[inst]
-            elif self._last_puback > asked:
+            elif self.bus.last_puback > asked:
                 del self._reconnect_asks[inst]
                 self.supervisor.send(inst, "reconnect")
 
@@ -1620,6 +1180,14 @@ class Agent:
         if not self._readopted:
             self._readopted = True
             self._readopt(now)
+
+    def _changed(self) -> None:
+        self._state_dirty = True
+
+    def _undeploy(self, instance: str) -> None:
+        """Stopped for an undeploy: forgotten, never restarted."""
+        self._undeploying.add(instance)
+        self._forget(instance)
 
     def _forget(self, instance: str) -> None:
         hosted.forget(self.cfg.agent.state_dir, instance)
@@ -1808,45 +1376,8 @@ class Agent:
             why = w.spec.pipeline == pipeline and records.stale_reason(records.spec_generation(w.spec), record)
             if why and inst not in self._undeploying:
                 log.warning("stopping: %s", why, extra={"instance": inst})
-                self._undeploying.add(inst)
-                self._forget(inst)
+                self._undeploy(inst)
                 self.supervisor.stop(inst, now)
-
-    # -- pins (fogctl scale: the policy makes no automatic decision for a pinned operator) -------
-
-    def _on_pin(self, body: Dict[str, Any]) -> Dict[str, Any]:
-        try:
-            req = parse_request(body)
-        except RequestError as exc:
-            return Reply(False, {}, str(exc)).to_dict()
-        if req.release:  # every pin of the operator (of that pipeline, when it names one)
-            key = self.pins.release(req.pipeline, req.operator)
-        else:
-            key = self.pins.pin(self.wall(), req.pipeline, req.operator, req.seconds)
-        _save_pins(Path(self.cfg.agent.state_dir), self.pins.pins)
-        pinned = self._apply_pins()
-        log.info("%s %s: local instances %s", "released" if req.release else "pinned", key, pinned,
-                 extra={"node": self.node})
-        return Reply(True, {"pinned": not req.release, "until": self.pins.until(key),
-                            "instances": pinned, "node": self.node}).to_dict()
-
-    def _apply_pins(self) -> List[str]:
-        """Send each worker whose pinned flag changed a `set pinned` control line; the pinned ones."""
-        pinned, send = self.pins.apply((inst, w.spec.pipeline, w.spec.operator, w.status is WorkerStatus.ACTIVE)
-                                       for inst, w in self.supervisor.workers.items())
-        for inst, want in send:
-            if self.supervisor.send(inst, "set", pinned=want):
-                self.pins.delivered(inst, want)
-        self._state_dirty = True
-        return pinned
-
-    def _expire_pins(self) -> None:
-        expired = self.pins.expire(self.wall())
-        for k in expired:
-            log.info("pin of %s expired", k, extra={"node": self.node})
-        if expired:
-            _save_pins(Path(self.cfg.agent.state_dir), self.pins.pins)
-            self._apply_pins()
 
     def _readopt(self, now: float) -> None:
         """Restart, with the same identity, every instance this node hosted when its agent last
@@ -1915,47 +1446,6 @@ class Agent:
                 pass
         self.supervisor.poll(now)
 
-    def _close_mqtt(self) -> None:
-        c = self._client
-        if c is None:
-            return
-        if self.connected:
-            doc = nodestate.build_node_state(self.node, self.cfg.agent.slots, [], self.sample_machine(()), self.wall())
-            self._publish(topics.agent_state(self.cluster, self.node), nodestate.encode_state(doc), retain=True)
-            info = c.publish(topics.agent_status(self.cluster, self.node), b"offline", qos=1, retain=True)
-            try:
-                info.wait_for_publish(timeout=1.0)
-            except (RuntimeError, ValueError):
-                pass
-        c.disconnect()
-        c.loop_stop()
-
-
-def spec_with_capacity(spec: InstanceSpec, state_dir: Any, node: str) -> InstanceSpec:
-    """For `capacity = "calibrate"`: put THIS node's calibrated capacity into the spec's extra.
-
-    Why here: a copy inherits its creator's extra, but may start on another node whose Pi is
-    slower or throttled; the agent that starts the worker knows its own calibration
-    (`capacity.capacity_for`). A numeric capacity in the pipeline is left alone. Without a
-    calibration the worker keeps its fallback and the agent says how to fix it.
-    """
-    try:
-        cfg = load_pipeline_text(spec.pipeline_toml)
-        sc = cfg.scaling_for(spec.operator)
-    except Exception:  # the worker reports an unloadable pipeline itself (EXIT_BAD_SPEC)
-        return spec
-    if sc.capacity != "calibrate":
-        return spec
-    try:
-        cap = capacity_for(state_dir, node, spec.operator, None)
-    except ValueError as exc:
-        log.warning("%s", exc, extra={"node": node, "operator": spec.operator})
-        return spec
-    extra = dict(spec.extra)
-    extra["capacity"] = cap
-    return dataclasses.replace(spec, extra=extra)
-
-
 def _latency_core(cfg: AgentConfig) -> Any:
     """The latency measurement core of issue 6 when installed (placement works without it)."""
     try:
@@ -1963,26 +1453,6 @@ def _latency_core(cfg: AgentConfig) -> Any:
     except ImportError:
         return None
     return LatencyCore(cfg.agent.node, cfg.agent.cluster, period=cfg.latency.period, smoothing=cfg.latency.smoothing)
-
-
-PINS_FILE = "pins.json"
-
-
-def _load_pins(state_dir: Path) -> Dict[str, Dict[str, Any]]:
-    """The pins this node was given (kept over an agent restart); an unreadable file: none."""
-    doc = _read_json(state_dir / PINS_FILE)
-    out: Dict[str, Dict[str, Any]] = {}
-    for key, p in (doc or {}).items():
-        if isinstance(p, dict) and isinstance(p.get("operator"), str) and (
-                p.get("until") is None or isinstance(p.get("until"), (int, float))):
-            out[str(key)] = {"pipeline": p.get("pipeline") if isinstance(p.get("pipeline"), str) else None,
-                             "operator": p["operator"], "until": p.get("until")}
-    return out
-
-
-def _save_pins(state_dir: Path, pins: Dict[str, Dict[str, Any]]) -> None:
-    state_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(state_dir / PINS_FILE, json.dumps(pins, sort_keys=True))
 
 
 MOVED_FILE = "moved.json"
@@ -1993,22 +1463,9 @@ FOLLOWED_FILE = "followed.json"  # the site manager this node follows (LeaseBoar
 def _load_moved(state_dir: Path) -> Dict[str, str]:
     """This node's "moved" statements, kept over an agent restart (oldest first); an unreadable
     file: none."""
-    listed = (_read_json(state_dir / MOVED_FILE) or {}).get("moved")
+    listed = (read_json(state_dir / MOVED_FILE) or {}).get("moved")
     pairs = [e for e in listed if isinstance(e, list) and len(e) == 2] if isinstance(listed, list) else []
     return dict([(i, n) for i, n in pairs if isinstance(i, str) and isinstance(n, str)][-MAX_MOVED:])
-
-
-def _read_json(path: Path) -> Optional[Dict[str, Any]]:
-    """A small JSON object file (a worker's state or a source's position), or None."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def _num(v: Any) -> Optional[float]:
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
 def run_agent(cfg: AgentConfig, policy_name: str = DEFAULT_POLICY, worker_command: Optional[Sequence[str]] = None,

@@ -39,7 +39,7 @@ __all__ = ["CHUNK_BYTES", "MAX_STATE_BYTES", "MAX_STAGED_BYTES", "STAGE_TTL", "M
 # under wire.MAX_CONTROL_BYTES (256 KiB) and the broker's max_packet_size (1 MiB).
 CHUNK_BYTES = 128 * 1024
 # The largest keyed state a drain hand-over carries (128 chunks, ~21 MiB on the wire). A larger one is refused before
-# anything stops (daemon `_on_steering`), naming its size and this limit.
+# anything stops (agent.node.requests, `Requests.steer`), naming its size and this limit.
 MAX_STATE_BYTES = 16 << 20
 # What a receiving agent holds in memory for transfers being assembled, all senders together.
 MAX_STAGED_BYTES = 2 * MAX_STATE_BYTES

@@ -1216,13 +1216,13 @@ class DaemonTarget(Target):
         agent = Agent(load_agent_config(conf), warm_worker=False)
         agent.free_slots = lambda: 0  # type: ignore[method-assign]  # refuse, never start a worker
         agent.supervisor.start = None  # type: ignore[assignment]  # ... and prove it: calling it is a crash
-        agent.connected = True
-        agent._client = self._Recorder()
+        agent.bus.connected = True
+        agent.bus.client = self._Recorder()
         # Connected, its retained records in (the sync marker came back): peer requests are handled
         # at once, not held. Held, they were answered by a later input that echoed the marker,
         # which the reply check then blamed on that input (found at 100k inputs: "reply_misdirected").
-        agent._retained_in = True
-        agent._sync_marker = b"fog-sync-fuzz"
+        agent.bus.retained_in = True
+        agent.bus.marker = b"fog-sync-fuzz"
         spec = _bus_corpus_spec()
         self.corpus = _rpc_request_corpus() + [_state_doc("n2", 1), [spec], {"taxi.in_zone.0": 1.7e9},
                                                {"node": "n2", "rtt_ms": {"me": 1.0}}]
@@ -1248,10 +1248,11 @@ type("M", (), {"topic": topic, "payload": raw, "retain": True, "properties": Non
         a.view.latency, a.view.deployed, a.drain.draining = copy.deepcopy(latency), set(deployed), False
         a.rehoming.offline_since.clear()
         a.view.reserved.clear()
-        a._held_peer.clear()
-        a._retained_in = True
-        a.counters = dict(self.base_counters)
-        a._client.published.clear()
+        a.requests.held.clear()
+        a.bus.retained_in = True
+        a.counters.clear()
+        a.counters.update(self.base_counters)
+        a.bus.client.published.clear()
 
     def one(self, rng: random.Random) -> bool:
         t = topics_mod()
@@ -1281,7 +1282,7 @@ type("M", (), {"topic": topic, "payload": raw, "retain": True, "properties": Non
             a._on_message(msg, 1.0)
         finally:
             logging.disable(logging.NOTSET)
-        for out, _ in a._client.published:
+        for out, _ in a.bus.client.published:
             if out not in (t.replies("c", sender, "me"), t.latency_pong("c", sender, "me")):
                 raise PropertyViolation("reply_misdirected", f"{out} for a message from {sender} on {topic}")
         refused = a.counters["bad_messages"] + a.counters["retained_ignored"] + a.counters["peer_refused"] \

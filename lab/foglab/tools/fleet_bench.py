@@ -10,7 +10,7 @@ online and a settle time has passed (the first state and latency rounds are out)
   split by topic kind (agent.topics.parse: state, status, hosted, latency, ping, pong, reply,
   events, ...) and attributed to the node that published it;
 - the broker's fan-out of each publication, computed from the subscriptions the daemon makes
-  (`AGENT_FILTERS`, a copy of `Agent._on_connected` and `LatencyCore.subscriptions`) with
+  (`AGENT_FILTERS`, a copy of `agent.node.bus.subscriptions` and `LatencyCore.subscriptions`) with
   paho's own matcher, so "messages in per node" is what the broker delivers to that agent; checked
   against `$SYS/broker/publish/messages/sent` (minus this subscriber's own share);
 - each agent's CPU (psutil, user + system over the window, its children included) and RSS, the
@@ -80,7 +80,7 @@ kind = "sink"
 function = "agent.operators.builtin:counting_sink"
 """
 
-# The subscriptions of one agent (agent/node/daemon.py, Agent._on_connected, and
+# The subscriptions of one agent (agent/node/bus.py, subscriptions, and
 # agent/measure/latency.py, LatencyCore.subscriptions): "{n}" is the agent's node. Those without
 # "{n}" are the cluster-wide ones: every agent gets every publication on them.
 AGENT_FILTERS = (
