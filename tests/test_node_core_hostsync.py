@@ -75,3 +75,36 @@ def test_a_hosted_records_generation_is_read_as_bus_input() -> None:
     assert generation_of(spec("a", generation="g1")) == "g1"
     assert generation_of(spec("a", generation=5)) == "" and generation_of({"extra": "x"}) == ""
     assert generation_of(spec("a", generation="g" * 100)) == "g" * 64
+
+
+def test_an_instance_whose_start_here_failed_is_bound_where_it_runs_proven() -> None:
+    """A copy placed here whose worker exited before it was ready (the node cut off the broker:
+    "cannot reach the broker"), then started by the next node. While it started it was ours,
+    bound here; kept as the binding to move from, the next node's listing made it a move
+    without a statement: bound there *unproven*, so our workers held its first epoch and
+    refused it 20 s later, and its predecessor and the source held their records for good
+    (tests/test_reliability.py::test_each_fault_path_on_a_fixed_schedule, not settled). It
+    never ran here: it starts over, as for a node that never saw it. Likewise a hand-over to
+    us that failed to start: bound again where it still runs, proven."""
+    online = {"n2": True, "n3": True}
+    mine = {"p.a.0": ("p", 100)}
+    h = HostSync("n1")
+    h.sync(dict(mine, **{"b-x": ("p", 101)}), {"n1": [spec("p.a.0")]}, {}, online, {})
+    assert h.hostmap.bound("b-x") == "n1"
+    h.not_started("b-x")  # the agent reaped it before "ready": the spawn goes to the next node
+    h.sync(mine, {"n1": [spec("p.a.0")]}, {}, online, {})  # nobody lists it yet
+    h.dirty = True  # n2's hosted record lists it (the daemon says a record changed)
+    _, send = h.sync(mine, {"n1": [spec("p.a.0")], "n2": [spec("b-x")]}, {}, online, {})
+    table = send[0][2]
+    assert table["bound"]["b-x"] == "n2" and "b-x" not in table.get("unproven", ()), table
+
+    # p.b.0 runs on n3 and is handed over to us; its start here fails, n3 restarts it
+    hosted = {"n1": [spec("p.a.0")], "n3": [spec("p.b.0")]}
+    h.dirty = True
+    h.sync(mine, hosted, {}, online, {})
+    assert h.hostmap.bound("p.b.0") == "n3" and h.hostmap.proven("p.b.0")
+    h.sync(dict(mine, **{"p.b.0": ("p", 102)}), hosted, {}, online, {})
+    assert h.hostmap.bound("p.b.0") == "n1"
+    h.not_started("p.b.0")
+    h.sync(mine, hosted, {}, online, {})
+    assert h.hostmap.bound("p.b.0") == "n3" and h.hostmap.proven("p.b.0")

@@ -863,7 +863,9 @@ def test_a_spawn_whose_worker_never_became_ready_is_not_restarted_here(tmp_path:
     20 s after start"; the spawn was answered as failed and the deployer placed the keeper on
     another node, while this node restarted its own incarnation as a crash: one identity on two
     nodes, whose clients took the session from each other for the rest of the run (seen in a
-    chaos run). The failed incarnation is forgotten here and the spawn goes on elsewhere."""
+    chaos run). The failed incarnation is forgotten here and the spawn goes on elsewhere, and so
+    is its binding to this node, made while it started (agent.node.hostmap, `forget`): kept, the
+    next node's listing bound it there unproven, and our workers refused its first epoch."""
     from agent.config import load_agent_config
     from agent.node import hosted
     from agent.node import spawns
@@ -888,11 +890,14 @@ def test_a_spawn_whose_worker_never_became_ready_is_not_restarted_here(tmp_path:
             return -9
 
     w = Worker(spec=spec, proc=Proc(), started_at=1.0)  # type: ignore[arg-type]
+    agent.hosts.sync({spec.instance: ("p", Proc.pid)}, {}, {}, {}, {})  # starting here: bound here
+    assert agent.hosts.hostmap.bound(spec.instance) == "me"
     w.killed_for = "not ready 20.0s after start"
     agent._on_reaped(Reaped(w, -9), 25.0)
     assert replies and replies[0]["ok"] is False and "exited before ready" in replies[0]["error"]
     assert started == [] and agent.counters["restarts"] == 0 and not agent.restarts.delayed
     assert spec.instance not in {s.instance for s in hosted.hosted(tmp_path)}
+    assert agent.hosts.hostmap.bound(spec.instance) is None
 
 
 @pytest.mark.broker

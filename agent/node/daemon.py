@@ -1006,6 +1006,7 @@ class Agent:
             # both consume its inbox: docs/design.md invariant 7).
             hosted.forget(self.cfg.agent.state_dir, w.instance)
             self.replication.forget(w.instance)
+            self.hosts.not_started(w.instance)  # bound here while it started: not where it runs
             self._hosted_dirty = True
             self._spawn(spawns.Exited(w.instance, str(reason)), now)
         handing_over = self.drain.exited(w.instance)

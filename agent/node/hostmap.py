@@ -45,6 +45,13 @@ The rule, per instance (`HostMap.update`):
   carry it), the instance starts over as one this agent never saw; never while a claimer still
   lists it under the old deploy.
 
+- An instance whose start under this agent failed (its worker exited before it was ready: the
+  spawn goes on to the next node, a failed hand-over goes back to the node it came from) never
+  ran here: it starts over too (`forget`, told by the daemon). Kept bound here, it was the
+  binding the next node's listing moved it from, without a statement: bound there *unproven*,
+  so our workers held its first epoch and refused it (a keeper's copy placed here while this
+  node was cut off the broker).
+
 - A binding outlives the agent's restart (`saved` / `restore`, the daemon keeps it in its state
   directory): the proven bindings to other nodes come back as the bindings the rule starts from.
   Without them an agent that restarted saw every claimer of a never-moved instance as equal, and
@@ -146,7 +153,7 @@ class HostMap:
             listed_under = generations.get(inst, {})
             was = self._generation.get(inst)
             if was and nodes and len(listed_under) == len(nodes) and was not in listed_under.values():
-                self._start_over(inst)  # a namesake of another deploy
+                self.forget(inst)  # a namesake of another deploy
             cur = self._bound.get(inst, (None, ""))[0]
             proven = inst not in self._unproven
             override = None
@@ -261,7 +268,9 @@ class HostMap:
                 taken += 1
         return taken
 
-    def _start_over(self, inst: str) -> None:
+    def forget(self, inst: str) -> None:
+        """`inst` starts over as an instance this agent never saw: its binding, former nodes,
+        proof and deploy are forgotten."""
         self._bound.pop(inst, None)
         self._former.pop(inst, None)
         self._unproven.discard(inst)

@@ -59,6 +59,12 @@ class HostSync:
         self.dirty = True
         return True
 
+    def not_started(self, instance: str) -> None:
+        """The worker of `instance` exited here before it was ready (its start failed): it never
+        ran here, so its binding starts over (agent.node.hostmap, `forget`)."""
+        self.hostmap.forget(instance)
+        self.dirty = True
+
     def sync(self, workers: Workers, hosted_by_node: Mapping[str, Sequence[Mapping[str, Any]]],
              fleet: Mapping[str, Mapping[str, Any]], online: Mapping[str, bool],
              rehomed_by_node: Mapping[str, Mapping[str, float]]) -> Tuple[bool, List[Tuple[str, int, Dict[str, Any]]]]:
