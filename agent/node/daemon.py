@@ -743,8 +743,6 @@ class Agent:
     def _placed(self, cmd: spawns.Placed, now: float) -> None:
         self.counters["spawned_remote"] += 1
         self.view.place(cmd.node, (cmd.spec.instance, cmd.spec.pipeline, cmd.spec.operator))
-        if cmd.left_here:  # our host map bound it to us while it ran here (docs/results.md, R21)
-            self._stated_move(cmd.spec.instance, cmd.node)
 
     def _spawn_failed(self, cmd: spawns.Failed, now: float) -> None:
         self.counters["spawn_failed"] += 1

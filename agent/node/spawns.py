@@ -191,14 +191,10 @@ class Answer(SpawnCommand):
 
 @dataclass(frozen=True)
 class Placed(SpawnCommand):
-    """`node` started `spec`: count it, and in the fleet view until its state lists it.
-    `left_here`: it was started here first and exited before ready; while it ran here our host
-    map bound it to us, and a binding moves to another node unproven unless the node it was
-    bound to says where it went, so the daemon states the move (its "moved" record)."""
+    """`node` started `spec`: count it, and in the fleet view until its state lists it."""
 
     node: str
     spec: InstanceSpec
-    left_here: bool = False
 
 
 @dataclass(frozen=True)
@@ -269,7 +265,6 @@ class _Job:
     tried: List[str] = field(default_factory=list)
     chain: Optional[_Chain] = None
     asking: Tuple[str, str] = ("", "")  # (node, correlation) of its AskPeer
-    ran_here: bool = False  # its worker started here (and exited before ready, if it walks on)
 
 
 @dataclass
@@ -346,7 +341,6 @@ class Spawns:
         job = self._step(ev.job, StartLocal)
         if ev.error is not None:
             return self._walk(job, now, ev.error)
-        job.ran_here = True
         self.awaiting[job.spec.instance] = job
         return []
 
@@ -368,7 +362,7 @@ class Spawns:
             error = ev.bad or "no result"
             return [BadReply(ev.replier, error)] + self._walk(job, now, f"bad reply from {call.node}: {error}")
         if ev.result.get("ok"):
-            return [Placed(call.node, job.spec, job.ran_here)] + self._answer(job, dict(ev.result))
+            return [Placed(call.node, job.spec)] + self._answer(job, dict(ev.result))
         return self._walk(job, now, f"{call.node}: {ev.result.get('error')}")
 
     def _ready(self, ev: Ready, now: float) -> List[SpawnCommand]:
