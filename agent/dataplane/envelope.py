@@ -365,7 +365,8 @@ def decode(raw: Union[bytes, bytearray, str], records: Any = True) -> Envelope:
     dicts; each item is `(source, seq, None)`. Rebuilding is a third of such a sink's CPU per
     batch of taxi records (measured ~0.3 of 0.8 ms). `records=LAZY` (a map that never reads
     its records and passes them on: `identity`): each record of a compact body is a `Row`,
-    which `encode_data` writes back without a dict (a fifth of such a map's CPU, O41)."""
+    which `encode_data` writes back without a dict (an eighth to a sixth of such a map's CPU per
+    taxi batch, O41)."""
     try:
         msg = _parse(raw)
     except (ValueError, TypeError, RecursionError) as exc:
