@@ -82,6 +82,9 @@ import paho.mqtt.client as mqtt
 from agent.dataplane import envelope as envmod
 from agent.dataplane.channel import Inbound
 from agent.instance import core as coremod
+from agent.instance import outputs as outmod
+from agent.instance.admission import Admission
+from agent.instance.outputs import Outputs
 from agent.instance.worker import Worker
 from agent.mqtt import client as mqttc
 from agent.mqtt.settings import BrokerSpec
@@ -248,13 +251,13 @@ def instrument(st: Stages) -> None:
     st.wrap(envmod, "_parse", "decode: parse")
     st.wrap(envmod, "_expand", "decode: records")
     st.wrap(coremod, "decode", "decode: envelope")
-    st.wrap(coremod.Instance, "_admit", "admission")
+    st.wrap(Admission, "screen", "admission")
     st.wrap(Inbound, "receive", "order/dedup")
     st.wrap(coremod.Instance, "_apply", "operator")
-    st.wrap(coremod.Instance, "_forward", "route/outbox")
-    st.wrap(coremod, "encode_data", "encode: data")
+    st.wrap(Outputs, "forward", "route/outbox")
+    st.wrap(outmod, "encode_data", "encode: data")
     st.wrap(coremod, "data_body_bytes", "encode: body slice")
-    st.wrap(coremod, "encode", "encode: ack/proto")
+    st.wrap(outmod, "encode", "encode: ack/proto")
     st.wrap(coremod.Instance, "_send_acks", "ack: decide")
     st.wrap(coremod.Instance, "_on_ack", "ack: in")
     st.wrap(coremod.Instance, "_record", "sink: record")

@@ -157,6 +157,33 @@ def test_a_successor_that_keeps_its_records_is_handed_the_batch_itself_any_other
         assert (handed[0].body[0][2] is kept.body[0][2]) is keeps
 
 
+def test_records_taken_without_rebuilding_reach_a_chained_successor_that_reads_them_as_dicts() -> None:
+    """An identity map takes a compact batch as Rows (it reads no record); its chained successor
+    reads records (this sink stores them): the hand-off rebuilds them; one in `local_ids_only`
+    gets the Rows themselves."""
+    from agent.dataplane.envelope import Row
+    from agent.operators.builtin import MapOperator, identity
+
+    for ids_only in (False, True):
+        store: List[Tuple[str, int]] = []
+        op, sink = make("op", ("sink-0",), store), make("sink", ("op-0",), store)
+        op = Instance(op.spec, PIPELINE, MapOperator(identity), local=frozenset({"sink-0"}))
+        sh = Shell(op, sink)
+        sh.feed(sink, Started(WALL0), 0.0)
+        sh.feed(op, Started(WALL0), 0.0)
+        op.outputs.local_ids_only = frozenset({"sink-0"}) if ids_only else frozenset()
+        batch = [("src", i, {"v": i, "w": -i}) for i in range(1, 4)]
+        sh.feed(op, EnvelopeReceived(topics.inbox(CLUSTER, "op-0", "n1"), encode_data("source-0", 0, 1, batch)), 0.1)
+        sh.feed(op, Tick(WALL0), 0.1)
+        handed = [it for _, e in sh.handed if e.kind is Kind.DATA for it in e.body]
+        assert [type(r) for _, _, r in handed] == [Row if ids_only else dict] * 3
+        if not ids_only:
+            assert handed == batch
+            sh.deliver(0.2)
+            sh.feed(sink, Tick(WALL0), 0.21)
+            assert sorted(store) == [("src", i) for i in range(1, 4)]
+
+
 def test_a_chain_tells_each_member_which_chained_successors_keep_their_records(tmp_path: Path) -> None:
     """`Operator.keeps_records`, read by the chain from its members' operators: the identity
     (`@passes_records`) and the null sink keep them, a function that may change a record does not."""
@@ -177,6 +204,10 @@ def test_a_chain_tells_each_member_which_chained_successors_keep_their_records(t
         keeps = {w.spec.instance: w.core.outputs.local_keeps for w in chain.members}
         assert keeps == {"source-0": frozenset({"sink-0", "map-0"} if map_keeps else {"sink-0"}),
                          "map-0": frozenset({"sink-0"}), "sink-0": frozenset({"map-0"} if map_keeps else set())}
+        # ... and which read no records (the identity and the null sink): handed Rows as they are
+        ids_only = {w.spec.instance: w.core.outputs.local_ids_only for w in chain.members}
+        assert ids_only == {"source-0": frozenset({"sink-0", "map-0"} if map_keeps else {"sink-0"}),
+                            "map-0": frozenset({"sink-0"}), "sink-0": frozenset({"map-0"} if map_keeps else set())}
 
 
 # ---- chain processes on the broker ----------------------------------------------------------------

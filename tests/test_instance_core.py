@@ -396,6 +396,30 @@ def test_a_batch_passed_on_whole_and_unchanged_is_forwarded_as_the_bytes_it_arri
     assert [(s, q, r) for s, q, r in decode(out).body] == [("src", i, {"v": i, "ok": i != 2}) for i in range(4)]
 
 
+def test_a_map_that_reads_no_records_passes_compact_batches_on_without_rebuilding_them() -> None:
+    """`identity` reads no record: a compact batch is taken as Rows (no dicts) and forwarded as
+    its bytes; one whose bytes another encoder wrote (spaces in its header: not sliceable) is
+    written again from the Rows: the same records and ids."""
+    from agent.dataplane.envelope import Row
+    from agent.operators.builtin import identity
+
+    recs = [{"v": i, "ok": i != 2} for i in range(4)]
+    body = json.dumps({"k": ["v", "ok"], "r": [["src", i, [r["v"], r["ok"]]] for i, r in enumerate(recs)]}).encode()
+    for head, passed in ((b'[1,"source-0",0,1,"d",', 1), (b'[1, "source-0", 0, 1, "d", ', 0)):
+        inst = _map_with(identity)
+        assert not inst.reads_records
+        taken: List[Any] = []
+        forward = inst.outputs.forward
+        inst.outputs.forward = lambda items, index, now: (taken.extend(items), forward(items, index, now))  # type: ignore
+        cmds = inst.handle(EnvelopeReceived(topics.inbox(CLUSTER, "op-0", "n1"), head + body + b"]"), 0.1)
+        sent = accept_all(inst, cmds + inst.handle(Tick(WALL0), 0.1), 0.1)
+        [out] = [p for t, p in sent if t == topics.inbox(CLUSTER, "sink-0", "n1")]
+        assert [type(r) for _, _, r in taken] == [Row] * 4
+        assert (body in out) is bool(passed) and inst.stats["passed_batches"] == passed
+        assert decode(out).body == [("src", i, r) for i, r in enumerate(recs)]
+    assert _map_with(lambda rec: rec).reads_records  # a function that may read its records: dicts
+
+
 @pytest.mark.parametrize("case", ["unmarked", "changed", "filtered"])
 def test_a_batch_that_changed_or_lost_records_or_whose_operator_promised_nothing_is_encoded_again(case: str) -> None:
     """Forwarding the bytes of a batch that is not exactly what the operator returned would send

@@ -268,6 +268,37 @@ def test_decode_without_records_keeps_ids_and_validation() -> None:
             decode(bad, records=False)
 
 
+def test_lazy_decode_keeps_ids_and_validation_and_writes_its_rows_back_without_dicts() -> None:
+    """A map that never reads its records (`identity`) takes a compact body as Rows: the same
+    ids, the same refusals, each record rebuilt on demand equal to the dict; encoded again
+    (a batch split or joined after it was passed on), Rows give the bytes the dicts give."""
+    from agent.dataplane.envelope import LAZY, Row, materialized
+    from agent.operators.taxi import sample
+
+    batch = [("src-0", i, r) for i, r in enumerate(sample(3, 20))]
+    raw = encode_data("a", 0, 1, batch)
+    lazy = decode(raw, LAZY)
+    assert [(s, q) for s, q, _ in lazy.body] == [(s, q) for s, q, _ in batch]
+    assert all(type(r) is Row for _, _, r in lazy.body) and lazy.raw == raw
+    assert materialized(lazy.body) == batch and [r.record() for _, _, r in lazy.body] == [r for _, _, r in batch]
+    for a, b in ((0, 7), (7, 20), (0, 1)):  # split
+        assert encode_data("m", 0, 2, lazy.body[a:b]) == encode_data("m", 0, 2, batch[a:b])
+    joined = decode(raw, LAZY).body[:5] + lazy.body[5:]  # two batches' Rows (equal keys, not one tuple)
+    assert decode(encode_data("m", 0, 3, joined)).body == batch
+    mixed = lazy.body[:3] + [("src-1", 1, {"other": 1})] + lazy.body[3:4]  # Rows and dicts: plain list
+    assert decode(encode_data("m", 0, 4, mixed)).body == batch[:3] + [("src-1", 1, {"other": 1})] + batch[3:4]
+    other = encode_data("b", 0, 1, [("src-2", i, {"x": i, "y": -i}) for i in range(2)])
+    two = lazy.body[:2] + decode(other, LAZY).body  # two schemas: each Row rebuilt
+    assert decode(encode_data("m", 0, 5, two)).body == batch[:2] + [("src-2", i, {"x": i, "y": -i}) for i in range(2)]
+    plain = encode_data("a", 0, 1, [("s", 1, [1, 2]), ("s", 2, "x")])  # not compact: as records=True
+    assert decode(plain, LAZY).body == decode(plain).body
+    for bad in (b'[1,"a",0,1,"d",{"k":["x"],"r":[["s",1,[1,2]]]}]', b'[1,"a",0,1,"d",{"k":["x"],"r":[["s",-1,[1]]]}]',
+                b'[1,"a",0,1,"d",{"k":["x"],"r":[["s",1]]}]', b'[1,"a",0,1,"d",{"k":["x"],"r":[[1,1,[1]]]}]',
+                b'[1,"a",0,1,"d",{"k":[1],"r":[]}]'):
+        with pytest.raises(MalformedEnvelope):
+            decode(bad, LAZY)
+
+
 def _outcome(parse, raw: bytes):
     """What a parser makes of `raw`: its value, or the type of its refusal."""
     try:

@@ -65,8 +65,10 @@ class Chain:
                                        member=True))
         self.by_id: Dict[str, Worker] = {w.spec.instance: w for w in self.members}
         keeps = frozenset(w.spec.instance for w in self.members if getattr(w.core.operator, "keeps_records", False))
+        ids_only = frozenset(w.spec.instance for w in self.members if not w.core.reads_records)
         for w in self.members:
             w.core.outputs.local_keeps = keeps - {w.spec.instance}
+            w.core.outputs.local_ids_only = ids_only - {w.spec.instance}
         self.stop_event = ""  # "stop" or "eof" once the chain stops (upstream first)
         self.stats: Dict[str, int] = {"handed_after_exit": 0, "unknown_member_lines": 0}
 

@@ -38,7 +38,7 @@ from typing import Any, Callable, Deque, Dict, FrozenSet, List, Optional, Set, T
 from agent import events, topics
 from agent.config import PipelineConfig
 from agent.dataplane.channel import Inbound
-from agent.dataplane.envelope import Envelope, Item, Kind, MalformedEnvelope, Passed, data_body_bytes, decode
+from agent.dataplane.envelope import LAZY, Envelope, Item, Kind, MalformedEnvelope, Passed, data_body_bytes, decode
 from agent.dataplane.flow import AckTracker
 from agent.dataplane.inbound import LogLimiter
 from agent.dataplane.owners import TableError, groups_from_runs
@@ -171,8 +171,10 @@ class Instance:
         self.source = Source(spec.instance, operator if self.is_source else None, self.ctx)
         self.is_sink = self.kind == "sink" or isinstance(operator, SinkOperator)
         self.service_time = self.op.service_time_ms / 1000.0
-        # A sink that reads only record ids gets compact batches without their records rebuilt.
-        self._decode_records = not (self.is_sink and getattr(operator, "reads_records", True) is False)
+        # A sink that reads only record ids gets compact batches without their records rebuilt;
+        # so does a map that never reads its records (`identity`), as Rows it passes on: set
+        # below, once the key of its routing is known.
+        self._decode_records: Any = not (self.is_sink and getattr(operator, "reads_records", True) is False)
 
         # Keyed stateful operator (agent.instance.keyed_state): state saved with its input position.
         self.keyed: Optional[KeyedState] = None
@@ -198,6 +200,9 @@ class Instance:
         key_groups = nxt.key_groups if nxt is not None else 128
         table = keygroup_table.initial_table(spec.succs, key_groups) if self.next_keyed and spec.active else None
         self.router = Router(spec.succs, key=self.op.key, groups=key_groups, table=table)
+        if (not self.is_sink and not self.is_source and self.keyed is None and self.router.key is None
+                and getattr(operator, "reads_records", True) is False):
+            self._decode_records = LAZY
         self._redirects_waiting: List[Tuple[str, Any]] = []  # an idle copy's, until its Start
         self.outbox = Outbox(self.router, self.op.batch_size, self.op.linger_ms / 1000.0)
         self.tracker = AckTracker()
@@ -341,6 +346,12 @@ class Instance:
             self._finish(*self._exit)
         out, self._out = self._out, []
         return out
+
+    @property
+    def reads_records(self) -> bool:
+        """False: it never reads a record (a sink of ids, a map of `identity`): a chained
+        predecessor may hand it records it has not rebuilt (agent.dataplane.envelope.Row)."""
+        return self._decode_records is True
 
     @property
     def exited(self) -> bool:

@@ -115,6 +115,9 @@ class MapOperator(Operator):
         self.fn = fn
         self.passes_records = bool(getattr(fn, "passes_records", False)) if passes is None else passes
         self.keeps_records = self.passes_records
+        # False: the function never reads its record (`identity`): the worker then does not
+        # rebuild the records of compact batches (envelope.decode(records=LAZY)).
+        self.reads_records = bool(getattr(fn, "reads_records", True))
         self.unchanged = False
 
     def process(self, items: List[Item]) -> List[Item]:
@@ -391,6 +394,9 @@ def in_zone(rec: Any, params: Dict[str, Any]) -> Any:
 def identity(rec: Any) -> Any:
     """The trivial operator of the dataplane benchmark."""
     return rec
+
+
+identity.reads_records = False  # type: ignore[attr-defined]
 
 
 # The built-in maps take no params (check_params: any key is a misspelling).
