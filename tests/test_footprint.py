@@ -97,3 +97,33 @@ def test_a_forked_worker_holds_the_workers_imports_frozen_and_nothing_it_never_u
     # the preloaded objects are frozen: the child's collector never touches (copies) their pages
     assert report["frozen"] > 10_000
     assert _foreign(mods, ("agent.node", "agent.cli")) == []
+
+
+def test_the_sampler_names_each_process_of_a_tree_by_kind_and_keeps_its_peak(tmp_path: Path) -> None:
+    """foglab.tools.footprint, which the demo runs on its own tree: a worker is named by the
+    operators of the instance locks it holds (a keeper's and a copy's), its peak RSS is the
+    kernel's VmHWM, so an allocation freed between two samples still counts."""
+    from foglab.tools.footprint import Footprint
+
+    code = ("import sys, time\n"
+            "locks = [open(p, 'w') for p in sys.argv[1:-1]]\n"
+            "x = bytearray(24 * 2**20); x[::4096] = b'x' * len(x[::4096]); del x\n"  # 24 MB touched, then freed
+            "print('ready', flush=True); sys.stdin.read()\n")
+    workers = [subprocess.Popen([sys.executable, "-c", code, *(str(tmp_path / n) for n in names), "agent.instance.worker"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+               for names in (["taxi.route_counts.0.lock"], ["route_counts-0a1b2c.lock", "taxi.in_zone.3.lock"])]
+    try:
+        for w in workers:
+            assert w.stdout is not None and w.stdout.readline() == "ready\n"
+        fp = Footprint(os.getpid())
+        fp.sample()
+        kinds = fp.per_kind()
+    finally:
+        for w in workers:
+            assert w.stdin is not None
+            w.stdin.close()
+            w.wait(10)
+    assert kinds["worker:route_counts"]["n"] == 1 and kinds["worker:in_zone+route_counts"]["n"] == 1
+    assert kinds["driver"]["n"] >= 1  # this test's own process
+    for k in ("worker:route_counts", "worker:in_zone+route_counts"):
+        assert kinds[k]["rss_peak_mb"] > 24 > kinds[k]["uss_peak_mb"]
