@@ -77,7 +77,9 @@ def test_the_daemon_verifies_a_signed_spec_without_importing_cryptography(tmp_pa
 
 
 def test_a_forked_worker_holds_the_workers_imports_frozen_and_nothing_it_never_uses() -> None:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+    from agent.operators.admission import AllowList
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]), **AllowList.for_node().env())
     server = ForkServer([sys.executable, "-m", "footprint_probe"], env, None, time.monotonic())
     try:
         deadline = time.monotonic() + 30
@@ -97,6 +99,11 @@ def test_a_forked_worker_holds_the_workers_imports_frozen_and_nothing_it_never_u
     # the preloaded objects are frozen: the child's collector never touches (copies) their pages
     assert report["frozen"] > 10_000
     assert _foreign(mods, ("agent.node", "agent.cli")) == []
+    # paho's urllib.request is a stand-in, never loaded (agent.mqtt.defer_urllib_request); the
+    # entry points come from the agent's environment, not from importlib.metadata
+    assert sorted(m for m in mods if m.partition(".")[0] in ("email", "http", "zipfile", "statistics")
+                  or m in ("urllib.request", "importlib.metadata")) == ["urllib.request"]
+    assert report["urllib_request_loaded"] is False
 
 
 def test_the_sampler_names_each_process_of_a_tree_by_kind_and_keeps_its_peak(tmp_path: Path) -> None:
@@ -127,3 +134,23 @@ def test_the_sampler_names_each_process_of_a_tree_by_kind_and_keeps_its_peak(tmp
     assert kinds["driver"]["n"] >= 1  # this test's own process
     for k in ("worker:route_counts", "worker:in_zone+route_counts"):
         assert kinds[k]["rss_peak_mb"] > 24 > kinds[k]["uss_peak_mb"]
+
+
+def test_urllib_request_waits_for_its_first_use_and_is_then_the_real_module() -> None:
+    """agent.mqtt puts a stand-in for urllib.request before paho imports it: nothing of it is
+    loaded (email, http.client) until an attribute is read; then every way of using it gets the
+    real module."""
+    code = ("import json, sys\nimport agent.mqtt.client, urllib\n"
+            "before = sorted(m for m in sys.modules if m.split('.')[0] in ('email', 'http'))\n"
+            "stand_in = sys.modules['urllib.request']\n"
+            "probe = hasattr(stand_in, '__file__')\n"  # a dunder probe does not load it
+            "from urllib.request import getproxies\n"
+            "import urllib.request\n"
+            "real = sys.modules['urllib.request']\n"
+            "print(json.dumps({'before': before, 'probe': probe, 'loaded': 'http.client' in sys.modules,"
+            " 'real': real is not stand_in and urllib.request is real and getproxies is real.getproxies,"
+            " 'via_stand_in': stand_in.urlopen is real.urlopen, 'paho': agent.mqtt.client.mqtt.urllib.request is real}))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=str(ROOT))
+    assert json.loads(out.stdout) == {"before": [], "probe": False, "loaded": True, "real": True,
+                                      "via_stand_in": True, "paho": True}, out.stderr
