@@ -154,3 +154,19 @@ def test_urllib_request_waits_for_its_first_use_and_is_then_the_real_module() ->
                          env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=str(ROOT))
     assert json.loads(out.stdout) == {"before": [], "probe": False, "loaded": True, "real": True,
                                       "via_stand_in": True, "paho": True}, out.stderr
+
+
+def test_the_demo_summary_prints_the_peaks_per_kind_with_roles_and_the_budget() -> None:
+    import io
+
+    from foglab.tools.demo import print_summary
+
+    row = {"n": 1, "pss_peak_mb": 20.0, "uss_peak_mb": 18.0}
+    summary = {"ok": True, "operator_roles": {"route_counts": "keyed", "sink": "sink"},
+               "memory_mb": {"agent": dict(row, rss_peak_mb=37.5), "worker:route_counts": dict(row, rss_peak_mb=40.0),
+                             "worker:sink": dict(row, rss_peak_mb=31.0)}}
+    out = io.StringIO()
+    print_summary(summary, out)
+    lines = {line.split()[0]: line for line in out.getvalue().splitlines() if line.startswith("    ")}
+    assert lines["worker:route_counts"].endswith("40.0      20.0      18.0  keyed OVER 40 MB")
+    assert lines["worker:sink"].endswith("sink") and lines["agent"].endswith("18.0")

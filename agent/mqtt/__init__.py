@@ -18,8 +18,9 @@ def defer_urllib_request() -> None:
     Why: paho.mqtt.client imports urllib.request at its top, but reads it only to find a proxy
     in the environment when PySocks is installed (`Client._get_proxy`). urllib.request brings
     email, http.client, tempfile, shutil, bz2 and lzma: 1.2-1.4 MB resident in the fork server
-    and so in every worker, 0.4-0.8 MB in the agent (docs/runtime.md, "Memory"). Any use of it (`urllib.request.urlopen`, `from urllib.request import x`) reads an
-    attribute and gets the real module, so nothing changes but when it is loaded. Dunder names
+    and so in every worker, 0.4-0.8 MB in the agent (docs/runtime.md, "Memory"). Any use of it
+    (`urllib.request.urlopen`, `from urllib.request import x`) reads an attribute and gets the
+    real module, so nothing changes but when it is loaded. Dunder names
     (`__file__`, `__path__`, which the import system and tools probe) do not load it: the
     stand-in has none of them but `__name__`, `__doc__`, `__spec__` (None) and `__loader__`."""
     if "urllib.request" in sys.modules:

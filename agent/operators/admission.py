@@ -77,8 +77,8 @@ ENV_MODULES = "FOG_AGENT_OPERATOR_MODULES"
 # The entry points the agent read at its start, as a JSON object {name: "module:attr"}: a worker
 # takes them from there instead of reading every installed package's metadata itself, which
 # imports importlib.metadata with email, zipfile and shutil (1.1-1.3 MB resident in the fork
-# server and so in every worker; docs/runtime.md, "Memory"). Absent (a worker started by hand) or not
-# such an object: the worker reads the metadata, as the agent did.
+# server and so in every worker; docs/runtime.md, "Memory"). Absent (a worker started by hand)
+# or not such an object: the worker reads the metadata, as the agent did.
 ENV_ENTRY_POINTS = "FOG_AGENT_OPERATOR_ENTRY_POINTS"
 
 BUILTIN: FrozenSet[str] = frozenset({

@@ -284,9 +284,8 @@ def from_scaling(scaling: Any, cls: Type[SeasonalPolicy] = SeasonalPolicy,
 
 def _median(values: List[float]) -> float:
     """statistics.median, the same number (the mean of the two middle values for an even count),
-    without importing statistics (with fractions and decimal: 0.5 MB resident in the agent and
+    without importing statistics (with fractions and decimal: 0.4-0.6 MB resident in the agent and
     every worker, which import this policy; docs/runtime.md, "Memory")."""
     v = sorted(values)
     n = len(v)
     return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
-

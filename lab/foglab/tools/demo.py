@@ -850,8 +850,8 @@ def print_summary(summary: Dict[str, Any], out: Any) -> None:
                   f"spawns; {'keyed' if r['keyed'] else 'stateless'}; medians: {parts})", file=out)
     if summary.get("memory_mb"):  # docs/runtime.md, "Memory (the budget: every process under 40 MB)"
         roles = summary.get("operator_roles") or {}
-        notes = {k: " ".join(x for x in (roles.get(k.partition(":")[2], ""), "OVER 40 MB" if a["rss_peak_mb"] >= 40 else "")
-                             if x) for k, a in summary["memory_mb"].items()}
+        notes = {k: (roles.get(k.partition(":")[2], "") + (" OVER 40 MB" if a["rss_peak_mb"] >= 40 else "")).strip()
+                 for k, a in summary["memory_mb"].items()}
         notes["driver"] = "the demo itself (not a node's)"
         print("  memory per process kind (peak over the run):", file=out)
         for line in footprint_table(summary["memory_mb"], notes):
