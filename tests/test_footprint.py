@@ -3,7 +3,8 @@ RSS rests on the daemon and the workers not holding modules they never use. A wo
 from the fork server with the worker's imports done and frozen for the collector; the daemon's
 command line registers `run` alone. Libraries a feature needs where it is used are not named
 here: only what these processes must never hold (and `cryptography`, which an agent no longer
-needs to verify a signed spec)."""
+needs to verify a signed spec). Also the sampler the demo reports its peaks per process kind with
+(foglab.tools.footprint) and the table it prints."""
 
 from __future__ import annotations
 
