@@ -16,6 +16,8 @@ def preimport() -> None:
 
 
 def main() -> int:
-    sys.stdout.write(json.dumps({"modules": sorted(sys.modules), "frozen": gc.get_freeze_count()}) + "\n")
+    loaded = hasattr(sys.modules["urllib.request"], "__file__")  # the stand-in has none
+    sys.stdout.write(json.dumps({"modules": sorted(sys.modules), "frozen": gc.get_freeze_count(),
+                                 "urllib_request_loaded": loaded}) + "\n")
     sys.stdout.flush()
     return 0

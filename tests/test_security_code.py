@@ -181,10 +181,20 @@ def test_a_refused_module_is_never_imported(opsdir: Tuple[Path, Dict[str, str]],
 def test_the_worker_allow_list_comes_from_its_environment_not_its_spec(opsdir: Tuple[Path, Dict[str, str]]) -> None:
     _, names = opsdir
     env = AllowList.for_node(modules=[names["ops"], "os", "agent.node.daemon"]).env()
-    # the agent filters its own list the same way config loading does: no stdlib, no fog-agent module
-    assert env == {admission.ENV_MODULES: names["ops"]}
-    assert AllowList.from_env(env).modules == (names["ops"],)
-    assert AllowList.from_env({}).modules == ()
+    # the agent filters its own list the same way config loading does: no stdlib, no fog-agent
+    # module; the entry points it read go along, so that a worker need not read the metadata
+    ep = {f"upper_{names['epmod'].rpartition('_')[2]}": f"{names['epmod']}:upper"}
+    assert env == {admission.ENV_MODULES: names["ops"], admission.ENV_ENTRY_POINTS: json.dumps(ep, separators=(",", ":"))}
+    assert AllowList.from_env(env) == AllowList(modules=(names["ops"],), entry_points=ep)
+    assert AllowList.from_env({}) == AllowList(modules=(), entry_points=ep)  # read from the metadata
+    # what the agent gave is what the worker allows (the metadata is not read again) ...
+    given = AllowList.from_env({admission.ENV_MODULES: "os," + names["ops"], admission.ENV_ENTRY_POINTS: "{}"})
+    assert given == AllowList(modules=(names["ops"],), entry_points={})
+    with pytest.raises(OperatorRefused):
+        given.check(f"{names['epmod']}:upper")
+    # ... unless it is not a map of names to "module:function": then the metadata, as without it
+    for bad in ("", "[", '["x"]', '{"x": 3}', '{"x": "os system"}', '{"x": "os:system()"}'):
+        assert AllowList.from_env({admission.ENV_ENTRY_POINTS: bad}).entry_points == ep, bad
 
 
 def test_agent_toml_operators_and_sink_dirs(tmp_path: Path) -> None:

@@ -38,11 +38,10 @@ import math
 import queue
 import socket
 import socketserver
-import statistics
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 from agent import topics, wire
 from agent.mqtt import client as mqttc
@@ -486,7 +485,3 @@ class MqttLatencyAgent:
             self._thread.join(5)
         self.client.loop_stop()
         self.client.disconnect()
-
-
-def median(xs: Sequence[float]) -> float:
-    return statistics.median(xs)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import difflib
 import functools
 import importlib
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, Iterable, List, Mapping, Optional, Tuple
@@ -73,6 +74,12 @@ ENTRY_POINT_GROUP = "fog_agent.operators"
 # The node's `[operators] modules`, comma-separated, as the agent hands them to its workers (the
 # worker reads no agent.toml; the environment is the agent's, not the request's).
 ENV_MODULES = "FOG_AGENT_OPERATOR_MODULES"
+# The entry points the agent read at its start, as a JSON object {name: "module:attr"}: a worker
+# takes them from there instead of reading every installed package's metadata itself, which
+# imports importlib.metadata with email, zipfile and shutil (1.1-1.3 MB resident in the fork
+# server and so in every worker; docs/runtime.md, "Memory"). Absent (a worker started by hand)
+# or not such an object: the worker reads the metadata, as the agent did.
+ENV_ENTRY_POINTS = "FOG_AGENT_OPERATOR_ENTRY_POINTS"
 
 BUILTIN: FrozenSet[str] = frozenset({
     "agent.operators.builtin:validate",
@@ -139,6 +146,21 @@ def _entry_points(group: str) -> Dict[str, str]:
     return out
 
 
+def _entry_points_given(raw: Optional[str]) -> Optional[Dict[str, str]]:
+    """The entry points of ENV_ENTRY_POINTS; None if absent or not {name: "module:attr"}."""
+    if raw is None:
+        return None
+    try:
+        eps = json.loads(raw)
+        if isinstance(eps, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in eps.items()):
+            for v in eps.values():
+                parse_ref(v)
+            return eps
+    except ValueError:
+        pass
+    return None
+
+
 @dataclass(frozen=True)
 class AllowList:
     """The operator functions this node may import (see the module docstring)."""
@@ -153,13 +175,17 @@ class AllowList:
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "AllowList":
-        """A worker's allow-list: the modules its agent put into the environment."""
-        raw = (os.environ if env is None else env).get(ENV_MODULES, "")
-        return cls.for_node(m.strip() for m in raw.split(",") if m.strip())
+        """A worker's allow-list: the modules and entry points its agent put into the environment."""
+        env = os.environ if env is None else env
+        raw = env.get(ENV_MODULES, "")
+        mods = tuple(m for m in (m.strip() for m in raw.split(",")) if m and check_module_name(m) is None)
+        eps = _entry_points_given(env.get(ENV_ENTRY_POINTS))
+        return cls(modules=mods, entry_points=eps) if eps is not None else cls.for_node(mods)
 
     def env(self) -> Dict[str, str]:
-        """The environment entry that gives a worker this allow-list's configured modules."""
-        return {ENV_MODULES: ",".join(self.modules)}
+        """The environment entries that give a worker this allow-list."""
+        return {ENV_MODULES: ",".join(self.modules),
+                ENV_ENTRY_POINTS: json.dumps(dict(sorted(self.entry_points.items())), separators=(",", ":"))}
 
     def describe(self) -> str:
         """What is allowed, in one line (for errors and logs)."""

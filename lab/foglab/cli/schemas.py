@@ -240,7 +240,10 @@ _SHAPES: Dict[str, Dict[str, Any]] = {
         "keyed_late": _map(INT, "records keyed operators judged late, windows closed incomplete"),
         "broker_dropped": DROPPED, "decision_to_first_record_s": MEDIAN_MAX,
         "rescale_by_operator": _open("operator -> its rescale split (round, hand-over, first record)"),
-        "rss_mb": _obj({"agent_max": _null(NUM), "worker_min": _null(NUM), "worker_max": _null(NUM)}),
+        "memory_mb": _map(_obj({"n": INT, "rss_peak_mb": NUM, "pss_peak_mb": NUM, "uss_peak_mb": NUM}),
+                          "process kind (agent, forkserver, worker:<operators>, broker, driver) -> the largest "
+                          "peak of one process of the kind"),
+        "operator_roles": _map({"enum": ["source", "stateless", "keyed", "sink", "?"]}, "operator -> its role"),
         "agent_exit_codes": _open("node -> exit status"), **VERDICT_COUNTS,
         "duration_s": NUM, "ok": _d(BOOL, "every record exactly once (exit 3 when false)"),
         "samples": _list(_obj({"t": NUM, "input_rate": NUM, "output_rate": NUM,

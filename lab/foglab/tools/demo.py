@@ -43,6 +43,8 @@ from agent import topics
 from agent.config import load_pipeline_text
 from agent.mqtt import client as mqttc
 from agent.mqtt.requester import SYNC_PREFIX
+from foglab.tools.footprint import Sampler
+from foglab.tools.footprint import table as footprint_table
 from foglab.tools.verify import expected_ids, verify
 
 log = logging.getLogger(__name__)
@@ -517,11 +519,13 @@ def run_demo(
     workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="fog-demo-"))
     started = time.monotonic()
     fleet = Fleet(workdir, log_level="warning", spill=True, signed=True)
+    footprint = Sampler(os.getpid())  # peak memory per process kind of the whole fleet
     samples: List[Sample] = []
     monitor: Optional[Monitor] = None
     summary: Dict[str, Any] = {"workdir": str(workdir), "pipeline": cfg.pipeline.name,
-                               "pipeline_path": str(pipeline_path)}
+                               "pipeline_path": str(pipeline_path), "operator_roles": operator_roles(cfg)}
     try:
+        footprint.start()
         fleet.start()
         monitor = Monitor(fleet.host, fleet.port, fleet.cluster)
         fleet.wait_online(monitor)
@@ -579,12 +583,12 @@ def run_demo(
         summary["decision_to_first_record_s"] = _median_max(delays)
         # per operator, a keyed one's split into round, hand-over and first record (foglab.tools.rescale_split)
         summary["rescale_by_operator"] = monitor.rescale_by_operator()
-        summary["rss_mb"] = _rss_mb(fleet, monitor)
     finally:
         if monitor is not None:
             monitor.close()
         codes = fleet.stop()
         summary["agent_exit_codes"] = codes
+        summary["memory_mb"] = footprint.stop()
     verdict = verify(cfg, fleet.sink_dir)
     summary.update(records_in=verdict.generated, records_expected=verdict.expected, records_out=verdict.received,
                    lost=verdict.lost, duplicated=verdict.duplicated + verdict.unexpected,
@@ -764,20 +768,22 @@ def bench_rescale(rate: float = 500.0, workdir: Optional[Path] = None) -> Dict[s
     return out
 
 
-def _rss_mb(fleet: Fleet, monitor: Monitor) -> Dict[str, Any]:
-    """Resident memory (MB) of the agents and of the workers alive now (keepers, idle at the end)."""
-    import psutil
+def operator_roles(cfg: Any) -> Dict[str, str]:
+    """{operator: "source", "stateless", "keyed" or "sink"} of a pipeline (the memory table)."""
+    from agent.operators.admission import AllowList
+    from agent.operators.keyed import is_keyed
 
-    def rss(pid: int) -> Optional[float]:
+    allowed = AllowList.for_node()
+    out: Dict[str, str] = {}
+    for i, op in enumerate(cfg.operators):
+        if i == 0 or i == len(cfg.operators) - 1:
+            out[op.name] = "source" if i == 0 else "sink"
+            continue
         try:
-            return round(psutil.Process(pid).memory_info().rss / 2**20, 1)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            return None
-
-    agents = [r for r in (rss(p.pid) for p in fleet.procs.values()) if r is not None]
-    workers = [r for r in (rss(p) for p in sorted(monitor.pids)) if r is not None]
-    return {"agent_max": max(agents, default=None), "worker_min": min(workers, default=None),
-            "worker_max": max(workers, default=None)}
+            out[op.name] = "keyed" if is_keyed(allowed.resolve(op.function)) else "stateless"
+        except (ValueError, ImportError):
+            out[op.name] = "?"
+    return out
 
 
 def _header(operators: Sequence[str]) -> str:
@@ -830,7 +836,7 @@ def scaling_by_operator(spawned: List[Dict[str, Any]], terminated: List[Dict[str
 
 def print_summary(summary: Dict[str, Any], out: Any) -> None:
     keys = ("records_in", "records_expected", "records_out", "lost", "duplicated", "scale_outs", "scale_ins",
-            "scaling_by_operator", "handover", "keyed_late", "max_instances", "protocol_messages", "decision_to_first_record_s", "broker_dropped", "rss_mb",
+            "scaling_by_operator", "handover", "keyed_late", "max_instances", "protocol_messages", "decision_to_first_record_s", "broker_dropped",
             "duration_s", "plot", "workdir")
     print("summary:", file=out)
     for k in keys:
@@ -842,6 +848,14 @@ def print_summary(summary: Dict[str, Any], out: Any) -> None:
             parts = ", ".join(f"{p} {v}" for p, v in r["parts_median_s"].items())
             print(f"    {op:<16} median {d['median']} s, max {d['max']} s (n {d['n']}, {r['cold_spawns']} cold "
                   f"spawns; {'keyed' if r['keyed'] else 'stateless'}; medians: {parts})", file=out)
+    if summary.get("memory_mb"):  # docs/runtime.md, "Memory (the budget: every process under 40 MB)"
+        roles = summary.get("operator_roles") or {}
+        notes = {k: (roles.get(k.partition(":")[2], "") + (" OVER 40 MB" if a["rss_peak_mb"] >= 40 else "")).strip()
+                 for k, a in summary["memory_mb"].items()}
+        notes["driver"] = "the demo itself (not a node's)"
+        print("  memory per process kind (peak over the run):", file=out)
+        for line in footprint_table(summary["memory_mb"], notes):
+            print("    " + line, file=out)
     print("  verdict            " + ("OK: every record exactly once" if summary.get("ok") else "FAILED: loss or duplicates"), file=out)
 
 
