@@ -5,8 +5,9 @@ the main loop. Everything else only enqueues into `self._events` (a `queue.Simpl
 `put` is reentrant and therefore safe from a signal handler): paho's network thread (connect,
 message), one stdout reader thread per worker, and the signal handlers; each enqueues a typed
 event (agent.node.loopevents), which the loop hands to its handler through one table (`_LOOP`);
-a message goes on by its topic's kind through another (`_HANDLERS`). The loop wakes at least
-every `TICK` seconds to reap workers, expire calls and publish state.
+a message goes on by its topic's kind through another (`_REQUESTS`: the rpc, peer and reply
+topics), or else to the handlers of the records and probes (agent.node.inbound). The loop wakes
+at least every `TICK` seconds to reap workers, expire calls and publish state.
 
 What it does:
 - MQTT 5 session (agent.node.bus, the one client): stable client id `fog-agent-<cluster>-<node>`, clean_start=False with a session
@@ -32,15 +33,16 @@ What it does:
 The shell and its parts: this module is the shell (the loop, the workers' processes, the files,
 the log lines and events). Beside it, parts that do IO but no deciding of the loop's, each given
 the parts it reads and a few calls, none a reference to the Agent: the MQTT session (bus), what
-the node says of itself (report), the requests of the rpc and peer topics (requests), a drain's
-hand-over (handover). The decisions that hold state of their own are
+the node says of itself (report), the requests of the rpc and peer topics (requests), the retained
+records and latency probes from the bus (inbound), a drain's hand-over (handover), the site
+manager's effects carried out (siteeffects). The decisions that hold state of their own are
 sans-IO parts beside it, each given what it reads and the time as arguments, none holding a
 reference to the Agent: who may ask for what (agent.node.gate), the fleet view from the retained
 records (fleetview), the pins (pins), crash restarts and their backoff (restarts), re-homing's
 decisions (rehoming, with rehome's plan of one lost node), the drain (drain), the host tables
 sent to the workers and our "moved" statements (hostsync), createNode()'s walk over the
 candidates and who hears of it when (spawns: typed events in, commands out, `_spawn` carries them
-out); and the stateless ones: placement,
+out), the Gesscale policies' sibling contexts (contexts); and the stateless ones: placement,
 bounds, hostmap, site_manager, hosted, nodestate.
 """
 
@@ -54,7 +56,7 @@ import queue
 import signal
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Union
 
 from agent import events, notify, signing, topics
 from agent.config import AgentConfig, check_tls, load_agent_config, load_pipeline_text, resolve_password
@@ -64,7 +66,7 @@ from agent.files import write_atomic
 from agent.instance import deployfiles
 from agent.instance.spec import InstanceSpec, request_spec
 from agent.mqtt.settings import BrokerSpec
-from agent.node import chains, handover, hosted, nodestate, rehome, replicas, rpc, spawns, statexfer
+from agent.node import chains, handover, hosted, nodestate, rehome, replicas, rpc, siteeffects, spawns, statexfer
 from agent.node.gate import Gate, NodeLocal, PeerFacts, without_handover
 from agent.node.pins import Pins
 from agent.node.restarts import RESTART_WINDOW, Restarts, exit_of
@@ -80,6 +82,8 @@ from agent.node import loopevents
 from agent.node.handover import read_json
 from agent.node.hostmap import MAX_MOVED
 from agent.node.hostsync import HostSync
+from agent.node.contexts import PolicyContexts, siblings
+from agent.node.inbound import FOLLOWED_FILE, Inbound, InboundCalls
 from agent.control import records
 from agent.node.placement import (
     DEFAULT_POLICY,
@@ -87,13 +91,11 @@ from agent.node.placement import (
     PlacementPolicy,
     PlacementRequest,
     get_policy,
-    instance_context,
     policy_for_operator,
 )
 from agent.operators import admission
-from agent.policy.live import LIVE_POLICIES
 from agent.spill.local import AgentSpill
-from agent.node.site_driver import Emit, Hook, Publish, SiteDriver, Steer, run_hook
+from agent.node.site_driver import SiteDriver
 from agent.node.site_manager import LeaseBoard, lease_bound
 from agent.node.supervisor import WORKER_COMMAND, WORKER_EXIT_BAD_SPEC, Reaped, Supervisor, Worker, WorkerStatus
 
@@ -187,7 +189,7 @@ class Agent:
         self.bus = AgentBus(broker, mqttc.agent_id(broker, self.cluster, self.node), self.cluster, self.node,
                             self._events.put, connect_timeout, clock())
         self.view = FleetView(self.node)  # what the retained records say (agent.node.fleetview)
-        self._context_cache: Dict[Tuple[str, str], Tuple[str, Optional[str]]] = {}
+        self.contexts = PolicyContexts()  # the Gesscale policies' sibling contexts (agent.node.contexts)
         self.latency_core = _latency_core(cfg)  # RTT to the other agents (issue 6), if installed
         self.restarts = Restarts()  # crashed workers to start again here, and their backoff
         self.drain = Drain()  # fogctl drain: no new instances, keepers moving (agent.node.drain)
@@ -249,6 +251,13 @@ class Agent:
         self.requests = Requests(self.node, self.cluster, cfg.agent.state_dir, wall, self.supervisor, self.gate,
                                  self.view, self.pins, self.drain, self.replication.store, self.staging, self.spill,
                                  self.report.counters, self.report.local_instances, calls)
+        # The records and probes from the bus (agent.node.inbound); late-bound like the calls above.
+        self.inbound = Inbound(self.node, self.cluster, self.view, self.hosts, self.replication, self.rehoming,
+                               self.gate.trust, self.site_leases, self.latency_core, self.report.counters,
+                               lambda: self.clock(), lambda: self.wall(),
+                               InboundCalls(publish=lambda *a, **kw: self._publish(*a, **kw), keep=self._keep,
+                                            bad=lambda *a: self._bad(*a), changed=self._changed,
+                                            drop_stale=self._drop_stale, retained_in=lambda: self._retained_in))
 
     # -- MQTT (agent.node.bus) -----------------------------------------------------------------
 
@@ -448,7 +457,9 @@ class Agent:
         if self.site is not None and self.connected and self._retained_in and self._stopping_since is None:
             # Not before the retained lease is in: an agent that claimed the role in the moment
             # between its connect and the lease's arrival took it from a live leader.
-            self._site_tick()
+            siteeffects.tick(self.site, self.node, self.cluster, self.bus.client_id, self.view.fleet, self.view.online,
+                             self.state_doc(), self.wall(), self._publish,
+                             lambda body: self.requests.steer(body, self.clock()))
         if self.spill is not None:
             self.spill.tick(now)
             if now - self._salvaged_at >= SALVAGE_PERIOD:
@@ -494,47 +505,11 @@ class Agent:
             self._state_dirty = False
 
     def _send_policy_contexts(self) -> None:
-        """Each local instance of a Gesscale policy gets its sibling context (n, rank, ND_max, the
-        predecessors' back pressure) on the beat of the retained state, from the same fleet view
-        placement reads (`placement.instance_context`; docs/measurement.md, "Policies in the
-        daemon"). A "decentralized" instance needs none: the paper's policy is per instance."""
+        """Each local instance of a Gesscale policy gets its sibling context (agent.node.contexts)."""
         docs = {n: d for n, d in self.view.fleet.items() if n == self.node or self.view.online.get(n, True)}
-        for w in list(self.supervisor.workers.values()):
-            if w.status is not WorkerStatus.ACTIVE:
-                continue
-            need = self._policy_needs(w.spec)
-            if need is None:
-                continue
-            ctx = instance_context(docs, self.view.latency, w.spec.pipeline, w.spec.operator, need, w.instance)
-            self.supervisor.send(w.instance, "set", context=ctx)
-
-    def _siblings(self, spec: InstanceSpec) -> Tuple[str, ...]:
-        """Ids of the operator's other instances (this pipeline) in our view: ND_max placement."""
-        out = [w.instance for w in self.supervisor.workers.values()
-               if w.spec.pipeline == spec.pipeline and w.spec.operator == spec.operator and w.instance != spec.instance]
-        return tuple(out + self.view.siblings(spec.pipeline, spec.operator, spec.instance))
-
-    def _policy_needs(self, spec: InstanceSpec) -> Optional[str]:
-        """For an instance of a Gesscale policy, its predecessor operator's name ("" for none);
-        None when the instance takes no context (decentralized, none, a source)."""
-        policy, pred = self._operator_policy(spec)
-        return pred if policy in LIVE_POLICIES else None
-
-    def _operator_policy(self, spec: InstanceSpec) -> Tuple[str, Optional[str]]:
-        """(the operator's [scaling] policy, its predecessor's name or "" / None for a source),
-        cached per pipeline text; ("", None) when the pipeline does not load (the worker says why)."""
-        key = (spec.pipeline_toml, spec.operator)
-        if key not in self._context_cache:
-            try:
-                cfg = load_pipeline_text(spec.pipeline_toml)
-                idx = cfg.index(spec.operator)
-                pred = None if cfg.operators[idx].kind == "source" else (cfg.operators[idx - 1].name if idx > 0 else "")
-                self._context_cache[key] = (cfg.scaling_for(spec.operator).policy, pred)
-            except Exception:
-                self._context_cache[key] = ("", None)
-            if len(self._context_cache) > 256:
-                self._context_cache.pop(next(iter(self._context_cache)))
-        return self._context_cache[key]
+        active = [(w.instance, w.spec) for w in self.supervisor.workers.values() if w.status is WorkerStatus.ACTIVE]
+        for instance, ctx in self.contexts.contexts(docs, self.view.latency, active):
+            self.supervisor.send(instance, "set", context=ctx)
 
     def _event(self, etype: str, instance: str, operator: str, pipeline: str, **detail: Any) -> None:
         detail["source"] = "agent"
@@ -670,9 +645,11 @@ class Agent:
         if self._stopping_since is not None:
             reply({"ok": False, "error": f"agent {self.node} is shutting down"})
             return
+        others = siblings(spec, {i: w.spec for i, w in self.supervisor.workers.items()},
+                          self.view.siblings(spec.pipeline, spec.operator, spec.instance))
         request = PlacementRequest(operator=spec.operator, local=self.node, neighbours=spec.succs + spec.preds,
-                                   siblings=self._siblings(spec))
-        policy = policy_for_operator(self.policy, self._operator_policy(spec)[0])
+                                   siblings=others)
+        policy = policy_for_operator(self.policy, self.contexts.operator_policy(spec)[0])
         ranking = tuple(policy(request, self.fleet_views()))
         self._spawn(spawns.CreateNode(spec, reply, cause, ranking, self.view.online, self._status_here(spec.instance),
                                       self.view.runs_on(spec.instance), tuple(chunks)), now)
@@ -799,9 +776,11 @@ class Agent:
             self.counters["retained_ignored"] += 1
             log.warning("ignoring a retained message on %s (never retained)", topic[:200], extra={"node": self.node})
             return
-        handler = self._HANDLERS.get(parsed.kind)
+        handler = self._REQUESTS.get(parsed.kind)
         if handler is not None:
             handler(self, msg, parsed, now)
+        else:
+            self.inbound.handle(msg, parsed, now)
 
     def _on_request_topic(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
         if parsed.node != self.node:
@@ -817,101 +796,12 @@ class Agent:
             self._on_rpc_reply(msg, str(parsed.sender), now)
         elif self.bus.marked(msg.payload):
             self.site_leases.restate()  # once per connection, from every claim and statement
-            self._state_whom_we_follow()
+            self.inbound.state_whom_we_follow()
             while self.requests.held:  # each on its own: one that fails strands none behind it
                 self._on_message_safely(self.requests.held.popleft(), now)
 
-    def _on_state_record(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
-        try:
-            if self.view.on_state(str(parsed.node), msg.payload):
-                self.hosts.dirty = True
-        except (ValueError, TypeError, KeyError) as exc:
-            self._bad("state", str(parsed.node), exc)
-
-    def _on_status(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
-        node = str(parsed.node)
-        up = msg.payload == b"online"
-        if self.view.online.get(node) != up and node in self.replication.store.hosts():
-            self._state_dirty = True  # our state lists what our copies of an offline host own
-        self.rehoming.on_status(node, up, bool(self.view.online.get(node)), now)
-        self.view.on_status(node, up)
-        self.hosts.dirty = True
-
-    def _on_rehomed_record(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
-        try:
-            self.view.on_rehomed(str(parsed.node), msg.payload)
-            self.hosts.dirty = True
-        except ValueError as exc:
-            self._bad("re-homed record", str(parsed.node), exc)
-
-    def _on_hosted_record(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
-        node = str(parsed.node)
-        if node == self.node:
-            return
-        try:
-            listed = self.view.on_hosted(node, msg.payload)
-            self.hosts.dirty = True
-            self.replication.drop_unlisted(node, listed)
-        except ValueError as exc:
-            self._bad("hosted record", node, exc)
-
-    def _on_pipeline_record(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
-        name = str(parsed.node)
-        unsigned = self.view.on_pipeline(name, msg.payload, self.gate.trust)
-        if unsigned:  # kept as if never written: neither deployed nor a newer generation
-            self.counters["refused_signatures"] = self.counters.get("refused_signatures", 0) + 1
-            log.warning("pipeline record %s refused: %s", name, unsigned, extra={"node": self.node})
-            return
-        self._drop_stale(name, now)
-
-    def _on_site_manager_record(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
-        if parsed.sender is not None:
-            return
-        # Only `node` may write this topic (the ACL): the record is node's claim, refused if it
-        # names another node or runs too far past this node's clock (docs/site-manager.md).
-        refused = self.site_leases.on_record(str(parsed.node), msg.payload, self.wall())
-        if refused:
-            self.counters["site_lease_refused"] = self.counters.get("site_lease_refused", 0) + 1
-            log.warning("site manager claim refused: %s", refused, extra={"node": self.node})
-        self._state_whom_we_follow()
-
-    def _state_whom_we_follow(self) -> None:
-        """Say on our own claim topic which leader we follow, when that changed: a reader that
-        follows nobody yet takes the claim most nodes follow, so one forged claim beside the
-        leader's does not keep it from the leader (site_manager.followed). Every record on the
-        claim topics comes here, the leader's renewals too, so a follower states its leader
-        within a period of the records being in."""
-        if not self._retained_in:
-            return
-        payload = self.site_leases.statement(self.view.online, self.wall())
-        if payload is not None:
-            self._publish(topics.site_manager(self.cluster, self.node), payload, retain=True)
-            self._keep(FOLLOWED_FILE, {"follows": self.site_leases.stated}, "the leader followed")
-
-    def _on_latency_row(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
-        self.view.on_latency(str(parsed.node), msg.payload)
-
-    def _on_probe(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
-        if parsed.node != self.node or self.latency_core is None:
-            return
-        try:
-            from agent.measure.latency import received_at
-
-            # timed at receipt on paho's thread, not when this loop reads it (docs/measurement.md)
-            t = self.clock()
-            out = self.latency_core.on_message(msg.topic, msg.payload, t, received=received_at(msg, t, self.clock))
-        except ValueError as exc:
-            self._bad(f"latency {parsed.kind}", parsed.sender, exc)
-            return
-        for out_topic, payload in out:
-            self._publish(out_topic, payload, qos=0)
-
-    _HANDLERS: Dict[str, Callable[["Agent", Any, topics.Parsed, float], None]] = {
+    _REQUESTS: Dict[str, Callable[["Agent", Any, topics.Parsed, float], None]] = {
         "rpc": _on_request_topic, "peer": _on_request_topic, "reply": _on_reply_topic,
-        "state": _on_state_record, "status": _on_status, "rehomed": _on_rehomed_record,
-        "hosted": _on_hosted_record, "pipeline": _on_pipeline_record,
-        "site_manager": _on_site_manager_record, "latency": _on_latency_row,
-        "ping": _on_probe, "pong": _on_probe,
     }
 
     def _stage_keyed(self, spec: InstanceSpec, requester: str) -> Optional[str]:
@@ -937,38 +827,6 @@ class Agent:
         v = self.view
         return PeerFacts(v.online, v.hosted_by_node, v.records, v.deployed, v.deployed_text, self.hosts.hostmap,
                          self.site_leases)
-
-    def _site_tick(self) -> None:
-        """Run the site manager's period (agent.node.site_driver) and carry out its effects."""
-        assert self.site is not None
-        docs = {n: d for n, d in self.view.fleet.items() if n != self.node}
-        docs[self.node] = self.state_doc()
-        online = dict(self.view.online)  # every node's status: the election's claims too, not only the states'
-        online[self.node] = True
-        now = self.wall()
-        for eff in self.site.tick(now, docs, online):
-            if isinstance(eff, Publish):
-                self._publish(eff.topic, eff.payload, retain=eff.retain)
-            elif isinstance(eff, Steer):
-                if eff.node == self.node:
-                    self.requests.steer(eff.body, self.clock())
-                else:
-                    corr = f"{self.bus.client_id}-site-{now:.6f}"
-                    self._publish(topics.agent_peer(self.cluster, eff.node, self.node), rpc.encode(eff.body),
-                                  properties=rpc.publish_properties(corr))
-            elif isinstance(eff, Hook):
-                run_hook(eff.argv, self.node)
-            elif isinstance(eff, Emit):
-                self._site_event(eff.action, now)
-
-    def _site_event(self, action: Dict[str, Any], now: float) -> None:
-        try:
-            ev = events.make(events.EventType.SITE_ACTION.value, ts=now, node=self.node,
-                             detail=dict(action, source="site_manager"))
-        except ValueError as exc:
-            log.error("site event not published: %s", exc, extra={"node": self.node})
-            return
-        self._publish(topics.events(self.cluster), ev.to_json().encode(), qos=1)
 
     def _on_rpc_reply(self, msg: Any, replier: str, now: float) -> None:
         """A reply on `replies/<me>/<replier>`: it answers a call only if it comes from the node
@@ -1456,7 +1314,6 @@ def _latency_core(cfg: AgentConfig) -> Any:
 
 MOVED_FILE = "moved.json"
 BINDINGS_FILE = "bindings.json"  # agent.node.hostmap's proven bindings, kept over a restart
-FOLLOWED_FILE = "followed.json"  # the site manager this node follows (LeaseBoard.held), kept over a restart
 
 
 def _load_moved(state_dir: Path) -> Dict[str, str]:
