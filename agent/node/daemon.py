@@ -41,9 +41,9 @@ reference to the Agent: who may ask for what (agent.node.gate), the fleet view f
 records (fleetview), the pins (pins), crash restarts and their backoff (restarts), re-homing's
 decisions (rehoming, with rehome's plan of one lost node), the drain (drain), the host tables
 sent to the workers and our "moved" statements (hostsync), createNode()'s walk over the
-candidates and who hears of it when (spawns: typed events in, commands out, `_spawn` carries them
-out), the Gesscale policies' sibling contexts (contexts); and the stateless ones: placement,
-bounds, hostmap, site_manager, hosted, nodestate.
+candidates and who hears of it when (spawns: typed events in, commands out, which `_spawn` has
+spawnshell carry out), the Gesscale policies' sibling contexts (contexts); and the stateless
+ones: placement, bounds, hostmap, site_manager, hosted, nodestate.
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ from agent.files import write_atomic
 from agent.instance import deployfiles
 from agent.instance.spec import InstanceSpec, request_spec
 from agent.mqtt.settings import BrokerSpec
-from agent.node import chains, handover, hosted, nodestate, rehome, replicas, rpc, siteeffects, spawns, statexfer
+from agent.node import (chains, handover, hosted, nodestate, rehome, replicas, rpc, siteeffects, spawns, spawnshell,
+                        statexfer)
 from agent.node.gate import Gate, NodeLocal, PeerFacts, without_handover
 from agent.node.pins import Pins
 from agent.node.restarts import RESTART_WINDOW, Restarts, exit_of
@@ -76,7 +77,7 @@ from agent.node.rehoming import Rehoming
 from agent.node.fleetview import FleetView
 from agent.node.bus import AgentBus
 from agent.node.report import Report
-from agent.node.requests import NodeCalls, Requests, load_pins, spec_with_capacity
+from agent.node.requests import NodeCalls, Requests, load_pins
 from agent.node.drain import COPIES_FIRST_WAIT, Drain
 from agent.node import loopevents
 from agent.node.handover import read_json
@@ -661,10 +662,14 @@ class Agent:
     def _spawn(self, event: spawns.SpawnEvent, now: float) -> None:
         """Hand `event` to the createNode() core (agent.node.spawns) and carry out its commands in
         order; the outcome of a local start, a staging or a peer request goes back to it."""
+        here = spawnshell.Here(self.node, self.cluster, self.cfg.agent.state_dir, self.supervisor, self.spill,
+                               self.view, self.staging, self.counters, lambda: self.connected, self.free_slots,
+                               self._rehome_with_copy, self._install_replica, self._changed, self._hosted_first,
+                               self._publish, self._bad)
         todo = [event]
         while todo:
             for cmd in self.spawns.handle(todo.pop(0), now):
-                outcome = self._SPAWN_COMMANDS[type(cmd)](self, cmd, now)
+                outcome = spawnshell.carry_out(cmd, here, now)
                 if outcome is not None:
                     todo.append(outcome)
 
@@ -672,74 +677,6 @@ class Agent:
         """spawns.starts_beyond_slots, on our drain and the standby copies we hold."""
         return spawns.starts_beyond_slots(spec, cause, self.node, self.drain.draining,
                                           self.replication.store.meta(spec.instance) is not None)
-
-    def _start_local(self, cmd: spawns.StartLocal, now: float) -> spawns.LocalStart:
-        spec = cmd.spec
-        if (self.free_slots() <= 0 and not self._rehome_with_copy(spec, cmd.cause)) or spec.instance in self.supervisor:
-            return spawns.LocalStart(cmd.job, self._no_local_start())
-        spec = spec_with_capacity(spec, self.cfg.agent.state_dir, self.node)
-        if self.spill is not None:
-            spec = self.spill.with_spill(spec)
-        deployfiles.claim_spec(spec)  # before the standby copy is installed among its files
-        self._install_replica(spec)
-        try:
-            self.supervisor.start(spec, now)
-        except (OSError, ValueError) as exc:
-            log.error("cannot start worker: %s", exc, extra={"instance": spec.instance})
-            return spawns.LocalStart(cmd.job, self._no_local_start())
-        self.counters["spawned_local"] += 1
-        self._state_dirty = True
-        return spawns.LocalStart(cmd.job, None)
-
-    def _no_local_start(self) -> str:
-        return f"no free slot on {self.node}" if self.free_slots() <= 0 else f"{self.node} could not start the worker"
-
-    def _ask_peer(self, cmd: spawns.AskPeer, now: float) -> spawns.Asked:
-        if not self.connected:
-            return spawns.Asked(cmd.job, "not connected to the broker")
-        if self._hosted_dirty:
-            # The receiver accepts a peer spawn only for a pipeline our retained hosted record
-            # lists (docs/security.md): publish it first, on the same connection, so that it
-            # arrives before the request.
-            self._publish_hosted()
-        peer_topic = topics.agent_peer(self.cluster, cmd.node, self.node)
-        # A keyed keeper's state first, on the same topic and QoS: it arrives before the spawn.
-        # A chunk not queued: no spawn (it would be refused for want of its state).
-        if all(self._publish(peer_topic, rpc.encode(dict(chunk))) for chunk in cmd.chunks) and \
-                self._publish(peer_topic, rpc.encode(dict(cmd.body)), properties=rpc.publish_properties(cmd.correlation)):
-            self.view.reserve(cmd.node)
-            return spawns.Asked(cmd.job, None)
-        return spawns.Asked(cmd.job, f"request to {cmd.node} not queued")
-
-    def _stage_command(self, cmd: spawns.StageKeyed, now: float) -> spawns.Staged:
-        return spawns.Staged(cmd.job, self._stage_keyed(cmd.spec, cmd.requester))
-
-    def _answer(self, cmd: spawns.Answer, now: float) -> None:
-        cmd.reply(dict(cmd.result))
-
-    def _placed(self, cmd: spawns.Placed, now: float) -> None:
-        self.counters["spawned_remote"] += 1
-        self.view.place(cmd.node, (cmd.spec.instance, cmd.spec.pipeline, cmd.spec.operator))
-
-    def _spawn_failed(self, cmd: spawns.Failed, now: float) -> None:
-        self.counters["spawn_failed"] += 1
-        log.warning("cannot place %s: %s (tried %s)", cmd.spec.instance, cmd.error, list(cmd.tried) or "none",
-                    extra={"node": self.node, "operator": cmd.spec.operator})
-
-    def _spawn_timed_out(self, cmd: spawns.TimedOut, now: float) -> None:
-        self.counters["spawn_failed"] += 1
-        log.warning("agent %s did not answer the spawn of %s within %.0fs: not placed elsewhere under "
-                    "the same identity", cmd.node, cmd.spec.instance, RPC_TIMEOUT,
-                    extra={"node": self.node, "operator": cmd.spec.operator})
-
-    def _bad_reply(self, cmd: spawns.BadReply, now: float) -> None:
-        self._bad("reply", cmd.replier, cmd.error)
-
-    _SPAWN_COMMANDS: Dict[type, Callable[["Agent", Any, float], Optional[spawns.SpawnEvent]]] = {
-        spawns.StartLocal: _start_local, spawns.AskPeer: _ask_peer, spawns.StageKeyed: _stage_command,
-        spawns.Answer: _answer, spawns.Placed: _placed, spawns.Failed: _spawn_failed,
-        spawns.TimedOut: _spawn_timed_out, spawns.BadReply: _bad_reply,
-    }
 
     # -- messages ------------------------------------------------------------------------------
 
@@ -803,24 +740,6 @@ class Agent:
     _REQUESTS: Dict[str, Callable[["Agent", Any, topics.Parsed, float], None]] = {
         "rpc": _on_request_topic, "peer": _on_request_topic, "reply": _on_reply_topic,
     }
-
-    def _stage_keyed(self, spec: InstanceSpec, requester: str) -> Optional[str]:
-        """A hand-over spawn of a keyed keeper: its state, assembled from the chunks `requester`
-        sent before it, verified and checked (statexfer), written where its worker installs it
-        (`Worker._take_handover`) under the instance id `Gate.spec_from` validated. The error text
-        refuses the spawn (the requester tries another node or keeps the keeper)."""
-        try:
-            data = self.staging.take(requester, spec.instance, spec.extra["handover_keyed"])
-            groups = load_pipeline_text(spec.pipeline_toml, f"pipeline {spec.pipeline}").operator(spec.operator).key_groups
-            statexfer.check_keyed(data, spec.operator, groups)
-            state_dir = Path(self.cfg.agent.state_dir)
-            state_dir.mkdir(parents=True, exist_ok=True)  # a fresh node's has no worker yet
-            write_atomic(state_dir / f"{spec.instance}.keyed.handover", data.decode("utf-8"))
-        except (ValueError, KeyError, OSError) as exc:
-            self._bad(f"keyed state of {spec.instance}", requester, exc)
-            return f"keyed state of {spec.instance}: {exc}"
-        log.info("keyed state of %d bytes received from %s", len(data), requester, extra={"instance": spec.instance})
-        return None
 
     def _peer_facts(self) -> PeerFacts:
         """What the peer checks read of our fleet view (agent.node.gate)."""
@@ -1093,6 +1012,11 @@ class Agent:
         if what is not None:
             self.counters["replicas_installed"] = self.counters.get("replicas_installed", 0) + 1
             log.warning("re-homed with the standby copy of its keyed state: %s", what, extra={"instance": spec.instance})
+
+    def _hosted_first(self) -> None:
+        """Our hosted record, published before a request that the receiver checks against it."""
+        if self._hosted_dirty:
+            self._publish_hosted()
 
     def _publish_hosted(self) -> None:
         specs = [self._with_standby(request_spec(s)) for s in hosted.hosted(self.cfg.agent.state_dir)]
