@@ -268,6 +268,7 @@ SANS_IO = {
     "agent.node.loopevents": NETWORK | {"os", "time", "threading", "random"},
     "agent.node.hostsync": NETWORK | {"os", "time", "threading", "random"},
     "agent.node.spawns": NETWORK | {"os", "time", "threading", "random"},
+    "agent.node.contexts": NODE_CORE,
 }
 
 

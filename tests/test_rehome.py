@@ -849,7 +849,7 @@ def test_a_standby_lists_what_its_copies_of_an_offline_host_own_and_the_rehome_r
         topic = topics.agent_status("c", node)
         msg = mqtt.MQTTMessage(topic=topic.encode())
         msg.payload = payload
-        agent._on_status(msg, topics.parse("c", topic), 0.0)
+        agent.inbound.on_status(msg, topics.parse("c", topic), 0.0)
 
     status("n3", b"online")
     assert "standby_groups" not in agent.state_doc()

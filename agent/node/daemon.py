@@ -5,8 +5,9 @@ the main loop. Everything else only enqueues into `self._events` (a `queue.Simpl
 `put` is reentrant and therefore safe from a signal handler): paho's network thread (connect,
 message), one stdout reader thread per worker, and the signal handlers; each enqueues a typed
 event (agent.node.loopevents), which the loop hands to its handler through one table (`_LOOP`);
-a message goes on by its topic's kind through another (`_HANDLERS`). The loop wakes at least
-every `TICK` seconds to reap workers, expire calls and publish state.
+a message goes on by its topic's kind through another (`_REQUESTS`: the rpc, peer and reply
+topics), or else to the handlers of the records and probes (agent.node.inbound). The loop wakes
+at least every `TICK` seconds to reap workers, expire calls and publish state.
 
 What it does:
 - MQTT 5 session (agent.node.bus, the one client): stable client id `fog-agent-<cluster>-<node>`, clean_start=False with a session
@@ -32,16 +33,17 @@ What it does:
 The shell and its parts: this module is the shell (the loop, the workers' processes, the files,
 the log lines and events). Beside it, parts that do IO but no deciding of the loop's, each given
 the parts it reads and a few calls, none a reference to the Agent: the MQTT session (bus), what
-the node says of itself (report), the requests of the rpc and peer topics (requests), a drain's
-hand-over (handover). The decisions that hold state of their own are
+the node says of itself (report), the requests of the rpc and peer topics (requests), the retained
+records and latency probes from the bus (inbound), a drain's hand-over (handover), the site
+manager's effects carried out (siteeffects). The decisions that hold state of their own are
 sans-IO parts beside it, each given what it reads and the time as arguments, none holding a
 reference to the Agent: who may ask for what (agent.node.gate), the fleet view from the retained
 records (fleetview), the pins (pins), crash restarts and their backoff (restarts), re-homing's
 decisions (rehoming, with rehome's plan of one lost node), the drain (drain), the host tables
 sent to the workers and our "moved" statements (hostsync), createNode()'s walk over the
-candidates and who hears of it when (spawns: typed events in, commands out, `_spawn` carries them
-out); and the stateless ones: placement,
-bounds, hostmap, site_manager, hosted, nodestate.
+candidates and who hears of it when (spawns: typed events in, commands out, which `_spawn` has
+spawnshell carry out), the Gesscale policies' sibling contexts (contexts); and the stateless
+ones: placement, bounds, hostmap, site_manager, hosted, nodestate.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ import queue
 import signal
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Union
 
 from agent import events, notify, signing, topics
 from agent.config import AgentConfig, check_tls, load_agent_config, load_pipeline_text, resolve_password
@@ -64,7 +66,8 @@ from agent.files import write_atomic
 from agent.instance import deployfiles
 from agent.instance.spec import InstanceSpec, request_spec
 from agent.mqtt.settings import BrokerSpec
-from agent.node import chains, handover, hosted, nodestate, rehome, replicas, rpc, spawns, statexfer
+from agent.node import (chains, handover, hosted, nodestate, rehome, replicas, rpc, siteeffects, spawns, spawnshell,
+                        statexfer)
 from agent.node.gate import Gate, NodeLocal, PeerFacts, without_handover
 from agent.node.pins import Pins
 from agent.node.restarts import RESTART_WINDOW, Restarts, exit_of
@@ -74,12 +77,14 @@ from agent.node.rehoming import Rehoming
 from agent.node.fleetview import FleetView
 from agent.node.bus import AgentBus
 from agent.node.report import Report
-from agent.node.requests import NodeCalls, Requests, load_pins, spec_with_capacity
+from agent.node.requests import NodeCalls, Requests, load_pins
 from agent.node.drain import COPIES_FIRST_WAIT, Drain
 from agent.node import loopevents
 from agent.node.handover import read_json
 from agent.node.hostmap import MAX_MOVED
 from agent.node.hostsync import HostSync
+from agent.node.contexts import PolicyContexts, siblings
+from agent.node.inbound import FOLLOWED_FILE, Inbound, InboundCalls
 from agent.control import records
 from agent.node.placement import (
     DEFAULT_POLICY,
@@ -87,13 +92,11 @@ from agent.node.placement import (
     PlacementPolicy,
     PlacementRequest,
     get_policy,
-    instance_context,
     policy_for_operator,
 )
 from agent.operators import admission
-from agent.policy.live import LIVE_POLICIES
 from agent.spill.local import AgentSpill
-from agent.node.site_driver import Emit, Hook, Publish, SiteDriver, Steer, run_hook
+from agent.node.site_driver import SiteDriver
 from agent.node.site_manager import LeaseBoard, lease_bound
 from agent.node.supervisor import WORKER_COMMAND, WORKER_EXIT_BAD_SPEC, Reaped, Supervisor, Worker, WorkerStatus
 
@@ -187,7 +190,7 @@ class Agent:
         self.bus = AgentBus(broker, mqttc.agent_id(broker, self.cluster, self.node), self.cluster, self.node,
                             self._events.put, connect_timeout, clock())
         self.view = FleetView(self.node)  # what the retained records say (agent.node.fleetview)
-        self._context_cache: Dict[Tuple[str, str], Tuple[str, Optional[str]]] = {}
+        self.contexts = PolicyContexts()  # the Gesscale policies' sibling contexts (agent.node.contexts)
         self.latency_core = _latency_core(cfg)  # RTT to the other agents (issue 6), if installed
         self.restarts = Restarts()  # crashed workers to start again here, and their backoff
         self.drain = Drain()  # fogctl drain: no new instances, keepers moving (agent.node.drain)
@@ -249,6 +252,13 @@ class Agent:
         self.requests = Requests(self.node, self.cluster, cfg.agent.state_dir, wall, self.supervisor, self.gate,
                                  self.view, self.pins, self.drain, self.replication.store, self.staging, self.spill,
                                  self.report.counters, self.report.local_instances, calls)
+        # The records and probes from the bus (agent.node.inbound); late-bound like the calls above.
+        self.inbound = Inbound(self.node, self.cluster, self.view, self.hosts, self.replication, self.rehoming,
+                               self.gate.trust, self.site_leases, self.latency_core, self.report.counters,
+                               lambda: self.clock(), lambda: self.wall(),
+                               InboundCalls(publish=lambda *a, **kw: self._publish(*a, **kw), keep=self._keep,
+                                            bad=lambda *a: self._bad(*a), changed=self._changed,
+                                            drop_stale=self._drop_stale, retained_in=lambda: self._retained_in))
 
     # -- MQTT (agent.node.bus) -----------------------------------------------------------------
 
@@ -448,7 +458,9 @@ class Agent:
         if self.site is not None and self.connected and self._retained_in and self._stopping_since is None:
             # Not before the retained lease is in: an agent that claimed the role in the moment
             # between its connect and the lease's arrival took it from a live leader.
-            self._site_tick()
+            siteeffects.tick(self.site, self.node, self.cluster, self.bus.client_id, self.view.fleet, self.view.online,
+                             self.state_doc(), self.wall(), self._publish,
+                             lambda body: self.requests.steer(body, self.clock()))
         if self.spill is not None:
             self.spill.tick(now)
             if now - self._salvaged_at >= SALVAGE_PERIOD:
@@ -494,47 +506,11 @@ class Agent:
             self._state_dirty = False
 
     def _send_policy_contexts(self) -> None:
-        """Each local instance of a Gesscale policy gets its sibling context (n, rank, ND_max, the
-        predecessors' back pressure) on the beat of the retained state, from the same fleet view
-        placement reads (`placement.instance_context`; docs/measurement.md, "Policies in the
-        daemon"). A "decentralized" instance needs none: the paper's policy is per instance."""
+        """Each local instance of a Gesscale policy gets its sibling context (agent.node.contexts)."""
         docs = {n: d for n, d in self.view.fleet.items() if n == self.node or self.view.online.get(n, True)}
-        for w in list(self.supervisor.workers.values()):
-            if w.status is not WorkerStatus.ACTIVE:
-                continue
-            need = self._policy_needs(w.spec)
-            if need is None:
-                continue
-            ctx = instance_context(docs, self.view.latency, w.spec.pipeline, w.spec.operator, need, w.instance)
-            self.supervisor.send(w.instance, "set", context=ctx)
-
-    def _siblings(self, spec: InstanceSpec) -> Tuple[str, ...]:
-        """Ids of the operator's other instances (this pipeline) in our view: ND_max placement."""
-        out = [w.instance for w in self.supervisor.workers.values()
-               if w.spec.pipeline == spec.pipeline and w.spec.operator == spec.operator and w.instance != spec.instance]
-        return tuple(out + self.view.siblings(spec.pipeline, spec.operator, spec.instance))
-
-    def _policy_needs(self, spec: InstanceSpec) -> Optional[str]:
-        """For an instance of a Gesscale policy, its predecessor operator's name ("" for none);
-        None when the instance takes no context (decentralized, none, a source)."""
-        policy, pred = self._operator_policy(spec)
-        return pred if policy in LIVE_POLICIES else None
-
-    def _operator_policy(self, spec: InstanceSpec) -> Tuple[str, Optional[str]]:
-        """(the operator's [scaling] policy, its predecessor's name or "" / None for a source),
-        cached per pipeline text; ("", None) when the pipeline does not load (the worker says why)."""
-        key = (spec.pipeline_toml, spec.operator)
-        if key not in self._context_cache:
-            try:
-                cfg = load_pipeline_text(spec.pipeline_toml)
-                idx = cfg.index(spec.operator)
-                pred = None if cfg.operators[idx].kind == "source" else (cfg.operators[idx - 1].name if idx > 0 else "")
-                self._context_cache[key] = (cfg.scaling_for(spec.operator).policy, pred)
-            except Exception:
-                self._context_cache[key] = ("", None)
-            if len(self._context_cache) > 256:
-                self._context_cache.pop(next(iter(self._context_cache)))
-        return self._context_cache[key]
+        active = [(w.instance, w.spec) for w in self.supervisor.workers.values() if w.status is WorkerStatus.ACTIVE]
+        for instance, ctx in self.contexts.contexts(docs, self.view.latency, active):
+            self.supervisor.send(instance, "set", context=ctx)
 
     def _event(self, etype: str, instance: str, operator: str, pipeline: str, **detail: Any) -> None:
         detail["source"] = "agent"
@@ -670,9 +646,11 @@ class Agent:
         if self._stopping_since is not None:
             reply({"ok": False, "error": f"agent {self.node} is shutting down"})
             return
+        others = siblings(spec, {i: w.spec for i, w in self.supervisor.workers.items()},
+                          self.view.siblings(spec.pipeline, spec.operator, spec.instance))
         request = PlacementRequest(operator=spec.operator, local=self.node, neighbours=spec.succs + spec.preds,
-                                   siblings=self._siblings(spec))
-        policy = policy_for_operator(self.policy, self._operator_policy(spec)[0])
+                                   siblings=others)
+        policy = policy_for_operator(self.policy, self.contexts.operator_policy(spec)[0])
         ranking = tuple(policy(request, self.fleet_views()))
         self._spawn(spawns.CreateNode(spec, reply, cause, ranking, self.view.online, self._status_here(spec.instance),
                                       self.view.runs_on(spec.instance), tuple(chunks)), now)
@@ -684,10 +662,14 @@ class Agent:
     def _spawn(self, event: spawns.SpawnEvent, now: float) -> None:
         """Hand `event` to the createNode() core (agent.node.spawns) and carry out its commands in
         order; the outcome of a local start, a staging or a peer request goes back to it."""
+        here = spawnshell.Here(self.node, self.cluster, self.cfg.agent.state_dir, self.supervisor, self.spill,
+                               self.view, self.staging, self.counters, lambda: self.connected, self.free_slots,
+                               self._rehome_with_copy, self._install_replica, self._changed, self._hosted_first,
+                               self._publish, self._bad)
         todo = [event]
         while todo:
             for cmd in self.spawns.handle(todo.pop(0), now):
-                outcome = self._SPAWN_COMMANDS[type(cmd)](self, cmd, now)
+                outcome = spawnshell.carry_out(cmd, here, now)
                 if outcome is not None:
                     todo.append(outcome)
 
@@ -695,74 +677,6 @@ class Agent:
         """spawns.starts_beyond_slots, on our drain and the standby copies we hold."""
         return spawns.starts_beyond_slots(spec, cause, self.node, self.drain.draining,
                                           self.replication.store.meta(spec.instance) is not None)
-
-    def _start_local(self, cmd: spawns.StartLocal, now: float) -> spawns.LocalStart:
-        spec = cmd.spec
-        if (self.free_slots() <= 0 and not self._rehome_with_copy(spec, cmd.cause)) or spec.instance in self.supervisor:
-            return spawns.LocalStart(cmd.job, self._no_local_start())
-        spec = spec_with_capacity(spec, self.cfg.agent.state_dir, self.node)
-        if self.spill is not None:
-            spec = self.spill.with_spill(spec)
-        deployfiles.claim_spec(spec)  # before the standby copy is installed among its files
-        self._install_replica(spec)
-        try:
-            self.supervisor.start(spec, now)
-        except (OSError, ValueError) as exc:
-            log.error("cannot start worker: %s", exc, extra={"instance": spec.instance})
-            return spawns.LocalStart(cmd.job, self._no_local_start())
-        self.counters["spawned_local"] += 1
-        self._state_dirty = True
-        return spawns.LocalStart(cmd.job, None)
-
-    def _no_local_start(self) -> str:
-        return f"no free slot on {self.node}" if self.free_slots() <= 0 else f"{self.node} could not start the worker"
-
-    def _ask_peer(self, cmd: spawns.AskPeer, now: float) -> spawns.Asked:
-        if not self.connected:
-            return spawns.Asked(cmd.job, "not connected to the broker")
-        if self._hosted_dirty:
-            # The receiver accepts a peer spawn only for a pipeline our retained hosted record
-            # lists (docs/security.md): publish it first, on the same connection, so that it
-            # arrives before the request.
-            self._publish_hosted()
-        peer_topic = topics.agent_peer(self.cluster, cmd.node, self.node)
-        # A keyed keeper's state first, on the same topic and QoS: it arrives before the spawn.
-        # A chunk not queued: no spawn (it would be refused for want of its state).
-        if all(self._publish(peer_topic, rpc.encode(dict(chunk))) for chunk in cmd.chunks) and \
-                self._publish(peer_topic, rpc.encode(dict(cmd.body)), properties=rpc.publish_properties(cmd.correlation)):
-            self.view.reserve(cmd.node)
-            return spawns.Asked(cmd.job, None)
-        return spawns.Asked(cmd.job, f"request to {cmd.node} not queued")
-
-    def _stage_command(self, cmd: spawns.StageKeyed, now: float) -> spawns.Staged:
-        return spawns.Staged(cmd.job, self._stage_keyed(cmd.spec, cmd.requester))
-
-    def _answer(self, cmd: spawns.Answer, now: float) -> None:
-        cmd.reply(dict(cmd.result))
-
-    def _placed(self, cmd: spawns.Placed, now: float) -> None:
-        self.counters["spawned_remote"] += 1
-        self.view.place(cmd.node, (cmd.spec.instance, cmd.spec.pipeline, cmd.spec.operator))
-
-    def _spawn_failed(self, cmd: spawns.Failed, now: float) -> None:
-        self.counters["spawn_failed"] += 1
-        log.warning("cannot place %s: %s (tried %s)", cmd.spec.instance, cmd.error, list(cmd.tried) or "none",
-                    extra={"node": self.node, "operator": cmd.spec.operator})
-
-    def _spawn_timed_out(self, cmd: spawns.TimedOut, now: float) -> None:
-        self.counters["spawn_failed"] += 1
-        log.warning("agent %s did not answer the spawn of %s within %.0fs: not placed elsewhere under "
-                    "the same identity", cmd.node, cmd.spec.instance, RPC_TIMEOUT,
-                    extra={"node": self.node, "operator": cmd.spec.operator})
-
-    def _bad_reply(self, cmd: spawns.BadReply, now: float) -> None:
-        self._bad("reply", cmd.replier, cmd.error)
-
-    _SPAWN_COMMANDS: Dict[type, Callable[["Agent", Any, float], Optional[spawns.SpawnEvent]]] = {
-        spawns.StartLocal: _start_local, spawns.AskPeer: _ask_peer, spawns.StageKeyed: _stage_command,
-        spawns.Answer: _answer, spawns.Placed: _placed, spawns.Failed: _spawn_failed,
-        spawns.TimedOut: _spawn_timed_out, spawns.BadReply: _bad_reply,
-    }
 
     # -- messages ------------------------------------------------------------------------------
 
@@ -799,9 +713,11 @@ class Agent:
             self.counters["retained_ignored"] += 1
             log.warning("ignoring a retained message on %s (never retained)", topic[:200], extra={"node": self.node})
             return
-        handler = self._HANDLERS.get(parsed.kind)
+        handler = self._REQUESTS.get(parsed.kind)
         if handler is not None:
             handler(self, msg, parsed, now)
+        else:
+            self.inbound.handle(msg, parsed, now)
 
     def _on_request_topic(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
         if parsed.node != self.node:
@@ -817,158 +733,19 @@ class Agent:
             self._on_rpc_reply(msg, str(parsed.sender), now)
         elif self.bus.marked(msg.payload):
             self.site_leases.restate()  # once per connection, from every claim and statement
-            self._state_whom_we_follow()
+            self.inbound.state_whom_we_follow()
             while self.requests.held:  # each on its own: one that fails strands none behind it
                 self._on_message_safely(self.requests.held.popleft(), now)
 
-    def _on_state_record(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
-        try:
-            if self.view.on_state(str(parsed.node), msg.payload):
-                self.hosts.dirty = True
-        except (ValueError, TypeError, KeyError) as exc:
-            self._bad("state", str(parsed.node), exc)
-
-    def _on_status(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
-        node = str(parsed.node)
-        up = msg.payload == b"online"
-        if self.view.online.get(node) != up and node in self.replication.store.hosts():
-            self._state_dirty = True  # our state lists what our copies of an offline host own
-        self.rehoming.on_status(node, up, bool(self.view.online.get(node)), now)
-        self.view.on_status(node, up)
-        self.hosts.dirty = True
-
-    def _on_rehomed_record(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
-        try:
-            self.view.on_rehomed(str(parsed.node), msg.payload)
-            self.hosts.dirty = True
-        except ValueError as exc:
-            self._bad("re-homed record", str(parsed.node), exc)
-
-    def _on_hosted_record(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
-        node = str(parsed.node)
-        if node == self.node:
-            return
-        try:
-            listed = self.view.on_hosted(node, msg.payload)
-            self.hosts.dirty = True
-            self.replication.drop_unlisted(node, listed)
-        except ValueError as exc:
-            self._bad("hosted record", node, exc)
-
-    def _on_pipeline_record(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
-        name = str(parsed.node)
-        unsigned = self.view.on_pipeline(name, msg.payload, self.gate.trust)
-        if unsigned:  # kept as if never written: neither deployed nor a newer generation
-            self.counters["refused_signatures"] = self.counters.get("refused_signatures", 0) + 1
-            log.warning("pipeline record %s refused: %s", name, unsigned, extra={"node": self.node})
-            return
-        self._drop_stale(name, now)
-
-    def _on_site_manager_record(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
-        if parsed.sender is not None:
-            return
-        # Only `node` may write this topic (the ACL): the record is node's claim, refused if it
-        # names another node or runs too far past this node's clock (docs/site-manager.md).
-        refused = self.site_leases.on_record(str(parsed.node), msg.payload, self.wall())
-        if refused:
-            self.counters["site_lease_refused"] = self.counters.get("site_lease_refused", 0) + 1
-            log.warning("site manager claim refused: %s", refused, extra={"node": self.node})
-        self._state_whom_we_follow()
-
-    def _state_whom_we_follow(self) -> None:
-        """Say on our own claim topic which leader we follow, when that changed: a reader that
-        follows nobody yet takes the claim most nodes follow, so one forged claim beside the
-        leader's does not keep it from the leader (site_manager.followed). Every record on the
-        claim topics comes here, the leader's renewals too, so a follower states its leader
-        within a period of the records being in."""
-        if not self._retained_in:
-            return
-        payload = self.site_leases.statement(self.view.online, self.wall())
-        if payload is not None:
-            self._publish(topics.site_manager(self.cluster, self.node), payload, retain=True)
-            self._keep(FOLLOWED_FILE, {"follows": self.site_leases.stated}, "the leader followed")
-
-    def _on_latency_row(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
-        self.view.on_latency(str(parsed.node), msg.payload)
-
-    def _on_probe(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
-        if parsed.node != self.node or self.latency_core is None:
-            return
-        try:
-            from agent.measure.latency import received_at
-
-            # timed at receipt on paho's thread, not when this loop reads it (docs/measurement.md)
-            t = self.clock()
-            out = self.latency_core.on_message(msg.topic, msg.payload, t, received=received_at(msg, t, self.clock))
-        except ValueError as exc:
-            self._bad(f"latency {parsed.kind}", parsed.sender, exc)
-            return
-        for out_topic, payload in out:
-            self._publish(out_topic, payload, qos=0)
-
-    _HANDLERS: Dict[str, Callable[["Agent", Any, topics.Parsed, float], None]] = {
+    _REQUESTS: Dict[str, Callable[["Agent", Any, topics.Parsed, float], None]] = {
         "rpc": _on_request_topic, "peer": _on_request_topic, "reply": _on_reply_topic,
-        "state": _on_state_record, "status": _on_status, "rehomed": _on_rehomed_record,
-        "hosted": _on_hosted_record, "pipeline": _on_pipeline_record,
-        "site_manager": _on_site_manager_record, "latency": _on_latency_row,
-        "ping": _on_probe, "pong": _on_probe,
     }
-
-    def _stage_keyed(self, spec: InstanceSpec, requester: str) -> Optional[str]:
-        """A hand-over spawn of a keyed keeper: its state, assembled from the chunks `requester`
-        sent before it, verified and checked (statexfer), written where its worker installs it
-        (`Worker._take_handover`) under the instance id `Gate.spec_from` validated. The error text
-        refuses the spawn (the requester tries another node or keeps the keeper)."""
-        try:
-            data = self.staging.take(requester, spec.instance, spec.extra["handover_keyed"])
-            groups = load_pipeline_text(spec.pipeline_toml, f"pipeline {spec.pipeline}").operator(spec.operator).key_groups
-            statexfer.check_keyed(data, spec.operator, groups)
-            state_dir = Path(self.cfg.agent.state_dir)
-            state_dir.mkdir(parents=True, exist_ok=True)  # a fresh node's has no worker yet
-            write_atomic(state_dir / f"{spec.instance}.keyed.handover", data.decode("utf-8"))
-        except (ValueError, KeyError, OSError) as exc:
-            self._bad(f"keyed state of {spec.instance}", requester, exc)
-            return f"keyed state of {spec.instance}: {exc}"
-        log.info("keyed state of %d bytes received from %s", len(data), requester, extra={"instance": spec.instance})
-        return None
 
     def _peer_facts(self) -> PeerFacts:
         """What the peer checks read of our fleet view (agent.node.gate)."""
         v = self.view
         return PeerFacts(v.online, v.hosted_by_node, v.records, v.deployed, v.deployed_text, self.hosts.hostmap,
                          self.site_leases)
-
-    def _site_tick(self) -> None:
-        """Run the site manager's period (agent.node.site_driver) and carry out its effects."""
-        assert self.site is not None
-        docs = {n: d for n, d in self.view.fleet.items() if n != self.node}
-        docs[self.node] = self.state_doc()
-        online = dict(self.view.online)  # every node's status: the election's claims too, not only the states'
-        online[self.node] = True
-        now = self.wall()
-        for eff in self.site.tick(now, docs, online):
-            if isinstance(eff, Publish):
-                self._publish(eff.topic, eff.payload, retain=eff.retain)
-            elif isinstance(eff, Steer):
-                if eff.node == self.node:
-                    self.requests.steer(eff.body, self.clock())
-                else:
-                    corr = f"{self.bus.client_id}-site-{now:.6f}"
-                    self._publish(topics.agent_peer(self.cluster, eff.node, self.node), rpc.encode(eff.body),
-                                  properties=rpc.publish_properties(corr))
-            elif isinstance(eff, Hook):
-                run_hook(eff.argv, self.node)
-            elif isinstance(eff, Emit):
-                self._site_event(eff.action, now)
-
-    def _site_event(self, action: Dict[str, Any], now: float) -> None:
-        try:
-            ev = events.make(events.EventType.SITE_ACTION.value, ts=now, node=self.node,
-                             detail=dict(action, source="site_manager"))
-        except ValueError as exc:
-            log.error("site event not published: %s", exc, extra={"node": self.node})
-            return
-        self._publish(topics.events(self.cluster), ev.to_json().encode(), qos=1)
 
     def _on_rpc_reply(self, msg: Any, replier: str, now: float) -> None:
         """A reply on `replies/<me>/<replier>`: it answers a call only if it comes from the node
@@ -1236,6 +1013,11 @@ class Agent:
             self.counters["replicas_installed"] = self.counters.get("replicas_installed", 0) + 1
             log.warning("re-homed with the standby copy of its keyed state: %s", what, extra={"instance": spec.instance})
 
+    def _hosted_first(self) -> None:
+        """Our hosted record, published before a request that the receiver checks against it."""
+        if self._hosted_dirty:
+            self._publish_hosted()
+
     def _publish_hosted(self) -> None:
         specs = [self._with_standby(request_spec(s)) for s in hosted.hosted(self.cfg.agent.state_dir)]
         self.view.hosted_by_node[self.node] = specs
@@ -1456,7 +1238,6 @@ def _latency_core(cfg: AgentConfig) -> Any:
 
 MOVED_FILE = "moved.json"
 BINDINGS_FILE = "bindings.json"  # agent.node.hostmap's proven bindings, kept over a restart
-FOLLOWED_FILE = "followed.json"  # the site manager this node follows (LeaseBoard.held), kept over a restart
 
 
 def _load_moved(state_dir: Path) -> Dict[str, str]:

@@ -1,0 +1,147 @@
+"""createNode()'s commands carried out (`COMMANDS`): the createNode() core (agent.node.spawns)
+decides, this side starts a worker here, asks a peer, stages a hand-over's keyed state, answers,
+counts and logs, and hands the outcome of a start, a request or a staging back as an event.
+
+Why stateless: everything a command reads or changes belongs to the node (`Here`, made by the
+daemon for each run of the core's commands), so nothing here outlives one run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional
+
+from agent import topics
+from agent.config import load_pipeline_text
+from agent.files import write_atomic
+from agent.instance import deployfiles
+from agent.instance.spec import InstanceSpec
+from agent.node import rpc, spawns, statexfer
+from agent.node.fleetview import FleetView
+from agent.node.requests import spec_with_capacity
+from agent.node.spawns import RPC_TIMEOUT
+from agent.node.supervisor import Supervisor
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Here:
+    """What the commands read and change of this node."""
+
+    node: str
+    cluster: str
+    state_dir: str
+    supervisor: Supervisor
+    spill: Any  # agent.spill.local.AgentSpill, or None
+    view: FleetView
+    staging: statexfer.Staging
+    counters: Dict[str, int]
+    connected: Callable[[], bool]  # to the broker
+    free_slots: Callable[[], int]
+    beyond_slots: Callable[[InstanceSpec, str], bool]  # spawns.starts_beyond_slots, on this node
+    install_replica: Callable[[InstanceSpec], None]  # our standby copy becomes its state (a re-home)
+    changed: Callable[[], None]  # our state changed: publish it soon
+    hosted_first: Callable[[], None]  # our hosted record published first, when it changed
+    publish: Callable[..., Any]  # (topic, payload, properties=...)
+    bad: Callable[[str, Optional[str], Any], None]  # a bad message: counted and logged
+
+
+def carry_out(cmd: spawns.SpawnCommand, here: Here, now: float) -> Optional[spawns.SpawnEvent]:
+    """Carry out `cmd`; the outcome of a local start, a staging or a peer request, for the core."""
+    return COMMANDS[type(cmd)](cmd, here, now)
+
+
+def start_local(cmd: spawns.StartLocal, here: Here, now: float) -> spawns.LocalStart:
+    spec = cmd.spec
+    if (here.free_slots() <= 0 and not here.beyond_slots(spec, cmd.cause)) or spec.instance in here.supervisor:
+        return spawns.LocalStart(cmd.job, _no_local_start(here))
+    spec = spec_with_capacity(spec, here.state_dir, here.node)
+    if here.spill is not None:
+        spec = here.spill.with_spill(spec)
+    deployfiles.claim_spec(spec)  # before the standby copy is installed among its files
+    here.install_replica(spec)
+    try:
+        here.supervisor.start(spec, now)
+    except (OSError, ValueError) as exc:
+        log.error("cannot start worker: %s", exc, extra={"instance": spec.instance})
+        return spawns.LocalStart(cmd.job, _no_local_start(here))
+    here.counters["spawned_local"] += 1
+    here.changed()
+    return spawns.LocalStart(cmd.job, None)
+
+
+def _no_local_start(here: Here) -> str:
+    return f"no free slot on {here.node}" if here.free_slots() <= 0 else f"{here.node} could not start the worker"
+
+
+def ask_peer(cmd: spawns.AskPeer, here: Here, now: float) -> spawns.Asked:
+    if not here.connected():
+        return spawns.Asked(cmd.job, "not connected to the broker")
+    # The receiver accepts a peer spawn only for a pipeline our retained hosted record lists
+    # (docs/security.md): publish it first, on the same connection, so that it arrives before
+    # the request.
+    here.hosted_first()
+    peer_topic = topics.agent_peer(here.cluster, cmd.node, here.node)
+    # A keyed keeper's state first, on the same topic and QoS: it arrives before the spawn.
+    # A chunk not queued: no spawn (it would be refused for want of its state).
+    if all(here.publish(peer_topic, rpc.encode(dict(chunk))) for chunk in cmd.chunks) and \
+            here.publish(peer_topic, rpc.encode(dict(cmd.body)), properties=rpc.publish_properties(cmd.correlation)):
+        here.view.reserve(cmd.node)
+        return spawns.Asked(cmd.job, None)
+    return spawns.Asked(cmd.job, f"request to {cmd.node} not queued")
+
+
+def stage_keyed(cmd: spawns.StageKeyed, here: Here, now: float) -> spawns.Staged:
+    """A hand-over spawn of a keyed keeper: its state, assembled from the chunks the requester
+    sent before it, verified and checked (statexfer), written where its worker installs it
+    (`Worker._take_handover`) under the instance id `Gate.spec_from` validated. The error text
+    refuses the spawn (the requester tries another node or keeps the keeper)."""
+    spec, requester = cmd.spec, cmd.requester
+    try:
+        data = here.staging.take(requester, spec.instance, spec.extra["handover_keyed"])
+        groups = load_pipeline_text(spec.pipeline_toml, f"pipeline {spec.pipeline}").operator(spec.operator).key_groups
+        statexfer.check_keyed(data, spec.operator, groups)
+        state_dir = Path(here.state_dir)
+        state_dir.mkdir(parents=True, exist_ok=True)  # a fresh node's has no worker yet
+        write_atomic(state_dir / f"{spec.instance}.keyed.handover", data.decode("utf-8"))
+    except (ValueError, KeyError, OSError) as exc:
+        here.bad(f"keyed state of {spec.instance}", requester, exc)
+        return spawns.Staged(cmd.job, f"keyed state of {spec.instance}: {exc}")
+    log.info("keyed state of %d bytes received from %s", len(data), requester, extra={"instance": spec.instance})
+    return spawns.Staged(cmd.job, None)
+
+
+def answer(cmd: spawns.Answer, here: Here, now: float) -> None:
+    cmd.reply(dict(cmd.result))
+
+
+def placed(cmd: spawns.Placed, here: Here, now: float) -> None:
+    here.counters["spawned_remote"] += 1
+    here.view.place(cmd.node, (cmd.spec.instance, cmd.spec.pipeline, cmd.spec.operator))
+
+
+def failed(cmd: spawns.Failed, here: Here, now: float) -> None:
+    here.counters["spawn_failed"] += 1
+    log.warning("cannot place %s: %s (tried %s)", cmd.spec.instance, cmd.error, list(cmd.tried) or "none",
+                extra={"node": here.node, "operator": cmd.spec.operator})
+
+
+def timed_out(cmd: spawns.TimedOut, here: Here, now: float) -> None:
+    here.counters["spawn_failed"] += 1
+    log.warning("agent %s did not answer the spawn of %s within %.0fs: not placed elsewhere under "
+                "the same identity", cmd.node, cmd.spec.instance, RPC_TIMEOUT,
+                extra={"node": here.node, "operator": cmd.spec.operator})
+
+
+def bad_reply(cmd: spawns.BadReply, here: Here, now: float) -> None:
+    here.bad("reply", cmd.replier, cmd.error)
+
+
+COMMANDS: Dict[type, Callable[[Any, Here, float], Optional[spawns.SpawnEvent]]] = {
+    spawns.StartLocal: start_local, spawns.AskPeer: ask_peer, spawns.StageKeyed: stage_keyed,
+    spawns.Answer: answer, spawns.Placed: placed, spawns.Failed: failed,
+    spawns.TimedOut: timed_out, spawns.BadReply: bad_reply,
+}
