@@ -343,6 +343,9 @@ class Agent:
         self._publish(topics.agent_status(self.cluster, self.node), b"online", retain=True)
         self._state_dirty = True
         self._hosted_dirty = True
+        if self.view.rehomed_by_node.get(self.node):
+            # a broker restarted from its last autosave may have lost it (or kept an older copy)
+            self._publish_rehomed()
         # Re-adopt (first connect) and fence (every connect) once the retained states are in.
         self._reconcile_at = self.clock() + READOPT_SETTLE
         self._connected_at = self.clock()
@@ -1092,10 +1095,16 @@ class Agent:
 
     def _on_rehomed_record(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
         try:
-            self.view.on_rehomed(str(parsed.node), msg.payload)
+            if self.view.on_rehomed(str(parsed.node), msg.payload) and self.connected:
+                self._publish_rehomed()  # the broker handed back an older copy of ours
             self.hosts.dirty = True
         except ValueError as exc:
             self._bad("re-homed record", str(parsed.node), exc)
+
+    def _publish_rehomed(self) -> None:
+        record = self.view.rehomed_by_node.get(self.node, {})
+        self._publish(topics.agent_rehomed(self.cluster, self.node), json.dumps(record, sort_keys=True).encode(),
+                      retain=True)
 
     def _on_hosted_record(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
         node = str(parsed.node)
