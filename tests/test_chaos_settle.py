@@ -88,3 +88,30 @@ def test_the_load_cap_is_the_profiles_end_and_bounds_the_conditions() -> None:
         ChaosConfig(duration=40.0, load_cap=30.0)
     with pytest.raises(ValueError, match="min_faults"):
         ChaosConfig(duration=40.0, min_faults=2, schedule=[(5.0, "kill-worker", None)])
+
+
+# ---- a copy that left while its agent was killed (seed 84) ----
+
+
+def _state_file(workdir: Any, node: str, instance: str, state: str) -> None:
+    d = workdir / f"state-{node}"
+    d.mkdir(exist_ok=True)
+    (d / f"{instance}.state.json").write_text(json.dumps({"epoch": 1, "scaling": {"state": state}}))
+
+
+def test_a_copy_whose_state_file_says_terminated_has_left_without_its_agents_event(tmp_path: Any) -> None:
+    """Seed 84: a cells copy finished its scale-in as its agent was killed; the agent died before
+    it published "terminated", and the fault waited 60 s for the copy to be active again."""
+    from foglab.tools.chaos import _waiting_for
+
+    mon = monitor({"n1": [inst("source"), inst("validate"), inst("sink")], "n3": []})
+    mon.events = []  # no "terminated" event: the agent that would have sent it was killed
+    (tmp_path / "sink").mkdir()
+    before = {"p.source.0", "p.validate.0", "p.sink.0", "cells-e2d0"}
+    args = (mon, ["n1", "n3"], before, 0.0, 0.0, tmp_path / "sink", 0.0, False)
+    assert _waiting_for(*args) == ["cells-e2d0 not active"]
+    assert _waiting_for(*args, tmp_path) == ["cells-e2d0 not active"]  # no state file: not known to have left
+    _state_file(tmp_path, "n3", "cells-e2d0", "departing")
+    assert _waiting_for(*args, tmp_path) == ["cells-e2d0 not active"]  # still leaving: may be re-homed
+    _state_file(tmp_path, "n3", "cells-e2d0", "terminated")
+    assert _waiting_for(*args, tmp_path) == []

@@ -110,3 +110,19 @@ def test_the_hosted_and_rehomed_records_and_the_standbys() -> None:
     v.on_status("n4", False)
     v.fleet["n3"] = {"draining": True}
     assert v.eligible_standbys() == ["n2"]
+
+
+def test_our_rehomed_record_is_ours_once_we_hold_it_and_an_older_copy_from_the_broker_is_published_over() -> None:
+    """A broker killed with SIGKILL comes back from its last autosave (5 s before): at our
+    reconnect it hands back a copy of our re-homed record without what we re-homed since.
+    Taken, it made us forget those re-homes for good (every later record was built on it)."""
+    v = FleetView("me")
+    assert v.on_rehomed("me", json.dumps({"p.w.1": 1500.0}).encode()) is False  # at our start: read back
+    assert v.rehomed_by_node["me"] == {"p.w.1": 1500.0}
+    v.rehomed_by_node["me"]["p.w.2"] = 1600.0  # we re-homed another one (daemon._maybe_rehome)
+    assert v.on_rehomed("me", json.dumps({"p.w.1": 1500.0}).encode()) is True  # the older copy: publish ours
+    assert v.rehomed_by_node["me"] == {"p.w.1": 1500.0, "p.w.2": 1600.0}
+    assert v.on_rehomed("me", b"{}") is True and v.rehomed_by_node["me"]["p.w.2"] == 1600.0
+    assert v.on_rehomed("me", json.dumps({"p.w.1": 1500.0, "p.w.2": 1600.0}).encode()) is False  # ours, back
+    assert v.on_rehomed("n2", json.dumps({"p.w.3": 1700.0}).encode()) is False  # another node's: as it says
+    assert v.on_rehomed("n2", b"{}") is False and v.rehomed_by_node["n2"] == {}

@@ -884,3 +884,45 @@ def test_a_copy_idle_in_the_lost_nodes_last_state_whose_standby_copy_owns_groups
         "n1", hosted, {"n2"}, set(), 0, idle={"cnt-c"}, groups={"p.cnt.0": [[0, 7, 0]]},
         standby_groups={"cnt-c": []})}
     assert not idle["cnt-c"]["active"] and "cnt-c" not in idle["p.op.0"]["succs"]
+
+
+def test_a_rehomed_new_owner_that_handed_a_resumed_group_on_does_not_take_its_old_owners_offer_again() -> None:
+    """chaos --pipeline stateful-scaling, seed 94: a leaving copy (c129) was handing group 95 to
+    the keeper (version 8) when the keeper's node was lost. The keeper's re-homed incarnation
+    resumed the group at version 8 and handed it to a new copy (version 9); then the leaver's
+    Offer of that move reached it. It took the Offer and the chunks: the group had two owners,
+    the keeper with the leaver's older state, and the copy's hand-back was refused ("already
+    owned or expected"): 22 windows missing, 7 different, two cells instances at the end. An
+    Offer of a move no newer than one we had the group at is not taken; its chunks are answered
+    Installed, so the leaver forgets the group."""
+    from agent.instance.handover import Eos, Installed, Offer
+    from agent.instance.moves import encode
+
+    leaver = keyed_instance("cnt-b", {5: 2})
+    leaver.moves.hand_rest("p.cnt.0", ["p.op.0"])  # group 5 to the keeper, version 3
+    leaver.moves.on_message("p.op.0", encode(Eos(5, "p.op.0")))
+    leaver.moves.hand_out_turn()
+    leaver.moves.flush()
+    (_, version, bodies) = leaver.moves.outgoing[5]
+    assert version == 3 and bodies
+    # the keeper re-homed with group 5 at the move's version, then handed it to a copy
+    keeper = keyed_instance("p.cnt.0", {}, restart=True, owned_groups=[[0, 0, 0], [5, 5, 3]], min_epoch=1_800_000_000)
+    assert keeper.moves.member.owned == {0, 5} and keeper.moves.versions[5] == 3
+    keeper.moves.start(5, "cnt-d", ["p.op.0"])
+    keeper.moves.on_message("p.op.0", encode(Eos(5, "p.op.0")))
+    keeper.moves.hand_out_turn()
+    keeper.moves.flush()
+    keeper.moves.on_message("cnt-d", encode(Installed(5)))
+    keeper.moves.flush()
+    assert 5 not in keeper.moves.member.owned
+    # the leaver's Offer and chunks of version 3, sent again
+    keeper.moves.on_message("cnt-b", dict(encode(Offer(5)), v=3))
+    for body in bodies:
+        keeper.moves.on_message("cnt-b", body)
+    keeper.moves.take_in_turn()
+    assert 5 not in keeper.moves.member.owned and 5 not in keeper.moves.member.new.expected, "the group owned twice"
+    assert ("cnt-b", encode(Installed(5))) in keeper.moves.deferred  # the leaver forgets it
+    # the copy hands the group back (version 5): taken as any move
+    keeper.moves.on_message("cnt-d", dict(encode(Offer(5)), v=5))
+    assert keeper.moves.member.new.expected == {5: "cnt-d"}
+    assert keeper.stats["handover_errors"] == 0

@@ -177,9 +177,10 @@ class GroupMoves:
         self.key_field = w.keyed.key_field
         self.member = Member(w.spec.instance, owned)
         self.versions: Dict[int, int] = dict(versions) if versions is not None else {g: 0 for g in self.member.owned}
-        # group -> the newest move of it towards us we have seen (Offer, Start share or chunk):
-        # never dropped, so that a chunk sent again for a move we completed long ago is told
-        # Installed, and one of a newer move whose Offer a crash lost is taken as that Offer
+        # group -> the newest move of it towards us we have seen (Offer, Start share or chunk), or
+        # away from us once its new owner installed it: never dropped, so that a chunk sent again
+        # for a move we completed long ago is told Installed, an Offer sent again for one is not
+        # taken, and a chunk of a newer move whose Offer a crash lost is taken as that Offer
         self.seen: Dict[int, int] = {}
         self.held = 0  # records in the member's buffers (new.buffer and early)
         self.shares: Dict[str, List[Tuple[int, int]]] = {}  # copy -> [(group, version)] its Start names
@@ -335,6 +336,14 @@ class GroupMoves:
                 # (`flush`): a replay of them after a crash is then a duplicate (`_replayed`).
                 self.flush_due = True
             elif isinstance(msg, Offer):
+                n = self.member.new
+                if 0 <= version <= self.seen.get(msg.group, -1) and msg.group not in n.owned and msg.group not in n.expected:
+                    # A move we have had the group at a newer version than (we installed it, or
+                    # resumed it re-homed, and have handed it on since): its old owner sent the
+                    # Offer again. Taken, we held the group a second time with the old owner's older
+                    # state (two owners; chaos seed 94). Its chunks are answered Installed.
+                    self.counts["stale_offers"] = self.counts.get("stale_offers", 0) + 1
+                    return
                 outs = self.member.on_offer(sender, msg)
                 self.versions[msg.group] = version
                 self.seen[msg.group] = max(version, self.seen.get(msg.group, -1))
@@ -621,7 +630,9 @@ class GroupMoves:
             elif isinstance(o, Apply):
                 self._apply(o)
             elif isinstance(o, Forget):
-                self.versions.pop(o.group, None)
+                v = self.versions.pop(o.group, None)
+                if v is not None:  # handed on at v: a move of it towards us up to v is over
+                    self.seen[o.group] = max(v, self.seen.get(o.group, -1))
                 self.counts["groups_out"] += 1
         if any(isinstance(o, Install) for o in outs):
             idx = w.tracker.produced()

@@ -258,7 +258,8 @@ class Agent:
                                lambda: self.clock(), lambda: self.wall(),
                                InboundCalls(publish=lambda *a, **kw: self._publish(*a, **kw), keep=self._keep,
                                             bad=lambda *a: self._bad(*a), changed=self._changed,
-                                            drop_stale=self._drop_stale, retained_in=lambda: self._retained_in))
+                                            drop_stale=self._drop_stale, retained_in=lambda: self._retained_in,
+                                            restate_rehomed=lambda: self._publish_rehomed()))
 
     # -- MQTT (agent.node.bus) -----------------------------------------------------------------
 
@@ -287,6 +288,9 @@ class Agent:
         self.bus.online()
         self._state_dirty = True
         self._hosted_dirty = True
+        if self.view.rehomed_by_node.get(self.node):
+            # a broker restarted from its last autosave may have lost it (or kept an older copy)
+            self._publish_rehomed()
         # Re-adopt (first connect) and fence (every connect) once the retained states are in.
         self._reconcile_at = self.clock() + READOPT_SETTLE
         self._connected_at = self.clock()
@@ -1075,10 +1079,9 @@ class Agent:
                                       intents=rehoming.lost_intents(*fleet, node))
             self.rehoming.planned(node)
             if plan:
-                record = rehoming.with_plan(self.view.rehomed_by_node.setdefault(self.node, {}),
-                                            [str(d["instance"]) for d in plan], wall)
-                self._publish(topics.agent_rehomed(self.cluster, self.node),
-                              json.dumps(record, sort_keys=True).encode(), retain=True)
+                rehoming.with_plan(self.view.rehomed_by_node.setdefault(self.node, {}),
+                                   [str(d["instance"]) for d in plan], wall)
+                self._publish_rehomed()
             idle = sorted(str(d["instance"]) for d in plan if not d.get("active"))
             told = sorted(str(d["instance"]) for d in plan if (d.get("extra") or {}).get("idle_copies"))
             log.warning("node %s offline for %.0fs: re-homing %d instances%s%s", node, now - since, len(plan),
@@ -1129,8 +1132,7 @@ class Agent:
             floor = max(int(spec.extra.get("min_epoch", 0) or 0), int(wall))
             record = self.view.rehomed_by_node.setdefault(self.node, {})
             record[spec.instance] = float(floor)
-            self._publish(topics.agent_rehomed(self.cluster, self.node),
-                          json.dumps(record, sort_keys=True).encode(), retain=True)
+            self._publish_rehomed()
             log.warning("re-homing %s again: node %s is back and does not run it", spec.instance, node,
                         extra={"node": self.node})
             self._start_rehome(node, dataclasses.replace(spec, extra={**spec.extra, "min_epoch": floor}), now)
@@ -1140,8 +1142,14 @@ class Agent:
         claims it."""
         record = self.view.rehomed_by_node.get(self.node, {})
         if self.rehoming.failed(node, spec, record) and self.connected:
-            self._publish(topics.agent_rehomed(self.cluster, self.node),
-                          json.dumps(record, sort_keys=True).encode(), retain=True)
+            self._publish_rehomed()
+
+    def _publish_rehomed(self) -> None:
+        """Our retained re-homed record, as we hold it (FleetView keeps our own copy over what a
+        broker restarted from its last autosave hands back)."""
+        record = self.view.rehomed_by_node.get(self.node, {})
+        self._publish(topics.agent_rehomed(self.cluster, self.node), json.dumps(record, sort_keys=True).encode(),
+                      retain=True)
 
     def _drop_stale(self, pipeline: str, now: float) -> None:
         """The record of `pipeline` changed: every instance of it that the record now rules out

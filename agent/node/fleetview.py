@@ -68,8 +68,19 @@ class FleetView:
     def on_status(self, node: str, up: bool) -> None:
         self.online[node] = up
 
-    def on_rehomed(self, node: str, payload: bytes) -> None:
-        self.rehomed_by_node[node] = rehome.decode_rehomed(payload)
+    def on_rehomed(self, node: str, payload: bytes) -> bool:
+        """`node`'s re-homed record. Ours is the one we keep once we hold one (our retained
+        record read at our start, or what we re-homed since): a broker restarted from its last
+        autosave (killed with SIGKILL) hands back at our reconnect the copy it saved, which
+        lacks what we re-homed since, and taking it would make us forget those re-homes (a
+        returning node would then re-adopt a re-homed copy that has left since, and two nodes
+        that both ran an instance would both stop theirs: rehoming.taken_over, rehomed_here).
+        True when that copy of ours differs from what we hold: publish ours again."""
+        record = rehome.decode_rehomed(payload)
+        if node == self.me and node in self.rehomed_by_node:
+            return record != self.rehomed_by_node[node]
+        self.rehomed_by_node[node] = record
+        return False
 
     def on_hosted(self, node: str, payload: bytes) -> List[str]:
         """`node`'s hosted record (ours is the one we publish); the instances it lists."""

@@ -37,6 +37,7 @@ class InboundCalls:
     changed: Callable[[], None]  # our state changed: publish it soon
     drop_stale: Callable[[str, float], None]  # the record of a pipeline changed
     retained_in: Callable[[], bool]  # the retained records of this connection are in
+    restate_rehomed: Callable[[], None]  # publish our re-homed record again, as we hold it
 
 
 class Inbound:
@@ -83,7 +84,8 @@ class Inbound:
 
     def on_rehomed(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
         try:
-            self.view.on_rehomed(str(parsed.node), msg.payload)
+            if self.view.on_rehomed(str(parsed.node), msg.payload):
+                self.calls.restate_rehomed()  # the broker handed back an older copy of ours
             self.hosts.dirty = True
         except ValueError as exc:
             self.calls.bad("re-homed record", str(parsed.node), exc)

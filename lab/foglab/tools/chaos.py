@@ -54,7 +54,7 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from agent.config import load_pipeline_text
 from agent.protocol.gme_fgme import DAMPING_DEFAULT
@@ -316,16 +316,40 @@ def _scaled_in_since(mon: Monitor, since_wall: float) -> Set[str]:
             if float(e.get("ts", e.get("time", 0)) or 0) >= since_wall - 5.0}  # a state is up to 1 s old
 
 
+def _ended_on_disk(workdir: Path, nodes: Sequence[str], instances: Iterable[str]) -> Set[str]:
+    """Of `instances`, those whose scaling core says `terminated` in the state file its worker
+    last wrote (`<workdir>/state-<node>/<instance>.state.json`): a copy whose scale-in ended.
+    Its agent's "terminated" event is not enough: a copy that finished leaving just as its agent
+    or node was killed exited, but the agent died before it published the event (seed 84: the
+    fault then waited for the copy to be active again until it timed out; seed 82: kill-node
+    kept the node away for the whole recovery timeout). Copy ids are never used again."""
+    out: Set[str] = set()
+    for inst in instances:
+        for node in nodes:
+            try:
+                doc = json.loads((workdir / f"state-{node}" / f"{inst}.state.json").read_text())
+            except (OSError, ValueError):
+                continue
+            scaling = doc.get("scaling") if isinstance(doc, dict) else None
+            if isinstance(scaling, dict) and scaling.get("state") == "terminated":
+                out.add(inst)
+                break
+    return out
+
+
 def _waiting_for(mon: Monitor, nodes: Sequence[str], before: Set[str], start_wall: float, end_wall: float,
-                 sink_dir: Path, recorded_at_end: float, load_on: bool) -> List[str]:
+                 sink_dir: Path, recorded_at_end: float, load_on: bool, workdir: Optional[Path] = None) -> List[str]:
     """What the fleet still lacks to count as recovered from a fault that lasted from
-    `start_wall` to `end_wall` (empty: recovered)."""
+    `start_wall` to `end_wall` (empty: recovered). With `workdir` (a local fleet), a copy whose
+    state file says it terminated has left, event or not (`_ended_on_disk`)."""
     with mon._lock:
         offline = [n for n in nodes if mon.status.get(n) != "online"]
     if offline:
         return [f"{n} offline" for n in offline]
     now_active = _active_instances(mon)
     gone = _scaled_in_since(mon, start_wall)
+    if workdir is not None:
+        gone |= _ended_on_disk(workdir, nodes, (i for i in before - gone if i not in now_active))
     missing = []
     for inst in sorted(before - gone):
         entry = now_active.get(inst)
@@ -476,7 +500,8 @@ class Nemesis:
         rehomed: Optional[float] = None
         while time.monotonic() < deadline:
             now_active = _active_instances(self.mon)
-            if all(i in now_active and now_active[i]["node"] != node for i in hosted):
+            ended = _ended_on_disk(self.fleet.workdir, self.cfg.nodes, (i for i in hosted if i not in now_active))
+            if all(i in now_active and now_active[i]["node"] != node or i in ended for i in hosted):
                 rehomed = round(time.monotonic() - killed, 2)
                 break
             time.sleep(0.2)
@@ -710,7 +735,7 @@ def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dic
             deadline = time.monotonic() + cfg.recovery_timeout
             while True:
                 lacking = _waiting_for(mon, cfg.nodes, before, start_wall, end_wall, fleet.sink_dir, recorded,
-                                       load_at(time.monotonic() - t0) > 0)
+                                       load_at(time.monotonic() - t0) > 0, fleet.workdir)
                 if not lacking:
                     fault.recovery_s = round(time.monotonic() - injected, 2)
                     break
