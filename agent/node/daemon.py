@@ -986,8 +986,7 @@ class Agent:
     def _publish_replica(self, standby: str, body: Dict[str, Any], correlation: Optional[str]) -> Any:
         """False when not queued, else the message id: the next part of a snapshot waits for its
         PUBACK (replicas.Replication.published), so paho holds a few parts, not the snapshot."""
-        if self._hosted_dirty:  # the standby accepts a copy only of what our hosted record lists: first
-            self._publish_hosted()
+        self._hosted_first()  # the standby accepts a copy only of what our hosted record lists
         props = rpc.publish_properties(correlation) if correlation is not None else None
         return self._publish(topics.agent_peer(self.cluster, standby, self.node), rpc.encode(body), properties=props)
 
