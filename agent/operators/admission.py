@@ -169,18 +169,19 @@ class AllowList:
     entry_points: Mapping[str, str] = field(default_factory=dict)  # name -> "module:attr"
 
     @classmethod
-    def for_node(cls, modules: Iterable[str] = (), group: str = ENTRY_POINT_GROUP) -> "AllowList":
+    def for_node(cls, modules: Iterable[str] = (), group: str = ENTRY_POINT_GROUP,
+                 entry_points: Optional[Dict[str, str]] = None) -> "AllowList":
+        """`entry_points`: as read already (a worker's, from its agent); None: read from `group`."""
         mods = tuple(m for m in modules if check_module_name(m) is None)
-        return cls(modules=mods, entry_points=_entry_points(group))
+        return cls(modules=mods, entry_points=_entry_points(group) if entry_points is None else entry_points)
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "AllowList":
         """A worker's allow-list: the modules and entry points its agent put into the environment."""
         env = os.environ if env is None else env
         raw = env.get(ENV_MODULES, "")
-        mods = tuple(m for m in (m.strip() for m in raw.split(",")) if m and check_module_name(m) is None)
-        eps = _entry_points_given(env.get(ENV_ENTRY_POINTS))
-        return cls(modules=mods, entry_points=eps) if eps is not None else cls.for_node(mods)
+        return cls.for_node((m.strip() for m in raw.split(",") if m.strip()),
+                            entry_points=_entry_points_given(env.get(ENV_ENTRY_POINTS)))
 
     def env(self) -> Dict[str, str]:
         """The environment entries that give a worker this allow-list."""
