@@ -27,3 +27,17 @@ class RecordingClient:
 def message(topic: str, payload: bytes, retain: bool = False) -> Any:
     """A received message as the agent's `_on_message` reads it."""
     return SimpleNamespace(topic=topic, payload=payload, retain=retain, properties=None)
+
+
+def reconnect(agent: Any, client: RecordingClient, at: float, retained: List[Tuple[str, bytes]]) -> None:
+    """A (re)connect of `agent` at `at`: a loop turn before the retained messages arrive, then
+    them and the echo of this connection's sync marker, and a loop turn."""
+    from agent import topics
+    from agent.node.loopevents import Connected
+
+    marker_topic = topics.replies(agent.cluster, agent.node, agent.node)
+    agent._dispatch(Connected(True, "Success", True), at)
+    agent._periodic(at)
+    for topic, payload in retained + [(marker_topic, client.on(marker_topic)[-1])]:
+        agent._on_message(message(topic, payload, retain=topic != marker_topic), at)
+    agent._periodic(at)

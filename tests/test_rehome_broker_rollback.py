@@ -13,9 +13,9 @@ from typing import List, Tuple
 from agent import topics
 from agent.instance.spec import InstanceSpec, request_spec
 from agent.mqtt.settings import BrokerSpec
-from agent.node.loopevents import Connected, Disconnected
+from agent.node.loopevents import Disconnected
 from pipelines import with_work
-from recording_client import RecordingClient, message as recorded
+from recording_client import RecordingClient, message as recorded, reconnect
 
 PIPELINE = with_work("agent.operators.builtin:in_zone")
 
@@ -37,7 +37,6 @@ def test_a_rehome_our_record_lost_with_the_brokers_last_seconds_is_published_aga
     placed: List[str] = []
     agent._create_node = lambda spec, reply, cause, now: placed.append(spec.instance)  # type: ignore
     client = agent.bus.client = RecordingClient()
-    marker_topic = topics.replies("c", "n1", "n1")
     ours = topics.agent_rehomed("c", "n1")
 
     def message(topic: str, payload: bytes, retain: bool = False) -> None:
@@ -45,11 +44,7 @@ def test_a_rehome_our_record_lost_with_the_brokers_last_seconds_is_published_aga
 
     def connect(at: float, retained: List[Tuple[str, bytes]]) -> None:
         clock[0] = at
-        agent._dispatch(Connected(True, "Success", True), at)
-        agent._periodic(at)
-        for topic, payload in retained + [(marker_topic, client.on(marker_topic)[-1])]:
-            message(topic, payload, retain=topic != marker_topic)
-        agent._periodic(at)
+        reconnect(agent, client, at, retained)
 
     work = InstanceSpec("p.work.0", "work", "n3", "c", "p", PIPELINE, BrokerSpec("h", 1), keeper=True)
     hosted = (topics.agent_hosted("c", "n3"), json.dumps([request_spec(work)]).encode())

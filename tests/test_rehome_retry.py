@@ -8,12 +8,12 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Tuple
 
-from agent.node.loopevents import Connected, Disconnected
+from agent.node.loopevents import Disconnected
 from agent import topics
 from agent.instance.spec import InstanceSpec, request_spec
 from agent.mqtt.settings import BrokerSpec
 from pipelines import with_work
-from recording_client import RecordingClient, message as recorded
+from recording_client import RecordingClient, message as recorded, reconnect
 
 PIPELINE = with_work("agent.operators.builtin:in_zone")
 
@@ -79,17 +79,10 @@ def test_a_node_that_came_back_while_we_were_away_is_not_rehomed_at_our_reconnec
     placed: List[str] = []
     agent._create_node = lambda spec, reply, cause, now: placed.append(spec.instance)  # type: ignore
     client = agent.bus.client = RecordingClient()
-    marker_topic = topics.replies("c", "n1", "n1")
 
     def connect(at: float, retained: List[Tuple[str, bytes]]) -> None:
-        """A (re)connect, one loop turn before the retained messages arrive, then them and the
-        echo of this connection's marker, and a loop turn."""
         clock[0] = at
-        agent._dispatch(Connected(True, "Success", True), at)
-        agent._periodic(at)
-        for topic, payload in retained + [(marker_topic, client.on(marker_topic)[-1])]:
-            message(topic, payload, retain=topic != marker_topic)
-        agent._periodic(at)
+        reconnect(agent, client, at, retained)
 
     def message(topic: str, payload: bytes, retain: bool = False) -> None:
         agent._on_message(recorded(topic, payload, retain), clock[0])
