@@ -154,6 +154,9 @@ class SpillSection:
     rotate_seconds: float = field(default=60.0, metadata={"check": positive("seconds")})
     ship: Literal["mqtt", "path", "none"] = "mqtt"
     ship_path: Optional[str] = None
+    # When a spilling sink acks upstream: once written to its spool, or once its spool files
+    # landed at the centre (agent.spill.ackhold; docs/reliability.md, "Re-homing and a sink").
+    ack: Literal["written", "landed"] = "written"
 
 
 @dataclass(frozen=True)

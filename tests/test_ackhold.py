@@ -186,3 +186,16 @@ def test_released_calls_are_exactly_the_longest_prefix_whose_files_all_landed(st
         assert released == expect
         assert hold.held == len(calls) - released
     assert released == len(calls)
+
+
+def test_oldest_is_the_first_file_mentioned_and_not_landed() -> None:
+    hold = AckHold("landed", unlanded=[B])
+    hold.wrote([C])
+    hold.wrote([A])
+    assert hold.oldest() == B and hold.unlanded() == [B, C, A]
+    hold.landed(C)
+    assert hold.oldest() == B and hold.unlanded() == [B, A]
+    hold.landed(B)
+    assert hold.oldest() == A
+    hold.landed(A)
+    assert hold.oldest() is None and hold.take() == 2

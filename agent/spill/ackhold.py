@@ -17,7 +17,7 @@ API
     hold = AckHold("landed", unlanded=names_found_at_start)   # files a previous incarnation left
     hold.wrote(["batches+n1+2026-12-06+0000000003"], now)     # one record() call recorded there
     hold.wrote([], now)                                       # a call with no line (all duplicates)
-    hold.landed("batches+n1+2026-12-06+0000000003")           # the shipper released that file
+    hold.landed(hold.oldest())                                # the shipper released that file
     n = hold.take()                                           # calls the sink may ack now, in order
 
 ORDERING CONTRACT: calls are released in the order they were registered (the worker acks
@@ -103,9 +103,12 @@ class AckHold:
     # ---- what the driver looks at -------------------------------------------------------------
 
     def unlanded(self) -> List[str]:
-        """The files not landed yet, oldest first: the ones the driver watches (and closes, when a
-        held call waits on a file still open)."""
-        return sorted(self._order, key=self._order.__getitem__)
+        """The files not landed yet, oldest first (first mention)."""
+        return list(self._order)  # ranks are given in insertion order: the dict is in rank order
+
+    def oldest(self) -> Optional[str]:
+        """The oldest file not landed yet: the one to watch (nothing is released before it lands)."""
+        return next(iter(self._order), None)
 
     @property
     def held(self) -> int:
@@ -121,7 +124,12 @@ class AckHold:
         if not self._held:
             return []
         barrier = self._held[0][0]
-        return [n for n in self.unlanded() if self._order[n] <= barrier]
+        out = []
+        for name, rank in self._order.items():
+            if rank > barrier:
+                break
+            out.append(name)
+        return out
 
     # ---- internals ----------------------------------------------------------------------------
 
