@@ -354,3 +354,29 @@ def test_a_restarted_sink_acking_once_landed_holds_the_replays_of_what_its_spool
     s.record_batch(items(0, 10), batch_body(0, 10))
     assert s.settle() == 1
     s.close()
+
+
+def test_the_agents_spill_ack_reaches_its_sink_workers(tmp_path: Path) -> None:
+    """`[spill] ack` in agent.toml -> AgentSpill -> a local worker's `extra["spill"]["ack"]`."""
+    import dataclasses
+
+    from agent.config import load_agent_config
+    from agent.spill.local import AgentSpill
+
+    toml = tmp_path / "agent.toml"
+    toml.write_text(f'[agent]\nnode = "n1"\n[spill]\nenabled = true\nspool_dir = "{tmp_path / "spool"}"\n'
+                    'ship = "none"\nack = "landed"\n')
+    cfg = load_agent_config(toml)
+    assert cfg.spill.ack == "landed"
+    toml.write_text(toml.read_text().replace('ack = "landed"\n', ""))
+    assert load_agent_config(toml).spill.ack == "written"  # the default
+
+    @dataclasses.dataclass(frozen=True)
+    class Spec:
+        extra: dict
+
+    agent = AgentSpill(cfg)
+    try:
+        assert agent.with_spill(Spec({"spill": {"ack": "written"}})).extra["spill"]["ack"] == "landed"
+    finally:
+        agent.close()
