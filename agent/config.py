@@ -158,6 +158,11 @@ class SpillSection:
     # landed at the centre (agent.spill.ackhold; docs/reliability.md, "Re-homing and a sink").
     ack: Literal["written", "landed"] = "written"
 
+    def __post_init__(self) -> None:
+        if self.enabled and self.ack == "landed" and self.ship == "none":
+            raise ValueError('ack = "landed" needs a shipper (ship = "mqtt" or "path"): with ship = "none" '
+                             "nothing lands and the sinks would never ack")
+
 
 @dataclass(frozen=True)
 class LatencySection:

@@ -365,7 +365,7 @@ def test_the_agents_spill_ack_reaches_its_sink_workers(tmp_path: Path) -> None:
 
     toml = tmp_path / "agent.toml"
     toml.write_text(f'[agent]\nnode = "n1"\n[spill]\nenabled = true\nspool_dir = "{tmp_path / "spool"}"\n'
-                    'ship = "none"\nack = "landed"\n')
+                    f'ship = "path"\nship_path = "{tmp_path / "landing"}"\nack = "landed"\n')
     cfg = load_agent_config(toml)
     assert cfg.spill.ack == "landed"
     toml.write_text(toml.read_text().replace('ack = "landed"\n', ""))

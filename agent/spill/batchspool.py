@@ -249,7 +249,13 @@ class BatchSpool(_SpoolBase):
         by sequence number: at start, what a previous incarnation wrote and the centre lacks."""
         names = {p.name for p in self.open_dir.iterdir() if p.name.endswith(RAW_SUFFIX)}
         names |= {p.name[: -len(".gz")] for p in self.closed_dir.iterdir() if p.name.endswith(SUFFIX)}
-        return sorted(names, key=lambda n: parse_name(n + ".gz")["seq"])
+        seqs = {}
+        for n in names:
+            try:
+                seqs[n] = parse_name(n + ".gz")["seq"]
+            except ValueError:
+                continue  # not a spool file (the shipper ignores it too)
+        return sorted(seqs, key=seqs.__getitem__)
 
     def holds(self, name: str) -> bool:
         """False once the file `name` (as `open_name` gave it) left the spool: the shipper releases
