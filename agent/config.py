@@ -154,6 +154,14 @@ class SpillSection:
     rotate_seconds: float = field(default=60.0, metadata={"check": positive("seconds")})
     ship: Literal["mqtt", "path", "none"] = "mqtt"
     ship_path: Optional[str] = None
+    # When a spilling sink acks upstream: once written to its spool, or once its spool files
+    # landed at the centre (agent.spill.ackhold; docs/reliability.md, "Re-homing and a sink").
+    ack: Literal["written", "landed"] = "written"
+
+    def __post_init__(self) -> None:
+        if self.enabled and self.ack == "landed" and self.ship == "none":
+            raise ValueError('ack = "landed" needs a shipper (ship = "mqtt" or "path"): with ship = "none" '
+                             "nothing lands and the sinks would never ack")
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,10 @@ def test_defaults_are_paper_values(tmp_path: Path) -> None:
         ("[agent]\nnode='n/1'", "agent.toml: [agent].node: expected a name of letters"),
         # 8 literal choice
         ("[agent]\nnode='n1'\n[log]\nlevel='loud'", 'agent.toml: [log].level: expected one of "debug", "info", "warning", "error", got "loud"'),
+        # 8b the spilling sink's ack mode
+        ("[agent]\nnode='n1'\n[spill]\nack='shipped'", 'agent.toml: [spill].ack: expected one of "written", "landed", got "shipped"'),
+        ("[agent]\nnode='n1'\n[spill]\nenabled=true\nack='landed'\nship='none'",
+         'agent.toml: [spill]: ack = "landed" needs a shipper (ship = "mqtt" or "path")'),
         # 9 section is not a table
         ("agent = 3", "agent.toml: [agent]: expected a table, got 3"),
         # 10 negative period

@@ -254,6 +254,7 @@ SANS_IO = {
     "agent.dataplane": NETWORK | {"os", "time", "threading", "random"},
     "agent.policy": NETWORK | {"os", "time", "threading", "random"},
     "agent.spill.shipping": NETWORK,
+    "agent.spill.ackhold": NETWORK | {"os", "time", "threading", "random"},
     "agent.collector.core": NETWORK,
     # The node daemon's decisions (agent.node.gate, ...): they read pipeline texts and spec paths
     # through agent.config and agent.operators.admission (which import os, ssl and time for their

@@ -291,7 +291,7 @@ def test_the_agent_ships_the_spool_a_sink_left_open_when_it_no_longer_runs_here(
         for i in range(20):
             s.append_line("records", line(i))  # abandoned open: the power cut
     spill = types.SimpleNamespace(spool_dir=str(root), max_bytes=1 << 30, rotate_bytes=1 << 20,
-                                  rotate_seconds=60.0, ship="none", ship_path="")
+                                  rotate_seconds=60.0, ship="none", ship_path="", ack="written")
     agent = AgentSpill(types.SimpleNamespace(spill=spill, agent=types.SimpleNamespace(node="n1", cluster="c")))
     held = os.open(str(locks / "busy.lock"), os.O_CREAT | os.O_RDWR, 0o600)
     fcntl.flock(held, fcntl.LOCK_EX)
@@ -304,3 +304,79 @@ def test_the_agent_ships_the_spool_a_sink_left_open_when_it_no_longer_runs_here(
         assert list((root / inst / "open").iterdir()) and not list((root / inst / "closed").iterdir())
     assert agent.salvage_orphans({"here"}, locks) == 1  # the lock released: "busy" now
     agent.close()
+
+
+def test_a_sink_acking_once_landed_holds_each_batch_until_its_file_left_the_spool(tmp_path: Path, monkeypatch) -> None:
+    """ack "landed": settle() releases no batch while its spool file is open or closed and not
+    shipped; the shipper landing (and so releasing) the file releases them, in order; a batch of
+    duplicates whose first copies landed is released at once."""
+    from agent.operators import builtin
+    from agent.spill.shipper import PathShipper
+    from agent.spill.spool import SpoolDirs
+
+    monkeypatch.setattr(builtin, "LAND_CHECK", 0.0)
+    monkeypatch.setattr(builtin, "LANDED_CLOSE_AFTER", 3600.0)
+    s = sink(tmp_path, ack="landed", rotate_bytes=1 << 20)
+    shipper = PathShipper(SpoolDirs(tmp_path / "spool", "n1"), tmp_path / "landing")
+    for k in range(3):
+        s.record_batch(items(10 * k, 10), batch_body(10 * k, 10))
+    assert s.settle() == 0 and s.stats()["acks_held"] == 3
+    assert shipper.ship_once() == 0 and s.settle() == 0  # still open: nothing to ship
+    monkeypatch.setattr(builtin, "LANDED_CLOSE_AFTER", 0.0)
+    assert s.settle() == 0  # the file the held batches wait on is closed for shipping
+    assert s.spool.wait_idle(5) and len(list((tmp_path / "spool" / "sink-0" / "closed").iterdir())) == 1
+    assert s.settle() == 0  # closed, not landed
+    assert shipper.ship_once() == 1
+    assert s.settle() == 3 and s.stats()["acks_held"] == 0
+    s.record_batch(items(0, 10), batch_body(0, 10))  # a replay: its first copies landed
+    assert s.settle() == 1 and s.duplicates == 10
+    s.close()
+
+
+def test_a_restarted_sink_acking_once_landed_holds_the_replays_of_what_its_spool_still_has(tmp_path: Path, monkeypatch) -> None:
+    from agent.operators import builtin
+    from agent.spill.shipper import PathShipper
+    from agent.spill.spool import SpoolDirs
+
+    monkeypatch.setattr(builtin, "LAND_CHECK", 0.0)
+    s = sink(tmp_path, ack="landed")
+    s.record_batch(items(0, 10), batch_body(0, 10))
+    s.close()  # its batch never acked: the predecessor replays it to the next incarnation
+    s = sink(tmp_path, ack="landed")
+    assert s.hold.unlanded() and s.settle() == 0
+    s.record_batch(items(0, 10), batch_body(0, 10))  # the replay: duplicates of a file not landed
+    assert s.settle() == 0 and s.duplicates == 10
+    PathShipper(SpoolDirs(tmp_path / "spool", "n1"), tmp_path / "landing").ship_once()
+    assert s.settle() == 1
+    s.close()
+    s = sink(tmp_path, ack="landed")  # nothing left in the spool: nothing to wait for
+    assert s.hold.unlanded() == []
+    s.record_batch(items(0, 10), batch_body(0, 10))
+    assert s.settle() == 1
+    s.close()
+
+
+def test_the_agents_spill_ack_reaches_its_sink_workers(tmp_path: Path) -> None:
+    """`[spill] ack` in agent.toml -> AgentSpill -> a local worker's `extra["spill"]["ack"]`."""
+    import dataclasses
+
+    from agent.config import load_agent_config
+    from agent.spill.local import AgentSpill
+
+    toml = tmp_path / "agent.toml"
+    toml.write_text(f'[agent]\nnode = "n1"\n[spill]\nenabled = true\nspool_dir = "{tmp_path / "spool"}"\n'
+                    f'ship = "path"\nship_path = "{tmp_path / "landing"}"\nack = "landed"\n')
+    cfg = load_agent_config(toml)
+    assert cfg.spill.ack == "landed"
+    toml.write_text(toml.read_text().replace('ack = "landed"\n', ""))
+    assert load_agent_config(toml).spill.ack == "written"  # the default
+
+    @dataclasses.dataclass(frozen=True)
+    class Spec:
+        extra: dict
+
+    agent = AgentSpill(cfg)
+    try:
+        assert agent.with_spill(Spec({"spill": {"ack": "written"}})).extra["spill"]["ack"] == "landed"
+    finally:
+        agent.close()

@@ -70,8 +70,8 @@ class OperatorContext:
     sink_dir: Path = Path(".")
     restart: bool = False
     # spec.extra["spill"] (set by the agent from its [spill] section): {"dir" (the spool root; a
-    # sink spools into <dir>/<instance>), "node", "max_bytes", "rotate_bytes", "rotate_seconds"};
-    # empty = the sink does not spill.
+    # sink spools into <dir>/<instance>), "node", "max_bytes", "rotate_bytes", "rotate_seconds",
+    # "ack" ("written" | "landed": when the sink acks upstream)}; empty = the sink does not spill.
     spill: Dict[str, Any] = field(default_factory=dict)
 
 
@@ -444,6 +444,16 @@ class CountingSink(SinkOperator):
     the file is closed for appending only after the ids of its lines were written. Hence after a
     crash: the ids file plus the ids still in the local spool files (read back at start) are
     every id spooled, and a replayed record is dropped, never spooled twice.
+
+    When the acks go upstream (`ctx.spill["ack"]`, the agent's `[spill] ack`; ledger:
+    `agent.spill.ackhold.AckHold`): "written" (default), as above, once the line and the ids are
+    written; "landed", only once the spool files holding the call's records (and every file
+    written before, which holds the first copies of the ids it dropped as duplicates) have left
+    the spool: the daemon's shipper deletes a file only once the collector answered landed or
+    duplicate (or a path shipper landed it). Checked every `LAND_CHECK` seconds in `settle`; a
+    file a held call waits on is closed for shipping once that call waited `LANDED_CLOSE_AFTER`
+    (its predecessors' credit runs out long before `rotate_bytes`). At start, the files a
+    previous incarnation left hold the first calls (its predecessors' replays are duplicates).
     """
 
     def __init__(self, ctx: OperatorContext) -> None:
@@ -457,7 +467,7 @@ class CountingSink(SinkOperator):
         self.duplicates = 0
         self.spool: Any = None
         self._pending: "deque[_Spilled]" = deque()  # held back by the cap, oldest first
-        self._done = 0  # record() calls recorded since the last settle()
+        self.hold: Any = None  # agent.spill.ackhold.AckHold, with a spool
         self._events: List[Dict[str, Any]] = []
         self.spilled = 0
         self.adopted = 0
@@ -488,6 +498,12 @@ class CountingSink(SinkOperator):
             before_close=self._sync_ids,  # from the compressor thread, before a file may be shipped
         )
         self._last_tick = 0.0
+        from agent.spill.ackhold import AckHold
+
+        mode = str(spill.get("ack") or "written")
+        self.hold = AckHold(mode, unlanded=self.spool.unshipped() if mode == "landed" else ())
+        self._landed = mode == "landed"
+        self._last_land_check = 0.0
 
     def _sync_ids(self) -> None:
         """fsync the ids file: every id written so far (flushed by `_store_pending` before the
@@ -556,9 +572,10 @@ class CountingSink(SinkOperator):
     def _store_pending(self) -> None:
         """Spool line, then ids, of each held-back call in order, until the cap holds one back.
         Every line is in the OS file before its ids are written (and the ids before the ack)."""
-        pending, spool = self._pending, self.spool
+        pending, spool, hold = self._pending, self.spool, self.hold
         ids: List[str] = []
         done = 0
+        now = time.monotonic()
         while pending:
             e = pending[0]
             if e.line is not None and not spool.append_line(e.kind, e.line):
@@ -566,20 +583,24 @@ class CountingSink(SinkOperator):
             pending.popleft()
             ids.extend(e.ids)
             done += 1
+            if self._landed:
+                hold.wrote((spool.open_name(e.kind),) if e.line is not None else (), now)
         if ids:
             self._fh.write("".join(ids))
             self._fh.flush()  # in the OS page cache: survives a worker crash
             self.recorded += len(ids)
             self.spilled += len(ids)
-        self._done += done
+        if done and not self._landed:
+            hold.wrote((), now, calls=done)
         spool.close_full_files()  # after the ids are flushed: see BatchSpool.close_full_files
 
     def writable(self) -> bool:
         return self.spool is None or not self._pending
 
     def settle(self) -> int:
-        """How many record() calls are recorded since the last settle() (spool line in the OS
-        file, ids written): all of them unless the spool's cap holds some back."""
+        """How many more record() calls may be acked (in order): those recorded (spool line in the
+        OS file, ids written), all of them unless the spool's cap holds some back; with
+        ack "landed", those whose spool files have landed."""
         if self.spool is None:
             return 0
         if self._pending:
@@ -588,8 +609,23 @@ class CountingSink(SinkOperator):
         if now - self._last_tick >= 0.5:
             self._last_tick = now
             self.spool.tick()  # rotation by age; a full spool notices released files
-        done, self._done = self._done, 0
-        return done
+        if self._landed and now - self._last_land_check >= LAND_CHECK:
+            self._last_land_check = now
+            self._check_landed(now)
+        return self.hold.take()
+
+    def _check_landed(self, now: float) -> None:
+        """Files gone from the spool have landed (the shipper releases only those), oldest first:
+        nothing is released before the oldest lands, so one look per check while it is here. A
+        file a call has waited on for `LANDED_CLOSE_AFTER` is closed for shipping."""
+        hold, spool = self.hold, self.spool
+        name = hold.oldest()
+        while name is not None and not spool.holds(name):
+            hold.landed(name)
+            name = hold.oldest()
+        since = hold.held_since()
+        if since is not None and now - since >= LANDED_CLOSE_AFTER:
+            spool.close_files(hold.waits_on())
 
     def close(self) -> None:
         if self.spool is not None:
@@ -610,10 +646,14 @@ class CountingSink(SinkOperator):
     def stats(self) -> Dict[str, Any]:
         s: Dict[str, Any] = {"recorded": self.recorded, "duplicates_dropped": self.duplicates}
         if self.spool is not None:
-            s.update(spilled=self.spilled, spill_waiting=len(self._pending),
+            s.update(spilled=self.spilled, spill_waiting=len(self._pending), acks_held=self.hold.held,
                      spool_full=self.spool.full, spool_bytes=self.spool.used_bytes(),
                      spool_full_events=self.spool.stats["full_events"], spill_adopted=self.adopted)
         return s
+
+
+LAND_CHECK = 0.05  # seconds between two looks at the spool for landed files (ack "landed")
+LANDED_CLOSE_AFTER = 0.2  # seconds a held call waits before the file it waits on is closed for shipping
 
 
 def _encode_spill(items: List[Item]) -> Tuple[str, bytes]:

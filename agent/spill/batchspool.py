@@ -15,7 +15,7 @@ import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Deque, Dict, Optional, Tuple, Union
+from typing import Any, Callable, Deque, Dict, Iterable, List, Optional, Tuple, Union
 
 from agent.spill.spool import (
     SUFFIX,
@@ -236,6 +236,39 @@ class BatchSpool(_SpoolBase):
             return
         self._refresh_closed()
         self._check_cap(None)
+
+    # ---- which files are still here (a sink acking once its files landed: agent.spill.ackhold) ----
+
+    def open_name(self, kind: str) -> Optional[str]:
+        """The name of the kind's file being appended to (the one `append_line` just wrote)."""
+        f = self._open.get(kind)
+        return f.path.name if f is not None else None
+
+    def unshipped(self) -> List[str]:
+        """The names of every file still here (open, being compressed or closed and not released),
+        by sequence number: at start, what a previous incarnation wrote and the centre lacks."""
+        names = {p.name for p in self.open_dir.iterdir() if p.name.endswith(RAW_SUFFIX)}
+        names |= {p.name[: -len(".gz")] for p in self.closed_dir.iterdir() if p.name.endswith(SUFFIX)}
+        seqs = {}
+        for n in names:
+            try:
+                seqs[n] = parse_name(n + ".gz")["seq"]
+            except ValueError:
+                continue  # not a spool file (the shipper ignores it too)
+        return sorted(seqs, key=seqs.__getitem__)
+
+    def holds(self, name: str) -> bool:
+        """False once the file `name` (as `open_name` gave it) left the spool: the shipper releases
+        a file only once the centre has it. The plain file is looked at first: the compressor
+        renames the gzip into closed/ before it deletes the plain file, so one of them is seen."""
+        return (self.open_dir / name).exists() or (self.closed_dir / (name + ".gz")).exists()
+
+    def close_files(self, names: Iterable[str]) -> None:
+        """Close the named files still appended to (same rules as `close_full_files`)."""
+        wanted = set(names)
+        for kind, f in list(self._open.items()):
+            if f.path.name in wanted:
+                self._hand_over(kind)
 
     # ---- internals ---------------------------------------------------------------------------
 

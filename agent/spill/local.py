@@ -40,7 +40,7 @@ class AgentSpill:
         self.node, self.cluster = cfg.agent.node, cfg.agent.cluster
         self.root = Path(s.spool_dir)
         self.settings = {"dir": str(self.root), "node": self.node, "max_bytes": s.max_bytes,
-                         "rotate_bytes": s.rotate_bytes, "rotate_seconds": s.rotate_seconds}
+                         "rotate_bytes": s.rotate_bytes, "rotate_seconds": s.rotate_seconds, "ack": s.ack}
         self.spool = Spool(self.root / AGENT_SPOOL, self.node, max_bytes=s.max_bytes,
                            rotate_bytes=s.rotate_bytes, rotate_seconds=s.rotate_seconds)
         self.view = SpoolDirs(self.root, self.node)

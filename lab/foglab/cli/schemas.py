@@ -146,12 +146,16 @@ _SHAPES: Dict[str, Dict[str, Any]] = {
         "targets": _list(FUZZ_TARGET, "in the order run"),
     }),
     "bench spill": _obj({
-        "records": INT, "batch": INT, "reps": INT, "sink_off_rps": _d(INT, "records/s, median"),
+        "records": INT, "batch": INT, "reps": INT, "ack": {"enum": ["written", "landed"]},
+        "sink_off_rps": _d(INT, "records/s, median"),
         "sink_spill_rps": INT, "ratio": _d(NUM, "spill on / off"),
         "all_off_rps": _list(INT), "all_on_rps": _list(INT),
         "cpu_us_per_record_off": NUM, "cpu_us_per_record_on": NUM,
         "sink_thread_us_per_record_off": NUM, "sink_thread_us_per_record_on": NUM,
-        "cpu_ratio": _d(NUM, "off CPU / on CPU"), "files_landed": INT, "gzip_engine": S, "cpus": INT,
+        "cpu_ratio": _d(NUM, "off CPU / on CPU"),
+        "ack_ms_p50_off": _d(NUM, "ms from a batch fed to the ack covering it"), "ack_ms_p50_on": NUM,
+        "ack_ms_p99_off": NUM, "ack_ms_p99_on": NUM,
+        "files_landed": INT, "gzip_engine": S, "cpus": INT,
         "load_avg_1m": NUM,
     }),
     "bench analytics": _obj({

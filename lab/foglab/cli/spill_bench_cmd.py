@@ -1,6 +1,6 @@
 """The benchmarks of the spill and of the batch analytics.
 
-    fog-agent bench spill [--records N] [--batch 100] [--json]
+    fog-agent bench spill [--records N] [--batch 100] [--ack written|landed] [--json]
     fog-agent bench analytics [--records 10000000] [--master local[*]] [--workdir DIR]
 
 PySpark is imported inside the handler.
@@ -30,6 +30,8 @@ def register(groups: Any) -> None:
     b.add_argument("--records", type=int, default=200_000)
     b.add_argument("--batch", type=int, default=100)
     b.add_argument("--reps", type=int, default=3)
+    b.add_argument("--ack", choices=("written", "landed"), default="written",
+                   help="the spilling sink's [spill] ack: at once, or once its files landed")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench_spill)
 
@@ -154,7 +156,8 @@ def _make_payloads(n: int, batch: int, inbox_sender: str) -> List[bytes]:
     return out
 
 
-def _sink_worker_run(payloads: List[bytes], work: Path, spill: bool, batch: int) -> Tuple[float, Dict[str, Any]]:
+def _sink_worker_run(payloads: List[bytes], work: Path, spill: bool, batch: int,
+                     ack: str = "written") -> Tuple[float, Dict[str, Any]]:
     from agent import topics
     from foglab.tools.dataplane_bench import initial_specs, pipeline_toml
     from agent.mqtt.settings import BrokerSpec
@@ -170,7 +173,7 @@ def _sink_worker_run(payloads: List[bytes], work: Path, spill: bool, batch: int)
     ], scaling={"policy": "none"})
     extra: Dict[str, Any] = {"sink_dir": str(run / "sink")}
     if spill:
-        extra["spill"] = {"dir": str(run / "spool"), "node": "bench", "rotate_bytes": 1 << 20}
+        extra["spill"] = {"dir": str(run / "spool"), "node": "bench", "rotate_bytes": 1 << 20, "ack": ack}
     spec = [s for s in initial_specs(toml, BrokerSpec("127.0.0.1", 1), str(run / "state"), cluster="bench",
                                      extra=extra) if s.operator == "sink"][0]
     feed = _FeedTransport()
@@ -182,11 +185,18 @@ def _sink_worker_run(payloads: List[bytes], work: Path, spill: bool, batch: int)
     t0, c0, s0 = time.perf_counter(), time.process_time(), time.thread_time()
     window = 8  # like a predecessor: at most `window` unacked batches in flight
     sent = 0
+    sent_at: List[float] = []
+    ack_ms: List[float] = []  # per batch: fed -> covered by the sink's cumulative ack
     while sent < len(payloads) or not w.core.drained():
         while sent < len(payloads) and sent - feed.acked < window:
             feed.events.append(Received(inbox, payloads[sent]))
+            sent_at.append(time.perf_counter())
             sent += 1
+        acked = feed.acked
         w.step(w.clock())
+        if feed.acked > acked:
+            now = time.perf_counter()
+            ack_ms.extend((now - t) * 1e3 for t in sent_at[acked:feed.acked])
         if w.core.sink_wait and not feed.events:
             time.sleep(0.0002)  # the spool is at its cap (not here); the real loop would poll the socket
     n = w.core.stats["records_in"]
@@ -196,7 +206,10 @@ def _sink_worker_run(payloads: List[bytes], work: Path, spill: bool, batch: int)
     if shipper is not None:
         shipper.communicate(timeout=60)  # closes its stdin: one last pass, then it exits
     st = w.core.operator.stats()
+    ack_ms.sort()
     return n / elapsed, {"cpu_us_per_record": cpu / max(n, 1) * 1e6,
+                         "ack_ms_p50": ack_ms[len(ack_ms) // 2] if ack_ms else None,
+                         "ack_ms_p99": ack_ms[int(len(ack_ms) * 0.99)] if ack_ms else None,
                          "sink_thread_us_per_record": sink_cpu / max(n, 1) * 1e6, "recorded": st.get("recorded"),
                          "spilled": st.get("spilled", 0)}
 
@@ -208,24 +221,28 @@ def cmd_bench_spill(args: argparse.Namespace) -> int:
     rates: Dict[str, List[float]] = {"off": [], "on": []}
     cpu: Dict[str, List[float]] = {m: [] for m in rates}
     sink_cpu: Dict[str, List[float]] = {m: [] for m in rates}
+    ack_p50: Dict[str, List[float]] = {m: [] for m in rates}
+    ack_p99: Dict[str, List[float]] = {m: [] for m in rates}
     with tempfile.TemporaryDirectory(prefix="fog-bench-spill-") as tmp:
         work = Path(tmp)
         _sink_worker_run(payloads[: max(1, len(payloads) // 10)], work, False, args.batch)  # warm-up
         for _ in range(args.reps):  # interleaved, so that machine noise hits both modes alike
             for mode in rates:
-                rate, extra = _sink_worker_run(payloads, work, mode == "on", args.batch)
+                rate, extra = _sink_worker_run(payloads, work, mode == "on", args.batch, args.ack)
                 if extra["recorded"] != args.records or (mode == "on" and extra["spilled"] != args.records):
                     raise SystemExit(f"bench spill: {mode}: recorded {extra['recorded']}, spilled "
                                      f"{extra['spilled']} of {args.records}")
                 rates[mode].append(rate)
                 cpu[mode].append(extra["cpu_us_per_record"])
                 sink_cpu[mode].append(extra["sink_thread_us_per_record"])
+                ack_p50[mode].append(extra["ack_ms_p50"])
+                ack_p99[mode].append(extra["ack_ms_p99"])
         landed = sum(1 for _ in (work / "landing").rglob("*.jsonl.gz"))
     med = {m: statistics.median(v) for m, v in rates.items()}
     mcpu = {m: statistics.median(v) for m, v in cpu.items()}
     msink = {m: statistics.median(v) for m, v in sink_cpu.items()}
     res = {
-        "records": args.records, "batch": args.batch, "reps": args.reps,
+        "records": args.records, "batch": args.batch, "reps": args.reps, "ack": args.ack,
         "sink_off_rps": round(med["off"]), "sink_spill_rps": round(med["on"]),
         "ratio": round(med["on"] / med["off"], 3),
         "all_off_rps": [round(x) for x in rates["off"]], "all_on_rps": [round(x) for x in rates["on"]],
@@ -237,6 +254,11 @@ def cmd_bench_spill(args: argparse.Namespace) -> int:
         # What the ratio would be with no spare core for the compressor (off CPU / on CPU): on a
         # shared machine the wall-clock ratio swings with the other jobs, this one much less.
         "cpu_ratio": round(mcpu["off"] / mcpu["on"], 3),
+        # From a batch fed to the sink to the sink's ack covering it (median of the runs' p50, p99).
+        "ack_ms_p50_off": round(statistics.median(ack_p50["off"]), 2),
+        "ack_ms_p50_on": round(statistics.median(ack_p50["on"]), 2),
+        "ack_ms_p99_off": round(statistics.median(ack_p99["off"]), 2),
+        "ack_ms_p99_on": round(statistics.median(ack_p99["on"]), 2),
         "files_landed": landed, "gzip_engine": gzip_engine(), "cpus": os.cpu_count(),
         "load_avg_1m": round(os.getloadavg()[0], 2),
     }
