@@ -886,24 +886,6 @@ class Agent:
         else:
             self.supervisor.start_chain(group, now)
 
-    def _standby_groups(self, lost: str) -> Dict[str, Any]:
-        """The key groups the standby copy of each keyed instance of `lost` says it owns: from the
-        standby its hosted record names (our own store, or that node's retained state), for
-        agent.node.rehome.plan_rehome."""
-        out: Dict[str, Any] = {}
-        for s in self.view.hosted_by_node.get(lost, ()):
-            standby = (s.get("extra") or {}).get("standby")
-            if standby == self.node:
-                copies: Any = self.replication.store.owned([lost])
-            elif isinstance(standby, str) and self.view.online.get(standby):
-                copies = self.view.fleet.get(standby, {}).get("standby_groups")
-            else:
-                continue
-            runs = copies.get(str(s["instance"])) if isinstance(copies, dict) else None
-            if isinstance(runs, list):
-                out[str(s["instance"])] = runs
-        return out
-
     def _listed_elsewhere(self) -> Set[str]:
         """Instance ids that another ONLINE node lists in its retained state."""
         return rehoming.listed_elsewhere(self.node, self.view.fleet, self.view.online)
@@ -1032,49 +1014,34 @@ class Agent:
         if (not self.connected or self._stopping_since is not None or not self.rehoming.offline_since
                 or self.cfg.agent.dead_after <= 0):
             return
-        online = {n for n, up in self.view.online.items() if up} | {self.node}
+        if not rehome.responsible(self.node, {n for n, up in self.view.online.items() if up} | {self.node}):
+            return
+        v = self.view
         for node, since in self.rehoming.lost(now, self.cfg.agent.dead_after):
-            if not rehome.responsible(self.node, online):
-                return
             wall = self.wall()  # one reading: the specs' floor and our record's time (rehoming.rehomed_here)
             listed = self._listed_elsewhere() | set(self.supervisor.workers) | set(self.rehoming.claims)
             local = {i: w.stats for i, w in self.supervisor.workers.items()}
-            fleet = (self.node, local, self.view.fleet, self.view.online)
-            plan = rehome.plan_rehome(node, self.view.hosted_by_node, online, listed, int(wall),
-                                      departing=rehoming.in_state(*fleet, ("departing", "terminated")),
-                                      idle=rehoming.in_state(*fleet, ("idle",), lost=node),
-                                      groups=rehoming.lost_groups(*fleet, node),
-                                      handed=rehoming.lost_moves(*fleet, node, "handed"),
-                                      expecting=rehoming.lost_moves(*fleet, node, "expecting"),
-                                      standby_groups=self._standby_groups(node),
-                                      intents=rehoming.lost_intents(*fleet, node))
+            standby = rehoming.standby_groups(self.node, node, v.hosted_by_node,
+                                              self.replication.store.owned([node]), v.fleet, v.online)
+            plan = rehome.plan_lost(self.node, node, v.hosted_by_node, v.fleet, v.online, local, listed, int(wall),
+                                    standby, v.records, v.deployed_text)
             self.rehoming.planned(node)
-            if plan:
-                rehoming.with_plan(self.view.rehomed_by_node.setdefault(self.node, {}),
-                                   [str(d["instance"]) for d in plan], wall)
+            if plan.planned:
+                rehoming.with_plan(v.rehomed_by_node.setdefault(self.node, {}), list(plan.planned), wall)
                 self._publish_rehomed()
-            idle = sorted(str(d["instance"]) for d in plan if not d.get("active"))
-            told = sorted(str(d["instance"]) for d in plan if (d.get("extra") or {}).get("idle_copies"))
-            log.warning("node %s offline for %.0fs: re-homing %d instances%s%s", node, now - since, len(plan),
-                        f", idle copies {idle}" if idle else "",
-                        f", creators told of idle copies {told}" if told else "",
+            log.warning("node %s offline for %.0fs: re-homing %d instances%s%s", node, now - since,
+                        len(plan.planned), f", idle copies {list(plan.idle)}" if plan.idle else "",
+                        f", creators told of idle copies {list(plan.told)}" if plan.told else "",
                         extra={"node": self.node})
-            for data in plan:
-                stale = records.stale_reason(records.spec_generation(data),
-                                             self.view.records.get(str(data.get("pipeline"))))
-                if stale:  # an undeployed pipeline does not come back through a dead node's record
-                    log.info("not re-homing %s: %s", data.get("instance"), stale, extra={"node": self.node})
-                    continue
-                text = self.view.deployed_text.get(str(data.get("pipeline")))
-                if text is not None:  # the admin's text, not the one the dead node's record carries
-                    data = dict(data, pipeline_toml=text)
+            for inst, stale in plan.skipped:  # an undeployed pipeline does not come back through a dead node's record
+                log.info("not re-homing %s: %s", inst, stale, extra={"node": self.node})
+            for data in plan.start:
                 try:  # the hosted record is bus input: admitted like a spawn request
                     spec = self.gate.spec_from(self.wall(), data, template=None,
                                                requester=f"the hosted record of {node}")
                 except (TypeError, ValueError) as exc:
                     log.error("cannot re-home %s: %s", data.get("instance"), exc, extra={"node": self.node})
                     continue
-
                 self._start_rehome(node, spec, now)
 
     def _start_rehome(self, node: str, spec: InstanceSpec, now: float) -> None:
@@ -1099,14 +1066,11 @@ class Agent:
         listed = self._listed_elsewhere() | set(self.supervisor.workers) | set(self.rehoming.claims)
         settle = READOPT_SETTLE + 2 * self.cfg.agent.state_period
         for node, spec in self.rehoming.retries(now, listed, self.view.online, settle):
-            wall = self.wall()
-            floor = max(int(spec.extra.get("min_epoch", 0) or 0), int(wall))
-            record = self.view.rehomed_by_node.setdefault(self.node, {})
-            record[spec.instance] = float(floor)
+            again = self.rehoming.again(spec, self.wall(), self.view.rehomed_by_node.setdefault(self.node, {}))
             self._publish_rehomed()
             log.warning("re-homing %s again: node %s is back and does not run it", spec.instance, node,
                         extra={"node": self.node})
-            self._start_rehome(node, dataclasses.replace(spec, extra={**spec.extra, "min_epoch": floor}), now)
+            self._start_rehome(node, again, now)
 
     def _rehome_failed(self, node: str, spec: InstanceSpec) -> None:
         """Try the instance again later (rehoming.Rehoming.failed); our re-homed record no longer
