@@ -39,11 +39,12 @@ manager's effects carried out (siteeffects). The decisions that hold state of th
 sans-IO parts beside it, each given what it reads and the time as arguments, none holding a
 reference to the Agent: who may ask for what (agent.node.gate), the fleet view from the retained
 records (fleetview), the pins (pins), crash restarts and their backoff (restarts), re-homing's
-decisions (rehoming, with rehome's plan of one lost node), the drain (drain), the host tables
-sent to the workers and our "moved" statements (hostsync), createNode()'s walk over the
-candidates and who hears of it when (spawns: typed events in, commands out, which `_spawn` has
-spawnshell carry out), the Gesscale policies' sibling contexts (contexts); and the stateless
-ones: placement, bounds, hostmap, site_manager, hosted, nodestate.
+decisions (rehoming, with rehome's plan of one lost node), after each connect the fencing of our
+instances that run elsewhere, the first re-adoption and the workers' reconnect grants (fencing),
+the drain (drain), the host tables sent to the workers and our "moved" statements (hostsync),
+createNode()'s walk over the candidates and who hears of it when (spawns: typed events in,
+commands out, which `_spawn` has spawnshell carry out), the Gesscale policies' sibling contexts
+(contexts); and the stateless ones: placement, bounds, hostmap, site_manager, hosted, nodestate.
 """
 
 from __future__ import annotations
