@@ -270,6 +270,7 @@ SANS_IO = {
     "agent.node.hostsync": NETWORK | {"os", "time", "threading", "random"},
     "agent.node.spawns": NETWORK | {"os", "time", "threading", "random"},
     "agent.node.contexts": NODE_CORE,
+    "agent.node.fencing": NODE_CORE,
 }
 
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
+from agent.control.records import GENERATION_KEY, PipelineRecord
 from agent.instance.spec import InstanceSpec
 from agent.mqtt.settings import BrokerSpec
-from agent.node import rehoming
+from agent.node import rehome, rehoming
 from agent.node.rehoming import REHOMED_KEPT, Rehoming
 
 
@@ -107,3 +108,77 @@ def test_the_rehomed_record_keeps_the_newest_entries() -> None:
     got = rehoming.with_plan(record, ["new.0", "new.1"], 5000.0)
     assert len(got) == REHOMED_KEPT and got["new.0"] == got["new.1"] == 5000.0
     assert "old.0" not in got and "old.1" not in got and "old.2" in got
+
+
+def test_the_fleets_reports_are_the_plans_inputs_of_the_lost_node() -> None:
+    local = {"p.a.0": {"state": "idle", "groups": [1]}}
+    fleet = {"n2": {"instances": [{"id": "p.b.0", "stats": {"state": "departing"}}]},
+             "n9": {"instances": [{"id": "p.c.0", "stats": {"state": "idle", "expecting": [2],
+                                                            "lock": {"intent": "duplicate"}}}]}}
+    online = {"n2": True, "n9": False}
+    got = rehoming.plan_inputs("me", local, fleet, online, "n9")
+    assert got == {"departing": {"p.b.0"}, "idle": {"p.a.0", "p.c.0"}, "groups": {"p.a.0": [1]}, "handed": {},
+                   "expecting": {"p.c.0": [2]}, "intents": {"p.c.0": "duplicate"}}
+    other = rehoming.plan_inputs("me", local, fleet, online, "n8")  # what n9 said counts for n9's plan only
+    assert other["idle"] == {"p.a.0"} and other["expecting"] == {} and other["intents"] == {}
+
+
+def test_the_standby_groups_come_from_the_standby_the_hosted_record_names_ours_or_an_online_nodes() -> None:
+    def hosted(instance: str, standby: Any) -> Dict[str, Any]:
+        return {"instance": instance, "extra": {"standby": standby}}
+
+    lost = [hosted("p.a.0", "me"), hosted("p.b.0", "n2"), hosted("p.c.0", "n3"), hosted("p.d.0", "n2"),
+            hosted("p.e.0", None)]
+    fleet = {"n2": {"standby_groups": {"p.b.0": [[0, 4]], "p.d.0": "junk", "p.a.0": [[9, 9]]}},
+             "n3": {"standby_groups": {"p.c.0": [[5, 6]]}}}
+    got = rehoming.standby_groups("me", "n9", {"n9": lost}, {"p.a.0": [[1, 2]]}, fleet, {"n2": True, "n3": False})
+    assert got == {"p.a.0": [[1, 2]], "p.b.0": [[0, 4]]}  # n3 is offline; a value that is no list is skipped
+
+
+def test_a_failed_rehome_tried_again_gets_a_new_epoch_floor_in_its_spec_and_our_record() -> None:
+    r = Rehoming("me")
+    record: Dict[str, float] = {}
+    old = InstanceSpec("p.a.0", "work", "n9", "c", "p", "", BrokerSpec("h", 1), extra={"min_epoch": 900, "k": 1})
+    again = r.again(old, 1000.7, record)
+    assert again.extra == {"min_epoch": 1000, "k": 1} and record == {"p.a.0": 1000.0} and old.extra["min_epoch"] == 900
+    ahead = InstanceSpec("p.b.0", "work", "n9", "c", "p", "", BrokerSpec("h", 1), extra={"min_epoch": 5000})
+    assert r.again(ahead, 1000.7, record).extra["min_epoch"] == 5000 and record["p.b.0"] == 5000.0  # never lower
+
+
+PIPE = """
+[pipeline]
+name = "p"
+[[operator]]
+name = "source"
+kind = "source"
+function = "agent.operators.taxi:source"
+[[operator]]
+name = "mid"
+function = "agent.operators.builtin:identity"
+[[operator]]
+name = "sink"
+kind = "sink"
+function = "agent.operators.builtin:counting_sink"
+"""
+
+
+def test_a_lost_nodes_plan_starts_what_its_pipelines_record_allows_with_the_admins_text() -> None:
+    def hosted(instance: str, operator: str, generation: str, **extra: Any) -> Dict[str, Any]:
+        return {"instance": instance, "operator": operator, "pipeline": "p", "pipeline_toml": PIPE, "node": "x",
+                "cluster": "c", "keeper": instance.startswith("p."), "extra": {GENERATION_KEY: generation, **extra}}
+
+    by_node = {"n1": [hosted("p.source.0", "source", "g1")],
+               "n9": [hosted("p.mid.0", "mid", "g1"), hosted("mid-b", "mid", "g0"), hosted("mid-c", "mid", "g1", creator="p.mid.0")],
+               "n3": [hosted("p.sink.0", "sink", "g1")]}
+    fleet = {"n9": {"instances": [{"id": "mid-c", "stats": {"state": "idle"}}]}}
+    deployed = {"p": PipelineRecord("deployed", "g1")}
+    plan = rehome.plan_lost("me", "n9", by_node, fleet, {"n1": True, "n3": True, "n9": False}, {},
+                            {"p.source.0", "p.sink.0"}, 7000, {}, deployed, {"p": "ADMIN"})
+    assert plan.planned == ("mid-b", "mid-c", "p.mid.0")  # our re-homed record names them all
+    assert [i for i, _ in plan.skipped] == ["mid-b"]  # left over from another deploy
+    assert [d["instance"] for d in plan.start] == ["mid-c", "p.mid.0"]
+    assert all(d["pipeline_toml"] == "ADMIN" and d["extra"]["min_epoch"] == 7000 for d in plan.start)
+    assert plan.idle == ("mid-c",) and plan.told == ("p.mid.0",)  # an idle copy, as n9 said, and its creator
+    assert rehome.plan_lost("me", "n9", by_node, fleet, {"n1": True}, {}, set(), 7000, {}, {}, {}).skipped == ()
+    gone = {"p": PipelineRecord("undeployed", "g1")}
+    assert rehome.plan_lost("me", "n9", by_node, fleet, {}, {}, set(), 1, {}, gone, {"p": "ADMIN"}).start == ()

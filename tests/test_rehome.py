@@ -838,6 +838,7 @@ def test_a_standby_lists_what_its_copies_of_an_offline_host_own_and_the_rehome_r
     import paho.mqtt.client as mqtt
 
     from agent import topics
+    from agent.node import rehoming
 
     agent = _agent(tmp_path)
     root = agent.replication.store.root
@@ -863,7 +864,10 @@ def test_a_standby_lists_what_its_copies_of_an_offline_host_own_and_the_rehome_r
     agent.view.online.update(n2=True, n4=False)
     agent.view.fleet["n2"] = {"standby_groups": {"cnt-d": [[4, 7, 2]], "cnt-x": [[0, 0, 0]]}}
     agent.view.fleet["n4"] = {"standby_groups": {"cnt-e": [[0, 0, 9]]}}  # offline: not read
-    assert agent._standby_groups("n3") == {"cnt-c": [[0, 3, 1]], "cnt-d": [[4, 7, 2]]}
+    v = agent.view  # what the re-homing agent passes (agent.node.daemon, _maybe_rehome)
+    got = rehoming.standby_groups(agent.node, "n3", v.hosted_by_node, agent.replication.store.owned(["n3"]), v.fleet,
+                                  v.online)
+    assert got == {"cnt-c": [[0, 3, 1]], "cnt-d": [[4, 7, 2]]}
 
 
 def test_a_copy_idle_in_the_lost_nodes_last_state_whose_standby_copy_owns_groups_is_rehomed_active() -> None:

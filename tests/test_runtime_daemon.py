@@ -686,7 +686,7 @@ def test_fencing_spares_an_instance_placed_here_since_the_connect_and_never_rest
         return w
 
     old, new = worker("p.work.0", 5.0), worker("p.sink.0", 15.0)
-    agent._connected_at, agent._readopted = 10.0, True
+    agent.fencing.connected_at, agent.fencing.readopted = 10.0, True
     agent.view.online = {"n2": True}
     agent.view.fleet = {"n2": {"instances": [{"id": "p.work.0"}, {"id": "p.sink.0"}]}}  # n2 lists both
     agent._reconcile(20.0)
@@ -717,7 +717,7 @@ def test_when_two_nodes_fence_at_once_the_copy_of_the_latest_rehome_stays(tmp_pa
             spec = InstanceSpec(inst, "work", node, "c", "p", PIPELINE, BrokerSpec("h", 1), extra=extra)
             agent.supervisor.workers[inst] = Worker(spec=spec, proc=_FakeProc(), started_at=5.0)  # type: ignore[arg-type]
         other = "n2" if node == "n1" else "n1"
-        agent._connected_at, agent._readopted = 10.0, True
+        agent.fencing.connected_at, agent.fencing.readopted = 10.0, True
         agent.view.online = {other: True, "n3": True}
         agent.view.fleet = {other: {"instances": [{"id": i} for i in floors]}}
         # n3 re-homed both: work-a twice (the second placement at 1000), work-b once (at 990)

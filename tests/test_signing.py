@@ -255,7 +255,7 @@ def test_a_stored_spec_without_a_signature_is_set_aside_not_readopted(tmp_path: 
     hosted.remember(state, InstanceSpec(instance="lab.source.1", extra={
         records.GENERATION_KEY: "g1", signing.SIGNATURE_KEY: admin.sign("lab", "g1", TEXT).to_extra()}, **base))
     agent = _agent(tmp_path, pub)
-    agent._to_readopt = hosted.hosted(state)
+    agent.fencing.started(hosted.hosted(state))
     groups: List[Any] = []
     agent._start_group = lambda group, now: groups.append([s.instance for s in group])  # type: ignore[method-assign]
     agent._readopt(agent.clock())

@@ -39,11 +39,12 @@ manager's effects carried out (siteeffects). The decisions that hold state of th
 sans-IO parts beside it, each given what it reads and the time as arguments, none holding a
 reference to the Agent: who may ask for what (agent.node.gate), the fleet view from the retained
 records (fleetview), the pins (pins), crash restarts and their backoff (restarts), re-homing's
-decisions (rehoming, with rehome's plan of one lost node), the drain (drain), the host tables
-sent to the workers and our "moved" statements (hostsync), createNode()'s walk over the
-candidates and who hears of it when (spawns: typed events in, commands out, which `_spawn` has
-spawnshell carry out), the Gesscale policies' sibling contexts (contexts); and the stateless
-ones: placement, bounds, hostmap, site_manager, hosted, nodestate.
+decisions (rehoming, with rehome's plan of one lost node), after each connect the fencing of our
+instances that run elsewhere, the first re-adoption and the workers' reconnect grants (fencing),
+the drain (drain), the host tables sent to the workers and our "moved" statements (hostsync),
+createNode()'s walk over the candidates and who hears of it when (spawns: typed events in,
+commands out, which `_spawn` has spawnshell carry out), the Gesscale policies' sibling contexts
+(contexts); and the stateless ones: placement, bounds, hostmap, site_manager, hosted, nodestate.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ from agent.node.bus import AgentBus
 from agent.node.report import Report
 from agent.node.requests import NodeCalls, Requests, load_pins
 from agent.node.drain import COPIES_FIRST_WAIT, Drain
+from agent.node.fencing import READOPT_SETTLE, Facts, Fencing, Running, rehomed_by_others
 from agent.node import loopevents
 from agent.node.handover import read_json
 from agent.node.hostmap import MAX_MOVED
@@ -110,7 +112,6 @@ EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: never reached the broker within connect
 
 TICK = 0.2  # seconds: the loop's longest sleep
 SHUTDOWN_SLACK = 3.0  # seconds beyond shutdown_timeout for reaping, "offline" and disconnect
-READOPT_SETTLE = 1.0  # seconds after connecting before re-adopting, and not before the sync marker came back
 # The spools of sinks that no longer run here are salvaged for shipping this often (AgentSpill.salvage_orphans).
 SALVAGE_PERIOD = 10.0
 class Halt(BaseException):
@@ -205,12 +206,9 @@ class Agent:
         # both kept in the state directory.
         self.hosts = HostSync(self.node, _load_moved(Path(cfg.agent.state_dir)),
                               read_json(Path(cfg.agent.state_dir) / BINDINGS_FILE))
-        self._reconcile_at: Optional[float] = None
-        self._reconnect_asks: Dict[str, float] = {}  # worker -> when it asked to reconnect (fencing)
-        self._to_readopt: List[InstanceSpec] = []  # hosted when this agent started (see run)
-        self._connected_at = 0.0  # clock() of the last connect: workers started before it may be fenced
-        self._fenced: Set[str] = set()  # killed because another node runs them: never restarted here
-        self._readopted = False
+        # After each connect: our instances that run elsewhere now, the first re-adoption, and the
+        # workers' reconnect grants (agent.node.fencing)
+        self.fencing = Fencing(self.node)
         self._counter = 0
         self._boot = format(int(wall()) % (36 ** 5), "x")
         self.spawns = spawns.Spawns(self.node, f"{self.bus.client_id}-{self._boot}")  # createNode() (agent.node.spawns)
@@ -292,8 +290,7 @@ class Agent:
             # a broker restarted from its last autosave may have lost it (or kept an older copy)
             self._publish_rehomed()
         # Re-adopt (first connect) and fence (every connect) once the retained states are in.
-        self._reconcile_at = self.clock() + READOPT_SETTLE
-        self._connected_at = self.clock()
+        self.fencing.connected(self.clock())
         log.info("connected to %s:%d (session present: %s)", self.bus.broker.host, self.bus.broker.port,
                  session_present, extra={"node": self.node})
 
@@ -315,7 +312,7 @@ class Agent:
         # What the previous incarnation hosted, read before this one starts anything: only these
         # are re-adopted (an instance this agent starts and stops before the first reconcile
         # must not come back).
-        self._to_readopt = hosted.hosted(self.cfg.agent.state_dir)
+        self.fencing.started(hosted.hosted(self.cfg.agent.state_dir))
         self.bus.start()
         status = EXIT_OK
         try:
@@ -418,9 +415,7 @@ class Agent:
             self._on_reaped(reaped, now)
         if self.drain.copies_first:
             self._release_keeper(now)
-        if (self._reconcile_at is not None and now >= self._reconcile_at and self._retained_in
-                and self._stopping_since is None):
-            self._reconcile_at = None
+        if self.fencing.reconcile_due(now, self._retained_in, self._stopping_since is not None):
             self._reconcile(now)
         if self._hosted_dirty and self.connected:
             self._publish_hosted()
@@ -576,7 +571,7 @@ class Agent:
             # Fencing: answered in _grant_reconnects once a PUBACK newer than this ask proves
             # our own connection is up (then the broker never fired our Will meanwhile, or we
             # reconnected and _reconcile ran). The state publish provokes that PUBACK.
-            self._reconnect_asks.setdefault(instance, now)
+            self.fencing.asked(instance, now)
             if self.connected:
                 self._publish_state(now)
         elif event == "keyed_saved":
@@ -791,8 +786,7 @@ class Agent:
         handing_over = self.drain.exited(w.instance)
         if self.drain.copies_first:
             self._release_keeper(now, left=w.instance)
-        fenced = w.instance in self._fenced
-        self._fenced.discard(w.instance)
+        fenced = self.fencing.gone(w.instance)
         undeployed = w.instance in self._undeploying
         self._undeploying.discard(w.instance)
         self.pins.forget(w.instance)
@@ -893,72 +887,33 @@ class Agent:
         else:
             self.supervisor.start_chain(group, now)
 
-    def _standby_groups(self, lost: str) -> Dict[str, Any]:
-        """The key groups the standby copy of each keyed instance of `lost` says it owns: from the
-        standby its hosted record names (our own store, or that node's retained state), for
-        agent.node.rehome.plan_rehome."""
-        out: Dict[str, Any] = {}
-        for s in self.view.hosted_by_node.get(lost, ()):
-            standby = (s.get("extra") or {}).get("standby")
-            if standby == self.node:
-                copies: Any = self.replication.store.owned([lost])
-            elif isinstance(standby, str) and self.view.online.get(standby):
-                copies = self.view.fleet.get(standby, {}).get("standby_groups")
-            else:
-                continue
-            runs = copies.get(str(s["instance"])) if isinstance(copies, dict) else None
-            if isinstance(runs, list):
-                out[str(s["instance"])] = runs
-        return out
-
     def _listed_elsewhere(self) -> Set[str]:
         """Instance ids that another ONLINE node lists in its retained state."""
         return rehoming.listed_elsewhere(self.node, self.view.fleet, self.view.online)
 
     def _grant_reconnects(self, now: float) -> None:
         """Let workers that lost their connection reconnect (re-homing on, see
-        shell.Worker._ask_to_reconnect), once a PUBACK newer than the ask came back and no
-        reconcile is pending. Why that is enough: if our connection survived the worker's
-        outage, the broker never fired our Will and nobody re-homed our instances; if it did
-        not, we reconnected, and `_reconcile` (1 s later, with the retained re-homing records in)
-        has killed every instance that now runs elsewhere, so it is no longer asking."""
-        if not self._reconnect_asks or not self.connected or self._reconcile_at is not None:
-            return
-        for inst, asked in list(self._reconnect_asks.items()):
-            if inst not in self.supervisor or inst in self._fenced:
-                del self._reconnect_asks[inst]
-            elif self.bus.last_puback > asked:
-                del self._reconnect_asks[inst]
-                self.supervisor.send(inst, "reconnect")
+        shell.Worker._ask_to_reconnect) when agent.node.fencing says why it is safe."""
+        for inst in self.fencing.grants(set(self.supervisor.workers), self.connected, self.bus.last_puback):
+            self.supervisor.send(inst, "reconnect")
 
     def _reconcile(self, now: float) -> None:
-        """After a (re)connect, once the retained states are in: an instance of ours that an
-        online node now runs was re-homed while we were away (agent.node.rehome). We fence it
-        (kill our process, forget it) so that one identity never runs twice; on the first connect
-        we then re-adopt the rest."""
-        # The copy a re-home started is the one that stays: when two online nodes both ran an
-        # instance while the broker was away (both reconnect), both saw the other list it and
-        # both stopped theirs, so the identity ran nowhere (defect B, seed 11019).
-        others = [i for n, record in self.view.rehomed_by_node.items() if n != self.node for i in record]
-        since = {i: hosted.since(self.cfg.agent.state_dir, i) for i in others}
-        floors = {i: w.spec.extra.get("min_epoch") for i, w in self.supervisor.workers.items()}
-        elsewhere = ((self._listed_elsewhere() | rehoming.taken_over(self.node, self.view.rehomed_by_node, since))
-                     - rehoming.rehomed_here(self.node, floors, self.view.rehomed_by_node, self.view.online))
-        # Only workers that ran while we were away can have been re-homed. One started since this
-        # connect was placed here by a createNode() that saw the fleet as it is (a drain's
-        # hand-over, a re-home), while the retained state of the node it comes from may still
-        # list it for a moment: killing it would leave the identity nowhere.
-        before = {i for i, w in self.supervisor.workers.items() if w.started_at < self._connected_at}
-        for inst in sorted(elsewhere & before):
+        """After a (re)connect, once the retained states are in: fence our instances that an
+        online node now runs (kill our process, forget it), so that one identity never runs
+        twice; on the first connect then re-adopt the rest (agent.node.fencing)."""
+        state_dir = self.cfg.agent.state_dir
+        v = self.view
+        stored = {s.instance for s in hosted.hosted(state_dir)}
+        since = {i: hosted.since(state_dir, i) for i in rehomed_by_others(self.node, v.rehomed_by_node)}
+        running = {i: Running(w.started_at, w.spec.extra.get("min_epoch")) for i, w in self.supervisor.workers.items()}
+        decided = self.fencing.reconcile(Facts(running, stored, since, v.fleet, v.online, v.rehomed_by_node))
+        for inst in decided.fence:
             log.warning("instance re-homed while this node was away: stopping our copy", extra={"instance": inst})
-            self._fenced.add(inst)
             self.supervisor.kill(inst, now, "re-homed elsewhere")
             self._forget(inst)
-        for spec in hosted.hosted(self.cfg.agent.state_dir):
-            if spec.instance in elsewhere and spec.instance not in self.supervisor:
-                self._forget(spec.instance)
-        if not self._readopted:
-            self._readopted = True
+        for inst in decided.forget:
+            self._forget(inst)
+        if decided.readopt:
             self._readopt(now)
 
     def _changed(self) -> None:
@@ -1060,49 +1015,34 @@ class Agent:
         if (not self.connected or self._stopping_since is not None or not self.rehoming.offline_since
                 or self.cfg.agent.dead_after <= 0):
             return
-        online = {n for n, up in self.view.online.items() if up} | {self.node}
+        if not rehome.responsible(self.node, {n for n, up in self.view.online.items() if up} | {self.node}):
+            return
+        v = self.view
         for node, since in self.rehoming.lost(now, self.cfg.agent.dead_after):
-            if not rehome.responsible(self.node, online):
-                return
             wall = self.wall()  # one reading: the specs' floor and our record's time (rehoming.rehomed_here)
             listed = self._listed_elsewhere() | set(self.supervisor.workers) | set(self.rehoming.claims)
             local = {i: w.stats for i, w in self.supervisor.workers.items()}
-            fleet = (self.node, local, self.view.fleet, self.view.online)
-            plan = rehome.plan_rehome(node, self.view.hosted_by_node, online, listed, int(wall),
-                                      departing=rehoming.in_state(*fleet, ("departing", "terminated")),
-                                      idle=rehoming.in_state(*fleet, ("idle",), lost=node),
-                                      groups=rehoming.lost_groups(*fleet, node),
-                                      handed=rehoming.lost_moves(*fleet, node, "handed"),
-                                      expecting=rehoming.lost_moves(*fleet, node, "expecting"),
-                                      standby_groups=self._standby_groups(node),
-                                      intents=rehoming.lost_intents(*fleet, node))
+            standby = rehoming.standby_groups(self.node, node, v.hosted_by_node,
+                                              self.replication.store.owned([node]), v.fleet, v.online)
+            plan = rehome.plan_lost(self.node, node, v.hosted_by_node, v.fleet, v.online, local, listed, int(wall),
+                                    standby, v.records, v.deployed_text)
             self.rehoming.planned(node)
-            if plan:
-                rehoming.with_plan(self.view.rehomed_by_node.setdefault(self.node, {}),
-                                   [str(d["instance"]) for d in plan], wall)
+            if plan.planned:
+                rehoming.with_plan(v.rehomed_by_node.setdefault(self.node, {}), list(plan.planned), wall)
                 self._publish_rehomed()
-            idle = sorted(str(d["instance"]) for d in plan if not d.get("active"))
-            told = sorted(str(d["instance"]) for d in plan if (d.get("extra") or {}).get("idle_copies"))
-            log.warning("node %s offline for %.0fs: re-homing %d instances%s%s", node, now - since, len(plan),
-                        f", idle copies {idle}" if idle else "",
-                        f", creators told of idle copies {told}" if told else "",
+            log.warning("node %s offline for %.0fs: re-homing %d instances%s%s", node, now - since,
+                        len(plan.planned), f", idle copies {list(plan.idle)}" if plan.idle else "",
+                        f", creators told of idle copies {list(plan.told)}" if plan.told else "",
                         extra={"node": self.node})
-            for data in plan:
-                stale = records.stale_reason(records.spec_generation(data),
-                                             self.view.records.get(str(data.get("pipeline"))))
-                if stale:  # an undeployed pipeline does not come back through a dead node's record
-                    log.info("not re-homing %s: %s", data.get("instance"), stale, extra={"node": self.node})
-                    continue
-                text = self.view.deployed_text.get(str(data.get("pipeline")))
-                if text is not None:  # the admin's text, not the one the dead node's record carries
-                    data = dict(data, pipeline_toml=text)
+            for inst, stale in plan.skipped:  # an undeployed pipeline does not come back through a dead node's record
+                log.info("not re-homing %s: %s", inst, stale, extra={"node": self.node})
+            for data in plan.start:
                 try:  # the hosted record is bus input: admitted like a spawn request
                     spec = self.gate.spec_from(self.wall(), data, template=None,
                                                requester=f"the hosted record of {node}")
                 except (TypeError, ValueError) as exc:
                     log.error("cannot re-home %s: %s", data.get("instance"), exc, extra={"node": self.node})
                     continue
-
                 self._start_rehome(node, spec, now)
 
     def _start_rehome(self, node: str, spec: InstanceSpec, now: float) -> None:
@@ -1127,14 +1067,11 @@ class Agent:
         listed = self._listed_elsewhere() | set(self.supervisor.workers) | set(self.rehoming.claims)
         settle = READOPT_SETTLE + 2 * self.cfg.agent.state_period
         for node, spec in self.rehoming.retries(now, listed, self.view.online, settle):
-            wall = self.wall()
-            floor = max(int(spec.extra.get("min_epoch", 0) or 0), int(wall))
-            record = self.view.rehomed_by_node.setdefault(self.node, {})
-            record[spec.instance] = float(floor)
+            again = self.rehoming.again(spec, self.wall(), self.view.rehomed_by_node.setdefault(self.node, {}))
             self._publish_rehomed()
             log.warning("re-homing %s again: node %s is back and does not run it", spec.instance, node,
                         extra={"node": self.node})
-            self._start_rehome(node, dataclasses.replace(spec, extra={**spec.extra, "min_epoch": floor}), now)
+            self._start_rehome(node, again, now)
 
     def _rehome_failed(self, node: str, spec: InstanceSpec) -> None:
         """Try the instance again later (rehoming.Rehoming.failed); our re-homed record no longer
@@ -1169,19 +1106,17 @@ class Agent:
 
     def _readopt(self, now: float) -> None:
         """Restart, with the same identity, every instance this node hosted when its agent last
-        stopped (agent.node.hosted): they are still in their neighbours' routing tables.
-        Node-local settings come from this agent's configuration, not from the stored spec; a
-        stored spec this node no longer admits is set aside (`hosted.set_aside`), not started."""
+        stopped (agent.node.hosted, agent.node.fencing): they are still in their neighbours'
+        routing tables. Node-local settings come from this agent's configuration, not from the
+        stored spec; a stored spec this node no longer admits is set aside (`hosted.set_aside`),
+        not started."""
         present = {s.instance for s in hosted.hosted(self.cfg.agent.state_dir)}  # not forgotten since
+        todo = self.fencing.readopt(set(self.supervisor.workers), present, self.view.records)
+        for spec, stale in todo.stale:
+            log.warning("not re-adopted: %s (stored spec forgotten)", stale, extra={"instance": spec.instance})
+            self._forget(spec.instance)
         adopt: List[InstanceSpec] = []
-        for spec in self._to_readopt:
-            if spec.instance in self.supervisor or spec.instance not in present:
-                continue
-            stale = records.stale_reason(records.spec_generation(spec), self.view.records.get(spec.pipeline))
-            if stale:
-                log.warning("not re-adopted: %s (stored spec forgotten)", stale, extra={"instance": spec.instance})
-                self._forget(spec.instance)
-                continue
+        for spec in todo.adopt:
             spec = dataclasses.replace(spec, restart=True, **self.gate.node_local(spec.extra))
             try:  # a file in the state dir is no more trusted than the request that wrote it
                 self.gate.admit(self.wall(), spec, "the state dir")

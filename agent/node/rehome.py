@@ -31,14 +31,17 @@ the analytics' accounting to drop duplicate ids (docs/reliability.md).
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from agent import wire
 from agent.config import load_pipeline_text
+from agent.control import records
 from agent.dataplane.keygroups import MAX_GROUPS
 from agent.dataplane.owners import MAX_NAME, TableError, group_runs, groups_from_runs
+from agent.node import rehoming
 
-__all__ = ["responsible", "plan_rehome", "encode_hosted", "decode_hosted"]
+__all__ = ["LostPlan", "responsible", "plan_lost", "plan_rehome", "encode_hosted", "decode_hosted"]
 
 
 # A hosted record carries each instance's pipeline text: larger than other control payloads.
@@ -410,3 +413,45 @@ def _creator(spec: Mapping[str, Any]) -> str:
     extra = spec.get("extra")
     creator = extra.get("creator") if isinstance(extra, dict) else None
     return creator if isinstance(creator, str) and not spec.get("keeper") else ""
+
+
+@dataclass(frozen=True)
+class LostPlan:
+    """What the responsible agent does for one lost node (`plan_lost`): `planned`, every instance
+    of the plan (our re-homed record names them); `start`, the specs to admit and start, with the
+    text the admin deployed; `skipped`, (instance, why) of those their pipeline's record rules out;
+    `idle`, the instances re-homed idle; `told`, the creators told of idle copies."""
+
+    planned: Tuple[str, ...] = ()
+    start: Tuple[Dict[str, Any], ...] = ()
+    skipped: Tuple[Tuple[str, str], ...] = ()
+    idle: Tuple[str, ...] = ()
+    told: Tuple[str, ...] = ()
+
+
+def plan_lost(me: str, lost: str, hosted_by_node: Mapping[str, Sequence[Mapping[str, Any]]],
+              fleet: Mapping[str, Mapping[str, Any]], online: Mapping[str, bool], local: Mapping[str, Any],
+              listed: Set[str], min_epoch: int, standby_groups: Mapping[str, Any],
+              pipeline_records: Mapping[str, Any], deployed_text: Mapping[str, str]) -> LostPlan:
+    """`plan_rehome` of `lost` on the fleet as this agent sees it (`local`: our workers' last
+    stats; `listed`: instances that run or are asked for somewhere), then what of it starts: an
+    instance of an undeployed pipeline, or of another deploy's generation, does not come back
+    through a dead node's record (records.stale_reason); the others carry the admin's text of
+    their pipeline where this agent has it, not the one the dead node's record carries."""
+    up = {n for n, u in online.items() if u} | {me}
+    plan = plan_rehome(lost, hosted_by_node, up, listed, min_epoch, standby_groups=standby_groups,
+                       **rehoming.plan_inputs(me, local, fleet, online, lost))
+    start: List[Dict[str, Any]] = []
+    skipped: List[Tuple[str, str]] = []
+    for data in plan:
+        pipeline = str(data.get("pipeline"))
+        stale = records.stale_reason(records.spec_generation(data), pipeline_records.get(pipeline))
+        if stale:
+            skipped.append((str(data.get("instance")), stale))
+            continue
+        text = deployed_text.get(pipeline)
+        start.append(data if text is None else dict(data, pipeline_toml=text))
+    return LostPlan(planned=tuple(str(d["instance"]) for d in plan), start=tuple(start), skipped=tuple(skipped),
+                    idle=tuple(sorted(str(d["instance"]) for d in plan if not d.get("active"))),
+                    told=tuple(sorted(str(d["instance"]) for d in plan
+                                      if (d.get("extra") or {}).get("idle_copies"))))

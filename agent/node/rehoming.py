@@ -12,6 +12,7 @@ planned spec, starts it (createNode()), publishes the records and logs.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Set, Tuple
 
 from agent.instance.spec import InstanceSpec
@@ -85,6 +86,37 @@ def lost_intents(me: str, local: Mapping[str, Stats], fleet: Mapping[str, Mappin
         if (isinstance(lock, dict) and lock.get("intent") in ("duplicate", "terminate")
                 and lock.get("adopting") is None):
             out[i] = str(lock["intent"])
+    return out
+
+
+def plan_inputs(me: str, local: Mapping[str, Stats], fleet: Mapping[str, Mapping[str, Any]],
+                online: Mapping[str, bool], lost: str) -> Dict[str, Any]:
+    """What the last reports say of the instances around `lost`, as the keyword arguments of
+    agent.node.rehome.plan_rehome: `departing`, `idle`, `groups`, `handed`, `expecting`, `intents`."""
+    view = (me, local, fleet, online)
+    return dict(departing=in_state(*view, ("departing", "terminated")), idle=in_state(*view, ("idle",), lost=lost),
+                groups=lost_groups(*view, lost), handed=lost_moves(*view, lost, "handed"),
+                expecting=lost_moves(*view, lost, "expecting"), intents=lost_intents(*view, lost))
+
+
+def standby_groups(me: str, lost: str, hosted_by_node: Mapping[str, Any], ours: Mapping[str, Any],
+                   fleet: Mapping[str, Mapping[str, Any]], online: Mapping[str, bool]) -> Dict[str, Any]:
+    """The key groups the standby copy of each keyed instance of `lost` says it owns, for
+    agent.node.rehome.plan_rehome: from the standby its hosted record names, our own copies
+    (`ours`: {instance: group runs}) when that is us, else that node's retained state while it is
+    online; a value that is not a list of runs is skipped (bus input)."""
+    out: Dict[str, Any] = {}
+    for s in hosted_by_node.get(lost, ()):
+        standby = (s.get("extra") or {}).get("standby")
+        if standby == me:
+            copies: Any = ours
+        elif isinstance(standby, str) and online.get(standby):
+            copies = fleet.get(standby, {}).get("standby_groups")
+        else:
+            continue
+        runs = copies.get(str(s["instance"])) if isinstance(copies, dict) else None
+        if isinstance(runs, list):
+            out[str(s["instance"])] = runs
     return out
 
 
@@ -174,6 +206,14 @@ class Rehoming:
             self.retry[spec.instance] = (node, spec)
         return record.pop(spec.instance, None) is not None
 
+    def again(self, spec: InstanceSpec, wall: float, record: Dict[str, float]) -> InstanceSpec:
+        """A failed re-home (`retries`) tried again at `wall`: under a new epoch floor, never
+        below its old one, which our re-homed `record` gives it too, so that this copy is the one
+        that stays (`rehomed_here`)."""
+        floor = max(int(spec.extra.get("min_epoch", 0) or 0), int(wall))
+        record[spec.instance] = float(floor)
+        return dataclasses.replace(spec, extra={**spec.extra, "min_epoch": floor})
+
     def retries(self, now: float, listed: Set[str], online: Mapping[str, bool],
                 settle: float) -> List[Tuple[str, InstanceSpec]]:
         """(node, spec) of the failed re-homes to try again now: of a node back for `settle`
@@ -193,4 +233,4 @@ class Rehoming:
 
 
 __all__ = ["REHOMED_KEPT", "Rehoming", "entries_elsewhere", "in_state", "listed_elsewhere", "lost_groups",
-           "lost_moves", "rehomed_here", "taken_over", "with_plan"]
+           "lost_moves", "plan_inputs", "rehomed_here", "standby_groups", "taken_over", "with_plan"]
