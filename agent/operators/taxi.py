@@ -38,6 +38,7 @@ from typing import Any, Deque, Dict, List, Optional, Tuple
 
 from agent.dataplane.envelope import Item
 from agent.operators.builtin import OperatorContext, Param
+from agent.operators.sources import SourceState
 
 __all__ = [
     "RateProfile",
@@ -211,7 +212,7 @@ class TaxiGenerator:
 # ---- source operators ---------------------------------------------------------------------------------
 
 
-class TaxiSource:
+class TaxiSource(SourceState):
     """The generator source: `poll(now, budget)` returns the records due by `now` (<= budget).
 
     Ids are (this instance, 0, 1, 2, ...): with `max_records` the verifier knows exactly which ids
@@ -325,7 +326,7 @@ class TaxiSource:
 RECENT_ACKS = 4096  # deliveries acked lately that a sensor source still knows again (above)
 
 
-class MqttIngestSource:
+class MqttIngestSource(SourceState):
     """Records from real sensors: the worker subscribes to `params.topic` (a filter) and hands
     each payload here. JSON payloads become records as they are; others become
     {"topic", "payload"} strings.
