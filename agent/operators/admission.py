@@ -10,7 +10,7 @@ the node, never by a request:
   `agent.operators.keyed`, `agent.operators.windows`, the file sink and the taxi sources);
 - the operators installed packages register in the entry-point group `fog_agent.operators`
   (`name = "module:attr"`): exactly those "module:attr" values (the lab, fog-agent-lab, registers
-  the demo's DEBS operators, `foglab.operators.debs` and `debs_areas`, this way);
+  the demo's DEBS operators and the benchmarks' source, `foglab.operators`, this way);
 - the public functions of the modules the node's own agent.toml lists
   (`[operators] modules = ["mylab.ops"]`): a name that does not start with "_" and that is
   defined in that module (not one it imported from elsewhere, e.g. `from os import system`).
@@ -99,13 +99,11 @@ BUILTIN: FrozenSet[str] = frozenset({
     "agent.operators.windows:late_split_sink",
     "agent.operators.taxi:source",
     "agent.operators.taxi:mqtt_source",
-    "agent.operators.taxi:bench_source",
 })
 
 # Operator params that are paths the operator opens (checked like extra.sink_dir).
 PATH_PARAMS: Dict[str, Tuple[str, ...]] = {
     "agent.operators.taxi:source": ("csv",),
-    "agent.operators.taxi:bench_source": ("csv",),
 }
 
 

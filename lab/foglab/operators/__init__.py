@@ -1,5 +1,6 @@
-"""The demo's operators: DEBS 2015 query 1 (`foglab.operators.debs`) and query 2
-(`foglab.operators.debs_areas`) at the edge, written against the node's operator API
+"""The lab's operators: the demo's DEBS 2015 query 1 (`foglab.operators.debs`) and query 2
+(`foglab.operators.debs_areas`) at the edge, and the benchmarks' source (`foglab.operators.bench`),
+written against the node's operator API
 (agent.operators). Not in the node's wheel or .deb. A node admits them where fog-agent-lab is
 installed, through the entry points it registers in the group `fog_agent.operators`
 (lab/pyproject.toml), or where its agent.toml lists `MODULES` in `[operators] modules` (the demo's
@@ -12,7 +13,7 @@ from typing import Any
 
 __all__ = ["MODULES", "lab_allow_list"]
 
-MODULES = ("foglab.operators.debs", "foglab.operators.debs_areas")
+MODULES = ("foglab.operators.debs", "foglab.operators.debs_areas", "foglab.operators.bench")
 
 
 @functools.lru_cache(maxsize=1)

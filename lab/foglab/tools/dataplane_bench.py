@@ -926,7 +926,7 @@ def run_bench(
         toml = pipeline_toml(
             "bench",
             [
-                {"name": "source", "kind": "source", "function": "agent.operators.taxi:bench_source",
+                {"name": "source", "kind": "source", "function": "foglab.operators.bench:bench_source",
                  "batch_size": batch_size, "max_inflight_batches": window,
                  "params": {"profile": "constant", "rate": 5e6, "record": record}},
                 {"name": "map", "function": "agent.operators.builtin:identity", "batch_size": batch_size,
@@ -1199,7 +1199,7 @@ def measure_rescale(
     toml = pipeline_toml(
         "rescale",
         [
-            {"name": "source", "kind": "source", "function": "agent.operators.taxi:bench_source",
+            {"name": "source", "kind": "source", "function": "foglab.operators.bench:bench_source",
              "batch_size": 20, "linger_ms": 10.0,
              "params": {"profile": "steps", "steps": steps, "record": "tiny", "max_lag_s": 5.0}},
             {"name": "work", "function": "agent.operators.builtin:identity", "batch_size": 20, "linger_ms": 10.0,
