@@ -26,7 +26,7 @@ import time
 from typing import Any, Callable, Dict, List
 
 from agent.dataplane.envelope import Item, MalformedEnvelope, _fast_dumps, _parse, decode, encode_data
-from agent.operators.taxi import _Pool
+from foglab.operators.bench import _Pool
 
 
 def encode_columnar(sender: str, epoch: int, seq: int, items: List[Item]) -> bytes:

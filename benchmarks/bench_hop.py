@@ -271,11 +271,23 @@ def instrument(st: Stages) -> None:
 # ---- one run -----------------------------------------------------------------------------------------
 
 
+def _bench_source() -> str:
+    """The benchmarks' source: the lab's (foglab.operators.bench, admitted as a lab node's
+    `[operators] modules` admits it), or the node's `agent.operators.taxi:bench_source` in an
+    older checkout run by --against."""
+    import importlib.util
+
+    if importlib.util.find_spec("foglab.operators.bench") is None:
+        return "agent.operators.taxi:bench_source"
+    os.environ.setdefault("FOG_AGENT_OPERATOR_MODULES", "foglab.operators.bench")
+    return "foglab.operators.bench:bench_source"
+
+
 def _pipeline(batch_size: int, window: int) -> str:
     return pipeline_toml(
         "bench",
         [
-            {"name": "source", "kind": "source", "function": "agent.operators.taxi:bench_source",
+            {"name": "source", "kind": "source", "function": _bench_source(),
              "batch_size": batch_size, "max_inflight_batches": window,
              "params": {"profile": "constant", "rate": 5e6, "record": "taxi"}},
             {"name": "map", "function": "agent.operators.builtin:identity", "batch_size": batch_size,

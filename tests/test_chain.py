@@ -194,7 +194,7 @@ def test_a_chain_tells_each_member_which_chained_successors_keep_their_records(t
 
     for fn, map_keeps in (("agent.operators.builtin:identity", True), ("agent.operators.builtin:in_zone", False)):
         toml = pipeline_toml("keeps", [
-            {"name": "source", "kind": "source", "function": "agent.operators.taxi:bench_source", "batch_size": 10},
+            {"name": "source", "kind": "source", "function": "agent.operators.taxi:source", "batch_size": 10},
             {"name": "map", "function": fn, "batch_size": 10},
             {"name": "sink", "kind": "sink", "function": "agent.operators.builtin:null_sink", "batch_size": 10},
         ], scaling={"policy": "none"})

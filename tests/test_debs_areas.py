@@ -1,4 +1,4 @@
-"""DEBS query 2 at the edge (agent.operators.debs_areas: empty_taxis -> cell_profit -> top_areas,
+"""DEBS query 2 at the edge (foglab.operators.debs_areas: empty_taxis -> cell_profit -> top_areas,
 run by the keyed state as workers run them) against the batch definition (tests/debs_reference.py,
 itself checked against Spark in tests/test_debs_edge.py), on small synthetic trip sets: few taxis
 and cells so that taxis' trips overlap, next pickups fall before and after window ends, fares are
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from agent.instance.keyed_state import KeyedState
 from agent.operators.builtin import OperatorContext
-from agent.operators.debs_areas import cell_profit, empty_taxis, median, merge_top_areas
+from foglab.operators.debs_areas import cell_profit, empty_taxis, median, merge_top_areas
 from debs_reference import reference_areas
 from keyed_chain import Chain, Stage
 

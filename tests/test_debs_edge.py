@@ -1,4 +1,4 @@
-"""DEBS query 1 at the edge (agent.operators.debs.TopRoutes, run by the keyed state as a worker
+"""DEBS query 1 at the edge (foglab.operators.debs.TopRoutes, run by the keyed state as a worker
 runs it) against the batch job's answer in real PySpark over the same trips, window by window
 (agent.analytics.debs_compare): equal, and a changed input shows up as a listed difference."""
 
@@ -15,7 +15,7 @@ from agent.analytics.debs import prepare_trips
 from agent.analytics.debs_compare import batch_top_routes, compare_top_routes
 from agent.instance.keyed_state import KeyedState
 from agent.operators.builtin import OperatorContext, in_zone, validate
-from agent.operators.debs import top_routes
+from foglab.operators.debs import top_routes
 from agent.operators.taxi import TaxiGenerator
 from keyed_chain import Chain, Stage
 
@@ -92,7 +92,7 @@ def two_stages(records: List[Dict[str, Any]], seed: int, scale: bool = True,
     second one after 1/2, the first copy leaves after 3/4 (its groups to the survivors). Stage 2
     (`merge_top_routes`, one instance) reads stage 1's channels in a seeded random interleaving.
     Returns stage 2's windows, the records it forwarded and its operator."""
-    from agent.operators.debs import merge_top_routes, route_counts
+    from foglab.operators.debs import merge_top_routes, route_counts
 
     p1 = {"time_field": "dropoff_datetime", "size_ms": PARAMS["size_ms"], "lateness_ms": PARAMS["lateness_ms"],
           "forward": True}
@@ -187,7 +187,7 @@ def three_stages(records: List[Dict[str, Any]], seed: int, scale: bool = True) -
     after 1/4 of the input and a second after 1/2, the first copy leaves after 3/4; cell_profit
     gets a copy after 1/3 which leaves after 2/3. Returns the merge's windows, what it forwarded,
     its operator and the chain."""
-    from agent.operators import debs_areas
+    from foglab.operators import debs_areas
 
     chain = Chain([Stage(builder(getattr(debs_areas, fn), op, key, params), f"{op}-0")
                    for op, fn, key, params in Q2_STAGES], seed)
@@ -301,7 +301,7 @@ def test_live_route_counts_scale_out_and_in_and_every_window_equals_the_batch_an
     import sys
     from pathlib import Path
 
-    from agent.operators.debs import window_row
+    from foglab.operators.debs import window_row
     from foglab.tools.verify import landed_records
     from debs_reference import reference_areas
 

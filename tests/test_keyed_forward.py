@@ -8,7 +8,7 @@ from pathlib import Path
 
 from agent.instance.keyed_state import KeyedState
 from agent.operators.builtin import OperatorContext, in_zone, validate
-from agent.operators.debs import top_routes
+from foglab.operators.debs import top_routes
 from agent.operators.taxi import TaxiGenerator
 
 PARAMS = {"time_field": "dropoff_datetime", "size_ms": 300_000, "lateness_ms": 3_600_000, "forward": True}

@@ -100,6 +100,26 @@ def test_the_node_package_imports_the_lab_only_in_the_cli_hook() -> None:
     assert lab_imports("elsewhere.py", hook) != [], "the CLI hook no longer imports foglab.cli"
 
 
+def test_the_node_admits_as_built_in_only_its_own_operators_and_the_lab_registers_its_own() -> None:
+    """The allow-list's built-ins are the node's package's (a node without the lab runs them);
+    the demo's operators are the lab's, which registers them as entry points of fog-agent-lab."""
+    import importlib
+
+    try:
+        import tomllib
+    except ImportError:  # Python < 3.11
+        import tomli as tomllib  # type: ignore[no-redef]
+    from agent.operators.admission import BUILTIN, ENTRY_POINT_GROUP
+
+    assert sorted(r for r in BUILTIN if not r.startswith("agent.")) == []
+    assert not (ROOT / "agent" / "operators" / "debs.py").exists()
+    eps = tomllib.loads((ROOT / "lab" / "pyproject.toml").read_text())["project"]["entry-points"][ENTRY_POINT_GROUP]
+    assert eps and all(LAB_NAME.match(ref) for ref in eps.values()), eps
+    for ref in eps.values():
+        module, _, name = ref.partition(":")
+        assert getattr(importlib.import_module(module), name).__module__ == module, ref
+
+
 def test_the_lab_check_sees_every_way_of_importing_the_lab() -> None:
     source = ("import foglab.tools.demo\n"
               "def f():\n    from foglab.sim import checker\n"

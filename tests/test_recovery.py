@@ -752,7 +752,7 @@ def test_a_rehomed_copy_numbers_its_rounds_above_any_its_dead_incarnation_used(t
 
 
 def test_a_fast_source_writes_its_position_about_once_a_second_and_never_generates_past_it(tmp_path,  # type: ignore[no-untyped-def]
-                                                                                             monkeypatch) -> None:
+                                                                                             monkeypatch, request) -> None:
     """At 50k records/s a fixed reserve of 2,000 records rewrote source.json 25 times a second
     (14% of the source's CPU). The reserve is now a second of the measured rate: a few writes
     a second. What must not change: at every moment the position on disk reserves at least
@@ -768,6 +768,7 @@ def test_a_fast_source_writes_its_position_about_once_a_second_and_never_generat
     from agent.instance.shell import Worker
     from agent.mqtt.settings import BrokerSpec
     from agent.mqtt.transport import Received
+    from agent.operators.admission import ENV_MODULES, node_allow_list
     from foglab.tools.dataplane_bench import initial_specs, pipeline_toml
 
     written: list = []
@@ -778,8 +779,11 @@ def test_a_fast_source_writes_its_position_about_once_a_second_and_never_generat
         files.write_atomic(path, text)
 
     monkeypatch.setattr(worker_mod, "write_atomic", write)
+    monkeypatch.setenv(ENV_MODULES, "foglab.operators.bench")  # the lab's source, as a lab node admits it
+    node_allow_list.cache_clear()  # read from this environment, and again after it
+    request.addfinalizer(node_allow_list.cache_clear)
     toml = pipeline_toml("p", [
-        {"name": "source", "kind": "source", "function": "agent.operators.taxi:bench_source", "batch_size": 100,
+        {"name": "source", "kind": "source", "function": "foglab.operators.bench:bench_source", "batch_size": 100,
          "max_inflight_batches": 8, "params": {"profile": "constant", "rate": 30000.0, "record": "tiny"}},
         {"name": "sink", "kind": "sink", "function": "agent.operators.builtin:null_sink"},
     ], scaling={"policy": "none"})

@@ -571,7 +571,7 @@ def test_an_eos_overtakes_queued_data_without_its_group_at_a_loaded_keyed_creato
             {"name": "validate", "function": "agent.operators.builtin:validate", "batch_size": 8, "linger_ms": 10.0},
             {"name": "in_zone", "function": "agent.operators.builtin:in_zone", "batch_size": 8,
              "linger_ms": 10.0, "key": "route"},
-            {"name": "route_counts", "function": "agent.operators.debs:route_counts", "batch_size": 50,
+            {"name": "route_counts", "function": "foglab.operators.debs:route_counts", "batch_size": 50,
              "linger_ms": 10.0, "service_time_ms": 25.0,
              "params": {"time_field": "dropoff_datetime", "size_ms": 1800000, "lateness_ms": 7200000,
                         "forward": True}},

@@ -90,6 +90,21 @@ def opsdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Tuple[Pa
         sys.modules.pop(n, None)
 
 
+def installed_entry_points(exclude: str) -> Dict[str, str]:
+    """The `fog_agent.operators` entry points of the installed distributions other than
+    `exclude` (e.g. fog-agent-lab's, where the lab is installed)."""
+    from importlib import metadata
+
+    out: Dict[str, str] = {}
+    for dist in metadata.distributions():
+        if dist.metadata["Name"] == exclude:
+            continue
+        for entry in dist.entry_points:
+            if entry.group == admission.ENTRY_POINT_GROUP:
+                out[entry.name] = entry.value
+    return out
+
+
 def ctx() -> OperatorContext:
     return OperatorContext("i", "o", "n", "map")
 
@@ -183,7 +198,9 @@ def test_the_worker_allow_list_comes_from_its_environment_not_its_spec(opsdir: T
     env = AllowList.for_node(modules=[names["ops"], "os", "agent.node.daemon"]).env()
     # the agent filters its own list the same way config loading does: no stdlib, no fog-agent
     # module; the entry points it read go along, so that a worker need not read the metadata
-    ep = {f"upper_{names['epmod'].rpartition('_')[2]}": f"{names['epmod']}:upper"}
+    ep = {**installed_entry_points(exclude=f"fogsec-dist-{names['epmod'].rpartition('_')[2]}"),
+          f"upper_{names['epmod'].rpartition('_')[2]}": f"{names['epmod']}:upper"}
+    ep = dict(sorted(ep.items()))
     assert env == {admission.ENV_MODULES: names["ops"], admission.ENV_ENTRY_POINTS: json.dumps(ep, separators=(",", ":"))}
     assert AllowList.from_env(env) == AllowList(modules=(names["ops"],), entry_points=ep)
     assert AllowList.from_env({}) == AllowList(modules=(), entry_points=ep)  # read from the metadata

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from agent.operators.admission import AllowList
 from agent.operators.builtin import OperatorContext, in_zone, load_operator, validate
 from agent.operators.taxi import FIELDS, Sinusoid, Steps, TaxiGenerator, TaxiSource, profile_from_params, sample
 
@@ -70,10 +72,30 @@ def test_load_operator_resolves_every_form() -> None:
         load_operator("agent.operators.builtin:nope", c)
 
 
+def test_the_lab_bench_source_builds_each_record_kind_and_opens_no_file() -> None:
+    """foglab.operators.bench: pooled taxi, tiny and keyed records through the taxi source; its
+    params have no `csv` profile, whose path a node checks only for its built-in taxi source."""
+    from agent.operators.builtin import check_params
+    from foglab.operators.bench import bench_source
+
+    def first(record: str, **more: Any) -> Any:
+        c = ctx({"profile": "constant", "rate": 1000, "record": record, **more}, "b-0")
+        src = load_operator("foglab.operators.bench:bench_source", c, AllowList.for_node(modules=["foglab.operators.bench"]))
+        src.start(0.0)
+        return src.poll(0.01, budget=3)
+
+    assert [r for _, _, r in first("tiny")] == [{"v": 1}] * 3
+    assert [r for _, _, r in first("keyed", keys=2)] == [{"k": 0, "t": 0, "v": 1}, {"k": 1, "t": 1, "v": 1},
+                                                          {"k": 0, "t": 2, "v": 1}]
+    assert all(set(FIELDS) <= set(r) for _, _, r in first("taxi"))
+    assert check_params(bench_source, {"profile": "constant", "rate": 10, "record": "keyed", "keys": 4}) == []
+    assert {key for key, _, _ in check_params(bench_source, {"profile": "csv", "csv": "/etc/passwd"})} == {"profile", "csv"}
+
+
 def test_the_bench_pool_gives_a_batch_as_one_call_per_record_would() -> None:
     """`_Pool.many(n)` (the source builds a batch in one call) returns the records `n` calls
     would, wrapping around the pool, and the source numbers them as before."""
-    from agent.operators.taxi import _Pool
+    from foglab.operators.bench import _Pool
 
     one, many = _Pool(1, "s", size=7), _Pool(1, "s", size=7)
     for n in (1, 3, 7, 20, 5):

@@ -1,13 +1,13 @@
 """DEBS 2015 queries 1 and 2 at the edge against the batch job, window by window (issue 22, item 6).
 
-Query 1: the edge's answer is the windows of `agent.operators.debs` (`TopRoutes` or the merge of
+Query 1: the edge's answer is the windows of `foglab.operators.debs` (`TopRoutes` or the merge of
 the two stages: one row per window, emitted when the watermark passed its end); the batch answer
 `agent.analytics.debs.top_routes` over the same trips with the same tumbling window. Both rank by
 trips, then the most recent drop-off, then the cells as numbers, so equal inputs give equal lists.
-Query 2: the windows of `agent.operators.debs_areas.MergeTopAreas` against
+Query 2: the windows of `foglab.operators.debs_areas.MergeTopAreas` against
 `agent.analytics.debs.profitable_areas`; a window in which no cell has both a profit and an empty
 taxi has no row in batch and an empty list at the edge: equal. The profits and ratios are compared
-exactly (the edge computes the same doubles: agent.operators.debs_areas.median).
+exactly (the edge computes the same doubles: foglab.operators.debs_areas.median).
 
 `compare_top_routes` / `compare_profitable_areas` list every window whose lists differ. Windows
 the batch has past the edge's last emitted one were still open at the edge when its input ended

@@ -16,7 +16,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from agent.instance.commands import AckIngest, Command, LogIngest
 from agent.instance.events import EnvelopeReceived
-from agent.operators.sources import SourceCaps, source_caps
+from agent.operators.sources import Source as SourceOperator
+from agent.operators.sources import SourceCaps, SourceState, source_caps, with_state
 
 __all__ = ["Source", "SOURCE_RESERVE", "RESERVE_SECONDS", "SOURCE_RESERVE_MAX"]
 
@@ -39,12 +40,15 @@ Lowest = Callable[[], Optional[int]]  # the instance's lowest input index not ac
 class Source:
     """The numbering and pacing of instance `me`'s source operator `operator` (None for an
     instance that is no source: every capability off). `replayable`, `sensor`, `topic`: what the
-    operator can do (agent.operators.sources.SourceCaps), read by the shell too."""
+    operator can do (agent.operators.sources.SourceCaps), read by the shell too. The operator's
+    `generated`, `paused` and `catching_up` are read as they are (the `Source` protocol;
+    `with_state` gave their defaults at load to a source without them)."""
 
     def __init__(self, me: str, operator: Any, ctx: Dict[str, Any]) -> None:
         caps = source_caps(operator) if operator is not None else SourceCaps()
         self.replayable, self.sensor, self.topic = caps.replayable, caps.sensor, caps.topic
-        self.me, self.operator, self.ctx = me, operator, ctx
+        self.operator: SourceOperator = with_state(operator) if operator is not None else SourceState()
+        self.me, self.ctx = me, ctx
         self._first: Dict[int, int] = {}  # poll index -> its first record seq
         self.reserved = 0  # records it may generate before writing its position
         self._reserved_at: Optional[Tuple[float, int]] = None  # (when, generated) at the last reservation
@@ -117,13 +121,13 @@ class Source:
         # A paused source has nothing due: without this check its next_due() says "now" and the
         # loop polls it in a busy spin (measured: ~25k empty loop turns/s, a whole core). Unless
         # it still sends again what its previous incarnation may have sent (taxi.TaxiSource.catching_up).
-        return not getattr(self.operator, "paused", False) or getattr(self.operator, "catching_up", False)
+        return not self.operator.paused or self.operator.catching_up
 
     def reserve(self, now: float, budget: int) -> bool:
         """Before a poll of up to `budget` records: True when it would generate past the last
         reservation, which then moves ahead (the position is to be written before the poll: a
         restarted source regenerates up to it, so it never reports fewer records than were sent)."""
-        generated = int(getattr(self.operator, "generated", 0))
+        generated = int(self.operator.generated)
         if generated + budget <= self.reserved:
             return False
         self.reserved = generated + budget + self._reserve_span(now, generated)
@@ -154,7 +158,7 @@ class Source:
         for index in [i for i in self._first if lowest is None or i < lowest]:
             del self._first[index]  # fully acked: forget
         if lowest is None or not self._first:
-            return int(getattr(self.operator, "generated", 0))
+            return int(self.operator.generated)
         return self._first[min(self._first)]
 
     def position(self, low: Lowest) -> Dict[str, Any]:

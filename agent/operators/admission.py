@@ -7,10 +7,10 @@ code on any node (`function = "builtins:exec"`). So the functions a node may imp
 the node, never by a request:
 
 - the built-in operators (`BUILTIN`: `agent.operators.builtin`, the keyed ones of
-  `agent.operators.keyed`, `agent.operators.windows`, `agent.operators.debs`, the file sink and the
-  taxi sources);
+  `agent.operators.keyed`, `agent.operators.windows`, the file sink and the taxi sources);
 - the operators installed packages register in the entry-point group `fog_agent.operators`
-  (`name = "module:attr"`): exactly those "module:attr" values;
+  (`name = "module:attr"`): exactly those "module:attr" values (the lab, fog-agent-lab, registers
+  the demo's DEBS operators and the benchmarks' source, `foglab.operators`, this way);
 - the public functions of the modules the node's own agent.toml lists
   (`[operators] modules = ["mylab.ops"]`): a name that does not start with "_" and that is
   defined in that module (not one it imported from elsewhere, e.g. `from os import system`).
@@ -97,21 +97,13 @@ BUILTIN: FrozenSet[str] = frozenset({
     "agent.operators.keyed:top_k",
     "agent.operators.windows:window",
     "agent.operators.windows:late_split_sink",
-    "agent.operators.debs:top_routes",
-    "agent.operators.debs:route_counts",
-    "agent.operators.debs:merge_top_routes",
-    "agent.operators.debs_areas:empty_taxis",
-    "agent.operators.debs_areas:cell_profit",
-    "agent.operators.debs_areas:merge_top_areas",
     "agent.operators.taxi:source",
     "agent.operators.taxi:mqtt_source",
-    "agent.operators.taxi:bench_source",
 })
 
 # Operator params that are paths the operator opens (checked like extra.sink_dir).
 PATH_PARAMS: Dict[str, Tuple[str, ...]] = {
     "agent.operators.taxi:source": ("csv",),
-    "agent.operators.taxi:bench_source": ("csv",),
 }
 
 

@@ -385,7 +385,7 @@ def in_zone(rec: Any, params: Dict[str, Any]) -> Any:
     out["pickup_cell"] = f"{a[0]}.{a[1]}"
     out["dropoff_cell"] = f"{b[0]}.{b[1]}"
     # the route, as the DEBS query 1 operators name it: the key its first stage is keyed by
-    # (agent.operators.debs.RouteCounts; one field, since a pipeline's `key` names one field)
+    # (foglab.operators.debs.RouteCounts; one field, since a pipeline's `key` names one field)
     out["route"] = f"{a[0]}.{a[1]}>{b[0]}.{b[1]}"
     return out
 

@@ -126,7 +126,7 @@ class KeyedOperator(Operator):
     def forward(self, record: Any) -> bool:
         """With `forwards`: does this applied record go on to the successor? (default: every one).
         A merge stage that consumes another keyed operator's outputs but passes the trips on says
-        False for the outputs (agent.operators.debs.MergeTopRoutes)."""
+        False for the outputs (foglab.operators.debs.MergeTopRoutes)."""
         return True
 
     def on_batch(self, key: Any, records: List[Any], state: Any) -> Tuple[List[Any], Any]:

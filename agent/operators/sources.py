@@ -12,6 +12,11 @@ to keep exactly once, told apart once, at load, by `source_caps` (docs/operators
   last (`number_from`) and sends the logged records again after a restart (`replay`).
 - Any other source is polled and never resumed: restarted, it starts over (logged once).
 
+The state the instance reads of every source (`generated`, `paused`, `catching_up`) has
+defaults in `SourceState`, which the built-in sources inherit; `with_state` gives them, once at
+load, to a source that does not inherit it, so that the instance reads the attributes as they are
+and never guesses.
+
 Rules of this file: the API only, no I/O.
 """
 
@@ -27,15 +32,21 @@ try:  # Python 3.8+: typing.Protocol
 except ImportError:  # pragma: no cover
     Protocol = object  # type: ignore[assignment,misc]
 
-__all__ = ["Source", "ReplayableSource", "SensorSource", "SourceCaps", "source_caps"]
+__all__ = ["Source", "ReplayableSource", "SensorSource", "SourceCaps", "SourceState", "source_caps",
+           "with_state"]
 
 
 class Source(Protocol):
     """Every source: `poll` returns up to `budget` items (instance, number, record), numbers
-    increasing; `generated` is the next number it will give."""
+    increasing; `generated` is the next number it will give. `paused` is set by the instance
+    (a `set` RPC); while it is true the instance polls only a source that is `catching_up`."""
 
     kind: str
     generated: int
+    paused: bool
+
+    @property
+    def catching_up(self) -> bool: ...
 
     def start(self, now: float) -> None: ...
 
@@ -49,11 +60,6 @@ class Source(Protocol):
 
 
 class ReplayableSource(Source, Protocol):
-    paused: bool
-
-    @property
-    def catching_up(self) -> bool: ...
-
     def resume(self, resume_from: int, catch_up_to: int, elapsed: float) -> None: ...
 
 
@@ -92,3 +98,31 @@ def source_caps(operator: Any) -> SourceCaps:
         sensor=all(callable(getattr(operator, name, None)) for name in _SENSOR),
         topic=topic if isinstance(topic, str) and topic else None,
     )
+
+
+class SourceState:
+    """The defaults of what the instance reads of a source: nothing generated yet, not paused,
+    never catching up (only a replayable source that regenerates after a restart does). The
+    built-in sources inherit it; a source class may too."""
+
+    kind = "source"
+    generated: int = 0
+    paused: bool = False
+
+    @property
+    def catching_up(self) -> bool:
+        return False
+
+
+_STATE_DEFAULTS = (("generated", 0), ("paused", False), ("catching_up", False))
+
+
+def with_state(operator: Any) -> Source:
+    """`operator`, given at load the `SourceState` attributes it lacks (a source that does not
+    inherit `SourceState`): the instance then reads `generated`, `paused` and `catching_up` as
+    they are. A source that inherits `SourceState` is returned untouched."""
+    if not isinstance(operator, SourceState):
+        for name, default in _STATE_DEFAULTS:
+            if not hasattr(operator, name):
+                setattr(operator, name, default)
+    return operator

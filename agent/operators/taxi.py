@@ -38,6 +38,7 @@ from typing import Any, Deque, Dict, List, Optional, Tuple
 
 from agent.dataplane.envelope import Item
 from agent.operators.builtin import OperatorContext, Param
+from agent.operators.sources import SourceState
 
 __all__ = [
     "RateProfile",
@@ -211,7 +212,7 @@ class TaxiGenerator:
 # ---- source operators ---------------------------------------------------------------------------------
 
 
-class TaxiSource:
+class TaxiSource(SourceState):
     """The generator source: `poll(now, budget)` returns the records due by `now` (<= budget).
 
     Ids are (this instance, 0, 1, 2, ...): with `max_records` the verifier knows exactly which ids
@@ -325,7 +326,7 @@ class TaxiSource:
 RECENT_ACKS = 4096  # deliveries acked lately that a sensor source still knows again (above)
 
 
-class MqttIngestSource:
+class MqttIngestSource(SourceState):
     """Records from real sensors: the worker subscribes to `params.topic` (a filter) and hands
     each payload here. JSON payloads become records as they are; others become
     {"topic", "payload"} strings.
@@ -546,67 +547,6 @@ mqtt_source.params_schema = {  # type: ignore[attr-defined]
 }
 mqtt_source.check_params = lambda p: (  # type: ignore[attr-defined]
     [("topic", "expected a topic filter", p["topic"])] if not p["topic"] else [])
-
-
-class _TinyRecord:
-    """Benchmark records: a small constant dict (measures the data path, not the generator)."""
-
-    def __call__(self) -> Dict[str, Any]:
-        return {"v": 1}
-
-
-class _KeyedRecord:
-    """Benchmark records for keyed operators: `{"k": n mod keys, "t": n ms, "v": 1}`, event times
-    rising by 1 ms a record (windows close as the stream goes on)."""
-
-    def __init__(self, keys: int) -> None:
-        self.keys = keys
-        self.n = 0
-
-    def __call__(self) -> Dict[str, Any]:
-        n = self.n
-        self.n += 1
-        return {"k": n % self.keys, "t": n, "v": 1}
-
-
-class _Pool:
-    """Benchmark taxi records: a pre-generated pool, cycled (the generator costs ~40 us per
-    record here, which would measure the generator instead of the data path)."""
-
-    def __init__(self, seed: int, stream: str, size: int = 1000) -> None:
-        gen = TaxiGenerator(seed, stream)
-        self.pool = [gen.record() for _ in range(size)]
-        self.i = 0
-
-    def __call__(self) -> Dict[str, Any]:
-        self.i += 1
-        return self.pool[self.i % len(self.pool)]
-
-    def many(self, n: int) -> List[Dict[str, Any]]:
-        """The next `n` records, as `n` calls would return them."""
-        pool, size = self.pool, len(self.pool)
-        out: List[Dict[str, Any]] = []
-        while len(out) < n:
-            start = (self.i + 1) % size
-            take = min(n - len(out), size - start)
-            out += pool[start:start + take]
-            self.i += take
-        return out
-
-
-def _bench_source(ctx: OperatorContext) -> TaxiSource:
-    kind = ctx.params.get("record", "taxi")
-    if kind == "taxi":
-        return TaxiSource(ctx, record_factory=_Pool(int(ctx.params.get("seed", 1)), ctx.instance))
-    if kind == "keyed":
-        return TaxiSource(ctx, record_factory=_KeyedRecord(int(ctx.params.get("keys", 100))))
-    return TaxiSource(ctx, record_factory=_TinyRecord())
-
-
-bench_source = _Factory(_bench_source)
-bench_source.params_schema = dict(SOURCE_PARAMS, record=Param("string", choices=("taxi", "tiny", "keyed")),
-                                   keys=Param("integer", min=1))  # type: ignore[attr-defined]
-bench_source.check_params = check_source_params  # type: ignore[attr-defined]
 
 
 def sample(seed: int, n: int, stream: str = "sample") -> List[Dict[str, Any]]:

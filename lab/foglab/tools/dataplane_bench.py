@@ -48,10 +48,11 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequenc
 
 import agent
 from agent.instance.spec import InstanceSpec, control_line, parse_control_line
-
+from agent.operators.admission import ENV_MODULES
 from agent.mqtt.settings import BrokerSpec
 from agent.mqtt import client as mqttc
 from agent.mqtt.transport import DATA_MQTT5
+from foglab.operators import MODULES as OPERATOR_MODULES
 
 __all__ = ["BenchFailed", "DropWatch", "WorkerProc", "ChainProc", "MemberProc", "LocalRunner", "pipeline_toml", "initial_specs", "measure_raw",
            "measure_raw_2proc", "register_bench", "run_bench"]
@@ -327,8 +328,11 @@ class WarmProc:
         self.log_path = log_dir / f"{name}.log"
         self.log = open(self.log_path, "ab")
         env = dict(os.environ)
-        root = str(Path(agent.__file__).resolve().parents[1])
+        # The worker's allow-list as an agent of a lab node gives it: the lab's operators too
+        # (foglab.operators, on its path), as if its agent.toml listed them in [operators] modules.
+        root = os.pathsep.join([str(Path(agent.__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2])])
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env.setdefault(ENV_MODULES, ",".join(OPERATOR_MODULES))
         self.proc = subprocess.Popen(
             [PY, "-m", "agent.instance.worker"],
             stdin=subprocess.PIPE,
@@ -922,7 +926,7 @@ def run_bench(
         toml = pipeline_toml(
             "bench",
             [
-                {"name": "source", "kind": "source", "function": "agent.operators.taxi:bench_source",
+                {"name": "source", "kind": "source", "function": "foglab.operators.bench:bench_source",
                  "batch_size": batch_size, "max_inflight_batches": window,
                  "params": {"profile": "constant", "rate": 5e6, "record": record}},
                 {"name": "map", "function": "agent.operators.builtin:identity", "batch_size": batch_size,
@@ -1195,7 +1199,7 @@ def measure_rescale(
     toml = pipeline_toml(
         "rescale",
         [
-            {"name": "source", "kind": "source", "function": "agent.operators.taxi:bench_source",
+            {"name": "source", "kind": "source", "function": "foglab.operators.bench:bench_source",
              "batch_size": 20, "linger_ms": 10.0,
              "params": {"profile": "steps", "steps": steps, "record": "tiny", "max_lag_s": 5.0}},
             {"name": "work", "function": "agent.operators.builtin:identity", "batch_size": 20, "linger_ms": 10.0,

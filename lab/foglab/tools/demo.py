@@ -43,6 +43,7 @@ from agent import topics
 from agent.config import load_pipeline_text
 from agent.mqtt import client as mqttc
 from agent.mqtt.requester import SYNC_PREFIX
+from foglab.operators import MODULES as OPERATOR_MODULES
 from foglab.tools.footprint import Sampler
 from foglab.tools.footprint import table as footprint_table
 from foglab.tools.verify import expected_ids, verify
@@ -52,7 +53,7 @@ log = logging.getLogger(__name__)
 ROOT = Path(agent.__file__).resolve().parents[1]
 DEFAULT_PIPELINE = ROOT / "examples" / "demo-pipeline.toml"
 # the instance stats that say a window's answer may differ from the batch one (agent.instance.keyed_state,
-# agent.operators.debs.MergeTopRoutes, agent.operators.debs_areas): summed over the instances into summary["keyed_late"]
+# foglab.operators.debs.MergeTopRoutes, foglab.operators.debs_areas): summed over the instances into summary["keyed_late"]
 LATENESS_STATS = ("late_dropped", "incomplete_windows", "late_counts", "late_trips", "long_trips")
 EXIT_OK = 0
 EXIT_LOSS = 3  # a record was lost or duplicated
@@ -82,6 +83,11 @@ inbox_per_node = {inbox_per_node}
 [metrics]
 port = 0
 """
+
+# The demo's DEBS operators are the lab's (foglab.operators): every agent of a fleet lists them in
+# `[operators] modules`, so that it admits them from a checkout as well as where fog-agent-lab is
+# installed (which registers them as entry points too).
+DEMO_OPERATOR_MODULES = OPERATOR_MODULES
 
 # With `Fleet(spill=True)`: the sinks spool what reaches them, the agent spools metrics and
 # events, and a path shipper lands closed files in <workdir>/landing (the analytics' input).
@@ -114,6 +120,7 @@ class Fleet:
     agent_args: Sequence[str] = ()  # extra `fog-agent run` options (e.g. --no-warm-worker)
     spill: bool = False  # [spill] on every agent, shipped by path into `landing`
     extra_toml: str = ""  # appended to every agent's file (e.g. a [site_manager] section)
+    operator_modules: Sequence[str] = DEMO_OPERATOR_MODULES  # every agent's `[operators] modules`
     # Each node's agent (and so its workers) reaches the broker through a proxy of its own
     # (foglab.tools.delayproxy), which can cut the node off: the chaos fault `partition`.
     proxied: bool = False
@@ -186,6 +193,7 @@ class Fleet:
             inbox_per_node=str(self.inbox_per_node).lower(),
         ) + (SPILL_TOML.format(spool_dir=self.workdir / f"spool-{node}", landing=self.landing) if self.spill else "")
             + (f'[security]\nadmin_keys = ["{self.admin_key}.pub"]\n' if self.signed else "")
+            + (f'\n[operators]\nmodules = {json.dumps(list(self.operator_modules))}\n' if self.operator_modules else "")
             + self.extra_toml)
         logf = open(self.workdir / f"{node}.log", "a")
         proc = subprocess.Popen(
@@ -770,10 +778,10 @@ def bench_rescale(rate: float = 500.0, workdir: Optional[Path] = None) -> Dict[s
 
 def operator_roles(cfg: Any) -> Dict[str, str]:
     """{operator: "source", "stateless", "keyed" or "sink"} of a pipeline (the memory table)."""
-    from agent.operators.admission import AllowList
     from agent.operators.keyed import is_keyed
+    from foglab.operators import lab_allow_list
 
-    allowed = AllowList.for_node()
+    allowed = lab_allow_list()
     out: Dict[str, str] = {}
     for i, op in enumerate(cfg.operators):
         if i == 0 or i == len(cfg.operators) - 1:

@@ -55,7 +55,6 @@ __all__ = ["LIVE_SIZES", "LiveParams", "run_live_handover", "run_live_bench", "l
 LIVE_SIZES = (0, 100_000, 1_000_000, 10_000_000)
 GROUPS = 128
 OPS_MODULE = "fog_handover_ops"  # handover_ops.py written under this name into the run's directory
-OPS_TOML = f'\n[operators]\nmodules = ["{OPS_MODULE}"]\n'
 PIPELINE_NAME = "hb"
 
 PIPELINE = """
@@ -243,7 +242,7 @@ def run_live_handover(p: LiveParams, workdir: Path, say: Callable[[str], None] =
 
     name = "stateful" if p.stateful else "stateless"
     fleet = _OpsFleet(Path(workdir), nodes=("n1",), slots=8, cluster=f"hb{os.getpid() % 10000}{name[:5]}",
-                  log_level="info", shutdown_timeout=8.0, extra_toml=OPS_TOML)  # info: the moved_at lines
+                  log_level="info", shutdown_timeout=8.0, operator_modules=(OPS_MODULE,))  # info: the moved_at lines
     res: Dict[str, Any] = {"operator": "PaddedCount" if p.stateful else "StatelessTag", "pad_per_key": p.pad,
                            "cold_keys": p.cold_keys, "hot_keys": p.hot_keys, "rate": p.rate,
                            "service_time_ms": p.service_ms, "load_avg_start": round(os.getloadavg()[0], 1)}

@@ -37,7 +37,7 @@ VARIANTS = {
 def _measure(runner: LocalRunner, broker: Any, tmp: Path, name: str, function: str, params: Dict[str, Any],
              seconds: float, batch_size: int, keys: int) -> Dict[str, Any]:
     ops = [
-        {"name": "source", "kind": "source", "function": "agent.operators.taxi:bench_source", "key": "k",
+        {"name": "source", "kind": "source", "function": "foglab.operators.bench:bench_source", "key": "k",
          "batch_size": batch_size, "params": {"profile": "constant", "rate": 5e6, "record": "keyed", "keys": keys}},
         {"name": "x", "function": function, "batch_size": batch_size, **({"params": params} if params else {})},
         {"name": "sink", "kind": "sink", "function": "agent.operators.builtin:null_sink", "batch_size": batch_size},

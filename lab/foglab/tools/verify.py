@@ -21,6 +21,7 @@ from agent.operators.builtin import MapOperator, OperatorContext, load_operator,
 from agent.operators.keyed import KeyedOperator
 from agent.operators.taxi import TaxiGenerator
 from agent.refs import parse_ref
+from foglab.operators import lab_allow_list
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ def expected_ids(cfg: PipelineConfig, counts: Dict[str, int]) -> Dict[str, Set[i
         ctx = OperatorContext(instance="verifier", operator=op.name, node="verifier", kind=op.kind,
                               params=dict(op.params), state_dir=Path(tempfile.gettempdir()),
                               sink_dir=Path(tempfile.gettempdir()), restart=False)
-        built = load_operator(op.function, ctx)
+        built = load_operator(op.function, ctx, lab_allow_list())
         if isinstance(built, KeyedOperator) and built.forwards:
             continue  # passes every record on unchanged; its own outputs are checked apart
         if not isinstance(built, MapOperator):
@@ -173,11 +174,11 @@ def expected_outputs(cfg: PipelineConfig, counts: Dict[str, int]) -> Dict[Tuple[
     ctx = OperatorContext(instance="verifier", operator=op.name, node="verifier", kind=op.kind,
                           params=dict(op.params), state_dir=Path(tempfile.gettempdir()),
                           sink_dir=Path(tempfile.gettempdir()), restart=False)
-    built = load_operator(op.function, ctx)
+    built = load_operator(op.function, ctx, lab_allow_list())
     state = KeyedState(built, op.name, cfg.operators[k - 1].key, op.key_groups)  # type: ignore[arg-type]
     maps = []
     for o in cfg.operators[1:k]:
-        m = load_operator(o.function, ctx)
+        m = load_operator(o.function, ctx, lab_allow_list())
         if not isinstance(m, MapOperator):
             raise ValueError(f"verifier: operator {o.name} is not a per-record map")
         maps.append(m.fn)

@@ -27,7 +27,7 @@ The stages (each forwards the trips unchanged, with their ids, before its output
 - `MergeTopAreas` (`merge_top_areas`), one instance (`cell_profit` keys by a field no record has):
   per window the trips it forwarded, the profits and the empty taxis per cell; it closes a window
   when the trips its two inputs say they reflect BOTH add up to the trips it forwarded and its own
-  watermark over the trips passed e (the counting of agent.operators.debs.MergeTopRoutes: whatever
+  watermark over the trips passed e (the counting of foglab.operators.debs.MergeTopRoutes: whatever
   instances of the first two stages exist and wherever their key groups are, a window closes only
   once every trip of it is in a cell's row and in a taxi's decision). Output per window:
   `{"start", "end", "trips", "areas": [[cell, profit, empty_taxis, profitability], ...]}`.
@@ -49,7 +49,7 @@ import math
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from agent.operators.builtin import OperatorContext, Param
-from agent.operators.debs import parse_cell
+from foglab.operators.debs import parse_cell
 from agent.operators.keyed import EVENT_TIME_PARAMS, KeyedOperator, parse_event_time
 
 __all__ = ["EmptyTaxis", "empty_taxis", "CellProfit", "cell_profit", "MergeTopAreas", "merge_top_areas",
