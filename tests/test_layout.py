@@ -271,6 +271,8 @@ SANS_IO = {
     "agent.node.spawns": NETWORK | {"os", "time", "threading", "random"},
     "agent.node.contexts": NODE_CORE,
     "agent.node.fencing": NODE_CORE,
+    # the hand-over's wire codec: pure functions of the body
+    "agent.instance.handover_wire": NETWORK | {"os", "time", "threading", "random"},
 }
 
 
