@@ -8,16 +8,16 @@ core's outputs strictly in order (the core's ORDERING CONTRACT) through the inst
 the numbered channels, route changes of the data path, drain, createNode() requests, persistence.
 
 Recovery (agent.instance.recovery) lives here too: write-ahead outputs, round memory, resend on
-silence, the idle ping, probe and adoption of an orphaned copy, rounds above a dead incarnation's.
+silence, adoption of an orphaned copy, rounds above a dead incarnation's.
 
-Why ~1,000 lines in one module: every part (rounds, steering, recovery, probe/adopt, the decision
-and lock events) reads and changes the same queue of outputs and the same round state; split,
-each part would reach into the others' fields.
+What reads or changes the queue of outputs and the round state stays here; three parts with
+state of their own do not: the idle copies (agent.instance.adoption: idle ping, Start again,
+probe and echo), the createNode() requests of a round (agent.instance.creates), and the decision
+and lock events (agent.instance.scaling_events).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import zlib
@@ -25,15 +25,20 @@ from collections import deque
 from dataclasses import replace
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
-from agent import events, topics
 from agent.config import RUNTIME_POLICIES
 from agent.dataplane.envelope import Envelope, Kind
 from agent.dataplane.inbound import LogLimiter
+from agent.instance.adoption import (
+    FAULT_LEAVE_BEFORE_ADOPTION, IDLE_PING, IDLE_PING_MAX, MAX_PROBES, PROBE, PROBE_ECHO, PROBE_TTL, IdleCopies,
+    with_groups,
+)
+from agent.instance.creates import CreateRequests
+from agent.instance.groups import START_FIELD
 from agent.instance.recovery import (
     RESEND_AFTER, LinkError, ReliableLinks, RoundMemory, decode_outputs, encode_outputs, silent_pending,
 )
-from agent.instance.groups import START_FIELD
 from agent.instance.rounds import RoundLog
+from agent.instance.scaling_events import ScalingEvents
 from agent.policy.decentralized import Action, Decision, ScalingParams
 from agent.policy.live import LIVE_POLICIES, LivePolicy, PeriodInputs
 from agent.protocol.errors import LocalProtocolError, ProtocolError
@@ -50,26 +55,11 @@ __all__ = ["ScalingDriver", "FAULT_REHOME_ROUNDS_FROM_ONE", "FAULT_DRAIN_HOLDS_P
 
 log = logging.getLogger("agent.instance.worker")
 
-DECISION_EVENT_PERIOD = 5.0  # at most one "nothing to do" decision event per instance per 5 s
-LOCK_EVENT_BURST = 20  # at most this many lock events per instance per second (6 per round)
-# A new copy still idle this long after it started asks its creator for Start again (doubling):
-# Start is the one protocol message nobody acks, so a broker that lost it would leave the copy
-# idle for ever with batches routed to it. The same ping reaches a creator re-homed after its node
-# died in the middle of the round: that one adopts the copy (see `ScalingDriver.on_idle_ping`).
-IDLE_PING = 10.0
-IDLE_PING_MAX = 40.0
-PROBE, PROBE_ECHO = "probe", "probe_echo"  # see ScalingDriver.on_probe
-# Idle pings ([0, 0] acks) from copies we do not know that we probe at once (`on_idle_ping`),
-# and how long a probe waits for its echo before the channel it opened is forgotten.
-MAX_PROBES = 8
-PROBE_TTL = 60.0
-
 # Seeded faults (foglab.sim.instance_check): each brings back a loss the chaos campaigns found
 # (docs/reliability.md), so that the checker can show it finds it. Never set outside the checker.
 FAULT_REHOME_ROUNDS_FROM_ONE = "rehome_rounds_from_one"  # a re-homed instance numbers rounds from 1
 FAULT_DRAIN_HOLDS_PROTOCOL = "drain_holds_protocol"  # a draining copy holds its protocol queue
 FAULT_REHOME_STAYS = "rehome_stays"  # a re-homed copy ignores the deletion acks of its dead incarnation
-FAULT_LEAVE_BEFORE_ADOPTION = "leave_before_adoption"  # a creator scales in with an idle copy of its own waiting
 FAULT_RESEND_PENDING_ONLY = "resend_pending_only"  # a round message sent again reaches the pending set only
 FAULT_WAIT_FOR_LEAVER = "wait_for_leaver"  # a round waits for the ack of a pending neighbour that left
 # our copies start without the neighbours that left after they learnt of them (ScalingCore.leavers)
@@ -134,27 +124,8 @@ class ScalingDriver:
         self.log = RoundLog([op.name for op in worker.pipeline.operators], spec.operator)
         self.log.observe(self.core, self.w.now, self.w.wall())
         self.lock_counts: Dict[str, Dict[str, int]] = {"in": {}, "out": {}}
-        self._lock_events: Deque[float] = deque()  # publish times of the last lock events (rate limit)
         self.outputs: Deque[Any] = deque()
-        # request -> instance: every copy of a round is requested at once (see run_outputs)
-        self.waiting_spawn: Dict[str, str] = {}
-        self._spawn_errors: List[str] = []
         self.round_created: List[str] = []  # copies of the current round whose create succeeded
-        self.started: Deque[str] = deque(maxlen=256)  # copies this instance sent Start (see start_again)
-        # A copy re-homed idle (agent.node.rehome) asks its creator at once: the creator may be a
-        # new incarnation too, that knows nothing of it.
-        self._next_ping = worker.now + (0.0 if self.rehomed else IDLE_PING)
-        self._idle_pings = 0
-        # Re-homed: the idle copies our dead incarnation created (plan_rehome, `idle_copies`),
-        # probed at our first tick and adopted on their echo before we may scale in.
-        # Names from other nodes' hosted records: only ones that can be a topic segment.
-        self.expected: List[str] = [
-            c for c in (spec.extra.get("idle_copies") or []) if isinstance(c, str) and not set(c) & set("/+#\0")
-        ][:MAX_PROBES] if self.rehomed and spec.active else []
-        # copy -> (number of the probe we sent it, when: unanswered probes expire after PROBE_TTL)
-        self.probes: Dict[str, Tuple[int, float]] = {}  # (on_idle_ping)
-        self._probe_seq = 0
-        self.orphans: Deque[str] = deque()  # idle copies nobody will start: we adopt them (_maybe_adopt)
         self.memory = RoundMemory(saved.get("rounds_applied") if restart else None)
         self._round_clock: Dict[str, float] = {}  # neighbour -> last sent to / heard from
         # coordination = "fgme": every protocol message of the core on an exactly-once FIFO
@@ -178,9 +149,6 @@ class ScalingDriver:
         if intent in ("duplicate", "terminate"):
             self.forced.append((str(intent), 1))
         self.pinned = False  # fogctl scale pinned this operator's count: forced rounds only
-        self.history: List[Any] = []  # last decision events (retained for `fogctl why`)
-        self._last_none_event = -1e9
-        self._last_history_pub = -1e9
         self.draining = False
         seed = int(spec.extra.get("seed", 0)) ^ zlib.crc32(spec.instance.encode())
         self.rng = random.Random(seed)
@@ -193,15 +161,17 @@ class ScalingDriver:
             "rounds_cancelled": 0,  # rounds whose spawn failed (the round goes on with what started)
             "decision_events": 0, "decision_events_failed": 0,  # published / refused by the event schema
             "lock_events": 0, "lock_events_failed": 0,  # 2-FGME lock events published / refused (schema)
-            "lock_events_dropped": 0,  # not published: past LOCK_EVENT_BURST
+            "lock_events_dropped": 0,  # not published: past LOCK_EVENT_BURST (agent.instance.scaling_events)
             "start_requests": 0,  # idle pings: a copy asking its creator for its Start
             "probes": 0, "adopted": 0,  # orphan copies probed, and adopted (agent.instance.recovery)
             "protocol_resent": 0,  # protocol messages sent again after silence
         }
         self._errors_log = LogLimiter()  # once per sender per minute, bounded (probed names are invented)
+        # the copies we started, probe or adopt, and the idle ping of ours (agent.instance.adoption)
+        self.idle = IdleCopies(worker, self.core, self.counts, self._errors_log, self.rehomed)
+        self.events = ScalingEvents(worker, self.counts)  # decision records and events, lock events
+        self.creates = CreateRequests(worker, self.counts)  # the round's createNode() requests
         self._reminded: Dict[str, float] = {}  # departed neighbour -> when we last re-sent its deletion ack
-        self._req = 0
-        self.decisions: Deque[Dict[str, Any]] = deque(maxlen=32)  # recent decisions (bench, demo)
 
     def _make_links(self, saved: Dict[str, Any], restart: bool) -> ReliableLinks:
         w = self.w
@@ -275,34 +245,45 @@ class ScalingDriver:
                 or sender in core.pending or sender in core.new_siblings
                 or sender in core.preds_to_add or sender in core.succs_to_add
                 or sender in core.preds_to_delete or sender in core.succs_to_delete
-                or sender in self.started or sender in self.probes or sender in self.orphans
-                or sender in self.memory.applied or sender in self.waiting_spawn.values()
+                or self.idle.knows(sender)
+                or sender in self.memory.applied or sender in self.creates.waiting.values()
                 or sender in self.round_created)
-
-    def may_probe(self, sender: str) -> bool:
-        """May an idle ping from `sender`, an instance we do not know, be a copy an earlier
-        incarnation of ours created (`on_idle_ping`)? Only if it is named like our copies
-        (`ScalingCore._new_id`: "<operator>-<digest>"), we are active, and fewer than MAX_PROBES
-        probes wait for their echo: invented names cost at most MAX_PROBES channels, each
-        forgotten after PROBE_TTL (`expire_probes`)."""
-
-        return (self.core.state is InstanceState.ACTIVE and len(self.probes) < MAX_PROBES
-                and len(sender) <= 128 and sender.startswith(self.core.operator + "-"))
-
-    def expire_probes(self, now: float) -> None:
-        """Probes unanswered for PROBE_TTL: the instance was no copy of ours (or is gone). Its
-        channel and our numbering to it go, unless something else names it."""
-        for copy, (_, at) in list(self.probes.items()):
-            if now - at < PROBE_TTL:
-                continue
-            del self.probes[copy]
-            if not self.knows(copy) and not self.w.sent_to(copy) and copy not in self.w.router.succs:
-                self.w.forget_sender(copy)
 
     @property
     def lock_pending(self) -> bool:
         """A decision waits for its 2-FGME locks (coordination = "fgme"): decide nothing new."""
         return getattr(self.core, "intent", None) is not None
+
+    # ---- idle copies (agent.instance.adoption), as the instance and its admission ask ------------
+
+    @property
+    def started(self) -> Deque[str]:
+        return self.idle.started
+
+    @property
+    def probes(self) -> Dict[str, Tuple[int, float]]:
+        return self.idle.probes
+
+    @property
+    def orphans(self) -> Deque[str]:
+        return self.idle.orphans
+
+    @property
+    def adoption_pending(self) -> bool:
+        """A copy that may be ours waits for its Start: no scale-in meanwhile (`IdleCopies.pending`)."""
+        return self.idle.pending
+
+    def may_probe(self, sender: str) -> bool:
+        return self.idle.may_probe(sender)
+
+    def on_idle_ping(self, sender: str) -> bool:
+        return self.idle.on_idle_ping(sender)
+
+    def ping_if_idle(self, now: float) -> None:
+        self.idle.ping_if_idle(now)
+
+    def expire_probes(self, now: float) -> None:
+        self.idle.expire_probes(now, self.knows)
 
     # ---- rounds and locks: records and events -------------------------------------------------
 
@@ -317,38 +298,9 @@ class ScalingDriver:
             self.last_round_end = self.w.now
             self.stamp_decision("round_end_at")
         for t in trans:
-            self._publish_lock_event(t)
+            self.events.lock_event(t)
         if trans or edge:
             self.w.mark_state_changed()
-
-    def _publish_lock_event(self, t: Any) -> None:
-        """A lock_request / lock_enter / lock_exit event (detail.boundary) through the worker's
-        single client, QoS 0 like the decision events; never on an inbox, so no protocol cost.
-        Rate-limited to LOCK_EVENT_BURST events per second per instance (an instance makes at
-        most 6 per round; a flood would mean a bug, counted in `lock_events_dropped`)."""
-
-        etype = t.event_type
-        if etype is None:
-            return
-        w = self.w
-        now = self.w.now
-        q = self._lock_events
-        while q and now - q[0] > 1.0:
-            q.popleft()
-        if len(q) >= LOCK_EVENT_BURST:
-            self.counts["lock_events_dropped"] += 1
-            return
-        q.append(now)
-        try:
-            ev = events.make(etype, ts=self.w.wall(), node=w.spec.node, instance=w.spec.instance,
-                             operator=w.spec.operator, pipeline=w.spec.pipeline,
-                             detail={"boundary": t.boundary, "index": t.index, "source": "worker"})
-        except ValueError as exc:
-            self.counts["lock_events_failed"] += 1
-            log.warning("lock event not published: %s", exc, extra=w.ctx)
-            return
-        w.notify(topics.events(w.spec.cluster), ev.to_json().encode())
-        self.counts["lock_events"] += 1
 
     # ---- input ---------------------------------------------------------------------------------
 
@@ -357,7 +309,7 @@ class ScalingDriver:
 
         stats = self.w.stats
         if isinstance(env.body, dict) and env.body.get("type") in (PROBE, PROBE_ECHO):
-            self.on_probe(env)
+            self.idle.on_probe(env)
             return
         if self.links is not None:
             try:
@@ -546,7 +498,7 @@ class ScalingDriver:
         self._queue(outs)
 
     def maybe_tick(self, now: float) -> None:
-        self._probe_expected()
+        self.idle.probe_expected()
         if self._moving():
             self._maybe_adopt()
             self.resend_silent(now)
@@ -600,7 +552,7 @@ class ScalingDriver:
             return
         outs = self.core.start_round(decision)
         self._observe(outs)
-        self._publish_decision(now, load, draw, decision, outs)
+        self.events.decision(now, load, draw, decision, outs, self._capacity(), self.live)
         if outs:
             new = [o.instance_id for o in outs if isinstance(o, CreateInstance)]
             kind = "scale_out" if new else "scale_in"
@@ -614,57 +566,6 @@ class ScalingDriver:
     def _capacity(self) -> float:
         """The capacity this instance's policy compares with: live for the Gesscale policies."""
         return self.w.live_capacity.value if self.live is not None else self.params.capacity
-
-    def _publish_decision(self, now: float, load: float, draw: float, decision: Any, outs: List[Any]) -> None:
-        """A decision event with the numbers it was drawn from (load, capacity, ratio, probability,
-        draw) on the events topic, plus the retained per-instance history `fogctl why` reads.
-
-        A `Notify`, through the worker's single client (one owner, docs/design.md section 6);
-        never on the inbox path, so the paper's message cost is untouched. Rate-limited: a
-        decision that acts is always published, a "nothing to do" one at most every
-        DECISION_EVENT_PERIOD s (an instance decides every
-        period; thousands of them would flood the topic). A publish failure is the shell's to
-        count, never fatal.
-        """
-
-        acted = bool(outs)
-        if not acted and now - self._last_none_event < DECISION_EVENT_PERIOD:
-            return
-        if not acted:
-            self._last_none_event = now
-        w = self.w
-        kind = {Action.DUPLICATE: "scale_out", Action.TERMINATE: "scale_in"}.get(decision.action, "decision")
-        if not acted:
-            kind = "decision"
-        new = [o.instance_id for o in outs if isinstance(o, CreateInstance)]
-        try:
-            ev = events.decision(
-                ts=self.w.wall(), node=w.spec.node, instance=w.spec.instance, operator=w.spec.operator,
-                pipeline=w.spec.pipeline, load=float(load), capacity=float(self._capacity()),
-                probability=(float(decision.factor) if decision.action is not Action.NONE and self.live is None
-                             else None),
-                draw=float(draw), action=decision.action.value, count=int(decision.count),
-                type=kind, detail=self._decision_detail(new),
-            )
-        except ValueError as exc:
-            self.counts["decision_events_failed"] += 1
-            log.warning("decision event not published: %s", exc, extra=w.ctx)
-            return
-        w.notify(topics.events(w.spec.cluster), ev.to_json().encode())
-        self.history = events.remember(self.history, ev)
-        if acted or now - self._last_history_pub >= DECISION_EVENT_PERIOD:
-            self._last_history_pub = now
-            payload = json.dumps([e.to_dict() for e in self.history], sort_keys=True).encode()
-            w.notify(topics.decisions(w.spec.cluster, w.spec.instance), payload, retain=True)
-        self.counts["decision_events"] += 1
-
-    def _decision_detail(self, new: List[str]) -> Dict[str, Any]:
-        detail: Dict[str, Any] = {"source": "worker"}
-        if new:
-            detail["new"] = new
-        if self.live is not None and self.live.last is not None:
-            detail.update({k: v for k, v in self.live.last.items() if k != "context"})
-        return detail
 
     def _queue(self, outs: List[Any], ahead: bool = False) -> None:
         if outs:
@@ -702,105 +603,14 @@ class ScalingDriver:
                 "rounds_applied": dict(self.memory.applied), "round_created": list(self.round_created),
                 **({"links": self.links.dump()} if self.links is not None else {})}
 
-    def ping_if_idle(self, now: float) -> None:
-        """An idle copy (created, not started) asks its creator for Start again: an ack of
-        nothing ([0, 0]) after IDLE_PING s, then at doubling intervals up to IDLE_PING_MAX."""
-
-        if self.core.state is not InstanceState.IDLE or not self.core.creator or now < self._next_ping:
-            return
-        self._next_ping = now + min(IDLE_PING * 2 ** self._idle_pings, IDLE_PING_MAX)
-        self._idle_pings += 1
-        self.counts["start_requests"] += 1
-        log.warning("still idle after creation: asking %s for Start again", self.core.creator, extra=self.w.ctx)
-        self.w.send_envelope(self.core.creator, Kind.ACK, [0, 0])
-
-    def on_idle_ping(self, sender: str) -> bool:
-        """An ack of nothing ([0, 0]) from `sender`: True if it was a copy's idle ping for us.
-
-        From a copy we started: its Start was lost, send it again. From a copy of our current
-        round: that round will start it. From a neighbour: a new incarnation of it asking for
-        replays, not ours to answer (False). From any other instance: it may be a copy created by
-        an earlier incarnation of ours, lost with its node (re-homing) in the middle of the
-        round; nobody else may start it and records may already be routed to it, so we probe it
-        and adopt it if it echoes the probe (`on_probe`)."""
-
-        core = self.core
-        if sender in self.started:
-            self.start_again(sender)
-            return True
-        if (sender in core.succs or sender in core.preds or sender in core.new_siblings
-                or sender in self.orphans or core.state is InstanceState.IDLE or core.terminated):
-            return sender in core.new_siblings
-        if sender in self.probes and self.w.now - self.probes[sender][1] < IDLE_PING:
-            return True  # our probe is on its way (a new one would void the echo of this one)
-        if not self.may_probe(sender):
-            # Not named like a copy of ours: an instance of another operator we have a link
-            # with (a re-homed idle copy asks its predecessors for replays), never ours to start.
-            return False
-        self._probe(sender)
-        return True
-
-    @property
-    def adoption_pending(self) -> bool:
-        """A copy that may be ours waits for its Start: one plan_rehome told us of not probed
-        yet, a probe waiting for its echo, an echoed copy not adopted yet. We do not scale in
-        meanwhile: left, we would leave an idle copy nobody starts while neighbours route
-        records to it (chaos seed 11029, CHANGELOG.md "An idle copy re-homed together with
-        its creator"). Only scale-ins wait, at most PROBE_TTL per probe (a probe of an invented
-        name costs a delayed scale-in, never a lost record)."""
-        if FAULT_LEAVE_BEFORE_ADOPTION in self.w.faults:
-            return False
-        return bool(self.expected or self.probes or self.orphans)
-
-    def _probe_expected(self) -> None:
-        """Probe the idle copies our dead incarnation created (plan_rehome's `idle_copies`)
-        without waiting for their idle ping; each is adopted on its echo (`on_probe`)."""
-        if not self.expected or self.core.state is not InstanceState.ACTIVE:
-            return
-        for copy in self.expected:
-            if copy not in self.probes and copy not in self.orphans and self.may_probe(copy):
-                self._probe(copy)
-        self.expected = []
-
-    def _probe(self, sender: str) -> None:
-        self._probe_seq += 1
-        self.probes[sender] = (self._probe_seq, self.w.now)
-        self.counts["probes"] += 1
-        log.warning("%s is idle and not a copy of this incarnation: probing it", sender, extra=self.w.ctx)
-        self.w.send_envelope(sender, Kind.PROTO, {"type": PROBE, "sender": self.core.instance_id, "n": self._probe_seq})
-
-    def on_probe(self, env: Envelope) -> None:
-        """A creator's probe to a copy, or the copy's echo of it (both outside the paper's cost).
-
-        The copy echoes only while idle and only to its creator. The echo leaves the copy after
-        every message an earlier incarnation of the creator sent it (one FIFO channel; a late one
-        of an older epoch is dropped by the receive path), so no Start of that incarnation can
-        still activate it, and an idle copy never leaves: adopting it cannot bring back an
-        instance that has left its neighbours' tables."""
-
-        body = env.body
-        n = body.get("n")
-        if type(n) is not int or n < 1 or body.get("sender") != env.sender:
-            self.w.stats["protocol_errors"] += 1
-            if self._errors_log.allow(env.sender, self.w.now):
-                log.warning("bad %s from %s ignored", body.get("type"), env.sender, extra=self.w.ctx)
-            return
-        core = self.core
-        if body["type"] == PROBE:
-            if core.state is InstanceState.IDLE and env.sender == core.creator:
-                self.w.send_envelope(env.sender, Kind.PROTO, {"type": PROBE_ECHO, "sender": core.instance_id, "n": n})
-        elif env.sender in self.probes and self.probes[env.sender][0] == n:
-            del self.probes[env.sender]
-            if env.sender not in self.started and env.sender not in self.orphans:
-                self.orphans.append(env.sender)
-
     def _maybe_adopt(self) -> None:
-        """Start an orphaned copy (on_probe) when we are free to start a round."""
+        """Start an orphaned copy (agent.instance.adoption: echoed our probe) when we are free to
+        start a round."""
 
-        if (not self.orphans or self.outputs or self.w.stopping or self.lock_pending
+        if (not self.idle.orphans or self.outputs or self.w.stopping or self.lock_pending
                 or self.core.state is not InstanceState.ACTIVE):
             return
-        copy_id = self.orphans.popleft()
+        copy_id = self.idle.next_orphan()
         self.round_created = []
         outs = self.core.adopt(copy_id)
         self._observe(outs)
@@ -808,16 +618,6 @@ class ScalingDriver:
         log.warning("adopting %s, an idle copy of an earlier incarnation: announcing it again", copy_id,
                     extra=self.w.ctx)
         self._queue(outs)
-
-    def start_again(self, copy: str) -> None:
-        """Send Start again to a copy we started that says it is still idle (its Start was lost
-        with the broker's state): our current tables, as Algorithm 6 would send them now. A copy
-        that is active by then rejects it as unexpected and nothing changes."""
-
-        msg = Start(self.core.instance_id, self.core.stage, *self.core.routes())
-        self.w.send_envelope(copy, Kind.PROTO, self._with_groups(msg.to_dict(), copy))
-        self.counts["protocol_resent"] += 1
-        log.warning("%s is still idle: sent Start again", copy, extra=self.w.ctx)
 
     def resend_silent(self, now: float) -> None:
         """Send the round message again to pending neighbours silent for RESEND_AFTER s (they
@@ -852,13 +652,6 @@ class ScalingDriver:
             log.warning("no answer from %s for %.0fs in round %d: sent %s again", dest,
                         RESEND_AFTER, self.core.round, msg.type, extra=self.w.ctx)
 
-    def _with_groups(self, body: Dict[str, Any], copy: str) -> Dict[str, Any]:
-        """A Start's JSON with our key-group table or share (agent.instance.groups), if any."""
-        extra = self.w.start_field(copy)
-        if extra is not None:
-            body[START_FIELD] = extra
-        return body
-
     # ---- outputs, strictly in order --------------------------------------------------------------
 
     def run_outputs(self, now: float) -> None:
@@ -872,13 +665,13 @@ class ScalingDriver:
                 # 2-FGME lock messages travel the same way but are counted apart, by kind.
                 body = out.message.to_dict()
                 if out.message.type == "start":
-                    body = self._with_groups(body, out.dest)
+                    body = with_groups(w, body, out.dest)
                 if self.links is not None:
                     body = self.links.stamp(out.dest, body, now)
                 w.send_envelope(out.dest, Kind.PROTO, body)
                 self._round_clock[out.dest] = now
                 if out.message.type == "start":
-                    self.started.append(out.dest)
+                    self.idle.started.append(out.dest)
                     w.after_start(out.dest, self.core.preds)  # a keyed creator's share starts moving
                 inner = getattr(out.message, "inner", None)
                 if inner is None:
@@ -902,11 +695,11 @@ class ScalingDriver:
                 # them in parallel: one after another, each waited for its own "spawned" and
                 # all but the first missed the pre-started worker (~0.34 s per copy measured);
                 # the Sends still wait for every answer (on_spawned).
-                if not self.waiting_spawn:
+                if not self.creates.waiting:
                     for o in list(self.outputs):
                         if not isinstance(o, CreateInstance):
                             break
-                        self._request_spawn(o)
+                        self.creates.request(o)
                 return  # waiting for "spawned"
             elif isinstance(out, Drain):
                 # Two-phase deletion: every predecessor removed us; forward everything first.
@@ -920,30 +713,9 @@ class ScalingDriver:
                 self.counts["terminated"] = 1
             self.outputs.popleft()
 
-    def _request_spawn(self, out: Any) -> None:
-        w = self.w
-        self._req += 1
-        request = f"{w.spec.instance}-{self._req}"
-        extra = dict(w.spec.extra)
-        extra["creator"] = w.spec.instance
-        spec = replace(
-            w.spec,
-            instance=out.instance_id,
-            succs=(),
-            preds=(),
-            keeper=False,
-            active=False,
-            restart=False,
-            extra=extra,
-        )
-        self.waiting_spawn[request] = out.instance_id
-        self.counts["spawns"] += 1
-        w.request_spawn(request, json.loads(spec.to_json()))
-        w.crash_point("spawn_requested")  # tests: a crash in the middle of a duplication round
-
     def on_spawned(self, msg: Dict[str, Any]) -> None:
 
-        instance = self.waiting_spawn.pop(str(msg.get("request")), None)
+        instance = self.creates.answered(msg)
         if instance is None:
             log.warning("unexpected spawned reply %s ignored", msg, extra=self.w.ctx)
             return
@@ -951,13 +723,10 @@ class ScalingDriver:
             self.stamp_decision("spawned_at")
             if instance not in self.round_created:
                 self.round_created.append(instance)
-        else:
-            self.counts["spawn_failures"] += 1
-            self._spawn_errors.append(str(msg.get("error")))
         self.w.mark_state_changed()
-        if self.waiting_spawn:
+        if self.creates.waiting:
             return  # the other copies' answers first: every copy is either created or refused
-        errors, self._spawn_errors = self._spawn_errors, []
+        errors = self.creates.take_errors()
         if errors:
             # The announcement must not go out for an instance that does not exist. Retrying
             # while holding the round's messages stalled the neighbours, so withdraw the round
@@ -968,21 +737,16 @@ class ScalingDriver:
             self.outputs.popleft()  # every copy requested at once is done
         self.run_outputs(self.w.now)
 
+    @property
+    def decisions(self) -> Deque[Dict[str, Any]]:
+        """Our recent decisions (bench, demo; `ScalingEvents.decisions`)."""
+        return self.events.decisions
+
     def stamp_moved(self) -> None:
-        """The key groups of our last decision are at their new owners (agent.instance.moves)."""
-        d = self.decisions[-1] if self.decisions else None
-        if d is not None and "moved_at" not in d:
-            d["moved_at"] = self.w.wall()
-            log.info("key groups of the %s decided %.0f ms ago: installed at their new owners", d.get("kind"),
-                     (d["moved_at"] - d["at"]) * 1000, extra=self.w.ctx)
+        self.events.stamp_moved()
 
     def stamp_decision(self, key: str) -> None:
-        """Wall time of a step of the current scale-out round on its decision record (latest
-        spawn reply, round end, a keyed creator's first chunks sent): `bench dataplane`/`bench
-        rescale` and `demo` split decision -> first record into its parts with it."""
-        d = self.decisions[-1] if self.decisions else None
-        if d is not None and d.get("kind") == "scale_out" and (key == "spawned_at" or key not in d):
-            d[key] = self.w.wall()  # spawned_at: with several copies, the last reply counts
+        self.events.stamp(key)
 
     def _cancel_round(self, why: str) -> None:
 
