@@ -68,9 +68,12 @@ FAULT_ACK_BEHIND_DRAIN = "ack_behind_drain"  # a draining copy's duplication ack
 
 
 class ScalingDriver:
-    """Drives the sans-IO scaling core (agent.protocol.scaling): feeds it messages and a decision
-    tick, and performs its outputs strictly in order (see the core's ORDERING CONTRACT)
-    through the instance it belongs to."""
+    """Drives the sans-IO scaling core (agent.protocol.scaling) through the instance it belongs
+    to. A decision, top-down: `maybe_tick` decides (the policy, or `_run_forced` for fogctl),
+    the core's `start_round` returns the round's outputs, `_observe` records the round's start,
+    `_queue` writes them ahead and `run_outputs` performs them strictly in order (the core's
+    ORDERING CONTRACT): the copies' createNode() wait for `on_spawned`, the Sends go out; the
+    neighbours' acks come in through `handle`, which queues the round's last outputs the same way."""
 
     def __init__(self, instance: InstancePort, saved: Dict[str, Any], restart: bool) -> None:
         self.w = worker = instance
@@ -173,44 +176,6 @@ class ScalingDriver:
         self.creates = CreateRequests(worker, self.counts)  # the round's createNode() requests
         self._reminded: Dict[str, float] = {}  # departed neighbour -> when we last re-sent its deletion ack
 
-    def _make_links(self, saved: Dict[str, Any], restart: bool) -> ReliableLinks:
-        w = self.w
-        if restart and saved.get("links"):
-            try:
-                return ReliableLinks.load(w.spec.instance, saved["links"], w.now)
-            except ValueError as exc:
-                log.warning("%s: starting new channels", exc, extra=w.ctx)
-        # A new generation: above any earlier one of this identity (seconds, as min_epoch). A
-        # re-homed incarnation also starts at its epoch floor at least: its own clock alone may
-        # give the generation its dead incarnation had (a re-home within the second of that
-        # start, or a node clock behind), and the peers then drop its messages as repeats or
-        # stale ones, its lock requests among them (a round that never starts).
-        floor = int(w.spec.extra.get("min_epoch", 0) or 0)
-        lost = bool(restart or floor)
-        return ReliableLinks(w.spec.instance, max(int(w.wall()), floor), lost_state=lost)
-
-    def _send_link(self, pairs: List[Tuple[str, Dict[str, Any]]]) -> None:
-        """Link acks and resends (agent.instance.recovery.ReliableLinks). The state is written
-        first: an ack must never leave before the deliveries it acknowledges are on disk."""
-        if not pairs:
-            return
-        self.w.persist(force=True)
-        for dest, body in pairs:
-            self.w.send_envelope(dest, Kind.PROTO, body)
-
-    def resync(self, now: float) -> None:
-        """We are a new incarnation: ask every peer for what we may have lost, resend ours."""
-        if self.links is not None:
-            core = self.core
-            self._send_link(self.links.resync(set(core.preds) | set(core.succs), now))
-
-    def ready_to_exit(self) -> bool:
-        """Terminated: ack what we delivered, and wait until our own messages are acked."""
-        if self.links is None:
-            return True
-        self._send_link(self.links.flush_acks())
-        return self.links.settled
-
     @property
     def data_enabled(self) -> bool:
         """An idle (not yet started) instance buffers its input: its succs are unknown."""
@@ -237,6 +202,11 @@ class ScalingDriver:
         """Our own duplication round waits for its acks."""
         return self.core.state is InstanceState.DUPLICATING
 
+    @property
+    def lock_pending(self) -> bool:
+        """A decision waits for its 2-FGME locks (coordination = "fgme"): decide nothing new."""
+        return getattr(self.core, "intent", None) is not None
+
     def knows(self, sender: str) -> bool:
         """Is `sender` an instance our tables, our rounds or our round memory name? (Who may send
         us protocol and lock messages, besides the channels we already have: Instance._admit.)"""
@@ -249,160 +219,77 @@ class ScalingDriver:
                 or sender in self.memory.applied or sender in self.creates.waiting.values()
                 or sender in self.round_created)
 
-    @property
-    def lock_pending(self) -> bool:
-        """A decision waits for its 2-FGME locks (coordination = "fgme"): decide nothing new."""
-        return getattr(self.core, "intent", None) is not None
+    # ---- a decision: the tick, the policy or a steering request, a keyed leaver, an adoption -----
 
-    # ---- idle copies (agent.instance.adoption), as the instance and its admission ask ------------
-
-    @property
-    def started(self) -> Deque[str]:
-        return self.idle.started
-
-    @property
-    def probes(self) -> Dict[str, Tuple[int, float]]:
-        return self.idle.probes
-
-    @property
-    def orphans(self) -> Deque[str]:
-        return self.idle.orphans
-
-    @property
-    def adoption_pending(self) -> bool:
-        """A copy that may be ours waits for its Start: no scale-in meanwhile (`IdleCopies.pending`)."""
-        return self.idle.pending
-
-    def may_probe(self, sender: str) -> bool:
-        return self.idle.may_probe(sender)
-
-    def on_idle_ping(self, sender: str) -> bool:
-        return self.idle.on_idle_ping(sender)
-
-    def ping_if_idle(self, now: float) -> None:
-        self.idle.ping_if_idle(now)
-
-    def expire_probes(self, now: float) -> None:
-        self.idle.expire_probes(now, self.knows)
-
-    # ---- rounds and locks: records and events -------------------------------------------------
-
-    def _observe(self, outs: List[Any]) -> None:
-        """After every core call: record round start/end and lock transitions, publish the lock
-        events. Runs before `outs` are performed (see agent.instance.rounds on why that makes the
-        recorded round intervals of neighbours disjoint whenever the protocol is right)."""
-        trans, edge = self.log.observe(self.core, self.w.now, self.w.wall())
-        if edge == "start":
-            self.round_created = []
-        elif edge == "end":
-            self.last_round_end = self.w.now
-            self.stamp_decision("round_end_at")
-        for t in trans:
-            self.events.lock_event(t)
-        if trans or edge:
-            self.w.mark_state_changed()
-
-    # ---- input ---------------------------------------------------------------------------------
-
-    def handle(self, env: Envelope) -> None:
-
-
-        stats = self.w.stats
-        if isinstance(env.body, dict) and env.body.get("type") in (PROBE, PROBE_ECHO):
-            self.idle.on_probe(env)
+    def maybe_tick(self, now: float) -> None:
+        self.idle.probe_expected()
+        if self._moving():
+            self._maybe_adopt()
+            self.resend_silent(now)
+            if self.links is not None:
+                self._send_link(self.links.due(now))
             return
+        self._run_forced(now)
+        self._maybe_adopt()
+        self.resend_silent(now)
         if self.links is not None:
-            try:
-                body, replies = self.links.receive(env.sender, env.body, self.w.now)
-            except LinkError as exc:
-                stats["protocol_errors"] += 1
-                if self._errors_log.allow(env.sender, self.w.now):
-                    log.warning("protocol message from %s rejected: %s", env.sender, exc, extra=self.w.ctx)
-                return
-            self.w.mark_state_changed()
-            self._send_link(replies)
-            if body is None:
-                return  # a link ack, a copy, or a message past a gap (it comes again in order)
-            env = replace(env, body=body)
-        is_lock = isinstance(env.body, dict) and env.body.get("type") == LockMessage.type
-        if is_lock:
-            stats["lock_in"] = stats.get("lock_in", 0) + 1
-            kind = str((env.body.get("inner") or {}).get("kind") if isinstance(env.body.get("inner"), dict) else "?")
-            self.lock_counts["in"][kind] = self.lock_counts["in"].get(kind, 0) + 1
+            self._send_link(self.links.due(now))
+        if now < self.next_tick:
+            return
+        load = self.w.measure_load(now)
+        sig = self.w.take_signals(now)
+        self.next_tick = now + self.period
+        # DEVIATION (docs/scaling.md): input that began during this period (the first records
+        # after a start, a restart or a period without any) was counted over only part of it:
+        # 60/s arriving from mid-period measure 30/s, and the decision asks for too few copies.
+        began = load > 0 and not self.had_input
+        self.had_input = load > 0
+        if self.policy == "none" or self.w.is_source or self.w.stopping or self.pinned:
+            return
+        if self.outputs or self.core.in_round or self.lock_pending or now - self.last_round_end < self.cooldown:
+            return
+
+        if self.core.state is not InstanceState.ACTIVE:
+            return
+        if self.skip_decisions > 0:
+            self.skip_decisions -= 1  # this period's load was measured only partly (activation)
+            return
+        if began:
+            self.counts["partial_periods_skipped"] += 1
+            log.info("input began during this period (%.1f/s measured over part of it): deciding next period",
+                     load, extra=self.w.ctx)
+            return
+        self.round_created = []
+        draw = self.rng.random()
+        if self.live is not None:
+            decision = self.live.decide(PeriodInputs(now, load, sig.processed_rate, self.w.live_capacity.value,
+                                                     sig.backpressure, self.core.keeper, draw, self.w.wall()))
         else:
-            stats["protocol_in"] += 1
-        groups = None
-        if isinstance(env.body, dict) and env.body.get("type") == Start.type and START_FIELD in env.body:
-            body = dict(env.body)  # the key-group table next to the paper's fields: not the core's
-            groups = body.pop(START_FIELD)
-            env = replace(env, body=body)
-        try:
-            msg = self._from_dict(env.body)
-            if msg.sender != env.sender:
-                raise ValueError(f"message sender {msg.sender} differs from envelope sender {env.sender}")
-            self._round_clock[env.sender] = self.w.now
-            ahead = self._ahead_of_drain(msg)
-            again = self.memory.replay_ack(msg, self.core.instance_id, self.core.stage)
-            if again is not None:  # a round we applied, sent again by a restarted sender
-                self._queue([Send(env.sender, again)], ahead)
-                return
-            outs = self.core.handle(msg)
-            if FAULT_START_WITHOUT_LEAVERS in self.w.faults:
-                self.core.leavers.clear()
-            self.memory.applied_now(msg)
-            if isinstance(msg, Start):
-                self.w.on_start_field(groups, self.core.routes()[0])
-            elif isinstance(msg, Duplication) and msg.stage == self.core.stage - 1:
-                self.w.on_preds_changed(msg.new_instances, ())
-            elif isinstance(msg, Deletion) and msg.stage == self.core.stage - 1:
-                self.w.on_preds_changed((), (msg.sender,))
-        except (ProtocolError, ValueError) as exc:
-            # Unexpected or invalid: counted, logged once per sender, state unchanged.
-            stats["protocol_errors"] += 1
-            if self._errors_log.allow(env.sender, self.w.now):
-                log.warning("protocol message from %s rejected: %s", env.sender, exc, extra=self.w.ctx)
-            self._left_behind(env.body)
+            decision = self.core.decide(load, draw)
+        if decision.action is Action.TERMINATE and self.adoption_pending:
+            decision = Decision(Action.NONE, 0)  # after the adoption (see adoption_pending)
+        if decision.scales:
+            self.log.decided(self.w.now)
+        if self._leave_first(decision):
+            self.counts["scale_ins"] += 1
+            self.decisions.append({"at": self.w.wall(), "kind": "scale_in", "load": round(load, 1), "new": []})
             return
-        if is_lock:
-            self.w.mark_state_changed()  # the lock state changed even when nothing is sent
+        outs = self.core.start_round(decision)
         self._observe(outs)
-        self._queue(outs, ahead)
-        if self.links is not None and getattr(self.core, "departed", None) and self.core.departed(env.sender):
-            self._send_link(self.links.forget(env.sender))
+        self.events.decision(now, load, draw, decision, outs, self._capacity(), self.live)
+        if outs:
+            new = [o.instance_id for o in outs if isinstance(o, CreateInstance)]
+            kind = "scale_out" if new else "scale_in"
+            self.counts["scale_outs" if kind == "scale_out" else "scale_ins"] += 1
+            self.decisions.append({"at": self.w.wall(), "kind": kind, "load": round(load, 1), "new": new})
+            log.info("decision %s at load %.1f/s (capacity %.0f)%s", kind, load, self._capacity(),
+                     f" {self.live.last}" if self.live is not None else "", extra=self.w.ctx)
+            self.last_round_end = now
+        self._queue(outs)
 
-    def _left_behind(self, body: Any) -> None:
-        """A deletion ack our core has no round for, and we were re-homed: the dead incarnation
-        was leaving (its Deletion went out before its node died) and that neighbour has removed
-        us. Our rebuilt tables cannot know it (agent.node.rehome), so without this we stay an
-        active instance some neighbours no longer route to (CHANGELOG.md, "A copy re-homed
-        while leaving"). We leave again: a deletion round of our own, which
-        the neighbours that removed us already just ack (a Deletion of an instance not in a
-        table is acked, agent.protocol.scaling), and which removes us from the others. A
-        keeper never sends a Deletion, so an ack naming one is not believed."""
-        if (not self.rehomed or self.core.keeper or not isinstance(body, dict) or FAULT_REHOME_STAYS in self.w.faults
-                or body.get("type") != DeletionAck.type or ("terminate", 1) in self.forced
-                or self.core.state not in (InstanceState.ACTIVE, InstanceState.DUPLICATING)):
-            return
-        self.forced.appendleft(("terminate", 1))
-        self.counts["left_behind"] = self.counts.get("left_behind", 0) + 1
-        log.warning("a neighbour acked a deletion of our dead incarnation: leaving again", extra=self.w.ctx)
-
-    def remind_departed(self, sender: str) -> None:
-        """`sender` announces a new incarnation (an empty ack in a new epoch) though it left our
-        tables by its own Deletion (no other round removes an instance, and our round memory
-        holds the last round of it we applied): it may be a copy re-homed in the middle of its
-        deletion that does not know it left. The ack of that round again tells it
-        (`_left_behind`); an instance that knows its rounds rejects it, harmless. At most once
-        per RESEND_AFTER per sender, and only for names our round memory holds (bounded)."""
-        core = self.core
-        rnd = self.memory.applied.get(sender)
-        if (rnd is None or sender in core.succs or sender in core.preds or core.state is InstanceState.IDLE
-                or self.w.now - self._reminded.get(sender, -1e9) < RESEND_AFTER):
-            return
-        self._reminded = {s: t for s, t in self._reminded.items() if self.w.now - t < RESEND_AFTER}
-        self._reminded[sender] = self.w.now
-        self.counts["departed_reminded"] = self.counts.get("departed_reminded", 0) + 1
-        self._queue([Send(sender, DeletionAck.trusted(sender=core.instance_id, stage=core.stage, round=rnd))])
+    def _capacity(self) -> float:
+        """The capacity this instance's policy compares with: live for the Gesscale policies."""
+        return self.w.live_capacity.value if self.live is not None else self.params.capacity
 
     def force(self, action: str, count: int) -> None:
         """A steering request (fogctl scale/drain via the agent): queued, run by `_run_forced`
@@ -415,7 +302,7 @@ class ScalingDriver:
             log.warning("unknown scale action %r ignored", action, extra=self.w.ctx)
 
     def _run_forced(self, now: float) -> None:
-
+        """The steering request at the head of `forced` as a round, when we are free to start one."""
         if not self.forced or self.outputs or self.w.stopping or self.lock_pending or self._moving():
             return
         if self.core.state is not InstanceState.ACTIVE:
@@ -497,75 +384,37 @@ class ScalingDriver:
         log.info("every key group handed over: leaving", extra=self.w.ctx)
         self._queue(outs)
 
-    def maybe_tick(self, now: float) -> None:
-        self.idle.probe_expected()
-        if self._moving():
-            self._maybe_adopt()
-            self.resend_silent(now)
-            if self.links is not None:
-                self._send_link(self.links.due(now))
+    def _maybe_adopt(self) -> None:
+        """Start an orphaned copy (agent.instance.adoption: echoed our probe) when we are free to
+        start a round."""
+        if (not self.idle.orphans or self.outputs or self.w.stopping or self.lock_pending
+                or self.core.state is not InstanceState.ACTIVE):
             return
-        self._run_forced(now)
-        self._maybe_adopt()
-        self.resend_silent(now)
-        if self.links is not None:
-            self._send_link(self.links.due(now))
-        if now < self.next_tick:
-            return
-        load = self.w.measure_load(now)
-        sig = self.w.take_signals(now)
-        self.next_tick = now + self.period
-        # DEVIATION (docs/scaling.md): input that began during this period (the first records
-        # after a start, a restart or a period without any) was counted over only part of it:
-        # 60/s arriving from mid-period measure 30/s, and the decision asks for too few copies.
-        began = load > 0 and not self.had_input
-        self.had_input = load > 0
-        if self.policy == "none" or self.w.is_source or self.w.stopping or self.pinned:
-            return
-        if self.outputs or self.core.in_round or self.lock_pending or now - self.last_round_end < self.cooldown:
-            return
-
-        if self.core.state is not InstanceState.ACTIVE:
-            return
-        if self.skip_decisions > 0:
-            self.skip_decisions -= 1  # this period's load was measured only partly (activation)
-            return
-        if began:
-            self.counts["partial_periods_skipped"] += 1
-            log.info("input began during this period (%.1f/s measured over part of it): deciding next period",
-                     load, extra=self.w.ctx)
-            return
+        copy_id = self.idle.next_orphan()
         self.round_created = []
-        draw = self.rng.random()
-        if self.live is not None:
-            decision = self.live.decide(PeriodInputs(now, load, sig.processed_rate, self.w.live_capacity.value,
-                                                     sig.backpressure, self.core.keeper, draw, self.w.wall()))
-        else:
-            decision = self.core.decide(load, draw)
-        if decision.action is Action.TERMINATE and self.adoption_pending:
-            decision = Decision(Action.NONE, 0)  # after the adoption (see adoption_pending)
-        if decision.scales:
-            self.log.decided(self.w.now)
-        if self._leave_first(decision):
-            self.counts["scale_ins"] += 1
-            self.decisions.append({"at": self.w.wall(), "kind": "scale_in", "load": round(load, 1), "new": []})
-            return
-        outs = self.core.start_round(decision)
+        outs = self.core.adopt(copy_id)
         self._observe(outs)
-        self.events.decision(now, load, draw, decision, outs, self._capacity(), self.live)
-        if outs:
-            new = [o.instance_id for o in outs if isinstance(o, CreateInstance)]
-            kind = "scale_out" if new else "scale_in"
-            self.counts["scale_outs" if kind == "scale_out" else "scale_ins"] += 1
-            self.decisions.append({"at": self.w.wall(), "kind": kind, "load": round(load, 1), "new": new})
-            log.info("decision %s at load %.1f/s (capacity %.0f)%s", kind, load, self._capacity(),
-                     f" {self.live.last}" if self.live is not None else "", extra=self.w.ctx)
-            self.last_round_end = now
+        self.counts["adopted"] += 1
+        log.warning("adopting %s, an idle copy of an earlier incarnation: announcing it again", copy_id,
+                    extra=self.w.ctx)
         self._queue(outs)
 
-    def _capacity(self) -> float:
-        """The capacity this instance's policy compares with: live for the Gesscale policies."""
-        return self.w.live_capacity.value if self.live is not None else self.params.capacity
+    # ---- a round: its outputs, strictly in order -------------------------------------------------
+
+    def _observe(self, outs: List[Any]) -> None:
+        """After every core call: record round start/end and lock transitions, publish the lock
+        events. Runs before `outs` are performed (see agent.instance.rounds on why that makes the
+        recorded round intervals of neighbours disjoint whenever the protocol is right)."""
+        trans, edge = self.log.observe(self.core, self.w.now, self.w.wall())
+        if edge == "start":
+            self.round_created = []
+        elif edge == "end":
+            self.last_round_end = self.w.now
+            self.stamp_decision("round_end_at")
+        for t in trans:
+            self.events.lock_event(t)
+        if trans or edge:
+            self.w.mark_state_changed()
 
     def _queue(self, outs: List[Any], ahead: bool = False) -> None:
         if outs:
@@ -579,83 +428,8 @@ class ScalingDriver:
             self.w.persist(force=True)
             self.run_outputs(self.w.now)
 
-    def _ahead_of_drain(self, msg: Any) -> bool:
-        """Does our ack of `msg` go before our deletion round's Drain, which waits at the head of
-        the queue? Only the ack of a Duplication whose copies our tables already name: a
-        departing instance adds no neighbour (docs/scaling.md deviation 7), so its ack waits
-        for no route change (invariant 3), and our second-phase Deletion goes to those copies
-        too. Behind the Drain it could wait for ever: our records to such a copy, idle, are
-        acked only once it starts, which waits for our ack (seed 404). A copy we do not know
-        gets no record of ours, so nothing waits; acked first, though, its creator would start
-        it naming us, and we would leave without telling it: its own Deletion would wait for
-        us for ever (seed 51). CHANGELOG.md, "Records lost at an idle sink copy". A
-        deletion ack keeps its place: it promises the leaver that nothing of ours follows it."""
-        core = self.core
-        return (self.draining and bool(self.outputs) and isinstance(self.outputs[0], Drain)
-                and FAULT_ACK_BEHIND_DRAIN not in self.w.faults and isinstance(msg, Duplication)
-                and set(msg.new_instances) <= (core.succs if msg.stage == core.stage + 1 else core.preds))
-
-    def persisted(self) -> Dict[str, Any]:
-        """What a restarted worker needs to finish a round: the core, the outputs not yet
-        performed, the rounds applied per sender, the copies created in the current round."""
-
-        return {"scaling": self.core.snapshot(), "outputs": encode_outputs(self.outputs),
-                "rounds_applied": dict(self.memory.applied), "round_created": list(self.round_created),
-                **({"links": self.links.dump()} if self.links is not None else {})}
-
-    def _maybe_adopt(self) -> None:
-        """Start an orphaned copy (agent.instance.adoption: echoed our probe) when we are free to
-        start a round."""
-
-        if (not self.idle.orphans or self.outputs or self.w.stopping or self.lock_pending
-                or self.core.state is not InstanceState.ACTIVE):
-            return
-        copy_id = self.idle.next_orphan()
-        self.round_created = []
-        outs = self.core.adopt(copy_id)
-        self._observe(outs)
-        self.counts["adopted"] += 1
-        log.warning("adopting %s, an idle copy of an earlier incarnation: announcing it again", copy_id,
-                    extra=self.w.ctx)
-        self._queue(outs)
-
-    def resend_silent(self, now: float) -> None:
-        """Send the round message again to pending neighbours silent for RESEND_AFTER s (they
-        may have crashed between applying it and acking, or the broker lost it); never while
-        outputs are queued. Also, once, to the copies such a neighbour announced before it
-        acked our round (`ScalingCore.widen_round`: it may have started them without it). A
-        neighbour that left meanwhile is not waited for any more (`ScalingCore.release`)."""
-
-        if self.outputs or not self.core.in_round or self.links is not None:
-            return  # with links, every message is resent until acked (ReliableLinks)
-        for dest, msg in silent_pending(self.core, self._round_clock, now):
-            if self.outputs or not self.core.in_round or dest not in self.core.pending:
-                return  # a release below ended the round, or its outputs wait
-            left = None if FAULT_WAIT_FOR_LEAVER in self.w.faults else self.core.release(dest)
-            if left is not None:
-                self.counts["leavers_released"] = self.counts.get("leavers_released", 0) + 1
-                log.warning("%s left (its Deletion applied) without answering round %d: not waiting for it",
-                            dest, self.core.round, extra=self.w.ctx)
-                self._observe(left)
-                self._queue(left)
-                self.w.mark_state_changed()
-                continue
-            extra = () if FAULT_RESEND_PENDING_ONLY in self.w.faults else self.core.widen_round(dest)
-            if extra:
-                self.w.persist(force=True)  # they are pending now: their acks must find them after a crash
-                log.warning("%s announced %s before it acked our round: sending them our %s too", dest,
-                            ", ".join(extra), msg.type, extra=self.w.ctx)
-            for to in (dest,) + extra:
-                self.w.send_envelope(to, Kind.PROTO, msg.to_dict())
-                self._round_clock[to] = now
-                self.counts["protocol_resent"] += 1
-            log.warning("no answer from %s for %.0fs in round %d: sent %s again", dest,
-                        RESEND_AFTER, self.core.round, msg.type, extra=self.w.ctx)
-
-    # ---- outputs, strictly in order --------------------------------------------------------------
-
     def run_outputs(self, now: float) -> None:
-
+        """Perform the queued outputs in order, until one must wait (createNode(), a Drain)."""
         w = self.w
         while self.outputs:
             out = self.outputs[0]
@@ -714,7 +488,7 @@ class ScalingDriver:
             self.outputs.popleft()
 
     def on_spawned(self, msg: Dict[str, Any]) -> None:
-
+        """The agent's answer to a createNode(): every answer in, the round goes on or shrinks."""
         instance = self.creates.answered(msg)
         if instance is None:
             log.warning("unexpected spawned reply %s ignored", msg, extra=self.w.ctx)
@@ -737,19 +511,8 @@ class ScalingDriver:
             self.outputs.popleft()  # every copy requested at once is done
         self.run_outputs(self.w.now)
 
-    @property
-    def decisions(self) -> Deque[Dict[str, Any]]:
-        """Our recent decisions (bench, demo; `ScalingEvents.decisions`)."""
-        return self.events.decisions
-
-    def stamp_moved(self) -> None:
-        self.events.stamp_moved()
-
-    def stamp_decision(self, key: str) -> None:
-        self.events.stamp(key)
-
     def _cancel_round(self, why: str) -> None:
-
+        """A create was refused: the round shrinks to the copies that exist, or is withdrawn."""
         core = self.core
         mine = core.instance_id
         # The round's outputs sit at the head of the queue: its creates, then its announcements.
@@ -775,6 +538,246 @@ class ScalingDriver:
                 f"continues with {list(created)}" if created else "cancelled", extra=self.w.ctx)
         self.w.emit("round_cancelled", round=core.round, created=list(created), error=why)
         self.run_outputs(self.w.now)
+
+    # ---- input: the neighbours' round and lock messages ------------------------------------------
+
+    def handle(self, env: Envelope) -> None:
+        """A neighbour's protocol or lock message (a probe or its echo: the idle copies')."""
+        stats = self.w.stats
+        if isinstance(env.body, dict) and env.body.get("type") in (PROBE, PROBE_ECHO):
+            self.idle.on_probe(env)
+            return
+        if self.links is not None:
+            try:
+                body, replies = self.links.receive(env.sender, env.body, self.w.now)
+            except LinkError as exc:
+                stats["protocol_errors"] += 1
+                if self._errors_log.allow(env.sender, self.w.now):
+                    log.warning("protocol message from %s rejected: %s", env.sender, exc, extra=self.w.ctx)
+                return
+            self.w.mark_state_changed()
+            self._send_link(replies)
+            if body is None:
+                return  # a link ack, a copy, or a message past a gap (it comes again in order)
+            env = replace(env, body=body)
+        is_lock = isinstance(env.body, dict) and env.body.get("type") == LockMessage.type
+        if is_lock:
+            stats["lock_in"] = stats.get("lock_in", 0) + 1
+            kind = str((env.body.get("inner") or {}).get("kind") if isinstance(env.body.get("inner"), dict) else "?")
+            self.lock_counts["in"][kind] = self.lock_counts["in"].get(kind, 0) + 1
+        else:
+            stats["protocol_in"] += 1
+        groups = None
+        if isinstance(env.body, dict) and env.body.get("type") == Start.type and START_FIELD in env.body:
+            body = dict(env.body)  # the key-group table next to the paper's fields: not the core's
+            groups = body.pop(START_FIELD)
+            env = replace(env, body=body)
+        try:
+            msg = self._from_dict(env.body)
+            if msg.sender != env.sender:
+                raise ValueError(f"message sender {msg.sender} differs from envelope sender {env.sender}")
+            self._round_clock[env.sender] = self.w.now
+            ahead = self._ahead_of_drain(msg)
+            again = self.memory.replay_ack(msg, self.core.instance_id, self.core.stage)
+            if again is not None:  # a round we applied, sent again by a restarted sender
+                self._queue([Send(env.sender, again)], ahead)
+                return
+            outs = self.core.handle(msg)
+            if FAULT_START_WITHOUT_LEAVERS in self.w.faults:
+                self.core.leavers.clear()
+            self.memory.applied_now(msg)
+            if isinstance(msg, Start):
+                self.w.on_start_field(groups, self.core.routes()[0])
+            elif isinstance(msg, Duplication) and msg.stage == self.core.stage - 1:
+                self.w.on_preds_changed(msg.new_instances, ())
+            elif isinstance(msg, Deletion) and msg.stage == self.core.stage - 1:
+                self.w.on_preds_changed((), (msg.sender,))
+        except (ProtocolError, ValueError) as exc:
+            # Unexpected or invalid: counted, logged once per sender, state unchanged.
+            stats["protocol_errors"] += 1
+            if self._errors_log.allow(env.sender, self.w.now):
+                log.warning("protocol message from %s rejected: %s", env.sender, exc, extra=self.w.ctx)
+            self._left_behind(env.body)
+            return
+        if is_lock:
+            self.w.mark_state_changed()  # the lock state changed even when nothing is sent
+        self._observe(outs)
+        self._queue(outs, ahead)
+        if self.links is not None and getattr(self.core, "departed", None) and self.core.departed(env.sender):
+            self._send_link(self.links.forget(env.sender))
+
+    def _ahead_of_drain(self, msg: Any) -> bool:
+        """Does our ack of `msg` go before our deletion round's Drain, which waits at the head of
+        the queue? Only the ack of a Duplication whose copies our tables already name: a
+        departing instance adds no neighbour (docs/scaling.md deviation 7), so its ack waits
+        for no route change (invariant 3), and our second-phase Deletion goes to those copies
+        too. Behind the Drain it could wait for ever: our records to such a copy, idle, are
+        acked only once it starts, which waits for our ack (seed 404). A copy we do not know
+        gets no record of ours, so nothing waits; acked first, though, its creator would start
+        it naming us, and we would leave without telling it: its own Deletion would wait for
+        us for ever (seed 51). CHANGELOG.md, "Records lost at an idle sink copy". A
+        deletion ack keeps its place: it promises the leaver that nothing of ours follows it."""
+        core = self.core
+        return (self.draining and bool(self.outputs) and isinstance(self.outputs[0], Drain)
+                and FAULT_ACK_BEHIND_DRAIN not in self.w.faults and isinstance(msg, Duplication)
+                and set(msg.new_instances) <= (core.succs if msg.stage == core.stage + 1 else core.preds))
+
+    def _left_behind(self, body: Any) -> None:
+        """A deletion ack our core has no round for, and we were re-homed: the dead incarnation
+        was leaving (its Deletion went out before its node died) and that neighbour has removed
+        us. Our rebuilt tables cannot know it (agent.node.rehome), so without this we stay an
+        active instance some neighbours no longer route to (CHANGELOG.md, "A copy re-homed
+        while leaving"). We leave again: a deletion round of our own, which
+        the neighbours that removed us already just ack (a Deletion of an instance not in a
+        table is acked, agent.protocol.scaling), and which removes us from the others. A
+        keeper never sends a Deletion, so an ack naming one is not believed."""
+        if (not self.rehomed or self.core.keeper or not isinstance(body, dict) or FAULT_REHOME_STAYS in self.w.faults
+                or body.get("type") != DeletionAck.type or ("terminate", 1) in self.forced
+                or self.core.state not in (InstanceState.ACTIVE, InstanceState.DUPLICATING)):
+            return
+        self.forced.appendleft(("terminate", 1))
+        self.counts["left_behind"] = self.counts.get("left_behind", 0) + 1
+        log.warning("a neighbour acked a deletion of our dead incarnation: leaving again", extra=self.w.ctx)
+
+    def remind_departed(self, sender: str) -> None:
+        """`sender` announces a new incarnation (an empty ack in a new epoch) though it left our
+        tables by its own Deletion (no other round removes an instance, and our round memory
+        holds the last round of it we applied): it may be a copy re-homed in the middle of its
+        deletion that does not know it left. The ack of that round again tells it
+        (`_left_behind`); an instance that knows its rounds rejects it, harmless. At most once
+        per RESEND_AFTER per sender, and only for names our round memory holds (bounded)."""
+        core = self.core
+        rnd = self.memory.applied.get(sender)
+        if (rnd is None or sender in core.succs or sender in core.preds or core.state is InstanceState.IDLE
+                or self.w.now - self._reminded.get(sender, -1e9) < RESEND_AFTER):
+            return
+        self._reminded = {s: t for s, t in self._reminded.items() if self.w.now - t < RESEND_AFTER}
+        self._reminded[sender] = self.w.now
+        self.counts["departed_reminded"] = self.counts.get("departed_reminded", 0) + 1
+        self._queue([Send(sender, DeletionAck.trusted(sender=core.instance_id, stage=core.stage, round=rnd))])
+
+    # ---- recovery: silence, reliable links, what a restart needs ---------------------------------
+
+    def resend_silent(self, now: float) -> None:
+        """Send the round message again to pending neighbours silent for RESEND_AFTER s (they
+        may have crashed between applying it and acking, or the broker lost it); never while
+        outputs are queued. Also, once, to the copies such a neighbour announced before it
+        acked our round (`ScalingCore.widen_round`: it may have started them without it). A
+        neighbour that left meanwhile is not waited for any more (`ScalingCore.release`)."""
+        if self.outputs or not self.core.in_round or self.links is not None:
+            return  # with links, every message is resent until acked (ReliableLinks)
+        for dest, msg in silent_pending(self.core, self._round_clock, now):
+            if self.outputs or not self.core.in_round or dest not in self.core.pending:
+                return  # a release below ended the round, or its outputs wait
+            left = None if FAULT_WAIT_FOR_LEAVER in self.w.faults else self.core.release(dest)
+            if left is not None:
+                self.counts["leavers_released"] = self.counts.get("leavers_released", 0) + 1
+                log.warning("%s left (its Deletion applied) without answering round %d: not waiting for it",
+                            dest, self.core.round, extra=self.w.ctx)
+                self._observe(left)
+                self._queue(left)
+                self.w.mark_state_changed()
+                continue
+            extra = () if FAULT_RESEND_PENDING_ONLY in self.w.faults else self.core.widen_round(dest)
+            if extra:
+                self.w.persist(force=True)  # they are pending now: their acks must find them after a crash
+                log.warning("%s announced %s before it acked our round: sending them our %s too", dest,
+                            ", ".join(extra), msg.type, extra=self.w.ctx)
+            for to in (dest,) + extra:
+                self.w.send_envelope(to, Kind.PROTO, msg.to_dict())
+                self._round_clock[to] = now
+                self.counts["protocol_resent"] += 1
+            log.warning("no answer from %s for %.0fs in round %d: sent %s again", dest,
+                        RESEND_AFTER, self.core.round, msg.type, extra=self.w.ctx)
+
+    def _make_links(self, saved: Dict[str, Any], restart: bool) -> ReliableLinks:
+        w = self.w
+        if restart and saved.get("links"):
+            try:
+                return ReliableLinks.load(w.spec.instance, saved["links"], w.now)
+            except ValueError as exc:
+                log.warning("%s: starting new channels", exc, extra=w.ctx)
+        # A new generation: above any earlier one of this identity (seconds, as min_epoch). A
+        # re-homed incarnation also starts at its epoch floor at least: its own clock alone may
+        # give the generation its dead incarnation had (a re-home within the second of that
+        # start, or a node clock behind), and the peers then drop its messages as repeats or
+        # stale ones, its lock requests among them (a round that never starts).
+        floor = int(w.spec.extra.get("min_epoch", 0) or 0)
+        lost = bool(restart or floor)
+        return ReliableLinks(w.spec.instance, max(int(w.wall()), floor), lost_state=lost)
+
+    def _send_link(self, pairs: List[Tuple[str, Dict[str, Any]]]) -> None:
+        """Link acks and resends (agent.instance.recovery.ReliableLinks). The state is written
+        first: an ack must never leave before the deliveries it acknowledges are on disk."""
+        if not pairs:
+            return
+        self.w.persist(force=True)
+        for dest, body in pairs:
+            self.w.send_envelope(dest, Kind.PROTO, body)
+
+    def resync(self, now: float) -> None:
+        """We are a new incarnation: ask every peer for what we may have lost, resend ours."""
+        if self.links is not None:
+            core = self.core
+            self._send_link(self.links.resync(set(core.preds) | set(core.succs), now))
+
+    def ready_to_exit(self) -> bool:
+        """Terminated: ack what we delivered, and wait until our own messages are acked."""
+        if self.links is None:
+            return True
+        self._send_link(self.links.flush_acks())
+        return self.links.settled
+
+    def persisted(self) -> Dict[str, Any]:
+        """What a restarted worker needs to finish a round: the core, the outputs not yet
+        performed, the rounds applied per sender, the copies created in the current round."""
+        return {"scaling": self.core.snapshot(), "outputs": encode_outputs(self.outputs),
+                "rounds_applied": dict(self.memory.applied), "round_created": list(self.round_created),
+                **({"links": self.links.dump()} if self.links is not None else {})}
+
+    # ---- idle copies (agent.instance.adoption), as the instance and its admission ask ------------
+
+    @property
+    def started(self) -> Deque[str]:
+        return self.idle.started
+
+    @property
+    def probes(self) -> Dict[str, Tuple[int, float]]:
+        return self.idle.probes
+
+    @property
+    def orphans(self) -> Deque[str]:
+        return self.idle.orphans
+
+    @property
+    def adoption_pending(self) -> bool:
+        """A copy that may be ours waits for its Start: no scale-in meanwhile (`IdleCopies.pending`)."""
+        return self.idle.pending
+
+    def may_probe(self, sender: str) -> bool:
+        return self.idle.may_probe(sender)
+
+    def on_idle_ping(self, sender: str) -> bool:
+        return self.idle.on_idle_ping(sender)
+
+    def ping_if_idle(self, now: float) -> None:
+        self.idle.ping_if_idle(now)
+
+    def expire_probes(self, now: float) -> None:
+        self.idle.expire_probes(now, self.knows)
+
+    # ---- records (agent.instance.scaling_events) and counters ------------------------------------
+
+    @property
+    def decisions(self) -> Deque[Dict[str, Any]]:
+        """Our recent decisions (bench, demo; `ScalingEvents.decisions`)."""
+        return self.events.decisions
+
+    def stamp_moved(self) -> None:
+        self.events.stamp_moved()
+
+    def stamp_decision(self, key: str) -> None:
+        self.events.stamp(key)
 
     def stats(self) -> Dict[str, Any]:
         s: Dict[str, Any] = dict(self.counts)
