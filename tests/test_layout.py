@@ -273,8 +273,12 @@ SANS_IO = {
     "agent.node.spawns": NETWORK | {"os", "time", "threading", "random"},
     "agent.node.contexts": NODE_CORE,
     "agent.node.fencing": NODE_CORE,
-    # the hand-over's wire codec: pure functions of the body
+    # the hand-over's wire codec, and the scaling driver's parts with state of their own (the
+    # driver itself draws from its own seeded generator and reads agent.config)
     "agent.instance.handover_wire": NETWORK | {"os", "time", "threading", "random"},
+    "agent.instance.adoption": NETWORK | {"os", "time", "threading", "random"},
+    "agent.instance.creates": NETWORK | {"os", "time", "threading", "random"},
+    "agent.instance.scaling_events": NETWORK | {"os", "time", "threading", "random"},
 }
 
 
