@@ -236,7 +236,9 @@ def test_the_instance_parts_use_only_what_the_port_names() -> None:
 
     named = {n for n in vars(InstancePort) if not n.startswith("_")} | set(InstancePort.__annotations__)
     base = ROOT / "agent" / "instance"
-    used = _members_used(base / "driver.py", ("worker",)) | _members_used(base / "moves.py", ("w",))
+    used = (_members_used(base / "driver.py", ("worker",)) | _members_used(base / "moves.py", ("w",))
+            | _members_used(base / "adoption.py", ("w",)) | _members_used(base / "creates.py", ("worker",))
+            | _members_used(base / "scaling_events.py", ("worker",)))
     assert used - named == set(), f"members of the instance used but not in the port: {sorted(used - named)}"
     assert named - used == set(), f"the port names members no part uses: {sorted(named - used)}"
 
@@ -291,6 +293,12 @@ SANS_IO = {
     "agent.node.spawns": NETWORK | {"os", "time", "threading", "random"},
     "agent.node.contexts": NODE_CORE,
     "agent.node.fencing": NODE_CORE,
+    # the hand-over's wire codec, and the scaling driver's parts with state of their own (the
+    # driver itself draws from its own seeded generator and reads agent.config)
+    "agent.instance.handover_wire": NETWORK | {"os", "time", "threading", "random"},
+    "agent.instance.adoption": NETWORK | {"os", "time", "threading", "random"},
+    "agent.instance.creates": NETWORK | {"os", "time", "threading", "random"},
+    "agent.instance.scaling_events": NETWORK | {"os", "time", "threading", "random"},
 }
 
 

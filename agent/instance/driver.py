@@ -8,16 +8,16 @@ core's outputs strictly in order (the core's ORDERING CONTRACT) through the inst
 the numbered channels, route changes of the data path, drain, createNode() requests, persistence.
 
 Recovery (agent.instance.recovery) lives here too: write-ahead outputs, round memory, resend on
-silence, the idle ping, probe and adoption of an orphaned copy, rounds above a dead incarnation's.
+silence, adoption of an orphaned copy, rounds above a dead incarnation's.
 
-Why ~1,000 lines in one module: every part (rounds, steering, recovery, probe/adopt, the decision
-and lock events) reads and changes the same queue of outputs and the same round state; split,
-each part would reach into the others' fields.
+What reads or changes the queue of outputs and the round state stays here; three parts with
+state of their own do not: the idle copies (agent.instance.adoption: idle ping, Start again,
+probe and echo), the createNode() requests of a round (agent.instance.creates), and the decision
+and lock events (agent.instance.scaling_events).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import zlib
@@ -25,15 +25,20 @@ from collections import deque
 from dataclasses import replace
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
-from agent import events, topics
 from agent.config import RUNTIME_POLICIES
 from agent.dataplane.envelope import Envelope, Kind
 from agent.dataplane.inbound import LogLimiter
+from agent.instance.adoption import (
+    FAULT_LEAVE_BEFORE_ADOPTION, IDLE_PING, IDLE_PING_MAX, MAX_PROBES, PROBE, PROBE_ECHO, PROBE_TTL, IdleCopies,
+    with_groups,
+)
+from agent.instance.creates import CreateRequests
+from agent.instance.groups import START_FIELD
 from agent.instance.recovery import (
     RESEND_AFTER, LinkError, ReliableLinks, RoundMemory, decode_outputs, encode_outputs, silent_pending,
 )
-from agent.instance.groups import START_FIELD
 from agent.instance.rounds import RoundLog
+from agent.instance.scaling_events import ScalingEvents
 from agent.policy.decentralized import Action, Decision, ScalingParams
 from agent.policy.live import LIVE_POLICIES, LivePolicy, PeriodInputs
 from agent.protocol.errors import LocalProtocolError, ProtocolError
@@ -50,26 +55,11 @@ __all__ = ["ScalingDriver", "FAULT_REHOME_ROUNDS_FROM_ONE", "FAULT_DRAIN_HOLDS_P
 
 log = logging.getLogger("agent.instance.worker")
 
-DECISION_EVENT_PERIOD = 5.0  # at most one "nothing to do" decision event per instance per 5 s
-LOCK_EVENT_BURST = 20  # at most this many lock events per instance per second (6 per round)
-# A new copy still idle this long after it started asks its creator for Start again (doubling):
-# Start is the one protocol message nobody acks, so a broker that lost it would leave the copy
-# idle for ever with batches routed to it. The same ping reaches a creator re-homed after its node
-# died in the middle of the round: that one adopts the copy (see `ScalingDriver.on_idle_ping`).
-IDLE_PING = 10.0
-IDLE_PING_MAX = 40.0
-PROBE, PROBE_ECHO = "probe", "probe_echo"  # see ScalingDriver.on_probe
-# Idle pings ([0, 0] acks) from copies we do not know that we probe at once (`on_idle_ping`),
-# and how long a probe waits for its echo before the channel it opened is forgotten.
-MAX_PROBES = 8
-PROBE_TTL = 60.0
-
 # Seeded faults (foglab.sim.instance_check): each brings back a loss the chaos campaigns found
 # (docs/reliability.md), so that the checker can show it finds it. Never set outside the checker.
 FAULT_REHOME_ROUNDS_FROM_ONE = "rehome_rounds_from_one"  # a re-homed instance numbers rounds from 1
 FAULT_DRAIN_HOLDS_PROTOCOL = "drain_holds_protocol"  # a draining copy holds its protocol queue
 FAULT_REHOME_STAYS = "rehome_stays"  # a re-homed copy ignores the deletion acks of its dead incarnation
-FAULT_LEAVE_BEFORE_ADOPTION = "leave_before_adoption"  # a creator scales in with an idle copy of its own waiting
 FAULT_RESEND_PENDING_ONLY = "resend_pending_only"  # a round message sent again reaches the pending set only
 FAULT_WAIT_FOR_LEAVER = "wait_for_leaver"  # a round waits for the ack of a pending neighbour that left
 # our copies start without the neighbours that left after they learnt of them (ScalingCore.leavers)
@@ -78,9 +68,12 @@ FAULT_ACK_BEHIND_DRAIN = "ack_behind_drain"  # a draining copy's duplication ack
 
 
 class ScalingDriver:
-    """Drives the sans-IO scaling core (agent.protocol.scaling): feeds it messages and a decision
-    tick, and performs its outputs strictly in order (see the core's ORDERING CONTRACT)
-    through the instance it belongs to."""
+    """Drives the sans-IO scaling core (agent.protocol.scaling) through the instance it belongs
+    to. A decision, top-down: `maybe_tick` decides (the policy, or `_run_forced` for fogctl),
+    the core's `start_round` returns the round's outputs, `_observe` records the round's start,
+    `_queue` writes them ahead and `run_outputs` performs them strictly in order (the core's
+    ORDERING CONTRACT): the copies' createNode() wait for `on_spawned`, the Sends go out; the
+    neighbours' acks come in through `handle`, which queues the round's last outputs the same way."""
 
     def __init__(self, instance: InstancePort, saved: Dict[str, Any], restart: bool) -> None:
         self.w = worker = instance
@@ -134,27 +127,8 @@ class ScalingDriver:
         self.log = RoundLog([op.name for op in worker.pipeline.operators], spec.operator)
         self.log.observe(self.core, self.w.now, self.w.wall())
         self.lock_counts: Dict[str, Dict[str, int]] = {"in": {}, "out": {}}
-        self._lock_events: Deque[float] = deque()  # publish times of the last lock events (rate limit)
         self.outputs: Deque[Any] = deque()
-        # request -> instance: every copy of a round is requested at once (see run_outputs)
-        self.waiting_spawn: Dict[str, str] = {}
-        self._spawn_errors: List[str] = []
         self.round_created: List[str] = []  # copies of the current round whose create succeeded
-        self.started: Deque[str] = deque(maxlen=256)  # copies this instance sent Start (see start_again)
-        # A copy re-homed idle (agent.node.rehome) asks its creator at once: the creator may be a
-        # new incarnation too, that knows nothing of it.
-        self._next_ping = worker.now + (0.0 if self.rehomed else IDLE_PING)
-        self._idle_pings = 0
-        # Re-homed: the idle copies our dead incarnation created (plan_rehome, `idle_copies`),
-        # probed at our first tick and adopted on their echo before we may scale in.
-        # Names from other nodes' hosted records: only ones that can be a topic segment.
-        self.expected: List[str] = [
-            c for c in (spec.extra.get("idle_copies") or []) if isinstance(c, str) and not set(c) & set("/+#\0")
-        ][:MAX_PROBES] if self.rehomed and spec.active else []
-        # copy -> (number of the probe we sent it, when: unanswered probes expire after PROBE_TTL)
-        self.probes: Dict[str, Tuple[int, float]] = {}  # (on_idle_ping)
-        self._probe_seq = 0
-        self.orphans: Deque[str] = deque()  # idle copies nobody will start: we adopt them (_maybe_adopt)
         self.memory = RoundMemory(saved.get("rounds_applied") if restart else None)
         self._round_clock: Dict[str, float] = {}  # neighbour -> last sent to / heard from
         # coordination = "fgme": every protocol message of the core on an exactly-once FIFO
@@ -178,9 +152,6 @@ class ScalingDriver:
         if intent in ("duplicate", "terminate"):
             self.forced.append((str(intent), 1))
         self.pinned = False  # fogctl scale pinned this operator's count: forced rounds only
-        self.history: List[Any] = []  # last decision events (retained for `fogctl why`)
-        self._last_none_event = -1e9
-        self._last_history_pub = -1e9
         self.draining = False
         seed = int(spec.extra.get("seed", 0)) ^ zlib.crc32(spec.instance.encode())
         self.rng = random.Random(seed)
@@ -193,53 +164,17 @@ class ScalingDriver:
             "rounds_cancelled": 0,  # rounds whose spawn failed (the round goes on with what started)
             "decision_events": 0, "decision_events_failed": 0,  # published / refused by the event schema
             "lock_events": 0, "lock_events_failed": 0,  # 2-FGME lock events published / refused (schema)
-            "lock_events_dropped": 0,  # not published: past LOCK_EVENT_BURST
+            "lock_events_dropped": 0,  # not published: past LOCK_EVENT_BURST (agent.instance.scaling_events)
             "start_requests": 0,  # idle pings: a copy asking its creator for its Start
             "probes": 0, "adopted": 0,  # orphan copies probed, and adopted (agent.instance.recovery)
             "protocol_resent": 0,  # protocol messages sent again after silence
         }
         self._errors_log = LogLimiter()  # once per sender per minute, bounded (probed names are invented)
+        # the copies we started, probe or adopt, and the idle ping of ours (agent.instance.adoption)
+        self.idle = IdleCopies(worker, self.core, self.counts, self._errors_log, self.rehomed)
+        self.events = ScalingEvents(worker, self.counts)  # decision records and events, lock events
+        self.creates = CreateRequests(worker, self.counts)  # the round's createNode() requests
         self._reminded: Dict[str, float] = {}  # departed neighbour -> when we last re-sent its deletion ack
-        self._req = 0
-        self.decisions: Deque[Dict[str, Any]] = deque(maxlen=32)  # recent decisions (bench, demo)
-
-    def _make_links(self, saved: Dict[str, Any], restart: bool) -> ReliableLinks:
-        w = self.w
-        if restart and saved.get("links"):
-            try:
-                return ReliableLinks.load(w.spec.instance, saved["links"], w.now)
-            except ValueError as exc:
-                log.warning("%s: starting new channels", exc, extra=w.ctx)
-        # A new generation: above any earlier one of this identity (seconds, as min_epoch). A
-        # re-homed incarnation also starts at its epoch floor at least: its own clock alone may
-        # give the generation its dead incarnation had (a re-home within the second of that
-        # start, or a node clock behind), and the peers then drop its messages as repeats or
-        # stale ones, its lock requests among them (a round that never starts).
-        floor = int(w.spec.extra.get("min_epoch", 0) or 0)
-        lost = bool(restart or floor)
-        return ReliableLinks(w.spec.instance, max(int(w.wall()), floor), lost_state=lost)
-
-    def _send_link(self, pairs: List[Tuple[str, Dict[str, Any]]]) -> None:
-        """Link acks and resends (agent.instance.recovery.ReliableLinks). The state is written
-        first: an ack must never leave before the deliveries it acknowledges are on disk."""
-        if not pairs:
-            return
-        self.w.persist(force=True)
-        for dest, body in pairs:
-            self.w.send_envelope(dest, Kind.PROTO, body)
-
-    def resync(self, now: float) -> None:
-        """We are a new incarnation: ask every peer for what we may have lost, resend ours."""
-        if self.links is not None:
-            core = self.core
-            self._send_link(self.links.resync(set(core.preds) | set(core.succs), now))
-
-    def ready_to_exit(self) -> bool:
-        """Terminated: ack what we delivered, and wait until our own messages are acked."""
-        if self.links is None:
-            return True
-        self._send_link(self.links.flush_acks())
-        return self.links.settled
 
     @property
     def data_enabled(self) -> bool:
@@ -267,6 +202,11 @@ class ScalingDriver:
         """Our own duplication round waits for its acks."""
         return self.core.state is InstanceState.DUPLICATING
 
+    @property
+    def lock_pending(self) -> bool:
+        """A decision waits for its 2-FGME locks (coordination = "fgme"): decide nothing new."""
+        return getattr(self.core, "intent", None) is not None
+
     def knows(self, sender: str) -> bool:
         """Is `sender` an instance our tables, our rounds or our round memory name? (Who may send
         us protocol and lock messages, besides the channels we already have: Instance._admit.)"""
@@ -275,182 +215,81 @@ class ScalingDriver:
                 or sender in core.pending or sender in core.new_siblings
                 or sender in core.preds_to_add or sender in core.succs_to_add
                 or sender in core.preds_to_delete or sender in core.succs_to_delete
-                or sender in self.started or sender in self.probes or sender in self.orphans
-                or sender in self.memory.applied or sender in self.waiting_spawn.values()
+                or self.idle.knows(sender)
+                or sender in self.memory.applied or sender in self.creates.waiting.values()
                 or sender in self.round_created)
 
-    def may_probe(self, sender: str) -> bool:
-        """May an idle ping from `sender`, an instance we do not know, be a copy an earlier
-        incarnation of ours created (`on_idle_ping`)? Only if it is named like our copies
-        (`ScalingCore._new_id`: "<operator>-<digest>"), we are active, and fewer than MAX_PROBES
-        probes wait for their echo: invented names cost at most MAX_PROBES channels, each
-        forgotten after PROBE_TTL (`expire_probes`)."""
+    # ---- a decision: the tick, the policy or a steering request, a keyed leaver, an adoption -----
 
-        return (self.core.state is InstanceState.ACTIVE and len(self.probes) < MAX_PROBES
-                and len(sender) <= 128 and sender.startswith(self.core.operator + "-"))
-
-    def expire_probes(self, now: float) -> None:
-        """Probes unanswered for PROBE_TTL: the instance was no copy of ours (or is gone). Its
-        channel and our numbering to it go, unless something else names it."""
-        for copy, (_, at) in list(self.probes.items()):
-            if now - at < PROBE_TTL:
-                continue
-            del self.probes[copy]
-            if not self.knows(copy) and not self.w.sent_to(copy) and copy not in self.w.router.succs:
-                self.w.forget_sender(copy)
-
-    @property
-    def lock_pending(self) -> bool:
-        """A decision waits for its 2-FGME locks (coordination = "fgme"): decide nothing new."""
-        return getattr(self.core, "intent", None) is not None
-
-    # ---- rounds and locks: records and events -------------------------------------------------
-
-    def _observe(self, outs: List[Any]) -> None:
-        """After every core call: record round start/end and lock transitions, publish the lock
-        events. Runs before `outs` are performed (see agent.instance.rounds on why that makes the
-        recorded round intervals of neighbours disjoint whenever the protocol is right)."""
-        trans, edge = self.log.observe(self.core, self.w.now, self.w.wall())
-        if edge == "start":
-            self.round_created = []
-        elif edge == "end":
-            self.last_round_end = self.w.now
-            self.stamp_decision("round_end_at")
-        for t in trans:
-            self._publish_lock_event(t)
-        if trans or edge:
-            self.w.mark_state_changed()
-
-    def _publish_lock_event(self, t: Any) -> None:
-        """A lock_request / lock_enter / lock_exit event (detail.boundary) through the worker's
-        single client, QoS 0 like the decision events; never on an inbox, so no protocol cost.
-        Rate-limited to LOCK_EVENT_BURST events per second per instance (an instance makes at
-        most 6 per round; a flood would mean a bug, counted in `lock_events_dropped`)."""
-
-        etype = t.event_type
-        if etype is None:
+    def maybe_tick(self, now: float) -> None:
+        self.idle.probe_expected()
+        if self._moving():
+            self._maybe_adopt()
+            self.resend_silent(now)
+            if self.links is not None:
+                self._send_link(self.links.due(now))
             return
-        w = self.w
-        now = self.w.now
-        q = self._lock_events
-        while q and now - q[0] > 1.0:
-            q.popleft()
-        if len(q) >= LOCK_EVENT_BURST:
-            self.counts["lock_events_dropped"] += 1
-            return
-        q.append(now)
-        try:
-            ev = events.make(etype, ts=self.w.wall(), node=w.spec.node, instance=w.spec.instance,
-                             operator=w.spec.operator, pipeline=w.spec.pipeline,
-                             detail={"boundary": t.boundary, "index": t.index, "source": "worker"})
-        except ValueError as exc:
-            self.counts["lock_events_failed"] += 1
-            log.warning("lock event not published: %s", exc, extra=w.ctx)
-            return
-        w.notify(topics.events(w.spec.cluster), ev.to_json().encode())
-        self.counts["lock_events"] += 1
-
-    # ---- input ---------------------------------------------------------------------------------
-
-    def handle(self, env: Envelope) -> None:
-
-
-        stats = self.w.stats
-        if isinstance(env.body, dict) and env.body.get("type") in (PROBE, PROBE_ECHO):
-            self.on_probe(env)
-            return
+        self._run_forced(now)
+        self._maybe_adopt()
+        self.resend_silent(now)
         if self.links is not None:
-            try:
-                body, replies = self.links.receive(env.sender, env.body, self.w.now)
-            except LinkError as exc:
-                stats["protocol_errors"] += 1
-                if self._errors_log.allow(env.sender, self.w.now):
-                    log.warning("protocol message from %s rejected: %s", env.sender, exc, extra=self.w.ctx)
-                return
-            self.w.mark_state_changed()
-            self._send_link(replies)
-            if body is None:
-                return  # a link ack, a copy, or a message past a gap (it comes again in order)
-            env = replace(env, body=body)
-        is_lock = isinstance(env.body, dict) and env.body.get("type") == LockMessage.type
-        if is_lock:
-            stats["lock_in"] = stats.get("lock_in", 0) + 1
-            kind = str((env.body.get("inner") or {}).get("kind") if isinstance(env.body.get("inner"), dict) else "?")
-            self.lock_counts["in"][kind] = self.lock_counts["in"].get(kind, 0) + 1
+            self._send_link(self.links.due(now))
+        if now < self.next_tick:
+            return
+        load = self.w.measure_load(now)
+        sig = self.w.take_signals(now)
+        self.next_tick = now + self.period
+        # DEVIATION (docs/scaling.md): input that began during this period (the first records
+        # after a start, a restart or a period without any) was counted over only part of it:
+        # 60/s arriving from mid-period measure 30/s, and the decision asks for too few copies.
+        began = load > 0 and not self.had_input
+        self.had_input = load > 0
+        if self.policy == "none" or self.w.is_source or self.w.stopping or self.pinned:
+            return
+        if self.outputs or self.core.in_round or self.lock_pending or now - self.last_round_end < self.cooldown:
+            return
+
+        if self.core.state is not InstanceState.ACTIVE:
+            return
+        if self.skip_decisions > 0:
+            self.skip_decisions -= 1  # this period's load was measured only partly (activation)
+            return
+        if began:
+            self.counts["partial_periods_skipped"] += 1
+            log.info("input began during this period (%.1f/s measured over part of it): deciding next period",
+                     load, extra=self.w.ctx)
+            return
+        self.round_created = []
+        draw = self.rng.random()
+        if self.live is not None:
+            decision = self.live.decide(PeriodInputs(now, load, sig.processed_rate, self.w.live_capacity.value,
+                                                     sig.backpressure, self.core.keeper, draw, self.w.wall()))
         else:
-            stats["protocol_in"] += 1
-        groups = None
-        if isinstance(env.body, dict) and env.body.get("type") == Start.type and START_FIELD in env.body:
-            body = dict(env.body)  # the key-group table next to the paper's fields: not the core's
-            groups = body.pop(START_FIELD)
-            env = replace(env, body=body)
-        try:
-            msg = self._from_dict(env.body)
-            if msg.sender != env.sender:
-                raise ValueError(f"message sender {msg.sender} differs from envelope sender {env.sender}")
-            self._round_clock[env.sender] = self.w.now
-            ahead = self._ahead_of_drain(msg)
-            again = self.memory.replay_ack(msg, self.core.instance_id, self.core.stage)
-            if again is not None:  # a round we applied, sent again by a restarted sender
-                self._queue([Send(env.sender, again)], ahead)
-                return
-            outs = self.core.handle(msg)
-            if FAULT_START_WITHOUT_LEAVERS in self.w.faults:
-                self.core.leavers.clear()
-            self.memory.applied_now(msg)
-            if isinstance(msg, Start):
-                self.w.on_start_field(groups, self.core.routes()[0])
-            elif isinstance(msg, Duplication) and msg.stage == self.core.stage - 1:
-                self.w.on_preds_changed(msg.new_instances, ())
-            elif isinstance(msg, Deletion) and msg.stage == self.core.stage - 1:
-                self.w.on_preds_changed((), (msg.sender,))
-        except (ProtocolError, ValueError) as exc:
-            # Unexpected or invalid: counted, logged once per sender, state unchanged.
-            stats["protocol_errors"] += 1
-            if self._errors_log.allow(env.sender, self.w.now):
-                log.warning("protocol message from %s rejected: %s", env.sender, exc, extra=self.w.ctx)
-            self._left_behind(env.body)
+            decision = self.core.decide(load, draw)
+        if decision.action is Action.TERMINATE and self.adoption_pending:
+            decision = Decision(Action.NONE, 0)  # after the adoption (see adoption_pending)
+        if decision.scales:
+            self.log.decided(self.w.now)
+        if self._leave_first(decision):
+            self.counts["scale_ins"] += 1
+            self.decisions.append({"at": self.w.wall(), "kind": "scale_in", "load": round(load, 1), "new": []})
             return
-        if is_lock:
-            self.w.mark_state_changed()  # the lock state changed even when nothing is sent
+        outs = self.core.start_round(decision)
         self._observe(outs)
-        self._queue(outs, ahead)
-        if self.links is not None and getattr(self.core, "departed", None) and self.core.departed(env.sender):
-            self._send_link(self.links.forget(env.sender))
+        self.events.decision(now, load, draw, decision, outs, self._capacity(), self.live)
+        if outs:
+            new = [o.instance_id for o in outs if isinstance(o, CreateInstance)]
+            kind = "scale_out" if new else "scale_in"
+            self.counts["scale_outs" if kind == "scale_out" else "scale_ins"] += 1
+            self.decisions.append({"at": self.w.wall(), "kind": kind, "load": round(load, 1), "new": new})
+            log.info("decision %s at load %.1f/s (capacity %.0f)%s", kind, load, self._capacity(),
+                     f" {self.live.last}" if self.live is not None else "", extra=self.w.ctx)
+            self.last_round_end = now
+        self._queue(outs)
 
-    def _left_behind(self, body: Any) -> None:
-        """A deletion ack our core has no round for, and we were re-homed: the dead incarnation
-        was leaving (its Deletion went out before its node died) and that neighbour has removed
-        us. Our rebuilt tables cannot know it (agent.node.rehome), so without this we stay an
-        active instance some neighbours no longer route to (CHANGELOG.md, "A copy re-homed
-        while leaving"). We leave again: a deletion round of our own, which
-        the neighbours that removed us already just ack (a Deletion of an instance not in a
-        table is acked, agent.protocol.scaling), and which removes us from the others. A
-        keeper never sends a Deletion, so an ack naming one is not believed."""
-        if (not self.rehomed or self.core.keeper or not isinstance(body, dict) or FAULT_REHOME_STAYS in self.w.faults
-                or body.get("type") != DeletionAck.type or ("terminate", 1) in self.forced
-                or self.core.state not in (InstanceState.ACTIVE, InstanceState.DUPLICATING)):
-            return
-        self.forced.appendleft(("terminate", 1))
-        self.counts["left_behind"] = self.counts.get("left_behind", 0) + 1
-        log.warning("a neighbour acked a deletion of our dead incarnation: leaving again", extra=self.w.ctx)
-
-    def remind_departed(self, sender: str) -> None:
-        """`sender` announces a new incarnation (an empty ack in a new epoch) though it left our
-        tables by its own Deletion (no other round removes an instance, and our round memory
-        holds the last round of it we applied): it may be a copy re-homed in the middle of its
-        deletion that does not know it left. The ack of that round again tells it
-        (`_left_behind`); an instance that knows its rounds rejects it, harmless. At most once
-        per RESEND_AFTER per sender, and only for names our round memory holds (bounded)."""
-        core = self.core
-        rnd = self.memory.applied.get(sender)
-        if (rnd is None or sender in core.succs or sender in core.preds or core.state is InstanceState.IDLE
-                or self.w.now - self._reminded.get(sender, -1e9) < RESEND_AFTER):
-            return
-        self._reminded = {s: t for s, t in self._reminded.items() if self.w.now - t < RESEND_AFTER}
-        self._reminded[sender] = self.w.now
-        self.counts["departed_reminded"] = self.counts.get("departed_reminded", 0) + 1
-        self._queue([Send(sender, DeletionAck.trusted(sender=core.instance_id, stage=core.stage, round=rnd))])
+    def _capacity(self) -> float:
+        """The capacity this instance's policy compares with: live for the Gesscale policies."""
+        return self.w.live_capacity.value if self.live is not None else self.params.capacity
 
     def force(self, action: str, count: int) -> None:
         """A steering request (fogctl scale/drain via the agent): queued, run by `_run_forced`
@@ -463,7 +302,7 @@ class ScalingDriver:
             log.warning("unknown scale action %r ignored", action, extra=self.w.ctx)
 
     def _run_forced(self, now: float) -> None:
-
+        """The steering request at the head of `forced` as a round, when we are free to start one."""
         if not self.forced or self.outputs or self.w.stopping or self.lock_pending or self._moving():
             return
         if self.core.state is not InstanceState.ACTIVE:
@@ -545,126 +384,37 @@ class ScalingDriver:
         log.info("every key group handed over: leaving", extra=self.w.ctx)
         self._queue(outs)
 
-    def maybe_tick(self, now: float) -> None:
-        self._probe_expected()
-        if self._moving():
-            self._maybe_adopt()
-            self.resend_silent(now)
-            if self.links is not None:
-                self._send_link(self.links.due(now))
+    def _maybe_adopt(self) -> None:
+        """Start an orphaned copy (agent.instance.adoption: echoed our probe) when we are free to
+        start a round."""
+        if (not self.idle.orphans or self.outputs or self.w.stopping or self.lock_pending
+                or self.core.state is not InstanceState.ACTIVE):
             return
-        self._run_forced(now)
-        self._maybe_adopt()
-        self.resend_silent(now)
-        if self.links is not None:
-            self._send_link(self.links.due(now))
-        if now < self.next_tick:
-            return
-        load = self.w.measure_load(now)
-        sig = self.w.take_signals(now)
-        self.next_tick = now + self.period
-        # DEVIATION (docs/scaling.md): input that began during this period (the first records
-        # after a start, a restart or a period without any) was counted over only part of it:
-        # 60/s arriving from mid-period measure 30/s, and the decision asks for too few copies.
-        began = load > 0 and not self.had_input
-        self.had_input = load > 0
-        if self.policy == "none" or self.w.is_source or self.w.stopping or self.pinned:
-            return
-        if self.outputs or self.core.in_round or self.lock_pending or now - self.last_round_end < self.cooldown:
-            return
-
-        if self.core.state is not InstanceState.ACTIVE:
-            return
-        if self.skip_decisions > 0:
-            self.skip_decisions -= 1  # this period's load was measured only partly (activation)
-            return
-        if began:
-            self.counts["partial_periods_skipped"] += 1
-            log.info("input began during this period (%.1f/s measured over part of it): deciding next period",
-                     load, extra=self.w.ctx)
-            return
+        copy_id = self.idle.next_orphan()
         self.round_created = []
-        draw = self.rng.random()
-        if self.live is not None:
-            decision = self.live.decide(PeriodInputs(now, load, sig.processed_rate, self.w.live_capacity.value,
-                                                     sig.backpressure, self.core.keeper, draw, self.w.wall()))
-        else:
-            decision = self.core.decide(load, draw)
-        if decision.action is Action.TERMINATE and self.adoption_pending:
-            decision = Decision(Action.NONE, 0)  # after the adoption (see adoption_pending)
-        if decision.scales:
-            self.log.decided(self.w.now)
-        if self._leave_first(decision):
-            self.counts["scale_ins"] += 1
-            self.decisions.append({"at": self.w.wall(), "kind": "scale_in", "load": round(load, 1), "new": []})
-            return
-        outs = self.core.start_round(decision)
+        outs = self.core.adopt(copy_id)
         self._observe(outs)
-        self._publish_decision(now, load, draw, decision, outs)
-        if outs:
-            new = [o.instance_id for o in outs if isinstance(o, CreateInstance)]
-            kind = "scale_out" if new else "scale_in"
-            self.counts["scale_outs" if kind == "scale_out" else "scale_ins"] += 1
-            self.decisions.append({"at": self.w.wall(), "kind": kind, "load": round(load, 1), "new": new})
-            log.info("decision %s at load %.1f/s (capacity %.0f)%s", kind, load, self._capacity(),
-                     f" {self.live.last}" if self.live is not None else "", extra=self.w.ctx)
-            self.last_round_end = now
+        self.counts["adopted"] += 1
+        log.warning("adopting %s, an idle copy of an earlier incarnation: announcing it again", copy_id,
+                    extra=self.w.ctx)
         self._queue(outs)
 
-    def _capacity(self) -> float:
-        """The capacity this instance's policy compares with: live for the Gesscale policies."""
-        return self.w.live_capacity.value if self.live is not None else self.params.capacity
+    # ---- a round: its outputs, strictly in order -------------------------------------------------
 
-    def _publish_decision(self, now: float, load: float, draw: float, decision: Any, outs: List[Any]) -> None:
-        """A decision event with the numbers it was drawn from (load, capacity, ratio, probability,
-        draw) on the events topic, plus the retained per-instance history `fogctl why` reads.
-
-        A `Notify`, through the worker's single client (one owner, docs/design.md section 6);
-        never on the inbox path, so the paper's message cost is untouched. Rate-limited: a
-        decision that acts is always published, a "nothing to do" one at most every
-        DECISION_EVENT_PERIOD s (an instance decides every
-        period; thousands of them would flood the topic). A publish failure is the shell's to
-        count, never fatal.
-        """
-
-        acted = bool(outs)
-        if not acted and now - self._last_none_event < DECISION_EVENT_PERIOD:
-            return
-        if not acted:
-            self._last_none_event = now
-        w = self.w
-        kind = {Action.DUPLICATE: "scale_out", Action.TERMINATE: "scale_in"}.get(decision.action, "decision")
-        if not acted:
-            kind = "decision"
-        new = [o.instance_id for o in outs if isinstance(o, CreateInstance)]
-        try:
-            ev = events.decision(
-                ts=self.w.wall(), node=w.spec.node, instance=w.spec.instance, operator=w.spec.operator,
-                pipeline=w.spec.pipeline, load=float(load), capacity=float(self._capacity()),
-                probability=(float(decision.factor) if decision.action is not Action.NONE and self.live is None
-                             else None),
-                draw=float(draw), action=decision.action.value, count=int(decision.count),
-                type=kind, detail=self._decision_detail(new),
-            )
-        except ValueError as exc:
-            self.counts["decision_events_failed"] += 1
-            log.warning("decision event not published: %s", exc, extra=w.ctx)
-            return
-        w.notify(topics.events(w.spec.cluster), ev.to_json().encode())
-        self.history = events.remember(self.history, ev)
-        if acted or now - self._last_history_pub >= DECISION_EVENT_PERIOD:
-            self._last_history_pub = now
-            payload = json.dumps([e.to_dict() for e in self.history], sort_keys=True).encode()
-            w.notify(topics.decisions(w.spec.cluster, w.spec.instance), payload, retain=True)
-        self.counts["decision_events"] += 1
-
-    def _decision_detail(self, new: List[str]) -> Dict[str, Any]:
-        detail: Dict[str, Any] = {"source": "worker"}
-        if new:
-            detail["new"] = new
-        if self.live is not None and self.live.last is not None:
-            detail.update({k: v for k, v in self.live.last.items() if k != "context"})
-        return detail
+    def _observe(self, outs: List[Any]) -> None:
+        """After every core call: record round start/end and lock transitions, publish the lock
+        events. Runs before `outs` are performed (see agent.instance.rounds on why that makes the
+        recorded round intervals of neighbours disjoint whenever the protocol is right)."""
+        trans, edge = self.log.observe(self.core, self.w.now, self.w.wall())
+        if edge == "start":
+            self.round_created = []
+        elif edge == "end":
+            self.last_round_end = self.w.now
+            self.stamp_decision("round_end_at")
+        for t in trans:
+            self.events.lock_event(t)
+        if trans or edge:
+            self.w.mark_state_changed()
 
     def _queue(self, outs: List[Any], ahead: bool = False) -> None:
         if outs:
@@ -677,6 +427,184 @@ class ScalingDriver:
             # perform reach the disk before any of them is performed.
             self.w.persist(force=True)
             self.run_outputs(self.w.now)
+
+    def run_outputs(self, now: float) -> None:
+        """Perform the queued outputs in order, until one must wait (createNode(), a Drain)."""
+        w = self.w
+        while self.outputs:
+            out = self.outputs[0]
+            if isinstance(out, Send):
+                # INVARIANT 6 (the paper's message cost): exactly the core's Sends go out, one
+                # envelope each; data acks and heartbeats are separate (data plane, control pipe).
+                # 2-FGME lock messages travel the same way but are counted apart, by kind.
+                body = out.message.to_dict()
+                if out.message.type == "start":
+                    body = with_groups(w, body, out.dest)
+                if self.links is not None:
+                    body = self.links.stamp(out.dest, body, now)
+                w.send_envelope(out.dest, Kind.PROTO, body)
+                self._round_clock[out.dest] = now
+                if out.message.type == "start":
+                    self.idle.started.append(out.dest)
+                    w.after_start(out.dest, self.core.preds)  # a keyed creator's share starts moving
+                inner = getattr(out.message, "inner", None)
+                if inner is None:
+                    w.stats["protocol_out"] += 1
+                else:
+                    w.stats["lock_out"] = w.stats.get("lock_out", 0) + 1
+                    self.lock_counts["out"][inner.kind] = self.lock_counts["out"].get(inner.kind, 0) + 1
+            elif isinstance(out, RoutesChanged) or isinstance(out, Activate):
+                # INVARIANT 3: the data path switches tables here, before any later Send (ack).
+                w.set_routes(out.succs, now)
+                if isinstance(out, Activate):
+                    if w.activated_at is None:
+                        w.activated_at = self.w.wall()
+                    # DEVIATION (docs/scaling.md): the load of the period we were activated in is
+                    # partial, so the first decision would scale a fresh copy straight back in.
+                    self.skip_decisions = 1
+            elif isinstance(out, CreateInstance):
+                # INVARIANT 2: the Sends announcing this instance wait until the agent says it is
+                # subscribed ("spawned" arrives only after the new worker's "ready").
+                # Every copy at the head of the queue is requested at once, so the agent starts
+                # them in parallel: one after another, each waited for its own "spawned" and
+                # all but the first missed the pre-started worker (~0.34 s per copy measured);
+                # the Sends still wait for every answer (on_spawned).
+                if not self.creates.waiting:
+                    for o in list(self.outputs):
+                        if not isinstance(o, CreateInstance):
+                            break
+                        self.creates.request(o)
+                return  # waiting for "spawned"
+            elif isinstance(out, Drain):
+                # Two-phase deletion: every predecessor removed us; forward everything first.
+                w.flush(now, force=True)
+                if not w.drained():
+                    self.draining = True
+                    return
+                self.draining = False
+            elif isinstance(out, Terminate):
+                w.terminate("terminated by the scaling protocol")
+                self.counts["terminated"] = 1
+            self.outputs.popleft()
+
+    def on_spawned(self, msg: Dict[str, Any]) -> None:
+        """The agent's answer to a createNode(): every answer in, the round goes on or shrinks."""
+        instance = self.creates.answered(msg)
+        if instance is None:
+            log.warning("unexpected spawned reply %s ignored", msg, extra=self.w.ctx)
+            return
+        if msg.get("ok"):
+            self.stamp_decision("spawned_at")
+            if instance not in self.round_created:
+                self.round_created.append(instance)
+        self.w.mark_state_changed()
+        if self.creates.waiting:
+            return  # the other copies' answers first: every copy is either created or refused
+        errors = self.creates.take_errors()
+        if errors:
+            # The announcement must not go out for an instance that does not exist. Retrying
+            # while holding the round's messages stalled the neighbours, so withdraw the round
+            # (or shrink it to the copies that exist): nothing was announced yet.
+            self._cancel_round("; ".join(errors))
+            return
+        while self.outputs and isinstance(self.outputs[0], CreateInstance):
+            self.outputs.popleft()  # every copy requested at once is done
+        self.run_outputs(self.w.now)
+
+    def _cancel_round(self, why: str) -> None:
+        """A create was refused: the round shrinks to the copies that exist, or is withdrawn."""
+        core = self.core
+        mine = core.instance_id
+        # The round's outputs sit at the head of the queue: its creates, then its announcements.
+        while self.outputs:
+            out = self.outputs[0]
+            if isinstance(out, CreateInstance) and out.creator == mine:
+                self.outputs.popleft()
+            elif (isinstance(out, Send) and isinstance(out.message, Duplication)
+                  and out.message.sender == mine and out.message.round == core.round):
+                self.outputs.popleft()
+            else:
+                break
+        created = tuple(self.round_created)
+        self.round_created = []
+        replacement = core.cancel_duplication(created=created)
+        self._observe(replacement)
+        self.outputs.extendleft(reversed(replacement))
+        self.counts["rounds_cancelled"] += 1
+        # At max_instances (agent.node.bounds) a loaded instance asks again every period and
+        # is refused: the bound working, not a failure, so not a warning each period.
+        level = logging.INFO if all(e.startswith("max_instances reached") for e in why.split("; ")) else logging.WARNING
+        log.log(level, "spawn failed (%s): duplication round %d %s", why, core.round,
+                f"continues with {list(created)}" if created else "cancelled", extra=self.w.ctx)
+        self.w.emit("round_cancelled", round=core.round, created=list(created), error=why)
+        self.run_outputs(self.w.now)
+
+    # ---- input: the neighbours' round and lock messages ------------------------------------------
+
+    def handle(self, env: Envelope) -> None:
+        """A neighbour's protocol or lock message (a probe or its echo: the idle copies')."""
+        stats = self.w.stats
+        if isinstance(env.body, dict) and env.body.get("type") in (PROBE, PROBE_ECHO):
+            self.idle.on_probe(env)
+            return
+        if self.links is not None:
+            try:
+                body, replies = self.links.receive(env.sender, env.body, self.w.now)
+            except LinkError as exc:
+                stats["protocol_errors"] += 1
+                if self._errors_log.allow(env.sender, self.w.now):
+                    log.warning("protocol message from %s rejected: %s", env.sender, exc, extra=self.w.ctx)
+                return
+            self.w.mark_state_changed()
+            self._send_link(replies)
+            if body is None:
+                return  # a link ack, a copy, or a message past a gap (it comes again in order)
+            env = replace(env, body=body)
+        is_lock = isinstance(env.body, dict) and env.body.get("type") == LockMessage.type
+        if is_lock:
+            stats["lock_in"] = stats.get("lock_in", 0) + 1
+            kind = str((env.body.get("inner") or {}).get("kind") if isinstance(env.body.get("inner"), dict) else "?")
+            self.lock_counts["in"][kind] = self.lock_counts["in"].get(kind, 0) + 1
+        else:
+            stats["protocol_in"] += 1
+        groups = None
+        if isinstance(env.body, dict) and env.body.get("type") == Start.type and START_FIELD in env.body:
+            body = dict(env.body)  # the key-group table next to the paper's fields: not the core's
+            groups = body.pop(START_FIELD)
+            env = replace(env, body=body)
+        try:
+            msg = self._from_dict(env.body)
+            if msg.sender != env.sender:
+                raise ValueError(f"message sender {msg.sender} differs from envelope sender {env.sender}")
+            self._round_clock[env.sender] = self.w.now
+            ahead = self._ahead_of_drain(msg)
+            again = self.memory.replay_ack(msg, self.core.instance_id, self.core.stage)
+            if again is not None:  # a round we applied, sent again by a restarted sender
+                self._queue([Send(env.sender, again)], ahead)
+                return
+            outs = self.core.handle(msg)
+            if FAULT_START_WITHOUT_LEAVERS in self.w.faults:
+                self.core.leavers.clear()
+            self.memory.applied_now(msg)
+            if isinstance(msg, Start):
+                self.w.on_start_field(groups, self.core.routes()[0])
+            elif isinstance(msg, Duplication) and msg.stage == self.core.stage - 1:
+                self.w.on_preds_changed(msg.new_instances, ())
+            elif isinstance(msg, Deletion) and msg.stage == self.core.stage - 1:
+                self.w.on_preds_changed((), (msg.sender,))
+        except (ProtocolError, ValueError) as exc:
+            # Unexpected or invalid: counted, logged once per sender, state unchanged.
+            stats["protocol_errors"] += 1
+            if self._errors_log.allow(env.sender, self.w.now):
+                log.warning("protocol message from %s rejected: %s", env.sender, exc, extra=self.w.ctx)
+            self._left_behind(env.body)
+            return
+        if is_lock:
+            self.w.mark_state_changed()  # the lock state changed even when nothing is sent
+        self._observe(outs)
+        self._queue(outs, ahead)
+        if self.links is not None and getattr(self.core, "departed", None) and self.core.departed(env.sender):
+            self._send_link(self.links.forget(env.sender))
 
     def _ahead_of_drain(self, msg: Any) -> bool:
         """Does our ack of `msg` go before our deletion round's Drain, which waits at the head of
@@ -694,130 +622,41 @@ class ScalingDriver:
                 and FAULT_ACK_BEHIND_DRAIN not in self.w.faults and isinstance(msg, Duplication)
                 and set(msg.new_instances) <= (core.succs if msg.stage == core.stage + 1 else core.preds))
 
-    def persisted(self) -> Dict[str, Any]:
-        """What a restarted worker needs to finish a round: the core, the outputs not yet
-        performed, the rounds applied per sender, the copies created in the current round."""
-
-        return {"scaling": self.core.snapshot(), "outputs": encode_outputs(self.outputs),
-                "rounds_applied": dict(self.memory.applied), "round_created": list(self.round_created),
-                **({"links": self.links.dump()} if self.links is not None else {})}
-
-    def ping_if_idle(self, now: float) -> None:
-        """An idle copy (created, not started) asks its creator for Start again: an ack of
-        nothing ([0, 0]) after IDLE_PING s, then at doubling intervals up to IDLE_PING_MAX."""
-
-        if self.core.state is not InstanceState.IDLE or not self.core.creator or now < self._next_ping:
+    def _left_behind(self, body: Any) -> None:
+        """A deletion ack our core has no round for, and we were re-homed: the dead incarnation
+        was leaving (its Deletion went out before its node died) and that neighbour has removed
+        us. Our rebuilt tables cannot know it (agent.node.rehome), so without this we stay an
+        active instance some neighbours no longer route to (CHANGELOG.md, "A copy re-homed
+        while leaving"). We leave again: a deletion round of our own, which
+        the neighbours that removed us already just ack (a Deletion of an instance not in a
+        table is acked, agent.protocol.scaling), and which removes us from the others. A
+        keeper never sends a Deletion, so an ack naming one is not believed."""
+        if (not self.rehomed or self.core.keeper or not isinstance(body, dict) or FAULT_REHOME_STAYS in self.w.faults
+                or body.get("type") != DeletionAck.type or ("terminate", 1) in self.forced
+                or self.core.state not in (InstanceState.ACTIVE, InstanceState.DUPLICATING)):
             return
-        self._next_ping = now + min(IDLE_PING * 2 ** self._idle_pings, IDLE_PING_MAX)
-        self._idle_pings += 1
-        self.counts["start_requests"] += 1
-        log.warning("still idle after creation: asking %s for Start again", self.core.creator, extra=self.w.ctx)
-        self.w.send_envelope(self.core.creator, Kind.ACK, [0, 0])
+        self.forced.appendleft(("terminate", 1))
+        self.counts["left_behind"] = self.counts.get("left_behind", 0) + 1
+        log.warning("a neighbour acked a deletion of our dead incarnation: leaving again", extra=self.w.ctx)
 
-    def on_idle_ping(self, sender: str) -> bool:
-        """An ack of nothing ([0, 0]) from `sender`: True if it was a copy's idle ping for us.
-
-        From a copy we started: its Start was lost, send it again. From a copy of our current
-        round: that round will start it. From a neighbour: a new incarnation of it asking for
-        replays, not ours to answer (False). From any other instance: it may be a copy created by
-        an earlier incarnation of ours, lost with its node (re-homing) in the middle of the
-        round; nobody else may start it and records may already be routed to it, so we probe it
-        and adopt it if it echoes the probe (`on_probe`)."""
-
+    def remind_departed(self, sender: str) -> None:
+        """`sender` announces a new incarnation (an empty ack in a new epoch) though it left our
+        tables by its own Deletion (no other round removes an instance, and our round memory
+        holds the last round of it we applied): it may be a copy re-homed in the middle of its
+        deletion that does not know it left. The ack of that round again tells it
+        (`_left_behind`); an instance that knows its rounds rejects it, harmless. At most once
+        per RESEND_AFTER per sender, and only for names our round memory holds (bounded)."""
         core = self.core
-        if sender in self.started:
-            self.start_again(sender)
-            return True
-        if (sender in core.succs or sender in core.preds or sender in core.new_siblings
-                or sender in self.orphans or core.state is InstanceState.IDLE or core.terminated):
-            return sender in core.new_siblings
-        if sender in self.probes and self.w.now - self.probes[sender][1] < IDLE_PING:
-            return True  # our probe is on its way (a new one would void the echo of this one)
-        if not self.may_probe(sender):
-            # Not named like a copy of ours: an instance of another operator we have a link
-            # with (a re-homed idle copy asks its predecessors for replays), never ours to start.
-            return False
-        self._probe(sender)
-        return True
-
-    @property
-    def adoption_pending(self) -> bool:
-        """A copy that may be ours waits for its Start: one plan_rehome told us of not probed
-        yet, a probe waiting for its echo, an echoed copy not adopted yet. We do not scale in
-        meanwhile: left, we would leave an idle copy nobody starts while neighbours route
-        records to it (chaos seed 11029, CHANGELOG.md "An idle copy re-homed together with
-        its creator"). Only scale-ins wait, at most PROBE_TTL per probe (a probe of an invented
-        name costs a delayed scale-in, never a lost record)."""
-        if FAULT_LEAVE_BEFORE_ADOPTION in self.w.faults:
-            return False
-        return bool(self.expected or self.probes or self.orphans)
-
-    def _probe_expected(self) -> None:
-        """Probe the idle copies our dead incarnation created (plan_rehome's `idle_copies`)
-        without waiting for their idle ping; each is adopted on its echo (`on_probe`)."""
-        if not self.expected or self.core.state is not InstanceState.ACTIVE:
+        rnd = self.memory.applied.get(sender)
+        if (rnd is None or sender in core.succs or sender in core.preds or core.state is InstanceState.IDLE
+                or self.w.now - self._reminded.get(sender, -1e9) < RESEND_AFTER):
             return
-        for copy in self.expected:
-            if copy not in self.probes and copy not in self.orphans and self.may_probe(copy):
-                self._probe(copy)
-        self.expected = []
+        self._reminded = {s: t for s, t in self._reminded.items() if self.w.now - t < RESEND_AFTER}
+        self._reminded[sender] = self.w.now
+        self.counts["departed_reminded"] = self.counts.get("departed_reminded", 0) + 1
+        self._queue([Send(sender, DeletionAck.trusted(sender=core.instance_id, stage=core.stage, round=rnd))])
 
-    def _probe(self, sender: str) -> None:
-        self._probe_seq += 1
-        self.probes[sender] = (self._probe_seq, self.w.now)
-        self.counts["probes"] += 1
-        log.warning("%s is idle and not a copy of this incarnation: probing it", sender, extra=self.w.ctx)
-        self.w.send_envelope(sender, Kind.PROTO, {"type": PROBE, "sender": self.core.instance_id, "n": self._probe_seq})
-
-    def on_probe(self, env: Envelope) -> None:
-        """A creator's probe to a copy, or the copy's echo of it (both outside the paper's cost).
-
-        The copy echoes only while idle and only to its creator. The echo leaves the copy after
-        every message an earlier incarnation of the creator sent it (one FIFO channel; a late one
-        of an older epoch is dropped by the receive path), so no Start of that incarnation can
-        still activate it, and an idle copy never leaves: adopting it cannot bring back an
-        instance that has left its neighbours' tables."""
-
-        body = env.body
-        n = body.get("n")
-        if type(n) is not int or n < 1 or body.get("sender") != env.sender:
-            self.w.stats["protocol_errors"] += 1
-            if self._errors_log.allow(env.sender, self.w.now):
-                log.warning("bad %s from %s ignored", body.get("type"), env.sender, extra=self.w.ctx)
-            return
-        core = self.core
-        if body["type"] == PROBE:
-            if core.state is InstanceState.IDLE and env.sender == core.creator:
-                self.w.send_envelope(env.sender, Kind.PROTO, {"type": PROBE_ECHO, "sender": core.instance_id, "n": n})
-        elif env.sender in self.probes and self.probes[env.sender][0] == n:
-            del self.probes[env.sender]
-            if env.sender not in self.started and env.sender not in self.orphans:
-                self.orphans.append(env.sender)
-
-    def _maybe_adopt(self) -> None:
-        """Start an orphaned copy (on_probe) when we are free to start a round."""
-
-        if (not self.orphans or self.outputs or self.w.stopping or self.lock_pending
-                or self.core.state is not InstanceState.ACTIVE):
-            return
-        copy_id = self.orphans.popleft()
-        self.round_created = []
-        outs = self.core.adopt(copy_id)
-        self._observe(outs)
-        self.counts["adopted"] += 1
-        log.warning("adopting %s, an idle copy of an earlier incarnation: announcing it again", copy_id,
-                    extra=self.w.ctx)
-        self._queue(outs)
-
-    def start_again(self, copy: str) -> None:
-        """Send Start again to a copy we started that says it is still idle (its Start was lost
-        with the broker's state): our current tables, as Algorithm 6 would send them now. A copy
-        that is active by then rejects it as unexpected and nothing changes."""
-
-        msg = Start(self.core.instance_id, self.core.stage, *self.core.routes())
-        self.w.send_envelope(copy, Kind.PROTO, self._with_groups(msg.to_dict(), copy))
-        self.counts["protocol_resent"] += 1
-        log.warning("%s is still idle: sent Start again", copy, extra=self.w.ctx)
+    # ---- recovery: silence, reliable links, what a restart needs ---------------------------------
 
     def resend_silent(self, now: float) -> None:
         """Send the round message again to pending neighbours silent for RESEND_AFTER s (they
@@ -825,7 +664,6 @@ class ScalingDriver:
         outputs are queued. Also, once, to the copies such a neighbour announced before it
         acked our round (`ScalingCore.widen_round`: it may have started them without it). A
         neighbour that left meanwhile is not waited for any more (`ScalingCore.release`)."""
-
         if self.outputs or not self.core.in_round or self.links is not None:
             return  # with links, every message is resent until acked (ReliableLinks)
         for dest, msg in silent_pending(self.core, self._round_clock, now):
@@ -852,165 +690,94 @@ class ScalingDriver:
             log.warning("no answer from %s for %.0fs in round %d: sent %s again", dest,
                         RESEND_AFTER, self.core.round, msg.type, extra=self.w.ctx)
 
-    def _with_groups(self, body: Dict[str, Any], copy: str) -> Dict[str, Any]:
-        """A Start's JSON with our key-group table or share (agent.instance.groups), if any."""
-        extra = self.w.start_field(copy)
-        if extra is not None:
-            body[START_FIELD] = extra
-        return body
-
-    # ---- outputs, strictly in order --------------------------------------------------------------
-
-    def run_outputs(self, now: float) -> None:
-
+    def _make_links(self, saved: Dict[str, Any], restart: bool) -> ReliableLinks:
         w = self.w
-        while self.outputs:
-            out = self.outputs[0]
-            if isinstance(out, Send):
-                # INVARIANT 6 (the paper's message cost): exactly the core's Sends go out, one
-                # envelope each; data acks and heartbeats are separate (data plane, control pipe).
-                # 2-FGME lock messages travel the same way but are counted apart, by kind.
-                body = out.message.to_dict()
-                if out.message.type == "start":
-                    body = self._with_groups(body, out.dest)
-                if self.links is not None:
-                    body = self.links.stamp(out.dest, body, now)
-                w.send_envelope(out.dest, Kind.PROTO, body)
-                self._round_clock[out.dest] = now
-                if out.message.type == "start":
-                    self.started.append(out.dest)
-                    w.after_start(out.dest, self.core.preds)  # a keyed creator's share starts moving
-                inner = getattr(out.message, "inner", None)
-                if inner is None:
-                    w.stats["protocol_out"] += 1
-                else:
-                    w.stats["lock_out"] = w.stats.get("lock_out", 0) + 1
-                    self.lock_counts["out"][inner.kind] = self.lock_counts["out"].get(inner.kind, 0) + 1
-            elif isinstance(out, RoutesChanged) or isinstance(out, Activate):
-                # INVARIANT 3: the data path switches tables here, before any later Send (ack).
-                w.set_routes(out.succs, now)
-                if isinstance(out, Activate):
-                    if w.activated_at is None:
-                        w.activated_at = self.w.wall()
-                    # DEVIATION (docs/scaling.md): the load of the period we were activated in is
-                    # partial, so the first decision would scale a fresh copy straight back in.
-                    self.skip_decisions = 1
-            elif isinstance(out, CreateInstance):
-                # INVARIANT 2: the Sends announcing this instance wait until the agent says it is
-                # subscribed ("spawned" arrives only after the new worker's "ready").
-                # Every copy at the head of the queue is requested at once, so the agent starts
-                # them in parallel: one after another, each waited for its own "spawned" and
-                # all but the first missed the pre-started worker (~0.34 s per copy measured);
-                # the Sends still wait for every answer (on_spawned).
-                if not self.waiting_spawn:
-                    for o in list(self.outputs):
-                        if not isinstance(o, CreateInstance):
-                            break
-                        self._request_spawn(o)
-                return  # waiting for "spawned"
-            elif isinstance(out, Drain):
-                # Two-phase deletion: every predecessor removed us; forward everything first.
-                w.flush(now, force=True)
-                if not w.drained():
-                    self.draining = True
-                    return
-                self.draining = False
-            elif isinstance(out, Terminate):
-                w.terminate("terminated by the scaling protocol")
-                self.counts["terminated"] = 1
-            self.outputs.popleft()
+        if restart and saved.get("links"):
+            try:
+                return ReliableLinks.load(w.spec.instance, saved["links"], w.now)
+            except ValueError as exc:
+                log.warning("%s: starting new channels", exc, extra=w.ctx)
+        # A new generation: above any earlier one of this identity (seconds, as min_epoch). A
+        # re-homed incarnation also starts at its epoch floor at least: its own clock alone may
+        # give the generation its dead incarnation had (a re-home within the second of that
+        # start, or a node clock behind), and the peers then drop its messages as repeats or
+        # stale ones, its lock requests among them (a round that never starts).
+        floor = int(w.spec.extra.get("min_epoch", 0) or 0)
+        lost = bool(restart or floor)
+        return ReliableLinks(w.spec.instance, max(int(w.wall()), floor), lost_state=lost)
 
-    def _request_spawn(self, out: Any) -> None:
-        w = self.w
-        self._req += 1
-        request = f"{w.spec.instance}-{self._req}"
-        extra = dict(w.spec.extra)
-        extra["creator"] = w.spec.instance
-        spec = replace(
-            w.spec,
-            instance=out.instance_id,
-            succs=(),
-            preds=(),
-            keeper=False,
-            active=False,
-            restart=False,
-            extra=extra,
-        )
-        self.waiting_spawn[request] = out.instance_id
-        self.counts["spawns"] += 1
-        w.request_spawn(request, json.loads(spec.to_json()))
-        w.crash_point("spawn_requested")  # tests: a crash in the middle of a duplication round
-
-    def on_spawned(self, msg: Dict[str, Any]) -> None:
-
-        instance = self.waiting_spawn.pop(str(msg.get("request")), None)
-        if instance is None:
-            log.warning("unexpected spawned reply %s ignored", msg, extra=self.w.ctx)
+    def _send_link(self, pairs: List[Tuple[str, Dict[str, Any]]]) -> None:
+        """Link acks and resends (agent.instance.recovery.ReliableLinks). The state is written
+        first: an ack must never leave before the deliveries it acknowledges are on disk."""
+        if not pairs:
             return
-        if msg.get("ok"):
-            self.stamp_decision("spawned_at")
-            if instance not in self.round_created:
-                self.round_created.append(instance)
-        else:
-            self.counts["spawn_failures"] += 1
-            self._spawn_errors.append(str(msg.get("error")))
-        self.w.mark_state_changed()
-        if self.waiting_spawn:
-            return  # the other copies' answers first: every copy is either created or refused
-        errors, self._spawn_errors = self._spawn_errors, []
-        if errors:
-            # The announcement must not go out for an instance that does not exist. Retrying
-            # while holding the round's messages stalled the neighbours, so withdraw the round
-            # (or shrink it to the copies that exist): nothing was announced yet.
-            self._cancel_round("; ".join(errors))
-            return
-        while self.outputs and isinstance(self.outputs[0], CreateInstance):
-            self.outputs.popleft()  # every copy requested at once is done
-        self.run_outputs(self.w.now)
+        self.w.persist(force=True)
+        for dest, body in pairs:
+            self.w.send_envelope(dest, Kind.PROTO, body)
+
+    def resync(self, now: float) -> None:
+        """We are a new incarnation: ask every peer for what we may have lost, resend ours."""
+        if self.links is not None:
+            core = self.core
+            self._send_link(self.links.resync(set(core.preds) | set(core.succs), now))
+
+    def ready_to_exit(self) -> bool:
+        """Terminated: ack what we delivered, and wait until our own messages are acked."""
+        if self.links is None:
+            return True
+        self._send_link(self.links.flush_acks())
+        return self.links.settled
+
+    def persisted(self) -> Dict[str, Any]:
+        """What a restarted worker needs to finish a round: the core, the outputs not yet
+        performed, the rounds applied per sender, the copies created in the current round."""
+        return {"scaling": self.core.snapshot(), "outputs": encode_outputs(self.outputs),
+                "rounds_applied": dict(self.memory.applied), "round_created": list(self.round_created),
+                **({"links": self.links.dump()} if self.links is not None else {})}
+
+    # ---- idle copies (agent.instance.adoption), as the instance and its admission ask ------------
+
+    @property
+    def started(self) -> Deque[str]:
+        return self.idle.started
+
+    @property
+    def probes(self) -> Dict[str, Tuple[int, float]]:
+        return self.idle.probes
+
+    @property
+    def orphans(self) -> Deque[str]:
+        return self.idle.orphans
+
+    @property
+    def adoption_pending(self) -> bool:
+        """A copy that may be ours waits for its Start: no scale-in meanwhile (`IdleCopies.pending`)."""
+        return self.idle.pending
+
+    def may_probe(self, sender: str) -> bool:
+        return self.idle.may_probe(sender)
+
+    def on_idle_ping(self, sender: str) -> bool:
+        return self.idle.on_idle_ping(sender)
+
+    def ping_if_idle(self, now: float) -> None:
+        self.idle.ping_if_idle(now)
+
+    def expire_probes(self, now: float) -> None:
+        self.idle.expire_probes(now, self.knows)
+
+    # ---- records (agent.instance.scaling_events) and counters ------------------------------------
+
+    @property
+    def decisions(self) -> Deque[Dict[str, Any]]:
+        """Our recent decisions (bench, demo; `ScalingEvents.decisions`)."""
+        return self.events.decisions
 
     def stamp_moved(self) -> None:
-        """The key groups of our last decision are at their new owners (agent.instance.moves)."""
-        d = self.decisions[-1] if self.decisions else None
-        if d is not None and "moved_at" not in d:
-            d["moved_at"] = self.w.wall()
-            log.info("key groups of the %s decided %.0f ms ago: installed at their new owners", d.get("kind"),
-                     (d["moved_at"] - d["at"]) * 1000, extra=self.w.ctx)
+        self.events.stamp_moved()
 
     def stamp_decision(self, key: str) -> None:
-        """Wall time of a step of the current scale-out round on its decision record (latest
-        spawn reply, round end, a keyed creator's first chunks sent): `bench dataplane`/`bench
-        rescale` and `demo` split decision -> first record into its parts with it."""
-        d = self.decisions[-1] if self.decisions else None
-        if d is not None and d.get("kind") == "scale_out" and (key == "spawned_at" or key not in d):
-            d[key] = self.w.wall()  # spawned_at: with several copies, the last reply counts
-
-    def _cancel_round(self, why: str) -> None:
-
-        core = self.core
-        mine = core.instance_id
-        # The round's outputs sit at the head of the queue: its creates, then its announcements.
-        while self.outputs:
-            out = self.outputs[0]
-            if isinstance(out, CreateInstance) and out.creator == mine:
-                self.outputs.popleft()
-            elif (isinstance(out, Send) and isinstance(out.message, Duplication)
-                  and out.message.sender == mine and out.message.round == core.round):
-                self.outputs.popleft()
-            else:
-                break
-        created = tuple(self.round_created)
-        self.round_created = []
-        replacement = core.cancel_duplication(created=created)
-        self._observe(replacement)
-        self.outputs.extendleft(reversed(replacement))
-        self.counts["rounds_cancelled"] += 1
-        # At max_instances (agent.node.bounds) a loaded instance asks again every period and
-        # is refused: the bound working, not a failure, so not a warning each period.
-        level = logging.INFO if all(e.startswith("max_instances reached") for e in why.split("; ")) else logging.WARNING
-        log.log(level, "spawn failed (%s): duplication round %d %s", why, core.round,
-                f"continues with {list(created)}" if created else "cancelled", extra=self.w.ctx)
-        self.w.emit("round_cancelled", round=core.round, created=list(created), error=why)
-        self.run_outputs(self.w.now)
+        self.events.stamp(key)
 
     def stats(self) -> Dict[str, Any]:
         s: Dict[str, Any] = dict(self.counts)

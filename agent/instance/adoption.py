@@ -1,0 +1,220 @@
+"""Idle copies of the scaling driver (agent.instance.driver): the idle ping of a copy waiting for
+its Start, Start sent again to a copy we started, and the probe, echo and adoption bookkeeping of
+a copy an earlier incarnation of ours created (docs/reliability.md, agent.instance.recovery).
+
+Rules of this file: sans-IO, part of the `Instance` (agent.instance.core) through its driver. The
+part owns its state (the copies we sent Start, the copies to probe, the probes waiting for their
+echo, the echoed copies waiting for adoption, the idle ping's timer) and reads the scaling core
+(agent.protocol.scaling) it is handed; it sends through the instance's port and counts in the
+driver's counters. It starts no round: the driver adopts an echoed copy (`ScalingCore.adopt`)
+when it is free to start one, and asks `pending` before it scales in.
+
+Why apart from the driver: the ping, probe and echo answer messages outside the paper's protocol
+and change no round state; they decide whom the driver adopts, never when.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+
+from agent.dataplane.envelope import Envelope, Kind
+from agent.dataplane.inbound import LogLimiter
+from agent.instance.groups import START_FIELD
+from agent.instance.port import InstancePort
+from agent.protocol.messages import Start
+from agent.protocol.scaling import InstanceState
+
+__all__ = ["IdleCopies", "with_groups", "PROBE", "PROBE_ECHO", "IDLE_PING", "IDLE_PING_MAX", "MAX_PROBES",
+           "PROBE_TTL", "FAULT_LEAVE_BEFORE_ADOPTION"]
+
+log = logging.getLogger("agent.instance.worker")
+
+# A new copy still idle this long after it started asks its creator for Start again (doubling):
+# Start is the one protocol message nobody acks, so a broker that lost it would leave the copy
+# idle for ever with batches routed to it. The same ping reaches a creator re-homed after its node
+# died in the middle of the round: that one adopts the copy (see `IdleCopies.on_idle_ping`).
+IDLE_PING = 10.0
+IDLE_PING_MAX = 40.0
+PROBE, PROBE_ECHO = "probe", "probe_echo"  # see IdleCopies.on_probe
+# Idle pings ([0, 0] acks) from copies we do not know that we probe at once (`on_idle_ping`),
+# and how long a probe waits for its echo before the channel it opened is forgotten.
+MAX_PROBES = 8
+PROBE_TTL = 60.0
+
+# Seeded fault (foglab.sim.instance_check, never set elsewhere): a creator scales in with an idle
+# copy of its own waiting
+FAULT_LEAVE_BEFORE_ADOPTION = "leave_before_adoption"
+
+
+def with_groups(w: InstancePort, body: Dict[str, Any], copy: str) -> Dict[str, Any]:
+    """A Start's JSON with our key-group table or share (agent.instance.groups), if any."""
+    extra = w.start_field(copy)
+    if extra is not None:
+        body[START_FIELD] = extra
+    return body
+
+
+class IdleCopies:
+    """The copies of ours that may wait idle for a Start, seen from both ends: as a copy, the
+    ping to our creator; as a creator, Start again, and the probe and echo of copies an earlier
+    incarnation created."""
+
+    def __init__(self, w: InstancePort, core: Any, counts: Dict[str, int], errors_log: LogLimiter,
+                 rehomed: bool) -> None:
+        self.w = w
+        self.core = core  # the driver's scaling core (read here, never driven)
+        self.counts = counts  # the driver's counters
+        self._errors_log = errors_log  # the driver's: once per sender per minute, bounded
+        spec = w.spec
+        self.started: Deque[str] = deque(maxlen=256)  # copies this instance sent Start (see start_again)
+        # A copy re-homed idle (agent.node.rehome) asks its creator at once: the creator may be a
+        # new incarnation too, that knows nothing of it.
+        self._next_ping = w.now + (0.0 if rehomed else IDLE_PING)
+        self._idle_pings = 0
+        # Re-homed: the idle copies our dead incarnation created (plan_rehome, `idle_copies`),
+        # probed at our first tick and adopted on their echo before we may scale in.
+        # Names from other nodes' hosted records: only ones that can be a topic segment.
+        self.expected: List[str] = [
+            c for c in (spec.extra.get("idle_copies") or []) if isinstance(c, str) and not set(c) & set("/+#\0")
+        ][:MAX_PROBES] if rehomed and spec.active else []
+        # copy -> (number of the probe we sent it, when: unanswered probes expire after PROBE_TTL)
+        self.probes: Dict[str, Tuple[int, float]] = {}  # (on_idle_ping)
+        self._probe_seq = 0
+        self.orphans: Deque[str] = deque()  # idle copies nobody will start: the driver adopts them
+
+    @property
+    def pending(self) -> bool:
+        """A copy that may be ours waits for its Start: one plan_rehome told us of not probed
+        yet, a probe waiting for its echo, an echoed copy not adopted yet. We do not scale in
+        meanwhile: left, we would leave an idle copy nobody starts while neighbours route
+        records to it (chaos seed 11029, CHANGELOG.md "An idle copy re-homed together with
+        its creator"). Only scale-ins wait, at most PROBE_TTL per probe (a probe of an invented
+        name costs a delayed scale-in, never a lost record)."""
+        if FAULT_LEAVE_BEFORE_ADOPTION in self.w.faults:
+            return False
+        return bool(self.expected or self.probes or self.orphans)
+
+    def knows(self, sender: str) -> bool:
+        """Is `sender` a copy we started, probe or are to adopt?"""
+        return sender in self.started or sender in self.probes or sender in self.orphans
+
+    def next_orphan(self) -> Optional[str]:
+        """The echoed copy to adopt next (the driver adopts it), if any."""
+        return self.orphans.popleft() if self.orphans else None
+
+    # ---- as a copy ------------------------------------------------------------------------------
+
+    def ping_if_idle(self, now: float) -> None:
+        """An idle copy (created, not started) asks its creator for Start again: an ack of
+        nothing ([0, 0]) after IDLE_PING s, then at doubling intervals up to IDLE_PING_MAX."""
+
+        if self.core.state is not InstanceState.IDLE or not self.core.creator or now < self._next_ping:
+            return
+        self._next_ping = now + min(IDLE_PING * 2 ** self._idle_pings, IDLE_PING_MAX)
+        self._idle_pings += 1
+        self.counts["start_requests"] += 1
+        log.warning("still idle after creation: asking %s for Start again", self.core.creator, extra=self.w.ctx)
+        self.w.send_envelope(self.core.creator, Kind.ACK, [0, 0])
+
+    # ---- as a creator ---------------------------------------------------------------------------
+
+    def on_idle_ping(self, sender: str) -> bool:
+        """An ack of nothing ([0, 0]) from `sender`: True if it was a copy's idle ping for us.
+
+        From a copy we started: its Start was lost, send it again. From a copy of our current
+        round: that round will start it. From a neighbour: a new incarnation of it asking for
+        replays, not ours to answer (False). From any other instance: it may be a copy created by
+        an earlier incarnation of ours, lost with its node (re-homing) in the middle of the
+        round; nobody else may start it and records may already be routed to it, so we probe it
+        and adopt it if it echoes the probe (`on_probe`)."""
+
+        core = self.core
+        if sender in self.started:
+            self.start_again(sender)
+            return True
+        if (sender in core.succs or sender in core.preds or sender in core.new_siblings
+                or sender in self.orphans or core.state is InstanceState.IDLE or core.terminated):
+            return sender in core.new_siblings
+        if sender in self.probes and self.w.now - self.probes[sender][1] < IDLE_PING:
+            return True  # our probe is on its way (a new one would void the echo of this one)
+        if not self.may_probe(sender):
+            # Not named like a copy of ours: an instance of another operator we have a link
+            # with (a re-homed idle copy asks its predecessors for replays), never ours to start.
+            return False
+        self._probe(sender)
+        return True
+
+    def start_again(self, copy: str) -> None:
+        """Send Start again to a copy we started that says it is still idle (its Start was lost
+        with the broker's state): our current tables, as Algorithm 6 would send them now. A copy
+        that is active by then rejects it as unexpected and nothing changes."""
+
+        msg = Start(self.core.instance_id, self.core.stage, *self.core.routes())
+        self.w.send_envelope(copy, Kind.PROTO, with_groups(self.w, msg.to_dict(), copy))
+        self.counts["protocol_resent"] += 1
+        log.warning("%s is still idle: sent Start again", copy, extra=self.w.ctx)
+
+    def may_probe(self, sender: str) -> bool:
+        """May an idle ping from `sender`, an instance we do not know, be a copy an earlier
+        incarnation of ours created (`on_idle_ping`)? Only if it is named like our copies
+        (`ScalingCore._new_id`: "<operator>-<digest>"), we are active, and fewer than MAX_PROBES
+        probes wait for their echo: invented names cost at most MAX_PROBES channels, each
+        forgotten after PROBE_TTL (`expire_probes`)."""
+
+        return (self.core.state is InstanceState.ACTIVE and len(self.probes) < MAX_PROBES
+                and len(sender) <= 128 and sender.startswith(self.core.operator + "-"))
+
+    def probe_expected(self) -> None:
+        """Probe the idle copies our dead incarnation created (plan_rehome's `idle_copies`)
+        without waiting for their idle ping; each is adopted on its echo (`on_probe`)."""
+        if not self.expected or self.core.state is not InstanceState.ACTIVE:
+            return
+        for copy in self.expected:
+            if copy not in self.probes and copy not in self.orphans and self.may_probe(copy):
+                self._probe(copy)
+        self.expected = []
+
+    def _probe(self, sender: str) -> None:
+        self._probe_seq += 1
+        self.probes[sender] = (self._probe_seq, self.w.now)
+        self.counts["probes"] += 1
+        log.warning("%s is idle and not a copy of this incarnation: probing it", sender, extra=self.w.ctx)
+        self.w.send_envelope(sender, Kind.PROTO, {"type": PROBE, "sender": self.core.instance_id, "n": self._probe_seq})
+
+    def on_probe(self, env: Envelope) -> None:
+        """A creator's probe to a copy, or the copy's echo of it (both outside the paper's cost).
+
+        The copy echoes only while idle and only to its creator. The echo leaves the copy after
+        every message an earlier incarnation of the creator sent it (one FIFO channel; a late one
+        of an older epoch is dropped by the receive path), so no Start of that incarnation can
+        still activate it, and an idle copy never leaves: adopting it cannot bring back an
+        instance that has left its neighbours' tables."""
+
+        body = env.body
+        n = body.get("n")
+        if type(n) is not int or n < 1 or body.get("sender") != env.sender:
+            self.w.stats["protocol_errors"] += 1
+            if self._errors_log.allow(env.sender, self.w.now):
+                log.warning("bad %s from %s ignored", body.get("type"), env.sender, extra=self.w.ctx)
+            return
+        core = self.core
+        if body["type"] == PROBE:
+            if core.state is InstanceState.IDLE and env.sender == core.creator:
+                self.w.send_envelope(env.sender, Kind.PROTO, {"type": PROBE_ECHO, "sender": core.instance_id, "n": n})
+        elif env.sender in self.probes and self.probes[env.sender][0] == n:
+            del self.probes[env.sender]
+            if env.sender not in self.started and env.sender not in self.orphans:
+                self.orphans.append(env.sender)
+
+    def expire_probes(self, now: float, knows: Callable[[str], bool]) -> None:
+        """Probes unanswered for PROBE_TTL: the instance was no copy of ours (or is gone). Its
+        channel and our numbering to it go, unless something else names it (`knows`: the
+        driver's tables, rounds and round memory)."""
+        for copy, (_, at) in list(self.probes.items()):
+            if now - at < PROBE_TTL:
+                continue
+            del self.probes[copy]
+            if not knows(copy) and not self.w.sent_to(copy) and copy not in self.w.router.succs:
+                self.w.forget_sender(copy)
