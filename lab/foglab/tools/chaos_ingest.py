@@ -50,7 +50,7 @@ WINDOW_MS = 5000
 # that is dropped by the window (late_dropped) and shows here as a reading lost. Not in order
 # across sensors: a broker resuming the source's session after a cut can send a reading published
 # after the reconnect ahead of those it queued meanwhile (R23: mosquitto 2.0.11, one reading 17.6 s
-# ahead of 879), so the watermark flows from the source by sensor ([operator.watermark]
+# ahead of 878), so the watermark flows from the source by sensor ([operator.watermark]
 # channel_field): the least sensor's time, not the newest reading's.
 LATENESS_MS = 10000
 
