@@ -320,7 +320,8 @@ class WatermarkSection:
     idle_after: Optional[float] = field(default=None, metadata={"check": positive("seconds")})
     # the field naming each record's channel (e.g. the sensor): each channel comes in order, not
     # with the others; the source's mark is the least over the channels (agent.dataplane.watermarks)
-    channel_field: Optional[str] = field(default=None, metadata={"check": lambda v: None if v else "expected a field name"})
+    channel_field: Optional[str] = field(default=None,
+                                         metadata={"check": lambda v: None if v else "expected a field name"})
 
 
 @dataclass(frozen=True)

@@ -571,7 +571,8 @@ def test_the_watermark_table_is_checked_and_belongs_to_the_source() -> None:
     from agent.schema import ConfigError
     cfg = load_pipeline_text(_timed_pipeline("\ndisorder_ms = 5000\nidle_after = 30\nchannel_field = \"k\""), "p.toml")
     wm = cfg.operators[0].watermark
-    assert (wm.time_field, wm.time_unit, wm.disorder_ms, wm.idle_after, wm.channel_field) == ("n", "ms", 5000.0, 30.0, "k")
+    assert (wm.time_field, wm.time_unit, wm.disorder_ms, wm.idle_after, wm.channel_field) == \
+        ("n", "ms", 5000.0, 30.0, "k")
     with pytest.raises(ConfigError, match=r"channel_field: expected a field name"):
         load_pipeline_text(_timed_pipeline('\nchannel_field = ""'), "p.toml")
     assert all(op.watermark is None for op in cfg.operators[1:])

@@ -40,8 +40,8 @@ class Marks:
         self.conf = conf
         self.table = WatermarkTable()
         self.channel_field: Optional[str] = getattr(conf, "channel_field", None)
-        self.source: Optional[SourceMarks] = (SourceMarks(conf.disorder_ms, conf.idle_after, self.channel_field is not None)
-                                              if is_source else None)
+        self.source: Optional[SourceMarks] = (
+            SourceMarks(conf.disorder_ms, conf.idle_after, self.channel_field is not None) if is_source else None)
         self.keyed = keyed
         self.tracker = tracker
         self.outputs = outputs
