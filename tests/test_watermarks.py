@@ -619,6 +619,50 @@ def test_a_mark_alone_moves_a_keyed_instance_and_is_no_replay_marker() -> None:
     assert inst.stats["records_in"] == 4
 
 
+@pytest.mark.parametrize("channels, expected", [("", Mark(2)), ('\nchannel_field = "k"', Mark(1))])
+def test_a_source_instance_with_channel_field_marks_the_least_channel(channels: str, expected: Mark) -> None:
+    """The source instance built from the pipeline text: records n = 0, 1, 2 of keys k0, k1, k0.
+    One channel, its mark once acked is the newest time (2); with `channel_field = "k"` it is the
+    least channel's (k1: 1)."""
+    from agent.config import load_pipeline_text
+    from agent.instance.commands import Publish
+    from agent.instance.core import Instance
+    from agent.instance.events import EnvelopeReceived, PubAcked, PublishAccepted, Started, Tick
+    from agent.instance.spec import InstanceSpec
+    from foglab.sim.instance_check import BROKER, CLUSTER, WALL0, MemorySource
+    from agent import topics
+    from agent.dataplane.envelope import Envelope, encode
+    text = _timed_pipeline(channels)
+    spec = InstanceSpec("source-0", "source", "n1", CLUSTER, "chk", text, BROKER, succs=("op-0",), preds=(),
+                        keeper=True, state_dir="/nonexistent", heartbeat_period=3600.0)
+    inst = Instance(spec, load_pipeline_text(text, "p"), MemorySource(3, interval=0.5, keys=2))
+    sent: List[Any] = []
+    mid = 0
+
+    def run(cmds: List[Any], now: float) -> None:
+        nonlocal mid
+        for c in cmds:
+            if isinstance(c, Publish) and "/inbox/" in c.topic:
+                mid += 1
+                sent.append(decode(c.payload))
+                inst.handle(PublishAccepted(c.token, mid), now)
+                inst.handle(PubAcked(mid), now)
+
+    run(inst.handle(Started(WALL0), 0.0), 0.0)
+    now = 0.0
+    while now < 2.0:
+        now += 0.05
+        run(inst.handle(Tick(WALL0 + now), now), now)
+    data = [e for e in sent if e.records]
+    assert [(r[2]["k"], r[2]["n"]) for e in data for r in e.records] == [("k0", 0), ("k1", 1), ("k0", 2)]
+    ack = Envelope("op-0", 0, 1, Kind.ACK, [0, data[-1].seq])
+    run(inst.handle(EnvelopeReceived(topics.inbox(CLUSTER, "source-0", "n1"), encode(ack)), now), now)
+    while now < 3.0:
+        now += 0.05
+        run(inst.handle(Tick(WALL0 + now), now), now)
+    assert [e.watermark for e in sent if e.watermark is not None] == [expected]
+
+
 def test_a_source_marks_only_what_its_successor_acked_and_goes_idle() -> None:
     """The source instance: its records' times make its mark, which leaves only once the
     successor acked the poll it came from (never with the batch that carries those records);
