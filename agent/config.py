@@ -326,6 +326,10 @@ class WatermarkSection:
     disorder_ms: float = field(default=0.0, metadata={"check": in_range(0.0, 2.0 ** 53, "milliseconds")})
     # no record for this long: the source is idle and stops holding watermarks back
     idle_after: Optional[float] = field(default=None, metadata={"check": positive("seconds")})
+    # the field naming each record's channel (e.g. the sensor): each channel comes in order, not
+    # with the others; the source's mark is the least over the channels (agent.dataplane.watermarks)
+    channel_field: Optional[str] = field(default=None,
+                                         metadata={"check": lambda v: None if v else "expected a field name"})
 
 
 @dataclass(frozen=True)

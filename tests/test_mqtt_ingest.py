@@ -165,6 +165,39 @@ def test_the_broker_sends_unacked_deliveries_again_in_order_to_the_next_connecti
         pub.disconnect()
 
 
+def test_a_packet_id_is_pubacked_once_per_connection_until_the_broker_uses_it_again() -> None:
+    """docs/results.md, R23: after a reconnect the source PUBACKed a delivery it held from the old
+    connection, then got the broker's dup of it (sent before our PUBACK arrived) and acked that
+    too; Mosquitto 2.0.11 then put the next new reading in flight ahead of the ones it had queued
+    for the source while it was away. The transport PUBACKs a packet id once per connection,
+    again once the broker delivers that id as a new message, and afresh on a new connection."""
+    from types import SimpleNamespace
+
+    t = Transport("ingest-acks", BrokerSpec("127.0.0.1", 1), manual_ack=True)
+    sent: List[int] = []
+    t.client = SimpleNamespace(ack=lambda mid, qos: sent.append(mid))  # the wire: what paho would send
+    flags = SimpleNamespace(session_present=True)
+    ok = SimpleNamespace(is_failure=False)
+
+    def deliver(mid: int, dup: bool) -> None:
+        t._on_message(None, None, SimpleNamespace(topic="s/1", payload=b"r", mid=mid, qos=1, dup=dup))
+
+    t._on_connect(None, None, flags, ok)
+    t.ack(7, 1)  # a delivery of the old connection, acked downstream since the reconnect
+    deliver(7, dup=True)  # the broker's copy of it, sent before our PUBACK reached it
+    t.ack(7, 1)  # the source acks a dup it acked lately: not on the wire twice
+    assert sent == [7] and t.acks_skipped == 1
+    deliver(7, dup=False)  # the id used again for a new reading: acked as any
+    t.ack(7, 1)
+    assert sent == [7, 7]
+    t._on_disconnect(None, None, flags, ok)
+    t.ack(8, 1)  # no connection: nothing sent (the broker sends it again)
+    t._on_connect(None, None, flags, ok)
+    deliver(7, dup=True)  # a new connection: whatever it sends again is acked again
+    t.ack(7, 1)
+    assert sent == [7, 7, 7] and t.acks_skipped == 1
+
+
 def _ack_all(w: Worker, wire: MemoryWire, clock: List[float], ack_seq: int = 1) -> None:
     """The sink acks every data batch the source sent it (in its ack envelope number `ack_seq`)."""
     seqs = [decode(p).seq for t, p in wire.sent if t == SINK_INBOX and decode(p).kind is Kind.DATA]

@@ -46,6 +46,100 @@ def test_source_goes_idle_and_comes_back() -> None:
     assert SourceMarks(0).mark(1e9) is None  # no idle_after: never idle
 
 
+def test_by_channel_the_mark_is_the_least_channel_and_a_silent_channel_goes_idle() -> None:
+    s = SourceMarks(disorder_ms=100, idle_after=5.0, by_channel=True)
+    s.start(0.0)
+    assert s.observe(1000, 1.0, "a") and s.observe(3000, 1.1, "b")
+    assert s.mark(1.1) == Mark(900)  # the least channel, less the disorder
+    assert s.observe(2950, 1.2, "b")  # within b's disorder
+    assert not s.observe(2800, 1.3, "b") and s.late == 1  # late at its channel
+    assert not s.observe(500, 1.25, "c")  # a new channel behind the mark of the others: late
+    assert s.mark(1.3) == Mark(900)  # ... and it starts at that mark, not at its late record
+    for k in range(1, 5):  # b goes on, a and c are silent
+        s.observe(3000 + k * 100, 1.3 + k, "b")
+    assert s.mark(6.0) == Mark(900)
+    assert s.mark(6.3) == Mark(3300)  # a and c silent 5 s while b gave records: idle
+    assert s.observe(1100, 6.5, "a") and s.mark(6.5) == Mark(1000)  # back: it holds the mark again
+
+
+def test_by_channel_a_whole_source_silence_restarts_every_channels_idleness_clock() -> None:
+    """The source's input away (a partition): no channel gave a record, none is idle for it; only
+    a channel silent for `idle_after` after the source received again is."""
+    s = SourceMarks(idle_after=5.0, by_channel=True)
+    s.start(0.0)
+    s.observe(1000, 1.0, "a")
+    s.observe(1000, 1.0, "b")
+    s.observe(30000, 23.0, "b")  # 22 s away, then b first
+    assert s.mark(23.0) == Mark(1000)  # a is waited for
+    s.observe(30500, 25.0, "b")
+    assert s.mark(27.9) == Mark(1000)
+    s.observe(31000, 28.1, "b")
+    assert s.mark(28.1) == Mark(31000)  # a silent 5 s since the source came back: idle
+
+
+def _overtaken_backlog(by_channel: bool) -> Dict[str, int]:
+    """The sequence of chaos mqtt-ingest seed 102 (docs/results.md, R23): 10 sensors round robin, a
+    reading every 20 ms of event time; the source's ingest connection is cut for 22 s; on the
+    reconnect the broker sends first what was in flight, then ONE reading published after the
+    reconnect (17.6 s of event time ahead), then the 878 readings it queued meanwhile. Through the
+    source's marks (agent.instance.marks, `[operator.watermark]` on field "t", ms; by sensor or
+    not) into a keyed 5 s tumbling window with lateness 10 s that follows the flowing marks:
+    the window's counters and the readings it counted."""
+    from types import SimpleNamespace
+
+    from agent.config import WatermarkSection
+    from agent.instance.keyed_state import KeyedState
+    from agent.instance.marks import Marks
+    from agent.operators.builtin import OperatorContext
+    from agent.operators.keyed import TumblingWindow
+
+    def reading(rid: int) -> Dict[str, Any]:
+        return {"sensor": f"s{(rid - 1) % 10 + 1}", "t": 20 * rid, "rid": rid}
+
+    before, ahead, last = 500, 1379, 1500
+    arrivals: List[Tuple[float, int]] = [(20 * rid / 1000.0, rid) for rid in range(1, before + 1)]
+    back = 20 * before / 1000.0 + 22.0
+    order = [ahead] + list(range(before + 1, ahead)) + list(range(ahead + 1, last + 1))
+    arrivals += [(back + k * 0.002, rid) for k, rid in enumerate(order)]
+    conf = WatermarkSection(time_field="t", time_unit="ms", channel_field="sensor" if by_channel else None)
+    stats = {"late_at_source": 0}
+    marks = Marks(conf, True, None, SimpleNamespace(last_index=0), SimpleNamespace(), stats, frozenset())
+    op = TumblingWindow(OperatorContext("p.windows.0", "windows", "n1", "map",
+                                        {"time_field": "t", "time_unit": "ms", "size_ms": 5000,
+                                         "lateness_ms": 10000, "agg": "sum", "field": "rid"}))
+    win = KeyedState(op, "windows", "sensor", 128)
+    win.flowing = True
+    counted = 0
+    for index, k in enumerate(range(0, len(arrivals), 31), start=1):  # the source's polls
+        batch = arrivals[k:k + 31]
+        now = batch[-1][0]
+        items = [("p.source.0", rid, reading(rid)) for _, rid in batch]
+        marks.observe(items, index, now)
+        out = win.apply("p.source.0", items, index)  # judged against the mark before this batch
+        mark = marks.table.inputs[""].noted
+        if mark is not None and (win.max_time is None or mark > win.max_time):
+            win.max_time = mark
+            out += win.fire_due(index)
+        counted += sum(rec["count"] for _, _, rec in out)
+    counted += sum(acc[0] for g in win.states.values() for wins in g.values() for acc in wins.values())
+    return {"late_dropped": win.counts["late_dropped"], "counted": counted, "published": last,
+            "late_at_source": stats["late_at_source"]}
+
+
+def test_a_reading_that_overtakes_the_brokers_backlog_does_not_make_the_backlog_late() -> None:
+    """By sensor (`channel_field`), the reading ahead moves only its own sensor's time: the mark
+    stays at the least sensor, and the window counts every reading. One channel for all the
+    source's readings (the rule before channels) puts the mark 17.6 s ahead and the window drops
+    the backlog as late, as in the run."""
+    got = _overtaken_backlog(by_channel=True)
+    assert got["late_dropped"] == 0 and got["counted"] == got["published"]
+    assert got["late_at_source"] == 87  # s9's own queued readings (509-1369): late at their channel only
+    old = _overtaken_backlog(by_channel=False)
+    # readings 501-878 (378, as in the run) are older than its mark less the lateness; the 26
+    # polled with it are judged before the mark of their batch: 352 dropped
+    assert old["late_dropped"] == 352 and old["counted"] == old["published"] - 352
+
+
 @pytest.mark.parametrize("bad", [{"disorder_ms": -1}, {"disorder_ms": float("inf")}, {"idle_after": 0}])
 def test_source_marks_refuse_bad_settings(bad: Dict[str, float]) -> None:
     with pytest.raises(ValueError):
@@ -475,9 +569,12 @@ def _timed_pipeline(extra_source: str = "", extra_op: str = "") -> str:
 def test_the_watermark_table_is_checked_and_belongs_to_the_source() -> None:
     from agent.config import load_pipeline_text
     from agent.schema import ConfigError
-    cfg = load_pipeline_text(_timed_pipeline("\ndisorder_ms = 5000\nidle_after = 30"), "p.toml")
+    cfg = load_pipeline_text(_timed_pipeline("\ndisorder_ms = 5000\nidle_after = 30\nchannel_field = \"k\""), "p.toml")
     wm = cfg.operators[0].watermark
-    assert (wm.time_field, wm.time_unit, wm.disorder_ms, wm.idle_after) == ("n", "ms", 5000.0, 30.0)
+    assert (wm.time_field, wm.time_unit, wm.disorder_ms, wm.idle_after, wm.channel_field) == \
+        ("n", "ms", 5000.0, 30.0, "k")
+    with pytest.raises(ConfigError, match=r"channel_field: expected a field name"):
+        load_pipeline_text(_timed_pipeline('\nchannel_field = ""'), "p.toml")
     assert all(op.watermark is None for op in cfg.operators[1:])
     with pytest.raises(ConfigError, match=r"p.toml: \[operator\[0\].watermark\].disorder_ms: expected milliseconds"):
         load_pipeline_text(_timed_pipeline('\ndisorder_ms = "5s"'), "p.toml")
@@ -520,6 +617,50 @@ def test_a_mark_alone_moves_a_keyed_instance_and_is_no_replay_marker() -> None:
     assert late == [3] and inst.keyed.counts["late_dropped"] == 1
     assert inst.keyed.watermark == 6.0  # a record never raises a flowing watermark
     assert inst.stats["records_in"] == 4
+
+
+@pytest.mark.parametrize("channels, expected", [("", Mark(2)), ('\nchannel_field = "k"', Mark(1))])
+def test_a_source_instance_with_channel_field_marks_the_least_channel(channels: str, expected: Mark) -> None:
+    """The source instance built from the pipeline text: records n = 0, 1, 2 of keys k0, k1, k0.
+    One channel, its mark once acked is the newest time (2); with `channel_field = "k"` it is the
+    least channel's (k1: 1)."""
+    from agent.config import load_pipeline_text
+    from agent.instance.commands import Publish
+    from agent.instance.core import Instance
+    from agent.instance.events import EnvelopeReceived, PubAcked, PublishAccepted, Started, Tick
+    from agent.instance.spec import InstanceSpec
+    from foglab.sim.instance_check import BROKER, CLUSTER, WALL0, MemorySource
+    from agent import topics
+    from agent.dataplane.envelope import Envelope, encode
+    text = _timed_pipeline(channels)
+    spec = InstanceSpec("source-0", "source", "n1", CLUSTER, "chk", text, BROKER, succs=("op-0",), preds=(),
+                        keeper=True, state_dir="/nonexistent", heartbeat_period=3600.0)
+    inst = Instance(spec, load_pipeline_text(text, "p"), MemorySource(3, interval=0.5, keys=2))
+    sent: List[Any] = []
+    mid = 0
+
+    def run(cmds: List[Any], now: float) -> None:
+        nonlocal mid
+        for c in cmds:
+            if isinstance(c, Publish) and "/inbox/" in c.topic:
+                mid += 1
+                sent.append(decode(c.payload))
+                inst.handle(PublishAccepted(c.token, mid), now)
+                inst.handle(PubAcked(mid), now)
+
+    run(inst.handle(Started(WALL0), 0.0), 0.0)
+    now = 0.0
+    while now < 2.0:
+        now += 0.05
+        run(inst.handle(Tick(WALL0 + now), now), now)
+    data = [e for e in sent if e.records]
+    assert [(r[2]["k"], r[2]["n"]) for e in data for r in e.records] == [("k0", 0), ("k1", 1), ("k0", 2)]
+    ack = Envelope("op-0", 0, 1, Kind.ACK, [0, data[-1].seq])
+    run(inst.handle(EnvelopeReceived(topics.inbox(CLUSTER, "source-0", "n1"), encode(ack)), now), now)
+    while now < 3.0:
+        now += 0.05
+        run(inst.handle(Tick(WALL0 + now), now), now)
+    assert [e.watermark for e in sent if e.watermark is not None] == [expected]
 
 
 def test_a_source_marks_only_what_its_successor_acked_and_goes_idle() -> None:

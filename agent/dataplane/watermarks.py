@@ -12,6 +12,14 @@ on what it received:
   emitted (it waited long enough for its stragglers); receivers leave it out of their minimum
   until it emits again or, when every input is idle, go on to the largest of them (Flink's
   idleness; a record that comes after it may then be late).
+- A source whose input comes in **channels** that are each in order but not with one another
+  (the sensors of an MQTT source: MQTT orders per topic, and a broker resuming a session may send
+  a reading published after the reconnect ahead of the readings it queued while the source was
+  away) marks the LEAST over its channels of each one's largest event time, minus the disorder
+  (Kafka's per-partition watermarks in Flink): one channel running ahead cannot push the mark
+  past the others' readings still on their way. A channel silent for `idle_after` while the
+  source receives is idle and left out; a silence of the whole source (its input away) restarts
+  every channel's clock, so the channels whose readings were merely held up are waited for.
 - A mark travels on a data batch and applies AFTER that batch's records: "no record I send you
   after this batch is older than this, except records late at their source".
 - A receiver keeps, per input channel (one sending instance, whatever its epoch), the LARGEST mark
@@ -74,27 +82,39 @@ def mark_json(mark: Mark) -> List[Any]:
 class SourceMarks:
     """The watermark of one source: the largest event time it emitted minus `disorder_ms` (how far
     out of order its own data comes), idle after `idle_after` seconds without a record (None:
-    never idle). A restarted source starts a new one: its receivers keep the larger marks they
-    had."""
+    never idle). With `by_channel`, each record names its channel (`observe(..., channel)`) and
+    the mark is the least over the channels of their largest event time, minus the disorder
+    (see the module docstring). A restarted source starts a new one: its receivers keep the
+    larger marks they had."""
 
-    def __init__(self, disorder_ms: float = 0.0, idle_after: Optional[float] = None) -> None:
+    def __init__(self, disorder_ms: float = 0.0, idle_after: Optional[float] = None,
+                 by_channel: bool = False) -> None:
         if not (disorder_ms >= 0 and math.isfinite(disorder_ms)):
             raise ValueError(f"disorder_ms: expected a finite number >= 0, got {disorder_ms!r}")
         if idle_after is not None and not (idle_after > 0):
             raise ValueError(f"idle_after: expected a number of seconds > 0, got {idle_after!r}")
         self.disorder_ms = float(disorder_ms)
         self.idle_after = idle_after
+        self.by_channel = bool(by_channel)
         self.max_time: Optional[float] = None
         self.last_record_at: Optional[float] = None
         self.started_at: Optional[float] = None
         self.late = 0  # records older than the watermark when emitted (late at the source)
+        # by_channel: channel -> [its largest event time, when it last gave a record]
+        self.channels: Dict[Any, List[float]] = {}
+        # by_channel: the first record after the whole source was silent `idle_after` (its input
+        # away): every channel's idleness counts from there, not from its last record
+        self.resumed_at: Optional[float] = None
 
     def start(self, now: float) -> None:
         self.started_at = now
 
-    def observe(self, t: float, now: float) -> bool:
-        """A record with event time `t` (ms) emitted at `now`; True if it is on time (not older
-        than the watermark before it)."""
+    def observe(self, t: float, now: float, channel: Any = None) -> bool:
+        """A record with event time `t` (ms) emitted at `now`, of `channel` (by_channel only);
+        True if it is on time (not older than the watermark before it: its channel's, by
+        channel)."""
+        if self.by_channel:
+            return self._observe_channel(t, now, channel)
         mt = self.max_time
         on_time = mt is None or t >= mt - self.disorder_ms
         if not on_time:
@@ -104,18 +124,54 @@ class SourceMarks:
         self.last_record_at = now
         return on_time
 
+    def _observe_channel(self, t: float, now: float, channel: Any) -> bool:
+        last = self.last_record_at
+        if self.idle_after is not None and last is not None and now - last >= self.idle_after:
+            self.resumed_at = now
+        ch = self.channels.get(channel)
+        if ch is None:  # a channel first heard of: on time unless behind the mark of the others
+            least = self._least(now)
+            on_time = least is None or t >= least - self.disorder_ms
+            if abs(t) <= MAX_MARK_MS:  # behind, it starts at the others' mark: a late record holds nothing
+                self.channels[channel] = [t if on_time or least is None else least, now]
+        else:
+            on_time = t >= ch[0] - self.disorder_ms
+            if on_time and t > ch[0] and abs(t) <= MAX_MARK_MS:
+                ch[0] = t
+            ch[1] = now
+        if not on_time:
+            self.late += 1
+        elif (self.max_time is None or t > self.max_time) and abs(t) <= MAX_MARK_MS:
+            self.max_time = t
+        self.last_record_at = now
+        return on_time
+
+    def _least(self, now: float) -> Optional[float]:
+        """by_channel: the least largest event time over the channels not idle (None: none)."""
+        least: Optional[float] = None
+        idle_after, resumed = self.idle_after, self.resumed_at
+        for t, at in self.channels.values():
+            if idle_after is not None and now - (at if resumed is None or at > resumed else resumed) >= idle_after:
+                continue  # silent while the source received: idle, holds nothing back
+            if least is None or t < least:
+                least = t
+        return least
+
     def mark(self, now: float) -> Optional[Mark]:
         """The mark to send now: None before the first record (receivers wait for it) unless the
         source has been silent `idle_after` since it started (then idle, so it holds nothing).
         Idle, the mark is the largest event time emitted: `idle_after` without a record is taken
         as "no straggler is coming", so windows up to it can close (a record older than it that
-        still comes is late downstream)."""
+        still comes is late downstream). By channel, not idle: the least over the channels."""
         since = self.last_record_at if self.last_record_at is not None else self.started_at
         idle = self.idle_after is not None and since is not None and now - since >= self.idle_after
         if self.max_time is None:
             return Mark(-MAX_MARK_MS, True) if idle else None
         if idle:
             return Mark(self.max_time, True)
+        if self.by_channel:
+            least = self._least(now)
+            return Mark((self.max_time if least is None else least) - self.disorder_ms)
         return Mark(self.max_time - self.disorder_ms)
 
 

@@ -16,7 +16,7 @@ from typing import Any, Dict, FrozenSet, List, Optional
 from agent.dataplane.flow import AckTracker
 from agent.dataplane.envelope import Item
 from agent.dataplane.watermarks import MAX_MARK_MS, Mark, SourceMarks, WatermarkTable
-from agent.instance.keyed_state import KeyedState
+from agent.instance.keyed_state import KeyedState, hashable_key
 from agent.instance.outputs import Outputs
 from agent.operators.keyed import parse_event_time
 
@@ -39,7 +39,9 @@ class Marks:
                  outputs: Outputs, stats: Dict[str, int], faults: FrozenSet[str]) -> None:
         self.conf = conf
         self.table = WatermarkTable()
-        self.source: Optional[SourceMarks] = SourceMarks(conf.disorder_ms, conf.idle_after) if is_source else None
+        self.channel_field: Optional[str] = getattr(conf, "channel_field", None)
+        self.source: Optional[SourceMarks] = (
+            SourceMarks(conf.disorder_ms, conf.idle_after, self.channel_field is not None) if is_source else None)
         self.keyed = keyed
         self.tracker = tracker
         self.outputs = outputs
@@ -101,10 +103,14 @@ class Marks:
         sm, conf = self.source, self.conf
         assert sm is not None
         late = sm.late
+        field = self.channel_field
         for _, _, rec in items:
             t = parse_event_time(rec.get(conf.time_field), conf.time_unit) if type(rec) is dict else None
             if t is not None:
-                sm.observe(t, now)
+                if field is None:
+                    sm.observe(t, now)
+                else:  # [operator.watermark] channel_field: the record's channel (a sensor)
+                    sm.observe(t, now, hashable_key(rec.get(field)))
         self.stats["late_at_source"] += sm.late - late
         m = sm.mark(now)
         if m is not None:

@@ -20,7 +20,14 @@ Rules of this file (from paho issues #354/#787 and docs/design.md section 6):
   broker does not keep queues of instances that are gone for good: MQTT 3.1.1 has no session
   expiry, so the client connects once more with a clean session, which discards the old one
   (MQTT 5, `mqtt5=True`: DISCONNECT with expiry 0, as before);
-- reconnects with exponential backoff; if the broker lost the session, subscriptions are renewed.
+- reconnects with exponential backoff; if the broker lost the session, subscriptions are renewed;
+- a manual-ack transport PUBACKs a packet id at most once per connection, until the broker
+  delivers that id again as a new message (`ack`). After a reconnect the broker sends again,
+  flagged dup, what it had in flight; the owner may have acked one of those on the new
+  connection already (a delivery of the old one it still held), and then acks its dup too.
+  After such a second PUBACK, of a packet id it no longer held, Mosquitto 2.0.11 sent the next
+  new message ahead of those it had queued for the client while it was away (docs/results.md,
+  R23: a sensor reading 17.6 s ahead of 878).
 """
 
 from __future__ import annotations
@@ -42,6 +49,8 @@ from agent.mqtt.settings import BrokerSpec
 from agent.mqtt import client as mqttc
 
 log = logging.getLogger(__name__)
+# packet ids a manual-ack transport remembers having PUBACKed on its connection (`ack`)
+ACKED_MIDS = 4096
 
 __all__ = [
     "Transport",
@@ -122,6 +131,10 @@ class Transport:
         self.published = 0
         self.rejected = 0
         self.reconnects = 0
+        # manual acks: packet ids PUBACKed on this connection, until delivered again as new (`ack`);
+        # the last ACKED_MIDS only (the broker's dups come with the reconnect, at most its window)
+        self._acked_mids: Dict[int, None] = {}
+        self.acks_skipped = 0
         self._session = mqttc.Session(mqtt5=mqtt5, persistent=persistent, expiry=SESSION_EXPIRY)
         # max_queued 0: bounded by our flow control instead (flow.OutLink)
         c = mqttc.make_client(broker, client_id, self._session, max_inflight=broker.max_inflight, max_queued=0,
@@ -141,6 +154,7 @@ class Transport:
             return
         self._connected = True
         self._backoff = 0.1
+        self._acked_mids.clear()  # a new connection: the broker sends again what we did not ack on it
         self.events.append(Connected(bool(flags.session_present)))
 
     def _on_disconnect(self, client: Any, userdata: Any, flags: Any, rc: Any, props: Any = None) -> None:
@@ -154,6 +168,8 @@ class Transport:
         self._connected = False
 
     def _on_message(self, client: Any, userdata: Any, msg: Any) -> None:
+        if not msg.dup:
+            self._acked_mids.pop(msg.mid, None)  # the broker uses the id again: a new message to ack
         self.events.append(Received(msg.topic, msg.payload, msg.mid, msg.qos, bool(msg.dup)))
 
     def _on_publish(self, client: Any, userdata: Any, mid: int, rc: Any = None, props: Any = None) -> None:
@@ -268,10 +284,18 @@ class Transport:
                 self._pending_sub[mid] = topic
 
     def ack(self, mid: int, qos: int) -> None:
-        """PUBACK one delivery (a manual-ack transport). Only on the connection that received it:
-        after a reconnect the broker sends it again itself, and paho refuses acks it cannot send."""
+        """PUBACK one delivery (a manual-ack transport). Only while connected: after a reconnect
+        the broker sends it again itself, and paho refuses acks it cannot send. A packet id
+        already PUBACKed on this connection is not acked again (the dup of a delivery acked
+        since the reconnect: see the rules above) until the broker delivers it as new."""
         self._check_owner()
         if qos > 0 and self._connected:
+            if mid in self._acked_mids:
+                self.acks_skipped += 1
+                return
+            self._acked_mids[mid] = None
+            if len(self._acked_mids) > ACKED_MIDS:
+                del self._acked_mids[next(iter(self._acked_mids))]
             self.client.ack(mid, qos)
 
     def socket(self) -> Any:
