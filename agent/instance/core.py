@@ -57,6 +57,7 @@ from agent.instance.hosts import Hosts
 from agent.instance.keyed_state import KeyedState
 from agent.instance.marks import FAULT_MARKS_OWN_MAX, Marks
 from agent.instance.outputs import ACK_DELAY, RAW_TOPIC, Outputs
+from agent.instance.replays import FAULT_RESYNC_AT_FIRST_SEEN, REPLAY_WAIT, ReplayWait
 from agent.instance.source import Source
 from agent.instance.spec import InstanceSpec
 from agent.measure.capacity import LiveCapacity
@@ -84,11 +85,7 @@ STATE_PERIOD = 1.0  # persist the channel snapshot at most this often (a rename 
 # A hole in a sender's numbering this old will not close by itself: the broker lost those
 # messages, or another connection with our client id took them (a fenced copy after a partition).
 GAP_TIMEOUT = 5.0
-# A predecessor whose data we drop while we wait for its replay marker (`_await_replays`) and whose
-# marker has not come this long after the first drop never got our request (lost with a broker's
-# state): we ask again, as a new incarnation. Generous: a loaded predecessor answers late.
-REPLAY_WAIT = 10.0
-SILENCE_CHECK = 1.0  # seconds between the two checks above
+SILENCE_CHECK = 1.0  # seconds between the check above and REPLAY_WAIT's (agent.instance.replays)
 
 # Seeded fault (foglab.sim.instance_check, never set elsewhere): refused publishes are retried
 # only when there is data to flush, so a sink's refused ack holds back all its later acks.
@@ -96,13 +93,8 @@ FAULT_RETRY_ONLY_WITH_DATA = "retry_only_with_data"
 # Seeded fault (the same): records sent again are routed afresh, not to where they went before,
 # so after a crash a copy can reach another sink instance, which keeps it (INVARIANT 8).
 FAULT_ROUTE_AFRESH = "route_afresh"
-# A restarted receiver takes a predecessor's data at the first number it sees when its snapshot
-# does not hold that channel (the checker's former `resync_past_lost_replays`).
-FAULT_RESYNC_AT_FIRST_SEEN = "resync_at_first_seen"
-# The wait for a replay marker starts its clock only at the first data batch it drops, not at a
-# protocol message or a duplicate (seed 9230: the sink never asked again, 4 records lost).
-FAULT_REPLAY_CLOCK_AT_DROP = "replay_clock_at_drop"
-# The seeded faults of the watermarks are agent.instance.marks's (FAULT_MARKS_UNACKED, FAULT_MARKS_OWN_MAX).
+# The seeded faults of the watermarks are agent.instance.marks's (FAULT_MARKS_UNACKED, FAULT_MARKS_OWN_MAX),
+# those of the wait for replays agent.instance.replays's (FAULT_RESYNC_AT_FIRST_SEEN, FAULT_REPLAY_CLOCK_AT_DROP).
 
 
 class Phase(Enum):
@@ -318,10 +310,9 @@ class Instance:
         self._last_heartbeat = 0.0
         self._final = False
         self._holes: Dict[str, Tuple[Tuple[int, int], float]] = {}  # sender -> ((epoch, missing seq), since)
-        # A new incarnation of ours: predecessor -> (its epoch we knew, None when our snapshot
-        # lacks its channel; when we first dropped its data or None), for the predecessors whose
-        # data before their replay marker we drop (`_await_replays`, docs/reliability.md).
-        self._awaiting_replay: Dict[str, Tuple[Optional[int], Optional[float]]] = {}
+        # A new incarnation of ours: the predecessors whose data before their replay marker we
+        # drop (agent.instance.replays, docs/reliability.md "Replays in order").
+        self.replays = ReplayWait(self.stats, self.faults)
         self._dup_behind_data = False  # a predecessor's duplication queued behind its data (`_duplications_ahead`)
         self._eos_behind_data = False  # a predecessor's Eos queued behind its data (`_eos_ahead`)
         self._next_silence_check = 0.0
@@ -457,7 +448,7 @@ class Instance:
         if restart:
             # Tell each predecessor we are a new incarnation (an ack of nothing, numbered in our
             # new epoch): it replays what we had not acknowledged (agent.instance.outputs, `successor_restarted`).
-            self._await_replays(self.scaling.core.preds)
+            self.replays.start(self.scaling.core.preds, self.inbound.position)
             for pred in sorted(self.scaling.core.preds):
                 self.send_envelope(pred, Kind.ACK, [0, 0])
             self.scaling.resync(now)
@@ -775,28 +766,22 @@ class Instance:
             self._out += self.outputs.successor_restarted(env.sender, self.now)
         if env.kind is Kind.ACK and tuple(env.body) == (0, 0) and self.scaling is not None:
             self.scaling.remind_departed(env.sender)  # a re-homed copy that forgot it left
-        if env.sender in self._awaiting_replay:
-            self._replay_wait_clock(env)
+        self.replays.seen(env, self.now)
         # INVARIANT 1 (FIFO channel): envelopes are delivered in each sender's numbering, once.
         for e in self.inbound.receive(env):
             if e.kind is Kind.ACK:
                 self._on_ack(e)
             else:
                 if e.kind is Kind.DATA:
-                    if not e.body and e.watermark is None:  # a replay marker: its replay follows (`_await_replays`)
-                        self._awaiting_replay.pop(e.sender, None)
+                    if not e.body and e.watermark is None:  # a replay marker: its replay follows
+                        self.replays.marker(e.sender)
                         continue
-                    if self._awaiting_replay and self._before_replay(e):
+                    if self.replays and self.replays.drops(e, self.now):
                         continue  # its replay brings it again, in order
                     self._period_records += len(e.body)
                     self.signals.arrived(len(e.body))
-                elif (self._awaiting_replay and e.sender in self._awaiting_replay and isinstance(e.body, dict)
-                      and e.body.get("type") == "eos"):
-                    # An Eos ahead of its predecessor's replay marker follows records we drop until
-                    # that replay: taken now, it would overtake them. The move asks again
-                    # (agent.instance.moves, MOVE_RESEND), and the new Eos comes behind the replay.
-                    self.stats["eos_before_replay"] += 1
-                    continue
+                elif self.replays and self.replays.eos_early(e):
+                    continue  # an Eos ahead of its predecessor's replay marker: sent again behind it
                 q = self.queues.get(e.sender)
                 if q is None:
                     q = self.queues[e.sender] = deque()
@@ -813,56 +798,6 @@ class Instance:
             # (acks are end to end); rare enough to say so once per occurrence.
             log.warning("data batch %d of %s's old epoch %d dropped (now epoch %s)", env.seq, env.sender,
                         env.epoch, self.inbound.epoch_of(env.sender), extra=self.ctx)
-
-    def _await_replays(self, preds: Any) -> None:
-        """We are a new incarnation and ask `preds` for a replay. Data a predecessor sent before
-        it saw our new epoch may still be queued for us: newer records than the ones we lost
-        with our memory. Processed first, they would reach the successors ahead of the replayed
-        older ones (a keyed operator's window then closes without them: seed 25 of the stateful
-        chaos run). Everything such a predecessor sent us and we did not ack is in its replay,
-        which follows its replay marker (an empty data batch, agent.instance.outputs), so what
-        comes from it before the marker is dropped, and its records reach us in its order.
-        Only predecessors we had a channel with (the others sent us nothing yet, and may not
-        know us yet: they would never send a marker); a newer epoch of the predecessor ends the
-        wait (restarted itself: all it sends is fresh). docs/reliability.md, "Replays in order".
-        A predecessor whose channel our snapshot does not hold (it lags: we crashed before
-        persisting it) is awaited too: its data is taken only from a marker or from number 1
-        (a channel that starts there has nothing before it). Taken at the first number seen,
-        a batch that followed replays a broker rollback lost was acked, and the cumulative ack
-        dropped the lost replays from the sender's buffer (`resync_past_lost_replays`)."""
-        self._awaiting_replay = {}
-        for p in preds:
-            pos = self.inbound.position(p)
-            if pos is not None or FAULT_RESYNC_AT_FIRST_SEEN not in self.faults:
-                self._awaiting_replay[p] = (pos[0] if pos is not None else None, None)
-
-    def _before_replay(self, env: Envelope) -> bool:
-        """Drop `env` (data from a predecessor whose replay marker has not come yet)?"""
-        awaited = self._awaiting_replay.get(env.sender)
-        if awaited is None:
-            return False
-        epoch, since = awaited
-        if env.seq == 1 if epoch is None else env.epoch > epoch:
-            del self._awaiting_replay[env.sender]  # a new incarnation of it: fresh data
-            return False
-        self.stats["dropped_before_replay"] += 1
-        if since is None:
-            self._awaiting_replay[env.sender] = (epoch, self.now)
-        return True
-
-    def _replay_wait_clock(self, env: Envelope) -> None:
-        """Start the clock of the wait for `env.sender`'s replay marker (REPLAY_WAIT) at anything
-        it sends us but its marker: it is alive, so a marker that does not follow was lost. Not
-        only at a dropped data batch: a protocol message may open a channel the snapshot lacked
-        past data and a marker a broker rollback lost, and the replays of that data under their
-        own numbers then die in the channel as duplicates, never reaching `_before_replay`
-        (seed 9230 of the every-move mix, docs/reliability.md, "Replays in order"). A newer
-        epoch of the sender is no evidence: its data ends the wait."""
-        epoch, since = self._awaiting_replay[env.sender]
-        if since is not None or FAULT_REPLAY_CLOCK_AT_DROP in self.faults:
-            return
-        if (env.kind is not Kind.DATA or env.body) and (epoch is None or env.epoch <= epoch):
-            self._awaiting_replay[env.sender] = (epoch, self.now)
 
     def forget_sender(self, sender: str) -> None:
         """Drop every per-sender entry of an instance admitted only provisionally (an unanswered
@@ -890,8 +825,7 @@ class Instance:
         if stuck:
             self._holes = {}
             self._new_incarnation(f"messages from {', '.join(stuck)} missing for {GAP_TIMEOUT:.0f}s", "gaps_recovered")
-        unanswered = sorted(s for s, (_, t) in self._awaiting_replay.items()
-                            if t is not None and now - t >= REPLAY_WAIT)
+        unanswered = self.replays.unanswered(now)
         if unanswered:
             self._new_incarnation(f"no replay marker from {', '.join(unanswered)} in {REPLAY_WAIT:.0f}s",
                                   "replays_asked_again")
@@ -920,7 +854,7 @@ class Instance:
         self.stats[counter] += 1
         log.warning("%s: new epoch %d, asking for replays", why, self.epoch, extra=self.ctx)
         if self.scaling is not None:
-            self._await_replays(self.scaling.core.preds)
+            self.replays.start(self.scaling.core.preds, self.inbound.position)
             for pred in sorted(self.scaling.core.preds):
                 self.send_envelope(pred, Kind.ACK, [0, 0])
             self.scaling.resync(self.now)
