@@ -55,13 +55,12 @@ from agent.instance.events import (
 from agent.instance.admission import Admission
 from agent.instance.hosts import Hosts
 from agent.instance.keyed_state import KeyedState
+from agent.instance.load import Load, no_clock
 from agent.instance.marks import FAULT_MARKS_OWN_MAX, Marks
 from agent.instance.outputs import ACK_DELAY, RAW_TOPIC, Outputs
 from agent.instance.replays import FAULT_RESYNC_AT_FIRST_SEEN, REPLAY_WAIT, ReplayWait
 from agent.instance.source import Source
 from agent.instance.spec import InstanceSpec
-from agent.measure.capacity import LiveCapacity
-from agent.measure.signals import PeriodSignals, Signals
 from agent.operators.builtin import SinkOperator
 from agent.operators.keyed import KeyedOperator, keyed_config_problems
 from agent.protocol.errors import LocalProtocolError
@@ -115,11 +114,6 @@ _ACCEPTS: Dict[Phase, FrozenSet[Type[Event]]] = {
 }
 
 
-def _no_clock() -> float:
-    """The live signals' clocks when none is passed (the checker): no time spent."""
-    return 0.0
-
-
 class Instance:
     """One operator instance: channels, flow control and acks, the replay buffer, the scaling
     driver and the lifecycle. Built by the shell from what it loaded (spec, pipeline, operator);
@@ -127,8 +121,8 @@ class Instance:
     same process (a chain, docs/runtime.md "Chaining"): envelopes to them are `Handoff`s."""
 
     def __init__(self, spec: InstanceSpec, pipeline: PipelineConfig, operator: Any,
-                 faults: FrozenSet[str] = frozenset(), perf: Callable[[], float] = _no_clock,
-                 cpu: Callable[[], float] = _no_clock, local: FrozenSet[str] = frozenset(),
+                 faults: FrozenSet[str] = frozenset(), perf: Callable[[], float] = no_clock,
+                 cpu: Callable[[], float] = no_clock, local: FrozenSet[str] = frozenset(),
                  next_keyed: bool = False) -> None:
         self.spec = spec
         self.pipeline = pipeline
@@ -138,9 +132,10 @@ class Instance:
         # Co-hosted instances: fixed for the life of the process (the chain never changes its
         # members), so every envelope to one of them goes in memory, never some over MQTT.
         self.local = frozenset(local) - {spec.instance}
-        # CPU-time and interval clocks for the live signals only (docs/measurement.md); the
-        # shell passes time.perf_counter and time.process_time, the checker nothing.
-        self.perf, self.cpu = perf, cpu
+        # What the scaling decision reads of our load (agent.instance.load): records received per
+        # period and the live signals, with their CPU-time and interval clocks (docs/measurement.md;
+        # the shell passes time.perf_counter and time.process_time, the checker nothing).
+        self.load = Load(perf, cpu)
         self.stage = pipeline.index(spec.operator)
         self.kind = self.op.kind
         self.ctx = {"instance": spec.instance, "operator": spec.operator, "node": spec.node}
@@ -295,13 +290,6 @@ class Instance:
                 self.keyed.flowing = True
         self._malformed_log = LogLimiter()  # bounded: a flood of invented names costs nothing
         self._malformed_logged: Set[str] = set()  # protocol senders (admitted ones only: bounded)
-        self._period_records = 0
-        self._last_load = 0.0
-        # Live signals (docs/measurement.md, "Live signals"): taken at every decision period,
-        # published in the heartbeat, and the online capacity estimate they feed.
-        self.signals = PeriodSignals(0.0, 0.0)
-        self.last_signals: Optional[Signals] = None
-        self.live_capacity = LiveCapacity(500.0)
         self._exit: Optional[Tuple[int, str, bool]] = None
         self.stopping = False
         self._stop_deadline = 0.0
@@ -319,7 +307,6 @@ class Instance:
         self.first_record_at: Optional[float] = None
         self.activated_at: Optional[float] = None  # wall time of our Start (rescale breakdown)
         self._terminate_reason = ""
-        self._period_start = 0.0
 
     # ---- the one entry point ------------------------------------------------------------------------
 
@@ -432,11 +419,10 @@ class Instance:
             self.inbound.restore(saved.get("inbound") or {}, resync=True)
         self.outputs.renumber(self.epoch)
         self._next_silence_check = now + SILENCE_CHECK
-        self._period_start = now
+        self.load.begin(now)
         self.source.started_at = wall
-        self.signals = PeriodSignals(now, self.cpu())
         self.scaling = ScalingDriver(self, saved, restart)
-        self.live_capacity = LiveCapacity(self.scaling.params.capacity)
+        self.load.set_capacity(self.scaling.params.capacity)
         if restart and self.scaling.core.forwards_data:
             # The restored tables, not the spec's initial ones: since its creation the instance
             # may have been activated (a copy starts with none) or seen neighbours come and go.
@@ -458,7 +444,6 @@ class Instance:
             elif restart:
                 self.source.resume(source_position, self.wall())
             self.operator.start(now)
-        self._period_start = now
         self.emit("ready")
         if self.scaling.terminated:
             # Restarted (an agent restart re-adopting it, say) after the protocol had already
@@ -526,7 +511,7 @@ class Instance:
             self._out += self.source.settle(self._lowest_pending)
 
     def _turn_blocked(self, now: float) -> None:
-        self.signals.blocked(now, self._backpressured())
+        self.load.blocked(now, self._backpressured())
 
     def _turn_acks(self, now: float) -> None:
         self._send_acks(now)
@@ -778,8 +763,7 @@ class Instance:
                         continue
                     if self.replays and self.replays.drops(e, self.now):
                         continue  # its replay brings it again, in order
-                    self._period_records += len(e.body)
-                    self.signals.arrived(len(e.body))
+                    self.load.arrived(len(e.body))
                 elif self.replays and self.replays.eos_early(e):
                     continue  # an Eos ahead of its predecessor's replay marker: sent again behind it
                 q = self.queues.get(e.sender)
@@ -1051,7 +1035,7 @@ class Instance:
         index = self.tracker.processed(env.sender, env.seq, env.epoch)
         if env.floors:
             self.outputs.note_floors(env.floors)
-        t0 = self.perf()
+        t0 = self.load.clock()
         if self.is_sink:
             self._record(items, index, env)
         elif self.keyed is not None:
@@ -1076,7 +1060,7 @@ class Instance:
                 self.outputs.forward(out, index, now)
             if self.marks is not None and env.watermark is not None:
                 self.marks.note(env.sender, index, env.watermark)
-        self.signals.processed(n, self.perf() - t0 + n * self.service_time)
+        self.load.processed(n, t0, n * self.service_time)
         if self.service_time:
             self.busy_until = max(self.busy_until, now) + n * self.service_time
 
@@ -1186,7 +1170,7 @@ class Instance:
             self._write_source_stats()  # the reservation on disk before the records it covers
         items = self.operator.poll(now, budget)
         if items:
-            self._period_records += len(items)
+            self.load.produced(len(items))
             self.stats["records_in"] += len(items)
             index = self.tracker.produced()
             self.source.polled(index, items[0][1])
@@ -1371,7 +1355,7 @@ class Instance:
         s.update(
             instance=self.spec.instance,
             operator=self.spec.operator,
-            load=round(self._last_load, 1),
+            load=round(self.load.last, 1),
             succs=list(self.router.succs),
             inflight={d: link.inflight for d, link in self.outputs.links.items()},
             outbox=self.outbox.pending,
@@ -1386,10 +1370,10 @@ class Instance:
             routes_remembered=len(self.outputs.routes),
             records_pinned=self.outputs.routes.pinned,
             service_time_ms=self.service_time * 1000,
-            live_capacity=round(self.live_capacity.value, 2),
-            online_service_time_ms=(round(self.live_capacity.service_time * 1000, 4)
-                                    if self.live_capacity.service_time else None),
-            signals=self.last_signals.to_stats() if self.last_signals is not None else None,
+            live_capacity=round(self.load.capacity.value, 2),
+            online_service_time_ms=(round(self.load.capacity.service_time * 1000, 4)
+                                    if self.load.capacity.service_time else None),
+            signals=self.load.last_signals.to_stats() if self.load.last_signals is not None else None,
             first_record_at=self.first_record_at,
             activated_at=self.activated_at,
             at=self.wall(),
@@ -1408,22 +1392,6 @@ class Instance:
         self.emit("heartbeat", stats=self.snapshot_stats())
         if self.is_source and self.source.write_due(now):
             self._write_source_stats()
-
-    def take_signals(self, now: float) -> Signals:
-        """Close the live-signal period (the decision period) and feed the online capacity."""
-        sig = self.signals.take(now, self.cpu())
-        self.live_capacity.update(sig.busy, sig.processed)
-        self.last_signals = sig
-        return sig
-
-    def measure_load(self, now: float) -> float:
-        """Records received per second since the last call (the paper's l_t, per second)."""
-        dt = max(1e-6, now - self._period_start)
-        load = self._period_records / dt
-        self._period_records = 0
-        self._period_start = now
-        self._last_load = load
-        return load
 
     def _write_source_stats(self) -> None:
         if not self.is_source:

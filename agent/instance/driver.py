@@ -560,8 +560,8 @@ class ScalingDriver:
             self._send_link(self.links.due(now))
         if now < self.next_tick:
             return
-        load = self.w.measure_load(now)
-        sig = self.w.take_signals(now)
+        load = self.w.load.measure(now)
+        sig = self.w.load.take_signals(now)
         self.next_tick = now + self.period
         # DEVIATION (docs/scaling.md): input that began during this period (the first records
         # after a start, a restart or a period without any) was counted over only part of it:
@@ -586,7 +586,7 @@ class ScalingDriver:
         self.round_created = []
         draw = self.rng.random()
         if self.live is not None:
-            decision = self.live.decide(PeriodInputs(now, load, sig.processed_rate, self.w.live_capacity.value,
+            decision = self.live.decide(PeriodInputs(now, load, sig.processed_rate, self.w.load.capacity.value,
                                                      sig.backpressure, self.core.keeper, draw, self.w.wall()))
         else:
             decision = self.core.decide(load, draw)
@@ -613,7 +613,7 @@ class ScalingDriver:
 
     def _capacity(self) -> float:
         """The capacity this instance's policy compares with: live for the Gesscale policies."""
-        return self.w.live_capacity.value if self.live is not None else self.params.capacity
+        return self.w.load.capacity.value if self.live is not None else self.params.capacity
 
     def _publish_decision(self, now: float, load: float, draw: float, decision: Any, outs: List[Any]) -> None:
         """A decision event with the numbers it was drawn from (load, capacity, ratio, probability,
