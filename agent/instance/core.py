@@ -12,15 +12,18 @@ shell: it turns paho callbacks, control lines and its loop's turns into events (
 The parts this module routes to own their state and hold no reference to the instance:
 agent.instance.outputs (links, numbering, publishes, acks upstream), agent.instance.admission
 (admission and the hold buffer), agent.instance.source (a source's numbering and pacing),
-agent.instance.marks (the watermarks taken in and passed on). What stays here: the lifecycle, the
-per-sender queues and their order, processing, the silence checks, persistence (docs/runtime.md,
-"Instance").
+agent.instance.marks (the watermarks taken in and passed on), agent.instance.replays (the
+replays a new incarnation waits for), agent.instance.load (the load and live signals the scaling
+decision reads), agent.instance.lifecycle (the phase, a stop and its drain, the exit decided).
+What stays here: the per-sender queues and their order, processing, the silence checks,
+persistence (docs/runtime.md, "Instance").
 
-Lifecycle (`Phase`, the table `_ACCEPTS`): NEW -(Started | Restarted)-> RUNNING -(stop,
-eof, or Terminate from the protocol)-> STOPPING -(drained, or drain timeout, or Abort)-> EXITED.
-An event the table does not list for the current phase raises `LocalProtocolError` naming the
-phase: the shell broke the contract (a Tick before Started, anything but publish feedback
-after Exit). Bad input from the bus is never an error here: it is counted, logged, skipped.
+Lifecycle (`Phase`, the table `ACCEPTS` of agent.instance.lifecycle): NEW -(Started |
+Restarted)-> RUNNING -(stop, eof, or Terminate from the protocol)-> STOPPING -(drained, or drain
+timeout, or Abort)-> EXITED. An event the table does not list for the current phase raises
+`LocalProtocolError` naming the phase: the shell broke the contract (a Tick before Started,
+anything but publish feedback after Exit). Bad input from the bus is never an error here: it is
+counted, logged, skipped.
 
 The order of work in one loop turn is the table `Instance._TURN` (read top-down); the shell
 delivers every transport event and control line first, then one Tick (exactly the old worker
@@ -32,7 +35,6 @@ from __future__ import annotations
 import json
 import logging
 from collections import deque
-from enum import Enum
 from typing import Any, Callable, Deque, Dict, FrozenSet, List, Optional, Set, Tuple, Type
 
 from agent import events, topics
@@ -55,6 +57,10 @@ from agent.instance.events import (
 from agent.instance.admission import Admission
 from agent.instance.hosts import Hosts
 from agent.instance.keyed_state import KeyedState
+from agent.instance.lifecycle import ACCEPTS as _ACCEPTS  # noqa: F401 (the tests read the table here)
+from agent.instance.lifecycle import (
+    EXIT_BAD_SPEC, EXIT_BROKER, EXIT_CRASH, EXIT_DRAIN_TIMEOUT, EXIT_OK, Lifecycle, Phase,
+)
 from agent.instance.load import Load, no_clock
 from agent.instance.marks import FAULT_MARKS_OWN_MAX, Marks
 from agent.instance.outputs import ACK_DELAY, RAW_TOPIC, Outputs
@@ -70,13 +76,6 @@ __all__ = ["Instance", "Phase", "EXIT_OK", "EXIT_CRASH", "EXIT_BAD_SPEC", "EXIT_
            "FAULT_RETRY_ONLY_WITH_DATA", "FAULT_ROUTE_AFRESH", "FAULT_RESYNC_AT_FIRST_SEEN"]
 
 log = logging.getLogger("agent.instance.worker")
-
-# Exit codes (the agent's supervisor maps them to restart decisions).
-EXIT_OK = 0  # drained and exited (stop, or terminated by the protocol)
-EXIT_CRASH = 1  # unexpected exception
-EXIT_BAD_SPEC = 2  # the spec or the pipeline cannot be loaded: restarting will not help
-EXIT_BROKER = 3  # could not connect/subscribe at start
-EXIT_DRAIN_TIMEOUT = 4  # stop requested, but successors did not ack everything in time
 
 MAX_POLL = 0.05  # longest wait the instance asks for (the shell sees control lines within this)
 SINK_SETTLE_POLL = 0.05  # a sink whose spool is at its cap checks this often whether shipping freed it
@@ -94,24 +93,6 @@ FAULT_RETRY_ONLY_WITH_DATA = "retry_only_with_data"
 FAULT_ROUTE_AFRESH = "route_afresh"
 # The seeded faults of the watermarks are agent.instance.marks's (FAULT_MARKS_UNACKED, FAULT_MARKS_OWN_MAX),
 # those of the wait for replays agent.instance.replays's (FAULT_RESYNC_AT_FIRST_SEEN, FAULT_REPLAY_CLOCK_AT_DROP).
-
-
-class Phase(Enum):
-    NEW = "new"  # built, not subscribed yet
-    RUNNING = "running"
-    STOPPING = "stopping"  # draining before exit (stop, eof, or terminated by the protocol)
-    EXITED = "exited"  # the Exit command went out
-
-
-_FEEDBACK: FrozenSet[Type[Event]] = frozenset({PublishAccepted, PublishRefused, PubAcked})
-_LIVE: FrozenSet[Type[Event]] = _FEEDBACK | {EnvelopeReceived, EnvelopeHanded, SessionLost, Spawned, Control, Tick, Abort}
-# Which events make sense in which phase; anything else is a LocalProtocolError.
-_ACCEPTS: Dict[Phase, FrozenSet[Type[Event]]] = {
-    Phase.NEW: frozenset({Started, Restarted}),
-    Phase.RUNNING: _LIVE,
-    Phase.STOPPING: _LIVE,
-    Phase.EXITED: _FEEDBACK,
-}
 
 
 class Instance:
@@ -147,7 +128,8 @@ class Instance:
                       else topics.inbox_all(spec.cluster, spec.instance))
         self._inbox_root = f"{topics.base(spec.cluster)}/inbox/" if per_node else None
         self.hosts = Hosts()
-        self.phase = Phase.NEW
+        # Its phase, a stop and its drain, the exit decided (agent.instance.lifecycle).
+        self.life = Lifecycle(spec.instance)
         self.now = 0.0
         self._wall_offset = 0.0
         self._out: List[Command] = []
@@ -290,13 +272,9 @@ class Instance:
                 self.keyed.flowing = True
         self._malformed_log = LogLimiter()  # bounded: a flood of invented names costs nothing
         self._malformed_logged: Set[str] = set()  # protocol senders (admitted ones only: bounded)
-        self._exit: Optional[Tuple[int, str, bool]] = None
-        self.stopping = False
-        self._stop_deadline = 0.0
         self._state_dirty = True
         self._last_state_write = -1e9
         self._last_heartbeat = 0.0
-        self._final = False
         self._holes: Dict[str, Tuple[Tuple[int, int], float]] = {}  # sender -> ((epoch, missing seq), since)
         # A new incarnation of ours: the predecessors whose data before their replay marker we
         # drop (agent.instance.replays, docs/reliability.md "Replays in order").
@@ -306,22 +284,18 @@ class Instance:
         self._next_silence_check = 0.0
         self.first_record_at: Optional[float] = None
         self.activated_at: Optional[float] = None  # wall time of our Start (rescale breakdown)
-        self._terminate_reason = ""
 
     # ---- the one entry point ------------------------------------------------------------------------
 
     def handle(self, event: Event, now: float) -> List[Command]:
         """Apply one event at monotonic time `now`; the commands to perform, in order."""
-        allowed = _ACCEPTS[self.phase]
-        if type(event) not in allowed:
-            raise LocalProtocolError(
-                f"{self.spec.instance}: {type(event).__name__} in phase {self.phase.value}, expected one of "
-                f"{sorted(t.__name__ for t in allowed)}")
+        self.life.check(event)
         self.now = now
         self._out = []
         self._HANDLERS[type(event)](self, event)
-        if self._exit is not None and self.phase is not Phase.EXITED:
-            self._finish(*self._exit)
+        due = self.life.due()
+        if due is not None:
+            self._finish(*due)
         out, self._out = self._out, []
         return out
 
@@ -332,8 +306,17 @@ class Instance:
         return self._decode_records is True
 
     @property
+    def phase(self) -> Phase:
+        return self.life.phase
+
+    @property
+    def stopping(self) -> bool:
+        """Stopping: draining before the exit (a stop, or terminated by the protocol)."""
+        return self.life.stopping
+
+    @property
     def exited(self) -> bool:
-        return self.phase is Phase.EXITED
+        return self.life.phase is Phase.EXITED
 
     def wall(self) -> float:
         """The wall clock, as of the last event that carried it (timestamps, epoch plausibility)."""
@@ -409,7 +392,7 @@ class Instance:
         epoch, restore what a restart needs, and only then say "ready"."""
         now = self.now
         self._wall_offset = wall - now
-        self.phase = Phase.RUNNING
+        self.life.run()
         # Epoch: a restarted worker (same identity) numbers its messages in a new epoch.
         self.epoch = int(saved.get("epoch", -1)) + 1 if saved else 0
         # Re-homed after its node died (agent.node.rehome): the old state is gone with the
@@ -448,7 +431,7 @@ class Instance:
         if self.scaling.terminated:
             # Restarted (an agent restart re-adopting it, say) after the protocol had already
             # terminated it, before its final exit: gone from every table, so gone for good.
-            self._exit = (EXIT_OK, "restarted after its termination: gone for good", True)
+            self.life.exit = (EXIT_OK, "restarted after its termination: gone for good", True)
         elif self.scaling.outputs:
             self.scaling.run_outputs(now)  # a restarted round: perform what was still queued
 
@@ -565,7 +548,7 @@ class Instance:
     def next_wake(self, now: float) -> float:
         """Seconds until the instance has something to do without a new message (the shell's
         poll timeout): 0 when work is ready."""
-        if self._exit is not None:
+        if self.life.exit is not None:
             return 0.0
         if self._has_ready_input(now):
             return 0.0
@@ -604,7 +587,7 @@ class Instance:
             self.scaling.on_spawned({"request": ev.request, "ok": ev.ok, "error": ev.error})
 
     def _on_abort(self, ev: Abort) -> None:
-        self._exit = (EXIT_DRAIN_TIMEOUT, ev.reason, False)
+        self.life.exit = (EXIT_DRAIN_TIMEOUT, ev.reason, False)
 
     # ---- control lines -------------------------------------------------------------------------------
 
@@ -649,31 +632,19 @@ class Instance:
 
     def request_stop(self, now: float) -> None:
         """Agent shutdown: stop producing, drain (bounded), exit; the session is kept."""
-        if not self.stopping:
-            self.stopping = True
-            self.phase = Phase.STOPPING
-            self._stop_deadline = now + float(self.spec.extra.get("drain_timeout", 10.0))
+        if self.life.stop(now, float(self.spec.extra.get("drain_timeout", 10.0))):
             log.info("stop requested: draining", extra=self.ctx)
 
     def _check_stopped(self, now: float) -> None:
-        if self.drained() and (not self._final or self.scaling is None or self.scaling.ready_to_exit()):
-            self._exit = (EXIT_OK, "stopped", False)
-        elif now > self._stop_deadline:
-            self._exit = (EXIT_DRAIN_TIMEOUT, "drain timeout: successors did not ack everything", False)
+        self.life.check_stopped(now, self.drained() and (not self.life.final or self.scaling is None
+                                                         or self.scaling.ready_to_exit()))
 
     def terminate(self, reason: str) -> None:
         """INVARIANT 4 (drain before exit): called by the scaling driver on `Terminate`, which
         the core emits only after every deletion ack; the loop still finishes draining first."""
-        self.stopping = True
-        self.phase = Phase.STOPPING
-        self._stop_deadline = self.now + float(self.spec.extra.get("drain_timeout", 30.0))
-        self._final = True
-        self._terminate_reason = reason
+        self.life.terminate(self.now, float(self.spec.extra.get("drain_timeout", 30.0)), reason)
 
     def _finish(self, code: int, reason: str, final: bool) -> None:
-        final = final or self._final
-        if code == EXIT_OK and self._terminate_reason:
-            reason = self._terminate_reason
         try:
             self.operator.close()
         except Exception:  # noqa: BLE001
@@ -687,7 +658,7 @@ class Instance:
         # `final`: gone for good (terminated by the protocol); the agent then forgets this
         # instance instead of re-adopting it after its own restart (agent.node.hosted).
         self._out.append(Exit(code, reason, final))
-        self.phase = Phase.EXITED
+        self.life.exited()
 
     # ---- inbox ----------------------------------------------------------------------------------------
 
