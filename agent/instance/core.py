@@ -65,6 +65,7 @@ from agent.instance.load import Load, no_clock
 from agent.instance.marks import FAULT_MARKS_OWN_MAX, Marks
 from agent.instance.outputs import ACK_DELAY, RAW_TOPIC, Outputs
 from agent.instance.replays import FAULT_RESYNC_AT_FIRST_SEEN, REPLAY_WAIT, ReplayWait
+from agent.instance.silence import GAP_TIMEOUT, SILENCE_CHECK, Silence  # noqa: F401 (SILENCE_CHECK: the tests')
 from agent.instance.source import Source
 from agent.instance.spec import InstanceSpec
 from agent.operators.builtin import SinkOperator
@@ -80,10 +81,6 @@ log = logging.getLogger("agent.instance.worker")
 MAX_POLL = 0.05  # longest wait the instance asks for (the shell sees control lines within this)
 SINK_SETTLE_POLL = 0.05  # a sink whose spool is at its cap checks this often whether shipping freed it
 STATE_PERIOD = 1.0  # persist the channel snapshot at most this often (a rename costs ~5 ms here)
-# A hole in a sender's numbering this old will not close by itself: the broker lost those
-# messages, or another connection with our client id took them (a fenced copy after a partition).
-GAP_TIMEOUT = 5.0
-SILENCE_CHECK = 1.0  # seconds between the check above and REPLAY_WAIT's (agent.instance.replays)
 
 # Seeded fault (foglab.sim.instance_check, never set elsewhere): refused publishes are retried
 # only when there is data to flush, so a sink's refused ack holds back all its later acks.
@@ -275,13 +272,13 @@ class Instance:
         self._state_dirty = True
         self._last_state_write = -1e9
         self._last_heartbeat = 0.0
-        self._holes: Dict[str, Tuple[Tuple[int, int], float]] = {}  # sender -> ((epoch, missing seq), since)
+        # The silence checks' clock and the holes in our senders' numbering (agent.instance.silence).
+        self.silence = Silence()
         # A new incarnation of ours: the predecessors whose data before their replay marker we
         # drop (agent.instance.replays, docs/reliability.md "Replays in order").
         self.replays = ReplayWait(self.stats, self.faults)
         self._dup_behind_data = False  # a predecessor's duplication queued behind its data (`_duplications_ahead`)
         self._eos_behind_data = False  # a predecessor's Eos queued behind its data (`_eos_ahead`)
-        self._next_silence_check = 0.0
         self.first_record_at: Optional[float] = None
         self.activated_at: Optional[float] = None  # wall time of our Start (rescale breakdown)
 
@@ -401,7 +398,7 @@ class Instance:
         if restart:
             self.inbound.restore(saved.get("inbound") or {}, resync=True)
         self.outputs.renumber(self.epoch)
-        self._next_silence_check = now + SILENCE_CHECK
+        self.silence.checked(now)
         self.load.begin(now)
         self.source.started_at = wall
         self.scaling = ScalingDriver(self, saved, restart)
@@ -512,7 +509,7 @@ class Instance:
             self._heartbeat(now)
 
     def _turn_silence(self, now: float) -> None:
-        if now >= self._next_silence_check:
+        if self.silence.due(now):
             self._check_silence(now)
 
     def _turn_persist(self, now: float) -> None:
@@ -762,7 +759,7 @@ class Instance:
         self.queues.pop(sender, None)
         self.inbound.forget(sender)
         self.outputs.outbound.forget(sender)
-        self._holes.pop(sender, None)
+        self.silence.forget(sender)
         self.mark_state_changed()
 
     def _check_silence(self, now: float) -> None:
@@ -770,15 +767,11 @@ class Instance:
         session) show up as a hole in a sender's numbering that stays open (we become a new
         incarnation: every predecessor replays what we have not acked), or, when they were the
         last ones a sender sent us, as batches we never ack (the sender replays them to us)."""
-        self._next_silence_check = now + SILENCE_CHECK
+        self.silence.checked(now)
         if self.stopping:
             return
-        holes = {s: (g[0], g[1]) for s, g in self.inbound.gaps().items()}
-        self._holes = {s: (h, self._holes[s][1] if self._holes.get(s, (None,))[0] == h else now)
-                       for s, h in holes.items()}
-        stuck = sorted(s for s, (_, since) in self._holes.items() if now - since >= GAP_TIMEOUT)
+        stuck = self.silence.stuck(self.inbound.gaps(), now)
         if stuck:
-            self._holes = {}
             self._new_incarnation(f"messages from {', '.join(stuck)} missing for {GAP_TIMEOUT:.0f}s", "gaps_recovered")
         unanswered = self.replays.unanswered(now)
         if unanswered:
