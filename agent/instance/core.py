@@ -32,7 +32,6 @@ loop's step).
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import deque
 from typing import Any, Callable, Deque, Dict, FrozenSet, List, Optional, Set, Tuple, Type
@@ -40,9 +39,8 @@ from typing import Any, Callable, Deque, Dict, FrozenSet, List, Optional, Set, T
 from agent import events, topics
 from agent.config import PipelineConfig
 from agent.dataplane.channel import Inbound
-from agent.dataplane.envelope import LAZY, Envelope, Item, Kind, MalformedEnvelope, Passed, data_body_bytes, decode
+from agent.dataplane.envelope import LAZY, Envelope, Item, Kind, Passed, data_body_bytes
 from agent.dataplane.flow import AckTracker
-from agent.dataplane.inbound import LogLimiter
 from agent.dataplane.owners import TableError, groups_from_runs
 from agent.dataplane.routing import Outbox, Router
 from agent.dataplane.sticky import RouteMemory, needed
@@ -56,6 +54,7 @@ from agent.instance.events import (
 )
 from agent.instance.admission import Admission
 from agent.instance.hosts import Hosts
+from agent.instance.intake import Intake
 from agent.instance.keyed_state import KeyedState
 from agent.instance.lifecycle import ACCEPTS as _ACCEPTS  # noqa: F401 (the tests read the table here)
 from agent.instance.lifecycle import (
@@ -109,21 +108,19 @@ class Instance:
         self.faults = frozenset(faults)
         # Co-hosted instances: fixed for the life of the process (the chain never changes its
         # members), so every envelope to one of them goes in memory, never some over MQTT.
-        self.local = frozenset(local) - {spec.instance}
+        local = frozenset(local) - {spec.instance}
         # What the scaling decision reads of our load (agent.instance.load): records received per
         # period and the live signals, with their CPU-time and interval clocks (docs/measurement.md;
         # the shell passes time.perf_counter and time.process_time, the checker nothing).
         self.load = Load(perf, cpu)
         self.stage = pipeline.index(spec.operator)
-        self.kind = self.op.kind
+        kind = self.op.kind
         self.ctx = {"instance": spec.instance, "operator": spec.operator, "node": spec.node}
         # Per-node inboxes (docs/security.md, "Who may read an inbox"): we read
-        # `inbox/<our node>/<us>/+` and write to the node our binding table says hosts the
-        # receiver; before the table names it, what we send it waits (agent.instance.outputs).
+        # `inbox/<our node>/<us>/+` (agent.instance.intake) and write to the node our binding table
+        # says hosts the receiver; before the table names it, what we send it waits
+        # (agent.instance.outputs).
         per_node = bool(spec.extra.get("inbox_per_node"))
-        self.inbox = (topics.inbox_all_at(spec.cluster, spec.node, spec.instance) if per_node
-                      else topics.inbox_all(spec.cluster, spec.instance))
-        self._inbox_root = f"{topics.base(spec.cluster)}/inbox/" if per_node else None
         self.hosts = Hosts()
         # Its phase, a stop and its drain, the exit decided (agent.instance.lifecycle).
         self.life = Lifecycle(spec.instance)
@@ -132,15 +129,15 @@ class Instance:
         self._out: List[Command] = []
         self.epoch = 0
         self.inbound = Inbound()
-        self.is_source = self.kind == "source"
+        self.is_source = kind == "source"
         # A source's numbering and pacing (agent.instance.source); every capability off for the others.
         self.source = Source(spec.instance, operator if self.is_source else None, self.ctx)
-        self.is_sink = self.kind == "sink" or isinstance(operator, SinkOperator)
+        self.is_sink = kind == "sink" or isinstance(operator, SinkOperator)
         self.service_time = self.op.service_time_ms / 1000.0
         # A sink that reads only record ids gets compact batches without their records rebuilt;
         # so does a map that never reads its records (`identity`), as Rows it passes on: set
         # below, once the key of its routing is known.
-        self._decode_records: Any = not (self.is_sink and getattr(operator, "reads_records", True) is False)
+        decode_records: Any = not (self.is_sink and getattr(operator, "reads_records", True) is False)
 
         # Keyed stateful operator (agent.instance.keyed_state): state saved with its input position.
         self.keyed: Optional[KeyedState] = None
@@ -168,7 +165,7 @@ class Instance:
         self.router = Router(spec.succs, key=self.op.key, groups=key_groups, table=table)
         if (not self.is_sink and not self.is_source and self.keyed is None and self.router.key is None
                 and getattr(operator, "reads_records", True) is False):
-            self._decode_records = LAZY
+            decode_records = LAZY
         self._redirects_waiting: List[Tuple[str, Any]] = []  # an idle copy's, until its Start
         self.outbox = Outbox(self.router, self.op.batch_size, self.op.linger_ms / 1000.0)
         self.tracker = AckTracker()
@@ -235,6 +232,8 @@ class Instance:
             "marks_sent": 0,  # watermarks sent alone (agent.dataplane.watermarks)
             "late_at_source": 0,  # source records older than its own watermark when polled
         }
+        # What we read from our inbox before the admission (agent.instance.intake).
+        self.intake = Intake(spec.cluster, spec.node, spec.instance, per_node, decode_records, self.stats, self.ctx)
         # What we send (agent.instance.outputs): links, numbering, tracked publishes, acks upstream.
         # INVARIANT 8 (a record sent again goes where it went): a forwarding instance remembers
         # each record's successor where the next operator's instance count can change
@@ -243,7 +242,7 @@ class Instance:
                   and needed(self.op.key, pipeline.scaling_for(nxt.name).max_instances))
         self.outputs = Outputs(spec.instance, spec.cluster, spec.node, self.router, self.outbox, self.tracker,
                                self.hosts, self.stats, self.ctx, window=self.op.max_inflight_batches,
-                               ack_every=max(1, pred_window // 2), per_node=per_node, local=self.local,
+                               ack_every=max(1, pred_window // 2), per_node=per_node, local=local,
                                sticky=sticky, faults=self.faults)
         # What we let in (agent.instance.admission): how far ahead an honest sender's numbers can
         # run is set by the larger window on our channels; the node in an inbox topic must host the
@@ -267,8 +266,6 @@ class Instance:
                                self.faults)
             if self.keyed is not None and FAULT_MARKS_OWN_MAX not in self.faults:
                 self.keyed.flowing = True
-        self._malformed_log = LogLimiter()  # bounded: a flood of invented names costs nothing
-        self._malformed_logged: Set[str] = set()  # protocol senders (admitted ones only: bounded)
         self._state_dirty = True
         self._last_state_write = -1e9
         self._last_heartbeat = 0.0
@@ -300,7 +297,12 @@ class Instance:
     def reads_records(self) -> bool:
         """False: it never reads a record (a sink of ids, a map of `identity`): a chained
         predecessor may hand it records it has not rebuilt (agent.dataplane.envelope.Row)."""
-        return self._decode_records is True
+        return self.intake.records is True
+
+    @property
+    def inbox(self) -> str:
+        """The inbox topic filter the shell subscribes to."""
+        return self.intake.topic
 
     @property
     def phase(self) -> Phase:
@@ -469,7 +471,7 @@ class Instance:
 
     def _turn_release_held(self, now: float) -> None:
         if self.admission.hold:
-            self.admission.release(now, self.scaling, self.epoch, self.wall(), self._decode_records, self._accept)
+            self.admission.release(now, self.scaling, self.epoch, self.wall(), self.intake.records, self._accept)
 
     def _turn_resend_moved(self, now: float) -> None:
         if self.outputs.moved:
@@ -660,26 +662,15 @@ class Instance:
     # ---- inbox ----------------------------------------------------------------------------------------
 
     def _on_envelope(self, ev: EnvelopeReceived) -> None:
-        writer = topics.inbox_writer(self.inbox, ev.topic)
-        if writer is None and self._inbox_root is not None and ev.topic.startswith(self._inbox_root):
-            # Our inbox on a node we no longer run on: a subscription our session kept from an
-            # earlier incarnation (a re-home, a hand-over). The role's ACL drops these at delivery;
-            # a broker without it delivers them. Dropped either way; the predecessors replay what
-            # we have not acked to our new topic (they learn our node from the hosted records).
-            self.stats["foreign_inbox"] += 1
-            return
+        writer = self.intake.writer(ev.topic)
+        if writer is None and self.intake.foreign(ev.topic):
+            return  # our inbox on a node we no longer run on (counted)
         if writer is None:
             self._out += self.source.ingest(ev)
             return
-        try:
-            env = decode(ev.payload, self._decode_records)
-        except MalformedEnvelope as exc:
-            # INVARIANT 5 (nothing dropped silently): counted, logged once per sender, skipped.
-            self.stats["malformed"] += 1
-            who = _guess_sender(ev.payload)
-            if self._malformed_log.allow(who, self.now):
-                log.warning("malformed payload on inbox from %s skipped: %s", who, exc, extra=self.ctx)
-            return
+        env = self.intake.decode(ev.payload, self.now)
+        if env is None:
+            return  # INVARIANT 5 (nothing dropped silently): counted, logged, skipped
         if self.admission.screen(env, ev.payload, writer, self.scaling, self.epoch, self.wall(), self.now):
             self._accept(env)
 
@@ -1104,11 +1095,7 @@ class Instance:
                 self.handover_error(env.sender, f"{body['type']} to an instance that is not keyed")
             return
         if self.scaling is None:
-            self.stats["protocol_in"] += 1
-            self.stats["protocol_errors"] += 1
-            if env.sender not in self._malformed_logged:  # logged once per sender (invariant 5)
-                self._malformed_logged.add(env.sender)
-                log.warning("protocol message from %s but scaling is off: ignored", env.sender, extra=self.ctx)
+            self.intake.protocol_ignored(env.sender)  # counted, logged once per sender (invariant 5)
             return
         self.scaling.handle(env)
 
@@ -1401,13 +1388,3 @@ class Instance:
         Tick: _on_tick,
         Abort: _on_abort,
     }
-
-
-def _guess_sender(payload: bytes) -> str:
-    try:
-        msg = json.loads(payload)
-        if isinstance(msg, list) and len(msg) > 1 and isinstance(msg[1], str):
-            return msg[1][:64]
-    except (ValueError, TypeError, RecursionError):
-        pass
-    return "<unknown>"
