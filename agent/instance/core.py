@@ -45,6 +45,7 @@ from agent.dataplane.owners import TableError, groups_from_runs
 from agent.dataplane.routing import Outbox, Router
 from agent.dataplane.sticky import RouteMemory, needed
 from agent.instance.commands import Command, CrashPoint, Emit, Exit, Notify, Persist, PersistSource, RequestSpawn, SaveKeyed
+from agent.instance.cadence import Cadence
 from agent.instance.driver import ScalingDriver
 from agent.instance import groups as keygroup_table
 from agent.instance import moves as group_moves
@@ -79,7 +80,6 @@ log = logging.getLogger("agent.instance.worker")
 
 MAX_POLL = 0.05  # longest wait the instance asks for (the shell sees control lines within this)
 SINK_SETTLE_POLL = 0.05  # a sink whose spool is at its cap checks this often whether shipping freed it
-STATE_PERIOD = 1.0  # persist the channel snapshot at most this often (a rename costs ~5 ms here)
 
 # Seeded fault (foglab.sim.instance_check, never set elsewhere): refused publishes are retried
 # only when there is data to flush, so a sink's refused ack holds back all its later acks.
@@ -266,9 +266,8 @@ class Instance:
                                self.faults)
             if self.keyed is not None and FAULT_MARKS_OWN_MAX not in self.faults:
                 self.keyed.flowing = True
-        self._state_dirty = True
-        self._last_state_write = -1e9
-        self._last_heartbeat = 0.0
+        # When we write our state and send a heartbeat (agent.instance.cadence).
+        self.cadence = Cadence(spec.heartbeat_period)
         # The silence checks' clock and the holes in our senders' numbering (agent.instance.silence).
         self.silence = Silence()
         # A new incarnation of ours: the predecessors whose data before their replay marker we
@@ -507,7 +506,7 @@ class Instance:
             self.scaling.maybe_tick(now)
 
     def _turn_heartbeat(self, now: float) -> None:
-        if now - self._last_heartbeat >= self.spec.heartbeat_period:
+        if self.cadence.beat_due(now):
             self._heartbeat(now)
 
     def _turn_silence(self, now: float) -> None:
@@ -515,7 +514,7 @@ class Instance:
             self._check_silence(now)
 
     def _turn_persist(self, now: float) -> None:
-        if self._state_dirty or self.inbound.changed:
+        if self.cadence.dirty or self.inbound.changed:
             self.persist()
 
     def _turn_stopped(self, now: float) -> None:
@@ -553,7 +552,7 @@ class Instance:
             return 0.0
         if self.moves is not None and (self.moves.queue or self.moves.inbox):
             return 0.0  # groups to hand out or chunks to take in, a few per turn
-        deadlines = [now + MAX_POLL, self._last_heartbeat + self.spec.heartbeat_period]
+        deadlines = [now + MAX_POLL, self.cadence.next_beat()]
         d = self.outbox.next_deadline()
         if d is not None and any(self.outputs.credit(s) > 0 for s in self.router.succs):
             deadlines.append(d)  # without credit only an ack (socket readable) can help: no spin
@@ -648,7 +647,7 @@ class Instance:
             self.operator.close()
         except Exception:  # noqa: BLE001
             log.exception("operator close failed", extra=self.ctx)
-        self._state_dirty = True
+        self.cadence.changed()
         self.persist(force=True)
         if self.keyed is not None:
             self._save_keyed()
@@ -1339,7 +1338,7 @@ class Instance:
         return s
 
     def _heartbeat(self, now: float) -> None:
-        self._last_heartbeat = now
+        self.cadence.beat(now)
         self.emit("heartbeat", stats=self.snapshot_stats())
         if self.is_source and self.source.write_due(now):
             self._write_source_stats()
@@ -1362,17 +1361,16 @@ class Instance:
 
     def persist(self, force: bool = False) -> None:
         """Persist what a restart needs (cheap: a small JSON file, at most every STATE_PERIOD
-        unless the protocol state changed)."""
+        unless the protocol state changed: agent.instance.cadence)."""
         now = self.now
-        if not force and not self._state_dirty and now - self._last_state_write < STATE_PERIOD:
+        if not self.cadence.write_due(now, force):
             return
         self._out.append(Persist(self.persisted_state()))
         self.inbound.changed = False
-        self._state_dirty = False
-        self._last_state_write = now
+        self.cadence.written(now)
 
     def mark_state_changed(self) -> None:
-        self._state_dirty = True
+        self.cadence.changed()
 
     _HANDLERS: Dict[Type[Event], Callable[["Instance", Any], None]] = {
         Started: _on_started,
