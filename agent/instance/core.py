@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Any, Callable, Deque, Dict, FrozenSet, List, Optional, Set, Tuple, Type
+from typing import Any, Callable, Deque, Dict, FrozenSet, List, Optional, Tuple, Type
 
 from agent import events, topics
 from agent.config import PipelineConfig
@@ -64,6 +64,7 @@ from agent.instance.lifecycle import (
 from agent.instance.load import Load, no_clock
 from agent.instance.marks import FAULT_MARKS_OWN_MAX, Marks
 from agent.instance.outputs import ACK_DELAY, RAW_TOPIC, Outputs
+from agent.instance.queues import SenderQueues
 from agent.instance.replays import FAULT_RESYNC_AT_FIRST_SEEN, REPLAY_WAIT, ReplayWait
 from agent.instance.silence import GAP_TIMEOUT, SILENCE_CHECK, Silence  # noqa: F401 (SILENCE_CHECK: the tests')
 from agent.instance.source import Source
@@ -71,7 +72,6 @@ from agent.instance.spec import InstanceSpec
 from agent.operators.builtin import SinkOperator
 from agent.operators.keyed import KeyedOperator, keyed_config_problems
 from agent.protocol.errors import LocalProtocolError
-from agent.protocol.scaling import FORWARDING
 
 __all__ = ["Instance", "Phase", "EXIT_OK", "EXIT_CRASH", "EXIT_BAD_SPEC", "EXIT_BROKER", "EXIT_DRAIN_TIMEOUT",
            "FAULT_RETRY_ONLY_WITH_DATA", "FAULT_ROUTE_AFRESH", "FAULT_RESYNC_AT_FIRST_SEEN"]
@@ -169,7 +169,6 @@ class Instance:
         self._redirects_waiting: List[Tuple[str, Any]] = []  # an idle copy's, until its Start
         self.outbox = Outbox(self.router, self.op.batch_size, self.op.linger_ms / 1000.0)
         self.tracker = AckTracker()
-        self.queues: Dict[str, Deque[Envelope]] = {}
         self.sink_wait: Deque[int] = deque()  # a deferred sink's record() calls not recorded yet
         self.busy_until = 0.0
         self.high_water = 2 * self.op.batch_size
@@ -232,6 +231,8 @@ class Instance:
             "marks_sent": 0,  # watermarks sent alone (agent.dataplane.watermarks)
             "late_at_source": 0,  # source records older than its own watermark when polled
         }
+        # Per sender, what it sent us in its order and we have not handled yet (agent.instance.queues).
+        self.queued = SenderQueues(self.stats, keyed=self.moves is not None)
         # What we read from our inbox before the admission (agent.instance.intake).
         self.intake = Intake(spec.cluster, spec.node, spec.instance, per_node, decode_records, self.stats, self.ctx)
         # What we send (agent.instance.outputs): links, numbering, tracked publishes, acks upstream.
@@ -273,8 +274,6 @@ class Instance:
         # A new incarnation of ours: the predecessors whose data before their replay marker we
         # drop (agent.instance.replays, docs/reliability.md "Replays in order").
         self.replays = ReplayWait(self.stats, self.faults)
-        self._dup_behind_data = False  # a predecessor's duplication queued behind its data (`_duplications_ahead`)
-        self._eos_behind_data = False  # a predecessor's Eos queued behind its data (`_eos_ahead`)
         self.first_record_at: Optional[float] = None
         self.activated_at: Optional[float] = None  # wall time of our Start (rescale breakdown)
 
@@ -297,6 +296,11 @@ class Instance:
         """False: it never reads a record (a sink of ids, a map of `identity`): a chained
         predecessor may hand it records it has not rebuilt (agent.dataplane.envelope.Row)."""
         return self.intake.records is True
+
+    @property
+    def queues(self) -> Dict[str, Deque[Envelope]]:
+        """Per sender, its envelopes not handled yet (agent.instance.queues)."""
+        return self.queued.by_sender
 
     @property
     def inbox(self) -> str:
@@ -724,15 +728,7 @@ class Instance:
                     self.load.arrived(len(e.body))
                 elif self.replays and self.replays.eos_early(e):
                     continue  # an Eos ahead of its predecessor's replay marker: sent again behind it
-                q = self.queues.get(e.sender)
-                if q is None:
-                    q = self.queues[e.sender] = deque()
-                q.append(e)
-                if len(q) > 1 and e.kind is Kind.PROTO and isinstance(e.body, dict):
-                    if e.body.get("type") == "duplication":
-                        self._dup_behind_data = True
-                    elif e.body.get("type") == "eos" and self.moves is not None:
-                        self._eos_behind_data = True
+                self.queued.put(e)
         dropped = self.inbound.stats.duplicates + self.inbound.stats.stale_epoch - before
         self.stats["duplicate_envelopes"] += dropped
         if dropped and env.kind is Kind.DATA and env.epoch < (self.inbound.epoch_of(env.sender) or 0):
@@ -744,9 +740,8 @@ class Instance:
     def forget_sender(self, sender: str) -> None:
         """Drop every per-sender entry of an instance admitted only provisionally (an unanswered
         probe): channel position, numbering, an empty queue."""
-        if self.queues.get(sender):
+        if not self.queued.forget(sender):
             return  # something of it still waits to be handled: keep it
-        self.queues.pop(sender, None)
         self.inbound.forget(sender)
         self.outputs.outbound.forget(sender)
         self.silence.forget(sender)
@@ -809,7 +804,7 @@ class Instance:
         self.outputs.on_ack(env.sender, upto, self.now)
 
     def _has_ready_input(self, now: float) -> bool:
-        if not any(self.queues.values()):
+        if not self.queued.any():
             return False
         if self.sink_wait and not self.operator.writable():
             return False  # spool full: only a release (seen in settle) can help
@@ -834,19 +829,21 @@ class Instance:
 
     def _process(self, now: float) -> None:
         """Handle queued envelopes, round-robin over senders, each sender strictly in order
-        (three exceptions: `_duplication_acks_ahead`, `_duplications_ahead`, `_eos_ahead`). `now`
-        stays the event's: an emulated service time ends this turn's data; the next Tick goes on."""
+        (three exceptions: agent.instance.queues). `now` stays the event's: an emulated service time
+        ends this turn's data; the next Tick goes on."""
+        queued = self.queued
         if self.scaling is not None and self.scaling.duplicating:
-            self._duplication_acks_ahead()
-        if self._dup_behind_data:
-            self._duplications_ahead()
-        if self._eos_behind_data:
-            self._eos_ahead()
+            queued.duplication_acks_ahead(self.scaling, self._on_protocol)
+        if queued.dup_behind:
+            queued.duplications_ahead(self.scaling, self._on_protocol)
+        if queued.eos_behind:
+            assert self.moves is not None
+            queued.eos_ahead(self.scaling, self.moves.groups_in, self._on_protocol)
         progress = True
         while progress:
             progress = False
-            for sender in list(self.queues):
-                q = self.queues[sender]
+            for sender in list(queued.by_sender):
+                q = queued.by_sender[sender]
                 if not q:
                     continue
                 env = q[0]
@@ -862,118 +859,6 @@ class Instance:
                     q.popleft()
                     self._on_protocol(env)
                     progress = True
-
-    def _duplication_acks_ahead(self) -> None:
-        """While our duplication round waits for its acks, a predecessor's `duplication_ack`
-        queued behind that predecessor's DATA batches is handled now instead of after them.
-
-        Why: the creator of a copy is by definition overloaded, so its predecessors' data queue
-        up to a credit window in front of their acks (with a Raspberry-Pi-like 4 ms per record
-        and batches of 100: seconds), and the copy would get its Start only after the creator
-        worked through all of it: most of decision -> first record (`bench rescale`).
-        Why it is safe: handling a duplication ack changes none of our routing tables (our
-        preds and succs stay as they are; the ack only completes the round and sends Start with
-        the tables we already use), and the data batches it overtakes are still processed by us,
-        in their order, right after. Only DATA is overtaken, never a protocol message (a
-        neighbour's own round must be applied before our Start carries our tables), and never
-        while our earlier outputs are still being performed. Deletion acks never move: invariant 1
-        needs a deletion_ack handled after every batch its sender sent before it."""
-        sc = self.scaling
-        assert sc is not None
-        if not sc.blocked:
-            self._ahead_of_data("duplication_ack", "acks_ahead_of_data", lambda: not sc.blocked and sc.duplicating)
-
-    def _ahead_of_data(self, msg_type: str, stat: str, go_on: Callable[[], bool]) -> bool:
-        """In each sender's queue that starts with DATA, the first envelope that is not DATA is
-        handled now if it is a protocol message of `msg_type` (and stays otherwise: it decides
-        for what follows it). Stops when `go_on()` turns false after one: False then."""
-        for q in list(self.queues.values()):
-            if len(q) < 2 or q[0].kind is not Kind.DATA:
-                continue
-            for i, env in enumerate(q):
-                if env.kind is Kind.DATA:
-                    continue
-                if env.kind is Kind.PROTO and isinstance(env.body, dict) and env.body.get("type") == msg_type:
-                    del q[i]
-                    self.stats[stat] += 1
-                    self._on_protocol(env)
-                break  # the first non-data envelope decides
-            if not go_on():
-                return False
-        return True
-
-    def _duplications_ahead(self) -> None:
-        """A predecessor's `duplication` (it announces a copy of itself) queued behind that
-        predecessor's DATA batches is handled now instead of after them: the mirror of
-        `_duplication_acks_ahead`, on the successor's side of the same round.
-
-        Why: the creator's round waits for every neighbour's ack, and a successor that is itself
-        loaded (the demo's keyed `route_counts` behind `in_zone`, 4 ms per record) has up to a
-        credit window of the creator's data in front of the duplication: `in_zone`'s round took
-        3.7-4.7 s of the demo's 4.8 s decision -> first record outliers (docs/measurement.md,
-        "decision -> first record in the demo"). Why it is safe: the duplication only adds the
-        copy to our predecessors (the core acks it; no successor of ours changes, no record of
-        the creator is moved or dropped), and a copy sends nothing before its Start, which needs
-        our ack: the creator could as well have sent the duplication before those batches. The
-        overtaken batches are processed right after, in their order. Only DATA is overtaken,
-        never a protocol message (a creator's Eos or Deletion keeps its place: invariant 1), only
-        while we forward (the core updates its tables then) and never while our earlier outputs
-        are being performed."""
-        sc = self.scaling
-        if sc is None or sc.core.state not in FORWARDING:
-            self._dup_behind_data = False
-            return
-        if sc.blocked:
-            return  # asked again next turn
-        self._dup_behind_data = not self._ahead_of_data(
-            "duplication", "duplications_ahead_of_data",
-            lambda: not sc.blocked and sc.core.state in FORWARDING)  # stopped: the other queues next turn
-
-    def _eos_ahead(self) -> None:
-        """A predecessor's Eos of group g queued behind that predecessor's DATA batches, none of
-        which holds a record of g, is handled now instead of after them (docs/operators.md, "Key
-        groups that move").
-
-        Why: we hand groups out because we are overloaded, so each predecessor's batches queue
-        here up to its credit window, and every Eos waited for all of them, every predecessor's
-        queue drained round-robin at our service time: 0.9-2.6 s of a keyed copy's hand-over in
-        the demo (docs/measurement.md, "decision -> first record in the demo"). Why it is safe:
-        the Eos says the predecessor sends no more of g to us; every record of g it sent before
-        is either applied here already or in a batch ahead of the Eos, and we only move the Eos
-        when no batch ahead carries one, so g's state is final here exactly as if the batches
-        had been processed (they hold only other groups, still ours or still moving, processed
-        right after in their order). An Eos overtakes DATA and other Eos only (each concerns its
-        own group), never another protocol message (invariant 1), never while our earlier
-        outputs are being performed."""
-        assert self.moves is not None
-        if self.scaling is not None and self.scaling.blocked:
-            return  # asked again next turn
-        self._eos_behind_data = False
-        moves = self.moves
-        for q in list(self.queues.values()):
-            if len(q) < 2 or q[0].kind is not Kind.DATA:
-                continue
-            ahead: Set[int] = set()  # groups of the records in the batches ahead
-            i = 0
-            while i < len(q):
-                env = q[i]
-                if env.kind is Kind.DATA:
-                    ahead |= moves.groups_in(env.body)
-                    i += 1
-                    continue
-                body = env.body
-                if env.kind is not Kind.PROTO or not isinstance(body, dict) or body.get("type") != "eos":
-                    break  # any other protocol message keeps its place, and what follows it
-                g = body.get("g")
-                if type(g) is int and g not in ahead:  # a malformed one keeps its place (decoded there)
-                    del q[i]
-                    self.stats["eos_ahead_of_data"] += 1
-                    self._on_protocol(env)
-                    if self.scaling is not None and self.scaling.blocked:
-                        self._eos_behind_data = True
-                        return
-                    continue
-                i += 1
 
     def _process_data(self, env: Envelope, now: float) -> None:
         items: List[Item] = env.body
@@ -1288,7 +1173,7 @@ class Instance:
         """Every data batch received is processed, forwarded, acked by the successors, and acked
         upstream (queued protocol messages do not count: they may wait behind the drain)."""
         return (
-            not any(e.kind is Kind.DATA for q in self.queues.values() for e in q)
+            not self.queued.data_waiting()
             and self.outbox.pending == 0
             and self.outputs.settled()
             and self.tracker.waiting() == 0
@@ -1309,7 +1194,7 @@ class Instance:
             succs=list(self.router.succs),
             inflight={d: link.inflight for d, link in self.outputs.links.items()},
             outbox=self.outbox.pending,
-            queued=sum(len(q) for q in self.queues.values()),
+            queued=self.queued.count(),
             gaps_skipped=self.inbound.gaps_skipped,
             inbound_senders=self.inbound.senders(),
             held=self.admission.hold.count,
