@@ -159,14 +159,14 @@ class Instance:
         # `next_keyed` (the shell resolves the next operator's function): its key groups move with
         # their state, so we route by its group -> owner table (agent.instance.groups), dealt at
         # deploy; a copy gets its creator's with its Start.
-        self.next_keyed = bool(next_keyed) and nxt is not None and self.op.key is not None
+        self.group_routing = keygroup_table.GroupRouting(bool(next_keyed) and nxt is not None
+                                                         and self.op.key is not None)
         key_groups = nxt.key_groups if nxt is not None else 128
-        table = keygroup_table.initial_table(spec.succs, key_groups) if self.next_keyed and spec.active else None
+        table = keygroup_table.initial_table(spec.succs, key_groups) if self.group_routing.on and spec.active else None
         self.router = Router(spec.succs, key=self.op.key, groups=key_groups, table=table)
         if (not self.is_sink and not self.is_source and self.keyed is None and self.router.key is None
                 and getattr(operator, "reads_records", True) is False):
             decode_records = LAZY
-        self._redirects_waiting: List[Tuple[str, Any]] = []  # an idle copy's, until its Start
         self.outbox = Outbox(self.router, self.op.batch_size, self.op.linger_ms / 1000.0)
         self.tracker = AckTracker()
         self.sink_wait: Deque[int] = deque()  # a deferred sink's record() calls not recorded yet
@@ -252,7 +252,8 @@ class Instance:
         self.admission = Admission(
             spec.instance, spec.operator, spec.pipeline, [ops[self.stage - 1].name] if self.stage > 0 else [],
             [nxt.name] if nxt is not None else [], spec.preds, spec.succs,
-            window=max(pred_window, self.op.max_inflight_batches), hold_extra=key_groups if self.next_keyed else 0,
+            window=max(pred_window, self.op.max_inflight_batches),
+            hold_extra=key_groups if self.group_routing.on else 0,
             check_node=bool(spec.extra.get("check_sender_node")), keyed=self.moves is not None, hosts=self.hosts,
             inbound=self.inbound, links=self.outputs.links, router=self.router, stats=self.stats, ctx=self.ctx,
             faults=self.faults)
@@ -301,6 +302,11 @@ class Instance:
     def queues(self) -> Dict[str, Deque[Envelope]]:
         """Per sender, its envelopes not handled yet (agent.instance.queues)."""
         return self.queued.by_sender
+
+    @property
+    def next_keyed(self) -> bool:
+        """We route by the next (keyed) operator's group table (agent.instance.groups)."""
+        return self.group_routing.on
 
     @property
     def inbox(self) -> str:
@@ -412,9 +418,7 @@ class Instance:
             # The restored tables, not the spec's initial ones: since its creation the instance
             # may have been activated (a copy starts with none) or seen neighbours come and go.
             self.router.set_succs(self.scaling.core.routes()[0])
-            if self.next_keyed:
-                self.router.table = keygroup_table.restored_table(saved, self.router.succs, self.router.groups,
-                                                                  self.ctx, self.spec.extra.get("succ_groups"))
+            self.group_routing.restore(self.router, saved, self.ctx, self.spec.extra.get("succ_groups"))
         self.persist(force=True)
         if restart:
             # Tell each predecessor we are a new incarnation (an ack of nothing, numbered in our
@@ -962,15 +966,14 @@ class Instance:
         if isinstance(body, dict) and body.get("type") in group_moves.HANDOVER_TYPES:
             self.stats["handover_in"] += 1
             self.stats["handover_bytes_in"] += group_moves.body_size(body)
-            if body["type"] == "redirect" and self.next_keyed:
+            if body["type"] == "redirect" and self.group_routing.on:
                 try:
                     msg, _ = group_moves.decode(env.sender, body, self.router.groups)
                 except ValueError as exc:
                     self.handover_error(env.sender, str(exc))
                     return
                 if self.router.table is None:  # an idle copy: its table comes with its Start
-                    if len(self._redirects_waiting) < self.router.groups:
-                        self._redirects_waiting.append((env.sender, msg))
+                    self.group_routing.hold(env.sender, msg, self.router.groups)
                     return
                 self._take_redirect(env.sender, msg)
             elif self.moves is not None:
@@ -1108,7 +1111,7 @@ class Instance:
     def start_field(self, copy: str) -> Optional[Dict[str, Any]]:
         """The extra field of a Start we send `copy` (agent.instance.groups): our group table, and
         a keyed instance's share of its groups for the copy (agent.instance.moves)."""
-        out = keygroup_table.start_field(self.router.table) if self.next_keyed else None
+        out = self.group_routing.start_field(self.router)
         if self.moves is not None:
             out = dict(out or {}, share=[list(x) for x in self.moves.share_for(copy)])
         return out
@@ -1121,10 +1124,9 @@ class Instance:
     def on_start_field(self, field: Any, succs: Tuple[str, ...]) -> None:
         """Our Start arrived (we are a copy; the Activate that follows sets `succs`): our
         creator's group table, or (keyed) the groups it hands us, before any record."""
-        if self.next_keyed:
-            self.router.table = keygroup_table.table_from_start(field, succs, self.router.groups, self.ctx)
+        waiting = self.group_routing.from_start(self.router, field, succs, self.ctx)
+        if waiting is not None:
             self.mark_state_changed()
-            waiting, self._redirects_waiting = self._redirects_waiting, []
             for sender, msg in waiting:  # came before our Start (another channel): taken now
                 self._take_redirect(sender, msg)
         if self.moves is not None and self.scaling is not None and self.scaling.core.creator:
