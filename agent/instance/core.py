@@ -14,9 +14,13 @@ agent.instance.outputs (links, numbering, publishes, acks upstream), agent.insta
 (admission and the hold buffer), agent.instance.source (a source's numbering and pacing),
 agent.instance.marks (the watermarks taken in and passed on), agent.instance.replays (the
 replays a new incarnation waits for), agent.instance.load (the load and live signals the scaling
-decision reads), agent.instance.lifecycle (the phase, a stop and its drain, the exit decided).
-What stays here: the per-sender queues and their order, processing, the silence checks,
-persistence (docs/runtime.md, "Instance").
+decision reads), agent.instance.lifecycle (the phase, a stop and its drain, the exit decided),
+agent.instance.silence (the silence checks' clock, the holes in the senders' numbering),
+agent.instance.intake (the inbox topic, decoding, bad input), agent.instance.cadence (when the
+state is written and a heartbeat sent), agent.instance.queues (the per-sender queues and what may
+overtake data), agent.instance.groups (`GroupRouting`: the group table's side of routing). What
+stays here: routing events and ticks to them, processing, what a silence check and a new
+incarnation do, what is persisted (docs/runtime.md, "Instance").
 
 Lifecycle (`Phase`, the table `ACCEPTS` of agent.instance.lifecycle): NEW -(Started |
 Restarted)-> RUNNING -(stop, eof, or Terminate from the protocol)-> STOPPING -(drained, or drain
