@@ -685,7 +685,7 @@ def test_a_busy_old_owner_takes_an_eos_ahead_of_queued_data_and_each_count_stays
     for seed in range(6):
         f = fleet(seed)
         k = f.insts[KEEPER]
-        k.service_time = 0.02
+        k.pace.service_time = 0.02
         full = Feeder(f, keys)
         for _ in range(3):
             full()

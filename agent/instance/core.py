@@ -68,6 +68,7 @@ from agent.instance.lifecycle import (
 from agent.instance.load import Load, no_clock
 from agent.instance.marks import FAULT_MARKS_OWN_MAX, Marks
 from agent.instance.outputs import ACK_DELAY, RAW_TOPIC, Outputs
+from agent.instance.pace import Pace
 from agent.instance.queues import SenderQueues
 from agent.instance.replays import FAULT_RESYNC_AT_FIRST_SEEN, REPLAY_WAIT, ReplayWait
 from agent.instance.silence import GAP_TIMEOUT, SILENCE_CHECK, Silence  # noqa: F401 (SILENCE_CHECK: the tests')
@@ -137,7 +138,8 @@ class Instance:
         # A source's numbering and pacing (agent.instance.source); every capability off for the others.
         self.source = Source(spec.instance, operator if self.is_source else None, self.ctx)
         self.is_sink = kind == "sink" or isinstance(operator, SinkOperator)
-        self.service_time = self.op.service_time_ms / 1000.0
+        # The emulated service time per record and until when it keeps us busy (agent.instance.pace).
+        self.pace = Pace(self.op.service_time_ms / 1000.0)
         # A sink that reads only record ids gets compact batches without their records rebuilt;
         # so does a map that never reads its records (`identity`), as Rows it passes on: set
         # below, once the key of its routing is known.
@@ -174,7 +176,6 @@ class Instance:
         self.outbox = Outbox(self.router, self.op.batch_size, self.op.linger_ms / 1000.0)
         self.tracker = AckTracker()
         self.sink_wait: Deque[int] = deque()  # a deferred sink's record() calls not recorded yet
-        self.busy_until = 0.0
         self.high_water = 2 * self.op.batch_size
         # Acks go out every half of the predecessors' window (their operator's setting): the
         # sender still has the other half of its credit while the ack travels (docs/runtime.md).
@@ -568,8 +569,8 @@ class Instance:
         d = self.outbox.next_deadline()
         if d is not None and any(self.outputs.credit(s) > 0 for s in self.router.succs):
             deadlines.append(d)  # without credit only an ack (socket readable) can help: no spin
-        if self.busy_until > now:
-            deadlines.append(self.busy_until)
+        if self.pace.busy_until > now:
+            deadlines.append(self.pace.busy_until)
         if self.outputs.ack_since is not None:
             deadlines.append(self.outputs.ack_since + ACK_DELAY)
         if self.sink_wait:
@@ -614,8 +615,8 @@ class Instance:
                 self.scaling.force(str(msg.get("action")), int(msg.get("count", 1)))
         elif event == "set":
             if "service_time_ms" in msg:
-                self.service_time = float(msg["service_time_ms"]) / 1000.0
-                log.info("service time set to %.3f ms", self.service_time * 1000, extra=self.ctx)
+                self.pace.service_time = float(msg["service_time_ms"]) / 1000.0
+                log.info("service time set to %.3f ms", self.pace.service_time * 1000, extra=self.ctx)
             if "paused" in msg and self.is_source:
                 self.operator.paused = bool(msg["paused"])
             if "pinned" in msg and self.scaling is not None:
@@ -816,7 +817,7 @@ class Instance:
             return False
         if self.sink_wait and not self.operator.writable():
             return False  # spool full: only a release (seen in settle) can help
-        return now >= self.busy_until and self.outbox.pending < self.high_water
+        return not self.pace.busy(now) and self.outbox.pending < self.high_water
 
     def _backpressured(self) -> bool:
         """Held back by what comes after us: successors without credit, or the sink's spool full."""
@@ -825,7 +826,7 @@ class Instance:
     def _data_blocked(self, now: float) -> bool:
         if self.scaling is not None and not self.scaling.data_enabled:
             return True  # idle new instance: keep input until Start (Algorithm 6)
-        if now < self.busy_until:
+        if self.pace.busy(now):
             return True  # emulated service time
         if self.sink_wait and not self.operator.writable():
             self.stats["spool_stalls"] += 1
@@ -907,9 +908,8 @@ class Instance:
                 self.outputs.forward(out, index, now)
             if self.marks is not None and env.watermark is not None:
                 self.marks.note(env.sender, index, env.watermark)
-        self.load.processed(n, t0, n * self.service_time)
-        if self.service_time:
-            self.busy_until = max(self.busy_until, now) + n * self.service_time
+        self.load.processed(n, t0, self.pace.cost(n))
+        self.pace.processed(n, now)
 
     def _apply(self, items: List[Item]) -> List[Item]:
         try:
@@ -1210,7 +1210,7 @@ class Instance:
             unrouted=sum(len(q) for q in self.outputs.unrouted.values()),
             routes_remembered=len(self.outputs.routes),
             records_pinned=self.outputs.routes.pinned,
-            service_time_ms=self.service_time * 1000,
+            service_time_ms=self.pace.service_time * 1000,
             live_capacity=round(self.load.capacity.value, 2),
             online_service_time_ms=(round(self.load.capacity.service_time * 1000, 4)
                                     if self.load.capacity.service_time else None),
