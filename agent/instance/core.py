@@ -18,8 +18,8 @@ decision reads), agent.instance.lifecycle (the phase, a stop and its drain, the 
 agent.instance.silence (the silence checks' clock, the holes in the senders' numbering),
 agent.instance.intake (the inbox topic, decoding, bad input), agent.instance.cadence (when the
 state is written and a heartbeat sent), agent.instance.queues (the per-sender queues and what may
-overtake data), agent.instance.groups (`GroupRouting`: the group table's side of routing). What
-stays here: routing events and ticks to them, processing, what a silence check and a new
+overtake data), agent.instance.pace (the emulated service time), agent.instance.groups
+(`GroupRouting`: the group table's side of routing). What stays here: routing events and ticks to them, processing, what a silence check and a new
 incarnation do, what is persisted (docs/runtime.md, "Instance").
 
 Lifecycle (`Phase`, the table `ACCEPTS` of agent.instance.lifecycle): NEW -(Started |
