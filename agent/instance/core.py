@@ -80,28 +80,29 @@ from agent.operators.keyed import KeyedOperator, keyed_config_problems
 from agent.protocol.errors import LocalProtocolError
 
 __all__ = ["Instance", "Phase", "EXIT_OK", "EXIT_CRASH", "EXIT_BAD_SPEC", "EXIT_BROKER", "EXIT_DRAIN_TIMEOUT",
-           "FAULT_RETRY_ONLY_WITH_DATA", "FAULT_ROUTE_AFRESH", "FAULT_RESYNC_AT_FIRST_SEEN"]
+           "FAULT_RESYNC_AT_FIRST_SEEN"]
 
 log = logging.getLogger("agent.instance.worker")
 
 MAX_POLL = 0.05  # longest wait the instance asks for (the shell sees control lines within this)
 SINK_SETTLE_POLL = 0.05  # a sink whose spool is at its cap checks this often whether shipping freed it
 
-# Seeded fault (foglab.sim.instance_check, never set elsewhere): refused publishes are retried
-# only when there is data to flush, so a sink's refused ack holds back all its later acks.
-FAULT_RETRY_ONLY_WITH_DATA = "retry_only_with_data"
-# Seeded fault (the same): records sent again are routed afresh, not to where they went before,
-# so after a crash a copy can reach another sink instance, which keeps it (INVARIANT 8).
-FAULT_ROUTE_AFRESH = "route_afresh"
-# The seeded faults of the watermarks are agent.instance.marks's (FAULT_MARKS_UNACKED, FAULT_MARKS_OWN_MAX),
-# those of the wait for replays agent.instance.replays's (FAULT_RESYNC_AT_FIRST_SEEN, FAULT_REPLAY_CLOCK_AT_DROP).
+# The seeded faults of this class are subclasses the instance checker installs
+# (foglab.sim.instance_faults); those of the watermarks are agent.instance.marks's
+# (FAULT_MARKS_UNACKED, FAULT_MARKS_OWN_MAX), those of the wait for replays
+# agent.instance.replays's (FAULT_RESYNC_AT_FIRST_SEEN, FAULT_REPLAY_CLOCK_AT_DROP).
 
 
 class Instance:
     """One operator instance: channels, flow control and acks, the replay buffer, the scaling
     driver and the lifecycle. Built by the shell from what it loaded (spec, pipeline, operator);
-    `faults` switch on seeded faults for the checker only. `local`: the instances hosted by the
+    `faults` switch on seeded faults of the parts for the checker only (the checker installs this
+    class's own as subclasses: foglab.sim.instance_faults). `local`: the instances hosted by the
     same process (a chain, docs/runtime.md "Chaining"): envelopes to them are `Handoff`s."""
+
+    # INVARIANT 8: a forwarding instance remembers where each record went where it must (False
+    # only in the checker's seeded fault `route_afresh`).
+    remembers_routes = True
 
     def __init__(self, spec: InstanceSpec, pipeline: PipelineConfig, operator: Any,
                  faults: FrozenSet[str] = frozenset(), perf: Callable[[], float] = no_clock,
@@ -192,7 +193,7 @@ class Instance:
         # INVARIANT 8 (a record sent again goes where it went): a forwarding instance remembers
         # each record's successor where the next operator's instance count can change
         # (agent.dataplane.sticky.needed).
-        sticky = (not self.is_sink and nxt is not None and FAULT_ROUTE_AFRESH not in self.faults
+        sticky = (not self.is_sink and nxt is not None and self.remembers_routes
                   and needed(self.op.key, pipeline.scaling_for(nxt.name).max_instances))
         self.outputs = Outputs(spec.instance, spec.cluster, spec.node, self.router, self.outbox, self.tracker,
                                self.hosts, self.stats, self.ctx, window=self.op.max_inflight_batches,
@@ -459,8 +460,7 @@ class Instance:
         self._send_acks(now)
 
     def _turn_publish_retries(self, now: float) -> None:
-        if FAULT_RETRY_ONLY_WITH_DATA not in self.faults:
-            self._out += self.outputs.publish_retries()
+        self.retry_publishes()
 
     def _turn_round_tick(self, now: float) -> None:
         if self.scaling is not None:
@@ -981,14 +981,16 @@ class Instance:
         forced or draining."""
         if self.outbox.pending == 0:
             return
-        if FAULT_RETRY_ONLY_WITH_DATA in self.faults:
-            self._out += self.outputs.publish_retries()
         draining = self.stopping or (self.scaling is not None and self.scaling.draining)
         # A source's floor before its batches leave the outbox: taken out, they are pending
         # nowhere until link.sent, and the claim would cover them.
         own = {self.spec.instance: self.source_resume_seq()} if self.is_source else None
         mark = self.marks.out_mark(now, self._lowest_pending()) if self.marks is not None else None
         self._out += self.outputs.flush(now, force or draining, own, mark)
+
+    def retry_publishes(self) -> None:
+        """The publishes the broker refused, again, in their channels' order (agent.instance.outputs)."""
+        self._out += self.outputs.publish_retries()
 
     def send_envelope(self, dest: str, kind: Kind, body: Any) -> None:
         """Acks and protocol messages: numbered on the same channel as the data (invariant 1)."""
