@@ -29,7 +29,8 @@ def _groups_in(items: Any) -> Set[int]:
 
 
 def test_a_duplication_ack_overtakes_data_but_not_a_protocol_message_before_it() -> None:
-    q = SenderQueues(_stats(), keyed=False)
+    stats = _stats()
+    q = SenderQueues(stats, keyed=False)
     q.put(_data("a", 1, [1]))
     q.put(_proto("a", 2, {"type": "duplication_ack"}))
     q.put(_data("b", 1, [1]))
@@ -40,7 +41,7 @@ def test_a_duplication_ack_overtakes_data_but_not_a_protocol_message_before_it()
     q.duplication_acks_ahead(sc, handled.append)
     assert [(e.sender, e.seq) for e in handled] == [("a", 2)]
     assert [e.seq for e in q.by_sender["a"]] == [1] and [e.seq for e in q.by_sender["b"]] == [1, 2, 3]
-    assert q._stats["acks_ahead_of_data"] == 1
+    assert stats["acks_ahead_of_data"] == 1
 
 
 def test_nothing_overtakes_while_the_drivers_outputs_are_performed() -> None:
@@ -56,7 +57,8 @@ def test_nothing_overtakes_while_the_drivers_outputs_are_performed() -> None:
 
 
 def test_an_eos_overtakes_only_batches_without_its_group() -> None:
-    q = SenderQueues(_stats(), keyed=True)
+    stats = _stats()
+    q = SenderQueues(stats, keyed=True)
     q.put(_data("a", 1, [1, 2]))  # groups 1 and 2
     q.put(_proto("a", 2, {"type": "eos", "g": 3}))
     q.put(_proto("a", 3, {"type": "eos", "g": 1}))
@@ -64,7 +66,7 @@ def test_an_eos_overtakes_only_batches_without_its_group() -> None:
     handled: List[Envelope] = []
     q.eos_ahead(None, _groups_in, handled.append)
     assert [e.seq for e in handled] == [2] and [e.seq for e in q.by_sender["a"]] == [1, 3]
-    assert not q.eos_behind and q._stats["eos_ahead_of_data"] == 1
+    assert not q.eos_behind and stats["eos_ahead_of_data"] == 1
 
 
 def test_a_sender_is_forgotten_only_when_nothing_of_it_waits() -> None:
