@@ -11,8 +11,14 @@ for the predecessor's side and the keyed instance's), logged, skipped.
 The messages travel as protocol envelopes (kind "p") on the numbered channels, so each is in
 FIFO order with the data batches of its channel (docs/design.md invariant 1): an Eos from a
 predecessor is behind every record of the group it sent before. They are counted apart from
-the paper's messages (`handover_out`/`handover_in`, and their bytes). Their bodies and their
-decoding: agent.instance.handover_wire (re-exported here).
+the paper's messages (`handover_out`/`handover_in`, and their bytes). Body:
+
+    {"type": "redirect", "g": group, "new": instance, "v": version}     owner -> each predecessor
+    {"type": "eos", "g": group}                                         predecessor -> owner
+    {"type": "offer", "g": group, "v": version}                         leaver -> survivor
+    {"type": "state_chunk", "g": group, "i": index, "n": total, "data": base64, "v": version,
+     "e": epoch}                                                        old -> new owner
+    {"type": "installed", "g": group}                                   new -> old owner
 
 Old and new owner are siblings (instances of the same operator), which the receive path admits
 only for these messages (`Instance._sender_allowed`).
@@ -27,6 +33,9 @@ credit.
 
 from __future__ import annotations
 
+import base64
+import binascii
+import json
 import logging
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
@@ -34,11 +43,9 @@ from agent.dataplane.envelope import Item
 from agent.dataplane.keygroups import key_group, record_key
 from agent.dataplane.owners import group_runs, split_share
 from agent.instance.handover import (
-    Apply, Eos, Forget, HandoverError, Install, Installed, Member, Offer, Predecessor, Redirect, Send, StateChunk,
-    chunks,
+    MAX_CHUNK, Apply, Eos, Forget, HandoverError, Install, Installed, Member, Offer, Predecessor, Redirect, Send,
+    StateChunk, chunks,
 )
-from agent.instance.handover_wire import HANDOVER_TYPES, MAX_CHUNKS, body_size, decode, encode, int_field
-from agent.instance.handover_wire import MAX_NAME as _MAX_NAME
 from agent.instance.port import InstancePort
 
 __all__ = ["HANDOVER_TYPES", "MAX_CHUNKS", "HOLD_MAX", "HAND_OUT_BUDGET", "GroupMoves", "HandoverError", "decode", "encode",
@@ -46,6 +53,8 @@ __all__ = ["HANDOVER_TYPES", "MAX_CHUNKS", "HOLD_MAX", "HAND_OUT_BUDGET", "Group
 
 log = logging.getLogger("agent.instance.worker")
 
+HANDOVER_TYPES = frozenset({"redirect", "eos", "offer", "state_chunk", "installed"})
+MAX_CHUNKS = 256  # chunks of one group's state: 150 MB at MAX_CHUNK (a hostile total is refused)
 HOLD_MAX = 200_000  # records held for groups not installed or not announced yet (honest: a credit window)
 # A move silent this long is asked along again (messages a crash lost: a Redirect or an Eos, the
 # chunks or the Installed): the Redirect to each predecessor whose Eos is missing (one that has
@@ -56,6 +65,7 @@ MOVE_RESEND = 10.0
 # the groups whose state is final wait in `queue`, so that the other groups' records are
 # processed between (docs/operators.md, "Key groups that move", step 5). ~5 ms of JSON unloaded.
 HAND_OUT_BUDGET = 64_000
+_MAX_NAME = 200
 
 # Seeded faults of the hand-over (foglab.sim.instance_check, never set elsewhere; `Instance.faults`),
 # each a rule of docs/operators.md "Key groups that move" broken, which the checker must find:
@@ -69,6 +79,70 @@ FAULT_NO_REMOVE_PRED = "no_remove_pred"  # a predecessor that left during a move
 FAULT_NO_REDIRECT_RESEND = "no_redirect_resend"  # a silent move does not ask its predecessors again
 HANDOVER_FAULTS = (FAULT_HELD_AT_ONCE, FAULT_NO_EOS, FAULT_LEAVE_WITH_GROUPS, FAULT_NO_ADD_PRED,
                    FAULT_NO_REMOVE_PRED, FAULT_NO_REDIRECT_RESEND, FAULT_HELD_ACKED_AT_SAVE)
+
+
+def encode(msg: Any) -> Dict[str, Any]:
+    """A hand-over message as a protocol envelope's body."""
+    if isinstance(msg, Redirect):
+        return {"type": "redirect", "g": msg.group, "new": msg.new, "v": msg.version}
+    if isinstance(msg, Eos):
+        return {"type": "eos", "g": msg.group}
+    if isinstance(msg, Offer):
+        return {"type": "offer", "g": msg.group, "v": getattr(msg, "version", -1)}
+    if isinstance(msg, StateChunk):
+        return {"type": "state_chunk", "g": msg.group, "i": msg.index, "n": msg.total,
+                "data": base64.b64encode(msg.data).decode()}
+    if isinstance(msg, Installed):
+        return {"type": "installed", "g": msg.group}
+    raise TypeError(f"not a hand-over message: {msg!r:.80}")
+
+
+def _int(body: Dict[str, Any], name: str, lo: int, hi: int) -> int:
+    v = body.get(name)
+    if type(v) is not int or not lo <= v < hi:
+        raise ValueError(f"{body.get('type')}: '{name}' must be an integer in {lo}..{hi - 1}")
+    return v
+
+
+def decode(sender: str, body: Any, groups: int) -> Tuple[Any, int]:
+    """(message, version) from an untrusted body; ValueError naming the field otherwise. The
+    version is the Offer's or the chunk's move (-1 for the others, and for a chunk without one)."""
+    if not isinstance(body, dict):
+        raise ValueError("hand-over message: expected an object")
+    kind = body.get("type")
+    g = _int(body, "g", 0, groups)
+    if kind == "redirect":
+        new = body.get("new")
+        if not isinstance(new, str) or not 0 < len(new) <= _MAX_NAME:
+            raise ValueError(f"redirect: 'new' must be an instance name of 1..{_MAX_NAME} characters")
+        return Redirect(g, new, _int(body, "v", -1, 2 ** 53)), -1
+    if kind == "eos":
+        return Eos(g, sender), -1
+    if kind == "offer":
+        return Offer(g), _int(body, "v", -1, 2 ** 53)
+    if kind == "state_chunk":
+        n = _int(body, "n", 1, MAX_CHUNKS + 1)
+        i = _int(body, "i", 0, n)
+        data = body.get("data")
+        if not isinstance(data, str) or len(data) > (MAX_CHUNK + 2) // 3 * 4:
+            raise ValueError(f"state_chunk: 'data' must be base64 of at most {MAX_CHUNK} bytes")
+        try:
+            raw = base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError):
+            raise ValueError("state_chunk: 'data' is not base64") from None
+        return StateChunk(g, i, n, raw), (_int(body, "v", -1, 2 ** 53) if "v" in body else -1)
+    if kind == "installed":
+        return Installed(g), -1
+    raise ValueError(f"not a hand-over message type: {str(kind)[:40]!r}")
+
+
+def body_size(body: Dict[str, Any]) -> int:
+    """Bytes of a hand-over message's body on the wire (its envelope adds ~40). A chunk's base64
+    needs no escaping: its length is added, not encoded again (a pass over 100s of kB)."""
+    data = body.get("data")
+    if isinstance(data, str) and data.isascii() and data.isprintable() and '"' not in data and "\\" not in data:
+        return len(json.dumps(dict(body, data=""), separators=(",", ":"))) + len(data)
+    return len(json.dumps(body, separators=(",", ":")))
 
 
 def on_redirect(w: InstancePort, sender: str, msg: Redirect) -> None:
@@ -281,7 +355,7 @@ class GroupMoves:
                 # installed a budget per turn (`take_in_turn`): a leaver's 64 groups arriving
                 # together would stall our other groups' records as a hand-out in one turn did
                 if "e" in body:
-                    int_field(body, "e", -1, 2 ** 53)  # checked now: nothing malformed waits
+                    _int(body, "e", -1, 2 ** 53)  # checked now: nothing malformed waits
                 self.inbox.append((sender, body, msg, version))
                 return
             elif isinstance(msg, Installed):
@@ -338,7 +412,7 @@ class GroupMoves:
             self.deferred.append((sender, encode(Installed(g))))
             self.flush_due = True
             return []
-        e = int_field(body, "e", -1, 2 ** 53) if "e" in body else -1
+        e = _int(body, "e", -1, 2 ** 53) if "e" in body else -1
         if self.attempts.get(g, e) != e and n.parts.get(g):
             n.parts[g] = {}  # a restarted old owner serialized the group again: its chunks only
             self.counts["chunks_restarted"] = self.counts.get("chunks_restarted", 0) + 1
