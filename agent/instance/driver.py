@@ -32,7 +32,6 @@ from agent.dataplane.inbound import LogLimiter
 from agent.instance.recovery import (
     RESEND_AFTER, LinkError, ReliableLinks, RoundMemory, decode_outputs, encode_outputs, silent_pending,
 )
-from agent.instance.eventrate import EventRate
 from agent.instance.groups import START_FIELD
 from agent.instance.rounds import RoundLog
 from agent.policy.decentralized import Action, Decision, ScalingParams
@@ -51,6 +50,8 @@ __all__ = ["ScalingDriver", "FAULT_REHOME_ROUNDS_FROM_ONE", "FAULT_DRAIN_HOLDS_P
 
 log = logging.getLogger("agent.instance.worker")
 
+DECISION_EVENT_PERIOD = 5.0  # at most one "nothing to do" decision event per instance per 5 s
+LOCK_EVENT_BURST = 20  # at most this many lock events per instance per second (6 per round)
 # A new copy still idle this long after it started asks its creator for Start again (doubling):
 # Start is the one protocol message nobody acks, so a broker that lost it would leave the copy
 # idle for ever with batches routed to it. The same ping reaches a creator re-homed after its node
@@ -133,6 +134,7 @@ class ScalingDriver:
         self.log = RoundLog([op.name for op in worker.pipeline.operators], spec.operator)
         self.log.observe(self.core, self.w.now, self.w.wall())
         self.lock_counts: Dict[str, Dict[str, int]] = {"in": {}, "out": {}}
+        self._lock_events: Deque[float] = deque()  # publish times of the last lock events (rate limit)
         self.outputs: Deque[Any] = deque()
         # request -> instance: every copy of a round is requested at once (see run_outputs)
         self.waiting_spawn: Dict[str, str] = {}
@@ -176,8 +178,9 @@ class ScalingDriver:
         if intent in ("duplicate", "terminate"):
             self.forced.append((str(intent), 1))
         self.pinned = False  # fogctl scale pinned this operator's count: forced rounds only
-        # How often decision and lock events go out, and the decision history (agent.instance.eventrate).
-        self.event_rate = EventRate()
+        self.history: List[Any] = []  # last decision events (retained for `fogctl why`)
+        self._last_none_event = -1e9
+        self._last_history_pub = -1e9
         self.draining = False
         seed = int(spec.extra.get("seed", 0)) ^ zlib.crc32(spec.instance.encode())
         self.rng = random.Random(seed)
@@ -321,17 +324,21 @@ class ScalingDriver:
     def _publish_lock_event(self, t: Any) -> None:
         """A lock_request / lock_enter / lock_exit event (detail.boundary) through the worker's
         single client, QoS 0 like the decision events; never on an inbox, so no protocol cost.
-        Rate-limited to LOCK_EVENT_BURST events per second per instance (agent.instance.eventrate:
-        an instance makes at most 6 per round; a flood would mean a bug, counted in
-        `lock_events_dropped`)."""
+        Rate-limited to LOCK_EVENT_BURST events per second per instance (an instance makes at
+        most 6 per round; a flood would mean a bug, counted in `lock_events_dropped`)."""
 
         etype = t.event_type
         if etype is None:
             return
         w = self.w
-        if not self.event_rate.lock_allowed(self.w.now):
+        now = self.w.now
+        q = self._lock_events
+        while q and now - q[0] > 1.0:
+            q.popleft()
+        if len(q) >= LOCK_EVENT_BURST:
             self.counts["lock_events_dropped"] += 1
             return
+        q.append(now)
         try:
             ev = events.make(etype, ts=self.w.wall(), node=w.spec.node, instance=w.spec.instance,
                              operator=w.spec.operator, pipeline=w.spec.pipeline,
@@ -615,14 +622,16 @@ class ScalingDriver:
         A `Notify`, through the worker's single client (one owner, docs/design.md section 6);
         never on the inbox path, so the paper's message cost is untouched. Rate-limited: a
         decision that acts is always published, a "nothing to do" one at most every
-        DECISION_EVENT_PERIOD s (agent.instance.eventrate: an instance decides every period;
-        thousands of them would flood the topic). A publish failure is the shell's to count,
-        never fatal.
+        DECISION_EVENT_PERIOD s (an instance decides every
+        period; thousands of them would flood the topic). A publish failure is the shell's to
+        count, never fatal.
         """
 
         acted = bool(outs)
-        if not self.event_rate.decision_due(now, acted):
+        if not acted and now - self._last_none_event < DECISION_EVENT_PERIOD:
             return
+        if not acted:
+            self._last_none_event = now
         w = self.w
         kind = {Action.DUPLICATE: "scale_out", Action.TERMINATE: "scale_in"}.get(decision.action, "decision")
         if not acted:
@@ -642,9 +651,10 @@ class ScalingDriver:
             log.warning("decision event not published: %s", exc, extra=w.ctx)
             return
         w.notify(topics.events(w.spec.cluster), ev.to_json().encode())
-        history = self.event_rate.remember(ev, now, acted)
-        if history is not None:
-            payload = json.dumps([e.to_dict() for e in history], sort_keys=True).encode()
+        self.history = events.remember(self.history, ev)
+        if acted or now - self._last_history_pub >= DECISION_EVENT_PERIOD:
+            self._last_history_pub = now
+            payload = json.dumps([e.to_dict() for e in self.history], sort_keys=True).encode()
             w.notify(topics.decisions(w.spec.cluster, w.spec.instance), payload, retain=True)
         self.counts["decision_events"] += 1
 
