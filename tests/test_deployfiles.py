@@ -128,11 +128,11 @@ def test_a_copy_rehomed_where_its_namesake_terminated_starts_instead_of_leaving(
              preds=("p.work.0",), extra={"creator": "p.work.0", "min_epoch": 1_800_000_000})
     w = worker(s)
     w.begin()
-    assert w.core._exit is None and not w.core.scaling.terminated
+    assert w.core.life.exit is None and not w.core.scaling.terminated
     os.close(w._identity_lock)  # as its process would at exit
     # the same files stamped with its own deploy: a crash restart after its termination leaves
     (dirs["state"] / "work-0a1b2c3d4e5f.state.json").write_text(json.dumps(TERMINATED))
     (dirs["state"] / "work-0a1b2c3d4e5f.generation").write_text("18f0b-bbbbbb\n")
     w = worker(s)
     w.begin()
-    assert w.core._exit is not None and "gone for good" in w.core._exit[1]
+    assert w.core.life.exit is not None and "gone for good" in w.core.life.exit[1]

@@ -363,12 +363,13 @@ def test_worker_logs_protocol_messages_it_cannot_handle_once_per_sender(caplog: 
     """Counted every time, logged once per sender (was: one warning per message, so a hostile
     or misconfigured peer could flood the log)."""
     from agent.instance.core import Instance
+    from agent.instance.intake import Intake
 
     w = object.__new__(Instance)  # only the fields _on_protocol uses: no broker, no process
     w.stats = {"protocol_in": 0, "protocol_errors": 0}
     w.scaling = None
-    w._malformed_logged = set()
     w.ctx = {}
+    w.intake = Intake("c", "n1", "op-0", False, True, w.stats, w.ctx)
     body = {"type": "deletion", "sender": "x", "stage": 0, "round": 1}
     with caplog.at_level("WARNING", logger="agent.instance.worker"):
         for sender in ("x", "x", "x", "y"):

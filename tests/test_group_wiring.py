@@ -678,14 +678,14 @@ def test_a_keyed_operator_scales_out_and_back_in_with_its_groups_moving_exactly_
 def test_a_busy_old_owner_takes_an_eos_ahead_of_queued_data_and_each_count_stays_exact() -> None:
     """The keeper works 20 ms per record (emulated), so op-0's one-record batches queue in front
     of op-0's Eos; during the move only two keys flow, so the Eos of most groups find no record of
-    theirs ahead and are taken at once (`_eos_ahead`), the others in their place. Each key's count
+    theirs ahead and are taken at once (agent.instance.queues, `eos_ahead`), the others in their place. Each key's count
     still runs 1..n once, in order, at the sink."""
     keys = keys_per_group()
     ahead = 0
     for seed in range(6):
         f = fleet(seed)
         k = f.insts[KEEPER]
-        k.service_time = 0.02
+        k.pace.service_time = 0.02
         full = Feeder(f, keys)
         for _ in range(3):
             full()

@@ -253,7 +253,7 @@ def _marker_lost_then_a_protocol_message_first(faults: Iterable[str]) -> Optiona
     w.play("crash sink-0")
     w.play("restart sink-0")
     w.deliver_all(but=("op-0->sink-0",))  # op-0 sees the new epoch: marker and replay queued
-    assert w.inst["sink-0"]._awaiting_replay == {"op-0": (None, None)}
+    assert w.inst["sink-0"].replays.awaiting == {"op-0": (None, None)}
     w.play("broker rollback")
     w.play("plan op-0 duplicate")
     w.deliver_all(but=("op-0->sink-0",))

@@ -517,7 +517,7 @@ def test_duplication_ack_overtakes_queued_data_of_an_overloaded_creator(runner, 
 def test_duplication_overtakes_queued_data_at_a_loaded_successor(runner, mosquitto, tmp_path: Path) -> None:
     """The creator is fast, its successor loaded: the creator's batches queue at the successor in
     front of the creator's duplication (0.5 s of emulated work per batch, up to a window of 8).
-    The successor handles the duplication ahead of that data (`Instance._duplications_ahead`), so
+    The successor handles the duplication ahead of that data (agent.instance.queues, `duplications_ahead`), so
     the round ends within a fraction of the queue's drain time (the demo's in_zone ahead of the
     keyed route_counts: rounds of 3.7-4.7 s before); every record still arrives exactly once."""
     n = 1500

@@ -20,7 +20,7 @@ Encoding (JSON, inspectable with mosquitto_sub; measured in `bench dataplane`):
                       every operator downstream, or filtered before it; agent.instance.applied);
                       optionally an 8th, the sender's watermark `[ms, idle]` after this batch's
                       records (the 7th is then the floors or {}; agent.dataplane.watermarks).
-                      An empty body is a replay marker (agent.instance.core, `_await_replays`).
+                      An empty body is a replay marker (agent.instance.replays).
     kind "a" (ack):   body = [epoch, seq]: every data envelope the receiver got from the data
                       sender's incarnation `epoch` up to `seq` is processed AND forwarded AND acked
                       by the next hop in turn (cumulative; the flow-control credit comes back with

@@ -12,15 +12,22 @@ shell: it turns paho callbacks, control lines and its loop's turns into events (
 The parts this module routes to own their state and hold no reference to the instance:
 agent.instance.outputs (links, numbering, publishes, acks upstream), agent.instance.admission
 (admission and the hold buffer), agent.instance.source (a source's numbering and pacing),
-agent.instance.marks (the watermarks taken in and passed on). What stays here: the lifecycle, the
-per-sender queues and their order, processing, the silence checks, persistence (docs/runtime.md,
-"Instance").
+agent.instance.marks (the watermarks taken in and passed on), agent.instance.replays (the
+replays a new incarnation waits for), agent.instance.load (the load and live signals the scaling
+decision reads), agent.instance.lifecycle (the phase, a stop and its drain, the exit decided),
+agent.instance.silence (the silence checks' clock, the holes in the senders' numbering),
+agent.instance.intake (the inbox topic, decoding, bad input), agent.instance.cadence (when the
+state is written and a heartbeat sent), agent.instance.queues (the per-sender queues and what may
+overtake data), agent.instance.pace (the emulated service time), agent.instance.groups
+(`GroupRouting`: the group table's side of routing). What stays here: routing events and ticks to them, processing, what a silence check and a new
+incarnation do, what is persisted (docs/runtime.md, "Instance").
 
-Lifecycle (`Phase`, the table `_ACCEPTS`): NEW -(Started | Restarted)-> RUNNING -(stop,
-eof, or Terminate from the protocol)-> STOPPING -(drained, or drain timeout, or Abort)-> EXITED.
-An event the table does not list for the current phase raises `LocalProtocolError` naming the
-phase: the shell broke the contract (a Tick before Started, anything but publish feedback
-after Exit). Bad input from the bus is never an error here: it is counted, logged, skipped.
+Lifecycle (`Phase`, the table `ACCEPTS` of agent.instance.lifecycle): NEW -(Started |
+Restarted)-> RUNNING -(stop, eof, or Terminate from the protocol)-> STOPPING -(drained, or drain
+timeout, or Abort)-> EXITED. An event the table does not list for the current phase raises
+`LocalProtocolError` naming the phase: the shell broke the contract (a Tick before Started,
+anything but publish feedback after Exit). Bad input from the bus is never an error here: it is
+counted, logged, skipped.
 
 The order of work in one loop turn is the table `Instance._TURN` (read top-down); the shell
 delivers every transport event and control line first, then one Tick (exactly the old worker
@@ -29,22 +36,21 @@ loop's step).
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import deque
-from enum import Enum
-from typing import Any, Callable, Deque, Dict, FrozenSet, List, Optional, Set, Tuple, Type
+from typing import Any, Callable, Deque, Dict, FrozenSet, List, Optional, Tuple, Type
 
 from agent import events, topics
 from agent.config import PipelineConfig
 from agent.dataplane.channel import Inbound
-from agent.dataplane.envelope import LAZY, Envelope, Item, Kind, MalformedEnvelope, Passed, data_body_bytes, decode
+from agent.dataplane.envelope import LAZY, Envelope, Item, Kind, Passed, data_body_bytes
 from agent.dataplane.flow import AckTracker
-from agent.dataplane.inbound import LogLimiter
 from agent.dataplane.owners import TableError, groups_from_runs
 from agent.dataplane.routing import Outbox, Router
 from agent.dataplane.sticky import RouteMemory, needed
 from agent.instance.commands import Command, CrashPoint, Emit, Exit, Notify, Persist, PersistSource, RequestSpawn, SaveKeyed
+from agent.instance.counters import new_counters
+from agent.instance.cadence import Cadence
 from agent.instance.driver import ScalingDriver
 from agent.instance import groups as keygroup_table
 from agent.instance import moves as group_moves
@@ -54,89 +60,53 @@ from agent.instance.events import (
 )
 from agent.instance.admission import Admission
 from agent.instance.hosts import Hosts
+from agent.instance.intake import Intake
 from agent.instance.keyed_state import KeyedState
+from agent.instance.lifecycle import ACCEPTS as _ACCEPTS  # noqa: F401 (the tests read the table here)
+from agent.instance.lifecycle import (
+    EXIT_BAD_SPEC, EXIT_BROKER, EXIT_CRASH, EXIT_DRAIN_TIMEOUT, EXIT_OK, Lifecycle, Phase,
+)
+from agent.instance.load import Load, no_clock
 from agent.instance.marks import FAULT_MARKS_OWN_MAX, Marks
 from agent.instance.outputs import ACK_DELAY, RAW_TOPIC, Outputs
+from agent.instance.pace import Pace
+from agent.instance.queues import SenderQueues
+from agent.instance.replays import FAULT_RESYNC_AT_FIRST_SEEN, REPLAY_WAIT, ReplayWait
+from agent.instance.silence import GAP_TIMEOUT, SILENCE_CHECK, Silence  # noqa: F401 (SILENCE_CHECK: the tests')
 from agent.instance.source import Source
 from agent.instance.spec import InstanceSpec
-from agent.measure.capacity import LiveCapacity
-from agent.measure.signals import PeriodSignals, Signals
 from agent.operators.builtin import SinkOperator
 from agent.operators.keyed import KeyedOperator, keyed_config_problems
 from agent.protocol.errors import LocalProtocolError
-from agent.protocol.scaling import FORWARDING
 
 __all__ = ["Instance", "Phase", "EXIT_OK", "EXIT_CRASH", "EXIT_BAD_SPEC", "EXIT_BROKER", "EXIT_DRAIN_TIMEOUT",
-           "FAULT_RETRY_ONLY_WITH_DATA", "FAULT_ROUTE_AFRESH", "FAULT_RESYNC_AT_FIRST_SEEN"]
+           "FAULT_RESYNC_AT_FIRST_SEEN"]
 
 log = logging.getLogger("agent.instance.worker")
 
-# Exit codes (the agent's supervisor maps them to restart decisions).
-EXIT_OK = 0  # drained and exited (stop, or terminated by the protocol)
-EXIT_CRASH = 1  # unexpected exception
-EXIT_BAD_SPEC = 2  # the spec or the pipeline cannot be loaded: restarting will not help
-EXIT_BROKER = 3  # could not connect/subscribe at start
-EXIT_DRAIN_TIMEOUT = 4  # stop requested, but successors did not ack everything in time
-
 MAX_POLL = 0.05  # longest wait the instance asks for (the shell sees control lines within this)
 SINK_SETTLE_POLL = 0.05  # a sink whose spool is at its cap checks this often whether shipping freed it
-STATE_PERIOD = 1.0  # persist the channel snapshot at most this often (a rename costs ~5 ms here)
-# A hole in a sender's numbering this old will not close by itself: the broker lost those
-# messages, or another connection with our client id took them (a fenced copy after a partition).
-GAP_TIMEOUT = 5.0
-# A predecessor whose data we drop while we wait for its replay marker (`_await_replays`) and whose
-# marker has not come this long after the first drop never got our request (lost with a broker's
-# state): we ask again, as a new incarnation. Generous: a loaded predecessor answers late.
-REPLAY_WAIT = 10.0
-SILENCE_CHECK = 1.0  # seconds between the two checks above
 
-# Seeded fault (foglab.sim.instance_check, never set elsewhere): refused publishes are retried
-# only when there is data to flush, so a sink's refused ack holds back all its later acks.
-FAULT_RETRY_ONLY_WITH_DATA = "retry_only_with_data"
-# Seeded fault (the same): records sent again are routed afresh, not to where they went before,
-# so after a crash a copy can reach another sink instance, which keeps it (INVARIANT 8).
-FAULT_ROUTE_AFRESH = "route_afresh"
-# A restarted receiver takes a predecessor's data at the first number it sees when its snapshot
-# does not hold that channel (the checker's former `resync_past_lost_replays`).
-FAULT_RESYNC_AT_FIRST_SEEN = "resync_at_first_seen"
-# The wait for a replay marker starts its clock only at the first data batch it drops, not at a
-# protocol message or a duplicate (seed 9230: the sink never asked again, 4 records lost).
-FAULT_REPLAY_CLOCK_AT_DROP = "replay_clock_at_drop"
-# The seeded faults of the watermarks are agent.instance.marks's (FAULT_MARKS_UNACKED, FAULT_MARKS_OWN_MAX).
-
-
-class Phase(Enum):
-    NEW = "new"  # built, not subscribed yet
-    RUNNING = "running"
-    STOPPING = "stopping"  # draining before exit (stop, eof, or terminated by the protocol)
-    EXITED = "exited"  # the Exit command went out
-
-
-_FEEDBACK: FrozenSet[Type[Event]] = frozenset({PublishAccepted, PublishRefused, PubAcked})
-_LIVE: FrozenSet[Type[Event]] = _FEEDBACK | {EnvelopeReceived, EnvelopeHanded, SessionLost, Spawned, Control, Tick, Abort}
-# Which events make sense in which phase; anything else is a LocalProtocolError.
-_ACCEPTS: Dict[Phase, FrozenSet[Type[Event]]] = {
-    Phase.NEW: frozenset({Started, Restarted}),
-    Phase.RUNNING: _LIVE,
-    Phase.STOPPING: _LIVE,
-    Phase.EXITED: _FEEDBACK,
-}
-
-
-def _no_clock() -> float:
-    """The live signals' clocks when none is passed (the checker): no time spent."""
-    return 0.0
+# The seeded faults of this class are subclasses the instance checker installs
+# (foglab.sim.instance_faults); those of the watermarks are agent.instance.marks's
+# (FAULT_MARKS_UNACKED, FAULT_MARKS_OWN_MAX), those of the wait for replays
+# agent.instance.replays's (FAULT_RESYNC_AT_FIRST_SEEN, FAULT_REPLAY_CLOCK_AT_DROP).
 
 
 class Instance:
     """One operator instance: channels, flow control and acks, the replay buffer, the scaling
     driver and the lifecycle. Built by the shell from what it loaded (spec, pipeline, operator);
-    `faults` switch on seeded faults for the checker only. `local`: the instances hosted by the
+    `faults` switch on seeded faults of the parts for the checker only (the checker installs this
+    class's own as subclasses: foglab.sim.instance_faults). `local`: the instances hosted by the
     same process (a chain, docs/runtime.md "Chaining"): envelopes to them are `Handoff`s."""
 
+    # INVARIANT 8: a forwarding instance remembers where each record went where it must (False
+    # only in the checker's seeded fault `route_afresh`).
+    remembers_routes = True
+
     def __init__(self, spec: InstanceSpec, pipeline: PipelineConfig, operator: Any,
-                 faults: FrozenSet[str] = frozenset(), perf: Callable[[], float] = _no_clock,
-                 cpu: Callable[[], float] = _no_clock, local: FrozenSet[str] = frozenset(),
+                 faults: FrozenSet[str] = frozenset(), perf: Callable[[], float] = no_clock,
+                 cpu: Callable[[], float] = no_clock, local: FrozenSet[str] = frozenset(),
                  next_keyed: bool = False) -> None:
         self.spec = spec
         self.pipeline = pipeline
@@ -145,36 +115,37 @@ class Instance:
         self.faults = frozenset(faults)
         # Co-hosted instances: fixed for the life of the process (the chain never changes its
         # members), so every envelope to one of them goes in memory, never some over MQTT.
-        self.local = frozenset(local) - {spec.instance}
-        # CPU-time and interval clocks for the live signals only (docs/measurement.md); the
-        # shell passes time.perf_counter and time.process_time, the checker nothing.
-        self.perf, self.cpu = perf, cpu
+        local = frozenset(local) - {spec.instance}
+        # What the scaling decision reads of our load (agent.instance.load): records received per
+        # period and the live signals, with their CPU-time and interval clocks (docs/measurement.md;
+        # the shell passes time.perf_counter and time.process_time, the checker nothing).
+        self.load = Load(perf, cpu)
         self.stage = pipeline.index(spec.operator)
-        self.kind = self.op.kind
+        kind = self.op.kind
         self.ctx = {"instance": spec.instance, "operator": spec.operator, "node": spec.node}
         # Per-node inboxes (docs/security.md, "Who may read an inbox"): we read
-        # `inbox/<our node>/<us>/+` and write to the node our binding table says hosts the
-        # receiver; before the table names it, what we send it waits (agent.instance.outputs).
+        # `inbox/<our node>/<us>/+` (agent.instance.intake) and write to the node our binding table
+        # says hosts the receiver; before the table names it, what we send it waits
+        # (agent.instance.outputs).
         per_node = bool(spec.extra.get("inbox_per_node"))
-        self.inbox = (topics.inbox_all_at(spec.cluster, spec.node, spec.instance) if per_node
-                      else topics.inbox_all(spec.cluster, spec.instance))
-        self._inbox_root = f"{topics.base(spec.cluster)}/inbox/" if per_node else None
         self.hosts = Hosts()
-        self.phase = Phase.NEW
+        # Its phase, a stop and its drain, the exit decided (agent.instance.lifecycle).
+        self.life = Lifecycle(spec.instance)
         self.now = 0.0
         self._wall_offset = 0.0
         self._out: List[Command] = []
         self.epoch = 0
         self.inbound = Inbound()
-        self.is_source = self.kind == "source"
+        self.is_source = kind == "source"
         # A source's numbering and pacing (agent.instance.source); every capability off for the others.
         self.source = Source(spec.instance, operator if self.is_source else None, self.ctx)
-        self.is_sink = self.kind == "sink" or isinstance(operator, SinkOperator)
-        self.service_time = self.op.service_time_ms / 1000.0
+        self.is_sink = kind == "sink" or isinstance(operator, SinkOperator)
+        # The emulated service time per record and until when it keeps us busy (agent.instance.pace).
+        self.pace = Pace(self.op.service_time_ms / 1000.0)
         # A sink that reads only record ids gets compact batches without their records rebuilt;
         # so does a map that never reads its records (`identity`), as Rows it passes on: set
         # below, once the key of its routing is known.
-        self._decode_records: Any = not (self.is_sink and getattr(operator, "reads_records", True) is False)
+        decode_records: Any = not (self.is_sink and getattr(operator, "reads_records", True) is False)
 
         # Keyed stateful operator (agent.instance.keyed_state): state saved with its input position.
         self.keyed: Optional[KeyedState] = None
@@ -196,88 +167,37 @@ class Instance:
         # `next_keyed` (the shell resolves the next operator's function): its key groups move with
         # their state, so we route by its group -> owner table (agent.instance.groups), dealt at
         # deploy; a copy gets its creator's with its Start.
-        self.next_keyed = bool(next_keyed) and nxt is not None and self.op.key is not None
+        self.group_routing = keygroup_table.GroupRouting(bool(next_keyed) and nxt is not None
+                                                         and self.op.key is not None)
         key_groups = nxt.key_groups if nxt is not None else 128
-        table = keygroup_table.initial_table(spec.succs, key_groups) if self.next_keyed and spec.active else None
+        table = keygroup_table.initial_table(spec.succs, key_groups) if self.group_routing.on and spec.active else None
         self.router = Router(spec.succs, key=self.op.key, groups=key_groups, table=table)
         if (not self.is_sink and not self.is_source and self.keyed is None and self.router.key is None
                 and getattr(operator, "reads_records", True) is False):
-            self._decode_records = LAZY
-        self._redirects_waiting: List[Tuple[str, Any]] = []  # an idle copy's, until its Start
+            decode_records = LAZY
         self.outbox = Outbox(self.router, self.op.batch_size, self.op.linger_ms / 1000.0)
         self.tracker = AckTracker()
-        self.queues: Dict[str, Deque[Envelope]] = {}
         self.sink_wait: Deque[int] = deque()  # a deferred sink's record() calls not recorded yet
-        self.busy_until = 0.0
         self.high_water = 2 * self.op.batch_size
         # Acks go out every half of the predecessors' window (their operator's setting): the
         # sender still has the other half of its credit while the ack travels (docs/runtime.md).
         pred_window = pipeline.operators[self.stage - 1].max_inflight_batches if self.stage > 0 else 8
         self.scaling: Optional[ScalingDriver] = None
 
-        self.stats: Dict[str, int] = {
-            "records_in": 0,
-            "records_out": 0,
-            "filtered": 0,
-            "operator_errors": 0,
-            "batches_in": 0,
-            "batches_out": 0,
-            "malformed": 0,
-            "duplicate_envelopes": 0,
-            "acks_sent": 0,
-            "acks_in": 0,
-            "protocol_in": 0,
-            "protocol_out": 0,
-            "protocol_errors": 0,
-            "sends_to_non_successor": 0,
-            "credit_stalls": 0,
-            "publish_rejected": 0,
-            "refused_senders": 0,  # envelopes from senders our tables do not know (incl. expired holds)
-            "refused_epochs": 0,  # an epoch no real incarnation of the sender can have
-            "refused_seqs": 0,  # a number (or an ack) far beyond what the sender can have sent
-            "refused_nodes": 0,  # written by a node that does not host the sender (incl. expired holds)
-            "held_dropped": 0,  # of those, refused because the hold buffer was full
-            "held_released": 0,  # held until the protocol announced their sender, then admitted
-            "handed_out": 0,  # data batches handed in memory to a chained successor (no broker)
-            "handed_in": 0,  # data batches handed in memory by a chained predecessor
-            "passed_batches": 0,  # forwarded whole, as the bytes that came (an unchanged operator)
-            "foreign_inbox": 0,  # envelopes on our inbox of a node we no longer run on (dropped)
-            "stale_acks": 0,  # acks for an earlier incarnation of ours
-            "acks_ahead_of_data": 0,  # duplication_acks taken ahead of data queued before them
-            "duplications_ahead_of_data": 0,  # a predecessor's duplication taken ahead of its data
-            "eos_ahead_of_data": 0,  # a predecessor's Eos taken ahead of its data without the group's records
-            "spool_stalls": 0,  # a sink held back by its full spool
-            "spool_events": 0,  # spool events published
-            "unrouted_dropped": 0,  # envelopes for a destination no binding names, dropped past UNROUTED_MAX
-            # key-group hand-over messages (agent.instance.moves), counted apart from the paper's
-            "handover_in": 0,
-            "handover_out": 0,
-            "handover_bytes_in": 0,
-            "handover_bytes_out": 0,
-            "handover_errors": 0,  # hand-over messages refused (malformed, impossible in the move's state, no keyed state here)
-            "eos_before_replay": 0,  # an Eos ahead of its predecessor's replay marker, dropped (asked again)
-            # recovery (docs/reliability.md): a new incarnation of ours, by cause
-            "sessions_lost": 0,
-            "gaps_recovered": 0,
-            "replays_asked_again": 0,
-            "replay_markers": 0,  # sent, each ahead of a replay
-            "dropped_before_replay": 0,  # data batches from a predecessor ahead of its replay marker
-            "replayed_batches": 0,  # to a successor: a new incarnation of it, or silent (LINK_SILENCE)
-            "silent_links_replayed": 0,  # of those, the replays to a silent successor
-            "departed_rerouted": 0,  # records re-routed from a successor that left our table
-            "resent_past_departed": 0,  # records sent again whose successor left: dropped (INVARIANT 8)
-            "marks_sent": 0,  # watermarks sent alone (agent.dataplane.watermarks)
-            "late_at_source": 0,  # source records older than its own watermark when polled
-        }
+        self.stats: Dict[str, int] = new_counters()  # what the heartbeat reports (agent.instance.counters)
+        # Per sender, what it sent us in its order and we have not handled yet (agent.instance.queues).
+        self.queued = SenderQueues(self.stats, keyed=self.moves is not None)
+        # What we read from our inbox before the admission (agent.instance.intake).
+        self.intake = Intake(spec.cluster, spec.node, spec.instance, per_node, decode_records, self.stats, self.ctx)
         # What we send (agent.instance.outputs): links, numbering, tracked publishes, acks upstream.
         # INVARIANT 8 (a record sent again goes where it went): a forwarding instance remembers
         # each record's successor where the next operator's instance count can change
         # (agent.dataplane.sticky.needed).
-        sticky = (not self.is_sink and nxt is not None and FAULT_ROUTE_AFRESH not in self.faults
+        sticky = (not self.is_sink and nxt is not None and self.remembers_routes
                   and needed(self.op.key, pipeline.scaling_for(nxt.name).max_instances))
         self.outputs = Outputs(spec.instance, spec.cluster, spec.node, self.router, self.outbox, self.tracker,
                                self.hosts, self.stats, self.ctx, window=self.op.max_inflight_batches,
-                               ack_every=max(1, pred_window // 2), per_node=per_node, local=self.local,
+                               ack_every=max(1, pred_window // 2), per_node=per_node, local=local,
                                sticky=sticky, faults=self.faults)
         # What we let in (agent.instance.admission): how far ahead an honest sender's numbers can
         # run is set by the larger window on our channels; the node in an inbox topic must host the
@@ -286,7 +206,8 @@ class Instance:
         self.admission = Admission(
             spec.instance, spec.operator, spec.pipeline, [ops[self.stage - 1].name] if self.stage > 0 else [],
             [nxt.name] if nxt is not None else [], spec.preds, spec.succs,
-            window=max(pred_window, self.op.max_inflight_batches), hold_extra=key_groups if self.next_keyed else 0,
+            window=max(pred_window, self.op.max_inflight_batches),
+            hold_extra=key_groups if self.group_routing.on else 0,
             check_node=bool(spec.extra.get("check_sender_node")), keyed=self.moves is not None, hosts=self.hosts,
             inbound=self.inbound, links=self.outputs.links, router=self.router, stats=self.stats, ctx=self.ctx,
             faults=self.faults)
@@ -301,49 +222,27 @@ class Instance:
                                self.faults)
             if self.keyed is not None and FAULT_MARKS_OWN_MAX not in self.faults:
                 self.keyed.flowing = True
-        self._malformed_log = LogLimiter()  # bounded: a flood of invented names costs nothing
-        self._malformed_logged: Set[str] = set()  # protocol senders (admitted ones only: bounded)
-        self._period_records = 0
-        self._last_load = 0.0
-        # Live signals (docs/measurement.md, "Live signals"): taken at every decision period,
-        # published in the heartbeat, and the online capacity estimate they feed.
-        self.signals = PeriodSignals(0.0, 0.0)
-        self.last_signals: Optional[Signals] = None
-        self.live_capacity = LiveCapacity(500.0)
-        self._exit: Optional[Tuple[int, str, bool]] = None
-        self.stopping = False
-        self._stop_deadline = 0.0
-        self._state_dirty = True
-        self._last_state_write = -1e9
-        self._last_heartbeat = 0.0
-        self._final = False
-        self._holes: Dict[str, Tuple[Tuple[int, int], float]] = {}  # sender -> ((epoch, missing seq), since)
-        # A new incarnation of ours: predecessor -> (its epoch we knew, None when our snapshot
-        # lacks its channel; when we first dropped its data or None), for the predecessors whose
-        # data before their replay marker we drop (`_await_replays`, docs/reliability.md).
-        self._awaiting_replay: Dict[str, Tuple[Optional[int], Optional[float]]] = {}
-        self._dup_behind_data = False  # a predecessor's duplication queued behind its data (`_duplications_ahead`)
-        self._eos_behind_data = False  # a predecessor's Eos queued behind its data (`_eos_ahead`)
-        self._next_silence_check = 0.0
+        # When we write our state and send a heartbeat (agent.instance.cadence).
+        self.cadence = Cadence(spec.heartbeat_period)
+        # The silence checks' clock and the holes in our senders' numbering (agent.instance.silence).
+        self.silence = Silence()
+        # A new incarnation of ours: the predecessors whose data before their replay marker we
+        # drop (agent.instance.replays, docs/reliability.md "Replays in order").
+        self.replays = ReplayWait(self.stats, self.faults)
         self.first_record_at: Optional[float] = None
         self.activated_at: Optional[float] = None  # wall time of our Start (rescale breakdown)
-        self._terminate_reason = ""
-        self._period_start = 0.0
 
     # ---- the one entry point ------------------------------------------------------------------------
 
     def handle(self, event: Event, now: float) -> List[Command]:
         """Apply one event at monotonic time `now`; the commands to perform, in order."""
-        allowed = _ACCEPTS[self.phase]
-        if type(event) not in allowed:
-            raise LocalProtocolError(
-                f"{self.spec.instance}: {type(event).__name__} in phase {self.phase.value}, expected one of "
-                f"{sorted(t.__name__ for t in allowed)}")
+        self.life.check(event)
         self.now = now
         self._out = []
         self._HANDLERS[type(event)](self, event)
-        if self._exit is not None and self.phase is not Phase.EXITED:
-            self._finish(*self._exit)
+        due = self.life.due()
+        if due is not None:
+            self._finish(*due)
         out, self._out = self._out, []
         return out
 
@@ -351,11 +250,35 @@ class Instance:
     def reads_records(self) -> bool:
         """False: it never reads a record (a sink of ids, a map of `identity`): a chained
         predecessor may hand it records it has not rebuilt (agent.dataplane.envelope.Row)."""
-        return self._decode_records is True
+        return self.intake.records is True
+
+    @property
+    def queues(self) -> Dict[str, Deque[Envelope]]:
+        """Per sender, its envelopes not handled yet (agent.instance.queues)."""
+        return self.queued.by_sender
+
+    @property
+    def next_keyed(self) -> bool:
+        """We route by the next (keyed) operator's group table (agent.instance.groups)."""
+        return self.group_routing.on
+
+    @property
+    def inbox(self) -> str:
+        """The inbox topic filter the shell subscribes to."""
+        return self.intake.topic
+
+    @property
+    def phase(self) -> Phase:
+        return self.life.phase
+
+    @property
+    def stopping(self) -> bool:
+        """Stopping: draining before the exit (a stop, or terminated by the protocol)."""
+        return self.life.stopping
 
     @property
     def exited(self) -> bool:
-        return self.phase is Phase.EXITED
+        return self.life.phase is Phase.EXITED
 
     def wall(self) -> float:
         """The wall clock, as of the last event that carried it (timestamps, epoch plausibility)."""
@@ -431,7 +354,7 @@ class Instance:
         epoch, restore what a restart needs, and only then say "ready"."""
         now = self.now
         self._wall_offset = wall - now
-        self.phase = Phase.RUNNING
+        self.life.run()
         # Epoch: a restarted worker (same identity) numbers its messages in a new epoch.
         self.epoch = int(saved.get("epoch", -1)) + 1 if saved else 0
         # Re-homed after its node died (agent.node.rehome): the old state is gone with the
@@ -440,24 +363,21 @@ class Instance:
         if restart:
             self.inbound.restore(saved.get("inbound") or {}, resync=True)
         self.outputs.renumber(self.epoch)
-        self._next_silence_check = now + SILENCE_CHECK
-        self._period_start = now
+        self.silence.checked(now)
+        self.load.begin(now)
         self.source.started_at = wall
-        self.signals = PeriodSignals(now, self.cpu())
         self.scaling = ScalingDriver(self, saved, restart)
-        self.live_capacity = LiveCapacity(self.scaling.params.capacity)
+        self.load.set_capacity(self.scaling.params.capacity)
         if restart and self.scaling.core.forwards_data:
             # The restored tables, not the spec's initial ones: since its creation the instance
             # may have been activated (a copy starts with none) or seen neighbours come and go.
             self.router.set_succs(self.scaling.core.routes()[0])
-            if self.next_keyed:
-                self.router.table = keygroup_table.restored_table(saved, self.router.succs, self.router.groups,
-                                                                  self.ctx, self.spec.extra.get("succ_groups"))
+            self.group_routing.restore(self.router, saved, self.ctx, self.spec.extra.get("succ_groups"))
         self.persist(force=True)
         if restart:
             # Tell each predecessor we are a new incarnation (an ack of nothing, numbered in our
             # new epoch): it replays what we had not acknowledged (agent.instance.outputs, `successor_restarted`).
-            self._await_replays(self.scaling.core.preds)
+            self.replays.start(self.scaling.core.preds, self.inbound.position)
             for pred in sorted(self.scaling.core.preds):
                 self.send_envelope(pred, Kind.ACK, [0, 0])
             self.scaling.resync(now)
@@ -467,12 +387,11 @@ class Instance:
             elif restart:
                 self.source.resume(source_position, self.wall())
             self.operator.start(now)
-        self._period_start = now
         self.emit("ready")
         if self.scaling.terminated:
             # Restarted (an agent restart re-adopting it, say) after the protocol had already
             # terminated it, before its final exit: gone from every table, so gone for good.
-            self._exit = (EXIT_OK, "restarted after its termination: gone for good", True)
+            self.life.exit = (EXIT_OK, "restarted after its termination: gone for good", True)
         elif self.scaling.outputs:
             self.scaling.run_outputs(now)  # a restarted round: perform what was still queued
 
@@ -513,7 +432,7 @@ class Instance:
 
     def _turn_release_held(self, now: float) -> None:
         if self.admission.hold:
-            self.admission.release(now, self.scaling, self.epoch, self.wall(), self._decode_records, self._accept)
+            self.admission.release(now, self.scaling, self.epoch, self.wall(), self.intake.records, self._accept)
 
     def _turn_resend_moved(self, now: float) -> None:
         if self.outputs.moved:
@@ -535,29 +454,28 @@ class Instance:
             self._out += self.source.settle(self._lowest_pending)
 
     def _turn_blocked(self, now: float) -> None:
-        self.signals.blocked(now, self._backpressured())
+        self.load.blocked(now, self._backpressured())
 
     def _turn_acks(self, now: float) -> None:
         self._send_acks(now)
 
     def _turn_publish_retries(self, now: float) -> None:
-        if FAULT_RETRY_ONLY_WITH_DATA not in self.faults:
-            self._out += self.outputs.publish_retries()
+        self.retry_publishes()
 
     def _turn_round_tick(self, now: float) -> None:
         if self.scaling is not None:
             self.scaling.maybe_tick(now)
 
     def _turn_heartbeat(self, now: float) -> None:
-        if now - self._last_heartbeat >= self.spec.heartbeat_period:
+        if self.cadence.beat_due(now):
             self._heartbeat(now)
 
     def _turn_silence(self, now: float) -> None:
-        if now >= self._next_silence_check:
+        if self.silence.due(now):
             self._check_silence(now)
 
     def _turn_persist(self, now: float) -> None:
-        if self._state_dirty or self.inbound.changed:
+        if self.cadence.dirty or self.inbound.changed:
             self.persist()
 
     def _turn_stopped(self, now: float) -> None:
@@ -589,18 +507,18 @@ class Instance:
     def next_wake(self, now: float) -> float:
         """Seconds until the instance has something to do without a new message (the shell's
         poll timeout): 0 when work is ready."""
-        if self._exit is not None:
+        if self.life.exit is not None:
             return 0.0
         if self._has_ready_input(now):
             return 0.0
         if self.moves is not None and (self.moves.queue or self.moves.inbox):
             return 0.0  # groups to hand out or chunks to take in, a few per turn
-        deadlines = [now + MAX_POLL, self._last_heartbeat + self.spec.heartbeat_period]
+        deadlines = [now + MAX_POLL, self.cadence.next_beat()]
         d = self.outbox.next_deadline()
         if d is not None and any(self.outputs.credit(s) > 0 for s in self.router.succs):
             deadlines.append(d)  # without credit only an ack (socket readable) can help: no spin
-        if self.busy_until > now:
-            deadlines.append(self.busy_until)
+        if self.pace.busy_until > now:
+            deadlines.append(self.pace.busy_until)
         if self.outputs.ack_since is not None:
             deadlines.append(self.outputs.ack_since + ACK_DELAY)
         if self.sink_wait:
@@ -628,7 +546,7 @@ class Instance:
             self.scaling.on_spawned({"request": ev.request, "ok": ev.ok, "error": ev.error})
 
     def _on_abort(self, ev: Abort) -> None:
-        self._exit = (EXIT_DRAIN_TIMEOUT, ev.reason, False)
+        self.life.exit = (EXIT_DRAIN_TIMEOUT, ev.reason, False)
 
     # ---- control lines -------------------------------------------------------------------------------
 
@@ -645,8 +563,8 @@ class Instance:
                 self.scaling.force(str(msg.get("action")), int(msg.get("count", 1)))
         elif event == "set":
             if "service_time_ms" in msg:
-                self.service_time = float(msg["service_time_ms"]) / 1000.0
-                log.info("service time set to %.3f ms", self.service_time * 1000, extra=self.ctx)
+                self.pace.service_time = float(msg["service_time_ms"]) / 1000.0
+                log.info("service time set to %.3f ms", self.pace.service_time * 1000, extra=self.ctx)
             if "paused" in msg and self.is_source:
                 self.operator.paused = bool(msg["paused"])
             if "pinned" in msg and self.scaling is not None:
@@ -673,36 +591,24 @@ class Instance:
 
     def request_stop(self, now: float) -> None:
         """Agent shutdown: stop producing, drain (bounded), exit; the session is kept."""
-        if not self.stopping:
-            self.stopping = True
-            self.phase = Phase.STOPPING
-            self._stop_deadline = now + float(self.spec.extra.get("drain_timeout", 10.0))
+        if self.life.stop(now, float(self.spec.extra.get("drain_timeout", 10.0))):
             log.info("stop requested: draining", extra=self.ctx)
 
     def _check_stopped(self, now: float) -> None:
-        if self.drained() and (not self._final or self.scaling is None or self.scaling.ready_to_exit()):
-            self._exit = (EXIT_OK, "stopped", False)
-        elif now > self._stop_deadline:
-            self._exit = (EXIT_DRAIN_TIMEOUT, "drain timeout: successors did not ack everything", False)
+        self.life.check_stopped(now, self.drained() and (not self.life.final or self.scaling is None
+                                                         or self.scaling.ready_to_exit()))
 
     def terminate(self, reason: str) -> None:
         """INVARIANT 4 (drain before exit): called by the scaling driver on `Terminate`, which
         the core emits only after every deletion ack; the loop still finishes draining first."""
-        self.stopping = True
-        self.phase = Phase.STOPPING
-        self._stop_deadline = self.now + float(self.spec.extra.get("drain_timeout", 30.0))
-        self._final = True
-        self._terminate_reason = reason
+        self.life.terminate(self.now, float(self.spec.extra.get("drain_timeout", 30.0)), reason)
 
     def _finish(self, code: int, reason: str, final: bool) -> None:
-        final = final or self._final
-        if code == EXIT_OK and self._terminate_reason:
-            reason = self._terminate_reason
         try:
             self.operator.close()
         except Exception:  # noqa: BLE001
             log.exception("operator close failed", extra=self.ctx)
-        self._state_dirty = True
+        self.cadence.changed()
         self.persist(force=True)
         if self.keyed is not None:
             self._save_keyed()
@@ -711,31 +617,20 @@ class Instance:
         # `final`: gone for good (terminated by the protocol); the agent then forgets this
         # instance instead of re-adopting it after its own restart (agent.node.hosted).
         self._out.append(Exit(code, reason, final))
-        self.phase = Phase.EXITED
+        self.life.exited()
 
     # ---- inbox ----------------------------------------------------------------------------------------
 
     def _on_envelope(self, ev: EnvelopeReceived) -> None:
-        writer = topics.inbox_writer(self.inbox, ev.topic)
-        if writer is None and self._inbox_root is not None and ev.topic.startswith(self._inbox_root):
-            # Our inbox on a node we no longer run on: a subscription our session kept from an
-            # earlier incarnation (a re-home, a hand-over). The role's ACL drops these at delivery;
-            # a broker without it delivers them. Dropped either way; the predecessors replay what
-            # we have not acked to our new topic (they learn our node from the hosted records).
-            self.stats["foreign_inbox"] += 1
-            return
+        writer = self.intake.writer(ev.topic)
+        if writer is None and self.intake.foreign(ev.topic):
+            return  # our inbox on a node we no longer run on (counted)
         if writer is None:
             self._out += self.source.ingest(ev)
             return
-        try:
-            env = decode(ev.payload, self._decode_records)
-        except MalformedEnvelope as exc:
-            # INVARIANT 5 (nothing dropped silently): counted, logged once per sender, skipped.
-            self.stats["malformed"] += 1
-            who = _guess_sender(ev.payload)
-            if self._malformed_log.allow(who, self.now):
-                log.warning("malformed payload on inbox from %s skipped: %s", who, exc, extra=self.ctx)
-            return
+        env = self.intake.decode(ev.payload, self.now)
+        if env is None:
+            return  # INVARIANT 5 (nothing dropped silently): counted, logged, skipped
         if self.admission.screen(env, ev.payload, writer, self.scaling, self.epoch, self.wall(), self.now):
             self._accept(env)
 
@@ -775,37 +670,22 @@ class Instance:
             self._out += self.outputs.successor_restarted(env.sender, self.now)
         if env.kind is Kind.ACK and tuple(env.body) == (0, 0) and self.scaling is not None:
             self.scaling.remind_departed(env.sender)  # a re-homed copy that forgot it left
-        if env.sender in self._awaiting_replay:
-            self._replay_wait_clock(env)
+        self.replays.seen(env, self.now)
         # INVARIANT 1 (FIFO channel): envelopes are delivered in each sender's numbering, once.
         for e in self.inbound.receive(env):
             if e.kind is Kind.ACK:
                 self._on_ack(e)
             else:
                 if e.kind is Kind.DATA:
-                    if not e.body and e.watermark is None:  # a replay marker: its replay follows (`_await_replays`)
-                        self._awaiting_replay.pop(e.sender, None)
+                    if not e.body and e.watermark is None:  # a replay marker: its replay follows
+                        self.replays.marker(e.sender)
                         continue
-                    if self._awaiting_replay and self._before_replay(e):
+                    if self.replays and self.replays.drops(e, self.now):
                         continue  # its replay brings it again, in order
-                    self._period_records += len(e.body)
-                    self.signals.arrived(len(e.body))
-                elif (self._awaiting_replay and e.sender in self._awaiting_replay and isinstance(e.body, dict)
-                      and e.body.get("type") == "eos"):
-                    # An Eos ahead of its predecessor's replay marker follows records we drop until
-                    # that replay: taken now, it would overtake them. The move asks again
-                    # (agent.instance.moves, MOVE_RESEND), and the new Eos comes behind the replay.
-                    self.stats["eos_before_replay"] += 1
-                    continue
-                q = self.queues.get(e.sender)
-                if q is None:
-                    q = self.queues[e.sender] = deque()
-                q.append(e)
-                if len(q) > 1 and e.kind is Kind.PROTO and isinstance(e.body, dict):
-                    if e.body.get("type") == "duplication":
-                        self._dup_behind_data = True
-                    elif e.body.get("type") == "eos" and self.moves is not None:
-                        self._eos_behind_data = True
+                    self.load.arrived(len(e.body))
+                elif self.replays and self.replays.eos_early(e):
+                    continue  # an Eos ahead of its predecessor's replay marker: sent again behind it
+                self.queued.put(e)
         dropped = self.inbound.stats.duplicates + self.inbound.stats.stale_epoch - before
         self.stats["duplicate_envelopes"] += dropped
         if dropped and env.kind is Kind.DATA and env.epoch < (self.inbound.epoch_of(env.sender) or 0):
@@ -814,65 +694,14 @@ class Instance:
             log.warning("data batch %d of %s's old epoch %d dropped (now epoch %s)", env.seq, env.sender,
                         env.epoch, self.inbound.epoch_of(env.sender), extra=self.ctx)
 
-    def _await_replays(self, preds: Any) -> None:
-        """We are a new incarnation and ask `preds` for a replay. Data a predecessor sent before
-        it saw our new epoch may still be queued for us: newer records than the ones we lost
-        with our memory. Processed first, they would reach the successors ahead of the replayed
-        older ones (a keyed operator's window then closes without them: seed 25 of the stateful
-        chaos run). Everything such a predecessor sent us and we did not ack is in its replay,
-        which follows its replay marker (an empty data batch, agent.instance.outputs), so what
-        comes from it before the marker is dropped, and its records reach us in its order.
-        Only predecessors we had a channel with (the others sent us nothing yet, and may not
-        know us yet: they would never send a marker); a newer epoch of the predecessor ends the
-        wait (restarted itself: all it sends is fresh). docs/reliability.md, "Replays in order".
-        A predecessor whose channel our snapshot does not hold (it lags: we crashed before
-        persisting it) is awaited too: its data is taken only from a marker or from number 1
-        (a channel that starts there has nothing before it). Taken at the first number seen,
-        a batch that followed replays a broker rollback lost was acked, and the cumulative ack
-        dropped the lost replays from the sender's buffer (`resync_past_lost_replays`)."""
-        self._awaiting_replay = {}
-        for p in preds:
-            pos = self.inbound.position(p)
-            if pos is not None or FAULT_RESYNC_AT_FIRST_SEEN not in self.faults:
-                self._awaiting_replay[p] = (pos[0] if pos is not None else None, None)
-
-    def _before_replay(self, env: Envelope) -> bool:
-        """Drop `env` (data from a predecessor whose replay marker has not come yet)?"""
-        awaited = self._awaiting_replay.get(env.sender)
-        if awaited is None:
-            return False
-        epoch, since = awaited
-        if env.seq == 1 if epoch is None else env.epoch > epoch:
-            del self._awaiting_replay[env.sender]  # a new incarnation of it: fresh data
-            return False
-        self.stats["dropped_before_replay"] += 1
-        if since is None:
-            self._awaiting_replay[env.sender] = (epoch, self.now)
-        return True
-
-    def _replay_wait_clock(self, env: Envelope) -> None:
-        """Start the clock of the wait for `env.sender`'s replay marker (REPLAY_WAIT) at anything
-        it sends us but its marker: it is alive, so a marker that does not follow was lost. Not
-        only at a dropped data batch: a protocol message may open a channel the snapshot lacked
-        past data and a marker a broker rollback lost, and the replays of that data under their
-        own numbers then die in the channel as duplicates, never reaching `_before_replay`
-        (seed 9230 of the every-move mix, docs/reliability.md, "Replays in order"). A newer
-        epoch of the sender is no evidence: its data ends the wait."""
-        epoch, since = self._awaiting_replay[env.sender]
-        if since is not None or FAULT_REPLAY_CLOCK_AT_DROP in self.faults:
-            return
-        if (env.kind is not Kind.DATA or env.body) and (epoch is None or env.epoch <= epoch):
-            self._awaiting_replay[env.sender] = (epoch, self.now)
-
     def forget_sender(self, sender: str) -> None:
         """Drop every per-sender entry of an instance admitted only provisionally (an unanswered
         probe): channel position, numbering, an empty queue."""
-        if self.queues.get(sender):
+        if not self.queued.forget(sender):
             return  # something of it still waits to be handled: keep it
-        self.queues.pop(sender, None)
         self.inbound.forget(sender)
         self.outputs.outbound.forget(sender)
-        self._holes.pop(sender, None)
+        self.silence.forget(sender)
         self.mark_state_changed()
 
     def _check_silence(self, now: float) -> None:
@@ -880,18 +709,13 @@ class Instance:
         session) show up as a hole in a sender's numbering that stays open (we become a new
         incarnation: every predecessor replays what we have not acked), or, when they were the
         last ones a sender sent us, as batches we never ack (the sender replays them to us)."""
-        self._next_silence_check = now + SILENCE_CHECK
+        self.silence.checked(now)
         if self.stopping:
             return
-        holes = {s: (g[0], g[1]) for s, g in self.inbound.gaps().items()}
-        self._holes = {s: (h, self._holes[s][1] if self._holes.get(s, (None,))[0] == h else now)
-                       for s, h in holes.items()}
-        stuck = sorted(s for s, (_, since) in self._holes.items() if now - since >= GAP_TIMEOUT)
+        stuck = self.silence.stuck(self.inbound.gaps(), now)
         if stuck:
-            self._holes = {}
             self._new_incarnation(f"messages from {', '.join(stuck)} missing for {GAP_TIMEOUT:.0f}s", "gaps_recovered")
-        unanswered = sorted(s for s, (_, t) in self._awaiting_replay.items()
-                            if t is not None and now - t >= REPLAY_WAIT)
+        unanswered = self.replays.unanswered(now)
         if unanswered:
             self._new_incarnation(f"no replay marker from {', '.join(unanswered)} in {REPLAY_WAIT:.0f}s",
                                   "replays_asked_again")
@@ -920,7 +744,7 @@ class Instance:
         self.stats[counter] += 1
         log.warning("%s: new epoch %d, asking for replays", why, self.epoch, extra=self.ctx)
         if self.scaling is not None:
-            self._await_replays(self.scaling.core.preds)
+            self.replays.start(self.scaling.core.preds, self.inbound.position)
             for pred in sorted(self.scaling.core.preds):
                 self.send_envelope(pred, Kind.ACK, [0, 0])
             self.scaling.resync(self.now)
@@ -937,11 +761,11 @@ class Instance:
         self.outputs.on_ack(env.sender, upto, self.now)
 
     def _has_ready_input(self, now: float) -> bool:
-        if not any(self.queues.values()):
+        if not self.queued.any():
             return False
         if self.sink_wait and not self.operator.writable():
             return False  # spool full: only a release (seen in settle) can help
-        return now >= self.busy_until and self.outbox.pending < self.high_water
+        return not self.pace.busy(now) and self.outbox.pending < self.high_water
 
     def _backpressured(self) -> bool:
         """Held back by what comes after us: successors without credit, or the sink's spool full."""
@@ -950,7 +774,7 @@ class Instance:
     def _data_blocked(self, now: float) -> bool:
         if self.scaling is not None and not self.scaling.data_enabled:
             return True  # idle new instance: keep input until Start (Algorithm 6)
-        if now < self.busy_until:
+        if self.pace.busy(now):
             return True  # emulated service time
         if self.sink_wait and not self.operator.writable():
             self.stats["spool_stalls"] += 1
@@ -962,19 +786,21 @@ class Instance:
 
     def _process(self, now: float) -> None:
         """Handle queued envelopes, round-robin over senders, each sender strictly in order
-        (three exceptions: `_duplication_acks_ahead`, `_duplications_ahead`, `_eos_ahead`). `now`
-        stays the event's: an emulated service time ends this turn's data; the next Tick goes on."""
+        (three exceptions: agent.instance.queues). `now` stays the event's: an emulated service time
+        ends this turn's data; the next Tick goes on."""
+        queued = self.queued
         if self.scaling is not None and self.scaling.duplicating:
-            self._duplication_acks_ahead()
-        if self._dup_behind_data:
-            self._duplications_ahead()
-        if self._eos_behind_data:
-            self._eos_ahead()
+            queued.duplication_acks_ahead(self.scaling, self._on_protocol)
+        if queued.dup_behind:
+            queued.duplications_ahead(self.scaling, self._on_protocol)
+        if queued.eos_behind:
+            assert self.moves is not None
+            queued.eos_ahead(self.scaling, self.moves.groups_in, self._on_protocol)
         progress = True
         while progress:
             progress = False
-            for sender in list(self.queues):
-                q = self.queues[sender]
+            for sender in list(queued.by_sender):
+                q = queued.by_sender[sender]
                 if not q:
                     continue
                 env = q[0]
@@ -991,118 +817,6 @@ class Instance:
                     self._on_protocol(env)
                     progress = True
 
-    def _duplication_acks_ahead(self) -> None:
-        """While our duplication round waits for its acks, a predecessor's `duplication_ack`
-        queued behind that predecessor's DATA batches is handled now instead of after them.
-
-        Why: the creator of a copy is by definition overloaded, so its predecessors' data queue
-        up to a credit window in front of their acks (with a Raspberry-Pi-like 4 ms per record
-        and batches of 100: seconds), and the copy would get its Start only after the creator
-        worked through all of it: most of decision -> first record (`bench rescale`).
-        Why it is safe: handling a duplication ack changes none of our routing tables (our
-        preds and succs stay as they are; the ack only completes the round and sends Start with
-        the tables we already use), and the data batches it overtakes are still processed by us,
-        in their order, right after. Only DATA is overtaken, never a protocol message (a
-        neighbour's own round must be applied before our Start carries our tables), and never
-        while our earlier outputs are still being performed. Deletion acks never move: invariant 1
-        needs a deletion_ack handled after every batch its sender sent before it."""
-        sc = self.scaling
-        assert sc is not None
-        if not sc.blocked:
-            self._ahead_of_data("duplication_ack", "acks_ahead_of_data", lambda: not sc.blocked and sc.duplicating)
-
-    def _ahead_of_data(self, msg_type: str, stat: str, go_on: Callable[[], bool]) -> bool:
-        """In each sender's queue that starts with DATA, the first envelope that is not DATA is
-        handled now if it is a protocol message of `msg_type` (and stays otherwise: it decides
-        for what follows it). Stops when `go_on()` turns false after one: False then."""
-        for q in list(self.queues.values()):
-            if len(q) < 2 or q[0].kind is not Kind.DATA:
-                continue
-            for i, env in enumerate(q):
-                if env.kind is Kind.DATA:
-                    continue
-                if env.kind is Kind.PROTO and isinstance(env.body, dict) and env.body.get("type") == msg_type:
-                    del q[i]
-                    self.stats[stat] += 1
-                    self._on_protocol(env)
-                break  # the first non-data envelope decides
-            if not go_on():
-                return False
-        return True
-
-    def _duplications_ahead(self) -> None:
-        """A predecessor's `duplication` (it announces a copy of itself) queued behind that
-        predecessor's DATA batches is handled now instead of after them: the mirror of
-        `_duplication_acks_ahead`, on the successor's side of the same round.
-
-        Why: the creator's round waits for every neighbour's ack, and a successor that is itself
-        loaded (the demo's keyed `route_counts` behind `in_zone`, 4 ms per record) has up to a
-        credit window of the creator's data in front of the duplication: `in_zone`'s round took
-        3.7-4.7 s of the demo's 4.8 s decision -> first record outliers (docs/measurement.md,
-        "decision -> first record in the demo"). Why it is safe: the duplication only adds the
-        copy to our predecessors (the core acks it; no successor of ours changes, no record of
-        the creator is moved or dropped), and a copy sends nothing before its Start, which needs
-        our ack: the creator could as well have sent the duplication before those batches. The
-        overtaken batches are processed right after, in their order. Only DATA is overtaken,
-        never a protocol message (a creator's Eos or Deletion keeps its place: invariant 1), only
-        while we forward (the core updates its tables then) and never while our earlier outputs
-        are being performed."""
-        sc = self.scaling
-        if sc is None or sc.core.state not in FORWARDING:
-            self._dup_behind_data = False
-            return
-        if sc.blocked:
-            return  # asked again next turn
-        self._dup_behind_data = not self._ahead_of_data(
-            "duplication", "duplications_ahead_of_data",
-            lambda: not sc.blocked and sc.core.state in FORWARDING)  # stopped: the other queues next turn
-
-    def _eos_ahead(self) -> None:
-        """A predecessor's Eos of group g queued behind that predecessor's DATA batches, none of
-        which holds a record of g, is handled now instead of after them (docs/operators.md, "Key
-        groups that move").
-
-        Why: we hand groups out because we are overloaded, so each predecessor's batches queue
-        here up to its credit window, and every Eos waited for all of them, every predecessor's
-        queue drained round-robin at our service time: 0.9-2.6 s of a keyed copy's hand-over in
-        the demo (docs/measurement.md, "decision -> first record in the demo"). Why it is safe:
-        the Eos says the predecessor sends no more of g to us; every record of g it sent before
-        is either applied here already or in a batch ahead of the Eos, and we only move the Eos
-        when no batch ahead carries one, so g's state is final here exactly as if the batches
-        had been processed (they hold only other groups, still ours or still moving, processed
-        right after in their order). An Eos overtakes DATA and other Eos only (each concerns its
-        own group), never another protocol message (invariant 1), never while our earlier
-        outputs are being performed."""
-        assert self.moves is not None
-        if self.scaling is not None and self.scaling.blocked:
-            return  # asked again next turn
-        self._eos_behind_data = False
-        moves = self.moves
-        for q in list(self.queues.values()):
-            if len(q) < 2 or q[0].kind is not Kind.DATA:
-                continue
-            ahead: Set[int] = set()  # groups of the records in the batches ahead
-            i = 0
-            while i < len(q):
-                env = q[i]
-                if env.kind is Kind.DATA:
-                    ahead |= moves.groups_in(env.body)
-                    i += 1
-                    continue
-                body = env.body
-                if env.kind is not Kind.PROTO or not isinstance(body, dict) or body.get("type") != "eos":
-                    break  # any other protocol message keeps its place, and what follows it
-                g = body.get("g")
-                if type(g) is int and g not in ahead:  # a malformed one keeps its place (decoded there)
-                    del q[i]
-                    self.stats["eos_ahead_of_data"] += 1
-                    self._on_protocol(env)
-                    if self.scaling is not None and self.scaling.blocked:
-                        self._eos_behind_data = True
-                        return
-                    continue
-                i += 1
-
     def _process_data(self, env: Envelope, now: float) -> None:
         items: List[Item] = env.body
         n = len(items)
@@ -1117,7 +831,7 @@ class Instance:
         index = self.tracker.processed(env.sender, env.seq, env.epoch)
         if env.floors:
             self.outputs.note_floors(env.floors)
-        t0 = self.perf()
+        t0 = self.load.clock()
         if self.is_sink:
             self._record(items, index, env)
         elif self.keyed is not None:
@@ -1142,9 +856,8 @@ class Instance:
                 self.outputs.forward(out, index, now)
             if self.marks is not None and env.watermark is not None:
                 self.marks.note(env.sender, index, env.watermark)
-        self.signals.processed(n, self.perf() - t0 + n * self.service_time)
-        if self.service_time:
-            self.busy_until = max(self.busy_until, now) + n * self.service_time
+        self.load.processed(n, t0, self.pace.cost(n))
+        self.pace.processed(n, now)
 
     def _apply(self, items: List[Item]) -> List[Item]:
         try:
@@ -1205,15 +918,14 @@ class Instance:
         if isinstance(body, dict) and body.get("type") in group_moves.HANDOVER_TYPES:
             self.stats["handover_in"] += 1
             self.stats["handover_bytes_in"] += group_moves.body_size(body)
-            if body["type"] == "redirect" and self.next_keyed:
+            if body["type"] == "redirect" and self.group_routing.on:
                 try:
                     msg, _ = group_moves.decode(env.sender, body, self.router.groups)
                 except ValueError as exc:
                     self.handover_error(env.sender, str(exc))
                     return
                 if self.router.table is None:  # an idle copy: its table comes with its Start
-                    if len(self._redirects_waiting) < self.router.groups:
-                        self._redirects_waiting.append((env.sender, msg))
+                    self.group_routing.hold(env.sender, msg, self.router.groups)
                     return
                 self._take_redirect(env.sender, msg)
             elif self.moves is not None:
@@ -1222,11 +934,7 @@ class Instance:
                 self.handover_error(env.sender, f"{body['type']} to an instance that is not keyed")
             return
         if self.scaling is None:
-            self.stats["protocol_in"] += 1
-            self.stats["protocol_errors"] += 1
-            if env.sender not in self._malformed_logged:  # logged once per sender (invariant 5)
-                self._malformed_logged.add(env.sender)
-                log.warning("protocol message from %s but scaling is off: ignored", env.sender, extra=self.ctx)
+            self.intake.protocol_ignored(env.sender)  # counted, logged once per sender (invariant 5)
             return
         self.scaling.handle(env)
 
@@ -1252,7 +960,7 @@ class Instance:
             self._write_source_stats()  # the reservation on disk before the records it covers
         items = self.operator.poll(now, budget)
         if items:
-            self._period_records += len(items)
+            self.load.produced(len(items))
             self.stats["records_in"] += len(items)
             index = self.tracker.produced()
             self.source.polled(index, items[0][1])
@@ -1273,14 +981,16 @@ class Instance:
         forced or draining."""
         if self.outbox.pending == 0:
             return
-        if FAULT_RETRY_ONLY_WITH_DATA in self.faults:
-            self._out += self.outputs.publish_retries()
         draining = self.stopping or (self.scaling is not None and self.scaling.draining)
         # A source's floor before its batches leave the outbox: taken out, they are pending
         # nowhere until link.sent, and the claim would cover them.
         own = {self.spec.instance: self.source_resume_seq()} if self.is_source else None
         mark = self.marks.out_mark(now, self._lowest_pending()) if self.marks is not None else None
         self._out += self.outputs.flush(now, force or draining, own, mark)
+
+    def retry_publishes(self) -> None:
+        """The publishes the broker refused, again, in their channels' order (agent.instance.outputs)."""
+        self._out += self.outputs.publish_retries()
 
     def send_envelope(self, dest: str, kind: Kind, body: Any) -> None:
         """Acks and protocol messages: numbered on the same channel as the data (invariant 1)."""
@@ -1355,7 +1065,7 @@ class Instance:
     def start_field(self, copy: str) -> Optional[Dict[str, Any]]:
         """The extra field of a Start we send `copy` (agent.instance.groups): our group table, and
         a keyed instance's share of its groups for the copy (agent.instance.moves)."""
-        out = keygroup_table.start_field(self.router.table) if self.next_keyed else None
+        out = self.group_routing.start_field(self.router)
         if self.moves is not None:
             out = dict(out or {}, share=[list(x) for x in self.moves.share_for(copy)])
         return out
@@ -1368,10 +1078,9 @@ class Instance:
     def on_start_field(self, field: Any, succs: Tuple[str, ...]) -> None:
         """Our Start arrived (we are a copy; the Activate that follows sets `succs`): our
         creator's group table, or (keyed) the groups it hands us, before any record."""
-        if self.next_keyed:
-            self.router.table = keygroup_table.table_from_start(field, succs, self.router.groups, self.ctx)
+        waiting = self.group_routing.from_start(self.router, field, succs, self.ctx)
+        if waiting is not None:
             self.mark_state_changed()
-            waiting, self._redirects_waiting = self._redirects_waiting, []
             for sender, msg in waiting:  # came before our Start (another channel): taken now
                 self._take_redirect(sender, msg)
         if self.moves is not None and self.scaling is not None and self.scaling.core.creator:
@@ -1420,7 +1129,7 @@ class Instance:
         """Every data batch received is processed, forwarded, acked by the successors, and acked
         upstream (queued protocol messages do not count: they may wait behind the drain)."""
         return (
-            not any(e.kind is Kind.DATA for q in self.queues.values() for e in q)
+            not self.queued.data_waiting()
             and self.outbox.pending == 0
             and self.outputs.settled()
             and self.tracker.waiting() == 0
@@ -1437,11 +1146,11 @@ class Instance:
         s.update(
             instance=self.spec.instance,
             operator=self.spec.operator,
-            load=round(self._last_load, 1),
+            load=round(self.load.last, 1),
             succs=list(self.router.succs),
             inflight={d: link.inflight for d, link in self.outputs.links.items()},
             outbox=self.outbox.pending,
-            queued=sum(len(q) for q in self.queues.values()),
+            queued=self.queued.count(),
             gaps_skipped=self.inbound.gaps_skipped,
             inbound_senders=self.inbound.senders(),
             held=self.admission.hold.count,
@@ -1451,11 +1160,11 @@ class Instance:
             unrouted=sum(len(q) for q in self.outputs.unrouted.values()),
             routes_remembered=len(self.outputs.routes),
             records_pinned=self.outputs.routes.pinned,
-            service_time_ms=self.service_time * 1000,
-            live_capacity=round(self.live_capacity.value, 2),
-            online_service_time_ms=(round(self.live_capacity.service_time * 1000, 4)
-                                    if self.live_capacity.service_time else None),
-            signals=self.last_signals.to_stats() if self.last_signals is not None else None,
+            service_time_ms=self.pace.service_time * 1000,
+            live_capacity=round(self.load.capacity.value, 2),
+            online_service_time_ms=(round(self.load.capacity.service_time * 1000, 4)
+                                    if self.load.capacity.service_time else None),
+            signals=self.load.last_signals.to_stats() if self.load.last_signals is not None else None,
             first_record_at=self.first_record_at,
             activated_at=self.activated_at,
             at=self.wall(),
@@ -1470,26 +1179,10 @@ class Instance:
         return s
 
     def _heartbeat(self, now: float) -> None:
-        self._last_heartbeat = now
+        self.cadence.beat(now)
         self.emit("heartbeat", stats=self.snapshot_stats())
         if self.is_source and self.source.write_due(now):
             self._write_source_stats()
-
-    def take_signals(self, now: float) -> Signals:
-        """Close the live-signal period (the decision period) and feed the online capacity."""
-        sig = self.signals.take(now, self.cpu())
-        self.live_capacity.update(sig.busy, sig.processed)
-        self.last_signals = sig
-        return sig
-
-    def measure_load(self, now: float) -> float:
-        """Records received per second since the last call (the paper's l_t, per second)."""
-        dt = max(1e-6, now - self._period_start)
-        load = self._period_records / dt
-        self._period_records = 0
-        self._period_start = now
-        self._last_load = load
-        return load
 
     def _write_source_stats(self) -> None:
         if not self.is_source:
@@ -1509,17 +1202,16 @@ class Instance:
 
     def persist(self, force: bool = False) -> None:
         """Persist what a restart needs (cheap: a small JSON file, at most every STATE_PERIOD
-        unless the protocol state changed)."""
+        unless the protocol state changed: agent.instance.cadence)."""
         now = self.now
-        if not force and not self._state_dirty and now - self._last_state_write < STATE_PERIOD:
+        if not self.cadence.write_due(now, force):
             return
         self._out.append(Persist(self.persisted_state()))
         self.inbound.changed = False
-        self._state_dirty = False
-        self._last_state_write = now
+        self.cadence.written(now)
 
     def mark_state_changed(self) -> None:
-        self._state_dirty = True
+        self.cadence.changed()
 
     _HANDLERS: Dict[Type[Event], Callable[["Instance", Any], None]] = {
         Started: _on_started,
@@ -1535,13 +1227,3 @@ class Instance:
         Tick: _on_tick,
         Abort: _on_abort,
     }
-
-
-def _guess_sender(payload: bytes) -> str:
-    try:
-        msg = json.loads(payload)
-        if isinstance(msg, list) and len(msg) > 1 and isinstance(msg[1], str):
-            return msg[1][:64]
-    except (ValueError, TypeError, RecursionError):
-        pass
-    return "<unknown>"

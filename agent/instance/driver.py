@@ -236,8 +236,8 @@ class ScalingDriver:
             self._send_link(self.links.due(now))
         if now < self.next_tick:
             return
-        load = self.w.measure_load(now)
-        sig = self.w.take_signals(now)
+        load = self.w.load.measure(now)
+        sig = self.w.load.take_signals(now)
         self.next_tick = now + self.period
         # DEVIATION (docs/scaling.md): input that began during this period (the first records
         # after a start, a restart or a period without any) was counted over only part of it:
@@ -262,7 +262,7 @@ class ScalingDriver:
         self.round_created = []
         draw = self.rng.random()
         if self.live is not None:
-            decision = self.live.decide(PeriodInputs(now, load, sig.processed_rate, self.w.live_capacity.value,
+            decision = self.live.decide(PeriodInputs(now, load, sig.processed_rate, self.w.load.capacity.value,
                                                      sig.backpressure, self.core.keeper, draw, self.w.wall()))
         else:
             decision = self.core.decide(load, draw)
@@ -289,7 +289,7 @@ class ScalingDriver:
 
     def _capacity(self) -> float:
         """The capacity this instance's policy compares with: live for the Gesscale policies."""
-        return self.w.live_capacity.value if self.live is not None else self.params.capacity
+        return self.w.load.capacity.value if self.live is not None else self.params.capacity
 
     def force(self, action: str, count: int) -> None:
         """A steering request (fogctl scale/drain via the agent): queued, run by `_run_forced`

@@ -23,11 +23,11 @@ paper's messages and their count are unchanged. `{"table": <GroupTable wire form
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from agent.dataplane.owners import GroupTable, TableError, table_from_reports
 
-__all__ = ["START_FIELD", "initial_table", "restored_table", "start_field", "table_from_start"]
+__all__ = ["GroupRouting", "START_FIELD", "initial_table", "restored_table", "start_field", "table_from_start"]
 
 log = logging.getLogger("agent.instance.worker")
 
@@ -82,3 +82,38 @@ def table_from_start(field: Any, succs: Sequence[str], groups: int, ctx: Dict[st
     else:
         log.warning("our Start carries no group table: dealt over our successors", extra=ctx)
     return initial_table(succs, groups)
+
+
+class GroupRouting:
+    """The group table's side of an instance routing to a keyed operator: `on` when it routes by
+    that operator's group -> owner table (`Instance.next_keyed`), and the Redirects an idle copy
+    received before its Start brought its table (taken then, in their order). It holds no
+    reference to the instance: the router whose table it sets is passed per call."""
+
+    def __init__(self, on: bool) -> None:
+        self.on = on
+        self._waiting: List[Tuple[str, Any]] = []  # (sender, decoded Redirect), an idle copy's
+
+    def hold(self, sender: str, msg: Any, limit: int) -> None:
+        """A Redirect before our table (an idle copy): kept until the Start, at most `limit`."""
+        if len(self._waiting) < limit:
+            self._waiting.append((sender, msg))
+
+    def restore(self, router: Any, saved: Dict[str, Any], ctx: Dict[str, Any], reported: Any) -> None:
+        """A restart's table (`restored_table`) onto `router`, when we route by one."""
+        if self.on:
+            router.table = restored_table(saved, router.succs, router.groups, ctx, reported)
+
+    def start_field(self, router: Any) -> Optional[Dict[str, Any]]:
+        """What a Start we send carries of our table (`start_field`), None when we route by none."""
+        return start_field(router.table) if self.on else None
+
+    def from_start(self, router: Any, field: Any, succs: Sequence[str],
+                   ctx: Dict[str, Any]) -> Optional[List[Tuple[str, Any]]]:
+        """Our Start arrived: our creator's table onto `router`, and the Redirects held until now
+        (to take, in their order); None when we route by no table."""
+        if not self.on:
+            return None
+        router.table = table_from_start(field, succs, router.groups, ctx)
+        waiting, self._waiting = self._waiting, []
+        return waiting

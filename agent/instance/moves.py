@@ -218,7 +218,7 @@ class GroupMoves:
             self.first_applied_at = self.w.wall()
 
     def groups_in(self, items: List[Item]) -> Set[int]:
-        """The key groups of these records (`Instance._eos_ahead`: may an Eos pass them?)."""
+        """The key groups of these records (agent.instance.queues, `eos_ahead`: may an Eos pass them?)."""
         return {key_group(record_key(it[2], self.key_field), self.groups) for it in items}
 
     def _replayed(self, it: Item) -> bool:

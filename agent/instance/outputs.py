@@ -335,7 +335,7 @@ class Outputs:
 
     def _send_replay_marker(self, out: List[Command], dest: str) -> None:
         """An empty data batch on the channel to `dest`: what we send after it is our replay and
-        newer data (see `Instance._await_replays`). Outside the replay buffer and the credit
+        newer data (see agent.instance.replays). Outside the replay buffer and the credit
         window; the receiver never processes nor acks it (cumulative acks cover its number)."""
         seq = self.outbound.take(dest)
         if dest in self.local:  # chained: on the same in-memory channel as the replay after it

@@ -41,7 +41,7 @@ class InstancePort(Protocol):
     tracker: Any  # agent.dataplane.flow.AckTracker
     keyed: Any  # Optional[agent.instance.keyed_state.KeyedState]
     moves: Any  # Optional[agent.instance.moves.GroupMoves]
-    live_capacity: Any  # agent.measure.capacity.LiveCapacity
+    load: Any  # agent.instance.load.Load: the load and live signals the scaling decision reads
 
     def sent_to(self, dest: str) -> bool: ...
 
@@ -79,6 +79,3 @@ class InstancePort(Protocol):
 
     def on_start_field(self, field: Any, succs: Tuple[str, ...]) -> None: ...
 
-    def take_signals(self, now: float) -> Any: ...
-
-    def measure_load(self, now: float) -> float: ...

@@ -77,6 +77,7 @@ from agent.node.rehome import plan_rehome
 from agent.operators.builtin import OperatorContext
 from agent.protocol.scaling import InstanceState
 from foglab.sim.checker import Violation
+from foglab.sim.instance_faults import instance_class
 from foglab.sim.instance_check_keyed import (
     KEEPER, KEY_GROUPS, KEYED_PLANS, MemoryTrail, check_floor, check_keyed, copy_disk, count_handover, disk_digest,
     keyed_path, new_disk,
@@ -396,8 +397,8 @@ class World:
         iid = spec.instance
         self.specs[iid] = spec
         self.inboxes[topics.inbox(CLUSTER, iid, spec.node)] = iid
-        inst = Instance(spec, self.pipeline, self._operator(spec), faults=self.cfg.faults,
-                        next_keyed=self.cfg.keyed and spec.operator == "op")
+        inst = instance_class(self.cfg.faults)(spec, self.pipeline, self._operator(spec), faults=self.cfg.faults,
+                                               next_keyed=self.cfg.keyed and spec.operator == "op")
         self.inst[iid] = inst
         if restart is None:
             self._feed(iid, Started(WALL0 + self.now))

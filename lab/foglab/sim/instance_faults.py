@@ -1,0 +1,50 @@
+"""The instance checker's seeded faults of `agent.instance.core.Instance` itself, installed as
+subclasses: the product class has no branch for them (docs/reliability.md, "Checking whole
+instances"). The parts' seeded faults (agent.instance.outputs, marks, replays, moves, the
+scaling driver) still come with the `faults` set the instance hands them.
+
+`instance_class(faults)` is `Instance` itself when none of these is on, else a subclass with
+each one's override.
+"""
+
+from __future__ import annotations
+
+from typing import FrozenSet, Type
+
+from agent.instance.core import Instance
+
+__all__ = ["FAULT_RETRY_ONLY_WITH_DATA", "FAULT_ROUTE_AFRESH", "instance_class"]
+
+# Refused publishes are retried only when there is data to flush, so a sink's refused ack holds
+# back all its later acks.
+FAULT_RETRY_ONLY_WITH_DATA = "retry_only_with_data"
+# Records sent again are routed afresh, not to where they went before, so after a crash a copy
+# can reach another sink instance, which keeps it (INVARIANT 8).
+FAULT_ROUTE_AFRESH = "route_afresh"
+
+
+class RetryOnlyWithData(Instance):
+    def retry_publishes(self) -> None:
+        """Not at every turn: only from `flush`, when there is data to flush."""
+
+    def flush(self, now: float, force: bool = False) -> None:
+        if self.outbox.pending:
+            Instance.retry_publishes(self)
+        super().flush(now, force)
+
+
+class RouteAfresh(Instance):
+    remembers_routes = False
+
+
+_OVERRIDES = ((FAULT_RETRY_ONLY_WITH_DATA, RetryOnlyWithData), (FAULT_ROUTE_AFRESH, RouteAfresh))
+
+
+def instance_class(faults: FrozenSet[str]) -> Type[Instance]:
+    """The class to build an instance with under the seeded `faults`."""
+    bases = tuple(cls for name, cls in _OVERRIDES if name in faults)
+    if not bases:
+        return Instance
+    if len(bases) == 1:
+        return bases[0]
+    return type("Faulty" + "".join(b.__name__ for b in bases), bases, {})
