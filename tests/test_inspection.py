@@ -289,7 +289,9 @@ def test_real_agents_measure_the_proxy_and_status_shows_drain_and_offline(capsys
                                            stdout=open(tmp_path / f"{node}.log", "w"), stderr=subprocess.STDOUT,
                                            env=env, cwd=str(ROOT))
         seen: List[Tuple[float, float]] = []
-        deadline = time.monotonic() + 20
+        # The band stays as tight as before; the deadline only ends a hang. Probes are timed by the
+        # agents' loops, which a machine at load ~5 slows by 10-25 ms for a while (40-55 ms seen).
+        deadline = time.monotonic() + 60
         ok = False
         while time.monotonic() < deadline and not ok:
             time.sleep(0.5)
