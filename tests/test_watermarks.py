@@ -619,47 +619,69 @@ def test_a_mark_alone_moves_a_keyed_instance_and_is_no_replay_marker() -> None:
     assert inst.stats["records_in"] == 4
 
 
+class _SourceRun:
+    """A source instance from the pipeline text (records n = 0, 1, 2 of keys k0, k1, k0, one each
+    0.5 s) whose publishes the broker takes and acks at once, ticked every 50 ms for 2 s."""
+
+    def __init__(self, text: str) -> None:
+        from agent.config import load_pipeline_text
+        from agent.instance.core import Instance
+        from agent.instance.events import Started
+        from agent.instance.spec import InstanceSpec
+        from foglab.sim.instance_check import BROKER, CLUSTER, WALL0, MemorySource
+
+        spec = InstanceSpec("source-0", "source", "n1", CLUSTER, "chk", text, BROKER, succs=("op-0",), preds=(),
+                            keeper=True, state_dir="/nonexistent", heartbeat_period=3600.0)
+        self.inst = Instance(spec, load_pipeline_text(text, "p"), MemorySource(3, interval=0.5, keys=2))
+        self.sent: List[Any] = []
+        self.mid = 0
+        self.now = 0.0
+        self._run(self.inst.handle(Started(WALL0), 0.0))
+        self.tick_until(2.0)
+
+    def _run(self, cmds: List[Any]) -> None:
+        from agent.instance.commands import Publish
+        from agent.instance.events import PubAcked, PublishAccepted
+
+        for c in cmds:
+            if isinstance(c, Publish) and "/inbox/" in c.topic:
+                self.mid += 1
+                self.sent.append(decode(c.payload))
+                self.inst.handle(PublishAccepted(c.token, self.mid), self.now)
+                self.inst.handle(PubAcked(self.mid), self.now)
+
+    def tick_until(self, until: float) -> None:
+        from agent.instance.events import Tick
+        from foglab.sim.instance_check import WALL0
+
+        while self.now < until:
+            self.now += 0.05
+            self._run(self.inst.handle(Tick(WALL0 + self.now), self.now))
+
+    def data(self) -> List[Any]:
+        return [e for e in self.sent if e.records]
+
+    def ack(self, seq: int) -> None:
+        """The successor acks every batch up to `seq`."""
+        from agent import topics
+        from agent.dataplane.envelope import Envelope
+        from agent.instance.events import EnvelopeReceived
+        from foglab.sim.instance_check import CLUSTER
+
+        ack = Envelope("op-0", 0, 1, Kind.ACK, [0, seq])
+        self._run(self.inst.handle(EnvelopeReceived(topics.inbox(CLUSTER, "source-0", "n1"), encode(ack)), self.now))
+
+
 @pytest.mark.parametrize("channels, expected", [("", Mark(2)), ('\nchannel_field = "k"', Mark(1))])
 def test_a_source_instance_with_channel_field_marks_the_least_channel(channels: str, expected: Mark) -> None:
     """The source instance built from the pipeline text: records n = 0, 1, 2 of keys k0, k1, k0.
     One channel, its mark once acked is the newest time (2); with `channel_field = "k"` it is the
     least channel's (k1: 1)."""
-    from agent.config import load_pipeline_text
-    from agent.instance.commands import Publish
-    from agent.instance.core import Instance
-    from agent.instance.events import EnvelopeReceived, PubAcked, PublishAccepted, Started, Tick
-    from agent.instance.spec import InstanceSpec
-    from foglab.sim.instance_check import BROKER, CLUSTER, WALL0, MemorySource
-    from agent import topics
-    from agent.dataplane.envelope import Envelope, encode
-    text = _timed_pipeline(channels)
-    spec = InstanceSpec("source-0", "source", "n1", CLUSTER, "chk", text, BROKER, succs=("op-0",), preds=(),
-                        keeper=True, state_dir="/nonexistent", heartbeat_period=3600.0)
-    inst = Instance(spec, load_pipeline_text(text, "p"), MemorySource(3, interval=0.5, keys=2))
-    sent: List[Any] = []
-    mid = 0
-
-    def run(cmds: List[Any], now: float) -> None:
-        nonlocal mid
-        for c in cmds:
-            if isinstance(c, Publish) and "/inbox/" in c.topic:
-                mid += 1
-                sent.append(decode(c.payload))
-                inst.handle(PublishAccepted(c.token, mid), now)
-                inst.handle(PubAcked(mid), now)
-
-    run(inst.handle(Started(WALL0), 0.0), 0.0)
-    now = 0.0
-    while now < 2.0:
-        now += 0.05
-        run(inst.handle(Tick(WALL0 + now), now), now)
-    data = [e for e in sent if e.records]
+    source = _SourceRun(_timed_pipeline(channels))
+    sent, data = source.sent, source.data()
     assert [(r[2]["k"], r[2]["n"]) for e in data for r in e.records] == [("k0", 0), ("k1", 1), ("k0", 2)]
-    ack = Envelope("op-0", 0, 1, Kind.ACK, [0, data[-1].seq])
-    run(inst.handle(EnvelopeReceived(topics.inbox(CLUSTER, "source-0", "n1"), encode(ack)), now), now)
-    while now < 3.0:
-        now += 0.05
-        run(inst.handle(Tick(WALL0 + now), now), now)
+    source.ack(data[-1].seq)
+    source.tick_until(3.0)
     assert [e.watermark for e in sent if e.watermark is not None] == [expected]
 
 
@@ -667,46 +689,13 @@ def test_a_source_marks_only_what_its_successor_acked_and_goes_idle() -> None:
     """The source instance: its records' times make its mark, which leaves only once the
     successor acked the poll it came from (never with the batch that carries those records);
     `idle_after` seconds without a record, the mark alone says idle."""
-    from agent.config import load_pipeline_text
-    from agent.instance.commands import Publish
-    from agent.instance.core import Instance
-    from agent.instance.events import EnvelopeReceived, PubAcked, PublishAccepted, Started, Tick
-    from agent.instance.spec import InstanceSpec
-    from foglab.sim.instance_check import BROKER, CLUSTER, WALL0, MemorySource
-    from agent import topics
-    from agent.dataplane.envelope import Envelope, encode
-    text = _timed_pipeline("\nidle_after = 5")
-    spec = InstanceSpec("source-0", "source", "n1", CLUSTER, "chk", text, BROKER, succs=("op-0",), preds=(),
-                        keeper=True, state_dir="/nonexistent", heartbeat_period=3600.0)
-    inst = Instance(spec, load_pipeline_text(text, "p"), MemorySource(3, interval=0.5, keys=2))
-    sent: List[Any] = []
-    mid = 0
-
-    def run(cmds: List[Any], now: float) -> None:
-        nonlocal mid
-        for c in cmds:
-            if isinstance(c, Publish) and "/inbox/" in c.topic:
-                mid += 1
-                sent.append(decode(c.payload))
-                inst.handle(PublishAccepted(c.token, mid), now)
-                inst.handle(PubAcked(mid), now)
-
-    run(inst.handle(Started(WALL0), 0.0), 0.0)
-    now = 0.0
-    while now < 2.0:
-        now += 0.05
-        run(inst.handle(Tick(WALL0 + now), now), now)
-    data = [e for e in sent if e.records]
+    source = _SourceRun(_timed_pipeline("\nidle_after = 5"))
+    sent, data = source.sent, source.data()
     assert [r[2]["n"] for e in data for r in e.records] == [0, 1, 2]
     assert all(e.watermark is None for e in sent), "a mark before any poll was acked"
-    ack = Envelope("op-0", 0, 1, Kind.ACK, [0, data[-1].seq])
-    run(inst.handle(EnvelopeReceived(topics.inbox(CLUSTER, "source-0", "n1"), encode(ack)), now), now)
-    while now < 3.0:
-        now += 0.05
-        run(inst.handle(Tick(WALL0 + now), now), now)
+    source.ack(data[-1].seq)
+    source.tick_until(3.0)
     assert [e.watermark for e in sent if e.watermark is not None] == [Mark(2)]  # alone, once
-    while now < 7.5:
-        now += 0.05
-        run(inst.handle(Tick(WALL0 + now), now), now)
+    source.tick_until(7.5)
     assert [e.watermark for e in sent if e.watermark is not None] == [Mark(2), Mark(2, True)]
     assert all(not e.records for e in sent if e.watermark is not None)
