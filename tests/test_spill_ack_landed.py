@@ -39,6 +39,12 @@ def read_ids(path: Path) -> list:
     return [tuple(x) for x in _read_ids(path)] if path.exists() else []
 
 
+def node_shipper(spool: Path, cluster: str, mosquitto) -> MqttShipper:
+    """Node n1's shipper of `spool`, quick to resend to an absent collector."""
+    return MqttShipper(SpoolDirs(spool, "n1"), cluster, host=mosquitto.host, port=mosquitto.port,
+                       ack_timeout=0.5, max_backoff=1.0).start()
+
+
 @pytest.fixture
 def runner(tmp_path: Path):
     r = LocalRunner(tmp_path, ready_timeout=ONLINE_BOUND)
@@ -50,8 +56,7 @@ def test_a_sink_acking_once_landed_holds_its_acks_until_the_collector_landed_its
         runner, mosquitto, tmp_path: Path) -> None:
     n, cluster = 3000, "acklanded"
     spool, landing = tmp_path / "spool", tmp_path / "landing"
-    shipper = MqttShipper(SpoolDirs(spool, "n1"), cluster, host=mosquitto.host, port=mosquitto.port,
-                          ack_timeout=0.5, max_backoff=1.0).start()
+    shipper = node_shipper(spool, cluster, mosquitto)
     collector = None
     try:
         procs = start(runner, mosquitto, tmp_path, pipeline(1000.0, n), cluster,
@@ -96,8 +101,7 @@ def test_the_disk_of_a_sink_lost_before_its_files_landed(runner, mosquitto, tmp_
     records the sink had acked are lost (the documented limit of the default)."""
     n, cluster = 2000, f"acklost{ack}"
     spool, landing = tmp_path / "spool", tmp_path / "landing"
-    shipper = MqttShipper(SpoolDirs(spool, "n1"), cluster, host=mosquitto.host, port=mosquitto.port,
-                          ack_timeout=0.5, max_backoff=1.0).start()
+    shipper = node_shipper(spool, cluster, mosquitto)
     collector = None
     try:
         procs = start(runner, mosquitto, tmp_path, pipeline(1000.0, n), cluster,
@@ -115,8 +119,7 @@ def test_the_disk_of_a_sink_lost_before_its_files_landed(runner, mosquitto, tmp_
         shutil.rmtree(spool / "sink-0")
         ids_file.unlink()
         sink = runner.restart("sink-0")
-        shipper = MqttShipper(SpoolDirs(spool, "n1"), cluster, host=mosquitto.host, port=mosquitto.port,
-                              ack_timeout=0.5, max_backoff=1.0).start()  # the node it runs on now
+        shipper = node_shipper(spool, cluster, mosquitto)  # the node it runs on now
         collector = Collector(cluster, str(landing), host=mosquitto.host, port=mosquitto.port,
                               client_id=f"collector-{cluster}").start()
         wait_for(lambda: source.stats.get("generated") == n, 60, "the source to finish")
