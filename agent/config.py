@@ -330,6 +330,9 @@ class WatermarkSection:
     # with the others; the source's mark is the least over the channels (agent.dataplane.watermarks)
     channel_field: Optional[str] = field(default=None,
                                          metadata={"check": lambda v: None if v else "expected a field name"})
+    # the channels it keeps at most (their values come from the data): at the bound idle ones are
+    # forgotten first, and a channel that finds no room holds the mark of no other back
+    max_channels: int = field(default=4096, metadata={"check": in_range(1, 1_000_000, "an integer")})
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ class MemoryWire:
         self.connected = True
         self.refuse = 0  # refuse this many publishes (PublishRejected)
         self.acked: List[Tuple[int, int]] = []  # (mid, qos) PUBACKed by a manual-ack owner
+        self.acks_skipped = 0  # a real manual-ack transport counts the PUBACKs it did not repeat
 
     def connect(self, *a: object, **k: object) -> bool:
         return True

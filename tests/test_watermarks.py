@@ -140,7 +140,72 @@ def test_a_reading_that_overtakes_the_brokers_backlog_does_not_make_the_backlog_
     assert old["late_dropped"] == 352 and old["counted"] == old["published"] - 352
 
 
-@pytest.mark.parametrize("bad", [{"disorder_ms": -1}, {"disorder_ms": float("inf")}, {"idle_after": 0}])
+def test_by_channel_the_channels_are_bounded_idle_ones_forgotten_first() -> None:
+    """Channel values come from the bus: a publisher naming a new sensor per reading must not grow
+    the source without bound. At `max_channels`, an idle channel makes room; without one, the
+    record is judged against the others' mark and holds nothing back."""
+    s = SourceMarks(disorder_ms=100, idle_after=5.0, by_channel=True, max_channels=3)
+    s.start(0.0)
+    for i, ch in enumerate("abc"):
+        assert s.observe(1000 + 100 * i, 1.0, ch)
+    assert s.observe(9000, 1.5, "d") and s.untracked == 1  # no room, none idle: on time, not kept
+    assert not s.observe(500, 1.6, "e") and s.untracked == 2 and s.late == 1  # behind the others' mark
+    assert set(s.channels) == {"a", "b", "c"} and s.mark(1.6) == Mark(900)  # d holds nothing back
+    for k in range(8):  # a and b go on; c is silent and goes idle
+        s.observe(2000 + k, 2.0 + k, "a")
+        s.observe(2100 + k, 2.0 + k, "b")
+    assert s.observe(9000, 9.5, "d") and set(s.channels) == {"a", "b", "d"}  # c forgotten for d
+    assert s.untracked == 2 and s.mark(9.5) == Mark(2007 - 100)
+    for n in range(10000):  # a new channel per record
+        s.observe(3000 + n, 10.0 + n / 1000, f"x{n}")
+    assert len(s.channels) == 3
+
+
+def test_a_restarted_source_waits_for_the_channels_its_predecessor_had() -> None:
+    """The previous incarnation's channels (its position file) come back: a sensor whose readings
+    are still queued holds the mark from the start. Without them the first reading of another
+    sensor sets the mark, and the queued readings are late."""
+    old = SourceMarks(disorder_ms=100, by_channel=True)
+    old.start(0.0)
+    old.observe(1000, 1.0, "slow")
+    old.observe(5000, 1.0, "fast")
+    table = json.loads(json.dumps(old.channel_table()))  # through the file
+    assert table == [["slow", 1000], ["fast", 5000]]
+    for restored in (True, False):
+        new = SourceMarks(disorder_ms=100, by_channel=True)
+        new.start(10.0)
+        if restored:
+            new.restore(table + [["bad"], ["nan", float("nan")], "x"], 10.0)
+            assert set(new.channels) == {"slow", "fast"}  # the damaged entries skipped
+        new.observe(6000, 10.1, "fast")
+        assert new.mark(10.1) == (Mark(900) if restored else Mark(5900))
+        assert new.observe(1100, 10.2, "slow") is restored
+    limited = SourceMarks(by_channel=True)
+    limited.restore([[f"s{i}", 1000 - i] for i in range(10)], 0.0)
+    assert limited.channel_table(limit=3) == [["s9", 991], ["s8", 992], ["s7", 993]]  # the most behind
+
+
+def test_a_source_instance_saves_its_channels_in_its_position() -> None:
+    """The position file a sensor source writes (and a move carries) holds its channels; a
+    restarted instance given that position judges by them (channel names through JSON: a list
+    key comes back as the same dict key)."""
+    from types import SimpleNamespace
+
+    from agent.config import WatermarkSection
+    from agent.instance.keyed_state import hashable_key
+    from agent.instance.marks import Marks
+
+    source = _SourceRun(_timed_pipeline('\nchannel_field = "k"'), heartbeat_period=1.0)
+    source.tick_until(5.0)
+    assert source.positions[-1]["channels"] == [["k1", 1], ["k0", 2]]
+    conf = WatermarkSection(time_field="t", channel_field="k")
+    marks = Marks(conf, True, None, SimpleNamespace(last_index=0), SimpleNamespace(), {}, frozenset())
+    marks.restore_channels([[["room", 7], 500]], 0.0)
+    assert list(marks.source.channels) == [hashable_key(["room", 7])]
+
+
+@pytest.mark.parametrize("bad", [{"disorder_ms": -1}, {"disorder_ms": float("inf")}, {"idle_after": 0},
+                                 {"max_channels": 0}])
 def test_source_marks_refuse_bad_settings(bad: Dict[str, float]) -> None:
     with pytest.raises(ValueError):
         SourceMarks(**bad)
@@ -580,6 +645,8 @@ def test_the_watermark_table_is_checked_and_belongs_to_the_source() -> None:
         load_pipeline_text(_timed_pipeline('\ndisorder_ms = "5s"'), "p.toml")
     with pytest.raises(ConfigError, match=r"idle_after: expected seconds > 0, got 0"):
         load_pipeline_text(_timed_pipeline("\nidle_after = 0"), "p.toml")
+    with pytest.raises(ConfigError, match=r"max_channels: expected an integer"):
+        load_pipeline_text(_timed_pipeline("\nmax_channels = 0"), "p.toml")
     with pytest.raises((ConfigError, ValueError), match="belongs to the source"):
         load_pipeline_text(_timed_pipeline(extra_op='\n[operator.watermark]\ntime_field = "n"\n'), "p.toml")
 
@@ -623,7 +690,7 @@ class _SourceRun:
     """A source instance from the pipeline text (records n = 0, 1, 2 of keys k0, k1, k0, one each
     0.5 s) whose publishes the broker takes and acks at once, ticked every 50 ms for 2 s."""
 
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, heartbeat_period: float = 3600.0) -> None:
         from agent.config import load_pipeline_text
         from agent.instance.core import Instance
         from agent.instance.events import Started
@@ -631,19 +698,22 @@ class _SourceRun:
         from foglab.sim.instance_check import BROKER, CLUSTER, WALL0, MemorySource
 
         spec = InstanceSpec("source-0", "source", "n1", CLUSTER, "chk", text, BROKER, succs=("op-0",), preds=(),
-                            keeper=True, state_dir="/nonexistent", heartbeat_period=3600.0)
+                            keeper=True, state_dir="/nonexistent", heartbeat_period=heartbeat_period)
         self.inst = Instance(spec, load_pipeline_text(text, "p"), MemorySource(3, interval=0.5, keys=2))
         self.sent: List[Any] = []
+        self.positions: List[Dict[str, Any]] = []  # what it wrote to its position file
         self.mid = 0
         self.now = 0.0
         self._run(self.inst.handle(Started(WALL0), 0.0))
         self.tick_until(2.0)
 
     def _run(self, cmds: List[Any]) -> None:
-        from agent.instance.commands import Publish
+        from agent.instance.commands import PersistSource, Publish
         from agent.instance.events import PubAcked, PublishAccepted
 
         for c in cmds:
+            if isinstance(c, PersistSource):
+                self.positions.append(c.data)
             if isinstance(c, Publish) and "/inbox/" in c.topic:
                 self.mid += 1
                 self.sent.append(decode(c.payload))

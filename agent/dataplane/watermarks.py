@@ -20,6 +20,12 @@ on what it received:
   past the others' readings still on their way. A channel silent for `idle_after` while the
   source receives is idle and left out; a silence of the whole source (its input away) restarts
   every channel's clock, so the channels whose readings were merely held up are waited for.
+  Channel values come from the data (the bus), so their number is bounded (`max_channels`): at
+  the bound, idle channels are forgotten first; a record of a channel that still finds no room
+  is judged against the mark of the others and holds nothing back (counted: `untracked`). A
+  restarted source is given the channels its previous incarnation had (`restore`, from its
+  position file), so a channel whose readings are still queued at the broker holds the mark
+  from the start, not from its first reading.
 - A mark travels on a data batch and applies AFTER that batch's records: "no record I send you
   after this batch is older than this, except records late at their source".
 - A receiver keeps, per input channel (one sending instance, whatever its epoch), the LARGEST mark
@@ -44,12 +50,15 @@ from dataclasses import dataclass
 from collections import deque
 from typing import Any, Deque, Dict, Iterable, List, Optional, Tuple
 
-__all__ = ["Mark", "MAX_MARK_MS", "parse_mark", "mark_json", "SourceMarks", "WatermarkTable"]
+__all__ = ["Mark", "MAX_MARK_MS", "MAX_CHANNELS", "parse_mark", "mark_json", "SourceMarks", "WatermarkTable"]
 
 # Event times in ms within +-2^53 (~285,000 years): exact as floats, and what JSON carries
 # losslessly to any reader.
 MAX_MARK_MS = float(2 ** 53)
 PENDING_MAX = 100_000  # noted marks per input waiting for their ack: beyond it the oldest merge
+# channels a source keeps by default: a fleet's sensors (tens to thousands), each mark costs O(channels)
+MAX_CHANNELS = 4096
+CHANNELS_SAVED = 1024  # of them, the most behind in a restarted source's position (agent.wire's bound)
 
 
 @dataclass(frozen=True)
@@ -84,18 +93,22 @@ class SourceMarks:
     out of order its own data comes), idle after `idle_after` seconds without a record (None:
     never idle). With `by_channel`, each record names its channel (`observe(..., channel)`) and
     the mark is the least over the channels of their largest event time, minus the disorder
-    (see the module docstring). A restarted source starts a new one: its receivers keep the
-    larger marks they had."""
+    (see the module docstring), over at most `max_channels` channels. A restarted source starts
+    a new one (with its channels `restore`d): its receivers keep the larger marks they had."""
 
     def __init__(self, disorder_ms: float = 0.0, idle_after: Optional[float] = None,
-                 by_channel: bool = False) -> None:
+                 by_channel: bool = False, max_channels: int = MAX_CHANNELS) -> None:
         if not (disorder_ms >= 0 and math.isfinite(disorder_ms)):
             raise ValueError(f"disorder_ms: expected a finite number >= 0, got {disorder_ms!r}")
         if idle_after is not None and not (idle_after > 0):
             raise ValueError(f"idle_after: expected a number of seconds > 0, got {idle_after!r}")
+        if type(max_channels) is not int or max_channels < 1:
+            raise ValueError(f"max_channels: expected an integer >= 1, got {max_channels!r}")
         self.disorder_ms = float(disorder_ms)
         self.idle_after = idle_after
         self.by_channel = bool(by_channel)
+        self.max_channels = max_channels
+        self.untracked = 0  # records of channels that found no room (judged against the others' mark)
         self.max_time: Optional[float] = None
         self.last_record_at: Optional[float] = None
         self.started_at: Optional[float] = None
@@ -132,7 +145,9 @@ class SourceMarks:
         if ch is None:  # a channel first heard of: on time unless behind the mark of the others
             least = self._least(now)
             on_time = least is None or t >= least - self.disorder_ms
-            if abs(t) <= MAX_MARK_MS:  # behind, it starts at the others' mark: a late record holds nothing
+            if not self._room(now):
+                self.untracked += 1
+            elif abs(t) <= MAX_MARK_MS:  # behind, it starts at the others' mark: a late record holds nothing
                 self.channels[channel] = [t if on_time or least is None else least, now]
         else:
             on_time = t >= ch[0] - self.disorder_ms
@@ -146,16 +161,48 @@ class SourceMarks:
         self.last_record_at = now
         return on_time
 
+    def _idle(self, at: float, now: float) -> bool:
+        """A channel that last gave a record `at` is silent `idle_after` while the source received."""
+        resumed = self.resumed_at
+        return self.idle_after is not None and now - (at if resumed is None or at > resumed else resumed) >= self.idle_after
+
     def _least(self, now: float) -> Optional[float]:
         """by_channel: the least largest event time over the channels not idle (None: none)."""
         least: Optional[float] = None
-        idle_after, resumed = self.idle_after, self.resumed_at
         for t, at in self.channels.values():
-            if idle_after is not None and now - (at if resumed is None or at > resumed else resumed) >= idle_after:
-                continue  # silent while the source received: idle, holds nothing back
+            if self._idle(at, now):
+                continue  # holds nothing back
             if least is None or t < least:
                 least = t
         return least
+
+    def _room(self, now: float) -> bool:
+        """Room for one more channel: below the bound, or once the idle ones are forgotten (an
+        idle channel holds nothing back; back, it is a channel first heard of)."""
+        if len(self.channels) < self.max_channels:
+            return True
+        for name in [name for name, (_, at) in self.channels.items() if self._idle(at, now)]:
+            del self.channels[name]
+        return len(self.channels) < self.max_channels
+
+    def channel_table(self, limit: int = CHANNELS_SAVED) -> List[List[Any]]:
+        """by_channel: [channel, its largest event time] for the `limit` channels furthest behind
+        (those hold the mark back), for the position file, which a move carries in its spawn
+        request (a control message: bounded)."""
+        table = sorted(self.channels.items(), key=lambda kv: kv[1][0])[:limit]
+        return [[name, t] for name, (t, _) in table]
+
+    def restore(self, table: Any, now: float, name: Any = lambda v: v) -> None:
+        """The channels of the previous incarnation (`channel_table`, read back from our own file:
+        its shape is checked, `name` makes a channel a dict key again), each as if it gave its
+        last record at `now`: until it gives one again or goes idle it holds the mark at its
+        largest event time, so its readings still queued at the broker are waited for."""
+        if not self.by_channel or type(table) is not list:
+            return
+        for entry in table[:self.max_channels]:
+            if (type(entry) is list and len(entry) == 2 and type(entry[1]) in (int, float)
+                    and abs(entry[1]) <= MAX_MARK_MS):
+                self.channels[name(entry[0])] = [float(entry[1]), now]
 
     def mark(self, now: float) -> Optional[Mark]:
         """The mark to send now: None before the first record (receivers wait for it) unless the

@@ -382,6 +382,8 @@ class Instance:
                 self.send_envelope(pred, Kind.ACK, [0, 0])
             self.scaling.resync(now)
         if self.is_source:
+            if restart and self.marks is not None and isinstance(source_position, dict):
+                self.marks.restore_channels(source_position.get("channels"), now)
             if self.source.sensor:
                 self.source.number(wall, source_position if restart else None, ingest_log)
             elif restart:
@@ -1187,7 +1189,11 @@ class Instance:
     def _write_source_stats(self) -> None:
         if not self.is_source:
             return
-        self._out.append(PersistSource(self.source.position(self._lowest_pending)))
+        position = self.source.position(self._lowest_pending)
+        table = self.marks.channel_table() if self.marks is not None else None
+        if table is not None:  # a restart waits for these channels (agent.dataplane.watermarks)
+            position["channels"] = table
+        self._out.append(PersistSource(position))
 
     def persisted_state(self) -> Dict[str, Any]:
         """What a restart needs: epoch, channel positions, the scaling driver's state."""

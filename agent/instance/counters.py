@@ -67,4 +67,5 @@ def new_counters() -> Dict[str, int]:
         "resent_past_departed": 0,  # records sent again whose successor left: dropped (INVARIANT 8)
         "marks_sent": 0,  # watermarks sent alone (agent.dataplane.watermarks)
         "late_at_source": 0,  # source records older than its own watermark when polled
+        "channels_untracked": 0,  # source records of a channel past [operator.watermark] max_channels
     }

@@ -15,7 +15,7 @@ from typing import Any, Dict, FrozenSet, List, Optional
 
 from agent.dataplane.flow import AckTracker
 from agent.dataplane.envelope import Item
-from agent.dataplane.watermarks import MAX_MARK_MS, Mark, SourceMarks, WatermarkTable
+from agent.dataplane.watermarks import MAX_CHANNELS, MAX_MARK_MS, Mark, SourceMarks, WatermarkTable
 from agent.instance.keyed_state import KeyedState, hashable_key
 from agent.instance.outputs import Outputs
 from agent.operators.keyed import parse_event_time
@@ -41,7 +41,8 @@ class Marks:
         self.table = WatermarkTable()
         self.channel_field: Optional[str] = getattr(conf, "channel_field", None)
         self.source: Optional[SourceMarks] = (
-            SourceMarks(conf.disorder_ms, conf.idle_after, self.channel_field is not None) if is_source else None)
+            SourceMarks(conf.disorder_ms, conf.idle_after, self.channel_field is not None,
+                        getattr(conf, "max_channels", MAX_CHANNELS)) if is_source else None)
         self.keyed = keyed
         self.tracker = tracker
         self.outputs = outputs
@@ -98,11 +99,20 @@ class Marks:
             out = Mark(max(-MAX_MARK_MS, out.value - self.keyed.op.lateness_ms), out.idle)
         return out
 
+    def channel_table(self) -> Optional[List[Any]]:
+        """A source by channel: its channels and their times, for its position file (None: no channels)."""
+        return self.source.channel_table() if self.source is not None and self.source.by_channel else None
+
+    def restore_channels(self, table: Any, now: float) -> None:
+        """A restarted source: the channels its position file kept (`channel_table`)."""
+        if self.source is not None:
+            self.source.restore(table, now, hashable_key)
+
     def observe(self, items: List[Item], index: int, now: float) -> None:
         """The source's records' event times, into its watermark (noted at this poll's index)."""
         sm, conf = self.source, self.conf
         assert sm is not None
-        late = sm.late
+        late, untracked = sm.late, sm.untracked
         field = self.channel_field
         for _, _, rec in items:
             t = parse_event_time(rec.get(conf.time_field), conf.time_unit) if type(rec) is dict else None
@@ -112,6 +122,8 @@ class Marks:
                 else:  # [operator.watermark] channel_field: the record's channel (a sensor)
                     sm.observe(t, now, hashable_key(rec.get(field)))
         self.stats["late_at_source"] += sm.late - late
+        if sm.untracked != untracked:
+            self.stats["channels_untracked"] += sm.untracked - untracked
         m = sm.mark(now)
         if m is not None:
             self.table.note("", index, m)

@@ -336,8 +336,11 @@ class Worker:
         return feedback
 
     def _transport_stats(self) -> Dict[str, Any]:
-        return {"paho_out": self.transport.pending_out(), "connected": self.transport.connected,
-                **{k: v for k, v in self.counts.items() if v}}
+        stats = {"paho_out": self.transport.pending_out(), "connected": self.transport.connected,
+                 **{k: v for k, v in self.counts.items() if v}}
+        if self.ingest is not None:  # a sensor source's dups of deliveries it had PUBACKed already
+            stats["ingest_acks_skipped"] = self.ingest.acks_skipped
+        return stats
 
     def _exit(self, c: Exit) -> None:
         for t in self.transports():
