@@ -390,7 +390,7 @@ def test_bench_analytics_with_its_spark_job_faked(tmp_path: Path, monkeypatch: p
 
 CHAOS_SUMMARY: Dict[str, Any] = {  # what run_chaos prints for a demo-pipeline run, one fault
     "seed": 3, "duration": 30.0, "min_faults": 0, "min_records": 0, "load_cap_s": 90.0,
-    "faults_enabled": ["kill-worker", "kill-agent"], "coordination": "ack", "fgme_damping": True,
+    "faults_enabled": ["kill-worker", "kill-agent"], "coordination": "ack", "fgme_damping": True, "spill_ack": "written",
     "workdir": "/tmp/fog-chaos-x", "t0_wall": 1.7e9, "load_s": 30.5, "settled": True, "settle_s": 4.1,
     "holding_at_end": [], "final_instances": {"source": 1, "in_zone": 1, "sink": 1}, "back_to_size": True,
     "duplicates_dropped_at_sink": 3, "protocol_messages": 420, "restarts": 1, "scale_outs": 4, "scale_ins": 4,

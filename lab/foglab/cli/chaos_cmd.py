@@ -41,6 +41,9 @@ def register(groups: Any) -> None:
                         "window scaling out and in, its key groups moving with their state; mqtt-ingest: readings "
                         "published by the chaos process itself (QoS 1) through mqtt_source and a keyed 5-second "
                         "window per sensor, every published reading checked against the windows (default demo)")
+    p.add_argument("--spill-ack", choices=("written", "landed"), default="written",
+                   help="stateful pipelines and mqtt-ingest: the agents' [spill] ack; landed: a sink acks its "
+                        "records upstream only once their spool files landed (default written)")
     p.add_argument("--chain", action="store_true",
                    help="the demo pipeline with [pipeline] chain = true: its keepers share worker processes "
                         "(docs/runtime.md, \"Chaining\"); kill-worker then kills a whole chain")

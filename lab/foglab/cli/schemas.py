@@ -65,6 +65,7 @@ FAULT = _open("a fault: {t, kind, target, recovery_s, ...} (foglab.tools.chaos.F
 CHAOS_RUN = _obj({
     "seed": INT, "duration": NUM, "min_faults": INT, "min_records": INT, "load_cap_s": NUM,
     "faults_enabled": _list(S), "coordination": {"enum": ["ack", "fgme"]}, "fgme_damping": BOOL,
+    "spill_ack": {"enum": ["written", "landed"]},
     "workdir": S, "load_s": _d(NUM, "seconds of load"), "settled": _d(BOOL, "the sink went quiet, every operator back"),
     "settle_s": NUM, "final_instances": _map(INT, "operator -> instances at the end"),
     "back_to_size": BOOL, "protocol_messages": INT, "restarts": INT, "scale_outs": INT, "scale_ins": INT,

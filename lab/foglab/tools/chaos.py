@@ -211,6 +211,7 @@ class ChaosConfig:
     # partition: stay cut past the drawn time until every keeper of the node is active
     # elsewhere (at most recovery_timeout more): a heal after the re-homing whatever the load
     partition_until_rehomed: bool = False
+    spill_ack: str = "written"  # stateful and mqtt-ingest: the agents' [spill] ack ("landed": acks once landed)
 
     def __post_init__(self) -> None:
         if self.pipeline not in PIPELINES:
@@ -218,6 +219,8 @@ class ChaosConfig:
         bad = [f for f in self.faults if f not in FAULTS]
         if bad or not self.faults:
             raise ValueError(f"faults: expected a non-empty subset of {', '.join(FAULTS)}, found {list(self.faults)}")
+        if self.spill_ack not in ("written", "landed"):
+            raise ValueError(f"spill_ack: expected written or landed, found {self.spill_ack!r}")
         if self.coordination not in ("ack", "fgme"):
             raise ValueError(f"coordination: expected ack or fgme, found {self.coordination!r}")
         if self.min_faults < 0 or self.min_records < 0:
@@ -674,11 +677,13 @@ def run_chaos(cfg: ChaosConfig, out: Any = sys.stderr, live: bool = True) -> Dic
     node_loss = "kill-node" in kinds if cfg.rehoming is None else cfg.rehoming
     fleet = Fleet(workdir, nodes=tuple(cfg.nodes), cluster="chaos", log_level=cfg.log_level, shutdown_timeout=10.0,
                   dead_after=cfg.dead_after if node_loss else 0.0,  # re-homing only where a node is lost
-                  proxied="partition" in kinds, spill=stateful or ingest)  # the windows' contents are spilled
+                  proxied="partition" in kinds, spill=stateful or ingest,  # the windows' contents are spilled
+                  spill_ack=cfg.spill_ack)
     faults: List[Fault] = []
     summary: Dict[str, Any] = {"seed": cfg.seed, "duration": cfg.duration, "min_faults": cfg.min_faults,
                                "min_records": cfg.min_records, "load_cap_s": cap, "faults_enabled": list(cfg.faults),
                                "coordination": cfg.coordination, "fgme_damping": cfg.fgme_damping,
+                               "spill_ack": cfg.spill_ack,
                                "workdir": str(workdir)}
     mon: Optional[Monitor] = None
     publisher: Any = None  # mqtt-ingest: the outside sensors (foglab.tools.chaos_ingest.Publisher)
@@ -921,7 +926,8 @@ def main(args: Any) -> int:
                           coordination=str(getattr(args, "coordination", "ack")),
                           fgme_damping=bool(getattr(args, "fgme_damping", DAMPING_DEFAULT)),
                           pipeline=str(getattr(args, "pipeline", "demo")),
-                          chain=bool(getattr(args, "chain", False)))
+                          chain=bool(getattr(args, "chain", False)),
+                          spill_ack=str(getattr(args, "spill_ack", "written")))
     except ValueError as exc:
         print(f"fog-agent chaos: {exc}", file=sys.stderr)
         return 2

@@ -98,6 +98,7 @@ spool_dir = "{spool_dir}"
 rotate_seconds = 5.0
 ship = "path"
 ship_path = "{landing}"
+ack = "{ack}"
 """
 
 
@@ -119,6 +120,7 @@ class Fleet:
     log_level: str = "info"
     agent_args: Sequence[str] = ()  # extra `fog-agent run` options (e.g. --no-warm-worker)
     spill: bool = False  # [spill] on every agent, shipped by path into `landing`
+    spill_ack: str = "written"  # its [spill] ack: "landed" has the sinks ack once their files landed
     extra_toml: str = ""  # appended to every agent's file (e.g. a [site_manager] section)
     operator_modules: Sequence[str] = DEMO_OPERATOR_MODULES  # every agent's `[operators] modules`
     # Each node's agent (and so its workers) reaches the broker through a proxy of its own
@@ -191,7 +193,7 @@ class Fleet:
             shutdown_timeout=self.shutdown_timeout, dead_after=self.dead_after, host=self.host,
             port=self.proxies.port(node) if self.proxies is not None else self.port,
             inbox_per_node=str(self.inbox_per_node).lower(),
-        ) + (SPILL_TOML.format(spool_dir=self.workdir / f"spool-{node}", landing=self.landing) if self.spill else "")
+        ) + (SPILL_TOML.format(spool_dir=self.workdir / f"spool-{node}", landing=self.landing, ack=self.spill_ack) if self.spill else "")
             + (f'[security]\nadmin_keys = ["{self.admin_key}.pub"]\n' if self.signed else "")
             + (f'\n[operators]\nmodules = {json.dumps(list(self.operator_modules))}\n' if self.operator_modules else "")
             + self.extra_toml)
