@@ -930,3 +930,65 @@ def test_a_rehomed_new_owner_that_handed_a_resumed_group_on_does_not_take_its_ol
     keeper.moves.on_message("cnt-d", dict(encode(Offer(5)), v=5))
     assert keeper.moves.member.new.expected == {5: "cnt-d"}
     assert keeper.stats["handover_errors"] == 0
+
+
+def test_a_rehomed_new_owner_does_not_take_again_a_move_its_siblings_show_is_over() -> None:
+    """chaos --pipeline stateful-scaling, seed 325: a leaver (cells-aeb7119) handed group 4 to
+    the keeper (version 3); the keeper installed it, but the leaver's Installed was lost, so it
+    kept sending its chunks again. The keeper handed the group on (version 4) to a copy, which
+    was handing it back (version 5) when the keeper's node was lost. The re-homed keeper, with
+    no memory of the moves its dead incarnation had completed, took the old leaver's chunks of
+    version 3 as a move whose Offer its loss had lost: it installed the group's state of 30 s
+    before and answered the copy's real hand-back Installed, so the copy forgot the newer state
+    (14 groups: 345 windows missing, 450 different), and its later Redirects carried version 4,
+    refused for ever by its predecessor (5 cells instances at the end). The plan tells the
+    re-homed instance the newest version its siblings know of each group (`moved_on`): a move
+    towards it no newer than that is over, its chunks are answered Installed; the copy's move,
+    newer, is taken from its chunks."""
+    from agent.instance.handover import Eos, Installed
+    from agent.instance.moves import encode
+
+    old = keyed_instance("cnt-a", {5: 2})  # the old leaver: group 5 to the keeper, version 3
+    old.moves.hand_rest("p.cnt.0", ["p.op.0"])
+    old.moves.on_message("p.op.0", encode(Eos(5, "p.op.0")))
+    old.moves.hand_out_turn()
+    old.moves.flush()
+    (_, v_old, old_bodies) = old.moves.outgoing[5]
+    assert v_old == 3 and old_bodies
+    copy = keyed_instance("cnt-b", {5: 4})  # the copy the keeper handed it to (version 4), leaving
+    copy.moves.hand_rest("p.cnt.0", ["p.op.0"])
+    moving = copy.snapshot_stats()  # the Redirect out, no Eos yet: reported at the version before
+    copy.moves.on_message("p.op.0", encode(Eos(5, "p.op.0")))
+    copy.moves.hand_out_turn()
+    copy.moves.flush()
+    (_, v_new, new_bodies) = copy.moves.outgoing[5]
+    assert v_new == 5 and new_bodies
+    handed = copy.snapshot_stats()  # every Eos in: handed out
+    hosted = {"n1": [keyed_spec("p.source.0", "source", True), keyed_spec("p.op.0", "op", True),
+                     keyed_spec("p.cnt.0", "cnt", True), keyed_spec("p.sink.0", "sink", True)],
+              "n2": [keyed_spec("cnt-b", "cnt", creator="p.cnt.0")],
+              "n3": [keyed_spec("cnt-a", "cnt", creator="p.cnt.0")]}
+    keeper_report = [[0, 4, 0], [6, 7, 0]]  # the keeper's last state: group 5 handed on to cnt-b
+    for stats in (moving, handed):
+        plan = {d["instance"]: d for d in plan_rehome(
+            "n1", hosted, {"n2", "n3"}, {"cnt-a", "cnt-b"}, 0,
+            groups={"p.cnt.0": keeper_report, "cnt-a": old.snapshot_stats()["groups"], "cnt-b": stats["groups"]},
+            handed={"cnt-a": old.snapshot_stats()["handed"], "cnt-b": stats["handed"]},
+            expecting={"cnt-a": [], "cnt-b": []})}
+        extra = plan["p.cnt.0"]["extra"]
+        assert extra["owned_groups"] == keeper_report
+        assert extra["moved_on"] == [[5, 5, 4]]  # the copy's, before its move to us
+        keeper = keyed_instance("p.cnt.0", {}, restart=True, **extra)
+        # the old leaver's chunks of version 3, sent again: a move over long ago
+        for body in old_bodies:
+            keeper.moves.on_message("cnt-a", body)
+        keeper.moves.take_in_turn()
+        m = keeper.moves.member
+        assert 5 not in m.owned and 5 not in m.new.expected, "the group's old state taken as a new move"
+        assert ("cnt-a", encode(Installed(5))) in keeper.moves.deferred  # the old leaver forgets it
+        # the copy's chunks of version 5 (its Offer went to the dead incarnation): taken, installed
+        for body in new_bodies:
+            keeper.moves.on_message("cnt-b", body)
+        keeper.moves.take_in_turn()
+        assert 5 in m.owned and keeper.moves.versions[5] == 5 and keeper.moves.installed_from[5] == "cnt-b"
+        assert keeper.stats["handover_errors"] == 0

@@ -345,7 +345,13 @@ class Instance:
             log.warning("re-homed without a usable list of our key groups (%s): we hold the dealing", exc,
                         extra=self.ctx)
             return
-        self.moves.resume_groups(versions)
+        try:
+            moved_on = groups_from_runs(self.spec.extra.get("moved_on") or [], self.moves.groups)
+        except TableError as exc:
+            log.warning("re-homed without a usable list of the moves our siblings have seen (%s)", exc,
+                        extra=self.ctx)
+            moved_on = {}
+        self.moves.resume_groups(versions, moved_on)
         log.info("re-homed: resuming our %d key groups", len(versions), extra=self.ctx)
 
     def _begin(self, wall: float, restart: bool, saved: Dict[str, Any],

@@ -668,13 +668,20 @@ class GroupMoves:
         if stale:
             self.w.save_keyed_now()
 
-    def resume_groups(self, versions: Dict[int, int]) -> None:
+    def resume_groups(self, versions: Dict[int, int], moved_on: Optional[Dict[int, int]] = None) -> None:
         """A re-homed incarnation whose state was lost with its node: it owns the groups, at their
         versions, that its dead incarnation last said it owned (its node's retained state,
         agent.node.rehome), not the dealing of a deployed keeper. Taking all of them made it
-        and its siblings refuse each other's Redirects for ever: two owners of every group."""
+        and its siblings refuse each other's Redirects for ever: two owners of every group.
+        `moved_on` (group -> the newest version its siblings know of, agent.node.rehome
+        `_moved_on`) stands for what our dead incarnation had `seen`: an Offer or chunks of a move
+        towards us no newer than that, sent again by an old owner whose Installed was lost, are
+        of a move over long ago, not one whose Offer our loss lost; taken, the group's old state
+        replaced the newer one its owners since had built (chaos seed 325)."""
         self.member = Member(self.w.spec.instance, versions)
         self.versions = dict(versions)
+        for g, v in (moved_on or {}).items():
+            self.seen[g] = max(v, self.seen.get(g, -1))
         self.resumed = True
 
     def resume_moves(self, entries: Any, preds: Iterable[str]) -> int:

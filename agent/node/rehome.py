@@ -216,9 +216,15 @@ def plan_rehome(
         if runs is not None:
             resumed[inst] = runs
     rivals = {**dict(groups or {}), **resumed}  # live reports, and the lost instances' newest word
-    for inst, runs in resumed.items():
-        owned_reports[inst], moves_out[inst] = _resume_plan(inst, runs, rivals, expecting, alive,
-                                                            set(resumed), waiting_for)
+    moved_on: Dict[str, Any] = {}
+    for s in lost:
+        inst = str(s["instance"])
+        if inst in resumed:
+            owned_reports[inst], moves_out[inst] = _resume_plan(inst, runs=resumed[inst], groups=rivals,
+                                                                expecting=expecting, alive=alive,
+                                                                lost=set(resumed), waiting_for=waiting_for)
+            siblings = members.get((str(s["pipeline"]), str(s["operator"])), set()) - {inst}
+            moved_on[inst] = _moved_on(inst, siblings, rivals, handed, expecting)
     # with the groups handed out under their new owners, and the groups nobody reports given to
     # the lost node's keeper (`_unreported_to_keepers`)
     reports = _with_handed(owned_reports, handed)
@@ -245,10 +251,13 @@ def plan_rehome(
             extra.pop("idle_copies", None)
         owned = owned_reports.get(str(s["instance"]))
         extra.pop("moves_out", None)
+        extra.pop("moved_on", None)
         if owned is not None:
             extra["owned_groups"] = owned
             if moves_out.get(str(s["instance"])):
                 extra["moves_out"] = moves_out[str(s["instance"])]
+            if moved_on.get(str(s["instance"])):
+                extra["moved_on"] = moved_on[str(s["instance"])]
         else:
             extra.pop("owned_groups", None)
         reported = {i: reports[i] for i in succs if i in reports}
@@ -406,6 +415,46 @@ def _resume_plan(inst: str, runs: Any, groups: Optional[Mapping[str, Any]], expe
                 mine[e[0]] = e[2] - 1
                 moves.append([e[0], new, e[2]])
     return group_runs(mine), sorted(moves)
+
+
+def _moved_on(inst: str, siblings: Set[str], groups: Mapping[str, Any], handed: Optional[Mapping[str, Any]],
+              expecting: Optional[Mapping[str, Any]]) -> List[List[int]]:
+    """For a re-homed keyed instance: per group, the newest version its siblings know of
+    (runs): a move of the group towards us at that version or an older one is over, whoever
+    still sends it. A group's version rises by one at each move along its one chain of owners,
+    so a sibling holding it at v (or moving it on from v: `reported_groups`), handing it out at
+    v, or expecting it at v, shows that every move up to v is past; a move a sibling hands
+    towards `inst` itself at v is still to come (v - 1). Our dead incarnation's memory of the
+    moves it completed (`GroupMoves.seen`) went with its node: without this, a leaver whose
+    Installed of a move long over was lost sends its chunks again, and the re-homed incarnation
+    took them as a new move (the Offer "lost in our crash"), installed the group's old state
+    over the windows of the owners since, and answered the group's real move back Installed
+    (chaos seed 325: 14 groups, 345 windows missing, 450 different). Bus input: reports and
+    entries that do not parse are skipped (a lower floor only takes away the check)."""
+    floor: Dict[int, int] = {}
+
+    def seen(g: int, v: int) -> None:
+        if 0 <= v and floor.get(g, -1) < v:
+            floor[g] = v
+
+    for other in sorted(siblings):
+        try:
+            theirs = groups_from_runs((groups or {}).get(other, []))
+        except TableError:
+            theirs = {}
+        for g, v in theirs.items():
+            seen(g, v)
+        for table in (handed, expecting):
+            entries = (table or {}).get(other)
+            if not isinstance(entries, list):
+                continue
+            for e in entries[:MAX_GROUPS]:
+                if (isinstance(e, list) and len(e) == 3 and type(e[0]) is int and 0 <= e[0] < MAX_GROUPS
+                        and isinstance(e[1], str) and type(e[2]) is int and 0 <= e[2] < 2 ** 53):
+                    # handed [group, new owner, v]: towards us still to come; expecting [group, old
+                    # owner, v]: a sibling's, never towards us
+                    seen(e[0], e[2] - 1 if table is handed and e[1] == inst else e[2])
+    return group_runs(floor)
 
 
 def _creator(spec: Mapping[str, Any]) -> str:
