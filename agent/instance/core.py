@@ -67,7 +67,7 @@ from agent.instance.lifecycle import (
     EXIT_BAD_SPEC, EXIT_BROKER, EXIT_CRASH, EXIT_DRAIN_TIMEOUT, EXIT_OK, Lifecycle, Phase,
 )
 from agent.instance.load import Load, no_clock
-from agent.instance.marks import FAULT_MARKS_OWN_MAX, Marks
+from agent.instance.marks import Marks
 from agent.instance.outputs import ACK_DELAY, RAW_TOPIC, Outputs
 from agent.instance.pace import Pace
 from agent.instance.queues import SenderQueues
@@ -89,7 +89,7 @@ SINK_SETTLE_POLL = 0.05  # a sink whose spool is at its cap checks this often wh
 
 # The seeded faults of this class are subclasses the instance checker installs
 # (foglab.sim.instance_faults); those of the watermarks are agent.instance.marks's
-# (FAULT_MARKS_UNACKED, FAULT_MARKS_OWN_MAX), those of the wait for replays
+# (FAULT_MARKS_UNACKED), those of the wait for replays
 # agent.instance.replays's (FAULT_RESYNC_AT_FIRST_SEEN, FAULT_REPLAY_CLOCK_AT_DROP).
 
 
@@ -103,6 +103,11 @@ class Instance:
     # INVARIANT 8: a forwarding instance remembers where each record went where it must (False
     # only in the checker's seeded fault `route_afresh`).
     remembers_routes = True
+    # Watermarks that flow (docs/operators.md, "Watermarks that flow"): a keyed instance fires by
+    # the least mark over its inputs, not by its own largest event time, which a record that took
+    # another path, or waited for its group's move, may already be behind (False only in the
+    # checker's seeded fault `marks_own_max`, the rule before marks flowed).
+    marks_flow = True
 
     def __init__(self, spec: InstanceSpec, pipeline: PipelineConfig, operator: Any,
                  faults: FrozenSet[str] = frozenset(), perf: Callable[[], float] = no_clock,
@@ -213,14 +218,13 @@ class Instance:
             faults=self.faults)
         # Watermarks that flow with the batches (agent.instance.marks; docs/operators.md,
         # "Watermarks that flow"): on when the source has [operator.watermark], never at a sink.
-        # A keyed instance then fires by the least mark over its inputs (unless the seeded fault
-        # keeps its own largest event time).
+        # A keyed instance then fires by the least mark over its inputs (`marks_flow`).
         wm_conf = getattr(pipeline.operators[0], "watermark", None)
         self.marks: Optional[Marks] = None
         if wm_conf is not None and not self.is_sink:
             self.marks = Marks(wm_conf, self.is_source, self.keyed, self.tracker, self.outputs, self.stats,
                                self.faults)
-            if self.keyed is not None and FAULT_MARKS_OWN_MAX not in self.faults:
+            if self.keyed is not None and self.marks_flow:
                 self.keyed.flowing = True
         # When we write our state and send a heartbeat (agent.instance.cadence).
         self.cadence = Cadence(spec.heartbeat_period)

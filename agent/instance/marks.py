@@ -20,13 +20,12 @@ from agent.instance.keyed_state import KeyedState, hashable_key
 from agent.instance.outputs import Outputs
 from agent.operators.keyed import parse_event_time
 
-__all__ = ["Marks", "FAULT_MARKS_UNACKED", "FAULT_MARKS_OWN_MAX"]
+__all__ = ["Marks", "FAULT_MARKS_UNACKED"]
 
-# Seeded faults of the watermarks (agent.dataplane.watermarks): an instance passes on the marks
-# it received, acked inputs or not ("marks_unacked"); a keyed instance keeps its own watermark,
-# the largest event time it took ("marks_own_max": the rule before marks flowed).
+# Seeded fault of the watermarks (agent.dataplane.watermarks): an instance passes on the marks
+# it received, acked inputs or not ("marks_unacked"). That of a keyed instance keeping its own
+# watermark, "marks_own_max", is a subclass the checker installs (foglab.sim.instance_faults).
 FAULT_MARKS_UNACKED = "marks_unacked"
-FAULT_MARKS_OWN_MAX = "marks_own_max"
 
 
 class Marks:

@@ -13,7 +13,7 @@ from typing import FrozenSet, Type
 
 from agent.instance.core import Instance
 
-__all__ = ["FAULT_RETRY_ONLY_WITH_DATA", "FAULT_ROUTE_AFRESH", "instance_class"]
+__all__ = ["FAULT_RETRY_ONLY_WITH_DATA", "FAULT_ROUTE_AFRESH", "FAULT_MARKS_OWN_MAX", "instance_class"]
 
 # Refused publishes are retried only when there is data to flush, so a sink's refused ack holds
 # back all its later acks.
@@ -21,6 +21,9 @@ FAULT_RETRY_ONLY_WITH_DATA = "retry_only_with_data"
 # Records sent again are routed afresh, not to where they went before, so after a crash a copy
 # can reach another sink instance, which keeps it (INVARIANT 8).
 FAULT_ROUTE_AFRESH = "route_afresh"
+# A keyed instance keeps its own watermark, the largest event time it took (the rule before marks
+# flowed), so a record that took the other path, or waited for its group's move, is judged late.
+FAULT_MARKS_OWN_MAX = "marks_own_max"
 
 
 class RetryOnlyWithData(Instance):
@@ -37,7 +40,12 @@ class RouteAfresh(Instance):
     remembers_routes = False
 
 
-_OVERRIDES = ((FAULT_RETRY_ONLY_WITH_DATA, RetryOnlyWithData), (FAULT_ROUTE_AFRESH, RouteAfresh))
+class MarksOwnMax(Instance):
+    marks_flow = False
+
+
+_OVERRIDES = ((FAULT_RETRY_ONLY_WITH_DATA, RetryOnlyWithData), (FAULT_ROUTE_AFRESH, RouteAfresh),
+              (FAULT_MARKS_OWN_MAX, MarksOwnMax))
 
 
 def instance_class(faults: FrozenSet[str]) -> Type[Instance]:
