@@ -1114,12 +1114,22 @@ class Instance:
         if self.moves is None:
             return
         for p in added:
-            if group_moves.FAULT_NO_ADD_PRED not in self.faults:
-                self.moves.perform(self.moves.member.add_pred(p))
+            self.await_joined_pred(self.moves, p)
         for p in removed:
-            if group_moves.FAULT_NO_REMOVE_PRED not in self.faults:
-                self.moves.perform(self.moves.member.remove_pred(p, self.moves.snapshot))
+            self.forget_departed_pred(self.moves, p)
         self.mark_state_changed()
+
+    def await_joined_pred(self, moves: group_moves.GroupMoves, pred: str) -> None:
+        """The groups moving out wait for the Eos of `pred`, a predecessor that joined during
+        their move: its table may still route them here (docs/operators.md, "Key groups that
+        move"). Not in the checker's seeded fault `no_add_pred`."""
+        moves.perform(moves.member.add_pred(pred))
+
+    def forget_departed_pred(self, moves: group_moves.GroupMoves, pred: str) -> None:
+        """The groups moving out no longer wait for the Eos of `pred`, a predecessor that left
+        during their move: its deletion is behind all it sent us, so a move would otherwise wait
+        for an Eos that never comes. Not in the checker's seeded fault `no_remove_pred`."""
+        moves.perform(moves.member.remove_pred(pred, moves.snapshot))
 
     def set_routes(self, succs: Tuple[str, ...], now: float) -> None:
         """INVARIANT 3 (route change before ack): the data path uses `succs` when this returns;

@@ -12,8 +12,10 @@ from __future__ import annotations
 from typing import FrozenSet, Type
 
 from agent.instance.core import Instance
+from agent.instance.moves import GroupMoves
 
-__all__ = ["FAULT_RETRY_ONLY_WITH_DATA", "FAULT_ROUTE_AFRESH", "FAULT_MARKS_OWN_MAX", "instance_class"]
+__all__ = ["FAULT_RETRY_ONLY_WITH_DATA", "FAULT_ROUTE_AFRESH", "FAULT_MARKS_OWN_MAX", "FAULT_NO_ADD_PRED",
+           "FAULT_NO_REMOVE_PRED", "instance_class"]
 
 # Refused publishes are retried only when there is data to flush, so a sink's refused ack holds
 # back all its later acks.
@@ -24,6 +26,10 @@ FAULT_ROUTE_AFRESH = "route_afresh"
 # A keyed instance keeps its own watermark, the largest event time it took (the rule before marks
 # flowed), so a record that took the other path, or waited for its group's move, is judged late.
 FAULT_MARKS_OWN_MAX = "marks_own_max"
+# Of the hand-over (docs/operators.md, "Key groups that move"; they need the keyed pipeline): a
+# predecessor that joined during a move is not waited for; one that left is still waited for.
+FAULT_NO_ADD_PRED = "no_add_pred"
+FAULT_NO_REMOVE_PRED = "no_remove_pred"
 
 
 class RetryOnlyWithData(Instance):
@@ -44,8 +50,19 @@ class MarksOwnMax(Instance):
     marks_flow = False
 
 
+class NoAddPred(Instance):
+    def await_joined_pred(self, moves: GroupMoves, pred: str) -> None:
+        """The moves do not learn of the new predecessor."""
+
+
+class NoRemovePred(Instance):
+    def forget_departed_pred(self, moves: GroupMoves, pred: str) -> None:
+        """The moves keep waiting for the departed predecessor's Eos."""
+
+
 _OVERRIDES = ((FAULT_RETRY_ONLY_WITH_DATA, RetryOnlyWithData), (FAULT_ROUTE_AFRESH, RouteAfresh),
-              (FAULT_MARKS_OWN_MAX, MarksOwnMax))
+              (FAULT_MARKS_OWN_MAX, MarksOwnMax), (FAULT_NO_ADD_PRED, NoAddPred),
+              (FAULT_NO_REMOVE_PRED, NoRemovePred))
 
 
 def instance_class(faults: FrozenSet[str]) -> Type[Instance]:
