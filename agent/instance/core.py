@@ -87,9 +87,8 @@ log = logging.getLogger("agent.instance.worker")
 MAX_POLL = 0.05  # longest wait the instance asks for (the shell sees control lines within this)
 SINK_SETTLE_POLL = 0.05  # a sink whose spool is at its cap checks this often whether shipping freed it
 
-# The seeded faults of this class are subclasses the instance checker installs
-# (foglab.sim.instance_faults); those of the watermarks are agent.instance.marks's
-# (FAULT_MARKS_UNACKED), those of the wait for replays
+# The seeded faults of this class, and of the watermarks, are subclasses the instance checker
+# installs (foglab.sim.instance_faults); those of the wait for replays
 # agent.instance.replays's (FAULT_RESYNC_AT_FIRST_SEEN, FAULT_REPLAY_CLOCK_AT_DROP).
 
 
@@ -108,6 +107,9 @@ class Instance:
     # another path, or waited for its group's move, may already be behind (False only in the
     # checker's seeded fault `marks_own_max`, the rule before marks flowed).
     marks_flow = True
+    # The watermarks' part (agent.instance.marks): a class so that the checker can install one
+    # with a seeded fault (foglab.sim.instance_faults); always `Marks` outside it.
+    marks_class: Type[Marks] = Marks
 
     def __init__(self, spec: InstanceSpec, pipeline: PipelineConfig, operator: Any,
                  faults: FrozenSet[str] = frozenset(), perf: Callable[[], float] = no_clock,
@@ -222,8 +224,8 @@ class Instance:
         wm_conf = getattr(pipeline.operators[0], "watermark", None)
         self.marks: Optional[Marks] = None
         if wm_conf is not None and not self.is_sink:
-            self.marks = Marks(wm_conf, self.is_source, self.keyed, self.tracker, self.outputs, self.stats,
-                               self.faults)
+            self.marks = self.marks_class(wm_conf, self.is_source, self.keyed, self.tracker, self.outputs,
+                                          self.stats)
             if self.keyed is not None and self.marks_flow:
                 self.keyed.flowing = True
         # When we write our state and send a heartbeat (agent.instance.cadence).

@@ -1,7 +1,9 @@
 """The instance checker's seeded faults of `agent.instance.core.Instance` itself, installed as
 subclasses: the product class has no branch for them (docs/reliability.md, "Checking whole
-instances"). The parts' seeded faults (agent.instance.outputs, marks, replays, moves, the
-scaling driver) still come with the `faults` set the instance hands them.
+instances"); so are those of the watermarks' part (agent.instance.marks), a subclass of `Marks`
+the instance's subclass builds (`Instance.marks_class`). The other parts' seeded faults
+(agent.instance.outputs, replays, moves, admission, the scaling driver) still come with the
+`faults` set the instance hands them.
 
 `instance_class(faults)` is `Instance` itself when none of these is on, else a subclass with
 each one's override.
@@ -9,13 +11,15 @@ each one's override.
 
 from __future__ import annotations
 
-from typing import FrozenSet, Type
+from typing import FrozenSet, Optional, Type
 
+from agent.dataplane.watermarks import Mark, WatermarkTable
 from agent.instance.core import Instance
+from agent.instance.marks import Marks
 from agent.instance.moves import GroupMoves
 
 __all__ = ["FAULT_RETRY_ONLY_WITH_DATA", "FAULT_ROUTE_AFRESH", "FAULT_MARKS_OWN_MAX", "FAULT_NO_ADD_PRED",
-           "FAULT_NO_REMOVE_PRED", "instance_class"]
+           "FAULT_NO_REMOVE_PRED", "FAULT_MARKS_UNACKED", "instance_class"]
 
 # Refused publishes are retried only when there is data to flush, so a sink's refused ack holds
 # back all its later acks.
@@ -30,6 +34,9 @@ FAULT_MARKS_OWN_MAX = "marks_own_max"
 # predecessor that joined during a move is not waited for; one that left is still waited for.
 FAULT_NO_ADD_PRED = "no_add_pred"
 FAULT_NO_REMOVE_PRED = "no_remove_pred"
+# An instance passes on the marks it received, acked inputs or not, so a record processed again
+# after a crash can be behind a mark already passed on.
+FAULT_MARKS_UNACKED = "marks_unacked"
 
 
 class RetryOnlyWithData(Instance):
@@ -60,9 +67,19 @@ class NoRemovePred(Instance):
         """The moves keep waiting for the departed predecessor's Eos."""
 
 
+class MarksUnacked(Marks):
+    def passable(self, marks: WatermarkTable) -> Optional[Mark]:
+        """Every mark taken in, its input acked upstream or not."""
+        return marks.current()
+
+
+class PassesUnackedMarks(Instance):
+    marks_class = MarksUnacked
+
+
 _OVERRIDES = ((FAULT_RETRY_ONLY_WITH_DATA, RetryOnlyWithData), (FAULT_ROUTE_AFRESH, RouteAfresh),
               (FAULT_MARKS_OWN_MAX, MarksOwnMax), (FAULT_NO_ADD_PRED, NoAddPred),
-              (FAULT_NO_REMOVE_PRED, NoRemovePred))
+              (FAULT_NO_REMOVE_PRED, NoRemovePred), (FAULT_MARKS_UNACKED, PassesUnackedMarks))
 
 
 def instance_class(faults: FrozenSet[str]) -> Type[Instance]:
