@@ -87,8 +87,8 @@ log = logging.getLogger("agent.instance.worker")
 MAX_POLL = 0.05  # longest wait the instance asks for (the shell sees control lines within this)
 SINK_SETTLE_POLL = 0.05  # a sink whose spool is at its cap checks this often whether shipping freed it
 
-# The seeded faults of this class, and of the watermarks, are subclasses the instance checker
-# installs (foglab.sim.instance_faults); those of the wait for replays
+# The seeded faults of this class, of the watermarks and of the admission are subclasses the
+# instance checker installs (foglab.sim.instance_faults); those of the wait for replays
 # agent.instance.replays's (FAULT_RESYNC_AT_FIRST_SEEN, FAULT_REPLAY_CLOCK_AT_DROP).
 
 
@@ -110,6 +110,8 @@ class Instance:
     # The watermarks' part (agent.instance.marks): a class so that the checker can install one
     # with a seeded fault (foglab.sim.instance_faults); always `Marks` outside it.
     marks_class: Type[Marks] = Marks
+    # The admission (agent.instance.admission), a class for the same reason.
+    admission_class: Type[Admission] = Admission
 
     def __init__(self, spec: InstanceSpec, pipeline: PipelineConfig, operator: Any,
                  faults: FrozenSet[str] = frozenset(), perf: Callable[[], float] = no_clock,
@@ -210,14 +212,13 @@ class Instance:
         # run is set by the larger window on our channels; the node in an inbox topic must host the
         # envelope's sender when the agent says so (docs/security.md, "Data channels").
         ops = pipeline.operators
-        self.admission = Admission(
+        self.admission = self.admission_class(
             spec.instance, spec.operator, spec.pipeline, [ops[self.stage - 1].name] if self.stage > 0 else [],
             [nxt.name] if nxt is not None else [], spec.preds, spec.succs,
             window=max(pred_window, self.op.max_inflight_batches),
             hold_extra=key_groups if self.group_routing.on else 0,
             check_node=bool(spec.extra.get("check_sender_node")), keyed=self.moves is not None, hosts=self.hosts,
-            inbound=self.inbound, links=self.outputs.links, router=self.router, stats=self.stats, ctx=self.ctx,
-            faults=self.faults)
+            inbound=self.inbound, links=self.outputs.links, router=self.router, stats=self.stats, ctx=self.ctx)
         # Watermarks that flow with the batches (agent.instance.marks; docs/operators.md,
         # "Watermarks that flow"): on when the source has [operator.watermark], never at a sink.
         # A keyed instance then fires by the least mark over its inputs (`marks_flow`).

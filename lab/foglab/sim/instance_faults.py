@@ -1,9 +1,10 @@
 """The instance checker's seeded faults of `agent.instance.core.Instance` itself, installed as
 subclasses: the product class has no branch for them (docs/reliability.md, "Checking whole
-instances"); so are those of the watermarks' part (agent.instance.marks), a subclass of `Marks`
-the instance's subclass builds (`Instance.marks_class`). The other parts' seeded faults
-(agent.instance.outputs, replays, moves, admission, the scaling driver) still come with the
-`faults` set the instance hands them.
+instances"); so are those of the watermarks' part (agent.instance.marks) and of the admission
+(agent.instance.admission), subclasses of `Marks` and `Admission` the instance's subclass builds
+(`Instance.marks_class`, `Instance.admission_class`). The other parts' seeded faults
+(agent.instance.outputs, replays, moves, the scaling driver) still come with the `faults` set
+the instance hands them.
 
 `instance_class(faults)` is `Instance` itself when none of these is on, else a subclass with
 each one's override.
@@ -11,15 +12,18 @@ each one's override.
 
 from __future__ import annotations
 
-from typing import FrozenSet, Optional, Type
+from typing import FrozenSet, Optional, Tuple, Type
 
+from agent.dataplane.envelope import Envelope
 from agent.dataplane.watermarks import Mark, WatermarkTable
+from agent.instance.admission import Admission
 from agent.instance.core import Instance
 from agent.instance.marks import Marks
+from agent.instance.driver import ScalingDriver
 from agent.instance.moves import GroupMoves
 
 __all__ = ["FAULT_RETRY_ONLY_WITH_DATA", "FAULT_ROUTE_AFRESH", "FAULT_MARKS_OWN_MAX", "FAULT_NO_ADD_PRED",
-           "FAULT_NO_REMOVE_PRED", "FAULT_MARKS_UNACKED", "instance_class"]
+           "FAULT_NO_REMOVE_PRED", "FAULT_MARKS_UNACKED", "FAULT_EMPTY_ACK_HELD", "instance_class"]
 
 # Refused publishes are retried only when there is data to flush, so a sink's refused ack holds
 # back all its later acks.
@@ -37,6 +41,9 @@ FAULT_NO_REMOVE_PRED = "no_remove_pred"
 # An instance passes on the marks it received, acked inputs or not, so a record processed again
 # after a crash can be behind a mark already passed on.
 FAULT_MARKS_UNACKED = "marks_unacked"
+# An idle copy holds an empty ack from a successor's name even with a round message behind it, so
+# two idle copies can wait for each other (CHANGELOG.md, "Records lost at an idle sink copy").
+FAULT_EMPTY_ACK_HELD = "empty_ack_held"
 
 
 class RetryOnlyWithData(Instance):
@@ -77,9 +84,20 @@ class PassesUnackedMarks(Instance):
     marks_class = MarksUnacked
 
 
+class EmptyAckHeldAdmission(Admission):
+    def _empty_ack_before_round(self, key: Tuple[str, str], head: Envelope, sc: Optional[ScalingDriver]) -> bool:
+        """Never taken: held like the rest of its stream until the copy's Start."""
+        return False
+
+
+class HoldsEmptyAcks(Instance):
+    admission_class = EmptyAckHeldAdmission
+
+
 _OVERRIDES = ((FAULT_RETRY_ONLY_WITH_DATA, RetryOnlyWithData), (FAULT_ROUTE_AFRESH, RouteAfresh),
               (FAULT_MARKS_OWN_MAX, MarksOwnMax), (FAULT_NO_ADD_PRED, NoAddPred),
-              (FAULT_NO_REMOVE_PRED, NoRemovePred), (FAULT_MARKS_UNACKED, PassesUnackedMarks))
+              (FAULT_NO_REMOVE_PRED, NoRemovePred), (FAULT_MARKS_UNACKED, PassesUnackedMarks),
+              (FAULT_EMPTY_ACK_HELD, HoldsEmptyAcks))
 
 
 def instance_class(faults: FrozenSet[str]) -> Type[Instance]:
