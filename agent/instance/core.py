@@ -87,9 +87,10 @@ log = logging.getLogger("agent.instance.worker")
 MAX_POLL = 0.05  # longest wait the instance asks for (the shell sees control lines within this)
 SINK_SETTLE_POLL = 0.05  # a sink whose spool is at its cap checks this often whether shipping freed it
 
-# The seeded faults of this class, of the watermarks and of the admission are subclasses the
-# instance checker installs (foglab.sim.instance_faults); those of the wait for replays
-# agent.instance.replays's (FAULT_RESYNC_AT_FIRST_SEEN, FAULT_REPLAY_CLOCK_AT_DROP).
+# The seeded faults of this class, of the watermarks, of the admission and one of the moves
+# (`no_redirect_resend`) are subclasses the instance checker installs (foglab.sim.instance_faults);
+# those of the wait for replays agent.instance.replays's (FAULT_RESYNC_AT_FIRST_SEEN,
+# FAULT_REPLAY_CLOCK_AT_DROP).
 
 
 class Instance:
@@ -112,6 +113,8 @@ class Instance:
     marks_class: Type[Marks] = Marks
     # The admission (agent.instance.admission), a class for the same reason.
     admission_class: Type[Admission] = Admission
+    # The key groups' moves (agent.instance.moves), a class for the same reason.
+    moves_class: Type[group_moves.GroupMoves] = group_moves.GroupMoves
 
     def __init__(self, spec: InstanceSpec, pipeline: PipelineConfig, operator: Any,
                  faults: FrozenSet[str] = frozenset(), perf: Callable[[], float] = no_clock,
@@ -171,7 +174,7 @@ class Instance:
         # group (deploy starts one keeper per operator), a copy none until its Start names its share.
         self.moves: Optional[group_moves.GroupMoves] = None
         if self.keyed is not None:
-            self.moves = group_moves.GroupMoves(self, range(self.keyed.groups) if spec.active else ())
+            self.moves = self.moves_class(self, range(self.keyed.groups) if spec.active else ())
         nxt = pipeline.operators[self.stage + 1] if self.stage + 1 < len(pipeline.operators) else None
         # `next_keyed` (the shell resolves the next operator's function): its key groups move with
         # their state, so we route by its group -> owner table (agent.instance.groups), dealt at

@@ -1,10 +1,11 @@
 """The instance checker's seeded faults of `agent.instance.core.Instance` itself, installed as
 subclasses: the product class has no branch for them (docs/reliability.md, "Checking whole
-instances"); so are those of the watermarks' part (agent.instance.marks) and of the admission
-(agent.instance.admission), subclasses of `Marks` and `Admission` the instance's subclass builds
-(`Instance.marks_class`, `Instance.admission_class`). The other parts' seeded faults
-(agent.instance.outputs, replays, moves, the scaling driver) still come with the `faults` set
-the instance hands them.
+instances"); so are those of the watermarks' part (agent.instance.marks), of the admission
+(agent.instance.admission) and `no_redirect_resend` of the key groups' moves
+(agent.instance.moves), subclasses of `Marks`, `Admission` and `GroupMoves` the instance's
+subclass builds (`Instance.marks_class`, `admission_class`, `moves_class`). The other parts'
+seeded faults (agent.instance.outputs, replays, moves, the scaling driver) still come with the
+`faults` set the instance hands them.
 
 `instance_class(faults)` is `Instance` itself when none of these is on, else a subclass with
 each one's override.
@@ -23,7 +24,8 @@ from agent.instance.driver import ScalingDriver
 from agent.instance.moves import GroupMoves
 
 __all__ = ["FAULT_RETRY_ONLY_WITH_DATA", "FAULT_ROUTE_AFRESH", "FAULT_MARKS_OWN_MAX", "FAULT_NO_ADD_PRED",
-           "FAULT_NO_REMOVE_PRED", "FAULT_MARKS_UNACKED", "FAULT_EMPTY_ACK_HELD", "instance_class"]
+           "FAULT_NO_REMOVE_PRED", "FAULT_MARKS_UNACKED", "FAULT_EMPTY_ACK_HELD",
+           "FAULT_NO_REDIRECT_RESEND", "instance_class"]
 
 # Refused publishes are retried only when there is data to flush, so a sink's refused ack holds
 # back all its later acks.
@@ -44,6 +46,9 @@ FAULT_MARKS_UNACKED = "marks_unacked"
 # An idle copy holds an empty ack from a successor's name even with a round message behind it, so
 # two idle copies can wait for each other (CHANGELOG.md, "Records lost at an idle sink copy").
 FAULT_EMPTY_ACK_HELD = "empty_ack_held"
+# A silent move does not ask its predecessors again, so one whose Redirect a broker rollback lost
+# never ends (needs the keyed pipeline).
+FAULT_NO_REDIRECT_RESEND = "no_redirect_resend"
 
 
 class RetryOnlyWithData(Instance):
@@ -94,10 +99,18 @@ class HoldsEmptyAcks(Instance):
     admission_class = EmptyAckHeldAdmission
 
 
+class MovesNotAskedAgain(GroupMoves):
+    resends_redirects = False
+
+
+class NoRedirectResend(Instance):
+    moves_class = MovesNotAskedAgain
+
+
 _OVERRIDES = ((FAULT_RETRY_ONLY_WITH_DATA, RetryOnlyWithData), (FAULT_ROUTE_AFRESH, RouteAfresh),
               (FAULT_MARKS_OWN_MAX, MarksOwnMax), (FAULT_NO_ADD_PRED, NoAddPred),
               (FAULT_NO_REMOVE_PRED, NoRemovePred), (FAULT_MARKS_UNACKED, PassesUnackedMarks),
-              (FAULT_EMPTY_ACK_HELD, HoldsEmptyAcks))
+              (FAULT_EMPTY_ACK_HELD, HoldsEmptyAcks), (FAULT_NO_REDIRECT_RESEND, NoRedirectResend))
 
 
 def instance_class(faults: FrozenSet[str]) -> Type[Instance]:
