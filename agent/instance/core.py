@@ -87,8 +87,9 @@ log = logging.getLogger("agent.instance.worker")
 MAX_POLL = 0.05  # longest wait the instance asks for (the shell sees control lines within this)
 SINK_SETTLE_POLL = 0.05  # a sink whose spool is at its cap checks this often whether shipping freed it
 
-# The seeded faults of this class, of the watermarks, of the admission and one of the moves
-# (`no_redirect_resend`) are subclasses the instance checker installs (foglab.sim.instance_faults);
+# The seeded faults of this class, of the watermarks, of the admission, one of the moves
+# (`no_redirect_resend`) and one of the scaling driver (`ack_behind_drain`) are subclasses the
+# instance checker installs (foglab.sim.instance_faults);
 # those of the wait for replays agent.instance.replays's (FAULT_RESYNC_AT_FIRST_SEEN,
 # FAULT_REPLAY_CLOCK_AT_DROP).
 
@@ -115,6 +116,8 @@ class Instance:
     admission_class: Type[Admission] = Admission
     # The key groups' moves (agent.instance.moves), a class for the same reason.
     moves_class: Type[group_moves.GroupMoves] = group_moves.GroupMoves
+    # The scaling driver (agent.instance.driver), a class for the same reason.
+    driver_class: Type[ScalingDriver] = ScalingDriver
 
     def __init__(self, spec: InstanceSpec, pipeline: PipelineConfig, operator: Any,
                  faults: FrozenSet[str] = frozenset(), perf: Callable[[], float] = no_clock,
@@ -376,7 +379,7 @@ class Instance:
         self.silence.checked(now)
         self.load.begin(now)
         self.source.started_at = wall
-        self.scaling = ScalingDriver(self, saved, restart)
+        self.scaling = self.driver_class(self, saved, restart)
         self.load.set_capacity(self.scaling.params.capacity)
         if restart and self.scaling.core.forwards_data:
             # The restored tables, not the spec's initial ones: since its creation the instance

@@ -1,9 +1,10 @@
 """The instance checker's seeded faults of `agent.instance.core.Instance` itself, installed as
 subclasses: the product class has no branch for them (docs/reliability.md, "Checking whole
 instances"); so are those of the watermarks' part (agent.instance.marks), of the admission
-(agent.instance.admission) and `no_redirect_resend` of the key groups' moves
-(agent.instance.moves), subclasses of `Marks`, `Admission` and `GroupMoves` the instance's
-subclass builds (`Instance.marks_class`, `admission_class`, `moves_class`). The other parts'
+(agent.instance.admission), `no_redirect_resend` of the key groups' moves (agent.instance.moves)
+and `ack_behind_drain` of the scaling driver (agent.instance.driver): subclasses of `Marks`,
+`Admission`, `GroupMoves` and `ScalingDriver` the instance's subclass builds
+(`Instance.marks_class`, `admission_class`, `moves_class`, `driver_class`). The other parts'
 seeded faults (agent.instance.outputs, replays, moves, the scaling driver) still come with the
 `faults` set the instance hands them.
 
@@ -25,7 +26,7 @@ from agent.instance.moves import GroupMoves
 
 __all__ = ["FAULT_RETRY_ONLY_WITH_DATA", "FAULT_ROUTE_AFRESH", "FAULT_MARKS_OWN_MAX", "FAULT_NO_ADD_PRED",
            "FAULT_NO_REMOVE_PRED", "FAULT_MARKS_UNACKED", "FAULT_EMPTY_ACK_HELD",
-           "FAULT_NO_REDIRECT_RESEND", "instance_class"]
+           "FAULT_NO_REDIRECT_RESEND", "FAULT_ACK_BEHIND_DRAIN", "instance_class"]
 
 # Refused publishes are retried only when there is data to flush, so a sink's refused ack holds
 # back all its later acks.
@@ -49,6 +50,9 @@ FAULT_EMPTY_ACK_HELD = "empty_ack_held"
 # A silent move does not ask its predecessors again, so one whose Redirect a broker rollback lost
 # never ends (needs the keyed pipeline).
 FAULT_NO_REDIRECT_RESEND = "no_redirect_resend"
+# A draining copy's ack of a Duplication waits behind its Drain, so the round that waits for it
+# and the copy's records, acked only once that round starts the copy, wait for each other.
+FAULT_ACK_BEHIND_DRAIN = "ack_behind_drain"
 
 
 class RetryOnlyWithData(Instance):
@@ -107,10 +111,19 @@ class NoRedirectResend(Instance):
     moves_class = MovesNotAskedAgain
 
 
+class AckBehindDrainDriver(ScalingDriver):
+    acks_ahead_of_drain = False
+
+
+class AckBehindDrain(Instance):
+    driver_class = AckBehindDrainDriver
+
+
 _OVERRIDES = ((FAULT_RETRY_ONLY_WITH_DATA, RetryOnlyWithData), (FAULT_ROUTE_AFRESH, RouteAfresh),
               (FAULT_MARKS_OWN_MAX, MarksOwnMax), (FAULT_NO_ADD_PRED, NoAddPred),
               (FAULT_NO_REMOVE_PRED, NoRemovePred), (FAULT_MARKS_UNACKED, PassesUnackedMarks),
-              (FAULT_EMPTY_ACK_HELD, HoldsEmptyAcks), (FAULT_NO_REDIRECT_RESEND, NoRedirectResend))
+              (FAULT_EMPTY_ACK_HELD, HoldsEmptyAcks), (FAULT_NO_REDIRECT_RESEND, NoRedirectResend),
+              (FAULT_ACK_BEHIND_DRAIN, AckBehindDrain))
 
 
 def instance_class(faults: FrozenSet[str]) -> Type[Instance]:
