@@ -71,7 +71,7 @@ from agent.instance.marks import Marks
 from agent.instance.outputs import ACK_DELAY, RAW_TOPIC, Outputs
 from agent.instance.pace import Pace
 from agent.instance.queues import SenderQueues
-from agent.instance.replays import FAULT_RESYNC_AT_FIRST_SEEN, REPLAY_WAIT, ReplayWait
+from agent.instance.replays import REPLAY_WAIT, ReplayWait
 from agent.instance.silence import GAP_TIMEOUT, SILENCE_CHECK, Silence  # noqa: F401 (SILENCE_CHECK: the tests')
 from agent.instance.source import Source
 from agent.instance.spec import InstanceSpec
@@ -79,8 +79,7 @@ from agent.operators.builtin import SinkOperator
 from agent.operators.keyed import KeyedOperator, keyed_config_problems
 from agent.protocol.errors import LocalProtocolError
 
-__all__ = ["Instance", "Phase", "EXIT_OK", "EXIT_CRASH", "EXIT_BAD_SPEC", "EXIT_BROKER", "EXIT_DRAIN_TIMEOUT",
-           "FAULT_RESYNC_AT_FIRST_SEEN"]
+__all__ = ["Instance", "Phase", "EXIT_OK", "EXIT_CRASH", "EXIT_BAD_SPEC", "EXIT_BROKER", "EXIT_DRAIN_TIMEOUT"]
 
 log = logging.getLogger("agent.instance.worker")
 
@@ -88,10 +87,10 @@ MAX_POLL = 0.05  # longest wait the instance asks for (the shell sees control li
 SINK_SETTLE_POLL = 0.05  # a sink whose spool is at its cap checks this often whether shipping freed it
 
 # The seeded faults of this class, of the watermarks, of the admission, one of the moves
-# (`no_redirect_resend`) and one of the scaling driver (`ack_behind_drain`) are subclasses the
-# instance checker installs (foglab.sim.instance_faults);
-# those of the wait for replays agent.instance.replays's (FAULT_RESYNC_AT_FIRST_SEEN,
-# FAULT_REPLAY_CLOCK_AT_DROP).
+# (`no_redirect_resend`), one of the scaling driver (`ack_behind_drain`) and one of the wait for
+# replays (`resync_at_first_seen`) are subclasses the instance checker installs
+# (foglab.sim.instance_faults); the wait for replays' other is agent.instance.replays's
+# FAULT_REPLAY_CLOCK_AT_DROP.
 
 
 class Instance:
@@ -118,6 +117,8 @@ class Instance:
     moves_class: Type[group_moves.GroupMoves] = group_moves.GroupMoves
     # The scaling driver (agent.instance.driver), a class for the same reason.
     driver_class: Type[ScalingDriver] = ScalingDriver
+    # The wait for replays (agent.instance.replays), a class for the same reason.
+    replays_class: Type[ReplayWait] = ReplayWait
 
     def __init__(self, spec: InstanceSpec, pipeline: PipelineConfig, operator: Any,
                  faults: FrozenSet[str] = frozenset(), perf: Callable[[], float] = no_clock,
@@ -241,7 +242,7 @@ class Instance:
         self.silence = Silence()
         # A new incarnation of ours: the predecessors whose data before their replay marker we
         # drop (agent.instance.replays, docs/reliability.md "Replays in order").
-        self.replays = ReplayWait(self.stats, self.faults)
+        self.replays = self.replays_class(self.stats, self.faults)
         self.first_record_at: Optional[float] = None
         self.activated_at: Optional[float] = None  # wall time of our Start (rescale breakdown)
 

@@ -22,20 +22,17 @@ from typing import Callable, Dict, FrozenSet, Iterable, List, Optional, Tuple
 
 from agent.dataplane.envelope import Envelope, Kind
 
-__all__ = ["ReplayWait", "REPLAY_WAIT", "FAULT_RESYNC_AT_FIRST_SEEN", "FAULT_REPLAY_CLOCK_AT_DROP"]
+__all__ = ["ReplayWait", "REPLAY_WAIT", "FAULT_REPLAY_CLOCK_AT_DROP"]
 
 # A predecessor whose data we drop while we wait for its replay marker and whose marker has not
 # come this long after it showed it is alive never got our request (lost with a broker's state):
 # we ask again, as a new incarnation. Generous: a loaded predecessor answers late.
 REPLAY_WAIT = 10.0
 
-# Seeded fault (foglab.sim.instance_check, never set elsewhere): a restarted receiver takes a
-# predecessor's data at the first number it sees when its snapshot does not hold that channel
-# (the checker's former `resync_past_lost_replays`).
-FAULT_RESYNC_AT_FIRST_SEEN = "resync_at_first_seen"
-# Seeded fault (the same): the wait for a replay marker starts its clock only at the first data
-# batch it drops, not at a protocol message or a duplicate (seed 9230: the sink never asked
-# again, 4 records lost).
+# Seeded fault (foglab.sim.instance_check, never set elsewhere): the wait for a replay marker
+# starts its clock only at the first data batch it drops, not at a protocol message or a
+# duplicate (seed 9230: the sink never asked again, 4 records lost). (`resync_at_first_seen` is
+# a subclass the checker installs: foglab.sim.instance_faults.)
 FAULT_REPLAY_CLOCK_AT_DROP = "replay_clock_at_drop"
 
 
@@ -44,10 +41,15 @@ class ReplayWait:
     showed it is alive, or None), for the predecessors whose data before their replay marker we
     drop."""
 
+    # A predecessor whose channel our snapshot lacks is awaited like the others (`start`): taken
+    # at the first number seen, its data could be past replays a broker rollback lost, and our
+    # cumulative ack would drop them from its buffer (False only in the checker's seeded fault
+    # `resync_at_first_seen`, foglab.sim.instance_faults).
+    awaits_unknown_channels = True
+
     def __init__(self, stats: Dict[str, int], faults: FrozenSet[str] = frozenset()) -> None:
         self.awaiting: Dict[str, Tuple[Optional[int], Optional[float]]] = {}
         self._stats = stats
-        self._resync_at_first_seen = FAULT_RESYNC_AT_FIRST_SEEN in faults
         self._clock_at_drop = FAULT_REPLAY_CLOCK_AT_DROP in faults
 
     def __bool__(self) -> bool:
@@ -66,7 +68,7 @@ class ReplayWait:
         self.awaiting = {}
         for p in preds:
             pos = position(p)
-            if pos is not None or not self._resync_at_first_seen:
+            if pos is not None or self.awaits_unknown_channels:
                 self.awaiting[p] = (pos[0] if pos is not None else None, None)
 
     def seen(self, env: Envelope, now: float) -> None:

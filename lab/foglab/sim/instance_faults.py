@@ -1,12 +1,13 @@
 """The instance checker's seeded faults of `agent.instance.core.Instance` itself, installed as
 subclasses: the product class has no branch for them (docs/reliability.md, "Checking whole
 instances"); so are those of the watermarks' part (agent.instance.marks), of the admission
-(agent.instance.admission), `no_redirect_resend` of the key groups' moves (agent.instance.moves)
-and `ack_behind_drain` of the scaling driver (agent.instance.driver): subclasses of `Marks`,
-`Admission`, `GroupMoves` and `ScalingDriver` the instance's subclass builds
-(`Instance.marks_class`, `admission_class`, `moves_class`, `driver_class`). The other parts'
-seeded faults (agent.instance.outputs, replays, moves, the scaling driver) still come with the
-`faults` set the instance hands them.
+(agent.instance.admission), `no_redirect_resend` of the key groups' moves (agent.instance.moves),
+`ack_behind_drain` of the scaling driver (agent.instance.driver) and `resync_at_first_seen` of
+the wait for replays (agent.instance.replays): subclasses of `Marks`, `Admission`, `GroupMoves`,
+`ScalingDriver` and `ReplayWait` the instance's subclass builds (`Instance.marks_class`,
+`admission_class`, `moves_class`, `driver_class`, `replays_class`). The other parts' seeded
+faults (agent.instance.outputs, replays, moves, the scaling driver) still come with the `faults`
+set the instance hands them.
 
 `instance_class(faults)` is `Instance` itself when none of these is on, else a subclass with
 each one's override.
@@ -23,10 +24,12 @@ from agent.instance.core import Instance
 from agent.instance.marks import Marks
 from agent.instance.driver import ScalingDriver
 from agent.instance.moves import GroupMoves
+from agent.instance.replays import ReplayWait
 
 __all__ = ["FAULT_RETRY_ONLY_WITH_DATA", "FAULT_ROUTE_AFRESH", "FAULT_MARKS_OWN_MAX", "FAULT_NO_ADD_PRED",
            "FAULT_NO_REMOVE_PRED", "FAULT_MARKS_UNACKED", "FAULT_EMPTY_ACK_HELD",
-           "FAULT_NO_REDIRECT_RESEND", "FAULT_ACK_BEHIND_DRAIN", "instance_class"]
+           "FAULT_NO_REDIRECT_RESEND", "FAULT_ACK_BEHIND_DRAIN",
+           "FAULT_RESYNC_AT_FIRST_SEEN", "ResyncAtFirstSeenWait", "instance_class"]
 
 # Refused publishes are retried only when there is data to flush, so a sink's refused ack holds
 # back all its later acks.
@@ -53,6 +56,9 @@ FAULT_NO_REDIRECT_RESEND = "no_redirect_resend"
 # A draining copy's ack of a Duplication waits behind its Drain, so the round that waits for it
 # and the copy's records, acked only once that round starts the copy, wait for each other.
 FAULT_ACK_BEHIND_DRAIN = "ack_behind_drain"
+# A restarted receiver takes a predecessor's data at the first number it sees when its snapshot
+# does not hold that channel (the checker's former `resync_past_lost_replays`).
+FAULT_RESYNC_AT_FIRST_SEEN = "resync_at_first_seen"
 
 
 class RetryOnlyWithData(Instance):
@@ -119,11 +125,19 @@ class AckBehindDrain(Instance):
     driver_class = AckBehindDrainDriver
 
 
+class ResyncAtFirstSeenWait(ReplayWait):
+    awaits_unknown_channels = False
+
+
+class ResyncAtFirstSeen(Instance):
+    replays_class = ResyncAtFirstSeenWait
+
+
 _OVERRIDES = ((FAULT_RETRY_ONLY_WITH_DATA, RetryOnlyWithData), (FAULT_ROUTE_AFRESH, RouteAfresh),
               (FAULT_MARKS_OWN_MAX, MarksOwnMax), (FAULT_NO_ADD_PRED, NoAddPred),
               (FAULT_NO_REMOVE_PRED, NoRemovePred), (FAULT_MARKS_UNACKED, PassesUnackedMarks),
               (FAULT_EMPTY_ACK_HELD, HoldsEmptyAcks), (FAULT_NO_REDIRECT_RESEND, NoRedirectResend),
-              (FAULT_ACK_BEHIND_DRAIN, AckBehindDrain))
+              (FAULT_ACK_BEHIND_DRAIN, AckBehindDrain), (FAULT_RESYNC_AT_FIRST_SEEN, ResyncAtFirstSeen))
 
 
 def instance_class(faults: FrozenSet[str]) -> Type[Instance]:
