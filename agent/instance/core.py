@@ -87,10 +87,8 @@ MAX_POLL = 0.05  # longest wait the instance asks for (the shell sees control li
 SINK_SETTLE_POLL = 0.05  # a sink whose spool is at its cap checks this often whether shipping freed it
 
 # The seeded faults of this class, of the watermarks, of the admission, one of the moves
-# (`no_redirect_resend`), one of the scaling driver (`ack_behind_drain`) and one of the wait for
-# replays (`resync_at_first_seen`) are subclasses the instance checker installs
-# (foglab.sim.instance_faults); the wait for replays' other is agent.instance.replays's
-# FAULT_REPLAY_CLOCK_AT_DROP.
+# (`no_redirect_resend`), one of the scaling driver (`ack_behind_drain`) and those of the wait for
+# replays are subclasses the instance checker installs (foglab.sim.instance_faults).
 
 
 class Instance:
@@ -242,7 +240,7 @@ class Instance:
         self.silence = Silence()
         # A new incarnation of ours: the predecessors whose data before their replay marker we
         # drop (agent.instance.replays, docs/reliability.md "Replays in order").
-        self.replays = self.replays_class(self.stats, self.faults)
+        self.replays = self.replays_class(self.stats)
         self.first_record_at: Optional[float] = None
         self.activated_at: Optional[float] = None  # wall time of our Start (rescale breakdown)
 

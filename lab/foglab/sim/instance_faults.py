@@ -2,11 +2,11 @@
 subclasses: the product class has no branch for them (docs/reliability.md, "Checking whole
 instances"); so are those of the watermarks' part (agent.instance.marks), of the admission
 (agent.instance.admission), `no_redirect_resend` of the key groups' moves (agent.instance.moves),
-`ack_behind_drain` of the scaling driver (agent.instance.driver) and `resync_at_first_seen` of
-the wait for replays (agent.instance.replays): subclasses of `Marks`, `Admission`, `GroupMoves`,
+`ack_behind_drain` of the scaling driver (agent.instance.driver) and those of the wait for
+replays (agent.instance.replays): subclasses of `Marks`, `Admission`, `GroupMoves`,
 `ScalingDriver` and `ReplayWait` the instance's subclass builds (`Instance.marks_class`,
 `admission_class`, `moves_class`, `driver_class`, `replays_class`). The other parts' seeded
-faults (agent.instance.outputs, replays, moves, the scaling driver) still come with the `faults`
+faults (agent.instance.outputs, moves, the scaling driver, adoption) still come with the `faults`
 set the instance hands them.
 
 `instance_class(faults)` is `Instance` itself when none of these is on, else a subclass with
@@ -29,7 +29,8 @@ from agent.instance.replays import ReplayWait
 __all__ = ["FAULT_RETRY_ONLY_WITH_DATA", "FAULT_ROUTE_AFRESH", "FAULT_MARKS_OWN_MAX", "FAULT_NO_ADD_PRED",
            "FAULT_NO_REMOVE_PRED", "FAULT_MARKS_UNACKED", "FAULT_EMPTY_ACK_HELD",
            "FAULT_NO_REDIRECT_RESEND", "FAULT_ACK_BEHIND_DRAIN",
-           "FAULT_RESYNC_AT_FIRST_SEEN", "ResyncAtFirstSeenWait", "instance_class"]
+           "FAULT_RESYNC_AT_FIRST_SEEN", "ResyncAtFirstSeenWait", "FAULT_REPLAY_CLOCK_AT_DROP", "ClockAtDropWait",
+           "instance_class"]
 
 # Refused publishes are retried only when there is data to flush, so a sink's refused ack holds
 # back all its later acks.
@@ -59,6 +60,9 @@ FAULT_ACK_BEHIND_DRAIN = "ack_behind_drain"
 # A restarted receiver takes a predecessor's data at the first number it sees when its snapshot
 # does not hold that channel (the checker's former `resync_past_lost_replays`).
 FAULT_RESYNC_AT_FIRST_SEEN = "resync_at_first_seen"
+# The wait for a replay marker starts its clock only at the first data batch it drops, not at a
+# protocol message or a duplicate (seed 9230: the sink never asked again, 4 records lost).
+FAULT_REPLAY_CLOCK_AT_DROP = "replay_clock_at_drop"
 
 
 class RetryOnlyWithData(Instance):
@@ -133,11 +137,20 @@ class ResyncAtFirstSeen(Instance):
     replays_class = ResyncAtFirstSeenWait
 
 
+class ClockAtDropWait(ReplayWait):
+    clock_at_any_message = False
+
+
+class ReplayClockAtDrop(Instance):
+    replays_class = ClockAtDropWait
+
+
 _OVERRIDES = ((FAULT_RETRY_ONLY_WITH_DATA, RetryOnlyWithData), (FAULT_ROUTE_AFRESH, RouteAfresh),
               (FAULT_MARKS_OWN_MAX, MarksOwnMax), (FAULT_NO_ADD_PRED, NoAddPred),
               (FAULT_NO_REMOVE_PRED, NoRemovePred), (FAULT_MARKS_UNACKED, PassesUnackedMarks),
               (FAULT_EMPTY_ACK_HELD, HoldsEmptyAcks), (FAULT_NO_REDIRECT_RESEND, NoRedirectResend),
-              (FAULT_ACK_BEHIND_DRAIN, AckBehindDrain), (FAULT_RESYNC_AT_FIRST_SEEN, ResyncAtFirstSeen))
+              (FAULT_ACK_BEHIND_DRAIN, AckBehindDrain), (FAULT_RESYNC_AT_FIRST_SEEN, ResyncAtFirstSeen),
+              (FAULT_REPLAY_CLOCK_AT_DROP, ReplayClockAtDrop))
 
 
 def instance_class(faults: FrozenSet[str]) -> Type[Instance]:
