@@ -87,8 +87,9 @@ MAX_POLL = 0.05  # longest wait the instance asks for (the shell sees control li
 SINK_SETTLE_POLL = 0.05  # a sink whose spool is at its cap checks this often whether shipping freed it
 
 # The seeded faults of this class, of the watermarks, of the admission, one of the moves
-# (`no_redirect_resend`), one of the scaling driver (`ack_behind_drain`) and those of the wait for
-# replays are subclasses the instance checker installs (foglab.sim.instance_faults).
+# (`no_redirect_resend`), one of the scaling driver (`ack_behind_drain`), those of the wait for
+# replays and one of the outputs (`route_past_departed`) are subclasses the instance checker
+# installs (foglab.sim.instance_faults).
 
 
 class Instance:
@@ -117,6 +118,8 @@ class Instance:
     driver_class: Type[ScalingDriver] = ScalingDriver
     # The wait for replays (agent.instance.replays), a class for the same reason.
     replays_class: Type[ReplayWait] = ReplayWait
+    # What we send (agent.instance.outputs), a class for the same reason.
+    outputs_class: Type[Outputs] = Outputs
 
     def __init__(self, spec: InstanceSpec, pipeline: PipelineConfig, operator: Any,
                  faults: FrozenSet[str] = frozenset(), perf: Callable[[], float] = no_clock,
@@ -209,10 +212,10 @@ class Instance:
         # (agent.dataplane.sticky.needed).
         sticky = (not self.is_sink and nxt is not None and self.remembers_routes
                   and needed(self.op.key, pipeline.scaling_for(nxt.name).max_instances))
-        self.outputs = Outputs(spec.instance, spec.cluster, spec.node, self.router, self.outbox, self.tracker,
-                               self.hosts, self.stats, self.ctx, window=self.op.max_inflight_batches,
-                               ack_every=max(1, pred_window // 2), per_node=per_node, local=local,
-                               sticky=sticky, faults=self.faults)
+        self.outputs = self.outputs_class(spec.instance, spec.cluster, spec.node, self.router, self.outbox,
+                                          self.tracker, self.hosts, self.stats, self.ctx,
+                                          window=self.op.max_inflight_batches, ack_every=max(1, pred_window // 2),
+                                          per_node=per_node, local=local, sticky=sticky, faults=self.faults)
         # What we let in (agent.instance.admission): how far ahead an honest sender's numbers can
         # run is set by the larger window on our channels; the node in an inbox topic must host the
         # envelope's sender when the agent says so (docs/security.md, "Data channels").

@@ -51,12 +51,10 @@ MARK_PERIOD = 0.2
 # marks only in its hold buffer, HOLD_TTL / MARK_PERIOD_UNLINKED of them) this often.
 MARK_PERIOD_UNLINKED = 5.0
 
-# Seeded fault (foglab.sim.instance_check, never set elsewhere): a record sent again whose
-# successor left our table is routed afresh (as it once was), so a copy a departed sink instance
-# recorded reaches another (INVARIANT 8).
-FAULT_ROUTE_PAST_DEPARTED = "route_past_departed"
-# Seeded fault (the same): the unacked batches of a successor we removed are replayed to its new
-# incarnation, which is departing and drops them, instead of re-routed (CHANGELOG.md, defect A).
+# Seeded fault (foglab.sim.instance_check, never set elsewhere): the unacked batches of a
+# successor we removed are replayed to its new incarnation, which is departing and drops them,
+# instead of re-routed (CHANGELOG.md, defect A). (`route_past_departed` is a subclass the checker
+# installs: foglab.sim.instance_faults.)
 FAULT_REPLAY_TO_DEPARTED = "replay_to_departed"
 
 # (destination, payload, lowest input index it carries or None)
@@ -68,6 +66,12 @@ class Outputs:
     with credit and a replay buffer per successor, acks upstream, and every publish tracked
     until the broker PUBACKs it. `local`: co-hosted instances (a chain), handed envelopes in
     memory; `local_keeps`: those of them that never change a record in place (set by the chain)."""
+
+    # A record sent before whose successor has left our table goes nowhere (`forward`): that
+    # successor drained it (INVARIANT 4), and another instance would take it twice (INVARIANT 8).
+    # False only in the checker's seeded fault `route_past_departed` (foglab.sim.instance_faults),
+    # which routes it afresh.
+    drops_sent_to_departed = True
 
     def __init__(self, me: str, cluster: str, node: str, router: Router, outbox: Outbox, tracker: AckTracker,
                  hosts: Hosts, stats: Dict[str, int], ctx: Dict[str, Any], *, window: int, ack_every: int,
@@ -130,7 +134,7 @@ class Outputs:
             items, pinned, gone = self.routes.split(items, self.router.succs)
             for dest, recs in pinned.items():
                 self.outbox.add_to(dest, recs, index, now)
-            if gone and FAULT_ROUTE_PAST_DEPARTED in self.faults:
+            if gone and not self.drops_sent_to_departed:
                 items = items + gone
             elif gone:
                 # Their successor left after draining them (INVARIANT 4): they are further

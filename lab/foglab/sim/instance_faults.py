@@ -2,10 +2,11 @@
 subclasses: the product class has no branch for them (docs/reliability.md, "Checking whole
 instances"); so are those of the watermarks' part (agent.instance.marks), of the admission
 (agent.instance.admission), `no_redirect_resend` of the key groups' moves (agent.instance.moves),
-`ack_behind_drain` of the scaling driver (agent.instance.driver) and those of the wait for
-replays (agent.instance.replays): subclasses of `Marks`, `Admission`, `GroupMoves`,
-`ScalingDriver` and `ReplayWait` the instance's subclass builds (`Instance.marks_class`,
-`admission_class`, `moves_class`, `driver_class`, `replays_class`). The other parts' seeded
+`ack_behind_drain` of the scaling driver (agent.instance.driver), those of the wait for replays
+(agent.instance.replays) and `route_past_departed` of the outputs (agent.instance.outputs):
+subclasses of `Marks`, `Admission`, `GroupMoves`, `ScalingDriver`, `ReplayWait` and `Outputs`
+the instance's subclass builds (`Instance.marks_class`, `admission_class`, `moves_class`,
+`driver_class`, `replays_class`, `outputs_class`). The other parts' seeded
 faults (agent.instance.outputs, moves, the scaling driver, adoption) still come with the `faults`
 set the instance hands them.
 
@@ -24,13 +25,14 @@ from agent.instance.core import Instance
 from agent.instance.marks import Marks
 from agent.instance.driver import ScalingDriver
 from agent.instance.moves import GroupMoves
+from agent.instance.outputs import Outputs
 from agent.instance.replays import ReplayWait
 
 __all__ = ["FAULT_RETRY_ONLY_WITH_DATA", "FAULT_ROUTE_AFRESH", "FAULT_MARKS_OWN_MAX", "FAULT_NO_ADD_PRED",
            "FAULT_NO_REMOVE_PRED", "FAULT_MARKS_UNACKED", "FAULT_EMPTY_ACK_HELD",
            "FAULT_NO_REDIRECT_RESEND", "FAULT_ACK_BEHIND_DRAIN",
            "FAULT_RESYNC_AT_FIRST_SEEN", "ResyncAtFirstSeenWait", "FAULT_REPLAY_CLOCK_AT_DROP", "ClockAtDropWait",
-           "instance_class"]
+           "FAULT_ROUTE_PAST_DEPARTED", "instance_class"]
 
 # Refused publishes are retried only when there is data to flush, so a sink's refused ack holds
 # back all its later acks.
@@ -63,6 +65,9 @@ FAULT_RESYNC_AT_FIRST_SEEN = "resync_at_first_seen"
 # The wait for a replay marker starts its clock only at the first data batch it drops, not at a
 # protocol message or a duplicate (seed 9230: the sink never asked again, 4 records lost).
 FAULT_REPLAY_CLOCK_AT_DROP = "replay_clock_at_drop"
+# A record sent again whose successor left our table is routed afresh (as it once was), so a copy
+# a departed sink instance recorded reaches another (INVARIANT 8).
+FAULT_ROUTE_PAST_DEPARTED = "route_past_departed"
 
 
 class RetryOnlyWithData(Instance):
@@ -145,12 +150,20 @@ class ReplayClockAtDrop(Instance):
     replays_class = ClockAtDropWait
 
 
+class RoutesPastDeparted(Outputs):
+    drops_sent_to_departed = False
+
+
+class RoutePastDeparted(Instance):
+    outputs_class = RoutesPastDeparted
+
+
 _OVERRIDES = ((FAULT_RETRY_ONLY_WITH_DATA, RetryOnlyWithData), (FAULT_ROUTE_AFRESH, RouteAfresh),
               (FAULT_MARKS_OWN_MAX, MarksOwnMax), (FAULT_NO_ADD_PRED, NoAddPred),
               (FAULT_NO_REMOVE_PRED, NoRemovePred), (FAULT_MARKS_UNACKED, PassesUnackedMarks),
               (FAULT_EMPTY_ACK_HELD, HoldsEmptyAcks), (FAULT_NO_REDIRECT_RESEND, NoRedirectResend),
               (FAULT_ACK_BEHIND_DRAIN, AckBehindDrain), (FAULT_RESYNC_AT_FIRST_SEEN, ResyncAtFirstSeen),
-              (FAULT_REPLAY_CLOCK_AT_DROP, ReplayClockAtDrop))
+              (FAULT_REPLAY_CLOCK_AT_DROP, ReplayClockAtDrop), (FAULT_ROUTE_PAST_DEPARTED, RoutePastDeparted))
 
 
 def instance_class(faults: FrozenSet[str]) -> Type[Instance]:
