@@ -88,8 +88,8 @@ SINK_SETTLE_POLL = 0.05  # a sink whose spool is at its cap checks this often wh
 
 # The seeded faults of this class, of the watermarks, of the admission, one of the moves
 # (`no_redirect_resend`), one of the scaling driver (`ack_behind_drain`), those of the wait for
-# replays and one of the outputs (`route_past_departed`) are subclasses the instance checker
-# installs (foglab.sim.instance_faults).
+# replays and those of the outputs are subclasses the instance checker installs
+# (foglab.sim.instance_faults).
 
 
 class Instance:
@@ -215,7 +215,7 @@ class Instance:
         self.outputs = self.outputs_class(spec.instance, spec.cluster, spec.node, self.router, self.outbox,
                                           self.tracker, self.hosts, self.stats, self.ctx,
                                           window=self.op.max_inflight_batches, ack_every=max(1, pred_window // 2),
-                                          per_node=per_node, local=local, sticky=sticky, faults=self.faults)
+                                          per_node=per_node, local=local, sticky=sticky)
         # What we let in (agent.instance.admission): how far ahead an honest sender's numbers can
         # run is set by the larger window on our channels; the node in an inbox topic must host the
         # envelope's sender when the agent says so (docs/security.md, "Data channels").

@@ -3,12 +3,11 @@ subclasses: the product class has no branch for them (docs/reliability.md, "Chec
 instances"); so are those of the watermarks' part (agent.instance.marks), of the admission
 (agent.instance.admission), `no_redirect_resend` of the key groups' moves (agent.instance.moves),
 `ack_behind_drain` of the scaling driver (agent.instance.driver), those of the wait for replays
-(agent.instance.replays) and `route_past_departed` of the outputs (agent.instance.outputs):
+(agent.instance.replays) and those of the outputs (agent.instance.outputs):
 subclasses of `Marks`, `Admission`, `GroupMoves`, `ScalingDriver`, `ReplayWait` and `Outputs`
 the instance's subclass builds (`Instance.marks_class`, `admission_class`, `moves_class`,
-`driver_class`, `replays_class`, `outputs_class`). The other parts' seeded
-faults (agent.instance.outputs, moves, the scaling driver, adoption) still come with the `faults`
-set the instance hands them.
+`driver_class`, `replays_class`, `outputs_class`). The other parts' seeded faults (moves, the
+scaling driver, adoption) still come with the `faults` set the instance hands them.
 
 `instance_class(faults)` is `Instance` itself when none of these is on, else a subclass with
 each one's override.
@@ -32,7 +31,7 @@ __all__ = ["FAULT_RETRY_ONLY_WITH_DATA", "FAULT_ROUTE_AFRESH", "FAULT_MARKS_OWN_
            "FAULT_NO_REMOVE_PRED", "FAULT_MARKS_UNACKED", "FAULT_EMPTY_ACK_HELD",
            "FAULT_NO_REDIRECT_RESEND", "FAULT_ACK_BEHIND_DRAIN",
            "FAULT_RESYNC_AT_FIRST_SEEN", "ResyncAtFirstSeenWait", "FAULT_REPLAY_CLOCK_AT_DROP", "ClockAtDropWait",
-           "FAULT_ROUTE_PAST_DEPARTED", "instance_class"]
+           "FAULT_ROUTE_PAST_DEPARTED", "FAULT_REPLAY_TO_DEPARTED", "instance_class"]
 
 # Refused publishes are retried only when there is data to flush, so a sink's refused ack holds
 # back all its later acks.
@@ -68,6 +67,9 @@ FAULT_REPLAY_CLOCK_AT_DROP = "replay_clock_at_drop"
 # A record sent again whose successor left our table is routed afresh (as it once was), so a copy
 # a departed sink instance recorded reaches another (INVARIANT 8).
 FAULT_ROUTE_PAST_DEPARTED = "route_past_departed"
+# The unacked batches of a successor we removed are replayed to its new incarnation, which is
+# departing and drops them, instead of re-routed (CHANGELOG.md, defect A).
+FAULT_REPLAY_TO_DEPARTED = "replay_to_departed"
 
 
 class RetryOnlyWithData(Instance):
@@ -158,12 +160,21 @@ class RoutePastDeparted(Instance):
     outputs_class = RoutesPastDeparted
 
 
+class ReplaysToDeparted(Outputs):
+    reroutes_departed_replays = False
+
+
+class ReplayToDeparted(Instance):
+    outputs_class = ReplaysToDeparted
+
+
 _OVERRIDES = ((FAULT_RETRY_ONLY_WITH_DATA, RetryOnlyWithData), (FAULT_ROUTE_AFRESH, RouteAfresh),
               (FAULT_MARKS_OWN_MAX, MarksOwnMax), (FAULT_NO_ADD_PRED, NoAddPred),
               (FAULT_NO_REMOVE_PRED, NoRemovePred), (FAULT_MARKS_UNACKED, PassesUnackedMarks),
               (FAULT_EMPTY_ACK_HELD, HoldsEmptyAcks), (FAULT_NO_REDIRECT_RESEND, NoRedirectResend),
               (FAULT_ACK_BEHIND_DRAIN, AckBehindDrain), (FAULT_RESYNC_AT_FIRST_SEEN, ResyncAtFirstSeen),
-              (FAULT_REPLAY_CLOCK_AT_DROP, ReplayClockAtDrop), (FAULT_ROUTE_PAST_DEPARTED, RoutePastDeparted))
+              (FAULT_REPLAY_CLOCK_AT_DROP, ReplayClockAtDrop), (FAULT_ROUTE_PAST_DEPARTED, RoutePastDeparted),
+              (FAULT_REPLAY_TO_DEPARTED, ReplayToDeparted))
 
 
 def instance_class(faults: FrozenSet[str]) -> Type[Instance]:
