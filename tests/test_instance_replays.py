@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Dict, Optional, Tuple
 
 from agent.dataplane.envelope import Envelope, Kind
-from agent.instance.replays import FAULT_REPLAY_CLOCK_AT_DROP, FAULT_RESYNC_AT_FIRST_SEEN, REPLAY_WAIT, ReplayWait
+from agent.instance.replays import REPLAY_WAIT, ReplayWait
+from foglab.sim.instance_faults import ClockAtDropWait, ResyncAtFirstSeenWait
 
 POSITIONS: Dict[str, Tuple[int, int, bool]] = {"p1": (3, 10, False)}
 
@@ -49,7 +50,7 @@ def test_a_predecessor_the_snapshot_lacks_is_awaited_until_its_number_1() -> Non
 
 
 def test_the_seeded_fault_takes_a_predecessor_the_snapshot_lacks_at_its_first_number() -> None:
-    w = ReplayWait(_stats(), frozenset({FAULT_RESYNC_AT_FIRST_SEEN}))
+    w = ResyncAtFirstSeenWait(_stats())
     w.start(["p1", "p2"], _position)
     assert w.awaiting == {"p1": (3, None)}
 
@@ -71,7 +72,7 @@ def test_a_marker_or_a_newer_epoch_does_not_start_the_clock() -> None:
 
 
 def test_with_the_seeded_fault_only_a_dropped_batch_starts_the_clock() -> None:
-    w = ReplayWait(_stats(), frozenset({FAULT_REPLAY_CLOCK_AT_DROP}))
+    w = ClockAtDropWait(_stats())
     w.start(["p1"], _position)
     w.seen(Envelope("p1", 3, 11, Kind.PROTO, {"type": "duplication"}), 2.0)
     assert w.unanswered(100.0) == []

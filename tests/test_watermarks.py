@@ -103,7 +103,7 @@ def _overtaken_backlog(by_channel: bool) -> Dict[str, int]:
     arrivals += [(back + k * 0.002, rid) for k, rid in enumerate(order)]
     conf = WatermarkSection(time_field="t", time_unit="ms", channel_field="sensor" if by_channel else None)
     stats = {"late_at_source": 0}
-    marks = Marks(conf, True, None, SimpleNamespace(last_index=0), SimpleNamespace(), stats, frozenset())
+    marks = Marks(conf, True, None, SimpleNamespace(last_index=0), SimpleNamespace(), stats)
     op = TumblingWindow(OperatorContext("p.windows.0", "windows", "n1", "map",
                                         {"time_field": "t", "time_unit": "ms", "size_ms": 5000,
                                          "lateness_ms": 10000, "agg": "sum", "field": "rid"}))
@@ -199,7 +199,7 @@ def test_a_source_instance_saves_its_channels_in_its_position() -> None:
     source.tick_until(5.0)
     assert source.positions[-1]["channels"] == [["k1", 1], ["k0", 2]]
     conf = WatermarkSection(time_field="t", channel_field="k")
-    marks = Marks(conf, True, None, SimpleNamespace(last_index=0), SimpleNamespace(), {}, frozenset())
+    marks = Marks(conf, True, None, SimpleNamespace(last_index=0), SimpleNamespace(), {})
     marks.restore_channels([[["room", 7], 500]], 0.0)
     assert list(marks.source.channels) == [hashable_key(["room", 7])]
 

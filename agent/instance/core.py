@@ -67,11 +67,11 @@ from agent.instance.lifecycle import (
     EXIT_BAD_SPEC, EXIT_BROKER, EXIT_CRASH, EXIT_DRAIN_TIMEOUT, EXIT_OK, Lifecycle, Phase,
 )
 from agent.instance.load import Load, no_clock
-from agent.instance.marks import FAULT_MARKS_OWN_MAX, Marks
+from agent.instance.marks import Marks
 from agent.instance.outputs import ACK_DELAY, RAW_TOPIC, Outputs
 from agent.instance.pace import Pace
 from agent.instance.queues import SenderQueues
-from agent.instance.replays import FAULT_RESYNC_AT_FIRST_SEEN, REPLAY_WAIT, ReplayWait
+from agent.instance.replays import REPLAY_WAIT, ReplayWait
 from agent.instance.silence import GAP_TIMEOUT, SILENCE_CHECK, Silence  # noqa: F401 (SILENCE_CHECK: the tests')
 from agent.instance.source import Source
 from agent.instance.spec import InstanceSpec
@@ -79,18 +79,17 @@ from agent.operators.builtin import SinkOperator
 from agent.operators.keyed import KeyedOperator, keyed_config_problems
 from agent.protocol.errors import LocalProtocolError
 
-__all__ = ["Instance", "Phase", "EXIT_OK", "EXIT_CRASH", "EXIT_BAD_SPEC", "EXIT_BROKER", "EXIT_DRAIN_TIMEOUT",
-           "FAULT_RESYNC_AT_FIRST_SEEN"]
+__all__ = ["Instance", "Phase", "EXIT_OK", "EXIT_CRASH", "EXIT_BAD_SPEC", "EXIT_BROKER", "EXIT_DRAIN_TIMEOUT"]
 
 log = logging.getLogger("agent.instance.worker")
 
 MAX_POLL = 0.05  # longest wait the instance asks for (the shell sees control lines within this)
 SINK_SETTLE_POLL = 0.05  # a sink whose spool is at its cap checks this often whether shipping freed it
 
-# The seeded faults of this class are subclasses the instance checker installs
-# (foglab.sim.instance_faults); those of the watermarks are agent.instance.marks's
-# (FAULT_MARKS_UNACKED, FAULT_MARKS_OWN_MAX), those of the wait for replays
-# agent.instance.replays's (FAULT_RESYNC_AT_FIRST_SEEN, FAULT_REPLAY_CLOCK_AT_DROP).
+# The seeded faults of this class, of the watermarks, of the admission, one of the moves
+# (`no_redirect_resend`), one of the scaling driver (`ack_behind_drain`), those of the wait for
+# replays and those of the outputs are subclasses the instance checker installs
+# (foglab.sim.instance_faults).
 
 
 class Instance:
@@ -103,6 +102,24 @@ class Instance:
     # INVARIANT 8: a forwarding instance remembers where each record went where it must (False
     # only in the checker's seeded fault `route_afresh`).
     remembers_routes = True
+    # Watermarks that flow (docs/operators.md, "Watermarks that flow"): a keyed instance fires by
+    # the least mark over its inputs, not by its own largest event time, which a record that took
+    # another path, or waited for its group's move, may already be behind (False only in the
+    # checker's seeded fault `marks_own_max`, the rule before marks flowed).
+    marks_flow = True
+    # The watermarks' part (agent.instance.marks): a class so that the checker can install one
+    # with a seeded fault (foglab.sim.instance_faults); always `Marks` outside it.
+    marks_class: Type[Marks] = Marks
+    # The admission (agent.instance.admission), a class for the same reason.
+    admission_class: Type[Admission] = Admission
+    # The key groups' moves (agent.instance.moves), a class for the same reason.
+    moves_class: Type[group_moves.GroupMoves] = group_moves.GroupMoves
+    # The scaling driver (agent.instance.driver), a class for the same reason.
+    driver_class: Type[ScalingDriver] = ScalingDriver
+    # The wait for replays (agent.instance.replays), a class for the same reason.
+    replays_class: Type[ReplayWait] = ReplayWait
+    # What we send (agent.instance.outputs), a class for the same reason.
+    outputs_class: Type[Outputs] = Outputs
 
     def __init__(self, spec: InstanceSpec, pipeline: PipelineConfig, operator: Any,
                  faults: FrozenSet[str] = frozenset(), perf: Callable[[], float] = no_clock,
@@ -162,7 +179,7 @@ class Instance:
         # group (deploy starts one keeper per operator), a copy none until its Start names its share.
         self.moves: Optional[group_moves.GroupMoves] = None
         if self.keyed is not None:
-            self.moves = group_moves.GroupMoves(self, range(self.keyed.groups) if spec.active else ())
+            self.moves = self.moves_class(self, range(self.keyed.groups) if spec.active else ())
         nxt = pipeline.operators[self.stage + 1] if self.stage + 1 < len(pipeline.operators) else None
         # `next_keyed` (the shell resolves the next operator's function): its key groups move with
         # their state, so we route by its group -> owner table (agent.instance.groups), dealt at
@@ -195,32 +212,30 @@ class Instance:
         # (agent.dataplane.sticky.needed).
         sticky = (not self.is_sink and nxt is not None and self.remembers_routes
                   and needed(self.op.key, pipeline.scaling_for(nxt.name).max_instances))
-        self.outputs = Outputs(spec.instance, spec.cluster, spec.node, self.router, self.outbox, self.tracker,
-                               self.hosts, self.stats, self.ctx, window=self.op.max_inflight_batches,
-                               ack_every=max(1, pred_window // 2), per_node=per_node, local=local,
-                               sticky=sticky, faults=self.faults)
+        self.outputs = self.outputs_class(spec.instance, spec.cluster, spec.node, self.router, self.outbox,
+                                          self.tracker, self.hosts, self.stats, self.ctx,
+                                          window=self.op.max_inflight_batches, ack_every=max(1, pred_window // 2),
+                                          per_node=per_node, local=local, sticky=sticky)
         # What we let in (agent.instance.admission): how far ahead an honest sender's numbers can
         # run is set by the larger window on our channels; the node in an inbox topic must host the
         # envelope's sender when the agent says so (docs/security.md, "Data channels").
         ops = pipeline.operators
-        self.admission = Admission(
+        self.admission = self.admission_class(
             spec.instance, spec.operator, spec.pipeline, [ops[self.stage - 1].name] if self.stage > 0 else [],
             [nxt.name] if nxt is not None else [], spec.preds, spec.succs,
             window=max(pred_window, self.op.max_inflight_batches),
             hold_extra=key_groups if self.group_routing.on else 0,
             check_node=bool(spec.extra.get("check_sender_node")), keyed=self.moves is not None, hosts=self.hosts,
-            inbound=self.inbound, links=self.outputs.links, router=self.router, stats=self.stats, ctx=self.ctx,
-            faults=self.faults)
+            inbound=self.inbound, links=self.outputs.links, router=self.router, stats=self.stats, ctx=self.ctx)
         # Watermarks that flow with the batches (agent.instance.marks; docs/operators.md,
         # "Watermarks that flow"): on when the source has [operator.watermark], never at a sink.
-        # A keyed instance then fires by the least mark over its inputs (unless the seeded fault
-        # keeps its own largest event time).
+        # A keyed instance then fires by the least mark over its inputs (`marks_flow`).
         wm_conf = getattr(pipeline.operators[0], "watermark", None)
         self.marks: Optional[Marks] = None
         if wm_conf is not None and not self.is_sink:
-            self.marks = Marks(wm_conf, self.is_source, self.keyed, self.tracker, self.outputs, self.stats,
-                               self.faults)
-            if self.keyed is not None and FAULT_MARKS_OWN_MAX not in self.faults:
+            self.marks = self.marks_class(wm_conf, self.is_source, self.keyed, self.tracker, self.outputs,
+                                          self.stats)
+            if self.keyed is not None and self.marks_flow:
                 self.keyed.flowing = True
         # When we write our state and send a heartbeat (agent.instance.cadence).
         self.cadence = Cadence(spec.heartbeat_period)
@@ -228,7 +243,7 @@ class Instance:
         self.silence = Silence()
         # A new incarnation of ours: the predecessors whose data before their replay marker we
         # drop (agent.instance.replays, docs/reliability.md "Replays in order").
-        self.replays = ReplayWait(self.stats, self.faults)
+        self.replays = self.replays_class(self.stats)
         self.first_record_at: Optional[float] = None
         self.activated_at: Optional[float] = None  # wall time of our Start (rescale breakdown)
 
@@ -372,7 +387,7 @@ class Instance:
         self.silence.checked(now)
         self.load.begin(now)
         self.source.started_at = wall
-        self.scaling = ScalingDriver(self, saved, restart)
+        self.scaling = self.driver_class(self, saved, restart)
         self.load.set_capacity(self.scaling.params.capacity)
         if restart and self.scaling.core.forwards_data:
             # The restored tables, not the spec's initial ones: since its creation the instance
@@ -1116,12 +1131,22 @@ class Instance:
         if self.moves is None:
             return
         for p in added:
-            if group_moves.FAULT_NO_ADD_PRED not in self.faults:
-                self.moves.perform(self.moves.member.add_pred(p))
+            self.await_joined_pred(self.moves, p)
         for p in removed:
-            if group_moves.FAULT_NO_REMOVE_PRED not in self.faults:
-                self.moves.perform(self.moves.member.remove_pred(p, self.moves.snapshot))
+            self.forget_departed_pred(self.moves, p)
         self.mark_state_changed()
+
+    def await_joined_pred(self, moves: group_moves.GroupMoves, pred: str) -> None:
+        """The groups moving out wait for the Eos of `pred`, a predecessor that joined during
+        their move: its table may still route them here (docs/operators.md, "Key groups that
+        move"). Not in the checker's seeded fault `no_add_pred`."""
+        moves.perform(moves.member.add_pred(pred))
+
+    def forget_departed_pred(self, moves: group_moves.GroupMoves, pred: str) -> None:
+        """The groups moving out no longer wait for the Eos of `pred`, a predecessor that left
+        during their move: its deletion is behind all it sent us, so a move would otherwise wait
+        for an Eos that never comes. Not in the checker's seeded fault `no_remove_pred`."""
+        moves.perform(moves.member.remove_pred(pred, moves.snapshot))
 
     def set_routes(self, succs: Tuple[str, ...], now: float) -> None:
         """INVARIANT 3 (route change before ack): the data path uses `succs` when this returns;

@@ -49,7 +49,7 @@ from agent.instance.port import InstancePort
 
 __all__ = ["ScalingDriver", "FAULT_REHOME_ROUNDS_FROM_ONE", "FAULT_DRAIN_HOLDS_PROTOCOL", "FAULT_REHOME_STAYS",
            "FAULT_LEAVE_BEFORE_ADOPTION", "FAULT_RESEND_PENDING_ONLY", "FAULT_WAIT_FOR_LEAVER",
-           "FAULT_START_WITHOUT_LEAVERS", "FAULT_ACK_BEHIND_DRAIN",
+           "FAULT_START_WITHOUT_LEAVERS",
            "PROBE", "PROBE_ECHO", "IDLE_PING",
            "IDLE_PING_MAX", "MAX_PROBES", "PROBE_TTL"]
 
@@ -64,7 +64,7 @@ FAULT_RESEND_PENDING_ONLY = "resend_pending_only"  # a round message sent again 
 FAULT_WAIT_FOR_LEAVER = "wait_for_leaver"  # a round waits for the ack of a pending neighbour that left
 # our copies start without the neighbours that left after they learnt of them (ScalingCore.leavers)
 FAULT_START_WITHOUT_LEAVERS = "start_without_leavers"
-FAULT_ACK_BEHIND_DRAIN = "ack_behind_drain"  # a draining copy's duplication ack waits behind its Drain
+# (`ack_behind_drain` is a subclass the checker installs: foglab.sim.instance_faults.)
 
 
 class ScalingDriver:
@@ -74,6 +74,11 @@ class ScalingDriver:
     `_queue` writes them ahead and `run_outputs` performs them strictly in order (the core's
     ORDERING CONTRACT): the copies' createNode() wait for `on_spawned`, the Sends go out; the
     neighbours' acks come in through `handle`, which queues the round's last outputs the same way."""
+
+    # A draining instance's ack of a Duplication whose copies its tables already name goes ahead
+    # of its waiting Drain (`_ahead_of_drain`; False only in the checker's seeded fault
+    # `ack_behind_drain`, foglab.sim.instance_faults).
+    acks_ahead_of_drain = True
 
     def __init__(self, instance: InstancePort, saved: Dict[str, Any], restart: bool) -> None:
         self.w = worker = instance
@@ -619,7 +624,7 @@ class ScalingDriver:
         deletion ack keeps its place: it promises the leaver that nothing of ours follows it."""
         core = self.core
         return (self.draining and bool(self.outputs) and isinstance(self.outputs[0], Drain)
-                and FAULT_ACK_BEHIND_DRAIN not in self.w.faults and isinstance(msg, Duplication)
+                and self.acks_ahead_of_drain and isinstance(msg, Duplication)
                 and set(msg.new_instances) <= (core.succs if msg.stage == core.stage + 1 else core.preds))
 
     def _left_behind(self, body: Any) -> None:

@@ -11,7 +11,7 @@ lowest input not acked upstream) is passed per call. Sending a mark alone is `Ou
 
 from __future__ import annotations
 
-from typing import Any, Dict, FrozenSet, List, Optional
+from typing import Any, Dict, List, Optional
 
 from agent.dataplane.flow import AckTracker
 from agent.dataplane.envelope import Item
@@ -20,13 +20,10 @@ from agent.instance.keyed_state import KeyedState, hashable_key
 from agent.instance.outputs import Outputs
 from agent.operators.keyed import parse_event_time
 
-__all__ = ["Marks", "FAULT_MARKS_UNACKED", "FAULT_MARKS_OWN_MAX"]
+__all__ = ["Marks"]
 
-# Seeded faults of the watermarks (agent.dataplane.watermarks): an instance passes on the marks
-# it received, acked inputs or not ("marks_unacked"); a keyed instance keeps its own watermark,
-# the largest event time it took ("marks_own_max": the rule before marks flowed).
-FAULT_MARKS_UNACKED = "marks_unacked"
-FAULT_MARKS_OWN_MAX = "marks_own_max"
+# The seeded faults of the watermarks (the checker's `marks_unacked`, `marks_own_max`) are
+# subclasses it installs (foglab.sim.instance_faults): no branch here.
 
 
 class Marks:
@@ -36,7 +33,7 @@ class Marks:
     follows the least mark over its inputs instead of its own largest event time."""
 
     def __init__(self, conf: Any, is_source: bool, keyed: Optional[KeyedState], tracker: AckTracker,
-                 outputs: Outputs, stats: Dict[str, int], faults: FrozenSet[str]) -> None:
+                 outputs: Outputs, stats: Dict[str, int]) -> None:
         self.conf = conf
         self.table = WatermarkTable()
         self.channel_field: Optional[str] = getattr(conf, "channel_field", None)
@@ -47,7 +44,6 @@ class Marks:
         self.tracker = tracker
         self.outputs = outputs
         self.stats = stats
-        self.faults = faults
 
     def note(self, sender: str, index: int, mark: Mark) -> None:
         """`sender`'s mark after input `index`, nothing fired (a stateless operator)."""
@@ -94,10 +90,16 @@ class Marks:
             if m is not None and (ch is None or ch.noted != m.value or ch.noted_idle != m.idle):
                 marks.note("", self.tracker.last_index, m)  # a change without records: idleness
         marks.release(lowest_pending)
-        out = marks.current() if FAULT_MARKS_UNACKED in self.faults else marks.forwardable()
+        out = self.passable(marks)
         if out is not None and self.keyed is not None and self.keyed.op.uses_event_time and self.keyed.op.lateness_ms:
             out = Mark(max(-MAX_MARK_MS, out.value - self.keyed.op.lateness_ms), out.idle)
         return out
+
+    def passable(self, marks: WatermarkTable) -> Optional[Mark]:
+        """Of the marks taken in, only what acked inputs carried: an input not acked upstream may
+        come again after a crash, and a mark passed on ahead of it would let its records be late
+        downstream. Not in the checker's seeded fault `marks_unacked`."""
+        return marks.forwardable()
 
     def channel_table(self) -> Optional[List[Any]]:
         """A source by channel: its channels and their times, for its position file (None: no channels)."""

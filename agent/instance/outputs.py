@@ -51,13 +51,8 @@ MARK_PERIOD = 0.2
 # marks only in its hold buffer, HOLD_TTL / MARK_PERIOD_UNLINKED of them) this often.
 MARK_PERIOD_UNLINKED = 5.0
 
-# Seeded fault (foglab.sim.instance_check, never set elsewhere): a record sent again whose
-# successor left our table is routed afresh (as it once was), so a copy a departed sink instance
-# recorded reaches another (INVARIANT 8).
-FAULT_ROUTE_PAST_DEPARTED = "route_past_departed"
-# Seeded fault (the same): the unacked batches of a successor we removed are replayed to its new
-# incarnation, which is departing and drops them, instead of re-routed (CHANGELOG.md, defect A).
-FAULT_REPLAY_TO_DEPARTED = "replay_to_departed"
+# The seeded faults of the outputs (the checker's `route_past_departed`, `replay_to_departed`)
+# are subclasses it installs (foglab.sim.instance_faults): no branch here.
 
 # (destination, payload, lowest input index it carries or None)
 Pending = Tuple[str, bytes, Optional[int]]
@@ -69,9 +64,20 @@ class Outputs:
     until the broker PUBACKs it. `local`: co-hosted instances (a chain), handed envelopes in
     memory; `local_keeps`: those of them that never change a record in place (set by the chain)."""
 
+    # A record sent before whose successor has left our table goes nowhere (`forward`): that
+    # successor drained it (INVARIANT 4), and another instance would take it twice (INVARIANT 8).
+    # False only in the checker's seeded fault `route_past_departed` (foglab.sim.instance_faults),
+    # which routes it afresh.
+    drops_sent_to_departed = True
+    # A successor we have removed that comes back as a new incarnation gets no replay: it is
+    # departing and would drop it; its unacked batches go to the current successors
+    # (`successor_restarted`, CHANGELOG.md defect A). False only in the checker's seeded fault
+    # `replay_to_departed` (foglab.sim.instance_faults).
+    reroutes_departed_replays = True
+
     def __init__(self, me: str, cluster: str, node: str, router: Router, outbox: Outbox, tracker: AckTracker,
                  hosts: Hosts, stats: Dict[str, int], ctx: Dict[str, Any], *, window: int, ack_every: int,
-                 per_node: bool, local: FrozenSet[str], sticky: bool, faults: FrozenSet[str]) -> None:
+                 per_node: bool, local: FrozenSet[str], sticky: bool) -> None:
         self.me, self.cluster, self.node = me, cluster, node
         self.router, self.outbox, self.tracker, self.hosts = router, outbox, tracker, hosts
         self.stats, self.ctx = stats, ctx
@@ -80,7 +86,6 @@ class Outputs:
         self.local = local
         self.local_keeps: FrozenSet[str] = frozenset()
         self.local_ids_only: FrozenSet[str] = frozenset()  # those that read no records (set by the chain)
-        self.faults = faults
         self.outbound = Outbound(0)  # our channels' numbers, under our current epoch
         self.links: Dict[str, OutLink] = {}
         # INVARIANT 8 (a record sent again goes where it went): a forwarding instance remembers
@@ -130,7 +135,7 @@ class Outputs:
             items, pinned, gone = self.routes.split(items, self.router.succs)
             for dest, recs in pinned.items():
                 self.outbox.add_to(dest, recs, index, now)
-            if gone and FAULT_ROUTE_PAST_DEPARTED in self.faults:
+            if gone and not self.drops_sent_to_departed:
                 items = items + gone
             elif gone:
                 # Their successor left after draining them (INVARIANT 4): they are further
@@ -375,7 +380,7 @@ class Outputs:
         self._send_replay_marker(out, dest)
         self.marks_sent.pop(dest, None)  # it lost the marks it had from us: sent again
         if dest in self.links:
-            if dest in self.router.succs or FAULT_REPLAY_TO_DEPARTED in self.faults:
+            if dest in self.router.succs or not self.reroutes_departed_replays:
                 self._replay_to(out, dest, now)
             else:
                 self._reroute_departed(out, dest, now)

@@ -1,7 +1,7 @@
 """The replays a new incarnation of an instance waits for (docs/reliability.md, "Replays in order").
 
 Rules of this file: `ReplayWait` owns the wait and holds no reference to the instance; it is given
-the stats counters and the seeded faults at construction, and per call the envelope, the time
+the stats counters at construction, and per call the envelope, the time
 `now` and what it reads of the channels (the position of a predecessor's channel, as a function).
 No I/O, no clock, no random.
 
@@ -18,25 +18,19 @@ alive was lost: the instance asks again, as a new incarnation.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, FrozenSet, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 from agent.dataplane.envelope import Envelope, Kind
 
-__all__ = ["ReplayWait", "REPLAY_WAIT", "FAULT_RESYNC_AT_FIRST_SEEN", "FAULT_REPLAY_CLOCK_AT_DROP"]
+__all__ = ["ReplayWait", "REPLAY_WAIT"]
 
 # A predecessor whose data we drop while we wait for its replay marker and whose marker has not
 # come this long after it showed it is alive never got our request (lost with a broker's state):
 # we ask again, as a new incarnation. Generous: a loaded predecessor answers late.
 REPLAY_WAIT = 10.0
 
-# Seeded fault (foglab.sim.instance_check, never set elsewhere): a restarted receiver takes a
-# predecessor's data at the first number it sees when its snapshot does not hold that channel
-# (the checker's former `resync_past_lost_replays`).
-FAULT_RESYNC_AT_FIRST_SEEN = "resync_at_first_seen"
-# Seeded fault (the same): the wait for a replay marker starts its clock only at the first data
-# batch it drops, not at a protocol message or a duplicate (seed 9230: the sink never asked
-# again, 4 records lost).
-FAULT_REPLAY_CLOCK_AT_DROP = "replay_clock_at_drop"
+# The seeded faults of the wait (the checker's `resync_at_first_seen`, `replay_clock_at_drop`) are
+# subclasses it installs (foglab.sim.instance_faults): no branch here.
 
 
 class ReplayWait:
@@ -44,11 +38,20 @@ class ReplayWait:
     showed it is alive, or None), for the predecessors whose data before their replay marker we
     drop."""
 
-    def __init__(self, stats: Dict[str, int], faults: FrozenSet[str] = frozenset()) -> None:
+    # A predecessor whose channel our snapshot lacks is awaited like the others (`start`): taken
+    # at the first number seen, its data could be past replays a broker rollback lost, and our
+    # cumulative ack would drop them from its buffer (False only in the checker's seeded fault
+    # `resync_at_first_seen`, foglab.sim.instance_faults).
+    awaits_unknown_channels = True
+    # The clock of the wait for a predecessor's marker starts at anything it sends us but its
+    # marker (`seen`), not only at a dropped data batch: a protocol message may open a channel
+    # past replays a broker rollback lost, which then never reach `drops` (False only in the
+    # checker's seeded fault `replay_clock_at_drop`, foglab.sim.instance_faults).
+    clock_at_any_message = True
+
+    def __init__(self, stats: Dict[str, int]) -> None:
         self.awaiting: Dict[str, Tuple[Optional[int], Optional[float]]] = {}
         self._stats = stats
-        self._resync_at_first_seen = FAULT_RESYNC_AT_FIRST_SEEN in faults
-        self._clock_at_drop = FAULT_REPLAY_CLOCK_AT_DROP in faults
 
     def __bool__(self) -> bool:
         return bool(self.awaiting)
@@ -66,7 +69,7 @@ class ReplayWait:
         self.awaiting = {}
         for p in preds:
             pos = position(p)
-            if pos is not None or not self._resync_at_first_seen:
+            if pos is not None or self.awaits_unknown_channels:
                 self.awaiting[p] = (pos[0] if pos is not None else None, None)
 
     def seen(self, env: Envelope, now: float) -> None:
@@ -81,7 +84,7 @@ class ReplayWait:
         if awaited is None:
             return
         epoch, since = awaited
-        if since is not None or self._clock_at_drop:
+        if since is not None or not self.clock_at_any_message:
             return
         if (env.kind is not Kind.DATA or env.body) and (epoch is None or env.epoch <= epoch):
             self.awaiting[env.sender] = (epoch, now)

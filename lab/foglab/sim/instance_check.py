@@ -77,7 +77,7 @@ from agent.node.rehome import plan_rehome
 from agent.operators.builtin import OperatorContext
 from agent.protocol.scaling import InstanceState
 from foglab.sim.checker import Violation
-from foglab.sim.instance_faults import instance_class
+from foglab.sim.instance_faults import FAULT_NO_ADD_PRED, FAULT_NO_REDIRECT_RESEND, FAULT_NO_REMOVE_PRED, instance_class
 from foglab.sim.instance_check_keyed import (
     KEEPER, KEY_GROUPS, KEYED_PLANS, MemoryTrail, check_floor, check_keyed, copy_disk, count_handover, disk_digest,
     keyed_path, new_disk,
@@ -102,12 +102,14 @@ BROKER = BrokerSpec("127.0.0.1", 1)
 PLACEMENT[KEEPER] = "n1"
 
 # The seeded faults the instance knows (agent.instance.core, agent.instance.driver).
-# The hand-over's (agent.instance.moves, HANDOVER_FAULTS) need the keyed pipeline (`Config.keyed`).
+# The hand-over's (agent.instance.moves, HANDOVER_FAULTS, and no_add_pred, no_remove_pred,
+# no_redirect_resend, foglab.sim.instance_faults) need the keyed pipeline (`Config.keyed`).
 FAULTS = ("retry_only_with_data", "drain_holds_protocol", "rehome_rounds_from_one", "route_afresh",
           "replay_to_departed", "rehome_stays", "resync_at_first_seen", "leave_before_adoption",
           "rehome_idle_active", "replay_clock_at_drop", "resend_pending_only", "wait_for_leaver",
           "route_past_departed", "start_without_leavers", "ack_behind_drain",
-          "empty_ack_held", "marks_unacked", "marks_own_max") + HANDOVER_FAULTS
+          "empty_ack_held", "marks_unacked", "marks_own_max") + HANDOVER_FAULTS + (
+          FAULT_NO_ADD_PRED, FAULT_NO_REMOVE_PRED, FAULT_NO_REDIRECT_RESEND)
 # The one seeded fault of the planner's inputs (agent.node.rehome), played by the checker's
 # re-homing move: plan_rehome is not told which copies were idle, and starts them active.
 FAULT_REHOME_IDLE_ACTIVE = "rehome_idle_active"

@@ -1,7 +1,13 @@
 """The instance checker's seeded faults of `agent.instance.core.Instance` itself, installed as
 subclasses: the product class has no branch for them (docs/reliability.md, "Checking whole
-instances"). The parts' seeded faults (agent.instance.outputs, marks, replays, moves, the
-scaling driver) still come with the `faults` set the instance hands them.
+instances"); so are those of the watermarks' part (agent.instance.marks), of the admission
+(agent.instance.admission), `no_redirect_resend` of the key groups' moves (agent.instance.moves),
+`ack_behind_drain` of the scaling driver (agent.instance.driver), those of the wait for replays
+(agent.instance.replays) and those of the outputs (agent.instance.outputs):
+subclasses of `Marks`, `Admission`, `GroupMoves`, `ScalingDriver`, `ReplayWait` and `Outputs`
+the instance's subclass builds (`Instance.marks_class`, `admission_class`, `moves_class`,
+`driver_class`, `replays_class`, `outputs_class`). The other parts' seeded faults (moves, the
+scaling driver, adoption) still come with the `faults` set the instance hands them.
 
 `instance_class(faults)` is `Instance` itself when none of these is on, else a subclass with
 each one's override.
@@ -9,11 +15,23 @@ each one's override.
 
 from __future__ import annotations
 
-from typing import FrozenSet, Type
+from typing import FrozenSet, Optional, Tuple, Type
 
+from agent.dataplane.envelope import Envelope
+from agent.dataplane.watermarks import Mark, WatermarkTable
+from agent.instance.admission import Admission
 from agent.instance.core import Instance
+from agent.instance.marks import Marks
+from agent.instance.driver import ScalingDriver
+from agent.instance.moves import GroupMoves
+from agent.instance.outputs import Outputs
+from agent.instance.replays import ReplayWait
 
-__all__ = ["FAULT_RETRY_ONLY_WITH_DATA", "FAULT_ROUTE_AFRESH", "instance_class"]
+__all__ = ["FAULT_RETRY_ONLY_WITH_DATA", "FAULT_ROUTE_AFRESH", "FAULT_MARKS_OWN_MAX", "FAULT_NO_ADD_PRED",
+           "FAULT_NO_REMOVE_PRED", "FAULT_MARKS_UNACKED", "FAULT_EMPTY_ACK_HELD",
+           "FAULT_NO_REDIRECT_RESEND", "FAULT_ACK_BEHIND_DRAIN",
+           "FAULT_RESYNC_AT_FIRST_SEEN", "ResyncAtFirstSeenWait", "FAULT_REPLAY_CLOCK_AT_DROP", "ClockAtDropWait",
+           "FAULT_ROUTE_PAST_DEPARTED", "FAULT_REPLAY_TO_DEPARTED", "instance_class"]
 
 # Refused publishes are retried only when there is data to flush, so a sink's refused ack holds
 # back all its later acks.
@@ -21,6 +39,37 @@ FAULT_RETRY_ONLY_WITH_DATA = "retry_only_with_data"
 # Records sent again are routed afresh, not to where they went before, so after a crash a copy
 # can reach another sink instance, which keeps it (INVARIANT 8).
 FAULT_ROUTE_AFRESH = "route_afresh"
+# A keyed instance keeps its own watermark, the largest event time it took (the rule before marks
+# flowed), so a record that took the other path, or waited for its group's move, is judged late.
+FAULT_MARKS_OWN_MAX = "marks_own_max"
+# Of the hand-over (docs/operators.md, "Key groups that move"; they need the keyed pipeline): a
+# predecessor that joined during a move is not waited for; one that left is still waited for.
+FAULT_NO_ADD_PRED = "no_add_pred"
+FAULT_NO_REMOVE_PRED = "no_remove_pred"
+# An instance passes on the marks it received, acked inputs or not, so a record processed again
+# after a crash can be behind a mark already passed on.
+FAULT_MARKS_UNACKED = "marks_unacked"
+# An idle copy holds an empty ack from a successor's name even with a round message behind it, so
+# two idle copies can wait for each other (CHANGELOG.md, "Records lost at an idle sink copy").
+FAULT_EMPTY_ACK_HELD = "empty_ack_held"
+# A silent move does not ask its predecessors again, so one whose Redirect a broker rollback lost
+# never ends (needs the keyed pipeline).
+FAULT_NO_REDIRECT_RESEND = "no_redirect_resend"
+# A draining copy's ack of a Duplication waits behind its Drain, so the round that waits for it
+# and the copy's records, acked only once that round starts the copy, wait for each other.
+FAULT_ACK_BEHIND_DRAIN = "ack_behind_drain"
+# A restarted receiver takes a predecessor's data at the first number it sees when its snapshot
+# does not hold that channel (the checker's former `resync_past_lost_replays`).
+FAULT_RESYNC_AT_FIRST_SEEN = "resync_at_first_seen"
+# The wait for a replay marker starts its clock only at the first data batch it drops, not at a
+# protocol message or a duplicate (seed 9230: the sink never asked again, 4 records lost).
+FAULT_REPLAY_CLOCK_AT_DROP = "replay_clock_at_drop"
+# A record sent again whose successor left our table is routed afresh (as it once was), so a copy
+# a departed sink instance recorded reaches another (INVARIANT 8).
+FAULT_ROUTE_PAST_DEPARTED = "route_past_departed"
+# The unacked batches of a successor we removed are replayed to its new incarnation, which is
+# departing and drops them, instead of re-routed (CHANGELOG.md, defect A).
+FAULT_REPLAY_TO_DEPARTED = "replay_to_departed"
 
 
 class RetryOnlyWithData(Instance):
@@ -37,7 +86,95 @@ class RouteAfresh(Instance):
     remembers_routes = False
 
 
-_OVERRIDES = ((FAULT_RETRY_ONLY_WITH_DATA, RetryOnlyWithData), (FAULT_ROUTE_AFRESH, RouteAfresh))
+class MarksOwnMax(Instance):
+    marks_flow = False
+
+
+class NoAddPred(Instance):
+    def await_joined_pred(self, moves: GroupMoves, pred: str) -> None:
+        """The moves do not learn of the new predecessor."""
+
+
+class NoRemovePred(Instance):
+    def forget_departed_pred(self, moves: GroupMoves, pred: str) -> None:
+        """The moves keep waiting for the departed predecessor's Eos."""
+
+
+class MarksUnacked(Marks):
+    def passable(self, marks: WatermarkTable) -> Optional[Mark]:
+        """Every mark taken in, its input acked upstream or not."""
+        return marks.current()
+
+
+class PassesUnackedMarks(Instance):
+    marks_class = MarksUnacked
+
+
+class EmptyAckHeldAdmission(Admission):
+    def _empty_ack_before_round(self, key: Tuple[str, str], head: Envelope, sc: Optional[ScalingDriver]) -> bool:
+        """Never taken: held like the rest of its stream until the copy's Start."""
+        return False
+
+
+class HoldsEmptyAcks(Instance):
+    admission_class = EmptyAckHeldAdmission
+
+
+class MovesNotAskedAgain(GroupMoves):
+    resends_redirects = False
+
+
+class NoRedirectResend(Instance):
+    moves_class = MovesNotAskedAgain
+
+
+class AckBehindDrainDriver(ScalingDriver):
+    acks_ahead_of_drain = False
+
+
+class AckBehindDrain(Instance):
+    driver_class = AckBehindDrainDriver
+
+
+class ResyncAtFirstSeenWait(ReplayWait):
+    awaits_unknown_channels = False
+
+
+class ResyncAtFirstSeen(Instance):
+    replays_class = ResyncAtFirstSeenWait
+
+
+class ClockAtDropWait(ReplayWait):
+    clock_at_any_message = False
+
+
+class ReplayClockAtDrop(Instance):
+    replays_class = ClockAtDropWait
+
+
+class RoutesPastDeparted(Outputs):
+    drops_sent_to_departed = False
+
+
+class RoutePastDeparted(Instance):
+    outputs_class = RoutesPastDeparted
+
+
+class ReplaysToDeparted(Outputs):
+    reroutes_departed_replays = False
+
+
+class ReplayToDeparted(Instance):
+    outputs_class = ReplaysToDeparted
+
+
+_OVERRIDES = ((FAULT_RETRY_ONLY_WITH_DATA, RetryOnlyWithData), (FAULT_ROUTE_AFRESH, RouteAfresh),
+              (FAULT_MARKS_OWN_MAX, MarksOwnMax), (FAULT_NO_ADD_PRED, NoAddPred),
+              (FAULT_NO_REMOVE_PRED, NoRemovePred), (FAULT_MARKS_UNACKED, PassesUnackedMarks),
+              (FAULT_EMPTY_ACK_HELD, HoldsEmptyAcks), (FAULT_NO_REDIRECT_RESEND, NoRedirectResend),
+              (FAULT_ACK_BEHIND_DRAIN, AckBehindDrain), (FAULT_RESYNC_AT_FIRST_SEEN, ResyncAtFirstSeen),
+              (FAULT_REPLAY_CLOCK_AT_DROP, ReplayClockAtDrop), (FAULT_ROUTE_PAST_DEPARTED, RoutePastDeparted),
+              (FAULT_REPLAY_TO_DEPARTED, ReplayToDeparted))
 
 
 def instance_class(faults: FrozenSet[str]) -> Type[Instance]:
