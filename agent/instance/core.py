@@ -107,18 +107,13 @@ class Instance:
     # another path, or waited for its group's move, may already be behind (False only in the
     # checker's seeded fault `marks_own_max`, the rule before marks flowed).
     marks_flow = True
-    # The watermarks' part (agent.instance.marks): a class so that the checker can install one
-    # with a seeded fault (foglab.sim.instance_faults); always `Marks` outside it.
+    # The parts built from a class attribute, so that the instance checker can install one with a
+    # seeded fault (foglab.sim.instance_faults); outside it, always the product's own class.
     marks_class: Type[Marks] = Marks
-    # The admission (agent.instance.admission), a class for the same reason.
     admission_class: Type[Admission] = Admission
-    # The key groups' moves (agent.instance.moves), a class for the same reason.
     moves_class: Type[group_moves.GroupMoves] = group_moves.GroupMoves
-    # The scaling driver (agent.instance.driver), a class for the same reason.
     driver_class: Type[ScalingDriver] = ScalingDriver
-    # The wait for replays (agent.instance.replays), a class for the same reason.
     replays_class: Type[ReplayWait] = ReplayWait
-    # What we send (agent.instance.outputs), a class for the same reason.
     outputs_class: Type[Outputs] = Outputs
 
     def __init__(self, spec: InstanceSpec, pipeline: PipelineConfig, operator: Any,
