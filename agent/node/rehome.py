@@ -275,19 +275,27 @@ def plan_rehome(
     return out
 
 
+def _move_entries(entries: Any) -> List[Tuple[int, str, int]]:
+    """The [group, instance, version] entries of a report's `handed` or `expecting` list (bus
+    input: at most MAX_GROUPS read, an entry of another shape skipped; an instance name and a
+    version >= 0, each caller checks more where it needs to)."""
+    if not isinstance(entries, list):
+        return []
+    return [(e[0], e[1], e[2]) for e in entries[:MAX_GROUPS]
+            if isinstance(e, list) and len(e) == 3 and type(e[0]) is int and 0 <= e[0] < MAX_GROUPS
+            and isinstance(e[1], str) and type(e[2]) is int and 0 <= e[2] < 2 ** 53]
+
+
 def _with_handed(groups: Optional[Mapping[str, Any]], handed: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
     """The owners' reports (`groups`) with each group an old owner handed out (`handed`, bus
     input: malformed entries skipped) added to its new owner's, at the move's version, unless
     that owner reports it at that version or a newer one already."""
     adds: Dict[str, Dict[int, int]] = {}
     for entries in (handed or {}).values():
-        if not isinstance(entries, list):
-            continue
-        for e in entries[:MAX_GROUPS]:
-            if (isinstance(e, list) and len(e) == 3 and type(e[0]) is int and 0 <= e[0] < MAX_GROUPS
-                    and isinstance(e[1], str) and 0 < len(e[1]) <= MAX_NAME and type(e[2]) is int and 0 <= e[2] < 2 ** 53):
-                d = adds.setdefault(e[1], {})
-                d[e[0]] = max(d.get(e[0], -1), e[2])
+        for g, new, v in _move_entries(entries):
+            if 0 < len(new) <= MAX_NAME:
+                d = adds.setdefault(new, {})
+                d[g] = max(d.get(g, -1), v)
     return _added(groups, adds)
 
 
@@ -401,19 +409,17 @@ def _resume_plan(inst: str, runs: Any, groups: Optional[Mapping[str, Any]], expe
                 del mine[g]
     moves: List[List[Any]] = []
     for new in sorted((alive if waiting_for is None else waiting_for) - {inst}):
-        entries = (expecting or {}).get(new)
-        if not isinstance(entries, list):
+        entries = _move_entries((expecting or {}).get(new))
+        if not entries:
             continue
         try:
             held = groups_from_runs((groups or {}).get(new, [])) if new in lost else {}
         except TableError:
             held = {}
-        for e in entries[:MAX_GROUPS]:
-            if (isinstance(e, list) and len(e) == 3 and type(e[0]) is int and 0 <= e[0] < MAX_GROUPS
-                    and e[1] == inst and type(e[2]) is int and 1 <= e[2] < 2 ** 53
-                    and held.get(e[0], 0) < e[2]):
-                mine[e[0]] = e[2] - 1
-                moves.append([e[0], new, e[2]])
+        for g, old, v in entries:
+            if old == inst and v >= 1 and held.get(g, 0) < v:
+                mine[g] = v - 1
+                moves.append([g, new, v])
     return group_runs(mine), sorted(moves)
 
 
@@ -445,15 +451,10 @@ def _moved_on(inst: str, siblings: Set[str], groups: Mapping[str, Any], handed: 
         for g, v in theirs.items():
             seen(g, v)
         for table in (handed, expecting):
-            entries = (table or {}).get(other)
-            if not isinstance(entries, list):
-                continue
-            for e in entries[:MAX_GROUPS]:
-                if (isinstance(e, list) and len(e) == 3 and type(e[0]) is int and 0 <= e[0] < MAX_GROUPS
-                        and isinstance(e[1], str) and type(e[2]) is int and 0 <= e[2] < 2 ** 53):
-                    # handed [group, new owner, v]: towards us still to come; expecting [group, old
-                    # owner, v]: a sibling's, never towards us
-                    seen(e[0], e[2] - 1 if table is handed and e[1] == inst else e[2])
+            for g, name, v in _move_entries((table or {}).get(other)):
+                # handed [group, new owner, v]: towards us still to come; expecting [group, old
+                # owner, v]: a sibling's, never towards us
+                seen(g, v - 1 if table is handed and name == inst else v)
     return group_runs(floor)
 
 
