@@ -112,13 +112,14 @@ def test_the_rehomed_record_keeps_the_newest_entries() -> None:
 
 def test_the_fleets_reports_are_the_plans_inputs_of_the_lost_node() -> None:
     local = {"p.a.0": {"state": "idle", "groups": [1]}}
-    fleet = {"n2": {"instances": [{"id": "p.b.0", "stats": {"state": "departing"}}]},
+    fleet = {"n2": {"instances": [{"id": "p.b.0", "stats": {"state": "departing", "redirected": [[3, "x", "y", 1]]}}]},
              "n9": {"instances": [{"id": "p.c.0", "stats": {"state": "idle", "expecting": [2],
                                                             "lock": {"intent": "duplicate"}}}]}}
     online = {"n2": True, "n9": False}
     got = rehoming.plan_inputs("me", local, fleet, online, "n9")
     assert got == {"departing": {"p.b.0"}, "idle": {"p.a.0", "p.c.0"}, "groups": {"p.a.0": [1]}, "handed": {},
-                   "expecting": {"p.c.0": [2]}, "intents": {"p.c.0": "duplicate"}}
+                   "expecting": {"p.c.0": [2]}, "redirected": {"p.b.0": [[3, "x", "y", 1]]},
+                   "intents": {"p.c.0": "duplicate"}}
     other = rehoming.plan_inputs("me", local, fleet, online, "n8")  # what n9 said counts for n9's plan only
     assert other["idle"] == {"p.a.0"} and other["expecting"] == {} and other["intents"] == {}
 

@@ -992,3 +992,37 @@ def test_a_rehomed_new_owner_does_not_take_again_a_move_its_siblings_show_is_ove
         keeper.moves.take_in_turn()
         assert 5 in m.owned and keeper.moves.versions[5] == 5 and keeper.moves.installed_from[5] == "cnt-b"
         assert keeper.stats["handover_errors"] == 0
+
+
+def test_a_move_only_its_predecessor_saw_begin_goes_again_from_the_lost_old_owner() -> None:
+    """chaos --pipeline stateful-scaling, seed 332: a keyed instance and the copy it had just
+    created were lost together. It had handed the copy its share and the predecessor had taken
+    the Redirects (its Eos went to the lost node), but neither end had reported the move: the
+    old owner's last word still owned the group, the copy's standby lacked it. The old owner
+    resumed it as its own and later handed it to the keeper; the predecessor, routing it to the
+    copy, refused that Redirect for ever and the copy held the group's records for ever (never
+    settled). The predecessor's report of the Redirects it took (`redirected`) now makes the
+    copy expect the group: the old owner starts that move again, the copy is not given it."""
+    from agent.dataplane.owners import groups_from_runs
+
+    hosted = {"n1": [keyed_spec("cnt-s", "cnt"), keyed_spec("cnt-o", "cnt", creator="cnt-s")],
+              "n2": [keyed_spec("p.source.0", "source", True), keyed_spec("p.op.0", "op", True),
+                     keyed_spec("p.cnt.0", "cnt", True), keyed_spec("p.sink.0", "sink", True)]}
+    groups = {"cnt-s": [[0, 3, 0]], "p.cnt.0": [[4, 7, 0]]}
+    taken = {"p.op.0": [[2, "cnt-s", "cnt-o", 1], [6, "p.cnt.0", "cnt-o", 1]]}
+
+    def plan(redirected: Any, standby: Any = None) -> Dict[str, Any]:
+        return {d["instance"]: d["extra"] for d in plan_rehome(
+            "n1", hosted, {"n2"}, set(), 0, groups=groups, redirected=redirected,
+            standby_groups={"cnt-o": standby or []})}
+
+    extra = plan(taken)
+    assert extra["cnt-s"]["moves_out"] == [[2, "cnt-o", 1]]  # not group 6: its old owner is alive
+    assert groups_from_runs(extra["cnt-s"]["owned_groups"]) == {0: 0, 1: 0, 2: 0, 3: 0}
+    assert extra["cnt-o"]["owned_groups"] == []
+    assert "moves_out" not in plan(None)["cnt-s"]  # as before: the move is forgotten
+    # the copy's standby holds the group installed: the move is over, nothing goes again
+    done = plan(taken, standby=[[2, 2, 1]])
+    assert "moves_out" not in done["cnt-s"] and groups_from_runs(done["cnt-o"]["owned_groups"]) == {2: 1}
+    # a Redirect of a version the old owner is not just before (an older move) starts nothing
+    assert "moves_out" not in plan({"p.op.0": [[2, "cnt-s", "cnt-o", 3], "junk", [2, "cnt-s"]]})["cnt-s"]

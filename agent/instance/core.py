@@ -668,10 +668,15 @@ class Instance:
     # ---- admission (docs/security.md, "Data channels") ------------------------------------------
 
     def _take_redirect(self, sender: str, msg: Any) -> None:
+        table = self.router.table
+        before = table.version(msg.group) if table is not None else None  # group checked by decode
         try:
             group_moves.on_redirect(self, sender, msg)
         except group_moves.HandoverError as exc:
             self.handover_error(sender, str(exc))
+            return
+        if table is not None and table.version(msg.group) != before:
+            self.group_routing.took(msg.group, sender, msg.new, table.version(msg.group), self.now)
 
     def handover_error(self, sender: str, why: str) -> None:
         """A hand-over message refused, here or in agent.instance.moves: counted once, in one place."""
@@ -1202,6 +1207,8 @@ class Instance:
             s.update(self.keyed.stats())
         if self.moves is not None:
             s.update(self.moves.stats())
+        if self.group_routing.on:
+            s["redirected"] = self.group_routing.redirected(self.now)
         if self.scaling is not None:
             s.update(self.scaling.stats())
         return s

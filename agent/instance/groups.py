@@ -32,6 +32,9 @@ __all__ = ["GroupRouting", "START_FIELD", "initial_table", "restored_table", "st
 log = logging.getLogger("agent.instance.worker")
 
 START_FIELD = "groups"  # the extra field of a Start's JSON object
+# How long a Redirect taken here is reported in the heartbeat (`redirected`): a node lost is
+# re-homed `dead_after` seconds after its last heartbeat, and the planner reads these then.
+REDIRECTS_REPORTED_S = 300.0
 
 
 def initial_table(succs: Sequence[str], groups: int) -> Optional[GroupTable]:
@@ -93,6 +96,23 @@ class GroupRouting:
     def __init__(self, on: bool) -> None:
         self.on = on
         self._waiting: List[Tuple[str, Any]] = []  # (sender, decoded Redirect), an idle copy's
+        self._taken: Dict[int, Tuple[str, str, int, float]] = {}  # group -> (old, new, version, when)
+
+    def took(self, group: int, old: str, new: str, version: int, now: float) -> None:
+        """We took a Redirect: `group` goes from `old` to `new` at `version` (`redirected`)."""
+        self._taken[group] = (old, new, version, now)
+
+    def redirected(self, now: float) -> List[List[Any]]:
+        """The Redirects taken in the last REDIRECTS_REPORTED_S, the newest of each group:
+        [group, old owner, new owner, version], for the heartbeat. Both ends of a move can be
+        lost with one node before either reports it (a copy created and handed its share just
+        before the loss): only the predecessors that took the Redirect know the move began, and
+        the re-home planner starts it again from the old owner (agent.node.rehome). Without it,
+        the old owner resumed the group as its own while we routed it to the new one, which
+        held its records for ever and refused nothing (chaos seed 332)."""
+        for g in [g for g, e in self._taken.items() if now - e[3] > REDIRECTS_REPORTED_S]:
+            del self._taken[g]
+        return [[g, old, new, v] for g, (old, new, v, _) in sorted(self._taken.items())]
 
     def hold(self, sender: str, msg: Any, limit: int) -> None:
         """A Redirect before our table (an idle copy): kept until the Start, at most `limit`."""

@@ -343,6 +343,15 @@ class KeyedState:
             return first if self._unsaved is None else min(first, self._unsaved)
         return self._unsaved
 
+    def came_in_with(self, index: int) -> None:
+        """Records held for a group on its way, just applied under a fresh index, came in with
+        input `index`: that input waits for the save that reflects them (and, with
+        `replicated_acks`, for the standby's copy of it), not only the fresh index. Released at
+        the save alone, it was acked while the node could still lose the install; the old owner
+        then sent the group again without those records (chaos seed 336)."""
+        if self._unsaved is not None and index < self._unsaved:
+            self._unsaved = index
+
     def saved_token(self) -> Tuple[int, int]:
         """What the files hold after the last save: (generation, bytes of its log). Tokens grow
         with every save, so "the standby holds token T" covers every save up to T."""

@@ -156,7 +156,6 @@ class GroupMoves:
         # and once we have left, the old owner's chunks sent again after the silence reach nobody:
         # it would wait for that Installed for ever, busy, and never scale in
         self.installed_from: Dict[int, str] = {}
-        self.unsaved: Set[int] = set()  # input indices whose held records were applied, not saved yet
         # fresh index of held records' outputs -> the lowest input index they came in with: that
         # input stays unacked until those outputs are acked downstream (`lowest_held`)
         self.forwarding: Dict[int, int] = {}
@@ -229,8 +228,9 @@ class GroupMoves:
         return a is not None and it[1] in a
 
     def lowest_held(self, forwarding: Any = False) -> Optional[int]:
-        """The lowest input index with records held, applied-not-saved, or applied with outputs
-        not acked downstream yet: not acked upstream yet. `forwarding`: the instance's
+        """The lowest input index with records held, or applied with outputs not acked downstream
+        yet: not acked upstream yet (applied, not saved or not replicated: the keyed state's
+        `came_in_with`). `forwarding`: the instance's
         `lowest_forwarding()` if the caller has it.
 
         Held records are applied under a fresh index (`_apply`), above the index they came in
@@ -243,7 +243,7 @@ class GroupMoves:
             low = self.w.lowest_forwarding() if forwarding is False else forwarding
             for idx in [i for i in self.forwarding if low is None or i < low]:
                 del self.forwarding[idx]  # every output of it acked
-        lows = [i for i in self.unsaved] + list(self.forwarding.values())
+        lows = list(self.forwarding.values())
         if self.held:
             for bufs in (self.member.new.buffer, self.member.early):
                 for recs in bufs.values():
@@ -255,7 +255,6 @@ class GroupMoves:
         are on disk, and the groups we own go with it (`KeyedState.owned`, what a standby copy
         says we hold: agent.node.rehome reads it when our node is lost before its retained state
         shows a move)."""
-        self.unsaved.clear()
         self.keyed.owned = self.reported_groups()
 
     # ---- messages ------------------------------------------------------------------------------------
@@ -590,6 +589,7 @@ class GroupMoves:
             if sender != last and run:
                 idx = w.tracker.produced()
                 out = self.keyed.apply(last, run, idx, judge_late=False)
+                self.keyed.came_in_with(low)
                 if out:
                     w.forward_outputs(out, idx)
                     if FAULT_HELD_ACKED_AT_SAVE not in w.faults:
@@ -600,9 +600,6 @@ class GroupMoves:
             low = index if not run else min(low, index)
             last = sender
             run.append(tuple(item))  # type: ignore[arg-type]
-            self.unsaved.add(index)
-        if not self.keyed.dirty:
-            self.unsaved.clear()  # all of them were replays applied before: nothing to save
 
     # ---- saved with the instance state -----------------------------------------------------------
 

@@ -106,6 +106,7 @@ def plan_rehome(
     expecting: Optional[Mapping[str, Any]] = None,
     standby_groups: Optional[Mapping[str, Any]] = None,
     intents: Optional[Mapping[str, str]] = None,
+    redirected: Optional[Mapping[str, Any]] = None,
 ) -> List[Dict[str, Any]]:
     """The specs to start elsewhere for the instances of `dead` (sorted by instance id).
 
@@ -156,6 +157,12 @@ def plan_rehome(
     reports at a newer version (moved on since its node's last state), and with those a live
     sibling expects from it, whose moves it starts again (`extra["moves_out"]`: its dead
     incarnation's memory of them went with its node, and the new owner waited for ever).
+
+    `redirected`: per predecessor of keyed instances, the Redirects it took lately ([group, old
+    owner, new owner, version], agent.instance.groups `GroupRouting.redirected`). A move whose
+    old owner was lost before it reported it, its new owner never having installed the group,
+    is one its new owner expects (`_expected_from_redirects`): the old owner resumes the group
+    and starts the move again, as for an `expecting` entry.
 
     `standby_groups`: per keyed instance of `dead`, the groups its standby copy says it owns (the
     ownership saved with its keyed state, agent.node.replicas `ReplicaStore.owned`). A group is
@@ -216,6 +223,7 @@ def plan_rehome(
         if runs is not None:
             resumed[inst] = runs
     rivals = {**dict(groups or {}), **resumed}  # live reports, and the lost instances' newest word
+    expecting = _expected_from_redirects(expecting, redirected, resumed, rivals)
     moved_on: Dict[str, Any] = {}
     for s in lost:
         inst = str(s["instance"])
@@ -421,6 +429,40 @@ def _resume_plan(inst: str, runs: Any, groups: Optional[Mapping[str, Any]], expe
                 mine[g] = v - 1
                 moves.append([g, new, v])
     return group_runs(mine), sorted(moves)
+
+
+def _expected_from_redirects(expecting: Optional[Mapping[str, Any]], redirected: Optional[Mapping[str, Any]],
+                             resumed: Mapping[str, Any], rivals: Mapping[str, Any]) -> Dict[str, Any]:
+    """`expecting` with the moves the predecessors' Redirects show that no report does: a
+    Redirect of group g from a lost instance that resumes g at the version just before it, to
+    a new owner that holds g at no version as new and does not say it expects g. That new owner
+    waits for g (its records go to it, held there until the state comes); the lost old owner's
+    new incarnation must send g again (`_resume_plan`). Seen when both ends were on the lost node
+    and the copy had not reported its share yet: the old owner resumed g as its own, handed it to
+    its keeper later, and the predecessor refused that Redirect for ever ("which does not own
+    it"; chaos seed 332). Bus input: entries of another shape are skipped."""
+    out: Dict[str, Any] = {k: list(v) for k, v in (expecting or {}).items() if isinstance(v, list)}
+    for entries in (redirected or {}).values():
+        if not isinstance(entries, list):
+            continue
+        for e in entries[:MAX_GROUPS]:
+            if not (isinstance(e, list) and len(e) == 4 and type(e[0]) is int and isinstance(e[1], str)
+                    and isinstance(e[2], str) and type(e[3]) is int and 0 < len(e[2]) <= MAX_NAME):
+                continue
+            g, old, new, v = e
+            if old not in resumed or old == new:
+                continue
+            try:
+                mine = groups_from_runs(resumed[old])
+                theirs = groups_from_runs(rivals.get(new) or [])
+            except TableError:
+                continue
+            if mine.get(g) != v - 1 or theirs.get(g, -1) >= v:
+                continue
+            if any(x[0] == g for x in _move_entries(out.get(new))):
+                continue
+            out.setdefault(new, []).append([g, old, v])
+    return out
 
 
 def _moved_on(inst: str, siblings: Set[str], groups: Mapping[str, Any], handed: Optional[Mapping[str, Any]],

@@ -69,7 +69,8 @@ def lost_moves(me: str, local: Mapping[str, Stats], fleet: Mapping[str, Mapping[
                online: Mapping[str, bool], lost: str, key: str) -> Dict[str, Any]:
     """The moves each keyed instance last said it was part of (`_reported`): `handed` (handed
     out, not installed yet: a re-homed predecessor's table names their new owners) or
-    `expecting` (on their way to it: a re-homed old owner starts them again), for
+    `expecting` (on their way to it: a re-homed old owner starts them again), or each
+    predecessor of keyed instances the Redirects it took lately (`redirected`), for
     agent.node.rehome.plan_rehome."""
     return {i: stats[key] for i, stats in _reported(me, local, fleet, online, lost)
             if isinstance(stats.get(key), list) and stats[key]}
@@ -92,11 +93,13 @@ def lost_intents(me: str, local: Mapping[str, Stats], fleet: Mapping[str, Mappin
 def plan_inputs(me: str, local: Mapping[str, Stats], fleet: Mapping[str, Mapping[str, Any]],
                 online: Mapping[str, bool], lost: str) -> Dict[str, Any]:
     """What the last reports say of the instances around `lost`, as the keyword arguments of
-    agent.node.rehome.plan_rehome: `departing`, `idle`, `groups`, `handed`, `expecting`, `intents`."""
+    agent.node.rehome.plan_rehome: `departing`, `idle`, `groups`, `handed`, `expecting`,
+    `redirected`, `intents`."""
     view = (me, local, fleet, online)
     return dict(departing=in_state(*view, ("departing", "terminated")), idle=in_state(*view, ("idle",), lost=lost),
                 groups=lost_groups(*view, lost), handed=lost_moves(*view, lost, "handed"),
-                expecting=lost_moves(*view, lost, "expecting"), intents=lost_intents(*view, lost))
+                expecting=lost_moves(*view, lost, "expecting"), redirected=lost_moves(*view, lost, "redirected"),
+                intents=lost_intents(*view, lost))
 
 
 def standby_groups(me: str, lost: str, hosted_by_node: Mapping[str, Any], ours: Mapping[str, Any],
