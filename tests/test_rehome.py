@@ -1021,6 +1021,8 @@ def test_a_move_only_its_predecessor_saw_begin_goes_again_from_the_lost_old_owne
     assert groups_from_runs(extra["cnt-s"]["owned_groups"]) == {0: 0, 1: 0, 2: 0, 3: 0}
     assert extra["cnt-o"]["owned_groups"] == []
     assert "moves_out" not in plan(None)["cnt-s"]  # as before: the move is forgotten
+    # two predecessors took the same Redirect: the move starts again once
+    assert plan({**taken, "p.op.1": [[2, "cnt-s", "cnt-o", 1]]})["cnt-s"]["moves_out"] == [[2, "cnt-o", 1]]
     # the copy's standby holds the group installed: the move is over, nothing goes again
     done = plan(taken, standby=[[2, 2, 1]])
     assert "moves_out" not in done["cnt-s"] and groups_from_runs(done["cnt-o"]["owned_groups"]) == {2: 1}

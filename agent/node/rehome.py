@@ -442,6 +442,17 @@ def _expected_from_redirects(expecting: Optional[Mapping[str, Any]], redirected:
     its keeper later, and the predecessor refused that Redirect for ever ("which does not own
     it"; chaos seed 332). Bus input: entries of another shape are skipped."""
     out: Dict[str, Any] = {k: list(v) for k, v in (expecting or {}).items() if isinstance(v, list)}
+    tables: Dict[str, Optional[Dict[int, int]]] = {}  # instance -> its groups (rivals), read once
+    waits: Dict[str, Set[int]] = {}  # new owner -> the groups it expects already, read once
+
+    def held(inst: str) -> Optional[Dict[int, int]]:
+        if inst not in tables:
+            try:
+                tables[inst] = groups_from_runs(rivals.get(inst) or [])
+            except TableError:
+                tables[inst] = None
+        return tables[inst]
+
     for entries in (redirected or {}).values():
         if not isinstance(entries, list):
             continue
@@ -452,15 +463,14 @@ def _expected_from_redirects(expecting: Optional[Mapping[str, Any]], redirected:
             g, old, new, v = e
             if old not in resumed or old == new:
                 continue
-            try:
-                mine = groups_from_runs(resumed[old])
-                theirs = groups_from_runs(rivals.get(new) or [])
-            except TableError:
+            mine, theirs = held(old), held(new)  # rivals[old] is resumed[old]
+            if mine is None or theirs is None or mine.get(g) != v - 1 or theirs.get(g, -1) >= v:
                 continue
-            if mine.get(g) != v - 1 or theirs.get(g, -1) >= v:
+            if new not in waits:
+                waits[new] = {x[0] for x in _move_entries(out.get(new))}
+            if g in waits[new]:
                 continue
-            if any(x[0] == g for x in _move_entries(out.get(new))):
-                continue
+            waits[new].add(g)
             out.setdefault(new, []).append([g, old, v])
     return out
 
