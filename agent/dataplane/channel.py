@@ -16,9 +16,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from agent.dataplane.envelope import Envelope
+from agent.dataplane.envelope import Envelope, Kind
 
-__all__ = ["Inbound", "Outbound", "ChannelStats"]
+__all__ = ["Inbound", "Outbound", "ChannelStats", "is_replay_marker"]
+
+
+def is_replay_marker(env: Envelope) -> bool:
+    """An empty data batch without a watermark: what a predecessor sends before it replays what
+    a new incarnation of its successor had not acked (agent.instance.outputs)."""
+    return env.kind is Kind.DATA and not env.body and env.watermark is None
 
 
 @dataclass
@@ -35,6 +41,8 @@ class _In:
     next_seq: int
     pending: Dict[int, Envelope] = field(default_factory=dict)
     resync: bool = False  # restored from a snapshot that may lag: accept the first seq seen
+    # a new epoch of the sender met while resyncing: taken from its number 1 or its replay marker
+    from_marker: bool = False
 
 
 class Inbound:
@@ -64,8 +72,19 @@ class Inbound:
             self.stats.stale_epoch += 1
             return []
         if env.epoch > ch.epoch:
-            # A new incarnation of the sender starts numbering again at 1.
+            # A new incarnation of the sender starts numbering again at 1. That start is known,
+            # not lagging, so a resync does not carry over to it: taken at its first number seen,
+            # the numbers below would be dropped when they come (a drain moves a source and its
+            # receiver at once; the source's first batches went to the receiver's old node and
+            # come again after later ones), and the replay would bring their records behind
+            # newer ones, out of order. It starts at 1 or at its replay marker instead.
             ch.epoch, ch.next_seq, ch.pending = env.epoch, 1, {}
+            ch.from_marker, ch.resync = ch.resync, False
+        if ch.from_marker and env.seq > ch.next_seq and is_replay_marker(env):
+            # The sender saw our new incarnation: all it sent before this marker and we have not
+            # taken follows it again, renumbered (agent.instance.replays).
+            ch.from_marker, ch.next_seq = False, env.seq
+            ch.pending = {s: e for s, e in ch.pending.items() if s > env.seq}
         if ch.resync:
             # The snapshot is written at most every few ms (cheap persistence), so after a crash
             # it can lag behind what was already acknowledged to the broker; those messages will

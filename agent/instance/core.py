@@ -42,7 +42,7 @@ from typing import Any, Callable, Deque, Dict, FrozenSet, List, Optional, Tuple,
 
 from agent import events, topics
 from agent.config import PipelineConfig
-from agent.dataplane.channel import Inbound
+from agent.dataplane.channel import Inbound, is_replay_marker
 from agent.dataplane.envelope import LAZY, Envelope, Item, Kind, Passed, data_body_bytes
 from agent.dataplane.flow import AckTracker
 from agent.dataplane.owners import TableError, groups_from_runs
@@ -700,7 +700,7 @@ class Instance:
                 self._on_ack(e)
             else:
                 if e.kind is Kind.DATA:
-                    if not e.body and e.watermark is None:  # a replay marker: its replay follows
+                    if is_replay_marker(e):  # its replay follows
                         self.replays.marker(e.sender)
                         continue
                     if self.replays and self.replays.drops(e, self.now):
