@@ -37,10 +37,8 @@ loop's step).
 from __future__ import annotations
 
 import logging
-from collections import deque
 from typing import Any, Callable, Deque, Dict, FrozenSet, List, Optional, Tuple, Type
 
-from agent import events, topics
 from agent.config import PipelineConfig
 from agent.dataplane.channel import Inbound, is_replay_marker
 from agent.dataplane.envelope import LAZY, Envelope, Item, Kind, Passed, data_body_bytes
@@ -68,10 +66,11 @@ from agent.instance.lifecycle import (
 )
 from agent.instance.load import Load, no_clock
 from agent.instance.marks import Marks
-from agent.instance.outputs import ACK_DELAY, RAW_TOPIC, Outputs
+from agent.instance.outputs import ACK_DELAY, Outputs
 from agent.instance.pace import Pace
 from agent.instance.queues import SenderQueues
 from agent.instance.replays import REPLAY_WAIT, ReplayWait
+from agent.instance.sink import SinkSide
 from agent.instance.silence import GAP_TIMEOUT, SILENCE_CHECK, Silence  # noqa: F401 (SILENCE_CHECK: the tests')
 from agent.instance.source import Source
 from agent.instance.spec import InstanceSpec
@@ -189,7 +188,6 @@ class Instance:
             decode_records = LAZY
         self.outbox = Outbox(self.router, self.op.batch_size, self.op.linger_ms / 1000.0)
         self.tracker = AckTracker()
-        self.sink_wait: Deque[int] = deque()  # a deferred sink's record() calls not recorded yet
         self.high_water = 2 * self.op.batch_size
         # Acks go out every half of the predecessors' window (their operator's setting): the
         # sender still has the other half of its credit while the ack travels (docs/runtime.md).
@@ -222,6 +220,10 @@ class Instance:
             hold_extra=key_groups if self.group_routing.on else 0,
             check_node=bool(spec.extra.get("check_sender_node")), keyed=self.moves is not None, hosts=self.hosts,
             inbound=self.inbound, links=self.outputs.links, router=self.router, stats=self.stats, ctx=self.ctx)
+        # A sink's recording, and a deferred sink's inputs not recorded yet (agent.instance.sink).
+        self.sink = SinkSide(operator, self.outputs, self.stats, self.ctx, spec.cluster,
+                             {"node": spec.node, "instance": spec.instance, "operator": spec.operator,
+                              "pipeline": spec.pipeline})
         # Watermarks that flow with the batches (agent.instance.marks; docs/operators.md,
         # "Watermarks that flow"): on when the source has [operator.watermark], never at a sink.
         # A keyed instance then fires by the least mark over its inputs (`marks_flow`).
@@ -458,7 +460,7 @@ class Instance:
 
     def _turn_settle_sink(self, now: float) -> None:
         if self.is_sink:
-            self._settle_sink()
+            self._out += self.sink.settle(self.wall())
 
     def _turn_flush(self, now: float) -> None:
         self.flush(now)
@@ -539,7 +541,7 @@ class Instance:
             deadlines.append(self.pace.busy_until)
         if self.outputs.ack_since is not None:
             deadlines.append(self.outputs.ack_since + ACK_DELAY)
-        if self.sink_wait:
+        if self.sink.waiting:
             deadlines.append(now + SINK_SETTLE_POLL)  # the shipper (another process) cannot wake us
         if self.is_source and self._can_produce():
             deadlines.append(self.operator.next_due(now))
@@ -786,20 +788,20 @@ class Instance:
     def _has_ready_input(self, now: float) -> bool:
         if not self.queued.any():
             return False
-        if self.sink_wait and not self.operator.writable():
+        if self.sink.full():
             return False  # spool full: only a release (seen in settle) can help
         return not self.pace.busy(now) and self.outbox.pending < self.high_water
 
     def _backpressured(self) -> bool:
         """Held back by what comes after us: successors without credit, or the sink's spool full."""
-        return self.outbox.pending >= self.high_water or bool(self.sink_wait and not self.operator.writable())
+        return self.outbox.pending >= self.high_water or self.sink.full()
 
     def _data_blocked(self, now: float) -> bool:
         if self.scaling is not None and not self.scaling.data_enabled:
             return True  # idle new instance: keep input until Start (Algorithm 6)
         if self.pace.busy(now):
             return True  # emulated service time
-        if self.sink_wait and not self.operator.writable():
+        if self.sink.full():
             self.stats["spool_stalls"] += 1
             return True  # back pressure: the sink's spool is at its cap, stop reading (acks stop)
         if self.outbox.pending >= self.high_water:
@@ -856,7 +858,7 @@ class Instance:
             self.outputs.note_floors(env.floors)
         t0 = self.load.clock()
         if self.is_sink:
-            self._record(items, index, env)
+            self._out += self.sink.record(items, index, env)
         elif self.keyed is not None:
             if self.moves is not None:
                 items = self.moves.admit(env.sender, items, index)  # a group on its way here waits
@@ -895,46 +897,6 @@ class Instance:
                     if self.stats["operator_errors"] <= 5:
                         log.warning("operator failed on record %s:%s: %r", it[0], it[1], exc, extra=self.ctx)
             return out
-
-    def _record(self, items: List[Item], index: int, env: Optional[Envelope] = None) -> None:
-        op = self.operator
-        if getattr(op, "deferred", False):
-            pubs = op.record_batch(items, data_body_bytes(env) if env is not None else None)
-            self.sink_wait.append(index)  # acked only once settle() says it is recorded
-        else:
-            pubs = op.record(items)
-        for pub in pubs:
-            self._out += self.outputs.publish(RAW_TOPIC + pub.topic, pub.payload, index)
-        self.stats["records_out"] += len(items)
-
-    def _settle_sink(self) -> None:
-        """A deferred sink (spilling to its spool): release the inputs it has now recorded, and
-        publish its events (spool_full / spool_resumed: back pressure is never silent)."""
-        op = self.operator
-        if not isinstance(op, SinkOperator):
-            return
-        if op.deferred:
-            for _ in range(op.settle()):
-                self.sink_wait.popleft()
-        for ev in op.take_events():
-            self._publish_spool_event(ev)
-
-    def _publish_spool_event(self, ev: Dict[str, Any]) -> None:
-        what = str(ev.pop("event", ""))
-        etype = {"spool_full": "spool_full", "spool_resumed": "spool_resumed", "recovered": "spool_recovered"}.get(what)
-        if etype is None:
-            return
-        if what == "spool_full":
-            log.warning("spool at its cap (%s bytes): holding input back", ev.get("used_bytes"), extra=self.ctx)
-        try:
-            e = events.make(etype, ts=self.wall(), node=self.spec.node, instance=self.spec.instance,
-                            operator=self.spec.operator, pipeline=self.spec.pipeline,
-                            detail={"source": "worker", **{k: v for k, v in ev.items() if k != "node"}})
-        except ValueError as exc:
-            log.warning("spool event %s not published: %s", what, exc, extra=self.ctx)
-            return
-        self.notify(topics.events(self.spec.cluster), e.to_json().encode(), qos=1)
-        self.stats["spool_events"] += 1
 
     def _on_protocol(self, env: Envelope) -> None:
         body = env.body
@@ -1077,7 +1039,7 @@ class Instance:
     def lowest_forwarding(self) -> Optional[int]:
         """The lowest input index whose outputs are not all acked by the successors yet, nor
         recorded by a deferred sink (agent.instance.outputs)."""
-        return self.outputs.lowest_forwarding(self.sink_wait[0] if self.sink_wait else None)
+        return self.outputs.lowest_forwarding(self.sink.first())
 
     def _send_acks(self, now: float) -> None:
         """Ack inputs processed AND forwarded (PUBACKed) or recorded; coalesced (agent.instance.outputs)."""
@@ -1166,7 +1128,7 @@ class Instance:
             and self.outbox.pending == 0
             and self.outputs.settled()
             and self.tracker.waiting() == 0
-            and not self.sink_wait
+            and not self.sink.waiting
             and (self.moves is None or not self.moves.member.busy())  # a key group half moved stays
         )
 

@@ -197,7 +197,7 @@ def _sink_worker_run(payloads: List[bytes], work: Path, spill: bool, batch: int,
         if feed.acked > acked:
             now = time.perf_counter()
             ack_ms.extend((now - t) * 1e3 for t in sent_at[acked:feed.acked])
-        if w.core.sink_wait and not feed.events:
+        if w.core.sink.waiting and not feed.events:
             time.sleep(0.0002)  # the spool is at its cap (not here); the real loop would poll the socket
     n = w.core.stats["records_in"]
     w.feed(Abort("bench"), w.clock())  # closes the sink: the spool writes its queue and rotates
