@@ -149,7 +149,7 @@ def forward_parts(rounds: int, reps: int = 300) -> Dict[str, List[float]]:
     def once(passed: bool) -> None:
         env = decode(raw)
         out = op.process(env.body)
-        if passed and op.unchanged:  # as Instance._process_data does
+        if passed and op.unchanged:  # as Processing.batch does
             body = data_body_bytes(env)
             if body is not None:
                 out = Passed(out, body)

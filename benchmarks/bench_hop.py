@@ -33,16 +33,16 @@ Stages (each the real function the data path runs):
     decode: records     envelope._expand (the compact body back into items; dicts unless the
                         receiver reads only ids)
     decode: envelope    the rest of envelope.decode (header checks, the Envelope object)
-    admission           Instance._admit (sender, node, epoch/seq bounds)
+    admission           Admission.screen (sender, node, epoch/seq bounds)
     order/dedup         Inbound.receive (per-sender FIFO, duplicates)
-    operator            Instance._apply (the map function on every record: identity here)
-    route/outbox        Instance._forward (Outbox.add: partitioning over the successors)
+    operator            Processing.apply (the map function on every record: identity here)
+    route/outbox        Outputs.forward (Outbox.add: partitioning over the successors)
     encode: data        envelope.encode_data (a fresh batch; a Passed batch: its bytes again)
     encode: body slice  envelope.data_body_bytes (a passed-on batch's body out of its bytes)
     encode: ack/proto   envelope.encode (acks)
     ack: decide         Instance._send_acks (what to ack, cumulative per sender)
     ack: in             Instance._on_ack (a successor's ack: credit back, replay buffer freed)
-    sink: record        the sink's `_record` (null_sink: counts ids)
+    sink: record        SinkSide.record (null_sink: counts ids)
     source: generate    the source operator's `poll` (taxi records made; not part of the hop)
     core: other         the rest of Instance.handle (tick, flush, tracker, publish tokens, ...)
     shell: other        the rest of Worker.step/_perform/feed (event objects, command dispatch)
@@ -82,9 +82,14 @@ import paho.mqtt.client as mqtt
 from agent.dataplane import envelope as envmod
 from agent.dataplane.channel import Inbound
 from agent.instance import core as coremod
+from agent.instance import intake as intmod
 from agent.instance import outputs as outmod
+from agent.instance import processing as procmod
+from agent.instance import sink as sinkmod
 from agent.instance.admission import Admission
 from agent.instance.outputs import Outputs
+from agent.instance.processing import Processing
+from agent.instance.sink import SinkSide
 from agent.instance.worker import Worker
 from agent.mqtt import client as mqttc
 from agent.mqtt.settings import BrokerSpec
@@ -250,17 +255,18 @@ def instrument(st: Stages) -> None:
     st.wrap(mqttc, "loop_once", "paho: select/misc")
     st.wrap(envmod, "_parse", "decode: parse")
     st.wrap(envmod, "_expand", "decode: records")
-    st.wrap(coremod, "decode", "decode: envelope")
+    st.wrap(intmod, "decode", "decode: envelope")
     st.wrap(Admission, "screen", "admission")
     st.wrap(Inbound, "receive", "order/dedup")
-    st.wrap(coremod.Instance, "_apply", "operator")
+    st.wrap(Processing, "apply", "operator")
     st.wrap(Outputs, "forward", "route/outbox")
     st.wrap(outmod, "encode_data", "encode: data")
-    st.wrap(coremod, "data_body_bytes", "encode: body slice")
+    st.wrap(procmod, "data_body_bytes", "encode: body slice")
+    st.wrap(sinkmod, "data_body_bytes", "encode: body slice")
     st.wrap(outmod, "encode", "encode: ack/proto")
     st.wrap(coremod.Instance, "_send_acks", "ack: decide")
     st.wrap(coremod.Instance, "_on_ack", "ack: in")
-    st.wrap(coremod.Instance, "_record", "sink: record")
+    st.wrap(SinkSide, "record", "sink: record")
     st.wrap(coremod.Instance, "handle", "core: other")
     st.wrap(Worker, "step", "shell: other")
     st.wrap(Worker, "feed", "shell: other")

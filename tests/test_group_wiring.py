@@ -659,7 +659,7 @@ def test_a_keyed_operator_scales_out_and_back_in_with_its_groups_moving_exactly_
         # the hand-over's order: Start, the keeper's chunks, installed, first record applied
         d = [x for x in k.scaling.decisions if x.get("kind") == "scale_out"][-1]
         assert d["at"] <= c.activated_at <= d["chunks_at"] <= c.moves.first_installed_at <= c.moves.first_applied_at
-        assert c.first_record_at <= c.moves.first_applied_at and k.moves.first_installed_at is None
+        assert c.processing.first_record_at <= c.moves.first_applied_at and k.moves.first_installed_at is None
         control(f, copies[0], "terminate")
         for _ in range(4):
             batch()

@@ -41,7 +41,7 @@ from typing import Any, Callable, Deque, Dict, FrozenSet, List, Optional, Tuple,
 
 from agent.config import PipelineConfig
 from agent.dataplane.channel import Inbound, is_replay_marker
-from agent.dataplane.envelope import LAZY, Envelope, Item, Kind, Passed, data_body_bytes
+from agent.dataplane.envelope import LAZY, Envelope, Item, Kind
 from agent.dataplane.flow import AckTracker
 from agent.dataplane.owners import TableError, groups_from_runs
 from agent.dataplane.routing import Outbox, Router
@@ -68,6 +68,7 @@ from agent.instance.load import Load, no_clock
 from agent.instance.marks import Marks
 from agent.instance.outputs import ACK_DELAY, Outputs
 from agent.instance.pace import Pace
+from agent.instance.processing import Processing
 from agent.instance.queues import SenderQueues
 from agent.instance.replays import REPLAY_WAIT, ReplayWait
 from agent.instance.sink import SinkSide
@@ -241,7 +242,11 @@ class Instance:
         # A new incarnation of ours: the predecessors whose data before their replay marker we
         # drop (agent.instance.replays, docs/reliability.md "Replays in order").
         self.replays = self.replays_class(self.stats)
-        self.first_record_at: Optional[float] = None
+        # A batch through the operator, and the back pressure that lets it (agent.instance.processing).
+        self.processing = Processing(spec.instance, operator, is_sink=self.is_sink, keyed=self.keyed,
+                                     moves=self.moves, marks=self.marks, router=self.router, outbox=self.outbox,
+                                     high_water=self.high_water, outputs=self.outputs, tracker=self.tracker,
+                                     load=self.load, pace=self.pace, sink=self.sink, stats=self.stats, ctx=self.ctx)
         self.activated_at: Optional[float] = None  # wall time of our Start (rescale breakdown)
 
     # ---- the one entry point ------------------------------------------------------------------------
@@ -474,7 +479,7 @@ class Instance:
             self._out += self.source.settle(self._lowest_pending)
 
     def _turn_blocked(self, now: float) -> None:
-        self.load.blocked(now, self._backpressured())
+        self.load.blocked(now, self.processing.backpressured())
 
     def _turn_acks(self, now: float) -> None:
         self._send_acks(now)
@@ -529,7 +534,7 @@ class Instance:
         poll timeout): 0 when work is ready."""
         if self.life.exit is not None:
             return 0.0
-        if self._has_ready_input(now):
+        if self.queued.any() and self.processing.may_take(now):
             return 0.0
         if self.moves is not None and (self.moves.queue or self.moves.inbox):
             return 0.0  # groups to hand out or chunks to take in, a few per turn
@@ -785,118 +790,17 @@ class Instance:
             return
         self.outputs.on_ack(env.sender, upto, self.now)
 
-    def _has_ready_input(self, now: float) -> bool:
-        if not self.queued.any():
-            return False
-        if self.sink.full():
-            return False  # spool full: only a release (seen in settle) can help
-        return not self.pace.busy(now) and self.outbox.pending < self.high_water
-
-    def _backpressured(self) -> bool:
-        """Held back by what comes after us: successors without credit, or the sink's spool full."""
-        return self.outbox.pending >= self.high_water or self.sink.full()
-
-    def _data_blocked(self, now: float) -> bool:
-        if self.scaling is not None and not self.scaling.data_enabled:
-            return True  # idle new instance: keep input until Start (Algorithm 6)
-        if self.pace.busy(now):
-            return True  # emulated service time
-        if self.sink.full():
-            self.stats["spool_stalls"] += 1
-            return True  # back pressure: the sink's spool is at its cap, stop reading (acks stop)
-        if self.outbox.pending >= self.high_water:
-            self.stats["credit_stalls"] += 1
-            return True  # back pressure: successors have no credit, stop reading
-        return False
-
     def _process(self, now: float) -> None:
-        """Handle queued envelopes, round-robin over senders, each sender strictly in order
-        (three exceptions: agent.instance.queues). `now` stays the event's: an emulated service time
+        """The queued envelopes, round-robin over senders, each sender strictly in order (three
+        exceptions: agent.instance.queues); a data batch through the operator when back pressure
+        lets it (agent.instance.processing). `now` stays the event's: an emulated service time
         ends this turn's data; the next Tick goes on."""
-        queued = self.queued
-        if self.scaling is not None and self.scaling.duplicating:
-            queued.duplication_acks_ahead(self.scaling, self._on_protocol)
-        if queued.dup_behind:
-            queued.duplications_ahead(self.scaling, self._on_protocol)
-        if queued.eos_behind:
-            assert self.moves is not None
-            queued.eos_ahead(self.scaling, self.moves.groups_in, self._on_protocol)
-        progress = True
-        while progress:
-            progress = False
-            for sender in list(queued.by_sender):
-                q = queued.by_sender[sender]
-                if not q:
-                    continue
-                env = q[0]
-                if env.kind is Kind.DATA:
-                    if self._data_blocked(now):
-                        continue
-                    q.popleft()
-                    self._process_data(env, now)
-                    progress = True
-                else:
-                    if self.scaling is not None and self.scaling.blocked:
-                        continue  # earlier outputs still running: keep the order of effects
-                    q.popleft()
-                    self._on_protocol(env)
-                    progress = True
+        self.queued.round_robin(self.scaling, self.moves.groups_in if self.moves is not None else None,
+                                lambda: self.processing.blocked(now, self.scaling),
+                                lambda env: self._process_data(env, now), self._on_protocol)
 
     def _process_data(self, env: Envelope, now: float) -> None:
-        items: List[Item] = env.body
-        n = len(items)
-        if not n:  # a watermark alone: after every earlier batch of its sender, never acked itself
-            if self.marks is not None and env.watermark is not None:
-                self.marks.take(env.sender, self.tracker.last_index, env.watermark, now)
-            return
-        if self.first_record_at is None:
-            self.first_record_at = self.wall()  # wall clock: compared across processes (bench)
-        self.stats["records_in"] += n
-        self.stats["batches_in"] += 1
-        index = self.tracker.processed(env.sender, env.seq, env.epoch)
-        if env.floors:
-            self.outputs.note_floors(env.floors)
-        t0 = self.load.clock()
-        if self.is_sink:
-            self._out += self.sink.record(items, index, env)
-        elif self.keyed is not None:
-            if self.moves is not None:
-                items = self.moves.admit(env.sender, items, index)  # a group on its way here waits
-            out = self.keyed.apply(env.sender, items, index, env.floors)
-            if out:
-                self.outputs.forward(out, index, now)
-            if self.marks is not None and env.watermark is not None:
-                self.marks.take(env.sender, index, env.watermark, now)
-        else:
-            out = self._apply(items)
-            self.stats["filtered"] += n - len(out)
-            if out:
-                if not self.router.succs:
-                    raise RuntimeError(f"{self.spec.instance}: records to forward but no successors")
-                if len(out) == n and getattr(self.operator, "unchanged", False) and self.router.key is None:
-                    body = data_body_bytes(env)  # passed on whole and unchanged: forward its bytes
-                    if body is not None:
-                        out = Passed(out, body)
-                        self.stats["passed_batches"] += 1
-                self.outputs.forward(out, index, now)
-            if self.marks is not None and env.watermark is not None:
-                self.marks.note(env.sender, index, env.watermark)
-        self.load.processed(n, t0, self.pace.cost(n))
-        self.pace.processed(n, now)
-
-    def _apply(self, items: List[Item]) -> List[Item]:
-        try:
-            return self.operator.process(items)
-        except Exception:  # noqa: BLE001 - a user function failed: isolate the bad record(s)
-            out: List[Item] = []
-            for it in items:
-                try:
-                    out.extend(self.operator.process([it]))
-                except Exception as exc:  # noqa: BLE001
-                    self.stats["operator_errors"] += 1
-                    if self.stats["operator_errors"] <= 5:
-                        log.warning("operator failed on record %s:%s: %r", it[0], it[1], exc, extra=self.ctx)
-            return out
+        self._out += self.processing.batch(env, now, self.wall())
 
     def _on_protocol(self, env: Envelope) -> None:
         body = env.body
@@ -1160,7 +1064,7 @@ class Instance:
             online_service_time_ms=(round(self.load.capacity.service_time * 1000, 4)
                                     if self.load.capacity.service_time else None),
             signals=self.load.last_signals.to_stats() if self.load.last_signals is not None else None,
-            first_record_at=self.first_record_at,
+            first_record_at=self.processing.first_record_at,
             activated_at=self.activated_at,
             at=self.wall(),
         )

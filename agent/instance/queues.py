@@ -7,8 +7,8 @@ given the stats counters at construction, and per call the scaling driver (read 
 outputs are still being performed, its round, its state) and the function that handles a
 protocol message taken ahead. No I/O, no clock, no random.
 
-Each sender's queue is handled strictly in order (invariant 1), round-robin over senders, by the
-instance (`Instance._process`). Three exceptions, each only past DATA and never past another
+Each sender's queue is handled strictly in order (invariant 1), round-robin over senders
+(`round_robin`, called by the instance's `_process`). Three exceptions, each only past DATA and never past another
 protocol message: a `duplication_ack` while our duplication round waits
 (`duplication_acks_ahead`), a predecessor's `duplication` (`duplications_ahead`), and a
 predecessor's Eos of a key group none of the batches ahead holds (`eos_ahead`).
@@ -17,7 +17,7 @@ predecessor's Eos of a key group none of the batches ahead holds (`eos_ahead`).
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Callable, Deque, Dict, Set
+from typing import Any, Callable, Deque, Dict, Optional, Set
 
 from agent.dataplane.envelope import Envelope, Kind
 from agent.protocol.scaling import FORWARDING
@@ -58,6 +58,41 @@ class SenderQueues:
 
     def count(self) -> int:
         return sum(len(q) for q in self.by_sender.values())
+
+    def round_robin(self, sc: Any, groups_in: Optional[Callable[[Any], Set[int]]], blocked: Callable[[], bool],
+                    on_data: Callable[[Envelope], None], on_protocol: Callable[[Envelope], None]) -> None:
+        """Handle the queued envelopes, round-robin over senders, each sender strictly in order but
+        for the three exceptions, taken first: a data batch to `on_data` unless `blocked()` (back
+        pressure, an idle copy), a protocol message to `on_protocol` unless the scaling driver
+        `sc` is still performing earlier outputs (the order of effects). `groups_in`: the key
+        groups of a batch's records, where our key groups move (`eos_ahead`)."""
+        if sc is not None and sc.duplicating:
+            self.duplication_acks_ahead(sc, on_protocol)
+        if self.dup_behind:
+            self.duplications_ahead(sc, on_protocol)
+        if self.eos_behind:
+            assert groups_in is not None
+            self.eos_ahead(sc, groups_in, on_protocol)
+        progress = True
+        while progress:
+            progress = False
+            for sender in list(self.by_sender):
+                q = self.by_sender[sender]
+                if not q:
+                    continue
+                env = q[0]
+                if env.kind is Kind.DATA:
+                    if blocked():
+                        continue
+                    q.popleft()
+                    on_data(env)
+                    progress = True
+                else:
+                    if sc is not None and sc.blocked:
+                        continue  # earlier outputs still running: keep the order of effects
+                    q.popleft()
+                    on_protocol(env)
+                    progress = True
 
     def forget(self, sender: str) -> bool:
         """Drop `sender`'s empty queue; False (kept) if something of it still waits."""
