@@ -46,7 +46,7 @@ from agent.dataplane.flow import AckTracker
 from agent.dataplane.owners import TableError, groups_from_runs
 from agent.dataplane.routing import Outbox, Router
 from agent.dataplane.sticky import RouteMemory, needed
-from agent.instance.commands import Command, CrashPoint, Emit, Exit, Notify, Persist, PersistSource, RequestSpawn, SaveKeyed
+from agent.instance.commands import Command, CrashPoint, Emit, Exit, Notify, Persist, PersistSource, RequestSpawn
 from agent.instance.counters import new_counters
 from agent.instance.cadence import Cadence
 from agent.instance.driver import ScalingDriver
@@ -68,6 +68,7 @@ from agent.instance.load import Load, no_clock
 from agent.instance.marks import Marks
 from agent.instance.outputs import ACK_DELAY, Outputs
 from agent.instance.pace import Pace
+from agent.instance.pending import PendingInputs
 from agent.instance.processing import Processing
 from agent.instance.queues import SenderQueues
 from agent.instance.replays import REPLAY_WAIT, ReplayWait
@@ -242,6 +243,8 @@ class Instance:
         # A new incarnation of ours: the predecessors whose data before their replay marker we
         # drop (agent.instance.replays, docs/reliability.md "Replays in order").
         self.replays = self.replays_class(self.stats)
+        # The inputs not to be acked upstream yet (agent.instance.pending).
+        self.pending = PendingInputs(self.outputs, self.sink, self.keyed, self.moves)
         # A batch through the operator, and the back pressure that lets it (agent.instance.processing).
         self.processing = Processing(spec.instance, operator, is_sink=self.is_sink, keyed=self.keyed,
                                      moves=self.moves, marks=self.marks, router=self.router, outbox=self.outbox,
@@ -453,7 +456,7 @@ class Instance:
 
     def _turn_save_keyed(self, now: float) -> None:
         if self.keyed is not None and self.keyed.dirty:
-            self._save_keyed()
+            self._out.append(self.pending.save_keyed())
 
     def _turn_release_held(self, now: float) -> None:
         if self.admission.hold:
@@ -472,11 +475,11 @@ class Instance:
 
     def _turn_send_mark(self, now: float) -> None:
         if self.marks is not None:
-            self._out += self.outputs.send_mark(now, self.marks.out_mark(now, self._lowest_pending()))
+            self._out += self.outputs.send_mark(now, self.marks.out_mark(now, self.pending.lowest()))
 
     def _turn_settle_source(self, now: float) -> None:
         if self.source.sensor:
-            self._out += self.source.settle(self._lowest_pending)
+            self._out += self.source.settle(self.pending.lowest)
 
     def _turn_blocked(self, now: float) -> None:
         self.load.blocked(now, self.processing.backpressured())
@@ -636,7 +639,7 @@ class Instance:
         self.cadence.changed()
         self.persist(force=True)
         if self.keyed is not None:
-            self._save_keyed()
+            self._out.append(self.pending.save_keyed())
         self._write_source_stats()
         self._heartbeat(self.now)
         # `final`: gone for good (terminated by the protocol); the agent then forgets this
@@ -857,11 +860,11 @@ class Instance:
                 self.marks.observe(items, index, now)
             self.outputs.forward(items, index, now)
             if self.source.sensor:
-                self._out += self.source.take_log(self._lowest_pending)
+                self._out += self.source.take_log(self.pending.lowest)
 
     def source_resume_seq(self) -> int:
         """The first record seq a restarted source must generate again (agent.instance.source)."""
-        return self.source.resume_seq(self._lowest_pending)
+        return self.source.resume_seq(self.pending.lowest)
 
     # ---- output -----------------------------------------------------------------------------------
 
@@ -874,7 +877,7 @@ class Instance:
         # A source's floor before its batches leave the outbox: taken out, they are pending
         # nowhere until link.sent, and the claim would cover them.
         own = {self.spec.instance: self.source_resume_seq()} if self.is_source else None
-        mark = self.marks.out_mark(now, self._lowest_pending()) if self.marks is not None else None
+        mark = self.marks.out_mark(now, self.pending.lowest()) if self.marks is not None else None
         self._out += self.outputs.flush(now, force or draining, own, mark)
 
     def retry_publishes(self) -> None:
@@ -889,33 +892,9 @@ class Instance:
         """Have we a link to `dest` (data sent to it, not all acked or it is still a successor)?"""
         return dest in self.outputs.links
 
-    def _lowest_pending(self) -> Optional[int]:
-        """The lowest input index not to be acked upstream yet: its outputs are not all acked by
-        the successors, or (keyed state) the state that reflects it is not saved yet."""
-        low = fwd = self.lowest_forwarding()
-        if self.keyed is not None and self.keyed.lowest_unsaved() is not None:
-            k = self.keyed.lowest_unsaved()
-            low = k if low is None else min(low, k)
-        if self.moves is not None:
-            # records held for a group on its way: acked once applied, saved and their outputs acked
-            h = self.moves.lowest_held(fwd)
-            if h is not None:
-                low = h if low is None else min(low, h)
-        return low
-
-    def _save_keyed(self) -> None:
-        """Keyed state, its input positions and the outputs not acked downstream, saved together
-        (agent.instance.keyed_state) by the shell; only after it are the inputs it reflects acked
-        upstream (`lowest_unsaved` holds them until then)."""
-        assert self.keyed is not None
-        self.keyed.prune_outputs(self.lowest_forwarding())
-        self._out.append(SaveKeyed(self.keyed))
-        if self.moves is not None:
-            self.moves.saved()
-
     def save_keyed_now(self) -> None:
         """A hand-over changed the keyed state (a group out or in): saved before what follows."""
-        self._save_keyed()
+        self._out.append(self.pending.save_keyed())
         self.mark_state_changed()
         self.persist(force=True)
 
@@ -941,13 +920,12 @@ class Instance:
         self.send_envelope(dest, Kind.PROTO, body)
 
     def lowest_forwarding(self) -> Optional[int]:
-        """The lowest input index whose outputs are not all acked by the successors yet, nor
-        recorded by a deferred sink (agent.instance.outputs)."""
-        return self.outputs.lowest_forwarding(self.sink.first())
+        """The lowest input index whose outputs are not all acked by the successors yet (agent.instance.pending)."""
+        return self.pending.lowest_forwarding()
 
     def _send_acks(self, now: float) -> None:
         """Ack inputs processed AND forwarded (PUBACKed) or recorded; coalesced (agent.instance.outputs)."""
-        self._out += self.outputs.send_acks(now, self._lowest_pending(), self.stopping)
+        self._out += self.outputs.send_acks(now, self.pending.lowest(), self.stopping)
 
     # ---- routes (called by the scaling driver) -----------------------------------------------------
 
@@ -1088,7 +1066,7 @@ class Instance:
     def _write_source_stats(self) -> None:
         if not self.is_source:
             return
-        position = self.source.position(self._lowest_pending)
+        position = self.source.position(self.pending.lowest)
         table = self.marks.channel_table() if self.marks is not None else None
         if table is not None:  # a restart waits for these channels (agent.dataplane.watermarks)
             position["channels"] = table
