@@ -47,6 +47,7 @@ from agent.dataplane.owners import TableError, groups_from_runs
 from agent.dataplane.routing import Outbox, Router
 from agent.dataplane.sticky import RouteMemory, needed
 from agent.instance.commands import Command, CrashPoint, Emit, Exit, Notify, Persist, PersistSource, RequestSpawn
+from agent.instance.controls import ControlLines
 from agent.instance.counters import new_counters
 from agent.instance.cadence import Cadence
 from agent.instance.driver import ScalingDriver
@@ -243,6 +244,9 @@ class Instance:
         # A new incarnation of ours: the predecessors whose data before their replay marker we
         # drop (agent.instance.replays, docs/reliability.md "Replays in order").
         self.replays = self.replays_class(self.stats)
+        # The agent's control lines, but a stop (agent.instance.controls).
+        self.controls = ControlLines(self.pace, operator if self.is_source else None, self.hosts, self.outputs,
+                                     self.keyed, self.moves, self.ctx)
         # The inputs not to be acked upstream yet (agent.instance.pending).
         self.pending = PendingInputs(self.outputs, self.sink, self.keyed, self.moves)
         # A batch through the operator, and the back pressure that lets it (agent.instance.processing).
@@ -579,43 +583,12 @@ class Instance:
     # ---- control lines -------------------------------------------------------------------------------
 
     def _on_control(self, ev: Control) -> None:
-        msg = ev.message
-        event = msg.get("event")
-        now = self.now
-        if event in ("stop", "eof"):
-            self.request_stop(now)
-        elif event == "spawned":
-            self._on_spawned(Spawned(str(msg.get("request")), bool(msg.get("ok")), str(msg.get("error"))))
-        elif event == "scale":
-            if self.scaling is not None:
-                self.scaling.force(str(msg.get("action")), int(msg.get("count", 1)))
-        elif event == "set":
-            if "service_time_ms" in msg:
-                self.pace.service_time = float(msg["service_time_ms"]) / 1000.0
-                log.info("service time set to %.3f ms", self.pace.service_time * 1000, extra=self.ctx)
-            if "paused" in msg and self.is_source:
-                self.operator.paused = bool(msg["paused"])
-            if "pinned" in msg and self.scaling is not None:
-                self.scaling.pinned = bool(msg["pinned"])
-            if "context" in msg and self.scaling is not None and self.scaling.live is not None:
-                if not self.scaling.live.set_context(msg["context"]):
-                    log.warning("malformed policy context ignored: %.200r", msg["context"], extra=self.ctx)
-        elif event == "hosts":
-            self._on_hosts(msg)
-        elif event == "replicated":
-            if self.keyed is not None and isinstance(msg.get("gen"), int) and isinstance(msg.get("log"), int):
-                self.keyed.replicated(msg["gen"], msg["log"])
-                if self.moves is not None:
-                    self.moves.replicated((msg["gen"], msg["log"]))
+        """A control line from the agent: a stop (or the end of our stdin) drains us; any other
+        changes the part it names (agent.instance.controls)."""
+        if ev.message.get("event") in ("stop", "eof"):
+            self.request_stop(self.now)
         else:
-            log.warning("unknown control event %r ignored", event, extra=self.ctx)
-
-    def _on_hosts(self, msg: Dict[str, Any]) -> None:
-        """The agent's instance -> node bindings (agent.node.hostmap): replaces ours; what they
-        now bind is released from the hold buffer at the next Tick (`Admission.release`)."""
-        before = self.hosts.update(msg, self.ctx)
-        if before is not None:
-            self._out += self.outputs.on_hosts(before, self.now)
+            self._out += self.controls.apply(ev.message, self.scaling, self.now)
 
     def request_stop(self, now: float) -> None:
         """Agent shutdown: stop producing, drain (bounded), exit; the session is kept."""
