@@ -238,7 +238,7 @@ def test_the_instance_parts_use_only_what_the_port_names() -> None:
     base = ROOT / "agent" / "instance"
     used = (_members_used(base / "driver.py", ("worker",)) | _members_used(base / "moves.py", ("w",))
             | _members_used(base / "adoption.py", ("w",)) | _members_used(base / "creates.py", ("worker",))
-            | _members_used(base / "scaling_events.py", ("worker",)))
+            | _members_used(base / "scaling_events.py", ("worker",)) | _members_used(base / "group_side.py", ("w",)))
     assert used - named == set(), f"members of the instance used but not in the port: {sorted(used - named)}"
     assert named - used == set(), f"the port names members no part uses: {sorted(named - used)}"
 

@@ -43,7 +43,6 @@ from agent.config import PipelineConfig
 from agent.dataplane.channel import Inbound, is_replay_marker
 from agent.dataplane.envelope import LAZY, Envelope, Item, Kind
 from agent.dataplane.flow import AckTracker
-from agent.dataplane.owners import TableError, groups_from_runs
 from agent.dataplane.routing import Outbox, Router
 from agent.dataplane.sticky import RouteMemory, needed
 from agent.instance.commands import Command, CrashPoint, Emit, Exit, Notify, Persist, PersistSource, RequestSpawn
@@ -53,6 +52,7 @@ from agent.instance.cadence import Cadence
 from agent.instance.driver import ScalingDriver
 from agent.instance import groups as keygroup_table
 from agent.instance import moves as group_moves
+from agent.instance.group_side import GroupSide
 from agent.instance.events import (
     Abort, Control, EnvelopeHanded, EnvelopeReceived, Event, PubAcked, PublishAccepted, PublishRefused, Restarted,
     SessionLost, Spawned, Started, Tick,
@@ -244,6 +244,8 @@ class Instance:
         # A new incarnation of ours: the predecessors whose data before their replay marker we
         # drop (agent.instance.replays, docs/reliability.md "Replays in order").
         self.replays = self.replays_class(self.stats)
+        # Our key groups at our edges: hand-over messages in, a Start's, a restart's (agent.instance.group_side).
+        self.group_side = GroupSide(self, self.group_routing, self.admission.refusals)
         # The agent's control lines, but a stop (agent.instance.controls).
         self.controls = ControlLines(self.pace, operator if self.is_source else None, self.hosts, self.outputs,
                                      self.keyed, self.moves, self.ctx)
@@ -335,48 +337,7 @@ class Instance:
             except ValueError as exc:
                 log.warning("%s: records replayed to us are routed afresh", exc, extra=self.ctx)
         self._begin(ev.wall, True, ev.state, ev.source_position, ev.ingest_log)
-        if self.moves is not None and isinstance(ev.state.get("moves"), dict):
-            self.moves.restore(ev.state["moves"])
-        elif self.moves is not None and "owned_groups" in self.spec.extra:
-            self._resume_groups(self.spec.extra["owned_groups"])
-        if self.keyed is not None and ev.keyed is None and self.spec.extra.get("min_epoch"):
-            # Re-homed without our keyed state (it went with our node): our groups' output
-            # counters are lost, and numbering their keys' outputs from 1 again would give ids the
-            # sink has recorded (it drops them as copies). Numbered from the wall clock in us.
-            assert self.moves is not None
-            self.keyed.floor_groups(self.moves.member.owned, int(ev.wall * 1e6))
-        if self.keyed is not None and ev.keyed is not None:
-            again = self.keyed.restore(ev.keyed)
-            self.keyed.hold_until_replicated()
-            if again:  # outputs the successors had not acked: sent again (the sink drops copies)
-                index = self.tracker.produced()
-                self.keyed.outputs = [(index, it) for it in again]
-                self.outputs.forward(list(again), index, self.now)
-        if self.moves is not None:
-            self.moves.after_restart()
-            if "moves_out" in self.spec.extra and "owned_groups" in self.spec.extra and not ev.state.get("moves"):
-                n = self.moves.resume_moves(self.spec.extra["moves_out"], self.scaling.core.preds)
-                if n:
-                    log.info("re-homed: the moves of %d key groups their new owners wait for start again", n,
-                             extra=self.ctx)
-
-    def _resume_groups(self, runs: Any) -> None:
-        """Re-homed without our state: own what our dead incarnation last said it owned."""
-        assert self.moves is not None
-        try:
-            versions = groups_from_runs(runs, self.moves.groups)
-        except TableError as exc:
-            log.warning("re-homed without a usable list of our key groups (%s): we hold the dealing", exc,
-                        extra=self.ctx)
-            return
-        try:
-            moved_on = groups_from_runs(self.spec.extra.get("moved_on") or [], self.moves.groups)
-        except TableError as exc:
-            log.warning("re-homed without a usable list of the moves our siblings have seen (%s)", exc,
-                        extra=self.ctx)
-            moved_on = {}
-        self.moves.resume_groups(versions, moved_on)
-        log.info("re-homed: resuming our %d key groups", len(versions), extra=self.ctx)
+        self.group_side.restarted(ev, self.scaling)
 
     def _begin(self, wall: float, restart: bool, saved: Dict[str, Any],
                source_position: Optional[Dict[str, Any]], ingest_log: Optional[List[Any]] = None) -> None:
@@ -650,22 +611,9 @@ class Instance:
 
     # ---- admission (docs/security.md, "Data channels") ------------------------------------------
 
-    def _take_redirect(self, sender: str, msg: Any) -> None:
-        table = self.router.table
-        before = table.version(msg.group) if table is not None else None  # group checked by decode
-        try:
-            group_moves.on_redirect(self, sender, msg)
-        except group_moves.HandoverError as exc:
-            self.handover_error(sender, str(exc))
-            return
-        if table is not None and table.version(msg.group) != before:
-            self.group_routing.took(msg.group, sender, msg.new, table.version(msg.group), self.now)
-
     def handover_error(self, sender: str, why: str) -> None:
-        """A hand-over message refused, here or in agent.instance.moves: counted once, in one place."""
-        self.stats["handover_errors"] += 1
-        if self.log_limited(sender):
-            log.warning("hand-over from %s: %s", sender[:64], why, extra=self.ctx)
+        """A hand-over message refused, here or in agent.instance.moves (agent.instance.group_side)."""
+        self.group_side.error(sender, why)
 
     def _accept(self, env: Envelope) -> None:
         before = self.inbound.stats.duplicates + self.inbound.stats.stale_epoch
@@ -781,22 +729,7 @@ class Instance:
     def _on_protocol(self, env: Envelope) -> None:
         body = env.body
         if isinstance(body, dict) and body.get("type") in group_moves.HANDOVER_TYPES:
-            self.stats["handover_in"] += 1
-            self.stats["handover_bytes_in"] += group_moves.body_size(body)
-            if body["type"] == "redirect" and self.group_routing.on:
-                try:
-                    msg, _ = group_moves.decode(env.sender, body, self.router.groups)
-                except ValueError as exc:
-                    self.handover_error(env.sender, str(exc))
-                    return
-                if self.router.table is None:  # an idle copy: its table comes with its Start
-                    self.group_routing.hold(env.sender, msg, self.router.groups)
-                    return
-                self._take_redirect(env.sender, msg)
-            elif self.moves is not None:
-                self.moves.on_message(env.sender, body)
-            else:
-                self.handover_error(env.sender, f"{body['type']} to an instance that is not keyed")
+            self.group_side.on_message(env.sender, body)  # agent.instance.group_side
             return
         if self.scaling is None:
             self.intake.protocol_ignored(env.sender)  # counted, logged once per sender (invariant 5)
@@ -875,10 +808,6 @@ class Instance:
         """Outputs of held records applied once their group was installed (agent.instance.moves)."""
         self.outputs.forward(items, index, self.now)
 
-    def log_limited(self, sender: str) -> bool:
-        """May a warning about `sender` be logged now (bounded per sender and in all)?"""
-        return self.admission.refusals.allow((sender, "handover"), self.now)
-
     def send_handover(self, dest: str, msg: Any, extra: Optional[Dict[str, Any]] = None) -> None:
         """A hand-over message (agent.instance.moves) on the numbered channel to `dest`, counted
         apart from the paper's protocol messages."""
@@ -903,12 +832,8 @@ class Instance:
     # ---- routes (called by the scaling driver) -----------------------------------------------------
 
     def start_field(self, copy: str) -> Optional[Dict[str, Any]]:
-        """The extra field of a Start we send `copy` (agent.instance.groups): our group table, and
-        a keyed instance's share of its groups for the copy (agent.instance.moves)."""
-        out = self.group_routing.start_field(self.router)
-        if self.moves is not None:
-            out = dict(out or {}, share=[list(x) for x in self.moves.share_for(copy)])
-        return out
+        """The extra field of a Start we send `copy`: our group table, our share (agent.instance.group_side)."""
+        return self.group_side.start_field(copy)
 
     def after_start(self, copy: str, preds: Any) -> None:
         """Our Start to `copy` is on its way: the moves of its share begin (docs/operators.md)."""
@@ -916,16 +841,8 @@ class Instance:
             self.moves.start_share(copy, preds)
 
     def on_start_field(self, field: Any, succs: Tuple[str, ...]) -> None:
-        """Our Start arrived (we are a copy; the Activate that follows sets `succs`): our
-        creator's group table, or (keyed) the groups it hands us, before any record."""
-        waiting = self.group_routing.from_start(self.router, field, succs, self.ctx)
-        if waiting is not None:
-            self.mark_state_changed()
-            for sender, msg in waiting:  # came before our Start (another channel): taken now
-                self._take_redirect(sender, msg)
-        if self.moves is not None and self.scaling is not None and self.scaling.core.creator:
-            self.moves.take_share(field, self.scaling.core.creator)
-            self.mark_state_changed()
+        """Our Start arrived (we are a copy): what it carries of our key groups (agent.instance.group_side)."""
+        self.group_side.on_start_field(field, succs, self.scaling)
 
     def stamp_decision(self, key: str) -> None:
         """Wall time of a step of our current scale-out on its decision record (agent.instance.driver)."""

@@ -1,5 +1,6 @@
-"""What the scaling driver and the group moves may ask of their instance: the seam between
-`agent.instance.core.Instance` and its two parts (agent.instance.driver, agent.instance.moves).
+"""What the scaling driver, the group moves and the key groups' side may ask of their instance: the
+seam between `agent.instance.core.Instance` and the parts that call back into it
+(agent.instance.driver with its parts, agent.instance.moves, agent.instance.group_side).
 
 Why a Protocol instead of the class: the parts are driven by the instance and call back into it
 (the instance's clock, its channels, its persistence), so they need its type; importing the class
