@@ -41,7 +41,7 @@ Stages (each the real function the data path runs):
     encode: body slice  envelope.data_body_bytes (a passed-on batch's body out of its bytes)
     encode: ack/proto   envelope.encode (acks)
     ack: decide         Instance._send_acks (what to ack, cumulative per sender)
-    ack: in             Instance._on_ack (a successor's ack: credit back, replay buffer freed)
+    ack: in             Delivery._ack (a successor's ack: credit back, replay buffer freed)
     sink: record        SinkSide.record (null_sink: counts ids)
     source: generate    the source operator's `poll` (taxi records made; not part of the hop)
     core: other         the rest of Instance.handle (tick, flush, tracker, publish tokens, ...)
@@ -87,6 +87,7 @@ from agent.instance import outputs as outmod
 from agent.instance import processing as procmod
 from agent.instance import sink as sinkmod
 from agent.instance.admission import Admission
+from agent.instance.delivery import Delivery
 from agent.instance.outputs import Outputs
 from agent.instance.processing import Processing
 from agent.instance.sink import SinkSide
@@ -265,7 +266,7 @@ def instrument(st: Stages) -> None:
     st.wrap(sinkmod, "data_body_bytes", "encode: body slice")
     st.wrap(outmod, "encode", "encode: ack/proto")
     st.wrap(coremod.Instance, "_send_acks", "ack: decide")
-    st.wrap(coremod.Instance, "_on_ack", "ack: in")
+    st.wrap(Delivery, "_ack", "ack: in")
     st.wrap(SinkSide, "record", "sink: record")
     st.wrap(coremod.Instance, "handle", "core: other")
     st.wrap(Worker, "step", "shell: other")

@@ -40,7 +40,7 @@ import logging
 from typing import Any, Callable, Deque, Dict, FrozenSet, List, Optional, Tuple, Type
 
 from agent.config import PipelineConfig
-from agent.dataplane.channel import Inbound, is_replay_marker
+from agent.dataplane.channel import Inbound
 from agent.dataplane.envelope import LAZY, Envelope, Item, Kind
 from agent.dataplane.flow import AckTracker
 from agent.dataplane.routing import Outbox, Router
@@ -49,6 +49,7 @@ from agent.instance.commands import Command, CrashPoint, Emit, Exit, Notify, Per
 from agent.instance.controls import ControlLines
 from agent.instance.counters import new_counters
 from agent.instance.cadence import Cadence
+from agent.instance.delivery import Delivery
 from agent.instance.driver import ScalingDriver
 from agent.instance import groups as keygroup_table
 from agent.instance import moves as group_moves
@@ -244,6 +245,9 @@ class Instance:
         # A new incarnation of ours: the predecessors whose data before their replay marker we
         # drop (agent.instance.replays, docs/reliability.md "Replays in order").
         self.replays = self.replays_class(self.stats)
+        # What an admitted envelope becomes: acks taken, the rest queued (agent.instance.delivery).
+        self.delivery = Delivery(self.inbound, self.outputs, self.router, self.replays, self.load, self.queued,
+                                 self.silence, self.stats, self.ctx)
         # Our key groups at our edges: hand-over messages in, a Start's, a restart's (agent.instance.group_side).
         self.group_side = GroupSide(self, self.group_routing, self.admission.refusals)
         # The agent's control lines, but a stop (agent.instance.controls).
@@ -616,47 +620,14 @@ class Instance:
         self.group_side.error(sender, why)
 
     def _accept(self, env: Envelope) -> None:
-        before = self.inbound.stats.duplicates + self.inbound.stats.stale_epoch
-        known = self.inbound.epoch_of(env.sender)
-        if env.epoch > (known if known is not None else 0) and (env.sender in self.outputs.links
-                                                                or env.sender in self.router.succs):
-            # The successor restarted: it may have lost what it held (agent.instance.outputs).
-            self._out += self.outputs.successor_restarted(env.sender, self.now)
-        if env.kind is Kind.ACK and tuple(env.body) == (0, 0) and self.scaling is not None:
-            self.scaling.remind_departed(env.sender)  # a re-homed copy that forgot it left
-        self.replays.seen(env, self.now)
-        # INVARIANT 1 (FIFO channel): envelopes are delivered in each sender's numbering, once.
-        for e in self.inbound.receive(env):
-            if e.kind is Kind.ACK:
-                self._on_ack(e)
-            else:
-                if e.kind is Kind.DATA:
-                    if is_replay_marker(e):  # its replay follows
-                        self.replays.marker(e.sender)
-                        continue
-                    if self.replays and self.replays.drops(e, self.now):
-                        continue  # its replay brings it again, in order
-                    self.load.arrived(len(e.body))
-                elif self.replays and self.replays.eos_early(e):
-                    continue  # an Eos ahead of its predecessor's replay marker: sent again behind it
-                self.queued.put(e)
-        dropped = self.inbound.stats.duplicates + self.inbound.stats.stale_epoch - before
-        self.stats["duplicate_envelopes"] += dropped
-        if dropped and env.kind is Kind.DATA and env.epoch < (self.inbound.epoch_of(env.sender) or 0):
-            # Safe only because the sender's predecessors or source still hold what it carried
-            # (acks are end to end); rare enough to say so once per occurrence.
-            log.warning("data batch %d of %s's old epoch %d dropped (now epoch %s)", env.seq, env.sender,
-                        env.epoch, self.inbound.epoch_of(env.sender), extra=self.ctx)
+        """An admitted envelope delivered in its sender's order: acks taken, the rest queued (agent.instance.delivery)."""
+        self.delivery.accept(env, self.scaling, self.epoch, self.now, self._out)
 
     def forget_sender(self, sender: str) -> None:
         """Drop every per-sender entry of an instance admitted only provisionally (an unanswered
-        probe): channel position, numbering, an empty queue."""
-        if not self.queued.forget(sender):
-            return  # something of it still waits to be handled: keep it
-        self.inbound.forget(sender)
-        self.outputs.outbound.forget(sender)
-        self.silence.forget(sender)
-        self.mark_state_changed()
+        probe), unless something of it still waits to be handled (agent.instance.delivery)."""
+        if self.delivery.forget(sender):
+            self.mark_state_changed()
 
     def _check_silence(self, now: float) -> None:
         """Messages that will never come (they were lost, or taken by another process with our
@@ -703,16 +674,6 @@ class Instance:
                 self.send_envelope(pred, Kind.ACK, [0, 0])
             self.scaling.resync(self.now)
         self._out += self.outputs.replay_all(self.now)
-
-    def _on_ack(self, env: Envelope) -> None:
-        self.stats["acks_in"] += 1
-        epoch, upto = env.body
-        if self.scaling is not None and list(env.body) == [0, 0] and self.scaling.on_idle_ping(env.sender):
-            return  # an idle copy asks for its Start
-        if epoch != self.epoch:
-            self.stats["stale_acks"] += 1  # for a dead incarnation
-            return
-        self.outputs.on_ack(env.sender, upto, self.now)
 
     def _process(self, now: float) -> None:
         """The queued envelopes, round-robin over senders, each sender strictly in order (three

@@ -1,0 +1,101 @@
+"""What becomes of an envelope the admission let in (agent.instance.admission): delivered in its
+sender's numbering, once (INVARIANT 1: agent.dataplane.channel), an ack taken by the outputs, a
+replay marker or what its replay brings again dropped (agent.instance.replays), the rest queued
+for its turn (agent.instance.queues); and a sender admitted only provisionally forgotten.
+
+Rules of this file: `Delivery` owns no state and holds no reference to the instance; it is handed
+the parts an envelope goes through at construction, and per call the scaling driver (None before
+the start), our epoch, the time `now` and the instance's list of commands, which it extends in
+order with what the driver appends to it (a successor's restart first). No I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, List
+
+from agent.dataplane.channel import Inbound, is_replay_marker
+from agent.dataplane.envelope import Envelope, Kind
+from agent.dataplane.routing import Router
+from agent.instance.commands import Command
+from agent.instance.load import Load
+from agent.instance.outputs import Outputs
+from agent.instance.queues import SenderQueues
+from agent.instance.replays import ReplayWait
+from agent.instance.silence import Silence
+
+__all__ = ["Delivery"]
+
+log = logging.getLogger("agent.instance.worker")
+
+
+class Delivery:
+    def __init__(self, inbound: Inbound, outputs: Outputs, router: Router, replays: ReplayWait, load: Load,
+                 queued: SenderQueues, silence: Silence, stats: Dict[str, int], ctx: Dict[str, Any]) -> None:
+        self.inbound = inbound
+        self.outputs = outputs
+        self.router = router
+        self.replays = replays
+        self.load = load
+        self.queued = queued
+        self.silence = silence
+        self.stats = stats
+        self.ctx = ctx
+
+    def accept(self, env: Envelope, scaling: Any, epoch: int, now: float, out: List[Command]) -> None:
+        """`env`, admitted: what it delivers in its sender's order taken (acks) or queued."""
+        inbound = self.inbound
+        before = inbound.stats.duplicates + inbound.stats.stale_epoch
+        known = inbound.epoch_of(env.sender)
+        if env.epoch > (known if known is not None else 0) and (env.sender in self.outputs.links
+                                                                or env.sender in self.router.succs):
+            # The successor restarted: it may have lost what it held (agent.instance.outputs).
+            out += self.outputs.successor_restarted(env.sender, now)
+        if env.kind is Kind.ACK and tuple(env.body) == (0, 0) and scaling is not None:
+            scaling.remind_departed(env.sender)  # a re-homed copy that forgot it left
+        replays = self.replays
+        replays.seen(env, now)
+        # INVARIANT 1 (FIFO channel): envelopes are delivered in each sender's numbering, once.
+        for e in inbound.receive(env):
+            if e.kind is Kind.ACK:
+                self._ack(e, scaling, epoch, now)
+            else:
+                if e.kind is Kind.DATA:
+                    if is_replay_marker(e):  # its replay follows
+                        replays.marker(e.sender)
+                        continue
+                    if replays and replays.drops(e, now):
+                        continue  # its replay brings it again, in order
+                    self.load.arrived(len(e.body))
+                elif replays and replays.eos_early(e):
+                    continue  # an Eos ahead of its predecessor's replay marker: sent again behind it
+                self.queued.put(e)
+        dropped = inbound.stats.duplicates + inbound.stats.stale_epoch - before
+        self.stats["duplicate_envelopes"] += dropped
+        if dropped and env.kind is Kind.DATA and env.epoch < (inbound.epoch_of(env.sender) or 0):
+            # Safe only because the sender's predecessors or source still hold what it carried
+            # (acks are end to end); rare enough to say so once per occurrence.
+            log.warning("data batch %d of %s's old epoch %d dropped (now epoch %s)", env.seq, env.sender,
+                        env.epoch, inbound.epoch_of(env.sender), extra=self.ctx)
+
+    def _ack(self, env: Envelope, scaling: Any, epoch: int, now: float) -> None:
+        """A successor's ack of our data up to its number, in our current epoch (agent.instance.outputs)."""
+        self.stats["acks_in"] += 1
+        acked_epoch, upto = env.body
+        if scaling is not None and list(env.body) == [0, 0] and scaling.on_idle_ping(env.sender):
+            return  # an idle copy asks for its Start
+        if acked_epoch != epoch:
+            self.stats["stale_acks"] += 1  # for a dead incarnation
+            return
+        self.outputs.on_ack(env.sender, upto, now)
+
+    def forget(self, sender: str) -> bool:
+        """Drop every per-sender entry of an instance admitted only provisionally (an unanswered
+        probe): channel position, numbering, an empty queue. False: something of it still waits
+        to be handled, and all is kept."""
+        if not self.queued.forget(sender):
+            return False
+        self.inbound.forget(sender)
+        self.outputs.outbound.forget(sender)
+        self.silence.forget(sender)
+        return True
