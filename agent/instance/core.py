@@ -45,7 +45,7 @@ from agent.dataplane.envelope import LAZY, Envelope, Item, Kind
 from agent.dataplane.flow import AckTracker
 from agent.dataplane.routing import Outbox, Router
 from agent.dataplane.sticky import RouteMemory, needed
-from agent.instance.commands import Command, CrashPoint, Emit, Exit, Notify, Persist, PersistSource, RequestSpawn
+from agent.instance.commands import Command, CrashPoint, Emit, Exit, Notify, Persist, RequestSpawn
 from agent.instance.controls import ControlLines
 from agent.instance.counters import new_counters
 from agent.instance.cadence import Cadence
@@ -256,7 +256,7 @@ class Instance:
         # The inputs not to be acked upstream yet (agent.instance.pending).
         self.pending = PendingInputs(self.outputs, self.sink, self.keyed, self.moves)
         # A batch through the operator, and the back pressure that lets it (agent.instance.processing).
-        self.processing = Processing(spec.instance, operator, is_sink=self.is_sink, keyed=self.keyed,
+        self.processing = Processing(spec.instance, operator, source=self.source, is_sink=self.is_sink, keyed=self.keyed,
                                      moves=self.moves, marks=self.marks, router=self.router, outbox=self.outbox,
                                      high_water=self.high_water, outputs=self.outputs, tracker=self.tracker,
                                      load=self.load, pace=self.pace, sink=self.sink, stats=self.stats, ctx=self.ctx)
@@ -520,7 +520,7 @@ class Instance:
             deadlines.append(self.outputs.ack_since + ACK_DELAY)
         if self.sink.waiting:
             deadlines.append(now + SINK_SETTLE_POLL)  # the shipper (another process) cannot wake us
-        if self.is_source and self._can_produce():
+        if self.is_source and self.processing.may_poll(self.stopping, self.scaling):
             deadlines.append(self.operator.next_due(now))
         return max(0.0, min(deadlines) - now)
 
@@ -700,34 +700,10 @@ class Instance:
 
     # ---- source -----------------------------------------------------------------------------------
 
-    def _can_produce(self) -> bool:
-        """A source may poll: not stopping, room in the outbox, successors to send to, data
-        enabled (an idle copy: not before its Start), and the operator not paused."""
-        return (
-            not self.stopping
-            and self.source.can_produce()
-            and self.outbox.pending < self.high_water
-            and bool(self.router.succs)
-            and (self.scaling is None or self.scaling.data_enabled)
-        )
-
     def _produce(self, now: float) -> None:
-        if not self._can_produce():
-            return
-        budget = self.high_water - self.outbox.pending
-        if self.source.reserve(now, budget):
-            self._write_source_stats()  # the reservation on disk before the records it covers
-        items = self.operator.poll(now, budget)
-        if items:
-            self.load.produced(len(items))
-            self.stats["records_in"] += len(items)
-            index = self.tracker.produced()
-            self.source.polled(index, items[0][1])
-            if self.marks is not None and self.marks.source is not None:
-                self.marks.observe(items, index, now)
-            self.outputs.forward(items, index, now)
-            if self.source.sensor:
-                self._out += self.source.take_log(self.pending.lowest)
+        """A source's poll, when it may (agent.instance.processing)."""
+        if self.processing.may_poll(self.stopping, self.scaling):
+            self._out += self.processing.poll(now, self.pending.lowest)
 
     def source_resume_seq(self) -> int:
         """The first record seq a restarted source must generate again (agent.instance.source)."""
@@ -915,13 +891,9 @@ class Instance:
             self._write_source_stats()
 
     def _write_source_stats(self) -> None:
-        if not self.is_source:
-            return
-        position = self.source.position(self.pending.lowest)
-        table = self.marks.channel_table() if self.marks is not None else None
-        if table is not None:  # a restart waits for these channels (agent.dataplane.watermarks)
-            position["channels"] = table
-        self._out.append(PersistSource(position))
+        """A source's position and its watermark channels, to its own file (agent.instance.source)."""
+        if self.is_source:
+            self._out.append(self.source.persisted(self.pending.lowest, self.marks))
 
     def persisted_state(self) -> Dict[str, Any]:
         """What a restart needs: epoch, channel positions, the scaling driver's state."""

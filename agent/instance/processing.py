@@ -1,12 +1,14 @@
-"""A data batch through the operator: its records applied (a keyed operator's with their state, a
-map's with its failures isolated, passed on whole when unchanged) or recorded at a sink, and the
-back pressure that decides whether the next batch may be taken now (docs/runtime.md, "Instance").
+"""Records through the operator: a source's poll, and a data batch's records applied (a keyed
+operator's with their state, a map's with its failures isolated, passed on whole when unchanged)
+or recorded at a sink; and the back pressure that decides whether the next poll or batch may be
+taken now (docs/runtime.md, "Instance").
 
 Rules of this file: `Processing` owns the wall time of the first record it processed and holds no
 reference to the instance; it is given the operator and the parts it hands records to or counts
-in (keyed state, group moves, watermarks, router, outputs, ack tracker, load, pace, the sink's
-recording, stats) at construction, and per call the time `now`, the wall clock and the scaling
-driver (read only: whether data may flow yet). Calls that ask the shell for something return
+in (a source's numbering, keyed state, group moves, watermarks, router, outputs, ack tracker,
+load, pace, the sink's recording, stats) at construction, and per call the time `now`, the wall
+clock, the scaling driver (read only: whether data may flow yet) and the instance's lowest
+pending input as a function (a source's position reads it). Calls that ask the shell for something return
 their commands. No I/O, no clock, no random.
 """
 
@@ -26,6 +28,7 @@ from agent.instance.moves import GroupMoves
 from agent.instance.outputs import Outputs
 from agent.instance.pace import Pace
 from agent.instance.sink import SinkSide
+from agent.instance.source import Lowest, Source
 
 __all__ = ["Processing"]
 
@@ -37,12 +40,14 @@ class Processing:
     may hold before we stop reading (the successors' credit is the back pressure); `is_sink`: the
     records are recorded, not applied; `keyed`, `moves`, `marks`: None where there are none."""
 
-    def __init__(self, me: str, operator: Any, *, is_sink: bool, keyed: Optional[KeyedState], moves: Optional[GroupMoves],
+    def __init__(self, me: str, operator: Any, *, source: Source, is_sink: bool, keyed: Optional[KeyedState],
+                 moves: Optional[GroupMoves],
                  marks: Optional[Marks], router: Router, outbox: Outbox, high_water: int, outputs: Outputs,
                  tracker: AckTracker, load: Load, pace: Pace, sink: SinkSide, stats: Dict[str, int],
                  ctx: Dict[str, Any]) -> None:
         self.me = me
         self.operator = operator
+        self.source = source
         self.is_sink = is_sink
         self.keyed = keyed
         self.moves = moves
@@ -84,6 +89,40 @@ class Processing:
             self.stats["credit_stalls"] += 1
             return True  # back pressure: successors have no credit, stop reading
         return False
+
+    # ---- a source's poll -----------------------------------------------------------------------
+
+    def may_poll(self, stopping: bool, scaling: Any) -> bool:
+        """A source may poll: not stopping, room in the outbox, successors to send to, data
+        enabled (an idle copy: not before its Start), and the operator not paused."""
+        return (
+            not stopping
+            and self.source.can_produce()
+            and self.outbox.pending < self.high_water
+            and bool(self.router.succs)
+            and (scaling is None or scaling.data_enabled)
+        )
+
+    def poll(self, now: float, low: Lowest) -> List[Command]:
+        """The source operator polled for what the outbox has room for, as one input of the ack
+        tracker; its position written first when the poll may pass its reservation."""
+        out: List[Command] = []
+        budget = self.high_water - self.outbox.pending
+        if self.source.reserve(now, budget):
+            # the reservation on disk before the records it covers
+            out.append(self.source.persisted(low, self.marks))
+        items = self.operator.poll(now, budget)
+        if items:
+            self.load.produced(len(items))
+            self.stats["records_in"] += len(items)
+            index = self.tracker.produced()
+            self.source.polled(index, items[0][1])
+            if self.marks is not None and self.marks.source is not None:
+                self.marks.observe(items, index, now)
+            self.outputs.forward(items, index, now)
+            if self.source.sensor:
+                out += self.source.take_log(low)
+        return out
 
     # ---- a batch -------------------------------------------------------------------------------
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from agent.instance.commands import AckIngest, Command, LogIngest
+from agent.instance.commands import AckIngest, Command, LogIngest, PersistSource
 from agent.instance.events import EnvelopeReceived
+from agent.instance.marks import Marks
 from agent.operators.sources import Source as SourceOperator
 from agent.operators.sources import SourceCaps, SourceState, source_caps, with_state
 
@@ -166,6 +167,15 @@ class Source:
         resume, the reservation and the rate profile's start."""
         return {"instance": self.me, **self.operator.stats(), "resume_from": self.resume_seq(low),
                 "reserved": self.reserved, "profile_started_at": self.started_at}
+
+    def persisted(self, low: Lowest, marks: Optional[Marks]) -> PersistSource:
+        """`position` written, with the table of the source's watermark channels a restart waits
+        for (agent.dataplane.watermarks), if its `marks` keep one."""
+        position = self.position(low)
+        table = marks.channel_table() if marks is not None else None
+        if table is not None:
+            position["channels"] = table
+        return PersistSource(position)
 
     def write_due(self, now: float) -> bool:
         """With the heartbeat, the position is written at most every 2 s (a rename costs ~5-20 ms here)."""
