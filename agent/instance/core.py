@@ -59,6 +59,7 @@ from agent.instance.events import (
     SessionLost, Spawned, Started, Tick,
 )
 from agent.instance.admission import Admission
+from agent.instance.heartbeat import HeartbeatStats
 from agent.instance.hosts import Hosts
 from agent.instance.intake import Intake
 from agent.instance.keyed_state import KeyedState
@@ -260,6 +261,12 @@ class Instance:
                                      moves=self.moves, marks=self.marks, router=self.router, outbox=self.outbox,
                                      high_water=self.high_water, outputs=self.outputs, tracker=self.tracker,
                                      load=self.load, pace=self.pace, sink=self.sink, stats=self.stats, ctx=self.ctx)
+        # What our heartbeat reports, read from the parts (agent.instance.heartbeat).
+        self.heartbeat = HeartbeatStats(self.stats, spec.instance, spec.operator, operator=operator, load=self.load,
+                                        router=self.router, outbox=self.outbox, outputs=self.outputs,
+                                        queued=self.queued, inbound=self.inbound, admission=self.admission,
+                                        pace=self.pace, processing=self.processing, keyed=self.keyed,
+                                        moves=self.moves, group_routing=self.group_routing)
         self.activated_at: Optional[float] = None  # wall time of our Start (rescale breakdown)
 
     # ---- the one entry point ------------------------------------------------------------------------
@@ -845,44 +852,8 @@ class Instance:
     # ---- heartbeat, persistence ---------------------------------------------------------------------
 
     def snapshot_stats(self) -> Dict[str, Any]:
-        """The heartbeat's stats (the shell adds its transport's: paho_out, connected)."""
-        s: Dict[str, Any] = dict(self.stats)
-        s.update(
-            instance=self.spec.instance,
-            operator=self.spec.operator,
-            load=round(self.load.last, 1),
-            succs=list(self.router.succs),
-            inflight={d: link.inflight for d, link in self.outputs.links.items()},
-            outbox=self.outbox.pending,
-            queued=self.queued.count(),
-            gaps_skipped=self.inbound.gaps_skipped,
-            inbound_senders=self.inbound.senders(),
-            held=self.admission.hold.count,
-            reorder_waiting=self.inbound.waiting_total(),
-            gaps=self.inbound.gaps(),
-            unpubacked=self.outputs.unpubacked(),
-            unrouted=sum(len(q) for q in self.outputs.unrouted.values()),
-            routes_remembered=len(self.outputs.routes),
-            records_pinned=self.outputs.routes.pinned,
-            service_time_ms=self.pace.service_time * 1000,
-            live_capacity=round(self.load.capacity.value, 2),
-            online_service_time_ms=(round(self.load.capacity.service_time * 1000, 4)
-                                    if self.load.capacity.service_time else None),
-            signals=self.load.last_signals.to_stats() if self.load.last_signals is not None else None,
-            first_record_at=self.processing.first_record_at,
-            activated_at=self.activated_at,
-            at=self.wall(),
-        )
-        s.update(self.operator.stats())
-        if self.keyed is not None:
-            s.update(self.keyed.stats())
-        if self.moves is not None:
-            s.update(self.moves.stats())
-        if self.group_routing.on:
-            s["redirected"] = self.group_routing.redirected(self.now)
-        if self.scaling is not None:
-            s.update(self.scaling.stats())
-        return s
+        """The heartbeat's stats (agent.instance.heartbeat; the shell adds its transport's)."""
+        return self.heartbeat.snapshot(self.scaling, self.activated_at, self.wall(), self.now)
 
     def _heartbeat(self, now: float) -> None:
         self.cadence.beat(now)
