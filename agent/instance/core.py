@@ -69,7 +69,7 @@ from agent.instance.lifecycle import (
 )
 from agent.instance.load import Load, no_clock
 from agent.instance.marks import Marks
-from agent.instance.outputs import ACK_DELAY, Outputs
+from agent.instance.outputs import Outputs
 from agent.instance.pace import Pace
 from agent.instance.pending import PendingInputs
 from agent.instance.processing import Processing
@@ -88,7 +88,6 @@ __all__ = ["Instance", "Phase", "EXIT_OK", "EXIT_CRASH", "EXIT_BAD_SPEC", "EXIT_
 log = logging.getLogger("agent.instance.worker")
 
 MAX_POLL = 0.05  # longest wait the instance asks for (the shell sees control lines within this)
-SINK_SETTLE_POLL = 0.05  # a sink whose spool is at its cap checks this often whether shipping freed it
 
 # The seeded faults of this class, of the watermarks, of the admission, one of the moves
 # (`no_redirect_resend`), one of the scaling driver (`ack_behind_drain`), those of the wait for
@@ -257,10 +256,11 @@ class Instance:
         # The inputs not to be acked upstream yet (agent.instance.pending).
         self.pending = PendingInputs(self.outputs, self.sink, self.keyed, self.moves)
         # A batch through the operator, and the back pressure that lets it (agent.instance.processing).
-        self.processing = Processing(spec.instance, operator, source=self.source, is_sink=self.is_sink, keyed=self.keyed,
-                                     moves=self.moves, marks=self.marks, router=self.router, outbox=self.outbox,
-                                     high_water=self.high_water, outputs=self.outputs, tracker=self.tracker,
-                                     load=self.load, pace=self.pace, sink=self.sink, stats=self.stats, ctx=self.ctx)
+        self.processing = Processing(spec.instance, operator, source=self.source, is_source=self.is_source,
+                                     is_sink=self.is_sink, keyed=self.keyed, moves=self.moves, marks=self.marks,
+                                     router=self.router, outbox=self.outbox, high_water=self.high_water,
+                                     outputs=self.outputs, tracker=self.tracker, load=self.load, pace=self.pace,
+                                     sink=self.sink, stats=self.stats, ctx=self.ctx)
         # What our heartbeat reports, read from the parts (agent.instance.heartbeat).
         self.heartbeat = HeartbeatStats(self.stats, spec.instance, spec.operator, operator=operator, load=self.load,
                                         router=self.router, outbox=self.outbox, outputs=self.outputs,
@@ -517,18 +517,8 @@ class Instance:
             return 0.0
         if self.moves is not None and (self.moves.queue or self.moves.inbox):
             return 0.0  # groups to hand out or chunks to take in, a few per turn
-        deadlines = [now + MAX_POLL, self.cadence.next_beat()]
-        d = self.outbox.next_deadline()
-        if d is not None and any(self.outputs.credit(s) > 0 for s in self.router.succs):
-            deadlines.append(d)  # without credit only an ack (socket readable) can help: no spin
-        if self.pace.busy_until > now:
-            deadlines.append(self.pace.busy_until)
-        if self.outputs.ack_since is not None:
-            deadlines.append(self.outputs.ack_since + ACK_DELAY)
-        if self.sink.waiting:
-            deadlines.append(now + SINK_SETTLE_POLL)  # the shipper (another process) cannot wake us
-        if self.is_source and self.processing.may_poll(self.stopping, self.scaling):
-            deadlines.append(self.operator.next_due(now))
+        deadlines = [now + MAX_POLL, self.cadence.next_beat()] + self.processing.deadlines(now, self.stopping,
+                                                                                           self.scaling)
         return max(0.0, min(deadlines) - now)
 
     # ---- publish feedback, session, spawn ----------------------------------------------------------
@@ -839,14 +829,7 @@ class Instance:
     def drained(self) -> bool:
         """Every data batch received is processed, forwarded, acked by the successors, and acked
         upstream (queued protocol messages do not count: they may wait behind the drain)."""
-        return (
-            not self.queued.data_waiting()
-            and self.outbox.pending == 0
-            and self.outputs.settled()
-            and self.tracker.waiting() == 0
-            and not self.sink.waiting
-            and (self.moves is None or not self.moves.member.busy())  # a key group half moved stays
-        )
+        return not self.queued.data_waiting() and self.processing.drained()
 
 
     # ---- heartbeat, persistence ---------------------------------------------------------------------

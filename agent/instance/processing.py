@@ -25,9 +25,9 @@ from agent.instance.keyed_state import KeyedState
 from agent.instance.load import Load
 from agent.instance.marks import Marks
 from agent.instance.moves import GroupMoves
-from agent.instance.outputs import Outputs
+from agent.instance.outputs import ACK_DELAY, Outputs
 from agent.instance.pace import Pace
-from agent.instance.sink import SinkSide
+from agent.instance.sink import SINK_SETTLE_POLL, SinkSide
 from agent.instance.source import Lowest, Source
 
 __all__ = ["Processing"]
@@ -40,7 +40,8 @@ class Processing:
     may hold before we stop reading (the successors' credit is the back pressure); `is_sink`: the
     records are recorded, not applied; `keyed`, `moves`, `marks`: None where there are none."""
 
-    def __init__(self, me: str, operator: Any, *, source: Source, is_sink: bool, keyed: Optional[KeyedState],
+    def __init__(self, me: str, operator: Any, *, source: Source, is_source: bool, is_sink: bool,
+                 keyed: Optional[KeyedState],
                  moves: Optional[GroupMoves],
                  marks: Optional[Marks], router: Router, outbox: Outbox, high_water: int, outputs: Outputs,
                  tracker: AckTracker, load: Load, pace: Pace, sink: SinkSide, stats: Dict[str, int],
@@ -48,6 +49,7 @@ class Processing:
         self.me = me
         self.operator = operator
         self.source = source
+        self.is_source = is_source
         self.is_sink = is_sink
         self.keyed = keyed
         self.moves = moves
@@ -89,6 +91,35 @@ class Processing:
             self.stats["credit_stalls"] += 1
             return True  # back pressure: successors have no credit, stop reading
         return False
+
+    def deadlines(self, now: float, stopping: bool, scaling: Any) -> List[float]:
+        """When the data path has something to do without a new message (the shell's poll
+        timeout): a batch's linger, the emulated service time, the acks upstream held back, a
+        full spool's release, a source's next poll."""
+        out: List[float] = []
+        d = self.outbox.next_deadline()
+        if d is not None and any(self.outputs.credit(s) > 0 for s in self.router.succs):
+            out.append(d)  # without credit only an ack (socket readable) can help: no spin
+        if self.pace.busy_until > now:
+            out.append(self.pace.busy_until)
+        if self.outputs.ack_since is not None:
+            out.append(self.outputs.ack_since + ACK_DELAY)
+        if self.sink.waiting:
+            out.append(now + SINK_SETTLE_POLL)  # the shipper (another process) cannot wake us
+        if self.is_source and self.may_poll(stopping, scaling):
+            out.append(self.operator.next_due(now))
+        return out
+
+    def drained(self) -> bool:
+        """Every data batch taken is processed, forwarded, acked by the successors, and acked
+        upstream (the queues are the caller's to ask)."""
+        return (
+            self.outbox.pending == 0
+            and self.outputs.settled()
+            and self.tracker.waiting() == 0
+            and not self.sink.waiting
+            and (self.moves is None or not self.moves.member.busy())  # a key group half moved stays
+        )
 
     # ---- a source's poll -----------------------------------------------------------------------
 

@@ -23,10 +23,11 @@ from agent.instance.commands import Command, Notify
 from agent.instance.outputs import RAW_TOPIC, Outputs
 from agent.operators.builtin import SinkOperator
 
-__all__ = ["SinkSide"]
+__all__ = ["SinkSide", "SINK_SETTLE_POLL"]
 
 log = logging.getLogger("agent.instance.worker")
 
+SINK_SETTLE_POLL = 0.05  # a sink whose spool is at its cap checks this often whether shipping freed it
 # the spool's events and the event type each is published as
 SPOOL_EVENTS = {"spool_full": "spool_full", "spool_resumed": "spool_resumed", "recovered": "spool_recovered"}
 
