@@ -81,7 +81,6 @@ from agent.instance.source import Source
 from agent.instance.spec import InstanceSpec
 from agent.operators.builtin import SinkOperator
 from agent.operators.keyed import KeyedOperator, keyed_config_problems
-from agent.protocol.errors import LocalProtocolError
 
 __all__ = ["Instance", "Phase", "EXIT_OK", "EXIT_CRASH", "EXIT_BAD_SPEC", "EXIT_BROKER", "EXIT_DRAIN_TIMEOUT"]
 
@@ -245,9 +244,11 @@ class Instance:
         # A new incarnation of ours: the predecessors whose data before their replay marker we
         # drop (agent.instance.replays, docs/reliability.md "Replays in order").
         self.replays = self.replays_class(self.stats)
-        # What an admitted envelope becomes: acks taken, the rest queued (agent.instance.delivery).
-        self.delivery = Delivery(self.inbound, self.outputs, self.router, self.replays, self.load, self.queued,
-                                 self.silence, self.stats, self.ctx)
+        # The way in: read, admitted, delivered in order, acks taken, the rest queued (agent.instance.delivery).
+        self.delivery = Delivery(spec.instance, spec.node, intake=self.intake, source=self.source,
+                                 admission=self.admission, inbound=self.inbound, outputs=self.outputs,
+                                 router=self.router, replays=self.replays, load=self.load, queued=self.queued,
+                                 silence=self.silence, stats=self.stats, ctx=self.ctx)
         # Our key groups at our edges: hand-over messages in, a Start's, a restart's (agent.instance.group_side).
         self.group_side = GroupSide(self, self.group_routing, self.admission.refusals)
         # The agent's control lines, but a stop (agent.instance.controls).
@@ -436,7 +437,7 @@ class Instance:
 
     def _turn_release_held(self, now: float) -> None:
         if self.admission.hold:
-            self.admission.release(now, self.scaling, self.epoch, self.wall(), self.intake.records, self._accept)
+            self.delivery.release_held(self.scaling, self.epoch, self.wall(), now, self._out)
 
     def _turn_resend_moved(self, now: float) -> None:
         if self.outputs.moved:
@@ -585,40 +586,18 @@ class Instance:
     # ---- inbox ----------------------------------------------------------------------------------------
 
     def _on_envelope(self, ev: EnvelopeReceived) -> None:
-        writer = self.intake.writer(ev.topic)
-        if writer is None and self.intake.foreign(ev.topic):
-            return  # our inbox on a node we no longer run on (counted)
-        if writer is None:
-            self._out += self.source.ingest(ev)
-            return
-        env = self.intake.decode(ev.payload, self.now)
-        if env is None:
-            return  # INVARIANT 5 (nothing dropped silently): counted, logged, skipped
-        if self.admission.screen(env, ev.payload, writer, self.scaling, self.epoch, self.wall(), self.now):
-            self._accept(env)
+        """A message on one of our topics: read, admitted, delivered (agent.instance.delivery)."""
+        self.delivery.received(ev, self.scaling, self.epoch, self.wall(), self.now, self._out)
 
     def _on_handed(self, ev: EnvelopeHanded) -> None:
-        """A chained predecessor's envelope (docs/runtime.md, "Chaining"): as `_on_envelope`
-        without the bytes. Written by our own node (same process); admitted by the same rules,
-        so a sender our tables do not know is held or refused exactly as over MQTT."""
-        env = ev.envelope
-        if not isinstance(env, Envelope):
-            raise LocalProtocolError(f"{self.spec.instance}: EnvelopeHanded without an Envelope: {env!r:.80}")
-        writer = self.spec.node
-        if env.kind is Kind.DATA:
-            self.stats["handed_in"] += 1
-        if self.admission.screen(env, None, writer, self.scaling, self.epoch, self.wall(), self.now):
-            self._accept(env)
+        """A chained predecessor's envelope (docs/runtime.md, "Chaining"), as over MQTT but its bytes."""
+        self.delivery.handed(ev, self.scaling, self.epoch, self.wall(), self.now, self._out)
 
     # ---- admission (docs/security.md, "Data channels") ------------------------------------------
 
     def handover_error(self, sender: str, why: str) -> None:
         """A hand-over message refused, here or in agent.instance.moves (agent.instance.group_side)."""
         self.group_side.error(sender, why)
-
-    def _accept(self, env: Envelope) -> None:
-        """An admitted envelope delivered in its sender's order: acks taken, the rest queued (agent.instance.delivery)."""
-        self.delivery.accept(env, self.scaling, self.epoch, self.now, self._out)
 
     def forget_sender(self, sender: str) -> None:
         """Drop every per-sender entry of an instance admitted only provisionally (an unanswered

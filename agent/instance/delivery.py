@@ -1,12 +1,14 @@
-"""What becomes of an envelope the admission let in (agent.instance.admission): delivered in its
-sender's numbering, once (INVARIANT 1: agent.dataplane.channel), an ack taken by the outputs, a
-replay marker or what its replay brings again dropped (agent.instance.replays), the rest queued
-for its turn (agent.instance.queues); and a sender admitted only provisionally forgotten.
+"""The way in of an envelope, from our inbox or from a chained predecessor: read and decoded
+(agent.instance.intake; a source's ingest topic to the source), admitted or held
+(agent.instance.admission), then delivered in its sender's numbering, once (INVARIANT 1:
+agent.dataplane.channel): an ack taken by the outputs, a replay marker or what its replay brings
+again dropped (agent.instance.replays), the rest queued for its turn (agent.instance.queues); and
+a sender admitted only provisionally forgotten.
 
 Rules of this file: `Delivery` owns no state and holds no reference to the instance; it is handed
 the parts an envelope goes through at construction, and per call the scaling driver (None before
-the start), our epoch, the time `now` and the instance's list of commands, which it extends in
-order with what the driver appends to it (a successor's restart first). No I/O, no clock.
+the start), our epoch, the clocks and the instance's list of commands, which it extends in order
+with what the driver appends to it meanwhile (a successor's restart first). No I/O, no clock.
 """
 
 from __future__ import annotations
@@ -17,12 +19,17 @@ from typing import Any, Dict, List
 from agent.dataplane.channel import Inbound, is_replay_marker
 from agent.dataplane.envelope import Envelope, Kind
 from agent.dataplane.routing import Router
+from agent.instance.admission import Admission
 from agent.instance.commands import Command
+from agent.instance.events import EnvelopeHanded, EnvelopeReceived
+from agent.instance.intake import Intake
 from agent.instance.load import Load
 from agent.instance.outputs import Outputs
 from agent.instance.queues import SenderQueues
 from agent.instance.replays import ReplayWait
 from agent.instance.silence import Silence
+from agent.instance.source import Source
+from agent.protocol.errors import LocalProtocolError
 
 __all__ = ["Delivery"]
 
@@ -30,8 +37,16 @@ log = logging.getLogger("agent.instance.worker")
 
 
 class Delivery:
-    def __init__(self, inbound: Inbound, outputs: Outputs, router: Router, replays: ReplayWait, load: Load,
+    """The way in of instance `me` on node `node`."""
+
+    def __init__(self, me: str, node: str, *, intake: Intake, source: Source, admission: Admission,
+                 inbound: Inbound, outputs: Outputs, router: Router, replays: ReplayWait, load: Load,
                  queued: SenderQueues, silence: Silence, stats: Dict[str, int], ctx: Dict[str, Any]) -> None:
+        self.me = me
+        self.node = node
+        self.intake = intake
+        self.source = source
+        self.admission = admission
         self.inbound = inbound
         self.outputs = outputs
         self.router = router
@@ -41,6 +56,40 @@ class Delivery:
         self.silence = silence
         self.stats = stats
         self.ctx = ctx
+
+    def received(self, ev: EnvelopeReceived, scaling: Any, epoch: int, wall: float, now: float,
+                 out: List[Command]) -> None:
+        """A message on one of our topics: an envelope in our inbox, or a source's ingest."""
+        writer = self.intake.writer(ev.topic)
+        if writer is None and self.intake.foreign(ev.topic):
+            return  # our inbox on a node we no longer run on (counted)
+        if writer is None:
+            out += self.source.ingest(ev)
+            return
+        env = self.intake.decode(ev.payload, now)
+        if env is None:
+            return  # INVARIANT 5 (nothing dropped silently): counted, logged, skipped
+        if self.admission.screen(env, ev.payload, writer, scaling, epoch, wall, now):
+            self.accept(env, scaling, epoch, now, out)
+
+    def handed(self, ev: EnvelopeHanded, scaling: Any, epoch: int, wall: float, now: float,
+               out: List[Command]) -> None:
+        """A chained predecessor's envelope (docs/runtime.md, "Chaining"): as `received` without
+        the bytes. Written by our own node (same process); admitted by the same rules, so a
+        sender our tables do not know is held or refused exactly as over MQTT."""
+        env = ev.envelope
+        if not isinstance(env, Envelope):
+            raise LocalProtocolError(f"{self.me}: EnvelopeHanded without an Envelope: {env!r:.80}")
+        if env.kind is Kind.DATA:
+            self.stats["handed_in"] += 1
+        if self.admission.screen(env, None, self.node, scaling, epoch, wall, now):
+            self.accept(env, scaling, epoch, now, out)
+
+    def release_held(self, scaling: Any, epoch: int, wall: float, now: float, out: List[Command]) -> None:
+        """The held envelopes of senders the protocol has announced since, admitted now in each
+        sender's order (`Admission.release`)."""
+        self.admission.release(now, scaling, epoch, wall, self.intake.records,
+                               lambda env: self.accept(env, scaling, epoch, now, out))
 
     def accept(self, env: Envelope, scaling: Any, epoch: int, now: float, out: List[Command]) -> None:
         """`env`, admitted: what it delivers in its sender's order taken (acks) or queued."""
