@@ -62,7 +62,7 @@ from agent.instance.admission import Admission
 from agent.instance.heartbeat import HeartbeatStats
 from agent.instance.hosts import Hosts
 from agent.instance.intake import Intake
-from agent.instance.keyed_state import KeyedState
+from agent.instance.keyed_state import keyed_state_for
 from agent.instance.lifecycle import ACCEPTS as _ACCEPTS  # noqa: F401 (the tests read the table here)
 from agent.instance.lifecycle import (
     EXIT_BAD_SPEC, EXIT_BROKER, EXIT_CRASH, EXIT_DRAIN_TIMEOUT, EXIT_OK, Lifecycle, Phase,
@@ -80,7 +80,6 @@ from agent.instance.silence import GAP_TIMEOUT, SILENCE_CHECK, Silence  # noqa: 
 from agent.instance.source import Source
 from agent.instance.spec import InstanceSpec
 from agent.operators.builtin import SinkOperator
-from agent.operators.keyed import KeyedOperator, keyed_config_problems
 
 __all__ = ["Instance", "Phase", "EXIT_OK", "EXIT_CRASH", "EXIT_BAD_SPEC", "EXIT_BROKER", "EXIT_DRAIN_TIMEOUT"]
 
@@ -161,17 +160,9 @@ class Instance:
         # below, once the key of its routing is known.
         decode_records: Any = not (self.is_sink and getattr(operator, "reads_records", True) is False)
 
-        # Keyed stateful operator (agent.instance.keyed_state): state saved with its input position.
-        self.keyed: Optional[KeyedState] = None
-        if isinstance(operator, KeyedOperator):
-            problems = keyed_config_problems(pipeline, self.stage, operator)
-            if problems:
-                raise ValueError("; ".join(problems))
-            self.keyed = KeyedState(operator, spec.operator, pipeline.operators[self.stage - 1].key,
-                                    self.op.key_groups)
-            # The agent keeps a standby copy of the saved state on another node (agent.node.replicas):
-            # inputs are acked upstream only once it holds the save that reflects them.
-            self.keyed.replicated_acks = spec.extra.get("replicate") is True
+        # Keyed stateful operator (agent.instance.keyed_state): state saved with its input position,
+        # acked upstream once a standby copy holds it where the agent keeps one.
+        self.keyed = keyed_state_for(operator, pipeline, self.stage, spec.extra.get("replicate") is True)
         # Its key groups and their moves (agent.instance.moves): a deployed instance holds every
         # group (deploy starts one keeper per operator), a copy none until its Start names its share.
         self.moves: Optional[group_moves.GroupMoves] = None

@@ -43,9 +43,9 @@ from agent.dataplane.keygroups import key_group, record_key
 from agent.dataplane.owners import group_runs
 from agent.files import append, write_atomic_parts
 from agent.instance.applied import Applied, union
-from agent.operators.keyed import KeyedOperator
+from agent.operators.keyed import KeyedOperator, keyed_config_problems
 
-__all__ = ["KeyedState", "FORMAT", "LOAD_HALF_LIFE", "hashable_key", "output_source"]
+__all__ = ["KeyedState", "FORMAT", "LOAD_HALF_LIFE", "hashable_key", "output_source", "keyed_state_for"]
 
 log = logging.getLogger("agent.instance.keyed_state")
 
@@ -71,6 +71,22 @@ def output_source(operator: str, key: Any) -> str:
     """The source part of the ids of `key`'s outputs: the same on every instance and in every run."""
     digest = hashlib.blake2b(json.dumps(key, sort_keys=True).encode(), digest_size=8).hexdigest()
     return f"{operator}#{digest}"
+
+
+def keyed_state_for(operator: Any, pipeline: Any, stage: int, replicate: bool) -> Optional["KeyedState"]:
+    """The state of the operator at `stage` of `pipeline` when it is a keyed stateful one (None
+    for any other), keyed by its predecessor's key; ValueError naming what makes the pipeline
+    unfit for it. `replicate`: the agent keeps a standby copy of the saved state on another node
+    (agent.node.replicas): inputs are acked upstream only once it holds the save that reflects them."""
+    if not isinstance(operator, KeyedOperator):
+        return None
+    problems = keyed_config_problems(pipeline, stage, operator)
+    if problems:
+        raise ValueError("; ".join(problems))
+    op = pipeline.operators[stage]
+    state = KeyedState(operator, op.name, pipeline.operators[stage - 1].key, op.key_groups)
+    state.replicated_acks = replicate
+    return state
 
 
 class KeyedState:
