@@ -41,7 +41,7 @@ from typing import Any, Callable, Deque, Dict, FrozenSet, List, Optional, Tuple,
 
 from agent.config import PipelineConfig
 from agent.dataplane.channel import Inbound
-from agent.dataplane.envelope import LAZY, Envelope, Item, Kind
+from agent.dataplane.envelope import Envelope, Item, Kind
 from agent.dataplane.flow import AckTracker
 from agent.dataplane.routing import Outbox, Router
 from agent.dataplane.sticky import RouteMemory, needed
@@ -61,7 +61,7 @@ from agent.instance.events import (
 from agent.instance.admission import Admission
 from agent.instance.heartbeat import HeartbeatStats
 from agent.instance.hosts import Hosts
-from agent.instance.intake import Intake
+from agent.instance.intake import Intake, records_decoding
 from agent.instance.keyed_state import keyed_state_for
 from agent.instance.lifecycle import ACCEPTS as _ACCEPTS  # noqa: F401 (the tests read the table here)
 from agent.instance.lifecycle import (
@@ -155,11 +155,6 @@ class Instance:
         self.is_sink = kind == "sink" or isinstance(operator, SinkOperator)
         # The emulated service time per record and until when it keeps us busy (agent.instance.pace).
         self.pace = Pace(self.op.service_time_ms / 1000.0)
-        # A sink that reads only record ids gets compact batches without their records rebuilt;
-        # so does a map that never reads its records (`identity`), as Rows it passes on: set
-        # below, once the key of its routing is known.
-        decode_records: Any = not (self.is_sink and getattr(operator, "reads_records", True) is False)
-
         # Keyed stateful operator (agent.instance.keyed_state): state saved with its input position,
         # acked upstream once a standby copy holds it where the agent keeps one.
         self.keyed = keyed_state_for(operator, pipeline, self.stage, spec.extra.get("replicate") is True)
@@ -177,9 +172,6 @@ class Instance:
         key_groups = nxt.key_groups if nxt is not None else 128
         table = keygroup_table.initial_table(spec.succs, key_groups) if self.group_routing.on and spec.active else None
         self.router = Router(spec.succs, key=self.op.key, groups=key_groups, table=table)
-        if (not self.is_sink and not self.is_source and self.keyed is None and self.router.key is None
-                and getattr(operator, "reads_records", True) is False):
-            decode_records = LAZY
         self.outbox = Outbox(self.router, self.op.batch_size, self.op.linger_ms / 1000.0)
         self.tracker = AckTracker()
         self.high_water = 2 * self.op.batch_size
@@ -192,7 +184,9 @@ class Instance:
         # Per sender, what it sent us in its order and we have not handled yet (agent.instance.queues).
         self.queued = SenderQueues(self.stats, keyed=self.moves is not None)
         # What we read from our inbox before the admission (agent.instance.intake).
-        self.intake = Intake(spec.cluster, spec.node, spec.instance, per_node, decode_records, self.stats, self.ctx)
+        self.intake = Intake(spec.cluster, spec.node, spec.instance, per_node,
+                             records_decoding(operator, self.is_sink, self.is_source, self.keyed is not None,
+                                              self.router.key is not None), self.stats, self.ctx)
         # What we send (agent.instance.outputs): links, numbering, tracked publishes, acks upstream.
         # INVARIANT 8 (a record sent again goes where it went): a forwarding instance remembers
         # each record's successor where the next operator's instance count can change

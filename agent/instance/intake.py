@@ -14,12 +14,23 @@ import logging
 from typing import Any, Dict, Optional, Set
 
 from agent import topics
-from agent.dataplane.envelope import Envelope, MalformedEnvelope, decode
+from agent.dataplane.envelope import LAZY, Envelope, MalformedEnvelope, decode
 from agent.dataplane.inbound import LogLimiter
 
-__all__ = ["Intake"]
+__all__ = ["Intake", "records_decoding"]
 
 log = logging.getLogger("agent.instance.worker")
+
+
+def records_decoding(operator: Any, is_sink: bool, is_source: bool, keyed: bool, by_key: bool) -> Any:
+    """How an instance's data batches are decoded (`Intake.records`): a sink that reads only
+    record ids gets compact batches without their records rebuilt (False); so does a map that
+    never reads its records (`identity`), as Rows it passes on (LAZY), unless it keeps keyed state
+    or routes by key (both read the records); everything else gets its records rebuilt."""
+    reads = getattr(operator, "reads_records", True) is not False
+    if is_sink:
+        return reads
+    return LAZY if not reads and not is_source and not keyed and not by_key else True
 
 
 class Intake:
