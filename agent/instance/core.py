@@ -9,18 +9,11 @@ shell: it turns paho callbacks, control lines and its loop's turns into events (
 .events) and performs the commands (agent.instance.commands) in order. The interleaving checker
 (foglab.sim.instance_check) drives the same class through a model of the broker.
 
-The parts this module routes to own their state and hold no reference to the instance:
-agent.instance.outputs (links, numbering, publishes, acks upstream), agent.instance.admission
-(admission and the hold buffer), agent.instance.source (a source's numbering and pacing),
-agent.instance.marks (the watermarks taken in and passed on), agent.instance.replays (the
-replays a new incarnation waits for), agent.instance.load (the load and live signals the scaling
-decision reads), agent.instance.lifecycle (the phase, a stop and its drain, the exit decided),
-agent.instance.silence (the silence checks' clock, the holes in the senders' numbering),
-agent.instance.intake (the inbox topic, decoding, bad input), agent.instance.cadence (when the
-state is written and a heartbeat sent), agent.instance.queues (the per-sender queues and what may
-overtake data), agent.instance.pace (the emulated service time), agent.instance.groups
-(`GroupRouting`: the group table's side of routing). What stays here: routing events and ticks to them, processing, what a silence check and a new
-incarnation do, what is persisted (docs/runtime.md, "Instance").
+The parts it routes to each have one job, own their state and hold no reference to the
+instance (each with its job: docs/runtime.md, "Part 1"); the scaling driver, the group moves and
+the key groups' side (agent.instance.group_side) call back into it through agent.instance.port.
+What stays here: building the parts, routing each event and each step of a loop turn to them, a
+start and a new incarnation, a stop and the exit, what is persisted (docs/runtime.md, "Instance").
 
 Lifecycle (`Phase`, the table `ACCEPTS` of agent.instance.lifecycle): NEW -(Started |
 Restarted)-> RUNNING -(stop, eof, or Terminate from the protocol)-> STOPPING -(drained, or drain
@@ -44,7 +37,7 @@ from agent.dataplane.channel import Inbound
 from agent.dataplane.envelope import Envelope, Item, Kind
 from agent.dataplane.flow import AckTracker
 from agent.dataplane.routing import Outbox, Router
-from agent.dataplane.sticky import RouteMemory, needed
+from agent.dataplane.sticky import needed
 from agent.instance.commands import Command, CrashPoint, Emit, Exit, Notify, Persist, RequestSpawn
 from agent.instance.controls import ControlLines
 from agent.instance.counters import new_counters
@@ -328,11 +321,7 @@ class Instance:
         self._begin(ev.wall, False, {}, None)
 
     def _on_restarted(self, ev: Restarted) -> None:
-        if self.outputs.sticky:
-            try:
-                self.outputs.routes = RouteMemory.load(ev.routes[0], ev.routes[1], self.now)
-            except ValueError as exc:
-                log.warning("%s: records replayed to us are routed afresh", exc, extra=self.ctx)
+        self.outputs.restore_routes(ev.routes, self.now)
         self._begin(ev.wall, True, ev.state, ev.source_position, ev.ingest_log)
         self.group_side.restarted(ev, self.scaling)
 
@@ -362,12 +351,8 @@ class Instance:
             self.router.set_succs(self.scaling.core.routes()[0])
             self.group_routing.restore(self.router, saved, self.ctx, self.spec.extra.get("succ_groups"))
         self.persist(force=True)
-        if restart:
-            # Tell each predecessor we are a new incarnation (an ack of nothing, numbered in our
-            # new epoch): it replays what we had not acknowledged (agent.instance.outputs, `successor_restarted`).
-            self.replays.start(self.scaling.core.preds, self.inbound.position)
-            for pred in sorted(self.scaling.core.preds):
-                self.send_envelope(pred, Kind.ACK, [0, 0])
+        if restart:  # the predecessors replay what we had not acknowledged (agent.instance.delivery)
+            self._out += self.delivery.ask_replays(self.scaling.core.preds)
             self.scaling.resync(now)
         if self.is_source:
             if restart and self.marks is not None and isinstance(source_position, dict):
@@ -630,9 +615,7 @@ class Instance:
         self.stats[counter] += 1
         log.warning("%s: new epoch %d, asking for replays", why, self.epoch, extra=self.ctx)
         if self.scaling is not None:
-            self.replays.start(self.scaling.core.preds, self.inbound.position)
-            for pred in sorted(self.scaling.core.preds):
-                self.send_envelope(pred, Kind.ACK, [0, 0])
+            self._out += self.delivery.ask_replays(self.scaling.core.preds)
             self.scaling.resync(self.now)
         self._out += self.outputs.replay_all(self.now)
 
@@ -783,12 +766,7 @@ class Instance:
     def set_routes(self, succs: Tuple[str, ...], now: float) -> None:
         """INVARIANT 3 (route change before ack): the data path uses `succs` when this returns;
         the scaling driver sends the ack that follows only afterwards (same thread, in order)."""
-        old = set(self.router.succs)
-        self.router.set_succs(succs)
-        moved = self.outbox.reroute(now)
-        log.info(
-            "routes: succs %s -> %s (%d buffered records re-routed)", sorted(old), sorted(succs), moved, extra=self.ctx
-        )
+        self.outputs.set_routes(succs, now)
 
     def drained(self) -> bool:
         """Every data batch received is processed, forwarded, acked by the successors, and acked

@@ -14,7 +14,7 @@ with what the driver appends to it meanwhile (a successor's restart first). No I
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterable, List
 
 from agent.dataplane.channel import Inbound, is_replay_marker
 from agent.dataplane.envelope import Envelope, Kind
@@ -126,6 +126,16 @@ class Delivery:
             # (acks are end to end); rare enough to say so once per occurrence.
             log.warning("data batch %d of %s's old epoch %d dropped (now epoch %s)", env.seq, env.sender,
                         env.epoch, inbound.epoch_of(env.sender), extra=self.ctx)
+
+    def ask_replays(self, preds: Iterable[str]) -> List[Command]:
+        """We are a new incarnation: each predecessor is told so by an ack of nothing, numbered in
+        our new epoch, and replays what we had not acknowledged (agent.instance.outputs,
+        `successor_restarted`); what it sent before its replay marker is dropped meanwhile."""
+        self.replays.start(preds, self.inbound.position)
+        out: List[Command] = []
+        for pred in sorted(preds):
+            out += self.outputs.send_envelope(pred, Kind.ACK, [0, 0])
+        return out
 
     def _ack(self, env: Envelope, scaling: Any, epoch: int, now: float) -> None:
         """A successor's ack of our data up to its number, in our current epoch (agent.instance.outputs)."""

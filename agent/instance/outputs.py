@@ -121,7 +121,26 @@ class Outputs:
         """A new incarnation of ours: every channel numbers from 1 again, in `epoch`."""
         self.outbound = Outbound(epoch)
 
+    def restore_routes(self, saved: Tuple[Any, Any], now: float) -> None:
+        """A restart: where each record went, as our dead incarnation saved it (INVARIANT 8); an
+        unusable memory leaves the records replayed to us to be routed afresh."""
+        if not self.sticky:
+            return
+        try:
+            self.routes = RouteMemory.load(saved[0], saved[1], now)
+        except ValueError as exc:
+            log.warning("%s: records replayed to us are routed afresh", exc, extra=self.ctx)
+
     # ---- routing and batching --------------------------------------------------------------------
+
+    def set_routes(self, succs: Tuple[str, ...], now: float) -> None:
+        """Our successors are now `succs`: what the outbox still holds is routed over them."""
+        old = set(self.router.succs)
+        self.router.set_succs(succs)
+        moved = self.outbox.reroute(now)
+        log.info(
+            "routes: succs %s -> %s (%d buffered records re-routed)", sorted(old), sorted(succs), moved, extra=self.ctx
+        )
 
     def credit(self, dest: str) -> int:
         link = self.links.get(dest)
