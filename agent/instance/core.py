@@ -80,11 +80,6 @@ log = logging.getLogger("agent.instance.worker")
 
 MAX_POLL = 0.05  # longest wait the instance asks for (the shell sees control lines within this)
 
-# The seeded faults of this class, of the watermarks, of the admission, one of the moves
-# (`no_redirect_resend`), one of the scaling driver (`ack_behind_drain`), those of the wait for
-# replays and those of the outputs are subclasses the instance checker installs
-# (foglab.sim.instance_faults).
-
 
 class Instance:
     """One operator instance: channels, flow control and acks, the replay buffer, the scaling
@@ -102,7 +97,9 @@ class Instance:
     # checker's seeded fault `marks_own_max`, the rule before marks flowed).
     marks_flow = True
     # The parts built from a class attribute, so that the instance checker can install one with a
-    # seeded fault (foglab.sim.instance_faults); outside it, always the product's own class.
+    # seeded fault (foglab.sim.instance_faults: the watermarks', the admission's, the wait for
+    # replays', the outputs', `no_redirect_resend` of the moves, `ack_behind_drain` of the scaling
+    # driver); outside it, always the product's own class.
     marks_class: Type[Marks] = Marks
     admission_class: Type[Admission] = Admission
     moves_class: Type[group_moves.GroupMoves] = group_moves.GroupMoves
@@ -129,10 +126,7 @@ class Instance:
         self.stage = pipeline.index(spec.operator)
         kind = self.op.kind
         self.ctx = {"instance": spec.instance, "operator": spec.operator, "node": spec.node}
-        # Per-node inboxes (docs/security.md, "Who may read an inbox"): we read
-        # `inbox/<our node>/<us>/+` (agent.instance.intake) and write to the node our binding table
-        # says hosts the receiver; before the table names it, what we send it waits
-        # (agent.instance.outputs).
+        # Per-node inboxes (docs/security.md, "Who may read an inbox"): agent.instance.intake, .outputs.
         per_node = bool(spec.extra.get("inbox_per_node"))
         self.hosts = Hosts()
         # Its phase, a stop and its drain, the exit decided (agent.instance.lifecycle).
@@ -626,10 +620,8 @@ class Instance:
         ends this turn's data; the next Tick goes on."""
         self.queued.round_robin(self.scaling, self.moves.groups_in if self.moves is not None else None,
                                 lambda: self.processing.blocked(now, self.scaling),
-                                lambda env: self._process_data(env, now), self._on_protocol)
-
-    def _process_data(self, env: Envelope, now: float) -> None:
-        self._out += self.processing.batch(env, now, self.wall())
+                                lambda env: self._out.extend(self.processing.batch(env, now, self.wall())),
+                                self._on_protocol)
 
     def _on_protocol(self, env: Envelope) -> None:
         body = env.body
@@ -640,7 +632,6 @@ class Instance:
             self.intake.protocol_ignored(env.sender)  # counted, logged once per sender (invariant 5)
             return
         self.scaling.handle(env)
-
 
     # ---- source -----------------------------------------------------------------------------------
 
@@ -772,7 +763,6 @@ class Instance:
         """Every data batch received is processed, forwarded, acked by the successors, and acked
         upstream (queued protocol messages do not count: they may wait behind the drain)."""
         return not self.queued.data_waiting() and self.processing.drained()
-
 
     # ---- heartbeat, persistence ---------------------------------------------------------------------
 
