@@ -38,7 +38,7 @@ from agent.dataplane.envelope import Envelope, Item, Kind
 from agent.dataplane.flow import AckTracker
 from agent.dataplane.routing import Outbox, Router
 from agent.dataplane.sticky import needed
-from agent.instance.commands import Command, CrashPoint, Emit, Exit, Notify, Persist, RequestSpawn
+from agent.instance.commands import Command, CrashPoint, Emit, Exit, Notify, RequestSpawn
 from agent.instance.controls import ControlLines
 from agent.instance.counters import new_counters
 from agent.instance.cadence import Cadence
@@ -54,6 +54,7 @@ from agent.instance.events import (
 from agent.instance.admission import Admission
 from agent.instance.heartbeat import HeartbeatStats
 from agent.instance.hosts import Hosts
+from agent.instance.incarnation import Incarnation
 from agent.instance.intake import Intake, records_decoding
 from agent.instance.keyed_state import keyed_state_for
 from agent.instance.lifecycle import ACCEPTS as _ACCEPTS  # noqa: F401 (the tests read the table here)
@@ -134,7 +135,6 @@ class Instance:
         self.now = 0.0
         self._wall_offset = 0.0
         self._out: List[Command] = []
-        self.epoch = 0
         self.inbound = Inbound()
         self.is_source = kind == "source"
         # A source's numbering and pacing (agent.instance.source); every capability off for the others.
@@ -211,6 +211,8 @@ class Instance:
                 self.keyed.flowing = True
         # When we write our state and send a heartbeat (agent.instance.cadence).
         self.cadence = Cadence(spec.heartbeat_period)
+        # Our epoch, and the state file our next incarnation reads back (agent.instance.incarnation).
+        self.incarnation = Incarnation(self.inbound, self.outputs, self.router, self.moves, self.cadence)
         # The silence checks' clock and the holes in our senders' numbering (agent.instance.silence).
         self.silence = Silence()
         # A new incarnation of ours: the predecessors whose data before their replay marker we
@@ -290,6 +292,11 @@ class Instance:
     def exited(self) -> bool:
         return self.life.phase is Phase.EXITED
 
+    @property
+    def epoch(self) -> int:
+        """The epoch our channels are numbered in (agent.instance.incarnation)."""
+        return self.incarnation.epoch
+
     def wall(self) -> float:
         """The wall clock, as of the last event that carried it (timestamps, epoch plausibility)."""
         return self.now + self._wall_offset
@@ -326,14 +333,7 @@ class Instance:
         now = self.now
         self._wall_offset = wall - now
         self.life.run()
-        # Epoch: a restarted worker (same identity) numbers its messages in a new epoch.
-        self.epoch = int(saved.get("epoch", -1)) + 1 if saved else 0
-        # Re-homed after its node died (agent.node.rehome): the old state is gone with the
-        # node, so start above any epoch the dead incarnation can have used.
-        self.epoch = max(self.epoch, int(self.spec.extra.get("min_epoch", 0) or 0))
-        if restart:
-            self.inbound.restore(saved.get("inbound") or {}, resync=True)
-        self.outputs.renumber(self.epoch)
+        self.incarnation.begin(saved, restart, self.spec.extra.get("min_epoch", 0))  # our epoch, our channels
         self.silence.checked(now)
         self.load.begin(now)
         self.source.started_at = wall
@@ -602,9 +602,7 @@ class Instance:
         ignored). Records that got through twice are dropped by id at the sink; protocol
         messages lost on the way are sent again by the round's resend on silence
         (agent.instance.recovery)."""
-        self.epoch += 1
-        self.outputs.renumber(self.epoch)
-        self.inbound.restore(self.inbound.snapshot(), resync=True)
+        self.incarnation.renew()
         self.persist(force=True)
         self.stats[counter] += 1
         log.warning("%s: new epoch %d, asking for replays", why, self.epoch, extra=self.ctx)
@@ -782,25 +780,14 @@ class Instance:
             self._out.append(self.source.persisted(self.pending.lowest, self.marks))
 
     def persisted_state(self) -> Dict[str, Any]:
-        """What a restart needs: epoch, channel positions, the scaling driver's state."""
-        data: Dict[str, Any] = {"epoch": self.epoch, "inbound": self.inbound.snapshot()}
-        if self.router.table is not None:
-            data["group_table"] = self.router.table.to_wire()  # with the routing tables (the core's)
-        if self.moves is not None:
-            data["moves"] = self.moves.dump()
-        if self.scaling is not None:
-            data.update(self.scaling.persisted())
-        return data
+        """What a restart needs: epoch, channel positions, the scaling driver's state (agent.instance.incarnation)."""
+        return self.incarnation.state(self.scaling)
 
     def persist(self, force: bool = False) -> None:
-        """Persist what a restart needs (cheap: a small JSON file, at most every STATE_PERIOD
-        unless the protocol state changed: agent.instance.cadence)."""
-        now = self.now
-        if not self.cadence.write_due(now, force):
-            return
-        self._out.append(Persist(self.persisted_state()))
-        self.inbound.changed = False
-        self.cadence.written(now)
+        """Persist what a restart needs, when due or forced (agent.instance.incarnation)."""
+        save = self.incarnation.write(self.now, force, self.scaling)
+        if save is not None:
+            self._out.append(save)
 
     def mark_state_changed(self) -> None:
         self.cadence.changed()
