@@ -726,19 +726,12 @@ class Instance:
             self.scaling.stamp_moved()
 
     def on_preds_changed(self, added: Tuple[str, ...], removed: Tuple[str, ...]) -> None:
-        """A predecessor's round reached us (the driver calls this after the core applied it):
-        the groups moving out wait for a new predecessor's Eos too (its table may route them
-        here), and a departed one's Eos is not awaited (its deletion is behind all it sent us).
-        A departed one's watermark no longer holds ours back (its deletion is behind its data)."""
+        """A predecessor's round reached us (the driver calls this after the core applied it): a
+        departed one's watermark no longer holds ours back (its deletion is behind its data), and
+        the moves of our key groups learn of it (agent.instance.group_side)."""
         if self.marks is not None:
             self.marks.preds_removed(removed, self.now)
-        if self.moves is None:
-            return
-        for p in added:
-            self.await_joined_pred(self.moves, p)
-        for p in removed:
-            self.forget_departed_pred(self.moves, p)
-        self.mark_state_changed()
+        self.group_side.preds_changed(added, removed)
 
     def await_joined_pred(self, moves: group_moves.GroupMoves, pred: str) -> None:
         """The groups moving out wait for the Eos of `pred`, a predecessor that joined during

@@ -1,7 +1,8 @@
 """An instance's key groups at its edges (docs/operators.md, "Key groups that move"): the hand-over
 messages it receives, each to the side it concerns (a Redirect to the group table it routes by,
 agent.instance.groups; the rest to the groups it holds, agent.instance.moves), a refused one
-counted once, what a Start carries of both sides, and a restart's groups and keyed state back.
+counted once, what a Start carries of both sides, the moves' view of a round's predecessors, and a
+restart's groups and keyed state back.
 
 Rules of this file: sans-IO, part of the `Instance` (agent.instance.core). `GroupSide` owns no
 state: the table's side (`GroupRouting`) and the admission's log limiter are handed to it, and it
@@ -83,7 +84,7 @@ class GroupSide:
         if self._refusals.allow((sender, "handover"), self.w.now):
             log.warning("hand-over from %s: %s", sender[:64], why, extra=self.w.ctx)
 
-    # ---- a Start, both ways --------------------------------------------------------------------
+    # ---- a Start, both ways; a round's new predecessors -----------------------------------------
 
     def start_field(self, copy: str) -> Optional[Dict[str, Any]]:
         """The extra field of a Start we send `copy` (agent.instance.groups): our group table, and
@@ -106,6 +107,20 @@ class GroupSide:
         if w.moves is not None and scaling is not None and scaling.core.creator:
             w.moves.take_share(field, scaling.core.creator)
             w.mark_state_changed()
+
+    def preds_changed(self, added: Tuple[str, ...], removed: Tuple[str, ...]) -> None:
+        """A predecessor's round reached us: the groups moving out wait for a new predecessor's
+        Eos too (its table may route them here), and a departed one's Eos is not awaited (its
+        deletion is behind all it sent us). Through the instance's two hooks, which the checker's
+        seeded faults `no_add_pred` and `no_remove_pred` replace."""
+        w = self.w
+        if w.moves is None:
+            return
+        for p in added:
+            w.await_joined_pred(w.moves, p)
+        for p in removed:
+            w.forget_departed_pred(w.moves, p)
+        w.mark_state_changed()
 
     # ---- a restart -----------------------------------------------------------------------------
 
