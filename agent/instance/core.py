@@ -196,9 +196,7 @@ class Instance:
             check_node=bool(spec.extra.get("check_sender_node")), keyed=self.moves is not None, hosts=self.hosts,
             inbound=self.inbound, links=self.outputs.links, router=self.router, stats=self.stats, ctx=self.ctx)
         # A sink's recording, and a deferred sink's inputs not recorded yet (agent.instance.sink).
-        self.sink = SinkSide(operator, self.outputs, self.stats, self.ctx, spec.cluster,
-                             {"node": spec.node, "instance": spec.instance, "operator": spec.operator,
-                              "pipeline": spec.pipeline})
+        self.sink = SinkSide(operator, self.outputs, self.stats, self.ctx, spec.cluster, spec.pipeline)
         # Watermarks that flow with the batches (agent.instance.marks; docs/operators.md,
         # "Watermarks that flow"): on when the source has [operator.watermark], never at a sink.
         # A keyed instance then fires by the least mark over its inputs (`marks_flow`).
@@ -349,13 +347,7 @@ class Instance:
             self._out += self.delivery.ask_replays(self.scaling.core.preds)
             self.scaling.resync(now)
         if self.is_source:
-            if restart and self.marks is not None and isinstance(source_position, dict):
-                self.marks.restore_channels(source_position.get("channels"), now)
-            if self.source.sensor:
-                self.source.number(wall, source_position if restart else None, ingest_log)
-            elif restart:
-                self.source.resume(source_position, self.wall())
-            self.operator.start(now)
+            self.source.start(restart, source_position, ingest_log, self.marks, now, wall, self.wall())
         self.emit("ready")
         if self.scaling.terminated:
             # Restarted (an agent restart re-adopting it, say) after the protocol had already

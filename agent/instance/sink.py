@@ -34,18 +34,19 @@ SPOOL_EVENTS = {"spool_full": "spool_full", "spool_resumed": "spool_resumed", "r
 
 class SinkSide:
     """`waiting`: the input indexes a deferred sink's `record_batch` took and has not said are
-    recorded yet, oldest first (empty at any instance that is no deferred sink). `names`: the
-    node, instance, operator and pipeline its events carry; `cluster`: where they go."""
+    recorded yet, oldest first (empty at any instance that is no deferred sink). Its events carry
+    the node, instance and operator of `ctx` and `pipeline`, and go to `cluster`'s events topic."""
 
     def __init__(self, operator: Any, outputs: Outputs, stats: Dict[str, int], ctx: Dict[str, Any],
-                 cluster: str, names: Dict[str, str]) -> None:
+                 cluster: str, pipeline: str) -> None:
         self.operator = operator
         self.waiting: Deque[int] = deque()
         self._outputs = outputs
         self._stats = stats
         self._ctx = ctx
         self._topic = topics.events(cluster)
-        self._names = names
+        self._names = {"node": ctx["node"], "instance": ctx["instance"], "operator": ctx["operator"],
+                       "pipeline": pipeline}
 
     def first(self) -> Optional[int]:
         """The oldest input not recorded yet (None: none waits)."""

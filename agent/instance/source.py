@@ -58,6 +58,20 @@ class Source:
 
     # ---- start ---------------------------------------------------------------------------------
 
+    def start(self, restart: bool, pos: Optional[Dict[str, Any]], logged: Optional[List[Any]],
+              marks: Optional[Marks], now: float, wall: float, resume_wall: float) -> None:
+        """The instance started (`wall`: the wall time its start carried), `pos` what its last
+        position file held: a restart's watermark channels back (`Marks.restore_channels`), a sensor
+        source numbered (`number`) or a restarted one resumed (`resume`, its rate profile at
+        `resume_wall`, the instance's clock), and the operator started."""
+        if restart and marks is not None and isinstance(pos, dict):
+            marks.restore_channels(pos.get("channels"), now)
+        if self.sensor:
+            self.number(wall, pos if restart else None, logged)
+        elif restart:
+            self.resume(pos, resume_wall)
+        self.operator.start(now)
+
     def resume(self, pos: Optional[Dict[str, Any]], wall: float) -> None:
         """A restarted source continues from its last written position (see TaxiSource.resume)."""
         if not self.replayable or not isinstance(pos, dict) or "resume_from" not in pos:
