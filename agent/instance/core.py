@@ -499,7 +499,7 @@ class Instance:
     def _on_abort(self, ev: Abort) -> None:
         self.life.exit = (EXIT_DRAIN_TIMEOUT, ev.reason, False)
 
-    # ---- control lines -------------------------------------------------------------------------------
+    # ---- control lines, a stop and the exit ----------------------------------------------------------
 
     def _on_control(self, ev: Control) -> None:
         """A control line from the agent: a stop (or the end of our stdin) drains us; any other
@@ -539,7 +539,7 @@ class Instance:
         self._out.append(Exit(code, reason, final))
         self.life.exited()
 
-    # ---- inbox ----------------------------------------------------------------------------------------
+    # ---- inbox and queues ----------------------------------------------------------------------------
 
     def _on_envelope(self, ev: EnvelopeReceived) -> None:
         """A message on one of our topics: read, admitted, delivered (agent.instance.delivery)."""
@@ -549,17 +549,37 @@ class Instance:
         """A chained predecessor's envelope (docs/runtime.md, "Chaining"), as over MQTT but its bytes."""
         self.delivery.handed(ev, self.scaling, self.epoch, self.wall(), self.now, self._out)
 
-    # ---- admission (docs/security.md, "Data channels") ------------------------------------------
-
-    def handover_error(self, sender: str, why: str) -> None:
-        """A hand-over message refused, here or in agent.instance.moves (agent.instance.group_side)."""
-        self.group_side.error(sender, why)
-
     def forget_sender(self, sender: str) -> None:
         """Drop every per-sender entry of an instance admitted only provisionally (an unanswered
         probe), unless something of it still waits to be handled (agent.instance.delivery)."""
         if self.delivery.forget(sender):
             self.mark_state_changed()
+
+    def _process(self, now: float) -> None:
+        """The queued envelopes, round-robin over senders, each sender strictly in order (three
+        exceptions: agent.instance.queues); a data batch through the operator when back pressure
+        lets it (agent.instance.processing). `now` stays the event's: an emulated service time
+        ends this turn's data; the next Tick goes on."""
+        self.queued.round_robin(self.scaling, self.moves.groups_in if self.moves is not None else None,
+                                lambda: self.processing.blocked(now, self.scaling),
+                                lambda env: self._out.extend(self.processing.batch(env, now, self.wall())),
+                                self._on_protocol)
+
+    def _on_protocol(self, env: Envelope) -> None:
+        body = env.body
+        if isinstance(body, dict) and body.get("type") in group_moves.HANDOVER_TYPES:
+            self.group_side.on_message(env.sender, body)  # agent.instance.group_side
+            return
+        if self.scaling is None:
+            self.intake.protocol_ignored(env.sender)  # counted, logged once per sender (invariant 5)
+            return
+        self.scaling.handle(env)
+
+    def handover_error(self, sender: str, why: str) -> None:
+        """A hand-over message refused, here or in agent.instance.moves (agent.instance.group_side)."""
+        self.group_side.error(sender, why)
+
+    # ---- silence, a new incarnation ------------------------------------------------------------------
 
     def _check_silence(self, now: float) -> None:
         """Messages that will never come (they were lost, or taken by another process with our
@@ -602,26 +622,6 @@ class Instance:
             self._out += self.delivery.ask_replays(self.scaling.core.preds)
             self.scaling.resync(self.now)
         self._out += self.outputs.replay_all(self.now)
-
-    def _process(self, now: float) -> None:
-        """The queued envelopes, round-robin over senders, each sender strictly in order (three
-        exceptions: agent.instance.queues); a data batch through the operator when back pressure
-        lets it (agent.instance.processing). `now` stays the event's: an emulated service time
-        ends this turn's data; the next Tick goes on."""
-        self.queued.round_robin(self.scaling, self.moves.groups_in if self.moves is not None else None,
-                                lambda: self.processing.blocked(now, self.scaling),
-                                lambda env: self._out.extend(self.processing.batch(env, now, self.wall())),
-                                self._on_protocol)
-
-    def _on_protocol(self, env: Envelope) -> None:
-        body = env.body
-        if isinstance(body, dict) and body.get("type") in group_moves.HANDOVER_TYPES:
-            self.group_side.on_message(env.sender, body)  # agent.instance.group_side
-            return
-        if self.scaling is None:
-            self.intake.protocol_ignored(env.sender)  # counted, logged once per sender (invariant 5)
-            return
-        self.scaling.handle(env)
 
     # ---- source -----------------------------------------------------------------------------------
 
