@@ -161,7 +161,7 @@ class Instance:
         self.router = Router(spec.succs, key=self.op.key, groups=key_groups, table=table)
         self.outbox = Outbox(self.router, self.op.batch_size, self.op.linger_ms / 1000.0)
         self.tracker = AckTracker()
-        self.high_water = 2 * self.op.batch_size
+        high_water = 2 * self.op.batch_size  # records the outbox may hold before we stop reading
         # Acks go out every half of the predecessors' window (their operator's setting): the
         # sender still has the other half of its credit while the ack travels (docs/runtime.md).
         pred_window = pipeline.operators[self.stage - 1].max_inflight_batches if self.stage > 0 else 8
@@ -231,7 +231,7 @@ class Instance:
         # A batch through the operator, and the back pressure that lets it (agent.instance.processing).
         self.processing = Processing(spec.instance, operator, source=self.source, is_source=self.is_source,
                                      is_sink=self.is_sink, keyed=self.keyed, moves=self.moves, marks=self.marks,
-                                     router=self.router, outbox=self.outbox, high_water=self.high_water,
+                                     router=self.router, outbox=self.outbox, high_water=high_water,
                                      outputs=self.outputs, tracker=self.tracker, load=self.load, pace=self.pace,
                                      sink=self.sink, stats=self.stats, ctx=self.ctx)
         # What our heartbeat reports, read from the parts (agent.instance.heartbeat).
