@@ -2,8 +2,9 @@
 (agent.instance.intake; a source's ingest topic to the source), admitted or held
 (agent.instance.admission), then delivered in its sender's numbering, once (INVARIANT 1:
 agent.dataplane.channel): an ack taken by the outputs, a replay marker or what its replay brings
-again dropped (agent.instance.replays), the rest queued for its turn (agent.instance.queues); and
-a sender admitted only provisionally forgotten.
+again dropped (agent.instance.replays), the rest queued for its turn (agent.instance.queues); the
+replays a new incarnation asks of its predecessors; and a sender admitted only provisionally
+forgotten.
 
 Rules of this file: `Delivery` owns no state and holds no reference to the instance; it is handed
 the parts an envelope goes through at construction, and per call the scaling driver (None before

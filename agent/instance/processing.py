@@ -1,15 +1,16 @@
 """Records through the operator: a source's poll, and a data batch's records applied (a keyed
 operator's with their state, a map's with its failures isolated, passed on whole when unchanged)
-or recorded at a sink; and the back pressure that decides whether the next poll or batch may be
-taken now (docs/runtime.md, "Instance").
+or recorded at a sink; the back pressure that decides whether the next poll or batch may be taken
+now, when the data path next has work without a new message, and whether it has drained
+(docs/runtime.md, "Instance").
 
 Rules of this file: `Processing` owns the wall time of the first record it processed and holds no
 reference to the instance; it is given the operator and the parts it hands records to or counts
 in (a source's numbering, keyed state, group moves, watermarks, router, outputs, ack tracker,
 load, pace, the sink's recording, stats) at construction, and per call the time `now`, the wall
 clock, the scaling driver (read only: whether data may flow yet) and the instance's lowest
-pending input as a function (a source's position reads it). Calls that ask the shell for something return
-their commands. No I/O, no clock, no random.
+pending input as a function (a source's position reads it). Calls that ask the shell for
+something return their commands. No I/O, no clock, no random.
 """
 
 from __future__ import annotations
