@@ -317,8 +317,7 @@ def test_the_core_modules_import_nothing_that_does_io() -> None:
     for name in ("core.py", "driver.py", "events.py", "commands.py", "recovery.py", "rounds.py", "replays.py",
                  "load.py", "lifecycle.py", "silence.py", "intake.py",
                  "cadence.py", "queues.py", "pace.py", "counters.py", "sink.py", "processing.py", "pending.py",
-                 "controls.py", "group_side.py", "delivery.py",
-                 "heartbeat.py", "incarnation.py"):
+                 "controls.py", "group_side.py", "delivery.py", "heartbeat.py", "incarnation.py"):
         tree = ast.parse((root / name).read_text())
         for node in ast.walk(tree):
             mods: List[str] = []

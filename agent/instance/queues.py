@@ -8,8 +8,8 @@ outputs are still being performed, its round, its state) and the function that h
 protocol message taken ahead. No I/O, no clock, no random.
 
 Each sender's queue is handled strictly in order (invariant 1), round-robin over senders
-(`round_robin`, called by the instance's `_process`). Three exceptions, each only past DATA and never past another
-protocol message: a `duplication_ack` while our duplication round waits
+(`round_robin`, called by the instance's `_process`). Three exceptions, each only past DATA and
+never past another protocol message: a `duplication_ack` while our duplication round waits
 (`duplication_acks_ahead`), a predecessor's `duplication` (`duplications_ahead`), and a
 predecessor's Eos of a key group none of the batches ahead holds (`eos_ahead`).
 """
