@@ -617,19 +617,19 @@ def test_a_drained_keeper_stops_once_the_keyed_copies_on_the_node_have_left(tmp_
     reply = agent.requests.steer(DrainRequest(node="me").to_dict(), 5.0)
     assert reply["ok"] and set(reply["result"]["leaving"]) == {"p.win.0", "p.win.1"}, reply
     assert sent == [("p.win.1", "scale")] and "p.win.0" in agent.drain.handing_over  # the keeper still runs
-    agent._release_keeper(6.0)
+    agent.exits.release_keepers(6.0)
     assert sent == [("p.win.1", "scale")]
     if then == "copy_left":
-        agent._release_keeper(7.0, left="p.win.1")  # `_on_reaped` of the copy
+        agent.exits.release_keepers(7.0, left="p.win.1")  # `_on_reaped` of the copy
     elif then == "wait_over":
-        agent._release_keeper(5.0 + COPIES_FIRST_WAIT)  # `_periodic`
+        agent.exits.release_keepers(5.0 + COPIES_FIRST_WAIT)  # `_periodic`
     else:
         assert agent.requests.steer(DrainRequest(node="me", undo=True).to_dict(), 7.0)["ok"]
-        agent._release_keeper(8.0, left="p.win.1")
+        agent.exits.release_keepers(8.0, left="p.win.1")
         assert sent == [("p.win.1", "scale")] and "p.win.0" not in agent.drain.handing_over and not agent.drain.draining
         return
     assert sent == [("p.win.1", "scale"), ("p.win.0", "stop")]
-    agent._release_keeper(5.0 + 2 * COPIES_FIRST_WAIT)
+    agent.exits.release_keepers(5.0 + 2 * COPIES_FIRST_WAIT)
     assert len(sent) == 2  # stopped once
 
 

@@ -67,11 +67,11 @@ from agent.files import write_atomic
 from agent.instance import deployfiles
 from agent.instance.spec import InstanceSpec, request_spec
 from agent.mqtt.settings import BrokerSpec
-from agent.node import (chains, handover, hosted, nodestate, rehome, replicas, rpc, siteeffects, spawns, spawnshell,
+from agent.node import (chains, hosted, nodestate, rehome, replicas, rpc, siteeffects, spawns, spawnshell,
                         statexfer)
 from agent.node.gate import Gate, NodeLocal, PeerFacts, without_handover
 from agent.node.pins import Pins
-from agent.node.restarts import RESTART_WINDOW, Restarts, exit_of
+from agent.node.restarts import Restarts
 from agent.node.spawns import RPC_TIMEOUT
 from agent.node import rehoming
 from agent.node.rehoming import Rehoming
@@ -79,10 +79,11 @@ from agent.node.fleetview import FleetView
 from agent.node.bus import AgentBus
 from agent.node.report import Report
 from agent.node.requests import NodeCalls, Requests, load_pins
-from agent.node.drain import COPIES_FIRST_WAIT, Drain
+from agent.node.drain import Drain
+from agent.node.exits import ExitCalls, Exited, Exits
 from agent.node.fencing import READOPT_SETTLE, Facts, Fencing, Running, rehomed_by_others
 from agent.node import loopevents
-from agent.node.handover import read_json
+from agent.node.handover import HandOverCalls, HandOvers, read_json
 from agent.node.hostmap import MAX_MOVED
 from agent.node.hostsync import HostSync
 from agent.node.contexts import PolicyContexts, siblings
@@ -100,7 +101,7 @@ from agent.operators import admission
 from agent.spill.local import AgentSpill
 from agent.node.site_driver import SiteDriver
 from agent.node.site_manager import LeaseBoard, lease_bound
-from agent.node.supervisor import WORKER_COMMAND, WORKER_EXIT_BAD_SPEC, Reaped, Supervisor, Worker, WorkerStatus
+from agent.node.supervisor import WORKER_COMMAND, WORKER_EXIT_BAD_SPEC, Reaped, Supervisor, WorkerStatus
 
 log = logging.getLogger(__name__)
 
@@ -209,9 +210,8 @@ class Agent:
         # After each connect: our instances that run elsewhere now, the first re-adoption, and the
         # workers' reconnect grants (agent.node.fencing)
         self.fencing = Fencing(self.node)
-        self._counter = 0
-        self._boot = format(int(wall()) % (36 ** 5), "x")
-        self.spawns = spawns.Spawns(self.node, f"{self.bus.client_id}-{self._boot}")  # createNode() (agent.node.spawns)
+        boot = format(int(wall()) % (36 ** 5), "x")
+        self.spawns = spawns.Spawns(self.node, f"{self.bus.client_id}-{boot}")  # createNode() (agent.node.spawns)
         # loop state
         self._stopping_since: Optional[float] = None
         self._state_dirty = True
@@ -219,10 +219,24 @@ class Agent:
         self.gate = Gate(NodeLocal(self.node, self.cluster, broker, cfg.agent.state_dir,
                                    cfg.agent.heartbeat_period, cfg.agent.dead_after > 0, cfg.mqtt.inbox_per_node,
                                    cfg.agent.keyed_standby),
-                         allowed, admission.NodeDirs.of(cfg), trust, self.report.counters, self._boot)
-        self._undeploying: Set[str] = set()  # stopped for an undeploy: forgotten, never restarted
+                         allowed, admission.NodeDirs.of(cfg), trust, self.report.counters, boot)
         # fogctl scale pins (agent.node.pins), kept in the state directory
         self.pins = Pins(load_pins(Path(cfg.agent.state_dir)))
+        # Our workers' exits and the restarts and hand-overs they lead to (agent.node.exits,
+        # agent.node.handover); late-bound calls, like the requests' below.
+        self.exits = Exits(self.node, self.spawns, self.drain, self.fencing, self.pins, self.restarts, self.hosts,
+                           self.supervisor, self.report.counters,
+                           ExitCalls(unhost=self._unhost, forget=self._forget, spawn=lambda e, now: self._spawn(e, now),
+                                     event=lambda *a, **kw: self._event(*a, **kw),
+                                     hand_over=lambda *a: self.handovers.start(*a),
+                                     start=lambda group, now: self._start_group(group, now),
+                                     stop=lambda inst, now: self.supervisor.stop(inst, now),
+                                     stopping=lambda: self._stopping_since is not None))
+        self.handovers = HandOvers(self.node, cfg.agent.state_dir, boot, self.drain, lambda: self.wall(), HandOverCalls(
+            create_node=lambda *a, **kw: self._create_node(*a, **kw),
+            restart=lambda spec: self.exits.restart(spec, self.clock()), moved=self._stated_move, forget=self._forget,
+            event=lambda *a, **kw: self._event(*a, **kw), changed=self._changed,
+            stopping=lambda: self._stopping_since is not None))
         # The site manager (docs/site-manager.md): every agent reads the nodes' claims, each on its
         # own topic, and derives the leader (a drain on the peer topic is accepted from the leader
         # only); [site_manager] enabled runs a candidate, which shares this board.
@@ -414,7 +428,7 @@ class Agent:
         for reaped in self.supervisor.poll(now):
             self._on_reaped(reaped, now)
         if self.drain.copies_first:
-            self._release_keeper(now)
+            self.exits.release_keepers(now)
         if self.fencing.reconcile_due(now, self._retained_in, self._stopping_since is not None):
             self._reconcile(now)
         if self._hosted_dirty and self.connected:
@@ -424,10 +438,7 @@ class Agent:
         self._grant_reconnects(now)
         if self.pins:
             self.requests.expire_pins()
-        if self._stopping_since is None:
-            for spec in self.restarts.due(now):
-                self._restart(spec, now)
-        self._start_restarts(now)
+        self.exits.tick(now)
         if self.spawns.calls:
             self._spawn(spawns.Expire(), now)
         if self.replication.shippers:
@@ -540,16 +551,6 @@ class Agent:
             return 0  # `fogctl drain`: no new instance until `undrain`
         return max(0, self.cfg.agent.slots - len(self.supervisor))
 
-    def _release_keeper(self, now: float, left: Optional[str] = None) -> None:
-        """Stop each keeper of a drain that waits for keyed copies (`Requests.steer`) once they have
-        all left (`left` just exited) or its wait is over."""
-        for keeper, copies in self.drain.release(now, left):
-            if copies:
-                log.warning("copies %s still leaving after %.0f s: %s moves now", sorted(copies), COPIES_FIRST_WAIT,
-                            keeper, extra={"node": self.node})
-            if keeper in self.supervisor and self.drain.stops(keeper):
-                self.supervisor.stop(keeper, now)
-
     # -- createNode() --------------------------------------------------------------------------
 
     def _on_worker_line(self, instance: str, line: str, now: float) -> None:
@@ -592,7 +593,7 @@ class Agent:
         self._state_dirty = True
         cause = self.spawns.cause_of(instance)
         w = self.supervisor.get(instance)
-        if w is not None and instance not in self._undeploying:
+        if w is not None and instance not in self.exits.undeploying:
             # From now on the instance may be announced: an agent restart must bring it back.
             hosted.remember(self.cfg.agent.state_dir, without_handover(w.spec))
             self._hosted_dirty = True
@@ -622,7 +623,7 @@ class Agent:
         placing = self.spawns.placing() + list(self.view.placed_copies())
         spec = self.gate.worker_copy(self.wall(), w.spec if w is not None else None, msg,
                                      self.view.records.get(w.spec.pipeline) if w is not None else None,
-                                     requester in self._undeploying, local, placing, self.view.fleet, self.view.online)
+                                     requester in self.exits.undeploying, local, placing, self.view.fleet, self.view.online)
         if isinstance(spec, str):
             reply({"ok": False, "error": spec})
             return
@@ -767,118 +768,15 @@ class Agent:
     # -- worker exits --------------------------------------------------------------------------
 
     def _on_reaped(self, reaped: Reaped, now: float) -> None:
+        """A worker exited: counted, logged, and what follows decided (agent.node.exits)."""
         w = reaped.worker
         self._state_dirty = True
         self.report.exited(w)
-        placing = self.spawns.cause_of(w.instance) is not None
         reason = (w.exit_event or {}).get("reason") or w.killed_for or f"exit status {reaped.returncode}"
         log.info("worker pid %d exited with %d (%s)", w.pid, reaped.returncode, reason, extra={"instance": w.instance})
-        if placing:
-            # The spawn that started it is answered elsewhere (the next candidate, or a failure the
-            # requester places again): this incarnation must not come back here as a crash, or one
-            # identity would run on two nodes (their clients take the session from each other and
-            # both consume its inbox: docs/design.md invariant 7).
-            hosted.forget(self.cfg.agent.state_dir, w.instance)
-            self.replication.forget(w.instance)
-            self.hosts.not_started(w.instance)  # bound here while it started: not where it runs
-            self._hosted_dirty = True
-            self._spawn(spawns.Exited(w.instance, str(reason)), now)
-        handing_over = self.drain.exited(w.instance)
-        if self.drain.copies_first:
-            self._release_keeper(now, left=w.instance)
-        fenced = self.fencing.gone(w.instance)
-        undeployed = w.instance in self._undeploying
-        self._undeploying.discard(w.instance)
-        self.pins.forget(w.instance)
-        end = exit_of(clean=reaped.clean, crashed=reaped.crashed, said_final=bool((w.exit_event or {}).get("final")),
-                      bad_spec=reaped.returncode == WORKER_EXIT_BAD_SPEC, stopping=self._stopping_since is not None,
-                      handing_over=handing_over, fenced=fenced, undeployed=undeployed, chained=bool(w.chain),
-                      asked_to_stop=w.asked_to_stop, placing=placing)
-        if end.final:
-            hosted.forget(self.cfg.agent.state_dir, w.instance)  # gone for good: never re-adopt
-            self.replication.forget(w.instance)  # and its standby copy goes with our next record
-            self._hosted_dirty = True
-        if undeployed:
-            self._forget(w.instance)  # again: the state file it wrote while draining
-        self._event("terminated", w.instance, w.spec.operator, w.spec.pipeline, cause=end.cause,
-                    code=reaped.returncode, reason=str(reason), clean=reaped.clean, stats=w.stats)
-        if end.handover:
-            self._hand_over(w, now)
-        elif end.restart:
-            self._maybe_restart(w, now)
-
-    def _hand_over(self, w: Worker, now: float) -> None:
-        """Start a keeper that stopped for a drain again ELSEWHERE, with the same identity
-        (agent.node.handover says why and how)."""
-        inst = w.instance
-        transfer = f"{self._boot}-{self._counter}-{int(self.wall() * 1000)}"
-        self._counter += 1
-        move = handover.prepare(w.spec, w.stats, Path(self.cfg.agent.state_dir), self.wall(), transfer)
-        if move.refused:
-            log.error("hand-over refused (%s): restarting it here", move.refused, extra={"instance": inst})
-            self._event("drain", inst, w.spec.operator, w.spec.pipeline, action="handover", ok=False,
-                        error=move.refused)
-            self._restart(move.local, self.clock())
-            return
-
-        def reply(result: Dict[str, Any]) -> None:
-            self.drain.moving.discard(inst)
-            self._state_dirty = True
-            then = handover.outcome(result, self.node, self._stopping_since is not None)
-            if then == handover.MOVED:
-                log.info("handed over to %s (same identity)", result.get("node"), extra={"instance": inst})
-                self._stated_move(inst, result.get("node"))
-                self._forget(inst)  # hosted.forget + the state file: never re-adopted here
-                self._event("drain", inst, w.spec.operator, w.spec.pipeline, action="handover", ok=True,
-                            to=result.get("node"))
-                return
-            error = result.get("error") if not result.get("ok") else "placed on the draining node"
-            log.error("hand-over failed (%s): restarting it here", error, extra={"instance": inst})
-            self._event("drain", inst, w.spec.operator, w.spec.pipeline, action="handover", ok=False,
-                        error=str(error))
-            if then == handover.RESTART:
-                self._restart(move.local, self.clock())
-
-        log.info("keeper stopped for the drain: starting it elsewhere (epoch above %s%s)",
-                 (move.spec.extra["handover_state"] or {}).get("epoch"),
-                 f", keyed state of {move.keyed} bytes in {len(move.chunks)} chunks" if move.keyed is not None else "",
-                 extra={"instance": inst})
-        self.drain.moving.add(inst)
-        self._create_node(move.spec, reply, cause="handover", now=now, chunks=move.chunks)
-
-    def _maybe_restart(self, w: Worker, now: float) -> None:
-        """Restart a crashed worker with the same identity, at once or after its backoff
-        (agent.node.restarts)."""
-        spec, crashes, delay = self.restarts.on_crash(w.spec, now)
-        if delay:
-            log.error("worker crashed %d times in %.0fs: restarting in %.0fs", crashes, RESTART_WINDOW, delay,
-                      extra={"instance": w.instance})
-            return
-        self._restart(spec, now)
-
-    def _restart(self, spec: InstanceSpec, now: float) -> None:
-        """A chain's member waits for the end of this loop turn (`_start_restarts`): the members
-        of a chain die together, are reaped in one poll, and start again together as one process."""
-        if self.restarts.hold(spec):
-            return
-        try:
-            self.supervisor.start(spec, now)
-            self.counters["restarts"] += 1
-            log.warning("restarted crashed worker (same identity)", extra={"instance": spec.instance})
-        except (OSError, ValueError) as exc:
-            log.error("cannot restart worker: %s", exc, extra={"instance": spec.instance})
-
-    def _start_restarts(self, now: float) -> None:
-        """The chain members whose restart was held this turn, one process per chain."""
-        for group in self.restarts.take():
-            try:
-                self._start_group(group, now)
-                self.counters["restarts"] += len(group)
-                log.warning("restarted crashed worker (same identity)%s",
-                            f" as a chain of {len(group)}" if len(group) > 1 else "",
-                            extra={"instance": group[0].instance})
-            except (OSError, ValueError) as exc:
-                log.error("cannot restart chain: %s", exc, extra={"instance": group[0].instance})
+        self.exits.reaped(Exited(w.spec, w.stats, reaped.returncode, str(reason), reaped.clean, reaped.crashed,
+                                 bool((w.exit_event or {}).get("final")), reaped.returncode == WORKER_EXIT_BAD_SPEC,
+                                 bool(w.chain), w.asked_to_stop), now)
 
     def _start_group(self, group: List[InstanceSpec], now: float) -> None:
         """One process for one spec, or a chain process for a chain's members (upstream first)."""
@@ -921,15 +819,20 @@ class Agent:
 
     def _undeploy(self, instance: str) -> None:
         """Stopped for an undeploy: forgotten, never restarted."""
-        self._undeploying.add(instance)
+        self.exits.undeployed(instance)
         self._forget(instance)
 
-    def _forget(self, instance: str) -> None:
+    def _unhost(self, instance: str) -> None:
+        """Its stored spec and our standby copy's claim go: never re-adopted (agent.node.exits)."""
         hosted.forget(self.cfg.agent.state_dir, instance)
         self.replication.forget(instance)
+        self._hosted_dirty = True
+
+    def _forget(self, instance: str) -> None:
+        """Gone from this node for good: its stored spec, standby copy, pending restart and files."""
+        self._unhost(instance)
         self.restarts.forget(instance)
         deployfiles.forget(instance, Path(self.cfg.agent.state_dir))
-        self._hosted_dirty = True
 
     def _replicate(self, now: float) -> None:
         """Copy the keyed saves of our workers to their standbys (agent.node.replicas): to online
@@ -1099,7 +1002,7 @@ class Agent:
                 self._forget(spec.instance)
         for inst, w in list(self.supervisor.workers.items()):
             why = w.spec.pipeline == pipeline and records.stale_reason(records.spec_generation(w.spec), record)
-            if why and inst not in self._undeploying:
+            if why and inst not in self.exits.undeploying:
                 log.warning("stopping: %s", why, extra={"instance": inst})
                 self._undeploy(inst)
                 self.supervisor.stop(inst, now)

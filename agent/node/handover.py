@@ -10,17 +10,24 @@ are dropped by sequence and, at the sink, by record id). Placement skips the dra
 free slots). Once the new incarnation is ready the old node forgets the instance, so an agent
 restart there never re-adopts it; if no node can take it, it restarts there so that nothing
 stalls.
+
+`HandOvers` carries a hand-over out (reads the files the keeper wrote, asks createNode(), acts on
+its answer) through `HandOverCalls`, holding no reference to the daemon.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from agent.instance.spec import InstanceSpec
 from agent.node import statexfer
+from agent.node.drain import Drain
+
+log = logging.getLogger(__name__)
 
 MOVED, STAYS, RESTART = "moved", "stays", "restart"
 
@@ -72,6 +79,68 @@ def outcome(result: Mapping[str, Any], node: str, stopping: bool) -> str:
     return STAYS if result.get("ok") or stopping else RESTART
 
 
+@dataclasses.dataclass(frozen=True)
+class HandOverCalls:
+    """What a hand-over may have the rest of the node do."""
+
+    create_node: Callable[..., None]  # (spec, reply, cause=, now=, chunks=): placed anywhere but here
+    restart: Callable[[InstanceSpec], None]  # start it here again, now
+    moved: Callable[[str, Any], None]  # we moved the instance to that node: our "moved" statement
+    forget: Callable[[str], None]  # gone from this node for good: never re-adopted here
+    event: Callable[..., None]  # an event of one instance (etype, instance, operator, pipeline, **detail)
+    changed: Callable[[], None]  # our state changed: publish it soon
+    stopping: Callable[[], bool]  # the agent shuts down
+
+
+class HandOvers:
+    """The hand-overs of this node's drained keepers (the drain's `moving`: those whose start
+    elsewhere is not answered yet)."""
+
+    def __init__(self, node: str, state_dir: str, boot: str, drain: Drain, wall: Callable[[], float],
+                 calls: HandOverCalls) -> None:
+        self.node, self.state_dir, self.boot, self.drain, self.wall = node, Path(state_dir), boot, drain, wall
+        self.calls = calls
+        self._counter = 0  # of this agent's transfers: with `boot`, the keyed state's transfer id
+
+    def start(self, spec: InstanceSpec, stats: Mapping[str, Any], now: float) -> None:
+        """Start the keeper `spec`, stopped for a drain, again ELSEWHERE with the same identity."""
+        inst = spec.instance
+        transfer = f"{self.boot}-{self._counter}-{int(self.wall() * 1000)}"
+        self._counter += 1
+        move = prepare(spec, stats, self.state_dir, self.wall(), transfer)
+        if move.refused:
+            log.error("hand-over refused (%s): restarting it here", move.refused, extra={"instance": inst})
+            self.calls.event("drain", inst, spec.operator, spec.pipeline, action="handover", ok=False,
+                             error=move.refused)
+            self.calls.restart(move.local)
+            return
+
+        def reply(result: Dict[str, Any]) -> None:
+            self.drain.moving.discard(inst)
+            self.calls.changed()
+            then = outcome(result, self.node, self.calls.stopping())
+            if then == MOVED:
+                log.info("handed over to %s (same identity)", result.get("node"), extra={"instance": inst})
+                self.calls.moved(inst, result.get("node"))
+                self.calls.forget(inst)  # hosted.forget + the state file: never re-adopted here
+                self.calls.event("drain", inst, spec.operator, spec.pipeline, action="handover", ok=True,
+                                 to=result.get("node"))
+                return
+            error = result.get("error") if not result.get("ok") else "placed on the draining node"
+            log.error("hand-over failed (%s): restarting it here", error, extra={"instance": inst})
+            self.calls.event("drain", inst, spec.operator, spec.pipeline, action="handover", ok=False,
+                             error=str(error))
+            if then == RESTART:
+                self.calls.restart(move.local)
+
+        log.info("keeper stopped for the drain: starting it elsewhere (epoch above %s%s)",
+                 (move.spec.extra["handover_state"] or {}).get("epoch"),
+                 f", keyed state of {move.keyed} bytes in {len(move.chunks)} chunks" if move.keyed is not None else "",
+                 extra={"instance": inst})
+        self.drain.moving.add(inst)
+        self.calls.create_node(move.spec, reply, cause="handover", now=now, chunks=move.chunks)
+
+
 def read_json(path: Path) -> Optional[Dict[str, Any]]:
     """A small JSON object file (a worker's state or a source's position), or None."""
     try:
@@ -81,4 +150,4 @@ def read_json(path: Path) -> Optional[Dict[str, Any]]:
     return data if isinstance(data, dict) else None
 
 
-__all__ = ["HandOver", "MOVED", "RESTART", "STAYS", "outcome", "prepare", "read_json"]
+__all__ = ["HandOver", "HandOverCalls", "HandOvers", "MOVED", "RESTART", "STAYS", "outcome", "prepare", "read_json"]
