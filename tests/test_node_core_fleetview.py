@@ -119,7 +119,7 @@ def test_our_rehomed_record_is_ours_once_we_hold_it_and_an_older_copy_from_the_b
     v = FleetView("me")
     assert v.on_rehomed("me", json.dumps({"p.w.1": 1500.0}).encode()) is False  # at our start: read back
     assert v.rehomed_by_node["me"] == {"p.w.1": 1500.0}
-    v.rehomed_by_node["me"]["p.w.2"] = 1600.0  # we re-homed another one (daemon._maybe_rehome)
+    v.rehomed_by_node["me"]["p.w.2"] = 1600.0  # we re-homed another one (rehomer.Rehomer.tick)
     assert v.on_rehomed("me", json.dumps({"p.w.1": 1500.0}).encode()) is True  # the older copy: publish ours
     assert v.rehomed_by_node["me"] == {"p.w.1": 1500.0, "p.w.2": 1600.0}
     assert v.on_rehomed("me", b"{}") is True and v.rehomed_by_node["me"]["p.w.2"] == 1600.0

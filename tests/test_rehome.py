@@ -125,7 +125,7 @@ def test_the_agent_reads_departing_instances_from_the_node_states(tmp_path: Path
     agent.view.fleet["n3"] = {"instances": [{"id": "p.sink.0", "stats": {"state": "active"}},
                                        {"id": "sink-b", "stats": {"state": "departing"}},
                                        {"id": "sink-c", "stats": {"state": "deleting"}}]}
-    agent._maybe_rehome(100.0)
+    agent.rehomer.tick(100.0, agent.wall())
     assert [(s.instance, s.succs) for s in created] == [("p.mid.0", ("p.sink.0", "sink-c"))]
 
 
@@ -140,19 +140,19 @@ def test_a_retry_after_a_failed_rehome_does_not_place_the_others_again(tmp_path:
     agent._create_node = lambda spec, reply, cause, now: asked.append((spec.instance, reply))
     agent.bus.connected, agent.view.online, agent.rehoming.offline_since = True, {"n9": False}, {"n9": 0.0}
     agent.view.hosted_by_node = {"n9": [spec("p.mid.0", "mid", True), spec("mid-b", "mid")]}
-    agent._maybe_rehome(100.0)
+    agent.rehomer.tick(100.0, agent.wall())
     assert [a[0] for a in asked] == ["mid-b", "p.mid.0"]
     assert set(agent.view.rehomed_by_node["me"]) == {"mid-b", "p.mid.0"}
     asked[0][1]({"ok": False, "error": "no node has a free slot"})  # mid-b failed; p.mid.0 on its way
     assert set(agent.view.rehomed_by_node["me"]) == {"p.mid.0"}
-    agent._maybe_rehome(101.0)
+    agent.rehomer.tick(101.0, agent.wall())
     assert [a[0] for a in asked[2:]] == ["mid-b"]
-    agent._maybe_rehome(102.0)
+    agent.rehomer.tick(102.0, agent.wall())
     assert len(asked) == 3  # nothing failed since: nothing planned again
     # n9 comes back and lists both: the claims end (the next loss of n9 re-homes them again)
     agent.view.online, agent.rehoming.offline_since = {"n9": True}, {}
     agent.view.fleet["n9"] = {"instances": [{"id": "p.mid.0"}, {"id": "mid-b"}]}
-    agent._maybe_rehome(103.0)
+    agent.rehomer.tick(103.0, agent.wall())
     assert agent.rehoming.claims == {}
 
 
@@ -165,13 +165,13 @@ def test_a_failed_rehome_is_not_placed_again_when_the_returning_node_runs_it(tmp
     agent._create_node = lambda spec, reply, cause, now: asked.append((spec.instance, reply))
     agent.bus.connected, agent.view.online, agent.rehoming.offline_since = True, {"n9": False}, {"n9": 0.0}
     agent.view.hosted_by_node = {"n9": [spec("p.mid.0", "mid", True)]}
-    agent._maybe_rehome(100.0)
+    agent.rehomer.tick(100.0, agent.wall())
     agent.view.online, agent.rehoming.offline_since, agent.rehoming.online_since = {"n9": True}, {}, {"n9": 105.0}
     asked[0][1]({"ok": False, "error": "not ready 20.0s after start"})
-    agent._maybe_rehome(106.0)  # back for 1 s: its state may not show what it re-adopted yet
+    agent.rehomer.tick(106.0, agent.wall())  # back for 1 s: its state may not show what it re-adopted yet
     assert len(asked) == 1 and "p.mid.0" in agent.rehoming.retry
     agent.view.fleet["n9"] = {"instances": [{"id": "p.mid.0"}]}  # it did
-    agent._maybe_rehome(130.0)
+    agent.rehomer.tick(130.0, agent.wall())
     assert len(asked) == 1 and not agent.rehoming.retry
 
 
@@ -214,7 +214,7 @@ def test_the_agent_reads_idle_copies_from_the_lost_nodes_last_state(tmp_path: Pa
                             "n3": [spec("p.sink.0", "sink", True)]}
     agent.view.fleet["n2"] = {"instances": [{"id": "mid-b", "stats": {"state": "idle"}},  # the lost node's last state
                                        {"id": "p.mid.0", "stats": {"state": "duplicating"}}]}
-    agent._maybe_rehome(100.0)
+    agent.rehomer.tick(100.0, agent.wall())
     assert [(s.instance, s.active, s.extra.get("idle_copies")) for s in created] == [
         ("mid-b", False, None), ("p.mid.0", True, ["mid-b"])]
 
@@ -236,7 +236,7 @@ def test_a_rehomed_instance_is_told_the_round_it_waited_to_start_under_its_locks
         {"id": "p.mid.0", "stats": {"state": "active", "lock": {"intent": "duplicate", "adopting": None}}},
         {"id": "mid-b", "stats": {"state": "active", "lock": {"intent": "terminate", "adopting": "x"}}},
         {"id": "mid-c", "stats": {"state": "idle", "lock": {"intent": "terminate", "adopting": None}}}]}
-    agent._maybe_rehome(100.0)
+    agent.rehomer.tick(100.0, agent.wall())
     assert sorted((s.instance, s.extra.get("lock_intent")) for s in created) == [
         ("mid-b", None), ("mid-c", None), ("p.mid.0", "duplicate")]
     # the planner drops an intent its spec carried from an earlier re-home when none is reported
@@ -256,7 +256,7 @@ def test_a_rehomed_keyed_instance_is_told_the_key_groups_its_dead_incarnation_ow
                             "n3": [spec("p.sink.0", "sink", True)]}
     agent.view.fleet["n2"] = {"instances": [{"id": "p.mid.0", "stats": {"groups": [[0, 27, 1], [40, 127, 0]]}},
                                        {"id": "mid-b", "stats": {}}]}
-    agent._maybe_rehome(100.0)
+    agent.rehomer.tick(100.0, agent.wall())
     assert [(s.instance, s.extra.get("owned_groups")) for s in created] == [
         ("mid-b", None), ("p.mid.0", [[0, 27, 1], [40, 127, 0]])]
 
@@ -864,7 +864,7 @@ def test_a_standby_lists_what_its_copies_of_an_offline_host_own_and_the_rehome_r
     agent.view.online.update(n2=True, n4=False)
     agent.view.fleet["n2"] = {"standby_groups": {"cnt-d": [[4, 7, 2]], "cnt-x": [[0, 0, 0]]}}
     agent.view.fleet["n4"] = {"standby_groups": {"cnt-e": [[0, 0, 9]]}}  # offline: not read
-    v = agent.view  # what the re-homing agent passes (agent.node.daemon, _maybe_rehome)
+    v = agent.view  # what the re-homing agent passes (agent.node.rehomer, Rehomer.tick)
     got = rehoming.standby_groups(agent.node, "n3", v.hosted_by_node, agent.replication.store.owned(["n3"]), v.fleet,
                                   v.online)
     assert got == {"cnt-c": [[0, 3, 1]], "cnt-d": [[4, 7, 2]]}

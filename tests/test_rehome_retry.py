@@ -49,7 +49,7 @@ def test_a_rehome_that_fails_after_the_node_came_back_is_placed_again(tmp_path: 
     now = 101.0
     message(topics.agent_status("c", "n1"), b"offline")  # the Will of the killed agent
     now = 108.0
-    agent._maybe_rehome(now)
+    agent.rehomer.tick(now, agent.wall())
     assert [i for i, _ in placed] == ["p.source.0"]  # re-homed after dead_after
 
     now = 115.0
@@ -57,7 +57,7 @@ def test_a_rehome_that_fails_after_the_node_came_back_is_placed_again(tmp_path: 
     now = 135.0
     placed[0][1]({"ok": False, "error": "n3: worker exited before ready (not ready 20.0s after start)"})
     for now in (136.0, 140.0, 160.0):
-        agent._maybe_rehome(now)
+        agent.rehomer.tick(now, agent.wall())
     assert [i for i, _ in placed].count("p.source.0") >= 2, "the source runs nowhere and nobody places it again"
 
 

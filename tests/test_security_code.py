@@ -412,7 +412,7 @@ def test_rehome_from_a_hosted_record_is_admitted_like_a_spawn(tmp_path: Path,
               spec_body("agent.operators.builtin:identity", "p.work.2", sink_dir="/x/../escape")]
     agent.view.hosted_by_node["n9"] = record
     caplog.set_level(logging.WARNING, logger="agent.node.daemon")
-    agent._maybe_rehome(100.0)
+    agent.rehomer.tick(100.0, agent.wall())
     assert [s.instance for s in created] == ["p.work.0"]
     refused = [r.getMessage() for r in caplog.records if "refused spec" in r.getMessage()]
     assert len(refused) == 2 and all("the hosted record of n9" in m for m in refused)
@@ -459,7 +459,7 @@ def test_an_epoch_floor_ahead_of_the_nodes_clock_is_refused_and_never_saved(
     agent.bus.connected, agent.view.online, agent.rehoming.offline_since = True, {"n9": False}, {"n9": 0.0}
     agent.bus.retained_in = True  # the retained records are in (the sync marker came back)
     agent.view.hosted_by_node["n9"] = [spec_body(ok, "p.work.0"), spec_body(ok, "p.work.1", min_epoch=2 ** 53)]
-    agent._maybe_rehome(100.0)
+    agent.rehomer.tick(100.0, agent.wall())
     assert [(s.instance, s.extra["min_epoch"]) for s in created] == [("p.work.0", int(NOW))]
     assert hosted.hosted(tmp_path / "state") == []  # nothing refused was saved
 

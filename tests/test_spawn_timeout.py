@@ -30,7 +30,8 @@ def test_a_spawn_that_times_out_is_not_placed_again_under_the_same_identity(tmp_
     first node to be known not to run it."""
     from agent.config import load_agent_config
     from agent.node import spawns
-    from agent.node.daemon import RPC_TIMEOUT, Agent
+    from agent.node.daemon import Agent
+    from agent.node.spawns import RPC_TIMEOUT
 
     conf = tmp_path / "a.toml"
     conf.write_text(f'[agent]\nnode = "n1"\ncluster = "c"\nstate_dir = "{tmp_path}"\n[mqtt]\nhost = "h"\nport = 1\n')

@@ -57,7 +57,7 @@ import queue
 import signal
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 from agent import events, notify, signing, topics
 from agent.config import AgentConfig, check_tls, load_agent_config, load_pipeline_text, resolve_password
@@ -72,16 +72,15 @@ from agent.node import (chains, hosted, nodestate, rehome, replicas, rpc, siteef
 from agent.node.gate import Gate, NodeLocal, PeerFacts, without_handover
 from agent.node.pins import Pins
 from agent.node.restarts import Restarts
-from agent.node.spawns import RPC_TIMEOUT
-from agent.node import rehoming
 from agent.node.rehoming import Rehoming
+from agent.node.rehomer import Rehomer, RehomerCalls
 from agent.node.fleetview import FleetView
 from agent.node.bus import AgentBus
 from agent.node.report import Report
 from agent.node.requests import NodeCalls, Requests, load_pins
 from agent.node.drain import Drain
 from agent.node.exits import ExitCalls, Exited, Exits
-from agent.node.fencing import READOPT_SETTLE, Facts, Fencing, Running, rehomed_by_others
+from agent.node.fencing import Facts, Fencing, Running, rehomed_by_others
 from agent.node import loopevents
 from agent.node.handover import HandOverCalls, HandOvers, read_json
 from agent.node.hostmap import MAX_MOVED
@@ -220,6 +219,14 @@ class Agent:
                                    cfg.agent.heartbeat_period, cfg.agent.dead_after > 0, cfg.mqtt.inbox_per_node,
                                    cfg.agent.keyed_standby),
                          allowed, admission.NodeDirs.of(cfg), trust, self.report.counters, boot)
+        # This node as the re-homer of lost nodes (agent.node.rehomer)
+        self.rehomer = Rehomer(self.node, cfg.agent.dead_after, cfg.agent.state_period, self.rehoming, self.view,
+                               self.gate, RehomerCalls(
+            create_node=lambda *a, **kw: self._create_node(*a, **kw), publish_rehomed=lambda: self._publish_rehomed(),
+            moved=self._stated_move, connected=lambda: self.connected, retained_in=lambda: self._retained_in,
+            stopping=lambda: self._stopping_since is not None,
+            local=lambda: {i: w.stats for i, w in self.supervisor.workers.items()},
+            copies=lambda node: self.replication.store.owned([node])))
         # fogctl scale pins (agent.node.pins), kept in the state directory
         self.pins = Pins(load_pins(Path(cfg.agent.state_dir)))
         # Our workers' exits and the restarts and hand-overs they lead to (agent.node.exits,
@@ -434,7 +441,7 @@ class Agent:
         if self._hosted_dirty and self.connected:
             self._publish_hosted()
         self._sync_hosts()
-        self._maybe_rehome(now)
+        self.rehomer.tick(now, self.wall())
         self._grant_reconnects(now)
         if self.pins:
             self.requests.expire_pins()
@@ -785,10 +792,6 @@ class Agent:
         else:
             self.supervisor.start_chain(group, now)
 
-    def _listed_elsewhere(self) -> Set[str]:
-        """Instance ids that another ONLINE node lists in its retained state."""
-        return rehoming.listed_elsewhere(self.node, self.view.fleet, self.view.online)
-
     def _grant_reconnects(self, now: float) -> None:
         """Let workers that lost their connection reconnect (re-homing on, see
         shell.Worker._ask_to_reconnect) when agent.node.fencing says why it is safe."""
@@ -902,86 +905,6 @@ class Agent:
         saved = self.hosts.bindings_to_keep()
         if saved is not None and self._keep(BINDINGS_FILE, saved, "bindings"):
             self.hosts.kept(saved)
-
-    def _maybe_rehome(self, now: float) -> None:
-        """Start elsewhere, same identities, the instances of nodes offline for `dead_after`
-        seconds, if this agent is the lowest-named online one (agent.node.rehome, rehoming)."""
-        if self.rehoming.claims:
-            ttl = RPC_TIMEOUT + 3 * self.cfg.agent.state_period
-            self.rehoming.drop_claims(now, ttl, self._listed_elsewhere() | set(self.supervisor.workers))
-        if not self._retained_in:
-            # Not on what the last connection left: a node that came back while we were away is
-            # still offline here until its retained status is in (re-homing a live node's
-            # instances runs each identity twice), and so is who else is online.
-            return
-        self._retry_failed_rehomes(now)
-        if (not self.connected or self._stopping_since is not None or not self.rehoming.offline_since
-                or self.cfg.agent.dead_after <= 0):
-            return
-        if not rehome.responsible(self.node, {n for n, up in self.view.online.items() if up} | {self.node}):
-            return
-        v = self.view
-        for node, since in self.rehoming.lost(now, self.cfg.agent.dead_after):
-            wall = self.wall()  # one reading: the specs' floor and our record's time (rehoming.rehomed_here)
-            listed = self._listed_elsewhere() | set(self.supervisor.workers) | set(self.rehoming.claims)
-            local = {i: w.stats for i, w in self.supervisor.workers.items()}
-            standby = rehoming.standby_groups(self.node, node, v.hosted_by_node,
-                                              self.replication.store.owned([node]), v.fleet, v.online)
-            plan = rehome.plan_lost(self.node, node, v.hosted_by_node, v.fleet, v.online, local, listed, int(wall),
-                                    standby, v.records, v.deployed_text)
-            self.rehoming.planned(node)
-            if plan.planned:
-                rehoming.with_plan(v.rehomed_by_node.setdefault(self.node, {}), list(plan.planned), wall)
-                self._publish_rehomed()
-            log.warning("node %s offline for %.0fs: re-homing %d instances%s%s", node, now - since,
-                        len(plan.planned), f", idle copies {list(plan.idle)}" if plan.idle else "",
-                        f", creators told of idle copies {list(plan.told)}" if plan.told else "",
-                        extra={"node": self.node})
-            for inst, stale in plan.skipped:  # an undeployed pipeline does not come back through a dead node's record
-                log.info("not re-homing %s: %s", inst, stale, extra={"node": self.node})
-            for data in plan.start:
-                try:  # the hosted record is bus input: admitted like a spawn request
-                    spec = self.gate.spec_from(self.wall(), data, template=None,
-                                               requester=f"the hosted record of {node}")
-                except (TypeError, ValueError) as exc:
-                    log.error("cannot re-home %s: %s", data.get("instance"), exc, extra={"node": self.node})
-                    continue
-                self._start_rehome(node, spec, now)
-
-    def _start_rehome(self, node: str, spec: InstanceSpec, now: float) -> None:
-        def reply(result: Dict[str, Any]) -> None:
-            if not result.get("ok"):
-                log.error("re-homing %s failed: %s", spec.instance, result.get("error"), extra={"node": self.node})
-                self._rehome_failed(node, spec)
-            else:
-                self._stated_move(spec.instance, result.get("node"))  # the re-homer says where
-
-        self.rehoming.claim(spec.instance, now)
-        self._create_node(spec, reply, cause="rehome", now=now)
-
-    def _retry_failed_rehomes(self, now: float) -> None:
-        """A re-home that failed after its node came back: the next plan of that node never comes
-        (it is online), and the node, seeing our re-homed record at its reconnect, may have
-        forgotten the instance: it ran nowhere. Once the node has been back long enough for its
-        state to show what it re-adopted, an instance that no online node runs is re-homed again,
-        under a new epoch floor (rehoming.rehomed_here)."""
-        if not self.rehoming.retry or not self.connected or self._stopping_since is not None:
-            return
-        listed = self._listed_elsewhere() | set(self.supervisor.workers) | set(self.rehoming.claims)
-        settle = READOPT_SETTLE + 2 * self.cfg.agent.state_period
-        for node, spec in self.rehoming.retries(now, listed, self.view.online, settle):
-            again = self.rehoming.again(spec, self.wall(), self.view.rehomed_by_node.setdefault(self.node, {}))
-            self._publish_rehomed()
-            log.warning("re-homing %s again: node %s is back and does not run it", spec.instance, node,
-                        extra={"node": self.node})
-            self._start_rehome(node, again, now)
-
-    def _rehome_failed(self, node: str, spec: InstanceSpec) -> None:
-        """Try the instance again later (rehoming.Rehoming.failed); our re-homed record no longer
-        claims it."""
-        record = self.view.rehomed_by_node.get(self.node, {})
-        if self.rehoming.failed(node, spec, record) and self.connected:
-            self._publish_rehomed()
 
     def _publish_rehomed(self) -> None:
         """Our retained re-homed record, as we hold it (FleetView keeps our own copy over what a
