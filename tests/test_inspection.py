@@ -43,7 +43,7 @@ def fogctl(capsys, broker, cluster: str, *argv: str) -> Tuple[int, str, str]:
 
 
 def terminated(cause: str) -> events.Event:
-    """What the daemon publishes when a worker leaves (agent/node/daemon.py `_on_reaped`):
+    """What the daemon publishes when a worker leaves (agent/node/exits.py `Exits.reaped`):
     the worker's whole stats object rides along, ~1,500 characters of it."""
     stats = {f"counter_{k}": k * 1000 for k in range(80)}
     stats.update(decisions=[{"at": 1.0, "kind": "scale_out", "load": 5.0, "new": ["x"]}], state="terminated")

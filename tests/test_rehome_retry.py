@@ -23,7 +23,7 @@ def test_a_rehome_that_fails_after_the_node_came_back_is_placed_again(tmp_path: 
     keepers after 6 s. The re-homed source was not ready 20 s after its start, on n2 and then on
     n3, so its createNode() failed. n1 was back by then: n2 tries a failed re-home again only
     while the node is offline, and n1, seeing n2's re-homed record at its reconnect, had
-    forgotten the instance (`_reconcile`: it runs elsewhere now). No node ran the source again,
+    forgotten the instance (`Reconciler.reconcile`: it runs elsewhere now). No node ran the source again,
     its last records never left, and no source record would ever again reach the sink."""
     from agent.config import load_agent_config
     from agent.node.daemon import Agent

@@ -595,7 +595,7 @@ HANDOVER_PIPELINE = with_work("agent.operators.builtin:in_zone")
 
 
 def test_a_handed_over_keeper_keeps_its_identity_state_and_a_higher_epoch(tmp_path: Path) -> None:
-    """The drain hand-over (daemon `_hand_over`): the spawn rpc that carries a migrating keeper
+    """The drain hand-over (`HandOvers.start`): the spawn rpc that carries a migrating keeper
     keeps `restart`, `keeper` and the shipped state; the worker on the new node restores that
     state (epoch + 1) unless a newer incarnation's file is already there; copies and the hosted
     record never inherit the shipped state. No broker needed: the worker is only constructed."""
@@ -689,7 +689,7 @@ def test_fencing_spares_an_instance_placed_here_since_the_connect_and_never_rest
     agent.fencing.connected_at, agent.fencing.readopted = 10.0, True
     agent.view.online = {"n2": True}
     agent.view.fleet = {"n2": {"instances": [{"id": "p.work.0"}, {"id": "p.sink.0"}]}}  # n2 lists both
-    agent._reconcile(20.0)
+    agent.reconciler.reconcile(20.0, agent.wall())
     assert old.proc.signals == [_signal.SIGKILL] and old.killed_for == "re-homed elsewhere"
     assert new.proc.signals == [] and new.killed_for is None  # placed here after the connect
     del agent.supervisor.workers["p.work.0"]  # what poll() does when it reaps it
@@ -726,14 +726,14 @@ def test_when_two_nodes_fence_at_once_the_copy_of_the_latest_rehome_stays(tmp_pa
 
     n1 = agent_running("n1", {"work-a": 1000, "work-b": 990, "work-c": None})
     n2 = agent_running("n2", {"work-a": 995, "work-b": 900, "work-c": None})
-    n1._reconcile(20.0)
-    n2._reconcile(20.0)
+    n1.reconciler.reconcile(20.0, n1.wall())
+    n2.reconciler.reconcile(20.0, n2.wall())
     stopped = {(a.node, i) for a in (n1, n2) for i, w in a.supervisor.workers.items() if w.proc.signals}
     assert stopped == {("n2", "work-a"), ("n2", "work-b"), ("n1", "work-c"), ("n2", "work-c")}
 
 
 def test_a_keeper_stopped_for_a_drain_moves_with_its_state_or_restarts_here(tmp_path: Path) -> None:
-    """The sending half of the drain hand-over (`_on_reaped` -> `_hand_over`): the keeper's spec
+    """The sending half of the drain hand-over (`_on_reaped` -> `HandOvers.start`): the keeper's spec
     goes to createNode() with restart = true, the keeper flag and the state file it wrote; a
     ready reply from another node makes this node forget it (hosted spec and state file); when
     no node can take it (here: the draining node is the only one), it restarts HERE with the

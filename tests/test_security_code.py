@@ -392,7 +392,7 @@ def test_readopt_sets_aside_a_stored_spec_the_node_does_not_admit(tmp_path: Path
     hosted.remember(state, stored("p.work.1", "builtins:exec"))  # saved before this node refused it
     hosted.remember(state, stored("p.work.2", "agent.operators.builtin:identity", sink_dir="/x/../escape"))
     agent.fencing.started(hosted.hosted(state))
-    agent._readopt(0.0)
+    agent.reconciler.readopt(0.0, agent.wall())
     assert [s.instance for s in started] == ["p.work.0"]
     assert [s.instance for s in hosted.hosted(state)] == ["p.work.0"]  # neither re-adopted nor published again
     assert sorted(p.name for p in state.glob("*.refused")) == ["p.work.1.spec.json.refused",
@@ -478,7 +478,7 @@ def test_a_stored_epoch_floor_survives_a_clock_set_back(tmp_path: Path) -> None:
     hosted.remember(state, InstanceSpec("p.work.0", "work", "me", "c", "p", text, broker, extra={"min_epoch": int(NOW)}))
     hosted.remember(state, InstanceSpec("p.work.1", "work", "me", "c", "p", text, broker, extra={"min_epoch": "x"}))
     agent.fencing.started(hosted.hosted(state))
-    agent._readopt(0.0)
+    agent.reconciler.readopt(0.0, agent.wall())
     assert [s.instance for s in started] == ["p.work.0"] and started[0].extra["min_epoch"] == int(NOW)
     assert [p.name for p in state.glob("*.refused")] == ["p.work.1.spec.json.refused"]
 

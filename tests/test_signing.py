@@ -258,7 +258,7 @@ def test_a_stored_spec_without_a_signature_is_set_aside_not_readopted(tmp_path: 
     agent.fencing.started(hosted.hosted(state))
     groups: List[Any] = []
     agent._start_group = lambda group, now: groups.append([s.instance for s in group])  # type: ignore[method-assign]
-    agent._readopt(agent.clock())
+    agent.reconciler.readopt(agent.clock(), agent.wall())
     assert groups == [["lab.source.1"]]
     assert (state / "lab.source.0.spec.json.refused").exists() and agent.counters["refused_signatures"] == 1
 

@@ -54,7 +54,7 @@ ACCEPT, HOLD, REFUSE = "accept", "hold", "refuse"
 # sender that crash-looped a thousand times while we did not hear from it is not plausible.
 MAX_EPOCH_STEP = 1000
 # Re-homing and hand-over without state start at `min_epoch` = the re-homing agent's wall clock
-# in seconds (agent.node.rehome, daemon `_hand_over`), plus one per later restart. Another
+# in seconds (agent.node.rehome, agent.node.handover), plus one per later restart. Another
 # node's clock may run ahead of ours: NTP keeps fog nodes within a second; a minute of margin
 # (also for a burst of restarts right after a re-home). Whatever a forger sets within it, the
 # real sender's next re-home or hand-over is above it a minute later.

@@ -67,27 +67,27 @@ from agent.files import write_atomic
 from agent.instance import deployfiles
 from agent.instance.spec import InstanceSpec, request_spec
 from agent.mqtt.settings import BrokerSpec
-from agent.node import (chains, hosted, nodestate, rehome, replicas, rpc, siteeffects, spawns, spawnshell,
+from agent.node import (hosted, nodestate, rehome, replicas, rpc, siteeffects, spawns, spawnshell,
                         statexfer)
 from agent.node.gate import Gate, NodeLocal, PeerFacts, without_handover
 from agent.node.pins import Pins
 from agent.node.restarts import Restarts
 from agent.node.rehoming import Rehoming
 from agent.node.rehomer import Rehomer, RehomerCalls
+from agent.node.reconcile import ReconcileCalls, Reconciler
 from agent.node.fleetview import FleetView
 from agent.node.bus import AgentBus
 from agent.node.report import Report
 from agent.node.requests import NodeCalls, Requests, load_pins
 from agent.node.drain import Drain
 from agent.node.exits import ExitCalls, Exited, Exits
-from agent.node.fencing import Facts, Fencing, Running, rehomed_by_others
+from agent.node.fencing import Fencing
 from agent.node import loopevents
 from agent.node.handover import HandOverCalls, HandOvers, read_json
 from agent.node.hostmap import MAX_MOVED
 from agent.node.hostsync import HostSync
 from agent.node.contexts import PolicyContexts, siblings
 from agent.node.inbound import FOLLOWED_FILE, Inbound, InboundCalls
-from agent.control import records
 from agent.node.placement import (
     DEFAULT_POLICY,
     NodeView,
@@ -200,7 +200,8 @@ class Agent:
         # keyed states copied to a standby node, both roles (agent.node.replicas)
         self.replication = replicas.Replication(self.node, Path(self.cfg.agent.state_dir))
         self.rehoming = Rehoming(self.node)  # offline times, planned nodes, claims, retries
-        self._hosted_dirty = True
+        # the specs stored as hosted here, and whether our retained hosted record lags (agent.node.hosted)
+        self.stored = hosted.HostedSpecs(cfg.agent.state_dir)
         # Which node hosts which instance (docs/security.md, "Data channels"), sent to every worker
         # as the control line "hosts", and where this node moved instances to (agent.node.hostsync),
         # both kept in the state directory.
@@ -244,6 +245,15 @@ class Agent:
             restart=lambda spec: self.exits.restart(spec, self.clock()), moved=self._stated_move, forget=self._forget,
             event=lambda *a, **kw: self._event(*a, **kw), changed=self._changed,
             stopping=lambda: self._stopping_since is not None))
+        # After a connect, the fencing core's answers carried out, and the instances a pipeline's
+        # record rules out (agent.node.reconcile)
+        self.reconciler = Reconciler(self.node, cfg.agent.slots, self.fencing, self.gate, self.view, self.stored,
+                                     self.supervisor.workers, self.exits.undeploying, self.report.counters,
+                                     ReconcileCalls(
+            forget=self._forget, undeploy=self._undeploy, kill=lambda *a: self.supervisor.kill(*a),
+            stop=lambda inst, now: self.supervisor.stop(inst, now), start=lambda g, now: self._start_group(g, now),
+            local_spec=lambda spec: self.spill.with_spill(spec) if self.spill is not None else spec,
+            changed=self._changed))
         # The site manager (docs/site-manager.md): every agent reads the nodes' claims, each on its
         # own topic, and derives the leader (a drain on the peer topic is accepted from the leader
         # only); [site_manager] enabled runs a candidate, which shares this board.
@@ -277,7 +287,7 @@ class Agent:
                                lambda: self.clock(), lambda: self.wall(),
                                InboundCalls(publish=lambda *a, **kw: self._publish(*a, **kw), keep=self._keep,
                                             bad=lambda *a: self._bad(*a), changed=self._changed,
-                                            drop_stale=self._drop_stale, retained_in=lambda: self._retained_in,
+                                            drop_stale=lambda p, now: self.reconciler.drop_stale(p, now), retained_in=lambda: self._retained_in,
                                             restate_rehomed=lambda: self._publish_rehomed()))
 
     # -- MQTT (agent.node.bus) -----------------------------------------------------------------
@@ -306,7 +316,7 @@ class Agent:
         self._publish_state(self.clock())
         self.bus.online()
         self._state_dirty = True
-        self._hosted_dirty = True
+        self.stored.dirty = True
         if self.view.rehomed_by_node.get(self.node):
             # a broker restarted from its last autosave may have lost it (or kept an older copy)
             self._publish_rehomed()
@@ -333,7 +343,7 @@ class Agent:
         # What the previous incarnation hosted, read before this one starts anything: only these
         # are re-adopted (an instance this agent starts and stops before the first reconcile
         # must not come back).
-        self.fencing.started(hosted.hosted(self.cfg.agent.state_dir))
+        self.fencing.started(self.stored.specs())
         self.bus.start()
         status = EXIT_OK
         try:
@@ -437,8 +447,8 @@ class Agent:
         if self.drain.copies_first:
             self.exits.release_keepers(now)
         if self.fencing.reconcile_due(now, self._retained_in, self._stopping_since is not None):
-            self._reconcile(now)
-        if self._hosted_dirty and self.connected:
+            self.reconciler.reconcile(now, self.wall())
+        if self.stored.dirty and self.connected:
             self._publish_hosted()
         self._sync_hosts()
         self.rehomer.tick(now, self.wall())
@@ -578,7 +588,7 @@ class Agent:
         elif event == "may_reconnect":
             # Fencing: answered in _grant_reconnects once a PUBACK newer than this ask proves
             # our own connection is up (then the broker never fired our Will meanwhile, or we
-            # reconnected and _reconcile ran). The state publish provokes that PUBACK.
+            # reconnected and the reconcile ran). The state publish provokes that PUBACK.
             self.fencing.asked(instance, now)
             if self.connected:
                 self._publish_state(now)
@@ -602,8 +612,7 @@ class Agent:
         w = self.supervisor.get(instance)
         if w is not None and instance not in self.exits.undeploying:
             # From now on the instance may be announced: an agent restart must bring it back.
-            hosted.remember(self.cfg.agent.state_dir, without_handover(w.spec))
-            self._hosted_dirty = True
+            self.stored.remember(without_handover(w.spec))
             if self.connected:
                 # Before the reply below: the receivers of the new instance learn that this node
                 # hosts it (the binding of its envelopes) before anybody is told it exists.
@@ -798,25 +807,6 @@ class Agent:
         for inst in self.fencing.grants(set(self.supervisor.workers), self.connected, self.bus.last_puback):
             self.supervisor.send(inst, "reconnect")
 
-    def _reconcile(self, now: float) -> None:
-        """After a (re)connect, once the retained states are in: fence our instances that an
-        online node now runs (kill our process, forget it), so that one identity never runs
-        twice; on the first connect then re-adopt the rest (agent.node.fencing)."""
-        state_dir = self.cfg.agent.state_dir
-        v = self.view
-        stored = {s.instance for s in hosted.hosted(state_dir)}
-        since = {i: hosted.since(state_dir, i) for i in rehomed_by_others(self.node, v.rehomed_by_node)}
-        running = {i: Running(w.started_at, w.spec.extra.get("min_epoch")) for i, w in self.supervisor.workers.items()}
-        decided = self.fencing.reconcile(Facts(running, stored, since, v.fleet, v.online, v.rehomed_by_node))
-        for inst in decided.fence:
-            log.warning("instance re-homed while this node was away: stopping our copy", extra={"instance": inst})
-            self.supervisor.kill(inst, now, "re-homed elsewhere")
-            self._forget(inst)
-        for inst in decided.forget:
-            self._forget(inst)
-        if decided.readopt:
-            self._readopt(now)
-
     def _changed(self) -> None:
         self._state_dirty = True
 
@@ -827,9 +817,8 @@ class Agent:
 
     def _unhost(self, instance: str) -> None:
         """Its stored spec and our standby copy's claim go: never re-adopted (agent.node.exits)."""
-        hosted.forget(self.cfg.agent.state_dir, instance)
+        self.stored.forget(instance)
         self.replication.forget(instance)
-        self._hosted_dirty = True
 
     def _forget(self, instance: str) -> None:
         """Gone from this node for good: its stored spec, standby copy, pending restart and files."""
@@ -842,7 +831,7 @@ class Agent:
         nodes that are not draining."""
         eligible = self.view.eligible_standbys()
         if self.replication.tick(now, eligible if self.connected else [], self._publish_replica, self._tell_replicated):
-            self._hosted_dirty = True  # the hosted record names each standby
+            self.stored.dirty = True  # the hosted record names each standby
 
     def _publish_replica(self, standby: str, body: Dict[str, Any], correlation: Optional[str]) -> Any:
         """False when not queued, else the message id: the next part of a snapshot waits for its
@@ -879,15 +868,15 @@ class Agent:
 
     def _hosted_first(self) -> None:
         """Our hosted record, published before a request that the receiver checks against it."""
-        if self._hosted_dirty:
+        if self.stored.dirty:
             self._publish_hosted()
 
     def _publish_hosted(self) -> None:
-        specs = [self._with_standby(request_spec(s)) for s in hosted.hosted(self.cfg.agent.state_dir)]
+        specs = [self._with_standby(request_spec(s)) for s in self.stored.specs()]
         self.view.hosted_by_node[self.node] = specs
         self.hosts.dirty = True
         if self._publish(topics.agent_hosted(self.cluster, self.node), rehome.encode_hosted(specs), retain=True):
-            self._hosted_dirty = False
+            self.stored.dirty = False
 
     def _sync_hosts(self) -> None:
         """Send each worker the host table of its pipeline when it changed (agent.node.hostsync)."""
@@ -912,60 +901,6 @@ class Agent:
         record = self.view.rehomed_by_node.get(self.node, {})
         self._publish(topics.agent_rehomed(self.cluster, self.node), json.dumps(record, sort_keys=True).encode(),
                       retain=True)
-
-    def _drop_stale(self, pipeline: str, now: float) -> None:
-        """The record of `pipeline` changed: every instance of it that the record now rules out
-        (a tombstone, another deploy's generation: records.stale_reason) is forgotten and, if it
-        runs, stopped. This is how an agent that was away during an undeploy learns it."""
-        record = self.view.records.get(pipeline)
-        for spec in hosted.hosted(self.cfg.agent.state_dir):
-            why = spec.pipeline == pipeline and records.stale_reason(records.spec_generation(spec), record)
-            if why and spec.instance not in self.supervisor:
-                log.warning("stored spec forgotten: %s", why, extra={"instance": spec.instance})
-                self._forget(spec.instance)
-        for inst, w in list(self.supervisor.workers.items()):
-            why = w.spec.pipeline == pipeline and records.stale_reason(records.spec_generation(w.spec), record)
-            if why and inst not in self.exits.undeploying:
-                log.warning("stopping: %s", why, extra={"instance": inst})
-                self._undeploy(inst)
-                self.supervisor.stop(inst, now)
-
-    def _readopt(self, now: float) -> None:
-        """Restart, with the same identity, every instance this node hosted when its agent last
-        stopped (agent.node.hosted, agent.node.fencing): they are still in their neighbours'
-        routing tables. Node-local settings come from this agent's configuration, not from the
-        stored spec; a stored spec this node no longer admits is set aside (`hosted.set_aside`),
-        not started."""
-        present = {s.instance for s in hosted.hosted(self.cfg.agent.state_dir)}  # not forgotten since
-        todo = self.fencing.readopt(set(self.supervisor.workers), present, self.view.records)
-        for spec, stale in todo.stale:
-            log.warning("not re-adopted: %s (stored spec forgotten)", stale, extra={"instance": spec.instance})
-            self._forget(spec.instance)
-        adopt: List[InstanceSpec] = []
-        for spec in todo.adopt:
-            spec = dataclasses.replace(spec, restart=True, **self.gate.node_local(spec.extra))
-            try:  # a file in the state dir is no more trusted than the request that wrote it
-                self.gate.admit(self.wall(), spec, "the state dir")
-            except ValueError:
-                hosted.set_aside(self.cfg.agent.state_dir, spec.instance)
-                self._hosted_dirty = True
-                continue
-            if self.spill is not None:
-                spec = self.spill.with_spill(spec)
-            adopt.append(spec)
-        for group in chains.group_chains(adopt):  # a chain's members together, as one process again
-            try:
-                self._start_group(group, now)
-            except (OSError, ValueError) as exc:
-                log.error("cannot re-adopt instance: %s", exc, extra={"instance": group[0].instance})
-                continue
-            self.counters["readopted"] = self.counters.get("readopted", 0) + len(group)
-            for spec in group:
-                log.warning("re-adopted instance hosted before the agent restarted", extra={"instance": spec.instance})
-        if len(self.supervisor) > self.cfg.agent.slots:
-            log.warning("%d re-adopted instances exceed the %d slots (no new ones until some leave)",
-                        len(self.supervisor), self.cfg.agent.slots, extra={"node": self.node})
-        self._state_dirty = True
 
     # -- shutdown ------------------------------------------------------------------------------
 

@@ -39,7 +39,7 @@ from agent.instance.spec import InstanceSpec
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SUFFIX", "REFUSED", "remember", "forget", "set_aside", "hosted", "since"]
+__all__ = ["SUFFIX", "REFUSED", "HostedSpecs", "remember", "forget", "set_aside", "hosted", "since"]
 
 SUFFIX = ".spec.json"
 REFUSED = ".refused"  # appended to a stored spec the agent no longer admits (see set_aside)
@@ -97,3 +97,31 @@ def hosted(state_dir: PathLike) -> List[InstanceSpec]:
         except (OSError, ValueError, TypeError, KeyError) as exc:
             log.error("%s: not a hosted-instance spec (%s): skipped", path, exc)
     return specs
+
+
+class HostedSpecs:
+    """This node's stored specs (the functions above, on its state directory) and whether its
+    retained hosted record, which lists them, is to be published again (`dirty`): every change of
+    a stored spec sets it, so the record never lags behind what an agent restart would re-adopt."""
+
+    def __init__(self, state_dir: PathLike) -> None:
+        self.state_dir = state_dir
+        self.dirty = True
+
+    def specs(self) -> List[InstanceSpec]:
+        return hosted(self.state_dir)
+
+    def since(self, instance: str) -> float:
+        return since(self.state_dir, instance)
+
+    def remember(self, spec: InstanceSpec) -> None:
+        remember(self.state_dir, spec)
+        self.dirty = True
+
+    def forget(self, instance: str) -> None:
+        forget(self.state_dir, instance)
+        self.dirty = True
+
+    def set_aside(self, instance: str) -> None:
+        set_aside(self.state_dir, instance)
+        self.dirty = True

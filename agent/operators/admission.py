@@ -327,7 +327,7 @@ def check_spec_paths(dirs: NodeDirs, extra: Mapping[str, Any], function: str, pa
 # margin only has to cover clock skew between NTP-synchronised nodes; a forged 2^53 would give the
 # instance an absurd epoch that its receivers keep (docs/security.md, "Steering fields").
 MAX_EPOCH_AHEAD = 300
-# The requester `Agent._readopt` names: a spec stored in this node's own state dir.
+# The requester `Reconciler.readopt` (agent.node.reconcile) names: a spec stored in this node's own state dir.
 FROM_STATE_DIR = "the state dir"
 # Fault injection (`extra.crash_at`, agent.instance.worker `crash_point`) is honoured only where
 # this is "1" in the agent's environment: the reliability tests set it, nothing else does.
