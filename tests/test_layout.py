@@ -296,6 +296,7 @@ SANS_IO = {
     "agent.node.exits": NODE_CORE,
     "agent.node.rehomer": NODE_CORE,
     "agent.node.reconcile": NODE_CORE,
+    "agent.node.workerlines": NODE_CORE,
     # the hand-over's wire codec, and the scaling driver's parts with state of their own (the
     # driver itself draws from its own seeded generator and reads agent.config)
     "agent.instance.handover_wire": NETWORK | {"os", "time", "threading", "random"},

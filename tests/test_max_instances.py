@@ -108,7 +108,7 @@ def _spawn(agent: Any, requester: str, instance: str, request: str) -> None:
     template = agent.supervisor.workers[requester].spec
     spec = json.loads(template.to_json())
     spec.update(instance=instance, keeper=False, active=False, succs=[], preds=[])
-    agent._on_worker_spawn(requester, {"request": request, "spec": spec}, 1.0)
+    agent.worker_lines.spawn(requester, {"request": request, "spec": spec}, 1.0, agent.wall())
 
 
 def test_the_agent_refuses_copies_past_max_instances(tmp_path: Path) -> None:

@@ -69,12 +69,13 @@ from agent.instance.spec import InstanceSpec, request_spec
 from agent.mqtt.settings import BrokerSpec
 from agent.node import (hosted, nodestate, rehome, replicas, rpc, siteeffects, spawns, spawnshell,
                         statexfer)
-from agent.node.gate import Gate, NodeLocal, PeerFacts, without_handover
+from agent.node.gate import Gate, NodeLocal, PeerFacts
 from agent.node.pins import Pins
 from agent.node.restarts import Restarts
 from agent.node.rehoming import Rehoming
 from agent.node.rehomer import Rehomer, RehomerCalls
 from agent.node.reconcile import ReconcileCalls, Reconciler
+from agent.node.workerlines import LineCalls, WorkerLines
 from agent.node.fleetview import FleetView
 from agent.node.bus import AgentBus
 from agent.node.report import Report
@@ -100,7 +101,7 @@ from agent.operators import admission
 from agent.spill.local import AgentSpill
 from agent.node.site_driver import SiteDriver
 from agent.node.site_manager import LeaseBoard, lease_bound
-from agent.node.supervisor import WORKER_COMMAND, WORKER_EXIT_BAD_SPEC, Reaped, Supervisor, WorkerStatus
+from agent.node.supervisor import WORKER_COMMAND, WORKER_EXIT_BAD_SPEC, Reaped, Supervisor, Worker, WorkerStatus
 
 log = logging.getLogger(__name__)
 
@@ -254,6 +255,14 @@ class Agent:
             stop=lambda inst, now: self.supervisor.stop(inst, now), start=lambda g, now: self._start_group(g, now),
             local_spec=lambda spec: self.spill.with_spill(spec) if self.spill is not None else spec,
             changed=self._changed))
+        # Our workers' control lines (agent.node.workerlines)
+        self.worker_lines = WorkerLines(self.supervisor.workers, self.spawns, self.gate, self.view, self.stored,
+                                        self.fencing, self.pins, self.exits.undeploying, LineCalls(
+            observe=self._heartbeat, send=lambda *a, **kw: self.supervisor.send(*a, **kw),
+            spawn=lambda e, now: self._spawn(e, now), create_node=lambda *a, **kw: self._create_node(*a, **kw),
+            event=lambda *a, **kw: self._event(*a, **kw), publish_state=self._publish_state,
+            publish_hosted=self._publish_hosted, saved=self.replication.saved, replicate=self._replicate,
+            apply_pins=lambda: self.requests.apply_pins(), changed=self._changed, connected=lambda: self.connected))
         # The site manager (docs/site-manager.md): every agent reads the nodes' claims, each on its
         # own topic, and derives the leader (a drain on the peer topic is accepted from the leader
         # only); [site_manager] enabled runs a candidate, which shares this board.
@@ -386,8 +395,10 @@ class Agent:
     def _on_mqtt_message(self, event: loopevents.MqttMessage, now: float) -> None:
         self._on_message_safely(event.msg, now)
 
-    def _on_worker_line_event(self, event: loopevents.WorkerLine, now: float) -> None:
-        self._on_worker_line(event.instance, event.line, now)
+    def _on_worker_line(self, event: loopevents.WorkerLine, now: float) -> None:
+        msg = self.supervisor.handle_line(event.instance, event.line, now)
+        if msg is not None:
+            self.worker_lines.handle(event.instance, msg, now, self.wall())
 
     def _on_worker_eof(self, event: loopevents.WorkerEof, now: float) -> None:
         self.supervisor.handle_eof(event.instance)  # its lines are handled: poll() may reap it
@@ -414,7 +425,7 @@ class Agent:
         self._reload()
 
     _LOOP: Dict[type, Callable[["Agent", Any, float], None]] = {
-        loopevents.MqttMessage: _on_mqtt_message, loopevents.WorkerLine: _on_worker_line_event,
+        loopevents.MqttMessage: _on_mqtt_message, loopevents.WorkerLine: _on_worker_line,
         loopevents.WorkerEof: _on_worker_eof, loopevents.Puback: _on_puback, loopevents.Connected: _on_connack,
         loopevents.ConnectFailed: _on_connection_trouble, loopevents.PahoError: _on_connection_trouble,
         loopevents.Disconnected: _on_connection_trouble, loopevents.Signalled: _on_signal, loopevents.Reload: _on_reload,
@@ -568,82 +579,13 @@ class Agent:
             return 0  # `fogctl drain`: no new instance until `undrain`
         return max(0, self.cfg.agent.slots - len(self.supervisor))
 
+    def _heartbeat(self, w: Worker, wall: float) -> None:
+        """A worker's heartbeat counters: to the metrics endpoint and the spill."""
+        self.report.observe(w)
+        if self.spill is not None:
+            self.spill.on_heartbeat(w.spec, w.stats, wall)
+
     # -- createNode() --------------------------------------------------------------------------
-
-    def _on_worker_line(self, instance: str, line: str, now: float) -> None:
-        msg = self.supervisor.handle_line(instance, line, now)
-        if msg is None:
-            return
-        event = msg["event"]
-        if event == "heartbeat":
-            w = self.supervisor.get(instance)
-            if w is not None:
-                self.report.observe(w)
-                if self.spill is not None:
-                    self.spill.on_heartbeat(w.spec, w.stats, self.wall())
-        elif event == "ready":
-            self._on_ready(instance, now)
-        elif event == "spawn":
-            self._on_worker_spawn(instance, msg, now)
-        elif event == "may_reconnect":
-            # Fencing: answered in _grant_reconnects once a PUBACK newer than this ask proves
-            # our own connection is up (then the broker never fired our Will meanwhile, or we
-            # reconnected and the reconcile ran). The state publish provokes that PUBACK.
-            self.fencing.asked(instance, now)
-            if self.connected:
-                self._publish_state(now)
-        elif event == "keyed_saved":
-            gen, size = msg.get("gen"), msg.get("log")
-            if isinstance(gen, int) and isinstance(size, int):
-                self.replication.saved(str(msg.get("member") or instance), gen, size)
-                self._replicate(now)
-        elif event == "round_cancelled":
-            w = self.supervisor.get(instance)
-            if w is not None:
-                self._event("refused", instance, w.spec.operator, w.spec.pipeline, what="round_cancelled",
-                            round=msg.get("round"), created=msg.get("created"), error=msg.get("error"))
-        elif event == "exit":
-            log.info("worker announced exit: %s", msg.get("reason"), extra={"instance": instance})
-            self._state_dirty = True
-
-    def _on_ready(self, instance: str, now: float) -> None:
-        self._state_dirty = True
-        cause = self.spawns.cause_of(instance)
-        w = self.supervisor.get(instance)
-        if w is not None and instance not in self.exits.undeploying:
-            # From now on the instance may be announced: an agent restart must bring it back.
-            self.stored.remember(without_handover(w.spec))
-            if self.connected:
-                # Before the reply below: the receivers of the new instance learn that this node
-                # hosts it (the binding of its envelopes) before anybody is told it exists.
-                self._publish_hosted()
-            if self.pins:
-                self.requests.apply_pins()
-            self._event("spawned", instance, w.spec.operator, w.spec.pipeline,
-                        cause=cause or ("restart" if w.spec.restart else "unknown"),
-                        warm=w.warm_age is not None,
-                        warm_age_s=round(w.warm_age, 2) if w.warm_age is not None else None,
-                        start_to_ready_s=round(now - w.started_at, 3))
-        # Invariant 2: the new instance's inbox is subscribed ("ready"), only now is it announced.
-        self._spawn(spawns.Ready(instance), now)
-
-    def _on_worker_spawn(self, requester: str, msg: Dict[str, Any], now: float) -> None:
-        req_id = msg.get("request")
-        w = self.supervisor.get(requester)
-
-        def reply(result: Dict[str, Any]) -> None:
-            fields = {k: v for k, v in result.items() if k in ("ok", "instance", "node", "error")}
-            self.supervisor.send(requester, "spawned", request=req_id, **fields)
-
-        local = [(x.instance, x.spec.pipeline, x.spec.operator) for x in self.supervisor.workers.values()]
-        placing = self.spawns.placing() + list(self.view.placed_copies())
-        spec = self.gate.worker_copy(self.wall(), w.spec if w is not None else None, msg,
-                                     self.view.records.get(w.spec.pipeline) if w is not None else None,
-                                     requester in self.exits.undeploying, local, placing, self.view.fleet, self.view.online)
-        if isinstance(spec, str):
-            reply({"ok": False, "error": spec})
-            return
-        self._create_node(spec, reply, cause="spawn", now=now)
 
     @staticmethod
     def _admin_keys(cfg: AgentConfig) -> Optional[signing.Verifier]:

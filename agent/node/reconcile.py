@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Callable, Container, Dict, List, Mapping, Protocol
+from typing import Callable, Container, Dict, List, Mapping
 
 from agent.control import records
 from agent.instance.spec import InstanceSpec
@@ -28,15 +28,9 @@ from agent.node.fencing import Facts, Fencing, Running, rehomed_by_others
 from agent.node.fleetview import FleetView
 from agent.node.gate import Gate
 from agent.node.hosted import HostedSpecs
+from agent.node.workerlines import Worker
 
 log = logging.getLogger(__name__)
-
-
-class Worker(Protocol):
-    """What this part reads of one of our workers (agent.node.supervisor.Worker)."""
-
-    spec: InstanceSpec
-    started_at: float  # the loop clock's time of its start
 
 
 @dataclass(frozen=True)
@@ -128,4 +122,4 @@ class Reconciler:
                 self.calls.stop(inst, now)
 
 
-__all__ = ["ReconcileCalls", "Reconciler", "Worker"]
+__all__ = ["ReconcileCalls", "Reconciler"]
