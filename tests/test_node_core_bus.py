@@ -1,15 +1,21 @@
-"""agent.node.bus on its own: what the connection's events do to the loop's view of it, and the
-marker of the retained records, with a recording client instead of paho and no broker."""
+"""agent.node.bus on its own: what the connection's events do to the loop's view of it, the marker
+of the retained records and the broker settings of the [mqtt] section, with a recording client
+instead of paho and no broker."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, List, Tuple
 
+import pytest
+
 from agent import topics
+from agent.config import MqttSection, TlsSection
 from agent.mqtt.settings import BrokerSpec
 from agent.node import loopevents
-from agent.node.bus import AgentBus, subscriptions
+from agent.node.bus import AgentBus, broker_of, subscriptions
+from agent.schema import ConfigError
 
 
 class _Client:
@@ -77,3 +83,17 @@ def test_a_clean_exit_leaves_the_empty_state_and_offline_retained() -> None:
     bus.connack(loopevents.Connected(True, "Success", False))
     bus.close(lambda: b"{}")
     assert bus.client.sent == [(topics.agent_state("c", "n1"), b"{}", True), (topics.agent_status("c", "n1"), b"offline", True)]
+
+
+def test_the_broker_settings_are_the_mqtt_sections_with_the_password_file_read_at_start(tmp_path: Path) -> None:
+    (tmp_path / "pw").write_text("s3cret\n")
+    tls = TlsSection("/ca.pem", "/c.pem", "/c.key", insecure=True)
+    mqtt = MqttSection(host="b.local", port=8883, keepalive=7, username="n1", password_file=str(tmp_path / "pw"),
+                       qos=2, max_inflight=9, tls=tls, client_id_secret_file="/site.secret")
+    assert broker_of(mqtt) == BrokerSpec("b.local", 8883, keepalive=7, qos=2, max_inflight=9, username="n1",
+                                         password="s3cret", ca_file="/ca.pem", cert_file="/c.pem", key_file="/c.key",
+                                         tls_insecure=True, id_secret_file="/site.secret")
+    assert broker_of(MqttSection(password="p")) == BrokerSpec("127.0.0.1", 1883, password="p")  # no TLS: none of it
+    with pytest.raises(ConfigError):
+        broker_of(MqttSection(password_file=str(tmp_path / "missing")))
+

@@ -59,7 +59,8 @@ class Node:
         self.asked: List[Tuple[InstanceSpec, Any, Dict[str, Any]]] = []
         self.drain = Drain()
         rec = self.did.append
-        self.handovers = handover.HandOvers("me", str(tmp_path), "b00t", self.drain, lambda: 1000.5, handover.HandOverCalls(
+        self.handovers = handover.HandOvers("me", str(tmp_path), "b00t", self.drain, lambda: 1000.5,
+                                            handover.HandOverCalls(
             create_node=lambda spec, reply, **kw: self.asked.append((spec, reply, kw)),
             restart=lambda spec: rec(("restart", spec)), moved=lambda i, node: rec(("moved", i, node)),
             forget=lambda i: rec(("forget", i)), event=lambda etype, i, op, pipe, **d: rec((etype, d.get("ok"))),

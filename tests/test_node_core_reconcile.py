@@ -67,7 +67,8 @@ class Node:
                                      self.undeploying, self.counters, ReconcileCalls(
             forget=forget, undeploy=lambda i: (rec(("undeploy", i)), self.undeploying.add(i)),
             kill=lambda i, now, why: rec(("kill", i, why)), stop=lambda i, now: rec(("stop", i)), start=start,
-            local_spec=lambda s: dataclasses.replace(s, extra={**s.extra, "spill": {"on": 1}}), changed=lambda: rec(("changed",))))
+            local_spec=lambda s: dataclasses.replace(s, extra={**s.extra, "spill": {"on": 1}}),
+            changed=lambda: rec(("changed",))))
 
     def run(self, instance: str, at: float, **extra: Any) -> None:
         self.workers[instance] = Running(spec(instance, **extra), at)

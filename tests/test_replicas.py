@@ -193,6 +193,54 @@ def test_a_rehome_on_the_standby_installs_its_copy_as_the_instances_state(tmp_pa
     assert got == [("cnt-a", *ks.saved_token())] and alone.counts["replica_local_only"] == 1
 
 
+KEYED = ("[pipeline]\nname = \"p\"\n[[operator]]\nname = \"src\"\nkind = \"source\"\n"
+         "function = \"agent.operators.taxi:source\"\n[[operator]]\nname = \"cnt\"\nkind = \"map\"\n"
+         "function = \"agent.operators.keyed:keyed_count\"\nkey = \"k\"\nkey_groups = 16\n[[operator]]\n"
+         "name = \"sink\"\nkind = \"sink\"\nfunction = \"agent.operators.builtin:counting_sink\"\n")
+
+
+def test_only_a_rehome_placed_on_its_standby_installs_the_copy_and_our_hosted_record_names_the_standby(
+        tmp_path: Path) -> None:
+    """Replication.install_copy, what the daemon calls when it starts an instance here: our copy
+    becomes the state of a re-home (restart, an epoch floor) that names us its standby, not of
+    a spawn, of a re-home meant for another standby or of a drain's hand-over (it ships its own
+    state); with_standby, what our hosted record says of each of our keyed instances."""
+    from agent.instance.spec import InstanceSpec
+    from agent.mqtt.settings import BrokerSpec
+
+    host, standby = tmp_path / "host", tmp_path / "standby"
+    host.mkdir()
+    ks = _state()
+    ks.apply("src", [("src", j, {"k": f"k{j % 9}"}) for j in range(20)], 0)
+    ks.save(host / "cnt-a.keyed.json")
+    rep, ours = Replication("host", host), Replication("standby", standby)
+    rep.saved("cnt-a", *ks.saved_token())
+
+    def publish(node: str, body: Dict[str, Any], correlation: Optional[str]) -> bool:
+        answer = ours.store.apply("host", body)
+        if correlation is not None:
+            rep.on_reply(correlation, node, answer or {}, 0.0, publish, lambda *a: None)
+        return True
+
+    rep.tick(0.0, ["host", "standby"], publish, lambda *a: None)
+    assert rep.with_standby({"instance": "cnt-a", "extra": {"standby": "old", "x": 1}}) == \
+        {"instance": "cnt-a", "extra": {"standby": "standby", "x": 1}}
+    assert rep.with_standby({"instance": "cnt-b", "extra": {"standby": "old"}}) == {"instance": "cnt-b", "extra": {}}
+
+    def job(restart: bool = True, **extra: Any) -> InstanceSpec:
+        extra = {"min_epoch": 1_800_000_000, "standby": "standby", **extra}
+        return InstanceSpec("cnt-a", "cnt", "standby", "c", "p", KEYED, BrokerSpec("h", 1), restart=restart,
+                            extra={k: v for k, v in extra.items() if v is not None})
+
+    counters: Dict[str, int] = {}
+    for not_ours in (job(restart=False), job(min_epoch=None), job(standby="n7"), job(handover_keyed={"t": 1})):
+        ours.install_copy(not_ours, counters)
+    assert ours.store.instances() == {"cnt-a": "host"} and counters == {}  # the copy stays a copy
+    ours.install_copy(job(), counters)
+    assert counters == {"replicas_installed": 1} and ours.store.instances() == {}
+    assert KeyedState.load(standby / "cnt-a.keyed.json") == KeyedState.load(host / "cnt-a.keyed.json")
+
+
 def _big_save(d: Path, snapshot_bytes: int, log_bytes: int, gen: int = 1) -> Path:
     """A keyed instance's files of about these sizes (the store copies bytes; only the snapshot's
     first bytes and each log line's generation are read on the host)."""

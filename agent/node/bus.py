@@ -11,11 +11,13 @@ events back here.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
 from typing import Any, Callable, Iterable, List, Optional, Tuple, Union
 
 from agent import topics
+from agent.config import MqttSection, resolve_password
 from agent.mqtt import client as mqttc
 from agent.mqtt.requester import SYNC_PREFIX
 from agent.mqtt.settings import BrokerSpec
@@ -25,6 +27,14 @@ log = logging.getLogger(__name__)
 
 SESSION_EXPIRY = 3600  # seconds the broker keeps our session (subscriptions, queued requests)
 SESSION = mqttc.Session(persistent=True, expiry=SESSION_EXPIRY)
+
+
+def broker_of(mqtt: MqttSection) -> BrokerSpec:
+    """The broker settings of the agent's [mqtt] section, its password file read now (an unreadable
+    one is a ConfigError naming it, exit 78, not a failure in paho's thread)."""
+    return dataclasses.replace(mqttc.broker_from(mqtt.host, mqtt.port, mqtt.tls, mqtt.username, resolve_password(mqtt),
+                                                 mqtt.keepalive, mqtt.client_id_secret_file),
+                               qos=mqtt.qos, max_inflight=mqtt.max_inflight)
 
 
 def subscriptions(cluster: str, node: str) -> List[Tuple[str, int]]:
@@ -172,4 +182,4 @@ class AgentBus:
         c.loop_stop()
 
 
-__all__ = ["AgentBus", "SESSION", "SESSION_EXPIRY", "subscriptions"]
+__all__ = ["AgentBus", "SESSION", "SESSION_EXPIRY", "broker_of", "subscriptions"]

@@ -60,13 +60,12 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 from agent import events, notify, signing, topics
-from agent.config import AgentConfig, check_tls, load_agent_config, load_pipeline_text, resolve_password
+from agent.config import AgentConfig, check_tls, load_agent_config
 from agent.schema import ConfigError
 from agent.mqtt import client as mqttc
 from agent.files import write_atomic
 from agent.instance import deployfiles
 from agent.instance.spec import InstanceSpec, request_spec
-from agent.mqtt.settings import BrokerSpec
 from agent.node import (hosted, nodestate, rehome, replicas, rpc, siteeffects, spawns, spawnshell,
                         statexfer)
 from agent.node.gate import Gate, NodeLocal, PeerFacts
@@ -77,7 +76,7 @@ from agent.node.rehomer import Rehomer, RehomerCalls
 from agent.node.reconcile import ReconcileCalls, Reconciler
 from agent.node.workerlines import LineCalls, WorkerLines
 from agent.node.fleetview import FleetView
-from agent.node.bus import AgentBus
+from agent.node.bus import AgentBus, broker_of
 from agent.node.report import Report
 from agent.node.requests import NodeCalls, Requests, load_pins
 from agent.node.drain import Drain
@@ -173,20 +172,7 @@ class Agent:
             env=dict(env if env is not None else worker_env(), **allowed.env()),
         )
         self.report = Report(cfg, self.supervisor, sample_machine, wall)  # node state, counters, systemd, metrics
-        broker = BrokerSpec(
-            host=cfg.mqtt.host,
-            port=cfg.mqtt.port,
-            keepalive=cfg.mqtt.keepalive,
-            qos=cfg.mqtt.qos,
-            max_inflight=cfg.mqtt.max_inflight,
-            username=cfg.mqtt.username,
-            password=resolve_password(cfg.mqtt),
-            ca_file=cfg.mqtt.tls.ca_file if cfg.mqtt.tls else None,
-            cert_file=cfg.mqtt.tls.cert_file if cfg.mqtt.tls else None,
-            key_file=cfg.mqtt.tls.key_file if cfg.mqtt.tls else None,
-            tls_insecure=bool(cfg.mqtt.tls and cfg.mqtt.tls.insecure),
-            id_secret_file=cfg.mqtt.client_id_secret_file,
-        )
+        broker = broker_of(cfg.mqtt)
         check_tls(cfg.mqtt)  # a bad CA/cert/key file: ConfigError now (exit 78), not in paho's thread
         # docs/security.md, "Client ids"
         self.bus = AgentBus(broker, mqttc.agent_id(broker, self.cluster, self.node), self.cluster, self.node,
@@ -296,7 +282,8 @@ class Agent:
                                lambda: self.clock(), lambda: self.wall(),
                                InboundCalls(publish=lambda *a, **kw: self._publish(*a, **kw), keep=self._keep,
                                             bad=lambda *a: self._bad(*a), changed=self._changed,
-                                            drop_stale=lambda p, now: self.reconciler.drop_stale(p, now), retained_in=lambda: self._retained_in,
+                                            drop_stale=lambda p, now: self.reconciler.drop_stale(p, now),
+                                            retained_in=lambda: self._retained_in,
                                             restate_rehomed=lambda: self._publish_rehomed()))
 
     # -- MQTT (agent.node.bus) -----------------------------------------------------------------
@@ -481,15 +468,8 @@ class Agent:
         gave_up = self.bus.gave_up(now)
         if gave_up:
             raise Halt(gave_up, EXIT_UNAVAILABLE)
-        if self.connected and self.latency_core is not None:
-            core = self.latency_core
-            core.set_neighbours((n for n in self.view.fleet if n != self.node and self.view.online.get(n, False)), near=self.hosts.near)
-            for topic, payload in core.poll(self.clock()):  # a ping's send time: after the work above
-                self._publish(topic, payload, qos=0)
-            if core.publish_due(self.clock()):
-                topic, payload = core.retained(self.wall())
-                self._publish(topic, payload, retain=True)
         if self.connected:
+            self.inbound.probe()  # a ping's send time: after the work above
             if self.report.due(now, self._state_dirty):
                 self._publish_state(now)
                 self._send_policy_contexts()
@@ -622,8 +602,8 @@ class Agent:
         order; the outcome of a local start, a staging or a peer request goes back to it."""
         here = spawnshell.Here(self.node, self.cluster, self.cfg.agent.state_dir, self.supervisor, self.spill,
                                self.view, self.staging, self.counters, lambda: self.connected, self.free_slots,
-                               self._rehome_with_copy, self._install_replica, self._changed, self._hosted_first,
-                               self._publish, self._bad)
+                               self._rehome_with_copy, lambda spec: self.replication.install_copy(spec, self.counters),
+                               self._changed, self._hosted_first, self._publish, self._bad)
         todo = [event]
         while todo:
             for cmd in self.spawns.handle(todo.pop(0), now):
@@ -785,36 +765,13 @@ class Agent:
     def _tell_replicated(self, instance: str, gen: int, size: int) -> None:
         self.supervisor.send(instance, "replicated", gen=gen, log=size)
 
-    def _with_standby(self, spec: Dict[str, Any]) -> Dict[str, Any]:
-        standby = self.replication.standby_of(str(spec.get("instance")))
-        extra = {k: v for k, v in (spec.get("extra") or {}).items() if k != "standby"}
-        if standby is not None:
-            extra["standby"] = standby
-        return dict(spec, extra=extra)
-
-    def _install_replica(self, spec: InstanceSpec) -> None:
-        """A re-home placed a keyed instance on its standby (us): our copy of its state becomes
-        its state, restored as after a crash. A drain hand-over brings its own state instead."""
-        if not (spec.restart and spec.extra.get("min_epoch") and spec.extra.get("standby") == self.node
-                and not spec.extra.get("handover_keyed")):
-            return
-        try:
-            groups = load_pipeline_text(spec.pipeline_toml, f"pipeline {spec.pipeline}").operator(spec.operator).key_groups
-            what = self.replication.store.install(spec.instance, Path(self.cfg.agent.state_dir), spec.operator, groups)
-        except (ValueError, KeyError) as exc:
-            log.error("standby copy of the keyed state not installed: %s", exc, extra={"instance": spec.instance})
-            return
-        if what is not None:
-            self.counters["replicas_installed"] = self.counters.get("replicas_installed", 0) + 1
-            log.warning("re-homed with the standby copy of its keyed state: %s", what, extra={"instance": spec.instance})
-
     def _hosted_first(self) -> None:
         """Our hosted record, published before a request that the receiver checks against it."""
         if self.stored.dirty:
             self._publish_hosted()
 
     def _publish_hosted(self) -> None:
-        specs = [self._with_standby(request_spec(s)) for s in self.stored.specs()]
+        specs = [self.replication.with_standby(request_spec(s)) for s in self.stored.specs()]
         self.view.hosted_by_node[self.node] = specs
         self.hosts.dirty = True
         if self._publish(topics.agent_hosted(self.cluster, self.node), rehome.encode_hosted(specs), retain=True):

@@ -152,6 +152,20 @@ class Inbound:
         for out_topic, payload in out:
             self.calls.publish(out_topic, payload, qos=0)
 
+    def probe(self) -> None:
+        """Once per loop turn, while connected: the latency core's pings to the online agents (a
+        ping's send time: after the turn's other work) and, when due, our retained latency row."""
+        core = self.latency_core
+        if core is None:
+            return
+        core.set_neighbours((n for n in self.view.fleet if n != self.node and self.view.online.get(n, False)),
+                            near=self.hosts.near)
+        for topic, payload in core.poll(self.clock()):
+            self.calls.publish(topic, payload, qos=0)
+        if core.publish_due(self.clock()):
+            topic, payload = core.retained(self.wall())
+            self.calls.publish(topic, payload, retain=True)
+
     HANDLERS: Dict[str, Callable[["Inbound", Any, topics.Parsed, float], None]] = {
         "state": on_state, "status": on_status, "rehomed": on_rehomed, "hosted": on_hosted,
         "pipeline": on_pipeline, "site_manager": on_site_manager, "latency": on_latency_row,

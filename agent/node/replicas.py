@@ -49,8 +49,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterable, Optional, Set, Tuple
 
+from agent.config import load_pipeline_text
 from agent.dataplane.owners import TableError, groups_from_runs
 from agent.files import append, write_atomic
+from agent.instance.spec import InstanceSpec
 from agent.node.statexfer import check_keyed
 
 __all__ = ["PART_BYTES", "MAX_SNAPSHOT_BYTES", "REPLY_TIMEOUT", "WINDOW", "Replication", "Requests", "Saved",
@@ -584,6 +586,31 @@ class Replication:
     def standby_of(self, instance: str) -> Optional[str]:
         sh = self.shippers.get(instance)
         return sh.standby if sh is not None else None
+
+    def with_standby(self, spec: Dict[str, Any]) -> Dict[str, Any]:
+        """`spec` (an entry of our hosted record) naming the standby that holds the copy of its
+        keyed state, if any: a re-home of it starts there first (agent.node.spawns)."""
+        standby = self.standby_of(str(spec.get("instance")))
+        extra = {k: v for k, v in (spec.get("extra") or {}).items() if k != "standby"}
+        if standby is not None:
+            extra["standby"] = standby
+        return dict(spec, extra=extra)
+
+    def install_copy(self, spec: InstanceSpec, counters: Dict[str, int]) -> None:
+        """A re-home placed a keyed instance on its standby (us): our copy of its state becomes
+        its state, restored as after a crash. A drain hand-over brings its own state instead."""
+        if not (spec.restart and spec.extra.get("min_epoch") and spec.extra.get("standby") == self.node
+                and not spec.extra.get("handover_keyed")):
+            return
+        try:
+            groups = load_pipeline_text(spec.pipeline_toml, f"pipeline {spec.pipeline}").operator(spec.operator).key_groups
+            what = self.store.install(spec.instance, self.state_dir, spec.operator, groups)
+        except (ValueError, KeyError) as exc:
+            log.error("standby copy of the keyed state not installed: %s", exc, extra={"instance": spec.instance})
+            return
+        if what is not None:
+            counters["replicas_installed"] = counters.get("replicas_installed", 0) + 1
+            log.warning("re-homed with the standby copy of its keyed state: %s", what, extra={"instance": spec.instance})
 
     def owns(self, correlation: str) -> bool:
         return correlation in self._calls
