@@ -297,6 +297,7 @@ SANS_IO = {
     "agent.node.rehomer": NODE_CORE,
     "agent.node.reconcile": NODE_CORE,
     "agent.node.workerlines": NODE_CORE,
+    "agent.node.routes": NETWORK | {"os", "time", "threading", "random"},
     # the hand-over's wire codec, and the scaling driver's parts with state of their own (the
     # driver itself draws from its own seeded generator and reads agent.config)
     "agent.instance.handover_wire": NETWORK | {"os", "time", "threading", "random"},

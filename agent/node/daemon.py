@@ -5,9 +5,10 @@ the main loop. Everything else only enqueues into `self._events` (a `queue.Simpl
 `put` is reentrant and therefore safe from a signal handler): paho's network thread (connect,
 message), one stdout reader thread per worker, and the signal handlers; each enqueues a typed
 event (agent.node.loopevents), which the loop hands to its handler through one table (`_LOOP`);
-a message goes on by its topic's kind through another (`_REQUESTS`: the rpc, peer and reply
-topics), or else to the handlers of the records and probes (agent.node.inbound). The loop wakes
-at least every `TICK` seconds to reap workers, expire calls and publish state.
+a message goes where its topic says (agent.node.routes: the requests of the rpc and peer topics,
+the replies, the sync marker), or else to the handlers of the records and probes
+(agent.node.inbound). The loop wakes at least every `TICK` seconds to reap workers, expire calls
+and publish state.
 
 What it does:
 - MQTT 5 session (agent.node.bus, the one client): stable client id `fog-agent-<cluster>-<node>`, clean_start=False with a session
@@ -66,7 +67,7 @@ from agent.mqtt import client as mqttc
 from agent.files import write_atomic
 from agent.instance import deployfiles
 from agent.instance.spec import InstanceSpec, request_spec
-from agent.node import (hosted, nodestate, rehome, replicas, rpc, siteeffects, spawns, spawnshell,
+from agent.node import (hosted, nodestate, rehome, replicas, routes, rpc, siteeffects, spawns, spawnshell,
                         statexfer)
 from agent.node.gate import Gate, NodeLocal, PeerFacts
 from agent.node.pins import Pins
@@ -627,8 +628,7 @@ class Agent:
         except Exception as exc:
             self.counters["bad_messages"] += 1
             topic = str(getattr(msg, "topic", "?"))
-            parsed = topics.parse(self.cluster, topic)
-            sender = (parsed.sender or parsed.node) if parsed is not None else None
+            sender = routes.sender(topics.parse(self.cluster, topic))
             log.warning("message on %s from %s skipped: %s: %s", topic[:200], sender or "?", type(exc).__name__,
                         str(exc)[:200], extra={"node": self.node})
 
@@ -637,47 +637,24 @@ class Agent:
         log.warning("ignoring %s from %s: %s", what, sender or "?", str(exc)[:200], extra={"node": self.node})
 
     def _on_message(self, msg: Any, now: float) -> None:
-        """Route one message by its topic's kind (`topics.parse`) to the handler of that kind.
-
-        A table rather than one chain of branches: each kind of record has one handler, which can
-        be read, tested and changed alone; a topic of no kind this agent reads is ignored."""
-        topic: str = msg.topic
-        parsed = topics.parse(self.cluster, topic)
-        if parsed is None:
-            return
-        if getattr(msg, "retain", False) and parsed.kind in topics.NOT_RETAINED:
-            # Requests, replies and probes are never retained: a retained one is a forgery or a
-            # leftover, and acting on it would repeat it at every reconnect.
+        """Hand one message to the part that handles its topic (agent.node.routes decides where)."""
+        parsed = topics.parse(self.cluster, msg.topic)
+        to = routes.route(self.node, parsed, bool(getattr(msg, "retain", False)), self._retained_in)
+        if to == routes.RETAINED:
             self.counters["retained_ignored"] += 1
-            log.warning("ignoring a retained message on %s (never retained)", topic[:200], extra={"node": self.node})
-            return
-        handler = self._REQUESTS.get(parsed.kind)
-        if handler is not None:
-            handler(self, msg, parsed, now)
-        else:
-            self.inbound.handle(msg, parsed, now)
-
-    def _on_request_topic(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
-        if parsed.node != self.node:
-            return
-        if parsed.kind == "peer" and not self._retained_in and self.requests.hold(msg):
-            return
-        self.requests.on_request(msg, str(parsed.sender), peer=parsed.kind == "peer", now=now)
-
-    def _on_reply_topic(self, msg: Any, parsed: topics.Parsed, now: float) -> None:
-        if parsed.node != self.node:
-            return
-        if parsed.sender != self.node:
+            log.warning("ignoring a retained message on %s (never retained)", msg.topic[:200],
+                        extra={"node": self.node})
+        elif to == routes.REQUEST or (to == routes.HOLD and not self.requests.hold(msg)):
+            self.requests.on_request(msg, str(parsed.sender), peer=parsed.kind == "peer", now=now)
+        elif to == routes.REPLY:
             self._on_rpc_reply(msg, str(parsed.sender), now)
-        elif self.bus.marked(msg.payload):
+        elif to == routes.MARKER and self.bus.marked(msg.payload):
             self.site_leases.restate()  # once per connection, from every claim and statement
             self.inbound.state_whom_we_follow()
             while self.requests.held:  # each on its own: one that fails strands none behind it
                 self._on_message_safely(self.requests.held.popleft(), now)
-
-    _REQUESTS: Dict[str, Callable[["Agent", Any, topics.Parsed, float], None]] = {
-        "rpc": _on_request_topic, "peer": _on_request_topic, "reply": _on_reply_topic,
-    }
+        elif to == routes.INBOUND:
+            self.inbound.handle(msg, parsed, now)
 
     def _peer_facts(self) -> PeerFacts:
         """What the peer checks read of our fleet view (agent.node.gate)."""
