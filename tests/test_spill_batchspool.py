@@ -306,6 +306,36 @@ def test_the_agent_ships_the_spool_a_sink_left_open_when_it_no_longer_runs_here(
     agent.close()
 
 
+def test_the_agent_salvages_orphaned_spools_on_its_tick_once_per_salvage_period(tmp_path: Path) -> None:
+    """AgentSpill.tick, what the daemon's loop calls every turn: the spools of sinks that no
+    longer run here are salvaged at the first turn and then once per SALVAGE_PERIOD, not every
+    turn (a directory walk with a lock per spool); a sink that runs is left to its worker."""
+    import types
+
+    from agent.spill.local import SALVAGE_PERIOD, AgentSpill
+
+    root, locks = tmp_path / "spool", tmp_path / "state"
+    locks.mkdir()
+    spill = types.SimpleNamespace(spool_dir=str(root), max_bytes=1 << 30, rotate_bytes=1 << 20,
+                                  rotate_seconds=60.0, ship="none", ship_path="", ack="written")
+    agent = AgentSpill(types.SimpleNamespace(spill=spill, agent=types.SimpleNamespace(node="n1", cluster="c")))
+
+    def orphan(inst: str) -> None:
+        s = BatchSpool(root / inst, "n1", rotate_bytes=1 << 20)
+        s.append_line("records", line(0))  # abandoned open
+
+    orphan("gone")
+    orphan("here")
+    agent.tick(100.0, {"here": object()}, locks)
+    assert closed_ids(root / "gone") == [0] and not list((root / "here" / "closed").iterdir())
+    orphan("later")
+    agent.tick(100.0 + SALVAGE_PERIOD - 0.01, {"here": object()}, locks)
+    assert not list((root / "later" / "closed").iterdir())  # not yet
+    agent.tick(100.0 + SALVAGE_PERIOD, {"here": object()}, locks)
+    assert closed_ids(root / "later") == [0] and not list((root / "here" / "closed").iterdir())
+    agent.close()
+
+
 def test_a_sink_acking_once_landed_holds_each_batch_until_its_file_left_the_spool(tmp_path: Path, monkeypatch) -> None:
     """ack "landed": settle() releases no batch while its spool file is open or closed and not
     shipped; the shipper landing (and so releasing) the file releases them, in order; a batch of

@@ -69,7 +69,7 @@ from agent.instance import deployfiles
 from agent.instance.spec import InstanceSpec, request_spec
 from agent.node import (hosted, nodestate, rehome, replicas, routes, rpc, siteeffects, spawns, spawnshell,
                         statexfer)
-from agent.node.gate import Gate, NodeLocal, PeerFacts
+from agent.node.gate import Gate, NodeLocal
 from agent.node.pins import Pins
 from agent.node.restarts import Restarts
 from agent.node.rehoming import Rehoming
@@ -113,8 +113,6 @@ EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: never reached the broker within connect
 
 TICK = 0.2  # seconds: the loop's longest sleep
 SHUTDOWN_SLACK = 3.0  # seconds beyond shutdown_timeout for reaping, "offline" and disconnect
-# The spools of sinks that no longer run here are salvaged for shipping this often (AgentSpill.salvage_orphans).
-SALVAGE_PERIOD = 10.0
 class Halt(BaseException):
     """Leave the main loop with an exit status (gunicorn's HaltServer)."""
 
@@ -184,7 +182,6 @@ class Agent:
         self.restarts = Restarts()  # crashed workers to start again here, and their backoff
         self.drain = Drain()  # fogctl drain: no new instances, keepers moving (agent.node.drain)
         self.staging = statexfer.Staging()  # keyed states arriving with a hand-over, by (node, instance)
-        self._salvaged_at = -1e9  # AgentSpill.salvage_orphans, every SALVAGE_PERIOD
         # keyed states copied to a standby node, both roles (agent.node.replicas)
         self.replication = replicas.Replication(self.node, Path(self.cfg.agent.state_dir))
         self.rehoming = Rehoming(self.node)  # offline times, planned nodes, claims, retries
@@ -208,48 +205,8 @@ class Agent:
                                    cfg.agent.heartbeat_period, cfg.agent.dead_after > 0, cfg.mqtt.inbox_per_node,
                                    cfg.agent.keyed_standby),
                          allowed, admission.NodeDirs.of(cfg), trust, self.report.counters, boot)
-        # This node as the re-homer of lost nodes (agent.node.rehomer)
-        self.rehomer = Rehomer(self.node, cfg.agent.dead_after, cfg.agent.state_period, self.rehoming, self.view,
-                               self.gate, RehomerCalls(
-            create_node=lambda *a, **kw: self._create_node(*a, **kw), publish_rehomed=lambda: self._publish_rehomed(),
-            moved=self._stated_move, connected=lambda: self.connected, retained_in=lambda: self._retained_in,
-            stopping=lambda: self._stopping_since is not None,
-            local=lambda: {i: w.stats for i, w in self.supervisor.workers.items()},
-            copies=lambda node: self.replication.store.owned([node])))
         # fogctl scale pins (agent.node.pins), kept in the state directory
         self.pins = Pins(load_pins(Path(cfg.agent.state_dir)))
-        # Our workers' exits and the restarts and hand-overs they lead to (agent.node.exits,
-        # agent.node.handover); late-bound calls, like the requests' below.
-        self.exits = Exits(self.node, self.spawns, self.drain, self.fencing, self.pins, self.restarts, self.hosts,
-                           self.supervisor, self.report.counters,
-                           ExitCalls(unhost=self._unhost, forget=self._forget, spawn=lambda e, now: self._spawn(e, now),
-                                     event=lambda *a, **kw: self._event(*a, **kw),
-                                     hand_over=lambda *a: self.handovers.start(*a),
-                                     start=lambda group, now: self._start_group(group, now),
-                                     stop=lambda inst, now: self.supervisor.stop(inst, now),
-                                     stopping=lambda: self._stopping_since is not None))
-        self.handovers = HandOvers(self.node, cfg.agent.state_dir, boot, self.drain, lambda: self.wall(), HandOverCalls(
-            create_node=lambda *a, **kw: self._create_node(*a, **kw),
-            restart=lambda spec: self.exits.restart(spec, self.clock()), moved=self._stated_move, forget=self._forget,
-            event=lambda *a, **kw: self._event(*a, **kw), changed=self._changed,
-            stopping=lambda: self._stopping_since is not None))
-        # After a connect, the fencing core's answers carried out, and the instances a pipeline's
-        # record rules out (agent.node.reconcile)
-        self.reconciler = Reconciler(self.node, cfg.agent.slots, self.fencing, self.gate, self.view, self.stored,
-                                     self.supervisor.workers, self.exits.undeploying, self.report.counters,
-                                     ReconcileCalls(
-            forget=self._forget, undeploy=self._undeploy, kill=lambda *a: self.supervisor.kill(*a),
-            stop=lambda inst, now: self.supervisor.stop(inst, now), start=lambda g, now: self._start_group(g, now),
-            local_spec=lambda spec: self.spill.with_spill(spec) if self.spill is not None else spec,
-            changed=self._changed))
-        # Our workers' control lines (agent.node.workerlines)
-        self.worker_lines = WorkerLines(self.supervisor.workers, self.spawns, self.gate, self.view, self.stored,
-                                        self.fencing, self.pins, self.exits.undeploying, LineCalls(
-            observe=self._heartbeat, send=lambda *a, **kw: self.supervisor.send(*a, **kw),
-            spawn=lambda e, now: self._spawn(e, now), create_node=lambda *a, **kw: self._create_node(*a, **kw),
-            event=lambda *a, **kw: self._event(*a, **kw), publish_state=self._publish_state,
-            publish_hosted=self._publish_hosted, saved=self.replication.saved, replicate=self._replicate,
-            apply_pins=lambda: self.requests.apply_pins(), changed=self._changed, connected=lambda: self.connected))
         # The site manager (docs/site-manager.md): every agent reads the nodes' claims, each on its
         # own topic, and derives the leader (a drain on the peer topic is accepted from the leader
         # only); [site_manager] enabled runs a candidate, which shares this board.
@@ -267,25 +224,63 @@ class Agent:
                                            if cfg.site_manager.enabled else None)
         # [spill]: the sink workers' spool settings, this agent's metrics/events spool, shipping
         self.spill: Optional[AgentSpill] = AgentSpill.maybe(cfg, broker)
-        # The requests on our rpc and peer topics (agent.node.requests). Late-bound calls: the
-        # fuzzer and the tests replace some of these methods on a built agent.
-        calls = NodeCalls(spawn=lambda e, now: self._spawn(e, now), undeploy=self._undeploy,
-                          event=lambda *a, **kw: self._event(*a, **kw), changed=self._changed,
-                          free_slots=lambda: self.free_slots(), fleet_slots=self.fleet_slots,
-                          stopping=lambda: self._stopping_since is not None, peer_facts=self._peer_facts,
-                          publish=lambda *a, **kw: self._publish(*a, **kw), bad=lambda *a: self._bad(*a))
+        # The parts, given the parts they read and calls into the node. Late-bound calls: the fuzzer
+        # and the tests replace some of these methods on a built agent.
+        event = lambda *a, **kw: self._event(*a, **kw)
+        publish = lambda *a, **kw: self._publish(*a, **kw)
+        bad = lambda *a: self._bad(*a)
+        create_node = lambda *a, **kw: self._create_node(*a, **kw)
+        spawn = lambda e, now: self._spawn(e, now)
+        start = lambda group, now: self._start_group(group, now)
+        stop = lambda inst, now: self.supervisor.stop(inst, now)
+        stopping = lambda: self._stopping_since is not None
+        connected, retained_in = (lambda: self.connected), (lambda: self._retained_in)
+        # This node as the re-homer of lost nodes (agent.node.rehomer)
+        self.rehomer = Rehomer(self.node, cfg.agent.dead_after, cfg.agent.state_period, self.rehoming, self.view,
+                               self.gate, RehomerCalls(
+            create_node=create_node, publish_rehomed=lambda: self._publish_rehomed(), moved=self._stated_move,
+            connected=connected, retained_in=retained_in, stopping=stopping,
+            local=lambda: {i: w.stats for i, w in self.supervisor.workers.items()},
+            copies=lambda node: self.replication.store.owned([node])))
+        # Our workers' exits and the restarts and hand-overs they lead to (agent.node.exits,
+        # agent.node.handover)
+        self.exits = Exits(self.node, self.spawns, self.drain, self.fencing, self.pins, self.restarts, self.hosts,
+                           self.supervisor, self.report.counters, ExitCalls(
+            unhost=self._unhost, forget=self._forget, spawn=spawn, event=event,
+            hand_over=lambda *a: self.handovers.start(*a), start=start, stop=stop, stopping=stopping))
+        self.handovers = HandOvers(self.node, cfg.agent.state_dir, boot, self.drain, lambda: self.wall(), HandOverCalls(
+            create_node=create_node, restart=lambda spec: self.exits.restart(spec, self.clock()),
+            moved=self._stated_move, forget=self._forget, event=event, changed=self._changed, stopping=stopping))
+        # After a connect, the fencing core's answers carried out, and the instances a pipeline's
+        # record rules out (agent.node.reconcile)
+        self.reconciler = Reconciler(self.node, cfg.agent.slots, self.fencing, self.gate, self.view, self.stored,
+                                     self.supervisor.workers, self.exits.undeploying, self.report.counters,
+                                     ReconcileCalls(
+            forget=self._forget, undeploy=self._undeploy, kill=lambda *a: self.supervisor.kill(*a), stop=stop,
+            start=start, local_spec=lambda spec: self.spill.with_spill(spec) if self.spill is not None else spec,
+            changed=self._changed))
+        # Our workers' control lines (agent.node.workerlines)
+        self.worker_lines = WorkerLines(self.supervisor.workers, self.spawns, self.gate, self.view, self.stored,
+                                        self.fencing, self.pins, self.exits.undeploying, LineCalls(
+            observe=self._heartbeat, send=lambda *a, **kw: self.supervisor.send(*a, **kw), spawn=spawn,
+            create_node=create_node, event=event, publish_state=self._publish_state,
+            publish_hosted=self._publish_hosted, saved=self.replication.saved, replicate=self._replicate,
+            apply_pins=lambda: self.requests.apply_pins(), changed=self._changed, connected=connected))
+        # The requests on our rpc and peer topics (agent.node.requests)
         self.requests = Requests(self.node, self.cluster, cfg.agent.state_dir, wall, self.supervisor, self.gate,
-                                 self.view, self.pins, self.drain, self.replication.store, self.staging, self.spill,
-                                 self.report.counters, self.report.local_instances, calls)
-        # The records and probes from the bus (agent.node.inbound); late-bound like the calls above.
+                                 self.view, self.hosts.hostmap, self.site_leases, self.pins, self.drain,
+                                 self.replication.store, self.staging, self.spill, self.report.counters,
+                                 self.report.local_instances, NodeCalls(
+            spawn=spawn, undeploy=self._undeploy, event=event, changed=self._changed,
+            free_slots=lambda: self.free_slots(), fleet_slots=self.fleet_slots, stopping=stopping,
+            publish=publish, bad=bad))
+        # The records and probes from the bus (agent.node.inbound)
         self.inbound = Inbound(self.node, self.cluster, self.view, self.hosts, self.replication, self.rehoming,
                                self.gate.trust, self.site_leases, self.latency_core, self.report.counters,
-                               lambda: self.clock(), lambda: self.wall(),
-                               InboundCalls(publish=lambda *a, **kw: self._publish(*a, **kw), keep=self._keep,
-                                            bad=lambda *a: self._bad(*a), changed=self._changed,
-                                            drop_stale=lambda p, now: self.reconciler.drop_stale(p, now),
-                                            retained_in=lambda: self._retained_in,
-                                            restate_rehomed=lambda: self._publish_rehomed()))
+                               lambda: self.clock(), lambda: self.wall(), InboundCalls(
+            publish=publish, keep=self._keep, bad=bad, changed=self._changed,
+            drop_stale=lambda p, now: self.reconciler.drop_stale(p, now), retained_in=retained_in,
+            restate_rehomed=lambda: self._publish_rehomed()))
 
     # -- MQTT (agent.node.bus) -----------------------------------------------------------------
 
@@ -481,10 +476,7 @@ class Agent:
                              self.state_doc(), self.wall(), self._publish,
                              lambda body: self.requests.steer(body, self.clock()))
         if self.spill is not None:
-            self.spill.tick(now)
-            if now - self._salvaged_at >= SALVAGE_PERIOD:
-                self._salvaged_at = now
-                self.spill.salvage_orphans(set(self.supervisor.workers), Path(self.cfg.agent.state_dir))
+            self.spill.tick(now, self.supervisor.workers, Path(self.cfg.agent.state_dir))
         self.report.notify(now, self.connected, self._stopping_since is not None)
 
     # -- state ---------------------------------------------------------------------------------
@@ -655,12 +647,6 @@ class Agent:
                 self._on_message_safely(self.requests.held.popleft(), now)
         elif to == routes.INBOUND:
             self.inbound.handle(msg, parsed, now)
-
-    def _peer_facts(self) -> PeerFacts:
-        """What the peer checks read of our fleet view (agent.node.gate)."""
-        v = self.view
-        return PeerFacts(v.online, v.hosted_by_node, v.records, v.deployed, v.deployed_text, self.hosts.hostmap,
-                         self.site_leases)
 
     def _on_rpc_reply(self, msg: Any, replier: str, now: float) -> None:
         """A reply on `replies/<me>/<replier>`: it answers a call only if it comes from the node

@@ -29,8 +29,10 @@ from agent.node import chains, hosted, rpc, spawns, statexfer
 from agent.node.drain import Drain
 from agent.node.fleetview import FleetView
 from agent.node.gate import Gate, PeerFacts
+from agent.node.hostmap import HostMap
 from agent.node.pins import Pins
 from agent.node.replicas import ReplicaStore
+from agent.node.site_manager import LeaseBoard
 from agent.node.supervisor import Supervisor, WorkerStatus
 
 log = logging.getLogger(__name__)
@@ -56,18 +58,18 @@ class NodeCalls:
     free_slots: Callable[[], int]
     fleet_slots: Callable[[], int]  # all slots of the online fleet: the bound of a forced scale-out
     stopping: Callable[[], bool]
-    peer_facts: Callable[[], PeerFacts]
     publish: Callable[..., Any]  # (topic, payload, properties=...)
     bad: Callable[[str, Optional[str], Any], None]  # a refused input: counted and logged
 
 
 class Requests:
     def __init__(self, node: str, cluster: str, state_dir: str, wall: Callable[[], float], supervisor: Supervisor,
-                 gate: Gate, view: FleetView, pins: Pins, drain: Drain, store: ReplicaStore,
-                 staging: statexfer.Staging, spill: Any, counters: Dict[str, int],
+                 gate: Gate, view: FleetView, hostmap: HostMap, leases: LeaseBoard, pins: Pins, drain: Drain,
+                 store: ReplicaStore, staging: statexfer.Staging, spill: Any, counters: Dict[str, int],
                  local_instances: Callable[[], List[Instance]], calls: NodeCalls) -> None:
         self.node, self.cluster, self.state_dir, self.wall = node, cluster, state_dir, wall
         self.supervisor, self.gate, self.view, self.pins, self.drain = supervisor, gate, view, pins, drain
+        self.hostmap, self.leases = hostmap, leases  # what the peer checks read besides the fleet view
         self.store, self.staging, self.spill, self.counters = store, staging, spill, counters
         self.local_instances = local_instances
         self.calls = calls
@@ -77,6 +79,11 @@ class Requests:
         # lease, the hosted records), so they wait for the marker and are then checked in
         # arrival order (`held`).
         self.held: Deque[Any] = deque()
+
+    def peer_facts(self) -> PeerFacts:
+        """What the peer checks read of our fleet view (agent.node.gate)."""
+        v = self.view
+        return PeerFacts(v.online, v.hosted_by_node, v.records, v.deployed, v.deployed_text, self.hostmap, self.leases)
 
     def hold(self, msg: Any) -> bool:
         """Keep a peer request until the retained records are in; False when the queue is full."""
@@ -111,7 +118,7 @@ class Requests:
             return
         op = body["op"]
         if peer:
-            why = self.gate.peer_refusal(self.wall(), op, requester, body, self.calls.peer_facts())
+            why = self.gate.peer_refusal(self.wall(), op, requester, body, self.peer_facts())
             if why is not None:
                 self.counters["peer_refused"] += 1
                 log.warning("refused %s request from node %s: %s", op, requester, why, extra={"node": self.node})

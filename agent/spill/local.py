@@ -32,6 +32,8 @@ __all__ = ["AgentSpill", "AGENT_SPOOL"]
 log = logging.getLogger(__name__)
 
 AGENT_SPOOL = "_agent"  # not a valid instance id prefix, so it never collides with a worker's spool
+# The spools of sinks that no longer run here are salvaged for shipping this often (`salvage_orphans`).
+SALVAGE_PERIOD = 10.0
 
 
 class AgentSpill:
@@ -46,6 +48,7 @@ class AgentSpill:
         self.view = SpoolDirs(self.root, self.node)
         self.dropped = 0  # metrics/events refused by a full agent spool (counted, logged once)
         self._last_tick = 0.0
+        self._salvaged_at = -1e9  # salvage_orphans, every SALVAGE_PERIOD
         self._mqtt: Any = None
         self._path: Any = None
         self._stop = threading.Event()
@@ -101,10 +104,16 @@ class AgentSpill:
             if self.dropped == 1:
                 log.warning("agent spool full: metrics/events not spilled (counted)", extra={"node": self.node})
 
-    def tick(self, now: float) -> None:
+    def tick(self, now: float, running: Any, lock_dir: Path) -> None:
+        """Once per loop turn: the agent spool's rotation (once a second), and every SALVAGE_PERIOD
+        the spools of sinks that no longer run here (`running`: our workers' instances) salvaged
+        for shipping (`salvage_orphans`)."""
         if now - self._last_tick >= 1.0:
             self._last_tick = now
             self.spool.tick()
+        if now - self._salvaged_at >= SALVAGE_PERIOD:
+            self._salvaged_at = now
+            self.salvage_orphans(set(running), lock_dir)
 
     def salvage_orphans(self, running: Any, lock_dir: Path) -> int:
         """Close the files left open in the spools of sinks that no longer run here (the node lost
