@@ -283,7 +283,7 @@ def test_a_reply_counts_only_from_the_node_the_call_went_to(agent: Any) -> None:
 
     got: List[Dict[str, Any]] = []
     spec = InstanceSpec("i", "sink", "me", "c", "p", PIPELINE, BrokerSpec("h", 1))
-    agent._spawn(spawns.CreateNode(spec, got.append, "spawn", ("n2",), {}), 0.0)
+    agent.creating.handle(spawns.CreateNode(spec, got.append, "spawn", ("n2",), {}), 0.0)
     (corr,) = agent.spawns.calls  # asked of n2
     ok = json.dumps({"ok": True, "instance": "i", "node": "n2"}).encode()
     agent._on_message_safely(_msg(topics.replies("c", "me", "n3"), ok, correlation=corr.encode()), 0.0)

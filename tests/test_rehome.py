@@ -118,7 +118,7 @@ def test_the_agent_reads_departing_instances_from_the_node_states(tmp_path: Path
     retained states (each instance's scaling state, from its heartbeat) and from our workers."""
     agent = _agent(tmp_path)
     created: List[Any] = []
-    agent._create_node = lambda spec, reply, cause, now: created.append(spec)
+    agent.creating.create = lambda spec, reply, cause, now: created.append(spec)
     agent.bus.connected, agent.view.online, agent.rehoming.offline_since = True, {"n9": False, "n3": True}, {"n9": 0.0}
     agent.view.hosted_by_node = {"n9": [spec("p.mid.0", "mid", True)],
                             "n3": [spec("p.sink.0", "sink", True), spec("sink-b", "sink"), spec("sink-c", "sink")]}
@@ -137,7 +137,7 @@ def test_a_retry_after_a_failed_rehome_does_not_place_the_others_again(tmp_path:
     node would otherwise forget an instance that runs nowhere)."""
     agent = _agent(tmp_path)
     asked: List[Any] = []
-    agent._create_node = lambda spec, reply, cause, now: asked.append((spec.instance, reply))
+    agent.creating.create = lambda spec, reply, cause, now: asked.append((spec.instance, reply))
     agent.bus.connected, agent.view.online, agent.rehoming.offline_since = True, {"n9": False}, {"n9": 0.0}
     agent.view.hosted_by_node = {"n9": [spec("p.mid.0", "mid", True), spec("mid-b", "mid")]}
     agent.rehomer.tick(100.0, agent.wall())
@@ -162,7 +162,7 @@ def test_a_failed_rehome_is_not_placed_again_when_the_returning_node_runs_it(tmp
     back for a while (its state then shows what it re-adopted); here it re-adopted it."""
     agent = _agent(tmp_path)
     asked: List[Any] = []
-    agent._create_node = lambda spec, reply, cause, now: asked.append((spec.instance, reply))
+    agent.creating.create = lambda spec, reply, cause, now: asked.append((spec.instance, reply))
     agent.bus.connected, agent.view.online, agent.rehoming.offline_since = True, {"n9": False}, {"n9": 0.0}
     agent.view.hosted_by_node = {"n9": [spec("p.mid.0", "mid", True)]}
     agent.rehomer.tick(100.0, agent.wall())
@@ -207,7 +207,7 @@ def test_the_agent_reads_idle_copies_from_the_lost_nodes_last_state(tmp_path: Pa
     (and the online nodes' states, and our workers)."""
     agent = _agent(tmp_path)
     created: List[Any] = []
-    agent._create_node = lambda spec, reply, cause, now: created.append(spec)
+    agent.creating.create = lambda spec, reply, cause, now: created.append(spec)
     agent.bus.connected, agent.view.online, agent.rehoming.offline_since = True, {"n2": False, "n1": True, "n3": True}, {"n2": 0.0}
     agent.view.hosted_by_node = {"n1": [spec("p.source.0", "source", True)],
                             "n2": [spec("p.mid.0", "mid", True), spec("mid-b", "mid", creator="p.mid.0")],
@@ -226,7 +226,7 @@ def test_a_rehomed_instance_is_told_the_round_it_waited_to_start_under_its_locks
     idle copy is adopted from `idle_copies`), not for a copy re-homed idle."""
     agent = _agent(tmp_path)
     created: List[Any] = []
-    agent._create_node = lambda spec, reply, cause, now: created.append(spec)
+    agent.creating.create = lambda spec, reply, cause, now: created.append(spec)
     agent.bus.connected, agent.view.online, agent.rehoming.offline_since = True, {"n2": False, "n1": True, "n3": True}, {"n2": 0.0}
     agent.view.hosted_by_node = {"n1": [spec("p.source.0", "source", True)],
                                  "n2": [spec("p.mid.0", "mid", True), spec("mid-b", "mid", creator="p.mid.0"),
@@ -249,7 +249,7 @@ def test_a_rehomed_keyed_instance_is_told_the_key_groups_its_dead_incarnation_ow
     stats, `groups`); an instance it said nothing of is not told any (it holds the dealing)."""
     agent = _agent(tmp_path)
     created: List[Any] = []
-    agent._create_node = lambda spec, reply, cause, now: created.append(spec)
+    agent.creating.create = lambda spec, reply, cause, now: created.append(spec)
     agent.bus.connected, agent.view.online, agent.rehoming.offline_since = True, {"n2": False, "n1": True, "n3": True}, {"n2": 0.0}
     agent.view.hosted_by_node = {"n1": [spec("p.source.0", "source", True)],
                             "n2": [spec("p.mid.0", "mid", True), spec("mid-b", "mid", owned_groups=[[0, 127, 0]])],
@@ -810,20 +810,20 @@ def test_a_rehome_goes_to_the_standby_holding_its_copy_even_with_its_slots_taken
         return InstanceSpec(instance, "cnt", "me", "c", "p", KEYED_PIPE, BROKER, restart=True,
                             extra={"standby": standby, "min_epoch": 1_800_000_000})
 
-    assert agent._rehome_with_copy(job("cnt-c", "me"), "rehome")
-    assert not agent._rehome_with_copy(job("cnt-d", "me"), "rehome")  # no copy here
-    assert not agent._rehome_with_copy(job("cnt-c", "n2"), "rehome")  # its copy is said to be elsewhere
-    assert not agent._rehome_with_copy(job("cnt-c", "me"), "spawn")
+    assert agent.creating.here.beyond_slots(job("cnt-c", "me"), "rehome")
+    assert not agent.creating.here.beyond_slots(job("cnt-d", "me"), "rehome")  # no copy here
+    assert not agent.creating.here.beyond_slots(job("cnt-c", "n2"), "rehome")  # its copy is said to be elsewhere
+    assert not agent.creating.here.beyond_slots(job("cnt-c", "me"), "spawn")
     agent.drain.draining = True
-    assert not agent._rehome_with_copy(job("cnt-c", "me"), "rehome")
+    assert not agent.creating.here.beyond_slots(job("cnt-c", "me"), "rehome")
     agent.drain.draining = False
     # first in the ranking, with no free slot in the fleet views (placement skips it)
     tried: List[Any] = []
-    agent._spawn = lambda e, now: tried.append(  # type: ignore[method-assign]
+    agent.creating.handle = lambda e, now: tried.append(  # type: ignore[method-assign]
         spawns.candidates(e.ranking, e.spec, e.cause, agent.node, e.online))
     agent.view.online["n2"] = True
-    agent._create_node(job("cnt-c", "n2"), lambda _r: None, cause="rehome", now=0.0)
-    agent._create_node(job("cnt-c", "n2"), lambda _r: None, cause="spawn", now=0.0)
+    agent.creating.create(job("cnt-c", "n2"), lambda _r: None, cause="rehome", now=0.0)
+    agent.creating.create(job("cnt-c", "n2"), lambda _r: None, cause="spawn", now=0.0)
     assert tried[0][0] == "n2" and "n2" not in tried[1]
 
 

@@ -35,7 +35,7 @@ def test_a_rehome_our_record_lost_with_the_brokers_last_seconds_is_published_aga
     clock = [100.0]
     agent = Agent(load_agent_config(conf), warm_worker=False, clock=lambda: clock[0], wall=lambda: 5000.0)
     placed: List[str] = []
-    agent._create_node = lambda spec, reply, cause, now: placed.append(spec.instance)  # type: ignore
+    agent.creating.create = lambda spec, reply, cause, now: placed.append(spec.instance)  # type: ignore
     client = agent.bus.client = RecordingClient()
     ours = topics.agent_rehomed("c", "n1")
 

@@ -34,7 +34,7 @@ def test_a_rehome_that_fails_after_the_node_came_back_is_placed_again(tmp_path: 
     agent = Agent(load_agent_config(conf), warm_worker=False)
     agent._publish = lambda *a, **k: True  # type: ignore[assignment]
     placed: List[Tuple[str, Callable[[Dict[str, Any]], None]]] = []
-    agent._create_node = lambda spec, reply, cause, now: placed.append((spec.instance, reply))  # type: ignore
+    agent.creating.create = lambda spec, reply, cause, now: placed.append((spec.instance, reply))  # type: ignore
     agent.bus.connected = agent.bus.retained_in = True  # connected, the retained records in (sync marker)
 
     def message(topic: str, payload: bytes) -> None:
@@ -77,7 +77,7 @@ def test_a_node_that_came_back_while_we_were_away_is_not_rehomed_at_our_reconnec
     clock = [100.0]
     agent = Agent(load_agent_config(conf), warm_worker=False, clock=lambda: clock[0])
     placed: List[str] = []
-    agent._create_node = lambda spec, reply, cause, now: placed.append(spec.instance)  # type: ignore
+    agent.creating.create = lambda spec, reply, cause, now: placed.append(spec.instance)  # type: ignore
     client = agent.bus.client = RecordingClient()
 
     def connect(at: float, retained: List[Tuple[str, bytes]]) -> None:

@@ -764,8 +764,8 @@ def test_a_keeper_stopped_for_a_drain_moves_with_its_state_or_restarts_here(tmp_
         return w
 
     asked: List[Any] = []
-    real_create = agent._create_node
-    agent._create_node = lambda s, reply, cause, now, **kw: asked.append((s, reply, cause))  # type: ignore[assignment]
+    real_create = agent.creating.create
+    agent.creating.create = lambda s, reply, cause, now, **kw: asked.append((s, reply, cause))  # type: ignore[assignment]
     agent._on_reaped(Reaped(stopped_keeper(), 0), 3.0)
     [(moved, reply, cause)] = asked
     assert cause == "handover" and moved.instance == "p.work.0" and moved.restart and moved.keeper
@@ -774,7 +774,7 @@ def test_a_keeper_stopped_for_a_drain_moves_with_its_state_or_restarts_here(tmp_
     assert not (state_dir / "p.work.0.state.json").exists() and hosted.hosted(state_dir) == []
     assert started == []
 
-    agent._create_node = real_create  # type: ignore[assignment]
+    agent.creating.create = real_create  # type: ignore[assignment]
     agent._on_reaped(Reaped(stopped_keeper(), 0), 4.0)  # no other node: placement has nowhere to go
     [again] = started
     assert again.instance == "p.work.0" and again.restart and again.keeper and "handover_state" not in again.extra

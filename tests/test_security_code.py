@@ -404,7 +404,7 @@ def test_rehome_from_a_hosted_record_is_admitted_like_a_spawn(tmp_path: Path,
                                                                 caplog: pytest.LogCaptureFixture) -> None:
     agent = agent_for(tmp_path)
     created: List[InstanceSpec] = []
-    agent._create_node = lambda spec, reply, cause, now: created.append(spec)  # type: ignore[assignment]
+    agent.creating.create = lambda spec, reply, cause, now: created.append(spec)  # type: ignore[assignment]
     agent.bus.connected, agent.view.online, agent.rehoming.offline_since = True, {"n9": False}, {"n9": 0.0}
     agent.bus.retained_in = True  # the retained records are in (the sync marker came back)
     record = [spec_body("agent.operators.builtin:identity", "p.work.0"),
@@ -455,7 +455,7 @@ def test_an_epoch_floor_ahead_of_the_nodes_clock_is_refused_and_never_saved(
         agent.gate.spec_from(agent.wall(), {"operator": "work", "extra": {"min_epoch": 2 ** 53}}, template=handed)
     # a re-home from a dead node's retained hosted record: the plan keeps the record's larger floor
     created: List[InstanceSpec] = []
-    agent._create_node = lambda spec, reply, cause, now: created.append(spec)  # type: ignore[assignment]
+    agent.creating.create = lambda spec, reply, cause, now: created.append(spec)  # type: ignore[assignment]
     agent.bus.connected, agent.view.online, agent.rehoming.offline_since = True, {"n9": False}, {"n9": 0.0}
     agent.bus.retained_in = True  # the retained records are in (the sync marker came back)
     agent.view.hosted_by_node["n9"] = [spec_body(ok, "p.work.0"), spec_body(ok, "p.work.1", min_epoch=2 ** 53)]

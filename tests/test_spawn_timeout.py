@@ -48,7 +48,7 @@ def test_a_spawn_that_times_out_is_not_placed_again_under_the_same_identity(tmp_
     spec = InstanceSpec("work-c458fdf7d48d", "work", "n1", "c", "p", PIPELINE, BrokerSpec("h", 1),
                         preds=("p.source.0",), succs=("p.sink.0",))
     replies: List[Dict[str, Any]] = []
-    agent._spawn(spawns.CreateNode(spec, replies.append, "spawn", ("n2", "n3"), {}), 100.0)
+    agent.creating.handle(spawns.CreateNode(spec, replies.append, "spawn", ("n2", "n3"), {}), 100.0)
     assert [t.split("/peer/")[0].rsplit("/", 1)[-1] for t, _ in sent] == ["n2"]  # asked n2 first
 
     agent._periodic(100.0 + RPC_TIMEOUT + 1.0)  # n2's answer has not come (it is on its way)
@@ -94,7 +94,7 @@ def test_a_spawn_paho_took_while_the_connection_was_down_is_asked_of_no_other_no
         spec = InstanceSpec("work-5eedf43f0646", "work", "n1", cluster, "p", PIPELINE, agent.bus.broker,
                             preds=("p.source.0",), succs=("p.sink.0",))
         replies: List[Dict[str, Any]] = []
-        agent._spawn(spawns.CreateNode(spec, replies.append, "spawn", ("n2", "n3"), {"n2": True, "n3": True}), 100.0)
+        agent.creating.handle(spawns.CreateNode(spec, replies.append, "spawn", ("n2", "n3"), {"n2": True, "n3": True}), 100.0)
         assert replies == [], replies  # not failed: n2's answer is awaited
         assert [c.node for c in agent.spawns.calls.values()] == ["n2"], agent.spawns.calls
 

@@ -543,14 +543,14 @@ def test_a_node_claiming_more_free_slots_than_the_admin_gave_it_is_not_every_pla
     for node, doc in (("n3", _liar_state()), ("n2", dict(_liar_state("n2"), slots=4, free_slots=4, instances=[]))):
         _deliver(agent, topics.agent_state("c", node), doc, True)
         _deliver(agent, topics.agent_status("c", node), b"online", True)
-    views = {v.node: v for v in agent.fleet_views()}
+    views = {v.node: v for v in agent.creating.views()}
     assert (views["n3"].slots, views["n3"].free_slots) == (2, 1) and views["n2"].free_slots == 4
-    assert agent.fleet_slots() == 2 + 4 + agent.cfg.agent.slots
+    assert agent.creating.fleet_slots() == 2 + 4 + agent.cfg.agent.slots
     unbounded = _agent(tmp_path, "n4")
     for node, doc in (("n3", _liar_state()),):
         _deliver(unbounded, topics.agent_state("c", node), doc, True)
         _deliver(unbounded, topics.agent_status("c", node), b"online", True)
-    assert {v.node: v.free_slots for v in unbounded.fleet_views()}["n3"] == 1000  # not listed: its word
+    assert {v.node: v.free_slots for v in unbounded.creating.views()}["n3"] == 1000  # not listed: its word
 
 
 def test_a_deploy_offers_a_node_no_more_than_its_slots_in_the_table() -> None:

@@ -11,9 +11,10 @@ the replies, the sync marker), or else to the handlers of the records and probes
 and publish state.
 
 What it does:
-- MQTT 5 session (agent.node.bus, the one client): stable client id `fog-agent-<cluster>-<node>`, clean_start=False with a session
-  expiry, so requests sent while it reconnects wait in the broker; retained status "online" with
-  a Last Will "offline" (retained), so the fleet learns of a dead agent without polling.
+- MQTT 5 session (agent.node.bus, the one client): stable client id `fog-agent-<cluster>-<node>`,
+  clean_start=False with a session expiry, so requests sent while it reconnects wait in the
+  broker; retained status "online" with a Last Will "offline" (retained), so the fleet learns of
+  a dead agent without polling.
 - Node state: retained JSON (`agent.node.nodestate`, read by agent.node.report with the
   counters, systemd's status and the metrics endpoint) every `state_period`, and soon after
   every change of its instances.
@@ -24,28 +25,23 @@ What it does:
   protocol's spawns only on `agents/<me>/peer/<node>` and only for a pipeline that node hosts,
   re-homes or an admin deployed, each op answered by agent.node.requests; replies only to
   `replies/<requester>/<me>`; every payload bounded before parsing (agent.wire); no message ends
-  the loop (`_on_message_safely`). Either way the answer ("spawned", or the
-  rpc reply) is sent only after the new worker said "ready", i.e. after it subscribed to its inbox
-  (docs/design.md invariant 2: subscribe before announce).
+  the loop (`_on_message_safely`). Either way the answer ("spawned", or the rpc reply) is sent
+  only after the new worker said "ready", i.e. after it subscribed to its inbox (docs/design.md
+  invariant 2: subscribe before announce).
 - Shutdown on SIGTERM/SIGINT: "stop" to every worker (they drain, invariant 4), SIGTERM after
   shutdown_timeout/2, SIGKILL after shutdown_timeout, then "offline" and exit. Bound: the process
   exits within shutdown_timeout + SHUTDOWN_SLACK seconds of the signal.
 
-The shell and its parts: this module is the shell (the loop, the workers' processes, the files,
-the log lines and events). Beside it, parts that do IO but no deciding of the loop's, each given
-the parts it reads and a few calls, none a reference to the Agent: the MQTT session (bus), what
-the node says of itself (report), the requests of the rpc and peer topics (requests), the retained
-records and latency probes from the bus (inbound), a drain's hand-over (handover), the site
-manager's effects carried out (siteeffects). The decisions that hold state of their own are
-sans-IO parts beside it, each given what it reads and the time as arguments, none holding a
-reference to the Agent: who may ask for what (agent.node.gate), the fleet view from the retained
-records (fleetview), the pins (pins), crash restarts and their backoff (restarts), re-homing's
-decisions (rehoming, with rehome's plan of one lost node), after each connect the fencing of our
-instances that run elsewhere, the first re-adoption and the workers' reconnect grants (fencing),
-the drain (drain), the host tables sent to the workers and our "moved" statements (hostsync),
-createNode()'s walk over the candidates and who hears of it when (spawns: typed events in,
-commands out, which `_spawn` has spawnshell carry out), the Gesscale policies' sibling contexts
-(contexts); and the stateless ones: placement, bounds, hostmap, site_manager, hosted, nodestate.
+The shell and its parts: this module is the arbiter, what only it may do (the loop and its
+schedule, the MQTT session's events, the workers' processes, the signals, the files, the events
+and log lines it writes) and the wiring. Everything the node decides is in parts beside it, each
+given the parts it reads, the time as an argument and, when it acts, a few late-bound calls,
+none a reference to the Agent; the list, with what each decides, is docs/runtime.md, "Layout".
+The parts the loop hands its events to: the MQTT session (bus), where a message goes (routes),
+the rpc and peer requests (requests), the retained records and probes (inbound), our workers'
+lines (workerlines) and exits (exits, with handover), createNode() (spawns, carried out by
+spawnshell), the reconcile after a connect (reconcile, on fencing), the re-homing turn (rehomer,
+on rehoming and rehome), the site manager (siteeffects), what the node says of itself (report).
 """
 
 from __future__ import annotations
@@ -76,6 +72,7 @@ from agent.node.rehoming import Rehoming
 from agent.node.rehomer import Rehomer, RehomerCalls
 from agent.node.reconcile import ReconcileCalls, Reconciler
 from agent.node.workerlines import LineCalls, WorkerLines
+from agent.node.spawnshell import CreateNodes
 from agent.node.fleetview import FleetView
 from agent.node.bus import AgentBus, broker_of
 from agent.node.report import Report
@@ -87,16 +84,9 @@ from agent.node import loopevents
 from agent.node.handover import HandOverCalls, HandOvers, read_json
 from agent.node.hostmap import MAX_MOVED
 from agent.node.hostsync import HostSync
-from agent.node.contexts import PolicyContexts, siblings
+from agent.node.contexts import PolicyContexts
 from agent.node.inbound import FOLLOWED_FILE, Inbound, InboundCalls
-from agent.node.placement import (
-    DEFAULT_POLICY,
-    NodeView,
-    PlacementPolicy,
-    PlacementRequest,
-    get_policy,
-    policy_for_operator,
-)
+from agent.node.placement import DEFAULT_POLICY, PlacementPolicy, get_policy
 from agent.operators import admission
 from agent.spill.local import AgentSpill
 from agent.node.site_driver import SiteDriver
@@ -150,7 +140,6 @@ class Agent:
         self.cfg = cfg
         self.node = cfg.agent.node
         self.cluster = cfg.agent.cluster
-        self.policy = policy
         self.clock = clock
         self.wall = wall
         self._events: "queue.SimpleQueue[loopevents.LoopEvent]" = queue.SimpleQueue()
@@ -229,12 +218,21 @@ class Agent:
         event = lambda *a, **kw: self._event(*a, **kw)
         publish = lambda *a, **kw: self._publish(*a, **kw)
         bad = lambda *a: self._bad(*a)
-        create_node = lambda *a, **kw: self._create_node(*a, **kw)
-        spawn = lambda e, now: self._spawn(e, now)
+        create_node = lambda *a, **kw: self.creating.create(*a, **kw)
+        spawn = lambda e, now: self.creating.handle(e, now)
         start = lambda group, now: self._start_group(group, now)
         stop = lambda inst, now: self.supervisor.stop(inst, now)
         stopping = lambda: self._stopping_since is not None
         connected, retained_in = (lambda: self.connected), (lambda: self._retained_in)
+        # createNode() on this node: placed, walked (agent.node.spawns), carried out (agent.node.spawnshell)
+        self.creating = CreateNodes(self.spawns, spawnshell.Here(
+            self.node, self.cluster, cfg.agent.state_dir, self.supervisor, self.spill, self.view, self.staging,
+            self.counters, connected, lambda: self.free_slots(),
+            # a re-home placed on the standby holding its copy starts beyond the slots, not while we drain
+            lambda spec, cause: spawns.starts_beyond_slots(spec, cause, self.node, self.drain.draining,
+                                                           self.replication.store.meta(spec.instance) is not None),
+            lambda spec: self.replication.install_copy(spec, self.counters), self._changed, self._hosted_first,
+            publish, bad), policy, self.contexts, cfg.agent.slots, cfg.security.node_slots, stopping)
         # This node as the re-homer of lost nodes (agent.node.rehomer)
         self.rehomer = Rehomer(self.node, cfg.agent.dead_after, cfg.agent.state_period, self.rehoming, self.view,
                                self.gate, RehomerCalls(
@@ -272,7 +270,7 @@ class Agent:
                                  self.replication.store, self.staging, self.spill, self.report.counters,
                                  self.report.local_instances, NodeCalls(
             spawn=spawn, undeploy=self._undeploy, event=event, changed=self._changed,
-            free_slots=lambda: self.free_slots(), fleet_slots=self.fleet_slots, stopping=stopping,
+            free_slots=lambda: self.free_slots(), fleet_slots=lambda: self.creating.fleet_slots(), stopping=stopping,
             publish=publish, bad=bad))
         # The records and probes from the bus (agent.node.inbound)
         self.inbound = Inbound(self.node, self.cluster, self.view, self.hosts, self.replication, self.rehoming,
@@ -451,7 +449,7 @@ class Agent:
             self.requests.expire_pins()
         self.exits.tick(now)
         if self.spawns.calls:
-            self._spawn(spawns.Expire(), now)
+            self.creating.handle(spawns.Expire(), now)
         if self.replication.shippers:
             self._replicate(now)
         self.staging.expire(now)
@@ -537,16 +535,6 @@ class Agent:
 
     # -- fleet view and placement --------------------------------------------------------------
 
-    def fleet_views(self) -> List[NodeView]:
-        return self.view.views(NodeView(node=self.node, slots=self.cfg.agent.slots, free_slots=self.free_slots(),
-                                        online=True, latency_ms=self.view.latency.get(self.node, {}),
-                                        instances=tuple(self.supervisor.workers)),
-                               self.cfg.security.node_slots)
-
-    def fleet_slots(self) -> int:
-        """All slots of the online fleet as this agent sees it: the bound of a forced scale-out."""
-        return sum(max(0, v.slots) for v in self.fleet_views() if v.online)
-
     def free_slots(self) -> int:
         if self.drain.draining:
             return 0  # `fogctl drain`: no new instance until `undrain`
@@ -571,43 +559,6 @@ class Agent:
         except ValueError as exc:
             raise ConfigError(Path(cfg.source).name, "[security].admin_keys",
                               f"expected Ed25519 public key PEM files ({exc})") from None
-
-    def _create_node(self, spec: InstanceSpec, reply: Callable[[Dict[str, Any]], None], cause: str, now: float,
-                     chunks: Sequence[Dict[str, Any]] = ()) -> None:
-        if self._stopping_since is not None:
-            reply({"ok": False, "error": f"agent {self.node} is shutting down"})
-            return
-        others = siblings(spec, {i: w.spec for i, w in self.supervisor.workers.items()},
-                          self.view.siblings(spec.pipeline, spec.operator, spec.instance))
-        request = PlacementRequest(operator=spec.operator, local=self.node, neighbours=spec.succs + spec.preds,
-                                   siblings=others)
-        policy = policy_for_operator(self.policy, self.contexts.operator_policy(spec)[0])
-        ranking = tuple(policy(request, self.fleet_views()))
-        self._spawn(spawns.CreateNode(spec, reply, cause, ranking, self.view.online, self._status_here(spec.instance),
-                                      self.view.runs_on(spec.instance), tuple(chunks)), now)
-
-    def _status_here(self, instance: str) -> Optional[str]:
-        w = self.supervisor.get(instance)
-        return w.status.value if w is not None else None
-
-    def _spawn(self, event: spawns.SpawnEvent, now: float) -> None:
-        """Hand `event` to the createNode() core (agent.node.spawns) and carry out its commands in
-        order; the outcome of a local start, a staging or a peer request goes back to it."""
-        here = spawnshell.Here(self.node, self.cluster, self.cfg.agent.state_dir, self.supervisor, self.spill,
-                               self.view, self.staging, self.counters, lambda: self.connected, self.free_slots,
-                               self._rehome_with_copy, lambda spec: self.replication.install_copy(spec, self.counters),
-                               self._changed, self._hosted_first, self._publish, self._bad)
-        todo = [event]
-        while todo:
-            for cmd in self.spawns.handle(todo.pop(0), now):
-                outcome = spawnshell.carry_out(cmd, here, now)
-                if outcome is not None:
-                    todo.append(outcome)
-
-    def _rehome_with_copy(self, spec: InstanceSpec, cause: str) -> bool:
-        """spawns.starts_beyond_slots, on our drain and the standby copies we hold."""
-        return spawns.starts_beyond_slots(spec, cause, self.node, self.drain.draining,
-                                          self.replication.store.meta(spec.instance) is not None)
 
     # -- messages ------------------------------------------------------------------------------
 
@@ -664,7 +615,7 @@ class Agent:
             event = spawns.PeerReply(correlation, replier, rpc.decode_reply(msg.payload))
         except ValueError as exc:
             event = spawns.PeerReply(correlation, replier, bad=str(exc))
-        self._spawn(event, now)
+        self.creating.handle(event, now)
 
     # -- worker exits --------------------------------------------------------------------------
 
@@ -775,7 +726,7 @@ class Agent:
             notify.stopping(f"stopping {len(self.supervisor)} workers")
         except ImportError:  # pragma: no cover
             pass
-        self._spawn(spawns.Shutdown(), now)
+        self.creating.handle(spawns.Shutdown(), now)
         self.supervisor.stop_all(now)
         self.supervisor.close_warm()
 

@@ -1,9 +1,11 @@
-"""createNode()'s commands carried out (`COMMANDS`): the createNode() core (agent.node.spawns)
-decides, this side starts a worker here, asks a peer, stages a hand-over's keyed state, answers,
-counts and logs, and hands the outcome of a start, a request or a staging back as an event.
+"""createNode() on this node carried out (`CreateNodes`): the placement policy ranks the fleet as
+this agent sees it, the createNode() core (agent.node.spawns) walks the candidates and decides,
+and this side carries out its commands (`COMMANDS`): starts a worker here, asks a peer, stages a
+hand-over's keyed state, answers, counts and logs, and hands the outcome of a start, a request or
+a staging back as an event.
 
-Why stateless: everything a command reads or changes belongs to the node (`Here`, made by the
-daemon for each run of the core's commands), so nothing here outlives one run.
+Why the commands are stateless: everything a command reads or changes belongs to the node
+(`Here`, made once by the daemon, its calls late-bound), so nothing here outlives one run.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from agent import topics
 from agent.config import load_pipeline_text
@@ -19,7 +21,9 @@ from agent.files import write_atomic
 from agent.instance import deployfiles
 from agent.instance.spec import InstanceSpec
 from agent.node import rpc, spawns, statexfer
+from agent.node.contexts import PolicyContexts, siblings
 from agent.node.fleetview import FleetView
+from agent.node.placement import NodeView, PlacementPolicy, PlacementRequest, policy_for_operator
 from agent.node.requests import spec_with_capacity
 from agent.node.spawns import RPC_TIMEOUT
 from agent.node.supervisor import Supervisor
@@ -47,6 +51,56 @@ class Here:
     hosted_first: Callable[[], None]  # our hosted record published first, when it changed
     publish: Callable[..., Any]  # (topic, payload, properties=...)
     bad: Callable[[str, Optional[str], Any], None]  # a bad message: counted and logged
+
+
+class CreateNodes:
+    """createNode() on this node: placed, walked by the core, its commands carried out."""
+
+    def __init__(self, spawning: spawns.Spawns, here: Here, policy: PlacementPolicy, contexts: PolicyContexts,
+                 slots: int, node_slots: Any, stopping: Callable[[], bool]) -> None:
+        self.spawning, self.here, self.policy, self.contexts = spawning, here, policy, contexts
+        self.slots, self.node_slots, self.stopping = slots, node_slots, stopping
+
+    def views(self) -> List[NodeView]:
+        """The fleet as placement sees it: this node as it is now, the others from their records
+        (`[security] node_slots` bounds what another node may claim)."""
+        h = self.here
+        return h.view.views(NodeView(node=h.node, slots=self.slots, free_slots=h.free_slots(), online=True,
+                                     latency_ms=h.view.latency.get(h.node, {}), instances=tuple(h.supervisor.workers)),
+                            self.node_slots)
+
+    def fleet_slots(self) -> int:
+        """All slots of the online fleet as this agent sees it: the bound of a forced scale-out."""
+        return sum(max(0, v.slots) for v in self.views() if v.online)
+
+    def create(self, spec: InstanceSpec, reply: spawns.ReplyTo, cause: str, now: float,
+               chunks: Sequence[Dict[str, Any]] = ()) -> None:
+        """A createNode() of ours (a worker's copy, a re-home, a hand-over): the placement policy of
+        its operator ranks the nodes, the core walks them; none while the agent stops."""
+        h = self.here
+        if self.stopping():
+            reply({"ok": False, "error": f"agent {h.node} is shutting down"})
+            return
+        others = siblings(spec, {i: w.spec for i, w in h.supervisor.workers.items()},
+                          h.view.siblings(spec.pipeline, spec.operator, spec.instance))
+        request = PlacementRequest(operator=spec.operator, local=h.node, neighbours=spec.succs + spec.preds,
+                                   siblings=others)
+        policy = policy_for_operator(self.policy, self.contexts.operator_policy(spec)[0])
+        ranking = tuple(policy(request, self.views()))
+        w = h.supervisor.get(spec.instance)
+        status = w.status.value if w is not None else None
+        self.handle(spawns.CreateNode(spec, reply, cause, ranking, h.view.online, status, h.view.runs_on(spec.instance),
+                                      tuple(chunks)), now)
+
+    def handle(self, event: spawns.SpawnEvent, now: float) -> None:
+        """Hand `event` to the createNode() core and carry out its commands in order; the outcome
+        of a local start, a staging or a peer request goes back to it."""
+        todo = [event]
+        while todo:
+            for cmd in self.spawning.handle(todo.pop(0), now):
+                outcome = carry_out(cmd, self.here, now)
+                if outcome is not None:
+                    todo.append(outcome)
 
 
 def carry_out(cmd: spawns.SpawnCommand, here: Here, now: float) -> Optional[spawns.SpawnEvent]:
