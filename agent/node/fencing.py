@@ -1,13 +1,14 @@
 """After a (re)connect: which of our instances another node now runs (fenced), what the first
 connect re-adopts, and when a worker that lost its connection may reconnect (the daemon's fencing).
 
-Rules of this file: no I/O, no clock, no reference to the daemon. The daemon reports its start
-(`started`, with what the previous incarnation hosted), each connect (`connected`) and each
-worker's ask to reconnect (`asked`); once per loop turn it asks whether the reconcile is due
-(`reconcile_due`) and which workers may reconnect (`grants`); when the reconcile is due it hands
-over what it reads of the fleet (`Facts`) and carries out the answer (`Reconcile`: kill and forget
-the fenced workers, forget the stored specs, re-adopt); a reaped worker is reported (`gone`),
-which says whether it was fenced (then it never starts here again: agent.node.restarts.exit_of).
+Rules of this file: no I/O, no clock, no reference to the daemon. The daemon (agent.node.reconcile,
+agent.node.workerlines) reports its start (`started`, with what the previous incarnation hosted),
+each connect (`connected`) and each worker's ask to reconnect (`asked`); once per loop turn it asks
+whether the reconcile is due (`reconcile_due`) and which workers may reconnect (`grants`); when the
+reconcile is due it hands over what it reads of the fleet (`Facts`) and carries out the answer
+(`Reconcile`: kill and forget the fenced workers, forget the stored specs, re-adopt); a reaped
+worker is reported (`gone`), which says whether it was fenced (then it never starts here again:
+agent.node.restarts.exit_of).
 
 The rules, and why:
 - The reconcile runs READOPT_SETTLE seconds after a connect, once the retained records are in

@@ -3,11 +3,11 @@ which of ours stand down because another node started them (agent.node.rehome pl
 
 Rules of this file: no I/O, no clock, no reference to the daemon. `Rehoming` keeps what re-homing
 remembers between loop turns (since when each node is offline or back, the nodes whose loss was
-planned, the instances asked for, the failed ones to try again); the functions read the fleet
-view the daemon passes in: `local` is {instance: its worker's last stats} of this node, `fleet`
-{node: its retained state}, `online` {node: up}. Times are arguments (`now`: the daemon's loop
-clock; `wall`: the wall clock the re-homed records and epoch floors use). The daemon admits each
-planned spec, starts it (createNode()), publishes the records and logs.
+planned, the instances asked for, the failed ones to try again); the functions read the fleet view
+the daemon passes in: `local` is {instance: its worker's last stats} of this node, `fleet` {node:
+its retained state}, `online` {node: up}. Times are arguments (`now`: the daemon's loop clock;
+`wall`: the wall clock the re-homed records and epoch floors use). The daemon (agent.node.rehomer)
+admits each planned spec, starts it (createNode()), publishes the records and logs.
 """
 
 from __future__ import annotations

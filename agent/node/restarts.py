@@ -1,15 +1,15 @@
 """When a crashed worker starts again here, with the same identity (the daemon's restarts).
 
-Rules of this file: no I/O, no clock, no reference to the daemon. The daemon reports each crash
-(`on_crash`), asks before each start whether it waits for the end of the turn (`hold`), and once
-per loop turn which delayed restarts are due (`due`) and which held ones to start (`take`); it
-starts the processes. Why never give up: a crashed instance is in its neighbours' routing tables until
-the protocol removes it, so without it their records towards it wait (nothing is lost, but it
-stalls). Why a backoff: a worker that crashes at once again must not take the node's CPU in a
-loop: the first MAX_RESTARTS crashes within RESTART_WINDOW restart at once, each further one
-waits twice as long as the one before, at most RESTART_BACKOFF_MAX. Why a batch: the members of
-a chain (one process, agent.node.chains) die together and are reaped in one poll; queued until
-the end of that turn, they start again together as one process.
+Rules of this file: no I/O, no clock, no reference to the daemon. The daemon (agent.node.exits)
+reports each crash (`on_crash`), asks before each start whether it waits for the end of the turn
+(`hold`), and once per loop turn which delayed restarts are due (`due`) and which held ones to start
+(`take`); it starts the processes. Why never give up: a crashed instance is in its neighbours'
+routing tables until the protocol removes it, so without it their records towards it wait (nothing
+is lost, but it stalls). Why a backoff: a worker that crashes at once again must not take the node's
+CPU in a loop: the first MAX_RESTARTS crashes within RESTART_WINDOW restart at once, each further
+one waits twice as long as the one before, at most RESTART_BACKOFF_MAX. Why a batch: the members of
+a chain (one process, agent.node.chains) die together and are reaped in one poll; queued until the
+end of that turn, they start again together as one process.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """createNode() on this node: where a new instance starts and who hears of it (the daemon's spawns).
 
-Rules of this file: no I/O, no clock, no reference to the daemon. h11's habit: the daemon hands
-`Spawns.handle` one typed event and the time, and carries out the commands it returns, in order;
-the outcome of a command that has one (`StartLocal`, `AskPeer`, `StageKeyed`) comes back as the
-next event (`LocalStart`, `Asked`, `Staged`). A requester is opaque here (`ReplyTo`): the core says
-which answer goes to it (`Answer`), the daemon sends it. An event this table does not know, or an
-outcome for no command, is the daemon's bug: it raises.
+Rules of this file: no I/O, no clock, no reference to the daemon. h11's habit: the daemon
+(agent.node.spawnshell) hands `Spawns.handle` one typed event and the time, and carries out the
+commands it returns, in order; the outcome of a command that has one (`StartLocal`, `AskPeer`,
+`StageKeyed`) comes back as the next event (`LocalStart`, `Asked`, `Staged`). A requester is opaque
+here (`ReplyTo`): the core says which answer goes to it (`Answer`), the daemon sends it. An event
+this table does not know, or an outcome for no command, is the daemon's bug: it raises.
 
 The rules, and why:
 - The walk: the candidates in turn, the first that takes the instance ends it. This node starts a
