@@ -103,6 +103,8 @@ EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: never reached the broker within connect
 
 TICK = 0.2  # seconds: the loop's longest sleep
 SHUTDOWN_SLACK = 3.0  # seconds beyond shutdown_timeout for reaping, "offline" and disconnect
+
+
 class Halt(BaseException):
     """Leave the main loop with an exit status (gunicorn's HaltServer)."""
 
@@ -279,6 +281,18 @@ class Agent:
             publish=publish, keep=self._keep, bad=bad, changed=self._changed,
             drop_stale=lambda p, now: self.reconciler.drop_stale(p, now), retained_in=retained_in,
             restate_rehomed=lambda: self._publish_rehomed()))
+
+    @staticmethod
+    def _admin_keys(cfg: AgentConfig) -> Optional[signing.Verifier]:
+        """The verifier of `[security] admin_keys`, None when none is configured; a key file that
+        is not an Ed25519 public key is a ConfigError naming the file and key (exit 78)."""
+        if not cfg.security.admin_keys:
+            return None
+        try:
+            return signing.load_verifier(cfg.security.admin_keys)
+        except ValueError as exc:
+            raise ConfigError(Path(cfg.source).name, "[security].admin_keys",
+                              f"expected Ed25519 public key PEM files ({exc})") from None
 
     # -- MQTT (agent.node.bus) -----------------------------------------------------------------
 
@@ -488,6 +502,14 @@ class Agent:
         return self.report.state_doc(self.free_slots(), self.pins, self.drain,
                                      self.hosts.moved_statements(self.supervisor), copies)
 
+    def free_slots(self) -> int:
+        if self.drain.draining:
+            return 0  # `fogctl drain`: no new instance until `undrain`
+        return max(0, self.cfg.agent.slots - len(self.supervisor))
+
+    def _changed(self) -> None:
+        self._state_dirty = True
+
     def _stated_move(self, instance: str, node: Any) -> None:
         """We moved `instance` to `node` (its createNode() reply): say so in our state record."""
         if self.hosts.stated_move(instance, node):
@@ -532,33 +554,6 @@ class Agent:
         self._publish(topics.events(self.cluster), ev.to_json().encode(), qos=1)
         if self.spill is not None:
             self.spill.on_event(ev.to_dict())
-
-    # -- fleet view and placement --------------------------------------------------------------
-
-    def free_slots(self) -> int:
-        if self.drain.draining:
-            return 0  # `fogctl drain`: no new instance until `undrain`
-        return max(0, self.cfg.agent.slots - len(self.supervisor))
-
-    def _heartbeat(self, w: Worker, wall: float) -> None:
-        """A worker's heartbeat counters: to the metrics endpoint and the spill."""
-        self.report.observe(w)
-        if self.spill is not None:
-            self.spill.on_heartbeat(w.spec, w.stats, wall)
-
-    # -- createNode() --------------------------------------------------------------------------
-
-    @staticmethod
-    def _admin_keys(cfg: AgentConfig) -> Optional[signing.Verifier]:
-        """The verifier of `[security] admin_keys`, None when none is configured; a key file that
-        is not an Ed25519 public key is a ConfigError naming the file and key (exit 78)."""
-        if not cfg.security.admin_keys:
-            return None
-        try:
-            return signing.load_verifier(cfg.security.admin_keys)
-        except ValueError as exc:
-            raise ConfigError(Path(cfg.source).name, "[security].admin_keys",
-                              f"expected Ed25519 public key PEM files ({exc})") from None
 
     # -- messages ------------------------------------------------------------------------------
 
@@ -617,7 +612,13 @@ class Agent:
             event = spawns.PeerReply(correlation, replier, bad=str(exc))
         self.creating.handle(event, now)
 
-    # -- worker exits --------------------------------------------------------------------------
+    # -- workers -------------------------------------------------------------------------------
+
+    def _heartbeat(self, w: Worker, wall: float) -> None:
+        """A worker's heartbeat counters: to the metrics endpoint and the spill."""
+        self.report.observe(w)
+        if self.spill is not None:
+            self.spill.on_heartbeat(w.spec, w.stats, wall)
 
     def _on_reaped(self, reaped: Reaped, now: float) -> None:
         """A worker exited: counted, logged, and what follows decided (agent.node.exits)."""
@@ -643,9 +644,6 @@ class Agent:
         for inst in self.fencing.grants(set(self.supervisor.workers), self.connected, self.bus.last_puback):
             self.supervisor.send(inst, "reconnect")
 
-    def _changed(self) -> None:
-        self._state_dirty = True
-
     def _undeploy(self, instance: str) -> None:
         """Stopped for an undeploy: forgotten, never restarted."""
         self.exits.undeployed(instance)
@@ -662,22 +660,7 @@ class Agent:
         self.restarts.forget(instance)
         deployfiles.forget(instance, Path(self.cfg.agent.state_dir))
 
-    def _replicate(self, now: float) -> None:
-        """Copy the keyed saves of our workers to their standbys (agent.node.replicas): to online
-        nodes that are not draining."""
-        eligible = self.view.eligible_standbys()
-        if self.replication.tick(now, eligible if self.connected else [], self._publish_replica, self._tell_replicated):
-            self.stored.dirty = True  # the hosted record names each standby
-
-    def _publish_replica(self, standby: str, body: Dict[str, Any], correlation: Optional[str]) -> Any:
-        """False when not queued, else the message id: the next part of a snapshot waits for its
-        PUBACK (replicas.Replication.published), so paho holds a few parts, not the snapshot."""
-        self._hosted_first()  # the standby accepts a copy only of what our hosted record lists
-        props = rpc.publish_properties(correlation) if correlation is not None else None
-        return self._publish(topics.agent_peer(self.cluster, standby, self.node), rpc.encode(body), properties=props)
-
-    def _tell_replicated(self, instance: str, gen: int, size: int) -> None:
-        self.supervisor.send(instance, "replicated", gen=gen, log=size)
+    # -- what it hosts: hosted and re-homed records, host tables, standby copies ---------------
 
     def _hosted_first(self) -> None:
         """Our hosted record, published before a request that the receiver checks against it."""
@@ -690,6 +673,13 @@ class Agent:
         self.hosts.dirty = True
         if self._publish(topics.agent_hosted(self.cluster, self.node), rehome.encode_hosted(specs), retain=True):
             self.stored.dirty = False
+
+    def _publish_rehomed(self) -> None:
+        """Our retained re-homed record, as we hold it (FleetView keeps our own copy over what a
+        broker restarted from its last autosave hands back)."""
+        record = self.view.rehomed_by_node.get(self.node, {})
+        self._publish(topics.agent_rehomed(self.cluster, self.node), json.dumps(record, sort_keys=True).encode(),
+                      retain=True)
 
     def _sync_hosts(self) -> None:
         """Send each worker the host table of its pipeline when it changed (agent.node.hostsync)."""
@@ -708,12 +698,22 @@ class Agent:
         if saved is not None and self._keep(BINDINGS_FILE, saved, "bindings"):
             self.hosts.kept(saved)
 
-    def _publish_rehomed(self) -> None:
-        """Our retained re-homed record, as we hold it (FleetView keeps our own copy over what a
-        broker restarted from its last autosave hands back)."""
-        record = self.view.rehomed_by_node.get(self.node, {})
-        self._publish(topics.agent_rehomed(self.cluster, self.node), json.dumps(record, sort_keys=True).encode(),
-                      retain=True)
+    def _replicate(self, now: float) -> None:
+        """Copy the keyed saves of our workers to their standbys (agent.node.replicas): to online
+        nodes that are not draining."""
+        eligible = self.view.eligible_standbys()
+        if self.replication.tick(now, eligible if self.connected else [], self._publish_replica, self._tell_replicated):
+            self.stored.dirty = True  # the hosted record names each standby
+
+    def _publish_replica(self, standby: str, body: Dict[str, Any], correlation: Optional[str]) -> Any:
+        """False when not queued, else the message id: the next part of a snapshot waits for its
+        PUBACK (replicas.Replication.published), so paho holds a few parts, not the snapshot."""
+        self._hosted_first()  # the standby accepts a copy only of what our hosted record lists
+        props = rpc.publish_properties(correlation) if correlation is not None else None
+        return self._publish(topics.agent_peer(self.cluster, standby, self.node), rpc.encode(body), properties=props)
+
+    def _tell_replicated(self, instance: str, gen: int, size: int) -> None:
+        self.supervisor.send(instance, "replicated", gen=gen, log=size)
 
     # -- shutdown ------------------------------------------------------------------------------
 
@@ -742,6 +742,7 @@ class Agent:
             except Exception:
                 pass
         self.supervisor.poll(now)
+
 
 def _latency_core(cfg: AgentConfig) -> Any:
     """The latency measurement core of issue 6 when installed (placement works without it)."""
