@@ -15,15 +15,13 @@ from agent.mqtt.settings import BrokerSpec
 from agent.node import chains
 from agent.node.fencing import Fencing
 from agent.node.fleetview import FleetView
-from agent.node.gate import Gate, NodeLocal
 from agent.node.hosted import HostedSpecs
 from agent.node.reconcile import ReconcileCalls, Reconciler
-from agent.operators.admission import AllowList, NodeDirs
-from agent.signing import SpecTrust
 from pipelines import with_work
+from test_node_core_gate import gate
 
 WALL = 1_700_000_000.0
-OURS = BrokerSpec("broker.local", 1883)
+OURS = BrokerSpec("broker.local", 1883)  # this node's, as test_node_core_gate.gate has it
 
 
 @dataclass
@@ -49,9 +47,6 @@ class Node:
         self.stored = HostedSpecs(self.state)
         self.view = FleetView("me")
         self.fencing = Fencing("me")
-        local = NodeLocal("me", "c", OURS, str(self.state), 0.5, fence_reconnect=True, inbox_per_node=False,
-                          replicate=False)
-        gate = Gate(local, AllowList.for_node(()), NodeDirs((str(self.state),)), SpecTrust(None), {}, "b00t")
         rec = self.did.append
 
         def forget(i: str) -> None:
@@ -63,7 +58,7 @@ class Node:
             self.started.extend(group)
 
         self.started: List[InstanceSpec] = []
-        self.reconciler = Reconciler("me", slots, self.fencing, gate, self.view, self.stored, self.workers,
+        self.reconciler = Reconciler("me", slots, self.fencing, gate(tmp_path), self.view, self.stored, self.workers,
                                      self.undeploying, self.counters, ReconcileCalls(
             forget=forget, undeploy=lambda i: (rec(("undeploy", i)), self.undeploying.add(i)),
             kill=lambda i, now, why: rec(("kill", i, why)), stop=lambda i, now: rec(("stop", i)), start=start,

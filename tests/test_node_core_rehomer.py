@@ -7,16 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from agent.mqtt.settings import BrokerSpec
 from agent.node.fencing import READOPT_SETTLE
 from agent.node.fleetview import FleetView
-from agent.node.gate import Gate, NodeLocal
 from agent.node.rehomer import Rehomer, RehomerCalls
 from agent.node.rehoming import Rehoming
 from agent.node.spawns import RPC_TIMEOUT
-from agent.operators.admission import AllowList, NodeDirs
-from agent.signing import SpecTrust
 from pipelines import with_work
+from test_node_core_gate import gate
 
 TEXT = with_work("agent.operators.builtin:identity")
 WALL = 1_700_000_000.5
@@ -41,16 +38,13 @@ class Node:
         self.view.online = dict(online if online is not None else {"n9": False, "n2": True})
         self.rehoming = Rehoming("me")
         self.rehoming.offline_since = {"n9": 0.0}
-        local = NodeLocal("me", "c", BrokerSpec("h", 1), str(tmp_path / "state"), 0.5, fence_reconnect=True,
-                          inbox_per_node=False, replicate=False)
-        gate = Gate(local, AllowList.for_node(()), NodeDirs((str(tmp_path / "state"),)), SpecTrust(None), {}, "b00t")
 
         def create_node(spec: Any, reply: Any, cause: str, now: float) -> None:
             assert cause == "rehome"
             self.did.append(("create", spec.instance))
             self.asked.append((spec, reply))
 
-        self.rehomer = Rehomer("me", dead_after, PERIOD, self.rehoming, self.view, gate, RehomerCalls(
+        self.rehomer = Rehomer("me", dead_after, PERIOD, self.rehoming, self.view, gate(tmp_path), RehomerCalls(
             create_node=create_node, publish_rehomed=lambda: self.did.append(("publish", dict(self.record))),
             moved=lambda i, n: self.did.append(("moved", i, n)), connected=lambda: self.connected,
             retained_in=lambda: self.retained_in, stopping=lambda: self.stopping, local=lambda: self.local,

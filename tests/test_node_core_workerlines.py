@@ -14,13 +14,11 @@ from agent.mqtt.settings import BrokerSpec
 from agent.node import spawns
 from agent.node.fencing import Fencing
 from agent.node.fleetview import FleetView
-from agent.node.gate import Gate, NodeLocal
 from agent.node.hosted import HostedSpecs
 from agent.node.pins import Pins
 from agent.node.workerlines import LineCalls, WorkerLines
-from agent.operators.admission import AllowList, NodeDirs
-from agent.signing import SpecTrust
 from pipelines import taxi_in_zone
+from test_node_core_gate import gate
 
 TEXT = taxi_in_zone("hot", policy="decentralized", max_instances=2)
 WALL = 1_700_000_000.0
@@ -48,12 +46,9 @@ class Node:
         self.spawns = spawns.Spawns("me", "agent-me")
         self.stored = HostedSpecs(tmp_path / "state")
         self.fencing, self.pins = Fencing("me"), Pins()
-        local = NodeLocal("me", "c", BrokerSpec("h", 1), str(tmp_path / "state"), 0.5, fence_reconnect=True,
-                          inbox_per_node=False, replicate=False)
-        gate = Gate(local, AllowList.for_node(()), NodeDirs((str(tmp_path / "state"),)), SpecTrust(None), {}, "b00t")
         rec = self.did.append
-        self.lines = WorkerLines(self.workers, self.spawns, gate, FleetView("me"), self.stored, self.fencing, self.pins,
-                                 self.undeploying, LineCalls(
+        self.lines = WorkerLines(self.workers, self.spawns, gate(tmp_path), FleetView("me"), self.stored, self.fencing,
+                                 self.pins, self.undeploying, LineCalls(
             observe=lambda w, wall: rec(("observe", w.spec.instance, wall)),
             send=lambda inst, event, **f: rec(("send", inst, event, f)),
             spawn=lambda e, now: rec(("spawn", e)),
