@@ -121,6 +121,13 @@ def test_a_refused_ack_is_retried_on_the_next_tick_even_with_no_data_to_flush(fa
     assert [list(a.body) for a in acks] == [[0, 1]] and not sink.outputs.retry
 
 
+def test_two_seeded_faults_of_one_part_are_both_installed() -> None:
+    """The checker's faults of one part (here the wait for replays') each name a class for it:
+    the instance's class builds one part class with both overrides, not the first one's alone."""
+    wait = instance_class(frozenset({"resync_at_first_seen", "replay_clock_at_drop"})).replays_class
+    assert not wait.awaits_unknown_channels and not wait.clock_at_any_message
+
+
 def test_publishes_after_a_refused_one_keep_their_order() -> None:
     op = make("op")
     accept_all(op, op.handle(Started(WALL0), 0.0), 0.0)

@@ -10,12 +10,12 @@ the instance's subclass builds (`Instance.marks_class`, `admission_class`, `move
 scaling driver, adoption) still come with the `faults` set the instance hands them.
 
 `instance_class(faults)` is `Instance` itself when none of these is on, else a subclass with
-each one's override.
+each one's override (two faults of one part: a part class with both).
 """
 
 from __future__ import annotations
 
-from typing import FrozenSet, Optional, Tuple, Type
+from typing import Dict, FrozenSet, Optional, Tuple, Type
 
 from agent.dataplane.envelope import Envelope
 from agent.dataplane.watermarks import Mark, WatermarkTable
@@ -175,6 +175,8 @@ _OVERRIDES = ((FAULT_RETRY_ONLY_WITH_DATA, RetryOnlyWithData), (FAULT_ROUTE_AFRE
               (FAULT_ACK_BEHIND_DRAIN, AckBehindDrain), (FAULT_RESYNC_AT_FIRST_SEEN, ResyncAtFirstSeen),
               (FAULT_REPLAY_CLOCK_AT_DROP, ReplayClockAtDrop), (FAULT_ROUTE_PAST_DEPARTED, RoutePastDeparted),
               (FAULT_REPLAY_TO_DEPARTED, ReplayToDeparted))
+# The Instance attributes its parts are built from.
+_PARTS = ("marks_class", "admission_class", "moves_class", "driver_class", "replays_class", "outputs_class")
 
 
 def instance_class(faults: FrozenSet[str]) -> Type[Instance]:
@@ -184,4 +186,15 @@ def instance_class(faults: FrozenSet[str]) -> Type[Instance]:
         return Instance
     if len(bases) == 1:
         return bases[0]
-    return type("Faulty" + "".join(b.__name__ for b in bases), bases, {})
+    return type("Faulty" + "".join(b.__name__ for b in bases), bases, _parts_of(bases))
+
+
+def _parts_of(bases: Tuple[Type[Instance], ...]) -> Dict[str, type]:
+    """The part classes two or more of `bases` replace, each one class with all their overrides
+    (the first base's class for a part would otherwise hide the others')."""
+    out: Dict[str, type] = {}
+    for attr in _PARTS:
+        classes = tuple(vars(b)[attr] for b in bases if attr in vars(b))
+        if len(classes) > 1:
+            out[attr] = type("".join(c.__name__ for c in classes), classes, {})
+    return out
