@@ -27,7 +27,7 @@ from agent.protocol.messages import Start
 from agent.protocol.scaling import InstanceState
 
 __all__ = ["IdleCopies", "with_groups", "PROBE", "PROBE_ECHO", "IDLE_PING", "IDLE_PING_MAX", "MAX_PROBES",
-           "PROBE_TTL", "FAULT_LEAVE_BEFORE_ADOPTION"]
+           "PROBE_TTL"]
 
 log = logging.getLogger("agent.instance.worker")
 
@@ -42,10 +42,6 @@ PROBE, PROBE_ECHO = "probe", "probe_echo"  # see IdleCopies.on_probe
 # and how long a probe waits for its echo before the channel it opened is forgotten.
 MAX_PROBES = 8
 PROBE_TTL = 60.0
-
-# Seeded fault (foglab.sim.instance_check, never set elsewhere): a creator scales in with an idle
-# copy of its own waiting
-FAULT_LEAVE_BEFORE_ADOPTION = "leave_before_adoption"
 
 
 def with_groups(w: InstancePort, body: Dict[str, Any], copy: str) -> Dict[str, Any]:
@@ -92,8 +88,6 @@ class IdleCopies:
         records to it (chaos seed 11029, CHANGELOG.md "An idle copy re-homed together with
         its creator"). Only scale-ins wait, at most PROBE_TTL per probe (a probe of an invented
         name costs a delayed scale-in, never a lost record)."""
-        if FAULT_LEAVE_BEFORE_ADOPTION in self.w.faults:
-            return False
         return bool(self.expected or self.probes or self.orphans)
 
     def knows(self, sender: str) -> bool:

@@ -29,8 +29,7 @@ from agent.config import RUNTIME_POLICIES
 from agent.dataplane.envelope import Envelope, Kind
 from agent.dataplane.inbound import LogLimiter
 from agent.instance.adoption import (
-    FAULT_LEAVE_BEFORE_ADOPTION, IDLE_PING, IDLE_PING_MAX, MAX_PROBES, PROBE, PROBE_ECHO, PROBE_TTL, IdleCopies,
-    with_groups,
+    IDLE_PING, IDLE_PING_MAX, MAX_PROBES, PROBE, PROBE_ECHO, PROBE_TTL, IdleCopies, with_groups,
 )
 from agent.instance.creates import CreateRequests
 from agent.instance.groups import START_FIELD
@@ -47,24 +46,14 @@ from agent.protocol.messages import Deletion, DeletionAck, Duplication, Duplicat
 from agent.protocol.scaling import Activate, CreateInstance, Drain, InstanceState, RoutesChanged, Send, Terminate
 from agent.instance.port import InstancePort
 
-__all__ = ["ScalingDriver", "FAULT_REHOME_ROUNDS_FROM_ONE", "FAULT_DRAIN_HOLDS_PROTOCOL", "FAULT_REHOME_STAYS",
-           "FAULT_LEAVE_BEFORE_ADOPTION", "FAULT_RESEND_PENDING_ONLY", "FAULT_WAIT_FOR_LEAVER",
-           "FAULT_START_WITHOUT_LEAVERS",
-           "PROBE", "PROBE_ECHO", "IDLE_PING",
-           "IDLE_PING_MAX", "MAX_PROBES", "PROBE_TTL"]
+__all__ = ["ScalingDriver", "PROBE", "PROBE_ECHO", "IDLE_PING", "IDLE_PING_MAX", "MAX_PROBES", "PROBE_TTL"]
 
 log = logging.getLogger("agent.instance.worker")
 
-# Seeded faults (foglab.sim.instance_check): each brings back a loss the chaos campaigns found
-# (docs/reliability.md), so that the checker can show it finds it. Never set outside the checker.
-FAULT_REHOME_ROUNDS_FROM_ONE = "rehome_rounds_from_one"  # a re-homed instance numbers rounds from 1
-FAULT_DRAIN_HOLDS_PROTOCOL = "drain_holds_protocol"  # a draining copy holds its protocol queue
-FAULT_REHOME_STAYS = "rehome_stays"  # a re-homed copy ignores the deletion acks of its dead incarnation
-FAULT_RESEND_PENDING_ONLY = "resend_pending_only"  # a round message sent again reaches the pending set only
-FAULT_WAIT_FOR_LEAVER = "wait_for_leaver"  # a round waits for the ack of a pending neighbour that left
-# our copies start without the neighbours that left after they learnt of them (ScalingCore.leavers)
-FAULT_START_WITHOUT_LEAVERS = "start_without_leavers"
-# (`ack_behind_drain` is a subclass the checker installs: foglab.sim.instance_faults.)
+# The seeded faults of the driver (the instance checker's `ack_behind_drain`, `drain_holds_protocol`,
+# `rehome_rounds_from_one`, `rehome_stays`, `start_without_leavers`, `wait_for_leaver`,
+# `resend_pending_only` and its idle copies' `leave_before_adoption`) are subclasses it installs
+# (foglab.sim.instance_faults): no branch here.
 
 
 class ScalingDriver:
@@ -121,14 +110,8 @@ class ScalingDriver:
         # Re-homed (agent.node.rehome): started active with rebuilt tables and none of the dead
         # incarnation's protocol state (see `_left_behind`).
         self.rehomed = bool(not (restart and saved.get("scaling")) and spec.extra.get("min_epoch"))
-        if self.rehomed and FAULT_REHOME_ROUNDS_FROM_ONE not in worker.faults:
-            # Re-homed (agent.node.rehome): the dead incarnation's round numbers went with its
-            # state, and each neighbour remembers the last round of ours it applied (RoundMemory):
-            # a round numbered from 1 again looks like a repeat, is acked and NOT applied (a
-            # re-homed copy's Deletion acked by a predecessor that then keeps routing records to
-            # it after it left, docs/reliability.md). Start above any round it used: min_epoch is
-            # wall-clock seconds, and no incarnation runs a thousand rounds a second.
-            self.core.round = max(self.core.round, int(spec.extra["min_epoch"]) * 1000)
+        if self.rehomed:
+            self._rounds_above_dead_incarnation(int(spec.extra["min_epoch"]))
         self.log = RoundLog([op.name for op in worker.pipeline.operators], spec.operator)
         self.log.observe(self.core, self.w.now, self.w.wall())
         self.lock_counts: Dict[str, Dict[str, int]] = {"in": {}, "out": {}}
@@ -181,6 +164,15 @@ class ScalingDriver:
         self.creates = CreateRequests(worker, self.counts)  # the round's createNode() requests
         self._reminded: Dict[str, float] = {}  # departed neighbour -> when we last re-sent its deletion ack
 
+    def _rounds_above_dead_incarnation(self, min_epoch: int) -> None:
+        """Re-homed (agent.node.rehome): the dead incarnation's round numbers went with its
+        state, and each neighbour remembers the last round of ours it applied (RoundMemory): a
+        round numbered from 1 again looks like a repeat, is acked and NOT applied (a re-homed
+        copy's Deletion acked by a predecessor that then keeps routing records to it after it
+        left, docs/reliability.md). We start above any round it used: `min_epoch` is wall-clock
+        seconds, and no incarnation runs a thousand rounds a second."""
+        self.core.round = max(self.core.round, min_epoch * 1000)
+
     @property
     def data_enabled(self) -> bool:
         """An idle (not yet started) instance buffers its input: its succs are unknown."""
@@ -198,8 +190,6 @@ class ScalingDriver:
         successors' rounds (their duplication acks go ahead of the Drain: `_ahead_of_drain`);
         held, one held the data behind it, which the Drain waits for: a departing copy for ever
         (docs/reliability.md)."""
-        if FAULT_DRAIN_HOLDS_PROTOCOL in self.w.faults:
-            return bool(self.outputs)
         return bool(self.outputs) and not self.draining
 
     @property
@@ -587,9 +577,7 @@ class ScalingDriver:
             if again is not None:  # a round we applied, sent again by a restarted sender
                 self._queue([Send(env.sender, again)], ahead)
                 return
-            outs = self.core.handle(msg)
-            if FAULT_START_WITHOUT_LEAVERS in self.w.faults:
-                self.core.leavers.clear()
+            outs = self._core_handles(msg)
             self.memory.applied_now(msg)
             if isinstance(msg, Start):
                 self.w.on_start_field(groups, self.core.routes()[0])
@@ -610,6 +598,13 @@ class ScalingDriver:
         self._queue(outs, ahead)
         if self.links is not None and getattr(self.core, "departed", None) and self.core.departed(env.sender):
             self._send_link(self.links.forget(env.sender))
+
+    def _core_handles(self, msg: Any) -> List[Any]:
+        """The core applies a neighbour's message. What a duplication round learns here stays
+        with the core until the round ends: among it the neighbours that leave after they acked
+        our round (`ScalingCore.leavers`), which our copies' Start names, since those neighbours
+        send our copies their Deletion and wait for their acks."""
+        return self.core.handle(msg)
 
     def _ahead_of_drain(self, msg: Any) -> bool:
         """Does our ack of `msg` go before our deletion round's Drain, which waits at the head of
@@ -636,7 +631,7 @@ class ScalingDriver:
         the neighbours that removed us already just ack (a Deletion of an instance not in a
         table is acked, agent.protocol.scaling), and which removes us from the others. A
         keeper never sends a Deletion, so an ack naming one is not believed."""
-        if (not self.rehomed or self.core.keeper or not isinstance(body, dict) or FAULT_REHOME_STAYS in self.w.faults
+        if (not self.rehomed or self.core.keeper or not isinstance(body, dict)
                 or body.get("type") != DeletionAck.type or ("terminate", 1) in self.forced
                 or self.core.state not in (InstanceState.ACTIVE, InstanceState.DUPLICATING)):
             return
@@ -674,7 +669,7 @@ class ScalingDriver:
         for dest, msg in silent_pending(self.core, self._round_clock, now):
             if self.outputs or not self.core.in_round or dest not in self.core.pending:
                 return  # a release below ended the round, or its outputs wait
-            left = None if FAULT_WAIT_FOR_LEAVER in self.w.faults else self.core.release(dest)
+            left = self._release_leaver(dest)
             if left is not None:
                 self.counts["leavers_released"] = self.counts.get("leavers_released", 0) + 1
                 log.warning("%s left (its Deletion applied) without answering round %d: not waiting for it",
@@ -683,7 +678,7 @@ class ScalingDriver:
                 self._queue(left)
                 self.w.mark_state_changed()
                 continue
-            extra = () if FAULT_RESEND_PENDING_ONLY in self.w.faults else self.core.widen_round(dest)
+            extra = self._widen_round(dest)
             if extra:
                 self.w.persist(force=True)  # they are pending now: their acks must find them after a crash
                 log.warning("%s announced %s before it acked our round: sending them our %s too", dest,
@@ -694,6 +689,19 @@ class ScalingDriver:
                 self.counts["protocol_resent"] += 1
             log.warning("no answer from %s for %.0fs in round %d: sent %s again", dest,
                         RESEND_AFTER, self.core.round, msg.type, extra=self.w.ctx)
+
+    def _release_leaver(self, dest: str) -> Optional[List[Any]]:
+        """The round's outputs if the silent pending neighbour `dest` has left (its Deletion
+        applied, `ScalingCore.release`): it will never ack our round, and waiting for it would
+        hold the round, and the records behind its outputs, for ever. None while it is still
+        one of ours."""
+        return self.core.release(dest)
+
+    def _widen_round(self, dest: str) -> Tuple[str, ...]:
+        """The copies silent `dest` announced before it acked our round (`ScalingCore.widen_round`),
+        now pending too: it may have started them without our round message, and only ours
+        tells them of our change."""
+        return self.core.widen_round(dest)
 
     def _make_links(self, saved: Dict[str, Any], restart: bool) -> ReliableLinks:
         w = self.w

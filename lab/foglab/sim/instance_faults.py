@@ -1,13 +1,14 @@
-"""The instance checker's seeded faults of `agent.instance.core.Instance` itself, installed as
-subclasses: the product class has no branch for them (docs/reliability.md, "Checking whole
-instances"); so are those of the watermarks' part (agent.instance.marks), of the admission
-(agent.instance.admission), `no_redirect_resend` of the key groups' moves (agent.instance.moves),
-`ack_behind_drain` of the scaling driver (agent.instance.driver), those of the wait for replays
-(agent.instance.replays) and those of the outputs (agent.instance.outputs):
-subclasses of `Marks`, `Admission`, `GroupMoves`, `ScalingDriver`, `ReplayWait` and `Outputs`
-the instance's subclass builds (`Instance.marks_class`, `admission_class`, `moves_class`,
-`driver_class`, `replays_class`, `outputs_class`). The other parts' seeded faults (moves, the
-scaling driver, adoption) still come with the `faults` set the instance hands them.
+"""The instance checker's seeded faults, installed as subclasses: the product classes have no
+branch for them (docs/reliability.md, "Checking whole instances"). Those of
+`agent.instance.core.Instance` itself override its rules and hooks; those of its parts (the
+watermarks, agent.instance.marks; the admission, agent.instance.admission; the key groups' moves,
+agent.instance.moves; the scaling driver with its idle copies, agent.instance.driver and
+agent.instance.adoption; the wait for replays, agent.instance.replays; the outputs,
+agent.instance.outputs) are subclasses of `Marks`, `Admission`, `GroupMoves`, `ScalingDriver`,
+`ReplayWait` and `Outputs` the instance's subclass builds (`Instance.marks_class`,
+`admission_class`, `moves_class`, `driver_class`, `replays_class`, `outputs_class`). The
+hand-over's other seeded faults (the moves') still come with the `faults` set the instance hands
+them.
 
 `instance_class(faults)` is `Instance` itself when none of these is on, else a subclass with
 each one's override (two faults of one part: a part class with both).
@@ -15,7 +16,7 @@ each one's override (two faults of one part: a part class with both).
 
 from __future__ import annotations
 
-from typing import Dict, FrozenSet, Optional, Tuple, Type
+from typing import Any, Dict, FrozenSet, List, Optional, Tuple, Type
 
 from agent.dataplane.envelope import Envelope
 from agent.dataplane.watermarks import Mark, WatermarkTable
@@ -31,7 +32,10 @@ __all__ = ["FAULT_RETRY_ONLY_WITH_DATA", "FAULT_ROUTE_AFRESH", "FAULT_MARKS_OWN_
            "FAULT_NO_REMOVE_PRED", "FAULT_MARKS_UNACKED", "FAULT_EMPTY_ACK_HELD",
            "FAULT_NO_REDIRECT_RESEND", "FAULT_ACK_BEHIND_DRAIN",
            "FAULT_RESYNC_AT_FIRST_SEEN", "ResyncAtFirstSeenWait", "FAULT_REPLAY_CLOCK_AT_DROP", "ClockAtDropWait",
-           "FAULT_ROUTE_PAST_DEPARTED", "FAULT_REPLAY_TO_DEPARTED", "instance_class"]
+           "FAULT_ROUTE_PAST_DEPARTED", "FAULT_REPLAY_TO_DEPARTED",
+           "FAULT_REHOME_ROUNDS_FROM_ONE", "FAULT_DRAIN_HOLDS_PROTOCOL", "FAULT_REHOME_STAYS",
+           "FAULT_RESEND_PENDING_ONLY", "FAULT_WAIT_FOR_LEAVER", "FAULT_START_WITHOUT_LEAVERS",
+           "FAULT_LEAVE_BEFORE_ADOPTION", "instance_class"]
 
 # Refused publishes are retried only when there is data to flush, so a sink's refused ack holds
 # back all its later acks.
@@ -70,6 +74,22 @@ FAULT_ROUTE_PAST_DEPARTED = "route_past_departed"
 # The unacked batches of a successor we removed are replayed to its new incarnation, which is
 # departing and drops them, instead of re-routed (CHANGELOG.md, defect A).
 FAULT_REPLAY_TO_DEPARTED = "replay_to_departed"
+
+# Of the scaling driver, each a loss the chaos campaigns found (docs/reliability.md):
+# a re-homed instance numbers its rounds from 1 again, which its neighbours take as repeats;
+FAULT_REHOME_ROUNDS_FROM_ONE = "rehome_rounds_from_one"
+# a draining copy holds its protocol queue, the data behind a repeated ack with it;
+FAULT_DRAIN_HOLDS_PROTOCOL = "drain_holds_protocol"
+# a re-homed copy ignores the deletion acks of its dead incarnation and stays;
+FAULT_REHOME_STAYS = "rehome_stays"
+# a round message sent again reaches the pending set only, not the copies a neighbour announced;
+FAULT_RESEND_PENDING_ONLY = "resend_pending_only"
+# a round waits for the ack of a pending neighbour that left;
+FAULT_WAIT_FOR_LEAVER = "wait_for_leaver"
+# our copies start without the neighbours that left after they learnt of them (ScalingCore.leavers);
+FAULT_START_WITHOUT_LEAVERS = "start_without_leavers"
+# of its idle copies: a creator scales in with an idle copy of its own waiting for adoption.
+FAULT_LEAVE_BEFORE_ADOPTION = "leave_before_adoption"
 
 
 class RetryOnlyWithData(Instance):
@@ -136,6 +156,78 @@ class AckBehindDrain(Instance):
     driver_class = AckBehindDrainDriver
 
 
+class RoundsFromOneDriver(ScalingDriver):
+    def _rounds_above_dead_incarnation(self, min_epoch: int) -> None:
+        """Numbered from 1 again, as if no incarnation had run rounds before."""
+
+
+class RehomeRoundsFromOne(Instance):
+    driver_class = RoundsFromOneDriver
+
+
+class DrainHoldsProtocolDriver(ScalingDriver):
+    @property
+    def blocked(self) -> bool:
+        """Every protocol message waits behind queued outputs, a draining copy's too."""
+        return bool(self.outputs)
+
+
+class DrainHoldsProtocol(Instance):
+    driver_class = DrainHoldsProtocolDriver
+
+
+class StaysDriver(ScalingDriver):
+    def _left_behind(self, body: Any) -> None:
+        """Stays an active instance, whatever its dead incarnation was doing."""
+
+
+class RehomeStays(Instance):
+    driver_class = StaysDriver
+
+
+class ResendsToPendingDriver(ScalingDriver):
+    def _widen_round(self, dest: str) -> Tuple[str, ...]:
+        """Nobody besides `dest`."""
+        return ()
+
+
+class ResendPendingOnly(Instance):
+    driver_class = ResendsToPendingDriver
+
+
+class WaitsForLeaverDriver(ScalingDriver):
+    def _release_leaver(self, dest: str) -> Optional[List[Any]]:
+        """Still waited for, left or not."""
+        return None
+
+
+class WaitForLeaver(Instance):
+    driver_class = WaitsForLeaverDriver
+
+
+class StartsWithoutLeaversDriver(ScalingDriver):
+    def _core_handles(self, msg: Any) -> List[Any]:
+        """The round forgets its leavers as soon as it learns of them."""
+        outs = super()._core_handles(msg)
+        self.core.leavers.clear()
+        return outs
+
+
+class StartWithoutLeavers(Instance):
+    driver_class = StartsWithoutLeaversDriver
+
+
+class LeavesBeforeAdoptionDriver(ScalingDriver):
+    @property
+    def adoption_pending(self) -> bool:
+        """A scale-in waits for no adoption."""
+        return False
+
+
+class LeaveBeforeAdoption(Instance):
+    driver_class = LeavesBeforeAdoptionDriver
+
+
 class ResyncAtFirstSeenWait(ReplayWait):
     awaits_unknown_channels = False
 
@@ -174,7 +266,10 @@ _OVERRIDES = ((FAULT_RETRY_ONLY_WITH_DATA, RetryOnlyWithData), (FAULT_ROUTE_AFRE
               (FAULT_EMPTY_ACK_HELD, HoldsEmptyAcks), (FAULT_NO_REDIRECT_RESEND, NoRedirectResend),
               (FAULT_ACK_BEHIND_DRAIN, AckBehindDrain), (FAULT_RESYNC_AT_FIRST_SEEN, ResyncAtFirstSeen),
               (FAULT_REPLAY_CLOCK_AT_DROP, ReplayClockAtDrop), (FAULT_ROUTE_PAST_DEPARTED, RoutePastDeparted),
-              (FAULT_REPLAY_TO_DEPARTED, ReplayToDeparted))
+              (FAULT_REPLAY_TO_DEPARTED, ReplayToDeparted), (FAULT_REHOME_ROUNDS_FROM_ONE, RehomeRoundsFromOne),
+              (FAULT_DRAIN_HOLDS_PROTOCOL, DrainHoldsProtocol), (FAULT_REHOME_STAYS, RehomeStays),
+              (FAULT_RESEND_PENDING_ONLY, ResendPendingOnly), (FAULT_WAIT_FOR_LEAVER, WaitForLeaver),
+              (FAULT_START_WITHOUT_LEAVERS, StartWithoutLeavers), (FAULT_LEAVE_BEFORE_ADOPTION, LeaveBeforeAdoption))
 # The Instance attributes its parts are built from.
 _PARTS = ("marks_class", "admission_class", "moves_class", "driver_class", "replays_class", "outputs_class")
 
