@@ -99,8 +99,8 @@ class Instance:
     marks_flow = True
     # The parts built from a class attribute, so that the instance checker can install one with a
     # seeded fault (foglab.sim.instance_faults: the watermarks', the admission's, the wait for
-    # replays', the outputs', `no_redirect_resend` of the moves, `ack_behind_drain` of the scaling
-    # driver); outside it, always the product's own class.
+    # replays', the outputs', the moves', the scaling driver's); outside it, always the product's
+    # own class.
     marks_class: Type[Marks] = Marks
     admission_class: Type[Admission] = Admission
     moves_class: Type[group_moves.GroupMoves] = group_moves.GroupMoves
@@ -736,6 +736,13 @@ class Instance:
         during their move: its deletion is behind all it sent us, so a move would otherwise wait
         for an Eos that never comes. Not in the checker's seeded fault `no_remove_pred`."""
         moves.perform(moves.member.remove_pred(pred, moves.snapshot))
+
+    def send_eos(self, dest: str, eos: Any) -> None:
+        """Our Eos of a group whose Redirect we took (agent.instance.moves `on_redirect`), to its
+        old owner, behind every batch of the group we published to it (FIFO channel): the move
+        waits for it to know none of our records of the group is still on its way there. Not in
+        the checker's seeded fault `eos_not_sent`."""
+        self.send_handover(dest, eos)
 
     def set_routes(self, succs: Tuple[str, ...], now: float) -> None:
         """INVARIANT 3 (route change before ack): the data path uses `succs` when this returns;

@@ -49,7 +49,7 @@ from agent.instance.handover_wire import HANDOVER_TYPES, MAX_CHUNKS, MAX_NAME, b
 from agent.instance.port import InstancePort
 
 __all__ = ["HANDOVER_TYPES", "MAX_CHUNKS", "HOLD_MAX", "HAND_OUT_BUDGET", "GroupMoves", "HandoverError", "decode", "encode",
-           "on_redirect", "body_size", "HANDOVER_FAULTS"]
+           "on_redirect", "body_size"]
 
 log = logging.getLogger("agent.instance.worker")
 
@@ -64,23 +64,18 @@ MOVE_RESEND = 10.0
 # processed between (docs/operators.md, "Key groups that move", step 5). ~5 ms of JSON unloaded.
 HAND_OUT_BUDGET = 64_000
 
-# Seeded faults of the hand-over (foglab.sim.instance_check, never set elsewhere; `Instance.faults`),
-# each a rule of docs/operators.md "Key groups that move" broken, which the checker must find:
-FAULT_HELD_AT_ONCE = "held_applied_at_once"  # records of a group on its way here applied before its state
-FAULT_NO_EOS = "eos_not_sent"  # a predecessor takes a Redirect and sends no Eos
-FAULT_LEAVE_WITH_GROUPS = "leave_with_groups"  # a leaver starts its Deletion at once, whatever it holds
-# held records' inputs acked once their state is saved, their outputs still unacked (the demo's 21 lost trips)
-FAULT_HELD_ACKED_AT_SAVE = "held_acked_at_save"
-# (`no_add_pred` and `no_remove_pred`, of the instance's own rules, and `no_redirect_resend`
-# are subclasses the checker installs: foglab.sim.instance_faults.)
-HANDOVER_FAULTS = (FAULT_HELD_AT_ONCE, FAULT_NO_EOS, FAULT_LEAVE_WITH_GROUPS, FAULT_HELD_ACKED_AT_SAVE)
+# The seeded faults of the hand-over (the checker's `held_applied_at_once`, `leave_with_groups`,
+# `held_acked_at_save` and `no_redirect_resend` of the moves, `eos_not_sent`, `no_add_pred` and
+# `no_remove_pred` of the instance's hooks) are subclasses it installs (foglab.sim.instance_faults):
+# no branch here.
 
 
 def on_redirect(w: InstancePort, sender: str, msg: Redirect) -> None:
     """A predecessor of the keyed operator: the owner of group g hands it to `msg.new`. Our table
     changes, g's records still in our outbox go to the new owner (`Outbox.reroute`), the table
     is on disk (a restart must not route g to the old owner again), and only then the Eos goes
-    to the old owner, behind every batch of g already published to it (FIFO channel)."""
+    to the old owner, behind every batch of g already published to it (FIFO channel:
+    `InstancePort.send_eos`)."""
     table = w.router.table
     if table is None:
         raise HandoverError(f"{w.spec.instance}: Redirect of group {msg.group} but no group table here")
@@ -89,8 +84,7 @@ def on_redirect(w: InstancePort, sender: str, msg: Redirect) -> None:
     w.mark_state_changed()
     w.persist(force=True)
     for o in outs:
-        if FAULT_NO_EOS not in w.faults:
-            w.send_handover(o.dest, o.message)
+        w.send_eos(o.dest, o.message)
     log.info("group %d -> %s (version %d): %d buffered records re-routed, Eos to %s", msg.group, msg.new,
              table.version(msg.group), moved, sender, extra=w.ctx)
 
@@ -184,9 +178,6 @@ class GroupMoves:
             g = key_group(record_key(it[2], self.key_field), self.groups)
             if g in owned and g not in m.old.moving:
                 now.append(it)
-                continue
-            if FAULT_HELD_AT_ONCE in self.w.faults and g in m.new.expected:
-                now.append(it)  # the seeded fault: applied before the group's state is here
                 continue
             if g not in owned and g not in m.new.expected and self._replayed(it):
                 # A group that left: a predecessor's replay of a record applied here before its
@@ -444,8 +435,10 @@ class GroupMoves:
                 self.counts["moves_resent"] = self.counts.get("moves_resent", 0) + 1
 
     def ready_to_leave(self) -> bool:
-        if FAULT_LEAVE_WITH_GROUPS in self.w.faults:
-            return self.leaving
+        """Decided to leave (`leaving`): our Deletion starts only once we hold no group and no
+        move is under way (docs/operators.md, "Key groups that move"). A group still ours, or
+        one on its way here, would leave with us: its state and the records held for it kept
+        by nobody, while the predecessors' tables still route it to us."""
         return self.leaving and not self.member.owned and not self.member.busy()
 
     def snapshot(self, group: int) -> bytes:
@@ -592,14 +585,20 @@ class GroupMoves:
                 self.keyed.came_in_with(low)
                 if out:
                     w.forward_outputs(out, idx)
-                    if FAULT_HELD_ACKED_AT_SAVE not in w.faults:
-                        self.forwarding[idx] = low
+                    self._input_waits_for_outputs(idx, low)
                 run = []
             if sender is None:
                 break
             low = index if not run else min(low, index)
             last = sender
             run.append(tuple(item))  # type: ignore[arg-type]
+
+    def _input_waits_for_outputs(self, idx: int, low: int) -> None:
+        """Held records applied under fresh index `idx` keep the input they came in with, `low`,
+        unacked upstream until their outputs are acked downstream (`lowest_held`): acks are end
+        to end, and acked at the save alone, the source's floor claim would pass records whose
+        outputs are still on their way."""
+        self.forwarding[idx] = low
 
     # ---- saved with the instance state -----------------------------------------------------------
 

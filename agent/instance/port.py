@@ -14,18 +14,17 @@ Rules of this file: types only; it imports nothing from agent.instance.
 
 from __future__ import annotations
 
-from typing import Any, Dict, FrozenSet, List, Optional, Protocol, Tuple
+from typing import Any, Dict, List, Optional, Protocol, Tuple
 
 __all__ = ["InstancePort"]
 
 
 class InstancePort(Protocol):
-    # identity, configuration, seeded faults of the checkers
+    # identity, configuration
     spec: Any  # agent.instance.spec.InstanceSpec
     pipeline: Any  # agent.config.PipelineConfig
     stage: int
     ctx: Dict[str, Any]
-    faults: FrozenSet[str]
     is_source: bool
     epoch: int
     stopping: bool
@@ -77,6 +76,8 @@ class InstancePort(Protocol):
     def await_joined_pred(self, moves: Any, pred: str) -> None: ...
 
     def forget_departed_pred(self, moves: Any, pred: str) -> None: ...
+
+    def send_eos(self, dest: str, eos: Any) -> None: ...
 
     # the scaling round's hooks into the instance
     def on_preds_changed(self, added: Tuple[str, ...], removed: Tuple[str, ...]) -> None: ...

@@ -70,14 +70,15 @@ from agent.instance.events import (
     Started, Tick,
 )
 from agent.instance.keyed_state import KeyedState
-from agent.instance.moves import HANDOVER_FAULTS
 from agent.instance.spec import InstanceSpec
 from agent.mqtt.settings import BrokerSpec
 from agent.node.rehome import plan_rehome
 from agent.operators.builtin import OperatorContext
 from agent.protocol.scaling import InstanceState
 from foglab.sim.checker import Violation
-from foglab.sim.instance_faults import FAULT_NO_ADD_PRED, FAULT_NO_REDIRECT_RESEND, FAULT_NO_REMOVE_PRED, instance_class
+from foglab.sim.instance_faults import (
+    FAULT_NO_ADD_PRED, FAULT_NO_REDIRECT_RESEND, FAULT_NO_REMOVE_PRED, HANDOVER_FAULTS, instance_class,
+)
 from foglab.sim.instance_check_keyed import (
     KEEPER, KEY_GROUPS, KEYED_PLANS, MemoryTrail, check_floor, check_keyed, copy_disk, count_handover, disk_digest,
     keyed_path, new_disk,
@@ -101,9 +102,9 @@ BROKER = BrokerSpec("127.0.0.1", 1)
 # The keyed pipeline (`Config.keyed`, foglab.sim.instance_check_keyed): its keeper on n1 too.
 PLACEMENT[KEEPER] = "n1"
 
-# The seeded faults the instance knows (agent.instance.core, agent.instance.driver).
-# The hand-over's (agent.instance.moves, HANDOVER_FAULTS, and no_add_pred, no_remove_pred,
-# no_redirect_resend, foglab.sim.instance_faults) need the keyed pipeline (`Config.keyed`).
+# The seeded faults the instance's classes can take (foglab.sim.instance_faults, `instance_class`).
+# The hand-over's (HANDOVER_FAULTS, no_add_pred, no_remove_pred, no_redirect_resend) need the
+# keyed pipeline (`Config.keyed`).
 FAULTS = ("retry_only_with_data", "drain_holds_protocol", "rehome_rounds_from_one", "route_afresh",
           "replay_to_departed", "rehome_stays", "resync_at_first_seen", "leave_before_adoption",
           "rehome_idle_active", "replay_clock_at_drop", "resend_pending_only", "wait_for_leaver",

@@ -6,9 +6,7 @@ agent.instance.moves; the scaling driver with its idle copies, agent.instance.dr
 agent.instance.adoption; the wait for replays, agent.instance.replays; the outputs,
 agent.instance.outputs) are subclasses of `Marks`, `Admission`, `GroupMoves`, `ScalingDriver`,
 `ReplayWait` and `Outputs` the instance's subclass builds (`Instance.marks_class`,
-`admission_class`, `moves_class`, `driver_class`, `replays_class`, `outputs_class`). The
-hand-over's other seeded faults (the moves') still come with the `faults` set the instance hands
-them.
+`admission_class`, `moves_class`, `driver_class`, `replays_class`, `outputs_class`).
 
 `instance_class(faults)` is `Instance` itself when none of these is on, else a subclass with
 each one's override (two faults of one part: a part class with both).
@@ -18,7 +16,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, FrozenSet, List, Optional, Tuple, Type
 
-from agent.dataplane.envelope import Envelope
+from agent.dataplane.envelope import Envelope, Item
+from agent.dataplane.keygroups import key_group, record_key
 from agent.dataplane.watermarks import Mark, WatermarkTable
 from agent.instance.admission import Admission
 from agent.instance.core import Instance
@@ -35,7 +34,8 @@ __all__ = ["FAULT_RETRY_ONLY_WITH_DATA", "FAULT_ROUTE_AFRESH", "FAULT_MARKS_OWN_
            "FAULT_ROUTE_PAST_DEPARTED", "FAULT_REPLAY_TO_DEPARTED",
            "FAULT_REHOME_ROUNDS_FROM_ONE", "FAULT_DRAIN_HOLDS_PROTOCOL", "FAULT_REHOME_STAYS",
            "FAULT_RESEND_PENDING_ONLY", "FAULT_WAIT_FOR_LEAVER", "FAULT_START_WITHOUT_LEAVERS",
-           "FAULT_LEAVE_BEFORE_ADOPTION", "instance_class"]
+           "FAULT_LEAVE_BEFORE_ADOPTION", "FAULT_HELD_AT_ONCE", "FAULT_NO_EOS", "FAULT_LEAVE_WITH_GROUPS",
+           "FAULT_HELD_ACKED_AT_SAVE", "HANDOVER_FAULTS", "instance_class"]
 
 # Refused publishes are retried only when there is data to flush, so a sink's refused ack holds
 # back all its later acks.
@@ -90,6 +90,17 @@ FAULT_WAIT_FOR_LEAVER = "wait_for_leaver"
 FAULT_START_WITHOUT_LEAVERS = "start_without_leavers"
 # of its idle copies: a creator scales in with an idle copy of its own waiting for adoption.
 FAULT_LEAVE_BEFORE_ADOPTION = "leave_before_adoption"
+# Of the hand-over, each a rule of docs/operators.md "Key groups that move" broken (they need the
+# keyed pipeline): records of a group on its way here applied before its state;
+FAULT_HELD_AT_ONCE = "held_applied_at_once"
+# a predecessor takes a Redirect and sends no Eos;
+FAULT_NO_EOS = "eos_not_sent"
+# a leaver starts its Deletion at once, whatever it holds;
+FAULT_LEAVE_WITH_GROUPS = "leave_with_groups"
+# held records' inputs acked once their state is saved, their outputs still unacked (the demo's 21
+# lost trips).
+FAULT_HELD_ACKED_AT_SAVE = "held_acked_at_save"
+HANDOVER_FAULTS = (FAULT_HELD_AT_ONCE, FAULT_NO_EOS, FAULT_LEAVE_WITH_GROUPS, FAULT_HELD_ACKED_AT_SAVE)
 
 
 class RetryOnlyWithData(Instance):
@@ -118,6 +129,11 @@ class NoAddPred(Instance):
 class NoRemovePred(Instance):
     def forget_departed_pred(self, moves: GroupMoves, pred: str) -> None:
         """The moves keep waiting for the departed predecessor's Eos."""
+
+
+class NoEos(Instance):
+    def send_eos(self, dest: str, eos: Any) -> None:
+        """Not sent: the old owner's move waits for it for ever."""
 
 
 class MarksUnacked(Marks):
@@ -228,6 +244,47 @@ class LeaveBeforeAdoption(Instance):
     driver_class = LeavesBeforeAdoptionDriver
 
 
+class AppliesHeldAtOnce(GroupMoves):
+    def admit(self, sender: str, items: List[Item], index: int) -> List[Item]:
+        """The records of a group on its way here applied at once, before its state; the others,
+        in runs between them, as the product admits them."""
+        now: List[Item] = []
+        run: List[Item] = []
+        for it in items:
+            if key_group(record_key(it[2], self.key_field), self.groups) in self.member.new.expected:
+                now += super().admit(sender, run, index) if run else []
+                run = []
+                now.append(it)
+            else:
+                run.append(it)
+        now += super().admit(sender, run, index) if run else []
+        self._applied(now)
+        return now
+
+
+class HeldAppliedAtOnce(Instance):
+    moves_class = AppliesHeldAtOnce
+
+
+class LeavesWithGroups(GroupMoves):
+    def ready_to_leave(self) -> bool:
+        """At once, whatever we hold."""
+        return self.leaving
+
+
+class LeaveWithGroups(Instance):
+    moves_class = LeavesWithGroups
+
+
+class AcksHeldAtSave(GroupMoves):
+    def _input_waits_for_outputs(self, idx: int, low: int) -> None:
+        """Acked with the save: the input waits for none of its outputs."""
+
+
+class HeldAckedAtSave(Instance):
+    moves_class = AcksHeldAtSave
+
+
 class ResyncAtFirstSeenWait(ReplayWait):
     awaits_unknown_channels = False
 
@@ -269,7 +326,9 @@ _OVERRIDES = ((FAULT_RETRY_ONLY_WITH_DATA, RetryOnlyWithData), (FAULT_ROUTE_AFRE
               (FAULT_REPLAY_TO_DEPARTED, ReplayToDeparted), (FAULT_REHOME_ROUNDS_FROM_ONE, RehomeRoundsFromOne),
               (FAULT_DRAIN_HOLDS_PROTOCOL, DrainHoldsProtocol), (FAULT_REHOME_STAYS, RehomeStays),
               (FAULT_RESEND_PENDING_ONLY, ResendPendingOnly), (FAULT_WAIT_FOR_LEAVER, WaitForLeaver),
-              (FAULT_START_WITHOUT_LEAVERS, StartWithoutLeavers), (FAULT_LEAVE_BEFORE_ADOPTION, LeaveBeforeAdoption))
+              (FAULT_START_WITHOUT_LEAVERS, StartWithoutLeavers), (FAULT_LEAVE_BEFORE_ADOPTION, LeaveBeforeAdoption),
+              (FAULT_HELD_AT_ONCE, HeldAppliedAtOnce), (FAULT_NO_EOS, NoEos),
+              (FAULT_LEAVE_WITH_GROUPS, LeaveWithGroups), (FAULT_HELD_ACKED_AT_SAVE, HeldAckedAtSave))
 # The Instance attributes its parts are built from.
 _PARTS = ("marks_class", "admission_class", "moves_class", "driver_class", "replays_class", "outputs_class")
 
