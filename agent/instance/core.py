@@ -85,9 +85,10 @@ MAX_POLL = 0.05  # longest wait the instance asks for (the shell sees control li
 class Instance:
     """One operator instance: channels, flow control and acks, the replay buffer, the scaling
     driver and the lifecycle. Built by the shell from what it loaded (spec, pipeline, operator);
-    `faults` switch on seeded faults of the parts for the checker only (the checker installs this
-    class's own as subclasses: foglab.sim.instance_faults). `local`: the instances hosted by the
-    same process (a chain, docs/runtime.md "Chaining"): envelopes to them are `Handoff`s."""
+    `faults`: the seeded faults the instance checker built this instance's class with
+    (foglab.sim.instance_faults), kept with it; nothing here reads them. `local`: the instances
+    hosted by the same process (a chain, docs/runtime.md "Chaining"): envelopes to them are
+    `Handoff`s."""
 
     # INVARIANT 8: a forwarding instance remembers where each record went where it must (False
     # only in the checker's seeded fault `route_afresh`).
