@@ -397,9 +397,9 @@ def test_held_envelopes_go_to_the_channel_in_the_senders_order() -> None:
     assert rep.ok, describe(rep)
 
 
-# Seeded faults of the hand-over (agent.instance.moves, HANDOVER_FAULTS; no_add_pred,
-# no_remove_pred and no_redirect_resend are subclasses, foglab.sim.instance_faults): each found
-# by the keyed checker, and the same schedules pass without it.
+# Seeded faults of the hand-over (foglab.sim.instance_faults: HANDOVER_FAULTS, no_add_pred,
+# no_remove_pred and no_redirect_resend): each found by the keyed checker, and the same schedules
+# pass without it.
 FOUND_KEYED = [
     # records of a group on its way applied before its state came: the state that comes overwrites them
     # (or, since the floor check after every move, the records' outputs are missing at the sink first)
