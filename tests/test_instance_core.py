@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import json
+import pickle
 from pathlib import Path
 from typing import Any, FrozenSet, List, Tuple
 
@@ -126,6 +127,14 @@ def test_two_seeded_faults_of_one_part_are_both_installed() -> None:
     the instance's class builds one part class with both overrides, not the first one's alone."""
     wait = instance_class(frozenset({"resync_at_first_seen", "replay_clock_at_drop"})).replays_class
     assert not wait.awaits_unknown_channels and not wait.clock_at_any_message
+
+
+def test_the_classes_made_for_several_seeded_faults_pickle() -> None:
+    """The checker's `explore` pickles its worlds: the classes `instance_class` makes for a
+    combination of faults, and their part classes, are found by name."""
+    cls = instance_class(frozenset({"retry_only_with_data", "drain_holds_protocol", "wait_for_leaver"}))
+    assert pickle.loads(pickle.dumps(cls)) is cls
+    assert pickle.loads(pickle.dumps(cls.driver_class)) is cls.driver_class
 
 
 def test_publishes_after_a_refused_one_keep_their_order() -> None:

@@ -142,43 +142,23 @@ class MarksUnacked(Marks):
         return marks.current()
 
 
-class PassesUnackedMarks(Instance):
-    marks_class = MarksUnacked
-
-
 class EmptyAckHeldAdmission(Admission):
     def _empty_ack_before_round(self, key: Tuple[str, str], head: Envelope, sc: Optional[ScalingDriver]) -> bool:
         """Never taken: held like the rest of its stream until the copy's Start."""
         return False
 
 
-class HoldsEmptyAcks(Instance):
-    admission_class = EmptyAckHeldAdmission
-
-
 class MovesNotAskedAgain(GroupMoves):
     resends_redirects = False
-
-
-class NoRedirectResend(Instance):
-    moves_class = MovesNotAskedAgain
 
 
 class AckBehindDrainDriver(ScalingDriver):
     acks_ahead_of_drain = False
 
 
-class AckBehindDrain(Instance):
-    driver_class = AckBehindDrainDriver
-
-
 class RoundsFromOneDriver(ScalingDriver):
     def _rounds_above_dead_incarnation(self, min_epoch: int) -> None:
         """Numbered from 1 again, as if no incarnation had run rounds before."""
-
-
-class RehomeRoundsFromOne(Instance):
-    driver_class = RoundsFromOneDriver
 
 
 class DrainHoldsProtocolDriver(ScalingDriver):
@@ -188,17 +168,9 @@ class DrainHoldsProtocolDriver(ScalingDriver):
         return bool(self.outputs)
 
 
-class DrainHoldsProtocol(Instance):
-    driver_class = DrainHoldsProtocolDriver
-
-
 class StaysDriver(ScalingDriver):
     def _left_behind(self, body: Any) -> None:
         """Stays an active instance, whatever its dead incarnation was doing."""
-
-
-class RehomeStays(Instance):
-    driver_class = StaysDriver
 
 
 class ResendsToPendingDriver(ScalingDriver):
@@ -207,18 +179,10 @@ class ResendsToPendingDriver(ScalingDriver):
         return ()
 
 
-class ResendPendingOnly(Instance):
-    driver_class = ResendsToPendingDriver
-
-
 class WaitsForLeaverDriver(ScalingDriver):
     def _release_leaver(self, dest: str) -> Optional[List[Any]]:
         """Still waited for, left or not."""
         return None
-
-
-class WaitForLeaver(Instance):
-    driver_class = WaitsForLeaverDriver
 
 
 class StartsWithoutLeaversDriver(ScalingDriver):
@@ -229,19 +193,11 @@ class StartsWithoutLeaversDriver(ScalingDriver):
         return outs
 
 
-class StartWithoutLeavers(Instance):
-    driver_class = StartsWithoutLeaversDriver
-
-
 class LeavesBeforeAdoptionDriver(ScalingDriver):
     @property
     def adoption_pending(self) -> bool:
         """A scale-in waits for no adoption."""
         return False
-
-
-class LeaveBeforeAdoption(Instance):
-    driver_class = LeavesBeforeAdoptionDriver
 
 
 class AppliesHeldAtOnce(GroupMoves):
@@ -262,18 +218,10 @@ class AppliesHeldAtOnce(GroupMoves):
         return now
 
 
-class HeldAppliedAtOnce(Instance):
-    moves_class = AppliesHeldAtOnce
-
-
 class LeavesWithGroups(GroupMoves):
     def ready_to_leave(self) -> bool:
         """At once, whatever we hold."""
         return self.leaving
-
-
-class LeaveWithGroups(Instance):
-    moves_class = LeavesWithGroups
 
 
 class AcksHeldAtSave(GroupMoves):
@@ -281,74 +229,76 @@ class AcksHeldAtSave(GroupMoves):
         """Acked with the save: the input waits for none of its outputs."""
 
 
-class HeldAckedAtSave(Instance):
-    moves_class = AcksHeldAtSave
-
-
 class ResyncAtFirstSeenWait(ReplayWait):
     awaits_unknown_channels = False
-
-
-class ResyncAtFirstSeen(Instance):
-    replays_class = ResyncAtFirstSeenWait
 
 
 class ClockAtDropWait(ReplayWait):
     clock_at_any_message = False
 
 
-class ReplayClockAtDrop(Instance):
-    replays_class = ClockAtDropWait
-
-
 class RoutesPastDeparted(Outputs):
     drops_sent_to_departed = False
-
-
-class RoutePastDeparted(Instance):
-    outputs_class = RoutesPastDeparted
 
 
 class ReplaysToDeparted(Outputs):
     reroutes_departed_replays = False
 
 
-class ReplayToDeparted(Instance):
-    outputs_class = ReplaysToDeparted
-
-
-_OVERRIDES = ((FAULT_RETRY_ONLY_WITH_DATA, RetryOnlyWithData), (FAULT_ROUTE_AFRESH, RouteAfresh),
-              (FAULT_MARKS_OWN_MAX, MarksOwnMax), (FAULT_NO_ADD_PRED, NoAddPred),
-              (FAULT_NO_REMOVE_PRED, NoRemovePred), (FAULT_MARKS_UNACKED, PassesUnackedMarks),
-              (FAULT_EMPTY_ACK_HELD, HoldsEmptyAcks), (FAULT_NO_REDIRECT_RESEND, NoRedirectResend),
-              (FAULT_ACK_BEHIND_DRAIN, AckBehindDrain), (FAULT_RESYNC_AT_FIRST_SEEN, ResyncAtFirstSeen),
-              (FAULT_REPLAY_CLOCK_AT_DROP, ReplayClockAtDrop), (FAULT_ROUTE_PAST_DEPARTED, RoutePastDeparted),
-              (FAULT_REPLAY_TO_DEPARTED, ReplayToDeparted), (FAULT_REHOME_ROUNDS_FROM_ONE, RehomeRoundsFromOne),
-              (FAULT_DRAIN_HOLDS_PROTOCOL, DrainHoldsProtocol), (FAULT_REHOME_STAYS, RehomeStays),
-              (FAULT_RESEND_PENDING_ONLY, ResendPendingOnly), (FAULT_WAIT_FOR_LEAVER, WaitForLeaver),
-              (FAULT_START_WITHOUT_LEAVERS, StartWithoutLeavers), (FAULT_LEAVE_BEFORE_ADOPTION, LeaveBeforeAdoption),
-              (FAULT_HELD_AT_ONCE, HeldAppliedAtOnce), (FAULT_NO_EOS, NoEos),
-              (FAULT_LEAVE_WITH_GROUPS, LeaveWithGroups), (FAULT_HELD_ACKED_AT_SAVE, HeldAckedAtSave))
-# The Instance attributes its parts are built from.
-_PARTS = ("marks_class", "admission_class", "moves_class", "driver_class", "replays_class", "outputs_class")
+# The faults of the instance's own rules and hooks: its subclass for each.
+_OWN = ((FAULT_RETRY_ONLY_WITH_DATA, RetryOnlyWithData), (FAULT_ROUTE_AFRESH, RouteAfresh),
+        (FAULT_MARKS_OWN_MAX, MarksOwnMax), (FAULT_NO_ADD_PRED, NoAddPred), (FAULT_NO_REMOVE_PRED, NoRemovePred),
+        (FAULT_NO_EOS, NoEos))
+# The faults of its parts: the Instance attribute the part is built from, and the part's subclass.
+_OF_PARTS = ((FAULT_MARKS_UNACKED, "marks_class", MarksUnacked),
+             (FAULT_EMPTY_ACK_HELD, "admission_class", EmptyAckHeldAdmission),
+             (FAULT_NO_REDIRECT_RESEND, "moves_class", MovesNotAskedAgain),
+             (FAULT_HELD_AT_ONCE, "moves_class", AppliesHeldAtOnce),
+             (FAULT_LEAVE_WITH_GROUPS, "moves_class", LeavesWithGroups),
+             (FAULT_HELD_ACKED_AT_SAVE, "moves_class", AcksHeldAtSave),
+             (FAULT_ACK_BEHIND_DRAIN, "driver_class", AckBehindDrainDriver),
+             (FAULT_REHOME_ROUNDS_FROM_ONE, "driver_class", RoundsFromOneDriver),
+             (FAULT_DRAIN_HOLDS_PROTOCOL, "driver_class", DrainHoldsProtocolDriver),
+             (FAULT_REHOME_STAYS, "driver_class", StaysDriver),
+             (FAULT_RESEND_PENDING_ONLY, "driver_class", ResendsToPendingDriver),
+             (FAULT_WAIT_FOR_LEAVER, "driver_class", WaitsForLeaverDriver),
+             (FAULT_START_WITHOUT_LEAVERS, "driver_class", StartsWithoutLeaversDriver),
+             (FAULT_LEAVE_BEFORE_ADOPTION, "driver_class", LeavesBeforeAdoptionDriver),
+             (FAULT_RESYNC_AT_FIRST_SEEN, "replays_class", ResyncAtFirstSeenWait),
+             (FAULT_REPLAY_CLOCK_AT_DROP, "replays_class", ClockAtDropWait),
+             (FAULT_ROUTE_PAST_DEPARTED, "outputs_class", RoutesPastDeparted),
+             (FAULT_REPLAY_TO_DEPARTED, "outputs_class", ReplaysToDeparted))
+# The classes `instance_class` made, by name (`__getattr__`).
+_MADE: Dict[str, type] = {}
 
 
 def instance_class(faults: FrozenSet[str]) -> Type[Instance]:
-    """The class to build an instance with under the seeded `faults`."""
-    bases = tuple(cls for name, cls in _OVERRIDES if name in faults)
-    if not bases:
-        return Instance
-    if len(bases) == 1:
+    """The class to build an instance with under the seeded `faults`: each part with a fault
+    built from one class with the overrides of all its faults on."""
+    own = [cls for name, cls in _OWN if name in faults]
+    parts: Dict[str, List[type]] = {}
+    for name, attr, cls in _OF_PARTS:
+        if name in faults:
+            parts.setdefault(attr, []).append(cls)
+    return _made(own or [Instance], {attr: _made(classes) for attr, classes in parts.items()}, "Faulty")
+
+
+def _made(bases: List[Any], parts: Optional[Dict[str, type]] = None, prefix: str = "") -> Any:
+    """The one base itself, or the class of all `bases` (with `parts` for its part classes),
+    made once per combination and named after what it combines."""
+    if len(bases) == 1 and not parts:
         return bases[0]
-    return type("Faulty" + "".join(b.__name__ for b in bases), bases, _parts_of(bases))
+    named = [c for c in bases if c is not Instance] + list((parts or {}).values())
+    name = prefix + "".join(c.__name__ for c in named)
+    if name not in _MADE:
+        _MADE[name] = type(name, tuple(bases), dict(parts or {}, __module__=__name__))
+    return _MADE[name]
 
 
-def _parts_of(bases: Tuple[Type[Instance], ...]) -> Dict[str, type]:
-    """The part classes two or more of `bases` replace, each one class with all their overrides
-    (the first base's class for a part would otherwise hide the others')."""
-    out: Dict[str, type] = {}
-    for attr in _PARTS:
-        classes = tuple(vars(b)[attr] for b in bases if attr in vars(b))
-        if len(classes) > 1:
-            out[attr] = type("".join(c.__name__ for c in classes), classes, {})
-    return out
+def __getattr__(name: str) -> type:
+    """A class `instance_class` made, found by name as pickle finds a class (the checker's
+    `explore` pickles its worlds, their instances and parts with them)."""
+    try:
+        return _MADE[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
