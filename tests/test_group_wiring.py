@@ -658,7 +658,7 @@ def test_a_keyed_operator_scales_out_and_back_in_with_its_groups_moving_exactly_
         # the stamps of the demo's decision -> first record split (foglab.tools.rescale_split), in
         # the hand-over's order: Start, the keeper's chunks, installed, first record applied
         d = [x for x in k.scaling.decisions if x.get("kind") == "scale_out"][-1]
-        assert d["at"] <= c.activated_at <= d["chunks_at"] <= c.moves.first_installed_at <= c.moves.first_applied_at
+        assert d["at"] <= c.scaling.activated_at <= d["chunks_at"] <= c.moves.first_installed_at <= c.moves.first_applied_at
         assert c.processing.first_record_at <= c.moves.first_applied_at and k.moves.first_installed_at is None
         control(f, copies[0], "terminate")
         for _ in range(4):

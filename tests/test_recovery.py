@@ -483,7 +483,7 @@ def test_an_idle_copy_asks_its_creator_for_start_again_and_only_its_creator_answ
 
     probe = ping_creator(1)  # a copy it never started: no Start, a probe (see the adoption test below)
     assert [e.body["type"] for e in probe] == ["probe"]
-    creator.core.scaling.started.append("work-x")
+    creator.core.scaling.idle.started.append("work-x")
     sent = ping_creator(2)
     assert len(sent) == 1 and sent[0].kind is Kind.PROTO and sent[0].body["type"] == "start", sent
     assert sent[0].body["succs"] == ["sink-0"] and sent[0].body["preds"] == ["source-0"]
@@ -514,7 +514,7 @@ def test_an_idle_copy_holds_a_rehomed_successors_first_ack_until_its_start(tmp_p
     copy.step(clock[0])  # an idle copy's hold does not expire: its neighbours come with Start
     assert copy.core.admission.hold.count == 1
 
-    creator.core.scaling.started.append("work-x")  # the creator answers the copy's ping with Start
+    creator.core.scaling.idle.started.append("work-x")  # the creator answers the copy's ping with Start
     keeper_wire.events.append(Received(to_creator, encode(Envelope("work-x", copy.core.epoch, 1, Kind.ACK, [0, 0]))))
     creator.step(clock[0])
     copy_wire.events.extend(Received(to_copy, p) for t, p in keeper_wire.sent if t == to_copy)
@@ -581,7 +581,7 @@ def test_a_creator_adopts_an_idle_copy_of_its_earlier_incarnation_only_after_it_
         creator.step(clock[0])
 
     echo(2, n + 1)  # a wrong echo adopts nothing
-    assert list(creator.core.scaling.orphans) == [] and creator.core.scaling.core.state.value == "active"
+    assert list(creator.core.scaling.idle.orphans) == [] and creator.core.scaling.core.state.value == "active"
     assert not [b for _, b in protos(keeper_wire) if b["type"] == "duplication"]
 
     # the copy (idle) echoes the probe; then the creator announces it to both neighbours, spawns nothing
@@ -604,7 +604,7 @@ def test_a_creator_adopts_an_idle_copy_of_its_earlier_incarnation_only_after_it_
     assert copy.core.scaling.core.is_active and copy.core.router.succs == ("sink-0",)
 
     # once active, the copy echoes no probe: a late ping cannot make the creator adopt it twice
-    creator.core.scaling.started.clear()
+    creator.core.scaling.idle.started.clear()
     keeper_wire.events.append(Received(to_creator, encode(Envelope("work-x", copy.core.epoch, 4, Kind.ACK, [0, 0]))))
     creator.step(clock[0])
     carry(keeper_wire, copy, to_copy, "copy")
@@ -620,7 +620,7 @@ def test_a_creator_adopts_an_idle_copy_of_its_earlier_incarnation_only_after_it_
         keeper_wire.events.append(Received(to_creator, encode(Envelope("work-x", copy.core.epoch, 5 + k, Kind.PROTO, body))))
     creator.step(clock[0])
     assert creator.core.stats["protocol_errors"] == errors + len(bad)
-    assert creator.core.scaling.counts["adopted"] == 1 and list(creator.core.scaling.orphans) == []
+    assert creator.core.scaling.counts["adopted"] == 1 and list(creator.core.scaling.idle.orphans) == []
 
 
 def test_a_refused_ack_of_a_sink_is_published_later_and_later_acks_follow(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -819,7 +819,7 @@ def test_an_empty_ack_from_an_instance_of_another_operator_is_never_probed(tmp_p
     PROBE_TTL (`ScalingDriver.adoption_pending`). Only names like our copies are probed."""
     clock, copy, copy_wire, creator, keeper_wire = _creator_and_idle_copy(tmp_path)
     sc = creator.core.scaling
-    assert sc.on_idle_ping("sink-9") is False
-    assert sc.probes == {} and not sc.adoption_pending
-    assert sc.on_idle_ping("work-y") is True and list(sc.probes) == ["work-y"]  # named like our copies
-    assert sc.on_idle_ping("work-y") is True and sc.counts["probes"] == 1  # its probe is on its way
+    assert sc.idle.on_idle_ping("sink-9") is False
+    assert sc.idle.probes == {} and not sc.adoption_pending
+    assert sc.idle.on_idle_ping("work-y") is True and list(sc.idle.probes) == ["work-y"]  # named like our copies
+    assert sc.idle.on_idle_ping("work-y") is True and sc.counts["probes"] == 1  # its probe is on its way

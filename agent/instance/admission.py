@@ -149,7 +149,7 @@ class Admission:
 
         Data: a predecessor (the core's table, or one announced to an idle copy). Acks: an
         instance we sent data to (a link, a successor), a copy of ours pinging for its Start, or a
-        copy we may have to adopt (`ScalingDriver.may_probe`). Protocol and lock messages: any
+        copy we may have to adopt (`IdleCopies.may_probe`). Protocol and lock messages: any
         instance our tables, our rounds or our persisted channels know."""
         s = env.sender
         kind = env.kind
@@ -163,9 +163,9 @@ class Admission:
             if sc is None:
                 return False
             core = sc.core
-            if s in core.succs or s in core.new_siblings or s in sc.started or s in sc.probes or s in sc.orphans:
+            if s in core.succs or s in core.new_siblings or sc.idle.knows(s):
                 return True
-            return tuple(env.body) == (0, 0) and sc.may_probe(s)
+            return tuple(env.body) == (0, 0) and sc.idle.may_probe(s)
         if self.inbound.position(s) is not None or s in self.links:
             return True
         if (self.keyed and isinstance(env.body, dict) and env.body.get("type") in group_moves.HANDOVER_TYPES

@@ -1,12 +1,10 @@
 """One operator instance as a sans-IO state machine: `Instance.handle(event, now) -> [Command]`.
 
-Rules of this file: everything an instance decides lives here or in the modules it drives
-(agent.instance.driver for scaling rounds and recovery, agent.dataplane for channels, flow
-control and routing); nothing here does I/O. No sockets, no files, no clock (`now` comes with
-every event, the wall time with `Started`/`Restarted`/`Tick`), no global random, no import
-from agent.mqtt, agent.node or subprocess. The worker process (agent.instance.worker) is the
-shell: it turns paho callbacks, control lines and its loop's turns into events (agent.instance
-.events) and performs the commands (agent.instance.commands) in order. The interleaving checker
+Rules of this file: no I/O, no sockets, no files, no clock (`now` comes with every event, the
+wall time with `Started`/`Restarted`/`Tick`), no global random, no import from agent.mqtt,
+agent.node or subprocess. The worker process (agent.instance.worker) is the shell: it turns paho
+callbacks, control lines and its loop's turns into events (agent.instance.events) and performs
+the commands (agent.instance.commands) in order. The interleaving checker
 (foglab.sim.instance_check) drives the same class through a model of the broker.
 
 The parts it routes to each have one job, own their state and hold no reference to the
@@ -23,8 +21,7 @@ anything but publish feedback after Exit). Bad input from the bus is never an er
 counted, logged, skipped.
 
 The order of work in one loop turn is the table `Instance._TURN` (read top-down); the shell
-delivers every transport event and control line first, then one Tick (exactly the old worker
-loop's step).
+delivers every transport event and control line first, then one Tick.
 """
 
 from __future__ import annotations
@@ -84,24 +81,20 @@ MAX_POLL = 0.05  # longest wait the instance asks for (the shell sees control li
 
 class Instance:
     """One operator instance: channels, flow control and acks, the replay buffer, the scaling
-    driver and the lifecycle. Built by the shell from what it loaded (spec, pipeline, operator);
-    `faults`: the seeded faults the instance checker built this instance's class with
-    (foglab.sim.instance_faults), kept with it; nothing here reads them. `local`: the instances
-    hosted by the same process (a chain, docs/runtime.md "Chaining"): envelopes to them are
-    `Handoff`s."""
+    driver and the lifecycle. Built by the shell from what it loaded (spec, pipeline, operator).
+    `faults`: those the instance checker built this class with (foglab.sim.instance_faults); none
+    is read here. `local`: the instances hosted by the same process (a chain, docs/runtime.md
+    "Chaining"): envelopes to them are `Handoff`s."""
 
     # INVARIANT 8: a forwarding instance remembers where each record went where it must (False
     # only in the checker's seeded fault `route_afresh`).
     remembers_routes = True
-    # Watermarks that flow (docs/operators.md, "Watermarks that flow"): a keyed instance fires by
-    # the least mark over its inputs, not by its own largest event time, which a record that took
-    # another path, or waited for its group's move, may already be behind (False only in the
-    # checker's seeded fault `marks_own_max`, the rule before marks flowed).
+    # Watermarks that flow (docs/operators.md): a keyed instance fires by the least mark over its
+    # inputs, not by its own largest event time, which a record that took another path or waited
+    # for its group's move may be behind (False only in the checker's fault `marks_own_max`).
     marks_flow = True
-    # The parts built from a class attribute, so that the instance checker can install one with a
-    # seeded fault (foglab.sim.instance_faults: the watermarks', the admission's, the wait for
-    # replays', the outputs', the moves', the scaling driver's); outside it, always the product's
-    # own class.
+    # Parts built from a class attribute, so that the instance checker can install one with a
+    # seeded fault (foglab.sim.instance_faults); outside it, always the product's own class.
     marks_class: Type[Marks] = Marks
     admission_class: Type[Admission] = Admission
     moves_class: Type[group_moves.GroupMoves] = group_moves.GroupMoves
@@ -121,9 +114,8 @@ class Instance:
         # Co-hosted instances: fixed for the life of the process (the chain never changes its
         # members), so every envelope to one of them goes in memory, never some over MQTT.
         local = frozenset(local) - {spec.instance}
-        # What the scaling decision reads of our load (agent.instance.load): records received per
-        # period and the live signals, with their CPU-time and interval clocks (docs/measurement.md;
-        # the shell passes time.perf_counter and time.process_time, the checker nothing).
+        # What the scaling decision reads of our load (agent.instance.load, docs/measurement.md):
+        # the shell passes time.perf_counter and time.process_time, the checker nothing.
         self.load = Load(perf, cpu)
         self.stage = pipeline.index(spec.operator)
         kind = self.op.kind
@@ -137,10 +129,10 @@ class Instance:
         self._wall_offset = 0.0
         self._out: List[Command] = []
         self.inbound = Inbound()
-        self.is_source = kind == "source"
+        is_source = kind == "source"
         # A source's numbering and pacing (agent.instance.source); every capability off for the others.
-        self.source = Source(spec.instance, operator if self.is_source else None, self.ctx)
-        self.is_sink = kind == "sink" or isinstance(operator, SinkOperator)
+        self.source = Source(spec.instance, operator if is_source else None, self.ctx)
+        is_sink = kind == "sink" or isinstance(operator, SinkOperator)
         # The emulated service time per record and until when it keeps us busy (agent.instance.pace).
         self.pace = Pace(self.op.service_time_ms / 1000.0)
         # Keyed stateful operator (agent.instance.keyed_state): state saved with its input position,
@@ -173,13 +165,13 @@ class Instance:
         self.queued = SenderQueues(self.stats, keyed=self.moves is not None)
         # What we read from our inbox before the admission (agent.instance.intake).
         self.intake = Intake(spec.cluster, spec.node, spec.instance, per_node,
-                             records_decoding(operator, self.is_sink, self.is_source, self.keyed is not None,
+                             records_decoding(operator, is_sink, is_source, self.keyed is not None,
                                               self.router.key is not None), self.stats, self.ctx)
         # What we send (agent.instance.outputs): links, numbering, tracked publishes, acks upstream.
         # INVARIANT 8 (a record sent again goes where it went): a forwarding instance remembers
         # each record's successor where the next operator's instance count can change
         # (agent.dataplane.sticky.needed).
-        sticky = (not self.is_sink and nxt is not None and self.remembers_routes
+        sticky = (not is_sink and nxt is not None and self.remembers_routes
                   and needed(self.op.key, pipeline.scaling_for(nxt.name).max_instances))
         self.outputs = self.outputs_class(spec.instance, spec.cluster, spec.node, self.router, self.outbox,
                                           self.tracker, self.hosts, self.stats, self.ctx,
@@ -203,8 +195,8 @@ class Instance:
         # A keyed instance then fires by the least mark over its inputs (`marks_flow`).
         wm_conf = getattr(pipeline.operators[0], "watermark", None)
         self.marks: Optional[Marks] = None
-        if wm_conf is not None and not self.is_sink:
-            self.marks = self.marks_class(wm_conf, self.is_source, self.keyed, self.tracker, self.outputs,
+        if wm_conf is not None and not is_sink:
+            self.marks = self.marks_class(wm_conf, is_source, self.keyed, self.tracker, self.outputs,
                                           self.stats)
             if self.keyed is not None and self.marks_flow:
                 self.keyed.flowing = True
@@ -225,13 +217,13 @@ class Instance:
         # Our key groups at our edges: hand-over messages in, a Start's, a restart's (agent.instance.group_side).
         self.group_side = GroupSide(self, self.group_routing, self.admission.refusals)
         # The agent's control lines, but a stop (agent.instance.controls).
-        self.controls = ControlLines(self.pace, operator if self.is_source else None, self.hosts, self.outputs,
+        self.controls = ControlLines(self.pace, operator if is_source else None, self.hosts, self.outputs,
                                      self.keyed, self.moves, self.ctx)
         # The inputs not to be acked upstream yet (agent.instance.pending).
         self.pending = PendingInputs(self.outputs, self.sink, self.keyed, self.moves)
         # A batch through the operator, and the back pressure that lets it (agent.instance.processing).
-        self.processing = Processing(spec.instance, operator, source=self.source, is_source=self.is_source,
-                                     is_sink=self.is_sink, keyed=self.keyed, moves=self.moves, marks=self.marks,
+        self.processing = Processing(spec.instance, operator, source=self.source, is_source=is_source,
+                                     is_sink=is_sink, keyed=self.keyed, moves=self.moves, marks=self.marks,
                                      router=self.router, outbox=self.outbox, high_water=high_water,
                                      outputs=self.outputs, tracker=self.tracker, load=self.load, pace=self.pace,
                                      sink=self.sink, stats=self.stats, ctx=self.ctx)
@@ -241,7 +233,6 @@ class Instance:
                                         queued=self.queued, inbound=self.inbound, admission=self.admission,
                                         pace=self.pace, processing=self.processing, keyed=self.keyed,
                                         moves=self.moves, group_routing=self.group_routing)
-        self.activated_at: Optional[float] = None  # wall time of our Start (rescale breakdown)
 
     # ---- the one entry point ------------------------------------------------------------------------
 
@@ -256,6 +247,14 @@ class Instance:
             self._finish(*due)
         out, self._out = self._out, []
         return out
+
+    @property
+    def is_source(self) -> bool:
+        return self.processing.is_source
+
+    @property
+    def is_sink(self) -> bool:
+        return self.processing.is_sink
 
     @property
     def reads_records(self) -> bool:
@@ -598,7 +597,7 @@ class Instance:
             self._new_incarnation(f"no replay marker from {', '.join(unanswered)} in {REPLAY_WAIT:.0f}s",
                                   "replays_asked_again")
         if self.scaling is not None:
-            self.scaling.ping_if_idle(now)
+            self.scaling.idle.ping_if_idle(now)
             self.scaling.expire_probes(now)
         if self.moves is not None:
             self.moves.resend_silent(now)
@@ -716,7 +715,7 @@ class Instance:
         """The key groups our last scaling decision moved are installed at their new owners (their
         held records applied): stamped on that decision (`bench`, docs/operators.md)."""
         if self.scaling is not None:
-            self.scaling.stamp_moved()
+            self.scaling.events.stamp_moved()
 
     def on_preds_changed(self, added: Tuple[str, ...], removed: Tuple[str, ...]) -> None:
         """A predecessor's round reached us (the driver calls this after the core applied it): a
@@ -759,7 +758,7 @@ class Instance:
 
     def snapshot_stats(self) -> Dict[str, Any]:
         """The heartbeat's stats (agent.instance.heartbeat; the shell adds its transport's)."""
-        return self.heartbeat.snapshot(self.scaling, self.activated_at, self.wall(), self.now)
+        return self.heartbeat.snapshot(self.scaling, self.wall(), self.now)
 
     def _heartbeat(self, now: float) -> None:
         self.cadence.beat(now)

@@ -142,7 +142,7 @@ class Delivery:
         """A successor's ack of our data up to its number, in our current epoch (agent.instance.outputs)."""
         self.stats["acks_in"] += 1
         acked_epoch, upto = env.body
-        if scaling is not None and list(env.body) == [0, 0] and scaling.on_idle_ping(env.sender):
+        if scaling is not None and list(env.body) == [0, 0] and scaling.idle.on_idle_ping(env.sender):
             return  # an idle copy asks for its Start
         if acked_epoch != epoch:
             self.stats["stale_acks"] += 1  # for a dead incarnation

@@ -161,6 +161,7 @@ class ScalingDriver:
         # the copies we started, probe or adopt, and the idle ping of ours (agent.instance.adoption)
         self.idle = IdleCopies(worker, self.core, self.counts, self._errors_log, self.rehomed)
         self.events = ScalingEvents(worker, self.counts)  # decision records and events, lock events
+        self.activated_at: Optional[float] = None  # wall time of our Start (rescale breakdown)
         self.creates = CreateRequests(worker, self.counts)  # the round's createNode() requests
         self._reminded: Dict[str, float] = {}  # departed neighbour -> when we last re-sent its deletion ack
 
@@ -452,8 +453,8 @@ class ScalingDriver:
                 # INVARIANT 3: the data path switches tables here, before any later Send (ack).
                 w.set_routes(out.succs, now)
                 if isinstance(out, Activate):
-                    if w.activated_at is None:
-                        w.activated_at = self.w.wall()
+                    if self.activated_at is None:
+                        self.activated_at = self.w.wall()
                     # DEVIATION (docs/scaling.md): the load of the period we were activated in is
                     # partial, so the first decision would scale a fresh copy straight back in.
                     self.skip_decisions = 1
@@ -751,30 +752,9 @@ class ScalingDriver:
     # ---- idle copies (agent.instance.adoption), as the instance and its admission ask ------------
 
     @property
-    def started(self) -> Deque[str]:
-        return self.idle.started
-
-    @property
-    def probes(self) -> Dict[str, Tuple[int, float]]:
-        return self.idle.probes
-
-    @property
-    def orphans(self) -> Deque[str]:
-        return self.idle.orphans
-
-    @property
     def adoption_pending(self) -> bool:
         """A copy that may be ours waits for its Start: no scale-in meanwhile (`IdleCopies.pending`)."""
         return self.idle.pending
-
-    def may_probe(self, sender: str) -> bool:
-        return self.idle.may_probe(sender)
-
-    def on_idle_ping(self, sender: str) -> bool:
-        return self.idle.on_idle_ping(sender)
-
-    def ping_if_idle(self, now: float) -> None:
-        self.idle.ping_if_idle(now)
 
     def expire_probes(self, now: float) -> None:
         self.idle.expire_probes(now, self.knows)
@@ -785,9 +765,6 @@ class ScalingDriver:
     def decisions(self) -> Deque[Dict[str, Any]]:
         """Our recent decisions (bench, demo; `ScalingEvents.decisions`)."""
         return self.events.decisions
-
-    def stamp_moved(self) -> None:
-        self.events.stamp_moved()
 
     def stamp_decision(self, key: str) -> None:
         self.events.stamp(key)

@@ -53,7 +53,7 @@ class HeartbeatStats:
         self.moves = moves
         self.group_routing = group_routing
 
-    def snapshot(self, scaling: Any, activated_at: Optional[float], wall: float, now: float) -> Dict[str, Any]:
+    def snapshot(self, scaling: Any, wall: float, now: float) -> Dict[str, Any]:
         s: Dict[str, Any] = dict(self.stats)
         load, outputs, inbound = self.load, self.outputs, self.inbound
         s.update(
@@ -79,7 +79,7 @@ class HeartbeatStats:
                                     if load.capacity.service_time else None),
             signals=load.last_signals.to_stats() if load.last_signals is not None else None,
             first_record_at=self.processing.first_record_at,
-            activated_at=activated_at,
+            activated_at=scaling.activated_at if scaling is not None else None,
             at=wall,
         )
         s.update(self.operator.stats())

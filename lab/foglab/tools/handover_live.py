@@ -16,7 +16,7 @@ Measured, per phase (out: from the scale-out request to the scale-in request; in
 scale-in request to the pause):
 - per round: the decision (the `at` of the instance's decision record, in its stats) to its
   `moved_at` (every group it moved installed at its new owner with its held records applied:
-  agent.instance.driver `stamp_moved`); for the stateless twin, decision -> the copy's first record;
+  agent.instance.scaling_events `stamp_moved`); for the stateless twin, decision -> the copy's first record;
 - per group: the decision to the first output of the group's new owner at the sink (for groups
   with hot keys; it includes waiting for a record of the group: hot_keys / rate s at most);
 - hand-over messages and bytes (`handover_out`, `handover_bytes_out`: the creator's in the
@@ -338,7 +338,7 @@ def run_live_handover(p: LiveParams, workdir: Path, say: Callable[[str], None] =
 
 
 def _logged_round_ms(log_path: Path, instance: str, kind: str) -> Optional[float]:
-    """The leaver's own decision -> moved time, from its log line (agent.instance.driver
+    """The leaver's own decision -> moved time, from its log line (agent.instance.scaling_events
     `stamp_moved`): its stats leave with it."""
     pat = re.compile(r'instance=(\S+) msg="key groups of the (\w+) decided (\d+) ms ago')
     try:
