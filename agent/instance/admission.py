@@ -121,7 +121,8 @@ class Admission:
             # which an active instance knows by then: refuse. An idle copy knows no successor
             # yet, but a re-homed one numbers its first ack (its new epoch) 1 on the channel to
             # us: refused, every later message of it would wait behind that hole until we became
-            # a new incarnation, possibly in our own deletion (CHANGELOG.md, defect A).
+            # a new incarnation, possibly in our own deletion (CHANGELOG.md, "A copy that became
+            # a new incarnation in its own deletion stranded its inputs").
             # So an idle copy holds acks from a successor's name until its Start, like data.
             shape = self._shapes.get(env.kind)
             if env.kind is Kind.ACK and not _idle(sc):

@@ -6,8 +6,8 @@ operator in that order. A predecessor that restarts, or becomes a new incarnatio
 its own predecessors replay to it after whatever newer input was already queued for it, so the
 keyed operator can see record 900 before the replayed 850 it never applied; "the highest applied"
 then skipped 850 as a replay (docs/reliability.md, "Keyed state: exactly once in any order";
-seed 25 of the stateful chaos run). A set is right in every order: a number is applied once, the
-first time it comes.
+CHANGELOG.md, "A keyed operator skipped replayed records that came after newer ones"). A set is
+right in every order: a number is applied once, the first time it comes.
 
 What bounds it: numbers below `floor` count as applied. The floor comes from the source itself
 (agent.instance.core: each data batch carries, per source of its records, the first number its

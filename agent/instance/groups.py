@@ -108,8 +108,9 @@ class GroupRouting:
         lost with one node before either reports it (a copy created and handed its share just
         before the loss): only the predecessors that took the Redirect know the move began, and
         the re-home planner starts it again from the old owner (agent.node.rehome). Without it,
-        the old owner resumed the group as its own while we routed it to the new one, which
-        held its records for ever and refused nothing (chaos seed 332)."""
+        the old owner would resume the group as its own while we route it to the new one, which
+        would hold its records for ever and refuse nothing (CHANGELOG.md, "A move only the
+        predecessor had seen begin was forgotten when both its ends were lost")."""
         for g in [g for g, e in self._taken.items() if now - e[3] > REDIRECTS_REPORTED_S]:
             del self._taken[g]
         return [[g, old, new, v] for g, (old, new, v, _) in sorted(self._taken.items())]

@@ -363,8 +363,9 @@ class KeyedState:
         """Records held for a group on its way, just applied under a fresh index, came in with
         input `index`: that input waits for the save that reflects them (and, with
         `replicated_acks`, for the standby's copy of it), not only the fresh index. Released at
-        the save alone, it was acked while the node could still lose the install; the old owner
-        then sent the group again without those records (chaos seed 336)."""
+        the save alone, it would be acked while the node can still lose the install, and the old
+        owner would send the group again without those records (CHANGELOG.md, "A held record's
+        input was acked before the standby held the install that applied it")."""
         if self._unsaved is not None and index < self._unsaved:
             self._unsaved = index
 

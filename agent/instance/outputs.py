@@ -71,7 +71,8 @@ class Outputs:
     drops_sent_to_departed = True
     # A successor we have removed that comes back as a new incarnation gets no replay: it is
     # departing and would drop it; its unacked batches go to the current successors
-    # (`successor_restarted`, CHANGELOG.md defect A). False only in the checker's seeded fault
+    # (`successor_restarted`; CHANGELOG.md, "A copy that became a new incarnation in its own
+    # deletion stranded its inputs"). False only in the checker's seeded fault
     # `replay_to_departed` (foglab.sim.instance_faults).
     reroutes_departed_replays = True
 
@@ -394,7 +395,8 @@ class Outputs:
         """`dest`, a successor, is a new incarnation: it may have lost what it held. The marker
         first (it drops what we sent before it: all of that is in the replay), then the replay,
         in order; to a successor we have removed, no replay: its unacked batches go to the current
-        successors (CHANGELOG.md, defect A)."""
+        successors (CHANGELOG.md, "A copy that became a new incarnation in its own deletion
+        stranded its inputs")."""
         out: List[Command] = []
         self._send_replay_marker(out, dest)
         self.marks_sent.pop(dest, None)  # it lost the marks it had from us: sent again
@@ -409,11 +411,12 @@ class Outputs:
         """A successor we have removed (its deletion round) came back as a new incarnation while
         it still had batches of ours unacked: it is departing, its successors have removed it
         too (they refuse its data), so replayed to it they were stranded for good and replayed
-        every few seconds (CHANGELOG.md, defect A). They go to our current successors
-        instead, under their input index (nothing is acked upstream before they are acked
-        again). Records the departed copy had already forwarded come twice: the sink drops them
-        by id (INVARIANT 2). Keyless successors only: a keyed copy handed its state over with
-        those records applied, so we replay to it as before (docs/reliability.md)."""
+        every few seconds (CHANGELOG.md, "A copy that became a new incarnation in its own
+        deletion stranded its inputs"). They go to our current successors instead, under their
+        input index (nothing is acked upstream before they are acked again). Records the departed
+        copy had already forwarded come twice: the sink drops them by id (INVARIANT 2). Keyless
+        successors only: a keyed copy handed its state over with those records applied, so we
+        replay to it as before (docs/reliability.md)."""
         link = self.links[dest]
         if self.router.key is not None or not self.router.succs:
             self._replay_to(out, dest, now)

@@ -9,11 +9,12 @@ Why the wait: when we become a new incarnation (a restart, a lost session, a hol
 we ask every predecessor for a replay. Data a predecessor sent before it saw our new epoch may
 still be queued for us: newer records than the ones we lost with our memory. Processed first, they
 would reach the successors ahead of the replayed older ones (a keyed operator's window then closes
-without them: seed 25 of the stateful chaos run). Everything such a predecessor sent us and we did
-not ack is in its replay, which follows its replay marker (an empty data batch,
-agent.instance.outputs), so what comes from it before the marker is dropped, and its records reach
-us in its order. A marker that does not come within REPLAY_WAIT of the predecessor showing it is
-alive was lost: the instance asks again, as a new incarnation.
+without them: CHANGELOG.md, "A keyed operator skipped replayed records that came after newer
+ones"). Everything such a predecessor sent us and we did not ack is in its replay, which follows
+its replay marker (an empty data batch, agent.instance.outputs), so what comes from it before the
+marker is dropped, and its records reach us in its order. A marker that does not come within
+REPLAY_WAIT of the predecessor showing it is alive was lost: the instance asks again, as a new
+incarnation.
 """
 
 from __future__ import annotations
@@ -77,9 +78,9 @@ class ReplayWait:
         it sends us but its marker: it is alive, so a marker that does not follow was lost. Not
         only at a dropped data batch: a protocol message may open a channel the snapshot lacked
         past data and a marker a broker rollback lost, and the replays of that data under their
-        own numbers then die in the channel as duplicates, never reaching `drops` (seed 9230 of
-        the every-move mix, docs/reliability.md, "Replays in order"). A newer epoch of the
-        sender is no evidence: its data ends the wait."""
+        own numbers then die in the channel as duplicates, never reaching `drops` (CHANGELOG.md,
+        "A lost replay marker was never asked for again"; docs/reliability.md, "Replays in
+        order"). A newer epoch of the sender is no evidence: its data ends the wait."""
         awaited = self.awaiting.get(env.sender)
         if awaited is None:
             return

@@ -312,7 +312,7 @@ class Transport:
         # Write out what paho holds, but never READ on the way out: paho PUBACKs every delivery
         # it reads (before our code sees it), so a message read now would be gone from the
         # broker without being processed. Left unread, it stays in our persistent session and
-        # the next incarnation gets it (found by the chaos runs: records lost at a node restart).
+        # the next incarnation gets it (read now, it would be lost at a node restart).
         held = self._connected  # only a session we hold is ours to clear (fencing: see _clear_session)
         deadline = time.monotonic() + timeout
         while self._connected and self.client.want_write() and time.monotonic() < deadline:

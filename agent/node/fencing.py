@@ -17,7 +17,8 @@ The rules, and why:
   hosting it, runs elsewhere: our copy is killed and forgotten, so that one identity never runs
   twice (docs/design.md invariant 7). Except the copy the latest re-home started (its spec's
   epoch floor, agent.node.rehoming.rehomed_here): when two nodes both ran an identity while the
-  broker was away, both would stop theirs, and it would run nowhere (defect B, seed 11019).
+  broker was away, both would stop theirs, and it would run nowhere (CHANGELOG.md, "Two nodes
+  ran, then both fenced, one copy").
 - Only a worker started before this connect is fenced: one started since was placed here by a
   createNode() that saw the fleet as it is (a drain's hand-over, a re-home), while the retained
   state of the node it comes from may still list it for a moment.

@@ -116,7 +116,8 @@ def plan_rehome(
     state): past the predecessor phase of their deletion, they still run (draining) or are
     about to leave the hosted records, but no predecessor may route to them any more. They stay
     out of a re-homed instance's successors: the dead predecessor had acked their Deletion, and
-    its new incarnation would send records nobody processes (seed 11029, docs/reliability.md).
+    its new incarnation would send records nobody processes (CHANGELOG.md, "A re-homed
+    predecessor routed to a successor that was leaving").
     An instance still "deleting" stays in: its Deletion, sent again on silence, reaches the new
     incarnation, which applies it. Predecessors are never left out: a departing instance still
     sends its last records and its Deletion to its successors.
@@ -130,7 +131,7 @@ def plan_rehome(
     creator"). Who starts it: its creator, which every re-homed instance is told of by
     `extra["idle_copies"]` (the idle copies naming it as creator, wherever they run): its new
     incarnation probes them at once and adopts them (agent.instance.driver) before it may leave,
-    so that it cannot scale in and leave a copy nobody starts (chaos seed 11029's second run).
+    so that it cannot scale in and leave a copy nobody starts.
     An idle copy stays out of a re-homed instance's successors (nothing may be routed to it
     before the Duplication of its adoption announces it), never out of its predecessors (a
     successor refuses records from a sender its tables lack).
@@ -437,10 +438,11 @@ def _expected_from_redirects(expecting: Optional[Mapping[str, Any]], redirected:
     Redirect of group g from a lost instance that resumes g at the version just before it, to
     a new owner that holds g at no version as new and does not say it expects g. That new owner
     waits for g (its records go to it, held there until the state comes); the lost old owner's
-    new incarnation must send g again (`_resume_plan`). Seen when both ends were on the lost node
-    and the copy had not reported its share yet: the old owner resumed g as its own, handed it to
-    its keeper later, and the predecessor refused that Redirect for ever ("which does not own
-    it"; chaos seed 332). Bus input: entries of another shape are skipped."""
+    new incarnation must send g again (`_resume_plan`). This is the move whose two ends were on
+    the lost node while the copy had not reported its share yet: otherwise the old owner resumes
+    g as its own, hands it to its keeper later, and the predecessor refuses that Redirect for
+    ever ("which does not own it"; CHANGELOG.md, "A move only the predecessor had seen begin was
+    forgotten when both its ends were lost"). Bus input: entries of another shape are skipped."""
     out: Dict[str, Any] = {k: list(v) for k, v in (expecting or {}).items() if isinstance(v, list)}
     tables: Dict[str, Optional[Dict[int, int]]] = {}  # instance -> its groups (rivals), read once
     waits: Dict[str, Set[int]] = {}  # new owner -> the groups it expects already, read once
@@ -485,10 +487,11 @@ def _moved_on(inst: str, siblings: Set[str], groups: Mapping[str, Any], handed: 
     towards `inst` itself at v is still to come (v - 1). Our dead incarnation's memory of the
     moves it completed (`GroupMoves.seen`) went with its node: without this, a leaver whose
     Installed of a move long over was lost sends its chunks again, and the re-homed incarnation
-    took them as a new move (the Offer "lost in our crash"), installed the group's old state
-    over the windows of the owners since, and answered the group's real move back Installed
-    (chaos seed 325: 14 groups, 345 windows missing, 450 different). Bus input: reports and
-    entries that do not parse are skipped (a lower floor only takes away the check)."""
+    would take them as a new move (the Offer "lost in our crash"), install the group's old state
+    over the windows of the owners since, and answer the group's real move back Installed
+    (CHANGELOG.md, "A re-homed new owner took a move long over again from a leaver's chunks").
+    Bus input: reports and entries that do not parse are skipped (a lower floor only takes away
+    the check)."""
     floor: Dict[int, int] = {}
 
     def seen(g: int, v: int) -> None:

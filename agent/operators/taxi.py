@@ -263,8 +263,8 @@ class TaxiSource(SourceState):
     def catching_up(self) -> bool:
         """Records a previous incarnation may have sent are still to be sent again (`resume`).
         A pause does not hold them back: they are not new load, and a source paused before it
-        sent them would never send them, and they would be lost (a chaos run that paused its
-        source right after a restart lost 657; docs/reliability.md, "The chaos command")."""
+        sent them would never send them, and they would be lost (CHANGELOG.md, "A source paused
+        right after a restart"; docs/reliability.md, "The chaos command")."""
         return self.generated < self._catch_up and not self.finished
 
     def rate_now(self, now: float) -> float:
