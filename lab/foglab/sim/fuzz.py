@@ -26,7 +26,7 @@ A target's `one(rng)` runs one input: it returns True (accepted) or False (rejec
 expected error) and raises `PropertyViolation` when the property fails; any other exception is a
 crash. `run_target` counts these; `run_all` splits a budget over every target.
 
-Why ~1,450 lines in one module: one target per parser of bus input (about thirty), each a few
+Why one module: one target per parser of bus input (about thirty), each a few
 lines of input generation and its property; they share the runner and the generators.
 """
 

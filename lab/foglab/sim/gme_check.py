@@ -24,7 +24,7 @@ per state (interned local states, interned channel contents, a flat tuple of sma
 stored as bytes, or as a 128-bit digest with `hash_states=True`); `exhaustive_check`'s docstring
 gives the soundness argument of each.
 
-Why ~1,100 lines in one module: the search, its state encoding and the reductions depend on one
+Why one module: the search, its state encoding and the reductions depend on one
 another's representation; the soundness argument reads in one place.
 """
 

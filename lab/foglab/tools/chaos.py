@@ -265,7 +265,8 @@ def _active_instances(mon: Monitor) -> Dict[str, Dict[str, Any]]:
 def _back_to_size(mon: Monitor, operators: List[str]) -> bool:
     """Every operator of the pipeline has exactly one instance on an online node, and it is
     active. An operator with none (a re-home that failed) or one still starting is not back:
-    counting only the operators present called a run with no source settled (seed 12026)."""
+    counting only the operators present would call a run with no source settled (CHANGELOG.md,
+    "A run counted settled during a re-home")."""
     counts = mon.instances_per_operator()
     active = Counter(str(inst.get("operator")) for inst in _active_instances(mon).values())
     return all(counts.get(op) == 1 and active[op] == 1 for op in operators)
@@ -323,9 +324,10 @@ def _ended_on_disk(workdir: Path, nodes: Sequence[str], instances: Iterable[str]
     """Of `instances`, those whose scaling core says `terminated` in the state file its worker
     last wrote (`<workdir>/state-<node>/<instance>.state.json`): a copy whose scale-in ended.
     Its agent's "terminated" event is not enough: a copy that finished leaving just as its agent
-    or node was killed exited, but the agent died before it published the event (seed 84: the
-    fault then waited for the copy to be active again until it timed out; seed 82: kill-node
-    kept the node away for the whole recovery timeout). Copy ids are never used again."""
+    or node was killed has exited, but the agent may have died before it published the event;
+    the fault would then wait for the copy to be active again until it timed out, and after a
+    kill-node for the whole recovery timeout (CHANGELOG.md, "A copy that finished its scale-in as
+    its agent was killed was waited for as not recovered"). Copy ids are never used again."""
     out: Set[str] = set()
     for inst in instances:
         for node in nodes:

@@ -372,8 +372,8 @@ def emitted_windows(sink_dir: Path, landing: Path,
 
 def _allows_duplicates(f: Dict[str, Any], src: set) -> bool:
     """A partition ends the source's incarnation only when it was re-homed meanwhile (its original
-    is fenced at the heal); healed before, the same incarnation reconnects and must lose and
-    duplicate nothing (seed 32: 5 readings counted twice after two such partitions)."""
+    is fenced at the heal); healed before, the same incarnation reconnects with its session and
+    must lose and duplicate nothing, so a reading counted twice there fails the run."""
     kind, target = f.get("kind"), str(f.get("target"))
     detail = f.get("detail") or {}
     hosted = set(detail.get("instances") or ())

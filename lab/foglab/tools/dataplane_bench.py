@@ -24,7 +24,7 @@ Measured in one run, on one private Mosquitto (docs/runtime.md, "Numbers"):
 A phase in which the broker dropped any message (`$SYS/broker/publish/messages/dropped`) fails
 the bench (BenchFailed, exit 1): its numbers would count messages that were never delivered.
 
-Why ~1,450 lines in one module: the raw baselines, the pipeline run and the rescale cycles share
+Why one module: the raw baselines, the pipeline run and the rescale cycles share
 the LocalRunner, the broker watch and the report; it is a tool, never imported on a fog node.
 """
 

@@ -16,7 +16,7 @@ same `Fleet` and `Monitor`):
 The analytics step (`run_analytics`, lab/foglab/tools/demo_analytics.py, PySpark) runs after the
 verdict and merges what it returns under `summary["analytics"]`.
 
-Why ~900 lines in one module: the fleet, the monitor and the live table are used together by the
+Why one module: the fleet, the monitor and the live table are used together by the
 demo, chaos and the integration tests; verification (verify.py) and analytics are apart.
 """
 
