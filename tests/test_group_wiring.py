@@ -891,9 +891,10 @@ def test_a_crash_of_either_owner_in_the_middle_of_a_move_loses_and_doubles_nothi
 
 
 def test_a_window_of_a_group_installed_after_the_last_batch_is_emitted_if_its_time_has_passed() -> None:
-    """Found by the chaos run with scaling: a leaver's group installed at the keeper after the
-    keeper's last batch armed its windows' timers, and nothing fired them (a timer fired only
-    after a batch): those windows never reached the sink. `fire_due` after the install."""
+    """A leaver's group installed at the keeper after the keeper's last batch arms its windows'
+    timers, and a timer that fired only after a batch would never fire them: those windows would
+    never reach the sink (CHANGELOG.md, "The first live runs with moving groups"). `fire_due`
+    after the install."""
     from agent.instance.keyed_state import KeyedState
     from agent.operators.builtin import OperatorContext
     from agent.operators.keyed import tumbling_window
@@ -915,11 +916,11 @@ def test_a_window_of_a_group_installed_after_the_last_batch_is_emitted_if_its_ti
 
 
 def test_a_group_handed_out_is_gone_from_the_keyed_files_counters_included(tmp_path: Path) -> None:
-    """Found by the live run with scaling and a kill -9 of the keeper: the delta log wrote a
-    handed-out key's counter as null, which the loader read as "unchanged", so the restarted
-    keeper still had the group's old counters; when the group came back, the keeper took the
-    counters for a group installed before its crash and kept them without the state (32 groups'
-    later windows never came out)."""
+    """A handed-out key's counter written as null in the delta log, read by the loader as
+    "unchanged", would leave a restarted keeper the group's old counters; when the group comes
+    back, the keeper would take them for a group installed before its crash and keep them
+    without the state, and the group's later windows would never come out (CHANGELOG.md, "The
+    first live runs with moving groups")."""
     from agent.instance.keyed_state import KeyedState
     from agent.operators.builtin import OperatorContext
     from agent.operators.keyed import KeyedCount
@@ -941,12 +942,13 @@ def test_a_group_handed_out_is_gone_from_the_keyed_files_counters_included(tmp_p
 
 @pytest.mark.parametrize("timed", [False, True])
 def test_a_keeper_that_crashes_while_a_leaver_hands_it_groups_loses_none_of_them(timed: bool, monkeypatch) -> None:
-    """Found by `fog-agent chaos --pipeline stateful-scaling` (seed 24): the keeper took a
-    leaver's Offer and acked it in the same turn, and died before its state write; restarted, it
-    did not expect the groups and answered the leaver's chunks, sent again after the silence,
-    with Installed without installing them. The leaver went and the groups' state with it; their
-    records, held for an Offer that never came again, stalled the pipeline. The Offer is written
-    before its ack now, and an unexpected chunk of a newer move than any seen is taken as its Offer.
+    """The keeper takes a leaver's Offer and acks it in the same turn, and dies before its state
+    write. Restarted without the Offer, it would not expect the groups and would answer the
+    leaver's chunks, sent again after the silence, with Installed without installing them: the
+    leaver would go and the groups' state with it, and their records, held for an Offer that
+    never comes again, would stall the pipeline (CHANGELOG.md, "A chunk of a move the keeper
+    never saw was answered Installed"). The Offer is written before its ack, and an unexpected
+    chunk of a newer move than any seen is taken as its Offer.
     `timed`: as in the test above, no record may be judged late."""
     if timed:
         monkeypatch.setitem(globals(), "CNT_PARAMS", EVENT_TIME)
@@ -1068,12 +1070,13 @@ def test_chunks_of_a_group_serialized_again_after_a_restart_are_never_mixed_with
 
 
 def test_records_held_for_a_group_on_its_way_stay_unacked_until_the_standby_holds_their_save() -> None:
-    # Chaos seed 336 (2 windows missing, 18 different): the new owner applied a held record
-    # under a fresh index and saved; the ack of the input it came in with waited only for the
-    # save, not for the standby copy of it (`replicated_acks`). The node was lost before the
-    # copy held the install; the old owner sent the group again without that record, which its
-    # predecessor, acked, never replayed. Here the standby never confirms: nothing the new owner
-    # applied may be acked upstream, held or not.
+    # The new owner applies a held record under a fresh index and saves. Were the ack of the
+    # input it came in with to wait only for the save, not for the standby copy of it
+    # (`replicated_acks`), a node lost before the copy held the install would have the old owner
+    # send the group again without that record, which its predecessor, acked, never replays
+    # (CHANGELOG.md, "A held record's input was acked before the standby held the install that
+    # applied it"). Here the standby never confirms: nothing the new owner applied may be acked
+    # upstream, held or not.
     held = 0
     for seed in range(20):
         net, p, a, b = moved_run(seed, [1, 3, 6], net_cls=_Unreplicated)

@@ -1,12 +1,12 @@
 """A new copy of a keyed operator's predecessor holds every Redirect of a move it joined.
 
-Found by a demo run (CHANGELOG.md, "A new copy refused its keyed successor's
-Redirects"): route_counts' keeper moved 64 of its 128 key groups while in_zone made
-a copy; the keeper, which had acked in_zone's Duplication, sent the copy one Redirect per moving
-group before the copy's Start named it. The copy held 48 (twice its window of 8, plus 32) and
-refused the other 16: a hole in that channel, so 5 s later the copy became a new incarnation
-(GAP_TIMEOUT) and its predecessor re-routed what it had sent it (every new in_zone copy of
-the run, four times). Sans-IO: the instance core alone, fed envelopes by hand.
+A keyed keeper moves 64 of its 128 key groups while its predecessor makes a copy; the keeper,
+which acked the predecessor's Duplication, sends the copy one Redirect per moving group before
+the copy's Start names it. Held within a bound of twice its window plus 32 (48), the copy would
+refuse the other 16: a hole in that channel, so 5 s later the copy would become a new
+incarnation (GAP_TIMEOUT) and its predecessor re-route what it had sent it (CHANGELOG.md, "A new
+copy refused its keyed successor's Redirects"). Sans-IO: the instance core alone, fed envelopes
+by hand.
 """
 from __future__ import annotations
 

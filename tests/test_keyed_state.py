@@ -311,8 +311,9 @@ class _Collect(KeyedOperator):
 
 
 def test_a_replayed_older_batch_after_a_newer_one_is_applied_not_skipped() -> None:
-    """Seed 25 of the stateful chaos run: a restarted predecessor delivered records 8-11 before
-    the replay of 4-7, which it had lost; the highest number applied (11) skipped 4-7."""
+    """A restarted predecessor delivers records 8-11 before the replay of 4-7, which it had lost;
+    "the highest number applied" (11) would skip 4-7 (CHANGELOG.md, "A keyed operator skipped
+    replayed records that came after newer ones")."""
     ks = KeyedState(_Collect.build(OperatorContext("c-0", "c", "n", "map")), "c", "k", 128)
     items = [("src", n, {"k": "a", "n": n}) for n in range(12)]
     ks.apply("p", items[:4], 1)

@@ -66,10 +66,11 @@ def test_siblings_and_neighbours_of_other_dead_nodes_are_not_in_the_tables() -> 
 
 
 def test_a_departing_successor_is_left_out_of_a_rehomed_predecessors_table() -> None:
-    """Seed 11029: a copy past the predecessor phase of its deletion (its dead predecessor had
-    acked it) was in the re-homed predecessor's successors, which routed records to it until
-    the end. A departing instance of the previous operator stays a predecessor (it still sends
-    its last records and its Deletion)."""
+    """A copy past the predecessor phase of its deletion (its dead predecessor had acked it) must
+    not be in the re-homed predecessor's successors, which would route records to it until the end
+    (CHANGELOG.md, "A re-homed predecessor routed to a successor that was leaving"). A departing
+    instance of the previous operator stays a predecessor (it still sends its last records and its
+    Deletion)."""
     fl = {**fleet(), "n3": [spec("p.sink.0", "sink", True), spec("sink-b", "sink")]}
     plan = plan_rehome("n2", fl, online={"n1", "n3"}, listed_online=set(), min_epoch=1, departing={"sink-b"})
     assert plan[1]["instance"] == "p.mid.0" and plan[1]["succs"] == ["p.sink.0"]
@@ -130,11 +131,12 @@ def test_the_agent_reads_departing_instances_from_the_node_states(tmp_path: Path
 
 
 def test_a_retry_after_a_failed_rehome_does_not_place_the_others_again(tmp_path: Path) -> None:
-    """Defect B (seed 11019, two incarnations of one copy): a re-home that failed (no free slot)
-    made the next period plan the lost node again, and an instance whose createNode() had gone
-    to another node, not yet listed in that node's state, was placed a second time. Now only the
-    failed one is tried again, and our re-homed record stops claiming it meanwhile (a returning
-    node would otherwise forget an instance that runs nowhere)."""
+    """A re-home that fails (no free slot) must not make the next period plan the lost node again
+    and place a second time an instance whose createNode() went to another node, not yet listed
+    in that node's state: two incarnations of one copy (CHANGELOG.md, "Two nodes ran, then both
+    fenced, one copy"). Only the failed one is tried again, and our re-homed record stops
+    claiming it meanwhile (a returning node would otherwise forget an instance that runs
+    nowhere)."""
     agent = _agent(tmp_path)
     asked: List[Any] = []
     agent.creating.create = lambda spec, reply, cause, now: asked.append((spec.instance, reply))
@@ -157,7 +159,7 @@ def test_a_retry_after_a_failed_rehome_does_not_place_the_others_again(tmp_path:
 
 
 def test_a_failed_rehome_is_not_placed_again_when_the_returning_node_runs_it(tmp_path: Path) -> None:
-    """The other half of test_rehome_retry (seed 12026): a re-home that fails after the lost node
+    """The other half of test_rehome_retry: a re-home that fails after the lost node
     came back is placed again only when no online node runs the instance once the node has been
     back for a while (its state then shows what it re-adopted); here it re-adopted it."""
     agent = _agent(tmp_path)
@@ -180,8 +182,8 @@ def test_an_idle_copy_is_rehomed_idle_out_of_rebuilt_successors_and_its_creator_
     copy ran with tables some neighbours never applied, and its Deletion was never acked (77
     of 400 checker schedules). Re-homed idle, it waits for a Start; its creator is told of it
     (`idle_copies`) to adopt it before it may leave, and no re-homed predecessor routes to it
-    before that adoption announces it (chaos seed 11029: a creator that left and a rebuilt table
-    routing to the copy lost 199 records). A keeper is never idle; preds keep idle copies."""
+    before that adoption announces it (CHANGELOG.md, "An idle copy re-homed together with its
+    creator came back active"). A keeper is never idle; preds keep idle copies."""
     fl = {"n1": [spec("p.source.0", "source", True)],
           "n2": [spec("p.mid.0", "mid", True), spec("mid-b", "mid", creator="p.mid.0"),
                  spec("mid-c", "mid", creator="mid-x")],
@@ -394,15 +396,15 @@ def keyed_instance(name: str, owned: Dict[int, int], restart: bool = False, keye
 
 
 def test_a_group_moving_off_a_live_leaver_stays_in_the_table_of_a_predecessor_rehomed_meanwhile() -> None:
-    """chaos --pipeline stateful-scaling, seed 1, kill-node of the window's node: two copies on n2
-    were leaving, each handing its 32 groups to the keeper on n1, when n1 (the keeper and the
-    predecessor in_zone) was lost; their Redirects never reached in_zone. A group moving out was
-    reported by no instance (the leaver counted only its settled groups, the keeper had not taken
-    the Offer), so the re-homed in_zone dealt its table again and refused the leavers' Redirects
-    sent again after the silence for ever ("which does not own it"): 442 windows missing. The
-    leaver reports such a group at its version before the move: the table names the leaver, the
-    Redirect sent again is taken and its Eos goes back, and the re-homed keeper resumes only
-    its own groups (the leaver's come with their state, its chunk standing for the lost Offer)."""
+    """Two copies on n2 are leaving, each handing its groups to the keeper on n1, when n1 (the
+    keeper and the predecessor in_zone) is lost; their Redirects never reached in_zone. Were a group
+    moving out reported by no instance (the leaver counting only its settled groups, the keeper not
+    having taken the Offer), the re-homed in_zone would deal its table again and refuse the leavers'
+    Redirects sent again after the silence for ever ("which does not own it"; CHANGELOG.md, "A node
+    lost while key groups moved left its re-homed keyed window stalled"). The leaver reports such a
+    group at its version before the move: the table names the leaver, the Redirect sent again is
+    taken and its Eos goes back, and the re-homed keeper resumes only its own groups (the leaver's
+    come with their state, its chunk standing for the lost Offer)."""
     from agent.dataplane.owners import groups_from_runs
     from agent.instance.groups import restored_table
     from agent.instance.handover import Eos, Predecessor, Redirect, Send
@@ -452,14 +454,15 @@ def test_a_keyed_copy_its_lost_node_never_listed_is_rehomed_owning_no_group() ->
 
 
 def test_a_group_handed_out_by_a_live_leaver_goes_to_its_new_owner_in_a_rehomed_predecessors_table() -> None:
-    """chaos --pipeline stateful-scaling, seed 3, kill-node of the window's node: in_zone had taken
-    a leaver's Redirect of group 17 (its table: the keeper, version 3) and the leaver every Eos, so
-    the leaver had sent the group's state, when the keeper's node (with in_zone) was lost. The
-    leaver no longer owned the group, the keeper had not installed it: no report named it, the
-    re-homed in_zone dealt its table again and refused every mover's Redirect ("which does not
-    own it"). The leaver reports what it handed out and is not installed yet (`handed`); the
-    re-homed predecessor's table names the new owner at the move's version, and the re-homed
-    keeper takes the chunks sent again after the silence as the Offer its dead incarnation got."""
+    """in_zone has taken a leaver's Redirect of a group (its table: the keeper, version 3) and the
+    leaver every Eos, so the leaver has sent the group's state, when the keeper's node (with
+    in_zone) is lost. The leaver no longer owns the group, the keeper has not installed it: with no
+    report naming it, the re-homed in_zone would deal its table again and refuse every mover's
+    Redirect ("which does not own it"; CHANGELOG.md, "A node lost while key groups moved left its
+    re-homed keyed window stalled"). The leaver reports what it handed out and is not installed yet
+    (`handed`); the re-homed predecessor's table names the new owner at the move's version, and the
+    re-homed keeper takes the chunks sent again after the silence as the Offer its dead incarnation
+    got."""
     from agent.dataplane.owners import TableError, table_from_reports
     from agent.instance.groups import restored_table
     from agent.instance.moves import encode
@@ -541,15 +544,15 @@ def test_a_rehomed_old_owner_starts_again_the_moves_a_live_new_owner_waits_for()
 
 
 def test_a_group_installed_at_a_lost_copy_before_its_standby_held_it_goes_again_from_its_lost_old_owner() -> None:
-    """chaos --pipeline stateful-scaling, seed 72 (kill-node of the keeper's node): the keeper
-    handed groups to a copy on its own node and the copy installed them, but the node was lost
-    before the copy's standby held the save that installed them (its Installed waits for that).
-    The copy's heartbeat had said it owned them, so its re-homed incarnation resumed them empty
-    while the keeper's standby copy still held their state; the copy handed them back later and
-    the keeper kept its older state over them: the records applied in between were lost (windows
-    missing or with fewer records). A group whose Installed has not left is reported as on its
-    way (`expecting`), and a lost old owner resumes it and sends it again to its lost new owner,
-    which installs it from the chunks."""
+    """The keeper hands groups to a copy on its own node and the copy installs them, but the node
+    is lost before the copy's standby holds the save that installed them (its Installed waits
+    for that). Had the copy's heartbeat said it owned them, its re-homed incarnation would resume
+    them empty while the keeper's standby copy still holds their state, and when the copy hands
+    them back the keeper would keep its older state over them: the records applied in between
+    lost (CHANGELOG.md, "A copy lost with its node right after installing a group resumed it
+    empty"). A group whose Installed has not left is reported as on its way (`expecting`), and a
+    lost old owner resumes it and sends it again to its lost new owner, which installs it from
+    the chunks."""
     from agent.dataplane.keygroups import key_group
     from agent.dataplane.owners import groups_from_runs, table_from_reports
     from agent.instance.handover import Eos, Predecessor, Redirect, Send
@@ -672,13 +675,13 @@ def test_a_leaver_says_installed_again_so_an_old_owner_whose_installed_was_lost_
 
 
 def test_groups_no_instance_reports_are_the_lost_keepers_when_nothing_else_there_may_hold_them() -> None:
-    """chaos --pipeline stateful-scaling, seed 1 again: a leaver handed its 16 groups to the keeper
-    and left a second before the keeper's node was lost; the node's last state still showed the
-    keeper without them, and the leaver was gone: "16 groups reported by no instance", the
-    re-homed in_zone dealt its table again and every Redirect was refused. A live instance's
-    report is fresh, so such groups moved onto the lost node after its last state; when its
-    keeper is the only instance there that may hold them (the others reported, or are copies
-    that said nothing), they are the keeper's, at version 0 on both sides. An instance of the
+    """A leaver hands its groups to the keeper and leaves a second before the keeper's node is lost;
+    the node's last state still shows the keeper without them, and the leaver is gone: no instance
+    reports them, and a re-homed in_zone that dealt its table again would refuse every Redirect
+    (CHANGELOG.md, "A node lost while key groups moved left its re-homed keyed window stalled"). A
+    live instance's report is fresh, so such groups moved onto the lost node after its last state;
+    when its keeper is the only instance there that may hold them (the others reported, or are
+    copies that said nothing), they are the keeper's, at version 0 on both sides. An instance of the
     lost node that said nothing and is not a copy may hold them: then nothing is guessed."""
     from agent.dataplane.owners import table_from_reports
 
@@ -700,11 +703,12 @@ def test_groups_no_instance_reports_are_the_lost_keepers_when_nothing_else_there
 
 
 def test_a_group_the_lost_keeper_was_moving_on_has_one_version_in_its_list_and_its_predecessors_table() -> None:
-    """chaos --pipeline stateful-scaling, seed 1: the lost keeper's last state lacked group 19 (it
-    came from a leaver since) and a live copy was waiting for it (version 3). The keeper resumed it
-    at version 2 and sent its Redirect again at 3, while its re-homed predecessor, given the group
-    as an unreported one at version 0, refused it ("Redirect of group 19 to version 3, after
-    version 0") and the copy never left. Both now take what the keeper resumes."""
+    """The lost keeper's last state lacks a group (it came from a leaver since) and a live copy
+    waits for it (version 3). The keeper resumes it at version 2 and sends its Redirect again at 3;
+    given the group as an unreported one at version 0, its re-homed predecessor would refuse it
+    ("Redirect of group 19 to version 3, after version 0") and the copy would never leave
+    (CHANGELOG.md, "A node lost while key groups moved left its re-homed keyed window stalled").
+    Both take what the keeper resumes."""
     from agent.dataplane.owners import table_from_reports
     from agent.instance.handover import Eos, Predecessor, Redirect, Send
 
@@ -723,13 +727,13 @@ def test_a_group_the_lost_keeper_was_moving_on_has_one_version_in_its_list_and_i
 
 
 def test_a_move_both_ends_on_the_lost_node_completed_after_its_last_state_follows_the_standby_copies() -> None:
-    """chaos --pipeline stateful-scaling, seed 4, kill-node of the window's node: the keeper
-    created a copy on its own node and handed it its share; the node was lost before its state
-    listed the copy. The copy was re-homed owning no group ("resuming our 0 key groups") although
-    its standby copy held the groups it had installed, and the keeper resumed them from its older
-    report while its own copy had forgotten them: their windows started over (76-80 missing).
-    The standby copies say which groups each instance owns as of the save they hold (an
-    Installed leaves only once that save is copied): the newer word wins, group by group."""
+    """The keeper creates a copy on its own node and hands it its share; the node is lost before its
+    state lists the copy. Re-homed owning no group although its standby copy holds the groups it
+    installed, while the keeper resumes them from its older report and its own copy has forgotten
+    them, the copy would start their windows over (CHANGELOG.md, "A keyed copy lost with its node
+    just after a move resumed its groups without their state"). The standby copies say which groups
+    each instance owns as of the save they hold (an Installed leaves only once that save is copied):
+    the newer word wins, group by group."""
     hosted = {"n1": [keyed_spec("p.op.0", "op", True), keyed_spec("p.cnt.0", "cnt", True, standby="n2"),
                      keyed_spec("cnt-c", "cnt", creator="p.cnt.0", standby="n2")],
               "n2": [keyed_spec("p.source.0", "source", True), keyed_spec("p.sink.0", "sink", True)]}
@@ -789,11 +793,11 @@ def _restarted_keyed(name: str, keyed: Any, **extra: Any) -> Any:
 
 
 def test_a_rehome_goes_to_the_standby_holding_its_copy_even_with_its_slots_taken(tmp_path: Path) -> None:
-    """chaos --pipeline stateful-scaling, seed 73: two keyed copies lost with n3 had their
-    standby copies on n1, which had a free slot for one: the other was placed on n2 and resumed
-    its 32 key groups empty (2,144 windows missing, 2,015 under new ids). The standby comes
-    first in a re-home's ranking also when placement skips it for want of a slot, and starts
-    the instance beyond its slots when it holds its copy (not while it drains)."""
+    """Two keyed copies lost with n3 have their standby copies on n1, which has a free slot for
+    one: placed on n2, the other would resume its key groups empty (CHANGELOG.md, "A keyed copy
+    lost with its node just after a move resumed its groups without their state"). The standby
+    comes first in a re-home's ranking also when placement skips it for want of a slot, and
+    starts the instance beyond its slots when it holds its copy (not while it drains)."""
     import json as _json
 
     from agent.instance.spec import InstanceSpec
@@ -891,14 +895,14 @@ def test_a_copy_idle_in_the_lost_nodes_last_state_whose_standby_copy_owns_groups
 
 
 def test_a_rehomed_new_owner_that_handed_a_resumed_group_on_does_not_take_its_old_owners_offer_again() -> None:
-    """chaos --pipeline stateful-scaling, seed 94: a leaving copy (c129) was handing group 95 to
-    the keeper (version 8) when the keeper's node was lost. The keeper's re-homed incarnation
-    resumed the group at version 8 and handed it to a new copy (version 9); then the leaver's
-    Offer of that move reached it. It took the Offer and the chunks: the group had two owners,
-    the keeper with the leaver's older state, and the copy's hand-back was refused ("already
-    owned or expected"): 22 windows missing, 7 different, two cells instances at the end. An
-    Offer of a move no newer than one we had the group at is not taken; its chunks are answered
-    Installed, so the leaver forgets the group."""
+    """A leaving copy is handing a group to the keeper (version 8) when the keeper's node is
+    lost. The keeper's re-homed incarnation resumes the group at version 8 and hands it to a new
+    copy (version 9); then the leaver's Offer of that move reaches it. Taking the Offer and the
+    chunks would give the group two owners, the keeper with the leaver's older state, and the
+    copy's hand-back would be refused ("already owned or expected"; CHANGELOG.md, "A re-homed
+    new owner took its old owner's Offer again after handing the group on"). An Offer of a move
+    no newer than one we had the group at is not taken; its chunks are answered Installed, so
+    the leaver forgets the group."""
     from agent.instance.handover import Eos, Installed, Offer
     from agent.instance.moves import encode
 
@@ -933,18 +937,17 @@ def test_a_rehomed_new_owner_that_handed_a_resumed_group_on_does_not_take_its_ol
 
 
 def test_a_rehomed_new_owner_does_not_take_again_a_move_its_siblings_show_is_over() -> None:
-    """chaos --pipeline stateful-scaling, seed 325: a leaver (cells-aeb7119) handed group 4 to
-    the keeper (version 3); the keeper installed it, but the leaver's Installed was lost, so it
-    kept sending its chunks again. The keeper handed the group on (version 4) to a copy, which
-    was handing it back (version 5) when the keeper's node was lost. The re-homed keeper, with
-    no memory of the moves its dead incarnation had completed, took the old leaver's chunks of
-    version 3 as a move whose Offer its loss had lost: it installed the group's state of 30 s
-    before and answered the copy's real hand-back Installed, so the copy forgot the newer state
-    (14 groups: 345 windows missing, 450 different), and its later Redirects carried version 4,
-    refused for ever by its predecessor (5 cells instances at the end). The plan tells the
-    re-homed instance the newest version its siblings know of each group (`moved_on`): a move
-    towards it no newer than that is over, its chunks are answered Installed; the copy's move,
-    newer, is taken from its chunks."""
+    """A leaver hands a group to the keeper (version 3); the keeper installs it, but the leaver's
+    Installed is lost, so it keeps sending its chunks again. The keeper hands the group on
+    (version 4) to a copy, which is handing it back (version 5) when the keeper's node is lost.
+    The re-homed keeper has no memory of the moves its dead incarnation completed: taking the
+    old leaver's chunks of version 3 as a move whose Offer its loss had lost, it would install
+    the group's old state and answer the copy's real hand-back Installed, so the copy would
+    forget the newer state, and its later Redirects, carrying version 4, would be refused for
+    ever by its predecessor (CHANGELOG.md, "A re-homed new owner took a move long over again from
+    a leaver's chunks"). The plan tells the re-homed instance the newest version its siblings
+    know of each group (`moved_on`): a move towards it no newer than that is over, its chunks are
+    answered Installed; the copy's move, newer, is taken from its chunks."""
     from agent.instance.handover import Eos, Installed
     from agent.instance.moves import encode
 
@@ -995,14 +998,15 @@ def test_a_rehomed_new_owner_does_not_take_again_a_move_its_siblings_show_is_ove
 
 
 def test_a_move_only_its_predecessor_saw_begin_goes_again_from_the_lost_old_owner() -> None:
-    """chaos --pipeline stateful-scaling, seed 332: a keyed instance and the copy it had just
-    created were lost together. It had handed the copy its share and the predecessor had taken
-    the Redirects (its Eos went to the lost node), but neither end had reported the move: the
-    old owner's last word still owned the group, the copy's standby lacked it. The old owner
-    resumed it as its own and later handed it to the keeper; the predecessor, routing it to the
-    copy, refused that Redirect for ever and the copy held the group's records for ever (never
-    settled). The predecessor's report of the Redirects it took (`redirected`) now makes the
-    copy expect the group: the old owner starts that move again, the copy is not given it."""
+    """A keyed instance and the copy it has just created are lost together. It had handed the
+    copy its share and the predecessor had taken the Redirects (its Eos went to the lost node),
+    but neither end had reported the move: the old owner's last word still owns the group, the
+    copy's standby lacks it. Resuming the group as its own and later handing it to the keeper,
+    the old owner would have its Redirect refused for ever by the predecessor, which routes the
+    group to the copy, and the copy would hold the group's records for ever (CHANGELOG.md, "A
+    move only the predecessor had seen begin was forgotten when both its ends were lost"). The
+    predecessor's report of the Redirects it took (`redirected`) makes the copy expect the
+    group: the old owner starts that move again, the copy is not given it."""
     from agent.dataplane.owners import groups_from_runs
 
     hosted = {"n1": [keyed_spec("cnt-s", "cnt"), keyed_spec("cnt-o", "cnt", creator="cnt-s")],

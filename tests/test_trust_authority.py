@@ -587,13 +587,14 @@ def test_fogctl_deploys_with_the_node_slots_of_its_settings_or_of_an_agent_toml(
 
 
 def test_a_node_back_after_its_instances_were_rehomed_binds_them_where_the_rehomer_of_its_absence_says() -> None:
-    """chaos --pipeline stateful-scaling, seed 1: n1 (in_zone's node) was lost, n2 (the lowest
-    online node then) re-homed in_zone onto itself and said so. n1 came back: its fresh agent
-    bound in_zone to n1 from its own stale record, then, once it forgot in_zone, to n2, unproven
-    for good: n2 was no longer the lowest online node, so its statement no longer counted, and
-    the copies n1 then started held and refused in_zone's envelopes ("not bound to node n2
-    within 20s"): 466 windows missing. The lowest online node besides the instance's old node
-    (the one that re-homed it) vouches; a statement of any other node still does not."""
+    """n1 (in_zone's node) is lost, n2 (the lowest online node then) re-homes in_zone onto itself
+    and says so. n1 comes back: its fresh agent binds in_zone to n1 from its own stale record, then,
+    once it forgets in_zone, to n2; n2 is no longer the lowest online node, and were its statement
+    no longer to count, that binding would stay unproven for good and the copies n1 then starts
+    would hold and refuse in_zone's envelopes ("not bound to node n2 within 20s"; CHANGELOG.md, "A
+    node lost while key groups moved left its re-homed keyed window stalled"). The lowest online
+    node besides the instance's old node (the one that re-homed it) vouches; a statement of any
+    other node still does not."""
     from agent.node.hostmap import HostMap
 
     up = {"n1": True, "n2": True, "n3": True}
