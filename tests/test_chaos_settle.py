@@ -1,6 +1,6 @@
-"""When `fog-agent chaos` calls a run settled (docs/results.md, R2): every
-operator at one active instance. Counting only the operators present called seed 12026 settled
-with no source running. The monitor's retained states are set by hand: no broker needed. And when
+"""When `fog-agent chaos` calls a run settled: every operator at one active instance. Counting
+only the operators present would call a run settled with no source running (CHANGELOG.md, "A run
+counted settled during a re-home"). The monitor's retained states are set by hand: no broker needed. And when
 its load ends: on conditions (faults injected, records generated), not at a fixed time."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def test_every_operator_at_one_active_instance_is_back() -> None:
 
 
 def test_an_operator_with_no_instance_is_not_back() -> None:
-    """Seed 12026: the re-homed source failed to start anywhere; validate and sink at one each."""
+    """The re-homed source failed to start anywhere; validate and sink at one each."""
     assert not _back_to_size(monitor({"n1": [inst("validate")], "n2": [inst("sink")]}), OPS)
 
 
@@ -90,7 +90,7 @@ def test_the_load_cap_is_the_profiles_end_and_bounds_the_conditions() -> None:
         ChaosConfig(duration=40.0, min_faults=2, schedule=[(5.0, "kill-worker", None)])
 
 
-# ---- a copy that left while its agent was killed (seed 84) ----
+# ---- a copy that left while its agent was killed ----
 
 
 def _state_file(workdir: Any, node: str, instance: str, state: str) -> None:
@@ -100,8 +100,10 @@ def _state_file(workdir: Any, node: str, instance: str, state: str) -> None:
 
 
 def test_a_copy_whose_state_file_says_terminated_has_left_without_its_agents_event(tmp_path: Any) -> None:
-    """Seed 84: a cells copy finished its scale-in as its agent was killed; the agent died before
-    it published "terminated", and the fault waited 60 s for the copy to be active again."""
+    """A cells copy finished its scale-in as its agent was killed; the agent died before it
+    published "terminated", and without the state file the fault would wait for the copy to be
+    active again (CHANGELOG.md, "A copy that finished its scale-in as its agent was killed was
+    waited for as not recovered")."""
     from foglab.tools.chaos import _waiting_for
 
     mon = monitor({"n1": [inst("source"), inst("validate"), inst("sink")], "n3": []})

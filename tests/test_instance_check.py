@@ -126,9 +126,10 @@ def _repeated_deletion_ack_then_a_lost_session(faults: Iterable[str]) -> Optiona
 
 
 def test_the_checker_finds_a_draining_copy_that_holds_a_repeated_ack_on_a_fixed_schedule() -> None:
-    """Seeded fault `drain_holds_protocol` (seed 9121's 185 lost records): the copy held every
-    protocol message while its Drain waited, so the repeated ack and the data behind it stayed
-    queued and the Drain waited for ever. The same schedule passes without the fault."""
+    """Seeded fault `drain_holds_protocol` (CHANGELOG.md, "A departing copy waited for ever behind
+    a repeated ack"): the copy holds every protocol message while its Drain waits, so the
+    repeated ack and the data behind it stay queued and the Drain waits for ever. The same
+    schedule passes without the fault."""
     bad = _repeated_deletion_ack_then_a_lost_session({"drain_holds_protocol"})
     assert bad is not None and bad[0] in {"round_not_ended", "records_not_exactly_once"}, bad
     assert "departing" in bad[1] or bad[0] == "records_not_exactly_once", bad
@@ -136,10 +137,10 @@ def test_the_checker_finds_a_draining_copy_that_holds_a_repeated_ack_on_a_fixed_
 
 
 def _departing_copy_restarted_after_its_predecessor_removed_it(faults: Iterable[str]) -> Optional[Tuple[str, str]]:
-    """Defect A of the 42ca187 chaos campaign (CHANGELOG.md): the copy's Deletion is applied by
-    both neighbours while the sink's acks to the copy wait (the copy's Drain waits for them, and
-    source-0 keeps the copy's inputs unacked); then the copy crashes and restarts, a new
-    incarnation in its own deletion, and asks source-0 for replays."""
+    """The copy's Deletion is applied by both neighbours while the sink's acks to the copy wait (the
+    copy's Drain waits for them, and source-0 keeps the copy's inputs unacked); then the copy
+    crashes and restarts, a new incarnation in its own deletion, and asks source-0 for replays
+    (CHANGELOG.md, "A copy that became a new incarnation in its own deletion stranded its inputs")."""
     w = _copy_leaving_while_the_sinks_acks_wait(Config(records=8, crashes=1, faults=frozenset(faults)))
     for _ in range(3):
         w.play("time")
@@ -193,10 +194,11 @@ def _copy_rehomed_in_its_deletion(but: str, faults: Iterable[str]) -> Optional[T
 
 @pytest.mark.parametrize("but", ["source-0->copy", "sink-0->copy"], ids=["deleting", "departing"])
 def test_a_copy_rehomed_in_its_own_deletion_leaves_again(but: str) -> None:
-    """Was `rehomed_departing_copy` (random schedule seed 28, then an open defect): the
-    re-homed copy came back active, with rebuilt tables, after source-0 had applied its Deletion:
-    an active instance nobody routes to. Now the deletion ack of its dead incarnation tells it
-    that it was leaving, and it leaves again. Seeded fault `rehome_stays`: it stays."""
+    """A copy re-homed after source-0 applied its Deletion must not come back active, with
+    rebuilt tables: an active instance nobody routes to (CHANGELOG.md, "A copy re-homed while
+    leaving came back active with nobody routing to it"; random schedule 28 of this
+    configuration, run below). The deletion ack of its dead incarnation tells it that it was
+    leaving, and it leaves again. Seeded fault `rehome_stays`: it stays."""
     assert _copy_rehomed_in_its_deletion(but, ()) is None
     bad = _copy_rehomed_in_its_deletion(but, {"rehome_stays"})
     assert bad is not None and bad[0] == "views_disagree", bad
@@ -205,11 +207,11 @@ def test_a_copy_rehomed_in_its_own_deletion_leaves_again(but: str) -> None:
 
 
 def test_a_predecessor_rehomed_while_its_successor_departs_does_not_route_to_it() -> None:
-    """Seed 11029 (280 lost): the copy decided its scale-in, source-0 (here; validate there)
-    acked its Deletion and its node died; the re-homed source-0 rebuilt its successors from the
-    hosted instances, which still listed the departing copy, and sent records to it that nobody
-    processed once it terminated. plan_rehome now leaves departing successors out. (Random
-    schedule seed 47 of this configuration found it too, before the fix.)"""
+    """The copy decides its scale-in, source-0 acks its Deletion and its node dies. Rebuilding its
+    successors from the hosted instances, which still list the departing copy, the re-homed
+    source-0 would send records to it that nobody processes once it terminates (CHANGELOG.md, "A
+    re-homed predecessor routed to a successor that was leaving"). plan_rehome leaves departing
+    successors out."""
     # source-0 acked the Deletion; the copy's Drain waits for the sink's acks
     w = _copy_deciding_its_scale_in(Config(records=4, rehomes=1, rehome_targets=("source-0",), plans=ROUNDS_1212[:2]),
                                     "sink-0->copy")
@@ -224,14 +226,14 @@ RESYNC = Config(records=6, crashes=1, crash_targets=("sink-0",), slow=("sink-0",
 
 
 def test_a_restarted_receiver_takes_no_batch_past_replays_the_broker_lost() -> None:
-    """Was `resync_past_lost_replays` (random schedule seed 28, then an open defect):
-    the sink crashed before persisting op-0's channel and asked for replays; op-0 replayed, and
-    a broker rollback lost the marker and the replay; op-0's next batch was the first number
-    the sink saw, taken there (its snapshot may lag), and its cumulative ack dropped the lost
-    replays from op-0's buffer. Now a predecessor whose channel the snapshot lacks is awaited
-    like the others: its data counts only from a replay marker or from number 1, and without a
-    marker within REPLAY_WAIT the sink asks again. Seeded fault `resync_at_first_seen`: a
-    record lost (7 of the random schedules 0-499 of this mix, 28 and 404 among them; 0 without)."""
+    """The sink crashes before persisting op-0's channel and asks for replays; op-0 replays, and
+    a broker rollback loses the marker and the replay; op-0's next batch is the first number the
+    sink sees. Taken there (its snapshot may lag), its cumulative ack would drop the lost replays
+    from op-0's buffer (CHANGELOG.md, "A restarted receiver resynced past replays the broker
+    lost"). A predecessor whose channel the snapshot lacks is awaited like the others: its data
+    counts only from a replay marker or from number 1, and without a marker within REPLAY_WAIT
+    the sink asks again. Seeded fault `resync_at_first_seen`: a record lost (7 of the random
+    schedules 0-499 of this mix, 28 and 404 among them, run below; 0 without)."""
     for seed in (28, 404):
         rep = random_runs(RESYNC, schedules=1, seed=seed)
         assert rep.ok, describe(rep)
@@ -262,12 +264,13 @@ def _marker_lost_then_a_protocol_message_first(faults: Iterable[str]) -> Optiona
 
 
 def test_a_replay_marker_lost_before_a_protocol_message_is_asked_for_again() -> None:
-    """Was open before the replay-wait clock fix (seed 9230 of the every-move mix, 4 records lost): the protocol
-    message took the channel past the lost data, so op-0's later replays under their own numbers
-    were dropped as duplicates, and the wait's clock (REPLAY_WAIT), started only by a data batch
-    it dropped, never started: the sink never asked again. Now anything op-0 sends but its
-    marker starts the clock, and the sink asks again 10 s later. Seeded fault
-    `replay_clock_at_drop` (the clock started at a dropped data batch only): the 4 records lost."""
+    """A protocol message takes the channel past the lost data, so op-0's later replays under
+    their own numbers are dropped as duplicates; started only by a data batch it dropped, the
+    wait's clock (REPLAY_WAIT) would never start and the sink would never ask again
+    (CHANGELOG.md, "A lost replay marker was never asked for again"; schedule 9230 of the
+    every-move mix, run below). Anything op-0 sends but its marker starts the clock, and the
+    sink asks again 10 s later. Seeded fault `replay_clock_at_drop` (the clock started at a
+    dropped data batch only): the 4 records lost."""
     assert _marker_lost_then_a_protocol_message_first(()) is None
     bad = _marker_lost_then_a_protocol_message_first({"replay_clock_at_drop"})
     assert bad is not None and bad[0] == "records_not_exactly_once" and "recorded 0 of 4" in bad[1], bad
@@ -304,9 +307,9 @@ def test_an_idle_copy_rehomed_with_its_creator_is_adopted() -> None:
 def _creator_rehomed_with_its_idle_copy(first: str, faults: Iterable[str]) -> Optional[Tuple[str, str]]:
     """A copy (not a keeper) creates a copy of its own; both are lost with their node while the
     new one is idle (its creator waits for createNode()); both are re-homed (`first` restarts
-    first), and the re-homed creator is asked to scale in at once: chaos seed 11029's second run,
-    where the re-homed creator left 4 s after its re-homing, before its copy's first idle ping,
-    and nobody ever started the copy."""
+    first), and the re-homed creator is asked to scale in at once: leaving before its copy's
+    first idle ping, it would leave a copy nobody ever starts (CHANGELOG.md, "An idle copy
+    re-homed together with its creator came back active")."""
     w = World(Config(records=4, rehomes=2, plans=(("op-0", "duplicate"),), faults=frozenset(faults)))
     w.play("plan op-0 duplicate")
     w.deliver_all()
@@ -414,7 +417,7 @@ FOUND_KEYED = [
     # then waits for op's copy, which left without answering; since `ScalingCore.release` the round stops
     # waiting for such a neighbour (`ScalingCore.release`, no violation in 1,200 schedules with
     # this fault alone), so the schedule is played with that release off (`wait_for_leaver`).
-    # Seed 1239 (379 before the hand-out over several turns changed the schedules).
+    # Seed 1239.
     ("leave_with_groups", dataclasses.replace(KEYED, dups=0, refusals=0, faults=frozenset({"wait_for_leaver"})), 1239,
      {"round_not_ended", "move_not_ended"}),
     # A move whose Redirect the rollback lost is never asked again.
@@ -427,8 +430,8 @@ FOUND_KEYED = [
     # A predecessor that left during a move is still waited for.
     ("no_remove_pred", dataclasses.replace(KEYED, dups=0, refusals=0), 759, {"move_not_ended"}),
     # Held records' inputs acked once their state is saved, their outputs still unacked: the
-    # source's floor claim passes a record not at the sink (the demo's 21 lost trips; schedule
-    # 33 from seed 100000, 89 from seed 0).
+    # source's floor claim passes a record not at the sink (CHANGELOG.md, "Held records acked
+    # before their outputs"; schedule 33 from seed 100000, 89 from seed 0).
     ("held_acked_at_save", KEYED, 100032, {"acked_before_sink"}),
 ]
 
@@ -590,37 +593,40 @@ def test_a_record_sent_again_after_its_sink_instance_left_is_not_recorded_again(
 
 
 def test_a_copy_that_leaves_first_answers_a_neighbour_that_left_after_learning_of_it() -> None:
-    """Found by the checker (the same mix, seed 271): op's copy acked the sink's Duplication,
-    started, left; the sink applied its Deletion before its own round ended and started its copy
-    without it; that copy left at once (op-0 its only neighbour) before op's copy's Deletion
-    reached it: op's copy departed waiting for its ack for ever. The copy's Start now keeps such
-    a leaver (`ScalingCore.leavers`): it sends it its own Deletion, the leaver acks it and stops
-    waiting at its resend (`release`). Seeded fault `start_without_leavers` starts it without."""
+    """Schedule 271 of the same mix: op's copy acks the sink's Duplication, starts, leaves; the
+    sink applies its Deletion before its own round ends and starts its copy without it; that
+    copy leaves at once (op-0 its only neighbour) before op's copy's Deletion reaches it, and
+    op's copy would depart waiting for its ack for ever (CHANGELOG.md, "A departing copy waited
+    for a copy that ended"). The copy's Start keeps such a leaver (`ScalingCore.leavers`): it
+    sends it its own Deletion, the leaver acks it and stops waiting at its resend (`release`).
+    Seeded fault `start_without_leavers` starts it without."""
     _clean_then_broken(271, "start_without_leavers", "round_not_ended")
 
 
 def test_a_departing_copy_acks_a_duplication_ahead_of_its_drain() -> None:
-    """Found by the checker (the same mix, seed 404): the sink's Duplication to op's copy was lost
-    in a broker rollback; its resend reached op's copy after that copy had started (its Start
-    named the sink's idle copy) and, leaving, began its Drain. The ack waited behind the Drain,
-    the Drain for the sink's idle copy to ack op's copy's records, that copy for its Start, the
-    Start for the ack: record 6 lost. The ack of a Duplication whose copies we know now goes
-    ahead of a waiting Drain (`ScalingDriver._ahead_of_drain`); seeded fault `ack_behind_drain`
-    queues it behind. Seed 51: sending every such ack ahead (a first version) made op's copy
-    leave without telling a copy it did not know, started naming it (`round_not_ended`)."""
+    """Schedule 404 of the same mix: the sink's Duplication to op's copy is lost in a broker
+    rollback; its resend reaches op's copy after that copy has started (its Start named the
+    sink's idle copy) and, leaving, begun its Drain. Behind the Drain, the ack would wait for
+    the Drain, the Drain for the sink's idle copy to ack op's copy's records, that copy for its
+    Start, the Start for the ack: record 6 lost (CHANGELOG.md, "Records lost at an idle sink
+    copy"). The ack of a Duplication whose copies we know goes ahead of a waiting Drain
+    (`ScalingDriver._ahead_of_drain`); seeded fault `ack_behind_drain` queues it behind.
+    Schedule 51: sending every such ack ahead would make op's copy leave without telling a copy
+    it did not know, started naming it (`round_not_ended`)."""
     _clean_then_broken(404, "ack_behind_drain", "records_not_exactly_once", "missing [('src', 6)]")
     rep = random_runs(NEIGHBOURS_BROKER, schedules=1, seed=51)
     assert rep.ok, describe(rep)
 
 
 def test_an_idle_copy_answers_a_duplication_behind_an_empty_ack() -> None:
-    """Found by the checker (the same mix, seed 484): the broker lost every session while op's copy
-    was idle; the sink, a new incarnation, asked its predecessors for replays (an empty ack),
-    op's copy among them, then sent it its Duplication. Op's copy held the ack until its Start
-    and the Duplication behind it; the sink's idle copy held op-0's Duplication (widened to it
-    after the loss) behind op-0's data. Each round waited for the other's idle copy: 5 records
-    lost. An idle copy now takes such an empty ack when a round message waits behind it
-    (`Instance._empty_ack_before_round`); seeded fault `empty_ack_held` holds it."""
+    """Schedule 484 of the same mix: the broker loses every session while op's copy is idle; the
+    sink, a new incarnation, asks its predecessors for replays (an empty ack), op's copy among
+    them, then sends it its Duplication. Were op's copy to hold the ack until its Start, and the
+    Duplication behind it, while the sink's idle copy holds op-0's Duplication (widened to it
+    after the loss) behind op-0's data, each round would wait for the other's idle copy: 5
+    records lost (CHANGELOG.md, "Records lost at an idle sink copy"). An idle copy takes such an
+    empty ack when a round message waits behind it (`Instance._empty_ack_before_round`); seeded
+    fault `empty_ack_held` holds it."""
     _clean_then_broken(484, "empty_ack_held", "records_not_exactly_once", "recorded 3 of 8")
 
 

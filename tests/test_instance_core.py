@@ -347,11 +347,12 @@ def test_the_core_modules_import_nothing_that_does_io() -> None:
 
 @pytest.mark.parametrize("fault", [False, True])
 def test_batches_unacked_by_a_removed_successor_that_restarts_go_to_the_current_successors(fault: bool) -> None:
-    """Chaos seeds 11004, 11009, 11016, 11027, 11029 (CHANGELOG.md, defect A): a copy we
-    had removed (its scale-in) became a new incarnation before it acked our last batch; replayed
-    to it, the batch was stranded (the copy terminated, the sink refused its data) and replayed
-    every few seconds for the rest of the run. It goes to our current successors instead, and
-    nothing is acked upstream before they ack it. With the historic fault, it goes to the copy."""
+    """A copy we have removed (its scale-in) becomes a new incarnation before it acks our last
+    batch; replayed to it, the batch would be stranded (the copy terminates, the sink refuses its
+    data) and replayed every few seconds for good (CHANGELOG.md, "A copy that became a new
+    incarnation in its own deletion stranded its inputs"). It goes to our current successors
+    instead, and nothing is acked upstream before they ack it. With the historic fault, it goes to
+    the copy."""
     op = make("op", faults=frozenset({"replay_to_departed"}) if fault else frozenset())
     accept_all(op, op.handle(Started(WALL0), 0.0), 0.0)
     recs = [("src", s, {"v": s}) for s in (1, 2, 3)]

@@ -129,8 +129,9 @@ def test_a_failed_rehome_leaves_our_record_and_is_tried_again_under_a_new_floor_
 
 
 def test_only_the_failed_rehome_is_planned_again_and_a_failure_while_away_is_not_published(tmp_path: Path) -> None:
-    """Defect B (seed 11019): the next plan of a lost node after one of its re-homes failed must not
-    place the others again, whose createNode() went elsewhere and which no state lists yet."""
+    """The next plan of a lost node after one of its re-homes failed must not place the others
+    again, whose createNode() went elsewhere and which no state lists yet (CHANGELOG.md, "Two
+    nodes ran, then both fenced, one copy")."""
     n = Node(tmp_path)
     n.view.hosted_by_node["n9"] = [body("p.work.1"), body("p.work.2")]
     n.rehomer.tick(100.0, WALL)

@@ -316,7 +316,8 @@ def test_a_restarted_instance_takes_a_predecessors_records_in_order_after_its_re
     lost with it), with batches 3-4 still queued for it. Its new incarnation asks for a replay;
     the source sends a marker and batches 1-4 again. Processing the queued 3-4 first would send
     records 8-15 ahead of the replayed 0-7, and a keyed operator after it would close its
-    windows without them (seed 25 of the stateful chaos run, CHANGELOG.md). So what comes
+    windows without them (CHANGELOG.md, "A keyed operator skipped replayed records that came
+    after newer ones"). So what comes
     from the source before its marker is dropped: the records leave in the source's order."""
     import os
 
@@ -493,12 +494,12 @@ def test_an_idle_copy_asks_its_creator_for_start_again_and_only_its_creator_answ
 
 
 def test_an_idle_copy_holds_a_rehomed_successors_first_ack_until_its_start(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """Chaos seeds 11004, 11009, 11029 (CHANGELOG.md, defect A): a re-homed sink, a new
-    incarnation, sends every predecessor of its rebuilt table an empty ack in its new epoch,
-    number 1 on its channel, idle copies included. Refused, it left a hole at 1: every later
-    message of the sink waited behind it, the copy's Drain never saw its acks, and five seconds
-    later the copy became a new incarnation in its own deletion. Held until Start like data, it
-    is delivered then, and the sink's next ack follows it in order."""
+    """A re-homed sink, a new incarnation, sends every predecessor of its rebuilt table an empty ack
+    in its new epoch, number 1 on its channel, idle copies included. Refused, it would leave a hole
+    at 1: every later message of the sink would wait behind it, the copy's Drain would never see its
+    acks, and five seconds later the copy would become a new incarnation in its own deletion
+    (CHANGELOG.md, "A copy that became a new incarnation in its own deletion stranded its inputs").
+    Held until Start like data, it is delivered then, and the sink's next ack follows it in order."""
     from agent import topics
     from agent.dataplane.envelope import Envelope, Kind, decode, encode
     from agent.mqtt.transport import Received
@@ -624,10 +625,11 @@ def test_a_creator_adopts_an_idle_copy_of_its_earlier_incarnation_only_after_it_
 
 
 def test_a_refused_ack_of_a_sink_is_published_later_and_later_acks_follow(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """Chaos seed 5002: the sink's ack was refused once (the broker restarting under the write);
-    refused publishes wait in order behind each other, and they were retried only when data was
-    flushed. A sink flushes no data, so that ack and every later one waited for ever: its
-    predecessors ran out of credit and the last records never reached it."""
+    """The sink's ack is refused once (the broker restarting under the write); refused publishes
+    wait in order behind each other, and a sink flushes no data: retried only when data is
+    flushed, that ack and every later one would wait for ever, its predecessors would run out of
+    credit and the last records never reach it (CHANGELOG.md, "A refused publish held back every
+    later one for good")."""
     from agent import topics
     from agent.dataplane.envelope import decode, encode_data
     from agent.operators.taxi import sample
@@ -679,14 +681,14 @@ def _active_copy(tmp_path, clock: list, restart: bool = False, extra: Optional[d
 
 
 def test_a_departing_copy_drains_data_queued_behind_a_duplicate_deletion_ack(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """Chaos seed 9121 (a partition): the copy's Deletion got no answer for 10 s and was sent
-    again, so its predecessor acked the round twice, then replayed batches the copy had not
-    acked. The first ack completed the round (Drain: forward everything, then Terminate); the
-    second sat at the head of the predecessor's queue, and protocol messages waited while
-    outputs were pending, so the data behind it was never processed and the Drain never ended:
-    a departing copy for ever and the records it held lost. While draining, the predecessors
-    have all removed us, so only repeats can come: they are handled (a repeat is a counted
-    no-op), and the data behind them drains."""
+    """A partition: the copy's Deletion gets no answer for 10 s and is sent again, so its
+    predecessor acks the round twice, then replays batches the copy had not acked. The first ack
+    completes the round (Drain: forward everything, then Terminate); the second sits at the head
+    of the predecessor's queue. Were protocol messages to wait while outputs are pending, the data
+    behind it would never be processed and the Drain never end: a departing copy for ever and the
+    records it held lost (CHANGELOG.md, "A departing copy waited for ever behind a repeated
+    ack"). While draining, the predecessors have all removed us, so only repeats can come: they
+    are handled (a repeat is a counted no-op), and the data behind them drains."""
     from agent import topics
     from agent.dataplane.envelope import Envelope, Kind, decode, encode, encode_data
     from agent.operators.taxi import sample
@@ -731,11 +733,12 @@ def test_a_departing_copy_drains_data_queued_behind_a_duplicate_deletion_ack(tmp
 
 
 def test_a_rehomed_copy_numbers_its_rounds_above_any_its_dead_incarnation_used(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """Chaos seed 9310: a copy re-homed after its node died numbered its rounds from 1 again (its
-    state went with the node). Its predecessor had applied round 1 of the dead incarnation (a
-    duplication), so the new round 1, a Deletion, looked like a repeat: acked, not applied. The
-    copy left, the predecessor kept routing records to it. A re-homed instance (`min_epoch`)
-    numbers its rounds above anything the dead one can have used, so the neighbour applies them."""
+    """A copy re-homed after its node died has lost its state with the node. Numbering its rounds
+    from 1 again, its round 1, a Deletion, would look like a repeat to its predecessor, which had
+    applied round 1 of the dead incarnation (a duplication): acked, not applied, and the
+    predecessor would keep routing records to the copy that left (CHANGELOG.md, "A re-homed
+    copy's rounds looked like repeats"). A re-homed instance (`min_epoch`) numbers its rounds
+    above anything the dead one can have used, so the neighbour applies them."""
     from agent.dataplane.envelope import Kind, decode
 
     clock = [100.0]

@@ -1,5 +1,6 @@
-"""Re-homing when the placement fails and the dead node comes back meanwhile: the 9cfb017 campaign's chaos
-seed 12026 (docs/results.md, R2). No broker: the agent's messages are
+"""Re-homing when the placement fails and the dead node comes back meanwhile (CHANGELOG.md, "A
+re-home that failed while the dead node came back left the identity nowhere"). No broker: the
+agent's messages are
 fed to its handler, its publishes accepted, time passed in."""
 
 from __future__ import annotations

@@ -661,12 +661,11 @@ class _FakeProc:
 
 def test_fencing_spares_an_instance_placed_here_since_the_connect_and_never_restarts_a_fenced_one(
         tmp_path: Path) -> None:
-    """Found by the drain hand-over test: an agent that had just connected received a keeper
-    handed over from a draining node while that node's retained state still listed it; the
-    first reconcile killed it as "re-homed elsewhere" and then restarted it as crashed, while the
-    draining node placed it on a third node: one identity, two processes. Fencing is for workers
-    that ran while this node was away (started before the connect), and a fenced worker is gone
-    from here for good."""
+    """An agent that has just connected receives a keeper handed over from a draining node while
+    that node's retained state still lists it. Were the first reconcile to kill it as "re-homed
+    elsewhere" and then restart it as crashed, while the draining node placed it on a third node,
+    one identity would run in two processes. Fencing is for workers that ran while this node was
+    away (started before the connect), and a fenced worker is gone from here for good."""
     import signal as _signal
 
     from agent.config import load_agent_config
@@ -698,9 +697,10 @@ def test_fencing_spares_an_instance_placed_here_since_the_connect_and_never_rest
 
 
 def test_when_two_nodes_fence_at_once_the_copy_of_the_latest_rehome_stays(tmp_path: Path) -> None:
-    """Defect B (seed 11019): two copies of one identity ran on n1 and n2 (two placements of one
-    re-home); a broker kill made both agents reconnect, each saw the other list the instance and
-    each stopped its own: the identity ran nowhere. The copy whose spec carries the epoch floor
+    """Two copies of one identity run on n1 and n2 (two placements of one re-home); a broker kill
+    makes both agents reconnect, each sees the other list the instance, and were each to stop its
+    own, the identity would run nowhere (CHANGELOG.md, "Two nodes ran, then both fenced, one
+    copy"). The copy whose spec carries the epoch floor
     of the latest re-home (the re-homing agent's retained record, one clock) stays on both
     sides' reading; the other stands down. Without a re-home record, fencing is as before."""
     from agent.config import load_agent_config

@@ -682,8 +682,9 @@ def test_a_fenced_transport_reconnects_only_when_allowed(mosquitto) -> None:
 def test_a_qos1_publish_whose_write_fails_is_kept_by_paho_and_arrives_after_the_reconnect(mosquitto) -> None:
     """paho takes a QoS 1 message into its store before writing it; a write that fails (the broker
     went away under it: MQTT_ERR_CONN_LOST) leaves it there and paho sends it after the
-    reconnect. So it is not a rejection: rejecting it put it in the worker's retry queue as well
-    (a second copy) and, worse, held every later publish behind it (chaos seed 5002)."""
+    reconnect. So it is not a rejection: rejecting it would put it in the worker's retry queue as
+    well (a second copy) and, worse, hold every later publish behind it (CHANGELOG.md, "A refused
+    publish held back every later one for good")."""
     import socket
 
     from agent.mqtt.settings import BrokerSpec

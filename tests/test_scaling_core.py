@@ -354,7 +354,8 @@ def test_a_round_stops_waiting_for_a_pending_neighbour_that_left_only_when_it_wo
 def test_a_copy_starts_knowing_a_neighbour_that_left_after_it_acked_our_duplication():
     """A neighbour that acked our Duplication knows our copy and will send it its Deletion: when
     we apply that neighbour's Deletion before our round ends, the copy's Start still names it (so
-    the copy, leaving first, tells it; seed 271 of the neighbours-with-a-broker-fault mix). One
+    the copy, leaving first, tells it; CHANGELOG.md, "A departing copy waited for a copy that
+    ended"). One
     whose Deletion came before its ack (pending) never learnt of the copy: left out, as before."""
     s0 = ScalingCore.initial("s0", "s", 2, P, preds=("o0", "o1", "o2"), succs=("t0",), keeper=True)
     outs = s0.start_duplication(1)
@@ -365,7 +366,7 @@ def test_a_copy_starts_knowing_a_neighbour_that_left_after_it_acked_our_duplicat
     assert changed.preds == ("o0", "o2") and ack.dest == "o1" and s0.leavers == {"o1": "pred"}
     s0.handle(Deletion("o2", 1, 2))  # pending: left before it could know the copy
     s0.handle(Duplication("o0", 1, 1, ("o3",)))  # joined during our round, never heard of it
-    s0.handle(Deletion("o3", 1, 2))  # (seed 418: kept, the copy waited for it for ever)
+    s0.handle(Deletion("o3", 1, 2))  # (if kept, the copy would wait for it for ever)
     assert s0.leavers == {"o1": "pred"}
     assert ScalingCore.restore(json.loads(json.dumps(s0.snapshot())), P).key() == s0.key()
     assert s0.clone().key() == s0.key()

@@ -1,5 +1,5 @@
-"""createNode() across nodes when the asked node answers late: chaos seed 12013 of the 9cfb017 campaign
-(docs/results.md, R2). docs/design.md invariant 7: one identity runs on
+"""createNode() across nodes when the asked node answers late (CHANGELOG.md, "A timed-out spawn was
+asked of the next node under the same identity"). docs/design.md invariant 7: one identity runs on
 one node. No broker: the agent's publish is recorded, time is passed in; except where paho's own
 queue is the point (a spawn taken while the connection is down), with a real Mosquitto."""
 
@@ -59,13 +59,14 @@ def test_a_spawn_that_times_out_is_not_placed_again_under_the_same_identity(tmp_
 
 
 def test_a_spawn_paho_took_while_the_connection_was_down_is_asked_of_no_other_node(tmp_path: Path, mosquitto: Any) -> None:
-    """Chaos seed 78 (docs/results.md, R21): n1's agent placed the copies of a duplication round
-    while the broker was being killed, before its loop had heard of the lost connection. paho
-    answered each spawn request with MQTT_ERR_NO_CONN and kept it, to send at the reconnect; the
-    agent took that for "not queued" and asked the next node for the same identity. At the
-    reconnect paho sent both: five copies ran on n2 and on n3 at once, each pair took the session
-    from each other, both nodes then stopped theirs, and the copies' key groups went with them
-    (167 windows missing). A request paho took is on its way: the agent waits for its answer."""
+    """n1's agent places the copies of a duplication round while the broker is being killed,
+    before its loop has heard of the lost connection. paho answers each spawn request with
+    MQTT_ERR_NO_CONN and keeps it, to send at the reconnect; taken for "not queued", the next
+    node would be asked for the same identity, and at the reconnect paho would send both: the
+    copies would run on two nodes at once, each pair taking the session from the other, both
+    nodes would then stop theirs, and the copies' key groups would go with them (CHANGELOG.md,
+    "A spawn asked of two nodes while the broker was away"). A request paho took is on its way:
+    the agent waits for its answer."""
     from agent.config import load_agent_config
     from agent.mqtt import client as mqttc
     from agent.node import spawns

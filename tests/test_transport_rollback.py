@@ -1,6 +1,6 @@
 """A worker's transport after a broker rollback (Mosquitto SIGKILLed between autosaves) that kept
-its session but not the subscription it made since: chaos seed 12004 of the 9cfb017 campaign
-(docs/results.md, R2). Real Mosquitto, restarted on its own port."""
+its session but not the subscription it made since (CHANGELOG.md, "A session rolled back by a
+kill-broker lacked the inbox subscription"). Real Mosquitto, restarted on its own port."""
 
 from __future__ import annotations
 
@@ -32,13 +32,13 @@ def _restart(proc: "subprocess.Popen[bytes]", conf: Path, port: int, kill: bool)
 
 
 def test_a_session_rolled_back_to_before_our_subscription_still_delivers_our_inbox(tmp_path: Path) -> None:
-    """An earlier process with the same client id (in seed 12004: the copy's first start, on
-    another node, whose SUBACK never came during a broker restart) left a persistent session
-    without our subscription, and the broker saved it. Then we connect (session present),
-    subscribe our inbox (SUBACK), and the broker is SIGKILLed before its next save: it comes back
-    with the saved session, which lacks that subscription. We reconnect, see `session present`,
-    and must still get what is published to our inbox (in the run the copy got nothing: it never
-    received its Start, its predecessor's credit to it ran out and the pipeline stalled)."""
+    """An earlier process with the same client id (a copy's first start on another node, whose
+    SUBACK never came during a broker restart) left a persistent session without our
+    subscription, and the broker saved it. Then we connect (session present), subscribe our inbox
+    (SUBACK), and the broker is SIGKILLed before its next save: it comes back with the saved
+    session, which lacks that subscription. We reconnect, see `session present`, and must still
+    get what is published to our inbox (a copy that gets nothing never receives its Start, its
+    predecessor's credit to it runs out and the pipeline stalls)."""
     from agent.mqtt.transport import Connected, Received, Transport
 
     broker = start_broker(tmp_path / "b")

@@ -78,7 +78,8 @@ def test_by_channel_a_whole_source_silence_restarts_every_channels_idleness_cloc
 
 
 def _overtaken_backlog(by_channel: bool) -> Dict[str, int]:
-    """The sequence of chaos mqtt-ingest seed 102 (docs/results.md, R23): 10 sensors round robin, a
+    """A broker that sends one reading ahead of its backlog (docs/results.md, R23; CHANGELOG.md,
+    "One reading ahead of a broker's backlog made the backlog late"): 10 sensors round robin, a
     reading every 20 ms of event time; the source's ingest connection is cut for 22 s; on the
     reconnect the broker sends first what was in flight, then ONE reading published after the
     reconnect (17.6 s of event time ahead), then the 878 readings it queued meanwhile. Through the
