@@ -85,8 +85,8 @@ class IdleCopies:
         """A copy that may be ours waits for its Start: one plan_rehome told us of not probed
         yet, a probe waiting for its echo, an echoed copy not adopted yet. We do not scale in
         meanwhile: left, we would leave an idle copy nobody starts while neighbours route
-        records to it (chaos seed 11029, CHANGELOG.md "An idle copy re-homed together with
-        its creator"). Only scale-ins wait, at most PROBE_TTL per probe (a probe of an invented
+        records to it (CHANGELOG.md, "An idle copy re-homed together with its creator came
+        back active"). Only scale-ins wait, at most PROBE_TTL per probe (a probe of an invented
         name costs a delayed scale-in, never a lost record)."""
         return bool(self.expected or self.probes or self.orphans)
 

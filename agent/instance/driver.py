@@ -613,10 +613,10 @@ class ScalingDriver:
         departing instance adds no neighbour (docs/scaling.md deviation 7), so its ack waits
         for no route change (invariant 3), and our second-phase Deletion goes to those copies
         too. Behind the Drain it could wait for ever: our records to such a copy, idle, are
-        acked only once it starts, which waits for our ack (seed 404). A copy we do not know
-        gets no record of ours, so nothing waits; acked first, though, its creator would start
-        it naming us, and we would leave without telling it: its own Deletion would wait for
-        us for ever (seed 51). CHANGELOG.md, "Records lost at an idle sink copy". A
+        acked only once it starts, which waits for our ack. A copy we do not know gets no
+        record of ours, so nothing waits; acked first, though, its creator would start it
+        naming us, and we would leave without telling it: its own Deletion would wait for us
+        for ever (CHANGELOG.md, "Records lost at an idle sink copy"). A
         deletion ack keeps its place: it promises the leaver that nothing of ours follows it."""
         core = self.core
         return (self.draining and bool(self.outputs) and isinstance(self.outputs[0], Drain)

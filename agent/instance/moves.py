@@ -267,7 +267,9 @@ class GroupMoves:
                     # A move we have had the group at a newer version than (we installed it, or
                     # resumed it re-homed, and have handed it on since): its old owner sent the
                     # Offer again. Taken, we held the group a second time with the old owner's older
-                    # state (two owners; chaos seed 94). Its chunks are answered Installed.
+                    # state: two owners (CHANGELOG.md, "A re-homed new owner took its old
+                    # owner's Offer again after handing the group on"). Its chunks are answered
+                    # Installed.
                     self.counts["stale_offers"] = self.counts.get("stale_offers", 0) + 1
                     return
                 outs = self.member.on_offer(sender, msg)
@@ -676,7 +678,8 @@ class GroupMoves:
         `_moved_on`) stands for what our dead incarnation had `seen`: an Offer or chunks of a move
         towards us no newer than that, sent again by an old owner whose Installed was lost, are
         of a move over long ago, not one whose Offer our loss lost; taken, the group's old state
-        replaced the newer one its owners since had built (chaos seed 325)."""
+        replaced the newer one its owners since had built (CHANGELOG.md, "A re-homed new owner
+        took a move long over again from a leaver's chunks")."""
         self.member = Member(self.w.spec.instance, versions)
         self.versions = dict(versions)
         for g, v in (moved_on or {}).items():

@@ -66,13 +66,14 @@ FAULT_ACK_BEHIND_DRAIN = "ack_behind_drain"
 # does not hold that channel (the checker's former `resync_past_lost_replays`).
 FAULT_RESYNC_AT_FIRST_SEEN = "resync_at_first_seen"
 # The wait for a replay marker starts its clock only at the first data batch it drops, not at a
-# protocol message or a duplicate (seed 9230: the sink never asked again, 4 records lost).
+# protocol message or a duplicate (CHANGELOG.md, "A lost replay marker was never asked for again").
 FAULT_REPLAY_CLOCK_AT_DROP = "replay_clock_at_drop"
 # A record sent again whose successor left our table is routed afresh (as it once was), so a copy
 # a departed sink instance recorded reaches another (INVARIANT 8).
 FAULT_ROUTE_PAST_DEPARTED = "route_past_departed"
 # The unacked batches of a successor we removed are replayed to its new incarnation, which is
-# departing and drops them, instead of re-routed (CHANGELOG.md, defect A).
+# departing and drops them, instead of re-routed (CHANGELOG.md, "A copy that became a new
+# incarnation in its own deletion stranded its inputs").
 FAULT_REPLAY_TO_DEPARTED = "replay_to_departed"
 
 # Of the scaling driver, each a loss the chaos campaigns found (docs/reliability.md):
