@@ -134,8 +134,11 @@ def test_a_restored_inbound_takes_a_new_incarnation_of_its_sender_from_number_1_
     inbound = Inbound()
     inbound.restore({"a": [0, 352]}, resync=True)
     assert inbound.receive(Envelope("a", 1, 3, Kind.DATA, [("s", 3, {})])) == []  # waits for 1 and 2
+    assert inbound.take_asks() == ["a"]  # and tells the sender our epoch at once: its marker comes
+    assert inbound.receive(Envelope("a", 1, 4, Kind.DATA, [("s", 4, {})])) == []
+    assert inbound.take_asks() == []  # once per epoch of the sender
     assert [e.seq for e in inbound.receive(Envelope("a", 1, 1, Kind.DATA, [("s", 1, {})]))] == [1]
-    assert [e.seq for e in inbound.receive(Envelope("a", 1, 2, Kind.DATA, [("s", 2, {})]))] == [2, 3]
+    assert [e.seq for e in inbound.receive(Envelope("a", 1, 2, Kind.DATA, [("s", 2, {})]))] == [2, 3, 4]
     assert inbound.stats.duplicates == 0
 
 
@@ -149,6 +152,12 @@ def test_a_restored_inbound_takes_a_new_incarnation_of_its_sender_from_its_repla
     assert inbound.receive(Envelope("a", 1, 10, Kind.DATA, [("s", 1, {})])) == []  # the replay, ahead of its marker
     assert [e.seq for e in inbound.receive(Envelope("a", 1, 9, Kind.DATA, []))] == [9, 10]
     assert inbound.receive(Envelope("a", 1, 8, Kind.DATA, [("s", 8, {})])) == []  # before the marker: dropped
+    # a successor's acks (no replay to us, no marker) resync at the first seen, as each covers
+    # the earlier ones: its new epoch's number 1 (our replay request) lost holds nothing back
+    acks = Inbound()
+    acks.restore({"a": [0, 51]}, resync=True)
+    assert [e.seq for e in acks.receive(Envelope("a", 1, 2, Kind.ACK, (1, 4)), replays_to_us=False)] == [2]
+    assert acks.take_asks() == []
     # an empty batch that carries a watermark is no marker, and a channel that knew the sender's
     # epoch (no restart between) is never taken past a hole by one
     strict = Inbound()

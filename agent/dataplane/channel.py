@@ -43,6 +43,7 @@ class _In:
     resync: bool = False  # restored from a snapshot that may lag: accept the first seq seen
     # a new epoch of the sender met while resyncing: taken from its number 1 or its replay marker
     from_marker: bool = False
+    asked: bool = False  # that epoch's number 1 missing: the sender asked for its marker once
 
 
 class Inbound:
@@ -60,9 +61,14 @@ class Inbound:
         self.gaps_skipped = 0
         self.changed = False  # set on every state change; the owner persists and clears it
         self.resync_unknown = False  # set by restore(): senders missing from the snapshot resync
+        self._asks: List[str] = []  # senders to ask for a replay marker (`take_asks`)
 
-    def receive(self, env: Envelope) -> List[Envelope]:
-        """Accept one envelope; return the envelopes now deliverable in sender order."""
+    def receive(self, env: Envelope, replays_to_us: bool = True) -> List[Envelope]:
+        """Accept one envelope; return the envelopes now deliverable in sender order.
+        `replays_to_us`: the sender is a predecessor, which sends a replay marker ahead of its
+        replay when we are a new incarnation. A successor sends acks, each covering the earlier
+        ones, and a sibling protocol messages, sent again on silence: for those a resync at the
+        first number seen loses nothing."""
         ch = self._chans.get(env.sender)
         if ch is None:
             # A restarted receiver may have lost a sender's position with the rest of a lagging
@@ -77,14 +83,22 @@ class Inbound:
             # the numbers below would be dropped when they come (a drain moves a source and its
             # receiver at once; the source's first batches went to the receiver's old node and
             # come again after later ones), and the replay would bring their records behind
-            # newer ones, out of order. It starts at 1 or at its replay marker instead.
+            # newer ones, out of order. A predecessor's starts at 1 or at its replay marker
+            # instead; the others resync as before.
             ch.epoch, ch.next_seq, ch.pending = env.epoch, 1, {}
-            ch.from_marker, ch.resync = ch.resync, False
+            if replays_to_us and (ch.resync or ch.from_marker):
+                ch.from_marker, ch.resync, ch.asked = True, False, False
         if ch.from_marker and env.seq > ch.next_seq and is_replay_marker(env):
             # The sender saw our new incarnation: all it sent before this marker and we have not
             # taken follows it again, renumbered (agent.instance.replays).
             ch.from_marker, ch.next_seq = False, env.seq
             ch.pending = {s: e for s, e in ch.pending.items() if s > env.seq}
+        elif ch.from_marker and ch.next_seq == 1 and env.seq > 1 and not ch.asked:
+            # Its first numbers are missing: maybe on their way again from our old node's
+            # topic, maybe lost (sent before our new node subscribed). Its marker comes once it
+            # sees our new epoch, which we tell it now rather than after a hole's GAP_TIMEOUT.
+            ch.asked = True
+            self._asks.append(env.sender)
         if ch.resync:
             # The snapshot is written at most every few ms (cheap persistence), so after a crash
             # it can lag behind what was already acknowledged to the broker; those messages will
@@ -113,6 +127,12 @@ class Inbound:
         self.stats.delivered += len(out)
         self.changed = True
         return out
+
+    def take_asks(self) -> List[str]:
+        """The senders whose new epoch's first numbers are missing since the last call: to be
+        told our epoch (an empty ack), so that their replay marker comes."""
+        asks, self._asks = self._asks, []
+        return asks
 
     def gaps(self) -> Dict[str, Any]:
         """Senders whose next envelope is missing: {sender: [epoch, expected seq, lowest waiting]}."""

@@ -59,6 +59,7 @@ def new_counters() -> Dict[str, int]:
         "sessions_lost": 0,
         "gaps_recovered": 0,
         "replays_asked_again": 0,
+        "replays_asked_at_start": 0,  # a restarted sender's first numbers missing (agent.dataplane.channel)
         "replay_markers": 0,  # sent, each ahead of a replay
         "dropped_before_replay": 0,  # data batches from a predecessor ahead of its replay marker
         "replayed_batches": 0,  # to a successor: a new incarnation of it, or silent (LINK_SILENCE)

@@ -97,8 +97,8 @@ class Delivery:
         inbound = self.inbound
         before = inbound.stats.duplicates + inbound.stats.stale_epoch
         known = inbound.epoch_of(env.sender)
-        if env.epoch > (known if known is not None else 0) and (env.sender in self.outputs.links
-                                                                or env.sender in self.router.succs):
+        succ = env.sender in self.outputs.links or env.sender in self.router.succs
+        if env.epoch > (known if known is not None else 0) and succ:
             # The successor restarted: it may have lost what it held (agent.instance.outputs).
             out += self.outputs.successor_restarted(env.sender, now)
         if env.kind is Kind.ACK and tuple(env.body) == (0, 0) and scaling is not None:
@@ -106,7 +106,8 @@ class Delivery:
         replays = self.replays
         replays.seen(env, now)
         # INVARIANT 1 (FIFO channel): envelopes are delivered in each sender's numbering, once.
-        for e in inbound.receive(env):
+        pred = scaling is not None and env.sender in scaling.core.preds  # it replays to us after a marker
+        for e in inbound.receive(env, replays_to_us=pred):
             if e.kind is Kind.ACK:
                 self._ack(e, scaling, epoch, now)
             else:
@@ -120,6 +121,9 @@ class Delivery:
                 elif replays and replays.eos_early(e):
                     continue  # an Eos ahead of its predecessor's replay marker: sent again behind it
                 self.queued.put(e)
+        for sender in inbound.take_asks():  # a new epoch's first numbers missing: its marker, please
+            self.stats["replays_asked_at_start"] += 1
+            out += self.outputs.send_envelope(sender, Kind.ACK, [0, 0])
         dropped = inbound.stats.duplicates + inbound.stats.stale_epoch - before
         self.stats["duplicate_envelopes"] += dropped
         if dropped and env.kind is Kind.DATA and env.epoch < (inbound.epoch_of(env.sender) or 0):
