@@ -6,8 +6,8 @@ and hold buffer, its load and capacity, the operator's figures, the keyed state'
 
 Rules of this file: `HeartbeatStats` owns no state and holds no reference to the instance; it reads
 the parts handed to it at construction (each read through the part at call time, since a restart
-replaces some of their fields), and is given per call the scaling driver (None before the start),
-the wall time of our Start, the wall clock and `now`. No I/O, no clock, no random.
+replaces some of their fields), and is given per call the scaling driver (None before the start;
+it keeps the wall time of our Start), the wall clock and `now`. No I/O, no clock, no random.
 """
 
 from __future__ import annotations
