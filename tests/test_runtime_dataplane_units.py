@@ -398,6 +398,23 @@ def test_fast_codec_takes_long_digit_runs_in_strings_and_never_in_numbers() -> N
     big = 2 ** 64 + 1
     for raw in (json.dumps([big]).encode(), json.dumps({"a": -big}).encode(), json.dumps(["9" * 30, big]).encode()):
         assert env._long_number(raw) and env._fast_parse(raw) is env._NO and repr(env._parse(raw)) == repr(json.loads(raw))
+    # a run ends at an opening bracket too (the scan maps those to "["): no number ends so
+    assert env._long_number(b"[1234567890123456789012]") and not env._long_number(b"[1234567890123456789012[")
+
+
+def test_fast_codec_counts_both_kinds_of_bracket_for_its_depth_guard() -> None:
+    """The digit scan also counts the brackets that open a level (one pass over the input): a
+    value nested past the fast path's depth in objects alone, in lists alone or in both goes to
+    the stdlib path, which judges it as it always did; a wide but shallow one stays fast."""
+    pytest.importorskip("orjson")
+    import agent.dataplane.envelope as env
+
+    d = env._FAST_DEPTH
+    for raw in (b'{"a":' * d + b"1" + b"}" * d, b"[" * d + b"]" * d, b'[{"a":' * (d // 2) + b"1" + b"}]" * (d // 2)):
+        assert env._fast_parse(raw) is env._NO
+        assert _outcome(env._parse, raw) == _outcome(_stdlib_parse, raw)
+    wide = b"[" + b",".join([b'{"a":[1]}'] * d) + b"]"
+    assert env._fast_parse(wide) == json.loads(wide)
 
 
 class _Written(str):
