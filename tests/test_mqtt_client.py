@@ -266,3 +266,67 @@ def test_an_unusable_client_id_secret_file_is_one_config_error(tmp_path: Path) -
     good = tmp_path / "good.secret"
     good.write_text("x" * 16)
     check_tls(MqttSection(client_id_secret_file=str(good)), "agent.toml")
+
+
+def test_read_ahead_serves_the_stream_in_order_and_counts_what_select_cannot_see() -> None:
+    """paho asks for 1 byte, then 1, then the rest: every piece must be the stream's next bytes,
+    `pending` must count the bytes held (paho's loop and loop_once read without select while it
+    is non-zero), an empty socket must raise as before, and EOF must reach paho as b""."""
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    r = mqttc.ReadAhead(a)
+    with pytest.raises(BlockingIOError):
+        r.recv(1)
+    stream = bytes(range(256)) * 700  # 179,200 bytes: more than two blocks of READ_AHEAD
+    b.sendall(stream)
+    got = bytearray()
+    sizes = [1, 1, 2, 5000, 1, mqttc.READ_AHEAD, 3, 100_000]
+    while len(got) < len(stream):
+        n = sizes[len(got) % len(sizes)]
+        try:
+            piece = r.recv(n)
+        except BlockingIOError:
+            time.sleep(0.01)
+            continue
+        assert 0 < len(piece) <= n
+        got += piece
+        assert r.pending() >= 0
+    assert bytes(got) == stream
+    assert r.pending() == 0
+    b.sendall(b"xyz")
+    time.sleep(0.05)
+    assert r.recv(1) == b"x" and r.pending() == 2  # the rest is held, invisible to select
+    b.close()
+    assert r.recv(5) == b"yz" and r.recv(5) == b""  # then EOF, as the socket says it
+    r.close()
+
+
+def test_messages_read_ahead_are_delivered_without_waiting_for_more_bytes(mosquitto: Any) -> None:
+    """Many deliveries arrive in one block; a turn reads only some of them (paho's loop_read
+    reads a bounded number of packets). The next turns must take the rest at once: with the
+    held bytes invisible to select, a wait on the socket would sleep its whole timeout."""
+    from agent.mqtt.transport import Received, Transport, poll_all
+
+    broker = mqttc.broker_from(mosquitto.host, mosquitto.port)
+    t = Transport(f"ra-{uuid.uuid4().hex[:8]}", broker, persistent=False)
+    t.connect(timeout=5)
+    topic = f"ra/{uuid.uuid4().hex[:8]}"
+    t.subscribe(topic, qos=1)
+    t.take_events()
+    pub = mqttc.make_client(broker, f"ra-pub-{uuid.uuid4().hex[:8]}")
+    mqttc.connect_and_wait(pub, broker, timeout=5)
+    try:
+        for i in range(200):
+            pub.publish(topic, b"m%03d" % i, qos=1).wait_for_publish(5)
+        time.sleep(0.3)  # all of them in the transport's socket buffer
+        got: List[bytes] = []
+        t0 = time.monotonic()
+        while len(got) < 200 and time.monotonic() - t0 < 20:
+            poll_all([t], 10.0)  # a turn that waited on select alone would sleep 10 s here
+            got += [bytes(e.payload) for e in t.take_events() if isinstance(e, Received)]
+        assert got == [b"m%03d" % i for i in range(200)]
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        pub.disconnect()
+        pub.loop_stop()
+        t.close(final=True)
