@@ -121,9 +121,7 @@ class MiniBroker:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
         c = transport.client
-        # the client "connected" over the pair, read as make_client's clients read theirs
-        read_ahead = getattr(mqttc, "ReadAhead", None)  # absent from a checkout before it (--against)
-        c._sock = read_ahead(a) if read_ahead is not None else a  # noqa: SLF001
+        c._sock = a  # noqa: SLF001 - the client "connected" over the pair
         c._state = mqtt._ConnectionState.MQTT_CS_CONNECTED  # noqa: SLF001
         c._last_msg_in = c._last_msg_out = time.monotonic()  # noqa: SLF001
         transport._connected = True  # noqa: SLF001

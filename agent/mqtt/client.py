@@ -51,7 +51,6 @@ __all__ = [
     "node_secret",
     "nodelay",
     "paho_error",
-    "pending",
     "publish_taken",
     "shipper_id",
     "site_secret",
@@ -204,63 +203,6 @@ def nodelay(client: Any, userdata: Any = None, sock: Any = None) -> None:
         pass
 
 
-READ_AHEAD = 65536  # bytes asked of the socket per read (a batch of 100 taxi records is ~22 kB)
-
-
-class ReadAhead:
-    """A connected socket read in blocks of READ_AHEAD, served to paho in the small pieces it asks.
-
-    Why: paho reads every packet with several `recv` calls (its first byte, then each byte of the
-    remaining length, then the rest) and a last one that raises BlockingIOError when nothing is
-    left: ~9 system calls per data batch at a map (a PUBLISH in, a PUBACK in), about a twentieth
-    of its CPU per batch (docs/results.md, O50). One block read takes every packet waiting.
-
-    Bytes read ahead are invisible to `select`, so `pending()` counts them (paho's own loop and
-    `loop_once` read without waiting while it is non-zero, as they do for a TLS socket's decrypted
-    bytes), and every other use of the socket goes to the socket itself."""
-
-    __slots__ = ("sock", "_buf", "_pos")
-
-    def __init__(self, sock: Any) -> None:
-        self.sock = sock
-        self._buf = b""
-        self._pos = 0
-
-    def recv(self, n: int) -> bytes:
-        buf, pos = self._buf, self._pos
-        if pos >= len(buf):
-            buf = self.sock.recv(READ_AHEAD)  # BlockingIOError, SSLWantReadError, b"" at EOF: as before
-            if not buf:
-                return buf
-            self._buf, pos = buf, 0
-        self._pos = pos + n
-        return buf[pos:pos + n]
-
-    def pending(self) -> int:
-        inner = getattr(self.sock, "pending", None)
-        return len(self._buf) - min(self._pos, len(self._buf)) + (inner() if inner is not None else 0)
-
-    def send(self, data: Any) -> int:
-        return self.sock.send(data)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.sock, name)
-
-
-class _Client(mqtt.Client):
-    """paho's client reading through `ReadAhead` (nothing else changes)."""
-
-    def _create_socket(self) -> Any:  # paho's hook for every (re)connection's socket
-        sock = super()._create_socket()
-        return sock if self._transport == "websockets" else ReadAhead(sock)
-
-
-def pending(client: mqtt.Client) -> int:
-    """Bytes `client` holds that `select` on its socket does not see (read ahead, or decrypted)."""
-    sock = client.socket()
-    return sock.pending() if sock is not None and hasattr(sock, "pending") else 0
-
-
 def make_client(broker: BrokerSpec, client_id: str, session: Session = CLEAN, *, will: Optional[Will] = None,
                 max_inflight: Optional[int] = None, max_queued: Optional[int] = None,
                 reconnect_delay: Optional[Tuple[float, float]] = None, manual_ack: bool = False) -> mqtt.Client:
@@ -271,10 +213,10 @@ def make_client(broker: BrokerSpec, client_id: str, session: Session = CLEAN, *,
     manual_ack: paho PUBACKs a delivery only when told (`client.ack`), not when the callback
     returns (an `mqtt_source`'s readings: acked once they are safe downstream)."""
     if session.mqtt5:
-        c = _Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5,
+        c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5,
                         manual_ack=manual_ack)
     else:
-        c = _Client(CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=not session.persistent,
+        c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=not session.persistent,
                         manual_ack=manual_ack)
     if broker.username:
         c.username_pw_set(broker.username, broker.password)
@@ -339,7 +281,7 @@ def loop_once(client: mqtt.Client, timeout: float) -> int:
     of that: paho writes a publish at once when called outside a callback (`_packet_queue`), and
     what a callback queued (PUBACKs) is written below after the read. Without `loop()` ever
     being called, paho never makes the pair. Otherwise the same steps: read if readable (or if
-    bytes wait read ahead or decrypted: `pending`), write what is waiting, keepalive (`loop_misc`)."""
+    a TLS socket holds decrypted bytes), write what is waiting, keepalive (`loop_misc`)."""
     sock = client.socket()
     if sock is None:
         return mqtt.MQTT_ERR_NO_CONN

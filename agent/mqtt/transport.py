@@ -364,8 +364,6 @@ def poll_all(transports: List["Transport"], timeout: float, disconnected_poll: f
             timeout = min(timeout, disconnected_poll)
             continue
         socks.append(sock)
-        if mqttc.pending(t.client):
-            timeout = 0.0  # bytes already read: select would not see them
         if t.client.want_write():
             writers.append(sock)
     if timeout > 0 and (writers or socks):

@@ -649,7 +649,7 @@ def _drain(client: Any, count: Callable[[], int]) -> None:
     while True:
         before = count()
         client.loop_read()
-        if count() == before and not mqttc.pending(client):
+        if count() == before:
             return
 
 
@@ -697,15 +697,14 @@ def _publish_windowed(
             break
         writers = [c.socket() for c in [pub, *others] if hasattr(c, "want_write") and c.want_write()]
         rd = [ps] + [c.socket() if hasattr(c, "socket") else c for c in others]
-        ahead = [c for c in [pub, *others] if hasattr(c, "socket") and mqttc.pending(c)]  # select cannot see
-        r, w, _ = select.select(rd, writers, [], 0.0 if ahead else 0.05)
+        r, w, _ = select.select(rd, writers, [], 0.05)
         for c in [pub, *others]:
             if hasattr(c, "want_write") and c.socket() in w:
                 c.loop_write()
-        if ps in r or pub in ahead:
+        if ps in r:
             pub.loop_read()
         for x in others:
-            if (x.socket() if hasattr(x, "socket") else x) in r or x in ahead:
+            if (x.socket() if hasattr(x, "socket") else x) in r:
                 on_readable(x)
         if delivered.n != last_n:
             last_n, progress = delivered.n, now
@@ -835,11 +834,10 @@ def _raw_subscriber_main(host: str, port: int) -> int:
     ss, stdin = sub.socket(), sys.stdin.fileno()
     misc = time.monotonic()
     while True:
-        ahead = mqttc.pending(sub)  # bytes read ahead: select cannot see them
-        r, w, _ = select.select([ss, stdin], [ss] if sub.want_write() else [], [], 0.0 if ahead else 0.5)
+        r, w, _ = select.select([ss, stdin], [ss] if sub.want_write() else [], [], 0.5)
         if w:
             sub.loop_write()
-        if ss in r or ahead:
+        if ss in r:
             _drain(sub, lambda: n[0])
             if n[0]:
                 os.write(1, b"." * n[0])
