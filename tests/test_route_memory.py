@@ -139,27 +139,32 @@ def test_pinned_records_wait_for_their_successor_and_go_back_to_round_robin_when
     assert box.pending == 0 and box.lowest_index() is None
 
 
-@pytest.mark.parametrize("seed", range(5))
-def test_the_id_ranges_answer_as_one_entry_per_record_would(seed: int) -> None:
+@pytest.mark.parametrize("seed,retain,replays,steps,every",
+                         [(s, 3.0, 0.3, 400, 20) for s in range(5)] + [(7, 40.0, 0.02, 4000, 400)])
+def test_the_id_ranges_answer_as_one_entry_per_record_would(seed: int, retain: float, replays: float, steps: int,
+                                                            every: int) -> None:
     """The memory holds id ranges per batch (`_Spans`), split when an id is sent again; checked
     against the plain model it replaced (record id -> the batch that sent it last, forgotten with
     that batch) over random sends: new consecutive batches, a filter's sparse ones, replays of
-    older ids in any order, two sources; acks upstream and expiry in between."""
+    older ids in any order, two sources; acks upstream and expiry in between. The long run, with
+    few replays as in production, keeps a hundred ranges and more per source, so that the
+    forgotten front is cut off many times."""
     import random
 
     rng = random.Random(seed)
-    mem = RouteMemory(retain=3.0, grace=1.0, max_runs=10**9)
+    mem = RouteMemory(retain=retain, grace=1.0, max_runs=10**9)
+    cuts, heads = 0, {}  # the front cut off: a head of 64 or more back to a smaller one
     owner = {}  # (src, seq) -> batch number: the model
     batches = []  # [dest, bound, ids, released_at]
     held = 0  # batches before this one are acked upstream
     top = {"s": 0, "t": 0}
     now, bound = 0.0, 0
-    for step in range(400):
+    for step in range(steps):
         src = rng.choice("sstt")
         kind = rng.random()
-        if kind < 0.5:  # new consecutive ids
+        if kind < (1 - replays) * 5 / 7:  # new consecutive ids
             ids = list(range(top[src], top[src] + rng.randint(1, 30)))
-        elif kind < 0.7:  # a filter's output: sparse new ids
+        elif kind < 1 - replays:  # a filter's output: sparse new ids
             ids = sorted(rng.sample(range(top[src], top[src] + 40), rng.randint(1, 10)))
         else:  # a replay: older ids again, maybe shuffled, maybe mixed with the other source
             if top[src] == 0:
@@ -170,7 +175,7 @@ def test_the_id_ranges_answer_as_one_entry_per_record_would(seed: int) -> None:
                 rng.shuffle(ids)
         top[src] = max(top[src], max(ids) + 1)
         items = [(src, i, None) for i in ids]
-        if rng.random() < 0.2 and top["t" if src == "s" else "s"]:
+        if rng.random() < replays * 2 / 3 and top["t" if src == "s" else "s"]:
             other = "t" if src == "s" else "s"
             extra = rng.randrange(top[other])
             items.append((other, extra, None))
@@ -187,19 +192,23 @@ def test_the_id_ranges_answer_as_one_entry_per_record_would(seed: int) -> None:
             batches[held][3] = now
             held += 1
         for k, b in enumerate(batches[:held]):  # the model's expiry: RETAIN after the ack
-            if b[3] is not None and now - b[3] >= 3.0:
+            if b[3] is not None and now - b[3] >= retain:
                 for it in b[2]:
                     if owner.get((it[0], it[1])) == k:
                         del owner[(it[0], it[1])]
                 b[3] = None
                 b[2] = []
-        if step % 20 and step != 399:
+        for src, sp in mem._where.items():
+            cuts += heads.get(src, 0) >= 64 and sp.head < heads[src] and len(sp) > 0
+            heads[src] = sp.head
+        if step % every and step != steps - 1:
             continue
         for src in "st":
             for seq in range(top[src] + 2):
                 k = owner.get((src, seq))
                 assert mem.dest_of(src, seq) == (batches[k][0] if k is not None else None), (step, src, seq)
     assert len(mem) == sum(len(b[2]) for b in batches)
+    assert retain < 10 or cuts >= 3, (cuts, "the long run must cut the forgotten front off")
 
 
 def _runs_of(ids) -> list:  # type: ignore[no-untyped-def]

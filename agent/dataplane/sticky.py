@@ -111,32 +111,42 @@ class _Entry:
 
 class _Spans:
     """One source's remembered ids: disjoint ranges [start, end) sorted by start, each owned by
-    the batch that sent those ids last."""
+    the batch that sent those ids last.
 
-    __slots__ = ("starts", "ends", "owners")
+    The ranges before `head` are forgotten: ranges are forgotten oldest first, at the front, and
+    deleting there shifts every range behind it (4,096 of them once the memory is full: three
+    ~32 kB moves per batch forgotten, the largest single cost of a forwarding hop's route
+    memory, docs/results.md, O50). The front is cut off once it is half the lists."""
+
+    __slots__ = ("starts", "ends", "owners", "head")
 
     def __init__(self) -> None:
         self.starts: List[int] = []
         self.ends: List[int] = []
-        self.owners: List[_Entry] = []
+        self.owners: List[Optional[_Entry]] = []
+        self.head = 0
 
     def __len__(self) -> int:
-        return len(self.starts)
+        return len(self.starts) - self.head
+
+    def newer_than_all(self, start: int) -> bool:
+        """Nothing remembered reaches `start` or beyond (the common case of a new batch)."""
+        return len(self.starts) == self.head or start >= self.ends[-1]
 
     def find(self, seq: int) -> Optional[_Entry]:
-        i = bisect_right(self.starts, seq) - 1
-        return self.owners[i] if i >= 0 and seq < self.ends[i] else None
+        i = bisect_right(self.starts, seq, self.head) - 1
+        return self.owners[i] if i >= self.head and seq < self.ends[i] else None
 
     def assign(self, start: int, end: int, owner: _Entry) -> None:
         """Ids [start, end) were sent by batch `owner`: it owns them now (a later send wins)."""
         starts, ends, owners = self.starts, self.ends, self.owners
-        if not starts or start >= ends[-1]:  # newer than everything: the common case
+        if self.newer_than_all(start):  # the common case
             starts.append(start)
             ends.append(end)
             owners.append(owner)
             return
-        i = bisect_right(ends, start)  # the first range ending after `start`
-        j = bisect_left(starts, end)  # the first range starting at or after `end`
+        i = bisect_right(ends, start, self.head)  # the first range ending after `start`
+        j = bisect_left(starts, end, self.head)  # the first range starting at or after `end`
         s, e, n = [start], [end], [owner]
         if i < j and starts[i] < start:  # keep the part of the first overlapped range before us
             s.insert(0, starts[i])
@@ -151,11 +161,21 @@ class _Spans:
     def drop(self, start: int, end: int, owner: _Entry) -> None:
         """Forget the ids in [start, end) that batch `owner` still owns (`assign` only ever shrinks
         a batch's ranges, so they lie inside the ranges it was sent with)."""
-        starts, ends, owners = self.starts, self.ends, self.owners
-        i = bisect_right(ends, start)
-        j = bisect_left(starts, end)
+        starts, ends, owners, head = self.starts, self.ends, self.owners, self.head
+        i = bisect_right(ends, start, head)
+        j = bisect_left(starts, end, head)
         if j == i + 1 and owners[i] is owner:  # one range, the batch's own: the common case
-            del starts[i], ends[i], owners[i]
+            if i == head:  # the oldest: forgotten in place
+                owners[i] = None
+                self.head = head = head + 1
+                if head == len(starts):
+                    del starts[:], ends[:], owners[:]
+                    self.head = 0
+                elif head >= 64 and 2 * head >= len(starts):
+                    del starts[:head], ends[:head], owners[:head]
+                    self.head = 0
+            else:
+                del starts[i], ends[i], owners[i]
             return
         keep = [k for k in range(i, j) if owners[k] is not owner]
         starts[i:j] = [starts[k] for k in keep]
@@ -252,13 +272,7 @@ class RouteMemory:
                 spans = self._where[src] = _Spans()
             if len(r) == 2:  # one run (the common case)
                 if r[1]:
-                    start = r[0]
-                    if spans.starts and start < spans.ends[-1]:
-                        spans.assign(start, start + r[1], entry)
-                    else:  # newer than everything (`assign`'s common case, without the call)
-                        spans.starts.append(start)
-                        spans.ends.append(start + r[1])
-                        spans.owners.append(entry)
+                    spans.assign(r[0], r[0] + r[1], entry)
                     self._runs += 1
                 continue
             for start, end in _ranges(r):
@@ -287,9 +301,14 @@ class RouteMemory:
             spans = self._where.get(src)
             if spans is None:
                 continue
-            for start, end in _ranges(r):
-                spans.drop(start, end, entry)
-                self._runs -= 1
+            if len(r) == 2:  # one run (the common case)
+                if r[1]:
+                    spans.drop(r[0], r[0] + r[1], entry)
+                    self._runs -= 1
+            else:
+                for start, end in _ranges(r):
+                    spans.drop(start, end, entry)
+                    self._runs -= 1
             if not spans:
                 del self._where[src]
 
@@ -309,7 +328,7 @@ class RouteMemory:
         first = items[0][0]
         spans = self._where.get(first)
         if countOf(map(_src, items), first) == len(items) and \
-                (spans is None or min(map(_seq, items)) >= spans.ends[-1]):
+                (spans is None or spans.newer_than_all(min(map(_seq, items)))):
             return items, {}, []  # all newer than anything sent from that source (the common case)
         pinned: Dict[str, List[Item]] = {}
         gone: List[Item] = []
