@@ -47,12 +47,16 @@ Stages (each the real function the data path runs):
     core: other         the rest of Instance.handle (tick, flush, tracker, publish tokens, ...)
     shell: other        the rest of Worker.step/_perform/feed (event objects, command dispatch)
 
+`--chain`: the same pipeline as one chain (agent.instance.chain: the three instances in one
+process, records handed in memory, `bench dataplane`'s "whole chain"), one role `chain`, with
+the stages of a hand-off as well (route memory, delivery, the chain's own loop).
+
 `--against DIR`: each round runs twice more, plain, in child processes: once on this checkout,
 once on the agent and lab of the checkout DIR (e.g. `git archive main agent lab | tar -x -C DIR`),
 alternating; per role the CPU per batch of this checkout over DIR's, per round and the median.
 
 Run: `python benchmarks/bench_hop.py [--batches 1,10,100] [--batches-per-run 2000] [--rounds 3]
-[--against DIR] [--json]`.
+[--chain] [--against DIR] [--json]`.
 """
 
 from __future__ import annotations
@@ -81,6 +85,7 @@ import paho.mqtt.client as mqtt
 
 from agent.dataplane import envelope as envmod
 from agent.dataplane.channel import Inbound
+from agent.dataplane import sticky as stickymod
 from agent.instance import core as coremod
 from agent.instance import intake as intmod
 from agent.instance import outputs as outmod
@@ -92,6 +97,7 @@ from agent.instance.outputs import Outputs
 from agent.instance.processing import Processing
 from agent.instance.sink import SinkSide
 from agent.instance.worker import Worker
+from agent.instance.chain import Chain
 from agent.mqtt import client as mqttc
 from agent.mqtt.settings import BrokerSpec
 from agent.mqtt.transport import Transport
@@ -273,6 +279,12 @@ def instrument(st: Stages) -> None:
     st.wrap(Worker, "feed", "shell: other")
     st.wrap(Worker, "_perform", "shell: other")
     st.wrap(coremod.Instance, "_produce", "core: other")
+    for attr in ("split", "sent", "released", "take_save"):
+        st.wrap(stickymod.RouteMemory, attr, "route memory")
+    st.wrap(Worker, "_save_routes", "route memory: write")
+    st.wrap(Delivery, "handed", "hand-off: in")
+    st.wrap(Chain, "step", "chain: other")
+    st.wrap(Chain, "_deliver", "chain: other")
 
 
 # ---- one run -----------------------------------------------------------------------------------------
@@ -306,35 +318,52 @@ def _pipeline(batch_size: int, window: int) -> str:
     )
 
 
-def run_once(batch_size: int, records: int, window: int, stages: Optional[Stages]) -> Dict[str, Any]:
-    """The three workers on the stand-in broker until `records` more records reached the sink
-    (after a warm-up of a tenth of that): CPU per worker, per batch and per record."""
+def run_once(batch_size: int, records: int, window: int, stages: Optional[Stages],
+             chain: bool = False) -> Dict[str, Any]:
+    """The three workers on the stand-in broker (or, `chain`, the three instances as one chain
+    process) until `records` more records reached the sink (after a warm-up of a tenth of that):
+    CPU per worker, per batch and per record."""
     tmp = Path(tempfile.mkdtemp(prefix="bench-hop-"))
     bspec = BrokerSpec(host="127.0.0.1", port=1)  # never connected: the clients sit on socket pairs
     specs = initial_specs(_pipeline(batch_size, window), bspec, str(tmp / "state"), cluster="hop",
                           extra={"sink_dir": str(tmp / "sink")})
     broker = MiniBroker()
     workers: Dict[str, Worker] = {}
+    links: Optional[Chain] = None
+    if chain:  # the members make their own transports: each is put on a socket pair before it starts
+        links = Chain(specs, io.StringIO())
+        for w in links.members:
+            broker.attach(w.transport, w.core.inbox)
+        workers = dict(zip(ROLES, links.members))
     for role, spec in zip(ROLES, specs):
-        t = Transport(f"hop-{role}", bspec)
-        w = Worker(spec, out=io.StringIO(), transport=t)
-        broker.attach(t, w.core.inbox)
-        workers[role] = w
+        if links is None:
+            t = Transport(f"hop-{role}", bspec)
+            w = Worker(spec, out=io.StringIO(), transport=t)
+            broker.attach(t, w.core.inbox)
+            workers[role] = w
     # source's generator: wrapped per instance (its class is the operator's)
     if stages is not None:
         stages.wrap(workers["source"].operator, "poll", "source: generate")
     for role in reversed(ROLES):  # successors first, as the bench starts them
         workers[role].begin()
+    if links is not None:
+        links._deliver(links.clock())  # noqa: SLF001 - the starts' hand-offs, as Chain.start does
     sink = workers["sink"].core
+    roles = ("chain",) if links is not None else ROLES
 
     def turn(cpu: Dict[str, float]) -> None:
-        for role in ROLES:
-            w = workers[role]
+        for role in roles:
             if stages is not None:
                 stages.role = role
             c0 = time.process_time()
-            w.transport.poll(0.0)
-            w.step(w.clock())
+            if links is not None:
+                for w in links.members:
+                    w.transport.poll(0.0)
+                links.step(links.clock())
+            else:
+                w = workers[role]
+                w.transport.poll(0.0)
+                w.step(w.clock())
             cpu[role] += time.process_time() - c0
             if stages is not None:
                 stages.role = "?"
@@ -360,7 +389,7 @@ def run_once(batch_size: int, records: int, window: int, stages: Optional[Stages
     nb = sink.stats["batches_in"] - b0
     out = {
         "batch_size": batch_size, "records": n, "batches": nb, "wall_s": wall,
-        "cpu_us_per_batch": {r: 1e6 * cpu[r] / nb for r in ROLES},
+        "cpu_us_per_batch": {r: 1e6 * cpu[r] / nb for r in roles},
         "broker_standin_us_per_batch": 1e6 * broker.cpu / nb,
         "stats": {r: {k: workers[r].core.stats.get(k, 0) for k in (
             "batches_in", "batches_out", "acks_in", "acks_sent", "passed_batches", "duplicate_envelopes",
@@ -378,39 +407,40 @@ def run_once(batch_size: int, records: int, window: int, stages: Optional[Stages
     return out
 
 
-def _child(src: Optional[str], bs: int, batches: int, window: int) -> Dict[str, Any]:
+def _child(src: Optional[str], bs: int, batches: int, window: int, chain: bool = False) -> Dict[str, Any]:
     """One plain run in a child process, on this checkout (src None) or on the checkout `src`."""
     env = dict(os.environ)
     env.pop("BENCH_HOP_SRC", None)
     if src:
         env["BENCH_HOP_SRC"] = src
     out = subprocess.run([sys.executable, __file__, "--plain-child", "--batches", str(bs), "--batches-per-run",
-                          str(batches), "--window", str(window)], env=env, check=True, capture_output=True, text=True)
+                          str(batches), "--window", str(window)] + (["--chain"] if chain else []),
+                         env=env, check=True, capture_output=True, text=True)
     return json.loads(out.stdout)
 
 
 def measure(batch_sizes: List[int], batches: int, rounds: int, window: int,
-            against: Optional[str] = None) -> Dict[str, Any]:
+            against: Optional[str] = None, chain: bool = False) -> Dict[str, Any]:
     import agent
 
     res: Dict[str, Any] = {"batch_sizes": batch_sizes, "batches_per_run": batches, "rounds": rounds,
-                           "window": window, "agent": agent.__file__, "against": against, "runs": {}}
+                           "window": window, "agent": agent.__file__, "against": against, "chain": chain, "runs": {}}
     st = Stages()
     for bs in batch_sizes:
         plain, staged, ours, theirs = [], [], [], []
         for i in range(rounds):  # the variants alternate, so that load falls on all alike
-            plain.append(run_once(bs, batches * bs, window, None))
+            plain.append(run_once(bs, batches * bs, window, None, chain))
             instrument(st)
             try:
-                staged.append(run_once(bs, batches * bs, window, st))
+                staged.append(run_once(bs, batches * bs, window, st, chain))
             finally:
                 st.undo()
             if against:  # which checkout goes first alternates too
                 if i % 2:
-                    theirs.append(_child(against, bs, batches, window))
-                ours.append(_child(None, bs, batches, window))
+                    theirs.append(_child(against, bs, batches, window, chain))
+                ours.append(_child(None, bs, batches, window, chain))
                 if not i % 2:
-                    theirs.append(_child(against, bs, batches, window))
+                    theirs.append(_child(against, bs, batches, window, chain))
         res["runs"][str(bs)] = {"plain": plain, "staged": staged}
         if against:
             res["runs"][str(bs)].update(ours=ours, theirs=theirs)
@@ -421,8 +451,9 @@ def summarize(res: Dict[str, Any]) -> Dict[str, Any]:
     """Medians over the rounds: per batch size, per role, per stage (us per batch)."""
     out: Dict[str, Any] = {}
     for bs, r in res["runs"].items():
-        plain = {role: statistics.median(x["cpu_us_per_batch"][role] for x in r["plain"]) for role in ROLES}
-        staged_tot = {role: statistics.median(x["cpu_us_per_batch"][role] for x in r["staged"]) for role in ROLES}
+        roles = tuple(r["plain"][0]["cpu_us_per_batch"])  # ROLES, or ("chain",)
+        plain = {role: statistics.median(x["cpu_us_per_batch"][role] for x in r["plain"]) for role in roles}
+        staged_tot = {role: statistics.median(x["cpu_us_per_batch"][role] for x in r["staged"]) for role in roles}
         keys = sorted({k for x in r["staged"] for k in x["stages_us_per_batch"]})
         stages = {k: statistics.median(x["stages_us_per_batch"].get(k, 0.0) for x in r["staged"]) for k in keys}
         out[bs] = {"plain_us_per_batch": plain, "staged_total_us_per_batch": staged_tot, "stages_us_per_batch": stages,
@@ -430,7 +461,7 @@ def summarize(res: Dict[str, Any]) -> Dict[str, Any]:
                    "stats_last": r["plain"][-1]["stats"]}
         if "ours" in r:
             cmp: Dict[str, Any] = {"agent": [r["ours"][0]["agent"], r["theirs"][0]["agent"]]}
-            for role in ROLES + ("total",):
+            for role in roles + ("total",):
                 def cpu(x: Dict[str, Any]) -> float:
                     c = x["cpu_us_per_batch"]
                     return sum(c.values()) if role == "total" else c[role]
@@ -445,29 +476,30 @@ def summarize(res: Dict[str, Any]) -> Dict[str, Any]:
 ORDER = ["paho: select/misc", "paho: read", "decode: parse", "decode: records", "decode: envelope", "admission",
          "order/dedup", "operator", "sink: record", "route/outbox", "encode: body slice", "encode: data",
          "paho: publish (build)", "paho: write (send)", "ack: decide", "encode: ack/proto", "ack: in", "core: other",
-         "shell: other", "source: generate"]
+         "shell: other", "route memory", "route memory: write", "hand-off: in", "chain: other", "source: generate"]
 
 
 def table(summary: Dict[str, Any]) -> str:
     lines = []
     for bs, s in summary.items():
         b = int(bs)
-        lines.append(f"\nbatch size {b}: plain CPU us/batch  source {s['plain_us_per_batch']['source']:.1f}  "
-                     f"map {s['plain_us_per_batch']['map']:.1f}  sink {s['plain_us_per_batch']['sink']:.1f}  "
-                     f"(broker stand-in {s['broker_standin_us_per_batch']:.1f}, not counted)")
-        lines.append(f"{'stage':22s}" + "".join(f"{r + ' us/b':>13s}{'us/rec':>8s}{'share':>7s}" for r in ROLES))
+        roles = tuple(s["plain_us_per_batch"])
+        lines.append(f"\nbatch size {b}: plain CPU us/batch  "
+                     + "  ".join(f"{r} {s['plain_us_per_batch'][r]:.1f}" for r in roles)
+                     + f"  (broker stand-in {s['broker_standin_us_per_batch']:.1f}, not counted)")
+        lines.append(f"{'stage':22s}" + "".join(f"{r + ' us/b':>13s}{'us/rec':>8s}{'share':>7s}" for r in roles))
         st = s["stages_us_per_batch"]
-        tot = {r: sum(v for k, v in st.items() if k.startswith(r + "|")) for r in ROLES}
+        tot = {r: sum(v for k, v in st.items() if k.startswith(r + "|")) for r in roles}
         for stage in ORDER + ["total (staged)"]:
             row = f"{stage:22s}"
-            for r in ROLES:
+            for r in roles:
                 v = tot[r] if stage.startswith("total") else st.get(f"{r}|{stage}", 0.0)
                 row += f"{v:13.1f}{v / b:8.2f}{(v / tot[r] if tot[r] else 0):7.1%}" if v else f"{'-':>13s}{'':8s}{'':7s}"
             lines.append(row)
         if "against" in s:
             a = s["against"]
             lines.append(f"against {a['agent'][1]}: CPU us/batch ours / theirs, median of per-round ratios")
-            for role in ROLES + ("total",):
+            for role in roles + ("total",):
                 c = a[role]
                 lines.append(f"  {role:8s} {c['ours_us']:9.1f} / {c['theirs_us']:9.1f}  ratio {c['ratio_median']:.3f}  "
                              f"rounds {c['ratio_per_round']}")
@@ -480,6 +512,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--batches-per-run", type=int, default=2000, help="batches at the sink per run (x0.1 more warm-up)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--window", type=int, default=8, help="max_inflight_batches, as bench dataplane")
+    ap.add_argument("--chain", action="store_true", help="the three instances as one chain process")
     ap.add_argument("--against", metavar="DIR", help="also compare with the agent and lab of checkout DIR")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--plain-child", action="store_true", help=argparse.SUPPRESS)
@@ -488,11 +521,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if a.plain_child:
         import agent
 
-        out = run_once(sizes[0], a.batches_per_run * sizes[0], a.window, None)
+        out = run_once(sizes[0], a.batches_per_run * sizes[0], a.window, None, a.chain)
         out["agent"] = os.path.dirname(agent.__file__)
         json.dump(out, sys.stdout)
         return 0
-    res = measure(sizes, a.batches_per_run, a.rounds, a.window, a.against and os.path.abspath(a.against))
+    res = measure(sizes, a.batches_per_run, a.rounds, a.window, a.against and os.path.abspath(a.against), a.chain)
     summary = summarize(res)
     if a.json:
         json.dump({"summary": summary, "raw": res}, sys.stdout, indent=1)
