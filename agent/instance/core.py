@@ -154,7 +154,7 @@ class Instance:
         self.router = Router(spec.succs, key=self.op.key, groups=key_groups, table=table)
         self.outbox = Outbox(self.router, self.op.batch_size, self.op.linger_ms / 1000.0)
         self.tracker = AckTracker()
-        high_water = 2 * self.op.batch_size  # records the outbox may hold before we stop reading
+        high_water = 4 * self.op.batch_size  # records the outbox may hold before we stop reading (O50)
         # Acks go out every half of the predecessors' window (their operator's setting): the
         # sender still has the other half of its credit while the ack travels (docs/runtime.md).
         pred_window = pipeline.operators[self.stage - 1].max_inflight_batches if self.stage > 0 else 8
