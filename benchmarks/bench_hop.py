@@ -335,8 +335,8 @@ def run_once(batch_size: int, records: int, window: int, stages: Optional[Stages
         for w in links.members:
             broker.attach(w.transport, w.core.inbox)
         workers = dict(zip(ROLES, links.members))
-    for role, spec in zip(ROLES, specs):
-        if links is None:
+    else:
+        for role, spec in zip(ROLES, specs):
             t = Transport(f"hop-{role}", bspec)
             w = Worker(spec, out=io.StringIO(), transport=t)
             broker.attach(t, w.core.inbox)
