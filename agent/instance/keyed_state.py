@@ -33,7 +33,6 @@ import hashlib
 import heapq
 import json
 import logging
-import os
 from itertools import islice
 from pathlib import Path
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Set, Tuple
@@ -43,13 +42,13 @@ from agent.dataplane.keygroups import key_group, record_key
 from agent.dataplane.owners import group_runs
 from agent.files import append, write_atomic_parts
 from agent.instance.applied import Applied, union
+from agent.instance.keyed_saves import FORMAT, load_saved
 from agent.operators.keyed import KeyedOperator, keyed_config_problems
 
 __all__ = ["KeyedState", "FORMAT", "LOAD_HALF_LIFE", "hashable_key", "output_source", "keyed_state_for"]
 
 log = logging.getLogger("agent.instance.keyed_state")
 
-FORMAT = 2  # 1: the highest number applied per (predecessor, source), read by `restore`
 LOG_MIN = 256 << 10  # bytes of log below which no snapshot is rewritten for its sake
 MAX_NOTIFY_LOOPS = 1000  # on_notify calls per key per batch whose notify_at keeps moving forward
 # The measured load per key group (`load`: records applied) halves every this many records: a
@@ -613,63 +612,7 @@ class KeyedState:
         self._full_next = True  # the caller re-indexes the outputs: start a new snapshot
         return [(str(s), int(q), r) for s, q, r in data.get("outputs") or []]
 
-    @staticmethod
-    def load(path: Path) -> Optional[Dict[str, Any]]:
-        """The saved state: the snapshot with the lines of its generation's log applied, in order,
-        up to the first line that does not parse (torn by a power cut: never acked)."""
-        try:
-            data = dict(json.loads(path.read_text()))
-        except FileNotFoundError:
-            return None
-        try:
-            lines = path.with_name(path.name + ".log").read_bytes().split(b"\n")
-        except FileNotFoundError:
-            lines = []
-        gen = data.get("gen")
-        groups: Dict[str, Any] = data.setdefault("groups", {})
-        pairs: Dict[str, Dict[Any, Any]] = {}  # group -> key -> state, for the groups a line changes
-        counters: Dict[str, Dict[Any, Any]] = {}
-
-        def opened(g: str) -> None:
-            if g not in pairs:
-                blob = groups.get(g) or {}
-                pairs[g] = {k: v for k, v in blob.get("pairs") or []}
-                counters[g] = {k: n for k, n in blob.get("emitted") or []}
-
-        for raw in lines:
-            if not raw:
-                continue
-            try:
-                d = json.loads(raw)
-            except ValueError:
-                break
-            if d.get("gen") != gen:
-                continue
-            if "applied" in d:
-                data.setdefault("applied", {}).update(d["applied"])
-            if "owned" in d:
-                data["owned"] = d["owned"]
-            if "positions" in d:  # a log line of format 1
-                data.setdefault("positions", {}).update(d["positions"])
-            data["max_time"] = d["max_time"]
-            data["outputs"] = (data["outputs"] + d["out_add"])[d["out_drop"]:]
-            for g, blob in (d.get("groups") or {}).items():
-                groups[g] = blob
-            for g, k, present, state, n in d.get("keys") or []:
-                g = str(g)
-                opened(g)
-                if present:
-                    pairs[g][k] = state
-                else:
-                    pairs[g].pop(k, None)
-                if n is not None:
-                    counters[g][k] = n
-                else:  # no counter any more: its group was handed out (`forget_group`)
-                    counters[g].pop(k, None)
-        for g in pairs:
-            groups[g] = {"pairs": [[k, v] for k, v in pairs[g].items()],
-                         "emitted": [[k, n] for k, n in counters[g].items()]}
-        return data
+    load = staticmethod(load_saved)
 
     def stats(self) -> Dict[str, Any]:
         s: Dict[str, Any] = dict(self.counts)

@@ -3,7 +3,7 @@
 Why chunks: the hand-over is a createNode() spawn on the target's peer topic, and a control
 payload is at most `wire.MAX_CONTROL_BYTES` (256 KiB; the broker's `max_packet_size` is 1 MiB),
 while a keyed operator's state of several MB is normal (docs/operators.md, "Keyed state"). So the
-draining agent sends the compacted snapshot (`KeyedState.load`: snapshot + log, what a restart
+draining agent sends the compacted snapshot (`keyed_saves.load_saved`: snapshot + log, what a restart
 would restore) as `state_chunk` requests on the same peer topic just before the spawn (one topic,
 one QoS: the broker keeps their order), and the spawn's spec carries only a manifest (size,
 SHA-256, chunk count). The target assembles the chunks here and starts the worker only with the
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from agent import topics, wire
-from agent.instance.keyed_state import FORMAT, KeyedState
+from agent.instance.keyed_saves import FORMAT, load_saved
 
 __all__ = ["CHUNK_BYTES", "MAX_STATE_BYTES", "MAX_STAGED_BYTES", "STAGE_TTL", "Manifest", "Staging",
            "chunk_bodies", "check_keyed", "snapshot_bytes", "too_large"]
@@ -97,7 +97,7 @@ def snapshot_bytes(path: Path) -> Optional[bytes]:
     """The keyed state saved at `path` (`<instance>.keyed.json` and its log) as one compact JSON
     document: what a restart would restore (states, output counters, applied numbers, unacked
     outputs). None when the instance never saved one."""
-    data = KeyedState.load(path)
+    data = load_saved(path)
     return None if data is None else json.dumps(data, separators=(",", ":")).encode()
 
 
