@@ -39,5 +39,5 @@ def reconnect(agent: Any, client: RecordingClient, at: float, retained: List[Tup
     agent._dispatch(Connected(True, "Success", True), at)
     agent._periodic(at)
     for topic, payload in retained + [(marker_topic, client.on(marker_topic)[-1])]:
-        agent._on_message(message(topic, payload, retain=topic != marker_topic), at)
+        agent.core._on_message(message(topic, payload, retain=topic != marker_topic), at)
     agent._periodic(at)

@@ -24,7 +24,7 @@ from agent.node.loopevents import MqttMessage
 from agent_process import ONLINE_BOUND, AgentProcess
 
 from agent import identity, topics
-from agent.node import rpc
+from agent.node.deploy import RpcClient, RpcError
 
 ROOT = Path(__file__).resolve().parent.parent
 DEEP = b"[" * 100_000
@@ -108,10 +108,10 @@ def test_identity_is_the_user_name_else_the_certificate_cn_else_the_client_id(tm
     conn = Connection(FogctlConfig(broker="127.0.0.1:1", cluster="c", cert=str(cert), client_id="cid"))
     assert conn.identity == "ops-admin" and conn.reply_filter == "fog/c/replies/ops-admin/+"
     assert conn.reply_topic == topics.replies("c", "ops-admin", "ops-admin")  # its sync marker
-    tool = rpc.RpcClient("127.0.0.1", 1, "c", client_id="cid", cert_file=str(cert), key_file=str(key),
+    tool = RpcClient("127.0.0.1", 1, "c", client_id="cid", cert_file=str(cert), key_file=str(key),
                          ca_file=str(tmp_path / "ca-ca.crt"))
     assert tool.identity == "ops-admin" and tool.reply_filter == "fog/c/replies/ops-admin/+"
-    assert rpc.RpcClient("127.0.0.1", 1, "c", client_id="cid", username="dep").identity == "dep"
+    assert RpcClient("127.0.0.1", 1, "c", client_id="cid", username="dep").identity == "dep"
 
 
 # ---- the daemon's handlers, fed directly ----------------------------------------------------------
@@ -159,14 +159,14 @@ def _replies(agent: Any) -> List[Tuple[str, Dict[str, Any], Any]]:
 
 
 def _fingerprint(agent: Any) -> Any:
-    return (json.dumps(agent.view.fleet, sort_keys=True), json.dumps(agent.view.hosted_by_node, sort_keys=True),
-            json.dumps(agent.view.rehomed_by_node, sort_keys=True), dict(agent.view.online), json.dumps(agent.view.latency),
-            sorted(agent.supervisor.workers), sorted(agent.view.deployed), agent.drain.draining)
+    return (json.dumps(agent.core.view.fleet, sort_keys=True), json.dumps(agent.core.view.hosted_by_node, sort_keys=True),
+            json.dumps(agent.core.view.rehomed_by_node, sort_keys=True), dict(agent.core.view.online), json.dumps(agent.core.view.latency),
+            sorted(agent.supervisor.workers), sorted(agent.core.view.deployed), agent.core.drain.draining)
 
 
 def test_a_reply_goes_to_the_requesters_namespace_not_the_response_topic_it_names(agent: Any) -> None:
     victim = topics.agent_status("c", "n1")
-    agent._on_message_safely(_msg(topics.agent_rpc("c", "me", "adm"), b'{"op": "ping"}',
+    agent.core._on_message_safely(_msg(topics.agent_rpc("c", "me", "adm"), b'{"op": "ping"}',
                                   response_topic=victim), 0.0)
     ((topic, body, props),) = _replies(agent)
     assert topic == topics.replies("c", "adm", "me") and body["ok"] and body["node"] == "me"
@@ -184,10 +184,10 @@ def test_a_reply_goes_to_the_requesters_namespace_not_the_response_topic_it_name
 ])
 def test_a_hostile_request_is_refused_counted_and_answered(agent: Any, payload: bytes, error: str) -> None:
     before = _fingerprint(agent)
-    agent._on_message_safely(_msg(topics.agent_rpc("c", "me", "adm"), payload), 0.0)
+    agent.core._on_message_safely(_msg(topics.agent_rpc("c", "me", "adm"), payload), 0.0)
     ((topic, body, _),) = _replies(agent)
     assert topic == topics.replies("c", "adm", "me") and body["ok"] is False and error in body["error"]
-    assert agent.counters["bad_messages"] == 1
+    assert agent.core.counters["bad_messages"] == 1
     assert _fingerprint(agent) == before
 
 
@@ -195,10 +195,10 @@ def test_a_set_naming_the_control_lines_own_key_never_reaches_the_worker(agent: 
     sent: List[Any] = []
     agent.supervisor.send = lambda *a, **k: sent.append((a, k)) or True  # type: ignore[method-assign]
     body = {"op": "set", "instance": "i", "fields": {"event": "x"}}
-    agent._on_message_safely(_msg(topics.agent_rpc("c", "me", "adm"), json.dumps(body).encode()), 0.0)
+    agent.core._on_message_safely(_msg(topics.agent_rpc("c", "me", "adm"), json.dumps(body).encode()), 0.0)
     assert sent == [] and _replies(agent)[0][1]["ok"] is False
     ok = {"op": "set", "instance": "i", "fields": {"service_time_ms": 5.0}}
-    agent._on_message_safely(_msg(topics.agent_rpc("c", "me", "adm"), json.dumps(ok).encode()), 0.0)
+    agent.core._on_message_safely(_msg(topics.agent_rpc("c", "me", "adm"), json.dumps(ok).encode()), 0.0)
     assert sent == [(("i", "set"), {"service_time_ms": 5.0})]
 
 
@@ -210,35 +210,35 @@ def test_a_redelivered_request_is_applied_once(agent: Any) -> None:
     agent.supervisor.send = lambda *a, **k: sent.append((a, k)) or True  # type: ignore[method-assign]
     ok = json.dumps({"op": "set", "instance": "i", "fields": {"service_time_ms": 5.0}}).encode()
     for _ in range(2):
-        agent._on_message_safely(_msg(topics.agent_rpc("c", "me", "adm"), ok), 0.0)
+        agent.core._on_message_safely(_msg(topics.agent_rpc("c", "me", "adm"), ok), 0.0)
     assert sent == [(("i", "set"), {"service_time_ms": 5.0})] and len(_replies(agent)) == 1
-    assert agent.counters["rpc_repeats"] == 1
-    agent._on_message_safely(_msg(topics.agent_rpc("c", "me", "other-admin"), ok), 0.0)
+    assert agent.core.counters["rpc_repeats"] == 1
+    agent.core._on_message_safely(_msg(topics.agent_rpc("c", "me", "other-admin"), ok), 0.0)
     assert len(sent) == 2  # another requester's request with the same correlation is its own
 
 
 def test_a_forced_scale_out_is_bounded_by_the_slots_of_the_fleet(agent: Any) -> None:
     body = {"v": 1, "op": "scale", "operator": "work", "delta": 3_000_000, "pipeline": "p"}
-    agent._on_message_safely(_msg(topics.agent_rpc("c", "me", "adm"), json.dumps(body).encode()), 0.0)
+    agent.core._on_message_safely(_msg(topics.agent_rpc("c", "me", "adm"), json.dumps(body).encode()), 0.0)
     ((_, reply, _),) = _replies(agent)
     assert reply["ok"] is False and "+3000000 asks for more copies than the 2 slots" in reply["error"]
     # a neighbour's slots count too; within the bound the request goes on to the usual checks
     n2 = {"v": 1, "node": "n2", "ts": 1.0, "slots": 4, "free_slots": 4, "instances": []}
-    agent._on_message_safely(_msg(topics.agent_state("c", "n2"), json.dumps(n2).encode(), retain=True), 0.0)
-    agent._on_message_safely(_msg(topics.agent_status("c", "n2"), b"online", retain=True), 0.0)
+    agent.core._on_message_safely(_msg(topics.agent_state("c", "n2"), json.dumps(n2).encode(), retain=True), 0.0)
+    agent.core._on_message_safely(_msg(topics.agent_status("c", "n2"), b"online", retain=True), 0.0)
     for delta, error in ((7, "more copies than the 6 slots"), (6, "no active instance of 'work'")):
         agent.bus.client.published.clear()
         body["delta"] = delta
-        agent._on_message_safely(_msg(topics.agent_rpc("c", "me", "adm"), json.dumps(body).encode()), 0.0)
+        agent.core._on_message_safely(_msg(topics.agent_rpc("c", "me", "adm"), json.dumps(body).encode()), 0.0)
         assert error in _replies(agent)[0][1]["error"]
 
 
 def test_retained_requests_replies_and_probes_are_ignored(agent: Any) -> None:
     for topic in (topics.agent_rpc("c", "me", "adm"), topics.agent_peer("c", "me", "n2"),
                   topics.replies("c", "me", "n2"), topics.latency_ping("c", "me", "n2"), topics.events("c")):
-        agent._on_message_safely(_msg(topic, b'{"op": "stop", "instance": "x"}', retain=True), 0.0)
-    assert agent.counters["retained_ignored"] == 5 and agent.bus.client.published == []
-    assert agent.counters["rpc_requests"] == 0
+        agent.core._on_message_safely(_msg(topic, b'{"op": "stop", "instance": "x"}', retain=True), 0.0)
+    assert agent.core.counters["retained_ignored"] == 5 and agent.bus.client.published == []
+    assert agent.core.counters["rpc_requests"] == 0
 
 
 def test_the_peer_topic_takes_only_spawns_of_pipelines_an_admin_deployed(
@@ -249,29 +249,29 @@ def test_the_peer_topic_takes_only_spawns_of_pipelines_an_admin_deployed(
     # control ops are for admins only
     for op in ({"op": "stop", "instance": "x"}, {"op": "ping"}, {"v": 1, "op": "drain", "node": "me"},
                {"op": "set", "instance": "x", "fields": {"a": 1}}):
-        agent._on_message_safely(_msg(peer, json.dumps(op).encode()), 0.0)
+        agent.core._on_message_safely(_msg(peer, json.dumps(op).encode()), 0.0)
     # a spawn of a pipeline n2 neither hosts nor re-homes, and nobody deployed
-    agent._on_message_safely(_msg(peer, json.dumps({"op": "spawn", "spec": spec}).encode()), 0.0)
+    agent.core._on_message_safely(_msg(peer, json.dumps({"op": "spawn", "spec": spec}).encode()), 0.0)
     replies = _replies(agent)
     assert len(replies) == 5 and all(t == topics.replies("c", "n2", "me") for t, _, _ in replies)
     assert all(not b["ok"] and b["error"].startswith("refused") for _, b, _ in replies)
-    assert agent.counters["peer_refused"] == 5 and not agent.drain.draining and len(agent.supervisor) == 0
+    assert agent.core.counters["peer_refused"] == 5 and not agent.core.drain.draining and len(agent.supervisor) == 0
     assert sum("from node n2" in r.getMessage() for r in caplog.records) == 5  # the requester, named
     # n2's retained hosted record listing an instance of p proves nothing (n2 writes it itself):
     # its spawn is refused by the peer rule all the same
-    agent.free_slots = lambda: 0  # a full node: what it answers then is the slot refusal
+    agent.core.free_slots = lambda: 0  # a full node: what it answers then is the slot refusal
     hosted = json.dumps([dict(spec, instance="p.source.0", operator="source")]).encode()
-    agent._on_message_safely(_msg(topics.agent_hosted("c", "n2"), hosted, retain=True), 0.0)
+    agent.core._on_message_safely(_msg(topics.agent_hosted("c", "n2"), hosted, retain=True), 0.0)
     agent.bus.client.published.clear()
-    agent._on_message_safely(_msg(peer, json.dumps({"op": "spawn", "spec": spec}).encode()), 0.0)
+    agent.core._on_message_safely(_msg(peer, json.dumps({"op": "spawn", "spec": spec}).encode()), 0.0)
     ((_, body, _),) = _replies(agent)
-    assert not body["ok"] and body["error"].startswith("refused") and agent.counters["peer_refused"] == 6
+    assert not body["ok"] and body["error"].startswith("refused") and agent.core.counters["peer_refused"] == 6
     # a deployed pipeline: any node may ask (n3 hosts nothing)
     q_text = PIPELINE.replace('"p"', '"q"')
-    agent._on_message_safely(_msg(topics.pipeline("c", "q"), q_text.encode(), retain=True), 0.0)
+    agent.core._on_message_safely(_msg(topics.pipeline("c", "q"), q_text.encode(), retain=True), 0.0)
     agent.bus.client.published.clear()
     spec_q = dict(spec, pipeline="q", instance="q.sink.0", pipeline_toml=q_text)
-    agent._on_message_safely(_msg(topics.agent_peer("c", "me", "n3"),
+    agent.core._on_message_safely(_msg(topics.agent_peer("c", "me", "n3"),
                                   json.dumps({"op": "spawn", "spec": spec_q}).encode()), 0.0)
     assert _replies(agent)[0][1] == {"ok": False, "error": "no free slot on me"}
 
@@ -283,18 +283,18 @@ def test_a_reply_counts_only_from_the_node_the_call_went_to(agent: Any) -> None:
 
     got: List[Dict[str, Any]] = []
     spec = InstanceSpec("i", "sink", "me", "c", "p", PIPELINE, BrokerSpec("h", 1))
-    agent.creating.handle(spawns.CreateNode(spec, got.append, "spawn", ("n2",), {}), 0.0)
-    (corr,) = agent.spawns.calls  # asked of n2
+    agent.core.creating.handle(spawns.CreateNode(spec, got.append, "spawn", ("n2",), {}), 0.0)
+    (corr,) = agent.core.spawns.calls  # asked of n2
     ok = json.dumps({"ok": True, "instance": "i", "node": "n2"}).encode()
-    agent._on_message_safely(_msg(topics.replies("c", "me", "n3"), ok, correlation=corr.encode()), 0.0)
-    assert got == [] and len(agent.spawns.calls) == 1  # n3 guessed the correlation: ignored
-    agent._on_message_safely(_msg(topics.replies("c", "me", "n2"), ok, correlation=corr.encode()), 0.0)
-    assert got == [{"ok": True, "instance": "i", "node": "n2"}] and len(agent.spawns.calls) == 0
+    agent.core._on_message_safely(_msg(topics.replies("c", "me", "n3"), ok, correlation=corr.encode()), 0.0)
+    assert got == [] and len(agent.core.spawns.calls) == 1  # n3 guessed the correlation: ignored
+    agent.core._on_message_safely(_msg(topics.replies("c", "me", "n2"), ok, correlation=corr.encode()), 0.0)
+    assert got == [{"ok": True, "instance": "i", "node": "n2"}] and len(agent.core.spawns.calls) == 0
 
 
 def test_hostile_neighbour_records_are_counted_and_leave_the_state_unchanged(agent: Any) -> None:
     good = {"v": 1, "node": "n2", "ts": 1.0, "slots": 2, "free_slots": 1, "instances": []}
-    agent._on_message_safely(_msg(topics.agent_state("c", "n2"), json.dumps(good).encode(), retain=True), 0.0)
+    agent.core._on_message_safely(_msg(topics.agent_state("c", "n2"), json.dumps(good).encode(), retain=True), 0.0)
     before = _fingerprint(agent)
     hostile = [
         (topics.agent_state("c", "n2"), DEEP),
@@ -310,11 +310,11 @@ def test_hostile_neighbour_records_are_counted_and_leave_the_state_unchanged(age
         (topics.latency_pong("c", "me", "n2"), b"[]"),
     ]
     for topic, payload in hostile:
-        agent._on_message_safely(_msg(topic, payload, retain=topics.parse("c", topic).kind not in ("ping", "pong")), 0.0)
-    assert agent.counters["bad_messages"] == len(hostile)
+        agent.core._on_message_safely(_msg(topic, payload, retain=topics.parse("c", topic).kind not in ("ping", "pong")), 0.0)
+    assert agent.core.counters["bad_messages"] == len(hostile)
     assert _fingerprint(agent) == before and agent.bus.client.published == []
-    agent._on_message_safely(_msg(topics.latency("c", "n2"), DEEP, retain=True), 0.0)  # lenient: unmeasured
-    assert agent.view.latency["n2"] == {}
+    agent.core._on_message_safely(_msg(topics.latency("c", "n2"), DEEP, retain=True), 0.0)  # lenient: unmeasured
+    assert agent.core.view.latency["n2"] == {}
 
 
 def test_an_unforeseen_failure_in_a_handler_is_one_log_line_not_the_end_of_the_loop(
@@ -327,7 +327,7 @@ def test_an_unforeseen_failure_in_a_handler_is_one_log_line_not_the_end_of_the_l
     monkeypatch.setattr(nodestate, "parse_latency", boom)
     caplog.set_level(logging.WARNING)
     agent._dispatch(MqttMessage(_msg(topics.latency("c", "n7"), b"{}", retain=True)), 0.0)
-    assert agent.counters["bad_messages"] == 1
+    assert agent.core.counters["bad_messages"] == 1
     (line,) = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
     assert topics.latency("c", "n7") in line and "from n7" in line and "RuntimeError" in line
     agent._dispatch(MqttMessage(_msg(topics.agent_rpc("c", "me", "adm"), b'{"op": "ping"}')), 0.0)
@@ -361,10 +361,10 @@ def _wait(pred: Any, timeout: float) -> bool:
     return bool(pred())
 
 
-def _ping(client: rpc.RpcClient, node: str) -> bool:
+def _ping(client: RpcClient, node: str) -> bool:
     try:
         return client.call(node, {"op": "ping"}, timeout=3)["ok"] is True
-    except rpc.RpcError:
+    except RpcError:
         return False
 
 
@@ -377,7 +377,7 @@ def test_the_messages_that_killed_agents_are_survived_by_real_agents(tmp_path: P
     from agent.cli.fogctl import main as fogctl
 
     cluster = f"surv{os.getpid()}"
-    admin = rpc.RpcClient(mosquitto.host, mosquitto.port, cluster, identity="adm").connect()
+    admin = RpcClient(mosquitto.host, mosquitto.port, cluster, identity="adm").connect()
     a1 = _AgentProc(tmp_path, mosquitto, "n1", cluster)
     a2: Optional[_AgentProc] = None
     try:
@@ -427,8 +427,8 @@ def test_a_node_cannot_steer_another_through_its_peer_topic(tmp_path: Path, mosq
     """On the peer topic a real agent answers `stop`, `ping` and a spawn of a pipeline no admin
     deployed with a refusal on replies/<requester>/<me>, and starts nothing."""
     cluster = f"peer{os.getpid()}"
-    admin = rpc.RpcClient(mosquitto.host, mosquitto.port, cluster, identity="adm").connect()
-    intruder = rpc.RpcClient(mosquitto.host, mosquitto.port, cluster, identity="n3").connect()
+    admin = RpcClient(mosquitto.host, mosquitto.port, cluster, identity="adm").connect()
+    intruder = RpcClient(mosquitto.host, mosquitto.port, cluster, identity="n3").connect()
     a1 = _AgentProc(tmp_path, mosquitto, "n1", cluster)
     try:
         assert _wait(lambda: _ping(admin, "n1"), ONLINE_BOUND), a1.text()
@@ -470,7 +470,7 @@ def test_fogctl_views_read_hostile_retained_records_without_a_traceback(mosquitt
         topics.pipeline(cluster, "q"): b"a = " + b"[" * 100_000,
         topics.decisions(cluster, "p.a.0"): DEEP,
     }
-    with rpc.RpcClient(mosquitto.host, mosquitto.port, cluster, identity="adm") as admin:
+    with RpcClient(mosquitto.host, mosquitto.port, cluster, identity="adm") as admin:
         for topic, payload in records.items():
             admin.publish(topic, payload, retain=True)
         try:

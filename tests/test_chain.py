@@ -389,7 +389,7 @@ def test_an_agent_hosts_a_chained_deploy_in_one_process_and_restarts_it_as_one_a
     import uuid
 
     from agent.node.nodestate import parse_node_state
-    from agent.node.rpc import RpcClient
+    from agent.node.deploy import RpcClient
     from agent.operators.builtin import read_sink_ids
     from agent_process import ROOT, AgentProcess, wait_until_answers, write_agent_conf
 

@@ -15,7 +15,7 @@ from typing import Any, Dict, Tuple
 import pytest
 
 from agent.instance.keyed_state import KeyedState
-from agent.node.rpc import RpcClient
+from agent.node.deploy import RpcClient
 from agent.operators.builtin import OperatorContext
 from agent.operators.keyed import sliding_window, tumbling_window
 from agent.operators.taxi import TaxiGenerator

@@ -312,7 +312,7 @@ def test_fogctl_scale_and_drain_on_real_agents_lose_no_record(capsys, mosquitto,
         assert len(terminated) >= on_s2
         time.sleep(2.0)  # records keep flowing through the remaining instances
         # Stop the source, let the pipeline empty, then stop the agents (as the demo's profile end).
-        from agent.node.rpc import RpcClient
+        from agent.node.deploy import RpcClient
 
         src = "steer.source.0"
         with RpcClient(mosquitto.host, mosquitto.port, cluster) as client:
@@ -343,7 +343,7 @@ def test_fogctl_drain_hands_a_keeper_over_to_another_node(capsys, mosquitto, tmp
     from agent.config import load_pipeline_text
     from foglab.tools.demo import Fleet, Monitor
     from foglab.tools.verify import verify
-    from agent.node.rpc import RpcClient
+    from agent.node.deploy import RpcClient
 
     started = time.monotonic()
     cluster = "h" + uuid.uuid4().hex[:8]

@@ -446,13 +446,13 @@ class _DaemonForgetsOnRefusal(fuzz.DaemonTarget):
 
     def prepare(self, seed: int) -> None:
         super().prepare(seed)
-        agent, original = self.agent, self.agent._bad
+        core, original = self.core, self.core._bad
 
         def bad(what: str, sender: Any, exc: Any) -> None:
-            agent.view.fleet.pop("n2", None)
+            core.view.fleet.pop("n2", None)
             original(what, sender, exc)
 
-        agent._bad = bad
+        core._bad = bad
 
 
 def test_the_daemon_target_reports_state_changed_on_refusal() -> None:
@@ -468,13 +468,13 @@ def test_the_daemon_target_reports_state_changed_on_refusal() -> None:
 def test_a_spawn_with_a_field_of_the_wrong_type_is_refused_with_a_reply(field: str, value: Any) -> None:
     target = fuzz.DaemonTarget()
     target.prepare(0)
-    agent = target.agent
+    core = target.core
     spec = dict(fuzz._bus_corpus_spec(), **{field: value})
     topic = "fog/c/agents/me/rpc/adm"
     msg = type("M", (), {"topic": topic, "payload": json.dumps({"op": "spawn", "spec": spec}).encode(),
                          "retain": False, "properties": None})()
-    agent._on_message(msg, 1.0)  # no exception
-    replies = [json.loads(p) for t, p in agent.bus.client.published if t == "fog/c/replies/adm/me"]
+    core._on_message(msg, 1.0)  # no exception
+    replies = [json.loads(p) for t, p in core.bus.client.published if t == "fog/c/replies/adm/me"]
     assert len(replies) == 1 and replies[0]["ok"] is False, replies
     assert field in replies[0]["error"], replies[0]
     target._dir.cleanup()

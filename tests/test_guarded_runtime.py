@@ -300,7 +300,7 @@ def test_fogctl_locks_on_real_agents_shows_who_requests_and_who_is_in_the_cs(cap
 
     from agent.events import parse
     from agent.fogctl.views import event_line
-    from agent.node.rpc import RpcClient
+    from agent.node.deploy import RpcClient
     from tests.test_fogctl_agents import Agent, fogctl
     from tests.test_fogctl_agents import wait_for as poll
 

@@ -28,7 +28,7 @@ def test_failed_spawn_cancels_the_round_and_loses_nothing(mosquitto: Any, tmp_pa
     from agent.config import load_pipeline_text
     from foglab.tools.demo import Fleet, Monitor
     from foglab.tools.verify import verify
-    from agent.node.rpc import RpcClient
+    from agent.node.deploy import RpcClient
 
     cluster = "c" + uuid.uuid4().hex[:8]
     fleet = Fleet(tmp_path, nodes=("c1",), slots=3, cluster=cluster, broker_host=mosquitto.host,

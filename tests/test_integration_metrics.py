@@ -50,7 +50,7 @@ def scrape(port: int) -> Dict[Any, float]:
 def test_metrics_endpoint_counters_equal_the_agents_own_counts(mosquitto: Any, tmp_path: Path) -> None:
     from foglab.tools.demo import Monitor, wait_online
     from agent.node.deploy import deploy
-    from agent.node.rpc import RpcClient
+    from agent.node.deploy import RpcClient
 
     cluster = "m" + uuid.uuid4().hex[:8]
     ports = {"m1": free_port(), "m2": free_port()}

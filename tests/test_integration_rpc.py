@@ -14,7 +14,7 @@ from typing import Dict, List
 import pytest
 
 from agent import topics
-from agent.node.rpc import RpcClient, RpcError
+from agent.node.deploy import RpcClient, RpcError
 
 pytestmark = pytest.mark.broker
 

@@ -174,7 +174,7 @@ def test_a_windowed_sum_survives_kill_9_of_its_agent(mosquitto, tmp_path: Path) 
     coll = Collector(mosquitto.host, mosquitto.port, topic)
     agent = start_agent(1)
     try:
-        from agent.node.rpc import RpcClient
+        from agent.node.deploy import RpcClient
 
         with RpcClient(mosquitto.host, mosquitto.port, cluster) as client:
             wait_until_answers(client, "n1", lambda: agent.poll() is None)

@@ -551,7 +551,7 @@ def _steered_agent(tmp_path: Any, instances: Dict[str, bool]) -> Tuple[Any, List
     from agent.instance.spec import InstanceSpec
     from agent.mqtt.settings import BrokerSpec
     from agent.node.daemon import Agent
-    from agent.node.supervisor import Worker, WorkerStatus
+    from agent.node.workers import Worker, WorkerStatus
 
     conf = tmp_path / "a.toml"
     conf.write_text(f'[agent]\nnode = "me"\ncluster = "c"\nstate_dir = "{tmp_path}/state"\n[mqtt]\nhost = "h"\nport = 1\n')
@@ -591,16 +591,16 @@ def test_an_agent_drains_away_an_instance_with_keyed_state_unless_its_state_is_t
     agent, sent = _steered_agent(tmp_path, {"p.win.0": True})
     size = len(statexfer.snapshot_bytes(_save_keyed(tmp_path, "p.win.0")) or b"")
     monkeypatch.setattr(statexfer, "MAX_STATE_BYTES", size - 1)
-    reply = agent.requests.steer(DrainRequest(node="me").to_dict(), 5.0)
+    reply = agent.core.requests.steer(DrainRequest(node="me").to_dict(), 5.0)
     assert not reply["ok"] and reply["error"] == (f"p.win.0 cannot move: its keyed state is {size} bytes, "
                                                   f"more than the {size - 1} a hand-over carries"), reply
-    assert sent == [] and not agent.drain.draining
-    assert agent.requests.steer(ScaleRequest(operator="win", delta=1).to_dict(), 5.0)["ok"]
+    assert sent == [] and not agent.core.drain.draining
+    assert agent.core.requests.steer(ScaleRequest(operator="win", delta=1).to_dict(), 5.0)["ok"]
     assert sent == [("p.win.0", "scale")]
     monkeypatch.setattr(statexfer, "MAX_STATE_BYTES", size)
-    reply = agent.requests.steer(DrainRequest(node="me").to_dict(), 5.0)
+    reply = agent.core.requests.steer(DrainRequest(node="me").to_dict(), 5.0)
     assert reply["ok"] and reply["result"]["leaving"] == ["p.win.0"], reply
-    assert sent[-1] == ("p.win.0", "stop") and agent.drain.draining and "p.win.0" in agent.drain.handing_over
+    assert sent[-1] == ("p.win.0", "stop") and agent.core.drain.draining and "p.win.0" in agent.core.drain.handing_over
 
 
 @pytest.mark.parametrize("then", ["copy_left", "wait_over", "undrain"])
@@ -615,22 +615,22 @@ def test_a_drained_keeper_stops_once_the_keyed_copies_on_the_node_have_left(tmp_
 
     agent, sent = _steered_agent(tmp_path, {"p.win.0": True, "p.win.1": False})
     _save_keyed(tmp_path, "p.win.0")
-    reply = agent.requests.steer(DrainRequest(node="me").to_dict(), 5.0)
+    reply = agent.core.requests.steer(DrainRequest(node="me").to_dict(), 5.0)
     assert reply["ok"] and set(reply["result"]["leaving"]) == {"p.win.0", "p.win.1"}, reply
-    assert sent == [("p.win.1", "scale")] and "p.win.0" in agent.drain.handing_over  # the keeper still runs
-    agent.exits.release_keepers(6.0)
+    assert sent == [("p.win.1", "scale")] and "p.win.0" in agent.core.drain.handing_over  # the keeper still runs
+    agent.core.exits.release_keepers(6.0)
     assert sent == [("p.win.1", "scale")]
     if then == "copy_left":
-        agent.exits.release_keepers(7.0, left="p.win.1")  # `_on_reaped` of the copy
+        agent.core.exits.release_keepers(7.0, left="p.win.1")  # `_on_reaped` of the copy
     elif then == "wait_over":
-        agent.exits.release_keepers(5.0 + COPIES_FIRST_WAIT)  # `_periodic`
+        agent.core.exits.release_keepers(5.0 + COPIES_FIRST_WAIT)  # `_periodic`
     else:
-        assert agent.requests.steer(DrainRequest(node="me", undo=True).to_dict(), 7.0)["ok"]
-        agent.exits.release_keepers(8.0, left="p.win.1")
-        assert sent == [("p.win.1", "scale")] and "p.win.0" not in agent.drain.handing_over and not agent.drain.draining
+        assert agent.core.requests.steer(DrainRequest(node="me", undo=True).to_dict(), 7.0)["ok"]
+        agent.core.exits.release_keepers(8.0, left="p.win.1")
+        assert sent == [("p.win.1", "scale")] and "p.win.0" not in agent.core.drain.handing_over and not agent.core.drain.draining
         return
     assert sent == [("p.win.1", "scale"), ("p.win.0", "stop")]
-    agent.exits.release_keepers(5.0 + 2 * COPIES_FIRST_WAIT)
+    agent.core.exits.release_keepers(5.0 + 2 * COPIES_FIRST_WAIT)
     assert len(sent) == 2  # stopped once
 
 

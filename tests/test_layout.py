@@ -298,6 +298,17 @@ SANS_IO = {
     "agent.node.reconcile": NODE_CORE,
     "agent.node.workerlines": NODE_CORE,
     "agent.node.routes": NETWORK | {"os", "time", "threading", "random"},
+    "agent.node.workers": NETWORK | {"os", "time", "threading", "random"},
+    "agent.node.rpc": NETWORK | {"os", "time", "threading", "random"},
+    # The node's core and every part it holds; the daemon, the bus, the supervisor, the report and
+    # the site manager's hooks are the shell around it.
+    "agent.node.core": NODE_CORE,
+    "agent.node.requests": NODE_CORE,
+    "agent.node.spawnshell": NODE_CORE,
+    "agent.node.inbound": NODE_CORE,
+    "agent.node.handover": NODE_CORE,
+    "agent.node.replicas": NODE_CORE,
+    "agent.node.statexfer": NODE_CORE,
     # the hand-over's wire codec, and the scaling driver's parts with state of their own (the
     # driver itself draws from its own seeded generator and reads agent.config)
     "agent.instance.handover_wire": NETWORK | {"os", "time", "threading", "random"},

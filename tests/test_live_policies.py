@@ -256,7 +256,7 @@ def test_live_threshold_policy_scales_out_under_load_and_in_when_it_drops(tmp_pa
     30 records/s return to its keeper, and every record must reach the sink exactly once.
     About 50 s: the load must hold long enough for two cooldowns up and two down."""
     from agent.config import load_pipeline_text
-    from agent.node.rpc import RpcClient
+    from agent.node.deploy import RpcClient
     from foglab.tools.demo import Fleet, Monitor
     from foglab.tools.verify import verify
 

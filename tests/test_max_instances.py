@@ -83,7 +83,7 @@ def _agent(tmp_path: Path) -> Tuple[Any, List[Tuple[str, Dict[str, Any]]], List[
     process (as tests/test_runtime_daemon.py does) and records the replies to its workers."""
     from agent.config import load_agent_config
     from agent.node.daemon import Agent
-    from agent.node.supervisor import Worker, WorkerStatus
+    from agent.node.workers import Worker, WorkerStatus
 
     conf = tmp_path / "a.toml"
     conf.write_text(f'[agent]\nnode = "me"\ncluster = "c"\nstate_dir = "{tmp_path}"\nslots = 16\n'
@@ -108,7 +108,7 @@ def _spawn(agent: Any, requester: str, instance: str, request: str) -> None:
     template = agent.supervisor.workers[requester].spec
     spec = json.loads(template.to_json())
     spec.update(instance=instance, keeper=False, active=False, succs=[], preds=[])
-    agent.worker_lines.spawn(requester, {"request": request, "spec": spec}, 1.0, agent.wall())
+    agent.core.worker_lines.spawn(requester, {"request": request, "spec": spec}, 1.0, agent.wall())
 
 
 def test_the_agent_refuses_copies_past_max_instances(tmp_path: Path) -> None:
@@ -124,14 +124,14 @@ def test_the_agent_refuses_copies_past_max_instances(tmp_path: Path) -> None:
     refused = [f for _, f in replies if not f.get("ok")]
     assert len(refused) == 3 and all("max_instances = 2" in f["error"] for f in refused), replies
     assert sum(1 for w in agent.supervisor.workers.values() if w.spec.operator == "in_zone") == 2
-    assert agent.counters["spawn_refused_max"] == 3
+    assert agent.core.counters["spawn_refused_max"] == 3
     # Another node's copy counts too: after a scale-in here, the slot it took is not free.
     del agent.supervisor.workers["hot.in_zone.a"]
-    agent.view.fleet = {"n2": {"node": "n2", "instances": [{"id": "hot.in_zone.z", "operator": "in_zone",
+    agent.core.view.fleet = {"n2": {"node": "n2", "instances": [{"id": "hot.in_zone.z", "operator": "in_zone",
                                                         "pipeline": "hot", "status": "active"}]}}
     _spawn(agent, "hot.in_zone.0", "hot.in_zone.e", "r9")
     assert started == ["hot.in_zone.a"] and not replies[-1][1]["ok"]
-    agent.view.fleet = {}
+    agent.core.view.fleet = {}
     _spawn(agent, "hot.in_zone.0", "hot.in_zone.f", "r10")  # below the bound again: created
     assert started == ["hot.in_zone.a", "hot.in_zone.f"]
 
@@ -145,7 +145,7 @@ def test_a_copy_placed_on_another_node_counts_until_that_node_publishes_its_stat
     from agent import topics
     from agent.node import nodestate
 
-    agent.view.placed["hot.in_zone.r"] = ("n2", ("hot.in_zone.r", "hot", "in_zone"))
+    agent.core.view.placed["hot.in_zone.r"] = ("n2", ("hot.in_zone.r", "hot", "in_zone"))
     _spawn(agent, "hot.in_zone.0", "hot.in_zone.a", "r0")
     assert started == [] and "max_instances" in replies[-1][1]["error"]
 
@@ -154,11 +154,11 @@ def test_a_copy_placed_on_another_node_counts_until_that_node_publishes_its_stat
                                          nodestate.MachineSample(1.0, 1.0), 1.0)
         for item in doc["instances"]:
             item["pipeline"] = "hot"
-        agent._on_message(SimpleNamespace(topic=topics.agent_state("c", "n2"), payload=nodestate.encode_state(doc),
+        agent.core._on_message(SimpleNamespace(topic=topics.agent_state("c", "n2"), payload=nodestate.encode_state(doc),
                                           retain=True), 2.0)
 
     state("hot.in_zone.r")  # now in n2's state: counted from there, once
-    assert agent.view.placed == {}
+    assert agent.core.view.placed == {}
     _spawn(agent, "hot.in_zone.0", "hot.in_zone.b", "r1")
     assert started == [] and "has 2 instances" in replies[-1][1]["error"]
     state()  # it left n2: room again

@@ -45,7 +45,7 @@ def inbound(tmp_path: Path, core: Any) -> Tuple[Inbound, List[Tuple[str, bytes, 
     hosts.near = {"n2"}
     calls = InboundCalls(publish=lambda t, p, **kw: sent.append((t, p, kw)), keep=lambda *a: True,
                          bad=lambda *a: None, changed=lambda: None, drop_stale=lambda *a: None,
-                         retained_in=lambda: True, restate_rehomed=lambda: None)
+                         retained_in=lambda: True, restate_rehomed=lambda: None, received=lambda msg, t: t)
     return Inbound("me", "c", view, hosts, Replication("me", tmp_path), Rehoming("me"), None, LeaseBoard("me", 60.0),
                    core, {}, lambda: 5.0, lambda: 1700.0, calls), sent
 

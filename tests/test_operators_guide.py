@@ -315,7 +315,7 @@ def test_installed_with_its_entry_points_the_example_needs_no_operators_modules(
 def test_the_worked_example_runs_on_real_agents(tmp_path: Path, mosquitto: Any) -> None:
     import paho.mqtt.client as mqtt
 
-    from agent.node.rpc import RpcClient
+    from agent.node.deploy import RpcClient
     from agent_process import wait_until_answers
 
     cluster = "ops" + uuid.uuid4().hex[:6]

@@ -284,9 +284,9 @@ def refused_files(tmp_path: Path, capsys: Any) -> List[Tuple[Path, List[str]]]:
 
 def test_fog_agent_deploy_refuses_what_check_config_refuses_and_starts_nothing(
         tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    import agent.node.rpc
+    import agent.node.deploy
 
-    monkeypatch.setattr(agent.node.rpc, "RpcClient", NoBroker)
+    monkeypatch.setattr(agent.node.deploy, "RpcClient", NoBroker)
     NoBroker.tried = []
     for p, want in refused_files(tmp_path, capsys):
         assert fog_agent(["deploy", str(p), "--host", "127.0.0.1", "--port", "1"]) == exitcodes.ERROR
@@ -312,10 +312,10 @@ def test_deploy_checks_against_the_named_node_and_leaves_modules_it_cannot_know_
     """Where no node's agent.toml is, a function of a module no allow-list here names is not
     imported (the nodes check it at spawn): the deploy goes on to the broker (the report notes it).
     Given the node's agent.toml, a function it refuses is refused as check-config refuses it."""
-    import agent.node.rpc
+    import agent.node.deploy
     from agent.pipeline_check import check_text
 
-    monkeypatch.setattr(agent.node.rpc, "RpcClient", NoBroker)
+    monkeypatch.setattr(agent.node.deploy, "RpcClient", NoBroker)
     NoBroker.tried = []
     mod = "chk_remote_" + uuid.uuid4().hex[:8]
     p = write(tmp_path, TYPO.replace("agent.operators.keyed:keyed_sum", f"{mod}:total")

@@ -119,14 +119,14 @@ def test_the_agent_reads_departing_instances_from_the_node_states(tmp_path: Path
     retained states (each instance's scaling state, from its heartbeat) and from our workers."""
     agent = _agent(tmp_path)
     created: List[Any] = []
-    agent.creating.create = lambda spec, reply, cause, now: created.append(spec)
-    agent.bus.connected, agent.view.online, agent.rehoming.offline_since = True, {"n9": False, "n3": True}, {"n9": 0.0}
-    agent.view.hosted_by_node = {"n9": [spec("p.mid.0", "mid", True)],
+    agent.core.creating.create = lambda spec, reply, cause, now: created.append(spec)
+    agent.bus.connected, agent.core.view.online, agent.core.rehoming.offline_since = True, {"n9": False, "n3": True}, {"n9": 0.0}
+    agent.core.view.hosted_by_node = {"n9": [spec("p.mid.0", "mid", True)],
                             "n3": [spec("p.sink.0", "sink", True), spec("sink-b", "sink"), spec("sink-c", "sink")]}
-    agent.view.fleet["n3"] = {"instances": [{"id": "p.sink.0", "stats": {"state": "active"}},
+    agent.core.view.fleet["n3"] = {"instances": [{"id": "p.sink.0", "stats": {"state": "active"}},
                                        {"id": "sink-b", "stats": {"state": "departing"}},
                                        {"id": "sink-c", "stats": {"state": "deleting"}}]}
-    agent.rehomer.tick(100.0, agent.wall())
+    agent.core.rehomer.tick(100.0, agent.wall())
     assert [(s.instance, s.succs) for s in created] == [("p.mid.0", ("p.sink.0", "sink-c"))]
 
 
@@ -139,23 +139,23 @@ def test_a_retry_after_a_failed_rehome_does_not_place_the_others_again(tmp_path:
     nowhere)."""
     agent = _agent(tmp_path)
     asked: List[Any] = []
-    agent.creating.create = lambda spec, reply, cause, now: asked.append((spec.instance, reply))
-    agent.bus.connected, agent.view.online, agent.rehoming.offline_since = True, {"n9": False}, {"n9": 0.0}
-    agent.view.hosted_by_node = {"n9": [spec("p.mid.0", "mid", True), spec("mid-b", "mid")]}
-    agent.rehomer.tick(100.0, agent.wall())
+    agent.core.creating.create = lambda spec, reply, cause, now: asked.append((spec.instance, reply))
+    agent.bus.connected, agent.core.view.online, agent.core.rehoming.offline_since = True, {"n9": False}, {"n9": 0.0}
+    agent.core.view.hosted_by_node = {"n9": [spec("p.mid.0", "mid", True), spec("mid-b", "mid")]}
+    agent.core.rehomer.tick(100.0, agent.wall())
     assert [a[0] for a in asked] == ["mid-b", "p.mid.0"]
-    assert set(agent.view.rehomed_by_node["me"]) == {"mid-b", "p.mid.0"}
+    assert set(agent.core.view.rehomed_by_node["me"]) == {"mid-b", "p.mid.0"}
     asked[0][1]({"ok": False, "error": "no node has a free slot"})  # mid-b failed; p.mid.0 on its way
-    assert set(agent.view.rehomed_by_node["me"]) == {"p.mid.0"}
-    agent.rehomer.tick(101.0, agent.wall())
+    assert set(agent.core.view.rehomed_by_node["me"]) == {"p.mid.0"}
+    agent.core.rehomer.tick(101.0, agent.wall())
     assert [a[0] for a in asked[2:]] == ["mid-b"]
-    agent.rehomer.tick(102.0, agent.wall())
+    agent.core.rehomer.tick(102.0, agent.wall())
     assert len(asked) == 3  # nothing failed since: nothing planned again
     # n9 comes back and lists both: the claims end (the next loss of n9 re-homes them again)
-    agent.view.online, agent.rehoming.offline_since = {"n9": True}, {}
-    agent.view.fleet["n9"] = {"instances": [{"id": "p.mid.0"}, {"id": "mid-b"}]}
-    agent.rehomer.tick(103.0, agent.wall())
-    assert agent.rehoming.claims == {}
+    agent.core.view.online, agent.core.rehoming.offline_since = {"n9": True}, {}
+    agent.core.view.fleet["n9"] = {"instances": [{"id": "p.mid.0"}, {"id": "mid-b"}]}
+    agent.core.rehomer.tick(103.0, agent.wall())
+    assert agent.core.rehoming.claims == {}
 
 
 def test_a_failed_rehome_is_not_placed_again_when_the_returning_node_runs_it(tmp_path: Path) -> None:
@@ -164,17 +164,17 @@ def test_a_failed_rehome_is_not_placed_again_when_the_returning_node_runs_it(tmp
     back for a while (its state then shows what it re-adopted); here it re-adopted it."""
     agent = _agent(tmp_path)
     asked: List[Any] = []
-    agent.creating.create = lambda spec, reply, cause, now: asked.append((spec.instance, reply))
-    agent.bus.connected, agent.view.online, agent.rehoming.offline_since = True, {"n9": False}, {"n9": 0.0}
-    agent.view.hosted_by_node = {"n9": [spec("p.mid.0", "mid", True)]}
-    agent.rehomer.tick(100.0, agent.wall())
-    agent.view.online, agent.rehoming.offline_since, agent.rehoming.online_since = {"n9": True}, {}, {"n9": 105.0}
+    agent.core.creating.create = lambda spec, reply, cause, now: asked.append((spec.instance, reply))
+    agent.bus.connected, agent.core.view.online, agent.core.rehoming.offline_since = True, {"n9": False}, {"n9": 0.0}
+    agent.core.view.hosted_by_node = {"n9": [spec("p.mid.0", "mid", True)]}
+    agent.core.rehomer.tick(100.0, agent.wall())
+    agent.core.view.online, agent.core.rehoming.offline_since, agent.core.rehoming.online_since = {"n9": True}, {}, {"n9": 105.0}
     asked[0][1]({"ok": False, "error": "not ready 20.0s after start"})
-    agent.rehomer.tick(106.0, agent.wall())  # back for 1 s: its state may not show what it re-adopted yet
-    assert len(asked) == 1 and "p.mid.0" in agent.rehoming.retry
-    agent.view.fleet["n9"] = {"instances": [{"id": "p.mid.0"}]}  # it did
-    agent.rehomer.tick(130.0, agent.wall())
-    assert len(asked) == 1 and not agent.rehoming.retry
+    agent.core.rehomer.tick(106.0, agent.wall())  # back for 1 s: its state may not show what it re-adopted yet
+    assert len(asked) == 1 and "p.mid.0" in agent.core.rehoming.retry
+    agent.core.view.fleet["n9"] = {"instances": [{"id": "p.mid.0"}]}  # it did
+    agent.core.rehomer.tick(130.0, agent.wall())
+    assert len(asked) == 1 and not agent.core.rehoming.retry
 
 
 def test_an_idle_copy_is_rehomed_idle_out_of_rebuilt_successors_and_its_creator_told() -> None:
@@ -209,14 +209,14 @@ def test_the_agent_reads_idle_copies_from_the_lost_nodes_last_state(tmp_path: Pa
     (and the online nodes' states, and our workers)."""
     agent = _agent(tmp_path)
     created: List[Any] = []
-    agent.creating.create = lambda spec, reply, cause, now: created.append(spec)
-    agent.bus.connected, agent.view.online, agent.rehoming.offline_since = True, {"n2": False, "n1": True, "n3": True}, {"n2": 0.0}
-    agent.view.hosted_by_node = {"n1": [spec("p.source.0", "source", True)],
+    agent.core.creating.create = lambda spec, reply, cause, now: created.append(spec)
+    agent.bus.connected, agent.core.view.online, agent.core.rehoming.offline_since = True, {"n2": False, "n1": True, "n3": True}, {"n2": 0.0}
+    agent.core.view.hosted_by_node = {"n1": [spec("p.source.0", "source", True)],
                             "n2": [spec("p.mid.0", "mid", True), spec("mid-b", "mid", creator="p.mid.0")],
                             "n3": [spec("p.sink.0", "sink", True)]}
-    agent.view.fleet["n2"] = {"instances": [{"id": "mid-b", "stats": {"state": "idle"}},  # the lost node's last state
+    agent.core.view.fleet["n2"] = {"instances": [{"id": "mid-b", "stats": {"state": "idle"}},  # the lost node's last state
                                        {"id": "p.mid.0", "stats": {"state": "duplicating"}}]}
-    agent.rehomer.tick(100.0, agent.wall())
+    agent.core.rehomer.tick(100.0, agent.wall())
     assert [(s.instance, s.active, s.extra.get("idle_copies")) for s in created] == [
         ("mid-b", False, None), ("p.mid.0", True, ["mid-b"])]
 
@@ -228,17 +228,17 @@ def test_a_rehomed_instance_is_told_the_round_it_waited_to_start_under_its_locks
     idle copy is adopted from `idle_copies`), not for a copy re-homed idle."""
     agent = _agent(tmp_path)
     created: List[Any] = []
-    agent.creating.create = lambda spec, reply, cause, now: created.append(spec)
-    agent.bus.connected, agent.view.online, agent.rehoming.offline_since = True, {"n2": False, "n1": True, "n3": True}, {"n2": 0.0}
-    agent.view.hosted_by_node = {"n1": [spec("p.source.0", "source", True)],
+    agent.core.creating.create = lambda spec, reply, cause, now: created.append(spec)
+    agent.bus.connected, agent.core.view.online, agent.core.rehoming.offline_since = True, {"n2": False, "n1": True, "n3": True}, {"n2": 0.0}
+    agent.core.view.hosted_by_node = {"n1": [spec("p.source.0", "source", True)],
                                  "n2": [spec("p.mid.0", "mid", True), spec("mid-b", "mid", creator="p.mid.0"),
                                         spec("mid-c", "mid", creator="p.mid.0")],
                                  "n3": [spec("p.sink.0", "sink", True)]}
-    agent.view.fleet["n2"] = {"instances": [
+    agent.core.view.fleet["n2"] = {"instances": [
         {"id": "p.mid.0", "stats": {"state": "active", "lock": {"intent": "duplicate", "adopting": None}}},
         {"id": "mid-b", "stats": {"state": "active", "lock": {"intent": "terminate", "adopting": "x"}}},
         {"id": "mid-c", "stats": {"state": "idle", "lock": {"intent": "terminate", "adopting": None}}}]}
-    agent.rehomer.tick(100.0, agent.wall())
+    agent.core.rehomer.tick(100.0, agent.wall())
     assert sorted((s.instance, s.extra.get("lock_intent")) for s in created) == [
         ("mid-b", None), ("mid-c", None), ("p.mid.0", "duplicate")]
     # the planner drops an intent its spec carried from an earlier re-home when none is reported
@@ -251,14 +251,14 @@ def test_a_rehomed_keyed_instance_is_told_the_key_groups_its_dead_incarnation_ow
     stats, `groups`); an instance it said nothing of is not told any (it holds the dealing)."""
     agent = _agent(tmp_path)
     created: List[Any] = []
-    agent.creating.create = lambda spec, reply, cause, now: created.append(spec)
-    agent.bus.connected, agent.view.online, agent.rehoming.offline_since = True, {"n2": False, "n1": True, "n3": True}, {"n2": 0.0}
-    agent.view.hosted_by_node = {"n1": [spec("p.source.0", "source", True)],
+    agent.core.creating.create = lambda spec, reply, cause, now: created.append(spec)
+    agent.bus.connected, agent.core.view.online, agent.core.rehoming.offline_since = True, {"n2": False, "n1": True, "n3": True}, {"n2": 0.0}
+    agent.core.view.hosted_by_node = {"n1": [spec("p.source.0", "source", True)],
                             "n2": [spec("p.mid.0", "mid", True), spec("mid-b", "mid", owned_groups=[[0, 127, 0]])],
                             "n3": [spec("p.sink.0", "sink", True)]}
-    agent.view.fleet["n2"] = {"instances": [{"id": "p.mid.0", "stats": {"groups": [[0, 27, 1], [40, 127, 0]]}},
+    agent.core.view.fleet["n2"] = {"instances": [{"id": "p.mid.0", "stats": {"groups": [[0, 27, 1], [40, 127, 0]]}},
                                        {"id": "mid-b", "stats": {}}]}
-    agent.rehomer.tick(100.0, agent.wall())
+    agent.core.rehomer.tick(100.0, agent.wall())
     assert [(s.instance, s.extra.get("owned_groups")) for s in created] == [
         ("mid-b", None), ("p.mid.0", [[0, 27, 1], [40, 127, 0]])]
 
@@ -805,7 +805,7 @@ def test_a_rehome_goes_to_the_standby_holding_its_copy_even_with_its_slots_taken
     from foglab.sim.instance_check import BROKER
 
     agent = _agent(tmp_path)
-    root = agent.replication.store.root
+    root = agent.core.replication.store.root
     root.mkdir(parents=True)
     (root / "cnt-c.keyed.json").write_text("{}")
     (root / "cnt-c.replica.json").write_text(_json.dumps({"host": "n3", "gen": 1, "log": 0, "owned": [[0, 3, 1]]}))
@@ -814,20 +814,20 @@ def test_a_rehome_goes_to_the_standby_holding_its_copy_even_with_its_slots_taken
         return InstanceSpec(instance, "cnt", "me", "c", "p", KEYED_PIPE, BROKER, restart=True,
                             extra={"standby": standby, "min_epoch": 1_800_000_000})
 
-    assert agent.creating.here.beyond_slots(job("cnt-c", "me"), "rehome")
-    assert not agent.creating.here.beyond_slots(job("cnt-d", "me"), "rehome")  # no copy here
-    assert not agent.creating.here.beyond_slots(job("cnt-c", "n2"), "rehome")  # its copy is said to be elsewhere
-    assert not agent.creating.here.beyond_slots(job("cnt-c", "me"), "spawn")
-    agent.drain.draining = True
-    assert not agent.creating.here.beyond_slots(job("cnt-c", "me"), "rehome")
-    agent.drain.draining = False
+    assert agent.core.creating.here.beyond_slots(job("cnt-c", "me"), "rehome")
+    assert not agent.core.creating.here.beyond_slots(job("cnt-d", "me"), "rehome")  # no copy here
+    assert not agent.core.creating.here.beyond_slots(job("cnt-c", "n2"), "rehome")  # its copy is said to be elsewhere
+    assert not agent.core.creating.here.beyond_slots(job("cnt-c", "me"), "spawn")
+    agent.core.drain.draining = True
+    assert not agent.core.creating.here.beyond_slots(job("cnt-c", "me"), "rehome")
+    agent.core.drain.draining = False
     # first in the ranking, with no free slot in the fleet views (placement skips it)
     tried: List[Any] = []
-    agent.creating.handle = lambda e, now: tried.append(  # type: ignore[method-assign]
+    agent.core.creating.handle = lambda e, now: tried.append(  # type: ignore[method-assign]
         spawns.candidates(e.ranking, e.spec, e.cause, agent.node, e.online))
-    agent.view.online["n2"] = True
-    agent.creating.create(job("cnt-c", "n2"), lambda _r: None, cause="rehome", now=0.0)
-    agent.creating.create(job("cnt-c", "n2"), lambda _r: None, cause="spawn", now=0.0)
+    agent.core.view.online["n2"] = True
+    agent.core.creating.create(job("cnt-c", "n2"), lambda _r: None, cause="rehome", now=0.0)
+    agent.core.creating.create(job("cnt-c", "n2"), lambda _r: None, cause="spawn", now=0.0)
     assert tried[0][0] == "n2" and "n2" not in tried[1]
 
 
@@ -845,7 +845,7 @@ def test_a_standby_lists_what_its_copies_of_an_offline_host_own_and_the_rehome_r
     from agent.node import rehoming
 
     agent = _agent(tmp_path)
-    root = agent.replication.store.root
+    root = agent.core.replication.store.root
     root.mkdir(parents=True)
     (root / "cnt-c.keyed.json").write_text("{}")
     (root / "cnt-c.replica.json").write_text(_json.dumps({"host": "n3", "gen": 1, "log": 0, "owned": [[0, 3, 1]]}))
@@ -854,22 +854,22 @@ def test_a_standby_lists_what_its_copies_of_an_offline_host_own_and_the_rehome_r
         topic = topics.agent_status("c", node)
         msg = mqtt.MQTTMessage(topic=topic.encode())
         msg.payload = payload
-        agent.inbound.on_status(msg, topics.parse("c", topic), 0.0)
+        agent.core.inbound.on_status(msg, topics.parse("c", topic), 0.0)
 
     status("n3", b"online")
-    assert "standby_groups" not in agent.state_doc()
-    agent._state_dirty = False
+    assert "standby_groups" not in agent.core.state_doc()
+    agent.core._state_dirty = False
     status("n3", b"offline")
-    assert agent._state_dirty  # published again at once
-    assert agent.state_doc()["standby_groups"] == {"cnt-c": [[0, 3, 1]]}
-    agent.view.hosted_by_node["n3"] = [keyed_spec("cnt-c", "cnt", creator="p.cnt.0", standby="me"),
+    assert agent.core._state_dirty  # published again at once
+    assert agent.core.state_doc()["standby_groups"] == {"cnt-c": [[0, 3, 1]]}
+    agent.core.view.hosted_by_node["n3"] = [keyed_spec("cnt-c", "cnt", creator="p.cnt.0", standby="me"),
                                        keyed_spec("cnt-d", "cnt", creator="p.cnt.0", standby="n2"),
                                        keyed_spec("cnt-e", "cnt", creator="p.cnt.0", standby="n4")]
-    agent.view.online.update(n2=True, n4=False)
-    agent.view.fleet["n2"] = {"standby_groups": {"cnt-d": [[4, 7, 2]], "cnt-x": [[0, 0, 0]]}}
-    agent.view.fleet["n4"] = {"standby_groups": {"cnt-e": [[0, 0, 9]]}}  # offline: not read
-    v = agent.view  # what the re-homing agent passes (agent.node.rehomer, Rehomer.tick)
-    got = rehoming.standby_groups(agent.node, "n3", v.hosted_by_node, agent.replication.store.owned(["n3"]), v.fleet,
+    agent.core.view.online.update(n2=True, n4=False)
+    agent.core.view.fleet["n2"] = {"standby_groups": {"cnt-d": [[4, 7, 2]], "cnt-x": [[0, 0, 0]]}}
+    agent.core.view.fleet["n4"] = {"standby_groups": {"cnt-e": [[0, 0, 9]]}}  # offline: not read
+    v = agent.core.view  # what the re-homing agent passes (agent.node.rehomer, Rehomer.tick)
+    got = rehoming.standby_groups(agent.node, "n3", v.hosted_by_node, agent.core.replication.store.owned(["n3"]), v.fleet,
                                   v.online)
     assert got == {"cnt-c": [[0, 3, 1]], "cnt-d": [[4, 7, 2]]}
 

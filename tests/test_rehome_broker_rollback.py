@@ -35,12 +35,12 @@ def test_a_rehome_our_record_lost_with_the_brokers_last_seconds_is_published_aga
     clock = [100.0]
     agent = Agent(load_agent_config(conf), warm_worker=False, clock=lambda: clock[0], wall=lambda: 5000.0)
     placed: List[str] = []
-    agent.creating.create = lambda spec, reply, cause, now: placed.append(spec.instance)  # type: ignore
+    agent.core.creating.create = lambda spec, reply, cause, now: placed.append(spec.instance)  # type: ignore
     client = agent.bus.client = RecordingClient()
     ours = topics.agent_rehomed("c", "n1")
 
     def message(topic: str, payload: bytes, retain: bool = False) -> None:
-        agent._on_message(recorded(topic, payload, retain), clock[0])
+        agent.core._on_message(recorded(topic, payload, retain), clock[0])
 
     def connect(at: float, retained: List[Tuple[str, bytes]]) -> None:
         clock[0] = at
@@ -62,7 +62,7 @@ def test_a_rehome_our_record_lost_with_the_brokers_last_seconds_is_published_aga
     agent._dispatch(Disconnected("connection lost"), 110.0)
     sent = len(client.on(ours))
     connect(112.0, [(topics.agent_status("c", "n3"), b"offline"), hosted, before])
-    assert agent.view.rehomed_by_node["n1"] == {"p.old.0": 4000.0, "p.work.0": 5000.0}, "the re-home forgotten"
+    assert agent.core.view.rehomed_by_node["n1"] == {"p.old.0": 4000.0, "p.work.0": 5000.0}, "the re-home forgotten"
     assert client.on(ours)[sent:], "our record not published again: the broker keeps the older copy"
     assert json.loads(client.on(ours)[-1]) == {"p.old.0": 4000.0, "p.work.0": 5000.0}
 

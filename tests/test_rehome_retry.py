@@ -33,24 +33,24 @@ def test_a_rehome_that_fails_after_the_node_came_back_is_placed_again(tmp_path: 
     conf.write_text(f'[agent]\nnode = "n2"\ncluster = "c"\nstate_dir = "{tmp_path}"\ndead_after = 6.0\n'
                     '[mqtt]\nhost = "h"\nport = 1\n')
     agent = Agent(load_agent_config(conf), warm_worker=False)
-    agent._publish = lambda *a, **k: True  # type: ignore[assignment]
+    agent.core._publish = lambda *a, **k: True  # type: ignore[assignment]
     placed: List[Tuple[str, Callable[[Dict[str, Any]], None]]] = []
-    agent.creating.create = lambda spec, reply, cause, now: placed.append((spec.instance, reply))  # type: ignore
+    agent.core.creating.create = lambda spec, reply, cause, now: placed.append((spec.instance, reply))  # type: ignore
     agent.bus.connected = agent.bus.retained_in = True  # connected, the retained records in (sync marker)
 
     def message(topic: str, payload: bytes) -> None:
-        agent._on_message(recorded(topic, payload), now)
+        agent.core._on_message(recorded(topic, payload), now)
 
     source = InstanceSpec("p.source.0", "source", "n1", "c", "p", PIPELINE, BrokerSpec("h", 1), keeper=True,
                           succs=("p.work.0",))
-    agent.view.hosted_by_node["n1"] = [request_spec(source)]
+    agent.core.view.hosted_by_node["n1"] = [request_spec(source)]
     now = 100.0
     for node in ("n1", "n3"):
         message(topics.agent_status("c", node), b"online")
     now = 101.0
     message(topics.agent_status("c", "n1"), b"offline")  # the Will of the killed agent
     now = 108.0
-    agent.rehomer.tick(now, agent.wall())
+    agent.core.rehomer.tick(now, agent.wall())
     assert [i for i, _ in placed] == ["p.source.0"]  # re-homed after dead_after
 
     now = 115.0
@@ -58,7 +58,7 @@ def test_a_rehome_that_fails_after_the_node_came_back_is_placed_again(tmp_path: 
     now = 135.0
     placed[0][1]({"ok": False, "error": "n3: worker exited before ready (not ready 20.0s after start)"})
     for now in (136.0, 140.0, 160.0):
-        agent.rehomer.tick(now, agent.wall())
+        agent.core.rehomer.tick(now, agent.wall())
     assert [i for i, _ in placed].count("p.source.0") >= 2, "the source runs nowhere and nobody places it again"
 
 
@@ -78,7 +78,7 @@ def test_a_node_that_came_back_while_we_were_away_is_not_rehomed_at_our_reconnec
     clock = [100.0]
     agent = Agent(load_agent_config(conf), warm_worker=False, clock=lambda: clock[0])
     placed: List[str] = []
-    agent.creating.create = lambda spec, reply, cause, now: placed.append(spec.instance)  # type: ignore
+    agent.core.creating.create = lambda spec, reply, cause, now: placed.append(spec.instance)  # type: ignore
     client = agent.bus.client = RecordingClient()
 
     def connect(at: float, retained: List[Tuple[str, bytes]]) -> None:
@@ -86,7 +86,7 @@ def test_a_node_that_came_back_while_we_were_away_is_not_rehomed_at_our_reconnec
         reconnect(agent, client, at, retained)
 
     def message(topic: str, payload: bytes, retain: bool = False) -> None:
-        agent._on_message(recorded(topic, payload, retain), clock[0])
+        agent.core._on_message(recorded(topic, payload, retain), clock[0])
 
     work = InstanceSpec("p.work.0", "work", "n3", "c", "p", PIPELINE, BrokerSpec("h", 1), keeper=True)
     hosted = (topics.agent_hosted("c", "n3"), json.dumps([request_spec(work)]).encode())

@@ -409,18 +409,18 @@ def test_the_daemon_sends_the_next_part_on_the_brokers_puback(tmp_path: Path) ->
 
     agent.bus.client = Client()
     agent.bus.connected = True
-    agent.view.online["n2"] = True
+    agent.core.view.online["n2"] = True
     host = _big_save(tmp_path / "state", 5 * PART_BYTES, 0)
-    agent.replication.saved("cnt-a", 1, 0)
+    agent.core.replication.saved("cnt-a", 1, 0)
     now = agent.clock()
-    agent._replicate(now)
+    agent.core._replicate(now)
     peer = topics.agent_peer("c", "n2", "n1")
 
     def parts() -> List[Tuple[int, int]]:
         return [(json.loads(p)["part"], mid) for t, p, mid in sent if t == peer]
 
     assert [p for p, _ in parts()] == list(range(WINDOW))
-    agent._replicate(now + 1)
+    agent.core._replicate(now + 1)
     assert len(parts()) == WINDOW  # nothing more before an ack
     n = -(-host.stat().st_size // PART_BYTES)
     while len(parts()) < n:

@@ -27,10 +27,12 @@ from pipelines import with_work
 from agent.node import nodestate
 
 from agent.node import rpc
+from agent.node.deploy import RpcClient
 from agent.node.placement import NodeView, PlacementRequest, free_slots_then_latency, local_only, spread
 from agent.instance.spec import InstanceSpec
 from agent.mqtt.settings import BrokerSpec
-from agent.node.supervisor import Supervisor, WorkerStatus
+from agent.node.supervisor import Supervisor
+from agent.node.workers import WorkerStatus
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -327,7 +329,7 @@ class Watcher:
     """A test MQTT client collecting retained state/status and events."""
 
     def __init__(self, broker: Any, cluster: str = "t") -> None:
-        self.client = rpc.RpcClient(broker.host, broker.port, cluster).connect()
+        self.client = RpcClient(broker.host, broker.port, cluster).connect()
         self.cluster = cluster
 
     def deployed(self, name: str, text: str) -> None:
@@ -578,17 +580,17 @@ def test_a_request_cannot_override_node_local_fields(tmp_path: Path) -> None:
     hostile = {"instance": "p.work.7", "operator": "work", "pipeline": "p", "pipeline_toml": PIPELINE,
                "node": "elsewhere", "cluster": "other", "state_dir": "/etc", "heartbeat_period": 99.0,
                "broker": {"host": "evil", "port": 1}, "succs": ["p.sink.0"], "keeper": True}
-    spec = agent.gate.spec_from(agent.wall(), hostile, template=None)
+    spec = agent.core.gate.spec_from(agent.wall(), hostile, template=None)
     assert (spec.node, spec.cluster, spec.state_dir, spec.heartbeat_period) == ("me", "c", str(tmp_path), 0.3)
     assert (spec.broker.host, spec.broker.port) == ("10.0.0.1", 1884)
     assert spec.instance == "p.work.7" and spec.succs == ("p.sink.0",)
     # a worker's request without an id gets a fresh one, never its requester's identity
-    template = agent.gate.spec_from(agent.wall(), hostile, template=None)
-    child = agent.gate.spec_from(agent.wall(), {"operator": "work"}, template=template)
+    template = agent.core.gate.spec_from(agent.wall(), hostile, template=None)
+    child = agent.core.gate.spec_from(agent.wall(), {"operator": "work"}, template=template)
     assert child.instance != template.instance and not child.keeper and child.pipeline == "p"
     for bad in ({"operator": "work", "instance": "a/b"}, {"instance": "x"}):
         with pytest.raises(ValueError):
-            agent.gate.spec_from(agent.wall(), bad, template=None)
+            agent.core.gate.spec_from(agent.wall(), bad, template=None)
 
 
 HANDOVER_PIPELINE = with_work("agent.operators.builtin:in_zone")
@@ -617,10 +619,10 @@ def test_a_handed_over_keeper_keeps_its_identity_state_and_a_higher_epoch(tmp_pa
                        extra={"sink_dir": str(tmp_path / "sink"), "handover_state": shipped})
     body = request_spec(old)
     assert "broker" not in body and "pw" not in json.dumps(body)  # no broker password travels
-    spec = agent.gate.spec_from(agent.wall(), body, template=None)
+    spec = agent.core.gate.spec_from(agent.wall(), body, template=None)
     assert (spec.instance, spec.keeper, spec.restart, spec.node) == ("p.work.0", True, True, "me")
     assert spec.extra["handover_state"] == shipped
-    child = agent.gate.spec_from(agent.wall(), {"operator": "work"}, template=spec)
+    child = agent.core.gate.spec_from(agent.wall(), {"operator": "work"}, template=spec)
     assert "handover_state" not in child.extra and not child.restart and not child.keeper
     assert "handover_state" not in without_handover(spec).extra and without_handover(spec).extra["sink_dir"]
 
@@ -670,7 +672,7 @@ def test_fencing_spares_an_instance_placed_here_since_the_connect_and_never_rest
 
     from agent.config import load_agent_config
     from agent.node.daemon import Agent
-    from agent.node.supervisor import Reaped, Worker
+    from agent.node.workers import Reaped, Worker
 
     conf = tmp_path / "a.toml"
     conf.write_text(f'[agent]\nnode = "me"\ncluster = "c"\nstate_dir = "{tmp_path}"\n[mqtt]\nhost = "h"\nport = 1\n')
@@ -685,15 +687,15 @@ def test_fencing_spares_an_instance_placed_here_since_the_connect_and_never_rest
         return w
 
     old, new = worker("p.work.0", 5.0), worker("p.sink.0", 15.0)
-    agent.fencing.connected_at, agent.fencing.readopted = 10.0, True
-    agent.view.online = {"n2": True}
-    agent.view.fleet = {"n2": {"instances": [{"id": "p.work.0"}, {"id": "p.sink.0"}]}}  # n2 lists both
-    agent.reconciler.reconcile(20.0, agent.wall())
+    agent.core.fencing.connected_at, agent.core.fencing.readopted = 10.0, True
+    agent.core.view.online = {"n2": True}
+    agent.core.view.fleet = {"n2": {"instances": [{"id": "p.work.0"}, {"id": "p.sink.0"}]}}  # n2 lists both
+    agent.core.reconciler.reconcile(20.0, agent.wall())
     assert old.proc.signals == [_signal.SIGKILL] and old.killed_for == "re-homed elsewhere"
     assert new.proc.signals == [] and new.killed_for is None  # placed here after the connect
     del agent.supervisor.workers["p.work.0"]  # what poll() does when it reaps it
-    agent._on_reaped(Reaped(old, -9), 21.0)
-    assert started == [] and agent.counters["restarts"] == 0  # fenced: not restarted as a crash
+    agent.core._on_reaped(Reaped(old, -9), 21.0)
+    assert started == [] and agent.core.counters["restarts"] == 0  # fenced: not restarted as a crash
 
 
 def test_when_two_nodes_fence_at_once_the_copy_of_the_latest_rehome_stays(tmp_path: Path) -> None:
@@ -705,7 +707,7 @@ def test_when_two_nodes_fence_at_once_the_copy_of_the_latest_rehome_stays(tmp_pa
     sides' reading; the other stands down. Without a re-home record, fencing is as before."""
     from agent.config import load_agent_config
     from agent.node.daemon import Agent
-    from agent.node.supervisor import Worker
+    from agent.node.workers import Worker
 
     def agent_running(node: str, floors: Dict[str, Optional[int]]) -> Any:
         conf = tmp_path / f"{node}.toml"
@@ -717,17 +719,17 @@ def test_when_two_nodes_fence_at_once_the_copy_of_the_latest_rehome_stays(tmp_pa
             spec = InstanceSpec(inst, "work", node, "c", "p", PIPELINE, BrokerSpec("h", 1), extra=extra)
             agent.supervisor.workers[inst] = Worker(spec=spec, proc=_FakeProc(), started_at=5.0)  # type: ignore[arg-type]
         other = "n2" if node == "n1" else "n1"
-        agent.fencing.connected_at, agent.fencing.readopted = 10.0, True
-        agent.view.online = {other: True, "n3": True}
-        agent.view.fleet = {other: {"instances": [{"id": i} for i in floors]}}
+        agent.core.fencing.connected_at, agent.core.fencing.readopted = 10.0, True
+        agent.core.view.online = {other: True, "n3": True}
+        agent.core.view.fleet = {other: {"instances": [{"id": i} for i in floors]}}
         # n3 re-homed both: work-a twice (the second placement at 1000), work-b once (at 990)
-        agent.view.rehomed_by_node = {"n3": {"work-a": 1000.4, "work-b": 990.7}}
+        agent.core.view.rehomed_by_node = {"n3": {"work-a": 1000.4, "work-b": 990.7}}
         return agent
 
     n1 = agent_running("n1", {"work-a": 1000, "work-b": 990, "work-c": None})
     n2 = agent_running("n2", {"work-a": 995, "work-b": 900, "work-c": None})
-    n1.reconciler.reconcile(20.0, n1.wall())
-    n2.reconciler.reconcile(20.0, n2.wall())
+    n1.core.reconciler.reconcile(20.0, n1.wall())
+    n2.core.reconciler.reconcile(20.0, n2.wall())
     stopped = {(a.node, i) for a in (n1, n2) for i, w in a.supervisor.workers.items() if w.proc.signals}
     assert stopped == {("n2", "work-a"), ("n2", "work-b"), ("n1", "work-c"), ("n2", "work-c")}
 
@@ -741,14 +743,14 @@ def test_a_keeper_stopped_for_a_drain_moves_with_its_state_or_restarts_here(tmp_
     from agent.config import load_agent_config
     from agent.node import hosted
     from agent.node.daemon import Agent
-    from agent.node.supervisor import Reaped, Worker
+    from agent.node.workers import Reaped, Worker
 
     conf = tmp_path / "a.toml"
     conf.write_text(f'[agent]\nnode = "me"\ncluster = "c"\nstate_dir = "{tmp_path}/state"\n[mqtt]\nhost = "h"\nport = 1\n')
     agent = Agent(load_agent_config(conf), warm_worker=False)
     started: List[InstanceSpec] = []
     agent.supervisor.start = lambda spec, now: started.append(spec)  # type: ignore[assignment]
-    agent.drain.draining = True
+    agent.core.drain.draining = True
     state_dir = tmp_path / "state"
     spec = InstanceSpec("p.work.0", "work", "me", "c", "p", PIPELINE, BrokerSpec("h", 1), keeper=True,
                         state_dir=str(state_dir), extra={"sink_dir": str(tmp_path / "sink")})
@@ -760,13 +762,13 @@ def test_a_keeper_stopped_for_a_drain_moves_with_its_state_or_restarts_here(tmp_
         proc.wait()
         w = Worker(spec=spec, proc=proc, started_at=1.0, stop_sent_at=2.0,
                    exit_event={"event": "exit", "code": 0, "final": False})
-        agent.drain.handing_over.add("p.work.0")
+        agent.core.drain.handing_over.add("p.work.0")
         return w
 
     asked: List[Any] = []
-    real_create = agent.creating.create
-    agent.creating.create = lambda s, reply, cause, now, **kw: asked.append((s, reply, cause))  # type: ignore[assignment]
-    agent._on_reaped(Reaped(stopped_keeper(), 0), 3.0)
+    real_create = agent.core.creating.create
+    agent.core.creating.create = lambda s, reply, cause, now, **kw: asked.append((s, reply, cause))  # type: ignore[assignment]
+    agent.core._on_reaped(Reaped(stopped_keeper(), 0), 3.0)
     [(moved, reply, cause)] = asked
     assert cause == "handover" and moved.instance == "p.work.0" and moved.restart and moved.keeper
     assert moved.extra["handover_state"] == {"epoch": 3, "inbound": {}} and "min_epoch" not in moved.extra
@@ -774,8 +776,8 @@ def test_a_keeper_stopped_for_a_drain_moves_with_its_state_or_restarts_here(tmp_
     assert not (state_dir / "p.work.0.state.json").exists() and hosted.hosted(state_dir) == []
     assert started == []
 
-    agent.creating.create = real_create  # type: ignore[assignment]
-    agent._on_reaped(Reaped(stopped_keeper(), 0), 4.0)  # no other node: placement has nowhere to go
+    agent.core.creating.create = real_create  # type: ignore[assignment]
+    agent.core._on_reaped(Reaped(stopped_keeper(), 0), 4.0)  # no other node: placement has nowhere to go
     [again] = started
     assert again.instance == "p.work.0" and again.restart and again.keeper and "handover_state" not in again.extra
     assert (state_dir / "p.work.0.state.json").exists() and [s.instance for s in hosted.hosted(state_dir)] == ["p.work.0"]
@@ -870,7 +872,7 @@ def test_a_spawn_whose_worker_never_became_ready_is_not_restarted_here(tmp_path:
     from agent.node import hosted
     from agent.node import spawns
     from agent.node.daemon import Agent
-    from agent.node.supervisor import Reaped, Worker
+    from agent.node.workers import Reaped, Worker
 
     conf = tmp_path / "a.toml"
     conf.write_text(f'[agent]\nnode = "me"\ncluster = "c"\nstate_dir = "{tmp_path}"\n[mqtt]\nhost = "h"\nport = 1\n')
@@ -880,8 +882,8 @@ def test_a_spawn_whose_worker_never_became_ready_is_not_restarted_here(tmp_path:
     spec = InstanceSpec("p.work.0", "work", "me", "c", "p", PIPELINE, BrokerSpec("h", 1), keeper=True)
     hosted.remember(tmp_path, spec)
     replies: List[Dict[str, Any]] = []
-    (start,) = agent.spawns.handle(spawns.SpawnRequest(spec, replies.append, "deploy", "adm"), 1.0)
-    assert agent.spawns.handle(spawns.LocalStart(start.job, None), 1.0) == []  # started, not ready yet
+    (start,) = agent.core.spawns.handle(spawns.SpawnRequest(spec, replies.append, "deploy", "adm"), 1.0)
+    assert agent.core.spawns.handle(spawns.LocalStart(start.job, None), 1.0) == []  # started, not ready yet
 
     class Proc:
         pid = 999_998
@@ -890,14 +892,14 @@ def test_a_spawn_whose_worker_never_became_ready_is_not_restarted_here(tmp_path:
             return -9
 
     w = Worker(spec=spec, proc=Proc(), started_at=1.0)  # type: ignore[arg-type]
-    agent.hosts.sync({spec.instance: ("p", Proc.pid)}, {}, {}, {}, {})  # starting here: bound here
-    assert agent.hosts.hostmap.bound(spec.instance) == "me"
+    agent.core.hosts.sync({spec.instance: ("p", Proc.pid)}, {}, {}, {}, {})  # starting here: bound here
+    assert agent.core.hosts.hostmap.bound(spec.instance) == "me"
     w.killed_for = "not ready 20.0s after start"
-    agent._on_reaped(Reaped(w, -9), 25.0)
+    agent.core._on_reaped(Reaped(w, -9), 25.0)
     assert replies and replies[0]["ok"] is False and "exited before ready" in replies[0]["error"]
-    assert started == [] and agent.counters["restarts"] == 0 and not agent.restarts.delayed
+    assert started == [] and agent.core.counters["restarts"] == 0 and not agent.core.restarts.delayed
     assert spec.instance not in {s.instance for s in hosted.hosted(tmp_path)}
-    assert agent.hosts.hostmap.bound(spec.instance) is None
+    assert agent.core.hosts.hostmap.bound(spec.instance) is None
 
 
 @pytest.mark.broker
@@ -910,7 +912,7 @@ def test_a_worker_that_announced_its_final_exit_and_needed_sigterm_left_by_scale
 
     from agent.config import load_agent_config
     from agent.node.daemon import Agent
-    from agent.node.supervisor import Reaped, Worker
+    from agent.node.workers import Reaped, Worker
 
     conf = tmp_path / "a.toml"
     conf.write_text(f'[agent]\nnode = "me"\ncluster = "c"\nstate_dir = "{tmp_path}"\n[mqtt]\nhost = "h"\nport = 1\n')
@@ -918,7 +920,7 @@ def test_a_worker_that_announced_its_final_exit_and_needed_sigterm_left_by_scale
     started: List[str] = []
     agent.supervisor.start = lambda spec, now: started.append(spec.instance)  # type: ignore[assignment]
     seen: List[Any] = []
-    agent._event = lambda etype, instance, *a, **detail: seen.append((etype, instance, detail))  # type: ignore[assignment]
+    agent.core._event = lambda etype, instance, *a, **detail: seen.append((etype, instance, detail))  # type: ignore[assignment]
 
     def worker(inst: str) -> Worker:
         spec = InstanceSpec(inst, "work", "me", "c", "p", PIPELINE, BrokerSpec("h", 1), keeper=False)
@@ -926,8 +928,8 @@ def test_a_worker_that_announced_its_final_exit_and_needed_sigterm_left_by_scale
 
     left, died = worker("work-me-1"), worker("work-me-2")
     left.exit_event, left.stop_sent_at = {"event": "exit", "final": True, "code": 0}, 5.0
-    agent._on_reaped(Reaped(left, -_signal.SIGTERM), 10.0)
-    agent._on_reaped(Reaped(died, -9), 11.0)
+    agent.core._on_reaped(Reaped(left, -_signal.SIGTERM), 10.0)
+    agent.core._on_reaped(Reaped(died, -9), 11.0)
     causes = {inst: d["cause"] for etype, inst, d in seen if etype == "terminated"}
     assert causes == {"work-me-1": "scale_in", "work-me-2": "crash"}, seen
     assert started == ["work-me-2"]  # only the crashed one comes back

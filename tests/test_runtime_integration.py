@@ -170,7 +170,7 @@ def test_step_load_scales_out_and_back_exactly_once(tmp_path: Path, mosquitto: A
         t0 = time.monotonic()
         # malformed payloads into the in_zone keeper's inbox, while it works
         time.sleep(2.0)
-        from agent.node.rpc import RpcClient
+        from agent.node.deploy import RpcClient
 
         keeper = "step.in_zone.0"
         def hosts_of(m: Any) -> List[str]:  # its inbox is on the node that hosts it (per-node inboxes)
@@ -240,7 +240,7 @@ def test_neighbours_scale_together_and_a_slow_sink_slows_producers(tmp_path: Pat
         while time.monotonic() < deadline and before < 0.85 * rate:
             before = rate_of(mon, "generated", "source", window=3.0)
         sink = placed["sink"]
-        from agent.node.rpc import RpcClient
+        from agent.node.deploy import RpcClient
 
         with RpcClient(mosquitto.host, mosquitto.port, fleet.cluster) as client:
             assert client.call(sink.node, {"op": "set", "instance": sink.instance, "fields": {"service_time_ms": 8.0}})["ok"]

@@ -326,28 +326,28 @@ def test_spec_from_refuses_and_logs_the_requester(tmp_path: Path, opsdir: Tuple[
     caplog.set_level(logging.WARNING, logger="agent.node.daemon")
     for func in ("builtins:exec", "os:system", f"{names['evil']}:run", "agent.operators.builtin:_private"):
         with pytest.raises(ValueError, match="refused"):
-            agent.gate.spec_from(agent.wall(), spec_body(func), template=None, requester="admin intruder")
-    assert agent.counters["refused_specs"] == 4
+            agent.core.gate.spec_from(agent.wall(), spec_body(func), template=None, requester="admin intruder")
+    assert agent.core.counters["refused_specs"] == 4
     assert sum("from admin intruder" in r.getMessage() and "builtins:exec" in r.getMessage() for r in caplog.records) == 1
-    good = agent.gate.spec_from(agent.wall(), spec_body(f"{names['ops']}:double"), template=None)
+    good = agent.core.gate.spec_from(agent.wall(), spec_body(f"{names['ops']}:double"), template=None)
     assert good.instance == "p.work.0"
     # this node does not spill: a request's spool settings (a directory anywhere) are dropped
-    spilling = agent.gate.spec_from(agent.wall(), spec_body(f"{names['ops']}:double", spill={"dir": str(tmp_path / "evil")}),
+    spilling = agent.core.gate.spec_from(agent.wall(), spec_body(f"{names['ops']}:double", spill={"dir": str(tmp_path / "evil")}),
                                 template=None)
     assert agent.spill is None and "spill" not in spilling.extra
     # a worker's createNode() is admitted too, and logged with the worker as the requester
     caplog.clear()
     with pytest.raises(ValueError):
-        agent.gate.spec_from(agent.wall(), {"operator": "work", "pipeline_toml": with_work("os:system")}, template=good)
+        agent.core.gate.spec_from(agent.wall(), {"operator": "work", "pipeline_toml": with_work("os:system")}, template=good)
     assert any("from worker p.work.0" in r.getMessage() for r in caplog.records)
     # a pipeline text nested 100k deep is refused, not a RecursionError in the agent's loop
     deep = spec_body("agent.operators.builtin:identity")
     deep["pipeline_toml"] = "x = " + "[" * 100_000 + "]" * 100_000 + "\n" + deep["pipeline_toml"]
     with pytest.raises(ValueError, match="nested too deeply"):
-        agent.gate.spec_from(agent.wall(), deep, template=None)
+        agent.core.gate.spec_from(agent.wall(), deep, template=None)
     # an operator that is not in the pipeline text
     with pytest.raises(ValueError, match="not in pipeline"):
-        agent.gate.spec_from(agent.wall(), dict(spec_body("agent.operators.builtin:identity"), operator="nope"), template=None)
+        agent.core.gate.spec_from(agent.wall(), dict(spec_body("agent.operators.builtin:identity"), operator="nope"), template=None)
     assert names["evil"] not in sys.modules and names["ops"] not in sys.modules  # the agent imports no user code
     assert not (tmp_path / "markers" / "evil_imported").exists()
     assert hosted.hosted(tmp_path / "state") == []  # nothing saved
@@ -360,11 +360,11 @@ def test_spec_paths_and_the_spool_are_the_nodes_own(tmp_path: Path) -> None:
     ok = "agent.operators.builtin:identity"
     for sink_dir in (f"{tmp_path}/state/../escape", "/x/../escape", f"{tmp_path}/state/link/escape", "rel", 7):
         with pytest.raises(ValueError, match="extra.sink_dir"):
-            agent.gate.spec_from(agent.wall(), spec_body(ok, sink_dir=sink_dir), template=None)
-    spec = agent.gate.spec_from(agent.wall(), spec_body(ok, sink_dir=f"{tmp_path}/spool/sinks"), template=None)
+            agent.core.gate.spec_from(agent.wall(), spec_body(ok, sink_dir=sink_dir), template=None)
+    spec = agent.core.gate.spec_from(agent.wall(), spec_body(ok, sink_dir=f"{tmp_path}/spool/sinks"), template=None)
     assert spec.extra["sink_dir"] == f"{tmp_path}/spool/sinks"
     # a request's spool settings never reach the worker: the node's own replace them at start
-    spec = agent.gate.spec_from(agent.wall(), spec_body(ok, spill={"dir": "/tmp/evil", "max_bytes": 1}), template=None)
+    spec = agent.core.gate.spec_from(agent.wall(), spec_body(ok, spill={"dir": "/tmp/evil", "max_bytes": 1}), template=None)
     assert "spill" not in spec.extra
     assert agent.spill.with_spill(spec).extra["spill"]["dir"] == f"{tmp_path}/spool"
     # a source's profile file is a path too
@@ -372,7 +372,7 @@ def test_spec_paths_and_the_spool_are_the_nodes_own(tmp_path: Path) -> None:
                                                  'function = "agent.operators.taxi:source"\n'
                                                  'params = { profile = "csv", csv = "/etc/fog-agent/tls/client.key" }')
     with pytest.raises(ValueError, match="params.csv"):
-        agent.gate.spec_from(agent.wall(), {"instance": "p.source.0", "operator": "source", "pipeline": "p", "pipeline_toml": text},
+        agent.core.gate.spec_from(agent.wall(), {"instance": "p.source.0", "operator": "source", "pipeline": "p", "pipeline_toml": text},
                          template=None)
     assert not (tmp_path / "escape").exists()
     agent.spill.close()
@@ -391,28 +391,28 @@ def test_readopt_sets_aside_a_stored_spec_the_node_does_not_admit(tmp_path: Path
     hosted.remember(state, stored("p.work.0", "agent.operators.builtin:identity"))
     hosted.remember(state, stored("p.work.1", "builtins:exec"))  # saved before this node refused it
     hosted.remember(state, stored("p.work.2", "agent.operators.builtin:identity", sink_dir="/x/../escape"))
-    agent.fencing.started(hosted.hosted(state))
-    agent.reconciler.readopt(0.0, agent.wall())
+    agent.core.fencing.started(hosted.hosted(state))
+    agent.core.reconciler.readopt(0.0, agent.wall())
     assert [s.instance for s in started] == ["p.work.0"]
     assert [s.instance for s in hosted.hosted(state)] == ["p.work.0"]  # neither re-adopted nor published again
     assert sorted(p.name for p in state.glob("*.refused")) == ["p.work.1.spec.json.refused",
                                                                "p.work.2.spec.json.refused"]
-    assert agent.counters["refused_specs"] == 2
+    assert agent.core.counters["refused_specs"] == 2
 
 
 def test_rehome_from_a_hosted_record_is_admitted_like_a_spawn(tmp_path: Path,
                                                                 caplog: pytest.LogCaptureFixture) -> None:
     agent = agent_for(tmp_path)
     created: List[InstanceSpec] = []
-    agent.creating.create = lambda spec, reply, cause, now: created.append(spec)  # type: ignore[assignment]
-    agent.bus.connected, agent.view.online, agent.rehoming.offline_since = True, {"n9": False}, {"n9": 0.0}
+    agent.core.creating.create = lambda spec, reply, cause, now: created.append(spec)  # type: ignore[assignment]
+    agent.bus.connected, agent.core.view.online, agent.core.rehoming.offline_since = True, {"n9": False}, {"n9": 0.0}
     agent.bus.retained_in = True  # the retained records are in (the sync marker came back)
     record = [spec_body("agent.operators.builtin:identity", "p.work.0"),
               spec_body("builtins:exec", "p.work.1"),
               spec_body("agent.operators.builtin:identity", "p.work.2", sink_dir="/x/../escape")]
-    agent.view.hosted_by_node["n9"] = record
+    agent.core.view.hosted_by_node["n9"] = record
     caplog.set_level(logging.WARNING, logger="agent.node.daemon")
-    agent.rehomer.tick(100.0, agent.wall())
+    agent.core.rehomer.tick(100.0, agent.wall())
     assert [s.instance for s in created] == ["p.work.0"]
     refused = [r.getMessage() for r in caplog.records if "refused spec" in r.getMessage()]
     assert len(refused) == 2 and all("the hosted record of n9" in m for m in refused)
@@ -435,31 +435,31 @@ def test_an_epoch_floor_ahead_of_the_nodes_clock_is_refused_and_never_saved(
     ok = "agent.operators.builtin:identity"
     caplog.set_level(logging.WARNING, logger="agent.node.daemon")
     with pytest.raises(ValueError, match="extra.min_epoch"):
-        agent.gate.spec_from(agent.wall(), spec_body(ok, min_epoch=2 ** 53), template=None, requester="peer n7")
+        agent.core.gate.spec_from(agent.wall(), spec_body(ok, min_epoch=2 ** 53), template=None, requester="peer n7")
     ahead = int(NOW) + admission.MAX_EPOCH_AHEAD + 1
     for i, extra in enumerate(({"min_epoch": 2 ** 53}, {"min_epoch": ahead}, {"min_epoch": "1795000000"},
                                {"min_epoch": True}, {"min_epoch": -1}, {"min_epoch": 1.7e9},
                                {"handover_state": {"epoch": 2 ** 53, "inbound": {}}})):
         with pytest.raises(ValueError, match="extra.(min_epoch|handover_state.epoch)"):
-            agent.gate.spec_from(agent.wall(), spec_body(ok, f"p.work.{i}", **extra), template=None, requester="peer n7")
-    assert agent.counters["refused_specs"] == 8
+            agent.core.gate.spec_from(agent.wall(), spec_body(ok, f"p.work.{i}", **extra), template=None, requester="peer n7")
+    assert agent.core.counters["refused_specs"] == 8
     assert any("from peer n7" in r.getMessage() and "ahead of this node's clock" in r.getMessage()
                for r in caplog.records)
     for floor in (int(NOW), int(NOW) + admission.MAX_EPOCH_AHEAD - 1, 0, None):  # skew within the margin
-        spec = agent.gate.spec_from(agent.wall(), spec_body(ok, min_epoch=floor), template=None)
+        spec = agent.core.gate.spec_from(agent.wall(), spec_body(ok, min_epoch=floor), template=None)
         assert spec.extra["min_epoch"] == floor
-    handed = agent.gate.spec_from(agent.wall(), spec_body(ok, handover_state={"epoch": 4, "inbound": {}}), template=None)
+    handed = agent.core.gate.spec_from(agent.wall(), spec_body(ok, handover_state={"epoch": 4, "inbound": {}}), template=None)
     assert handed.extra["handover_state"]["epoch"] == 4
     # a worker's createNode() carrying a forged floor
     with pytest.raises(ValueError, match="extra.min_epoch"):
-        agent.gate.spec_from(agent.wall(), {"operator": "work", "extra": {"min_epoch": 2 ** 53}}, template=handed)
+        agent.core.gate.spec_from(agent.wall(), {"operator": "work", "extra": {"min_epoch": 2 ** 53}}, template=handed)
     # a re-home from a dead node's retained hosted record: the plan keeps the record's larger floor
     created: List[InstanceSpec] = []
-    agent.creating.create = lambda spec, reply, cause, now: created.append(spec)  # type: ignore[assignment]
-    agent.bus.connected, agent.view.online, agent.rehoming.offline_since = True, {"n9": False}, {"n9": 0.0}
+    agent.core.creating.create = lambda spec, reply, cause, now: created.append(spec)  # type: ignore[assignment]
+    agent.bus.connected, agent.core.view.online, agent.core.rehoming.offline_since = True, {"n9": False}, {"n9": 0.0}
     agent.bus.retained_in = True  # the retained records are in (the sync marker came back)
-    agent.view.hosted_by_node["n9"] = [spec_body(ok, "p.work.0"), spec_body(ok, "p.work.1", min_epoch=2 ** 53)]
-    agent.rehomer.tick(100.0, agent.wall())
+    agent.core.view.hosted_by_node["n9"] = [spec_body(ok, "p.work.0"), spec_body(ok, "p.work.1", min_epoch=2 ** 53)]
+    agent.core.rehomer.tick(100.0, agent.wall())
     assert [(s.instance, s.extra["min_epoch"]) for s in created] == [("p.work.0", int(NOW))]
     assert hosted.hosted(tmp_path / "state") == []  # nothing refused was saved
 
@@ -477,8 +477,8 @@ def test_a_stored_epoch_floor_survives_a_clock_set_back(tmp_path: Path) -> None:
     text = with_work("agent.operators.builtin:identity")
     hosted.remember(state, InstanceSpec("p.work.0", "work", "me", "c", "p", text, broker, extra={"min_epoch": int(NOW)}))
     hosted.remember(state, InstanceSpec("p.work.1", "work", "me", "c", "p", text, broker, extra={"min_epoch": "x"}))
-    agent.fencing.started(hosted.hosted(state))
-    agent.reconciler.readopt(0.0, agent.wall())
+    agent.core.fencing.started(hosted.hosted(state))
+    agent.core.reconciler.readopt(0.0, agent.wall())
     assert [s.instance for s in started] == ["p.work.0"] and started[0].extra["min_epoch"] == int(NOW)
     assert [p.name for p in state.glob("*.refused")] == ["p.work.1.spec.json.refused"]
 
@@ -498,16 +498,16 @@ def test_crash_at_is_honoured_only_where_fault_injection_is_on(tmp_path: Path, m
             monkeypatch.delenv(admission.ENV_FAULT_INJECTION, raising=False)
         else:
             monkeypatch.setenv(admission.ENV_FAULT_INJECTION, value)
-        spec = agent.gate.spec_from(agent.wall(), spec_body(ok, crash_at=crash, sink_dir=f"{tmp_path}/state/s"), template=None)
+        spec = agent.core.gate.spec_from(agent.wall(), spec_body(ok, crash_at=crash, sink_dir=f"{tmp_path}/state/s"), template=None)
         assert "crash_at" not in spec.extra and spec.extra["sink_dir"] == f"{tmp_path}/state/s", value
-        child = agent.gate.spec_from(agent.wall(), {"operator": "work", "extra": {"crash_at": "x:spawn_requested"}}, template=spec)
+        child = agent.core.gate.spec_from(agent.wall(), {"operator": "work", "extra": {"crash_at": "x:spawn_requested"}}, template=spec)
         assert "crash_at" not in child.extra
     assert any("dropped extra.crash_at" in r.getMessage() and admission.ENV_FAULT_INJECTION in r.getMessage()
                for r in caplog.records)
     monkeypatch.setenv(admission.ENV_FAULT_INJECTION, "1")
-    spec = agent.gate.spec_from(agent.wall(), spec_body(ok, crash_at=crash), template=None)
+    spec = agent.core.gate.spec_from(agent.wall(), spec_body(ok, crash_at=crash), template=None)
     assert spec.extra["crash_at"] == crash
-    assert agent.gate.spec_from(agent.wall(), {"operator": "work"}, template=spec).extra["crash_at"] == crash  # copies too
+    assert agent.core.gate.spec_from(agent.wall(), {"operator": "work"}, template=spec).extra["crash_at"] == crash  # copies too
 
 
 # ---- the worker refuses on its own ---------------------------------------------------------------
@@ -540,7 +540,7 @@ def test_the_worker_refuses_a_function_before_importing_or_creating_anything(
 @pytest.mark.broker
 def test_a_real_agent_refuses_spawns_of_code_escaping_paths_and_forged_epochs(
         tmp_path: Path, mosquitto: Any, opsdir: Tuple[Path, Dict[str, str]]) -> None:
-    from agent.node.rpc import RpcClient
+    from agent.node.deploy import RpcClient
     from agent_process import wait_until_answers
 
     pkgs, names = opsdir

@@ -169,7 +169,7 @@ def _agent(tmp_path: Path, pub: Path, node: str = "n2") -> Any:
 
 def _deliver(agent: Any, topic: str, payload: Any, retain: bool = False) -> None:
     raw = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-    agent._on_message(message(topic, raw, retain), agent.clock())
+    agent.core._on_message(message(topic, raw, retain), agent.clock())
 
 
 def _spawn(agent: Any, spec: Dict[str, Any], sender: str, peer: bool) -> Dict[str, Any]:
@@ -200,17 +200,17 @@ def test_an_agent_with_admin_keys_runs_only_signed_specs_from_an_admin_or_a_node
                      (admin.sign("lab", "g1", TEXT.replace("lab/out", "lab/x")), "forged or altered")):
         r = _spawn(agent, _spec(TEXT, bad, "lab.source.9"), "adm", peer=False)
         assert r["ok"] is False and "not signed by an admin" in r["error"] and why in r["error"], r
-    assert agent.counters["refused_signatures"] == 3 and agent.started == []
+    assert agent.core.counters["refused_signatures"] == 3 and agent.started == []
     assert _spawn(agent, _spec(TEXT, sig, "lab.source.1"), "adm", peer=False) == {}
     assert [s.instance for s in agent.started] == ["lab.source.1"]
     # a node's peer spawn of the deployed pipeline: the record is signed, the spec must be too
     _deliver(agent, topics.pipeline("c", "lab"), records.stamp(TEXT, "g1", sig).encode(), True)
-    assert "lab" in agent.view.deployed
+    assert "lab" in agent.core.view.deployed
     r = _spawn(agent, _spec(TEXT, None, "lab.source.2"), "n3", peer=True)
     assert r["ok"] is False and "carries no admin signature" in r["error"], r
     assert _spawn(agent, _spec(TEXT, sig, "lab.source.3"), "n3", peer=True) == {}
     assert [s.instance for s in agent.started] == ["lab.source.1", "lab.source.3"]
-    assert agent.counters["refused_signatures"] == 4
+    assert agent.core.counters["refused_signatures"] == 4
 
 
 def test_an_unsigned_forged_or_older_record_deploys_nothing(tmp_path: Path, keys: Any) -> None:
@@ -219,16 +219,16 @@ def test_an_unsigned_forged_or_older_record_deploys_nothing(tmp_path: Path, keys
     for payload in (records.stamp(TEXT, "g1").encode(), records.stamp(TEXT, "g1", node.sign("lab", "g1", TEXT)).encode(),
                     TEXT.encode()):
         _deliver(agent, topics.pipeline("c", "lab"), payload, True)
-        assert "lab" not in agent.view.deployed and "lab" not in agent.view.records
-    assert agent.counters["refused_signatures"] == 3
+        assert "lab" not in agent.core.view.deployed and "lab" not in agent.core.view.records
+    assert agent.core.counters["refused_signatures"] == 3
     _deliver(agent, topics.pipeline("c", "lab"),
              records.stamp(TEXT, "g2", admin.sign("lab", "g2", TEXT, issued_at=2000)).encode(), True)
-    assert "lab" in agent.view.deployed and agent.view.records["lab"].generation == "g2"
+    assert "lab" in agent.core.view.deployed and agent.core.view.records["lab"].generation == "g2"
     _deliver(agent, topics.pipeline("c", "lab"),
              records.stamp(TEXT, "g1", admin.sign("lab", "g1", TEXT, issued_at=1000)).encode(), True)
-    assert agent.view.records["lab"].generation == "g2" and agent.counters["refused_signatures"] == 4
+    assert agent.core.view.records["lab"].generation == "g2" and agent.core.counters["refused_signatures"] == 4
     _deliver(agent, topics.pipeline("c", "lab"), records.tombstone("lab", "g2"), True)  # an undeploy stops
-    assert "lab" not in agent.view.deployed
+    assert "lab" not in agent.core.view.deployed
 
 
 def test_mqtt_operators_need_the_signed_allow_list_on_a_signing_node(tmp_path: Path, keys: Any) -> None:
@@ -255,12 +255,12 @@ def test_a_stored_spec_without_a_signature_is_set_aside_not_readopted(tmp_path: 
     hosted.remember(state, InstanceSpec(instance="lab.source.1", extra={
         records.GENERATION_KEY: "g1", signing.SIGNATURE_KEY: admin.sign("lab", "g1", TEXT).to_extra()}, **base))
     agent = _agent(tmp_path, pub)
-    agent.fencing.started(hosted.hosted(state))
+    agent.core.fencing.started(hosted.hosted(state))
     groups: List[Any] = []
-    agent._start_group = lambda group, now: groups.append([s.instance for s in group])  # type: ignore[method-assign]
-    agent.reconciler.readopt(agent.clock(), agent.wall())
+    agent.core._start_group = lambda group, now: groups.append([s.instance for s in group])  # type: ignore[method-assign]
+    agent.core.reconciler.readopt(agent.clock(), agent.wall())
     assert groups == [["lab.source.1"]]
-    assert (state / "lab.source.0.spec.json.refused").exists() and agent.counters["refused_signatures"] == 1
+    assert (state / "lab.source.0.spec.json.refused").exists() and agent.core.counters["refused_signatures"] == 1
 
 
 def test_an_admin_key_that_is_not_an_ed25519_public_key_is_one_config_error(tmp_path: Path) -> None:

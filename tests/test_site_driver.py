@@ -61,7 +61,7 @@ class Connected:
         self.on = self.client.on
 
     def deliver(self, topic: str, payload: bytes, retain: bool = False) -> None:
-        self.agent._on_message(message(topic, payload, retain), self.agent.clock())
+        self.agent.core._on_message(message(topic, payload, retain), self.agent.clock())
 
 
 def test_an_agent_claims_the_role_only_once_the_retained_lease_could_have_arrived(tmp_path) -> None:
@@ -108,12 +108,12 @@ def test_a_drain_queued_while_the_agent_was_away_waits_for_the_retained_lease(tm
     drain = rpc.encode({"op": "drain", "node": "n1"})
     c.deliver(topics.agent_peer("c", "n1", "n9"), drain)  # queued while n1 was away
     c.deliver(topics.agent_peer("c", "n1", "n7"), drain)
-    assert replies_to("n9") == [] and not c.agent.drain.draining, "checked before the retained lease could arrive"
+    assert replies_to("n9") == [] and not c.agent.core.drain.draining, "checked before the retained lease could arrive"
     lease = {"v": 1, "node": "n9", "until": c.agent.wall() + 30.0}
     c.deliver(topics.agent_status("c", "n9"), b"online", True)
     c.deliver(topics.site_manager("c", "n9"), json.dumps(lease).encode(), True)
     c.deliver(topics.replies("c", "n1", "n1"), c.marker)
-    assert [r["ok"] for r in replies_to("n9")] == [True] and c.agent.drain.draining, replies_to("n9")
+    assert [r["ok"] for r in replies_to("n9")] == [True] and c.agent.core.drain.draining, replies_to("n9")
     assert [r["ok"] for r in replies_to("n7")] == [False] and "not the site manager" in replies_to("n7")[0]["error"]
 
 
@@ -126,7 +126,7 @@ def test_a_held_request_that_fails_strands_none_behind_it(tmp_path) -> None:
     from agent.node import rpc
 
     c = Connected(tmp_path)
-    steer = c.agent.gate.peer_may_steer
+    steer = c.agent.core.gate.peer_may_steer
     calls = []
 
     def failing_once(now: float, requester: str, facts: Any) -> Any:
@@ -135,16 +135,16 @@ def test_a_held_request_that_fails_strands_none_behind_it(tmp_path) -> None:
             raise RuntimeError("a failure no handler foresaw")
         return steer(now, requester, facts)
 
-    c.agent.gate.peer_may_steer = failing_once  # type: ignore[method-assign]
+    c.agent.core.gate.peer_may_steer = failing_once  # type: ignore[method-assign]
     drain = rpc.encode({"op": "drain", "node": "n1"})
     c.deliver(topics.agent_peer("c", "n1", "n9"), drain)
     c.deliver(topics.agent_peer("c", "n1", "n9"), drain)
     lease = {"v": 1, "node": "n9", "until": c.agent.wall() + 30.0}
     c.deliver(topics.agent_status("c", "n9"), b"online", True)
     c.deliver(topics.site_manager("c", "n9"), json.dumps(lease).encode(), True)
-    c.agent._on_message_safely(message(topics.replies("c", "n1", "n1"), c.marker), c.agent.clock())
-    assert calls == ["n9", "n9"] and c.agent.counters["bad_messages"] == 1
-    assert [json.loads(p)["ok"] for p in c.on(topics.replies("c", "n9", "n1"))] == [True] and c.agent.drain.draining
+    c.agent.core._on_message_safely(message(topics.replies("c", "n1", "n1"), c.marker), c.agent.clock())
+    assert calls == ["n9", "n9"] and c.agent.core.counters["bad_messages"] == 1
+    assert [json.loads(p)["ok"] for p in c.on(topics.replies("c", "n9", "n1"))] == [True] and c.agent.core.drain.draining
 
 
 def test_a_leader_that_lost_its_connection_or_restarted_clears_its_claim_for_the_new_leader() -> None:

@@ -161,7 +161,7 @@ def test_site_manager_consolidates_acquires_and_fails_over(capsys, mosquitto, tm
         assert [a["action"] for a in site["actions"]][-4:] == ["drain", "release", "acquire", "undrain"], site
 
         # The first pipeline's source stops and its records settle: exactly once, before a kill -9.
-        from agent.node.rpc import RpcClient
+        from agent.node.deploy import RpcClient
 
         with RpcClient(mosquitto.host, mosquitto.port, cluster) as client:
             reply = client.call(mon.instance_node["low.source.0"],
@@ -209,6 +209,7 @@ def test_a_peer_drain_is_accepted_from_the_lease_holder_only(mosquitto, tmp_path
 
     import paho.mqtt.client as mqtt
 
+    from agent.mqtt.requester import request_properties
     from agent.node import rpc
     from foglab.tools.demo import Monitor, wait_online
 
@@ -230,7 +231,7 @@ def test_a_peer_drain_is_accepted_from_the_lease_holder_only(mosquitto, tmp_path
 
     def ask(op: str) -> Dict[str, Any]:
         c.publish(topics.agent_peer(cluster, "n1", "n9"), rpc.encode({"op": op, "node": "n1", "v": 1}), qos=1,
-                  properties=rpc.publish_properties(uuid.uuid4().hex)).wait_for_publish(5)
+                  properties=request_properties(uuid.uuid4().hex.encode())).wait_for_publish(5)
         return replies.get(timeout=10)
 
     def lease(until: float) -> None:
@@ -274,7 +275,7 @@ def test_the_fleet_scales_while_no_site_manager_leads(mosquitto, tmp_path) -> No
 
     from agent.config import load_pipeline_text
     from agent.node.deploy import deploy
-    from agent.node.rpc import RpcClient
+    from agent.node.deploy import RpcClient
     from foglab.tools.demo import Monitor, wait_online
     from foglab.tools.verify import verify, verify_settled
 

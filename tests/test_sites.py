@@ -28,7 +28,8 @@ from agent import sites, topics
 from agent.collector.service import Collector
 from agent.config import TlsSection
 from agent.mqtt.requester import RequestTimeout
-from agent.node.rpc import RpcClient, SeenRequests
+from agent.node.deploy import RpcClient
+from agent.node.rpc import SeenRequests
 from agent.spill.shipper import MqttShipper
 from agent.spill.shipping import Outgoing, decode_chunk
 from agent.spill.spool import Spool, read_records

@@ -38,17 +38,17 @@ def test_a_spawn_that_times_out_is_not_placed_again_under_the_same_identity(tmp_
     agent = Agent(load_agent_config(conf), warm_worker=False)
     sent: List[Tuple[str, Dict[str, Any]]] = []
 
-    def publish(topic: str, payload: bytes, retain: bool = False, qos: int = 1, properties: Any = None) -> bool:
+    def publish(topic: str, payload: bytes, retain: bool = False, qos: int = 1, correlation: Any = None) -> bool:
         if "/peer/" in topic:
             sent.append((topic, rpc.decode_request(payload)))
         return True
 
-    agent._publish = publish  # type: ignore[assignment]
+    agent.core._publish = publish  # type: ignore[assignment]
     agent.bus.connected = True
     spec = InstanceSpec("work-c458fdf7d48d", "work", "n1", "c", "p", PIPELINE, BrokerSpec("h", 1),
                         preds=("p.source.0",), succs=("p.sink.0",))
     replies: List[Dict[str, Any]] = []
-    agent.creating.handle(spawns.CreateNode(spec, replies.append, "spawn", ("n2", "n3"), {}), 100.0)
+    agent.core.creating.handle(spawns.CreateNode(spec, replies.append, "spawn", ("n2", "n3"), {}), 100.0)
     assert [t.split("/peer/")[0].rsplit("/", 1)[-1] for t, _ in sent] == ["n2"]  # asked n2 first
 
     agent._periodic(100.0 + RPC_TIMEOUT + 1.0)  # n2's answer has not come (it is on its way)
@@ -95,9 +95,9 @@ def test_a_spawn_paho_took_while_the_connection_was_down_is_asked_of_no_other_no
         spec = InstanceSpec("work-5eedf43f0646", "work", "n1", cluster, "p", PIPELINE, agent.bus.broker,
                             preds=("p.source.0",), succs=("p.sink.0",))
         replies: List[Dict[str, Any]] = []
-        agent.creating.handle(spawns.CreateNode(spec, replies.append, "spawn", ("n2", "n3"), {"n2": True, "n3": True}), 100.0)
+        agent.core.creating.handle(spawns.CreateNode(spec, replies.append, "spawn", ("n2", "n3"), {"n2": True, "n3": True}), 100.0)
         assert replies == [], replies  # not failed: n2's answer is awaited
-        assert [c.node for c in agent.spawns.calls.values()] == ["n2"], agent.spawns.calls
+        assert [c.node for c in agent.core.spawns.calls.values()] == ["n2"], agent.core.spawns.calls
 
         mqttc.connect_and_wait(agent.bus.client, agent.bus.broker, SESSION)  # the broker is back
         deadline = time.monotonic() + 5.0

@@ -30,7 +30,7 @@ def _agent(tmp_path: Path, node: str = "n1", extra_toml: str = "") -> Any:
 
 def _deliver(agent: Any, topic: str, payload: Any, retain: bool = False) -> None:
     raw = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-    agent._on_message(message(topic, raw, retain), agent.clock())
+    agent.core._on_message(message(topic, raw, retain), agent.clock())
 
 
 def _replies(agent: Any, to: str) -> List[Dict[str, Any]]:
@@ -66,10 +66,10 @@ def test_a_forged_lease_far_ahead_is_refused_and_its_writer_cannot_drain(tmp_pat
         agent = _agent(tmp_path, node)
         _deliver(agent, topics.agent_status("c", "n3"), b"online", True)
         _claim(agent, "n3", "n3", agent.wall() + 1e9)
-        assert agent.counters["site_lease_refused"] == 1
+        assert agent.core.counters["site_lease_refused"] == 1
         r = _drain_from(agent, "n3")
         assert r["ok"] is False and "not the site manager" in r["error"], r
-        assert not agent.drain.draining
+        assert not agent.core.drain.draining
 
 
 def test_a_claim_in_another_nodes_name_or_beside_a_running_lease_takes_nothing(tmp_path: Path) -> None:
@@ -82,13 +82,13 @@ def test_a_claim_in_another_nodes_name_or_beside_a_running_lease_takes_nothing(t
     for n in ("n2", "n3"):
         _deliver(agent, topics.agent_status("c", n), b"online", True)
     _claim(agent, "n2", "n2", now + 15.0)
-    assert _drain_from(agent, "n2")["ok"] is True and agent.drain.draining  # the reader follows n2 now
-    agent.drain.draining = False
+    assert _drain_from(agent, "n2")["ok"] is True and agent.core.drain.draining  # the reader follows n2 now
+    agent.core.drain.draining = False
     _claim(agent, "n3", "n2", now + 15.0, released=["n1"])
-    assert agent.counters["site_lease_refused"] == 1
+    assert agent.core.counters["site_lease_refused"] == 1
     _claim(agent, "n3", "n3", now + 15.0)
-    assert _drain_from(agent, "n3")["ok"] is False and not agent.drain.draining
-    assert _drain_from(agent, "n2")["ok"] is True and agent.drain.draining
+    assert _drain_from(agent, "n3")["ok"] is False and not agent.core.drain.draining
+    assert _drain_from(agent, "n2")["ok"] is True and agent.core.drain.draining
 
 
 def test_a_leader_gone_offline_holds_nothing(tmp_path: Path) -> None:
@@ -105,7 +105,7 @@ def test_a_leader_gone_offline_holds_nothing(tmp_path: Path) -> None:
     assert r["ok"] is False and "not the site manager" in r["error"], r
     _deliver(agent, topics.agent_status("c", "n2"), b"online", True)
     _claim(agent, "n2", "n2", now + 15.0)
-    assert _drain_from(agent, "n2")["ok"] is True and agent.drain.draining
+    assert _drain_from(agent, "n2")["ok"] is True and agent.core.drain.draining
 
 
 def test_a_claim_beside_the_leaders_does_not_keep_a_restarted_agent_from_its_drains(tmp_path: Path) -> None:
@@ -122,8 +122,8 @@ def test_a_claim_beside_the_leaders_does_not_keep_a_restarted_agent_from_its_dra
     _claim(agent, "n2", "n2", now + 15.0)
     _deliver(agent, topics.site_manager("c", "n4"), {"v": 1, "node": "n4", "until": 0, "follows": "n2"}, True)
     _records_in(agent)
-    assert _drain_from(agent, "n3")["ok"] is False and not agent.drain.draining
-    assert _drain_from(agent, "n2")["ok"] is True and agent.drain.draining
+    assert _drain_from(agent, "n3")["ok"] is False and not agent.core.drain.draining
+    assert _drain_from(agent, "n2")["ok"] is True and agent.core.drain.draining
     stated = [json.loads(p) for p in agent.bus.client.on(topics.site_manager("c", "n1")) if p]
     assert stated and stated[-1] == {"v": 1, "node": "n1", "until": 0, "follows": "n2"}
     three = _agent(tmp_path, "n5")
@@ -133,7 +133,7 @@ def test_a_claim_beside_the_leaders_does_not_keep_a_restarted_agent_from_its_dra
     _claim(three, "n2", "n2", now + 15.0)
     _claim(three, "n3", "n3", now + 15.0)
     _records_in(three)
-    assert _drain_from(three, "n2")["ok"] is False and not three.drain.draining
+    assert _drain_from(three, "n2")["ok"] is False and not three.core.drain.draining
 
 
 def test_a_forged_lease_does_not_keep_a_candidate_from_the_role(tmp_path: Path) -> None:
@@ -279,7 +279,7 @@ def test_a_peer_spawn_of_a_pipeline_only_the_requester_hosts_is_refused(tmp_path
     agent = _n2_knowing_n3_and_a_deploy(tmp_path)
     r = _peer_spawn(agent, "n3", _spawn_spec("spy", _spy("fog/c/agents/n2/rpc/+")))
     assert r.get("ok") is False and "not deployed" in r["error"], r
-    assert agent.started == [] and agent.counters["peer_refused"] == 1
+    assert agent.started == [] and agent.core.counters["peer_refused"] == 1
 
 
 def test_a_peer_spawn_runs_the_admins_text_never_the_requesters(tmp_path: Path) -> None:
@@ -382,10 +382,10 @@ def test_the_rehomers_statements_are_kept_over_its_restart(tmp_path: Path) -> No
     an instance on was proven only by its re-homed record, which proves nothing now. Its
     statements live in its state directory and come back with it."""
     a = _agent(tmp_path, "c")
-    a._stated_move("w", "d")
+    a.core._stated_move("w", "d")
     again = _agent(tmp_path, "c")
-    assert again.hosts.moved_statements(again.supervisor) == {"w": "d"}
-    assert again.state_doc().get("moved") == {"w": "d"}
+    assert again.core.hosts.moved_statements(again.supervisor) == {"w": "d"}
+    assert again.core.state_doc().get("moved") == {"w": "d"}
 
 
 def test_an_epoch_past_the_receivers_clock_is_refused_whatever_the_known_one() -> None:
@@ -488,9 +488,9 @@ def test_the_agent_keeps_its_bindings_and_the_leader_it_follows_in_its_state_dir
         _deliver(agent, topics.agent_status("c", n), b"online", True)
     _claim(agent, "n2", "n2", now + 15.0)
     _records_in(agent)
-    assert agent.site_leases.held == "n2"
-    agent.hosts.hostmap.update({}, {"r": [("w", "p", "g1")]}, agent.view.online)
-    agent._save_bindings()
+    assert agent.core.site_leases.held == "n2"
+    agent.core.hosts.hostmap.update({}, {"r": [("w", "p", "g1")]}, agent.core.view.online)
+    agent.core._save_bindings()
 
     again = _agent(tmp_path)
     again.bus.retained_in = False
@@ -499,10 +499,10 @@ def test_the_agent_keeps_its_bindings_and_the_leader_it_follows_in_its_state_dir
     _claim(again, "n3", "n3", now + 15.0)
     _claim(again, "n2", "n2", now + 15.0)
     _records_in(again)
-    assert _drain_from(again, "n3")["ok"] is False and not again.drain.draining
-    again.hosts.hostmap.update({}, {"r": [("w", "p", "g1")], "n3": [("w", "p", "g1")]}, again.view.online)
-    assert again.hosts.hostmap.bound("w") == "r"
-    assert _drain_from(again, "n2")["ok"] is True and again.drain.draining
+    assert _drain_from(again, "n3")["ok"] is False and not again.core.drain.draining
+    again.core.hosts.hostmap.update({}, {"r": [("w", "p", "g1")], "n3": [("w", "p", "g1")]}, again.core.view.online)
+    assert again.core.hosts.hostmap.bound("w") == "r"
+    assert _drain_from(again, "n2")["ok"] is True and again.core.drain.draining
 
 
 def test_a_peer_spawn_of_an_instance_running_on_another_online_node_is_refused(tmp_path: Path) -> None:
@@ -513,8 +513,8 @@ def test_a_peer_spawn_of_an_instance_running_on_another_online_node_is_refused(t
     _deliver(agent, topics.agent_status("c", "r"), b"online", True)
     _deliver(agent, topics.agent_hosted("c", "r"), [dict(_spawn_spec("taxi", SAFE, instance="source-0"),
                                                          node="r", cluster="c")], True)
-    agent._sync_hosts()
-    assert agent.hosts.hostmap.bound("source-0") == "r"
+    agent.core._sync_hosts()
+    assert agent.core.hosts.hostmap.bound("source-0") == "r"
     r = _peer_spawn(agent, "n3", _spawn_spec("taxi", SAFE, instance="source-0"))
     assert r.get("ok") is False and "runs on r (online)" in r["error"], r
     assert agent.started == []
@@ -543,14 +543,14 @@ def test_a_node_claiming_more_free_slots_than_the_admin_gave_it_is_not_every_pla
     for node, doc in (("n3", _liar_state()), ("n2", dict(_liar_state("n2"), slots=4, free_slots=4, instances=[]))):
         _deliver(agent, topics.agent_state("c", node), doc, True)
         _deliver(agent, topics.agent_status("c", node), b"online", True)
-    views = {v.node: v for v in agent.creating.views()}
+    views = {v.node: v for v in agent.core.creating.views()}
     assert (views["n3"].slots, views["n3"].free_slots) == (2, 1) and views["n2"].free_slots == 4
-    assert agent.creating.fleet_slots() == 2 + 4 + agent.cfg.agent.slots
+    assert agent.core.creating.fleet_slots() == 2 + 4 + agent.cfg.agent.slots
     unbounded = _agent(tmp_path, "n4")
     for node, doc in (("n3", _liar_state()),):
         _deliver(unbounded, topics.agent_state("c", node), doc, True)
         _deliver(unbounded, topics.agent_status("c", node), b"online", True)
-    assert {v.node: v.free_slots for v in unbounded.creating.views()}["n3"] == 1000  # not listed: its word
+    assert {v.node: v.free_slots for v in unbounded.core.creating.views()}["n3"] == 1000  # not listed: its word
 
 
 def test_a_deploy_offers_a_node_no_more_than_its_slots_in_the_table() -> None:

@@ -104,7 +104,7 @@ def deploy_cmd(args: argparse.Namespace) -> int:
     from agent.config import resolve_password
     from agent.mqtt.requester import BrokerUnreachable
     from agent.node.deploy import DeployError, deploy
-    from agent.node.rpc import RpcError
+    from agent.node.deploy import RpcError
     from agent.pipeline_check import check_text
     from agent.schema import ConfigError
 

@@ -1,7 +1,7 @@
 """fogctl's one MQTT connection: agent.mqtt.requester.Requester with fogctl's settings.
 
 The snapshot (ended by a sync marker), the live streams and the MQTT 5 request/response are
-the Requester's, shared with `fog-agent deploy` (agent.node.rpc.RpcClient). Every failure is one
+the Requester's, shared with `fog-agent deploy` (agent.node.deploy.RpcClient). Every failure is one
 of three exceptions with a one-line message: `BrokerUnreachable` (exit 3, names host:port),
 `FogctlError` (exit 1) and `RequestTimeout` (a FogctlError).
 """

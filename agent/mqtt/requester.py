@@ -1,7 +1,7 @@
 """A blocking MQTT 5 client for tools: retained snapshots, live streams and request/reply.
 
 Used by fogctl (agent.fogctl.client.Connection) and by `fog-agent deploy`, the demo and the tests
-(agent.node.rpc.RpcClient): one implementation of the request, correlation and reply wait, so
+(agent.node.deploy.RpcClient): one implementation of the request, correlation and reply wait, so
 the two tools cannot drift apart.
 
 Rules of this file:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, List, Optional, Tuple, Union
 from agent import topics
 from agent.config import MqttSection, resolve_password
 from agent.mqtt import client as mqttc
-from agent.mqtt.requester import SYNC_PREFIX
+from agent.mqtt.requester import SYNC_PREFIX, request_properties
 from agent.mqtt.settings import BrokerSpec
 from agent.node import loopevents
 
@@ -95,13 +95,15 @@ class AgentBus:
         c.loop_start()
 
     def publish(self, topic: str, payload: bytes, retain: bool = False, qos: int = 1,
-                properties: Any = None) -> Union[bool, int]:
+                correlation: Optional[bytes] = None) -> Union[bool, int]:
         """False when not queued, else the message id (true: paho's ids start at 1), whose PUBACK
         some callers wait for (replicas.Replication.published). Queued includes a message paho
         took while the connection is down (`mqttc.publish_taken`): it goes out at the reconnect,
-        so a spawn request must not be asked of another node as well (invariant 7)."""
+        so a spawn request must not be asked of another node as well (invariant 7). `correlation`:
+        a request's or a reply's Correlation Data (agent.node.rpc)."""
         if self.client is None:
             return False
+        properties = request_properties(correlation) if correlation is not None else None
         info = self.client.publish(topic, payload, qos=qos, retain=retain, properties=properties)
         if not mqttc.publish_taken(info.rc, qos):
             # paho does not raise on a full queue (docs/design.md section 6): say so, never drop silently.

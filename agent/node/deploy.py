@@ -31,13 +31,49 @@ from agent.config import PipelineConfig, load_pipeline_text
 from agent.control.records import GENERATION_KEY, new_generation, stamp, tombstone
 from agent.signing import SIGNATURE_KEY, Signer
 from agent.node import chains, nodestate
-from agent.node import rpc
 from agent.node.placement import DEFAULT_POLICY, NodeView, PlacementRequest, get_policy
 from agent.instance.spec import InstanceSpec, request_spec
 from agent.mqtt.settings import BrokerSpec
 from agent.mqtt.requester import RequestFailed, Requester
 
+RpcError = RequestFailed  # a call failed: timeout, refused by the remote agent, or undecodable reply
+
 log = logging.getLogger(__name__)
+
+
+class RpcClient(Requester):
+    """Blocking caller for tools (`fog-agent deploy`, the demo, tests): the Requester (one paho
+    client, its own network thread, the caller's thread publishes and waits) with host/port
+    arguments and RpcError. Its request/reply code is fogctl's (agent.mqtt.requester)."""
+
+    def __init__(self, host: str, port: int, cluster: str, client_id: Optional[str] = None,
+                 username: Optional[str] = None, password: Optional[str] = None,
+                 identity: Optional[str] = None, cert_file: Optional[str] = None,
+                 ca_file: Optional[str] = None, key_file: Optional[str] = None, tls_insecure: bool = False) -> None:
+        broker = BrokerSpec(host=host, port=port, username=username, password=password, ca_file=ca_file,
+                            cert_file=cert_file, key_file=key_file, tls_insecure=tls_insecure)
+        super().__init__(broker, cluster, client_id, identity=identity)
+
+    def connect(self, timeout: Optional[float] = None) -> "RpcClient":
+        super().connect(timeout)
+        return self
+
+    def snapshot(self, topic_filter: Any, settle: float = 0.3, timeout: float = 10.0) -> Any:  # type: ignore[override]
+        """Retained messages under one filter, by topic, ended by a sync marker (Requester.snapshot);
+        `timeout` is a hard deadline for the whole snapshot, `settle` is kept for callers of the
+        old signature and ignored. A list of filters: Requester.snapshot (payloads as Messages)."""
+        del settle
+        if not isinstance(topic_filter, str):
+            return super().snapshot(topic_filter, timeout)
+        return {t: m.payload for t, m in super().snapshot([topic_filter], timeout).items()}
+
+    def call(self, node: str, body: Dict[str, Any], timeout: float = 30.0) -> Dict[str, Any]:
+        """Send one request to `node`'s agent and wait for its reply; raise RpcError on failure."""
+        reply = self.rpc(node, body, timeout)
+        if not isinstance(reply.get("ok"), bool):
+            raise RpcError(f"bad reply from {node}: reply without a boolean 'ok'")
+        return reply
+
 
 
 class DeployError(RuntimeError):
@@ -237,7 +273,7 @@ def deploy(
     if tls is not None:
         tls_args = {"ca_file": tls.ca_file, "cert_file": tls.cert_file, "key_file": tls.key_file,
                     "tls_insecure": bool(tls.insecure)}
-    with rpc.RpcClient(host, port, cluster, username=username, password=password, **tls_args) as client:
+    with RpcClient(host, port, cluster, username=username, password=password, **tls_args) as client:
         return deploy_over(client, text, name, timeout, policy_name, extra, signer=signer, node_slots=node_slots)[1]
 
 
@@ -302,6 +338,6 @@ def undeploy_order(placed: Sequence[Deployed]) -> List[Tuple[str, str]]:
     return [(d.node, d.instance) for d in placed]
 
 
-__all__ = ["DeployError", "DeployRefused", "DeployRolledBack", "Deployed", "RollbackIncomplete", "deploy",
-           "deploy_over", "fleet_from_snapshot", "keeper_id", "keeper_specs", "plan_placement", "run_deploy",
+__all__ = ["DeployError", "DeployRefused", "DeployRolledBack", "Deployed", "RollbackIncomplete", "RpcClient", "RpcError",
+           "deploy", "deploy_over", "fleet_from_snapshot", "keeper_id", "keeper_specs", "plan_placement", "run_deploy",
            "undeploy_order"]

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Exited:
-    """What a reaped worker's exit says (agent.node.supervisor.Reaped): its spec and last stats,
+    """What a reaped worker's exit says (agent.node.workers.Reaped): its spec and last stats,
     the exit status and why (the worker's exit line, the supervisor's kill, or the status),
     `clean` (announced and status 0), `crashed` (died unasked and unannounced), `said_final` (its
     exit line says it left for good), `bad_spec` (the bad-spec status), and, for a chain's

@@ -38,6 +38,8 @@ class InboundCalls:
     drop_stale: Callable[[str, float], None]  # the record of a pipeline changed
     retained_in: Callable[[], bool]  # the retained records of this connection are in
     restate_rehomed: Callable[[], None]  # publish our re-homed record again, as we hold it
+    # when a message reached this node: stamped on the MQTT client's thread (agent.measure.latency.received_at)
+    received: Callable[[Any, float], float]
 
 
 class Inbound:
@@ -141,11 +143,9 @@ class Inbound:
         if parsed.node != self.node or self.latency_core is None:
             return
         try:
-            from agent.measure.latency import received_at
-
             # timed at receipt on paho's thread, not when this loop reads it (docs/measurement.md)
             t = self.clock()
-            out = self.latency_core.on_message(msg.topic, msg.payload, t, received=received_at(msg, t, self.clock))
+            out = self.latency_core.on_message(msg.topic, msg.payload, t, received=self.calls.received(msg, t))
         except ValueError as exc:
             self.calls.bad(f"latency {parsed.kind}", parsed.sender, exc)
             return

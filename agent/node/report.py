@@ -20,7 +20,8 @@ from agent.control.fleet import Instance, Phase
 from agent.node import nodestate
 from agent.node.drain import Drain
 from agent.node.pins import Pins
-from agent.node.supervisor import Supervisor, WorkerStatus
+from agent.node.supervisor import Supervisor
+from agent.node.workers import WorkerStatus
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from agent.node.hostmap import HostMap
 from agent.node.pins import Pins
 from agent.node.replicas import ReplicaStore
 from agent.node.site_manager import LeaseBoard
-from agent.node.supervisor import Supervisor, WorkerStatus
+from agent.node.workers import WorkerStatus, WorkerTable
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +58,12 @@ class NodeCalls:
     free_slots: Callable[[], int]
     fleet_slots: Callable[[], int]  # all slots of the online fleet: the bound of a forced scale-out
     stopping: Callable[[], bool]
-    publish: Callable[..., Any]  # (topic, payload, properties=...)
+    publish: Callable[..., Any]  # (topic, payload, correlation=...)
     bad: Callable[[str, Optional[str], Any], None]  # a refused input: counted and logged
 
 
 class Requests:
-    def __init__(self, node: str, cluster: str, state_dir: str, wall: Callable[[], float], supervisor: Supervisor,
+    def __init__(self, node: str, cluster: str, state_dir: str, wall: Callable[[], float], supervisor: WorkerTable,
                  gate: Gate, view: FleetView, hostmap: HostMap, leases: LeaseBoard, pins: Pins, drain: Drain,
                  store: ReplicaStore, staging: statexfer.Staging, spill: Any, counters: Dict[str, int],
                  local_instances: Callable[[], List[Instance]], calls: NodeCalls) -> None:
@@ -108,7 +108,7 @@ class Requests:
             return
 
         def reply(result: Dict[str, Any]) -> None:
-            self.calls.publish(reply_to, rpc.encode(result), properties=rpc.reply_properties(correlation or b""))
+            self.calls.publish(reply_to, rpc.encode(result), correlation=correlation or b"")
 
         try:
             body = rpc.decode_request(msg.payload)

@@ -7,11 +7,10 @@ hand-over, a re-home) to `agents/<node>/peer/<requester>`, and the reply to
 broker's ACL proved who wrote it); the MQTT 5 Response Topic is ignored, so no request can aim a
 reply at somebody else's topic. Correlation Data is echoed, and a requester matches replies by it.
 
-Rules of this file: the codec and `SeenRequests` are pure (time is passed in); only
-`RpcClient` does I/O (agent.mqtt.requester's blocking client, shared with fogctl, for
-`fog-agent deploy` and tools; the daemon keeps its own calls in agent.node.spawns and never
-blocks on a call). Bodies are parsed with
-agent.wire (bounded size and depth) and refused with a ValueError saying why.
+Rules of this file: pure (time is passed in; agent.node.bus builds a message's properties from
+its correlation). The blocking caller of tools is `agent.node.deploy.RpcClient`; the daemon keeps
+its own calls in agent.node.spawns and never blocks on a call. Bodies are parsed with agent.wire
+(bounded size and depth) and refused with a ValueError saying why.
 
 Request body (JSON): {"op": "spawn", "spec": {InstanceSpec}} | {"op": "stop", "instance": id,
 "forget": true (an undeploy: the stored spec goes too)}
@@ -31,8 +30,6 @@ import json
 from typing import Any, Dict, Optional, Tuple
 
 from agent import wire
-from agent.mqtt.settings import BrokerSpec
-from agent.mqtt.requester import RequestFailed, Requester, request_properties
 
 OPS = ("spawn", "stop", "set", "ping", "scale", "drain", "undrain", "pin", "state_chunk", "replica")
 # What a node may ask another on its peer topic: agent.node.gate.PEER_OPS.
@@ -40,9 +37,6 @@ OPS = ("spawn", "stop", "set", "ping", "scale", "drain", "undrain", "pin", "stat
 # replace them (`control_line(event, **fields)` takes the event under that name).
 CONTROL_KEYS = frozenset({"event"})
 
-
-
-RpcError = RequestFailed  # a call failed: timeout, refused by the remote agent, or undecodable reply
 
 
 def encode(body: Dict[str, Any]) -> bytes:
@@ -109,15 +103,6 @@ class SeenRequests:
         return len(self._seen)
 
 
-def publish_properties(correlation: str) -> Any:
-    """A request's properties: Correlation Data only (the reply topic follows from the topic)."""
-    return request_properties(correlation.encode())
-
-
-def reply_properties(correlation: bytes) -> Any:
-    return request_properties(correlation)
-
-
 def correlation_of(msg: Any) -> Optional[bytes]:
     """The Correlation Data of a received paho message, if any (its Response Topic is ignored)."""
     props = getattr(msg, "properties", None)
@@ -125,49 +110,11 @@ def correlation_of(msg: Any) -> Optional[bytes]:
     return bytes(cd) if isinstance(cd, (bytes, bytearray)) else None
 
 
-class RpcClient(Requester):
-    """Blocking caller for tools (`fog-agent deploy`, the demo, tests): the Requester (one paho
-    client, its own network thread, the caller's thread publishes and waits) with host/port
-    arguments and RpcError. Its request/reply code is fogctl's (agent.mqtt.requester)."""
-
-    def __init__(self, host: str, port: int, cluster: str, client_id: Optional[str] = None,
-                 username: Optional[str] = None, password: Optional[str] = None,
-                 identity: Optional[str] = None, cert_file: Optional[str] = None,
-                 ca_file: Optional[str] = None, key_file: Optional[str] = None, tls_insecure: bool = False) -> None:
-        broker = BrokerSpec(host=host, port=port, username=username, password=password, ca_file=ca_file,
-                            cert_file=cert_file, key_file=key_file, tls_insecure=tls_insecure)
-        super().__init__(broker, cluster, client_id, identity=identity)
-
-    def connect(self, timeout: Optional[float] = None) -> "RpcClient":
-        super().connect(timeout)
-        return self
-
-    def snapshot(self, topic_filter: Any, settle: float = 0.3, timeout: float = 10.0) -> Any:  # type: ignore[override]
-        """Retained messages under one filter, by topic, ended by a sync marker (Requester.snapshot);
-        `timeout` is a hard deadline for the whole snapshot, `settle` is kept for callers of the
-        old signature and ignored. A list of filters: Requester.snapshot (payloads as Messages)."""
-        del settle
-        if not isinstance(topic_filter, str):
-            return super().snapshot(topic_filter, timeout)
-        return {t: m.payload for t, m in super().snapshot([topic_filter], timeout).items()}
-
-    def call(self, node: str, body: Dict[str, Any], timeout: float = 30.0) -> Dict[str, Any]:
-        """Send one request to `node`'s agent and wait for its reply; raise RpcError on failure."""
-        reply = self.rpc(node, body, timeout)
-        if not isinstance(reply.get("ok"), bool):
-            raise RpcError(f"bad reply from {node}: reply without a boolean 'ok'")
-        return reply
-
-
 __all__ = [
     "CONTROL_KEYS",
     "OPS",
-    "RpcClient",
-    "RpcError",
     "decode_reply",
     "decode_request",
     "encode",
     "correlation_of",
-    "publish_properties",
-    "reply_properties",
 ]

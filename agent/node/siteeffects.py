@@ -37,7 +37,7 @@ def tick(site: SiteDriver, node: str, cluster: str, client_id: str, fleet: Mappi
             else:
                 corr = f"{client_id}-site-{now:.6f}"
                 publish(topics.agent_peer(cluster, eff.node, node), rpc.encode(eff.body),
-                        properties=rpc.publish_properties(corr))
+                        correlation=corr.encode())
         elif isinstance(eff, Hook):
             run_hook(eff.argv, node)
         elif isinstance(eff, Emit):

@@ -26,7 +26,7 @@ from agent.node.fleetview import FleetView
 from agent.node.placement import NodeView, PlacementPolicy, PlacementRequest, policy_for_operator
 from agent.node.requests import spec_with_capacity
 from agent.node.spawns import RPC_TIMEOUT
-from agent.node.supervisor import Supervisor
+from agent.node.workers import WorkerTable
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class Here:
     node: str
     cluster: str
     state_dir: str
-    supervisor: Supervisor
+    supervisor: WorkerTable
     spill: Any  # agent.spill.local.AgentSpill, or None
     view: FleetView
     staging: statexfer.Staging
@@ -49,7 +49,7 @@ class Here:
     install_replica: Callable[[InstanceSpec], None]  # our standby copy becomes its state (a re-home)
     changed: Callable[[], None]  # our state changed: publish it soon
     hosted_first: Callable[[], None]  # our hosted record published first, when it changed
-    publish: Callable[..., Any]  # (topic, payload, properties=...)
+    publish: Callable[..., Any]  # (topic, payload, correlation=...)
     bad: Callable[[str, Optional[str], Any], None]  # a bad message: counted and logged
 
 
@@ -142,7 +142,7 @@ def ask_peer(cmd: spawns.AskPeer, here: Here, now: float) -> spawns.Asked:
     # A keyed keeper's state first, on the same topic and QoS: it arrives before the spawn.
     # A chunk not queued: no spawn (it would be refused for want of its state).
     if all(here.publish(peer_topic, rpc.encode(dict(chunk))) for chunk in cmd.chunks) and \
-            here.publish(peer_topic, rpc.encode(dict(cmd.body)), properties=rpc.publish_properties(cmd.correlation)):
+            here.publish(peer_topic, rpc.encode(dict(cmd.body)), correlation=cmd.correlation.encode()):
         here.view.reserve(cmd.node)
         return spawns.Asked(cmd.job, None)
     return spawns.Asked(cmd.job, f"request to {cmd.node} not queued")

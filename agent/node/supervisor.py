@@ -16,28 +16,24 @@ exits), SIGTERM at t0 + term_after, SIGKILL at t0 + kill_after.
 
 from __future__ import annotations
 
-import enum
 import json
 import logging
 import signal
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass, field
 from typing import IO, Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from agent.instance.spec import InstanceSpec, chain_json, control_line, parse_control_line
 from agent.node import forked
 from agent.node.forked import ForkedProcess, ForkServer
 from agent.node.loopevents import LoopEvent, WorkerEof, WorkerLine
+from agent.node.workers import Reaped, Worker, WorkerStatus
 
 log = logging.getLogger(__name__)
 
 WORKER_COMMAND: Tuple[str, ...] = (sys.executable, "-m", "agent.instance.worker")
 
-# Exit statuses of a worker as the supervisor classifies them.
-WORKER_EXIT_OK = 0
-WORKER_EXIT_BAD_SPEC = 2  # the worker cannot load its spec or pipeline: restarting will not help
 PR_SET_PDEATHSIG = 1
 # A worker that has exited is reaped once the loop has handled the end of its stdout (its last
 # lines, the "exit" line among them, come before it), or this long after its exit was seen
@@ -49,66 +45,7 @@ EOF_GRACE = 1.0
 STALL_GAP = 2.0
 
 
-class WorkerStatus(enum.Enum):
-    STARTING = "starting"  # process started, inbox not yet subscribed (no "ready" yet)
-    ACTIVE = "active"  # "ready" received; heartbeats expected
-    TERMINATING = "terminating"  # asked to stop, or announced its exit; draining
-
-
 Process = Union[subprocess.Popen, ForkedProcess]
-
-
-@dataclass
-class Worker:
-    spec: InstanceSpec
-    proc: Process
-    started_at: float
-    status: WorkerStatus = WorkerStatus.STARTING
-    last_heartbeat: float = 0.0
-    stats: Dict[str, Any] = field(default_factory=dict)
-    exit_event: Optional[Dict[str, Any]] = None  # the worker's own "exit" line, if it sent one
-    stop_sent_at: Optional[float] = None
-    term_sent_at: Optional[float] = None
-    kill_sent_at: Optional[float] = None
-    killed_for: Optional[str] = None  # why the supervisor killed it (hung, start timeout)
-    bad_lines: int = 0
-    stdin_broken: bool = False
-    # The members of its chain process, upstream first (docs/runtime.md, "Chaining"), or () for a
-    # process of its own. Members share `proc`; their control lines carry "member".
-    chain: Tuple[str, ...] = ()
-    asked_to_stop: bool = False  # `stop` named it (a chain's other members stop with it, unasked)
-    eof: bool = False  # the loop handled the end of its stdout (`handle_eof`)
-    exited_at: Optional[float] = None  # when `poll` first saw the process gone
-    # Forked by the fork server (agent.node.forked): seconds since that server started; None for
-    # a cold start (an interpreter start and the imports). The "spawned" event says it.
-    warm_age: Optional[float] = None
-
-    @property
-    def instance(self) -> str:
-        return self.spec.instance
-
-    @property
-    def pid(self) -> int:
-        return int(self.proc.pid)
-
-
-@dataclass(frozen=True)
-class Reaped:
-    """A worker process that has exited, and how."""
-
-    worker: Worker
-    returncode: int
-
-    @property
-    def clean(self) -> bool:
-        """Exited on its own terms: announced its exit (terminated after draining) with status 0."""
-        return self.returncode == WORKER_EXIT_OK and self.worker.exit_event is not None
-
-    @property
-    def crashed(self) -> bool:
-        """Died without being asked to and without announcing it (restart candidate)."""
-        w = self.worker
-        return w.exit_event is None and w.stop_sent_at is None
 
 
 def _pdeathsig() -> None:  # pragma: no cover - runs in the child between fork and exec
@@ -507,4 +444,4 @@ class Supervisor:
         return self.workers.get(instance)
 
 
-__all__ = ["Reaped", "Supervisor", "WORKER_COMMAND", "Worker", "WorkerStatus"]
+__all__ = ["Process", "Supervisor", "WORKER_COMMAND"]

@@ -20,27 +20,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Container, Dict, Mapping, Optional, Protocol
+from typing import Any, Callable, Container, Dict, Mapping
 
-from agent.instance.spec import InstanceSpec
 from agent.node import spawns
 from agent.node.fencing import Fencing
 from agent.node.fleetview import FleetView
 from agent.node.gate import Gate, without_handover
 from agent.node.hosted import HostedSpecs
 from agent.node.pins import Pins
+from agent.node.workers import Worker
 
 log = logging.getLogger(__name__)
-
-
-class Worker(Protocol):
-    """What the node's parts read of one of our workers (agent.node.supervisor.Worker, which
-    they may not import: it starts processes)."""
-
-    spec: InstanceSpec
-    stats: Dict[str, Any]  # its last heartbeat's
-    started_at: float  # the loop clock's time of its start
-    warm_age: Optional[float]  # forked by the fork server: seconds since that server started; None: cold
 
 
 @dataclass(frozen=True)

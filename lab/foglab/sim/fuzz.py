@@ -1214,7 +1214,7 @@ class DaemonTarget(Target):
         conf.write_text(f'[agent]\nnode = "me"\ncluster = "c"\nslots = 2\nstate_dir = "{self._dir.name}/state"\n'
                         '[mqtt]\nhost = "127.0.0.1"\nport = 1\n[metrics]\nport = 0\n')
         agent = Agent(load_agent_config(conf), warm_worker=False)
-        agent.free_slots = lambda: 0  # type: ignore[method-assign]  # refuse, never start a worker
+        agent.core.free_slots = lambda: 0  # type: ignore[method-assign]  # refuse, never start a worker
         agent.supervisor.start = None  # type: ignore[assignment]  # ... and prove it: calling it is a crash
         agent.bus.connected = True
         agent.bus.client = self._Recorder()
@@ -1230,19 +1230,20 @@ class DaemonTarget(Target):
                            (topics_mod().agent_hosted("c", "n2"), [spec]),
                            (topics_mod().agent_status("c", "n2"), "online")):
             raw = doc.encode() if isinstance(doc, str) else json.dumps(doc).encode()
-            agent._on_message(  # the fleet it knows before the hostile input: a neighbour n2
-type("M", (), {"topic": topic, "payload": raw, "retain": True, "properties": None})(), 0.0)
-        self.agent = agent
+            # the fleet it knows before the hostile input: a neighbour n2
+            agent.core._on_message(type("M", (), {"topic": topic, "payload": raw, "retain": True, "properties": None})(),
+                                   0.0)
+        self.core = agent.core  # what the inputs reach: the node's decisions
         self.base = self._knowledge()
-        self.base_counters = dict(agent.counters)
+        self.base_counters = dict(agent.core.counters)
 
     def _knowledge(self) -> Any:
-        a = self.agent
+        a = self.core
         return fingerprint((a.view.fleet, a.view.online, a.view.hosted_by_node, a.view.rehomed_by_node, a.view.latency, a.view.deployed,
                             a.drain.draining, a.rehoming.offline_since, a.view.reserved, sorted(a.spawns.calls)))
 
     def _restore(self) -> None:
-        a, (fleet, online, hosted, rehomed, latency, deployed) = self.agent, self._saved
+        a, (fleet, online, hosted, rehomed, latency, deployed) = self.core, self._saved
         a.view.fleet, a.view.online, a.view.hosted_by_node, a.view.rehomed_by_node = copy.deepcopy(fleet), dict(online), \
             copy.deepcopy(hosted), copy.deepcopy(rehomed)
         a.view.latency, a.view.deployed, a.drain.draining = copy.deepcopy(latency), set(deployed), False
@@ -1256,7 +1257,7 @@ type("M", (), {"topic": topic, "payload": raw, "retain": True, "properties": Non
 
     def one(self, rng: random.Random) -> bool:
         t = topics_mod()
-        a = self.agent
+        a = self.core
         if not hasattr(self, "_saved"):
             self._saved = (copy.deepcopy(a.view.fleet), dict(a.view.online), copy.deepcopy(a.view.hosted_by_node),
                            copy.deepcopy(a.view.rehomed_by_node), copy.deepcopy(a.view.latency), set(a.view.deployed))

@@ -395,7 +395,7 @@ class Monitor:
             return dict(self.instance_stats.get(instance, {}))
 
     def call(self, host: str, port: int, node: str, body: Dict[str, Any]) -> Dict[str, Any]:
-        from agent.node.rpc import RpcClient
+        from agent.node.deploy import RpcClient
 
         with RpcClient(host, port, self.cluster) as client:
             return client.call(node, body, timeout=10)
@@ -679,7 +679,8 @@ def start_to_ready(host: str, port: int, workdir: Path, warm: bool, n: int = 5, 
     from agent.instance.spec import InstanceSpec
     from agent.mqtt.settings import BrokerSpec
     from agent.node.loopevents import WorkerLine
-    from agent.node.supervisor import Supervisor, WorkerStatus
+    from agent.node.supervisor import Supervisor
+    from agent.node.workers import WorkerStatus
 
     q: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
     sup = Supervisor(emit=q.put, warm=warm, env=worker_env())

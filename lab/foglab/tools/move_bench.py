@@ -109,7 +109,7 @@ def move_once(workdir: Path, per_node: bool, kind: str, rate: float = 200.0, dea
     import psutil
 
     from agent.config import load_pipeline_text
-    from agent.node.rpc import RpcClient
+    from agent.node.deploy import RpcClient
     from foglab.tools.demo import Fleet, Monitor
     from foglab.tools.verify import verify
 
