@@ -3,7 +3,7 @@
 Rules of this file: no I/O, no clock, no reference to the daemon. Every check takes what it reads
 as arguments (the spec or request, the requester, the retained records as `PeerFacts`, the wall
 time) and returns a refusal (a sentence naming the requester's problem) or, for a spec, raises
-ValueError; the daemon (agent.node.daemon) carries out what the answer implies: the reply, the
+ValueError; the node's core (agent.node.core) carries out what the answer implies: the reply, the
 start, the log of a request it refused. What is fixed when the agent starts (this node's
 allow-list, directories, admin keys and node-local settings) is the gate's own state.
 

@@ -1,6 +1,7 @@
 """What reaches the daemon's loop from the other threads (gunicorn's arbiter habit: the signal
 handlers, paho's network thread and the workers' reader threads only enqueue one of these; the
-loop, which owns all state, dispatches each by its type through one table, `Agent._LOOP`).
+loop, which owns all state, dispatches each by its type through one table, `Agent._LOOP`, and
+hands what the node decides on to agent.node.core).
 
 Rules of this file: frozen values, no I/O; an event carries what its thread saw, converted
 (paho's reason codes as text), never a callback.

@@ -4,9 +4,9 @@ save to copy to its standby, a scaling round it cancelled, its announced exit.
 
 Rules of this file: no socket, thread, process, clock or random; no reference to the daemon. The
 supervisor decodes a line (bounded, JSON, the worker's status updated: agent.node.supervisor
-`handle_line`) and the daemon hands the message here with the loop time and one reading of the
-wall clock; the stored specs change through agent.node.hosted.HostedSpecs, the rest of the node
-acts through `LineCalls`. An event of no handler is ignored.
+`handle_line`) and the node's core (agent.node.core) hands the message here with the loop time
+and one reading of the wall clock; the stored specs change through agent.node.hosted.HostedSpecs,
+the rest of the node acts through `LineCalls`. An event of no handler is ignored.
 
 Why "ready" is the moment of three things, in this order (docs/design.md invariant 2, subscribe
 before announce): the worker has subscribed to its inbox, so from now on it may be announced.
