@@ -284,10 +284,11 @@ class Agent:
             notify.ready(self.report.status_line(self.connected))
 
     def _periodic(self, now: float) -> None:
+        core = self.core
         for reaped in self.supervisor.poll(now):
-            self.core.handle(WorkerExited(reaped), now)
-        self.core.handle(Tick(), now)
-        stopping_since = self.core.stopping_since
+            core.handle(WorkerExited(reaped), now)
+        core.handle(Tick(), now)
+        stopping_since = core.stopping_since
         if stopping_since is not None:
             if len(self.supervisor) == 0:
                 raise Halt("all workers stopped", EXIT_OK)
@@ -297,12 +298,11 @@ class Agent:
         gave_up = self.bus.gave_up(now)
         if gave_up:
             raise Halt(gave_up, EXIT_UNAVAILABLE)
-        core = self.core
         if self.site is not None and self.connected and self.bus.retained_in and stopping_since is None:
             # Not before the retained lease is in: an agent that claimed the role in the moment
             # between its connect and the lease's arrival took it from a live leader.
             siteeffects.tick(self.site, self.node, self.cluster, self.bus.client_id, core.view.fleet, core.view.online,
-                             core.state_doc(), self.wall(), core._publish,
+                             core.state_doc(), self.wall(), self.bus.publish,
                              lambda body: core.requests.steer(body, self.clock()))
         if self.spill is not None:
             self.spill.tick(now, self.supervisor.workers, Path(self.cfg.agent.state_dir))

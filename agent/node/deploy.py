@@ -75,7 +75,6 @@ class RpcClient(Requester):
         return reply
 
 
-
 class DeployError(RuntimeError):
     """The pipeline could not be deployed (says which operator and why)."""
 

@@ -5,8 +5,8 @@ the pipeline records, the site manager's claims, the latency rows, pings and pon
 Why a part of its own: each record only updates the parts it names (the fleet view, the host
 tables, the standby copies, re-homing's offline times, the site manager's lease board, the
 latency core), and what else it has the node do goes through `InboundCalls`, so the node's core
-(agent.node.core) only hands a message here. Whatever a record holds, a bad one is counted and logged through
-`bad` and never ends the loop (docs/security.md).
+(agent.node.core) only hands a message here. Whatever a record holds, a bad one is counted and
+logged through `bad` and never ends the loop (docs/security.md).
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ hand-over's state), one handler per op (`Requests.OPS`), and the pins they set.
 Why a part of its own: a request is answered from the parts it names (the supervisor's workers,
 the gate, the drain, the pins, the standby store, the staging of a hand-over's state) and what it
 has the rest of the node do goes through `NodeCalls`, so the node's core (agent.node.core) only
-hands a message here. The reply goes to `replies/<requester>/<me>`, computed from the topic; a Response Topic in
-the request is ignored (docs/security.md).
+hands a message here. The reply goes to `replies/<requester>/<me>`, computed from the topic; a
+Response Topic in the request is ignored (docs/security.md).
 """
 
 from __future__ import annotations

@@ -38,7 +38,6 @@ OPS = ("spawn", "stop", "set", "ping", "scale", "drain", "undrain", "pin", "stat
 CONTROL_KEYS = frozenset({"event"})
 
 
-
 def encode(body: Dict[str, Any]) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
