@@ -236,11 +236,19 @@ def test_the_instance_parts_use_only_what_the_port_names() -> None:
 
     named = {n for n in vars(InstancePort) if not n.startswith("_")} | set(InstancePort.__annotations__)
     base = ROOT / "agent" / "instance"
-    used = (_members_used(base / "driver.py", ("worker",)) | _members_used(base / "moves.py", ("w",))
-            | _members_used(base / "adoption.py", ("w",)) | _members_used(base / "creates.py", ("worker",))
-            | _members_used(base / "scaling_events.py", ("worker",)) | _members_used(base / "group_side.py", ("w",)))
+    used = (_members_used(base / "driver.py", ("worker", "w")) | _members_used(base / "moves.py", ("w",))
+            | _members_used(base / "group_side.py", ("w",)))
     assert used - named == set(), f"members of the instance used but not in the port: {sorted(used - named)}"
     assert named - used == set(), f"the port names members no part uses: {sorted(named - used)}"
+
+
+@pytest.mark.parametrize("part", ["adoption.py", "creates.py", "scaling_events.py"])
+def test_the_drivers_own_parts_hold_no_instance(part: str) -> None:
+    """The scaling driver's idle copies, createNode() requests and events return commands: they
+    neither import the port nor read a member through a name of the instance."""
+    path = ROOT / "agent" / "instance" / part
+    assert "agent.instance.port" not in path.read_text()
+    assert _members_used(path, ("w", "worker", "instance")) == set()
 
 
 def test_the_cycle_finder_sees_a_cycle_made_by_a_function_local_import(tmp_path: Path) -> None:

@@ -822,7 +822,9 @@ def test_an_empty_ack_from_an_instance_of_another_operator_is_never_probed(tmp_p
     PROBE_TTL (`ScalingDriver.adoption_pending`). Only names like our copies are probed."""
     clock, copy, copy_wire, creator, keeper_wire = _creator_and_idle_copy(tmp_path)
     sc = creator.core.scaling
-    assert sc.idle.on_idle_ping("sink-9") is False
+    now = creator.core.now
+    assert sc.idle.on_idle_ping("sink-9", now) is None  # not a ping for us
     assert sc.idle.probes == {} and not sc.adoption_pending
-    assert sc.idle.on_idle_ping("work-y") is True and list(sc.idle.probes) == ["work-y"]  # named like our copies
-    assert sc.idle.on_idle_ping("work-y") is True and sc.counts["probes"] == 1  # its probe is on its way
+    probe = sc.idle.on_idle_ping("work-y", now)  # named like our copies: probed
+    assert probe is not None and len(probe) == 1 and list(sc.idle.probes) == ["work-y"]
+    assert sc.idle.on_idle_ping("work-y", now) == [] and sc.counts["probes"] == 1  # its probe is on its way

@@ -5,8 +5,9 @@ a copy an earlier incarnation of ours created (docs/reliability.md, agent.instan
 Rules of this file: sans-IO, part of the `Instance` (agent.instance.core) through its driver. The
 part owns its state (the copies we sent Start, the copies to probe, the probes waiting for their
 echo, the echoed copies waiting for adoption, the idle ping's timer) and reads the scaling core
-(agent.protocol.scaling) it is handed; it sends through the instance's port and counts in the
-driver's counters. It starts no round: the driver adopts an echoed copy (`ScalingCore.adopt`)
+(agent.protocol.scaling) it is handed. It holds no instance: it numbers its messages on the
+instance's links (agent.instance.outputs, a sibling part it is handed) and returns them as
+commands; it counts in the driver's counters. It starts no round: the driver adopts an echoed copy (`ScalingCore.adopt`)
 when it is free to start one, and asks `pending` before it scales in.
 
 Why apart from the driver: the ping, probe and echo answer messages outside the paper's protocol
@@ -19,10 +20,11 @@ import logging
 from collections import deque
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
+from agent.instance.commands import Command
+
 from agent.dataplane.envelope import Envelope, Kind
 from agent.dataplane.inbound import LogLimiter
 from agent.instance.groups import START_FIELD
-from agent.instance.port import InstancePort
 from agent.protocol.messages import Start
 from agent.protocol.scaling import InstanceState
 
@@ -44,9 +46,12 @@ MAX_PROBES = 8
 PROBE_TTL = 60.0
 
 
-def with_groups(w: InstancePort, body: Dict[str, Any], copy: str) -> Dict[str, Any]:
+StartField = Callable[[str], Optional[Dict[str, Any]]]  # agent.instance.group_side.GroupSide.start_field
+
+
+def with_groups(start_field: StartField, body: Dict[str, Any], copy: str) -> Dict[str, Any]:
     """A Start's JSON with our key-group table or share (agent.instance.groups), if any."""
-    extra = w.start_field(copy)
+    extra = start_field(copy)
     if extra is not None:
         body[START_FIELD] = extra
     return body
@@ -57,17 +62,21 @@ class IdleCopies:
     ping to our creator; as a creator, Start again, and the probe and echo of copies an earlier
     incarnation created."""
 
-    def __init__(self, w: InstancePort, core: Any, counts: Dict[str, int], errors_log: LogLimiter,
-                 rehomed: bool) -> None:
-        self.w = w
+    def __init__(self, spec: Any, ctx: Dict[str, Any], stats: Dict[str, int], outputs: Any, router: Any,
+                 start_field: StartField, core: Any, counts: Dict[str, int], errors_log: LogLimiter,
+                 rehomed: bool, now: float) -> None:
+        self.ctx = ctx  # the instance's log context
+        self.stats = stats  # the instance's counters (protocol_errors)
+        self.outputs = outputs  # the instance's links (agent.instance.outputs): our messages' numbers
+        self.router = router  # the instance's routes (agent.dataplane.routing): who is a successor
+        self.start_field = start_field
         self.core = core  # the driver's scaling core (read here, never driven)
         self.counts = counts  # the driver's counters
         self._errors_log = errors_log  # the driver's: once per sender per minute, bounded
-        spec = w.spec
         self.started: Deque[str] = deque(maxlen=256)  # copies this instance sent Start (see start_again)
         # A copy re-homed idle (agent.node.rehome) asks its creator at once: the creator may be a
         # new incarnation too, that knows nothing of it.
-        self._next_ping = w.now + (0.0 if rehomed else IDLE_PING)
+        self._next_ping = now + (0.0 if rehomed else IDLE_PING)
         self._idle_pings = 0
         # Re-homed: the idle copies our dead incarnation created (plan_rehome, `idle_copies`),
         # probed at our first tick and adopted on their echo before we may scale in.
@@ -100,22 +109,23 @@ class IdleCopies:
 
     # ---- as a copy ------------------------------------------------------------------------------
 
-    def ping_if_idle(self, now: float) -> None:
+    def ping_if_idle(self, now: float) -> List[Command]:
         """An idle copy (created, not started) asks its creator for Start again: an ack of
         nothing ([0, 0]) after IDLE_PING s, then at doubling intervals up to IDLE_PING_MAX."""
 
         if self.core.state is not InstanceState.IDLE or not self.core.creator or now < self._next_ping:
-            return
+            return []
         self._next_ping = now + min(IDLE_PING * 2 ** self._idle_pings, IDLE_PING_MAX)
         self._idle_pings += 1
         self.counts["start_requests"] += 1
-        log.warning("still idle after creation: asking %s for Start again", self.core.creator, extra=self.w.ctx)
-        self.w.send_envelope(self.core.creator, Kind.ACK, [0, 0])
+        log.warning("still idle after creation: asking %s for Start again", self.core.creator, extra=self.ctx)
+        return self.outputs.send_envelope(self.core.creator, Kind.ACK, [0, 0])
 
     # ---- as a creator ---------------------------------------------------------------------------
 
-    def on_idle_ping(self, sender: str) -> bool:
-        """An ack of nothing ([0, 0]) from `sender`: True if it was a copy's idle ping for us.
+    def on_idle_ping(self, sender: str, now: float) -> Optional[List[Command]]:
+        """An ack of nothing ([0, 0]) from `sender`: if it was a copy's idle ping for us, what we
+        send for it (maybe nothing); None if it was not.
 
         From a copy we started: its Start was lost, send it again. From a copy of our current
         round: that round will start it. From a neighbour: a new incarnation of it asking for
@@ -126,29 +136,28 @@ class IdleCopies:
 
         core = self.core
         if sender in self.started:
-            self.start_again(sender)
-            return True
+            return self.start_again(sender)
         if (sender in core.succs or sender in core.preds or sender in core.new_siblings
                 or sender in self.orphans or core.state is InstanceState.IDLE or core.terminated):
-            return sender in core.new_siblings
-        if sender in self.probes and self.w.now - self.probes[sender][1] < IDLE_PING:
-            return True  # our probe is on its way (a new one would void the echo of this one)
+            return [] if sender in core.new_siblings else None
+        if sender in self.probes and now - self.probes[sender][1] < IDLE_PING:
+            return []  # our probe is on its way (a new one would void the echo of this one)
         if not self.may_probe(sender):
             # Not named like a copy of ours: an instance of another operator we have a link
             # with (a re-homed idle copy asks its predecessors for replays), never ours to start.
-            return False
-        self._probe(sender)
-        return True
+            return None
+        return self._probe(sender, now)
 
-    def start_again(self, copy: str) -> None:
+    def start_again(self, copy: str) -> List[Command]:
         """Send Start again to a copy we started that says it is still idle (its Start was lost
         with the broker's state): our current tables, as Algorithm 6 would send them now. A copy
         that is active by then rejects it as unexpected and nothing changes."""
 
         msg = Start(self.core.instance_id, self.core.stage, *self.core.routes())
-        self.w.send_envelope(copy, Kind.PROTO, with_groups(self.w, msg.to_dict(), copy))
+        out = self.outputs.send_envelope(copy, Kind.PROTO, with_groups(self.start_field, msg.to_dict(), copy))
         self.counts["protocol_resent"] += 1
-        log.warning("%s is still idle: sent Start again", copy, extra=self.w.ctx)
+        log.warning("%s is still idle: sent Start again", copy, extra=self.ctx)
+        return out
 
     def may_probe(self, sender: str) -> bool:
         """May an idle ping from `sender`, an instance we do not know, be a copy an earlier
@@ -160,24 +169,27 @@ class IdleCopies:
         return (self.core.state is InstanceState.ACTIVE and len(self.probes) < MAX_PROBES
                 and len(sender) <= 128 and sender.startswith(self.core.operator + "-"))
 
-    def probe_expected(self) -> None:
+    def probe_expected(self, now: float) -> List[Command]:
         """Probe the idle copies our dead incarnation created (plan_rehome's `idle_copies`)
         without waiting for their idle ping; each is adopted on its echo (`on_probe`)."""
+        out: List[Command] = []
         if not self.expected or self.core.state is not InstanceState.ACTIVE:
-            return
+            return out
         for copy in self.expected:
             if copy not in self.probes and copy not in self.orphans and self.may_probe(copy):
-                self._probe(copy)
+                out += self._probe(copy, now)
         self.expected = []
+        return out
 
-    def _probe(self, sender: str) -> None:
+    def _probe(self, sender: str, now: float) -> List[Command]:
         self._probe_seq += 1
-        self.probes[sender] = (self._probe_seq, self.w.now)
+        self.probes[sender] = (self._probe_seq, now)
         self.counts["probes"] += 1
-        log.warning("%s is idle and not a copy of this incarnation: probing it", sender, extra=self.w.ctx)
-        self.w.send_envelope(sender, Kind.PROTO, {"type": PROBE, "sender": self.core.instance_id, "n": self._probe_seq})
+        log.warning("%s is idle and not a copy of this incarnation: probing it", sender, extra=self.ctx)
+        return self.outputs.send_envelope(sender, Kind.PROTO,
+                                          {"type": PROBE, "sender": self.core.instance_id, "n": self._probe_seq})
 
-    def on_probe(self, env: Envelope) -> None:
+    def on_probe(self, env: Envelope, now: float) -> List[Command]:
         """A creator's probe to a copy, or the copy's echo of it (both outside the paper's cost).
 
         The copy echoes only while idle and only to its creator. The echo leaves the copy after
@@ -189,26 +201,30 @@ class IdleCopies:
         body = env.body
         n = body.get("n")
         if type(n) is not int or n < 1 or body.get("sender") != env.sender:
-            self.w.stats["protocol_errors"] += 1
-            if self._errors_log.allow(env.sender, self.w.now):
-                log.warning("bad %s from %s ignored", body.get("type"), env.sender, extra=self.w.ctx)
-            return
+            self.stats["protocol_errors"] += 1
+            if self._errors_log.allow(env.sender, now):
+                log.warning("bad %s from %s ignored", body.get("type"), env.sender, extra=self.ctx)
+            return []
         core = self.core
         if body["type"] == PROBE:
             if core.state is InstanceState.IDLE and env.sender == core.creator:
-                self.w.send_envelope(env.sender, Kind.PROTO, {"type": PROBE_ECHO, "sender": core.instance_id, "n": n})
+                return self.outputs.send_envelope(env.sender, Kind.PROTO,
+                                                  {"type": PROBE_ECHO, "sender": core.instance_id, "n": n})
         elif env.sender in self.probes and self.probes[env.sender][0] == n:
             del self.probes[env.sender]
             if env.sender not in self.started and env.sender not in self.orphans:
                 self.orphans.append(env.sender)
+        return []
 
-    def expire_probes(self, now: float, knows: Callable[[str], bool]) -> None:
-        """Probes unanswered for PROBE_TTL: the instance was no copy of ours (or is gone). Its
-        channel and our numbering to it go, unless something else names it (`knows`: the
-        driver's tables, rounds and round memory)."""
+    def expire_probes(self, now: float, knows: Callable[[str], bool]) -> List[str]:
+        """Probes unanswered for PROBE_TTL: the instance was no copy of ours (or is gone). The
+        copies whose channel and our numbering to it go (the caller forgets them), unless
+        something else names it (`knows`: the driver's tables, rounds and round memory)."""
+        gone: List[str] = []
         for copy, (_, at) in list(self.probes.items()):
             if now - at < PROBE_TTL:
                 continue
             del self.probes[copy]
-            if not knows(copy) and not self.w.sent_to(copy) and copy not in self.w.router.succs:
-                self.w.forget_sender(copy)
+            if not knows(copy) and copy not in self.outputs.links and copy not in self.router.succs:
+                gone.append(copy)
+        return gone

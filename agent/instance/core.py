@@ -9,7 +9,8 @@ the commands (agent.instance.commands) in order. The interleaving checker
 
 The parts it routes to each have one job, own their state and hold no reference to the
 instance (each with its job: docs/runtime.md, "Part 1"); the scaling driver, the group moves and
-the key groups' side (agent.instance.group_side) call back into it through agent.instance.port.
+the key groups' side (agent.instance.group_side) call back into it through agent.instance.port
+(the driver's own parts, its idle copies, createNode() requests and events, return commands).
 What stays here: building the parts, routing each event and each step of a loop turn to them, a
 start and a new incarnation, a stop and the exit, what is persisted (docs/runtime.md, "Instance").
 
@@ -35,7 +36,7 @@ from agent.dataplane.envelope import Envelope, Item, Kind
 from agent.dataplane.flow import AckTracker
 from agent.dataplane.routing import Outbox, Router
 from agent.dataplane.sticky import needed
-from agent.instance.commands import Command, CrashPoint, Emit, Exit, Notify, RequestSpawn
+from agent.instance.commands import Command, Emit, Exit
 from agent.instance.controls import ControlLines
 from agent.instance.counters import new_counters
 from agent.instance.cadence import Cadence
@@ -304,15 +305,9 @@ class Instance:
     def emit(self, event: str, **fields: Any) -> None:
         self._out.append(Emit(event, fields))
 
-    def notify(self, topic: str, payload: bytes, qos: int = 0, retain: bool = False) -> None:
-        self._out.append(Notify(topic, payload, qos, retain))
-
-    def request_spawn(self, request: str, spec: Dict[str, Any]) -> None:
-        self._out.append(RequestSpawn(request, spec))
-
-    def crash_point(self, name: str) -> None:
-        """Where the tests' fault injection may kill the process (the shell decides)."""
-        self._out.append(CrashPoint(name))
+    def perform(self, commands: List[Command]) -> None:
+        """The commands a part returned, after those already out (the parts of the driver)."""
+        self._out += commands
 
     # ---- start -----------------------------------------------------------------------------------------
 
@@ -597,7 +592,7 @@ class Instance:
             self._new_incarnation(f"no replay marker from {', '.join(unanswered)} in {REPLAY_WAIT:.0f}s",
                                   "replays_asked_again")
         if self.scaling is not None:
-            self.scaling.idle.ping_if_idle(now)
+            self._out += self.scaling.idle.ping_if_idle(now)
             self.scaling.expire_probes(now)
         if self.moves is not None:
             self.moves.resend_silent(now)
@@ -656,10 +651,6 @@ class Instance:
         """Acks and protocol messages: numbered on the same channel as the data (invariant 1)."""
         self._out += self.outputs.send_envelope(dest, kind, body)
 
-    def sent_to(self, dest: str) -> bool:
-        """Have we a link to `dest` (data sent to it, not all acked or it is still a successor)?"""
-        return dest in self.outputs.links
-
     def save_keyed_now(self) -> None:
         """A hand-over changed the keyed state (a group out or in): saved before what follows."""
         self._out.append(self.pending.save_keyed())
@@ -715,7 +706,7 @@ class Instance:
         """The key groups our last scaling decision moved are installed at their new owners (their
         held records applied): stamped on that decision (`bench`, docs/operators.md)."""
         if self.scaling is not None:
-            self.scaling.events.stamp_moved()
+            self.scaling.events.stamp_moved(self.wall())
 
     def on_preds_changed(self, added: Tuple[str, ...], removed: Tuple[str, ...]) -> None:
         """A predecessor's round reached us (the driver calls this after the core applied it): a

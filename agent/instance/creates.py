@@ -4,8 +4,9 @@ a copy wait until the agent says it is subscribed).
 
 Rules of this file: sans-IO, part of the `Instance` (agent.instance.core) through its driver. The
 part owns its state (the requests waiting for their answer, the errors of the refused ones, the
-request counter) and asks through the instance's port; it counts in the driver's counters. What
-the answers mean for the round (go on, shrink it or withdraw it) is the driver's.
+request counter) and holds no instance: a request is returned as the commands that ask the agent;
+it counts in the driver's counters. What the answers mean for the round (go on, shrink it or
+withdraw it) is the driver's.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 from dataclasses import replace
 from typing import Any, Dict, List, Optional
 
-from agent.instance.port import InstancePort
+from agent.instance.commands import Command, CrashPoint, RequestSpawn
 
 __all__ = ["CreateRequests"]
 
@@ -22,23 +23,23 @@ __all__ = ["CreateRequests"]
 class CreateRequests:
     """The copies of the current round requested of the agent and not answered yet."""
 
-    def __init__(self, w: InstancePort, counts: Dict[str, int]) -> None:
-        self.w = w
+    def __init__(self, spec: Any, counts: Dict[str, int]) -> None:
+        self.spec = spec  # the instance's (agent.instance.spec.InstanceSpec): each copy's starts from it
         self.counts = counts  # the driver's counters
         # request -> instance: every copy of a round is requested at once (see ScalingDriver.run_outputs)
         self.waiting: Dict[str, str] = {}
         self.errors: List[str] = []  # of the refused requests, until every answer is in
         self._req = 0
 
-    def request(self, out: Any) -> None:
+    def request(self, out: Any) -> List[Command]:
         """Ask the agent for the copy of a `CreateInstance` output: our spec, idle, created by us."""
-        w = self.w
+        own = self.spec
         self._req += 1
-        request = f"{w.spec.instance}-{self._req}"
-        extra = dict(w.spec.extra)
-        extra["creator"] = w.spec.instance
+        request = f"{own.instance}-{self._req}"
+        extra = dict(own.extra)
+        extra["creator"] = own.instance
         spec = replace(
-            w.spec,
+            own,
             instance=out.instance_id,
             succs=(),
             preds=(),
@@ -49,8 +50,8 @@ class CreateRequests:
         )
         self.waiting[request] = out.instance_id
         self.counts["spawns"] += 1
-        w.request_spawn(request, json.loads(spec.to_json()))
-        w.crash_point("spawn_requested")  # tests: a crash in the middle of a duplication round
+        # CrashPoint: the tests' crash in the middle of a duplication round
+        return [RequestSpawn(request, json.loads(spec.to_json())), CrashPoint("spawn_requested")]
 
     def answered(self, msg: Dict[str, Any]) -> Optional[str]:
         """The instance a "spawned" answer is for (None: no request of ours); a refusal's error is

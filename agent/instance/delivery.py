@@ -109,7 +109,7 @@ class Delivery:
         pred = scaling is not None and env.sender in scaling.core.preds  # it replays to us after a marker
         for e in inbound.receive(env, replays_to_us=pred):
             if e.kind is Kind.ACK:
-                self._ack(e, scaling, epoch, now)
+                self._ack(e, scaling, epoch, now, out)
             else:
                 if e.kind is Kind.DATA:
                     if is_replay_marker(e):  # its replay follows
@@ -142,12 +142,15 @@ class Delivery:
             out += self.outputs.send_envelope(pred, Kind.ACK, [0, 0])
         return out
 
-    def _ack(self, env: Envelope, scaling: Any, epoch: int, now: float) -> None:
+    def _ack(self, env: Envelope, scaling: Any, epoch: int, now: float, out: List[Command]) -> None:
         """A successor's ack of our data up to its number, in our current epoch (agent.instance.outputs)."""
         self.stats["acks_in"] += 1
         acked_epoch, upto = env.body
-        if scaling is not None and list(env.body) == [0, 0] and scaling.idle.on_idle_ping(env.sender):
-            return  # an idle copy asks for its Start
+        if scaling is not None and list(env.body) == [0, 0]:
+            start = scaling.idle.on_idle_ping(env.sender, now)
+            if start is not None:
+                out += start
+                return  # an idle copy asks for its Start
         if acked_epoch != epoch:
             self.stats["stale_acks"] += 1  # for a dead incarnation
             return

@@ -159,10 +159,11 @@ class ScalingDriver:
         }
         self._errors_log = LogLimiter()  # once per sender per minute, bounded (probed names are invented)
         # the copies we started, probe or adopt, and the idle ping of ours (agent.instance.adoption)
-        self.idle = IdleCopies(worker, self.core, self.counts, self._errors_log, self.rehomed)
-        self.events = ScalingEvents(worker, self.counts)  # decision records and events, lock events
+        self.idle = IdleCopies(spec, worker.ctx, worker.stats, worker.outputs, worker.router, worker.start_field,
+                               self.core, self.counts, self._errors_log, self.rehomed, worker.now)
+        self.events = ScalingEvents(spec, worker.ctx, self.counts)  # decision records and events, lock events
         self.activated_at: Optional[float] = None  # wall time of our Start (rescale breakdown)
-        self.creates = CreateRequests(worker, self.counts)  # the round's createNode() requests
+        self.creates = CreateRequests(spec, self.counts)  # the round's createNode() requests
         self._reminded: Dict[str, float] = {}  # departed neighbour -> when we last re-sent its deletion ack
 
     def _rounds_above_dead_incarnation(self, min_epoch: int) -> None:
@@ -218,7 +219,7 @@ class ScalingDriver:
     # ---- a decision: the tick, the policy or a steering request, a keyed leaver, an adoption -----
 
     def maybe_tick(self, now: float) -> None:
-        self.idle.probe_expected()
+        self.w.perform(self.idle.probe_expected(now))
         if self._moving():
             self._maybe_adopt()
             self.resend_silent(now)
@@ -272,7 +273,8 @@ class ScalingDriver:
             return
         outs = self.core.start_round(decision)
         self._observe(outs)
-        self.events.decision(now, load, draw, decision, outs, self._capacity(), self.live)
+        self.w.perform(self.events.decision(now, self.w.wall(), load, draw, decision, outs, self._capacity(),
+                                            self.live))
         if outs:
             new = [o.instance_id for o in outs if isinstance(o, CreateInstance)]
             kind = "scale_out" if new else "scale_in"
@@ -408,7 +410,7 @@ class ScalingDriver:
             self.last_round_end = self.w.now
             self.stamp_decision("round_end_at")
         for t in trans:
-            self.events.lock_event(t)
+            self.w.perform(self.events.lock_event(t, self.w.now, self.w.wall()))
         if trans or edge:
             self.w.mark_state_changed()
 
@@ -435,7 +437,7 @@ class ScalingDriver:
                 # 2-FGME lock messages travel the same way but are counted apart, by kind.
                 body = out.message.to_dict()
                 if out.message.type == "start":
-                    body = with_groups(w, body, out.dest)
+                    body = with_groups(w.start_field, body, out.dest)
                 if self.links is not None:
                     body = self.links.stamp(out.dest, body, now)
                 w.send_envelope(out.dest, Kind.PROTO, body)
@@ -469,7 +471,7 @@ class ScalingDriver:
                     for o in list(self.outputs):
                         if not isinstance(o, CreateInstance):
                             break
-                        self.creates.request(o)
+                        w.perform(self.creates.request(o))
                 return  # waiting for "spawned"
             elif isinstance(out, Drain):
                 # Two-phase deletion: every predecessor removed us; forward everything first.
@@ -541,7 +543,7 @@ class ScalingDriver:
         """A neighbour's protocol or lock message (a probe or its echo: the idle copies')."""
         stats = self.w.stats
         if isinstance(env.body, dict) and env.body.get("type") in (PROBE, PROBE_ECHO):
-            self.idle.on_probe(env)
+            self.w.perform(self.idle.on_probe(env, self.w.now))
             return
         if self.links is not None:
             try:
@@ -757,7 +759,8 @@ class ScalingDriver:
         return self.idle.pending
 
     def expire_probes(self, now: float) -> None:
-        self.idle.expire_probes(now, self.knows)
+        for copy in self.idle.expire_probes(now, self.knows):
+            self.w.forget_sender(copy)
 
     # ---- records (agent.instance.scaling_events) and counters ------------------------------------
 
@@ -767,7 +770,7 @@ class ScalingDriver:
         return self.events.decisions
 
     def stamp_decision(self, key: str) -> None:
-        self.events.stamp(key)
+        self.events.stamp(key, self.w.wall())
 
     def stats(self) -> Dict[str, Any]:
         s: Dict[str, Any] = dict(self.counts)

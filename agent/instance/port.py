@@ -1,6 +1,8 @@
 """What the scaling driver, the group moves and the key groups' side may ask of their instance: the
 seam between `agent.instance.core.Instance` and the parts that call back into it
-(agent.instance.driver with its parts, agent.instance.moves, agent.instance.group_side).
+(agent.instance.driver, agent.instance.moves, agent.instance.group_side). The driver's own parts
+(agent.instance.adoption, .creates, .scaling_events) hold no instance: they return commands,
+which the driver hands on with `perform`.
 
 Why a Protocol instead of the class: the parts are driven by the instance and call back into it
 (the instance's clock, its channels, its persistence), so they need its type; importing the class
@@ -37,13 +39,12 @@ class InstancePort(Protocol):
 
     # the data plane the parts route through or read
     router: Any  # agent.dataplane.routing.Router
+    outputs: Any  # agent.instance.outputs.Outputs: the links the idle copies' messages are numbered on
     outbox: Any  # agent.dataplane.routing.Outbox
     tracker: Any  # agent.dataplane.flow.AckTracker
     keyed: Any  # Optional[agent.instance.keyed_state.KeyedState]
     moves: Any  # Optional[agent.instance.moves.GroupMoves]
     load: Any  # agent.instance.load.Load: the load and live signals the scaling decision reads
-
-    def sent_to(self, dest: str) -> bool: ...
 
     # what the parts ask the instance to do
     def send_envelope(self, dest: str, kind: Any, body: Any) -> None: ...
@@ -64,6 +65,8 @@ class InstancePort(Protocol):
 
     def emit(self, event: str, **fields: Any) -> None: ...
 
+    def perform(self, commands: List[Any]) -> None: ...
+
     def stamp_decision(self, key: str) -> None: ...
 
     def handover_error(self, sender: str, why: str) -> None: ...
@@ -80,6 +83,16 @@ class InstancePort(Protocol):
     def send_eos(self, dest: str, eos: Any) -> None: ...
 
     # the scaling round's hooks into the instance
+    def set_routes(self, succs: Tuple[str, ...], now: float) -> None: ...
+
+    def after_start(self, copy: str, preds: Any) -> None: ...
+
+    def flush(self, now: float, force: bool = False) -> None: ...
+
+    def drained(self) -> bool: ...
+
+    def terminate(self, reason: str) -> None: ...
+
     def on_preds_changed(self, added: Tuple[str, ...], removed: Tuple[str, ...]) -> None: ...
 
     def start_field(self, copy: str) -> Optional[Dict[str, Any]]: ...
