@@ -361,7 +361,7 @@ def test_batches_unacked_by_a_removed_successor_that_restarts_go_to_the_current_
     first = accept_all(op, cmds, 0.5)
     to_old, to_new = topics.inbox(CLUSTER, "sink-0", "n1"), topics.inbox(CLUSTER, "sink-1", "n1")
     assert {t for t, p in first if decode(p).kind is Kind.DATA} == {to_old}
-    op.set_routes(("sink-1",), 0.6)  # sink-0's deletion round: it left our table, unacked
+    op.outputs.set_routes(("sink-1",), 0.6)  # sink-0's deletion round: it left our table, unacked
     restarted = encode(Envelope("sink-0", 1, 1, Kind.ACK, [0, 0]))  # its new incarnation asks for replays
     cmds = op.handle(EnvelopeReceived(topics.inbox(CLUSTER, "op-0", "n1"), restarted), 0.7)
     cmds += op.handle(Tick(WALL0 + 1), 1.0)

@@ -8,9 +8,9 @@ the commands (agent.instance.commands) in order. The interleaving checker
 (foglab.sim.instance_check) drives the same class through a model of the broker.
 
 The parts it routes to each have one job, own their state and hold no reference to the
-instance (each with its job: docs/runtime.md, "Part 1"); the scaling driver, the group moves and
-the key groups' side (agent.instance.group_side) call back into it through agent.instance.port
-(the driver's own parts, its idle copies, createNode() requests and events, return commands).
+instance (each with its job: docs/runtime.md, "Part 1"); the group moves and the key groups' side
+(agent.instance.group_side) call back into it through agent.instance.port. The scaling driver is
+handed the parts it acts through and our list of commands (agent.instance.driver_parts).
 What stays here: building the parts, routing each event and each step of a loop turn to them, a
 start and a new incarnation, a stop and the exit, what is persisted (docs/runtime.md, "Instance").
 
@@ -40,8 +40,10 @@ from agent.instance.commands import Command, Emit, Exit
 from agent.instance.controls import ControlLines
 from agent.instance.counters import new_counters
 from agent.instance.cadence import Cadence
+from agent.instance.clock import Clock
 from agent.instance.delivery import Delivery
 from agent.instance.driver import ScalingDriver
+from agent.instance.driver_parts import DriverParts
 from agent.instance import groups as keygroup_table
 from agent.instance import moves as group_moves
 from agent.instance.group_side import GroupSide
@@ -126,8 +128,8 @@ class Instance:
         self.hosts = Hosts()
         # Its phase, a stop and its drain, the exit decided (agent.instance.lifecycle).
         self.life = Lifecycle(spec.instance)
-        self.now = 0.0
-        self._wall_offset = 0.0
+        self.clock = Clock()  # the time of the event being handled (agent.instance.clock)
+        # The commands of that event: one list for the whole instance, the scaling driver appends to it.
         self._out: List[Command] = []
         self.inbound = Inbound()
         is_source = kind == "source"
@@ -240,14 +242,20 @@ class Instance:
     def handle(self, event: Event, now: float) -> List[Command]:
         """Apply one event at monotonic time `now`; the commands to perform, in order."""
         self.life.check(event)
-        self.now = now
-        self._out = []
+        self.clock.now = now
+        self._out.clear()
         self._HANDLERS[type(event)](self, event)
         due = self.life.due()
         if due is not None:
             self._finish(*due)
-        out, self._out = self._out, []
+        out = self._out[:]
+        self._out.clear()
         return out
+
+    @property
+    def now(self) -> float:
+        """The time of the event being handled (`handle`'s `now`)."""
+        return self.clock.now
 
     @property
     def is_source(self) -> bool:
@@ -298,16 +306,12 @@ class Instance:
 
     def wall(self) -> float:
         """The wall clock, as of the last event that carried it (timestamps, epoch plausibility)."""
-        return self.now + self._wall_offset
+        return self.clock.wall()
 
     # ---- commands (the only way out) ----------------------------------------------------------------
 
     def emit(self, event: str, **fields: Any) -> None:
         self._out.append(Emit(event, fields))
-
-    def perform(self, commands: List[Command]) -> None:
-        """The commands a part returned, after those already out (the parts of the driver)."""
-        self._out += commands
 
     # ---- start -----------------------------------------------------------------------------------------
 
@@ -324,13 +328,13 @@ class Instance:
         """Subscribed (the shell says so only after the broker's SUBACK, INVARIANT 2): take our
         epoch, restore what a restart needs, and only then say "ready"."""
         now = self.now
-        self._wall_offset = wall - now
+        self.clock.offset = wall - now
         self.life.run()
         self.incarnation.begin(saved, restart, self.spec.extra.get("min_epoch", 0))  # our epoch, our channels
         self.silence.checked(now)
         self.load.begin(now)
         self.source.started_at = wall
-        self.scaling = self.driver_class(self, saved, restart)
+        self.scaling = self.driver_class(self._driver_parts(), saved, restart)
         self.load.set_capacity(self.scaling.params.capacity)
         if restart and self.scaling.core.forwards_data:
             # The restored tables, not the spec's initial ones: since its creation the instance
@@ -351,12 +355,21 @@ class Instance:
         elif self.scaling.outputs:
             self.scaling.run_outputs(now)  # a restarted round: perform what was still queued
 
+    def _driver_parts(self) -> DriverParts:
+        """What the scaling driver acts through (agent.instance.driver_parts): our parts, not us."""
+        return DriverParts(
+            spec=self.spec, pipeline=self.pipeline, stage=self.stage, epoch=self.epoch, is_source=self.is_source,
+            ctx=self.ctx, stats=self.stats, clock=self.clock, life=self.life, load=self.load, outputs=self.outputs,
+            router=self.router, incarnation=self.incarnation, cadence=self.cadence, delivery=self.delivery,
+            group_side=self.group_side, marks=self.marks, moves=self.moves, out=self._out,
+            flush=self.flush, drained=self.drained)
+
     # ---- one loop turn ---------------------------------------------------------------------------------
 
     def _on_tick(self, ev: Tick) -> None:
         """One loop turn: the steps of `_TURN`, in its order."""
         now = self.now
-        self._wall_offset = ev.wall - now
+        self.clock.offset = ev.wall - now
         for _name, step in self._TURN:
             step(self, now)
 
@@ -513,11 +526,6 @@ class Instance:
         self.life.check_stopped(now, self.drained() and (not self.life.final or self.scaling is None
                                                          or self.scaling.ready_to_exit()))
 
-    def terminate(self, reason: str) -> None:
-        """INVARIANT 4 (drain before exit): called by the scaling driver on `Terminate`, which
-        the core emits only after every deletion ack; the loop still finishes draining first."""
-        self.life.terminate(self.now, float(self.spec.extra.get("drain_timeout", 30.0)), reason)
-
     def _finish(self, code: int, reason: str, final: bool) -> None:
         try:
             self.operator.close()
@@ -543,12 +551,6 @@ class Instance:
     def _on_handed(self, ev: EnvelopeHanded) -> None:
         """A chained predecessor's envelope (docs/runtime.md, "Chaining"), as over MQTT but its bytes."""
         self.delivery.handed(ev, self.scaling, self.epoch, self.wall(), self.now, self._out)
-
-    def forget_sender(self, sender: str) -> None:
-        """Drop every per-sender entry of an instance admitted only provisionally (an unanswered
-        probe), unless something of it still waits to be handled (agent.instance.delivery)."""
-        if self.delivery.forget(sender):
-            self.mark_state_changed()
 
     def _process(self, now: float) -> None:
         """The queued envelopes, round-robin over senders, each sender strictly in order (three
@@ -684,19 +686,6 @@ class Instance:
 
     # ---- routes (called by the scaling driver) -----------------------------------------------------
 
-    def start_field(self, copy: str) -> Optional[Dict[str, Any]]:
-        """The extra field of a Start we send `copy`: our group table, our share (agent.instance.group_side)."""
-        return self.group_side.start_field(copy)
-
-    def after_start(self, copy: str, preds: Any) -> None:
-        """Our Start to `copy` is on its way: the moves of its share begin (docs/operators.md)."""
-        if self.moves is not None:
-            self.moves.start_share(copy, preds)
-
-    def on_start_field(self, field: Any, succs: Tuple[str, ...]) -> None:
-        """Our Start arrived (we are a copy): what it carries of our key groups (agent.instance.group_side)."""
-        self.group_side.on_start_field(field, succs, self.scaling)
-
     def stamp_decision(self, key: str) -> None:
         """Wall time of a step of our current scale-out on its decision record (agent.instance.driver)."""
         if self.scaling is not None:
@@ -707,14 +696,6 @@ class Instance:
         held records applied): stamped on that decision (`bench`, docs/operators.md)."""
         if self.scaling is not None:
             self.scaling.events.stamp_moved(self.wall())
-
-    def on_preds_changed(self, added: Tuple[str, ...], removed: Tuple[str, ...]) -> None:
-        """A predecessor's round reached us (the driver calls this after the core applied it): a
-        departed one's watermark no longer holds ours back (its deletion is behind its data), and
-        the moves of our key groups learn of it (agent.instance.group_side)."""
-        if self.marks is not None:
-            self.marks.preds_removed(removed, self.now)
-        self.group_side.preds_changed(added, removed)
 
     def await_joined_pred(self, moves: group_moves.GroupMoves, pred: str) -> None:
         """The groups moving out wait for the Eos of `pred`, a predecessor that joined during
@@ -734,11 +715,6 @@ class Instance:
         waits for it to know none of our records of the group is still on its way there. Not in
         the checker's seeded fault `eos_not_sent`."""
         self.send_handover(dest, eos)
-
-    def set_routes(self, succs: Tuple[str, ...], now: float) -> None:
-        """INVARIANT 3 (route change before ack): the data path uses `succs` when this returns;
-        the scaling driver sends the ack that follows only afterwards (same thread, in order)."""
-        self.outputs.set_routes(succs, now)
 
     def drained(self) -> bool:
         """Every data batch received is processed, forwarded, acked by the successors, and acked

@@ -1,11 +1,12 @@
 """The scaling driver of an instance: rounds, recovery and steering around the protocol core.
 
 Rules of this file: part of the sans-IO `agent.instance.core.Instance` (no sockets, no clock, no
-global random: the instance passes `now` and the wall time, the decision draws come from a
-seeded generator of its own). It feeds the scaling core (agent.protocol.scaling, or the
-lock-guarded core of agent.protocol.guarded) messages and decision ticks, and performs the
-core's outputs strictly in order (the core's ORDERING CONTRACT) through the instance: sends on
-the numbered channels, route changes of the data path, drain, createNode() requests, persistence.
+global random: the instance's clock is handed to it, the decision draws come from a seeded
+generator of its own). It feeds the scaling core (agent.protocol.scaling, or the lock-guarded core
+of agent.protocol.guarded) messages and decision ticks, and performs the core's outputs strictly in
+order (the core's ORDERING CONTRACT) through the instance's parts it is handed, not the instance
+(agent.instance.driver_parts): sends on the numbered channels, route changes of the data path,
+drain, createNode() requests, persistence, each appended to the instance's commands in order.
 
 Recovery (agent.instance.recovery) lives here too: write-ahead outputs, round memory, resend on
 silence, adoption of an orphaned copy, rounds above a dead incarnation's.
@@ -31,10 +32,12 @@ from agent.dataplane.inbound import LogLimiter
 from agent.instance.adoption import (
     IDLE_PING, IDLE_PING_MAX, MAX_PROBES, PROBE, PROBE_ECHO, PROBE_TTL, IdleCopies, with_groups,
 )
+from agent.instance.commands import Emit
 from agent.instance.creates import CreateRequests
+from agent.instance.driver_parts import DriverParts
 from agent.instance.groups import START_FIELD
 from agent.instance.recovery import (
-    RESEND_AFTER, LinkError, ReliableLinks, RoundMemory, decode_outputs, encode_outputs, silent_pending,
+    RESEND_AFTER, LinkError, RoundMemory, decode_outputs, encode_outputs, open_links, silent_pending,
 )
 from agent.instance.rounds import RoundLog
 from agent.instance.scaling_events import ScalingEvents
@@ -44,35 +47,34 @@ from agent.protocol.errors import LocalProtocolError, ProtocolError
 from agent.protocol.guarded import LockMessage, core_class, message_from_dict
 from agent.protocol.messages import Deletion, DeletionAck, Duplication, DuplicationAck, Start
 from agent.protocol.scaling import Activate, CreateInstance, Drain, InstanceState, RoutesChanged, Send, Terminate
-from agent.instance.port import InstancePort
 
 __all__ = ["ScalingDriver", "PROBE", "PROBE_ECHO", "IDLE_PING", "IDLE_PING_MAX", "MAX_PROBES", "PROBE_TTL"]
 
 log = logging.getLogger("agent.instance.worker")
 
-# The seeded faults of the driver (the instance checker's `ack_behind_drain`, `drain_holds_protocol`,
-# `rehome_rounds_from_one`, `rehome_stays`, `start_without_leavers`, `wait_for_leaver`,
-# `resend_pending_only` and its idle copies' `leave_before_adoption`) are subclasses it installs
-# (foglab.sim.instance_faults): no branch here.
+# The seeded faults of the driver (the instance checker's `ack_behind_drain`, `wait_for_leaver`, ...)
+# are subclasses it installs (foglab.sim.instance_faults): no branch here.
 
 
 class ScalingDriver:
-    """Drives the sans-IO scaling core (agent.protocol.scaling) through the instance it belongs
-    to. A decision, top-down: `maybe_tick` decides (the policy, or `_run_forced` for fogctl),
-    the core's `start_round` returns the round's outputs, `_observe` records the round's start,
-    `_queue` writes them ahead and `run_outputs` performs them strictly in order (the core's
-    ORDERING CONTRACT): the copies' createNode() wait for `on_spawned`, the Sends go out; the
-    neighbours' acks come in through `handle`, which queues the round's last outputs the same way."""
+    """Drives the sans-IO scaling core (agent.protocol.scaling) through its instance's parts. A
+    decision, top-down: `maybe_tick` decides (the policy, or `_run_forced` for fogctl), the core's
+    `start_round` returns the round's outputs, `_observe` records the round's start, `_queue`
+    writes them ahead and `run_outputs` performs them strictly in order (the core's ORDERING
+    CONTRACT): the copies' createNode() wait for `on_spawned`, the Sends go out; the neighbours'
+    acks come in through `handle`, which queues the round's last outputs the same way."""
 
     # A draining instance's ack of a Duplication whose copies its tables already name goes ahead
     # of its waiting Drain (`_ahead_of_drain`; False only in the checker's seeded fault
     # `ack_behind_drain`, foglab.sim.instance_faults).
     acks_ahead_of_drain = True
 
-    def __init__(self, instance: InstancePort, saved: Dict[str, Any], restart: bool) -> None:
-        self.w = worker = instance
-        spec = worker.spec
-        sc = worker.pipeline.scaling_for(spec.operator)
+    def __init__(self, parts: DriverParts, saved: Dict[str, Any], restart: bool) -> None:
+        self.parts = parts
+        self.clock = parts.clock  # the instance's: the time of the event being handled
+        self.out = parts.out  # the instance's commands of that event: ours go in their order
+        spec = parts.spec
+        sc = parts.pipeline.scaling_for(spec.operator)
         capacity = sc.capacity if isinstance(sc.capacity, (int, float)) else float(spec.extra.get("capacity", 500.0))
         self.params = ScalingParams(
             capacity=float(spec.extra.get("capacity", capacity)),
@@ -85,35 +87,35 @@ class ScalingDriver:
         self.cooldown = sc.cooldown
         self.policy = sc.policy
         if self.policy not in RUNTIME_POLICIES:  # deploy refuses these; a hand-made spec ends here
-            raise ValueError("; ".join(worker.pipeline.runtime_policy_errors()))
+            raise ValueError("; ".join(parts.pipeline.runtime_policy_errors()))
         # threshold / model / sized: the simulator's policy objects, fed the live signals and the
         # daemon's sibling context (agent.policy.live); "decentralized" stays in the core.
         self.live: Optional[LivePolicy] = LivePolicy(self.policy, sc) if self.policy in LIVE_POLICIES else None
         # coordination = "ack" (paper) or "fgme" (rounds inside 2-FGME CSs, docs/gme.md). Lock
         # messages share the inbox and its numbered FIFO channel with the scaling messages.
-        self.coordination = worker.pipeline.pipeline.coordination
-        core_cls = core_class(self.coordination, worker.pipeline.pipeline.fgme_damping)
+        self.coordination = parts.pipeline.pipeline.coordination
+        core_cls = core_class(self.coordination, parts.pipeline.pipeline.fgme_damping)
         self._from_dict = message_from_dict
         if restart and saved.get("scaling"):
-            self.core = core_cls.restore(saved["scaling"], self.params, incarnation=worker.epoch)
+            self.core = core_cls.restore(saved["scaling"], self.params, incarnation=parts.epoch)
         elif spec.active:
             self.core = core_cls.initial(
-                spec.instance, spec.operator, worker.stage, self.params,
-                succs=spec.succs, preds=spec.preds, keeper=spec.keeper, incarnation=worker.epoch,
+                spec.instance, spec.operator, parts.stage, self.params,
+                succs=spec.succs, preds=spec.preds, keeper=spec.keeper, incarnation=parts.epoch,
             )
         else:
             creator = str(spec.extra.get("creator", ""))
             self.core = core_cls.from_create(
-                CreateInstance(spec.instance, spec.operator, worker.stage, creator), self.params,
-                incarnation=worker.epoch,
+                CreateInstance(spec.instance, spec.operator, parts.stage, creator), self.params,
+                incarnation=parts.epoch,
             )
         # Re-homed (agent.node.rehome): started active with rebuilt tables and none of the dead
         # incarnation's protocol state (see `_left_behind`).
         self.rehomed = bool(not (restart and saved.get("scaling")) and spec.extra.get("min_epoch"))
         if self.rehomed:
             self._rounds_above_dead_incarnation(int(spec.extra["min_epoch"]))
-        self.log = RoundLog([op.name for op in worker.pipeline.operators], spec.operator)
-        self.log.observe(self.core, self.w.now, self.w.wall())
+        self.log = RoundLog([op.name for op in parts.pipeline.operators], spec.operator)
+        self.log.observe(self.core, self.clock.now, self.clock.wall())
         self.lock_counts: Dict[str, Dict[str, int]] = {"in": {}, "out": {}}
         self.outputs: Deque[Any] = deque()
         self.round_created: List[str] = []  # copies of the current round whose create succeeded
@@ -121,13 +123,15 @@ class ScalingDriver:
         self._round_clock: Dict[str, float] = {}  # neighbour -> last sent to / heard from
         # coordination = "fgme": every protocol message of the core on an exactly-once FIFO
         # channel (agent.instance.recovery.ReliableLinks); "ack" keeps the paper's path
-        self.links = self._make_links(saved, restart) if self.coordination == "fgme" else None
+        floor = int(spec.extra.get("min_epoch", 0) or 0)
+        self.links = (open_links(spec.instance, floor, saved, restart, self.clock.now, self.clock.wall(), parts.ctx)
+                      if self.coordination == "fgme" else None)
         if restart and saved.get("scaling"):
             # Finish what the crashed incarnation had queued (write-ahead, agent.instance.recovery).
             self.outputs.extend(decode_outputs(saved.get("outputs") or [], self._from_dict))
             self.round_created = [str(i) for i in saved.get("round_created") or []]
             if not self.outputs:  # its round messages went out: resend if the answers never come
-                self._round_clock.update((n, worker.now) for n in self.core.pending)
+                self._round_clock.update((n, self.clock.now) for n in self.core.pending)
         self.skip_decisions = 0  # decisions to skip (the first one after activation)
         # Did the last period bring input? False at a start or restart: the load of the period
         # in which input begins (again) was measured over only part of it (see maybe_tick).
@@ -143,7 +147,7 @@ class ScalingDriver:
         self.draining = False
         seed = int(spec.extra.get("seed", 0)) ^ zlib.crc32(spec.instance.encode())
         self.rng = random.Random(seed)
-        self.next_tick = worker.now + self.period
+        self.next_tick = self.clock.now + self.period
         self.last_round_end = -1e9
         self.counts = {
             "scale_outs": 0, "scale_ins": 0, "spawns": 0, "spawn_failures": 0,
@@ -159,9 +163,10 @@ class ScalingDriver:
         }
         self._errors_log = LogLimiter()  # once per sender per minute, bounded (probed names are invented)
         # the copies we started, probe or adopt, and the idle ping of ours (agent.instance.adoption)
-        self.idle = IdleCopies(spec, worker.ctx, worker.stats, worker.outputs, worker.router, worker.start_field,
-                               self.core, self.counts, self._errors_log, self.rehomed, worker.now)
-        self.events = ScalingEvents(spec, worker.ctx, self.counts)  # decision records and events, lock events
+        self.idle = IdleCopies(spec, parts.ctx, parts.stats, parts.outputs, parts.router,
+                               parts.group_side.start_field, self.core, self.counts, self._errors_log,
+                               self.rehomed, self.clock.now)
+        self.events = ScalingEvents(spec, parts.ctx, self.counts)  # decision records and events, lock events
         self.activated_at: Optional[float] = None  # wall time of our Start (rescale breakdown)
         self.creates = CreateRequests(spec, self.counts)  # the round's createNode() requests
         self._reminded: Dict[str, float] = {}  # departed neighbour -> when we last re-sent its deletion ack
@@ -219,7 +224,7 @@ class ScalingDriver:
     # ---- a decision: the tick, the policy or a steering request, a keyed leaver, an adoption -----
 
     def maybe_tick(self, now: float) -> None:
-        self.w.perform(self.idle.probe_expected(now))
+        self.out.extend(self.idle.probe_expected(now))
         if self._moving():
             self._maybe_adopt()
             self.resend_silent(now)
@@ -233,15 +238,15 @@ class ScalingDriver:
             self._send_link(self.links.due(now))
         if now < self.next_tick:
             return
-        load = self.w.load.measure(now)
-        sig = self.w.load.take_signals(now)
+        load = self.parts.load.measure(now)
+        sig = self.parts.load.take_signals(now)
         self.next_tick = now + self.period
         # DEVIATION (docs/scaling.md): input that began during this period (the first records
         # after a start, a restart or a period without any) was counted over only part of it:
         # 60/s arriving from mid-period measure 30/s, and the decision asks for too few copies.
         began = load > 0 and not self.had_input
         self.had_input = load > 0
-        if self.policy == "none" or self.w.is_source or self.w.stopping or self.pinned:
+        if self.policy == "none" or self.parts.is_source or self.parts.life.stopping or self.pinned:
             return
         if self.outputs or self.core.in_round or self.lock_pending or now - self.last_round_end < self.cooldown:
             return
@@ -254,40 +259,40 @@ class ScalingDriver:
         if began:
             self.counts["partial_periods_skipped"] += 1
             log.info("input began during this period (%.1f/s measured over part of it): deciding next period",
-                     load, extra=self.w.ctx)
+                     load, extra=self.parts.ctx)
             return
         self.round_created = []
         draw = self.rng.random()
         if self.live is not None:
-            decision = self.live.decide(PeriodInputs(now, load, sig.processed_rate, self.w.load.capacity.value,
-                                                     sig.backpressure, self.core.keeper, draw, self.w.wall()))
+            decision = self.live.decide(PeriodInputs(now, load, sig.processed_rate, self.parts.load.capacity.value,
+                                                     sig.backpressure, self.core.keeper, draw, self.clock.wall()))
         else:
             decision = self.core.decide(load, draw)
         if decision.action is Action.TERMINATE and self.adoption_pending:
             decision = Decision(Action.NONE, 0)  # after the adoption (see adoption_pending)
         if decision.scales:
-            self.log.decided(self.w.now)
+            self.log.decided(self.clock.now)
         if self._leave_first(decision):
             self.counts["scale_ins"] += 1
-            self.decisions.append({"at": self.w.wall(), "kind": "scale_in", "load": round(load, 1), "new": []})
+            self.decisions.append({"at": self.clock.wall(), "kind": "scale_in", "load": round(load, 1), "new": []})
             return
         outs = self.core.start_round(decision)
         self._observe(outs)
-        self.w.perform(self.events.decision(now, self.w.wall(), load, draw, decision, outs, self._capacity(),
+        self.out.extend(self.events.decision(now, self.clock.wall(), load, draw, decision, outs, self._capacity(),
                                             self.live))
         if outs:
             new = [o.instance_id for o in outs if isinstance(o, CreateInstance)]
             kind = "scale_out" if new else "scale_in"
             self.counts["scale_outs" if kind == "scale_out" else "scale_ins"] += 1
-            self.decisions.append({"at": self.w.wall(), "kind": kind, "load": round(load, 1), "new": new})
+            self.decisions.append({"at": self.clock.wall(), "kind": kind, "load": round(load, 1), "new": new})
             log.info("decision %s at load %.1f/s (capacity %.0f)%s", kind, load, self._capacity(),
-                     f" {self.live.last}" if self.live is not None else "", extra=self.w.ctx)
+                     f" {self.live.last}" if self.live is not None else "", extra=self.parts.ctx)
             self.last_round_end = now
         self._queue(outs)
 
     def _capacity(self) -> float:
         """The capacity this instance's policy compares with: live for the Gesscale policies."""
-        return self.w.load.capacity.value if self.live is not None else self.params.capacity
+        return self.parts.load.capacity.value if self.live is not None else self.params.capacity
 
     def force(self, action: str, count: int) -> None:
         """A steering request (fogctl scale/drain via the agent): queued, run by `_run_forced`
@@ -297,11 +302,11 @@ class ScalingDriver:
         elif action == "terminate":
             self.forced.append(("terminate", 1))
         else:
-            log.warning("unknown scale action %r ignored", action, extra=self.w.ctx)
+            log.warning("unknown scale action %r ignored", action, extra=self.parts.ctx)
 
     def _run_forced(self, now: float) -> None:
         """The steering request at the head of `forced` as a round, when we are free to start one."""
-        if not self.forced or self.outputs or self.w.stopping or self.lock_pending or self._moving():
+        if not self.forced or self.outputs or self.parts.life.stopping or self.lock_pending or self._moving():
             return
         if self.core.state is not InstanceState.ACTIVE:
             if self.core.state is not InstanceState.IDLE and not self.core.in_round:
@@ -311,7 +316,7 @@ class ScalingDriver:
             return  # after the adoption (see adoption_pending)
         action, count = self.forced.popleft()
         decision = Decision(Action.DUPLICATE if action == "duplicate" else Action.TERMINATE, count)
-        at = self.w.wall()
+        at = self.clock.wall()
         if self._leave_first(decision):
             # recorded as the policy's path records it: `stamp_moved` times the leaver's groups
             # against it (without it a forced scale-in of a keyed instance had no decision)
@@ -320,11 +325,11 @@ class ScalingDriver:
             self.decisions.append({"at": at, "kind": "scale_in", "forced": True, "new": []})
             return
         self.round_created = []
-        self.log.decided(self.w.now)
+        self.log.decided(self.clock.now)
         try:
             outs = self.core.start_round(decision)
         except LocalProtocolError as exc:
-            log.warning("forced %s refused: %s", action, exc, extra=self.w.ctx)
+            log.warning("forced %s refused: %s", action, exc, extra=self.parts.ctx)
             self._observe([])
             return
         self._observe(outs)
@@ -332,14 +337,14 @@ class ScalingDriver:
         self.counts["scale_outs" if kind == "scale_out" else "scale_ins"] += 1
         self.counts["forced"] += 1
         new = [o.instance_id for o in outs if isinstance(o, CreateInstance)]
-        self.decisions.append({"at": self.w.wall(), "kind": kind, "forced": True, "new": new})
+        self.decisions.append({"at": self.clock.wall(), "kind": kind, "forced": True, "new": new})
         self.last_round_end = now
         self._queue(outs)
 
     def _moving(self) -> bool:
         """A keyed instance with a move under way, or leaving (agent.instance.moves): no other
         round starts; a leaver's deletion starts once it holds no group (`_leave_when_empty`)."""
-        mv = self.w.moves
+        mv = self.parts.moves
         if mv is None:
             return False
         if mv.leaving:
@@ -350,25 +355,25 @@ class ScalingDriver:
     def _leave_first(self, decision: Decision) -> bool:
         """A keyed instance decided to terminate: its groups go first (to the keeper, which
         never leaves); the Deletion round waits until it holds none. True: the round waits."""
-        mv = self.w.moves
+        mv = self.parts.moves
         if mv is None or decision.action is not Action.TERMINATE or self.core.keeper:
             return False
         mv.leaving = True
-        keeper = f"{self.w.spec.pipeline}.{self.w.spec.operator}.0"
-        log.info("leaving: handing %d key groups to %s first", len(mv.member.owned), keeper, extra=self.w.ctx)
+        keeper = f"{self.parts.spec.pipeline}.{self.parts.spec.operator}.0"
+        log.info("leaving: handing %d key groups to %s first", len(mv.member.owned), keeper, extra=self.parts.ctx)
         mv.hand_rest(keeper, self.core.preds)
-        self.w.mark_state_changed()
+        self.parts.cadence.changed()
         self._leave_when_empty()
         return True
 
     def _leave_when_empty(self) -> None:
-        mv = self.w.moves
+        mv = self.parts.moves
         assert mv is not None
         if self.outputs or self.core.state is not InstanceState.ACTIVE or self.lock_pending:
             return
         if mv.member.owned and not mv.member.busy():
             # a group that reached us after we decided (a share in flight): handed on as well
-            mv.hand_rest(f"{self.w.spec.pipeline}.{self.w.spec.operator}.0", self.core.preds)
+            mv.hand_rest(f"{self.parts.spec.pipeline}.{self.parts.spec.operator}.0", self.core.preds)
         if not mv.ready_to_leave():
             return
         mv.leaving = False
@@ -378,14 +383,14 @@ class ScalingDriver:
         # 2-FGME locks like any other round (start_deletion would run it outside them)
         outs = self.core.start_round(Decision(Action.TERMINATE, 1))
         self._observe(outs)
-        self.last_round_end = self.w.now
-        log.info("every key group handed over: leaving", extra=self.w.ctx)
+        self.last_round_end = self.clock.now
+        log.info("every key group handed over: leaving", extra=self.parts.ctx)
         self._queue(outs)
 
     def _maybe_adopt(self) -> None:
         """Start an orphaned copy (agent.instance.adoption: echoed our probe) when we are free to
         start a round."""
-        if (not self.idle.orphans or self.outputs or self.w.stopping or self.lock_pending
+        if (not self.idle.orphans or self.outputs or self.parts.life.stopping or self.lock_pending
                 or self.core.state is not InstanceState.ACTIVE):
             return
         copy_id = self.idle.next_orphan()
@@ -394,7 +399,7 @@ class ScalingDriver:
         self._observe(outs)
         self.counts["adopted"] += 1
         log.warning("adopting %s, an idle copy of an earlier incarnation: announcing it again", copy_id,
-                    extra=self.w.ctx)
+                    extra=self.parts.ctx)
         self._queue(outs)
 
     # ---- a round: its outputs, strictly in order -------------------------------------------------
@@ -403,16 +408,16 @@ class ScalingDriver:
         """After every core call: record round start/end and lock transitions, publish the lock
         events. Runs before `outs` are performed (see agent.instance.rounds on why that makes the
         recorded round intervals of neighbours disjoint whenever the protocol is right)."""
-        trans, edge = self.log.observe(self.core, self.w.now, self.w.wall())
+        trans, edge = self.log.observe(self.core, self.clock.now, self.clock.wall())
         if edge == "start":
             self.round_created = []
         elif edge == "end":
-            self.last_round_end = self.w.now
+            self.last_round_end = self.clock.now
             self.stamp_decision("round_end_at")
         for t in trans:
-            self.w.perform(self.events.lock_event(t, self.w.now, self.w.wall()))
+            self.out.extend(self.events.lock_event(t, self.clock.now, self.clock.wall()))
         if trans or edge:
-            self.w.mark_state_changed()
+            self.parts.cadence.changed()
 
     def _queue(self, outs: List[Any], ahead: bool = False) -> None:
         if outs:
@@ -420,15 +425,15 @@ class ScalingDriver:
                 self.outputs.extendleft(reversed(outs))
             else:
                 self.outputs.extend(outs)
-            self.w.mark_state_changed()
+            self.parts.cadence.changed()
             # Write-ahead (agent.instance.recovery): the core's new state and the outputs still to
             # perform reach the disk before any of them is performed.
-            self.w.persist(force=True)
-            self.run_outputs(self.w.now)
+            self._persist()
+            self.run_outputs(self.clock.now)
 
     def run_outputs(self, now: float) -> None:
         """Perform the queued outputs in order, until one must wait (createNode(), a Drain)."""
-        w = self.w
+        parts = self.parts
         while self.outputs:
             out = self.outputs[0]
             if isinstance(out, Send):
@@ -437,26 +442,27 @@ class ScalingDriver:
                 # 2-FGME lock messages travel the same way but are counted apart, by kind.
                 body = out.message.to_dict()
                 if out.message.type == "start":
-                    body = with_groups(w.start_field, body, out.dest)
+                    body = with_groups(parts.group_side.start_field, body, out.dest)
                 if self.links is not None:
                     body = self.links.stamp(out.dest, body, now)
-                w.send_envelope(out.dest, Kind.PROTO, body)
+                self._send(out.dest, Kind.PROTO, body)
                 self._round_clock[out.dest] = now
                 if out.message.type == "start":
                     self.idle.started.append(out.dest)
-                    w.after_start(out.dest, self.core.preds)  # a keyed creator's share starts moving
+                    if parts.moves is not None:  # a keyed creator's share starts moving
+                        parts.moves.start_share(out.dest, self.core.preds)
                 inner = getattr(out.message, "inner", None)
                 if inner is None:
-                    w.stats["protocol_out"] += 1
+                    parts.stats["protocol_out"] += 1
                 else:
-                    w.stats["lock_out"] = w.stats.get("lock_out", 0) + 1
+                    parts.stats["lock_out"] = parts.stats.get("lock_out", 0) + 1
                     self.lock_counts["out"][inner.kind] = self.lock_counts["out"].get(inner.kind, 0) + 1
             elif isinstance(out, RoutesChanged) or isinstance(out, Activate):
                 # INVARIANT 3: the data path switches tables here, before any later Send (ack).
-                w.set_routes(out.succs, now)
+                parts.outputs.set_routes(out.succs, now)
                 if isinstance(out, Activate):
                     if self.activated_at is None:
-                        self.activated_at = self.w.wall()
+                        self.activated_at = self.clock.wall()
                     # DEVIATION (docs/scaling.md): the load of the period we were activated in is
                     # partial, so the first decision would scale a fresh copy straight back in.
                     self.skip_decisions = 1
@@ -471,17 +477,19 @@ class ScalingDriver:
                     for o in list(self.outputs):
                         if not isinstance(o, CreateInstance):
                             break
-                        w.perform(self.creates.request(o))
+                        self.out += self.creates.request(o)
                 return  # waiting for "spawned"
             elif isinstance(out, Drain):
                 # Two-phase deletion: every predecessor removed us; forward everything first.
-                w.flush(now, force=True)
-                if not w.drained():
+                parts.flush(now, True)
+                if not parts.drained():
                     self.draining = True
                     return
                 self.draining = False
             elif isinstance(out, Terminate):
-                w.terminate("terminated by the scaling protocol")
+                # INVARIANT 4 (drain before exit): the instance's loop still finishes draining first
+                parts.life.terminate(now, float(parts.spec.extra.get("drain_timeout", 30.0)),
+                                     "terminated by the scaling protocol")
                 self.counts["terminated"] = 1
             self.outputs.popleft()
 
@@ -489,13 +497,13 @@ class ScalingDriver:
         """The agent's answer to a createNode(): every answer in, the round goes on or shrinks."""
         instance = self.creates.answered(msg)
         if instance is None:
-            log.warning("unexpected spawned reply %s ignored", msg, extra=self.w.ctx)
+            log.warning("unexpected spawned reply %s ignored", msg, extra=self.parts.ctx)
             return
         if msg.get("ok"):
             self.stamp_decision("spawned_at")
             if instance not in self.round_created:
                 self.round_created.append(instance)
-        self.w.mark_state_changed()
+        self.parts.cadence.changed()
         if self.creates.waiting:
             return  # the other copies' answers first: every copy is either created or refused
         errors = self.creates.take_errors()
@@ -507,7 +515,7 @@ class ScalingDriver:
             return
         while self.outputs and isinstance(self.outputs[0], CreateInstance):
             self.outputs.popleft()  # every copy requested at once is done
-        self.run_outputs(self.w.now)
+        self.run_outputs(self.clock.now)
 
     def _cancel_round(self, why: str) -> None:
         """A create was refused: the round shrinks to the copies that exist, or is withdrawn."""
@@ -533,27 +541,27 @@ class ScalingDriver:
         # is refused: the bound working, not a failure, so not a warning each period.
         level = logging.INFO if all(e.startswith("max_instances reached") for e in why.split("; ")) else logging.WARNING
         log.log(level, "spawn failed (%s): duplication round %d %s", why, core.round,
-                f"continues with {list(created)}" if created else "cancelled", extra=self.w.ctx)
-        self.w.emit("round_cancelled", round=core.round, created=list(created), error=why)
-        self.run_outputs(self.w.now)
+                f"continues with {list(created)}" if created else "cancelled", extra=self.parts.ctx)
+        self.out.append(Emit("round_cancelled", {"round": core.round, "created": list(created), "error": why}))
+        self.run_outputs(self.clock.now)
 
     # ---- input: the neighbours' round and lock messages ------------------------------------------
 
     def handle(self, env: Envelope) -> None:
         """A neighbour's protocol or lock message (a probe or its echo: the idle copies')."""
-        stats = self.w.stats
+        stats = self.parts.stats
         if isinstance(env.body, dict) and env.body.get("type") in (PROBE, PROBE_ECHO):
-            self.w.perform(self.idle.on_probe(env, self.w.now))
+            self.out.extend(self.idle.on_probe(env, self.clock.now))
             return
         if self.links is not None:
             try:
-                body, replies = self.links.receive(env.sender, env.body, self.w.now)
+                body, replies = self.links.receive(env.sender, env.body, self.clock.now)
             except LinkError as exc:
                 stats["protocol_errors"] += 1
-                if self._errors_log.allow(env.sender, self.w.now):
-                    log.warning("protocol message from %s rejected: %s", env.sender, exc, extra=self.w.ctx)
+                if self._errors_log.allow(env.sender, self.clock.now):
+                    log.warning("protocol message from %s rejected: %s", env.sender, exc, extra=self.parts.ctx)
                 return
-            self.w.mark_state_changed()
+            self.parts.cadence.changed()
             self._send_link(replies)
             if body is None:
                 return  # a link ack, a copy, or a message past a gap (it comes again in order)
@@ -574,7 +582,7 @@ class ScalingDriver:
             msg = self._from_dict(env.body)
             if msg.sender != env.sender:
                 raise ValueError(f"message sender {msg.sender} differs from envelope sender {env.sender}")
-            self._round_clock[env.sender] = self.w.now
+            self._round_clock[env.sender] = self.clock.now
             ahead = self._ahead_of_drain(msg)
             again = self.memory.replay_ack(msg, self.core.instance_id, self.core.stage)
             if again is not None:  # a round we applied, sent again by a restarted sender
@@ -583,20 +591,20 @@ class ScalingDriver:
             outs = self._core_handles(msg)
             self.memory.applied_now(msg)
             if isinstance(msg, Start):
-                self.w.on_start_field(groups, self.core.routes()[0])
+                self.parts.group_side.on_start_field(groups, self.core.routes()[0], self)
             elif isinstance(msg, Duplication) and msg.stage == self.core.stage - 1:
-                self.w.on_preds_changed(msg.new_instances, ())
+                self._preds_changed(msg.new_instances, ())
             elif isinstance(msg, Deletion) and msg.stage == self.core.stage - 1:
-                self.w.on_preds_changed((), (msg.sender,))
+                self._preds_changed((), (msg.sender,))
         except (ProtocolError, ValueError) as exc:
             # Unexpected or invalid: counted, logged once per sender, state unchanged.
             stats["protocol_errors"] += 1
-            if self._errors_log.allow(env.sender, self.w.now):
-                log.warning("protocol message from %s rejected: %s", env.sender, exc, extra=self.w.ctx)
+            if self._errors_log.allow(env.sender, self.clock.now):
+                log.warning("protocol message from %s rejected: %s", env.sender, exc, extra=self.parts.ctx)
             self._left_behind(env.body)
             return
         if is_lock:
-            self.w.mark_state_changed()  # the lock state changed even when nothing is sent
+            self.parts.cadence.changed()  # the lock state changed even when nothing is sent
         self._observe(outs)
         self._queue(outs, ahead)
         if self.links is not None and getattr(self.core, "departed", None) and self.core.departed(env.sender):
@@ -640,7 +648,7 @@ class ScalingDriver:
             return
         self.forced.appendleft(("terminate", 1))
         self.counts["left_behind"] = self.counts.get("left_behind", 0) + 1
-        log.warning("a neighbour acked a deletion of our dead incarnation: leaving again", extra=self.w.ctx)
+        log.warning("a neighbour acked a deletion of our dead incarnation: leaving again", extra=self.parts.ctx)
 
     def remind_departed(self, sender: str) -> None:
         """`sender` announces a new incarnation (an empty ack in a new epoch) though it left our
@@ -652,12 +660,31 @@ class ScalingDriver:
         core = self.core
         rnd = self.memory.applied.get(sender)
         if (rnd is None or sender in core.succs or sender in core.preds or core.state is InstanceState.IDLE
-                or self.w.now - self._reminded.get(sender, -1e9) < RESEND_AFTER):
+                or self.clock.now - self._reminded.get(sender, -1e9) < RESEND_AFTER):
             return
-        self._reminded = {s: t for s, t in self._reminded.items() if self.w.now - t < RESEND_AFTER}
-        self._reminded[sender] = self.w.now
+        self._reminded = {s: t for s, t in self._reminded.items() if self.clock.now - t < RESEND_AFTER}
+        self._reminded[sender] = self.clock.now
         self.counts["departed_reminded"] = self.counts.get("departed_reminded", 0) + 1
         self._queue([Send(sender, DeletionAck.trusted(sender=core.instance_id, stage=core.stage, round=rnd))])
+
+    # ---- what an output does, through the instance's parts ----------------------------------------
+
+    def _send(self, dest: str, kind: Kind, body: Any) -> None:
+        """On the channel to `dest`, numbered with the data (invariant 1)."""
+        self.out += self.parts.outputs.send_envelope(dest, kind, body)
+
+    def _persist(self) -> None:
+        """Write-ahead (agent.instance.recovery): our state and the instance's channels, now."""
+        save = self.parts.incarnation.write(self.clock.now, True, self)
+        if save is not None:
+            self.out.append(save)
+
+    def _preds_changed(self, added: Tuple[str, ...], removed: Tuple[str, ...]) -> None:
+        """A predecessor's round, applied: a departed one's watermark no longer holds ours back
+        (its deletion is behind its data), and our key groups' moves learn of it (group_side)."""
+        if self.parts.marks is not None:
+            self.parts.marks.preds_removed(removed, self.clock.now)
+        self.parts.group_side.preds_changed(added, removed)
 
     # ---- recovery: silence, reliable links, what a restart needs ---------------------------------
 
@@ -676,22 +703,22 @@ class ScalingDriver:
             if left is not None:
                 self.counts["leavers_released"] = self.counts.get("leavers_released", 0) + 1
                 log.warning("%s left (its Deletion applied) without answering round %d: not waiting for it",
-                            dest, self.core.round, extra=self.w.ctx)
+                            dest, self.core.round, extra=self.parts.ctx)
                 self._observe(left)
                 self._queue(left)
-                self.w.mark_state_changed()
+                self.parts.cadence.changed()
                 continue
             extra = self._widen_round(dest)
             if extra:
-                self.w.persist(force=True)  # they are pending now: their acks must find them after a crash
+                self._persist()  # they are pending now: their acks must find them after a crash
                 log.warning("%s announced %s before it acked our round: sending them our %s too", dest,
-                            ", ".join(extra), msg.type, extra=self.w.ctx)
+                            ", ".join(extra), msg.type, extra=self.parts.ctx)
             for to in (dest,) + extra:
-                self.w.send_envelope(to, Kind.PROTO, msg.to_dict())
+                self._send(to, Kind.PROTO, msg.to_dict())
                 self._round_clock[to] = now
                 self.counts["protocol_resent"] += 1
             log.warning("no answer from %s for %.0fs in round %d: sent %s again", dest,
-                        RESEND_AFTER, self.core.round, msg.type, extra=self.w.ctx)
+                        RESEND_AFTER, self.core.round, msg.type, extra=self.parts.ctx)
 
     def _release_leaver(self, dest: str) -> Optional[List[Any]]:
         """The round's outputs if the silent pending neighbour `dest` has left (its Deletion
@@ -706,30 +733,14 @@ class ScalingDriver:
         tells them of our change."""
         return self.core.widen_round(dest)
 
-    def _make_links(self, saved: Dict[str, Any], restart: bool) -> ReliableLinks:
-        w = self.w
-        if restart and saved.get("links"):
-            try:
-                return ReliableLinks.load(w.spec.instance, saved["links"], w.now)
-            except ValueError as exc:
-                log.warning("%s: starting new channels", exc, extra=w.ctx)
-        # A new generation: above any earlier one of this identity (seconds, as min_epoch). A
-        # re-homed incarnation also starts at its epoch floor at least: its own clock alone may
-        # give the generation its dead incarnation had (a re-home within the second of that
-        # start, or a node clock behind), and the peers then drop its messages as repeats or
-        # stale ones, its lock requests among them (a round that never starts).
-        floor = int(w.spec.extra.get("min_epoch", 0) or 0)
-        lost = bool(restart or floor)
-        return ReliableLinks(w.spec.instance, max(int(w.wall()), floor), lost_state=lost)
-
     def _send_link(self, pairs: List[Tuple[str, Dict[str, Any]]]) -> None:
         """Link acks and resends (agent.instance.recovery.ReliableLinks). The state is written
         first: an ack must never leave before the deliveries it acknowledges are on disk."""
         if not pairs:
             return
-        self.w.persist(force=True)
+        self._persist()
         for dest, body in pairs:
-            self.w.send_envelope(dest, Kind.PROTO, body)
+            self._send(dest, Kind.PROTO, body)
 
     def resync(self, now: float) -> None:
         """We are a new incarnation: ask every peer for what we may have lost, resend ours."""
@@ -760,7 +771,8 @@ class ScalingDriver:
 
     def expire_probes(self, now: float) -> None:
         for copy in self.idle.expire_probes(now, self.knows):
-            self.w.forget_sender(copy)
+            if self.parts.delivery.forget(copy):  # its entries, unless something of it still waits
+                self.parts.cadence.changed()
 
     # ---- records (agent.instance.scaling_events) and counters ------------------------------------
 
@@ -770,17 +782,12 @@ class ScalingDriver:
         return self.events.decisions
 
     def stamp_decision(self, key: str) -> None:
-        self.events.stamp(key, self.w.wall())
+        self.events.stamp(key, self.clock.wall())
 
     def stats(self) -> Dict[str, Any]:
-        s: Dict[str, Any] = dict(self.counts)
-        s["state"] = self.core.state.value
-        s["keeper"] = self.core.keeper
-        s["preds"] = sorted(self.core.preds)
-        s["decisions"] = list(self.decisions)
-        s["capacity"] = self.params.capacity
-        s["coordination"] = self.coordination
-        s["policy"] = self.policy
+        s: Dict[str, Any] = dict(self.counts, state=self.core.state.value, keeper=self.core.keeper,
+                                 preds=sorted(self.core.preds), decisions=list(self.decisions),
+                                 capacity=self.params.capacity, coordination=self.coordination, policy=self.policy)
         if self.live is not None:
             s["live_decision"] = self.live.last
         s.update(self.log.stats(self.core))

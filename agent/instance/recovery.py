@@ -29,6 +29,7 @@ waiting; see docs/reliability.md.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from agent.protocol.messages import Deletion, DeletionAck, Duplication, DuplicationAck, Message
@@ -43,7 +44,9 @@ from agent.protocol.scaling import (
     Terminate,
 )
 
-__all__ = ["RESEND_AFTER", "encode_outputs", "decode_outputs", "RoundMemory", "round_message"]
+__all__ = ["RESEND_AFTER", "encode_outputs", "decode_outputs", "RoundMemory", "round_message", "open_links"]
+
+log = logging.getLogger("agent.instance.worker")
 
 RESEND_AFTER = 10.0  # seconds of silence from a pending neighbour before the round message is sent again
 
@@ -358,3 +361,20 @@ class ReliableLinks:
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
             raise ValueError(f"link state: {exc!r}") from None
         return links
+
+
+def open_links(instance: str, min_epoch: int, saved: Dict[str, Any], restart: bool, now: float, wall: float,
+               ctx: Dict[str, Any]) -> ReliableLinks:
+    """An instance's links (coordination = "fgme"): a restart's saved ones, else a new generation.
+
+    A new generation is above any earlier one of this identity (seconds, as `min_epoch`). A
+    re-homed incarnation also starts at its epoch floor at least: its own clock alone may give the
+    generation its dead incarnation had (a re-home within the second of that start, or a node
+    clock behind), and the peers then drop its messages as repeats or stale ones, its lock
+    requests among them (a round that never starts)."""
+    if restart and saved.get("links"):
+        try:
+            return ReliableLinks.load(instance, saved["links"], now)
+        except ValueError as exc:
+            log.warning("%s: starting new channels", exc, extra=ctx)
+    return ReliableLinks(instance, max(int(wall), min_epoch), lost_state=bool(restart or min_epoch))
