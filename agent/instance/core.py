@@ -8,9 +8,9 @@ the commands (agent.instance.commands) in order. The interleaving checker
 (foglab.sim.instance_check) drives the same class through a model of the broker.
 
 The parts it routes to each have one job, own their state and hold no reference to the
-instance (each with its job: docs/runtime.md, "Part 1"); the group moves and the key groups' side
-(agent.instance.group_side) call back into it through agent.instance.port. The scaling driver is
-handed the parts it acts through and our list of commands (agent.instance.driver_parts).
+instance (each with its job: docs/runtime.md, "Part 1"); the group moves call back into it
+through agent.instance.port. The scaling driver and the key groups' side are handed the parts they
+act through and our list of commands (agent.instance.driver_parts, agent.instance.group_side).
 What stays here: building the parts, routing each event and each step of a loop turn to them, a
 start and a new incarnation, a stop and the exit, what is persisted (docs/runtime.md, "Instance").
 
@@ -102,6 +102,7 @@ class Instance:
     admission_class: Type[Admission] = Admission
     moves_class: Type[group_moves.GroupMoves] = group_moves.GroupMoves
     driver_class: Type[ScalingDriver] = ScalingDriver
+    group_side_class: Type[GroupSide] = GroupSide
     replays_class: Type[ReplayWait] = ReplayWait
     outputs_class: Type[Outputs] = Outputs
 
@@ -218,7 +219,10 @@ class Instance:
                                  router=self.router, replays=self.replays, load=self.load, queued=self.queued,
                                  silence=self.silence, stats=self.stats, ctx=self.ctx)
         # Our key groups at our edges: hand-over messages in, a Start's, a restart's (agent.instance.group_side).
-        self.group_side = GroupSide(self, self.group_routing, self.admission.refusals)
+        self.group_side = self.group_side_class(
+            spec, self.ctx, self.stats, self.clock, routing=self.group_routing, router=self.router,
+            outbox=self.outbox, tracker=self.tracker, outputs=self.outputs, incarnation=self.incarnation,
+            cadence=self.cadence, keyed=self.keyed, moves=self.moves, refusals=self.admission.refusals, out=self._out)
         # The agent's control lines, but a stop (agent.instance.controls).
         self.controls = ControlLines(self.pace, operator if is_source else None, self.hosts, self.outputs,
                                      self.keyed, self.moves, self.ctx)
@@ -565,7 +569,7 @@ class Instance:
     def _on_protocol(self, env: Envelope) -> None:
         body = env.body
         if isinstance(body, dict) and body.get("type") in group_moves.HANDOVER_TYPES:
-            self.group_side.on_message(env.sender, body)  # agent.instance.group_side
+            self.group_side.on_message(env.sender, body, self.scaling)  # agent.instance.group_side
             return
         if self.scaling is None:
             self.intake.protocol_ignored(env.sender)  # counted, logged once per sender (invariant 5)
@@ -672,9 +676,7 @@ class Instance:
         self.send_handover_body(dest, body)
 
     def send_handover_body(self, dest: str, body: Dict[str, Any]) -> None:
-        self.stats["handover_out"] += 1
-        self.stats["handover_bytes_out"] += group_moves.body_size(body)
-        self.send_envelope(dest, Kind.PROTO, body)
+        self._out += group_moves.send_handover(self.outputs, self.stats, dest, body)
 
     def lowest_forwarding(self) -> Optional[int]:
         """The lowest input index whose outputs are not all acked by the successors yet (agent.instance.pending)."""
@@ -696,25 +698,6 @@ class Instance:
         held records applied): stamped on that decision (`bench`, docs/operators.md)."""
         if self.scaling is not None:
             self.scaling.events.stamp_moved(self.wall())
-
-    def await_joined_pred(self, moves: group_moves.GroupMoves, pred: str) -> None:
-        """The groups moving out wait for the Eos of `pred`, a predecessor that joined during
-        their move: its table may still route them here (docs/operators.md, "Key groups that
-        move"). Not in the checker's seeded fault `no_add_pred`."""
-        moves.perform(moves.member.add_pred(pred))
-
-    def forget_departed_pred(self, moves: group_moves.GroupMoves, pred: str) -> None:
-        """The groups moving out no longer wait for the Eos of `pred`, a predecessor that left
-        during their move: its deletion is behind all it sent us, so a move would otherwise wait
-        for an Eos that never comes. Not in the checker's seeded fault `no_remove_pred`."""
-        moves.perform(moves.member.remove_pred(pred, moves.snapshot))
-
-    def send_eos(self, dest: str, eos: Any) -> None:
-        """Our Eos of a group whose Redirect we took (agent.instance.moves `on_redirect`), to its
-        old owner, behind every batch of the group we published to it (FIFO channel): the move
-        waits for it to know none of our records of the group is still on its way there. Not in
-        the checker's seeded fault `eos_not_sent`."""
-        self.send_handover(dest, eos)
 
     def drained(self) -> bool:
         """Every data batch received is processed, forwarded, acked by the successors, and acked

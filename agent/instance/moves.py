@@ -37,11 +37,11 @@ from __future__ import annotations
 import logging
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
-from agent.dataplane.envelope import Item
+from agent.dataplane.envelope import Item, Kind
 from agent.dataplane.keygroups import key_group, record_key
 from agent.dataplane.owners import group_runs, split_share
 from agent.instance.handover import (
-    Apply, Eos, Forget, HandoverError, Install, Installed, Member, Offer, Predecessor, Redirect, Send, StateChunk,
+    Apply, Eos, Forget, HandoverError, Install, Installed, Member, Offer, Redirect, Send, StateChunk,
     chunks,
 )
 # the codec, re-exported: the instance's receive path reaches it through this module
@@ -49,7 +49,7 @@ from agent.instance.handover_wire import HANDOVER_TYPES, MAX_CHUNKS, MAX_NAME, b
 from agent.instance.port import InstancePort
 
 __all__ = ["HANDOVER_TYPES", "MAX_CHUNKS", "HOLD_MAX", "HAND_OUT_BUDGET", "GroupMoves", "HandoverError", "decode", "encode",
-           "on_redirect", "body_size"]
+           "send_handover", "body_size"]
 
 log = logging.getLogger("agent.instance.worker")
 
@@ -64,29 +64,17 @@ MOVE_RESEND = 10.0
 # processed between (docs/operators.md, "Key groups that move", step 5). ~5 ms of JSON unloaded.
 HAND_OUT_BUDGET = 64_000
 
-# The seeded faults of the hand-over (the checker's `held_applied_at_once`, `leave_with_groups`,
-# `held_acked_at_save` and `no_redirect_resend` of the moves, `eos_not_sent`, `no_add_pred` and
-# `no_remove_pred` of the instance's hooks) are subclasses it installs (foglab.sim.instance_faults):
-# no branch here.
+# The seeded faults of the moves (the checker's `held_applied_at_once`, `leave_with_groups`,
+# `held_acked_at_save` and `no_redirect_resend`) are subclasses it installs
+# (foglab.sim.instance_faults): no branch here.
 
 
-def on_redirect(w: InstancePort, sender: str, msg: Redirect) -> None:
-    """A predecessor of the keyed operator: the owner of group g hands it to `msg.new`. Our table
-    changes, g's records still in our outbox go to the new owner (`Outbox.reroute`), the table
-    is on disk (a restart must not route g to the old owner again), and only then the Eos goes
-    to the old owner, behind every batch of g already published to it (FIFO channel:
-    `InstancePort.send_eos`)."""
-    table = w.router.table
-    if table is None:
-        raise HandoverError(f"{w.spec.instance}: Redirect of group {msg.group} but no group table here")
-    outs = Predecessor(w.spec.instance, table).on_redirect(sender, msg)
-    moved = w.outbox.reroute(w.now)
-    w.mark_state_changed()
-    w.persist(force=True)
-    for o in outs:
-        w.send_eos(o.dest, o.message)
-    log.info("group %d -> %s (version %d): %d buffered records re-routed, Eos to %s", msg.group, msg.new,
-             table.version(msg.group), moved, sender, extra=w.ctx)
+def send_handover(outputs: Any, stats: Dict[str, int], dest: str, body: Dict[str, Any]) -> List[Any]:
+    """A hand-over message's commands: on the numbered channel to `dest` (agent.instance.outputs),
+    counted apart from the paper's protocol messages."""
+    stats["handover_out"] += 1
+    stats["handover_bytes_out"] += body_size(body)
+    return outputs.send_envelope(dest, Kind.PROTO, body)
 
 
 class GroupMoves:

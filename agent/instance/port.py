@@ -1,7 +1,8 @@
-"""What the group moves and the key groups' side may ask of their instance: the seam between
-`agent.instance.core.Instance` and the two parts that still call back into it
-(agent.instance.moves, agent.instance.group_side). The scaling driver holds no instance: it acts
-through the parts it is handed (agent.instance.driver_parts), and its own parts return commands.
+"""What the group moves may ask of their instance: the seam between `agent.instance.core.Instance`
+and the one part that still calls back into it (agent.instance.moves). The scaling driver and the
+key groups' side hold no instance: they act through the parts they are handed
+(agent.instance.driver_parts, agent.instance.group_side), and the driver's own parts return
+commands.
 
 Why a Protocol instead of the class: the parts are driven by the instance and call back into it
 (the instance's clock, its channels, its persistence), so they need its type; importing the class
@@ -23,9 +24,7 @@ __all__ = ["InstancePort"]
 class InstancePort(Protocol):
     # identity, configuration
     spec: Any  # agent.instance.spec.InstanceSpec
-    ctx: Dict[str, Any]
     epoch: int
-    stats: Dict[str, int]
 
     # the instance's clock: the last time it was handed (sans-IO), and the wall clock derived from it
     now: float
@@ -33,11 +32,8 @@ class InstancePort(Protocol):
     def wall(self) -> float: ...
 
     # the data plane the parts route through or read
-    router: Any  # agent.dataplane.routing.Router
-    outbox: Any  # agent.dataplane.routing.Outbox
     tracker: Any  # agent.dataplane.flow.AckTracker
     keyed: Any  # Optional[agent.instance.keyed_state.KeyedState]
-    moves: Any  # Optional[agent.instance.moves.GroupMoves]
 
     # what the parts ask the instance to do
     def send_handover(self, dest: str, msg: Any, extra: Optional[Dict[str, Any]] = None) -> None: ...
@@ -59,10 +55,3 @@ class InstancePort(Protocol):
     def groups_moved(self) -> None: ...
 
     def lowest_forwarding(self) -> Optional[int]: ...
-
-    # the seeded faults' hooks (foglab.sim.instance_faults replaces them in a subclass)
-    def await_joined_pred(self, moves: Any, pred: str) -> None: ...
-
-    def forget_departed_pred(self, moves: Any, pred: str) -> None: ...
-
-    def send_eos(self, dest: str, eos: Any) -> None: ...

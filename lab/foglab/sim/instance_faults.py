@@ -1,12 +1,13 @@
 """The instance checker's seeded faults, installed as subclasses: the product classes have no
 branch for them (docs/reliability.md, "Checking whole instances"). Those of
-`agent.instance.core.Instance` itself override its rules and hooks; those of its parts (the
-watermarks, agent.instance.marks; the admission, agent.instance.admission; the key groups' moves,
-agent.instance.moves; the scaling driver with its idle copies, agent.instance.driver and
-agent.instance.adoption; the wait for replays, agent.instance.replays; the outputs,
-agent.instance.outputs) are subclasses of `Marks`, `Admission`, `GroupMoves`, `ScalingDriver`,
-`ReplayWait` and `Outputs` the instance's subclass builds (`Instance.marks_class`,
-`admission_class`, `moves_class`, `driver_class`, `replays_class`, `outputs_class`).
+`agent.instance.core.Instance` itself override its rules; those of its parts (the watermarks,
+agent.instance.marks; the admission, agent.instance.admission; the key groups' moves,
+agent.instance.moves, and their side, agent.instance.group_side; the scaling driver with its idle
+copies, agent.instance.driver and agent.instance.adoption; the wait for replays,
+agent.instance.replays; the outputs, agent.instance.outputs) are subclasses of `Marks`,
+`Admission`, `GroupMoves`, `GroupSide`, `ScalingDriver`, `ReplayWait` and `Outputs` the instance's
+subclass builds (`Instance.marks_class`, `admission_class`, `moves_class`, `group_side_class`,
+`driver_class`, `replays_class`, `outputs_class`).
 
 `instance_class(faults)` is `Instance` itself when none of these is on, else a subclass with
 each one's override (two faults of one part: a part class with both).
@@ -23,6 +24,7 @@ from agent.instance.admission import Admission
 from agent.instance.core import Instance
 from agent.instance.marks import Marks
 from agent.instance.driver import ScalingDriver
+from agent.instance.group_side import GroupSide
 from agent.instance.moves import GroupMoves
 from agent.instance.outputs import Outputs
 from agent.instance.replays import ReplayWait
@@ -122,17 +124,17 @@ class MarksOwnMax(Instance):
     marks_flow = False
 
 
-class NoAddPred(Instance):
+class NoAddPred(GroupSide):
     def await_joined_pred(self, moves: GroupMoves, pred: str) -> None:
         """The moves do not learn of the new predecessor."""
 
 
-class NoRemovePred(Instance):
+class NoRemovePred(GroupSide):
     def forget_departed_pred(self, moves: GroupMoves, pred: str) -> None:
         """The moves keep waiting for the departed predecessor's Eos."""
 
 
-class NoEos(Instance):
+class NoEos(GroupSide):
     def send_eos(self, dest: str, eos: Any) -> None:
         """Not sent: the old owner's move waits for it for ever."""
 
@@ -246,10 +248,9 @@ class ReplaysToDeparted(Outputs):
     reroutes_departed_replays = False
 
 
-# The faults of the instance's own rules and hooks: its subclass for each.
+# The faults of the instance's own rules: its subclass for each.
 _OWN = ((FAULT_RETRY_ONLY_WITH_DATA, RetryOnlyWithData), (FAULT_ROUTE_AFRESH, RouteAfresh),
-        (FAULT_MARKS_OWN_MAX, MarksOwnMax), (FAULT_NO_ADD_PRED, NoAddPred), (FAULT_NO_REMOVE_PRED, NoRemovePred),
-        (FAULT_NO_EOS, NoEos))
+        (FAULT_MARKS_OWN_MAX, MarksOwnMax))
 # The faults of its parts: the Instance attribute the part is built from, and the part's subclass.
 _OF_PARTS = ((FAULT_MARKS_UNACKED, "marks_class", MarksUnacked),
              (FAULT_EMPTY_ACK_HELD, "admission_class", EmptyAckHeldAdmission),
@@ -257,6 +258,9 @@ _OF_PARTS = ((FAULT_MARKS_UNACKED, "marks_class", MarksUnacked),
              (FAULT_HELD_AT_ONCE, "moves_class", AppliesHeldAtOnce),
              (FAULT_LEAVE_WITH_GROUPS, "moves_class", LeavesWithGroups),
              (FAULT_HELD_ACKED_AT_SAVE, "moves_class", AcksHeldAtSave),
+             (FAULT_NO_ADD_PRED, "group_side_class", NoAddPred),
+             (FAULT_NO_REMOVE_PRED, "group_side_class", NoRemovePred),
+             (FAULT_NO_EOS, "group_side_class", NoEos),
              (FAULT_ACK_BEHIND_DRAIN, "driver_class", AckBehindDrainDriver),
              (FAULT_REHOME_ROUNDS_FROM_ONE, "driver_class", RoundsFromOneDriver),
              (FAULT_DRAIN_HOLDS_PROTOCOL, "driver_class", DrainHoldsProtocolDriver),
