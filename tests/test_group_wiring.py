@@ -120,7 +120,7 @@ def test_the_table_is_saved_with_the_routing_tables_and_restored_after_a_restart
     inst = make()
     inst.handle(Started(WALL0), 0.0)
     inst.router.table.moved(3, "cnt-a")  # as a Redirect would (dealt: group 3 -> cnt-b)
-    inst.mark_state_changed()
+    inst.cadence.changed()
     cmds = inst.handle(Tick(WALL0 + 0.1), 0.1)
     saved = [c.state for c in cmds if isinstance(c, Persist)][-1]
     assert saved["group_table"] == inst.router.table.to_wire()

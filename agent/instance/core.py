@@ -8,9 +8,9 @@ the commands (agent.instance.commands) in order. The interleaving checker
 (foglab.sim.instance_check) drives the same class through a model of the broker.
 
 The parts it routes to each have one job, own their state and hold no reference to the
-instance (each with its job: docs/runtime.md, "Part 1"); the group moves call back into it
-through agent.instance.port. The scaling driver and the key groups' side are handed the parts they
-act through and our list of commands (agent.instance.driver_parts, agent.instance.group_side).
+instance (each with its job: docs/runtime.md, "Part 1"). The scaling driver, the key groups' side
+and the group moves are handed the parts they act through and our list of commands
+(agent.instance.driver_parts, agent.instance.group_side, agent.instance.moves_parts).
 What stays here: building the parts, routing each event and each step of a loop turn to them, a
 start and a new incarnation, a stop and the exit, what is persisted (docs/runtime.md, "Instance").
 
@@ -32,7 +32,7 @@ from typing import Any, Callable, Deque, Dict, FrozenSet, List, Optional, Tuple,
 
 from agent.config import PipelineConfig
 from agent.dataplane.channel import Inbound
-from agent.dataplane.envelope import Envelope, Item, Kind
+from agent.dataplane.envelope import Envelope, Kind
 from agent.dataplane.flow import AckTracker
 from agent.dataplane.routing import Outbox, Router
 from agent.dataplane.sticky import needed
@@ -47,6 +47,7 @@ from agent.instance.driver_parts import DriverParts
 from agent.instance import groups as keygroup_table
 from agent.instance import moves as group_moves
 from agent.instance.group_side import GroupSide
+from agent.instance.moves_parts import MovesParts
 from agent.instance.events import (
     Abort, Control, EnvelopeHanded, EnvelopeReceived, Event, PubAcked, PublishAccepted, PublishRefused, Restarted,
     SessionLost, Spawned, Started, Tick,
@@ -146,7 +147,7 @@ class Instance:
         # group (deploy starts one keeper per operator), a copy none until its Start names its share.
         self.moves: Optional[group_moves.GroupMoves] = None
         if self.keyed is not None:
-            self.moves = self.moves_class(self, range(self.keyed.groups) if spec.active else ())
+            self.moves = self.moves_class(spec.instance, self.keyed, range(self.keyed.groups) if spec.active else ())
         nxt = pipeline.operators[self.stage + 1] if self.stage + 1 < len(pipeline.operators) else None
         # `next_keyed` (the shell resolves the next operator's function): its key groups move with
         # their state, so we route by its group -> owner table (agent.instance.groups), dealt at
@@ -228,6 +229,10 @@ class Instance:
                                      self.keyed, self.moves, self.ctx)
         # The inputs not to be acked upstream yet (agent.instance.pending).
         self.pending = PendingInputs(self.outputs, self.sink, self.keyed, self.moves)
+        if self.moves is not None:  # built around the moves, handed to them now (agent.instance.moves_parts)
+            self.moves.bind(MovesParts(clock=self.clock, tracker=self.tracker, outputs=self.outputs, stats=self.stats,
+                                       ctx=self.ctx, refusals=self.admission.refusals, cadence=self.cadence,
+                                       incarnation=self.incarnation, pending=self.pending, out=self._out))
         # A batch through the operator, and the back pressure that lets it (agent.instance.processing).
         self.processing = Processing(spec.instance, operator, source=self.source, is_source=is_source,
                                      is_sink=is_sink, keyed=self.keyed, moves=self.moves, marks=self.marks,
@@ -339,6 +344,8 @@ class Instance:
         self.load.begin(now)
         self.source.started_at = wall
         self.scaling = self.driver_class(self._driver_parts(), saved, restart)
+        if self.moves is not None:
+            self.moves.started(self.scaling)
         self.load.set_capacity(self.scaling.params.capacity)
         if restart and self.scaling.core.forwards_data:
             # The restored tables, not the spec's initial ones: since its creation the instance
@@ -576,10 +583,6 @@ class Instance:
             return
         self.scaling.handle(env)
 
-    def handover_error(self, sender: str, why: str) -> None:
-        """A hand-over message refused, here or in agent.instance.moves (agent.instance.group_side)."""
-        self.group_side.error(sender, why)
-
     # ---- silence, a new incarnation ------------------------------------------------------------------
 
     def _check_silence(self, now: float) -> None:
@@ -657,47 +660,11 @@ class Instance:
         """Acks and protocol messages: numbered on the same channel as the data (invariant 1)."""
         self._out += self.outputs.send_envelope(dest, kind, body)
 
-    def save_keyed_now(self) -> None:
-        """A hand-over changed the keyed state (a group out or in): saved before what follows."""
-        self._out.append(self.pending.save_keyed())
-        self.mark_state_changed()
-        self.persist(force=True)
-
-    def forward_outputs(self, items: List[Item], index: int) -> None:
-        """Outputs of held records applied once their group was installed (agent.instance.moves)."""
-        self.outputs.forward(items, index, self.now)
-
-    def send_handover(self, dest: str, msg: Any, extra: Optional[Dict[str, Any]] = None) -> None:
-        """A hand-over message (agent.instance.moves) on the numbered channel to `dest`, counted
-        apart from the paper's protocol messages."""
-        body = group_moves.encode(msg)
-        if extra:
-            body.update(extra)
-        self.send_handover_body(dest, body)
-
-    def send_handover_body(self, dest: str, body: Dict[str, Any]) -> None:
-        self._out += group_moves.send_handover(self.outputs, self.stats, dest, body)
-
-    def lowest_forwarding(self) -> Optional[int]:
-        """The lowest input index whose outputs are not all acked by the successors yet (agent.instance.pending)."""
-        return self.pending.lowest_forwarding()
-
     def _send_acks(self, now: float) -> None:
         """Ack inputs processed AND forwarded (PUBACKed) or recorded; coalesced (agent.instance.outputs)."""
         self._out += self.outputs.send_acks(now, self.pending.lowest(), self.stopping)
 
     # ---- routes (called by the scaling driver) -----------------------------------------------------
-
-    def stamp_decision(self, key: str) -> None:
-        """Wall time of a step of our current scale-out on its decision record (agent.instance.driver)."""
-        if self.scaling is not None:
-            self.scaling.stamp_decision(key)
-
-    def groups_moved(self) -> None:
-        """The key groups our last scaling decision moved are installed at their new owners (their
-        held records applied): stamped on that decision (`bench`, docs/operators.md)."""
-        if self.scaling is not None:
-            self.scaling.events.stamp_moved(self.wall())
 
     def drained(self) -> bool:
         """Every data batch received is processed, forwarded, acked by the successors, and acked
@@ -730,9 +697,6 @@ class Instance:
         save = self.incarnation.write(self.now, force, self.scaling)
         if save is not None:
             self._out.append(save)
-
-    def mark_state_changed(self) -> None:
-        self.cadence.changed()
 
     _HANDLERS: Dict[Type[Event], Callable[["Instance", Any], None]] = {
         Started: _on_started,

@@ -26,7 +26,8 @@ from agent.dataplane.owners import TableError, groups_from_runs
 from agent.instance.events import Restarted
 from agent.instance.groups import GroupRouting
 from agent.instance.handover import Predecessor
-from agent.instance.moves import HandoverError, body_size, decode, encode, send_handover
+from agent.instance.moves import HandoverError, body_size, decode, encode
+from agent.instance.moves_parts import refuse, send_handover
 
 __all__ = ["GroupSide"]
 
@@ -123,11 +124,8 @@ class GroupSide:
         self.out += send_handover(self.outputs, self.stats, dest, encode(eos))
 
     def error(self, sender: str, why: str) -> None:
-        """A hand-over message refused, here or in agent.instance.moves: counted once, in one place,
-        logged within the bound per sender and in all."""
-        self.stats["handover_errors"] += 1
-        if self._refusals.allow((sender, "handover"), self.clock.now):
-            log.warning("hand-over from %s: %s", sender[:64], why, extra=self.ctx)
+        """A hand-over message refused here (agent.instance.moves_parts `refuse`)."""
+        refuse(self.stats, self._refusals, self.ctx, sender, why, self.clock.now)
 
     # ---- a Start, both ways; a round's new predecessors -----------------------------------------
 

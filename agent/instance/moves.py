@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
-from agent.dataplane.envelope import Item, Kind
+from agent.dataplane.envelope import Item
 from agent.dataplane.keygroups import key_group, record_key
 from agent.dataplane.owners import group_runs, split_share
 from agent.instance.handover import (
@@ -46,10 +46,10 @@ from agent.instance.handover import (
 )
 # the codec, re-exported: the instance's receive path reaches it through this module
 from agent.instance.handover_wire import HANDOVER_TYPES, MAX_CHUNKS, MAX_NAME, body_size, decode, encode, int_field
-from agent.instance.port import InstancePort
+from agent.instance.moves_parts import MovesParts, refuse, send_handover
 
-__all__ = ["HANDOVER_TYPES", "MAX_CHUNKS", "HOLD_MAX", "HAND_OUT_BUDGET", "GroupMoves", "HandoverError", "decode", "encode",
-           "send_handover", "body_size"]
+__all__ = ["HANDOVER_TYPES", "MAX_CHUNKS", "HOLD_MAX", "HAND_OUT_BUDGET", "GroupMoves", "HandoverError", "decode",
+           "encode", "body_size"]
 
 log = logging.getLogger("agent.instance.worker")
 
@@ -69,14 +69,6 @@ HAND_OUT_BUDGET = 64_000
 # (foglab.sim.instance_faults): no branch here.
 
 
-def send_handover(outputs: Any, stats: Dict[str, int], dest: str, body: Dict[str, Any]) -> List[Any]:
-    """A hand-over message's commands: on the numbered channel to `dest` (agent.instance.outputs),
-    counted apart from the paper's protocol messages."""
-    stats["handover_out"] += 1
-    stats["handover_bytes_out"] += body_size(body)
-    return outputs.send_envelope(dest, Kind.PROTO, body)
-
-
 class GroupMoves:
     """The keyed instance's side: its `Member` (which groups it holds, hands out, expects), the
     version of each group it holds (the Redirects it sends carry the next one), and what it
@@ -87,13 +79,13 @@ class GroupMoves:
     # the checker's seeded fault `no_redirect_resend`, foglab.sim.instance_faults).
     resends_redirects = True
 
-    def __init__(self, w: InstancePort, owned: Iterable[int], versions: Optional[Dict[int, int]] = None) -> None:
-        self.w = w
-        assert w.keyed is not None
-        self.keyed = w.keyed
-        self.groups = w.keyed.groups
-        self.key_field = w.keyed.key_field
-        self.member = Member(w.spec.instance, owned)
+    def __init__(self, me: str, keyed: Any, owned: Iterable[int], versions: Optional[Dict[int, int]] = None) -> None:
+        self.me = me
+        self.parts: Any = None  # MovesParts: what it acts through, handed by `bind`
+        self.keyed = keyed
+        self.groups = keyed.groups
+        self.key_field = keyed.key_field
+        self.member = Member(me, owned)
         self.versions: Dict[int, int] = dict(versions) if versions is not None else {g: 0 for g in self.member.owned}
         # group -> the newest move of it towards us we have seen (Offer, Start share or chunk), or
         # away from us once its new owner installed it: never dropped, so that a chunk sent again
@@ -196,7 +188,7 @@ class GroupMoves:
 
     def _applied(self, records: List[Any]) -> None:
         if records and self.first_applied_at is None:
-            self.first_applied_at = self.w.wall()
+            self.first_applied_at = self.parts.clock.wall()
 
     def groups_in(self, items: List[Item]) -> Set[int]:
         """The key groups of these records (agent.instance.queues, `eos_ahead`: may an Eos pass them?)."""
@@ -219,7 +211,7 @@ class GroupMoves:
         keyed operator skip them as replays (CHANGELOG.md,
         "Held records acked before their outputs")."""
         if self.forwarding:
-            low = self.w.lowest_forwarding() if forwarding is False else forwarding
+            low = self.parts.pending.lowest_forwarding() if forwarding is False else forwarding
             for idx in [i for i in self.forwarding if low is None or i < low]:
                 del self.forwarding[idx]  # every output of it acked
         lows = list(self.forwarding.values())
@@ -245,7 +237,7 @@ class GroupMoves:
                 if msg.group in self.member.old.gone and msg.group not in self.member.old.moving:
                     return  # asked again after a crash: it came twice
                 outs = self.member.on_eos(msg, self.snapshot)
-                self.last_heard[msg.group] = self.w.now
+                self.last_heard[msg.group] = self.parts.clock.now
                 # The records before this Eos are saved before the member's memory of it is
                 # (`flush`): a replay of them after a crash is then a duplicate (`_replayed`).
                 self.flush_due = True
@@ -289,7 +281,7 @@ class GroupMoves:
                 if msg.group in self.unconfirmed:
                     self.unconfirmed.discard(msg.group)
                     if not self.unconfirmed:
-                        self.w.groups_moved()  # every group of the decision is processed at its new owner
+                        self._groups_moved()  # every group of the decision is processed at its new owner
             else:
                 raise HandoverError(f"{type(msg).__name__} of group {msg.group} to a keyed instance")
         except (HandoverError, ValueError) as exc:
@@ -348,11 +340,11 @@ class GroupMoves:
             v = self.versions.get(group, 0) + 1
             self.versions[group] = v
             started.append((self.member.start(group, new, sorted(preds), v, offer=offer), v))
-            self.last_heard[group] = self.w.now
+            self.last_heard[group] = self.parts.clock.now
         if not started:
             return
-        self.w.mark_state_changed()
-        self.w.persist(force=True)  # write-ahead: a restart finds the moves before any Redirect left
+        self.parts.cadence.changed()
+        self._persist()  # write-ahead: a restart finds the moves before any Redirect left
         for outs, v in started:
             self.perform(outs, version=v)
 
@@ -415,13 +407,13 @@ class GroupMoves:
             if now - self.last_heard.get(g, now) >= MOVE_RESEND and self.resends_redirects:
                 self.last_heard[g] = now
                 for p in sorted(left):
-                    self.w.send_handover(p, Redirect(g, new, m.old.versions.get(g, -1)))
+                    self._send(p, Redirect(g, new, m.old.versions.get(g, -1)))
                 self.counts["moves_resent"] = self.counts.get("moves_resent", 0) + 1
         for g, (new, _, bodies) in sorted(self.outgoing.items()):
             if bodies and now - self.last_heard.get(g, now) >= MOVE_RESEND:
                 self.last_heard[g] = now
                 for body in bodies:
-                    self.w.send_handover_body(new, body)
+                    self._send_body(new, body)
                 self.counts["moves_resent"] = self.counts.get("moves_resent", 0) + 1
 
     def ready_to_leave(self) -> bool:
@@ -454,10 +446,10 @@ class GroupMoves:
                 continue  # installed meanwhile (a restart's leftover) or made already
             new, v, _ = entry
             data = self.keyed.hand_out(g, forget=False)
-            bodies = [dict(encode(c), v=v, e=self.w.epoch) for c in chunks(g, data, self.member.old.max_chunk)]
+            bodies = [dict(encode(c), v=v, e=self.parts.incarnation.epoch) for c in chunks(g, data, self.member.old.max_chunk)]
             self.outgoing[g] = (new, v, bodies)
             self.deferred += [(new, b) for b in bodies]
-            self.last_heard[g] = self.w.now
+            self.last_heard[g] = self.parts.clock.now
             spent += len(data)
             self.counts["hand_out_turns_groups"] = self.counts.get("hand_out_turns_groups", 0) + 1
             self.flush_due = True
@@ -473,8 +465,7 @@ class GroupMoves:
         if not self.flush_due:
             return
         self.flush_due = False
-        w = self.w
-        w.save_keyed_now()
+        self._save_keyed()
         for g in self.to_forget:
             if g not in self.member.owned and g not in self.outgoing:
                 self.keyed.forget_group(g)
@@ -499,10 +490,10 @@ class GroupMoves:
         makes its group ours in the heartbeat from now on (`installing`)."""
         if body.get("type") == "installed":
             self.installing.pop(body.get("g"), None)  # type: ignore[arg-type]
-        self.w.send_handover_body(dest, body)
+        self._send_body(dest, body)
 
     def perform(self, outs: List[Any], version: int = -1) -> None:
-        w = self.w
+        p = self.parts
         forgot = [o.group for o in outs if isinstance(o, Forget)]
         for g in forgot:
             # state final (`snapshot`): the chunks come from `hand_out_turn`, with the move's
@@ -511,10 +502,10 @@ class GroupMoves:
                         and o.message.group == g)
             self.outgoing[g] = (dest, self.versions.get(g, -1), [])
             self.queue.append(g)
-            self.last_heard[g] = w.now
+            self.last_heard[g] = p.clock.now
         if forgot:
             self.flush_due = True  # the Eos taken are written before anything else (`flush`)
-            w.stamp_decision("chunks_at")  # every Eos of a group in: its state is final (the split's hand-over)
+            self._stamp("chunks_at")  # every Eos of a group in: its state is final (the split's hand-over)
         for o in outs:
             if isinstance(o, Send) and isinstance(o.message, StateChunk):
                 continue  # `snapshot`'s empty bytes: the state leaves from `hand_out_turn`
@@ -526,9 +517,9 @@ class GroupMoves:
             elif isinstance(o, Send):
                 msg = o.message
                 if isinstance(msg, Offer):
-                    w.send_handover(o.dest, msg, {"v": version})
+                    self._send(o.dest, msg, {"v": version})
                 else:
-                    w.send_handover(o.dest, msg)
+                    self._send(o.dest, msg)
             elif isinstance(o, Install):
                 if o.group in self.keyed.frozen:
                     # back before the turn's write forgot what we handed out: that is stale
@@ -544,7 +535,7 @@ class GroupMoves:
                 self.counts["groups_in"] += 1
                 self.flush_due = True
                 if self.first_installed_at is None:
-                    self.first_installed_at = w.wall()
+                    self.first_installed_at = p.clock.wall()
             elif isinstance(o, Apply):
                 self._apply(o)
             elif isinstance(o, Forget):
@@ -553,16 +544,16 @@ class GroupMoves:
                     self.seen[o.group] = max(v, self.seen.get(o.group, -1))
                 self.counts["groups_out"] += 1
         if any(isinstance(o, Install) for o in outs):
-            idx = w.tracker.produced()
+            idx = p.tracker.produced()
             out = self.keyed.fire_due(idx)  # windows of the group our watermark has passed already
             if out:
-                w.forward_outputs(out, idx)
+                p.outputs.forward(out, idx, p.clock.now)
 
     def _apply(self, a: Apply) -> None:
         """Held records of a group now installed here, in arrival order, under a fresh index (the
         keyed outputs' indices only grow); their inputs are released once the state is saved and
         the outputs are acked downstream (`lowest_held`)."""
-        w = self.w
+        p = self.parts
         self.held -= len(a.records)
         self._applied(a.records)
         run: List[Item] = []
@@ -570,11 +561,11 @@ class GroupMoves:
         last: Optional[str] = None
         for sender, (item, index) in list(a.records) + [(None, (None, None))]:
             if sender != last and run:
-                idx = w.tracker.produced()
+                idx = p.tracker.produced()
                 out = self.keyed.apply(last, run, idx, judge_late=False)
                 self.keyed.came_in_with(low)
                 if out:
-                    w.forward_outputs(out, idx)
+                    p.outputs.forward(out, idx, p.clock.now)
                     self._input_waits_for_outputs(idx, low)
                 run = []
             if sender is None:
@@ -622,7 +613,7 @@ class GroupMoves:
         self.queue = sorted(g for g, (_, _, bodies) in self.outgoing.items() if not bodies)
         self.attempts = {int(g): int(e) for g, e in d.get("attempts") or []}
         # asked along at the first check after the restart: what the crash lost is sent again
-        self.last_heard = {g: self.w.now - MOVE_RESEND for g in list(self.member.old.moving) + list(self.outgoing)}
+        self.last_heard = {g: self.parts.clock.now - MOVE_RESEND for g in list(self.member.old.moving) + list(self.outgoing)}
         self.shares = {str(c): [(int(g), int(v)) for g, v in sh] for c, sh in (d.get("shares") or {}).items()}
         self.leaving = bool(d.get("leaving"))
         self.installed_from = {int(g): str(old) for g, old in d.get("installed_from") or []}
@@ -634,7 +625,7 @@ class GroupMoves:
         copy. The number sent."""
         sent = sorted(self.installed_from.items())
         for g, old in sent:
-            self.w.send_handover(old, Installed(g))
+            self._send(old, Installed(g))
         self.installed_from = {}
         return len(sent)
 
@@ -655,7 +646,7 @@ class GroupMoves:
         for g in self.queue:
             self.keyed.freeze_group(g)
         if stale:
-            self.w.save_keyed_now()
+            self._save_keyed()
 
     def resume_groups(self, versions: Dict[int, int], moved_on: Optional[Dict[int, int]] = None) -> None:
         """A re-homed incarnation whose state was lost with its node: it owns the groups, at their
@@ -668,7 +659,7 @@ class GroupMoves:
         of a move over long ago, not one whose Offer our loss lost; taken, the group's old state
         replaced the newer one its owners since had built (CHANGELOG.md, "A re-homed new owner
         took a move long over again from a leaver's chunks")."""
-        self.member = Member(self.w.spec.instance, versions)
+        self.member = Member(self.me, versions)
         self.versions = dict(versions)
         for g, v in (moved_on or {}).items():
             self.seen[g] = max(v, self.seen.get(g, -1))
@@ -704,8 +695,53 @@ class GroupMoves:
             n += len(set(gs))
         return n
 
+    # ---- what it does through the instance's parts -------------------------------------------------
+
+    def bind(self, parts: MovesParts) -> None:
+        """The parts it acts through, once the instance has built them (`MovesParts`)."""
+        self.parts = parts
+
+    def started(self, scaling: Any) -> None:
+        """The instance started: its scaling driver's state is in every write-ahead from now on,
+        and its decision records take our stamps."""
+        self.parts.scaling = scaling
+
+    def _send(self, dest: str, msg: Any, extra: Optional[Dict[str, Any]] = None) -> None:
+        body = encode(msg)
+        if extra:
+            body.update(extra)
+        self._send_body(dest, body)
+
+    def _send_body(self, dest: str, body: Dict[str, Any]) -> None:
+        p = self.parts
+        p.out.extend(send_handover(p.outputs, p.stats, dest, body))
+
+    def _persist(self) -> None:
+        """Write-ahead: the instance's state, ours and the scaling driver's in it, before what follows."""
+        p = self.parts
+        save = p.incarnation.write(p.clock.now, True, p.scaling)
+        if save is not None:
+            p.out.append(save)
+
+    def _save_keyed(self) -> None:
+        """A group out or in changed the keyed state: saved, and the instance's state written, first."""
+        self.parts.out.append(self.parts.pending.save_keyed())
+        self.parts.cadence.changed()
+        self._persist()
+
+    def _stamp(self, key: str) -> None:
+        """Wall time of a step of the current scale-out on its decision record (agent.instance.scaling_events)."""
+        if self.parts.scaling is not None:
+            self.parts.scaling.stamp_decision(key)
+
+    def _groups_moved(self) -> None:
+        """The groups of our last decision are installed at their new owners: stamped on it."""
+        if self.parts.scaling is not None:
+            self.parts.scaling.events.stamp_moved(self.parts.clock.wall())
+
     def _error(self, sender: str, why: str) -> None:
-        self.w.handover_error(sender, why)
+        p = self.parts
+        refuse(p.stats, p.refusals, p.ctx, sender, why, p.clock.now)
 
     def reported_groups(self) -> Dict[int, int]:
         """What the heartbeat says we own (`groups`), which a re-home reads (agent.node.rehome):
