@@ -131,7 +131,7 @@ class Instance:
         # Its phase, a stop and its drain, the exit decided (agent.instance.lifecycle).
         self.life = Lifecycle(spec.instance)
         self.clock = Clock()  # the time of the event being handled (agent.instance.clock)
-        # The commands of that event: one list for the whole instance, the scaling driver appends to it.
+        # The commands of that event: one list for its life, which the parts handed it append to.
         self._out: List[Command] = []
         self.inbound = Inbound()
         is_source = kind == "source"
