@@ -267,39 +267,40 @@ def _external_imports(module: str) -> set:
 
 
 NETWORK = {"paho", "socket", "ssl", "select", "subprocess"}
+PURE = NETWORK | {"os", "time", "threading", "random"}  # no connection, clock, file, thread or random
 NODE_CORE = {"paho", "socket", "select", "subprocess", "threading", "random"}
 # The sans-IO cores and what they may not reach, through any chain of agent modules: the pure
 # packages touch no clock, file, thread or random at all; the spill's wire format and the
 # collector's core verify files on disk but open no connection.
 SANS_IO = {
-    "agent.protocol": NETWORK | {"os", "time", "threading", "random"},
-    "agent.dataplane": NETWORK | {"os", "time", "threading", "random"},
-    "agent.policy": NETWORK | {"os", "time", "threading", "random"},
+    "agent.protocol": PURE,
+    "agent.dataplane": PURE,
+    "agent.policy": PURE,
     "agent.spill.shipping": NETWORK,
-    "agent.spill.ackhold": NETWORK | {"os", "time", "threading", "random"},
+    "agent.spill.ackhold": PURE,
     "agent.collector.core": NETWORK,
     # The node daemon's decisions (agent.node.gate, ...): they read pipeline texts and spec paths
     # through agent.config and agent.operators.admission (which import os, ssl and time for their
     # file checks), but open no connection, start no thread or process and draw no random number;
     # the clock is an argument.
     "agent.node.gate": NODE_CORE,
-    "agent.node.pins": NETWORK | {"os", "time", "threading", "random"},
+    "agent.node.pins": PURE,
     "agent.node.restarts": NODE_CORE,
-    "agent.node.rehoming": NETWORK | {"os", "time", "threading", "random"},
+    "agent.node.rehoming": PURE,
     "agent.node.fleetview": NODE_CORE,
-    "agent.node.drain": NETWORK | {"os", "time", "threading", "random"},
-    "agent.node.loopevents": NETWORK | {"os", "time", "threading", "random"},
-    "agent.node.hostsync": NETWORK | {"os", "time", "threading", "random"},
-    "agent.node.spawns": NETWORK | {"os", "time", "threading", "random"},
+    "agent.node.drain": PURE,
+    "agent.node.loopevents": PURE,
+    "agent.node.hostsync": PURE,
+    "agent.node.spawns": PURE,
     "agent.node.contexts": NODE_CORE,
     "agent.node.fencing": NODE_CORE,
     "agent.node.exits": NODE_CORE,
     "agent.node.rehomer": NODE_CORE,
     "agent.node.reconcile": NODE_CORE,
     "agent.node.workerlines": NODE_CORE,
-    "agent.node.routes": NETWORK | {"os", "time", "threading", "random"},
-    "agent.node.workers": NETWORK | {"os", "time", "threading", "random"},
-    "agent.node.rpc": NETWORK | {"os", "time", "threading", "random"},
+    "agent.node.routes": PURE,
+    "agent.node.workers": PURE,
+    "agent.node.rpc": PURE,
     # The node's core and every part it holds; the daemon, the bus, the supervisor, the report and
     # the site manager's hooks are the shell around it.
     "agent.node.core": NODE_CORE,
@@ -309,12 +310,16 @@ SANS_IO = {
     "agent.node.handover": NODE_CORE,
     "agent.node.replicas": NODE_CORE,
     "agent.node.statexfer": NODE_CORE,
-    # the hand-over's wire codec, and the scaling driver's parts with state of their own (the
-    # driver itself draws from its own seeded generator and reads agent.config)
-    "agent.instance.handover_wire": NETWORK | {"os", "time", "threading", "random"},
-    "agent.instance.adoption": NETWORK | {"os", "time", "threading", "random"},
-    "agent.instance.creates": NETWORK | {"os", "time", "threading", "random"},
-    "agent.instance.scaling_events": NETWORK | {"os", "time", "threading", "random"},
+    # the hand-over's wire codec, the scaling driver's parts with state of their own (the driver
+    # itself draws from its own seeded generator and reads agent.config), and what the instance
+    # hands the driver and the moves instead of itself
+    "agent.instance.handover_wire": PURE,
+    "agent.instance.adoption": PURE,
+    "agent.instance.creates": PURE,
+    "agent.instance.scaling_events": PURE,
+    "agent.instance.clock": PURE,
+    "agent.instance.driver_parts": PURE,
+    "agent.instance.moves_parts": PURE,
 }
 
 
