@@ -283,11 +283,8 @@ def moved_run(seed: int, move: List[int], offer: bool = True, net_cls: Any = Non
         for _ in range(net.rng.randrange(4)):
             net.step()
         if seq == 3:
-            a._out.clear()  # the rounds call this (step 3): here the test does
-            for g in move:
-                a.moves.start(g, "cnt-b", ["op-0"], offer=offer)
-            net.take("cnt-a", a._out[:])
-            a._out.clear()
+            for g in move:  # the rounds call this (step 3): here the test does
+                net.take("cnt-a", a.moves.start(g, "cnt-b", ["op-0"], offer=offer))
     idle = 0
     for _ in range(5000):
         if net.step():
@@ -415,10 +412,7 @@ def _eos_in_one_turn(net_class: Any, seed: int, moving: List[int], max_chunk: in
     _settle(net)
     if hot >= 0:
         a.keyed.load[hot] += 10.0  # as ten more records of the group would
-    a._out.clear()
-    a.moves.start_many(moving, "cnt-b", ["op-0"])
-    net.take("cnt-a", a._out[:])
-    a._out.clear()
+    net.take("cnt-a", a.moves.start_many(moving, "cnt-b", ["op-0"]))
     _turn(net, "op-0", ["cnt-a"])  # the Redirects: one Eos per group back to cnt-a
     assert len(net.chans[("op-0", "cnt-a")]) == len(moving)
     _turn(net, "cnt-a", ["op-0"])  # every Eos in one turn: every moving group's state is final

@@ -464,3 +464,32 @@ def test_a_batch_that_changed_or_lost_records_or_whose_operator_promised_nothing
     if case == "filtered":
         del want[2]
     assert items == want and _BODY not in out and inst.stats["passed_batches"] == 0
+
+
+def test_a_part_returns_its_commands_in_order_and_a_nested_entry_leaves_them_to_the_outer_one() -> None:
+    """agent.instance.emitter: what a caller gets does not depend on the entry point it went
+    through, and an exception drops the call's commands rather than leaving them for a later one."""
+    from agent.instance.emitter import Emitter, emits
+
+    class Part(Emitter):
+        @emits
+        def inner(self, n: int) -> None:
+            self._cmds.append(Emit("inner", {"n": n}))
+
+        @emits
+        def outer(self) -> None:
+            self._cmds.append(Emit("before", {}))
+            assert self.inner(1) == []  # left to the outer call
+            self._cmds.append(Emit("after", {}))
+
+        @emits
+        def fails(self) -> None:
+            self._cmds.append(Emit("dropped", {}))
+            raise ValueError("refused")
+
+    part = Part()
+    assert [c.event for c in part.outer()] == ["before", "inner", "after"]
+    assert part.inner(2) == [Emit("inner", {"n": 2})]
+    with pytest.raises(ValueError):
+        part.fails()
+    assert part.unreturned == 0 and part.inner(3) == [Emit("inner", {"n": 3})]

@@ -320,6 +320,7 @@ SANS_IO = {
     "agent.instance.clock": PURE,
     "agent.instance.driver_parts": PURE,
     "agent.instance.moves_parts": PURE,
+    "agent.instance.emitter": PURE,  # how the parts return their commands
 }
 
 

@@ -73,6 +73,10 @@ class Admission:
         # bound stays the memory bound.
         self.hold = HoldBuffer(HOLD_MAX_SENDERS, 2 * window + 32 + hold_extra, HOLD_MAX_BYTES)
         self.refusals = LogLimiter()
+        # Senders of an empty ack refused as unknown: a re-homed copy that may not know it left,
+        # which the scaling driver reminds (`ScalingDriver.remind_departed`), taken by the caller
+        # (agent.instance.delivery) before what it admits next: the reminder's commands are its.
+        self.reminders: List[str] = []
         # Only a name an instance of a neighbouring operator can have is worth holding: keepers
         # are "<pipeline>.<operator>.0" (deploy.keeper_id), every other instance "<operator>-..."
         # (ScalingCore._new_id, the agent's createNode, the bench). Invented names are refused
@@ -225,7 +229,7 @@ class Admission:
         """Counted, logged at most once per sender per minute (and 20 lines a minute in all), and
         nothing else: no channel entry, no record id, nothing persisted."""
         if why == "sender" and env.kind is Kind.ACK and tuple(env.body) == (0, 0) and sc is not None:
-            sc.remind_departed(env.sender)  # a re-homed copy that forgot it left
+            self.reminders.append(env.sender)  # a re-homed copy that forgot it left
         key = {"epoch": "refused_epochs", "seq": "refused_seqs", "node": "refused_nodes"}.get(why, "refused_senders")
         self.stats[key] += 1
         if self.refusals.allow((env.sender, writer), now):

@@ -45,8 +45,8 @@ class ControlLines:
         event = msg.get("event")
         if event == "spawned":
             if scaling is not None:
-                scaling.on_spawned({"request": str(msg.get("request")), "ok": bool(msg.get("ok")),
-                                    "error": str(msg.get("error"))})
+                return scaling.on_spawned({"request": str(msg.get("request")), "ok": bool(msg.get("ok")),
+                                           "error": str(msg.get("error"))})
         elif event == "scale":
             if scaling is not None:
                 scaling.force(str(msg.get("action")), int(msg.get("count", 1)))
@@ -58,7 +58,7 @@ class ControlLines:
             if self.keyed is not None and isinstance(msg.get("gen"), int) and isinstance(msg.get("log"), int):
                 self.keyed.replicated(msg["gen"], msg["log"])
                 if self.moves is not None:
-                    self.moves.replicated((msg["gen"], msg["log"]))
+                    return self.moves.replicated((msg["gen"], msg["log"]))
         else:
             log.warning("unknown control event %r ignored", event, extra=self.ctx)
         return []

@@ -131,7 +131,7 @@ class Instance:
         # Its phase, a stop and its drain, the exit decided (agent.instance.lifecycle).
         self.life = Lifecycle(spec.instance)
         self.clock = Clock()  # the time of the event being handled (agent.instance.clock)
-        # The commands of that event: one list for its life, which the parts handed it append to.
+        # The commands of that event: one list for its life, the parts' returns put in it in order.
         self._out: List[Command] = []
         self.inbound = Inbound()
         is_source = kind == "source"
@@ -223,7 +223,7 @@ class Instance:
         self.group_side = self.group_side_class(
             spec, self.ctx, self.stats, self.clock, routing=self.group_routing, router=self.router,
             outbox=self.outbox, tracker=self.tracker, outputs=self.outputs, incarnation=self.incarnation,
-            cadence=self.cadence, keyed=self.keyed, moves=self.moves, refusals=self.admission.refusals, out=self._out)
+            cadence=self.cadence, keyed=self.keyed, moves=self.moves, refusals=self.admission.refusals)
         # The agent's control lines, but a stop (agent.instance.controls).
         self.controls = ControlLines(self.pace, operator if is_source else None, self.hosts, self.outputs,
                                      self.keyed, self.moves, self.ctx)
@@ -232,7 +232,7 @@ class Instance:
         if self.moves is not None:  # built around the moves, handed to them now (agent.instance.moves_parts)
             self.moves.bind(MovesParts(clock=self.clock, tracker=self.tracker, outputs=self.outputs, stats=self.stats,
                                        ctx=self.ctx, refusals=self.admission.refusals, cadence=self.cadence,
-                                       incarnation=self.incarnation, pending=self.pending, out=self._out))
+                                       incarnation=self.incarnation, pending=self.pending))
         # A batch through the operator, and the back pressure that lets it (agent.instance.processing).
         self.processing = Processing(spec.instance, operator, source=self.source, is_source=is_source,
                                      is_sink=is_sink, keyed=self.keyed, moves=self.moves, marks=self.marks,
@@ -330,7 +330,7 @@ class Instance:
     def _on_restarted(self, ev: Restarted) -> None:
         self.outputs.restore_routes(ev.routes, self.now)
         self._begin(ev.wall, True, ev.state, ev.source_position, ev.ingest_log)
-        self.group_side.restarted(ev, self.scaling)
+        self._out += self.group_side.restarted(ev, self.scaling)
 
     def _begin(self, wall: float, restart: bool, saved: Dict[str, Any],
                source_position: Optional[Dict[str, Any]], ingest_log: Optional[List[Any]] = None) -> None:
@@ -355,7 +355,7 @@ class Instance:
         self.persist(force=True)
         if restart:  # the predecessors replay what we had not acknowledged (agent.instance.delivery)
             self._out += self.delivery.ask_replays(self.scaling.core.preds)
-            self.scaling.resync(now)
+            self._out += self.scaling.resync(now)
         if self.is_source:
             self.source.start(restart, source_position, ingest_log, self.marks, now, wall, self.wall())
         self.emit("ready")
@@ -364,7 +364,7 @@ class Instance:
             # terminated it, before its final exit: gone from every table, so gone for good.
             self.life.exit = (EXIT_OK, "restarted after its termination: gone for good", True)
         elif self.scaling.outputs:
-            self.scaling.run_outputs(now)  # a restarted round: perform what was still queued
+            self._out += self.scaling.run_outputs(now)  # a restarted round: perform what was still queued
 
     def _driver_parts(self) -> DriverParts:
         """What the scaling driver acts through (agent.instance.driver_parts): our parts, not us."""
@@ -372,7 +372,7 @@ class Instance:
             spec=self.spec, pipeline=self.pipeline, stage=self.stage, epoch=self.epoch, is_source=self.is_source,
             ctx=self.ctx, stats=self.stats, clock=self.clock, life=self.life, load=self.load, outputs=self.outputs,
             router=self.router, incarnation=self.incarnation, cadence=self.cadence, delivery=self.delivery,
-            group_side=self.group_side, marks=self.marks, moves=self.moves, out=self._out,
+            group_side=self.group_side, marks=self.marks, moves=self.moves,
             flush=self.flush, drained=self.drained)
 
     # ---- one loop turn ---------------------------------------------------------------------------------
@@ -391,7 +391,7 @@ class Instance:
 
     def _turn_round_outputs(self, now: float) -> None:
         if self.scaling is not None:
-            self.scaling.run_outputs(now)
+            self._out += self.scaling.run_outputs(now)
 
     def _turn_produce(self, now: float) -> None:
         if self.is_source:
@@ -402,9 +402,9 @@ class Instance:
 
     def _turn_moves(self, now: float) -> None:
         if self.moves is not None:
-            self.moves.take_in_turn()  # a bounded share of the state chunks received
+            self._out += self.moves.take_in_turn()  # a bounded share of the state chunks received
             self.moves.hand_out_turn()  # a bounded share of the groups whose state is final
-            self.moves.flush()  # the turn's hand-over writes, then its messages (agent.instance.moves)
+            self._out += self.moves.flush()  # the turn's hand-over writes, then its messages (agent.instance.moves)
 
     def _turn_save_keyed(self, now: float) -> None:
         if self.keyed is not None and self.keyed.dirty:
@@ -412,7 +412,7 @@ class Instance:
 
     def _turn_release_held(self, now: float) -> None:
         if self.admission.hold:
-            self.delivery.release_held(self.scaling, self.epoch, self.wall(), now, self._out)
+            self._out += self.delivery.release_held(self.scaling, self.epoch, self.wall(), now)
 
     def _turn_resend_moved(self, now: float) -> None:
         if self.outputs.moved:
@@ -423,7 +423,7 @@ class Instance:
             self._out += self.sink.settle(self.wall())
 
     def _turn_flush(self, now: float) -> None:
-        self.flush(now)
+        self._out += self.flush(now)
 
     def _turn_send_mark(self, now: float) -> None:
         if self.marks is not None:
@@ -444,7 +444,7 @@ class Instance:
 
     def _turn_round_tick(self, now: float) -> None:
         if self.scaling is not None:
-            self.scaling.maybe_tick(now)
+            self._out += self.scaling.maybe_tick(now)
 
     def _turn_heartbeat(self, now: float) -> None:
         if self.cadence.beat_due(now):
@@ -513,7 +513,7 @@ class Instance:
 
     def _on_spawned(self, ev: Spawned) -> None:
         if self.scaling is not None:
-            self.scaling.on_spawned({"request": ev.request, "ok": ev.ok, "error": ev.error})
+            self._out += self.scaling.on_spawned({"request": ev.request, "ok": ev.ok, "error": ev.error})
 
     def _on_abort(self, ev: Abort) -> None:
         self.life.exit = (EXIT_DRAIN_TIMEOUT, ev.reason, False)
@@ -534,8 +534,15 @@ class Instance:
             log.info("stop requested: draining", extra=self.ctx)
 
     def _check_stopped(self, now: float) -> None:
-        self.life.check_stopped(now, self.drained() and (not self.life.final or self.scaling is None
-                                                         or self.scaling.ready_to_exit()))
+        self.life.check_stopped(now, self.drained() and self._links_settled())
+
+    def _links_settled(self) -> bool:
+        """Terminated by the protocol: our deliveries acked and our own messages acked (2-FGME's
+        reliable links, agent.instance.recovery), before the exit."""
+        if not self.life.final or self.scaling is None:
+            return True
+        self._out += self.scaling.ack_links()
+        return self.scaling.links is None or self.scaling.links.settled
 
     def _finish(self, code: int, reason: str, final: bool) -> None:
         try:
@@ -557,11 +564,11 @@ class Instance:
 
     def _on_envelope(self, ev: EnvelopeReceived) -> None:
         """A message on one of our topics: read, admitted, delivered (agent.instance.delivery)."""
-        self.delivery.received(ev, self.scaling, self.epoch, self.wall(), self.now, self._out)
+        self._out += self.delivery.received(ev, self.scaling, self.epoch, self.wall(), self.now)
 
     def _on_handed(self, ev: EnvelopeHanded) -> None:
         """A chained predecessor's envelope (docs/runtime.md, "Chaining"), as over MQTT but its bytes."""
-        self.delivery.handed(ev, self.scaling, self.epoch, self.wall(), self.now, self._out)
+        self._out += self.delivery.handed(ev, self.scaling, self.epoch, self.wall(), self.now)
 
     def _process(self, now: float) -> None:
         """The queued envelopes, round-robin over senders, each sender strictly in order (three
@@ -576,12 +583,12 @@ class Instance:
     def _on_protocol(self, env: Envelope) -> None:
         body = env.body
         if isinstance(body, dict) and body.get("type") in group_moves.HANDOVER_TYPES:
-            self.group_side.on_message(env.sender, body, self.scaling)  # agent.instance.group_side
+            self._out += self.group_side.on_message(env.sender, body, self.scaling)  # agent.instance.group_side
             return
         if self.scaling is None:
             self.intake.protocol_ignored(env.sender)  # counted, logged once per sender (invariant 5)
             return
-        self.scaling.handle(env)
+        self._out += self.scaling.handle(env)
 
     # ---- silence, a new incarnation ------------------------------------------------------------------
 
@@ -604,7 +611,7 @@ class Instance:
             self._out += self.scaling.idle.ping_if_idle(now)
             self.scaling.expire_probes(now)
         if self.moves is not None:
-            self.moves.resend_silent(now)
+            self._out += self.moves.resend_silent(now)
         self._out += self.outputs.replay_silent(now)
 
     def _new_incarnation(self, why: str, counter: str) -> None:
@@ -624,7 +631,7 @@ class Instance:
         log.warning("%s: new epoch %d, asking for replays", why, self.epoch, extra=self.ctx)
         if self.scaling is not None:
             self._out += self.delivery.ask_replays(self.scaling.core.preds)
-            self.scaling.resync(self.now)
+            self._out += self.scaling.resync(self.now)
         self._out += self.outputs.replay_all(self.now)
 
     # ---- source -----------------------------------------------------------------------------------
@@ -640,17 +647,17 @@ class Instance:
 
     # ---- output -----------------------------------------------------------------------------------
 
-    def flush(self, now: float, force: bool = False) -> None:
+    def flush(self, now: float, force: bool = False) -> List[Command]:
         """The outbox's ready batches onto their links (agent.instance.outputs); all of them when
         forced or draining."""
         if self.outbox.pending == 0:
-            return
+            return []
         draining = self.stopping or (self.scaling is not None and self.scaling.draining)
         # A source's floor before its batches leave the outbox: taken out, they are pending
         # nowhere until link.sent, and the claim would cover them.
         own = {self.spec.instance: self.source_resume_seq()} if self.is_source else None
         mark = self.marks.out_mark(now, self.pending.lowest()) if self.marks is not None else None
-        self._out += self.outputs.flush(now, force or draining, own, mark)
+        return self.outputs.flush(now, force or draining, own, mark)
 
     def retry_publishes(self) -> None:
         """The publishes the broker refused, again, in their channels' order (agent.instance.outputs)."""

@@ -8,8 +8,8 @@ forgotten.
 
 Rules of this file: `Delivery` owns no state and holds no reference to the instance; it is handed
 the parts an envelope goes through at construction, and per call the scaling driver (None before
-the start), our epoch, the clocks and the instance's list of commands, which it extends in order
-with what the driver appends to it meanwhile (a successor's restart first). No I/O, no clock.
+the start), our epoch and the clocks; each call returns its commands in order, the driver's among
+them where it was called (a successor's restart first). No I/O, no clock.
 """
 
 from __future__ import annotations
@@ -58,23 +58,21 @@ class Delivery:
         self.stats = stats
         self.ctx = ctx
 
-    def received(self, ev: EnvelopeReceived, scaling: Any, epoch: int, wall: float, now: float,
-                 out: List[Command]) -> None:
+    def received(self, ev: EnvelopeReceived, scaling: Any, epoch: int, wall: float, now: float) -> List[Command]:
         """A message on one of our topics: an envelope in our inbox, or a source's ingest."""
         writer = self.intake.writer(ev.topic)
         if writer is None and self.intake.foreign(ev.topic):
-            return  # our inbox on a node we no longer run on (counted)
+            return []  # our inbox on a node we no longer run on (counted)
         if writer is None:
-            out += self.source.ingest(ev)
-            return
+            return self.source.ingest(ev)
         env = self.intake.decode(ev.payload, now)
         if env is None:
-            return  # INVARIANT 5 (nothing dropped silently): counted, logged, skipped
+            return []  # INVARIANT 5 (nothing dropped silently): counted, logged, skipped
         if self.admission.screen(env, ev.payload, writer, scaling, epoch, wall, now):
-            self.accept(env, scaling, epoch, now, out)
+            return self.accept(env, scaling, epoch, now)
+        return self._remind(scaling)
 
-    def handed(self, ev: EnvelopeHanded, scaling: Any, epoch: int, wall: float, now: float,
-               out: List[Command]) -> None:
+    def handed(self, ev: EnvelopeHanded, scaling: Any, epoch: int, wall: float, now: float) -> List[Command]:
         """A chained predecessor's envelope (docs/runtime.md, "Chaining"): as `received` without
         the bytes. Written by our own node (same process); admitted by the same rules, so a
         sender our tables do not know is held or refused exactly as over MQTT."""
@@ -84,16 +82,32 @@ class Delivery:
         if env.kind is Kind.DATA:
             self.stats["handed_in"] += 1
         if self.admission.screen(env, None, self.node, scaling, epoch, wall, now):
-            self.accept(env, scaling, epoch, now, out)
+            return self.accept(env, scaling, epoch, now)
+        return self._remind(scaling)
 
-    def release_held(self, scaling: Any, epoch: int, wall: float, now: float, out: List[Command]) -> None:
+    def release_held(self, scaling: Any, epoch: int, wall: float, now: float) -> List[Command]:
         """The held envelopes of senders the protocol has announced since, admitted now in each
         sender's order (`Admission.release`)."""
-        self.admission.release(now, scaling, epoch, wall, self.intake.records,
-                               lambda env: self.accept(env, scaling, epoch, now, out))
+        out: List[Command] = []
 
-    def accept(self, env: Envelope, scaling: Any, epoch: int, now: float, out: List[Command]) -> None:
+        def take(env: Envelope) -> None:
+            out.extend(self._remind(scaling))  # of what was refused before it
+            out.extend(self.accept(env, scaling, epoch, now))
+
+        self.admission.release(now, scaling, epoch, wall, self.intake.records, take)
+        return out + self._remind(scaling)
+
+    def _remind(self, scaling: Any) -> List[Command]:
+        """The scaling driver reminds the senders of the empty acks the admission refused as
+        unknown (`Admission.reminders`): a copy re-homed while leaving may not know it left."""
+        out: List[Command] = []
+        while self.admission.reminders:
+            out += scaling.remind_departed(self.admission.reminders.pop(0))
+        return out
+
+    def accept(self, env: Envelope, scaling: Any, epoch: int, now: float) -> List[Command]:
         """`env`, admitted: what it delivers in its sender's order taken (acks) or queued."""
+        out: List[Command] = []
         inbound = self.inbound
         before = inbound.stats.duplicates + inbound.stats.stale_epoch
         known = inbound.epoch_of(env.sender)
@@ -102,14 +116,14 @@ class Delivery:
             # The successor restarted: it may have lost what it held (agent.instance.outputs).
             out += self.outputs.successor_restarted(env.sender, now)
         if env.kind is Kind.ACK and tuple(env.body) == (0, 0) and scaling is not None:
-            scaling.remind_departed(env.sender)  # a re-homed copy that forgot it left
+            out += scaling.remind_departed(env.sender)  # a re-homed copy that forgot it left
         replays = self.replays
         replays.seen(env, now)
         # INVARIANT 1 (FIFO channel): envelopes are delivered in each sender's numbering, once.
         pred = scaling is not None and env.sender in scaling.core.preds  # it replays to us after a marker
         for e in inbound.receive(env, replays_to_us=pred):
             if e.kind is Kind.ACK:
-                self._ack(e, scaling, epoch, now, out)
+                out += self._ack(e, scaling, epoch, now)
             else:
                 if e.kind is Kind.DATA:
                     if is_replay_marker(e):  # its replay follows
@@ -131,6 +145,7 @@ class Delivery:
             # (acks are end to end); rare enough to say so once per occurrence.
             log.warning("data batch %d of %s's old epoch %d dropped (now epoch %s)", env.seq, env.sender,
                         env.epoch, inbound.epoch_of(env.sender), extra=self.ctx)
+        return out
 
     def ask_replays(self, preds: Iterable[str]) -> List[Command]:
         """We are a new incarnation: each predecessor is told so by an ack of nothing, numbered in
@@ -142,19 +157,19 @@ class Delivery:
             out += self.outputs.send_envelope(pred, Kind.ACK, [0, 0])
         return out
 
-    def _ack(self, env: Envelope, scaling: Any, epoch: int, now: float, out: List[Command]) -> None:
+    def _ack(self, env: Envelope, scaling: Any, epoch: int, now: float) -> List[Command]:
         """A successor's ack of our data up to its number, in our current epoch (agent.instance.outputs)."""
         self.stats["acks_in"] += 1
         acked_epoch, upto = env.body
         if scaling is not None and list(env.body) == [0, 0]:
             start = scaling.idle.on_idle_ping(env.sender, now)
             if start is not None:
-                out += start
-                return  # an idle copy asks for its Start
+                return start  # an idle copy asks for its Start
         if acked_epoch != epoch:
             self.stats["stale_acks"] += 1  # for a dead incarnation
-            return
+            return []
         self.outputs.on_ack(env.sender, upto, now)
+        return []
 
     def forget(self, sender: str) -> bool:
         """Drop every per-sender entry of an instance admitted only provisionally (an unanswered

@@ -6,15 +6,14 @@ generator of its own). It feeds the scaling core (agent.protocol.scaling, or the
 of agent.protocol.guarded) messages and decision ticks, and performs the core's outputs strictly in
 order (the core's ORDERING CONTRACT) through the instance's parts it is handed, not the instance
 (agent.instance.driver_parts): sends on the numbered channels, route changes of the data path,
-drain, createNode() requests, persistence, each appended to the instance's commands in order.
+drain, createNode() requests, persistence. Each entry point returns its commands in order
+(agent.instance.emitter), those of the parts it called among them where the call stands.
 
 Recovery (agent.instance.recovery) lives here too: write-ahead outputs, round memory, resend on
-silence, adoption of an orphaned copy, rounds above a dead incarnation's.
-
-What reads or changes the queue of outputs and the round state stays here; three parts with
-state of their own do not: the idle copies (agent.instance.adoption: idle ping, Start again,
-probe and echo), the createNode() requests of a round (agent.instance.creates), and the decision
-and lock events (agent.instance.scaling_events).
+silence, adoption of an orphaned copy, rounds above a dead incarnation's. Three parts with state
+of their own do not: the idle copies (agent.instance.adoption: idle ping, Start again, probe and
+echo), the createNode() requests of a round (agent.instance.creates), and the decision and lock
+events (agent.instance.scaling_events).
 """
 
 from __future__ import annotations
@@ -35,6 +34,7 @@ from agent.instance.adoption import (
 from agent.instance.commands import Emit
 from agent.instance.creates import CreateRequests
 from agent.instance.driver_parts import DriverParts
+from agent.instance.emitter import Emitter, emits
 from agent.instance.groups import START_FIELD
 from agent.instance.recovery import (
     RESEND_AFTER, LinkError, RoundMemory, decode_outputs, encode_outputs, open_links, silent_pending,
@@ -56,7 +56,7 @@ log = logging.getLogger("agent.instance.worker")
 # are subclasses it installs (foglab.sim.instance_faults): no branch here.
 
 
-class ScalingDriver:
+class ScalingDriver(Emitter):
     """Drives the sans-IO scaling core (agent.protocol.scaling) through its instance's parts. A
     decision, top-down: `maybe_tick` decides (the policy, or `_run_forced` for fogctl), the core's
     `start_round` returns the round's outputs, `_observe` records the round's start, `_queue`
@@ -70,9 +70,9 @@ class ScalingDriver:
     acks_ahead_of_drain = True
 
     def __init__(self, parts: DriverParts, saved: Dict[str, Any], restart: bool) -> None:
+        super().__init__()
         self.parts = parts
         self.clock = parts.clock  # the instance's: the time of the event being handled
-        self.out = parts.out  # the instance's commands of that event: ours go in their order
         spec = parts.spec
         sc = parts.pipeline.scaling_for(spec.operator)
         capacity = sc.capacity if isinstance(sc.capacity, (int, float)) else float(spec.extra.get("capacity", 500.0))
@@ -223,20 +223,17 @@ class ScalingDriver:
 
     # ---- a decision: the tick, the policy or a steering request, a keyed leaver, an adoption -----
 
+    @emits
     def maybe_tick(self, now: float) -> None:
-        self.out.extend(self.idle.probe_expected(now))
-        if self._moving():
-            self._maybe_adopt()
-            self.resend_silent(now)
-            if self.links is not None:
-                self._send_link(self.links.due(now))
-            return
-        self._run_forced(now)
+        self._cmds += self.idle.probe_expected(now)
+        moving = self._moving()  # a keyed move under way, or leaving: no round of ours starts
+        if not moving:
+            self._run_forced(now)
         self._maybe_adopt()
         self.resend_silent(now)
         if self.links is not None:
             self._send_link(self.links.due(now))
-        if now < self.next_tick:
+        if moving or now < self.next_tick:
             return
         load = self.parts.load.measure(now)
         sig = self.parts.load.take_signals(now)
@@ -278,8 +275,8 @@ class ScalingDriver:
             return
         outs = self.core.start_round(decision)
         self._observe(outs)
-        self.out.extend(self.events.decision(now, self.clock.wall(), load, draw, decision, outs, self._capacity(),
-                                            self.live))
+        self._cmds += self.events.decision(now, self.clock.wall(), load, draw, decision, outs, self._capacity(),
+                                           self.live)
         if outs:
             new = [o.instance_id for o in outs if isinstance(o, CreateInstance)]
             kind = "scale_out" if new else "scale_in"
@@ -361,7 +358,7 @@ class ScalingDriver:
         mv.leaving = True
         keeper = f"{self.parts.spec.pipeline}.{self.parts.spec.operator}.0"
         log.info("leaving: handing %d key groups to %s first", len(mv.member.owned), keeper, extra=self.parts.ctx)
-        mv.hand_rest(keeper, self.core.preds)
+        self._cmds += mv.hand_rest(keeper, self.core.preds)
         self.parts.cadence.changed()
         self._leave_when_empty()
         return True
@@ -373,11 +370,11 @@ class ScalingDriver:
             return
         if mv.member.owned and not mv.member.busy():
             # a group that reached us after we decided (a share in flight): handed on as well
-            mv.hand_rest(f"{self.parts.spec.pipeline}.{self.parts.spec.operator}.0", self.core.preds)
+            self._cmds += mv.hand_rest(f"{self.parts.spec.pipeline}.{self.parts.spec.operator}.0", self.core.preds)
         if not mv.ready_to_leave():
             return
         mv.leaving = False
-        mv.installed_again()
+        self._cmds += mv.installed_again()
         self.round_created = []
         # start_round, not start_deletion: with coordination = "fgme" the deletion waits for its
         # 2-FGME locks like any other round (start_deletion would run it outside them)
@@ -415,7 +412,7 @@ class ScalingDriver:
             self.last_round_end = self.clock.now
             self.stamp_decision("round_end_at")
         for t in trans:
-            self.out.extend(self.events.lock_event(t, self.clock.now, self.clock.wall()))
+            self._cmds += self.events.lock_event(t, self.clock.now, self.clock.wall())
         if trans or edge:
             self.parts.cadence.changed()
 
@@ -431,6 +428,7 @@ class ScalingDriver:
             self._persist()
             self.run_outputs(self.clock.now)
 
+    @emits
     def run_outputs(self, now: float) -> None:
         """Perform the queued outputs in order, until one must wait (createNode(), a Drain)."""
         parts = self.parts
@@ -450,7 +448,7 @@ class ScalingDriver:
                 if out.message.type == "start":
                     self.idle.started.append(out.dest)
                     if parts.moves is not None:  # a keyed creator's share starts moving
-                        parts.moves.start_share(out.dest, self.core.preds)
+                        self._cmds += parts.moves.start_share(out.dest, self.core.preds)
                 inner = getattr(out.message, "inner", None)
                 if inner is None:
                     parts.stats["protocol_out"] += 1
@@ -477,11 +475,11 @@ class ScalingDriver:
                     for o in list(self.outputs):
                         if not isinstance(o, CreateInstance):
                             break
-                        self.out += self.creates.request(o)
+                        self._cmds += self.creates.request(o)
                 return  # waiting for "spawned"
             elif isinstance(out, Drain):
                 # Two-phase deletion: every predecessor removed us; forward everything first.
-                parts.flush(now, True)
+                self._cmds += parts.flush(now, True)
                 if not parts.drained():
                     self.draining = True
                     return
@@ -493,6 +491,7 @@ class ScalingDriver:
                 self.counts["terminated"] = 1
             self.outputs.popleft()
 
+    @emits
     def on_spawned(self, msg: Dict[str, Any]) -> None:
         """The agent's answer to a createNode(): every answer in, the round goes on or shrinks."""
         instance = self.creates.answered(msg)
@@ -542,16 +541,17 @@ class ScalingDriver:
         level = logging.INFO if all(e.startswith("max_instances reached") for e in why.split("; ")) else logging.WARNING
         log.log(level, "spawn failed (%s): duplication round %d %s", why, core.round,
                 f"continues with {list(created)}" if created else "cancelled", extra=self.parts.ctx)
-        self.out.append(Emit("round_cancelled", {"round": core.round, "created": list(created), "error": why}))
+        self._cmds.append(Emit("round_cancelled", {"round": core.round, "created": list(created), "error": why}))
         self.run_outputs(self.clock.now)
 
     # ---- input: the neighbours' round and lock messages ------------------------------------------
 
+    @emits
     def handle(self, env: Envelope) -> None:
         """A neighbour's protocol or lock message (a probe or its echo: the idle copies')."""
         stats = self.parts.stats
         if isinstance(env.body, dict) and env.body.get("type") in (PROBE, PROBE_ECHO):
-            self.out.extend(self.idle.on_probe(env, self.clock.now))
+            self._cmds += self.idle.on_probe(env, self.clock.now)
             return
         if self.links is not None:
             try:
@@ -591,7 +591,7 @@ class ScalingDriver:
             outs = self._core_handles(msg)
             self.memory.applied_now(msg)
             if isinstance(msg, Start):
-                self.parts.group_side.on_start_field(groups, self.core.routes()[0], self)
+                self._cmds += self.parts.group_side.on_start_field(groups, self.core.routes()[0], self)
             elif isinstance(msg, Duplication) and msg.stage == self.core.stage - 1:
                 self._preds_changed(msg.new_instances, ())
             elif isinstance(msg, Deletion) and msg.stage == self.core.stage - 1:
@@ -650,6 +650,7 @@ class ScalingDriver:
         self.counts["left_behind"] = self.counts.get("left_behind", 0) + 1
         log.warning("a neighbour acked a deletion of our dead incarnation: leaving again", extra=self.parts.ctx)
 
+    @emits
     def remind_departed(self, sender: str) -> None:
         """`sender` announces a new incarnation (an empty ack in a new epoch) though it left our
         tables by its own Deletion (no other round removes an instance, and our round memory
@@ -671,23 +672,24 @@ class ScalingDriver:
 
     def _send(self, dest: str, kind: Kind, body: Any) -> None:
         """On the channel to `dest`, numbered with the data (invariant 1)."""
-        self.out += self.parts.outputs.send_envelope(dest, kind, body)
+        self._cmds += self.parts.outputs.send_envelope(dest, kind, body)
 
     def _persist(self) -> None:
         """Write-ahead (agent.instance.recovery): our state and the instance's channels, now."""
         save = self.parts.incarnation.write(self.clock.now, True, self)
         if save is not None:
-            self.out.append(save)
+            self._cmds.append(save)
 
     def _preds_changed(self, added: Tuple[str, ...], removed: Tuple[str, ...]) -> None:
         """A predecessor's round, applied: a departed one's watermark no longer holds ours back
         (its deletion is behind its data), and our key groups' moves learn of it (group_side)."""
         if self.parts.marks is not None:
             self.parts.marks.preds_removed(removed, self.clock.now)
-        self.parts.group_side.preds_changed(added, removed)
+        self._cmds += self.parts.group_side.preds_changed(added, removed)
 
     # ---- recovery: silence, reliable links, what a restart needs ---------------------------------
 
+    @emits
     def resend_silent(self, now: float) -> None:
         """Send the round message again to pending neighbours silent for RESEND_AFTER s (they
         may have crashed between applying it and acking, or the broker lost it); never while
@@ -742,18 +744,18 @@ class ScalingDriver:
         for dest, body in pairs:
             self._send(dest, Kind.PROTO, body)
 
+    @emits
     def resync(self, now: float) -> None:
         """We are a new incarnation: ask every peer for what we may have lost, resend ours."""
         if self.links is not None:
             core = self.core
             self._send_link(self.links.resync(set(core.preds) | set(core.succs), now))
 
-    def ready_to_exit(self) -> bool:
-        """Terminated: ack what we delivered, and wait until our own messages are acked."""
-        if self.links is None:
-            return True
-        self._send_link(self.links.flush_acks())
-        return self.links.settled
+    @emits
+    def ack_links(self) -> None:
+        """Terminated: ack what we delivered (the exit waits until our own messages are acked too)."""
+        if self.links is not None:
+            self._send_link(self.links.flush_acks())
 
     def persisted(self) -> Dict[str, Any]:
         """What a restarted worker needs to finish a round: the core, the outputs not yet

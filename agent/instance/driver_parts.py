@@ -1,14 +1,13 @@
 """What the scaling driver (agent.instance.driver) is handed by its instance: the parts it reads
-and acts through, the instance's one list of commands it appends to, and the two calls of the data
-path its Drain needs.
+and acts through, and the two calls of the data path its Drain needs.
 
 Rules of this file: types only; it imports nothing from agent.instance.
 
 Why a bundle of parts and not the instance: the driver performs the core's outputs strictly in
 order between the instance's own effects, so it acts through the same parts (the links it numbers
-its messages on, the persistence it writes ahead, the key groups' side a Start feeds) and appends
-to the same list of commands; named here, these are all it can reach. The data path's `flush` and
-`drained` stay the instance's: a Drain waits for every part of it (queues, operator, outbox, acks).
+its messages on, the persistence it writes ahead, the key groups' side a Start feeds); named here,
+these are all it can reach. The data path's `flush` and `drained` stay the instance's: a Drain
+waits for every part of it (queues, operator, outbox, acks).
 """
 
 from __future__ import annotations
@@ -41,7 +40,6 @@ class DriverParts:
     group_side: Any  # agent.instance.group_side.GroupSide: a Start's key groups, both ways
     marks: Any  # Optional[agent.instance.marks.Marks]: a departed predecessor's watermark
     moves: Any  # Optional[agent.instance.moves.GroupMoves]: a keyed instance's groups
-    out: List[Any]  # the instance's commands of the event being handled (agent.instance.commands)
     # the data path, as a Drain needs it
-    flush: Callable[[float, bool], None]
+    flush: Callable[[float, bool], List[Any]]  # the commands of the outbox's batches onto their links
     drained: Callable[[], bool]

@@ -6,10 +6,10 @@ restart's groups and keyed state back.
 
 Rules of this file: sans-IO, part of the `Instance` (agent.instance.core), holding no reference to
 it. `GroupSide` owns no state: it is handed the instance's parts it reads and acts through (the
-table's side `GroupRouting`, the routes, the outbox, the links, the persistence, the moves) and the
-instance's one list of commands, which it appends to in order. The scaling driver (None before
-the start) is passed per call: what a Redirect writes ahead holds its state. No I/O, no clock, no
-random.
+table's side `GroupRouting`, the routes, the outbox, the links, the persistence, the moves); its
+entry points return their commands (agent.instance.emitter), the moves' among them where they
+stand. The scaling driver (None before the start) is passed per call: what a Redirect writes
+ahead holds its state. No I/O, no clock, no random.
 
 Why apart from the instance: the instance routes an event to this part without knowing which
 side of a move it is on; what a hand-over message means for each side, and what a re-homed keyed
@@ -19,10 +19,11 @@ instance takes back of its groups, is read here in one place.
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from agent.dataplane.inbound import LogLimiter
 from agent.dataplane.owners import TableError, groups_from_runs
+from agent.instance.emitter import Emitter, emits
 from agent.instance.events import Restarted
 from agent.instance.groups import GroupRouting
 from agent.instance.handover import Predecessor
@@ -37,13 +38,14 @@ log = logging.getLogger("agent.instance.worker")
 # are subclasses it installs (foglab.sim.instance_faults): no branch here.
 
 
-class GroupSide:
+class GroupSide(Emitter):
     """The key groups' side of an instance's events; `routing`: its group table's side (off where
     it routes to no keyed operator); `moves`: the groups it holds (None where it is not keyed)."""
 
     def __init__(self, spec: Any, ctx: Dict[str, Any], stats: Dict[str, int], clock: Any, *, routing: GroupRouting,
                  router: Any, outbox: Any, tracker: Any, outputs: Any, incarnation: Any, cadence: Any, keyed: Any,
-                 moves: Any, refusals: LogLimiter, out: List[Any]) -> None:
+                 moves: Any, refusals: LogLimiter) -> None:
+        super().__init__()
         self.spec = spec  # agent.instance.spec.InstanceSpec
         self.ctx = ctx
         self.stats = stats  # the instance's counters
@@ -58,10 +60,10 @@ class GroupSide:
         self.keyed = keyed  # Optional[agent.instance.keyed_state.KeyedState]
         self.moves = moves  # Optional[agent.instance.moves.GroupMoves]
         self._refusals = refusals  # shared with the admission: one bound on the log lines per sender
-        self.out = out  # the instance's commands of the event being handled
 
     # ---- hand-over messages in -----------------------------------------------------------------
 
+    @emits
     def on_message(self, sender: str, body: Dict[str, Any], scaling: Any) -> None:
         """A hand-over message (its type in HANDOVER_TYPES), counted apart from the paper's protocol."""
         self.stats["handover_in"] += 1
@@ -78,10 +80,11 @@ class GroupSide:
                 return
             self.take_redirect(sender, msg, scaling)
         elif self.moves is not None:
-            self.moves.on_message(sender, body)
+            self._cmds += self.moves.on_message(sender, body)
         else:
             self.error(sender, f"{body['type']} to an instance that is not keyed")
 
+    @emits
     def take_redirect(self, sender: str, msg: Any, scaling: Any) -> None:
         """A decoded Redirect onto our table (`_redirect`), reported in the heartbeat when it
         changed the group's version (`GroupRouting.took`)."""
@@ -110,7 +113,7 @@ class GroupSide:
         self.cadence.changed()
         save = self.incarnation.write(now, True, scaling)
         if save is not None:
-            self.out.append(save)
+            self._cmds.append(save)
         for o in outs:
             self.send_eos(o.dest, o.message)
         log.info("group %d -> %s (version %d): %d buffered records re-routed, Eos to %s", msg.group, msg.new,
@@ -121,7 +124,7 @@ class GroupSide:
         group we published to it (FIFO channel): the move waits for it to know none of our
         records of the group is still on its way there. Not in the checker's seeded fault
         `eos_not_sent`."""
-        self.out += send_handover(self.outputs, self.stats, dest, encode(eos))
+        self._cmds += send_handover(self.outputs, self.stats, dest, encode(eos))
 
     def error(self, sender: str, why: str) -> None:
         """A hand-over message refused here (agent.instance.moves_parts `refuse`)."""
@@ -137,6 +140,7 @@ class GroupSide:
             out = dict(out or {}, share=[list(x) for x in self.moves.share_for(copy)])
         return out
 
+    @emits
     def on_start_field(self, field: Any, succs: Tuple[str, ...], scaling: Any) -> None:
         """Our Start arrived (we are a copy; the Activate that follows sets `succs`): our
         creator's group table, or (keyed) the groups it hands us, before any record."""
@@ -149,6 +153,7 @@ class GroupSide:
             self.moves.take_share(field, scaling.core.creator)
             self.cadence.changed()
 
+    @emits
     def preds_changed(self, added: Tuple[str, ...], removed: Tuple[str, ...]) -> None:
         """A predecessor's round reached us: the groups moving out wait for a new predecessor's
         Eos too (its table may route them here), and a departed one's Eos is not awaited (its
@@ -167,16 +172,17 @@ class GroupSide:
         """The groups moving out wait for the Eos of `pred`, a predecessor that joined during
         their move: its table may still route them here (docs/operators.md, "Key groups that
         move"). Not in the checker's seeded fault `no_add_pred`."""
-        moves.perform(moves.member.add_pred(pred))
+        self._cmds += moves.perform(moves.member.add_pred(pred))
 
     def forget_departed_pred(self, moves: Any, pred: str) -> None:
         """The groups moving out no longer wait for the Eos of `pred`, a predecessor that left
         during their move: its deletion is behind all it sent us, so a move would otherwise wait
         for an Eos that never comes. Not in the checker's seeded fault `no_remove_pred`."""
-        moves.perform(moves.member.remove_pred(pred, moves.snapshot))
+        self._cmds += moves.perform(moves.member.remove_pred(pred, moves.snapshot))
 
     # ---- a restart -----------------------------------------------------------------------------
 
+    @emits
     def restarted(self, ev: Restarted, scaling: Any) -> None:
         """After a restart's start: the moves and keyed state saved, or, re-homed without them
         (they went with our node), the groups our dead incarnation last said it owned, its
@@ -200,12 +206,9 @@ class GroupSide:
                 keyed.outputs = [(index, it) for it in again]
                 self.outputs.forward(list(again), index, self.clock.now)
         if moves is not None:
-            moves.after_restart()
+            self._cmds += moves.after_restart()
             if "moves_out" in extra and "owned_groups" in extra and not ev.state.get("moves"):
-                n = moves.resume_moves(extra["moves_out"], scaling.core.preds)
-                if n:
-                    log.info("re-homed: the moves of %d key groups their new owners wait for start again", n,
-                             extra=self.ctx)
+                self._cmds += moves.resume_moves(extra["moves_out"], scaling.core.preds)
 
     def _resume_groups(self, runs: Any) -> None:
         """Re-homed without our state: own what our dead incarnation last said it owned."""

@@ -46,6 +46,7 @@ from agent.instance.handover import (
 )
 # the codec, re-exported: the instance's receive path reaches it through this module
 from agent.instance.handover_wire import HANDOVER_TYPES, MAX_CHUNKS, MAX_NAME, body_size, decode, encode, int_field
+from agent.instance.emitter import Emitter, emits
 from agent.instance.moves_parts import MovesParts, refuse, send_handover
 
 __all__ = ["HANDOVER_TYPES", "MAX_CHUNKS", "HOLD_MAX", "HAND_OUT_BUDGET", "GroupMoves", "HandoverError", "decode",
@@ -69,10 +70,10 @@ HAND_OUT_BUDGET = 64_000
 # (foglab.sim.instance_faults): no branch here.
 
 
-class GroupMoves:
+class GroupMoves(Emitter):
     """The keyed instance's side: its `Member` (which groups it holds, hands out, expects), the
     version of each group it holds (the Redirects it sends carry the next one), and what it
-    holds back until a group is installed."""
+    holds back until a group is installed. Its entry points return their commands (`emits`)."""
 
     # A move silent for MOVE_RESEND sends its Redirect again to each predecessor whose Eos is
     # missing: one lost (a broker rollback) would leave the move waiting forever (False only in
@@ -80,6 +81,7 @@ class GroupMoves:
     resends_redirects = True
 
     def __init__(self, me: str, keyed: Any, owned: Iterable[int], versions: Optional[Dict[int, int]] = None) -> None:
+        super().__init__()
         self.me = me
         self.parts: Any = None  # MovesParts: what it acts through, handed by `bind`
         self.keyed = keyed
@@ -230,6 +232,7 @@ class GroupMoves:
 
     # ---- messages ------------------------------------------------------------------------------------
 
+    @emits
     def on_message(self, sender: str, body: Any) -> None:
         try:
             msg, version = decode(sender, body, self.groups)
@@ -289,6 +292,7 @@ class GroupMoves:
             return
         self.perform(outs)
 
+    @emits
     def take_in_turn(self) -> None:
         """Once per turn of the loop: the chunks received, in their order, up to `budget` bytes
         (at least one chunk). A group waiting here is still expected: its records are held."""
@@ -329,10 +333,12 @@ class GroupMoves:
             return []  # a chunk sent again while the others are on their way
         return self.member.on_chunk(sender, msg)
 
+    @emits
     def start(self, group: int, new: str, preds: Iterable[str], offer: bool = True) -> None:
         """Hand `group` to `new` (its version rises by one: the Redirects carry it)."""
         self.start_many([group], new, preds, offer)
 
+    @emits
     def start_many(self, groups: Iterable[int], new: str, preds: Iterable[str], offer: bool = True) -> None:
         """Hand `groups` to `new`, each at its next version; one state write for all of them."""
         started = []
@@ -366,6 +372,7 @@ class GroupMoves:
             self.shares[copy] = [(g, self.versions.get(g, 0) + 1) for g in split_share(mine, self.keyed.load)]
         return self.shares[copy]
 
+    @emits
     def start_share(self, copy: str, preds: Iterable[str]) -> None:
         """The Start naming the share is sent: each group's move begins (Redirects to every
         predecessor; no Offer, the Start said it)."""
@@ -391,6 +398,7 @@ class GroupMoves:
             except HandoverError as exc:
                 self._error(creator, str(exc))
 
+    @emits
     def hand_rest(self, keeper: str, preds: Iterable[str]) -> None:
         """Leaving: every group we hold and do not move yet goes to the keeper, which never
         terminates (a leaver does not know its other siblings; docs/operators.md)."""
@@ -399,6 +407,7 @@ class GroupMoves:
         self.unconfirmed.update(gs)
         self.start_many(gs, keeper, preds, offer=True)
 
+    @emits
     def resend_silent(self, now: float) -> None:
         """Moves silent for MOVE_RESEND: the Redirect again to each predecessor whose Eos is
         missing, the chunks again to a new owner that has not said Installed."""
@@ -456,6 +465,7 @@ class GroupMoves:
         if spent:
             self.counts["hand_out_turns"] = self.counts.get("hand_out_turns", 0) + 1
 
+    @emits
     def flush(self) -> None:
         """End of the loop's turn (Instance._on_tick, after the queues): the keyed state (the
         records before each Eos, the groups taken in, those handed out still in it), then the
@@ -479,6 +489,7 @@ class GroupMoves:
         for dest, body in deferred:
             self._send_deferred(dest, body)
 
+    @emits
     def replicated(self, token: Tuple[int, int]) -> None:
         """The standby holds the saves up to `token`: the messages that waited for them go."""
         while self.after_copy and self.after_copy[0][0] <= token:
@@ -492,6 +503,7 @@ class GroupMoves:
             self.installing.pop(body.get("g"), None)  # type: ignore[arg-type]
         self._send_body(dest, body)
 
+    @emits
     def perform(self, outs: List[Any], version: int = -1) -> None:
         p = self.parts
         forgot = [o.group for o in outs if isinstance(o, Forget)]
@@ -618,17 +630,17 @@ class GroupMoves:
         self.leaving = bool(d.get("leaving"))
         self.installed_from = {int(g): str(old) for g, old in d.get("installed_from") or []}
 
-    def installed_again(self) -> int:
+    @emits
+    def installed_again(self) -> None:
         """Leaving (every group handed on and installed at its new owner): Installed again to the
         old owner of each group we installed, which drops it unless it still waits for that move
         (an Installed lost on its way). Our new owners hold the groups now: nothing waits for a
-        copy. The number sent."""
-        sent = sorted(self.installed_from.items())
-        for g, old in sent:
+        copy."""
+        for g, old in sorted(self.installed_from.items()):
             self._send(old, Installed(g))
         self.installed_from = {}
-        return len(sent)
 
+    @emits
     def after_restart(self) -> None:
         """The keyed state is loaded. A group on its way out (`outgoing`) stays in it, frozen, and
         is serialized again (`queue`); one the saved member does not hold otherwise left here
@@ -665,7 +677,8 @@ class GroupMoves:
             self.seen[g] = max(v, self.seen.get(g, -1))
         self.resumed = True
 
-    def resume_moves(self, entries: Any, preds: Iterable[str]) -> int:
+    @emits
+    def resume_moves(self, entries: Any, preds: Iterable[str]) -> None:
         """A re-homed incarnation whose state was lost with its node: the moves its dead
         incarnation had started (or finished handing out) and a live new owner still waits for
         (`extra["moves_out"]`, agent.node.rehome: [group, new owner, the move's version]) start
@@ -673,9 +686,9 @@ class GroupMoves:
         Eos at once), then the group's state, as any move. Without it the new owner held the
         group's records and waited for its state for ever. Bus input: an entry that does not fit
         (not a group we own at the version before the move, already moving, ourselves) is
-        skipped. The number of groups whose move started again."""
+        skipped."""
         if not isinstance(entries, list):
-            return 0
+            return
         m = self.member
         by_new: Dict[str, List[int]] = {}
         for e in entries[:self.groups]:
@@ -687,13 +700,12 @@ class GroupMoves:
                     and self.versions.get(g, 0) + 1 == v):
                 by_new.setdefault(new, []).append(g)
         preds = sorted(preds)
-        if not preds:
-            return 0
-        n = 0
+        if not preds or not by_new:
+            return
         for new, gs in sorted(by_new.items()):
             self.start_many(sorted(set(gs)), new, preds, offer=False)
-            n += len(set(gs))
-        return n
+        log.info("re-homed: the moves of %d key groups their new owners wait for start again",
+                 sum(len(set(gs)) for gs in by_new.values()), extra=self.parts.ctx)
 
     # ---- what it does through the instance's parts -------------------------------------------------
 
@@ -714,18 +726,18 @@ class GroupMoves:
 
     def _send_body(self, dest: str, body: Dict[str, Any]) -> None:
         p = self.parts
-        p.out.extend(send_handover(p.outputs, p.stats, dest, body))
+        self._cmds += send_handover(p.outputs, p.stats, dest, body)
 
     def _persist(self) -> None:
         """Write-ahead: the instance's state, ours and the scaling driver's in it, before what follows."""
         p = self.parts
         save = p.incarnation.write(p.clock.now, True, p.scaling)
         if save is not None:
-            p.out.append(save)
+            self._cmds.append(save)
 
     def _save_keyed(self) -> None:
         """A group out or in changed the keyed state: saved, and the instance's state written, first."""
-        self.parts.out.append(self.parts.pending.save_keyed())
+        self._cmds.append(self.parts.pending.save_keyed())
         self.parts.cadence.changed()
         self._persist()
 

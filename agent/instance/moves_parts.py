@@ -38,7 +38,7 @@ class MovesParts:
     every write-ahead; its decision records take the moves' stamps)."""
 
     def __init__(self, *, clock: Any, tracker: Any, outputs: Any, stats: Dict[str, int], ctx: Dict[str, Any],
-                 refusals: Any, cadence: Any, incarnation: Any, pending: Any, out: List[Any]) -> None:
+                 refusals: Any, cadence: Any, incarnation: Any, pending: Any) -> None:
         self.clock = clock  # agent.instance.clock.Clock
         self.tracker = tracker  # agent.dataplane.flow.AckTracker: held records' outputs numbered
         self.outputs = outputs  # agent.instance.outputs.Outputs: the links, the outputs forwarded
@@ -48,7 +48,6 @@ class MovesParts:
         self.cadence = cadence  # agent.instance.cadence.Cadence
         self.incarnation = incarnation  # agent.instance.incarnation.Incarnation: the write-ahead, our epoch
         self.pending = pending  # agent.instance.pending.PendingInputs: the keyed save, the lowest input forwarding
-        self.out = out  # the instance's commands of the event being handled
         self.scaling: Any = None  # agent.instance.driver.ScalingDriver, from the start
 
 

@@ -424,6 +424,10 @@ class World:
         feedback: List[Event] = []
         for cmd in inst.handle(event, self.now):
             feedback += self._perform(iid, cmd, feedback)
+        for part in (inst.scaling, inst.group_side, inst.moves):
+            if part is not None and part.unreturned:
+                raise _Stop("commands_left_behind", f"{iid}: {type(part).__name__} holds {part.unreturned} "
+                            f"commands of {type(event).__name__} it did not return")
         for ev in feedback:
             if iid in self.inst:
                 self._feed(iid, ev)

@@ -21,6 +21,7 @@ from agent.dataplane.envelope import Envelope, Item
 from agent.dataplane.keygroups import key_group, record_key
 from agent.dataplane.watermarks import Mark, WatermarkTable
 from agent.instance.admission import Admission
+from agent.instance.commands import Command
 from agent.instance.core import Instance
 from agent.instance.marks import Marks
 from agent.instance.driver import ScalingDriver
@@ -110,10 +111,9 @@ class RetryOnlyWithData(Instance):
     def retry_publishes(self) -> None:
         """Not at every turn: only from `flush`, when there is data to flush."""
 
-    def flush(self, now: float, force: bool = False) -> None:
-        if self.outbox.pending:
-            Instance.retry_publishes(self)
-        super().flush(now, force)
+    def flush(self, now: float, force: bool = False) -> List[Command]:
+        retries = self.outputs.publish_retries() if self.outbox.pending else []
+        return retries + super().flush(now, force)
 
 
 class RouteAfresh(Instance):
