@@ -680,6 +680,40 @@ def _active_copy(tmp_path, clock: list, restart: bool = False, extra: Optional[d
     return w, wire
 
 
+def test_a_rehomed_creator_scales_in_only_after_a_late_copy_could_have_pinged_it(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A copy its dead incarnation asked for just before the node was lost may start only after
+    the re-home plan was made (the spawn has 30 s), so the plan cannot name it: a re-homed
+    creator whose policy scaled in at once left before the copy's first idle ping, and the copy
+    stayed idle for ever with nobody to start it (chaos: an idle in_zone copy left over after a
+    partition). Re-homed, the policy's scale-ins wait LATE_COPY s; the late copy's ping is
+    probed meanwhile. A creator that was not re-homed scales in at its first decision."""
+    from agent.dataplane.envelope import Kind, decode
+    from agent.instance.adoption import IDLE_PING, LATE_COPY
+    from agent.node.spawns import RPC_TIMEOUT
+    from agent.policy.decentralized import Action, Decision
+
+    assert LATE_COPY >= RPC_TIMEOUT + IDLE_PING - 1e-9
+    for rehomed in (False, True):
+        clock = [100.0]
+        w, wire = _active_copy(tmp_path / f"s{rehomed}", clock, restart=rehomed,
+                               extra={"min_epoch": 1_795_535_791} if rehomed else {})
+        sc = w.core.scaling
+        monkeypatch.setattr(sc.core, "decide", lambda load, draw: Decision(Action.TERMINATE, 1))
+        sc.skip_decisions = 0
+        started, left_at = clock[0], None
+        while clock[0] < started + LATE_COPY + 3 * sc.period and left_at is None:
+            clock[0] += 0.25
+            w.step(clock[0])
+            if rehomed and clock[0] - started == 10.0:  # the late copy's idle ping: probed at once
+                assert sc.idle.on_idle_ping("work-late", clock[0]) is not None
+                sc.idle.probes.clear()  # its echo never comes here: only the wait is looked at
+            sent = [decode(p) for t, p in wire.sent if "/inbox/" in t]  # envelopes, not events
+            if any(e.kind is Kind.PROTO and e.body.get("type") == "deletion" for e in sent):
+                left_at = clock[0] - started
+        assert left_at is not None, rehomed
+        assert (left_at >= LATE_COPY) is rehomed, (rehomed, left_at)
+
+
 def test_a_departing_copy_drains_data_queued_behind_a_duplicate_deletion_ack(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A partition: the copy's Deletion gets no answer for 10 s and is sent again, so its
     predecessor acks the round twice, then replays batches the copy had not acked. The first ack

@@ -29,7 +29,7 @@ from agent.protocol.messages import Start
 from agent.protocol.scaling import InstanceState
 
 __all__ = ["IdleCopies", "with_groups", "PROBE", "PROBE_ECHO", "IDLE_PING", "IDLE_PING_MAX", "MAX_PROBES",
-           "PROBE_TTL"]
+           "PROBE_TTL", "LATE_COPY"]
 
 log = logging.getLogger("agent.instance.worker")
 
@@ -44,6 +44,11 @@ PROBE, PROBE_ECHO = "probe", "probe_echo"  # see IdleCopies.on_probe
 # and how long a probe waits for its echo before the channel it opened is forgotten.
 MAX_PROBES = 8
 PROBE_TTL = 60.0
+# A re-homed creator's policy decides no scale-in for this long after its start: a copy its dead
+# incarnation asked for just before its node was lost may start only after the re-home plan was
+# made (an agent has the spawn's 30 s, agent.node.spawns RPC_TIMEOUT) and pings us IDLE_PING s
+# later. Left before that ping, we would leave the copy idle for ever, nobody to start or adopt it.
+LATE_COPY = 40.0
 
 
 StartField = Callable[[str], Optional[Dict[str, Any]]]  # agent.instance.group_side.GroupSide.start_field
@@ -78,6 +83,7 @@ class IdleCopies:
         # new incarnation too, that knows nothing of it.
         self._next_ping = now + (0.0 if rehomed else IDLE_PING)
         self._idle_pings = 0
+        self.late_until = now + LATE_COPY if rehomed and spec.active else float("-inf")  # (LATE_COPY)
         # Re-homed: the idle copies our dead incarnation created (plan_rehome, `idle_copies`),
         # probed at our first tick and adopted on their echo before we may scale in.
         # Names from other nodes' hosted records: only ones that can be a topic segment.

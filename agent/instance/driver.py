@@ -265,8 +265,8 @@ class ScalingDriver(Emitter):
                                                      sig.backpressure, self.core.keeper, draw, self.clock.wall()))
         else:
             decision = self.core.decide(load, draw)
-        if decision.action is Action.TERMINATE and self.adoption_pending:
-            decision = Decision(Action.NONE, 0)  # after the adoption (see adoption_pending)
+        if decision.action is Action.TERMINATE and (self.adoption_pending or now < self.idle.late_until):
+            decision = Decision(Action.NONE, 0)  # after the adoption (adoption_pending) or a late copy's ping
         if decision.scales:
             self.log.decided(self.clock.now)
         if self._leave_first(decision):
