@@ -15,9 +15,10 @@ $(STAMP): pyproject.toml lab/pyproject.toml scripts/setup.sh
 demo: setup
 	$(PY) -m agent demo
 
-# Three test processes on two cores, one per test file (`--dist loadfile`: a file's fixtures are
-# built once): most of the suite waits on real brokers, agents and timers, not on the CPU.
-TEST_PROCESSES ?= 3
+# Four test processes on two cores, one per test file (`--dist loadfile`: a file's fixtures are
+# built once): most of the suite waits on real brokers, agents, containers and timers, not on the
+# CPU (three left the cores a quarter idle: docs/results.md, O55).
+TEST_PROCESSES ?= 4
 
 test: setup
 	$(PY) -m pytest -n $(TEST_PROCESSES) --dist loadfile

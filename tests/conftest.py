@@ -120,7 +120,7 @@ def ops_wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # collection (`--no-loadscope-reorder` in pyproject.toml; xdist's own default deals the files
 # with the most tests first, which put the chaos and fleet files, two or three long tests each,
 # last: a 28-minute run spent its last 5 minutes on one process). Longest file first keeps the
-# three processes' sums within a few seconds of each other. The seconds per file come from a
+# processes' sums within a few seconds of each other. The seconds per file come from a
 # recorded run (tests/file_seconds.json, rewritten by `--record-file-seconds`); a file missing
 # from it is dealt first, as if it were the longest: a short one costs nothing there, a long one
 # dealt last would extend the tail (README.md, "Tests").
