@@ -33,7 +33,10 @@ def test_a_node_lost_in_the_middle_of_a_duplication_is_rehomed_and_nothing_is_lo
     session from each other ~60 times, and a run lost 188 records and recorded 185 twice.
     The cut lasts until all of them run elsewhere (`partition_until_rehomed`): at load ~18 the
     last re-homed worker was not up 7 s after the re-homing began, and a heal at 34 s sharp
-    came before it (3 runs of 3 at load 45-50)."""
+    came before it (3 runs of 3 at load 45-50). A copy an in_zone copy asked for just before the
+    cut, started only after the re-home plan was made, stayed idle for ever when its re-homed
+    creator's policy scaled in before the copy's first idle ping; a re-homed instance's policy
+    now waits LATE_COPY (40 s) before a scale-in, which the settle waits for: ~80-100 s."""
     cfg = ChaosConfig(duration=70.0, seed=5, workdir=tmp_path, partition=(34.0, 34.0), partition_until_rehomed=True,
                       schedule=[(5.0, "kill-worker", "chaos.in_zone.0"), (9.0, "kill-node", "@chaos.source.0"),
                                 (28.0, "partition", "@chaos.source.0")])
