@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, List
 
-from .commands import Command
+from agent.instance.commands import Command
 
 __all__ = ["Emitter", "emits"]
 
